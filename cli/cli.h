@@ -1,0 +1,22 @@
+// The `mpusim` command line: subcommands only. Each subcommand parses its options, calls
+// core, and renders the result; no layout or schedule logic lives here.
+//
+// Exit codes: 0 success (and --help), 1 a check failed, 2 bad input (config, flags, files),
+// printed as one line: "error: <source>: <field>: <what and what is allowed>".
+#pragma once
+
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+namespace mpusim::cli {
+
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitCheckFailed = 1;
+inline constexpr int kExitUsage = 2;
+
+// Runs one command line (args[0] is the program name). Output goes to `out`, errors and
+// warnings to `err`.
+int RunCli(const std::vector<std::string>& args, std::ostream& out, std::ostream& err);
+
+}  // namespace mpusim::cli

@@ -1,0 +1,134 @@
+// CONFIG file plus quick flags (see config_options.h).
+#include "cli/config_options.h"
+
+#include <charconv>
+
+#include <fmt/format.h>
+
+namespace mpusim::cli {
+namespace {
+
+enum class FlagType { kInt, kString, kIntList };
+
+struct ParallelFlag {
+  const char* flag;
+  const char* key;  // the `parallel` key it sets
+  FlagType type;
+  const char* help;
+};
+
+// The one table of quick flags.
+constexpr ParallelFlag kParallelFlags[] = {
+    {"--world-size,-n", "world_size", FlagType::kInt, "number of ranks (GPUs)"},
+    {"--tp", "tensor_model_parallel_size", FlagType::kInt, "tensor-parallel size"},
+    {"--pp", "pipeline_model_parallel_size", FlagType::kInt, "pipeline-parallel size"},
+    {"--vp", "virtual_pipeline_model_parallel_size", FlagType::kInt,
+     "virtual pipeline size (model chunks per pipeline rank)"},
+    {"--cp", "context_parallel_size", FlagType::kInt, "context-parallel size"},
+    {"--hcp", "hierarchical_context_parallel_sizes", FlagType::kIntList,
+     "hierarchical context-parallel sizes, e.g. 2,2"},
+    {"--ep", "expert_model_parallel_size", FlagType::kInt, "expert-parallel size"},
+    {"--etp", "expert_tensor_parallel_size", FlagType::kInt,
+     "expert tensor-parallel size (default: --tp)"},
+    {"--dist-opt-instances", "num_distributed_optimizer_instances", FlagType::kInt,
+     "number of distributed-optimizer instances"},
+    {"--order", "order", FlagType::kString, "rank order of the axes (default tp-cp-ep-dp-pp)"},
+    {"--rank-offset", "rank_offset", FlagType::kInt, "first global rank of the layout"},
+    {"--gpus-per-node", "gpus_per_node", FlagType::kInt, "GPUs per node for the node map"},
+    {"--microbatch-group-size", "microbatch_group_size_per_vp_stage", FlagType::kInt,
+     "microbatch_group_size_per_vp_stage (interleaved schedule; default: pp size)"},
+    {"--num-layers", "num_layers", FlagType::kInt, "layers, for the virtual-pipeline assignment"},
+};
+
+std::string LongName(const char* flag) {
+  std::string name(flag);
+  return name.substr(0, name.find(','));
+}
+
+StatusOr<int64_t> ParseInteger(const std::string& text, const std::string& flag) {
+  int64_t value = 0;
+  const char* end = text.data() + text.size();
+  const auto [ptr, ec] = std::from_chars(text.data(), end, value);
+  if (ec != std::errc() || ptr != end) {
+    return Status::Error(flag, fmt::format("must be an integer, got '{}'", text));
+  }
+  return value;
+}
+
+}  // namespace
+
+void ConfigOptions::Register(CLI::App* app) {
+  app->add_option("CONFIG", path_, "config file (JSON with a \"parallel\" section)");
+  for (const ParallelFlag& f : kParallelFlags) {
+    std::string& slot = values_[f.key];
+    app->add_option(f.flag, slot, f.help)->group("Layout flags (set or override parallel keys)");
+  }
+}
+
+StatusOr<Config> ConfigOptions::Resolve() {
+  nlohmann::json document = {{"parallel", nlohmann::json::object()}};
+  if (!path_.empty()) {
+    StatusOr<nlohmann::json> read = ReadJsonFile(path_);
+    if (!read.ok()) return read.status();
+    document = std::move(read).value();
+  }
+  flag_of_key_.clear();
+  for (const ParallelFlag& f : kParallelFlags) {
+    const std::string& text = values_.at(f.key);
+    if (text.empty()) continue;
+    const std::string flag = LongName(f.flag);
+    nlohmann::json value;
+    if (f.type == FlagType::kString) {
+      value = text;
+    } else if (f.type == FlagType::kInt) {
+      StatusOr<int64_t> parsed = ParseInteger(text, flag);
+      if (!parsed.ok()) return parsed.status();
+      value = *parsed;
+    } else {
+      value = nlohmann::json::array();
+      size_t start = 0;
+      while (true) {
+        const size_t comma = text.find(',', start);
+        StatusOr<int64_t> parsed = ParseInteger(text.substr(start, comma - start), flag);
+        if (!parsed.ok()) return parsed.status();
+        value.push_back(*parsed);
+        if (comma == std::string::npos) break;
+        start = comma + 1;
+      }
+    }
+    flag_of_key_[f.key] = flag;
+    // Flags override the file. A file whose "parallel" is not an object is reported by
+    // ParseConfig below, so only merge into a well-formed one.
+    if (document.is_object() && document.contains("parallel") &&
+        document["parallel"].is_object()) {
+      document["parallel"][f.key] = value;
+    }
+  }
+  if (path_.empty() && flag_of_key_.count("world_size") == 0) {
+    return Status::Error("CONFIG", "give a config file, or --world-size with quick flags (e.g. "
+                                   "mpusim layout --world-size 16 --tp 2 --pp 4)");
+  }
+  Config config;
+  MPUSIM_RETURN_IF_ERROR(ParseConfig(document, &config));
+  return config;
+}
+
+Status ConfigOptions::Attribute(const Status& status, std::string* source) const {
+  *source = path_.empty() ? "command line" : path_;
+  const std::string& where = status.where();
+  if (where.rfind("--", 0) == 0 || where == "CONFIG") {
+    *source = "command line";
+    return status;
+  }
+  constexpr std::string_view kPrefix = "parallel.";
+  if (where.rfind(kPrefix, 0) == 0) {
+    const std::string key = where.substr(kPrefix.size(), where.find('[') - kPrefix.size());
+    if (auto it = flag_of_key_.find(key); it != flag_of_key_.end()) {
+      *source = "command line";
+      return Status::Error(it->second, status.what());
+    }
+  }
+  return status;
+}
+
+}  // namespace mpusim::cli

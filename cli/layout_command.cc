@@ -1,0 +1,145 @@
+// `mpusim layout`: Megatron-Core's process groups for a config, as text, JSON or a picture,
+// or one rank's coordinates and groups.
+#include <ostream>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "cli/cli.h"
+#include "cli/commands.h"
+#include "cli/config_options.h"
+#include "cli/layout_report.h"
+#include "core/topology.h"
+
+namespace mpusim::cli {
+namespace {
+
+class LayoutCommand : public Command {
+ public:
+  explicit LayoutCommand(CLI::App* parent) {
+    app_ = parent->add_subcommand(
+        "layout",
+        "Print the process groups Megatron-Core's initialize_model_parallel builds.\n"
+        "Examples:\n"
+        "  mpusim layout sample_configs/lab_t2_p4_n16.json\n"
+        "  mpusim layout --world-size 16 --tp 2 --pp 4 --format json\n"
+        "  mpusim layout CONFIG --rank 5 --kinds tp,pp,dp");
+    config_.Register(app_);
+    app_->add_option("--format", format_, "text, json or picture (default text)")
+        ->check(CLI::IsMember({"text", "json", "picture"}));
+    rank_option_ =
+        app_->add_option("--rank", rank_, "show one global rank's coordinates and groups");
+    app_->add_option("--kinds", kinds_,
+                     "comma-separated group kinds to show (default all), e.g. tp,dp,pp");
+    app_->add_option("--max-groups", max_groups_,
+                     "text only: groups listed per kind (default 32, 0 = all)");
+  }
+
+  CLI::App* app() override { return app_; }
+
+  int Run(std::ostream& out, std::ostream& err) override {
+    std::string source;
+    StatusOr<Config> config = config_.Resolve();
+    if (!config.ok()) {
+      const Status status = config_.Attribute(config.status(), &source);
+      return ReportError(err, source, status.Message());
+    }
+    StatusOr<Topology> topology = Topology::Create(config->parallel);
+    if (!topology.ok()) {
+      const Status status = config_.Attribute(topology.status(), &source);
+      return ReportError(err, source, status.Message());
+    }
+    if (max_groups_ < 0) {
+      return ReportError(err, "command line",
+                         fmt::format("--max-groups: must be >= 0, got {}", max_groups_));
+    }
+    LayoutReportOptions options;
+    options.source = config_.path().empty() ? "command line" : config_.path();
+    options.max_groups = max_groups_;
+    const Status kinds = SelectKinds(*topology, &options.kinds);
+    if (!kinds.ok()) return ReportError(err, "command line", kinds.Message());
+    const bool one_rank = rank_option_->count() > 0;
+    if (one_rank && !topology->HasRank(rank_)) {
+      return ReportError(err, "command line",
+                         fmt::format("--rank: {} is not in this layout; ranks are {}..{}", rank_,
+                                     topology->first_rank(),
+                                     topology->first_rank() + topology->world_size() - 1));
+    }
+    // Warnings go to stderr so that stdout stays machine-readable.
+    for (const std::string& warning : NodeWarnings(*topology)) err << "warning: " << warning << '\n';
+    if (one_rank) {
+      if (format_ == "json") {
+        PrintRankJson(*topology, rank_, options, out);
+      } else {
+        PrintRankText(*topology, rank_, options, out);
+      }
+      return kExitOk;
+    }
+    if (format_ == "json") {
+      PrintLayoutJson(*topology, options, out);
+    } else if (format_ == "picture") {
+      PrintLayoutPicture(*topology, out);
+    } else {
+      PrintLayoutText(*topology, options, out);
+    }
+    return kExitOk;
+  }
+
+ private:
+  // --kinds, validated against this layout; the default order depends on the format.
+  Status SelectKinds(const Topology& topology, std::vector<size_t>* selected) const {
+    selected->clear();
+    if (kinds_.empty()) {
+      if (format_ == "json" || rank_option_->count() > 0) {
+        for (size_t i = 0; i < topology.kinds().size(); ++i) selected->push_back(i);
+      } else {
+        *selected = DefaultTextKindOrder(topology);
+      }
+      return {};
+    }
+    std::vector<std::string_view> names;
+    for (const GroupKind& kind : topology.kinds()) names.push_back(kind.name);
+    size_t start = 0;
+    while (true) {
+      const size_t comma = kinds_.find(',', start);
+      const std::string name = kinds_.substr(start, comma - start);
+      if (const auto index = topology.FindKind(name)) {
+        selected->push_back(*index);
+      } else if (name.rfind("hcp_L", 0) == 0) {
+        return Status::Error("--kinds", fmt::format("'{}' is not built for this layout: "
+                                                    "hierarchical context-parallel levels come "
+                                                    "from hierarchical_context_parallel_sizes",
+                                                    name));
+      } else if (name == "inter_dist_opt") {
+        return Status::Error("--kinds", "'inter_dist_opt' is not built for this layout: it needs "
+                                        "num_distributed_optimizer_instances > 1");
+      } else {
+        const std::string suggestion = SuggestKey(name, names);
+        return Status::Error(
+            "--kinds", fmt::format("unknown kind '{}'{}; kinds of this layout: {}", name,
+                                   suggestion.empty() ? "" : fmt::format(" (did you mean '{}'?)",
+                                                                         suggestion),
+                                   fmt::join(names, ", ")));
+      }
+      if (comma == std::string::npos) break;
+      start = comma + 1;
+    }
+    return {};
+  }
+
+  CLI::App* app_ = nullptr;
+  ConfigOptions config_;
+  std::string format_ = "text";
+  CLI::Option* rank_option_ = nullptr;
+  int64_t rank_ = 0;
+  std::string kinds_;
+  int64_t max_groups_ = 32;
+};
+
+}  // namespace
+
+std::unique_ptr<Command> MakeLayoutCommand(CLI::App* parent) {
+  return std::make_unique<LayoutCommand>(parent);
+}
+
+}  // namespace mpusim::cli

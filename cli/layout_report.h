@@ -1,0 +1,42 @@
+// Rendering of a planned layout: text (in the style of the Megatron MPU lab), JSON
+// (schema_version 1) and a node-by-GPU picture, plus one rank's coordinates and groups.
+// Everything here only formats what core/topology computes.
+#pragma once
+
+#include <cstdint>
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+#include "core/topology.h"
+
+namespace mpusim::cli {
+
+struct LayoutReportOptions {
+  std::string source;         // config file or "command line", for the header
+  std::vector<size_t> kinds;  // indices into topology.kinds(), in print order
+  int64_t max_groups = 32;    // text only: groups shown per kind (0 = all)
+};
+
+// Kinds in the order the text report prints them: the lab's dp, tp, pp first, then the rest
+// in Megatron's order.
+std::vector<size_t> DefaultTextKindOrder(const Topology& topology);
+
+// Human-readable notes about groups that leave a node (tp, expt_tp, ep).
+std::vector<std::string> NodeWarnings(const Topology& topology);
+
+void PrintLayoutText(const Topology& topology, const LayoutReportOptions& options,
+                     std::ostream& out);
+// {"schema_version": 1, "world_size": N, "sizes": {...}, "groups": {"<kind>": [[...]]}, ...}
+// Groups are streamed, so 2^20-rank layouts do not build a JSON tree.
+void PrintLayoutJson(const Topology& topology, const LayoutReportOptions& options,
+                     std::ostream& out);
+// A grid: one row per node, one cell per GPU with its coordinates on the axes of size > 1.
+void PrintLayoutPicture(const Topology& topology, std::ostream& out);
+
+void PrintRankText(const Topology& topology, int64_t rank, const LayoutReportOptions& options,
+                   std::ostream& out);
+void PrintRankJson(const Topology& topology, int64_t rank, const LayoutReportOptions& options,
+                   std::ostream& out);
+
+}  // namespace mpusim::cli

@@ -1,0 +1,146 @@
+// `mpusim schedule`: the 1F1B / interleaved 1F1B pipeline schedule of a config, as
+// per-pipeline-rank tables of forward and backward steps.
+#include <ostream>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include "cli/cli.h"
+#include "cli/commands.h"
+#include "cli/config_options.h"
+#include "core/schedule.h"
+#include "core/topology.h"
+
+namespace mpusim::cli {
+namespace {
+
+class ScheduleCommand : public Command {
+ public:
+  explicit ScheduleCommand(CLI::App* parent) {
+    app_ = parent->add_subcommand(
+        "schedule",
+        "Print Megatron-Core's pipeline schedule (1F1B, or interleaved 1F1B when\n"
+        "virtual_pipeline_model_parallel_size is set) for every pipeline rank.\n"
+        "Examples:\n"
+        "  mpusim schedule sample_configs/interleaved_schedule_p2_v2_n2.json --microbatches 4\n"
+        "  mpusim schedule --world-size 4 --pp 4 --microbatches 8 --format json");
+    config_.Register(app_);
+    app_->add_option("--microbatches,-m", microbatches_, "number of microbatches (required)")
+        ->required();
+    app_->add_option("--format", format_, "text or json (default text)")
+        ->check(CLI::IsMember({"text", "json"}));
+  }
+
+  CLI::App* app() override { return app_; }
+
+  int Run(std::ostream& out, std::ostream& err) override {
+    std::string source;
+    StatusOr<Config> config = config_.Resolve();
+    if (!config.ok()) {
+      return ReportError(err, source, config_.Attribute(config.status(), &source).Message());
+    }
+    StatusOr<Topology> topology = Topology::Create(config->parallel);
+    if (!topology.ok()) {
+      return ReportError(err, source, config_.Attribute(topology.status(), &source).Message());
+    }
+    const ParallelConfig& c = config->parallel;
+    StatusOr<PipelineSchedule> schedule =
+        BuildPipelineSchedule(c.pipeline_model_parallel_size,
+                              c.virtual_pipeline_model_parallel_size, microbatches_,
+                              c.microbatch_group_size_per_vp_stage);
+    if (!schedule.ok()) {
+      Status status = schedule.status();
+      if (status.where() == "num_microbatches") {
+        return ReportError(err, "command line", "--microbatches: " + status.what());
+      }
+      status = Status::Error("parallel." + status.where(), status.what());
+      return ReportError(err, source, config_.Attribute(status, &source).Message());
+    }
+    if (format_ == "json") {
+      PrintJson(*schedule, out);
+    } else {
+      PrintText(*schedule, out);
+    }
+    return kExitOk;
+  }
+
+ private:
+  static void PrintText(const PipelineSchedule& s, std::ostream& out) {
+    const int64_t p = s.pipeline_model_parallel_size;
+    if (s.interleaved) {
+      out << fmt::format("interleaved 1F1B: pipeline_model_parallel_size {}, "
+                         "virtual_pipeline_model_parallel_size {}, num_microbatches {}, "
+                         "microbatch_group_size_per_vp_stage {}\n",
+                         p, s.num_model_chunks, s.num_microbatches,
+                         s.microbatch_group_size_per_vp_stage);
+    } else {
+      out << fmt::format("1F1B: pipeline_model_parallel_size {}, num_microbatches {}\n", p,
+                         s.num_microbatches);
+    }
+    std::vector<int64_t> microbatches;
+    std::vector<int64_t> chunks;
+    for (const auto& [microbatch, chunk] : s.forward_table) {
+      microbatches.push_back(microbatch);
+      chunks.push_back(chunk);
+    }
+    out << "\nmicrobatch of each forward step (the same on every pipeline rank):\n";
+    for (int64_t r = 0; r < p; ++r) {
+      out << fmt::format("rank {} | {}\n", r, fmt::join(microbatches, " "));
+    }
+    if (s.interleaved) {
+      out << "\nmodel chunk of each forward step:\n";
+      for (int64_t r = 0; r < p; ++r) {
+        out << fmt::format("rank {} | {}\n", r, fmt::join(chunks, " "));
+      }
+    }
+    out << "\nexecution order (F<chunk>.<microbatch> forward, B<chunk>.<microbatch> backward):\n";
+    for (int64_t r = 0; r < p; ++r) {
+      out << fmt::format("rank {} | {}\n", r, FormatRank(s, r));
+    }
+    out << "\nwarmup forwards per rank (before the steady 1F1B phase):";
+    for (int64_t r = 0; r < p; ++r) out << fmt::format(" {}", s.NumWarmup(r));
+    out << '\n';
+  }
+
+  static void PrintJson(const PipelineSchedule& s, std::ostream& out) {
+    nlohmann::ordered_json j;
+    j["schema_version"] = 1;
+    j["schedule"] = s.interleaved ? "interleaved_1f1b" : "1f1b";
+    j["pipeline_model_parallel_size"] = s.pipeline_model_parallel_size;
+    j["virtual_pipeline_model_parallel_size"] =
+        s.interleaved ? nlohmann::ordered_json(s.num_model_chunks) : nlohmann::ordered_json();
+    j["num_microbatches"] = s.num_microbatches;
+    j["microbatch_group_size_per_vp_stage"] = s.microbatch_group_size_per_vp_stage;
+    std::vector<int64_t> microbatches;
+    std::vector<int64_t> chunks;
+    for (const auto& [microbatch, chunk] : s.forward_table) {
+      microbatches.push_back(microbatch);
+      chunks.push_back(chunk);
+    }
+    j["microbatch_id_sequence"] = microbatches;
+    j["model_chunk_id_sequence"] = chunks;
+    nlohmann::ordered_json ranks = nlohmann::ordered_json::object();
+    nlohmann::ordered_json warmup = nlohmann::ordered_json::object();
+    for (int64_t r = 0; r < s.pipeline_model_parallel_size; ++r) {
+      ranks[std::to_string(r)] = FormatRank(s, r);
+      warmup[std::to_string(r)] = s.NumWarmup(r);
+    }
+    j["ranks"] = ranks;
+    j["num_warmup_microbatches"] = warmup;
+    out << j.dump(1) << '\n';
+  }
+
+  CLI::App* app_ = nullptr;
+  ConfigOptions config_;
+  int64_t microbatches_ = 0;
+  std::string format_ = "text";
+};
+
+}  // namespace
+
+std::unique_ptr<Command> MakeScheduleCommand(CLI::App* parent) {
+  return std::make_unique<ScheduleCommand>(parent);
+}
+
+}  // namespace mpusim::cli

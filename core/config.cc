@@ -1,0 +1,86 @@
+// Config files (see config.h).
+#include "core/config.h"
+
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+
+namespace mpusim {
+
+Status ParseConfig(const nlohmann::json& document, Config* out) {
+  if (!document.is_object()) {
+    return Status::Error("", fmt::format("the config must be a JSON object with a \"parallel\" "
+                                         "section, got {}",
+                                         document.type_name()));
+  }
+  static const std::vector<std::string_view> kTopLevel = {"description", "parallel"};
+  Config config;
+  for (const auto& [key, value] : document.items()) {
+    if (key == "description") {
+      if (!value.is_string()) {
+        return Status::Error("description",
+                             fmt::format("must be a string, got {}", value.type_name()));
+      }
+      config.description = value.get<std::string>();
+    } else if (key == "parallel") {
+      MPUSIM_RETURN_IF_ERROR(ParseParallelSection(value, "parallel", &config.parallel));
+    } else {
+      const std::string suggestion = SuggestKey(key, kTopLevel);
+      return Status::Error(key, suggestion.empty()
+                                    ? "unknown top-level key; allowed: description, parallel"
+                                    : fmt::format("unknown top-level key; did you mean '{}'?",
+                                                  suggestion));
+    }
+  }
+  if (!document.contains("parallel")) {
+    return Status::Error("parallel", "is required, e.g. {\"parallel\": {\"world_size\": 16, "
+                                     "\"tensor_model_parallel_size\": 2}}");
+  }
+  *out = std::move(config);
+  return {};
+}
+
+StatusOr<nlohmann::json> ParseJsonText(std::string_view text) {
+  try {
+    return nlohmann::json::parse(text.begin(), text.end());
+  } catch (const nlohmann::json::parse_error& e) {
+    // Convert the byte offset into a line and column people can jump to.
+    const size_t offset = std::min(e.byte == 0 ? 0 : e.byte - 1, text.size());
+    size_t line = 1, column = 1;
+    for (size_t i = 0; i < offset; ++i) {
+      if (text[i] == '\n') {
+        ++line;
+        column = 1;
+      } else {
+        ++column;
+      }
+    }
+    std::string what = e.what();
+    // nlohmann's message starts with "[json.exception.parse_error.101] parse error at ...: ".
+    if (const size_t colon = what.find(": "); colon != std::string::npos) {
+      what = what.substr(colon + 2);
+    }
+    return Status::Error(fmt::format("line {}, column {}", line, column),
+                         "invalid JSON: " + what);
+  }
+}
+
+StatusOr<nlohmann::json> ReadJsonFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::Error("", "cannot open the file (does it exist and is it readable?)");
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return Status::Error("", "cannot read the file");
+  return ParseJsonText(text.str());
+}
+
+StatusOr<Config> LoadConfigFile(const std::string& path) {
+  StatusOr<nlohmann::json> document = ReadJsonFile(path);
+  if (!document.ok()) return document.status();
+  Config config;
+  MPUSIM_RETURN_IF_ERROR(ParseConfig(*document, &config));
+  return config;
+}
+
+}  // namespace mpusim

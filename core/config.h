@@ -1,0 +1,39 @@
+// Config files: loading and the top level of the schema.
+//
+// {
+//   "description": "...",           optional free text
+//   "parallel": { ... }             required; see parallel_config.h
+// }
+// Later work adds "model" and "run" sections here. Unknown top-level keys are refused
+// (with a suggestion), so a typo never silently keeps a default.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include <nlohmann/json.hpp>
+
+#include "core/parallel_config.h"
+#include "core/status.h"
+
+namespace mpusim {
+
+struct Config {
+  std::string description;
+  ParallelConfig parallel;
+};
+
+// Parses a whole config document. Errors name the JSON path ("parallel.order").
+Status ParseConfig(const nlohmann::json& document, Config* out);
+
+// Parses JSON text; syntax errors are reported as "line L, column C: ...".
+StatusOr<nlohmann::json> ParseJsonText(std::string_view text);
+
+// Reads a file and parses it as JSON (no schema check). Errors carry no file name: the
+// caller prefixes it.
+StatusOr<nlohmann::json> ReadJsonFile(const std::string& path);
+
+// ReadJsonFile + ParseConfig.
+StatusOr<Config> LoadConfigFile(const std::string& path);
+
+}  // namespace mpusim

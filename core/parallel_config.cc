@@ -1,0 +1,235 @@
+// Strict parsing of the `parallel` section (see parallel_config.h).
+#include "core/parallel_config.h"
+
+#include <algorithm>
+#include <limits>
+#include <map>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+namespace mpusim {
+namespace {
+
+using nlohmann::json;
+
+// Ranks are stored as int32 in enumerated layouts, so a layout must end below 2^31.
+constexpr int64_t kMaxRank = std::numeric_limits<int32_t>::max();
+
+std::string Describe(const json& value) {
+  std::string text = value.dump();
+  if (text.size() > 40) text = text.substr(0, 37) + "...";
+  return fmt::format("{} {}", value.type_name(), text);
+}
+
+Status ParseInt(const json& value, const std::string& where, int64_t min_value,
+                int64_t* out) {
+  if (!value.is_number_integer()) {
+    return Status::Error(where, fmt::format("must be an integer >= {}, got {}", min_value,
+                                            Describe(value)));
+  }
+  if (value.is_number_unsigned() && value.get<uint64_t>() > static_cast<uint64_t>(kMaxRank)) {
+    return Status::Error(where, fmt::format("must be at most {}, got {}", kMaxRank,
+                                            value.get<uint64_t>()));
+  }
+  const int64_t v = value.get<int64_t>();
+  if (v < min_value) {
+    return Status::Error(where, fmt::format("must be an integer >= {}, got {}", min_value, v));
+  }
+  if (v > kMaxRank) {
+    return Status::Error(where, fmt::format("must be at most {}, got {}", kMaxRank, v));
+  }
+  *out = v;
+  return {};
+}
+
+Status ParseOptionalInt(const json& value, const std::string& where, int64_t min_value,
+                        std::optional<int64_t>* out) {
+  if (value.is_null()) {
+    out->reset();
+    return {};
+  }
+  int64_t v = 0;
+  MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, min_value, &v));
+  *out = v;
+  return {};
+}
+
+size_t EditDistance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+}  // namespace
+
+const std::vector<std::string_view>& ParallelConfigKeys() {
+  static const std::vector<std::string_view> kKeys = {
+      "world_size",
+      "gpus_per_node",
+      "tensor_model_parallel_size",
+      "pipeline_model_parallel_size",
+      "virtual_pipeline_model_parallel_size",
+      "context_parallel_size",
+      "hierarchical_context_parallel_sizes",
+      "expert_model_parallel_size",
+      "expert_tensor_parallel_size",
+      "num_distributed_optimizer_instances",
+      "order",
+      "rank_offset",
+      "microbatch_group_size_per_vp_stage",
+      "num_layers",
+  };
+  return kKeys;
+}
+
+std::string SuggestKey(std::string_view unknown, const std::vector<std::string_view>& candidates) {
+  // Short names people type from papers and launch scripts.
+  static const std::map<std::string, std::string, std::less<>> kAliases = {
+      {"tp", "tensor_model_parallel_size"},
+      {"tensor_parallel_size", "tensor_model_parallel_size"},
+      {"tensor_model_parallel", "tensor_model_parallel_size"},
+      {"pp", "pipeline_model_parallel_size"},
+      {"pipeline_parallel_size", "pipeline_model_parallel_size"},
+      {"vp", "virtual_pipeline_model_parallel_size"},
+      {"vpp", "virtual_pipeline_model_parallel_size"},
+      {"virtual_pipeline_parallel_size", "virtual_pipeline_model_parallel_size"},
+      {"cp", "context_parallel_size"},
+      {"hcp", "hierarchical_context_parallel_sizes"},
+      {"ep", "expert_model_parallel_size"},
+      {"expert_parallel_size", "expert_model_parallel_size"},
+      {"etp", "expert_tensor_parallel_size"},
+      {"n", "world_size"},
+      {"world", "world_size"},
+      {"nodes", "gpus_per_node"},
+      {"layers", "num_layers"},
+  };
+  if (auto it = kAliases.find(unknown); it != kAliases.end()) {
+    if (std::find(candidates.begin(), candidates.end(), it->second) != candidates.end()) {
+      return it->second;
+    }
+  }
+  std::string best;
+  size_t best_distance = std::numeric_limits<size_t>::max();
+  for (std::string_view candidate : candidates) {
+    const size_t d = EditDistance(unknown, candidate);
+    if (d < best_distance) {
+      best_distance = d;
+      best = std::string(candidate);
+    }
+  }
+  // Accept a suggestion only when it shares most of the spelling.
+  if (best.empty() || best_distance * 3 > std::max(unknown.size(), best.size())) return "";
+  return best;
+}
+
+Status ParseParallelSection(const json& section, std::string_view path, ParallelConfig* out) {
+  const std::string prefix(path);
+  if (!section.is_object()) {
+    return Status::Error(prefix, fmt::format("must be a JSON object, got {}", Describe(section)));
+  }
+  ParallelConfig config;
+  const auto& keys = ParallelConfigKeys();
+  for (const auto& [key, value] : section.items()) {
+    const std::string where = prefix + "." + key;
+    if (key == "data_parallel_size" || key == "expert_data_parallel_size") {
+      return Status::Error(where, "is derived, not set: it is world_size divided by the other "
+                                  "sizes of its rank generator");
+    }
+    if (std::find(keys.begin(), keys.end(), key) == keys.end()) {
+      const std::string suggestion = SuggestKey(key, keys);
+      return Status::Error(where, suggestion.empty()
+                                      ? fmt::format("unknown key; allowed: {}", fmt::join(keys, ", "))
+                                      : fmt::format("unknown key; did you mean '{}'?", suggestion));
+    }
+    if (key == "world_size") {
+      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &config.world_size));
+    } else if (key == "gpus_per_node") {
+      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &config.gpus_per_node));
+    } else if (key == "tensor_model_parallel_size") {
+      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &config.tensor_model_parallel_size));
+    } else if (key == "pipeline_model_parallel_size") {
+      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &config.pipeline_model_parallel_size));
+    } else if (key == "virtual_pipeline_model_parallel_size") {
+      MPUSIM_RETURN_IF_ERROR(
+          ParseOptionalInt(value, where, 1, &config.virtual_pipeline_model_parallel_size));
+    } else if (key == "context_parallel_size") {
+      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &config.context_parallel_size));
+    } else if (key == "hierarchical_context_parallel_sizes") {
+      config.hierarchical_context_parallel_sizes.clear();
+      if (value.is_null()) continue;
+      if (!value.is_array() || value.empty()) {
+        return Status::Error(where, fmt::format("must be null or a non-empty list of integers "
+                                                ">= 1 (e.g. [2, 4]), got {}",
+                                                Describe(value)));
+      }
+      for (size_t i = 0; i < value.size(); ++i) {
+        int64_t level_size = 0;
+        MPUSIM_RETURN_IF_ERROR(
+            ParseInt(value[i], fmt::format("{}[{}]", where, i), 1, &level_size));
+        config.hierarchical_context_parallel_sizes.push_back(level_size);
+      }
+    } else if (key == "expert_model_parallel_size") {
+      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &config.expert_model_parallel_size));
+    } else if (key == "expert_tensor_parallel_size") {
+      MPUSIM_RETURN_IF_ERROR(
+          ParseOptionalInt(value, where, 1, &config.expert_tensor_parallel_size));
+    } else if (key == "num_distributed_optimizer_instances") {
+      MPUSIM_RETURN_IF_ERROR(
+          ParseInt(value, where, 1, &config.num_distributed_optimizer_instances));
+    } else if (key == "order") {
+      if (!value.is_string()) {
+        return Status::Error(where, fmt::format("must be a string such as \"tp-cp-ep-dp-pp\", "
+                                                "got {}",
+                                                Describe(value)));
+      }
+      config.order = value.get<std::string>();
+    } else if (key == "rank_offset") {
+      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 0, &config.rank_offset));
+    } else if (key == "microbatch_group_size_per_vp_stage") {
+      MPUSIM_RETURN_IF_ERROR(
+          ParseOptionalInt(value, where, 1, &config.microbatch_group_size_per_vp_stage));
+    } else if (key == "num_layers") {
+      MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &config.num_layers));
+    }
+  }
+  if (!section.contains("world_size")) {
+    return Status::Error(prefix + ".world_size",
+                         "is required (the number of ranks, e.g. \"world_size\": 16)");
+  }
+  *out = std::move(config);
+  return {};
+}
+
+void ToJson(const ParallelConfig& c, json* out) {
+  auto optional = [](const std::optional<int64_t>& v) { return v ? json(*v) : json(nullptr); };
+  json j = json::object();
+  j["world_size"] = c.world_size;
+  j["gpus_per_node"] = c.gpus_per_node;
+  j["tensor_model_parallel_size"] = c.tensor_model_parallel_size;
+  j["pipeline_model_parallel_size"] = c.pipeline_model_parallel_size;
+  j["virtual_pipeline_model_parallel_size"] = optional(c.virtual_pipeline_model_parallel_size);
+  j["context_parallel_size"] = c.context_parallel_size;
+  j["hierarchical_context_parallel_sizes"] =
+      c.hierarchical_context_parallel_sizes.empty() ? json(nullptr)
+                                                    : json(c.hierarchical_context_parallel_sizes);
+  j["expert_model_parallel_size"] = c.expert_model_parallel_size;
+  j["expert_tensor_parallel_size"] = optional(c.expert_tensor_parallel_size);
+  j["num_distributed_optimizer_instances"] = c.num_distributed_optimizer_instances;
+  j["order"] = c.order;
+  j["rank_offset"] = c.rank_offset;
+  j["microbatch_group_size_per_vp_stage"] = optional(c.microbatch_group_size_per_vp_stage);
+  j["num_layers"] = optional(c.num_layers);
+  *out = std::move(j);
+}
+
+}  // namespace mpusim

@@ -1,0 +1,65 @@
+// ParallelConfig: the `parallel` section of an mpusim config file.
+//
+// Keys are the keyword arguments of Megatron-Core's initialize_model_parallel under their
+// own names, plus three of ours:
+//   world_size        number of ranks the layout covers (Megatron reads it from torch)
+//   gpus_per_node     for the node map (default 8)
+//   num_layers        only for the virtual-pipeline layer assignment (optional)
+// and ModelParallelConfig's microbatch_group_size_per_vp_stage (for the schedules).
+//
+// Parsing is strict: unknown keys (with a suggestion), wrong JSON types and out-of-range
+// values are refused with a Status naming the JSON path. Cross-field rules (divisibility,
+// order string, ...) are checked by the planner (topology.h), which owns the layout math.
+// This file knows nothing about files or the command line.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "core/status.h"
+
+namespace mpusim {
+
+struct ParallelConfig {
+  int64_t world_size = 0;  // required
+  int64_t gpus_per_node = 8;
+  int64_t tensor_model_parallel_size = 1;
+  int64_t pipeline_model_parallel_size = 1;
+  std::optional<int64_t> virtual_pipeline_model_parallel_size;
+  int64_t context_parallel_size = 1;
+  std::vector<int64_t> hierarchical_context_parallel_sizes;  // empty: not hierarchical
+  int64_t expert_model_parallel_size = 1;
+  std::optional<int64_t> expert_tensor_parallel_size;  // default: tensor_model_parallel_size
+  int64_t num_distributed_optimizer_instances = 1;
+  std::string order = "tp-cp-ep-dp-pp";
+  int64_t rank_offset = 0;
+  std::optional<int64_t> microbatch_group_size_per_vp_stage;  // default: pp size
+  std::optional<int64_t> num_layers;
+
+  int64_t EffectiveExpertTensorParallelSize() const {
+    return expert_tensor_parallel_size.value_or(tensor_model_parallel_size);
+  }
+};
+
+// The keys ParseParallelSection accepts, in documentation order.
+const std::vector<std::string_view>& ParallelConfigKeys();
+
+// Parses `section` (the value of the "parallel" key); `path` prefixes field names in
+// errors, normally "parallel".
+Status ParseParallelSection(const nlohmann::json& section, std::string_view path,
+                            ParallelConfig* out);
+
+// Writes every key back (nulls for unset optionals), for `--format json` and tests.
+void ToJson(const ParallelConfig& config, nlohmann::json* out);
+
+// The closest accepted key to `unknown` among `candidates`, or "" when none is close:
+// common short names (tp, pp, dp, ...) map to their Megatron keys, otherwise the smallest
+// edit distance wins if it is small relative to the key's length.
+std::string SuggestKey(std::string_view unknown, const std::vector<std::string_view>& candidates);
+
+}  // namespace mpusim

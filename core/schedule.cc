@@ -1,0 +1,233 @@
+// Pipeline schedules and virtual-pipeline layer assignment; the formulas are in schedule.h.
+//
+// Pure functions of their arguments: no globals, no I/O. Validation returns a Status naming
+// the offending field; nothing here asserts on user input.
+#include "core/schedule.h"
+
+#include <algorithm>
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+
+#include <fmt/format.h>
+
+namespace mpusim {
+namespace {
+
+std::string Str(int64_t value) { return std::to_string(value); }
+
+Status RequirePositive(const char* field, int64_t value) {
+  if (value >= 1) {
+    return Status();
+  }
+  return Status::Error(field, "must be at least 1, got " + Str(value));
+}
+
+// Both schedules share the 1F1B shape over a forward table; only the table, the warmup and the
+// backward's chunk differ. Backward k undoes forward k of the mirrored chunk v-1-c: the last
+// virtual stage's loss is the first gradient to exist.
+std::vector<ScheduleStep> OneForwardOneBackward(
+    const std::vector<std::pair<int64_t, int64_t>>& table, int64_t num_model_chunks,
+    int64_t num_warmup) {
+  const int64_t total = static_cast<int64_t>(table.size());
+  auto forward = [&](int64_t k) {
+    const auto& [microbatch, chunk] = table[static_cast<size_t>(k)];
+    return ScheduleStep{Pass::kForward, chunk, microbatch};
+  };
+  auto backward = [&](int64_t k) {
+    const auto& [microbatch, chunk] = table[static_cast<size_t>(k)];
+    return ScheduleStep{Pass::kBackward, num_model_chunks - 1 - chunk, microbatch};
+  };
+
+  std::vector<ScheduleStep> steps;
+  steps.reserve(static_cast<size_t>(2 * total));
+  for (int64_t k = 0; k < num_warmup; ++k) {
+    steps.push_back(forward(k));
+  }
+  const int64_t num_steady = total - num_warmup;
+  for (int64_t k = 0; k < num_steady; ++k) {
+    steps.push_back(forward(k + num_warmup));
+    steps.push_back(backward(k));
+  }
+  for (int64_t k = num_steady; k < total; ++k) {
+    steps.push_back(backward(k));
+  }
+  return steps;
+}
+
+// The interleaved checks, in the order Megatron applies them. `group_size_given` only picks
+// which field to blame: with the default N = p, a too-small or ragged M is the user's M.
+Status ValidateInterleaved(int64_t pp_size, int64_t num_microbatches, int64_t group_size,
+                           bool group_size_given) {
+  const std::string allowed_range =
+      "[p, M] = [" + Str(pp_size) + ", " + Str(num_microbatches) + "]";
+  if (group_size < pp_size || group_size > num_microbatches) {
+    if (!group_size_given) {
+      return Status::Error("num_microbatches",
+                           "must be at least pipeline_model_parallel_size (" + Str(pp_size) +
+                               ", the default microbatch_group_size_per_vp_stage) with the "
+                               "interleaved schedule, got " +
+                               Str(num_microbatches));
+    }
+    return Status::Error("microbatch_group_size_per_vp_stage",
+                         "must be in " + allowed_range + ", got " + Str(group_size));
+  }
+  // A final group shorter than p cannot fill the pipeline before its chunks wait on each other.
+  const int64_t final_group = num_microbatches % group_size;
+  if (final_group > 0 && final_group < pp_size) {
+    return Status::Error(
+        "num_microbatches",
+        "the final group M % N = " + Str(num_microbatches) + " % " + Str(group_size) + " = " +
+            Str(final_group) + " must be 0 or at least pipeline_model_parallel_size (" +
+            Str(pp_size) + ") (N = microbatch_group_size_per_vp_stage" +
+            (group_size_given ? std::string() : std::string(", defaulted to p")) + ")");
+  }
+  return Status();
+}
+
+}  // namespace
+
+std::string FormatStep(const ScheduleStep& step) {
+  return fmt::format("{}{}.{}", step.pass == Pass::kForward ? 'F' : 'B', step.model_chunk,
+                     step.microbatch);
+}
+
+int64_t PipelineSchedule::NumWarmup(int64_t pp_rank) const {
+  if (pp_rank < 0 || pp_rank >= pipeline_model_parallel_size) {
+    throw std::out_of_range("pp_rank " + Str(pp_rank) + " outside [0, " +
+                            Str(pipeline_model_parallel_size) + ")");
+  }
+  const int64_t stages_after = pipeline_model_parallel_size - pp_rank - 1;
+  if (!interleaved) {
+    return std::min(stages_after, num_microbatches);
+  }
+  // The first loss needs the first group pushed through all v chunks ((v-1)*N forwards here
+  // before its last chunk starts), and its gradient then takes 2*(p-r-1) steps to travel
+  // down to rank p-1 and back, during which this rank keeps running forwards.
+  const int64_t warmup =
+      stages_after * 2 + (num_model_chunks - 1) * microbatch_group_size_per_vp_stage;
+  return std::min(warmup, num_microbatches * num_model_chunks);
+}
+
+StatusOr<PipelineSchedule> BuildPipelineSchedule(
+    int64_t pipeline_model_parallel_size,
+    std::optional<int64_t> virtual_pipeline_model_parallel_size, int64_t num_microbatches,
+    std::optional<int64_t> microbatch_group_size_per_vp_stage) {
+  const int64_t pp_size = pipeline_model_parallel_size;
+  MPUSIM_RETURN_IF_ERROR(RequirePositive("pipeline_model_parallel_size", pp_size));
+  if (virtual_pipeline_model_parallel_size.has_value()) {
+    MPUSIM_RETURN_IF_ERROR(RequirePositive("virtual_pipeline_model_parallel_size",
+                                           *virtual_pipeline_model_parallel_size));
+  }
+  MPUSIM_RETURN_IF_ERROR(RequirePositive("num_microbatches", num_microbatches));
+
+  PipelineSchedule schedule;
+  schedule.interleaved = virtual_pipeline_model_parallel_size.has_value();
+  schedule.pipeline_model_parallel_size = pp_size;
+  schedule.num_model_chunks = virtual_pipeline_model_parallel_size.value_or(1);
+  schedule.num_microbatches = num_microbatches;
+  schedule.microbatch_group_size_per_vp_stage =
+      microbatch_group_size_per_vp_stage.value_or(pp_size);
+
+  if (!schedule.interleaved) {
+    // Megatron would accept and ignore it; we refuse so a typo'd config cannot look tuned.
+    if (microbatch_group_size_per_vp_stage.has_value()) {
+      return Status::Error("microbatch_group_size_per_vp_stage",
+                           "only applies to the interleaved schedule; set "
+                           "virtual_pipeline_model_parallel_size or leave it unset");
+    }
+    for (int64_t mb = 0; mb < num_microbatches; ++mb) {
+      schedule.forward_table.emplace_back(mb, 0);
+    }
+  } else {
+    if (pp_size == 1) {
+      return Status::Error("virtual_pipeline_model_parallel_size",
+                           "pipeline-model-parallel size should be greater than 1 with "
+                           "interleaved schedule (pipeline_model_parallel_size is 1); leave it "
+                           "unset");
+    }
+    const int64_t group_size = schedule.microbatch_group_size_per_vp_stage;
+    MPUSIM_RETURN_IF_ERROR(ValidateInterleaved(pp_size, num_microbatches, group_size,
+                                               microbatch_group_size_per_vp_stage.has_value()));
+    const int64_t num_chunks = schedule.num_model_chunks;
+    schedule.forward_table.reserve(static_cast<size_t>(num_microbatches * num_chunks));
+    for (int64_t group_start = 0; group_start < num_microbatches; group_start += group_size) {
+      // The final group holds the M % N left over (or a full N); validation kept it >= p.
+      const int64_t group_end = std::min(group_start + group_size, num_microbatches);
+      for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
+        for (int64_t mb = group_start; mb < group_end; ++mb) {
+          schedule.forward_table.emplace_back(mb, chunk);
+        }
+      }
+    }
+  }
+
+  schedule.per_rank.reserve(static_cast<size_t>(pp_size));
+  for (int64_t pp_rank = 0; pp_rank < pp_size; ++pp_rank) {
+    schedule.per_rank.push_back(OneForwardOneBackward(
+        schedule.forward_table, schedule.num_model_chunks, schedule.NumWarmup(pp_rank)));
+  }
+  return schedule;
+}
+
+std::string FormatRank(const PipelineSchedule& schedule, int64_t pp_rank) {
+  if (pp_rank < 0 || pp_rank >= schedule.pipeline_model_parallel_size) {
+    throw std::out_of_range("pp_rank " + Str(pp_rank) + " outside [0, " +
+                            Str(schedule.pipeline_model_parallel_size) + ")");
+  }
+  std::string out;
+  for (const ScheduleStep& step : schedule.per_rank[static_cast<size_t>(pp_rank)]) {
+    if (!out.empty()) {
+      out += ' ';
+    }
+    out += FormatStep(step);
+  }
+  return out;
+}
+
+StatusOr<std::vector<std::vector<std::vector<int64_t>>>> AssignLayers(
+    int64_t pipeline_model_parallel_size,
+    std::optional<int64_t> virtual_pipeline_model_parallel_size, int64_t num_layers) {
+  const int64_t pp_size = pipeline_model_parallel_size;
+  MPUSIM_RETURN_IF_ERROR(RequirePositive("pipeline_model_parallel_size", pp_size));
+  if (virtual_pipeline_model_parallel_size.has_value()) {
+    MPUSIM_RETURN_IF_ERROR(RequirePositive("virtual_pipeline_model_parallel_size",
+                                           *virtual_pipeline_model_parallel_size));
+    if (pp_size == 1) {
+      return Status::Error("virtual_pipeline_model_parallel_size",
+                           "pipeline-model-parallel size should be greater than 1 with "
+                           "interleaved schedule (pipeline_model_parallel_size is 1); leave it "
+                           "unset");
+    }
+  }
+  MPUSIM_RETURN_IF_ERROR(RequirePositive("num_layers", num_layers));
+
+  const int64_t num_chunks = virtual_pipeline_model_parallel_size.value_or(1);
+  // Written as divisions so that absurd sizes cannot overflow p*v.
+  if (pp_size > num_layers || num_chunks > num_layers / pp_size ||
+      num_layers % (pp_size * num_chunks) != 0) {
+    const std::string divisor =
+        virtual_pipeline_model_parallel_size.has_value()
+            ? "pipeline_model_parallel_size * virtual_pipeline_model_parallel_size = " +
+                  Str(pp_size) + " * " + Str(num_chunks)
+            : "pipeline_model_parallel_size = " + Str(pp_size);
+    return Status::Error("num_layers",
+                         "must be divisible by " + divisor + ", got " + Str(num_layers));
+  }
+
+  const int64_t layers_per_chunk = num_layers / (pp_size * num_chunks);
+  std::vector<std::vector<std::vector<int64_t>>> layers(static_cast<size_t>(pp_size));
+  for (int64_t pp_rank = 0; pp_rank < pp_size; ++pp_rank) {
+    auto& rank_layers = layers[static_cast<size_t>(pp_rank)];
+    for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
+      const int64_t virtual_stage = chunk * pp_size + pp_rank;
+      std::vector<int64_t>& chunk_layers = rank_layers.emplace_back();
+      for (int64_t i = 1; i <= layers_per_chunk; ++i) {
+        chunk_layers.push_back(virtual_stage * layers_per_chunk + i);
+      }
+    }
+  }
+  return layers;
+}
+
+}  // namespace mpusim

@@ -1,0 +1,106 @@
+// Pipeline schedules: Megatron-Core's 1F1B and interleaved 1F1B as per-pipeline-rank tables of
+// forward and backward steps, and the virtual-pipeline assignment of layers to ranks.
+//
+// This is the *order* in which each pipeline rank runs its compute, reproduced exactly from
+// Megatron-Core (checked against tests/data/golden/schedules). It is not a timing model, it
+// does no communication, and it knows nothing about what a forward or backward computes.
+//
+// Notation: p = pipeline_model_parallel_size, v = virtual_pipeline_model_parallel_size
+// (number of model chunks per rank), M = num_microbatches,
+// N = microbatch_group_size_per_vp_stage, r = pp_rank.
+//
+// Non-interleaved 1F1B (v not given, one chunk):
+//   warmup(r) = min(p - r - 1, M) forwards,
+//   then M - warmup(r) steady pairs (F k+warmup, B k), then warmup(r) cooldown backwards.
+//   Rank p-1 starts at once with F0 B0 F1 B1 ...; rank 0 has the most activations in flight.
+//
+// Interleaved 1F1B (v given, p > 1): each rank runs M*v virtual microbatches. All ranks share
+// one forward table of (microbatch, chunk) pairs, built group by group. Groups start at
+// g0 = 0, N, 2N, ...; a group covers microbatches [g0, g0+N), except that the group with
+// g0 + N >= M is the last one and covers [g0, M). Within a group, chunks run in order, and
+// for each chunk the group's microbatches in order:
+//   table = for g0: for chunk in 0..v-1: for mb in group(g0): (mb, chunk)
+// Forward k runs table[k]; backward k runs table[k] with chunk c replaced by v-1-c, because
+// gradients flow through the chunks in reverse.
+//   warmup(r) = min((p - r - 1) * 2 + (v - 1) * N, M*v)
+// then M*v - warmup(r) steady pairs (F k+warmup, B k), then the cooldown backwards.
+//
+// Worked example (Megatron's documentation), p = 2, v = 2, M = 4, N = 2:
+//   table microbatches   0 1 0 1 2 3 2 3,  chunks 0 0 1 1 0 0 1 1
+//   rank 0, warmup 4:    F0.0 F0.1 F1.0 F1.1 | F0.2 B1.0 F0.3 B1.1 F1.2 B0.0 F1.3 B0.1 |
+//                        B1.2 B1.3 B0.2 B0.3
+//   rank 1, warmup 2:    F0.0 F0.1 | F1.0 B1.0 F1.1 B1.1 F0.2 B0.0 F0.3 B0.1 F1.2 B1.2
+//                        F1.3 B1.3 | B0.2 B0.3
+//
+// Allowed interleaved inputs, as Megatron enforces them: p <= N <= M, and the final group
+// size M % N is either 0 or at least p (a shorter final group would leave the pipeline
+// waiting on microbatches that do not exist).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/status.h"
+
+namespace mpusim {
+
+enum class Pass { kForward, kBackward };
+
+struct ScheduleStep {
+  Pass pass;
+  int64_t model_chunk;
+  int64_t microbatch;
+};
+
+// "F<chunk>.<microbatch>" or "B<chunk>.<microbatch>", e.g. "F1.0", as in the golden files.
+std::string FormatStep(const ScheduleStep& step);
+
+struct PipelineSchedule {
+  bool interleaved;  // virtual_pipeline_model_parallel_size was given
+  int64_t pipeline_model_parallel_size;
+  int64_t num_model_chunks;  // v, or 1 when not interleaved
+  int64_t num_microbatches;
+  // Effective N: the given value, else p (Megatron's default; unused when not interleaved).
+  int64_t microbatch_group_size_per_vp_stage;
+  // Forward order of (microbatch_id, model_chunk_id), the same on every pp rank
+  // (Megatron's schedule table). Size M*v.
+  std::vector<std::pair<int64_t, int64_t>> forward_table;
+  // per_rank[pp_rank] is that rank's execution order; 2*M*v steps each.
+  std::vector<std::vector<ScheduleStep>> per_rank;
+
+  // Megatron's num_warmup_microbatches for pp_rank: the forwards run before the steady 1F1B
+  // phase. The steady phase opens with one more forward, so the first backward comes after
+  // min(NumWarmup + 1, M*v) forwards. Requires 0 <= pp_rank < p (std::out_of_range otherwise:
+  // a bad rank here is a caller bug, not bad user input).
+  int64_t NumWarmup(int64_t pp_rank) const;
+};
+
+// Builds every rank's schedule. Refuses, naming the field and what is allowed:
+//   sizes below 1; v given with p == 1; N given without v (it only shapes the interleaved
+//   schedule); for interleaved, N outside [p, M] and 0 < M % N < p.
+StatusOr<PipelineSchedule> BuildPipelineSchedule(
+    int64_t pipeline_model_parallel_size,
+    std::optional<int64_t> virtual_pipeline_model_parallel_size, int64_t num_microbatches,
+    std::optional<int64_t> microbatch_group_size_per_vp_stage);
+
+// pp_rank's steps joined by single spaces, e.g. "F0.0 F0.1 F1.0 B1.0 ...". Requires
+// 0 <= pp_rank < p (std::out_of_range otherwise).
+std::string FormatRank(const PipelineSchedule& schedule, int64_t pp_rank);
+
+// Megatron's virtual-pipeline layer assignment, 1-based layer numbers:
+// result[pp_rank][chunk] = that chunk's layers, L / (p*v) consecutive ones. Virtual stage
+// s = chunk*p + pp_rank holds layers s*L/(p*v) + 1 .. (s+1)*L/(p*v), so the activations of
+// chunk c leave rank p-1 for chunk c+1 on rank 0, matching the schedule's dataflow.
+// Megatron's example, p = 4, v = 2, L = 16:
+//   rank 0: [1, 2] [9, 10]    rank 1: [3, 4] [11, 12]
+//   rank 2: [5, 6] [13, 14]   rank 3: [7, 8] [15, 16]
+// Without v, each rank gets one chunk of L/p consecutive layers. Refuses sizes below 1, v
+// given with p == 1 (no interleaved schedule could run it), and L not divisible by p*v.
+StatusOr<std::vector<std::vector<std::vector<int64_t>>>> AssignLayers(
+    int64_t pipeline_model_parallel_size,
+    std::optional<int64_t> virtual_pipeline_model_parallel_size, int64_t num_layers);
+
+}  // namespace mpusim

@@ -1,0 +1,220 @@
+// Config parsing and every validation the planner performs: each refused input names its
+// field and says what is allowed.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "core/config.h"
+#include "core/topology.h"
+
+namespace mpusim {
+namespace {
+
+using nlohmann::json;
+
+// Parses {"parallel": parallel} and plans it; returns the error ("" when accepted).
+std::string Refusal(const json& parallel) {
+  Config config;
+  Status status = ParseConfig(json{{"parallel", parallel}}, &config);
+  if (!status.ok()) return status.Message();
+  StatusOr<Topology> topology = Topology::Create(config.parallel);
+  return topology.ok() ? "" : topology.status().Message();
+}
+
+TEST(ParallelConfig, DefaultsFollowMegatron) {
+  Config config;
+  ASSERT_TRUE(ParseConfig(json{{"parallel", {{"world_size", 8}}}}, &config).ok());
+  const ParallelConfig& p = config.parallel;
+  EXPECT_EQ(p.gpus_per_node, 8);
+  EXPECT_EQ(p.tensor_model_parallel_size, 1);
+  EXPECT_EQ(p.pipeline_model_parallel_size, 1);
+  EXPECT_FALSE(p.virtual_pipeline_model_parallel_size.has_value());
+  EXPECT_EQ(p.order, "tp-cp-ep-dp-pp");
+  EXPECT_EQ(p.EffectiveExpertTensorParallelSize(), 1);
+  EXPECT_EQ(p.num_distributed_optimizer_instances, 1);
+}
+
+TEST(ParallelConfig, RoundTripsThroughJson) {
+  const json parallel = {{"world_size", 16},
+                         {"tensor_model_parallel_size", 2},
+                         {"pipeline_model_parallel_size", 2},
+                         {"virtual_pipeline_model_parallel_size", 2},
+                         {"context_parallel_size", 2},
+                         {"hierarchical_context_parallel_sizes", {2}},
+                         {"expert_tensor_parallel_size", 1},
+                         {"order", "tp-cp-ep-dp-pp"},
+                         {"num_layers", 8}};
+  ParallelConfig a;
+  ASSERT_TRUE(ParseParallelSection(parallel, "parallel", &a).ok());
+  json written;
+  ToJson(a, &written);
+  ParallelConfig b;
+  ASSERT_TRUE(ParseParallelSection(written, "parallel", &b).ok());
+  json rewritten;
+  ToJson(b, &rewritten);
+  EXPECT_EQ(written, rewritten);
+  EXPECT_EQ(written["virtual_pipeline_model_parallel_size"], 2);
+  EXPECT_EQ(written["hierarchical_context_parallel_sizes"], json({2}));
+}
+
+TEST(ParallelConfig, SchemaErrorsNameTheField) {
+  EXPECT_EQ(Refusal({{"tensor_model_parallel_size", 2}}),
+            "parallel.world_size: is required (the number of ranks, e.g. \"world_size\": 16)");
+  EXPECT_EQ(Refusal({{"world_size", 16}, {"tensor_parallel_size", 2}}),
+            "parallel.tensor_parallel_size: unknown key; did you mean "
+            "'tensor_model_parallel_size'?");
+  EXPECT_EQ(Refusal({{"world_size", 16}, {"pipeline_model_paralel_size", 2}}),
+            "parallel.pipeline_model_paralel_size: unknown key; did you mean "
+            "'pipeline_model_parallel_size'?");
+  EXPECT_EQ(Refusal({{"world_size", 16}, {"data_parallel_size", 2}}).rfind(
+                "parallel.data_parallel_size: is derived, not set", 0),
+            0u);
+  EXPECT_EQ(Refusal({{"world_size", "16"}}),
+            "parallel.world_size: must be an integer >= 1, got string \"16\"");
+  EXPECT_EQ(Refusal({{"world_size", 16.0}}),
+            "parallel.world_size: must be an integer >= 1, got number 16.0");
+  EXPECT_EQ(Refusal({{"world_size", true}}),
+            "parallel.world_size: must be an integer >= 1, got boolean true");
+  EXPECT_EQ(Refusal({{"world_size", 0}}), "parallel.world_size: must be an integer >= 1, got 0");
+  EXPECT_EQ(Refusal({{"world_size", 16}, {"tensor_model_parallel_size", -2}}),
+            "parallel.tensor_model_parallel_size: must be an integer >= 1, got -2");
+  EXPECT_EQ(Refusal({{"world_size", 4294967296LL}}),
+            "parallel.world_size: must be at most 2147483647, got 4294967296");
+  EXPECT_EQ(Refusal({{"world_size", 16}, {"rank_offset", -1}}),
+            "parallel.rank_offset: must be an integer >= 0, got -1");
+  EXPECT_EQ(Refusal({{"world_size", 16}, {"order", 5}}),
+            "parallel.order: must be a string such as \"tp-cp-ep-dp-pp\", got number 5");
+  EXPECT_EQ(Refusal({{"world_size", 16}, {"hierarchical_context_parallel_sizes", json::array()}})
+                .rfind("parallel.hierarchical_context_parallel_sizes: must be null or a non-empty",
+                       0),
+            0u);
+  EXPECT_EQ(Refusal({{"world_size", 16}, {"hierarchical_context_parallel_sizes", {2, 0}}}),
+            "parallel.hierarchical_context_parallel_sizes[1]: must be an integer >= 1, got 0");
+  EXPECT_EQ(Refusal(json::array()), "parallel: must be a JSON object, got array []");
+}
+
+TEST(ParallelConfig, TopLevelErrors) {
+  Config config;
+  Status status = ParseConfig(json{{"paralel", {{"world_size", 2}}}}, &config);
+  EXPECT_EQ(status.Message(), "paralel: unknown top-level key; did you mean 'parallel'?");
+  status = ParseConfig(json{{"description", "x"}}, &config);
+  EXPECT_EQ(status.where(), "parallel");
+  status = ParseConfig(json::array(), &config);
+  EXPECT_FALSE(status.ok());
+  status = ParseConfig(json{{"description", 3}, {"parallel", {{"world_size", 1}}}}, &config);
+  EXPECT_EQ(status.Message(), "description: must be a string, got number");
+}
+
+TEST(ParallelConfig, JsonSyntaxErrorsGiveLineAndColumn) {
+  StatusOr<json> parsed = ParseJsonText("{\n  \"parallel\": {\n    \"world_size\": 16,\n  }\n}");
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_EQ(parsed.status().where(), "line 4, column 3");
+  EXPECT_EQ(parsed.status().what().rfind("invalid JSON: ", 0), 0u);
+  EXPECT_FALSE(LoadConfigFile("/nonexistent/mpusim.json").ok());
+}
+
+// Every condition under which Megatron's initialize_model_parallel refuses a layout.
+TEST(TopologyValidation, MegatronRefusals) {
+  EXPECT_EQ(Refusal({{"world_size", 16}, {"tensor_model_parallel_size", 3}}),
+            "parallel.world_size: 16 is not divisible by tensor_model_parallel_size * "
+            "pipeline_model_parallel_size * context_parallel_size = 3 * 1 * 1");
+  EXPECT_EQ(Refusal({{"world_size", 16},
+                     {"tensor_model_parallel_size", 4},
+                     {"pipeline_model_parallel_size", 4},
+                     {"context_parallel_size", 2}}),
+            "parallel.world_size: 16 is not divisible by tensor_model_parallel_size * "
+            "pipeline_model_parallel_size * context_parallel_size = 4 * 4 * 2");
+  // Sizes near the int64 limit must not overflow into a false "divisible".
+  EXPECT_NE(Refusal({{"world_size", 16},
+                     {"tensor_model_parallel_size", 2147483647},
+                     {"pipeline_model_parallel_size", 2147483647},
+                     {"context_parallel_size", 2147483647}}),
+            "");
+  EXPECT_EQ(Refusal({{"world_size", 4}, {"virtual_pipeline_model_parallel_size", 2}})
+                .rfind("parallel.virtual_pipeline_model_parallel_size: needs "
+                       "pipeline_model_parallel_size > 1",
+                       0),
+            0u);
+  EXPECT_EQ(Refusal({{"world_size", 8}, {"tensor_model_parallel_size", 2}, {"order", "tp-xp-pp"}}),
+            "parallel.order: 'tp-xp-pp' has unknown axis 'xp'; use tp, cp, ep, dp and pp joined "
+            "by '-', e.g. \"tp-cp-ep-dp-pp\"");
+  EXPECT_EQ(Refusal({{"world_size", 8}, {"order", "tp-dp-tp"}}),
+            "parallel.order: 'tp-dp-tp' names axis 'tp' twice; each axis may appear once");
+  EXPECT_EQ(Refusal({{"world_size", 8}, {"order", ""}}).rfind("parallel.order: '' has unknown", 0),
+            0u);
+  EXPECT_EQ(Refusal({{"world_size", 8}, {"context_parallel_size", 2}, {"order", "tp-dp-pp"}}),
+            "parallel.order: 'tp-dp-pp' leaves out axis 'cp' of the dense rank generator, whose "
+            "size (context_parallel_size) is 2; every axis of size > 1 must appear in the order");
+  EXPECT_EQ(Refusal({{"world_size", 8}, {"expert_model_parallel_size", 2}, {"order", "tp-dp-pp"}}),
+            "parallel.order: 'tp-dp-pp' leaves out axis 'ep' of the expert rank generator, whose "
+            "size (expert_model_parallel_size) is 2; every axis of size > 1 must appear in the "
+            "order");
+  EXPECT_EQ(Refusal({{"world_size", 12},
+                     {"tensor_model_parallel_size", 2},
+                     {"expert_model_parallel_size", 4}}),
+            "parallel.world_size: 12 is not divisible by expert_tensor_parallel_size * "
+            "expert_model_parallel_size * pipeline_model_parallel_size = 2 * 4 * 1");
+  // Order not ending in pp: expert and dense data-parallel sizes must match.
+  EXPECT_EQ(Refusal({{"world_size", 16},
+                     {"tensor_model_parallel_size", 2},
+                     {"pipeline_model_parallel_size", 2},
+                     {"expert_model_parallel_size", 2},
+                     {"order", "tp-cp-ep-pp-dp"}}),
+            "parallel.order: 'tp-cp-ep-pp-dp' does not end with pp, which needs the expert "
+            "data-parallel size (2) to equal the data-parallel size (4); end the order with pp "
+            "or change the expert sizes");
+  // An order not ending in pp is fine when dp matches and the pp strides agree
+  // (tp * ep = 2 * 1 on the dense side, etp * ep = 1 * 2 on the expert side).
+  EXPECT_EQ(Refusal({{"world_size", 16},
+                     {"tensor_model_parallel_size", 2},
+                     {"pipeline_model_parallel_size", 2},
+                     {"expert_model_parallel_size", 2},
+                     {"expert_tensor_parallel_size", 1},
+                     {"order", "tp-ep-pp-dp"}}),
+            "");
+  EXPECT_EQ(Refusal({{"world_size", 12}, {"num_distributed_optimizer_instances", 5}}),
+            "parallel.num_distributed_optimizer_instances: 5 must divide data_parallel_size * "
+            "context_parallel_size = 12 * 1 = 12");
+  // d*c = 8 is divisible by 4, but expert dp (16 / (4 * 2)) = 2 is not.
+  EXPECT_EQ(Refusal({{"world_size", 16},
+                     {"context_parallel_size", 2},
+                     {"expert_tensor_parallel_size", 4},
+                     {"expert_model_parallel_size", 2},
+                     {"num_distributed_optimizer_instances", 4}})
+                .rfind("parallel.num_distributed_optimizer_instances: 4 must divide the expert "
+                       "data-parallel size 2",
+                       0),
+            0u);
+  EXPECT_EQ(Refusal({{"world_size", 8},
+                     {"context_parallel_size", 4},
+                     {"hierarchical_context_parallel_sizes", {2, 3}}}),
+            "parallel.hierarchical_context_parallel_sizes: [2, 3] must multiply to "
+            "context_parallel_size (4)");
+  EXPECT_EQ(Refusal({{"world_size", 16}, {"rank_offset", 2147483640}}),
+            "parallel.rank_offset: rank_offset + world_size - 1 must be at most 2147483647");
+}
+
+TEST(TopologyValidation, PipelineGroupMismatchIsRefused) {
+  // With order tp-pp-ep-dp the pp stride is tp (2) on the dense side and etp (1) on the
+  // expert side, while both data-parallel sizes are 2.
+  const std::string error = Refusal({{"world_size", 8},
+                                     {"tensor_model_parallel_size", 2},
+                                     {"pipeline_model_parallel_size", 2},
+                                     {"expert_tensor_parallel_size", 1},
+                                     {"expert_model_parallel_size", 2},
+                                     {"order", "tp-pp-ep-dp"}});
+  EXPECT_EQ(error.rfind("parallel.order: 'tp-pp-ep-dp' gives the dense and expert rank generators "
+                        "different pipeline groups (pp stride 2 vs 1)",
+                        0),
+            0u)
+      << error;
+}
+
+TEST(TopologyValidation, AcceptsUppercaseOrderAndMissingSizeOneAxes) {
+  EXPECT_EQ(Refusal({{"world_size", 8}, {"tensor_model_parallel_size", 2}, {"order", "TP-DP"}}),
+            "");
+  EXPECT_EQ(Refusal({{"world_size", 8}, {"pipeline_model_parallel_size", 8}, {"order", "pp"}}),
+            "");
+}
+
+}  // namespace
+}  // namespace mpusim
