@@ -1,2 +1,338 @@
+// The mpusim command line: golden lines from the MPU lab and Megatron's docs, JSON schema,
+// every sample config, and the error contract (one line, exit 2, nothing on stdout).
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
+
 #include <gtest/gtest.h>
-TEST(Placeholder, X) {}
+#include <nlohmann/json.hpp>
+
+#include "cli/cli.h"
+
+namespace mpusim::cli {
+namespace {
+
+using nlohmann::json;
+
+struct Result {
+  int code;
+  std::string out;
+  std::string err;
+};
+
+Result Mpusim(std::vector<std::string> args) {
+  args.insert(args.begin(), "mpusim");
+  std::ostringstream out, err;
+  const int code = RunCli(args, out, err);
+  return {code, out.str(), err.str()};
+}
+
+std::string Sample(const std::string& name) {
+  return std::string(MPUSIM_SAMPLE_CONFIG_DIR) + "/" + name;
+}
+
+std::string Golden(const std::string& relative) {
+  return std::string(MPUSIM_TEST_DATA_DIR) + "/golden/" + relative;
+}
+
+// Writes a temporary config file and returns its path.
+std::string WriteTemp(const std::string& name, const std::string& text) {
+  const std::filesystem::path path = std::filesystem::temp_directory_path() / name;
+  std::ofstream(path) << text;
+  return path.string();
+}
+
+// Bad input: exactly one line on stderr starting with "error: ", exit 2, empty stdout.
+void ExpectUsageError(const Result& r, const std::string& expected_line) {
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.out, "");
+  EXPECT_EQ(r.err, expected_line + "\n");
+}
+
+TEST(LayoutCommand, MpuLabOutput) {
+  const Result r = Mpusim({"layout", Sample("lab_t2_p4_n16.json")});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  // The derived sizes come first.
+  EXPECT_LT(r.out.find("data_parallel_size"), r.out.find("groups:"));
+  for (const char* line : {
+           "8 data_parallel groups:\n"
+           "    [g0, g2], [g1, g3], [g4, g6], [g5, g7], [g8, g10], [g9, g11], [g12, g14], [g13, g15]\n",
+           "8 tensor model-parallel groups:\n"
+           "    [g0, g1], [g2, g3], [g4, g5], [g6, g7], [g8, g9], [g10, g11], [g12, g13], [g14, g15]\n",
+           "4 pipeline model-parallel groups:\n"
+           "    [g0, g4, g8, g12], [g1, g5, g9, g13], [g2, g6, g10, g14], [g3, g7, g11, g15]\n",
+           "Total :2 full models being partitioned into :16 GPUs",
+           "model 0 : is partitioned into gpus :0,1,4,5,8,9,12,13\n",
+           "model 1 : is partitioned into gpus :2,3,6,7,10,11,14,15\n",
+           "4 embd groups (embedding: first and last pipeline stage):\n"
+           "    [g0, g12], [g1, g13], [g2, g14], [g3, g15]\n",
+           "  data_parallel_size                         2   derived: 16 / (tp 2 * pp 4 * cp 1)\n",
+       }) {
+    EXPECT_NE(r.out.find(line), std::string::npos) << "missing:\n" << line << "\nin:\n" << r.out;
+  }
+  // dp, tp, pp first, in the lab's order.
+  EXPECT_LT(r.out.find("data_parallel groups"), r.out.find("tensor model-parallel groups"));
+  EXPECT_LT(r.out.find("tensor model-parallel groups"), r.out.find("pipeline model-parallel"));
+}
+
+TEST(LayoutCommand, QuickFlagsEqualTheConfigFile) {
+  const Result file = Mpusim({"layout", Sample("lab_t2_p4_n16.json"), "--format", "json"});
+  const Result flags = Mpusim({"layout", "--world-size", "16", "--tp", "2", "--pp", "4", "--format",
+                            "json"});
+  ASSERT_EQ(file.code, 0) << file.err;
+  ASSERT_EQ(flags.code, 0) << flags.err;
+  json a = json::parse(file.out), b = json::parse(flags.out);
+  a.erase("source");
+  b.erase("source");
+  EXPECT_EQ(a, b);
+}
+
+TEST(LayoutCommand, FlagsOverrideTheFile) {
+  const Result r = Mpusim({"layout", Sample("lab_t2_p4_n16.json"), "--tp", "4", "--pp", "2",
+                        "--format", "json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json j = json::parse(r.out);
+  EXPECT_EQ(j["sizes"]["tp"], 4);
+  EXPECT_EQ(j["sizes"]["pp"], 2);
+  EXPECT_EQ(j["groups"]["tp"][0], json({0, 1, 2, 3}));
+}
+
+// --format json carries Megatron's groups exactly: compare with the recorded golden files.
+TEST(LayoutCommand, JsonMatchesMegatronGolden) {
+  for (const char* name : {"classic_tp2_pp4_ws16.json", "cp_tp2_pp2_cp2_dp2_ws16.json",
+                           "ep_tp2_pp2_cp1_dp4_ep2_etp1_ws16.json"}) {
+    std::ifstream in(Golden(std::string("layouts/") + name));
+    const json golden = json::parse(in);
+    json parallel = golden["args"];
+    parallel["world_size"] = golden["world_size"];
+    const std::string path = WriteTemp(name, json{{"parallel", parallel}}.dump());
+    const Result r = Mpusim({"layout", path, "--format", "json"});
+    ASSERT_EQ(r.code, 0) << r.err;
+    const json j = json::parse(r.out);
+    EXPECT_EQ(j["schema_version"], 1);
+    EXPECT_EQ(j["world_size"], golden["world_size"]);
+    EXPECT_EQ(j["groups"], golden["groups"]) << name;
+    for (const char* key : {"tp", "pp", "cp", "dp", "ep", "etp", "edp"}) {
+      EXPECT_TRUE(j["sizes"].contains(key)) << key;
+    }
+    // Kinds appear in Megatron's order (the golden file's order).
+    std::vector<std::string> ours, theirs;
+    const nlohmann::ordered_json ours_ordered = nlohmann::ordered_json::parse(r.out);
+    for (const auto& [k, v] : ours_ordered["groups"].items()) ours.push_back(k);
+    std::ifstream again(Golden(std::string("layouts/") + name));
+    const nlohmann::ordered_json ordered = nlohmann::ordered_json::parse(again);
+    for (const auto& [k, v] : ordered["groups"].items()) theirs.push_back(k);
+    EXPECT_EQ(ours, theirs);
+  }
+}
+
+TEST(LayoutCommand, OneRank) {
+  const Result r = Mpusim({"layout", Sample("lab_t2_p4_n16.json"), "--rank", "5"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("rank 5: node 0, local GPU 5"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("tp 1/2  cp 0/1  dp 0/2  pp 1/4"), std::string::npos) << r.out;
+  EXPECT_TRUE(std::regex_search(r.out, std::regex(R"(\n    tp +group 2 of 8, position 1 of 2: \[4, 5\]\n)")))
+      << r.out;
+  EXPECT_TRUE(std::regex_search(r.out, std::regex(R"(\n    embd +-  \(this rank has no embd group\))")))
+      << r.out;
+
+  const Result j = Mpusim({"layout", Sample("lab_t2_p4_n16.json"), "--rank", "12", "--format",
+                        "json", "--kinds", "pp,embd"});
+  ASSERT_EQ(j.code, 0) << j.err;
+  const json rank = json::parse(j.out);
+  EXPECT_EQ(rank["coordinates"]["pp"], 3);
+  EXPECT_EQ(rank["groups"]["pp"]["ranks"], json({0, 4, 8, 12}));
+  EXPECT_EQ(rank["groups"]["pp"]["rank_in_group"], 3);
+  EXPECT_EQ(rank["groups"]["embd"]["ranks"], json({0, 12}));
+  EXPECT_EQ(rank["groups"].size(), 2u);
+}
+
+TEST(LayoutCommand, KindsFilterAndPicture) {
+  const Result r = Mpusim({"layout", Sample("lab_t2_p4_n16.json"), "--kinds", "tp,pp"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("8 tensor model-parallel groups"), std::string::npos);
+  EXPECT_EQ(r.out.find("data_parallel groups"), std::string::npos);
+
+  const Result p = Mpusim({"layout", Sample("lab_t2_p4_n16.json"), "--format", "picture"});
+  ASSERT_EQ(p.code, 0) << p.err;
+  EXPECT_NE(p.out.find("node   0 | g0 tp0 dp0 pp0  | g1 tp1 dp0 pp0  | g2 tp0 dp1 pp0  |"),
+            std::string::npos)
+      << p.out;
+  EXPECT_NE(p.out.find("node   1 | g8 tp0 dp0 pp2  | g9 tp1 dp0 pp2  | g10 tp0 dp1 pp2 |"),
+            std::string::npos)
+      << p.out;
+}
+
+TEST(LayoutCommand, MaxGroupsTruncatesText) {
+  const Result r = Mpusim({"layout", Sample("gpt3_175b_t8_p16_n1024.json"), "--kinds", "tp",
+                        "--max-groups", "3"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("128 tensor model-parallel groups:\n"
+                       "    [g0, g1, g2, g3, g4, g5, g6, g7], [g8, g9, g10, g11, g12, g13, g14, g15],"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("... 125 more (--max-groups 0 shows all)"), std::string::npos) << r.out;
+}
+
+TEST(LayoutCommand, WarnsWhenTensorGroupsLeaveANode) {
+  const Result r = Mpusim({"layout", Sample("multinode_tp16_gpn8_n32.json"), "--kinds", "tp"});
+  ASSERT_EQ(r.code, 0);
+  EXPECT_NE(r.err.find("warning: 2 of 2 tp groups (size 16) span nodes with gpus_per_node 8"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.out.find("groups that span nodes:   tp 2/2"), std::string::npos) << r.out;
+  const Result lab = Mpusim({"layout", Sample("lab_t2_p4_n16.json")});
+  EXPECT_EQ(lab.err, "");
+}
+
+TEST(LayoutCommand, VirtualPipelineLayerAssignment) {
+  const Result r = Mpusim({"layout", Sample("virtual_pipeline_t1_p4_v2_n4.json"), "--kinds", "pp"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("  pp rank 0: [1, 2] [9, 10]\n"
+                       "  pp rank 1: [3, 4] [11, 12]\n"
+                       "  pp rank 2: [5, 6] [13, 14]\n"
+                       "  pp rank 3: [7, 8] [15, 16]\n"),
+            std::string::npos)
+      << r.out;
+}
+
+TEST(LayoutCommand, BadInputIsOneLineAndExitTwo) {
+  ExpectUsageError(Mpusim({"layout", "/nonexistent/x.json"}),
+                   "error: /nonexistent/x.json: cannot open the file (does it exist and is it "
+                   "readable?)");
+  const std::string typo = WriteTemp(
+      "mpusim_typo.json", R"({"parallel": {"world_size": 16, "tensor_parallel_size": 2}})");
+  ExpectUsageError(Mpusim({"layout", typo}),
+                   "error: " + typo + ": parallel.tensor_parallel_size: unknown key; did you mean "
+                   "'tensor_model_parallel_size'?");
+  const std::string broken = WriteTemp("mpusim_broken.json", "{\"parallel\": {\"world_size\": 16,}}");
+  const Result b = Mpusim({"layout", broken});
+  EXPECT_EQ(b.code, 2);
+  EXPECT_EQ(b.out, "");
+  EXPECT_EQ(b.err.rfind("error: " + broken + ": line 1, column 32: invalid JSON: ", 0), 0u)
+      << b.err;
+  ExpectUsageError(Mpusim({"layout", "--world-size", "16", "--tp", "3"}),
+                   "error: command line: --world-size: 16 is not divisible by "
+                   "tensor_model_parallel_size * pipeline_model_parallel_size * "
+                   "context_parallel_size = 3 * 1 * 1");
+  ExpectUsageError(Mpusim({"layout", "--world-size", "16", "--tp", "two"}),
+                   "error: command line: --tp: must be an integer, got 'two'");
+  ExpectUsageError(Mpusim({"layout", "--world-size", "16", "--tp", "0"}),
+                   "error: command line: --tp: must be an integer >= 1, got 0");
+  ExpectUsageError(Mpusim({"layout", "--world-size", "8", "--order", "tp-dp-xx"}),
+                   "error: command line: --order: 'tp-dp-xx' has unknown axis 'xx'; use tp, cp, "
+                   "ep, dp and pp joined by '-', e.g. \"tp-cp-ep-dp-pp\"");
+  ExpectUsageError(Mpusim({"layout", "--tp", "2"}),
+                   "error: command line: CONFIG: give a config file, or --world-size with quick "
+                   "flags (e.g. mpusim layout --world-size 16 --tp 2 --pp 4)");
+  ExpectUsageError(Mpusim({"layout", Sample("lab_t2_p4_n16.json"), "--rank", "16"}),
+                   "error: command line: --rank: 16 is not in this layout; ranks are 0..15");
+  ExpectUsageError(Mpusim({"layout", Sample("lab_t2_p4_n16.json"), "--kinds", "tp,dp_cpp"}),
+                   "error: command line: --kinds: unknown kind 'dp_cpp' (did you mean 'dp_cp'?); kinds "
+                   "of this layout: tp, pp, dp, dp_cp, dp_cp_partial, cp, mp, embd, pos_embd, "
+                   "tp_dp, tp_dp_cp, tp_cp, ep, expt_tp, tp_ep, tp_ep_pp, expt_dp, "
+                   "expt_dp_partial, intra_dist_opt");
+  ExpectUsageError(Mpusim({"layout", Sample("lab_t2_p4_n16.json"), "--kinds", "inter_dist_opt"}),
+                   "error: command line: --kinds: 'inter_dist_opt' is not built for this layout: "
+                   "it needs num_distributed_optimizer_instances > 1");
+  const Result format = Mpusim({"layout", Sample("lab_t2_p4_n16.json"), "--format", "yaml"});
+  EXPECT_EQ(format.code, 2);
+  EXPECT_EQ(format.out, "");
+  EXPECT_EQ(format.err.rfind("error: command line: --format: ", 0), 0u) << format.err;
+  EXPECT_EQ(std::count(format.err.begin(), format.err.end(), '\n'), 1);
+  const Result unknown = Mpusim({"layout", Sample("lab_t2_p4_n16.json"), "--bogus"});
+  EXPECT_EQ(unknown.code, 2);
+  EXPECT_EQ(std::count(unknown.err.begin(), unknown.err.end(), '\n'), 1) << unknown.err;
+}
+
+TEST(ScheduleCommand, DocumentationExamples) {
+  // ModelParallelConfig.microbatch_group_size_per_vp_stage: PP=2, VP=2.
+  const Result a = Mpusim({"schedule", Sample("interleaved_schedule_p2_v2_n2.json"),
+                        "--microbatches", "4"});
+  ASSERT_EQ(a.code, 0) << a.err;
+  EXPECT_NE(a.out.find("rank 0 | 0 1 0 1 2 3 2 3\nrank 1 | 0 1 0 1 2 3 2 3\n"),
+            std::string::npos)
+      << a.out;
+  const Result b = Mpusim({"schedule", Sample("interleaved_schedule_p2_v2_n2.json"),
+                        "--microbatches", "5", "--microbatch-group-size", "3"});
+  ASSERT_EQ(b.code, 0) << b.err;
+  EXPECT_NE(b.out.find("rank 0 | 0 1 2 0 1 2 3 4 3 4\nrank 1 | 0 1 2 0 1 2 3 4 3 4\n"),
+            std::string::npos)
+      << b.out;
+}
+
+TEST(ScheduleCommand, JsonMatchesMegatronGolden) {
+  std::ifstream in(Golden("schedules/docs_examples.json"));
+  const json golden = json::parse(in);
+  for (const json& c : golden["cases"]) {
+    const Result r = Mpusim({"schedule", "--world-size", std::to_string(c["pp"].get<int>()), "--pp",
+                          std::to_string(c["pp"].get<int>()), "--vp",
+                          std::to_string(c["vp"].get<int>()), "--microbatch-group-size",
+                          std::to_string(c["microbatch_group_size_per_vp_stage"].get<int>()),
+                          "--microbatches", std::to_string(c["num_microbatches"].get<int>()),
+                          "--format", "json"});
+    ASSERT_EQ(r.code, 0) << r.err;
+    const json j = json::parse(r.out);
+    EXPECT_EQ(j["schema_version"], 1);
+    EXPECT_EQ(j["ranks"], c["per_rank_compute"]);
+    EXPECT_EQ(j["microbatch_id_sequence"], c["microbatch_id_sequence"]);
+    EXPECT_EQ(j["model_chunk_id_sequence"], c["model_chunk_id_sequence"]);
+  }
+}
+
+TEST(ScheduleCommand, BadInput) {
+  ExpectUsageError(Mpusim({"schedule", Sample("interleaved_schedule_p2_v2_n2.json"), "--microbatches",
+                        "3", "--microbatch-group-size", "4"}),
+                   "error: command line: --microbatch-group-size: must be in [p, M] = [2, 3], "
+                   "got 4");
+  const Result missing = Mpusim({"schedule", Sample("lab_t2_p4_n16.json")});
+  EXPECT_EQ(missing.code, 2);
+  EXPECT_EQ(missing.err.rfind("error: command line: --microbatches is required", 0), 0u)
+      << missing.err;
+  const Result zero = Mpusim({"schedule", Sample("lab_t2_p4_n16.json"), "--microbatches", "0"});
+  EXPECT_EQ(zero.code, 2);
+  EXPECT_EQ(zero.err.rfind("error: command line: --microbatches: ", 0), 0u) << zero.err;
+}
+
+// Every shipped sample config loads, plans, and prints in every format.
+TEST(SampleConfigs, EveryOneLoadsAndPlans) {
+  int count = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(MPUSIM_SAMPLE_CONFIG_DIR)) {
+    if (entry.path().extension() != ".json") continue;
+    ++count;
+    for (const char* format : {"text", "json", "picture"}) {
+      const Result r = Mpusim({"layout", entry.path().string(), "--format", format});
+      EXPECT_EQ(r.code, 0) << entry.path() << ": " << r.err;
+      EXPECT_FALSE(r.out.empty());
+      if (std::string(format) == "json") {
+        EXPECT_EQ(json::parse(r.out)["schema_version"], 1);
+      }
+    }
+  }
+  EXPECT_GE(count, 5);
+}
+
+TEST(Binary, HelpAndExitCodes) {
+  const std::string binary = MPUSIM_BINARY;
+  auto status = [](const std::string& command) {
+    const int raw = std::system((command + " > /dev/null 2>&1").c_str());
+    return WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+  };
+  EXPECT_EQ(status(binary + " --help"), 0);
+  EXPECT_EQ(status(binary + " layout --help"), 0);
+  EXPECT_EQ(status(binary + " layout " + Sample("lab_t2_p4_n16.json")), 0);
+  EXPECT_EQ(status(binary + " layout /nonexistent.json"), 2);
+  EXPECT_EQ(status(binary), 2);
+  const Result help = Mpusim({"layout", "--help"});
+  EXPECT_EQ(help.code, 0);
+  EXPECT_NE(help.out.find("--tp"), std::string::npos);
+  EXPECT_NE(help.out.find("--format"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace mpusim::cli
