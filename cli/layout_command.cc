@@ -18,12 +18,14 @@ class LayoutCommand : public Command {
  public:
   explicit LayoutCommand(CLI::App* parent) {
     app_ = parent->add_subcommand(
-        "layout",
-        "Print the process groups Megatron-Core's initialize_model_parallel builds.\n"
+        "layout", "Print the process groups Megatron-Core's initialize_model_parallel builds");
+    app_->footer(
         "Examples:\n"
         "  mpusim layout sample_configs/lab_t2_p4_n16.json\n"
         "  mpusim layout --world-size 16 --tp 2 --pp 4 --format json\n"
-        "  mpusim layout CONFIG --rank 5 --kinds tp,pp,dp");
+        "  mpusim layout CONFIG --rank 5 --kinds tp,pp,dp\n"
+        "Kinds: tp pp dp dp_cp dp_cp_partial cp hcp_L<k> mp embd pos_embd tp_dp tp_dp_cp tp_cp\n"
+        "       ep expt_tp tp_ep tp_ep_pp expt_dp expt_dp_partial intra_dist_opt inter_dist_opt");
     config_.Register(app_);
     app_->add_option("--format", format_, "text, json or picture (default text)")
         ->check(CLI::IsMember({"text", "json", "picture"}));

@@ -146,7 +146,7 @@ void PrintLayoutText(const Topology& topology, const LayoutReportOptions& option
     row("hierarchical_context_parallel_sizes",
         fmt::format("[{}]", fmt::join(c.hierarchical_context_parallel_sizes, ", ")));
   }
-  row("gpus_per_node", std::to_string(c.gpus_per_node), fmt::format("{} nodes", NumNodes(topology)));
+  row("gpus_per_node", std::to_string(c.gpus_per_node), fmt::format("{} node{}", NumNodes(topology), NumNodes(topology) == 1 ? "" : "s"));
 
   const size_t mp = *topology.FindKind("mp");
   for (size_t kind : options.kinds) {
@@ -172,8 +172,9 @@ void PrintLayoutText(const Topology& topology, const LayoutReportOptions& option
     PrintGroupList(topology, kind, options.max_groups, out);
   }
 
-  out << fmt::format("\nnode map: {} node(s) of {} GPUs; rank r is on node r / {}\n",
-                     NumNodes(topology), c.gpus_per_node, c.gpus_per_node);
+  out << fmt::format("\nnode map: {} node{} of {} GPUs; rank r is on node r / {}\n",
+                     NumNodes(topology), NumNodes(topology) == 1 ? "" : "s", c.gpus_per_node,
+                     c.gpus_per_node);
   std::vector<std::string> spanning;
   std::vector<std::string> local;
   for (size_t kind : options.kinds) {

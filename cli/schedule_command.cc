@@ -19,9 +19,9 @@ class ScheduleCommand : public Command {
  public:
   explicit ScheduleCommand(CLI::App* parent) {
     app_ = parent->add_subcommand(
-        "schedule",
-        "Print Megatron-Core's pipeline schedule (1F1B, or interleaved 1F1B when\n"
-        "virtual_pipeline_model_parallel_size is set) for every pipeline rank.\n"
+        "schedule", "Print Megatron-Core's pipeline schedule (1F1B or interleaved 1F1B)");
+    app_->footer(
+        "Interleaved 1F1B is used when virtual_pipeline_model_parallel_size is set.\n"
         "Examples:\n"
         "  mpusim schedule sample_configs/interleaved_schedule_p2_v2_n2.json --microbatches 4\n"
         "  mpusim schedule --world-size 4 --pp 4 --microbatches 8 --format json");

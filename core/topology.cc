@@ -2,7 +2,8 @@
 #include "core/topology.h"
 
 #include <algorithm>
-#include <numeric>
+#include <cctype>
+#include <limits>
 
 #include <fmt/format.h>
 
@@ -308,6 +309,33 @@ StatusOr<Topology> Topology::Create(const ParallelConfig& config) {
                     "(expert_tensor_parallel_size * expert_model_parallel_size * "
                     "pipeline_model_parallel_size))",
                     instances, edp));
+  }
+
+  // Keys that shape the schedule and the layer assignment, checked here so that a config
+  // is either usable by every subcommand or refused up front.
+  const auto& vp = config.virtual_pipeline_model_parallel_size;
+  if (config.microbatch_group_size_per_vp_stage) {
+    if (!vp) {
+      return Status::Error("parallel.microbatch_group_size_per_vp_stage",
+                           "only shapes the interleaved schedule; set "
+                           "virtual_pipeline_model_parallel_size or remove it");
+    }
+    if (*config.microbatch_group_size_per_vp_stage < p) {
+      return Status::Error(
+          "parallel.microbatch_group_size_per_vp_stage",
+          fmt::format("must be at least pipeline_model_parallel_size ({}), got {}", p,
+                      *config.microbatch_group_size_per_vp_stage));
+    }
+  }
+  if (config.num_layers) {
+    const int64_t stages = ProductCapped({p, vp.value_or(1)}, *config.num_layers);
+    if (*config.num_layers % stages != 0) {
+      return Status::Error(
+          "parallel.num_layers",
+          fmt::format("{} is not divisible by pipeline_model_parallel_size * "
+                      "virtual_pipeline_model_parallel_size = {} * {}",
+                      *config.num_layers, p, vp.value_or(1)));
+    }
   }
 
   DerivedSizes sizes{t, p, c, d, e, etp, edp, config.virtual_pipeline_model_parallel_size,

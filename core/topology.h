@@ -46,6 +46,7 @@
 
 #include <array>
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -160,10 +161,12 @@ class Topology {
   int64_t GroupSize(size_t kind) const;
   int64_t NumGroups(size_t kind) const;
   // nullopt: the rank belongs to no group of this kind (embd / pos_embd only).
+  // Rank arguments of Locate and Coordinates must satisfy HasRank (callers check input).
   std::optional<GroupSlot> Locate(size_t kind, int64_t rank) const;  // O(axes)
   int64_t Member(size_t kind, int64_t group_index, int64_t rank_in_group) const;  // O(axes)
   std::vector<int64_t> Group(size_t kind, int64_t group_index) const;  // O(group size)
-  void Enumerate(size_t kind, std::vector<int32_t>* flat) const;      // O(world size)
+  // O(world size); pick and strided-split kinds use a temporary list of the base kind.
+  void Enumerate(size_t kind, std::vector<int32_t>* flat) const;
 
   RankCoordinates Coordinates(int64_t rank) const;  // O(axes)
 

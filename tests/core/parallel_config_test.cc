@@ -189,6 +189,23 @@ TEST(TopologyValidation, MegatronRefusals) {
                      {"hierarchical_context_parallel_sizes", {2, 3}}}),
             "parallel.hierarchical_context_parallel_sizes: [2, 3] must multiply to "
             "context_parallel_size (4)");
+  EXPECT_EQ(Refusal({{"world_size", 4},
+                     {"pipeline_model_parallel_size", 4},
+                     {"virtual_pipeline_model_parallel_size", 2},
+                     {"num_layers", 12}}),
+            "parallel.num_layers: 12 is not divisible by pipeline_model_parallel_size * "
+            "virtual_pipeline_model_parallel_size = 4 * 2");
+  EXPECT_EQ(Refusal({{"world_size", 4},
+                     {"pipeline_model_parallel_size", 4},
+                     {"microbatch_group_size_per_vp_stage", 4}}),
+            "parallel.microbatch_group_size_per_vp_stage: only shapes the interleaved schedule; "
+            "set virtual_pipeline_model_parallel_size or remove it");
+  EXPECT_EQ(Refusal({{"world_size", 4},
+                     {"pipeline_model_parallel_size", 4},
+                     {"virtual_pipeline_model_parallel_size", 2},
+                     {"microbatch_group_size_per_vp_stage", 3}}),
+            "parallel.microbatch_group_size_per_vp_stage: must be at least "
+            "pipeline_model_parallel_size (4), got 3");
   EXPECT_EQ(Refusal({{"world_size", 16}, {"rank_offset", 2147483640}}),
             "parallel.rank_offset: rank_offset + world_size - 1 must be at most 2147483647");
 }

@@ -98,7 +98,8 @@ TEST(ScheduleGoldenTest, DocstringMicrobatchSequences) {
   auto microbatch_ids = [](const PipelineSchedule& schedule) {
     std::string out;
     for (const auto& [microbatch, chunk] : schedule.forward_table) {
-      out += (out.empty() ? "" : " ") + std::to_string(microbatch);
+      if (!out.empty()) out += ' ';
+      out += std::to_string(microbatch);
     }
     return out;
   };
