@@ -16,13 +16,16 @@ int ReportError(std::ostream& err, const std::string& source, const std::string&
 
 int RunCli(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
   CLI::App app{"mpusim: Megatron-style model parallelism without a GPU cluster.\n"
-               "Plans Megatron-Core's process groups and pipeline schedules.",
+               "Plans Megatron-Core's process groups and pipeline schedules, and runs the\n"
+               "tensor-parallel layers on MPI ranks against a float64 reference.",
                "mpusim"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "mpusim 0.1.0");
   std::vector<std::unique_ptr<Command>> commands;
   commands.push_back(MakeLayoutCommand(&app));
   commands.push_back(MakeScheduleCommand(&app));
+  commands.push_back(MakeExplainCommand(&app));
+  commands.push_back(MakeRunCommand(&app));
 
   std::vector<std::string> reversed(args.rbegin(), args.rend());
   if (!reversed.empty()) reversed.pop_back();  // the program name
@@ -59,7 +62,7 @@ int RunCli(const std::vector<std::string>& args, std::ostream& out, std::ostream
   for (const auto& command : commands) {
     if (command->app()->parsed()) return command->Run(out, err);
   }
-  return ReportError(err, "command line", "no subcommand given (layout, schedule)");
+  return ReportError(err, "command line", "no subcommand given (layout, schedule, explain, run)");
 }
 
 }  // namespace mpusim::cli

@@ -14,7 +14,8 @@ Status ParseConfig(const nlohmann::json& document, Config* out) {
                                          "section, got {}",
                                          document.type_name()));
   }
-  static const std::vector<std::string_view> kTopLevel = {"description", "parallel"};
+  static const std::vector<std::string_view> kTopLevel = {"description", "parallel", "model",
+                                                          "run"};
   Config config;
   for (const auto& [key, value] : document.items()) {
     if (key == "description") {
@@ -25,10 +26,16 @@ Status ParseConfig(const nlohmann::json& document, Config* out) {
       config.description = value.get<std::string>();
     } else if (key == "parallel") {
       MPUSIM_RETURN_IF_ERROR(ParseParallelSection(value, "parallel", &config.parallel));
+    } else if (key == "model") {
+      config.model.emplace();
+      MPUSIM_RETURN_IF_ERROR(ParseModelSection(value, &*config.model));
+    } else if (key == "run") {
+      config.run.emplace();
+      MPUSIM_RETURN_IF_ERROR(ParseRunSection(value, &*config.run));
     } else {
       const std::string suggestion = SuggestKey(key, kTopLevel);
       return Status::Error(key, suggestion.empty()
-                                    ? "unknown top-level key; allowed: description, parallel"
+                                    ? "unknown top-level key; allowed: description, parallel, model, run"
                                     : fmt::format("unknown top-level key; did you mean '{}'?",
                                                   suggestion));
     }

@@ -3,9 +3,11 @@
 // {
 //   "description": "...",           optional free text
 //   "parallel": { ... }             required; see parallel_config.h
+//   "model": { ... }, "run": { ... } optional; the layer graph for `mpusim run`, see
+//                                    model_config.h
 // }
-// Later work adds "model" and "run" sections here. Unknown top-level keys are refused
-// (with a suggestion), so a typo never silently keeps a default.
+// Unknown top-level keys are refused (with a suggestion), so a typo never silently keeps a
+// default.
 #pragma once
 
 #include <string>
@@ -13,6 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/model_config.h"
 #include "core/parallel_config.h"
 #include "core/status.h"
 
@@ -21,6 +24,8 @@ namespace mpusim {
 struct Config {
   std::string description;
   ParallelConfig parallel;
+  std::optional<ModelConfig> model;
+  std::optional<RunConfig> run;
 };
 
 // Parses a whole config document. Errors name the JSON path ("parallel.order").

@@ -88,6 +88,8 @@ const std::vector<std::string_view>& ParallelConfigKeys() {
       "rank_offset",
       "microbatch_group_size_per_vp_stage",
       "num_layers",
+      "sequence_parallel",
+      "gradient_accumulation_fusion",
   };
   return kKeys;
 }
@@ -200,6 +202,12 @@ Status ParseParallelSection(const json& section, std::string_view path, Parallel
           ParseOptionalInt(value, where, 1, &config.microbatch_group_size_per_vp_stage));
     } else if (key == "num_layers") {
       MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &config.num_layers));
+    } else if (key == "sequence_parallel" || key == "gradient_accumulation_fusion") {
+      if (!value.is_boolean()) {
+        return Status::Error(where, fmt::format("must be true or false, got {}", Describe(value)));
+      }
+      (key == "sequence_parallel" ? config.sequence_parallel
+                                  : config.gradient_accumulation_fusion) = value.get<bool>();
     }
   }
   if (!section.contains("world_size")) {
@@ -229,6 +237,8 @@ void ToJson(const ParallelConfig& c, json* out) {
   j["rank_offset"] = c.rank_offset;
   j["microbatch_group_size_per_vp_stage"] = optional(c.microbatch_group_size_per_vp_stage);
   j["num_layers"] = optional(c.num_layers);
+  j["sequence_parallel"] = c.sequence_parallel;
+  j["gradient_accumulation_fusion"] = c.gradient_accumulation_fusion;
   *out = std::move(j);
 }
 

@@ -5,7 +5,8 @@
 //   world_size        number of ranks the layout covers (Megatron reads it from torch)
 //   gpus_per_node     for the node map (default 8)
 //   num_layers        only for the virtual-pipeline layer assignment (optional)
-// and ModelParallelConfig's microbatch_group_size_per_vp_stage (for the schedules).
+// and the ModelParallelConfig fields microbatch_group_size_per_vp_stage (schedules),
+// sequence_parallel and gradient_accumulation_fusion (the simulator).
 //
 // Parsing is strict: unknown keys (with a suggestion), wrong JSON types and out-of-range
 // values are refused with a Status naming the JSON path. Cross-field rules (divisibility,
@@ -40,6 +41,9 @@ struct ParallelConfig {
   int64_t rank_offset = 0;
   std::optional<int64_t> microbatch_group_size_per_vp_stage;  // default: pp size
   std::optional<int64_t> num_layers;
+  // ModelParallelConfig fields read by the simulator (mpusim run); the planner ignores them.
+  bool sequence_parallel = false;
+  bool gradient_accumulation_fusion = false;
 
   int64_t EffectiveExpertTensorParallelSize() const {
     return expert_tensor_parallel_size.value_or(tensor_model_parallel_size);

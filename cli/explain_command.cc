@@ -1,0 +1,113 @@
+// `mpusim explain`: how every weight of the layer graph is sliced across the tensor-parallel
+// ranks, in the MPU lab's notation (Y = X A + b, A = W^T).
+#include <ostream>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "cli/cli.h"
+#include "cli/commands.h"
+#include "cli/config_options.h"
+#include "core/graph.h"
+#include "core/topology.h"
+
+namespace mpusim::cli {
+namespace {
+
+class ExplainCommand : public Command {
+ public:
+  explicit ExplainCommand(CLI::App* parent) {
+    app_ = parent->add_subcommand(
+        "explain", "Show how each weight of the model is sliced across tensor-parallel ranks");
+    app_->footer("Example:\n  mpusim explain sample_configs/lab_mlp_t16_n16.json");
+    config_.Register(app_);
+  }
+  CLI::App* app() override { return app_; }
+
+  int Run(std::ostream& out, std::ostream& err) override {
+    std::string source;
+    StatusOr<Config> config = config_.Resolve();
+    if (!config.ok()) {
+      return ReportError(err, source, config_.Attribute(config.status(), &source).Message());
+    }
+    StatusOr<Topology> topology = Topology::Create(config->parallel);
+    if (!topology.ok()) {
+      return ReportError(err, source, config_.Attribute(topology.status(), &source).Message());
+    }
+    StatusOr<std::unique_ptr<Graph>> graph = Graph::Build(*config, *topology);
+    if (!graph.ok()) {
+      return ReportError(err, source, config_.Attribute(graph.status(), &source).Message());
+    }
+    const int64_t t = topology->sizes().tp;
+    out << fmt::format("tensor_model_parallel_size {}: each weight below is cut into {} slices; "
+                       "rank r of a tp group holds slice r\n",
+                       t, t);
+    // Shapes on every tp rank (equal, but listed as the lab does).
+    std::vector<std::vector<Graph::PlannedLayer>> per_rank;
+    for (int64_t r = 0; r < t; ++r) {
+      RankCoordinates coords;
+      coords.tp = r;
+      per_rank.push_back((*graph)->Plan(coords));
+    }
+    for (size_t i = 0; i < per_rank[0].size(); ++i) {
+      const Graph::PlannedLayer& layer = per_rank[0][i];
+      out << fmt::format("\n{} {}: input {} -> output {}\n", layer.type, layer.name,
+                         layer.input_width == 0 ? std::string("tokens")
+                                                : fmt::format("{} ({})", layer.input_width,
+                                                              SplitName(layer.input.split)),
+                         layer.output_width == 0 ? std::string("loss")
+                                                 : fmt::format("{} ({})", layer.output_width,
+                                                               SplitName(layer.output.split)));
+      for (size_t p = 0; p < layer.parameters.size(); ++p) {
+        const Graph::PlannedParameter& param = layer.parameters[p];
+        const bool linear = layer.type == "ColumnParallelLinear" ||
+                            layer.type == "RowParallelLinear";
+        const bool matrix = param.full_shape.size() == 2;
+        std::string how = param.shard.shard_dim < 0
+                              ? "replicated on every rank"
+                              : fmt::format("split on dim {} into {} slices{}", param.shard.shard_dim,
+                                            param.shard.num_shards,
+                                            param.shard.stride > 1
+                                                ? fmt::format(" (stride {})", param.shard.stride)
+                                                : "");
+        out << fmt::format("  {} {} {}\n", param.name, ShapeString(param.full_shape), how);
+        if (param.shard.shard_dim < 0) continue;
+        if (!(linear && matrix)) {
+          std::vector<std::string> slices;
+          for (int64_t r = 0; r < t; ++r) {
+            slices.push_back(fmt::format("{}{}= {}", param.name.substr(param.name.find('.') + 1),
+                                         r, ShapeString(per_rank[static_cast<size_t>(r)][i]
+                                                            .parameters[p]
+                                                            .local_shape)));
+          }
+          out << fmt::format("    {}\n", fmt::join(slices, ", "));
+          continue;
+        }
+        // The lab writes Y = X A with A = W^T ([in, out]); a column-parallel layer cuts A's
+        // columns, a row-parallel layer A's rows.
+        out << fmt::format("    Y = X A + b with A = weight^T {}, sliced {}:\n",
+                           ShapeString({param.full_shape[1], param.full_shape[0]}),
+                           param.shard.shard_dim == 0 ? "column-wise" : "row-wise");
+        std::vector<std::string> slices;
+        for (int64_t r = 0; r < t; ++r) {
+          const Shape& local = per_rank[static_cast<size_t>(r)][i].parameters[p].local_shape;
+          slices.push_back(fmt::format("A{}= {}", r, ShapeString({local[1], local[0]})));
+        }
+        out << fmt::format("    A = [\n    {}\n    ]\n", fmt::join(slices, ", "));
+      }
+    }
+    return kExitOk;
+  }
+
+ private:
+  CLI::App* app_ = nullptr;
+  ConfigOptions config_;
+};
+
+}  // namespace
+
+std::unique_ptr<Command> MakeExplainCommand(CLI::App* parent) {
+  return std::make_unique<ExplainCommand>(parent);
+}
+
+}  // namespace mpusim::cli

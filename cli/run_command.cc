@@ -1,0 +1,46 @@
+// `mpusim run`: the CPU simulator (sim/runner.h) behind the command line.
+#include <ostream>
+
+#include "cli/cli.h"
+#include "cli/commands.h"
+#include "sim/runner.h"
+
+namespace mpusim::cli {
+namespace {
+
+class RunCommand : public Command {
+ public:
+  explicit RunCommand(CLI::App* parent) {
+    app_ = parent->add_subcommand(
+        "run", "Run the layer graph on MPI ranks (one rank = one GPU) and check it against the "
+               "float64 reference");
+    app_->footer(
+        "Launch with one MPI rank per GPU of the config's world_size, e.g.\n"
+        "  mpirun -n 16 --oversubscribe mpusim run sample_configs/lab_mlp_t16_n16.json\n"
+        "Exit codes: 0 every tensor matches the reference, 1 a mismatch, 2 bad input.");
+    app_->add_option("CONFIG", options_.config_path, "config file with parallel, model, run")
+        ->required();
+    app_->add_option("--dump", options_.dump_dir,
+                     "write every rank's tensors to DIR/rankNNNNN.safetensors + manifest.json");
+    app_->add_flag("!--no-check", options_.check, "skip the float64 reference check");
+    app_->add_option("--repeat", options_.repeat,
+                     "run the step N times and print the median time (benchmarks)")
+        ->check(CLI::Range(1, 1000));
+  }
+  CLI::App* app() override { return app_; }
+  int Run(std::ostream& out, std::ostream& err) override {
+    return sim::RunSimulation(options_, out, err);
+  }
+
+ private:
+  CLI::App* app_ = nullptr;
+  sim::RunOptions options_;
+};
+
+}  // namespace
+
+std::unique_ptr<Command> MakeRunCommand(CLI::App* parent) {
+  return std::make_unique<RunCommand>(parent);
+}
+
+}  // namespace mpusim::cli

@@ -1,0 +1,953 @@
+// The layer graph (see graph.h and docs/simulator.md).
+//
+// Shape legend (local, on one rank; t = tp size, d = dp size):
+//   s, b          sequence length (s/t under sequence parallelism), micro-batch per dp rank
+//   x, y          activations [s, b, h] viewed as [s*b, h]
+//   W_col         ColumnParallelLinear weight shard [out/t, in]
+//   W_row         RowParallelLinear weight shard    [out, in/t]
+//   E_vocab       VocabParallelEmbedding shard      [Vp/t, h]
+//   E_dim         ParallelEmbedding shard           [V, h/t]
+#include "core/graph.h"
+
+#include <cmath>
+#include <map>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "core/init.h"
+#include "core/mappings.h"
+#include "core/tp_utils.h"
+
+namespace mpusim {
+
+using Split = ActivationState::Split;
+
+const char* SplitName(Split split) {
+  switch (split) {
+    case Split::kReplicated: return "replicated";
+    case Split::kHidden: return "hidden split";
+    case Split::kSequence: return "sequence split";
+    case Split::kPartialSum: return "partial sum";
+  }
+  return "?";
+}
+
+namespace {
+
+struct Parameter {
+  std::string name;  // "fc1.weight"
+  Shape full_shape;
+  ShardSpec shard;
+  InitSpec init;
+  bool zero_init = false;  // biases
+  bool frozen = false;
+  bool reduce_over_tp = false;  // replicated parameter fed by a sequence shard
+  Tensor value;                 // local
+  Tensor grad;                  // local main_grad; undefined when frozen
+};
+
+// One micro-batch's data on this rank.
+struct Batch {
+  int64_t microbatch = 0;
+  std::vector<int64_t> tokens;  // [s, b], full sequence, this dp rank's samples
+  std::vector<int64_t> labels;
+  double token_scale = 0;       // d loss / d per-token loss = 1 / (M * s * B)
+};
+
+struct LayerSlot {
+  LayerConfig config;
+  int index = 0;
+  ActivationState in_state;
+  ActivationState out_state;
+  int64_t in_width = 0;   // full hidden width (0: tokens)
+  int64_t out_width = 0;  // full hidden width (0: loss)
+  Parameter* weight = nullptr;  // owned or borrowed (weight_from)
+  bool owns_weight = false;
+  Parameter* bias = nullptr;
+  Parameter* added_bias = nullptr;  // GeLU with bias_from
+  std::string rng_stream;           // Dropout
+  // Saved for backward and for the records (last micro-batch).
+  Tensor input, output, output_grad, input_grad;
+  Tensor saved;     // layer-specific: CPL/RPL gathered or split input, GeLU pre-activation
+  RngDraw draw{};   // Dropout
+  Tensor row_max, sum_exp;  // cross entropy
+};
+
+ShardSpec ActivationSpec(const ActivationState& state, const RankCoordinates& c, int64_t tp,
+                         int64_t dp) {
+  ShardSpec spec;
+  spec.batch_dim = 1;
+  spec.batch_shards = dp;
+  spec.batch_index = c.dp;
+  if (state.split == Split::kHidden) {
+    spec.shard_dim = 2;
+    spec.num_shards = tp;
+    spec.shard_index = c.tp;
+    spec.stride = state.stride;
+  } else if (state.split == Split::kSequence) {
+    spec.shard_dim = 0;
+    spec.num_shards = tp;
+    spec.shard_index = c.tp;
+  }
+  return spec;
+}
+
+bool IsEmbedding(LayerType type) {
+  return type == LayerType::kVocabParallelEmbedding || type == LayerType::kParallelEmbedding;
+}
+
+std::optional<Mapping> MappingOf(LayerType type) {
+  switch (type) {
+    case LayerType::kCopyToTensorModelParallelRegion: return Mapping::kCopyToTp;
+    case LayerType::kReduceFromTensorModelParallelRegion: return Mapping::kReduceFromTp;
+    case LayerType::kScatterToTensorModelParallelRegion: return Mapping::kScatterToTp;
+    case LayerType::kGatherFromTensorModelParallelRegion: return Mapping::kGatherFromTp;
+    case LayerType::kScatterToSequenceParallelRegion: return Mapping::kScatterToSp;
+    case LayerType::kGatherFromSequenceParallelRegion: return Mapping::kGatherFromSp;
+    case LayerType::kReduceScatterToSequenceParallelRegion: return Mapping::kReduceScatterToSp;
+    default: return std::nullopt;
+  }
+}
+
+}  // namespace
+
+struct Graph::Impl {
+  ParallelConfig parallel;
+  ModelConfig model;
+  RunConfig run;
+  int64_t t = 1, d = 1;
+  int64_t padded_vocab = 0;
+  bool sequence_parallel = false;
+  std::vector<LayerSlot> layers;
+  std::vector<std::unique_ptr<Parameter>> parameters;
+  bool needs_tokens = false, needs_labels = false;
+  // Results.
+  double loss_sum = 0;  // sum over micro-batches of the mean token loss
+  bool has_loss = false;
+  Tensor last_tokens, last_labels;  // host float64 [s, b]
+
+  Status Plan(const Topology& topology);
+  Status Fail(const LayerSlot& slot, const std::string& what) const {
+    return Status::Error(fmt::format("model.layers[{}]", slot.index),
+                         fmt::format("({} {}): {}", LayerTypeName(slot.config.type),
+                                     slot.config.name, what));
+  }
+  Parameter* AddParameter(std::string name, Shape full, ShardSpec shard, const LayerConfig& c,
+                          bool zero_init) {
+    auto p = std::make_unique<Parameter>();
+    p->name = std::move(name);
+    p->full_shape = std::move(full);
+    p->shard = shard;
+    p->init = c.init;
+    p->zero_init = zero_init;
+    p->frozen = c.frozen && !zero_init;
+    parameters.push_back(std::move(p));
+    return parameters.back().get();
+  }
+  LayerSlot* FindLayer(const std::string& name) {
+    for (LayerSlot& slot : layers) {
+      if (slot.config.name == name) return &slot;
+    }
+    return nullptr;
+  }
+
+  // Execution.
+  Batch MakeBatch(RankContext& ctx, int64_t m) const;
+  Tensor SyntheticActivation(RankContext& ctx, const std::string& name, ActivationState state,
+                             int64_t width, DType dtype) const;
+  Tensor Forward(RankContext& ctx, LayerSlot& slot, const Tensor& x, const Batch& batch);
+  Tensor Backward(RankContext& ctx, LayerSlot& slot, const Tensor& dy, const Batch& batch);
+  double ForwardChain(RankContext& ctx, const Batch& batch);
+  void BackwardChain(RankContext& ctx, const Batch& batch);
+};
+
+// ---------------------------------------------------------------------------------------
+// Planning: states, shapes, parameters.
+
+Status Graph::Impl::Plan(const Topology& topology) {
+  t = topology.sizes().tp;
+  d = topology.sizes().dp;
+  sequence_parallel = parallel.sequence_parallel;
+  const int64_t s = run.seq_length;
+  if (model.vocab_size) padded_vocab = model.PaddedVocabSize(t);
+
+  ActivationState state;
+  int64_t width = 0;
+  for (size_t i = 0; i < model.layers.size(); ++i) {
+    LayerSlot slot;
+    slot.config = model.layers[i];
+    slot.index = static_cast<int>(i);
+    const LayerConfig& c = slot.config;
+    const bool first = i == 0;
+    const bool needs_vocab = IsEmbedding(c.type) ||
+                             c.type == LayerType::kVocabParallelCrossEntropy ||
+                             c.output_size.padded_vocab;
+    if (needs_vocab && !model.vocab_size) {
+      return Fail(slot, "needs model.vocab_size (the vocabulary tokens and labels come from)");
+    }
+
+    // The state a first layer receives its synthetic input in.
+    if (first && !IsEmbedding(c.type)) {
+      switch (c.type) {
+        case LayerType::kColumnParallelLinear:
+          state.split = sequence_parallel ? Split::kSequence : Split::kReplicated;
+          width = c.input_size;
+          break;
+        case LayerType::kRowParallelLinear:
+          state.split = c.input_is_parallel ? Split::kHidden : Split::kReplicated;
+          width = c.input_size;
+          break;
+        case LayerType::kReduceFromTensorModelParallelRegion:
+        case LayerType::kReduceScatterToSequenceParallelRegion:
+          state.split = Split::kPartialSum;
+          break;
+        case LayerType::kGatherFromTensorModelParallelRegion:
+        case LayerType::kVocabParallelCrossEntropy: state.split = Split::kHidden; break;
+        case LayerType::kGatherFromSequenceParallelRegion: state.split = Split::kSequence; break;
+        default: state.split = Split::kReplicated;
+      }
+      // Layers without a size of their own take the width from the first later layer that
+      // fixes it (a linear layer's input_size, or the loss's padded vocabulary).
+      for (size_t j = i; width == 0 && j < model.layers.size(); ++j) {
+        const LayerConfig& later = model.layers[j];
+        if (later.type == LayerType::kColumnParallelLinear ||
+            later.type == LayerType::kRowParallelLinear) {
+          width = later.input_size;
+        } else if (later.type == LayerType::kVocabParallelCrossEntropy) {
+          width = padded_vocab;
+        }
+      }
+      if (width == 0) {
+        return Fail(slot, "no layer of the chain fixes the width of its synthetic input; add a "
+                          "linear layer or the loss");
+      }
+    }
+    slot.in_state = state;
+    slot.in_width = IsEmbedding(c.type) ? 0 : width;
+    if (IsEmbedding(c.type) && !first) {
+      return Fail(slot, "an embedding consumes token ids, so it must be the first layer");
+    }
+    if (!first && layers.back().config.type == LayerType::kVocabParallelCrossEntropy) {
+      return Fail(slot, "comes after the loss; VocabParallelCrossEntropy must be the last layer");
+    }
+    const auto require_state = [&](std::initializer_list<Split> allowed) -> Status {
+      for (Split a : allowed) {
+        if (state.split == a) return {};
+      }
+      std::vector<std::string> names;
+      for (Split a : allowed) names.emplace_back(SplitName(a));
+      return Fail(slot, fmt::format("receives a {} activation but accepts only: {}",
+                                    SplitName(state.split), fmt::join(names, ", ")));
+    };
+    const auto require_divisible = [&](int64_t value, int64_t by,
+                                       const std::string& what) -> Status {
+      if (value % by != 0) {
+        return Fail(slot, fmt::format("{} ({}) must be divisible by {}", what, value, by));
+      }
+      return {};
+    };
+    const auto require_width = [&](int64_t expected, const char* field) -> Status {
+      if (width != expected) {
+        return Fail(slot, fmt::format("{} is {} but the incoming activation has width {}", field,
+                                      expected, width));
+      }
+      return {};
+    };
+    const auto require_sequence_divisible = [&]() -> Status {
+      return require_divisible(s, t, "run.seq_length under sequence parallelism");
+    };
+
+    const ShardSpec replicated;
+    switch (c.type) {
+      case LayerType::kVocabParallelEmbedding: {
+        const int64_t rows = c.num_embeddings.Resolve(padded_vocab);
+        if (rows < *model.vocab_size) {
+          return Fail(slot, fmt::format("num_embeddings ({}) is smaller than model.vocab_size "
+                                        "({})",
+                                        rows, *model.vocab_size));
+        }
+        MPUSIM_RETURN_IF_ERROR(require_divisible(rows, t, "num_embeddings"));
+        ShardSpec shard;
+        shard.shard_dim = 0;
+        shard.num_shards = t;
+        slot.weight = AddParameter(c.name + ".weight", {rows, c.embedding_dim}, shard, c, false);
+        slot.owns_weight = true;
+        if (sequence_parallel) {
+          MPUSIM_RETURN_IF_ERROR(require_sequence_divisible());
+          state.split = Split::kSequence;
+        } else {
+          state.split = Split::kReplicated;
+        }
+        width = c.embedding_dim;
+        needs_tokens = true;
+        break;
+      }
+      case LayerType::kParallelEmbedding: {
+        const int64_t rows = c.num_embeddings.Resolve(padded_vocab);
+        if (rows < *model.vocab_size) {
+          return Fail(slot, fmt::format("num_embeddings ({}) is smaller than model.vocab_size "
+                                        "({})",
+                                        rows, *model.vocab_size));
+        }
+        MPUSIM_RETURN_IF_ERROR(require_divisible(c.embedding_dim, t, "embedding_dim"));
+        ShardSpec shard;
+        shard.shard_dim = 1;
+        shard.num_shards = t;
+        slot.weight = AddParameter(c.name + ".weight", {rows, c.embedding_dim}, shard, c, false);
+        slot.owns_weight = true;
+        state.split = Split::kReplicated;
+        width = c.embedding_dim;
+        needs_tokens = true;
+        break;
+      }
+      case LayerType::kColumnParallelLinear: {
+        if (sequence_parallel) {
+          MPUSIM_RETURN_IF_ERROR(require_state({Split::kSequence}));
+          MPUSIM_RETURN_IF_ERROR(require_sequence_divisible());
+          if (c.gather_output) {
+            return Fail(slot, "gather_output cannot be used with sequence_parallel (Megatron "
+                              "refuses it too); set gather_output to false");
+          }
+        } else {
+          MPUSIM_RETURN_IF_ERROR(require_state({Split::kReplicated}));
+        }
+        MPUSIM_RETURN_IF_ERROR(require_width(c.input_size, "input_size"));
+        const int64_t out = c.output_size.Resolve(padded_vocab);
+        MPUSIM_RETURN_IF_ERROR(
+            require_divisible(out, t * c.stride, "output_size / (tensor_model_parallel_size * "
+                                                 "stride): output_size"));
+        if (c.gather_output && c.stride > 1) {
+          return Fail(slot, "gather_output with stride > 1 would leave the gathered columns in "
+                            "strided order; use gather_output false");
+        }
+        ShardSpec shard;
+        shard.shard_dim = 0;
+        shard.num_shards = t;
+        shard.stride = c.stride;
+        if (c.skip_weight_param_allocation) {
+          LayerSlot* owner = FindLayer(c.weight_from);
+          if (owner == nullptr || owner->weight == nullptr) {
+            return Fail(slot, fmt::format("weight_from '{}' is not an earlier layer with a weight",
+                                          c.weight_from));
+          }
+          const Shape want = {out, c.input_size};
+          if (owner->weight->full_shape != want || owner->weight->shard.shard_dim != 0 ||
+              owner->weight->shard.stride != c.stride) {
+            return Fail(slot, fmt::format("weight_from '{}' has shape {} split on dim {}, but "
+                                          "this layer needs {} split on dim 0 with stride {}",
+                                          c.weight_from, ShapeString(owner->weight->full_shape),
+                                          owner->weight->shard.shard_dim, ShapeString(want),
+                                          c.stride));
+          }
+          slot.weight = owner->weight;
+        } else {
+          slot.weight = AddParameter(c.name + ".weight", {out, c.input_size}, shard, c, false);
+          slot.owns_weight = true;
+        }
+        if (c.bias) {
+          ShardSpec bias_shard = shard;
+          slot.bias = AddParameter(c.name + ".bias", {out}, bias_shard, c, true);
+        }
+        if (c.gather_output) {
+          state = ActivationState{Split::kReplicated, 1};
+        } else {
+          state = ActivationState{Split::kHidden, c.stride};
+        }
+        width = out;
+        break;
+      }
+      case LayerType::kRowParallelLinear: {
+        if (c.input_is_parallel) {
+          MPUSIM_RETURN_IF_ERROR(require_state({Split::kHidden}));
+          if (state.stride != c.stride) {
+            return Fail(slot, fmt::format("its input is split with stride {} but the layer's "
+                                          "stride is {}; they must match",
+                                          state.stride, c.stride));
+          }
+        } else {
+          MPUSIM_RETURN_IF_ERROR(require_state({Split::kReplicated}));
+          if (c.stride != 1) {
+            return Fail(slot, "stride > 1 needs input_is_parallel (the scatter splits "
+                              "contiguously)");
+          }
+        }
+        MPUSIM_RETURN_IF_ERROR(require_width(c.input_size, "input_size"));
+        MPUSIM_RETURN_IF_ERROR(require_divisible(c.input_size, t * c.stride,
+                                                 "input_size / (tensor_model_parallel_size * "
+                                                 "stride): input_size"));
+        const int64_t out = c.output_size.Resolve(padded_vocab);
+        ShardSpec shard;
+        shard.shard_dim = 1;
+        shard.num_shards = t;
+        shard.stride = c.stride;
+        slot.weight = AddParameter(c.name + ".weight", {out, c.input_size}, shard, c, false);
+        slot.owns_weight = true;
+        if (c.bias) {
+          slot.bias = AddParameter(c.name + ".bias", {out}, replicated, c, true);
+          slot.bias->reduce_over_tp = sequence_parallel;
+        }
+        if (sequence_parallel) {
+          MPUSIM_RETURN_IF_ERROR(require_sequence_divisible());
+          state = ActivationState{Split::kSequence, 1};
+        } else {
+          state = ActivationState{Split::kReplicated, 1};
+        }
+        width = out;
+        break;
+      }
+      case LayerType::kGeLU: {
+        MPUSIM_RETURN_IF_ERROR(
+            require_state({Split::kReplicated, Split::kHidden, Split::kSequence}));
+        if (!c.bias_from.empty()) {
+          LayerSlot* owner = FindLayer(c.bias_from);
+          if (owner == nullptr || owner->bias == nullptr || !owner->config.skip_bias_add) {
+            return Fail(slot, fmt::format("bias_from '{}' must name an earlier linear layer with "
+                                          "bias and skip_bias_add",
+                                          c.bias_from));
+          }
+          if (owner->bias->full_shape[0] != width) {
+            return Fail(slot, fmt::format("bias_from '{}' has {} elements but the activation has "
+                                          "width {}",
+                                          c.bias_from, owner->bias->full_shape[0], width));
+          }
+          const bool bias_split = owner->bias->shard.shard_dim == 0;
+          if (bias_split != (state.split == Split::kHidden)) {
+            return Fail(slot, fmt::format("bias_from '{}' is {} but the activation is {}",
+                                          c.bias_from, bias_split ? "split" : "replicated",
+                                          SplitName(state.split)));
+          }
+          slot.added_bias = owner->bias;
+        }
+        break;
+      }
+      case LayerType::kDropout: {
+        MPUSIM_RETURN_IF_ERROR(
+            require_state({Split::kReplicated, Split::kHidden, Split::kSequence}));
+        slot.rng_stream =
+            state.split == Split::kReplicated ? kDefaultStream : kModelParallelStream;
+        break;
+      }
+      case LayerType::kVocabParallelCrossEntropy: {
+        MPUSIM_RETURN_IF_ERROR(require_state({Split::kHidden}));
+        if (state.stride != 1) {
+          return Fail(slot, "the logits must be split with stride 1");
+        }
+        MPUSIM_RETURN_IF_ERROR(require_width(padded_vocab, "padded_vocab_size"));
+        if (c.label_smoothing > 0 && padded_vocab < 2) {
+          return Fail(slot, "label smoothing needs at least 2 vocabulary entries");
+        }
+        needs_labels = true;
+        state = ActivationState{Split::kReplicated, 1};
+        width = 0;
+        break;
+      }
+      default: {
+        const Mapping mapping = *MappingOf(c.type);
+        switch (mapping) {
+          case Mapping::kCopyToTp:
+            MPUSIM_RETURN_IF_ERROR(require_state({Split::kReplicated}));
+            break;
+          case Mapping::kReduceFromTp:
+            MPUSIM_RETURN_IF_ERROR(require_state({Split::kPartialSum}));
+            state = ActivationState{Split::kReplicated, 1};
+            break;
+          case Mapping::kScatterToTp:
+            MPUSIM_RETURN_IF_ERROR(require_state({Split::kReplicated}));
+            MPUSIM_RETURN_IF_ERROR(require_divisible(width, t, "the activation width"));
+            state = ActivationState{Split::kHidden, 1};
+            break;
+          case Mapping::kGatherFromTp:
+            MPUSIM_RETURN_IF_ERROR(require_state({Split::kHidden}));
+            if (state.stride != 1) return Fail(slot, "cannot gather a strided split");
+            state = ActivationState{Split::kReplicated, 1};
+            break;
+          case Mapping::kScatterToSp:
+            MPUSIM_RETURN_IF_ERROR(require_state({Split::kReplicated}));
+            MPUSIM_RETURN_IF_ERROR(require_divisible(s, t, "run.seq_length"));
+            state = ActivationState{Split::kSequence, 1};
+            break;
+          case Mapping::kGatherFromSp:
+            MPUSIM_RETURN_IF_ERROR(require_state({Split::kSequence}));
+            state = ActivationState{Split::kReplicated, 1};
+            break;
+          case Mapping::kReduceScatterToSp:
+            MPUSIM_RETURN_IF_ERROR(require_state({Split::kPartialSum}));
+            MPUSIM_RETURN_IF_ERROR(require_divisible(s, t, "run.seq_length"));
+            state = ActivationState{Split::kSequence, 1};
+            break;
+        }
+      }
+    }
+    if (state.split == Split::kHidden && width % (t * state.stride) != 0) {
+      return Fail(slot, fmt::format("the output width {} must be divisible by "
+                                    "tensor_model_parallel_size * stride = {}",
+                                    width, t * state.stride));
+    }
+    slot.out_state = state;
+    slot.out_width = width;
+    layers.push_back(std::move(slot));
+  }
+  return {};
+}
+
+StatusOr<std::unique_ptr<Graph>> Graph::Build(const Config& config, const Topology& topology) {
+  if (!config.model || !config.run) {
+    return Status::Error(config.model ? "run" : "model",
+                         "is required by mpusim run (see docs/simulator.md)");
+  }
+  const DerivedSizes& sizes = topology.sizes();
+  if (sizes.pp != 1) {
+    return Status::Error("parallel.pipeline_model_parallel_size",
+                         fmt::format("mpusim run simulates tensor and data parallelism; "
+                                     "pipeline_model_parallel_size must be 1, got {}",
+                                     sizes.pp));
+  }
+  if (sizes.cp != 1) {
+    return Status::Error("parallel.context_parallel_size",
+                         fmt::format("mpusim run does not simulate context parallelism; "
+                                     "context_parallel_size must be 1, got {}",
+                                     sizes.cp));
+  }
+  if (topology.first_rank() != 0) {
+    return Status::Error("parallel.rank_offset", "mpusim run needs rank_offset 0");
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->parallel = config.parallel;
+  impl->model = *config.model;
+  impl->run = *config.run;
+  MPUSIM_RETURN_IF_ERROR(impl->Plan(topology));
+  return std::unique_ptr<Graph>(new Graph(std::move(impl)));
+}
+
+Graph::Graph(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Graph::~Graph() = default;
+
+int64_t Graph::padded_vocab_size() const { return impl_->padded_vocab; }
+bool Graph::has_loss() const { return impl_->has_loss; }
+double Graph::loss() const {
+  return impl_->loss_sum / static_cast<double>(impl_->run.num_microbatches);
+}
+
+std::vector<Graph::PlannedLayer> Graph::Plan(const RankCoordinates& coords) const {
+  std::vector<PlannedLayer> out;
+  for (const LayerSlot& slot : impl_->layers) {
+    PlannedLayer layer{slot.config.name, LayerTypeName(slot.config.type), slot.in_state,
+                       slot.out_state, slot.in_width, slot.out_width, {}};
+    for (const Parameter* p : {slot.owns_weight ? slot.weight : nullptr, slot.bias}) {
+      if (p == nullptr) continue;
+      ShardSpec shard = p->shard;
+      if (shard.shard_dim >= 0) shard.shard_index = coords.tp;
+      layer.parameters.push_back({p->name, p->full_shape, LocalShape(shard, p->full_shape), shard});
+    }
+    out.push_back(std::move(layer));
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+// Parameters and data
+
+void Graph::InitializeParameters(RankContext& ctx) {
+  for (auto& p : impl_->parameters) {
+    if (p->shard.shard_dim >= 0) p->shard.shard_index = ctx.coords.tp;
+    const Shape local = LocalShape(p->shard, p->full_shape);
+    Tensor host = Tensor::HostZeros(local, impl_->run.dtype);
+    if (!p->zero_init) FillShard(impl_->run.seed, p->name, p->init, p->full_shape, p->shard, host);
+    p->value = ctx.kernels->ToDevice(host);
+    if (!p->frozen) p->grad = ctx.kernels->Zeros(local, impl_->run.dtype);
+  }
+}
+
+Batch Graph::Impl::MakeBatch(RankContext& ctx, int64_t m) const {
+  Batch batch;
+  batch.microbatch = m;
+  ctx.trace->SetPhase(Phase::kOther);
+  ctx.trace->SetSite("broadcast_data");
+  const int64_t s = run.seq_length, b = run.micro_batch_size, B = b * d;
+  batch.token_scale = 1.0 / static_cast<double>(run.num_microbatches * s * B);
+  // Megatron's broadcast_data: the first rank of each tp group makes its data-parallel
+  // slice and broadcasts it to the group.
+  auto make = [&](const char* stream, std::vector<int64_t>* out) {
+    Tensor host = Tensor::HostZeros({s, b}, DType::kFloat64);
+    if (ctx.coords.tp == 0) {
+      double* v = host.data_as<double>();
+      const std::string name = fmt::format("{}.mb{}", stream, m);
+      for (int64_t i = 0; i < s; ++i) {
+        for (int64_t j = 0; j < b; ++j) {
+          const int64_t g = ctx.coords.dp * b + j;
+          v[i * b + j] = static_cast<double>(TokenAt(run.seed, name, i * B + g, *model.vocab_size));
+        }
+      }
+    }
+    Tensor device = ctx.kernels->ToDevice(host);
+    BroadcastData(ctx, {&device});
+    const Tensor back = ctx.kernels->ToHost(device);
+    out->resize(static_cast<size_t>(s * b));
+    for (size_t k = 0; k < out->size(); ++k) {
+      (*out)[k] = static_cast<int64_t>(back.data_as<double>()[k]);
+    }
+  };
+  if (needs_tokens) make("tokens", &batch.tokens);
+  if (needs_labels) make("labels", &batch.labels);
+  return batch;
+}
+
+Tensor Graph::Impl::SyntheticActivation(RankContext& ctx, const std::string& name,
+                                        ActivationState state, int64_t width, DType dtype) const {
+  const Shape full = {run.seq_length, run.micro_batch_size * d, width};
+  const ShardSpec spec = ActivationSpec(state, ctx.coords, t, d);
+  Tensor host = Tensor::HostZeros(LocalShape(spec, full), dtype);
+  FillShard(run.seed, name, InitSpec{InitMethod::kNormal, 1.0}, full, spec, host);
+  Tensor device = ctx.kernels->ToDevice(host);
+  // A partial-sum input: every rank holds input / t, so that the sum is the input.
+  if (state.split == Split::kPartialSum) ctx.kernels->Scale(1.0 / static_cast<double>(t), device);
+  return device;
+}
+
+// ---------------------------------------------------------------------------------------
+// Layers
+
+Tensor Graph::Impl::Forward(RankContext& ctx, LayerSlot& slot, const Tensor& x,
+                            const Batch& batch) {
+  Kernels& k = *ctx.kernels;
+  const LayerConfig& c = slot.config;
+  const DType dtype = run.dtype;
+  const int64_t s = run.seq_length, b = run.micro_batch_size;
+  slot.input = x;
+  switch (c.type) {
+    case LayerType::kVocabParallelEmbedding: {
+      // Masked lookup in this rank's vocabulary rows, then sum over tp (each token's row
+      // lives on exactly one rank).
+      const auto [first, last] =
+          VocabRangeFromPerPartitionVocabSize(slot.weight->value.shape()[0], ctx.coords.tp);
+      Tensor y = k.Zeros({s, b, c.embedding_dim}, dtype);
+      k.EmbeddingForward(slot.weight->value, batch.tokens, first, last, y);
+      if (sequence_parallel) return ReduceScatterFirstDimTp(ctx, y);
+      return MappingForward(ctx, Mapping::kReduceFromTp, y);
+    }
+    case LayerType::kParallelEmbedding: {
+      const int64_t rows = slot.weight->value.shape()[0];
+      Tensor y = k.Zeros({s, b, c.embedding_dim / t}, dtype);
+      k.EmbeddingForward(slot.weight->value, batch.tokens, 0, rows, y);
+      return AllGatherLastDimTp(ctx, y);
+    }
+    case LayerType::kColumnParallelLinear: {
+      // copy_to_tensor_model_parallel_region (identity), or the sequence-parallel all-gather.
+      slot.saved = sequence_parallel ? AllGatherFirstDimTp(ctx, x) : x;
+      const Tensor& w = slot.weight->value;
+      Shape shape = slot.saved.shape();
+      shape.back() = w.shape()[0];
+      Tensor y = k.Zeros(shape, dtype);
+      k.Gemm(false, true, 1.0, slot.saved, w, 0.0, y);
+      if (slot.bias != nullptr && !c.skip_bias_add) k.AddRowVector(slot.bias->value, y);
+      return c.gather_output ? AllGatherLastDimTp(ctx, y) : y;
+    }
+    case LayerType::kRowParallelLinear: {
+      slot.saved = c.input_is_parallel ? x : SplitLastDimTp(ctx, x);
+      const Tensor& w = slot.weight->value;
+      Shape shape = slot.saved.shape();
+      shape.back() = w.shape()[0];
+      Tensor partial = k.Zeros(shape, dtype);
+      k.Gemm(false, true, 1.0, slot.saved, w, 0.0, partial);
+      Tensor y = sequence_parallel ? ReduceScatterFirstDimTp(ctx, partial)
+                                   : MappingForward(ctx, Mapping::kReduceFromTp, partial);
+      if (slot.bias != nullptr && !c.skip_bias_add) k.AddRowVector(slot.bias->value, y);
+      return y;
+    }
+    case LayerType::kGeLU: {
+      Tensor pre = x;
+      if (slot.added_bias != nullptr) {
+        pre = k.Zeros(x.shape(), dtype);
+        k.Copy(x, pre);
+        k.AddRowVector(slot.added_bias->value, pre);
+      }
+      slot.saved = pre;
+      Tensor y = k.Zeros(x.shape(), dtype);
+      k.GeluForward(pre, y);
+      return y;
+    }
+    case LayerType::kDropout: {
+      slot.draw = ctx.rng.Draw(slot.rng_stream);
+      Tensor y = k.Zeros(x.shape(), dtype);
+      k.Dropout(x, c.p, slot.draw.key, slot.draw.subsequence, 0, y);
+      return y;
+    }
+    case LayerType::kVocabParallelCrossEntropy: {
+      // Numerically stable softmax over the vocabulary split across tp: global row max,
+      // then sums of exp(z - max), of the target's shifted logit and (for smoothing) of
+      // the shifted logits, each all-reduced over tp.
+      const int64_t rows = x.rows();
+      const int64_t local_vocab = x.cols();
+      const int64_t start = ctx.coords.tp * local_vocab;
+      slot.row_max = k.Zeros({rows}, dtype);
+      k.RowMax(x, slot.row_max);
+      if (t > 1) ctx.Group("tp").AllReduce(slot.row_max, ReduceOp::kMax);
+      slot.sum_exp = k.Zeros({rows}, dtype);
+      Tensor sum_z = k.Zeros({rows}, dtype);
+      Tensor target_z = k.Zeros({rows}, dtype);
+      k.CrossEntropyPartials(x, slot.row_max, batch.labels, start, slot.sum_exp, sum_z,
+                             target_z);
+      if (t > 1) {
+        ctx.Group("tp").AllReduce(target_z, ReduceOp::kSum);
+        ctx.Group("tp").AllReduce(slot.sum_exp, ReduceOp::kSum);
+        if (c.label_smoothing > 0) ctx.Group("tp").AllReduce(sum_z, ReduceOp::kSum);
+      }
+      const Tensor h_sum_exp = k.ToHost(slot.sum_exp);
+      const Tensor h_sum_z = k.ToHost(sum_z);
+      const Tensor h_target = k.ToHost(target_z);
+      const double vp = static_cast<double>(padded_vocab);
+      const double sm = c.label_smoothing > 0 ? c.label_smoothing * vp / (vp - 1) : 0.0;
+      Tensor losses = Tensor::HostZeros({s, b}, dtype);
+      for (int64_t i = 0; i < rows; ++i) {
+        auto at = [&](const Tensor& v) {
+          return dtype == DType::kFloat32 ? static_cast<double>(v.data_as<float>()[i])
+                                          : v.data_as<double>()[i];
+        };
+        const double log_z = std::log(at(h_sum_exp));
+        const double loss =
+            (1 - sm) * (log_z - at(h_target)) + sm * (log_z - at(h_sum_z) / vp);
+        if (dtype == DType::kFloat32) {
+          losses.data_as<float>()[i] = static_cast<float>(loss);
+        } else {
+          losses.data_as<double>()[i] = loss;
+        }
+      }
+      return k.ToDevice(losses);
+    }
+    default:
+      return MappingForward(ctx, *MappingOf(c.type), x);
+  }
+}
+
+Tensor Graph::Impl::Backward(RankContext& ctx, LayerSlot& slot, const Tensor& dy,
+                             const Batch& batch) {
+  Kernels& k = *ctx.kernels;
+  const LayerConfig& c = slot.config;
+  const DType dtype = run.dtype;
+  switch (c.type) {
+    case LayerType::kVocabParallelEmbedding: {
+      if (slot.weight->frozen) return Tensor();
+      const Tensor full = sequence_parallel ? AllGatherFirstDimTp(ctx, dy) : dy;
+      const auto [first, last] =
+          VocabRangeFromPerPartitionVocabSize(slot.weight->value.shape()[0], ctx.coords.tp);
+      k.EmbeddingBackward(full, batch.tokens, first, last, slot.weight->grad);
+      return Tensor();
+    }
+    case LayerType::kParallelEmbedding: {
+      if (slot.weight->frozen) return Tensor();
+      const Tensor local = SplitLastDimTp(ctx, dy);
+      k.EmbeddingBackward(local, batch.tokens, 0, slot.weight->value.shape()[0],
+                          slot.weight->grad);
+      return Tensor();
+    }
+    case LayerType::kColumnParallelLinear: {
+      const Tensor d_local = c.gather_output ? SplitLastDimTp(ctx, dy) : dy;
+      const Tensor& w = slot.weight->value;
+      Tensor dx_total = k.Zeros(slot.saved.shape(), dtype);
+      k.Gemm(false, false, 1.0, d_local, w, 0.0, dx_total);  // [R, out/t] @ [out/t, in]
+      if (!slot.weight->frozen) {
+        k.Gemm(true, false, 1.0, d_local, slot.saved, 1.0, slot.weight->grad);  // main_grad +=
+      }
+      if (slot.bias != nullptr && !c.skip_bias_add && !slot.bias->frozen) {
+        k.SumRows(d_local, 1.0, slot.bias->grad);
+      }
+      // Backward of the input mapping: reduce-scatter (sequence parallel) or the
+      // all-reduce of copy_to_tensor_model_parallel_region.
+      return sequence_parallel ? ReduceScatterFirstDimTp(ctx, dx_total)
+                               : MappingBackward(ctx, Mapping::kCopyToTp, dx_total);
+    }
+    case LayerType::kRowParallelLinear: {
+      const Tensor d_total = sequence_parallel ? AllGatherFirstDimTp(ctx, dy) : dy;
+      const Tensor& w = slot.weight->value;
+      Tensor dx_local = k.Zeros(slot.saved.shape(), dtype);
+      k.Gemm(false, false, 1.0, d_total, w, 0.0, dx_local);  // [R, out] @ [out, in/t]
+      if (!slot.weight->frozen) k.Gemm(true, false, 1.0, d_total, slot.saved, 1.0, slot.weight->grad);
+      if (slot.bias != nullptr && !c.skip_bias_add) k.SumRows(dy, 1.0, slot.bias->grad);
+      return c.input_is_parallel ? dx_local : AllGatherLastDimTp(ctx, dx_local);
+    }
+    case LayerType::kGeLU: {
+      Tensor dx = k.Zeros(dy.shape(), dtype);
+      k.GeluBackward(slot.saved, dy, dx);
+      if (slot.added_bias != nullptr) k.SumRows(dx, 1.0, slot.added_bias->grad);
+      return dx;
+    }
+    case LayerType::kDropout: {
+      Tensor dx = k.Zeros(dy.shape(), dtype);
+      k.Dropout(dy, c.p, slot.draw.key, slot.draw.subsequence, 0, dx);
+      return dx;
+    }
+    case LayerType::kVocabParallelCrossEntropy: {
+      const int64_t rows = slot.input.rows();
+      const int64_t local_vocab = slot.input.cols();
+      const double vp = static_cast<double>(padded_vocab);
+      const double alpha = c.label_smoothing;
+      // dy holds d loss / d per-token loss.
+      Tensor grad = k.Zeros(slot.input.shape(), dtype);
+      k.CrossEntropyBackward(slot.input, slot.row_max, slot.sum_exp, batch.labels,
+                             ctx.coords.tp * local_vocab, 1.0 - alpha,
+                             alpha > 0 ? alpha / (vp - 1) : 0.0, dy.Reshaped({rows}), grad);
+      return grad;
+    }
+    default:
+      return MappingBackward(ctx, *MappingOf(c.type), dy, c.tensor_parallel_output_grad);
+  }
+}
+
+double Graph::Impl::ForwardChain(RankContext& ctx, const Batch& batch) {
+  ctx.trace->SetPhase(Phase::kForward);
+  Tensor x;
+  const LayerSlot& first = layers.front();
+  if (!IsEmbedding(first.config.type)) {
+    x = SyntheticActivation(ctx, fmt::format("input.mb{}", batch.microbatch), first.in_state,
+                            first.in_width, run.dtype);
+  }
+  for (LayerSlot& slot : layers) {
+    ctx.trace->SetSite(slot.config.name);
+    slot.output = Forward(ctx, slot, x, batch);
+    x = slot.output;
+  }
+  if (layers.back().config.type != LayerType::kVocabParallelCrossEntropy) return 0.0;
+  // Mean token loss over this micro-batch's s * B tokens: local sum, summed over dp.
+  const Tensor host = ctx.kernels->ToHost(layers.back().output);
+  double local = 0;
+  for (int64_t i = 0; i < host.numel(); ++i) {
+    local += run.dtype == DType::kFloat32 ? static_cast<double>(host.data_as<float>()[i])
+                                          : host.data_as<double>()[i];
+  }
+  Tensor sum = Tensor::HostZeros({1}, DType::kFloat64);
+  sum.data_as<double>()[0] = local;
+  Tensor device = ctx.kernels->ToDevice(sum);
+  ctx.trace->SetPhase(Phase::kOther);
+  ctx.trace->SetSite("loss");
+  if (d > 1) ctx.Group("dp").AllReduce(device, ReduceOp::kSum);
+  const double total = ctx.kernels->ToHost(device).data_as<double>()[0];
+  return total / static_cast<double>(run.seq_length * run.micro_batch_size * d);
+}
+
+void Graph::Impl::BackwardChain(RankContext& ctx, const Batch& batch) {
+  ctx.trace->SetPhase(Phase::kBackward);
+  LayerSlot& last = layers.back();
+  Tensor dy;
+  if (last.config.type == LayerType::kVocabParallelCrossEntropy) {
+    Tensor host = Tensor::HostZeros(last.output.shape(), run.dtype);
+    for (int64_t i = 0; i < host.numel(); ++i) {
+      if (run.dtype == DType::kFloat32) {
+        host.data_as<float>()[i] = static_cast<float>(batch.token_scale);
+      } else {
+        host.data_as<double>()[i] = batch.token_scale;
+      }
+    }
+    dy = ctx.kernels->ToDevice(host);
+  } else {
+    dy = SyntheticActivation(ctx, fmt::format("output_grad.mb{}", batch.microbatch),
+                             last.out_state, last.out_width, run.dtype);
+  }
+  for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
+    ctx.trace->SetSite(it->config.name);
+    it->output_grad = dy;
+    dy = Backward(ctx, *it, dy, batch);
+    it->input_grad = dy;
+  }
+}
+
+void Graph::Run(RankContext& ctx) {
+  Impl& g = *impl_;
+  g.loss_sum = 0;
+  g.has_loss = g.layers.back().config.type == LayerType::kVocabParallelCrossEntropy;
+  for (int64_t m = 0; m < g.run.num_microbatches; ++m) {
+    const Batch batch = g.MakeBatch(ctx, m);
+    const RngTracker::States before_forward = ctx.rng.GetStates();
+    g.loss_sum += g.ForwardChain(ctx, batch);
+    if (g.run.recompute) {
+      // Activation checkpointing: drop what the forward kept, then recompute it with the
+      // random streams as they were (Megatron's CheckpointFunction), and put the streams
+      // back where the first forward left them.
+      for (LayerSlot& slot : g.layers) {
+        slot.input = slot.output = slot.saved = Tensor();
+      }
+      const RngTracker::States after_forward = ctx.rng.GetStates();
+      ctx.rng.SetStates(before_forward);
+      // The recomputation's collectives are real: they stay in the trace, as forward.
+      g.ForwardChain(ctx, batch);
+      ctx.rng.SetStates(after_forward);
+    }
+    g.BackwardChain(ctx, batch);
+    if (m + 1 == g.run.num_microbatches && !batch.tokens.empty()) {
+      Tensor tokens = Tensor::HostZeros({g.run.seq_length, g.run.micro_batch_size},
+                                        DType::kFloat64);
+      for (size_t i = 0; i < batch.tokens.size(); ++i) {
+        tokens.data_as<double>()[i] = static_cast<double>(batch.tokens[i]);
+      }
+      g.last_tokens = tokens;
+    }
+    if (m + 1 == g.run.num_microbatches && !batch.labels.empty()) {
+      Tensor labels = Tensor::HostZeros({g.run.seq_length, g.run.micro_batch_size},
+                                        DType::kFloat64);
+      for (size_t i = 0; i < batch.labels.size(); ++i) {
+        labels.data_as<double>()[i] = static_cast<double>(batch.labels[i]);
+      }
+      g.last_labels = labels;
+    }
+  }
+  // Gradient reductions: replicated parameters that saw only a sequence shard, over tp;
+  // then every gradient over the data-parallel group (with cp = 1, dp_cp = dp).
+  ctx.trace->SetPhase(Phase::kOther);
+  for (auto& p : g.parameters) {
+    if (p->frozen) continue;
+    ctx.trace->SetSite(p->name);
+    if (p->reduce_over_tp && g.t > 1) ctx.Group("tp").AllReduce(p->grad, ReduceOp::kSum);
+    if (g.d > 1) ctx.Group("dp_cp").AllReduce(p->grad, ReduceOp::kSum);
+  }
+}
+
+std::vector<TensorRecord> Graph::Records(RankContext& ctx) const {
+  const Impl& g = *impl_;
+  std::vector<TensorRecord> out;
+  const int64_t s = g.run.seq_length, B = g.run.micro_batch_size * g.d;
+  auto activation = [&](const std::string& name, const Tensor& tensor, ActivationState state,
+                        int64_t width) {
+    if (!tensor.defined()) return;
+    TensorRecord r{name, tensor, {s, B, width}, ActivationSpec(state, ctx.coords, g.t, g.d),
+                   state.split == Split::kPartialSum};
+    out.push_back(std::move(r));
+  };
+  ShardSpec batch_split;
+  batch_split.batch_dim = 1;
+  batch_split.batch_shards = g.d;
+  batch_split.batch_index = ctx.coords.dp;
+  if (g.last_tokens.defined()) {
+    out.push_back({"tokens", ctx.kernels->ToDevice(g.last_tokens), {s, B}, batch_split, false});
+  }
+  if (g.last_labels.defined()) {
+    out.push_back({"labels", ctx.kernels->ToDevice(g.last_labels), {s, B}, batch_split, false});
+  }
+  for (const LayerSlot& slot : g.layers) {
+    const std::string& n = slot.config.name;
+    const bool embedding = IsEmbedding(slot.config.type);
+    if (!embedding) {
+      activation(n + ".input", slot.input, slot.in_state, slot.in_width);
+      activation(n + ".input_grad", slot.input_grad, slot.in_state, slot.in_width);
+    }
+    if (slot.config.type == LayerType::kVocabParallelCrossEntropy) {
+      out.push_back({n + ".output", slot.output, {s, B}, batch_split, false});
+      out.push_back({n + ".output_grad", slot.output_grad, {s, B}, batch_split, false});
+    } else {
+      activation(n + ".output", slot.output, slot.out_state, slot.out_width);
+      activation(n + ".output_grad", slot.output_grad, slot.out_state, slot.out_width);
+    }
+    for (const Parameter* p : {slot.owns_weight ? slot.weight : nullptr, slot.bias}) {
+      if (p == nullptr) continue;
+      out.push_back({p->name, p->value, p->full_shape, p->shard, false});
+      if (!p->frozen) out.push_back({p->name + "_grad", p->grad, p->full_shape, p->shard, false});
+    }
+  }
+  if (g.has_loss) {
+    Tensor loss = Tensor::HostZeros({1}, DType::kFloat64);
+    loss.data_as<double>()[0] = this->loss();
+    out.push_back({"loss", ctx.kernels->ToDevice(loss), {1}, ShardSpec{}, false});
+  }
+  return out;
+}
+
+}  // namespace mpusim

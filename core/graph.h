@@ -1,0 +1,88 @@
+// The layer graph: a chain of Megatron tensor-parallel layers, run forward and backward on
+// one rank. Its logic lives here once; backends supply only Kernels and Communicators.
+//
+// What it is: for each layer, *what* to compute and *which collective in which group*, in
+// forward and backward (docs/simulator.md is the contract), plus data generation, gradient
+// accumulation over micro-batches, activation recomputation, and the final gradient
+// reductions (sequence-parallel replicated parameters over tp, then data-parallel).
+// What it is not: a checker (sim/ compares the results with the float64 reference) or a
+// launcher (sim/ and cuda/ set up ranks and communicators).
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "core/rank_context.h"
+#include "core/sharding.h"
+#include "core/status.h"
+
+namespace mpusim {
+
+// How an activation is laid out across the tp group (docs/simulator.md, "Parallel states").
+struct ActivationState {
+  enum class Split : uint8_t { kReplicated, kHidden, kSequence, kPartialSum };
+  Split split = Split::kReplicated;
+  int64_t stride = 1;  // kHidden: the producing layer's stride
+};
+const char* SplitName(ActivationState::Split split);
+
+// A rank's local piece of a named tensor and where it sits in the full tensor.
+struct TensorRecord {
+  std::string name;  // "<layer>.<role>", "tokens", "labels", "loss"
+  Tensor tensor;     // local, on the backend's device
+  Shape full_shape;
+  ShardSpec shard;
+  bool partial_sum = false;  // the full tensor is the sum of all tp ranks' tensors
+};
+
+class Graph {
+ public:
+  // Checks that the layers fit together (shapes, parallel states, divisibility) for this
+  // layout; errors name "model.layers[i]" and say what is allowed.
+  static StatusOr<std::unique_ptr<Graph>> Build(const Config& config, const Topology& topology);
+  ~Graph();
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+
+  // Allocates this rank's parameter shards and fills them from the master values.
+  void InitializeParameters(RankContext& ctx);
+  // All micro-batches: data, forward, loss, backward (recomputing the forward first when
+  // run.recompute), gradient accumulation; then the tp and dp gradient reductions.
+  void Run(RankContext& ctx);
+
+  // After Run: every tensor of the last micro-batch plus parameters and gradients.
+  std::vector<TensorRecord> Records(RankContext& ctx) const;
+  bool has_loss() const;
+  double loss() const;  // mean over all tokens of all micro-batches (all dp ranks)
+
+  // The layers as planned, for `mpusim explain`: name, type, input/output states, full
+  // parameter shapes and their shard specs on this rank.
+  struct PlannedParameter {
+    std::string name;
+    Shape full_shape;
+    Shape local_shape;
+    ShardSpec shard;
+  };
+  struct PlannedLayer {
+    std::string name;
+    std::string type;
+    ActivationState input;
+    ActivationState output;
+    int64_t input_width;   // full hidden width (0 for token input)
+    int64_t output_width;  // full hidden width (0 for the loss)
+    std::vector<PlannedParameter> parameters;
+  };
+  std::vector<PlannedLayer> Plan(const RankCoordinates& coords) const;
+  int64_t padded_vocab_size() const;
+
+  struct Impl;
+
+ private:
+  explicit Graph(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mpusim

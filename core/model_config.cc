@@ -1,0 +1,629 @@
+// Strict parsing of the `model` and `run` sections (see model_config.h).
+//
+// What it checks: JSON types, ranges, unknown keys and layer types (with a suggestion), the
+// options each layer type accepts, and the references between layers (weight_from,
+// bias_from). What it does not check: whether consecutive layers fit together (shapes,
+// parallel states, sequence_parallel); core/graph owns that, since it needs the layout.
+#include "core/model_config.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <limits>
+#include <string_view>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include "core/parallel_config.h"
+
+namespace mpusim {
+namespace {
+
+using nlohmann::json;
+
+// Sizes stay below 2^31 so products such as make_vocab_size_divisible_by * tp cannot
+// overflow int64.
+constexpr int64_t kMaxSize = std::numeric_limits<int32_t>::max();
+
+constexpr std::string_view kPaddedVocab = "padded_vocab_size";
+
+// The same wording as parallel_config.cc, so every config error reads alike.
+std::string Describe(const json& value) {
+  std::string text = value.dump();
+  if (text.size() > 40) text = text.substr(0, 37) + "...";
+  return fmt::format("{} {}", value.type_name(), text);
+}
+
+Status ParseInt(const json& value, const std::string& where, int64_t min_value, int64_t* out) {
+  if (!value.is_number_integer()) {
+    return Status::Error(
+        where, fmt::format("must be an integer >= {}, got {}", min_value, Describe(value)));
+  }
+  if (value.is_number_unsigned() && value.get<uint64_t>() > static_cast<uint64_t>(kMaxSize)) {
+    return Status::Error(
+        where, fmt::format("must be at most {}, got {}", kMaxSize, value.get<uint64_t>()));
+  }
+  const int64_t v = value.get<int64_t>();
+  if (v < min_value) {
+    return Status::Error(where, fmt::format("must be an integer >= {}, got {}", min_value, v));
+  }
+  if (v > kMaxSize) {
+    return Status::Error(where, fmt::format("must be at most {}, got {}", kMaxSize, v));
+  }
+  *out = v;
+  return {};
+}
+
+Status ParseOptionalInt(const json& value, const std::string& where, int64_t min_value,
+                        std::optional<int64_t>* out) {
+  if (value.is_null()) {
+    out->reset();
+    return {};
+  }
+  int64_t v = 0;
+  MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, min_value, &v));
+  *out = v;
+  return {};
+}
+
+// An integer >= 1 or the string "padded_vocab_size".
+Status ParseSize(const json& value, const std::string& where, SizeValue* out) {
+  if (value.is_string() && value.get<std::string>() == kPaddedVocab) {
+    *out = SizeValue{0, true};
+    return {};
+  }
+  if (!value.is_number_integer()) {
+    return Status::Error(where, fmt::format("must be an integer >= 1 or \"{}\", got {}",
+                                            kPaddedVocab, Describe(value)));
+  }
+  int64_t v = 0;
+  MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &v));
+  *out = SizeValue{v, false};
+  return {};
+}
+
+Status ParseBool(const json& value, const std::string& where, bool* out) {
+  if (!value.is_boolean()) {
+    return Status::Error(where, fmt::format("must be true or false, got {}", Describe(value)));
+  }
+  *out = value.get<bool>();
+  return {};
+}
+
+// A finite JSON number (integer or float) in [0, 1).
+Status ParseFraction(const json& value, const std::string& where, double* out) {
+  const bool in_range = value.is_number() && std::isfinite(value.get<double>()) &&
+                        value.get<double>() >= 0.0 && value.get<double>() < 1.0;
+  if (!in_range) {
+    return Status::Error(where, fmt::format("must be a number in [0, 1), got {}", Describe(value)));
+  }
+  *out = value.get<double>();
+  return {};
+}
+
+// The name of another layer ("weight_from", "bias_from"); checked against the chain later.
+Status ParseLayerName(const json& value, const std::string& where, std::string* out) {
+  if (!value.is_string() || value.get<std::string>().empty()) {
+    return Status::Error(
+        where, fmt::format("must be the name of an earlier layer, got {}", Describe(value)));
+  }
+  *out = value.get<std::string>();
+  return {};
+}
+
+struct LayerTypeInfo {
+  LayerType type;
+  std::string_view name;                  // canonical spelling
+  std::vector<std::string_view> options;  // keys besides "name" and "type", documentation order
+};
+
+const std::vector<LayerTypeInfo>& LayerTypes() {
+  static const std::vector<LayerTypeInfo> kTypes = {
+      {LayerType::kVocabParallelEmbedding,
+       "VocabParallelEmbedding",
+       {"num_embeddings", "embedding_dim", "init_method", "init_method_std"}},
+      {LayerType::kParallelEmbedding,
+       "ParallelEmbedding",
+       {"num_embeddings", "embedding_dim", "init_method", "init_method_std"}},
+      {LayerType::kColumnParallelLinear,
+       "ColumnParallelLinear",
+       {"input_size", "output_size", "bias", "gather_output", "stride", "skip_bias_add",
+        "skip_weight_param_allocation", "weight_from", "frozen", "init_method", "init_method_std"}},
+      {LayerType::kRowParallelLinear,
+       "RowParallelLinear",
+       {"input_size", "output_size", "bias", "input_is_parallel", "stride", "skip_bias_add",
+        "frozen", "init_method", "init_method_std"}},
+      {LayerType::kGeLU, "GeLU", {"bias_from"}},
+      {LayerType::kDropout, "Dropout", {"p"}},
+      {LayerType::kVocabParallelCrossEntropy, "VocabParallelCrossEntropy", {"label_smoothing"}},
+      {LayerType::kCopyToTensorModelParallelRegion, "copy_to_tensor_model_parallel_region", {}},
+      {LayerType::kReduceFromTensorModelParallelRegion,
+       "reduce_from_tensor_model_parallel_region",
+       {}},
+      {LayerType::kScatterToTensorModelParallelRegion,
+       "scatter_to_tensor_model_parallel_region",
+       {}},
+      {LayerType::kGatherFromTensorModelParallelRegion,
+       "gather_from_tensor_model_parallel_region",
+       {}},
+      {LayerType::kScatterToSequenceParallelRegion, "scatter_to_sequence_parallel_region", {}},
+      {LayerType::kGatherFromSequenceParallelRegion,
+       "gather_from_sequence_parallel_region",
+       {"tensor_parallel_output_grad"}},
+      {LayerType::kReduceScatterToSequenceParallelRegion,
+       "reduce_scatter_to_sequence_parallel_region",
+       {}},
+  };
+  return kTypes;
+}
+
+const LayerTypeInfo& InfoOf(LayerType type) {
+  for (const LayerTypeInfo& info : LayerTypes()) {
+    if (info.type == type) return info;
+  }
+  return LayerTypes().front();  // unreachable: every enumerator is in the table
+}
+
+// Accepted spellings besides the canonical ones (Megatron's GELU module, the
+// vocab_parallel_cross_entropy function).
+std::optional<LayerType> LookUpLayerType(std::string_view text) {
+  if (text == "GELU") return LayerType::kGeLU;
+  if (text == "vocab_parallel_cross_entropy") return LayerType::kVocabParallelCrossEntropy;
+  for (const LayerTypeInfo& info : LayerTypes()) {
+    if (info.name == text) return info.type;
+  }
+  return std::nullopt;
+}
+
+std::string SuggestLayerType(std::string_view text) {
+  // Case slips ("gelu", "dropout") are too far apart for edit distance on short names.
+  for (const LayerTypeInfo& info : LayerTypes()) {
+    if (info.name.size() == text.size() &&
+        std::equal(text.begin(), text.end(), info.name.begin(), [](char a, char b) {
+          return std::tolower(static_cast<unsigned char>(a)) ==
+                 std::tolower(static_cast<unsigned char>(b));
+        })) {
+      return std::string(info.name);
+    }
+  }
+  std::vector<std::string_view> names;
+  for (const LayerTypeInfo& info : LayerTypes()) names.push_back(info.name);
+  return SuggestKey(text, names);
+}
+
+bool IsLinear(LayerType type) {
+  return type == LayerType::kColumnParallelLinear || type == LayerType::kRowParallelLinear;
+}
+
+bool IsEmbedding(LayerType type) {
+  return type == LayerType::kVocabParallelEmbedding || type == LayerType::kParallelEmbedding;
+}
+
+bool HasInit(LayerType type) { return IsLinear(type) || IsEmbedding(type); }
+
+// Parses `key` (already known to be an option of layer->type) into *layer.
+Status ParseLayerOption(const std::string& key, const json& value, const std::string& where,
+                        LayerConfig* layer) {
+  if (key == "num_embeddings") return ParseSize(value, where, &layer->num_embeddings);
+  if (key == "embedding_dim") return ParseInt(value, where, 1, &layer->embedding_dim);
+  if (key == "input_size") return ParseInt(value, where, 1, &layer->input_size);
+  if (key == "output_size") return ParseSize(value, where, &layer->output_size);
+  if (key == "bias") return ParseBool(value, where, &layer->bias);
+  if (key == "gather_output") return ParseBool(value, where, &layer->gather_output);
+  if (key == "input_is_parallel") return ParseBool(value, where, &layer->input_is_parallel);
+  if (key == "stride") return ParseInt(value, where, 1, &layer->stride);
+  if (key == "skip_bias_add") return ParseBool(value, where, &layer->skip_bias_add);
+  if (key == "skip_weight_param_allocation") {
+    return ParseBool(value, where, &layer->skip_weight_param_allocation);
+  }
+  if (key == "weight_from") return ParseLayerName(value, where, &layer->weight_from);
+  if (key == "frozen") return ParseBool(value, where, &layer->frozen);
+  if (key == "init_method") {
+    if (!value.is_string()) {
+      return Status::Error(where, fmt::format("must be one of xavier_normal, normal, zeros, "
+                                              "got {}",
+                                              Describe(value)));
+    }
+    StatusOr<InitMethod> method = ParseInitMethod(value.get<std::string>(), where);
+    if (!method.ok()) return method.status();
+    layer->init.method = *method;
+    return {};
+  }
+  if (key == "init_method_std") {
+    if (!value.is_number() || !std::isfinite(value.get<double>()) || value.get<double>() <= 0) {
+      return Status::Error(where, fmt::format("must be a number > 0, got {}", Describe(value)));
+    }
+    layer->init.std = value.get<double>();
+    return {};
+  }
+  if (key == "bias_from") return ParseLayerName(value, where, &layer->bias_from);
+  if (key == "p") return ParseFraction(value, where, &layer->p);
+  if (key == "label_smoothing") return ParseFraction(value, where, &layer->label_smoothing);
+  if (key == "tensor_parallel_output_grad") {
+    return ParseBool(value, where, &layer->tensor_parallel_output_grad);
+  }
+  return Status::Error(where, "unhandled option");  // unreachable: the tables cover every key
+}
+
+std::string EarlierNames(const std::vector<LayerConfig>& earlier) {
+  if (earlier.empty()) return "none";
+  std::vector<std::string_view> names;
+  for (const LayerConfig& layer : earlier) names.push_back(layer.name);
+  return fmt::format("{}", fmt::join(names, ", "));
+}
+
+const LayerConfig* FindEarlier(const std::vector<LayerConfig>& earlier, std::string_view name) {
+  for (const LayerConfig& layer : earlier) {
+    if (layer.name == name) return &layer;
+  }
+  return nullptr;
+}
+
+// weight_from: an earlier layer that owns a weight split on dim 0 like this layer's.
+Status CheckWeightFrom(const LayerConfig& layer, const std::vector<LayerConfig>& earlier,
+                       const std::string& prefix) {
+  const std::string where = prefix + ".weight_from";
+  const LayerConfig* owner = FindEarlier(earlier, layer.weight_from);
+  if (owner == nullptr) {
+    return Status::Error(where, fmt::format("\"{}\" is not an earlier layer (earlier layers: {})",
+                                            layer.weight_from, EarlierNames(earlier)));
+  }
+  if (owner->type != LayerType::kVocabParallelEmbedding &&
+      owner->type != LayerType::kColumnParallelLinear) {
+    return Status::Error(where, fmt::format("\"{}\" is a {}; must name a VocabParallelEmbedding "
+                                            "or ColumnParallelLinear (a weight split on dim 0)",
+                                            owner->name, LayerTypeName(owner->type)));
+  }
+  if (owner->skip_weight_param_allocation) {
+    return Status::Error(where, fmt::format("\"{}\" has no weight of its own (it uses \"{}\"'s); "
+                                            "name \"{}\"",
+                                            owner->name, owner->weight_from, owner->weight_from));
+  }
+  // The owner's stride decides how the shared weight is partitioned.
+  const int64_t owner_stride = owner->type == LayerType::kColumnParallelLinear ? owner->stride : 1;
+  if (layer.stride != owner_stride) {
+    return Status::Error(prefix + ".stride",
+                         fmt::format("must equal the stride of weight_from layer \"{}\" ({}), "
+                                     "which partitions the shared weight; got {}",
+                                     owner->name, owner_stride, layer.stride));
+  }
+  return {};
+}
+
+// bias_from: an earlier linear layer that returns its bias (skip_bias_add).
+Status CheckBiasFrom(const LayerConfig& layer, const std::vector<LayerConfig>& earlier,
+                     const std::string& prefix) {
+  const std::string where = prefix + ".bias_from";
+  const LayerConfig* source = FindEarlier(earlier, layer.bias_from);
+  if (source == nullptr) {
+    return Status::Error(where, fmt::format("\"{}\" is not an earlier layer (earlier layers: {})",
+                                            layer.bias_from, EarlierNames(earlier)));
+  }
+  if (!IsLinear(source->type)) {
+    return Status::Error(where, fmt::format("\"{}\" is a {}; must name a ColumnParallelLinear or "
+                                            "RowParallelLinear with \"skip_bias_add\": true",
+                                            source->name, LayerTypeName(source->type)));
+  }
+  if (!source->skip_bias_add) {
+    return Status::Error(where, fmt::format("\"{}\" must set \"skip_bias_add\": true to return "
+                                            "its bias instead of adding it",
+                                            source->name));
+  }
+  if (!source->bias) {
+    return Status::Error(
+        where, fmt::format("\"{}\" has \"bias\": false; it returns no bias", source->name));
+  }
+  return {};
+}
+
+Status ParseLayer(const json& value, const std::string& prefix,
+                  const std::vector<LayerConfig>& earlier, LayerConfig* out) {
+  if (!value.is_object()) {
+    return Status::Error(prefix, fmt::format("must be a JSON object with \"name\" and \"type\", "
+                                             "got {}",
+                                             Describe(value)));
+  }
+  LayerConfig layer;
+
+  // name: used in tensor names "<layer>.<role>", so unique and without '.'.
+  const std::string name_where = prefix + ".name";
+  if (!value.contains("name")) {
+    return Status::Error(name_where, "is required (a unique layer name, e.g. \"fc1\")");
+  }
+  const json& name = value.at("name");
+  if (!name.is_string() || name.get<std::string>().empty()) {
+    return Status::Error(name_where,
+                         fmt::format("must be a non-empty string, got {}", Describe(name)));
+  }
+  layer.name = name.get<std::string>();
+  if (layer.name.find('.') != std::string::npos) {
+    return Status::Error(name_where, fmt::format("must not contain '.' (tensor names are "
+                                                 "\"<layer>.<role>\"), got \"{}\"",
+                                                 layer.name));
+  }
+  for (size_t i = 0; i < earlier.size(); ++i) {
+    if (earlier[i].name == layer.name) {
+      return Status::Error(
+          name_where, fmt::format("\"{}\" is already the name of model.layers[{}]", layer.name, i));
+    }
+  }
+
+  // type
+  std::vector<std::string_view> type_names;
+  for (const LayerTypeInfo& info : LayerTypes()) type_names.push_back(info.name);
+  const std::string type_where = prefix + ".type";
+  if (!value.contains("type")) {
+    return Status::Error(type_where,
+                         fmt::format("is required (one of: {})", fmt::join(type_names, ", ")));
+  }
+  const json& type = value.at("type");
+  if (!type.is_string()) {
+    return Status::Error(type_where, fmt::format("must be a string (one of: {}), got {}",
+                                                 fmt::join(type_names, ", "), Describe(type)));
+  }
+  const std::string type_text = type.get<std::string>();
+  const std::optional<LayerType> layer_type = LookUpLayerType(type_text);
+  if (!layer_type) {
+    const std::string suggestion = SuggestLayerType(type_text);
+    return Status::Error(
+        type_where, suggestion.empty()
+                        ? fmt::format("unknown layer type \"{}\"; types: {}", type_text,
+                                      fmt::join(type_names, ", "))
+                        : fmt::format("unknown layer type \"{}\"; did you mean '{}'? (types: {})",
+                                      type_text, suggestion, fmt::join(type_names, ", ")));
+  }
+  layer.type = *layer_type;
+  const LayerTypeInfo& info = InfoOf(layer.type);
+
+  // Options, refused unless they belong to this type.
+  std::vector<std::string_view> keys = {"name", "type"};
+  keys.insert(keys.end(), info.options.begin(), info.options.end());
+  for (const auto& [key, option] : value.items()) {
+    if (key == "name" || key == "type") continue;
+    const std::string where = prefix + "." + key;
+    if (std::find(keys.begin(), keys.end(), key) == keys.end()) {
+      const bool of_another_type =
+          std::any_of(LayerTypes().begin(), LayerTypes().end(), [&](const LayerTypeInfo& other) {
+            return std::find(other.options.begin(), other.options.end(), key) !=
+                   other.options.end();
+          });
+      if (of_another_type) {
+        return Status::Error(where, fmt::format("not an option of {} (options: {})", info.name,
+                                                fmt::join(keys, ", ")));
+      }
+      const std::string suggestion = SuggestKey(key, keys);
+      return Status::Error(where, suggestion.empty()
+                                      ? fmt::format("unknown key; options of {}: {}", info.name,
+                                                    fmt::join(keys, ", "))
+                                      : fmt::format("unknown key; did you mean '{}'?", suggestion));
+    }
+    MPUSIM_RETURN_IF_ERROR(ParseLayerOption(key, option, where, &layer));
+  }
+
+  // Required options.
+  if (IsEmbedding(layer.type) && !value.contains("embedding_dim")) {
+    return Status::Error(prefix + ".embedding_dim", "is required (an integer >= 1)");
+  }
+  if (IsLinear(layer.type)) {
+    if (!value.contains("input_size")) {
+      return Status::Error(prefix + ".input_size", "is required (an integer >= 1)");
+    }
+    if (!value.contains("output_size")) {
+      return Status::Error(prefix + ".output_size",
+                           "is required (an integer >= 1 or \"padded_vocab_size\")");
+    }
+  }
+  if (layer.type == LayerType::kDropout && !value.contains("p")) {
+    return Status::Error(prefix + ".p", "is required (the drop probability, in [0, 1))");
+  }
+
+  // Options that only make sense together.
+  if (layer.skip_weight_param_allocation) {
+    if (layer.weight_from.empty()) {
+      return Status::Error(prefix + ".weight_from",
+                           "is required with \"skip_weight_param_allocation\": true (the "
+                           "earlier layer whose weight is passed at forward)");
+    }
+    // The weight belongs to weight_from: its init and requires_grad are that layer's.
+    for (std::string_view owned : {"init_method", "init_method_std", "frozen"}) {
+      if (value.contains(owned)) {
+        return Status::Error(fmt::format("{}.{}", prefix, owned),
+                             "does not apply with \"skip_weight_param_allocation\": true (the "
+                             "weight belongs to the weight_from layer)");
+      }
+    }
+    MPUSIM_RETURN_IF_ERROR(CheckWeightFrom(layer, earlier, prefix));
+  } else if (value.contains("weight_from")) {
+    return Status::Error(prefix + ".weight_from",
+                         "is only allowed with \"skip_weight_param_allocation\": true");
+  }
+  if (HasInit(layer.type) && value.contains("init_method_std") &&
+      layer.init.method != InitMethod::kNormal) {
+    return Status::Error(prefix + ".init_method_std",
+                         "is only used with \"init_method\": \"normal\"");
+  }
+  if (!layer.bias_from.empty()) MPUSIM_RETURN_IF_ERROR(CheckBiasFrom(layer, earlier, prefix));
+
+  *out = std::move(layer);
+  return {};
+}
+
+bool UsesPaddedVocab(const LayerConfig& layer) {
+  return (IsEmbedding(layer.type) && layer.num_embeddings.padded_vocab) ||
+         (IsLinear(layer.type) && layer.output_size.padded_vocab);
+}
+
+// Whole-chain rules: vocab_size where tokens, labels or padded_vocab_size need it, and
+// every returned bias consumed.
+Status CheckChain(const ModelConfig& model) {
+  for (size_t i = 0; i < model.layers.size(); ++i) {
+    const LayerConfig& layer = model.layers[i];
+    const std::string prefix = fmt::format("model.layers[{}]", i);
+    const bool needs_vocab = IsEmbedding(layer.type) || UsesPaddedVocab(layer) ||
+                             layer.type == LayerType::kVocabParallelCrossEntropy;
+    if (needs_vocab && !model.vocab_size) {
+      return Status::Error("model.vocab_size",
+                           fmt::format("is required by {} (\"{}\", {}): tokens and labels are "
+                                       "drawn from [0, vocab_size) and padded_vocab_size is "
+                                       "derived from it",
+                                       prefix, layer.name, LayerTypeName(layer.type)));
+    }
+    if (IsEmbedding(layer.type) && !layer.num_embeddings.padded_vocab &&
+        layer.num_embeddings.value < *model.vocab_size) {
+      return Status::Error(prefix + ".num_embeddings",
+                           fmt::format("must be >= vocab_size ({}) since tokens are drawn from "
+                                       "[0, vocab_size), got {}",
+                                       *model.vocab_size, layer.num_embeddings.value));
+    }
+    if (IsLinear(layer.type) && layer.skip_bias_add && layer.bias) {
+      const bool consumed =
+          std::any_of(model.layers.begin() + static_cast<std::ptrdiff_t>(i) + 1, model.layers.end(),
+                      [&](const LayerConfig& later) { return later.bias_from == layer.name; });
+      if (!consumed) {
+        return Status::Error(prefix + ".skip_bias_add",
+                             fmt::format("the bias of \"{}\" is returned but no later GeLU takes "
+                                         "it; add \"bias_from\": \"{}\" to one, or set "
+                                         "\"bias\": false",
+                                         layer.name, layer.name));
+      }
+    }
+  }
+  return {};
+}
+
+const std::vector<std::string_view>& ModelKeys() {
+  static const std::vector<std::string_view> kKeys = {"vocab_size", "make_vocab_size_divisible_by",
+                                                      "layers"};
+  return kKeys;
+}
+
+const std::vector<std::string_view>& RunKeys() {
+  static const std::vector<std::string_view> kKeys = {"seed",
+                                                      "dtype",
+                                                      "seq_length",
+                                                      "micro_batch_size",
+                                                      "num_microbatches",
+                                                      "recompute_granularity"};
+  return kKeys;
+}
+
+Status UnknownKey(const std::string& where, std::string_view key,
+                  const std::vector<std::string_view>& keys) {
+  const std::string suggestion = SuggestKey(key, keys);
+  return Status::Error(where, suggestion.empty()
+                                  ? fmt::format("unknown key; allowed: {}", fmt::join(keys, ", "))
+                                  : fmt::format("unknown key; did you mean '{}'?", suggestion));
+}
+
+}  // namespace
+
+const char* LayerTypeName(LayerType type) { return InfoOf(type).name.data(); }
+
+// Megatron's _vocab_size_with_padding. Returns 0 without a vocab_size; ParseModelSection
+// requires one wherever padded_vocab_size is used.
+int64_t ModelConfig::PaddedVocabSize(int64_t tensor_model_parallel_size) const {
+  if (!vocab_size) return 0;
+  const int64_t multiple = make_vocab_size_divisible_by * tensor_model_parallel_size;
+  if (multiple <= 0) return *vocab_size;
+  return (*vocab_size + multiple - 1) / multiple * multiple;
+}
+
+Status ParseModelSection(const json& section, ModelConfig* out) {
+  const std::string prefix = "model";
+  if (!section.is_object()) {
+    return Status::Error(prefix, fmt::format("must be a JSON object, got {}", Describe(section)));
+  }
+  ModelConfig model;
+  for (const auto& [key, value] : section.items()) {
+    const std::string where = prefix + "." + key;
+    if (std::find(ModelKeys().begin(), ModelKeys().end(), key) == ModelKeys().end()) {
+      return UnknownKey(where, key, ModelKeys());
+    }
+    if (key == "vocab_size") {
+      MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &model.vocab_size));
+    } else if (key == "make_vocab_size_divisible_by") {
+      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &model.make_vocab_size_divisible_by));
+    } else if (key == "layers") {
+      if (!value.is_array() || value.empty()) {
+        return Status::Error(where, fmt::format("must be a non-empty list of layer objects, got {}",
+                                                Describe(value)));
+      }
+      for (size_t i = 0; i < value.size(); ++i) {
+        LayerConfig layer;
+        MPUSIM_RETURN_IF_ERROR(
+            ParseLayer(value[i], fmt::format("{}[{}]", where, i), model.layers, &layer));
+        model.layers.push_back(std::move(layer));
+      }
+    }
+  }
+  if (!section.contains("layers")) {
+    return Status::Error(prefix + ".layers",
+                         "is required (a non-empty list of layers, e.g. [{\"name\": \"fc1\", "
+                         "\"type\": \"ColumnParallelLinear\", ...}])");
+  }
+  MPUSIM_RETURN_IF_ERROR(CheckChain(model));
+  *out = std::move(model);
+  return {};
+}
+
+Status ParseRunSection(const json& section, RunConfig* out) {
+  const std::string prefix = "run";
+  if (!section.is_object()) {
+    return Status::Error(prefix, fmt::format("must be a JSON object, got {}", Describe(section)));
+  }
+  RunConfig run;
+  for (const auto& [key, value] : section.items()) {
+    const std::string where = prefix + "." + key;
+    if (std::find(RunKeys().begin(), RunKeys().end(), key) == RunKeys().end()) {
+      return UnknownKey(where, key, RunKeys());
+    }
+    if (key == "seed") {
+      // The full uint64 range: seeds are Philox keys, not sizes.
+      if (!value.is_number_integer()) {
+        return Status::Error(where,
+                             fmt::format("must be an integer >= 0, got {}", Describe(value)));
+      }
+      if (!value.is_number_unsigned() && value.get<int64_t>() < 0) {
+        return Status::Error(where,
+                             fmt::format("must be an integer >= 0, got {}", value.get<int64_t>()));
+      }
+      run.seed = value.get<uint64_t>();
+    } else if (key == "dtype") {
+      if (value == "float32") {
+        run.dtype = DType::kFloat32;
+      } else if (value == "float64") {
+        run.dtype = DType::kFloat64;
+      } else {
+        return Status::Error(
+            where, fmt::format("must be \"float32\" or \"float64\", got {}", Describe(value)));
+      }
+    } else if (key == "seq_length") {
+      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &run.seq_length));
+    } else if (key == "micro_batch_size") {
+      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &run.micro_batch_size));
+    } else if (key == "num_microbatches") {
+      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &run.num_microbatches));
+    } else if (key == "recompute_granularity") {
+      if (value.is_null()) {
+        run.recompute = false;
+      } else if (value == "full") {
+        run.recompute = true;
+      } else if (value == "selective") {
+        return Status::Error(where, "\"selective\" is not supported; use \"full\" or null");
+      } else {
+        return Status::Error(where,
+                             fmt::format("must be \"full\" or null, got {}", Describe(value)));
+      }
+    }
+  }
+  if (!section.contains("seq_length")) {
+    return Status::Error(prefix + ".seq_length",
+                         "is required (tokens per sample, e.g. \"seq_length\": 8)");
+  }
+  *out = run;
+  return {};
+}
+
+}  // namespace mpusim

@@ -1,0 +1,126 @@
+// The `model` and `run` sections of a config: the layer graph and how to run it.
+//
+// {
+//   "parallel": {..., "sequence_parallel": false, "gradient_accumulation_fusion": false},
+//   "model": {
+//     "vocab_size": 64,                         tokens and labels are drawn from [0, vocab_size)
+//     "make_vocab_size_divisible_by": 128,      Megatron's padding: padded_vocab_size is
+//                                               vocab_size rounded up to a multiple of
+//                                               make_vocab_size_divisible_by * tp
+//     "layers": [                               a chain: each layer consumes the previous output
+//       {"name": "embedding", "type": "VocabParallelEmbedding", "embedding_dim": 32},
+//       {"name": "fc1", "type": "ColumnParallelLinear", "input_size": 32, "output_size": 128,
+//        "gather_output": false},
+//       {"name": "gelu", "type": "GeLU"},
+//       {"name": "fc2", "type": "RowParallelLinear", "input_size": 128, "output_size": 32,
+//        "input_is_parallel": true},
+//       {"name": "head", "type": "ColumnParallelLinear", "input_size": 32,
+//        "output_size": "padded_vocab_size", "gather_output": false, "bias": false},
+//       {"name": "loss", "type": "VocabParallelCrossEntropy", "label_smoothing": 0.1}
+//     ]
+//   },
+//   "run": {"seed": 1234, "dtype": "float32", "seq_length": 8, "micro_batch_size": 2,
+//           "num_microbatches": 1, "recompute_granularity": null}
+// }
+//
+// Layer types are Megatron's class or function names. Options are Megatron's names; sizes
+// may be the string "padded_vocab_size". A chain that starts without an embedding gets a
+// synthetic input [seq_length, micro_batch_size, input_size]; one that ends without a loss
+// gets a synthetic output gradient. This file parses and checks each section on its own;
+// core/graph checks that the layers fit together (shapes and parallel states).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "core/init.h"
+#include "core/status.h"
+#include "core/tensor.h"
+
+namespace mpusim {
+
+enum class LayerType : uint8_t {
+  kVocabParallelEmbedding,
+  kParallelEmbedding,
+  kColumnParallelLinear,
+  kRowParallelLinear,
+  kGeLU,
+  kDropout,
+  kVocabParallelCrossEntropy,
+  kCopyToTensorModelParallelRegion,      // copy_to_tensor_model_parallel_region
+  kReduceFromTensorModelParallelRegion,  // reduce_from_tensor_model_parallel_region
+  kScatterToTensorModelParallelRegion,   // scatter_to_tensor_model_parallel_region
+  kGatherFromTensorModelParallelRegion,  // gather_from_tensor_model_parallel_region
+  kScatterToSequenceParallelRegion,      // scatter_to_sequence_parallel_region
+  kGatherFromSequenceParallelRegion,     // gather_from_sequence_parallel_region
+  kReduceScatterToSequenceParallelRegion,  // reduce_scatter_to_sequence_parallel_region
+};
+
+// The spelling used in configs ("ColumnParallelLinear", "copy_to_tensor_model_parallel_region").
+const char* LayerTypeName(LayerType type);
+
+// A size given as a number or as "padded_vocab_size".
+struct SizeValue {
+  int64_t value = 0;
+  bool padded_vocab = false;
+  int64_t Resolve(int64_t padded_vocab_size) const {
+    return padded_vocab ? padded_vocab_size : value;
+  }
+};
+
+struct LayerConfig {
+  std::string name;
+  LayerType type = LayerType::kGeLU;
+  // VocabParallelEmbedding / ParallelEmbedding
+  SizeValue num_embeddings{0, true};  // default: padded_vocab_size
+  int64_t embedding_dim = 0;
+  // ColumnParallelLinear / RowParallelLinear
+  int64_t input_size = 0;
+  SizeValue output_size;
+  bool bias = true;
+  bool gather_output = true;                  // ColumnParallelLinear
+  bool input_is_parallel = false;             // RowParallelLinear
+  bool skip_bias_add = false;
+  bool skip_weight_param_allocation = false;  // ColumnParallelLinear: weight from weight_from
+  std::string weight_from;                    // the layer whose weight is passed at forward
+  bool frozen = false;                        // weight.requires_grad = False
+  int64_t stride = 1;
+  InitSpec init;  // "init_method", "init_method_std"; the bias is always zero
+  // GeLU: add the bias that layer `bias_from` (skip_bias_add) returned, then GeLU
+  // (Megatron's bias_gelu fusion).
+  std::string bias_from;
+  // Dropout
+  double p = 0.0;
+  // VocabParallelCrossEntropy
+  double label_smoothing = 0.0;
+  // gather_from_sequence_parallel_region
+  bool tensor_parallel_output_grad = true;
+};
+
+struct ModelConfig {
+  std::optional<int64_t> vocab_size;  // required when the chain has an embedding or a loss
+  int64_t make_vocab_size_divisible_by = 128;
+  std::vector<LayerConfig> layers;
+
+  // Megatron's _vocab_size_with_padding.
+  int64_t PaddedVocabSize(int64_t tensor_model_parallel_size) const;
+};
+
+struct RunConfig {
+  uint64_t seed = 1234;
+  DType dtype = DType::kFloat32;
+  int64_t seq_length = 0;  // required
+  int64_t micro_batch_size = 1;
+  int64_t num_microbatches = 1;  // > 1 accumulates gradients across microbatches
+  bool recompute = false;  // "recompute_granularity": "full" recomputes the forward in backward
+};
+
+// Parse one section each; errors name the JSON path ("model.layers[2].input_size").
+Status ParseModelSection(const nlohmann::json& section, ModelConfig* out);
+Status ParseRunSection(const nlohmann::json& section, RunConfig* out);
+
+}  // namespace mpusim

@@ -1,0 +1,80 @@
+// Tensor: a dense, row-major, contiguous array with a shape, a dtype and a device.
+//
+// What it is: the handle that core/graph passes to a backend's Kernels and Communicator.
+// Storage is allocated by the backend (host memory for sim/, device memory for cuda/) and
+// freed with it, so core never touches a device pointer itself.
+// What it is not: an autograd tensor or a view system. Activations are [sequence, batch,
+// hidden] like Megatron and are stored as 2-D [sequence*batch, hidden]; weights are stored
+// like torch.nn.Linear, [out, in].
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace mpusim {
+
+enum class DType : uint8_t { kFloat32, kFloat64 };
+enum class Device : uint8_t { kHost, kCuda };
+
+inline size_t DTypeSize(DType dtype) { return dtype == DType::kFloat32 ? 4 : 8; }
+inline std::string_view DTypeName(DType dtype) {
+  return dtype == DType::kFloat32 ? "float32" : "float64";
+}
+
+using Shape = std::vector<int64_t>;
+
+inline int64_t NumElements(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::string ShapeString(const Shape& shape);  // "[4, 8]"
+
+class Tensor {
+ public:
+  Tensor() = default;
+  // Wraps storage the caller allocated; `storage` owns it (its deleter frees it).
+  Tensor(Shape shape, DType dtype, Device device, std::shared_ptr<void> storage)
+      : shape_(std::move(shape)), dtype_(dtype), device_(device), storage_(std::move(storage)) {}
+  // Host tensor, zero-filled.
+  static Tensor HostZeros(Shape shape, DType dtype);
+
+  bool defined() const { return storage_ != nullptr; }
+  const Shape& shape() const { return shape_; }
+  DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
+  int64_t numel() const { return NumElements(shape_); }
+  size_t bytes() const { return static_cast<size_t>(numel()) * DTypeSize(dtype_); }
+  // 2-D view: rows = product of all but the last dimension, cols = the last dimension.
+  int64_t rows() const { return shape_.empty() ? 1 : numel() / shape_.back(); }
+  int64_t cols() const { return shape_.empty() ? 1 : shape_.back(); }
+
+  void* data() { return storage_.get(); }
+  const void* data() const { return storage_.get(); }
+  template <typename T>
+  T* data_as() {
+    return static_cast<T*>(storage_.get());
+  }
+  template <typename T>
+  const T* data_as() const {
+    return static_cast<const T*>(storage_.get());
+  }
+
+  // Same storage, another shape with the same number of elements.
+  Tensor Reshaped(Shape shape) const {
+    return Tensor(std::move(shape), dtype_, device_, storage_);
+  }
+
+ private:
+  Shape shape_;
+  DType dtype_ = DType::kFloat32;
+  Device device_ = Device::kHost;
+  std::shared_ptr<void> storage_;
+};
+
+}  // namespace mpusim

@@ -1,0 +1,167 @@
+// MpiCommunicator and MakeGroupCommunicators (see mpi_communicator.h).
+#include "sim/mpi_communicator.h"
+
+#include <climits>
+#include <cstddef>
+#include <stdexcept>
+#include <string_view>
+
+#include <fmt/format.h>
+
+#include "sim/mpi_check.h"
+
+namespace mpusim {
+namespace {
+
+[[noreturn]] void Invalid(std::string_view function, const std::string& what) {
+  throw std::invalid_argument(fmt::format("MpiCommunicator::{}: {}", function, what));
+}
+
+MPI_Datatype MpiType(DType dtype) { return dtype == DType::kFloat32 ? MPI_FLOAT : MPI_DOUBLE; }
+
+// MPI counts are int; larger buffers would need derived datatypes, which nothing needs yet.
+int MpiCount(std::string_view function, int64_t numel) {
+  if (numel > INT_MAX) Invalid(function, fmt::format("{} elements exceed MPI's int count", numel));
+  return static_cast<int>(numel);
+}
+
+void CheckBuffer(std::string_view function, std::string_view name, const Tensor& tensor) {
+  if (!tensor.defined()) Invalid(function, fmt::format("{} is not allocated", name));
+  if (tensor.device() != Device::kHost) {
+    Invalid(function, fmt::format("{} must be a host tensor", name));
+  }
+}
+
+bool Overlap(const Tensor& a, const Tensor& b) {
+  const auto* a0 = static_cast<const std::byte*>(a.data());
+  const auto* b0 = static_cast<const std::byte*>(b.data());
+  return a0 < b0 + b.bytes() && b0 < a0 + a.bytes();
+}
+
+// Checks a pair of buffers whose sizes must satisfy big.numel() == size * small.numel().
+void CheckChunked(std::string_view function, const Tensor& in, const Tensor& out,
+                  const Tensor& small, const Tensor& big, int size) {
+  CheckBuffer(function, "in", in);
+  CheckBuffer(function, "out", out);
+  if (in.dtype() != out.dtype()) {
+    Invalid(function,
+            fmt::format("in is {} but out is {}", DTypeName(in.dtype()), DTypeName(out.dtype())));
+  }
+  if (big.numel() != size * small.numel()) {
+    Invalid(function,
+            fmt::format("in {} and out {} do not match the group size {}: need {} == {} * {}",
+                        ShapeString(in.shape()), ShapeString(out.shape()), size, big.numel(), size,
+                        small.numel()));
+  }
+  if (in.numel() > 0 && Overlap(in, out)) Invalid(function, "in and out overlap");
+}
+
+}  // namespace
+
+MpiCommunicator::MpiCommunicator(MPI_Comm comm) : comm_(comm) {
+  SetErrorsReturn(comm_);
+  MPUSIM_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
+  MPUSIM_MPI_CHECK(MPI_Comm_size(comm_, &size_));
+}
+
+std::unique_ptr<MpiCommunicator> MpiCommunicator::Adopt(MPI_Comm comm) {
+  if (comm == MPI_COMM_NULL) Invalid("Adopt", "MPI_COMM_NULL");
+  if (comm == MPI_COMM_WORLD || comm == MPI_COMM_SELF) {
+    Invalid("Adopt", "a predefined communicator cannot be owned (and freed); use Duplicate");
+  }
+  return std::unique_ptr<MpiCommunicator>(new MpiCommunicator(comm));
+}
+
+std::unique_ptr<MpiCommunicator> MpiCommunicator::Duplicate(MPI_Comm comm) {
+  MPI_Comm copy = MPI_COMM_NULL;
+  MPUSIM_MPI_CHECK(MPI_Comm_dup(comm, &copy));
+  return Adopt(copy);
+}
+
+MpiCommunicator::~MpiCommunicator() {
+  int finalized = 0;
+  MPUSIM_MPI_CHECK(MPI_Finalized(&finalized));
+  if (finalized == 0) MPUSIM_MPI_CHECK(MPI_Comm_free(&comm_));
+}
+
+void MpiCommunicator::AllReduce(Tensor& buffer, ReduceOp op) {
+  CheckBuffer("AllReduce", "buffer", buffer);
+  const int count = MpiCount("AllReduce", buffer.numel());
+  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buffer.data(), count, MpiType(buffer.dtype()),
+                                 op == ReduceOp::kSum ? MPI_SUM : MPI_MAX, comm_));
+}
+
+void MpiCommunicator::AllGather(const Tensor& in, Tensor& out) {
+  CheckChunked("AllGather", in, out, in, out, size_);
+  const int count = MpiCount("AllGather", out.numel()) / size_;
+  const MPI_Datatype type = MpiType(in.dtype());
+  MPUSIM_MPI_CHECK(MPI_Allgather(in.data(), count, type, out.data(), count, type, comm_));
+}
+
+void MpiCommunicator::ReduceScatter(const Tensor& in, Tensor& out) {
+  CheckChunked("ReduceScatter", in, out, out, in, size_);
+  const int count = MpiCount("ReduceScatter", in.numel()) / size_;
+  MPUSIM_MPI_CHECK(
+      MPI_Reduce_scatter_block(in.data(), out.data(), count, MpiType(in.dtype()), MPI_SUM, comm_));
+}
+
+void MpiCommunicator::Broadcast(Tensor& buffer, int root) {
+  CheckBuffer("Broadcast", "buffer", buffer);
+  if (root < 0 || root >= size_) {
+    Invalid("Broadcast", fmt::format("root {} is outside the group of size {}", root, size_));
+  }
+  const int count = MpiCount("Broadcast", buffer.numel());
+  MPUSIM_MPI_CHECK(MPI_Bcast(buffer.data(), count, MpiType(buffer.dtype()), root, comm_));
+}
+
+std::map<std::string, std::unique_ptr<Communicator>> MakeGroupCommunicators(
+    const Topology& topology, int64_t world_rank, MPI_Comm world,
+    const std::vector<std::string>& kinds) {
+  int mpi_rank = 0;
+  int mpi_size = 0;
+  MPUSIM_MPI_CHECK(MPI_Comm_rank(world, &mpi_rank));
+  MPUSIM_MPI_CHECK(MPI_Comm_size(world, &mpi_size));
+
+  // Validate locally, then agree, so that either every rank splits or every rank throws.
+  std::string problem;
+  std::vector<size_t> kind_indices;
+  if (topology.first_rank() != 0) {
+    problem = fmt::format("the topology starts at rank {}, not 0", topology.first_rank());
+  } else if (mpi_size != topology.world_size()) {
+    problem = fmt::format("the MPI communicator has {} ranks but the topology {}", mpi_size,
+                          topology.world_size());
+  } else if (world_rank != mpi_rank) {
+    problem = fmt::format("world_rank {} is not this process's MPI rank {}", world_rank, mpi_rank);
+  }
+  for (const std::string& name : kinds) {
+    const std::optional<size_t> index = topology.FindKind(name);
+    if (!index.has_value()) {
+      if (problem.empty()) problem = fmt::format("unknown group kind \"{}\"", name);
+      continue;
+    }
+    if (topology.NumGroups(*index) > INT_MAX && problem.empty()) {
+      problem = fmt::format("group kind \"{}\" has more groups than MPI colors", name);
+    }
+    kind_indices.push_back(*index);
+  }
+  const int local_ok = problem.empty() ? 1 : 0;
+  int all_ok = 0;
+  MPUSIM_MPI_CHECK(MPI_Allreduce(&local_ok, &all_ok, 1, MPI_INT, MPI_LAND, world));
+  if (all_ok == 0) {
+    Invalid("MakeGroupCommunicators",
+            problem.empty() ? std::string("another rank refused its arguments") : problem);
+  }
+
+  std::map<std::string, std::unique_ptr<Communicator>> out;
+  for (size_t k = 0; k < kinds.size(); ++k) {
+    const std::optional<GroupSlot> slot = topology.Locate(kind_indices[k], world_rank);
+    const int color = slot.has_value() ? static_cast<int>(slot->group_index) : MPI_UNDEFINED;
+    const int key = slot.has_value() ? static_cast<int>(slot->rank_in_group) : 0;
+    MPI_Comm comm = MPI_COMM_NULL;
+    MPUSIM_MPI_CHECK(MPI_Comm_split(world, color, key, &comm));
+    if (comm != MPI_COMM_NULL) out[kinds[k]] = MpiCommunicator::Adopt(comm);
+  }
+  return out;
+}
+
+}  // namespace mpusim

@@ -1,0 +1,87 @@
+// MpiCommunicator: the simulator's Communicator, one MPI communicator per process group.
+//
+// What it is: the four collectives core/graph needs (all-reduce, all-gather, reduce-scatter,
+// broadcast) on host float32/float64 tensors, each a single MPI call on the group's own
+// MPI_Comm, plus MakeGroupCommunicators, which builds this rank's communicator for each
+// requested group kind of the planner (core/topology.h) with MPI_Comm_split.
+// What it is not: a planner (group membership comes from Topology only), a tracer (wrap it
+// in TracedCommunicator) or point-to-point messaging.
+//
+// Rank order: MPI_Comm_split(world, color = group_index, key = rank_in_group) orders each new
+// communicator by rank_in_group, so MPI rank k of a group is Megatron's k-th member
+// (Topology::Group(kind, group_index)[k]) and AllGather concatenates in Megatron's order.
+//
+// Every communicator this file creates gets MPI_ERRORS_RETURN, and every MPI call goes
+// through MPUSIM_MPI_CHECK (sim/mpi_check.h): a failed collective aborts the job with the
+// rank and the call named instead of hanging. Argument mistakes (sizes, dtypes, a root
+// outside the group) throw std::invalid_argument before any MPI call; since core/graph makes
+// the same calls on every rank of a group, all ranks throw together.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/communicator.h"
+#include "core/tensor.h"
+#include "core/topology.h"
+
+namespace mpusim {
+
+class MpiCommunicator final : public Communicator {
+ public:
+  // Takes ownership of `comm` (freed by the destructor) and sets MPI_ERRORS_RETURN on it;
+  // MPI_COMM_NULL, MPI_COMM_WORLD and MPI_COMM_SELF are refused (std::invalid_argument).
+  static std::unique_ptr<MpiCommunicator> Adopt(MPI_Comm comm);
+  // An owned duplicate of `comm` (MPI_Comm_dup), e.g. of MPI_COMM_WORLD.
+  static std::unique_ptr<MpiCommunicator> Duplicate(MPI_Comm comm);
+  // Duplicate(MPI_COMM_WORLD): all ranks, in world order.
+  static std::unique_ptr<MpiCommunicator> World() { return Duplicate(MPI_COMM_WORLD); }
+
+  MpiCommunicator(const MpiCommunicator&) = delete;
+  MpiCommunicator& operator=(const MpiCommunicator&) = delete;
+  // Frees the communicator (collective over the group, like MPI_Comm_free); does nothing
+  // once MPI is finalized.
+  ~MpiCommunicator() override;
+
+  int Rank() const override { return rank_; }
+  int Size() const override { return size_; }
+  MPI_Comm comm() const { return comm_; }
+
+  // Sum or max over the group, in place (MPI_IN_PLACE).
+  void AllReduce(Tensor& buffer, ReduceOp op) override;
+  // out = every rank's `in` concatenated in group-rank order; out.numel() == Size() *
+  // in.numel(); `in` and `out` must not overlap.
+  void AllGather(const Tensor& in, Tensor& out) override;
+  // in.numel() == Size() * out.numel(); out = sum over ranks of chunk Rank() of `in`.
+  void ReduceScatter(const Tensor& in, Tensor& out) override;
+  // In place from group rank `root`.
+  void Broadcast(Tensor& buffer, int root) override;
+
+ private:
+  explicit MpiCommunicator(MPI_Comm comm);
+
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0;
+  int size_ = 0;
+};
+
+// This rank's communicator for each kind named in `kinds` (Megatron names: "tp", "dp",
+// "dp_cp", "embd", ...), keyed by that name. A kind whose groups leave this rank out
+// (embd, pos_embd on middle pipeline stages) gets no entry.
+//
+// Collective over `world`: every rank must call it with the same `kinds` in the same order.
+// Requires topology.first_rank() == 0, `world` of size topology.world_size() and
+// `world_rank` equal to this process's rank in `world`. If any rank finds one of these
+// violated, or a kind name unknown to the topology, every rank throws
+// std::invalid_argument (the check is all-reduced first, so no rank is left waiting in a
+// split). Each split costs one collective over `world`.
+std::map<std::string, std::unique_ptr<Communicator>> MakeGroupCommunicators(
+    const Topology& topology, int64_t world_rank, MPI_Comm world,
+    const std::vector<std::string>& kinds);
+
+}  // namespace mpusim

@@ -1,0 +1,62 @@
+// `mpusim run`: every MPI rank plays one GPU, runs the layer graph (core/graph) with Eigen
+// kernels and MPI collectives, and checks its tensors against the float64 reference model.
+//
+// What it is: the simulator's driver: MPI start-up, world-size check, groups from the
+// planner, the run, the per-tensor check (errors reduced over ranks, printed by rank 0), the
+// comm trace summary and the optional dump.
+// What it is not: the layer logic (core/graph) or the reference (sim/reference_model).
+#pragma once
+
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+#include "core/communicator.h"
+#include "core/config.h"
+#include "core/graph.h"
+#include "core/status.h"
+
+namespace mpusim::sim {
+
+// One tensor's comparison with the reference, reduced over all ranks.
+struct TensorCheck {
+  std::string name;
+  Shape full_shape;
+  double max_abs = 0;
+  double max_rel = 0;
+  int64_t count = 0;
+  int64_t mismatches = 0;
+  int64_t non_finite = 0;
+  bool missing = false;  // the reference has no tensor of this name and shape
+  bool ok() const { return !missing && mismatches == 0; }
+};
+
+struct SimulationResult {
+  RankCoordinates coords;             // this rank's place in the layout
+  std::vector<TensorRecord> records;  // this rank's tensors, host copies
+  std::vector<TensorCheck> checks;    // empty without the check
+  bool has_loss = false;
+  double loss = 0;
+  double reference_loss = 0;
+  CommTrace trace;                    // this rank's collectives (the last repetition)
+  std::vector<double> seconds;        // wall time of each repetition
+  int64_t padded_vocab_size = 0;
+  std::vector<Graph::PlannedLayer> plan;  // as seen by rank 0's coordinates
+};
+
+// Runs `config` on MPI_COMM_WORLD (collective: every rank calls it with the same config;
+// the world size must equal parallel.world_size). Bad configs give a Status on every rank.
+StatusOr<SimulationResult> Simulate(const Config& config, bool check, int repeat = 1);
+
+struct RunOptions {
+  std::string config_path;
+  std::string dump_dir;  // empty: no dump
+  bool check = true;     // compare with the float64 reference
+  int repeat = 1;        // run the step this many times and report timings (benchmarks)
+};
+
+// Initialises MPI if needed (finalises it if it did), runs, and returns the exit code every
+// rank agrees on: 0 all checks passed, 1 a check failed, 2 bad input. Only rank 0 prints.
+int RunSimulation(const RunOptions& options, std::ostream& out, std::ostream& err);
+
+}  // namespace mpusim::sim

@@ -1,0 +1,594 @@
+// EigenKernels against naive loops, for float32 and float64.
+//
+// Inputs are small integers (Philox-drawn, fixed keys), so sums and products are exact in
+// both dtypes and most results are compared with EXPECT_EQ-strength checks (TensorsEqual).
+// Only GELU and the exp-based cross-entropy pieces get tolerances, because std::erf/std::exp
+// and Eigen's vectorised exp may differ from the double-precision reference by a few ulp.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <numbers>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "core/philox.h"
+#include "core/tensor.h"
+#include "sim/eigen_kernels.h"
+
+namespace mpusim {
+namespace {
+
+template <typename T>
+constexpr DType kDType = std::is_same_v<T, float> ? DType::kFloat32 : DType::kFloat64;
+
+// Integer in [lo, hi], element e of Philox stream `key`.
+double IntAt(uint64_t key, int64_t e, int lo, int hi) {
+  const double u = UniformAt(key, 7, static_cast<uint64_t>(e));
+  return lo + std::floor(u * (hi - lo + 1));
+}
+
+std::vector<double> Ints(uint64_t key, int64_t n, int lo = -4, int hi = 4) {
+  std::vector<double> v(static_cast<size_t>(n));
+  for (int64_t e = 0; e < n; ++e) v[static_cast<size_t>(e)] = IntAt(key, e, lo, hi);
+  return v;
+}
+
+template <typename T>
+Tensor Make(const Shape& shape, const std::vector<double>& values) {
+  Tensor t = Tensor::HostZeros(shape, kDType<T>);
+  EXPECT_EQ(static_cast<size_t>(t.numel()), values.size())
+      << "test bug: Make " << ShapeString(shape);
+  for (size_t e = 0; e < values.size(); ++e) t.data_as<T>()[e] = static_cast<T>(values[e]);
+  return t;
+}
+
+template <typename T>
+std::vector<double> Values(const Tensor& t) {
+  std::vector<double> v(static_cast<size_t>(t.numel()));
+  for (size_t e = 0; e < v.size(); ++e) v[e] = static_cast<double>(t.data_as<T>()[e]);
+  return v;
+}
+
+double Norm(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x * x;
+  return std::sqrt(s);
+}
+
+// |a - e| <= atol + rtol * |e| for every element (atol = rtol = 0: exact); NaN/Inf in the
+// actual values fail unless the expected value is the same non-finite value.
+::testing::AssertionResult TensorsNear(const std::string& name, const std::vector<double>& actual,
+                                       const std::vector<double>& expected, double atol = 0,
+                                       double rtol = 0) {
+  if (actual.size() != expected.size()) {
+    return ::testing::AssertionFailure()
+           << name << ": " << actual.size() << " elements, expected " << expected.size();
+  }
+  int64_t bad = 0;
+  double max_abs = 0;
+  std::string first;
+  for (size_t e = 0; e < actual.size(); ++e) {
+    const double a = actual[e];
+    const double x = expected[e];
+    bool ok;
+    if (!std::isfinite(a) || !std::isfinite(x)) {
+      ok = (a == x) || (std::isnan(a) && std::isnan(x));
+    } else {
+      ok = std::fabs(a - x) <= atol + rtol * std::fabs(x);
+      max_abs = std::max(max_abs, std::fabs(a - x));
+    }
+    if (!ok && bad++ < 10) first += fmt::format("\n  [{}] {} vs {}", e, a, x);
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << name << ": " << bad << " of " << actual.size()
+                                       << " mismatch (max abs " << max_abs << "):" << first;
+}
+
+template <typename T>
+class EigenKernelsTest : public ::testing::Test {
+ protected:
+  EigenKernels k_;
+};
+using DTypes = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(EigenKernelsTest, DTypes);
+
+// --- memory ---------------------------------------------------------------------------
+
+TYPED_TEST(EigenKernelsTest, ZerosToDeviceToHostCopy) {
+  using T = TypeParam;
+  Tensor z = this->k_.Zeros({3, 4}, kDType<T>);
+  EXPECT_EQ(z.shape(), (Shape{3, 4}));
+  EXPECT_EQ(z.dtype(), kDType<T>);
+  EXPECT_EQ(z.device(), Device::kHost);
+  EXPECT_TRUE(TensorsNear("zeros", Values<T>(z), std::vector<double>(12, 0.0)));
+  EXPECT_THROW(this->k_.Zeros({2, -1}, kDType<T>), std::invalid_argument);
+
+  const std::vector<double> v = Ints(1, 12);
+  ASSERT_GT(Norm(v), 0);
+  const Tensor host = Make<T>({3, 4}, v);
+  Tensor dev = this->k_.ToDevice(host);
+  EXPECT_NE(dev.data(), host.data());
+  EXPECT_EQ(dev.shape(), host.shape());
+  EXPECT_TRUE(TensorsNear("to_device", Values<T>(dev), v));
+  Tensor back = this->k_.ToHost(dev);
+  EXPECT_NE(back.data(), dev.data());
+  EXPECT_TRUE(TensorsNear("to_host", Values<T>(back), v));
+
+  Tensor dst = Make<T>({4, 3}, std::vector<double>(12, 9.0));
+  this->k_.Copy(host, dst);
+  EXPECT_TRUE(TensorsNear("copy", Values<T>(dst), v));
+  Tensor wrong = this->k_.Zeros({5}, kDType<T>);
+  EXPECT_THROW(this->k_.Copy(host, wrong), std::invalid_argument);
+}
+
+TYPED_TEST(EigenKernelsTest, CopyBlock) {
+  using T = TypeParam;
+  const std::vector<double> sv = Ints(2, 5 * 6);
+  const Tensor src = Make<T>({5, 6}, sv);
+  const std::vector<double> dv = Ints(3, 4 * 7);
+  Tensor dst = Make<T>({2, 2, 7}, dv);  // 2-D view 4 x 7
+  this->k_.CopyBlock(src, 1, 2, dst, 0, 3, 3, 4);
+  std::vector<double> expected = dv;
+  for (int i = 0; i < 3; ++i) {
+    for (int j = 0; j < 4; ++j)
+      expected[static_cast<size_t>((0 + i) * 7 + 3 + j)] =
+          sv[static_cast<size_t>((1 + i) * 6 + 2 + j)];
+  }
+  EXPECT_TRUE(TensorsNear("copy_block", Values<T>(dst), expected));
+
+  // Overlapping blocks of one tensor behave as if the source were read first.
+  Tensor self = Make<T>({5, 6}, sv);
+  this->k_.CopyBlock(self, 0, 0, self, 1, 1, 4, 5);
+  std::vector<double> shifted = sv;
+  for (int i = 0; i < 4; ++i) {
+    for (int j = 0; j < 5; ++j)
+      shifted[static_cast<size_t>((1 + i) * 6 + 1 + j)] = sv[static_cast<size_t>(i * 6 + j)];
+  }
+  EXPECT_TRUE(TensorsNear("copy_block_overlap", Values<T>(self), shifted));
+
+  EXPECT_THROW(this->k_.CopyBlock(src, 3, 0, dst, 0, 0, 3, 2), std::invalid_argument);
+  EXPECT_THROW(this->k_.CopyBlock(src, 0, 0, dst, 0, 5, 1, 3), std::invalid_argument);
+  EXPECT_THROW(this->k_.CopyBlock(src, 0, 0, dst, 0, 0, -1, 3), std::invalid_argument);
+}
+
+// --- dense algebra --------------------------------------------------------------------
+
+std::vector<double> NaiveGemm(bool ta, bool tb, double alpha, const std::vector<double>& a,
+                              const std::vector<double>& b, double beta, std::vector<double> c,
+                              int64_t m, int64_t n, int64_t k) {
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      double s = 0;
+      for (int64_t l = 0; l < k; ++l) {
+        const double av =
+            ta ? a[static_cast<size_t>(l * m + i)] : a[static_cast<size_t>(i * k + l)];
+        const double bv =
+            tb ? b[static_cast<size_t>(j * k + l)] : b[static_cast<size_t>(l * n + j)];
+        s += av * bv;
+      }
+      double& cv = c[static_cast<size_t>(i * n + j)];
+      cv = alpha * s + (beta == 0 ? 0 : beta * cv);
+    }
+  }
+  return c;
+}
+
+template <typename T>
+void CheckGemm(EigenKernels& kernels, int64_t m, int64_t n, int64_t k) {
+  for (bool ta : {false, true}) {
+    for (bool tb : {false, true}) {
+      for (double alpha : {1.0, -2.0, 0.5}) {
+        for (double beta : {0.0, 1.0, 3.0}) {
+          const std::vector<double> av = Ints(10, m * k), bv = Ints(11, k * n),
+                                    cv = Ints(12, m * n);
+          const Tensor a = Make<T>(ta ? Shape{k, m} : Shape{m, k}, av);
+          const Tensor b = Make<T>(tb ? Shape{n, k} : Shape{k, n}, bv);
+          Tensor c = Make<T>({m, n}, cv);
+          kernels.Gemm(ta, tb, alpha, a, b, beta, c);
+          const std::vector<double> expected = NaiveGemm(ta, tb, alpha, av, bv, beta, cv, m, n, k);
+          ASSERT_GT(Norm(expected), 0);
+          EXPECT_TRUE(TensorsNear(fmt::format("gemm {}x{}x{} ta={} tb={} alpha={} beta={}", m, n, k,
+                                              ta, tb, alpha, beta),
+                                  Values<T>(c), expected));
+        }
+      }
+    }
+  }
+}
+
+TYPED_TEST(EigenKernelsTest, GemmSmallAllTransposes) { CheckGemm<TypeParam>(this->k_, 5, 7, 6); }
+
+// Large enough for Eigen's blocked, packed GEMM path; |partial sums| <= 80 * 16 stay exact.
+TYPED_TEST(EigenKernelsTest, GemmBlockedAllTransposes) {
+  CheckGemm<TypeParam>(this->k_, 70, 65, 80);
+}
+
+TYPED_TEST(EigenKernelsTest, GemmBetaZeroOverwritesNaN) {
+  using T = TypeParam;
+  const Tensor a = Make<T>({2, 3}, Ints(20, 6));
+  const Tensor b = Make<T>({3, 2}, Ints(21, 6));
+  Tensor c = Make<T>({2, 2}, std::vector<double>(4, std::numeric_limits<double>::quiet_NaN()));
+  this->k_.Gemm(false, false, 1.0, a, b, 0.0, c);
+  EXPECT_TRUE(TensorsNear("gemm beta=0", Values<T>(c),
+                          NaiveGemm(false, false, 1, Ints(20, 6), Ints(21, 6), 0,
+                                    std::vector<double>(4, 0.0), 2, 2, 3)));
+}
+
+TYPED_TEST(EigenKernelsTest, GemmRejectsBadArguments) {
+  using T = TypeParam;
+  const Tensor a = Make<T>({2, 3}, Ints(20, 6));
+  const Tensor b = Make<T>({3, 2}, Ints(21, 6));
+  Tensor c = this->k_.Zeros({2, 2}, kDType<T>);
+  Tensor c_wrong = this->k_.Zeros({2, 3}, kDType<T>);
+  EXPECT_THROW(this->k_.Gemm(false, false, 1, a, b, 0, c_wrong), std::invalid_argument);
+  EXPECT_THROW(this->k_.Gemm(true, false, 1, a, b, 0, c), std::invalid_argument);
+  Tensor other =
+      this->k_.Zeros({3, 2}, kDType<T> == DType::kFloat32 ? DType::kFloat64 : DType::kFloat32);
+  EXPECT_THROW(this->k_.Gemm(false, false, 1, a, other, 0, c), std::invalid_argument);
+  Tensor square = Make<T>({2, 2}, Ints(22, 4));
+  EXPECT_THROW(this->k_.Gemm(false, false, 1, square, square, 0, square), std::invalid_argument);
+  // A tensor that claims to live on a GPU (its storage is host memory, never touched).
+  auto storage = std::make_shared<std::vector<double>>(6);
+  Tensor on_gpu(Shape{3, 2}, kDType<T>, Device::kCuda,
+                std::shared_ptr<void>(storage, storage->data()));
+  try {
+    this->k_.Gemm(false, false, 1, a, on_gpu, 0, c);
+    ADD_FAILURE() << "no exception";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("Gemm"), std::string::npos) << e.what();
+  }
+}
+
+TYPED_TEST(EigenKernelsTest, AddRowVectorSumRowsAxpyScale) {
+  using T = TypeParam;
+  const int64_t r = 6, c = 5;
+  const std::vector<double> xv = Ints(30, r * c), bv = Ints(31, c), ov = Ints(32, c);
+
+  Tensor y = Make<T>({2, 3, c}, xv);
+  this->k_.AddRowVector(Make<T>({c}, bv), y);
+  std::vector<double> expected = xv;
+  for (int64_t i = 0; i < r; ++i) {
+    for (int64_t j = 0; j < c; ++j)
+      expected[static_cast<size_t>(i * c + j)] += bv[static_cast<size_t>(j)];
+  }
+  EXPECT_TRUE(TensorsNear("add_row_vector", Values<T>(y), expected));
+  EXPECT_THROW(this->k_.AddRowVector(Make<T>({c + 1}, Ints(1, c + 1)), y), std::invalid_argument);
+
+  for (double beta : {0.0, 1.0, 2.0}) {
+    Tensor out = Make<T>({c}, ov);
+    this->k_.SumRows(Make<T>({r, c}, xv), beta, out);
+    std::vector<double> sums(static_cast<size_t>(c));
+    for (int64_t j = 0; j < c; ++j) {
+      double s = 0;
+      for (int64_t i = 0; i < r; ++i) s += xv[static_cast<size_t>(i * c + j)];
+      sums[static_cast<size_t>(j)] = beta * ov[static_cast<size_t>(j)] + s;
+    }
+    ASSERT_GT(Norm(sums), 0);
+    EXPECT_TRUE(TensorsNear(fmt::format("sum_rows beta={}", beta), Values<T>(out), sums));
+  }
+
+  Tensor ay = Make<T>({r, c}, Ints(33, r * c));
+  const std::vector<double> yv = Values<T>(ay);
+  this->k_.Axpy(-1.5, Make<T>({r * c}, xv), ay);
+  std::vector<double> axpy(yv.size());
+  for (size_t e = 0; e < yv.size(); ++e) axpy[e] = yv[e] - 1.5 * xv[e];
+  EXPECT_TRUE(TensorsNear("axpy", Values<T>(ay), axpy));
+  EXPECT_THROW(this->k_.Axpy(1, Make<T>({3}, Ints(1, 3)), ay), std::invalid_argument);
+
+  Tensor s = Make<T>({r, c}, xv);
+  this->k_.Scale(0.25, s);
+  std::vector<double> scaled(xv.size());
+  for (size_t e = 0; e < xv.size(); ++e) scaled[e] = 0.25 * xv[e];
+  EXPECT_TRUE(TensorsNear("scale", Values<T>(s), scaled));
+}
+
+// --- elementwise ----------------------------------------------------------------------
+
+// GELU goes through erf/exp: a few ulp of the dtype.
+template <typename T>
+constexpr double kUlpTol = std::is_same_v<T, float> ? 2e-6 : 1e-14;
+
+TYPED_TEST(EigenKernelsTest, Gelu) {
+  using T = TypeParam;
+  std::vector<double> xv(41), dyv = Ints(40, 41);
+  for (size_t e = 0; e < xv.size(); ++e) xv[e] = static_cast<double>(e) / 4.0 - 5.0;  // -5 .. 5
+  std::vector<double> fwd(xv.size()), bwd(xv.size());
+  for (size_t e = 0; e < xv.size(); ++e) {
+    const double x = xv[e];
+    const double cdf = 0.5 * (1 + std::erf(x / std::numbers::sqrt2));
+    const double pdf = std::exp(-0.5 * x * x) / std::sqrt(2 * std::numbers::pi);
+    fwd[e] = x * cdf;
+    bwd[e] = dyv[e] * (cdf + x * pdf);
+  }
+  const Tensor x = Make<T>({41}, xv);
+  Tensor y = this->k_.Zeros({41}, kDType<T>);
+  this->k_.GeluForward(x, y);
+  EXPECT_TRUE(TensorsNear("gelu", Values<T>(y), fwd, kUlpTol<T>, kUlpTol<T>));
+  EXPECT_NEAR(Values<T>(y)[24], 0.8413447460685429, kUlpTol<T>);  // gelu(1) = Phi(1)
+  EXPECT_EQ(Values<T>(y)[20], 0.0);                               // gelu(0)
+
+  Tensor in_place = Make<T>({41}, xv);
+  this->k_.GeluForward(in_place, in_place);
+  EXPECT_TRUE(TensorsNear("gelu in place", Values<T>(in_place), Values<T>(y)));
+
+  Tensor dx = this->k_.Zeros({41}, kDType<T>);
+  this->k_.GeluBackward(x, Make<T>({41}, dyv), dx);
+  ASSERT_GT(Norm(bwd), 0);
+  EXPECT_TRUE(TensorsNear("gelu backward", Values<T>(dx), bwd, kUlpTol<T>, kUlpTol<T>));
+  Tensor short_y = this->k_.Zeros({40}, kDType<T>);
+  EXPECT_THROW(this->k_.GeluForward(x, short_y), std::invalid_argument);
+}
+
+template <typename T>
+std::vector<double> NaiveDropout(const std::vector<double>& x, double p, uint64_t key,
+                                 uint64_t stream, uint64_t offset) {
+  std::vector<double> y(x.size());
+  for (size_t e = 0; e < x.size(); ++e) {
+    const bool keep = UniformAt(key, stream, offset + e) >= p;
+    y[e] = keep ? static_cast<double>(static_cast<T>(x[e]) / static_cast<T>(1 - p)) : 0.0;
+  }
+  return y;
+}
+
+TYPED_TEST(EigenKernelsTest, DropoutMatchesMaskAndWorksInPlace) {
+  using T = TypeParam;
+  const std::vector<double> xv = Ints(50, 200, 1, 9);  // nonzero: a zero would hide a drop
+  for (double p : {0.25, 0.5, 0.9}) {
+    const std::vector<double> expected = NaiveDropout<T>(xv, p, 1234, 3, 77);
+    Tensor y = this->k_.Zeros({10, 20}, kDType<T>);
+    this->k_.Dropout(Make<T>({10, 20}, xv), p, 1234, 3, 77, y);
+    EXPECT_TRUE(TensorsNear(fmt::format("dropout p={}", p), Values<T>(y), expected));
+    Tensor x = Make<T>({10, 20}, xv);
+    this->k_.Dropout(x, p, 1234, 3, 77, x);
+    EXPECT_TRUE(TensorsNear(fmt::format("dropout in place p={}", p), Values<T>(x), expected));
+  }
+  // A shard at offset 50 of a flat tensor gets the same mask as those elements of the whole.
+  Tensor whole = this->k_.Zeros({200}, kDType<T>);
+  this->k_.Dropout(Make<T>({200}, xv), 0.5, 9, 1, 0, whole);
+  Tensor part = this->k_.Zeros({30}, kDType<T>);
+  this->k_.Dropout(Make<T>({30}, std::vector<double>(xv.begin() + 50, xv.begin() + 80)), 0.5, 9, 1,
+                   50, part);
+  const std::vector<double> wv = Values<T>(whole);
+  EXPECT_TRUE(TensorsNear("dropout offset", Values<T>(part),
+                          std::vector<double>(wv.begin() + 50, wv.begin() + 80)));
+
+  Tensor copy = this->k_.Zeros({200}, kDType<T>);
+  this->k_.Dropout(Make<T>({200}, xv), 0.0, 1, 1, 0, copy);
+  EXPECT_TRUE(TensorsNear("dropout p=0", Values<T>(copy), xv));
+  this->k_.Dropout(Make<T>({200}, xv), 1.0, 1, 1, 0, copy);
+  EXPECT_TRUE(TensorsNear("dropout p=1", Values<T>(copy), std::vector<double>(200, 0.0)));
+  EXPECT_THROW(this->k_.Dropout(copy, 1.5, 1, 1, 0, copy), std::invalid_argument);
+  EXPECT_THROW(this->k_.Dropout(copy, -0.1, 1, 1, 0, copy), std::invalid_argument);
+}
+
+TYPED_TEST(EigenKernelsTest, DropoutKeepRateAndScale) {
+  using T = TypeParam;
+  const int64_t n = 1 << 20;
+  const double p = 0.3;
+  Tensor x = Make<T>({n}, std::vector<double>(static_cast<size_t>(n), 1.0));
+  this->k_.Dropout(x, p, 42, 5, 0, x);
+  int64_t kept = 0;
+  const T scale = static_cast<T>(1) / static_cast<T>(1 - p);
+  const T* v = x.template data_as<T>();
+  int64_t bad = 0;
+  for (int64_t e = 0; e < n; ++e) {
+    if (v[e] != 0) {
+      ++kept;
+      if (std::fabs(v[e] - scale) > 4 * std::numeric_limits<T>::epsilon()) ++bad;
+    }
+  }
+  EXPECT_EQ(bad, 0) << "kept elements must equal 1 / (1 - p)";
+  // Binomial: standard deviation sqrt(p (1 - p) / n) ~ 4.5e-4; allow ~6.5 sigma.
+  EXPECT_NEAR(static_cast<double>(kept) / static_cast<double>(n), 1 - p, 3e-3);
+}
+
+// --- embedding ------------------------------------------------------------------------
+
+TYPED_TEST(EigenKernelsTest, EmbeddingForwardBackwardMask) {
+  using T = TypeParam;
+  const int64_t vocab_start = 4, vocab_end = 9, h = 3;  // this shard: tokens 4..8
+  const std::vector<int64_t> ids = {4, 3, 8, 9, 6, 0, 6, 12};
+  const std::vector<double> wv = Ints(60, (vocab_end - vocab_start) * h);
+  const Tensor weight = Make<T>({vocab_end - vocab_start, h}, wv);
+  Tensor out = Make<T>({2, 4, h}, std::vector<double>(ids.size() * h, 7.0));
+  this->k_.EmbeddingForward(weight, ids, vocab_start, vocab_end, out);
+  std::vector<double> expected(ids.size() * h, 0.0);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < vocab_start || ids[i] >= vocab_end) continue;
+    for (int64_t j = 0; j < h; ++j)
+      expected[i * h + static_cast<size_t>(j)] =
+          wv[static_cast<size_t>((ids[i] - vocab_start) * h + j)];
+  }
+  ASSERT_GT(Norm(expected), 0);
+  EXPECT_TRUE(TensorsNear("embedding forward", Values<T>(out), expected));
+
+  const std::vector<double> dyv = Ints(61, static_cast<int64_t>(ids.size()) * h);
+  const std::vector<double> dw0 = Ints(62, (vocab_end - vocab_start) * h);
+  Tensor dweight = Make<T>({vocab_end - vocab_start, h}, dw0);
+  this->k_.EmbeddingBackward(Make<T>({static_cast<int64_t>(ids.size()), h}, dyv), ids, vocab_start,
+                             vocab_end, dweight);
+  std::vector<double> dw = dw0;  // accumulates; token 6 appears twice
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < vocab_start || ids[i] >= vocab_end) continue;
+    for (int64_t j = 0; j < h; ++j)
+      dw[static_cast<size_t>((ids[i] - vocab_start) * h + j)] +=
+          dyv[i * h + static_cast<size_t>(j)];
+  }
+  EXPECT_TRUE(TensorsNear("embedding backward", Values<T>(dweight), dw));
+
+  Tensor short_out = this->k_.Zeros({7, h}, kDType<T>);
+  EXPECT_THROW(this->k_.EmbeddingForward(weight, ids, vocab_start, vocab_end, short_out),
+               std::invalid_argument);
+  EXPECT_THROW(this->k_.EmbeddingForward(weight, ids, vocab_start, vocab_end + 1, out),
+               std::invalid_argument);
+  EXPECT_THROW(this->k_.EmbeddingBackward(out, ids, vocab_start, vocab_end - 1, dweight),
+               std::invalid_argument);
+}
+
+// --- vocab-parallel cross entropy -----------------------------------------------------
+
+TYPED_TEST(EigenKernelsTest, RowMax) {
+  using T = TypeParam;
+  const std::vector<double> lv = Ints(70, 4 * 6, -9, 9);
+  Tensor row_max = this->k_.Zeros({4}, kDType<T>);
+  this->k_.RowMax(Make<T>({4, 6}, lv), row_max);
+  std::vector<double> expected(4, -1e300);
+  for (size_t i = 0; i < 4; ++i) {
+    for (size_t j = 0; j < 6; ++j) expected[i] = std::max(expected[i], lv[i * 6 + j]);
+  }
+  EXPECT_TRUE(TensorsNear("row_max", Values<T>(row_max), expected));
+  Tensor empty_max = this->k_.Zeros({3}, kDType<T>);
+  this->k_.RowMax(this->k_.Zeros({3, 0}, kDType<T>), empty_max);
+  EXPECT_TRUE(TensorsNear("row_max of no columns", Values<T>(empty_max),
+                          std::vector<double>(3, -std::numeric_limits<double>::infinity())));
+  EXPECT_THROW(this->k_.RowMax(Make<T>({4, 6}, lv), empty_max), std::invalid_argument);
+}
+
+// Full vocabulary of 10, split into two shards of 5 columns; 4 tokens.
+struct CeExample {
+  static constexpr int64_t kRows = 4, kVocab = 10, kShard = 5;
+  std::vector<double> logits = Ints(80, kRows* kVocab, -6, 6);
+  std::vector<int64_t> labels = {2, 7, 5, 9};
+  std::vector<double> Max() const {
+    std::vector<double> m(kRows, -1e300);
+    for (int64_t i = 0; i < kRows; ++i) {
+      for (int64_t j = 0; j < kVocab; ++j)
+        m[static_cast<size_t>(i)] = std::max(m[static_cast<size_t>(i)], At(i, j));
+    }
+    return m;
+  }
+  double At(int64_t i, int64_t j) const { return logits[static_cast<size_t>(i * kVocab + j)]; }
+  std::vector<double> Shard(int64_t s) const {
+    std::vector<double> out;
+    for (int64_t i = 0; i < kRows; ++i) {
+      for (int64_t j = s * kShard; j < (s + 1) * kShard; ++j) out.push_back(At(i, j));
+    }
+    return out;
+  }
+};
+
+TYPED_TEST(EigenKernelsTest, CrossEntropyPartialsPerShardSumToFull) {
+  using T = TypeParam;
+  const CeExample ex;
+  const int64_t rows = CeExample::kRows;
+  const std::vector<double> max = ex.Max();  // what the max all-reduce over shards gives
+  std::vector<double> total_exp(rows, 0.0), total_z(rows, 0.0), total_target(rows, 0.0);
+  for (int64_t s = 0; s < 2; ++s) {
+    Tensor sum_exp = this->k_.Zeros({rows}, kDType<T>);
+    Tensor sum_z = this->k_.Zeros({rows}, kDType<T>);
+    Tensor target_z = this->k_.Zeros({rows}, kDType<T>);
+    this->k_.CrossEntropyPartials(Make<T>({rows, CeExample::kShard}, ex.Shard(s)),
+                                  Make<T>({rows}, max), ex.labels, s * CeExample::kShard, sum_exp,
+                                  sum_z, target_z);
+    std::vector<double> e(rows), z(rows), t(rows);
+    for (int64_t i = 0; i < rows; ++i) {
+      const size_t r = static_cast<size_t>(i);
+      for (int64_t j = s * CeExample::kShard; j < (s + 1) * CeExample::kShard; ++j) {
+        e[r] += std::exp(ex.At(i, j) - max[r]);
+        z[r] += ex.At(i, j) - max[r];
+      }
+      const int64_t label = ex.labels[r];
+      if (label >= s * CeExample::kShard && label < (s + 1) * CeExample::kShard) {
+        t[r] = ex.At(i, label) - max[r];
+      }
+      total_exp[r] += Values<T>(sum_exp)[r];
+      total_z[r] += Values<T>(sum_z)[r];
+      total_target[r] += Values<T>(target_z)[r];
+    }
+    // exp: library and vectorised exp differ by a few ulp.
+    EXPECT_TRUE(
+        TensorsNear(fmt::format("sum_exp shard {}", s), Values<T>(sum_exp), e, 0, 4 * kUlpTol<T>));
+    EXPECT_TRUE(TensorsNear(fmt::format("sum_z shard {}", s), Values<T>(sum_z), z));
+    EXPECT_TRUE(TensorsNear(fmt::format("target_z shard {}", s), Values<T>(target_z), t));
+  }
+  // The all-reduced pieces give the unsharded quantities.
+  std::vector<double> full_exp(rows), full_z(rows), full_target(rows);
+  for (int64_t i = 0; i < rows; ++i) {
+    const size_t r = static_cast<size_t>(i);
+    for (int64_t j = 0; j < CeExample::kVocab; ++j) {
+      full_exp[r] += std::exp(ex.At(i, j) - max[r]);
+      full_z[r] += ex.At(i, j) - max[r];
+    }
+    full_target[r] = ex.At(i, ex.labels[r]) - max[r];
+  }
+  ASSERT_GT(Norm(full_z), 0);
+  EXPECT_TRUE(TensorsNear("sum_exp total", total_exp, full_exp, 0, 4 * kUlpTol<T>));
+  EXPECT_TRUE(TensorsNear("sum_z total", total_z, full_z));
+  EXPECT_TRUE(TensorsNear("target_z total", total_target, full_target));
+
+  Tensor small = this->k_.Zeros({rows - 1}, kDType<T>);
+  Tensor ok = this->k_.Zeros({rows}, kDType<T>);
+  const Tensor shard = Make<T>({rows, CeExample::kShard}, ex.Shard(0));
+  EXPECT_THROW(
+      this->k_.CrossEntropyPartials(shard, Make<T>({rows}, max), ex.labels, 0, small, ok, ok),
+      std::invalid_argument);
+  EXPECT_THROW(this->k_.CrossEntropyPartials(shard, Make<T>({rows}, max), {1, 2}, 0, ok, ok, ok),
+               std::invalid_argument);
+}
+
+TYPED_TEST(EigenKernelsTest, CrossEntropyBackward) {
+  using T = TypeParam;
+  const CeExample ex;
+  const int64_t rows = CeExample::kRows;
+  const std::vector<double> max = ex.Max();
+  std::vector<double> sum_exp(rows);
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < CeExample::kVocab; ++j)
+      sum_exp[static_cast<size_t>(i)] += std::exp(ex.At(i, j) - max[static_cast<size_t>(i)]);
+  }
+  const double alpha = 0.1;  // label smoothing: q = 1 - alpha at the label, alpha / (V - 1) else
+  const double on = 1 - alpha, off = alpha / (CeExample::kVocab - 1);
+  const std::vector<double> row_scale = {0.25, 0.5, 1.0, 2.0};
+  for (int64_t s = 0; s < 2; ++s) {
+    const int64_t start = s * CeExample::kShard;
+    const Tensor logits = Make<T>({rows, CeExample::kShard}, ex.Shard(s));
+    Tensor grad = this->k_.Zeros({rows, CeExample::kShard}, kDType<T>);
+    this->k_.CrossEntropyBackward(logits, Make<T>({rows}, max), Make<T>({rows}, sum_exp), ex.labels,
+                                  start, on, off, Make<T>({rows}, row_scale), grad);
+    std::vector<double> expected;
+    for (int64_t i = 0; i < rows; ++i) {
+      const size_t r = static_cast<size_t>(i);
+      for (int64_t j = start; j < start + CeExample::kShard; ++j) {
+        const double q = j == ex.labels[r] ? on : off;
+        expected.push_back(row_scale[r] * (std::exp(ex.At(i, j) - max[r]) / sum_exp[r] - q));
+      }
+    }
+    ASSERT_GT(Norm(expected), 0);
+    // exp: a few ulp; the subtraction of q can cancel, so an absolute term as well.
+    EXPECT_TRUE(TensorsNear(fmt::format("ce grad shard {}", s), Values<T>(grad), expected,
+                            4 * kUlpTol<T>, 4 * kUlpTol<T>));
+
+    Tensor in_place = Make<T>({rows, CeExample::kShard}, ex.Shard(s));
+    this->k_.CrossEntropyBackward(in_place, Make<T>({rows}, max), Make<T>({rows}, sum_exp),
+                                  ex.labels, start, on, off, Make<T>({rows}, row_scale), in_place);
+    EXPECT_TRUE(TensorsNear(fmt::format("ce grad in place shard {}", s), Values<T>(in_place),
+                            Values<T>(grad)));
+  }
+  // Without smoothing and with unit scale, each full row of the gradient sums to 0.
+  const Tensor full = Make<T>({rows, CeExample::kVocab}, ex.logits);
+  Tensor grad = this->k_.Zeros({rows, CeExample::kVocab}, kDType<T>);
+  this->k_.CrossEntropyBackward(full, Make<T>({rows}, max), Make<T>({rows}, sum_exp), ex.labels, 0,
+                                1.0, 0.0, Make<T>({rows}, std::vector<double>(rows, 1.0)), grad);
+  const std::vector<double> g = Values<T>(grad);
+  for (int64_t i = 0; i < rows; ++i) {
+    double s = 0;
+    for (int64_t j = 0; j < CeExample::kVocab; ++j)
+      s += g[static_cast<size_t>(i * CeExample::kVocab + j)];
+    EXPECT_NEAR(s, 0.0, 16 * kUlpTol<T>) << "row " << i;
+  }
+  Tensor wrong = this->k_.Zeros({rows, CeExample::kVocab + 1}, kDType<T>);
+  EXPECT_THROW(
+      this->k_.CrossEntropyBackward(full, Make<T>({rows}, max), Make<T>({rows}, sum_exp), ex.labels,
+                                    0, 1.0, 0.0, Make<T>({rows}, row_scale), wrong),
+      std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace mpusim

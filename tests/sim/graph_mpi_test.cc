@@ -1,0 +1,450 @@
+// The layer graph on K MPI ranks (ctest runs this binary with K = 1, 2, 4, 8) against the
+// float64 reference: every op and flag, float64 and float32, tp and dp layouts, sequence
+// parallelism, dropout, recomputation, gradient accumulation; plus the region mappings and
+// utilities on integer data (exact), and the collectives the paper counts.
+#include <mpi.h>
+
+#include <cmath>
+#include <functional>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "core/config.h"
+#include "core/mappings.h"
+#include "core/tp_utils.h"
+#include "sim/eigen_kernels.h"
+#include "sim/mpi_communicator.h"
+#include "sim/runner.h"
+
+namespace mpusim {
+namespace {
+
+using nlohmann::json;
+
+int WorldSize() {
+  int size = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  return size;
+}
+
+int WorldRank() {
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  return rank;
+}
+
+Config MakeConfig(const json& document) {
+  Config config;
+  const Status status = ParseConfig(document, &config);
+  EXPECT_TRUE(status.ok()) << status.Message() << "\n" << document.dump();
+  return config;
+}
+
+// Runs `document` and expects every tensor to match the reference; returns the result.
+sim::SimulationResult RunChecked(const json& document) {
+  StatusOr<sim::SimulationResult> result = sim::Simulate(MakeConfig(document), true);
+  EXPECT_TRUE(result.ok()) << result.status().Message();
+  if (!result.ok()) return {};
+  EXPECT_FALSE(result->checks.empty());
+  for (const sim::TensorCheck& c : result->checks) {
+    EXPECT_TRUE(c.ok()) << c.name << ": " << c.mismatches << " of " << c.count
+                        << " elements off, max abs " << c.max_abs << ", max rel " << c.max_rel
+                        << (c.missing ? " (missing in reference)" : "") << "\n"
+                        << document.dump();
+  }
+  if (result->has_loss) {
+    EXPECT_NEAR(result->loss, result->reference_loss,
+                1e-5 * std::fabs(result->reference_loss) + 1e-9);
+  }
+  return std::move(result).value();
+}
+
+json Parallel(int64_t tp, bool sequence_parallel = false) {
+  return {{"world_size", WorldSize()},
+          {"tensor_model_parallel_size", tp},
+          {"sequence_parallel", sequence_parallel}};
+}
+
+json LanguageModel(double label_smoothing, int64_t vocab = 96, int64_t divisible = 8) {
+  return {{"vocab_size", vocab},
+          {"make_vocab_size_divisible_by", divisible},
+          {"layers",
+           {{{"name", "embedding"}, {"type", "VocabParallelEmbedding"}, {"embedding_dim", 16}},
+            {{"name", "fc1"},
+             {"type", "ColumnParallelLinear"},
+             {"input_size", 16},
+             {"output_size", 64},
+             {"gather_output", false}},
+            {{"name", "gelu"}, {"type", "GeLU"}},
+            {{"name", "fc2"},
+             {"type", "RowParallelLinear"},
+             {"input_size", 64},
+             {"output_size", 16},
+             {"input_is_parallel", true}},
+            {{"name", "head"},
+             {"type", "ColumnParallelLinear"},
+             {"input_size", 16},
+             {"output_size", "padded_vocab_size"},
+             {"gather_output", false},
+             {"bias", false}},
+            {{"name", "loss"},
+             {"type", "VocabParallelCrossEntropy"},
+             {"label_smoothing", label_smoothing}}}}};
+}
+
+json RunSection(const char* dtype, int64_t seq = 8, int64_t micro_batch = 2, int64_t microbatches = 1) {
+  return {{"seed", 4321},
+          {"dtype", dtype},
+          {"seq_length", seq},
+          {"micro_batch_size", micro_batch},
+          {"num_microbatches", microbatches}};
+}
+
+// Every tp size that divides the world (the rest is data parallel).
+std::vector<int64_t> TensorParallelSizes() {
+  std::vector<int64_t> sizes;
+  for (int64_t t = 1; t <= WorldSize(); t *= 2) {
+    if (WorldSize() % t == 0) sizes.push_back(t);
+  }
+  return sizes;
+}
+
+TEST(GraphVsReference, LanguageModelEveryLayoutBothDtypes) {
+  for (int64_t t : TensorParallelSizes()) {
+    for (const char* dtype : {"float64", "float32"}) {
+      SCOPED_TRACE(fmt::format("tp {} {}", t, dtype));
+      RunChecked({{"parallel", Parallel(t)},
+                  {"model", LanguageModel(0.1)},
+                  {"run", RunSection(dtype, 8, 2, 2)}});
+    }
+  }
+}
+
+TEST(GraphVsReference, SequenceParallel) {
+  for (int64_t t : TensorParallelSizes()) {
+    SCOPED_TRACE(fmt::format("tp {}", t));
+    json model = LanguageModel(0.0);
+    // skip_bias_add on fc1 with the bias added in the GeLU (bias_gelu).
+    model["layers"][1]["skip_bias_add"] = true;
+    model["layers"][2]["bias_from"] = "fc1";
+    RunChecked({{"parallel", Parallel(t, true)}, {"model", model}, {"run", RunSection("float64", 16)}});
+  }
+}
+
+// The loss does not depend on the layout, with label smoothing too (upstream Megatron's
+// smoothing uses the local vocabulary size, so its loss changes with tp).
+TEST(GraphVsReference, LossIsLayoutInvariantWithLabelSmoothing) {
+  std::vector<double> losses;
+  for (int64_t t : TensorParallelSizes()) {
+    const int64_t d = WorldSize() / t;
+    // The same global batch for every layout: micro_batch_size * d = world size.
+    const sim::SimulationResult result =
+        RunChecked({{"parallel", Parallel(t)},
+                    {"model", LanguageModel(0.2, 64, 8)},
+                    {"run", RunSection("float64", 4, WorldSize() / d)}});
+    losses.push_back(result.loss);
+  }
+  for (double loss : losses) EXPECT_NEAR(loss, losses.front(), 1e-12);
+}
+
+TEST(GraphVsReference, PaddedVocabulary) {
+  for (int64_t t : TensorParallelSizes()) {
+    SCOPED_TRACE(fmt::format("tp {}", t));
+    // 90 tokens padded to a multiple of 4 * t; padded rows get gradients only from the head.
+    const sim::SimulationResult r = RunChecked(
+        {{"parallel", Parallel(t)}, {"model", LanguageModel(0.1, 90, 4)}, {"run", RunSection("float64")}});
+    const int64_t multiple = 4 * t;
+    EXPECT_EQ(r.padded_vocab_size, (90 + multiple - 1) / multiple * multiple);
+  }
+}
+
+TEST(GraphVsReference, LinearLayerFlags) {
+  for (int64_t t : TensorParallelSizes()) {
+    SCOPED_TRACE(fmt::format("tp {}", t));
+    // gather_output, input_is_parallel false (scatter), frozen weight, no bias.
+    RunChecked({{"parallel", Parallel(t)},
+                {"model",
+                 {{"layers",
+                   {{{"name", "fc1"},
+                     {"type", "ColumnParallelLinear"},
+                     {"input_size", 16},
+                     {"output_size", 32},
+                     {"gather_output", true}},
+                    {{"name", "fc2"},
+                     {"type", "RowParallelLinear"},
+                     {"input_size", 32},
+                     {"output_size", 8},
+                     {"input_is_parallel", false},
+                     {"frozen", true}},
+                    {{"name", "fc3"},
+                     {"type", "ColumnParallelLinear"},
+                     {"input_size", 8},
+                     {"output_size", 16},
+                     {"bias", false}}}}}},
+                {"run", RunSection("float64")}});
+    // stride 2 on both layers (a fused projection's layout).
+    RunChecked({{"parallel", Parallel(t)},
+                {"model",
+                 {{"layers",
+                   {{{"name", "fc1"},
+                     {"type", "ColumnParallelLinear"},
+                     {"input_size", 16},
+                     {"output_size", 64},
+                     {"gather_output", false},
+                     {"stride", 2}},
+                    {{"name", "dropout"}, {"type", "Dropout"}, {"p", 0.25}},
+                    {{"name", "fc2"},
+                     {"type", "RowParallelLinear"},
+                     {"input_size", 64},
+                     {"output_size", 16},
+                     {"input_is_parallel", true},
+                     {"stride", 2}}}}}},
+                {"run", RunSection("float64")}});
+  }
+}
+
+TEST(GraphVsReference, EmbeddingsTiedHeadDropoutAndAccumulation) {
+  for (int64_t t : TensorParallelSizes()) {
+    SCOPED_TRACE(fmt::format("tp {}", t));
+    json model = LanguageModel(0.1);
+    model["layers"][4]["skip_weight_param_allocation"] = true;
+    model["layers"][4]["weight_from"] = "embedding";
+    model["layers"].insert(model["layers"].begin() + 3,
+                           json{{"name", "dropout"}, {"type", "Dropout"}, {"p", 0.3}});
+    json parallel = Parallel(t);
+    parallel["gradient_accumulation_fusion"] = true;
+    RunChecked({{"parallel", parallel}, {"model", model}, {"run", RunSection("float32", 8, 2, 3)}});
+    // ParallelEmbedding: embedding_dim split, then gathered.
+    RunChecked({{"parallel", Parallel(t)},
+                {"model",
+                 {{"vocab_size", 50},
+                  {"make_vocab_size_divisible_by", 1},
+                  {"layers",
+                   {{{"name", "embedding"},
+                     {"type", "ParallelEmbedding"},
+                     {"num_embeddings", 50},
+                     {"embedding_dim", 16}},
+                    {{"name", "fc"},
+                     {"type", "ColumnParallelLinear"},
+                     {"input_size", 16},
+                     {"output_size", 16},
+                     {"gather_output", false}}}}}},
+                {"run", RunSection("float64")}});
+  }
+}
+
+// Activation recomputation gives bit-identical gradients (dropout masks included).
+TEST(GraphVsReference, RecomputeIsBitIdentical) {
+  json model = LanguageModel(0.1);
+  model["layers"].insert(model["layers"].begin() + 3,
+                         json{{"name", "dropout"}, {"type", "Dropout"}, {"p", 0.5}});
+  json run = RunSection("float32", 8, 2, 2);
+  const sim::SimulationResult plain = RunChecked(
+      {{"parallel", Parallel(WorldSize())}, {"model", model}, {"run", run}});
+  run["recompute_granularity"] = "full";
+  const sim::SimulationResult recomputed = RunChecked(
+      {{"parallel", Parallel(WorldSize())}, {"model", model}, {"run", run}});
+  ASSERT_EQ(plain.records.size(), recomputed.records.size());
+  int compared = 0;
+  for (size_t i = 0; i < plain.records.size(); ++i) {
+    const TensorRecord& a = plain.records[i];
+    const TensorRecord& b = recomputed.records[i];
+    ASSERT_EQ(a.name, b.name);
+    if (a.name.find("_grad") == std::string::npos) continue;
+    ASSERT_EQ(a.tensor.bytes(), b.tensor.bytes()) << a.name;
+    EXPECT_EQ(std::memcmp(a.tensor.data(), b.tensor.data(), a.tensor.bytes()), 0) << a.name;
+    ++compared;
+  }
+  EXPECT_GT(compared, 5);
+}
+
+// The Megatron paper's count: per MLP block one all-reduce forward and one backward; with
+// sequence parallelism all-gathers and reduce-scatters instead.
+TEST(GraphVsReference, CollectivesPerMlpBlock) {
+  if (WorldSize() == 1) GTEST_SKIP() << "no collectives on one rank";
+  const json mlp = {{"layers",
+                     {{{"name", "fc1"},
+                       {"type", "ColumnParallelLinear"},
+                       {"input_size", 16},
+                       {"output_size", 64},
+                       {"gather_output", false}},
+                      {{"name", "gelu"}, {"type", "GeLU"}},
+                      {{"name", "fc2"},
+                       {"type", "RowParallelLinear"},
+                       {"input_size", 64},
+                       {"output_size", 16},
+                       {"input_is_parallel", true}}}}};
+  auto count = [](const CommTrace& trace, Phase phase, CommOpKind op) {
+    int n = 0;
+    for (const CommRecord& r : trace.records()) n += r.phase == phase && r.op == op ? 1 : 0;
+    return n;
+  };
+  const sim::SimulationResult plain =
+      RunChecked({{"parallel", Parallel(WorldSize())}, {"model", mlp}, {"run", RunSection("float64")}});
+  EXPECT_EQ(plain.trace.records().size(), 2u);
+  EXPECT_EQ(count(plain.trace, Phase::kForward, CommOpKind::kAllReduce), 1);
+  EXPECT_EQ(count(plain.trace, Phase::kBackward, CommOpKind::kAllReduce), 1);
+  const sim::SimulationResult sp = RunChecked(
+      {{"parallel", Parallel(WorldSize(), true)}, {"model", mlp}, {"run", RunSection("float64", 8)}});
+  EXPECT_EQ(count(sp.trace, Phase::kForward, CommOpKind::kAllGather), 1);
+  EXPECT_EQ(count(sp.trace, Phase::kForward, CommOpKind::kReduceScatter), 1);
+  EXPECT_EQ(count(sp.trace, Phase::kBackward, CommOpKind::kAllGather), 1);
+  EXPECT_EQ(count(sp.trace, Phase::kBackward, CommOpKind::kReduceScatter), 1);
+  EXPECT_EQ(count(sp.trace, Phase::kForward, CommOpKind::kAllReduce), 0);
+  // The sequence-parallel bias of fc2 is then all-reduced over tp once (phase "other").
+  EXPECT_EQ(count(sp.trace, Phase::kOther, CommOpKind::kAllReduce), 1);
+}
+
+TEST(GraphVsReference, BadLayoutsAreRefusedOnEveryRank) {
+  json model = LanguageModel(0.0);
+  model["layers"][3]["input_is_parallel"] = false;  // fc2 now wants a replicated input
+  StatusOr<sim::SimulationResult> r =
+      sim::Simulate(MakeConfig({{"parallel", Parallel(1)}, {"model", model}, {"run", RunSection("float64")}}),
+                    true);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().where(), "model.layers[3]");
+  EXPECT_NE(r.status().what().find("receives a hidden split activation but accepts only: "
+                                   "replicated"),
+            std::string::npos)
+      << r.status().what();
+}
+
+// ---------------------------------------------------------------------------------------
+// Region mappings and utilities on integer data: exact results.
+
+struct TpFixture {
+  StatusOr<Topology> topology = Topology::Create([] {
+    ParallelConfig c;
+    c.world_size = WorldSize();
+    c.tensor_model_parallel_size = WorldSize();
+    return c;
+  }());
+  EigenKernels kernels;
+  CommTrace trace;
+  RankContext ctx;
+  TpFixture() {
+    ctx.topology = &*topology;
+    ctx.rank = WorldRank();
+    ctx.coords = topology->Coordinates(ctx.rank);
+    ctx.kernels = &kernels;
+    ctx.trace = &trace;
+    for (auto& [kind, comm] : MakeGroupCommunicators(*topology, ctx.rank, MPI_COMM_WORLD, {"tp"})) {
+      ctx.groups.emplace(kind, std::move(comm));
+    }
+  }
+  // [rows, cols] with value f(row, col).
+  Tensor Make(int64_t rows, int64_t cols, const std::function<double(int64_t, int64_t)>& f) {
+    Tensor t = Tensor::HostZeros({rows, cols}, DType::kFloat64);
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t j = 0; j < cols; ++j) t.data_as<double>()[i * cols + j] = f(i, j);
+    }
+    return t;
+  }
+};
+
+void ExpectTensor(const Tensor& actual, int64_t rows, int64_t cols,
+                  const std::function<double(int64_t, int64_t)>& f) {
+  ASSERT_EQ(actual.rows(), rows);
+  ASSERT_EQ(actual.cols(), cols);
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < cols; ++j) {
+      ASSERT_EQ(actual.data_as<double>()[i * cols + j], f(i, j)) << i << ", " << j;
+    }
+  }
+}
+
+TEST(RegionMappings, ForwardAndBackwardOnIntegers) {
+  TpFixture fx;
+  const int64_t t = WorldSize(), r = WorldRank();
+  const int64_t rows = 2 * t, cols = 3 * t;
+  // Rank-dependent input: x_r[i, j] = 100 * r + 10 * i + j.
+  const auto own = [&](int64_t i, int64_t j) { return 100.0 * static_cast<double>(r) +
+                                                      10.0 * static_cast<double>(i) +
+                                                      static_cast<double>(j); };
+  const Tensor x = fx.Make(rows, cols, own);
+  const double rank_sum = 100.0 * static_cast<double>(t * (t - 1) / 2);
+  const auto summed = [&](int64_t i, int64_t j) {
+    return rank_sum + static_cast<double>(t) * (10.0 * static_cast<double>(i) +
+                                                 static_cast<double>(j));
+  };
+  // copy_to: forward identity, backward all-reduce.
+  ExpectTensor(MappingForward(fx.ctx, Mapping::kCopyToTp, x), rows, cols, own);
+  ExpectTensor(MappingBackward(fx.ctx, Mapping::kCopyToTp, x), rows, cols, summed);
+  // reduce_from: forward all-reduce, backward identity.
+  ExpectTensor(MappingForward(fx.ctx, Mapping::kReduceFromTp, x), rows, cols, summed);
+  ExpectTensor(MappingBackward(fx.ctx, Mapping::kReduceFromTp, x), rows, cols, own);
+  // scatter_to: forward keeps columns [r*c, (r+1)*c); backward all-gathers the last dim.
+  const int64_t c = cols / t;
+  ExpectTensor(MappingForward(fx.ctx, Mapping::kScatterToTp, x), rows, c,
+               [&](int64_t i, int64_t j) { return own(i, r * c + j); });
+  const Tensor piece = fx.Make(rows, c, [&](int64_t i, int64_t j) {
+    return 1000.0 * static_cast<double>(r) + 10.0 * static_cast<double>(i) +
+           static_cast<double>(j);
+  });
+  const auto gathered_cols = [&](int64_t i, int64_t j) {
+    return 1000.0 * static_cast<double>(j / c) + 10.0 * static_cast<double>(i) +
+           static_cast<double>(j % c);
+  };
+  ExpectTensor(MappingBackward(fx.ctx, Mapping::kScatterToTp, piece), rows, cols, gathered_cols);
+  // gather_from: forward all-gathers the last dim; backward splits it.
+  ExpectTensor(MappingForward(fx.ctx, Mapping::kGatherFromTp, piece), rows, cols, gathered_cols);
+  ExpectTensor(MappingBackward(fx.ctx, Mapping::kGatherFromTp, x), rows, c,
+               [&](int64_t i, int64_t j) { return own(i, r * c + j); });
+  // Sequence parallel: dim 0 is the leading block of rows.
+  const int64_t rb = rows / t;
+  ExpectTensor(MappingForward(fx.ctx, Mapping::kScatterToSp, x), rb, cols,
+               [&](int64_t i, int64_t j) { return own(r * rb + i, j); });
+  const Tensor rows_piece = fx.Make(rb, cols, [&](int64_t i, int64_t j) {
+    return 1000.0 * static_cast<double>(r) + 10.0 * static_cast<double>(i) +
+           static_cast<double>(j);
+  });
+  const auto gathered_rows = [&](int64_t i, int64_t j) {
+    return 1000.0 * static_cast<double>(i / rb) + 10.0 * static_cast<double>(i % rb) +
+           static_cast<double>(j);
+  };
+  ExpectTensor(MappingBackward(fx.ctx, Mapping::kScatterToSp, rows_piece), rows, cols,
+               gathered_rows);
+  ExpectTensor(MappingForward(fx.ctx, Mapping::kGatherFromSp, rows_piece), rows, cols,
+               gathered_rows);
+  const auto scattered_sum = [&](int64_t i, int64_t j) { return summed(r * rb + i, j); };
+  ExpectTensor(MappingBackward(fx.ctx, Mapping::kGatherFromSp, x, true), rb, cols, scattered_sum);
+  ExpectTensor(MappingBackward(fx.ctx, Mapping::kGatherFromSp, x, false), rb, cols,
+               [&](int64_t i, int64_t j) { return own(r * rb + i, j); });
+  ExpectTensor(MappingForward(fx.ctx, Mapping::kReduceScatterToSp, x), rb, cols, scattered_sum);
+  ExpectTensor(MappingBackward(fx.ctx, Mapping::kReduceScatterToSp, rows_piece), rows, cols,
+               gathered_rows);
+}
+
+TEST(TensorParallelUtils, VocabRangesSplitsAndBroadcast) {
+  TpFixture fx;
+  const int64_t t = WorldSize(), r = WorldRank();
+  EXPECT_EQ(VocabRangeFromGlobalVocabSize(64 * t, r, t), std::make_pair(64 * r, 64 * r + 64));
+  EXPECT_EQ(VocabRangeFromPerPartitionVocabSize(10, 3), std::make_pair(int64_t{30}, int64_t{40}));
+  EXPECT_THROW(VocabRangeFromGlobalVocabSize(7, 0, 2), std::invalid_argument);
+
+  const Tensor x = fx.Make(3, 4 * t, [](int64_t i, int64_t j) { return 10.0 * static_cast<double>(i) + static_cast<double>(j); });
+  const std::vector<Tensor> parts = SplitTensorAlongLastDim(fx.kernels, x, t);
+  ASSERT_EQ(static_cast<int64_t>(parts.size()), t);
+  for (int64_t p = 0; p < t; ++p) {
+    ExpectTensor(parts[static_cast<size_t>(p)], 3, 4, [&](int64_t i, int64_t j) {
+      return 10.0 * static_cast<double>(i) + static_cast<double>(p * 4 + j);
+    });
+  }
+  const Tensor chunk = SplitTensorInto1dEqualChunks(fx.ctx, x);
+  ASSERT_EQ(chunk.numel(), 12);
+  EXPECT_EQ(chunk.data_as<double>()[0], x.data_as<double>()[r * 12]);
+  const Tensor whole = GatherSplit1dTensor(fx.ctx, chunk);
+  ASSERT_EQ(whole.numel(), x.numel());
+  EXPECT_EQ(std::memcmp(whole.data(), x.data(), x.bytes()), 0);
+
+  Tensor data = fx.Make(2, 2, [&](int64_t i, int64_t j) {
+    return static_cast<double>(r + 1) * static_cast<double>(i * 2 + j + 1);
+  });
+  BroadcastData(fx.ctx, {&data});
+  ExpectTensor(data, 2, 2, [](int64_t i, int64_t j) { return static_cast<double>(i * 2 + j + 1); });
+}
+
+}  // namespace
+}  // namespace mpusim
