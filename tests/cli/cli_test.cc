@@ -1,6 +1,7 @@
 // The mpusim command line: golden lines from the MPU lab and Megatron's docs, JSON schema,
 // every sample config, and the error contract (one line, exit 2, nothing on stdout).
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -8,10 +9,13 @@
 #include <regex>
 #include <sstream>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 #include "cli/cli.h"
+#include "core/init.h"
+#include "core/safetensors.h"
 
 namespace mpusim::cli {
 namespace {
@@ -333,6 +337,116 @@ TEST(Binary, HelpAndExitCodes) {
   EXPECT_NE(help.out.find("--tp"), std::string::npos);
   EXPECT_NE(help.out.find("--format"), std::string::npos);
 }
+
+// ---------------------------------------------------------------------------------------
+// mpusim run and mpusim explain (the run tests launch the real binary under mpiexec).
+
+namespace run_tests {
+
+int Shell(const std::string& command, std::string* output = nullptr) {
+  // Unique per process and call: ctest runs tests of this binary in parallel.
+  static int calls = 0;
+  const std::string log = (std::filesystem::temp_directory_path() /
+                           fmt::format("mpusim_cli_run.{}.{}.log", ::getpid(), ++calls))
+                              .string();
+  const std::string env = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ";
+  const int raw = std::system((env + command + " > " + log + " 2>&1").c_str());
+  if (output != nullptr) {
+    std::ifstream in(log);
+    *output = std::string(std::istreambuf_iterator<char>(in), {});
+  }
+  return WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+}
+
+std::string Mpiexec(int ranks) {
+  return fmt::format("{} -n {} --oversubscribe ", MPUSIM_MPIEXEC, ranks);
+}
+
+TEST(RunCommand, LabRunPassesAndDumpsReassemblableTensors) {
+  const std::filesystem::path dump =
+      std::filesystem::temp_directory_path() / fmt::format("mpusim_cli_dump.{}", ::getpid());
+  std::filesystem::remove_all(dump);
+  std::string output;
+  const int code = Shell(Mpiexec(2) + MPUSIM_BINARY + " run " +
+                             Sample("lab_parallel_embedding_t2_n2.json") + " --dump " +
+                             dump.string(),
+                         &output);
+  ASSERT_EQ(code, 0) << output;
+  for (const char* line : {"check against the float64 reference", " passed, 0 failed",
+                           "collectives on rank 0", "forward   fc2", "all-reduce",
+                           "backward  fc1"}) {
+    EXPECT_NE(output.find(line), std::string::npos) << line << "\n" << output;
+  }
+  // manifest + one safetensors file per rank; the weight shards reassemble into the master
+  // weight that any layout starts from.
+  std::ifstream manifest_in(dump / "manifest.json");
+  ASSERT_TRUE(manifest_in);
+  const json manifest = json::parse(manifest_in);
+  EXPECT_EQ(manifest["schema_version"], 1);
+  EXPECT_EQ(manifest["world_size"], 2);
+  EXPECT_EQ(manifest["files"], json({"rank00000.safetensors", "rank00001.safetensors"}));
+  std::vector<Tensor> shards;
+  std::vector<ShardSpec> specs;
+  for (int rank = 0; rank < 2; ++rank) {
+    StatusOr<SafetensorsFile> file =
+        ReadSafetensors((dump / fmt::format("rank{:05d}.safetensors", rank)).string());
+    ASSERT_TRUE(file.ok()) << file.status().Message();
+    const json meta = json::parse(file->metadata.at("fc1.weight"));
+    EXPECT_EQ(meta["full_shape"], json({256, 64}));
+    EXPECT_EQ(meta["shard_dim"], 0);
+    EXPECT_EQ(meta["num_shards"], 2);
+    EXPECT_EQ(meta["shard_index"], rank);
+    ShardSpec spec;
+    spec.shard_dim = meta["shard_dim"];
+    spec.num_shards = meta["num_shards"];
+    spec.shard_index = meta["shard_index"];
+    spec.stride = meta["stride"];
+    for (const NamedTensor& t : file->tensors) {
+      if (t.name == "fc1.weight") shards.push_back(t.tensor);
+    }
+    specs.push_back(spec);
+  }
+  ASSERT_EQ(shards.size(), 2u);
+  StatusOr<Tensor> full = AssembleFull(shards, specs, {256, 64});
+  ASSERT_TRUE(full.ok()) << full.status().Message();
+  for (int64_t i : {0L, 64L * 130 + 7, 256L * 64 - 1}) {
+    EXPECT_EQ(full->data_as<float>()[i],
+              static_cast<float>(MasterValue(7, "fc1.weight", InitSpec{}, {256, 64}, i)));
+  }
+}
+
+TEST(RunCommand, WorldSizeMismatchAndBadInput) {
+  std::string output;
+  EXPECT_EQ(Shell(Mpiexec(1) + MPUSIM_BINARY + " run " +
+                      Sample("lab_parallel_embedding_t2_n2.json"),
+                  &output),
+            2);
+  EXPECT_NE(output.find("parallel.world_size: the config needs 2 ranks but mpirun started 1; "
+                        "run: mpirun -n 2 mpusim run"),
+            std::string::npos)
+      << output;
+  // A layout config without a model is refused by run, with exit 2 and one error line.
+  EXPECT_EQ(Shell(Mpiexec(1) + MPUSIM_BINARY + " run " + Sample("lab_t2_p4_n16.json"), &output),
+            2);
+  EXPECT_NE(output.find("model: is required by mpusim run"), std::string::npos) << output;
+}
+
+TEST(ExplainCommand, LabSlices) {
+  const Result column = Mpusim({"explain", Sample("lab_column_parallel_t16_n16.json")});
+  ASSERT_EQ(column.code, 0) << column.err;
+  EXPECT_NE(column.out.find("A0= [1024, 32], A1= [1024, 32],"), std::string::npos)
+      << column.out;
+  EXPECT_NE(column.out.find("A15= [1024, 32]\n"), std::string::npos) << column.out;
+  const Result row = Mpusim({"explain", Sample("lab_row_parallel_t16_n16.json")});
+  ASSERT_EQ(row.code, 0) << row.err;
+  EXPECT_NE(row.out.find("A0= [64, 512], A1= [64, 512],"), std::string::npos) << row.out;
+  EXPECT_NE(row.out.find("sliced row-wise"), std::string::npos) << row.out;
+  const Result bad = Mpusim({"explain", Sample("lab_t2_p4_n16.json")});
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_EQ(bad.out, "");
+}
+
+}  // namespace run_tests
 
 }  // namespace
 }  // namespace mpusim::cli
