@@ -155,7 +155,10 @@ struct Graph::Impl {
   // Execution.
   Batch MakeBatch(RankContext& ctx, int64_t m) const;
   Tensor SyntheticActivation(RankContext& ctx, const std::string& name, ActivationState state,
-                             int64_t width, DType dtype) const;
+                             int64_t width, DType dtype);
+  // Synthetic inputs and output gradients are fixed by the seed: made once, reused by
+  // every repetition of Run.
+  std::map<std::string, Tensor> synthetic_cache;
   Tensor Forward(RankContext& ctx, LayerSlot& slot, const Tensor& x, const Batch& batch);
   Tensor Backward(RankContext& ctx, LayerSlot& slot, const Tensor& dy, const Batch& batch);
   double ForwardChain(RankContext& ctx, const Batch& batch);
@@ -594,7 +597,8 @@ Batch Graph::Impl::MakeBatch(RankContext& ctx, int64_t m) const {
 }
 
 Tensor Graph::Impl::SyntheticActivation(RankContext& ctx, const std::string& name,
-                                        ActivationState state, int64_t width, DType dtype) const {
+                                        ActivationState state, int64_t width, DType dtype) {
+  if (const auto it = synthetic_cache.find(name); it != synthetic_cache.end()) return it->second;
   const Shape full = {run.seq_length, run.micro_batch_size * d, width};
   const ShardSpec spec = ActivationSpec(state, ctx.coords, t, d);
   Tensor host = Tensor::HostZeros(LocalShape(spec, full), dtype);
@@ -602,6 +606,7 @@ Tensor Graph::Impl::SyntheticActivation(RankContext& ctx, const std::string& nam
   Tensor device = ctx.kernels->ToDevice(host);
   // A partial-sum input: every rank holds input / t, so that the sum is the input.
   if (state.split == Split::kPartialSum) ctx.kernels->Scale(1.0 / static_cast<double>(t), device);
+  synthetic_cache.emplace(name, device);
   return device;
 }
 
@@ -638,7 +643,7 @@ Tensor Graph::Impl::Forward(RankContext& ctx, LayerSlot& slot, const Tensor& x,
       const Tensor& w = slot.weight->value;
       Shape shape = slot.saved.shape();
       shape.back() = w.shape()[0];
-      Tensor y = k.Zeros(shape, dtype);
+      Tensor y = k.Empty(shape, dtype);
       k.Gemm(false, true, 1.0, slot.saved, w, 0.0, y);
       if (slot.bias != nullptr && !c.skip_bias_add) k.AddRowVector(slot.bias->value, y);
       return c.gather_output ? AllGatherLastDimTp(ctx, y) : y;
@@ -648,7 +653,7 @@ Tensor Graph::Impl::Forward(RankContext& ctx, LayerSlot& slot, const Tensor& x,
       const Tensor& w = slot.weight->value;
       Shape shape = slot.saved.shape();
       shape.back() = w.shape()[0];
-      Tensor partial = k.Zeros(shape, dtype);
+      Tensor partial = k.Empty(shape, dtype);
       k.Gemm(false, true, 1.0, slot.saved, w, 0.0, partial);
       Tensor y = sequence_parallel ? ReduceScatterFirstDimTp(ctx, partial)
                                    : MappingForward(ctx, Mapping::kReduceFromTp, partial);
@@ -658,18 +663,18 @@ Tensor Graph::Impl::Forward(RankContext& ctx, LayerSlot& slot, const Tensor& x,
     case LayerType::kGeLU: {
       Tensor pre = x;
       if (slot.added_bias != nullptr) {
-        pre = k.Zeros(x.shape(), dtype);
+        pre = k.Empty(x.shape(), dtype);
         k.Copy(x, pre);
         k.AddRowVector(slot.added_bias->value, pre);
       }
       slot.saved = pre;
-      Tensor y = k.Zeros(x.shape(), dtype);
+      Tensor y = k.Empty(x.shape(), dtype);
       k.GeluForward(pre, y);
       return y;
     }
     case LayerType::kDropout: {
       slot.draw = ctx.rng.Draw(slot.rng_stream);
-      Tensor y = k.Zeros(x.shape(), dtype);
+      Tensor y = k.Empty(x.shape(), dtype);
       k.Dropout(x, c.p, slot.draw.key, slot.draw.subsequence, 0, y);
       return y;
     }
@@ -744,7 +749,7 @@ Tensor Graph::Impl::Backward(RankContext& ctx, LayerSlot& slot, const Tensor& dy
     case LayerType::kColumnParallelLinear: {
       const Tensor d_local = c.gather_output ? SplitLastDimTp(ctx, dy) : dy;
       const Tensor& w = slot.weight->value;
-      Tensor dx_total = k.Zeros(slot.saved.shape(), dtype);
+      Tensor dx_total = k.Empty(slot.saved.shape(), dtype);
       k.Gemm(false, false, 1.0, d_local, w, 0.0, dx_total);  // [R, out/t] @ [out/t, in]
       if (!slot.weight->frozen) {
         k.Gemm(true, false, 1.0, d_local, slot.saved, 1.0, slot.weight->grad);  // main_grad +=
@@ -760,20 +765,20 @@ Tensor Graph::Impl::Backward(RankContext& ctx, LayerSlot& slot, const Tensor& dy
     case LayerType::kRowParallelLinear: {
       const Tensor d_total = sequence_parallel ? AllGatherFirstDimTp(ctx, dy) : dy;
       const Tensor& w = slot.weight->value;
-      Tensor dx_local = k.Zeros(slot.saved.shape(), dtype);
+      Tensor dx_local = k.Empty(slot.saved.shape(), dtype);
       k.Gemm(false, false, 1.0, d_total, w, 0.0, dx_local);  // [R, out] @ [out, in/t]
       if (!slot.weight->frozen) k.Gemm(true, false, 1.0, d_total, slot.saved, 1.0, slot.weight->grad);
       if (slot.bias != nullptr && !c.skip_bias_add) k.SumRows(dy, 1.0, slot.bias->grad);
       return c.input_is_parallel ? dx_local : AllGatherLastDimTp(ctx, dx_local);
     }
     case LayerType::kGeLU: {
-      Tensor dx = k.Zeros(dy.shape(), dtype);
+      Tensor dx = k.Empty(dy.shape(), dtype);
       k.GeluBackward(slot.saved, dy, dx);
       if (slot.added_bias != nullptr) k.SumRows(dx, 1.0, slot.added_bias->grad);
       return dx;
     }
     case LayerType::kDropout: {
-      Tensor dx = k.Zeros(dy.shape(), dtype);
+      Tensor dx = k.Empty(dy.shape(), dtype);
       k.Dropout(dy, c.p, slot.draw.key, slot.draw.subsequence, 0, dx);
       return dx;
     }
@@ -783,7 +788,7 @@ Tensor Graph::Impl::Backward(RankContext& ctx, LayerSlot& slot, const Tensor& dy
       const double vp = static_cast<double>(padded_vocab);
       const double alpha = c.label_smoothing;
       // dy holds d loss / d per-token loss.
-      Tensor grad = k.Zeros(slot.input.shape(), dtype);
+      Tensor grad = k.Empty(slot.input.shape(), dtype);
       k.CrossEntropyBackward(slot.input, slot.row_max, slot.sum_exp, batch.labels,
                              ctx.coords.tp * local_vocab, 1.0 - alpha,
                              alpha > 0 ? alpha / (vp - 1) : 0.0, dy.Reshaped({rows}), grad);

@@ -20,6 +20,8 @@ class Kernels {
 
   // --- memory -------------------------------------------------------------------------
   virtual Tensor Zeros(const Shape& shape, DType dtype) = 0;
+  // Uninitialised storage, for outputs a kernel or collective overwrites completely.
+  virtual Tensor Empty(const Shape& shape, DType dtype) = 0;
   virtual Tensor ToDevice(const Tensor& host) = 0;  // host -> backend (copy)
   virtual Tensor ToHost(const Tensor& tensor) = 0;  // backend -> host (copy)
   virtual void Copy(const Tensor& src, Tensor& dst) = 0;  // same numel

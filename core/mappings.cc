@@ -22,7 +22,7 @@ void RequireDivisible(int64_t size, int64_t parts, const char* what) {
 }  // namespace
 
 Tensor AllReduceTp(RankContext& ctx, const Tensor& x) {
-  Tensor out = ctx.kernels->Zeros(x.shape(), x.dtype());
+  Tensor out = ctx.kernels->Empty(x.shape(), x.dtype());
   ctx.kernels->Copy(x, out);
   ctx.Group("tp").AllReduce(out, ReduceOp::kSum);
   return out;
@@ -31,7 +31,7 @@ Tensor AllReduceTp(RankContext& ctx, const Tensor& x) {
 Tensor AllGatherFirstDimTp(RankContext& ctx, const Tensor& x) {
   const int64_t t = ctx.tp_size();
   if (t == 1) return x;
-  Tensor out = ctx.kernels->Zeros(WithDim(x.shape(), 0, x.shape()[0] * t), x.dtype());
+  Tensor out = ctx.kernels->Empty(WithDim(x.shape(), 0, x.shape()[0] * t), x.dtype());
   ctx.Group("tp").AllGather(x, out);
   return out;
 }
@@ -40,7 +40,7 @@ Tensor ReduceScatterFirstDimTp(RankContext& ctx, const Tensor& x) {
   const int64_t t = ctx.tp_size();
   if (t == 1) return x;
   RequireDivisible(x.shape()[0], t, "reduce-scatter along the sequence");
-  Tensor out = ctx.kernels->Zeros(WithDim(x.shape(), 0, x.shape()[0] / t), x.dtype());
+  Tensor out = ctx.kernels->Empty(WithDim(x.shape(), 0, x.shape()[0] / t), x.dtype());
   ctx.Group("tp").ReduceScatter(x, out);
   return out;
 }
@@ -51,10 +51,10 @@ Tensor AllGatherLastDimTp(RankContext& ctx, const Tensor& x) {
   // NCCL/MPI gather flat buffers in rank order: [t, rows, c]; interleave into [rows, t*c].
   const int64_t rows = x.rows();
   const int64_t cols = x.cols();
-  Tensor stacked = ctx.kernels->Zeros(Shape{t * rows, cols}, x.dtype());
+  Tensor stacked = ctx.kernels->Empty(Shape{t * rows, cols}, x.dtype());
   ctx.Group("tp").AllGather(x, stacked);
   const size_t last = x.shape().size() - 1;
-  Tensor out = ctx.kernels->Zeros(WithDim(x.shape(), last, cols * t), x.dtype());
+  Tensor out = ctx.kernels->Empty(WithDim(x.shape(), last, cols * t), x.dtype());
   for (int64_t r = 0; r < t; ++r) {
     ctx.kernels->CopyBlock(stacked, r * rows, 0, out, 0, r * cols, rows, cols);
   }
@@ -66,7 +66,7 @@ Tensor SplitFirstDimTp(RankContext& ctx, const Tensor& x) {
   if (t == 1) return x;
   RequireDivisible(x.shape()[0], t, "split along the sequence");
   const Shape shape = WithDim(x.shape(), 0, x.shape()[0] / t);
-  Tensor out = ctx.kernels->Zeros(shape, x.dtype());
+  Tensor out = ctx.kernels->Empty(shape, x.dtype());
   const int64_t rows = out.rows();
   ctx.kernels->CopyBlock(x, ctx.tp_rank() * rows, 0, out, 0, 0, rows, x.cols());
   return out;
@@ -77,7 +77,7 @@ Tensor SplitLastDimTp(RankContext& ctx, const Tensor& x) {
   if (t == 1) return x;
   RequireDivisible(x.cols(), t, "split along the last dimension");
   const int64_t cols = x.cols() / t;
-  Tensor out = ctx.kernels->Zeros(WithDim(x.shape(), x.shape().size() - 1, cols), x.dtype());
+  Tensor out = ctx.kernels->Empty(WithDim(x.shape(), x.shape().size() - 1, cols), x.dtype());
   ctx.kernels->CopyBlock(x, 0, ctx.tp_rank() * cols, out, 0, 0, x.rows(), cols);
   return out;
 }

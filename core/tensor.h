@@ -43,6 +43,8 @@ class Tensor {
       : shape_(std::move(shape)), dtype_(dtype), device_(device), storage_(std::move(storage)) {}
   // Host tensor, zero-filled.
   static Tensor HostZeros(Shape shape, DType dtype);
+  // Host tensor, uninitialised (for outputs that are overwritten completely).
+  static Tensor HostEmpty(Shape shape, DType dtype);
 
   bool defined() const { return storage_ != nullptr; }
   const Shape& shape() const { return shape_; }
@@ -51,7 +53,12 @@ class Tensor {
   int64_t numel() const { return NumElements(shape_); }
   size_t bytes() const { return static_cast<size_t>(numel()) * DTypeSize(dtype_); }
   // 2-D view: rows = product of all but the last dimension, cols = the last dimension.
-  int64_t rows() const { return shape_.empty() ? 1 : numel() / shape_.back(); }
+  int64_t rows() const {
+    if (shape_.empty()) return 1;
+    int64_t r = 1;
+    for (size_t i = 0; i + 1 < shape_.size(); ++i) r *= shape_[i];
+    return r;
+  }
   int64_t cols() const { return shape_.empty() ? 1 : shape_.back(); }
 
   void* data() { return storage_.get(); }

@@ -6,6 +6,8 @@
 // would otherwise read what it has already overwritten (overlapping CopyBlock).
 #include "sim/eigen_kernels.h"
 
+#include <malloc.h>
+
 #include <cmath>
 #include <cstddef>
 #include <cstring>
@@ -16,6 +18,7 @@
 #include <string_view>
 
 #include <Eigen/Core>
+#include <unsupported/Eigen/SpecialFunctions>
 #include <fmt/format.h>
 
 #include "core/philox.h"
@@ -131,6 +134,21 @@ int64_t LocalColumn(int64_t label, int64_t vocab_start, int64_t cols) {
 
 }  // namespace
 
+#if defined(MPUSIM_HAVE_OPENBLAS)
+extern "C" void openblas_set_num_threads(int num_threads);
+#endif
+
+EigenKernels::EigenKernels() {
+#if defined(MPUSIM_HAVE_OPENBLAS)
+  openblas_set_num_threads(1);
+#endif
+  // Activations are tens of MiB and freed every step. glibc would hand such blocks back to
+  // the kernel (mmap/munmap) and pay page faults to get them again; keeping them in the heap
+  // lets the next step reuse them, as a GPU framework's caching allocator does.
+  mallopt(M_MMAP_THRESHOLD, 1 << 30);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+}
+
 // --- memory ---------------------------------------------------------------------------
 
 Tensor EigenKernels::Zeros(const Shape& shape, DType dtype) {
@@ -141,6 +159,16 @@ Tensor EigenKernels::Zeros(const Shape& shape, DType dtype) {
     }
   }
   return Tensor::HostZeros(shape, dtype);
+}
+
+Tensor EigenKernels::Empty(const Shape& shape, DType dtype) {
+  for (int64_t d : shape) {
+    if (d < 0) {
+      throw std::invalid_argument(
+          fmt::format("EigenKernels::Empty: negative dimension in {}", ShapeString(shape)));
+    }
+  }
+  return Tensor::HostEmpty(shape, dtype);
 }
 
 Tensor EigenKernels::ToDevice(const Tensor& host) {
@@ -280,13 +308,11 @@ void EigenKernels::GeluForward(const Tensor& x, Tensor& y) {
   args.Add("x", x).Add("y", y);
   args.Numel("y", y, x.numel(), "the numel of x");
   Dispatch(args.dtype(), [&]<typename T>() {
-    const T* xs = x.data_as<T>();
-    T* ys = y.data_as<T>();
+    // Eigen's array erf is vectorised for float (a few ulp), scalar std::erf for double.
+    const auto xs = ArrayOf<T>(x);
+    auto ys = ArrayOf<T>(y);
     const T inv_sqrt2 = static_cast<T>(1) / std::numbers::sqrt2_v<T>;
-    for (int64_t e = 0; e < x.numel(); ++e) {
-      const T v = xs[e];
-      ys[e] = static_cast<T>(0.5) * v * (static_cast<T>(1) + std::erf(v * inv_sqrt2));
-    }
+    ys = static_cast<T>(0.5) * xs * (static_cast<T>(1) + (xs * inv_sqrt2).erf());
   });
 }
 
@@ -296,18 +322,14 @@ void EigenKernels::GeluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) {
   args.Numel("dy", dy, x.numel(), "the numel of x");
   args.Numel("dx", dx, x.numel(), "the numel of x");
   Dispatch(args.dtype(), [&]<typename T>() {
-    const T* xs = x.data_as<T>();
-    const T* dys = dy.data_as<T>();
-    T* dxs = dx.data_as<T>();
+    const auto xs = ArrayOf<T>(x);
+    const auto dys = ArrayOf<T>(dy);
+    auto dxs = ArrayOf<T>(dx);
     const T inv_sqrt2 = static_cast<T>(1) / std::numbers::sqrt2_v<T>;
     // phi(x) = exp(-x^2 / 2) / sqrt(2 pi) = exp(-x^2 / 2) * (1 / sqrt(pi)) / sqrt(2)
     const T inv_sqrt_2pi = std::numbers::inv_sqrtpi_v<T> * inv_sqrt2;
-    for (int64_t e = 0; e < x.numel(); ++e) {
-      const T v = xs[e];
-      const T cdf = static_cast<T>(0.5) * (static_cast<T>(1) + std::erf(v * inv_sqrt2));
-      const T pdf = std::exp(static_cast<T>(-0.5) * v * v) * inv_sqrt_2pi;
-      dxs[e] = dys[e] * (cdf + v * pdf);
-    }
+    dxs = dys * (static_cast<T>(0.5) * (static_cast<T>(1) + (xs * inv_sqrt2).erf()) +
+                 xs * (static_cast<T>(-0.5) * xs.square()).exp() * inv_sqrt_2pi);
   });
 }
 

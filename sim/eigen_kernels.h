@@ -23,8 +23,12 @@ namespace mpusim {
 
 class EigenKernels final : public Kernels {
  public:
+  // When built with OpenBLAS (MPUSIM_HAVE_OPENBLAS: Eigen's GEMMs go to BLAS through
+  // EIGEN_USE_BLAS), pins OpenBLAS to one thread: every MPI rank plays one GPU on one core.
+  EigenKernels();
   // --- memory -------------------------------------------------------------------------
   Tensor Zeros(const Shape& shape, DType dtype) override;
+  Tensor Empty(const Shape& shape, DType dtype) override;
   Tensor ToDevice(const Tensor& host) override;
   Tensor ToHost(const Tensor& tensor) override;
   void Copy(const Tensor& src, Tensor& dst) override;

@@ -1,0 +1,54 @@
+#!/usr/bin/env python3
+"""PyTorch on the CPU doing the MLP block math of bench/configs/mlp_t*_n*.json.
+
+What it is: the comparison point for `mpusim run ... --no-check --repeat N` in
+bench/run_mlp_bench.sh: forward Y = gelu(X W1^T + b1) W2^T + b2 and the backward from a
+given dY (dX, dW1, db1, dW2, db2), float32, T = 2048 tokens, hidden 1024, ffn 4096.
+What it is not: a test; it prints the median wall time of --repeat runs.
+
+Usage: python3 bench/mlp_torch.py --threads 1 --repeat 5
+"""
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--ffn", type=int, default=4096)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    t, h, f = args.tokens, args.hidden, args.ffn
+    x = torch.randn(t, h, requires_grad=True)
+    w1 = torch.nn.Parameter(torch.randn(f, h) * (2.0 / (f + h)) ** 0.5)
+    b1 = torch.nn.Parameter(torch.zeros(f))
+    w2 = torch.nn.Parameter(torch.randn(h, f) * (2.0 / (f + h)) ** 0.5)
+    b2 = torch.nn.Parameter(torch.zeros(h))
+    dy = torch.randn(t, h)
+
+    def step():
+        for p in (x, w1, b1, w2, b2):
+            p.grad = None
+        y = torch.nn.functional.linear(
+            torch.nn.functional.gelu(torch.nn.functional.linear(x, w1, b1)), w2, b2)
+        y.backward(dy)
+
+    step()  # warm-up
+    seconds = []
+    for _ in range(args.repeat):
+        start = time.perf_counter()
+        step()
+        seconds.append(time.perf_counter() - start)
+    print(f"pytorch {torch.__version__} threads {args.threads}: median {statistics.median(seconds):.4f} s "
+          f"over {args.repeat} runs, min {min(seconds):.4f} s, max {max(seconds):.4f} s")
+
+
+if __name__ == "__main__":
+    main()
