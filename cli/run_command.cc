@@ -3,10 +3,24 @@
 
 #include "cli/cli.h"
 #include "cli/commands.h"
+#include "sim/cpu_backend.h"
 #include "sim/runner.h"
+#if defined(MPUSIM_HAVE_CUDA)
+#include "cuda/cuda_backend.h"
+#endif
 
 namespace mpusim::cli {
 namespace {
+
+StatusOr<std::unique_ptr<Backend>> MakeBackend(const sim::RunOptions& options) {
+  if (options.backend == "cpu") return std::unique_ptr<Backend>(new CpuBackend());
+#if defined(MPUSIM_HAVE_CUDA)
+  return cuda::MakeCudaBackend(options.comm);
+#else
+  return Status::Error("--backend", "this mpusim was built without the CUDA backend (CMake "
+                                    "found no CUDA toolkit and NCCL; see MPUSIM_WITH_CUDA)");
+#endif
+}
 
 class RunCommand : public Command {
  public:
@@ -23,13 +37,20 @@ class RunCommand : public Command {
     app_->add_option("--dump", options_.dump_dir,
                      "write every rank's tensors to DIR/rankNNNNN.safetensors + manifest.json");
     app_->add_flag("!--no-check", options_.check, "skip the float64 reference check");
+    app_->add_option("--backend", options_.backend,
+                     "cpu (Eigen/OpenBLAS + MPI) or cuda (CUDA/cuBLAS + NCCL); default cpu")
+        ->check(CLI::IsMember({"cpu", "cuda"}));
+    app_->add_option("--comm", options_.comm,
+                     "cuda backend collectives: nccl (one GPU per rank) or mpi (host-staged, "
+                     "several ranks may share a GPU); default nccl")
+        ->check(CLI::IsMember({"nccl", "mpi"}));
     app_->add_option("--repeat", options_.repeat,
                      "run the step N times and print the median time (benchmarks)")
         ->check(CLI::Range(1, 1000));
   }
   CLI::App* app() override { return app_; }
   int Run(std::ostream& out, std::ostream& err) override {
-    return sim::RunSimulation(options_, out, err);
+    return sim::RunSimulation(options_, out, err, MakeBackend);
   }
 
  private:

@@ -20,7 +20,7 @@
 #include "core/graph.h"
 #include "core/safetensors.h"
 #include "core/topology.h"
-#include "sim/eigen_kernels.h"
+#include "sim/cpu_backend.h"
 #include "sim/mpi_check.h"
 #include "sim/mpi_communicator.h"
 #include "sim/reference_model.h"
@@ -98,6 +98,12 @@ struct CommSummaryKey {
 }  // namespace
 
 StatusOr<SimulationResult> Simulate(const Config& config, bool check, int repeat) {
+  CpuBackend backend;
+  return Simulate(config, check, repeat, backend);
+}
+
+StatusOr<SimulationResult> Simulate(const Config& config, bool check, int repeat,
+                                    Backend& backend) {
   int world_rank = 0, world_size = 1;
   MPUSIM_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
   MPUSIM_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world_size));
@@ -117,7 +123,7 @@ StatusOr<SimulationResult> Simulate(const Config& config, bool check, int repeat
   Graph& graph = **built;
 
   SimulationResult result;
-  EigenKernels kernels;
+  Kernels& kernels = backend.kernels();
   RankContext ctx;
   ctx.topology = &*topology;
   ctx.rank = world_rank;
@@ -125,8 +131,7 @@ StatusOr<SimulationResult> Simulate(const Config& config, bool check, int repeat
   ctx.kernels = &kernels;
   ctx.trace = &result.trace;
   ctx.rng = RngTracker::ForRank(config.run->seed, ctx.coords.tp, ctx.coords.pp, ctx.coords.dp);
-  auto groups =
-      MakeGroupCommunicators(*topology, world_rank, MPI_COMM_WORLD, {"tp", "dp", "dp_cp"});
+  auto groups = backend.MakeGroups(*topology, world_rank, {"tp", "dp", "dp_cp"});
   for (auto& [kind, comm] : groups) {
     ctx.groups.emplace(kind,
                        std::make_unique<TracedCommunicator>(std::move(comm), kind, &result.trace));
@@ -203,8 +208,9 @@ namespace {
 class RankRun {
  public:
   RankRun(const RunOptions& options, std::ostream& out, std::ostream& err, int world_rank,
-          int world_size)
+          int world_size, const BackendFactory& factory)
       : options_(options),
+        factory_(factory),
         out_(world_rank == 0 ? out : null_),
         err_(world_rank == 0 ? err : null_),
         world_rank_(world_rank),
@@ -223,6 +229,8 @@ class RankRun {
   int Dump(const SimulationResult& result);
 
   const RunOptions& options_;
+  const BackendFactory& factory_;
+  std::string backend_name_ = "cpu";
   std::ostringstream null_;
   std::ostream& out_;
   std::ostream& err_;
@@ -266,7 +274,24 @@ int RankRun::Run() {
     return Usage("command line", fmt::format("--dump: '{}' exists and is not a directory",
                                              options_.dump_dir));
   }
-  StatusOr<SimulationResult> result = Simulate(config_, options_.check, options_.repeat);
+  std::unique_ptr<Backend> backend;
+  if (factory_) {
+    StatusOr<std::unique_ptr<Backend>> made = factory_(options_);
+    int failed = made.ok() ? 0 : 1;
+    MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
+    if (!made.ok()) {
+      // Device problems can differ per rank: every rank says what it found.
+      std::cerr << fmt::format("error: rank {}: {}\n", world_rank_, made.status().Message());
+      return kExitUsage;
+    }
+    if (failed != 0) return kExitUsage;
+    backend = std::move(made).value();
+  } else {
+    backend = std::make_unique<CpuBackend>();
+  }
+  backend_name_ = backend->name();
+  StatusOr<SimulationResult> result =
+      Simulate(config_, options_.check, options_.repeat, *backend);
   if (!result.ok()) return Usage(source, result.status().Message());
   PrintLayout(*topology, *result);
   if (result->has_loss) out_ << fmt::format("\nloss {:.9g}\n", result->loss);
@@ -287,8 +312,9 @@ int RankRun::Run() {
 void RankRun::PrintLayout(const Topology& topology, const SimulationResult& result) {
   const DerivedSizes& s = topology.sizes();
   const RunConfig& run = *config_.run;
-  out_ << fmt::format("mpusim run: {} on {} ranks (cpu backend, {}, seed {})\n",
-                      options_.config_path, world_size_, DTypeName(run.dtype), run.seed);
+  out_ << fmt::format("mpusim run: {} on {} ranks ({} backend, {}, seed {})\n",
+                      options_.config_path, world_size_, backend_name_, DTypeName(run.dtype),
+                      run.seed);
   out_ << fmt::format("layout: tensor_model_parallel_size {}, data_parallel_size {}, "
                       "sequence_parallel {}\n",
                       s.tp, s.dp, config_.parallel.sequence_parallel);
@@ -391,7 +417,7 @@ int RankRun::Dump(const SimulationResult& result) {
   rank_info["rank"] = world_rank_;
   rank_info["tp_rank"] = coords.tp;
   rank_info["dp_rank"] = coords.dp;
-  rank_info["backend"] = "cpu";
+  rank_info["backend"] = backend_name_;
   file.metadata["mpusim"] = rank_info.dump();
   for (const TensorRecord& r : records) {
     file.tensors.push_back({r.name, r.tensor});
@@ -412,7 +438,7 @@ int RankRun::Dump(const SimulationResult& result) {
     StatusOr<nlohmann::json> raw = ReadJsonFile(options_.config_path);
     manifest["config"] = raw.ok() ? *raw : nlohmann::json(nullptr);
     manifest["world_size"] = world_size_;
-    manifest["backend"] = "cpu";
+    manifest["backend"] = backend_name_;
     manifest["dtype"] = DTypeName(config_.run->dtype);
     nlohmann::ordered_json tensors = nlohmann::ordered_json::array();
     for (const TensorRecord& r : records) {
@@ -435,7 +461,8 @@ int RankRun::Dump(const SimulationResult& result) {
 
 }  // namespace
 
-int RunSimulation(const RunOptions& options, std::ostream& out, std::ostream& err) {
+int RunSimulation(const RunOptions& options, std::ostream& out, std::ostream& err,
+                  const BackendFactory& factory) {
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (initialized == 0) MPI_Init(nullptr, nullptr);
@@ -444,7 +471,7 @@ int RunSimulation(const RunOptions& options, std::ostream& out, std::ostream& er
   MPI_Comm_size(MPI_COMM_WORLD, &world_size);
   int code = kExitOk;
   try {
-    RankRun run(options, out, err, world_rank, world_size);
+    RankRun run(options, out, err, world_rank, world_size, factory);
     code = run.Run();
   } catch (const std::exception& e) {
     // A bug or an unexpected failure on one rank: end the whole job rather than leave the

@@ -7,10 +7,13 @@
 // What it is not: the layer logic (core/graph) or the reference (sim/reference_model).
 #pragma once
 
+#include <functional>
 #include <iosfwd>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "core/backend.h"
 #include "core/communicator.h"
 #include "core/config.h"
 #include "core/graph.h"
@@ -46,6 +49,9 @@ struct SimulationResult {
 
 // Runs `config` on MPI_COMM_WORLD (collective: every rank calls it with the same config;
 // the world size must equal parallel.world_size). Bad configs give a Status on every rank.
+StatusOr<SimulationResult> Simulate(const Config& config, bool check, int repeat,
+                                    Backend& backend);
+// The same on the CPU backend.
 StatusOr<SimulationResult> Simulate(const Config& config, bool check, int repeat = 1);
 
 struct RunOptions {
@@ -53,10 +59,17 @@ struct RunOptions {
   std::string dump_dir;  // empty: no dump
   bool check = true;     // compare with the float64 reference
   int repeat = 1;        // run the step this many times and report timings (benchmarks)
+  std::string backend = "cpu";  // "cpu" or "cuda"
+  std::string comm = "nccl";    // cuda backend: "nccl" or "mpi" (host-staged)
 };
+
+// Makes this rank's backend once MPI is running; errors are reported like bad input.
+using BackendFactory = std::function<StatusOr<std::unique_ptr<Backend>>(const RunOptions&)>;
 
 // Initialises MPI if needed (finalises it if it did), runs, and returns the exit code every
 // rank agrees on: 0 all checks passed, 1 a check failed, 2 bad input. Only rank 0 prints.
-int RunSimulation(const RunOptions& options, std::ostream& out, std::ostream& err);
+// Without a factory the CPU backend runs.
+int RunSimulation(const RunOptions& options, std::ostream& out, std::ostream& err,
+                  const BackendFactory& factory = nullptr);
 
 }  // namespace mpusim::sim
