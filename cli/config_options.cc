@@ -2,8 +2,11 @@
 #include "cli/config_options.h"
 
 #include <charconv>
+#include <ostream>
 
 #include <fmt/format.h>
+
+#include "cli/commands.h"
 
 namespace mpusim::cli {
 namespace {
@@ -129,6 +132,21 @@ Status ConfigOptions::Attribute(const Status& status, std::string* source) const
     }
   }
   return status;
+}
+
+std::optional<ConfigOptions::Layout> ConfigOptions::ResolveLayout(std::ostream& err) {
+  std::string source;
+  StatusOr<Config> config = Resolve();
+  if (!config.ok()) {
+    ReportError(err, source, Attribute(config.status(), &source).Message());
+    return std::nullopt;
+  }
+  StatusOr<Topology> topology = Topology::Create(config->parallel);
+  if (!topology.ok()) {
+    ReportError(err, source, Attribute(topology.status(), &source).Message());
+    return std::nullopt;
+  }
+  return Layout{std::move(config).value(), std::move(topology).value()};
 }
 
 }  // namespace mpusim::cli

@@ -5,6 +5,7 @@
 // help text, the parser and the error messages cannot drift apart.
 #pragma once
 
+#include <iosfwd>
 #include <map>
 #include <optional>
 #include <string>
@@ -13,6 +14,7 @@
 
 #include "core/config.h"
 #include "core/status.h"
+#include "core/topology.h"
 
 namespace mpusim::cli {
 
@@ -29,6 +31,14 @@ class ConfigOptions {
   // names was set by a flag ("command line", "--tp"), else the file ("<CONFIG>", field).
   // Sets `*source` and returns the Status to print after it.
   Status Attribute(const Status& status, std::string* source) const;
+
+  // Resolve, then plan the layout. On error, prints the one-line error to `err` (with the
+  // source attributed as above) and returns nullopt.
+  struct Layout {
+    Config config;
+    Topology topology;
+  };
+  std::optional<Layout> ResolveLayout(std::ostream& err);
 
   const std::string& path() const { return path_; }
 

@@ -25,15 +25,11 @@ class ExplainCommand : public Command {
   CLI::App* app() override { return app_; }
 
   int Run(std::ostream& out, std::ostream& err) override {
+    std::optional<ConfigOptions::Layout> layout = config_.ResolveLayout(err);
+    if (!layout) return kExitUsage;
+    const Topology* topology = &layout->topology;
+    const Config* config = &layout->config;
     std::string source;
-    StatusOr<Config> config = config_.Resolve();
-    if (!config.ok()) {
-      return ReportError(err, source, config_.Attribute(config.status(), &source).Message());
-    }
-    StatusOr<Topology> topology = Topology::Create(config->parallel);
-    if (!topology.ok()) {
-      return ReportError(err, source, config_.Attribute(topology.status(), &source).Message());
-    }
     StatusOr<std::unique_ptr<Graph>> graph = Graph::Build(*config, *topology);
     if (!graph.ok()) {
       return ReportError(err, source, config_.Attribute(graph.status(), &source).Message());

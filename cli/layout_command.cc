@@ -40,17 +40,9 @@ class LayoutCommand : public Command {
   CLI::App* app() override { return app_; }
 
   int Run(std::ostream& out, std::ostream& err) override {
-    std::string source;
-    StatusOr<Config> config = config_.Resolve();
-    if (!config.ok()) {
-      const Status status = config_.Attribute(config.status(), &source);
-      return ReportError(err, source, status.Message());
-    }
-    StatusOr<Topology> topology = Topology::Create(config->parallel);
-    if (!topology.ok()) {
-      const Status status = config_.Attribute(topology.status(), &source);
-      return ReportError(err, source, status.Message());
-    }
+    std::optional<ConfigOptions::Layout> layout = config_.ResolveLayout(err);
+    if (!layout) return kExitUsage;
+    const Topology* topology = &layout->topology;
     if (max_groups_ < 0) {
       return ReportError(err, "command line",
                          fmt::format("--max-groups: must be >= 0, got {}", max_groups_));

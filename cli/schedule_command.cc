@@ -35,16 +35,10 @@ class ScheduleCommand : public Command {
   CLI::App* app() override { return app_; }
 
   int Run(std::ostream& out, std::ostream& err) override {
-    std::string source;
-    StatusOr<Config> config = config_.Resolve();
-    if (!config.ok()) {
-      return ReportError(err, source, config_.Attribute(config.status(), &source).Message());
-    }
-    StatusOr<Topology> topology = Topology::Create(config->parallel);
-    if (!topology.ok()) {
-      return ReportError(err, source, config_.Attribute(topology.status(), &source).Message());
-    }
-    const ParallelConfig& c = config->parallel;
+    std::optional<ConfigOptions::Layout> layout = config_.ResolveLayout(err);
+    if (!layout) return kExitUsage;
+    std::string source = config_.path().empty() ? "command line" : config_.path();
+    const ParallelConfig& c = layout->config.parallel;
     StatusOr<PipelineSchedule> schedule =
         BuildPipelineSchedule(c.pipeline_model_parallel_size,
                               c.virtual_pipeline_model_parallel_size, microbatches_,

@@ -16,6 +16,7 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include "core/json_fields.h"
 #include "core/parallel_config.h"
 
 namespace mpusim {
@@ -23,50 +24,9 @@ namespace {
 
 using nlohmann::json;
 
-// Sizes stay below 2^31 so products such as make_vocab_size_divisible_by * tp cannot
-// overflow int64.
-constexpr int64_t kMaxSize = std::numeric_limits<int32_t>::max();
-
 constexpr std::string_view kPaddedVocab = "padded_vocab_size";
 
-// The same wording as parallel_config.cc, so every config error reads alike.
-std::string Describe(const json& value) {
-  std::string text = value.dump();
-  if (text.size() > 40) text = text.substr(0, 37) + "...";
-  return fmt::format("{} {}", value.type_name(), text);
-}
 
-Status ParseInt(const json& value, const std::string& where, int64_t min_value, int64_t* out) {
-  if (!value.is_number_integer()) {
-    return Status::Error(
-        where, fmt::format("must be an integer >= {}, got {}", min_value, Describe(value)));
-  }
-  if (value.is_number_unsigned() && value.get<uint64_t>() > static_cast<uint64_t>(kMaxSize)) {
-    return Status::Error(
-        where, fmt::format("must be at most {}, got {}", kMaxSize, value.get<uint64_t>()));
-  }
-  const int64_t v = value.get<int64_t>();
-  if (v < min_value) {
-    return Status::Error(where, fmt::format("must be an integer >= {}, got {}", min_value, v));
-  }
-  if (v > kMaxSize) {
-    return Status::Error(where, fmt::format("must be at most {}, got {}", kMaxSize, v));
-  }
-  *out = v;
-  return {};
-}
-
-Status ParseOptionalInt(const json& value, const std::string& where, int64_t min_value,
-                        std::optional<int64_t>* out) {
-  if (value.is_null()) {
-    out->reset();
-    return {};
-  }
-  int64_t v = 0;
-  MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, min_value, &v));
-  *out = v;
-  return {};
-}
 
 // An integer >= 1 or the string "padded_vocab_size".
 Status ParseSize(const json& value, const std::string& where, SizeValue* out) {
@@ -76,7 +36,7 @@ Status ParseSize(const json& value, const std::string& where, SizeValue* out) {
   }
   if (!value.is_number_integer()) {
     return Status::Error(where, fmt::format("must be an integer >= 1 or \"{}\", got {}",
-                                            kPaddedVocab, Describe(value)));
+                                            kPaddedVocab, DescribeJson(value)));
   }
   int64_t v = 0;
   MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &v));
@@ -86,7 +46,7 @@ Status ParseSize(const json& value, const std::string& where, SizeValue* out) {
 
 Status ParseBool(const json& value, const std::string& where, bool* out) {
   if (!value.is_boolean()) {
-    return Status::Error(where, fmt::format("must be true or false, got {}", Describe(value)));
+    return Status::Error(where, fmt::format("must be true or false, got {}", DescribeJson(value)));
   }
   *out = value.get<bool>();
   return {};
@@ -97,7 +57,7 @@ Status ParseFraction(const json& value, const std::string& where, double* out) {
   const bool in_range = value.is_number() && std::isfinite(value.get<double>()) &&
                         value.get<double>() >= 0.0 && value.get<double>() < 1.0;
   if (!in_range) {
-    return Status::Error(where, fmt::format("must be a number in [0, 1), got {}", Describe(value)));
+    return Status::Error(where, fmt::format("must be a number in [0, 1), got {}", DescribeJson(value)));
   }
   *out = value.get<double>();
   return {};
@@ -107,7 +67,7 @@ Status ParseFraction(const json& value, const std::string& where, double* out) {
 Status ParseLayerName(const json& value, const std::string& where, std::string* out) {
   if (!value.is_string() || value.get<std::string>().empty()) {
     return Status::Error(
-        where, fmt::format("must be the name of an earlier layer, got {}", Describe(value)));
+        where, fmt::format("must be the name of an earlier layer, got {}", DescribeJson(value)));
   }
   *out = value.get<std::string>();
   return {};
@@ -224,7 +184,7 @@ Status ParseLayerOption(const std::string& key, const json& value, const std::st
     if (!value.is_string()) {
       return Status::Error(where, fmt::format("must be one of xavier_normal, normal, zeros, "
                                               "got {}",
-                                              Describe(value)));
+                                              DescribeJson(value)));
     }
     StatusOr<InitMethod> method = ParseInitMethod(value.get<std::string>(), where);
     if (!method.ok()) return method.status();
@@ -233,7 +193,7 @@ Status ParseLayerOption(const std::string& key, const json& value, const std::st
   }
   if (key == "init_method_std") {
     if (!value.is_number() || !std::isfinite(value.get<double>()) || value.get<double>() <= 0) {
-      return Status::Error(where, fmt::format("must be a number > 0, got {}", Describe(value)));
+      return Status::Error(where, fmt::format("must be a number > 0, got {}", DescribeJson(value)));
     }
     layer->init.std = value.get<double>();
     return {};
@@ -323,7 +283,7 @@ Status ParseLayer(const json& value, const std::string& prefix,
   if (!value.is_object()) {
     return Status::Error(prefix, fmt::format("must be a JSON object with \"name\" and \"type\", "
                                              "got {}",
-                                             Describe(value)));
+                                             DescribeJson(value)));
   }
   LayerConfig layer;
 
@@ -335,7 +295,7 @@ Status ParseLayer(const json& value, const std::string& prefix,
   const json& name = value.at("name");
   if (!name.is_string() || name.get<std::string>().empty()) {
     return Status::Error(name_where,
-                         fmt::format("must be a non-empty string, got {}", Describe(name)));
+                         fmt::format("must be a non-empty string, got {}", DescribeJson(name)));
   }
   layer.name = name.get<std::string>();
   if (layer.name.find('.') != std::string::npos) {
@@ -361,7 +321,7 @@ Status ParseLayer(const json& value, const std::string& prefix,
   const json& type = value.at("type");
   if (!type.is_string()) {
     return Status::Error(type_where, fmt::format("must be a string (one of: {}), got {}",
-                                                 fmt::join(type_names, ", "), Describe(type)));
+                                                 fmt::join(type_names, ", "), DescribeJson(type)));
   }
   const std::string type_text = type.get<std::string>();
   const std::optional<LayerType> layer_type = LookUpLayerType(type_text);
@@ -533,7 +493,7 @@ int64_t ModelConfig::PaddedVocabSize(int64_t tensor_model_parallel_size) const {
 Status ParseModelSection(const json& section, ModelConfig* out) {
   const std::string prefix = "model";
   if (!section.is_object()) {
-    return Status::Error(prefix, fmt::format("must be a JSON object, got {}", Describe(section)));
+    return Status::Error(prefix, fmt::format("must be a JSON object, got {}", DescribeJson(section)));
   }
   ModelConfig model;
   for (const auto& [key, value] : section.items()) {
@@ -548,7 +508,7 @@ Status ParseModelSection(const json& section, ModelConfig* out) {
     } else if (key == "layers") {
       if (!value.is_array() || value.empty()) {
         return Status::Error(where, fmt::format("must be a non-empty list of layer objects, got {}",
-                                                Describe(value)));
+                                                DescribeJson(value)));
       }
       for (size_t i = 0; i < value.size(); ++i) {
         LayerConfig layer;
@@ -571,7 +531,7 @@ Status ParseModelSection(const json& section, ModelConfig* out) {
 Status ParseRunSection(const json& section, RunConfig* out) {
   const std::string prefix = "run";
   if (!section.is_object()) {
-    return Status::Error(prefix, fmt::format("must be a JSON object, got {}", Describe(section)));
+    return Status::Error(prefix, fmt::format("must be a JSON object, got {}", DescribeJson(section)));
   }
   RunConfig run;
   for (const auto& [key, value] : section.items()) {
@@ -583,7 +543,7 @@ Status ParseRunSection(const json& section, RunConfig* out) {
       // The full uint64 range: seeds are Philox keys, not sizes.
       if (!value.is_number_integer()) {
         return Status::Error(where,
-                             fmt::format("must be an integer >= 0, got {}", Describe(value)));
+                             fmt::format("must be an integer >= 0, got {}", DescribeJson(value)));
       }
       if (!value.is_number_unsigned() && value.get<int64_t>() < 0) {
         return Status::Error(where,
@@ -597,7 +557,7 @@ Status ParseRunSection(const json& section, RunConfig* out) {
         run.dtype = DType::kFloat64;
       } else {
         return Status::Error(
-            where, fmt::format("must be \"float32\" or \"float64\", got {}", Describe(value)));
+            where, fmt::format("must be \"float32\" or \"float64\", got {}", DescribeJson(value)));
       }
     } else if (key == "seq_length") {
       MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &run.seq_length));
@@ -614,7 +574,7 @@ Status ParseRunSection(const json& section, RunConfig* out) {
         return Status::Error(where, "\"selective\" is not supported; use \"full\" or null");
       } else {
         return Status::Error(where,
-                             fmt::format("must be \"full\" or null, got {}", Describe(value)));
+                             fmt::format("must be \"full\" or null, got {}", DescribeJson(value)));
       }
     }
   }

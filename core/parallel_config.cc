@@ -8,52 +8,16 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "core/json_fields.h"
+
 namespace mpusim {
 namespace {
 
 using nlohmann::json;
 
-// Ranks are stored as int32 in enumerated layouts, so a layout must end below 2^31.
-constexpr int64_t kMaxRank = std::numeric_limits<int32_t>::max();
 
-std::string Describe(const json& value) {
-  std::string text = value.dump();
-  if (text.size() > 40) text = text.substr(0, 37) + "...";
-  return fmt::format("{} {}", value.type_name(), text);
-}
 
-Status ParseInt(const json& value, const std::string& where, int64_t min_value,
-                int64_t* out) {
-  if (!value.is_number_integer()) {
-    return Status::Error(where, fmt::format("must be an integer >= {}, got {}", min_value,
-                                            Describe(value)));
-  }
-  if (value.is_number_unsigned() && value.get<uint64_t>() > static_cast<uint64_t>(kMaxRank)) {
-    return Status::Error(where, fmt::format("must be at most {}, got {}", kMaxRank,
-                                            value.get<uint64_t>()));
-  }
-  const int64_t v = value.get<int64_t>();
-  if (v < min_value) {
-    return Status::Error(where, fmt::format("must be an integer >= {}, got {}", min_value, v));
-  }
-  if (v > kMaxRank) {
-    return Status::Error(where, fmt::format("must be at most {}, got {}", kMaxRank, v));
-  }
-  *out = v;
-  return {};
-}
 
-Status ParseOptionalInt(const json& value, const std::string& where, int64_t min_value,
-                        std::optional<int64_t>* out) {
-  if (value.is_null()) {
-    out->reset();
-    return {};
-  }
-  int64_t v = 0;
-  MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, min_value, &v));
-  *out = v;
-  return {};
-}
 
 size_t EditDistance(std::string_view a, std::string_view b) {
   std::vector<size_t> row(b.size() + 1);
@@ -137,7 +101,7 @@ std::string SuggestKey(std::string_view unknown, const std::vector<std::string_v
 Status ParseParallelSection(const json& section, std::string_view path, ParallelConfig* out) {
   const std::string prefix(path);
   if (!section.is_object()) {
-    return Status::Error(prefix, fmt::format("must be a JSON object, got {}", Describe(section)));
+    return Status::Error(prefix, fmt::format("must be a JSON object, got {}", DescribeJson(section)));
   }
   ParallelConfig config;
   const auto& keys = ParallelConfigKeys();
@@ -172,7 +136,7 @@ Status ParseParallelSection(const json& section, std::string_view path, Parallel
       if (!value.is_array() || value.empty()) {
         return Status::Error(where, fmt::format("must be null or a non-empty list of integers "
                                                 ">= 1 (e.g. [2, 4]), got {}",
-                                                Describe(value)));
+                                                DescribeJson(value)));
       }
       for (size_t i = 0; i < value.size(); ++i) {
         int64_t level_size = 0;
@@ -192,7 +156,7 @@ Status ParseParallelSection(const json& section, std::string_view path, Parallel
       if (!value.is_string()) {
         return Status::Error(where, fmt::format("must be a string such as \"tp-cp-ep-dp-pp\", "
                                                 "got {}",
-                                                Describe(value)));
+                                                DescribeJson(value)));
       }
       config.order = value.get<std::string>();
     } else if (key == "rank_offset") {
@@ -204,7 +168,7 @@ Status ParseParallelSection(const json& section, std::string_view path, Parallel
       MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &config.num_layers));
     } else if (key == "sequence_parallel" || key == "gradient_accumulation_fusion") {
       if (!value.is_boolean()) {
-        return Status::Error(where, fmt::format("must be true or false, got {}", Describe(value)));
+        return Status::Error(where, fmt::format("must be true or false, got {}", DescribeJson(value)));
       }
       (key == "sequence_parallel" ? config.sequence_parallel
                                   : config.gradient_accumulation_fusion) = value.get<bool>();

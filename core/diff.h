@@ -1,0 +1,142 @@
+// Dump comparison: `mpusim diff A B` reads two `--dump` directories, rebuilds every full
+// tensor from its rank shards, and compares the two sides element by element.
+//
+// What it is: a strict dump reader (manifest + every rank file, validated before any value is
+// trusted), the reassembly of full tensors from shards by their sharding metadata, and the
+// comparison under a per-dtype tolerance. A and B may come from different layouts (t=4 vs
+// t=1, with or without data parallelism) and different dtypes (float32 vs float64): both are
+// reduced to full float64 tensors first.
+// What it is not: the check of `mpusim run` against its float64 reference (sim/runner.cc),
+// or a reader for other people's safetensors (that is core/safetensors.h).
+//
+// Reassembly of tensor T (see core/sharding.h for ShardSpec):
+//   - Shards with the same coordinates are copies (a weight's tp shard on every dp rank, a
+//     replicated tensor on every rank). Copies must agree bit for bit; otherwise Assemble
+//     fails and names the two ranks and the first element that differs.
+//     Coordinates: (shard_index, batch_index); for a partial sum (tp_rank, batch_index).
+//   - "partial_sum": true shards hold summands: the full tensor is the sum over the dump's tp
+//     ranks, added in tp_rank order in float64.
+//   - Every element must be covered: all num_shards * batch_shards coordinates are present
+//     (for a partial sum, every tp rank of the dump for every batch_index).
+//
+// Comparison of tensor T, B being the expected side, over full float64 values a_i and b_i:
+//   element passes     iff a_i and b_i are finite and |a_i - b_i| <= atol + rtol * |b_i|
+//   max_abs            = max |a_i - b_i|                      (finite pairs)
+//   max_rel            = max |a_i - b_i| / |b_i|, over |b_i| > atol (finite pairs)
+//   normalized         = max_abs / max(max |a_i|, max |b_i|)  (finite pairs; 0 when all zero)
+//                        in [0, 2]: ~1e-7 is float32 rounding, ~1 is unrelated data
+//   worst element      = the largest |a_i - b_i| - (atol + rtol * |b_i|); the first NaN or
+//                        Inf when there is one
+//   (atol, rtol)       = DefaultTolerance of the less precise dtype of A's and B's T
+//                        (float32 1e-5, 1e-4; float64 1e-12, 1e-9), each overridable.
+// A tensor fails when an element fails, when the shapes differ, when it is in one side only,
+// or when a side's copies disagree.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/compare.h"
+#include "core/sharding.h"
+#include "core/status.h"
+#include "core/tensor.h"
+
+namespace mpusim {
+
+// One rank file's piece of a tensor.
+struct DumpShard {
+  int64_t rank = 0;     // world rank: the file's position in the manifest's "files"
+  int64_t tp_rank = 0;  // from the file's "mpusim" metadata (orders partial-sum summands)
+  ShardSpec spec;
+  Tensor tensor;  // host, local shape LocalShape(spec, full_shape)
+};
+
+struct DumpTensor {
+  std::string name;
+  Shape full_shape;
+  DType dtype = DType::kFloat32;
+  bool partial_sum = false;
+  std::vector<DumpShard> shards;  // in rank order; all with the same layout
+};
+
+class Dump {
+ public:
+  const std::string& dir() const { return dir_; }
+  const std::string& backend() const { return backend_; }  // manifest "backend", or ""
+  int64_t world_size() const { return world_size_; }
+  int64_t tp_size() const { return tp_size_; }  // distinct tp_rank values of the rank files
+  const std::vector<DumpTensor>& tensors() const { return tensors_; }  // manifest order
+  const DumpTensor* Find(std::string_view name) const;
+
+  // The full tensor `name` as float64 (see the reassembly rules above). Errors (where = the
+  // name): an unknown name, copies that disagree.
+  StatusOr<Tensor> Assemble(std::string_view name) const;
+
+ private:
+  friend StatusOr<Dump> LoadDump(const std::string& dir);
+  std::string dir_;
+  std::string backend_;
+  int64_t world_size_ = 0;
+  int64_t tp_size_ = 0;
+  std::vector<DumpTensor> tensors_;
+};
+
+// Reads DIR/manifest.json and every rank file it lists, and checks that they describe
+// consistent tensors: manifest fields and types, each file readable (ReadSafetensors), its
+// "mpusim" rank metadata, each tensor's sharding metadata (keys, ranges, divisibility, full
+// shape and dtype as in the manifest, local shape as the spec implies), one layout per
+// tensor, every element covered. Errors: where = the file at fault, what = the part and the
+// problem. Copies that disagree are found later, by Assemble.
+StatusOr<Dump> LoadDump(const std::string& dir);
+
+struct DiffOptions {
+  std::optional<double> atol;        // overrides the per-dtype policy
+  std::optional<double> rtol;
+  std::vector<std::string> tensors;  // compare only these; empty: all of A and B
+};
+
+// The tolerance for a tensor stored as `a` in A and `b` in B.
+Tolerance DiffTolerance(DType a, DType b, const DiffOptions& options);
+
+struct TensorDiff {
+  std::string name;
+  Shape shape;                    // A's full shape (B's when the tensor is only in B)
+  std::optional<DType> dtype_a;   // nullopt: not in A
+  std::optional<DType> dtype_b;
+  Tolerance tolerance{0, 0};
+  bool compared = false;          // values were compared (statistics below are meaningful)
+  int64_t elements = 0;
+  int64_t mismatches = 0;         // failing elements, NaN and Inf included
+  int64_t nan_a = 0, inf_a = 0, nan_b = 0, inf_b = 0;
+  double max_abs = 0, max_rel = 0, normalized = 0;
+  int64_t worst_flat = -1;        // -1: no element (not compared, or empty)
+  Shape worst_index;              // multi-index of worst_flat in `shape`
+  double worst_a = 0, worst_b = 0;
+  bool pass = false;
+  std::string problem;            // "" exactly when pass
+};
+
+struct DiffResult {
+  std::string dir_a, dir_b;
+  Tolerance float32{0, 0}, float64{0, 0};  // the effective policy per less precise dtype
+  std::vector<TensorDiff> tensors;  // A's manifest order, then tensors only in B
+  int64_t passed = 0;
+  int64_t failed = 0;
+};
+
+// Errors (the dumps themselves are already valid): where "tensors" for a requested name in
+// neither dump (the message lists the available names); "atol"/"rtol" for a negative or
+// non-finite override.
+StatusOr<DiffResult> DiffDumps(const Dump& a, const Dump& b, const DiffOptions& options);
+
+// Renderings for `mpusim diff --format text|json`.
+std::string DiffText(const DiffResult& result);
+// {"schema_version": 1, "a", "b", "tolerance": {"float32": {"atol", "rtol"}, "float64": ...},
+//  "tensors": [...], "passed", "failed"}; non-finite values are the strings "nan", "inf",
+// "-inf" (JSON has no such numbers); statistics are null for a tensor not compared.
+std::string DiffJson(const DiffResult& result);
+
+}  // namespace mpusim

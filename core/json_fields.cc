@@ -1,0 +1,49 @@
+// Strict JSON value readers (see json_fields.h).
+#include "core/json_fields.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+namespace mpusim {
+
+std::string DescribeJson(const nlohmann::json& value) {
+  std::string text = value.dump();
+  if (text.size() > 40) text = text.substr(0, 37) + "...";
+  return fmt::format("{} {}", value.type_name(), text);
+}
+
+Status ParseInt(const nlohmann::json& value, const std::string& where, int64_t min_value,
+                int64_t* out) {
+  if (!value.is_number_integer()) {
+    return Status::Error(where, fmt::format("must be an integer >= {}, got {}", min_value,
+                                            DescribeJson(value)));
+  }
+  if (value.is_number_unsigned() &&
+      value.get<uint64_t>() > static_cast<uint64_t>(kMaxConfigInt)) {
+    return Status::Error(where, fmt::format("must be at most {}, got {}", kMaxConfigInt,
+                                            value.get<uint64_t>()));
+  }
+  const int64_t v = value.get<int64_t>();
+  if (v < min_value) {
+    return Status::Error(where, fmt::format("must be an integer >= {}, got {}", min_value, v));
+  }
+  if (v > kMaxConfigInt) {
+    return Status::Error(where, fmt::format("must be at most {}, got {}", kMaxConfigInt, v));
+  }
+  *out = v;
+  return {};
+}
+
+Status ParseOptionalInt(const nlohmann::json& value, const std::string& where, int64_t min_value,
+                        std::optional<int64_t>* out) {
+  if (value.is_null()) {
+    out->reset();
+    return {};
+  }
+  int64_t v = 0;
+  MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, min_value, &v));
+  *out = v;
+  return {};
+}
+
+}  // namespace mpusim

@@ -1,0 +1,30 @@
+// Strict readers for single JSON config values, shared by every config section so that all
+// errors read alike: "<path>: must be an integer >= 1, got string \"16\"".
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "core/status.h"
+
+namespace mpusim {
+
+// Sizes and ranks stay below 2^31: enumerated layouts store ranks as int32, and products of
+// a few sizes cannot overflow int64.
+inline constexpr int64_t kMaxConfigInt = std::numeric_limits<int32_t>::max();
+
+// "<json type> <value>", shortened to 40 characters, for error messages.
+std::string DescribeJson(const nlohmann::json& value);
+
+// An integer in [min_value, kMaxConfigInt]; booleans, floats and strings are refused.
+Status ParseInt(const nlohmann::json& value, const std::string& where, int64_t min_value,
+                int64_t* out);
+// null or such an integer.
+Status ParseOptionalInt(const nlohmann::json& value, const std::string& where, int64_t min_value,
+                        std::optional<int64_t>* out);
+
+}  // namespace mpusim
