@@ -26,6 +26,7 @@ int RunCli(const std::vector<std::string>& args, std::ostream& out, std::ostream
   commands.push_back(MakeScheduleCommand(&app));
   commands.push_back(MakeExplainCommand(&app));
   commands.push_back(MakeRunCommand(&app));
+  commands.push_back(MakeDiffCommand(&app));
 
   std::vector<std::string> reversed(args.rbegin(), args.rend());
   if (!reversed.empty()) reversed.pop_back();  // the program name
@@ -62,7 +63,7 @@ int RunCli(const std::vector<std::string>& args, std::ostream& out, std::ostream
   for (const auto& command : commands) {
     if (command->app()->parsed()) return command->Run(out, err);
   }
-  return ReportError(err, "command line", "no subcommand given (layout, schedule, explain, run)");
+  return ReportError(err, "command line", "no subcommand given (layout, schedule, explain, run, diff)");
 }
 
 }  // namespace mpusim::cli

@@ -93,7 +93,7 @@ class Dump {
 StatusOr<Dump> LoadDump(const std::string& dir);
 
 struct DiffOptions {
-  std::optional<double> atol;        // overrides the per-dtype policy
+  std::optional<double> atol;  // overrides the per-dtype policy
   std::optional<double> rtol;
   std::vector<std::string> tensors;  // compare only these; empty: all of A and B
 };
@@ -103,26 +103,35 @@ Tolerance DiffTolerance(DType a, DType b, const DiffOptions& options);
 
 struct TensorDiff {
   std::string name;
-  Shape shape;                    // A's full shape (B's when the tensor is only in B)
-  std::optional<DType> dtype_a;   // nullopt: not in A
+  Shape shape;                   // A's full shape (B's when the tensor is only in B)
+  std::optional<DType> dtype_a;  // nullopt: not in A
   std::optional<DType> dtype_b;
   Tolerance tolerance{0, 0};
-  bool compared = false;          // values were compared (statistics below are meaningful)
+  bool compared = false;  // values were compared (statistics below are meaningful)
   int64_t elements = 0;
-  int64_t mismatches = 0;         // failing elements, NaN and Inf included
+  int64_t mismatches = 0;  // failing elements, NaN and Inf included
   int64_t nan_a = 0, inf_a = 0, nan_b = 0, inf_b = 0;
   double max_abs = 0, max_rel = 0, normalized = 0;
-  int64_t worst_flat = -1;        // -1: no element (not compared, or empty)
-  Shape worst_index;              // multi-index of worst_flat in `shape`
+  int64_t worst_flat = -1;  // -1: no element (not compared, or empty)
+  Shape worst_index;        // multi-index of worst_flat in `shape`
   double worst_a = 0, worst_b = 0;
   bool pass = false;
-  std::string problem;            // "" exactly when pass
+  std::string problem;  // "" exactly when pass
+};
+
+// What the text report says about each side before the table.
+struct DumpSummary {
+  std::string dir;
+  std::string backend;  // "" when the manifest does not say
+  int64_t world_size = 0;
+  int64_t tp_size = 0;
+  int64_t tensors = 0;
 };
 
 struct DiffResult {
-  std::string dir_a, dir_b;
+  DumpSummary a, b;
   Tolerance float32{0, 0}, float64{0, 0};  // the effective policy per less precise dtype
-  std::vector<TensorDiff> tensors;  // A's manifest order, then tensors only in B
+  std::vector<TensorDiff> tensors;         // A's manifest order, then tensors only in B
   int64_t passed = 0;
   int64_t failed = 0;
 };

@@ -448,5 +448,56 @@ TEST(ExplainCommand, LabSlices) {
 
 }  // namespace run_tests
 
+namespace diff_tests {
+
+// Two layouts of the lab model (tp 2 on 2 ranks, tp 1 on 1 rank) dumped by the real binary
+// compare equal tensor by tensor; a missing directory and an unknown tensor are bad input.
+TEST(DiffCommand, TwoLayoutsOfOneModelCompareEqual) {
+  const std::filesystem::path tmp = std::filesystem::temp_directory_path();
+  const std::string tag = std::to_string(::getpid());
+  const std::filesystem::path a = tmp / ("mpusim_diff_a." + tag);
+  const std::filesystem::path b = tmp / ("mpusim_diff_b." + tag);
+  std::filesystem::remove_all(a);
+  std::filesystem::remove_all(b);
+  std::ifstream in(Sample("lab_parallel_embedding_t2_n2.json"));
+  json config = json::parse(in);
+  config["parallel"]["world_size"] = 1;
+  config["parallel"]["tensor_model_parallel_size"] = 1;
+  config["run"]["dtype"] = "float64";
+  const std::string t1 = WriteTemp("mpusim_diff_t1." + tag + ".json", config.dump());
+  std::string output;
+  ASSERT_EQ(run_tests::Shell(run_tests::Mpiexec(2) + MPUSIM_BINARY + " run " +
+                                 Sample("lab_parallel_embedding_t2_n2.json") + " --dump " +
+                                 a.string(),
+                             &output),
+            0)
+      << output;
+  ASSERT_EQ(run_tests::Shell(run_tests::Mpiexec(1) + MPUSIM_BINARY + " run " + t1 + " --dump " +
+                                 b.string(),
+                             &output),
+            0)
+      << output;
+  // float32 tp 2 against float64 tp 1: the float32 tolerance applies.
+  const Result same = Mpusim({"diff", a.string(), b.string()});
+  EXPECT_EQ(same.code, 0) << same.out << same.err;
+  EXPECT_NE(same.out.find("21 passed, 0 failed"), std::string::npos) << same.out;
+  const Result js = Mpusim({"diff", a.string(), b.string(), "--format", "json"});
+  ASSERT_EQ(js.code, 0) << js.err;
+  EXPECT_EQ(json::parse(js.out)["failed"], 0);
+  // An impossible tolerance makes the float32-vs-float64 rounding count as a failure.
+  const Result strict = Mpusim({"diff", a.string(), b.string(), "--atol", "0", "--rtol", "0"});
+  EXPECT_EQ(strict.code, 1) << strict.out;
+
+  const Result missing = Mpusim({"diff", a.string(), (tmp / "no_such_dump_dir").string()});
+  EXPECT_EQ(missing.code, 2);
+  EXPECT_EQ(missing.out, "");
+  EXPECT_EQ(std::count(missing.err.begin(), missing.err.end(), '\n'), 1) << missing.err;
+  const Result bogus = Mpusim({"diff", a.string(), b.string(), "--tensors", "bogus"});
+  EXPECT_EQ(bogus.code, 2);
+  EXPECT_NE(bogus.err.find("'bogus'"), std::string::npos) << bogus.err;
+}
+
+}  // namespace diff_tests
+
 }  // namespace
 }  // namespace mpusim::cli

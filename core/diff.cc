@@ -1,0 +1,901 @@
+// Dump comparison (see diff.h): the strict dump reader, the reassembly of full tensors, and
+// the element-wise comparison with its text and JSON renderings.
+//
+// What it is: host-only code on nlohmann/json and fmt; every field of a dump is checked
+// before it is used to index anything, so a corrupt dump is a Status, never a crash.
+// What it is not: a tolerant reader. A dump that does not describe a consistent tensor is
+// refused rather than compared on a guess.
+#include "core/diff.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <system_error>
+#include <utility>
+
+#include "core/init.h"
+#include "core/safetensors.h"
+
+namespace mpusim {
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::ordered_json;  // keeps key order in the JSON output
+constexpr std::string_view kRankInfoKey = "mpusim";
+
+// ---------------------------------------------------------------------------------------
+// JSON field readers. Each accepts exactly one JSON type: 2.0 is not an integer, "2" is not
+// a number, and an integer beyond int64 is refused rather than wrapped.
+
+bool AsInt(const Json& value, int64_t* out) {
+  if (value.is_number_unsigned()) {
+    const uint64_t u = value.get<uint64_t>();
+    if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return false;
+    *out = static_cast<int64_t>(u);
+    return true;
+  }
+  if (value.is_number_integer()) {
+    *out = value.get<int64_t>();
+    return true;
+  }
+  return false;
+}
+
+// A list of non-negative integers whose product fits in int64.
+bool AsShape(const Json& value, Shape* out) {
+  if (!value.is_array()) return false;
+  Shape shape;
+  int64_t product = 1;
+  for (const Json& d : value) {
+    int64_t n = 0;
+    if (!AsInt(d, &n) || n < 0) return false;
+    if (__builtin_mul_overflow(product, n, &product)) return false;
+    shape.push_back(n);
+  }
+  *out = std::move(shape);
+  return true;
+}
+
+std::string Brief(const Json& value) {
+  std::string text = value.dump();
+  if (text.size() > 60) text = text.substr(0, 57) + "...";
+  return text;
+}
+
+StatusOr<Json> ParseJson(const std::string& text, const std::string& where) {
+  try {
+    return Json::parse(text);
+  } catch (const Json::exception& e) {
+    return Status::Error(where, fmt::format("not valid JSON: {}", e.what()));
+  }
+}
+
+// "[i, j]" for a flat index into `shape`.
+Shape MultiIndex(const Shape& shape, int64_t flat) {
+  Shape index(shape.size(), 0);
+  for (size_t d = shape.size(); d-- > 0;) {
+    if (shape[d] == 0) continue;
+    index[d] = flat % shape[d];
+    flat /= shape[d];
+  }
+  return index;
+}
+
+// ---------------------------------------------------------------------------------------
+// The manifest.
+
+struct ManifestTensor {
+  std::string name;
+  Shape full_shape;
+  DType dtype = DType::kFloat32;
+};
+
+struct Manifest {
+  int64_t world_size = 0;
+  std::string backend;
+  std::vector<ManifestTensor> tensors;
+  std::vector<std::string> files;
+};
+
+StatusOr<DType> ParseDTypeName(const Json& value) {
+  if (value.is_string()) {
+    const std::string name = value.get<std::string>();
+    if (name == "float32") return DType::kFloat32;
+    if (name == "float64") return DType::kFloat64;
+  }
+  return Status::Error("", fmt::format("must be \"float32\" or \"float64\", got {}", Brief(value)));
+}
+
+// Required keys are checked strictly. Other top-level keys (config, dtype, anything a later
+// writer adds to describe the run) are descriptive: no value read here depends on them, and
+// schema_version guards changes of meaning.
+StatusOr<Manifest> ParseManifest(const Json& j) {
+  if (!j.is_object()) return Status::Error("", "must be a JSON object");
+  for (const char* key : {"schema_version", "world_size", "tensors", "files"}) {
+    if (!j.contains(key)) return Status::Error(key, "is missing");
+  }
+  int64_t version = 0;
+  if (!AsInt(j["schema_version"], &version) || version != 1) {
+    return Status::Error("schema_version",
+                         fmt::format("must be 1 (the only version this reader knows), got {}",
+                                     Brief(j["schema_version"])));
+  }
+  Manifest m;
+  if (!AsInt(j["world_size"], &m.world_size) || m.world_size < 1) {
+    return Status::Error("world_size",
+                         fmt::format("must be an integer >= 1, got {}", Brief(j["world_size"])));
+  }
+  if (j.contains("backend")) {
+    if (!j["backend"].is_string()) return Status::Error("backend", "must be a string");
+    m.backend = j["backend"].get<std::string>();
+  }
+  const Json& files = j["files"];
+  if (!files.is_array() || static_cast<int64_t>(files.size()) != m.world_size) {
+    return Status::Error("files",
+                         fmt::format("must be a list of world_size ({}) file names", m.world_size));
+  }
+  std::set<std::string> seen_files;
+  for (size_t i = 0; i < files.size(); ++i) {
+    const std::string where = fmt::format("files[{}]", i);
+    if (!files[i].is_string()) return Status::Error(where, "must be a string");
+    const std::string name = files[i].get<std::string>();
+    // A plain name inside the dump directory: nothing may point outside it.
+    if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos) {
+      return Status::Error(where, fmt::format("'{}' must be a file name without '/'", name));
+    }
+    if (!seen_files.insert(name).second) {
+      return Status::Error(where, fmt::format("'{}' is listed twice", name));
+    }
+    m.files.push_back(name);
+  }
+  const Json& tensors = j["tensors"];
+  if (!tensors.is_array()) return Status::Error("tensors", "must be a list");
+  std::set<std::string> seen;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const std::string where = fmt::format("tensors[{}]", i);
+    const Json& t = tensors[i];
+    if (!t.is_object()) return Status::Error(where, "must be an object {name, full_shape, dtype}");
+    for (const auto& [key, unused] : t.items()) {
+      if (key != "name" && key != "full_shape" && key != "dtype") {
+        return Status::Error(where, fmt::format("unknown key '{}'; allowed: name, full_shape, "
+                                                "dtype",
+                                                key));
+      }
+    }
+    for (const char* key : {"name", "full_shape", "dtype"}) {
+      if (!t.contains(key)) return Status::Error(where, fmt::format("missing key '{}'", key));
+    }
+    ManifestTensor mt;
+    if (!t["name"].is_string() || t["name"].get<std::string>().empty()) {
+      return Status::Error(where + ".name", "must be a non-empty string");
+    }
+    mt.name = t["name"].get<std::string>();
+    if (mt.name == kRankInfoKey) {
+      return Status::Error(where + ".name", "'mpusim' is reserved for the rank metadata");
+    }
+    if (!seen.insert(mt.name).second) {
+      return Status::Error(where + ".name", fmt::format("'{}' is listed twice", mt.name));
+    }
+    if (!AsShape(t["full_shape"], &mt.full_shape)) {
+      return Status::Error(where + ".full_shape",
+                           fmt::format("must be a list of non-negative integers with fewer than "
+                                       "2^63 elements, got {}",
+                                       Brief(t["full_shape"])));
+    }
+    StatusOr<DType> dtype = ParseDTypeName(t["dtype"]);
+    if (!dtype.ok()) return Status::Error(where + ".dtype", dtype.status().what());
+    mt.dtype = *dtype;
+    m.tensors.push_back(std::move(mt));
+  }
+  return m;
+}
+
+// ---------------------------------------------------------------------------------------
+// A rank file's metadata.
+
+struct RankInfo {
+  int64_t rank = 0;
+  int64_t tp_rank = 0;
+  int64_t dp_rank = 0;
+};
+
+// {"rank", "tp_rank", "dp_rank", ...}; other keys (backend, device) only describe the rank.
+StatusOr<RankInfo> ParseRankInfo(const std::string& text) {
+  StatusOr<Json> parsed = ParseJson(text, "");
+  if (!parsed.ok()) return parsed.status();
+  const Json& j = *parsed;
+  if (!j.is_object()) return Status::Error("", "must be a JSON object {rank, tp_rank, dp_rank}");
+  RankInfo info;
+  for (auto [key, out] : {std::pair{"rank", &info.rank}, std::pair{"tp_rank", &info.tp_rank},
+                          std::pair{"dp_rank", &info.dp_rank}}) {
+    if (!j.contains(key)) return Status::Error("", fmt::format("missing key '{}'", key));
+    if (!AsInt(j[key], out) || *out < 0) {
+      return Status::Error("",
+                           fmt::format("{} must be an integer >= 0, got {}", key, Brief(j[key])));
+    }
+  }
+  return info;
+}
+
+struct ShardMetadata {
+  Shape full_shape;
+  ShardSpec spec;
+  bool partial_sum = false;
+};
+
+// Why `spec` cannot describe a shard of `full`, or "" when it can. Mirrors the layout rules
+// of AssembleFull (core/init.cc), with products guarded against overflow since every number
+// here comes from a file.
+std::string LayoutError(const ShardSpec& spec, const Shape& full) {
+  const int ndim = static_cast<int>(full.size());
+  if (spec.shard_dim < -1 || spec.shard_dim >= ndim) {
+    return fmt::format("shard_dim {} is outside [-1, {})", spec.shard_dim, ndim);
+  }
+  if (spec.batch_dim < -1 || spec.batch_dim >= ndim) {
+    return fmt::format("batch_dim {} is outside [-1, {})", spec.batch_dim, ndim);
+  }
+  if (spec.shard_dim >= 0 && spec.shard_dim == spec.batch_dim) {
+    return fmt::format("shard_dim and batch_dim are both {}", spec.shard_dim);
+  }
+  if (spec.shard_dim < 0) {
+    if (spec.num_shards != 1 || spec.shard_index != 0 || spec.stride != 1) {
+      return fmt::format(
+          "shard_dim -1 (not split) needs num_shards 1, shard_index 0 and "
+          "stride 1, got {}, {} and {}",
+          spec.num_shards, spec.shard_index, spec.stride);
+    }
+  } else {
+    if (spec.num_shards < 1 || spec.stride < 1) {
+      return fmt::format("num_shards {} and stride {} must be >= 1", spec.num_shards, spec.stride);
+    }
+    if (spec.shard_index < 0 || spec.shard_index >= spec.num_shards) {
+      return fmt::format("shard_index {} is outside [0, {})", spec.shard_index, spec.num_shards);
+    }
+    const int64_t size = full[static_cast<size_t>(spec.shard_dim)];
+    int64_t chunks = 0;
+    if (__builtin_mul_overflow(spec.num_shards, spec.stride, &chunks) || size % chunks != 0) {
+      return fmt::format(
+          "dimension {} of {} (size {}) is not divisible by num_shards {} * stride {}",
+          spec.shard_dim, ShapeString(full), size, spec.num_shards, spec.stride);
+    }
+  }
+  if (spec.batch_dim < 0) {
+    if (spec.batch_shards != 1 || spec.batch_index != 0) {
+      return fmt::format(
+          "batch_dim -1 (not split) needs batch_shards 1 and batch_index 0, "
+          "got {} and {}",
+          spec.batch_shards, spec.batch_index);
+    }
+  } else {
+    if (spec.batch_shards < 1)
+      return fmt::format("batch_shards {} must be >= 1", spec.batch_shards);
+    if (spec.batch_index < 0 || spec.batch_index >= spec.batch_shards) {
+      return fmt::format("batch_index {} is outside [0, {})", spec.batch_index, spec.batch_shards);
+    }
+    const int64_t size = full[static_cast<size_t>(spec.batch_dim)];
+    if (size % spec.batch_shards != 0) {
+      return fmt::format("batch dimension {} of {} (size {}) is not divisible by batch_shards {}",
+                         spec.batch_dim, ShapeString(full), size, spec.batch_shards);
+    }
+  }
+  return "";
+}
+
+// "{\"full_shape\":[...],\"shard_dim\":d,\"num_shards\":k,\"shard_index\":i,\"stride\":s
+// [,\"batch_dim\",\"batch_shards\",\"batch_index\"][,\"partial_sum\":true]}". Unknown keys are
+// refused: a key this reader does not know could change where the values belong.
+StatusOr<ShardMetadata> ParseShardMetadata(const std::string& text) {
+  StatusOr<Json> parsed = ParseJson(text, "");
+  if (!parsed.ok()) return parsed.status();
+  const Json& j = *parsed;
+  if (!j.is_object()) return Status::Error("", "must be a JSON object");
+  static const std::set<std::string> kAllowed = {"full_shape",   "shard_dim",   "num_shards",
+                                                 "shard_index",  "stride",      "batch_dim",
+                                                 "batch_shards", "batch_index", "partial_sum"};
+  for (const auto& [key, unused] : j.items()) {
+    if (kAllowed.count(key) == 0) {
+      return Status::Error(
+          "", fmt::format("unknown key '{}'; allowed: {}", key, fmt::join(kAllowed, ", ")));
+    }
+  }
+  ShardMetadata m;
+  if (!j.contains("full_shape")) return Status::Error("", "missing key 'full_shape'");
+  if (!AsShape(j["full_shape"], &m.full_shape)) {
+    return Status::Error("", fmt::format("full_shape must be a list of non-negative integers, "
+                                         "got {}",
+                                         Brief(j["full_shape"])));
+  }
+  auto read_int = [&](const char* key, int64_t* out) -> Status {
+    if (!j.contains(key)) return Status::Error("", fmt::format("missing key '{}'", key));
+    if (!AsInt(j[key], out)) {
+      return Status::Error("", fmt::format("{} must be an integer, got {}", key, Brief(j[key])));
+    }
+    return Status();
+  };
+  int64_t shard_dim = 0;
+  int64_t batch_dim = -1;
+  MPUSIM_RETURN_IF_ERROR(read_int("shard_dim", &shard_dim));
+  MPUSIM_RETURN_IF_ERROR(read_int("num_shards", &m.spec.num_shards));
+  MPUSIM_RETURN_IF_ERROR(read_int("shard_index", &m.spec.shard_index));
+  MPUSIM_RETURN_IF_ERROR(read_int("stride", &m.spec.stride));
+  const int batch_keys = static_cast<int>(j.contains("batch_dim")) +
+                         static_cast<int>(j.contains("batch_shards")) +
+                         static_cast<int>(j.contains("batch_index"));
+  if (batch_keys != 0 && batch_keys != 3) {
+    return Status::Error("", "batch_dim, batch_shards and batch_index come together or not at all");
+  }
+  if (batch_keys == 3) {
+    MPUSIM_RETURN_IF_ERROR(read_int("batch_dim", &batch_dim));
+    MPUSIM_RETURN_IF_ERROR(read_int("batch_shards", &m.spec.batch_shards));
+    MPUSIM_RETURN_IF_ERROR(read_int("batch_index", &m.spec.batch_index));
+  }
+  if (j.contains("partial_sum")) {
+    if (!j["partial_sum"].is_boolean()) {
+      return Status::Error(
+          "", fmt::format("partial_sum must be true or false, got {}", Brief(j["partial_sum"])));
+    }
+    m.partial_sum = j["partial_sum"].get<bool>();
+  }
+  // Range-check before narrowing to int; LayoutError reports the exact bounds.
+  const int64_t ndim = static_cast<int64_t>(m.full_shape.size());
+  if (shard_dim < -1 || shard_dim >= ndim) {
+    return Status::Error("", fmt::format("shard_dim {} is outside [-1, {})", shard_dim, ndim));
+  }
+  if (batch_dim < -1 || batch_dim >= ndim) {
+    return Status::Error("", fmt::format("batch_dim {} is outside [-1, {})", batch_dim, ndim));
+  }
+  m.spec.shard_dim = static_cast<int>(shard_dim);
+  m.spec.batch_dim = static_cast<int>(batch_dim);
+  const std::string error = LayoutError(m.spec, m.full_shape);
+  if (!error.empty()) return Status::Error("", error);
+  if (m.partial_sum && m.spec.shard_dim >= 0) {
+    return Status::Error("", fmt::format("partial_sum with shard_dim {}: a partial sum is summed "
+                                         "over the tp ranks, so it cannot also be split over them",
+                                         m.spec.shard_dim));
+  }
+  return m;
+}
+
+bool SameLayout(const DumpTensor& t, const ShardSpec& s, bool partial_sum) {
+  const ShardSpec& f = t.shards.front().spec;
+  return f.shard_dim == s.shard_dim && f.num_shards == s.num_shards && f.stride == s.stride &&
+         f.batch_dim == s.batch_dim && f.batch_shards == s.batch_shards &&
+         t.partial_sum == partial_sum;
+}
+
+std::string LayoutString(const ShardSpec& s, bool partial_sum) {
+  return fmt::format("shard_dim {}, num_shards {}, stride {}, batch_dim {}, batch_shards {}{}",
+                     s.shard_dim, s.num_shards, s.stride, s.batch_dim, s.batch_shards,
+                     partial_sum ? ", partial_sum" : "");
+}
+
+// The coordinates that tell copies (equal keys) from distinct pieces (see diff.h).
+std::pair<int64_t, int64_t> ShardKey(const DumpTensor& t, const DumpShard& s) {
+  return {t.partial_sum ? s.tp_rank : s.spec.shard_index, s.spec.batch_index};
+}
+
+// Every element covered: all distinct keys present. Counting distinct keys (rather than
+// enumerating all num_shards * batch_shards of them) keeps a hostile num_shards cheap.
+Status CheckCoverage(const DumpTensor& t, const std::set<int64_t>& tp_ranks) {
+  const ShardSpec& spec = t.shards.front().spec;
+  std::set<std::pair<int64_t, int64_t>> keys;
+  for (const DumpShard& s : t.shards) keys.insert(ShardKey(t, s));
+  const int64_t firsts = t.partial_sum ? static_cast<int64_t>(tp_ranks.size()) : spec.num_shards;
+  int64_t needed = 0;
+  if (!__builtin_mul_overflow(firsts, spec.batch_shards, &needed) &&
+      needed == static_cast<int64_t>(keys.size())) {
+    return Status();
+  }
+  // Name the first missing piece; it is among the first keys.size() + 1 candidates.
+  std::vector<int64_t> candidates;
+  if (t.partial_sum) {
+    candidates.assign(tp_ranks.begin(), tp_ranks.end());
+  } else {
+    for (int64_t i = 0; i < spec.num_shards && i <= static_cast<int64_t>(keys.size()); ++i) {
+      candidates.push_back(i);
+    }
+  }
+  for (int64_t b = 0; b < spec.batch_shards; ++b) {
+    for (int64_t c : candidates) {
+      if (keys.count({c, b}) != 0) continue;
+      const std::string piece = t.partial_sum
+                                    ? fmt::format("the summand of tp_rank {}", c)
+                                    : fmt::format("shard_index {} of {}", c, spec.num_shards);
+      return Status::Error(
+          fmt::format("tensor '{}'", t.name),
+          fmt::format(
+              "{}{} is in no rank file, so part of the full tensor {} is not covered", piece,
+              spec.batch_dim >= 0 ? fmt::format(" for batch_index {} of {}", b, spec.batch_shards)
+                                  : std::string(),
+              ShapeString(t.full_shape)));
+    }
+  }
+  return Status::Error(fmt::format("tensor '{}'", t.name), "is not fully covered by its shards");
+}
+
+double ValueAt(const Tensor& t, int64_t i) {
+  return t.dtype() == DType::kFloat32 ? static_cast<double>(t.data_as<float>()[i])
+                                      : t.data_as<double>()[i];
+}
+
+// A value as its side stored it: a float32 prints as the shortest float that round-trips.
+std::string FormatValue(double v, std::optional<DType> dtype) {
+  if (dtype == DType::kFloat32) return fmt::format("{}", static_cast<float>(v));
+  return fmt::format("{}", v);
+}
+
+// Global multi-index of local flat index `local` of a shard.
+Shape GlobalCoordinates(const ShardSpec& spec, const Shape& full, const Shape& local_shape,
+                        int64_t local) {
+  Shape index = MultiIndex(local_shape, local);
+  for (size_t d = 0; d < index.size(); ++d) {
+    index[d] = GlobalIndex(spec, static_cast<int>(d), full[d], index[d]);
+  }
+  return index;
+}
+
+// Copies must carry the same bits; the first difference names both ranks.
+Status CheckCopies(const DumpTensor& t, const DumpShard& first, const DumpShard& copy) {
+  if (std::memcmp(first.tensor.data(), copy.tensor.data(), first.tensor.bytes()) == 0) {
+    return Status();
+  }
+  const size_t size = DTypeSize(t.dtype);
+  const auto* x = static_cast<const unsigned char*>(first.tensor.data());
+  const auto* y = static_cast<const unsigned char*>(copy.tensor.data());
+  int64_t differing = 0;
+  int64_t first_diff = -1;
+  for (int64_t e = 0; e < first.tensor.numel(); ++e) {
+    const size_t offset = static_cast<size_t>(e) * size;
+    if (std::memcmp(x + offset, y + offset, size) != 0) {
+      if (first_diff < 0) first_diff = e;
+      ++differing;
+    }
+  }
+  const std::string piece =
+      t.partial_sum
+          ? fmt::format("the tp_rank {} summand", first.tp_rank)
+          : (first.spec.shard_dim >= 0 ? fmt::format("shard_index {}", first.spec.shard_index)
+                                       : std::string("the replicated tensor"));
+  return Status::Error(
+      std::string(t.name),
+      fmt::format("ranks {} and {} hold copies of {}{} that differ in {} of {} elements; first "
+                  "at {}: {} vs {}",
+                  first.rank, copy.rank, piece,
+                  first.spec.batch_dim >= 0
+                      ? fmt::format(" (batch_index {})", first.spec.batch_index)
+                      : std::string(),
+                  differing, first.tensor.numel(),
+                  ShapeString(GlobalCoordinates(first.spec, t.full_shape, first.tensor.shape(),
+                                                first_diff)),
+                  FormatValue(ValueAt(first.tensor, first_diff), t.dtype),
+                  FormatValue(ValueAt(copy.tensor, first_diff), t.dtype)));
+}
+
+Tensor ToFloat64(const Tensor& t) {
+  if (t.dtype() == DType::kFloat64) return t;
+  Tensor out = Tensor::HostEmpty(t.shape(), DType::kFloat64);
+  const float* in = t.data_as<float>();
+  double* o = out.data_as<double>();
+  for (int64_t i = 0; i < t.numel(); ++i) o[i] = static_cast<double>(in[i]);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+// Comparison.
+
+std::string DTypeShort(const std::optional<DType>& d) {
+  if (!d) return "-";
+  return *d == DType::kFloat32 ? "f32" : "f64";
+}
+
+void CompareValues(const Tensor& a, const Tensor& b, TensorDiff& d) {
+  const double* x = a.data_as<double>();
+  const double* y = b.data_as<double>();
+  const Tolerance tol = d.tolerance;
+  double max_a = 0, max_b = 0;
+  double worst_excess = -std::numeric_limits<double>::infinity();
+  d.elements = a.numel();
+  for (int64_t i = 0; i < d.elements; ++i) {
+    const double av = x[i];
+    const double bv = y[i];
+    d.nan_a += std::isnan(av) ? 1 : 0;
+    d.inf_a += std::isinf(av) ? 1 : 0;
+    d.nan_b += std::isnan(bv) ? 1 : 0;
+    d.inf_b += std::isinf(bv) ? 1 : 0;
+    double excess = std::numeric_limits<double>::infinity();
+    if (std::isfinite(av) && std::isfinite(bv)) {
+      const double diff = std::fabs(av - bv);
+      const double allowed = tol.atol + tol.rtol * std::fabs(bv);
+      d.max_abs = std::fmax(d.max_abs, diff);
+      max_a = std::fmax(max_a, std::fabs(av));
+      max_b = std::fmax(max_b, std::fabs(bv));
+      if (std::fabs(bv) > tol.atol) d.max_rel = std::fmax(d.max_rel, diff / std::fabs(bv));
+      if (diff > allowed) ++d.mismatches;
+      excess = diff - allowed;
+    } else {
+      ++d.mismatches;
+    }
+    if (excess > worst_excess) {
+      worst_excess = excess;
+      d.worst_flat = i;
+      d.worst_a = av;
+      d.worst_b = bv;
+    }
+  }
+  const double scale = std::fmax(max_a, max_b);
+  d.normalized = scale > 0 ? d.max_abs / scale : 0.0;
+  if (d.worst_flat >= 0) d.worst_index = MultiIndex(d.shape, d.worst_flat);
+  if (d.mismatches > 0) {
+    std::vector<std::string> notes;
+    for (auto [count, what] : {std::pair{d.nan_a, "NaN in A"}, std::pair{d.inf_a, "Inf in A"},
+                               std::pair{d.nan_b, "NaN in B"}, std::pair{d.inf_b, "Inf in B"}}) {
+      if (count > 0) notes.push_back(fmt::format("{} {}", count, what));
+    }
+    d.problem = fmt::format("{} of {} elements out of tolerance{}{}; worst {}: {} vs {}",
+                            d.mismatches, d.elements, notes.empty() ? "" : ", ",
+                            fmt::join(notes, ", "), ShapeString(d.worst_index),
+                            FormatValue(d.worst_a, d.dtype_a), FormatValue(d.worst_b, d.dtype_b));
+  }
+}
+
+TensorDiff DiffTensor(const Dump& a, const Dump& b, const std::string& name,
+                      const DiffOptions& options) {
+  TensorDiff d;
+  d.name = name;
+  const DumpTensor* ta = a.Find(name);
+  const DumpTensor* tb = b.Find(name);
+  if (ta != nullptr) d.dtype_a = ta->dtype;
+  if (tb != nullptr) d.dtype_b = tb->dtype;
+  d.shape = ta != nullptr ? ta->full_shape : tb->full_shape;
+  d.tolerance = DiffTolerance(d.dtype_a.value_or(DType::kFloat64),
+                              d.dtype_b.value_or(DType::kFloat64), options);
+  if (ta == nullptr || tb == nullptr) {
+    d.problem = ta == nullptr ? "only in B" : "only in A";
+    return d;
+  }
+  if (ta->full_shape != tb->full_shape) {
+    d.problem = fmt::format("shape {} in A but {} in B", ShapeString(ta->full_shape),
+                            ShapeString(tb->full_shape));
+    return d;
+  }
+  StatusOr<Tensor> full_a = a.Assemble(name);
+  StatusOr<Tensor> full_b = b.Assemble(name);
+  if (!full_a.ok() || !full_b.ok()) {
+    std::vector<std::string> problems;
+    if (!full_a.ok()) problems.push_back("A: " + full_a.status().what());
+    if (!full_b.ok()) problems.push_back("B: " + full_b.status().what());
+    d.problem = fmt::format("{}", fmt::join(problems, "; "));
+    return d;
+  }
+  d.compared = true;
+  CompareValues(*full_a, *full_b, d);
+  d.pass = d.problem.empty();
+  return d;
+}
+
+Status CheckOverride(const std::optional<double>& value, const char* name) {
+  if (value && !(std::isfinite(*value) && *value >= 0)) {
+    return Status::Error(name, fmt::format("must be a finite number >= 0, got {}", *value));
+  }
+  return Status();
+}
+
+Json Number(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  return v;
+}
+
+Json ToleranceJson(const Tolerance& t) { return Json{{"atol", t.atol}, {"rtol", t.rtol}}; }
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// Dump
+
+const DumpTensor* Dump::Find(std::string_view name) const {
+  for (const DumpTensor& t : tensors_) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+StatusOr<Tensor> Dump::Assemble(std::string_view name) const {
+  const DumpTensor* t = Find(name);
+  if (t == nullptr) return Status::Error(std::string(name), "is not in the dump");
+  // One representative per key; every other copy must equal it.
+  std::map<std::pair<int64_t, int64_t>, const DumpShard*> pieces;
+  for (const DumpShard& s : t->shards) {
+    auto [it, inserted] = pieces.emplace(ShardKey(*t, s), &s);
+    if (!inserted) MPUSIM_RETURN_IF_ERROR(CheckCopies(*t, *it->second, s));
+  }
+  // Nothing to place (and AssembleFull would size index tables by the local dimensions,
+  // which a zero-size dimension elsewhere leaves unbounded).
+  if (NumElements(t->full_shape) == 0) return Tensor::HostZeros(t->full_shape, DType::kFloat64);
+  // Keys sort by (shard_index or tp_rank, batch_index): one AssembleFull per tp_rank for a
+  // partial sum, whose results are added in tp_rank order.
+  Tensor full;
+  auto it = pieces.begin();
+  while (it != pieces.end()) {
+    std::vector<Tensor> shards;
+    std::vector<ShardSpec> specs;
+    const int64_t first = it->first.first;
+    for (; it != pieces.end() && (!t->partial_sum || it->first.first == first); ++it) {
+      shards.push_back(it->second->tensor);
+      specs.push_back(it->second->spec);
+    }
+    StatusOr<Tensor> placed = AssembleFull(shards, specs, t->full_shape);
+    // LoadDump checked layouts and coverage, so this is a reader bug if it ever happens.
+    if (!placed.ok()) return Status::Error(std::string(name), placed.status().Message());
+    Tensor wide = ToFloat64(*placed);
+    if (!full.defined()) {
+      full = std::move(wide);
+      continue;
+    }
+    double* out = full.data_as<double>();
+    const double* in = wide.data_as<double>();
+    for (int64_t i = 0; i < full.numel(); ++i) out[i] += in[i];
+  }
+  return full;
+}
+
+StatusOr<Dump> LoadDump(const std::string& dir) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) {
+    return Status::Error(dir, fs::exists(dir, ec) ? "is not a directory" : "no such directory");
+  }
+  const std::string manifest_path = (fs::path(dir) / "manifest.json").string();
+  std::string text;
+  {
+    std::ifstream in(manifest_path, std::ios::binary);
+    if (!in || fs::is_directory(manifest_path, ec)) {
+      return Status::Error(manifest_path,
+                           "cannot be read (is this a `mpusim run --dump` "
+                           "directory?)");
+    }
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    if (in.bad()) return Status::Error(manifest_path, "cannot be read");
+  }
+  StatusOr<Json> json = ParseJson(text, "");
+  if (!json.ok()) return Status::Error(manifest_path, json.status().what());
+  StatusOr<Manifest> manifest = ParseManifest(*json);
+  if (!manifest.ok()) return Status::Error(manifest_path, manifest.status().Message());
+
+  Dump dump;
+  dump.dir_ = dir;
+  dump.backend_ = manifest->backend;
+  dump.world_size_ = manifest->world_size;
+  std::map<std::string, size_t> index;
+  for (const ManifestTensor& mt : manifest->tensors) {
+    index[mt.name] = dump.tensors_.size();
+    DumpTensor t;
+    t.name = mt.name;
+    t.full_shape = mt.full_shape;
+    t.dtype = mt.dtype;
+    dump.tensors_.push_back(std::move(t));
+  }
+  std::set<int64_t> tp_ranks;
+  for (size_t r = 0; r < manifest->files.size(); ++r) {
+    const std::string path = (fs::path(dir) / manifest->files[r]).string();
+    StatusOr<SafetensorsFile> file = ReadSafetensors(path);
+    if (!file.ok()) return Status::Error(path, file.status().Message());
+    const auto info_it = file->metadata.find(std::string(kRankInfoKey));
+    if (info_it == file->metadata.end()) {
+      return Status::Error(path, "__metadata__: missing key 'mpusim' (the rank's coordinates)");
+    }
+    StatusOr<RankInfo> info = ParseRankInfo(info_it->second);
+    if (!info.ok()) {
+      return Status::Error(path, fmt::format("__metadata__.mpusim: {}", info.status().what()));
+    }
+    if (info->rank != static_cast<int64_t>(r)) {
+      return Status::Error(path, fmt::format("__metadata__.mpusim: rank {}, but the manifest "
+                                             "lists this file as files[{}]",
+                                             info->rank, r));
+    }
+    tp_ranks.insert(info->tp_rank);
+    std::set<std::string> in_file;
+    for (NamedTensor& named : file->tensors) {
+      const std::string where = fmt::format("tensor '{}'", named.name);
+      in_file.insert(named.name);
+      const auto found = index.find(named.name);
+      if (found == index.end()) {
+        return Status::Error(path, where + ": is not in the manifest's tensor list");
+      }
+      DumpTensor& t = dump.tensors_[found->second];
+      const auto meta = file->metadata.find(named.name);
+      if (meta == file->metadata.end()) {
+        return Status::Error(path, where + ": has no sharding metadata in __metadata__");
+      }
+      StatusOr<ShardMetadata> m = ParseShardMetadata(meta->second);
+      if (!m.ok()) {
+        return Status::Error(path,
+                             fmt::format("__metadata__.{}: {}", named.name, m.status().what()));
+      }
+      if (m->full_shape != t.full_shape) {
+        return Status::Error(
+            path, fmt::format("__metadata__.{}: full_shape {} but the manifest "
+                              "says {}",
+                              named.name, ShapeString(m->full_shape), ShapeString(t.full_shape)));
+      }
+      if (named.tensor.dtype() != t.dtype) {
+        return Status::Error(path,
+                             fmt::format("{}: dtype {} but the manifest says {}", where,
+                                         DTypeName(named.tensor.dtype()), DTypeName(t.dtype)));
+      }
+      const Shape local = LocalShape(m->spec, t.full_shape);
+      if (named.tensor.shape() != local) {
+        return Status::Error(
+            path, fmt::format("{}: shape {}, but a shard of {} under its "
+                              "metadata ({}) has shape {}",
+                              where, ShapeString(named.tensor.shape()), ShapeString(t.full_shape),
+                              LayoutString(m->spec, m->partial_sum), ShapeString(local)));
+      }
+      if (t.shards.empty()) {
+        t.partial_sum = m->partial_sum;
+      } else if (!SameLayout(t, m->spec, m->partial_sum)) {
+        return Status::Error(
+            path, fmt::format("{}: layout ({}) differs from rank {}'s ({})", where,
+                              LayoutString(m->spec, m->partial_sum), t.shards.front().rank,
+                              LayoutString(t.shards.front().spec, t.partial_sum)));
+      }
+      t.shards.push_back(
+          {static_cast<int64_t>(r), info->tp_rank, m->spec, std::move(named.tensor)});
+    }
+    for (const auto& [key, unused] : file->metadata) {
+      if (key != kRankInfoKey && in_file.count(key) == 0) {
+        return Status::Error(path, fmt::format("__metadata__.{}: describes a tensor that is not "
+                                               "in the file",
+                                               key));
+      }
+    }
+  }
+  dump.tp_size_ = static_cast<int64_t>(tp_ranks.size());
+  for (const DumpTensor& t : dump.tensors_) {
+    if (t.shards.empty()) {
+      return Status::Error(
+          dir, fmt::format("tensor '{}': is in the manifest but in no rank file", t.name));
+    }
+    const Status covered = CheckCoverage(t, tp_ranks);
+    if (!covered.ok()) return Status::Error(dir, covered.Message());
+  }
+  return dump;
+}
+
+// ---------------------------------------------------------------------------------------
+// DiffDumps and its renderings
+
+Tolerance DiffTolerance(DType a, DType b, const DiffOptions& options) {
+  const DType less_precise =
+      a == DType::kFloat32 || b == DType::kFloat32 ? DType::kFloat32 : DType::kFloat64;
+  Tolerance tol = DefaultTolerance(less_precise);
+  if (options.atol) tol.atol = *options.atol;
+  if (options.rtol) tol.rtol = *options.rtol;
+  return tol;
+}
+
+StatusOr<DiffResult> DiffDumps(const Dump& a, const Dump& b, const DiffOptions& options) {
+  MPUSIM_RETURN_IF_ERROR(CheckOverride(options.atol, "atol"));
+  MPUSIM_RETURN_IF_ERROR(CheckOverride(options.rtol, "rtol"));
+  std::vector<std::string> available;
+  for (const DumpTensor& t : a.tensors()) available.push_back(t.name);
+  for (const DumpTensor& t : b.tensors()) {
+    if (a.Find(t.name) == nullptr) available.push_back(t.name);
+  }
+  std::vector<std::string> names;
+  if (options.tensors.empty()) {
+    names = available;
+  } else {
+    for (const std::string& name : options.tensors) {
+      if (a.Find(name) == nullptr && b.Find(name) == nullptr) {
+        return Status::Error("tensors", fmt::format("'{}' is in neither dump; available: {}", name,
+                                                    fmt::join(available, ", ")));
+      }
+      if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(name);
+    }
+  }
+  DiffResult result;
+  auto summary = [](const Dump& dump) {
+    return DumpSummary{dump.dir(), dump.backend(), dump.world_size(), dump.tp_size(),
+                       static_cast<int64_t>(dump.tensors().size())};
+  };
+  result.a = summary(a);
+  result.b = summary(b);
+  result.float32 = DiffTolerance(DType::kFloat32, DType::kFloat32, options);
+  result.float64 = DiffTolerance(DType::kFloat64, DType::kFloat64, options);
+  for (const std::string& name : names) {
+    result.tensors.push_back(DiffTensor(a, b, name, options));
+    ++(result.tensors.back().pass ? result.passed : result.failed);
+  }
+  return result;
+}
+
+std::string DiffText(const DiffResult& r) {
+  auto side = [](const char* label, const DumpSummary& d) {
+    return fmt::format("{}: {} ({}{} rank{}, tp {}, {} tensors)\n", label, d.dir,
+                       d.backend.empty() ? "" : d.backend + ", ", d.world_size,
+                       d.world_size == 1 ? "" : "s", d.tp_size, d.tensors);
+  };
+  std::string out = side("A", r.a) + side("B (expected)", r.b);
+  out += fmt::format(
+      "pass when |a - b| <= atol + rtol * |b| and both are finite; the less precise dtype of "
+      "A and B picks the tolerance: float32 atol {:g} rtol {:g}, float64 atol {:g} rtol {:g}\n",
+      r.float32.atol, r.float32.rtol, r.float64.atol, r.float64.rtol);
+  size_t width = 26;
+  for (const TensorDiff& d : r.tensors) width = std::max(width, d.name.size());
+  out += fmt::format("  {:<{}} {:<16} {:<7} {:>12} {:>12} {:>12}  {}\n", "tensor", width, "shape",
+                     "dtypes", "max abs err", "max rel err", "normalized", "result");
+  for (const TensorDiff& d : r.tensors) {
+    const std::string dtypes = DTypeShort(d.dtype_a) + "/" + DTypeShort(d.dtype_b);
+    const std::string verdict = d.pass ? "pass" : "FAIL (" + d.problem + ")";
+    if (d.compared) {
+      out += fmt::format("  {:<{}} {:<16} {:<7} {:>12.3g} {:>12.3g} {:>12.3g}  {}\n", d.name, width,
+                         ShapeString(d.shape), dtypes, d.max_abs, d.max_rel, d.normalized, verdict);
+    } else {
+      out += fmt::format("  {:<{}} {:<16} {:<7} {:>12} {:>12} {:>12}  {}\n", d.name, width,
+                         ShapeString(d.shape), dtypes, "-", "-", "-", verdict);
+    }
+  }
+  out += fmt::format("{} passed, {} failed\n", r.passed, r.failed);
+  return out;
+}
+
+std::string DiffJson(const DiffResult& r) {
+  Json j;
+  j["schema_version"] = 1;
+  j["a"] = r.a.dir;
+  j["b"] = r.b.dir;
+  j["tolerance"] = {{"rule", "|a - b| <= atol + rtol * |b|, both finite"},
+                    {"float32", ToleranceJson(r.float32)},
+                    {"float64", ToleranceJson(r.float64)}};
+  Json tensors = Json::array();
+  for (const TensorDiff& d : r.tensors) {
+    Json t;
+    const Json null;
+    auto dtype = [](const std::optional<DType>& x) {
+      return x ? Json(std::string(DTypeName(*x))) : Json();
+    };
+    t["name"] = d.name;
+    t["shape"] = d.shape;
+    t["dtype_a"] = dtype(d.dtype_a);
+    t["dtype_b"] = dtype(d.dtype_b);
+    t["atol"] = d.tolerance.atol;
+    t["rtol"] = d.tolerance.rtol;
+    t["elements"] = d.compared ? Json(d.elements) : null;
+    t["mismatches"] = d.compared ? Json(d.mismatches) : null;
+    t["max_abs"] = d.compared ? Number(d.max_abs) : null;
+    t["max_rel"] = d.compared ? Number(d.max_rel) : null;
+    t["normalized"] = d.compared ? Number(d.normalized) : null;
+    if (d.compared && d.worst_flat >= 0) {
+      t["worst"] = {{"index", d.worst_index},
+                    {"flat_index", d.worst_flat},
+                    {"a", Number(d.worst_a)},
+                    {"b", Number(d.worst_b)}};
+    } else {
+      t["worst"] = null;
+    }
+    t["nan_a"] = d.compared ? Json(d.nan_a) : null;
+    t["inf_a"] = d.compared ? Json(d.inf_a) : null;
+    t["nan_b"] = d.compared ? Json(d.nan_b) : null;
+    t["inf_b"] = d.compared ? Json(d.inf_b) : null;
+    t["pass"] = d.pass;
+    t["problem"] = d.pass ? null : Json(d.problem);
+    tensors.push_back(std::move(t));
+  }
+  j["tensors"] = std::move(tensors);
+  j["passed"] = r.passed;
+  j["failed"] = r.failed;
+  // Directory names come from the command line and need not be UTF-8.
+  return j.dump(1, ' ', false, Json::error_handler_t::replace) + "\n";
+}
+
+}  // namespace mpusim
