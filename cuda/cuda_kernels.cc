@@ -1,0 +1,528 @@
+// CudaKernels (see cuda_kernels.h).
+//
+// Every public method checks its arguments exactly like EigenKernels (sim/eigen_kernels.cc),
+// then either calls a CUDA runtime / cuBLAS function on stream_ or a launcher of
+// device_kernels.h with T = float or T = double.
+#include "cuda/cuda_kernels.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstddef>
+#include <numbers>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "cuda/cuda_check.h"
+#include "cuda/device_kernels.h"
+
+namespace mpusim::cuda {
+namespace {
+
+// Rows of the 2-D view, computed without dividing by the last dimension (which may be 0).
+int64_t Rows(const Tensor& t) {
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < t.shape().size(); ++i) rows *= t.shape()[i];
+  return rows;
+}
+int64_t Cols(const Tensor& t) { return t.shape().empty() ? 1 : t.shape().back(); }
+
+bool Overlap(const Tensor& a, const Tensor& b) {
+  const auto* a0 = static_cast<const std::byte*>(a.data());
+  const auto* b0 = static_cast<const std::byte*>(b.data());
+  return a.bytes() > 0 && b.bytes() > 0 && a0 < b0 + b.bytes() && b0 < a0 + a.bytes();
+}
+
+// Runs body.template operator()<T>() with T the C++ type of `dtype`.
+template <typename Body>
+void Dispatch(DType dtype, Body&& body) {
+  if (dtype == DType::kFloat32) {
+    body.template operator()<float>();
+  } else {
+    body.template operator()<double>();
+  }
+}
+
+// Argument checks of one kernel call: every tensor must be an allocated tensor on `device`
+// (CUDA unless stated), and all tensors of the call share the first one's dtype.
+class Args {
+ public:
+  explicit Args(std::string_view kernel) : kernel_(kernel) {}
+
+  Args& Add(std::string_view name, const Tensor& t, Device device = Device::kCuda) {
+    if (!t.defined()) Fail(fmt::format("{} is not allocated", name));
+    if (t.device() != device) {
+      Fail(fmt::format("{} is not a {} tensor", name, device == Device::kCuda ? "CUDA" : "host"));
+    }
+    if (first_name_.empty()) {
+      first_name_ = name;
+      dtype_ = t.dtype();
+    } else if (t.dtype() != dtype_) {
+      Fail(fmt::format("{} is {} but {} is {}", name, DTypeName(t.dtype()), first_name_,
+                       DTypeName(dtype_)));
+    }
+    return *this;
+  }
+  void Numel(std::string_view name, const Tensor& t, int64_t numel,
+             std::string_view because) const {
+    if (t.numel() != numel) {
+      Fail(fmt::format("{} {} has {} elements, expected {} ({})", name, ShapeString(t.shape()),
+                       t.numel(), numel, because));
+    }
+  }
+  void Require(bool ok, std::string_view what) const {
+    if (!ok) Fail(std::string(what));
+  }
+  [[noreturn]] void Fail(const std::string& what) const {
+    throw std::invalid_argument(fmt::format("CudaKernels::{}: {}", kernel_, what));
+  }
+  DType dtype() const { return dtype_; }
+
+ private:
+  std::string_view kernel_;
+  std::string_view first_name_;
+  DType dtype_ = DType::kFloat32;
+};
+
+void CheckShard(const Args& args, std::string_view name, const Tensor& table, int64_t vocab_start,
+                int64_t vocab_end) {
+  args.Require(vocab_start <= vocab_end,
+               fmt::format("vocab_start {} > vocab_end {}", vocab_start, vocab_end));
+  if (Rows(table) != vocab_end - vocab_start) {
+    args.Fail(fmt::format("{} {} has {} rows but the shard [{}, {}) has {}", name,
+                          ShapeString(table.shape()), Rows(table), vocab_start, vocab_end,
+                          vocab_end - vocab_start));
+  }
+}
+
+void CheckShape(std::string_view kernel, const Shape& shape) {
+  for (int64_t d : shape) {
+    if (d < 0) {
+      throw std::invalid_argument(
+          fmt::format("CudaKernels::{}: negative dimension in {}", kernel, ShapeString(shape)));
+    }
+  }
+}
+
+void FreeDevice(void* pointer) {
+  const cudaError_t error = cudaFree(pointer);
+  // At process exit the runtime may already be unloaded; the memory goes with the context.
+  if (error != cudaSuccess && error != cudaErrorCudartUnloading) {
+    Fatal("cudaFree(tensor storage)", CudaErrorText(error), __FILE__, __LINE__, __func__);
+  }
+}
+
+std::byte* BytePointer(Tensor& t) { return static_cast<std::byte*>(t.data()); }
+const std::byte* BytePointer(const Tensor& t) { return static_cast<const std::byte*>(t.data()); }
+
+}  // namespace
+
+CudaKernels::CudaKernels() {
+  MPUSIM_CUDA_CHECK(cudaGetDevice(&device_));
+  // A blocking stream: it also orders against any legacy-default-stream work.
+  MPUSIM_CUDA_CHECK(cudaStreamCreate(&stream_));
+  MPUSIM_CUBLAS_CHECK(cublasCreate(&cublas_));
+  MPUSIM_CUBLAS_CHECK(cublasSetStream(cublas_, stream_));
+  // Prescribed precision throughout (no TF32, no reduced-precision reductions), so float32
+  // GEMMs compare with the CPU's float32 GEMMs.
+  MPUSIM_CUBLAS_CHECK(cublasSetMathMode(cublas_, CUBLAS_PEDANTIC_MATH));
+}
+
+CudaKernels::~CudaKernels() {
+  MPUSIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (indices_ != nullptr) MPUSIM_CUDA_CHECK(cudaFree(indices_));
+  MPUSIM_CUBLAS_CHECK(cublasDestroy(cublas_));
+  MPUSIM_CUDA_CHECK(cudaStreamDestroy(stream_));
+}
+
+void CudaKernels::Synchronize() { MPUSIM_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+Tensor CudaKernels::Allocate(const Shape& shape, DType dtype) {
+  const size_t bytes = static_cast<size_t>(NumElements(shape)) * DTypeSize(dtype);
+  void* pointer = nullptr;
+  MPUSIM_CUDA_CHECK(cudaMalloc(&pointer, std::max<size_t>(bytes, 1)));
+  return Tensor(shape, dtype, Device::kCuda, std::shared_ptr<void>(pointer, FreeDevice));
+}
+
+const int64_t* CudaKernels::UploadIndices(const std::vector<int64_t>& values) {
+  if (values.empty()) return nullptr;
+  if (values.size() > indices_capacity_) {
+    if (indices_ != nullptr) MPUSIM_CUDA_CHECK(cudaFree(indices_));  // waits for its readers
+    indices_ = nullptr;
+    indices_capacity_ = 0;
+    const size_t capacity = std::max(values.size(), size_t{1024});
+    void* pointer = nullptr;
+    MPUSIM_CUDA_CHECK(cudaMalloc(&pointer, capacity * sizeof(int64_t)));
+    indices_ = static_cast<int64_t*>(pointer);
+    indices_capacity_ = capacity;
+  }
+  // Pageable source: the call returns once `values` has been staged, so the vector may die
+  // right after; the copy runs in stream order, after earlier kernels that read the buffer.
+  MPUSIM_CUDA_CHECK(cudaMemcpyAsync(indices_, values.data(), values.size() * sizeof(int64_t),
+                                    cudaMemcpyHostToDevice, stream_));
+  return indices_;
+}
+
+void CudaKernels::CopyFromHost(const Tensor& host, Tensor& device) {
+  Args args("CopyFromHost");
+  args.Add("host", host, Device::kHost).Add("device", device);
+  args.Numel("device", device, host.numel(), "the numel of host");
+  if (host.bytes() == 0) return;
+  MPUSIM_CUDA_CHECK(cudaMemcpyAsync(device.data(), host.data(), host.bytes(),
+                                    cudaMemcpyHostToDevice, stream_));
+  MPUSIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+// --- memory ---------------------------------------------------------------------------
+
+Tensor CudaKernels::Zeros(const Shape& shape, DType dtype) {
+  CheckShape("Zeros", shape);
+  Tensor out = Allocate(shape, dtype);
+  if (out.bytes() > 0) MPUSIM_CUDA_CHECK(cudaMemsetAsync(out.data(), 0, out.bytes(), stream_));
+  return out;
+}
+
+Tensor CudaKernels::Empty(const Shape& shape, DType dtype) {
+  CheckShape("Empty", shape);
+  return Allocate(shape, dtype);
+}
+
+Tensor CudaKernels::ToDevice(const Tensor& host) {
+  Args("ToDevice").Add("host", host, Device::kHost);
+  Tensor out = Allocate(host.shape(), host.dtype());
+  if (host.bytes() > 0) {
+    MPUSIM_CUDA_CHECK(cudaMemcpyAsync(out.data(), host.data(), host.bytes(),
+                                      cudaMemcpyHostToDevice, stream_));
+    MPUSIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  return out;
+}
+
+Tensor CudaKernels::ToHost(const Tensor& tensor) {
+  Args("ToHost").Add("tensor", tensor);
+  Tensor out = Tensor::HostEmpty(tensor.shape(), tensor.dtype());
+  if (tensor.bytes() > 0) {
+    MPUSIM_CUDA_CHECK(cudaMemcpyAsync(out.data(), tensor.data(), tensor.bytes(),
+                                      cudaMemcpyDeviceToHost, stream_));
+  }
+  MPUSIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return out;
+}
+
+void CudaKernels::Copy(const Tensor& src, Tensor& dst) {
+  Args args("Copy");
+  args.Add("src", src).Add("dst", dst);
+  args.Numel("dst", dst, src.numel(), "the numel of src");
+  if (src.bytes() == 0 || src.data() == dst.data()) return;
+  if (Overlap(src, dst)) {
+    // cudaMemcpy* is undefined for overlapping ranges; memmove semantics via a copy.
+    Tensor staged = Allocate(src.shape(), src.dtype());
+    MPUSIM_CUDA_CHECK(cudaMemcpyAsync(staged.data(), src.data(), src.bytes(),
+                                      cudaMemcpyDeviceToDevice, stream_));
+    MPUSIM_CUDA_CHECK(cudaMemcpyAsync(dst.data(), staged.data(), src.bytes(),
+                                      cudaMemcpyDeviceToDevice, stream_));
+    return;  // freeing `staged` (cudaFree) waits for both copies
+  }
+  MPUSIM_CUDA_CHECK(
+      cudaMemcpyAsync(dst.data(), src.data(), src.bytes(), cudaMemcpyDeviceToDevice, stream_));
+}
+
+void CudaKernels::CopyBlock(const Tensor& src, int64_t src_row0, int64_t src_col0, Tensor& dst,
+                            int64_t dst_row0, int64_t dst_col0, int64_t rows, int64_t cols) {
+  Args args("CopyBlock");
+  args.Add("src", src).Add("dst", dst);
+  const auto check = [&](std::string_view name, const Tensor& t, int64_t row0, int64_t col0) {
+    if (rows < 0 || cols < 0 || row0 < 0 || col0 < 0 || row0 + rows > Rows(t) ||
+        col0 + cols > Cols(t)) {
+      args.Fail(fmt::format("block [{}:{}, {}:{}] is outside {} ({} x {})", row0, row0 + rows, col0,
+                            col0 + cols, name, Rows(t), Cols(t)));
+    }
+  };
+  check("src", src, src_row0, src_col0);
+  check("dst", dst, dst_row0, dst_col0);
+  if (rows == 0 || cols == 0) return;
+  const size_t element = DTypeSize(src.dtype());
+  const size_t width = static_cast<size_t>(cols) * element;
+  const size_t height = static_cast<size_t>(rows);
+  const size_t src_pitch = static_cast<size_t>(Cols(src)) * element;
+  const size_t dst_pitch = static_cast<size_t>(Cols(dst)) * element;
+  const std::byte* from =
+      BytePointer(src) + static_cast<size_t>(src_row0 * Cols(src) + src_col0) * element;
+  std::byte* to = BytePointer(dst) + static_cast<size_t>(dst_row0 * Cols(dst) + dst_col0) * element;
+  if (Overlap(src, dst)) {
+    // The blocks may overlap: read all of the source block first, as the CPU does.
+    Tensor staged = Allocate({rows, cols}, src.dtype());
+    MPUSIM_CUDA_CHECK(cudaMemcpy2DAsync(staged.data(), width, from, src_pitch, width, height,
+                                        cudaMemcpyDeviceToDevice, stream_));
+    MPUSIM_CUDA_CHECK(cudaMemcpy2DAsync(to, dst_pitch, staged.data(), width, width, height,
+                                        cudaMemcpyDeviceToDevice, stream_));
+    return;  // freeing `staged` (cudaFree) waits for both copies
+  }
+  MPUSIM_CUDA_CHECK(cudaMemcpy2DAsync(to, dst_pitch, from, src_pitch, width, height,
+                                      cudaMemcpyDeviceToDevice, stream_));
+}
+
+// --- dense algebra --------------------------------------------------------------------
+
+void CudaKernels::Gemm(bool trans_a, bool trans_b, double alpha, const Tensor& a, const Tensor& b,
+                       double beta, Tensor& c) {
+  Args args("Gemm");
+  args.Add("a", a).Add("b", b).Add("c", c);
+  const int64_t m = trans_a ? Cols(a) : Rows(a);
+  const int64_t k = trans_a ? Rows(a) : Cols(a);
+  const int64_t kb = trans_b ? Cols(b) : Rows(b);
+  const int64_t n = trans_b ? Rows(b) : Cols(b);
+  if (k != kb || Rows(c) != m || Cols(c) != n) {
+    args.Fail(
+        fmt::format("op(a) is {} x {} (a {}, trans_a {}), op(b) is {} x {} (b {}, "
+                    "trans_b {}), c is {} x {} ({})",
+                    m, k, ShapeString(a.shape()), trans_a, kb, n, ShapeString(b.shape()), trans_b,
+                    Rows(c), Cols(c), ShapeString(c.shape())));
+  }
+  args.Require(!Overlap(a, c) && !Overlap(b, c), "c shares storage with a or b");
+  for (int64_t dim : {m, n, k, Cols(a), Cols(b)}) {
+    args.Require(dim <= INT_MAX, fmt::format("dimension {} exceeds cuBLAS's int", dim));
+  }
+  if (m == 0 || n == 0) return;
+  if (k == 0 || alpha == 0.0) {
+    // c = beta * c; beta == 0 overwrites (all-zero bits are +0.0 in IEEE 754).
+    if (beta == 0.0) {
+      MPUSIM_CUDA_CHECK(cudaMemsetAsync(c.data(), 0, c.bytes(), stream_));
+    } else if (beta != 1.0) {
+      Scale(beta, c);
+    }
+    return;
+  }
+  // Row-major C (m x n) = op(A) op(B) is column-major C^T (n x m) = op(B)^T op(A)^T. A
+  // row-major X read as column-major is X^T with leading dimension Cols(X), so cuBLAS gets
+  // (B, op_b) first and (A, op_a) second with the caller's own transpose flags, and C^T has
+  // leading dimension n. cuBLAS with beta == 0 does not read C (NaNs do not propagate).
+  const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const int cm = static_cast<int>(n);
+  const int cn = static_cast<int>(m);
+  const int ck = static_cast<int>(k);
+  const int lda = static_cast<int>(Cols(a));
+  const int ldb = static_cast<int>(Cols(b));
+  const int ldc = static_cast<int>(n);
+  if (args.dtype() == DType::kFloat32) {
+    const float alpha_f = static_cast<float>(alpha);
+    const float beta_f = static_cast<float>(beta);
+    MPUSIM_CUBLAS_CHECK(cublasSgemm(cublas_, op_b, op_a, cm, cn, ck, &alpha_f, b.data_as<float>(),
+                                    ldb, a.data_as<float>(), lda, &beta_f, c.data_as<float>(),
+                                    ldc));
+  } else {
+    MPUSIM_CUBLAS_CHECK(cublasDgemm(cublas_, op_b, op_a, cm, cn, ck, &alpha, b.data_as<double>(),
+                                    ldb, a.data_as<double>(), lda, &beta, c.data_as<double>(),
+                                    ldc));
+  }
+}
+
+void CudaKernels::AddRowVector(const Tensor& bias, Tensor& y) {
+  Args args("AddRowVector");
+  args.Add("bias", bias).Add("y", y);
+  args.Numel("bias", bias, Cols(y), "the columns of y");
+  Dispatch(args.dtype(), [&]<typename T>() {
+    LaunchAddRowVector<T>(bias.data_as<T>(), y.data_as<T>(), Rows(y), Cols(y), stream_);
+  });
+}
+
+void CudaKernels::SumRows(const Tensor& x, double beta, Tensor& out) {
+  Args args("SumRows");
+  args.Add("x", x).Add("out", out);
+  args.Numel("out", out, Cols(x), "the columns of x");
+  Dispatch(args.dtype(), [&]<typename T>() {
+    LaunchSumRows<T>(x.data_as<T>(), Rows(x), Cols(x), beta, out.data_as<T>(), stream_);
+  });
+}
+
+void CudaKernels::Axpy(double alpha, const Tensor& x, Tensor& y) {
+  Args args("Axpy");
+  args.Add("x", x).Add("y", y);
+  args.Numel("y", y, x.numel(), "the numel of x");
+  Dispatch(args.dtype(), [&]<typename T>() {
+    LaunchAxpy<T>(x.data_as<T>(), y.data_as<T>(), x.numel(), static_cast<T>(alpha), stream_);
+  });
+}
+
+void CudaKernels::Scale(double alpha, Tensor& x) {
+  Args args("Scale");
+  args.Add("x", x);
+  Dispatch(args.dtype(), [&]<typename T>() {
+    LaunchScale<T>(x.data_as<T>(), x.numel(), static_cast<T>(alpha), stream_);
+  });
+}
+
+// --- elementwise ----------------------------------------------------------------------
+
+void CudaKernels::GeluForward(const Tensor& x, Tensor& y) {
+  Args args("GeluForward");
+  args.Add("x", x).Add("y", y);
+  args.Numel("y", y, x.numel(), "the numel of x");
+  Dispatch(args.dtype(), [&]<typename T>() {
+    const T inv_sqrt2 = static_cast<T>(1) / std::numbers::sqrt2_v<T>;  // as on the CPU
+    LaunchGeluForward<T>(x.data_as<T>(), y.data_as<T>(), x.numel(), inv_sqrt2, stream_);
+  });
+}
+
+void CudaKernels::GeluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) {
+  Args args("GeluBackward");
+  args.Add("x", x).Add("dy", dy).Add("dx", dx);
+  args.Numel("dy", dy, x.numel(), "the numel of x");
+  args.Numel("dx", dx, x.numel(), "the numel of x");
+  Dispatch(args.dtype(), [&]<typename T>() {
+    const T inv_sqrt2 = static_cast<T>(1) / std::numbers::sqrt2_v<T>;
+    // phi(x) = exp(-x^2 / 2) / sqrt(2 pi), with the CPU's constant.
+    const T inv_sqrt_2pi = std::numbers::inv_sqrtpi_v<T> * inv_sqrt2;
+    LaunchGeluBackward<T>(x.data_as<T>(), dy.data_as<T>(), dx.data_as<T>(), x.numel(), inv_sqrt2,
+                          inv_sqrt_2pi, stream_);
+  });
+}
+
+void CudaKernels::Dropout(const Tensor& x, double p, uint64_t key, uint64_t stream,
+                          uint64_t offset, Tensor& y) {
+  Args args("Dropout");
+  args.Add("x", x).Add("y", y);
+  args.Numel("y", y, x.numel(), "the numel of x");
+  args.Require(p >= 0.0 && p <= 1.0, fmt::format("p = {} is not in [0, 1]", p));
+  if (p == 0.0) {
+    Copy(x, y);
+    return;
+  }
+  Dispatch(args.dtype(), [&]<typename T>() {
+    const T keep_probability = static_cast<T>(1.0 - p);  // unused when p == 1: nothing is kept
+    LaunchDropout<T>(x.data_as<T>(), y.data_as<T>(), x.numel(), p, keep_probability, key, stream,
+                     offset, stream_);
+  });
+}
+
+// --- embedding ------------------------------------------------------------------------
+
+void CudaKernels::EmbeddingForward(const Tensor& weight, const std::vector<int64_t>& ids,
+                                   int64_t vocab_start, int64_t vocab_end, Tensor& out) {
+  Args args("EmbeddingForward");
+  args.Add("weight", weight).Add("out", out);
+  CheckShard(args, "weight", weight, vocab_start, vocab_end);
+  const int64_t num_ids = static_cast<int64_t>(ids.size());
+  if (Rows(out) != num_ids || Cols(out) != Cols(weight)) {
+    args.Fail(fmt::format("out {} must be {} x {} ({} ids, weight {})", ShapeString(out.shape()),
+                          num_ids, Cols(weight), num_ids, ShapeString(weight.shape())));
+  }
+  if (out.numel() == 0) return;
+  const int64_t* device_ids = UploadIndices(ids);
+  Dispatch(args.dtype(), [&]<typename T>() {
+    LaunchEmbeddingForward<T>(weight.data_as<T>(), device_ids, num_ids, Cols(weight), vocab_start,
+                              vocab_end, out.data_as<T>(), stream_);
+  });
+}
+
+void CudaKernels::EmbeddingBackward(const Tensor& dy, const std::vector<int64_t>& ids,
+                                    int64_t vocab_start, int64_t vocab_end, Tensor& dweight) {
+  Args args("EmbeddingBackward");
+  args.Add("dy", dy).Add("dweight", dweight);
+  CheckShard(args, "dweight", dweight, vocab_start, vocab_end);
+  const int64_t num_ids = static_cast<int64_t>(ids.size());
+  if (Rows(dy) != num_ids || Cols(dy) != Cols(dweight)) {
+    args.Fail(fmt::format("dy {} must be {} x {} ({} ids, dweight {})", ShapeString(dy.shape()),
+                          num_ids, Cols(dweight), num_ids, ShapeString(dweight.shape())));
+  }
+  args.Require(!Overlap(dy, dweight), "dy shares storage with dweight");
+  if (dy.numel() == 0) return;
+  // Group the tokens by the row they update (tokens in increasing order within a row), so
+  // that one GPU thread per (row, column) adds them in the CPU's order without atomics.
+  std::vector<std::pair<int64_t, int64_t>> hits;  // (local row, token)
+  for (int64_t i = 0; i < num_ids; ++i) {
+    const int64_t id = ids[static_cast<size_t>(i)];
+    if (id >= vocab_start && id < vocab_end) hits.emplace_back(id - vocab_start, i);
+  }
+  if (hits.empty()) return;
+  std::sort(hits.begin(), hits.end());
+  std::vector<int64_t> local_rows;
+  std::vector<int64_t> offsets;
+  for (size_t h = 0; h < hits.size(); ++h) {
+    if (h == 0 || hits[h].first != hits[h - 1].first) {
+      local_rows.push_back(hits[h].first);
+      offsets.push_back(static_cast<int64_t>(h));
+    }
+  }
+  offsets.push_back(static_cast<int64_t>(hits.size()));
+  std::vector<int64_t> plan = local_rows;  // see LaunchEmbeddingBackward for the layout
+  plan.insert(plan.end(), offsets.begin(), offsets.end());
+  for (const auto& hit : hits) plan.push_back(hit.second);
+  const int64_t* device_plan = UploadIndices(plan);
+  const int64_t num_rows = static_cast<int64_t>(local_rows.size());
+  Dispatch(args.dtype(), [&]<typename T>() {
+    LaunchEmbeddingBackward<T>(dy.data_as<T>(), device_plan, num_rows, Cols(dweight),
+                               dweight.data_as<T>(), stream_);
+  });
+}
+
+// --- vocab-parallel cross entropy -----------------------------------------------------
+
+void CudaKernels::RowMax(const Tensor& logits, Tensor& row_max) {
+  Args args("RowMax");
+  args.Add("logits", logits).Add("row_max", row_max);
+  args.Numel("row_max", row_max, Rows(logits), "one per row of logits");
+  Dispatch(args.dtype(), [&]<typename T>() {
+    LaunchRowMax<T>(logits.data_as<T>(), Rows(logits), Cols(logits), row_max.data_as<T>(),
+                    stream_);
+  });
+}
+
+void CudaKernels::CrossEntropyPartials(const Tensor& logits, const Tensor& row_max,
+                                       const std::vector<int64_t>& labels, int64_t vocab_start,
+                                       Tensor& sum_exp, Tensor& sum_z, Tensor& target_z) {
+  Args args("CrossEntropyPartials");
+  args.Add("logits", logits).Add("row_max", row_max).Add("sum_exp", sum_exp);
+  args.Add("sum_z", sum_z).Add("target_z", target_z);
+  const int64_t rows = Rows(logits);
+  const int64_t cols = Cols(logits);
+  args.Numel("row_max", row_max, rows, "one per row of logits");
+  args.Numel("sum_exp", sum_exp, rows, "one per row of logits");
+  args.Numel("sum_z", sum_z, rows, "one per row of logits");
+  args.Numel("target_z", target_z, rows, "one per row of logits");
+  args.Require(static_cast<int64_t>(labels.size()) == rows,
+               fmt::format("{} labels for {} rows of logits", labels.size(), rows));
+  if (rows == 0) return;
+  const int64_t* device_labels = UploadIndices(labels);
+  Dispatch(args.dtype(), [&]<typename T>() {
+    LaunchCrossEntropyPartials<T>(logits.data_as<T>(), row_max.data_as<T>(), device_labels, rows,
+                                  cols, vocab_start, sum_exp.data_as<T>(), sum_z.data_as<T>(),
+                                  target_z.data_as<T>(), stream_);
+  });
+}
+
+void CudaKernels::CrossEntropyBackward(const Tensor& logits, const Tensor& row_max,
+                                       const Tensor& sum_exp, const std::vector<int64_t>& labels,
+                                       int64_t vocab_start, double on_value, double off_value,
+                                       const Tensor& row_scale, Tensor& grad) {
+  Args args("CrossEntropyBackward");
+  args.Add("logits", logits).Add("row_max", row_max).Add("sum_exp", sum_exp);
+  args.Add("row_scale", row_scale).Add("grad", grad);
+  const int64_t rows = Rows(logits);
+  const int64_t cols = Cols(logits);
+  args.Numel("row_max", row_max, rows, "one per row of logits");
+  args.Numel("sum_exp", sum_exp, rows, "one per row of logits");
+  args.Numel("row_scale", row_scale, rows, "one per row of logits");
+  if (Rows(grad) != rows || Cols(grad) != cols) {
+    args.Fail(fmt::format("grad {} must have the 2-D shape of logits {}", ShapeString(grad.shape()),
+                          ShapeString(logits.shape())));
+  }
+  args.Require(static_cast<int64_t>(labels.size()) == rows,
+               fmt::format("{} labels for {} rows of logits", labels.size(), rows));
+  args.Require(grad.data() == logits.data() || !Overlap(grad, logits),
+               "grad partially overlaps logits");
+  if (rows == 0 || cols == 0) return;
+  const int64_t* device_labels = UploadIndices(labels);
+  Dispatch(args.dtype(), [&]<typename T>() {
+    LaunchCrossEntropyBackward<T>(logits.data_as<T>(), row_max.data_as<T>(), sum_exp.data_as<T>(),
+                                  device_labels, rows, cols, vocab_start,
+                                  static_cast<T>(on_value), static_cast<T>(off_value),
+                                  row_scale.data_as<T>(), grad.data_as<T>(), stream_);
+  });
+}
+
+}  // namespace mpusim::cuda

@@ -1,0 +1,107 @@
+// CudaKernels: the GPU backend's Kernels, on CUDA device memory with cuBLAS and the kernels
+// of device_kernels.cu.
+//
+// What it is: every Kernels operation (core/kernels.h) for float32 and float64 tensors on
+// the current CUDA device, with the semantics of the CPU reference (sim/eigen_kernels.h):
+// the same argument checks (std::invalid_argument naming the kernel and the tensors, thrown
+// before anything is enqueued), the same formulas in the same order, bit-identical dropout
+// masks (core/philox.h on the device) and a deterministic EmbeddingBackward that adds in the
+// CPU's order. Gemm is cuBLAS in CUBLAS_PEDANTIC_MATH (no TF32, no reduced-precision
+// shortcuts), so float32 GEMMs are true float32 GEMMs like the CPU's.
+// What it is not: an allocator with a cache (every Zeros/Empty is a cudaMalloc, every free a
+// cudaFree, which synchronises the device: simple and safe, not fast), multi-device (the
+// device current at construction is used throughout) or thread-safe.
+//
+// Ordering: everything runs on one stream owned by this object (the communicators of the
+// GPU backend use it too), so kernels, copies and collectives execute in call order.
+// ToHost and ToDevice synchronise the stream before returning; host-side vectors (ids,
+// labels) are copied to a device buffer on the stream. Failed CUDA/cuBLAS calls end the job
+// (cuda_check.h).
+//
+// Storage: tensors own their device memory through a shared_ptr whose deleter calls
+// cudaFree; they may outlive this object but not the process's CUDA context.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "core/kernels.h"
+#include "core/tensor.h"
+
+namespace mpusim::cuda {
+
+class CudaKernels final : public Kernels {
+ public:
+  // Uses the current device (cudaSetDevice first): creates a stream and a cuBLAS handle.
+  CudaKernels();
+  ~CudaKernels() override;
+  CudaKernels(const CudaKernels&) = delete;
+  CudaKernels& operator=(const CudaKernels&) = delete;
+
+  cudaStream_t stream() const { return stream_; }
+  int device() const { return device_; }
+  // Waits until everything enqueued on stream() has finished.
+  void Synchronize();
+  // device = host (same dtype and numel; a device tensor and a host tensor); synchronous.
+  void CopyFromHost(const Tensor& host, Tensor& device);
+
+  // --- memory -------------------------------------------------------------------------
+  Tensor Zeros(const Shape& shape, DType dtype) override;
+  Tensor Empty(const Shape& shape, DType dtype) override;
+  Tensor ToDevice(const Tensor& host) override;
+  Tensor ToHost(const Tensor& tensor) override;
+  void Copy(const Tensor& src, Tensor& dst) override;
+  void CopyBlock(const Tensor& src, int64_t src_row0, int64_t src_col0, Tensor& dst,
+                 int64_t dst_row0, int64_t dst_col0, int64_t rows, int64_t cols) override;
+
+  // --- dense algebra ------------------------------------------------------------------
+  // c must not share storage with a or b; beta == 0 overwrites c (NaNs do not propagate).
+  void Gemm(bool trans_a, bool trans_b, double alpha, const Tensor& a, const Tensor& b, double beta,
+            Tensor& c) override;
+  void AddRowVector(const Tensor& bias, Tensor& y) override;
+  void SumRows(const Tensor& x, double beta, Tensor& out) override;
+  void Axpy(double alpha, const Tensor& x, Tensor& y) override;
+  void Scale(double alpha, Tensor& x) override;
+
+  // --- elementwise (y may be x, dx may be dy) -----------------------------------------
+  void GeluForward(const Tensor& x, Tensor& y) override;
+  void GeluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) override;
+  void Dropout(const Tensor& x, double p, uint64_t key, uint64_t stream, uint64_t offset,
+               Tensor& y) override;
+
+  // --- embedding ----------------------------------------------------------------------
+  void EmbeddingForward(const Tensor& weight, const std::vector<int64_t>& ids, int64_t vocab_start,
+                        int64_t vocab_end, Tensor& out) override;
+  void EmbeddingBackward(const Tensor& dy, const std::vector<int64_t>& ids, int64_t vocab_start,
+                         int64_t vocab_end, Tensor& dweight) override;
+
+  // --- vocab-parallel cross entropy pieces --------------------------------------------
+  void RowMax(const Tensor& logits, Tensor& row_max) override;
+  void CrossEntropyPartials(const Tensor& logits, const Tensor& row_max,
+                            const std::vector<int64_t>& labels, int64_t vocab_start,
+                            Tensor& sum_exp, Tensor& sum_z, Tensor& target_z) override;
+  // grad may be logits.
+  void CrossEntropyBackward(const Tensor& logits, const Tensor& row_max, const Tensor& sum_exp,
+                            const std::vector<int64_t>& labels, int64_t vocab_start,
+                            double on_value, double off_value, const Tensor& row_scale,
+                            Tensor& grad) override;
+
+ private:
+  // Device storage for `bytes` bytes (at least 1, so the pointer is never null).
+  Tensor Allocate(const Shape& shape, DType dtype);
+  // Copies `values` into a device buffer owned by this object (reused and grown as needed;
+  // stream order keeps earlier kernels' reads before the overwrite) and returns it.
+  const int64_t* UploadIndices(const std::vector<int64_t>& values);
+
+  int device_ = 0;
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t cublas_ = nullptr;
+  int64_t* indices_ = nullptr;  // device buffer of indices_capacity_ elements
+  size_t indices_capacity_ = 0;
+};
+
+}  // namespace mpusim::cuda

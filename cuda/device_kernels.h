@@ -1,0 +1,89 @@
+// Device kernels of the GPU backend, behind plain host-callable launchers.
+//
+// What it is: one launcher per CUDA kernel (device_kernels.cu), instantiated for T = float
+// and T = double. Each takes raw device pointers, sizes and the stream, enqueues the kernel
+// and checks cudaGetLastError. Every formula is written in the same order as the CPU
+// reference (sim/eigen_kernels.cc) and the .cu is compiled with --fmad=false, so
+// elementwise results round exactly like the CPU where the math functions agree.
+// What it is not: argument checking (CudaKernels in cuda_kernels.h checks every call
+// first) or anything that allocates memory. A launcher with nothing to do (n == 0) enqueues
+// nothing: a launch with zero blocks is an error in CUDA.
+//
+// This header is plain C++ (no CUDA syntax), so host files compiled by the C++ compiler
+// with the project's warnings can include it.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace mpusim::cuda {
+
+// x[e] *= alpha.
+template <typename T>
+void LaunchScale(T* x, int64_t n, T alpha, cudaStream_t stream);
+
+// y[e] += alpha * x[e].
+template <typename T>
+void LaunchAxpy(const T* x, T* y, int64_t n, T alpha, cudaStream_t stream);
+
+// y[i, j] += bias[j] on a rows x cols matrix.
+template <typename T>
+void LaunchAddRowVector(const T* bias, T* y, int64_t rows, int64_t cols, cudaStream_t stream);
+
+// out[j] = (beta == 0 ? 0 : beta == 1 ? out[j] : out[j] * beta) + sum_i x[i, j]; the sum runs
+// over i = 0, 1, ... in order (one thread per column).
+template <typename T>
+void LaunchSumRows(const T* x, int64_t rows, int64_t cols, double beta, T* out,
+                   cudaStream_t stream);
+
+// y = 0.5 x (1 + erf(x * inv_sqrt2)); y may be x.
+template <typename T>
+void LaunchGeluForward(const T* x, T* y, int64_t n, T inv_sqrt2, cudaStream_t stream);
+
+// dx = dy * (0.5 (1 + erf(x * inv_sqrt2)) + x exp(-x^2 / 2) * inv_sqrt_2pi); dx may be dy.
+template <typename T>
+void LaunchGeluBackward(const T* x, const T* dy, T* dx, int64_t n, T inv_sqrt2, T inv_sqrt_2pi,
+                        cudaStream_t stream);
+
+// y[e] = UniformAt(key, rng_stream, offset + e) >= p ? x[e] / keep_probability : 0; y may
+// be x.
+template <typename T>
+void LaunchDropout(const T* x, T* y, int64_t n, double p, T keep_probability, uint64_t key,
+                   uint64_t rng_stream, uint64_t offset, cudaStream_t stream);
+
+// out[i, :] = weight[ids[i] - vocab_start, :] when vocab_start <= ids[i] < vocab_end, else 0.
+template <typename T>
+void LaunchEmbeddingForward(const T* weight, const int64_t* ids, int64_t num_ids, int64_t cols,
+                            int64_t vocab_start, int64_t vocab_end, T* out, cudaStream_t stream);
+
+// The accumulation of EmbeddingBackward, with the tokens already grouped by row on the host:
+// `plan` holds num_rows local row indices, then num_rows + 1 offsets, then the token indices
+// of row r at [offsets[r], offsets[r + 1]) in increasing order. One thread per (row, column)
+// adds dy[token, column] for its tokens in that order: no atomics, deterministic, and the
+// same additions in the same order as the CPU's loop over tokens.
+template <typename T>
+void LaunchEmbeddingBackward(const T* dy, const int64_t* plan, int64_t num_rows, int64_t cols,
+                             T* dweight, cudaStream_t stream);
+
+// row_max[i] = max_j logits[i, j] (-inf for a row with no columns). One block per row.
+template <typename T>
+void LaunchRowMax(const T* logits, int64_t rows, int64_t cols, T* row_max, cudaStream_t stream);
+
+// Per row i (one block per row), with z = logits[i, :] - row_max[i]: sum_exp[i] = sum exp(z),
+// sum_z[i] = sum z, target_z[i] = z[labels[i] - vocab_start] if that column is in
+// [0, cols), else 0.
+template <typename T>
+void LaunchCrossEntropyPartials(const T* logits, const T* row_max, const int64_t* labels,
+                                int64_t rows, int64_t cols, int64_t vocab_start, T* sum_exp,
+                                T* sum_z, T* target_z, cudaStream_t stream);
+
+// grad[i, j] = row_scale[i] * (exp(logits[i, j] - row_max[i]) / sum_exp[i] - q) with
+// q = on_value at the label column, off_value elsewhere; grad may be logits.
+template <typename T>
+void LaunchCrossEntropyBackward(const T* logits, const T* row_max, const T* sum_exp,
+                                const int64_t* labels, int64_t rows, int64_t cols,
+                                int64_t vocab_start, T on_value, T off_value, const T* row_scale,
+                                T* grad, cudaStream_t stream);
+
+}  // namespace mpusim::cuda

@@ -1,0 +1,71 @@
+// HostStagedCommunicator (see host_staged_communicator.h).
+#include "cuda/host_staged_communicator.h"
+
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+#include <fmt/format.h>
+
+namespace mpusim::cuda {
+namespace {
+
+void CheckDevice(std::string_view function, std::string_view name, const Tensor& tensor) {
+  if (!tensor.defined()) {
+    throw std::invalid_argument(
+        fmt::format("HostStagedCommunicator::{}: {} is not allocated", function, name));
+  }
+  if (tensor.device() != Device::kCuda) {
+    throw std::invalid_argument(
+        fmt::format("HostStagedCommunicator::{}: {} must be a CUDA tensor", function, name));
+  }
+}
+
+// The device buffers of a gather or scatter must be disjoint, as for NcclCommunicator.
+void CheckDisjoint(std::string_view function, const Tensor& in, const Tensor& out) {
+  const auto* a0 = static_cast<const std::byte*>(in.data());
+  const auto* b0 = static_cast<const std::byte*>(out.data());
+  if (in.bytes() > 0 && out.bytes() > 0 && a0 < b0 + out.bytes() && b0 < a0 + in.bytes()) {
+    throw std::invalid_argument(
+        fmt::format("HostStagedCommunicator::{}: in and out overlap", function));
+  }
+}
+
+}  // namespace
+
+void HostStagedCommunicator::AllReduce(Tensor& buffer, ReduceOp op) {
+  CheckDevice("AllReduce", "buffer", buffer);
+  Tensor host = kernels_.ToHost(buffer);
+  group_->AllReduce(host, op);
+  kernels_.CopyFromHost(host, buffer);
+}
+
+void HostStagedCommunicator::AllGather(const Tensor& in, Tensor& out) {
+  CheckDevice("AllGather", "in", in);
+  CheckDevice("AllGather", "out", out);
+  CheckDisjoint("AllGather", in, out);
+  const Tensor host_in = kernels_.ToHost(in);
+  Tensor host_out = Tensor::HostEmpty(out.shape(), out.dtype());
+  group_->AllGather(host_in, host_out);  // checks the sizes and dtypes
+  kernels_.CopyFromHost(host_out, out);
+}
+
+void HostStagedCommunicator::ReduceScatter(const Tensor& in, Tensor& out) {
+  CheckDevice("ReduceScatter", "in", in);
+  CheckDevice("ReduceScatter", "out", out);
+  CheckDisjoint("ReduceScatter", in, out);
+  const Tensor host_in = kernels_.ToHost(in);
+  Tensor host_out = Tensor::HostEmpty(out.shape(), out.dtype());
+  group_->ReduceScatter(host_in, host_out);  // checks the sizes and dtypes
+  kernels_.CopyFromHost(host_out, out);
+}
+
+void HostStagedCommunicator::Broadcast(Tensor& buffer, int root) {
+  CheckDevice("Broadcast", "buffer", buffer);
+  Tensor host = kernels_.ToHost(buffer);
+  group_->Broadcast(host, root);
+  kernels_.CopyFromHost(host, buffer);
+}
+
+}  // namespace mpusim::cuda

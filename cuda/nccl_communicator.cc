@@ -1,0 +1,168 @@
+// NcclCommunicator (see nccl_communicator.h).
+#include "cuda/nccl_communicator.h"
+
+#include <mpi.h>
+
+#include <chrono>
+#include <cstddef>
+#include <stdexcept>
+#include <string_view>
+#include <thread>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "cuda/cuda_check.h"
+#include "sim/mpi_check.h"
+
+namespace mpusim::cuda {
+namespace {
+
+[[noreturn]] void Invalid(std::string_view function, const std::string& what) {
+  throw std::invalid_argument(fmt::format("NcclCommunicator::{}: {}", function, what));
+}
+
+ncclDataType_t NcclType(DType dtype) {
+  return dtype == DType::kFloat32 ? ncclFloat32 : ncclFloat64;
+}
+
+void CheckBuffer(std::string_view function, std::string_view name, const Tensor& tensor) {
+  if (!tensor.defined()) Invalid(function, fmt::format("{} is not allocated", name));
+  if (tensor.device() != Device::kCuda) {
+    Invalid(function, fmt::format("{} must be a CUDA tensor", name));
+  }
+}
+
+bool Overlap(const Tensor& a, const Tensor& b) {
+  const auto* a0 = static_cast<const std::byte*>(a.data());
+  const auto* b0 = static_cast<const std::byte*>(b.data());
+  return a0 < b0 + b.bytes() && b0 < a0 + a.bytes();
+}
+
+// Checks a pair of buffers whose sizes must satisfy big.numel() == size * small.numel().
+void CheckChunked(std::string_view function, const Tensor& in, const Tensor& out,
+                  const Tensor& small, const Tensor& big, int size) {
+  CheckBuffer(function, "in", in);
+  CheckBuffer(function, "out", out);
+  if (in.dtype() != out.dtype()) {
+    Invalid(function,
+            fmt::format("in is {} but out is {}", DTypeName(in.dtype()), DTypeName(out.dtype())));
+  }
+  if (big.numel() != size * small.numel()) {
+    Invalid(function,
+            fmt::format("in {} and out {} do not match the group size {}: need {} == {} * {}",
+                        ShapeString(in.shape()), ShapeString(out.shape()), size, big.numel(), size,
+                        small.numel()));
+  }
+  if (in.numel() > 0 && Overlap(in, out)) Invalid(function, "in and out overlap");
+}
+
+}  // namespace
+
+std::unique_ptr<NcclCommunicator> NcclCommunicator::Create(const MpiCommunicator& group,
+                                                           std::string group_name,
+                                                           cudaStream_t stream, double timeout_s) {
+  ncclUniqueId id{};
+  if (group.Rank() == 0) MPUSIM_NCCL_CHECK(ncclGetUniqueId(&id));
+  MPUSIM_MPI_CHECK(MPI_Bcast(&id, static_cast<int>(sizeof(id)), MPI_BYTE, 0, group.comm()));
+  ncclComm_t comm = nullptr;
+  MPUSIM_NCCL_CHECK(ncclCommInitRank(&comm, group.Size(), id, group.Rank()));
+  return std::unique_ptr<NcclCommunicator>(new NcclCommunicator(
+      comm, group.Rank(), group.Size(), std::move(group_name), stream, timeout_s));
+}
+
+NcclCommunicator::NcclCommunicator(ncclComm_t comm, int rank, int size, std::string group_name,
+                                   cudaStream_t stream, double timeout_s)
+    : comm_(comm),
+      rank_(rank),
+      size_(size),
+      group_name_(std::move(group_name)),
+      stream_(stream),
+      timeout_s_(timeout_s) {}
+
+NcclCommunicator::~NcclCommunicator() {
+  if (comm_ != nullptr) MPUSIM_NCCL_CHECK(ncclCommDestroy(comm_));
+}
+
+void NcclCommunicator::Wait(const char* what) {
+  const auto start = std::chrono::steady_clock::now();
+  std::string failure;
+  while (true) {
+    const cudaError_t state = cudaStreamQuery(stream_);
+    if (state == cudaSuccess) return;
+    if (state != cudaErrorNotReady) {
+      failure = CudaErrorText(state);
+      break;
+    }
+    // "Not ready" is reported like an error and may linger as the runtime's last error;
+    // clear it, or the next launch check (cudaGetLastError) would see it (PyTorch's
+    // CUDAStream::query does the same). Launch errors are checked at each launch, and
+    // sticky errors come back from every later call, so nothing is lost here.
+    static_cast<void>(cudaGetLastError());
+    ncclResult_t async_error = ncclSuccess;
+    const ncclResult_t queried = ncclCommGetAsyncError(comm_, &async_error);
+    if (queried != ncclSuccess) {
+      failure = NcclErrorText(queried);
+      break;
+    }
+    if (async_error != ncclSuccess && async_error != ncclInProgress) {
+      failure = NcclErrorText(async_error);
+      break;
+    }
+    const double waited =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (waited > timeout_s_) {
+      failure = fmt::format(
+          "not complete after {} s (a peer may have died or not joined; the limit is "
+          "MPUSIM_NCCL_TIMEOUT_S)",
+          timeout_s_);
+      break;
+    }
+    std::this_thread::yield();
+  }
+  // Abort first, so the NCCL kernels stop and the peers see the error too.
+  ncclCommAbort(comm_);
+  comm_ = nullptr;
+  const std::string statement = fmt::format("NCCL {} on group {} (rank {} of {})", what,
+                                            group_name_, rank_, size_);
+  Fatal(statement.c_str(), failure, __FILE__, __LINE__, __func__);
+}
+
+void NcclCommunicator::AllReduce(Tensor& buffer, ReduceOp op) {
+  CheckBuffer("AllReduce", "buffer", buffer);
+  if (buffer.numel() == 0) return;
+  MPUSIM_NCCL_CHECK(ncclAllReduce(buffer.data(), buffer.data(),
+                                  static_cast<size_t>(buffer.numel()), NcclType(buffer.dtype()),
+                                  op == ReduceOp::kSum ? ncclSum : ncclMax, comm_, stream_));
+  Wait(op == ReduceOp::kSum ? "AllReduce(sum)" : "AllReduce(max)");
+}
+
+void NcclCommunicator::AllGather(const Tensor& in, Tensor& out) {
+  CheckChunked("AllGather", in, out, in, out, size_);
+  if (in.numel() == 0) return;
+  MPUSIM_NCCL_CHECK(ncclAllGather(in.data(), out.data(), static_cast<size_t>(in.numel()),
+                                  NcclType(in.dtype()), comm_, stream_));
+  Wait("AllGather");
+}
+
+void NcclCommunicator::ReduceScatter(const Tensor& in, Tensor& out) {
+  CheckChunked("ReduceScatter", in, out, out, in, size_);
+  if (out.numel() == 0) return;
+  MPUSIM_NCCL_CHECK(ncclReduceScatter(in.data(), out.data(), static_cast<size_t>(out.numel()),
+                                      NcclType(in.dtype()), ncclSum, comm_, stream_));
+  Wait("ReduceScatter");
+}
+
+void NcclCommunicator::Broadcast(Tensor& buffer, int root) {
+  CheckBuffer("Broadcast", "buffer", buffer);
+  if (root < 0 || root >= size_) {
+    Invalid("Broadcast", fmt::format("root {} is outside the group of size {}", root, size_));
+  }
+  if (buffer.numel() == 0) return;
+  MPUSIM_NCCL_CHECK(ncclBroadcast(buffer.data(), buffer.data(),
+                                  static_cast<size_t>(buffer.numel()), NcclType(buffer.dtype()),
+                                  root, comm_, stream_));
+  Wait("Broadcast");
+}
+
+}  // namespace mpusim::cuda

@@ -1,0 +1,714 @@
+// CudaKernels against EigenKernels (the CPU reference), for float32 and float64.
+//
+// Single process, no MPI. Every test is skipped (GTEST_SKIP) when no CUDA device is visible;
+// CI compiles this file without a GPU.
+//
+// Each test feeds the same host inputs to EigenKernels and (through ToDevice) to
+// CudaKernels and compares the results. Inputs are small integers (Philox-drawn, fixed
+// keys), so sums and products are exact in both dtypes and whatever the summation order:
+// those comparisons are exact (TensorsNear with atol = rtol = 0). Dropout masks and
+// EmbeddingBackward (same additions in the same order) are bit-identical even on
+// non-integer data. Only the erf/exp-based kernels (GELU, cross entropy) get tolerances,
+// each with its reason next to it.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <numbers>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "core/philox.h"
+#include "core/tensor.h"
+#include "cuda/cuda_kernels.h"
+#include "sim/eigen_kernels.h"
+
+namespace mpusim::cuda {
+namespace {
+
+bool DeviceVisible() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // clear it
+    return false;
+  }
+  return count > 0;
+}
+
+template <typename T>
+constexpr DType kDType = std::is_same_v<T, float> ? DType::kFloat32 : DType::kFloat64;
+
+// Integer in [lo, hi], element e of Philox stream `key`.
+double IntAt(uint64_t key, int64_t e, int lo, int hi) {
+  const double u = UniformAt(key, 7, static_cast<uint64_t>(e));
+  return lo + std::floor(u * (hi - lo + 1));
+}
+
+std::vector<double> Ints(uint64_t key, int64_t n, int lo = -4, int hi = 4) {
+  std::vector<double> v(static_cast<size_t>(n));
+  for (int64_t e = 0; e < n; ++e) v[static_cast<size_t>(e)] = IntAt(key, e, lo, hi);
+  return v;
+}
+
+// Uniform in [-1, 1): values that are not exactly representable sums.
+std::vector<double> Reals(uint64_t key, int64_t n) {
+  std::vector<double> v(static_cast<size_t>(n));
+  for (int64_t e = 0; e < n; ++e) {
+    v[static_cast<size_t>(e)] = 2 * UniformAt(key, 9, static_cast<uint64_t>(e)) - 1;
+  }
+  return v;
+}
+
+template <typename T>
+Tensor Make(const Shape& shape, const std::vector<double>& values) {
+  Tensor t = Tensor::HostZeros(shape, kDType<T>);
+  EXPECT_EQ(static_cast<size_t>(t.numel()), values.size())
+      << "test bug: Make " << ShapeString(shape);
+  for (size_t e = 0; e < values.size(); ++e) t.data_as<T>()[e] = static_cast<T>(values[e]);
+  return t;
+}
+
+template <typename T>
+std::vector<double> HostValues(const Tensor& t) {
+  std::vector<double> v(static_cast<size_t>(t.numel()));
+  for (size_t e = 0; e < v.size(); ++e) v[e] = static_cast<double>(t.data_as<T>()[e]);
+  return v;
+}
+
+double Norm(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x * x;
+  return std::sqrt(s);
+}
+
+// |a - e| <= atol + rtol * |e| for every element (atol = rtol = 0: exact, which also
+// compares the sign of zero only through ==); NaN/Inf must match exactly.
+::testing::AssertionResult TensorsNear(const std::string& name, const std::vector<double>& actual,
+                                       const std::vector<double>& expected, double atol = 0,
+                                       double rtol = 0) {
+  if (actual.size() != expected.size()) {
+    return ::testing::AssertionFailure()
+           << name << ": " << actual.size() << " elements, expected " << expected.size();
+  }
+  int64_t bad = 0;
+  double max_abs = 0;
+  std::string first;
+  for (size_t e = 0; e < actual.size(); ++e) {
+    const double a = actual[e];
+    const double x = expected[e];
+    bool ok;
+    if (!std::isfinite(a) || !std::isfinite(x)) {
+      ok = (a == x) || (std::isnan(a) && std::isnan(x));
+    } else {
+      ok = std::fabs(a - x) <= atol + rtol * std::fabs(x);
+      max_abs = std::max(max_abs, std::fabs(a - x));
+    }
+    if (!ok && bad++ < 10) first += fmt::format("\n  [{}] {} vs {}", e, a, x);
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << name << ": " << bad << " of " << actual.size()
+                                       << " mismatch (max abs " << max_abs << "):" << first;
+}
+
+// Bitwise equality (dropout and embedding backward promise identical bits, not just values).
+template <typename T>
+::testing::AssertionResult BitsEqual(const std::string& name, const Tensor& actual,
+                                     const Tensor& expected) {
+  if (actual.numel() != expected.numel()) {
+    return ::testing::AssertionFailure() << name << ": sizes differ";
+  }
+  const T* a = actual.data_as<T>();
+  const T* x = expected.data_as<T>();
+  int64_t bad = 0;
+  std::string first;
+  for (int64_t e = 0; e < actual.numel(); ++e) {
+    if (std::memcmp(&a[e], &x[e], sizeof(T)) != 0 && bad++ < 10) {
+      first += fmt::format("\n  [{}] {} vs {}", e, a[e], x[e]);
+    }
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << name << ": " << bad << " of " << actual.numel() << " differ bitwise:" << first;
+}
+
+// erf/exp: CUDA's erff/expf are within 2 ulp, erf/exp (double) within 2 / 1 ulp, and the
+// CPU's Eigen/glibc versions within a few ulp of their own; these tolerances are twice the
+// CPU test's tolerance against the exact value, since here both sides carry such errors.
+template <typename T>
+constexpr double kUlpTol = std::is_same_v<T, float> ? 4e-6 : 2e-14;
+
+template <typename T>
+class CudaKernelsTest : public ::testing::Test {
+ public:
+  void SetUp() override {
+    if (!DeviceVisible()) GTEST_SKIP() << "no CUDA device is visible";
+    gpu_ = std::make_unique<CudaKernels>();
+  }
+
+  Tensor Host(const Shape& shape, const std::vector<double>& values) {
+    return Make<T>(shape, values);
+  }
+  Tensor Dev(const Shape& shape, const std::vector<double>& values) {
+    return gpu_->ToDevice(Make<T>(shape, values));
+  }
+  // Values of a host or a device tensor.
+  std::vector<double> Values(const Tensor& t) {
+    return HostValues<T>(t.device() == Device::kCuda ? gpu_->ToHost(t) : t);
+  }
+  Tensor Back(const Tensor& device) { return gpu_->ToHost(device); }
+
+  EigenKernels cpu_;
+  std::unique_ptr<CudaKernels> gpu_;
+};
+
+// TYPED_TEST bodies see the fixture only through `this`.
+using DTypes = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(CudaKernelsTest, DTypes);
+
+// --- memory ---------------------------------------------------------------------------
+
+TYPED_TEST(CudaKernelsTest, ZerosEmptyToDeviceToHostCopy) {
+  using T = TypeParam;
+  CudaKernels& gpu = *this->gpu_;
+  Tensor z = gpu.Zeros({3, 4}, kDType<T>);
+  EXPECT_EQ(z.shape(), (Shape{3, 4}));
+  EXPECT_EQ(z.dtype(), kDType<T>);
+  EXPECT_EQ(z.device(), Device::kCuda);
+  EXPECT_TRUE(TensorsNear("zeros", this->Values(z), std::vector<double>(12, 0.0)));
+  EXPECT_THROW(gpu.Zeros({2, -1}, kDType<T>), std::invalid_argument);
+  EXPECT_THROW(gpu.Empty({-3}, kDType<T>), std::invalid_argument);
+
+  Tensor empty = gpu.Empty({0, 5}, kDType<T>);
+  EXPECT_TRUE(empty.defined());  // zero elements, still a valid (non-null) allocation
+  EXPECT_EQ(empty.device(), Device::kCuda);
+  EXPECT_EQ(gpu.ToHost(empty).numel(), 0);
+
+  const std::vector<double> v = Ints(1, 12);
+  ASSERT_GT(Norm(v), 0);
+  const Tensor host = this->Host({3, 4}, v);
+  Tensor dev = gpu.ToDevice(host);
+  EXPECT_EQ(dev.device(), Device::kCuda);
+  EXPECT_EQ(dev.shape(), host.shape());
+  EXPECT_NE(dev.data(), host.data());
+  Tensor back = gpu.ToHost(dev);
+  EXPECT_EQ(back.device(), Device::kHost);
+  EXPECT_TRUE(TensorsNear("round trip", HostValues<T>(back), v));
+  EXPECT_THROW(gpu.ToDevice(dev), std::invalid_argument);
+  EXPECT_THROW(gpu.ToHost(host), std::invalid_argument);
+
+  Tensor dst = this->Dev({4, 3}, std::vector<double>(12, 9.0));
+  gpu.Copy(dev, dst);
+  EXPECT_TRUE(TensorsNear("copy", this->Values(dst), v));
+  Tensor wrong = gpu.Zeros({5}, kDType<T>);
+  EXPECT_THROW(gpu.Copy(dev, wrong), std::invalid_argument);
+  Tensor host_dst = Tensor::HostZeros({12}, kDType<T>);
+  EXPECT_THROW(gpu.Copy(dev, host_dst), std::invalid_argument);
+
+  // Overlapping source and destination behave like memmove: views at elements 0 and 4 of
+  // one 12-element buffer (shared_ptr aliasing keeps the storage alive).
+  Tensor buffer = this->Dev({12}, v);
+  T* base = buffer.template data_as<T>();
+  auto alias = [&](int64_t offset, int64_t n) {
+    // Non-owning views (aliasing constructor on an empty owner); `buffer` keeps the storage.
+    return Tensor({n}, kDType<T>, Device::kCuda,
+                  std::shared_ptr<void>(std::shared_ptr<void>(), base + offset));
+  };
+  const Tensor src_view = alias(0, 8);
+  Tensor dst_view = alias(4, 8);
+  gpu.Copy(src_view, dst_view);
+  std::vector<double> moved = v;
+  for (size_t e = 0; e < 8; ++e) moved[4 + e] = v[e];
+  EXPECT_TRUE(TensorsNear("copy overlapping", this->Values(buffer), moved));
+}
+
+TYPED_TEST(CudaKernelsTest, CopyFromHost) {
+  using T = TypeParam;
+  const std::vector<double> v = Ints(5, 6);
+  Tensor dev = this->gpu_->Zeros({2, 3}, kDType<T>);
+  this->gpu_->CopyFromHost(this->Host({6}, v), dev);
+  EXPECT_TRUE(TensorsNear("copy from host", this->Values(dev), v));
+  EXPECT_THROW(this->gpu_->CopyFromHost(this->Host({5}, Ints(5, 5)), dev), std::invalid_argument);
+  EXPECT_THROW(this->gpu_->CopyFromHost(dev, dev), std::invalid_argument);
+}
+
+TYPED_TEST(CudaKernelsTest, CopyBlock) {
+  using T = TypeParam;
+  CudaKernels& gpu = *this->gpu_;
+  const std::vector<double> sv = Ints(2, 5 * 6);
+  const std::vector<double> dv = Ints(3, 4 * 7);
+  Tensor cpu_dst = this->Host({2, 2, 7}, dv);  // 2-D view 4 x 7
+  this->cpu_.CopyBlock(this->Host({5, 6}, sv), 1, 2, cpu_dst, 0, 3, 3, 4);
+  Tensor gpu_dst = this->Dev({2, 2, 7}, dv);
+  gpu.CopyBlock(this->Dev({5, 6}, sv), 1, 2, gpu_dst, 0, 3, 3, 4);
+  EXPECT_TRUE(TensorsNear("copy_block", this->Values(gpu_dst), HostValues<T>(cpu_dst)));
+  EXPECT_NE(this->Values(gpu_dst), dv);
+
+  // Overlapping blocks of one tensor behave as if the source were read first.
+  Tensor cpu_self = this->Host({5, 6}, sv);
+  this->cpu_.CopyBlock(cpu_self, 0, 0, cpu_self, 1, 1, 4, 5);
+  Tensor gpu_self = this->Dev({5, 6}, sv);
+  gpu.CopyBlock(gpu_self, 0, 0, gpu_self, 1, 1, 4, 5);
+  EXPECT_TRUE(TensorsNear("copy_block overlap", this->Values(gpu_self), HostValues<T>(cpu_self)));
+
+  // A block of zero rows or columns is a no-op.
+  Tensor untouched = this->Dev({5, 6}, sv);
+  gpu.CopyBlock(this->Dev({5, 6}, Ints(4, 30)), 0, 0, untouched, 0, 0, 0, 6);
+  EXPECT_TRUE(TensorsNear("copy_block empty", this->Values(untouched), sv));
+
+  const Tensor src = this->Dev({5, 6}, sv);
+  EXPECT_THROW(gpu.CopyBlock(src, 3, 0, gpu_dst, 0, 0, 3, 2), std::invalid_argument);
+  EXPECT_THROW(gpu.CopyBlock(src, 0, 0, gpu_dst, 0, 5, 1, 3), std::invalid_argument);
+  EXPECT_THROW(gpu.CopyBlock(src, 0, 0, gpu_dst, 0, 0, -1, 3), std::invalid_argument);
+}
+
+// --- dense algebra --------------------------------------------------------------------
+
+template <typename T>
+void CheckGemm(CudaKernelsTest<T>& t, int64_t m, int64_t n, int64_t k) {
+  for (bool ta : {false, true}) {
+    for (bool tb : {false, true}) {
+      for (double alpha : {1.0, -2.0, 0.5}) {
+        for (double beta : {0.0, 1.0, 3.0}) {
+          const std::vector<double> av = Ints(10, m * k), bv = Ints(11, k * n),
+                                    cv = Ints(12, m * n);
+          const Shape a_shape = ta ? Shape{k, m} : Shape{m, k};
+          const Shape b_shape = tb ? Shape{n, k} : Shape{k, n};
+          Tensor cpu_c = t.Host({m, n}, cv);
+          t.cpu_.Gemm(ta, tb, alpha, t.Host(a_shape, av), t.Host(b_shape, bv), beta, cpu_c);
+          Tensor gpu_c = t.Dev({m, n}, cv);
+          t.gpu_->Gemm(ta, tb, alpha, t.Dev(a_shape, av), t.Dev(b_shape, bv), beta, gpu_c);
+          const std::vector<double> expected = HostValues<T>(cpu_c);
+          ASSERT_GT(Norm(expected), 0);
+          EXPECT_TRUE(TensorsNear(fmt::format("gemm {}x{}x{} ta={} tb={} alpha={} beta={}", m, n,
+                                              k, ta, tb, alpha, beta),
+                                  t.Values(gpu_c), expected));
+        }
+      }
+    }
+  }
+}
+
+TYPED_TEST(CudaKernelsTest, GemmSmallAllTransposes) { CheckGemm<TypeParam>(*this, 5, 7, 6); }
+
+// |partial sums| <= 80 * 16 stay exact in float32.
+TYPED_TEST(CudaKernelsTest, GemmLargerAllTransposes) { CheckGemm<TypeParam>(*this, 70, 65, 80); }
+
+// TF32 (10-bit mantissa) or any reduced-precision mode would round x = 1 + 2^-12 to 1: the
+// pedantic float32 GEMM must keep it. Every partial sum j x = j + j 2^-12 (j <= 64) needs at
+// most 19 significant bits, so the result 64 + 2^-6 is exact in any summation order.
+TYPED_TEST(CudaKernelsTest, GemmIsFullPrecision) {
+  using T = TypeParam;
+  const int64_t m = 64, n = 64, k = 64;
+  const double x = 1.0 + std::ldexp(1.0, -12);
+  Tensor c = this->gpu_->Empty({m, n}, kDType<T>);
+  const auto size = [](int64_t count) { return static_cast<size_t>(count); };
+  this->gpu_->Gemm(false, false, 1.0, this->Dev({m, k}, std::vector<double>(size(m * k), x)),
+                   this->Dev({k, n}, std::vector<double>(size(k * n), 1.0)), 0.0, c);
+  EXPECT_TRUE(TensorsNear("gemm keeps 2^-12", this->Values(c),
+                          std::vector<double>(size(m * n), 64.0 + std::ldexp(1.0, -6))));
+}
+
+// Non-integer data: rounding differs between cuBLAS and the CPU GEMM (blocking, FMA), but
+// both are within the classic bound |error| <= k u sum_l |a_il b_lj| (<= k^2 u here, since
+// |a|, |b| < 1), scaled by |alpha| and plus the rounding of beta * c.
+TYPED_TEST(CudaKernelsTest, GemmRealValuesWithinRoundingBound) {
+  using T = TypeParam;
+  const int64_t m = 33, n = 47, k = 129;
+  const double u = std::numeric_limits<T>::epsilon() / 2;
+  for (bool ta : {false, true}) {
+    for (bool tb : {false, true}) {
+      const std::vector<double> av = Reals(1, m * k), bv = Reals(2, k * n), cv = Reals(3, m * n);
+      const Shape a_shape = ta ? Shape{k, m} : Shape{m, k};
+      const Shape b_shape = tb ? Shape{n, k} : Shape{k, n};
+      Tensor cpu_c = this->Host({m, n}, cv);
+      this->cpu_.Gemm(ta, tb, 1.5, this->Host(a_shape, av), this->Host(b_shape, bv), 0.5, cpu_c);
+      Tensor gpu_c = this->Dev({m, n}, cv);
+      this->gpu_->Gemm(ta, tb, 1.5, this->Dev(a_shape, av), this->Dev(b_shape, bv), 0.5, gpu_c);
+      const double bound = 2 * (1.5 * static_cast<double>(k * k) + 2) * u;  // both sides' error
+      EXPECT_TRUE(TensorsNear(fmt::format("gemm reals ta={} tb={}", ta, tb), this->Values(gpu_c),
+                              HostValues<T>(cpu_c), bound));
+    }
+  }
+}
+
+TYPED_TEST(CudaKernelsTest, GemmBetaZeroOverwritesNaNAndEmptyK) {
+  using T = TypeParam;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  Tensor c = this->Dev({2, 2}, std::vector<double>(4, nan));
+  this->gpu_->Gemm(false, false, 1.0, this->Dev({2, 3}, Ints(20, 6)), this->Dev({3, 2}, Ints(21, 6)),
+                   0.0, c);
+  Tensor cpu_c = this->Host({2, 2}, std::vector<double>(4, nan));
+  this->cpu_.Gemm(false, false, 1.0, this->Host({2, 3}, Ints(20, 6)),
+                  this->Host({3, 2}, Ints(21, 6)), 0.0, cpu_c);
+  EXPECT_TRUE(TensorsNear("gemm beta=0", this->Values(c), HostValues<T>(cpu_c)));
+
+  // k == 0: c = beta * c (beta == 0 overwrites NaN); alpha == 0 likewise.
+  const std::vector<double> cv = Ints(22, 6);
+  Tensor c0 = this->Dev({2, 3}, cv);
+  this->gpu_->Gemm(false, false, 1.0, this->gpu_->Zeros({2, 0}, kDType<T>),
+                   this->gpu_->Zeros({0, 3}, kDType<T>), 2.0, c0);
+  std::vector<double> doubled = cv;
+  for (double& x : doubled) x *= 2;
+  EXPECT_TRUE(TensorsNear("gemm k=0 beta=2", this->Values(c0), doubled));
+  Tensor c_nan = this->Dev({2, 3}, std::vector<double>(6, nan));
+  this->gpu_->Gemm(false, false, 1.0, this->gpu_->Zeros({2, 0}, kDType<T>),
+                   this->gpu_->Zeros({0, 3}, kDType<T>), 0.0, c_nan);
+  EXPECT_TRUE(TensorsNear("gemm k=0 beta=0", this->Values(c_nan), std::vector<double>(6, 0.0)));
+  Tensor c_alpha0 = this->Dev({2, 3}, cv);
+  this->gpu_->Gemm(false, false, 0.0, this->Dev({2, 4}, Ints(23, 8)), this->Dev({4, 3}, Ints(24, 12)),
+                   1.0, c_alpha0);
+  EXPECT_TRUE(TensorsNear("gemm alpha=0 beta=1", this->Values(c_alpha0), cv));
+}
+
+TYPED_TEST(CudaKernelsTest, GemmRejectsBadArguments) {
+  using T = TypeParam;
+  CudaKernels& gpu = *this->gpu_;
+  const Tensor a = this->Dev({2, 3}, Ints(20, 6));
+  const Tensor b = this->Dev({3, 2}, Ints(21, 6));
+  Tensor c = gpu.Zeros({2, 2}, kDType<T>);
+  Tensor c_wrong = gpu.Zeros({2, 3}, kDType<T>);
+  EXPECT_THROW(gpu.Gemm(false, false, 1, a, b, 0, c_wrong), std::invalid_argument);
+  EXPECT_THROW(gpu.Gemm(true, false, 1, a, b, 0, c), std::invalid_argument);
+  Tensor other = gpu.Zeros({3, 2}, kDType<T> == DType::kFloat32 ? DType::kFloat64 : DType::kFloat32);
+  EXPECT_THROW(gpu.Gemm(false, false, 1, a, other, 0, c), std::invalid_argument);
+  Tensor square = this->Dev({2, 2}, Ints(22, 4));
+  EXPECT_THROW(gpu.Gemm(false, false, 1, square, square, 0, square), std::invalid_argument);
+  try {
+    gpu.Gemm(false, false, 1, a, this->Host({3, 2}, Ints(21, 6)), 0, c);
+    ADD_FAILURE() << "no exception for a host tensor";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("CudaKernels::Gemm"), std::string::npos) << e.what();
+  }
+}
+
+TYPED_TEST(CudaKernelsTest, AddRowVectorSumRowsAxpyScale) {
+  using T = TypeParam;
+  CudaKernels& gpu = *this->gpu_;
+  EigenKernels& cpu = this->cpu_;
+  for (const auto& [r, c] : {std::pair<int64_t, int64_t>{6, 5}, {300, 701}}) {
+    SCOPED_TRACE(fmt::format("{} x {}", r, c));
+    const std::vector<double> xv = Ints(30, r * c), bv = Ints(31, c), ov = Ints(32, c);
+
+    Tensor cpu_y = this->Host({r, c}, xv);
+    cpu.AddRowVector(this->Host({c}, bv), cpu_y);
+    Tensor gpu_y = this->Dev({r, c}, xv);
+    gpu.AddRowVector(this->Dev({c}, bv), gpu_y);
+    EXPECT_TRUE(TensorsNear("add_row_vector", this->Values(gpu_y), HostValues<T>(cpu_y)));
+
+    for (double beta : {0.0, 1.0, 2.0}) {
+      Tensor cpu_out = this->Host({c}, ov);
+      cpu.SumRows(this->Host({r, c}, xv), beta, cpu_out);
+      Tensor gpu_out = this->Dev({c}, ov);
+      gpu.SumRows(this->Dev({r, c}, xv), beta, gpu_out);
+      ASSERT_GT(Norm(HostValues<T>(cpu_out)), 0);
+      EXPECT_TRUE(TensorsNear(fmt::format("sum_rows beta={}", beta), this->Values(gpu_out),
+                              HostValues<T>(cpu_out)));
+    }
+
+    const std::vector<double> yv = Ints(33, r * c);
+    Tensor cpu_a = this->Host({r, c}, yv);
+    cpu.Axpy(-1.5, this->Host({r * c}, xv), cpu_a);
+    Tensor gpu_a = this->Dev({r, c}, yv);
+    gpu.Axpy(-1.5, this->Dev({r * c}, xv), gpu_a);
+    EXPECT_TRUE(TensorsNear("axpy", this->Values(gpu_a), HostValues<T>(cpu_a)));
+
+    Tensor cpu_s = this->Host({r, c}, xv);
+    cpu.Scale(0.25, cpu_s);
+    Tensor gpu_s = this->Dev({r, c}, xv);
+    gpu.Scale(0.25, gpu_s);
+    EXPECT_TRUE(TensorsNear("scale", this->Values(gpu_s), HostValues<T>(cpu_s)));
+  }
+  // Axpy and Scale on non-integer data round identically (no FMA contraction on the GPU).
+  const std::vector<double> rx = Reals(34, 1000), ry = Reals(35, 1000);
+  Tensor cpu_a = this->Host({1000}, ry);
+  cpu.Axpy(0.3, this->Host({1000}, rx), cpu_a);
+  Tensor gpu_a = this->Dev({1000}, ry);
+  gpu.Axpy(0.3, this->Dev({1000}, rx), gpu_a);
+  EXPECT_TRUE(BitsEqual<T>("axpy reals", this->Back(gpu_a), cpu_a));
+
+  Tensor y = this->Dev({6, 5}, Ints(30, 30));
+  EXPECT_THROW(gpu.AddRowVector(this->Dev({6}, Ints(1, 6)), y), std::invalid_argument);
+  EXPECT_THROW(gpu.Axpy(1, this->Dev({3}, Ints(1, 3)), y), std::invalid_argument);
+  Tensor out = this->Dev({4}, Ints(1, 4));
+  EXPECT_THROW(gpu.SumRows(y, 0, out), std::invalid_argument);
+  Tensor host_y = this->Host({6, 5}, Ints(30, 30));
+  EXPECT_THROW(gpu.Scale(2, host_y), std::invalid_argument);
+}
+
+// --- elementwise ----------------------------------------------------------------------
+
+TYPED_TEST(CudaKernelsTest, Gelu) {
+  using T = TypeParam;
+  CudaKernels& gpu = *this->gpu_;
+  std::vector<double> xv(41);
+  for (size_t e = 0; e < xv.size(); ++e) xv[e] = static_cast<double>(e) / 4.0 - 5.0;  // -5 .. 5
+  const std::vector<double> dyv = Ints(40, 41);
+
+  Tensor cpu_y = this->Host({41}, xv);
+  this->cpu_.GeluForward(this->Host({41}, xv), cpu_y);
+  Tensor gpu_y = gpu.Zeros({41}, kDType<T>);
+  gpu.GeluForward(this->Dev({41}, xv), gpu_y);
+  EXPECT_TRUE(TensorsNear("gelu", this->Values(gpu_y), HostValues<T>(cpu_y), kUlpTol<T>,
+                          kUlpTol<T>));
+  EXPECT_EQ(this->Values(gpu_y)[20], 0.0);  // gelu(0)
+
+  Tensor in_place = this->Dev({41}, xv);
+  gpu.GeluForward(in_place, in_place);
+  EXPECT_TRUE(TensorsNear("gelu in place", this->Values(in_place), this->Values(gpu_y)));
+
+  Tensor cpu_dx = this->Host({41}, xv);
+  this->cpu_.GeluBackward(this->Host({41}, xv), this->Host({41}, dyv), cpu_dx);
+  Tensor gpu_dx = gpu.Zeros({41}, kDType<T>);
+  gpu.GeluBackward(this->Dev({41}, xv), this->Dev({41}, dyv), gpu_dx);
+  ASSERT_GT(Norm(HostValues<T>(cpu_dx)), 0);
+  EXPECT_TRUE(TensorsNear("gelu backward", this->Values(gpu_dx), HostValues<T>(cpu_dx),
+                          kUlpTol<T>, kUlpTol<T>));
+  Tensor dy_in_place = this->Dev({41}, dyv);
+  gpu.GeluBackward(this->Dev({41}, xv), dy_in_place, dy_in_place);
+  EXPECT_TRUE(TensorsNear("gelu backward in place", this->Values(dy_in_place),
+                          this->Values(gpu_dx)));
+
+  Tensor short_y = gpu.Zeros({40}, kDType<T>);
+  EXPECT_THROW(gpu.GeluForward(this->Dev({41}, xv), short_y), std::invalid_argument);
+}
+
+TYPED_TEST(CudaKernelsTest, DropoutIsBitIdenticalToTheCpu) {
+  using T = TypeParam;
+  CudaKernels& gpu = *this->gpu_;
+  const std::vector<double> xv = Reals(50, 200);  // non-integer: the division is compared too
+  for (double p : {0.25, 0.5, 0.9}) {
+    SCOPED_TRACE(fmt::format("p = {}", p));
+    Tensor cpu_y = Tensor::HostZeros({10, 20}, kDType<T>);
+    this->cpu_.Dropout(this->Host({10, 20}, xv), p, 1234, 3, 77, cpu_y);
+    Tensor gpu_y = gpu.Zeros({10, 20}, kDType<T>);
+    gpu.Dropout(this->Dev({10, 20}, xv), p, 1234, 3, 77, gpu_y);
+    EXPECT_TRUE(BitsEqual<T>("dropout", this->Back(gpu_y), cpu_y));
+    Tensor x = this->Dev({10, 20}, xv);
+    gpu.Dropout(x, p, 1234, 3, 77, x);
+    EXPECT_TRUE(BitsEqual<T>("dropout in place", this->Back(x), cpu_y));
+  }
+  // A shard at offset 50 gets the same mask as those elements of the whole.
+  Tensor whole = gpu.Zeros({200}, kDType<T>);
+  gpu.Dropout(this->Dev({200}, xv), 0.5, 9, 1, 0, whole);
+  Tensor part = gpu.Zeros({30}, kDType<T>);
+  gpu.Dropout(this->Dev({30}, std::vector<double>(xv.begin() + 50, xv.begin() + 80)), 0.5, 9, 1,
+              50, part);
+  const std::vector<double> wv = this->Values(whole);
+  EXPECT_TRUE(TensorsNear("dropout offset", this->Values(part),
+                          std::vector<double>(wv.begin() + 50, wv.begin() + 80)));
+
+  Tensor copy = gpu.Zeros({200}, kDType<T>);
+  gpu.Dropout(this->Dev({200}, xv), 0.0, 1, 1, 0, copy);
+  EXPECT_TRUE(TensorsNear("dropout p=0", this->Values(copy), HostValues<T>(this->Host({200}, xv))));
+  gpu.Dropout(this->Dev({200}, xv), 1.0, 1, 1, 0, copy);
+  EXPECT_TRUE(TensorsNear("dropout p=1", this->Values(copy), std::vector<double>(200, 0.0)));
+  EXPECT_THROW(gpu.Dropout(copy, 1.5, 1, 1, 0, copy), std::invalid_argument);
+  EXPECT_THROW(gpu.Dropout(copy, -0.1, 1, 1, 0, copy), std::invalid_argument);
+}
+
+// More elements than one grid covers (65535 blocks x 256 threads), so the grid-stride loop
+// wraps around, and a 64-bit Philox offset.
+TYPED_TEST(CudaKernelsTest, DropoutLargeTensorIsBitIdentical) {
+  using T = TypeParam;
+  const int64_t n = int64_t{65535} * 256 + 1001;
+  const uint64_t offset = (uint64_t{1} << 40) + 3;
+  Tensor host = Tensor::HostEmpty({n}, kDType<T>);
+  for (int64_t e = 0; e < n; ++e) host.data_as<T>()[e] = static_cast<T>(1 + e % 7);
+  Tensor cpu_y = Tensor::HostEmpty({n}, kDType<T>);
+  this->cpu_.Dropout(host, 0.3, 42, 5, offset, cpu_y);
+  Tensor gpu_y = this->gpu_->ToDevice(host);
+  this->gpu_->Dropout(gpu_y, 0.3, 42, 5, offset, gpu_y);
+  EXPECT_TRUE(BitsEqual<T>("dropout large", this->Back(gpu_y), cpu_y));
+}
+
+// --- embedding ------------------------------------------------------------------------
+
+TYPED_TEST(CudaKernelsTest, EmbeddingForwardBackwardMask) {
+  using T = TypeParam;
+  CudaKernels& gpu = *this->gpu_;
+  const int64_t vocab_start = 4, vocab_end = 9, h = 3;  // this shard: tokens 4..8
+  const std::vector<int64_t> ids = {4, 3, 8, 9, 6, 0, 6, 12};
+  const int64_t num_ids = static_cast<int64_t>(ids.size());
+  const std::vector<double> wv = Ints(60, (vocab_end - vocab_start) * h);
+
+  const size_t out_numel = static_cast<size_t>(num_ids * h);
+  Tensor cpu_out = this->Host({2, 4, h}, std::vector<double>(out_numel, 7.0));
+  this->cpu_.EmbeddingForward(this->Host({vocab_end - vocab_start, h}, wv), ids, vocab_start,
+                              vocab_end, cpu_out);
+  Tensor gpu_out = this->Dev({2, 4, h}, std::vector<double>(out_numel, 7.0));
+  gpu.EmbeddingForward(this->Dev({vocab_end - vocab_start, h}, wv), ids, vocab_start, vocab_end,
+                       gpu_out);
+  ASSERT_GT(Norm(HostValues<T>(cpu_out)), 0);
+  EXPECT_TRUE(TensorsNear("embedding forward", this->Values(gpu_out), HostValues<T>(cpu_out)));
+
+  const std::vector<double> dyv = Ints(61, num_ids * h);
+  const std::vector<double> dw0 = Ints(62, (vocab_end - vocab_start) * h);
+  Tensor cpu_dw = this->Host({vocab_end - vocab_start, h}, dw0);
+  this->cpu_.EmbeddingBackward(this->Host({num_ids, h}, dyv), ids, vocab_start, vocab_end, cpu_dw);
+  Tensor gpu_dw = this->Dev({vocab_end - vocab_start, h}, dw0);
+  gpu.EmbeddingBackward(this->Dev({num_ids, h}, dyv), ids, vocab_start, vocab_end, gpu_dw);
+  EXPECT_TRUE(TensorsNear("embedding backward", this->Values(gpu_dw), HostValues<T>(cpu_dw)));
+  EXPECT_NE(HostValues<T>(cpu_dw), dw0);
+
+  // No id in the shard: nothing changes.
+  Tensor untouched = this->Dev({vocab_end - vocab_start, h}, dw0);
+  gpu.EmbeddingBackward(this->Dev({3, h}, Ints(63, 3 * h)), {0, 1, 20}, vocab_start, vocab_end,
+                        untouched);
+  EXPECT_TRUE(TensorsNear("embedding backward outside", this->Values(untouched), dw0));
+
+  Tensor short_out = gpu.Zeros({7, h}, kDType<T>);
+  const Tensor weight = this->Dev({vocab_end - vocab_start, h}, wv);
+  EXPECT_THROW(gpu.EmbeddingForward(weight, ids, vocab_start, vocab_end, short_out),
+               std::invalid_argument);
+  EXPECT_THROW(gpu.EmbeddingForward(weight, ids, vocab_start, vocab_end + 1, gpu_out),
+               std::invalid_argument);
+  EXPECT_THROW(gpu.EmbeddingBackward(gpu_out, ids, vocab_start, vocab_end - 1, gpu_dw),
+               std::invalid_argument);
+}
+
+// Many tokens hitting few rows, non-integer gradients: the GPU adds each row's tokens in
+// token order, like the CPU loop, so the result is bit-identical (no atomics).
+TYPED_TEST(CudaKernelsTest, EmbeddingBackwardIsDeterministicAndBitIdentical) {
+  using T = TypeParam;
+  const int64_t vocab_start = 100, vocab_end = 137, h = 300, num_ids = 500;
+  std::vector<int64_t> ids(static_cast<size_t>(num_ids));
+  for (int64_t i = 0; i < num_ids; ++i) {
+    // Mostly in the shard, heavily repeated; some outside on both sides.
+    ids[static_cast<size_t>(i)] = 95 + static_cast<int64_t>(IntAt(64, i, 0, 45));
+  }
+  const std::vector<double> dyv = Reals(65, num_ids * h);
+  const std::vector<double> dw0 = Reals(66, (vocab_end - vocab_start) * h);
+  Tensor cpu_dw = this->Host({vocab_end - vocab_start, h}, dw0);
+  this->cpu_.EmbeddingBackward(this->Host({num_ids, h}, dyv), ids, vocab_start, vocab_end, cpu_dw);
+  Tensor gpu_dw = this->Dev({vocab_end - vocab_start, h}, dw0);
+  this->gpu_->EmbeddingBackward(this->Dev({num_ids, h}, dyv), ids, vocab_start, vocab_end, gpu_dw);
+  EXPECT_TRUE(BitsEqual<T>("embedding backward reals", this->Back(gpu_dw), cpu_dw));
+
+  Tensor cpu_out = Tensor::HostZeros({num_ids, h}, kDType<T>);
+  this->cpu_.EmbeddingForward(cpu_dw, ids, vocab_start, vocab_end, cpu_out);
+  Tensor gpu_out = this->gpu_->Zeros({num_ids, h}, kDType<T>);
+  this->gpu_->EmbeddingForward(gpu_dw, ids, vocab_start, vocab_end, gpu_out);
+  EXPECT_TRUE(BitsEqual<T>("embedding forward reals", this->Back(gpu_out), cpu_out));
+}
+
+// --- vocab-parallel cross entropy -----------------------------------------------------
+
+TYPED_TEST(CudaKernelsTest, RowMax) {
+  using T = TypeParam;
+  CudaKernels& gpu = *this->gpu_;
+  // Small; wide (several strides of a block); and more rows than grid blocks.
+  for (const auto& [r, c] : {std::pair<int64_t, int64_t>{4, 6}, {3, 3000}, {70000, 3}}) {
+    SCOPED_TRACE(fmt::format("{} x {}", r, c));
+    const std::vector<double> lv = Ints(70, r * c, -9, 9);
+    Tensor cpu_max = Tensor::HostZeros({r}, kDType<T>);
+    this->cpu_.RowMax(this->Host({r, c}, lv), cpu_max);
+    Tensor gpu_max = gpu.Zeros({r}, kDType<T>);
+    gpu.RowMax(this->Dev({r, c}, lv), gpu_max);
+    EXPECT_TRUE(TensorsNear("row_max", this->Values(gpu_max), HostValues<T>(cpu_max)));
+  }
+  Tensor empty_max = gpu.Zeros({3}, kDType<T>);
+  gpu.RowMax(gpu.Zeros({3, 0}, kDType<T>), empty_max);
+  EXPECT_TRUE(TensorsNear("row_max of no columns", this->Values(empty_max),
+                          std::vector<double>(3, -std::numeric_limits<double>::infinity())));
+  EXPECT_THROW(gpu.RowMax(this->Dev({4, 6}, Ints(70, 24)), empty_max), std::invalid_argument);
+}
+
+TYPED_TEST(CudaKernelsTest, CrossEntropyPartials) {
+  using T = TypeParam;
+  CudaKernels& gpu = *this->gpu_;
+  for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{4, 5}, {6, 1000}}) {
+    SCOPED_TRACE(fmt::format("{} x {}", rows, cols));
+    const int64_t vocab_start = cols;  // the second shard of a 2 * cols vocabulary
+    const std::vector<double> lv = Ints(80, rows * cols, -6, 6);
+    // Even rows: a label inside this shard; odd rows: below or above it.
+    std::vector<int64_t> labels;
+    for (int64_t i = 0; i < rows; ++i) {
+      labels.push_back(i % 2 == 0 ? vocab_start + (i * 37 + 1) % cols
+                                  : (i % 4 == 1 ? i : vocab_start + cols + i));
+    }
+    // As if all-reduced from a larger maximum elsewhere: z = l - max <= -1, never 0, so
+    // every in-shard target_z is nonzero.
+    std::vector<double> max(static_cast<size_t>(rows), 7.0);
+    for (int64_t i = 0; i < rows; i += 2) max[static_cast<size_t>(i)] = 8.0;
+
+    Tensor cpu_se = Tensor::HostZeros({rows}, kDType<T>);
+    Tensor cpu_sz = Tensor::HostZeros({rows}, kDType<T>);
+    Tensor cpu_tz = Tensor::HostZeros({rows}, kDType<T>);
+    this->cpu_.CrossEntropyPartials(this->Host({rows, cols}, lv), this->Host({rows}, max), labels,
+                                    vocab_start, cpu_se, cpu_sz, cpu_tz);
+    Tensor gpu_se = gpu.Zeros({rows}, kDType<T>);
+    Tensor gpu_sz = gpu.Zeros({rows}, kDType<T>);
+    Tensor gpu_tz = gpu.Zeros({rows}, kDType<T>);
+    gpu.CrossEntropyPartials(this->Dev({rows, cols}, lv), this->Dev({rows}, max), labels,
+                             vocab_start, gpu_se, gpu_sz, gpu_tz);
+    // exp differs by a few ulp (see kUlpTol), and the GPU sums in a tree, the CPU in another
+    // order: a sum of n positive terms is within (n - 1) u relative of exact on each side.
+    const double order = static_cast<double>(cols) * std::numeric_limits<T>::epsilon();
+    EXPECT_TRUE(TensorsNear("sum_exp", this->Values(gpu_se), HostValues<T>(cpu_se), 0,
+                            4 * kUlpTol<T> + order));
+    // z are small integers: exact in any order.
+    EXPECT_TRUE(TensorsNear("sum_z", this->Values(gpu_sz), HostValues<T>(cpu_sz)));
+    EXPECT_TRUE(TensorsNear("target_z", this->Values(gpu_tz), HostValues<T>(cpu_tz)));
+    ASSERT_GT(Norm(HostValues<T>(cpu_tz)), 0);
+  }
+  Tensor se = gpu.Zeros({4}, kDType<T>), sz = gpu.Zeros({4}, kDType<T>),
+         tz = gpu.Zeros({4}, kDType<T>);
+  EXPECT_THROW(gpu.CrossEntropyPartials(this->Dev({4, 5}, Ints(80, 20)), this->Dev({4}, Ints(1, 4)),
+                                        {1, 2, 3}, 0, se, sz, tz),
+               std::invalid_argument);
+}
+
+TYPED_TEST(CudaKernelsTest, CrossEntropyBackwardIncludingInPlace) {
+  using T = TypeParam;
+  CudaKernels& gpu = *this->gpu_;
+  const int64_t rows = 5, cols = 300, vocab_start = 300;
+  const std::vector<double> lv = Ints(90, rows * cols, -6, 6);
+  const std::vector<int64_t> labels = {300, 599, 17, 450, 600};  // first, last, outside x2, mid
+  const std::vector<double> max(static_cast<size_t>(rows), 6.0);
+  // Feed both sides the same sum_exp so that only exp and the division differ.
+  std::vector<double> se(static_cast<size_t>(rows), 0.0);
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < cols; ++j) {
+      se[static_cast<size_t>(i)] += std::exp(lv[static_cast<size_t>(i * cols + j)] - 6.0);
+    }
+  }
+  const std::vector<double> scale = {1, 0.5, 2, 0.25, 1};
+  for (const auto& [on, off] : {std::pair<double, double>{1.0, 0.0}, {0.9, 0.1 / 599}}) {
+    SCOPED_TRACE(fmt::format("on {} off {}", on, off));
+    Tensor cpu_grad = Tensor::HostZeros({rows, cols}, kDType<T>);
+    this->cpu_.CrossEntropyBackward(this->Host({rows, cols}, lv), this->Host({rows}, max),
+                                    this->Host({rows}, se), labels, vocab_start, on, off,
+                                    this->Host({rows}, scale), cpu_grad);
+    Tensor gpu_grad = gpu.Zeros({rows, cols}, kDType<T>);
+    gpu.CrossEntropyBackward(this->Dev({rows, cols}, lv), this->Dev({rows}, max),
+                             this->Dev({rows}, se), labels, vocab_start, on, off,
+                             this->Dev({rows}, scale), gpu_grad);
+    // exp within a few ulp on both sides; softmax values are <= 1 and are scaled by <= 2,
+    // so an absolute tolerance of a few ulp of 1 covers the cancellation against q.
+    EXPECT_TRUE(TensorsNear("grad", this->Values(gpu_grad), HostValues<T>(cpu_grad), kUlpTol<T>,
+                            kUlpTol<T>));
+    ASSERT_GT(Norm(HostValues<T>(cpu_grad)), 0);
+
+    Tensor in_place = this->Dev({rows, cols}, lv);
+    gpu.CrossEntropyBackward(in_place, this->Dev({rows}, max), this->Dev({rows}, se), labels,
+                             vocab_start, on, off, this->Dev({rows}, scale), in_place);
+    EXPECT_TRUE(TensorsNear("grad in place", this->Values(in_place), this->Values(gpu_grad)));
+  }
+  Tensor wrong = gpu.Zeros({rows, cols + 1}, kDType<T>);
+  EXPECT_THROW(gpu.CrossEntropyBackward(this->Dev({rows, cols}, lv), this->Dev({rows}, max),
+                                        this->Dev({rows}, se), labels, vocab_start, 1, 0,
+                                        this->Dev({rows}, scale), wrong),
+               std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace mpusim::cuda
