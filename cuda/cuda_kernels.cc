@@ -16,87 +16,17 @@
 
 #include <fmt/format.h>
 
+#include "core/arg_checks.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_kernels.h"
 
 namespace mpusim::cuda {
 namespace {
 
-// Rows of the 2-D view, computed without dividing by the last dimension (which may be 0).
-int64_t Rows(const Tensor& t) {
-  int64_t rows = 1;
-  for (size_t i = 0; i + 1 < t.shape().size(); ++i) rows *= t.shape()[i];
-  return rows;
-}
-int64_t Cols(const Tensor& t) { return t.shape().empty() ? 1 : t.shape().back(); }
-
-bool Overlap(const Tensor& a, const Tensor& b) {
-  const auto* a0 = static_cast<const std::byte*>(a.data());
-  const auto* b0 = static_cast<const std::byte*>(b.data());
-  return a.bytes() > 0 && b.bytes() > 0 && a0 < b0 + b.bytes() && b0 < a0 + a.bytes();
-}
-
-// Runs body.template operator()<T>() with T the C++ type of `dtype`.
-template <typename Body>
-void Dispatch(DType dtype, Body&& body) {
-  if (dtype == DType::kFloat32) {
-    body.template operator()<float>();
-  } else {
-    body.template operator()<double>();
-  }
-}
-
-// Argument checks of one kernel call: every tensor must be an allocated tensor on `device`
-// (CUDA unless stated), and all tensors of the call share the first one's dtype.
-class Args {
+class Args : public KernelArgs {
  public:
-  explicit Args(std::string_view kernel) : kernel_(kernel) {}
-
-  Args& Add(std::string_view name, const Tensor& t, Device device = Device::kCuda) {
-    if (!t.defined()) Fail(fmt::format("{} is not allocated", name));
-    if (t.device() != device) {
-      Fail(fmt::format("{} is not a {} tensor", name, device == Device::kCuda ? "CUDA" : "host"));
-    }
-    if (first_name_.empty()) {
-      first_name_ = name;
-      dtype_ = t.dtype();
-    } else if (t.dtype() != dtype_) {
-      Fail(fmt::format("{} is {} but {} is {}", name, DTypeName(t.dtype()), first_name_,
-                       DTypeName(dtype_)));
-    }
-    return *this;
-  }
-  void Numel(std::string_view name, const Tensor& t, int64_t numel,
-             std::string_view because) const {
-    if (t.numel() != numel) {
-      Fail(fmt::format("{} {} has {} elements, expected {} ({})", name, ShapeString(t.shape()),
-                       t.numel(), numel, because));
-    }
-  }
-  void Require(bool ok, std::string_view what) const {
-    if (!ok) Fail(std::string(what));
-  }
-  [[noreturn]] void Fail(const std::string& what) const {
-    throw std::invalid_argument(fmt::format("CudaKernels::{}: {}", kernel_, what));
-  }
-  DType dtype() const { return dtype_; }
-
- private:
-  std::string_view kernel_;
-  std::string_view first_name_;
-  DType dtype_ = DType::kFloat32;
+  explicit Args(std::string_view kernel) : KernelArgs("CudaKernels", Device::kCuda, kernel) {}
 };
-
-void CheckShard(const Args& args, std::string_view name, const Tensor& table, int64_t vocab_start,
-                int64_t vocab_end) {
-  args.Require(vocab_start <= vocab_end,
-               fmt::format("vocab_start {} > vocab_end {}", vocab_start, vocab_end));
-  if (Rows(table) != vocab_end - vocab_start) {
-    args.Fail(fmt::format("{} {} has {} rows but the shard [{}, {}) has {}", name,
-                          ShapeString(table.shape()), Rows(table), vocab_start, vocab_end,
-                          vocab_end - vocab_start));
-  }
-}
 
 void CheckShape(std::string_view kernel, const Shape& shape) {
   for (int64_t d : shape) {

@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include "core/arg_checks.h"
 #include "sim/mpi_check.h"
 
 namespace mpusim {
@@ -26,34 +27,12 @@ int MpiCount(std::string_view function, int64_t numel) {
 }
 
 void CheckBuffer(std::string_view function, std::string_view name, const Tensor& tensor) {
-  if (!tensor.defined()) Invalid(function, fmt::format("{} is not allocated", name));
-  if (tensor.device() != Device::kHost) {
-    Invalid(function, fmt::format("{} must be a host tensor", name));
-  }
+  CollectiveArgs("MpiCommunicator", Device::kHost, function).Buffer(name, tensor);
 }
 
-bool Overlap(const Tensor& a, const Tensor& b) {
-  const auto* a0 = static_cast<const std::byte*>(a.data());
-  const auto* b0 = static_cast<const std::byte*>(b.data());
-  return a0 < b0 + b.bytes() && b0 < a0 + a.bytes();
-}
-
-// Checks a pair of buffers whose sizes must satisfy big.numel() == size * small.numel().
 void CheckChunked(std::string_view function, const Tensor& in, const Tensor& out,
                   const Tensor& small, const Tensor& big, int size) {
-  CheckBuffer(function, "in", in);
-  CheckBuffer(function, "out", out);
-  if (in.dtype() != out.dtype()) {
-    Invalid(function,
-            fmt::format("in is {} but out is {}", DTypeName(in.dtype()), DTypeName(out.dtype())));
-  }
-  if (big.numel() != size * small.numel()) {
-    Invalid(function,
-            fmt::format("in {} and out {} do not match the group size {}: need {} == {} * {}",
-                        ShapeString(in.shape()), ShapeString(out.shape()), size, big.numel(), size,
-                        small.numel()));
-  }
-  if (in.numel() > 0 && Overlap(in, out)) Invalid(function, "in and out overlap");
+  CollectiveArgs("MpiCommunicator", Device::kHost, function).Chunked(in, out, small, big, size);
 }
 
 }  // namespace

@@ -1,0 +1,140 @@
+// Argument checks shared by every backend's Kernels (sim/eigen_kernels, cuda/cuda_kernels)
+// and Communicators (sim/mpi_communicator, cuda/nccl_communicator).
+//
+// A bad argument to a kernel or a collective is a caller bug, not user input: it throws
+// std::invalid_argument naming the backend, the call and the offending tensor, before any
+// work is queued. The rules are the same on every device, so they live here once.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+#include <fmt/format.h>
+
+#include "core/tensor.h"
+
+namespace mpusim {
+
+// The 2-D view of a tensor (Tensor::rows() / cols()).
+inline int64_t Rows(const Tensor& t) { return t.rows(); }
+inline int64_t Cols(const Tensor& t) { return t.cols(); }
+
+// Whether two tensors' storage overlaps.
+inline bool Overlap(const Tensor& a, const Tensor& b) {
+  const auto* a0 = static_cast<const std::byte*>(a.data());
+  const auto* b0 = static_cast<const std::byte*>(b.data());
+  return a.bytes() > 0 && b.bytes() > 0 && a0 < b0 + b.bytes() && b0 < a0 + a.bytes();
+}
+
+// Runs body.template operator()<T>() with T the C++ type of `dtype`.
+template <typename Body>
+void Dispatch(DType dtype, Body&& body) {
+  if (dtype == DType::kFloat32) {
+    body.template operator()<float>();
+  } else {
+    body.template operator()<double>();
+  }
+}
+
+// Checks of one kernel call: every tensor is allocated on the backend's device (or the one
+// named), and all tensors of the call share the first one's dtype.
+class KernelArgs {
+ public:
+  KernelArgs(std::string_view backend, Device device, std::string_view kernel)
+      : backend_(backend), device_(device), kernel_(kernel) {}
+
+  KernelArgs& Add(std::string_view name, const Tensor& t) { return Add(name, t, device_); }
+  KernelArgs& Add(std::string_view name, const Tensor& t, Device device) {
+    if (!t.defined()) Fail(fmt::format("{} is not allocated", name));
+    if (t.device() != device) {
+      Fail(fmt::format("{} is not a {} tensor", name, device == Device::kCuda ? "CUDA" : "host"));
+    }
+    if (first_name_.empty()) {
+      first_name_ = name;
+      dtype_ = t.dtype();
+    } else if (t.dtype() != dtype_) {
+      Fail(fmt::format("{} is {} but {} is {}", name, DTypeName(t.dtype()), first_name_,
+                       DTypeName(dtype_)));
+    }
+    return *this;
+  }
+  // `t` has exactly `numel` elements.
+  void Numel(std::string_view name, const Tensor& t, int64_t numel,
+             std::string_view because) const {
+    if (t.numel() != numel) {
+      Fail(fmt::format("{} {} has {} elements, expected {} ({})", name, ShapeString(t.shape()),
+                       t.numel(), numel, because));
+    }
+  }
+  void Require(bool ok, std::string_view what) const {
+    if (!ok) Fail(std::string(what));
+  }
+  [[noreturn]] void Fail(const std::string& what) const {
+    throw std::invalid_argument(fmt::format("{}::{}: {}", backend_, kernel_, what));
+  }
+  DType dtype() const { return dtype_; }
+
+ private:
+  std::string_view backend_;
+  Device device_;
+  std::string_view kernel_;
+  std::string_view first_name_;
+  DType dtype_ = DType::kFloat32;
+};
+
+// A token-indexed vocabulary shard [vocab_start, vocab_end) must match its table's rows.
+inline void CheckShard(const KernelArgs& args, std::string_view name, const Tensor& table,
+                       int64_t vocab_start, int64_t vocab_end) {
+  args.Require(vocab_start <= vocab_end,
+               fmt::format("vocab_start {} > vocab_end {}", vocab_start, vocab_end));
+  if (Rows(table) != vocab_end - vocab_start) {
+    args.Fail(fmt::format("{} {} has {} rows but the shard [{}, {}) has {}", name,
+                          ShapeString(table.shape()), Rows(table), vocab_start, vocab_end,
+                          vocab_end - vocab_start));
+  }
+}
+
+// Checks of one collective call on a communicator whose buffers live on `device`.
+class CollectiveArgs {
+ public:
+  CollectiveArgs(std::string_view backend, Device device, std::string_view function)
+      : backend_(backend), device_(device), function_(function) {}
+
+  [[noreturn]] void Fail(const std::string& what) const {
+    throw std::invalid_argument(fmt::format("{}::{}: {}", backend_, function_, what));
+  }
+  // An allocated buffer on the communicator's device.
+  void Buffer(std::string_view name, const Tensor& tensor) const {
+    if (!tensor.defined()) Fail(fmt::format("{} is not allocated", name));
+    if (tensor.device() != device_) {
+      Fail(fmt::format("{} must be a {} tensor", name,
+                       device_ == Device::kCuda ? "CUDA" : "host"));
+    }
+  }
+  // in/out of an all-gather or reduce-scatter: same dtype, no overlap, and
+  // big.numel() == size * small.numel().
+  void Chunked(const Tensor& in, const Tensor& out, const Tensor& small, const Tensor& big,
+               int size) const {
+    Buffer("in", in);
+    Buffer("out", out);
+    if (in.dtype() != out.dtype()) {
+      Fail(fmt::format("in is {} but out is {}", DTypeName(in.dtype()), DTypeName(out.dtype())));
+    }
+    if (big.numel() != size * small.numel()) {
+      Fail(fmt::format("in {} and out {} do not match the group size {}: need {} == {} * {}",
+                       ShapeString(in.shape()), ShapeString(out.shape()), size, big.numel(),
+                       size, small.numel()));
+    }
+    if (in.numel() > 0 && Overlap(in, out)) Fail("in and out overlap");
+  }
+
+ private:
+  std::string_view backend_;
+  Device device_;
+  std::string_view function_;
+};
+
+}  // namespace mpusim
