@@ -25,6 +25,7 @@
 
 #include "core/init.h"
 #include "core/safetensors.h"
+#include "core/sharding.h"
 
 namespace mpusim {
 namespace {
@@ -233,63 +234,6 @@ struct ShardMetadata {
   bool partial_sum = false;
 };
 
-// Why `spec` cannot describe a shard of `full`, or "" when it can. Mirrors the layout rules
-// of AssembleFull (core/init.cc), with products guarded against overflow since every number
-// here comes from a file.
-std::string LayoutError(const ShardSpec& spec, const Shape& full) {
-  const int ndim = static_cast<int>(full.size());
-  if (spec.shard_dim < -1 || spec.shard_dim >= ndim) {
-    return fmt::format("shard_dim {} is outside [-1, {})", spec.shard_dim, ndim);
-  }
-  if (spec.batch_dim < -1 || spec.batch_dim >= ndim) {
-    return fmt::format("batch_dim {} is outside [-1, {})", spec.batch_dim, ndim);
-  }
-  if (spec.shard_dim >= 0 && spec.shard_dim == spec.batch_dim) {
-    return fmt::format("shard_dim and batch_dim are both {}", spec.shard_dim);
-  }
-  if (spec.shard_dim < 0) {
-    if (spec.num_shards != 1 || spec.shard_index != 0 || spec.stride != 1) {
-      return fmt::format(
-          "shard_dim -1 (not split) needs num_shards 1, shard_index 0 and "
-          "stride 1, got {}, {} and {}",
-          spec.num_shards, spec.shard_index, spec.stride);
-    }
-  } else {
-    if (spec.num_shards < 1 || spec.stride < 1) {
-      return fmt::format("num_shards {} and stride {} must be >= 1", spec.num_shards, spec.stride);
-    }
-    if (spec.shard_index < 0 || spec.shard_index >= spec.num_shards) {
-      return fmt::format("shard_index {} is outside [0, {})", spec.shard_index, spec.num_shards);
-    }
-    const int64_t size = full[static_cast<size_t>(spec.shard_dim)];
-    int64_t chunks = 0;
-    if (__builtin_mul_overflow(spec.num_shards, spec.stride, &chunks) || size % chunks != 0) {
-      return fmt::format(
-          "dimension {} of {} (size {}) is not divisible by num_shards {} * stride {}",
-          spec.shard_dim, ShapeString(full), size, spec.num_shards, spec.stride);
-    }
-  }
-  if (spec.batch_dim < 0) {
-    if (spec.batch_shards != 1 || spec.batch_index != 0) {
-      return fmt::format(
-          "batch_dim -1 (not split) needs batch_shards 1 and batch_index 0, "
-          "got {} and {}",
-          spec.batch_shards, spec.batch_index);
-    }
-  } else {
-    if (spec.batch_shards < 1)
-      return fmt::format("batch_shards {} must be >= 1", spec.batch_shards);
-    if (spec.batch_index < 0 || spec.batch_index >= spec.batch_shards) {
-      return fmt::format("batch_index {} is outside [0, {})", spec.batch_index, spec.batch_shards);
-    }
-    const int64_t size = full[static_cast<size_t>(spec.batch_dim)];
-    if (size % spec.batch_shards != 0) {
-      return fmt::format("batch dimension {} of {} (size {}) is not divisible by batch_shards {}",
-                         spec.batch_dim, ShapeString(full), size, spec.batch_shards);
-    }
-  }
-  return "";
-}
 
 // "{\"full_shape\":[...],\"shard_dim\":d,\"num_shards\":k,\"shard_index\":i,\"stride\":s
 // [,\"batch_dim\",\"batch_shards\",\"batch_index\"][,\"partial_sum\":true]}". Unknown keys are
@@ -356,7 +300,7 @@ StatusOr<ShardMetadata> ParseShardMetadata(const std::string& text) {
   }
   m.spec.shard_dim = static_cast<int>(shard_dim);
   m.spec.batch_dim = static_cast<int>(batch_dim);
-  const std::string error = LayoutError(m.spec, m.full_shape);
+  const std::string error = ShardSpecError(m.spec, m.full_shape);
   if (!error.empty()) return Status::Error("", error);
   if (m.partial_sum && m.spec.shard_dim >= 0) {
     return Status::Error("", fmt::format("partial_sum with shard_dim {}: a partial sum is summed "

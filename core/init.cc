@@ -41,51 +41,6 @@ double NormalScale(const InitSpec& spec, const Shape& full_shape) {
   return spec.method == InitMethod::kXavierNormal ? XavierStd(full_shape) : spec.std;
 }
 
-// Why `spec` cannot describe a shard of `full`, or "" when it can. GlobalIndex and LocalShape
-// assume exact division, so an indivisible dimension would silently misplace elements.
-std::string LayoutError(const ShardSpec& spec, const Shape& full) {
-  const int ndim = static_cast<int>(full.size());
-  for (int64_t d : full) {
-    if (d < 0) return fmt::format("full shape {} has a negative dimension", ShapeString(full));
-  }
-  if (spec.shard_dim < -1 || spec.shard_dim >= ndim) {
-    return fmt::format("shard_dim {} is outside [-1, {})", spec.shard_dim, ndim);
-  }
-  if (spec.batch_dim < -1 || spec.batch_dim >= ndim) {
-    return fmt::format("batch_dim {} is outside [-1, {})", spec.batch_dim, ndim);
-  }
-  if (spec.shard_dim >= 0 && spec.shard_dim == spec.batch_dim) {
-    return fmt::format("shard_dim and batch_dim are both {}", spec.shard_dim);
-  }
-  if (spec.shard_dim >= 0) {
-    if (spec.num_shards < 1 || spec.stride < 1) {
-      return fmt::format("num_shards {} and stride {} must be >= 1", spec.num_shards, spec.stride);
-    }
-    if (spec.shard_index < 0 || spec.shard_index >= spec.num_shards) {
-      return fmt::format("shard_index {} is outside [0, {})", spec.shard_index, spec.num_shards);
-    }
-    const int64_t size = full[static_cast<size_t>(spec.shard_dim)];
-    if (size % (spec.num_shards * spec.stride) != 0) {
-      return fmt::format(
-          "dimension {} of {} (size {}) is not divisible by num_shards {} * stride {}",
-          spec.shard_dim, ShapeString(full), size, spec.num_shards, spec.stride);
-    }
-  }
-  if (spec.batch_dim >= 0) {
-    if (spec.batch_shards < 1) {
-      return fmt::format("batch_shards {} must be >= 1", spec.batch_shards);
-    }
-    if (spec.batch_index < 0 || spec.batch_index >= spec.batch_shards) {
-      return fmt::format("batch_index {} is outside [0, {})", spec.batch_index, spec.batch_shards);
-    }
-    const int64_t size = full[static_cast<size_t>(spec.batch_dim)];
-    if (size % spec.batch_shards != 0) {
-      return fmt::format("batch dimension {} of {} (size {}) is not divisible by batch_shards {}",
-                         spec.batch_dim, ShapeString(full), size, spec.batch_shards);
-    }
-  }
-  return "";
-}
 
 // offsets[d][l] = GlobalIndex(spec, d, full[d], l) * (row-major stride of d in `full`), so the
 // global flat index of a local multi-index is a sum of table lookups: GlobalIndex runs once
@@ -266,7 +221,7 @@ double MasterValue(uint64_t seed, std::string_view name, const InitSpec& spec,
 // is planned), so it throws rather than returning a Status.
 void FillShard(uint64_t seed, std::string_view name, const InitSpec& spec, const Shape& full_shape,
                const ShardSpec& shard, Tensor& host_out) {
-  const std::string error = LayoutError(shard, full_shape);
+  const std::string error = ShardSpecError(shard, full_shape);
   if (!error.empty()) throw std::invalid_argument(fmt::format("FillShard('{}'): {}", name, error));
   const Shape local = LocalShape(shard, full_shape);
   if (!host_out.defined() || host_out.device() != Device::kHost || host_out.shape() != local) {
@@ -308,7 +263,7 @@ StatusOr<Tensor> AssembleFull(const std::vector<Tensor>& shards,
   if (shards.empty()) return Status::Error("", "no shards to assemble");
   for (size_t i = 0; i < shards.size(); ++i) {
     const std::string where = fmt::format("shards[{}]", i);
-    const std::string error = LayoutError(specs[i], full_shape);
+    const std::string error = ShardSpecError(specs[i], full_shape);
     if (!error.empty()) return Status::Error(where, error);
     // Shards of one tensor share a layout; mixing them means specs from different tensors.
     if (!SameLayout(specs[i], specs[0])) {

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "core/tensor.h"
 
@@ -33,6 +34,12 @@ struct ShardSpec {
 
   bool replicated() const { return shard_dim < 0 && batch_dim < 0; }
 };
+
+// Why `spec` cannot describe a shard of a tensor of shape `full`, or "" when it can: dims in
+// range and distinct, indices in range, defaults (1 shard, index 0, stride 1) on an unsplit
+// dimension, and exact divisibility (GlobalIndex and LocalShape assume it). Products are
+// guarded against overflow, since specs are also read from files.
+std::string ShardSpecError(const ShardSpec& spec, const Shape& full);
 
 // Global index along `dim` of local index `local`, for a full dimension of size `full`.
 inline int64_t GlobalIndex(const ShardSpec& spec, int dim, int64_t full, int64_t local) {
