@@ -1,54 +1,25 @@
 // CUDA / cuBLAS / NCCL error reporting (see cuda_check.h).
 #include "cuda/cuda_check.h"
 
-#include <mpi.h>
-#include <unistd.h>
-
-#include <cstdio>
-#include <cstdlib>
-
 #include <fmt/format.h>
 
+#include "sim/mpi_check.h"
+
 namespace mpusim::cuda {
-namespace {
-
-bool MpiRunning() {
-  int initialized = 0;
-  int finalized = 0;
-  // Callable at any time; not checked, since a failure here would recurse into Fatal.
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  return initialized != 0 && finalized == 0;
-}
-
-}  // namespace
 
 std::string FatalMessage(const char* statement, const std::string& message, const char* file,
                          int line, const char* function) {
-  int world_rank = -1;
-  std::string host = "?";
-  if (MpiRunning()) {
-    MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
-    char name[MPI_MAX_PROCESSOR_NAME] = {};
-    int length = 0;
-    if (MPI_Get_processor_name(name, &length) == MPI_SUCCESS) host.assign(name, name + length);
-  } else {
-    char name[256] = {};
-    if (gethostname(name, sizeof(name) - 1) == 0) host = name;
-  }
+  const ProcessPlace place = WhereAmI();
   int device = -1;
   if (cudaGetDevice(&device) != cudaSuccess) device = -1;
   return fmt::format("mpusim: CUDA error on rank {} (host {}, device {}): {} failed at {}:{} in {}: {}",
-                     world_rank, host, device, statement, file, line, function, message);
+                     place.world_rank, place.host, device, statement, file, line, function,
+                     message);
 }
 
 void Fatal(const char* statement, const std::string& message, const char* file, int line,
            const char* function) {
-  const std::string text = FatalMessage(statement, message, file, line, function);
-  std::fprintf(stderr, "%s\n", text.c_str());
-  std::fflush(stderr);
-  if (MpiRunning()) MPI_Abort(MPI_COMM_WORLD, 1);
-  std::abort();
+  AbortJob(FatalMessage(statement, message, file, line, function));
 }
 
 std::string CudaErrorText(cudaError_t error) {

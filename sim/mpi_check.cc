@@ -1,6 +1,8 @@
 // MPI error reporting (see mpi_check.h).
 #include "sim/mpi_check.h"
 
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
 
@@ -21,16 +23,32 @@ bool MpiRunning() {
 
 }  // namespace
 
-std::string MpiErrorMessage(const char* statement, int error_code, const char* file, int line,
-                            const char* function) {
-  int world_rank = -1;
-  std::string host = "?";
+ProcessPlace WhereAmI() {
+  ProcessPlace place;
   if (MpiRunning()) {
-    MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+    MPI_Comm_rank(MPI_COMM_WORLD, &place.world_rank);
     char name[MPI_MAX_PROCESSOR_NAME] = {};
     int length = 0;
-    if (MPI_Get_processor_name(name, &length) == MPI_SUCCESS) host.assign(name, name + length);
+    if (MPI_Get_processor_name(name, &length) == MPI_SUCCESS) {
+      place.host.assign(name, name + length);
+    }
+  } else {
+    char name[256] = {};
+    if (gethostname(name, sizeof(name) - 1) == 0) place.host = name;
   }
+  return place;
+}
+
+void AbortJob(const std::string& line) {
+  std::fprintf(stderr, "%s\n", line.c_str());
+  std::fflush(stderr);
+  if (MpiRunning()) MPI_Abort(MPI_COMM_WORLD, 1);
+  std::abort();
+}
+
+std::string MpiErrorMessage(const char* statement, int error_code, const char* file, int line,
+                            const char* function) {
+  const ProcessPlace place = WhereAmI();
   std::string message = fmt::format("MPI error code {}", error_code);
   char text[MPI_MAX_ERROR_STRING] = {};
   int text_length = 0;
@@ -38,16 +56,12 @@ std::string MpiErrorMessage(const char* statement, int error_code, const char* f
     message.assign(text, text + text_length);
   }
   return fmt::format("mpusim: MPI error on rank {} (host {}): {} failed at {}:{} in {}: {}",
-                     world_rank, host, statement, file, line, function, message);
+                     place.world_rank, place.host, statement, file, line, function, message);
 }
 
 void MpiFatal(const char* statement, int error_code, const char* file, int line,
               const char* function) {
-  const std::string message = MpiErrorMessage(statement, error_code, file, line, function);
-  std::fprintf(stderr, "%s\n", message.c_str());
-  std::fflush(stderr);
-  if (MpiRunning()) MPI_Abort(MPI_COMM_WORLD, 1);
-  std::abort();
+  AbortJob(MpiErrorMessage(statement, error_code, file, line, function));
 }
 
 void SetErrorsReturn(MPI_Comm comm) {

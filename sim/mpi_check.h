@@ -26,6 +26,18 @@ std::string MpiErrorMessage(const char* statement, int error_code, const char* f
 [[noreturn]] void MpiFatal(const char* statement, int error_code, const char* file, int line,
                            const char* function);
 
+// Where this process runs, for fatal-error lines: its rank in MPI_COMM_WORLD (-1 when MPI is
+// not running) and its host name.
+struct ProcessPlace {
+  int world_rank = -1;
+  std::string host = "?";
+};
+ProcessPlace WhereAmI();
+
+// Prints `line` to stderr, then ends the whole job: MPI_Abort when MPI is running (so no rank
+// is left waiting in a collective), std::abort otherwise.
+[[noreturn]] void AbortJob(const std::string& line);
+
 // Makes MPI return error codes on `comm` instead of aborting inside the library, so that
 // MPUSIM_MPI_CHECK sees them.
 void SetErrorsReturn(MPI_Comm comm);
