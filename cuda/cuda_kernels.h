@@ -49,43 +49,46 @@ class CudaKernels final : public Kernels {
   // device = host (same dtype and numel; a device tensor and a host tensor); synchronous.
   void CopyFromHost(const Tensor& host, Tensor& device);
 
+
+ protected:
+  // The Kernels implementations; the base class checks the arguments first.
   // --- memory -------------------------------------------------------------------------
-  Tensor Zeros(const Shape& shape, DType dtype) override;
-  Tensor Empty(const Shape& shape, DType dtype) override;
-  Tensor ToDevice(const Tensor& host) override;
-  Tensor ToHost(const Tensor& tensor) override;
-  void Copy(const Tensor& src, Tensor& dst) override;
-  void CopyBlock(const Tensor& src, int64_t src_row0, int64_t src_col0, Tensor& dst,
+  Tensor DoZeros(const Shape& shape, DType dtype) override;
+  Tensor DoEmpty(const Shape& shape, DType dtype) override;
+  Tensor DoToDevice(const Tensor& host) override;
+  Tensor DoToHost(const Tensor& tensor) override;
+  void DoCopy(const Tensor& src, Tensor& dst) override;
+  void DoCopyBlock(const Tensor& src, int64_t src_row0, int64_t src_col0, Tensor& dst,
                  int64_t dst_row0, int64_t dst_col0, int64_t rows, int64_t cols) override;
 
   // --- dense algebra ------------------------------------------------------------------
   // c must not share storage with a or b; beta == 0 overwrites c (NaNs do not propagate).
-  void Gemm(bool trans_a, bool trans_b, double alpha, const Tensor& a, const Tensor& b, double beta,
+  void DoGemm(bool trans_a, bool trans_b, double alpha, const Tensor& a, const Tensor& b, double beta,
             Tensor& c) override;
-  void AddRowVector(const Tensor& bias, Tensor& y) override;
-  void SumRows(const Tensor& x, double beta, Tensor& out) override;
-  void Axpy(double alpha, const Tensor& x, Tensor& y) override;
-  void Scale(double alpha, Tensor& x) override;
+  void DoAddRowVector(const Tensor& bias, Tensor& y) override;
+  void DoSumRows(const Tensor& x, double beta, Tensor& out) override;
+  void DoAxpy(double alpha, const Tensor& x, Tensor& y) override;
+  void DoScale(double alpha, Tensor& x) override;
 
   // --- elementwise (y may be x, dx may be dy) -----------------------------------------
-  void GeluForward(const Tensor& x, Tensor& y) override;
-  void GeluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) override;
-  void Dropout(const Tensor& x, double p, uint64_t key, uint64_t stream, uint64_t offset,
+  void DoGeluForward(const Tensor& x, Tensor& y) override;
+  void DoGeluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) override;
+  void DoDropout(const Tensor& x, double p, uint64_t key, uint64_t stream, uint64_t offset,
                Tensor& y) override;
 
   // --- embedding ----------------------------------------------------------------------
-  void EmbeddingForward(const Tensor& weight, const std::vector<int64_t>& ids, int64_t vocab_start,
+  void DoEmbeddingForward(const Tensor& weight, const std::vector<int64_t>& ids, int64_t vocab_start,
                         int64_t vocab_end, Tensor& out) override;
-  void EmbeddingBackward(const Tensor& dy, const std::vector<int64_t>& ids, int64_t vocab_start,
+  void DoEmbeddingBackward(const Tensor& dy, const std::vector<int64_t>& ids, int64_t vocab_start,
                          int64_t vocab_end, Tensor& dweight) override;
 
   // --- vocab-parallel cross entropy pieces --------------------------------------------
-  void RowMax(const Tensor& logits, Tensor& row_max) override;
-  void CrossEntropyPartials(const Tensor& logits, const Tensor& row_max,
+  void DoRowMax(const Tensor& logits, Tensor& row_max) override;
+  void DoCrossEntropyPartials(const Tensor& logits, const Tensor& row_max,
                             const std::vector<int64_t>& labels, int64_t vocab_start,
                             Tensor& sum_exp, Tensor& sum_z, Tensor& target_z) override;
   // grad may be logits.
-  void CrossEntropyBackward(const Tensor& logits, const Tensor& row_max, const Tensor& sum_exp,
+  void DoCrossEntropyBackward(const Tensor& logits, const Tensor& row_max, const Tensor& sum_exp,
                             const std::vector<int64_t>& labels, int64_t vocab_start,
                             double on_value, double off_value, const Tensor& row_scale,
                             Tensor& grad) override;

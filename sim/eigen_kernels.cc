@@ -51,11 +51,6 @@ Eigen::Map<const FlatArray<T>> ArrayOf(const Tensor& t) {
   return Eigen::Map<const FlatArray<T>>(t.data_as<T>(), t.numel());
 }
 
-class Args : public KernelArgs {
- public:
-  explicit Args(std::string_view kernel) : KernelArgs("EigenKernels", Device::kHost, kernel) {}
-};
-
 // Column of `label` in a shard starting at vocab_start with `cols` columns, or -1.
 int64_t LocalColumn(int64_t label, int64_t vocab_start, int64_t cols) {
   const int64_t col = label - vocab_start;
@@ -68,7 +63,7 @@ int64_t LocalColumn(int64_t label, int64_t vocab_start, int64_t cols) {
 extern "C" void openblas_set_num_threads(int num_threads);
 #endif
 
-EigenKernels::EigenKernels() {
+EigenKernels::EigenKernels() : Kernels("EigenKernels", Device::kHost) {
 #if defined(MPUSIM_HAVE_OPENBLAS)
   openblas_set_num_threads(1);
 #endif
@@ -81,64 +76,36 @@ EigenKernels::EigenKernels() {
 
 // --- memory ---------------------------------------------------------------------------
 
-Tensor EigenKernels::Zeros(const Shape& shape, DType dtype) {
-  for (int64_t d : shape) {
-    if (d < 0) {
-      throw std::invalid_argument(
-          fmt::format("EigenKernels::Zeros: negative dimension in {}", ShapeString(shape)));
-    }
-  }
+Tensor EigenKernels::DoZeros(const Shape& shape, DType dtype) {
   return Tensor::HostZeros(shape, dtype);
 }
 
-Tensor EigenKernels::Empty(const Shape& shape, DType dtype) {
-  for (int64_t d : shape) {
-    if (d < 0) {
-      throw std::invalid_argument(
-          fmt::format("EigenKernels::Empty: negative dimension in {}", ShapeString(shape)));
-    }
-  }
+Tensor EigenKernels::DoEmpty(const Shape& shape, DType dtype) {
   return Tensor::HostEmpty(shape, dtype);
 }
 
-Tensor EigenKernels::ToDevice(const Tensor& host) {
-  Args("ToDevice").Add("host", host);
+Tensor EigenKernels::DoToDevice(const Tensor& host) {
   Tensor out = Tensor::HostZeros(host.shape(), host.dtype());
   if (host.bytes() > 0) std::memcpy(out.data(), host.data(), host.bytes());
   return out;
 }
 
-Tensor EigenKernels::ToHost(const Tensor& tensor) {
-  Args("ToHost").Add("tensor", tensor);
+Tensor EigenKernels::DoToHost(const Tensor& tensor) {
   Tensor out = Tensor::HostZeros(tensor.shape(), tensor.dtype());
   if (tensor.bytes() > 0) std::memcpy(out.data(), tensor.data(), tensor.bytes());
   return out;
 }
 
-void EigenKernels::Copy(const Tensor& src, Tensor& dst) {
-  Args args("Copy");
-  args.Add("src", src).Add("dst", dst);
-  args.Numel("dst", dst, src.numel(), "the numel of src");
+void EigenKernels::DoCopy(const Tensor& src, Tensor& dst) {
   if (src.bytes() > 0 && src.data() != dst.data()) {
     std::memmove(dst.data(), src.data(), src.bytes());
   }
 }
 
-void EigenKernels::CopyBlock(const Tensor& src, int64_t src_row0, int64_t src_col0, Tensor& dst,
+void EigenKernels::DoCopyBlock(const Tensor& src, int64_t src_row0, int64_t src_col0, Tensor& dst,
                              int64_t dst_row0, int64_t dst_col0, int64_t rows, int64_t cols) {
-  Args args("CopyBlock");
-  args.Add("src", src).Add("dst", dst);
-  const auto check = [&](std::string_view name, const Tensor& t, int64_t row0, int64_t col0) {
-    if (rows < 0 || cols < 0 || row0 < 0 || col0 < 0 || row0 + rows > Rows(t) ||
-        col0 + cols > Cols(t)) {
-      args.Fail(fmt::format("block [{}:{}, {}:{}] is outside {} ({} x {})", row0, row0 + rows, col0,
-                            col0 + cols, name, Rows(t), Cols(t)));
-    }
-  };
-  check("src", src, src_row0, src_col0);
-  check("dst", dst, dst_row0, dst_col0);
   if (rows == 0 || cols == 0) return;
-  Dispatch(args.dtype(), [&]<typename T>() {
+  Dispatch(src.dtype(), [&]<typename T>() {
     const auto from = MatrixOf<T>(src).block(src_row0, src_col0, rows, cols);
     auto to = MatrixOf<T>(dst).block(dst_row0, dst_col0, rows, cols);
     if (Overlap(src, dst)) {
@@ -151,23 +118,12 @@ void EigenKernels::CopyBlock(const Tensor& src, int64_t src_row0, int64_t src_co
 
 // --- dense algebra --------------------------------------------------------------------
 
-void EigenKernels::Gemm(bool trans_a, bool trans_b, double alpha, const Tensor& a, const Tensor& b,
+void EigenKernels::DoGemm(bool trans_a, bool trans_b, double alpha, const Tensor& a, const Tensor& b,
                         double beta, Tensor& c) {
-  Args args("Gemm");
-  args.Add("a", a).Add("b", b).Add("c", c);
   const int64_t m = trans_a ? Cols(a) : Rows(a);
   const int64_t k = trans_a ? Rows(a) : Cols(a);
-  const int64_t kb = trans_b ? Cols(b) : Rows(b);
   const int64_t n = trans_b ? Rows(b) : Cols(b);
-  if (k != kb || Rows(c) != m || Cols(c) != n) {
-    args.Fail(
-        fmt::format("op(a) is {} x {} (a {}, trans_a {}), op(b) is {} x {} (b {}, "
-                    "trans_b {}), c is {} x {} ({})",
-                    m, k, ShapeString(a.shape()), trans_a, kb, n, ShapeString(b.shape()), trans_b,
-                    Rows(c), Cols(c), ShapeString(c.shape())));
-  }
-  args.Require(!Overlap(a, c) && !Overlap(b, c), "c shares storage with a or b");
-  Dispatch(args.dtype(), [&]<typename T>() {
+  Dispatch(a.dtype(), [&]<typename T>() {
     auto cm = MatrixOf<T>(c);
     if (beta == 0.0) {
       cm.setZero();
@@ -191,22 +147,16 @@ void EigenKernels::Gemm(bool trans_a, bool trans_b, double alpha, const Tensor& 
   });
 }
 
-void EigenKernels::AddRowVector(const Tensor& bias, Tensor& y) {
-  Args args("AddRowVector");
-  args.Add("bias", bias).Add("y", y);
-  args.Numel("bias", bias, Cols(y), "the columns of y");
+void EigenKernels::DoAddRowVector(const Tensor& bias, Tensor& y) {
   if (y.numel() == 0) return;
-  Dispatch(args.dtype(), [&]<typename T>() {
+  Dispatch(bias.dtype(), [&]<typename T>() {
     const Eigen::Map<const RowVector<T>> row(bias.data_as<T>(), Cols(y));
     MatrixOf<T>(y).rowwise() += row;
   });
 }
 
-void EigenKernels::SumRows(const Tensor& x, double beta, Tensor& out) {
-  Args args("SumRows");
-  args.Add("x", x).Add("out", out);
-  args.Numel("out", out, Cols(x), "the columns of x");
-  Dispatch(args.dtype(), [&]<typename T>() {
+void EigenKernels::DoSumRows(const Tensor& x, double beta, Tensor& out) {
+  Dispatch(x.dtype(), [&]<typename T>() {
     auto o = ArrayOf<T>(out);
     if (beta == 0.0) {
       o.setZero();
@@ -217,27 +167,19 @@ void EigenKernels::SumRows(const Tensor& x, double beta, Tensor& out) {
   });
 }
 
-void EigenKernels::Axpy(double alpha, const Tensor& x, Tensor& y) {
-  Args args("Axpy");
-  args.Add("x", x).Add("y", y);
-  args.Numel("y", y, x.numel(), "the numel of x");
-  Dispatch(args.dtype(),
+void EigenKernels::DoAxpy(double alpha, const Tensor& x, Tensor& y) {
+  Dispatch(x.dtype(),
            [&]<typename T>() { ArrayOf<T>(y) += static_cast<T>(alpha) * ArrayOf<T>(x); });
 }
 
-void EigenKernels::Scale(double alpha, Tensor& x) {
-  Args args("Scale");
-  args.Add("x", x);
-  Dispatch(args.dtype(), [&]<typename T>() { ArrayOf<T>(x) *= static_cast<T>(alpha); });
+void EigenKernels::DoScale(double alpha, Tensor& x) {
+  Dispatch(x.dtype(), [&]<typename T>() { ArrayOf<T>(x) *= static_cast<T>(alpha); });
 }
 
 // --- elementwise ----------------------------------------------------------------------
 
-void EigenKernels::GeluForward(const Tensor& x, Tensor& y) {
-  Args args("GeluForward");
-  args.Add("x", x).Add("y", y);
-  args.Numel("y", y, x.numel(), "the numel of x");
-  Dispatch(args.dtype(), [&]<typename T>() {
+void EigenKernels::DoGeluForward(const Tensor& x, Tensor& y) {
+  Dispatch(x.dtype(), [&]<typename T>() {
     // Eigen's array erf is vectorised for float (a few ulp), scalar std::erf for double.
     const auto xs = ArrayOf<T>(x);
     auto ys = ArrayOf<T>(y);
@@ -246,12 +188,8 @@ void EigenKernels::GeluForward(const Tensor& x, Tensor& y) {
   });
 }
 
-void EigenKernels::GeluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) {
-  Args args("GeluBackward");
-  args.Add("x", x).Add("dy", dy).Add("dx", dx);
-  args.Numel("dy", dy, x.numel(), "the numel of x");
-  args.Numel("dx", dx, x.numel(), "the numel of x");
-  Dispatch(args.dtype(), [&]<typename T>() {
+void EigenKernels::DoGeluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) {
+  Dispatch(x.dtype(), [&]<typename T>() {
     const auto xs = ArrayOf<T>(x);
     const auto dys = ArrayOf<T>(dy);
     auto dxs = ArrayOf<T>(dx);
@@ -263,17 +201,13 @@ void EigenKernels::GeluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) {
   });
 }
 
-void EigenKernels::Dropout(const Tensor& x, double p, uint64_t key, uint64_t stream,
+void EigenKernels::DoDropout(const Tensor& x, double p, uint64_t key, uint64_t stream,
                            uint64_t offset, Tensor& y) {
-  Args args("Dropout");
-  args.Add("x", x).Add("y", y);
-  args.Numel("y", y, x.numel(), "the numel of x");
-  args.Require(p >= 0.0 && p <= 1.0, fmt::format("p = {} is not in [0, 1]", p));
   if (p == 0.0) {
     Copy(x, y);
     return;
   }
-  Dispatch(args.dtype(), [&]<typename T>() {
+  Dispatch(x.dtype(), [&]<typename T>() {
     const T* xs = x.data_as<T>();
     T* ys = y.data_as<T>();
     const T keep_probability = static_cast<T>(1.0 - p);  // unused when p == 1: nothing is kept
@@ -287,17 +221,10 @@ void EigenKernels::Dropout(const Tensor& x, double p, uint64_t key, uint64_t str
 
 // --- embedding ------------------------------------------------------------------------
 
-void EigenKernels::EmbeddingForward(const Tensor& weight, const std::vector<int64_t>& ids,
+void EigenKernels::DoEmbeddingForward(const Tensor& weight, const std::vector<int64_t>& ids,
                                     int64_t vocab_start, int64_t vocab_end, Tensor& out) {
-  Args args("EmbeddingForward");
-  args.Add("weight", weight).Add("out", out);
-  CheckShard(args, "weight", weight, vocab_start, vocab_end);
   const int64_t num_ids = static_cast<int64_t>(ids.size());
-  if (Rows(out) != num_ids || Cols(out) != Cols(weight)) {
-    args.Fail(fmt::format("out {} must be {} x {} ({} ids, weight {})", ShapeString(out.shape()),
-                          num_ids, Cols(weight), num_ids, ShapeString(weight.shape())));
-  }
-  Dispatch(args.dtype(), [&]<typename T>() {
+  Dispatch(weight.dtype(), [&]<typename T>() {
     const auto w = MatrixOf<T>(weight);
     auto o = MatrixOf<T>(out);
     for (int64_t i = 0; i < num_ids; ++i) {
@@ -311,18 +238,10 @@ void EigenKernels::EmbeddingForward(const Tensor& weight, const std::vector<int6
   });
 }
 
-void EigenKernels::EmbeddingBackward(const Tensor& dy, const std::vector<int64_t>& ids,
+void EigenKernels::DoEmbeddingBackward(const Tensor& dy, const std::vector<int64_t>& ids,
                                      int64_t vocab_start, int64_t vocab_end, Tensor& dweight) {
-  Args args("EmbeddingBackward");
-  args.Add("dy", dy).Add("dweight", dweight);
-  CheckShard(args, "dweight", dweight, vocab_start, vocab_end);
   const int64_t num_ids = static_cast<int64_t>(ids.size());
-  if (Rows(dy) != num_ids || Cols(dy) != Cols(dweight)) {
-    args.Fail(fmt::format("dy {} must be {} x {} ({} ids, dweight {})", ShapeString(dy.shape()),
-                          num_ids, Cols(dweight), num_ids, ShapeString(dweight.shape())));
-  }
-  args.Require(!Overlap(dy, dweight), "dy shares storage with dweight");
-  Dispatch(args.dtype(), [&]<typename T>() {
+  Dispatch(dy.dtype(), [&]<typename T>() {
     const auto g = MatrixOf<T>(dy);
     auto dw = MatrixOf<T>(dweight);
     for (int64_t i = 0; i < num_ids; ++i) {
@@ -334,11 +253,8 @@ void EigenKernels::EmbeddingBackward(const Tensor& dy, const std::vector<int64_t
 
 // --- vocab-parallel cross entropy -----------------------------------------------------
 
-void EigenKernels::RowMax(const Tensor& logits, Tensor& row_max) {
-  Args args("RowMax");
-  args.Add("logits", logits).Add("row_max", row_max);
-  args.Numel("row_max", row_max, Rows(logits), "one per row of logits");
-  Dispatch(args.dtype(), [&]<typename T>() {
+void EigenKernels::DoRowMax(const Tensor& logits, Tensor& row_max) {
+  Dispatch(logits.dtype(), [&]<typename T>() {
     auto out = ArrayOf<T>(row_max);
     if (Cols(logits) == 0) {
       out.setConstant(-std::numeric_limits<T>::infinity());
@@ -348,21 +264,12 @@ void EigenKernels::RowMax(const Tensor& logits, Tensor& row_max) {
   });
 }
 
-void EigenKernels::CrossEntropyPartials(const Tensor& logits, const Tensor& row_max,
+void EigenKernels::DoCrossEntropyPartials(const Tensor& logits, const Tensor& row_max,
                                         const std::vector<int64_t>& labels, int64_t vocab_start,
                                         Tensor& sum_exp, Tensor& sum_z, Tensor& target_z) {
-  Args args("CrossEntropyPartials");
-  args.Add("logits", logits).Add("row_max", row_max).Add("sum_exp", sum_exp);
-  args.Add("sum_z", sum_z).Add("target_z", target_z);
   const int64_t rows = Rows(logits);
   const int64_t cols = Cols(logits);
-  args.Numel("row_max", row_max, rows, "one per row of logits");
-  args.Numel("sum_exp", sum_exp, rows, "one per row of logits");
-  args.Numel("sum_z", sum_z, rows, "one per row of logits");
-  args.Numel("target_z", target_z, rows, "one per row of logits");
-  args.Require(static_cast<int64_t>(labels.size()) == rows,
-               fmt::format("{} labels for {} rows of logits", labels.size(), rows));
-  Dispatch(args.dtype(), [&]<typename T>() {
+  Dispatch(logits.dtype(), [&]<typename T>() {
     const auto l = MatrixOf<T>(logits);
     const auto m = ArrayOf<T>(row_max);
     auto se = ArrayOf<T>(sum_exp);
@@ -378,28 +285,13 @@ void EigenKernels::CrossEntropyPartials(const Tensor& logits, const Tensor& row_
   });
 }
 
-void EigenKernels::CrossEntropyBackward(const Tensor& logits, const Tensor& row_max,
+void EigenKernels::DoCrossEntropyBackward(const Tensor& logits, const Tensor& row_max,
                                         const Tensor& sum_exp, const std::vector<int64_t>& labels,
                                         int64_t vocab_start, double on_value, double off_value,
                                         const Tensor& row_scale, Tensor& grad) {
-  Args args("CrossEntropyBackward");
-  args.Add("logits", logits).Add("row_max", row_max).Add("sum_exp", sum_exp);
-  args.Add("row_scale", row_scale).Add("grad", grad);
   const int64_t rows = Rows(logits);
   const int64_t cols = Cols(logits);
-  args.Numel("row_max", row_max, rows, "one per row of logits");
-  args.Numel("sum_exp", sum_exp, rows, "one per row of logits");
-  args.Numel("row_scale", row_scale, rows, "one per row of logits");
-  if (Rows(grad) != rows || Cols(grad) != cols) {
-    args.Fail(fmt::format("grad {} must have the 2-D shape of logits {}", ShapeString(grad.shape()),
-                          ShapeString(logits.shape())));
-  }
-  args.Require(static_cast<int64_t>(labels.size()) == rows,
-               fmt::format("{} labels for {} rows of logits", labels.size(), rows));
-  // grad may be logits itself but no other partial overlap.
-  args.Require(grad.data() == logits.data() || !Overlap(grad, logits),
-               "grad partially overlaps logits");
-  Dispatch(args.dtype(), [&]<typename T>() {
+  Dispatch(logits.dtype(), [&]<typename T>() {
     const auto l = MatrixOf<T>(logits);
     const auto m = ArrayOf<T>(row_max);
     const auto se = ArrayOf<T>(sum_exp);

@@ -26,48 +26,51 @@ class EigenKernels final : public Kernels {
   // When built with OpenBLAS (MPUSIM_HAVE_OPENBLAS: Eigen's GEMMs go to BLAS through
   // EIGEN_USE_BLAS), pins OpenBLAS to one thread: every MPI rank plays one GPU on one core.
   EigenKernels();
+
+ protected:
+  // The Kernels implementations; the base class checks the arguments first.
   // --- memory -------------------------------------------------------------------------
-  Tensor Zeros(const Shape& shape, DType dtype) override;
-  Tensor Empty(const Shape& shape, DType dtype) override;
-  Tensor ToDevice(const Tensor& host) override;
-  Tensor ToHost(const Tensor& tensor) override;
-  void Copy(const Tensor& src, Tensor& dst) override;
-  void CopyBlock(const Tensor& src, int64_t src_row0, int64_t src_col0, Tensor& dst,
+  Tensor DoZeros(const Shape& shape, DType dtype) override;
+  Tensor DoEmpty(const Shape& shape, DType dtype) override;
+  Tensor DoToDevice(const Tensor& host) override;
+  Tensor DoToHost(const Tensor& tensor) override;
+  void DoCopy(const Tensor& src, Tensor& dst) override;
+  void DoCopyBlock(const Tensor& src, int64_t src_row0, int64_t src_col0, Tensor& dst,
                  int64_t dst_row0, int64_t dst_col0, int64_t rows, int64_t cols) override;
 
   // --- dense algebra ------------------------------------------------------------------
   // c must not share storage with a or b. beta == 0 overwrites c (NaNs in c do not
   // propagate), as in BLAS.
-  void Gemm(bool trans_a, bool trans_b, double alpha, const Tensor& a, const Tensor& b, double beta,
+  void DoGemm(bool trans_a, bool trans_b, double alpha, const Tensor& a, const Tensor& b, double beta,
             Tensor& c) override;
-  void AddRowVector(const Tensor& bias, Tensor& y) override;
+  void DoAddRowVector(const Tensor& bias, Tensor& y) override;
   // beta == 0 overwrites out.
-  void SumRows(const Tensor& x, double beta, Tensor& out) override;
-  void Axpy(double alpha, const Tensor& x, Tensor& y) override;
-  void Scale(double alpha, Tensor& x) override;
+  void DoSumRows(const Tensor& x, double beta, Tensor& out) override;
+  void DoAxpy(double alpha, const Tensor& x, Tensor& y) override;
+  void DoScale(double alpha, Tensor& x) override;
 
   // --- elementwise (y may be x, dx may be dy) -----------------------------------------
-  void GeluForward(const Tensor& x, Tensor& y) override;
-  void GeluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) override;
+  void DoGeluForward(const Tensor& x, Tensor& y) override;
+  void DoGeluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) override;
   // y = keep ? x / (1 - p) : 0 with keep = UniformAt(key, stream, offset + e) >= p for flat
   // element e; p in [0, 1]; p == 0 copies, p == 1 zeroes.
-  void Dropout(const Tensor& x, double p, uint64_t key, uint64_t stream, uint64_t offset,
+  void DoDropout(const Tensor& x, double p, uint64_t key, uint64_t stream, uint64_t offset,
                Tensor& y) override;
 
   // --- embedding (weight / dweight hold rows [vocab_start, vocab_end)) ----------------
-  void EmbeddingForward(const Tensor& weight, const std::vector<int64_t>& ids, int64_t vocab_start,
+  void DoEmbeddingForward(const Tensor& weight, const std::vector<int64_t>& ids, int64_t vocab_start,
                         int64_t vocab_end, Tensor& out) override;
-  void EmbeddingBackward(const Tensor& dy, const std::vector<int64_t>& ids, int64_t vocab_start,
+  void DoEmbeddingBackward(const Tensor& dy, const std::vector<int64_t>& ids, int64_t vocab_start,
                          int64_t vocab_end, Tensor& dweight) override;
 
   // --- vocab-parallel cross entropy pieces --------------------------------------------
   // A row with no columns has row_max = -inf (the identity of the max all-reduce).
-  void RowMax(const Tensor& logits, Tensor& row_max) override;
-  void CrossEntropyPartials(const Tensor& logits, const Tensor& row_max,
+  void DoRowMax(const Tensor& logits, Tensor& row_max) override;
+  void DoCrossEntropyPartials(const Tensor& logits, const Tensor& row_max,
                             const std::vector<int64_t>& labels, int64_t vocab_start,
                             Tensor& sum_exp, Tensor& sum_z, Tensor& target_z) override;
   // grad may be logits (computed in place, as Megatron does).
-  void CrossEntropyBackward(const Tensor& logits, const Tensor& row_max, const Tensor& sum_exp,
+  void DoCrossEntropyBackward(const Tensor& logits, const Tensor& row_max, const Tensor& sum_exp,
                             const std::vector<int64_t>& labels, int64_t vocab_start,
                             double on_value, double off_value, const Tensor& row_scale,
                             Tensor& grad) override;
