@@ -28,15 +28,6 @@ class Args : public KernelArgs {
   explicit Args(std::string_view kernel) : KernelArgs("CudaKernels", Device::kCuda, kernel) {}
 };
 
-void CheckShape(std::string_view kernel, const Shape& shape) {
-  for (int64_t d : shape) {
-    if (d < 0) {
-      throw std::invalid_argument(
-          fmt::format("CudaKernels::{}: negative dimension in {}", kernel, ShapeString(shape)));
-    }
-  }
-}
-
 void FreeDevice(void* pointer) {
   const cudaError_t error = cudaFree(pointer);
   // At process exit the runtime may already be unloaded; the memory goes with the context.
