@@ -14,6 +14,7 @@
 
 #include <fmt/format.h>
 
+#include "core/half.h"
 #include "core/tensor.h"
 
 namespace mpusim {
@@ -29,13 +30,30 @@ inline bool Overlap(const Tensor& a, const Tensor& b) {
   return a.bytes() > 0 && b.bytes() > 0 && a0 < b0 + b.bytes() && b0 < a0 + a.bytes();
 }
 
-// Runs body.template operator()<T>() with T the C++ type of `dtype`.
+// Runs body.template operator()<T>() with T the C++ type of `dtype`: float or double. For
+// kernels that compute in float64 or float32 only; 16-bit dtypes are the caller's to handle.
 template <typename Body>
 void Dispatch(DType dtype, Body&& body) {
   if (dtype == DType::kFloat32) {
     body.template operator()<float>();
-  } else {
+  } else if (dtype == DType::kFloat64) {
     body.template operator()<double>();
+  } else {
+    throw std::invalid_argument(fmt::format("Dispatch: {} has no float32/float64 body",
+                                            DTypeName(dtype)));
+  }
+}
+
+// Runs body.template operator()<T>() with T the storage type of `dtype`: double, float,
+// BFloat16 or Float16 (core/half.h). Bodies widen with ToFloat and narrow with FromFloat<T>
+// (double bodies use their own arithmetic).
+template <typename Body>
+void DispatchStorage(DType dtype, Body&& body) {
+  switch (dtype) {
+    case DType::kFloat32: body.template operator()<float>(); break;
+    case DType::kFloat64: body.template operator()<double>(); break;
+    case DType::kBFloat16: body.template operator()<BFloat16>(); break;
+    case DType::kFloat16: body.template operator()<Float16>(); break;
   }
 }
 
@@ -48,16 +66,34 @@ class KernelArgs {
 
   KernelArgs& Add(std::string_view name, const Tensor& t) { return Add(name, t, device_); }
   KernelArgs& Add(std::string_view name, const Tensor& t, Device device) {
-    if (!t.defined()) Fail(fmt::format("{} is not allocated", name));
-    if (t.device() != device) {
-      Fail(fmt::format("{} is not a {} tensor", name, device == Device::kCuda ? "CUDA" : "host"));
-    }
+    Allocated(name, t, device);
     if (first_name_.empty()) {
       first_name_ = name;
       dtype_ = t.dtype();
     } else if (t.dtype() != dtype_) {
       Fail(fmt::format("{} is {} but {} is {}", name, DTypeName(t.dtype()), first_name_,
                        DTypeName(dtype_)));
+    }
+    return *this;
+  }
+  // An accumulator fed by the tensors added so far: their dtype, or their compute dtype
+  // (a bfloat16 product accumulated into a float32 main_grad).
+  KernelArgs& AddAccumulator(std::string_view name, const Tensor& t) {
+    Allocated(name, t, device_);
+    if (t.dtype() != dtype_ && t.dtype() != ComputeDType(dtype_)) {
+      Fail(fmt::format("{} is {} but must be {} or {} (the dtype of {})", name,
+                       DTypeName(t.dtype()), DTypeName(dtype_), DTypeName(ComputeDType(dtype_)),
+                       first_name_));
+    }
+    return *this;
+  }
+  // A statistic in the compute dtype of the tensors added so far (float32 for 16-bit ones).
+  KernelArgs& AddCompute(std::string_view name, const Tensor& t) {
+    Allocated(name, t, device_);
+    if (t.dtype() != ComputeDType(dtype_)) {
+      Fail(fmt::format("{} is {} but must be {} (the compute dtype of {} {})", name,
+                       DTypeName(t.dtype()), DTypeName(ComputeDType(dtype_)), DTypeName(dtype_),
+                       first_name_));
     }
     return *this;
   }
@@ -78,6 +114,13 @@ class KernelArgs {
   DType dtype() const { return dtype_; }
 
  private:
+  void Allocated(std::string_view name, const Tensor& t, Device device) const {
+    if (!t.defined()) Fail(fmt::format("{} is not allocated", name));
+    if (t.device() != device) {
+      Fail(fmt::format("{} is not a {} tensor", name, device == Device::kCuda ? "CUDA" : "host"));
+    }
+  }
+
   std::string_view backend_;
   Device device_;
   std::string_view kernel_;

@@ -69,7 +69,7 @@ void Kernels::CopyBlock(const Tensor& src, int64_t src_row0, int64_t src_col0, T
 void Kernels::Gemm(bool trans_a, bool trans_b, double alpha, const Tensor& a, const Tensor& b,
                    double beta, Tensor& c) {
   KernelArgs args(backend_, device_, "Gemm");
-  args.Add("a", a).Add("b", b).Add("c", c);
+  args.Add("a", a).Add("b", b).AddAccumulator("c", c);
   const int64_t m = trans_a ? Cols(a) : Rows(a);
   const int64_t k = trans_a ? Rows(a) : Cols(a);
   const int64_t kb = trans_b ? Cols(b) : Rows(b);
@@ -95,14 +95,14 @@ void Kernels::AddRowVector(const Tensor& bias, Tensor& y) {
 
 void Kernels::SumRows(const Tensor& x, double beta, Tensor& out) {
   KernelArgs args(backend_, device_, "SumRows");
-  args.Add("x", x).Add("out", out);
+  args.Add("x", x).AddAccumulator("out", out);
   args.Numel("out", out, Cols(x), "the columns of x");
   DoSumRows(x, beta, out);
 }
 
 void Kernels::Axpy(double alpha, const Tensor& x, Tensor& y) {
   KernelArgs args(backend_, device_, "Axpy");
-  args.Add("x", x).Add("y", y);
+  args.Add("x", x).AddAccumulator("y", y);
   args.Numel("y", y, x.numel(), "the numel of x");
   DoAxpy(alpha, x, y);
 }
@@ -152,7 +152,7 @@ void Kernels::EmbeddingForward(const Tensor& weight, const std::vector<int64_t>&
 void Kernels::EmbeddingBackward(const Tensor& dy, const std::vector<int64_t>& ids,
                                 int64_t vocab_start, int64_t vocab_end, Tensor& dweight) {
   KernelArgs args(backend_, device_, "EmbeddingBackward");
-  args.Add("dy", dy).Add("dweight", dweight);
+  args.Add("dy", dy).AddAccumulator("dweight", dweight);
   CheckShard(args, "dweight", dweight, vocab_start, vocab_end);
   const int64_t num_ids = static_cast<int64_t>(ids.size());
   if (Rows(dy) != num_ids || Cols(dy) != Cols(dweight)) {
@@ -165,7 +165,7 @@ void Kernels::EmbeddingBackward(const Tensor& dy, const std::vector<int64_t>& id
 
 void Kernels::RowMax(const Tensor& logits, Tensor& row_max) {
   KernelArgs args(backend_, device_, "RowMax");
-  args.Add("logits", logits).Add("row_max", row_max);
+  args.Add("logits", logits).AddCompute("row_max", row_max);
   args.Numel("row_max", row_max, Rows(logits), "one per row of logits");
   DoRowMax(logits, row_max);
 }
@@ -174,8 +174,8 @@ void Kernels::CrossEntropyPartials(const Tensor& logits, const Tensor& row_max,
                                    const std::vector<int64_t>& labels, int64_t vocab_start,
                                    Tensor& sum_exp, Tensor& sum_z, Tensor& target_z) {
   KernelArgs args(backend_, device_, "CrossEntropyPartials");
-  args.Add("logits", logits).Add("row_max", row_max).Add("sum_exp", sum_exp);
-  args.Add("sum_z", sum_z).Add("target_z", target_z);
+  args.Add("logits", logits).AddCompute("row_max", row_max).AddCompute("sum_exp", sum_exp);
+  args.AddCompute("sum_z", sum_z).AddCompute("target_z", target_z);
   const int64_t rows = Rows(logits);
   args.Numel("row_max", row_max, rows, "one per row of logits");
   args.Numel("sum_exp", sum_exp, rows, "one per row of logits");
@@ -191,8 +191,9 @@ void Kernels::CrossEntropyBackward(const Tensor& logits, const Tensor& row_max,
                                    int64_t vocab_start, double on_value, double off_value,
                                    const Tensor& row_scale, Tensor& grad) {
   KernelArgs args(backend_, device_, "CrossEntropyBackward");
-  args.Add("logits", logits).Add("row_max", row_max).Add("sum_exp", sum_exp);
-  args.Add("row_scale", row_scale).Add("grad", grad);
+  args.Add("logits", logits).Add("grad", grad);
+  args.AddCompute("row_max", row_max).AddCompute("sum_exp", sum_exp);
+  args.AddCompute("row_scale", row_scale);
   const int64_t rows = Rows(logits);
   args.Numel("row_max", row_max, rows, "one per row of logits");
   args.Numel("sum_exp", sum_exp, rows, "one per row of logits");

@@ -1,10 +1,21 @@
 // Kernels: the compute a backend supplies to core/graph.
 //
 // Every tensor argument lives on the backend's device (host for sim/, GPU for cuda/) and is
-// dense row-major; "2-D" means the Tensor::rows() x Tensor::cols() view. float32 and
-// float64 are supported; all tensors of one call share a dtype. Accumulation happens in
-// the tensor's dtype (float32 runs accumulate GEMMs in float32, as cuBLAS does by default).
-// Names and argument order are the same in every backend: outputs last.
+// dense row-major; "2-D" means the Tensor::rows() x Tensor::cols() view. Names and argument
+// order are the same in every backend: outputs last.
+//
+// Dtypes. float64, float32, bfloat16 and float16 are supported. Arithmetic happens in the
+// compute dtype (ComputeDType: float64 for float64, float32 otherwise): 16-bit inputs are
+// widened exactly, every sum and product is a float32 one, and each stored 16-bit element
+// is rounded once, to nearest even (core/half.h) -- mixed precision as cuBLAS with
+// CUBLAS_COMPUTE_32F and PyTorch's elementwise kernels do it. All tensors of a call share
+// one dtype, with two exceptions:
+//   accumulators   Gemm's c, SumRows' out, Axpy's y and EmbeddingBackward's dweight may
+//                  instead have the compute dtype of the inputs (a bfloat16 product
+//                  accumulated straight into a float32 main_grad);
+//   statistics     the cross-entropy pieces' row_max, sum_exp, sum_z, target_z and
+//                  row_scale always have the compute dtype of the logits (Megatron runs
+//                  the loss on logits.float()).
 #pragma once
 
 #include <cstdint>

@@ -8,6 +8,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "core/half.h"
+
 namespace mpusim {
 
 std::string ShapeString(const Shape& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
@@ -24,6 +26,33 @@ Tensor Tensor::HostZeros(Shape shape, DType dtype) {
   Tensor t = HostEmpty(std::move(shape), dtype);
   std::memset(t.data(), 0, t.bytes());
   return t;
+}
+
+double HostValue(const Tensor& host, int64_t i) {
+  switch (host.dtype()) {
+    case DType::kFloat32: return static_cast<double>(host.data_as<float>()[i]);
+    case DType::kFloat64: return host.data_as<double>()[i];
+    case DType::kBFloat16: return static_cast<double>(ToFloat(host.data_as<BFloat16>()[i]));
+    case DType::kFloat16: return static_cast<double>(ToFloat(host.data_as<Float16>()[i]));
+  }
+  return 0;
+}
+
+void SetHostValue(Tensor& host, int64_t i, double v) {
+  switch (host.dtype()) {
+    case DType::kFloat32: host.data_as<float>()[i] = static_cast<float>(v); break;
+    case DType::kFloat64: host.data_as<double>()[i] = v; break;
+    case DType::kBFloat16: host.data_as<BFloat16>()[i] = ToBFloat16(static_cast<float>(v)); break;
+    case DType::kFloat16: host.data_as<Float16>()[i] = ToFloat16(static_cast<float>(v)); break;
+  }
+}
+
+Tensor HostToFloat64(const Tensor& host) {
+  Tensor out = Tensor::HostEmpty(host.shape(), DType::kFloat64);
+  double* o = out.data_as<double>();
+  const int64_t n = host.numel();
+  for (int64_t i = 0; i < n; ++i) o[i] = HostValue(host, i);
+  return out;
 }
 
 }  // namespace mpusim

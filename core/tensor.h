@@ -17,12 +17,33 @@
 
 namespace mpusim {
 
-enum class DType : uint8_t { kFloat32, kFloat64 };
+// Storage dtypes. bfloat16 and float16 are storage only: kernels compute on them in
+// float32 (ComputeDType) and round each stored element once (core/half.h).
+enum class DType : uint8_t { kFloat32, kFloat64, kBFloat16, kFloat16 };
 enum class Device : uint8_t { kHost, kCuda };
 
-inline size_t DTypeSize(DType dtype) { return dtype == DType::kFloat32 ? 4 : 8; }
+inline size_t DTypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat64: return 8;
+    case DType::kFloat32: return 4;
+    default: return 2;
+  }
+}
+// torch's names: "float32", "float64", "bfloat16", "float16".
 inline std::string_view DTypeName(DType dtype) {
-  return dtype == DType::kFloat32 ? "float32" : "float64";
+  switch (dtype) {
+    case DType::kFloat32: return "float32";
+    case DType::kFloat64: return "float64";
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kFloat16: return "float16";
+  }
+  return "?";
+}
+inline bool IsHalf(DType dtype) { return dtype == DType::kBFloat16 || dtype == DType::kFloat16; }
+// The dtype arithmetic on `dtype` happens in, and the dtype of accumulators (main_grad,
+// softmax statistics) fed by it: float64 for float64, float32 for everything else.
+inline DType ComputeDType(DType dtype) {
+  return dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
 }
 
 using Shape = std::vector<int64_t>;
@@ -34,6 +55,16 @@ inline int64_t NumElements(const Shape& shape) {
 }
 
 std::string ShapeString(const Shape& shape);  // "[4, 8]"
+
+class Tensor;
+// Element i (flat) of a host tensor of any dtype, widened exactly to double.
+double HostValue(const Tensor& host, int64_t i);
+// Stores v into element i of a host tensor: float64 exactly, float32 rounded to nearest,
+// bfloat16/float16 rounded to float32 first and then to 16 bits (core/half.h), so every
+// backend stores the same bits for the same double.
+void SetHostValue(Tensor& host, int64_t i, double v);
+// A host float64 copy of a host tensor of any dtype.
+Tensor HostToFloat64(const Tensor& host);
 
 class Tensor {
  public:
