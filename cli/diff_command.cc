@@ -21,8 +21,10 @@ class DiffCommand : public Command {
         "shards, so layouts and dtypes may differ)");
     app_->footer(
         "B is the expected side: an element passes when both values are finite and\n"
-        "|a - b| <= atol + rtol * |b|. The less precise dtype of A and B picks the defaults:\n"
-        "float32 atol 1e-5 rtol 1e-4, float64 atol 1e-12 rtol 1e-9.\n"
+        "|a - b| <= atol + ntol * max|b| + rtol * |b|. The least precise dtype of the tensor\n"
+        "on either side and of either run's storage dtype picks the defaults:\n"
+        "float64 atol 1e-12 rtol 1e-9; float32 atol 1e-5 rtol 1e-4;\n"
+        "float16 ntol 2^-8 rtol 2^-8; bfloat16 ntol 2^-5 rtol 2^-5 (atol 0 for both).\n"
         "Exit codes: 0 every tensor passes, 1 a tensor fails (values, shape, only in one\n"
         "side, replicated copies that disagree), 2 unreadable input or bad options.\n"
         "Examples:\n"
@@ -32,6 +34,8 @@ class DiffCommand : public Command {
     app_->add_option("B", dir_b_, "dump directory (expected)")->required();
     atol_option_ =
         app_->add_option("--atol", atol_, "absolute tolerance for every tensor (default by dtype)");
+    ntol_option_ = app_->add_option(
+        "--ntol", ntol_, "tolerance relative to each tensor's max|b|, for every tensor (default by dtype)");
     rtol_option_ =
         app_->add_option("--rtol", rtol_, "relative tolerance for every tensor (default by dtype)");
     app_->add_option("--format", format_, "text or json (default text)")
@@ -49,11 +53,12 @@ class DiffCommand : public Command {
     if (!b.ok()) return ReportError(err, b.status().where(), b.status().what());
     DiffOptions options;
     if (atol_option_->count() > 0) options.atol = atol_;
+    if (ntol_option_->count() > 0) options.ntol = ntol_;
     if (rtol_option_->count() > 0) options.rtol = rtol_;
     options.tensors = tensors_;
     StatusOr<DiffResult> result = DiffDumps(*a, *b, options);
     if (!result.ok()) {
-      // DiffDumps names the option's field: "tensors", "atol" or "rtol".
+      // DiffDumps names the option's field: "tensors", "atol", "ntol" or "rtol".
       return ReportError(err, "command line",
                          "--" + result.status().where() + ": " + result.status().what());
     }
@@ -66,8 +71,10 @@ class DiffCommand : public Command {
   std::string dir_a_;
   std::string dir_b_;
   double atol_ = 0;
+  double ntol_ = 0;
   double rtol_ = 0;
   CLI::Option* atol_option_ = nullptr;
+  CLI::Option* ntol_option_ = nullptr;
   CLI::Option* rtol_option_ = nullptr;
   std::string format_ = "text";
   std::vector<std::string> tensors_;

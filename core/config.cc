@@ -7,6 +7,35 @@
 #include <fmt/format.h>
 
 namespace mpusim {
+namespace {
+
+// One storage dtype from Megatron's switches (parallel.bf16 / fp16 / params_dtype) and our
+// run.dtype: either may set it, and when both do they must agree.
+Status ResolveStorageDType(const ParallelConfig& parallel, RunConfig* run) {
+  std::optional<DType> megatron = parallel.params_dtype;
+  const char* field = "params_dtype";
+  if (parallel.bf16) {
+    megatron = DType::kBFloat16;
+    field = "bf16";
+  } else if (parallel.fp16) {
+    megatron = DType::kFloat16;
+    field = "fp16";
+  }
+  if (run == nullptr || !megatron) return {};
+  if (!run->dtype_given) {
+    run->dtype = *megatron;
+    return {};
+  }
+  if (run->dtype != *megatron) {
+    return Status::Error("run.dtype",
+                         fmt::format("is \"{}\" but parallel.{} asks for {} storage; drop one of "
+                                     "them or make them agree",
+                                     DTypeName(run->dtype), field, DTypeName(*megatron)));
+  }
+  return {};
+}
+
+}  // namespace
 
 Status ParseConfig(const nlohmann::json& document, Config* out) {
   if (!document.is_object()) {
@@ -44,6 +73,7 @@ Status ParseConfig(const nlohmann::json& document, Config* out) {
     return Status::Error("parallel", "is required, e.g. {\"parallel\": {\"world_size\": 16, "
                                      "\"tensor_model_parallel_size\": 2}}");
   }
+  MPUSIM_RETURN_IF_ERROR(ResolveStorageDType(config.parallel, config.run ? &*config.run : nullptr));
   *out = std::move(config);
   return {};
 }

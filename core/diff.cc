@@ -104,20 +104,22 @@ struct ManifestTensor {
 struct Manifest {
   int64_t world_size = 0;
   std::string backend;
+  std::optional<DType> storage;  // "dtype": the run's storage dtype
   std::vector<ManifestTensor> tensors;
   std::vector<std::string> files;
 };
 
 StatusOr<DType> ParseDTypeName(const Json& value) {
   if (value.is_string()) {
-    const std::string name = value.get<std::string>();
-    if (name == "float32") return DType::kFloat32;
-    if (name == "float64") return DType::kFloat64;
+    if (const std::optional<DType> d = DTypeFromName(value.get<std::string>())) return *d;
   }
-  return Status::Error("", fmt::format("must be \"float32\" or \"float64\", got {}", Brief(value)));
+  return Status::Error("", fmt::format("must be \"float32\", \"float64\", \"bfloat16\" or "
+                                       "\"float16\", got {}",
+                                       Brief(value)));
 }
 
-// Required keys are checked strictly. Other top-level keys (config, dtype, anything a later
+// Required keys are checked strictly. "dtype" (the run's storage dtype) is optional and, when
+// present, picks the tolerance (see diff.h). Other top-level keys (config, anything a later
 // writer adds to describe the run) are descriptive: no value read here depends on them, and
 // schema_version guards changes of meaning.
 StatusOr<Manifest> ParseManifest(const Json& j) {
@@ -139,6 +141,11 @@ StatusOr<Manifest> ParseManifest(const Json& j) {
   if (j.contains("backend")) {
     if (!j["backend"].is_string()) return Status::Error("backend", "must be a string");
     m.backend = j["backend"].get<std::string>();
+  }
+  if (j.contains("dtype")) {
+    StatusOr<DType> storage = ParseDTypeName(j["dtype"]);
+    if (!storage.ok()) return Status::Error("dtype", storage.status().what());
+    m.storage = *storage;
   }
   const Json& files = j["files"];
   if (!files.is_array() || static_cast<int64_t>(files.size()) != m.world_size) {
@@ -367,14 +374,10 @@ Status CheckCoverage(const DumpTensor& t, const std::set<int64_t>& tp_ranks) {
   return Status::Error(fmt::format("tensor '{}'", t.name), "is not fully covered by its shards");
 }
 
-double ValueAt(const Tensor& t, int64_t i) {
-  return t.dtype() == DType::kFloat32 ? static_cast<double>(t.data_as<float>()[i])
-                                      : t.data_as<double>()[i];
-}
-
-// A value as its side stored it: a float32 prints as the shortest float that round-trips.
+// A value as its side stored it: float32 and 16-bit values print as the shortest float
+// that round-trips.
 std::string FormatValue(double v, std::optional<DType> dtype) {
-  if (dtype == DType::kFloat32) return fmt::format("{}", static_cast<float>(v));
+  if (dtype && *dtype != DType::kFloat64) return fmt::format("{}", static_cast<float>(v));
   return fmt::format("{}", v);
 }
 
@@ -421,17 +424,8 @@ Status CheckCopies(const DumpTensor& t, const DumpShard& first, const DumpShard&
                   differing, first.tensor.numel(),
                   ShapeString(GlobalCoordinates(first.spec, t.full_shape, first.tensor.shape(),
                                                 first_diff)),
-                  FormatValue(ValueAt(first.tensor, first_diff), t.dtype),
-                  FormatValue(ValueAt(copy.tensor, first_diff), t.dtype)));
-}
-
-Tensor ToFloat64(const Tensor& t) {
-  if (t.dtype() == DType::kFloat64) return t;
-  Tensor out = Tensor::HostEmpty(t.shape(), DType::kFloat64);
-  const float* in = t.data_as<float>();
-  double* o = out.data_as<double>();
-  for (int64_t i = 0; i < t.numel(); ++i) o[i] = static_cast<double>(in[i]);
-  return out;
+                  FormatValue(HostValue(first.tensor, first_diff), t.dtype),
+                  FormatValue(HostValue(copy.tensor, first_diff), t.dtype)));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -439,13 +433,23 @@ Tensor ToFloat64(const Tensor& t) {
 
 std::string DTypeShort(const std::optional<DType>& d) {
   if (!d) return "-";
-  return *d == DType::kFloat32 ? "f32" : "f64";
+  switch (*d) {
+    case DType::kFloat32: return "f32";
+    case DType::kFloat64: return "f64";
+    case DType::kBFloat16: return "bf16";
+    case DType::kFloat16: return "f16";
+  }
+  return "?";
 }
 
 void CompareValues(const Tensor& a, const Tensor& b, TensorDiff& d) {
   const double* x = a.data_as<double>();
   const double* y = b.data_as<double>();
-  const Tolerance tol = d.tolerance;
+  double scale_b = 0;  // max |b| over finite b: the scale of ntol
+  for (int64_t i = 0; i < b.numel(); ++i) {
+    if (std::isfinite(y[i])) scale_b = std::fmax(scale_b, std::fabs(y[i]));
+  }
+  const Tolerance tol = d.tolerance.ForScale(scale_b);
   double max_a = 0, max_b = 0;
   double worst_excess = -std::numeric_limits<double>::infinity();
   d.elements = a.numel();
@@ -501,8 +505,9 @@ TensorDiff DiffTensor(const Dump& a, const Dump& b, const std::string& name,
   if (ta != nullptr) d.dtype_a = ta->dtype;
   if (tb != nullptr) d.dtype_b = tb->dtype;
   d.shape = ta != nullptr ? ta->full_shape : tb->full_shape;
-  d.tolerance = DiffTolerance(d.dtype_a.value_or(DType::kFloat64),
-                              d.dtype_b.value_or(DType::kFloat64), options);
+  d.precision = LessPrecise(a.Precision(ta != nullptr ? ta->dtype : DType::kFloat64),
+                            b.Precision(tb != nullptr ? tb->dtype : DType::kFloat64));
+  d.tolerance = DiffTolerance(d.precision, d.precision, options);
   if (ta == nullptr || tb == nullptr) {
     d.problem = ta == nullptr ? "only in B" : "only in A";
     return d;
@@ -540,7 +545,17 @@ Json Number(double v) {
   return v;
 }
 
-Json ToleranceJson(const Tolerance& t) { return Json{{"atol", t.atol}, {"rtol", t.rtol}}; }
+Json ToleranceJson(const Tolerance& t) {
+  return Json{{"atol", t.atol}, {"ntol", t.ntol}, {"rtol", t.rtol}};
+}
+
+std::string ToleranceText(const Tolerance& t) {
+  if (t.ntol > 0) return fmt::format("atol {:g} ntol {:g} rtol {:g}", t.atol, t.ntol, t.rtol);
+  return fmt::format("atol {:g} rtol {:g}", t.atol, t.rtol);
+}
+
+constexpr DType kAllDTypes[] = {DType::kFloat64, DType::kFloat32, DType::kFloat16,
+                                DType::kBFloat16};
 
 }  // namespace
 
@@ -581,7 +596,7 @@ StatusOr<Tensor> Dump::Assemble(std::string_view name) const {
     StatusOr<Tensor> placed = AssembleFull(shards, specs, t->full_shape);
     // LoadDump checked layouts and coverage, so this is a reader bug if it ever happens.
     if (!placed.ok()) return Status::Error(std::string(name), placed.status().Message());
-    Tensor wide = ToFloat64(*placed);
+    Tensor wide = placed->dtype() == DType::kFloat64 ? *placed : HostToFloat64(*placed);
     if (!full.defined()) {
       full = std::move(wide);
       continue;
@@ -618,6 +633,7 @@ StatusOr<Dump> LoadDump(const std::string& dir) {
   Dump dump;
   dump.dir_ = dir;
   dump.backend_ = manifest->backend;
+  dump.storage_ = manifest->storage;
   dump.world_size_ = manifest->world_size;
   std::map<std::string, size_t> index;
   for (const ManifestTensor& mt : manifest->tensors) {
@@ -718,17 +734,21 @@ StatusOr<Dump> LoadDump(const std::string& dir) {
 // ---------------------------------------------------------------------------------------
 // DiffDumps and its renderings
 
+DType Dump::Precision(DType tensor_dtype) const {
+  return storage_ ? LessPrecise(tensor_dtype, *storage_) : tensor_dtype;
+}
+
 Tolerance DiffTolerance(DType a, DType b, const DiffOptions& options) {
-  const DType less_precise =
-      a == DType::kFloat32 || b == DType::kFloat32 ? DType::kFloat32 : DType::kFloat64;
-  Tolerance tol = DefaultTolerance(less_precise);
+  Tolerance tol = DefaultTolerance(LessPrecise(a, b));
   if (options.atol) tol.atol = *options.atol;
+  if (options.ntol) tol.ntol = *options.ntol;
   if (options.rtol) tol.rtol = *options.rtol;
   return tol;
 }
 
 StatusOr<DiffResult> DiffDumps(const Dump& a, const Dump& b, const DiffOptions& options) {
   MPUSIM_RETURN_IF_ERROR(CheckOverride(options.atol, "atol"));
+  MPUSIM_RETURN_IF_ERROR(CheckOverride(options.ntol, "ntol"));
   MPUSIM_RETURN_IF_ERROR(CheckOverride(options.rtol, "rtol"));
   std::vector<std::string> available;
   for (const DumpTensor& t : a.tensors()) available.push_back(t.name);
@@ -754,8 +774,7 @@ StatusOr<DiffResult> DiffDumps(const Dump& a, const Dump& b, const DiffOptions& 
   };
   result.a = summary(a);
   result.b = summary(b);
-  result.float32 = DiffTolerance(DType::kFloat32, DType::kFloat32, options);
-  result.float64 = DiffTolerance(DType::kFloat64, DType::kFloat64, options);
+  for (DType d : kAllDTypes) result.policy.emplace_back(d, DiffTolerance(d, d, options));
   for (const std::string& name : names) {
     result.tensors.push_back(DiffTensor(a, b, name, options));
     ++(result.tensors.back().pass ? result.passed : result.failed);
@@ -770,10 +789,15 @@ std::string DiffText(const DiffResult& r) {
                        d.world_size == 1 ? "" : "s", d.tp_size, d.tensors);
   };
   std::string out = side("A", r.a) + side("B (expected)", r.b);
+  std::vector<std::string> policies;
+  for (const auto& [dtype, tol] : r.policy) {
+    policies.push_back(fmt::format("{} {}", DTypeName(dtype), ToleranceText(tol)));
+  }
   out += fmt::format(
-      "pass when |a - b| <= atol + rtol * |b| and both are finite; the less precise dtype of "
-      "A and B picks the tolerance: float32 atol {:g} rtol {:g}, float64 atol {:g} rtol {:g}\n",
-      r.float32.atol, r.float32.rtol, r.float64.atol, r.float64.rtol);
+      "pass when |a - b| <= atol + ntol * max|b| + rtol * |b| and both are finite; the least "
+      "precise dtype of the tensor on either side and of the runs' storage picks the "
+      "tolerance: {}\n",
+      fmt::join(policies, ", "));
   size_t width = 26;
   for (const TensorDiff& d : r.tensors) width = std::max(width, d.name.size());
   out += fmt::format("  {:<{}} {:<16} {:<7} {:>12} {:>12} {:>12}  {}\n", "tensor", width, "shape",
@@ -798,9 +822,10 @@ std::string DiffJson(const DiffResult& r) {
   j["schema_version"] = 1;
   j["a"] = r.a.dir;
   j["b"] = r.b.dir;
-  j["tolerance"] = {{"rule", "|a - b| <= atol + rtol * |b|, both finite"},
-                    {"float32", ToleranceJson(r.float32)},
-                    {"float64", ToleranceJson(r.float64)}};
+  j["tolerance"] = {{"rule", "|a - b| <= atol + ntol * max|b| + rtol * |b|, both finite"}};
+  for (const auto& [dtype, tol] : r.policy) {
+    j["tolerance"][std::string(DTypeName(dtype))] = ToleranceJson(tol);
+  }
   Json tensors = Json::array();
   for (const TensorDiff& d : r.tensors) {
     Json t;
@@ -812,7 +837,9 @@ std::string DiffJson(const DiffResult& r) {
     t["shape"] = d.shape;
     t["dtype_a"] = dtype(d.dtype_a);
     t["dtype_b"] = dtype(d.dtype_b);
+    t["precision"] = std::string(DTypeName(d.precision));
     t["atol"] = d.tolerance.atol;
+    t["ntol"] = d.tolerance.ntol;
     t["rtol"] = d.tolerance.rtol;
     t["elements"] = d.compared ? Json(d.elements) : null;
     t["mismatches"] = d.compared ? Json(d.mismatches) : null;

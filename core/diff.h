@@ -4,8 +4,8 @@
 // What it is: a strict dump reader (manifest + every rank file, validated before any value is
 // trusted), the reassembly of full tensors from shards by their sharding metadata, and the
 // comparison under a per-dtype tolerance. A and B may come from different layouts (t=4 vs
-// t=1, with or without data parallelism) and different dtypes (float32 vs float64): both are
-// reduced to full float64 tensors first.
+// t=1, with or without data parallelism) and different dtypes (float64, float32, bfloat16,
+// float16): both are reduced to full float64 tensors first.
 // What it is not: the check of `mpusim run` against its float64 reference (sim/runner.cc),
 // or a reader for other people's safetensors (that is core/safetensors.h).
 //
@@ -20,15 +20,20 @@
 //     (for a partial sum, every tp rank of the dump for every batch_index).
 //
 // Comparison of tensor T, B being the expected side, over full float64 values a_i and b_i:
-//   element passes     iff a_i and b_i are finite and |a_i - b_i| <= atol + rtol * |b_i|
+//   element passes     iff a_i and b_i are finite and
+//                      |a_i - b_i| <= atol + ntol * max_j |b_j| + rtol * |b_i|
 //   max_abs            = max |a_i - b_i|                      (finite pairs)
 //   max_rel            = max |a_i - b_i| / |b_i|, over |b_i| > atol (finite pairs)
 //   normalized         = max_abs / max(max |a_i|, max |b_i|)  (finite pairs; 0 when all zero)
 //                        in [0, 2]: ~1e-7 is float32 rounding, ~1 is unrelated data
-//   worst element      = the largest |a_i - b_i| - (atol + rtol * |b_i|); the first NaN or
-//                        Inf when there is one
-//   (atol, rtol)       = DefaultTolerance of the less precise dtype of A's and B's T
-//                        (float32 1e-5, 1e-4; float64 1e-12, 1e-9), each overridable.
+//   worst element      = the largest excess over the allowance; the first NaN or Inf when
+//                        there is one
+//   precision          = the least precise of: T's dtype in A and in B, and each dump's run
+//                        storage dtype (manifest "dtype"; a bfloat16 run's float32 main_grad
+//                        carries bfloat16-sized errors)
+//   (atol, ntol, rtol) = DefaultTolerance(precision) (core/compare.h: float64 1e-12, 0, 1e-9;
+//                        float32 1e-5, 0, 1e-4; float16 0, 2^-8, 2^-8; bfloat16 0, 2^-5,
+//                        2^-5), each overridable.
 // A tensor fails when an element fails, when the shapes differ, when it is in one side only,
 // or when a side's copies disagree.
 #pragma once
@@ -66,6 +71,11 @@ class Dump {
  public:
   const std::string& dir() const { return dir_; }
   const std::string& backend() const { return backend_; }  // manifest "backend", or ""
+  // The run's storage dtype (manifest "dtype"), when the manifest says.
+  const std::optional<DType>& storage() const { return storage_; }
+  // The dtype whose rounding a tensor stored as `tensor_dtype` in this dump carries: the less
+  // precise of it and the run's storage dtype.
+  DType Precision(DType tensor_dtype) const;
   int64_t world_size() const { return world_size_; }
   int64_t tp_size() const { return tp_size_; }  // distinct tp_rank values of the rank files
   const std::vector<DumpTensor>& tensors() const { return tensors_; }  // manifest order
@@ -79,6 +89,7 @@ class Dump {
   friend StatusOr<Dump> LoadDump(const std::string& dir);
   std::string dir_;
   std::string backend_;
+  std::optional<DType> storage_;
   int64_t world_size_ = 0;
   int64_t tp_size_ = 0;
   std::vector<DumpTensor> tensors_;
@@ -93,7 +104,8 @@ class Dump {
 StatusOr<Dump> LoadDump(const std::string& dir);
 
 struct DiffOptions {
-  std::optional<double> atol;  // overrides the per-dtype policy
+  std::optional<double> atol;  // override the per-dtype policy
+  std::optional<double> ntol;
   std::optional<double> rtol;
   std::vector<std::string> tensors;  // compare only these; empty: all of A and B
 };
@@ -106,6 +118,7 @@ struct TensorDiff {
   Shape shape;                   // A's full shape (B's when the tensor is only in B)
   std::optional<DType> dtype_a;  // nullopt: not in A
   std::optional<DType> dtype_b;
+  DType precision = DType::kFloat64;  // picks the tolerance (see above)
   Tolerance tolerance{0, 0};
   bool compared = false;  // values were compared (statistics below are meaningful)
   int64_t elements = 0;
@@ -130,7 +143,8 @@ struct DumpSummary {
 
 struct DiffResult {
   DumpSummary a, b;
-  Tolerance float32{0, 0}, float64{0, 0};  // the effective policy per less precise dtype
+  // The effective policy per precision, most precise first.
+  std::vector<std::pair<DType, Tolerance>> policy;
   std::vector<TensorDiff> tensors;         // A's manifest order, then tensors only in B
   int64_t passed = 0;
   int64_t failed = 0;
@@ -143,7 +157,8 @@ StatusOr<DiffResult> DiffDumps(const Dump& a, const Dump& b, const DiffOptions& 
 
 // Renderings for `mpusim diff --format text|json`.
 std::string DiffText(const DiffResult& result);
-// {"schema_version": 1, "a", "b", "tolerance": {"float32": {"atol", "rtol"}, "float64": ...},
+// {"schema_version": 1, "a", "b", "tolerance": {"rule", "float64": {"atol", "ntol", "rtol"},
+//  "float32": ..., "float16": ..., "bfloat16": ...},
 //  "tensors": [...], "passed", "failed"}; non-finite values are the strings "nan", "inf",
 // "-inf" (JSON has no such numbers); statistics are null for a tensor not compared.
 std::string DiffJson(const DiffResult& result);

@@ -43,8 +43,8 @@ struct Parameter {
   bool zero_init = false;  // biases
   bool frozen = false;
   bool reduce_over_tp = false;  // replicated parameter fed by a sequence shard
-  Tensor value;                 // local
-  Tensor grad;                  // local main_grad; undefined when frozen
+  Tensor value;                 // local, in the storage dtype (run.dtype)
+  Tensor grad;                  // local main_grad in the compute dtype; undefined when frozen
 };
 
 // One micro-batch's data on this rank.
@@ -119,6 +119,7 @@ struct Graph::Impl {
   int64_t t = 1, d = 1;
   int64_t padded_vocab = 0;
   bool sequence_parallel = false;
+  bool fuse_wgrad = false;  // parallel.gradient_accumulation_fusion
   std::vector<LayerSlot> layers;
   std::vector<std::unique_ptr<Parameter>> parameters;
   bool needs_tokens = false, needs_labels = false;
@@ -159,6 +160,20 @@ struct Graph::Impl {
   // Synthetic inputs and output gradients are fixed by the seed: made once, reused by
   // every repetition of Run.
   std::map<std::string, Tensor> synthetic_cache;
+  // main_grad += the gradient `op(out, beta)` writes, as Megatron's DDP does: op writes
+  // param.grad in the storage dtype and a hook adds it to the float32 main_grad; with
+  // `fused` (gradient_accumulation_fusion, weight GEMMs only) op accumulates straight into
+  // main_grad.
+  template <typename Op>
+  void AccumulateGrad(Kernels& k, Parameter& p, bool fused, Op op) const {
+    if (fused) {
+      op(p.grad, 1.0);
+      return;
+    }
+    Tensor grad = k.Empty(p.value.shape(), p.value.dtype());
+    op(grad, 0.0);
+    k.Axpy(1.0, grad, p.grad);
+  }
   Tensor Forward(RankContext& ctx, LayerSlot& slot, const Tensor& x, const Batch& batch);
   Tensor Backward(RankContext& ctx, LayerSlot& slot, const Tensor& dy, const Batch& batch);
   double ForwardChain(RankContext& ctx, const Batch& batch);
@@ -172,6 +187,7 @@ Status Graph::Impl::Plan(const Topology& topology) {
   t = topology.sizes().tp;
   d = topology.sizes().dp;
   sequence_parallel = parallel.sequence_parallel;
+  fuse_wgrad = parallel.gradient_accumulation_fusion;
   const int64_t s = run.seq_length;
   if (model.vocab_size) padded_vocab = model.PaddedVocabSize(t);
 
@@ -558,7 +574,7 @@ void Graph::InitializeParameters(RankContext& ctx) {
     Tensor host = Tensor::HostZeros(local, impl_->run.dtype);
     if (!p->zero_init) FillShard(impl_->run.seed, p->name, p->init, p->full_shape, p->shard, host);
     p->value = ctx.kernels->ToDevice(host);
-    if (!p->frozen) p->grad = ctx.kernels->Zeros(local, impl_->run.dtype);
+    if (!p->frozen) p->grad = ctx.kernels->Zeros(local, ComputeDType(impl_->run.dtype));
   }
 }
 
@@ -685,12 +701,14 @@ Tensor Graph::Impl::Forward(RankContext& ctx, LayerSlot& slot, const Tensor& x,
       const int64_t rows = x.rows();
       const int64_t local_vocab = x.cols();
       const int64_t start = ctx.coords.tp * local_vocab;
-      slot.row_max = k.Zeros({rows}, dtype);
+      // Like Megatron (logits.float()), the statistics and the loss are in the compute dtype.
+      const DType stats = ComputeDType(dtype);
+      slot.row_max = k.Zeros({rows}, stats);
       k.RowMax(x, slot.row_max);
       if (t > 1) ctx.Group("tp").AllReduce(slot.row_max, ReduceOp::kMax);
-      slot.sum_exp = k.Zeros({rows}, dtype);
-      Tensor sum_z = k.Zeros({rows}, dtype);
-      Tensor target_z = k.Zeros({rows}, dtype);
+      slot.sum_exp = k.Zeros({rows}, stats);
+      Tensor sum_z = k.Zeros({rows}, stats);
+      Tensor target_z = k.Zeros({rows}, stats);
       k.CrossEntropyPartials(x, slot.row_max, batch.labels, start, slot.sum_exp, sum_z,
                              target_z);
       if (t > 1) {
@@ -703,20 +721,12 @@ Tensor Graph::Impl::Forward(RankContext& ctx, LayerSlot& slot, const Tensor& x,
       const Tensor h_target = k.ToHost(target_z);
       const double vp = static_cast<double>(padded_vocab);
       const double sm = c.label_smoothing > 0 ? c.label_smoothing * vp / (vp - 1) : 0.0;
-      Tensor losses = Tensor::HostZeros({s, b}, dtype);
+      Tensor losses = Tensor::HostZeros({s, b}, stats);
       for (int64_t i = 0; i < rows; ++i) {
-        auto at = [&](const Tensor& v) {
-          return dtype == DType::kFloat32 ? static_cast<double>(v.data_as<float>()[i])
-                                          : v.data_as<double>()[i];
-        };
-        const double log_z = std::log(at(h_sum_exp));
-        const double loss =
-            (1 - sm) * (log_z - at(h_target)) + sm * (log_z - at(h_sum_z) / vp);
-        if (dtype == DType::kFloat32) {
-          losses.data_as<float>()[i] = static_cast<float>(loss);
-        } else {
-          losses.data_as<double>()[i] = loss;
-        }
+        const double log_z = std::log(HostValue(h_sum_exp, i));
+        const double loss = (1 - sm) * (log_z - HostValue(h_target, i)) +
+                            sm * (log_z - HostValue(h_sum_z, i) / vp);
+        SetHostValue(losses, i, loss);
       }
       return k.ToDevice(losses);
     }
@@ -733,6 +743,8 @@ Tensor Graph::Impl::Backward(RankContext& ctx, LayerSlot& slot, const Tensor& dy
   switch (c.type) {
     case LayerType::kVocabParallelEmbedding: {
       if (slot.weight->frozen) return Tensor();
+      // Embedding gradients are scattered straight into main_grad (float32 under 16-bit
+      // storage): one rounding fewer than torch's bf16 weight.grad followed by the DDP add.
       const Tensor full = sequence_parallel ? AllGatherFirstDimTp(ctx, dy) : dy;
       const auto [first, last] =
           VocabRangeFromPerPartitionVocabSize(slot.weight->value.shape()[0], ctx.coords.tp);
@@ -752,10 +764,13 @@ Tensor Graph::Impl::Backward(RankContext& ctx, LayerSlot& slot, const Tensor& dy
       Tensor dx_total = k.Empty(slot.saved.shape(), dtype);
       k.Gemm(false, false, 1.0, d_local, w, 0.0, dx_total);  // [R, out/t] @ [out/t, in]
       if (!slot.weight->frozen) {
-        k.Gemm(true, false, 1.0, d_local, slot.saved, 1.0, slot.weight->grad);  // main_grad +=
+        AccumulateGrad(k, *slot.weight, fuse_wgrad, [&](Tensor& g, double beta) {
+          k.Gemm(true, false, 1.0, d_local, slot.saved, beta, g);
+        });
       }
       if (slot.bias != nullptr && !c.skip_bias_add && !slot.bias->frozen) {
-        k.SumRows(d_local, 1.0, slot.bias->grad);
+        AccumulateGrad(k, *slot.bias, false,
+                       [&](Tensor& g, double beta) { k.SumRows(d_local, beta, g); });
       }
       // Backward of the input mapping: reduce-scatter (sequence parallel) or the
       // all-reduce of copy_to_tensor_model_parallel_region.
@@ -767,14 +782,23 @@ Tensor Graph::Impl::Backward(RankContext& ctx, LayerSlot& slot, const Tensor& dy
       const Tensor& w = slot.weight->value;
       Tensor dx_local = k.Empty(slot.saved.shape(), dtype);
       k.Gemm(false, false, 1.0, d_total, w, 0.0, dx_local);  // [R, out] @ [out, in/t]
-      if (!slot.weight->frozen) k.Gemm(true, false, 1.0, d_total, slot.saved, 1.0, slot.weight->grad);
-      if (slot.bias != nullptr && !c.skip_bias_add) k.SumRows(dy, 1.0, slot.bias->grad);
+      if (!slot.weight->frozen) {
+        AccumulateGrad(k, *slot.weight, fuse_wgrad, [&](Tensor& g, double beta) {
+          k.Gemm(true, false, 1.0, d_total, slot.saved, beta, g);
+        });
+      }
+      if (slot.bias != nullptr && !c.skip_bias_add) {
+        AccumulateGrad(k, *slot.bias, false, [&](Tensor& g, double beta) { k.SumRows(dy, beta, g); });
+      }
       return c.input_is_parallel ? dx_local : AllGatherLastDimTp(ctx, dx_local);
     }
     case LayerType::kGeLU: {
       Tensor dx = k.Empty(dy.shape(), dtype);
       k.GeluBackward(slot.saved, dy, dx);
-      if (slot.added_bias != nullptr) k.SumRows(dx, 1.0, slot.added_bias->grad);
+      if (slot.added_bias != nullptr) {
+        AccumulateGrad(k, *slot.added_bias, false,
+                       [&](Tensor& g, double beta) { k.SumRows(dx, beta, g); });
+      }
       return dx;
     }
     case LayerType::kDropout: {
@@ -816,10 +840,7 @@ double Graph::Impl::ForwardChain(RankContext& ctx, const Batch& batch) {
   // Mean token loss over this micro-batch's s * B tokens: local sum, summed over dp.
   const Tensor host = ctx.kernels->ToHost(layers.back().output);
   double local = 0;
-  for (int64_t i = 0; i < host.numel(); ++i) {
-    local += run.dtype == DType::kFloat32 ? static_cast<double>(host.data_as<float>()[i])
-                                          : host.data_as<double>()[i];
-  }
+  for (int64_t i = 0; i < host.numel(); ++i) local += HostValue(host, i);
   Tensor sum = Tensor::HostZeros({1}, DType::kFloat64);
   sum.data_as<double>()[0] = local;
   Tensor device = ctx.kernels->ToDevice(sum);
@@ -835,14 +856,8 @@ void Graph::Impl::BackwardChain(RankContext& ctx, const Batch& batch) {
   LayerSlot& last = layers.back();
   Tensor dy;
   if (last.config.type == LayerType::kVocabParallelCrossEntropy) {
-    Tensor host = Tensor::HostZeros(last.output.shape(), run.dtype);
-    for (int64_t i = 0; i < host.numel(); ++i) {
-      if (run.dtype == DType::kFloat32) {
-        host.data_as<float>()[i] = static_cast<float>(batch.token_scale);
-      } else {
-        host.data_as<double>()[i] = batch.token_scale;
-      }
-    }
+    Tensor host = Tensor::HostZeros(last.output.shape(), last.output.dtype());
+    for (int64_t i = 0; i < host.numel(); ++i) SetHostValue(host, i, batch.token_scale);
     dy = ctx.kernels->ToDevice(host);
   } else {
     dy = SyntheticActivation(ctx, fmt::format("output_grad.mb{}", batch.microbatch),

@@ -5,6 +5,9 @@
 // forward and backward (docs/simulator.md is the contract), plus data generation, gradient
 // accumulation over micro-batches, activation recomputation, and the final gradient
 // reductions (sequence-parallel replicated parameters over tp, then data-parallel).
+// Precision: parameters, activations and activation gradients are stored in run.dtype
+// (float64, float32, bfloat16 or float16); main_grad, the softmax statistics and the loss
+// are in its compute dtype (float32 for 16-bit storage), as in Megatron's mixed precision.
 // What it is not: a checker (sim/ compares the results with the float64 reference) or a
 // launcher (sim/ and cuda/ set up ranks and communicators).
 #pragma once

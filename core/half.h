@@ -100,4 +100,24 @@ template <>
 MPUSIM_HD inline Float16 FromFloat<Float16>(float f) { return ToFloat16(f); }
 MPUSIM_HD inline float ToFloat(float f) { return f; }
 
+// A double rounded to the storage type T: float64 as is, float32 to nearest, 16-bit via
+// float32 (two roundings; this is the definition every backend shares).
+template <typename T>
+MPUSIM_HD inline T RoundTo(double v) {
+  if constexpr (sizeof(T) >= 4) {
+    return static_cast<T>(v);
+  } else {
+    return FromFloat<T>(static_cast<float>(v));
+  }
+}
+// Any storage type widened exactly to double.
+template <typename T>
+MPUSIM_HD inline double Widen(T v) {
+  if constexpr (sizeof(T) >= 4) {
+    return static_cast<double>(v);
+  } else {
+    return static_cast<double>(ToFloat(v));
+  }
+}
+
 }  // namespace mpusim

@@ -7,6 +7,9 @@
 // these values; the reference only ever calls the functions here.
 #include "core/init.h"
 
+#include "core/arg_checks.h"  // DispatchStorage
+#include "core/half.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -94,7 +97,7 @@ void FillTyped(uint64_t seed, uint64_t stream, double scale, const ShardSpec& sh
                    // The same expression as MasterValue, so both give the same bits.
                    const double value =
                        scale * NormalAt(seed, stream, static_cast<uint64_t>(global_flat));
-                   out[local_flat] = static_cast<T>(value);
+                   out[local_flat] = RoundTo<T>(value);
                  });
 }
 
@@ -141,7 +144,7 @@ Status PlaceShards(const std::vector<Tensor>& shards, const std::vector<ShardSpe
           fmt::format("shards[{}]", i),
           fmt::format("element {} of {} is {} here but {} in an earlier shard",
                       Coordinates(full_shape, conflict_global), ShapeString(full_shape),
-                      in[conflict_local], out[conflict_global]));
+                      Widen(in[conflict_local]), Widen(out[conflict_global])));
     }
   }
   const auto missing = std::find(covered.begin(), covered.end(), uint8_t{0});
@@ -237,11 +240,9 @@ void FillShard(uint64_t seed, std::string_view name, const InitSpec& spec, const
   }
   const uint64_t stream = StreamId(name);
   const double scale = NormalScale(spec, full_shape);
-  if (host_out.dtype() == DType::kFloat32) {
-    FillTyped<float>(seed, stream, scale, shard, full_shape, host_out);
-  } else {
-    FillTyped<double>(seed, stream, scale, shard, full_shape, host_out);
-  }
+  DispatchStorage(host_out.dtype(), [&]<typename T>() {
+    FillTyped<T>(seed, stream, scale, shard, full_shape, host_out);
+  });
 }
 
 int64_t TokenAt(uint64_t seed, std::string_view name, int64_t index, int64_t vocab_size) {
@@ -288,8 +289,8 @@ StatusOr<Tensor> AssembleFull(const std::vector<Tensor>& shards,
     }
   }
   Tensor full = Tensor::HostZeros(full_shape, shards[0].dtype());
-  const Status status = full.dtype() == DType::kFloat32 ? PlaceShards<float>(shards, specs, full)
-                                                        : PlaceShards<double>(shards, specs, full);
+  Status status;
+  DispatchStorage(full.dtype(), [&]<typename T>() { status = PlaceShards<T>(shards, specs, full); });
   if (!status.ok()) return status;
   return full;
 }

@@ -9,7 +9,8 @@
 // Stream of a tensor: StreamId(name) = FNV-1a 64-bit hash of the name.
 // Normal values: Box-Muller on UniformAt(seed, stream, 2e) and UniformAt(seed, stream, 2e+1).
 // xavier_normal for an [out, in] weight: std = sqrt(2 / (in + out)) (torch's gain 1).
-// Values are computed in float64 and rounded once to the tensor's dtype.
+// Values are computed in float64 and rounded to the tensor's dtype (RoundTo in core/half.h:
+// once for float32, via float32 for bfloat16/float16).
 #pragma once
 
 #include <cstdint>

@@ -551,13 +551,15 @@ Status ParseRunSection(const json& section, RunConfig* out) {
       }
       run.seed = value.get<uint64_t>();
     } else if (key == "dtype") {
-      if (value == "float32") {
-        run.dtype = DType::kFloat32;
-      } else if (value == "float64") {
-        run.dtype = DType::kFloat64;
+      run.dtype_given = true;
+      const std::optional<DType> dtype =
+          value.is_string() ? DTypeFromName(value.get<std::string>()) : std::nullopt;
+      if (dtype) {
+        run.dtype = *dtype;
       } else {
-        return Status::Error(
-            where, fmt::format("must be \"float32\" or \"float64\", got {}", DescribeJson(value)));
+        return Status::Error(where, fmt::format("must be \"float32\", \"float64\", \"bfloat16\" "
+                                                "or \"float16\", got {}",
+                                                DescribeJson(value)));
       }
     } else if (key == "seq_length") {
       MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &run.seq_length));

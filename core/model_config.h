@@ -112,7 +112,12 @@ struct ModelConfig {
 
 struct RunConfig {
   uint64_t seed = 1234;
+  // Storage dtype of parameters, activations and activation gradients: "float32",
+  // "float64", "bfloat16" or "float16". main_grad, the loss and the softmax statistics are
+  // in ComputeDType(dtype). ParseConfig fills it from parallel.bf16 / fp16 / params_dtype
+  // when the run section does not set it.
   DType dtype = DType::kFloat32;
+  bool dtype_given = false;  // "dtype" was in the run section
   int64_t seq_length = 0;  // required
   int64_t micro_batch_size = 1;
   int64_t num_microbatches = 1;  // > 1 accumulates gradients across microbatches

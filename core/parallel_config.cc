@@ -54,6 +54,9 @@ const std::vector<std::string_view>& ParallelConfigKeys() {
       "num_layers",
       "sequence_parallel",
       "gradient_accumulation_fusion",
+      "fp16",
+      "bf16",
+      "params_dtype",
   };
   return kKeys;
 }
@@ -166,12 +169,41 @@ Status ParseParallelSection(const json& section, std::string_view path, Parallel
           ParseOptionalInt(value, where, 1, &config.microbatch_group_size_per_vp_stage));
     } else if (key == "num_layers") {
       MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &config.num_layers));
-    } else if (key == "sequence_parallel" || key == "gradient_accumulation_fusion") {
+    } else if (key == "sequence_parallel" || key == "gradient_accumulation_fusion" ||
+               key == "fp16" || key == "bf16") {
       if (!value.is_boolean()) {
         return Status::Error(where, fmt::format("must be true or false, got {}", DescribeJson(value)));
       }
-      (key == "sequence_parallel" ? config.sequence_parallel
-                                  : config.gradient_accumulation_fusion) = value.get<bool>();
+      bool* flag = key == "sequence_parallel"              ? &config.sequence_parallel
+                   : key == "gradient_accumulation_fusion" ? &config.gradient_accumulation_fusion
+                   : key == "fp16"                         ? &config.fp16
+                                                           : &config.bf16;
+      *flag = value.get<bool>();
+    } else if (key == "params_dtype") {
+      config.params_dtype.reset();
+      if (value.is_null()) continue;
+      std::string name = value.is_string() ? value.get<std::string>() : std::string();
+      if (name.starts_with("torch.")) name = name.substr(6);
+      config.params_dtype = DTypeFromName(name);
+      if (!config.params_dtype || *config.params_dtype == DType::kFloat64) {
+        return Status::Error(where, fmt::format("must be \"float32\", \"bfloat16\", \"float16\" "
+                                                "or null, got {}",
+                                                DescribeJson(value)));
+      }
+    }
+  }
+  if (config.fp16 && config.bf16) {
+    return Status::Error(prefix + ".bf16", "cannot be true together with fp16 (Megatron refuses "
+                                           "it too); choose one 16-bit format");
+  }
+  if (config.params_dtype && (config.bf16 || config.fp16)) {
+    const DType want = config.bf16 ? DType::kBFloat16 : DType::kFloat16;
+    if (*config.params_dtype != want) {
+      return Status::Error(prefix + ".params_dtype",
+                           fmt::format("must be \"{}\" when {} is true (parameters, activations "
+                                       "and gradients share one storage dtype), got \"{}\"",
+                                       DTypeName(want), config.bf16 ? "bf16" : "fp16",
+                                       DTypeName(*config.params_dtype)));
     }
   }
   if (!section.contains("world_size")) {
@@ -203,6 +235,9 @@ void ToJson(const ParallelConfig& c, json* out) {
   j["num_layers"] = optional(c.num_layers);
   j["sequence_parallel"] = c.sequence_parallel;
   j["gradient_accumulation_fusion"] = c.gradient_accumulation_fusion;
+  j["fp16"] = c.fp16;
+  j["bf16"] = c.bf16;
+  j["params_dtype"] = c.params_dtype ? json(std::string(DTypeName(*c.params_dtype))) : json(nullptr);
   *out = std::move(j);
 }
 

@@ -6,7 +6,8 @@
 //   gpus_per_node     for the node map (default 8)
 //   num_layers        only for the virtual-pipeline layer assignment (optional)
 // and the ModelParallelConfig fields microbatch_group_size_per_vp_stage (schedules),
-// sequence_parallel and gradient_accumulation_fusion (the simulator).
+// sequence_parallel, gradient_accumulation_fusion, fp16, bf16 and params_dtype (the
+// simulator; config.h resolves the last three against run.dtype).
 //
 // Parsing is strict: unknown keys (with a suggestion), wrong JSON types and out-of-range
 // values are refused with a Status naming the JSON path. Cross-field rules (divisibility,
@@ -23,6 +24,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "core/status.h"
+#include "core/tensor.h"
 
 namespace mpusim {
 
@@ -43,7 +45,15 @@ struct ParallelConfig {
   std::optional<int64_t> num_layers;
   // ModelParallelConfig fields read by the simulator (mpusim run); the planner ignores them.
   bool sequence_parallel = false;
+  // Weight-gradient GEMMs accumulate straight into the float32 main_grad instead of writing
+  // weight.grad in the parameter dtype and adding it (Megatron's fused wgrad kernel).
   bool gradient_accumulation_fusion = false;
+  // Mixed precision: parameters, activations and gradients stored in bfloat16 / float16,
+  // arithmetic and main_grad in float32. params_dtype accepts "float32", "bfloat16" and
+  // "float16" (with or without "torch.").
+  bool fp16 = false;
+  bool bf16 = false;
+  std::optional<DType> params_dtype;
 
   int64_t EffectiveExpertTensorParallelSize() const {
     return expert_tensor_parallel_size.value_or(tensor_model_parallel_size);

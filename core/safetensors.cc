@@ -1,10 +1,10 @@
 // safetensors reader and writer (see safetensors.h).
 //
 // What it is: a strict implementation, on nlohmann/json and fmt only, of the subset of
-// https://github.com/huggingface/safetensors that mpusim dumps: F32 and F64 host tensors plus
-// string metadata. The reader validates every byte it is given before trusting it.
+// https://github.com/huggingface/safetensors that mpusim dumps: F32, F64, BF16 and F16 host
+// tensors plus string metadata. The reader validates every byte it is given before trusting it.
 // What it is not: a memory-mapped loader, a converter between dtypes, or a reader for the
-// other safetensors dtypes (BF16, F16, I64, ...), which are refused by name.
+// other safetensors dtypes (I64, F8_E4M3, ...), which are refused by name.
 #include "core/safetensors.h"
 
 #include <fmt/format.h>
@@ -70,7 +70,20 @@ Status WritePiecesAtomically(const std::string& path, std::span<const std::strin
   return Status();
 }
 
-std::string_view SafetensorsDType(DType dtype) { return dtype == DType::kFloat32 ? "F32" : "F64"; }
+// The safetensors names of the dtypes mpusim stores.
+constexpr std::pair<std::string_view, DType> kSafetensorsDTypes[] = {
+    {"F32", DType::kFloat32},
+    {"F64", DType::kFloat64},
+    {"BF16", DType::kBFloat16},
+    {"F16", DType::kFloat16},
+};
+
+std::string_view SafetensorsDType(DType dtype) {
+  for (const auto& [name, d] : kSafetensorsDTypes) {
+    if (d == dtype) return name;
+  }
+  return "?";
+}
 
 // Accepts a JSON integer >= 0 (not 2.0, not "2", not -1).
 bool AsNonNegativeInt(const Json& value, uint64_t* out) {
@@ -117,17 +130,21 @@ Status ParseEntry(const std::string& name, const Json& value, uint64_t data_byte
   entry.name = name;
   const Json& dtype = value["dtype"];
   if (!dtype.is_string()) {
-    return Status::Error(where, fmt::format("dtype must be a string (\"F32\" or \"F64\"), got {}",
+    return Status::Error(where, fmt::format("dtype must be a string (\"F32\", \"F64\", \"BF16\" "
+                                            "or \"F16\"), got {}",
                                             dtype.type_name()));
   }
   const std::string& dtype_name = dtype.get_ref<const std::string&>();
-  if (dtype_name == "F32") {
-    entry.dtype = DType::kFloat32;
-  } else if (dtype_name == "F64") {
-    entry.dtype = DType::kFloat64;
-  } else {
-    return Status::Error(where, fmt::format("dtype '{}' is not supported; only F32 and F64 are "
-                                            "supported",
+  bool known = false;
+  for (const auto& [known_name, d] : kSafetensorsDTypes) {
+    if (dtype_name == known_name) {
+      entry.dtype = d;
+      known = true;
+    }
+  }
+  if (!known) {
+    return Status::Error(where, fmt::format("dtype '{}' is not supported; only F32, F64, BF16 "
+                                            "and F16 are supported",
                                             dtype_name));
   }
 

@@ -1,7 +1,7 @@
 // safetensors files: the per-rank dump format (reader and writer).
 //
 // Layout: 8-byte little-endian header length N, N bytes of JSON header, then the data.
-// Header: {"__metadata__": {string: string}, "<name>": {"dtype": "F32"|"F64",
+// Header: {"__metadata__": {string: string}, "<name>": {"dtype": "F32"|"F64"|"BF16"|"F16",
 // "shape": [...], "data_offsets": [begin, end]}, ...}; offsets are relative to the start of
 // the data and tensors are stored back to back. See https://github.com/huggingface/safetensors.
 //

@@ -30,20 +30,20 @@ Tensor Tensor::HostZeros(Shape shape, DType dtype) {
 
 double HostValue(const Tensor& host, int64_t i) {
   switch (host.dtype()) {
-    case DType::kFloat32: return static_cast<double>(host.data_as<float>()[i]);
+    case DType::kFloat32: return Widen(host.data_as<float>()[i]);
     case DType::kFloat64: return host.data_as<double>()[i];
-    case DType::kBFloat16: return static_cast<double>(ToFloat(host.data_as<BFloat16>()[i]));
-    case DType::kFloat16: return static_cast<double>(ToFloat(host.data_as<Float16>()[i]));
+    case DType::kBFloat16: return Widen(host.data_as<BFloat16>()[i]);
+    case DType::kFloat16: return Widen(host.data_as<Float16>()[i]);
   }
   return 0;
 }
 
 void SetHostValue(Tensor& host, int64_t i, double v) {
   switch (host.dtype()) {
-    case DType::kFloat32: host.data_as<float>()[i] = static_cast<float>(v); break;
+    case DType::kFloat32: host.data_as<float>()[i] = RoundTo<float>(v); break;
     case DType::kFloat64: host.data_as<double>()[i] = v; break;
-    case DType::kBFloat16: host.data_as<BFloat16>()[i] = ToBFloat16(static_cast<float>(v)); break;
-    case DType::kFloat16: host.data_as<Float16>()[i] = ToFloat16(static_cast<float>(v)); break;
+    case DType::kBFloat16: host.data_as<BFloat16>()[i] = RoundTo<BFloat16>(v); break;
+    case DType::kFloat16: host.data_as<Float16>()[i] = RoundTo<Float16>(v); break;
   }
 }
 

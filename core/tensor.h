@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -38,6 +39,27 @@ inline std::string_view DTypeName(DType dtype) {
     case DType::kFloat16: return "float16";
   }
   return "?";
+}
+// The dtype named by DTypeName, or nullopt.
+inline std::optional<DType> DTypeFromName(std::string_view name) {
+  for (DType d : {DType::kFloat32, DType::kFloat64, DType::kBFloat16, DType::kFloat16}) {
+    if (DTypeName(d) == name) return d;
+  }
+  return std::nullopt;
+}
+// Of two dtypes, the one with fewer significand bits (bfloat16 < float16 < float32 <
+// float64): the one whose rounding error dominates a comparison.
+inline DType LessPrecise(DType a, DType b) {
+  const auto bits = [](DType d) {
+    switch (d) {
+      case DType::kBFloat16: return 8;
+      case DType::kFloat16: return 11;
+      case DType::kFloat32: return 24;
+      case DType::kFloat64: return 53;
+    }
+    return 0;
+  };
+  return bits(a) <= bits(b) ? a : b;
 }
 inline bool IsHalf(DType dtype) { return dtype == DType::kBFloat16 || dtype == DType::kFloat16; }
 // The dtype arithmetic on `dtype` happens in, and the dtype of accumulators (main_grad,

@@ -39,20 +39,21 @@ int AgreeOnExitCode(int code) {
   return worst;
 }
 
-double ValueAt(const Tensor& host, int64_t i) {
-  return host.dtype() == DType::kFloat32 ? static_cast<double>(host.data_as<float>()[i])
-                                         : host.data_as<double>()[i];
-}
-
-// Compares a local record with the full reference tensor, element by element.
+// Compares a local record with the full reference tensor, element by element, under the
+// run's tolerance scaled to the full tensor's largest |expected|.
 ErrorStats CompareRecord(const TensorRecord& record, const Tensor& local_host,
-                         const Tensor& expected, int64_t tp_size, const Tolerance& tol) {
+                         const Tensor& expected, int64_t tp_size, const Tolerance& run_tol) {
   ErrorStats stats;
+  double scale = 0;
+  for (int64_t i = 0; i < expected.numel(); ++i) {
+    scale = std::max(scale, std::fabs(expected.data_as<double>()[i]));
+  }
+  const Tolerance tol = run_tol.ForScale(scale);
   const Shape& local_shape = local_host.shape();
   const Shape& full = record.full_shape;
   const size_t dims = full.size();
   std::vector<int64_t> index(dims, 0);
-  const double scale = record.partial_sum ? static_cast<double>(tp_size) : 1.0;
+  const double summands = record.partial_sum ? static_cast<double>(tp_size) : 1.0;
   const double* want = expected.data_as<double>();
   for (int64_t e = 0; e < local_host.numel(); ++e) {
     int64_t flat = 0;
@@ -60,7 +61,7 @@ ErrorStats CompareRecord(const TensorRecord& record, const Tensor& local_host,
       const int64_t g = GlobalIndex(record.shard, static_cast<int>(k), full[k], index[k]);
       flat = flat * full[k] + g;
     }
-    stats.Add(flat, ValueAt(local_host, e) * scale, want[flat], tol);
+    stats.Add(flat, HostValue(local_host, e) * summands, want[flat], tol);
     for (size_t k = dims; k-- > 0;) {
       if (++index[k] < local_shape[k]) break;
       index[k] = 0;
@@ -355,9 +356,11 @@ int RankRun::PrintChecks(const SimulationResult& result) {
     out_ << fmt::format("reference loss {:.9g} (float64, single process), |difference| {:.3g}\n",
                         result.reference_loss, std::fabs(result.loss - result.reference_loss));
   }
-  out_ << fmt::format("\ncheck against the float64 reference ({}: pass when |a - e| <= {:g} + "
-                      "{:g} * |e|):\n",
-                      DTypeName(config_.run->dtype), tol.atol, tol.rtol);
+  const std::string scaled =
+      tol.ntol > 0 ? fmt::format(" + {:g} * max|e|", tol.ntol) : std::string();
+  out_ << fmt::format("\ncheck against the float64 reference ({} storage: pass when |a - e| <= "
+                      "{:g}{} + {:g} * |e|):\n",
+                      DTypeName(config_.run->dtype), tol.atol, scaled, tol.rtol);
   out_ << fmt::format("  {:<26} {:<16} {:>12} {:>12}  {}\n", "tensor", "shape", "max abs err",
                       "max rel err", "result");
   int failed = 0;

@@ -101,7 +101,7 @@ class DumpBuilder {
     manifest_["config"] = nullptr;
     manifest_["world_size"] = tp * dp;
     manifest_["backend"] = "cpu";
-    manifest_["dtype"] = "float32";
+    // No run-level "dtype": each tensor's own dtype picks its tolerance unless a test sets one.
     manifest_["tensors"] = Json::array();
     manifest_["files"] = Json::array();
     for (int64_t r = 0; r < tp * dp; ++r) {
@@ -664,8 +664,14 @@ TEST_F(DiffTest, ManifestFieldsAreChecked) {
   }
   {
     DumpBuilder b = GoodDump();
-    b.manifest()["tensors"][0]["dtype"] = "bfloat16";
+    b.manifest()["tensors"][0]["dtype"] = "int8";
     ExpectContains(LoadError(b), "tensors[0].dtype");
+  }
+  {
+    DumpBuilder b = GoodDump();
+    b.manifest()["dtype"] = "fp8";
+    ExpectContains(LoadError(b), "manifest.json: dtype: must be \"float32\", \"float64\", "
+                                 "\"bfloat16\" or \"float16\", got");
   }
   {
     DumpBuilder b = GoodDump();

@@ -585,10 +585,12 @@ TEST(RunConfig, Errors) {
             "run.seed: must be an integer >= 0, got -1");
   EXPECT_EQ(RunRefusal({{"seq_length", 8}, {"seed", 1.5}}),
             "run.seed: must be an integer >= 0, got number 1.5");
-  EXPECT_EQ(RunRefusal({{"seq_length", 8}, {"dtype", "bfloat16"}}),
-            "run.dtype: must be \"float32\" or \"float64\", got string \"bfloat16\"");
+  EXPECT_EQ(RunRefusal({{"seq_length", 8}, {"dtype", "bf16"}}),
+            "run.dtype: must be \"float32\", \"float64\", \"bfloat16\" or \"float16\", got "
+            "string \"bf16\"");
   EXPECT_EQ(RunRefusal({{"seq_length", 8}, {"dtype", 32}}),
-            "run.dtype: must be \"float32\" or \"float64\", got number 32");
+            "run.dtype: must be \"float32\", \"float64\", \"bfloat16\" or \"float16\", got "
+            "number 32");
   EXPECT_EQ(RunRefusal({{"seq_length", 0}}), "run.seq_length: must be an integer >= 1, got 0");
   EXPECT_EQ(RunRefusal({{"seq_length", "8"}}),
             "run.seq_length: must be an integer >= 1, got string \"8\"");

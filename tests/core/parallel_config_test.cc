@@ -42,7 +42,9 @@ TEST(ParallelConfig, RoundTripsThroughJson) {
                          {"hierarchical_context_parallel_sizes", {2}},
                          {"expert_tensor_parallel_size", 1},
                          {"order", "tp-cp-ep-dp-pp"},
-                         {"num_layers", 8}};
+                         {"num_layers", 8},
+                         {"bf16", true},
+                         {"params_dtype", "bfloat16"}};
   ParallelConfig a;
   ASSERT_TRUE(ParseParallelSection(parallel, "parallel", &a).ok());
   json written;
@@ -102,6 +104,51 @@ TEST(ParallelConfig, TopLevelErrors) {
   EXPECT_FALSE(status.ok());
   status = ParseConfig(json{{"description", 3}, {"parallel", {{"world_size", 1}}}}, &config);
   EXPECT_EQ(status.Message(), "description: must be a string, got number");
+}
+
+// One storage dtype from Megatron's bf16 / fp16 / params_dtype and run.dtype.
+TEST(ParallelConfig, MixedPrecisionFields) {
+  auto parse = [](const json& parallel, const json& run, Config* config) {
+    json document = {{"parallel", parallel}};
+    if (!run.is_null()) document["run"] = run;
+    return ParseConfig(document, config);
+  };
+  const json run = {{"seq_length", 4}};
+  Config c;
+  ASSERT_TRUE(parse({{"world_size", 2}, {"bf16", true}}, run, &c).ok());
+  EXPECT_EQ(c.run->dtype, DType::kBFloat16);
+  ASSERT_TRUE(parse({{"world_size", 2}, {"fp16", true}, {"params_dtype", "torch.float16"}}, run, &c)
+                  .ok());
+  EXPECT_EQ(c.run->dtype, DType::kFloat16);
+  ASSERT_TRUE(parse({{"world_size", 2}, {"params_dtype", "bfloat16"}}, run, &c).ok());
+  EXPECT_EQ(c.run->dtype, DType::kBFloat16);
+  ASSERT_TRUE(parse({{"world_size", 2}}, {{"seq_length", 4}, {"dtype", "float16"}}, &c).ok());
+  EXPECT_EQ(c.run->dtype, DType::kFloat16);
+  ASSERT_TRUE(
+      parse({{"world_size", 2}, {"bf16", true}}, {{"seq_length", 4}, {"dtype", "bfloat16"}}, &c)
+          .ok());
+  EXPECT_EQ(c.run->dtype, DType::kBFloat16);
+  ASSERT_TRUE(parse({{"world_size", 2}}, run, &c).ok());
+  EXPECT_EQ(c.run->dtype, DType::kFloat32);
+  // Layout-only configs accept the fields too.
+  EXPECT_EQ(Refusal({{"world_size", 2}, {"bf16", true}}), "");
+
+  EXPECT_EQ(Refusal({{"world_size", 2}, {"bf16", true}, {"fp16", true}}),
+            "parallel.bf16: cannot be true together with fp16 (Megatron refuses it too); choose "
+            "one 16-bit format");
+  EXPECT_EQ(Refusal({{"world_size", 2}, {"bf16", true}, {"params_dtype", "float32"}}),
+            "parallel.params_dtype: must be \"bfloat16\" when bf16 is true (parameters, "
+            "activations and gradients share one storage dtype), got \"float32\"");
+  EXPECT_EQ(Refusal({{"world_size", 2}, {"params_dtype", "float64"}}),
+            "parallel.params_dtype: must be \"float32\", \"bfloat16\", \"float16\" or null, got "
+            "string \"float64\"");
+  EXPECT_EQ(Refusal({{"world_size", 2}, {"bf16", 1}}),
+            "parallel.bf16: must be true or false, got number 1");
+  EXPECT_EQ(parse({{"world_size", 2}, {"fp16", true}}, {{"seq_length", 4}, {"dtype", "float64"}},
+                  &c)
+                .Message(),
+            "run.dtype: is \"float64\" but parallel.fp16 asks for float16 storage; drop one of "
+            "them or make them agree");
 }
 
 TEST(ParallelConfig, JsonSyntaxErrorsGiveLineAndColumn) {

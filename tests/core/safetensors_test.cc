@@ -371,8 +371,11 @@ TEST_F(SafetensorsTest, RefusesBadTensorEntries) {
   EXPECT_TRUE(refused(R"({"dtype": "F32", "shape": [1]})", data4, "missing key 'data_offsets'"));
   EXPECT_TRUE(refused(R"({"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": 1})", data4,
                       "unknown key 'x'"));
-  EXPECT_TRUE(refused(R"({"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]})", data4,
-                      "tensor 't': dtype 'BF16' is not supported; only F32 and F64"));
+  EXPECT_TRUE(refused(R"({"dtype": "I64", "shape": [2], "data_offsets": [0, 16]})",
+                      std::string(16, '\0'),
+                      "tensor 't': dtype 'I64' is not supported; only F32, F64, BF16 and F16"));
+  EXPECT_TRUE(refused(R"({"dtype": "BF16", "shape": [3], "data_offsets": [0, 4]})", data4,
+                      "span 4 bytes, but shape [3] of BF16 needs 3 elements * 2 bytes"));
   EXPECT_TRUE(refused(R"({"dtype": 32, "shape": [1], "data_offsets": [0, 4]})", data4,
                       "dtype must be a string"));
   EXPECT_TRUE(refused(R"({"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]})", data4,
