@@ -1,8 +1,9 @@
 // CudaKernels (see cuda_kernels.h).
 //
-// Every public method checks its arguments exactly like EigenKernels (sim/eigen_kernels.cc),
-// then either calls a CUDA runtime / cuBLAS function on stream_ or a launcher of
-// device_kernels.h with T = float or T = double.
+// The base class (core/kernels.cc) checks every call's arguments; each Do* method here then
+// either calls a CUDA runtime / cuBLAS function on stream_ or a launcher of device_kernels.h
+// with T the storage type (double, float, BFloat16, Float16) and, for accumulators, A the
+// accumulator's.
 #include "cuda/cuda_kernels.h"
 
 #include <algorithm>
@@ -34,6 +35,31 @@ void FreeDevice(void* pointer) {
   if (error != cudaSuccess && error != cudaErrorCudartUnloading) {
     Fatal("cudaFree(tensor storage)", CudaErrorText(error), __FILE__, __LINE__, __func__);
   }
+}
+
+// Runs body.template operator()<T, A>() with T the storage type of the inputs (dtype `in`)
+// and A that of their accumulator (dtype `acc`): T itself, or the compute type of a 16-bit
+// T (the base class allows nothing else).
+template <typename Body>
+void DispatchAccumulator(DType in, DType acc, Body&& body) {
+  DispatchStorage(in, [&]<typename T>() {
+    if (acc == in) {
+      body.template operator()<T, T>();
+    } else {
+      body.template operator()<T, ComputeOf<T>>();
+    }
+  });
+}
+
+// cuBLAS's name of a dtype.
+cudaDataType_t CudaDataType(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return CUDA_R_32F;
+    case DType::kFloat64: return CUDA_R_64F;
+    case DType::kBFloat16: return CUDA_R_16BF;
+    case DType::kFloat16: return CUDA_R_16F;
+  }
+  throw std::invalid_argument("CudaKernels: unknown dtype");
 }
 
 std::byte* BytePointer(Tensor& t) { return static_cast<std::byte*>(t.data()); }
@@ -180,7 +206,8 @@ void CudaKernels::DoGemm(bool trans_a, bool trans_b, double alpha, const Tensor&
   }
   if (m == 0 || n == 0) return;
   if (k == 0 || alpha == 0.0) {
-    // c = beta * c; beta == 0 overwrites (all-zero bits are +0.0 in IEEE 754).
+    // c = beta * c; beta == 0 overwrites (all-zero bits are +0.0 in IEEE 754, and in
+    // bfloat16 and float16 too).
     if (beta == 0.0) {
       MPUSIM_CUDA_CHECK(cudaMemsetAsync(c.data(), 0, c.bytes(), stream_));
     } else if (beta != 1.0) {
@@ -200,7 +227,19 @@ void CudaKernels::DoGemm(bool trans_a, bool trans_b, double alpha, const Tensor&
   const int lda = static_cast<int>(Cols(a));
   const int ldb = static_cast<int>(Cols(b));
   const int ldc = static_cast<int>(n);
-  if (a.dtype() == DType::kFloat32) {
+  if (IsHalf(a.dtype())) {
+    // 16-bit a and b, c 16-bit or float32: products and sums in float32
+    // (CUBLAS_COMPUTE_32F, float alpha and beta), each element of c rounded once. The
+    // handle's pedantic math mode also rules out reduced-precision (16-bit) split-K
+    // reductions, which would round partial sums.
+    const float alpha_f = static_cast<float>(alpha);
+    const float beta_f = static_cast<float>(beta);
+    const cudaDataType_t ab_type = CudaDataType(a.dtype());
+    MPUSIM_CUBLAS_CHECK(cublasGemmEx(cublas_, op_b, op_a, cm, cn, ck, &alpha_f, b.data(), ab_type,
+                                     ldb, a.data(), ab_type, lda, &beta_f, c.data(),
+                                     CudaDataType(c.dtype()), ldc, CUBLAS_COMPUTE_32F,
+                                     CUBLAS_GEMM_DEFAULT));
+  } else if (a.dtype() == DType::kFloat32) {
     const float alpha_f = static_cast<float>(alpha);
     const float beta_f = static_cast<float>(beta);
     MPUSIM_CUBLAS_CHECK(cublasSgemm(cublas_, op_b, op_a, cm, cn, ck, &alpha_f, b.data_as<float>(),
@@ -214,43 +253,46 @@ void CudaKernels::DoGemm(bool trans_a, bool trans_b, double alpha, const Tensor&
 }
 
 void CudaKernels::DoAddRowVector(const Tensor& bias, Tensor& y) {
-  Dispatch(bias.dtype(), [&]<typename T>() {
+  DispatchStorage(bias.dtype(), [&]<typename T>() {
     LaunchAddRowVector<T>(bias.data_as<T>(), y.data_as<T>(), Rows(y), Cols(y), stream_);
   });
 }
 
 void CudaKernels::DoSumRows(const Tensor& x, double beta, Tensor& out) {
-  Dispatch(x.dtype(), [&]<typename T>() {
-    LaunchSumRows<T>(x.data_as<T>(), Rows(x), Cols(x), beta, out.data_as<T>(), stream_);
+  DispatchAccumulator(x.dtype(), out.dtype(), [&]<typename T, typename A>() {
+    LaunchSumRows<T, A>(x.data_as<T>(), Rows(x), Cols(x), beta, out.data_as<A>(), stream_);
   });
 }
 
 void CudaKernels::DoAxpy(double alpha, const Tensor& x, Tensor& y) {
-  Dispatch(x.dtype(), [&]<typename T>() {
-    LaunchAxpy<T>(x.data_as<T>(), y.data_as<T>(), x.numel(), static_cast<T>(alpha), stream_);
+  DispatchAccumulator(x.dtype(), y.dtype(), [&]<typename T, typename A>() {
+    LaunchAxpy<T, A>(x.data_as<T>(), y.data_as<A>(), x.numel(), static_cast<ComputeOf<T>>(alpha),
+                     stream_);
   });
 }
 
 void CudaKernels::DoScale(double alpha, Tensor& x) {
-  Dispatch(x.dtype(), [&]<typename T>() {
-    LaunchScale<T>(x.data_as<T>(), x.numel(), static_cast<T>(alpha), stream_);
+  DispatchStorage(x.dtype(), [&]<typename T>() {
+    LaunchScale<T>(x.data_as<T>(), x.numel(), static_cast<ComputeOf<T>>(alpha), stream_);
   });
 }
 
 // --- elementwise ----------------------------------------------------------------------
 
 void CudaKernels::DoGeluForward(const Tensor& x, Tensor& y) {
-  Dispatch(x.dtype(), [&]<typename T>() {
-    const T inv_sqrt2 = static_cast<T>(1) / std::numbers::sqrt2_v<T>;  // as on the CPU
+  DispatchStorage(x.dtype(), [&]<typename T>() {
+    using C = ComputeOf<T>;
+    const C inv_sqrt2 = static_cast<C>(1) / std::numbers::sqrt2_v<C>;  // as on the CPU
     LaunchGeluForward<T>(x.data_as<T>(), y.data_as<T>(), x.numel(), inv_sqrt2, stream_);
   });
 }
 
 void CudaKernels::DoGeluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) {
-  Dispatch(x.dtype(), [&]<typename T>() {
-    const T inv_sqrt2 = static_cast<T>(1) / std::numbers::sqrt2_v<T>;
+  DispatchStorage(x.dtype(), [&]<typename T>() {
+    using C = ComputeOf<T>;
+    const C inv_sqrt2 = static_cast<C>(1) / std::numbers::sqrt2_v<C>;
     // phi(x) = exp(-x^2 / 2) / sqrt(2 pi), with the CPU's constant.
-    const T inv_sqrt_2pi = std::numbers::inv_sqrtpi_v<T> * inv_sqrt2;
+    const C inv_sqrt_2pi = std::numbers::inv_sqrtpi_v<C> * inv_sqrt2;
     LaunchGeluBackward<T>(x.data_as<T>(), dy.data_as<T>(), dx.data_as<T>(), x.numel(), inv_sqrt2,
                           inv_sqrt_2pi, stream_);
   });
@@ -262,8 +304,9 @@ void CudaKernels::DoDropout(const Tensor& x, double p, uint64_t key, uint64_t st
     Copy(x, y);
     return;
   }
-  Dispatch(x.dtype(), [&]<typename T>() {
-    const T keep_probability = static_cast<T>(1.0 - p);  // unused when p == 1: nothing is kept
+  DispatchStorage(x.dtype(), [&]<typename T>() {
+    // Unused when p == 1: nothing is kept.
+    const auto keep_probability = static_cast<ComputeOf<T>>(1.0 - p);
     LaunchDropout<T>(x.data_as<T>(), y.data_as<T>(), x.numel(), p, keep_probability, key, stream,
                      offset, stream_);
   });
@@ -276,7 +319,7 @@ void CudaKernels::DoEmbeddingForward(const Tensor& weight, const std::vector<int
   const int64_t num_ids = static_cast<int64_t>(ids.size());
   if (out.numel() == 0) return;
   const int64_t* device_ids = UploadIndices(ids);
-  Dispatch(weight.dtype(), [&]<typename T>() {
+  DispatchStorage(weight.dtype(), [&]<typename T>() {
     LaunchEmbeddingForward<T>(weight.data_as<T>(), device_ids, num_ids, Cols(weight), vocab_start,
                               vocab_end, out.data_as<T>(), stream_);
   });
@@ -309,18 +352,20 @@ void CudaKernels::DoEmbeddingBackward(const Tensor& dy, const std::vector<int64_
   for (const auto& hit : hits) plan.push_back(hit.second);
   const int64_t* device_plan = UploadIndices(plan);
   const int64_t num_rows = static_cast<int64_t>(local_rows.size());
-  Dispatch(dy.dtype(), [&]<typename T>() {
-    LaunchEmbeddingBackward<T>(dy.data_as<T>(), device_plan, num_rows, Cols(dweight),
-                               dweight.data_as<T>(), stream_);
+  DispatchAccumulator(dy.dtype(), dweight.dtype(), [&]<typename T, typename A>() {
+    LaunchEmbeddingBackward<T, A>(dy.data_as<T>(), device_plan, num_rows, Cols(dweight),
+                                  dweight.data_as<A>(), stream_);
   });
 }
 
 // --- vocab-parallel cross entropy -----------------------------------------------------
+// Logits (and grad) have a storage type T; the statistics are ComputeOf<T> (the base class
+// checked that they have the compute dtype of the logits).
 
 void CudaKernels::DoRowMax(const Tensor& logits, Tensor& row_max) {
-  Dispatch(logits.dtype(), [&]<typename T>() {
-    LaunchRowMax<T>(logits.data_as<T>(), Rows(logits), Cols(logits), row_max.data_as<T>(),
-                    stream_);
+  DispatchStorage(logits.dtype(), [&]<typename T>() {
+    LaunchRowMax<T>(logits.data_as<T>(), Rows(logits), Cols(logits),
+                    row_max.data_as<ComputeOf<T>>(), stream_);
   });
 }
 
@@ -331,10 +376,11 @@ void CudaKernels::DoCrossEntropyPartials(const Tensor& logits, const Tensor& row
   const int64_t cols = Cols(logits);
   if (rows == 0) return;
   const int64_t* device_labels = UploadIndices(labels);
-  Dispatch(logits.dtype(), [&]<typename T>() {
-    LaunchCrossEntropyPartials<T>(logits.data_as<T>(), row_max.data_as<T>(), device_labels, rows,
-                                  cols, vocab_start, sum_exp.data_as<T>(), sum_z.data_as<T>(),
-                                  target_z.data_as<T>(), stream_);
+  DispatchStorage(logits.dtype(), [&]<typename T>() {
+    using C = ComputeOf<T>;
+    LaunchCrossEntropyPartials<T>(logits.data_as<T>(), row_max.data_as<C>(), device_labels, rows,
+                                  cols, vocab_start, sum_exp.data_as<C>(), sum_z.data_as<C>(),
+                                  target_z.data_as<C>(), stream_);
   });
 }
 
@@ -346,11 +392,12 @@ void CudaKernels::DoCrossEntropyBackward(const Tensor& logits, const Tensor& row
   const int64_t cols = Cols(logits);
   if (rows == 0 || cols == 0) return;
   const int64_t* device_labels = UploadIndices(labels);
-  Dispatch(logits.dtype(), [&]<typename T>() {
-    LaunchCrossEntropyBackward<T>(logits.data_as<T>(), row_max.data_as<T>(), sum_exp.data_as<T>(),
+  DispatchStorage(logits.dtype(), [&]<typename T>() {
+    using C = ComputeOf<T>;
+    LaunchCrossEntropyBackward<T>(logits.data_as<T>(), row_max.data_as<C>(), sum_exp.data_as<C>(),
                                   device_labels, rows, cols, vocab_start,
-                                  static_cast<T>(on_value), static_cast<T>(off_value),
-                                  row_scale.data_as<T>(), grad.data_as<T>(), stream_);
+                                  static_cast<C>(on_value), static_cast<C>(off_value),
+                                  row_scale.data_as<C>(), grad.data_as<T>(), stream_);
   });
 }
 

@@ -1,13 +1,18 @@
 // CudaKernels: the GPU backend's Kernels, on CUDA device memory with cuBLAS and the kernels
 // of device_kernels.cu.
 //
-// What it is: every Kernels operation (core/kernels.h) for float32 and float64 tensors on
-// the current CUDA device, with the semantics of the CPU reference (sim/eigen_kernels.h):
-// the same argument checks (std::invalid_argument naming the kernel and the tensors, thrown
-// before anything is enqueued), the same formulas in the same order, bit-identical dropout
-// masks (core/philox.h on the device) and a deterministic EmbeddingBackward that adds in the
+// What it is: every Kernels operation (core/kernels.h) for float64, float32, bfloat16 and
+// float16 tensors on the current CUDA device, with the semantics of the CPU reference
+// (sim/eigen_kernels.h): the same formulas in the same order, bit-identical dropout masks
+// (core/philox.h on the device) and a deterministic EmbeddingBackward that adds in the
 // CPU's order. Gemm is cuBLAS in CUBLAS_PEDANTIC_MATH (no TF32, no reduced-precision
 // shortcuts), so float32 GEMMs are true float32 GEMMs like the CPU's.
+// 16-bit tensors follow the dtype contract of core/kernels.h: elements are widened exactly
+// to float32, the float32 formula runs, and each stored element is rounded once with
+// core/half.h's rounding (so elementwise results are bit-identical to the CPU's whenever
+// the float32 values are). Gemm on 16-bit a and b is cublasGemmEx with CUBLAS_COMPUTE_32F
+// into a 16-bit or float32 c; Axpy's y, SumRows' out and EmbeddingBackward's dweight may be
+// float32 accumulators of 16-bit inputs, and the cross-entropy statistics are float32.
 // What it is not: an allocator with a cache (every Zeros/Empty is a cudaMalloc, every free a
 // cudaFree, which synchronises the device: simple and safe, not fast), multi-device (the
 // device current at construction is used throughout) or thread-safe.

@@ -1,10 +1,20 @@
 // Device kernels of the GPU backend, behind plain host-callable launchers.
 //
-// What it is: one launcher per CUDA kernel (device_kernels.cu), instantiated for T = float
-// and T = double. Each takes raw device pointers, sizes and the stream, enqueues the kernel
-// and checks cudaGetLastError. Every formula is written in the same order as the CPU
-// reference (sim/eigen_kernels.cc) and the .cu is compiled with --fmad=false, so
-// elementwise results round exactly like the CPU where the math functions agree.
+// What it is: one launcher per CUDA kernel (device_kernels.cu), instantiated for the storage
+// types T = double, float, BFloat16 and Float16 (core/half.h). Each takes raw device
+// pointers, sizes and the stream, enqueues the kernel and checks cudaGetLastError. Every
+// formula is written in the same order as the CPU reference (sim/eigen_kernels.cc) and the
+// .cu is compiled with --fmad=false, so elementwise results round exactly like the CPU
+// where the math functions agree.
+//
+// Dtypes (core/kernels.h): a kernel computes in C = ComputeOf<T> (double for double, float
+// otherwise). It widens each loaded element to C exactly (ToFloat), evaluates the float32
+// formula, and rounds each stored element once (FromFloat<T>, the shared round-to-nearest-
+// even of core/half.h, never CUDA's own conversions), so for float and double nothing
+// changes and for 16-bit storage the CPU and the GPU store the same bits for the same
+// float32 value. Accumulators (Axpy's y, SumRows' out, EmbeddingBackward's dweight) have
+// their own storage type A: T or C. Cross-entropy statistics (row_max, sum_exp, sum_z,
+// target_z, row_scale) are always C; scalars are passed as C.
 // What it is not: argument checking (CudaKernels in cuda_kernels.h checks every call
 // first) or anything that allocates memory. A launcher with nothing to do (n == 0) enqueues
 // nothing: a launch with zero blocks is an error in CUDA.
@@ -16,43 +26,53 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <type_traits>
+
+#include "core/half.h"
 
 namespace mpusim::cuda {
 
-// x[e] *= alpha.
+// The type a kernel on storage type T computes in: double for double, float otherwise.
 template <typename T>
-void LaunchScale(T* x, int64_t n, T alpha, cudaStream_t stream);
+using ComputeOf = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
-// y[e] += alpha * x[e].
+// x[e] = round(alpha * x[e]).
 template <typename T>
-void LaunchAxpy(const T* x, T* y, int64_t n, T alpha, cudaStream_t stream);
+void LaunchScale(T* x, int64_t n, ComputeOf<T> alpha, cudaStream_t stream);
 
-// y[i, j] += bias[j] on a rows x cols matrix.
+// y[e] = round(y[e] + alpha * x[e]); A is T or ComputeOf<T>.
+template <typename T, typename A>
+void LaunchAxpy(const T* x, A* y, int64_t n, ComputeOf<T> alpha, cudaStream_t stream);
+
+// y[i, j] = round(y[i, j] + bias[j]) on a rows x cols matrix.
 template <typename T>
 void LaunchAddRowVector(const T* bias, T* y, int64_t rows, int64_t cols, cudaStream_t stream);
 
-// out[j] = (beta == 0 ? 0 : beta == 1 ? out[j] : out[j] * beta) + sum_i x[i, j]; the sum runs
-// over i = 0, 1, ... in order (one thread per column).
-template <typename T>
-void LaunchSumRows(const T* x, int64_t rows, int64_t cols, double beta, T* out,
+// out[j] = round((beta == 0 ? 0 : beta == 1 ? out[j] : out[j] * beta) + sum_i x[i, j]); the
+// sum runs in ComputeOf<T> over i = 0, 1, ... in order (one thread per column); A is T or
+// ComputeOf<T>.
+template <typename T, typename A>
+void LaunchSumRows(const T* x, int64_t rows, int64_t cols, double beta, A* out,
                    cudaStream_t stream);
 
-// y = 0.5 x (1 + erf(x * inv_sqrt2)); y may be x.
+// y = round(0.5 x (1 + erf(x * inv_sqrt2))); y may be x.
 template <typename T>
-void LaunchGeluForward(const T* x, T* y, int64_t n, T inv_sqrt2, cudaStream_t stream);
+void LaunchGeluForward(const T* x, T* y, int64_t n, ComputeOf<T> inv_sqrt2, cudaStream_t stream);
 
-// dx = dy * (0.5 (1 + erf(x * inv_sqrt2)) + x exp(-x^2 / 2) * inv_sqrt_2pi); dx may be dy.
+// dx = round(dy * (0.5 (1 + erf(x * inv_sqrt2)) + x exp(-x^2 / 2) * inv_sqrt_2pi)); dx may
+// be dy.
 template <typename T>
-void LaunchGeluBackward(const T* x, const T* dy, T* dx, int64_t n, T inv_sqrt2, T inv_sqrt_2pi,
-                        cudaStream_t stream);
+void LaunchGeluBackward(const T* x, const T* dy, T* dx, int64_t n, ComputeOf<T> inv_sqrt2,
+                        ComputeOf<T> inv_sqrt_2pi, cudaStream_t stream);
 
-// y[e] = UniformAt(key, rng_stream, offset + e) >= p ? x[e] / keep_probability : 0; y may
-// be x.
+// y[e] = UniformAt(key, rng_stream, offset + e) >= p ? round(x[e] / keep_probability) : 0;
+// y may be x.
 template <typename T>
-void LaunchDropout(const T* x, T* y, int64_t n, double p, T keep_probability, uint64_t key,
-                   uint64_t rng_stream, uint64_t offset, cudaStream_t stream);
+void LaunchDropout(const T* x, T* y, int64_t n, double p, ComputeOf<T> keep_probability,
+                   uint64_t key, uint64_t rng_stream, uint64_t offset, cudaStream_t stream);
 
-// out[i, :] = weight[ids[i] - vocab_start, :] when vocab_start <= ids[i] < vocab_end, else 0.
+// out[i, :] = weight[ids[i] - vocab_start, :] when vocab_start <= ids[i] < vocab_end, else 0
+// (a copy of the stored bits).
 template <typename T>
 void LaunchEmbeddingForward(const T* weight, const int64_t* ids, int64_t num_ids, int64_t cols,
                             int64_t vocab_start, int64_t vocab_end, T* out, cudaStream_t stream);
@@ -61,29 +81,35 @@ void LaunchEmbeddingForward(const T* weight, const int64_t* ids, int64_t num_ids
 // `plan` holds num_rows local row indices, then num_rows + 1 offsets, then the token indices
 // of row r at [offsets[r], offsets[r + 1]) in increasing order. One thread per (row, column)
 // adds dy[token, column] for its tokens in that order: no atomics, deterministic, and the
-// same additions in the same order as the CPU's loop over tokens.
-template <typename T>
+// same additions in the same order as the CPU's loop over tokens, so the result is
+// bit-identical. Each addition is a ComputeOf<T> one rounded to A, like the CPU's, which
+// stores after every token: a 16-bit dweight rounds once per token, a float32 one is a
+// plain float32 sum. A is T or ComputeOf<T>.
+template <typename T, typename A>
 void LaunchEmbeddingBackward(const T* dy, const int64_t* plan, int64_t num_rows, int64_t cols,
-                             T* dweight, cudaStream_t stream);
+                             A* dweight, cudaStream_t stream);
 
 // row_max[i] = max_j logits[i, j] (-inf for a row with no columns). One block per row.
 template <typename T>
-void LaunchRowMax(const T* logits, int64_t rows, int64_t cols, T* row_max, cudaStream_t stream);
+void LaunchRowMax(const T* logits, int64_t rows, int64_t cols, ComputeOf<T>* row_max,
+                  cudaStream_t stream);
 
-// Per row i (one block per row), with z = logits[i, :] - row_max[i]: sum_exp[i] = sum exp(z),
-// sum_z[i] = sum z, target_z[i] = z[labels[i] - vocab_start] if that column is in
-// [0, cols), else 0.
+// Per row i (one block per row), with z = logits[i, :] - row_max[i] in ComputeOf<T>:
+// sum_exp[i] = sum exp(z), sum_z[i] = sum z, target_z[i] = z[labels[i] - vocab_start] if
+// that column is in [0, cols), else 0.
 template <typename T>
-void LaunchCrossEntropyPartials(const T* logits, const T* row_max, const int64_t* labels,
-                                int64_t rows, int64_t cols, int64_t vocab_start, T* sum_exp,
-                                T* sum_z, T* target_z, cudaStream_t stream);
+void LaunchCrossEntropyPartials(const T* logits, const ComputeOf<T>* row_max,
+                                const int64_t* labels, int64_t rows, int64_t cols,
+                                int64_t vocab_start, ComputeOf<T>* sum_exp, ComputeOf<T>* sum_z,
+                                ComputeOf<T>* target_z, cudaStream_t stream);
 
-// grad[i, j] = row_scale[i] * (exp(logits[i, j] - row_max[i]) / sum_exp[i] - q) with
+// grad[i, j] = round(row_scale[i] * (exp(logits[i, j] - row_max[i]) / sum_exp[i] - q)) with
 // q = on_value at the label column, off_value elsewhere; grad may be logits.
 template <typename T>
-void LaunchCrossEntropyBackward(const T* logits, const T* row_max, const T* sum_exp,
-                                const int64_t* labels, int64_t rows, int64_t cols,
-                                int64_t vocab_start, T on_value, T off_value, const T* row_scale,
-                                T* grad, cudaStream_t stream);
+void LaunchCrossEntropyBackward(const T* logits, const ComputeOf<T>* row_max,
+                                const ComputeOf<T>* sum_exp, const int64_t* labels, int64_t rows,
+                                int64_t cols, int64_t vocab_start, ComputeOf<T> on_value,
+                                ComputeOf<T> off_value, const ComputeOf<T>* row_scale, T* grad,
+                                cudaStream_t stream);
 
 }  // namespace mpusim::cuda

@@ -23,8 +23,19 @@ namespace {
   throw std::invalid_argument(fmt::format("NcclCommunicator::{}: {}", function, what));
 }
 
+// NCCL's name of a dtype (ncclBfloat16 is declared unconditionally by NCCL 2.28's nccl.h;
+// older ones need cuda_bf16.h, which nccl.h includes itself for CUDA >= 11). NCCL sums
+// 16-bit buffers in 16-bit steps: each partial sum of its ring or tree is rounded to the
+// dtype, so a sum over more than two ranks may differ from the CPU's reduction in the last
+// bit (exact whenever the partial sums are representable).
 ncclDataType_t NcclType(DType dtype) {
-  return dtype == DType::kFloat32 ? ncclFloat32 : ncclFloat64;
+  switch (dtype) {
+    case DType::kFloat32: return ncclFloat32;
+    case DType::kFloat64: return ncclFloat64;
+    case DType::kBFloat16: return ncclBfloat16;
+    case DType::kFloat16: return ncclFloat16;
+  }
+  throw std::invalid_argument("NcclCommunicator: unknown dtype");
 }
 
 void CheckBuffer(std::string_view function, std::string_view name, const Tensor& tensor) {

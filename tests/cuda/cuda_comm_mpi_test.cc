@@ -4,7 +4,9 @@
 // Every rank calls MakeCudaBackend (collective) and the outcome is all-reduced, so either all
 // ranks run a case or all skip it: without a GPU everything is skipped; with fewer GPUs than
 // ranks on a node, the nccl case is skipped (NCCL needs one GPU per rank) and the mpi case
-// runs with ranks sharing GPUs. Data are small integers, so every check is exact. No rank
+// runs with ranks sharing GPUs. Every collective runs in float32, float64, bfloat16 and
+// float16 (ncclBfloat16 / ncclFloat16, or MpiCommunicator's 16-bit support behind the
+// host-staged copies). Data are small integers, so every check is exact. No rank
 // returns early between collectives (only EXPECTs after the groups exist), so a failing
 // check cannot hang the job.
 #include <mpi.h>
@@ -15,7 +17,6 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include <fmt/format.h>
@@ -32,27 +33,25 @@
 namespace mpusim::cuda {
 namespace {
 
-template <typename T>
-constexpr DType kDType = std::is_same_v<T, float> ? DType::kFloat32 : DType::kFloat64;
-
-template <typename T>
-Tensor ToDevice(Kernels& kernels, const std::vector<double>& values) {
-  Tensor host = Tensor::HostZeros({static_cast<int64_t>(values.size())}, kDType<T>);
-  for (size_t e = 0; e < values.size(); ++e) host.data_as<T>()[e] = static_cast<T>(values[e]);
+// Host values -> a device tensor of `dtype` (each rounded once to it, core/half.h).
+Tensor ToDevice(Kernels& kernels, DType dtype, const std::vector<double>& values) {
+  Tensor host = Tensor::HostZeros({static_cast<int64_t>(values.size())}, dtype);
+  for (size_t e = 0; e < values.size(); ++e) SetHostValue(host, static_cast<int64_t>(e), values[e]);
   return kernels.ToDevice(host);
 }
 
-template <typename T>
 std::vector<double> Values(Kernels& kernels, const Tensor& device) {
   const Tensor host = kernels.ToHost(device);
   std::vector<double> v(static_cast<size_t>(host.numel()));
-  for (size_t e = 0; e < v.size(); ++e) v[e] = static_cast<double>(host.data_as<T>()[e]);
+  for (size_t e = 0; e < v.size(); ++e) v[e] = HostValue(host, static_cast<int64_t>(e));
   return v;
 }
 
 // Every collective once on `comm`, checked against values computed from the group size.
-template <typename T>
-void CheckCollectives(Kernels& kernels, Communicator& comm) {
+// All values and partial sums are integers below 256, exact in every dtype (bfloat16 has
+// 8 significant bits), so NCCL's 16-bit reductions are exact too.
+void CheckCollectives(Kernels& kernels, Communicator& comm, DType dtype) {
+  SCOPED_TRACE(DTypeName(dtype));
   const int rank = comm.Rank();
   const int size = comm.Size();
   const int n = 5;
@@ -63,9 +62,9 @@ void CheckCollectives(Kernels& kernels, Communicator& comm) {
     mine[static_cast<size_t>(e)] = rank + 3 * e;
     sum[static_cast<size_t>(e)] = size * (size - 1) / 2 + 3.0 * size * e;
   }
-  Tensor buffer = ToDevice<T>(kernels, mine);
+  Tensor buffer = ToDevice(kernels, dtype, mine);
   comm.AllReduce(buffer, ReduceOp::kSum);
-  EXPECT_EQ(Values<T>(kernels, buffer), sum) << "all-reduce sum";
+  EXPECT_EQ(Values(kernels, buffer), sum) << "all-reduce sum";
 
   for (int e = 0; e < n; ++e) {
     mine[static_cast<size_t>(e)] = (rank * 7 + e) % 5 - 2;
@@ -73,18 +72,18 @@ void CheckCollectives(Kernels& kernels, Communicator& comm) {
     for (int r = 0; r < size; ++r) m = std::max(m, static_cast<double>((r * 7 + e) % 5 - 2));
     max[static_cast<size_t>(e)] = m;
   }
-  buffer = ToDevice<T>(kernels, mine);
+  buffer = ToDevice(kernels, dtype, mine);
   comm.AllReduce(buffer, ReduceOp::kMax);
-  EXPECT_EQ(Values<T>(kernels, buffer), max) << "all-reduce max";
+  EXPECT_EQ(Values(kernels, buffer), max) << "all-reduce max";
 
   std::vector<double> in(count), gathered;
-  for (int e = 0; e < n; ++e) in[static_cast<size_t>(e)] = 100 * rank + e;
+  for (int e = 0; e < n; ++e) in[static_cast<size_t>(e)] = 10 * rank + e;
   for (int r = 0; r < size; ++r) {
-    for (int e = 0; e < n; ++e) gathered.push_back(100 * r + e);
+    for (int e = 0; e < n; ++e) gathered.push_back(10 * r + e);
   }
-  Tensor out = kernels.Empty({size * n}, kDType<T>);
-  comm.AllGather(ToDevice<T>(kernels, in), out);
-  EXPECT_EQ(Values<T>(kernels, out), gathered) << "all-gather";
+  Tensor out = kernels.Empty({size * n}, dtype);
+  comm.AllGather(ToDevice(kernels, dtype, in), out);
+  EXPECT_EQ(Values(kernels, out), gathered) << "all-gather";
 
   // Chunk c of rank r holds r + 10 c + e; this rank receives the sum over r of chunk Rank().
   std::vector<double> chunks, scattered(count);
@@ -95,19 +94,19 @@ void CheckCollectives(Kernels& kernels, Communicator& comm) {
     scattered[static_cast<size_t>(e)] =
         size * (size - 1) / 2 + size * (10 * rank + e);
   }
-  Tensor part = kernels.Empty({n}, kDType<T>);
-  comm.ReduceScatter(ToDevice<T>(kernels, chunks), part);
-  EXPECT_EQ(Values<T>(kernels, part), scattered) << "reduce-scatter";
+  Tensor part = kernels.Empty({n}, dtype);
+  comm.ReduceScatter(ToDevice(kernels, dtype, chunks), part);
+  EXPECT_EQ(Values(kernels, part), scattered) << "reduce-scatter";
 
   const int root = size - 1;
   std::vector<double> from_root(count);
   for (int e = 0; e < n; ++e) {
-    mine[static_cast<size_t>(e)] = 1000 * rank + e;
-    from_root[static_cast<size_t>(e)] = 1000 * root + e;
+    mine[static_cast<size_t>(e)] = 10 * rank + e;
+    from_root[static_cast<size_t>(e)] = 10 * root + e;
   }
-  buffer = ToDevice<T>(kernels, mine);
+  buffer = ToDevice(kernels, dtype, mine);
   comm.Broadcast(buffer, root);
-  EXPECT_EQ(Values<T>(kernels, buffer), from_root) << "broadcast from " << root;
+  EXPECT_EQ(Values(kernels, buffer), from_root) << "broadcast from " << root;
 }
 
 class CudaCommunicatorTest : public ::testing::TestWithParam<std::string> {};
@@ -142,8 +141,9 @@ TEST_P(CudaCommunicatorTest, CollectivesOnTpAndDpGroups) {
     const std::optional<GroupSlot> slot = topology->Locate(*topology->FindKind(kind), world_rank);
     EXPECT_EQ(comm.Rank(), slot->rank_in_group);
     EXPECT_EQ(comm.Size(), topology->GroupSize(*topology->FindKind(kind)));
-    CheckCollectives<float>(backend.kernels(), comm);
-    CheckCollectives<double>(backend.kernels(), comm);
+    for (DType dtype : {DType::kFloat32, DType::kFloat64, DType::kBFloat16, DType::kFloat16}) {
+      CheckCollectives(backend.kernels(), comm, dtype);
+    }
   }
 }
 

@@ -1,4 +1,5 @@
-// CudaKernels against EigenKernels (the CPU reference), for float32 and float64.
+// CudaKernels against EigenKernels (the CPU reference), for float32 and float64, and for
+// bfloat16 and float16 including their float32 accumulators and statistics.
 //
 // Single process, no MPI. Every test is skipped (GTEST_SKIP) when no CUDA device is visible;
 // CI compiles this file without a GPU.
@@ -10,6 +11,12 @@
 // EmbeddingBackward (same additions in the same order) are bit-identical even on
 // non-integer data. Only the erf/exp-based kernels (GELU, cross entropy) get tolerances,
 // each with its reason next to it.
+//
+// 16-bit dtypes (second half of the file): both backends widen to float32, compute the
+// float32 formula and round each stored element once with core/half.h, so wherever the
+// float32 values agree the stored bits agree too; elementwise kernels are compared
+// bitwise. GEMMs on non-integer data get the K-dependent float32 bound plus one 16-bit ulp
+// (the float32 results may fall on either side of a 16-bit rounding boundary).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -21,12 +28,15 @@
 #include <numbers>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "core/half.h"
 #include "core/philox.h"
 #include "core/tensor.h"
 #include "cuda/cuda_kernels.h"
@@ -707,6 +717,579 @@ TYPED_TEST(CudaKernelsTest, CrossEntropyBackwardIncludingInPlace) {
   EXPECT_THROW(gpu.CrossEntropyBackward(this->Dev({rows, cols}, lv), this->Dev({rows}, max),
                                         this->Dev({rows}, se), labels, vocab_start, 1, 0,
                                         this->Dev({rows}, scale), wrong),
+               std::invalid_argument);
+}
+
+// --- bfloat16 and float16 -------------------------------------------------------------
+//
+// The same host inputs (rounded once to the 16-bit dtype by SetHostValue) go to both
+// backends. Inputs are generated as doubles and stored through core/half.h, so they are
+// exact 16-bit values on both sides.
+
+template <typename H>
+constexpr DType kHalfDType = std::is_same_v<H, BFloat16> ? DType::kBFloat16 : DType::kFloat16;
+// The spacing of the 16-bit values in [1, 2): one ulp relative, 2^-7 (bfloat16) or 2^-10
+// (float16). A float32 value x rounded to 16 bits moves by at most eps/2 * |x|.
+template <typename H>
+constexpr double kHalfEps = std::is_same_v<H, BFloat16> ? 0x1p-7 : 0x1p-10;
+// float32's unit roundoff.
+constexpr double kFloatU = 0x1p-24;
+
+// A host tensor of `dtype` holding `values` (each rounded once to the dtype).
+Tensor HostOf(DType dtype, const Shape& shape, const std::vector<double>& values) {
+  Tensor t = Tensor::HostZeros(shape, dtype);
+  EXPECT_EQ(static_cast<size_t>(t.numel()), values.size())
+      << "test bug: HostOf " << ShapeString(shape);
+  for (size_t e = 0; e < values.size() && e < static_cast<size_t>(t.numel()); ++e) {
+    SetHostValue(t, static_cast<int64_t>(e), values[e]);
+  }
+  return t;
+}
+
+// Every element of a host tensor of any dtype, widened exactly to double.
+std::vector<double> ValuesOf(const Tensor& host) {
+  std::vector<double> v(static_cast<size_t>(host.numel()));
+  for (size_t e = 0; e < v.size(); ++e) v[e] = HostValue(host, static_cast<int64_t>(e));
+  return v;
+}
+
+// Same dtype, same numel and the same bits in every element (of any dtype).
+::testing::AssertionResult SameBits(const std::string& name, const Tensor& actual,
+                                    const Tensor& expected) {
+  if (actual.dtype() != expected.dtype() || actual.numel() != expected.numel()) {
+    return ::testing::AssertionFailure()
+           << name << ": " << DTypeName(actual.dtype()) << " " << ShapeString(actual.shape())
+           << " vs " << DTypeName(expected.dtype()) << " " << ShapeString(expected.shape());
+  }
+  const size_t size = DTypeSize(actual.dtype());
+  const auto* a = static_cast<const unsigned char*>(actual.data());
+  const auto* x = static_cast<const unsigned char*>(expected.data());
+  int64_t bad = 0;
+  std::string first;
+  for (int64_t e = 0; e < actual.numel(); ++e) {
+    const size_t at = static_cast<size_t>(e) * size;
+    if (std::memcmp(a + at, x + at, size) != 0 && bad++ < 10) {
+      first += fmt::format("\n  [{}] {} vs {}", e, HostValue(actual, e), HostValue(expected, e));
+    }
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << name << " (" << DTypeName(actual.dtype()) << "): " << bad
+                                       << " of " << actual.numel() << " differ bitwise:" << first;
+}
+
+template <typename H>
+class CudaKernelsHalfTest : public ::testing::Test {
+ public:
+  static constexpr DType kHalf = kHalfDType<H>;
+
+  void SetUp() override {
+    if (!DeviceVisible()) GTEST_SKIP() << "no CUDA device is visible";
+    gpu_ = std::make_unique<CudaKernels>();
+  }
+
+  Tensor Host(const Shape& shape, const std::vector<double>& values, DType dtype = kHalf) {
+    return HostOf(dtype, shape, values);
+  }
+  Tensor Dev(const Shape& shape, const std::vector<double>& values, DType dtype = kHalf) {
+    return gpu_->ToDevice(HostOf(dtype, shape, values));
+  }
+  // Values of a host or a device tensor.
+  std::vector<double> Values(const Tensor& t) {
+    return ValuesOf(t.device() == Device::kCuda ? gpu_->ToHost(t) : t);
+  }
+  Tensor Back(const Tensor& device) { return gpu_->ToHost(device); }
+
+  EigenKernels cpu_;
+  std::unique_ptr<CudaKernels> gpu_;
+};
+
+using HalfTypes = ::testing::Types<BFloat16, Float16>;
+TYPED_TEST_SUITE(CudaKernelsHalfTest, HalfTypes);
+
+// Special values (NaN, inf, subnormals, -0) survive every copy bit for bit: copies move
+// 16-bit patterns, never values.
+TYPED_TEST(CudaKernelsHalfTest, CopiesMoveBits) {
+  using H = TypeParam;
+  const DType h = kHalfDType<H>;
+  CudaKernels& gpu = *this->gpu_;
+  const std::vector<uint16_t> patterns = {0x0000, 0x8000, 0x0001, 0x8001, 0x7fc0, 0x7e00,
+                                          0x7f80, 0xff80, 0x7c00, 0xfc00, 0x3c00, 0x3f80,
+                                          0x03ff, 0xffff, 0x1234, 0xabcd};
+  Tensor host = Tensor::HostEmpty({4, 4}, h);
+  std::memcpy(host.data(), patterns.data(), patterns.size() * sizeof(uint16_t));
+  Tensor dev = gpu.ToDevice(host);
+  EXPECT_TRUE(SameBits("round trip", gpu.ToHost(dev), host));
+
+  Tensor copied = gpu.Empty({16}, h);
+  gpu.Copy(dev, copied);
+  EXPECT_TRUE(SameBits("copy", gpu.ToHost(copied), host.Reshaped({16})));
+  Tensor from_host = gpu.Zeros({2, 8}, h);
+  gpu.CopyFromHost(host, from_host);
+  EXPECT_TRUE(SameBits("copy from host", gpu.ToHost(from_host), host.Reshaped({2, 8})));
+
+  const Tensor zeros = gpu.ToHost(gpu.Zeros({3, 5}, h));
+  EXPECT_TRUE(SameBits("zeros", zeros, this->Host({3, 5}, std::vector<double>(15, 0.0))));
+
+  // CopyBlock with 2-byte elements: the CPU's result, and the hand-computed one.
+  const std::vector<double> sv = Ints(2, 5 * 6);
+  const std::vector<double> dv = Ints(3, 4 * 7);
+  Tensor cpu_dst = this->Host({4, 7}, dv);
+  this->cpu_.CopyBlock(this->Host({5, 6}, sv), 1, 2, cpu_dst, 0, 3, 3, 4);
+  Tensor gpu_dst = this->Dev({4, 7}, dv);
+  gpu.CopyBlock(this->Dev({5, 6}, sv), 1, 2, gpu_dst, 0, 3, 3, 4);
+  EXPECT_TRUE(SameBits("copy_block", this->Back(gpu_dst), cpu_dst));
+  std::vector<double> expected = dv;
+  for (size_t i = 0; i < 3; ++i) {
+    for (size_t j = 0; j < 4; ++j) expected[i * 7 + 3 + j] = sv[(1 + i) * 6 + 2 + j];
+  }
+  EXPECT_TRUE(TensorsNear("copy_block by hand", this->Values(gpu_dst), expected));
+
+  Tensor cpu_self = this->Host({5, 6}, sv);
+  this->cpu_.CopyBlock(cpu_self, 0, 0, cpu_self, 1, 1, 4, 5);
+  Tensor gpu_self = this->Dev({5, 6}, sv);
+  gpu.CopyBlock(gpu_self, 0, 0, gpu_self, 1, 1, 4, 5);
+  EXPECT_TRUE(SameBits("copy_block overlap", this->Back(gpu_self), cpu_self));
+}
+
+// --- 16-bit dense algebra -------------------------------------------------------------
+
+// Small integers: every product and partial sum is exact in float32 on both sides, so both
+// round the same exact value once and the bits agree, for a 16-bit and a float32 c alike.
+// The sums (up to 80 * 16 * 2 + 3 * 4) exceed 256, so a bfloat16 c really rounds.
+TYPED_TEST(CudaKernelsHalfTest, GemmIntegersAreBitIdenticalForEveryAccumulator) {
+  using H = TypeParam;
+  const DType h = kHalfDType<H>;
+  for (const DType c_dtype : {h, DType::kFloat32}) {
+    for (const auto& [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{5, 7, 6}, {70, 65, 80}}) {
+      for (bool ta : {false, true}) {
+        for (bool tb : {false, true}) {
+          for (double alpha : {1.0, -2.0, 0.5}) {
+            for (double beta : {0.0, 1.0, 3.0}) {
+              const std::string name =
+                  fmt::format("gemm c={} {}x{}x{} ta={} tb={} alpha={} beta={}",
+                              DTypeName(c_dtype), m, n, k, ta, tb, alpha, beta);
+              const std::vector<double> av = Ints(10, m * k), bv = Ints(11, k * n),
+                                        cv = Ints(12, m * n);
+              const Shape a_shape = ta ? Shape{k, m} : Shape{m, k};
+              const Shape b_shape = tb ? Shape{n, k} : Shape{k, n};
+              Tensor cpu_c = this->Host({m, n}, cv, c_dtype);
+              this->cpu_.Gemm(ta, tb, alpha, this->Host(a_shape, av), this->Host(b_shape, bv),
+                              beta, cpu_c);
+              Tensor gpu_c = this->Dev({m, n}, cv, c_dtype);
+              this->gpu_->Gemm(ta, tb, alpha, this->Dev(a_shape, av), this->Dev(b_shape, bv),
+                               beta, gpu_c);
+              ASSERT_GT(Norm(ValuesOf(cpu_c)), 0) << name;
+              EXPECT_TRUE(SameBits(name, this->Back(gpu_c), cpu_c));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Non-integer data: the float32 results differ by the classic bound |error| <=
+// k u sum_l |a_il b_lj| <= k^2 u on each side (|a|, |b| <= 1), scaled by |alpha| and plus
+// the rounding of beta * c; a 16-bit c then rounds each side once, which may land one
+// 16-bit ulp apart when the float32 values straddle a rounding boundary.
+TYPED_TEST(CudaKernelsHalfTest, GemmRealValuesWithinRoundingBound) {
+  using H = TypeParam;
+  const DType h = kHalfDType<H>;
+  const int64_t m = 33, n = 47, k = 129;
+  const double float_bound = 2 * (1.5 * static_cast<double>(k * k) + 2) * kFloatU;
+  for (const DType c_dtype : {h, DType::kFloat32}) {
+    const double rtol = c_dtype == h ? kHalfEps<H> : 0.0;
+    for (bool ta : {false, true}) {
+      for (bool tb : {false, true}) {
+        const std::vector<double> av = Reals(1, m * k), bv = Reals(2, k * n),
+                                  cv = Reals(3, m * n);
+        const Shape a_shape = ta ? Shape{k, m} : Shape{m, k};
+        const Shape b_shape = tb ? Shape{n, k} : Shape{k, n};
+        Tensor cpu_c = this->Host({m, n}, cv, c_dtype);
+        this->cpu_.Gemm(ta, tb, 1.5, this->Host(a_shape, av), this->Host(b_shape, bv), 0.5,
+                        cpu_c);
+        Tensor gpu_c = this->Dev({m, n}, cv, c_dtype);
+        this->gpu_->Gemm(ta, tb, 1.5, this->Dev(a_shape, av), this->Dev(b_shape, bv), 0.5,
+                         gpu_c);
+        const std::vector<double> expected = ValuesOf(cpu_c);
+        ASSERT_GT(Norm(expected), 0);
+        EXPECT_TRUE(TensorsNear(fmt::format("gemm reals c={} ta={} tb={}", DTypeName(c_dtype), ta,
+                                            tb),
+                                this->Values(gpu_c), expected, float_bound, rtol));
+      }
+    }
+  }
+}
+
+// A 16-bit product is a float32 one: x = 1 + 2^-7 (bfloat16) or 1 + 2^-10 (float16) is a
+// 16-bit value whose square 1 + 2 eps + eps^2 needs float32 to survive the k = 64 sum; the
+// float32 c must then hold 64 (1 + 2 eps + eps^2) exactly (any 16-bit accumulation or a
+// 16-bit C in between would lose eps^2).
+TYPED_TEST(CudaKernelsHalfTest, GemmAccumulatesInFloat32) {
+  using H = TypeParam;
+  const DType h = kHalfDType<H>;
+  const int64_t m = 8, n = 8, k = 64;
+  const double x = 1.0 + kHalfEps<H>;
+  const auto size = [](int64_t count) { return static_cast<size_t>(count); };
+  Tensor c = this->gpu_->Empty({m, n}, DType::kFloat32);
+  this->gpu_->Gemm(false, false, 1.0, this->Dev({m, k}, std::vector<double>(size(m * k), x)),
+                   this->Dev({k, n}, std::vector<double>(size(k * n), x)), 0.0, c);
+  EXPECT_TRUE(TensorsNear("gemm float32 accumulation", this->Values(c),
+                          std::vector<double>(size(m * n), 64.0 * x * x)));
+  // Into a 16-bit c: one rounding of that float32 value.
+  Tensor c16 = this->gpu_->Empty({m, n}, h);
+  this->gpu_->Gemm(false, false, 1.0, this->Dev({m, k}, std::vector<double>(size(m * k), x)),
+                   this->Dev({k, n}, std::vector<double>(size(k * n), x)), 0.0, c16);
+  EXPECT_TRUE(SameBits("gemm rounded once", this->Back(c16),
+                       this->Host({m, n}, std::vector<double>(size(m * n), 64.0 * x * x))));
+}
+
+TYPED_TEST(CudaKernelsHalfTest, GemmBetaZeroOverwritesNaNAndEmptyK) {
+  using H = TypeParam;
+  const DType h = kHalfDType<H>;
+  CudaKernels& gpu = *this->gpu_;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (const DType c_dtype : {h, DType::kFloat32}) {
+    SCOPED_TRACE(DTypeName(c_dtype));
+    Tensor c = this->Dev({2, 2}, std::vector<double>(4, nan), c_dtype);
+    gpu.Gemm(false, false, 1.0, this->Dev({2, 3}, Ints(20, 6)), this->Dev({3, 2}, Ints(21, 6)),
+             0.0, c);
+    Tensor cpu_c = this->Host({2, 2}, std::vector<double>(4, 0.0), c_dtype);
+    this->cpu_.Gemm(false, false, 1.0, this->Host({2, 3}, Ints(20, 6)),
+                    this->Host({3, 2}, Ints(21, 6)), 0.0, cpu_c);
+    EXPECT_TRUE(SameBits("gemm beta=0", this->Back(c), cpu_c));
+
+    // k == 0: c = beta * c, rounded once; beta == 0 overwrites NaN; alpha == 0 likewise.
+    const std::vector<double> cv = Reals(22, 6);
+    Tensor c0 = this->Dev({2, 3}, cv, c_dtype);
+    gpu.Gemm(false, false, 1.0, gpu.Zeros({2, 0}, h), gpu.Zeros({0, 3}, h), 0.3, c0);
+    Tensor cpu_c0 = this->Host({2, 3}, cv, c_dtype);
+    this->cpu_.Gemm(false, false, 1.0, this->cpu_.Zeros({2, 0}, h), this->cpu_.Zeros({0, 3}, h),
+                    0.3, cpu_c0);
+    EXPECT_TRUE(SameBits("gemm k=0 beta=0.3", this->Back(c0), cpu_c0));
+    Tensor c_nan = this->Dev({2, 3}, std::vector<double>(6, nan), c_dtype);
+    gpu.Gemm(false, false, 1.0, gpu.Zeros({2, 0}, h), gpu.Zeros({0, 3}, h), 0.0, c_nan);
+    EXPECT_TRUE(TensorsNear("gemm k=0 beta=0", this->Values(c_nan), std::vector<double>(6, 0.0)));
+    Tensor c_alpha0 = this->Dev({2, 3}, cv, c_dtype);
+    gpu.Gemm(false, false, 0.0, this->Dev({2, 4}, Ints(23, 8)), this->Dev({4, 3}, Ints(24, 12)),
+             1.0, c_alpha0);
+    EXPECT_TRUE(SameBits("gemm alpha=0 beta=1", this->Back(c_alpha0),
+                         this->Host({2, 3}, cv, c_dtype)));
+  }
+}
+
+TYPED_TEST(CudaKernelsHalfTest, GemmRejectsMixedDtypes) {
+  using H = TypeParam;
+  const DType h = kHalfDType<H>;
+  const DType other_half = h == DType::kBFloat16 ? DType::kFloat16 : DType::kBFloat16;
+  CudaKernels& gpu = *this->gpu_;
+  const Tensor a = this->Dev({2, 3}, Ints(20, 6));
+  const Tensor b = this->Dev({3, 2}, Ints(21, 6));
+  Tensor c64 = gpu.Zeros({2, 2}, DType::kFloat64);
+  EXPECT_THROW(gpu.Gemm(false, false, 1, a, b, 0, c64), std::invalid_argument);
+  Tensor c_other = gpu.Zeros({2, 2}, other_half);
+  EXPECT_THROW(gpu.Gemm(false, false, 1, a, b, 0, c_other), std::invalid_argument);
+  const Tensor b_other = gpu.Zeros({3, 2}, other_half);
+  Tensor c = gpu.Zeros({2, 2}, h);
+  EXPECT_THROW(gpu.Gemm(false, false, 1, a, b_other, 0, c), std::invalid_argument);
+  // A float32 product has no 16-bit accumulator.
+  const Tensor a32 = this->Dev({2, 3}, Ints(20, 6), DType::kFloat32);
+  const Tensor b32 = this->Dev({3, 2}, Ints(21, 6), DType::kFloat32);
+  EXPECT_THROW(gpu.Gemm(false, false, 1, a32, b32, 0, c), std::invalid_argument);
+}
+
+// AddRowVector, Axpy and Scale on non-integer data: one float32 operation per element,
+// rounded once, on both sides: bit-identical. SumRows on integers (exact float32 sums in
+// any order; the bfloat16 results round since the sums exceed 256).
+TYPED_TEST(CudaKernelsHalfTest, AddRowVectorSumRowsAxpyScale) {
+  using H = TypeParam;
+  const DType h = kHalfDType<H>;
+  CudaKernels& gpu = *this->gpu_;
+  EigenKernels& cpu = this->cpu_;
+  for (const auto& [r, c] : {std::pair<int64_t, int64_t>{6, 5}, {300, 701}}) {
+    SCOPED_TRACE(fmt::format("{} x {}", r, c));
+    const std::vector<double> xv = Reals(30, r * c), bv = Reals(31, c);
+
+    Tensor cpu_y = this->Host({r, c}, xv);
+    cpu.AddRowVector(this->Host({c}, bv), cpu_y);
+    Tensor gpu_y = this->Dev({r, c}, xv);
+    gpu.AddRowVector(this->Dev({c}, bv), gpu_y);
+    EXPECT_TRUE(SameBits("add_row_vector", this->Back(gpu_y), cpu_y));
+
+    const std::vector<double> iv = Ints(32, r * c), ov = Ints(33, c);
+    for (const DType out_dtype : {h, DType::kFloat32}) {
+      for (double beta : {0.0, 1.0, 2.0}) {
+        const std::string name = fmt::format("sum_rows out={} beta={}", DTypeName(out_dtype), beta);
+        Tensor cpu_out = this->Host({c}, ov, out_dtype);
+        cpu.SumRows(this->Host({r, c}, iv), beta, cpu_out);
+        Tensor gpu_out = this->Dev({c}, ov, out_dtype);
+        gpu.SumRows(this->Dev({r, c}, iv), beta, gpu_out);
+        ASSERT_GT(Norm(ValuesOf(cpu_out)), 0) << name;
+        EXPECT_TRUE(SameBits(name, this->Back(gpu_out), cpu_out));
+      }
+    }
+
+    const std::vector<double> yv = Reals(34, r * c);
+    for (const DType y_dtype : {h, DType::kFloat32}) {
+      const std::string name = fmt::format("axpy y={}", DTypeName(y_dtype));
+      Tensor cpu_a = this->Host({r, c}, yv, y_dtype);
+      cpu.Axpy(0.3, this->Host({r * c}, xv), cpu_a);
+      Tensor gpu_a = this->Dev({r, c}, yv, y_dtype);
+      gpu.Axpy(0.3, this->Dev({r * c}, xv), gpu_a);
+      EXPECT_TRUE(SameBits(name, this->Back(gpu_a), cpu_a));
+    }
+
+    Tensor cpu_s = this->Host({r, c}, xv);
+    cpu.Scale(0.7, cpu_s);
+    Tensor gpu_s = this->Dev({r, c}, xv);
+    gpu.Scale(0.7, gpu_s);
+    EXPECT_TRUE(SameBits("scale", this->Back(gpu_s), cpu_s));
+  }
+
+  // Accumulators must be the inputs' dtype or float32.
+  Tensor y64 = gpu.Zeros({6}, DType::kFloat64);
+  EXPECT_THROW(gpu.Axpy(1, this->Dev({6}, Ints(1, 6)), y64), std::invalid_argument);
+  Tensor out64 = gpu.Zeros({5}, DType::kFloat64);
+  EXPECT_THROW(gpu.SumRows(this->Dev({6, 5}, Ints(1, 30)), 0, out64), std::invalid_argument);
+  Tensor y32 = gpu.Zeros({6, 5}, DType::kFloat32);
+  EXPECT_THROW(gpu.AddRowVector(this->Dev({5}, Ints(1, 5)), y32), std::invalid_argument);
+}
+
+// --- 16-bit elementwise ---------------------------------------------------------------
+
+// erf/exp in float32 differ by a few float32 ulp between CUDA and the CPU (see kUlpTol);
+// rounded to 16 bits they mostly agree, but may land one 16-bit ulp apart (rtol = eps)
+// where the float32 values straddle a rounding boundary. For x <= -4, 1 + erf(x / sqrt 2)
+// cancels to below 1e-4 in float32, so those few ulp of 1 become a large relative error of
+// a tiny result: atol = kUlpTol<float>, the float32 test's absolute tolerance.
+TYPED_TEST(CudaKernelsHalfTest, Gelu) {
+  using H = TypeParam;
+  const DType h = kHalfDType<H>;
+  CudaKernels& gpu = *this->gpu_;
+  std::vector<double> xv(41);
+  for (size_t e = 0; e < xv.size(); ++e) xv[e] = static_cast<double>(e) / 4.0 - 5.0;  // -5 .. 5
+  const std::vector<double> more = Reals(41, 200);
+  for (double v : more) xv.push_back(3 * v);
+  const int64_t n = static_cast<int64_t>(xv.size());
+  const std::vector<double> dyv = Reals(40, n);
+  const double atol = kUlpTol<float>;
+
+  Tensor cpu_y = this->Host({n}, xv);
+  this->cpu_.GeluForward(this->Host({n}, xv), cpu_y);
+  Tensor gpu_y = gpu.Zeros({n}, h);
+  gpu.GeluForward(this->Dev({n}, xv), gpu_y);
+  EXPECT_TRUE(TensorsNear("gelu", this->Values(gpu_y), ValuesOf(cpu_y), atol, kHalfEps<H>));
+  EXPECT_EQ(this->Values(gpu_y)[20], 0.0);  // gelu(0)
+
+  Tensor in_place = this->Dev({n}, xv);
+  gpu.GeluForward(in_place, in_place);
+  EXPECT_TRUE(SameBits("gelu in place", this->Back(in_place), this->Back(gpu_y)));
+
+  Tensor cpu_dx = this->Host({n}, xv);
+  this->cpu_.GeluBackward(this->Host({n}, xv), this->Host({n}, dyv), cpu_dx);
+  Tensor gpu_dx = gpu.Zeros({n}, h);
+  gpu.GeluBackward(this->Dev({n}, xv), this->Dev({n}, dyv), gpu_dx);
+  ASSERT_GT(Norm(ValuesOf(cpu_dx)), 0);
+  EXPECT_TRUE(
+      TensorsNear("gelu backward", this->Values(gpu_dx), ValuesOf(cpu_dx), atol, kHalfEps<H>));
+  Tensor dy_in_place = this->Dev({n}, dyv);
+  gpu.GeluBackward(this->Dev({n}, xv), dy_in_place, dy_in_place);
+  EXPECT_TRUE(SameBits("gelu backward in place", this->Back(dy_in_place), this->Back(gpu_dx)));
+}
+
+// The same Philox mask and one float32 division rounded once: bit-identical.
+TYPED_TEST(CudaKernelsHalfTest, DropoutIsBitIdenticalToTheCpu) {
+  using H = TypeParam;
+  const DType h = kHalfDType<H>;
+  CudaKernels& gpu = *this->gpu_;
+  const std::vector<double> xv = Reals(50, 200);
+  for (double p : {0.25, 0.5, 0.9}) {
+    SCOPED_TRACE(fmt::format("p = {}", p));
+    Tensor cpu_y = Tensor::HostZeros({10, 20}, h);
+    this->cpu_.Dropout(this->Host({10, 20}, xv), p, 1234, 3, 77, cpu_y);
+    Tensor gpu_y = gpu.Zeros({10, 20}, h);
+    gpu.Dropout(this->Dev({10, 20}, xv), p, 1234, 3, 77, gpu_y);
+    EXPECT_TRUE(SameBits("dropout", this->Back(gpu_y), cpu_y));
+    Tensor x = this->Dev({10, 20}, xv);
+    gpu.Dropout(x, p, 1234, 3, 77, x);
+    EXPECT_TRUE(SameBits("dropout in place", this->Back(x), cpu_y));
+  }
+  // A shard at offset 50 gets the same mask as those elements of the whole.
+  Tensor whole = gpu.Zeros({200}, h);
+  gpu.Dropout(this->Dev({200}, xv), 0.5, 9, 1, 0, whole);
+  Tensor part = gpu.Zeros({30}, h);
+  gpu.Dropout(this->Dev({30}, std::vector<double>(xv.begin() + 50, xv.begin() + 80)), 0.5, 9, 1,
+              50, part);
+  const std::vector<double> wv = this->Values(whole);
+  EXPECT_TRUE(TensorsNear("dropout offset", this->Values(part),
+                          std::vector<double>(wv.begin() + 50, wv.begin() + 80)));
+  Tensor copy = gpu.Zeros({200}, h);
+  gpu.Dropout(this->Dev({200}, xv), 1.0, 1, 1, 0, copy);
+  EXPECT_TRUE(TensorsNear("dropout p=1", this->Values(copy), std::vector<double>(200, 0.0)));
+}
+
+// --- 16-bit embedding -----------------------------------------------------------------
+
+// Forward copies bits. Backward adds each row's tokens in token order like the CPU, each
+// addition a float32 one rounded to dweight's dtype: bit-identical for a 16-bit dweight
+// (rounded per token on both sides) and for a float32 one (a plain float32 sum).
+TYPED_TEST(CudaKernelsHalfTest, EmbeddingForwardBackward) {
+  using H = TypeParam;
+  const DType h = kHalfDType<H>;
+  CudaKernels& gpu = *this->gpu_;
+  const int64_t vocab_start = 100, vocab_end = 137, hidden = 300, num_ids = 500;
+  const int64_t vocab = vocab_end - vocab_start;
+  std::vector<int64_t> ids(static_cast<size_t>(num_ids));
+  for (int64_t i = 0; i < num_ids; ++i) {
+    // Mostly in the shard, heavily repeated; some outside on both sides.
+    ids[static_cast<size_t>(i)] = 95 + static_cast<int64_t>(IntAt(64, i, 0, 45));
+  }
+  const std::vector<double> wv = Reals(60, vocab * hidden);
+  const size_t out_numel = static_cast<size_t>(num_ids * hidden);
+  Tensor cpu_out = this->Host({num_ids, hidden}, std::vector<double>(out_numel, 7.0));
+  this->cpu_.EmbeddingForward(this->Host({vocab, hidden}, wv), ids, vocab_start, vocab_end,
+                              cpu_out);
+  Tensor gpu_out = this->Dev({num_ids, hidden}, std::vector<double>(out_numel, 7.0));
+  gpu.EmbeddingForward(this->Dev({vocab, hidden}, wv), ids, vocab_start, vocab_end, gpu_out);
+  EXPECT_TRUE(SameBits("embedding forward", this->Back(gpu_out), cpu_out));
+
+  for (const DType dw_dtype : {h, DType::kFloat32}) {
+    for (const bool integers : {true, false}) {
+      const std::string name = fmt::format("embedding backward dweight={} {}",
+                                           DTypeName(dw_dtype), integers ? "ints" : "reals");
+      const std::vector<double> dyv =
+          integers ? Ints(61, num_ids * hidden) : Reals(61, num_ids * hidden);
+      const std::vector<double> dw0 =
+          integers ? Ints(62, vocab * hidden) : Reals(62, vocab * hidden);
+      Tensor cpu_dw = this->Host({vocab, hidden}, dw0, dw_dtype);
+      this->cpu_.EmbeddingBackward(this->Host({num_ids, hidden}, dyv), ids, vocab_start,
+                                   vocab_end, cpu_dw);
+      Tensor gpu_dw = this->Dev({vocab, hidden}, dw0, dw_dtype);
+      gpu.EmbeddingBackward(this->Dev({num_ids, hidden}, dyv), ids, vocab_start, vocab_end,
+                            gpu_dw);
+      EXPECT_TRUE(SameBits(name, this->Back(gpu_dw), cpu_dw));
+      EXPECT_NE(ValuesOf(cpu_dw), ValuesOf(this->Host({vocab, hidden}, dw0, dw_dtype))) << name;
+    }
+  }
+  Tensor dw64 = gpu.Zeros({vocab, hidden}, DType::kFloat64);
+  EXPECT_THROW(gpu.EmbeddingBackward(gpu_out, ids, vocab_start, vocab_end, dw64),
+               std::invalid_argument);
+}
+
+// --- 16-bit cross entropy -------------------------------------------------------------
+
+TYPED_TEST(CudaKernelsHalfTest, RowMaxIntoFloat32) {
+  using H = TypeParam;
+  const DType h = kHalfDType<H>;
+  CudaKernels& gpu = *this->gpu_;
+  for (const auto& [r, c] : {std::pair<int64_t, int64_t>{4, 6}, {3, 3000}, {70000, 3}}) {
+    SCOPED_TRACE(fmt::format("{} x {}", r, c));
+    const std::vector<double> lv = Reals(70, r * c);  // the maximum is exact either way
+    Tensor cpu_max = Tensor::HostZeros({r}, DType::kFloat32);
+    this->cpu_.RowMax(this->Host({r, c}, lv), cpu_max);
+    Tensor gpu_max = gpu.Zeros({r}, DType::kFloat32);
+    gpu.RowMax(this->Dev({r, c}, lv), gpu_max);
+    EXPECT_TRUE(SameBits("row_max", this->Back(gpu_max), cpu_max));
+  }
+  Tensor empty_max = gpu.Zeros({3}, DType::kFloat32);
+  gpu.RowMax(gpu.Zeros({3, 0}, h), empty_max);
+  EXPECT_TRUE(TensorsNear("row_max of no columns", this->Values(empty_max),
+                          std::vector<double>(3, -std::numeric_limits<double>::infinity())));
+  // Statistics are float32, never 16-bit.
+  Tensor half_max = gpu.Zeros({4}, h);
+  EXPECT_THROW(gpu.RowMax(this->Dev({4, 6}, Ints(70, 24)), half_max), std::invalid_argument);
+}
+
+TYPED_TEST(CudaKernelsHalfTest, CrossEntropyPartialsIntoFloat32) {
+  using H = TypeParam;
+  const DType h = kHalfDType<H>;
+  const DType f32 = DType::kFloat32;
+  CudaKernels& gpu = *this->gpu_;
+  for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{4, 5}, {6, 1000}}) {
+    SCOPED_TRACE(fmt::format("{} x {}", rows, cols));
+    const int64_t vocab_start = cols;
+    const std::vector<double> lv = Ints(80, rows * cols, -6, 6);
+    std::vector<int64_t> labels;
+    for (int64_t i = 0; i < rows; ++i) {
+      labels.push_back(i % 2 == 0 ? vocab_start + (i * 37 + 1) % cols
+                                  : (i % 4 == 1 ? i : vocab_start + cols + i));
+    }
+    std::vector<double> max(static_cast<size_t>(rows), 7.0);
+    for (int64_t i = 0; i < rows; i += 2) max[static_cast<size_t>(i)] = 8.0;
+
+    Tensor cpu_se = Tensor::HostZeros({rows}, f32);
+    Tensor cpu_sz = Tensor::HostZeros({rows}, f32);
+    Tensor cpu_tz = Tensor::HostZeros({rows}, f32);
+    this->cpu_.CrossEntropyPartials(this->Host({rows, cols}, lv), this->Host({rows}, max, f32),
+                                    labels, vocab_start, cpu_se, cpu_sz, cpu_tz);
+    Tensor gpu_se = gpu.Zeros({rows}, f32);
+    Tensor gpu_sz = gpu.Zeros({rows}, f32);
+    Tensor gpu_tz = gpu.Zeros({rows}, f32);
+    gpu.CrossEntropyPartials(this->Dev({rows, cols}, lv), this->Dev({rows}, max, f32), labels,
+                             vocab_start, gpu_se, gpu_sz, gpu_tz);
+    // As for float32: exp within a few ulp, tree vs sequential summation.
+    const double order = static_cast<double>(cols) * std::numeric_limits<float>::epsilon();
+    EXPECT_TRUE(TensorsNear("sum_exp", this->Values(gpu_se), ValuesOf(cpu_se), 0,
+                            4 * kUlpTol<float> + order));
+    EXPECT_TRUE(SameBits("sum_z", this->Back(gpu_sz), cpu_sz));
+    EXPECT_TRUE(SameBits("target_z", this->Back(gpu_tz), cpu_tz));
+    ASSERT_GT(Norm(ValuesOf(cpu_tz)), 0);
+  }
+  Tensor se = gpu.Zeros({4}, h), sz = gpu.Zeros({4}, f32), tz = gpu.Zeros({4}, f32);
+  EXPECT_THROW(gpu.CrossEntropyPartials(this->Dev({4, 5}, Ints(80, 20)),
+                                        this->Dev({4}, Ints(1, 4), f32), {1, 2, 3, 4}, 0, se, sz,
+                                        tz),
+               std::invalid_argument);
+}
+
+// grad in the logits' 16-bit dtype from float32 statistics: the float32 values differ by a
+// few ulp (exp, see kUlpTol), so after rounding they may be one 16-bit ulp apart.
+TYPED_TEST(CudaKernelsHalfTest, CrossEntropyBackwardIncludingInPlace) {
+  using H = TypeParam;
+  const DType h = kHalfDType<H>;
+  const DType f32 = DType::kFloat32;
+  CudaKernels& gpu = *this->gpu_;
+  const int64_t rows = 5, cols = 300, vocab_start = 300;
+  const std::vector<double> lv = Ints(90, rows * cols, -6, 6);
+  const std::vector<int64_t> labels = {300, 599, 17, 450, 600};
+  const std::vector<double> max(static_cast<size_t>(rows), 6.0);
+  std::vector<double> se(static_cast<size_t>(rows), 0.0);
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < cols; ++j) {
+      se[static_cast<size_t>(i)] += std::exp(lv[static_cast<size_t>(i * cols + j)] - 6.0);
+    }
+  }
+  const std::vector<double> scale = {1, 0.5, 2, 0.25, 1};
+  for (const auto& [on, off] : {std::pair<double, double>{1.0, 0.0}, {0.9, 0.1 / 599}}) {
+    SCOPED_TRACE(fmt::format("on {} off {}", on, off));
+    Tensor cpu_grad = Tensor::HostZeros({rows, cols}, h);
+    this->cpu_.CrossEntropyBackward(this->Host({rows, cols}, lv), this->Host({rows}, max, f32),
+                                    this->Host({rows}, se, f32), labels, vocab_start, on, off,
+                                    this->Host({rows}, scale, f32), cpu_grad);
+    Tensor gpu_grad = gpu.Zeros({rows, cols}, h);
+    gpu.CrossEntropyBackward(this->Dev({rows, cols}, lv), this->Dev({rows}, max, f32),
+                             this->Dev({rows}, se, f32), labels, vocab_start, on, off,
+                             this->Dev({rows}, scale, f32), gpu_grad);
+    EXPECT_TRUE(TensorsNear("grad", this->Values(gpu_grad), ValuesOf(cpu_grad), kUlpTol<float>,
+                            kHalfEps<H>));
+    ASSERT_GT(Norm(ValuesOf(cpu_grad)), 0);
+
+    Tensor in_place = this->Dev({rows, cols}, lv);
+    gpu.CrossEntropyBackward(in_place, this->Dev({rows}, max, f32), this->Dev({rows}, se, f32),
+                             labels, vocab_start, on, off, this->Dev({rows}, scale, f32),
+                             in_place);
+    EXPECT_TRUE(SameBits("grad in place", this->Back(in_place), this->Back(gpu_grad)));
+  }
+  // grad has the logits' dtype; row_scale is float32.
+  Tensor grad32 = gpu.Zeros({rows, cols}, f32);
+  EXPECT_THROW(gpu.CrossEntropyBackward(this->Dev({rows, cols}, lv), this->Dev({rows}, max, f32),
+                                        this->Dev({rows}, se, f32), labels, vocab_start, 1, 0,
+                                        this->Dev({rows}, scale, f32), grad32),
+               std::invalid_argument);
+  Tensor grad = gpu.Zeros({rows, cols}, h);
+  EXPECT_THROW(gpu.CrossEntropyBackward(this->Dev({rows, cols}, lv), this->Dev({rows}, max, f32),
+                                        this->Dev({rows}, se, f32), labels, vocab_start, 1, 0,
+                                        this->Dev({rows}, scale), grad),
                std::invalid_argument);
 }
 
