@@ -1,27 +1,41 @@
 // EigenKernels (see eigen_kernels.h).
 //
-// Every public method checks its arguments, then calls Dispatch, which runs the body once
-// with T = float or T = double. Tensors are viewed through Eigen::Map as row-major
-// (rows x cols) matrices or flat arrays; no data is copied except where an operation
-// would otherwise read what it has already overwritten (overlapping CopyBlock).
+// The base class checks the arguments, then a Do* method runs. float32 and float64 go
+// through Dispatch, which runs the body once with T = float or T = double; tensors are
+// viewed through Eigen::Map as row-major (rows x cols) matrices or flat arrays, and no data
+// is copied except where an operation would otherwise read what it has already overwritten
+// (overlapping CopyBlock).
+//
+// bfloat16 and float16 (core/kernels.h: compute in float32, round each stored element
+// once) reuse the float32 code instead of a second copy of every formula: the 16-bit
+// inputs are widened exactly into temporary float32 tensors (Widened), the float32 Do*
+// method runs on them, and the float32 results are rounded once into the 16-bit output
+// (StoreRounded). A float32 accumulator or statistic (Gemm's c, SumRows' out, Axpy's y,
+// EmbeddingBackward's dweight, the cross-entropy statistics) is passed to the float32 code
+// as it is. The temporaries cost one float32 copy of the operands per call; the 16-bit path
+// trades that for having exactly the float32 formulas (and OpenBLAS for Gemm). Copies move
+// 16-bit elements as uint16_t bit patterns (DispatchBits), never through float.
 #include "sim/eigen_kernels.h"
 
 #include <malloc.h>
 
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <numbers>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include <Eigen/Core>
 #include <unsupported/Eigen/SpecialFunctions>
 #include <fmt/format.h>
 
 #include "core/arg_checks.h"
+#include "core/half.h"
 #include "core/philox.h"
 
 namespace mpusim {
@@ -49,6 +63,54 @@ Eigen::Map<FlatArray<T>> ArrayOf(Tensor& t) {
 template <typename T>
 Eigen::Map<const FlatArray<T>> ArrayOf(const Tensor& t) {
   return Eigen::Map<const FlatArray<T>>(t.data_as<T>(), t.numel());
+}
+
+// Runs body.template operator()<H>() with H = BFloat16 or Float16, the storage type of a
+// 16-bit `dtype`.
+template <typename Body>
+void DispatchHalf(DType dtype, Body&& body) {
+  if (dtype == DType::kBFloat16) {
+    body.template operator()<BFloat16>();
+  } else if (dtype == DType::kFloat16) {
+    body.template operator()<Float16>();
+  } else {
+    throw std::invalid_argument(
+        fmt::format("EigenKernels: {} is not a 16-bit dtype", DTypeName(dtype)));
+  }
+}
+
+// Runs body.template operator()<T>() with T a type whose copies move `dtype`'s bits
+// unchanged: float, double, or uint16_t for both 16-bit dtypes (a copy needs no values).
+template <typename Body>
+void DispatchBits(DType dtype, Body&& body) {
+  if (IsHalf(dtype)) {
+    body.template operator()<uint16_t>();
+  } else {
+    Dispatch(dtype, std::forward<Body>(body));
+  }
+}
+
+// A float32 host tensor of t's shape holding t's 16-bit elements widened (exactly).
+Tensor Widened(const Tensor& t) {
+  Tensor out = Tensor::HostEmpty(t.shape(), DType::kFloat32);
+  DispatchHalf(t.dtype(), [&]<typename H>() {
+    const H* in = t.data_as<H>();
+    float* o = out.data_as<float>();
+    const int64_t n = t.numel();
+    for (int64_t e = 0; e < n; ++e) o[e] = ToFloat(in[e]);
+  });
+  return out;
+}
+
+// dst = src rounded once, element by element, to dst's 16-bit dtype (round to nearest even,
+// core/half.h); src is float32 with dst's numel.
+void StoreRounded(const Tensor& src, Tensor& dst) {
+  DispatchHalf(dst.dtype(), [&]<typename H>() {
+    const float* in = src.data_as<float>();
+    H* o = dst.data_as<H>();
+    const int64_t n = dst.numel();
+    for (int64_t e = 0; e < n; ++e) o[e] = FromFloat<H>(in[e]);
+  });
 }
 
 // Column of `label` in a shard starting at vocab_start with `cols` columns, or -1.
@@ -105,7 +167,7 @@ void EigenKernels::DoCopy(const Tensor& src, Tensor& dst) {
 void EigenKernels::DoCopyBlock(const Tensor& src, int64_t src_row0, int64_t src_col0, Tensor& dst,
                              int64_t dst_row0, int64_t dst_col0, int64_t rows, int64_t cols) {
   if (rows == 0 || cols == 0) return;
-  Dispatch(src.dtype(), [&]<typename T>() {
+  DispatchBits(src.dtype(), [&]<typename T>() {
     const auto from = MatrixOf<T>(src).block(src_row0, src_col0, rows, cols);
     auto to = MatrixOf<T>(dst).block(dst_row0, dst_col0, rows, cols);
     if (Overlap(src, dst)) {
@@ -123,6 +185,20 @@ void EigenKernels::DoGemm(bool trans_a, bool trans_b, double alpha, const Tensor
   const int64_t m = trans_a ? Cols(a) : Rows(a);
   const int64_t k = trans_a ? Rows(a) : Cols(a);
   const int64_t n = trans_b ? Rows(b) : Cols(b);
+  if (IsHalf(a.dtype())) {
+    // Widen a and b, run the float32 GEMM; a 16-bit c is computed in float32 (beta * c
+    // included) and rounded once. beta == 0 never reads c, as below.
+    const Tensor af = Widened(a);
+    const Tensor bf = Widened(b);
+    if (c.dtype() == DType::kFloat32) {
+      DoGemm(trans_a, trans_b, alpha, af, bf, beta, c);
+      return;
+    }
+    Tensor cf = beta == 0.0 ? Tensor::HostEmpty(c.shape(), DType::kFloat32) : Widened(c);
+    DoGemm(trans_a, trans_b, alpha, af, bf, beta, cf);
+    StoreRounded(cf, c);
+    return;
+  }
   Dispatch(a.dtype(), [&]<typename T>() {
     auto cm = MatrixOf<T>(c);
     if (beta == 0.0) {
@@ -149,6 +225,12 @@ void EigenKernels::DoGemm(bool trans_a, bool trans_b, double alpha, const Tensor
 
 void EigenKernels::DoAddRowVector(const Tensor& bias, Tensor& y) {
   if (y.numel() == 0) return;
+  if (IsHalf(y.dtype())) {
+    Tensor yf = Widened(y);
+    DoAddRowVector(Widened(bias), yf);
+    StoreRounded(yf, y);
+    return;
+  }
   Dispatch(bias.dtype(), [&]<typename T>() {
     const Eigen::Map<const RowVector<T>> row(bias.data_as<T>(), Cols(y));
     MatrixOf<T>(y).rowwise() += row;
@@ -156,6 +238,17 @@ void EigenKernels::DoAddRowVector(const Tensor& bias, Tensor& y) {
 }
 
 void EigenKernels::DoSumRows(const Tensor& x, double beta, Tensor& out) {
+  if (IsHalf(x.dtype())) {
+    const Tensor xf = Widened(x);
+    if (out.dtype() == DType::kFloat32) {
+      DoSumRows(xf, beta, out);
+      return;
+    }
+    Tensor of = beta == 0.0 ? Tensor::HostEmpty(out.shape(), DType::kFloat32) : Widened(out);
+    DoSumRows(xf, beta, of);
+    StoreRounded(of, out);
+    return;
+  }
   Dispatch(x.dtype(), [&]<typename T>() {
     auto o = ArrayOf<T>(out);
     if (beta == 0.0) {
@@ -168,17 +261,40 @@ void EigenKernels::DoSumRows(const Tensor& x, double beta, Tensor& out) {
 }
 
 void EigenKernels::DoAxpy(double alpha, const Tensor& x, Tensor& y) {
+  if (IsHalf(x.dtype())) {
+    const Tensor xf = Widened(x);
+    if (y.dtype() == DType::kFloat32) {
+      DoAxpy(alpha, xf, y);
+      return;
+    }
+    Tensor yf = Widened(y);
+    DoAxpy(alpha, xf, yf);
+    StoreRounded(yf, y);
+    return;
+  }
   Dispatch(x.dtype(),
            [&]<typename T>() { ArrayOf<T>(y) += static_cast<T>(alpha) * ArrayOf<T>(x); });
 }
 
 void EigenKernels::DoScale(double alpha, Tensor& x) {
+  if (IsHalf(x.dtype())) {
+    Tensor xf = Widened(x);
+    DoScale(alpha, xf);
+    StoreRounded(xf, x);
+    return;
+  }
   Dispatch(x.dtype(), [&]<typename T>() { ArrayOf<T>(x) *= static_cast<T>(alpha); });
 }
 
 // --- elementwise ----------------------------------------------------------------------
 
 void EigenKernels::DoGeluForward(const Tensor& x, Tensor& y) {
+  if (IsHalf(x.dtype())) {
+    Tensor xf = Widened(x);
+    DoGeluForward(xf, xf);  // in place on the float32 copy; y may be x
+    StoreRounded(xf, y);
+    return;
+  }
   Dispatch(x.dtype(), [&]<typename T>() {
     // Eigen's array erf is vectorised for float (a few ulp), scalar std::erf for double.
     const auto xs = ArrayOf<T>(x);
@@ -189,6 +305,12 @@ void EigenKernels::DoGeluForward(const Tensor& x, Tensor& y) {
 }
 
 void EigenKernels::DoGeluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) {
+  if (IsHalf(x.dtype())) {
+    Tensor dyf = Widened(dy);
+    DoGeluBackward(Widened(x), dyf, dyf);
+    StoreRounded(dyf, dx);
+    return;
+  }
   Dispatch(x.dtype(), [&]<typename T>() {
     const auto xs = ArrayOf<T>(x);
     const auto dys = ArrayOf<T>(dy);
@@ -205,6 +327,13 @@ void EigenKernels::DoDropout(const Tensor& x, double p, uint64_t key, uint64_t s
                            uint64_t offset, Tensor& y) {
   if (p == 0.0) {
     Copy(x, y);
+    return;
+  }
+  if (IsHalf(x.dtype())) {
+    // Same mask and float32 scale as below, on the widened values; y may be x.
+    Tensor xf = Widened(x);
+    DoDropout(xf, p, key, stream, offset, xf);
+    StoreRounded(xf, y);
     return;
   }
   Dispatch(x.dtype(), [&]<typename T>() {
@@ -224,7 +353,7 @@ void EigenKernels::DoDropout(const Tensor& x, double p, uint64_t key, uint64_t s
 void EigenKernels::DoEmbeddingForward(const Tensor& weight, const std::vector<int64_t>& ids,
                                     int64_t vocab_start, int64_t vocab_end, Tensor& out) {
   const int64_t num_ids = static_cast<int64_t>(ids.size());
-  Dispatch(weight.dtype(), [&]<typename T>() {
+  DispatchBits(weight.dtype(), [&]<typename T>() {
     const auto w = MatrixOf<T>(weight);
     auto o = MatrixOf<T>(out);
     for (int64_t i = 0; i < num_ids; ++i) {
@@ -241,6 +370,29 @@ void EigenKernels::DoEmbeddingForward(const Tensor& weight, const std::vector<in
 void EigenKernels::DoEmbeddingBackward(const Tensor& dy, const std::vector<int64_t>& ids,
                                      int64_t vocab_start, int64_t vocab_end, Tensor& dweight) {
   const int64_t num_ids = static_cast<int64_t>(ids.size());
+  if (IsHalf(dy.dtype())) {
+    if (dweight.dtype() == DType::kFloat32) {
+      DoEmbeddingBackward(Widened(dy), ids, vocab_start, vocab_end, dweight);
+      return;
+    }
+    // A 16-bit dweight: each addition is a float32 one rounded once, in id order (what one
+    // atomic 16-bit add per token does on a GPU), so a repeated token rounds once per use.
+    DispatchHalf(dy.dtype(), [&]<typename H>() {
+      const int64_t cols = Cols(dy);
+      const H* g = dy.data_as<H>();
+      H* dw = dweight.data_as<H>();
+      for (int64_t i = 0; i < num_ids; ++i) {
+        const int64_t id = ids[static_cast<size_t>(i)];
+        if (id < vocab_start || id >= vocab_end) continue;
+        H* row = dw + (id - vocab_start) * cols;
+        const H* grad_row = g + i * cols;
+        for (int64_t j = 0; j < cols; ++j) {
+          row[j] = FromFloat<H>(ToFloat(row[j]) + ToFloat(grad_row[j]));
+        }
+      }
+    });
+    return;
+  }
   Dispatch(dy.dtype(), [&]<typename T>() {
     const auto g = MatrixOf<T>(dy);
     auto dw = MatrixOf<T>(dweight);
@@ -254,6 +406,10 @@ void EigenKernels::DoEmbeddingBackward(const Tensor& dy, const std::vector<int64
 // --- vocab-parallel cross entropy -----------------------------------------------------
 
 void EigenKernels::DoRowMax(const Tensor& logits, Tensor& row_max) {
+  if (IsHalf(logits.dtype())) {
+    DoRowMax(Widened(logits), row_max);  // row_max is float32
+    return;
+  }
   Dispatch(logits.dtype(), [&]<typename T>() {
     auto out = ArrayOf<T>(row_max);
     if (Cols(logits) == 0) {
@@ -269,6 +425,11 @@ void EigenKernels::DoCrossEntropyPartials(const Tensor& logits, const Tensor& ro
                                         Tensor& sum_exp, Tensor& sum_z, Tensor& target_z) {
   const int64_t rows = Rows(logits);
   const int64_t cols = Cols(logits);
+  if (IsHalf(logits.dtype())) {
+    // The statistics are float32 already.
+    DoCrossEntropyPartials(Widened(logits), row_max, labels, vocab_start, sum_exp, sum_z, target_z);
+    return;
+  }
   Dispatch(logits.dtype(), [&]<typename T>() {
     const auto l = MatrixOf<T>(logits);
     const auto m = ArrayOf<T>(row_max);
@@ -291,6 +452,15 @@ void EigenKernels::DoCrossEntropyBackward(const Tensor& logits, const Tensor& ro
                                         const Tensor& row_scale, Tensor& grad) {
   const int64_t rows = Rows(logits);
   const int64_t cols = Cols(logits);
+  if (IsHalf(logits.dtype())) {
+    // Widening reads all of logits before grad (which may be logits) is written; the float32
+    // code then runs in place on the copy.
+    Tensor lf = Widened(logits);
+    DoCrossEntropyBackward(lf, row_max, sum_exp, labels, vocab_start, on_value, off_value,
+                           row_scale, lf);
+    StoreRounded(lf, grad);
+    return;
+  }
   Dispatch(logits.dtype(), [&]<typename T>() {
     const auto l = MatrixOf<T>(logits);
     const auto m = ArrayOf<T>(row_max);

@@ -1,11 +1,16 @@
 // EigenKernels: the simulator's Kernels, on host memory with Eigen.
 //
-// What it is: every Kernels operation (core/kernels.h) for float32 and float64 host tensors.
-// Each call dispatches on the dtype once and then works on Eigen::Map views of the
-// row-major storage; Gemm is Eigen's blocked GEMM (noalias, transposed views, alpha/beta
-// folded into the product), elementwise ops are plain loops or Eigen array expressions.
-// Accumulation is in the tensor's dtype. Nothing here starts threads (no OpenMP); how many
-// threads Eigen may use is the caller's choice.
+// What it is: every Kernels operation (core/kernels.h) for float32, float64, bfloat16 and
+// float16 host tensors. Each call dispatches on the dtype once and then works on Eigen::Map
+// views of the row-major storage; Gemm is Eigen's blocked GEMM (noalias, transposed views,
+// alpha/beta folded into the product), elementwise ops are plain loops or Eigen array
+// expressions. float32 and float64 accumulate in their own dtype. bfloat16 and float16 are
+// storage only: their elements are widened exactly to temporary float32 tensors, the float32
+// code runs (OpenBLAS GEMM included), and each stored 16-bit element is rounded once to
+// nearest even (core/half.h); a float32 accumulator or statistic is used as it is. One
+// exception to "rounded once": a 16-bit EmbeddingBackward dweight rounds after every added
+// token row, in id order. Nothing here starts threads (no OpenMP); how many threads Eigen
+// may use is the caller's choice.
 // What it is not: the float64 reference model (sim/reference_model is written
 // independently), and not a place for layer logic (core/graph).
 //

@@ -2,13 +2,16 @@
 #include "sim/mpi_communicator.h"
 
 #include <climits>
+#include <cmath>
 #include <cstddef>
+#include <limits>
 #include <stdexcept>
 #include <string_view>
 
 #include <fmt/format.h>
 
 #include "core/arg_checks.h"
+#include "core/half.h"
 #include "sim/mpi_check.h"
 
 namespace mpusim {
@@ -18,7 +21,82 @@ namespace {
   throw std::invalid_argument(fmt::format("MpiCommunicator::{}: {}", function, what));
 }
 
-MPI_Datatype MpiType(DType dtype) { return dtype == DType::kFloat32 ? MPI_FLOAT : MPI_DOUBLE; }
+// 16-bit elements travel as MPI_UINT16_T: moving them needs only their bits, and sums and
+// maxima use the user-defined operations below instead of MPI's integer ones.
+MPI_Datatype MpiType(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return MPI_FLOAT;
+    case DType::kFloat64: return MPI_DOUBLE;
+    case DType::kBFloat16:
+    case DType::kFloat16: return MPI_UINT16_T;
+  }
+  return MPI_DATATYPE_NULL;
+}
+
+// inout[e] = in[e] (op) inout[e] for 16-bit H: both widened exactly with ToFloat, combined
+// in float32, rounded once with FromFloat<H> -- what NCCL does for bf16/fp16 sums. Max
+// returns a quiet NaN if either side is NaN and +0 for max(-0, +0), so that it is exactly
+// commutative: which operand MPI passes first cannot change the bits a rank ends with (a
+// float32 sum is commutative already).
+template <typename H, ReduceOp kOp>
+void CombineHalf(void* in, void* inout, int* len, MPI_Datatype* /*type*/) {
+  const H* a = static_cast<const H*>(in);
+  H* b = static_cast<H*>(inout);
+  for (int e = 0; e < *len; ++e) {
+    const float x = ToFloat(a[e]);
+    const float y = ToFloat(b[e]);
+    float r;
+    if constexpr (kOp == ReduceOp::kSum) {
+      r = x + y;
+    } else if (std::isnan(x) || std::isnan(y)) {
+      r = std::numeric_limits<float>::quiet_NaN();
+    } else if (x == y) {
+      r = std::signbit(x) ? y : x;
+    } else {
+      r = x > y ? x : y;
+    }
+    b[e] = FromFloat<H>(r);
+  }
+}
+
+// The four 16-bit operations, created on first use and freed when MPI_Finalize deletes the
+// attributes of MPI_COMM_SELF (which it does first, while MPI still works), so MPI_Op_free
+// always precedes MPI_Finalize.
+struct HalfOps {
+  MPI_Op bf16_sum = MPI_OP_NULL;
+  MPI_Op bf16_max = MPI_OP_NULL;
+  MPI_Op fp16_sum = MPI_OP_NULL;
+  MPI_Op fp16_max = MPI_OP_NULL;
+};
+
+int FreeHalfOps(MPI_Comm /*comm*/, int /*keyval*/, void* attribute, void* /*extra*/) {
+  auto* ops = static_cast<HalfOps*>(attribute);
+  for (MPI_Op* op : {&ops->bf16_sum, &ops->bf16_max, &ops->fp16_sum, &ops->fp16_max}) {
+    MPUSIM_MPI_CHECK(MPI_Op_free(op));
+  }
+  return MPI_SUCCESS;
+}
+
+HalfOps* CreateHalfOps() {
+  auto* ops = new HalfOps;  // lives until MPI_Finalize; only its MPI_Ops are freed then
+  MPUSIM_MPI_CHECK(MPI_Op_create(&CombineHalf<BFloat16, ReduceOp::kSum>, 1, &ops->bf16_sum));
+  MPUSIM_MPI_CHECK(MPI_Op_create(&CombineHalf<BFloat16, ReduceOp::kMax>, 1, &ops->bf16_max));
+  MPUSIM_MPI_CHECK(MPI_Op_create(&CombineHalf<Float16, ReduceOp::kSum>, 1, &ops->fp16_sum));
+  MPUSIM_MPI_CHECK(MPI_Op_create(&CombineHalf<Float16, ReduceOp::kMax>, 1, &ops->fp16_max));
+  int keyval = MPI_KEYVAL_INVALID;
+  MPUSIM_MPI_CHECK(MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, &FreeHalfOps, &keyval, nullptr));
+  MPUSIM_MPI_CHECK(MPI_Comm_set_attr(MPI_COMM_SELF, keyval, ops));
+  MPUSIM_MPI_CHECK(MPI_Comm_free_keyval(&keyval));  // the attribute keeps it alive
+  return ops;
+}
+
+// MPI's own operation for float32/float64; the 16-bit ones above otherwise.
+MPI_Op MpiOp(DType dtype, ReduceOp op) {
+  if (!IsHalf(dtype)) return op == ReduceOp::kSum ? MPI_SUM : MPI_MAX;
+  static HalfOps* const ops = CreateHalfOps();  // thread-safe, once per process
+  if (dtype == DType::kBFloat16) return op == ReduceOp::kSum ? ops->bf16_sum : ops->bf16_max;
+  return op == ReduceOp::kSum ? ops->fp16_sum : ops->fp16_max;
+}
 
 // MPI counts are int; larger buffers would need derived datatypes, which nothing needs yet.
 int MpiCount(std::string_view function, int64_t numel) {
@@ -67,7 +145,7 @@ void MpiCommunicator::AllReduce(Tensor& buffer, ReduceOp op) {
   CheckBuffer("AllReduce", "buffer", buffer);
   const int count = MpiCount("AllReduce", buffer.numel());
   MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buffer.data(), count, MpiType(buffer.dtype()),
-                                 op == ReduceOp::kSum ? MPI_SUM : MPI_MAX, comm_));
+                                 MpiOp(buffer.dtype(), op), comm_));
 }
 
 void MpiCommunicator::AllGather(const Tensor& in, Tensor& out) {
@@ -80,8 +158,8 @@ void MpiCommunicator::AllGather(const Tensor& in, Tensor& out) {
 void MpiCommunicator::ReduceScatter(const Tensor& in, Tensor& out) {
   CheckChunked("ReduceScatter", in, out, out, in, size_);
   const int count = MpiCount("ReduceScatter", in.numel()) / size_;
-  MPUSIM_MPI_CHECK(
-      MPI_Reduce_scatter_block(in.data(), out.data(), count, MpiType(in.dtype()), MPI_SUM, comm_));
+  MPUSIM_MPI_CHECK(MPI_Reduce_scatter_block(in.data(), out.data(), count, MpiType(in.dtype()),
+                                            MpiOp(in.dtype(), ReduceOp::kSum), comm_));
 }
 
 void MpiCommunicator::Broadcast(Tensor& buffer, int root) {

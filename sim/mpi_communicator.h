@@ -1,9 +1,20 @@
 // MpiCommunicator: the simulator's Communicator, one MPI communicator per process group.
 //
 // What it is: the four collectives core/graph needs (all-reduce, all-gather, reduce-scatter,
-// broadcast) on host float32/float64 tensors, each a single MPI call on the group's own
-// MPI_Comm, plus MakeGroupCommunicators, which builds this rank's communicator for each
-// requested group kind of the planner (core/topology.h) with MPI_Comm_split.
+// broadcast) on host float32, float64, bfloat16 and float16 tensors, each a single MPI call
+// on the group's own MPI_Comm, plus MakeGroupCommunicators, which builds this rank's
+// communicator for each requested group kind of the planner (core/topology.h) with
+// MPI_Comm_split.
+//
+// 16-bit tensors: all-gather and broadcast move their bits unchanged (MPI_UINT16_T). Sums
+// (all-reduce, reduce-scatter) and maxima use user-defined commutative MPI_Ops that widen
+// both operands to float32 (core/half.h ToFloat), add or compare, and round the result once
+// to nearest even (FromFloat) -- as NCCL reduces bf16/fp16. A sum over k ranks therefore
+// rounds k - 1 times, in an order MPI picks; it is exact when every partial sum fits the
+// 16-bit mantissa (small integers). The ops are exactly commutative (a max with a NaN is a
+// quiet NaN, max(-0, +0) = +0), so the order in which MPI hands a rank its operands cannot
+// make ranks disagree: every rank of an all-reduce ends with the same bits. They are
+// created on first use and freed inside MPI_Finalize.
 // What it is not: a planner (group membership comes from Topology only), a tracer (wrap it
 // in TracedCommunicator) or point-to-point messaging.
 //

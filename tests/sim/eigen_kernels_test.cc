@@ -1,12 +1,21 @@
-// EigenKernels against naive loops, for float32 and float64.
+// EigenKernels against naive loops, for float32 and float64, then for bfloat16 and float16.
 //
-// Inputs are small integers (Philox-drawn, fixed keys), so sums and products are exact in
-// both dtypes and most results are compared with EXPECT_EQ-strength checks (TensorsEqual).
-// Only GELU and the exp-based cross-entropy pieces get tolerances, because std::erf/std::exp
-// and Eigen's vectorised exp may differ from the double-precision reference by a few ulp.
+// float32/float64: inputs are small integers (Philox-drawn, fixed keys), so sums and
+// products are exact in both dtypes and most results are compared with EXPECT_EQ-strength
+// checks (TensorsEqual). Only GELU and the exp-based cross-entropy pieces get tolerances,
+// because std::erf/std::exp and Eigen's vectorised exp may differ from the double-precision
+// reference by a few ulp.
+//
+// bfloat16/float16: inputs are Philox reals rounded to the 16-bit dtype, so they use every
+// mantissa bit; the reference is float64 arithmetic on the widened inputs. A kernel computes
+// in float32 and rounds each stored element once, so its error is at most half a 16-bit ulp
+// of the exact value (the rounding) plus the float32 arithmetic's own error, which each test
+// bounds separately (gamma_K = K * 2^-24 for sums of K terms). Half an ulp, not one, so a
+// truncating or twice-rounding kernel fails.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <numbers>
@@ -18,6 +27,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "core/half.h"
 #include "core/philox.h"
 #include "core/tensor.h"
 #include "sim/eigen_kernels.h"
@@ -588,6 +598,547 @@ TYPED_TEST(EigenKernelsTest, CrossEntropyBackward) {
       this->k_.CrossEntropyBackward(full, Make<T>({rows}, max), Make<T>({rows}, sum_exp), ex.labels,
                                     0, 1.0, 0.0, Make<T>({rows}, row_scale), wrong),
       std::invalid_argument);
+}
+
+// --- bfloat16 / float16 ---------------------------------------------------------------
+
+template <typename H>
+constexpr DType kHalfDType = std::is_same_v<H, BFloat16> ? DType::kBFloat16 : DType::kFloat16;
+// Precision (significand bits, implicit one included) and smallest normal exponent.
+template <typename H>
+constexpr int kDigits = std::is_same_v<H, BFloat16> ? 8 : 11;
+template <typename H>
+constexpr int kMinExp = std::is_same_v<H, BFloat16> ? -126 : -14;
+// float32 unit roundoff.
+constexpr double kU32 = 0x1p-24;
+
+// The spacing of H's values at |v| (one ulp of the binade holding v; subnormal spacing
+// below the smallest normal).
+template <typename H>
+double UlpAt(double v) {
+  int e = 0;
+  std::frexp(v, &e);  // |v| = m * 2^e, m in [0.5, 1), so the binade is [2^(e-1), 2^e)
+  const int binade = v == 0 ? kMinExp<H> : std::max(e - 1, kMinExp<H>);
+  return std::ldexp(1.0, binade - (kDigits<H> - 1));
+}
+
+// A 16-bit host tensor holding `values` rounded (float64 -> float32 -> H, core/half.h).
+template <typename H>
+Tensor MakeHalf(const Shape& shape, const std::vector<double>& values) {
+  Tensor t = Tensor::HostZeros(shape, kHalfDType<H>);
+  EXPECT_EQ(static_cast<size_t>(t.numel()), values.size())
+      << "test bug: MakeHalf " << ShapeString(shape);
+  for (size_t e = 0; e < values.size(); ++e) {
+    t.data_as<H>()[e] = FromFloat<H>(static_cast<float>(values[e]));
+  }
+  return t;
+}
+
+// Element values of a 16-bit tensor, widened exactly.
+template <typename H>
+std::vector<double> HalfValues(const Tensor& t) {
+  std::vector<double> v(static_cast<size_t>(t.numel()));
+  for (size_t e = 0; e < v.size(); ++e) v[e] = ToFloat(t.data_as<H>()[e]);
+  return v;
+}
+
+std::vector<uint16_t> Bits(const Tensor& t) {
+  std::vector<uint16_t> v(static_cast<size_t>(t.numel()));
+  if (!v.empty()) std::memcpy(v.data(), t.data(), v.size() * sizeof(uint16_t));
+  return v;
+}
+
+// Reals uniform in [lo, hi) (Philox stream `key`).
+std::vector<double> Reals(uint64_t key, int64_t n, double lo = -4, double hi = 4) {
+  std::vector<double> v(static_cast<size_t>(n));
+  for (int64_t e = 0; e < n; ++e) {
+    v[static_cast<size_t>(e)] = lo + (hi - lo) * UniformAt(key, 9, static_cast<uint64_t>(e));
+  }
+  return v;
+}
+
+// Element e passes when |actual - expected| <= slack[e] + half_ulp(expected[e]); NaN and
+// Inf never pass.
+template <typename HalfUlp>
+::testing::AssertionResult WithinBound(const std::string& name, const std::vector<double>& actual,
+                                       const std::vector<double>& expected,
+                                       const std::vector<double>& slack, HalfUlp half_ulp) {
+  if (actual.size() != expected.size() || slack.size() != expected.size()) {
+    return ::testing::AssertionFailure() << name << ": " << actual.size() << " elements, expected "
+                                         << expected.size() << " (" << slack.size() << " slacks)";
+  }
+  int64_t bad = 0;
+  std::string first;
+  for (size_t e = 0; e < actual.size(); ++e) {
+    const double a = actual[e];
+    const double x = expected[e];
+    const double bound = slack[e] + half_ulp(x);
+    if (std::isfinite(a) && std::fabs(a - x) <= bound) continue;
+    if (bad++ < 10)
+      first +=
+          fmt::format("\n  [{}] {} vs {} (|diff| {}, bound {})", e, a, x, std::fabs(a - x), bound);
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << name << ": " << bad << " of " << actual.size() << " outside the bound:" << first;
+}
+
+// float32 results (a float32 accumulator or statistic) against exact values, within the
+// float32 arithmetic error slack[e] that the caller bounds.
+::testing::AssertionResult WithinSlack(const std::string& name, const std::vector<double>& actual,
+                                       const std::vector<double>& expected,
+                                       const std::vector<double>& slack) {
+  return WithinBound(name, actual, expected, slack, [](double) { return 0.0; });
+}
+
+// 16-bit results against exact values: element e passes when
+//   |actual - expected| <= ulp_H(expected) / 2 + slack[e],
+// the rounding to H plus the float32 arithmetic error slack[e] that the caller bounds.
+template <typename H>
+::testing::AssertionResult HalfNear(const std::string& name, const std::vector<double>& actual,
+                                    const std::vector<double>& expected,
+                                    const std::vector<double>& slack) {
+  return WithinBound(name, actual, expected, slack, [](double x) { return 0.5 * UlpAt<H>(x); });
+}
+// The same slack for every element: atol + rtol * |expected|.
+template <typename H>
+::testing::AssertionResult HalfNear(const std::string& name, const std::vector<double>& actual,
+                                    const std::vector<double>& expected, double atol, double rtol) {
+  std::vector<double> slack(expected.size());
+  for (size_t e = 0; e < expected.size(); ++e) slack[e] = atol + rtol * std::fabs(expected[e]);
+  return HalfNear<H>(name, actual, expected, slack);
+}
+
+template <typename H>
+class EigenKernelsHalfTest : public ::testing::Test {
+ protected:
+  EigenKernels k_;
+};
+using HalfTypes = ::testing::Types<BFloat16, Float16>;
+TYPED_TEST_SUITE(EigenKernelsHalfTest, HalfTypes);
+
+TYPED_TEST(EigenKernelsHalfTest, MemoryOpsMoveBitsUnchanged) {
+  using H = TypeParam;
+  constexpr DType dt = kHalfDType<H>;
+  // Every bit pattern class, including a signalling NaN (0x7f81 / 0x7c01), which any
+  // conversion through float32 would quieten, and -0.
+  std::vector<uint16_t> patterns = {0x0000, 0x8000, 0x7f81, 0x7c01, 0x3f80, 0x3c00,
+                                    0xffff, 0x0001, 0x7bff, 0xc2c4, 0x1234, 0xfe01};
+  for (uint16_t i = 0; patterns.size() < 24; ++i)
+    patterns.push_back(static_cast<uint16_t>(i * 2654 + 77));
+  Tensor host = Tensor::HostZeros({4, 6}, dt);
+  std::memcpy(host.data(), patterns.data(), patterns.size() * sizeof(uint16_t));
+
+  Tensor z = this->k_.Zeros({4, 6}, dt);
+  EXPECT_EQ(z.dtype(), dt);
+  EXPECT_EQ(Bits(z), std::vector<uint16_t>(24, 0));
+  EXPECT_EQ(this->k_.Empty({4, 6}, dt).dtype(), dt);
+  const Tensor dev = this->k_.ToDevice(host);
+  EXPECT_EQ(dev.dtype(), dt);
+  EXPECT_EQ(Bits(dev), patterns);
+  EXPECT_EQ(Bits(this->k_.ToHost(dev)), patterns);
+  Tensor dst = this->k_.Zeros({24}, dt);
+  this->k_.Copy(host, dst);
+  EXPECT_EQ(Bits(dst), patterns);
+
+  Tensor block = this->k_.Zeros({3, 5}, dt);
+  this->k_.CopyBlock(host, 1, 2, block, 1, 0, 2, 3);
+  std::vector<uint16_t> expected(15, 0);
+  for (size_t i = 0; i < 2; ++i) {
+    for (size_t j = 0; j < 3; ++j) expected[(1 + i) * 5 + j] = patterns[(1 + i) * 6 + 2 + j];
+  }
+  EXPECT_EQ(Bits(block), expected);
+  // Overlapping blocks of one tensor: as if the source were read first.
+  Tensor self = this->k_.ToDevice(host);
+  this->k_.CopyBlock(self, 0, 0, self, 1, 1, 3, 5);
+  std::vector<uint16_t> shifted = patterns;
+  for (size_t i = 0; i < 3; ++i) {
+    for (size_t j = 0; j < 5; ++j) shifted[(1 + i) * 6 + 1 + j] = patterns[i * 6 + j];
+  }
+  EXPECT_EQ(Bits(self), shifted);
+
+  // Embedding rows are bit copies too; ids outside the shard give +0.
+  const std::vector<int64_t> ids = {5, 2, 3, 9};
+  Tensor out = this->k_.Empty({4, 6}, dt);
+  this->k_.EmbeddingForward(host, ids, 2, 6, out);
+  std::vector<uint16_t> rows(24, 0);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 2 || ids[i] >= 6) continue;
+    for (size_t j = 0; j < 6; ++j)
+      rows[i * 6 + j] = patterns[static_cast<size_t>(ids[i] - 2) * 6 + j];
+  }
+  EXPECT_EQ(Bits(out), rows);
+}
+
+// Exact GEMM on the widened inputs, and the float32 error bound of each element:
+// (K + 2) u32 (|alpha| sum_l |a_il b_lj| + |beta c_ij|) covers the K-term float32 dot product,
+// the alpha and beta products and the final addition.
+struct GemmReference {
+  std::vector<double> value, slack;
+};
+GemmReference ExactGemm(bool ta, bool tb, double alpha, const std::vector<double>& a,
+                        const std::vector<double>& b, double beta, const std::vector<double>& c,
+                        int64_t m, int64_t n, int64_t k) {
+  std::vector<double> abs_a(a.size()), abs_b(b.size()), abs_c(c.size());
+  for (size_t e = 0; e < a.size(); ++e) abs_a[e] = std::fabs(a[e]);
+  for (size_t e = 0; e < b.size(); ++e) abs_b[e] = std::fabs(b[e]);
+  for (size_t e = 0; e < c.size(); ++e) abs_c[e] = std::fabs(c[e]);
+  GemmReference r;
+  r.value = NaiveGemm(ta, tb, alpha, a, b, beta, c, m, n, k);
+  r.slack = NaiveGemm(ta, tb, std::fabs(alpha), abs_a, abs_b, std::fabs(beta), abs_c, m, n, k);
+  for (double& s : r.slack) s *= static_cast<double>(k + 2) * kU32;
+  return r;
+}
+
+template <typename H>
+void CheckHalfGemm(EigenKernels& kernels, int64_t m, int64_t n, int64_t k) {
+  for (DType c_dtype : {kHalfDType<H>, DType::kFloat32}) {
+    for (bool ta : {false, true}) {
+      for (bool tb : {false, true}) {
+        for (double alpha : {1.0, -0.7}) {
+          for (double beta : {0.0, 1.0, 0.3}) {
+            const Tensor a = MakeHalf<H>(ta ? Shape{k, m} : Shape{m, k}, Reals(10, m * k));
+            const Tensor b = MakeHalf<H>(tb ? Shape{n, k} : Shape{k, n}, Reals(11, k * n));
+            const std::vector<double> av = HalfValues<H>(a), bv = HalfValues<H>(b);
+            Tensor c;
+            std::vector<double> cv;
+            if (c_dtype == DType::kFloat32) {
+              c = Make<float>({m, n}, Reals(12, m * n, -20, 20));
+              cv = Values<float>(c);
+            } else {
+              c = MakeHalf<H>({m, n}, Reals(12, m * n, -20, 20));
+              cv = HalfValues<H>(c);
+            }
+            // The float32 path on the widened inputs, for the "rounded once" check below.
+            Tensor c32 = Make<float>({m, n}, cv);
+            kernels.Gemm(ta, tb, alpha, Make<float>(a.shape(), av), Make<float>(b.shape(), bv),
+                         beta, c32);
+
+            kernels.Gemm(ta, tb, alpha, a, b, beta, c);
+            const GemmReference ref = ExactGemm(ta, tb, alpha, av, bv, beta, cv, m, n, k);
+            ASSERT_GT(Norm(ref.value), 0);
+            const std::string name = fmt::format(
+                "{} gemm into {} {}x{}x{} ta={} tb={} alpha={} beta={}", DTypeName(kHalfDType<H>),
+                DTypeName(c_dtype), m, n, k, ta, tb, alpha, beta);
+            if (c_dtype == DType::kFloat32) {
+              EXPECT_TRUE(WithinSlack(name, Values<float>(c), ref.value, ref.slack));
+              EXPECT_TRUE(
+                  TensorsNear(name + " = float32 path", Values<float>(c), Values<float>(c32)));
+            } else {
+              EXPECT_TRUE(HalfNear<H>(name, HalfValues<H>(c), ref.value, ref.slack));
+              std::vector<double> rounded = Values<float>(c32);
+              for (double& v : rounded) v = ToFloat(FromFloat<H>(static_cast<float>(v)));
+              EXPECT_TRUE(
+                  TensorsNear(name + " = float32 path rounded once", HalfValues<H>(c), rounded));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TYPED_TEST(EigenKernelsHalfTest, GemmSmallAllTransposes) {
+  CheckHalfGemm<TypeParam>(this->k_, 5, 7, 6);
+}
+
+// Blocked (OpenBLAS or Eigen's packed) GEMM sizes.
+TYPED_TEST(EigenKernelsHalfTest, GemmBlockedAllTransposes) {
+  CheckHalfGemm<TypeParam>(this->k_, 70, 65, 80);
+}
+
+TYPED_TEST(EigenKernelsHalfTest, GemmBetaZeroOverwritesNaN) {
+  using H = TypeParam;
+  const Tensor a = MakeHalf<H>({2, 3}, Reals(20, 6));
+  const Tensor b = MakeHalf<H>({3, 2}, Reals(21, 6));
+  Tensor c = MakeHalf<H>({2, 2}, std::vector<double>(4, std::numeric_limits<double>::quiet_NaN()));
+  this->k_.Gemm(false, false, 1.0, a, b, 0.0, c);
+  const GemmReference ref = ExactGemm(false, false, 1, HalfValues<H>(a), HalfValues<H>(b), 0,
+                                      std::vector<double>(4, 0.0), 2, 2, 3);
+  EXPECT_TRUE(HalfNear<H>("gemm beta=0", HalfValues<H>(c), ref.value, ref.slack));
+}
+
+TYPED_TEST(EigenKernelsHalfTest, RejectsWrongAccumulatorAndStatisticDtypes) {
+  using H = TypeParam;
+  constexpr DType dt = kHalfDType<H>;
+  constexpr DType other_half = dt == DType::kBFloat16 ? DType::kFloat16 : DType::kBFloat16;
+  const Tensor a = MakeHalf<H>({2, 3}, Reals(20, 6));
+  const Tensor b = MakeHalf<H>({3, 2}, Reals(21, 6));
+  for (DType wrong : {DType::kFloat64, other_half}) {
+    SCOPED_TRACE(DTypeName(wrong));
+    Tensor c = this->k_.Zeros({2, 2}, wrong);
+    EXPECT_THROW(this->k_.Gemm(false, false, 1, a, b, 0, c), std::invalid_argument);
+    Tensor out = this->k_.Zeros({3}, wrong);
+    EXPECT_THROW(this->k_.SumRows(a, 0, out), std::invalid_argument);
+    Tensor y = this->k_.Zeros({2, 3}, wrong);
+    EXPECT_THROW(this->k_.Axpy(1, a, y), std::invalid_argument);
+    EXPECT_THROW(this->k_.GeluForward(a, y), std::invalid_argument);  // not an accumulator
+    Tensor dweight = this->k_.Zeros({4, 3}, wrong);
+    EXPECT_THROW(this->k_.EmbeddingBackward(a, {0, 1}, 0, 4, dweight), std::invalid_argument);
+  }
+  // a and b must share one dtype; the statistics must be float32, not the logits' dtype.
+  const Tensor b_other = this->k_.Zeros({3, 2}, other_half);
+  Tensor c32 = this->k_.Zeros({2, 2}, DType::kFloat32);
+  EXPECT_THROW(this->k_.Gemm(false, false, 1, a, b_other, 0, c32), std::invalid_argument);
+  for (DType wrong : {dt, DType::kFloat64}) {
+    SCOPED_TRACE(DTypeName(wrong));
+    Tensor row_max = this->k_.Zeros({2}, wrong);
+    EXPECT_THROW(this->k_.RowMax(a, row_max), std::invalid_argument);
+    const Tensor stat = this->k_.Zeros({2}, wrong);
+    const Tensor f32 = this->k_.Zeros({2}, DType::kFloat32);
+    Tensor grad = this->k_.Zeros({2, 3}, dt);
+    EXPECT_THROW(this->k_.CrossEntropyBackward(a, f32, f32, {0, 1}, 0, 1, 0, stat, grad),
+                 std::invalid_argument);
+  }
+}
+
+TYPED_TEST(EigenKernelsHalfTest, AddRowVectorSumRowsAxpyScale) {
+  using H = TypeParam;
+  constexpr DType dt = kHalfDType<H>;
+  const int64_t r = 6, c = 5;
+  const Tensor x = MakeHalf<H>({r, c}, Reals(30, r * c));
+  const std::vector<double> xv = HalfValues<H>(x);
+  ASSERT_GT(Norm(xv), 0);
+
+  // y + bias: one float32 addition.
+  Tensor y = MakeHalf<H>({2, 3, c}, Reals(31, r * c, -100, 100));
+  const Tensor bias = MakeHalf<H>({c}, Reals(32, c));
+  std::vector<double> expected = HalfValues<H>(y);
+  const std::vector<double> bv = HalfValues<H>(bias);
+  for (size_t e = 0; e < expected.size(); ++e) expected[e] += bv[e % static_cast<size_t>(c)];
+  this->k_.AddRowVector(bias, y);
+  EXPECT_TRUE(HalfNear<H>("add_row_vector", HalfValues<H>(y), expected, 0, kU32));
+
+  // beta * out + the r-row column sum: r + 1 float32 roundings of terms bounded by
+  // |beta out| + sum |x|.
+  for (DType out_dtype : {dt, DType::kFloat32}) {
+    for (double beta : {0.0, 1.0, 0.3}) {
+      const std::vector<double> ov0 = Reals(33, c, -50, 50);
+      Tensor out = out_dtype == dt ? MakeHalf<H>({c}, ov0) : Make<float>({c}, ov0);
+      const std::vector<double> ov = out_dtype == dt ? HalfValues<H>(out) : Values<float>(out);
+      std::vector<double> sums(static_cast<size_t>(c)), slack(static_cast<size_t>(c));
+      for (size_t j = 0; j < static_cast<size_t>(c); ++j) {
+        double s = 0, abs_s = 0;
+        for (size_t i = 0; i < static_cast<size_t>(r); ++i) {
+          s += xv[i * static_cast<size_t>(c) + j];
+          abs_s += std::fabs(xv[i * static_cast<size_t>(c) + j]);
+        }
+        sums[j] = beta * ov[j] + s;
+        slack[j] = static_cast<double>(r + 2) * kU32 * (std::fabs(beta * ov[j]) + abs_s);
+      }
+      this->k_.SumRows(x, beta, out);
+      const std::string name = fmt::format("sum_rows into {} beta={}", DTypeName(out_dtype), beta);
+      if (out_dtype == dt) {
+        EXPECT_TRUE(HalfNear<H>(name, HalfValues<H>(out), sums, slack));
+      } else {
+        EXPECT_TRUE(WithinSlack(name, Values<float>(out), sums, slack));
+      }
+    }
+  }
+
+  // y + alpha x: alpha x and the sum, two float32 roundings.
+  const double alpha = -1.3;
+  for (DType y_dtype : {dt, DType::kFloat32}) {
+    const std::vector<double> yv0 = Reals(34, r * c, -10, 10);
+    Tensor ay = y_dtype == dt ? MakeHalf<H>({r, c}, yv0) : Make<float>({r, c}, yv0);
+    const std::vector<double> yv = y_dtype == dt ? HalfValues<H>(ay) : Values<float>(ay);
+    std::vector<double> axpy(yv.size()), slack(yv.size());
+    for (size_t e = 0; e < yv.size(); ++e) {
+      axpy[e] = yv[e] + alpha * xv[e];
+      slack[e] = 2 * kU32 * (std::fabs(yv[e]) + std::fabs(alpha * xv[e]));
+    }
+    this->k_.Axpy(alpha, x.Reshaped({r * c}), ay);
+    const std::string name = fmt::format("axpy into {}", DTypeName(y_dtype));
+    if (y_dtype == dt) {
+      EXPECT_TRUE(HalfNear<H>(name, HalfValues<H>(ay), axpy, slack));
+    } else {
+      EXPECT_TRUE(WithinSlack(name, Values<float>(ay), axpy, slack));
+    }
+  }
+
+  // alpha x: one float32 rounding (alpha itself is rounded to float, as in the float32 path).
+  Tensor s = MakeHalf<H>({r, c}, xv);
+  this->k_.Scale(0.3, s);
+  std::vector<double> scaled(xv.size());
+  for (size_t e = 0; e < xv.size(); ++e) scaled[e] = 0.3 * xv[e];
+  EXPECT_TRUE(HalfNear<H>("scale", HalfValues<H>(s), scaled, 0, 2 * kU32));
+}
+
+TYPED_TEST(EigenKernelsHalfTest, Gelu) {
+  using H = TypeParam;
+  constexpr DType dt = kHalfDType<H>;
+  const Tensor x = MakeHalf<H>({41}, Reals(40, 41, -5, 5));
+  const Tensor dy = MakeHalf<H>({41}, Reals(41, 41, -3, 3));
+  const std::vector<double> xv = HalfValues<H>(x), dyv = HalfValues<H>(dy);
+  std::vector<double> fwd(xv.size()), bwd(xv.size());
+  for (size_t e = 0; e < xv.size(); ++e) {
+    const double cdf = 0.5 * (1 + std::erf(xv[e] / std::numbers::sqrt2));
+    const double pdf = std::exp(-0.5 * xv[e] * xv[e]) / std::sqrt(2 * std::numbers::pi);
+    fwd[e] = xv[e] * cdf;
+    bwd[e] = dyv[e] * (cdf + xv[e] * pdf);
+  }
+  ASSERT_GT(Norm(bwd), 0);
+  // The float32 erf/exp path's own error is the float32 test's tolerance (kUlpTol<float>).
+  Tensor y = this->k_.Zeros({41}, dt);
+  this->k_.GeluForward(x, y);
+  EXPECT_TRUE(HalfNear<H>("gelu", HalfValues<H>(y), fwd, kUlpTol<float>, kUlpTol<float>));
+  Tensor in_place = MakeHalf<H>({41}, xv);
+  this->k_.GeluForward(in_place, in_place);
+  EXPECT_EQ(Bits(in_place), Bits(y));
+
+  Tensor dx = this->k_.Zeros({41}, dt);
+  this->k_.GeluBackward(x, dy, dx);
+  EXPECT_TRUE(HalfNear<H>("gelu backward", HalfValues<H>(dx), bwd, kUlpTol<float>, kUlpTol<float>));
+  Tensor dx_in_place = MakeHalf<H>({41}, dyv);
+  this->k_.GeluBackward(x, dx_in_place, dx_in_place);
+  EXPECT_EQ(Bits(dx_in_place), Bits(dx));
+}
+
+TYPED_TEST(EigenKernelsHalfTest, DropoutMatchesMaskAndFloatScale) {
+  using H = TypeParam;
+  constexpr DType dt = kHalfDType<H>;
+  const Tensor x = MakeHalf<H>({10, 20}, Reals(50, 200, 1, 9));  // nonzero: a 0 hides a drop
+  const std::vector<double> xv = HalfValues<H>(x);
+  for (double p : {0.25, 0.5, 0.9}) {
+    // x / float(1 - p): two float32 roundings (the scale, the quotient).
+    std::vector<double> expected(xv.size());
+    for (size_t e = 0; e < xv.size(); ++e) {
+      const bool keep = UniformAt(1234, 3, 77 + e) >= p;
+      expected[e] = keep ? xv[e] / (1 - p) : 0.0;
+    }
+    Tensor y = this->k_.Zeros({10, 20}, dt);
+    this->k_.Dropout(x, p, 1234, 3, 77, y);
+    const std::vector<double> yv = HalfValues<H>(y);
+    for (size_t e = 0; e < yv.size(); ++e) {
+      EXPECT_EQ(yv[e] == 0, expected[e] == 0) << "mask differs at " << e << " p=" << p;
+    }
+    EXPECT_TRUE(HalfNear<H>(fmt::format("dropout p={}", p), yv, expected, 0, 2 * kU32));
+    Tensor in_place = MakeHalf<H>({10, 20}, xv);
+    this->k_.Dropout(in_place, p, 1234, 3, 77, in_place);
+    EXPECT_EQ(Bits(in_place), Bits(y)) << "in place p=" << p;
+  }
+  Tensor copy = this->k_.Zeros({10, 20}, dt);
+  this->k_.Dropout(x, 0.0, 1, 1, 0, copy);
+  EXPECT_EQ(Bits(copy), Bits(x));
+  this->k_.Dropout(x, 1.0, 1, 1, 0, copy);
+  EXPECT_EQ(HalfValues<H>(copy), std::vector<double>(200, 0.0));
+}
+
+TYPED_TEST(EigenKernelsHalfTest, EmbeddingBackwardAccumulates) {
+  using H = TypeParam;
+  constexpr DType dt = kHalfDType<H>;
+  const int64_t vocab_start = 4, vocab_end = 9, h = 3;
+  const std::vector<int64_t> ids = {4, 3, 8, 6, 9, 6, 0, 6};  // token 6 three times
+  const int64_t rows = vocab_end - vocab_start;
+  const Tensor dy = MakeHalf<H>({static_cast<int64_t>(ids.size()), h},
+                                Reals(61, static_cast<int64_t>(ids.size()) * h));
+  const std::vector<double> dyv = HalfValues<H>(dy);
+  const std::vector<double> dw0 = Reals(62, rows * h, -100, 100);
+
+  // float32 dweight: float32 sums (at most 3 roundings into a row element, each at most
+  // u32 times |dweight| + sum |dy|).
+  Tensor dw32 = Make<float>({rows, h}, dw0);
+  std::vector<double> sums = Values<float>(dw32), slack(sums.size());
+  for (size_t e = 0; e < slack.size(); ++e) slack[e] = std::fabs(sums[e]);
+  // 16-bit dweight: one rounding after each addition, in id order.
+  Tensor dw16 = MakeHalf<H>({rows, h}, dw0);
+  std::vector<double> stepwise = HalfValues<H>(dw16);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < vocab_start || ids[i] >= vocab_end) continue;
+    for (size_t j = 0; j < static_cast<size_t>(h); ++j) {
+      const size_t at = static_cast<size_t>(ids[i] - vocab_start) * static_cast<size_t>(h) + j;
+      const double g = dyv[i * static_cast<size_t>(h) + j];
+      sums[at] += g;
+      slack[at] += std::fabs(g);
+      // The sum of two 16-bit values is exact in float64, so this is round-once-to-H.
+      stepwise[at] = ToFloat(FromFloat<H>(static_cast<float>(stepwise[at] + g)));
+    }
+  }
+  for (double& s : slack) s *= 4 * kU32;
+  this->k_.EmbeddingBackward(dy, ids, vocab_start, vocab_end, dw32);
+  EXPECT_TRUE(WithinSlack("float32 dweight", Values<float>(dw32), sums, slack));
+  EXPECT_NE(Values<float>(dw32), Values<float>(Make<float>({rows, h}, dw0)));
+  this->k_.EmbeddingBackward(dy, ids, vocab_start, vocab_end, dw16);
+  EXPECT_TRUE(TensorsNear(fmt::format("{} dweight", DTypeName(dt)), HalfValues<H>(dw16), stepwise));
+
+  // Where the two differ: 2^digits has an ulp of 2, so adding 0.75 three times rounds back
+  // down each time, while one rounding of the float32 sum would give 2^digits + 2.
+  const double base = std::ldexp(1.0, kDigits<H>);
+  const Tensor small_dy = MakeHalf<H>({3, 1}, {0.75, 0.75, 0.75});
+  Tensor one_row = MakeHalf<H>({1, 1}, {base});
+  this->k_.EmbeddingBackward(small_dy, {0, 0, 0}, 0, 1, one_row);
+  EXPECT_EQ(HalfValues<H>(one_row), std::vector<double>{base});
+  Tensor one_row32 = Make<float>({1, 1}, {base});
+  this->k_.EmbeddingBackward(small_dy, {0, 0, 0}, 0, 1, one_row32);
+  EXPECT_EQ(Values<float>(one_row32), std::vector<double>{base + 2.25});
+}
+
+TYPED_TEST(EigenKernelsHalfTest, CrossEntropyPiecesWithFloat32Statistics) {
+  using H = TypeParam;
+  constexpr DType dt = kHalfDType<H>;
+  const int64_t rows = 4, cols = 7;
+  const Tensor logits = MakeHalf<H>({rows, cols}, Reals(80, rows * cols, -6, 6));
+  const std::vector<double> lv = HalfValues<H>(logits);
+  const int64_t vocab_start = 3;                     // this shard holds columns [3, 10)
+  const std::vector<int64_t> labels = {2, 9, 5, 0};  // 2 and 0 belong to another shard
+  const auto at = [&](int64_t i, int64_t j) { return lv[static_cast<size_t>(i * cols + j)]; };
+
+  // Row max of the widened logits is a 16-bit value: exact.
+  Tensor row_max = this->k_.Zeros({rows}, DType::kFloat32);
+  this->k_.RowMax(logits, row_max);
+  std::vector<double> max(rows, -1e300);
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < cols; ++j)
+      max[static_cast<size_t>(i)] = std::max(max[static_cast<size_t>(i)], at(i, j));
+  }
+  EXPECT_TRUE(TensorsNear("row_max", Values<float>(row_max), max));
+
+  Tensor sum_exp = this->k_.Zeros({rows}, DType::kFloat32);
+  Tensor sum_z = this->k_.Zeros({rows}, DType::kFloat32);
+  Tensor target_z = this->k_.Zeros({rows}, DType::kFloat32);
+  this->k_.CrossEntropyPartials(logits, row_max, labels, vocab_start, sum_exp, sum_z, target_z);
+  std::vector<double> e(rows), z(rows), t(rows), abs_z(rows);
+  for (int64_t i = 0; i < rows; ++i) {
+    const size_t r = static_cast<size_t>(i);
+    for (int64_t j = 0; j < cols; ++j) {
+      e[r] += std::exp(at(i, j) - max[r]);
+      z[r] += at(i, j) - max[r];
+      abs_z[r] += std::fabs(at(i, j) - max[r]);
+    }
+    const int64_t col = labels[r] - vocab_start;
+    if (col >= 0 && col < cols) t[r] = at(i, col) - max[r];
+  }
+  ASSERT_GT(Norm(z), 0);
+  ASSERT_GT(Norm(t), 0);
+  EXPECT_TRUE(TensorsNear("sum_exp", Values<float>(sum_exp), e, 0, 4 * kUlpTol<float>));
+  // cols float32 subtractions and cols - 1 additions, each rounding by at most u32 sum |z|.
+  for (double& a : abs_z) a *= static_cast<double>(2 * cols) * kU32;
+  EXPECT_TRUE(WithinSlack("sum_z", Values<float>(sum_z), z, abs_z));
+  EXPECT_TRUE(TensorsNear("target_z", Values<float>(target_z), t));
+
+  // Backward: float32 statistics in, a 16-bit gradient out, rounded once.
+  const std::vector<double> row_scale = {0.25, 0.5, 1.0, 2.0};
+  const double on = 0.9, off = 0.1 / 9;
+  Tensor grad = this->k_.Zeros({rows, cols}, dt);
+  this->k_.CrossEntropyBackward(logits, row_max, sum_exp, labels, vocab_start, on, off,
+                                Make<float>({rows}, row_scale), grad);
+  std::vector<double> expected;
+  const std::vector<double> se = Values<float>(sum_exp);
+  for (int64_t i = 0; i < rows; ++i) {
+    const size_t r = static_cast<size_t>(i);
+    for (int64_t j = 0; j < cols; ++j) {
+      const double q = j + vocab_start == labels[r] ? on : off;
+      expected.push_back(row_scale[r] * (std::exp(at(i, j) - max[r]) / se[r] - q));
+    }
+  }
+  ASSERT_GT(Norm(expected), 0);
+  // The float32 test's tolerance (exp, cancellation against q) on top of the rounding.
+  EXPECT_TRUE(HalfNear<H>("ce grad", HalfValues<H>(grad), expected, 4 * kUlpTol<float>,
+                          4 * kUlpTol<float>));
+  Tensor in_place = MakeHalf<H>({rows, cols}, lv);
+  this->k_.CrossEntropyBackward(in_place, row_max, sum_exp, labels, vocab_start, on, off,
+                                Make<float>({rows}, row_scale), in_place);
+  EXPECT_EQ(Bits(in_place), Bits(grad));
 }
 
 }  // namespace

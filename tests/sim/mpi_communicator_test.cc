@@ -1,11 +1,15 @@
 // MpiCommunicator and MakeGroupCommunicators, run under mpiexec -n K (K = 1, 2, 4, 8).
 //
-// Data are small integers, so sums and maxima are exact in float32 and float64 and every
-// check is an exact comparison. Every rank runs every collective (no rank-dependent early
-// return before a collective), so a failing check cannot hang the job.
+// Data are small integers (for 16-bit dtypes: small multiples of 1/4 whose every partial
+// sum fits bfloat16's 8-bit significand), so sums and maxima are exact in every dtype and
+// every check is an exact comparison; 16-bit all-gather and broadcast are checked bit for
+// bit on arbitrary bit patterns, NaNs included. Every rank runs every collective (no
+// rank-dependent early return before a collective), so a failing check cannot hang the job.
 #include <mpi.h>
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <map>
 #include <memory>
@@ -18,7 +22,9 @@
 #include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
+#include "core/half.h"
 #include "core/parallel_config.h"
+#include "core/philox.h"
 #include "core/tensor.h"
 #include "core/topology.h"
 #include "sim/mpi_check.h"
@@ -154,6 +160,171 @@ TYPED_TEST(MpiCommunicatorTest, BroadcastFromEveryRoot) {
   Tensor buffer = Tensor::HostZeros({n}, kDType<T>);
   EXPECT_THROW(this->world_->Broadcast(buffer, this->size_), std::invalid_argument);
   EXPECT_THROW(this->world_->Broadcast(buffer, -1), std::invalid_argument);
+}
+
+// --- bfloat16 / float16 ------------------------------------------------------------------
+
+template <typename H>
+constexpr DType kHalfDType = std::is_same_v<H, BFloat16> ? DType::kBFloat16 : DType::kFloat16;
+// Unit roundoff of H: 2^-8 (bfloat16), 2^-11 (float16).
+template <typename H>
+constexpr double kHalfU = std::is_same_v<H, BFloat16> ? 0x1p-8 : 0x1p-11;
+
+// value(e) rounded to H (float64 -> float32 -> H, core/half.h).
+template <typename H>
+Tensor FillHalf(int64_t n, const std::function<double(int64_t)>& value) {
+  Tensor t = Tensor::HostZeros({n}, kHalfDType<H>);
+  for (int64_t e = 0; e < n; ++e) t.data_as<H>()[e] = FromFloat<H>(static_cast<float>(value(e)));
+  return t;
+}
+
+template <typename H>
+std::vector<double> HalfValues(const Tensor& t) {
+  std::vector<double> v(static_cast<size_t>(t.numel()));
+  for (size_t e = 0; e < v.size(); ++e) v[e] = ToFloat(t.data_as<H>()[e]);
+  return v;
+}
+
+std::vector<uint16_t> Bits(const Tensor& t) {
+  std::vector<uint16_t> v(static_cast<size_t>(t.numel()));
+  if (!v.empty()) std::memcpy(v.data(), t.data(), v.size() * sizeof(uint16_t));
+  return v;
+}
+
+// A rank-dependent 16-bit pattern covering every exponent and sign, NaNs and infinities
+// included (any conversion through float would change the signalling NaNs' bits).
+uint16_t PatternAt(int rank, int64_t e) {
+  return static_cast<uint16_t>(
+      (static_cast<uint32_t>(rank) * 0x1357u + static_cast<uint32_t>(e) * 0x0b11u + 0x7c01u) &
+      0xffffu);
+}
+Tensor Patterns(DType dtype, int rank, int64_t n) {
+  Tensor t = Tensor::HostZeros({n}, dtype);
+  for (int64_t e = 0; e < n; ++e) t.data_as<uint16_t>()[e] = PatternAt(rank, e);
+  return t;
+}
+
+template <typename H>
+class MpiCommunicatorHalfTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<MpiCommunicator> world_ = MpiCommunicator::World();
+  int rank_ = WorldRank();
+  int size_ = WorldSize();
+};
+using HalfTypes = ::testing::Types<BFloat16, Float16>;
+TYPED_TEST_SUITE(MpiCommunicatorHalfTest, HalfTypes);
+
+TYPED_TEST(MpiCommunicatorHalfTest, AllReduceSumAndMax) {
+  using H = TypeParam;
+  const int64_t n = 37;
+  const int r = this->rank_, k = this->size_;
+  // Rank q holds (q + 1) (e mod 7 - 3) / 4: partial sums are multiples of 1/4 of magnitude
+  // <= 36 * 3 / 4, exact in 8 significant bits.
+  const auto term = [](int q, int64_t e) { return (q + 1) * static_cast<double>(e % 7 - 3) / 4; };
+  Tensor sum = FillHalf<H>(n, [&](int64_t e) { return term(r, e); });
+  this->world_->AllReduce(sum, ReduceOp::kSum);
+  const std::vector<double> expected = Expected(
+      n, [&](int64_t e) { return k * (k + 1) / 2.0 * static_cast<double>(e % 7 - 3) / 4; });
+  ASSERT_GT(std::fabs(expected[0]) + std::fabs(expected[6]), 0);
+  EXPECT_EQ(HalfValues<H>(sum), expected);
+
+  // Element e is largest (-50) on rank e mod k; the rest are -100 + q, so a 0 would be caught.
+  Tensor max = FillHalf<H>(n, [&](int64_t e) { return -100.0 + ((e + k - r) % k == 0 ? 50 : r); });
+  // Elements 0 and 1: NaN on the first or the last rank only; elements 2 and 3: -0 on even
+  // or odd ranks, +0 on the others. Both arrangements, so that an operation that depends on
+  // its operands' order fails whichever order MPI uses.
+  max.data_as<H>()[0] = FromFloat<H>(r == 0 ? std::nanf("") : 1.0f);
+  max.data_as<H>()[1] = FromFloat<H>(r == k - 1 ? std::nanf("") : 1.0f);
+  max.data_as<H>()[2] = FromFloat<H>(r % 2 == 0 ? -0.0f : 0.0f);
+  max.data_as<H>()[3] = FromFloat<H>(r % 2 == 1 ? -0.0f : 0.0f);
+  this->world_->AllReduce(max, ReduceOp::kMax);
+  const std::vector<double> got = HalfValues<H>(max);
+  EXPECT_TRUE(std::isnan(got[0]) && std::isnan(got[1]))
+      << "a NaN on one rank must reach every rank, got " << got[0] << ", " << got[1];
+  EXPECT_EQ(Bits(max)[2], k == 1 ? 0x8000 : 0x0000) << "max(-0, +0) is +0";
+  EXPECT_EQ(Bits(max)[3], 0x0000) << "max(-0, +0) is +0";
+  EXPECT_EQ(std::vector<double>(got.begin() + 4, got.end()), std::vector<double>(n - 4, -50.0));
+}
+
+TYPED_TEST(MpiCommunicatorHalfTest, ReduceScatterSumsOwnChunk) {
+  using H = TypeParam;
+  const int64_t n = 6;
+  const int k = this->size_, r = this->rank_;
+  // Rank q contributes (q + 1) (f mod 7 + 1) at flat position f: sums <= 36 * 7 = 252, exact.
+  const Tensor in =
+      FillHalf<H>(k * n, [&](int64_t f) { return (r + 1.0) * static_cast<double>(f % 7 + 1); });
+  Tensor out = Tensor::HostZeros({n}, kHalfDType<H>);
+  this->world_->ReduceScatter(in, out);
+  EXPECT_EQ(HalfValues<H>(out), Expected(n, [&](int64_t e) {
+              return k * (k + 1) / 2.0 * static_cast<double>((r * n + e) % 7 + 1);
+            }));
+  Tensor other = Tensor::HostZeros(
+      {n}, kHalfDType<H> == DType::kBFloat16 ? DType::kFloat16 : DType::kBFloat16);
+  EXPECT_THROW(this->world_->ReduceScatter(in, other), std::invalid_argument);
+}
+
+TYPED_TEST(MpiCommunicatorHalfTest, AllGatherAndBroadcastMoveBits) {
+  using H = TypeParam;
+  const int64_t n = 5;
+  const int k = this->size_;
+  const Tensor in = Patterns(kHalfDType<H>, this->rank_, n);
+  Tensor out = Tensor::HostZeros({k, n}, kHalfDType<H>);
+  this->world_->AllGather(in, out);
+  std::vector<uint16_t> expected;
+  for (int q = 0; q < k; ++q) {
+    for (int64_t e = 0; e < n; ++e) expected.push_back(PatternAt(q, e));
+  }
+  EXPECT_EQ(Bits(out), expected);
+
+  const int64_t m = 64;  // every 0x0b11-th pattern: NaNs, infinities and both zeros' neighbours
+  for (int root = 0; root < k; ++root) {
+    Tensor buffer = this->rank_ == root ? Patterns(kHalfDType<H>, root, m)
+                                        : Tensor::HostZeros({m}, kHalfDType<H>);
+    this->world_->Broadcast(buffer, root);
+    EXPECT_EQ(Bits(buffer), Bits(Patterns(kHalfDType<H>, root, m))) << "root " << root;
+  }
+}
+
+// Inexact sums: every rank must still end with the same bits (the ops are commutative
+// exactly), within the rounding bound of k - 1 additions of 16-bit partial sums. Sizes
+// from a few elements to 128 KiB, so MPI's small- and large-message algorithms both run.
+TYPED_TEST(MpiCommunicatorHalfTest, AllReduceSumIsBitIdenticalOnEveryRank) {
+  using H = TypeParam;
+  const int k = this->size_;
+  const auto input = [](int q, int64_t e) {
+    return 8.0 * UniformAt(17, static_cast<uint64_t>(q), static_cast<uint64_t>(e)) - 4.0;
+  };
+  for (int64_t n : {int64_t{37}, int64_t{1} << 16}) {
+    SCOPED_TRACE(n);
+    Tensor sum = FillHalf<H>(n, [&](int64_t e) { return input(this->rank_, e); });
+    this->world_->AllReduce(sum, ReduceOp::kSum);
+
+    // Each rank's result, gathered to all: rank q's copy must equal rank 0's, bit for bit.
+    Tensor all = Tensor::HostZeros({k, n}, kHalfDType<H>);
+    this->world_->AllGather(sum, all);
+    const std::vector<uint16_t> bits = Bits(all);
+    int64_t differ = 0;
+    for (size_t f = static_cast<size_t>(n); f < bits.size(); ++f) {
+      if (bits[f] != bits[f % static_cast<size_t>(n)]) ++differ;
+    }
+    EXPECT_EQ(differ, 0) << "elements whose bits differ from rank 0's";
+
+    // Each of the k - 1 roundings errs by at most u |partial sum| <= u sum_q |x_q|.
+    const std::vector<double> got = HalfValues<H>(sum);
+    int64_t bad = 0;
+    for (int64_t e = 0; e < n; ++e) {
+      double exact = 0, magnitude = 0;
+      for (int q = 0; q < k; ++q) {
+        const double x = ToFloat(FromFloat<H>(static_cast<float>(input(q, e))));
+        exact += x;
+        magnitude += std::fabs(x);
+      }
+      if (!(std::fabs(got[static_cast<size_t>(e)] - exact) <= (k - 1) * kHalfU<H> * magnitude)) {
+        ++bad;
+      }
+    }
+    EXPECT_EQ(bad, 0) << "elements outside the rounding bound";
+  }
 }
 
 // MPI_ERRORS_RETURN on our communicators is what lets MPUSIM_MPI_CHECK see a failure: a
