@@ -39,15 +39,20 @@ int AgreeOnExitCode(int code) {
   return worst;
 }
 
-// Compares a local record with the full reference tensor, element by element, under the
-// run's tolerance scaled to the full tensor's largest |expected|.
-ErrorStats CompareRecord(const TensorRecord& record, const Tensor& local_host,
-                         const Tensor& expected, int64_t tp_size, const Tolerance& run_tol) {
-  ErrorStats stats;
+double MaxAbs(const Tensor& host64) {
   double scale = 0;
-  for (int64_t i = 0; i < expected.numel(); ++i) {
-    scale = std::max(scale, std::fabs(expected.data_as<double>()[i]));
+  for (int64_t i = 0; i < host64.numel(); ++i) {
+    scale = std::max(scale, std::fabs(host64.data_as<double>()[i]));
   }
+  return scale;
+}
+
+// Compares a local record with the full reference tensor, element by element, under the
+// run's tolerance scaled to the full tensor's largest |expected| (`scale`).
+ErrorStats CompareRecord(const TensorRecord& record, const Tensor& local_host,
+                         const Tensor& expected, double scale, int64_t tp_size,
+                         const Tolerance& run_tol) {
+  ErrorStats stats;
   const Tolerance tol = run_tol.ForScale(scale);
   const Shape& local_shape = local_host.shape();
   const Shape& full = record.full_shape;
@@ -169,6 +174,7 @@ StatusOr<SimulationResult> Simulate(const Config& config, bool check, int repeat
   std::vector<double> maxima(2 * n, 0.0);
   std::vector<long long> counts(3 * n, 0);
   std::vector<int> missing(n, 0);
+  std::vector<double> scales(n, 0.0);  // the same on every rank: the full reference tensor
   for (size_t i = 0; i < n; ++i) {
     const TensorRecord& r = result.records[i];
     const auto it = reference->tensors.find(r.name);
@@ -176,7 +182,8 @@ StatusOr<SimulationResult> Simulate(const Config& config, bool check, int repeat
       missing[i] = 1;
       continue;
     }
-    const ErrorStats stats = CompareRecord(r, r.tensor, it->second, ctx.tp_size(), tol);
+    scales[i] = MaxAbs(it->second);
+    const ErrorStats stats = CompareRecord(r, r.tensor, it->second, scales[i], ctx.tp_size(), tol);
     maxima[2 * i] = stats.max_abs;
     maxima[2 * i + 1] = stats.max_rel;
     counts[3 * i] = stats.count;
@@ -195,6 +202,8 @@ StatusOr<SimulationResult> Simulate(const Config& config, bool check, int repeat
     c.full_shape = result.records[i].full_shape;
     c.max_abs = maxima[2 * i];
     c.max_rel = maxima[2 * i + 1];
+    c.scale = scales[i];
+    c.normalized = c.scale > 0 ? c.max_abs / c.scale : 0.0;
     c.count = counts[3 * i];
     c.mismatches = counts[3 * i + 1];
     c.non_finite = counts[3 * i + 2];
@@ -361,8 +370,8 @@ int RankRun::PrintChecks(const SimulationResult& result) {
   out_ << fmt::format("\ncheck against the float64 reference ({} storage: pass when |a - e| <= "
                       "{:g}{} + {:g} * |e|):\n",
                       DTypeName(config_.run->dtype), tol.atol, scaled, tol.rtol);
-  out_ << fmt::format("  {:<26} {:<16} {:>12} {:>12}  {}\n", "tensor", "shape", "max abs err",
-                      "max rel err", "result");
+  out_ << fmt::format("  {:<26} {:<16} {:>12} {:>12} {:>12}  {}\n", "tensor", "shape",
+                      "max abs err", "max rel err", "normalized", "result");
   int failed = 0;
   for (const TensorCheck& c : result.checks) {
     std::string verdict = "pass";
@@ -374,8 +383,8 @@ int RankRun::PrintChecks(const SimulationResult& result) {
                                              : std::string());
     }
     if (!c.ok()) ++failed;
-    out_ << fmt::format("  {:<26} {:<16} {:>12.3g} {:>12.3g}  {}\n", c.name,
-                        ShapeString(c.full_shape), c.max_abs, c.max_rel, verdict);
+    out_ << fmt::format("  {:<26} {:<16} {:>12.3g} {:>12.3g} {:>12.3g}  {}\n", c.name,
+                        ShapeString(c.full_shape), c.max_abs, c.max_rel, c.normalized, verdict);
   }
   out_ << fmt::format("{} passed, {} failed\n", result.checks.size() - static_cast<size_t>(failed),
                       failed);

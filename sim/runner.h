@@ -27,6 +27,8 @@ struct TensorCheck {
   Shape full_shape;
   double max_abs = 0;
   double max_rel = 0;
+  double scale = 0;       // max |expected| over the full tensor
+  double normalized = 0;  // max_abs / scale (0 when the tensor is all zeros)
   int64_t count = 0;
   int64_t mismatches = 0;
   int64_t non_finite = 0;

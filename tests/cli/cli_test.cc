@@ -488,6 +488,36 @@ TEST(DiffCommand, TwoLayoutsOfOneModelCompareEqual) {
   const Result strict = Mpusim({"diff", a.string(), b.string(), "--atol", "0", "--rtol", "0"});
   EXPECT_EQ(strict.code, 1) << strict.out;
 
+  // The same model in bf16 mixed precision at tp 2: the manifest's storage dtype picks the
+  // bfloat16 policy, also for the float32 main_grads; the float32 policy rejects it.
+  const std::filesystem::path c = tmp / ("mpusim_diff_c." + tag);
+  std::filesystem::remove_all(c);
+  json mixed = json::parse(std::ifstream(Sample("lab_parallel_embedding_t2_n2.json")));
+  mixed["parallel"]["bf16"] = true;
+  mixed["run"].erase("dtype");
+  const std::string bf16 = WriteTemp("mpusim_diff_bf16." + tag + ".json", mixed.dump());
+  ASSERT_EQ(run_tests::Shell(run_tests::Mpiexec(2) + MPUSIM_BINARY + " run " + bf16 +
+                                 " --dump " + c.string(),
+                             &output),
+            0)
+      << output;
+  EXPECT_NE(output.find("(cpu backend, bfloat16, seed 7)"), std::string::npos) << output;
+  const Result mixed_diff = Mpusim({"diff", c.string(), b.string(), "--format", "json"});
+  EXPECT_EQ(mixed_diff.code, 0) << mixed_diff.out;
+  const json mixed_json = json::parse(mixed_diff.out);
+  for (const json& t : mixed_json["tensors"]) {
+    EXPECT_EQ(t["precision"], "bfloat16") << t["name"];
+    if (t["name"] == "fc1.weight_grad") {
+      EXPECT_EQ(t["dtype_a"], "float32");
+    }
+    if (t["name"] == "fc1.weight") {
+      EXPECT_EQ(t["dtype_a"], "bfloat16");
+    }
+  }
+  const Result as_float32 = Mpusim({"diff", c.string(), b.string(), "--atol", "1e-5", "--ntol",
+                                    "0", "--rtol", "1e-4"});
+  EXPECT_EQ(as_float32.code, 1) << as_float32.out;
+
   const Result missing = Mpusim({"diff", a.string(), (tmp / "no_such_dump_dir").string()});
   EXPECT_EQ(missing.code, 2);
   EXPECT_EQ(missing.out, "");

@@ -1,6 +1,7 @@
 // The layer graph on K MPI ranks (ctest runs this binary with K = 1, 2, 4, 8) against the
-// float64 reference: every op and flag, float64 and float32, tp and dp layouts, sequence
-// parallelism, dropout, recomputation, gradient accumulation; plus the region mappings and
+// float64 reference: every op and flag, float64, float32 and 16-bit mixed precision, tp and
+// dp layouts, sequence parallelism, dropout, recomputation, gradient accumulation (fused or
+// not); plus the region mappings and
 // utilities on integer data (exact), and the collectives the paper counts.
 #include <mpi.h>
 
@@ -11,6 +12,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "core/compare.h"
 #include "core/config.h"
 #include "core/mappings.h"
 #include "core/tp_utils.h"
@@ -55,8 +57,11 @@ sim::SimulationResult RunChecked(const json& document) {
                         << document.dump();
   }
   if (result->has_loss) {
+    // The loss is a mean of O(1) terms: its error is that of the storage dtype's rounding.
+    const DType storage = MakeConfig(document).run->dtype;
+    const double relative = IsHalf(storage) ? DefaultTolerance(storage).rtol : 1e-5;
     EXPECT_NEAR(result->loss, result->reference_loss,
-                1e-5 * std::fabs(result->reference_loss) + 1e-9);
+                relative * std::fabs(result->reference_loss) + 1e-9);
   }
   return std::move(result).value();
 }
@@ -120,6 +125,61 @@ TEST(GraphVsReference, LanguageModelEveryLayoutBothDtypes) {
                   {"run", RunSection(dtype, 8, 2, 2)}});
     }
   }
+}
+
+// bfloat16 and float16 storage with float32 arithmetic and main_grad, on every layout, with
+// and without sequence parallelism and the fused weight-gradient accumulation. bf16 is asked
+// for the Megatron way (parallel.bf16), fp16 through run.dtype.
+TEST(GraphVsReference, MixedPrecisionEveryLayout) {
+  for (int64_t t : TensorParallelSizes()) {
+    for (const char* dtype : {"bfloat16", "float16"}) {
+      for (const bool sp : {false, true}) {
+        SCOPED_TRACE(fmt::format("tp {} {} sequence_parallel {}", t, dtype, sp));
+        json parallel = Parallel(t, sp);
+        json run = RunSection("float32", 8, 2, 2);
+        if (std::string(dtype) == "bfloat16") {
+          parallel["bf16"] = true;
+          run.erase("dtype");
+        } else {
+          run["dtype"] = dtype;
+        }
+        parallel["gradient_accumulation_fusion"] = sp;
+        json model = LanguageModel(0.1);
+        model["layers"].insert(model["layers"].begin() + 3,
+                               json{{"name", "dropout"}, {"type", "Dropout"}, {"p", 0.25}});
+        const sim::SimulationResult r =
+            RunChecked({{"parallel", parallel}, {"model", model}, {"run", run}});
+        // Parameters and activations really are 16-bit; main_grad is float32.
+        for (const TensorRecord& record : r.records) {
+          if (record.name == "fc1.weight" || record.name == "gelu.output") {
+            EXPECT_EQ(record.tensor.dtype(), *DTypeFromName(dtype)) << record.name;
+          }
+          if (record.name == "fc1.weight_grad" || record.name == "loss.output") {
+            EXPECT_EQ(record.tensor.dtype(), DType::kFloat32) << record.name;
+          }
+        }
+      }
+    }
+  }
+}
+
+// The 16-bit errors are there, of the size the storage dtype implies: larger than float32's
+// by orders of magnitude, and bfloat16's larger than float16's.
+TEST(GraphVsReference, MixedPrecisionErrorsHaveTheStorageSize) {
+  auto worst = [](const char* dtype) {
+    json run = RunSection(dtype, 8, 2, 1);
+    const sim::SimulationResult r = RunChecked(
+        {{"parallel", Parallel(WorldSize())}, {"model", LanguageModel(0.0)}, {"run", run}});
+    // The largest error relative to the tensor's scale, over every checked tensor.
+    double normalized = 0;
+    for (const sim::TensorCheck& c : r.checks) normalized = std::max(normalized, c.normalized);
+    return normalized;
+  };
+  const double f32 = worst("float32"), f16 = worst("float16"), bf16 = worst("bfloat16");
+  EXPECT_LT(f32, 1e-5);
+  EXPECT_GT(f16, 0x1p-12);  // at least half a float16 unit roundoff (2^-11) somewhere
+  EXPECT_GT(bf16, 0x1p-9);  // at least half a bfloat16 unit roundoff (2^-8)
+  EXPECT_GT(bf16, 4 * f16);  // 8x fewer significand bits
 }
 
 TEST(GraphVsReference, SequenceParallel) {
