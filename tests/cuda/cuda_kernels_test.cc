@@ -40,6 +40,7 @@
 #include "core/philox.h"
 #include "core/tensor.h"
 #include "cuda/cuda_kernels.h"
+#include "tests/half_test_util.h"
 #include "sim/eigen_kernels.h"
 
 namespace mpusim::cuda {
@@ -726,8 +727,6 @@ TYPED_TEST(CudaKernelsTest, CrossEntropyBackwardIncludingInPlace) {
 // backends. Inputs are generated as doubles and stored through core/half.h, so they are
 // exact 16-bit values on both sides.
 
-template <typename H>
-constexpr DType kHalfDType = std::is_same_v<H, BFloat16> ? DType::kBFloat16 : DType::kFloat16;
 // The spacing of the 16-bit values in [1, 2): one ulp relative, 2^-7 (bfloat16) or 2^-10
 // (float16). A float32 value x rounded to 16 bits moves by at most eps/2 * |x|.
 template <typename H>
@@ -746,12 +745,6 @@ Tensor HostOf(DType dtype, const Shape& shape, const std::vector<double>& values
   return t;
 }
 
-// Every element of a host tensor of any dtype, widened exactly to double.
-std::vector<double> ValuesOf(const Tensor& host) {
-  std::vector<double> v(static_cast<size_t>(host.numel()));
-  for (size_t e = 0; e < v.size(); ++e) v[e] = HostValue(host, static_cast<int64_t>(e));
-  return v;
-}
 
 // Same dtype, same numel and the same bits in every element (of any dtype).
 ::testing::AssertionResult SameBits(const std::string& name, const Tensor& actual,

@@ -31,6 +31,7 @@
 #include "core/philox.h"
 #include "core/tensor.h"
 #include "sim/eigen_kernels.h"
+#include "tests/half_test_util.h"
 
 namespace mpusim {
 namespace {
@@ -602,8 +603,6 @@ TYPED_TEST(EigenKernelsTest, CrossEntropyBackward) {
 
 // --- bfloat16 / float16 ---------------------------------------------------------------
 
-template <typename H>
-constexpr DType kHalfDType = std::is_same_v<H, BFloat16> ? DType::kBFloat16 : DType::kFloat16;
 // Precision (significand bits, implicit one included) and smallest normal exponent.
 template <typename H>
 constexpr int kDigits = std::is_same_v<H, BFloat16> ? 8 : 11;
@@ -634,19 +633,6 @@ Tensor MakeHalf(const Shape& shape, const std::vector<double>& values) {
   return t;
 }
 
-// Element values of a 16-bit tensor, widened exactly.
-template <typename H>
-std::vector<double> HalfValues(const Tensor& t) {
-  std::vector<double> v(static_cast<size_t>(t.numel()));
-  for (size_t e = 0; e < v.size(); ++e) v[e] = ToFloat(t.data_as<H>()[e]);
-  return v;
-}
-
-std::vector<uint16_t> Bits(const Tensor& t) {
-  std::vector<uint16_t> v(static_cast<size_t>(t.numel()));
-  if (!v.empty()) std::memcpy(v.data(), t.data(), v.size() * sizeof(uint16_t));
-  return v;
-}
 
 // Reals uniform in [lo, hi) (Philox stream `key`).
 std::vector<double> Reals(uint64_t key, int64_t n, double lo = -4, double hi = 4) {
@@ -799,7 +785,7 @@ void CheckHalfGemm(EigenKernels& kernels, int64_t m, int64_t n, int64_t k) {
           for (double beta : {0.0, 1.0, 0.3}) {
             const Tensor a = MakeHalf<H>(ta ? Shape{k, m} : Shape{m, k}, Reals(10, m * k));
             const Tensor b = MakeHalf<H>(tb ? Shape{n, k} : Shape{k, n}, Reals(11, k * n));
-            const std::vector<double> av = HalfValues<H>(a), bv = HalfValues<H>(b);
+            const std::vector<double> av = ValuesOf(a), bv = ValuesOf(b);
             Tensor c;
             std::vector<double> cv;
             if (c_dtype == DType::kFloat32) {
@@ -807,7 +793,7 @@ void CheckHalfGemm(EigenKernels& kernels, int64_t m, int64_t n, int64_t k) {
               cv = Values<float>(c);
             } else {
               c = MakeHalf<H>({m, n}, Reals(12, m * n, -20, 20));
-              cv = HalfValues<H>(c);
+              cv = ValuesOf(c);
             }
             // The float32 path on the widened inputs, for the "rounded once" check below.
             Tensor c32 = Make<float>({m, n}, cv);
@@ -825,11 +811,11 @@ void CheckHalfGemm(EigenKernels& kernels, int64_t m, int64_t n, int64_t k) {
               EXPECT_TRUE(
                   TensorsNear(name + " = float32 path", Values<float>(c), Values<float>(c32)));
             } else {
-              EXPECT_TRUE(HalfNear<H>(name, HalfValues<H>(c), ref.value, ref.slack));
+              EXPECT_TRUE(HalfNear<H>(name, ValuesOf(c), ref.value, ref.slack));
               std::vector<double> rounded = Values<float>(c32);
               for (double& v : rounded) v = ToFloat(FromFloat<H>(static_cast<float>(v)));
               EXPECT_TRUE(
-                  TensorsNear(name + " = float32 path rounded once", HalfValues<H>(c), rounded));
+                  TensorsNear(name + " = float32 path rounded once", ValuesOf(c), rounded));
             }
           }
         }
@@ -853,9 +839,9 @@ TYPED_TEST(EigenKernelsHalfTest, GemmBetaZeroOverwritesNaN) {
   const Tensor b = MakeHalf<H>({3, 2}, Reals(21, 6));
   Tensor c = MakeHalf<H>({2, 2}, std::vector<double>(4, std::numeric_limits<double>::quiet_NaN()));
   this->k_.Gemm(false, false, 1.0, a, b, 0.0, c);
-  const GemmReference ref = ExactGemm(false, false, 1, HalfValues<H>(a), HalfValues<H>(b), 0,
+  const GemmReference ref = ExactGemm(false, false, 1, ValuesOf(a), ValuesOf(b), 0,
                                       std::vector<double>(4, 0.0), 2, 2, 3);
-  EXPECT_TRUE(HalfNear<H>("gemm beta=0", HalfValues<H>(c), ref.value, ref.slack));
+  EXPECT_TRUE(HalfNear<H>("gemm beta=0", ValuesOf(c), ref.value, ref.slack));
 }
 
 TYPED_TEST(EigenKernelsHalfTest, RejectsWrongAccumulatorAndStatisticDtypes) {
@@ -897,17 +883,17 @@ TYPED_TEST(EigenKernelsHalfTest, AddRowVectorSumRowsAxpyScale) {
   constexpr DType dt = kHalfDType<H>;
   const int64_t r = 6, c = 5;
   const Tensor x = MakeHalf<H>({r, c}, Reals(30, r * c));
-  const std::vector<double> xv = HalfValues<H>(x);
+  const std::vector<double> xv = ValuesOf(x);
   ASSERT_GT(Norm(xv), 0);
 
   // y + bias: one float32 addition.
   Tensor y = MakeHalf<H>({2, 3, c}, Reals(31, r * c, -100, 100));
   const Tensor bias = MakeHalf<H>({c}, Reals(32, c));
-  std::vector<double> expected = HalfValues<H>(y);
-  const std::vector<double> bv = HalfValues<H>(bias);
+  std::vector<double> expected = ValuesOf(y);
+  const std::vector<double> bv = ValuesOf(bias);
   for (size_t e = 0; e < expected.size(); ++e) expected[e] += bv[e % static_cast<size_t>(c)];
   this->k_.AddRowVector(bias, y);
-  EXPECT_TRUE(HalfNear<H>("add_row_vector", HalfValues<H>(y), expected, 0, kU32));
+  EXPECT_TRUE(HalfNear<H>("add_row_vector", ValuesOf(y), expected, 0, kU32));
 
   // beta * out + the r-row column sum: r + 1 float32 roundings of terms bounded by
   // |beta out| + sum |x|.
@@ -915,7 +901,7 @@ TYPED_TEST(EigenKernelsHalfTest, AddRowVectorSumRowsAxpyScale) {
     for (double beta : {0.0, 1.0, 0.3}) {
       const std::vector<double> ov0 = Reals(33, c, -50, 50);
       Tensor out = out_dtype == dt ? MakeHalf<H>({c}, ov0) : Make<float>({c}, ov0);
-      const std::vector<double> ov = out_dtype == dt ? HalfValues<H>(out) : Values<float>(out);
+      const std::vector<double> ov = out_dtype == dt ? ValuesOf(out) : Values<float>(out);
       std::vector<double> sums(static_cast<size_t>(c)), slack(static_cast<size_t>(c));
       for (size_t j = 0; j < static_cast<size_t>(c); ++j) {
         double s = 0, abs_s = 0;
@@ -929,7 +915,7 @@ TYPED_TEST(EigenKernelsHalfTest, AddRowVectorSumRowsAxpyScale) {
       this->k_.SumRows(x, beta, out);
       const std::string name = fmt::format("sum_rows into {} beta={}", DTypeName(out_dtype), beta);
       if (out_dtype == dt) {
-        EXPECT_TRUE(HalfNear<H>(name, HalfValues<H>(out), sums, slack));
+        EXPECT_TRUE(HalfNear<H>(name, ValuesOf(out), sums, slack));
       } else {
         EXPECT_TRUE(WithinSlack(name, Values<float>(out), sums, slack));
       }
@@ -941,7 +927,7 @@ TYPED_TEST(EigenKernelsHalfTest, AddRowVectorSumRowsAxpyScale) {
   for (DType y_dtype : {dt, DType::kFloat32}) {
     const std::vector<double> yv0 = Reals(34, r * c, -10, 10);
     Tensor ay = y_dtype == dt ? MakeHalf<H>({r, c}, yv0) : Make<float>({r, c}, yv0);
-    const std::vector<double> yv = y_dtype == dt ? HalfValues<H>(ay) : Values<float>(ay);
+    const std::vector<double> yv = y_dtype == dt ? ValuesOf(ay) : Values<float>(ay);
     std::vector<double> axpy(yv.size()), slack(yv.size());
     for (size_t e = 0; e < yv.size(); ++e) {
       axpy[e] = yv[e] + alpha * xv[e];
@@ -950,7 +936,7 @@ TYPED_TEST(EigenKernelsHalfTest, AddRowVectorSumRowsAxpyScale) {
     this->k_.Axpy(alpha, x.Reshaped({r * c}), ay);
     const std::string name = fmt::format("axpy into {}", DTypeName(y_dtype));
     if (y_dtype == dt) {
-      EXPECT_TRUE(HalfNear<H>(name, HalfValues<H>(ay), axpy, slack));
+      EXPECT_TRUE(HalfNear<H>(name, ValuesOf(ay), axpy, slack));
     } else {
       EXPECT_TRUE(WithinSlack(name, Values<float>(ay), axpy, slack));
     }
@@ -961,7 +947,7 @@ TYPED_TEST(EigenKernelsHalfTest, AddRowVectorSumRowsAxpyScale) {
   this->k_.Scale(0.3, s);
   std::vector<double> scaled(xv.size());
   for (size_t e = 0; e < xv.size(); ++e) scaled[e] = 0.3 * xv[e];
-  EXPECT_TRUE(HalfNear<H>("scale", HalfValues<H>(s), scaled, 0, 2 * kU32));
+  EXPECT_TRUE(HalfNear<H>("scale", ValuesOf(s), scaled, 0, 2 * kU32));
 }
 
 TYPED_TEST(EigenKernelsHalfTest, Gelu) {
@@ -969,7 +955,7 @@ TYPED_TEST(EigenKernelsHalfTest, Gelu) {
   constexpr DType dt = kHalfDType<H>;
   const Tensor x = MakeHalf<H>({41}, Reals(40, 41, -5, 5));
   const Tensor dy = MakeHalf<H>({41}, Reals(41, 41, -3, 3));
-  const std::vector<double> xv = HalfValues<H>(x), dyv = HalfValues<H>(dy);
+  const std::vector<double> xv = ValuesOf(x), dyv = ValuesOf(dy);
   std::vector<double> fwd(xv.size()), bwd(xv.size());
   for (size_t e = 0; e < xv.size(); ++e) {
     const double cdf = 0.5 * (1 + std::erf(xv[e] / std::numbers::sqrt2));
@@ -981,14 +967,14 @@ TYPED_TEST(EigenKernelsHalfTest, Gelu) {
   // The float32 erf/exp path's own error is the float32 test's tolerance (kUlpTol<float>).
   Tensor y = this->k_.Zeros({41}, dt);
   this->k_.GeluForward(x, y);
-  EXPECT_TRUE(HalfNear<H>("gelu", HalfValues<H>(y), fwd, kUlpTol<float>, kUlpTol<float>));
+  EXPECT_TRUE(HalfNear<H>("gelu", ValuesOf(y), fwd, kUlpTol<float>, kUlpTol<float>));
   Tensor in_place = MakeHalf<H>({41}, xv);
   this->k_.GeluForward(in_place, in_place);
   EXPECT_EQ(Bits(in_place), Bits(y));
 
   Tensor dx = this->k_.Zeros({41}, dt);
   this->k_.GeluBackward(x, dy, dx);
-  EXPECT_TRUE(HalfNear<H>("gelu backward", HalfValues<H>(dx), bwd, kUlpTol<float>, kUlpTol<float>));
+  EXPECT_TRUE(HalfNear<H>("gelu backward", ValuesOf(dx), bwd, kUlpTol<float>, kUlpTol<float>));
   Tensor dx_in_place = MakeHalf<H>({41}, dyv);
   this->k_.GeluBackward(x, dx_in_place, dx_in_place);
   EXPECT_EQ(Bits(dx_in_place), Bits(dx));
@@ -998,7 +984,7 @@ TYPED_TEST(EigenKernelsHalfTest, DropoutMatchesMaskAndFloatScale) {
   using H = TypeParam;
   constexpr DType dt = kHalfDType<H>;
   const Tensor x = MakeHalf<H>({10, 20}, Reals(50, 200, 1, 9));  // nonzero: a 0 hides a drop
-  const std::vector<double> xv = HalfValues<H>(x);
+  const std::vector<double> xv = ValuesOf(x);
   for (double p : {0.25, 0.5, 0.9}) {
     // x / float(1 - p): two float32 roundings (the scale, the quotient).
     std::vector<double> expected(xv.size());
@@ -1008,7 +994,7 @@ TYPED_TEST(EigenKernelsHalfTest, DropoutMatchesMaskAndFloatScale) {
     }
     Tensor y = this->k_.Zeros({10, 20}, dt);
     this->k_.Dropout(x, p, 1234, 3, 77, y);
-    const std::vector<double> yv = HalfValues<H>(y);
+    const std::vector<double> yv = ValuesOf(y);
     for (size_t e = 0; e < yv.size(); ++e) {
       EXPECT_EQ(yv[e] == 0, expected[e] == 0) << "mask differs at " << e << " p=" << p;
     }
@@ -1021,7 +1007,7 @@ TYPED_TEST(EigenKernelsHalfTest, DropoutMatchesMaskAndFloatScale) {
   this->k_.Dropout(x, 0.0, 1, 1, 0, copy);
   EXPECT_EQ(Bits(copy), Bits(x));
   this->k_.Dropout(x, 1.0, 1, 1, 0, copy);
-  EXPECT_EQ(HalfValues<H>(copy), std::vector<double>(200, 0.0));
+  EXPECT_EQ(ValuesOf(copy), std::vector<double>(200, 0.0));
 }
 
 TYPED_TEST(EigenKernelsHalfTest, EmbeddingBackwardAccumulates) {
@@ -1032,7 +1018,7 @@ TYPED_TEST(EigenKernelsHalfTest, EmbeddingBackwardAccumulates) {
   const int64_t rows = vocab_end - vocab_start;
   const Tensor dy = MakeHalf<H>({static_cast<int64_t>(ids.size()), h},
                                 Reals(61, static_cast<int64_t>(ids.size()) * h));
-  const std::vector<double> dyv = HalfValues<H>(dy);
+  const std::vector<double> dyv = ValuesOf(dy);
   const std::vector<double> dw0 = Reals(62, rows * h, -100, 100);
 
   // float32 dweight: float32 sums (at most 3 roundings into a row element, each at most
@@ -1042,7 +1028,7 @@ TYPED_TEST(EigenKernelsHalfTest, EmbeddingBackwardAccumulates) {
   for (size_t e = 0; e < slack.size(); ++e) slack[e] = std::fabs(sums[e]);
   // 16-bit dweight: one rounding after each addition, in id order.
   Tensor dw16 = MakeHalf<H>({rows, h}, dw0);
-  std::vector<double> stepwise = HalfValues<H>(dw16);
+  std::vector<double> stepwise = ValuesOf(dw16);
   for (size_t i = 0; i < ids.size(); ++i) {
     if (ids[i] < vocab_start || ids[i] >= vocab_end) continue;
     for (size_t j = 0; j < static_cast<size_t>(h); ++j) {
@@ -1059,7 +1045,7 @@ TYPED_TEST(EigenKernelsHalfTest, EmbeddingBackwardAccumulates) {
   EXPECT_TRUE(WithinSlack("float32 dweight", Values<float>(dw32), sums, slack));
   EXPECT_NE(Values<float>(dw32), Values<float>(Make<float>({rows, h}, dw0)));
   this->k_.EmbeddingBackward(dy, ids, vocab_start, vocab_end, dw16);
-  EXPECT_TRUE(TensorsNear(fmt::format("{} dweight", DTypeName(dt)), HalfValues<H>(dw16), stepwise));
+  EXPECT_TRUE(TensorsNear(fmt::format("{} dweight", DTypeName(dt)), ValuesOf(dw16), stepwise));
 
   // Where the two differ: 2^digits has an ulp of 2, so adding 0.75 three times rounds back
   // down each time, while one rounding of the float32 sum would give 2^digits + 2.
@@ -1067,7 +1053,7 @@ TYPED_TEST(EigenKernelsHalfTest, EmbeddingBackwardAccumulates) {
   const Tensor small_dy = MakeHalf<H>({3, 1}, {0.75, 0.75, 0.75});
   Tensor one_row = MakeHalf<H>({1, 1}, {base});
   this->k_.EmbeddingBackward(small_dy, {0, 0, 0}, 0, 1, one_row);
-  EXPECT_EQ(HalfValues<H>(one_row), std::vector<double>{base});
+  EXPECT_EQ(ValuesOf(one_row), std::vector<double>{base});
   Tensor one_row32 = Make<float>({1, 1}, {base});
   this->k_.EmbeddingBackward(small_dy, {0, 0, 0}, 0, 1, one_row32);
   EXPECT_EQ(Values<float>(one_row32), std::vector<double>{base + 2.25});
@@ -1078,7 +1064,7 @@ TYPED_TEST(EigenKernelsHalfTest, CrossEntropyPiecesWithFloat32Statistics) {
   constexpr DType dt = kHalfDType<H>;
   const int64_t rows = 4, cols = 7;
   const Tensor logits = MakeHalf<H>({rows, cols}, Reals(80, rows * cols, -6, 6));
-  const std::vector<double> lv = HalfValues<H>(logits);
+  const std::vector<double> lv = ValuesOf(logits);
   const int64_t vocab_start = 3;                     // this shard holds columns [3, 10)
   const std::vector<int64_t> labels = {2, 9, 5, 0};  // 2 and 0 belong to another shard
   const auto at = [&](int64_t i, int64_t j) { return lv[static_cast<size_t>(i * cols + j)]; };
@@ -1133,7 +1119,7 @@ TYPED_TEST(EigenKernelsHalfTest, CrossEntropyPiecesWithFloat32Statistics) {
   }
   ASSERT_GT(Norm(expected), 0);
   // The float32 test's tolerance (exp, cancellation against q) on top of the rounding.
-  EXPECT_TRUE(HalfNear<H>("ce grad", HalfValues<H>(grad), expected, 4 * kUlpTol<float>,
+  EXPECT_TRUE(HalfNear<H>("ce grad", ValuesOf(grad), expected, 4 * kUlpTol<float>,
                           4 * kUlpTol<float>));
   Tensor in_place = MakeHalf<H>({rows, cols}, lv);
   this->k_.CrossEntropyBackward(in_place, row_max, sum_exp, labels, vocab_start, on, off,

@@ -29,6 +29,7 @@
 #include "core/topology.h"
 #include "sim/mpi_check.h"
 #include "sim/mpi_communicator.h"
+#include "tests/half_test_util.h"
 
 namespace mpusim {
 namespace {
@@ -164,8 +165,6 @@ TYPED_TEST(MpiCommunicatorTest, BroadcastFromEveryRoot) {
 
 // --- bfloat16 / float16 ------------------------------------------------------------------
 
-template <typename H>
-constexpr DType kHalfDType = std::is_same_v<H, BFloat16> ? DType::kBFloat16 : DType::kFloat16;
 // Unit roundoff of H: 2^-8 (bfloat16), 2^-11 (float16).
 template <typename H>
 constexpr double kHalfU = std::is_same_v<H, BFloat16> ? 0x1p-8 : 0x1p-11;
@@ -178,18 +177,6 @@ Tensor FillHalf(int64_t n, const std::function<double(int64_t)>& value) {
   return t;
 }
 
-template <typename H>
-std::vector<double> HalfValues(const Tensor& t) {
-  std::vector<double> v(static_cast<size_t>(t.numel()));
-  for (size_t e = 0; e < v.size(); ++e) v[e] = ToFloat(t.data_as<H>()[e]);
-  return v;
-}
-
-std::vector<uint16_t> Bits(const Tensor& t) {
-  std::vector<uint16_t> v(static_cast<size_t>(t.numel()));
-  if (!v.empty()) std::memcpy(v.data(), t.data(), v.size() * sizeof(uint16_t));
-  return v;
-}
 
 // A rank-dependent 16-bit pattern covering every exponent and sign, NaNs and infinities
 // included (any conversion through float would change the signalling NaNs' bits).
@@ -226,7 +213,7 @@ TYPED_TEST(MpiCommunicatorHalfTest, AllReduceSumAndMax) {
   const std::vector<double> expected = Expected(
       n, [&](int64_t e) { return k * (k + 1) / 2.0 * static_cast<double>(e % 7 - 3) / 4; });
   ASSERT_GT(std::fabs(expected[0]) + std::fabs(expected[6]), 0);
-  EXPECT_EQ(HalfValues<H>(sum), expected);
+  EXPECT_EQ(ValuesOf(sum), expected);
 
   // Element e is largest (-50) on rank e mod k; the rest are -100 + q, so a 0 would be caught.
   Tensor max = FillHalf<H>(n, [&](int64_t e) { return -100.0 + ((e + k - r) % k == 0 ? 50 : r); });
@@ -238,7 +225,7 @@ TYPED_TEST(MpiCommunicatorHalfTest, AllReduceSumAndMax) {
   max.data_as<H>()[2] = FromFloat<H>(r % 2 == 0 ? -0.0f : 0.0f);
   max.data_as<H>()[3] = FromFloat<H>(r % 2 == 1 ? -0.0f : 0.0f);
   this->world_->AllReduce(max, ReduceOp::kMax);
-  const std::vector<double> got = HalfValues<H>(max);
+  const std::vector<double> got = ValuesOf(max);
   EXPECT_TRUE(std::isnan(got[0]) && std::isnan(got[1]))
       << "a NaN on one rank must reach every rank, got " << got[0] << ", " << got[1];
   EXPECT_EQ(Bits(max)[2], k == 1 ? 0x8000 : 0x0000) << "max(-0, +0) is +0";
@@ -255,7 +242,7 @@ TYPED_TEST(MpiCommunicatorHalfTest, ReduceScatterSumsOwnChunk) {
       FillHalf<H>(k * n, [&](int64_t f) { return (r + 1.0) * static_cast<double>(f % 7 + 1); });
   Tensor out = Tensor::HostZeros({n}, kHalfDType<H>);
   this->world_->ReduceScatter(in, out);
-  EXPECT_EQ(HalfValues<H>(out), Expected(n, [&](int64_t e) {
+  EXPECT_EQ(ValuesOf(out), Expected(n, [&](int64_t e) {
               return k * (k + 1) / 2.0 * static_cast<double>((r * n + e) % 7 + 1);
             }));
   Tensor other = Tensor::HostZeros(
@@ -310,7 +297,7 @@ TYPED_TEST(MpiCommunicatorHalfTest, AllReduceSumIsBitIdenticalOnEveryRank) {
     EXPECT_EQ(differ, 0) << "elements whose bits differ from rank 0's";
 
     // Each of the k - 1 roundings errs by at most u |partial sum| <= u sum_q |x_q|.
-    const std::vector<double> got = HalfValues<H>(sum);
+    const std::vector<double> got = ValuesOf(sum);
     int64_t bad = 0;
     for (int64_t e = 0; e < n; ++e) {
       double exact = 0, magnitude = 0;
