@@ -40,7 +40,7 @@
 #include "core/philox.h"
 #include "core/tensor.h"
 #include "cuda/cuda_kernels.h"
-#include "tests/half_test_util.h"
+#include "tests/kernel_test_util.h"
 #include "sim/eigen_kernels.h"
 
 namespace mpusim::cuda {
@@ -55,8 +55,6 @@ bool DeviceVisible() {
   return count > 0;
 }
 
-template <typename T>
-constexpr DType kDType = std::is_same_v<T, float> ? DType::kFloat32 : DType::kFloat64;
 
 // Integer in [lo, hi], element e of Philox stream `key`.
 double IntAt(uint64_t key, int64_t e, int lo, int hi) {
@@ -79,76 +77,32 @@ std::vector<double> Reals(uint64_t key, int64_t n) {
   return v;
 }
 
-template <typename T>
-Tensor Make(const Shape& shape, const std::vector<double>& values) {
-  Tensor t = Tensor::HostZeros(shape, kDType<T>);
-  EXPECT_EQ(static_cast<size_t>(t.numel()), values.size())
-      << "test bug: Make " << ShapeString(shape);
-  for (size_t e = 0; e < values.size(); ++e) t.data_as<T>()[e] = static_cast<T>(values[e]);
-  return t;
-}
 
-template <typename T>
-std::vector<double> HostValues(const Tensor& t) {
-  std::vector<double> v(static_cast<size_t>(t.numel()));
-  for (size_t e = 0; e < v.size(); ++e) v[e] = static_cast<double>(t.data_as<T>()[e]);
-  return v;
-}
 
-double Norm(const std::vector<double>& v) {
-  double s = 0;
-  for (double x : v) s += x * x;
-  return std::sqrt(s);
-}
 
-// |a - e| <= atol + rtol * |e| for every element (atol = rtol = 0: exact, which also
-// compares the sign of zero only through ==); NaN/Inf must match exactly.
-::testing::AssertionResult TensorsNear(const std::string& name, const std::vector<double>& actual,
-                                       const std::vector<double>& expected, double atol = 0,
-                                       double rtol = 0) {
-  if (actual.size() != expected.size()) {
+
+// Same dtype, same numel and the same bits in every element (of any dtype).
+::testing::AssertionResult SameBits(const std::string& name, const Tensor& actual,
+                                    const Tensor& expected) {
+  if (actual.dtype() != expected.dtype() || actual.numel() != expected.numel()) {
     return ::testing::AssertionFailure()
-           << name << ": " << actual.size() << " elements, expected " << expected.size();
+           << name << ": " << DTypeName(actual.dtype()) << " " << ShapeString(actual.shape())
+           << " vs " << DTypeName(expected.dtype()) << " " << ShapeString(expected.shape());
   }
-  int64_t bad = 0;
-  double max_abs = 0;
-  std::string first;
-  for (size_t e = 0; e < actual.size(); ++e) {
-    const double a = actual[e];
-    const double x = expected[e];
-    bool ok;
-    if (!std::isfinite(a) || !std::isfinite(x)) {
-      ok = (a == x) || (std::isnan(a) && std::isnan(x));
-    } else {
-      ok = std::fabs(a - x) <= atol + rtol * std::fabs(x);
-      max_abs = std::max(max_abs, std::fabs(a - x));
-    }
-    if (!ok && bad++ < 10) first += fmt::format("\n  [{}] {} vs {}", e, a, x);
-  }
-  if (bad == 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << name << ": " << bad << " of " << actual.size()
-                                       << " mismatch (max abs " << max_abs << "):" << first;
-}
-
-// Bitwise equality (dropout and embedding backward promise identical bits, not just values).
-template <typename T>
-::testing::AssertionResult BitsEqual(const std::string& name, const Tensor& actual,
-                                     const Tensor& expected) {
-  if (actual.numel() != expected.numel()) {
-    return ::testing::AssertionFailure() << name << ": sizes differ";
-  }
-  const T* a = actual.data_as<T>();
-  const T* x = expected.data_as<T>();
+  const size_t size = DTypeSize(actual.dtype());
+  const auto* a = static_cast<const unsigned char*>(actual.data());
+  const auto* x = static_cast<const unsigned char*>(expected.data());
   int64_t bad = 0;
   std::string first;
   for (int64_t e = 0; e < actual.numel(); ++e) {
-    if (std::memcmp(&a[e], &x[e], sizeof(T)) != 0 && bad++ < 10) {
-      first += fmt::format("\n  [{}] {} vs {}", e, a[e], x[e]);
+    const size_t at = static_cast<size_t>(e) * size;
+    if (std::memcmp(a + at, x + at, size) != 0 && bad++ < 10) {
+      first += fmt::format("\n  [{}] {} vs {}", e, HostValue(actual, e), HostValue(expected, e));
     }
   }
   if (bad == 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure()
-         << name << ": " << bad << " of " << actual.numel() << " differ bitwise:" << first;
+  return ::testing::AssertionFailure() << name << " (" << DTypeName(actual.dtype()) << "): " << bad
+                                       << " of " << actual.numel() << " differ bitwise:" << first;
 }
 
 // erf/exp: CUDA's erff/expf are within 2 ulp, erf/exp (double) within 2 / 1 ulp, and the
@@ -157,6 +111,8 @@ template <typename T>
 template <typename T>
 constexpr double kUlpTol = std::is_same_v<T, float> ? 4e-6 : 2e-14;
 
+// Both kernel suites: host and device tensors of T (or of `dtype`) from values, and values
+// back from either.
 template <typename T>
 class CudaKernelsTest : public ::testing::Test {
  public:
@@ -165,15 +121,15 @@ class CudaKernelsTest : public ::testing::Test {
     gpu_ = std::make_unique<CudaKernels>();
   }
 
-  Tensor Host(const Shape& shape, const std::vector<double>& values) {
-    return Make<T>(shape, values);
+  Tensor Host(const Shape& shape, const std::vector<double>& values, DType dtype = kDType<T>) {
+    return MakeOf(dtype, shape, values);
   }
-  Tensor Dev(const Shape& shape, const std::vector<double>& values) {
-    return gpu_->ToDevice(Make<T>(shape, values));
+  Tensor Dev(const Shape& shape, const std::vector<double>& values, DType dtype = kDType<T>) {
+    return gpu_->ToDevice(MakeOf(dtype, shape, values));
   }
   // Values of a host or a device tensor.
   std::vector<double> Values(const Tensor& t) {
-    return HostValues<T>(t.device() == Device::kCuda ? gpu_->ToHost(t) : t);
+    return ValuesOf(t.device() == Device::kCuda ? gpu_->ToHost(t) : t);
   }
   Tensor Back(const Tensor& device) { return gpu_->ToHost(device); }
 
@@ -212,7 +168,7 @@ TYPED_TEST(CudaKernelsTest, ZerosEmptyToDeviceToHostCopy) {
   EXPECT_NE(dev.data(), host.data());
   Tensor back = gpu.ToHost(dev);
   EXPECT_EQ(back.device(), Device::kHost);
-  EXPECT_TRUE(TensorsNear("round trip", HostValues<T>(back), v));
+  EXPECT_TRUE(TensorsNear("round trip", ValuesOf(back), v));
   EXPECT_THROW(gpu.ToDevice(dev), std::invalid_argument);
   EXPECT_THROW(gpu.ToHost(host), std::invalid_argument);
 
@@ -252,7 +208,6 @@ TYPED_TEST(CudaKernelsTest, CopyFromHost) {
 }
 
 TYPED_TEST(CudaKernelsTest, CopyBlock) {
-  using T = TypeParam;
   CudaKernels& gpu = *this->gpu_;
   const std::vector<double> sv = Ints(2, 5 * 6);
   const std::vector<double> dv = Ints(3, 4 * 7);
@@ -260,7 +215,7 @@ TYPED_TEST(CudaKernelsTest, CopyBlock) {
   this->cpu_.CopyBlock(this->Host({5, 6}, sv), 1, 2, cpu_dst, 0, 3, 3, 4);
   Tensor gpu_dst = this->Dev({2, 2, 7}, dv);
   gpu.CopyBlock(this->Dev({5, 6}, sv), 1, 2, gpu_dst, 0, 3, 3, 4);
-  EXPECT_TRUE(TensorsNear("copy_block", this->Values(gpu_dst), HostValues<T>(cpu_dst)));
+  EXPECT_TRUE(TensorsNear("copy_block", this->Values(gpu_dst), ValuesOf(cpu_dst)));
   EXPECT_NE(this->Values(gpu_dst), dv);
 
   // Overlapping blocks of one tensor behave as if the source were read first.
@@ -268,7 +223,7 @@ TYPED_TEST(CudaKernelsTest, CopyBlock) {
   this->cpu_.CopyBlock(cpu_self, 0, 0, cpu_self, 1, 1, 4, 5);
   Tensor gpu_self = this->Dev({5, 6}, sv);
   gpu.CopyBlock(gpu_self, 0, 0, gpu_self, 1, 1, 4, 5);
-  EXPECT_TRUE(TensorsNear("copy_block overlap", this->Values(gpu_self), HostValues<T>(cpu_self)));
+  EXPECT_TRUE(TensorsNear("copy_block overlap", this->Values(gpu_self), ValuesOf(cpu_self)));
 
   // A block of zero rows or columns is a no-op.
   Tensor untouched = this->Dev({5, 6}, sv);
@@ -297,7 +252,7 @@ void CheckGemm(CudaKernelsTest<T>& t, int64_t m, int64_t n, int64_t k) {
           t.cpu_.Gemm(ta, tb, alpha, t.Host(a_shape, av), t.Host(b_shape, bv), beta, cpu_c);
           Tensor gpu_c = t.Dev({m, n}, cv);
           t.gpu_->Gemm(ta, tb, alpha, t.Dev(a_shape, av), t.Dev(b_shape, bv), beta, gpu_c);
-          const std::vector<double> expected = HostValues<T>(cpu_c);
+          const std::vector<double> expected = ValuesOf(cpu_c);
           ASSERT_GT(Norm(expected), 0);
           EXPECT_TRUE(TensorsNear(fmt::format("gemm {}x{}x{} ta={} tb={} alpha={} beta={}", m, n,
                                               k, ta, tb, alpha, beta),
@@ -346,7 +301,7 @@ TYPED_TEST(CudaKernelsTest, GemmRealValuesWithinRoundingBound) {
       this->gpu_->Gemm(ta, tb, 1.5, this->Dev(a_shape, av), this->Dev(b_shape, bv), 0.5, gpu_c);
       const double bound = 2 * (1.5 * static_cast<double>(k * k) + 2) * u;  // both sides' error
       EXPECT_TRUE(TensorsNear(fmt::format("gemm reals ta={} tb={}", ta, tb), this->Values(gpu_c),
-                              HostValues<T>(cpu_c), bound));
+                              ValuesOf(cpu_c), bound));
     }
   }
 }
@@ -360,7 +315,7 @@ TYPED_TEST(CudaKernelsTest, GemmBetaZeroOverwritesNaNAndEmptyK) {
   Tensor cpu_c = this->Host({2, 2}, std::vector<double>(4, nan));
   this->cpu_.Gemm(false, false, 1.0, this->Host({2, 3}, Ints(20, 6)),
                   this->Host({3, 2}, Ints(21, 6)), 0.0, cpu_c);
-  EXPECT_TRUE(TensorsNear("gemm beta=0", this->Values(c), HostValues<T>(cpu_c)));
+  EXPECT_TRUE(TensorsNear("gemm beta=0", this->Values(c), ValuesOf(cpu_c)));
 
   // k == 0: c = beta * c (beta == 0 overwrites NaN); alpha == 0 likewise.
   const std::vector<double> cv = Ints(22, 6);
@@ -402,7 +357,6 @@ TYPED_TEST(CudaKernelsTest, GemmRejectsBadArguments) {
 }
 
 TYPED_TEST(CudaKernelsTest, AddRowVectorSumRowsAxpyScale) {
-  using T = TypeParam;
   CudaKernels& gpu = *this->gpu_;
   EigenKernels& cpu = this->cpu_;
   for (const auto& [r, c] : {std::pair<int64_t, int64_t>{6, 5}, {300, 701}}) {
@@ -413,16 +367,16 @@ TYPED_TEST(CudaKernelsTest, AddRowVectorSumRowsAxpyScale) {
     cpu.AddRowVector(this->Host({c}, bv), cpu_y);
     Tensor gpu_y = this->Dev({r, c}, xv);
     gpu.AddRowVector(this->Dev({c}, bv), gpu_y);
-    EXPECT_TRUE(TensorsNear("add_row_vector", this->Values(gpu_y), HostValues<T>(cpu_y)));
+    EXPECT_TRUE(TensorsNear("add_row_vector", this->Values(gpu_y), ValuesOf(cpu_y)));
 
     for (double beta : {0.0, 1.0, 2.0}) {
       Tensor cpu_out = this->Host({c}, ov);
       cpu.SumRows(this->Host({r, c}, xv), beta, cpu_out);
       Tensor gpu_out = this->Dev({c}, ov);
       gpu.SumRows(this->Dev({r, c}, xv), beta, gpu_out);
-      ASSERT_GT(Norm(HostValues<T>(cpu_out)), 0);
+      ASSERT_GT(Norm(ValuesOf(cpu_out)), 0);
       EXPECT_TRUE(TensorsNear(fmt::format("sum_rows beta={}", beta), this->Values(gpu_out),
-                              HostValues<T>(cpu_out)));
+                              ValuesOf(cpu_out)));
     }
 
     const std::vector<double> yv = Ints(33, r * c);
@@ -430,13 +384,13 @@ TYPED_TEST(CudaKernelsTest, AddRowVectorSumRowsAxpyScale) {
     cpu.Axpy(-1.5, this->Host({r * c}, xv), cpu_a);
     Tensor gpu_a = this->Dev({r, c}, yv);
     gpu.Axpy(-1.5, this->Dev({r * c}, xv), gpu_a);
-    EXPECT_TRUE(TensorsNear("axpy", this->Values(gpu_a), HostValues<T>(cpu_a)));
+    EXPECT_TRUE(TensorsNear("axpy", this->Values(gpu_a), ValuesOf(cpu_a)));
 
     Tensor cpu_s = this->Host({r, c}, xv);
     cpu.Scale(0.25, cpu_s);
     Tensor gpu_s = this->Dev({r, c}, xv);
     gpu.Scale(0.25, gpu_s);
-    EXPECT_TRUE(TensorsNear("scale", this->Values(gpu_s), HostValues<T>(cpu_s)));
+    EXPECT_TRUE(TensorsNear("scale", this->Values(gpu_s), ValuesOf(cpu_s)));
   }
   // Axpy and Scale on non-integer data round identically (no FMA contraction on the GPU).
   const std::vector<double> rx = Reals(34, 1000), ry = Reals(35, 1000);
@@ -444,7 +398,7 @@ TYPED_TEST(CudaKernelsTest, AddRowVectorSumRowsAxpyScale) {
   cpu.Axpy(0.3, this->Host({1000}, rx), cpu_a);
   Tensor gpu_a = this->Dev({1000}, ry);
   gpu.Axpy(0.3, this->Dev({1000}, rx), gpu_a);
-  EXPECT_TRUE(BitsEqual<T>("axpy reals", this->Back(gpu_a), cpu_a));
+  EXPECT_TRUE(SameBits("axpy reals", this->Back(gpu_a), cpu_a));
 
   Tensor y = this->Dev({6, 5}, Ints(30, 30));
   EXPECT_THROW(gpu.AddRowVector(this->Dev({6}, Ints(1, 6)), y), std::invalid_argument);
@@ -468,7 +422,7 @@ TYPED_TEST(CudaKernelsTest, Gelu) {
   this->cpu_.GeluForward(this->Host({41}, xv), cpu_y);
   Tensor gpu_y = gpu.Zeros({41}, kDType<T>);
   gpu.GeluForward(this->Dev({41}, xv), gpu_y);
-  EXPECT_TRUE(TensorsNear("gelu", this->Values(gpu_y), HostValues<T>(cpu_y), kUlpTol<T>,
+  EXPECT_TRUE(TensorsNear("gelu", this->Values(gpu_y), ValuesOf(cpu_y), kUlpTol<T>,
                           kUlpTol<T>));
   EXPECT_EQ(this->Values(gpu_y)[20], 0.0);  // gelu(0)
 
@@ -480,8 +434,8 @@ TYPED_TEST(CudaKernelsTest, Gelu) {
   this->cpu_.GeluBackward(this->Host({41}, xv), this->Host({41}, dyv), cpu_dx);
   Tensor gpu_dx = gpu.Zeros({41}, kDType<T>);
   gpu.GeluBackward(this->Dev({41}, xv), this->Dev({41}, dyv), gpu_dx);
-  ASSERT_GT(Norm(HostValues<T>(cpu_dx)), 0);
-  EXPECT_TRUE(TensorsNear("gelu backward", this->Values(gpu_dx), HostValues<T>(cpu_dx),
+  ASSERT_GT(Norm(ValuesOf(cpu_dx)), 0);
+  EXPECT_TRUE(TensorsNear("gelu backward", this->Values(gpu_dx), ValuesOf(cpu_dx),
                           kUlpTol<T>, kUlpTol<T>));
   Tensor dy_in_place = this->Dev({41}, dyv);
   gpu.GeluBackward(this->Dev({41}, xv), dy_in_place, dy_in_place);
@@ -502,10 +456,10 @@ TYPED_TEST(CudaKernelsTest, DropoutIsBitIdenticalToTheCpu) {
     this->cpu_.Dropout(this->Host({10, 20}, xv), p, 1234, 3, 77, cpu_y);
     Tensor gpu_y = gpu.Zeros({10, 20}, kDType<T>);
     gpu.Dropout(this->Dev({10, 20}, xv), p, 1234, 3, 77, gpu_y);
-    EXPECT_TRUE(BitsEqual<T>("dropout", this->Back(gpu_y), cpu_y));
+    EXPECT_TRUE(SameBits("dropout", this->Back(gpu_y), cpu_y));
     Tensor x = this->Dev({10, 20}, xv);
     gpu.Dropout(x, p, 1234, 3, 77, x);
-    EXPECT_TRUE(BitsEqual<T>("dropout in place", this->Back(x), cpu_y));
+    EXPECT_TRUE(SameBits("dropout in place", this->Back(x), cpu_y));
   }
   // A shard at offset 50 gets the same mask as those elements of the whole.
   Tensor whole = gpu.Zeros({200}, kDType<T>);
@@ -519,7 +473,7 @@ TYPED_TEST(CudaKernelsTest, DropoutIsBitIdenticalToTheCpu) {
 
   Tensor copy = gpu.Zeros({200}, kDType<T>);
   gpu.Dropout(this->Dev({200}, xv), 0.0, 1, 1, 0, copy);
-  EXPECT_TRUE(TensorsNear("dropout p=0", this->Values(copy), HostValues<T>(this->Host({200}, xv))));
+  EXPECT_TRUE(TensorsNear("dropout p=0", this->Values(copy), ValuesOf(this->Host({200}, xv))));
   gpu.Dropout(this->Dev({200}, xv), 1.0, 1, 1, 0, copy);
   EXPECT_TRUE(TensorsNear("dropout p=1", this->Values(copy), std::vector<double>(200, 0.0)));
   EXPECT_THROW(gpu.Dropout(copy, 1.5, 1, 1, 0, copy), std::invalid_argument);
@@ -538,7 +492,7 @@ TYPED_TEST(CudaKernelsTest, DropoutLargeTensorIsBitIdentical) {
   this->cpu_.Dropout(host, 0.3, 42, 5, offset, cpu_y);
   Tensor gpu_y = this->gpu_->ToDevice(host);
   this->gpu_->Dropout(gpu_y, 0.3, 42, 5, offset, gpu_y);
-  EXPECT_TRUE(BitsEqual<T>("dropout large", this->Back(gpu_y), cpu_y));
+  EXPECT_TRUE(SameBits("dropout large", this->Back(gpu_y), cpu_y));
 }
 
 // --- embedding ------------------------------------------------------------------------
@@ -558,8 +512,8 @@ TYPED_TEST(CudaKernelsTest, EmbeddingForwardBackwardMask) {
   Tensor gpu_out = this->Dev({2, 4, h}, std::vector<double>(out_numel, 7.0));
   gpu.EmbeddingForward(this->Dev({vocab_end - vocab_start, h}, wv), ids, vocab_start, vocab_end,
                        gpu_out);
-  ASSERT_GT(Norm(HostValues<T>(cpu_out)), 0);
-  EXPECT_TRUE(TensorsNear("embedding forward", this->Values(gpu_out), HostValues<T>(cpu_out)));
+  ASSERT_GT(Norm(ValuesOf(cpu_out)), 0);
+  EXPECT_TRUE(TensorsNear("embedding forward", this->Values(gpu_out), ValuesOf(cpu_out)));
 
   const std::vector<double> dyv = Ints(61, num_ids * h);
   const std::vector<double> dw0 = Ints(62, (vocab_end - vocab_start) * h);
@@ -567,8 +521,8 @@ TYPED_TEST(CudaKernelsTest, EmbeddingForwardBackwardMask) {
   this->cpu_.EmbeddingBackward(this->Host({num_ids, h}, dyv), ids, vocab_start, vocab_end, cpu_dw);
   Tensor gpu_dw = this->Dev({vocab_end - vocab_start, h}, dw0);
   gpu.EmbeddingBackward(this->Dev({num_ids, h}, dyv), ids, vocab_start, vocab_end, gpu_dw);
-  EXPECT_TRUE(TensorsNear("embedding backward", this->Values(gpu_dw), HostValues<T>(cpu_dw)));
-  EXPECT_NE(HostValues<T>(cpu_dw), dw0);
+  EXPECT_TRUE(TensorsNear("embedding backward", this->Values(gpu_dw), ValuesOf(cpu_dw)));
+  EXPECT_NE(ValuesOf(cpu_dw), dw0);
 
   // No id in the shard: nothing changes.
   Tensor untouched = this->Dev({vocab_end - vocab_start, h}, dw0);
@@ -602,13 +556,13 @@ TYPED_TEST(CudaKernelsTest, EmbeddingBackwardIsDeterministicAndBitIdentical) {
   this->cpu_.EmbeddingBackward(this->Host({num_ids, h}, dyv), ids, vocab_start, vocab_end, cpu_dw);
   Tensor gpu_dw = this->Dev({vocab_end - vocab_start, h}, dw0);
   this->gpu_->EmbeddingBackward(this->Dev({num_ids, h}, dyv), ids, vocab_start, vocab_end, gpu_dw);
-  EXPECT_TRUE(BitsEqual<T>("embedding backward reals", this->Back(gpu_dw), cpu_dw));
+  EXPECT_TRUE(SameBits("embedding backward reals", this->Back(gpu_dw), cpu_dw));
 
   Tensor cpu_out = Tensor::HostZeros({num_ids, h}, kDType<T>);
   this->cpu_.EmbeddingForward(cpu_dw, ids, vocab_start, vocab_end, cpu_out);
   Tensor gpu_out = this->gpu_->Zeros({num_ids, h}, kDType<T>);
   this->gpu_->EmbeddingForward(gpu_dw, ids, vocab_start, vocab_end, gpu_out);
-  EXPECT_TRUE(BitsEqual<T>("embedding forward reals", this->Back(gpu_out), cpu_out));
+  EXPECT_TRUE(SameBits("embedding forward reals", this->Back(gpu_out), cpu_out));
 }
 
 // --- vocab-parallel cross entropy -----------------------------------------------------
@@ -624,7 +578,7 @@ TYPED_TEST(CudaKernelsTest, RowMax) {
     this->cpu_.RowMax(this->Host({r, c}, lv), cpu_max);
     Tensor gpu_max = gpu.Zeros({r}, kDType<T>);
     gpu.RowMax(this->Dev({r, c}, lv), gpu_max);
-    EXPECT_TRUE(TensorsNear("row_max", this->Values(gpu_max), HostValues<T>(cpu_max)));
+    EXPECT_TRUE(TensorsNear("row_max", this->Values(gpu_max), ValuesOf(cpu_max)));
   }
   Tensor empty_max = gpu.Zeros({3}, kDType<T>);
   gpu.RowMax(gpu.Zeros({3, 0}, kDType<T>), empty_max);
@@ -664,12 +618,12 @@ TYPED_TEST(CudaKernelsTest, CrossEntropyPartials) {
     // exp differs by a few ulp (see kUlpTol), and the GPU sums in a tree, the CPU in another
     // order: a sum of n positive terms is within (n - 1) u relative of exact on each side.
     const double order = static_cast<double>(cols) * std::numeric_limits<T>::epsilon();
-    EXPECT_TRUE(TensorsNear("sum_exp", this->Values(gpu_se), HostValues<T>(cpu_se), 0,
+    EXPECT_TRUE(TensorsNear("sum_exp", this->Values(gpu_se), ValuesOf(cpu_se), 0,
                             4 * kUlpTol<T> + order));
     // z are small integers: exact in any order.
-    EXPECT_TRUE(TensorsNear("sum_z", this->Values(gpu_sz), HostValues<T>(cpu_sz)));
-    EXPECT_TRUE(TensorsNear("target_z", this->Values(gpu_tz), HostValues<T>(cpu_tz)));
-    ASSERT_GT(Norm(HostValues<T>(cpu_tz)), 0);
+    EXPECT_TRUE(TensorsNear("sum_z", this->Values(gpu_sz), ValuesOf(cpu_sz)));
+    EXPECT_TRUE(TensorsNear("target_z", this->Values(gpu_tz), ValuesOf(cpu_tz)));
+    ASSERT_GT(Norm(ValuesOf(cpu_tz)), 0);
   }
   Tensor se = gpu.Zeros({4}, kDType<T>), sz = gpu.Zeros({4}, kDType<T>),
          tz = gpu.Zeros({4}, kDType<T>);
@@ -705,9 +659,9 @@ TYPED_TEST(CudaKernelsTest, CrossEntropyBackwardIncludingInPlace) {
                              this->Dev({rows}, scale), gpu_grad);
     // exp within a few ulp on both sides; softmax values are <= 1 and are scaled by <= 2,
     // so an absolute tolerance of a few ulp of 1 covers the cancellation against q.
-    EXPECT_TRUE(TensorsNear("grad", this->Values(gpu_grad), HostValues<T>(cpu_grad), kUlpTol<T>,
+    EXPECT_TRUE(TensorsNear("grad", this->Values(gpu_grad), ValuesOf(cpu_grad), kUlpTol<T>,
                             kUlpTol<T>));
-    ASSERT_GT(Norm(HostValues<T>(cpu_grad)), 0);
+    ASSERT_GT(Norm(ValuesOf(cpu_grad)), 0);
 
     Tensor in_place = this->Dev({rows, cols}, lv);
     gpu.CrossEntropyBackward(in_place, this->Dev({rows}, max), this->Dev({rows}, se), labels,
@@ -734,66 +688,13 @@ constexpr double kHalfEps = std::is_same_v<H, BFloat16> ? 0x1p-7 : 0x1p-10;
 // float32's unit roundoff.
 constexpr double kFloatU = 0x1p-24;
 
-// A host tensor of `dtype` holding `values` (each rounded once to the dtype).
-Tensor HostOf(DType dtype, const Shape& shape, const std::vector<double>& values) {
-  Tensor t = Tensor::HostZeros(shape, dtype);
-  EXPECT_EQ(static_cast<size_t>(t.numel()), values.size())
-      << "test bug: HostOf " << ShapeString(shape);
-  for (size_t e = 0; e < values.size() && e < static_cast<size_t>(t.numel()); ++e) {
-    SetHostValue(t, static_cast<int64_t>(e), values[e]);
-  }
-  return t;
-}
 
 
-// Same dtype, same numel and the same bits in every element (of any dtype).
-::testing::AssertionResult SameBits(const std::string& name, const Tensor& actual,
-                                    const Tensor& expected) {
-  if (actual.dtype() != expected.dtype() || actual.numel() != expected.numel()) {
-    return ::testing::AssertionFailure()
-           << name << ": " << DTypeName(actual.dtype()) << " " << ShapeString(actual.shape())
-           << " vs " << DTypeName(expected.dtype()) << " " << ShapeString(expected.shape());
-  }
-  const size_t size = DTypeSize(actual.dtype());
-  const auto* a = static_cast<const unsigned char*>(actual.data());
-  const auto* x = static_cast<const unsigned char*>(expected.data());
-  int64_t bad = 0;
-  std::string first;
-  for (int64_t e = 0; e < actual.numel(); ++e) {
-    const size_t at = static_cast<size_t>(e) * size;
-    if (std::memcmp(a + at, x + at, size) != 0 && bad++ < 10) {
-      first += fmt::format("\n  [{}] {} vs {}", e, HostValue(actual, e), HostValue(expected, e));
-    }
-  }
-  if (bad == 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << name << " (" << DTypeName(actual.dtype()) << "): " << bad
-                                       << " of " << actual.numel() << " differ bitwise:" << first;
-}
 
 template <typename H>
-class CudaKernelsHalfTest : public ::testing::Test {
+class CudaKernelsHalfTest : public CudaKernelsTest<H> {
  public:
-  static constexpr DType kHalf = kHalfDType<H>;
-
-  void SetUp() override {
-    if (!DeviceVisible()) GTEST_SKIP() << "no CUDA device is visible";
-    gpu_ = std::make_unique<CudaKernels>();
-  }
-
-  Tensor Host(const Shape& shape, const std::vector<double>& values, DType dtype = kHalf) {
-    return HostOf(dtype, shape, values);
-  }
-  Tensor Dev(const Shape& shape, const std::vector<double>& values, DType dtype = kHalf) {
-    return gpu_->ToDevice(HostOf(dtype, shape, values));
-  }
-  // Values of a host or a device tensor.
-  std::vector<double> Values(const Tensor& t) {
-    return ValuesOf(t.device() == Device::kCuda ? gpu_->ToHost(t) : t);
-  }
-  Tensor Back(const Tensor& device) { return gpu_->ToHost(device); }
-
-  EigenKernels cpu_;
-  std::unique_ptr<CudaKernels> gpu_;
+  static constexpr DType kHalf = kDType<H>;
 };
 
 using HalfTypes = ::testing::Types<BFloat16, Float16>;
@@ -803,7 +704,7 @@ TYPED_TEST_SUITE(CudaKernelsHalfTest, HalfTypes);
 // 16-bit patterns, never values.
 TYPED_TEST(CudaKernelsHalfTest, CopiesMoveBits) {
   using H = TypeParam;
-  const DType h = kHalfDType<H>;
+  const DType h = kDType<H>;
   CudaKernels& gpu = *this->gpu_;
   const std::vector<uint16_t> patterns = {0x0000, 0x8000, 0x0001, 0x8001, 0x7fc0, 0x7e00,
                                           0x7f80, 0xff80, 0x7c00, 0xfc00, 0x3c00, 0x3f80,
@@ -851,7 +752,7 @@ TYPED_TEST(CudaKernelsHalfTest, CopiesMoveBits) {
 // The sums (up to 80 * 16 * 2 + 3 * 4) exceed 256, so a bfloat16 c really rounds.
 TYPED_TEST(CudaKernelsHalfTest, GemmIntegersAreBitIdenticalForEveryAccumulator) {
   using H = TypeParam;
-  const DType h = kHalfDType<H>;
+  const DType h = kDType<H>;
   for (const DType c_dtype : {h, DType::kFloat32}) {
     for (const auto& [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{5, 7, 6}, {70, 65, 80}}) {
       for (bool ta : {false, true}) {
@@ -887,7 +788,7 @@ TYPED_TEST(CudaKernelsHalfTest, GemmIntegersAreBitIdenticalForEveryAccumulator) 
 // 16-bit ulp apart when the float32 values straddle a rounding boundary.
 TYPED_TEST(CudaKernelsHalfTest, GemmRealValuesWithinRoundingBound) {
   using H = TypeParam;
-  const DType h = kHalfDType<H>;
+  const DType h = kDType<H>;
   const int64_t m = 33, n = 47, k = 129;
   const double float_bound = 2 * (1.5 * static_cast<double>(k * k) + 2) * kFloatU;
   for (const DType c_dtype : {h, DType::kFloat32}) {
@@ -920,7 +821,7 @@ TYPED_TEST(CudaKernelsHalfTest, GemmRealValuesWithinRoundingBound) {
 // 16-bit C in between would lose eps^2).
 TYPED_TEST(CudaKernelsHalfTest, GemmAccumulatesInFloat32) {
   using H = TypeParam;
-  const DType h = kHalfDType<H>;
+  const DType h = kDType<H>;
   const int64_t m = 8, n = 8, k = 64;
   const double x = 1.0 + kHalfEps<H>;
   const auto size = [](int64_t count) { return static_cast<size_t>(count); };
@@ -939,7 +840,7 @@ TYPED_TEST(CudaKernelsHalfTest, GemmAccumulatesInFloat32) {
 
 TYPED_TEST(CudaKernelsHalfTest, GemmBetaZeroOverwritesNaNAndEmptyK) {
   using H = TypeParam;
-  const DType h = kHalfDType<H>;
+  const DType h = kDType<H>;
   CudaKernels& gpu = *this->gpu_;
   const double nan = std::numeric_limits<double>::quiet_NaN();
   for (const DType c_dtype : {h, DType::kFloat32}) {
@@ -973,7 +874,7 @@ TYPED_TEST(CudaKernelsHalfTest, GemmBetaZeroOverwritesNaNAndEmptyK) {
 
 TYPED_TEST(CudaKernelsHalfTest, GemmRejectsMixedDtypes) {
   using H = TypeParam;
-  const DType h = kHalfDType<H>;
+  const DType h = kDType<H>;
   const DType other_half = h == DType::kBFloat16 ? DType::kFloat16 : DType::kBFloat16;
   CudaKernels& gpu = *this->gpu_;
   const Tensor a = this->Dev({2, 3}, Ints(20, 6));
@@ -996,7 +897,7 @@ TYPED_TEST(CudaKernelsHalfTest, GemmRejectsMixedDtypes) {
 // any order; the bfloat16 results round since the sums exceed 256).
 TYPED_TEST(CudaKernelsHalfTest, AddRowVectorSumRowsAxpyScale) {
   using H = TypeParam;
-  const DType h = kHalfDType<H>;
+  const DType h = kDType<H>;
   CudaKernels& gpu = *this->gpu_;
   EigenKernels& cpu = this->cpu_;
   for (const auto& [r, c] : {std::pair<int64_t, int64_t>{6, 5}, {300, 701}}) {
@@ -1057,7 +958,7 @@ TYPED_TEST(CudaKernelsHalfTest, AddRowVectorSumRowsAxpyScale) {
 // a tiny result: atol = kUlpTol<float>, the float32 test's absolute tolerance.
 TYPED_TEST(CudaKernelsHalfTest, Gelu) {
   using H = TypeParam;
-  const DType h = kHalfDType<H>;
+  const DType h = kDType<H>;
   CudaKernels& gpu = *this->gpu_;
   std::vector<double> xv(41);
   for (size_t e = 0; e < xv.size(); ++e) xv[e] = static_cast<double>(e) / 4.0 - 5.0;  // -5 .. 5
@@ -1093,7 +994,7 @@ TYPED_TEST(CudaKernelsHalfTest, Gelu) {
 // The same Philox mask and one float32 division rounded once: bit-identical.
 TYPED_TEST(CudaKernelsHalfTest, DropoutIsBitIdenticalToTheCpu) {
   using H = TypeParam;
-  const DType h = kHalfDType<H>;
+  const DType h = kDType<H>;
   CudaKernels& gpu = *this->gpu_;
   const std::vector<double> xv = Reals(50, 200);
   for (double p : {0.25, 0.5, 0.9}) {
@@ -1128,7 +1029,7 @@ TYPED_TEST(CudaKernelsHalfTest, DropoutIsBitIdenticalToTheCpu) {
 // (rounded per token on both sides) and for a float32 one (a plain float32 sum).
 TYPED_TEST(CudaKernelsHalfTest, EmbeddingForwardBackward) {
   using H = TypeParam;
-  const DType h = kHalfDType<H>;
+  const DType h = kDType<H>;
   CudaKernels& gpu = *this->gpu_;
   const int64_t vocab_start = 100, vocab_end = 137, hidden = 300, num_ids = 500;
   const int64_t vocab = vocab_end - vocab_start;
@@ -1173,7 +1074,7 @@ TYPED_TEST(CudaKernelsHalfTest, EmbeddingForwardBackward) {
 
 TYPED_TEST(CudaKernelsHalfTest, RowMaxIntoFloat32) {
   using H = TypeParam;
-  const DType h = kHalfDType<H>;
+  const DType h = kDType<H>;
   CudaKernels& gpu = *this->gpu_;
   for (const auto& [r, c] : {std::pair<int64_t, int64_t>{4, 6}, {3, 3000}, {70000, 3}}) {
     SCOPED_TRACE(fmt::format("{} x {}", r, c));
@@ -1195,7 +1096,7 @@ TYPED_TEST(CudaKernelsHalfTest, RowMaxIntoFloat32) {
 
 TYPED_TEST(CudaKernelsHalfTest, CrossEntropyPartialsIntoFloat32) {
   using H = TypeParam;
-  const DType h = kHalfDType<H>;
+  const DType h = kDType<H>;
   const DType f32 = DType::kFloat32;
   CudaKernels& gpu = *this->gpu_;
   for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{4, 5}, {6, 1000}}) {
@@ -1239,7 +1140,7 @@ TYPED_TEST(CudaKernelsHalfTest, CrossEntropyPartialsIntoFloat32) {
 // few ulp (exp, see kUlpTol), so after rounding they may be one 16-bit ulp apart.
 TYPED_TEST(CudaKernelsHalfTest, CrossEntropyBackwardIncludingInPlace) {
   using H = TypeParam;
-  const DType h = kHalfDType<H>;
+  const DType h = kDType<H>;
   const DType f32 = DType::kFloat32;
   CudaKernels& gpu = *this->gpu_;
   const int64_t rows = 5, cols = 300, vocab_start = 300;

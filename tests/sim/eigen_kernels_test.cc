@@ -31,13 +31,11 @@
 #include "core/philox.h"
 #include "core/tensor.h"
 #include "sim/eigen_kernels.h"
-#include "tests/half_test_util.h"
+#include "tests/kernel_test_util.h"
 
 namespace mpusim {
 namespace {
 
-template <typename T>
-constexpr DType kDType = std::is_same_v<T, float> ? DType::kFloat32 : DType::kFloat64;
 
 // Integer in [lo, hi], element e of Philox stream `key`.
 double IntAt(uint64_t key, int64_t e, int lo, int hi) {
@@ -51,56 +49,9 @@ std::vector<double> Ints(uint64_t key, int64_t n, int lo = -4, int hi = 4) {
   return v;
 }
 
-template <typename T>
-Tensor Make(const Shape& shape, const std::vector<double>& values) {
-  Tensor t = Tensor::HostZeros(shape, kDType<T>);
-  EXPECT_EQ(static_cast<size_t>(t.numel()), values.size())
-      << "test bug: Make " << ShapeString(shape);
-  for (size_t e = 0; e < values.size(); ++e) t.data_as<T>()[e] = static_cast<T>(values[e]);
-  return t;
-}
 
-template <typename T>
-std::vector<double> Values(const Tensor& t) {
-  std::vector<double> v(static_cast<size_t>(t.numel()));
-  for (size_t e = 0; e < v.size(); ++e) v[e] = static_cast<double>(t.data_as<T>()[e]);
-  return v;
-}
 
-double Norm(const std::vector<double>& v) {
-  double s = 0;
-  for (double x : v) s += x * x;
-  return std::sqrt(s);
-}
 
-// |a - e| <= atol + rtol * |e| for every element (atol = rtol = 0: exact); NaN/Inf in the
-// actual values fail unless the expected value is the same non-finite value.
-::testing::AssertionResult TensorsNear(const std::string& name, const std::vector<double>& actual,
-                                       const std::vector<double>& expected, double atol = 0,
-                                       double rtol = 0) {
-  if (actual.size() != expected.size()) {
-    return ::testing::AssertionFailure()
-           << name << ": " << actual.size() << " elements, expected " << expected.size();
-  }
-  int64_t bad = 0;
-  double max_abs = 0;
-  std::string first;
-  for (size_t e = 0; e < actual.size(); ++e) {
-    const double a = actual[e];
-    const double x = expected[e];
-    bool ok;
-    if (!std::isfinite(a) || !std::isfinite(x)) {
-      ok = (a == x) || (std::isnan(a) && std::isnan(x));
-    } else {
-      ok = std::fabs(a - x) <= atol + rtol * std::fabs(x);
-      max_abs = std::max(max_abs, std::fabs(a - x));
-    }
-    if (!ok && bad++ < 10) first += fmt::format("\n  [{}] {} vs {}", e, a, x);
-  }
-  if (bad == 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << name << ": " << bad << " of " << actual.size()
-                                       << " mismatch (max abs " << max_abs << "):" << first;
-}
 
 template <typename T>
 class EigenKernelsTest : public ::testing::Test {
@@ -118,7 +69,7 @@ TYPED_TEST(EigenKernelsTest, ZerosToDeviceToHostCopy) {
   EXPECT_EQ(z.shape(), (Shape{3, 4}));
   EXPECT_EQ(z.dtype(), kDType<T>);
   EXPECT_EQ(z.device(), Device::kHost);
-  EXPECT_TRUE(TensorsNear("zeros", Values<T>(z), std::vector<double>(12, 0.0)));
+  EXPECT_TRUE(TensorsNear("zeros", ValuesOf(z), std::vector<double>(12, 0.0)));
   EXPECT_THROW(this->k_.Zeros({2, -1}, kDType<T>), std::invalid_argument);
 
   const std::vector<double> v = Ints(1, 12);
@@ -127,14 +78,14 @@ TYPED_TEST(EigenKernelsTest, ZerosToDeviceToHostCopy) {
   Tensor dev = this->k_.ToDevice(host);
   EXPECT_NE(dev.data(), host.data());
   EXPECT_EQ(dev.shape(), host.shape());
-  EXPECT_TRUE(TensorsNear("to_device", Values<T>(dev), v));
+  EXPECT_TRUE(TensorsNear("to_device", ValuesOf(dev), v));
   Tensor back = this->k_.ToHost(dev);
   EXPECT_NE(back.data(), dev.data());
-  EXPECT_TRUE(TensorsNear("to_host", Values<T>(back), v));
+  EXPECT_TRUE(TensorsNear("to_host", ValuesOf(back), v));
 
   Tensor dst = Make<T>({4, 3}, std::vector<double>(12, 9.0));
   this->k_.Copy(host, dst);
-  EXPECT_TRUE(TensorsNear("copy", Values<T>(dst), v));
+  EXPECT_TRUE(TensorsNear("copy", ValuesOf(dst), v));
   Tensor wrong = this->k_.Zeros({5}, kDType<T>);
   EXPECT_THROW(this->k_.Copy(host, wrong), std::invalid_argument);
 }
@@ -152,7 +103,7 @@ TYPED_TEST(EigenKernelsTest, CopyBlock) {
       expected[static_cast<size_t>((0 + i) * 7 + 3 + j)] =
           sv[static_cast<size_t>((1 + i) * 6 + 2 + j)];
   }
-  EXPECT_TRUE(TensorsNear("copy_block", Values<T>(dst), expected));
+  EXPECT_TRUE(TensorsNear("copy_block", ValuesOf(dst), expected));
 
   // Overlapping blocks of one tensor behave as if the source were read first.
   Tensor self = Make<T>({5, 6}, sv);
@@ -162,7 +113,7 @@ TYPED_TEST(EigenKernelsTest, CopyBlock) {
     for (int j = 0; j < 5; ++j)
       shifted[static_cast<size_t>((1 + i) * 6 + 1 + j)] = sv[static_cast<size_t>(i * 6 + j)];
   }
-  EXPECT_TRUE(TensorsNear("copy_block_overlap", Values<T>(self), shifted));
+  EXPECT_TRUE(TensorsNear("copy_block_overlap", ValuesOf(self), shifted));
 
   EXPECT_THROW(this->k_.CopyBlock(src, 3, 0, dst, 0, 0, 3, 2), std::invalid_argument);
   EXPECT_THROW(this->k_.CopyBlock(src, 0, 0, dst, 0, 5, 1, 3), std::invalid_argument);
@@ -207,7 +158,7 @@ void CheckGemm(EigenKernels& kernels, int64_t m, int64_t n, int64_t k) {
           ASSERT_GT(Norm(expected), 0);
           EXPECT_TRUE(TensorsNear(fmt::format("gemm {}x{}x{} ta={} tb={} alpha={} beta={}", m, n, k,
                                               ta, tb, alpha, beta),
-                                  Values<T>(c), expected));
+                                  ValuesOf(c), expected));
         }
       }
     }
@@ -227,7 +178,7 @@ TYPED_TEST(EigenKernelsTest, GemmBetaZeroOverwritesNaN) {
   const Tensor b = Make<T>({3, 2}, Ints(21, 6));
   Tensor c = Make<T>({2, 2}, std::vector<double>(4, std::numeric_limits<double>::quiet_NaN()));
   this->k_.Gemm(false, false, 1.0, a, b, 0.0, c);
-  EXPECT_TRUE(TensorsNear("gemm beta=0", Values<T>(c),
+  EXPECT_TRUE(TensorsNear("gemm beta=0", ValuesOf(c),
                           NaiveGemm(false, false, 1, Ints(20, 6), Ints(21, 6), 0,
                                     std::vector<double>(4, 0.0), 2, 2, 3)));
 }
@@ -269,7 +220,7 @@ TYPED_TEST(EigenKernelsTest, AddRowVectorSumRowsAxpyScale) {
     for (int64_t j = 0; j < c; ++j)
       expected[static_cast<size_t>(i * c + j)] += bv[static_cast<size_t>(j)];
   }
-  EXPECT_TRUE(TensorsNear("add_row_vector", Values<T>(y), expected));
+  EXPECT_TRUE(TensorsNear("add_row_vector", ValuesOf(y), expected));
   EXPECT_THROW(this->k_.AddRowVector(Make<T>({c + 1}, Ints(1, c + 1)), y), std::invalid_argument);
 
   for (double beta : {0.0, 1.0, 2.0}) {
@@ -282,22 +233,22 @@ TYPED_TEST(EigenKernelsTest, AddRowVectorSumRowsAxpyScale) {
       sums[static_cast<size_t>(j)] = beta * ov[static_cast<size_t>(j)] + s;
     }
     ASSERT_GT(Norm(sums), 0);
-    EXPECT_TRUE(TensorsNear(fmt::format("sum_rows beta={}", beta), Values<T>(out), sums));
+    EXPECT_TRUE(TensorsNear(fmt::format("sum_rows beta={}", beta), ValuesOf(out), sums));
   }
 
   Tensor ay = Make<T>({r, c}, Ints(33, r * c));
-  const std::vector<double> yv = Values<T>(ay);
+  const std::vector<double> yv = ValuesOf(ay);
   this->k_.Axpy(-1.5, Make<T>({r * c}, xv), ay);
   std::vector<double> axpy(yv.size());
   for (size_t e = 0; e < yv.size(); ++e) axpy[e] = yv[e] - 1.5 * xv[e];
-  EXPECT_TRUE(TensorsNear("axpy", Values<T>(ay), axpy));
+  EXPECT_TRUE(TensorsNear("axpy", ValuesOf(ay), axpy));
   EXPECT_THROW(this->k_.Axpy(1, Make<T>({3}, Ints(1, 3)), ay), std::invalid_argument);
 
   Tensor s = Make<T>({r, c}, xv);
   this->k_.Scale(0.25, s);
   std::vector<double> scaled(xv.size());
   for (size_t e = 0; e < xv.size(); ++e) scaled[e] = 0.25 * xv[e];
-  EXPECT_TRUE(TensorsNear("scale", Values<T>(s), scaled));
+  EXPECT_TRUE(TensorsNear("scale", ValuesOf(s), scaled));
 }
 
 // --- elementwise ----------------------------------------------------------------------
@@ -321,18 +272,18 @@ TYPED_TEST(EigenKernelsTest, Gelu) {
   const Tensor x = Make<T>({41}, xv);
   Tensor y = this->k_.Zeros({41}, kDType<T>);
   this->k_.GeluForward(x, y);
-  EXPECT_TRUE(TensorsNear("gelu", Values<T>(y), fwd, kUlpTol<T>, kUlpTol<T>));
-  EXPECT_NEAR(Values<T>(y)[24], 0.8413447460685429, kUlpTol<T>);  // gelu(1) = Phi(1)
-  EXPECT_EQ(Values<T>(y)[20], 0.0);                               // gelu(0)
+  EXPECT_TRUE(TensorsNear("gelu", ValuesOf(y), fwd, kUlpTol<T>, kUlpTol<T>));
+  EXPECT_NEAR(ValuesOf(y)[24], 0.8413447460685429, kUlpTol<T>);  // gelu(1) = Phi(1)
+  EXPECT_EQ(ValuesOf(y)[20], 0.0);                               // gelu(0)
 
   Tensor in_place = Make<T>({41}, xv);
   this->k_.GeluForward(in_place, in_place);
-  EXPECT_TRUE(TensorsNear("gelu in place", Values<T>(in_place), Values<T>(y)));
+  EXPECT_TRUE(TensorsNear("gelu in place", ValuesOf(in_place), ValuesOf(y)));
 
   Tensor dx = this->k_.Zeros({41}, kDType<T>);
   this->k_.GeluBackward(x, Make<T>({41}, dyv), dx);
   ASSERT_GT(Norm(bwd), 0);
-  EXPECT_TRUE(TensorsNear("gelu backward", Values<T>(dx), bwd, kUlpTol<T>, kUlpTol<T>));
+  EXPECT_TRUE(TensorsNear("gelu backward", ValuesOf(dx), bwd, kUlpTol<T>, kUlpTol<T>));
   Tensor short_y = this->k_.Zeros({40}, kDType<T>);
   EXPECT_THROW(this->k_.GeluForward(x, short_y), std::invalid_argument);
 }
@@ -355,10 +306,10 @@ TYPED_TEST(EigenKernelsTest, DropoutMatchesMaskAndWorksInPlace) {
     const std::vector<double> expected = NaiveDropout<T>(xv, p, 1234, 3, 77);
     Tensor y = this->k_.Zeros({10, 20}, kDType<T>);
     this->k_.Dropout(Make<T>({10, 20}, xv), p, 1234, 3, 77, y);
-    EXPECT_TRUE(TensorsNear(fmt::format("dropout p={}", p), Values<T>(y), expected));
+    EXPECT_TRUE(TensorsNear(fmt::format("dropout p={}", p), ValuesOf(y), expected));
     Tensor x = Make<T>({10, 20}, xv);
     this->k_.Dropout(x, p, 1234, 3, 77, x);
-    EXPECT_TRUE(TensorsNear(fmt::format("dropout in place p={}", p), Values<T>(x), expected));
+    EXPECT_TRUE(TensorsNear(fmt::format("dropout in place p={}", p), ValuesOf(x), expected));
   }
   // A shard at offset 50 of a flat tensor gets the same mask as those elements of the whole.
   Tensor whole = this->k_.Zeros({200}, kDType<T>);
@@ -366,15 +317,15 @@ TYPED_TEST(EigenKernelsTest, DropoutMatchesMaskAndWorksInPlace) {
   Tensor part = this->k_.Zeros({30}, kDType<T>);
   this->k_.Dropout(Make<T>({30}, std::vector<double>(xv.begin() + 50, xv.begin() + 80)), 0.5, 9, 1,
                    50, part);
-  const std::vector<double> wv = Values<T>(whole);
-  EXPECT_TRUE(TensorsNear("dropout offset", Values<T>(part),
+  const std::vector<double> wv = ValuesOf(whole);
+  EXPECT_TRUE(TensorsNear("dropout offset", ValuesOf(part),
                           std::vector<double>(wv.begin() + 50, wv.begin() + 80)));
 
   Tensor copy = this->k_.Zeros({200}, kDType<T>);
   this->k_.Dropout(Make<T>({200}, xv), 0.0, 1, 1, 0, copy);
-  EXPECT_TRUE(TensorsNear("dropout p=0", Values<T>(copy), xv));
+  EXPECT_TRUE(TensorsNear("dropout p=0", ValuesOf(copy), xv));
   this->k_.Dropout(Make<T>({200}, xv), 1.0, 1, 1, 0, copy);
-  EXPECT_TRUE(TensorsNear("dropout p=1", Values<T>(copy), std::vector<double>(200, 0.0)));
+  EXPECT_TRUE(TensorsNear("dropout p=1", ValuesOf(copy), std::vector<double>(200, 0.0)));
   EXPECT_THROW(this->k_.Dropout(copy, 1.5, 1, 1, 0, copy), std::invalid_argument);
   EXPECT_THROW(this->k_.Dropout(copy, -0.1, 1, 1, 0, copy), std::invalid_argument);
 }
@@ -418,7 +369,7 @@ TYPED_TEST(EigenKernelsTest, EmbeddingForwardBackwardMask) {
           wv[static_cast<size_t>((ids[i] - vocab_start) * h + j)];
   }
   ASSERT_GT(Norm(expected), 0);
-  EXPECT_TRUE(TensorsNear("embedding forward", Values<T>(out), expected));
+  EXPECT_TRUE(TensorsNear("embedding forward", ValuesOf(out), expected));
 
   const std::vector<double> dyv = Ints(61, static_cast<int64_t>(ids.size()) * h);
   const std::vector<double> dw0 = Ints(62, (vocab_end - vocab_start) * h);
@@ -432,7 +383,7 @@ TYPED_TEST(EigenKernelsTest, EmbeddingForwardBackwardMask) {
       dw[static_cast<size_t>((ids[i] - vocab_start) * h + j)] +=
           dyv[i * h + static_cast<size_t>(j)];
   }
-  EXPECT_TRUE(TensorsNear("embedding backward", Values<T>(dweight), dw));
+  EXPECT_TRUE(TensorsNear("embedding backward", ValuesOf(dweight), dw));
 
   Tensor short_out = this->k_.Zeros({7, h}, kDType<T>);
   EXPECT_THROW(this->k_.EmbeddingForward(weight, ids, vocab_start, vocab_end, short_out),
@@ -454,10 +405,10 @@ TYPED_TEST(EigenKernelsTest, RowMax) {
   for (size_t i = 0; i < 4; ++i) {
     for (size_t j = 0; j < 6; ++j) expected[i] = std::max(expected[i], lv[i * 6 + j]);
   }
-  EXPECT_TRUE(TensorsNear("row_max", Values<T>(row_max), expected));
+  EXPECT_TRUE(TensorsNear("row_max", ValuesOf(row_max), expected));
   Tensor empty_max = this->k_.Zeros({3}, kDType<T>);
   this->k_.RowMax(this->k_.Zeros({3, 0}, kDType<T>), empty_max);
-  EXPECT_TRUE(TensorsNear("row_max of no columns", Values<T>(empty_max),
+  EXPECT_TRUE(TensorsNear("row_max of no columns", ValuesOf(empty_max),
                           std::vector<double>(3, -std::numeric_limits<double>::infinity())));
   EXPECT_THROW(this->k_.RowMax(Make<T>({4, 6}, lv), empty_max), std::invalid_argument);
 }
@@ -509,15 +460,15 @@ TYPED_TEST(EigenKernelsTest, CrossEntropyPartialsPerShardSumToFull) {
       if (label >= s * CeExample::kShard && label < (s + 1) * CeExample::kShard) {
         t[r] = ex.At(i, label) - max[r];
       }
-      total_exp[r] += Values<T>(sum_exp)[r];
-      total_z[r] += Values<T>(sum_z)[r];
-      total_target[r] += Values<T>(target_z)[r];
+      total_exp[r] += ValuesOf(sum_exp)[r];
+      total_z[r] += ValuesOf(sum_z)[r];
+      total_target[r] += ValuesOf(target_z)[r];
     }
     // exp: library and vectorised exp differ by a few ulp.
     EXPECT_TRUE(
-        TensorsNear(fmt::format("sum_exp shard {}", s), Values<T>(sum_exp), e, 0, 4 * kUlpTol<T>));
-    EXPECT_TRUE(TensorsNear(fmt::format("sum_z shard {}", s), Values<T>(sum_z), z));
-    EXPECT_TRUE(TensorsNear(fmt::format("target_z shard {}", s), Values<T>(target_z), t));
+        TensorsNear(fmt::format("sum_exp shard {}", s), ValuesOf(sum_exp), e, 0, 4 * kUlpTol<T>));
+    EXPECT_TRUE(TensorsNear(fmt::format("sum_z shard {}", s), ValuesOf(sum_z), z));
+    EXPECT_TRUE(TensorsNear(fmt::format("target_z shard {}", s), ValuesOf(target_z), t));
   }
   // The all-reduced pieces give the unsharded quantities.
   std::vector<double> full_exp(rows), full_z(rows), full_target(rows);
@@ -573,21 +524,21 @@ TYPED_TEST(EigenKernelsTest, CrossEntropyBackward) {
     }
     ASSERT_GT(Norm(expected), 0);
     // exp: a few ulp; the subtraction of q can cancel, so an absolute term as well.
-    EXPECT_TRUE(TensorsNear(fmt::format("ce grad shard {}", s), Values<T>(grad), expected,
+    EXPECT_TRUE(TensorsNear(fmt::format("ce grad shard {}", s), ValuesOf(grad), expected,
                             4 * kUlpTol<T>, 4 * kUlpTol<T>));
 
     Tensor in_place = Make<T>({rows, CeExample::kShard}, ex.Shard(s));
     this->k_.CrossEntropyBackward(in_place, Make<T>({rows}, max), Make<T>({rows}, sum_exp),
                                   ex.labels, start, on, off, Make<T>({rows}, row_scale), in_place);
-    EXPECT_TRUE(TensorsNear(fmt::format("ce grad in place shard {}", s), Values<T>(in_place),
-                            Values<T>(grad)));
+    EXPECT_TRUE(TensorsNear(fmt::format("ce grad in place shard {}", s), ValuesOf(in_place),
+                            ValuesOf(grad)));
   }
   // Without smoothing and with unit scale, each full row of the gradient sums to 0.
   const Tensor full = Make<T>({rows, CeExample::kVocab}, ex.logits);
   Tensor grad = this->k_.Zeros({rows, CeExample::kVocab}, kDType<T>);
   this->k_.CrossEntropyBackward(full, Make<T>({rows}, max), Make<T>({rows}, sum_exp), ex.labels, 0,
                                 1.0, 0.0, Make<T>({rows}, std::vector<double>(rows, 1.0)), grad);
-  const std::vector<double> g = Values<T>(grad);
+  const std::vector<double> g = ValuesOf(grad);
   for (int64_t i = 0; i < rows; ++i) {
     double s = 0;
     for (int64_t j = 0; j < CeExample::kVocab; ++j)
@@ -622,16 +573,6 @@ double UlpAt(double v) {
 }
 
 // A 16-bit host tensor holding `values` rounded (float64 -> float32 -> H, core/half.h).
-template <typename H>
-Tensor MakeHalf(const Shape& shape, const std::vector<double>& values) {
-  Tensor t = Tensor::HostZeros(shape, kHalfDType<H>);
-  EXPECT_EQ(static_cast<size_t>(t.numel()), values.size())
-      << "test bug: MakeHalf " << ShapeString(shape);
-  for (size_t e = 0; e < values.size(); ++e) {
-    t.data_as<H>()[e] = FromFloat<H>(static_cast<float>(values[e]));
-  }
-  return t;
-}
 
 
 // Reals uniform in [lo, hi) (Philox stream `key`).
@@ -705,7 +646,7 @@ TYPED_TEST_SUITE(EigenKernelsHalfTest, HalfTypes);
 
 TYPED_TEST(EigenKernelsHalfTest, MemoryOpsMoveBitsUnchanged) {
   using H = TypeParam;
-  constexpr DType dt = kHalfDType<H>;
+  constexpr DType dt = kDType<H>;
   // Every bit pattern class, including a signalling NaN (0x7f81 / 0x7c01), which any
   // conversion through float32 would quieten, and -0.
   std::vector<uint16_t> patterns = {0x0000, 0x8000, 0x7f81, 0x7c01, 0x3f80, 0x3c00,
@@ -778,21 +719,21 @@ GemmReference ExactGemm(bool ta, bool tb, double alpha, const std::vector<double
 
 template <typename H>
 void CheckHalfGemm(EigenKernels& kernels, int64_t m, int64_t n, int64_t k) {
-  for (DType c_dtype : {kHalfDType<H>, DType::kFloat32}) {
+  for (DType c_dtype : {kDType<H>, DType::kFloat32}) {
     for (bool ta : {false, true}) {
       for (bool tb : {false, true}) {
         for (double alpha : {1.0, -0.7}) {
           for (double beta : {0.0, 1.0, 0.3}) {
-            const Tensor a = MakeHalf<H>(ta ? Shape{k, m} : Shape{m, k}, Reals(10, m * k));
-            const Tensor b = MakeHalf<H>(tb ? Shape{n, k} : Shape{k, n}, Reals(11, k * n));
+            const Tensor a = Make<H>(ta ? Shape{k, m} : Shape{m, k}, Reals(10, m * k));
+            const Tensor b = Make<H>(tb ? Shape{n, k} : Shape{k, n}, Reals(11, k * n));
             const std::vector<double> av = ValuesOf(a), bv = ValuesOf(b);
             Tensor c;
             std::vector<double> cv;
             if (c_dtype == DType::kFloat32) {
               c = Make<float>({m, n}, Reals(12, m * n, -20, 20));
-              cv = Values<float>(c);
+              cv = ValuesOf(c);
             } else {
-              c = MakeHalf<H>({m, n}, Reals(12, m * n, -20, 20));
+              c = Make<H>({m, n}, Reals(12, m * n, -20, 20));
               cv = ValuesOf(c);
             }
             // The float32 path on the widened inputs, for the "rounded once" check below.
@@ -804,15 +745,15 @@ void CheckHalfGemm(EigenKernels& kernels, int64_t m, int64_t n, int64_t k) {
             const GemmReference ref = ExactGemm(ta, tb, alpha, av, bv, beta, cv, m, n, k);
             ASSERT_GT(Norm(ref.value), 0);
             const std::string name = fmt::format(
-                "{} gemm into {} {}x{}x{} ta={} tb={} alpha={} beta={}", DTypeName(kHalfDType<H>),
+                "{} gemm into {} {}x{}x{} ta={} tb={} alpha={} beta={}", DTypeName(kDType<H>),
                 DTypeName(c_dtype), m, n, k, ta, tb, alpha, beta);
             if (c_dtype == DType::kFloat32) {
-              EXPECT_TRUE(WithinSlack(name, Values<float>(c), ref.value, ref.slack));
+              EXPECT_TRUE(WithinSlack(name, ValuesOf(c), ref.value, ref.slack));
               EXPECT_TRUE(
-                  TensorsNear(name + " = float32 path", Values<float>(c), Values<float>(c32)));
+                  TensorsNear(name + " = float32 path", ValuesOf(c), ValuesOf(c32)));
             } else {
               EXPECT_TRUE(HalfNear<H>(name, ValuesOf(c), ref.value, ref.slack));
-              std::vector<double> rounded = Values<float>(c32);
+              std::vector<double> rounded = ValuesOf(c32);
               for (double& v : rounded) v = ToFloat(FromFloat<H>(static_cast<float>(v)));
               EXPECT_TRUE(
                   TensorsNear(name + " = float32 path rounded once", ValuesOf(c), rounded));
@@ -835,9 +776,9 @@ TYPED_TEST(EigenKernelsHalfTest, GemmBlockedAllTransposes) {
 
 TYPED_TEST(EigenKernelsHalfTest, GemmBetaZeroOverwritesNaN) {
   using H = TypeParam;
-  const Tensor a = MakeHalf<H>({2, 3}, Reals(20, 6));
-  const Tensor b = MakeHalf<H>({3, 2}, Reals(21, 6));
-  Tensor c = MakeHalf<H>({2, 2}, std::vector<double>(4, std::numeric_limits<double>::quiet_NaN()));
+  const Tensor a = Make<H>({2, 3}, Reals(20, 6));
+  const Tensor b = Make<H>({3, 2}, Reals(21, 6));
+  Tensor c = Make<H>({2, 2}, std::vector<double>(4, std::numeric_limits<double>::quiet_NaN()));
   this->k_.Gemm(false, false, 1.0, a, b, 0.0, c);
   const GemmReference ref = ExactGemm(false, false, 1, ValuesOf(a), ValuesOf(b), 0,
                                       std::vector<double>(4, 0.0), 2, 2, 3);
@@ -846,10 +787,10 @@ TYPED_TEST(EigenKernelsHalfTest, GemmBetaZeroOverwritesNaN) {
 
 TYPED_TEST(EigenKernelsHalfTest, RejectsWrongAccumulatorAndStatisticDtypes) {
   using H = TypeParam;
-  constexpr DType dt = kHalfDType<H>;
+  constexpr DType dt = kDType<H>;
   constexpr DType other_half = dt == DType::kBFloat16 ? DType::kFloat16 : DType::kBFloat16;
-  const Tensor a = MakeHalf<H>({2, 3}, Reals(20, 6));
-  const Tensor b = MakeHalf<H>({3, 2}, Reals(21, 6));
+  const Tensor a = Make<H>({2, 3}, Reals(20, 6));
+  const Tensor b = Make<H>({3, 2}, Reals(21, 6));
   for (DType wrong : {DType::kFloat64, other_half}) {
     SCOPED_TRACE(DTypeName(wrong));
     Tensor c = this->k_.Zeros({2, 2}, wrong);
@@ -880,15 +821,15 @@ TYPED_TEST(EigenKernelsHalfTest, RejectsWrongAccumulatorAndStatisticDtypes) {
 
 TYPED_TEST(EigenKernelsHalfTest, AddRowVectorSumRowsAxpyScale) {
   using H = TypeParam;
-  constexpr DType dt = kHalfDType<H>;
+  constexpr DType dt = kDType<H>;
   const int64_t r = 6, c = 5;
-  const Tensor x = MakeHalf<H>({r, c}, Reals(30, r * c));
+  const Tensor x = Make<H>({r, c}, Reals(30, r * c));
   const std::vector<double> xv = ValuesOf(x);
   ASSERT_GT(Norm(xv), 0);
 
   // y + bias: one float32 addition.
-  Tensor y = MakeHalf<H>({2, 3, c}, Reals(31, r * c, -100, 100));
-  const Tensor bias = MakeHalf<H>({c}, Reals(32, c));
+  Tensor y = Make<H>({2, 3, c}, Reals(31, r * c, -100, 100));
+  const Tensor bias = Make<H>({c}, Reals(32, c));
   std::vector<double> expected = ValuesOf(y);
   const std::vector<double> bv = ValuesOf(bias);
   for (size_t e = 0; e < expected.size(); ++e) expected[e] += bv[e % static_cast<size_t>(c)];
@@ -900,8 +841,8 @@ TYPED_TEST(EigenKernelsHalfTest, AddRowVectorSumRowsAxpyScale) {
   for (DType out_dtype : {dt, DType::kFloat32}) {
     for (double beta : {0.0, 1.0, 0.3}) {
       const std::vector<double> ov0 = Reals(33, c, -50, 50);
-      Tensor out = out_dtype == dt ? MakeHalf<H>({c}, ov0) : Make<float>({c}, ov0);
-      const std::vector<double> ov = out_dtype == dt ? ValuesOf(out) : Values<float>(out);
+      Tensor out = out_dtype == dt ? Make<H>({c}, ov0) : Make<float>({c}, ov0);
+      const std::vector<double> ov = out_dtype == dt ? ValuesOf(out) : ValuesOf(out);
       std::vector<double> sums(static_cast<size_t>(c)), slack(static_cast<size_t>(c));
       for (size_t j = 0; j < static_cast<size_t>(c); ++j) {
         double s = 0, abs_s = 0;
@@ -917,7 +858,7 @@ TYPED_TEST(EigenKernelsHalfTest, AddRowVectorSumRowsAxpyScale) {
       if (out_dtype == dt) {
         EXPECT_TRUE(HalfNear<H>(name, ValuesOf(out), sums, slack));
       } else {
-        EXPECT_TRUE(WithinSlack(name, Values<float>(out), sums, slack));
+        EXPECT_TRUE(WithinSlack(name, ValuesOf(out), sums, slack));
       }
     }
   }
@@ -926,8 +867,8 @@ TYPED_TEST(EigenKernelsHalfTest, AddRowVectorSumRowsAxpyScale) {
   const double alpha = -1.3;
   for (DType y_dtype : {dt, DType::kFloat32}) {
     const std::vector<double> yv0 = Reals(34, r * c, -10, 10);
-    Tensor ay = y_dtype == dt ? MakeHalf<H>({r, c}, yv0) : Make<float>({r, c}, yv0);
-    const std::vector<double> yv = y_dtype == dt ? ValuesOf(ay) : Values<float>(ay);
+    Tensor ay = y_dtype == dt ? Make<H>({r, c}, yv0) : Make<float>({r, c}, yv0);
+    const std::vector<double> yv = y_dtype == dt ? ValuesOf(ay) : ValuesOf(ay);
     std::vector<double> axpy(yv.size()), slack(yv.size());
     for (size_t e = 0; e < yv.size(); ++e) {
       axpy[e] = yv[e] + alpha * xv[e];
@@ -938,12 +879,12 @@ TYPED_TEST(EigenKernelsHalfTest, AddRowVectorSumRowsAxpyScale) {
     if (y_dtype == dt) {
       EXPECT_TRUE(HalfNear<H>(name, ValuesOf(ay), axpy, slack));
     } else {
-      EXPECT_TRUE(WithinSlack(name, Values<float>(ay), axpy, slack));
+      EXPECT_TRUE(WithinSlack(name, ValuesOf(ay), axpy, slack));
     }
   }
 
   // alpha x: one float32 rounding (alpha itself is rounded to float, as in the float32 path).
-  Tensor s = MakeHalf<H>({r, c}, xv);
+  Tensor s = Make<H>({r, c}, xv);
   this->k_.Scale(0.3, s);
   std::vector<double> scaled(xv.size());
   for (size_t e = 0; e < xv.size(); ++e) scaled[e] = 0.3 * xv[e];
@@ -952,9 +893,9 @@ TYPED_TEST(EigenKernelsHalfTest, AddRowVectorSumRowsAxpyScale) {
 
 TYPED_TEST(EigenKernelsHalfTest, Gelu) {
   using H = TypeParam;
-  constexpr DType dt = kHalfDType<H>;
-  const Tensor x = MakeHalf<H>({41}, Reals(40, 41, -5, 5));
-  const Tensor dy = MakeHalf<H>({41}, Reals(41, 41, -3, 3));
+  constexpr DType dt = kDType<H>;
+  const Tensor x = Make<H>({41}, Reals(40, 41, -5, 5));
+  const Tensor dy = Make<H>({41}, Reals(41, 41, -3, 3));
   const std::vector<double> xv = ValuesOf(x), dyv = ValuesOf(dy);
   std::vector<double> fwd(xv.size()), bwd(xv.size());
   for (size_t e = 0; e < xv.size(); ++e) {
@@ -968,22 +909,22 @@ TYPED_TEST(EigenKernelsHalfTest, Gelu) {
   Tensor y = this->k_.Zeros({41}, dt);
   this->k_.GeluForward(x, y);
   EXPECT_TRUE(HalfNear<H>("gelu", ValuesOf(y), fwd, kUlpTol<float>, kUlpTol<float>));
-  Tensor in_place = MakeHalf<H>({41}, xv);
+  Tensor in_place = Make<H>({41}, xv);
   this->k_.GeluForward(in_place, in_place);
   EXPECT_EQ(Bits(in_place), Bits(y));
 
   Tensor dx = this->k_.Zeros({41}, dt);
   this->k_.GeluBackward(x, dy, dx);
   EXPECT_TRUE(HalfNear<H>("gelu backward", ValuesOf(dx), bwd, kUlpTol<float>, kUlpTol<float>));
-  Tensor dx_in_place = MakeHalf<H>({41}, dyv);
+  Tensor dx_in_place = Make<H>({41}, dyv);
   this->k_.GeluBackward(x, dx_in_place, dx_in_place);
   EXPECT_EQ(Bits(dx_in_place), Bits(dx));
 }
 
 TYPED_TEST(EigenKernelsHalfTest, DropoutMatchesMaskAndFloatScale) {
   using H = TypeParam;
-  constexpr DType dt = kHalfDType<H>;
-  const Tensor x = MakeHalf<H>({10, 20}, Reals(50, 200, 1, 9));  // nonzero: a 0 hides a drop
+  constexpr DType dt = kDType<H>;
+  const Tensor x = Make<H>({10, 20}, Reals(50, 200, 1, 9));  // nonzero: a 0 hides a drop
   const std::vector<double> xv = ValuesOf(x);
   for (double p : {0.25, 0.5, 0.9}) {
     // x / float(1 - p): two float32 roundings (the scale, the quotient).
@@ -999,7 +940,7 @@ TYPED_TEST(EigenKernelsHalfTest, DropoutMatchesMaskAndFloatScale) {
       EXPECT_EQ(yv[e] == 0, expected[e] == 0) << "mask differs at " << e << " p=" << p;
     }
     EXPECT_TRUE(HalfNear<H>(fmt::format("dropout p={}", p), yv, expected, 0, 2 * kU32));
-    Tensor in_place = MakeHalf<H>({10, 20}, xv);
+    Tensor in_place = Make<H>({10, 20}, xv);
     this->k_.Dropout(in_place, p, 1234, 3, 77, in_place);
     EXPECT_EQ(Bits(in_place), Bits(y)) << "in place p=" << p;
   }
@@ -1012,11 +953,11 @@ TYPED_TEST(EigenKernelsHalfTest, DropoutMatchesMaskAndFloatScale) {
 
 TYPED_TEST(EigenKernelsHalfTest, EmbeddingBackwardAccumulates) {
   using H = TypeParam;
-  constexpr DType dt = kHalfDType<H>;
+  constexpr DType dt = kDType<H>;
   const int64_t vocab_start = 4, vocab_end = 9, h = 3;
   const std::vector<int64_t> ids = {4, 3, 8, 6, 9, 6, 0, 6};  // token 6 three times
   const int64_t rows = vocab_end - vocab_start;
-  const Tensor dy = MakeHalf<H>({static_cast<int64_t>(ids.size()), h},
+  const Tensor dy = Make<H>({static_cast<int64_t>(ids.size()), h},
                                 Reals(61, static_cast<int64_t>(ids.size()) * h));
   const std::vector<double> dyv = ValuesOf(dy);
   const std::vector<double> dw0 = Reals(62, rows * h, -100, 100);
@@ -1024,10 +965,10 @@ TYPED_TEST(EigenKernelsHalfTest, EmbeddingBackwardAccumulates) {
   // float32 dweight: float32 sums (at most 3 roundings into a row element, each at most
   // u32 times |dweight| + sum |dy|).
   Tensor dw32 = Make<float>({rows, h}, dw0);
-  std::vector<double> sums = Values<float>(dw32), slack(sums.size());
+  std::vector<double> sums = ValuesOf(dw32), slack(sums.size());
   for (size_t e = 0; e < slack.size(); ++e) slack[e] = std::fabs(sums[e]);
   // 16-bit dweight: one rounding after each addition, in id order.
-  Tensor dw16 = MakeHalf<H>({rows, h}, dw0);
+  Tensor dw16 = Make<H>({rows, h}, dw0);
   std::vector<double> stepwise = ValuesOf(dw16);
   for (size_t i = 0; i < ids.size(); ++i) {
     if (ids[i] < vocab_start || ids[i] >= vocab_end) continue;
@@ -1042,28 +983,28 @@ TYPED_TEST(EigenKernelsHalfTest, EmbeddingBackwardAccumulates) {
   }
   for (double& s : slack) s *= 4 * kU32;
   this->k_.EmbeddingBackward(dy, ids, vocab_start, vocab_end, dw32);
-  EXPECT_TRUE(WithinSlack("float32 dweight", Values<float>(dw32), sums, slack));
-  EXPECT_NE(Values<float>(dw32), Values<float>(Make<float>({rows, h}, dw0)));
+  EXPECT_TRUE(WithinSlack("float32 dweight", ValuesOf(dw32), sums, slack));
+  EXPECT_NE(ValuesOf(dw32), ValuesOf(Make<float>({rows, h}, dw0)));
   this->k_.EmbeddingBackward(dy, ids, vocab_start, vocab_end, dw16);
   EXPECT_TRUE(TensorsNear(fmt::format("{} dweight", DTypeName(dt)), ValuesOf(dw16), stepwise));
 
   // Where the two differ: 2^digits has an ulp of 2, so adding 0.75 three times rounds back
   // down each time, while one rounding of the float32 sum would give 2^digits + 2.
   const double base = std::ldexp(1.0, kDigits<H>);
-  const Tensor small_dy = MakeHalf<H>({3, 1}, {0.75, 0.75, 0.75});
-  Tensor one_row = MakeHalf<H>({1, 1}, {base});
+  const Tensor small_dy = Make<H>({3, 1}, {0.75, 0.75, 0.75});
+  Tensor one_row = Make<H>({1, 1}, {base});
   this->k_.EmbeddingBackward(small_dy, {0, 0, 0}, 0, 1, one_row);
   EXPECT_EQ(ValuesOf(one_row), std::vector<double>{base});
   Tensor one_row32 = Make<float>({1, 1}, {base});
   this->k_.EmbeddingBackward(small_dy, {0, 0, 0}, 0, 1, one_row32);
-  EXPECT_EQ(Values<float>(one_row32), std::vector<double>{base + 2.25});
+  EXPECT_EQ(ValuesOf(one_row32), std::vector<double>{base + 2.25});
 }
 
 TYPED_TEST(EigenKernelsHalfTest, CrossEntropyPiecesWithFloat32Statistics) {
   using H = TypeParam;
-  constexpr DType dt = kHalfDType<H>;
+  constexpr DType dt = kDType<H>;
   const int64_t rows = 4, cols = 7;
-  const Tensor logits = MakeHalf<H>({rows, cols}, Reals(80, rows * cols, -6, 6));
+  const Tensor logits = Make<H>({rows, cols}, Reals(80, rows * cols, -6, 6));
   const std::vector<double> lv = ValuesOf(logits);
   const int64_t vocab_start = 3;                     // this shard holds columns [3, 10)
   const std::vector<int64_t> labels = {2, 9, 5, 0};  // 2 and 0 belong to another shard
@@ -1077,7 +1018,7 @@ TYPED_TEST(EigenKernelsHalfTest, CrossEntropyPiecesWithFloat32Statistics) {
     for (int64_t j = 0; j < cols; ++j)
       max[static_cast<size_t>(i)] = std::max(max[static_cast<size_t>(i)], at(i, j));
   }
-  EXPECT_TRUE(TensorsNear("row_max", Values<float>(row_max), max));
+  EXPECT_TRUE(TensorsNear("row_max", ValuesOf(row_max), max));
 
   Tensor sum_exp = this->k_.Zeros({rows}, DType::kFloat32);
   Tensor sum_z = this->k_.Zeros({rows}, DType::kFloat32);
@@ -1096,11 +1037,11 @@ TYPED_TEST(EigenKernelsHalfTest, CrossEntropyPiecesWithFloat32Statistics) {
   }
   ASSERT_GT(Norm(z), 0);
   ASSERT_GT(Norm(t), 0);
-  EXPECT_TRUE(TensorsNear("sum_exp", Values<float>(sum_exp), e, 0, 4 * kUlpTol<float>));
+  EXPECT_TRUE(TensorsNear("sum_exp", ValuesOf(sum_exp), e, 0, 4 * kUlpTol<float>));
   // cols float32 subtractions and cols - 1 additions, each rounding by at most u32 sum |z|.
   for (double& a : abs_z) a *= static_cast<double>(2 * cols) * kU32;
-  EXPECT_TRUE(WithinSlack("sum_z", Values<float>(sum_z), z, abs_z));
-  EXPECT_TRUE(TensorsNear("target_z", Values<float>(target_z), t));
+  EXPECT_TRUE(WithinSlack("sum_z", ValuesOf(sum_z), z, abs_z));
+  EXPECT_TRUE(TensorsNear("target_z", ValuesOf(target_z), t));
 
   // Backward: float32 statistics in, a 16-bit gradient out, rounded once.
   const std::vector<double> row_scale = {0.25, 0.5, 1.0, 2.0};
@@ -1109,7 +1050,7 @@ TYPED_TEST(EigenKernelsHalfTest, CrossEntropyPiecesWithFloat32Statistics) {
   this->k_.CrossEntropyBackward(logits, row_max, sum_exp, labels, vocab_start, on, off,
                                 Make<float>({rows}, row_scale), grad);
   std::vector<double> expected;
-  const std::vector<double> se = Values<float>(sum_exp);
+  const std::vector<double> se = ValuesOf(sum_exp);
   for (int64_t i = 0; i < rows; ++i) {
     const size_t r = static_cast<size_t>(i);
     for (int64_t j = 0; j < cols; ++j) {
@@ -1121,7 +1062,7 @@ TYPED_TEST(EigenKernelsHalfTest, CrossEntropyPiecesWithFloat32Statistics) {
   // The float32 test's tolerance (exp, cancellation against q) on top of the rounding.
   EXPECT_TRUE(HalfNear<H>("ce grad", ValuesOf(grad), expected, 4 * kUlpTol<float>,
                           4 * kUlpTol<float>));
-  Tensor in_place = MakeHalf<H>({rows, cols}, lv);
+  Tensor in_place = Make<H>({rows, cols}, lv);
   this->k_.CrossEntropyBackward(in_place, row_max, sum_exp, labels, vocab_start, on, off,
                                 Make<float>({rows}, row_scale), in_place);
   EXPECT_EQ(Bits(in_place), Bits(grad));

@@ -29,7 +29,7 @@
 #include "core/topology.h"
 #include "sim/mpi_check.h"
 #include "sim/mpi_communicator.h"
-#include "tests/half_test_util.h"
+#include "tests/kernel_test_util.h"
 
 namespace mpusim {
 namespace {
@@ -53,8 +53,6 @@ bool HasErrorsReturn(MPI_Comm comm) {
   return is_return;
 }
 
-template <typename T>
-constexpr DType kDType = std::is_same_v<T, float> ? DType::kFloat32 : DType::kFloat64;
 
 template <typename T>
 Tensor Fill(int64_t n, const std::function<double(int64_t)>& value) {
@@ -63,12 +61,6 @@ Tensor Fill(int64_t n, const std::function<double(int64_t)>& value) {
   return t;
 }
 
-template <typename T>
-std::vector<double> Values(const Tensor& t) {
-  std::vector<double> v(static_cast<size_t>(t.numel()));
-  for (size_t e = 0; e < v.size(); ++e) v[e] = static_cast<double>(t.data_as<T>()[e]);
-  return v;
-}
 
 std::vector<double> Expected(int64_t n, const std::function<double(int64_t)>& value) {
   std::vector<double> v(static_cast<size_t>(n));
@@ -101,14 +93,14 @@ TYPED_TEST(MpiCommunicatorTest, AllReduceSumAndMax) {
   const int r = this->rank_, k = this->size_;
   Tensor sum = Fill<T>(n, [&](int64_t e) { return 100.0 * r + static_cast<double>(e); });
   this->world_->AllReduce(sum, ReduceOp::kSum);
-  EXPECT_EQ(Values<T>(sum), Expected(n, [&](int64_t e) {
+  EXPECT_EQ(ValuesOf(sum), Expected(n, [&](int64_t e) {
               return 100.0 * k * (k - 1) / 2 + static_cast<double>(k * e);
             }));
 
   // Element e is largest on rank (e mod k); values are negative, so a 0 would be caught.
   Tensor max = Fill<T>(n, [&](int64_t e) { return -1000.0 + ((e + k - r) % k == 0 ? 500 : r); });
   this->world_->AllReduce(max, ReduceOp::kMax);
-  EXPECT_EQ(Values<T>(max), Expected(n, [&](int64_t) { return -500.0; }));
+  EXPECT_EQ(ValuesOf(max), Expected(n, [&](int64_t) { return -500.0; }));
 }
 
 TYPED_TEST(MpiCommunicatorTest, AllGatherConcatenatesInRankOrder) {
@@ -119,7 +111,7 @@ TYPED_TEST(MpiCommunicatorTest, AllGatherConcatenatesInRankOrder) {
       Fill<T>(n, [&](int64_t e) { return 10.0 * this->rank_ + static_cast<double>(e); });
   Tensor out = Tensor::HostZeros({k, n}, kDType<T>);
   this->world_->AllGather(in, out);
-  EXPECT_EQ(Values<T>(out), Expected(k * n, [&](int64_t f) {
+  EXPECT_EQ(ValuesOf(out), Expected(k * n, [&](int64_t f) {
               return 10.0 * static_cast<double>(f / n) + static_cast<double>(f % n);
             }));
   Tensor wrong = Tensor::HostZeros({k * n + 1}, kDType<T>);
@@ -139,7 +131,7 @@ TYPED_TEST(MpiCommunicatorTest, ReduceScatterSumsOwnChunk) {
       Fill<T>(k * n, [&](int64_t f) { return (r + 1.0) * static_cast<double>(f + 1); });
   Tensor out = Tensor::HostZeros({n}, kDType<T>);
   this->world_->ReduceScatter(in, out);
-  EXPECT_EQ(Values<T>(out), Expected(n, [&](int64_t e) {
+  EXPECT_EQ(ValuesOf(out), Expected(n, [&](int64_t e) {
               return k * (k + 1) / 2.0 * static_cast<double>(r * n + e + 1);
             }));
   Tensor wrong = Tensor::HostZeros({n + 1}, kDType<T>);
@@ -154,7 +146,7 @@ TYPED_TEST(MpiCommunicatorTest, BroadcastFromEveryRoot) {
       return this->rank_ == root ? 1000.0 * (root + 1) + static_cast<double>(e) : -1.0;
     });
     this->world_->Broadcast(buffer, root);
-    EXPECT_EQ(Values<T>(buffer),
+    EXPECT_EQ(ValuesOf(buffer),
               Expected(n, [&](int64_t e) { return 1000.0 * (root + 1) + static_cast<double>(e); }))
         << "root " << root;
   }
@@ -172,7 +164,7 @@ constexpr double kHalfU = std::is_same_v<H, BFloat16> ? 0x1p-8 : 0x1p-11;
 // value(e) rounded to H (float64 -> float32 -> H, core/half.h).
 template <typename H>
 Tensor FillHalf(int64_t n, const std::function<double(int64_t)>& value) {
-  Tensor t = Tensor::HostZeros({n}, kHalfDType<H>);
+  Tensor t = Tensor::HostZeros({n}, kDType<H>);
   for (int64_t e = 0; e < n; ++e) t.data_as<H>()[e] = FromFloat<H>(static_cast<float>(value(e)));
   return t;
 }
@@ -240,13 +232,13 @@ TYPED_TEST(MpiCommunicatorHalfTest, ReduceScatterSumsOwnChunk) {
   // Rank q contributes (q + 1) (f mod 7 + 1) at flat position f: sums <= 36 * 7 = 252, exact.
   const Tensor in =
       FillHalf<H>(k * n, [&](int64_t f) { return (r + 1.0) * static_cast<double>(f % 7 + 1); });
-  Tensor out = Tensor::HostZeros({n}, kHalfDType<H>);
+  Tensor out = Tensor::HostZeros({n}, kDType<H>);
   this->world_->ReduceScatter(in, out);
   EXPECT_EQ(ValuesOf(out), Expected(n, [&](int64_t e) {
               return k * (k + 1) / 2.0 * static_cast<double>((r * n + e) % 7 + 1);
             }));
   Tensor other = Tensor::HostZeros(
-      {n}, kHalfDType<H> == DType::kBFloat16 ? DType::kFloat16 : DType::kBFloat16);
+      {n}, kDType<H> == DType::kBFloat16 ? DType::kFloat16 : DType::kBFloat16);
   EXPECT_THROW(this->world_->ReduceScatter(in, other), std::invalid_argument);
 }
 
@@ -254,8 +246,8 @@ TYPED_TEST(MpiCommunicatorHalfTest, AllGatherAndBroadcastMoveBits) {
   using H = TypeParam;
   const int64_t n = 5;
   const int k = this->size_;
-  const Tensor in = Patterns(kHalfDType<H>, this->rank_, n);
-  Tensor out = Tensor::HostZeros({k, n}, kHalfDType<H>);
+  const Tensor in = Patterns(kDType<H>, this->rank_, n);
+  Tensor out = Tensor::HostZeros({k, n}, kDType<H>);
   this->world_->AllGather(in, out);
   std::vector<uint16_t> expected;
   for (int q = 0; q < k; ++q) {
@@ -265,10 +257,10 @@ TYPED_TEST(MpiCommunicatorHalfTest, AllGatherAndBroadcastMoveBits) {
 
   const int64_t m = 64;  // every 0x0b11-th pattern: NaNs, infinities and both zeros' neighbours
   for (int root = 0; root < k; ++root) {
-    Tensor buffer = this->rank_ == root ? Patterns(kHalfDType<H>, root, m)
-                                        : Tensor::HostZeros({m}, kHalfDType<H>);
+    Tensor buffer = this->rank_ == root ? Patterns(kDType<H>, root, m)
+                                        : Tensor::HostZeros({m}, kDType<H>);
     this->world_->Broadcast(buffer, root);
-    EXPECT_EQ(Bits(buffer), Bits(Patterns(kHalfDType<H>, root, m))) << "root " << root;
+    EXPECT_EQ(Bits(buffer), Bits(Patterns(kDType<H>, root, m))) << "root " << root;
   }
 }
 
@@ -287,7 +279,7 @@ TYPED_TEST(MpiCommunicatorHalfTest, AllReduceSumIsBitIdenticalOnEveryRank) {
     this->world_->AllReduce(sum, ReduceOp::kSum);
 
     // Each rank's result, gathered to all: rank q's copy must equal rank 0's, bit for bit.
-    Tensor all = Tensor::HostZeros({k, n}, kHalfDType<H>);
+    Tensor all = Tensor::HostZeros({k, n}, kDType<H>);
     this->world_->AllGather(sum, all);
     const std::vector<uint16_t> bits = Bits(all);
     int64_t differ = 0;
@@ -414,7 +406,7 @@ TEST(MakeGroupCommunicatorsTest, EveryKindMatchesThePlanner) {
       Tensor members = Tensor::HostZeros({comm.Size()}, DType::kFloat64);
       comm.AllGather(mine, members);
       std::vector<int64_t> gathered;
-      for (double v : Values<double>(members)) gathered.push_back(static_cast<int64_t>(v));
+      for (double v : ValuesOf(members)) gathered.push_back(static_cast<int64_t>(v));
       EXPECT_EQ(gathered, topology->Group(index, slot->group_index))
           << "group " << slot->group_index;
     }
@@ -439,7 +431,7 @@ TEST(MakeGroupCommunicatorsTest, TpGroupIsMegatronsList) {
   comms.at("tp")->AllGather(mine, members);
   std::vector<double> expected;
   for (int i = 0; i < tp; ++i) expected.push_back(world_rank / tp * tp + i);
-  EXPECT_EQ(Values<float>(members), expected);
+  EXPECT_EQ(ValuesOf(members), expected);
   EXPECT_EQ(comms.at("dp")->Size(), k / tp);
   EXPECT_EQ(comms.at("dp")->Rank(), world_rank / tp);
 }
