@@ -41,10 +41,7 @@ Tensor Ramp(const Shape& shape) {
   return Full(shape, [](int64_t e) { return static_cast<double>(e % 23) * 0.5 - 5.0; });
 }
 
-double At(const Tensor& t, int64_t e) {
-  return t.dtype() == DType::kFloat32 ? static_cast<double>(t.data_as<float>()[e])
-                                      : t.data_as<double>()[e];
-}
+double At(const Tensor& t, int64_t e) { return HostValue(t, e); }
 
 // The local piece of `full` under `spec`, converted to `dtype`.
 Tensor LocalPiece(const Tensor& full, const ShardSpec& spec, DType dtype) {
@@ -57,12 +54,7 @@ Tensor LocalPiece(const Tensor& full, const ShardSpec& spec, DType dtype) {
     for (size_t d = 0; d < local.size(); ++d) {
       flat = flat * full_shape[d] + GlobalIndex(spec, static_cast<int>(d), full_shape[d], index[d]);
     }
-    const double v = full.data_as<double>()[flat];
-    if (dtype == DType::kFloat32) {
-      out.data_as<float>()[e] = static_cast<float>(v);
-    } else {
-      out.data_as<double>()[e] = v;
-    }
+    SetHostValue(out, e, full.data_as<double>()[flat]);
     for (size_t d = local.size(); d-- > 0;) {
       if (++index[d] < local[d]) break;
       index[d] = 0;
@@ -572,6 +564,47 @@ TEST_F(DiffTest, BadOverridesAreErrors) {
   r = DiffDumps(Load("a"), Load("a"), not_a_number);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().where(), "rtol");
+  DiffOptions infinite;
+  infinite.ntol = std::numeric_limits<double>::infinity();
+  r = DiffDumps(Load("a"), Load("a"), infinite);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().where(), "ntol");
+}
+
+// A bfloat16 dump against float64: the bfloat16 policy (scaled to max|b|) accepts its
+// rounding, the float32 policy does not, and the manifest's storage dtype makes a float32
+// tensor of a bfloat16 run count as bfloat16.
+TEST_F(DiffTest, SixteenBitDumpsUseTheirPrecision) {
+  const Tensor values = Full({16, 8}, [](int64_t e) { return 0.1 * static_cast<double>(e - 60); });
+  DumpBuilder a(2, 1);
+  a.ModelSplit("w", values, DType::kBFloat16, 0);
+  a.Replicated("g", Full({8}, [](int64_t e) { return 0.01 * static_cast<double>(e); }),
+               DType::kFloat32);
+  a.manifest()["dtype"] = "bfloat16";
+  a.Write(root_ / "bf16");
+  DumpBuilder b(1, 1);
+  b.ModelSplit("w", values, DType::kFloat64, 0);
+  b.Replicated("g", Full({8}, [](int64_t e) { return 0.0101 * static_cast<double>(e); }),
+               DType::kFloat64);
+  b.Write(root_ / "f64");
+  const DiffResult r = Diff("bf16", "f64");
+  const TensorDiff& w = Find(r, "w");
+  EXPECT_TRUE(w.pass) << w.problem;
+  EXPECT_EQ(w.precision, DType::kBFloat16);
+  EXPECT_GT(w.max_rel, 0x1p-10);  // bfloat16 rounding is visible...
+  EXPECT_LE(w.max_rel, 0x1p-8);   // ...and within its unit roundoff
+  const TensorDiff& g = Find(r, "g");  // 1% off: inside bfloat16's 2^-5, outside float32's
+  EXPECT_EQ(g.dtype_a, DType::kFloat32);
+  EXPECT_EQ(g.precision, DType::kBFloat16);
+  EXPECT_TRUE(g.pass) << g.problem;
+  DiffOptions float32_policy;
+  float32_policy.ntol = 0;
+  float32_policy.rtol = 1e-4;
+  float32_policy.atol = 1e-5;
+  StatusOr<DiffResult> strict = DiffDumps(Load("bf16"), Load("f64"), float32_policy);
+  ASSERT_TRUE(strict.ok());
+  EXPECT_FALSE(Find(*strict, "w").pass);
+  EXPECT_FALSE(Find(*strict, "g").pass);
 }
 
 // Copies of one shard on several ranks (a tp shard on every dp rank, a replicated tensor)
