@@ -8,7 +8,7 @@
 #include "cli/cli.h"
 #include "cli/commands.h"
 #include "cli/config_options.h"
-#include "core/graph.h"
+#include "core/model/graph.h"
 #include "core/topology.h"
 
 namespace mpusim::cli {

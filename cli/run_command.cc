@@ -1,10 +1,10 @@
-// `mpusim run`: the CPU simulator (sim/runner.h) behind the command line.
+// `mpusim run`: the CPU simulator (run/runner.h) behind the command line.
 #include <ostream>
 
 #include "cli/cli.h"
 #include "cli/commands.h"
 #include "sim/cpu_backend.h"
-#include "sim/runner.h"
+#include "run/runner.h"
 #if defined(MPUSIM_HAVE_CUDA)
 #include "cuda/cuda_backend.h"
 #endif
@@ -12,7 +12,7 @@
 namespace mpusim::cli {
 namespace {
 
-StatusOr<std::unique_ptr<Backend>> MakeBackend(const sim::RunOptions& options) {
+StatusOr<std::unique_ptr<Backend>> MakeBackend(const run::RunOptions& options) {
   if (options.backend == "cpu") return std::unique_ptr<Backend>(new CpuBackend());
 #if defined(MPUSIM_HAVE_CUDA)
   return cuda::MakeCudaBackend(options.comm);
@@ -50,12 +50,12 @@ class RunCommand : public Command {
   }
   CLI::App* app() override { return app_; }
   int Run(std::ostream& out, std::ostream& err) override {
-    return sim::RunSimulation(options_, out, err, MakeBackend);
+    return run::RunSimulation(options_, out, err, MakeBackend);
   }
 
  private:
   CLI::App* app_ = nullptr;
-  sim::RunOptions options_;
+  run::RunOptions options_;
 };
 
 }  // namespace

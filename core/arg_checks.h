@@ -1,5 +1,5 @@
 // Argument checks shared by every backend's Kernels (sim/eigen_kernels, cuda/cuda_kernels)
-// and Communicators (sim/mpi_communicator, cuda/nccl_communicator).
+// and Communicators (mpi/mpi_communicator, cuda/nccl_communicator).
 //
 // A bad argument to a kernel or a collective is a caller bug, not user input: it throws
 // std::invalid_argument naming the backend, the call and the offending tensor, before any

@@ -1,7 +1,7 @@
 // Communicator: one process group's collectives, as the layer graph needs them; CommTrace
 // records every collective (op, group kind, bytes, forward/backward).
 //
-// What it is: the narrow interface core/graph calls. sim/ implements it on MPI
+// What it is: the narrow interface core/model/graph calls. sim/ implements it on MPI
 // communicators, cuda/ on NCCL. Buffers are Tensors on the backend's device; element type
 // and count come from the tensor. bfloat16/float16 sums and maxima are formed in float32 and
 // rounded to the buffer's dtype after each combining step, as NCCL does.

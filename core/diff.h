@@ -6,7 +6,7 @@
 // comparison under a per-dtype tolerance. A and B may come from different layouts (t=4 vs
 // t=1, with or without data parallelism) and different dtypes (float64, float32, bfloat16,
 // float16): both are reduced to full float64 tensors first.
-// What it is not: the check of `mpusim run` against its float64 reference (sim/runner.cc),
+// What it is not: the check of `mpusim run` against its float64 reference (run/runner.cc),
 // or a reader for other people's safetensors (that is core/safetensors.h).
 //
 // Reassembly of tensor T (see core/sharding.h for ShardSpec):

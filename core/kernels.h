@@ -1,4 +1,4 @@
-// Kernels: the compute a backend supplies to core/graph.
+// Kernels: the compute a backend supplies to core/model/graph.
 //
 // Every tensor argument lives on the backend's device (host for sim/, GPU for cuda/) and is
 // dense row-major; "2-D" means the Tensor::rows() x Tensor::cols() view. Names and argument

@@ -3,7 +3,7 @@
 // What it checks: JSON types, ranges, unknown keys and layer types (with a suggestion), the
 // options each layer type accepts, and the references between layers (weight_from,
 // bias_from). What it does not check: whether consecutive layers fit together (shapes,
-// parallel states, sequence_parallel); core/graph owns that, since it needs the layout.
+// parallel states, sequence_parallel); core/model/graph owns that, since it needs the layout.
 #include "core/model_config.h"
 
 #include <algorithm>

@@ -27,7 +27,7 @@
 // may be the string "padded_vocab_size". A chain that starts without an embedding gets a
 // synthetic input [seq_length, micro_batch_size, input_size]; one that ends without a loss
 // gets a synthetic output gradient. This file parses and checks each section on its own;
-// core/graph checks that the layers fit together (shapes and parallel states).
+// core/model/graph checks that the layers fit together (shapes and parallel states).
 #pragma once
 
 #include <cstdint>

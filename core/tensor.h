@@ -1,6 +1,6 @@
 // Tensor: a dense, row-major, contiguous array with a shape, a dtype and a device.
 //
-// What it is: the handle that core/graph passes to a backend's Kernels and Communicator.
+// What it is: the handle that core/model/graph passes to a backend's Kernels and Communicator.
 // Storage is allocated by the backend (host memory for sim/, device memory for cuda/) and
 // freed with it, so core never touches a device pointer itself.
 // What it is not: an autograd tensor or a view system. Activations are [sequence, batch,

@@ -19,8 +19,8 @@
 #include "cuda/cuda_kernels.h"
 #include "cuda/host_staged_communicator.h"
 #include "cuda/nccl_communicator.h"
-#include "sim/mpi_check.h"
-#include "sim/mpi_communicator.h"
+#include "mpi/mpi_check.h"
+#include "mpi/mpi_communicator.h"
 
 namespace mpusim::cuda {
 namespace {

@@ -3,7 +3,7 @@
 
 #include <fmt/format.h>
 
-#include "sim/mpi_check.h"
+#include "mpi/mpi_check.h"
 
 namespace mpusim::cuda {
 

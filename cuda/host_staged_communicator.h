@@ -4,7 +4,7 @@
 // What it is: the Communicator of `mpusim run --backend cuda --comm mpi`. Each collective
 // copies the device buffer to a host buffer (after the kernels that produced it: the copy is
 // on the CudaKernels stream and synchronised), runs the MPI collective of MpiCommunicator
-// (sim/mpi_communicator.h) on the group's own MPI communicator, and copies the result back.
+// (mpi/mpi_communicator.h) on the group's own MPI communicator, and copies the result back.
 // Several ranks may therefore share one GPU, which NCCL refuses ("Duplicate GPU detected"):
 // all kernels still run on the GPU, only the collectives go through the host.
 // What it is not: fast (two PCIe copies and a host collective per call) or CUDA-aware MPI
@@ -17,7 +17,7 @@
 #include "core/communicator.h"
 #include "core/tensor.h"
 #include "cuda/cuda_kernels.h"
-#include "sim/mpi_communicator.h"
+#include "mpi/mpi_communicator.h"
 
 namespace mpusim::cuda {
 

@@ -14,7 +14,7 @@
 
 #include "core/arg_checks.h"
 #include "cuda/cuda_check.h"
-#include "sim/mpi_check.h"
+#include "mpi/mpi_check.h"
 
 namespace mpusim::cuda {
 namespace {

@@ -8,7 +8,7 @@
 // job (cuda_check.h Fatal), naming the operation and the group: a dead peer never becomes
 // a silent hang.
 // What it is not: the bootstrap transport. MPI only builds the groups (MPI_Comm_split in
-// MakeGroupCommunicators, sim/mpi_communicator.h) and broadcasts each group's ncclUniqueId;
+// MakeGroupCommunicators, mpi/mpi_communicator.h) and broadcasts each group's ncclUniqueId;
 // NCCL carries all data. NCCL needs one GPU per rank ("Duplicate GPU detected" otherwise);
 // with several ranks per GPU use HostStagedCommunicator (--comm mpi).
 #pragma once
@@ -21,7 +21,7 @@
 
 #include "core/communicator.h"
 #include "core/tensor.h"
-#include "sim/mpi_communicator.h"
+#include "mpi/mpi_communicator.h"
 
 namespace mpusim::cuda {
 

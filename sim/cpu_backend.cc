@@ -3,7 +3,7 @@
 
 #include <mpi.h>
 
-#include "sim/mpi_communicator.h"
+#include "mpi/mpi_communicator.h"
 
 namespace mpusim {
 

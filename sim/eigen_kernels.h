@@ -11,8 +11,8 @@
 // exception to "rounded once": a 16-bit EmbeddingBackward dweight rounds after every added
 // token row, in id order. Nothing here starts threads (no OpenMP); how many threads Eigen
 // may use is the caller's choice.
-// What it is not: the float64 reference model (sim/reference_model is written
-// independently), and not a place for layer logic (core/graph).
+// What it is not: the float64 reference model (reference/reference_model is written
+// independently), and not a place for layer logic (core/model/graph).
 //
 // Arguments are checked (device, dtype agreement, shapes, index ranges); a mismatch is a
 // bug in the caller and throws std::invalid_argument naming the kernel and the tensors.

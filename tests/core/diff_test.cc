@@ -63,7 +63,7 @@ Tensor LocalPiece(const Tensor& full, const ShardSpec& spec, DType dtype) {
   return out;
 }
 
-// The metadata string of `mpusim run --dump` (sim/runner.cc MetadataJson).
+// The metadata string of `mpusim run --dump` (run/runner.cc MetadataJson).
 std::string SpecJson(const Shape& full_shape, const ShardSpec& s, bool partial_sum) {
   Json j;
   j["full_shape"] = full_shape;

@@ -28,7 +28,7 @@
 #include "core/tensor.h"
 #include "core/topology.h"
 #include "cuda/cuda_backend.h"
-#include "sim/mpi_check.h"
+#include "mpi/mpi_check.h"
 
 namespace mpusim::cuda {
 namespace {

@@ -27,8 +27,8 @@
 #include "core/philox.h"
 #include "core/tensor.h"
 #include "core/topology.h"
-#include "sim/mpi_check.h"
-#include "sim/mpi_communicator.h"
+#include "mpi/mpi_check.h"
+#include "mpi/mpi_communicator.h"
 #include "tests/kernel_test_util.h"
 
 namespace mpusim {

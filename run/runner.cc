@@ -1,5 +1,5 @@
 // `mpusim run` on MPI ranks (see runner.h).
-#include "sim/runner.h"
+#include "run/runner.h"
 
 #include <mpi.h>
 
@@ -17,15 +17,14 @@
 
 #include "core/compare.h"
 #include "core/config.h"
-#include "core/graph.h"
+#include "core/model/graph.h"
 #include "core/safetensors.h"
 #include "core/topology.h"
-#include "sim/cpu_backend.h"
-#include "sim/mpi_check.h"
-#include "sim/mpi_communicator.h"
-#include "sim/reference_model.h"
+#include "mpi/mpi_check.h"
+#include "mpi/mpi_communicator.h"
+#include "reference/reference_model.h"
 
-namespace mpusim::sim {
+namespace mpusim::run {
 namespace {
 
 constexpr int kExitOk = 0;
@@ -102,11 +101,6 @@ struct CommSummaryKey {
 };
 
 }  // namespace
-
-StatusOr<SimulationResult> Simulate(const Config& config, bool check, int repeat) {
-  CpuBackend backend;
-  return Simulate(config, check, repeat, backend);
-}
 
 StatusOr<SimulationResult> Simulate(const Config& config, bool check, int repeat,
                                     Backend& backend) {
@@ -285,7 +279,7 @@ int RankRun::Run() {
                                              options_.dump_dir));
   }
   std::unique_ptr<Backend> backend;
-  if (factory_) {
+  {
     StatusOr<std::unique_ptr<Backend>> made = factory_(options_);
     int failed = made.ok() ? 0 : 1;
     MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
@@ -296,8 +290,6 @@ int RankRun::Run() {
     }
     if (failed != 0) return kExitUsage;
     backend = std::move(made).value();
-  } else {
-    backend = std::make_unique<CpuBackend>();
   }
   backend_name_ = backend->name();
   StatusOr<SimulationResult> result =
@@ -496,4 +488,4 @@ int RunSimulation(const RunOptions& options, std::ostream& out, std::ostream& er
   return code;
 }
 
-}  // namespace mpusim::sim
+}  // namespace mpusim::run

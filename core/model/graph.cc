@@ -7,7 +7,7 @@
 //   W_row         RowParallelLinear weight shard    [out, in/t]
 //   E_vocab       VocabParallelEmbedding shard      [Vp/t, h]
 //   E_dim         ParallelEmbedding shard           [V, h/t]
-#include "core/graph.h"
+#include "core/model/graph.h"
 
 #include <cmath>
 #include <map>
@@ -16,8 +16,8 @@
 #include <fmt/ranges.h>
 
 #include "core/init.h"
-#include "core/mappings.h"
-#include "core/tp_utils.h"
+#include "core/tensor_parallel/mappings.h"
+#include "core/tensor_parallel/tp_utils.h"
 
 namespace mpusim {
 

@@ -1,5 +1,5 @@
 // MPI error reporting (see mpi_check.h).
-#include "sim/mpi_check.h"
+#include "mpi/mpi_check.h"
 
 #include <unistd.h>
 

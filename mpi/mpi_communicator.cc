@@ -1,5 +1,5 @@
 // MpiCommunicator and MakeGroupCommunicators (see mpi_communicator.h).
-#include "sim/mpi_communicator.h"
+#include "mpi/mpi_communicator.h"
 
 #include <climits>
 #include <cmath>
@@ -12,7 +12,7 @@
 
 #include "core/arg_checks.h"
 #include "core/half.h"
-#include "sim/mpi_check.h"
+#include "mpi/mpi_check.h"
 
 namespace mpusim {
 namespace {

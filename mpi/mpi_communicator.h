@@ -1,6 +1,6 @@
 // MpiCommunicator: the simulator's Communicator, one MPI communicator per process group.
 //
-// What it is: the four collectives core/graph needs (all-reduce, all-gather, reduce-scatter,
+// What it is: the four collectives core/model/graph needs (all-reduce, all-gather, reduce-scatter,
 // broadcast) on host float32, float64, bfloat16 and float16 tensors, each a single MPI call
 // on the group's own MPI_Comm, plus MakeGroupCommunicators, which builds this rank's
 // communicator for each requested group kind of the planner (core/topology.h) with
@@ -23,9 +23,9 @@
 // (Topology::Group(kind, group_index)[k]) and AllGather concatenates in Megatron's order.
 //
 // Every communicator this file creates gets MPI_ERRORS_RETURN, and every MPI call goes
-// through MPUSIM_MPI_CHECK (sim/mpi_check.h): a failed collective aborts the job with the
+// through MPUSIM_MPI_CHECK (mpi/mpi_check.h): a failed collective aborts the job with the
 // rank and the call named instead of hanging. Argument mistakes (sizes, dtypes, a root
-// outside the group) throw std::invalid_argument before any MPI call; since core/graph makes
+// outside the group) throw std::invalid_argument before any MPI call; since core/model/graph makes
 // the same calls on every rank of a group, all ranks throw together.
 #pragma once
 

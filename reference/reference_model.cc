@@ -12,7 +12,7 @@
 //   forward   x_0 = embedding(tokens) or input.mb<m>;  x_{k+1} = layer_k(x_k)
 //   backward  dy = 1/(M*s*B) per token (loss) or output_grad.mb<m>;  walk the layers back,
 //             adding parameter gradients into accumulators shared by all micro-batches.
-#include "sim/reference_model.h"
+#include "reference/reference_model.h"
 
 #include <fmt/format.h>
 

@@ -1,5 +1,5 @@
 // Tensor-parallel utilities (see tp_utils.h).
-#include "core/tp_utils.h"
+#include "core/tensor_parallel/tp_utils.h"
 
 #include <stdexcept>
 #include <string>

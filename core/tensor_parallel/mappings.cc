@@ -1,5 +1,5 @@
 // Region mappings (see mappings.h).
-#include "core/mappings.h"
+#include "core/tensor_parallel/mappings.h"
 
 #include <stdexcept>
 

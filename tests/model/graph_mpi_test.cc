@@ -14,11 +14,12 @@
 
 #include "core/compare.h"
 #include "core/config.h"
-#include "core/mappings.h"
-#include "core/tp_utils.h"
+#include "core/tensor_parallel/mappings.h"
+#include "core/tensor_parallel/tp_utils.h"
 #include "sim/eigen_kernels.h"
-#include "sim/mpi_communicator.h"
-#include "sim/runner.h"
+#include "mpi/mpi_communicator.h"
+#include "run/runner.h"
+#include "sim/cpu_backend.h"
 
 namespace mpusim {
 namespace {
@@ -37,6 +38,12 @@ int WorldRank() {
   return rank;
 }
 
+// Runs `config` on the CPU backend.
+StatusOr<run::SimulationResult> Simulate(const Config& config, bool check) {
+  CpuBackend backend;
+  return run::Simulate(config, check, 1, backend);
+}
+
 Config MakeConfig(const json& document) {
   Config config;
   const Status status = ParseConfig(document, &config);
@@ -45,12 +52,12 @@ Config MakeConfig(const json& document) {
 }
 
 // Runs `document` and expects every tensor to match the reference; returns the result.
-sim::SimulationResult RunChecked(const json& document) {
-  StatusOr<sim::SimulationResult> result = sim::Simulate(MakeConfig(document), true);
+run::SimulationResult RunChecked(const json& document) {
+  StatusOr<run::SimulationResult> result = Simulate(MakeConfig(document), true);
   EXPECT_TRUE(result.ok()) << result.status().Message();
   if (!result.ok()) return {};
   EXPECT_FALSE(result->checks.empty());
-  for (const sim::TensorCheck& c : result->checks) {
+  for (const run::TensorCheck& c : result->checks) {
     EXPECT_TRUE(c.ok()) << c.name << ": " << c.mismatches << " of " << c.count
                         << " elements off, max abs " << c.max_abs << ", max rel " << c.max_rel
                         << (c.missing ? " (missing in reference)" : "") << "\n"
@@ -147,7 +154,7 @@ TEST(GraphVsReference, MixedPrecisionEveryLayout) {
         json model = LanguageModel(0.1);
         model["layers"].insert(model["layers"].begin() + 3,
                                json{{"name", "dropout"}, {"type", "Dropout"}, {"p", 0.25}});
-        const sim::SimulationResult r =
+        const run::SimulationResult r =
             RunChecked({{"parallel", parallel}, {"model", model}, {"run", run}});
         // Parameters and activations really are 16-bit; main_grad is float32.
         for (const TensorRecord& record : r.records) {
@@ -168,11 +175,11 @@ TEST(GraphVsReference, MixedPrecisionEveryLayout) {
 TEST(GraphVsReference, MixedPrecisionErrorsHaveTheStorageSize) {
   auto worst = [](const char* dtype) {
     json run = RunSection(dtype, 8, 2, 1);
-    const sim::SimulationResult r = RunChecked(
+    const run::SimulationResult r = RunChecked(
         {{"parallel", Parallel(WorldSize())}, {"model", LanguageModel(0.0)}, {"run", run}});
     // The largest error relative to the tensor's scale, over every checked tensor.
     double normalized = 0;
-    for (const sim::TensorCheck& c : r.checks) normalized = std::max(normalized, c.normalized);
+    for (const run::TensorCheck& c : r.checks) normalized = std::max(normalized, c.normalized);
     return normalized;
   };
   const double f32 = worst("float32"), f16 = worst("float16"), bf16 = worst("bfloat16");
@@ -200,7 +207,7 @@ TEST(GraphVsReference, LossIsLayoutInvariantWithLabelSmoothing) {
   for (int64_t t : TensorParallelSizes()) {
     const int64_t d = WorldSize() / t;
     // The same global batch for every layout: micro_batch_size * d = world size.
-    const sim::SimulationResult result =
+    const run::SimulationResult result =
         RunChecked({{"parallel", Parallel(t)},
                     {"model", LanguageModel(0.2, 64, 8)},
                     {"run", RunSection("float64", 4, WorldSize() / d)}});
@@ -213,7 +220,7 @@ TEST(GraphVsReference, PaddedVocabulary) {
   for (int64_t t : TensorParallelSizes()) {
     SCOPED_TRACE(fmt::format("tp {}", t));
     // 90 tokens padded to a multiple of 4 * t; padded rows get gradients only from the head.
-    const sim::SimulationResult r = RunChecked(
+    const run::SimulationResult r = RunChecked(
         {{"parallel", Parallel(t)}, {"model", LanguageModel(0.1, 90, 4)}, {"run", RunSection("float64")}});
     const int64_t multiple = 4 * t;
     EXPECT_EQ(r.padded_vocab_size, (90 + multiple - 1) / multiple * multiple);
@@ -301,10 +308,10 @@ TEST(GraphVsReference, RecomputeIsBitIdentical) {
   model["layers"].insert(model["layers"].begin() + 3,
                          json{{"name", "dropout"}, {"type", "Dropout"}, {"p", 0.5}});
   json run = RunSection("float32", 8, 2, 2);
-  const sim::SimulationResult plain = RunChecked(
+  const run::SimulationResult plain = RunChecked(
       {{"parallel", Parallel(WorldSize())}, {"model", model}, {"run", run}});
   run["recompute_granularity"] = "full";
-  const sim::SimulationResult recomputed = RunChecked(
+  const run::SimulationResult recomputed = RunChecked(
       {{"parallel", Parallel(WorldSize())}, {"model", model}, {"run", run}});
   ASSERT_EQ(plain.records.size(), recomputed.records.size());
   int compared = 0;
@@ -341,12 +348,12 @@ TEST(GraphVsReference, CollectivesPerMlpBlock) {
     for (const CommRecord& r : trace.records()) n += r.phase == phase && r.op == op ? 1 : 0;
     return n;
   };
-  const sim::SimulationResult plain =
+  const run::SimulationResult plain =
       RunChecked({{"parallel", Parallel(WorldSize())}, {"model", mlp}, {"run", RunSection("float64")}});
   EXPECT_EQ(plain.trace.records().size(), 2u);
   EXPECT_EQ(count(plain.trace, Phase::kForward, CommOpKind::kAllReduce), 1);
   EXPECT_EQ(count(plain.trace, Phase::kBackward, CommOpKind::kAllReduce), 1);
-  const sim::SimulationResult sp = RunChecked(
+  const run::SimulationResult sp = RunChecked(
       {{"parallel", Parallel(WorldSize(), true)}, {"model", mlp}, {"run", RunSection("float64", 8)}});
   EXPECT_EQ(count(sp.trace, Phase::kForward, CommOpKind::kAllGather), 1);
   EXPECT_EQ(count(sp.trace, Phase::kForward, CommOpKind::kReduceScatter), 1);
@@ -360,8 +367,8 @@ TEST(GraphVsReference, CollectivesPerMlpBlock) {
 TEST(GraphVsReference, BadLayoutsAreRefusedOnEveryRank) {
   json model = LanguageModel(0.0);
   model["layers"][3]["input_is_parallel"] = false;  // fc2 now wants a replicated input
-  StatusOr<sim::SimulationResult> r =
-      sim::Simulate(MakeConfig({{"parallel", Parallel(1)}, {"model", model}, {"run", RunSection("float64")}}),
+  StatusOr<run::SimulationResult> r =
+      Simulate(MakeConfig({{"parallel", Parallel(1)}, {"model", model}, {"run", RunSection("float64")}}),
                     true);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().where(), "model.layers[3]");

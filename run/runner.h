@@ -1,10 +1,10 @@
-// `mpusim run`: every MPI rank plays one GPU, runs the layer graph (core/graph) with Eigen
+// `mpusim run`: every MPI rank plays one GPU, runs the layer graph (core/model/graph) with Eigen
 // kernels and MPI collectives, and checks its tensors against the float64 reference model.
 //
 // What it is: the simulator's driver: MPI start-up, world-size check, groups from the
 // planner, the run, the per-tensor check (errors reduced over ranks, printed by rank 0), the
 // comm trace summary and the optional dump.
-// What it is not: the layer logic (core/graph) or the reference (sim/reference_model).
+// What it is not: the layer logic (core/model/graph) or the reference (reference/reference_model).
 #pragma once
 
 #include <functional>
@@ -16,10 +16,10 @@
 #include "core/backend.h"
 #include "core/communicator.h"
 #include "core/config.h"
-#include "core/graph.h"
+#include "core/model/graph.h"
 #include "core/status.h"
 
-namespace mpusim::sim {
+namespace mpusim::run {
 
 // One tensor's comparison with the reference, reduced over all ranks.
 struct TensorCheck {
@@ -53,8 +53,6 @@ struct SimulationResult {
 // the world size must equal parallel.world_size). Bad configs give a Status on every rank.
 StatusOr<SimulationResult> Simulate(const Config& config, bool check, int repeat,
                                     Backend& backend);
-// The same on the CPU backend.
-StatusOr<SimulationResult> Simulate(const Config& config, bool check, int repeat = 1);
 
 struct RunOptions {
   std::string config_path;
@@ -70,8 +68,7 @@ using BackendFactory = std::function<StatusOr<std::unique_ptr<Backend>>(const Ru
 
 // Initialises MPI if needed (finalises it if it did), runs, and returns the exit code every
 // rank agrees on: 0 all checks passed, 1 a check failed, 2 bad input. Only rank 0 prints.
-// Without a factory the CPU backend runs.
 int RunSimulation(const RunOptions& options, std::ostream& out, std::ostream& err,
-                  const BackendFactory& factory = nullptr);
+                  const BackendFactory& factory);
 
-}  // namespace mpusim::sim
+}  // namespace mpusim::run

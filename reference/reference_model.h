@@ -4,7 +4,7 @@
 // runs every micro-batch m = 0..M-1 on the global micro-batch [s, B = b*d] of tokens, forward
 // then backward, and sums the parameter gradients over micro-batches. `mpusim verify` checks
 // each reassembled parallel tensor against it.
-// What it is not: a second executor. It shares no op code with core/graph; only the
+// What it is not: a second executor. It shares no op code with core/model/graph; only the
 // initialisation and random streams (core/init.h, core/philox.h, core/rng.h) are shared,
 // because they define the inputs. It knows the parallel layout only where the contract makes
 // the full-model values depend on it: the data-parallel size d (B = b*d), the padded

@@ -1,4 +1,4 @@
-// Tests of the float64 reference model (sim/reference_model.h), single process.
+// Tests of the float64 reference model (reference/reference_model.h), single process.
 //
 // Gradients are checked by central finite differences of the loss; the other tests build
 // small cases by hand from the contract (docs/simulator.md): the synthetic data and master
@@ -6,7 +6,7 @@
 // Tolerances: finite differences carry O(eps^2) truncation and O(1e-16 / eps) rounding
 // error; everything else is compared exactly or to 1e-13 (softmax, GELU and sums done in
 // another order).
-#include "sim/reference_model.h"
+#include "reference/reference_model.h"
 
 #include <gtest/gtest.h>
 

@@ -14,7 +14,7 @@
 
 #include <gtest/gtest.h>
 
-#include "sim/mpi_check.h"
+#include "mpi/mpi_check.h"
 
 namespace {
 
