@@ -1,25 +1,19 @@
-// `mpusim run`: the CPU simulator (run/runner.h) behind the command line.
+// `mpusim run`: the run driver (run/runner.h) behind the command line, on the CPU backend
+// (linked in) or a backend plugin (loaded only when asked for, run/backend_plugin.h).
 #include <ostream>
 
 #include "cli/cli.h"
 #include "cli/commands.h"
-#include "sim/cpu_backend.h"
+#include "run/backend_plugin.h"
 #include "run/runner.h"
-#if defined(MPUSIM_HAVE_CUDA)
-#include "cuda/cuda_backend.h"
-#endif
+#include "sim/cpu_backend.h"
 
 namespace mpusim::cli {
 namespace {
 
-StatusOr<std::unique_ptr<Backend>> MakeBackend(const run::RunOptions& options) {
+BackendOrStatus MakeBackend(const run::RunOptions& options) {
   if (options.backend == "cpu") return std::unique_ptr<Backend>(new CpuBackend());
-#if defined(MPUSIM_HAVE_CUDA)
-  return cuda::MakeCudaBackend(options.comm);
-#else
-  return Status::Error("--backend", "this mpusim was built without the CUDA backend (CMake "
-                                    "found no CUDA toolkit and NCCL; see MPUSIM_WITH_CUDA)");
-#endif
+  return run::LoadBackendPlugin(options.backend, BackendOptions{options.comm});
 }
 
 class RunCommand : public Command {

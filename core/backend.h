@@ -1,6 +1,14 @@
 // Backend: what a device brings to the layer graph: its Kernels and, for each group kind of
 // the planner, this rank's Communicator. sim/ provides the CPU backend (Eigen + MPI), cuda/
 // the GPU backend (CUDA/cuBLAS + NCCL, or host-staged MPI).
+//
+// Backend plugins. The GPU backend is not linked into the `mpusim` program: it is a shared
+// library, libmpusim_backend_<name>.so, next to the program, that `mpusim run --backend
+// <name>` loads with dlopen (run/backend_plugin.h), so that CPU runs and the planner never
+// map the CUDA libraries. A plugin exports, with C linkage, the two symbols below. It and the
+// program share libmpusim_core.so, so Backend, Kernels, Communicator, Tensor and Status are
+// one set of types on both sides; kBackendAbi guards against a plugin left over from an
+// older build.
 #pragma once
 
 #include <map>
@@ -10,6 +18,7 @@
 
 #include "core/communicator.h"
 #include "core/kernels.h"
+#include "core/status.h"
 #include "core/topology.h"
 
 namespace mpusim {
@@ -24,5 +33,22 @@ class Backend {
   virtual std::map<std::string, std::unique_ptr<Communicator>> MakeGroups(
       const Topology& topology, int64_t world_rank, const std::vector<std::string>& kinds) = 0;
 };
+
+// What the command line tells a backend (`mpusim run --backend NAME --comm COMM`).
+struct BackendOptions {
+  std::string comm = "nccl";  // cuda: "nccl" or "mpi" (host-staged)
+};
+using BackendOrStatus = StatusOr<std::unique_ptr<Backend>>;
+
+// The plugin's entry points:
+//   extern "C" const int mpusim_backend_abi;   // == kBackendAbi
+//   extern "C" void mpusim_make_backend(const BackendOptions* options, BackendOrStatus* out);
+// mpusim_make_backend is collective over MPI_COMM_WORLD (the GPU backend picks devices per
+// node) and reports a missing or unusable device as a Status in *out, never by aborting.
+// Bump kBackendAbi whenever these types or the entry points change.
+inline constexpr int kBackendAbi = 1;
+inline constexpr char kBackendAbiSymbol[] = "mpusim_backend_abi";
+inline constexpr char kMakeBackendSymbol[] = "mpusim_make_backend";
+using MakeBackendFunction = void (*)(const BackendOptions* options, BackendOrStatus* out);
 
 }  // namespace mpusim

@@ -38,6 +38,41 @@ int AgreeOnExitCode(int code) {
   return worst;
 }
 
+// Collective over MPI_COMM_WORLD: every rank passes its error message ("" for none); rank 0
+// gets one line per distinct message, naming the ranks that reported it unless all did (a
+// missing plugin or GPU is one line, not one per rank). Returns whether any rank failed.
+bool GatherErrors(const std::string& message, int world_rank, int world_size,
+                  std::vector<std::string>* lines) {
+  int length = static_cast<int>(message.size());
+  std::vector<int> lengths(static_cast<size_t>(world_size), 0);
+  MPUSIM_MPI_CHECK(MPI_Gather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, 0, MPI_COMM_WORLD));
+  std::vector<int> offsets(static_cast<size_t>(world_size), 0);
+  int total = 0;
+  for (int r = 0; r < world_size; ++r) {
+    offsets[static_cast<size_t>(r)] = total;
+    total += lengths[static_cast<size_t>(r)];
+  }
+  std::string all(static_cast<size_t>(total), '\0');
+  MPUSIM_MPI_CHECK(MPI_Gatherv(message.data(), length, MPI_CHAR, all.data(), lengths.data(),
+                               offsets.data(), MPI_CHAR, 0, MPI_COMM_WORLD));
+  int failed = message.empty() ? 0 : 1;
+  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
+  if (world_rank == 0) {
+    std::map<std::string, std::vector<int>> ranks_of;  // message -> ranks
+    for (int r = 0; r < world_size; ++r) {
+      const auto i = static_cast<size_t>(r);
+      if (lengths[i] > 0) ranks_of[all.substr(static_cast<size_t>(offsets[i]), static_cast<size_t>(lengths[i]))].push_back(r);
+    }
+    for (const auto& [text, ranks] : ranks_of) {
+      lines->push_back(static_cast<int>(ranks.size()) == world_size
+                           ? text
+                           : fmt::format("rank{} {}: {}", ranks.size() > 1 ? "s" : "",
+                                         fmt::join(ranks, ","), text));
+    }
+  }
+  return failed != 0;
+}
+
 double MaxAbs(const Tensor& host64) {
   double scale = 0;
   for (int64_t i = 0; i < host64.numel(); ++i) {
@@ -280,15 +315,13 @@ int RankRun::Run() {
   }
   std::unique_ptr<Backend> backend;
   {
-    StatusOr<std::unique_ptr<Backend>> made = factory_(options_);
-    int failed = made.ok() ? 0 : 1;
-    MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
-    if (!made.ok()) {
-      // Device problems can differ per rank: every rank says what it found.
-      std::cerr << fmt::format("error: rank {}: {}\n", world_rank_, made.status().Message());
+    BackendOrStatus made = factory_(options_);
+    std::vector<std::string> lines;
+    if (GatherErrors(made.ok() ? std::string() : made.status().Message(), world_rank_,
+                     world_size_, &lines)) {
+      for (const std::string& line : lines) err_ << "error: " << line << '\n';
       return kExitUsage;
     }
-    if (failed != 0) return kExitUsage;
     backend = std::move(made).value();
   }
   backend_name_ = backend->name();
