@@ -220,6 +220,28 @@ double MasterValue(uint64_t seed, std::string_view name, const InitSpec& spec,
          NormalAt(seed, StreamId(name), static_cast<uint64_t>(flat_index));
 }
 
+void FillFlatRange(uint64_t seed, std::string_view name, const InitSpec& spec,
+                   const Shape& full_shape, int64_t first_flat, Tensor& host_out) {
+  const int64_t n = host_out.numel();
+  if (first_flat < 0 || first_flat > NumElements(full_shape) - n) {
+    throw std::out_of_range(fmt::format("FillFlatRange('{}'): elements [{}, {}) outside {}", name,
+                                        first_flat, first_flat + n, ShapeString(full_shape)));
+  }
+  if (spec.method == InitMethod::kZeros) {
+    std::memset(host_out.data(), 0, host_out.bytes());
+    return;
+  }
+  const uint64_t stream = StreamId(name);
+  const double scale = NormalScale(spec, full_shape);
+  DispatchStorage(host_out.dtype(), [&]<typename T>() {
+    T* out = host_out.data_as<T>();
+    for (int64_t e = 0; e < n; ++e) {
+      // The same expression as MasterValue, so both give the same bits.
+      out[e] = RoundTo<T>(scale * NormalAt(seed, stream, static_cast<uint64_t>(first_flat + e)));
+    }
+  });
+}
+
 // A bad layout or output tensor here is a caller bug (layouts are validated when the config
 // is planned), so it throws rather than returning a Status.
 void FillShard(uint64_t seed, std::string_view name, const InitSpec& spec, const Shape& full_shape,

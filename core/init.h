@@ -50,6 +50,12 @@ double MasterValue(uint64_t seed, std::string_view name, const InitSpec& spec,
 void FillShard(uint64_t seed, std::string_view name, const InitSpec& spec,
                const Shape& full_shape, const ShardSpec& shard, Tensor& host_out);
 
+// Fills the host tensor `host_out` (any shape, float32 or float64) with the master values of
+// the consecutive flat indices first_flat, first_flat + 1, ... of `full_shape`: a block of
+// rows of a row-major tensor (the float64 reference's slice of the batch).
+void FillFlatRange(uint64_t seed, std::string_view name, const InitSpec& spec,
+                   const Shape& full_shape, int64_t first_flat, Tensor& host_out);
+
 // Synthetic token ids in [0, vocab_size): element `index` of stream `name`.
 int64_t TokenAt(uint64_t seed, std::string_view name, int64_t index, int64_t vocab_size);
 

@@ -1,17 +1,20 @@
 // The float64 reference model (see reference_model.h): the full layer chain, forward and
-// backward, with plain Eigen, one micro-batch at a time. Written from docs/simulator.md only.
+// backward, with plain Eigen, one micro-batch at a time, on one slice of the token rows.
+// Written from docs/simulator.md only.
 //
 // Shape legend (full model):
 //   s = seq_length, b = micro_batch_size, d = data-parallel size, B = b*d, M = micro-batches,
-//   t = tensor-parallel size, Vp = padded vocabulary, h = width of the current activation.
-//   An activation [s, B, h] is a row-major Eigen matrix with s*B rows and h columns; row
-//   r = i*B + g holds sequence position i of global sample g, so the matrix storage is the
-//   row-major [s, B, h] tensor itself and converts to a Tensor by a flat copy.
+//   t = tensor-parallel size, Vp = padded vocabulary, h = width of the current activation,
+//   n = rows of this slice (row_end - row_begin).
+//   An activation [s, B, h] is a row-major [s*B, h] matrix; row r = i*B + g holds sequence
+//   position i of global sample g. This slice holds its rows [row_begin, row_end) as an
+//   [n, h] float64 Tensor, used through an Eigen Map (no copies between the two).
 //
 // Per micro-batch m:
 //   forward   x_0 = embedding(tokens) or input.mb<m>;  x_{k+1} = layer_k(x_k)
 //   backward  dy = 1/(M*s*B) per token (loss) or output_grad.mb<m>;  walk the layers back,
 //             adding parameter gradients into accumulators shared by all micro-batches.
+// Every op also adds to the error budget of what it produces (the "Budgets" section below).
 #include "reference/reference_model.h"
 
 #include <fmt/format.h>
@@ -36,7 +39,9 @@ namespace mpusim {
 namespace {
 
 using Mat = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-using RowVec = Eigen::Matrix<double, 1, Eigen::Dynamic>;
+using MatMap = Eigen::Map<Mat>;
+using ConstMatMap = Eigen::Map<const Mat>;
+using RowVecMap = Eigen::Map<Eigen::Matrix<double, 1, Eigen::Dynamic>>;
 
 // The parallel state of an activation (docs/simulator.md, "Parallel states of an
 // activation"). The full-model values never depend on it; only the dropout masks do,
@@ -95,11 +100,12 @@ struct Plan {
   bool has_loss = false;
 };
 
+// Whole tensors, by layer index; undefined where the layer has none.
 struct Parameters {
-  std::vector<Mat> weight;       // by owner layer index; empty for non-owners
-  std::vector<RowVec> bias;      // by layer index; empty without a bias
-  std::vector<Mat> weight_grad;  // owners that are not frozen
-  std::vector<RowVec> bias_grad;
+  std::vector<Tensor> weight;       // owners: [rows, cols]
+  std::vector<Tensor> bias;         // linear layers with a bias: [out]
+  std::vector<Tensor> weight_grad;  // owners that are not frozen
+  std::vector<Tensor> bias_grad;
 };
 
 bool IsEmbedding(LayerType type) {
@@ -444,24 +450,75 @@ Status BuildPlan(const ParallelConfig& parallel, const ModelConfig& model, const
   return Status();
 }
 
-StatusOr<Mat> FromOverride(const Tensor& tensor, const std::string& name, int64_t rows,
-                           int64_t cols, const Shape& shape) {
+// ---- budgets ------------------------------------------------------------------------------
+// The rounding each op adds to what it produces (core/compare.h, docs/simulator.md
+// "Tolerances"). An op's result carries its inputs' budgets plus its own.
+
+// A value written in the storage dtype.
+constexpr ErrorBudget kStored{1, 0};
+// An elementwise function evaluated in the compute dtype (exp, log, erf, a product).
+constexpr ErrorBudget kFunction{1, 0};
+ErrorBudget SumOf(int64_t terms) { return {0, static_cast<double>(terms)}; }
+// A sum over the t ranks of the tp group (all-reduce or reduce-scatter of partial results):
+// each partial is stored, then added in t - 1 steps that round in the storage dtype.
+ErrorBudget TpSum(int64_t t) {
+  return t > 1 ? ErrorBudget{static_cast<double>(t), static_cast<double>(t)} : ErrorBudget{};
+}
+// A parameter gradient: per-token contributions (`per_token`) summed over every token of every
+// micro-batch and data-parallel rank, the storage rounding of weight.grad and the float32
+// main_grad additions.
+ErrorBudget GradientSum(const ErrorBudget& per_token, const Sizes& sizes) {
+  return per_token + kStored + kStored + SumOf(sizes.num_micro * sizes.seq * sizes.batch) +
+         TpSum(sizes.tp_size);
+}
+// Region mappings that add over the tp group, in the forward and in the backward.
+bool MappingSumsForward(LayerType type) {
+  return type == LayerType::kReduceFromTensorModelParallelRegion ||
+         type == LayerType::kReduceScatterToSequenceParallelRegion;
+}
+bool MappingSumsBackward(const LayerConfig& layer) {
+  return layer.type == LayerType::kCopyToTensorModelParallelRegion ||
+         (layer.type == LayerType::kGatherFromSequenceParallelRegion &&
+          layer.tensor_parallel_output_grad);
+}
+
+// ---- tensors of this slice ------------------------------------------------------------------
+
+Tensor NewTensor(Shape shape) { return Tensor::HostZeros(std::move(shape), DType::kFloat64); }
+MatMap AsMat(Tensor& t) { return MatMap(t.data_as<double>(), t.rows(), t.cols()); }
+ConstMatMap ConstMat(const Tensor& t) { return ConstMatMap(t.data_as<double>(), t.rows(), t.cols()); }
+RowVecMap AsRow(Tensor& t) { return RowVecMap(t.data_as<double>(), t.numel()); }
+
+// An activation of this slice: [n, width] rows and the budget of every element.
+struct Act {
+  Tensor value;
+  ErrorBudget budget;
+};
+
+Act NewAct(int64_t rows, int64_t width, ErrorBudget budget) {
+  return {NewTensor({rows, width}), budget};
+}
+
+StatusOr<Tensor> FromOverride(const Tensor& tensor, const std::string& name, const Shape& shape) {
   if (!tensor.defined() || tensor.device() != Device::kHost || tensor.dtype() != DType::kFloat64 ||
       tensor.shape() != shape) {
     return Status::Error(
         "parameter_overrides",
         fmt::format("\"{}\" must be a host float64 tensor of shape {}", name, ShapeString(shape)));
   }
-  return Mat(Eigen::Map<const Mat>(tensor.data_as<double>(), rows, cols));
+  Tensor copy = NewTensor(shape);
+  AsRow(copy) = Eigen::Map<const Eigen::Matrix<double, 1, Eigen::Dynamic>>(
+      tensor.data_as<double>(), tensor.numel());
+  return copy;
 }
 
 Status InitParameters(const Plan& plan, const std::map<std::string, Tensor>& overrides,
                       Parameters* params) {
   const size_t n = plan.layers.size();
-  params->weight.assign(n, Mat());
-  params->bias.assign(n, RowVec());
-  params->weight_grad.assign(n, Mat());
-  params->bias_grad.assign(n, RowVec());
+  params->weight.assign(n, Tensor());
+  params->bias.assign(n, Tensor());
+  params->weight_grad.assign(n, Tensor());
+  params->bias_grad.assign(n, Tensor());
   std::set<std::string> known;
   for (size_t i = 0; i < n; ++i) {
     const LayerPlan& lp = plan.layers[i];
@@ -471,29 +528,27 @@ Status InitParameters(const Plan& plan, const std::map<std::string, Tensor>& ove
       const Shape shape = {lp.weight_rows, lp.weight_cols};
       known.insert(name);
       if (auto it = overrides.find(name); it != overrides.end()) {
-        StatusOr<Mat> w = FromOverride(it->second, name, lp.weight_rows, lp.weight_cols, shape);
+        StatusOr<Tensor> w = FromOverride(it->second, name, shape);
         if (!w.ok()) return w.status();
         params->weight[i] = std::move(*w);
       } else {
-        Mat w(lp.weight_rows, lp.weight_cols);
-        for (int64_t f = 0; f < w.size(); ++f) {
-          w.data()[f] = MasterValue(plan.sizes.seed, name, c.init, shape, f);
-        }
-        params->weight[i] = std::move(w);
+        params->weight[i] = NewTensor(shape);
+        FillFlatRange(plan.sizes.seed, name, c.init, shape, 0, params->weight[i]);
       }
-      if (!c.frozen) params->weight_grad[i] = Mat::Zero(lp.weight_rows, lp.weight_cols);
+      if (!c.frozen) params->weight_grad[i] = NewTensor(shape);
     }
     if (IsLinear(c.type) && c.bias) {
       const std::string name = c.name + ".bias";
+      const Shape shape = {lp.out_width};
       known.insert(name);
       if (auto it = overrides.find(name); it != overrides.end()) {
-        StatusOr<Mat> b = FromOverride(it->second, name, 1, lp.out_width, Shape{lp.out_width});
+        StatusOr<Tensor> b = FromOverride(it->second, name, shape);
         if (!b.ok()) return b.status();
-        params->bias[i] = b->row(0);
+        params->bias[i] = std::move(*b);
       } else {
-        params->bias[i] = RowVec::Zero(lp.out_width);  // the contract: biases start at zero
+        params->bias[i] = NewTensor(shape);  // the contract: biases start at zero
       }
-      params->bias_grad[i] = RowVec::Zero(lp.out_width);
+      params->bias_grad[i] = NewTensor(shape);
     }
   }
   for (const auto& [name, tensor] : overrides) {
@@ -504,27 +559,27 @@ Status InitParameters(const Plan& plan, const std::map<std::string, Tensor>& ove
   return Status();
 }
 
-// A synthetic [s, B, h] normal(0, 1) tensor (input.mb<m>, output_grad.mb<m>).
-Mat SyntheticNormal(const Sizes& sizes, const std::string& name, int64_t width) {
-  const Shape shape = {sizes.seq, sizes.batch, width};
-  Mat x(sizes.seq * sizes.batch, width);
-  const InitSpec spec{InitMethod::kNormal, 1.0};
-  for (int64_t f = 0; f < x.size(); ++f) {
-    x.data()[f] = MasterValue(sizes.seed, name, spec, shape, f);
-  }
+// The slice's rows of a synthetic [s, B, h] normal(0, 1) tensor (input.mb<m>,
+// output_grad.mb<m>).
+Act SyntheticNormal(const Sizes& sizes, int64_t row_begin, int64_t rows, const std::string& name,
+                    int64_t width) {
+  Act x = NewAct(rows, width, kStored);
+  FillFlatRange(sizes.seed, name, InitSpec{InitMethod::kNormal, 1.0},
+                {sizes.seq, sizes.batch, width}, row_begin * width, x.value);
   return x;
 }
 
-std::vector<int64_t> Tokens(const Sizes& sizes, const std::string& name) {
-  std::vector<int64_t> ids(static_cast<size_t>(sizes.seq * sizes.batch));
-  for (size_t r = 0; r < ids.size(); ++r) {
-    ids[r] = TokenAt(sizes.seed, name, static_cast<int64_t>(r), sizes.vocab);
+std::vector<int64_t> Tokens(const Sizes& sizes, int64_t row_begin, int64_t rows,
+                            const std::string& name) {
+  std::vector<int64_t> ids(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) {
+    ids[static_cast<size_t>(r)] = TokenAt(sizes.seed, name, row_begin + r, sizes.vocab);
   }
   return ids;
 }
 
-// keep / (1 - p) for every element of the dropout's [s, B, h] input: 1/(1-p) where kept, 0
-// where dropped. Element (i, g, j) is drawn by the rank that holds it:
+// keep / (1 - p) for every element of the slice's rows of the dropout's [s, B, h] input: 1/(1-p)
+// where kept, 0 where dropped. Element (i, g, j) is drawn by the rank that holds it:
 //   r_d = g / b, local sample g % b;
 //   replicated      key DefaultSeed(seed, 0, r_d), local [s, b, h], position (i, g % b, j)
 //   sequence split  key ModelParallelSeed(., r_t) with r_t = i / (s/t), local [s/t, b, h]
@@ -532,7 +587,8 @@ std::vector<int64_t> Tokens(const Sizes& sizes, const std::string& name) {
 //                   column come from inverting the producing layer's ShardSpec (stride rule)
 // and kept iff UniformAt(key, n, e) >= p with e the row-major local index and
 // n = m * (dropouts on the stream) + position on the stream.
-Mat DropoutScale(const Plan& plan, const LayerPlan& lp, int64_t micro_batch) {
+Tensor DropoutScale(const Plan& plan, const LayerPlan& lp, int64_t micro_batch, int64_t row_begin,
+                    int64_t rows) {
   const Sizes& sizes = plan.sizes;
   const double p = lp.config->p;
   const double scale = p < 1.0 ? 1.0 / (1.0 - p) : 0.0;
@@ -566,26 +622,27 @@ Mat DropoutScale(const Plan& plan, const LayerPlan& lp, int64_t micro_batch) {
   const int64_t local_seq =
       kind == StateKind::kSequenceSplit ? sizes.seq / sizes.tp_size : sizes.seq;
 
-  Mat keep(sizes.seq * sizes.batch, width);
-  for (int64_t i = 0; i < sizes.seq; ++i) {
-    for (int64_t g = 0; g < sizes.batch; ++g) {
-      const int64_t dp_rank = g / sizes.micro;
-      const int64_t local_sample = g % sizes.micro;
-      const int64_t seq_tp_rank = i / local_seq;  // 0 unless sequence split
-      const int64_t local_i = i % local_seq;
-      const uint64_t default_key = DefaultSeed(sizes.seed, 0, dp_rank);
-      for (int64_t j = 0; j < width; ++j) {
-        const auto jj = static_cast<size_t>(j);
-        uint64_t key = default_key;
-        if (kind == StateKind::kHiddenSplit) {
-          key = ModelParallelSeed(default_key, column_rank[jj]);
-        } else if (kind == StateKind::kSequenceSplit) {
-          key = ModelParallelSeed(default_key, seq_tp_rank);
-        }
-        const int64_t e = (local_i * sizes.micro + local_sample) * local_width + column_local[jj];
-        const bool kept = UniformAt(key, draw, static_cast<uint64_t>(e)) >= p;
-        keep(i * sizes.batch + g, j) = kept ? scale : 0.0;
+  Tensor keep = NewTensor({rows, width});
+  MatMap k = AsMat(keep);
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t i = (row_begin + row) / sizes.batch;
+    const int64_t g = (row_begin + row) % sizes.batch;
+    const int64_t dp_rank = g / sizes.micro;
+    const int64_t local_sample = g % sizes.micro;
+    const int64_t seq_tp_rank = i / local_seq;  // 0 unless sequence split
+    const int64_t local_i = i % local_seq;
+    const uint64_t default_key = DefaultSeed(sizes.seed, 0, dp_rank);
+    for (int64_t j = 0; j < width; ++j) {
+      const auto jj = static_cast<size_t>(j);
+      uint64_t key = default_key;
+      if (kind == StateKind::kHiddenSplit) {
+        key = ModelParallelSeed(default_key, column_rank[jj]);
+      } else if (kind == StateKind::kSequenceSplit) {
+        key = ModelParallelSeed(default_key, seq_tp_rank);
       }
+      const int64_t e = (local_i * sizes.micro + local_sample) * local_width + column_local[jj];
+      const bool kept = UniformAt(key, draw, static_cast<uint64_t>(e)) >= p;
+      k(row, j) = kept ? scale : 0.0;
     }
   }
   return keep;
@@ -599,220 +656,324 @@ double GeluGrad(double x) {
   return cdf + x * pdf;
 }
 
-Tensor ToTensor(const double* data, Shape shape) {
-  Tensor t = Tensor::HostZeros(std::move(shape), DType::kFloat64);
-  double* out = t.data_as<double>();
-  for (int64_t k = 0; k < t.numel(); ++k) out[k] = data[k];
+// Token ids as a [n, 1] float64 tensor (the rows of [s, B]).
+Tensor IdsTensor(const std::vector<int64_t>& ids) {
+  Tensor t = NewTensor({static_cast<int64_t>(ids.size()), 1});
+  for (size_t r = 0; r < ids.size(); ++r) t.data_as<double>()[r] = static_cast<double>(ids[r]);
   return t;
 }
 
-Tensor ActivationTensor(const Sizes& sizes, const Mat& x) {
-  return ToTensor(x.data(), {sizes.seq, sizes.batch, x.cols()});
-}
+// The slice being computed and what it records.
+struct SliceRun {
+  const Plan& plan;
+  int64_t row_begin;
+  int64_t rows;
+  Parameters* params;
+  // Rows of the last micro-batch, by name (activations share storage between names).
+  std::map<std::string, ReferenceTensor> recorded;
+  // Per-token budgets of what each parameter gradient sums (the same in every micro-batch).
+  std::vector<ErrorBudget> weight_grad_budget, bias_grad_budget;
+  ErrorBudget loss_budget;
+  double loss_sum = 0;  // sum of this slice's per-token losses over all micro-batches
 
-Tensor TokensTensor(const Sizes& sizes, const std::vector<int64_t>& ids) {
-  std::vector<double> values(ids.begin(), ids.end());
-  return ToTensor(values.data(), {sizes.seq, sizes.batch});
-}
+  void Record(bool record, const std::string& name, Shape full_shape, const Act& act) {
+    if (!record) return;
+    ReferenceTensor t;
+    t.name = name;
+    t.full_shape = std::move(full_shape);
+    t.layout = ReferenceTensor::Layout::kRows;
+    t.value = act.value;
+    t.budget = act.budget;
+    recorded[name] = std::move(t);
+  }
+  Shape ActivationShape(int64_t width) const {
+    return {plan.sizes.seq, plan.sizes.batch, width};
+  }
+  Shape TokenShape() const { return {plan.sizes.seq, plan.sizes.batch}; }
 
-// One micro-batch forward and backward. Adds into the gradient accumulators and into
-// *loss_sum (the sum of the per-token losses); records activations when `record`.
-void RunMicroBatch(const Plan& plan, int64_t m, Parameters* params, bool record,
-                   ReferenceResult* result, double* loss_sum) {
+  void MicroBatch(int64_t m, bool record);
+};
+
+// One micro-batch forward and backward on this slice's rows. Adds into the gradient
+// accumulators and into loss_sum; records the activations when `record`.
+void SliceRun::MicroBatch(int64_t m, bool record) {
   const Sizes& sizes = plan.sizes;
-  const int64_t tokens_per_micro_batch = sizes.seq * sizes.batch;
   const size_t n = plan.layers.size();
-  auto put = [&](const std::string& name, Tensor tensor) {
-    if (record) result->tensors[name] = std::move(tensor);
-  };
+  const int64_t t = sizes.tp_size;
 
   std::vector<int64_t> tokens, labels;
   if (plan.has_embedding) {
-    tokens = Tokens(sizes, fmt::format("tokens.mb{}", m));
-    put("tokens", TokensTensor(sizes, tokens));
+    tokens = Tokens(sizes, row_begin, rows, fmt::format("tokens.mb{}", m));
+    Record(record, "tokens", TokenShape(), Act{IdsTensor(tokens), {}});
   }
   if (plan.has_loss) {
-    labels = Tokens(sizes, fmt::format("labels.mb{}", m));
-    put("labels", TokensTensor(sizes, labels));
+    labels = Tokens(sizes, row_begin, rows, fmt::format("labels.mb{}", m));
+    Record(record, "labels", TokenShape(), Act{IdsTensor(labels), {}});
   }
 
   // ---- forward ----------------------------------------------------------------------
-  std::vector<Mat> inputs(n);        // each layer's input [s*B, h_in]
-  std::vector<Mat> gelu_in(n);       // GeLU: X + bias
-  std::vector<Mat> dropout_keep(n);  // Dropout: 0 or 1/(1-p)
-  Mat loss_grad;                     // loss: dl/dz per token, before the 1/(M*s*B) scale
-  Mat x;
-  if (!plan.has_embedding)
-    x = SyntheticNormal(sizes, fmt::format("input.mb{}", m), plan.input_width);
+  std::vector<Act> inputs(n);       // each layer's input [n, h_in]
+  std::vector<Act> gelu_in(n);      // GeLU: X + bias (X itself without bias_from)
+  std::vector<Tensor> keep(n);      // Dropout: 0 or 1/(1-p)
+  Tensor loss_grad;                 // loss: dl/dz per token, before the 1/(M*s*B) scale
+  ErrorBudget loss_grad_budget;
+  Act x;
+  if (!plan.has_embedding) {
+    x = SyntheticNormal(sizes, row_begin, rows, fmt::format("input.mb{}", m), plan.input_width);
+  }
   for (size_t k = 0; k < n; ++k) {
     const LayerPlan& lp = plan.layers[k];
     const LayerConfig& c = *lp.config;
-    if (!IsEmbedding(c.type)) {
-      put(c.name + ".input", ActivationTensor(sizes, x));
-      inputs[k] = x;
-    }
+    if (!IsEmbedding(c.type)) inputs[k] = x;
     switch (c.type) {
       case LayerType::kVocabParallelEmbedding:
       case LayerType::kParallelEmbedding: {
-        const Mat& w = params->weight[k];
-        x.resize(tokens_per_micro_batch, w.cols());
-        for (int64_t r = 0; r < tokens_per_micro_batch; ++r) {
-          x.row(r) = w.row(tokens[static_cast<size_t>(r)]);
-        }
+        const Tensor& w = params->weight[k];
+        x = NewAct(rows, w.cols(), kStored + kStored);
+        MatMap y = AsMat(x.value);
+        for (int64_t r = 0; r < rows; ++r) y.row(r) = ConstMat(w).row(tokens[static_cast<size_t>(r)]);
         break;
       }
       case LayerType::kColumnParallelLinear:
       case LayerType::kRowParallelLinear: {
-        const Mat& w = params->weight[static_cast<size_t>(lp.weight_layer)];
-        Mat y = inputs[k] * w.transpose();
-        if (lp.adds_bias) y.rowwise() += params->bias[k];
-        x = std::move(y);
+        const Tensor& w = params->weight[static_cast<size_t>(lp.weight_layer)];
+        ErrorBudget budget = inputs[k].budget + kStored + kStored + SumOf(c.input_size) + TpSum(t);
+        if (lp.adds_bias) budget += kStored;
+        x = NewAct(rows, lp.out_width, budget);
+        MatMap y = AsMat(x.value);
+        y.noalias() = ConstMat(inputs[k].value) * ConstMat(w).transpose();
+        if (lp.adds_bias) y.rowwise() += AsRow(params->bias[k]);
         break;
       }
       case LayerType::kGeLU: {
-        Mat z = inputs[k];
-        if (lp.bias_layer >= 0) z.rowwise() += params->bias[static_cast<size_t>(lp.bias_layer)];
-        x = z.unaryExpr([](double v) { return Gelu(v); });
-        gelu_in[k] = std::move(z);
+        gelu_in[k] = inputs[k];
+        if (lp.bias_layer >= 0) {
+          gelu_in[k] = NewAct(rows, lp.in_width, inputs[k].budget + kStored);
+          AsMat(gelu_in[k].value) = AsMat(inputs[k].value);
+          AsMat(gelu_in[k].value).rowwise() += AsRow(params->bias[static_cast<size_t>(lp.bias_layer)]);
+        }
+        x = NewAct(rows, lp.out_width, gelu_in[k].budget + kFunction + kStored);
+        AsMat(x.value) = AsMat(gelu_in[k].value).unaryExpr([](double v) { return Gelu(v); });
         break;
       }
       case LayerType::kDropout:
-        dropout_keep[k] = DropoutScale(plan, lp, m);
-        x = inputs[k].cwiseProduct(dropout_keep[k]);
+        keep[k] = DropoutScale(plan, lp, m, row_begin, rows);
+        x = NewAct(rows, lp.out_width, inputs[k].budget + kStored);
+        AsMat(x.value) = AsMat(inputs[k].value).cwiseProduct(AsMat(keep[k]));
         break;
       case LayerType::kVocabParallelCrossEntropy: {
         // l = (1 - sm)(logZ - z_y) + sm (logZ - mean_j z_j), sm = alpha Vp / (Vp - 1);
         // shifting z by its row max changes neither term and keeps exp() finite.
-        const Mat& z = inputs[k];
-        const auto vp = static_cast<double>(z.cols());
+        ConstMatMap z = ConstMat(inputs[k].value);
+        const auto vp = static_cast<double>(lp.in_width);
         const double alpha = c.label_smoothing;
         const double sm = alpha > 0.0 ? alpha * vp / (vp - 1.0) : 0.0;
-        Mat per_token(tokens_per_micro_batch, 1);
-        loss_grad.resize(z.rows(), z.cols());
-        for (int64_t r = 0; r < z.rows(); ++r) {
-          const RowVec shifted = z.row(r).array() - z.row(r).maxCoeff();
+        // exp and log of every logit, the sums over Vp, the statistics summed over tp.
+        const ErrorBudget budget =
+            inputs[k].budget + kFunction + kFunction + SumOf(lp.in_width) + TpSum(t) + kStored;
+        x = NewAct(rows, 1, budget);
+        loss_grad = NewTensor({rows, lp.in_width});
+        loss_grad_budget = budget;
+        MatMap per_token = AsMat(x.value);
+        MatMap grad = AsMat(loss_grad);
+        for (int64_t r = 0; r < rows; ++r) {
+          const Eigen::Matrix<double, 1, Eigen::Dynamic> shifted = z.row(r).array() - z.row(r).maxCoeff();
           const double log_sum_exp = std::log(shifted.array().exp().sum());
           const int64_t y = labels[static_cast<size_t>(r)];
           per_token(r, 0) =
               (1.0 - sm) * (log_sum_exp - shifted(y)) + sm * (log_sum_exp - shifted.mean());
           // dl/dz_j = softmax_j - (1 - sm)[j == y] - sm / Vp
-          loss_grad.row(r) = (shifted.array() - log_sum_exp).exp() - sm / vp;
-          loss_grad(r, y) -= 1.0 - sm;
+          grad.row(r) = (shifted.array() - log_sum_exp).exp() - sm / vp;
+          grad(r, y) -= 1.0 - sm;
         }
-        *loss_sum += per_token.sum();
-        x = std::move(per_token);
+        loss_sum += per_token.sum();
+        loss_budget = budget + SumOf(sizes.num_micro * sizes.seq * sizes.batch);
         break;
       }
       default:  // region mappings: identity
+        if (MappingSumsForward(c.type)) x.budget += TpSum(t);
         break;
     }
-    if (c.type == LayerType::kVocabParallelCrossEntropy) {
-      put(c.name + ".output", ToTensor(x.data(), {sizes.seq, sizes.batch}));
-    } else {
-      put(c.name + ".output", ActivationTensor(sizes, x));
-    }
+    if (!IsEmbedding(c.type)) Record(record, c.name + ".input", ActivationShape(lp.in_width), inputs[k]);
+    Record(record, c.name + ".output",
+           c.type == LayerType::kVocabParallelCrossEntropy ? TokenShape()
+                                                           : ActivationShape(lp.out_width),
+           x);
   }
 
   // ---- backward ---------------------------------------------------------------------
-  Mat dy;
+  Act dy;
   if (plan.has_loss) {
-    const double per_token = 1.0 / static_cast<double>(sizes.num_micro * tokens_per_micro_batch);
-    dy = Mat::Constant(tokens_per_micro_batch, 1, per_token);
+    const double per_token = 1.0 / static_cast<double>(sizes.num_micro * sizes.seq * sizes.batch);
+    dy = NewAct(rows, 1, kStored);
+    AsMat(dy.value).setConstant(per_token);
   } else {
-    dy = SyntheticNormal(sizes, fmt::format("output_grad.mb{}", m), plan.layers.back().out_width);
+    dy = SyntheticNormal(sizes, row_begin, rows, fmt::format("output_grad.mb{}", m),
+                         plan.layers.back().out_width);
   }
   for (size_t k = n; k-- > 0;) {
     const LayerPlan& lp = plan.layers[k];
     const LayerConfig& c = *lp.config;
-    if (c.type == LayerType::kVocabParallelCrossEntropy) {
-      put(c.name + ".output_grad", ToTensor(dy.data(), {sizes.seq, sizes.batch}));
-    } else {
-      put(c.name + ".output_grad", ActivationTensor(sizes, dy));
-    }
-    Mat dx;
+    Record(record, c.name + ".output_grad",
+           c.type == LayerType::kVocabParallelCrossEntropy ? TokenShape()
+                                                           : ActivationShape(lp.out_width),
+           dy);
+    Act dx;
     switch (c.type) {
       case LayerType::kVocabParallelEmbedding:
       case LayerType::kParallelEmbedding: {
-        Mat& dw = params->weight_grad[k];
-        if (dw.size() == 0) break;  // frozen
-        for (int64_t r = 0; r < tokens_per_micro_batch; ++r) {
-          dw.row(tokens[static_cast<size_t>(r)]) += dy.row(r);
-        }
+        Tensor& dw = params->weight_grad[k];
+        weight_grad_budget[k] = dy.budget;
+        if (!dw.defined()) break;  // frozen
+        MatMap g = AsMat(dw);
+        ConstMatMap d = ConstMat(dy.value);
+        for (int64_t r = 0; r < rows; ++r) g.row(tokens[static_cast<size_t>(r)]) += d.row(r);
         break;
       }
       case LayerType::kColumnParallelLinear:
       case LayerType::kRowParallelLinear: {
         const auto owner = static_cast<size_t>(lp.weight_layer);
-        dx = dy * params->weight[owner];
-        Mat& dw = params->weight_grad[owner];
-        if (dw.size() != 0) dw.noalias() += dy.transpose() * inputs[k];
-        if (lp.adds_bias) params->bias_grad[k] += dy.colwise().sum();
+        dx = NewAct(rows, lp.in_width,
+                    dy.budget + kStored + kStored + SumOf(lp.out_width) + TpSum(t));
+        AsMat(dx.value).noalias() = AsMat(dy.value) * AsMat(params->weight[owner]);
+        if (Tensor& dw = params->weight_grad[owner]; dw.defined()) {
+          AsMat(dw).noalias() += AsMat(dy.value).transpose() * AsMat(inputs[k].value);
+        }
+        // A tied weight's gradient sums both uses: the larger budget stands for both.
+        const ErrorBudget use = dy.budget + inputs[k].budget;
+        if (use.roundings + use.terms > weight_grad_budget[owner].roundings + weight_grad_budget[owner].terms) {
+          weight_grad_budget[owner] = use;
+        }
+        if (lp.adds_bias) {
+          AsRow(params->bias_grad[k]) += AsMat(dy.value).colwise().sum();
+          bias_grad_budget[k] = dy.budget;
+        }
         break;
       }
       case LayerType::kGeLU:
-        dx = dy.cwiseProduct(gelu_in[k].unaryExpr([](double v) { return GeluGrad(v); }));
+        dx = NewAct(rows, lp.in_width, dy.budget + gelu_in[k].budget + kFunction + kStored);
+        AsMat(dx.value) = AsMat(dy.value).cwiseProduct(
+            AsMat(gelu_in[k].value).unaryExpr([](double v) { return GeluGrad(v); }));
         if (lp.bias_layer >= 0) {
-          params->bias_grad[static_cast<size_t>(lp.bias_layer)] += dx.colwise().sum();
+          const auto owner = static_cast<size_t>(lp.bias_layer);
+          AsRow(params->bias_grad[owner]) += AsMat(dx.value).colwise().sum();
+          bias_grad_budget[owner] = dx.budget;
         }
         break;
       case LayerType::kDropout:
-        dx = dy.cwiseProduct(dropout_keep[k]);
+        dx = NewAct(rows, lp.in_width, dy.budget + kStored);
+        AsMat(dx.value) = AsMat(dy.value).cwiseProduct(AsMat(keep[k]));
         break;
       case LayerType::kVocabParallelCrossEntropy:
-        dx = loss_grad.array().colwise() * dy.col(0).array();
+        dx = NewAct(rows, lp.in_width, dy.budget + loss_grad_budget + kStored);
+        AsMat(dx.value) = AsMat(loss_grad).array().colwise() * AsMat(dy.value).col(0).array();
         break;
       default:  // region mappings: identity
-        dx = std::move(dy);
+        dx = dy;
+        if (MappingSumsBackward(c)) dx.budget += TpSum(t);
         break;
     }
     if (IsEmbedding(c.type)) break;  // the first layer; nothing flows into tokens
-    put(c.name + ".input_grad", ActivationTensor(sizes, dx));
+    Record(record, c.name + ".input_grad", ActivationShape(lp.in_width), dx);
     dy = std::move(dx);
   }
 }
 
+// The executor's record order: tokens, labels; per layer input, input_grad, output,
+// output_grad, then weight, weight_grad (owners), bias, bias_grad; loss.
+std::vector<ReferenceTensor> InRecordOrder(const Plan& plan, SliceRun& run) {
+  const Sizes& sizes = plan.sizes;
+  std::vector<ReferenceTensor> out;
+  auto take = [&](const std::string& name) {
+    auto it = run.recorded.find(name);
+    if (it != run.recorded.end()) out.push_back(std::move(it->second));
+  };
+  auto whole = [&](const std::string& name, const Tensor& value, bool partial,
+                   ErrorBudget budget) {
+    if (!value.defined()) return;
+    out.push_back({name, value.shape(), ReferenceTensor::Layout::kWhole, partial, value, budget});
+  };
+  take("tokens");
+  take("labels");
+  for (size_t k = 0; k < plan.layers.size(); ++k) {
+    const std::string& name = plan.layers[k].config->name;
+    take(name + ".input");
+    take(name + ".input_grad");
+    take(name + ".output");
+    take(name + ".output_grad");
+    whole(name + ".weight", run.params->weight[k], false, kStored);
+    whole(name + ".weight_grad", run.params->weight_grad[k], true,
+          GradientSum(run.weight_grad_budget[k], sizes));
+    whole(name + ".bias", run.params->bias[k], false, kStored);
+    whole(name + ".bias_grad", run.params->bias_grad[k], true,
+          GradientSum(run.bias_grad_budget[k], sizes));
+  }
+  if (plan.has_loss) {
+    Tensor loss = NewTensor({1});
+    loss.data_as<double>()[0] =
+        run.loss_sum / static_cast<double>(sizes.num_micro * sizes.seq * sizes.batch);
+    whole("loss", loss, true, run.loss_budget + kFunction);
+  }
+  return out;
+}
+
+#if defined(MPUSIM_HAVE_OPENBLAS)
+extern "C" void openblas_set_num_threads(int num_threads);
+#endif
+
 }  // namespace
+
+const ReferenceTensor* ReferenceResult::Find(std::string_view name) const {
+  for (const ReferenceTensor& t : tensors) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+int64_t ReferenceRows(const ParallelConfig& parallel, const RunConfig& run) {
+  const int64_t tp = std::max<int64_t>(parallel.tensor_model_parallel_size, 1);
+  return run.seq_length * run.micro_batch_size * (parallel.world_size / tp);
+}
 
 StatusOr<ReferenceResult> RunReferenceWithOverrides(
     const ParallelConfig& parallel, const ModelConfig& model, const RunConfig& run,
-    const std::map<std::string, Tensor>& parameter_overrides) {
+    const std::map<std::string, Tensor>& parameter_overrides, ReferenceSlice slice) {
+#if defined(MPUSIM_HAVE_OPENBLAS)
+  openblas_set_num_threads(1);
+#endif
   Plan plan;
   MPUSIM_RETURN_IF_ERROR(BuildPlan(parallel, model, run, &plan));
+  const int64_t rows = plan.sizes.seq * plan.sizes.batch;
+  const int64_t row_end = slice.row_end < 0 ? rows : slice.row_end;
+  if (slice.row_begin < 0 || slice.row_begin > row_end || row_end > rows) {
+    return Status::Error("reference slice", fmt::format("rows [{}, {}) are not inside [0, {})",
+                                                        slice.row_begin, row_end, rows));
+  }
   Parameters params;
   MPUSIM_RETURN_IF_ERROR(InitParameters(plan, parameter_overrides, &params));
 
-  ReferenceResult result;
-  double loss_sum = 0.0;
+  SliceRun slice_run{plan, slice.row_begin, row_end - slice.row_begin, &params, {}, {}, {}, {}, 0};
+  slice_run.weight_grad_budget.assign(plan.layers.size(), ErrorBudget{});
+  slice_run.bias_grad_budget.assign(plan.layers.size(), ErrorBudget{});
   for (int64_t m = 0; m < plan.sizes.num_micro; ++m) {
-    RunMicroBatch(plan, m, &params, m + 1 == plan.sizes.num_micro, &result, &loss_sum);
+    slice_run.MicroBatch(m, m + 1 == plan.sizes.num_micro);
   }
 
-  for (size_t k = 0; k < plan.layers.size(); ++k) {
-    const std::string& name = plan.layers[k].config->name;
-    if (const Mat& w = params.weight[k]; w.size() != 0) {
-      result.tensors[name + ".weight"] = ToTensor(w.data(), {w.rows(), w.cols()});
-    }
-    if (const Mat& dw = params.weight_grad[k]; dw.size() != 0) {
-      result.tensors[name + ".weight_grad"] = ToTensor(dw.data(), {dw.rows(), dw.cols()});
-    }
-    if (const RowVec& b = params.bias[k]; b.size() != 0) {
-      result.tensors[name + ".bias"] = ToTensor(b.data(), {b.size()});
-      const RowVec& db = params.bias_grad[k];
-      result.tensors[name + ".bias_grad"] = ToTensor(db.data(), {db.size()});
-    }
-  }
+  ReferenceResult result;
+  result.rows = rows;
+  result.row_begin = slice.row_begin;
+  result.row_end = row_end;
+  result.tensors = InRecordOrder(plan, slice_run);
   if (plan.has_loss) {
     result.has_loss = true;
-    result.loss =
-        loss_sum / static_cast<double>(plan.sizes.num_micro * plan.sizes.seq * plan.sizes.batch);
-    result.tensors["loss"] = ToTensor(&result.loss, {1});
+    result.loss = result.Find("loss")->value.data_as<double>()[0];
   }
   return result;
 }
 
 StatusOr<ReferenceResult> RunReference(const ParallelConfig& parallel, const ModelConfig& model,
-                                       const RunConfig& run) {
-  return RunReferenceWithOverrides(parallel, model, run, {});
+                                       const RunConfig& run, ReferenceSlice slice) {
+  return RunReferenceWithOverrides(parallel, model, run, {}, slice);
 }
 
 }  // namespace mpusim

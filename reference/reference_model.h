@@ -1,25 +1,40 @@
-// The float64 reference model: the whole (unpartitioned) layer chain in one process.
+// The float64 reference model: the whole (unpartitioned) layer chain, one slice of the batch
+// per call.
 //
 // What it is: a plain Eigen implementation of the full-model math in docs/simulator.md. It
 // runs every micro-batch m = 0..M-1 on the global micro-batch [s, B = b*d] of tokens, forward
-// then backward, and sums the parameter gradients over micro-batches. `mpusim verify` checks
-// each reassembled parallel tensor against it.
-// What it is not: a second executor. It shares no op code with core/model/graph; only the
-// initialisation and random streams (core/init.h, core/philox.h, core/rng.h) are shared,
-// because they define the inputs. It knows the parallel layout only where the contract makes
-// the full-model values depend on it: the data-parallel size d (B = b*d), the padded
-// vocabulary Vp (a function of t), and the dropout masks (drawn per rank).
+// then backward, and sums the parameter gradients over micro-batches. Every op of the chain
+// treats the s*B token rows independently, so the work splits by rows: a call computes the
+// rows [row_begin, row_end) of every micro-batch (row r = i*B + g: sequence position i of
+// global sample g). `mpusim run` gives each of its K ranks one slice, so the job computes one
+// reference in all, not one per rank (run/check.h); a call with the default slice is the
+// whole reference.
+// What it is not: a second executor. It shares no op code with core/model or
+// core/tensor_parallel (its CMake target cannot link them); only the initialisation and
+// random streams (core/init.h, core/philox.h, core/rng.h) are shared, because they define the
+// inputs. It knows the parallel layout only where the contract makes the full-model values
+// depend on it: the data-parallel size d (B = b*d), the padded vocabulary Vp (a function of
+// t), and the dropout masks (drawn per rank); and where the error budgets count the sums a
+// layout makes (an all-reduce over t ranks).
 //
-// Tensors in the result (full shapes, float64, host; activations of the last micro-batch):
-//   tokens, labels            [s, B]         token ids as doubles (with an embedding / a loss)
-//   <layer>.input             [s, B, h_in]   not for embeddings
-//   <layer>.output            [s, B, h_out]  the loss layer: per-token loss [s, B]
-//   <layer>.output_grad       like .output   the loss layer: 1/(M*s*B) per token
-//   <layer>.input_grad        like .input    not for embeddings
-//   <layer>.weight            [out, in] or [num_embeddings, embedding_dim]  weight owners only
-//   <layer>.weight_grad       same           summed over micro-batches; not when frozen
-//   <layer>.bias, .bias_grad  [out]          linear layers with `bias` (skip_bias_add too)
-//   loss                      [1]            mean per-token loss over all micro-batches
+// Tensors in the result, in the order the executor records them (float64, host):
+//   rows of the last micro-batch (ReferenceTensor::kRows, value [row_end - row_begin, width]):
+//     tokens, labels            full [s, B]          token ids as doubles
+//     <layer>.input             full [s, B, h_in]    not for embeddings
+//     <layer>.input_grad        like .input
+//     <layer>.output            full [s, B, h_out]   the loss layer: per-token loss [s, B]
+//     <layer>.output_grad       like .output         the loss layer: 1/(M*s*B) per token
+//   whole tensors (ReferenceTensor::kWhole):
+//     <layer>.weight            [out, in] or [num_embeddings, embedding_dim]  weight owners
+//     <layer>.weight_grad       same            this slice's share; not when frozen
+//     <layer>.bias, .bias_grad  [out]           linear layers with `bias` (skip_bias_add too)
+//     loss                      [1]             this slice's share of the mean token loss
+// Shares (`partial`) add up over the slices of a partition of the rows to the full value.
+// Tensors that are one value under two names (fc1.output and gelu.input) share storage.
+//
+// Each tensor carries its ErrorBudget (core/compare.h): the roundings and summands a correct
+// implementation goes through to produce it, counted op by op as docs/simulator.md
+// ("Tolerances") lists them; the check turns it into the tensor's tolerance.
 //
 // Conventions this file settles where the contract leaves room (see the .cc for details):
 //   - A layer with `weight_from` uses the named layer's weight (shape [out, in] must match);
@@ -33,9 +48,13 @@
 //     layer accepts: see InitialState in the .cc.
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <string>
+#include <string_view>
+#include <vector>
 
+#include "core/compare.h"
 #include "core/model_config.h"
 #include "core/parallel_config.h"
 #include "core/status.h"
@@ -43,23 +62,55 @@
 
 namespace mpusim {
 
-struct ReferenceResult {
-  std::map<std::string, Tensor> tensors;  // full-shape float64 host tensors (names above)
-  bool has_loss = false;
-  double loss = 0.0;
+// Rows [row_begin, row_end) of each micro-batch's s*B token rows; row_end -1: to the end.
+struct ReferenceSlice {
+  int64_t row_begin = 0;
+  int64_t row_end = -1;
 };
 
-// Runs the whole model on the full global batch. The config is expected to be validated by
-// the executor; anything the reference cannot give a meaning to is a Status error naming the
-// layer ("model.layers[3]: ..."), never a crash.
+struct ReferenceTensor {
+  enum class Layout : uint8_t {
+    kRows,   // value: this slice's rows of the [s*B, width] view of full_shape
+    kWhole,  // value: the whole tensor, of full_shape
+  };
+  std::string name;
+  Shape full_shape;
+  Layout layout = Layout::kWhole;
+  bool partial = false;  // kWhole: this slice's share of a sum over all rows (gradients, loss)
+  Tensor value;          // host float64
+  ErrorBudget budget;
+  // Elements per row of the [s*B, width] view (kRows).
+  int64_t width() const { return full_shape.size() > 2 ? full_shape[2] : 1; }
+};
+
+struct ReferenceResult {
+  std::vector<ReferenceTensor> tensors;  // the names above, in record order
+  int64_t rows = 0;                      // s*B: token rows of one micro-batch
+  int64_t row_begin = 0;                 // this slice
+  int64_t row_end = 0;
+  bool has_loss = false;
+  double loss = 0.0;  // this slice's share of the mean token loss (the loss for a whole run)
+
+  // The tensor named `name`, or nullptr.
+  const ReferenceTensor* Find(std::string_view name) const;
+};
+
+// Runs the whole model on `slice` of the global batch. The config is expected to be validated
+// by the executor; anything the reference cannot give a meaning to is a Status error naming
+// the layer ("model.layers[3]: ..."), never a crash. GEMMs run on one BLAS thread (each MPI
+// rank is one core).
 StatusOr<ReferenceResult> RunReference(const ParallelConfig& parallel, const ModelConfig& model,
-                                       const RunConfig& run);
+                                       const RunConfig& run, ReferenceSlice slice = {});
+
+// s*B, the token rows of one micro-batch, once the config is known to be valid (for
+// partitioning the rows before any reference runs).
+int64_t ReferenceRows(const ParallelConfig& parallel, const RunConfig& run);
 
 // Testing hook (finite differences, hand-built examples): the same run, but a parameter named
 // in `parameter_overrides` ("fc1.weight", "fc1.bias", ...) takes the given full host float64
 // tensor instead of its master values. An unknown name or a wrong shape is an error.
 StatusOr<ReferenceResult> RunReferenceWithOverrides(
     const ParallelConfig& parallel, const ModelConfig& model, const RunConfig& run,
-    const std::map<std::string, Tensor>& parameter_overrides);
+    const std::map<std::string, Tensor>& parameter_overrides, ReferenceSlice slice = {});
 
 }  // namespace mpusim

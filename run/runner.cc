@@ -7,22 +7,19 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <ostream>
 #include <sstream>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <nlohmann/json.hpp>
 
-#include "core/compare.h"
 #include "core/config.h"
-#include "core/model/graph.h"
-#include "core/safetensors.h"
 #include "core/topology.h"
+#include "mpi/agree.h"
 #include "mpi/mpi_check.h"
-#include "mpi/mpi_communicator.h"
-#include "reference/reference_model.h"
+#include "run/dump.h"
 
 namespace mpusim::run {
 namespace {
@@ -31,99 +28,17 @@ constexpr int kExitOk = 0;
 constexpr int kExitCheckFailed = 1;
 constexpr int kExitUsage = 2;
 
-// Every rank must reach the same verdict; the worst code wins.
-int AgreeOnExitCode(int code) {
-  int worst = code;
-  MPUSIM_MPI_CHECK(MPI_Allreduce(&code, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
-  return worst;
+// This process's high-water resident set (VmHWM), in bytes; 0 where /proc is not there.
+int64_t PeakRss() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::atoll(line.c_str() + 6) * 1024;
+  }
+  return 0;
 }
 
-// Collective over MPI_COMM_WORLD: every rank passes its error message ("" for none); rank 0
-// gets one line per distinct message, naming the ranks that reported it unless all did (a
-// missing plugin or GPU is one line, not one per rank). Returns whether any rank failed.
-bool GatherErrors(const std::string& message, int world_rank, int world_size,
-                  std::vector<std::string>* lines) {
-  int length = static_cast<int>(message.size());
-  std::vector<int> lengths(static_cast<size_t>(world_size), 0);
-  MPUSIM_MPI_CHECK(MPI_Gather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, 0, MPI_COMM_WORLD));
-  std::vector<int> offsets(static_cast<size_t>(world_size), 0);
-  int total = 0;
-  for (int r = 0; r < world_size; ++r) {
-    offsets[static_cast<size_t>(r)] = total;
-    total += lengths[static_cast<size_t>(r)];
-  }
-  std::string all(static_cast<size_t>(total), '\0');
-  MPUSIM_MPI_CHECK(MPI_Gatherv(message.data(), length, MPI_CHAR, all.data(), lengths.data(),
-                               offsets.data(), MPI_CHAR, 0, MPI_COMM_WORLD));
-  int failed = message.empty() ? 0 : 1;
-  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
-  if (world_rank == 0) {
-    std::map<std::string, std::vector<int>> ranks_of;  // message -> ranks
-    for (int r = 0; r < world_size; ++r) {
-      const auto i = static_cast<size_t>(r);
-      if (lengths[i] > 0) ranks_of[all.substr(static_cast<size_t>(offsets[i]), static_cast<size_t>(lengths[i]))].push_back(r);
-    }
-    for (const auto& [text, ranks] : ranks_of) {
-      lines->push_back(static_cast<int>(ranks.size()) == world_size
-                           ? text
-                           : fmt::format("rank{} {}: {}", ranks.size() > 1 ? "s" : "",
-                                         fmt::join(ranks, ","), text));
-    }
-  }
-  return failed != 0;
-}
-
-double MaxAbs(const Tensor& host64) {
-  double scale = 0;
-  for (int64_t i = 0; i < host64.numel(); ++i) {
-    scale = std::max(scale, std::fabs(host64.data_as<double>()[i]));
-  }
-  return scale;
-}
-
-// Compares a local record with the full reference tensor, element by element, under the
-// run's tolerance scaled to the full tensor's largest |expected| (`scale`).
-ErrorStats CompareRecord(const TensorRecord& record, const Tensor& local_host,
-                         const Tensor& expected, double scale, int64_t tp_size,
-                         const Tolerance& run_tol) {
-  ErrorStats stats;
-  const Tolerance tol = run_tol.ForScale(scale);
-  const Shape& local_shape = local_host.shape();
-  const Shape& full = record.full_shape;
-  const size_t dims = full.size();
-  std::vector<int64_t> index(dims, 0);
-  const double summands = record.partial_sum ? static_cast<double>(tp_size) : 1.0;
-  const double* want = expected.data_as<double>();
-  for (int64_t e = 0; e < local_host.numel(); ++e) {
-    int64_t flat = 0;
-    for (size_t k = 0; k < dims; ++k) {
-      const int64_t g = GlobalIndex(record.shard, static_cast<int>(k), full[k], index[k]);
-      flat = flat * full[k] + g;
-    }
-    stats.Add(flat, HostValue(local_host, e) * summands, want[flat], tol);
-    for (size_t k = dims; k-- > 0;) {
-      if (++index[k] < local_shape[k]) break;
-      index[k] = 0;
-    }
-  }
-  return stats;
-}
-
-std::string MetadataJson(const TensorRecord& r) {
-  nlohmann::ordered_json j;
-  j["full_shape"] = r.full_shape;
-  j["shard_dim"] = r.shard.shard_dim;
-  j["num_shards"] = r.shard.num_shards;
-  j["shard_index"] = r.shard.shard_index;
-  j["stride"] = r.shard.stride;
-  if (r.shard.batch_dim >= 0) {
-    j["batch_dim"] = r.shard.batch_dim;
-    j["batch_shards"] = r.shard.batch_shards;
-    j["batch_index"] = r.shard.batch_index;
-  }
-  if (r.partial_sum) j["partial_sum"] = true;
-  return j.dump();
-}
+double MiB(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
 
 struct CommSummaryKey {
   Phase phase;
@@ -137,7 +52,7 @@ struct CommSummaryKey {
 
 }  // namespace
 
-StatusOr<SimulationResult> Simulate(const Config& config, bool check, int repeat,
+StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions& options,
                                     Backend& backend) {
   int world_rank = 0, world_size = 1;
   MPUSIM_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
@@ -176,7 +91,7 @@ StatusOr<SimulationResult> Simulate(const Config& config, bool check, int repeat
   result.plan = graph.Plan(topology->Coordinates(0));
 
   graph.InitializeParameters(ctx);
-  for (int i = 0; i < repeat; ++i) {
+  for (int i = 0; i < options.repeat; ++i) {
     result.trace.Clear();
     MPUSIM_MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
     const auto start = std::chrono::steady_clock::now();
@@ -185,60 +100,22 @@ StatusOr<SimulationResult> Simulate(const Config& config, bool check, int repeat
     result.seconds.push_back(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
-  result.records = graph.Records(ctx);
-  for (TensorRecord& r : result.records) r.tensor = kernels.ToHost(r.tensor);
   result.has_loss = graph.has_loss();
   result.loss = result.has_loss ? graph.loss() : 0.0;
-  if (!check) return result;
+  if (!options.check && !options.keep_records) return result;
 
-  // Every rank runs the (small) reference itself and checks its own shards; the statistics
-  // are then reduced over ranks, so no tensor is ever gathered.
-  StatusOr<ReferenceResult> reference = RunReference(config.parallel, *config.model, *config.run);
-  if (!reference.ok()) {
-    return Status::Error("reference model", reference.status().Message());
+  // The records are the graph's own tensors (no copies); a host copy of one is made only
+  // while the check or the dump reads it, and not at all on a host backend.
+  std::vector<TensorRecord> records = graph.Records(ctx);
+  if (options.check) {
+    const HostFetch fetch = [&](const TensorRecord& r) {
+      return r.tensor.device() == Device::kHost ? r.tensor : kernels.ToHost(r.tensor);
+    };
+    StatusOr<CheckResult> checked = CheckAgainstReference(config, records, fetch);
+    if (!checked.ok()) return checked.status();
+    result.check = std::move(checked).value();
   }
-  result.reference_loss = reference->loss;
-  const Tolerance tol = DefaultTolerance(config.run->dtype);
-  const size_t n = result.records.size();
-  std::vector<double> maxima(2 * n, 0.0);
-  std::vector<long long> counts(3 * n, 0);
-  std::vector<int> missing(n, 0);
-  std::vector<double> scales(n, 0.0);  // the same on every rank: the full reference tensor
-  for (size_t i = 0; i < n; ++i) {
-    const TensorRecord& r = result.records[i];
-    const auto it = reference->tensors.find(r.name);
-    if (it == reference->tensors.end() || it->second.shape() != r.full_shape) {
-      missing[i] = 1;
-      continue;
-    }
-    scales[i] = MaxAbs(it->second);
-    const ErrorStats stats = CompareRecord(r, r.tensor, it->second, scales[i], ctx.tp_size(), tol);
-    maxima[2 * i] = stats.max_abs;
-    maxima[2 * i + 1] = stats.max_rel;
-    counts[3 * i] = stats.count;
-    counts[3 * i + 1] = stats.mismatches;
-    counts[3 * i + 2] = stats.non_finite;
-  }
-  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, maxima.data(), static_cast<int>(maxima.size()),
-                                 MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD));
-  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, counts.data(), static_cast<int>(counts.size()),
-                                 MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD));
-  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, missing.data(), static_cast<int>(missing.size()),
-                                 MPI_INT, MPI_MAX, MPI_COMM_WORLD));
-  for (size_t i = 0; i < n; ++i) {
-    TensorCheck c;
-    c.name = result.records[i].name;
-    c.full_shape = result.records[i].full_shape;
-    c.max_abs = maxima[2 * i];
-    c.max_rel = maxima[2 * i + 1];
-    c.scale = scales[i];
-    c.normalized = c.scale > 0 ? c.max_abs / c.scale : 0.0;
-    c.count = counts[3 * i];
-    c.mismatches = counts[3 * i + 1];
-    c.non_finite = counts[3 * i + 2];
-    c.missing = missing[i] != 0;
-    result.checks.push_back(std::move(c));
-  }
+  if (options.keep_records) result.records = std::move(records);
   return result;
 }
 
@@ -263,9 +140,9 @@ class RankRun {
     return kExitUsage;
   }
   void PrintLayout(const Topology& topology, const SimulationResult& result);
-  int PrintChecks(const SimulationResult& result);
+  int PrintChecks(const CheckResult& check, const SimulationResult& result);
   void PrintCommTrace(const CommTrace& trace);
-  int Dump(const SimulationResult& result);
+  void PrintMemory();
 
   const RunOptions& options_;
   const BackendFactory& factory_;
@@ -317,16 +194,16 @@ int RankRun::Run() {
   {
     BackendOrStatus made = factory_(options_);
     std::vector<std::string> lines;
-    if (GatherErrors(made.ok() ? std::string() : made.status().Message(), world_rank_,
-                     world_size_, &lines)) {
+    if (GatherErrors(made.ok() ? std::string() : made.status().Message(), &lines)) {
       for (const std::string& line : lines) err_ << "error: " << line << '\n';
       return kExitUsage;
     }
     backend = std::move(made).value();
   }
   backend_name_ = backend->name();
+  const bool dump = !options_.dump_dir.empty();
   StatusOr<SimulationResult> result =
-      Simulate(config_, options_.check, options_.repeat, *backend);
+      Simulate(config_, {options_.check, options_.repeat, dump}, *backend);
   if (!result.ok()) return Usage(source, result.status().Message());
   PrintLayout(*topology, *result);
   if (result->has_loss) out_ << fmt::format("\nloss {:.9g}\n", result->loss);
@@ -338,9 +215,29 @@ int RankRun::Run() {
                         sorted[sorted.size() / 2], sorted.size(), sorted.front(), sorted.back());
   }
   int code = kExitOk;
-  if (options_.check) code = PrintChecks(*result);
+  if (options_.check) code = PrintChecks(result->check, *result);
   PrintCommTrace(result->trace);
-  if (!options_.dump_dir.empty()) code = std::max(code, Dump(*result));
+  if (dump) {
+    const DumpTarget target{options_.dump_dir, options_.config_path, backend_name_,
+                            config_.run->dtype};
+    std::vector<std::string> lines;
+    const Status written =
+        WriteDump(target, result->coords, result->records,
+                  [&](const TensorRecord& r) {
+                    return r.tensor.device() == Device::kHost ? r.tensor
+                                                              : backend->kernels().ToHost(r.tensor);
+                  },
+                  &lines);
+    result->records.clear();
+    if (!written.ok()) {
+      if (lines.empty()) return Usage("command line", written.Message());
+      for (const std::string& line : lines) err_ << "error: " << line << '\n';
+      return kExitUsage;
+    }
+    out_ << fmt::format("\ndump: {} ({} files + manifest.json)\n", options_.dump_dir,
+                        world_size_);
+  }
+  PrintMemory();
   return code;
 }
 
@@ -384,35 +281,49 @@ void RankRun::PrintLayout(const Topology& topology, const SimulationResult& resu
   }
 }
 
-int RankRun::PrintChecks(const SimulationResult& result) {
-  const Tolerance tol = DefaultTolerance(config_.run->dtype);
-  if (result.has_loss) {
-    out_ << fmt::format("reference loss {:.9g} (float64, single process), |difference| {:.3g}\n",
-                        result.reference_loss, std::fabs(result.loss - result.reference_loss));
+int RankRun::PrintChecks(const CheckResult& check, const SimulationResult& result) {
+  if (check.has_loss) {
+    out_ << fmt::format("reference loss {:.9g} (float64), |difference| {:.3g}\n",
+                        check.reference_loss, std::fabs(result.loss - check.reference_loss));
   }
-  const std::string scaled =
-      tol.ntol > 0 ? fmt::format(" + {:g} * max|e|", tol.ntol) : std::string();
-  out_ << fmt::format("\ncheck against the float64 reference ({} storage: pass when |a - e| <= "
-                      "{:g}{} + {:g} * |e|):\n",
-                      DTypeName(config_.run->dtype), tol.atol, scaled, tol.rtol);
-  out_ << fmt::format("  {:<26} {:<16} {:>12} {:>12} {:>12}  {}\n", "tensor", "shape",
-                      "max abs err", "max rel err", "normalized", "result");
+  out_ << fmt::format(
+      "\ncheck against the float64 reference ({} storage; computed once, split over {} ranks "
+      "by token rows):\n"
+      "  pass when |a - e| <= allowed * (max|e| + |e|); allowed = {:g} * sqrt(roundings * u^2 + "
+      "terms * u_c^2) grows with the tensor's reduction lengths (README \"Checks and "
+      "tolerances\")\n",
+      DTypeName(config_.run->dtype), world_size_, kToleranceSafety);
+  out_ << fmt::format("  {:<26} {:<16} {:>12} {:>12} {:>12} {:>10}  {}\n", "tensor", "shape",
+                      "max abs err", "max rel err", "normalized", "allowed", "result");
   int failed = 0;
-  for (const TensorCheck& c : result.checks) {
+  for (const TensorCheck& c : check.tensors) {
     std::string verdict = "pass";
     if (c.missing) {
       verdict = "FAIL (not produced by the reference)";
+    } else if (c.not_produced) {
+      verdict = "FAIL (not produced by the run)";
     } else if (c.mismatches > 0) {
-      verdict = fmt::format("FAIL ({} of {} elements{})", c.mismatches, c.count,
+      verdict = fmt::format("FAIL ({} of {} elements{}; worst {}: {:.9g} vs {:.9g})",
+                            c.mismatches, c.count,
                             c.non_finite > 0 ? fmt::format(", {} not finite", c.non_finite)
-                                             : std::string());
+                                             : std::string(),
+                            c.worst_index, c.worst_actual, c.worst_expected);
+    } else if (c.count < NumElements(c.full_shape)) {
+      verdict = fmt::format("FAIL (only {} of {} elements produced)", c.count,
+                            NumElements(c.full_shape));
     }
     if (!c.ok()) ++failed;
-    out_ << fmt::format("  {:<26} {:<16} {:>12.3g} {:>12.3g} {:>12.3g}  {}\n", c.name,
-                        ShapeString(c.full_shape), c.max_abs, c.max_rel, c.normalized, verdict);
+    out_ << fmt::format("  {:<26} {:<16} {:>12.3g} {:>12.3g} {:>12.3g} {:>10.3g}  {}\n", c.name,
+                        ShapeString(c.full_shape), c.max_abs, c.max_rel, c.normalized, c.allowed,
+                        verdict);
   }
-  out_ << fmt::format("{} passed, {} failed\n", result.checks.size() - static_cast<size_t>(failed),
+  out_ << fmt::format("{} passed, {} failed\n", check.tensors.size() - static_cast<size_t>(failed),
                       failed);
+  out_ << fmt::format(
+      "reference memory: {:.1f} MiB on the largest rank ({} token rows), {:.1f} MiB for the "
+      "whole reference; the largest rank's own tensors: {:.1f} MiB\n",
+      MiB(check.reference_bytes_max), check.reference_rows_max, MiB(check.reference_bytes_whole),
+      MiB(check.record_bytes_max));
   return failed > 0 ? kExitCheckFailed : kExitOk;
 }
 
@@ -434,66 +345,16 @@ void RankRun::PrintCommTrace(const CommTrace& trace) {
   }
 }
 
-int RankRun::Dump(const SimulationResult& result) {
-  const std::vector<TensorRecord>& records = result.records;
-  const RankCoordinates& coords = result.coords;
-  namespace fs = std::filesystem;
-  int ok = 1;
-  if (world_rank_ == 0) {
-    std::error_code ec;
-    fs::create_directories(options_.dump_dir, ec);
-    if (ec) ok = 0;
-  }
-  MPUSIM_MPI_CHECK(MPI_Bcast(&ok, 1, MPI_INT, 0, MPI_COMM_WORLD));
-  if (ok == 0) {
-    return Usage("command line",
-                 fmt::format("--dump: cannot create directory '{}'", options_.dump_dir));
-  }
-  SafetensorsFile file;
-  nlohmann::ordered_json rank_info;
-  rank_info["rank"] = world_rank_;
-  rank_info["tp_rank"] = coords.tp;
-  rank_info["dp_rank"] = coords.dp;
-  rank_info["backend"] = backend_name_;
-  file.metadata["mpusim"] = rank_info.dump();
-  for (const TensorRecord& r : records) {
-    file.tensors.push_back({r.name, r.tensor});
-    file.metadata[r.name] = MetadataJson(r);
-  }
-  const std::string path =
-      (fs::path(options_.dump_dir) / fmt::format("rank{:05d}.safetensors", world_rank_)).string();
-  const Status written = WriteSafetensors(path, file);
-  int failed = written.ok() ? 0 : 1;
-  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
-  if (!written.ok()) {
-    std::cerr << fmt::format("error: rank {}: {}: {}\n", world_rank_, path, written.Message());
-  }
-  if (failed != 0) return kExitUsage;
-  if (world_rank_ == 0) {
-    nlohmann::ordered_json manifest;
-    manifest["schema_version"] = 1;
-    StatusOr<nlohmann::json> raw = ReadJsonFile(options_.config_path);
-    manifest["config"] = raw.ok() ? *raw : nlohmann::json(nullptr);
-    manifest["world_size"] = world_size_;
-    manifest["backend"] = backend_name_;
-    manifest["dtype"] = DTypeName(config_.run->dtype);
-    nlohmann::ordered_json tensors = nlohmann::ordered_json::array();
-    for (const TensorRecord& r : records) {
-      tensors.push_back({{"name", r.name},
-                         {"full_shape", r.full_shape},
-                         {"dtype", DTypeName(r.tensor.dtype())}});
-    }
-    manifest["tensors"] = tensors;
-    std::vector<std::string> files;
-    for (int r = 0; r < world_size_; ++r) files.push_back(fmt::format("rank{:05d}.safetensors", r));
-    manifest["files"] = files;
-    const Status status = WriteFileAtomically(
-        (fs::path(options_.dump_dir) / "manifest.json").string(), manifest.dump(1) + "\n");
-    if (!status.ok()) return Usage(options_.dump_dir, status.Message());
-    out_ << fmt::format("\ndump: {} ({} files + manifest.json)\n", options_.dump_dir,
-                        world_size_);
-  }
-  return kExitOk;
+void RankRun::PrintMemory() {
+  long long peak = PeakRss();
+  long long reduced[2] = {peak, peak};
+  MPUSIM_MPI_CHECK(MPI_Reduce(world_rank_ == 0 ? MPI_IN_PLACE : &reduced[0], &reduced[0], 1,
+                              MPI_LONG_LONG, MPI_MAX, 0, MPI_COMM_WORLD));
+  MPUSIM_MPI_CHECK(MPI_Reduce(world_rank_ == 0 ? MPI_IN_PLACE : &reduced[1], &reduced[1], 1,
+                              MPI_LONG_LONG, MPI_SUM, 0, MPI_COMM_WORLD));
+  out_ << fmt::format("\nmemory: peak RSS {:.1f} MiB on the largest rank, {:.1f} MiB over all {} "
+                      "ranks\n",
+                      MiB(reduced[0]), MiB(reduced[1]), world_size_);
 }
 
 }  // namespace
@@ -513,10 +374,9 @@ int RunSimulation(const RunOptions& options, std::ostream& out, std::ostream& er
   } catch (const std::exception& e) {
     // A bug or an unexpected failure on one rank: end the whole job rather than leave the
     // other ranks waiting in a collective.
-    std::cerr << fmt::format("error: rank {}: {}\n", world_rank, e.what()) << std::flush;
-    MPI_Abort(MPI_COMM_WORLD, 3);
+    AbortJob(fmt::format("error: rank {}: {}", world_rank, e.what()));
   }
-  code = AgreeOnExitCode(code);
+  code = AgreeOnWorst(code);
   if (initialized == 0) MPI_Finalize();
   return code;
 }

@@ -1,10 +1,11 @@
-// `mpusim run`: every MPI rank plays one GPU, runs the layer graph (core/model/graph) with Eigen
-// kernels and MPI collectives, and checks its tensors against the float64 reference model.
+// `mpusim run`: every MPI rank plays one GPU and runs the layer graph (core/model/graph) on a
+// Backend; the job then checks every tensor against the float64 reference (run/check.h) and
+// may dump them (run/dump.h).
 //
-// What it is: the simulator's driver: MPI start-up, world-size check, groups from the
-// planner, the run, the per-tensor check (errors reduced over ranks, printed by rank 0), the
-// comm trace summary and the optional dump.
-// What it is not: the layer logic (core/model/graph) or the reference (reference/reference_model).
+// What it is: the driver: MPI start-up, world-size check, groups from the planner, the
+// backend (the CPU backend or a plugin, through a factory), the timed steps, the check, the
+// report (printed by rank 0: layout, checks, collectives, memory) and the dump.
+// What it is not: the layer logic (core/model), the reference (reference/) or a backend.
 #pragma once
 
 #include <functional>
@@ -18,40 +19,39 @@
 #include "core/config.h"
 #include "core/model/graph.h"
 #include "core/status.h"
+#include "run/check.h"
 
 namespace mpusim::run {
 
-// One tensor's comparison with the reference, reduced over all ranks.
-struct TensorCheck {
-  std::string name;
-  Shape full_shape;
-  double max_abs = 0;
-  double max_rel = 0;
-  double scale = 0;       // max |expected| over the full tensor
-  double normalized = 0;  // max_abs / scale (0 when the tensor is all zeros)
-  int64_t count = 0;
-  int64_t mismatches = 0;
-  int64_t non_finite = 0;
-  bool missing = false;  // the reference has no tensor of this name and shape
-  bool ok() const { return !missing && mismatches == 0; }
+// What one rank measured of its own memory (bytes), and what the job's ranks did together.
+struct MemoryReport {
+  int64_t peak_rss = 0;         // this rank's high-water RSS (VmHWM)
+  int64_t job_peak_rss_max = 0;  // over all ranks
+  int64_t job_peak_rss_sum = 0;
 };
 
 struct SimulationResult {
   RankCoordinates coords;             // this rank's place in the layout
-  std::vector<TensorRecord> records;  // this rank's tensors, host copies
-  std::vector<TensorCheck> checks;    // empty without the check
+  // This rank's tensors (on the backend's device), kept only when asked for (a dump).
+  std::vector<TensorRecord> records;
+  CheckResult check;                  // empty without the check
   bool has_loss = false;
   double loss = 0;
-  double reference_loss = 0;
   CommTrace trace;                    // this rank's collectives (the last repetition)
   std::vector<double> seconds;        // wall time of each repetition
   int64_t padded_vocab_size = 0;
   std::vector<Graph::PlannedLayer> plan;  // as seen by rank 0's coordinates
 };
 
+struct SimulateOptions {
+  bool check = true;          // compare with the float64 reference
+  int repeat = 1;             // run the step this many times (benchmarks)
+  bool keep_records = false;  // return the records (for a dump)
+};
+
 // Runs `config` on MPI_COMM_WORLD (collective: every rank calls it with the same config;
 // the world size must equal parallel.world_size). Bad configs give a Status on every rank.
-StatusOr<SimulationResult> Simulate(const Config& config, bool check, int repeat,
+StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions& options,
                                     Backend& backend);
 
 struct RunOptions {
@@ -59,12 +59,12 @@ struct RunOptions {
   std::string dump_dir;  // empty: no dump
   bool check = true;     // compare with the float64 reference
   int repeat = 1;        // run the step this many times and report timings (benchmarks)
-  std::string backend = "cpu";  // "cpu" or "cuda"
+  std::string backend = "cpu";  // "cpu" or a plugin's name ("cuda")
   std::string comm = "nccl";    // cuda backend: "nccl" or "mpi" (host-staged)
 };
 
 // Makes this rank's backend once MPI is running; errors are reported like bad input.
-using BackendFactory = std::function<StatusOr<std::unique_ptr<Backend>>(const RunOptions&)>;
+using BackendFactory = std::function<BackendOrStatus(const RunOptions&)>;
 
 // Initialises MPI if needed (finalises it if it did), runs, and returns the exit code every
 // rank agrees on: 0 all checks passed, 1 a check failed, 2 bad input. Only rank 0 prints.

@@ -113,9 +113,19 @@ ModelConfig Model(std::optional<int64_t> vocab, int64_t divisible_by,
 
 const Tensor& Get(const ReferenceResult& result, const std::string& name) {
   static const Tensor kMissing;
-  auto it = result.tensors.find(name);
-  EXPECT_NE(it, result.tensors.end()) << "no tensor " << name;
-  return it == result.tensors.end() ? kMissing : it->second;
+  const ReferenceTensor* t = result.Find(name);
+  EXPECT_NE(t, nullptr) << "no tensor " << name;
+  return t == nullptr ? kMissing : t->value;
+}
+
+Shape FullShape(const ReferenceResult& result, const std::string& name) {
+  const ReferenceTensor* t = result.Find(name);
+  EXPECT_NE(t, nullptr) << "no tensor " << name;
+  return t == nullptr ? Shape{} : t->full_shape;
+}
+
+size_t Count(const ReferenceResult& result, const std::string& name) {
+  return result.Find(name) == nullptr ? 0 : 1;
 }
 
 std::vector<double> Values(const ReferenceResult& result, const std::string& name) {
@@ -224,21 +234,21 @@ TEST(ReferenceModelTest, MlpGradientsMatchFiniteDifferences) {
   ASSERT_TRUE(base.has_loss);
 
   // Shapes: Vp = 10 rounded up to a multiple of 4 * t = 8 -> 16; B = b * d = 4.
-  EXPECT_EQ(Get(base, "tokens").shape(), (Shape{4, 4}));
-  EXPECT_EQ(Get(base, "labels").shape(), (Shape{4, 4}));
-  EXPECT_EQ(Get(base, "embedding.weight").shape(), (Shape{16, 8}));
-  EXPECT_EQ(Get(base, "embedding.output").shape(), (Shape{4, 4, 8}));
-  EXPECT_EQ(Get(base, "fc1.weight").shape(), (Shape{16, 8}));
-  EXPECT_EQ(Get(base, "fc1.bias_grad").shape(), (Shape{16}));
-  EXPECT_EQ(Get(base, "head.weight").shape(), (Shape{16, 8}));
-  EXPECT_EQ(Get(base, "head.output").shape(), (Shape{4, 4, 16}));
-  EXPECT_EQ(Get(base, "loss.input_grad").shape(), (Shape{4, 4, 16}));
-  EXPECT_EQ(Get(base, "loss.output").shape(), (Shape{4, 4}));
-  EXPECT_EQ(Get(base, "loss.output_grad").shape(), (Shape{4, 4}));
-  EXPECT_EQ(Get(base, "loss").shape(), (Shape{1}));
-  EXPECT_EQ(base.tensors.count("embedding.input"), 0u);
-  EXPECT_EQ(base.tensors.count("embedding.input_grad"), 0u);
-  EXPECT_EQ(base.tensors.count("head.bias"), 0u);
+  EXPECT_EQ(FullShape(base, "tokens"), (Shape{4, 4}));
+  EXPECT_EQ(FullShape(base, "labels"), (Shape{4, 4}));
+  EXPECT_EQ(FullShape(base, "embedding.weight"), (Shape{16, 8}));
+  EXPECT_EQ(FullShape(base, "embedding.output"), (Shape{4, 4, 8}));
+  EXPECT_EQ(FullShape(base, "fc1.weight"), (Shape{16, 8}));
+  EXPECT_EQ(FullShape(base, "fc1.bias_grad"), (Shape{16}));
+  EXPECT_EQ(FullShape(base, "head.weight"), (Shape{16, 8}));
+  EXPECT_EQ(FullShape(base, "head.output"), (Shape{4, 4, 16}));
+  EXPECT_EQ(FullShape(base, "loss.input_grad"), (Shape{4, 4, 16}));
+  EXPECT_EQ(FullShape(base, "loss.output"), (Shape{4, 4}));
+  EXPECT_EQ(FullShape(base, "loss.output_grad"), (Shape{4, 4}));
+  EXPECT_EQ(FullShape(base, "loss"), (Shape{1}));
+  EXPECT_EQ(Count(base, "embedding.input"), 0u);
+  EXPECT_EQ(Count(base, "embedding.input_grad"), 0u);
+  EXPECT_EQ(Count(base, "head.bias"), 0u);
   EXPECT_EQ(Values(base, "loss")[0], base.loss);
   // dl/d(token) = 1 / (M * s * B) = 1 / 32.
   for (double g : Values(base, "loss.output_grad")) EXPECT_EQ(g, 1.0 / 32.0);
@@ -292,7 +302,7 @@ TEST(ReferenceModelTest, ChainWithoutLossUsesSyntheticOutputGrad) {
   const ModelConfig model = Model(std::nullopt, 128, {Column("fc", in, out)});
   const ReferenceResult result = MustRun(Parallel(1, 1), model, RunOf(s, b, num_micro));
   EXPECT_FALSE(result.has_loss);
-  EXPECT_EQ(result.tensors.count("loss"), 0u);
+  EXPECT_EQ(Count(result, "loss"), 0u);
 
   const uint64_t seed = 1234;
   const InitSpec normal{InitMethod::kNormal, 1.0};
@@ -336,7 +346,7 @@ TEST(ReferenceModelTest, ChainWithoutLossUsesSyntheticOutputGrad) {
   ASSERT_GT(Norm(dx), 0.0);
   EXPECT_EQ(Values(result, "fc.input"), x);  // the last micro-batch
   EXPECT_EQ(Values(result, "fc.output_grad"), dy);
-  EXPECT_EQ(Get(result, "fc.input").shape(), (Shape{s, b, in}));
+  EXPECT_EQ(FullShape(result, "fc.input"), (Shape{s, b, in}));
   EXPECT_TRUE(AllNear("fc.output", Values(result, "fc.output"), y, 1e-14, 1e-13));
   EXPECT_TRUE(AllNear("fc.input_grad", Values(result, "fc.input_grad"), dx, 1e-14, 1e-13));
   EXPECT_TRUE(
@@ -348,8 +358,8 @@ TEST(ReferenceModelTest, SyntheticDataSpansTheDataParallelBatch) {
   // d = 3 data-parallel ranks of b = 2 samples: the full model sees B = 6.
   const ModelConfig model = Model(std::nullopt, 128, {Column("fc", 4, 4)});
   const ReferenceResult result = MustRun(Parallel(2, 6), model, RunOf(2, 2, 1));
-  EXPECT_EQ(Get(result, "fc.input").shape(), (Shape{2, 6, 4}));
-  EXPECT_EQ(Get(result, "fc.output_grad").shape(), (Shape{2, 6, 4}));
+  EXPECT_EQ(FullShape(result, "fc.input"), (Shape{2, 6, 4}));
+  EXPECT_EQ(FullShape(result, "fc.output_grad"), (Shape{2, 6, 4}));
 }
 
 // ---- cross entropy ------------------------------------------------------------------------
@@ -448,8 +458,8 @@ TEST(ReferenceModelTest, TiedHeadGradientIsTheSumOfBothUses) {
   const RunConfig run = RunOf(4, 2, 2);
 
   const ReferenceResult t = MustRun(parallel, tied, run);
-  EXPECT_EQ(t.tensors.count("head.weight"), 0u);
-  EXPECT_EQ(t.tensors.count("head.weight_grad"), 0u);
+  EXPECT_EQ(Count(t, "head.weight"), 0u);
+  EXPECT_EQ(Count(t, "head.weight_grad"), 0u);
   // The untied run with the head's weight set to the embedding's computes the same model.
   const ReferenceResult u =
       MustRun(parallel, untied, run, {{"head.weight", Copy(Get(t, "embedding.weight"))}});
@@ -475,10 +485,10 @@ TEST(ReferenceModelTest, FrozenWeightHasNoGradient) {
   ModelConfig model = Mlp();
   model.layers[1].frozen = true;  // fc1
   const ReferenceResult result = MustRun(Parallel(1, 1), model, RunOf(2, 2, 1));
-  EXPECT_EQ(result.tensors.count("fc1.weight_grad"), 0u);
-  EXPECT_EQ(result.tensors.count("fc1.weight"), 1u);
-  EXPECT_EQ(result.tensors.count("fc1.bias_grad"), 1u);
-  EXPECT_EQ(result.tensors.count("fc2.weight_grad"), 1u);
+  EXPECT_EQ(Count(result, "fc1.weight_grad"), 0u);
+  EXPECT_EQ(Count(result, "fc1.weight"), 1u);
+  EXPECT_EQ(Count(result, "fc1.bias_grad"), 1u);
+  EXPECT_EQ(Count(result, "fc2.weight_grad"), 1u);
   // Freezing changes no value: the same run unfrozen has the same loss and fc1.input_grad.
   const ReferenceResult unfrozen = MustRun(Parallel(1, 1), Mlp(), RunOf(2, 2, 1));
   EXPECT_EQ(result.loss, unfrozen.loss);
@@ -653,6 +663,90 @@ TEST(ReferenceModelTest, RegionMappingsAreIdentity) {
     EXPECT_EQ(Values(result, name + ".output"), input) << name;
     EXPECT_EQ(Values(result, name + ".input_grad"), Values(result, "fc.input_grad")) << name;
   }
+}
+
+// ---- slices of the batch ------------------------------------------------------------------
+
+// The rows of a run split into slices (the way `mpusim run` splits it over ranks, uneven and
+// with an empty slice) give the whole run back: row tensors concatenate, gradient and loss
+// shares add up, parameters are the same in every slice.
+TEST(ReferenceModelTest, SlicesOfTheBatchAddUpToTheWholeRun) {
+  const ParallelConfig parallel = Parallel(2, 4);
+  ModelConfig model = Mlp();
+  model.layers.insert(model.layers.begin() + 3, Dropout("drop", 0.25));
+  const RunConfig run = RunOf(4, 2, 3);  // s*B = 16 rows, 3 micro-batches
+  const ReferenceResult whole = MustRun(parallel, model, run);
+  ASSERT_EQ(whole.rows, 16);
+  const std::vector<std::pair<int64_t, int64_t>> slices = {{0, 5}, {5, 5}, {5, 11}, {11, 16}};
+  std::vector<ReferenceResult> parts;
+  for (const auto& [begin, end] : slices) {
+    StatusOr<ReferenceResult> part = RunReference(parallel, model, run, {begin, end});
+    ASSERT_TRUE(part.ok()) << part.status().Message();
+    EXPECT_EQ(part->row_begin, begin);
+    EXPECT_EQ(part->row_end, end);
+    parts.push_back(std::move(part).value());
+  }
+  double loss = 0;
+  for (const ReferenceResult& part : parts) loss += part.loss;
+  EXPECT_NEAR(loss, whole.loss, 1e-14);
+  for (const ReferenceTensor& expected : whole.tensors) {
+    SCOPED_TRACE(expected.name);
+    std::vector<double> joined;
+    for (const ReferenceResult& part : parts) {
+      const ReferenceTensor* t = part.Find(expected.name);
+      ASSERT_NE(t, nullptr);
+      EXPECT_EQ(t->full_shape, expected.full_shape);
+      EXPECT_EQ(t->layout, expected.layout);
+      EXPECT_EQ(t->budget.roundings, expected.budget.roundings);
+      EXPECT_EQ(t->budget.terms, expected.budget.terms);
+      const std::vector<double> values = Values(part, expected.name);
+      if (expected.layout == ReferenceTensor::Layout::kRows) {
+        EXPECT_EQ(t->value.rows(), part.row_end - part.row_begin);
+        joined.insert(joined.end(), values.begin(), values.end());
+      } else if (expected.partial) {
+        if (joined.empty()) joined.assign(values.size(), 0.0);
+        for (size_t k = 0; k < values.size(); ++k) joined[k] += values[k];
+      } else {
+        EXPECT_EQ(values, Values(whole, expected.name));
+        joined = values;
+      }
+    }
+    // Row tensors and parameters exactly; gradient sums over a different grouping of the
+    // rows to rounding.
+    EXPECT_TRUE(AllNear(expected.name, joined, Values(whole, expected.name), 1e-15, 1e-13));
+  }
+  EXPECT_FALSE(RunReference(parallel, model, run, {4, 3}).ok());
+  EXPECT_FALSE(RunReference(parallel, model, run, {0, 17}).ok());
+  EXPECT_EQ(ReferenceRows(parallel, run), 16);
+}
+
+// One value under two names is one buffer (a layer's input is the previous layer's output).
+TEST(ReferenceModelTest, AliasesShareStorage) {
+  const ReferenceResult result = MustRun(Parallel(2, 4), Mlp(), RunOf(4, 2, 1));
+  EXPECT_EQ(Get(result, "fc1.output").data(), Get(result, "gelu.input").data());
+  EXPECT_EQ(Get(result, "gelu.input_grad").data(), Get(result, "fc1.output_grad").data());
+  EXPECT_NE(Get(result, "fc1.output").data(), Get(result, "gelu.output").data());
+}
+
+// The budgets count what the contract says: exact data, a gradient summing every token of
+// every micro-batch, budgets that grow along the chain and with the reduction length.
+TEST(ReferenceModelTest, ErrorBudgetsGrowWithTheWork) {
+  const RunConfig run = RunOf(4, 2, 3);
+  const ReferenceResult result = MustRun(Parallel(2, 4), Mlp(), run);
+  const auto budget = [&](const std::string& name) { return result.Find(name)->budget; };
+  EXPECT_EQ(budget("tokens").roundings + budget("tokens").terms, 0.0);
+  EXPECT_EQ(budget("labels").roundings + budget("labels").terms, 0.0);
+  EXPECT_GE(budget("fc1.weight_grad").terms, 3.0 * 4 * 4);  // M * s * B tokens
+  EXPECT_GE(budget("fc1.output").terms, 8.0);                // inner dimension
+  EXPECT_GT(budget("fc2.output").terms, budget("fc1.output").terms);
+  EXPECT_GT(budget("fc2.output").roundings, budget("fc1.output").roundings);
+  EXPECT_GT(budget("fc1.input_grad").terms, budget("fc2.input_grad").terms);
+  RunConfig longer = run;
+  longer.seq_length = 64;
+  const ReferenceResult long_run = MustRun(Parallel(2, 4), Mlp(), longer);
+  EXPECT_EQ(long_run.Find("fc1.weight_grad")->budget.terms -
+                result.Find("fc1.weight_grad")->budget.terms,
+            3.0 * (64 - 4) * 4);
 }
 
 }  // namespace

@@ -1,0 +1,78 @@
+// The check of `mpusim run` against the float64 reference, with one reference per job.
+//
+// What it is: rank k of K computes the reference for its slice of the token rows (rows
+// [k*R/K, (k+1)*R/K) of every micro-batch, R = s*B; reference/reference_model.h), so the job
+// computes the reference once, split K ways, and no rank holds more than its share of the
+// reference's activations. Then, tensor by tensor:
+//   row tensors (activations, tokens, labels, per-token losses): every rank sends the rows of
+//     its shard to the ranks whose slices hold them (MPI_Alltoallv, in rounds of at most
+//     kExchangeBytes per rank), and each rank compares what it receives with its slice;
+//   whole tensors (parameters, gradients, the loss): the gradient and loss shares of the
+//     slices are summed (MPI_Allreduce), and each rank compares its own shard.
+// The statistics are then reduced over all ranks. Every element of every recorded tensor is
+// compared, on whichever rank holds it (replicas included: a tp-replicated activation is
+// compared once per copy), under the tolerance its error budget gives (core/compare.h).
+// Host copies are made one record at a time, when that record is compared.
+// What it is not: a gather. No rank ever holds a full activation tensor.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/compare.h"
+#include "core/config.h"
+#include "core/model/graph.h"
+#include "core/status.h"
+
+namespace mpusim::run {
+
+// One tensor's comparison with the reference, reduced over all ranks (the same on every
+// rank).
+struct TensorCheck {
+  std::string name;
+  Shape full_shape;
+  double max_abs = 0;
+  double max_rel = 0;
+  double scale = 0;       // max |expected| over the full tensor
+  double normalized = 0;  // max_abs / scale (0 when the tensor is all zeros)
+  double allowed = 0;     // the tensor's tolerance: pass when |a - e| <= allowed * (scale + |e|)
+  int64_t count = 0;      // elements compared (every copy of a replicated element counts)
+  int64_t mismatches = 0;
+  int64_t non_finite = 0;
+  bool missing = false;       // recorded by the run, but the reference has no such tensor/shape
+  bool not_produced = false;  // in the reference, but no rank recorded it
+  // The element that most exceeds its tolerance (or the first non-finite one).
+  std::string worst_index;  // "[i, j, k]" in the full tensor
+  double worst_actual = 0;
+  double worst_expected = 0;
+
+  bool ok() const {
+    return !missing && !not_produced && mismatches == 0 && count >= NumElements(full_shape);
+  }
+};
+
+struct CheckResult {
+  std::vector<TensorCheck> tensors;  // the reference's order, then run-only tensors
+  bool has_loss = false;
+  double reference_loss = 0;
+  // Memory, in bytes of distinct storage (aliases counted once), over all ranks:
+  int64_t reference_rows_max = 0;     // the most token rows one rank's slice holds
+  int64_t reference_bytes_max = 0;    // the most reference tensors one rank holds
+  int64_t reference_bytes_whole = 0;  // what one process holding the whole reference would hold
+  int64_t record_bytes_max = 0;       // the most bytes of its own tensors one rank checked
+};
+
+// Host view of a record's tensor (a copy for device tensors, the tensor itself on the host).
+using HostFetch = std::function<Tensor(const TensorRecord&)>;
+
+// Collective over MPI_COMM_WORLD: every rank calls it with its own records of one run of
+// `config`. A reference that cannot run is a Status on every rank.
+StatusOr<CheckResult> CheckAgainstReference(const Config& config,
+                                            const std::vector<TensorRecord>& records,
+                                            const HostFetch& fetch);
+
+// Bytes a rank sends per exchange round: bounds the exchange buffers.
+inline constexpr int64_t kExchangeBytes = int64_t{32} << 20;
+
+}  // namespace mpusim::run

@@ -1,0 +1,37 @@
+// The dump of `mpusim run --dump DIR`: DIR/rankNNNNN.safetensors per rank (this rank's
+// tensors with their sharding metadata) and DIR/manifest.json (rank 0).
+//
+// What it is: the writer; `mpusim diff` (core/diff.h) is the reader. The file format is in
+// the README ("Dumps").
+// What it is not: a checkpoint (no optimizer state, no way back into a run).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "core/model/graph.h"
+#include "core/status.h"
+#include "core/topology.h"
+#include "run/check.h"
+
+namespace mpusim::run {
+
+struct DumpTarget {
+  std::string dir;
+  std::string config_path;  // copied into the manifest
+  std::string backend;      // Backend::name()
+  DType dtype = DType::kFloat32;
+};
+
+// Collective over MPI_COMM_WORLD. Host copies are made once per storage (a tensor recorded
+// under two names is copied once). Returns a Status on every rank when the directory cannot
+// be made or a file cannot be written; *lines (rank 0) then says which ranks failed and why.
+Status WriteDump(const DumpTarget& target, const RankCoordinates& coords,
+                 const std::vector<TensorRecord>& records, const HostFetch& fetch,
+                 std::vector<std::string>* lines);
+
+// The sharding metadata of one record, as stored in the safetensors header.
+std::string ShardMetadataJson(const TensorRecord& record);
+
+}  // namespace mpusim::run
