@@ -49,6 +49,11 @@ void Kernels::Copy(const Tensor& src, Tensor& dst) {
   DoCopy(src, dst);
 }
 
+void Kernels::SetZero(Tensor& x) {
+  KernelArgs(backend_, device_, "SetZero").Add("x", x);
+  DoSetZero(x);
+}
+
 void Kernels::CopyBlock(const Tensor& src, int64_t src_row0, int64_t src_col0, Tensor& dst,
                         int64_t dst_row0, int64_t dst_col0, int64_t rows, int64_t cols) {
   KernelArgs args(backend_, device_, "CopyBlock");

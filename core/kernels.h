@@ -40,6 +40,8 @@ class Kernels {
   Tensor ToDevice(const Tensor& host);   // host -> backend (copy)
   Tensor ToHost(const Tensor& tensor);   // backend -> host (copy)
   void Copy(const Tensor& src, Tensor& dst);  // same numel
+  // x = 0, in place (all bits zero: +0.0 in every dtype); the storage is kept.
+  void SetZero(Tensor& x);
   // dst[dst_row0 + i, dst_col0 + j] = src[src_row0 + i, src_col0 + j], i < rows, j < cols
   // (2-D views).
   void CopyBlock(const Tensor& src, int64_t src_row0, int64_t src_col0, Tensor& dst,
@@ -103,6 +105,7 @@ class Kernels {
   virtual Tensor DoToDevice(const Tensor& host) = 0;
   virtual Tensor DoToHost(const Tensor& tensor) = 0;
   virtual void DoCopy(const Tensor& src, Tensor& dst) = 0;
+  virtual void DoSetZero(Tensor& x) = 0;
   virtual void DoCopyBlock(const Tensor& src, int64_t src_row0, int64_t src_col0, Tensor& dst,
                            int64_t dst_row0, int64_t dst_col0, int64_t rows, int64_t cols) = 0;
   virtual void DoGemm(bool trans_a, bool trans_b, double alpha, const Tensor& a, const Tensor& b,

@@ -155,6 +155,10 @@ Tensor CudaKernels::DoToHost(const Tensor& tensor) {
   return out;
 }
 
+void CudaKernels::DoSetZero(Tensor& x) {
+  if (x.bytes() > 0) MPUSIM_CUDA_CHECK(cudaMemsetAsync(x.data(), 0, x.bytes(), stream_));
+}
+
 void CudaKernels::DoCopy(const Tensor& src, Tensor& dst) {
   if (src.bytes() == 0 || src.data() == dst.data()) return;
   if (Overlap(src, dst)) {

@@ -484,7 +484,9 @@ bool MappingSumsBackward(const LayerConfig& layer) {
 
 // ---- tensors of this slice ------------------------------------------------------------------
 
+// Zero-filled (accumulators) and uninitialised (outputs an op writes completely).
 Tensor NewTensor(Shape shape) { return Tensor::HostZeros(std::move(shape), DType::kFloat64); }
+Tensor NewOutput(Shape shape) { return Tensor::HostEmpty(std::move(shape), DType::kFloat64); }
 MatMap AsMat(Tensor& t) { return MatMap(t.data_as<double>(), t.rows(), t.cols()); }
 ConstMatMap ConstMat(const Tensor& t) { return ConstMatMap(t.data_as<double>(), t.rows(), t.cols()); }
 RowVecMap AsRow(Tensor& t) { return RowVecMap(t.data_as<double>(), t.numel()); }
@@ -495,8 +497,9 @@ struct Act {
   ErrorBudget budget;
 };
 
+// An activation the op producing it writes completely.
 Act NewAct(int64_t rows, int64_t width, ErrorBudget budget) {
-  return {NewTensor({rows, width}), budget};
+  return {NewOutput({rows, width}), budget};
 }
 
 StatusOr<Tensor> FromOverride(const Tensor& tensor, const std::string& name, const Shape& shape) {
@@ -506,10 +509,7 @@ StatusOr<Tensor> FromOverride(const Tensor& tensor, const std::string& name, con
         "parameter_overrides",
         fmt::format("\"{}\" must be a host float64 tensor of shape {}", name, ShapeString(shape)));
   }
-  Tensor copy = NewTensor(shape);
-  AsRow(copy) = Eigen::Map<const Eigen::Matrix<double, 1, Eigen::Dynamic>>(
-      tensor.data_as<double>(), tensor.numel());
-  return copy;
+  return tensor;  // shared: parameters are only read
 }
 
 Status InitParameters(const Plan& plan, const std::map<std::string, Tensor>& overrides,
@@ -532,7 +532,7 @@ Status InitParameters(const Plan& plan, const std::map<std::string, Tensor>& ove
         if (!w.ok()) return w.status();
         params->weight[i] = std::move(*w);
       } else {
-        params->weight[i] = NewTensor(shape);
+        params->weight[i] = NewOutput(shape);
         FillFlatRange(plan.sizes.seed, name, c.init, shape, 0, params->weight[i]);
       }
       if (!c.frozen) params->weight_grad[i] = NewTensor(shape);
@@ -622,7 +622,7 @@ Tensor DropoutScale(const Plan& plan, const LayerPlan& lp, int64_t micro_batch, 
   const int64_t local_seq =
       kind == StateKind::kSequenceSplit ? sizes.seq / sizes.tp_size : sizes.seq;
 
-  Tensor keep = NewTensor({rows, width});
+  Tensor keep = NewOutput({rows, width});
   MatMap k = AsMat(keep);
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t i = (row_begin + row) / sizes.batch;
@@ -772,7 +772,7 @@ void SliceRun::MicroBatch(int64_t m, bool record) {
         const ErrorBudget budget =
             inputs[k].budget + kFunction + kFunction + SumOf(lp.in_width) + TpSum(t) + kStored;
         x = NewAct(rows, 1, budget);
-        loss_grad = NewTensor({rows, lp.in_width});
+        loss_grad = NewOutput({rows, lp.in_width});
         loss_grad_budget = budget;
         MatMap per_token = AsMat(x.value);
         MatMap grad = AsMat(loss_grad);
@@ -928,6 +928,20 @@ const ReferenceTensor* ReferenceResult::Find(std::string_view name) const {
     if (t.name == name) return &t;
   }
   return nullptr;
+}
+
+StatusOr<std::vector<ReferenceParameter>> ReferenceParameters(const ParallelConfig& parallel,
+                                                              const ModelConfig& model,
+                                                              const RunConfig& run) {
+  Plan plan;
+  MPUSIM_RETURN_IF_ERROR(BuildPlan(parallel, model, run, &plan));
+  std::vector<ReferenceParameter> out;
+  for (size_t i = 0; i < plan.layers.size(); ++i) {
+    const LayerPlan& lp = plan.layers[i];
+    if (lp.weight_layer != static_cast<int>(i)) continue;
+    out.push_back({lp.config->name + ".weight", {lp.weight_rows, lp.weight_cols}, lp.config->init});
+  }
+  return out;
 }
 
 int64_t ReferenceRows(const ParallelConfig& parallel, const RunConfig& run) {

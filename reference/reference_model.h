@@ -55,6 +55,7 @@
 #include <vector>
 
 #include "core/compare.h"
+#include "core/init.h"
 #include "core/model_config.h"
 #include "core/parallel_config.h"
 #include "core/status.h"
@@ -106,9 +107,23 @@ StatusOr<ReferenceResult> RunReference(const ParallelConfig& parallel, const Mod
 // partitioning the rows before any reference runs).
 int64_t ReferenceRows(const ParallelConfig& parallel, const RunConfig& run);
 
-// Testing hook (finite differences, hand-built examples): the same run, but a parameter named
-// in `parameter_overrides` ("fc1.weight", "fc1.bias", ...) takes the given full host float64
-// tensor instead of its master values. An unknown name or a wrong shape is an error.
+// The master weights the reference starts from (every owner's "<layer>.weight"; biases start
+// at zero and are not listed): name, full shape and init, so that a caller can generate them
+// once for several slices (run/check.h splits the generation over the ranks).
+struct ReferenceParameter {
+  std::string name;
+  Shape shape;
+  InitSpec init;
+};
+StatusOr<std::vector<ReferenceParameter>> ReferenceParameters(const ParallelConfig& parallel,
+                                                              const ModelConfig& model,
+                                                              const RunConfig& run);
+
+// The same run, but a parameter named in `parameter_overrides` ("fc1.weight", "fc1.bias", ...)
+// takes the given full host float64 tensor instead of its master values: the master values
+// generated elsewhere (the check), or perturbed ones (finite differences, hand-built tests).
+// The tensor is used as it is, not copied (the reference never writes a parameter). An
+// unknown name or a wrong shape is an error.
 StatusOr<ReferenceResult> RunReferenceWithOverrides(
     const ParallelConfig& parallel, const ModelConfig& model, const RunConfig& run,
     const std::map<std::string, Tensor>& parameter_overrides, ReferenceSlice slice = {});

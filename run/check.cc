@@ -23,6 +23,7 @@
 
 #include "core/arg_checks.h"
 #include "core/half.h"
+#include "core/init.h"
 #include "core/sharding.h"
 #include "mpi/mpi_check.h"
 #include "reference/reference_model.h"
@@ -119,84 +120,91 @@ void CompareWhole(const TensorRecord& record, const Tensor& host, const Tensor& 
 class RowExchange {
  public:
   RowExchange(const RowPartition& partition, int world_size, int64_t tp_size)
-      : partition_(partition), size_(world_size), tp_size_(tp_size) {}
+      : partition_(partition),
+        size_(world_size),
+        tp_size_(tp_size),
+        rows_(static_cast<size_t>(world_size)),
+        send_counts_(rows_.size()),
+        send_offsets_(rows_.size()),
+        recv_counts_(rows_.size()),
+        recv_offsets_(rows_.size()) {}
 
   void Round(const ReferenceTensor& ref, int64_t slice_begin, const TensorRecord* record,
              const Tensor* host, int64_t first, int64_t last, const Tolerance& tol,
              ErrorStats* stats) {
-    std::vector<std::vector<std::byte>> out(static_cast<size_t>(size_));
-    if (record != nullptr) Pack(ref, *record, *host, first, last, &out);
-    std::vector<int> send_counts(static_cast<size_t>(size_)), send_offsets(send_counts.size());
-    std::vector<std::byte> send;
-    for (int k = 0; k < size_; ++k) {
-      const auto i = static_cast<size_t>(k);
-      send_offsets[i] = static_cast<int>(send.size());
-      send_counts[i] = static_cast<int>(out[i].size());
-      send.insert(send.end(), out[i].begin(), out[i].end());
-    }
-    std::vector<int> recv_counts(send_counts.size()), recv_offsets(send_counts.size());
-    MPUSIM_MPI_CHECK(MPI_Alltoall(send_counts.data(), 1, MPI_INT, recv_counts.data(), 1, MPI_INT,
-                                  MPI_COMM_WORLD));
+    Pack(ref, record, host, first, last);
+    MPUSIM_MPI_CHECK(MPI_Alltoall(send_counts_.data(), 1, MPI_INT, recv_counts_.data(), 1,
+                                  MPI_INT, MPI_COMM_WORLD));
     int64_t total = 0;
-    for (size_t i = 0; i < recv_counts.size(); ++i) {
-      recv_offsets[i] = static_cast<int>(total);
-      total += recv_counts[i];
+    for (size_t i = 0; i < recv_counts_.size(); ++i) {
+      recv_offsets_[i] = static_cast<int>(total);
+      total += recv_counts_[i];
       if (total > INT_MAX) throw std::length_error("RowExchange: a round receives over 2 GiB");
     }
-    std::vector<std::byte> recv(static_cast<size_t>(total));
-    MPUSIM_MPI_CHECK(MPI_Alltoallv(send.data(), send_counts.data(), send_offsets.data(), MPI_BYTE,
-                                   recv.data(), recv_counts.data(), recv_offsets.data(), MPI_BYTE,
-                                   MPI_COMM_WORLD));
-    for (size_t i = 0; i < recv_counts.size(); ++i) {
-      if (recv_counts[i] > 0) {
-        Unpack(ref, slice_begin, recv.data() + recv_offsets[i],
-               static_cast<size_t>(recv_counts[i]), tol, stats);
+    recv_.resize(static_cast<size_t>(total));  // the buffers keep their capacity across rounds
+    MPUSIM_MPI_CHECK(MPI_Alltoallv(send_.data(), send_counts_.data(), send_offsets_.data(),
+                                   MPI_BYTE, recv_.data(), recv_counts_.data(),
+                                   recv_offsets_.data(), MPI_BYTE, MPI_COMM_WORLD));
+    for (size_t i = 0; i < recv_counts_.size(); ++i) {
+      if (recv_counts_[i] > 0) {
+        Unpack(ref, slice_begin, recv_.data() + recv_offsets_[i],
+               static_cast<size_t>(recv_counts_[i]), tol, stats);
       }
     }
   }
 
  private:
-  static int64_t Padded(int64_t bytes) { return (bytes + 7) / 8 * 8; }
+  static size_t Padded(size_t bytes) { return (bytes + 7) / 8 * 8; }
 
-  void Pack(const ReferenceTensor& ref, const TensorRecord& record, const Tensor& host,
-            int64_t first, int64_t last, std::vector<std::vector<std::byte>>* out) const {
-    const Shape& full = ref.full_shape;
-    const Shape& local = host.shape();
-    const int64_t local_batch = local[1];
-    const int64_t local_width = local.size() > 2 ? local[2] : 1;
-    const int64_t batch = full[1];
-    const size_t row_bytes = static_cast<size_t>(local_width) * DTypeSize(host.dtype());
-    // Rows of each owner, in local order.
-    std::vector<std::vector<std::pair<int64_t, int64_t>>> rows(static_cast<size_t>(size_));
-    for (int64_t q = first; q < last; ++q) {
-      const int64_t i = GlobalIndex(record.shard, 0, full[0], q / local_batch);
-      const int64_t g = GlobalIndex(record.shard, 1, batch, q % local_batch);
-      const int64_t r = i * batch + g;
-      rows[static_cast<size_t>(partition_.Owner(r))].push_back({r, q});
+  // Lays this rank's rows [first, last) of `record` out in send_, one block per owner.
+  void Pack(const ReferenceTensor& ref, const TensorRecord* record, const Tensor* host,
+            int64_t first, int64_t last) {
+    for (auto& r : rows_) r.clear();
+    size_t row_bytes = 0;
+    if (record != nullptr) {
+      const Shape& full = ref.full_shape;
+      const Shape& local = host->shape();
+      const int64_t local_batch = local[1];
+      row_bytes = static_cast<size_t>(local.size() > 2 ? local[2] : 1) * DTypeSize(host->dtype());
+      for (int64_t q = first; q < last; ++q) {
+        const int64_t i = GlobalIndex(record->shard, 0, full[0], q / local_batch);
+        const int64_t g = GlobalIndex(record->shard, 1, full[1], q % local_batch);
+        const int64_t r = i * full[1] + g;
+        rows_[static_cast<size_t>(partition_.Owner(r))].push_back({r, q});
+      }
     }
-    const auto* values = static_cast<const std::byte*>(host.data());
-    for (size_t k = 0; k < rows.size(); ++k) {
-      if (rows[k].empty()) continue;
-      const auto n = static_cast<int64_t>(rows[k].size());
-      const int64_t header[kHeaderWords] = {static_cast<int64_t>(host.dtype()),
-                                            record.shard.shard_dim,
-                                            record.shard.num_shards,
-                                            record.shard.shard_index,
-                                            record.shard.stride,
-                                            record.partial_sum ? 1 : 0,
-                                            local_width,
+    size_t total = 0;
+    for (size_t k = 0; k < rows_.size(); ++k) {
+      const size_t n = rows_[k].size();
+      const size_t bytes =
+          n == 0 ? 0 : kHeaderWords * 8 + n * 8 + Padded(n * row_bytes);
+      if (total + bytes > INT_MAX) throw std::length_error("RowExchange: a round sends over 2 GiB");
+      send_offsets_[k] = static_cast<int>(total);
+      send_counts_[k] = static_cast<int>(bytes);
+      total += bytes;
+    }
+    send_.resize(total);
+    if (record == nullptr) return;
+    const auto* values = static_cast<const std::byte*>(host->data());
+    for (size_t k = 0; k < rows_.size(); ++k) {
+      const auto n = static_cast<int64_t>(rows_[k].size());
+      if (n == 0) continue;
+      const int64_t header[kHeaderWords] = {static_cast<int64_t>(host->dtype()),
+                                            record->shard.shard_dim,
+                                            record->shard.num_shards,
+                                            record->shard.shard_index,
+                                            record->shard.stride,
+                                            record->partial_sum ? 1 : 0,
+                                            host->shape().size() > 2 ? host->shape()[2] : 1,
                                             n};
-      std::vector<std::byte>& block = (*out)[k];
-      block.resize(sizeof(header) + static_cast<size_t>(n) * 8 +
-                   static_cast<size_t>(Padded(n * static_cast<int64_t>(row_bytes))));
-      std::byte* at = block.data();
+      std::byte* at = send_.data() + send_offsets_[k];
       std::memcpy(at, header, sizeof(header));
       at += sizeof(header);
-      for (const auto& [r, q] : rows[k]) {
+      for (const auto& [r, q] : rows_[k]) {
         std::memcpy(at, &r, 8);
         at += 8;
       }
-      for (const auto& [r, q] : rows[k]) {
+      for (const auto& [r, q] : rows_[k]) {
         std::memcpy(at, values + static_cast<size_t>(q) * row_bytes, row_bytes);
         at += row_bytes;
       }
@@ -246,6 +254,9 @@ class RowExchange {
   const RowPartition& partition_;
   int size_;
   int64_t tp_size_;
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> rows_;  // per owner: (global, local) row
+  std::vector<int> send_counts_, send_offsets_, recv_counts_, recv_offsets_;
+  std::vector<std::byte> send_, recv_;
 };
 
 // The names of records that no reference tensor matches, on any rank (sorted, the same on
@@ -274,6 +285,51 @@ std::vector<std::string> RunOnlyNames(const std::vector<std::string>& mine, int 
   return {names.begin(), names.end()};
 }
 
+// The reference's master weights, generated once for the whole job instead of once per slice:
+// rank k fills its share of each weight's elements, then MPI_Allgatherv gives every rank the
+// whole tensor (each slice multiplies by all of it). A weight too large for int counts is
+// generated whole by every rank.
+StatusOr<std::map<std::string, Tensor>> SharedMasterWeights(const Config& config, int world_rank,
+                                                            int world_size) {
+  StatusOr<std::vector<ReferenceParameter>> parameters =
+      ReferenceParameters(config.parallel, *config.model, *config.run);
+  if (!parameters.ok()) return parameters.status();
+  std::map<std::string, Tensor> weights;
+  for (const ReferenceParameter& p : *parameters) {
+    const int64_t n = NumElements(p.shape);
+    Tensor full = Tensor::HostEmpty(p.shape, DType::kFloat64);
+    if (n > INT_MAX) {
+      FillFlatRange(config.run->seed, p.name, p.init, p.shape, 0, full);
+    } else {
+      const RowPartition share(n, world_size);
+      std::vector<int> counts(static_cast<size_t>(world_size)), offsets(counts.size());
+      for (int k = 0; k < world_size; ++k) {
+        counts[static_cast<size_t>(k)] = static_cast<int>(share.End(k) - share.Begin(k));
+        offsets[static_cast<size_t>(k)] = static_cast<int>(share.Begin(k));
+      }
+      double* data = full.data_as<double>();
+      // A view of this rank's elements (aliasing: `full` owns the storage).
+      Tensor mine({share.End(world_rank) - share.Begin(world_rank)}, DType::kFloat64,
+                  Device::kHost,
+                  std::shared_ptr<void>(std::shared_ptr<void>(), data + share.Begin(world_rank)));
+      FillFlatRange(config.run->seed, p.name, p.init, p.shape, share.Begin(world_rank), mine);
+      MPUSIM_MPI_CHECK(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, data, counts.data(),
+                                      offsets.data(), MPI_DOUBLE, MPI_COMM_WORLD));
+    }
+    weights.emplace(p.name, std::move(full));
+  }
+  return weights;
+}
+
+bool ShardMetadataEqual(const TensorRecord& a, const TensorRecord& b) {
+  const ShardSpec& x = a.shard;
+  const ShardSpec& y = b.shard;
+  return a.full_shape == b.full_shape && a.partial_sum == b.partial_sum &&
+         x.shard_dim == y.shard_dim && x.num_shards == y.num_shards &&
+         x.shard_index == y.shard_index && x.stride == y.stride && x.batch_dim == y.batch_dim &&
+         x.batch_shards == y.batch_shards && x.batch_index == y.batch_index;
+}
+
 // Bytes of the distinct storages among `tensors`.
 template <typename Range, typename Get>
 int64_t DistinctBytes(const Range& tensors, Get get) {
@@ -295,9 +351,13 @@ StatusOr<CheckResult> CheckAgainstReference(const Config& config,
   MPUSIM_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
   MPUSIM_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world_size));
   const RowPartition partition(ReferenceRows(config.parallel, *config.run), world_size);
+  StatusOr<std::map<std::string, Tensor>> weights =
+      SharedMasterWeights(config, world_rank, world_size);
   StatusOr<ReferenceResult> reference =
-      RunReference(config.parallel, *config.model, *config.run,
-                   {partition.Begin(world_rank), partition.End(world_rank)});
+      weights.ok() ? RunReferenceWithOverrides(config.parallel, *config.model, *config.run, *weights,
+                                               {partition.Begin(world_rank), partition.End(world_rank)})
+                   : StatusOr<ReferenceResult>(weights.status());
+  weights = std::map<std::string, Tensor>();  // the reference holds what it needs
   int failed = reference.ok() ? 0 : 1;
   MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
   if (failed != 0) {
@@ -351,9 +411,39 @@ StatusOr<CheckResult> CheckAgainstReference(const Config& config,
   }
   MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, rounds.data(), static_cast<int>(n), MPI_LONG_LONG,
                                  MPI_MAX, MPI_COMM_WORLD));
+  // A tensor recorded under two names (a layer's input is the previous layer's output) is
+  // compared once: when the reference and, on every rank, the record share storage with an
+  // earlier tensor's, the earlier tensor's statistics stand for both.
+  std::vector<int> alias_low(n, -1), alias_high(n, -1);
+  for (size_t j = 0; j < n; ++j) {
+    for (size_t i = 0; i < j; ++i) {
+      const bool same_reference = refs[i].layout == Layout::kRows &&
+                                  refs[j].layout == Layout::kRows &&
+                                  refs[i].value.data() == refs[j].value.data() &&
+                                  refs[i].full_shape == refs[j].full_shape;
+      const bool same_record =
+          (mine[i] == nullptr && mine[j] == nullptr) ||
+          (mine[i] != nullptr && mine[j] != nullptr &&
+           mine[i]->tensor.data() == mine[j]->tensor.data() &&
+           mine[i]->tensor.dtype() == mine[j]->tensor.dtype() &&
+           ShardMetadataEqual(*mine[i], *mine[j]));
+      if (same_reference && same_record) {
+        alias_low[j] = alias_high[j] = static_cast<int>(i);
+        break;
+      }
+    }
+  }
+  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, alias_low.data(), static_cast<int>(n), MPI_INT,
+                                 MPI_MIN, MPI_COMM_WORLD));
+  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, alias_high.data(), static_cast<int>(n), MPI_INT,
+                                 MPI_MAX, MPI_COMM_WORLD));
   RowExchange exchange(partition, world_size, config.parallel.tensor_model_parallel_size);
   for (size_t i = 0; i < n; ++i) {
     if (refs[i].layout != Layout::kRows) continue;
+    if (alias_low[i] >= 0 && alias_low[i] == alias_high[i]) {
+      stats[i] = stats[static_cast<size_t>(alias_low[i])];
+      continue;
+    }
     Tensor host;
     int64_t local_rows = 0;
     if (mine[i] != nullptr) {

@@ -17,7 +17,6 @@
 // 16-bit elements as uint16_t bit patterns (DispatchBits), never through float.
 #include "sim/eigen_kernels.h"
 
-#include <malloc.h>
 
 #include <cmath>
 #include <cstddef>
@@ -129,11 +128,6 @@ EigenKernels::EigenKernels() : Kernels("EigenKernels", Device::kHost) {
 #if defined(MPUSIM_HAVE_OPENBLAS)
   openblas_set_num_threads(1);
 #endif
-  // Activations are tens of MiB and freed every step. glibc would hand such blocks back to
-  // the kernel (mmap/munmap) and pay page faults to get them again; keeping them in the heap
-  // lets the next step reuse them, as a GPU framework's caching allocator does.
-  mallopt(M_MMAP_THRESHOLD, 1 << 30);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
 }
 
 // --- memory ---------------------------------------------------------------------------
@@ -156,6 +150,10 @@ Tensor EigenKernels::DoToHost(const Tensor& tensor) {
   Tensor out = Tensor::HostZeros(tensor.shape(), tensor.dtype());
   if (tensor.bytes() > 0) std::memcpy(out.data(), tensor.data(), tensor.bytes());
   return out;
+}
+
+void EigenKernels::DoSetZero(Tensor& x) {
+  if (x.bytes() > 0) std::memset(x.data(), 0, x.bytes());
 }
 
 void EigenKernels::DoCopy(const Tensor& src, Tensor& dst) {

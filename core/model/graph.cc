@@ -873,6 +873,17 @@ void Graph::Impl::BackwardChain(RankContext& ctx, const Batch& batch) {
 
 void Graph::Run(RankContext& ctx) {
   Impl& g = *impl_;
+  // A new step: the previous step's activations are released before any new one is made (so
+  // a repeated step reuses their memory instead of holding two steps' worth), and main_grad
+  // starts from zero (Megatron's zero_grad_buffer), so every step computes the same gradients.
+  for (LayerSlot& slot : g.layers) {
+    slot.input = slot.output = slot.output_grad = slot.input_grad = slot.saved = Tensor();
+    slot.row_max = slot.sum_exp = Tensor();
+  }
+  for (auto& p : g.parameters) {
+    if (p->frozen) continue;
+    ctx.kernels->SetZero(p->grad);
+  }
   g.loss_sum = 0;
   g.has_loss = g.layers.back().config.type == LayerType::kVocabParallelCrossEntropy;
   for (int64_t m = 0; m < g.run.num_microbatches; ++m) {

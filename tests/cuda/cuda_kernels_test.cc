@@ -180,6 +180,12 @@ TYPED_TEST(CudaKernelsTest, ZerosEmptyToDeviceToHostCopy) {
   Tensor host_dst = Tensor::HostZeros({12}, kDType<T>);
   EXPECT_THROW(gpu.Copy(dev, host_dst), std::invalid_argument);
 
+  const void* storage = dst.data();
+  gpu.SetZero(dst);
+  EXPECT_EQ(dst.data(), storage);
+  EXPECT_TRUE(TensorsNear("set_zero", this->Values(dst), std::vector<double>(12, 0.0)));
+  EXPECT_THROW(gpu.SetZero(host_dst), std::invalid_argument);
+
   // Overlapping source and destination behave like memmove: views at elements 0 and 4 of
   // one 12-element buffer (shared_ptr aliasing keeps the storage alive).
   Tensor buffer = this->Dev({12}, v);

@@ -443,6 +443,30 @@ TEST(GraphVsReference, ASkippedAllReduceFailsTheCheck) {
   }
 }
 
+// A repeated step (--repeat) starts from zero gradients: every repetition computes the same
+// tensors, so the last one still matches the reference.
+TEST(GraphVsReference, RepeatedStepsGiveTheSameTensors) {
+  CpuBackend backend;
+  const Config config = MakeConfig({{"parallel", Parallel(WorldSize())},
+                                    {"model", LanguageModel(0.1)},
+                                    {"run", RunSection("float32", 8, 2, 2)}});
+  StatusOr<run::SimulationResult> r = run::Simulate(config, {true, 3, false}, backend);
+  ASSERT_TRUE(r.ok()) << r.status().Message();
+  EXPECT_EQ(r->seconds.size(), 3u);
+  for (const run::TensorCheck& c : r->check.tensors) EXPECT_TRUE(c.ok()) << c.name;
+}
+
+// Fewer token rows than ranks: some ranks hold an empty slice of the reference, and every
+// element is still compared.
+TEST(GraphVsReference, FewerTokenRowsThanRanks) {
+  const run::SimulationResult r = RunChecked({{"parallel", Parallel(WorldSize())},
+                                              {"model", LanguageModel(0.0)},
+                                              {"run", RunSection("float64", 1, 1, 2)}});
+  for (const run::TensorCheck& c : r.check.tensors) {
+    EXPECT_GE(c.count, NumElements(c.full_shape)) << c.name;
+  }
+}
+
 TEST(GraphVsReference, BadLayoutsAreRefusedOnEveryRank) {
   json model = LanguageModel(0.0);
   model["layers"][3]["input_is_parallel"] = false;  // fc2 now wants a replicated input

@@ -720,6 +720,32 @@ TEST(ReferenceModelTest, SlicesOfTheBatchAddUpToTheWholeRun) {
   EXPECT_EQ(ReferenceRows(parallel, run), 16);
 }
 
+// The master weights a caller may generate once for several slices: every owner's weight, with
+// its shape and init; given back as overrides, they are used as they are (not copied).
+TEST(ReferenceModelTest, ParametersListTheMasterWeights) {
+  const ParallelConfig parallel = Parallel(2, 4);
+  const RunConfig run = RunOf(4, 2, 1);
+  StatusOr<std::vector<ReferenceParameter>> params = ReferenceParameters(parallel, Mlp(), run);
+  ASSERT_TRUE(params.ok()) << params.status().Message();
+  std::vector<std::string> names;
+  std::map<std::string, Tensor> overrides;
+  for (const ReferenceParameter& p : *params) {
+    names.push_back(p.name);
+    Tensor t = Tensor::HostZeros(p.shape, DType::kFloat64);
+    FillFlatRange(run.seed, p.name, p.init, p.shape, 0, t);
+    overrides.emplace(p.name, t);
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{"embedding.weight", "fc1.weight", "fc2.weight",
+                                             "head.weight"}));
+  const ReferenceResult plain = MustRun(parallel, Mlp(), run);
+  const ReferenceResult given = MustRun(parallel, Mlp(), run, overrides);
+  for (const auto& [name, tensor] : overrides) {
+    EXPECT_EQ(Values(given, name), Values(plain, name)) << name;
+    EXPECT_EQ(Get(given, name).data(), tensor.data()) << name;
+  }
+  EXPECT_EQ(given.loss, plain.loss);
+}
+
 // One value under two names is one buffer (a layer's input is the previous layer's output).
 TEST(ReferenceModelTest, AliasesShareStorage) {
   const ReferenceResult result = MustRun(Parallel(2, 4), Mlp(), RunOf(4, 2, 1));

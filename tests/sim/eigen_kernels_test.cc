@@ -88,6 +88,13 @@ TYPED_TEST(EigenKernelsTest, ZerosToDeviceToHostCopy) {
   EXPECT_TRUE(TensorsNear("copy", ValuesOf(dst), v));
   Tensor wrong = this->k_.Zeros({5}, kDType<T>);
   EXPECT_THROW(this->k_.Copy(host, wrong), std::invalid_argument);
+
+  const void* storage = dst.data();
+  this->k_.SetZero(dst);
+  EXPECT_EQ(dst.data(), storage);
+  EXPECT_TRUE(TensorsNear("set_zero", ValuesOf(dst), std::vector<double>(12, 0.0)));
+  Tensor undefined;
+  EXPECT_THROW(this->k_.SetZero(undefined), std::invalid_argument);
 }
 
 TYPED_TEST(EigenKernelsTest, CopyBlock) {
