@@ -27,6 +27,9 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string name() const = 0;  // "cpu", "cuda" (recorded in dumps)
+  // What runs the math, for the run's header and benchmarks: the BLAS and its kernels, or the
+  // GPU (e.g. "Eigen 3.4.0, GEMMs through OpenBLAS 0.3.21 (Haswell kernels), 1 thread").
+  virtual std::string Describe() const { return name(); }
   virtual Kernels& kernels() = 0;
   // This rank's communicator for each kind in `kinds` (kinds whose groups leave this rank
   // out get no entry). Collective: every rank of the run calls it with the same kinds.

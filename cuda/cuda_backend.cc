@@ -42,6 +42,13 @@ class CudaBackend final : public Backend {
       : comm_(std::move(comm)), device_(device), nccl_timeout_s_(nccl_timeout_s) {}
 
   std::string name() const override { return "cuda"; }
+  std::string Describe() const override {
+    cudaDeviceProp properties{};
+    const bool known = cudaGetDeviceProperties(&properties, device_) == cudaSuccess;
+    return fmt::format("CUDA device {} ({}), cuBLAS, {} collectives", device_,
+                       known ? properties.name : "?",
+                       comm_ == "mpi" ? "host-staged MPI" : "NCCL");
+  }
   Kernels& kernels() override { return kernels_; }
 
   std::map<std::string, std::unique_ptr<Communicator>> MakeGroups(

@@ -9,6 +9,7 @@ namespace mpusim {
 class CpuBackend final : public Backend {
  public:
   std::string name() const override { return "cpu"; }
+  std::string Describe() const override;
   Kernels& kernels() override { return kernels_; }
   std::map<std::string, std::unique_ptr<Communicator>> MakeGroups(
       const Topology& topology, int64_t world_rank,
