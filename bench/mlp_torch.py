@@ -2,17 +2,34 @@
 """PyTorch on the CPU doing the MLP block math of bench/configs/mlp_t*_n*.json.
 
 What it is: the comparison point for `mpusim run ... --no-check --repeat N` in
-bench/run_mlp_bench.sh: forward Y = gelu(X W1^T + b1) W2^T + b2 and the backward from a
+bench/mlp_bench.py: forward Y = gelu(X W1^T + b1) W2^T + b2 and the backward from a
 given dY (dX, dW1, db1, dW2, db2), float32, T = 2048 tokens, hidden 1024, ffn 4096.
 What it is not: a test; it prints the median wall time of --repeat runs.
 
 Usage: python3 bench/mlp_torch.py --threads 1 --repeat 5
 """
 import argparse
+import ctypes
 import statistics
 import time
 
 import torch
+
+
+def blas():
+    """The OpenBLAS this process loaded (torch's BLAS) and the kernel set it runs."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "openblas" in line}
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)
+            lib.openblas_get_config.restype = ctypes.c_char_p
+            lib.openblas_get_corename.restype = ctypes.c_char_p
+            version = " ".join(lib.openblas_get_config().decode().split()[:2])
+            return f"{version} ({lib.openblas_get_corename().decode()} kernels)"
+        except (OSError, AttributeError):
+            continue
+    return "not OpenBLAS (" + torch.__config__.show().split("BLAS_INFO=")[-1].split(",")[0] + ")"
 
 
 def main():
@@ -46,6 +63,7 @@ def main():
         start = time.perf_counter()
         step()
         seconds.append(time.perf_counter() - start)
+    print(f"blas: {blas()}")
     print(f"pytorch {torch.__version__} threads {args.threads}: median {statistics.median(seconds):.4f} s "
           f"over {args.repeat} runs, min {min(seconds):.4f} s, max {max(seconds):.4f} s")
 

@@ -212,9 +212,12 @@ int RankRun::Run() {
   if (options_.repeat > 1) {
     std::vector<double> sorted = result->seconds;
     std::sort(sorted.begin(), sorted.end());
+    const size_t mid = sorted.size() / 2;
+    const double median =
+        sorted.size() % 2 == 1 ? sorted[mid] : 0.5 * (sorted[mid - 1] + sorted[mid]);
     out_ << fmt::format("time per step (forward + backward, all micro-batches): median {:.4f} s "
                         "over {} runs, min {:.4f} s, max {:.4f} s\n",
-                        sorted[sorted.size() / 2], sorted.size(), sorted.front(), sorted.back());
+                        median, sorted.size(), sorted.front(), sorted.back());
   }
   int code = kExitOk;
   if (options_.check) code = PrintChecks(result->check, *result);

@@ -90,8 +90,8 @@ void DispatchBits(DType dtype, Body&& body) {
 }
 
 // A float32 host tensor of t's shape holding t's 16-bit elements widened (exactly).
-Tensor Widened(const Tensor& t) {
-  Tensor out = Tensor::HostEmpty(t.shape(), DType::kFloat32);
+Tensor Widened(const Tensor& t, HostBlockCache& cache) {
+  Tensor out = cache.Empty(t.shape(), DType::kFloat32);
   DispatchHalf(t.dtype(), [&]<typename H>() {
     const H* in = t.data_as<H>();
     float* o = out.data_as<float>();
@@ -132,22 +132,26 @@ EigenKernels::EigenKernels() : Kernels("EigenKernels", Device::kHost) {
 
 // --- memory ---------------------------------------------------------------------------
 
+size_t EigenKernels::cached_bytes() const { return cache_->cached_bytes(); }
+
 Tensor EigenKernels::DoZeros(const Shape& shape, DType dtype) {
-  return Tensor::HostZeros(shape, dtype);
+  Tensor out = cache_->Empty(shape, dtype);
+  if (out.bytes() > 0) std::memset(out.data(), 0, out.bytes());
+  return out;
 }
 
 Tensor EigenKernels::DoEmpty(const Shape& shape, DType dtype) {
-  return Tensor::HostEmpty(shape, dtype);
+  return cache_->Empty(shape, dtype);
 }
 
 Tensor EigenKernels::DoToDevice(const Tensor& host) {
-  Tensor out = Tensor::HostZeros(host.shape(), host.dtype());
+  Tensor out = cache_->Empty(host.shape(), host.dtype());
   if (host.bytes() > 0) std::memcpy(out.data(), host.data(), host.bytes());
   return out;
 }
 
 Tensor EigenKernels::DoToHost(const Tensor& tensor) {
-  Tensor out = Tensor::HostZeros(tensor.shape(), tensor.dtype());
+  Tensor out = cache_->Empty(tensor.shape(), tensor.dtype());
   if (tensor.bytes() > 0) std::memcpy(out.data(), tensor.data(), tensor.bytes());
   return out;
 }
@@ -186,13 +190,13 @@ void EigenKernels::DoGemm(bool trans_a, bool trans_b, double alpha, const Tensor
   if (IsHalf(a.dtype())) {
     // Widen a and b, run the float32 GEMM; a 16-bit c is computed in float32 (beta * c
     // included) and rounded once. beta == 0 never reads c, as below.
-    const Tensor af = Widened(a);
-    const Tensor bf = Widened(b);
+    const Tensor af = Widened(a, *cache_);
+    const Tensor bf = Widened(b, *cache_);
     if (c.dtype() == DType::kFloat32) {
       DoGemm(trans_a, trans_b, alpha, af, bf, beta, c);
       return;
     }
-    Tensor cf = beta == 0.0 ? Tensor::HostEmpty(c.shape(), DType::kFloat32) : Widened(c);
+    Tensor cf = beta == 0.0 ? cache_->Empty(c.shape(), DType::kFloat32) : Widened(c, *cache_);
     DoGemm(trans_a, trans_b, alpha, af, bf, beta, cf);
     StoreRounded(cf, c);
     return;
@@ -224,8 +228,8 @@ void EigenKernels::DoGemm(bool trans_a, bool trans_b, double alpha, const Tensor
 void EigenKernels::DoAddRowVector(const Tensor& bias, Tensor& y) {
   if (y.numel() == 0) return;
   if (IsHalf(y.dtype())) {
-    Tensor yf = Widened(y);
-    DoAddRowVector(Widened(bias), yf);
+    Tensor yf = Widened(y, *cache_);
+    DoAddRowVector(Widened(bias, *cache_), yf);
     StoreRounded(yf, y);
     return;
   }
@@ -237,12 +241,12 @@ void EigenKernels::DoAddRowVector(const Tensor& bias, Tensor& y) {
 
 void EigenKernels::DoSumRows(const Tensor& x, double beta, Tensor& out) {
   if (IsHalf(x.dtype())) {
-    const Tensor xf = Widened(x);
+    const Tensor xf = Widened(x, *cache_);
     if (out.dtype() == DType::kFloat32) {
       DoSumRows(xf, beta, out);
       return;
     }
-    Tensor of = beta == 0.0 ? Tensor::HostEmpty(out.shape(), DType::kFloat32) : Widened(out);
+    Tensor of = beta == 0.0 ? cache_->Empty(out.shape(), DType::kFloat32) : Widened(out, *cache_);
     DoSumRows(xf, beta, of);
     StoreRounded(of, out);
     return;
@@ -260,12 +264,12 @@ void EigenKernels::DoSumRows(const Tensor& x, double beta, Tensor& out) {
 
 void EigenKernels::DoAxpy(double alpha, const Tensor& x, Tensor& y) {
   if (IsHalf(x.dtype())) {
-    const Tensor xf = Widened(x);
+    const Tensor xf = Widened(x, *cache_);
     if (y.dtype() == DType::kFloat32) {
       DoAxpy(alpha, xf, y);
       return;
     }
-    Tensor yf = Widened(y);
+    Tensor yf = Widened(y, *cache_);
     DoAxpy(alpha, xf, yf);
     StoreRounded(yf, y);
     return;
@@ -276,7 +280,7 @@ void EigenKernels::DoAxpy(double alpha, const Tensor& x, Tensor& y) {
 
 void EigenKernels::DoScale(double alpha, Tensor& x) {
   if (IsHalf(x.dtype())) {
-    Tensor xf = Widened(x);
+    Tensor xf = Widened(x, *cache_);
     DoScale(alpha, xf);
     StoreRounded(xf, x);
     return;
@@ -288,7 +292,7 @@ void EigenKernels::DoScale(double alpha, Tensor& x) {
 
 void EigenKernels::DoGeluForward(const Tensor& x, Tensor& y) {
   if (IsHalf(x.dtype())) {
-    Tensor xf = Widened(x);
+    Tensor xf = Widened(x, *cache_);
     DoGeluForward(xf, xf);  // in place on the float32 copy; y may be x
     StoreRounded(xf, y);
     return;
@@ -304,8 +308,8 @@ void EigenKernels::DoGeluForward(const Tensor& x, Tensor& y) {
 
 void EigenKernels::DoGeluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) {
   if (IsHalf(x.dtype())) {
-    Tensor dyf = Widened(dy);
-    DoGeluBackward(Widened(x), dyf, dyf);
+    Tensor dyf = Widened(dy, *cache_);
+    DoGeluBackward(Widened(x, *cache_), dyf, dyf);
     StoreRounded(dyf, dx);
     return;
   }
@@ -329,7 +333,7 @@ void EigenKernels::DoDropout(const Tensor& x, double p, uint64_t key, uint64_t s
   }
   if (IsHalf(x.dtype())) {
     // Same mask and float32 scale as below, on the widened values; y may be x.
-    Tensor xf = Widened(x);
+    Tensor xf = Widened(x, *cache_);
     DoDropout(xf, p, key, stream, offset, xf);
     StoreRounded(xf, y);
     return;
@@ -370,7 +374,7 @@ void EigenKernels::DoEmbeddingBackward(const Tensor& dy, const std::vector<int64
   const int64_t num_ids = static_cast<int64_t>(ids.size());
   if (IsHalf(dy.dtype())) {
     if (dweight.dtype() == DType::kFloat32) {
-      DoEmbeddingBackward(Widened(dy), ids, vocab_start, vocab_end, dweight);
+      DoEmbeddingBackward(Widened(dy, *cache_), ids, vocab_start, vocab_end, dweight);
       return;
     }
     // A 16-bit dweight: each addition is a float32 one rounded once, in id order (what one
@@ -405,7 +409,7 @@ void EigenKernels::DoEmbeddingBackward(const Tensor& dy, const std::vector<int64
 
 void EigenKernels::DoRowMax(const Tensor& logits, Tensor& row_max) {
   if (IsHalf(logits.dtype())) {
-    DoRowMax(Widened(logits), row_max);  // row_max is float32
+    DoRowMax(Widened(logits, *cache_), row_max);  // row_max is float32
     return;
   }
   Dispatch(logits.dtype(), [&]<typename T>() {
@@ -425,7 +429,7 @@ void EigenKernels::DoCrossEntropyPartials(const Tensor& logits, const Tensor& ro
   const int64_t cols = Cols(logits);
   if (IsHalf(logits.dtype())) {
     // The statistics are float32 already.
-    DoCrossEntropyPartials(Widened(logits), row_max, labels, vocab_start, sum_exp, sum_z, target_z);
+    DoCrossEntropyPartials(Widened(logits, *cache_), row_max, labels, vocab_start, sum_exp, sum_z, target_z);
     return;
   }
   Dispatch(logits.dtype(), [&]<typename T>() {
@@ -453,7 +457,7 @@ void EigenKernels::DoCrossEntropyBackward(const Tensor& logits, const Tensor& ro
   if (IsHalf(logits.dtype())) {
     // Widening reads all of logits before grad (which may be logits) is written; the float32
     // code then runs in place on the copy.
-    Tensor lf = Widened(logits);
+    Tensor lf = Widened(logits, *cache_);
     DoCrossEntropyBackward(lf, row_max, sum_exp, labels, vocab_start, on_value, off_value,
                            row_scale, lf);
     StoreRounded(lf, grad);

@@ -18,11 +18,14 @@
 // bug in the caller and throws std::invalid_argument naming the kernel and the tensors.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "core/kernels.h"
 #include "core/tensor.h"
+#include "sim/host_block_cache.h"
 
 namespace mpusim {
 
@@ -31,6 +34,9 @@ class EigenKernels final : public Kernels {
   // When built with OpenBLAS (MPUSIM_HAVE_OPENBLAS: Eigen's GEMMs go to BLAS through
   // EIGEN_USE_BLAS), pins OpenBLAS to one thread: every MPI rank plays one GPU on one core.
   EigenKernels();
+
+  // Bytes of freed tensor storage held for reuse (sim/host_block_cache.h).
+  size_t cached_bytes() const;
 
  protected:
   // The Kernels implementations; the base class checks the arguments first.
@@ -80,6 +86,9 @@ class EigenKernels final : public Kernels {
                             const std::vector<int64_t>& labels, int64_t vocab_start,
                             double on_value, double off_value, const Tensor& row_scale,
                             Tensor& grad) override;
+ private:
+  // Storage of every tensor these kernels make (activations, temporaries), reused by size.
+  std::shared_ptr<HostBlockCache> cache_ = HostBlockCache::Create();
 };
 
 }  // namespace mpusim

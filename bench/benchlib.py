@@ -1,0 +1,149 @@
+"""Shared pieces of the mpusim benchmark scripts (bench/*.py).
+
+What it is: running contenders in turn (round-robin, so that a noisy neighbour on a shared
+machine slows every contender alike), medians, the CPU time and peak memory of a child
+process tree, and parsing of `mpusim run` output.
+What it is not: a benchmark by itself, or a test. Nothing here asserts a target.
+"""
+import json
+import os
+import re
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+
+ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def mpusim(build="build"):
+    path = os.path.join(ROOT, build, "cli", "mpusim")
+    if not os.access(path, os.X_OK):
+        raise SystemExit(f"error: {path} missing; build first: bash .ci/setup")
+    return path
+
+
+def mpirun(ranks):
+    return ["mpirun", "-n", str(ranks), "--oversubscribe"]
+
+
+class Measured:
+    """One run of a command: its output, wall time, CPU time of the whole process tree
+    (user + system of the command and every descendant it waited for: all MPI ranks under
+    mpirun) and the largest peak RSS among them (os.wait4's rusage of this child)."""
+
+    def __init__(self, argv, cwd=ROOT, sample_pss_of=None, allowed_codes=(0,)):
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            sampler = PssSampler(sample_pss_of) if sample_pss_of else None
+            start = time.perf_counter()
+            proc = subprocess.Popen(argv, stdout=out, stderr=err, env=ENV, cwd=cwd)
+            _, status, usage = os.wait4(proc.pid, 0)
+            self.wall = time.perf_counter() - start
+            if sampler:
+                sampler.stop()
+            out.seek(0)
+            err.seek(0)
+            self.out = out.read()
+            self.err = err.read()
+        self.code = os.waitstatus_to_exitcode(status)
+        self.cpu = usage.ru_utime + usage.ru_stime
+        self.max_rss_mib = usage.ru_maxrss / 1024.0  # KiB on Linux
+        self.peak_pss_mib = sampler.peak_mib if sampler else None
+        if self.code not in allowed_codes:
+            raise SystemExit(f"error: {' '.join(argv)} exited {self.code}:\n"
+                             f"{self.out[-2000:]}\n{self.err[-2000:]}")
+
+
+class PssSampler:
+    """Polls /proc every 20 ms and keeps the largest sum of Pss (proportional set size: a
+    page shared by n processes counts 1/n to each) over the processes whose command line
+    contains `marker`: the real memory of an MPI job, which a sum of RSS overstates."""
+
+    def __init__(self, marker):
+        self.marker = marker.encode()
+        self.peak_mib = 0.0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._done.is_set():
+            total = 0
+            for pid in os.listdir("/proc"):
+                if not pid.isdigit():
+                    continue
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        if self.marker not in f.read():
+                            continue
+                    with open(f"/proc/{pid}/smaps_rollup") as f:
+                        for line in f:
+                            if line.startswith("Pss:"):
+                                total += int(line.split()[1])
+                                break
+                except OSError:
+                    continue
+            self.peak_mib = max(self.peak_mib, total / 1024.0)
+            self._done.wait(0.02)
+
+    def stop(self):
+        self._done.set()
+        self._thread.join()
+
+
+def round_robin(contenders, rounds):
+    """contenders: {name: function returning a dict of metrics}. Runs one of each per round,
+    in turn, and returns {name: {metric: [values per round]}}."""
+    results = {name: {} for name in contenders}
+    for r in range(rounds):
+        for name, run in contenders.items():
+            for metric, value in run().items():
+                results[name].setdefault(metric, []).append(value)
+        print(f"  round {r + 1}/{rounds} done", flush=True)
+    return results
+
+
+def median(values):
+    return statistics.median(values)
+
+
+def step_median(output):
+    """The median step time `mpusim run --repeat` prints."""
+    m = re.search(r"median ([0-9.]+) s", output)
+    if not m:
+        raise SystemExit("error: no 'median ... s' in the output:\n" + output[-2000:])
+    return float(m.group(1))
+
+
+def backend_line(output):
+    m = re.search(r"^backend: (.*)$", output, re.M)
+    return m.group(1) if m else "?"
+
+
+CHECK_ROW = re.compile(r"^  (\S+)\s+\[[^\]]*\]\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(pass|FAIL.*)$")
+
+
+def check_rows(output):
+    """(tensor, max_abs, max_rel, normalized, allowed, result) rows of a run's check table."""
+    rows = []
+    for line in output.splitlines():
+        m = CHECK_ROW.match(line)
+        if m:
+            rows.append((m.group(1), float(m.group(2)), float(m.group(3)), float(m.group(4)),
+                         float(m.group(5)), m.group(6)))
+    return rows
+
+
+def temp_config(config):
+    """Writes `config` (a dict) to a temporary JSON file and returns its path."""
+    f = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False, dir="/tmp")
+    json.dump(config, f)
+    f.close()
+    return f.name
+
+
+def load(path):
+    with open(os.path.join(ROOT, path)) as f:
+        return json.load(f)
