@@ -101,7 +101,8 @@ def round_robin(contenders, rounds):
         for name, run in contenders.items():
             for metric, value in run().items():
                 results[name].setdefault(metric, []).append(value)
-        print(f"  round {r + 1}/{rounds} done", flush=True)
+        if rounds <= 10 or (r + 1) % 10 == 0:
+            print(f"  round {r + 1}/{rounds} done", flush=True)
     return results
 
 
