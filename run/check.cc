@@ -1,8 +1,10 @@
 // The check against the float64 reference, one reference per job (see check.h).
 //
-// Wire format of one exchange block (one tensor, one round, one sender -> one owner), all
-// little-endian int64 words then raw element bytes:
-//   header   dtype, shard_dim, num_shards, shard_index, stride, partial_sum, local_width, rows
+// Wire format of one exchange block (one part of one tensor, one sender -> one owner; an
+// exchange carries a sender's blocks for an owner back to back): native int64 words, then raw
+// element bytes (every rank of a job runs the same binary):
+//   header   tensor (index in the reference's list), dtype, shard_dim, num_shards, shard_index,
+//            stride, partial_sum, local_width, rows
 //   rows     the global row (i*B + g) of each local row sent
 //   values   rows * local_width elements in the record's dtype, padded to a multiple of 8 bytes
 // The owner rebuilds each element's global column from the sender's ShardSpec.
@@ -37,7 +39,7 @@ using Layout = ReferenceTensor::Layout;
 // empty when R < K).
 class RowPartition {
  public:
-  RowPartition(int64_t rows, int ranks) : rows_(rows), begin_(static_cast<size_t>(ranks) + 1) {
+  RowPartition(int64_t rows, int ranks) : begin_(static_cast<size_t>(ranks) + 1) {
     for (int k = 0; k <= ranks; ++k) {
       begin_[static_cast<size_t>(k)] = static_cast<int64_t>(
           static_cast<__int128>(k) * rows / ranks);
@@ -52,11 +54,10 @@ class RowPartition {
   }
 
  private:
-  int64_t rows_;
   std::vector<int64_t> begin_;
 };
 
-constexpr int kHeaderWords = 8;
+constexpr int kHeaderWords = 9;
 
 // MPI counts are int: large buffers go in pieces.
 void AllReduceSum(double* data, int64_t n) {
@@ -115,116 +116,152 @@ void CompareWhole(const TensorRecord& record, const Tensor& host, const Tensor& 
   });
 }
 
-// The exchange of one row tensor: this rank's record rows [first, last) go to their owners;
-// the blocks this rank owns are compared with its slice of the reference.
+// One piece of an exchange: rows [first, last) of this rank's record of row tensor `tensor`
+// (none when this rank does not hold it).
+struct RowPart {
+  size_t tensor = 0;
+  const TensorRecord* record = nullptr;
+  const Tensor* host = nullptr;
+  int64_t first = 0;
+  int64_t last = 0;
+};
+
+// What the owner of a block needs to compare it: the reference slice, its tolerance and where
+// the statistics go, per reference tensor.
+struct RowTarget {
+  const ReferenceTensor* ref = nullptr;
+  Tolerance tolerance{0, 0, 0};
+  ErrorStats* stats = nullptr;
+};
+
+// The exchange of row tensors: every rank sends the rows of its parts to their owners (one
+// MPI_Alltoallv for all the parts of one exchange), and compares the blocks it owns with its
+// slice of the reference. The buffers keep their capacity from one exchange to the next.
 class RowExchange {
  public:
-  RowExchange(const RowPartition& partition, int world_size, int64_t tp_size)
+  RowExchange(const RowPartition& partition, int world_size, int64_t tp_size,
+              int64_t slice_begin, std::vector<RowTarget> targets)
       : partition_(partition),
         size_(world_size),
         tp_size_(tp_size),
-        rows_(static_cast<size_t>(world_size)),
-        send_counts_(rows_.size()),
-        send_offsets_(rows_.size()),
-        recv_counts_(rows_.size()),
-        recv_offsets_(rows_.size()) {}
+        slice_begin_(slice_begin),
+        targets_(std::move(targets)),
+        send_counts_(static_cast<size_t>(world_size)),
+        send_offsets_(send_counts_.size()),
+        recv_counts_(send_counts_.size()),
+        recv_offsets_(send_counts_.size()) {}
 
-  void Round(const ReferenceTensor& ref, int64_t slice_begin, const TensorRecord* record,
-             const Tensor* host, int64_t first, int64_t last, const Tolerance& tol,
-             ErrorStats* stats) {
-    Pack(ref, record, host, first, last);
+  void Exchange(const std::vector<RowPart>& parts) {
+    Pack(parts);
     MPUSIM_MPI_CHECK(MPI_Alltoall(send_counts_.data(), 1, MPI_INT, recv_counts_.data(), 1,
                                   MPI_INT, MPI_COMM_WORLD));
     int64_t total = 0;
     for (size_t i = 0; i < recv_counts_.size(); ++i) {
       recv_offsets_[i] = static_cast<int>(total);
       total += recv_counts_[i];
-      if (total > INT_MAX) throw std::length_error("RowExchange: a round receives over 2 GiB");
+      if (total > INT_MAX) throw std::length_error("RowExchange: an exchange receives over 2 GiB");
     }
-    recv_.resize(static_cast<size_t>(total));  // the buffers keep their capacity across rounds
+    recv_.resize(static_cast<size_t>(total));
     MPUSIM_MPI_CHECK(MPI_Alltoallv(send_.data(), send_counts_.data(), send_offsets_.data(),
                                    MPI_BYTE, recv_.data(), recv_counts_.data(),
                                    recv_offsets_.data(), MPI_BYTE, MPI_COMM_WORLD));
     for (size_t i = 0; i < recv_counts_.size(); ++i) {
-      if (recv_counts_[i] > 0) {
-        Unpack(ref, slice_begin, recv_.data() + recv_offsets_[i],
-               static_cast<size_t>(recv_counts_[i]), tol, stats);
-      }
+      const std::byte* at = recv_.data() + recv_offsets_[i];
+      const std::byte* end = at + recv_counts_[i];
+      while (at < end) at = Unpack(at, end);
     }
   }
 
  private:
   static size_t Padded(size_t bytes) { return (bytes + 7) / 8 * 8; }
+  static size_t RowBytes(const Tensor& host) {
+    return static_cast<size_t>(host.shape().size() > 2 ? host.shape()[2] : 1) *
+           DTypeSize(host.dtype());
+  }
 
-  // Lays this rank's rows [first, last) of `record` out in send_, one block per owner.
-  void Pack(const ReferenceTensor& ref, const TensorRecord* record, const Tensor* host,
-            int64_t first, int64_t last) {
-    for (auto& r : rows_) r.clear();
-    size_t row_bytes = 0;
-    if (record != nullptr) {
-      const Shape& full = ref.full_shape;
-      const Shape& local = host->shape();
-      const int64_t local_batch = local[1];
-      row_bytes = static_cast<size_t>(local.size() > 2 ? local[2] : 1) * DTypeSize(host->dtype());
-      for (int64_t q = first; q < last; ++q) {
-        const int64_t i = GlobalIndex(record->shard, 0, full[0], q / local_batch);
-        const int64_t g = GlobalIndex(record->shard, 1, full[1], q % local_batch);
+  // Lays the parts out in send_: for each owner, one block per part with rows for it.
+  void Pack(const std::vector<RowPart>& parts) {
+    // rows[p][k]: (global row, local row) of part p that owner k holds, in local order.
+    std::vector<std::vector<std::vector<std::pair<int64_t, int64_t>>>> rows(parts.size());
+    for (size_t p = 0; p < parts.size(); ++p) {
+      rows[p].resize(static_cast<size_t>(size_));
+      const RowPart& part = parts[p];
+      if (part.record == nullptr) continue;
+      const Shape& full = part.record->full_shape;
+      const int64_t local_batch = part.host->shape()[1];
+      for (int64_t q = part.first; q < part.last; ++q) {
+        const int64_t i = GlobalIndex(part.record->shard, 0, full[0], q / local_batch);
+        const int64_t g = GlobalIndex(part.record->shard, 1, full[1], q % local_batch);
         const int64_t r = i * full[1] + g;
-        rows_[static_cast<size_t>(partition_.Owner(r))].push_back({r, q});
+        rows[p][static_cast<size_t>(partition_.Owner(r))].push_back({r, q});
       }
     }
     size_t total = 0;
-    for (size_t k = 0; k < rows_.size(); ++k) {
-      const size_t n = rows_[k].size();
-      const size_t bytes =
-          n == 0 ? 0 : kHeaderWords * 8 + n * 8 + Padded(n * row_bytes);
-      if (total + bytes > INT_MAX) throw std::length_error("RowExchange: a round sends over 2 GiB");
+    for (size_t k = 0; k < static_cast<size_t>(size_); ++k) {
+      size_t bytes = 0;
+      for (size_t p = 0; p < parts.size(); ++p) {
+        const size_t n = rows[p][k].size();
+        if (n > 0) bytes += kHeaderWords * 8 + n * 8 + Padded(n * RowBytes(*parts[p].host));
+      }
+      if (total + bytes > INT_MAX) throw std::length_error("RowExchange: an exchange sends over 2 GiB");
       send_offsets_[k] = static_cast<int>(total);
       send_counts_[k] = static_cast<int>(bytes);
       total += bytes;
     }
     send_.resize(total);
-    if (record == nullptr) return;
-    const auto* values = static_cast<const std::byte*>(host->data());
-    for (size_t k = 0; k < rows_.size(); ++k) {
-      const auto n = static_cast<int64_t>(rows_[k].size());
-      if (n == 0) continue;
-      const int64_t header[kHeaderWords] = {static_cast<int64_t>(host->dtype()),
-                                            record->shard.shard_dim,
-                                            record->shard.num_shards,
-                                            record->shard.shard_index,
-                                            record->shard.stride,
-                                            record->partial_sum ? 1 : 0,
-                                            host->shape().size() > 2 ? host->shape()[2] : 1,
-                                            n};
+    for (size_t k = 0; k < static_cast<size_t>(size_); ++k) {
       std::byte* at = send_.data() + send_offsets_[k];
-      std::memcpy(at, header, sizeof(header));
-      at += sizeof(header);
-      for (const auto& [r, q] : rows_[k]) {
-        std::memcpy(at, &r, 8);
-        at += 8;
-      }
-      for (const auto& [r, q] : rows_[k]) {
-        std::memcpy(at, values + static_cast<size_t>(q) * row_bytes, row_bytes);
-        at += row_bytes;
+      for (size_t p = 0; p < parts.size(); ++p) {
+        const auto& owned = rows[p][k];
+        if (owned.empty()) continue;
+        const RowPart& part = parts[p];
+        const Tensor& host = *part.host;
+        const ShardSpec& shard = part.record->shard;
+        const size_t row_bytes = RowBytes(host);
+        const int64_t header[kHeaderWords] = {static_cast<int64_t>(part.tensor),
+                                              static_cast<int64_t>(host.dtype()),
+                                              shard.shard_dim,
+                                              shard.num_shards,
+                                              shard.shard_index,
+                                              shard.stride,
+                                              part.record->partial_sum ? 1 : 0,
+                                              host.shape().size() > 2 ? host.shape()[2] : 1,
+                                              static_cast<int64_t>(owned.size())};
+        std::memcpy(at, header, sizeof(header));
+        at += sizeof(header);
+        for (const auto& [r, q] : owned) {
+          std::memcpy(at, &r, 8);
+          at += 8;
+        }
+        const auto* values = static_cast<const std::byte*>(host.data());
+        std::byte* values_start = at;
+        for (const auto& [r, q] : owned) {
+          std::memcpy(at, values + static_cast<size_t>(q) * row_bytes, row_bytes);
+          at += row_bytes;
+        }
+        at = values_start + Padded(owned.size() * row_bytes);
       }
     }
   }
 
-  void Unpack(const ReferenceTensor& ref, int64_t slice_begin, const std::byte* block,
-              size_t bytes, const Tolerance& tol, ErrorStats* stats) const {
+  // Compares one block with this rank's slice; returns where the next block starts.
+  const std::byte* Unpack(const std::byte* block, const std::byte* end) const {
     int64_t header[kHeaderWords];
-    if (bytes < sizeof(header)) throw std::logic_error("RowExchange: short block");
+    if (end - block < static_cast<std::ptrdiff_t>(sizeof(header))) {
+      throw std::logic_error("RowExchange: short block");
+    }
     std::memcpy(header, block, sizeof(header));
-    const auto dtype = static_cast<DType>(header[0]);
+    const RowTarget& target = targets_.at(static_cast<size_t>(header[0]));
+    const ReferenceTensor& ref = *target.ref;
+    const auto dtype = static_cast<DType>(header[1]);
     ShardSpec spec;
-    spec.shard_dim = static_cast<int>(header[1]);
-    spec.num_shards = header[2];
-    spec.shard_index = header[3];
-    spec.stride = header[4];
-    const double factor = header[5] != 0 ? static_cast<double>(tp_size_) : 1.0;
-    const int64_t local_width = header[6];
-    const int64_t n = header[7];
+    spec.shard_dim = static_cast<int>(header[2]);
+    spec.num_shards = header[3];
+    spec.shard_index = header[4];
+    spec.stride = header[5];
+    const double factor = header[6] != 0 ? static_cast<double>(tp_size_) : 1.0;
+    const int64_t local_width = header[7];
+    const int64_t n = header[8];
     const int64_t width = ref.width();
     const int last_dim = static_cast<int>(ref.full_shape.size()) - 1;
     std::vector<int64_t> column(static_cast<size_t>(local_width));
@@ -240,21 +277,23 @@ class RowExchange {
     for (int64_t k = 0; k < n; ++k) {
       int64_t r = 0;
       std::memcpy(&r, rows_at + k * 8, 8);
-      const int64_t row = r - slice_begin;
+      const int64_t row = r - slice_begin_;
       if (row < 0 || row >= local_rows) throw std::logic_error("RowExchange: row not in slice");
       const double* want = expected + row * width;
       ForEachValue(dtype, values + static_cast<size_t>(k) * row_bytes, local_width,
                    [&](int64_t c, double actual) {
                      const int64_t j = column[static_cast<size_t>(c)];
-                     stats->Add(r * width + j, actual * factor, want[j], tol);
+                     target.stats->Add(r * width + j, actual * factor, want[j], target.tolerance);
                    });
     }
+    return values + Padded(static_cast<size_t>(n) * row_bytes);
   }
 
   const RowPartition& partition_;
   int size_;
   int64_t tp_size_;
-  std::vector<std::vector<std::pair<int64_t, int64_t>>> rows_;  // per owner: (global, local) row
+  int64_t slice_begin_;
+  std::vector<RowTarget> targets_;  // by reference tensor index
   std::vector<int> send_counts_, send_offsets_, recv_counts_, recv_offsets_;
   std::vector<std::byte> send_, recv_;
 };
@@ -286,39 +325,83 @@ std::vector<std::string> RunOnlyNames(const std::vector<std::string>& mine, int 
 }
 
 // The reference's master weights, generated once for the whole job instead of once per slice:
-// rank k fills its share of each weight's elements, then MPI_Allgatherv gives every rank the
-// whole tensor (each slice multiplies by all of it). A weight too large for int counts is
-// generated whole by every rank.
+// the weights lie back to back in one buffer, rank k fills its 1/K of the buffer's elements
+// (whichever weights they belong to), and one MPI_Allgatherv gives every rank all of them
+// (each slice multiplies by whole weights). The tensors are views into the buffer. Past int
+// counts (2^31 elements), every rank generates everything itself.
 StatusOr<std::map<std::string, Tensor>> SharedMasterWeights(const Config& config, int world_rank,
                                                             int world_size) {
   StatusOr<std::vector<ReferenceParameter>> parameters =
       ReferenceParameters(config.parallel, *config.model, *config.run);
   if (!parameters.ok()) return parameters.status();
-  std::map<std::string, Tensor> weights;
+  std::vector<int64_t> offsets;
+  int64_t total = 0;
   for (const ReferenceParameter& p : *parameters) {
-    const int64_t n = NumElements(p.shape);
-    Tensor full = Tensor::HostEmpty(p.shape, DType::kFloat64);
-    if (n > INT_MAX) {
-      FillFlatRange(config.run->seed, p.name, p.init, p.shape, 0, full);
-    } else {
-      const RowPartition share(n, world_size);
-      std::vector<int> counts(static_cast<size_t>(world_size)), offsets(counts.size());
-      for (int k = 0; k < world_size; ++k) {
-        counts[static_cast<size_t>(k)] = static_cast<int>(share.End(k) - share.Begin(k));
-        offsets[static_cast<size_t>(k)] = static_cast<int>(share.Begin(k));
-      }
-      double* data = full.data_as<double>();
-      // A view of this rank's elements (aliasing: `full` owns the storage).
-      Tensor mine({share.End(world_rank) - share.Begin(world_rank)}, DType::kFloat64,
-                  Device::kHost,
-                  std::shared_ptr<void>(std::shared_ptr<void>(), data + share.Begin(world_rank)));
-      FillFlatRange(config.run->seed, p.name, p.init, p.shape, share.Begin(world_rank), mine);
-      MPUSIM_MPI_CHECK(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, data, counts.data(),
-                                      offsets.data(), MPI_DOUBLE, MPI_COMM_WORLD));
+    offsets.push_back(total);
+    total += NumElements(p.shape);
+  }
+  const std::shared_ptr<double[]> buffer(new double[static_cast<size_t>(total)]);
+  double* data = buffer.get();
+  const auto view = [&](int64_t offset, Shape shape) {  // shares ownership of the buffer
+    return Tensor(std::move(shape), DType::kFloat64, Device::kHost,
+                  std::shared_ptr<void>(buffer, data + offset));
+  };
+  const bool shared = total <= INT_MAX;
+  const RowPartition share(total, shared ? world_size : 1);
+  const int64_t mine_begin = shared ? share.Begin(world_rank) : 0;
+  const int64_t mine_end = shared ? share.End(world_rank) : total;
+  for (size_t w = 0; w < parameters->size(); ++w) {
+    const ReferenceParameter& p = (*parameters)[w];
+    const int64_t begin = std::max(mine_begin, offsets[w]);
+    const int64_t end = std::min(mine_end, offsets[w] + NumElements(p.shape));
+    if (begin >= end) continue;
+    Tensor part = view(begin, {end - begin});
+    FillFlatRange(config.run->seed, p.name, p.init, p.shape, begin - offsets[w], part);
+  }
+  if (shared) {
+    std::vector<int> counts(static_cast<size_t>(world_size)), displs(counts.size());
+    for (int k = 0; k < world_size; ++k) {
+      counts[static_cast<size_t>(k)] = static_cast<int>(share.End(k) - share.Begin(k));
+      displs[static_cast<size_t>(k)] = static_cast<int>(share.Begin(k));
     }
-    weights.emplace(p.name, std::move(full));
+    MPUSIM_MPI_CHECK(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, data, counts.data(),
+                                    displs.data(), MPI_DOUBLE, MPI_COMM_WORLD));
+  }
+  std::map<std::string, Tensor> weights;
+  for (size_t w = 0; w < parameters->size(); ++w) {
+    weights.emplace((*parameters)[w].name, view(offsets[w], (*parameters)[w].shape));
   }
   return weights;
+}
+
+// Sums the slices' shares (gradients, the loss) over the ranks: small tensors packed together
+// into one MPI_Allreduce of at most kExchangeBytes, large ones each on their own.
+void SumShares(std::vector<ReferenceTensor>& refs) {
+  constexpr int64_t kPackDoubles = kExchangeBytes / 8;
+  std::vector<double> pack;
+  std::vector<ReferenceTensor*> packed;
+  const auto flush = [&]() {
+    AllReduceSum(pack.data(), static_cast<int64_t>(pack.size()));
+    size_t at = 0;
+    for (ReferenceTensor* t : packed) {
+      std::memcpy(t->value.data(), pack.data() + at, t->value.bytes());
+      at += static_cast<size_t>(t->value.numel());
+    }
+    pack.clear();
+    packed.clear();
+  };
+  for (ReferenceTensor& t : refs) {
+    if (t.layout != Layout::kWhole || !t.partial) continue;
+    const int64_t n = t.value.numel();
+    if (n > kPackDoubles) {
+      AllReduceSum(t.value.data_as<double>(), n);
+      continue;
+    }
+    if (static_cast<int64_t>(pack.size()) + n > kPackDoubles) flush();
+    pack.insert(pack.end(), t.value.data_as<double>(), t.value.data_as<double>() + n);
+    packed.push_back(&t);
+  }
+  if (!packed.empty()) flush();
 }
 
 bool ShardMetadataEqual(const TensorRecord& a, const TensorRecord& b) {
@@ -330,16 +413,103 @@ bool ShardMetadataEqual(const TensorRecord& a, const TensorRecord& b) {
          x.batch_shards == y.batch_shards && x.batch_index == y.batch_index;
 }
 
-// Bytes of the distinct storages among `tensors`.
-template <typename Range, typename Get>
-int64_t DistinctBytes(const Range& tensors, Get get) {
+// Bytes of the distinct storages among `tensors` (aliases count once).
+int64_t DistinctBytes(const std::vector<const Tensor*>& tensors) {
   std::set<const void*> seen;
   int64_t bytes = 0;
-  for (const auto& item : tensors) {
-    const Tensor& t = get(item);
-    if (t.defined() && seen.insert(t.data()).second) bytes += static_cast<int64_t>(t.bytes());
+  for (const Tensor* t : tensors) {
+    if (t->defined() && seen.insert(t->data()).second) bytes += static_cast<int64_t>(t->bytes());
   }
   return bytes;
+}
+
+// The statistics of every rank reduced into one TensorCheck per reference tensor (the same on
+// every rank): maxima, counts, flags, and the worst element (MAXLOC on its excess over the
+// tolerance, then the winning rank's index and values).
+std::vector<TensorCheck> ReduceOverRanks(const std::vector<ReferenceTensor>& refs,
+                                         const std::vector<double>& scales,
+                                         const std::vector<ErrorStats>& stats,
+                                         std::vector<int>& flags, DType storage, int world_rank) {
+  const size_t n = refs.size();
+  std::vector<double> maxima(2 * n);
+  std::vector<long long> counts(3 * n);
+  struct Excess {  // MPI_DOUBLE_INT
+    double value;
+    int rank;
+  };
+  std::vector<Excess> excess(n);
+  for (size_t i = 0; i < n; ++i) {
+    maxima[2 * i] = stats[i].max_abs;
+    maxima[2 * i + 1] = stats[i].max_rel;
+    counts[3 * i] = stats[i].count;
+    counts[3 * i + 1] = stats[i].mismatches;
+    counts[3 * i + 2] = stats[i].non_finite;
+    excess[i] = {stats[i].count > 0 ? stats[i].worst_excess : -std::numeric_limits<double>::max(),
+                 world_rank};
+  }
+  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, maxima.data(), static_cast<int>(maxima.size()),
+                                 MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD));
+  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, counts.data(), static_cast<int>(counts.size()),
+                                 MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD));
+  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, flags.data(), static_cast<int>(flags.size()),
+                                 MPI_INT, MPI_MAX, MPI_COMM_WORLD));
+  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, excess.data(), static_cast<int>(n),
+                                 MPI_DOUBLE_INT, MPI_MAXLOC, MPI_COMM_WORLD));
+  std::vector<double> worst(3 * n, 0.0);  // index, actual, expected (from the winning rank)
+  for (size_t i = 0; i < n; ++i) {
+    if (excess[i].rank != world_rank || stats[i].count == 0) continue;
+    worst[3 * i] = static_cast<double>(stats[i].worst_index);
+    worst[3 * i + 1] = stats[i].worst_actual;
+    worst[3 * i + 2] = stats[i].worst_expected;
+  }
+  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, worst.data(), static_cast<int>(worst.size()),
+                                 MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
+  std::vector<TensorCheck> checks;
+  for (size_t i = 0; i < n; ++i) {
+    TensorCheck c;
+    c.name = refs[i].name;
+    c.full_shape = refs[i].full_shape;
+    c.max_abs = maxima[2 * i];
+    c.max_rel = maxima[2 * i + 1];
+    c.scale = scales[i];
+    c.normalized = c.scale > 0 ? c.max_abs / c.scale : 0.0;
+    c.allowed = ToleranceFor(refs[i].budget, storage).rtol;
+    c.count = counts[3 * i];
+    c.mismatches = counts[3 * i + 1];
+    c.non_finite = counts[3 * i + 2];
+    c.missing = flags[2 * i] != 0;
+    c.not_produced = flags[2 * i + 1] == 0;
+    if (c.count > 0) {
+      c.worst_index = IndexString(c.full_shape, static_cast<int64_t>(worst[3 * i]));
+      c.worst_actual = worst[3 * i + 1];
+      c.worst_expected = worst[3 * i + 2];
+    }
+    checks.push_back(std::move(c));
+  }
+  return checks;
+}
+
+// The memory figures of CheckResult, reduced over ranks.
+void MeasureMemory(const ReferenceResult& reference, const std::vector<TensorRecord>& records,
+                   CheckResult* result) {
+  std::vector<const Tensor*> whole, rows;
+  for (const ReferenceTensor& t : reference.tensors) {
+    (t.layout == Layout::kWhole ? whole : rows).push_back(&t.value);
+  }
+  std::vector<const Tensor*> own;
+  for (const TensorRecord& r : records) own.push_back(&r.tensor);
+  const int64_t whole_bytes = DistinctBytes(whole);
+  long long maxima[3] = {reference.row_end - reference.row_begin,
+                         whole_bytes + DistinctBytes(rows), DistinctBytes(own)};
+  long long row_bytes = DistinctBytes(rows);
+  MPUSIM_MPI_CHECK(
+      MPI_Allreduce(MPI_IN_PLACE, maxima, 3, MPI_LONG_LONG, MPI_MAX, MPI_COMM_WORLD));
+  MPUSIM_MPI_CHECK(
+      MPI_Allreduce(MPI_IN_PLACE, &row_bytes, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD));
+  result->reference_rows_max = maxima[0];
+  result->reference_bytes_max = maxima[1];
+  result->record_bytes_max = maxima[2];
+  result->reference_bytes_whole = whole_bytes + row_bytes;
 }
 
 }  // namespace
@@ -368,9 +538,7 @@ StatusOr<CheckResult> CheckAgainstReference(const Config& config,
   const size_t n = refs.size();
 
   // Whole tensors: the slices' shares of gradients and of the loss add up.
-  for (ReferenceTensor& t : refs) {
-    if (t.layout == Layout::kWhole && t.partial) AllReduceSum(t.value.data_as<double>(), t.value.numel());
-  }
+  SumShares(refs);
   std::vector<double> scales(n);
   for (size_t i = 0; i < n; ++i) scales[i] = MaxAbs(refs[i].value);
   MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, scales.data(), static_cast<int>(n), MPI_DOUBLE,
@@ -402,23 +570,18 @@ StatusOr<CheckResult> CheckAgainstReference(const Config& config,
     CompareWhole(*mine[i], host, refs[i].value, tolerances[i], &stats[i]);
   }
 
-  // Row tensors: rounds of at most kExchangeBytes per rank, as many as the largest shard needs.
-  std::vector<long long> rounds(n, 0);
-  for (size_t i = 0; i < n; ++i) {
-    if (refs[i].layout != Layout::kRows || mine[i] == nullptr) continue;
-    const int64_t bytes = static_cast<int64_t>(mine[i]->tensor.bytes());
-    rounds[i] = std::max<int64_t>(1, (bytes + kExchangeBytes - 1) / kExchangeBytes);
-  }
-  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, rounds.data(), static_cast<int>(n), MPI_LONG_LONG,
-                                 MPI_MAX, MPI_COMM_WORLD));
-  // A tensor recorded under two names (a layer's input is the previous layer's output) is
-  // compared once: when the reference and, on every rank, the record share storage with an
-  // earlier tensor's, the earlier tensor's statistics stand for both.
-  std::vector<int> alias_low(n, -1), alias_high(n, -1);
+  // Row tensors. One reduction agrees on each tensor's largest shard (bytes) and on which
+  // tensors are one value under two names: a tensor whose reference and, on every rank, whose
+  // record share storage with an earlier tensor's (a layer's input is the previous layer's
+  // output) is compared once, and the earlier tensor's statistics stand for both.
+  // agreed: [0, n) largest bytes; [n, 2n) earlier index + 1; [2n, 3n) -(earlier index + 1),
+  // so that one MAX gives the largest and the smallest index any rank saw.
+  std::vector<long long> agreed(3 * n, 0);
   for (size_t j = 0; j < n; ++j) {
+    if (refs[j].layout != Layout::kRows) continue;
+    if (mine[j] != nullptr) agreed[j] = static_cast<long long>(mine[j]->tensor.bytes());
     for (size_t i = 0; i < j; ++i) {
       const bool same_reference = refs[i].layout == Layout::kRows &&
-                                  refs[j].layout == Layout::kRows &&
                                   refs[i].value.data() == refs[j].value.data() &&
                                   refs[i].full_shape == refs[j].full_shape;
       const bool same_record =
@@ -428,41 +591,72 @@ StatusOr<CheckResult> CheckAgainstReference(const Config& config,
            mine[i]->tensor.dtype() == mine[j]->tensor.dtype() &&
            ShardMetadataEqual(*mine[i], *mine[j]));
       if (same_reference && same_record) {
-        alias_low[j] = alias_high[j] = static_cast<int>(i);
+        agreed[n + j] = static_cast<long long>(i) + 1;
+        agreed[2 * n + j] = -agreed[n + j];
         break;
       }
     }
   }
-  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, alias_low.data(), static_cast<int>(n), MPI_INT,
-                                 MPI_MIN, MPI_COMM_WORLD));
-  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, alias_high.data(), static_cast<int>(n), MPI_INT,
-                                 MPI_MAX, MPI_COMM_WORLD));
-  RowExchange exchange(partition, world_size, config.parallel.tensor_model_parallel_size);
-  for (size_t i = 0; i < n; ++i) {
-    if (refs[i].layout != Layout::kRows) continue;
-    if (alias_low[i] >= 0 && alias_low[i] == alias_high[i]) {
-      stats[i] = stats[static_cast<size_t>(alias_low[i])];
-      continue;
-    }
-    Tensor host;
-    int64_t local_rows = 0;
-    if (mine[i] != nullptr) {
-      host = fetch(*mine[i]);
-      if (host.shape() != LocalShape(mine[i]->shard, mine[i]->full_shape) ||
-          host.shape().size() < 2) {
-        throw std::logic_error(fmt::format("record {}: local shape {} does not fit its shard of {}",
-                                           mine[i]->name, ShapeString(host.shape()),
-                                           ShapeString(mine[i]->full_shape)));
+  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, agreed.data(), static_cast<int>(agreed.size()),
+                                 MPI_LONG_LONG, MPI_MAX, MPI_COMM_WORLD));
+  const auto alias_of = [&](size_t j) -> int64_t {  // -1: compared on its own
+    return agreed[n + j] > 0 && agreed[n + j] == -agreed[2 * n + j] ? agreed[n + j] - 1 : -1;
+  };
+
+  // Each tensor goes in ceil(bytes / kExchangeBytes) parts; consecutive parts share one
+  // exchange while their largest sizes add up to at most kExchangeBytes (a small model's
+  // tensors all go in one), so that a job on many ranks makes few collectives.
+  std::vector<RowTarget> targets(n);
+  for (size_t i = 0; i < n; ++i) targets[i] = {&refs[i], tolerances[i], &stats[i]};
+  RowExchange exchange(partition, world_size, config.parallel.tensor_model_parallel_size,
+                       reference->row_begin, std::move(targets));
+  std::map<size_t, Tensor> hosts;  // host copies of the tensors with parts still to send
+  std::vector<std::pair<size_t, int64_t>> group;  // (tensor, part)
+  int64_t group_bytes = 0;
+  const auto parts_of = [&](size_t i) {
+    return std::max<int64_t>(1, (agreed[i] + kExchangeBytes - 1) / kExchangeBytes);
+  };
+  const auto flush = [&]() {
+    std::vector<RowPart> parts;
+    for (const auto& [i, part] : group) {
+      RowPart p{i, mine[i], nullptr, 0, 0};
+      if (mine[i] != nullptr) {
+        auto it = hosts.find(i);
+        if (it == hosts.end()) it = hosts.emplace(i, fetch(*mine[i])).first;
+        const Tensor& host = it->second;
+        if (host.shape() != LocalShape(mine[i]->shard, mine[i]->full_shape) ||
+            host.shape().size() < 2) {
+          throw std::logic_error(fmt::format(
+              "record {}: local shape {} does not fit its shard of {}", mine[i]->name,
+              ShapeString(host.shape()), ShapeString(mine[i]->full_shape)));
+        }
+        const int64_t local_rows = host.shape()[0] * host.shape()[1];
+        const int64_t per_part = (local_rows + parts_of(i) - 1) / parts_of(i);
+        p.host = &host;
+        p.first = std::min(local_rows, part * per_part);
+        p.last = std::min(local_rows, p.first + per_part);
       }
-      local_rows = host.shape()[0] * host.shape()[1];
+      parts.push_back(p);
     }
-    const int64_t per_round = (local_rows + rounds[i] - 1) / std::max<long long>(rounds[i], 1);
-    for (int64_t round = 0; round < rounds[i]; ++round) {
-      const int64_t first = std::min(local_rows, round * per_round);
-      const int64_t last = std::min(local_rows, first + per_round);
-      exchange.Round(refs[i], reference->row_begin, mine[i], &host, first, last, tolerances[i],
-                     &stats[i]);
+    exchange.Exchange(parts);
+    for (const auto& [i, part] : group) {
+      if (part + 1 == parts_of(i)) hosts.erase(i);
     }
+    group.clear();
+    group_bytes = 0;
+  };
+  for (size_t i = 0; i < n; ++i) {
+    if (refs[i].layout != Layout::kRows || alias_of(i) >= 0 || agreed[i] == 0) continue;
+    const int64_t part_bytes = (agreed[i] + parts_of(i) - 1) / parts_of(i);
+    for (int64_t part = 0; part < parts_of(i); ++part) {
+      if (!group.empty() && group_bytes + part_bytes > kExchangeBytes) flush();
+      group.emplace_back(i, part);
+      group_bytes += part_bytes;
+    }
+  }
+  if (!group.empty()) flush();
+  for (size_t j = 0; j < n; ++j) {
+    if (alias_of(j) >= 0) stats[j] = stats[static_cast<size_t>(alias_of(j))];
   }
 
   // Records the reference does not know, on any rank.
@@ -470,87 +664,13 @@ StatusOr<CheckResult> CheckAgainstReference(const Config& config,
   for (const auto& [name, record] : by_name) unknown.push_back(name);
   const std::vector<std::string> run_only = RunOnlyNames(unknown, world_size);
 
-  // Reduce over ranks: maxima, counts, flags, and the worst element (MAXLOC on its excess).
-  std::vector<double> maxima(2 * n);
-  std::vector<long long> counts(3 * n);
-  struct Excess {
-    double value;
-    int rank;
-  };
-  std::vector<Excess> excess(n);
-  for (size_t i = 0; i < n; ++i) {
-    maxima[2 * i] = stats[i].max_abs;
-    maxima[2 * i + 1] = stats[i].max_rel;
-    counts[3 * i] = stats[i].count;
-    counts[3 * i + 1] = stats[i].mismatches;
-    counts[3 * i + 2] = stats[i].non_finite;
-    excess[i] = {stats[i].count > 0 ? stats[i].worst_excess : -std::numeric_limits<double>::max(),
-                 world_rank};
-  }
-  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, maxima.data(), static_cast<int>(maxima.size()),
-                                 MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD));
-  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, counts.data(), static_cast<int>(counts.size()),
-                                 MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD));
-  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, flags.data(), static_cast<int>(flags.size()),
-                                 MPI_INT, MPI_MAX, MPI_COMM_WORLD));
-  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, excess.data(), static_cast<int>(n),
-                                 MPI_DOUBLE_INT, MPI_MAXLOC, MPI_COMM_WORLD));
-  std::vector<double> worst(3 * n, 0.0);  // index, actual, expected (from the winning rank)
-  for (size_t i = 0; i < n; ++i) {
-    if (excess[i].rank != world_rank || stats[i].count == 0) continue;
-    worst[3 * i] = static_cast<double>(stats[i].worst_index);
-    worst[3 * i + 1] = stats[i].worst_actual;
-    worst[3 * i + 2] = stats[i].worst_expected;
-  }
-  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, worst.data(), static_cast<int>(worst.size()),
-                                 MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
-
   CheckResult result;
-  {
-    const auto value = [](const ReferenceTensor& t) -> const Tensor& { return t.value; };
-    std::vector<ReferenceTensor> whole, rows;
-    for (const ReferenceTensor& t : refs) (t.layout == Layout::kWhole ? whole : rows).push_back(t);
-    const int64_t whole_bytes = DistinctBytes(whole, value);
-    long long maxima_bytes[3] = {reference->row_end - reference->row_begin,
-                                 whole_bytes + DistinctBytes(rows, value),
-                                 DistinctBytes(records, [](const TensorRecord& r) -> const Tensor& {
-                                   return r.tensor;
-                                 })};
-    long long row_bytes = DistinctBytes(rows, value);
-    MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, maxima_bytes, 3, MPI_LONG_LONG, MPI_MAX,
-                                   MPI_COMM_WORLD));
-    MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &row_bytes, 1, MPI_LONG_LONG, MPI_SUM,
-                                   MPI_COMM_WORLD));
-    result.reference_rows_max = maxima_bytes[0];
-    result.reference_bytes_max = maxima_bytes[1];
-    result.record_bytes_max = maxima_bytes[2];
-    result.reference_bytes_whole = whole_bytes + row_bytes;
+  result.tensors = ReduceOverRanks(refs, scales, stats, flags, config.run->dtype, world_rank);
+  if (const ReferenceTensor* loss = reference->Find("loss")) {
+    result.has_loss = true;
+    result.reference_loss = loss->value.data_as<double>()[0];
   }
-  for (size_t i = 0; i < n; ++i) {
-    TensorCheck c;
-    c.name = refs[i].name;
-    c.full_shape = refs[i].full_shape;
-    c.max_abs = maxima[2 * i];
-    c.max_rel = maxima[2 * i + 1];
-    c.scale = scales[i];
-    c.normalized = c.scale > 0 ? c.max_abs / c.scale : 0.0;
-    c.allowed = ToleranceFor(refs[i].budget, config.run->dtype).rtol;
-    c.count = counts[3 * i];
-    c.mismatches = counts[3 * i + 1];
-    c.non_finite = counts[3 * i + 2];
-    c.missing = flags[2 * i] != 0;
-    c.not_produced = flags[2 * i + 1] == 0;
-    if (c.count > 0) {
-      c.worst_index = IndexString(c.full_shape, static_cast<int64_t>(worst[3 * i]));
-      c.worst_actual = worst[3 * i + 1];
-      c.worst_expected = worst[3 * i + 2];
-    }
-    if (c.name == "loss") {
-      result.has_loss = true;
-      result.reference_loss = refs[i].value.data_as<double>()[0];
-    }
-    result.tensors.push_back(std::move(c));
-  }
+  MeasureMemory(*reference, records, &result);
   for (const std::string& name : run_only) {
     TensorCheck c;
     c.name = name;

@@ -252,13 +252,21 @@ void EigenKernels::DoSumRows(const Tensor& x, double beta, Tensor& out) {
     return;
   }
   Dispatch(x.dtype(), [&]<typename T>() {
+    // Column sums accumulated row after row (sum_j = x_0j + x_1j + ... in that order, as the
+    // CUDA kernel adds them), one vectorised pass over the row-major rows; then
+    // out = beta * out + sum.
+    const auto m = MatrixOf<T>(x);
+    Eigen::Array<T, 1, Eigen::Dynamic> sum = Eigen::Array<T, 1, Eigen::Dynamic>::Zero(Cols(x));
+    for (int64_t i = 0; i < Rows(x); ++i) sum += m.row(i).array();
     auto o = ArrayOf<T>(out);
     if (beta == 0.0) {
-      o.setZero();
+      o = sum.transpose();
+    } else if (Rows(x) > 0) {
+      if (beta != 1.0) o *= static_cast<T>(beta);
+      o += sum.transpose();
     } else if (beta != 1.0) {
       o *= static_cast<T>(beta);
     }
-    if (x.numel() > 0) o += MatrixOf<T>(x).colwise().sum().transpose().array();
   });
 }
 
