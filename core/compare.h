@@ -54,9 +54,9 @@ struct Tolerance {
 //   |a - e| <= lambda * sigma * (max|e| + |e|),   lambda = kToleranceSafety,
 // which grows with the reduction length (sqrt(n)), so it holds for a 2048-token weight
 // gradient as for an 8-token one, while a real bug (a skipped all-reduce, a wrong shard)
-// gives errors of the order of max|e| itself. lambda is calibrated, not derived: the largest
-// errors measured on every sample and benchmark config, in every dtype, stay below lambda/4
-// of sigma (bench/tolerance_margins.sh; README "Checks and tolerances").
+// gives errors of the order of max|e| itself. lambda is calibrated, not derived: on every
+// sample and benchmark config, in every dtype, the largest error is 0.10 of its allowance,
+// i.e. 0.8 sigma (bench/tolerance_margins.py; README "Checks and tolerances").
 struct ErrorBudget {
   double roundings = 0;
   double terms = 0;

@@ -5,8 +5,9 @@
 // computes the reference once, split K ways, and no rank holds more than its share of the
 // reference's activations. Then, tensor by tensor:
 //   row tensors (activations, tokens, labels, per-token losses): every rank sends the rows of
-//     its shard to the ranks whose slices hold them (MPI_Alltoallv, in rounds of at most
-//     kExchangeBytes per rank), and each rank compares what it receives with its slice;
+//     its shard to the ranks whose slices hold them, and each rank compares what it receives
+//     with its slice; tensors share exchanges (one MPI_Alltoallv each) of at most
+//     kExchangeBytes per rank, so a small model's check is one exchange at any rank count;
 //   whole tensors (parameters, gradients, the loss): the gradient and loss shares of the
 //     slices are summed (MPI_Allreduce), and each rank compares its own shard.
 // The statistics are then reduced over all ranks. Every element of every recorded tensor is
@@ -72,7 +73,7 @@ StatusOr<CheckResult> CheckAgainstReference(const Config& config,
                                             const std::vector<TensorRecord>& records,
                                             const HostFetch& fetch);
 
-// Bytes a rank sends per exchange round: bounds the exchange buffers.
+// Bytes a rank sends per exchange (and sums per packed all-reduce): bounds the buffers.
 inline constexpr int64_t kExchangeBytes = int64_t{32} << 20;
 
 }  // namespace mpusim::run
