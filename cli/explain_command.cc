@@ -19,7 +19,7 @@ class ExplainCommand : public Command {
   explicit ExplainCommand(CLI::App* parent) {
     app_ = parent->add_subcommand(
         "explain", "Show how each weight of the model is sliced across tensor-parallel ranks");
-    app_->footer("Example:\n  mpusim explain sample_configs/lab_mlp_t16_n16.json");
+    app_->footer("Example:\n  mpusim explain sample_configs/lab_column_parallel_t16_n16.json");
     config_.Register(app_);
   }
   CLI::App* app() override { return app_; }

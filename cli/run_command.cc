@@ -24,7 +24,7 @@ class RunCommand : public Command {
                "float64 reference");
     app_->footer(
         "Launch with one MPI rank per GPU of the config's world_size, e.g.\n"
-        "  mpirun -n 16 --oversubscribe mpusim run sample_configs/lab_mlp_t16_n16.json\n"
+        "  mpirun -n 8 --oversubscribe mpusim run sample_configs/lab_mlp_lm_t4_dp2_n8.json\n"
         "Exit codes: 0 every tensor matches the reference, 1 a mismatch, 2 bad input.");
     app_->add_option("CONFIG", options_.config_path, "config file with parallel, model, run")
         ->required();
@@ -32,14 +32,16 @@ class RunCommand : public Command {
                      "write every rank's tensors to DIR/rankNNNNN.safetensors + manifest.json");
     app_->add_flag("!--no-check", options_.check, "skip the float64 reference check");
     app_->add_option("--backend", options_.backend,
-                     "cpu (Eigen/OpenBLAS + MPI) or cuda (CUDA/cuBLAS + NCCL); default cpu")
+                     "cpu (Eigen/OpenBLAS + MPI) or cuda (CUDA/cuBLAS + NCCL, loaded from the "
+                     "plugin libmpusim_backend_cuda.so next to the program); default cpu")
         ->check(CLI::IsMember({"cpu", "cuda"}));
     app_->add_option("--comm", options_.comm,
                      "cuda backend collectives: nccl (one GPU per rank) or mpi (host-staged, "
                      "several ranks may share a GPU); default nccl")
         ->check(CLI::IsMember({"nccl", "mpi"}));
     app_->add_option("--repeat", options_.repeat,
-                     "run the step N times and print the median time (benchmarks)")
+                     "run the step N times, each from zero gradients, and print the median time "
+                     "(benchmarks)")
         ->check(CLI::Range(1, 1000));
   }
   CLI::App* app() override { return app_; }
