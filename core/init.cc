@@ -88,17 +88,24 @@ void ForEachElement(const std::vector<std::vector<int64_t>>& offsets, const Shap
   }
 }
 
-template <typename T>
-void FillTyped(uint64_t seed, uint64_t stream, double scale, const ShardSpec& shard,
-               const Shape& full_shape, Tensor& host_out) {
-  T* out = host_out.data_as<T>();
-  ForEachElement(FlatOffsets(shard, full_shape, host_out.shape()), host_out.shape(),
-                 [&](int64_t local_flat, int64_t global_flat) {
-                   // The same expression as MasterValue, so both give the same bits.
-                   const double value =
-                       scale * NormalAt(seed, stream, static_cast<uint64_t>(global_flat));
-                   out[local_flat] = RoundTo<T>(value);
-                 });
+// Fills host_out with master values of `name`: visit(fn) calls fn(local_flat, global_flat)
+// for every element of host_out. Zeros for kZeros (an explicit fill: the caller's buffer need
+// not be zeroed), else the same expression as MasterValue, so that both give the same bits.
+template <typename Visit>
+void FillMaster(uint64_t seed, std::string_view name, const InitSpec& spec,
+                const Shape& full_shape, Tensor& host_out, Visit&& visit) {
+  if (spec.method == InitMethod::kZeros) {
+    std::memset(host_out.data(), 0, host_out.bytes());
+    return;
+  }
+  const uint64_t stream = StreamId(name);
+  const double scale = NormalScale(spec, full_shape);
+  DispatchStorage(host_out.dtype(), [&]<typename T>() {
+    T* out = host_out.data_as<T>();
+    visit([&](int64_t local_flat, int64_t global_flat) {
+      out[local_flat] = RoundTo<T>(scale * NormalAt(seed, stream, static_cast<uint64_t>(global_flat)));
+    });
+  });
 }
 
 // "[i, j]": the multi-index of `flat` in `shape`, for error messages.
@@ -227,18 +234,8 @@ void FillFlatRange(uint64_t seed, std::string_view name, const InitSpec& spec,
     throw std::out_of_range(fmt::format("FillFlatRange('{}'): elements [{}, {}) outside {}", name,
                                         first_flat, first_flat + n, ShapeString(full_shape)));
   }
-  if (spec.method == InitMethod::kZeros) {
-    std::memset(host_out.data(), 0, host_out.bytes());
-    return;
-  }
-  const uint64_t stream = StreamId(name);
-  const double scale = NormalScale(spec, full_shape);
-  DispatchStorage(host_out.dtype(), [&]<typename T>() {
-    T* out = host_out.data_as<T>();
-    for (int64_t e = 0; e < n; ++e) {
-      // The same expression as MasterValue, so both give the same bits.
-      out[e] = RoundTo<T>(scale * NormalAt(seed, stream, static_cast<uint64_t>(first_flat + e)));
-    }
+  FillMaster(seed, name, spec, full_shape, host_out, [&](auto&& fn) {
+    for (int64_t e = 0; e < n; ++e) fn(e, first_flat + e);
   });
 }
 
@@ -255,15 +252,8 @@ void FillShard(uint64_t seed, std::string_view name, const InitSpec& spec, const
                     ShapeString(local), ShapeString(host_out.shape()),
                     host_out.device() == Device::kHost ? "" : " on the device"));
   }
-  if (spec.method == InitMethod::kZeros) {
-    // Explicit fill: the caller's buffer need not be zeroed.
-    std::memset(host_out.data(), 0, host_out.bytes());
-    return;
-  }
-  const uint64_t stream = StreamId(name);
-  const double scale = NormalScale(spec, full_shape);
-  DispatchStorage(host_out.dtype(), [&]<typename T>() {
-    FillTyped<T>(seed, stream, scale, shard, full_shape, host_out);
+  FillMaster(seed, name, spec, full_shape, host_out, [&](auto&& fn) {
+    ForEachElement(FlatOffsets(shard, full_shape, local), local, fn);
   });
 }
 

@@ -15,9 +15,12 @@ namespace mpusim {
 // The largest of every rank's `code` (exit codes: the worst wins).
 int AgreeOnWorst(int code);
 
-// Collective: every rank passes its error message ("" for none). Returns whether any rank
-// failed; on rank 0, appends one line per distinct message to *lines, prefixed with the ranks
-// that reported it ("ranks 0,2: ...") unless every rank did.
+// Every rank's `mine`, in rank order, on every rank (collective).
+std::vector<std::string> AllGatherStrings(const std::string& mine);
+
+// Collective: every rank passes its error message ("" for none). Returns, on every rank,
+// whether any rank failed; on rank 0, appends one line per distinct message to *lines,
+// prefixed with the ranks that reported it ("ranks 0,2: ...") unless every rank did.
 bool GatherErrors(const std::string& message, std::vector<std::string>* lines);
 
 }  // namespace mpusim

@@ -27,6 +27,7 @@
 #include "core/half.h"
 #include "core/init.h"
 #include "core/sharding.h"
+#include "mpi/agree.h"
 #include "mpi/mpi_check.h"
 #include "reference/reference_model.h"
 
@@ -300,26 +301,16 @@ class RowExchange {
 
 // The names of records that no reference tensor matches, on any rank (sorted, the same on
 // every rank).
-std::vector<std::string> RunOnlyNames(const std::vector<std::string>& mine, int world_size) {
+std::vector<std::string> RunOnlyNames(const std::vector<std::string>& mine) {
   std::string joined;
   for (const std::string& name : mine) joined += name + '\n';
-  int length = static_cast<int>(joined.size());
-  std::vector<int> lengths(static_cast<size_t>(world_size)), offsets(lengths.size());
-  MPUSIM_MPI_CHECK(
-      MPI_Allgather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, MPI_COMM_WORLD));
-  int total = 0;
-  for (size_t i = 0; i < lengths.size(); ++i) {
-    offsets[i] = total;
-    total += lengths[i];
-  }
-  std::string all(static_cast<size_t>(total), '\0');
-  MPUSIM_MPI_CHECK(MPI_Allgatherv(joined.data(), length, MPI_CHAR, all.data(), lengths.data(),
-                                  offsets.data(), MPI_CHAR, MPI_COMM_WORLD));
   std::set<std::string> names;
-  size_t start = 0;
-  for (size_t end = all.find('\n'); end != std::string::npos; end = all.find('\n', start)) {
-    names.insert(all.substr(start, end - start));
-    start = end + 1;
+  for (const std::string& all : AllGatherStrings(joined)) {
+    size_t start = 0;
+    for (size_t end = all.find('\n'); end != std::string::npos; end = all.find('\n', start)) {
+      names.insert(all.substr(start, end - start));
+      start = end + 1;
+    }
   }
   return {names.begin(), names.end()};
 }
@@ -662,7 +653,7 @@ StatusOr<CheckResult> CheckAgainstReference(const Config& config,
   // Records the reference does not know, on any rank.
   std::vector<std::string> unknown;
   for (const auto& [name, record] : by_name) unknown.push_back(name);
-  const std::vector<std::string> run_only = RunOnlyNames(unknown, world_size);
+  const std::vector<std::string> run_only = RunOnlyNames(unknown);
 
   CheckResult result;
   result.tensors = ReduceOverRanks(refs, scales, stats, flags, config.run->dtype, world_rank);

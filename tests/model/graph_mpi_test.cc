@@ -115,6 +115,22 @@ json RunSection(const char* dtype, int64_t seq = 8, int64_t micro_batch = 2, int
           {"num_microbatches", microbatches}};
 }
 
+// The MLP block: ColumnParallelLinear(h -> f) -> GeLU -> RowParallelLinear(f -> h).
+json MlpBlock(int64_t hidden, int64_t ffn) {
+  return {{"layers",
+           {{{"name", "fc1"},
+             {"type", "ColumnParallelLinear"},
+             {"input_size", hidden},
+             {"output_size", ffn},
+             {"gather_output", false}},
+            {{"name", "gelu"}, {"type", "GeLU"}},
+            {{"name", "fc2"},
+             {"type", "RowParallelLinear"},
+             {"input_size", ffn},
+             {"output_size", hidden},
+             {"input_is_parallel", true}}}}};
+}
+
 // Every tp size that divides the world (the rest is data parallel).
 std::vector<int64_t> TensorParallelSizes() {
   std::vector<int64_t> sizes;
@@ -332,18 +348,7 @@ TEST(GraphVsReference, RecomputeIsBitIdentical) {
 // sequence parallelism all-gathers and reduce-scatters instead.
 TEST(GraphVsReference, CollectivesPerMlpBlock) {
   if (WorldSize() == 1) GTEST_SKIP() << "no collectives on one rank";
-  const json mlp = {{"layers",
-                     {{{"name", "fc1"},
-                       {"type", "ColumnParallelLinear"},
-                       {"input_size", 16},
-                       {"output_size", 64},
-                       {"gather_output", false}},
-                      {{"name", "gelu"}, {"type", "GeLU"}},
-                      {{"name", "fc2"},
-                       {"type", "RowParallelLinear"},
-                       {"input_size", 64},
-                       {"output_size", 16},
-                       {"input_is_parallel", true}}}}};
+  const json mlp = MlpBlock(16, 64);
   auto count = [](const CommTrace& trace, Phase phase, CommOpKind op) {
     int n = 0;
     for (const CommRecord& r : trace.records()) n += r.phase == phase && r.op == op ? 1 : 0;
@@ -408,18 +413,7 @@ class DroppingBackend final : public Backend {
 
 TEST(GraphVsReference, ASkippedAllReduceFailsTheCheck) {
   if (WorldSize() == 1) GTEST_SKIP() << "no all-reduce on one rank";
-  const json mlp = {{"layers",
-                     {{{"name", "fc1"},
-                       {"type", "ColumnParallelLinear"},
-                       {"input_size", 128},
-                       {"output_size", 512},
-                       {"gather_output", false}},
-                      {{"name", "gelu"}, {"type", "GeLU"}},
-                      {{"name", "fc2"},
-                       {"type", "RowParallelLinear"},
-                       {"input_size", 512},
-                       {"output_size", 128},
-                       {"input_is_parallel", true}}}}};
+  const json mlp = MlpBlock(128, 512);
   for (const char* dtype : {"float32", "bfloat16"}) {
     SCOPED_TRACE(dtype);
     const Config config = MakeConfig(
