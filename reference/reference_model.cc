@@ -665,6 +665,14 @@ Tensor IdsTensor(const std::vector<int64_t>& ids) {
 
 // The slice being computed and what it records.
 struct SliceRun {
+  SliceRun(const Plan& p, int64_t begin, int64_t end, Parameters* parameters)
+      : plan(p),
+        row_begin(begin),
+        rows(end - begin),
+        params(parameters),
+        weight_grad_budget(p.layers.size()),
+        bias_grad_budget(p.layers.size()) {}
+
   const Plan& plan;
   int64_t row_begin;
   int64_t rows;
@@ -966,9 +974,7 @@ StatusOr<ReferenceResult> RunReferenceWithOverrides(
   Parameters params;
   MPUSIM_RETURN_IF_ERROR(InitParameters(plan, parameter_overrides, &params));
 
-  SliceRun slice_run{plan, slice.row_begin, row_end - slice.row_begin, &params, {}, {}, {}, {}, 0};
-  slice_run.weight_grad_budget.assign(plan.layers.size(), ErrorBudget{});
-  slice_run.bias_grad_budget.assign(plan.layers.size(), ErrorBudget{});
+  SliceRun slice_run(plan, slice.row_begin, row_end, &params);
   for (int64_t m = 0; m < plan.sizes.num_micro; ++m) {
     slice_run.MicroBatch(m, m + 1 == plan.sizes.num_micro);
   }
