@@ -23,13 +23,6 @@
 
 namespace mpusim::run {
 
-// What one rank measured of its own memory (bytes), and what the job's ranks did together.
-struct MemoryReport {
-  int64_t peak_rss = 0;         // this rank's high-water RSS (VmHWM)
-  int64_t job_peak_rss_max = 0;  // over all ranks
-  int64_t job_peak_rss_sum = 0;
-};
-
 struct SimulationResult {
   RankCoordinates coords;             // this rank's place in the layout
   // This rank's tensors (on the backend's device), kept only when asked for (a dump).

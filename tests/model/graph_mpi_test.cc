@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <functional>
+#include <map>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -458,6 +459,45 @@ TEST(GraphVsReference, FewerTokenRowsThanRanks) {
                                               {"run", RunSection("float64", 1, 1, 2)}});
   for (const run::TensorCheck& c : r.check.tensors) {
     EXPECT_GE(c.count, NumElements(c.full_shape)) << c.name;
+  }
+}
+
+// The check's other failures: a tensor the run records under an unknown name or with another
+// shape, a reference tensor no rank records, and a sharded tensor that one rank leaves out.
+TEST(GraphVsReference, MissingAndUnknownTensorsFail) {
+  CpuBackend backend;
+  const Config config = MakeConfig({{"parallel", Parallel(WorldSize())},
+                                    {"model", LanguageModel(0.0)},
+                                    {"run", RunSection("float64")}});
+  StatusOr<run::SimulationResult> r = run::Simulate(config, {false, 1, true}, backend);
+  ASSERT_TRUE(r.ok()) << r.status().Message();
+  std::vector<TensorRecord> records;
+  for (TensorRecord record : r->records) {
+    if (record.name == "fc2.output") continue;                 // nobody records it
+    if (record.name == "fc1.weight" && WorldRank() == 0) continue;  // rank 0's shard is missing
+    if (record.name == "gelu.output") record.name = "gelu.out";     // unknown to the reference
+    if (record.name == "head.weight") record.full_shape[0] += 1;    // wrong full shape
+    records.push_back(std::move(record));
+  }
+  StatusOr<run::CheckResult> checked =
+      run::CheckAgainstReference(config, records, [](const TensorRecord& t) { return t.tensor; });
+  ASSERT_TRUE(checked.ok()) << checked.status().Message();
+  std::map<std::string, const run::TensorCheck*> by_name;
+  for (const run::TensorCheck& c : checked->tensors) by_name[c.name] = &c;
+  ASSERT_EQ(by_name.count("fc2.output"), 1u);
+  EXPECT_TRUE(by_name["fc2.output"]->not_produced);
+  EXPECT_TRUE(by_name["gelu.out"]->missing);
+  EXPECT_TRUE(by_name["gelu.output"]->not_produced);
+  EXPECT_TRUE(by_name["head.weight"]->missing);
+  const run::TensorCheck& fc1 = *by_name["fc1.weight"];
+  EXPECT_FALSE(fc1.ok());
+  if (WorldSize() == 1) {
+    EXPECT_TRUE(fc1.not_produced);
+  } else {
+    EXPECT_LT(fc1.count, NumElements(fc1.full_shape));  // tp = K: every shard is needed
+  }
+  for (const char* name : {"fc1.output", "fc2.weight_grad", "loss"}) {
+    EXPECT_TRUE(by_name[name]->ok()) << name;
   }
 }
 
