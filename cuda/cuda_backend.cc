@@ -21,11 +21,10 @@
 #include "cuda/nccl_communicator.h"
 #include "mpi/mpi_check.h"
 #include "mpi/mpi_communicator.h"
+#include "mpi/watchdog.h"
 
 namespace mpusim::cuda {
 namespace {
-
-constexpr double kDefaultNcclTimeoutS = 300;
 
 bool MpiRunning() {
   int initialized = 0;
@@ -84,10 +83,11 @@ class CudaBackend final : public Backend {
   CudaKernels kernels_;
 };
 
-// MPUSIM_NCCL_TIMEOUT_S, or the default when unset.
+// MPUSIM_NCCL_TIMEOUT_S when set, else the communication timeout of the MPI watchdog
+// (`mpusim run --timeout`, mpi/watchdog.h), so that NCCL and MPI collectives give up together.
 StatusOr<double> NcclTimeout() {
   const char* text = std::getenv("MPUSIM_NCCL_TIMEOUT_S");
-  if (text == nullptr || text[0] == '\0') return kDefaultNcclTimeoutS;
+  if (text == nullptr || text[0] == '\0') return CommTimeout();
   char* end = nullptr;
   const double seconds = std::strtod(text, &end);
   if (end == text || *end != '\0' || !std::isfinite(seconds) || seconds <= 0) {
@@ -121,7 +121,7 @@ StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const std::string& comm) {
   }
 
   Status status;
-  double nccl_timeout_s = kDefaultNcclTimeoutS;
+  double nccl_timeout_s = CommTimeout();
   int device = -1;
   int device_count = 0;
   DeviceClaim claim;
@@ -167,9 +167,9 @@ StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const std::string& comm) {
   // takes part in the exchange, whatever its own status.
   if (mpi && comm == "nccl") {
     std::vector<DeviceClaim> claims(static_cast<size_t>(local_size));
-    MPUSIM_MPI_CHECK(MPI_Allgather(&claim, static_cast<int>(sizeof(DeviceClaim)), MPI_BYTE,
-                                   claims.data(), static_cast<int>(sizeof(DeviceClaim)),
-                                   MPI_BYTE, node));
+    watched::Allgather(&claim, static_cast<int>(sizeof(DeviceClaim)), MPI_BYTE, claims.data(),
+                       static_cast<int>(sizeof(DeviceClaim)), MPI_BYTE, node,
+                       LabelOf(node, "node"));
     // Distinct GPUs among the usable claims (a node has a handful of ranks: pairwise is fine).
     int usable = 0;
     int distinct = 0;

@@ -17,8 +17,9 @@
 // (single-process tests) it acts as local rank 0 of 1. Errors are Statuses, never aborts:
 //   no device:  "--backend cuda: no CUDA device is visible (cudaGetDeviceCount: ...)"
 //   too many ranks for NCCL, an unusable device, a bad --comm or MPUSIM_NCCL_TIMEOUT_S.
-// Environment: MPUSIM_NCCL_TIMEOUT_S (seconds, default 300): how long an NCCL collective may
-// take before the job is aborted.
+// Timeout: how long an NCCL collective may take before the job is aborted is the MPI
+// watchdog's communication timeout (`mpusim run --timeout`, default 1800 s, mpi/watchdog.h)
+// unless the environment variable MPUSIM_NCCL_TIMEOUT_S (seconds) overrides it for NCCL.
 #pragma once
 
 #include <memory>

@@ -15,6 +15,7 @@
 #include "core/arg_checks.h"
 #include "cuda/cuda_check.h"
 #include "mpi/mpi_check.h"
+#include "mpi/watchdog.h"
 
 namespace mpusim::cuda {
 namespace {
@@ -54,7 +55,7 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::Create(const MpiCommunicator
                                                            cudaStream_t stream, double timeout_s) {
   ncclUniqueId id{};
   if (group.Rank() == 0) MPUSIM_NCCL_CHECK(ncclGetUniqueId(&id));
-  MPUSIM_MPI_CHECK(MPI_Bcast(&id, static_cast<int>(sizeof(id)), MPI_BYTE, 0, group.comm()));
+  watched::Bcast(&id, static_cast<int>(sizeof(id)), MPI_BYTE, 0, group.comm(), group.label());
   ncclComm_t comm = nullptr;
   MPUSIM_NCCL_CHECK(ncclCommInitRank(&comm, group.Size(), id, group.Rank()));
   return std::unique_ptr<NcclCommunicator>(new NcclCommunicator(

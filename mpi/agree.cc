@@ -9,12 +9,13 @@
 #include <fmt/ranges.h>
 
 #include "mpi/mpi_check.h"
+#include "mpi/watchdog.h"
 
 namespace mpusim {
 
 int AgreeOnWorst(int code) {
   int worst = code;
-  MPUSIM_MPI_CHECK(MPI_Allreduce(&code, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
+  watched::Allreduce(&code, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD, WorldLabel());
   return worst;
 }
 
@@ -23,16 +24,16 @@ std::vector<std::string> AllGatherStrings(const std::string& mine) {
   MPUSIM_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world_size));
   int length = static_cast<int>(mine.size());
   std::vector<int> lengths(static_cast<size_t>(world_size)), offsets(lengths.size());
-  MPUSIM_MPI_CHECK(
-      MPI_Allgather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, MPI_COMM_WORLD));
+  watched::Allgather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, MPI_COMM_WORLD,
+                     WorldLabel());
   int total = 0;
   for (size_t r = 0; r < lengths.size(); ++r) {
     offsets[r] = total;
     total += lengths[r];
   }
   std::string all(static_cast<size_t>(total), '\0');
-  MPUSIM_MPI_CHECK(MPI_Allgatherv(mine.data(), length, MPI_CHAR, all.data(), lengths.data(),
-                                  offsets.data(), MPI_CHAR, MPI_COMM_WORLD));
+  watched::Allgatherv(mine.data(), length, MPI_CHAR, all.data(), lengths.data(), offsets.data(),
+                      MPI_CHAR, MPI_COMM_WORLD, WorldLabel());
   std::vector<std::string> out;
   for (size_t r = 0; r < lengths.size(); ++r) {
     out.push_back(all.substr(static_cast<size_t>(offsets[r]), static_cast<size_t>(lengths[r])));

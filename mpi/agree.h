@@ -3,7 +3,7 @@
 // What it is: collectives over MPI_COMM_WORLD for the end of a step that may fail on some
 // ranks only (a missing GPU, a file that cannot be written): every rank learns whether any
 // rank failed, and rank 0 gets each distinct message once, so a problem shared by all ranks
-// is one line, not one per rank.
+// is one line, not one per rank. Every collective is watched (mpi/watchdog.h).
 // What it is not: an error handler for MPI itself (mpi_check.h).
 #pragma once
 

@@ -8,6 +8,8 @@
 
 #include <fmt/format.h>
 
+#include "core/status.h"
+
 namespace mpusim {
 namespace {
 
@@ -39,10 +41,10 @@ ProcessPlace WhereAmI() {
   return place;
 }
 
-void AbortJob(const std::string& line) {
-  std::fprintf(stderr, "%s\n", line.c_str());
+void AbortJob(const std::string& line, int exit_code) {
+  std::fprintf(stderr, "%s\n", EscapeControl(line).c_str());
   std::fflush(stderr);
-  if (MpiRunning()) MPI_Abort(MPI_COMM_WORLD, 1);
+  if (MpiRunning()) MPI_Abort(MPI_COMM_WORLD, exit_code);
   std::abort();
 }
 

@@ -34,9 +34,10 @@ struct ProcessPlace {
 };
 ProcessPlace WhereAmI();
 
-// Prints `line` to stderr, then ends the whole job: MPI_Abort when MPI is running (so no rank
-// is left waiting in a collective), std::abort otherwise.
-[[noreturn]] void AbortJob(const std::string& line);
+// Prints `line` to stderr (control characters escaped), then ends the whole job:
+// MPI_Abort(MPI_COMM_WORLD, exit_code) when MPI is running (so no rank is left waiting in a
+// collective; mpirun exits with that code), std::abort otherwise.
+[[noreturn]] void AbortJob(const std::string& line, int exit_code = 1);
 
 // Makes MPI return error codes on `comm` instead of aborting inside the library, so that
 // MPUSIM_MPI_CHECK sees them.

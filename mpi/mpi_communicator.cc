@@ -13,6 +13,7 @@
 #include "core/arg_checks.h"
 #include "core/half.h"
 #include "mpi/mpi_check.h"
+#include "mpi/watchdog.h"
 
 namespace mpusim {
 namespace {
@@ -98,6 +99,9 @@ MPI_Op MpiOp(DType dtype, ReduceOp op) {
   return op == ReduceOp::kSum ? ops->fp16_sum : ops->fp16_max;
 }
 
+// Send and Recv match on this tag (and on the communicator, which is the group's own).
+constexpr int kPointToPointTag = 0;
+
 // MPI counts are int; larger buffers would need derived datatypes, which nothing needs yet.
 int MpiCount(std::string_view function, int64_t numel) {
   if (numel > INT_MAX) Invalid(function, fmt::format("{} elements exceed MPI's int count", numel));
@@ -108,6 +112,13 @@ void CheckBuffer(std::string_view function, std::string_view name, const Tensor&
   CollectiveArgs("MpiCommunicator", Device::kHost, function).Buffer(name, tensor);
 }
 
+void CheckPeer(std::string_view function, int peer, int rank, int size) {
+  if (peer < 0 || peer >= size || peer == rank) {
+    Invalid(function, fmt::format("peer {} is not another rank of this group (rank {} of {})",
+                                  peer, rank, size));
+  }
+}
+
 void CheckChunked(std::string_view function, const Tensor& in, const Tensor& out,
                   const Tensor& small, const Tensor& big, int size) {
   CollectiveArgs("MpiCommunicator", Device::kHost, function).Chunked(in, out, small, big, size);
@@ -115,24 +126,30 @@ void CheckChunked(std::string_view function, const Tensor& in, const Tensor& out
 
 }  // namespace
 
-MpiCommunicator::MpiCommunicator(MPI_Comm comm) : comm_(comm) {
+MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::string kind) : comm_(comm) {
   SetErrorsReturn(comm_);
   MPUSIM_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
   MPUSIM_MPI_CHECK(MPI_Comm_size(comm_, &size_));
+  if (kind.empty()) {
+    int relation = MPI_UNEQUAL;
+    MPUSIM_MPI_CHECK(MPI_Comm_compare(comm_, MPI_COMM_WORLD, &relation));
+    kind = relation == MPI_CONGRUENT ? "world" : "comm";
+  }
+  label_ = LabelOf(comm_, std::move(kind));
 }
 
-std::unique_ptr<MpiCommunicator> MpiCommunicator::Adopt(MPI_Comm comm) {
+std::unique_ptr<MpiCommunicator> MpiCommunicator::Adopt(MPI_Comm comm, std::string kind) {
   if (comm == MPI_COMM_NULL) Invalid("Adopt", "MPI_COMM_NULL");
   if (comm == MPI_COMM_WORLD || comm == MPI_COMM_SELF) {
     Invalid("Adopt", "a predefined communicator cannot be owned (and freed); use Duplicate");
   }
-  return std::unique_ptr<MpiCommunicator>(new MpiCommunicator(comm));
+  return std::unique_ptr<MpiCommunicator>(new MpiCommunicator(comm, std::move(kind)));
 }
 
-std::unique_ptr<MpiCommunicator> MpiCommunicator::Duplicate(MPI_Comm comm) {
-  MPI_Comm copy = MPI_COMM_NULL;
-  MPUSIM_MPI_CHECK(MPI_Comm_dup(comm, &copy));
-  return Adopt(copy);
+std::unique_ptr<MpiCommunicator> MpiCommunicator::Duplicate(MPI_Comm comm, std::string kind) {
+  const CommLabel source =
+      LabelOf(comm, !kind.empty() ? kind : comm == MPI_COMM_WORLD ? "world" : "comm");
+  return Adopt(watched::CommDup(comm, source), std::move(kind));
 }
 
 MpiCommunicator::~MpiCommunicator() {
@@ -144,22 +161,22 @@ MpiCommunicator::~MpiCommunicator() {
 void MpiCommunicator::AllReduce(Tensor& buffer, ReduceOp op) {
   CheckBuffer("AllReduce", "buffer", buffer);
   const int count = MpiCount("AllReduce", buffer.numel());
-  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buffer.data(), count, MpiType(buffer.dtype()),
-                                 MpiOp(buffer.dtype(), op), comm_));
+  watched::Allreduce(MPI_IN_PLACE, buffer.data(), count, MpiType(buffer.dtype()),
+                     MpiOp(buffer.dtype(), op), comm_, label_);
 }
 
 void MpiCommunicator::AllGather(const Tensor& in, Tensor& out) {
   CheckChunked("AllGather", in, out, in, out, size_);
   const int count = MpiCount("AllGather", out.numel()) / size_;
   const MPI_Datatype type = MpiType(in.dtype());
-  MPUSIM_MPI_CHECK(MPI_Allgather(in.data(), count, type, out.data(), count, type, comm_));
+  watched::Allgather(in.data(), count, type, out.data(), count, type, comm_, label_);
 }
 
 void MpiCommunicator::ReduceScatter(const Tensor& in, Tensor& out) {
   CheckChunked("ReduceScatter", in, out, out, in, size_);
   const int count = MpiCount("ReduceScatter", in.numel()) / size_;
-  MPUSIM_MPI_CHECK(MPI_Reduce_scatter_block(in.data(), out.data(), count, MpiType(in.dtype()),
-                                            MpiOp(in.dtype(), ReduceOp::kSum), comm_));
+  watched::ReduceScatterBlock(in.data(), out.data(), count, MpiType(in.dtype()),
+                              MpiOp(in.dtype(), ReduceOp::kSum), comm_, label_);
 }
 
 void MpiCommunicator::Broadcast(Tensor& buffer, int root) {
@@ -168,7 +185,30 @@ void MpiCommunicator::Broadcast(Tensor& buffer, int root) {
     Invalid("Broadcast", fmt::format("root {} is outside the group of size {}", root, size_));
   }
   const int count = MpiCount("Broadcast", buffer.numel());
-  MPUSIM_MPI_CHECK(MPI_Bcast(buffer.data(), count, MpiType(buffer.dtype()), root, comm_));
+  watched::Bcast(buffer.data(), count, MpiType(buffer.dtype()), root, comm_, label_);
+}
+
+void MpiCommunicator::Send(const Tensor& buffer, int peer) {
+  CheckBuffer("Send", "buffer", buffer);
+  CheckPeer("Send", peer, rank_, size_);
+  const int count = MpiCount("Send", buffer.numel());
+  watched::Send(buffer.data(), count, MpiType(buffer.dtype()), peer, kPointToPointTag, comm_,
+                label_);
+}
+
+void MpiCommunicator::Recv(Tensor& buffer, int peer) {
+  CheckBuffer("Recv", "buffer", buffer);
+  CheckPeer("Recv", peer, rank_, size_);
+  const int count = MpiCount("Recv", buffer.numel());
+  const int received = watched::Recv(buffer.data(), count, MpiType(buffer.dtype()), peer,
+                                     kPointToPointTag, comm_, label_);
+  if (received != count) {
+    const ProcessPlace place = WhereAmI();
+    AbortJob(fmt::format("mpusim: rank {} (host {}): MpiCommunicator::Recv from group rank {} "
+                         "of {}: expected {} elements of {}, received {}",
+                         place.world_rank, place.host, peer, DescribeGroup(label_), count,
+                         DTypeName(buffer.dtype()), received));
+  }
 }
 
 std::map<std::string, std::unique_ptr<Communicator>> MakeGroupCommunicators(
@@ -203,7 +243,8 @@ std::map<std::string, std::unique_ptr<Communicator>> MakeGroupCommunicators(
   }
   const int local_ok = problem.empty() ? 1 : 0;
   int all_ok = 0;
-  MPUSIM_MPI_CHECK(MPI_Allreduce(&local_ok, &all_ok, 1, MPI_INT, MPI_LAND, world));
+  const CommLabel world_label = LabelOf(world, "world");
+  watched::Allreduce(&local_ok, &all_ok, 1, MPI_INT, MPI_LAND, world, world_label);
   if (all_ok == 0) {
     Invalid("MakeGroupCommunicators",
             problem.empty() ? std::string("another rank refused its arguments") : problem);
@@ -214,9 +255,8 @@ std::map<std::string, std::unique_ptr<Communicator>> MakeGroupCommunicators(
     const std::optional<GroupSlot> slot = topology.Locate(kind_indices[k], world_rank);
     const int color = slot.has_value() ? static_cast<int>(slot->group_index) : MPI_UNDEFINED;
     const int key = slot.has_value() ? static_cast<int>(slot->rank_in_group) : 0;
-    MPI_Comm comm = MPI_COMM_NULL;
-    MPUSIM_MPI_CHECK(MPI_Comm_split(world, color, key, &comm));
-    if (comm != MPI_COMM_NULL) out[kinds[k]] = MpiCommunicator::Adopt(comm);
+    const MPI_Comm comm = watched::CommSplit(world, color, key, world_label);
+    if (comm != MPI_COMM_NULL) out[kinds[k]] = MpiCommunicator::Adopt(comm, kinds[k]);
   }
   return out;
 }

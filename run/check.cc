@@ -29,6 +29,7 @@
 #include "core/sharding.h"
 #include "mpi/agree.h"
 #include "mpi/mpi_check.h"
+#include "mpi/watchdog.h"
 #include "reference/reference_model.h"
 
 namespace mpusim::run {
@@ -65,8 +66,8 @@ void AllReduceSum(double* data, int64_t n) {
   constexpr int64_t kPiece = int64_t{1} << 30;
   for (int64_t at = 0; at < n; at += kPiece) {
     const int count = static_cast<int>(std::min(kPiece, n - at));
-    MPUSIM_MPI_CHECK(
-        MPI_Allreduce(MPI_IN_PLACE, data + at, count, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
+    watched::Allreduce(MPI_IN_PLACE, data + at, count, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD,
+                       WorldLabel());
   }
 }
 
@@ -154,8 +155,8 @@ class RowExchange {
 
   void Exchange(const std::vector<RowPart>& parts) {
     Pack(parts);
-    MPUSIM_MPI_CHECK(MPI_Alltoall(send_counts_.data(), 1, MPI_INT, recv_counts_.data(), 1,
-                                  MPI_INT, MPI_COMM_WORLD));
+    watched::Alltoall(send_counts_.data(), 1, MPI_INT, recv_counts_.data(), 1, MPI_INT,
+                      MPI_COMM_WORLD, WorldLabel());
     int64_t total = 0;
     for (size_t i = 0; i < recv_counts_.size(); ++i) {
       recv_offsets_[i] = static_cast<int>(total);
@@ -163,9 +164,9 @@ class RowExchange {
       if (total > INT_MAX) throw std::length_error("RowExchange: an exchange receives over 2 GiB");
     }
     recv_.resize(static_cast<size_t>(total));
-    MPUSIM_MPI_CHECK(MPI_Alltoallv(send_.data(), send_counts_.data(), send_offsets_.data(),
-                                   MPI_BYTE, recv_.data(), recv_counts_.data(),
-                                   recv_offsets_.data(), MPI_BYTE, MPI_COMM_WORLD));
+    watched::Alltoallv(send_.data(), send_counts_.data(), send_offsets_.data(), MPI_BYTE,
+                       recv_.data(), recv_counts_.data(), recv_offsets_.data(), MPI_BYTE,
+                       MPI_COMM_WORLD, WorldLabel());
     for (size_t i = 0; i < recv_counts_.size(); ++i) {
       const std::byte* at = recv_.data() + recv_offsets_[i];
       const std::byte* end = at + recv_counts_[i];
@@ -355,8 +356,8 @@ StatusOr<std::map<std::string, Tensor>> SharedMasterWeights(const Config& config
       counts[static_cast<size_t>(k)] = static_cast<int>(share.End(k) - share.Begin(k));
       displs[static_cast<size_t>(k)] = static_cast<int>(share.Begin(k));
     }
-    MPUSIM_MPI_CHECK(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, data, counts.data(),
-                                    displs.data(), MPI_DOUBLE, MPI_COMM_WORLD));
+    watched::Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, data, counts.data(), displs.data(),
+                        MPI_DOUBLE, MPI_COMM_WORLD, WorldLabel());
   }
   std::map<std::string, Tensor> weights;
   for (size_t w = 0; w < parameters->size(); ++w) {
@@ -438,14 +439,14 @@ std::vector<TensorCheck> ReduceOverRanks(const std::vector<ReferenceTensor>& ref
     excess[i] = {stats[i].count > 0 ? stats[i].worst_excess : -std::numeric_limits<double>::max(),
                  world_rank};
   }
-  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, maxima.data(), static_cast<int>(maxima.size()),
-                                 MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD));
-  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, counts.data(), static_cast<int>(counts.size()),
-                                 MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD));
-  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, flags.data(), static_cast<int>(flags.size()),
-                                 MPI_INT, MPI_MAX, MPI_COMM_WORLD));
-  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, excess.data(), static_cast<int>(n),
-                                 MPI_DOUBLE_INT, MPI_MAXLOC, MPI_COMM_WORLD));
+  watched::Allreduce(MPI_IN_PLACE, maxima.data(), static_cast<int>(maxima.size()), MPI_DOUBLE,
+                     MPI_MAX, MPI_COMM_WORLD, WorldLabel());
+  watched::Allreduce(MPI_IN_PLACE, counts.data(), static_cast<int>(counts.size()), MPI_LONG_LONG,
+                     MPI_SUM, MPI_COMM_WORLD, WorldLabel());
+  watched::Allreduce(MPI_IN_PLACE, flags.data(), static_cast<int>(flags.size()), MPI_INT, MPI_MAX,
+                     MPI_COMM_WORLD, WorldLabel());
+  watched::Allreduce(MPI_IN_PLACE, excess.data(), static_cast<int>(n), MPI_DOUBLE_INT, MPI_MAXLOC,
+                     MPI_COMM_WORLD, WorldLabel());
   std::vector<double> worst(3 * n, 0.0);  // index, actual, expected (from the winning rank)
   for (size_t i = 0; i < n; ++i) {
     if (excess[i].rank != world_rank || stats[i].count == 0) continue;
@@ -453,8 +454,8 @@ std::vector<TensorCheck> ReduceOverRanks(const std::vector<ReferenceTensor>& ref
     worst[3 * i + 1] = stats[i].worst_actual;
     worst[3 * i + 2] = stats[i].worst_expected;
   }
-  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, worst.data(), static_cast<int>(worst.size()),
-                                 MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD));
+  watched::Allreduce(MPI_IN_PLACE, worst.data(), static_cast<int>(worst.size()), MPI_DOUBLE,
+                     MPI_SUM, MPI_COMM_WORLD, WorldLabel());
   std::vector<TensorCheck> checks;
   for (size_t i = 0; i < n; ++i) {
     TensorCheck c;
@@ -493,10 +494,9 @@ void MeasureMemory(const ReferenceResult& reference, const std::vector<TensorRec
   long long maxima[3] = {reference.row_end - reference.row_begin,
                          whole_bytes + DistinctBytes(rows), DistinctBytes(own)};
   long long row_bytes = DistinctBytes(rows);
-  MPUSIM_MPI_CHECK(
-      MPI_Allreduce(MPI_IN_PLACE, maxima, 3, MPI_LONG_LONG, MPI_MAX, MPI_COMM_WORLD));
-  MPUSIM_MPI_CHECK(
-      MPI_Allreduce(MPI_IN_PLACE, &row_bytes, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD));
+  watched::Allreduce(MPI_IN_PLACE, maxima, 3, MPI_LONG_LONG, MPI_MAX, MPI_COMM_WORLD, WorldLabel());
+  watched::Allreduce(MPI_IN_PLACE, &row_bytes, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD,
+                     WorldLabel());
   result->reference_rows_max = maxima[0];
   result->reference_bytes_max = maxima[1];
   result->record_bytes_max = maxima[2];
@@ -520,7 +520,7 @@ StatusOr<CheckResult> CheckAgainstReference(const Config& config,
                    : StatusOr<ReferenceResult>(weights.status());
   weights = std::map<std::string, Tensor>();  // the reference holds what it needs
   int failed = reference.ok() ? 0 : 1;
-  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
+  watched::Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD, WorldLabel());
   if (failed != 0) {
     return reference.ok() ? Status::Error("reference model", "failed on another rank")
                           : Status::Error("reference model", reference.status().Message());
@@ -532,8 +532,8 @@ StatusOr<CheckResult> CheckAgainstReference(const Config& config,
   SumShares(refs);
   std::vector<double> scales(n);
   for (size_t i = 0; i < n; ++i) scales[i] = MaxAbs(refs[i].value);
-  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, scales.data(), static_cast<int>(n), MPI_DOUBLE,
-                                 MPI_MAX, MPI_COMM_WORLD));
+  watched::Allreduce(MPI_IN_PLACE, scales.data(), static_cast<int>(n), MPI_DOUBLE, MPI_MAX,
+                     MPI_COMM_WORLD, WorldLabel());
 
   std::map<std::string, const TensorRecord*> by_name;
   for (const TensorRecord& r : records) by_name[r.name] = &r;
@@ -588,8 +588,8 @@ StatusOr<CheckResult> CheckAgainstReference(const Config& config,
       }
     }
   }
-  MPUSIM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, agreed.data(), static_cast<int>(agreed.size()),
-                                 MPI_LONG_LONG, MPI_MAX, MPI_COMM_WORLD));
+  watched::Allreduce(MPI_IN_PLACE, agreed.data(), static_cast<int>(agreed.size()), MPI_LONG_LONG,
+                     MPI_MAX, MPI_COMM_WORLD, WorldLabel());
   const auto alias_of = [&](size_t j) -> int64_t {  // -1: compared on its own
     return agreed[n + j] > 0 && agreed[n + j] == -agreed[2 * n + j] ? agreed[n + j] - 1 : -1;
   };

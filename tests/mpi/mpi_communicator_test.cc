@@ -306,6 +306,91 @@ TYPED_TEST(MpiCommunicatorHalfTest, AllReduceSumIsBitIdenticalOnEveryRank) {
   }
 }
 
+// --- point-to-point ---------------------------------------------------------------------
+
+// Rank q's message of n elements of `dtype`: small integers for float32/float64 (exact), and
+// arbitrary bit patterns (NaNs included) for the 16-bit dtypes, which must arrive bit for bit.
+Tensor Message(DType dtype, int q, int64_t n) {
+  if (IsHalf(dtype)) return Patterns(dtype, q, n);
+  Tensor t = Tensor::HostZeros({n}, dtype);
+  for (int64_t e = 0; e < n; ++e) {
+    SetHostValue(t, e, 1000.0 * (q + 1) + static_cast<double>(e % 997));
+  }
+  return t;
+}
+
+bool SameBytes(const Tensor& a, const Tensor& b) {
+  return a.dtype() == b.dtype() && a.bytes() == b.bytes() &&
+         std::memcmp(a.data(), b.data(), a.bytes()) == 0;
+}
+
+// Every dtype, a short message and one past the eager limit (128 KiB and more: the rendezvous
+// protocol, where Send waits for the matching Recv).
+class MpiCommunicatorP2pTest : public ::testing::TestWithParam<DType> {
+ protected:
+  std::unique_ptr<MpiCommunicator> world_ = MpiCommunicator::World();
+  int rank_ = WorldRank();
+  int size_ = WorldSize();
+};
+INSTANTIATE_TEST_SUITE_P(AllDTypes, MpiCommunicatorP2pTest,
+                         ::testing::Values(DType::kFloat32, DType::kFloat64, DType::kBFloat16,
+                                           DType::kFloat16),
+                         [](const ::testing::TestParamInfo<DType>& dtype) {
+                           return std::string(DTypeName(dtype.param));
+                         });
+
+// Pairs (2g, 2g + 1): the even rank sends and then receives, the odd one the other way round,
+// so both directions are checked.
+TEST_P(MpiCommunicatorP2pTest, RoundTripsBetweenPairs) {
+  const DType dtype = GetParam();
+  const int partner = rank_ ^ 1;
+  if (partner >= size_) GTEST_SKIP() << "no partner for rank " << rank_;
+  for (int64_t n : {int64_t{7}, int64_t{1} << 17}) {
+    SCOPED_TRACE(n);
+    const Tensor mine = Message(dtype, rank_, n);
+    Tensor got = Tensor::HostZeros({n}, dtype);
+    if (rank_ % 2 == 0) {
+      world_->Send(mine, partner);
+      world_->Recv(got, partner);
+    } else {
+      world_->Recv(got, partner);
+      world_->Send(mine, partner);
+    }
+    ASSERT_TRUE(SameBytes(got, Message(dtype, partner, n))) << "from rank " << partner;
+  }
+}
+
+// A ring: rank r sends to r + 1 and receives from r - 1 (even ranks send first, odd ranks
+// receive first, so blocking sends never wait in a cycle); several messages in a row arrive
+// in order.
+TEST_P(MpiCommunicatorP2pTest, RingDeliversInOrder) {
+  const DType dtype = GetParam();
+  if (size_ % 2 != 0) GTEST_SKIP() << "the ring needs an even number of ranks";
+  const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+  const int64_t n = 1000;
+  for (int round = 0; round < 3; ++round) {
+    const Tensor mine = Message(dtype, rank_ + 10 * round, n);
+    Tensor got = Tensor::HostZeros({n}, dtype);
+    if (rank_ % 2 == 0) {
+      world_->Send(mine, next);
+      world_->Recv(got, prev);
+    } else {
+      world_->Recv(got, prev);
+      world_->Send(mine, next);
+    }
+    EXPECT_TRUE(SameBytes(got, Message(dtype, prev + 10 * round, n))) << "round " << round;
+  }
+}
+
+TEST_P(MpiCommunicatorP2pTest, RefusesPeersOutsideTheGroupAndItself) {
+  Tensor buffer = Tensor::HostZeros({3}, GetParam());
+  for (int peer : {-1, size_, rank_}) {
+    EXPECT_THROW(world_->Send(buffer, peer), std::invalid_argument) << peer;
+    EXPECT_THROW(world_->Recv(buffer, peer), std::invalid_argument) << peer;
+  }
+  EXPECT_THROW(world_->Send(Tensor(), (rank_ + 1) % size_), std::invalid_argument);
+}
+
 // MPI_ERRORS_RETURN on our communicators is what lets MPUSIM_MPI_CHECK see a failure: a
 // call with an invalid count comes back with an error code instead of aborting in MPI.
 TEST(MpiCheckTest, ErrorsComeBackAndAreReported) {
