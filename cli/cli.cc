@@ -6,11 +6,12 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "core/status.h"
 
 namespace mpusim::cli {
 
 int ReportError(std::ostream& err, const std::string& source, const std::string& message) {
-  err << "error: " << source << ": " << message << '\n';
+  err << "error: " << EscapeControl(source) << ": " << EscapeControl(message) << '\n';
   return kExitUsage;
 }
 

@@ -1,10 +1,9 @@
 // Config files (see config.h).
 #include "core/config.h"
 
-#include <fstream>
-#include <sstream>
-
 #include <fmt/format.h>
+
+#include "core/strict_json.h"
 
 namespace mpusim {
 namespace {
@@ -79,37 +78,13 @@ Status ParseConfig(const nlohmann::json& document, Config* out) {
 }
 
 StatusOr<nlohmann::json> ParseJsonText(std::string_view text) {
-  try {
-    return nlohmann::json::parse(text.begin(), text.end());
-  } catch (const nlohmann::json::parse_error& e) {
-    // Convert the byte offset into a line and column people can jump to.
-    const size_t offset = std::min(e.byte == 0 ? 0 : e.byte - 1, text.size());
-    size_t line = 1, column = 1;
-    for (size_t i = 0; i < offset; ++i) {
-      if (text[i] == '\n') {
-        ++line;
-        column = 1;
-      } else {
-        ++column;
-      }
-    }
-    std::string what = e.what();
-    // nlohmann's message starts with "[json.exception.parse_error.101] parse error at ...: ".
-    if (const size_t colon = what.find(": "); colon != std::string::npos) {
-      what = what.substr(colon + 2);
-    }
-    return Status::Error(fmt::format("line {}, column {}", line, column),
-                         "invalid JSON: " + what);
-  }
+  return ParseStrictJson<nlohmann::json>(text);
 }
 
 StatusOr<nlohmann::json> ReadJsonFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status::Error("", "cannot open the file (does it exist and is it readable?)");
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) return Status::Error("", "cannot read the file");
-  return ParseJsonText(text.str());
+  StatusOr<std::string> text = ReadJsonText(path);
+  if (!text.ok()) return text.status();
+  return ParseJsonText(*text);
 }
 
 StatusOr<Config> LoadConfigFile(const std::string& path) {

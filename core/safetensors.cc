@@ -25,6 +25,8 @@
 #include <system_error>
 #include <utility>
 
+#include "core/strict_json.h"
+
 namespace mpusim {
 namespace {
 
@@ -218,38 +220,17 @@ Status ParseMetadata(const Json& value, std::map<std::string, std::string>* out)
   return Status();
 }
 
-// Parses the header text. Duplicate keys are refused: nlohmann would silently keep one.
+// Parses the header text strictly (core/strict_json.h: duplicate keys, depth, trailing
+// content and NUL bytes are refused).
 StatusOr<Json> ParseHeaderJson(const std::string& text) {
-  // nlohmann stops at a NUL byte as if the input ended there, which would accept
-  // "{...}\0garbage"; JSON text never contains a raw NUL, so refuse it first.
-  if (const size_t nul = text.find('\0'); nul != std::string::npos) {
-    return Status::Error("header", fmt::format("not valid JSON: NUL byte at offset {}", nul));
+  StatusOr<Json> document = ParseStrictJson<Json>(text);
+  if (!document.ok()) {
+    const Status& error = document.status();
+    return Status::Error("header", error.Message());
   }
-  std::vector<std::set<std::string>> open_objects;
-  std::string duplicate;
-  auto callback = [&](int /*depth*/, Json::parse_event_t event, Json& parsed) {
-    if (event == Json::parse_event_t::object_start) {
-      open_objects.emplace_back();
-    } else if (event == Json::parse_event_t::object_end) {
-      if (!open_objects.empty()) open_objects.pop_back();
-    } else if (event == Json::parse_event_t::key && !open_objects.empty()) {
-      const std::string& key = parsed.get_ref<const std::string&>();
-      if (!open_objects.back().insert(key).second && duplicate.empty()) duplicate = key;
-    }
-    return true;
-  };
-  Json document;
-  try {
-    document = Json::parse(text, callback);
-  } catch (const Json::exception& e) {
-    return Status::Error("header", fmt::format("not valid JSON: {}", e.what()));
-  }
-  if (!duplicate.empty()) {
-    return Status::Error("header", fmt::format("key '{}' appears twice", duplicate));
-  }
-  if (!document.is_object()) {
+  if (!document->is_object()) {
     return Status::Error("header",
-                         fmt::format("must be a JSON object, got {}", document.type_name()));
+                         fmt::format("must be a JSON object, got {}", document->type_name()));
   }
   return document;
 }

@@ -9,17 +9,46 @@
 
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <variant>
 
 namespace mpusim {
 
+// `text` with every control character (bytes 0x00-0x1f and 0x7f) written as a visible
+// escape (\n, \t, \r, \xNN), so that a message built from a key, a value or a file name
+// stays on one line.
+inline std::string EscapeControl(std::string_view text) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(text.size());
+  for (const char c : text) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte >= 0x20 && byte != 0x7f) {
+      out += c;
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else if (c == '\r') {
+      out += "\\r";
+    } else {
+      out += "\\x";
+      out += kHex[byte >> 4];
+      out += kHex[byte & 0xf];
+    }
+  }
+  return out;
+}
+
+
 class Status {
  public:
   Status() = default;  // OK
-  static Status Error(std::string where, std::string what) {
+  // Control characters in either part are escaped (EscapeControl): a message is one line.
+  static Status Error(std::string_view where, std::string_view what) {
     Status s;
-    s.error_ = Detail{std::move(where), std::move(what)};
+    s.error_ = Detail{EscapeControl(where), EscapeControl(what)};
     return s;
   }
 
