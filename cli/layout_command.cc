@@ -59,8 +59,20 @@ class LayoutCommand : public Command {
                                      topology->first_rank(),
                                      topology->first_rank() + topology->world_size() - 1));
     }
-    // Warnings go to stderr so that stdout stays machine-readable.
-    for (const std::string& warning : NodeWarnings(*topology)) err << "warning: " << warning << '\n';
+    const bool huge = topology->world_size() > kMaxListedRanks;
+    if (huge && !one_rank) {
+      return ReportError(err, options.source,
+                         fmt::format("parallel.world_size: {} ranks is more than the {} a whole "
+                                     "layout listing covers; query one rank with --rank R, which "
+                                     "works at any size",
+                                     topology->world_size(), kMaxListedRanks));
+    }
+    // Warnings go to stderr so that stdout stays machine-readable. Past kMaxListedRanks
+    // only the queried rank's groups are looked at.
+    for (const std::string& warning :
+         huge ? RankNodeWarnings(*topology, rank_) : NodeWarnings(*topology)) {
+      err << "warning: " << warning << '\n';
+    }
     if (one_rank) {
       if (format_ == "json") {
         PrintRankJson(*topology, rank_, options, out);

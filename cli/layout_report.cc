@@ -116,6 +116,21 @@ std::vector<std::string> NodeWarnings(const Topology& topology) {
   return warnings;
 }
 
+std::vector<std::string> RankNodeWarnings(const Topology& topology, int64_t rank) {
+  std::vector<std::string> warnings;
+  const int64_t gpus = topology.config().gpus_per_node;
+  for (const char* name : {"tp", "expt_tp", "ep"}) {
+    const size_t kind = *topology.FindKind(name);
+    const std::optional<GroupSlot> slot = topology.Locate(kind, rank);
+    if (!slot || !topology.GroupSpansNodes(kind, slot->group_index)) continue;
+    warnings.push_back(fmt::format(
+        "rank {}'s {} group (size {}) spans nodes with gpus_per_node {}: its collectives would "
+        "cross the inter-node network; keep {} groups inside a node",
+        rank, name, topology.GroupSize(kind), gpus, name));
+  }
+  return warnings;
+}
+
 void PrintLayoutText(const Topology& topology, const LayoutReportOptions& options,
                      std::ostream& out) {
   const ParallelConfig& c = topology.config();
@@ -380,9 +395,14 @@ void PrintRankJson(const Topology& topology, int64_t rank, const LayoutReportOpt
       groups[topology.kinds()[kind].name] = nullptr;
       continue;
     }
-    groups[topology.kinds()[kind].name] = {{"group_index", slot->group_index},
-                                           {"rank_in_group", slot->rank_in_group},
-                                           {"ranks", topology.Group(kind, slot->group_index)}};
+    // Groups larger than a whole listing would cover keep their size but not their members.
+    const int64_t size = topology.GroupSize(kind);
+    groups[topology.kinds()[kind].name] = {
+        {"group_index", slot->group_index},
+        {"rank_in_group", slot->rank_in_group},
+        {"group_size", size},
+        {"ranks", size <= kMaxListedRanks ? ordered_json(topology.Group(kind, slot->group_index))
+                                          : ordered_json(nullptr)}};
   }
   j["groups"] = groups;
   out << j.dump(1) << '\n';

@@ -22,8 +22,16 @@ struct LayoutReportOptions {
 // in Megatron's order.
 std::vector<size_t> DefaultTextKindOrder(const Topology& topology);
 
-// Human-readable notes about groups that leave a node (tp, expt_tp, ep).
+// The largest world a whole-layout listing (text, json, picture) covers: it takes time and
+// output in proportion to the world size (about 150 MiB of JSON at this size). One rank's
+// query (--rank) works at any size.
+inline constexpr int64_t kMaxListedRanks = int64_t{1} << 20;
+
+// Human-readable notes about groups that leave a node (tp, expt_tp, ep): how many of each
+// kind's groups do (O(world size) time, see NumGroupsSpanningNodes).
 std::vector<std::string> NodeWarnings(const Topology& topology);
+// The same for the groups of one rank only (O(axes)), for worlds of any size.
+std::vector<std::string> RankNodeWarnings(const Topology& topology, int64_t rank);
 
 void PrintLayoutText(const Topology& topology, const LayoutReportOptions& options,
                      std::ostream& out);

@@ -120,6 +120,20 @@ StatusOr<PipelineSchedule> BuildPipelineSchedule(
                                            *virtual_pipeline_model_parallel_size));
   }
   MPUSIM_RETURN_IF_ERROR(RequirePositive("num_microbatches", num_microbatches));
+  {
+    // Every step of every rank is listed: p * 2 * M * v of them, computed in 128 bits.
+    const __int128 steps = static_cast<__int128>(pp_size) * 2 * num_microbatches *
+                           virtual_pipeline_model_parallel_size.value_or(1);
+    if (steps > kMaxScheduleSteps) {
+      return Status::Error(
+          "num_microbatches",
+          fmt::format("the schedule would list pipeline_model_parallel_size * 2 * "
+                      "num_microbatches * num_model_chunks = {} * 2 * {} * {} steps, more than "
+                      "the {} this planner lists; use fewer microbatches",
+                      pp_size, num_microbatches, virtual_pipeline_model_parallel_size.value_or(1),
+                      kMaxScheduleSteps));
+    }
+  }
 
   PipelineSchedule schedule;
   schedule.interleaved = virtual_pipeline_model_parallel_size.has_value();
@@ -201,6 +215,11 @@ StatusOr<std::vector<std::vector<std::vector<int64_t>>>> AssignLayers(
     }
   }
   MPUSIM_RETURN_IF_ERROR(RequirePositive("num_layers", num_layers));
+  if (num_layers > kMaxAssignedLayers) {
+    return Status::Error("num_layers",
+                         fmt::format("the assignment lists every layer; at most {} layers, got {}",
+                                     kMaxAssignedLayers, num_layers));
+  }
 
   const int64_t num_chunks = virtual_pipeline_model_parallel_size.value_or(1);
   // Written as divisions so that absurd sizes cannot overflow p*v.

@@ -78,7 +78,14 @@ struct PipelineSchedule {
   int64_t NumWarmup(int64_t pp_rank) const;
 };
 
+// The schedule lists every step of every rank, and the layer assignment every layer; these
+// bound what they list (far beyond any real run: 2^24 steps, 2^20 layers), so that absurd
+// sizes are refused instead of exhausting memory.
+inline constexpr int64_t kMaxScheduleSteps = int64_t{1} << 24;
+inline constexpr int64_t kMaxAssignedLayers = int64_t{1} << 20;
+
 // Builds every rank's schedule. Refuses, naming the field and what is allowed:
+//   more than kMaxScheduleSteps steps in all (pp * 2 * M * v);
 //   sizes below 1; v given with p == 1; N given without v (it only shapes the interleaved
 //   schedule); for interleaved, N outside [p, M] and 0 < M % N < p.
 StatusOr<PipelineSchedule> BuildPipelineSchedule(
@@ -98,7 +105,8 @@ std::string FormatRank(const PipelineSchedule& schedule, int64_t pp_rank);
 //   rank 0: [1, 2] [9, 10]    rank 1: [3, 4] [11, 12]
 //   rank 2: [5, 6] [13, 14]   rank 3: [7, 8] [15, 16]
 // Without v, each rank gets one chunk of L/p consecutive layers. Refuses sizes below 1, v
-// given with p == 1 (no interleaved schedule could run it), and L not divisible by p*v.
+// given with p == 1 (no interleaved schedule could run it), L not divisible by p*v and L
+// above kMaxAssignedLayers.
 StatusOr<std::vector<std::vector<std::vector<int64_t>>>> AssignLayers(
     int64_t pipeline_model_parallel_size,
     std::optional<int64_t> virtual_pipeline_model_parallel_size, int64_t num_layers);

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <stdexcept>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -14,10 +15,26 @@ namespace mpusim {
 
 std::string ShapeString(const Shape& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
 
+size_t CheckedTensorBytes(const Shape& shape, DType dtype, size_t pad) {
+  int64_t elements = 1;
+  size_t bytes = 0;
+  bool ok = true;
+  for (const int64_t d : shape) ok = ok && d >= 0 && !__builtin_mul_overflow(elements, d, &elements);
+  ok = ok && !__builtin_mul_overflow(static_cast<size_t>(elements), DTypeSize(dtype), &bytes) &&
+       !__builtin_add_overflow(bytes, pad, &bytes);
+  if (!ok) {
+    throw std::length_error(fmt::format("a tensor of shape {} and dtype {} has too many elements "
+                                        "to allocate",
+                                        ShapeString(shape), DTypeName(dtype)));
+  }
+  return bytes;
+}
+
 Tensor Tensor::HostEmpty(Shape shape, DType dtype) {
-  const size_t bytes = static_cast<size_t>(NumElements(shape)) * DTypeSize(dtype);
-  // 64-byte alignment suits every SIMD width the CPU kernels use.
-  void* raw = std::aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
+  // 64-byte alignment suits every SIMD width the CPU kernels use; the spare line lets a
+  // vectorised loop read past the last element.
+  const size_t bytes = CheckedTensorBytes(shape, dtype, 128);
+  void* raw = std::aligned_alloc(64, (bytes - 128 + 63) / 64 * 64 + 64);
   if (raw == nullptr) throw std::bad_alloc();
   return Tensor(std::move(shape), dtype, Device::kHost, std::shared_ptr<void>(raw, std::free));
 }

@@ -76,6 +76,13 @@ inline int64_t NumElements(const Shape& shape) {
   return n;
 }
 
+// Bytes of a tensor of `shape` and `dtype`, with room for the allocators' padding (`pad`
+// bytes): every dimension must be >= 0 and the element count, the byte count and the padded
+// size must fit (int64 elements, size_t bytes). Throws std::length_error naming the shape
+// otherwise -- configs are refused before this (run/preflight.h), so reaching it is a bug,
+// never a wrapped allocation.
+size_t CheckedTensorBytes(const Shape& shape, DType dtype, size_t pad = 0);
+
 std::string ShapeString(const Shape& shape);  // "[4, 8]"
 
 class Tensor;

@@ -567,20 +567,26 @@ RankCoordinates Topology::Coordinates(int64_t rank) const {
   return c;
 }
 
-int64_t Topology::NumGroupsSpanningNodes(size_t kind_index) const {
-  std::vector<int32_t> flat;
-  Enumerate(kind_index, &flat);
-  const size_t size = static_cast<size_t>(GroupSize(kind_index));
-  int64_t spanning = 0;
-  for (size_t start = 0; start < flat.size(); start += size) {
-    const int64_t node = NodeOf(flat[start]);
-    for (size_t k = 1; k < size; ++k) {
-      if (NodeOf(flat[start + k]) != node) {
-        ++spanning;
-        break;
-      }
-    }
+bool Topology::GroupSpansNodes(size_t kind_index, int64_t group_index) const {
+  const int64_t size = GroupSize(kind_index);
+  if (kinds_[kind_index].derivation == GroupKind::Derivation::kDirect) {
+    // A direct group's members run from rank_in_group 0 (every coordinate in the mask 0) to
+    // size - 1 (every one at its maximum), and nodes are runs of consecutive ranks: it spans
+    // nodes iff its smallest and largest members do.
+    return NodeOf(Member(kind_index, group_index, 0)) !=
+           NodeOf(Member(kind_index, group_index, size - 1));
   }
+  const std::vector<int64_t> members = Group(kind_index, group_index);
+  for (const int64_t member : members) {
+    if (NodeOf(member) != NodeOf(members.front())) return true;
+  }
+  return false;
+}
+
+int64_t Topology::NumGroupsSpanningNodes(size_t kind_index) const {
+  int64_t spanning = 0;
+  const int64_t groups = NumGroups(kind_index);
+  for (int64_t g = 0; g < groups; ++g) spanning += GroupSpansNodes(kind_index, g) ? 1 : 0;
   return spanning;
 }
 

@@ -172,8 +172,12 @@ class Topology {
 
   // Node map: rank r is on node r / gpus_per_node (ranks fill nodes in order).
   int64_t NodeOf(int64_t rank) const { return rank / config_.gpus_per_node; }
-  // Whether some group of this kind has members on two nodes, and how many groups do.
-  int64_t NumGroupsSpanningNodes(size_t kind) const;  // O(world size)
+  // Whether a group has members on two nodes: O(axes) for direct kinds, O(group size)
+  // otherwise.
+  bool GroupSpansNodes(size_t kind, int64_t group_index) const;
+  // How many groups of this kind span nodes: O(number of groups) time for direct kinds,
+  // O(world size) otherwise; O(group size) memory.
+  int64_t NumGroupsSpanningNodes(size_t kind) const;
 
  private:
   Topology(ParallelConfig config, DerivedSizes sizes, RankGenerator dense, RankGenerator expert,

@@ -88,7 +88,7 @@ CudaKernels::~CudaKernels() {
 void CudaKernels::Synchronize() { MPUSIM_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
 
 Tensor CudaKernels::Allocate(const Shape& shape, DType dtype) {
-  const size_t bytes = static_cast<size_t>(NumElements(shape)) * DTypeSize(dtype);
+  const size_t bytes = CheckedTensorBytes(shape, dtype);
   void* pointer = nullptr;
   MPUSIM_CUDA_CHECK(cudaMalloc(&pointer, std::max<size_t>(bytes, 1)));
   return Tensor(shape, dtype, Device::kCuda, std::shared_ptr<void>(pointer, FreeDevice));

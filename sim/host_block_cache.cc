@@ -17,7 +17,7 @@ HostBlockCache::~HostBlockCache() {
 }
 
 Tensor HostBlockCache::Empty(Shape shape, DType dtype) {
-  const size_t bytes = static_cast<size_t>(NumElements(shape)) * DTypeSize(dtype);
+  const size_t bytes = CheckedTensorBytes(shape, dtype, 128) - 128;  // room for the padding
   // 64-byte alignment suits every SIMD width of the CPU kernels; the spare line lets a
   // vectorised loop read past the last element, as Tensor::HostEmpty allows.
   const size_t size = (bytes + 63) / 64 * 64 + 64;

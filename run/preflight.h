@@ -1,0 +1,59 @@
+// The resource preflight of `mpusim run`: how many bytes one rank will hold, computed from
+// the config before anything is allocated, and the refusal when that is over the limit.
+//
+// What it is: per-rank bytes of parameters, main_grad, the activations and saved tensors of
+// one micro-batch (the stash the backward pass needs), and, when the run is checked, the
+// float64 reference's share (full master weights and gradients, this rank's slice of the
+// token rows) and the check's exchange buffers. Every count is formed in 128-bit arithmetic
+// and capped, so sizes whose products wrap int64 or size_t are refused like any other
+// oversized run, never allocated.
+// What it is not: an exact allocator trace. It counts each tensor the executor and the
+// reference keep, not allocator slack or temporaries of a single kernel; the README's
+// memory benchmark compares it with measured peak RSS.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "core/model/graph.h"
+#include "core/status.h"
+#include "core/topology.h"
+
+namespace mpusim::run {
+
+struct MemoryItem {
+  std::string name;  // "fc1.weight", "fc1.output_grad", "reference: master weights"
+  Shape shape;       // local shape on this rank ({} for aggregates)
+  DType dtype;
+  unsigned __int128 bytes;
+};
+
+struct MemoryPlan {
+  std::vector<MemoryItem> items;
+  unsigned __int128 total = 0;
+};
+
+// The plan for the rank at `coords` (every rank of a tp x dp layout holds the same sizes).
+// `world_size` is the number of ranks sharing the reference's token rows.
+MemoryPlan PlanRankMemory(const Config& config, const Graph& graph, const RankCoordinates& coords,
+                          int64_t world_size, bool check);
+
+// OK when plan.total <= limit_bytes; otherwise an error at "run" naming the total, the
+// limit and where it comes from (`limit_source`), and the biggest items.
+Status CheckRankMemory(const MemoryPlan& plan, uint64_t limit_bytes,
+                       const std::string& limit_source);
+
+// "512M", "4G", "1.5GiB", "1000000" (bytes): a size for --max-memory; nullopt if malformed
+// or not positive.
+std::optional<uint64_t> ParseByteSize(const std::string& text);
+
+// "3.2 GiB", "512.0 MiB", "more than 16 EiB" for a 128-bit byte count.
+std::string FormatBytes(unsigned __int128 bytes);
+
+// This machine's available memory (MemAvailable in /proc/meminfo), nullopt if unknown.
+std::optional<uint64_t> AvailableMemoryBytes();
+
+}  // namespace mpusim::run
