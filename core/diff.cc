@@ -26,6 +26,7 @@
 #include "core/init.h"
 #include "core/safetensors.h"
 #include "core/sharding.h"
+#include "core/strict_json.h"
 
 namespace mpusim {
 namespace {
@@ -73,13 +74,7 @@ std::string Brief(const Json& value) {
   return text;
 }
 
-StatusOr<Json> ParseJson(const std::string& text, const std::string& where) {
-  try {
-    return Json::parse(text);
-  } catch (const Json::exception& e) {
-    return Status::Error(where, fmt::format("not valid JSON: {}", e.what()));
-  }
-}
+StatusOr<Json> ParseJson(const std::string& text) { return ParseStrictJson<Json>(text); }
 
 // "[i, j]" for a flat index into `shape`.
 Shape MultiIndex(const Shape& shape, int64_t flat) {
@@ -105,6 +100,7 @@ struct Manifest {
   int64_t world_size = 0;
   std::string backend;
   std::optional<DType> storage;  // "dtype": the run's storage dtype
+  std::string run_id;            // "" for dumps written before run ids
   std::vector<ManifestTensor> tensors;
   std::vector<std::string> files;
 };
@@ -141,6 +137,13 @@ StatusOr<Manifest> ParseManifest(const Json& j) {
   if (j.contains("backend")) {
     if (!j["backend"].is_string()) return Status::Error("backend", "must be a string");
     m.backend = j["backend"].get<std::string>();
+  }
+  if (j.contains("run_id")) {
+    if (!j["run_id"].is_string() || j["run_id"].get<std::string>().empty()) {
+      return Status::Error("run_id", fmt::format("must be a non-empty string, got {}",
+                                                 Brief(j["run_id"])));
+    }
+    m.run_id = j["run_id"].get<std::string>();
   }
   if (j.contains("dtype")) {
     StatusOr<DType> storage = ParseDTypeName(j["dtype"]);
@@ -215,11 +218,12 @@ struct RankInfo {
   int64_t rank = 0;
   int64_t tp_rank = 0;
   int64_t dp_rank = 0;
+  std::string run_id;  // "" when the writer gave none
 };
 
 // {"rank", "tp_rank", "dp_rank", ...}; other keys (backend, device) only describe the rank.
 StatusOr<RankInfo> ParseRankInfo(const std::string& text) {
-  StatusOr<Json> parsed = ParseJson(text, "");
+  StatusOr<Json> parsed = ParseJson(text);
   if (!parsed.ok()) return parsed.status();
   const Json& j = *parsed;
   if (!j.is_object()) return Status::Error("", "must be a JSON object {rank, tp_rank, dp_rank}");
@@ -231,6 +235,12 @@ StatusOr<RankInfo> ParseRankInfo(const std::string& text) {
       return Status::Error("",
                            fmt::format("{} must be an integer >= 0, got {}", key, Brief(j[key])));
     }
+  }
+  if (j.contains("run_id")) {
+    if (!j["run_id"].is_string()) {
+      return Status::Error("", fmt::format("run_id must be a string, got {}", Brief(j["run_id"])));
+    }
+    info.run_id = j["run_id"].get<std::string>();
   }
   return info;
 }
@@ -246,7 +256,7 @@ struct ShardMetadata {
 // [,\"batch_dim\",\"batch_shards\",\"batch_index\"][,\"partial_sum\":true]}". Unknown keys are
 // refused: a key this reader does not know could change where the values belong.
 StatusOr<ShardMetadata> ParseShardMetadata(const std::string& text) {
-  StatusOr<Json> parsed = ParseJson(text, "");
+  StatusOr<Json> parsed = ParseJson(text);
   if (!parsed.ok()) return parsed.status();
   const Json& j = *parsed;
   if (!j.is_object()) return Status::Error("", "must be a JSON object");
@@ -614,19 +624,18 @@ StatusOr<Dump> LoadDump(const std::string& dir) {
     return Status::Error(dir, fs::exists(dir, ec) ? "is not a directory" : "no such directory");
   }
   const std::string manifest_path = (fs::path(dir) / "manifest.json").string();
-  std::string text;
-  {
-    std::ifstream in(manifest_path, std::ios::binary);
-    if (!in || fs::is_directory(manifest_path, ec)) {
-      return Status::Error(manifest_path,
-                           "cannot be read (is this a `mpusim run --dump` "
-                           "directory?)");
-    }
-    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-    if (in.bad()) return Status::Error(manifest_path, "cannot be read");
+  if (fs::is_directory(manifest_path, ec)) {
+    return Status::Error(manifest_path, "is a directory, not a file");
   }
-  StatusOr<Json> json = ParseJson(text, "");
-  if (!json.ok()) return Status::Error(manifest_path, json.status().what());
+  StatusOr<std::string> text = ReadJsonText(manifest_path);
+  if (!text.ok()) {
+    return Status::Error(manifest_path,
+                         fmt::format("cannot be read: {} (is this a `mpusim run --dump` "
+                                     "directory?)",
+                                     text.status().Message()));
+  }
+  StatusOr<Json> json = ParseJson(*text);
+  if (!json.ok()) return Status::Error(manifest_path, json.status().Message());
   StatusOr<Manifest> manifest = ParseManifest(*json);
   if (!manifest.ok()) return Status::Error(manifest_path, manifest.status().Message());
 
@@ -655,12 +664,22 @@ StatusOr<Dump> LoadDump(const std::string& dir) {
     }
     StatusOr<RankInfo> info = ParseRankInfo(info_it->second);
     if (!info.ok()) {
-      return Status::Error(path, fmt::format("__metadata__.mpusim: {}", info.status().what()));
+      return Status::Error(path, fmt::format("__metadata__.mpusim: {}", info.status().Message()));
     }
     if (info->rank != static_cast<int64_t>(r)) {
       return Status::Error(path, fmt::format("__metadata__.mpusim: rank {}, but the manifest "
                                              "lists this file as files[{}]",
                                              info->rank, r));
+    }
+    if (info->run_id != manifest->run_id) {
+      const auto shown = [](const std::string& id) {
+        return id.empty() ? std::string("none") : "'" + id + "'";
+      };
+      return Status::Error(
+          path, fmt::format("__metadata__.mpusim: run_id {}, but the manifest's run_id is {}: "
+                            "this file comes from another run than manifest.json; dump the run "
+                            "again into an empty directory",
+                            shown(info->run_id), shown(manifest->run_id)));
     }
     tp_ranks.insert(info->tp_rank);
     std::set<std::string> in_file;
@@ -679,7 +698,7 @@ StatusOr<Dump> LoadDump(const std::string& dir) {
       StatusOr<ShardMetadata> m = ParseShardMetadata(meta->second);
       if (!m.ok()) {
         return Status::Error(path,
-                             fmt::format("__metadata__.{}: {}", named.name, m.status().what()));
+                             fmt::format("__metadata__.{}: {}", named.name, m.status().Message()));
       }
       if (m->full_shape != t.full_shape) {
         return Status::Error(

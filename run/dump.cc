@@ -5,6 +5,9 @@
 
 #include <filesystem>
 #include <map>
+#include <random>
+#include <string_view>
+#include <system_error>
 #include <utility>
 
 #include <fmt/format.h>
@@ -13,6 +16,7 @@
 #include "core/safetensors.h"
 #include "mpi/agree.h"
 #include "mpi/mpi_check.h"
+#include "mpi/watchdog.h"
 
 namespace mpusim::run {
 
@@ -32,23 +36,120 @@ std::string ShardMetadataJson(const TensorRecord& r) {
   return j.dump();
 }
 
+namespace {
+
+namespace fs = std::filesystem;
+
+// Rank 0's answer, the same on every rank: "" or the error.
+std::string ShareFromRankZero(int world_rank, const std::string& message) {
+  int length = world_rank == 0 ? static_cast<int>(message.size()) : 0;
+  watched::Bcast(&length, 1, MPI_INT, 0, MPI_COMM_WORLD, WorldLabel());
+  std::string shared = world_rank == 0 ? message : std::string(static_cast<size_t>(length), ' ');
+  if (length > 0) watched::Bcast(shared.data(), length, MPI_CHAR, 0, MPI_COMM_WORLD, WorldLabel());
+  return shared;
+}
+
+int WorldRank() {
+  int rank = 0;
+  MPUSIM_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
+  return rank;
+}
+
+// DIR's siblings ".<name>.mpusim-<what>-<run id>", on DIR's file system so renames are atomic.
+fs::path Sibling(const std::string& dir, std::string_view what, const std::string& run_id) {
+  fs::path path = fs::path(dir).lexically_normal();
+  if (!path.has_filename()) path = path.parent_path();  // "out/" -> "out"
+  return path.parent_path() / fmt::format(".{}.mpusim-{}-{}", path.filename().string(), what,
+                                          run_id);
+}
+
+// Removes what a dump to DIR that died left behind: ".<name>.mpusim-tmp-*" and "-old-*".
+void RemoveStaleSiblings(const std::string& dir) {
+  fs::path path = fs::path(dir).lexically_normal();
+  if (!path.has_filename()) path = path.parent_path();
+  const std::string tmp = fmt::format(".{}.mpusim-tmp-", path.filename().string());
+  const std::string old = fmt::format(".{}.mpusim-old-", path.filename().string());
+  std::error_code ec;
+  const fs::path parent = path.parent_path().empty() ? fs::path(".") : path.parent_path();
+  for (fs::directory_iterator it(parent, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind(tmp, 0) == 0 || name.rfind(old, 0) == 0) {
+      std::error_code ignored;
+      fs::remove_all(it->path(), ignored);
+    }
+  }
+}
+
+// "" when rank 0 may write a dump at DIR: it is absent, or a directory that is empty or
+// holds a manifest.json (an earlier dump, replaced whole), and its parent can hold a new
+// directory (checked by making and removing the temporary one).
+std::string CheckDumpTarget(const std::string& dir, const std::string& run_id) {
+  std::error_code ec;
+  if (fs::exists(dir, ec)) {
+    if (!fs::is_directory(dir, ec)) return fmt::format("'{}' exists and is not a directory", dir);
+    if (!fs::is_empty(dir, ec) && !fs::exists(fs::path(dir) / "manifest.json", ec)) {
+      return fmt::format("'{}' exists and is not a mpusim dump (no manifest.json); choose a new "
+                         "or empty directory",
+                         dir);
+    }
+  }
+  const fs::path temp = Sibling(dir, "tmp", run_id);
+  if (!fs::create_directories(temp, ec) || ec) {
+    return fmt::format("cannot create a directory next to '{}' ({})", dir,
+                       ec ? ec.message() : "it exists");
+  }
+  fs::remove_all(temp, ec);
+  return "";
+}
+
+std::string NewRunId() {
+  std::random_device device;
+  std::string id;
+  for (int i = 0; i < 4; ++i) id += fmt::format("{:08x}", device());
+  return id;
+}
+
+}  // namespace
+
+Status PrepareDump(DumpTarget* target) {
+  const int world_rank = WorldRank();
+  std::string run_id = world_rank == 0 ? NewRunId() : std::string(32, ' ');
+  watched::Bcast(run_id.data(), 32, MPI_CHAR, 0, MPI_COMM_WORLD, WorldLabel());
+  target->run_id = run_id;
+  std::string problem;
+  if (world_rank == 0) {
+    RemoveStaleSiblings(target->dir);
+    problem = CheckDumpTarget(target->dir, run_id);
+  }
+  problem = ShareFromRankZero(world_rank, problem);
+  if (!problem.empty()) return Status::Error("--dump", problem);
+  return {};
+}
+
 Status WriteDump(const DumpTarget& target, const RankCoordinates& coords,
                  const std::vector<TensorRecord>& records, const HostFetch& fetch,
                  std::vector<std::string>* lines) {
-  namespace fs = std::filesystem;
   int world_rank = 0, world_size = 1;
   MPUSIM_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
   MPUSIM_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world_size));
-  int made = 1;
+  // Everything goes to a temporary sibling first; it becomes DIR by one rename once the
+  // manifest is in it, so DIR is either a complete dump or absent.
+  const fs::path temp = Sibling(target.dir, "tmp", target.run_id);
+  std::string made;
   if (world_rank == 0) {
     std::error_code ec;
-    fs::create_directories(target.dir, ec);
-    if (ec) made = 0;
+    fs::create_directories(temp, ec);
+    if (ec) made = fmt::format("cannot create directory '{}': {}", temp.string(), ec.message());
   }
-  MPUSIM_MPI_CHECK(MPI_Bcast(&made, 1, MPI_INT, 0, MPI_COMM_WORLD));
-  if (made == 0) {
-    return Status::Error("--dump", fmt::format("cannot create directory '{}'", target.dir));
-  }
+  made = ShareFromRankZero(world_rank, made);
+  if (!made.empty()) return Status::Error("--dump", made);
+  const auto fail = [&](std::string_view what) {
+    if (world_rank == 0) {
+      std::error_code ignored;
+      fs::remove_all(temp, ignored);
+    }
+    return Status::Error("--dump", fmt::format("{} '{}' failed", what, target.dir));
+  };
 
   SafetensorsFile file;
   nlohmann::ordered_json rank_info;
@@ -56,6 +157,7 @@ Status WriteDump(const DumpTarget& target, const RankCoordinates& coords,
   rank_info["tp_rank"] = coords.tp;
   rank_info["dp_rank"] = coords.dp;
   rank_info["backend"] = target.backend;
+  rank_info["run_id"] = target.run_id;
   file.metadata["mpusim"] = rank_info.dump();
   // One host copy per storage: aliases (a layer's input is the previous layer's output) share.
   std::map<std::pair<const void*, size_t>, Tensor> copies;
@@ -66,18 +168,18 @@ Status WriteDump(const DumpTarget& target, const RankCoordinates& coords,
     file.tensors.push_back({r.name, it->second.Reshaped(r.tensor.shape())});
     file.metadata[r.name] = ShardMetadataJson(r);
   }
-  const std::string path =
-      (fs::path(target.dir) / fmt::format("rank{:05d}.safetensors", world_rank)).string();
+  const std::string path = (temp / fmt::format("rank{:05d}.safetensors", world_rank)).string();
   const Status written = WriteSafetensors(path, file);
   file.tensors.clear();
   copies.clear();
   if (GatherErrors(written.ok() ? std::string() : path + ": " + written.Message(), lines)) {
-    return Status::Error("--dump", fmt::format("writing '{}' failed", target.dir));
+    return fail("writing");
   }
-  Status manifest_status;
+  std::string finished;
   if (world_rank == 0) {
     nlohmann::ordered_json manifest;
     manifest["schema_version"] = 1;
+    manifest["run_id"] = target.run_id;
     StatusOr<nlohmann::json> raw = ReadJsonFile(target.config_path);
     manifest["config"] = raw.ok() ? *raw : nlohmann::json(nullptr);
     manifest["world_size"] = world_size;
@@ -93,12 +195,25 @@ Status WriteDump(const DumpTarget& target, const RankCoordinates& coords,
     std::vector<std::string> files;
     for (int r = 0; r < world_size; ++r) files.push_back(fmt::format("rank{:05d}.safetensors", r));
     manifest["files"] = files;
-    manifest_status = WriteFileAtomically((fs::path(target.dir) / "manifest.json").string(),
-                                          manifest.dump(1) + "\n");
+    const Status status =
+        WriteFileAtomically((temp / "manifest.json").string(), manifest.dump(1) + "\n");
+    if (!status.ok()) finished = status.Message();
+    // An earlier dump at DIR steps aside first (rename cannot replace a non-empty
+    // directory), then the new one takes its name, then the old one is removed.
+    std::error_code ec;
+    const fs::path old = Sibling(target.dir, "old", target.run_id);
+    const bool had_old = finished.empty() && fs::exists(target.dir, ec);
+    if (had_old) {
+      fs::rename(target.dir, old, ec);
+      if (ec) finished = fmt::format("cannot move the earlier '{}' aside: {}", target.dir, ec.message());
+    }
+    if (finished.empty()) {
+      fs::rename(temp, target.dir, ec);
+      if (ec) finished = fmt::format("cannot rename '{}' to '{}': {}", temp.string(), target.dir, ec.message());
+    }
+    if (had_old) fs::remove_all(old, ec);
   }
-  if (GatherErrors(manifest_status.ok() ? std::string() : manifest_status.Message(), lines)) {
-    return Status::Error("--dump", fmt::format("writing '{}' failed", target.dir));
-  }
+  if (GatherErrors(finished, lines)) return fail("writing");
   return Status();
 }
 

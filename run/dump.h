@@ -22,10 +22,21 @@ struct DumpTarget {
   std::string config_path;  // copied into the manifest
   std::string backend;      // Backend::name()
   DType dtype = DType::kFloat32;
+  std::string run_id;  // 32 hex digits, set by PrepareDump; in the manifest and every rank file
 };
 
-// Collective over MPI_COMM_WORLD. Host copies are made once per storage (a tensor recorded
-// under two names is copied once). Returns a Status on every rank when the directory cannot
+// Collective over MPI_COMM_WORLD, before the run: draws the run id (rank 0, broadcast) and
+// checks that DIR can be written -- absent, or an empty directory or an earlier dump (which
+// the new one replaces), and its parent lets a directory be made -- so that a bad --dump
+// fails before anything is printed. Also removes what an earlier dump to DIR that died left
+// behind (its hidden temporary siblings). The Status is the same on every rank.
+Status PrepareDump(DumpTarget* target);
+
+// Collective over MPI_COMM_WORLD, after PrepareDump. Every file goes to a hidden sibling
+// directory ".<name>.mpusim-tmp-<run id>"; once the manifest is written there it is renamed
+// to DIR (an earlier dump at DIR is moved aside first and removed after), so DIR is always
+// either a complete dump or absent. Host copies are made once per storage (a tensor
+// recorded under two names is copied once). Returns a Status on every rank when the directory cannot
 // be made or a file cannot be written; *lines (rank 0) then says which ranks failed and why.
 Status WriteDump(const DumpTarget& target, const RankCoordinates& coords,
                  const std::vector<TensorRecord>& records, const HostFetch& fetch,

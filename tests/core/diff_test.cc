@@ -666,7 +666,7 @@ TEST_F(DiffTest, MissingDirectoryOrManifest) {
 TEST_F(DiffTest, ManifestNotJson) {
   GoodDump().Write(root_ / "bad");
   ASSERT_TRUE(WriteFileAtomically(Path("bad/manifest.json"), "{\"schema_version\": 1,").ok());
-  ExpectContains(LoadMessage("bad"), "not valid JSON");
+  ExpectContains(LoadMessage("bad"), "invalid JSON");
 }
 
 TEST_F(DiffTest, ManifestFieldsAreChecked) {
@@ -765,7 +765,7 @@ TEST_F(DiffTest, ShardMetadataIsChecked) {
     b.file(1).metadata["w"] = text;
     return LoadError(b);
   };
-  ExpectContains(with_w_metadata("{\"full_shape\": [4, 6],"), "__metadata__.w: not valid JSON");
+  ExpectContains(with_w_metadata("{\"full_shape\": [4, 6],"), "__metadata__.w: line 1, column 23: invalid JSON");
   ExpectContains(with_w_metadata("[1, 2]"), "__metadata__.w: must be a JSON object");
   ExpectContains(with_w_metadata(R"({"full_shape":[4,6],"shard_dim":0,"num_shards":2,)"
                                  R"("shard_index":2,"stride":1})"),
