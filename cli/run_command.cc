@@ -1,10 +1,14 @@
 // `mpusim run`: the run driver (run/runner.h) behind the command line, on the CPU backend
 // (linked in) or a backend plugin (loaded only when asked for, run/backend_plugin.h).
+#include <cmath>
+#include <cstdlib>
 #include <ostream>
+#include <string>
 
 #include "cli/cli.h"
 #include "cli/commands.h"
 #include "run/backend_plugin.h"
+#include "run/preflight.h"
 #include "run/runner.h"
 #include "sim/cpu_backend.h"
 
@@ -43,15 +47,43 @@ class RunCommand : public Command {
                      "run the step N times, each from zero gradients, and print the median time "
                      "(benchmarks)")
         ->check(CLI::Range(1, 1000));
+    app_->add_option("--timeout", options_.timeout_s,
+                     "seconds one collective or send/receive may wait for the other ranks before "
+                     "the job is aborted with a line naming the rank, the call and the group (a "
+                     "stopped or hung rank); also the NCCL timeout of --backend cuda; default "
+                     "1800 (torch.distributed's default)")
+        ->check(CLI::Validator(
+            [](const std::string& text) {
+              char* end = nullptr;
+              const double seconds = std::strtod(text.c_str(), &end);
+              return end != text.c_str() && *end == '\0' && std::isfinite(seconds) && seconds > 0
+                         ? std::string()
+                         : "'" + text + "' is not a positive number of seconds";
+            },
+            "SECONDS > 0"));
+    app_->add_option("--max-memory", max_memory_,
+                     "bytes one rank may hold (512M, 4G, 1.5G, ...); a run the preflight finds "
+                     "bigger is refused before anything is allocated, naming its biggest "
+                     "tensors; default: this machine's available memory divided by the ranks on "
+                     "this node")
+        ->check(CLI::Validator(
+            [](const std::string& text) {
+              return run::ParseByteSize(text)
+                         ? std::string()
+                         : "'" + text + "' is not a size such as 512M, 4G or 1000000 (bytes)";
+            },
+            "SIZE"));
   }
   CLI::App* app() override { return app_; }
   int Run(std::ostream& out, std::ostream& err) override {
+    if (!max_memory_.empty()) options_.max_memory_bytes = *run::ParseByteSize(max_memory_);
     return run::RunSimulation(options_, out, err, MakeBackend);
   }
 
  private:
   CLI::App* app_ = nullptr;
   run::RunOptions options_;
+  std::string max_memory_;
 };
 
 }  // namespace

@@ -19,7 +19,9 @@
 #include "core/topology.h"
 #include "mpi/agree.h"
 #include "mpi/mpi_check.h"
+#include "mpi/watchdog.h"
 #include "run/dump.h"
+#include "run/preflight.h"
 
 namespace mpusim::run {
 namespace {
@@ -27,6 +29,8 @@ namespace {
 constexpr int kExitOk = 0;
 constexpr int kExitCheckFailed = 1;
 constexpr int kExitUsage = 2;
+constexpr int kExitOutOfMemory = 3;
+constexpr int kExitInternalError = 4;
 
 // A "<Key>: <n> kB" line of a /proc file, in bytes; 0 when the file or the key is not there.
 int64_t ProcKilobytes(const char* path, const std::string& key) {
@@ -93,10 +97,10 @@ StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions&
   graph.InitializeParameters(ctx);
   for (int i = 0; i < options.repeat; ++i) {
     result.trace.Clear();
-    MPUSIM_MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
+    watched::Barrier(MPI_COMM_WORLD, WorldLabel());
     const auto start = std::chrono::steady_clock::now();
     graph.Run(ctx);
-    MPUSIM_MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
+    watched::Barrier(MPI_COMM_WORLD, WorldLabel());
     result.seconds.push_back(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
@@ -136,13 +140,14 @@ class RankRun {
 
  private:
   int Usage(const std::string& source, const std::string& message) {
-    err_ << "error: " << source << ": " << message << '\n';
+    err_ << "error: " << EscapeControl(source) << ": " << EscapeControl(message) << '\n';
     return kExitUsage;
   }
   void PrintLayout(const Topology& topology, const SimulationResult& result);
   int PrintChecks(const CheckResult& check, const SimulationResult& result);
   void PrintCommTrace(const CommTrace& trace);
   void PrintMemory();
+  std::string PreflightError(const MemoryPlan& plan) const;
 
   const RunOptions& options_;
   const BackendFactory& factory_;
@@ -155,6 +160,26 @@ class RankRun {
   int world_size_;
   Config config_;
 };
+
+// "" when `plan` fits this rank's limit: --max-memory, else the machine's available memory
+// shared by the ranks on this node; the refusal otherwise.
+std::string RankRun::PreflightError(const MemoryPlan& plan) const {
+  uint64_t limit = options_.max_memory_bytes;
+  std::string source = "--max-memory";
+  if (limit == 0) {
+    const std::optional<uint64_t> available = AvailableMemoryBytes();
+    if (!available) return "";  // no /proc/meminfo: nothing to judge against
+    int64_t local_ranks = world_size_;
+    for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"}) {
+      if (const char* value = std::getenv(name)) local_ranks = std::max(1L, std::atol(value));
+    }
+    limit = *available / static_cast<uint64_t>(local_ranks);
+    source = fmt::format("this machine's available memory, {}, shared by {} rank{}",
+                         FormatBytes(*available), local_ranks, local_ranks == 1 ? "" : "s");
+  }
+  const Status status = CheckRankMemory(plan, limit, source);
+  return status.ok() ? "" : status.Message();
+}
 
 int RankRun::Run() {
   const std::string& source = options_.config_path;
@@ -185,18 +210,29 @@ int RankRun::Run() {
   {
     StatusOr<std::unique_ptr<Graph>> built = Graph::Build(config_, *topology);
     if (!built.ok()) return Usage(source, built.status().Message());
+    // The preflight: refuse a run that would not fit before anything is allocated. Every
+    // rank judges its own share against its own limit; one refusal stops them all.
+    const MemoryPlan plan = PlanRankMemory(config_, **built, topology->Coordinates(world_rank_),
+                                           world_size_, options_.check);
+    std::vector<std::string> lines;
+    if (GatherErrors(PreflightError(plan), &lines)) {
+      for (const std::string& line : lines) {
+        err_ << "error: " << EscapeControl(source) << ": " << EscapeControl(line) << '\n';
+      }
+      return kExitUsage;
+    }
   }
-  if (!options_.dump_dir.empty() && std::filesystem::exists(options_.dump_dir) &&
-      !std::filesystem::is_directory(options_.dump_dir)) {
-    return Usage("command line", fmt::format("--dump: '{}' exists and is not a directory",
-                                             options_.dump_dir));
+  DumpTarget dump_target{options_.dump_dir, options_.config_path, "", config_.run->dtype, ""};
+  if (!options_.dump_dir.empty()) {
+    const Status ready = PrepareDump(&dump_target);
+    if (!ready.ok()) return Usage("command line", ready.Message());
   }
   std::unique_ptr<Backend> backend;
   {
     BackendOrStatus made = factory_(options_);
     std::vector<std::string> lines;
     if (GatherErrors(made.ok() ? std::string() : made.status().Message(), &lines)) {
-      for (const std::string& line : lines) err_ << "error: " << line << '\n';
+      for (const std::string& line : lines) err_ << "error: " << EscapeControl(line) << '\n';
       return kExitUsage;
     }
     backend = std::move(made).value();
@@ -223,8 +259,8 @@ int RankRun::Run() {
   if (options_.check) code = PrintChecks(result->check, *result);
   PrintCommTrace(result->trace);
   if (dump) {
-    const DumpTarget target{options_.dump_dir, options_.config_path, backend_name_,
-                            config_.run->dtype};
+    DumpTarget target = dump_target;
+    target.backend = backend_name_;
     std::vector<std::string> lines;
     const Status written =
         WriteDump(target, result->coords, result->records,
@@ -236,7 +272,7 @@ int RankRun::Run() {
     result->records.clear();
     if (!written.ok()) {
       if (lines.empty()) return Usage("command line", written.Message());
-      for (const std::string& line : lines) err_ << "error: " << line << '\n';
+      for (const std::string& line : lines) err_ << "error: " << EscapeControl(line) << '\n';
       return kExitUsage;
     }
     out_ << fmt::format("\ndump: {} ({} files + manifest.json)\n", options_.dump_dir,
@@ -358,10 +394,10 @@ void RankRun::PrintCommTrace(const CommTrace& trace) {
 void RankRun::PrintMemory() {
   long long peak = ProcKilobytes("/proc/self/status", "VmHWM:");
   long long pss = ProcKilobytes("/proc/self/smaps_rollup", "Pss:");
-  MPUSIM_MPI_CHECK(MPI_Reduce(world_rank_ == 0 ? MPI_IN_PLACE : &peak, &peak, 1, MPI_LONG_LONG,
-                              MPI_MAX, 0, MPI_COMM_WORLD));
-  MPUSIM_MPI_CHECK(MPI_Reduce(world_rank_ == 0 ? MPI_IN_PLACE : &pss, &pss, 1, MPI_LONG_LONG,
-                              MPI_SUM, 0, MPI_COMM_WORLD));
+  watched::Reduce(world_rank_ == 0 ? MPI_IN_PLACE : &peak, &peak, 1, MPI_LONG_LONG, MPI_MAX, 0,
+                  MPI_COMM_WORLD, WorldLabel());
+  watched::Reduce(world_rank_ == 0 ? MPI_IN_PLACE : &pss, &pss, 1, MPI_LONG_LONG, MPI_SUM, 0,
+                  MPI_COMM_WORLD, WorldLabel());
   out_ << fmt::format("\nmemory: peak RSS {:.1f} MiB on the largest rank; {:.1f} MiB held by all "
                       "{} ranks at the end (PSS: pages shared between ranks counted once)\n",
                       MiB(peak), MiB(pss), world_size_);
@@ -379,15 +415,33 @@ int RunSimulation(const RunOptions& options, std::ostream& out, std::ostream& er
   MPI_Comm_size(MPI_COMM_WORLD, &world_size);
   int code = kExitOk;
   try {
-    RankRun run(options, out, err, world_rank, world_size, factory);
-    code = run.Run();
+    // Before the first communication: the watchdog's timeout and its test hook (MPUSIM_FAULT,
+    // mpi/watchdog.h); a malformed hook is bad input, reported once.
+    SetCommTimeout(options.timeout_s);
+    const Status fault = ArmFaultInjection();
+    std::vector<std::string> lines;
+    if (GatherErrors(fault.ok() ? std::string() : fault.Message(), &lines)) {
+      for (const std::string& line : lines) err << "error: " << line << '\n';
+      code = kExitUsage;
+    } else {
+      RankRun run(options, out, err, world_rank, world_size, factory);
+      code = run.Run();
+    }
+  } catch (const std::bad_alloc&) {
+    // Past the preflight (run/preflight.h), memory ran out anyway: other processes, or an
+    // estimate too low. End the whole job with the out-of-memory exit code.
+    AbortJob(fmt::format("error: rank {}: out of memory: an allocation failed after the "
+                         "preflight accepted the run; free memory or shrink the run",
+                         world_rank),
+             kExitOutOfMemory);
   } catch (const std::exception& e) {
     // A bug or an unexpected failure on one rank: end the whole job rather than leave the
     // other ranks waiting in a collective.
-    AbortJob(fmt::format("error: rank {}: {}", world_rank, e.what()));
+    AbortJob(fmt::format("error: rank {}: internal error: {}", world_rank, e.what()),
+             kExitInternalError);
   }
   code = AgreeOnWorst(code);
-  if (initialized == 0) MPI_Finalize();
+  if (initialized == 0) FinalizeWatched();
   return code;
 }
 

@@ -8,6 +8,7 @@
 // What it is not: the layer logic (core/model), the reference (reference/) or a backend.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <iosfwd>
 #include <memory>
@@ -54,6 +55,13 @@ struct RunOptions {
   int repeat = 1;        // run the step this many times and report timings (benchmarks)
   std::string backend = "cpu";  // "cpu" or a plugin's name ("cuda")
   std::string comm = "nccl";    // cuda backend: "nccl" or "mpi" (host-staged)
+  // How long one collective or point-to-point call may wait before the job is aborted
+  // (mpi/watchdog.h; also the NCCL timeout of the cuda backend); > 0. The default, 30
+  // minutes, is torch.distributed's default process-group timeout.
+  double timeout_s = 1800;
+  // The preflight's per-rank memory limit in bytes (run/preflight.h); 0: the machine's
+  // available memory divided by the ranks on this node.
+  uint64_t max_memory_bytes = 0;
 };
 
 // Makes this rank's backend once MPI is running; errors are reported like bad input.

@@ -529,5 +529,142 @@ TEST(DiffCommand, TwoLayoutsOfOneModelCompareEqual) {
 
 }  // namespace diff_tests
 
+// ---------------------------------------------------------------------------------------
+// Hostile input: every case ends with one error line and exit 2, nothing on stdout.
+
+namespace hostile_tests {
+
+using run_tests::Mpiexec;
+using run_tests::Shell;
+
+void ExpectOneLineRefusal(const Result& r, const std::string& part) {
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_EQ(r.out, "");
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  EXPECT_EQ(r.err.rfind("error: ", 0), 0u) << r.err;
+  EXPECT_NE(r.err.find(part), std::string::npos) << "wanted: " << part << "\ngot: " << r.err;
+}
+
+std::string Nested(size_t levels) { return std::string(levels, '[') + std::string(levels, ']'); }
+
+TEST(HostileInput, ConfigsThatOnceCrashedOrWereAcceptedSilently) {
+  struct Case {
+    std::string text;
+    std::string part;
+  };
+  const std::vector<Case> cases = {
+      {R"({"parallel": {"world_size": 1e400}})", "number overflow parsing '1e400'"},
+      {R"({"parallel": {"world_size": 8}, "zzz": -1e400})", "number overflow"},
+      {R"({"parallel": {"world_size": 8}, "description": 1e400})", "number overflow"},
+      {R"({"parallel": {"world_size": 8}, "description": )" + Nested(100'000) + "}",
+       "nested deeper than 64 levels"},
+      {R"({"parallel": {"world_size": 8, "world_size": 4}})",
+       "parallel.world_size: invalid JSON: this key appears twice"},
+      {R"({"parallel": {"world_size": 8}, "parallel": {"world_size": 4}})",
+       "parallel: invalid JSON: this key appears twice"},
+      {R"({"parallel": {"world_size": 8}} trailing)", "expected end of input"},
+      {R"({"parallel": {"world_size": 8, "bad\nkey": 1}})", "parallel.bad\\nkey: unknown key"},
+      {R"({"parallel": {"world_size": 8}, "description": "\u0000"})", ""},  // accepted: below
+  };
+  for (size_t i = 0; i + 1 < cases.size(); ++i) {
+    const std::string path = WriteTemp(fmt::format("mpusim_hostile_{}.json", i), cases[i].text);
+    for (const char* command : {"layout", "explain"}) {
+      SCOPED_TRACE(fmt::format("{} case {}", command, i));
+      ExpectOneLineRefusal(Mpusim({command, path}), cases[i].part);
+    }
+    SCOPED_TRACE(fmt::format("schedule case {}", i));
+    ExpectOneLineRefusal(Mpusim({"schedule", path, "-m", "4"}), cases[i].part);
+  }
+  // An escaped NUL inside a string is valid JSON; the config is accepted.
+  const std::string nul = WriteTemp("mpusim_hostile_nul.json", cases.back().text);
+  EXPECT_EQ(Mpusim({"layout", nul}).code, 0);
+  // A file name with a newline is named on one line.
+  const std::string odd = WriteTemp("mpusim_hostile\nname.json", "{");
+  ExpectOneLineRefusal(Mpusim({"layout", odd}), "mpusim_hostile\\nname.json: line 1, column 2");
+}
+
+TEST(HostileInput, HugeSizesAreRefusedUpFront) {
+  // Whole-layout listings stop at 2^20 ranks; one rank's query works at any size.
+  const std::string huge = WriteTemp("mpusim_hostile_world.json",
+                                     R"({"parallel": {"world_size": 2147483647}})");
+  ExpectOneLineRefusal(Mpusim({"layout", huge}), "2147483647 ranks is more than the 1048576");
+  ExpectOneLineRefusal(Mpusim({"layout", huge, "--format", "json"}), "query one rank with --rank");
+  const Result one = Mpusim({"layout", huge, "--rank", "2147483646", "--format", "json"});
+  ASSERT_EQ(one.code, 0) << one.err;
+  const json rank = json::parse(one.out);
+  EXPECT_EQ(rank["groups"]["dp"]["group_size"], 2147483647);
+  EXPECT_TRUE(rank["groups"]["dp"]["ranks"].is_null());
+  EXPECT_EQ(rank["groups"]["tp"]["ranks"], json({2147483646}));
+  ExpectOneLineRefusal(Mpusim({"schedule", "--world-size", "8", "--pp", "8", "-m", "2147483647"}),
+                       "more than the 16777216 this planner lists");
+  const Result layers = Mpusim({"layout", "--world-size", "8", "--pp", "2", "--num-layers",
+                                "2147483646"});
+  if (layers.code == 0) {  // the assignment is reported as impossible, not listed
+    EXPECT_NE(layers.out.find("at most 1048576 layers"), std::string::npos) << layers.out;
+  }
+}
+
+TEST(HostileInput, RunPreflightRefusesWhatCannotFit) {
+  // 2^21 x 1 weights and 2^41 token rows: the element count times 4 bytes wraps 64 bits.
+  const std::string wrap = WriteTemp(
+      "mpusim_hostile_wrap.json",
+      R"({"parallel": {"world_size": 1}, "model": {"layers": [{"name": "fc", "type": )"
+      R"("ColumnParallelLinear", "input_size": 2097152, "output_size": 1}]}, "run": )"
+      R"({"seq_length": 1048576, "micro_batch_size": 2097152}})");
+  std::string output;
+  EXPECT_EQ(Shell(Mpiexec(1) + MPUSIM_BINARY + " run " + wrap, &output), 2) << output;
+  EXPECT_NE(output.find("run: one rank would hold more than 16 EiB"), std::string::npos) << output;
+  EXPECT_NE(output.find("fc.saved_input [2199023255552, 2097152] float32"), std::string::npos)
+      << output;
+  // A sample that fits the machine does not fit --max-memory 1M; --no-check drops the
+  // reference's share from the estimate.
+  const std::string lab = Sample("lab_parallel_embedding_t2_n2.json");
+  EXPECT_EQ(Shell(Mpiexec(2) + MPUSIM_BINARY + " run " + lab + " --max-memory 1M", &output), 2);
+  EXPECT_NE(output.find("more than the 1.0 MiB allowed (--max-memory)"), std::string::npos)
+      << output;
+  EXPECT_EQ(output.find("check against"), std::string::npos) << output;  // nothing ran
+  EXPECT_EQ(Shell(Mpiexec(2) + MPUSIM_BINARY + " run " + lab + " --max-memory 64M", &output), 0)
+      << output;
+  EXPECT_EQ(Shell(Mpiexec(1) + MPUSIM_BINARY + " run " + lab + " --max-memory 12Q", &output), 2);
+  EXPECT_NE(output.find("--max-memory"), std::string::npos) << output;
+}
+
+TEST(HostileInput, DumpsAreWholeOrAbsentAndNeverMixed) {
+  namespace fs = std::filesystem;
+  const fs::path tmp = fs::temp_directory_path() / fmt::format("mpusim_hostile_dump.{}", ::getpid());
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+  const std::string lab = Sample("lab_parallel_embedding_t2_n2.json");
+  const std::string run = Mpiexec(2) + MPUSIM_BINARY + " run " + lab + " --dump ";
+  std::string output;
+  ASSERT_EQ(Shell(run + (tmp / "a").string(), &output), 0) << output;
+  ASSERT_EQ(Shell(run + (tmp / "b").string(), &output), 0) << output;
+  // Dumping again replaces the earlier dump whole and leaves no temporary siblings.
+  ASSERT_EQ(Shell(run + (tmp / "a").string(), &output), 0) << output;
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(tmp)) names.push_back(entry.path().filename());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(Mpusim({"diff", (tmp / "a").string(), (tmp / "b").string()}).code, 0);
+  // One rank file from the other run: refused, not diffed.
+  fs::copy_file(tmp / "b" / "rank00001.safetensors", tmp / "a" / "rank00001.safetensors",
+                fs::copy_options::overwrite_existing);
+  ExpectOneLineRefusal(Mpusim({"diff", (tmp / "a").string(), (tmp / "b").string()}),
+                       "this file comes from another run than manifest.json");
+  // A --dump that cannot be written fails before anything is printed.
+  fs::create_directories(tmp / "not_a_dump");
+  std::ofstream(tmp / "not_a_dump" / "notes.txt") << "keep me";
+  EXPECT_EQ(Shell(run + (tmp / "not_a_dump").string(), &output), 2);
+  EXPECT_EQ(output.rfind("error: command line: --dump: '", 0), 0u) << output;
+  EXPECT_NE(output.find("is not a mpusim dump"), std::string::npos) << output;
+  EXPECT_TRUE(fs::exists(tmp / "not_a_dump" / "notes.txt"));
+  EXPECT_EQ(Shell(run + "/proc/mpusim_cannot_be_here", &output), 2);
+  EXPECT_EQ(output.rfind("error: command line: --dump: cannot create a directory", 0), 0u)
+      << output;
+  fs::remove_all(tmp);
+}
+
+}  // namespace hostile_tests
+
 }  // namespace
 }  // namespace mpusim::cli
