@@ -344,8 +344,9 @@ Status ParseLayer(const json& value, const std::string& prefix,
     if (key == "name" || key == "type") continue;
     const std::string where = prefix + "." + key;
     if (std::find(keys.begin(), keys.end(), key) == keys.end()) {
-      const bool of_another_type =
-          std::any_of(LayerTypes().begin(), LayerTypes().end(), [&](const LayerTypeInfo& other) {
+      // `&key = key`: clang 14 cannot capture a structured binding itself.
+      const bool of_another_type = std::any_of(
+          LayerTypes().begin(), LayerTypes().end(), [&, &key = key](const LayerTypeInfo& other) {
             return std::find(other.options.begin(), other.options.end(), key) !=
                    other.options.end();
           });
