@@ -85,11 +85,11 @@ StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions&
   ctx.kernels = &kernels;
   ctx.trace = &result.trace;
   ctx.rng = RngTracker::ForRank(config.run->seed, ctx.coords.tp, ctx.coords.pp, ctx.coords.dp);
-  auto groups = backend.MakeGroups(*topology, world_rank, {"tp", "dp", "dp_cp"});
+  auto groups = backend.MakeGroups(*topology, world_rank, RankGroups::Kinds());
   for (auto& [kind, comm] : groups) {
-    ctx.groups.emplace(kind,
-                       std::make_unique<TracedCommunicator>(std::move(comm), kind, &result.trace));
+    comm = std::make_unique<TracedCommunicator>(std::move(comm), kind, &result.trace);
   }
+  ctx.groups = RankGroups::Take(groups);
   result.coords = ctx.coords;
   result.padded_vocab_size = graph.padded_vocab_size();
   result.plan = graph.Plan(topology->Coordinates(0));

@@ -600,7 +600,7 @@ Batch Graph::Impl::MakeBatch(RankContext& ctx, int64_t m) const {
       }
     }
     Tensor device = ctx.kernels->ToDevice(host);
-    BroadcastData(ctx, {&device});
+    BroadcastData(ctx.tp(), {&device});
     const Tensor back = ctx.kernels->ToHost(device);
     out->resize(static_cast<size_t>(s * b));
     for (size_t k = 0; k < out->size(); ++k) {
@@ -644,35 +644,35 @@ Tensor Graph::Impl::Forward(RankContext& ctx, LayerSlot& slot, const Tensor& x,
           VocabRangeFromPerPartitionVocabSize(slot.weight->value.shape()[0], ctx.coords.tp);
       Tensor y = k.Zeros({s, b, c.embedding_dim}, dtype);
       k.EmbeddingForward(slot.weight->value, batch.tokens, first, last, y);
-      if (sequence_parallel) return ReduceScatterFirstDimTp(ctx, y);
-      return MappingForward(ctx, Mapping::kReduceFromTp, y);
+      if (sequence_parallel) return ReduceScatterFirstDim(k, ctx.tp(), y);
+      return MappingForward(k, ctx.tp(), Mapping::kReduceFromTp, y);
     }
     case LayerType::kParallelEmbedding: {
       const int64_t rows = slot.weight->value.shape()[0];
       Tensor y = k.Zeros({s, b, c.embedding_dim / t}, dtype);
       k.EmbeddingForward(slot.weight->value, batch.tokens, 0, rows, y);
-      return AllGatherLastDimTp(ctx, y);
+      return AllGatherLastDim(k, ctx.tp(), y);
     }
     case LayerType::kColumnParallelLinear: {
       // copy_to_tensor_model_parallel_region (identity), or the sequence-parallel all-gather.
-      slot.saved = sequence_parallel ? AllGatherFirstDimTp(ctx, x) : x;
+      slot.saved = sequence_parallel ? AllGatherFirstDim(k, ctx.tp(), x) : x;
       const Tensor& w = slot.weight->value;
       Shape shape = slot.saved.shape();
       shape.back() = w.shape()[0];
       Tensor y = k.Empty(shape, dtype);
       k.Gemm(false, true, 1.0, slot.saved, w, 0.0, y);
       if (slot.bias != nullptr && !c.skip_bias_add) k.AddRowVector(slot.bias->value, y);
-      return c.gather_output ? AllGatherLastDimTp(ctx, y) : y;
+      return c.gather_output ? AllGatherLastDim(k, ctx.tp(), y) : y;
     }
     case LayerType::kRowParallelLinear: {
-      slot.saved = c.input_is_parallel ? x : SplitLastDimTp(ctx, x);
+      slot.saved = c.input_is_parallel ? x : SplitLastDim(k, ctx.tp(), x);
       const Tensor& w = slot.weight->value;
       Shape shape = slot.saved.shape();
       shape.back() = w.shape()[0];
       Tensor partial = k.Empty(shape, dtype);
       k.Gemm(false, true, 1.0, slot.saved, w, 0.0, partial);
-      Tensor y = sequence_parallel ? ReduceScatterFirstDimTp(ctx, partial)
-                                   : MappingForward(ctx, Mapping::kReduceFromTp, partial);
+      Tensor y = sequence_parallel ? ReduceScatterFirstDim(k, ctx.tp(), partial)
+                                   : MappingForward(k, ctx.tp(), Mapping::kReduceFromTp, partial);
       if (slot.bias != nullptr && !c.skip_bias_add) k.AddRowVector(slot.bias->value, y);
       return y;
     }
@@ -705,16 +705,16 @@ Tensor Graph::Impl::Forward(RankContext& ctx, LayerSlot& slot, const Tensor& x,
       const DType stats = ComputeDType(dtype);
       slot.row_max = k.Zeros({rows}, stats);
       k.RowMax(x, slot.row_max);
-      if (t > 1) ctx.Group("tp").AllReduce(slot.row_max, ReduceOp::kMax);
+      if (t > 1) ctx.tp().AllReduce(slot.row_max, ReduceOp::kMax);
       slot.sum_exp = k.Zeros({rows}, stats);
       Tensor sum_z = k.Zeros({rows}, stats);
       Tensor target_z = k.Zeros({rows}, stats);
       k.CrossEntropyPartials(x, slot.row_max, batch.labels, start, slot.sum_exp, sum_z,
                              target_z);
       if (t > 1) {
-        ctx.Group("tp").AllReduce(target_z, ReduceOp::kSum);
-        ctx.Group("tp").AllReduce(slot.sum_exp, ReduceOp::kSum);
-        if (c.label_smoothing > 0) ctx.Group("tp").AllReduce(sum_z, ReduceOp::kSum);
+        ctx.tp().AllReduce(target_z, ReduceOp::kSum);
+        ctx.tp().AllReduce(slot.sum_exp, ReduceOp::kSum);
+        if (c.label_smoothing > 0) ctx.tp().AllReduce(sum_z, ReduceOp::kSum);
       }
       const Tensor h_sum_exp = k.ToHost(slot.sum_exp);
       const Tensor h_sum_z = k.ToHost(sum_z);
@@ -731,7 +731,7 @@ Tensor Graph::Impl::Forward(RankContext& ctx, LayerSlot& slot, const Tensor& x,
       return k.ToDevice(losses);
     }
     default:
-      return MappingForward(ctx, *MappingOf(c.type), x);
+      return MappingForward(k, ctx.tp(), *MappingOf(c.type), x);
   }
 }
 
@@ -745,7 +745,7 @@ Tensor Graph::Impl::Backward(RankContext& ctx, LayerSlot& slot, const Tensor& dy
       if (slot.weight->frozen) return Tensor();
       // Embedding gradients are scattered straight into main_grad (float32 under 16-bit
       // storage): one rounding fewer than torch's bf16 weight.grad followed by the DDP add.
-      const Tensor full = sequence_parallel ? AllGatherFirstDimTp(ctx, dy) : dy;
+      const Tensor full = sequence_parallel ? AllGatherFirstDim(k, ctx.tp(), dy) : dy;
       const auto [first, last] =
           VocabRangeFromPerPartitionVocabSize(slot.weight->value.shape()[0], ctx.coords.tp);
       k.EmbeddingBackward(full, batch.tokens, first, last, slot.weight->grad);
@@ -753,13 +753,13 @@ Tensor Graph::Impl::Backward(RankContext& ctx, LayerSlot& slot, const Tensor& dy
     }
     case LayerType::kParallelEmbedding: {
       if (slot.weight->frozen) return Tensor();
-      const Tensor local = SplitLastDimTp(ctx, dy);
+      const Tensor local = SplitLastDim(k, ctx.tp(), dy);
       k.EmbeddingBackward(local, batch.tokens, 0, slot.weight->value.shape()[0],
                           slot.weight->grad);
       return Tensor();
     }
     case LayerType::kColumnParallelLinear: {
-      const Tensor d_local = c.gather_output ? SplitLastDimTp(ctx, dy) : dy;
+      const Tensor d_local = c.gather_output ? SplitLastDim(k, ctx.tp(), dy) : dy;
       const Tensor& w = slot.weight->value;
       Tensor dx_total = k.Empty(slot.saved.shape(), dtype);
       k.Gemm(false, false, 1.0, d_local, w, 0.0, dx_total);  // [R, out/t] @ [out/t, in]
@@ -774,11 +774,11 @@ Tensor Graph::Impl::Backward(RankContext& ctx, LayerSlot& slot, const Tensor& dy
       }
       // Backward of the input mapping: reduce-scatter (sequence parallel) or the
       // all-reduce of copy_to_tensor_model_parallel_region.
-      return sequence_parallel ? ReduceScatterFirstDimTp(ctx, dx_total)
-                               : MappingBackward(ctx, Mapping::kCopyToTp, dx_total);
+      return sequence_parallel ? ReduceScatterFirstDim(k, ctx.tp(), dx_total)
+                               : MappingBackward(k, ctx.tp(), Mapping::kCopyToTp, dx_total);
     }
     case LayerType::kRowParallelLinear: {
-      const Tensor d_total = sequence_parallel ? AllGatherFirstDimTp(ctx, dy) : dy;
+      const Tensor d_total = sequence_parallel ? AllGatherFirstDim(k, ctx.tp(), dy) : dy;
       const Tensor& w = slot.weight->value;
       Tensor dx_local = k.Empty(slot.saved.shape(), dtype);
       k.Gemm(false, false, 1.0, d_total, w, 0.0, dx_local);  // [R, out] @ [out, in/t]
@@ -790,7 +790,8 @@ Tensor Graph::Impl::Backward(RankContext& ctx, LayerSlot& slot, const Tensor& dy
       if (slot.bias != nullptr && !c.skip_bias_add) {
         AccumulateGrad(k, *slot.bias, false, [&](Tensor& g, double beta) { k.SumRows(dy, beta, g); });
       }
-      return c.input_is_parallel ? dx_local : AllGatherLastDimTp(ctx, dx_local);
+      return c.input_is_parallel ? dx_local
+                                 : AllGatherLastDim(k, ctx.tp(), dx_local);
     }
     case LayerType::kGeLU: {
       Tensor dx = k.Empty(dy.shape(), dtype);
@@ -819,7 +820,7 @@ Tensor Graph::Impl::Backward(RankContext& ctx, LayerSlot& slot, const Tensor& dy
       return grad;
     }
     default:
-      return MappingBackward(ctx, *MappingOf(c.type), dy, c.tensor_parallel_output_grad);
+      return MappingBackward(k, ctx.tp(), *MappingOf(c.type), dy, c.tensor_parallel_output_grad);
   }
 }
 
@@ -846,7 +847,7 @@ double Graph::Impl::ForwardChain(RankContext& ctx, const Batch& batch) {
   Tensor device = ctx.kernels->ToDevice(sum);
   ctx.trace->SetPhase(Phase::kOther);
   ctx.trace->SetSite("loss");
-  if (d > 1) ctx.Group("dp").AllReduce(device, ReduceOp::kSum);
+  if (d > 1) ctx.dp().AllReduce(device, ReduceOp::kSum);
   const double total = ctx.kernels->ToHost(device).data_as<double>()[0];
   return total / static_cast<double>(run.seq_length * run.micro_batch_size * d);
 }
@@ -927,8 +928,8 @@ void Graph::Run(RankContext& ctx) {
   for (auto& p : g.parameters) {
     if (p->frozen) continue;
     ctx.trace->SetSite(p->name);
-    if (p->reduce_over_tp && g.t > 1) ctx.Group("tp").AllReduce(p->grad, ReduceOp::kSum);
-    if (g.d > 1) ctx.Group("dp_cp").AllReduce(p->grad, ReduceOp::kSum);
+    if (p->reduce_over_tp && g.t > 1) ctx.tp().AllReduce(p->grad, ReduceOp::kSum);
+    if (g.d > 1) ctx.dp_cp().AllReduce(p->grad, ReduceOp::kSum);
   }
 }
 

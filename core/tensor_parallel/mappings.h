@@ -17,20 +17,22 @@
 //   reduce_scatter_to_sequence_parallel_region reduce-scatter dim 0  all-gather dim 0
 //
 // Every function returns a new tensor (or the input itself for identity) and runs its
-// collective on the "tp" communicator of the context.
+// collective on `group`, the tensor-parallel group it is given (Megatron passes `group` the
+// same way); its Size() and Rank() say how to split.
 #pragma once
 
-#include "core/rank_context.h"
+#include "core/communicator.h"
+#include "core/kernels.h"
 
 namespace mpusim {
 
-// Building blocks (tp group).
-Tensor AllReduceTp(RankContext& ctx, const Tensor& x);
-Tensor AllGatherFirstDimTp(RankContext& ctx, const Tensor& x);
-Tensor ReduceScatterFirstDimTp(RankContext& ctx, const Tensor& x);
-Tensor AllGatherLastDimTp(RankContext& ctx, const Tensor& x);
-Tensor SplitFirstDimTp(RankContext& ctx, const Tensor& x);
-Tensor SplitLastDimTp(RankContext& ctx, const Tensor& x);
+// Building blocks.
+Tensor AllReduceCopy(Kernels& k, Communicator& group, const Tensor& x);
+Tensor AllGatherFirstDim(Kernels& k, Communicator& group, const Tensor& x);
+Tensor ReduceScatterFirstDim(Kernels& k, Communicator& group, const Tensor& x);
+Tensor AllGatherLastDim(Kernels& k, Communicator& group, const Tensor& x);
+Tensor SplitFirstDim(Kernels& k, Communicator& group, const Tensor& x);
+Tensor SplitLastDim(Kernels& k, Communicator& group, const Tensor& x);
 
 enum class Mapping : uint8_t {
   kCopyToTp,
@@ -42,8 +44,8 @@ enum class Mapping : uint8_t {
   kReduceScatterToSp,
 };
 
-Tensor MappingForward(RankContext& ctx, Mapping mapping, const Tensor& x);
-Tensor MappingBackward(RankContext& ctx, Mapping mapping, const Tensor& dy,
+Tensor MappingForward(Kernels& k, Communicator& group, Mapping mapping, const Tensor& x);
+Tensor MappingBackward(Kernels& k, Communicator& group, Mapping mapping, const Tensor& dy,
                        bool tensor_parallel_output_grad = true);
 
 }  // namespace mpusim

@@ -39,8 +39,8 @@ std::vector<Tensor> SplitTensorAlongLastDim(Kernels& kernels, const Tensor& tens
   return parts;
 }
 
-Tensor SplitTensorInto1dEqualChunks(RankContext& ctx, const Tensor& tensor) {
-  const int64_t t = ctx.tp_size();
+Tensor SplitTensorInto1dEqualChunks(Kernels& k, Communicator& group, const Tensor& tensor) {
+  const int64_t t = group.Size();
   if (tensor.numel() % t != 0) {
     throw std::invalid_argument("tensor of " + std::to_string(tensor.numel()) +
                                 " elements is not divisible into " + std::to_string(t) +
@@ -48,21 +48,21 @@ Tensor SplitTensorInto1dEqualChunks(RankContext& ctx, const Tensor& tensor) {
   }
   const int64_t chunk = tensor.numel() / t;
   const Tensor flat = tensor.Reshaped({t, chunk});
-  Tensor out = ctx.kernels->Zeros({chunk}, tensor.dtype());
+  Tensor out = k.Zeros({chunk}, tensor.dtype());
   Tensor out_row = out.Reshaped({1, chunk});
-  ctx.kernels->CopyBlock(flat, ctx.tp_rank(), 0, out_row, 0, 0, 1, chunk);
+  k.CopyBlock(flat, group.Rank(), 0, out_row, 0, 0, 1, chunk);
   return out;
 }
 
-Tensor GatherSplit1dTensor(RankContext& ctx, const Tensor& chunk) {
-  Tensor out = ctx.kernels->Zeros({chunk.numel() * ctx.tp_size()}, chunk.dtype());
-  ctx.Group("tp").AllGather(chunk, out);
+Tensor GatherSplit1dTensor(Kernels& k, Communicator& group, const Tensor& chunk) {
+  Tensor out = k.Zeros({chunk.numel() * group.Size()}, chunk.dtype());
+  group.AllGather(chunk, out);
   return out;
 }
 
-void BroadcastData(RankContext& ctx, std::vector<Tensor*> tensors) {
-  if (ctx.tp_size() == 1) return;
-  for (Tensor* tensor : tensors) ctx.Group("tp").Broadcast(*tensor, 0);
+void BroadcastData(Communicator& group, std::vector<Tensor*> tensors) {
+  if (group.Size() == 1) return;
+  for (Tensor* tensor : tensors) group.Broadcast(*tensor, 0);
 }
 
 }  // namespace mpusim

@@ -7,7 +7,8 @@
 #include <utility>
 #include <vector>
 
-#include "core/rank_context.h"
+#include "core/communicator.h"
+#include "core/kernels.h"
 
 namespace mpusim {
 
@@ -22,13 +23,13 @@ std::pair<int64_t, int64_t> VocabRangeFromGlobalVocabSize(int64_t global, int64_
 std::vector<Tensor> SplitTensorAlongLastDim(Kernels& kernels, const Tensor& tensor,
                                             int64_t num_partitions);
 
-// split_tensor_into_1d_equal_chunks: this tp rank's flat chunk of numel / tp elements;
-// gather_split_1d_tensor: all-gather of those chunks over tp, back to the flat tensor.
-Tensor SplitTensorInto1dEqualChunks(RankContext& ctx, const Tensor& tensor);
-Tensor GatherSplit1dTensor(RankContext& ctx, const Tensor& chunk);
+// split_tensor_into_1d_equal_chunks: this rank's flat chunk of numel / group size elements;
+// gather_split_1d_tensor: all-gather of those chunks over `group`, back to the flat tensor.
+Tensor SplitTensorInto1dEqualChunks(Kernels& k, Communicator& group, const Tensor& tensor);
+Tensor GatherSplit1dTensor(Kernels& k, Communicator& group, const Tensor& chunk);
 
-// broadcast_data: the first rank of each tp group's tensors are copied to the whole group
-// (in place; every rank passes tensors of the same shapes).
-void BroadcastData(RankContext& ctx, std::vector<Tensor*> tensors);
+// broadcast_data: the tensors of `group`'s first rank (a tp group) are copied to the whole
+// group (in place; every rank passes tensors of the same shapes).
+void BroadcastData(Communicator& group, std::vector<Tensor*> tensors);
 
 }  // namespace mpusim

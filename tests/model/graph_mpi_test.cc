@@ -534,10 +534,11 @@ struct TpFixture {
     ctx.coords = topology->Coordinates(ctx.rank);
     ctx.kernels = &kernels;
     ctx.trace = &trace;
-    for (auto& [kind, comm] : MakeGroupCommunicators(*topology, ctx.rank, MPI_COMM_WORLD, {"tp"})) {
-      ctx.groups.emplace(kind, std::move(comm));
-    }
+    auto groups = MakeGroupCommunicators(*topology, ctx.rank, MPI_COMM_WORLD, {"tp"});
+    ctx.groups = RankGroups::Take(groups);
+    tp = &ctx.tp();
   }
+  Communicator* tp = nullptr;
   // [rows, cols] with value f(row, col).
   Tensor Make(int64_t rows, int64_t cols, const std::function<double(int64_t, int64_t)>& f) {
     Tensor t = Tensor::HostZeros({rows, cols}, DType::kFloat64);
@@ -574,14 +575,14 @@ TEST(RegionMappings, ForwardAndBackwardOnIntegers) {
                                                  static_cast<double>(j));
   };
   // copy_to: forward identity, backward all-reduce.
-  ExpectTensor(MappingForward(fx.ctx, Mapping::kCopyToTp, x), rows, cols, own);
-  ExpectTensor(MappingBackward(fx.ctx, Mapping::kCopyToTp, x), rows, cols, summed);
+  ExpectTensor(MappingForward(fx.kernels, *fx.tp, Mapping::kCopyToTp, x), rows, cols, own);
+  ExpectTensor(MappingBackward(fx.kernels, *fx.tp, Mapping::kCopyToTp, x), rows, cols, summed);
   // reduce_from: forward all-reduce, backward identity.
-  ExpectTensor(MappingForward(fx.ctx, Mapping::kReduceFromTp, x), rows, cols, summed);
-  ExpectTensor(MappingBackward(fx.ctx, Mapping::kReduceFromTp, x), rows, cols, own);
+  ExpectTensor(MappingForward(fx.kernels, *fx.tp, Mapping::kReduceFromTp, x), rows, cols, summed);
+  ExpectTensor(MappingBackward(fx.kernels, *fx.tp, Mapping::kReduceFromTp, x), rows, cols, own);
   // scatter_to: forward keeps columns [r*c, (r+1)*c); backward all-gathers the last dim.
   const int64_t c = cols / t;
-  ExpectTensor(MappingForward(fx.ctx, Mapping::kScatterToTp, x), rows, c,
+  ExpectTensor(MappingForward(fx.kernels, *fx.tp, Mapping::kScatterToTp, x), rows, c,
                [&](int64_t i, int64_t j) { return own(i, r * c + j); });
   const Tensor piece = fx.Make(rows, c, [&](int64_t i, int64_t j) {
     return 1000.0 * static_cast<double>(r) + 10.0 * static_cast<double>(i) +
@@ -591,14 +592,14 @@ TEST(RegionMappings, ForwardAndBackwardOnIntegers) {
     return 1000.0 * static_cast<double>(j / c) + 10.0 * static_cast<double>(i) +
            static_cast<double>(j % c);
   };
-  ExpectTensor(MappingBackward(fx.ctx, Mapping::kScatterToTp, piece), rows, cols, gathered_cols);
+  ExpectTensor(MappingBackward(fx.kernels, *fx.tp, Mapping::kScatterToTp, piece), rows, cols, gathered_cols);
   // gather_from: forward all-gathers the last dim; backward splits it.
-  ExpectTensor(MappingForward(fx.ctx, Mapping::kGatherFromTp, piece), rows, cols, gathered_cols);
-  ExpectTensor(MappingBackward(fx.ctx, Mapping::kGatherFromTp, x), rows, c,
+  ExpectTensor(MappingForward(fx.kernels, *fx.tp, Mapping::kGatherFromTp, piece), rows, cols, gathered_cols);
+  ExpectTensor(MappingBackward(fx.kernels, *fx.tp, Mapping::kGatherFromTp, x), rows, c,
                [&](int64_t i, int64_t j) { return own(i, r * c + j); });
   // Sequence parallel: dim 0 is the leading block of rows.
   const int64_t rb = rows / t;
-  ExpectTensor(MappingForward(fx.ctx, Mapping::kScatterToSp, x), rb, cols,
+  ExpectTensor(MappingForward(fx.kernels, *fx.tp, Mapping::kScatterToSp, x), rb, cols,
                [&](int64_t i, int64_t j) { return own(r * rb + i, j); });
   const Tensor rows_piece = fx.Make(rb, cols, [&](int64_t i, int64_t j) {
     return 1000.0 * static_cast<double>(r) + 10.0 * static_cast<double>(i) +
@@ -608,16 +609,16 @@ TEST(RegionMappings, ForwardAndBackwardOnIntegers) {
     return 1000.0 * static_cast<double>(i / rb) + 10.0 * static_cast<double>(i % rb) +
            static_cast<double>(j);
   };
-  ExpectTensor(MappingBackward(fx.ctx, Mapping::kScatterToSp, rows_piece), rows, cols,
+  ExpectTensor(MappingBackward(fx.kernels, *fx.tp, Mapping::kScatterToSp, rows_piece), rows, cols,
                gathered_rows);
-  ExpectTensor(MappingForward(fx.ctx, Mapping::kGatherFromSp, rows_piece), rows, cols,
+  ExpectTensor(MappingForward(fx.kernels, *fx.tp, Mapping::kGatherFromSp, rows_piece), rows, cols,
                gathered_rows);
   const auto scattered_sum = [&](int64_t i, int64_t j) { return summed(r * rb + i, j); };
-  ExpectTensor(MappingBackward(fx.ctx, Mapping::kGatherFromSp, x, true), rb, cols, scattered_sum);
-  ExpectTensor(MappingBackward(fx.ctx, Mapping::kGatherFromSp, x, false), rb, cols,
+  ExpectTensor(MappingBackward(fx.kernels, *fx.tp, Mapping::kGatherFromSp, x, true), rb, cols, scattered_sum);
+  ExpectTensor(MappingBackward(fx.kernels, *fx.tp, Mapping::kGatherFromSp, x, false), rb, cols,
                [&](int64_t i, int64_t j) { return own(r * rb + i, j); });
-  ExpectTensor(MappingForward(fx.ctx, Mapping::kReduceScatterToSp, x), rb, cols, scattered_sum);
-  ExpectTensor(MappingBackward(fx.ctx, Mapping::kReduceScatterToSp, rows_piece), rows, cols,
+  ExpectTensor(MappingForward(fx.kernels, *fx.tp, Mapping::kReduceScatterToSp, x), rb, cols, scattered_sum);
+  ExpectTensor(MappingBackward(fx.kernels, *fx.tp, Mapping::kReduceScatterToSp, rows_piece), rows, cols,
                gathered_rows);
 }
 
@@ -636,17 +637,17 @@ TEST(TensorParallelUtils, VocabRangesSplitsAndBroadcast) {
       return 10.0 * static_cast<double>(i) + static_cast<double>(p * 4 + j);
     });
   }
-  const Tensor chunk = SplitTensorInto1dEqualChunks(fx.ctx, x);
+  const Tensor chunk = SplitTensorInto1dEqualChunks(fx.kernels, *fx.tp, x);
   ASSERT_EQ(chunk.numel(), 12);
   EXPECT_EQ(chunk.data_as<double>()[0], x.data_as<double>()[r * 12]);
-  const Tensor whole = GatherSplit1dTensor(fx.ctx, chunk);
+  const Tensor whole = GatherSplit1dTensor(fx.kernels, *fx.tp, chunk);
   ASSERT_EQ(whole.numel(), x.numel());
   EXPECT_EQ(std::memcmp(whole.data(), x.data(), x.bytes()), 0);
 
   Tensor data = fx.Make(2, 2, [&](int64_t i, int64_t j) {
     return static_cast<double>(r + 1) * static_cast<double>(i * 2 + j + 1);
   });
-  BroadcastData(fx.ctx, {&data});
+  BroadcastData(*fx.tp, {&data});
   ExpectTensor(data, 2, 2, [](int64_t i, int64_t j) { return static_cast<double>(i * 2 + j + 1); });
 }
 
