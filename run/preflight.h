@@ -8,8 +8,9 @@
 // and capped, so sizes whose products wrap int64 or size_t are refused like any other
 // oversized run, never allocated.
 // What it is not: an exact allocator trace. It counts each tensor the executor and the
-// reference keep, not allocator slack or temporaries of a single kernel; the README's
-// memory benchmark compares it with measured peak RSS.
+// reference keep, not the program's own footprint (libraries, MPI buffers: tens of MiB),
+// allocator slack or temporaries of a single kernel. `mpusim run` prints it next to the
+// measured peak RSS, and the README's reliability section compares the two.
 #pragma once
 
 #include <cstdint>

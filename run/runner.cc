@@ -148,6 +148,7 @@ class RankRun {
   void PrintCommTrace(const CommTrace& trace);
   void PrintMemory();
   std::string PreflightError(const MemoryPlan& plan) const;
+  unsigned __int128 preflight_bytes_ = 0;  // this rank's preflight estimate
 
   const RunOptions& options_;
   const BackendFactory& factory_;
@@ -214,6 +215,7 @@ int RankRun::Run() {
     // rank judges its own share against its own limit; one refusal stops them all.
     const MemoryPlan plan = PlanRankMemory(config_, **built, topology->Coordinates(world_rank_),
                                            world_size_, options_.check);
+    preflight_bytes_ = plan.total;
     std::vector<std::string> lines;
     if (GatherErrors(PreflightError(plan), &lines)) {
       for (const std::string& line : lines) {
@@ -399,8 +401,9 @@ void RankRun::PrintMemory() {
   watched::Reduce(world_rank_ == 0 ? MPI_IN_PLACE : &pss, &pss, 1, MPI_LONG_LONG, MPI_SUM, 0,
                   MPI_COMM_WORLD, WorldLabel());
   out_ << fmt::format("\nmemory: peak RSS {:.1f} MiB on the largest rank; {:.1f} MiB held by all "
-                      "{} ranks at the end (PSS: pages shared between ranks counted once)\n",
-                      MiB(peak), MiB(pss), world_size_);
+                      "{} ranks at the end (PSS: pages shared between ranks counted once); the "
+                      "preflight estimated {} per rank for tensors\n",
+                      MiB(peak), MiB(pss), world_size_, FormatBytes(preflight_bytes_));
 }
 
 }  // namespace
