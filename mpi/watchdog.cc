@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <new>
 #include <numeric>
 #include <optional>
 #include <stdexcept>
@@ -95,7 +96,9 @@ void CheckCode(int code, const Watched& w, int line) {
 void InjectFault(const FaultSpec& fault, WatchedOp op, int64_t call) {
   const ProcessPlace place = WhereAmI();
   static constexpr const char* kWhat[] = {"stops itself (SIGSTOP)", "kills itself (SIGKILL)",
-                                          "exits without MPI_Finalize"};
+                                          "exits without MPI_Finalize",
+                                          "throws std::runtime_error",
+                                          "throws std::bad_alloc"};
   std::fprintf(stderr, "mpusim: MPUSIM_FAULT: rank %d (host %s) %s before %s call %lld\n",
                place.world_rank, place.host.c_str(), kWhat[static_cast<size_t>(fault.action)],
                kOpNames[static_cast<size_t>(op)], static_cast<long long>(call));
@@ -109,6 +112,11 @@ void InjectFault(const FaultSpec& fault, WatchedOp op, int64_t call) {
       break;
     case FaultAction::kExit:
       _exit(0);
+    case FaultAction::kThrow:
+      throw std::runtime_error(fmt::format("MPUSIM_FAULT: injected failure before {} call {}",
+                                           kOpNames[static_cast<size_t>(op)], call));
+    case FaultAction::kOutOfMemory:
+      throw std::bad_alloc();
   }
 }
 
@@ -160,7 +168,7 @@ void Run(const Watched& w, Start&& start, MPI_Status* status = MPI_STATUS_IGNORE
 
 Status FaultError(std::string_view text, const std::string& what) {
   return Status::Error("MPUSIM_FAULT",
-                       fmt::format("'{}': {}; expected rank=R,op=OP,call=N,action=stop|kill|exit "
+                       fmt::format("'{}': {}; expected rank=R,op=OP,call=N,action=stop|kill|exit|throw|oom "
                                    "with OP one of {}",
                                    text, what, fmt::join(kOpNames, "|")));
 }
@@ -261,6 +269,10 @@ StatusOr<FaultSpec> ParseFaultSpec(std::string_view text) {
     spec.action = FaultAction::kKill;
   } else if (action == "exit") {
     spec.action = FaultAction::kExit;
+  } else if (action == "throw") {
+    spec.action = FaultAction::kThrow;
+  } else if (action == "oom") {
+    spec.action = FaultAction::kOutOfMemory;
   } else {
     return FaultError(text, fmt::format("unknown action '{}'", action));
   }

@@ -31,7 +31,9 @@
 // makes world rank R, just before its N-th (from 1) watched call of operation OP,
 //   stop  raise(SIGSTOP) on itself: a hung peer (the others' watchdogs fire);
 //   kill  raise(SIGKILL): a dead peer (Open MPI ends the job);
-//   exit  _exit(0) without MPI_Finalize.
+//   exit  _exit(0) without MPI_Finalize;
+//   throw throw std::runtime_error: an unexpected error (mpusim run ends the job, exit 4);
+//   oom   throw std::bad_alloc: memory ran out (mpusim run ends the job, exit 3).
 // OP: allreduce, allgather (also MPI_Allgatherv), reducescatter, broadcast, alltoall (also
 // MPI_Alltoallv), reduce, barrier, split (communicator creation: MPI_Comm_split, MPI_Comm_dup),
 // send, recv, or any (N then counts every watched call). The rank prints one line saying
@@ -89,7 +91,7 @@ enum class WatchedOp : uint8_t {
 };
 const char* WatchedOpName(WatchedOp op);  // the MPUSIM_FAULT spelling: "allreduce", ...
 
-enum class FaultAction : uint8_t { kStop, kKill, kExit };
+enum class FaultAction : uint8_t { kStop, kKill, kExit, kThrow, kOutOfMemory };
 
 struct FaultSpec {
   int world_rank = 0;

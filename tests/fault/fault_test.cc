@@ -299,6 +299,23 @@ TEST(FaultTest, RankExitingWithoutFinalizeEndsTheJob) {
   EXPECT_LT(job.after_fault_s, kAbortSlackS) << job.output;
 }
 
+// (e) An unexpected exception or an allocation failure on one rank: that rank ends the job
+// with MPI_Abort and the distinct exit codes 4 and 3, one line each, no hang.
+TEST(FaultTest, RankThrowingEndsTheJobWithTheInternalOrOutOfMemoryCode) {
+  Job job = RunJob(MpusimRun(4, kConfig, 60), "rank=2,op=allreduce,call=2,action=throw");
+  ExpectEndedCleanly(job, "mpusim: MPUSIM_FAULT: rank 2 (host ");
+  EXPECT_EQ(job.exit_code, 4) << job.output;
+  EXPECT_TRUE(Contains(job.output, "error: rank 2: internal error: MPUSIM_FAULT: injected "
+                                   "failure before allreduce call 2"))
+      << job.output;
+  EXPECT_LT(job.after_fault_s, kAbortSlackS) << job.output;
+  job = RunJob(MpusimRun(4, kConfig, 60), "rank=1,op=allgather,call=1,action=oom");
+  ExpectEndedCleanly(job, "mpusim: MPUSIM_FAULT: rank 1 (host ");
+  EXPECT_EQ(job.exit_code, 3) << job.output;
+  EXPECT_TRUE(Contains(job.output, "error: rank 1: out of memory")) << job.output;
+  EXPECT_LT(job.after_fault_s, kAbortSlackS) << job.output;
+}
+
 TEST(FaultTest, MalformedFaultAndTimeoutAreBadInput) {
   Job job = RunJob(MpusimRun(4, kConfig, kTimeoutS), "rank=1,op=allreduce,call=three,action=stop");
   EXPECT_EQ(job.exit_code, 2) << job.output;

@@ -273,7 +273,7 @@ TEST(FaultSpecTest, RefusesMalformedValuesWithOneMessage) {
     ASSERT_FALSE(spec.ok()) << text;
     EXPECT_EQ(spec.status().where(), "MPUSIM_FAULT");
     EXPECT_NE(spec.status().what().find(what), std::string::npos) << spec.status().Message();
-    EXPECT_NE(spec.status().what().find("expected rank=R,op=OP,call=N,action=stop|kill|exit"),
+    EXPECT_NE(spec.status().what().find("expected rank=R,op=OP,call=N,action=stop|kill|exit|throw|oom"),
               std::string::npos);
     EXPECT_EQ(spec.status().Message().find('\n'), std::string::npos);
   }
