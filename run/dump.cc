@@ -55,23 +55,23 @@ int WorldRank() {
   return rank;
 }
 
-// DIR's siblings ".<name>.mpusim-<what>-<run id>", on DIR's file system so renames are atomic.
+// DIR's sibling ".<name>.mpusim-<what>-<run id>" (a prefix of it when run_id is empty), on
+// DIR's file system so that renames are atomic.
 fs::path Sibling(const std::string& dir, std::string_view what, const std::string& run_id) {
   fs::path path = fs::path(dir).lexically_normal();
   if (!path.has_filename()) path = path.parent_path();  // "out/" -> "out"
-  return path.parent_path() / fmt::format(".{}.mpusim-{}-{}", path.filename().string(), what,
-                                          run_id);
+  const fs::path parent = path.parent_path().empty() ? fs::path(".") : path.parent_path();
+  return parent / fmt::format(".{}.mpusim-{}-{}", path.filename().string(), what, run_id);
 }
 
 // Removes what a dump to DIR that died left behind: ".<name>.mpusim-tmp-*" and "-old-*".
 void RemoveStaleSiblings(const std::string& dir) {
-  fs::path path = fs::path(dir).lexically_normal();
-  if (!path.has_filename()) path = path.parent_path();
-  const std::string tmp = fmt::format(".{}.mpusim-tmp-", path.filename().string());
-  const std::string old = fmt::format(".{}.mpusim-old-", path.filename().string());
+  const fs::path tmp_prefix = Sibling(dir, "tmp", "");
+  const std::string tmp = tmp_prefix.filename().string();
+  const std::string old = Sibling(dir, "old", "").filename().string();
   std::error_code ec;
-  const fs::path parent = path.parent_path().empty() ? fs::path(".") : path.parent_path();
-  for (fs::directory_iterator it(parent, ec), end; !ec && it != end; it.increment(ec)) {
+  for (fs::directory_iterator it(tmp_prefix.parent_path(), ec), end; !ec && it != end;
+       it.increment(ec)) {
     const std::string name = it->path().filename().string();
     if (name.rfind(tmp, 0) == 0 || name.rfind(old, 0) == 0) {
       std::error_code ignored;
@@ -129,8 +129,8 @@ Status PrepareDump(DumpTarget* target) {
 Status WriteDump(const DumpTarget& target, const RankCoordinates& coords,
                  const std::vector<TensorRecord>& records, const HostFetch& fetch,
                  std::vector<std::string>* lines) {
-  int world_rank = 0, world_size = 1;
-  MPUSIM_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
+  const int world_rank = WorldRank();
+  int world_size = 1;
   MPUSIM_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world_size));
   // Everything goes to a temporary sibling first; it becomes DIR by one rename once the
   // manifest is in it, so DIR is either a complete dump or absent.

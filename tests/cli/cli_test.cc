@@ -595,6 +595,20 @@ TEST(HostileInput, HugeSizesAreRefusedUpFront) {
   EXPECT_EQ(rank["groups"]["dp"]["group_size"], 2147483647);
   EXPECT_TRUE(rank["groups"]["dp"]["ranks"].is_null());
   EXPECT_EQ(rank["groups"]["tp"]["ranks"], json({2147483646}));
+  // Past 2^20 ranks the node warnings look at the queried rank's groups only.
+  const Result spans = Mpusim({"layout", "--world-size", "1073741824", "--tp", "16",
+                               "--gpus-per-node", "8", "--rank", "5"});
+  EXPECT_EQ(spans.code, 0) << spans.err;
+  // expt_tp defaults to tp's size, so it spans nodes too.
+  EXPECT_EQ(spans.err, "warning: rank 5's tp group (size 16) spans nodes with gpus_per_node 8: "
+                       "its collectives would cross the inter-node network; keep tp groups "
+                       "inside a node\n"
+                       "warning: rank 5's expt_tp group (size 16) spans nodes with "
+                       "gpus_per_node 8: its collectives would cross the inter-node network; "
+                       "keep expt_tp groups inside a node\n");
+  const Result inside = Mpusim({"layout", "--world-size", "1073741824", "--tp", "8",
+                                "--gpus-per-node", "8", "--rank", "5"});
+  EXPECT_EQ(inside.err, "");
   ExpectOneLineRefusal(Mpusim({"schedule", "--world-size", "8", "--pp", "8", "-m", "2147483647"}),
                        "more than the 16777216 this planner lists");
   const Result layers = Mpusim({"layout", "--world-size", "8", "--pp", "2", "--num-layers",

@@ -30,8 +30,11 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "tests/error_lines.h"
+
 namespace {
 
+using mpusim::ErrorLines;
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
@@ -208,14 +211,6 @@ void ExpectEndedCleanly(const Job& job, const std::string& fault_line) {
   EXPECT_GE(job.after_fault_s, 0) << job.output;
 }
 
-int ErrorLines(const std::string& output) {
-  int lines = 0;
-  for (size_t at = output.find("error: "); at != std::string::npos;
-       at = output.find("error: ", at + 1)) {
-    if (at == 0 || output[at - 1] == '\n') ++lines;
-  }
-  return lines;
-}
 
 // The watchdog's line of world rank `rank`, or "" if it printed none.
 std::string WatchdogLine(const std::string& output, int rank) {

@@ -22,6 +22,7 @@
 #include "mpi/mpi_communicator.h"
 #include "run/runner.h"
 #include "sim/cpu_backend.h"
+#include "tests/mpi/world.h"
 
 namespace mpusim {
 namespace {
@@ -32,12 +33,6 @@ int WorldSize() {
   int size = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   return size;
-}
-
-int WorldRank() {
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  return rank;
 }
 
 // Runs `config` on the CPU backend.

@@ -11,14 +11,11 @@
 #include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
+#include "tests/mpi/world.h"
+
 namespace mpusim {
 namespace {
 
-int Rank() {
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  return rank;
-}
 
 int Size() {
   int size = 1;
@@ -27,7 +24,7 @@ int Size() {
 }
 
 TEST(Agree, AllGatherStringsInRankOrder) {
-  const std::vector<std::string> all = AllGatherStrings(std::string(static_cast<size_t>(Rank()), 'x'));
+  const std::vector<std::string> all = AllGatherStrings(std::string(static_cast<size_t>(WorldRank()), 'x'));
   ASSERT_EQ(static_cast<int>(all.size()), Size());
   for (int r = 0; r < Size(); ++r) EXPECT_EQ(all[static_cast<size_t>(r)], std::string(static_cast<size_t>(r), 'x'));
 }
@@ -35,7 +32,7 @@ TEST(Agree, AllGatherStringsInRankOrder) {
 TEST(Agree, OneLineWhenEveryRankSaysTheSame) {
   std::vector<std::string> lines;
   EXPECT_TRUE(GatherErrors("--backend cuda: no device", &lines));
-  if (Rank() == 0) {
+  if (WorldRank() == 0) {
     EXPECT_EQ(lines, std::vector<std::string>{"--backend cuda: no device"});
   } else {
     EXPECT_TRUE(lines.empty());
@@ -44,9 +41,9 @@ TEST(Agree, OneLineWhenEveryRankSaysTheSame) {
 
 TEST(Agree, RanksNamedWhenNotAllFailed) {
   std::vector<std::string> lines;
-  const bool failed = GatherErrors(Rank() % 2 == 1 ? "disk full" : "", &lines);
+  const bool failed = GatherErrors(WorldRank() % 2 == 1 ? "disk full" : "", &lines);
   EXPECT_EQ(failed, Size() > 1);
-  if (Rank() != 0) return;
+  if (WorldRank() != 0) return;
   std::vector<int> odd;
   for (int r = 1; r < Size(); r += 2) odd.push_back(r);
   if (Size() == 1) {
@@ -61,7 +58,7 @@ TEST(Agree, NothingWhenNoRankFailed) {
   std::vector<std::string> lines;
   EXPECT_FALSE(GatherErrors("", &lines));
   EXPECT_TRUE(lines.empty());
-  EXPECT_EQ(AgreeOnWorst(Rank() == Size() - 1 ? 2 : 0), 2);
+  EXPECT_EQ(AgreeOnWorst(WorldRank() == Size() - 1 ? 2 : 0), 2);
 }
 
 }  // namespace

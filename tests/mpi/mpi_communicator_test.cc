@@ -29,21 +29,11 @@
 #include "core/topology.h"
 #include "mpi/mpi_check.h"
 #include "mpi/mpi_communicator.h"
+#include "tests/mpi/world.h"
 #include "tests/kernel_test_util.h"
 
 namespace mpusim {
 namespace {
-
-int WorldRank() {
-  int rank = 0;
-  MPUSIM_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
-  return rank;
-}
-int WorldSize() {
-  int size = 0;
-  MPUSIM_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size));
-  return size;
-}
 
 bool HasErrorsReturn(MPI_Comm comm) {
   MPI_Errhandler handler = MPI_ERRHANDLER_NULL;

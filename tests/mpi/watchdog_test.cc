@@ -25,20 +25,10 @@
 #include "core/topology.h"
 #include "mpi/mpi_check.h"
 #include "mpi/mpi_communicator.h"
+#include "tests/mpi/world.h"
 
 namespace mpusim {
 namespace {
-
-int WorldRank() {
-  int rank = 0;
-  MPUSIM_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
-  return rank;
-}
-int WorldSize() {
-  int size = 0;
-  MPUSIM_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size));
-  return size;
-}
 
 // Rank-dependent small integers, so every sum is exact and a mix-up of ranks shows.
 std::vector<int64_t> Values(int rank, size_t n) {

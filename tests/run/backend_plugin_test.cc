@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include "run/backend_plugin.h"
+#include "tests/error_lines.h"
 
 namespace mpusim::run {
 namespace {
@@ -72,14 +73,6 @@ std::set<std::string> CudaLibraries(const std::set<std::string>& files) {
   return cuda;
 }
 
-int ErrorLines(const std::string& output) {
-  int lines = 0;
-  for (size_t at = output.find("error: "); at != std::string::npos;
-       at = output.find("error: ", at + 1)) {
-    if (at == 0 || output[at - 1] == '\n') ++lines;
-  }
-  return lines;
-}
 
 TEST(BackendPlugin, PlannerCommandsMapNoCudaLibrary) {
   const std::string mpusim = MPUSIM_BINARY;
