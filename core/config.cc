@@ -54,6 +54,9 @@ Status ParseConfig(const nlohmann::json& document, Config* out) {
       config.description = value.get<std::string>();
     } else if (key == "parallel") {
       MPUSIM_RETURN_IF_ERROR(ParseParallelSection(value, "parallel", &config.parallel));
+    } else if (key == "model" && IsGptSection(value)) {
+      config.gpt.emplace();
+      MPUSIM_RETURN_IF_ERROR(ParseGptSection(value, &*config.gpt));
     } else if (key == "model") {
       config.model.emplace();
       MPUSIM_RETURN_IF_ERROR(ParseModelSection(value, &*config.model));

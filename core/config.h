@@ -3,8 +3,9 @@
 // {
 //   "description": "...",           optional free text
 //   "parallel": { ... }             required; see parallel_config.h
-//   "model": { ... }, "run": { ... } optional; the layer graph for `mpusim run`, see
-//                                    model_config.h
+//   "model": { ... }, "run": { ... } optional; the model for `mpusim run`: a layer chain
+//                                    (model_config.h) or, with "type": "gpt", Megatron's
+//                                    GPT model (gpt_config.h)
 // }
 // Unknown top-level keys are refused (with a suggestion), so a typo never silently keeps a
 // default.
@@ -15,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/gpt_config.h"
 #include "core/model_config.h"
 #include "core/parallel_config.h"
 #include "core/status.h"
@@ -24,7 +26,8 @@ namespace mpusim {
 struct Config {
   std::string description;
   ParallelConfig parallel;
-  std::optional<ModelConfig> model;
+  std::optional<ModelConfig> model;  // the layer chain (the lab format)
+  std::optional<GptConfig> gpt;      // or the GPT model ("model": {"type": "gpt", ...})
   std::optional<RunConfig> run;
 };
 

@@ -98,6 +98,13 @@ void FillMaster(uint64_t seed, std::string_view name, const InitSpec& spec,
     std::memset(host_out.data(), 0, host_out.bytes());
     return;
   }
+  if (spec.method == InitMethod::kOnes) {
+    DispatchStorage(host_out.dtype(), [&]<typename T>() {
+      T* out = host_out.data_as<T>();
+      visit([&](int64_t local_flat, int64_t) { out[local_flat] = RoundTo<T>(1.0); });
+    });
+    return;
+  }
   const uint64_t stream = StreamId(name);
   const double scale = NormalScale(spec, full_shape);
   DispatchStorage(host_out.dtype(), [&]<typename T>() {
@@ -194,6 +201,8 @@ std::string_view InitMethodName(InitMethod method) {
       return "normal";
     case InitMethod::kZeros:
       return "zeros";
+    case InitMethod::kOnes:
+      return "ones";
   }
   return "unknown";  // only for a value cast from outside the enum
 }
@@ -223,6 +232,7 @@ double MasterValue(uint64_t seed, std::string_view name, const InitSpec& spec,
                                         flat_index, ShapeString(full_shape)));
   }
   if (spec.method == InitMethod::kZeros) return 0.0;
+  if (spec.method == InitMethod::kOnes) return 1.0;
   return NormalScale(spec, full_shape) *
          NormalAt(seed, StreamId(name), static_cast<uint64_t>(flat_index));
 }

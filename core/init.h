@@ -25,7 +25,9 @@
 
 namespace mpusim {
 
-enum class InitMethod : uint8_t { kXavierNormal, kNormal, kZeros };
+// kOnes: normalization weights (Megatron's LayerNorm/RMSNorm start at weight 1); not a
+// choice in chain configs.
+enum class InitMethod : uint8_t { kXavierNormal, kNormal, kZeros, kOnes };
 
 struct InitSpec {
   InitMethod method = InitMethod::kXavierNormal;

@@ -1,7 +1,12 @@
 // Strict JSON value readers (see json_fields.h).
 #include "core/json_fields.h"
 
+#include "core/parallel_config.h"
+
+#include <cmath>
+
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 namespace mpusim {
@@ -44,6 +49,42 @@ Status ParseOptionalInt(const nlohmann::json& value, const std::string& where, i
   MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, min_value, &v));
   *out = v;
   return {};
+}
+
+Status ParseBool(const nlohmann::json& value, const std::string& where, bool* out) {
+  if (!value.is_boolean()) {
+    return Status::Error(where, fmt::format("must be true or false, got {}", DescribeJson(value)));
+  }
+  *out = value.get<bool>();
+  return {};
+}
+
+Status ParseFraction(const nlohmann::json& value, const std::string& where, double* out) {
+  const bool in_range = value.is_number() && std::isfinite(value.get<double>()) &&
+                        value.get<double>() >= 0.0 && value.get<double>() < 1.0;
+  if (!in_range) {
+    return Status::Error(where,
+                         fmt::format("must be a number in [0, 1), got {}", DescribeJson(value)));
+  }
+  *out = value.get<double>();
+  return {};
+}
+
+Status ParsePositive(const nlohmann::json& value, const std::string& where, double* out) {
+  const bool ok = value.is_number() && std::isfinite(value.get<double>()) && value.get<double>() > 0.0;
+  if (!ok) {
+    return Status::Error(where, fmt::format("must be a number > 0, got {}", DescribeJson(value)));
+  }
+  *out = value.get<double>();
+  return {};
+}
+
+Status UnknownKey(const std::string& where, std::string_view key,
+                  const std::vector<std::string_view>& keys) {
+  const std::string suggestion = SuggestKey(key, keys);
+  return Status::Error(where, suggestion.empty()
+                                  ? fmt::format("unknown key; allowed: {}", fmt::join(keys, ", "))
+                                  : fmt::format("unknown key; did you mean '{}'?", suggestion));
 }
 
 }  // namespace mpusim

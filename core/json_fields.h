@@ -6,6 +6,8 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -26,5 +28,15 @@ Status ParseInt(const nlohmann::json& value, const std::string& where, int64_t m
 // null or such an integer.
 Status ParseOptionalInt(const nlohmann::json& value, const std::string& where, int64_t min_value,
                         std::optional<int64_t>* out);
+
+// true or false.
+Status ParseBool(const nlohmann::json& value, const std::string& where, bool* out);
+// A finite number (integer or float) in [0, 1): dropout probabilities, label smoothing.
+Status ParseFraction(const nlohmann::json& value, const std::string& where, double* out);
+// A finite number > 0 (epsilons, standard deviations, bases).
+Status ParsePositive(const nlohmann::json& value, const std::string& where, double* out);
+// The error for a key not in `keys`: a suggestion when one is close, else the list.
+Status UnknownKey(const std::string& where, std::string_view key,
+                  const std::vector<std::string_view>& keys);
 
 }  // namespace mpusim

@@ -44,25 +44,6 @@ Status ParseSize(const json& value, const std::string& where, SizeValue* out) {
   return {};
 }
 
-Status ParseBool(const json& value, const std::string& where, bool* out) {
-  if (!value.is_boolean()) {
-    return Status::Error(where, fmt::format("must be true or false, got {}", DescribeJson(value)));
-  }
-  *out = value.get<bool>();
-  return {};
-}
-
-// A finite JSON number (integer or float) in [0, 1).
-Status ParseFraction(const json& value, const std::string& where, double* out) {
-  const bool in_range = value.is_number() && std::isfinite(value.get<double>()) &&
-                        value.get<double>() >= 0.0 && value.get<double>() < 1.0;
-  if (!in_range) {
-    return Status::Error(where, fmt::format("must be a number in [0, 1), got {}", DescribeJson(value)));
-  }
-  *out = value.get<double>();
-  return {};
-}
-
 // The name of another layer ("weight_from", "bias_from"); checked against the chain later.
 Status ParseLayerName(const json& value, const std::string& where, std::string* out) {
   if (!value.is_string() || value.get<std::string>().empty()) {
@@ -470,14 +451,6 @@ const std::vector<std::string_view>& RunKeys() {
   return kKeys;
 }
 
-Status UnknownKey(const std::string& where, std::string_view key,
-                  const std::vector<std::string_view>& keys) {
-  const std::string suggestion = SuggestKey(key, keys);
-  return Status::Error(where, suggestion.empty()
-                                  ? fmt::format("unknown key; allowed: {}", fmt::join(keys, ", "))
-                                  : fmt::format("unknown key; did you mean '{}'?", suggestion));
-}
-
 }  // namespace
 
 const char* LayerTypeName(LayerType type) { return InfoOf(type).name.data(); }
@@ -570,14 +543,14 @@ Status ParseRunSection(const json& section, RunConfig* out) {
       MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &run.num_microbatches));
     } else if (key == "recompute_granularity") {
       if (value.is_null()) {
-        run.recompute = false;
+        run.recompute = RunConfig::Recompute::kNone;
       } else if (value == "full") {
-        run.recompute = true;
+        run.recompute = RunConfig::Recompute::kFull;
       } else if (value == "selective") {
-        return Status::Error(where, "\"selective\" is not supported; use \"full\" or null");
+        run.recompute = RunConfig::Recompute::kSelective;
       } else {
-        return Status::Error(where,
-                             fmt::format("must be \"full\" or null, got {}", DescribeJson(value)));
+        return Status::Error(
+            where, fmt::format("must be \"full\", \"selective\" or null, got {}", DescribeJson(value)));
       }
     }
   }

@@ -121,7 +121,10 @@ struct RunConfig {
   int64_t seq_length = 0;  // required
   int64_t micro_batch_size = 1;
   int64_t num_microbatches = 1;  // > 1 accumulates gradients across microbatches
-  bool recompute = false;  // "recompute_granularity": "full" recomputes the forward in backward
+  // "recompute_granularity": null, "full" (recompute each layer's forward in backward) or
+  // "selective" (recompute only core attention; GPT models).
+  enum class Recompute : uint8_t { kNone, kFull, kSelective };
+  Recompute recompute = Recompute::kNone;
 };
 
 // Parse one section each; errors name the JSON path ("model.layers[2].input_size").

@@ -306,7 +306,7 @@ void RankRun::PrintLayout(const Topology& topology, const SimulationResult& resu
   out_ << fmt::format("data: seq_length {}, micro_batch_size {} per dp rank ({} in all), "
                       "num_microbatches {}{}\n",
                       run.seq_length, run.micro_batch_size, run.micro_batch_size * s.dp,
-                      run.num_microbatches, run.recompute ? ", recompute_granularity full" : "");
+                      run.num_microbatches, run.recompute == RunConfig::Recompute::kFull ? ", recompute_granularity full" : "");
   if (config_.model->vocab_size) {
     out_ << fmt::format("vocab_size {}, padded_vocab_size {}\n", *config_.model->vocab_size,
                         result.padded_vocab_size);

@@ -16,6 +16,7 @@
 #include <fmt/ranges.h>
 
 #include "core/init.h"
+#include "core/tensor_parallel/cross_entropy.h"
 #include "core/tensor_parallel/mappings.h"
 #include "core/tensor_parallel/tp_utils.h"
 
@@ -531,6 +532,11 @@ StatusOr<std::unique_ptr<Graph>> Graph::Build(const Config& config, const Topolo
   if (topology.first_rank() != 0) {
     return Status::Error("parallel.rank_offset", "mpusim run needs rank_offset 0");
   }
+  if (config.run->recompute == RunConfig::Recompute::kSelective) {
+    return Status::Error("run.recompute_granularity",
+                         "\"selective\" recomputes core attention, which a layer chain does not "
+                         "have; use \"full\" or null");
+  }
   auto impl = std::make_unique<Impl>();
   impl->parallel = config.parallel;
   impl->model = *config.model;
@@ -695,40 +701,12 @@ Tensor Graph::Impl::Forward(RankContext& ctx, LayerSlot& slot, const Tensor& x,
       return y;
     }
     case LayerType::kVocabParallelCrossEntropy: {
-      // Numerically stable softmax over the vocabulary split across tp: global row max,
-      // then sums of exp(z - max), of the target's shifted logit and (for smoothing) of
-      // the shifted logits, each all-reduced over tp.
-      const int64_t rows = x.rows();
-      const int64_t local_vocab = x.cols();
-      const int64_t start = ctx.coords.tp * local_vocab;
-      // Like Megatron (logits.float()), the statistics and the loss are in the compute dtype.
-      const DType stats = ComputeDType(dtype);
-      slot.row_max = k.Zeros({rows}, stats);
-      k.RowMax(x, slot.row_max);
-      if (t > 1) ctx.tp().AllReduce(slot.row_max, ReduceOp::kMax);
-      slot.sum_exp = k.Zeros({rows}, stats);
-      Tensor sum_z = k.Zeros({rows}, stats);
-      Tensor target_z = k.Zeros({rows}, stats);
-      k.CrossEntropyPartials(x, slot.row_max, batch.labels, start, slot.sum_exp, sum_z,
-                             target_z);
-      if (t > 1) {
-        ctx.tp().AllReduce(target_z, ReduceOp::kSum);
-        ctx.tp().AllReduce(slot.sum_exp, ReduceOp::kSum);
-        if (c.label_smoothing > 0) ctx.tp().AllReduce(sum_z, ReduceOp::kSum);
-      }
-      const Tensor h_sum_exp = k.ToHost(slot.sum_exp);
-      const Tensor h_sum_z = k.ToHost(sum_z);
-      const Tensor h_target = k.ToHost(target_z);
-      const double vp = static_cast<double>(padded_vocab);
-      const double sm = c.label_smoothing > 0 ? c.label_smoothing * vp / (vp - 1) : 0.0;
-      Tensor losses = Tensor::HostZeros({s, b}, stats);
-      for (int64_t i = 0; i < rows; ++i) {
-        const double log_z = std::log(HostValue(h_sum_exp, i));
-        const double loss = (1 - sm) * (log_z - HostValue(h_target, i)) +
-                            sm * (log_z - HostValue(h_sum_z, i) / vp);
-        SetHostValue(losses, i, loss);
-      }
-      return k.ToDevice(losses);
+      CrossEntropyStash stash;
+      const Tensor losses = VocabParallelCrossEntropyForward(
+          k, ctx.tp(), x, batch.labels, padded_vocab, c.label_smoothing, &stash);
+      slot.row_max = stash.row_max;
+      slot.sum_exp = stash.sum_exp;
+      return losses.Reshaped({s, b});
     }
     default:
       return MappingForward(k, ctx.tp(), *MappingOf(c.type), x);
@@ -808,16 +786,10 @@ Tensor Graph::Impl::Backward(RankContext& ctx, LayerSlot& slot, const Tensor& dy
       return dx;
     }
     case LayerType::kVocabParallelCrossEntropy: {
-      const int64_t rows = slot.input.rows();
-      const int64_t local_vocab = slot.input.cols();
-      const double vp = static_cast<double>(padded_vocab);
-      const double alpha = c.label_smoothing;
       // dy holds d loss / d per-token loss.
-      Tensor grad = k.Empty(slot.input.shape(), dtype);
-      k.CrossEntropyBackward(slot.input, slot.row_max, slot.sum_exp, batch.labels,
-                             ctx.coords.tp * local_vocab, 1.0 - alpha,
-                             alpha > 0 ? alpha / (vp - 1) : 0.0, dy.Reshaped({rows}), grad);
-      return grad;
+      return VocabParallelCrossEntropyBackward(k, {slot.input, slot.row_max, slot.sum_exp},
+                                               batch.labels, padded_vocab, c.label_smoothing,
+                                               ctx.coords.tp, dy);
     }
     default:
       return MappingBackward(k, ctx.tp(), *MappingOf(c.type), dy, c.tensor_parallel_output_grad);
@@ -891,7 +863,7 @@ void Graph::Run(RankContext& ctx) {
     const Batch batch = g.MakeBatch(ctx, m);
     const RngTracker::States before_forward = ctx.rng.GetStates();
     g.loss_sum += g.ForwardChain(ctx, batch);
-    if (g.run.recompute) {
+    if (g.run.recompute == RunConfig::Recompute::kFull) {
       // Activation checkpointing: drop what the forward kept, then recompute it with the
       // random streams as they were (Megatron's CheckpointFunction), and put the streams
       // back where the first forward left them.

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/config.h"
+#include "core/model/record.h"
 #include "core/rank_context.h"
 #include "core/sharding.h"
 #include "core/status.h"
@@ -31,15 +32,6 @@ struct ActivationState {
   int64_t stride = 1;  // kHidden: the producing layer's stride
 };
 const char* SplitName(ActivationState::Split split);
-
-// A rank's local piece of a named tensor and where it sits in the full tensor.
-struct TensorRecord {
-  std::string name;  // "<layer>.<role>", "tokens", "labels", "loss"
-  Tensor tensor;     // local, on the backend's device
-  Shape full_shape;
-  ShardSpec shard;
-  bool partial_sum = false;  // the full tensor is the sum of all tp ranks' tensors
-};
 
 class Graph {
  public:

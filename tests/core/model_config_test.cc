@@ -552,7 +552,7 @@ TEST(RunConfig, DefaultsAndValues) {
   EXPECT_EQ(run.seq_length, 8);
   EXPECT_EQ(run.micro_batch_size, 1);
   EXPECT_EQ(run.num_microbatches, 1);
-  EXPECT_FALSE(run.recompute);
+  EXPECT_EQ(run.recompute, RunConfig::Recompute::kNone);
 
   const json full = json::parse(R"({"seed": 18446744073709551615, "dtype": "float64",
       "seq_length": 16, "micro_batch_size": 2, "num_microbatches": 3,
@@ -563,13 +563,15 @@ TEST(RunConfig, DefaultsAndValues) {
   EXPECT_EQ(run.seq_length, 16);
   EXPECT_EQ(run.micro_batch_size, 2);
   EXPECT_EQ(run.num_microbatches, 3);
-  EXPECT_TRUE(run.recompute);
+  EXPECT_EQ(run.recompute, RunConfig::Recompute::kFull);
 
   ASSERT_TRUE(
       ParseRunSection({{"seq_length", 8}, {"seed", 0}, {"recompute_granularity", nullptr}}, &run)
           .ok());
   EXPECT_EQ(run.seed, 0u);
-  EXPECT_FALSE(run.recompute);
+  EXPECT_EQ(run.recompute, RunConfig::Recompute::kNone);
+  ASSERT_TRUE(ParseRunSection({{"seq_length", 8}, {"recompute_granularity", "selective"}}, &run).ok());
+  EXPECT_EQ(run.recompute, RunConfig::Recompute::kSelective);
 }
 
 TEST(RunConfig, Errors) {
@@ -598,10 +600,10 @@ TEST(RunConfig, Errors) {
             "run.micro_batch_size: must be an integer >= 1, got 0");
   EXPECT_EQ(RunRefusal({{"seq_length", 8}, {"num_microbatches", 2.0}}),
             "run.num_microbatches: must be an integer >= 1, got number 2.0");
-  EXPECT_EQ(RunRefusal({{"seq_length", 8}, {"recompute_granularity", "selective"}}),
-            "run.recompute_granularity: \"selective\" is not supported; use \"full\" or null");
+  EXPECT_EQ(RunRefusal({{"seq_length", 8}, {"recompute_granularity", "Full"}}),
+            "run.recompute_granularity: must be \"full\", \"selective\" or null, got string \"Full\"");
   EXPECT_EQ(RunRefusal({{"seq_length", 8}, {"recompute_granularity", true}}),
-            "run.recompute_granularity: must be \"full\" or null, got boolean true");
+            "run.recompute_granularity: must be \"full\", \"selective\" or null, got boolean true");
 }
 
 }  // namespace

@@ -1,0 +1,257 @@
+// The GPT model section (see gpt_config.h).
+//
+// Defaults are TransformerConfig's (megatron/core/transformer/transformer_config.py) and
+// GPTModel's; the parameter list follows GPTModel's state dict with the local layer spec
+// (get_gpt_layer_local_spec: separate input_layernorm / pre_mlp_layernorm modules).
+#include "core/gpt_config.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string_view>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "core/json_fields.h"
+#include "core/model_config.h"
+#include "core/parallel_config.h"
+
+namespace mpusim {
+namespace {
+
+using nlohmann::json;
+
+const std::vector<std::string_view>& GptKeys() {
+  static const std::vector<std::string_view> keys = {
+      "type", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+      "kv_channels", "num_query_groups", "normalization", "layernorm_epsilon", "activation",
+      "add_bias_linear", "hidden_dropout", "attention_dropout", "position_embedding_type",
+      "rotary_base", "max_position_embeddings", "share_embeddings_and_output_weights",
+      "init_method_std", "vocab_size", "make_vocab_size_divisible_by", "label_smoothing",
+      "dropout_mode"};
+  return keys;
+}
+
+// One of `names` (the enum's spellings, in enum order).
+template <typename Enum>
+Status ParseChoice(const json& value, const std::string& where,
+                   const std::vector<std::string_view>& names, Enum* out) {
+  if (value.is_string()) {
+    const std::string text = value.get<std::string>();
+    for (size_t i = 0; i < names.size(); ++i) {
+      if (text == names[i]) {
+        *out = static_cast<Enum>(i);
+        return {};
+      }
+    }
+  }
+  std::string allowed;
+  for (size_t i = 0; i < names.size(); ++i) {
+    allowed += fmt::format("{}\"{}\"", i == 0 ? "" : i + 1 == names.size() ? " or " : ", ", names[i]);
+  }
+  return Status::Error(where, fmt::format("must be {}, got {}", allowed, DescribeJson(value)));
+}
+
+const std::vector<std::string_view> kNormalizations = {"LayerNorm", "RMSNorm"};
+const std::vector<std::string_view> kActivations = {"gelu", "swiglu"};
+const std::vector<std::string_view> kPositionEmbeddings = {"learned_absolute", "rope"};
+const std::vector<std::string_view> kDropoutModes = {"global"};
+
+}  // namespace
+
+const char* NormalizationName(Normalization n) { return kNormalizations[static_cast<size_t>(n)].data(); }
+const char* ActivationName(Activation a) { return kActivations[static_cast<size_t>(a)].data(); }
+const char* PositionEmbeddingName(PositionEmbedding p) {
+  return kPositionEmbeddings[static_cast<size_t>(p)].data();
+}
+
+int64_t GptConfig::PaddedVocabSize(int64_t tensor_model_parallel_size) const {
+  const int64_t multiple = make_vocab_size_divisible_by * tensor_model_parallel_size;
+  return (vocab_size + multiple - 1) / multiple * multiple;
+}
+
+bool IsGptSection(const json& section) {
+  return section.is_object() && section.contains("type");
+}
+
+Status ParseGptSection(const json& section, GptConfig* out) {
+  const std::string prefix = "model";
+  if (!section.is_object()) {
+    return Status::Error(prefix, fmt::format("must be a JSON object, got {}", DescribeJson(section)));
+  }
+  GptConfig gpt;
+  std::optional<int64_t> ffn, kv, groups;
+  for (const auto& [key, value] : section.items()) {
+    const std::string where = prefix + "." + key;
+    if (std::find(GptKeys().begin(), GptKeys().end(), key) == GptKeys().end()) {
+      return UnknownKey(where, key, GptKeys());
+    }
+    if (key == "type") {
+      if (value != "gpt") {
+        return Status::Error(where, fmt::format("must be \"gpt\" (a layer chain has no \"type\", "
+                                                "only \"layers\"), got {}",
+                                                DescribeJson(value)));
+      }
+    } else if (key == "num_layers") {
+      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &gpt.num_layers));
+    } else if (key == "hidden_size") {
+      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &gpt.hidden_size));
+    } else if (key == "num_attention_heads") {
+      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &gpt.num_attention_heads));
+    } else if (key == "ffn_hidden_size") {
+      MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &ffn));
+    } else if (key == "kv_channels") {
+      MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &kv));
+    } else if (key == "num_query_groups") {
+      MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &groups));
+    } else if (key == "normalization") {
+      MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, kNormalizations, &gpt.normalization));
+    } else if (key == "layernorm_epsilon") {
+      MPUSIM_RETURN_IF_ERROR(ParsePositive(value, where, &gpt.layernorm_epsilon));
+    } else if (key == "activation") {
+      MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, kActivations, &gpt.activation));
+    } else if (key == "add_bias_linear") {
+      MPUSIM_RETURN_IF_ERROR(ParseBool(value, where, &gpt.add_bias_linear));
+    } else if (key == "hidden_dropout") {
+      MPUSIM_RETURN_IF_ERROR(ParseFraction(value, where, &gpt.hidden_dropout));
+    } else if (key == "attention_dropout") {
+      MPUSIM_RETURN_IF_ERROR(ParseFraction(value, where, &gpt.attention_dropout));
+    } else if (key == "position_embedding_type") {
+      MPUSIM_RETURN_IF_ERROR(
+          ParseChoice(value, where, kPositionEmbeddings, &gpt.position_embedding_type));
+    } else if (key == "rotary_base") {
+      MPUSIM_RETURN_IF_ERROR(ParsePositive(value, where, &gpt.rotary_base));
+    } else if (key == "max_position_embeddings") {
+      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &gpt.max_position_embeddings));
+    } else if (key == "share_embeddings_and_output_weights") {
+      MPUSIM_RETURN_IF_ERROR(ParseBool(value, where, &gpt.share_embeddings_and_output_weights));
+    } else if (key == "init_method_std") {
+      MPUSIM_RETURN_IF_ERROR(ParsePositive(value, where, &gpt.init_method_std));
+    } else if (key == "vocab_size") {
+      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &gpt.vocab_size));
+    } else if (key == "make_vocab_size_divisible_by") {
+      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &gpt.make_vocab_size_divisible_by));
+    } else if (key == "label_smoothing") {
+      MPUSIM_RETURN_IF_ERROR(ParseFraction(value, where, &gpt.label_smoothing));
+    } else if (key == "dropout_mode") {
+      MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, kDropoutModes, &gpt.dropout_mode));
+    }
+  }
+  for (const char* required : {"num_layers", "hidden_size", "num_attention_heads", "vocab_size"}) {
+    if (!section.contains(required)) {
+      return Status::Error(fmt::format("{}.{}", prefix, required),
+                           "is required for \"type\": \"gpt\" (an integer >= 1)");
+    }
+  }
+  // TransformerConfig.__post_init__'s defaults.
+  gpt.ffn_hidden_size = ffn.value_or(4 * gpt.hidden_size);
+  if (!kv && gpt.hidden_size % gpt.num_attention_heads != 0) {
+    return Status::Error(prefix + ".num_attention_heads",
+                         fmt::format("hidden_size {} is not divisible by num_attention_heads {}; "
+                                     "set kv_channels or choose a divisor",
+                                     gpt.hidden_size, gpt.num_attention_heads));
+  }
+  gpt.kv_channels = kv.value_or(gpt.hidden_size / gpt.num_attention_heads);
+  gpt.num_query_groups = groups.value_or(gpt.num_attention_heads);
+  if (gpt.num_attention_heads % gpt.num_query_groups != 0) {
+    return Status::Error(prefix + ".num_query_groups",
+                         fmt::format("num_attention_heads {} is not divisible by "
+                                     "num_query_groups {}",
+                                     gpt.num_attention_heads, gpt.num_query_groups));
+  }
+  if (gpt.position_embedding_type == PositionEmbedding::kRope && gpt.kv_channels % 2 != 0) {
+    return Status::Error(prefix + ".kv_channels",
+                         fmt::format("rope rotates pairs of channels, so kv_channels must be even, "
+                                     "got {}",
+                                     gpt.kv_channels));
+  }
+  if (gpt.label_smoothing > 0 && gpt.vocab_size < 2) {
+    return Status::Error(prefix + ".label_smoothing", "needs a vocab_size of at least 2");
+  }
+  *out = gpt;
+  return {};
+}
+
+Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptConfig* gpt) {
+  const int64_t t = parallel.tensor_model_parallel_size;
+  const auto divisible = [&](const char* field, int64_t value) -> Status {
+    if (value % t == 0) return {};
+    return Status::Error(fmt::format("model.{}", field),
+                         fmt::format("{} is not divisible by tensor_model_parallel_size {}", value, t));
+  };
+  MPUSIM_RETURN_IF_ERROR(divisible("num_attention_heads", gpt->num_attention_heads));
+  MPUSIM_RETURN_IF_ERROR(divisible("num_query_groups", gpt->num_query_groups));
+  MPUSIM_RETURN_IF_ERROR(divisible("ffn_hidden_size", gpt->ffn_hidden_size));
+  if (parallel.sequence_parallel && run.seq_length % t != 0) {
+    return Status::Error("run.seq_length",
+                         fmt::format("{} is not divisible by tensor_model_parallel_size {} "
+                                     "(sequence_parallel splits the sequence over tp)",
+                                     run.seq_length, t));
+  }
+  if (gpt->max_position_embeddings == 0) gpt->max_position_embeddings = run.seq_length;
+  if (gpt->has_position_embeddings() && gpt->max_position_embeddings < run.seq_length) {
+    return Status::Error("model.max_position_embeddings",
+                         fmt::format("{} is shorter than run.seq_length {}",
+                                     gpt->max_position_embeddings, run.seq_length));
+  }
+  for (const auto& [field, value] :
+       {std::pair<const char*, int64_t>{"pipeline_model_parallel_size",
+                                        parallel.pipeline_model_parallel_size},
+        {"context_parallel_size", parallel.context_parallel_size},
+        {"expert_model_parallel_size", parallel.expert_model_parallel_size}}) {
+    if (value != 1) {
+      return Status::Error(fmt::format("parallel.{}", field),
+                           fmt::format("must be 1 for a GPT run today, got {} (pipeline, context "
+                                       "and expert parallel GPT runs are not built yet)",
+                                       value));
+    }
+  }
+  return {};
+}
+
+std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_vocab_size,
+                                        bool sequence_parallel) {
+  const int64_t h = gpt.hidden_size;
+  const InitSpec normal{InitMethod::kNormal, gpt.init_method_std};
+  // Megatron's scaled_init_method_normal: the projections into the residual stream.
+  const InitSpec scaled{InitMethod::kNormal,
+                        gpt.init_method_std / std::sqrt(2.0 * static_cast<double>(gpt.num_layers))};
+  const InitSpec zeros{InitMethod::kZeros, 0.0};
+  const InitSpec ones{InitMethod::kOnes, 0.0};
+  std::vector<GptParameter> params;
+  const auto add = [&](std::string name, Shape shape, InitSpec init, int tp_dim,
+                       int64_t stride = 1, bool seq_par = false) {
+    params.push_back(GptParameter{std::move(name), std::move(shape), init, tp_dim, stride,
+                                  seq_par && sequence_parallel});
+  };
+  const auto norm = [&](const std::string& prefix) {
+    add(prefix + ".weight", {h}, ones, -1, 1, true);
+    if (gpt.normalization == Normalization::kLayerNorm) add(prefix + ".bias", {h}, zeros, -1, 1, true);
+  };
+  add("embedding.word_embeddings.weight", {padded_vocab_size, h}, normal, 0);
+  if (gpt.has_position_embeddings()) {
+    add("embedding.position_embeddings.weight", {gpt.max_position_embeddings, h}, normal, -1);
+  }
+  const int64_t stride_fc1 = gpt.activation == Activation::kSwiglu ? 2 : 1;
+  const int64_t attn_width = gpt.num_attention_heads * gpt.kv_channels;
+  for (int64_t i = 0; i < gpt.num_layers; ++i) {
+    const std::string layer = fmt::format("decoder.layers.{}", i);
+    norm(layer + ".input_layernorm");
+    add(layer + ".self_attention.linear_qkv.weight", {gpt.QkvRows(), h}, normal, 0);
+    if (gpt.add_bias_linear) add(layer + ".self_attention.linear_qkv.bias", {gpt.QkvRows()}, zeros, 0);
+    add(layer + ".self_attention.linear_proj.weight", {h, attn_width}, scaled, 1);
+    if (gpt.add_bias_linear) add(layer + ".self_attention.linear_proj.bias", {h}, zeros, -1, 1, true);
+    norm(layer + ".pre_mlp_layernorm");
+    add(layer + ".mlp.linear_fc1.weight", {gpt.Fc1Rows(), h}, normal, 0, stride_fc1);
+    if (gpt.add_bias_linear) add(layer + ".mlp.linear_fc1.bias", {gpt.Fc1Rows()}, zeros, 0, stride_fc1);
+    add(layer + ".mlp.linear_fc2.weight", {h, gpt.ffn_hidden_size}, scaled, 1);
+    if (gpt.add_bias_linear) add(layer + ".mlp.linear_fc2.bias", {h}, zeros, -1, 1, true);
+  }
+  norm("decoder.final_layernorm");
+  if (!gpt.share_embeddings_and_output_weights) {
+    add("output_layer.weight", {padded_vocab_size, h}, normal, 0);
+  }
+  return params;
+}
+
+}  // namespace mpusim

@@ -1,0 +1,127 @@
+// The GPT model kind of the `model` section: Megatron-Core's GPTModel, configured with
+// TransformerConfig's names and defaults.
+//
+// {
+//   "model": {
+//     "type": "gpt",
+//     "num_layers": 2, "hidden_size": 64, "num_attention_heads": 8,   required
+//     "ffn_hidden_size": 256,            default 4 * hidden_size
+//     "kv_channels": 8,                  default hidden_size / num_attention_heads
+//     "num_query_groups": 8,             default num_attention_heads (grouped-query attention
+//                                        when smaller; must divide num_attention_heads)
+//     "normalization": "LayerNorm",      or "RMSNorm"
+//     "layernorm_epsilon": 1e-5,
+//     "activation": "gelu",              or "swiglu" (fc1 then has 2 * ffn_hidden_size rows)
+//     "add_bias_linear": true,
+//     "hidden_dropout": 0.1, "attention_dropout": 0.1,
+//     "position_embedding_type": "learned_absolute",   or "rope"
+//     "rotary_base": 10000,
+//     "max_position_embeddings": 512,    default run.seq_length (learned_absolute only)
+//     "share_embeddings_and_output_weights": true,
+//     "init_method_std": 0.02,
+//     "vocab_size": 1000,                required
+//     "make_vocab_size_divisible_by": 128,
+//     "label_smoothing": 0.0,            of the vocab-parallel cross entropy
+//     "dropout_mode": "global"           see core/dropout.h
+//   }
+// }
+//
+// Unknown keys are refused with a suggestion. ParseGptSection checks each value on its own;
+// CheckGptLayout checks what needs the layout and the run section (divisibility by the
+// tensor-parallel size, sequence lengths), naming the field and what is allowed.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "core/init.h"
+#include "core/status.h"
+#include "core/tensor.h"
+
+namespace mpusim {
+
+struct ParallelConfig;
+struct RunConfig;
+
+enum class Normalization : uint8_t { kLayerNorm, kRMSNorm };
+enum class Activation : uint8_t { kGelu, kSwiglu };
+enum class PositionEmbedding : uint8_t { kLearnedAbsolute, kRope };
+// How dropout masks are drawn (core/dropout.h).
+enum class DropoutMode : uint8_t {
+  kGlobal,  // every mask element a pure function of (seed, site, micro-batch, global index)
+};
+
+struct GptConfig {
+  int64_t num_layers = 0;
+  int64_t hidden_size = 0;
+  int64_t num_attention_heads = 0;
+  int64_t ffn_hidden_size = 0;   // resolved: 4 * hidden_size unless given
+  int64_t kv_channels = 0;       // resolved: hidden_size / num_attention_heads unless given
+  int64_t num_query_groups = 0;  // resolved: num_attention_heads unless given
+  Normalization normalization = Normalization::kLayerNorm;
+  double layernorm_epsilon = 1e-5;
+  Activation activation = Activation::kGelu;
+  bool add_bias_linear = true;
+  double hidden_dropout = 0.1;
+  double attention_dropout = 0.1;
+  PositionEmbedding position_embedding_type = PositionEmbedding::kLearnedAbsolute;
+  double rotary_base = 10000.0;
+  int64_t max_position_embeddings = 0;  // 0: run.seq_length (resolved by CheckGptLayout)
+  bool share_embeddings_and_output_weights = true;
+  double init_method_std = 0.02;
+  int64_t vocab_size = 0;
+  int64_t make_vocab_size_divisible_by = 128;
+  double label_smoothing = 0.0;
+  DropoutMode dropout_mode = DropoutMode::kGlobal;
+
+  // Megatron's _vocab_size_with_padding.
+  int64_t PaddedVocabSize(int64_t tensor_model_parallel_size) const;
+  // Rows of the fused QKV weight: (num_attention_heads + 2 * num_query_groups) * kv_channels.
+  int64_t QkvRows() const { return (num_attention_heads + 2 * num_query_groups) * kv_channels; }
+  // Rows of fc1: ffn_hidden_size, or 2 * ffn_hidden_size for swiglu.
+  int64_t Fc1Rows() const {
+    return activation == Activation::kSwiglu ? 2 * ffn_hidden_size : ffn_hidden_size;
+  }
+  bool has_position_embeddings() const {
+    return position_embedding_type == PositionEmbedding::kLearnedAbsolute;
+  }
+};
+
+const char* NormalizationName(Normalization n);            // "LayerNorm", "RMSNorm"
+const char* ActivationName(Activation a);                  // "gelu", "swiglu"
+const char* PositionEmbeddingName(PositionEmbedding p);    // "learned_absolute", "rope"
+
+// True when the `model` section has a "type" key: the GPT kind (a chain has none).
+bool IsGptSection(const nlohmann::json& section);
+
+// Parses a `model` section with "type": "gpt". Errors name "model.<key>".
+Status ParseGptSection(const nlohmann::json& section, GptConfig* out);
+
+// Checks the model against the layout and the run section and resolves the defaults that
+// depend on them (max_position_embeddings). Errors name the field: "model.num_query_groups:
+// 6 is not divisible by tensor_model_parallel_size 4".
+Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptConfig* gpt);
+
+// One parameter of the model: Megatron-Core GPTModel's state-dict name (local layer spec),
+// its full shape, how its master values are drawn, and how tensor parallelism splits it.
+struct GptParameter {
+  std::string name;     // "decoder.layers.0.self_attention.linear_qkv.weight"
+  Shape shape;          // full
+  InitSpec init;        // normal(std) weights, kZeros biases, kOnes normalization weights
+  int tp_dim = -1;      // split over tp along this dim (-1: replicated)
+  int64_t tp_stride = 1;  // Megatron's stride (2 for swiglu's fc1: [gate; up] per rank)
+  // Replicated over tp but fed by the sequence-split stream under sequence parallelism, so
+  // its gradient is all-reduced over tp (Megatron's `sequence_parallel` attribute).
+  bool sequence_parallel = false;
+};
+
+// Every parameter in state-dict order: embedding, then each layer, then final norm and output
+// layer (absent when shared with the word embeddings). `padded_vocab_size` is the layout's
+// Vp; `sequence_parallel` marks the norm weights and the row-parallel biases.
+std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_vocab_size,
+                                        bool sequence_parallel);
+
+}  // namespace mpusim

@@ -1,0 +1,206 @@
+// Tests of the GPT model section (core/gpt_config.h): TransformerConfig's defaults, one-line
+// refusals naming the field, the layout checks, and the parameter list (Megatron-Core
+// GPTModel state-dict names, shapes, tensor-parallel splits).
+#include "core/gpt_config.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "core/config.h"
+#include "core/parallel_config.h"
+
+namespace mpusim {
+namespace {
+
+using nlohmann::json;
+
+json Minimal() {
+  return json{{"type", "gpt"}, {"num_layers", 2}, {"hidden_size", 64},
+              {"num_attention_heads", 8}, {"vocab_size", 1000}};
+}
+
+std::string Refusal(const json& section) {
+  GptConfig gpt;
+  const Status status = ParseGptSection(section, &gpt);
+  return status.ok() ? "accepted" : status.Message();
+}
+
+TEST(GptConfig, MegatronDefaults) {
+  GptConfig gpt;
+  ASSERT_TRUE(ParseGptSection(Minimal(), &gpt).ok());
+  EXPECT_EQ(gpt.ffn_hidden_size, 256);
+  EXPECT_EQ(gpt.kv_channels, 8);
+  EXPECT_EQ(gpt.num_query_groups, 8);
+  EXPECT_EQ(gpt.normalization, Normalization::kLayerNorm);
+  EXPECT_EQ(gpt.layernorm_epsilon, 1e-5);
+  EXPECT_EQ(gpt.activation, Activation::kGelu);
+  EXPECT_TRUE(gpt.add_bias_linear);
+  EXPECT_EQ(gpt.hidden_dropout, 0.1);
+  EXPECT_EQ(gpt.attention_dropout, 0.1);
+  EXPECT_EQ(gpt.position_embedding_type, PositionEmbedding::kLearnedAbsolute);
+  EXPECT_EQ(gpt.rotary_base, 10000.0);
+  EXPECT_TRUE(gpt.share_embeddings_and_output_weights);
+  EXPECT_EQ(gpt.init_method_std, 0.02);
+  EXPECT_EQ(gpt.make_vocab_size_divisible_by, 128);
+  EXPECT_EQ(gpt.PaddedVocabSize(1), 1024);
+  EXPECT_EQ(gpt.PaddedVocabSize(8), 1024);
+  EXPECT_EQ(gpt.PaddedVocabSize(16), 2048);
+  EXPECT_EQ(gpt.QkvRows(), 3 * 64);
+}
+
+TEST(GptConfig, GroupedQuerySwigluRope) {
+  json section = Minimal();
+  section["num_query_groups"] = 2;
+  section["activation"] = "swiglu";
+  section["ffn_hidden_size"] = 96;
+  section["position_embedding_type"] = "rope";
+  section["normalization"] = "RMSNorm";
+  GptConfig gpt;
+  ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
+  EXPECT_EQ(gpt.QkvRows(), (8 + 2 * 2) * 8);
+  EXPECT_EQ(gpt.Fc1Rows(), 192);
+  EXPECT_FALSE(gpt.has_position_embeddings());
+}
+
+TEST(GptConfig, Refusals) {
+  json typo = Minimal();
+  typo["num_attention_head"] = 4;
+  EXPECT_EQ(Refusal(typo), "model.num_attention_head: unknown key; did you mean 'num_attention_heads'?");
+  json missing = Minimal();
+  missing.erase("vocab_size");
+  EXPECT_EQ(Refusal(missing), "model.vocab_size: is required for \"type\": \"gpt\" (an integer >= 1)");
+  json norm = Minimal();
+  norm["normalization"] = "layernorm";
+  EXPECT_EQ(Refusal(norm),
+            "model.normalization: must be \"LayerNorm\" or \"RMSNorm\", got string \"layernorm\"");
+  json groups = Minimal();
+  groups["num_query_groups"] = 3;
+  EXPECT_EQ(Refusal(groups),
+            "model.num_query_groups: num_attention_heads 8 is not divisible by num_query_groups 3");
+  json heads = Minimal();
+  heads["num_attention_heads"] = 6;
+  EXPECT_EQ(Refusal(heads),
+            "model.num_attention_heads: hidden_size 64 is not divisible by num_attention_heads 6; "
+            "set kv_channels or choose a divisor");
+  json rope = Minimal();
+  rope["position_embedding_type"] = "rope";
+  rope["kv_channels"] = 7;
+  EXPECT_EQ(Refusal(rope),
+            "model.kv_channels: rope rotates pairs of channels, so kv_channels must be even, got 7");
+  json dropout = Minimal();
+  dropout["hidden_dropout"] = 1.0;
+  EXPECT_EQ(Refusal(dropout), "model.hidden_dropout: must be a number in [0, 1), got number 1.0");
+  json type = Minimal();
+  type["type"] = "GPT";
+  EXPECT_EQ(Refusal(type),
+            "model.type: must be \"gpt\" (a layer chain has no \"type\", only \"layers\"), got "
+            "string \"GPT\"");
+  json eps = Minimal();
+  eps["layernorm_epsilon"] = 0;
+  EXPECT_EQ(Refusal(eps), "model.layernorm_epsilon: must be a number > 0, got number 0");
+}
+
+TEST(GptConfig, ConfigRoutesByType) {
+  const json document = {{"parallel", {{"world_size", 2}, {"tensor_model_parallel_size", 2}}},
+                         {"model", Minimal()},
+                         {"run", {{"seq_length", 16}}}};
+  Config config;
+  ASSERT_TRUE(ParseConfig(document, &config).ok());
+  EXPECT_TRUE(config.gpt.has_value());
+  EXPECT_FALSE(config.model.has_value());
+}
+
+TEST(GptConfig, LayoutChecks) {
+  GptConfig gpt;
+  json section = Minimal();
+  section["num_query_groups"] = 2;
+  ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
+  ParallelConfig parallel;
+  parallel.world_size = 4;
+  parallel.tensor_model_parallel_size = 4;
+  RunConfig run;
+  run.seq_length = 6;
+  GptConfig copy = gpt;
+  Status status = CheckGptLayout(parallel, run, &copy);
+  EXPECT_EQ(status.Message(),
+            "model.num_query_groups: 2 is not divisible by tensor_model_parallel_size 4");
+  parallel.tensor_model_parallel_size = 2;
+  parallel.sequence_parallel = true;
+  copy = gpt;
+  status = CheckGptLayout(parallel, run, &copy);
+  ASSERT_TRUE(status.ok()) << status.Message();
+  EXPECT_EQ(copy.max_position_embeddings, 6);
+  run.seq_length = 7;
+  copy = gpt;
+  EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
+            "run.seq_length: 7 is not divisible by tensor_model_parallel_size 2 (sequence_parallel "
+            "splits the sequence over tp)");
+  parallel.sequence_parallel = false;
+  copy = gpt;
+  copy.max_position_embeddings = 4;
+  EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
+            "model.max_position_embeddings: 4 is shorter than run.seq_length 7");
+  copy = gpt;
+  parallel.pipeline_model_parallel_size = 2;
+  parallel.world_size = 4;
+  EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
+            "parallel.pipeline_model_parallel_size: must be 1 for a GPT run today, got 2 "
+            "(pipeline, context and expert parallel GPT runs are not built yet)");
+}
+
+TEST(GptConfig, ParametersFollowMegatronStateDict) {
+  GptConfig gpt;
+  json section = Minimal();
+  section["num_layers"] = 1;
+  section["activation"] = "swiglu";
+  section["share_embeddings_and_output_weights"] = false;
+  ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
+  gpt.max_position_embeddings = 16;
+  const std::vector<GptParameter> params = GptParameters(gpt, 1024, /*sequence_parallel=*/true);
+  std::vector<std::string> names;
+  for (const GptParameter& p : params) names.push_back(p.name);
+  const std::vector<std::string> expected = {
+      "embedding.word_embeddings.weight",
+      "embedding.position_embeddings.weight",
+      "decoder.layers.0.input_layernorm.weight",
+      "decoder.layers.0.input_layernorm.bias",
+      "decoder.layers.0.self_attention.linear_qkv.weight",
+      "decoder.layers.0.self_attention.linear_qkv.bias",
+      "decoder.layers.0.self_attention.linear_proj.weight",
+      "decoder.layers.0.self_attention.linear_proj.bias",
+      "decoder.layers.0.pre_mlp_layernorm.weight",
+      "decoder.layers.0.pre_mlp_layernorm.bias",
+      "decoder.layers.0.mlp.linear_fc1.weight",
+      "decoder.layers.0.mlp.linear_fc1.bias",
+      "decoder.layers.0.mlp.linear_fc2.weight",
+      "decoder.layers.0.mlp.linear_fc2.bias",
+      "decoder.final_layernorm.weight",
+      "decoder.final_layernorm.bias",
+      "output_layer.weight"};
+  EXPECT_EQ(names, expected);
+  const auto find = [&](const std::string& name) {
+    for (const GptParameter& p : params) {
+      if (p.name == name) return p;
+    }
+    ADD_FAILURE() << name;
+    return GptParameter{};
+  };
+  const GptParameter fc1 = find("decoder.layers.0.mlp.linear_fc1.weight");
+  EXPECT_EQ(fc1.shape, (Shape{512, 64}));
+  EXPECT_EQ(fc1.tp_dim, 0);
+  EXPECT_EQ(fc1.tp_stride, 2);  // [gate; up] on every tp rank
+  const GptParameter proj = find("decoder.layers.0.self_attention.linear_proj.weight");
+  EXPECT_EQ(proj.tp_dim, 1);
+  EXPECT_DOUBLE_EQ(proj.init.std, 0.02 / std::sqrt(2.0));
+  EXPECT_TRUE(find("decoder.layers.0.self_attention.linear_proj.bias").sequence_parallel);
+  EXPECT_FALSE(find("decoder.layers.0.self_attention.linear_qkv.bias").sequence_parallel);
+  EXPECT_TRUE(find("decoder.final_layernorm.weight").sequence_parallel);
+  EXPECT_EQ(find("decoder.final_layernorm.weight").init.method, InitMethod::kOnes);
+  EXPECT_FALSE(GptParameters(gpt, 1024, false)[2].sequence_parallel);
+}
+
+}  // namespace
+}  // namespace mpusim
