@@ -2,9 +2,14 @@
 // the backends' Do* methods.
 #include "core/kernels.h"
 
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
 #include <string_view>
+#include <utility>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/arg_checks.h"
 
@@ -17,6 +22,120 @@ void CheckDims(const char* backend, std::string_view kernel, const Shape& shape)
       throw std::invalid_argument(
           fmt::format("{}::{}: negative dimension in {}", backend, kernel, ShapeString(shape)));
     }
+  }
+}
+
+// `t` has the 2-D view rows x cols.
+void CheckMatrix(const KernelArgs& args, std::string_view name, const Tensor& t, int64_t rows,
+                 int64_t cols, std::string_view because) {
+  if (Rows(t) != rows || Cols(t) != cols) {
+    args.Fail(fmt::format("{} {} must be {} x {} ({})", name, ShapeString(t.shape()), rows, cols,
+                          because));
+  }
+}
+
+// An output that may be computed in place: the same storage as `in`, or none of it.
+void SameOrDisjoint(const KernelArgs& args, std::string_view out_name, const Tensor& out,
+                    std::string_view in_name, const Tensor& in) {
+  if (out.data() != in.data() && Overlap(out, in)) {
+    args.Fail(fmt::format("{} partially overlaps {}", out_name, in_name));
+  }
+}
+
+// Two tensors of one call that must not share storage (an output and anything else).
+void Disjoint(const KernelArgs& args, std::string_view a_name, const Tensor& a,
+              std::string_view b_name, const Tensor& b) {
+  if (Overlap(a, b)) args.Fail(fmt::format("{} shares storage with {}", a_name, b_name));
+}
+
+// Rows of `seq` positions: seq >= 1 divides the rows of t.
+void CheckPositions(const KernelArgs& args, std::string_view name, const Tensor& t, int64_t seq) {
+  if (seq < 1 || Rows(t) % seq != 0) {
+    args.Fail(fmt::format("seq = {} must be >= 1 and divide the {} rows of {} {}", seq, Rows(t),
+                          name, ShapeString(t.shape())));
+  }
+}
+
+// The checks of both norms' forward: x [n, h] with h >= 1, weight (and bias) [h], y like x,
+// the statistics [n], eps >= 0; y may be x.
+void CheckNormForward(const KernelArgs& args, const Tensor& x, const Tensor& weight,
+                      const Tensor* bias, double eps, const Tensor& y, const Tensor* mean,
+                      const Tensor& rstd) {
+  const int64_t n = Rows(x);
+  const int64_t h = Cols(x);
+  args.Require(h >= 1, fmt::format("x {} has no columns to normalize", ShapeString(x.shape())));
+  args.Numel("weight", weight, h, "the columns of x");
+  if (bias != nullptr) args.Numel("bias", *bias, h, "the columns of x");
+  CheckMatrix(args, "y", y, n, h, "the 2-D shape of x");
+  if (mean != nullptr) args.Numel("mean", *mean, n, "one per row of x");
+  args.Numel("rstd", rstd, n, "one per row of x");
+  args.Require(std::isfinite(eps) && eps >= 0, fmt::format("eps = {} must be >= 0", eps));
+  SameOrDisjoint(args, "y", y, "x", x);
+  Disjoint(args, "y", y, "weight", weight);
+  if (bias != nullptr) Disjoint(args, "y", y, "bias", *bias);
+  for (const auto& [name, stat] : {std::pair<std::string_view, const Tensor*>{"mean", mean},
+                                   {"rstd", &rstd}}) {
+    if (stat == nullptr) continue;
+    Disjoint(args, name, *stat, "x", x);
+    Disjoint(args, name, *stat, "y", y);
+  }
+  if (mean != nullptr) Disjoint(args, "mean", *mean, "rstd", rstd);
+}
+
+// The checks of both norms' backward: shapes as in the forward, dy and dx like x (dx may be
+// dy), the accumulators [h] apart from every other tensor.
+void CheckNormBackward(const KernelArgs& args, const Tensor& x, const Tensor& weight,
+                       const Tensor* mean, const Tensor& rstd, const Tensor& dy, const Tensor& dx,
+                       const Tensor& dweight, const Tensor* dbias) {
+  const int64_t n = Rows(x);
+  const int64_t h = Cols(x);
+  args.Require(h >= 1, fmt::format("x {} has no columns to normalize", ShapeString(x.shape())));
+  args.Numel("weight", weight, h, "the columns of x");
+  if (mean != nullptr) args.Numel("mean", *mean, n, "one per row of x");
+  args.Numel("rstd", rstd, n, "one per row of x");
+  CheckMatrix(args, "dy", dy, n, h, "the 2-D shape of x");
+  CheckMatrix(args, "dx", dx, n, h, "the 2-D shape of x");
+  args.Numel("dweight", dweight, h, "the columns of x");
+  if (dbias != nullptr) {
+    args.Numel("dbias", *dbias, h, "the columns of x");
+    args.Require(dbias->dtype() == dweight.dtype(),
+                 fmt::format("dbias is {} but dweight is {}", DTypeName(dbias->dtype()),
+                             DTypeName(dweight.dtype())));
+  }
+  SameOrDisjoint(args, "dx", dx, "dy", dy);
+  Disjoint(args, "dx", dx, "x", x);
+  Disjoint(args, "dx", dx, "weight", weight);
+  Disjoint(args, "dx", dx, "rstd", rstd);
+  if (mean != nullptr) Disjoint(args, "dx", dx, "mean", *mean);
+  for (const auto& [name, acc] : {std::pair<std::string_view, const Tensor*>{"dweight", &dweight},
+                                  {"dbias", dbias}}) {
+    if (acc == nullptr) continue;
+    for (const auto& [other_name, other] :
+         {std::pair<std::string_view, const Tensor*>{"x", &x}, {"weight", &weight},
+          {"mean", mean}, {"rstd", &rstd}, {"dy", &dy}, {"dx", &dx}}) {
+      if (other != nullptr) Disjoint(args, name, *acc, other_name, *other);
+    }
+  }
+  if (dbias != nullptr) Disjoint(args, "dweight", dweight, "dbias", *dbias);
+}
+
+// offset + sum_k (dims[k] - 1) * strides[k], the last element a StridedCopy addresses in
+// one tensor, must be inside its `numel` elements (dims >= 1, strides >= 0 checked before).
+void CheckSpan(const KernelArgs& args, std::string_view name, const Tensor& t, int64_t offset,
+               const std::vector<int64_t>& dims, const std::vector<int64_t>& strides) {
+  int64_t last = offset;
+  bool overflow = false;
+  for (size_t k = 0; k < dims.size(); ++k) {
+    int64_t step = 0;
+    overflow = overflow || __builtin_mul_overflow(dims[k] - 1, strides[k], &step) ||
+               __builtin_add_overflow(last, step, &last);
+  }
+  if (overflow || last >= t.numel()) {
+    args.Fail(fmt::format("{} offset {} with dims [{}] and strides [{}] reaches element {} but "
+                          "{} {} has {}",
+                          name, offset, fmt::join(dims, ", "), fmt::join(strides, ", "),
+                          overflow ? "beyond int64" : fmt::format("{}", last), name,
+                          ShapeString(t.shape()), t.numel()));
   }
 }
 
@@ -71,6 +190,49 @@ void Kernels::CopyBlock(const Tensor& src, int64_t src_row0, int64_t src_col0, T
   DoCopyBlock(src, src_row0, src_col0, dst, dst_row0, dst_col0, rows, cols);
 }
 
+void Kernels::StridedCopy(const Tensor& src, int64_t src_offset, const std::vector<int64_t>& dims,
+                          const std::vector<int64_t>& src_strides, Tensor& dst,
+                          int64_t dst_offset, const std::vector<int64_t>& dst_strides) {
+  KernelArgs args(backend_, device_, "StridedCopy");
+  args.Add("src", src).Add("dst", dst);
+  const size_t rank = dims.size();
+  args.Require(rank >= 1 && rank <= static_cast<size_t>(kMaxCopyDims),
+               fmt::format("{} dimensions; 1 to {} are supported", rank, kMaxCopyDims));
+  args.Require(src_strides.size() == rank && dst_strides.size() == rank,
+               fmt::format("{} dims but {} src_strides and {} dst_strides", rank,
+                           src_strides.size(), dst_strides.size()));
+  const auto non_negative = [](const std::vector<int64_t>& v) {
+    return std::all_of(v.begin(), v.end(), [](int64_t e) { return e >= 0; });
+  };
+  args.Require(non_negative(dims) && non_negative(src_strides) && non_negative(dst_strides) &&
+                   src_offset >= 0 && dst_offset >= 0,
+               fmt::format("dims [{}], strides [{}] and [{}] and offsets {} and {} must be >= 0",
+                           fmt::join(dims, ", "), fmt::join(src_strides, ", "),
+                           fmt::join(dst_strides, ", "), src_offset, dst_offset));
+  if (std::find(dims.begin(), dims.end(), int64_t{0}) != dims.end()) return;  // no element
+  CheckSpan(args, "src", src, src_offset, dims, src_strides);
+  CheckSpan(args, "dst", dst, dst_offset, dims, dst_strides);
+  Disjoint(args, "dst", dst, "src", src);
+  // Every dst element at most once, so the copy order cannot matter: with the dimensions of
+  // more than one element sorted by stride, each stride must exceed the span the smaller
+  // ones cover (a sufficient condition that every strided sub-block of a dense tensor
+  // meets). The spans stay below dst.numel(), checked above, so nothing overflows.
+  std::vector<std::pair<int64_t, int64_t>> by_stride;  // (stride, dim)
+  for (size_t k = 0; k < rank; ++k) {
+    if (dims[k] > 1) by_stride.emplace_back(dst_strides[k], dims[k]);
+  }
+  std::sort(by_stride.begin(), by_stride.end());
+  int64_t span = 0;
+  for (const auto& [stride, dim] : by_stride) {
+    if (stride <= span) {
+      args.Fail(fmt::format("dst_strides [{}] with dims [{}] address some dst element twice",
+                            fmt::join(dst_strides, ", "), fmt::join(dims, ", ")));
+    }
+    span += (dim - 1) * stride;
+  }
+  DoStridedCopy(src, src_offset, dims, src_strides, dst, dst_offset, dst_strides);
+}
+
 void Kernels::Gemm(bool trans_a, bool trans_b, double alpha, const Tensor& a, const Tensor& b,
                    double beta, Tensor& c) {
   KernelArgs args(backend_, device_, "Gemm");
@@ -88,6 +250,34 @@ void Kernels::Gemm(bool trans_a, bool trans_b, double alpha, const Tensor& a, co
   }
   args.Require(!Overlap(a, c) && !Overlap(b, c), "c shares storage with a or b");
   DoGemm(trans_a, trans_b, alpha, a, b, beta, c);
+}
+
+void Kernels::BatchedGemm(bool trans_a, bool trans_b, double alpha, const Tensor& a,
+                          const Tensor& b, double beta, Tensor& c) {
+  KernelArgs args(backend_, device_, "BatchedGemm");
+  args.Add("a", a).Add("b", b).AddAccumulator("c", c);
+  for (const auto& [name, t] : {std::pair<std::string_view, const Tensor*>{"a", &a},
+                                {"b", &b}, {"c", &c}}) {
+    if (t->shape().size() != 3) {
+      args.Fail(fmt::format("{} {} is not 3-D [batch, rows, cols]", name,
+                            ShapeString(t->shape())));
+    }
+  }
+  const Shape& as = a.shape();
+  const Shape& bs = b.shape();
+  const Shape& cs = c.shape();
+  const int64_t m = trans_a ? as[2] : as[1];
+  const int64_t k = trans_a ? as[1] : as[2];
+  const int64_t kb = trans_b ? bs[2] : bs[1];
+  const int64_t n = trans_b ? bs[1] : bs[2];
+  if (bs[0] != as[0] || cs[0] != as[0] || k != kb || cs[1] != m || cs[2] != n) {
+    args.Fail(fmt::format("a {} (trans_a {}), b {} (trans_b {}) and c {} are not batch x "
+                          "(m x k) @ (k x n) = m x n with one batch",
+                          ShapeString(as), trans_a, ShapeString(bs), trans_b, ShapeString(cs)));
+  }
+  args.Require(!Overlap(a, c) && !Overlap(b, c), "c shares storage with a or b");
+  if (c.numel() == 0) return;
+  DoBatchedGemm(trans_a, trans_b, alpha, a, b, beta, c);
 }
 
 void Kernels::AddRowVector(const Tensor& bias, Tensor& y) {
@@ -139,6 +329,139 @@ void Kernels::Dropout(const Tensor& x, double p, uint64_t key, uint64_t stream, 
   args.Numel("y", y, x.numel(), "the numel of x");
   args.Require(p >= 0.0 && p <= 1.0, fmt::format("p = {} is not in [0, 1]", p));
   DoDropout(x, p, key, stream, offset, y);
+}
+
+void Kernels::DropoutAt(const Tensor& x, double p, uint64_t key, uint64_t stream,
+                        const GlobalIndexMap& map, Tensor& y) {
+  KernelArgs args(backend_, device_, "DropoutAt");
+  args.Add("x", x).Add("y", y);
+  args.Numel("y", y, x.numel(), "the numel of x");
+  args.Require(p >= 0.0 && p <= 1.0, fmt::format("p = {} is not in [0, 1]", p));
+  SameOrDisjoint(args, "y", y, "x", x);
+  // Global indices are elements of the full tensor: base, dims and strides >= 0.
+  int64_t count = 1;
+  bool ok = map.base >= 0;
+  for (size_t d = 0; d < map.dims.size(); ++d) {
+    ok = ok && map.dims[d] >= 0 && map.strides[d] >= 0 &&
+         !__builtin_mul_overflow(count, map.dims[d], &count);
+  }
+  if (!ok || count != x.numel()) {
+    args.Fail(fmt::format("map (base {}, dims [{}], strides [{}]) must have base, dims and "
+                          "strides >= 0 and dims multiplying to x's {} elements",
+                          map.base, fmt::join(map.dims, ", "), fmt::join(map.strides, ", "),
+                          x.numel()));
+  }
+  if (x.numel() == 0) return;
+  DoDropoutAt(x, p, key, stream, map, y);
+}
+
+void Kernels::SwigluForward(const Tensor& x, Tensor& y) {
+  KernelArgs args(backend_, device_, "SwigluForward");
+  args.Add("x", x).Add("y", y);
+  args.Require(Cols(x) % 2 == 0,
+               fmt::format("x {} must have an even number of columns ([a | b])",
+                           ShapeString(x.shape())));
+  CheckMatrix(args, "y", y, Rows(x), Cols(x) / 2, "half the columns of x");
+  Disjoint(args, "y", y, "x", x);
+  if (y.numel() == 0) return;
+  DoSwigluForward(x, y);
+}
+
+void Kernels::SwigluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) {
+  KernelArgs args(backend_, device_, "SwigluBackward");
+  args.Add("x", x).Add("dy", dy).Add("dx", dx);
+  args.Require(Cols(x) % 2 == 0,
+               fmt::format("x {} must have an even number of columns ([a | b])",
+                           ShapeString(x.shape())));
+  CheckMatrix(args, "dy", dy, Rows(x), Cols(x) / 2, "half the columns of x");
+  CheckMatrix(args, "dx", dx, Rows(x), Cols(x), "the 2-D shape of x");
+  SameOrDisjoint(args, "dx", dx, "x", x);
+  Disjoint(args, "dx", dx, "dy", dy);
+  if (dy.numel() == 0) return;
+  DoSwigluBackward(x, dy, dx);
+}
+
+void Kernels::LayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                               double eps, Tensor& y, Tensor& mean, Tensor& rstd) {
+  KernelArgs args(backend_, device_, "LayerNormForward");
+  args.Add("x", x).Add("weight", weight).Add("bias", bias).Add("y", y);
+  args.AddCompute("mean", mean).AddCompute("rstd", rstd);
+  CheckNormForward(args, x, weight, &bias, eps, y, &mean, rstd);
+  if (x.numel() == 0) return;
+  DoLayerNormForward(x, weight, bias, eps, y, mean, rstd);
+}
+
+void Kernels::LayerNormBackward(const Tensor& x, const Tensor& weight, const Tensor& mean,
+                                const Tensor& rstd, const Tensor& dy, Tensor& dx,
+                                Tensor& dweight, Tensor& dbias) {
+  KernelArgs args(backend_, device_, "LayerNormBackward");
+  args.Add("x", x).Add("weight", weight).Add("dy", dy).Add("dx", dx);
+  args.AddCompute("mean", mean).AddCompute("rstd", rstd);
+  args.AddAccumulator("dweight", dweight).AddAccumulator("dbias", dbias);
+  CheckNormBackward(args, x, weight, &mean, rstd, dy, dx, dweight, &dbias);
+  if (x.numel() == 0) return;
+  DoLayerNormBackward(x, weight, mean, rstd, dy, dx, dweight, dbias);
+}
+
+void Kernels::RMSNormForward(const Tensor& x, const Tensor& weight, double eps, Tensor& y,
+                             Tensor& rstd) {
+  KernelArgs args(backend_, device_, "RMSNormForward");
+  args.Add("x", x).Add("weight", weight).Add("y", y).AddCompute("rstd", rstd);
+  CheckNormForward(args, x, weight, nullptr, eps, y, nullptr, rstd);
+  if (x.numel() == 0) return;
+  DoRMSNormForward(x, weight, eps, y, rstd);
+}
+
+void Kernels::RMSNormBackward(const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                              const Tensor& dy, Tensor& dx, Tensor& dweight) {
+  KernelArgs args(backend_, device_, "RMSNormBackward");
+  args.Add("x", x).Add("weight", weight).Add("dy", dy).Add("dx", dx);
+  args.AddCompute("rstd", rstd).AddAccumulator("dweight", dweight);
+  CheckNormBackward(args, x, weight, nullptr, rstd, dy, dx, dweight, nullptr);
+  if (x.numel() == 0) return;
+  DoRMSNormBackward(x, weight, rstd, dy, dx, dweight);
+}
+
+void Kernels::CausalSoftmaxForward(const Tensor& scores, int64_t seq, double scale,
+                                   Tensor& probs) {
+  KernelArgs args(backend_, device_, "CausalSoftmaxForward");
+  args.Add("scores", scores).Add("probs", probs);
+  CheckPositions(args, "scores", scores, seq);
+  CheckMatrix(args, "scores", scores, Rows(scores), seq, "one column per key position");
+  CheckMatrix(args, "probs", probs, Rows(scores), seq, "the 2-D shape of scores");
+  args.Require(std::isfinite(scale), fmt::format("scale = {} is not finite", scale));
+  SameOrDisjoint(args, "probs", probs, "scores", scores);
+  if (scores.numel() == 0) return;
+  DoCausalSoftmaxForward(scores, seq, scale, probs);
+}
+
+void Kernels::CausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, int64_t seq,
+                                    double scale, Tensor& dscores) {
+  KernelArgs args(backend_, device_, "CausalSoftmaxBackward");
+  args.Add("probs", probs).Add("dprobs", dprobs).Add("dscores", dscores);
+  CheckPositions(args, "probs", probs, seq);
+  CheckMatrix(args, "probs", probs, Rows(probs), seq, "one column per key position");
+  CheckMatrix(args, "dprobs", dprobs, Rows(probs), seq, "the 2-D shape of probs");
+  CheckMatrix(args, "dscores", dscores, Rows(probs), seq, "the 2-D shape of probs");
+  args.Require(std::isfinite(scale), fmt::format("scale = {} is not finite", scale));
+  SameOrDisjoint(args, "dscores", dscores, "probs", probs);
+  SameOrDisjoint(args, "dscores", dscores, "dprobs", dprobs);
+  if (probs.numel() == 0) return;
+  DoCausalSoftmaxBackward(probs, dprobs, seq, scale, dscores);
+}
+
+void Kernels::Rope(const Tensor& x, int64_t seq, double base, bool inverse, Tensor& y) {
+  KernelArgs args(backend_, device_, "Rope");
+  args.Add("x", x).Add("y", y);
+  CheckPositions(args, "x", x, seq);
+  args.Require(Cols(x) % 2 == 0,
+               fmt::format("x {} must have an even number of columns (rotated pairs)",
+                           ShapeString(x.shape())));
+  CheckMatrix(args, "y", y, Rows(x), Cols(x), "the 2-D shape of x");
+  args.Require(std::isfinite(base) && base > 0, fmt::format("base = {} must be > 0", base));
+  SameOrDisjoint(args, "y", y, "x", x);
+  if (x.numel() == 0) return;
+  DoRope(x, seq, base, inverse, y);
 }
 
 void Kernels::EmbeddingForward(const Tensor& weight, const std::vector<int64_t>& ids,

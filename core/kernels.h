@@ -10,23 +10,36 @@
 // is rounded once, to nearest even (core/half.h) -- mixed precision as cuBLAS with
 // CUBLAS_COMPUTE_32F and PyTorch's elementwise kernels do it. All tensors of a call share
 // one dtype, with two exceptions:
-//   accumulators   Gemm's c, SumRows' out, Axpy's y and EmbeddingBackward's dweight may
-//                  instead have the compute dtype of the inputs (a bfloat16 product
-//                  accumulated straight into a float32 main_grad);
+//   accumulators   Gemm's and BatchedGemm's c, SumRows' out, Axpy's y, EmbeddingBackward's
+//                  dweight and the norm backwards' dweight and dbias may instead have the
+//                  compute dtype of the inputs (a bfloat16 product accumulated straight
+//                  into a float32 main_grad);
 //   statistics     the cross-entropy pieces' row_max, sum_exp, sum_z, target_z and
-//                  row_scale always have the compute dtype of the logits (Megatron runs
-//                  the loss on logits.float()).
+//                  row_scale, and the norms' mean and rstd, always have the compute dtype
+//                  of the logits / of x (Megatron runs the loss on logits.float(), and
+//                  Apex's fused norms keep their statistics in float32).
+//
+// The operations, by section below: memory (Zeros, Empty, ToDevice, ToHost, Copy, SetZero,
+// CopyBlock, StridedCopy); dense algebra (Gemm, BatchedGemm, AddRowVector, SumRows, Axpy,
+// Scale); elementwise (GELU, SwiGLU, Dropout, DropoutAt); normalization (LayerNorm,
+// RMSNorm); attention (CausalSoftmax, Rope); embedding; vocab-parallel cross entropy.
+// What it is not: a graph or autograd -- every backward is its own call, made by the layer
+// (core/model) that saved what it needs.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
+#include "core/dropout.h"
 #include "core/tensor.h"
 
 namespace mpusim {
 
 class Kernels {
  public:
+  // The most dimensions a StridedCopy takes.
+  static constexpr int kMaxCopyDims = 6;
+
   virtual ~Kernels() = default;
 
   // Each call checks its arguments (core/arg_checks.h: allocated tensors on this backend's
@@ -46,11 +59,25 @@ class Kernels {
   // (2-D views).
   void CopyBlock(const Tensor& src, int64_t src_row0, int64_t src_col0, Tensor& dst,
                  int64_t dst_row0, int64_t dst_col0, int64_t rows, int64_t cols);
+  // A permuting / slicing copy over the flat storage (element offsets): for every index
+  // tuple i < dims (1 to 6 dimensions),
+  //   dst[dst_offset + sum_k i_k dst_strides[k]] = src[src_offset + sum_k i_k src_strides[k]].
+  // Same dtype; strides >= 0; every addressed element lies inside its tensor; src and dst
+  // do not overlap; no dst element is addressed twice (sorted by stride, each dst stride
+  // exceeds the span of the smaller ones). Splits a fused QKV [s, b, groups, r + 2, d] into
+  // contiguous per-head tensors, and back.
+  void StridedCopy(const Tensor& src, int64_t src_offset, const std::vector<int64_t>& dims,
+                   const std::vector<int64_t>& src_strides, Tensor& dst, int64_t dst_offset,
+                   const std::vector<int64_t>& dst_strides);
 
   // --- dense algebra ------------------------------------------------------------------
   // c = alpha * op(a) @ op(b) + beta * c on the 2-D views; op(x) = x^T when trans_x.
   void Gemm(bool trans_a, bool trans_b, double alpha, const Tensor& a, const Tensor& b,
             double beta, Tensor& c);
+  // c[i] = alpha * op(a[i]) @ op(b[i]) + beta * c[i] for every i < batch, on 3-D
+  // [batch, rows, cols] tensors with one batch; dtypes and c as for Gemm.
+  void BatchedGemm(bool trans_a, bool trans_b, double alpha, const Tensor& a, const Tensor& b,
+                   double beta, Tensor& c);
   // y[i, :] += bias (bias has y.cols() elements).
   void AddRowVector(const Tensor& bias, Tensor& y);
   // out = beta * out + sum over rows of x (out has x.cols() elements).
@@ -69,6 +96,57 @@ class Kernels {
   // Backward applies the same mask to the gradient (call it with dy, dx).
   void Dropout(const Tensor& x, double p, uint64_t key, uint64_t stream, uint64_t offset,
                Tensor& y);
+  // Dropout with the mask of a global tensor (core/dropout.h): element e of x is kept iff
+  // UniformAt(key, stream, map.At(e)) >= p; map.dims multiply to x.numel(), and map's base,
+  // dims and strides are >= 0. Otherwise exactly Dropout (same scale, same rounding); y may
+  // be x.
+  void DropoutAt(const Tensor& x, double p, uint64_t key, uint64_t stream,
+                 const GlobalIndexMap& map, Tensor& y);
+  // SwiGLU on x = [a | b] (x [n, 2f], y [n, f]): y = silu(a) * b, silu(a) = a sigmoid(a).
+  void SwigluForward(const Tensor& x, Tensor& y);
+  // dx = [dy * b * sigmoid(a) * (1 + a (1 - sigmoid(a))) | dy * silu(a)] (dx [n, 2f]); dx
+  // may be x.
+  void SwigluBackward(const Tensor& x, const Tensor& dy, Tensor& dx);
+
+  // --- normalization over the last dimension (x [n, h] 2-D view, h >= 1) --------------
+  // mean_i = (1/h) sum_j x_ij, var_i = (1/h) sum_j (x_ij - mean_i)^2 (biased),
+  // rstd_i = 1 / sqrt(var_i + eps), y_ij = (x_ij - mean_i) * rstd_i * weight_j + bias_j.
+  // weight and bias [h] have x's dtype; mean and rstd [n] its compute dtype. y may be x.
+  void LayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
+                        Tensor& y, Tensor& mean, Tensor& rstd);
+  // With xhat = (x - mean) * rstd and g = dy * weight (per row):
+  //   dx = rstd * (g - mean_j(g) - xhat * mean_j(g * xhat)),
+  //   dweight += sum_i dy * xhat,  dbias += sum_i dy.
+  // dweight and dbias are accumulators (main_grad) of one dtype: x's or its compute dtype.
+  // dx may be dy.
+  void LayerNormBackward(const Tensor& x, const Tensor& weight, const Tensor& mean,
+                         const Tensor& rstd, const Tensor& dy, Tensor& dx, Tensor& dweight,
+                         Tensor& dbias);
+  // rstd_i = 1 / sqrt((1/h) sum_j x_ij^2 + eps), y = x * rstd * weight.
+  void RMSNormForward(const Tensor& x, const Tensor& weight, double eps, Tensor& y,
+                      Tensor& rstd);
+  // xhat = x * rstd, g = dy * weight: dx = rstd * (g - xhat * mean_j(g * xhat)),
+  // dweight += sum_i dy * xhat (an accumulator, as above). y may be x, dx may be dy.
+  void RMSNormBackward(const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                       const Tensor& dy, Tensor& dx, Tensor& dweight);
+
+  // --- attention (rows of `seq` consecutive positions: row r is position r % seq) -----
+  // Causal softmax of scores [rows, seq] (2-D view, seq divides rows): for q = r % seq,
+  //   probs[r, k] = exp(scale s[r, k] - m) / sum_{k' <= q} exp(scale s[r, k'] - m), k <= q,
+  // with m = max_{k <= q} scale s[r, k], and probs[r, k] = 0 for k > q. Computed in the
+  // compute dtype (Megatron's attention_softmax_in_fp32), stored in scores' dtype. probs
+  // may be scores.
+  void CausalSoftmaxForward(const Tensor& scores, int64_t seq, double scale, Tensor& probs);
+  // dscores[r, k] = scale * probs[r, k] * (dprobs[r, k] - sum_{k' <= q} probs dprobs), and 0
+  // for k > q. dscores may be probs or dprobs.
+  void CausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, int64_t seq,
+                             double scale, Tensor& dscores);
+  // Rotary embedding of x [rows, d] (2-D view, d even), position p = r % seq: for i < d/2,
+  // theta = p * base^(-2i/d) in float64, c = cos theta, s = sin theta (rounded to the
+  // compute dtype), and
+  //   y[i] = x[i] c - x[i + d/2] s,  y[i + d/2] = x[i + d/2] c + x[i] s;
+  // inverse = true applies the transpose (the backward): s -> -s. y may be x.
+  void Rope(const Tensor& x, int64_t seq, double base, bool inverse, Tensor& y);
 
   // --- embedding ----------------------------------------------------------------------
   // out[i, :] = weight[ids[i] - vocab_start, :] if vocab_start <= ids[i] < vocab_end, else 0
@@ -99,7 +177,10 @@ class Kernels {
   // `backend` names the implementation in error messages; `device` is where its tensors live.
   Kernels(const char* backend, Device device) : backend_(backend), device_(device) {}
 
-  // The implementations, called after the checks above passed.
+  // The implementations, called after the checks above passed. StridedCopy, BatchedGemm,
+  // DropoutAt, SwiGLU, the norms, the causal softmaxes and Rope reach their Do* only with work to
+  // do: no StridedCopy dimension is 0, BatchedGemm's c is not empty (a and b may be, when
+  // k == 0), and no tensor of the other calls is empty.
   virtual Tensor DoZeros(const Shape& shape, DType dtype) = 0;
   virtual Tensor DoEmpty(const Shape& shape, DType dtype) = 0;
   virtual Tensor DoToDevice(const Tensor& host) = 0;
@@ -108,8 +189,15 @@ class Kernels {
   virtual void DoSetZero(Tensor& x) = 0;
   virtual void DoCopyBlock(const Tensor& src, int64_t src_row0, int64_t src_col0, Tensor& dst,
                            int64_t dst_row0, int64_t dst_col0, int64_t rows, int64_t cols) = 0;
+  // dims, src_strides and dst_strides have the same length, 1 to 6; no dimension is 0.
+  virtual void DoStridedCopy(const Tensor& src, int64_t src_offset,
+                             const std::vector<int64_t>& dims,
+                             const std::vector<int64_t>& src_strides, Tensor& dst,
+                             int64_t dst_offset, const std::vector<int64_t>& dst_strides) = 0;
   virtual void DoGemm(bool trans_a, bool trans_b, double alpha, const Tensor& a, const Tensor& b,
                       double beta, Tensor& c) = 0;
+  virtual void DoBatchedGemm(bool trans_a, bool trans_b, double alpha, const Tensor& a,
+                             const Tensor& b, double beta, Tensor& c) = 0;
   virtual void DoAddRowVector(const Tensor& bias, Tensor& y) = 0;
   virtual void DoSumRows(const Tensor& x, double beta, Tensor& out) = 0;
   virtual void DoAxpy(double alpha, const Tensor& x, Tensor& y) = 0;
@@ -118,6 +206,24 @@ class Kernels {
   virtual void DoGeluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) = 0;
   virtual void DoDropout(const Tensor& x, double p, uint64_t key, uint64_t stream, uint64_t offset,
                          Tensor& y) = 0;
+  virtual void DoDropoutAt(const Tensor& x, double p, uint64_t key, uint64_t stream,
+                           const GlobalIndexMap& map, Tensor& y) = 0;
+  virtual void DoSwigluForward(const Tensor& x, Tensor& y) = 0;
+  virtual void DoSwigluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) = 0;
+  virtual void DoLayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                                  double eps, Tensor& y, Tensor& mean, Tensor& rstd) = 0;
+  virtual void DoLayerNormBackward(const Tensor& x, const Tensor& weight, const Tensor& mean,
+                                   const Tensor& rstd, const Tensor& dy, Tensor& dx,
+                                   Tensor& dweight, Tensor& dbias) = 0;
+  virtual void DoRMSNormForward(const Tensor& x, const Tensor& weight, double eps, Tensor& y,
+                                Tensor& rstd) = 0;
+  virtual void DoRMSNormBackward(const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                                 const Tensor& dy, Tensor& dx, Tensor& dweight) = 0;
+  virtual void DoCausalSoftmaxForward(const Tensor& scores, int64_t seq, double scale,
+                                      Tensor& probs) = 0;
+  virtual void DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, int64_t seq,
+                                       double scale, Tensor& dscores) = 0;
+  virtual void DoRope(const Tensor& x, int64_t seq, double base, bool inverse, Tensor& y) = 0;
   virtual void DoEmbeddingForward(const Tensor& weight, const std::vector<int64_t>& ids,
                                   int64_t vocab_start, int64_t vocab_end, Tensor& out) = 0;
   virtual void DoEmbeddingBackward(const Tensor& dy, const std::vector<int64_t>& ids,

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstddef>
+#include <cstdint>
 #include <numbers>
 #include <stdexcept>
 #include <string>
@@ -198,6 +199,37 @@ void CudaKernels::DoCopyBlock(const Tensor& src, int64_t src_row0, int64_t src_c
                                       cudaMemcpyDeviceToDevice, stream_));
 }
 
+void CudaKernels::DoStridedCopy(const Tensor& src, int64_t src_offset,
+                                const std::vector<int64_t>& dims,
+                                const std::vector<int64_t>& src_strides, Tensor& dst,
+                                int64_t dst_offset, const std::vector<int64_t>& dst_strides) {
+  static_assert(kCopyPlanDims == Kernels::kMaxCopyDims);
+  // Right-align the caller's dimensions; the leading padding has size 1 and stride 0.
+  StridedCopyPlan plan{};
+  plan.count = 1;
+  const size_t pad = static_cast<size_t>(kCopyPlanDims) - dims.size();
+  for (size_t k = 0; k < static_cast<size_t>(kCopyPlanDims); ++k) {
+    plan.dims[k] = k < pad ? 1 : dims[k - pad];
+    plan.src_strides[k] = k < pad ? 0 : src_strides[k - pad];
+    plan.dst_strides[k] = k < pad ? 0 : dst_strides[k - pad];
+    plan.count *= plan.dims[k];
+  }
+  const size_t element = DTypeSize(src.dtype());
+  const std::byte* from = BytePointer(src) + static_cast<size_t>(src_offset) * element;
+  std::byte* to = BytePointer(dst) + static_cast<size_t>(dst_offset) * element;
+  // The copy moves bits: an unsigned integer of the element's size stands for the dtype.
+  const auto launch = [&]<typename U>() {
+    LaunchStridedCopy<U>(reinterpret_cast<const U*>(from), reinterpret_cast<U*>(to), plan,
+                         stream_);
+  };
+  switch (element) {
+    case 2: launch.template operator()<uint16_t>(); break;
+    case 4: launch.template operator()<uint32_t>(); break;
+    case 8: launch.template operator()<uint64_t>(); break;
+    default: throw std::invalid_argument("CudaKernels::StridedCopy: unknown element size");
+  }
+}
+
 // --- dense algebra --------------------------------------------------------------------
 
 void CudaKernels::DoGemm(bool trans_a, bool trans_b, double alpha, const Tensor& a, const Tensor& b,
@@ -253,6 +285,59 @@ void CudaKernels::DoGemm(bool trans_a, bool trans_b, double alpha, const Tensor&
     MPUSIM_CUBLAS_CHECK(cublasDgemm(cublas_, op_b, op_a, cm, cn, ck, &alpha, b.data_as<double>(),
                                     ldb, a.data_as<double>(), lda, &beta, c.data_as<double>(),
                                     ldc));
+  }
+}
+
+void CudaKernels::DoBatchedGemm(bool trans_a, bool trans_b, double alpha, const Tensor& a,
+                                const Tensor& b, double beta, Tensor& c) {
+  const Shape& as = a.shape();
+  const Shape& bs = b.shape();
+  const int64_t batch = c.shape()[0];
+  const int64_t m = c.shape()[1];
+  const int64_t n = c.shape()[2];
+  const int64_t k = trans_a ? as[1] : as[2];
+  for (int64_t dim : {batch, m, n, k, as[2], bs[2]}) {
+    Args("BatchedGemm")
+        .Require(dim <= INT_MAX, fmt::format("dimension {} exceeds cuBLAS's int", dim));
+  }
+  if (k == 0 || alpha == 0.0) {
+    // c = beta * c, as in DoGemm.
+    if (beta == 0.0) {
+      MPUSIM_CUDA_CHECK(cudaMemsetAsync(c.data(), 0, c.bytes(), stream_));
+    } else if (beta != 1.0) {
+      Scale(beta, c);
+    }
+    return;
+  }
+  // DoGemm's row-major -> column-major mapping for every entry; entry i of each operand
+  // starts rows * cols elements after entry i - 1.
+  const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const int cm = static_cast<int>(n);
+  const int cn = static_cast<int>(m);
+  const int ck = static_cast<int>(k);
+  const int lda = static_cast<int>(as[2]);
+  const int ldb = static_cast<int>(bs[2]);
+  const int ldc = static_cast<int>(n);
+  const long long stride_a = as[1] * as[2];
+  const long long stride_b = bs[1] * bs[2];
+  const long long stride_c = m * n;
+  const cudaDataType_t ab_type = CudaDataType(a.dtype());
+  const cudaDataType_t c_type = CudaDataType(c.dtype());
+  if (a.dtype() == DType::kFloat64) {
+    MPUSIM_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+        cublas_, op_b, op_a, cm, cn, ck, &alpha, b.data(), ab_type, ldb, stride_b, a.data(),
+        ab_type, lda, stride_a, &beta, c.data(), c_type, ldc, stride_c, static_cast<int>(batch),
+        CUBLAS_COMPUTE_64F, CUBLAS_GEMM_DEFAULT));
+  } else {
+    // float32, or 16-bit a and b into a 16-bit or float32 c: float32 products and sums
+    // (pedantic math: no TF32, no 16-bit split-K), each element of c rounded once.
+    const float alpha_f = static_cast<float>(alpha);
+    const float beta_f = static_cast<float>(beta);
+    MPUSIM_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+        cublas_, op_b, op_a, cm, cn, ck, &alpha_f, b.data(), ab_type, ldb, stride_b, a.data(),
+        ab_type, lda, stride_a, &beta_f, c.data(), c_type, ldc, stride_c,
+        static_cast<int>(batch), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
 }
 
@@ -313,6 +398,106 @@ void CudaKernels::DoDropout(const Tensor& x, double p, uint64_t key, uint64_t st
     const auto keep_probability = static_cast<ComputeOf<T>>(1.0 - p);
     LaunchDropout<T>(x.data_as<T>(), y.data_as<T>(), x.numel(), p, keep_probability, key, stream,
                      offset, stream_);
+  });
+}
+
+void CudaKernels::DoDropoutAt(const Tensor& x, double p, uint64_t key, uint64_t stream,
+                              const GlobalIndexMap& map, Tensor& y) {
+  if (p == 0.0) {
+    Copy(x, y);
+    return;
+  }
+  const IndexMap device_map{map.base,
+                            {map.dims[0], map.dims[1], map.dims[2]},
+                            {map.strides[0], map.strides[1], map.strides[2]}};
+  DispatchStorage(x.dtype(), [&]<typename T>() {
+    const auto keep_probability = static_cast<ComputeOf<T>>(1.0 - p);  // as DoDropout
+    LaunchDropoutAt<T>(x.data_as<T>(), y.data_as<T>(), x.numel(), p, keep_probability, key,
+                       stream, device_map, stream_);
+  });
+}
+
+void CudaKernels::DoSwigluForward(const Tensor& x, Tensor& y) {
+  DispatchStorage(x.dtype(), [&]<typename T>() {
+    LaunchSwigluForward<T>(x.data_as<T>(), y.data_as<T>(), Rows(y), Cols(y), stream_);
+  });
+}
+
+void CudaKernels::DoSwigluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) {
+  DispatchStorage(x.dtype(), [&]<typename T>() {
+    LaunchSwigluBackward<T>(x.data_as<T>(), dy.data_as<T>(), dx.data_as<T>(), Rows(dy),
+                            Cols(dy), stream_);
+  });
+}
+
+// --- normalization --------------------------------------------------------------------
+// x, weight, bias, y, dy and dx have the storage type T; mean and rstd are ComputeOf<T>;
+// dweight and dbias share the accumulator type A (the base class checked all of it). A null
+// mean selects RMSNorm in the launchers.
+
+void CudaKernels::DoLayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                                     double eps, Tensor& y, Tensor& mean, Tensor& rstd) {
+  DispatchStorage(x.dtype(), [&]<typename T>() {
+    using C = ComputeOf<T>;
+    LaunchNormForward<T>(x.data_as<T>(), weight.data_as<T>(), bias.data_as<T>(), Rows(x),
+                         Cols(x), static_cast<C>(eps), y.data_as<T>(), mean.data_as<C>(),
+                         rstd.data_as<C>(), stream_);
+  });
+}
+
+void CudaKernels::DoRMSNormForward(const Tensor& x, const Tensor& weight, double eps, Tensor& y,
+                                   Tensor& rstd) {
+  DispatchStorage(x.dtype(), [&]<typename T>() {
+    using C = ComputeOf<T>;
+    LaunchNormForward<T>(x.data_as<T>(), weight.data_as<T>(), nullptr, Rows(x), Cols(x),
+                         static_cast<C>(eps), y.data_as<T>(), nullptr, rstd.data_as<C>(),
+                         stream_);
+  });
+}
+
+void CudaKernels::DoLayerNormBackward(const Tensor& x, const Tensor& weight, const Tensor& mean,
+                                      const Tensor& rstd, const Tensor& dy, Tensor& dx,
+                                      Tensor& dweight, Tensor& dbias) {
+  DispatchAccumulator(x.dtype(), dweight.dtype(), [&]<typename T, typename A>() {
+    using C = ComputeOf<T>;
+    LaunchNormBackward<T, A>(x.data_as<T>(), weight.data_as<T>(), mean.data_as<C>(),
+                             rstd.data_as<C>(), dy.data_as<T>(), Rows(x), Cols(x),
+                             dx.data_as<T>(), dweight.data_as<A>(), dbias.data_as<A>(), stream_);
+  });
+}
+
+void CudaKernels::DoRMSNormBackward(const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                                    const Tensor& dy, Tensor& dx, Tensor& dweight) {
+  DispatchAccumulator(x.dtype(), dweight.dtype(), [&]<typename T, typename A>() {
+    using C = ComputeOf<T>;
+    LaunchNormBackward<T, A>(x.data_as<T>(), weight.data_as<T>(), nullptr, rstd.data_as<C>(),
+                             dy.data_as<T>(), Rows(x), Cols(x), dx.data_as<T>(),
+                             dweight.data_as<A>(), nullptr, stream_);
+  });
+}
+
+// --- attention ------------------------------------------------------------------------
+
+void CudaKernels::DoCausalSoftmaxForward(const Tensor& scores, int64_t seq, double scale,
+                                         Tensor& probs) {
+  DispatchStorage(scores.dtype(), [&]<typename T>() {
+    LaunchCausalSoftmaxForward<T>(scores.data_as<T>(), Rows(scores), seq,
+                                  static_cast<ComputeOf<T>>(scale), probs.data_as<T>(), stream_);
+  });
+}
+
+void CudaKernels::DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, int64_t seq,
+                                          double scale, Tensor& dscores) {
+  DispatchStorage(probs.dtype(), [&]<typename T>() {
+    LaunchCausalSoftmaxBackward<T>(probs.data_as<T>(), dprobs.data_as<T>(), Rows(probs), seq,
+                                   static_cast<ComputeOf<T>>(scale), dscores.data_as<T>(),
+                                   stream_);
+  });
+}
+
+void CudaKernels::DoRope(const Tensor& x, int64_t seq, double base, bool inverse, Tensor& y) {
+  DispatchStorage(x.dtype(), [&]<typename T>() {
+    LaunchRope<T>(x.data_as<T>(), Rows(x), Cols(x), seq, base, inverse, y.data_as<T>(), stream_);
   });
 }
 

@@ -11,8 +11,11 @@
 // to float32, the float32 formula runs, and each stored element is rounded once with
 // core/half.h's rounding (so elementwise results are bit-identical to the CPU's whenever
 // the float32 values are). Gemm on 16-bit a and b is cublasGemmEx with CUBLAS_COMPUTE_32F
-// into a 16-bit or float32 c; Axpy's y, SumRows' out and EmbeddingBackward's dweight may be
-// float32 accumulators of 16-bit inputs, and the cross-entropy statistics are float32.
+// into a 16-bit or float32 c, BatchedGemm cublasGemmStridedBatchedEx with CUBLAS_COMPUTE_32F
+// (CUBLAS_COMPUTE_64F for float64); Axpy's y, SumRows' out, EmbeddingBackward's dweight and
+// the norms' dweight and dbias may be float32 accumulators of 16-bit inputs, and the
+// cross-entropy and norm statistics are float32. The row reductions (norms, causal softmax)
+// sum in a tree, the CPU in another order: those results agree to rounding, not bitwise.
 // What it is not: an allocator with a cache (every Zeros/Empty is a cudaMalloc, every free a
 // cudaFree, which synchronises the device: simple and safe, not fast), multi-device (the
 // device current at construction is used throughout) or thread-safe.
@@ -66,11 +69,16 @@ class CudaKernels final : public Kernels {
   void DoSetZero(Tensor& x) override;
   void DoCopyBlock(const Tensor& src, int64_t src_row0, int64_t src_col0, Tensor& dst,
                  int64_t dst_row0, int64_t dst_col0, int64_t rows, int64_t cols) override;
+  void DoStridedCopy(const Tensor& src, int64_t src_offset, const std::vector<int64_t>& dims,
+                     const std::vector<int64_t>& src_strides, Tensor& dst, int64_t dst_offset,
+                     const std::vector<int64_t>& dst_strides) override;
 
   // --- dense algebra ------------------------------------------------------------------
   // c must not share storage with a or b; beta == 0 overwrites c (NaNs do not propagate).
   void DoGemm(bool trans_a, bool trans_b, double alpha, const Tensor& a, const Tensor& b, double beta,
             Tensor& c) override;
+  void DoBatchedGemm(bool trans_a, bool trans_b, double alpha, const Tensor& a, const Tensor& b,
+                     double beta, Tensor& c) override;
   void DoAddRowVector(const Tensor& bias, Tensor& y) override;
   void DoSumRows(const Tensor& x, double beta, Tensor& out) override;
   void DoAxpy(double alpha, const Tensor& x, Tensor& y) override;
@@ -81,6 +89,28 @@ class CudaKernels final : public Kernels {
   void DoGeluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) override;
   void DoDropout(const Tensor& x, double p, uint64_t key, uint64_t stream, uint64_t offset,
                Tensor& y) override;
+  void DoDropoutAt(const Tensor& x, double p, uint64_t key, uint64_t stream,
+                   const GlobalIndexMap& map, Tensor& y) override;
+  void DoSwigluForward(const Tensor& x, Tensor& y) override;
+  void DoSwigluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) override;
+
+  // --- normalization (y may be x, dx may be dy) ---------------------------------------
+  void DoLayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
+                          Tensor& y, Tensor& mean, Tensor& rstd) override;
+  void DoLayerNormBackward(const Tensor& x, const Tensor& weight, const Tensor& mean,
+                           const Tensor& rstd, const Tensor& dy, Tensor& dx, Tensor& dweight,
+                           Tensor& dbias) override;
+  void DoRMSNormForward(const Tensor& x, const Tensor& weight, double eps, Tensor& y,
+                        Tensor& rstd) override;
+  void DoRMSNormBackward(const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                         const Tensor& dy, Tensor& dx, Tensor& dweight) override;
+
+  // --- attention (probs may be scores, dscores may be probs or dprobs, y may be x) ------
+  void DoCausalSoftmaxForward(const Tensor& scores, int64_t seq, double scale,
+                              Tensor& probs) override;
+  void DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, int64_t seq,
+                               double scale, Tensor& dscores) override;
+  void DoRope(const Tensor& x, int64_t seq, double base, bool inverse, Tensor& y) override;
 
   // --- embedding ----------------------------------------------------------------------
   void DoEmbeddingForward(const Tensor& weight, const std::vector<int64_t>& ids, int64_t vocab_start,

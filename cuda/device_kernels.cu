@@ -1,9 +1,12 @@
 // CUDA kernels of the GPU backend (see device_kernels.h).
 //
 // Plain, readable kernels: elementwise ops are grid-stride loops over int64 indices (any
-// size, at most kMaxBlocks blocks); row reductions use one block of kBlock threads per row
-// with a shared-memory tree, which fixes the summation order for a given row length (so
-// repeated runs give identical bits). Correctness and determinism over speed: cuBLAS does
+// size, at most kMaxBlocks blocks); row reductions (RowMax, cross entropy, the norms, the
+// causal softmax) use one block of kBlock threads per row with a shared-memory tree, which
+// fixes the summation order for a given row length (so repeated runs give identical bits).
+// A row kernel reads everything its reductions need before the BlockReduce barrier and then
+// writes only the elements each thread itself reads afterwards, which is what lets its
+// output be its input (in place). Correctness and determinism over speed: cuBLAS does
 // the heavy lifting (GEMMs), these kernels move O(elements) data.
 //
 // One body per op, templated on the storage type: loads go through ToCompute (exact
@@ -40,6 +43,8 @@ __device__ inline float Exp(float x) { return expf(x); }
 __device__ inline double Exp(double x) { return exp(x); }
 __device__ inline float Erf(float x) { return erff(x); }
 __device__ inline double Erf(double x) { return erf(x); }
+__device__ inline float Sqrt(float x) { return sqrtf(x); }  // IEEE-rounded (no fast math)
+__device__ inline double Sqrt(double x) { return sqrt(x); }
 
 // Loads: a stored element widened exactly to its compute type.
 __device__ inline double ToCompute(double v) { return v; }
@@ -155,6 +160,240 @@ __global__ void DropoutKernel(const T* x, T* y, int64_t n, double p,
     // The same Philox element as the CPU: masks are bit-identical.
     const bool keep = UniformAt(key, rng_stream, offset + static_cast<uint64_t>(e)) >= p;
     y[e] = ToStorage<T>(keep ? ToCompute(x[e]) / keep_probability : C(0));
+  }
+}
+
+// GlobalIndexMap::At (core/dropout.h), the same formula on the device.
+__device__ inline int64_t GlobalIndexAt(const IndexMap& map, int64_t e) {
+  const int64_t k = e % map.dims[2];
+  const int64_t ij = e / map.dims[2];
+  const int64_t j = ij % map.dims[1];
+  const int64_t i = ij / map.dims[1];
+  return map.base + i * map.strides[0] + j * map.strides[1] + k * map.strides[2];
+}
+
+template <typename T>
+__global__ void DropoutAtKernel(const T* x, T* y, int64_t n, double p,
+                                ComputeOf<T> keep_probability, uint64_t key, uint64_t rng_stream,
+                                IndexMap map) {
+  using C = ComputeOf<T>;
+  for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
+    const uint64_t index = static_cast<uint64_t>(GlobalIndexAt(map, e));
+    const bool keep = UniformAt(key, rng_stream, index) >= p;
+    y[e] = ToStorage<T>(keep ? ToCompute(x[e]) / keep_probability : C(0));
+  }
+}
+
+template <typename T>
+__global__ void SwigluForwardKernel(const T* x, T* y, int64_t n, int64_t f) {
+  using C = ComputeOf<T>;
+  for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
+    const int64_t i = e / f;
+    const int64_t j = e % f;
+    const C a = ToCompute(x[i * 2 * f + j]);
+    const C b = ToCompute(x[i * 2 * f + f + j]);
+    const C sigmoid = C(1) / (C(1) + Exp(-a));
+    y[e] = ToStorage<T>((a * sigmoid) * b);
+  }
+}
+
+template <typename T>
+__global__ void SwigluBackwardKernel(const T* x, const T* dy, T* dx, int64_t n, int64_t f) {
+  using C = ComputeOf<T>;
+  for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
+    const int64_t i = e / f;
+    const int64_t j = e % f;
+    // This thread alone reads and writes the pair (i, j), (i, f + j): dx may be x.
+    const C a = ToCompute(x[i * 2 * f + j]);
+    const C b = ToCompute(x[i * 2 * f + f + j]);
+    const C g = ToCompute(dy[e]);
+    const C sigmoid = C(1) / (C(1) + Exp(-a));
+    dx[i * 2 * f + j] = ToStorage<T>(((g * b) * sigmoid) * (C(1) + a * (C(1) - sigmoid)));
+    dx[i * 2 * f + f + j] = ToStorage<T>(g * (a * sigmoid));
+  }
+}
+
+// --- normalization --------------------------------------------------------------------
+
+template <typename T>
+__global__ void NormForwardKernel(const T* x, const T* weight, const T* bias, int64_t rows,
+                                  int64_t cols, ComputeOf<T> eps, T* y, ComputeOf<T>* mean,
+                                  ComputeOf<T>* rstd) {
+  using C = ComputeOf<T>;
+  __shared__ C buf[kBlock];
+  const C count = static_cast<C>(cols);
+  for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
+    const T* row = x + i * cols;
+    C m = 0;
+    if (mean != nullptr) {
+      C sum = 0;
+      for (int64_t j = threadIdx.x; j < cols; j += kBlock) sum += ToCompute(row[j]);
+      m = BlockReduce(sum, buf, SumOp()) / count;
+    }
+    C squares = 0;
+    for (int64_t j = threadIdx.x; j < cols; j += kBlock) {
+      const C centered = ToCompute(row[j]) - m;
+      squares += centered * centered;
+    }
+    const C var = BlockReduce(squares, buf, SumOp()) / count;
+    const C r = C(1) / Sqrt(var + eps);
+    if (threadIdx.x == 0) {
+      if (mean != nullptr) mean[i] = m;
+      rstd[i] = r;
+    }
+    T* out = y + i * cols;
+    for (int64_t j = threadIdx.x; j < cols; j += kBlock) {
+      const C v = ((ToCompute(row[j]) - m) * r) * ToCompute(weight[j]);
+      out[j] = ToStorage<T>(bias != nullptr ? v + ToCompute(bias[j]) : v);
+    }
+  }
+}
+
+// dweight[j] (dbias[j]) += the column sum of dy * xhat (dy), rows in order.
+template <typename T, typename A>
+__global__ void NormColumnsKernel(const T* x, const ComputeOf<T>* mean, const ComputeOf<T>* rstd,
+                                  const T* dy, int64_t rows, int64_t cols, A* dweight,
+                                  A* dbias) {
+  using C = ComputeOf<T>;
+  for (int64_t j = FirstIndex(); j < cols; j += GridStride()) {
+    C dw = 0;
+    C db = 0;
+    for (int64_t i = 0; i < rows; ++i) {
+      const C m = mean != nullptr ? mean[i] : C(0);
+      const C xhat = (ToCompute(x[i * cols + j]) - m) * rstd[i];
+      const C g = ToCompute(dy[i * cols + j]);
+      dw += g * xhat;
+      db += g;
+    }
+    dweight[j] = ToStorage<A>(ToCompute(dweight[j]) + dw);
+    if (dbias != nullptr) dbias[j] = ToStorage<A>(ToCompute(dbias[j]) + db);
+  }
+}
+
+template <typename T>
+__global__ void NormRowsBackwardKernel(const T* x, const T* weight, const ComputeOf<T>* mean,
+                                       const ComputeOf<T>* rstd, const T* dy, int64_t rows,
+                                       int64_t cols, T* dx) {
+  using C = ComputeOf<T>;
+  __shared__ C buf[kBlock];
+  const C count = static_cast<C>(cols);
+  for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
+    const T* x_row = x + i * cols;
+    const T* dy_row = dy + i * cols;
+    const C m = mean != nullptr ? mean[i] : C(0);
+    const C r = rstd[i];
+    C sum_g = 0;
+    C sum_gx = 0;
+    for (int64_t j = threadIdx.x; j < cols; j += kBlock) {
+      const C xhat = (ToCompute(x_row[j]) - m) * r;
+      const C g = ToCompute(dy_row[j]) * ToCompute(weight[j]);
+      sum_g += g;
+      sum_gx += g * xhat;
+    }
+    sum_g = BlockReduce(sum_g, buf, SumOp());
+    sum_gx = BlockReduce(sum_gx, buf, SumOp());
+    const C mean_g = mean != nullptr ? sum_g / count : C(0);
+    const C mean_gx = sum_gx / count;
+    T* dx_row = dx + i * cols;
+    for (int64_t j = threadIdx.x; j < cols; j += kBlock) {
+      const C xhat = (ToCompute(x_row[j]) - m) * r;
+      const C g = ToCompute(dy_row[j]) * ToCompute(weight[j]);
+      dx_row[j] = ToStorage<T>(r * (g - mean_g - xhat * mean_gx));
+    }
+  }
+}
+
+// --- attention ------------------------------------------------------------------------
+
+template <typename T>
+__global__ void CausalSoftmaxForwardKernel(const T* scores, int64_t rows, int64_t seq,
+                                           ComputeOf<T> scale, ComputeOf<T> lowest, T* probs) {
+  using C = ComputeOf<T>;
+  __shared__ C buf[kBlock];
+  for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
+    const T* row = scores + i * seq;
+    const int64_t visible = i % seq + 1;  // keys 0..q
+    C m = lowest;
+    for (int64_t k = threadIdx.x; k < visible; k += kBlock) {
+      m = MaxOp()(m, scale * ToCompute(row[k]));
+    }
+    m = BlockReduce(m, buf, MaxOp());
+    C sum = 0;
+    for (int64_t k = threadIdx.x; k < visible; k += kBlock) {
+      sum += Exp(scale * ToCompute(row[k]) - m);
+    }
+    sum = BlockReduce(sum, buf, SumOp());
+    T* out = probs + i * seq;
+    for (int64_t k = threadIdx.x; k < seq; k += kBlock) {
+      // T{} is +0 for every storage type: masked keys are exactly zero.
+      out[k] = k < visible ? ToStorage<T>(Exp(scale * ToCompute(row[k]) - m) / sum) : T{};
+    }
+  }
+}
+
+template <typename T>
+__global__ void CausalSoftmaxBackwardKernel(const T* probs, const T* dprobs, int64_t rows,
+                                            int64_t seq, ComputeOf<T> scale, T* dscores) {
+  using C = ComputeOf<T>;
+  __shared__ C buf[kBlock];
+  for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
+    const T* p = probs + i * seq;
+    const T* dp = dprobs + i * seq;
+    const int64_t visible = i % seq + 1;
+    C dot = 0;
+    for (int64_t k = threadIdx.x; k < visible; k += kBlock) {
+      dot += ToCompute(p[k]) * ToCompute(dp[k]);
+    }
+    dot = BlockReduce(dot, buf, SumOp());
+    T* out = dscores + i * seq;
+    for (int64_t k = threadIdx.x; k < seq; k += kBlock) {
+      out[k] = k < visible
+                   ? ToStorage<T>(scale * (ToCompute(p[k]) * (ToCompute(dp[k]) - dot)))
+                   : T{};
+    }
+  }
+}
+
+template <typename T>
+__global__ void RopeKernel(const T* x, int64_t rows, int64_t d, int64_t seq, double base,
+                           bool inverse, T* y) {
+  using C = ComputeOf<T>;
+  const int64_t half = d / 2;
+  const int64_t n = rows * half;
+  for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
+    const int64_t r = e / half;
+    const int64_t i = e % half;
+    // The angle in double, as on the CPU; cos and sin rounded once to C.
+    const double inv_freq = pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(d));
+    const double theta = static_cast<double>(r % seq) * inv_freq;
+    const double sine = sin(theta);
+    const C c = static_cast<C>(cos(theta));
+    const C s = static_cast<C>(inverse ? -sine : sine);
+    // This thread alone reads and writes the pair: y may be x.
+    const C lo = ToCompute(x[r * d + i]);
+    const C hi = ToCompute(x[r * d + half + i]);
+    y[r * d + i] = ToStorage<T>(lo * c - hi * s);
+    y[r * d + half + i] = ToStorage<T>(hi * c + lo * s);
+  }
+}
+
+// --- strided copy ---------------------------------------------------------------------
+
+// U is an unsigned integer of the element's size: the copy moves bits.
+template <typename U>
+__global__ void StridedCopyKernel(const U* src, U* dst, StridedCopyPlan plan) {
+  for (int64_t e = FirstIndex(); e < plan.count; e += GridStride()) {
+    int64_t rest = e;
+    int64_t from = 0;
+    int64_t to = 0;
+#pragma unroll
+    for (int k = kCopyPlanDims - 1; k >= 0; --k) {
+      const int64_t index = rest % plan.dims[k];
+      rest /= plan.dims[k];
+      from += index * plan.src_strides[k];
+      to += index * plan.dst_strides[k];
+    }
+    dst[to] = src[from];
   }
 }
 
@@ -317,6 +556,95 @@ void LaunchDropout(const T* x, T* y, int64_t n, double p, ComputeOf<T> keep_prob
 }
 
 template <typename T>
+void LaunchDropoutAt(const T* x, T* y, int64_t n, double p, ComputeOf<T> keep_probability,
+                     uint64_t key, uint64_t rng_stream, IndexMap map, cudaStream_t stream) {
+  if (n <= 0) return;
+  DropoutAtKernel<T><<<GridFor(n), kBlock, 0, stream>>>(x, y, n, p, keep_probability, key,
+                                                        rng_stream, map);
+  MPUSIM_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+void LaunchSwigluForward(const T* x, T* y, int64_t rows, int64_t f, cudaStream_t stream) {
+  const int64_t n = rows * f;
+  if (n <= 0) return;
+  SwigluForwardKernel<T><<<GridFor(n), kBlock, 0, stream>>>(x, y, n, f);
+  MPUSIM_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+void LaunchSwigluBackward(const T* x, const T* dy, T* dx, int64_t rows, int64_t f,
+                          cudaStream_t stream) {
+  const int64_t n = rows * f;
+  if (n <= 0) return;
+  SwigluBackwardKernel<T><<<GridFor(n), kBlock, 0, stream>>>(x, dy, dx, n, f);
+  MPUSIM_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+void LaunchNormForward(const T* x, const T* weight, const T* bias, int64_t rows, int64_t cols,
+                       ComputeOf<T> eps, T* y, ComputeOf<T>* mean, ComputeOf<T>* rstd,
+                       cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, kMaxBlocks));
+  NormForwardKernel<T><<<grid, kBlock, 0, stream>>>(x, weight, bias, rows, cols, eps, y, mean,
+                                                    rstd);
+  MPUSIM_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T, typename A>
+void LaunchNormBackward(const T* x, const T* weight, const ComputeOf<T>* mean,
+                        const ComputeOf<T>* rstd, const T* dy, int64_t rows, int64_t cols, T* dx,
+                        A* dweight, A* dbias, cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return;
+  // Columns first: they read dy, which the row pass may overwrite (dx may be dy).
+  NormColumnsKernel<T, A><<<GridFor(cols), kBlock, 0, stream>>>(x, mean, rstd, dy, rows, cols,
+                                                                dweight, dbias);
+  MPUSIM_CUDA_CHECK(cudaGetLastError());
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, kMaxBlocks));
+  NormRowsBackwardKernel<T><<<grid, kBlock, 0, stream>>>(x, weight, mean, rstd, dy, rows, cols,
+                                                         dx);
+  MPUSIM_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+void LaunchCausalSoftmaxForward(const T* scores, int64_t rows, int64_t seq, ComputeOf<T> scale,
+                                T* probs, cudaStream_t stream) {
+  if (rows <= 0 || seq <= 0) return;
+  const ComputeOf<T> lowest = -static_cast<ComputeOf<T>>(INFINITY);
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, kMaxBlocks));
+  CausalSoftmaxForwardKernel<T><<<grid, kBlock, 0, stream>>>(scores, rows, seq, scale, lowest,
+                                                             probs);
+  MPUSIM_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+void LaunchCausalSoftmaxBackward(const T* probs, const T* dprobs, int64_t rows, int64_t seq,
+                                 ComputeOf<T> scale, T* dscores, cudaStream_t stream) {
+  if (rows <= 0 || seq <= 0) return;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, kMaxBlocks));
+  CausalSoftmaxBackwardKernel<T><<<grid, kBlock, 0, stream>>>(probs, dprobs, rows, seq, scale,
+                                                              dscores);
+  MPUSIM_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+void LaunchRope(const T* x, int64_t rows, int64_t d, int64_t seq, double base, bool inverse,
+                T* y, cudaStream_t stream) {
+  const int64_t n = rows * (d / 2);
+  if (n <= 0) return;
+  RopeKernel<T><<<GridFor(n), kBlock, 0, stream>>>(x, rows, d, seq, base, inverse, y);
+  MPUSIM_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename U>
+void LaunchStridedCopy(const U* src, U* dst, const StridedCopyPlan& plan, cudaStream_t stream) {
+  if (plan.count <= 0) return;
+  StridedCopyKernel<U><<<GridFor(plan.count), kBlock, 0, stream>>>(src, dst, plan);
+  MPUSIM_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
 void LaunchEmbeddingForward(const T* weight, const int64_t* ids, int64_t num_ids, int64_t cols,
                             int64_t vocab_start, int64_t vocab_end, T* out, cudaStream_t stream) {
   const int64_t n = num_ids * cols;
@@ -380,6 +708,19 @@ void LaunchCrossEntropyBackward(const T* logits, const ComputeOf<T>* row_max,
   template void LaunchGeluBackward<T>(const T*, const T*, T*, int64_t, C, C, cudaStream_t);    \
   template void LaunchDropout<T>(const T*, T*, int64_t, double, C, uint64_t, uint64_t,         \
                                  uint64_t, cudaStream_t);                                      \
+  template void LaunchDropoutAt<T>(const T*, T*, int64_t, double, C, uint64_t, uint64_t,       \
+                                   IndexMap, cudaStream_t);                                    \
+  template void LaunchSwigluForward<T>(const T*, T*, int64_t, int64_t, cudaStream_t);          \
+  template void LaunchSwigluBackward<T>(const T*, const T*, T*, int64_t, int64_t,              \
+                                        cudaStream_t);                                         \
+  template void LaunchNormForward<T>(const T*, const T*, const T*, int64_t, int64_t, C, T*,    \
+                                     C*, C*, cudaStream_t);                                    \
+  template void LaunchCausalSoftmaxForward<T>(const T*, int64_t, int64_t, C, T*,               \
+                                              cudaStream_t);                                   \
+  template void LaunchCausalSoftmaxBackward<T>(const T*, const T*, int64_t, int64_t, C, T*,    \
+                                               cudaStream_t);                                  \
+  template void LaunchRope<T>(const T*, int64_t, int64_t, int64_t, double, bool, T*,           \
+                              cudaStream_t);                                                   \
   template void LaunchEmbeddingForward<T>(const T*, const int64_t*, int64_t, int64_t, int64_t, \
                                           int64_t, T*, cudaStream_t);                          \
   template void LaunchRowMax<T>(const T*, int64_t, int64_t, C*, cudaStream_t);                 \
@@ -395,8 +736,16 @@ void LaunchCrossEntropyBackward(const T* logits, const ComputeOf<T>* row_max,
   template void LaunchAxpy<T, A>(const T*, A*, int64_t, C, cudaStream_t);                        \
   template void LaunchSumRows<T, A>(const T*, int64_t, int64_t, double, A*, cudaStream_t);       \
   template void LaunchEmbeddingBackward<T, A>(const T*, const int64_t*, int64_t, int64_t, A*,    \
-                                              cudaStream_t);
+                                              cudaStream_t);                                     \
+  template void LaunchNormBackward<T, A>(const T*, const T*, const C*, const C*, const T*,       \
+                                         int64_t, int64_t, T*, A*, A*, cudaStream_t);
 
+template void LaunchStridedCopy<uint16_t>(const uint16_t*, uint16_t*, const StridedCopyPlan&,
+                                          cudaStream_t);
+template void LaunchStridedCopy<uint32_t>(const uint32_t*, uint32_t*, const StridedCopyPlan&,
+                                          cudaStream_t);
+template void LaunchStridedCopy<uint64_t>(const uint64_t*, uint64_t*, const StridedCopyPlan&,
+                                          cudaStream_t);
 MPUSIM_INSTANTIATE_LAUNCHERS(double, double)
 MPUSIM_INSTANTIATE_LAUNCHERS(float, float)
 MPUSIM_INSTANTIATE_LAUNCHERS(BFloat16, float)

@@ -12,9 +12,14 @@
 // formula, and rounds each stored element once (FromFloat<T>, the shared round-to-nearest-
 // even of core/half.h, never CUDA's own conversions), so for float and double nothing
 // changes and for 16-bit storage the CPU and the GPU store the same bits for the same
-// float32 value. Accumulators (Axpy's y, SumRows' out, EmbeddingBackward's dweight) have
-// their own storage type A: T or C. Cross-entropy statistics (row_max, sum_exp, sum_z,
-// target_z, row_scale) are always C; scalars are passed as C.
+// float32 value. Accumulators (Axpy's y, SumRows' out, EmbeddingBackward's dweight, the
+// norms' dweight and dbias) have their own storage type A: T or C. Cross-entropy statistics
+// (row_max, sum_exp, sum_z, target_z, row_scale) and the norms' mean and rstd are always C;
+// scalars are passed as C.
+//
+// Row kernels (RowMax, the cross-entropy partials, the norms, the causal softmax) run one
+// block per row and reduce with a shared-memory tree; elementwise ones (SwiGLU, Rope,
+// DropoutAt, StridedCopy) one thread per element (or rotated pair) in a grid-stride loop.
 // What it is not: argument checking (CudaKernels in cuda_kernels.h checks every call
 // first) or anything that allocates memory. A launcher with nothing to do (n == 0) enqueues
 // nothing: a launch with zero blocks is an error in CUDA.
@@ -70,6 +75,94 @@ void LaunchGeluBackward(const T* x, const T* dy, T* dx, int64_t n, ComputeOf<T> 
 template <typename T>
 void LaunchDropout(const T* x, T* y, int64_t n, double p, ComputeOf<T> keep_probability,
                    uint64_t key, uint64_t rng_stream, uint64_t offset, cudaStream_t stream);
+
+// core/dropout.h's GlobalIndexMap in plain arrays: element e of the local tensor, viewed as
+// [dims[0], dims[1], dims[2]], is element base + i strides[0] + j strides[1] + k strides[2]
+// of the full tensor. The device evaluates GlobalIndexMap::At's formula itself.
+struct IndexMap {
+  int64_t base;
+  int64_t dims[3];
+  int64_t strides[3];
+};
+
+// LaunchDropout with the Philox index map.At(e) instead of offset + e; y may be x.
+template <typename T>
+void LaunchDropoutAt(const T* x, T* y, int64_t n, double p, ComputeOf<T> keep_probability,
+                     uint64_t key, uint64_t rng_stream, IndexMap map, cudaStream_t stream);
+
+// x [rows, 2f] = [a | b], y [rows, f]: y = round((a * sigmoid(a)) * b), with
+// sigmoid(a) = 1 / (1 + exp(-a)).
+template <typename T>
+void LaunchSwigluForward(const T* x, T* y, int64_t rows, int64_t f, cudaStream_t stream);
+
+// dx[:, :f] = round(((dy * b) * sigmoid(a)) * (1 + a (1 - sigmoid(a)))),
+// dx[:, f:] = round(dy * (a * sigmoid(a))); dx may be x.
+template <typename T>
+void LaunchSwigluBackward(const T* x, const T* dy, T* dx, int64_t rows, int64_t f,
+                          cudaStream_t stream);
+
+// Both norms, one block per row of x [rows, cols]. LayerNorm when mean is given:
+//   m = sum x / cols, var = sum (x - m)^2 / cols, r = 1 / sqrt(var + eps),
+//   y = round(((x - m) * r) * weight + bias);
+// RMSNorm when mean is null: m = 0 and no bias (bias is null). mean (if given) and rstd
+// receive m and r; y may be x.
+template <typename T>
+void LaunchNormForward(const T* x, const T* weight, const T* bias, int64_t rows, int64_t cols,
+                       ComputeOf<T> eps, T* y, ComputeOf<T>* mean, ComputeOf<T>* rstd,
+                       cudaStream_t stream);
+
+// Both norms' backward (mean null: RMSNorm, and dbias is null too), with
+// xhat = (x - m) * r and g = dy * weight. Two kernels, in this order:
+//   columns  one thread per column sums dy * xhat (and dy) over the rows in row order and
+//            adds the sum to dweight (dbias) once: dweight[j] = round(dweight[j] + sum);
+//   rows     one block per row: dx = round(r * (g - mean(g) - xhat * mean(g * xhat))),
+//            mean(g) = 0 for RMSNorm.
+// The column pass reads dy before the row pass overwrites it, so dx may be dy. A is T or
+// ComputeOf<T>.
+template <typename T, typename A>
+void LaunchNormBackward(const T* x, const T* weight, const ComputeOf<T>* mean,
+                        const ComputeOf<T>* rstd, const T* dy, int64_t rows, int64_t cols, T* dx,
+                        A* dweight, A* dbias, cudaStream_t stream);
+
+// One block per row of scores [rows, seq], query position q = row % seq, z = scale * s:
+// probs = round(exp(z - m) / sum_{k <= q} exp(z_k - m)) for k <= q (m the max over k <= q),
+// and +0 for k > q. probs may be scores.
+template <typename T>
+void LaunchCausalSoftmaxForward(const T* scores, int64_t rows, int64_t seq, ComputeOf<T> scale,
+                                T* probs, cudaStream_t stream);
+
+// One block per row: dscores = round(scale * (p * (dp - sum_{k <= q} p dp))) for k <= q, +0
+// for k > q. dscores may be probs or dprobs.
+template <typename T>
+void LaunchCausalSoftmaxBackward(const T* probs, const T* dprobs, int64_t rows, int64_t seq,
+                                 ComputeOf<T> scale, T* dscores, cudaStream_t stream);
+
+// One thread per rotated pair (row r, i < d/2) of x [rows, d]: theta = (r % seq) *
+// base^(-2i/d) in double, c = cos theta and s = +-sin theta (- when inverse) rounded to
+// ComputeOf<T>, y[i] = round(x[i] c - x[i + d/2] s), y[i + d/2] = round(x[i + d/2] c +
+// x[i] s). y may be x.
+template <typename T>
+void LaunchRope(const T* x, int64_t rows, int64_t d, int64_t seq, double base, bool inverse,
+                T* y, cudaStream_t stream);
+
+// The dimensions of a StridedCopyPlan: Kernels::kMaxCopyDims (cuda_kernels.cc asserts it).
+constexpr int kCopyPlanDims = 6;
+
+// A strided copy's index space, padded at the front to kCopyPlanDims dimensions (size 1,
+// strides 0); count = the product of dims (> 0).
+struct StridedCopyPlan {
+  int64_t dims[kCopyPlanDims];
+  int64_t src_strides[kCopyPlanDims];
+  int64_t dst_strides[kCopyPlanDims];
+  int64_t count;
+};
+
+// dst[sum_k i_k dst_strides[k]] = src[sum_k i_k src_strides[k]] for every index tuple, one
+// thread per tuple; src and dst point at the first element (offsets applied). U is
+// uint16_t, uint32_t or uint64_t, an unsigned integer of the element's size: the copy moves
+// bits, never values.
+template <typename U>
+void LaunchStridedCopy(const U* src, U* dst, const StridedCopyPlan& plan, cudaStream_t stream);
 
 // out[i, :] = weight[ids[i] - vocab_start, :] when vocab_start <= ids[i] < vocab_end, else 0
 // (a copy of the stored bits).

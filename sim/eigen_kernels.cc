@@ -10,11 +10,12 @@
 // once) reuse the float32 code instead of a second copy of every formula: the 16-bit
 // inputs are widened exactly into temporary float32 tensors (Widened), the float32 Do*
 // method runs on them, and the float32 results are rounded once into the 16-bit output
-// (StoreRounded). A float32 accumulator or statistic (Gemm's c, SumRows' out, Axpy's y,
-// EmbeddingBackward's dweight, the cross-entropy statistics) is passed to the float32 code
-// as it is. The temporaries cost one float32 copy of the operands per call; the 16-bit path
-// trades that for having exactly the float32 formulas (and OpenBLAS for Gemm). Copies move
-// 16-bit elements as uint16_t bit patterns (DispatchBits), never through float.
+// (StoreRounded). A float32 accumulator or statistic (Gemm's and BatchedGemm's c, SumRows'
+// out, Axpy's y, EmbeddingBackward's dweight, the norms' dweight and dbias, the
+// cross-entropy and norm statistics) is passed to the float32 code as it is. The
+// temporaries cost one float32 copy of the operands per call; the 16-bit path trades that
+// for having exactly the float32 formulas (and OpenBLAS for Gemm). Copies move 16-bit
+// elements as uint16_t bit patterns (DispatchBits, StridedCopy too), never through float.
 #include "sim/eigen_kernels.h"
 
 
@@ -112,6 +113,17 @@ void StoreRounded(const Tensor& src, Tensor& dst) {
   });
 }
 
+// A non-owning 2-D view [rows, cols] of batch entry i of a 3-D tensor; the caller's tensor
+// keeps the storage alive. (A const input's view is only read.)
+Tensor BatchEntry(const Tensor& t, int64_t i) {
+  const Shape& shape = t.shape();
+  const size_t entry_bytes = static_cast<size_t>(shape[1] * shape[2]) * DTypeSize(t.dtype());
+  auto* base = static_cast<std::byte*>(const_cast<void*>(t.data())) +
+               static_cast<size_t>(i) * entry_bytes;
+  return Tensor({shape[1], shape[2]}, t.dtype(), t.device(),
+                std::shared_ptr<void>(std::shared_ptr<void>(), base));
+}
+
 // Column of `label` in a shard starting at vocab_start with `cols` columns, or -1.
 int64_t LocalColumn(int64_t label, int64_t vocab_start, int64_t cols) {
   const int64_t col = label - vocab_start;
@@ -180,6 +192,39 @@ void EigenKernels::DoCopyBlock(const Tensor& src, int64_t src_row0, int64_t src_
   });
 }
 
+void EigenKernels::DoStridedCopy(const Tensor& src, int64_t src_offset,
+                                 const std::vector<int64_t>& dims,
+                                 const std::vector<int64_t>& src_strides, Tensor& dst,
+                                 int64_t dst_offset, const std::vector<int64_t>& dst_strides) {
+  DispatchBits(src.dtype(), [&]<typename T>() {
+    const T* from = src.data_as<T>() + src_offset;
+    T* to = dst.data_as<T>() + dst_offset;
+    const size_t last = dims.size() - 1;
+    const int64_t inner = dims[last];
+    const int64_t src_inner = src_strides[last];
+    const int64_t dst_inner = dst_strides[last];
+    int64_t outer = 1;
+    for (size_t k = 0; k < last; ++k) outer *= dims[k];
+    // The outer indices advance like an odometer, carrying both offsets along, so each
+    // element costs one load and one store and no division.
+    std::vector<int64_t> index(last, 0);
+    int64_t s = 0;
+    int64_t d = 0;
+    for (int64_t o = 0; o < outer; ++o) {
+      for (int64_t j = 0; j < inner; ++j) to[d + j * dst_inner] = from[s + j * src_inner];
+      for (size_t k = last; k-- > 0;) {
+        ++index[k];
+        s += src_strides[k];
+        d += dst_strides[k];
+        if (index[k] < dims[k]) break;
+        s -= dims[k] * src_strides[k];
+        d -= dims[k] * dst_strides[k];
+        index[k] = 0;
+      }
+    }
+  });
+}
+
 // --- dense algebra --------------------------------------------------------------------
 
 void EigenKernels::DoGemm(bool trans_a, bool trans_b, double alpha, const Tensor& a, const Tensor& b,
@@ -223,6 +268,14 @@ void EigenKernels::DoGemm(bool trans_a, bool trans_b, double alpha, const Tensor
       cm.noalias() += scale * am.transpose() * bm.transpose();
     }
   });
+}
+
+void EigenKernels::DoBatchedGemm(bool trans_a, bool trans_b, double alpha, const Tensor& a,
+                                 const Tensor& b, double beta, Tensor& c) {
+  for (int64_t i = 0; i < c.shape()[0]; ++i) {
+    Tensor entry = BatchEntry(c, i);
+    DoGemm(trans_a, trans_b, alpha, BatchEntry(a, i), BatchEntry(b, i), beta, entry);
+  }
 }
 
 void EigenKernels::DoAddRowVector(const Tensor& bias, Tensor& y) {
@@ -354,6 +407,283 @@ void EigenKernels::DoDropout(const Tensor& x, double p, uint64_t key, uint64_t s
     for (uint64_t e = 0; e < n; ++e) {
       const bool keep = UniformAt(key, stream, offset + e) >= p;
       ys[e] = keep ? xs[e] / keep_probability : static_cast<T>(0);
+    }
+  });
+}
+
+void EigenKernels::DoDropoutAt(const Tensor& x, double p, uint64_t key, uint64_t stream,
+                               const GlobalIndexMap& map, Tensor& y) {
+  if (p == 0.0) {
+    Copy(x, y);
+    return;
+  }
+  if (IsHalf(x.dtype())) {
+    // Same mask and float32 scale as below, on the widened values; y may be x.
+    Tensor xf = Widened(x, *cache_);
+    DoDropoutAt(xf, p, key, stream, map, xf);
+    StoreRounded(xf, y);
+    return;
+  }
+  Dispatch(x.dtype(), [&]<typename T>() {
+    const T* xs = x.data_as<T>();
+    T* ys = y.data_as<T>();
+    const T keep_probability = static_cast<T>(1.0 - p);  // unused when p == 1: nothing is kept
+    const int64_t n = x.numel();
+    for (int64_t e = 0; e < n; ++e) {
+      const bool keep = UniformAt(key, stream, static_cast<uint64_t>(map.At(e))) >= p;
+      ys[e] = keep ? xs[e] / keep_probability : static_cast<T>(0);
+    }
+  });
+}
+
+void EigenKernels::DoSwigluForward(const Tensor& x, Tensor& y) {
+  if (IsHalf(x.dtype())) {
+    Tensor yf = cache_->Empty(y.shape(), DType::kFloat32);
+    DoSwigluForward(Widened(x, *cache_), yf);
+    StoreRounded(yf, y);
+    return;
+  }
+  Dispatch(x.dtype(), [&]<typename T>() {
+    const int64_t n = Rows(y);
+    const int64_t f = Cols(y);
+    const T* xs = x.data_as<T>();
+    T* ys = y.data_as<T>();
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < f; ++j) {
+        const T a = xs[i * 2 * f + j];
+        const T b = xs[i * 2 * f + f + j];
+        const T sigmoid = static_cast<T>(1) / (static_cast<T>(1) + std::exp(-a));
+        ys[i * f + j] = (a * sigmoid) * b;
+      }
+    }
+  });
+}
+
+void EigenKernels::DoSwigluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) {
+  if (IsHalf(x.dtype())) {
+    // In place on the float32 copy of x (dx may be x).
+    Tensor xf = Widened(x, *cache_);
+    DoSwigluBackward(xf, Widened(dy, *cache_), xf);
+    StoreRounded(xf, dx);
+    return;
+  }
+  Dispatch(x.dtype(), [&]<typename T>() {
+    const int64_t n = Rows(dy);
+    const int64_t f = Cols(dy);
+    const T* xs = x.data_as<T>();
+    const T* dys = dy.data_as<T>();
+    T* dxs = dx.data_as<T>();
+    const T one = static_cast<T>(1);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < f; ++j) {
+        // Both halves are read before either is written (dx may be x).
+        const T a = xs[i * 2 * f + j];
+        const T b = xs[i * 2 * f + f + j];
+        const T g = dys[i * f + j];
+        const T sigmoid = one / (one + std::exp(-a));
+        dxs[i * 2 * f + j] = ((g * b) * sigmoid) * (one + a * (one - sigmoid));
+        dxs[i * 2 * f + f + j] = g * (a * sigmoid);
+      }
+    }
+  });
+}
+
+// --- normalization --------------------------------------------------------------------
+
+void EigenKernels::DoLayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                                      double eps, Tensor& y, Tensor& mean, Tensor& rstd) {
+  NormForward(x, weight, &bias, eps, y, &mean, rstd);
+}
+
+void EigenKernels::DoRMSNormForward(const Tensor& x, const Tensor& weight, double eps, Tensor& y,
+                                    Tensor& rstd) {
+  NormForward(x, weight, nullptr, eps, y, nullptr, rstd);
+}
+
+void EigenKernels::DoLayerNormBackward(const Tensor& x, const Tensor& weight, const Tensor& mean,
+                                       const Tensor& rstd, const Tensor& dy, Tensor& dx,
+                                       Tensor& dweight, Tensor& dbias) {
+  NormBackward(x, weight, &mean, rstd, dy, dx, dweight, &dbias);
+}
+
+void EigenKernels::DoRMSNormBackward(const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                                     const Tensor& dy, Tensor& dx, Tensor& dweight) {
+  NormBackward(x, weight, nullptr, rstd, dy, dx, dweight, nullptr);
+}
+
+void EigenKernels::NormForward(const Tensor& x, const Tensor& weight, const Tensor* bias,
+                               double eps, Tensor& y, Tensor* mean, Tensor& rstd) {
+  if (IsHalf(x.dtype())) {
+    // The statistics are float32 already; y is computed in place on x's float32 copy.
+    Tensor xf = Widened(x, *cache_);
+    const Tensor wf = Widened(weight, *cache_);
+    const Tensor bf = bias != nullptr ? Widened(*bias, *cache_) : Tensor();
+    NormForward(xf, wf, bias != nullptr ? &bf : nullptr, eps, xf, mean, rstd);
+    StoreRounded(xf, y);
+    return;
+  }
+  Dispatch(x.dtype(), [&]<typename T>() {
+    const int64_t h = Cols(x);
+    const T count = static_cast<T>(h);
+    const auto xs = MatrixOf<T>(x);
+    auto ys = MatrixOf<T>(y);
+    const auto w = Eigen::Map<const RowVector<T>>(weight.data_as<T>(), h).array();
+    T* mu = mean != nullptr ? mean->data_as<T>() : nullptr;
+    T* rs = rstd.data_as<T>();
+    for (int64_t i = 0; i < Rows(x); ++i) {
+      // Statistics first, then the row is written (y may be x).
+      const auto row = xs.row(i).array();
+      const T m = mu != nullptr ? row.sum() / count : static_cast<T>(0);
+      const T var = (row - m).square().sum() / count;
+      const T r = static_cast<T>(1) / std::sqrt(var + static_cast<T>(eps));
+      if (mu != nullptr) mu[i] = m;
+      rs[i] = r;
+      if (bias != nullptr) {
+        const auto b = Eigen::Map<const RowVector<T>>(bias->data_as<T>(), h).array();
+        ys.row(i).array() = (row - m) * r * w + b;
+      } else {
+        ys.row(i).array() = (row - m) * r * w;
+      }
+    }
+  });
+}
+
+void EigenKernels::NormBackward(const Tensor& x, const Tensor& weight, const Tensor* mean,
+                                const Tensor& rstd, const Tensor& dy, Tensor& dx,
+                                Tensor& dweight, Tensor* dbias) {
+  if (IsHalf(x.dtype())) {
+    // dx in place on dy's float32 copy; float32 accumulators are used as they are, 16-bit
+    // ones widened and rounded once after the column sums were added.
+    Tensor dyf = Widened(dy, *cache_);
+    const bool narrow = dweight.dtype() != DType::kFloat32;
+    Tensor dwf = narrow ? Widened(dweight, *cache_) : dweight;
+    Tensor dbf;
+    if (dbias != nullptr) dbf = narrow ? Widened(*dbias, *cache_) : *dbias;
+    NormBackward(Widened(x, *cache_), Widened(weight, *cache_), mean, rstd, dyf, dyf, dwf,
+                 dbias != nullptr ? &dbf : nullptr);
+    StoreRounded(dyf, dx);
+    if (narrow) {
+      StoreRounded(dwf, dweight);
+      if (dbias != nullptr) StoreRounded(dbf, *dbias);
+    }
+    return;
+  }
+  Dispatch(x.dtype(), [&]<typename T>() {
+    const int64_t h = Cols(x);
+    const T count = static_cast<T>(h);
+    const auto xs = MatrixOf<T>(x);
+    const auto dys = MatrixOf<T>(dy);
+    auto dxs = MatrixOf<T>(dx);
+    const auto w = Eigen::Map<const RowVector<T>>(weight.data_as<T>(), h).array();
+    const T* mu = mean != nullptr ? mean->data_as<T>() : nullptr;
+    const T* rs = rstd.data_as<T>();
+    // Column sums over the rows, in row order, added to the accumulators at the end.
+    Eigen::Array<T, 1, Eigen::Dynamic> dw_sum = Eigen::Array<T, 1, Eigen::Dynamic>::Zero(h);
+    Eigen::Array<T, 1, Eigen::Dynamic> db_sum = Eigen::Array<T, 1, Eigen::Dynamic>::Zero(h);
+    for (int64_t i = 0; i < Rows(x); ++i) {
+      const T m = mu != nullptr ? mu[i] : static_cast<T>(0);
+      const T r = rs[i];
+      const auto xhat = (xs.row(i).array() - m) * r;
+      const auto g = dys.row(i).array() * w;
+      const T mean_g = mu != nullptr ? g.sum() / count : static_cast<T>(0);
+      const T mean_gx = (g * xhat).sum() / count;
+      // Everything that reads dy comes before the row of dx is written (dx may be dy).
+      dw_sum += dys.row(i).array() * xhat;
+      if (dbias != nullptr) db_sum += dys.row(i).array();
+      dxs.row(i).array() = r * (g - mean_g - xhat * mean_gx);
+    }
+    ArrayOf<T>(dweight) += dw_sum.transpose();
+    if (dbias != nullptr) ArrayOf<T>(*dbias) += db_sum.transpose();
+  });
+}
+
+// --- attention ------------------------------------------------------------------------
+
+void EigenKernels::DoCausalSoftmaxForward(const Tensor& scores, int64_t seq, double scale,
+                                          Tensor& probs) {
+  if (IsHalf(scores.dtype())) {
+    Tensor sf = Widened(scores, *cache_);
+    DoCausalSoftmaxForward(sf, seq, scale, sf);
+    StoreRounded(sf, probs);
+    return;
+  }
+  Dispatch(scores.dtype(), [&]<typename T>() {
+    const auto ss = MatrixOf<T>(scores);
+    auto ps = MatrixOf<T>(probs);
+    const T c = static_cast<T>(scale);
+    for (int64_t r = 0; r < Rows(scores); ++r) {
+      // Keys 0..q are visible to query position q; the max and the sum are taken first,
+      // then the row is written (probs may be scores).
+      const int64_t visible = r % seq + 1;
+      const auto z = ss.row(r).head(visible).array() * c;
+      const T m = z.maxCoeff();
+      const T sum = (z - m).exp().sum();
+      ps.row(r).head(visible).array() = (z - m).exp() / sum;
+      ps.row(r).tail(seq - visible).setZero();
+    }
+  });
+}
+
+void EigenKernels::DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, int64_t seq,
+                                           double scale, Tensor& dscores) {
+  if (IsHalf(probs.dtype())) {
+    Tensor dpf = Widened(dprobs, *cache_);
+    DoCausalSoftmaxBackward(Widened(probs, *cache_), dpf, seq, scale, dpf);
+    StoreRounded(dpf, dscores);
+    return;
+  }
+  Dispatch(probs.dtype(), [&]<typename T>() {
+    const auto ps = MatrixOf<T>(probs);
+    const auto dps = MatrixOf<T>(dprobs);
+    auto ds = MatrixOf<T>(dscores);
+    const T c = static_cast<T>(scale);
+    for (int64_t r = 0; r < Rows(probs); ++r) {
+      const int64_t visible = r % seq + 1;
+      const auto p = ps.row(r).head(visible).array();
+      const auto dp = dps.row(r).head(visible).array();
+      const T dot = (p * dp).sum();  // before the row is written (dscores may alias)
+      ds.row(r).head(visible).array() = c * (p * (dp - dot));
+      ds.row(r).tail(seq - visible).setZero();
+    }
+  });
+}
+
+void EigenKernels::DoRope(const Tensor& x, int64_t seq, double base, bool inverse, Tensor& y) {
+  if (IsHalf(x.dtype())) {
+    Tensor xf = Widened(x, *cache_);
+    DoRope(xf, seq, base, inverse, xf);
+    StoreRounded(xf, y);
+    return;
+  }
+  Dispatch(x.dtype(), [&]<typename T>() {
+    const int64_t d = Cols(x);
+    const int64_t half = d / 2;
+    // cos and sin of theta = p * base^(-2i/d), evaluated in float64 and rounded once to T;
+    // the inverse rotation is the same table with sin negated (exact).
+    std::vector<T> cos_table(static_cast<size_t>(seq * half));
+    std::vector<T> sin_table(static_cast<size_t>(seq * half));
+    for (int64_t p = 0; p < seq; ++p) {
+      for (int64_t i = 0; i < half; ++i) {
+        const double inv_freq =
+            std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(d));
+        const double theta = static_cast<double>(p) * inv_freq;
+        const double sine = std::sin(theta);
+        cos_table[static_cast<size_t>(p * half + i)] = static_cast<T>(std::cos(theta));
+        sin_table[static_cast<size_t>(p * half + i)] = static_cast<T>(inverse ? -sine : sine);
+      }
+    }
+    const T* xs = x.data_as<T>();
+    T* ys = y.data_as<T>();
+    for (int64_t r = 0; r < Rows(x); ++r) {
+      const T* c = cos_table.data() + (r % seq) * half;
+      const T* s = sin_table.data() + (r % seq) * half;
+      for (int64_t i = 0; i < half; ++i) {
+        // Both elements of the pair are read before either is written (y may be x).
+        const T lo = xs[r * d + i];
+        const T hi = xs[r * d + half + i];
+        ys[r * d + i] = lo * c[i] - hi * s[i];
+        ys[r * d + half + i] = hi * c[i] + lo * s[i];
+      }
     }
   });
 }

@@ -3,11 +3,13 @@
 // What it is: every Kernels operation (core/kernels.h) for float32, float64, bfloat16 and
 // float16 host tensors. Each call dispatches on the dtype once and then works on Eigen::Map
 // views of the row-major storage; Gemm is Eigen's blocked GEMM (noalias, transposed views,
-// alpha/beta folded into the product), elementwise ops are plain loops or Eigen array
-// expressions. float32 and float64 accumulate in their own dtype. bfloat16 and float16 are
-// storage only: their elements are widened exactly to temporary float32 tensors, the float32
-// code runs (OpenBLAS GEMM included), and each stored 16-bit element is rounded once to
-// nearest even (core/half.h); a float32 accumulator or statistic is used as it is. One
+// alpha/beta folded into the product) and BatchedGemm one such GEMM per batch entry,
+// elementwise ops are plain loops or Eigen array expressions, the norms and the causal
+// softmax one pass per row, StridedCopy an odometer over its index tuples. float32 and
+// float64 accumulate in their own dtype. bfloat16 and float16 are storage only: their
+// elements are widened exactly to temporary float32 tensors, the float32 code runs
+// (OpenBLAS GEMM included), and each stored 16-bit element is rounded once to nearest even
+// (core/half.h); a float32 accumulator or statistic is used as it is. One
 // exception to "rounded once": a 16-bit EmbeddingBackward dweight rounds after every added
 // token row, in id order. Nothing here starts threads (no OpenMP); how many threads Eigen
 // may use is the caller's choice.
@@ -49,12 +51,19 @@ class EigenKernels final : public Kernels {
   void DoSetZero(Tensor& x) override;
   void DoCopyBlock(const Tensor& src, int64_t src_row0, int64_t src_col0, Tensor& dst,
                  int64_t dst_row0, int64_t dst_col0, int64_t rows, int64_t cols) override;
+  // Moves bits (16-bit elements as uint16_t), in row-major order of the index tuples.
+  void DoStridedCopy(const Tensor& src, int64_t src_offset, const std::vector<int64_t>& dims,
+                     const std::vector<int64_t>& src_strides, Tensor& dst, int64_t dst_offset,
+                     const std::vector<int64_t>& dst_strides) override;
 
   // --- dense algebra ------------------------------------------------------------------
   // c must not share storage with a or b. beta == 0 overwrites c (NaNs in c do not
   // propagate), as in BLAS.
   void DoGemm(bool trans_a, bool trans_b, double alpha, const Tensor& a, const Tensor& b, double beta,
             Tensor& c) override;
+  // DoGemm on each batch entry (non-owning 2-D views), so each entry rounds as a Gemm does.
+  void DoBatchedGemm(bool trans_a, bool trans_b, double alpha, const Tensor& a, const Tensor& b,
+                     double beta, Tensor& c) override;
   void DoAddRowVector(const Tensor& bias, Tensor& y) override;
   // beta == 0 overwrites out.
   void DoSumRows(const Tensor& x, double beta, Tensor& out) override;
@@ -68,6 +77,34 @@ class EigenKernels final : public Kernels {
   // element e; p in [0, 1]; p == 0 copies, p == 1 zeroes.
   void DoDropout(const Tensor& x, double p, uint64_t key, uint64_t stream, uint64_t offset,
                Tensor& y) override;
+  // DoDropout with UniformAt(key, stream, map.At(e)) for flat element e.
+  void DoDropoutAt(const Tensor& x, double p, uint64_t key, uint64_t stream,
+                   const GlobalIndexMap& map, Tensor& y) override;
+  // sigmoid(a) = 1 / (1 + exp(-a)); dx may be x.
+  void DoSwigluForward(const Tensor& x, Tensor& y) override;
+  void DoSwigluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) override;
+
+  // --- normalization (y may be x, dx may be dy) ---------------------------------------
+  // Row statistics are sums in the compute dtype divided by h; dweight and dbias get the
+  // column sums over the rows (in row order) added once, so a 16-bit accumulator rounds
+  // once per call.
+  void DoLayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
+                          Tensor& y, Tensor& mean, Tensor& rstd) override;
+  void DoLayerNormBackward(const Tensor& x, const Tensor& weight, const Tensor& mean,
+                           const Tensor& rstd, const Tensor& dy, Tensor& dx, Tensor& dweight,
+                           Tensor& dbias) override;
+  void DoRMSNormForward(const Tensor& x, const Tensor& weight, double eps, Tensor& y,
+                        Tensor& rstd) override;
+  void DoRMSNormBackward(const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                         const Tensor& dy, Tensor& dx, Tensor& dweight) override;
+
+  // --- attention (probs may be scores, dscores may be probs or dprobs, y may be x) ------
+  void DoCausalSoftmaxForward(const Tensor& scores, int64_t seq, double scale,
+                              Tensor& probs) override;
+  void DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, int64_t seq,
+                               double scale, Tensor& dscores) override;
+  // The cos/sin table [seq, d/2] is computed once per call.
+  void DoRope(const Tensor& x, int64_t seq, double base, bool inverse, Tensor& y) override;
 
   // --- embedding (weight / dweight hold rows [vocab_start, vocab_end)) ----------------
   void DoEmbeddingForward(const Tensor& weight, const std::vector<int64_t>& ids, int64_t vocab_start,
@@ -87,6 +124,13 @@ class EigenKernels final : public Kernels {
                             double on_value, double off_value, const Tensor& row_scale,
                             Tensor& grad) override;
  private:
+  // One body for both norms: LayerNorm with mean (and bias / dbias), RMSNorm with mean,
+  // bias and dbias null (no centering, no shift).
+  void NormForward(const Tensor& x, const Tensor& weight, const Tensor* bias, double eps,
+                   Tensor& y, Tensor* mean, Tensor& rstd);
+  void NormBackward(const Tensor& x, const Tensor& weight, const Tensor* mean, const Tensor& rstd,
+                    const Tensor& dy, Tensor& dx, Tensor& dweight, Tensor* dbias);
+
   // Storage of every tensor these kernels make (activations, temporaries), reused by size.
   std::shared_ptr<HostBlockCache> cache_ = HostBlockCache::Create();
 };

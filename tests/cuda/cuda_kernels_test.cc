@@ -17,6 +17,10 @@
 // float32 values agree the stored bits agree too; elementwise kernels are compared
 // bitwise. GEMMs on non-integer data get the K-dependent float32 bound plus one 16-bit ulp
 // (the float32 results may fall on either side of a 16-bit rounding boundary).
+//
+// The model kernels (norms, BatchedGemm, causal softmax, Rope, SwiGLU, StridedCopy,
+// DropoutAt; last part of the file): one typed suite over all four dtypes, with the
+// tolerances explained there.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -34,8 +38,10 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
+#include "core/dropout.h"
 #include "core/half.h"
 #include "core/philox.h"
 #include "core/tensor.h"
@@ -1190,6 +1196,365 @@ TYPED_TEST(CudaKernelsHalfTest, CrossEntropyBackwardIncludingInPlace) {
   EXPECT_THROW(gpu.CrossEntropyBackward(this->Dev({rows, cols}, lv), this->Dev({rows}, max, f32),
                                         this->Dev({rows}, se, f32), labels, vocab_start, 1, 0,
                                         this->Dev({rows}, scale), grad),
+               std::invalid_argument);
+}
+
+
+// --- the model kernels (norms, attention, SwiGLU, strided copies), every dtype ----------
+//
+// One typed suite over float64, float32, bfloat16 and float16, each result against
+// EigenKernels on the same stored inputs. Copies (StridedCopy), masks (DropoutAt) and
+// integer GEMMs (BatchedGemm) are compared exactly. The rest computes the same formula in
+// the compute dtype on both sides, but sums rows in a tree on the GPU and in Eigen's order
+// on the CPU, with different exp/sqrt/cos libraries: MatchesCpu allows kModelRtol, a few
+// dozen roundings of the compute dtype, plus one 16-bit ulp for 16-bit storage (the two
+// float32 values may straddle a rounding boundary), and the same tolerance times the
+// largest |value| as an absolute term (cancellation near zero).
+
+template <typename T>
+constexpr bool kIsHalf = std::is_same_v<T, BFloat16> || std::is_same_v<T, Float16>;
+
+template <typename T>
+double ModelRtol() {
+  if constexpr (std::is_same_v<T, double>) {
+    return 1e-12;
+  } else if constexpr (kIsHalf<T>) {
+    return kHalfEps<T> + 1e-5;
+  } else {
+    return 1e-5;
+  }
+}
+
+template <typename T>
+::testing::AssertionResult MatchesCpu(const std::string& name, const std::vector<double>& gpu,
+                                      const std::vector<double>& cpu) {
+  double max_abs = 0;
+  for (double v : cpu) max_abs = std::max(max_abs, std::fabs(v));
+  return TensorsNear(name, gpu, cpu, ModelRtol<T>() * max_abs, ModelRtol<T>());
+}
+// Results in the compute dtype (statistics, float32 accumulators of 16-bit inputs).
+template <typename T>
+::testing::AssertionResult ComputeMatchesCpu(const std::string& name,
+                                             const std::vector<double>& gpu,
+                                             const std::vector<double>& cpu) {
+  return MatchesCpu<std::conditional_t<std::is_same_v<T, double>, double, float>>(name, gpu, cpu);
+}
+
+template <typename T>
+std::vector<DType> AccumulatorDTypes() {
+  if constexpr (kIsHalf<T>) {
+    return {kDType<T>, DType::kFloat32};
+  } else {
+    return {kDType<T>};
+  }
+}
+
+template <typename T>
+class CudaKernelsModelTest : public CudaKernelsTest<T> {};
+using AllDTypes = ::testing::Types<double, float, BFloat16, Float16>;
+TYPED_TEST_SUITE(CudaKernelsModelTest, AllDTypes);
+
+// Row lengths below, at and far above one block (256 threads), and more rows than grid
+// blocks (65535), so the block-stride loops wrap.
+const std::pair<int64_t, int64_t> kRowShapes[] = {{6, 37}, {3, 3000}, {70000, 4}};
+
+TYPED_TEST(CudaKernelsModelTest, NormsForwardBackward) {
+  using T = TypeParam;
+  const DType dt = kDType<T>;
+  const DType stats = ComputeDType(dt);
+  CudaKernels& gpu = *this->gpu_;
+  EigenKernels& cpu = this->cpu_;
+  for (const auto& [n, h] : kRowShapes) {
+    for (bool layer_norm : {true, false}) {
+      SCOPED_TRACE(fmt::format("{} {} x {}", layer_norm ? "LayerNorm" : "RMSNorm", n, h));
+      const std::vector<double> xv = Reals(300, n * h), wv = Reals(301, h), bv = Reals(302, h),
+                                dyv = Reals(303, n * h);
+      std::vector<double> shifted = xv;  // a mean far from zero
+      for (double& v : shifted) v = 3 * v + 1;
+      const double eps = 1e-5;
+      Tensor cpu_y = this->Host({n, h}, std::vector<double>(static_cast<size_t>(n * h), 0.0));
+      Tensor cpu_mean = Tensor::HostZeros({n}, stats), cpu_rstd = Tensor::HostZeros({n}, stats);
+      Tensor gpu_y = gpu.Zeros({n, h}, dt);
+      Tensor gpu_mean = gpu.Zeros({n}, stats), gpu_rstd = gpu.Zeros({n}, stats);
+      const Tensor cpu_x = this->Host({n, h}, shifted), gpu_x = this->Dev({n, h}, shifted);
+      const Tensor cpu_w = this->Host({h}, wv), gpu_w = this->Dev({h}, wv);
+      if (layer_norm) {
+        cpu.LayerNormForward(cpu_x, cpu_w, this->Host({h}, bv), eps, cpu_y, cpu_mean, cpu_rstd);
+        gpu.LayerNormForward(gpu_x, gpu_w, this->Dev({h}, bv), eps, gpu_y, gpu_mean, gpu_rstd);
+        EXPECT_TRUE(ComputeMatchesCpu<T>("mean", this->Values(gpu_mean), ValuesOf(cpu_mean)));
+      } else {
+        cpu.RMSNormForward(cpu_x, cpu_w, eps, cpu_y, cpu_rstd);
+        gpu.RMSNormForward(gpu_x, gpu_w, eps, gpu_y, gpu_rstd);
+      }
+      ASSERT_GT(Norm(ValuesOf(cpu_y)), 0);
+      EXPECT_TRUE(MatchesCpu<T>("y", this->Values(gpu_y), ValuesOf(cpu_y)));
+      EXPECT_TRUE(ComputeMatchesCpu<T>("rstd", this->Values(gpu_rstd), ValuesOf(cpu_rstd)));
+      Tensor in_place = this->Dev({n, h}, shifted);
+      if (layer_norm) {
+        gpu.LayerNormForward(in_place, gpu_w, this->Dev({h}, bv), eps, in_place, gpu_mean,
+                             gpu_rstd);
+      } else {
+        gpu.RMSNormForward(in_place, gpu_w, eps, in_place, gpu_rstd);
+      }
+      EXPECT_TRUE(SameBits("y in place", this->Back(in_place), this->Back(gpu_y)));
+
+      // Backward from the CPU's statistics on both sides.
+      const Tensor gpu_stats_mean = gpu.ToDevice(cpu_mean), gpu_stats_rstd = gpu.ToDevice(cpu_rstd);
+      for (DType acc : AccumulatorDTypes<T>()) {
+        SCOPED_TRACE(fmt::format("accumulators {}", DTypeName(acc)));
+        const std::vector<double> dw0 = Reals(304, h), db0 = Reals(305, h);
+        Tensor cpu_dx = this->Host({n, h}, std::vector<double>(static_cast<size_t>(n * h), 0.0));
+        Tensor cpu_dw = this->Host({h}, dw0, acc), cpu_db = this->Host({h}, db0, acc);
+        Tensor gpu_dx = gpu.Zeros({n, h}, dt);
+        Tensor gpu_dw = this->Dev({h}, dw0, acc), gpu_db = this->Dev({h}, db0, acc);
+        const Tensor cpu_dy = this->Host({n, h}, dyv), gpu_dy = this->Dev({n, h}, dyv);
+        if (layer_norm) {
+          cpu.LayerNormBackward(cpu_x, cpu_w, cpu_mean, cpu_rstd, cpu_dy, cpu_dx, cpu_dw, cpu_db);
+          gpu.LayerNormBackward(gpu_x, gpu_w, gpu_stats_mean, gpu_stats_rstd, gpu_dy, gpu_dx,
+                                gpu_dw, gpu_db);
+        } else {
+          cpu.RMSNormBackward(cpu_x, cpu_w, cpu_rstd, cpu_dy, cpu_dx, cpu_dw);
+          gpu.RMSNormBackward(gpu_x, gpu_w, gpu_stats_rstd, gpu_dy, gpu_dx, gpu_dw);
+        }
+        ASSERT_GT(Norm(ValuesOf(cpu_dx)), 0);
+        EXPECT_TRUE(MatchesCpu<T>("dx", this->Values(gpu_dx), ValuesOf(cpu_dx)));
+        // The column sums run in row order on both sides.
+        if (acc == dt) {
+          EXPECT_TRUE(MatchesCpu<T>("dweight", this->Values(gpu_dw), ValuesOf(cpu_dw)));
+          EXPECT_TRUE(MatchesCpu<T>("dbias", this->Values(gpu_db), ValuesOf(cpu_db)));
+        } else {
+          EXPECT_TRUE(ComputeMatchesCpu<T>("dweight", this->Values(gpu_dw), ValuesOf(cpu_dw)));
+          EXPECT_TRUE(ComputeMatchesCpu<T>("dbias", this->Values(gpu_db), ValuesOf(cpu_db)));
+        }
+        // dx in place over dy: the column pass still sees the original dy.
+        Tensor dx_in_place = this->Dev({n, h}, dyv);
+        Tensor gpu_dw2 = this->Dev({h}, dw0, acc), gpu_db2 = this->Dev({h}, db0, acc);
+        if (layer_norm) {
+          gpu.LayerNormBackward(gpu_x, gpu_w, gpu_stats_mean, gpu_stats_rstd, dx_in_place,
+                                dx_in_place, gpu_dw2, gpu_db2);
+        } else {
+          gpu.RMSNormBackward(gpu_x, gpu_w, gpu_stats_rstd, dx_in_place, dx_in_place, gpu_dw2);
+        }
+        EXPECT_TRUE(SameBits("dx in place", this->Back(dx_in_place), this->Back(gpu_dx)));
+        EXPECT_TRUE(SameBits("dweight in place", this->Back(gpu_dw2), this->Back(gpu_dw)));
+      }
+    }
+  }
+  Tensor y = gpu.Zeros({2, 3}, dt), rstd = gpu.Zeros({2}, stats);
+  Tensor host_rstd = Tensor::HostZeros({2}, stats);
+  EXPECT_THROW(gpu.RMSNormForward(this->Dev({2, 3}, Ints(1, 6)), this->Dev({3}, Ints(2, 3)), 1e-5,
+                                  y, host_rstd),
+               std::invalid_argument);
+}
+
+// Integer inputs: every product and sum is exact in every dtype (|c| <= 2 * 20 * 4 + 3 * 2 <
+// 256, exact even in bfloat16), so cuBLAS and the CPU agree bit for bit.
+TYPED_TEST(CudaKernelsModelTest, BatchedGemmIsExactOnIntegers) {
+  using T = TypeParam;
+  const DType dt = kDType<T>;
+  CudaKernels& gpu = *this->gpu_;
+  for (const auto& [batch, m, n, k] :
+       {std::tuple<int64_t, int64_t, int64_t, int64_t>{3, 5, 7, 6}, {2, 33, 47, 20}}) {
+    for (DType c_dtype : AccumulatorDTypes<T>()) {
+      for (bool ta : {false, true}) {
+        for (bool tb : {false, true}) {
+          for (double alpha : {1.0, -2.0}) {
+            for (double beta : {0.0, 1.0, 3.0}) {
+              const std::string name =
+                  fmt::format("{}x{}x{}x{} c={} ta={} tb={} alpha={} beta={}", batch, m, n, k,
+                              DTypeName(c_dtype), ta, tb, alpha, beta);
+              const Shape a_shape = ta ? Shape{batch, k, m} : Shape{batch, m, k};
+              const Shape b_shape = tb ? Shape{batch, n, k} : Shape{batch, k, n};
+              const std::vector<double> av = Ints(310, batch * m * k, -2, 2),
+                                        bv = Ints(311, batch * k * n, -2, 2),
+                                        cv = Ints(312, batch * m * n, -2, 2);
+              Tensor cpu_c = this->Host({batch, m, n}, cv, c_dtype);
+              this->cpu_.BatchedGemm(ta, tb, alpha, this->Host(a_shape, av),
+                                     this->Host(b_shape, bv), beta, cpu_c);
+              Tensor gpu_c = this->Dev({batch, m, n}, cv, c_dtype);
+              gpu.BatchedGemm(ta, tb, alpha, this->Dev(a_shape, av), this->Dev(b_shape, bv),
+                              beta, gpu_c);
+              ASSERT_GT(Norm(ValuesOf(cpu_c)), 0) << name;
+              EXPECT_TRUE(SameBits(name, this->Back(gpu_c), cpu_c));
+            }
+          }
+        }
+      }
+    }
+  }
+  // k == 0 and alpha == 0: c = beta * c.
+  const std::vector<double> cv = Ints(313, 2 * 3 * 4);
+  Tensor c0 = this->Dev({2, 3, 4}, cv);
+  gpu.BatchedGemm(false, false, 1.0, gpu.Zeros({2, 3, 0}, dt), gpu.Zeros({2, 0, 4}, dt), 2.0, c0);
+  std::vector<double> doubled = cv;
+  for (double& v : doubled) v *= 2;
+  EXPECT_TRUE(TensorsNear("batched gemm k=0", this->Values(c0), doubled));
+  Tensor c_alpha0 = this->Dev({2, 3, 4}, cv);
+  gpu.BatchedGemm(false, false, 0.0, this->Dev({2, 3, 5}, Ints(314, 30)),
+                  this->Dev({2, 5, 4}, Ints(315, 40)), 0.0, c_alpha0);
+  EXPECT_TRUE(TensorsNear("batched gemm alpha=0 beta=0", this->Values(c_alpha0),
+                          std::vector<double>(cv.size(), 0.0)));
+  Tensor c2d = gpu.Zeros({6, 4}, dt);
+  EXPECT_THROW(gpu.BatchedGemm(false, false, 1, this->Dev({2, 3, 5}, Ints(314, 30)),
+                               this->Dev({2, 5, 4}, Ints(315, 40)), 0, c2d),
+               std::invalid_argument);
+}
+
+TYPED_TEST(CudaKernelsModelTest, CausalSoftmaxForwardBackward) {
+  using T = TypeParam;
+  const DType dt = kDType<T>;
+  CudaKernels& gpu = *this->gpu_;
+  // (rows, seq): small; rows wider than a block; more rows than grid blocks.
+  for (const auto& [rows, seq] :
+       {std::pair<int64_t, int64_t>{18, 9}, {600, 300}, {70000, 5}}) {
+    SCOPED_TRACE(fmt::format("{} rows, seq {}", rows, seq));
+    const double scale = 0.35;
+    std::vector<double> sv = Reals(320, rows * seq);
+    for (double& v : sv) v *= 6;
+    const std::vector<double> dpv = Reals(321, rows * seq);
+    Tensor cpu_p = this->Host({rows, seq}, std::vector<double>(static_cast<size_t>(rows * seq)));
+    this->cpu_.CausalSoftmaxForward(this->Host({rows, seq}, sv), seq, scale, cpu_p);
+    Tensor gpu_p = this->Dev({rows, seq}, std::vector<double>(static_cast<size_t>(rows * seq), 7));
+    gpu.CausalSoftmaxForward(this->Dev({rows, seq}, sv), seq, scale, gpu_p);
+    const std::vector<double> pv = this->Values(gpu_p);
+    EXPECT_TRUE(MatchesCpu<T>("probs", pv, ValuesOf(cpu_p)));
+    int64_t masked_nonzero = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t k = r % seq + 1; k < seq; ++k) {
+        masked_nonzero += pv[static_cast<size_t>(r * seq + k)] != 0.0;
+      }
+    }
+    EXPECT_EQ(masked_nonzero, 0);
+    Tensor in_place = this->Dev({rows, seq}, sv);
+    gpu.CausalSoftmaxForward(in_place, seq, scale, in_place);
+    EXPECT_TRUE(SameBits("probs in place", this->Back(in_place), this->Back(gpu_p)));
+
+    // Backward from the CPU's probabilities on both sides.
+    Tensor cpu_ds = this->Host({rows, seq}, std::vector<double>(static_cast<size_t>(rows * seq)));
+    this->cpu_.CausalSoftmaxBackward(cpu_p, this->Host({rows, seq}, dpv), seq, scale, cpu_ds);
+    const Tensor probs = gpu.ToDevice(cpu_p);
+    Tensor gpu_ds = gpu.Zeros({rows, seq}, dt);
+    gpu.CausalSoftmaxBackward(probs, this->Dev({rows, seq}, dpv), seq, scale, gpu_ds);
+    ASSERT_GT(Norm(ValuesOf(cpu_ds)), 0);
+    EXPECT_TRUE(MatchesCpu<T>("dscores", this->Values(gpu_ds), ValuesOf(cpu_ds)));
+    Tensor ds_in_place = this->Dev({rows, seq}, dpv);
+    gpu.CausalSoftmaxBackward(probs, ds_in_place, seq, scale, ds_in_place);
+    EXPECT_TRUE(SameBits("dscores in place", this->Back(ds_in_place), this->Back(gpu_ds)));
+  }
+}
+
+TYPED_TEST(CudaKernelsModelTest, Rope) {
+  using T = TypeParam;
+  const DType dt = kDType<T>;
+  CudaKernels& gpu = *this->gpu_;
+  const int64_t seq = 7, rows = 4 * seq, d = 64;
+  const std::vector<double> xv = Reals(330, rows * d);
+  for (bool inverse : {false, true}) {
+    SCOPED_TRACE(fmt::format("inverse {}", inverse));
+    Tensor cpu_y = this->Host({rows, d}, std::vector<double>(static_cast<size_t>(rows * d)));
+    this->cpu_.Rope(this->Host({rows, d}, xv), seq, 10000.0, inverse, cpu_y);
+    Tensor gpu_y = gpu.Zeros({rows, d}, dt);
+    gpu.Rope(this->Dev({rows, d}, xv), seq, 10000.0, inverse, gpu_y);
+    // cos and sin of the same double angle from two libraries, rounded to the compute dtype.
+    EXPECT_TRUE(MatchesCpu<T>("rope", this->Values(gpu_y), ValuesOf(cpu_y)));
+    Tensor in_place = this->Dev({rows, d}, xv);
+    gpu.Rope(in_place, seq, 10000.0, inverse, in_place);
+    EXPECT_TRUE(SameBits("rope in place", this->Back(in_place), this->Back(gpu_y)));
+  }
+}
+
+TYPED_TEST(CudaKernelsModelTest, Swiglu) {
+  using T = TypeParam;
+  const DType dt = kDType<T>;
+  CudaKernels& gpu = *this->gpu_;
+  const int64_t n = 300, f = 129;
+  std::vector<double> xv = Reals(340, n * 2 * f);
+  for (double& v : xv) v *= 6;
+  const std::vector<double> dyv = Reals(341, n * f);
+  Tensor cpu_y = this->Host({n, f}, std::vector<double>(static_cast<size_t>(n * f)));
+  this->cpu_.SwigluForward(this->Host({n, 2 * f}, xv), cpu_y);
+  Tensor gpu_y = gpu.Zeros({n, f}, dt);
+  gpu.SwigluForward(this->Dev({n, 2 * f}, xv), gpu_y);
+  EXPECT_TRUE(MatchesCpu<T>("swiglu", this->Values(gpu_y), ValuesOf(cpu_y)));
+
+  Tensor cpu_dx = this->Host({n, 2 * f}, std::vector<double>(static_cast<size_t>(n * 2 * f)));
+  this->cpu_.SwigluBackward(this->Host({n, 2 * f}, xv), this->Host({n, f}, dyv), cpu_dx);
+  Tensor gpu_dx = gpu.Zeros({n, 2 * f}, dt);
+  gpu.SwigluBackward(this->Dev({n, 2 * f}, xv), this->Dev({n, f}, dyv), gpu_dx);
+  ASSERT_GT(Norm(ValuesOf(cpu_dx)), 0);
+  EXPECT_TRUE(MatchesCpu<T>("swiglu backward", this->Values(gpu_dx), ValuesOf(cpu_dx)));
+  Tensor in_place = this->Dev({n, 2 * f}, xv);
+  gpu.SwigluBackward(in_place, this->Dev({n, f}, dyv), in_place);
+  EXPECT_TRUE(SameBits("swiglu backward in place", this->Back(in_place), this->Back(gpu_dx)));
+}
+
+// Copies move bits: the GPU's result equals the CPU's exactly.
+TYPED_TEST(CudaKernelsModelTest, StridedCopyIsBitIdentical) {
+  using T = TypeParam;
+  const DType dt = kDType<T>;
+  CudaKernels& gpu = *this->gpu_;
+  // A 5-D permutation (src.permute(2, 0, 4, 1, 3)) and the fused-QKV split of
+  // core/model/attention.cc with an offset into each row.
+  const int64_t s = 33, b = 4, g = 2, r = 3, d = 64, w = g * (r + 2) * d;
+  struct Case {
+    std::string name;
+    Shape src_shape, dst_shape;
+    int64_t src_offset, dst_offset;
+    std::vector<int64_t> dims, src_strides, dst_strides;
+  };
+  const Case cases[] = {
+      {"permute", {2, 3, 4, 5, 6}, {4, 2, 6, 3, 5}, 0, 0, {2, 3, 4, 5, 6},
+       {360, 120, 30, 6, 1}, {90, 5, 180, 1, 15}},
+      {"qkv -> k", {s * b, w}, {b * g * s, d}, r * d, 0, {b, g, s, d},
+       {w, (r + 2) * d, b * w, 1}, {g * s * d, s * d, d, 1}},
+      {"q -> qkv", {b * g * r * s, d}, {s * b, w}, 0, 0, {b, g, r, s, d},
+       {g * r * s * d, r * s * d, s * d, d, 1}, {w, (r + 2) * d, d, b * w, 1}},
+  };
+  for (const Case& c : cases) {
+    const std::vector<double> sv = Reals(350, NumElements(c.src_shape));
+    const std::vector<double> fill(static_cast<size_t>(NumElements(c.dst_shape)), -3.0);
+    Tensor cpu_dst = this->Host(c.dst_shape, fill);
+    this->cpu_.StridedCopy(this->Host(c.src_shape, sv), c.src_offset, c.dims, c.src_strides,
+                           cpu_dst, c.dst_offset, c.dst_strides);
+    Tensor gpu_dst = this->Dev(c.dst_shape, fill);
+    gpu.StridedCopy(this->Dev(c.src_shape, sv), c.src_offset, c.dims, c.src_strides, gpu_dst,
+                    c.dst_offset, c.dst_strides);
+    EXPECT_TRUE(SameBits(c.name, this->Back(gpu_dst), cpu_dst));
+    EXPECT_NE(ValuesOf(cpu_dst), fill) << c.name;
+  }
+  Tensor dst = gpu.Zeros({4, 6}, dt);
+  EXPECT_THROW(gpu.StridedCopy(this->Dev({4, 6}, Ints(1, 24)), 0, {4, 6}, {6, 1}, dst, 0, {0, 1}),
+               std::invalid_argument);
+}
+
+TYPED_TEST(CudaKernelsModelTest, DropoutAtIsBitIdentical) {
+  using T = TypeParam;
+  const DType dt = kDType<T>;
+  CudaKernels& gpu = *this->gpu_;
+  // A [16, 8, 96] shard of a full [64, 32, 384] activation, and attention probabilities
+  // [b, a_l, s * s] of a full [B, a, s, s].
+  const GlobalIndexMap maps[] = {ActivationIndexMap(16, 8, 96, 32, 8, 192, 32, 384),
+                                 GlobalIndexMap{5 * 12 * 100, {4, 3, 100}, {12 * 100, 100, 1}}};
+  for (const GlobalIndexMap& map : maps) {
+    const int64_t n = map.dims[0] * map.dims[1] * map.dims[2];
+    SCOPED_TRACE(fmt::format("map base {} dims [{}]", map.base, fmt::join(map.dims, ", ")));
+    const std::vector<double> xv = Reals(360, n);
+    for (double p : {0.1, 0.5}) {
+      Tensor cpu_y = Tensor::HostZeros({n}, dt);
+      this->cpu_.DropoutAt(this->Host({n}, xv), p, 99, 7, map, cpu_y);
+      Tensor gpu_y = gpu.Zeros({n}, dt);
+      gpu.DropoutAt(this->Dev({n}, xv), p, 99, 7, map, gpu_y);
+      EXPECT_TRUE(SameBits(fmt::format("dropout at p={}", p), this->Back(gpu_y), cpu_y));
+      Tensor in_place = this->Dev({n}, xv);
+      gpu.DropoutAt(in_place, p, 99, 7, map, in_place);
+      EXPECT_TRUE(SameBits(fmt::format("dropout at in place p={}", p), this->Back(in_place),
+                           cpu_y));
+    }
+  }
+  Tensor y = gpu.Zeros({24}, dt);
+  GlobalIndexMap wrong;
+  wrong.dims = {1, 1, 23};
+  EXPECT_THROW(gpu.DropoutAt(this->Dev({24}, Ints(1, 24)), 0.5, 1, 1, wrong, y),
                std::invalid_argument);
 }
 

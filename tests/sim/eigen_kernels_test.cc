@@ -12,6 +12,11 @@
 // of the exact value (the rounding) plus the float32 arithmetic's own error, which each test
 // bounds separately (gamma_K = K * 2^-24 for sums of K terms). Half an ulp, not one, so a
 // truncating or twice-rounding kernel fails.
+//
+// The model kernels (norms, BatchedGemm, causal softmax, Rope, SwiGLU, StridedCopy,
+// DropoutAt; last part of the file): one typed suite over all four dtypes against naive
+// float64 loops on the stored inputs, with the tolerances explained there, plus the norm
+// backward formulas against finite differences.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -27,6 +32,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "core/dropout.h"
 #include "core/half.h"
 #include "core/philox.h"
 #include "core/tensor.h"
@@ -1073,6 +1079,833 @@ TYPED_TEST(EigenKernelsHalfTest, CrossEntropyPiecesWithFloat32Statistics) {
   this->k_.CrossEntropyBackward(in_place, row_max, sum_exp, labels, vocab_start, on, off,
                                 Make<float>({rows}, row_scale), in_place);
   EXPECT_EQ(Bits(in_place), Bits(grad));
+}
+
+
+// --- the model kernels (norms, attention, SwiGLU, strided copies), every dtype ----------
+//
+// One typed suite over float64, float32, bfloat16 and float16. Inputs are Philox reals
+// stored in the dtype (Make rounds each once); the reference is a naive float64 loop over
+// the stored values. An element passes when |actual - expected| <= kArith<T> * scale, where
+// scale bounds the magnitudes of the terms that feed it (so cancellation is covered), and a
+// 16-bit element gets half an ulp of its dtype on top (the one rounding to storage, as
+// HalfNear): kArith is 1e-12 for float64 (a handful of 2^-53 roundings) and 1e-5 for
+// float32 arithmetic (a few dozen 2^-24 roundings, and exp/sqrt within a few ulp).
+
+template <typename T>
+constexpr bool kIsHalf = std::is_same_v<T, BFloat16> || std::is_same_v<T, Float16>;
+template <typename T>
+constexpr double kArith = std::is_same_v<T, double> ? 1e-12 : 1e-5;
+
+// T results against float64 values, with slack kArith<T> * scale[e] (plus half an ulp for
+// 16-bit T).
+template <typename T>
+::testing::AssertionResult OpNear(const std::string& name, const std::vector<double>& actual,
+                                  const std::vector<double>& expected,
+                                  const std::vector<double>& scale) {
+  std::vector<double> slack(scale.size());
+  for (size_t e = 0; e < scale.size(); ++e) slack[e] = kArith<T> * scale[e];
+  if constexpr (kIsHalf<T>) {
+    return HalfNear<T>(name, actual, expected, slack);
+  } else {
+    return WithinSlack(name, actual, expected, slack);
+  }
+}
+// Results in the compute dtype (statistics, float32 accumulators): no 16-bit rounding.
+template <typename T>
+::testing::AssertionResult ComputeNear(const std::string& name,
+                                       const std::vector<double>& actual,
+                                       const std::vector<double>& expected,
+                                       const std::vector<double>& scale) {
+  std::vector<double> slack(scale.size());
+  for (size_t e = 0; e < scale.size(); ++e) slack[e] = kArith<T> * scale[e];
+  return WithinSlack(name, actual, expected, slack);
+}
+
+std::vector<double> Abs(std::vector<double> v) {
+  for (double& x : v) x = std::fabs(x);
+  return v;
+}
+
+// The accumulator dtypes a T input may feed: T, and float32 for 16-bit T.
+template <typename T>
+std::vector<DType> AccumulatorDTypes() {
+  if constexpr (kIsHalf<T>) {
+    return {kDType<T>, DType::kFloat32};
+  } else {
+    return {kDType<T>};
+  }
+}
+
+// Row statistics and output of LayerNorm (center) or RMSNorm (no center, no bias) on x
+// [n, h], and for each y the magnitude (|x| + |mean|) rstd |w| + |b| of its terms.
+struct NormForwardReference {
+  std::vector<double> y, y_scale, mean, rstd;
+};
+NormForwardReference NaiveNormForward(const std::vector<double>& x, const std::vector<double>& w,
+                                      const std::vector<double>* b, int64_t n, int64_t h,
+                                      double eps, bool center) {
+  NormForwardReference ref;
+  for (int64_t i = 0; i < n; ++i) {
+    const auto at = [&](int64_t j) { return x[static_cast<size_t>(i * h + j)]; };
+    double mean = 0;
+    if (center) {
+      for (int64_t j = 0; j < h; ++j) mean += at(j);
+      mean /= static_cast<double>(h);
+    }
+    double var = 0;
+    for (int64_t j = 0; j < h; ++j) var += (at(j) - mean) * (at(j) - mean);
+    var /= static_cast<double>(h);
+    const double rstd = 1 / std::sqrt(var + eps);
+    ref.mean.push_back(mean);
+    ref.rstd.push_back(rstd);
+    for (int64_t j = 0; j < h; ++j) {
+      const double wj = w[static_cast<size_t>(j)];
+      const double bj = b != nullptr ? (*b)[static_cast<size_t>(j)] : 0.0;
+      ref.y.push_back((at(j) - mean) * rstd * wj + bj);
+      ref.y_scale.push_back((std::fabs(at(j)) + std::fabs(mean)) * rstd * std::fabs(wj) +
+                            std::fabs(bj));
+    }
+  }
+  return ref;
+}
+
+// The analytic norm backward (mean empty: RMSNorm) with the statistics as given, and the
+// magnitudes of the terms of each result.
+struct NormBackwardReference {
+  std::vector<double> dx, dx_scale, dw, dw_scale, db, db_scale;
+};
+NormBackwardReference NaiveNormBackward(const std::vector<double>& x, const std::vector<double>& w,
+                                        const std::vector<double>& mean,
+                                        const std::vector<double>& rstd,
+                                        const std::vector<double>& dy, int64_t n, int64_t h) {
+  NormBackwardReference ref;
+  ref.dw.assign(static_cast<size_t>(h), 0.0);
+  ref.dw_scale = ref.db = ref.db_scale = ref.dw;
+  const double count = static_cast<double>(h);
+  for (int64_t i = 0; i < n; ++i) {
+    const size_t row = static_cast<size_t>(i * h);
+    const double m = mean.empty() ? 0.0 : mean[static_cast<size_t>(i)];
+    const double r = rstd[static_cast<size_t>(i)];
+    std::vector<double> xhat(static_cast<size_t>(h)), g(static_cast<size_t>(h));
+    double mean_g = 0, mean_gx = 0, mean_abs_g = 0, mean_abs_gx = 0;
+    for (size_t j = 0; j < static_cast<size_t>(h); ++j) {
+      xhat[j] = (x[row + j] - m) * r;
+      g[j] = dy[row + j] * w[j];
+      mean_g += g[j] / count;
+      mean_gx += g[j] * xhat[j] / count;
+      mean_abs_g += std::fabs(g[j]) / count;
+      mean_abs_gx += std::fabs(g[j] * xhat[j]) / count;
+    }
+    if (mean.empty()) mean_g = mean_abs_g = 0;
+    for (size_t j = 0; j < static_cast<size_t>(h); ++j) {
+      ref.dx.push_back(r * (g[j] - mean_g - xhat[j] * mean_gx));
+      ref.dx_scale.push_back(r * (std::fabs(g[j]) + mean_abs_g +
+                                  (std::fabs(x[row + j]) + std::fabs(m)) * r * mean_abs_gx));
+      ref.dw[j] += dy[row + j] * xhat[j];
+      ref.dw_scale[j] += std::fabs(dy[row + j]) * (std::fabs(x[row + j]) + std::fabs(m)) * r;
+      ref.db[j] += dy[row + j];
+      ref.db_scale[j] += std::fabs(dy[row + j]);
+    }
+  }
+  return ref;
+}
+
+template <typename T>
+class EigenKernelsModelTest : public ::testing::Test {
+ protected:
+  EigenKernels k_;
+};
+using AllDTypes = ::testing::Types<double, float, BFloat16, Float16>;
+TYPED_TEST_SUITE(EigenKernelsModelTest, AllDTypes);
+
+// An odd row length (no vector width divides it), a mean far from zero.
+constexpr int64_t kNormRows = 6, kNormCols = 37;
+
+TYPED_TEST(EigenKernelsModelTest, LayerNormForward) {
+  using T = TypeParam;
+  constexpr DType dt = kDType<T>;
+  const DType stats = ComputeDType(dt);
+  const int64_t n = kNormRows, h = kNormCols;
+  const Tensor x = Make<T>({2, 3, h}, Reals(100, n * h, -3, 5));
+  const Tensor w = Make<T>({h}, Reals(101, h, 0.5, 1.5));
+  const Tensor b = Make<T>({h}, Reals(102, h, -1, 1));
+  const double eps = 1e-5;
+  const std::vector<double> bv = ValuesOf(b);
+  const NormForwardReference ref = NaiveNormForward(ValuesOf(x), ValuesOf(w), &bv, n, h, eps, true);
+  ASSERT_GT(Norm(ref.y), 0);
+
+  Tensor y = this->k_.Zeros({n, h}, dt);
+  Tensor mean = this->k_.Zeros({n}, stats);
+  Tensor rstd = this->k_.Zeros({n}, stats);
+  this->k_.LayerNormForward(x, w, b, eps, y, mean, rstd);
+  EXPECT_TRUE(OpNear<T>("layernorm y", ValuesOf(y), ref.y, ref.y_scale));
+  // mean: h additions of |x| <= 5 each; rstd: relative.
+  EXPECT_TRUE(ComputeNear<T>("layernorm mean", ValuesOf(mean), ref.mean,
+                             std::vector<double>(static_cast<size_t>(n), 5.0)));
+  EXPECT_TRUE(ComputeNear<T>("layernorm rstd", ValuesOf(rstd), ref.rstd, ref.rstd));
+
+  // In place (y = x) stores the same bits.
+  Tensor in_place = Make<T>({n, h}, ValuesOf(x));
+  this->k_.LayerNormForward(in_place, w, b, eps, in_place, mean, rstd);
+  EXPECT_EQ(ValuesOf(in_place), ValuesOf(y));
+
+  Tensor wrong_stats =
+      this->k_.Zeros({n}, dt == DType::kFloat64 ? DType::kFloat32 : DType::kFloat64);
+  EXPECT_THROW(this->k_.LayerNormForward(x, w, b, eps, y, wrong_stats, rstd),
+               std::invalid_argument);
+  EXPECT_THROW(this->k_.LayerNormForward(x, Make<T>({h - 1}, Reals(1, h - 1)), b, eps, y, mean,
+                                         rstd),
+               std::invalid_argument);
+  EXPECT_THROW(this->k_.LayerNormForward(x, w, b, -1.0, y, mean, rstd), std::invalid_argument);
+  Tensor short_rstd = this->k_.Zeros({n - 1}, stats);
+  EXPECT_THROW(this->k_.LayerNormForward(x, w, b, eps, y, mean, short_rstd),
+               std::invalid_argument);
+}
+
+TYPED_TEST(EigenKernelsModelTest, LayerNormBackwardAccumulates) {
+  using T = TypeParam;
+  constexpr DType dt = kDType<T>;
+  const DType stats = ComputeDType(dt);
+  const int64_t n = kNormRows, h = kNormCols;
+  const Tensor x = Make<T>({n, h}, Reals(110, n * h, -3, 5));
+  const Tensor w = Make<T>({h}, Reals(111, h, 0.5, 1.5));
+  const Tensor b = Make<T>({h}, Reals(112, h, -1, 1));
+  const Tensor dy = Make<T>({n, h}, Reals(113, n * h, -2, 2));
+  // The statistics as the forward produced them; the backward takes them as given.
+  Tensor y = this->k_.Zeros({n, h}, dt);
+  Tensor mean = this->k_.Zeros({n}, stats);
+  Tensor rstd = this->k_.Zeros({n}, stats);
+  this->k_.LayerNormForward(x, w, b, 1e-5, y, mean, rstd);
+  const NormBackwardReference ref = NaiveNormBackward(ValuesOf(x), ValuesOf(w), ValuesOf(mean),
+                                                      ValuesOf(rstd), ValuesOf(dy), n, h);
+  ASSERT_GT(Norm(ref.dx), 0);
+
+  for (DType acc : AccumulatorDTypes<T>()) {
+    SCOPED_TRACE(fmt::format("accumulators {}", DTypeName(acc)));
+    const std::vector<double> dw0 = Reals(114, h, -1, 1), db0 = Reals(115, h, -1, 1);
+    Tensor dweight = MakeOf(acc, {h}, dw0);
+    Tensor dbias = MakeOf(acc, {h}, db0);
+    std::vector<double> dw = ValuesOf(dweight), db = ValuesOf(dbias);
+    std::vector<double> dw_scale = Abs(dw), db_scale = Abs(db);
+    for (size_t j = 0; j < dw.size(); ++j) {
+      dw[j] += ref.dw[j];
+      db[j] += ref.db[j];
+      dw_scale[j] += ref.dw_scale[j];
+      db_scale[j] += ref.db_scale[j];
+    }
+    Tensor dx = this->k_.Zeros({n, h}, dt);
+    this->k_.LayerNormBackward(x, w, mean, rstd, dy, dx, dweight, dbias);
+    EXPECT_TRUE(OpNear<T>("layernorm dx", ValuesOf(dx), ref.dx, ref.dx_scale));
+    if (acc == dt) {
+      EXPECT_TRUE(OpNear<T>("layernorm dweight", ValuesOf(dweight), dw, dw_scale));
+      EXPECT_TRUE(OpNear<T>("layernorm dbias", ValuesOf(dbias), db, db_scale));
+    } else {
+      EXPECT_TRUE(ComputeNear<T>("layernorm dweight", ValuesOf(dweight), dw, dw_scale));
+      EXPECT_TRUE(ComputeNear<T>("layernorm dbias", ValuesOf(dbias), db, db_scale));
+    }
+
+    // In place (dx = dy): the same dx, and the accumulators still see the original dy.
+    Tensor dw2 = MakeOf(acc, {h}, dw0);
+    Tensor db2 = MakeOf(acc, {h}, db0);
+    Tensor in_place = Make<T>({n, h}, ValuesOf(dy));
+    this->k_.LayerNormBackward(x, w, mean, rstd, in_place, in_place, dw2, db2);
+    EXPECT_EQ(ValuesOf(in_place), ValuesOf(dx));
+    EXPECT_EQ(ValuesOf(dw2), ValuesOf(dweight));
+    EXPECT_EQ(ValuesOf(db2), ValuesOf(dbias));
+  }
+
+  Tensor dx = this->k_.Zeros({n, h}, dt);
+  Tensor dw64 = this->k_.Zeros({h}, dt == DType::kFloat64 ? DType::kFloat32 : DType::kFloat64);
+  Tensor db = this->k_.Zeros({h}, dt);
+  EXPECT_THROW(this->k_.LayerNormBackward(x, w, mean, rstd, dy, dx, dw64, db),
+               std::invalid_argument);
+  Tensor dw = this->k_.Zeros({h}, dt);
+  EXPECT_THROW(this->k_.LayerNormBackward(x, w, mean, rstd, dy, dx, dw, dw),
+               std::invalid_argument);  // dweight and dbias share storage
+  EXPECT_THROW(this->k_.LayerNormBackward(x, w, mean, rstd, dy, dx, dw, y),
+               std::invalid_argument);  // dbias is [n, h]
+}
+
+TYPED_TEST(EigenKernelsModelTest, RMSNormForwardBackward) {
+  using T = TypeParam;
+  constexpr DType dt = kDType<T>;
+  const DType stats = ComputeDType(dt);
+  const int64_t n = kNormRows, h = kNormCols;
+  const Tensor x = Make<T>({n, h}, Reals(120, n * h, -3, 5));
+  const Tensor w = Make<T>({h}, Reals(121, h, 0.5, 1.5));
+  const double eps = 1e-6;
+  const NormForwardReference fwd =
+      NaiveNormForward(ValuesOf(x), ValuesOf(w), nullptr, n, h, eps, false);
+  ASSERT_GT(Norm(fwd.y), 0);
+  Tensor y = this->k_.Zeros({n, h}, dt);
+  Tensor rstd = this->k_.Zeros({n}, stats);
+  this->k_.RMSNormForward(x, w, eps, y, rstd);
+  EXPECT_TRUE(OpNear<T>("rmsnorm y", ValuesOf(y), fwd.y, fwd.y_scale));
+  EXPECT_TRUE(ComputeNear<T>("rmsnorm rstd", ValuesOf(rstd), fwd.rstd, fwd.rstd));
+  Tensor in_place = Make<T>({n, h}, ValuesOf(x));
+  this->k_.RMSNormForward(in_place, w, eps, in_place, rstd);
+  EXPECT_EQ(ValuesOf(in_place), ValuesOf(y));
+
+  const Tensor dy = Make<T>({n, h}, Reals(122, n * h, -2, 2));
+  const NormBackwardReference ref =
+      NaiveNormBackward(ValuesOf(x), ValuesOf(w), {}, ValuesOf(rstd), ValuesOf(dy), n, h);
+  ASSERT_GT(Norm(ref.dx), 0);
+  for (DType acc : AccumulatorDTypes<T>()) {
+    SCOPED_TRACE(fmt::format("accumulator {}", DTypeName(acc)));
+    const std::vector<double> dw0 = Reals(123, h, -1, 1);
+    Tensor dweight = MakeOf(acc, {h}, dw0);
+    std::vector<double> dw = ValuesOf(dweight), dw_scale = Abs(dw);
+    for (size_t j = 0; j < dw.size(); ++j) {
+      dw[j] += ref.dw[j];
+      dw_scale[j] += ref.dw_scale[j];
+    }
+    Tensor dx = this->k_.Zeros({n, h}, dt);
+    this->k_.RMSNormBackward(x, w, rstd, dy, dx, dweight);
+    EXPECT_TRUE(OpNear<T>("rmsnorm dx", ValuesOf(dx), ref.dx, ref.dx_scale));
+    if (acc == dt) {
+      EXPECT_TRUE(OpNear<T>("rmsnorm dweight", ValuesOf(dweight), dw, dw_scale));
+    } else {
+      EXPECT_TRUE(ComputeNear<T>("rmsnorm dweight", ValuesOf(dweight), dw, dw_scale));
+    }
+    Tensor dw2 = MakeOf(acc, {h}, dw0);
+    Tensor dx_in_place = Make<T>({n, h}, ValuesOf(dy));
+    this->k_.RMSNormBackward(x, w, rstd, dx_in_place, dx_in_place, dw2);
+    EXPECT_EQ(ValuesOf(dx_in_place), ValuesOf(dx));
+    EXPECT_EQ(ValuesOf(dw2), ValuesOf(dweight));
+  }
+  Tensor no_cols = this->k_.Zeros({n, 0}, dt);
+  EXPECT_THROW(this->k_.RMSNormForward(no_cols, this->k_.Zeros({0}, dt), eps, no_cols, rstd),
+               std::invalid_argument);
+}
+
+// The analytic backward formulas themselves, against central differences of the float64
+// forward: L = sum_ij c_ij y_ij has dL/dx = the backward with dy = c. Step 1e-6: the
+// truncation error (~1e-12 times the third derivative) and the cancellation error (~1e-16
+// |L| / 1e-6) both stay far below the 1e-6 tolerance.
+TEST(EigenKernelsModelFloat64, NormBackwardsMatchFiniteDifferences) {
+  EigenKernels k;
+  const int64_t n = 3, h = 7;
+  const double eps = 1e-5, step = 1e-6;
+  for (bool layer_norm : {true, false}) {
+    SCOPED_TRACE(layer_norm ? "LayerNorm" : "RMSNorm");
+    const std::vector<double> xv = Reals(130, n * h, -2, 3), wv = Reals(131, h, 0.5, 1.5),
+                              bv = Reals(132, h, -1, 1), cv = Reals(133, n * h, -1, 1);
+    // L(x, w, b); RMSNorm ignores b.
+    const auto loss = [&](const std::vector<double>& x, const std::vector<double>& w,
+                          const std::vector<double>& b) {
+      Tensor y = k.Zeros({n, h}, DType::kFloat64);
+      Tensor mean = k.Zeros({n}, DType::kFloat64);
+      Tensor rstd = k.Zeros({n}, DType::kFloat64);
+      if (layer_norm) {
+        k.LayerNormForward(Make<double>({n, h}, x), Make<double>({h}, w), Make<double>({h}, b),
+                           eps, y, mean, rstd);
+      } else {
+        k.RMSNormForward(Make<double>({n, h}, x), Make<double>({h}, w), eps, y, rstd);
+      }
+      double l = 0;
+      const std::vector<double> yv = ValuesOf(y);
+      for (size_t e = 0; e < yv.size(); ++e) l += cv[e] * yv[e];
+      return l;
+    };
+    // (L(v + step e_i) - L(v - step e_i)) / 2 step for every i, v one of x, w, b.
+    const auto central = [&](int which) {
+      const std::vector<double>& v = which == 0 ? xv : which == 1 ? wv : bv;
+      std::vector<double> out;
+      for (size_t e = 0; e < v.size(); ++e) {
+        std::vector<double> args[3] = {xv, wv, bv};
+        args[which][e] = v[e] + step;
+        const double up = loss(args[0], args[1], args[2]);
+        args[which][e] = v[e] - step;
+        out.push_back((up - loss(args[0], args[1], args[2])) / (2 * step));
+      }
+      return out;
+    };
+    const std::vector<double> fd_dx = central(0), fd_dw = central(1);
+    ASSERT_GT(Norm(fd_dx), 0);
+
+    Tensor y = k.Zeros({n, h}, DType::kFloat64);
+    Tensor mean = k.Zeros({n}, DType::kFloat64);
+    Tensor rstd = k.Zeros({n}, DType::kFloat64);
+    Tensor dx = k.Zeros({n, h}, DType::kFloat64);
+    Tensor dw = k.Zeros({h}, DType::kFloat64);
+    const Tensor x = Make<double>({n, h}, xv), w = Make<double>({h}, wv);
+    const Tensor c = Make<double>({n, h}, cv);
+    if (layer_norm) {
+      Tensor db = k.Zeros({h}, DType::kFloat64);
+      k.LayerNormForward(x, w, Make<double>({h}, bv), eps, y, mean, rstd);
+      k.LayerNormBackward(x, w, mean, rstd, c, dx, dw, db);
+      EXPECT_TRUE(TensorsNear("dbias vs finite differences", ValuesOf(db), central(2), 1e-6,
+                              1e-6));
+    } else {
+      k.RMSNormForward(x, w, eps, y, rstd);
+      k.RMSNormBackward(x, w, rstd, c, dx, dw);
+    }
+    EXPECT_TRUE(TensorsNear("dx vs finite differences", ValuesOf(dx), fd_dx, 1e-6, 1e-6));
+    EXPECT_TRUE(TensorsNear("dweight vs finite differences", ValuesOf(dw), fd_dw, 1e-6, 1e-6));
+  }
+}
+
+TYPED_TEST(EigenKernelsModelTest, BatchedGemm) {
+  using T = TypeParam;
+  constexpr DType dt = kDType<T>;
+  const int64_t batch = 3, m = 5, n = 7, k = 6;
+  for (DType c_dtype : AccumulatorDTypes<T>()) {
+    for (bool ta : {false, true}) {
+      for (bool tb : {false, true}) {
+        for (double alpha : {1.0, -0.7}) {
+          for (double beta : {0.0, 0.3}) {
+            const Shape a_shape = ta ? Shape{batch, k, m} : Shape{batch, m, k};
+            const Shape b_shape = tb ? Shape{batch, n, k} : Shape{batch, k, n};
+            const Tensor a = Make<T>(a_shape, Reals(140, batch * m * k));
+            const Tensor b = Make<T>(b_shape, Reals(141, batch * k * n));
+            Tensor c = MakeOf(c_dtype, {batch, m, n}, Reals(142, batch * m * n, -5, 5));
+            const std::vector<double> av = ValuesOf(a), bv = ValuesOf(b), cv = ValuesOf(c);
+            // Entry i of each operand is a plain GEMM on its slice.
+            std::vector<double> expected, scale;
+            const auto slice = [](const std::vector<double>& v, int64_t i, int64_t size) {
+              return std::vector<double>(v.begin() + i * size, v.begin() + (i + 1) * size);
+            };
+            for (int64_t i = 0; i < batch; ++i) {
+              const std::vector<double> ai = slice(av, i, m * k), bi = slice(bv, i, k * n),
+                                        ci = slice(cv, i, m * n);
+              const std::vector<double> value = NaiveGemm(ta, tb, alpha, ai, bi, beta, ci, m, n, k);
+              const std::vector<double> bound = NaiveGemm(ta, tb, std::fabs(alpha), Abs(ai),
+                                                          Abs(bi), beta, Abs(ci), m, n, k);
+              expected.insert(expected.end(), value.begin(), value.end());
+              scale.insert(scale.end(), bound.begin(), bound.end());
+            }
+            ASSERT_GT(Norm(expected), 0);
+            this->k_.BatchedGemm(ta, tb, alpha, a, b, beta, c);
+            const std::string name =
+                fmt::format("batched gemm into {} ta={} tb={} alpha={} beta={}",
+                            DTypeName(c_dtype), ta, tb, alpha, beta);
+            if (c_dtype == dt) {
+              EXPECT_TRUE(OpNear<T>(name, ValuesOf(c), expected, scale));
+            } else {
+              EXPECT_TRUE(ComputeNear<T>(name, ValuesOf(c), expected, scale));
+            }
+          }
+        }
+      }
+    }
+  }
+  const Tensor a = Make<T>({batch, m, k}, Reals(143, batch * m * k));
+  const Tensor b = Make<T>({batch, k, n}, Reals(144, batch * k * n));
+  Tensor c = this->k_.Zeros({batch, m, n}, dt);
+  Tensor c2d = this->k_.Zeros({batch * m, n}, dt);
+  EXPECT_THROW(this->k_.BatchedGemm(false, false, 1, a, b, 0, c2d), std::invalid_argument);
+  const Tensor b_other_batch = Make<T>({batch - 1, k, n}, Reals(144, (batch - 1) * k * n));
+  EXPECT_THROW(this->k_.BatchedGemm(false, false, 1, a, b_other_batch, 0, c),
+               std::invalid_argument);
+  EXPECT_THROW(this->k_.BatchedGemm(false, true, 1, a, b, 0, c), std::invalid_argument);
+  Tensor c64 = this->k_.Zeros({batch, m, n}, dt == DType::kFloat64 ? DType::kFloat32
+                                                                   : DType::kFloat64);
+  EXPECT_THROW(this->k_.BatchedGemm(false, false, 1, a, b, 0, c64), std::invalid_argument);
+}
+
+// scores [heads * seq, seq] for 2 heads: row r is query position r % seq.
+constexpr int64_t kSeq = 9, kHeads = 2;
+
+// Causal softmax of one row set in float64.
+std::vector<double> NaiveCausalSoftmax(const std::vector<double>& s, int64_t rows, int64_t seq,
+                                       double scale) {
+  std::vector<double> p(s.size(), 0.0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t q = r % seq;
+    const auto at = [&](int64_t k) { return s[static_cast<size_t>(r * seq + k)]; };
+    double m = -1e300;
+    for (int64_t k = 0; k <= q; ++k) m = std::max(m, scale * at(k));
+    double sum = 0;
+    for (int64_t k = 0; k <= q; ++k) sum += std::exp(scale * at(k) - m);
+    for (int64_t k = 0; k <= q; ++k) {
+      p[static_cast<size_t>(r * seq + k)] = std::exp(scale * at(k) - m) / sum;
+    }
+  }
+  return p;
+}
+
+TYPED_TEST(EigenKernelsModelTest, CausalSoftmaxForward) {
+  using T = TypeParam;
+  constexpr DType dt = kDType<T>;
+  const int64_t rows = kHeads * kSeq;
+  const double scale = 0.35;
+  const Tensor scores = Make<T>({kHeads, kSeq, kSeq}, Reals(150, rows * kSeq, -6, 6));
+  const std::vector<double> expected = NaiveCausalSoftmax(ValuesOf(scores), rows, kSeq, scale);
+  Tensor probs = Make<T>({rows, kSeq}, std::vector<double>(rows * kSeq, 7.0));  // overwritten
+  this->k_.CausalSoftmaxForward(scores, kSeq, scale, probs);
+  const std::vector<double> pv = ValuesOf(probs);
+  // exp(z - m) with |z|, |m| <= 2.1: relative errors of a few ulp of the compute dtype.
+  EXPECT_TRUE(OpNear<T>("causal softmax", pv, expected, expected));
+  for (int64_t r = 0; r < rows; ++r) {
+    double row_sum = 0;
+    for (int64_t k = 0; k < kSeq; ++k) {
+      const double p = pv[static_cast<size_t>(r * kSeq + k)];
+      if (k > r % kSeq) {
+        EXPECT_EQ(p, 0.0) << "masked (" << r << ", " << k << ")";
+        EXPECT_FALSE(std::signbit(p)) << "masked (" << r << ", " << k << ") is -0";
+      }
+      row_sum += p;
+    }
+    // kSeq 16-bit roundings of at most half an ulp of 1 each.
+    const double tol = kIsHalf<T> ? kSeq * 0.5 * UlpAt<BFloat16>(1.0) : 10 * kArith<T>;
+    EXPECT_NEAR(row_sum, 1.0, tol) << "row " << r;
+  }
+  Tensor in_place = Make<T>({rows, kSeq}, ValuesOf(scores));
+  this->k_.CausalSoftmaxForward(in_place, kSeq, scale, in_place);
+  EXPECT_EQ(ValuesOf(in_place), pv);
+
+  EXPECT_THROW(this->k_.CausalSoftmaxForward(scores, kSeq - 1, scale, probs),
+               std::invalid_argument);  // seq must be the column count (and divide the rows)
+  Tensor odd_rows = this->k_.Zeros({rows - 1, kSeq}, dt);
+  EXPECT_THROW(this->k_.CausalSoftmaxForward(odd_rows, kSeq, scale, odd_rows),
+               std::invalid_argument);  // seq does not divide the rows
+  Tensor wrong = this->k_.Zeros({rows, kSeq + 1}, dt);
+  EXPECT_THROW(this->k_.CausalSoftmaxForward(scores, kSeq, scale, wrong), std::invalid_argument);
+}
+
+TYPED_TEST(EigenKernelsModelTest, CausalSoftmaxBackward) {
+  using T = TypeParam;
+  constexpr DType dt = kDType<T>;
+  const int64_t rows = kHeads * kSeq;
+  const double scale = 0.35;
+  Tensor probs = this->k_.Zeros({rows, kSeq}, dt);
+  this->k_.CausalSoftmaxForward(Make<T>({rows, kSeq}, Reals(160, rows * kSeq, -6, 6)), kSeq,
+                                1.0, probs);
+  // dprobs is nonzero at masked positions too: they must not leak into the result.
+  const Tensor dprobs = Make<T>({rows, kSeq}, Reals(161, rows * kSeq, -2, 2));
+  const std::vector<double> p = ValuesOf(probs), dp = ValuesOf(dprobs);
+  std::vector<double> expected(p.size(), 0.0), bound(p.size(), 0.0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t q = r % kSeq;
+    const size_t row = static_cast<size_t>(r * kSeq);
+    double dot = 0, abs_dot = 0;
+    for (size_t k = 0; k <= static_cast<size_t>(q); ++k) {
+      dot += p[row + k] * dp[row + k];
+      abs_dot += std::fabs(p[row + k] * dp[row + k]);
+    }
+    for (size_t k = 0; k <= static_cast<size_t>(q); ++k) {
+      expected[row + k] = scale * p[row + k] * (dp[row + k] - dot);
+      bound[row + k] = scale * p[row + k] * (std::fabs(dp[row + k]) + abs_dot);
+    }
+  }
+  ASSERT_GT(Norm(expected), 0);
+  Tensor dscores = this->k_.Zeros({rows, kSeq}, dt);
+  this->k_.CausalSoftmaxBackward(probs, dprobs, kSeq, scale, dscores);
+  const std::vector<double> ds = ValuesOf(dscores);
+  EXPECT_TRUE(OpNear<T>("causal softmax backward", ds, expected, bound));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t k = r % kSeq + 1; k < kSeq; ++k) {
+      EXPECT_EQ(ds[static_cast<size_t>(r * kSeq + k)], 0.0) << "masked (" << r << ", " << k << ")";
+    }
+  }
+  // In place over either input.
+  Tensor over_dprobs = Make<T>({rows, kSeq}, dp);
+  this->k_.CausalSoftmaxBackward(probs, over_dprobs, kSeq, scale, over_dprobs);
+  EXPECT_EQ(ValuesOf(over_dprobs), ds);
+  Tensor over_probs = Make<T>({rows, kSeq}, p);
+  this->k_.CausalSoftmaxBackward(over_probs, dprobs, kSeq, scale, over_probs);
+  EXPECT_EQ(ValuesOf(over_probs), ds);
+  Tensor short_dprobs = this->k_.Zeros({rows - kSeq, kSeq}, dt);
+  EXPECT_THROW(this->k_.CausalSoftmaxBackward(probs, short_dprobs, kSeq, scale, dscores),
+               std::invalid_argument);
+}
+
+// Rotary embedding in float64: theta = p / base^(2i/d), cos and sin unrounded; `scale` gets
+// the magnitudes |x c| + |x' s| of each result's terms.
+std::vector<double> NaiveRope(const std::vector<double>& x, int64_t rows, int64_t d, int64_t seq,
+                              double base, bool inverse, std::vector<double>* scale) {
+  std::vector<double> y(x.size());
+  scale->assign(x.size(), 0.0);
+  const int64_t half = d / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < half; ++i) {
+      const double theta = static_cast<double>(r % seq) /
+                           std::pow(base, static_cast<double>(2 * i) / static_cast<double>(d));
+      const double c = std::cos(theta);
+      const double s = inverse ? -std::sin(theta) : std::sin(theta);
+      const size_t lo = static_cast<size_t>(r * d + i), hi = lo + static_cast<size_t>(half);
+      y[lo] = x[lo] * c - x[hi] * s;
+      y[hi] = x[hi] * c + x[lo] * s;
+      (*scale)[lo] = (*scale)[hi] = std::fabs(x[lo] * c) + std::fabs(x[hi] * s) +
+                                    std::fabs(x[hi] * c) + std::fabs(x[lo] * s);
+    }
+  }
+  return y;
+}
+
+TYPED_TEST(EigenKernelsModelTest, RopeForwardInverseInPlace) {
+  using T = TypeParam;
+  constexpr DType dt = kDType<T>;
+  const int64_t seq = 5, rows = 3 * seq, d = 8;
+  const Tensor x = Make<T>({3, seq, d}, Reals(170, rows * d));
+  const std::vector<double> xv = ValuesOf(x);
+  for (double base : {10000.0, 3.0}) {
+    for (bool inverse : {false, true}) {
+      SCOPED_TRACE(fmt::format("base {} inverse {}", base, inverse));
+      std::vector<double> scale;
+      const std::vector<double> expected = NaiveRope(xv, rows, d, seq, base, inverse, &scale);
+      Tensor y = this->k_.Zeros({rows, d}, dt);
+      this->k_.Rope(x, seq, base, inverse, y);
+      const std::vector<double> yv = ValuesOf(y);
+      EXPECT_TRUE(OpNear<T>("rope", yv, expected, scale));
+      EXPECT_NE(yv, xv);
+      // Position 0 (rows 0, seq, 2 seq) is not rotated: cos 0 = 1, sin 0 = 0 exactly.
+      for (int64_t r = 0; r < rows; r += seq) {
+        for (int64_t j = 0; j < d; ++j) {
+          const size_t e = static_cast<size_t>(r * d + j);
+          EXPECT_EQ(yv[e], xv[e]) << "row " << r << " col " << j;
+        }
+      }
+      Tensor in_place = Make<T>({rows, d}, xv);
+      this->k_.Rope(in_place, seq, base, inverse, in_place);
+      EXPECT_EQ(ValuesOf(in_place), yv);
+    }
+    // The inverse undoes the forward (a rotation and its transpose): up to the roundings of
+    // the stored intermediate and result, two for 16-bit dtypes.
+    Tensor round_trip = Make<T>({rows, d}, xv);
+    this->k_.Rope(round_trip, seq, base, false, round_trip);
+    this->k_.Rope(round_trip, seq, base, true, round_trip);
+    double max_abs = 0;
+    for (double v : xv) max_abs = std::max(max_abs, std::fabs(v));
+    double tol = 4 * kArith<T> * max_abs;
+    if constexpr (kIsHalf<T>) tol += 2 * UlpAt<T>(max_abs);
+    EXPECT_TRUE(TensorsNear(fmt::format("inverse(forward(x)) base {}", base),
+                            ValuesOf(round_trip), xv, tol));
+  }
+  Tensor odd = this->k_.Zeros({rows, d - 1}, dt);
+  EXPECT_THROW(this->k_.Rope(odd, seq, 10000, false, odd), std::invalid_argument);
+  Tensor y = this->k_.Zeros({rows, d}, dt);
+  // seq = 4 does not divide the 15 rows.
+  EXPECT_THROW(this->k_.Rope(x, 4, 10000, false, y), std::invalid_argument);
+  EXPECT_THROW(this->k_.Rope(x, seq, 0.0, false, y), std::invalid_argument);
+}
+
+TYPED_TEST(EigenKernelsModelTest, Swiglu) {
+  using T = TypeParam;
+  constexpr DType dt = kDType<T>;
+  const int64_t n = 5, f = 13;
+  const Tensor x = Make<T>({n, 2 * f}, Reals(180, n * 2 * f, -6, 6));
+  const Tensor dy = Make<T>({n, f}, Reals(181, n * f, -2, 2));
+  const std::vector<double> xv = ValuesOf(x), dyv = ValuesOf(dy);
+  std::vector<double> y, y_scale, dx(xv.size()), dx_scale(xv.size());
+  for (size_t i = 0; i < static_cast<size_t>(n); ++i) {
+    for (size_t j = 0; j < static_cast<size_t>(f); ++j) {
+      const size_t ia = i * 2 * static_cast<size_t>(f) + j, ib = ia + static_cast<size_t>(f);
+      const double a = xv[ia], b = xv[ib], g = dyv[i * static_cast<size_t>(f) + j];
+      const double sigmoid = 1 / (1 + std::exp(-a));
+      y.push_back(a * sigmoid * b);
+      y_scale.push_back(std::fabs(a * sigmoid * b));
+      dx[ia] = g * b * sigmoid * (1 + a * (1 - sigmoid));
+      dx_scale[ia] = std::fabs(g * b * sigmoid) * (1 + std::fabs(a) * (1 - sigmoid));
+      dx[ib] = g * a * sigmoid;
+      dx_scale[ib] = std::fabs(dx[ib]);
+    }
+  }
+  ASSERT_GT(Norm(y), 0);
+  Tensor out = this->k_.Zeros({n, f}, dt);
+  this->k_.SwigluForward(x, out);
+  EXPECT_TRUE(OpNear<T>("swiglu", ValuesOf(out), y, y_scale));
+  Tensor grad = this->k_.Zeros({n, 2 * f}, dt);
+  this->k_.SwigluBackward(x, dy, grad);
+  EXPECT_TRUE(OpNear<T>("swiglu backward", ValuesOf(grad), dx, dx_scale));
+  Tensor in_place = Make<T>({n, 2 * f}, xv);
+  this->k_.SwigluBackward(in_place, dy, in_place);
+  EXPECT_EQ(ValuesOf(in_place), ValuesOf(grad));
+
+  Tensor odd = this->k_.Zeros({n, 2 * f - 1}, dt);
+  EXPECT_THROW(this->k_.SwigluForward(odd, out), std::invalid_argument);
+  Tensor wide = this->k_.Zeros({n, 2 * f}, dt);
+  EXPECT_THROW(this->k_.SwigluForward(x, wide), std::invalid_argument);
+  EXPECT_THROW(this->k_.SwigluBackward(x, dy, out), std::invalid_argument);
+}
+
+// StridedCopy moves bits: compared exactly, in every dtype.
+TYPED_TEST(EigenKernelsModelTest, StridedCopyPermutes5D) {
+  using T = TypeParam;
+  constexpr DType dt = kDType<T>;
+  // src [2, 3, 4, 5, 6] contiguous -> dst = src.permute(2, 0, 4, 1, 3), shape [4, 2, 6, 3, 5].
+  const std::vector<int64_t> dims = {2, 3, 4, 5, 6};
+  const std::vector<int64_t> src_strides = {360, 120, 30, 6, 1};
+  const std::vector<int64_t> dst_strides = {90, 5, 180, 1, 15};
+  const Tensor src = Make<T>({2, 3, 4, 5, 6}, Reals(190, 720));
+  const std::vector<double> sv = ValuesOf(src);
+  std::vector<double> expected(720);
+  for (int64_t i0 = 0; i0 < 2; ++i0) {
+    for (int64_t i1 = 0; i1 < 3; ++i1) {
+      for (int64_t i2 = 0; i2 < 4; ++i2) {
+        for (int64_t i3 = 0; i3 < 5; ++i3) {
+          for (int64_t i4 = 0; i4 < 6; ++i4) {
+            const int64_t to = (((i2 * 2 + i0) * 6 + i4) * 3 + i1) * 5 + i3;
+            const int64_t from = (((i0 * 3 + i1) * 4 + i2) * 5 + i3) * 6 + i4;
+            expected[static_cast<size_t>(to)] = sv[static_cast<size_t>(from)];
+          }
+        }
+      }
+    }
+  }
+  Tensor dst = this->k_.Zeros({4, 2, 6, 3, 5}, dt);
+  this->k_.StridedCopy(src, 0, dims, src_strides, dst, 0, dst_strides);
+  EXPECT_TRUE(TensorsNear("permute(2, 0, 4, 1, 3)", ValuesOf(dst), expected));
+
+  // A sub-block with offsets on both sides leaves the rest of dst untouched: src rows 1..2,
+  // cols 3..6 of a [4, 8] matrix into dst rows 0..1, cols 1..4 of a [3, 6] one.
+  const Tensor m = Make<T>({4, 8}, Reals(191, 32));
+  Tensor block = Make<T>({3, 6}, std::vector<double>(18, -9.0));
+  this->k_.StridedCopy(m, 1 * 8 + 3, {2, 4}, {8, 1}, block, 1, {6, 1});
+  std::vector<double> expected_block(18, -9.0);
+  const std::vector<double> mv = ValuesOf(m);
+  for (size_t i = 0; i < 2; ++i) {
+    for (size_t j = 0; j < 4; ++j) expected_block[i * 6 + 1 + j] = mv[(1 + i) * 8 + 3 + j];
+  }
+  EXPECT_TRUE(TensorsNear("block", ValuesOf(block), expected_block));
+}
+
+// The split of a fused QKV output [s, b, g, r + 2, d] into q [b, g, r, s, d], k and v
+// [b, g, s, d] (core/model/attention.cc) and back is the identity.
+TYPED_TEST(EigenKernelsModelTest, StridedCopySplitsAndMergesQkv) {
+  using T = TypeParam;
+  constexpr DType dt = kDType<T>;
+  const int64_t s = 3, b = 2, g = 2, r = 3, d = 4;
+  const int64_t w = g * (r + 2) * d;
+  const Tensor qkv = Make<T>({s * b, w}, Reals(195, s * b * w));
+  const std::vector<double> qv = ValuesOf(qkv);
+  Tensor q = this->k_.Zeros({b * g * r * s, d}, dt);
+  Tensor k = this->k_.Zeros({b * g * s, d}, dt);
+  Tensor v = this->k_.Zeros({b * g * s, d}, dt);
+  this->k_.StridedCopy(qkv, 0, {b, g, r, s, d}, {w, (r + 2) * d, d, b * w, 1}, q, 0,
+                       {g * r * s * d, r * s * d, s * d, d, 1});
+  this->k_.StridedCopy(qkv, r * d, {b, g, s, d}, {w, (r + 2) * d, b * w, 1}, k, 0,
+                       {g * s * d, s * d, d, 1});
+  this->k_.StridedCopy(qkv, (r + 1) * d, {b, g, s, d}, {w, (r + 2) * d, b * w, 1}, v, 0,
+                       {g * s * d, s * d, d, 1});
+  // Spot-check the layout with a naive index: q[bi, gi, ri, si, di] = qkv[si, bi, gi, ri, di].
+  const std::vector<double> q_values = ValuesOf(q), v_values = ValuesOf(v);
+  for (int64_t bi = 0; bi < b; ++bi) {
+    for (int64_t gi = 0; gi < g; ++gi) {
+      for (int64_t si = 0; si < s; ++si) {
+        for (int64_t di = 0; di < d; ++di) {
+          const auto full = [&](int64_t slot) {
+            return qv[static_cast<size_t>((si * b + bi) * w + (gi * (r + 2) + slot) * d + di)];
+          };
+          for (int64_t ri = 0; ri < r; ++ri) {
+            EXPECT_EQ(q_values[static_cast<size_t>((((bi * g + gi) * r + ri) * s + si) * d + di)],
+                      full(ri));
+          }
+          EXPECT_EQ(v_values[static_cast<size_t>(((bi * g + gi) * s + si) * d + di)], full(r + 1));
+        }
+      }
+    }
+  }
+  Tensor merged = Make<T>({s * b, w}, std::vector<double>(static_cast<size_t>(s * b * w), 5.0));
+  this->k_.StridedCopy(q, 0, {b, g, r, s, d}, {g * r * s * d, r * s * d, s * d, d, 1}, merged, 0,
+                       {w, (r + 2) * d, d, b * w, 1});
+  this->k_.StridedCopy(k, 0, {b, g, s, d}, {g * s * d, s * d, d, 1}, merged, r * d,
+                       {w, (r + 2) * d, b * w, 1});
+  this->k_.StridedCopy(v, 0, {b, g, s, d}, {g * s * d, s * d, d, 1}, merged, (r + 1) * d,
+                       {w, (r + 2) * d, b * w, 1});
+  EXPECT_TRUE(TensorsNear("split then merge", ValuesOf(merged), qv));
+}
+
+TYPED_TEST(EigenKernelsModelTest, StridedCopyRejectsBadLayouts) {
+  using T = TypeParam;
+  constexpr DType dt = kDType<T>;
+  const Tensor src = Make<T>({4, 6}, Reals(197, 24));
+  Tensor dst = this->k_.Zeros({4, 6}, dt);
+  const auto copy = [&](int64_t src_offset, std::vector<int64_t> dims,
+                        std::vector<int64_t> src_strides, int64_t dst_offset,
+                        std::vector<int64_t> dst_strides) {
+    this->k_.StridedCopy(src, src_offset, dims, src_strides, dst, dst_offset, dst_strides);
+  };
+  EXPECT_NO_THROW(copy(0, {4, 6}, {6, 1}, 0, {1, 4}));       // a transpose into [6, 4]
+  EXPECT_THROW(copy(1, {4, 6}, {6, 1}, 0, {6, 1}), std::invalid_argument);   // src end 24
+  EXPECT_THROW(copy(0, {4, 6}, {6, 1}, 0, {6, 2}), std::invalid_argument);   // dst end 28
+  EXPECT_THROW(copy(0, {4, 6}, {6, 1}, 0, {0, 1}), std::invalid_argument);   // rows collide
+  EXPECT_THROW(copy(0, {2, 6}, {6, 1}, 0, {3, 1}), std::invalid_argument);   // rows overlap
+  EXPECT_THROW(copy(0, {4, 6}, {6, 1}, 0, {6}), std::invalid_argument);      // stride count
+  EXPECT_THROW(copy(0, {4, 6}, {6, -1}, 0, {6, 1}), std::invalid_argument);  // negative
+  EXPECT_THROW(copy(-1, {4, 6}, {6, 1}, 0, {6, 1}), std::invalid_argument);
+  EXPECT_THROW(copy(0, {1, 1, 1, 1, 1, 1, 1}, std::vector<int64_t>(7, 1), 0,
+                    std::vector<int64_t>(7, 1)),
+               std::invalid_argument);  // 7 dimensions
+  EXPECT_THROW(copy(0, {4, 6}, {6, 1}, 0, {int64_t{1} << 62, 1}), std::invalid_argument);
+  // A zero dimension copies nothing, even with strides that would be out of range.
+  EXPECT_NO_THROW(copy(0, {0, 6}, {100, 1}, 0, {100, 1}));
+  Tensor self = Make<T>({4, 6}, Reals(197, 24));
+  EXPECT_THROW(this->k_.StridedCopy(self, 0, {12}, {1}, self, 12, {1}), std::invalid_argument);
+  const Tensor other = this->k_.Zeros({4, 6}, dt == DType::kFloat32 ? DType::kFloat64
+                                                                    : DType::kFloat32);
+  EXPECT_THROW(this->k_.StridedCopy(other, 0, {24}, {1}, dst, 0, {1}), std::invalid_argument);
+}
+
+TYPED_TEST(EigenKernelsModelTest, DropoutAtMatchesGlobalMask) {
+  using T = TypeParam;
+  constexpr DType dt = kDType<T>;
+  const uint64_t key = 1234, stream = 3;
+  const double p = 0.4;
+  // Nonzero inputs, so a dropped element is recognisable.
+  const Tensor x = Make<T>({2, 3, 4}, Reals(200, 24, 1, 9));
+  const std::vector<double> xv = ValuesOf(x);
+
+  // The identity map at base 77 is Dropout at offset 77, bit for bit.
+  GlobalIndexMap flat;
+  flat.base = 77;
+  flat.dims = {1, 1, 24};
+  flat.strides = {0, 0, 1};
+  Tensor y = this->k_.Zeros({2, 3, 4}, dt);
+  this->k_.DropoutAt(x, p, key, stream, flat, y);
+  Tensor y_ref = this->k_.Zeros({2, 3, 4}, dt);
+  this->k_.Dropout(x, p, key, stream, 77, y_ref);
+  EXPECT_EQ(ValuesOf(y), ValuesOf(y_ref));
+
+  // A [2, 3, 4] shard of a full [5, 6, 8] activation at sequence 1, sample 2, column 3:
+  // element (i, j, k) is full element ((1 + i) * 6 + 2 + j) * 8 + 3 + k.
+  const GlobalIndexMap shard = ActivationIndexMap(2, 3, 4, 1, 2, 3, 6, 8);
+  Tensor ys = this->k_.Zeros({2, 3, 4}, dt);
+  this->k_.DropoutAt(x, p, key, stream, shard, ys);
+  const std::vector<double> yv = ValuesOf(ys);
+  std::vector<double> expected(24);
+  int kept = 0;
+  for (int64_t i = 0; i < 2; ++i) {
+    for (int64_t j = 0; j < 3; ++j) {
+      for (int64_t k = 0; k < 4; ++k) {
+        const size_t e = static_cast<size_t>((i * 3 + j) * 4 + k);
+        const uint64_t global = static_cast<uint64_t>(((1 + i) * 6 + 2 + j) * 8 + 3 + k);
+        const bool keep = UniformAt(key, stream, global) >= p;
+        expected[e] = keep ? xv[e] / (1 - p) : 0.0;
+        kept += keep;
+        EXPECT_EQ(yv[e] != 0, keep) << "mask differs at " << e;
+      }
+    }
+  }
+  EXPECT_GT(kept, 0);
+  EXPECT_LT(kept, 24);
+  // x / (1 - p) with 1 - p rounded to the compute dtype: two roundings.
+  EXPECT_TRUE(OpNear<T>("dropout at shard", yv, expected, expected));
+  // The full tensor's Dropout at offset 0 holds the same values at the shard's elements.
+  std::vector<double> fv(240, 0.0);
+  for (size_t e = 0; e < 24; ++e) {
+    fv[static_cast<size_t>(shard.At(static_cast<int64_t>(e)))] = xv[e];
+  }
+  const Tensor full_x = Make<T>({5, 6, 8}, fv);
+  Tensor full_y = this->k_.Zeros({5, 6, 8}, dt);
+  this->k_.Dropout(full_x, p, key, stream, 0, full_y);
+  const std::vector<double> full_values = ValuesOf(full_y);
+  for (size_t e = 0; e < 24; ++e) {
+    EXPECT_EQ(yv[e], full_values[static_cast<size_t>(shard.At(static_cast<int64_t>(e)))]) << e;
+  }
+
+  Tensor in_place = Make<T>({2, 3, 4}, xv);
+  this->k_.DropoutAt(in_place, p, key, stream, shard, in_place);
+  EXPECT_EQ(ValuesOf(in_place), yv);
+
+  GlobalIndexMap wrong = shard;
+  wrong.dims = {2, 3, 5};
+  EXPECT_THROW(this->k_.DropoutAt(x, p, key, stream, wrong, ys), std::invalid_argument);
+  wrong = shard;
+  wrong.strides[1] = -8;
+  EXPECT_THROW(this->k_.DropoutAt(x, p, key, stream, wrong, ys), std::invalid_argument);
+  EXPECT_THROW(this->k_.DropoutAt(x, 1.5, key, stream, shard, ys), std::invalid_argument);
 }
 
 }  // namespace

@@ -1,0 +1,69 @@
+// Dropout masks as pure functions of global indices ("dropout_mode": "global", the default
+// for the GPT model).
+//
+// Every dropout site of a model has a name (the module's path in Megatron-Core's GPTModel, e.g.
+// "decoder.layers.3.mlp_bda"). In micro-batch m of iteration it, element e of the site's FULL
+// tensor (row-major in its unpartitioned shape, with the global batch B = b * d) is kept iff
+//
+//     UniformAt(seed, DropoutStream(site, it, m), e) >= p
+//
+// and kept elements are scaled by 1 / (1 - p). So the mask does not depend on the layout:
+// tp = 1 and tp = 8, with or without sequence parallelism, draw the same mask, and two
+// layouts can be diffed with dropout on. Each rank draws only its own elements, locating them
+// with a GlobalIndexMap. (Megatron draws from per-tp-rank tracker streams instead, so its
+// masks change with the layout; docs/simulator.md compares the two.)
+//
+// The GPT model's sites and full shapes (s = seq_length, B = global batch, a = heads):
+//   embedding.embedding_dropout                                   [s, B, h]
+//   decoder.layers.<i>.self_attention.core_attention.attention_dropout   [B, a, s, s]
+//   decoder.layers.<i>.self_attn_bda                              [s, B, h]
+//   decoder.layers.<i>.mlp_bda                                    [s, B, h]
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include <fmt/format.h>
+
+#include "core/init.h"
+
+namespace mpusim {
+
+// The Philox stream (counter_hi) of one site in one micro-batch of one iteration.
+inline uint64_t DropoutStream(std::string_view site, int64_t iteration, int64_t microbatch) {
+  return StreamId(fmt::format("{}@it{}.mb{}", site, iteration, microbatch));
+}
+
+// Where a rank's local elements sit in the full tensor: the local tensor is viewed as
+// [dims[0], dims[1], dims[2]] (row-major, dims multiply to its numel), and its element
+// (i, j, k) is full element base + i * strides[0] + j * strides[1] + k * strides[2].
+struct GlobalIndexMap {
+  int64_t base = 0;
+  std::array<int64_t, 3> dims{1, 1, 1};
+  std::array<int64_t, 3> strides{0, 0, 1};
+
+  int64_t At(int64_t flat_local) const {
+    const int64_t k = flat_local % dims[2];
+    const int64_t ij = flat_local / dims[2];
+    const int64_t j = ij % dims[1];
+    const int64_t i = ij / dims[1];
+    return base + i * strides[0] + j * strides[1] + k * strides[2];
+  }
+};
+
+// The map of a local [s_local, b, w] activation whose full tensor is [s_full, B, w_full]:
+// this rank holds sequence positions from seq_offset, samples from batch_offset and columns
+// from col_offset.
+inline GlobalIndexMap ActivationIndexMap(int64_t s_local, int64_t b, int64_t w, int64_t seq_offset,
+                                         int64_t batch_offset, int64_t col_offset,
+                                         int64_t batch_full, int64_t w_full) {
+  GlobalIndexMap map;
+  map.base = (seq_offset * batch_full + batch_offset) * w_full + col_offset;
+  map.dims = {s_local, b, w};
+  map.strides = {batch_full * w_full, w_full, 1};
+  return map;
+}
+
+}  // namespace mpusim
