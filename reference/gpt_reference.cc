@@ -1,0 +1,823 @@
+// The float64 GPT reference (see gpt_reference.h): Megatron-Core's GPTModel, forward and
+// backward by hand, with plain Eigen, one micro-batch at a time, on one slice of the samples.
+// Written from the model's math (core/gpt_config.h, core/dropout.h) only.
+//
+// Shape legend (full model unless said):
+//   s = seq_length, B = b*d global samples, M = micro-batches, n = samples of this slice,
+//   h = hidden_size, a = heads, g = query groups, r = a/g heads per group, dk = kv_channels,
+//   F = ffn_hidden_size, f1 = fc1 rows (F, or 2F for swiglu), Vp = padded vocabulary.
+//   An activation [s, n, w] is a row-major [s*n, w] matrix: row i*n + j holds position i of
+//   slice sample j (global sample gs = sample_begin + j). Weights are [out, in].
+//   Attention works per (sample, head) on [s, dk] heads and [s, s] probabilities.
+//
+// Per micro-batch m:
+//   forward   x = dropout(E[tokens] (+ P[i]));  per layer
+//               x += dropout(Attn(Norm1(x)) Wproj^T + bproj);  x += dropout(MLP(Norm2(x)) + b2)
+//             logits = NormF(x) Wout^T;  loss per token: vocab-parallel cross entropy
+//   backward  dloss = 1/(M*s*B) per token; walk back, adding parameter gradients into
+//             accumulators shared by all micro-batches.
+#include "reference/gpt_reference.h"
+
+#include <fmt/format.h>
+
+#include <Eigen/Dense>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <numbers>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/dropout.h"
+#include "core/init.h"
+#include "core/philox.h"
+
+namespace mpusim {
+namespace {
+
+using Mat = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using Vec = Eigen::VectorXd;
+using RowVec = Eigen::Matrix<double, 1, Eigen::Dynamic>;
+using MatMap = Eigen::Map<Mat>;
+using ConstMatMap = Eigen::Map<const Mat>;
+using RowMap = Eigen::Map<RowVec>;
+using ConstRowMap = Eigen::Map<const RowVec>;
+
+struct Dims {
+  uint64_t seed = 0;
+  int64_t s = 0, B = 0, M = 0;
+  int64_t n = 0, sample_begin = 0;  // this slice
+  int64_t h = 0, a = 0, g = 0, r = 0, dk = 0, F = 0, f1 = 0, V = 0, Vp = 0, L = 0;
+  int64_t qkv = 0;  // (a + 2g) * dk
+};
+
+// ---- tensors ------------------------------------------------------------------------------
+
+Tensor NewTensor(Shape shape) { return Tensor::HostZeros(std::move(shape), DType::kFloat64); }
+ConstMatMap AsMat(const Tensor& t) { return ConstMatMap(t.data_as<double>(), t.rows(), t.cols()); }
+MatMap AsMat(Tensor& t) { return MatMap(t.data_as<double>(), t.rows(), t.cols()); }
+ConstRowMap AsRow(const Tensor& t) { return ConstRowMap(t.data_as<double>(), t.numel()); }
+RowMap AsRow(Tensor& t) { return RowMap(t.data_as<double>(), t.numel()); }
+
+Tensor ToTensor(const Mat& m, Shape shape) {
+  Tensor t = Tensor::HostEmpty(std::move(shape), DType::kFloat64);
+  MatMap(t.data_as<double>(), m.rows(), m.cols()) = m;
+  return t;
+}
+
+// ---- parameters ---------------------------------------------------------------------------
+
+// A parameter and its gradient accumulator; both undefined where the model has none.
+struct Param {
+  Tensor value;
+  Tensor grad;
+  bool defined() const { return value.defined(); }
+};
+
+struct NormParams {
+  Param weight;
+  Param bias;  // LayerNorm only
+};
+
+struct LayerParams {
+  NormParams input_layernorm;
+  Param qkv_weight, qkv_bias;    // [(a+2g)*dk, h], [(a+2g)*dk]
+  Param proj_weight, proj_bias;  // [h, a*dk], [h]
+  NormParams pre_mlp_layernorm;
+  Param fc1_weight, fc1_bias;  // [f1, h], [f1]
+  Param fc2_weight, fc2_bias;  // [h, F], [h]
+};
+
+struct ModelParams {
+  std::vector<GptParameter> list;  // GptParameters order
+  std::map<std::string, Param> by_name;
+  Param word;      // [Vp, h]
+  Param position;  // [max_position_embeddings, h], learned_absolute only
+  std::vector<LayerParams> layers;
+  NormParams final_layernorm;
+  Param output;  // [Vp, h]: the word embedding's handles when tied
+};
+
+Status InitParameters(const GptConfig& gpt, const Dims& d,
+                      const std::map<std::string, Tensor>& overrides, ModelParams* p) {
+  p->list = GptParameters(gpt, d.Vp, false);
+  for (const GptParameter& gp : p->list) {
+    Param param;
+    if (auto it = overrides.find(gp.name); it != overrides.end()) {
+      const Tensor& t = it->second;
+      if (!t.defined() || t.device() != Device::kHost || t.dtype() != DType::kFloat64 ||
+          t.shape() != gp.shape) {
+        return Status::Error("parameter_overrides",
+                             fmt::format("\"{}\" must be a host float64 tensor of shape {}",
+                                         gp.name, ShapeString(gp.shape)));
+      }
+      param.value = t;  // shared: parameters are only read
+    } else {
+      param.value = Tensor::HostEmpty(gp.shape, DType::kFloat64);
+      FillFlatRange(d.seed, gp.name, gp.init, gp.shape, 0, param.value);
+    }
+    param.grad = NewTensor(gp.shape);
+    p->by_name.emplace(gp.name, param);
+  }
+  for (const auto& [name, tensor] : overrides) {
+    if (p->by_name.count(name) == 0) {
+      return Status::Error("parameter_overrides", fmt::format("no parameter named \"{}\"", name));
+    }
+  }
+  const auto get = [&](const std::string& name) {
+    auto it = p->by_name.find(name);
+    return it == p->by_name.end() ? Param{} : it->second;
+  };
+  const auto norm = [&](const std::string& prefix) {
+    return NormParams{get(prefix + ".weight"), get(prefix + ".bias")};
+  };
+  p->word = get("embedding.word_embeddings.weight");
+  p->position = get("embedding.position_embeddings.weight");
+  for (int64_t i = 0; i < d.L; ++i) {
+    const std::string prefix = fmt::format("decoder.layers.{}", i);
+    LayerParams lp;
+    lp.input_layernorm = norm(prefix + ".input_layernorm");
+    lp.qkv_weight = get(prefix + ".self_attention.linear_qkv.weight");
+    lp.qkv_bias = get(prefix + ".self_attention.linear_qkv.bias");
+    lp.proj_weight = get(prefix + ".self_attention.linear_proj.weight");
+    lp.proj_bias = get(prefix + ".self_attention.linear_proj.bias");
+    lp.pre_mlp_layernorm = norm(prefix + ".pre_mlp_layernorm");
+    lp.fc1_weight = get(prefix + ".mlp.linear_fc1.weight");
+    lp.fc1_bias = get(prefix + ".mlp.linear_fc1.bias");
+    lp.fc2_weight = get(prefix + ".mlp.linear_fc2.weight");
+    lp.fc2_bias = get(prefix + ".mlp.linear_fc2.bias");
+    p->layers.push_back(lp);
+  }
+  p->final_layernorm = norm("decoder.final_layernorm");
+  p->output = gpt.share_embeddings_and_output_weights ? p->word : get("output_layer.weight");
+  return Status();
+}
+
+// ---- ops ----------------------------------------------------------------------------------
+
+// y = x W^T (+ b).
+Mat Linear(const Mat& x, const Param& weight, const Param& bias) {
+  Mat y = x * AsMat(weight.value).transpose();
+  if (bias.defined()) y.rowwise() += AsRow(bias.value);
+  return y;
+}
+
+// dx = dy W; dW += dy^T x; db += sum over rows of dy.
+Mat LinearBackward(const Mat& dy, const Mat& x, Param& weight, Param& bias) {
+  AsMat(weight.grad).noalias() += dy.transpose() * x;
+  if (bias.defined()) AsRow(bias.grad) += dy.colwise().sum();
+  return dy * AsMat(weight.value);
+}
+
+// LayerNorm: xhat = (x - mean) * rstd, rstd = 1/sqrt(var + eps) (biased variance);
+// RMSNorm:   xhat = x * rstd,          rstd = 1/sqrt(mean(x^2) + eps).
+// y = xhat * w (+ b).
+struct NormStash {
+  Mat xhat;  // [rows, h]
+  Vec rstd;  // [rows]
+};
+
+Mat NormForward(Normalization kind, double eps, const Mat& x, const NormParams& p,
+                NormStash* stash) {
+  const auto width = static_cast<double>(x.cols());
+  stash->xhat.resize(x.rows(), x.cols());
+  stash->rstd.resize(x.rows());
+  for (int64_t row = 0; row < x.rows(); ++row) {
+    if (kind == Normalization::kLayerNorm) {
+      const RowVec centered = x.row(row).array() - x.row(row).mean();
+      const double var = centered.squaredNorm() / width;
+      stash->rstd(row) = 1.0 / std::sqrt(var + eps);
+      stash->xhat.row(row) = centered * stash->rstd(row);
+    } else {
+      const double mean_square = x.row(row).squaredNorm() / width;
+      stash->rstd(row) = 1.0 / std::sqrt(mean_square + eps);
+      stash->xhat.row(row) = x.row(row) * stash->rstd(row);
+    }
+  }
+  Mat y = stash->xhat.array().rowwise() * AsRow(p.weight.value).array();
+  if (p.bias.defined()) y.rowwise() += AsRow(p.bias.value);
+  return y;
+}
+
+// With dxhat = dy * w:
+//   LayerNorm dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+//   RMSNorm   dx = rstd * (dxhat - xhat * mean(dxhat * xhat))
+// dw += sum over rows of dy * xhat; db += sum over rows of dy.
+Mat NormBackward(Normalization kind, const Mat& dy, const NormStash& stash, NormParams& p) {
+  AsRow(p.weight.grad) += dy.cwiseProduct(stash.xhat).colwise().sum();
+  if (p.bias.defined()) AsRow(p.bias.grad) += dy.colwise().sum();
+  const Mat dxhat = dy.array().rowwise() * AsRow(p.weight.value).array();
+  const auto width = static_cast<double>(dy.cols());
+  Mat dx(dy.rows(), dy.cols());
+  for (int64_t row = 0; row < dy.rows(); ++row) {
+    const double mean_dot = dxhat.row(row).dot(stash.xhat.row(row)) / width;
+    RowVec v = dxhat.row(row) - stash.xhat.row(row) * mean_dot;
+    if (kind == Normalization::kLayerNorm) v.array() -= dxhat.row(row).mean();
+    dx.row(row) = v * stash.rstd(row);
+  }
+  return dx;
+}
+
+double Gelu(double x) { return 0.5 * x * (1.0 + std::erf(x / std::numbers::sqrt2)); }
+// d gelu / dx = Phi(x) + x phi(x).
+double GeluGrad(double x) {
+  const double cdf = 0.5 * (1.0 + std::erf(x / std::numbers::sqrt2));
+  const double pdf = std::exp(-0.5 * x * x) / std::sqrt(2.0 * std::numbers::pi);
+  return cdf + x * pdf;
+}
+double Sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+
+// gelu: act = gelu(fc1). swiglu: fc1 = [gate | up] (F columns each), act = silu(gate) * up.
+Mat ActivationForward(Activation kind, const Mat& fc1, int64_t F) {
+  if (kind == Activation::kGelu) return fc1.unaryExpr([](double v) { return Gelu(v); });
+  Mat act(fc1.rows(), F);
+  for (int64_t row = 0; row < fc1.rows(); ++row) {
+    for (int64_t c = 0; c < F; ++c) {
+      const double gate = fc1(row, c);
+      act(row, c) = gate * Sigmoid(gate) * fc1(row, F + c);
+    }
+  }
+  return act;
+}
+
+// swiglu: d gate = dact * up * silu'(gate), silu'(x) = sig(x) (1 + x (1 - sig(x)));
+//         d up = dact * silu(gate).
+Mat ActivationBackward(Activation kind, const Mat& dact, const Mat& fc1, int64_t F) {
+  if (kind == Activation::kGelu) {
+    return dact.cwiseProduct(fc1.unaryExpr([](double v) { return GeluGrad(v); }));
+  }
+  Mat dfc1(fc1.rows(), 2 * F);
+  for (int64_t row = 0; row < fc1.rows(); ++row) {
+    for (int64_t c = 0; c < F; ++c) {
+      const double gate = fc1(row, c), up = fc1(row, F + c);
+      const double sig = Sigmoid(gate);
+      dfc1(row, c) = dact(row, c) * up * sig * (1.0 + gate * (1.0 - sig));
+      dfc1(row, F + c) = dact(row, c) * gate * sig;
+    }
+  }
+  return dfc1;
+}
+
+// ---- dropout ------------------------------------------------------------------------------
+
+double KeepScale(double p) { return p < 1.0 ? 1.0 / (1.0 - p) : 0.0; }
+
+// 0 or 1/(1-p) for this slice's rows of an [s, B, w] site: element (i, gs, c) is full flat
+// index (i*B + gs)*w + c.
+Mat HiddenKeep(const Dims& d, const std::string& site, int64_t m, double p, int64_t w) {
+  Mat keep(d.s * d.n, w);
+  if (p == 0.0) {
+    keep.setOnes();
+    return keep;
+  }
+  const uint64_t stream = DropoutStream(site, 0, m);
+  const double scale = KeepScale(p);
+  for (int64_t i = 0; i < d.s; ++i) {
+    for (int64_t j = 0; j < d.n; ++j) {
+      const int64_t base = (i * d.B + d.sample_begin + j) * w;
+      for (int64_t c = 0; c < w; ++c) {
+        const bool kept = UniformAt(d.seed, stream, static_cast<uint64_t>(base + c)) >= p;
+        keep(i * d.n + j, c) = kept ? scale : 0.0;
+      }
+    }
+  }
+  return keep;
+}
+
+// 0 or 1/(1-p) for the [s, s] probabilities of slice sample j, head hd of the [B, a, s, s]
+// site: element (gs, hd, qi, ki) is full flat index ((gs*a + hd)*s + qi)*s + ki.
+Mat AttentionKeep(const Dims& d, const std::string& site, int64_t m, double p, int64_t j,
+                  int64_t hd) {
+  Mat keep(d.s, d.s);
+  if (p == 0.0) {
+    keep.setOnes();
+    return keep;
+  }
+  const uint64_t stream = DropoutStream(site, 0, m);
+  const double scale = KeepScale(p);
+  const int64_t base = ((d.sample_begin + j) * d.a + hd) * d.s * d.s;
+  for (int64_t e = 0; e < d.s * d.s; ++e) {
+    const bool kept = UniformAt(d.seed, stream, static_cast<uint64_t>(base + e)) >= p;
+    keep(e / d.s, e % d.s) = kept ? scale : 0.0;
+  }
+  return keep;
+}
+
+// ---- attention ----------------------------------------------------------------------------
+
+// Megatron's fused QKV row order: per query group grp, its r query heads, its key head, its
+// value head (dk rows each). Query head hd = grp*r + t.
+int64_t QueryColumn(const Dims& d, int64_t hd) {
+  return ((hd / d.r) * (d.r + 2) + hd % d.r) * d.dk;
+}
+int64_t KeyColumn(const Dims& d, int64_t grp) { return (grp * (d.r + 2) + d.r) * d.dk; }
+int64_t ValueColumn(const Dims& d, int64_t grp) { return (grp * (d.r + 2) + d.r + 1) * d.dk; }
+
+// The [s, dk] head of slice sample j at columns [col, col + dk) of an [s*n, w] activation.
+Mat GatherHead(const Dims& d, const Mat& x, int64_t j, int64_t col) {
+  Mat head(d.s, d.dk);
+  for (int64_t i = 0; i < d.s; ++i) head.row(i) = x.block(i * d.n + j, col, 1, d.dk);
+  return head;
+}
+void AddHead(const Dims& d, const Mat& head, int64_t j, int64_t col, Mat* x) {
+  for (int64_t i = 0; i < d.s; ++i) x->block(i * d.n + j, col, 1, d.dk) += head.row(i);
+}
+
+// Non-interleaved RoPE (Megatron's rotate_half) of an [s, dk] head: row i is position i;
+// channel c < dk/2 pairs with c + dk/2 and turns by theta = i * base^(-2c/dk):
+//   y[c] = x[c] cos - x[c + dk/2] sin,  y[c + dk/2] = x[c + dk/2] cos + x[c] sin.
+// sign -1 turns the other way: the transpose, for the backward.
+void Rope(const Dims& d, double base, double sign, Mat* x) {
+  const int64_t half = d.dk / 2;
+  for (int64_t i = 0; i < d.s; ++i) {
+    for (int64_t c = 0; c < half; ++c) {
+      const double theta = static_cast<double>(i) * std::pow(base, -2.0 * static_cast<double>(c) /
+                                                                       static_cast<double>(d.dk));
+      const double cs = std::cos(theta), sn = sign * std::sin(theta);
+      const double lo = (*x)(i, c), hi = (*x)(i, c + half);
+      (*x)(i, c) = lo * cs - hi * sn;
+      (*x)(i, c + half) = hi * cs + lo * sn;
+    }
+  }
+}
+
+struct AttentionStash {
+  std::vector<Mat> q;      // [n*a] (index j*a + hd): rotated query heads [s, dk]
+  std::vector<Mat> k, v;   // [n*g] (index j*g + grp): rotated key heads, value heads [s, dk]
+  std::vector<Mat> probs;  // [n*a]: softmax [s, s], exactly 0 above the diagonal
+  std::vector<Mat> keep;   // [n*a]: attention dropout scales [s, s]
+};
+
+// context[i, j, hd*dk + c] = sum_ki dropout(softmax_ki(q_i . k_ki / sqrt(dk), ki <= i)) v_ki.
+Mat AttentionForward(const Dims& d, const GptConfig& gpt, const Mat& qkv, const std::string& site,
+                     int64_t m, AttentionStash* st) {
+  const bool rope = gpt.position_embedding_type == PositionEmbedding::kRope;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d.dk));
+  st->q.assign(static_cast<size_t>(d.n * d.a), Mat());
+  st->k.assign(static_cast<size_t>(d.n * d.g), Mat());
+  st->v.assign(static_cast<size_t>(d.n * d.g), Mat());
+  st->probs.assign(static_cast<size_t>(d.n * d.a), Mat());
+  st->keep.assign(static_cast<size_t>(d.n * d.a), Mat());
+  Mat context(d.s * d.n, d.a * d.dk);
+  for (int64_t j = 0; j < d.n; ++j) {
+    for (int64_t grp = 0; grp < d.g; ++grp) {
+      const auto kv = static_cast<size_t>(j * d.g + grp);
+      st->k[kv] = GatherHead(d, qkv, j, KeyColumn(d, grp));
+      st->v[kv] = GatherHead(d, qkv, j, ValueColumn(d, grp));
+      if (rope) Rope(d, gpt.rotary_base, 1.0, &st->k[kv]);
+    }
+    for (int64_t hd = 0; hd < d.a; ++hd) {
+      const auto qh = static_cast<size_t>(j * d.a + hd);
+      const auto kv = static_cast<size_t>(j * d.g + hd / d.r);
+      Mat& q = st->q[qh];
+      q = GatherHead(d, qkv, j, QueryColumn(d, hd));
+      if (rope) Rope(d, gpt.rotary_base, 1.0, &q);
+      const Mat scores = (q * st->k[kv].transpose()) * scale;
+      Mat& probs = st->probs[qh];
+      probs = Mat::Zero(d.s, d.s);
+      for (int64_t qi = 0; qi < d.s; ++qi) {
+        const double max = scores.row(qi).head(qi + 1).maxCoeff();
+        double sum = 0.0;
+        for (int64_t ki = 0; ki <= qi; ++ki) {
+          probs(qi, ki) = std::exp(scores(qi, ki) - max);
+          sum += probs(qi, ki);
+        }
+        probs.row(qi).head(qi + 1) /= sum;
+      }
+      st->keep[qh] = AttentionKeep(d, site, m, gpt.attention_dropout, j, hd);
+      const Mat head = probs.cwiseProduct(st->keep[qh]) * st->v[kv];
+      for (int64_t i = 0; i < d.s; ++i)
+        context.block(i * d.n + j, hd * d.dk, 1, d.dk) = head.row(i);
+    }
+  }
+  return context;
+}
+
+// Backward of AttentionForward, per (sample, head), with Pd = probs * keep:
+//   dPd = dctx v^T;  dv += Pd^T dctx;  dprobs = dPd * keep;
+//   dscores = probs * (dprobs - rowsum(dprobs * probs)) / sqrt(dk);
+//   dq = dscores k;  dk += dscores^T q;  then RoPE's transpose on dq and dk.
+// Returns d qkv [s*n, (a+2g)*dk]; `dprobs` gets the [n*a] matrices d loss / d probs.
+Mat AttentionBackward(const Dims& d, const GptConfig& gpt, const Mat& dcontext,
+                      const AttentionStash& st, std::vector<Mat>* dprobs) {
+  const bool rope = gpt.position_embedding_type == PositionEmbedding::kRope;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d.dk));
+  Mat dqkv = Mat::Zero(d.s * d.n, d.qkv);
+  dprobs->assign(static_cast<size_t>(d.n * d.a), Mat());
+  for (int64_t j = 0; j < d.n; ++j) {
+    std::vector<Mat> dk(static_cast<size_t>(d.g), Mat::Zero(d.s, d.dk));
+    std::vector<Mat> dv(static_cast<size_t>(d.g), Mat::Zero(d.s, d.dk));
+    for (int64_t hd = 0; hd < d.a; ++hd) {
+      const auto qh = static_cast<size_t>(j * d.a + hd);
+      const int64_t grp = hd / d.r;
+      const auto kv = static_cast<size_t>(j * d.g + grp);
+      const Mat dctx = GatherHead(d, dcontext, j, hd * d.dk);
+      const Mat& probs = st.probs[qh];
+      const Mat& keep = st.keep[qh];
+      dv[static_cast<size_t>(grp)].noalias() += probs.cwiseProduct(keep).transpose() * dctx;
+      Mat& dp = (*dprobs)[qh];
+      dp = (dctx * st.v[kv].transpose()).cwiseProduct(keep);
+      const Vec row_dot = dp.cwiseProduct(probs).rowwise().sum();
+      const Mat dscores = (probs.array() * (dp.colwise() - row_dot).array()).matrix() * scale;
+      Mat dq = dscores * st.k[kv];
+      dk[static_cast<size_t>(grp)].noalias() += dscores.transpose() * st.q[qh];
+      if (rope) Rope(d, gpt.rotary_base, -1.0, &dq);
+      AddHead(d, dq, j, QueryColumn(d, hd), &dqkv);
+    }
+    for (int64_t grp = 0; grp < d.g; ++grp) {
+      Mat& dkey = dk[static_cast<size_t>(grp)];
+      if (rope) Rope(d, gpt.rotary_base, -1.0, &dkey);
+      AddHead(d, dkey, j, KeyColumn(d, grp), &dqkv);
+      AddHead(d, dv[static_cast<size_t>(grp)], j, ValueColumn(d, grp), &dqkv);
+    }
+  }
+  return dqkv;
+}
+
+// ---- loss ---------------------------------------------------------------------------------
+
+// Megatron's vocab_parallel_cross_entropy over all Vp logits, with sm = ls * Vp / (Vp - 1):
+//   loss = (1 - sm)(logZ - z_y) + sm (logZ - mean_j z_j)
+//   d loss / d z_j = softmax_j - (1 - sm)[j == y] - sm / Vp.
+// Shifting z by its row max changes neither and keeps exp() finite. `dlogits` gets the
+// gradient times `token_scale` (d total loss / d per-token loss).
+void CrossEntropy(const Mat& logits, const std::vector<int64_t>& labels, double label_smoothing,
+                  double token_scale, Vec* loss, Mat* dlogits) {
+  const auto vp = static_cast<double>(logits.cols());
+  const double sm = label_smoothing > 0.0 ? label_smoothing * vp / (vp - 1.0) : 0.0;
+  loss->resize(logits.rows());
+  dlogits->resize(logits.rows(), logits.cols());
+  for (int64_t row = 0; row < logits.rows(); ++row) {
+    const RowVec shifted = logits.row(row).array() - logits.row(row).maxCoeff();
+    const double log_z = std::log(shifted.array().exp().sum());
+    const int64_t y = labels[static_cast<size_t>(row)];
+    (*loss)(row) = (1.0 - sm) * (log_z - shifted(y)) + sm * (log_z - shifted.mean());
+    dlogits->row(row) = ((shifted.array() - log_z).exp() - sm / vp) * token_scale;
+    (*dlogits)(row, y) -= (1.0 - sm) * token_scale;
+  }
+}
+
+// ---- one slice ----------------------------------------------------------------------------
+
+// What a layer's forward keeps for its backward.
+struct LayerStash {
+  NormStash ln1;
+  Mat ln1_out;  // [s*n, h]
+  AttentionStash attention;
+  Mat context;    // [s*n, a*dk]
+  Mat keep_attn;  // [s*n, h] self_attn_bda dropout
+  NormStash ln2;
+  Mat ln2_out;   // [s*n, h]
+  Mat fc1;       // [s*n, f1] with bias
+  Mat act;       // [s*n, F]
+  Mat keep_mlp;  // [s*n, h] mlp_bda dropout
+};
+
+enum class Kind : uint8_t {
+  kHidden,    // [s, B, w], value [s, n, w]
+  kPerToken,  // [s, B],    value [s, n]
+  kProbs,     // [B, a, s, s], value [n, a, s, s]
+};
+
+struct SliceRun {
+  const GptConfig& gpt;
+  const Dims& d;
+  ModelParams& params;
+  std::vector<std::string> order;  // recorded activations, forward order
+  std::map<std::string, GptReferenceTensor> recorded;
+  double loss_sum = 0.0;  // this slice's per-token losses, all micro-batches
+
+  void Record(bool record, const std::string& name, Kind kind, const Mat& value) {
+    if (!record) return;
+    GptReferenceTensor t;
+    t.name = name;
+    switch (kind) {
+      case Kind::kHidden:
+        t.full_shape = {d.s, d.B, value.cols()};
+        t.batch_dim = 1;
+        t.value = ToTensor(value, {d.s, d.n, value.cols()});
+        break;
+      case Kind::kPerToken:
+        t.full_shape = {d.s, d.B};
+        t.batch_dim = 1;
+        t.value = ToTensor(value, {d.s, d.n});
+        break;
+      case Kind::kProbs:
+        t.full_shape = {d.B, d.a, d.s, d.s};
+        t.batch_dim = 0;
+        t.value = ToTensor(value, {d.n, d.a, d.s, d.s});
+        break;
+    }
+    if (!name.ends_with("_grad") && name != "tokens" && name != "labels") order.push_back(name);
+    recorded[name] = std::move(t);
+  }
+  // The [n*a] per-head [s, s] matrices as one [n*a*s, s] matrix (row-major [n, a, s, s]).
+  static Mat Stack(const std::vector<Mat>& heads, int64_t s) {
+    Mat out(static_cast<int64_t>(heads.size()) * s, s);
+    for (size_t k = 0; k < heads.size(); ++k)
+      out.block(static_cast<int64_t>(k) * s, 0, s, s) = heads[k];
+    return out;
+  }
+
+  void MicroBatch(int64_t m, const std::vector<int64_t>& all_tokens,
+                  const std::vector<int64_t>& all_labels, bool record);
+};
+
+void SliceRun::MicroBatch(int64_t m, const std::vector<int64_t>& all_tokens,
+                          const std::vector<int64_t>& all_labels, bool record) {
+  const int64_t rows = d.s * d.n;
+  std::vector<int64_t> tokens(static_cast<size_t>(rows)), labels(static_cast<size_t>(rows));
+  Mat token_ids(d.s, d.n), label_ids(d.s, d.n);
+  for (int64_t i = 0; i < d.s; ++i) {
+    for (int64_t j = 0; j < d.n; ++j) {
+      const auto full = static_cast<size_t>(i * d.B + d.sample_begin + j);
+      tokens[static_cast<size_t>(i * d.n + j)] = all_tokens[full];
+      labels[static_cast<size_t>(i * d.n + j)] = all_labels[full];
+      token_ids(i, j) = static_cast<double>(all_tokens[full]);
+      label_ids(i, j) = static_cast<double>(all_labels[full]);
+    }
+  }
+  Record(record, "tokens", Kind::kPerToken, token_ids);
+  Record(record, "labels", Kind::kPerToken, label_ids);
+
+  // ---- forward --------------------------------------------------------------------------
+  Mat x(rows, d.h);
+  for (int64_t row = 0; row < rows; ++row) {
+    x.row(row) = AsMat(params.word.value).row(tokens[static_cast<size_t>(row)]);
+    if (params.position.defined()) x.row(row) += AsMat(params.position.value).row(row / d.n);
+  }
+  const Mat keep_embedding =
+      HiddenKeep(d, "embedding.embedding_dropout", m, gpt.hidden_dropout, d.h);
+  x = x.cwiseProduct(keep_embedding);
+  Record(record, "embedding.output", Kind::kHidden, x);
+
+  std::vector<LayerStash> stash(static_cast<size_t>(d.L));
+  for (int64_t l = 0; l < d.L; ++l) {
+    const std::string prefix = fmt::format("decoder.layers.{}", l);
+    const LayerParams& p = params.layers[static_cast<size_t>(l)];
+    LayerStash& st = stash[static_cast<size_t>(l)];
+    st.ln1_out =
+        NormForward(gpt.normalization, gpt.layernorm_epsilon, x, p.input_layernorm, &st.ln1);
+    Record(record, prefix + ".input_layernorm.output", Kind::kHidden, st.ln1_out);
+    const Mat qkv = Linear(st.ln1_out, p.qkv_weight, p.qkv_bias);
+    Record(record, prefix + ".self_attention.linear_qkv.output", Kind::kHidden, qkv);
+    st.context = AttentionForward(
+        d, gpt, qkv, prefix + ".self_attention.core_attention.attention_dropout", m, &st.attention);
+    Record(record, prefix + ".self_attention.core_attention.probs", Kind::kProbs,
+           Stack(st.attention.probs, d.s));
+    Record(record, prefix + ".self_attention.core_attention.output", Kind::kHidden, st.context);
+    Mat proj = Linear(st.context, p.proj_weight, Param{});
+    Record(record, prefix + ".self_attention.linear_proj.output", Kind::kHidden, proj);
+    // Bias-dropout-add: x + dropout(proj + b).
+    if (p.proj_bias.defined()) proj.rowwise() += AsRow(p.proj_bias.value);
+    st.keep_attn = HiddenKeep(d, prefix + ".self_attn_bda", m, gpt.hidden_dropout, d.h);
+    x += proj.cwiseProduct(st.keep_attn);
+    Record(record, prefix + ".self_attn_bda.output", Kind::kHidden, x);
+
+    st.ln2_out =
+        NormForward(gpt.normalization, gpt.layernorm_epsilon, x, p.pre_mlp_layernorm, &st.ln2);
+    Record(record, prefix + ".pre_mlp_layernorm.output", Kind::kHidden, st.ln2_out);
+    st.fc1 = Linear(st.ln2_out, p.fc1_weight, p.fc1_bias);
+    Record(record, prefix + ".mlp.linear_fc1.output", Kind::kHidden, st.fc1);
+    st.act = ActivationForward(gpt.activation, st.fc1, d.F);
+    Mat fc2 = Linear(st.act, p.fc2_weight, Param{});
+    Record(record, prefix + ".mlp.linear_fc2.output", Kind::kHidden, fc2);
+    if (p.fc2_bias.defined()) fc2.rowwise() += AsRow(p.fc2_bias.value);
+    st.keep_mlp = HiddenKeep(d, prefix + ".mlp_bda", m, gpt.hidden_dropout, d.h);
+    x += fc2.cwiseProduct(st.keep_mlp);
+    Record(record, prefix + ".mlp_bda.output", Kind::kHidden, x);
+  }
+
+  NormStash final_stash;
+  const Mat final_out = NormForward(gpt.normalization, gpt.layernorm_epsilon, x,
+                                    params.final_layernorm, &final_stash);
+  Record(record, "decoder.final_layernorm.output", Kind::kHidden, final_out);
+  const Mat logits = Linear(final_out, params.output, Param{});
+  Record(record, "output_layer.output", Kind::kHidden, logits);
+  const double token_scale = 1.0 / static_cast<double>(d.M * d.s * d.B);
+  Vec loss;
+  Mat dlogits;
+  CrossEntropy(logits, labels, gpt.label_smoothing, token_scale, &loss, &dlogits);
+  loss_sum += loss.sum();
+  Record(record, "loss.per_token", Kind::kPerToken, MatMap(loss.data(), d.s, d.n));
+
+  // ---- backward -------------------------------------------------------------------------
+  Record(record, "loss.per_token_grad", Kind::kPerToken, Mat::Constant(d.s, d.n, token_scale));
+  Record(record, "output_layer.output_grad", Kind::kHidden, dlogits);
+  Param no_bias;
+  const Mat dfinal = LinearBackward(dlogits, final_out, params.output, no_bias);
+  Record(record, "decoder.final_layernorm.output_grad", Kind::kHidden, dfinal);
+  Mat dx = NormBackward(gpt.normalization, dfinal, final_stash, params.final_layernorm);
+
+  for (int64_t l = d.L; l-- > 0;) {
+    const std::string prefix = fmt::format("decoder.layers.{}", l);
+    LayerParams& p = params.layers[static_cast<size_t>(l)];
+    const LayerStash& st = stash[static_cast<size_t>(l)];
+    Record(record, prefix + ".mlp_bda.output_grad", Kind::kHidden, dx);
+    const Mat dfc2 = dx.cwiseProduct(st.keep_mlp);  // also d(fc2 + b)
+    Record(record, prefix + ".mlp.linear_fc2.output_grad", Kind::kHidden, dfc2);
+    const Mat dact = LinearBackward(dfc2, st.act, p.fc2_weight, p.fc2_bias);
+    const Mat dfc1 = ActivationBackward(gpt.activation, dact, st.fc1, d.F);
+    Record(record, prefix + ".mlp.linear_fc1.output_grad", Kind::kHidden, dfc1);
+    const Mat dln2 = LinearBackward(dfc1, st.ln2_out, p.fc1_weight, p.fc1_bias);
+    Record(record, prefix + ".pre_mlp_layernorm.output_grad", Kind::kHidden, dln2);
+    // The residual stream's gradient adds: the skip path plus the norm's.
+    dx += NormBackward(gpt.normalization, dln2, st.ln2, p.pre_mlp_layernorm);
+
+    Record(record, prefix + ".self_attn_bda.output_grad", Kind::kHidden, dx);
+    const Mat dproj = dx.cwiseProduct(st.keep_attn);
+    Record(record, prefix + ".self_attention.linear_proj.output_grad", Kind::kHidden, dproj);
+    const Mat dcontext = LinearBackward(dproj, st.context, p.proj_weight, p.proj_bias);
+    Record(record, prefix + ".self_attention.core_attention.output_grad", Kind::kHidden, dcontext);
+    std::vector<Mat> dprobs;
+    const Mat dqkv = AttentionBackward(d, gpt, dcontext, st.attention, &dprobs);
+    Record(record, prefix + ".self_attention.core_attention.probs_grad", Kind::kProbs,
+           Stack(dprobs, d.s));
+    Record(record, prefix + ".self_attention.linear_qkv.output_grad", Kind::kHidden, dqkv);
+    const Mat dln1 = LinearBackward(dqkv, st.ln1_out, p.qkv_weight, p.qkv_bias);
+    Record(record, prefix + ".input_layernorm.output_grad", Kind::kHidden, dln1);
+    dx += NormBackward(gpt.normalization, dln1, st.ln1, p.input_layernorm);
+  }
+
+  Record(record, "embedding.output_grad", Kind::kHidden, dx);
+  const Mat dembedding = dx.cwiseProduct(keep_embedding);
+  MatMap dword = AsMat(params.word.grad);
+  for (int64_t row = 0; row < rows; ++row) {
+    dword.row(tokens[static_cast<size_t>(row)]) += dembedding.row(row);
+    if (params.position.defined())
+      AsMat(params.position.grad).row(row / d.n) += dembedding.row(row);
+  }
+}
+
+Status CheckTokenLists(const std::vector<std::vector<int64_t>>& lists, const char* what,
+                       const Dims& d) {
+  if (lists.empty()) return Status();
+  const std::string where = fmt::format("GptReferenceOptions.{}", what);
+  if (static_cast<int64_t>(lists.size()) != d.M) {
+    return Status::Error(where,
+                         fmt::format("has {} micro-batches, the run has {}", lists.size(), d.M));
+  }
+  for (size_t m = 0; m < lists.size(); ++m) {
+    if (static_cast<int64_t>(lists[m].size()) != d.s * d.B) {
+      return Status::Error(
+          fmt::format("{}[{}]", where, m),
+          fmt::format("has {} ids, expected s*B = {}", lists[m].size(), d.s * d.B));
+    }
+    for (size_t k = 0; k < lists[m].size(); ++k) {
+      if (lists[m][k] < 0 || lists[m][k] >= d.V) {
+        return Status::Error(fmt::format("{}[{}][{}]", where, m, k),
+                             fmt::format("id {} is not in [0, vocab_size {})", lists[m][k], d.V));
+      }
+    }
+  }
+  return Status();
+}
+
+#if defined(MPUSIM_HAVE_OPENBLAS)
+extern "C" void openblas_set_num_threads(int num_threads);
+#endif
+
+}  // namespace
+
+const GptReferenceTensor* GptReferenceResult::Find(std::string_view name) const {
+  for (const GptReferenceTensor& t : tensors) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+int64_t GptReferenceSamples(const ParallelConfig& parallel, const RunConfig& run) {
+  const int64_t model_parallel = std::max<int64_t>(parallel.tensor_model_parallel_size, 1) *
+                                 std::max<int64_t>(parallel.pipeline_model_parallel_size, 1) *
+                                 std::max<int64_t>(parallel.context_parallel_size, 1);
+  return run.micro_batch_size * (parallel.world_size / model_parallel);
+}
+
+GptReferenceTokens DrawGptReferenceTokens(const GptConfig& gpt, const ParallelConfig& parallel,
+                                          const RunConfig& run, int64_t microbatch) {
+  const int64_t s = run.seq_length;
+  const int64_t B = GptReferenceSamples(parallel, run);
+  const std::string stream = fmt::format("text.mb{}", microbatch);
+  GptReferenceTokens out;
+  out.tokens.resize(static_cast<size_t>(s * B));
+  out.labels.resize(static_cast<size_t>(s * B));
+  for (int64_t i = 0; i < s; ++i) {
+    for (int64_t gs = 0; gs < B; ++gs) {
+      // Sample gs reads s + 1 consecutive tokens: the labels are the inputs shifted by one.
+      const int64_t first = gs * (s + 1) + i;
+      out.tokens[static_cast<size_t>(i * B + gs)] =
+          TokenAt(run.seed, stream, first, gpt.vocab_size);
+      out.labels[static_cast<size_t>(i * B + gs)] =
+          TokenAt(run.seed, stream, first + 1, gpt.vocab_size);
+    }
+  }
+  return out;
+}
+
+StatusOr<GptReferenceResult> RunGptReference(const GptConfig& gpt_in,
+                                             const ParallelConfig& parallel, const RunConfig& run,
+                                             const GptReferenceOptions& options) {
+#if defined(MPUSIM_HAVE_OPENBLAS)
+  openblas_set_num_threads(1);
+#endif
+  GptConfig gpt = gpt_in;
+  if (gpt.max_position_embeddings == 0) gpt.max_position_embeddings = run.seq_length;
+  const int64_t t = parallel.tensor_model_parallel_size;
+  const int64_t model_parallel =
+      t * parallel.pipeline_model_parallel_size * parallel.context_parallel_size;
+  if (t < 1 || model_parallel < 1 || parallel.world_size < model_parallel ||
+      parallel.world_size % model_parallel != 0) {
+    return Status::Error("parallel.world_size",
+                         fmt::format("{} is not a multiple of tp * pp * cp = {}",
+                                     parallel.world_size, model_parallel));
+  }
+  if (run.seq_length < 1 || run.micro_batch_size < 1 || run.num_microbatches < 1) {
+    return Status::Error("run", "seq_length, micro_batch_size and num_microbatches must be >= 1");
+  }
+  if (gpt.num_layers < 1 || gpt.hidden_size < 1 || gpt.num_attention_heads < 1 ||
+      gpt.num_query_groups < 1 || gpt.kv_channels < 1 || gpt.ffn_hidden_size < 1 ||
+      gpt.vocab_size < 1) {
+    return Status::Error("model", "the GPT section is not resolved (a size is < 1)");
+  }
+  if (gpt.num_attention_heads % gpt.num_query_groups != 0) {
+    return Status::Error("model.num_query_groups",
+                         fmt::format("num_attention_heads {} is not divisible by {}",
+                                     gpt.num_attention_heads, gpt.num_query_groups));
+  }
+  if (gpt.position_embedding_type == PositionEmbedding::kRope && gpt.kv_channels % 2 != 0) {
+    return Status::Error("model.kv_channels", "rope needs an even kv_channels");
+  }
+  if (gpt.has_position_embeddings() && gpt.max_position_embeddings < run.seq_length) {
+    return Status::Error("model.max_position_embeddings",
+                         fmt::format("{} is shorter than run.seq_length {}",
+                                     gpt.max_position_embeddings, run.seq_length));
+  }
+
+  Dims d;
+  d.seed = run.seed;
+  d.s = run.seq_length;
+  d.B = GptReferenceSamples(parallel, run);
+  d.M = run.num_microbatches;
+  d.h = gpt.hidden_size;
+  d.a = gpt.num_attention_heads;
+  d.g = gpt.num_query_groups;
+  d.r = d.a / d.g;
+  d.dk = gpt.kv_channels;
+  d.F = gpt.ffn_hidden_size;
+  d.f1 = gpt.Fc1Rows();
+  d.V = gpt.vocab_size;
+  d.Vp = gpt.PaddedVocabSize(t);
+  d.L = gpt.num_layers;
+  d.qkv = gpt.QkvRows();
+  const int64_t sample_end = options.sample_end < 0 ? d.B : options.sample_end;
+  if (options.sample_begin < 0 || options.sample_begin > sample_end || sample_end > d.B) {
+    return Status::Error("reference slice", fmt::format("samples [{}, {}) are not inside [0, {})",
+                                                        options.sample_begin, sample_end, d.B));
+  }
+  d.sample_begin = options.sample_begin;
+  d.n = sample_end - options.sample_begin;
+  MPUSIM_RETURN_IF_ERROR(CheckTokenLists(options.tokens, "tokens", d));
+  MPUSIM_RETURN_IF_ERROR(CheckTokenLists(options.labels, "labels", d));
+
+  ModelParams params;
+  MPUSIM_RETURN_IF_ERROR(InitParameters(gpt, d, options.parameter_overrides, &params));
+
+  SliceRun slice{gpt, d, params, {}, {}, 0.0};
+  for (int64_t m = 0; m < d.M; ++m) {
+    GptReferenceTokens drawn;
+    if (options.tokens.empty() || options.labels.empty()) {
+      drawn = DrawGptReferenceTokens(gpt, parallel, run, m);
+    }
+    const auto um = static_cast<size_t>(m);
+    slice.MicroBatch(m, options.tokens.empty() ? drawn.tokens : options.tokens[um],
+                     options.labels.empty() ? drawn.labels : options.labels[um], m + 1 == d.M);
+  }
+
+  GptReferenceResult result;
+  result.sample_begin = d.sample_begin;
+  result.sample_end = sample_end;
+  result.loss = slice.loss_sum / static_cast<double>(d.M * d.s * d.B);
+  auto take = [&](const std::string& name) {
+    auto it = slice.recorded.find(name);
+    if (it != slice.recorded.end()) result.tensors.push_back(std::move(it->second));
+  };
+  take("tokens");
+  take("labels");
+  for (const std::string& name : slice.order) {
+    take(name);
+    take(name + "_grad");
+  }
+  for (const GptParameter& gp : params.list) {
+    const Param& p = params.by_name.at(gp.name);
+    result.tensors.push_back({gp.name, gp.shape, -1, false, p.value});
+    result.tensors.push_back({gp.name + ".grad", gp.shape, -1, true, p.grad});
+  }
+  Tensor loss = NewTensor({1});
+  loss.data_as<double>()[0] = result.loss;
+  result.tensors.push_back({"loss", {1}, -1, true, loss});
+  return result;
+}
+
+}  // namespace mpusim
