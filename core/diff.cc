@@ -506,6 +506,41 @@ void CompareValues(const Tensor& a, const Tensor& b, TensorDiff& d) {
   }
 }
 
+// The dimension along which two tensors differ only by vocabulary padding: the same rank,
+// exactly one dimension different, both dumps of a model with the same vocab_size V and both
+// sizes >= V there (Megatron pads the vocabulary to a multiple of
+// make_vocab_size_divisible_by * t, so two layouts may pad it differently).
+std::optional<int> PaddedVocabDim(const DumpTensor& a, const DumpTensor& b,
+                                  const std::optional<int64_t>& vocab_a,
+                                  const std::optional<int64_t>& vocab_b) {
+  if (!vocab_a || vocab_a != vocab_b || a.full_shape.size() != b.full_shape.size()) {
+    return std::nullopt;
+  }
+  std::optional<int> dim;
+  for (size_t k = 0; k < a.full_shape.size(); ++k) {
+    if (a.full_shape[k] == b.full_shape[k]) continue;
+    if (dim || a.full_shape[k] < *vocab_a || b.full_shape[k] < *vocab_a) return std::nullopt;
+    dim = static_cast<int>(k);
+  }
+  return dim;
+}
+
+// The first `keep` entries along dim k of a float64 tensor of `shape`.
+Tensor LeadingAlong(const Tensor& full, const Shape& shape, size_t k, int64_t keep) {
+  Shape out_shape = shape;
+  out_shape[k] = keep;
+  int64_t outer = 1, inner = 1;
+  for (size_t i = 0; i < k; ++i) outer *= shape[i];
+  for (size_t i = k + 1; i < shape.size(); ++i) inner *= shape[i];
+  Tensor out = Tensor::HostEmpty(out_shape, DType::kFloat64);
+  const double* in = full.data_as<double>();
+  double* o = out.data_as<double>();
+  for (int64_t p = 0; p < outer; ++p) {
+    std::copy(in + p * shape[k] * inner, in + (p * shape[k] + keep) * inner, o + p * keep * inner);
+  }
+  return out;
+}
+
 TensorDiff DiffTensor(const Dump& a, const Dump& b, const std::string& name,
                       const DiffOptions& options) {
   TensorDiff d;
@@ -522,13 +557,24 @@ TensorDiff DiffTensor(const Dump& a, const Dump& b, const std::string& name,
     d.problem = ta == nullptr ? "only in B" : "only in A";
     return d;
   }
-  if (ta->full_shape != tb->full_shape) {
+  const std::optional<int> vocab_dim = PaddedVocabDim(*ta, *tb, a.vocab_size(), b.vocab_size());
+  if (ta->full_shape != tb->full_shape && !vocab_dim) {
     d.problem = fmt::format("shape {} in A but {} in B", ShapeString(ta->full_shape),
                             ShapeString(tb->full_shape));
     return d;
   }
   StatusOr<Tensor> full_a = a.Assemble(name);
   StatusOr<Tensor> full_b = b.Assemble(name);
+  if (vocab_dim && full_a.ok() && full_b.ok()) {
+    const size_t k = static_cast<size_t>(*vocab_dim);
+    const int64_t vocab = *a.vocab_size();
+    d.note = fmt::format("compared the {} real vocabulary entries of dim {} (padded to {} in A, "
+                         "{} in B)",
+                         vocab, k, ta->full_shape[k], tb->full_shape[k]);
+    full_a = LeadingAlong(*full_a, ta->full_shape, k, vocab);
+    full_b = LeadingAlong(*full_b, tb->full_shape, k, vocab);
+    d.shape[k] = vocab;
+  }
   if (!full_a.ok() || !full_b.ok()) {
     std::vector<std::string> problems;
     if (!full_a.ok()) problems.push_back("A: " + full_a.status().what());
@@ -641,6 +687,15 @@ StatusOr<Dump> LoadDump(const std::string& dir) {
 
   Dump dump;
   dump.dir_ = dir;
+  // The model's real vocabulary, for tensors whose padded vocabulary differs between layouts.
+  if (json->contains("config") && (*json)["config"].is_object() &&
+      (*json)["config"].contains("model") && (*json)["config"]["model"].is_object()) {
+    const Json& model = (*json)["config"]["model"];
+    if (model.contains("vocab_size") && model["vocab_size"].is_number_integer() &&
+        model["vocab_size"].get<int64_t>() > 0) {
+      dump.vocab_size_ = model["vocab_size"].get<int64_t>();
+    }
+  }
   dump.backend_ = manifest->backend;
   dump.storage_ = manifest->storage;
   dump.world_size_ = manifest->world_size;
@@ -823,7 +878,8 @@ std::string DiffText(const DiffResult& r) {
                      "dtypes", "max abs err", "max rel err", "normalized", "result");
   for (const TensorDiff& d : r.tensors) {
     const std::string dtypes = DTypeShort(d.dtype_a) + "/" + DTypeShort(d.dtype_b);
-    const std::string verdict = d.pass ? "pass" : "FAIL (" + d.problem + ")";
+    std::string verdict = d.pass ? "pass" : "FAIL (" + d.problem + ")";
+    if (!d.note.empty()) verdict = fmt::format("{} ({})", verdict, d.note);
     if (d.compared) {
       out += fmt::format("  {:<{}} {:<16} {:<7} {:>12.3g} {:>12.3g} {:>12.3g}  {}\n", d.name, width,
                          ShapeString(d.shape), dtypes, d.max_abs, d.max_rel, d.normalized, verdict);
@@ -879,6 +935,7 @@ std::string DiffJson(const DiffResult& r) {
     t["inf_b"] = d.compared ? Json(d.inf_b) : null;
     t["pass"] = d.pass;
     t["problem"] = d.pass ? null : Json(d.problem);
+    t["note"] = d.note.empty() ? null : Json(d.note);
     tensors.push_back(std::move(t));
   }
   j["tensors"] = std::move(tensors);

@@ -35,7 +35,14 @@
 //                        float32 1e-5, 0, 1e-4; float16 0, 2^-8, 2^-8; bfloat16 0, 2^-5,
 //                        2^-5), each overridable.
 // A tensor fails when an element fails, when the shapes differ, when it is in one side only,
-// or when a side's copies disagree.
+// or when a side's copies disagree. One difference of shapes is allowed: two layouts of one
+// model may pad the vocabulary differently (Megatron pads vocab_size to a multiple of
+// make_vocab_size_divisible_by * t), so when both manifests' configs have the same
+// model.vocab_size V and the shapes differ in one dimension only, both at least V there, the
+// first V entries of that dimension (the real vocabulary) are compared and the report says so.
+// The padded logits take part in the softmax, so such layouts' losses and gradients differ
+// slightly anyway; equal padding (a make_vocab_size_divisible_by that covers both t) makes
+// them comparable to rounding.
 #pragma once
 
 #include <cstdint>
@@ -78,6 +85,8 @@ class Dump {
   DType Precision(DType tensor_dtype) const;
   int64_t world_size() const { return world_size_; }
   int64_t tp_size() const { return tp_size_; }  // distinct tp_rank values of the rank files
+  // The model's vocab_size (manifest "config"), when the dump's config has one.
+  const std::optional<int64_t>& vocab_size() const { return vocab_size_; }
   const std::vector<DumpTensor>& tensors() const { return tensors_; }  // manifest order
   const DumpTensor* Find(std::string_view name) const;
 
@@ -92,6 +101,7 @@ class Dump {
   std::optional<DType> storage_;
   int64_t world_size_ = 0;
   int64_t tp_size_ = 0;
+  std::optional<int64_t> vocab_size_;
   std::vector<DumpTensor> tensors_;
 };
 
@@ -130,6 +140,9 @@ struct TensorDiff {
   double worst_a = 0, worst_b = 0;
   bool pass = false;
   std::string problem;  // "" exactly when pass
+  // Set when the two layouts pad the vocabulary differently: only the real vocabulary
+  // entries were compared (`shape` is then the unpadded shape).
+  std::string note;
 };
 
 // What the text report says about each side before the table.

@@ -127,6 +127,58 @@ MemoryPlan PlanRankMemory(const Config& config, const Graph& graph, const RankCo
   return plan;
 }
 
+MemoryPlan PlanGptRankMemory(const Config& config, const GptConfig& gpt, int64_t tp, bool check) {
+  MemoryPlan plan;
+  Planner add(&plan);
+  const RunConfig& run = *config.run;
+  const DType storage = run.dtype;
+  const DType compute = ComputeDType(storage);
+  const int64_t t = std::max<int64_t>(1, tp);
+  const int64_t s = run.seq_length, b = run.micro_batch_size;
+  const int64_t rows = s * b;
+  const int64_t stream_rows = config.parallel.sequence_parallel && t > 1 ? rows / t : rows;
+  const int64_t h = gpt.hidden_size, heads_local = gpt.num_attention_heads / t;
+  const int64_t qkv_local = gpt.QkvRows() / t, fc1_local = gpt.Fc1Rows() / t;
+  const int64_t ffn_local = gpt.ffn_hidden_size / t;
+  const int64_t attn_local = heads_local * gpt.kv_channels;
+  const int64_t vp = gpt.PaddedVocabSize(t);
+  Bytes full_parameters = 0;
+  for (const GptParameter& p : GptParameters(gpt, vp, false)) {
+    Shape local = p.shape;
+    if (p.tp_dim >= 0) local[static_cast<size_t>(p.tp_dim)] /= t;
+    add.Add(p.name, local, storage);
+    add.Add(p.name + ".main_grad", local, compute);
+    full_parameters = SaturatingAdd(full_parameters, Elements(p.shape));
+  }
+  // One micro-batch's stash per layer (forward to backward), and about as much again for
+  // the gradients in flight: stream tensors, the gathered GEMM inputs, qkv and its per-head
+  // copies, the attention probabilities before and after dropout, fc1 and the activation.
+  const Bytes L = static_cast<Bytes>(gpt.num_layers);
+  const Bytes stream = Elements({stream_rows, h});
+  const Bytes per_layer = SaturatingAdd(
+      SaturatingAdd(SaturatingMul(stream, 6), Elements({rows, 2 * qkv_local})),
+      SaturatingAdd(Elements({2 * b * heads_local, s, s}),
+                    Elements({rows, attn_local + fc1_local + ffn_local + 2 * h})));
+  add.AddBytes("activations: every layer's stash of one micro-batch", SaturatingMul(per_layer, L),
+               storage);
+  add.AddBytes("activation gradients in flight (one layer)", SaturatingMul(per_layer, 2), storage);
+  add.Add("logits and their gradient", {2 * rows, vp / t}, storage);
+  if (check) {
+    // Every rank runs the float64 reference on its dp rank's b samples (run/gpt_check.h).
+    add.AddBytes("reference: parameters and gradients (float64, full)",
+                 SaturatingMul(full_parameters, 2), DType::kFloat64);
+    const int64_t attn = gpt.num_attention_heads * gpt.kv_channels;
+    const Bytes ref_layer = SaturatingAdd(
+        Elements({rows, 6 * h + gpt.QkvRows() + attn + gpt.Fc1Rows() + 2 * gpt.ffn_hidden_size}),
+        Elements({2 * b * gpt.num_attention_heads, s, s}));
+    add.AddBytes("reference: activations and their gradients (float64, this rank's samples)",
+                 SaturatingMul(SaturatingAdd(SaturatingMul(ref_layer, L), Elements({rows, 2 * vp})),
+                               2),
+                 DType::kFloat64);
+  }
+  return plan;
+}
+
 std::string FormatBytes(unsigned __int128 bytes) {
   if (bytes >= kCap || bytes >= (Bytes{1} << 64)) return "more than 16 EiB";
   const double b = static_cast<double>(static_cast<uint64_t>(bytes));

@@ -42,6 +42,10 @@ struct MemoryPlan {
 MemoryPlan PlanRankMemory(const Config& config, const Graph& graph, const RankCoordinates& coords,
                           int64_t world_size, bool check);
 
+// The plan for one rank of a GPT run (every rank of a tp x dp layout holds the same sizes),
+// `gpt` as the executor resolved it.
+MemoryPlan PlanGptRankMemory(const Config& config, const GptConfig& gpt, int64_t tp, bool check);
+
 // OK when plan.total <= limit_bytes; otherwise an error at "run" naming the total, the
 // limit and where it comes from (`limit_source`), and the biggest items.
 Status CheckRankMemory(const MemoryPlan& plan, uint64_t limit_bytes,

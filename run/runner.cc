@@ -21,6 +21,7 @@
 #include "mpi/mpi_check.h"
 #include "mpi/watchdog.h"
 #include "run/dump.h"
+#include "run/gpt_check.h"
 #include "run/preflight.h"
 
 namespace mpusim::run {
@@ -42,6 +43,15 @@ int64_t ProcKilobytes(const char* path, const std::string& key) {
   return 0;
 }
 
+const char* RecomputeNote(RunConfig::Recompute recompute) {
+  switch (recompute) {
+    case RunConfig::Recompute::kFull: return ", recompute_granularity full";
+    case RunConfig::Recompute::kSelective: return ", recompute_granularity selective";
+    case RunConfig::Recompute::kNone: break;
+  }
+  return "";
+}
+
 double MiB(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
 
 struct CommSummaryKey {
@@ -56,13 +66,84 @@ struct CommSummaryKey {
 
 }  // namespace
 
+namespace {
+
+// The rank's context: coordinates, kernels, traced groups and random streams.
+RankContext MakeRankContext(const Config& config, Backend& backend, const Topology& topology,
+                            int world_rank, SimulationResult* result) {
+  RankContext ctx;
+  ctx.topology = &topology;
+  ctx.rank = world_rank;
+  ctx.coords = topology.Coordinates(world_rank);
+  ctx.kernels = &backend.kernels();
+  ctx.trace = &result->trace;
+  ctx.rng = RngTracker::ForRank(config.run->seed, ctx.coords.tp, ctx.coords.pp, ctx.coords.dp);
+  auto groups = backend.MakeGroups(topology, world_rank, RankGroups::Kinds());
+  for (auto& [kind, comm] : groups) {
+    comm = std::make_unique<TracedCommunicator>(std::move(comm), kind, &result->trace);
+  }
+  ctx.groups = RankGroups::Take(groups);
+  result->coords = ctx.coords;
+  return ctx;
+}
+
+// Runs `step` options.repeat times between barriers, timing each.
+template <typename Step>
+void TimedSteps(const SimulateOptions& options, SimulationResult* result, Step&& step) {
+  for (int i = 0; i < options.repeat; ++i) {
+    result->trace.Clear();
+    watched::Barrier(MPI_COMM_WORLD, WorldLabel());
+    const auto start = std::chrono::steady_clock::now();
+    step(i + 1 == options.repeat);
+    watched::Barrier(MPI_COMM_WORLD, WorldLabel());
+    result->seconds.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+}
+
+StatusOr<SimulationResult> SimulateGpt(const Config& config, const SimulateOptions& options,
+                                       Backend& backend, const Topology& topology, int world_rank) {
+  StatusOr<std::unique_ptr<GptModel>> built =
+      GptModel::Build(config, topology, topology.Coordinates(world_rank));
+  if (!built.ok()) return built.status();
+  GptModel& model = **built;
+  SimulationResult result;
+  RankContext ctx = MakeRankContext(config, backend, topology, world_rank, &result);
+  result.padded_vocab_size = model.padded_vocab_size();
+  result.gpt = model.gpt();
+  model.InitializeParameters(*ctx.kernels);
+  const bool want_records = options.check || options.keep_records;
+  std::vector<TensorRecord> records;
+  TimedSteps(options, &result, [&](bool last) {
+    records.clear();
+    model.Run(ctx, last && want_records ? &records : nullptr);
+  });
+  result.has_loss = true;
+  result.loss = model.loss();
+  if (options.check) {
+    Kernels& kernels = *ctx.kernels;
+    const HostFetch fetch = [&](const TensorRecord& r) {
+      return r.tensor.device() == Device::kHost ? r.tensor : kernels.ToHost(r.tensor);
+    };
+    StatusOr<CheckResult> checked =
+        CheckGptAgainstReference(config, model.gpt(), topology, ctx.coords, records, fetch);
+    if (!checked.ok()) return checked.status();
+    result.check = std::move(checked).value();
+  }
+  if (options.keep_records) result.records = std::move(records);
+  return result;
+}
+
+}  // namespace
+
 StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions& options,
                                     Backend& backend) {
   int world_rank = 0, world_size = 1;
   MPUSIM_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
   MPUSIM_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world_size));
-  if (!config.model || !config.run) {
-    return Status::Error(config.model ? "run" : "model",
+  const bool has_model = config.model || config.gpt;
+  if (!has_model || !config.run) {
+    return Status::Error(has_model ? "run" : "model",
                          "is required by mpusim run (see docs/simulator.md)");
   }
   if (config.parallel.world_size != world_size) {
@@ -72,38 +153,19 @@ StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions&
   }
   StatusOr<Topology> topology = Topology::Create(config.parallel);
   if (!topology.ok()) return topology.status();
+  if (config.gpt) return SimulateGpt(config, options, backend, *topology, world_rank);
   StatusOr<std::unique_ptr<Graph>> built = Graph::Build(config, *topology);
   if (!built.ok()) return built.status();
   Graph& graph = **built;
 
   SimulationResult result;
   Kernels& kernels = backend.kernels();
-  RankContext ctx;
-  ctx.topology = &*topology;
-  ctx.rank = world_rank;
-  ctx.coords = topology->Coordinates(world_rank);
-  ctx.kernels = &kernels;
-  ctx.trace = &result.trace;
-  ctx.rng = RngTracker::ForRank(config.run->seed, ctx.coords.tp, ctx.coords.pp, ctx.coords.dp);
-  auto groups = backend.MakeGroups(*topology, world_rank, RankGroups::Kinds());
-  for (auto& [kind, comm] : groups) {
-    comm = std::make_unique<TracedCommunicator>(std::move(comm), kind, &result.trace);
-  }
-  ctx.groups = RankGroups::Take(groups);
-  result.coords = ctx.coords;
+  RankContext ctx = MakeRankContext(config, backend, *topology, world_rank, &result);
   result.padded_vocab_size = graph.padded_vocab_size();
   result.plan = graph.Plan(topology->Coordinates(0));
 
   graph.InitializeParameters(ctx);
-  for (int i = 0; i < options.repeat; ++i) {
-    result.trace.Clear();
-    watched::Barrier(MPI_COMM_WORLD, WorldLabel());
-    const auto start = std::chrono::steady_clock::now();
-    graph.Run(ctx);
-    watched::Barrier(MPI_COMM_WORLD, WorldLabel());
-    result.seconds.push_back(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  }
+  TimedSteps(options, &result, [&](bool) { graph.Run(ctx); });
   result.has_loss = graph.has_loss();
   result.loss = result.has_loss ? graph.loss() : 0.0;
   if (!options.check && !options.keep_records) return result;
@@ -144,6 +206,7 @@ class RankRun {
     return kExitUsage;
   }
   void PrintLayout(const Topology& topology, const SimulationResult& result);
+  void PrintGptModel(const GptConfig& gpt, int64_t padded_vocab_size);
   int PrintChecks(const CheckResult& check, const SimulationResult& result);
   void PrintCommTrace(const CommTrace& trace);
   void PrintMemory();
@@ -188,9 +251,10 @@ int RankRun::Run() {
   StatusOr<Config> loaded = LoadConfigFile(source);
   if (!loaded.ok()) return Usage(source, loaded.status().Message());
   config_ = *loaded;
-  if (!config_.model || !config_.run) {
+  const bool has_model = config_.model || config_.gpt;
+  if (!has_model || !config_.run) {
     return Usage(source, fmt::format("{}: is required by mpusim run (see docs/simulator.md)",
-                                     config_.model ? "run" : "model"));
+                                     has_model ? "run" : "model"));
   }
   const int64_t want = config_.parallel.world_size;
   if (want != world_size_) {
@@ -209,12 +273,20 @@ int RankRun::Run() {
   StatusOr<Topology> topology = Topology::Create(config_.parallel);
   if (!topology.ok()) return Usage(source, topology.status().Message());
   {
-    StatusOr<std::unique_ptr<Graph>> built = Graph::Build(config_, *topology);
-    if (!built.ok()) return Usage(source, built.status().Message());
     // The preflight: refuse a run that would not fit before anything is allocated. Every
     // rank judges its own share against its own limit; one refusal stops them all.
-    const MemoryPlan plan = PlanRankMemory(config_, **built, topology->Coordinates(world_rank_),
-                                           world_size_, options_.check);
+    MemoryPlan plan;
+    if (config_.gpt) {
+      StatusOr<std::unique_ptr<GptModel>> built =
+          GptModel::Build(config_, *topology, topology->Coordinates(world_rank_));
+      if (!built.ok()) return Usage(source, built.status().Message());
+      plan = PlanGptRankMemory(config_, (*built)->gpt(), topology->sizes().tp, options_.check);
+    } else {
+      StatusOr<std::unique_ptr<Graph>> built = Graph::Build(config_, *topology);
+      if (!built.ok()) return Usage(source, built.status().Message());
+      plan = PlanRankMemory(config_, **built, topology->Coordinates(world_rank_), world_size_,
+                            options_.check);
+    }
     preflight_bytes_ = plan.total;
     std::vector<std::string> lines;
     if (GatherErrors(PreflightError(plan), &lines)) {
@@ -306,7 +378,11 @@ void RankRun::PrintLayout(const Topology& topology, const SimulationResult& resu
   out_ << fmt::format("data: seq_length {}, micro_batch_size {} per dp rank ({} in all), "
                       "num_microbatches {}{}\n",
                       run.seq_length, run.micro_batch_size, run.micro_batch_size * s.dp,
-                      run.num_microbatches, run.recompute == RunConfig::Recompute::kFull ? ", recompute_granularity full" : "");
+                      run.num_microbatches, RecomputeNote(run.recompute));
+  if (result.gpt) {
+    PrintGptModel(*result.gpt, result.padded_vocab_size);
+    return;
+  }
   if (config_.model->vocab_size) {
     out_ << fmt::format("vocab_size {}, padded_vocab_size {}\n", *config_.model->vocab_size,
                         result.padded_vocab_size);
@@ -325,19 +401,47 @@ void RankRun::PrintLayout(const Topology& topology, const SimulationResult& resu
   }
 }
 
+void RankRun::PrintGptModel(const GptConfig& gpt, int64_t padded_vocab_size) {
+  out_ << fmt::format("model: GPT (Megatron-Core GPTModel, local layer spec), {} layers, "
+                      "hidden_size {}, {} heads of {} channels in {} query groups, "
+                      "ffn_hidden_size {} ({})\n",
+                      gpt.num_layers, gpt.hidden_size, gpt.num_attention_heads, gpt.kv_channels,
+                      gpt.num_query_groups, gpt.ffn_hidden_size, ActivationName(gpt.activation));
+  out_ << fmt::format("  {}, {} position embeddings, bias {}, dropout hidden {} attention {} "
+                      "(masks drawn per global element), embeddings {}\n",
+                      NormalizationName(gpt.normalization),
+                      PositionEmbeddingName(gpt.position_embedding_type), gpt.add_bias_linear,
+                      gpt.hidden_dropout, gpt.attention_dropout,
+                      gpt.share_embeddings_and_output_weights ? "shared with the output layer"
+                                                              : "separate from the output layer");
+  out_ << fmt::format("vocab_size {}, padded_vocab_size {}, label_smoothing {}\n", gpt.vocab_size,
+                      padded_vocab_size, gpt.label_smoothing);
+}
+
 int RankRun::PrintChecks(const CheckResult& check, const SimulationResult& result) {
   if (check.has_loss) {
     out_ << fmt::format("reference loss {:.9g} (float64), |difference| {:.3g}\n",
                         check.reference_loss, std::fabs(result.loss - check.reference_loss));
   }
-  out_ << fmt::format(
-      "\ncheck against the float64 reference ({} storage; computed once, split over {} ranks "
-      "by token rows):\n"
-      "  pass when |a - e| <= allowed * (max|e| + |e|); allowed = {:g} * sqrt(roundings * u^2 + "
-      "terms * u_c^2) grows with the tensor's reduction lengths (README \"Checks and "
-      "tolerances\")\n",
-      DTypeName(config_.run->dtype), world_size_, kToleranceSafety);
-  out_ << fmt::format("  {:<26} {:<16} {:>12} {:>12} {:>12} {:>10}  {}\n", "tensor", "shape",
+  if (result.gpt) {
+    out_ << fmt::format(
+        "\ncheck against the float64 GPT reference ({} storage; each rank computes its dp "
+        "rank's samples):\n"
+        "  pass when |a - e| <= allowed * (max|e| + |e|); allowed = {:g} * sqrt(roundings * u^2 "
+        "+ terms * u_c^2) for the model's longest path (README \"Checks and tolerances\")\n",
+        DTypeName(config_.run->dtype), kToleranceSafety);
+  } else {
+    out_ << fmt::format(
+        "\ncheck against the float64 reference ({} storage; computed once, split over {} ranks "
+        "by token rows):\n"
+        "  pass when |a - e| <= allowed * (max|e| + |e|); allowed = {:g} * sqrt(roundings * u^2 + "
+        "terms * u_c^2) grows with the tensor's reduction lengths (README \"Checks and "
+        "tolerances\")\n",
+        DTypeName(config_.run->dtype), world_size_, kToleranceSafety);
+  }
+  size_t name_width = 26;
+  for (const TensorCheck& c : check.tensors) name_width = std::max(name_width, c.name.size());
+  out_ << fmt::format("  {:<{}} {:<16} {:>12} {:>12} {:>12} {:>10}  {}\n", "tensor", name_width, "shape",
                       "max abs err", "max rel err", "normalized", "allowed", "result");
   int failed = 0;
   for (const TensorCheck& c : check.tensors) {
@@ -357,17 +461,25 @@ int RankRun::PrintChecks(const CheckResult& check, const SimulationResult& resul
                             NumElements(c.full_shape));
     }
     if (!c.ok()) ++failed;
-    out_ << fmt::format("  {:<26} {:<16} {:>12.3g} {:>12.3g} {:>12.3g} {:>10.3g}  {}\n", c.name,
+    out_ << fmt::format("  {:<{}} {:<16} {:>12.3g} {:>12.3g} {:>12.3g} {:>10.3g}  {}\n", c.name,
+                        name_width,
                         ShapeString(c.full_shape), c.max_abs, c.max_rel, c.normalized, c.allowed,
                         verdict);
   }
   out_ << fmt::format("{} passed, {} failed\n", check.tensors.size() - static_cast<size_t>(failed),
                       failed);
-  out_ << fmt::format(
-      "reference memory: {:.1f} MiB on the largest rank ({} token rows), {:.1f} MiB for the "
-      "whole reference; the largest rank's own tensors: {:.1f} MiB\n",
-      MiB(check.reference_bytes_max), check.reference_rows_max, MiB(check.reference_bytes_whole),
-      MiB(check.record_bytes_max));
+  if (result.gpt) {
+    out_ << fmt::format(
+        "reference memory: {:.1f} MiB on the largest rank (the whole model and {} token rows); "
+        "the largest rank's own tensors: {:.1f} MiB\n",
+        MiB(check.reference_bytes_max), check.reference_rows_max, MiB(check.record_bytes_max));
+  } else {
+    out_ << fmt::format(
+        "reference memory: {:.1f} MiB on the largest rank ({} token rows), {:.1f} MiB for the "
+        "whole reference; the largest rank's own tensors: {:.1f} MiB\n",
+        MiB(check.reference_bytes_max), check.reference_rows_max,
+        MiB(check.reference_bytes_whole), MiB(check.record_bytes_max));
+  }
   return failed > 0 ? kExitCheckFailed : kExitOk;
 }
 

@@ -12,12 +12,14 @@
 #include <functional>
 #include <iosfwd>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "core/backend.h"
 #include "core/communicator.h"
 #include "core/config.h"
+#include "core/model/gpt_model.h"
 #include "core/model/graph.h"
 #include "core/status.h"
 #include "run/check.h"
@@ -34,7 +36,8 @@ struct SimulationResult {
   CommTrace trace;                    // this rank's collectives (the last repetition)
   std::vector<double> seconds;        // wall time of each repetition
   int64_t padded_vocab_size = 0;
-  std::vector<Graph::PlannedLayer> plan;  // as seen by rank 0's coordinates
+  std::vector<Graph::PlannedLayer> plan;  // as seen by rank 0's coordinates (a layer chain)
+  std::optional<GptConfig> gpt;           // a GPT run: the model as resolved for the layout
 };
 
 struct SimulateOptions {

@@ -446,9 +446,87 @@ TEST(ExplainCommand, LabSlices) {
   EXPECT_EQ(bad.out, "");
 }
 
+// The GPT samples run on 4 ranks and every tensor passes the check against the float64 GPT
+// reference; a GPT config the layout cannot split is one error line with exit 2.
+TEST(RunCommand, GptSamplesPassTheCheck) {
+  for (const char* sample : {"gpt_tiny_t2_sp_dp2_n4.json", "gpt_llama_style_gqa_t4_n4.json"}) {
+    std::string output;
+    EXPECT_EQ(Shell(Mpiexec(4) + MPUSIM_BINARY + " run " + Sample(sample), &output), 0) << output;
+    for (const char* line : {"model: GPT (Megatron-Core GPTModel, local layer spec)",
+                             "check against the float64 GPT reference", " passed, 0 failed",
+                             "finalize_model_grads"}) {
+      EXPECT_NE(output.find(line), std::string::npos) << sample << ": " << line << "\n" << output;
+    }
+  }
+  json config = json::parse(std::ifstream(Sample("gpt_llama_style_gqa_t4_n4.json")));
+  config["model"]["num_query_groups"] = 2;
+  const std::string bad =
+      WriteTemp(fmt::format("mpusim_gpt_bad.{}.json", ::getpid()), config.dump());
+  std::string output;
+  EXPECT_EQ(Shell(Mpiexec(4) + MPUSIM_BINARY + " run " + bad, &output), 2) << output;
+  EXPECT_NE(output.find(": model.num_query_groups: 2 is not divisible by "
+                        "tensor_model_parallel_size 4\n"),
+            std::string::npos)
+      << output;
+}
+
 }  // namespace run_tests
 
 namespace diff_tests {
+
+// Two layouts of one GPT with dropout on (the masks are drawn per global element, so every
+// layout draws the same ones): tp 2 with sequence parallelism and dp 2 on 4 ranks against one
+// rank holding the whole global batch. Then a layout that pads the vocabulary differently:
+// diff compares the real vocabulary rows and says so.
+TEST(DiffCommand, TwoGptLayoutsCompareEqualWithDropoutOn) {
+  const std::filesystem::path tmp = std::filesystem::temp_directory_path();
+  const std::string tag = std::to_string(::getpid());
+  const std::filesystem::path a = tmp / ("mpusim_gpt_diff_a." + tag);
+  const std::filesystem::path b = tmp / ("mpusim_gpt_diff_b." + tag);
+  const std::filesystem::path c = tmp / ("mpusim_gpt_diff_c." + tag);
+  for (const auto& dir : {a, b, c}) std::filesystem::remove_all(dir);
+  json config = json::parse(std::ifstream(Sample("gpt_tiny_t2_sp_dp2_n4.json")));
+  ASSERT_GT(config["model"].value("hidden_dropout", 0.1), 0.0);
+  config["parallel"] = {{"world_size", 1}};
+  config["run"]["micro_batch_size"] = 4;  // the sample's global batch: 2 per dp rank, dp 2
+  const std::string one = WriteTemp("mpusim_gpt_t1." + tag + ".json", config.dump());
+  config["model"]["make_vocab_size_divisible_by"] = 8;  // 200 rows, not 256
+  const std::string unpadded = WriteTemp("mpusim_gpt_v200." + tag + ".json", config.dump());
+  std::string output;
+  ASSERT_EQ(run_tests::Shell(run_tests::Mpiexec(4) + MPUSIM_BINARY + " run " +
+                                 Sample("gpt_tiny_t2_sp_dp2_n4.json") + " --dump " + a.string(),
+                             &output),
+            0)
+      << output;
+  ASSERT_EQ(run_tests::Shell(run_tests::Mpiexec(1) + MPUSIM_BINARY + " run " + one + " --dump " +
+                                 b.string(),
+                             &output),
+            0)
+      << output;
+  const Result same = Mpusim({"diff", a.string(), b.string()});
+  EXPECT_EQ(same.code, 0) << same.out << same.err;
+  EXPECT_NE(same.out.find("107 passed, 0 failed"), std::string::npos) << same.out;
+
+  ASSERT_EQ(run_tests::Shell(run_tests::Mpiexec(1) + MPUSIM_BINARY + " run " + unpadded +
+                                 " --dump " + c.string(),
+                             &output),
+            0)
+      << output;
+  const Result padded = Mpusim({"diff", a.string(), c.string(), "--format", "json"});
+  const json report = json::parse(padded.out);
+  bool saw_weight = false;
+  for (const json& t : report["tensors"]) {
+    if (t["name"] != "embedding.word_embeddings.weight") continue;
+    saw_weight = true;
+    EXPECT_EQ(t["pass"], true) << t.dump();
+    EXPECT_EQ(t["shape"], json({200, 64})) << t.dump();
+    EXPECT_EQ(t["note"],
+              "compared the 200 real vocabulary entries of dim 0 (padded to 256 in A, 200 in B)");
+  }
+  EXPECT_TRUE(saw_weight) << padded.out;
+  // The padded logits take part in the softmax, so the losses differ: the diff says so.
+  EXPECT_EQ(padded.code, 1) << padded.out;
+}
 
 // Two layouts of the lab model (tp 2 on 2 ranks, tp 1 on 1 rank) dumped by the real binary
 // compare equal tensor by tensor; a missing directory and an unknown tensor are bad input.

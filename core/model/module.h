@@ -1,0 +1,135 @@
+// What a module's Forward and Backward are given: the backend, the tensor-parallel group, the
+// shape of the residual stream on this rank, and where to record tensors.
+//
+// Modules (layer_norm, linear, attention, mlp, transformer_layer, gpt_model) hold Parameter
+// pointers and no activations: what a backward needs is returned in a typed Stash that the
+// caller keeps per (model chunk, micro-batch) and frees, so several micro-batches can be in
+// flight (pipeline schedules) and a stash can be dropped and rebuilt (recomputation).
+//
+// Shape legend (this rank; t = tp size, d = dp size):
+//   s        full sequence length            s_l = s / t under sequence parallelism, else s
+//   b        micro-batch per dp rank         B = b * d global samples per micro-batch
+//   stream   the residual stream [s_l, b, h], stored as [s_l * b, h]
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "core/communicator.h"
+#include "core/dropout.h"
+#include "core/kernels.h"
+#include "core/model/record.h"
+
+namespace mpusim {
+
+struct StreamShape {
+  int64_t s = 0;        // full sequence length
+  int64_t b = 0;        // samples per micro-batch on this dp rank
+  int64_t B = 0;        // global samples per micro-batch (b * d)
+  int64_t dp_rank = 0;  // this rank's samples are [dp_rank * b, (dp_rank + 1) * b)
+  int64_t t = 1;        // tensor-parallel size
+  int64_t tp_rank = 0;
+  bool sequence_parallel = false;
+
+  int64_t s_local() const { return sequence_parallel ? s / t : s; }
+  int64_t seq_offset() const { return sequence_parallel ? tp_rank * (s / t) : 0; }
+  int64_t stream_rows() const { return s_local() * b; }
+  // Where this rank's [s_l, b, w] stream elements sit in the full [s, B, w] tensor.
+  GlobalIndexMap StreamMap(int64_t w) const {
+    return ActivationIndexMap(s_local(), b, w, seq_offset(), dp_rank * b, 0, B, w);
+  }
+  // Shard spec of a stream tensor [s, B, w]: batch split over dp, sequence split under SP.
+  ShardSpec StreamSpec(int64_t dp_size) const {
+    ShardSpec spec;
+    spec.batch_dim = 1;
+    spec.batch_shards = dp_size;
+    spec.batch_index = dp_rank;
+    if (sequence_parallel && t > 1) {
+      spec.shard_dim = 0;
+      spec.num_shards = t;
+      spec.shard_index = tp_rank;
+    }
+    return spec;
+  }
+  // Shard spec of a column-parallel output [s, B, w] (full sequence, columns split over tp
+  // with Megatron's `stride`).
+  ShardSpec ColumnSpec(int64_t dp_size, int64_t stride) const {
+    ShardSpec spec;
+    spec.batch_dim = 1;
+    spec.batch_shards = dp_size;
+    spec.batch_index = dp_rank;
+    if (t > 1) {
+      spec.shard_dim = 2;
+      spec.num_shards = t;
+      spec.shard_index = tp_rank;
+      spec.stride = stride;
+    }
+    return spec;
+  }
+  // Shard spec of per-head attention tensors [B, a, s, s]: samples split over dp, heads over tp.
+  ShardSpec HeadSpec(int64_t dp_size) const {
+    ShardSpec spec;
+    spec.batch_dim = 0;
+    spec.batch_shards = dp_size;
+    spec.batch_index = dp_rank;
+    if (t > 1) {
+      spec.shard_dim = 1;
+      spec.num_shards = t;
+      spec.shard_index = tp_rank;
+    }
+    return spec;
+  }
+};
+
+// The random draw of one micro-batch: dropout_mode "global" (core/dropout.h).
+struct DropoutDraw {
+  uint64_t seed = 0;
+  int64_t iteration = 0;
+  int64_t microbatch = 0;
+};
+
+struct ModuleContext {
+  Kernels& k;
+  Communicator& tp;
+  CommTrace& trace;
+  StreamShape shape;
+  int64_t dp_size = 1;
+  DropoutDraw draw;
+  bool fuse_wgrad = false;                      // gradient_accumulation_fusion
+  std::vector<TensorRecord>* records = nullptr;  // null: this pass records nothing
+
+  // Records `tensor` (any view of the rank's local elements) with the local shape its shard
+  // of `full_shape` has, as dumps and the check expect.
+  void Record(std::string name, const Tensor& tensor, Shape full_shape, ShardSpec shard) const {
+    if (records == nullptr) return;
+    Shape local_shape = LocalShape(shard, full_shape);
+    if (NumElements(local_shape) != tensor.numel()) {
+      throw std::logic_error(fmt::format("record {}: {} elements, but its shard of {} has {}", name,
+                                         tensor.numel(), ShapeString(full_shape),
+                                         NumElements(local_shape)));
+    }
+    Tensor local = tensor.Reshaped(std::move(local_shape));
+    records->push_back({std::move(name), std::move(local), std::move(full_shape), shard});
+  }
+  bool recording() const { return records != nullptr; }
+};
+
+// Inverted dropout of `x` at `site` (p may be 0: a copy), with this rank's elements placed by
+// `map` in the site's full tensor. Its backward is the same call on the gradient.
+inline Tensor DropoutAtSite(const ModuleContext& ctx, const std::string& site, double p,
+                            const GlobalIndexMap& map, const Tensor& x) {
+  Tensor y = ctx.k.Empty(x.shape(), x.dtype());
+  if (p == 0.0) {
+    ctx.k.Copy(x, y);
+    return y;
+  }
+  ctx.k.DropoutAt(x, p, ctx.draw.seed, DropoutStream(site, ctx.draw.iteration, ctx.draw.microbatch),
+                  map, y);
+  return y;
+}
+
+}  // namespace mpusim

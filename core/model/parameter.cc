@@ -1,0 +1,63 @@
+// Parameters (see parameter.h).
+#include "core/model/parameter.h"
+
+#include <stdexcept>
+
+#include <fmt/format.h>
+
+namespace mpusim {
+
+Parameter& ParameterSet::Add(std::string name, Shape full_shape, InitSpec init, int tp_dim,
+                             int64_t stride, bool sequence_parallel, int64_t tp_size,
+                             int64_t tp_rank) {
+  auto p = std::make_unique<Parameter>();
+  p->name = std::move(name);
+  p->full_shape = std::move(full_shape);
+  p->init = init;
+  p->sequence_parallel = sequence_parallel && tp_size > 1;
+  if (tp_dim >= 0 && tp_size > 1) {
+    p->shard.shard_dim = tp_dim;
+    p->shard.num_shards = tp_size;
+    p->shard.shard_index = tp_rank;
+    p->shard.stride = stride;
+  }
+  params_.push_back(std::move(p));
+  return *params_.back();
+}
+
+Parameter* ParameterSet::Find(std::string_view name) {
+  for (auto& p : params_) {
+    if (p->name == name) return p.get();
+  }
+  return nullptr;
+}
+
+Parameter& ParameterSet::Get(std::string_view name) {
+  if (Parameter* p = Find(name)) return *p;
+  throw std::out_of_range(fmt::format("no parameter named '{}'", name));
+}
+
+void ParameterSet::Initialize(Kernels& k, uint64_t seed, DType dtype) {
+  for (auto& p : params_) {
+    const Shape local = LocalShape(p->shard, p->full_shape);
+    Tensor host = Tensor::HostEmpty(local, dtype);
+    FillShard(seed, p->name, p->init, p->full_shape, p->shard, host);
+    p->value = k.ToDevice(host);
+    p->grad = k.Zeros(local, ComputeDType(dtype));
+  }
+}
+
+void ParameterSet::ZeroGrads(Kernels& k) {
+  for (auto& p : params_) k.SetZero(p->grad);
+}
+
+void ParameterSet::FinalizeGrads(Communicator& tp, Communicator& dp, CommTrace& trace) {
+  trace.SetPhase(Phase::kOther);
+  trace.SetSite("finalize_model_grads");
+  for (auto& p : params_) {
+    if (p->sequence_parallel && tp.Size() > 1) tp.AllReduce(p->grad, ReduceOp::kSum);
+    if (dp.Size() > 1) dp.AllReduce(p->grad, ReduceOp::kSum);
+  }
+}
+
+}  // namespace mpusim

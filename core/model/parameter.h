@@ -1,0 +1,73 @@
+// Parameters that know their shard, their master values and how their gradients reduce.
+//
+// What it is: a model's parameters as one list, each with its full shape, this rank's
+// ShardSpec (Megatron's tensor-parallel split and stride), its initialisation (core/init.h:
+// layout-invariant master values), its local value in the storage dtype and its main_grad in
+// the compute dtype; and the gradient finalisation Megatron's finalize_model_grads does
+// after the last micro-batch: the tp all-reduce of parameters marked sequence_parallel
+// (replicated, but each rank saw only its sequence shard), then the data-parallel all-reduce.
+// What it is not: an optimizer (the training issue adds one on top of this list).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/communicator.h"
+#include "core/init.h"
+#include "core/kernels.h"
+#include "core/sharding.h"
+
+namespace mpusim {
+
+struct Parameter {
+  std::string name;  // Megatron's state-dict name
+  Shape full_shape;
+  ShardSpec shard;   // this rank's piece
+  InitSpec init;
+  bool sequence_parallel = false;  // gradient all-reduced over tp in FinalizeGrads
+  Tensor value;  // local, storage dtype
+  Tensor grad;   // local main_grad, compute dtype
+};
+
+class ParameterSet {
+ public:
+  // Adds a parameter split over `tp_size` ranks along `tp_dim` (-1: replicated) with
+  // Megatron's `stride`; this rank is `tp_rank`.
+  Parameter& Add(std::string name, Shape full_shape, InitSpec init, int tp_dim, int64_t stride,
+                 bool sequence_parallel, int64_t tp_size, int64_t tp_rank);
+  // The parameter called `name`; throws std::out_of_range naming it when there is none.
+  Parameter& Get(std::string_view name);
+  // The parameter called `name`, or nullptr (optional biases).
+  Parameter* Find(std::string_view name);
+  const std::vector<std::unique_ptr<Parameter>>& all() const { return params_; }
+
+  // Fills every local value with its master values (in `dtype`) and zeroes main_grad.
+  void Initialize(Kernels& k, uint64_t seed, DType dtype);
+  // main_grad = 0 (Megatron's zero_grad_buffer), before a step's first micro-batch.
+  void ZeroGrads(Kernels& k);
+  // finalize_model_grads: sequence-parallel gradients over `tp`, then all over `dp`
+  // (either may be a group of one; then nothing is sent).
+  void FinalizeGrads(Communicator& tp, Communicator& dp, CommTrace& trace);
+
+ private:
+  std::vector<std::unique_ptr<Parameter>> params_;
+};
+
+// main_grad += grad, where `op(g, beta)` computes a gradient into g (beta 0: overwrite;
+// beta 1: accumulate). With `fused` (gradient_accumulation_fusion) the op accumulates into
+// main_grad directly; otherwise it writes a gradient in the parameter's storage dtype that
+// is then added to main_grad, as Megatron does without the fusion.
+template <typename Op>
+void AccumulateGrad(Kernels& k, Parameter& p, bool fused, Op op) {
+  if (fused) {
+    op(p.grad, 1.0);
+    return;
+  }
+  Tensor grad = k.Empty(p.value.shape(), p.value.dtype());
+  op(grad, 0.0);
+  k.Axpy(1.0, grad, p.grad);
+}
+
+}  // namespace mpusim

@@ -1,0 +1,61 @@
+// Megatron-Core's TransformerLayer (local spec, pre-norm):
+//
+//   x1 = x  + dropout(linear_proj(attention(input_layernorm(x))) + proj_bias)   self_attn_bda
+//   y  = x1 + dropout(linear_fc2(mlp(pre_mlp_layernorm(x1))) + fc2_bias)       mlp_bda
+//
+// on the residual stream [s_l*b, h] (module.h). Dropout sites are "<prefix>.self_attn_bda"
+// and "<prefix>.mlp_bda", full tensors [s, B, h] (core/dropout.h).
+// Recomputation ("recompute_granularity"): "full" keeps only the layer's input and reruns
+// the layer's forward in backward; "selective" drops core attention's stash (SelfAttention).
+// Both give bit-identical gradients: the masks are pure functions of global indices.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "core/model/attention.h"
+#include "core/model/layer_norm.h"
+#include "core/model/mlp.h"
+#include "core/model_config.h"
+
+namespace mpusim {
+
+class TransformerLayer {
+ public:
+  // `prefix` is "decoder.layers.<i>".
+  TransformerLayer(const GptConfig& gpt, std::string prefix, ParameterSet& params, int64_t t,
+                   RunConfig::Recompute recompute);
+
+  struct Inner {
+    Norm::Stash norm1;
+    SelfAttention::Stash attention;
+    Norm::Stash norm2;
+    Mlp::Stash mlp;
+  };
+  struct Stash {
+    Tensor input;                // [s_l*b, h]
+    std::optional<Inner> inner;  // empty under full recomputation until backward
+  };
+  Tensor Forward(const ModuleContext& ctx, const Tensor& x, Stash* stash) const;
+  Tensor Backward(const ModuleContext& ctx, const Tensor& dy, Stash& stash) const;
+
+ private:
+  Tensor ForwardInner(const ModuleContext& ctx, const Tensor& x, Inner* inner) const;
+  // residual + dropout(x + bias) at `site`; bias may be null.
+  Tensor BiasDropoutAdd(const ModuleContext& ctx, const std::string& site, const Tensor& x,
+                        const Parameter* bias, const Tensor& residual) const;
+  // d(x) of BiasDropoutAdd for output gradient dy; accumulates the bias gradient.
+  Tensor BiasDropoutAddBackward(const ModuleContext& ctx, const std::string& site, const Tensor& dy,
+                                Parameter* bias) const;
+  void RecordStream(const ModuleContext& ctx, const std::string& name, const Tensor& t) const;
+
+  std::string prefix_;
+  double hidden_dropout_;
+  RunConfig::Recompute recompute_;
+  Norm input_norm_;
+  SelfAttention attention_;
+  Norm pre_mlp_norm_;
+  Mlp mlp_;
+};
+
+}  // namespace mpusim

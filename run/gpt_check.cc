@@ -1,0 +1,284 @@
+// The GPT run's check (see gpt_check.h).
+#include "run/gpt_check.h"
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+
+#include <fmt/format.h>
+
+#include "mpi/watchdog.h"
+#include "reference/gpt_reference.h"
+
+namespace mpusim::run {
+namespace {
+
+// Where a record's local elements sit in a reference tensor: for local flat index l, the
+// flat index into the reference value, or -1 when the element is outside the reference's
+// sample slice (a record of another dp rank's samples: never for a correct layout).
+class ElementMap {
+ public:
+  ElementMap(const TensorRecord& record, const GptReferenceTensor& ref, int64_t sample_begin,
+             int64_t sample_end)
+      : record_(record), ref_(ref), local_(LocalShape(record.shard, record.full_shape)) {
+    ref_shape_ = record.full_shape;
+    if (ref.batch_dim >= 0) {
+      ref_shape_[static_cast<size_t>(ref.batch_dim)] = sample_end - sample_begin;
+      sample_begin_ = sample_begin;
+    }
+  }
+  int64_t RefIndex(int64_t local_flat) const {
+    int64_t flat = 0, ref_stride = 1;
+    int64_t rest = local_flat;
+    for (size_t dim = local_.size(); dim-- > 0;) {
+      const int64_t l = rest % local_[dim];
+      rest /= local_[dim];
+      int64_t g = GlobalIndex(record_.shard, static_cast<int>(dim), record_.full_shape[dim], l);
+      if (static_cast<int>(dim) == ref_.batch_dim) {
+        g -= sample_begin_;
+        if (g < 0 || g >= ref_shape_[dim]) return -1;
+      }
+      flat += g * ref_stride;
+      ref_stride *= ref_shape_[dim];
+    }
+    return flat;
+  }
+  // The flat index of the element in the full tensor (for the worst-element report).
+  int64_t FullIndex(int64_t local_flat) const {
+    int64_t flat = 0, stride = 1, rest = local_flat;
+    for (size_t dim = local_.size(); dim-- > 0;) {
+      const int64_t l = rest % local_[dim];
+      rest /= local_[dim];
+      flat += GlobalIndex(record_.shard, static_cast<int>(dim), record_.full_shape[dim], l) * stride;
+      stride *= record_.full_shape[dim];
+    }
+    return flat;
+  }
+
+ private:
+  const TensorRecord& record_;
+  const GptReferenceTensor& ref_;
+  Shape local_;
+  Shape ref_shape_;
+  int64_t sample_begin_ = 0;
+};
+
+std::string IndexString(const Shape& shape, int64_t flat) {
+  Shape index(shape.size());
+  for (size_t d = shape.size(); d-- > 0;) {
+    index[d] = flat % shape[d];
+    flat /= shape[d];
+  }
+  return ShapeString(index);
+}
+
+}  // namespace
+
+ErrorBudget GptErrorBudget(const GptConfig& gpt, const RunConfig& run, int64_t t, int64_t d,
+                           int64_t padded_vocab) {
+  const double L = static_cast<double>(gpt.num_layers);
+  const double s = static_cast<double>(run.seq_length);
+  const double tokens = static_cast<double>(run.num_microbatches * run.seq_length *
+                                            run.micro_batch_size * d);
+  // Roundings: a stored value carries at most u of relative error, but most of a layer's
+  // stored values (qkv, scores, probabilities, context, fc1, activation) feed the residual
+  // stream through GEMMs that average their errors; calibrated as 4 independent roundings
+  // per layer, forward and backward (bench/tolerance_margins.py's rule: the largest error on
+  // every test layout stays under a fifth of its allowance). Terms: the reductions of the
+  // layer's GEMMs and norms, forward and backward.
+  const double per_layer_terms =
+      static_cast<double>(gpt.hidden_size) * 4 +
+      static_cast<double>(gpt.num_attention_heads * gpt.kv_channels) * 2 + s * 2 +
+      static_cast<double>(gpt.ffn_hidden_size) * 2;
+  ErrorBudget budget;
+  budget.roundings = 4 * (L + 2);
+  budget.terms = per_layer_terms * (L + 1) + static_cast<double>(padded_vocab) * 2 + tokens +
+                 static_cast<double>(t + d);
+  return budget;
+}
+
+StatusOr<CheckResult> CheckGptAgainstReference(const Config& config, const GptConfig& gpt,
+                                               const Topology& topology,
+                                               const RankCoordinates& coords,
+                                               const std::vector<TensorRecord>& records,
+                                               const HostFetch& fetch) {
+  const RunConfig& run = *config.run;
+  const DerivedSizes& sizes = topology.sizes();
+  const int64_t b = run.micro_batch_size;
+  GptReferenceOptions options;
+  options.sample_begin = coords.dp * b;
+  options.sample_end = coords.dp * b + b;
+  StatusOr<GptReferenceResult> reference = RunGptReference(gpt, config.parallel, run, options);
+  if (!reference.ok()) return reference.status();
+  GptReferenceResult& ref = *reference;
+
+  // The whole tensors' shares (gradients, the loss) summed over the dp slices.
+  MPI_Comm dp_comm = watched::CommSplit(
+      MPI_COMM_WORLD, static_cast<int>((coords.pp * sizes.cp + coords.cp) * sizes.tp + coords.tp),
+      static_cast<int>(coords.dp), WorldLabel());
+  const CommLabel dp_label = LabelOf(dp_comm, "dp");
+  for (GptReferenceTensor& t : ref.tensors) {
+    if (!t.partial || sizes.dp == 1) continue;
+    watched::Allreduce(MPI_IN_PLACE, t.value.data(), static_cast<int>(t.value.numel()), MPI_DOUBLE,
+                       MPI_SUM, dp_comm, dp_label);
+  }
+  MPI_Comm_free(&dp_comm);
+
+  // The tensors in the reference's order, then the run's tensors the reference lacks.
+  std::vector<std::string> names;
+  std::map<std::string, size_t> slot;
+  for (const GptReferenceTensor& t : ref.tensors) {
+    slot.emplace(t.name, names.size());
+    names.push_back(t.name);
+  }
+  // Run-only names must be the same list on every rank: gather them from rank 0's records is
+  // not enough (ranks may differ), so each rank marks which reference slots it covers and
+  // run-only names are reported by the ranks that have them.
+  const size_t T = names.size();
+  std::vector<const TensorRecord*> extra;
+  std::vector<std::vector<const TensorRecord*>> by_slot(T);
+  for (const TensorRecord& r : records) {
+    const auto it = slot.find(r.name);
+    const GptReferenceTensor* rt = it == slot.end() ? nullptr : &ref.tensors[it->second];
+    if (rt == nullptr || rt->full_shape != r.full_shape) {
+      extra.push_back(&r);
+    } else {
+      by_slot[it->second].push_back(&r);
+    }
+  }
+
+  const ErrorBudget budget = GptErrorBudget(gpt, run, sizes.tp, sizes.dp, gpt.PaddedVocabSize(sizes.tp));
+  const Tolerance tolerance = ToleranceFor(budget, run.dtype);
+  // Pass 1: the scale max|e| of each tensor over the elements any rank compares.
+  std::vector<double> scale(T, 0.0);
+  std::vector<Tensor> hosts(records.size());
+  for (size_t i = 0; i < T; ++i) {
+    const GptReferenceTensor& rt = ref.tensors[i];
+    const double* e = rt.value.data_as<double>();
+    for (const TensorRecord* r : by_slot[i]) {
+      const ElementMap map(*r, rt, options.sample_begin, options.sample_end);
+      const int64_t n = NumElements(LocalShape(r->shard, r->full_shape));
+      for (int64_t l = 0; l < n; ++l) {
+        const int64_t k = map.RefIndex(l);
+        if (k >= 0) scale[i] = std::max(scale[i], std::fabs(e[k]));
+      }
+    }
+  }
+  watched::Allreduce(MPI_IN_PLACE, scale.data(), static_cast<int>(T), MPI_DOUBLE, MPI_MAX,
+                     MPI_COMM_WORLD, WorldLabel());
+
+  // Pass 2: compare.
+  std::vector<ErrorStats> stats(T);
+  for (size_t i = 0; i < T; ++i) {
+    const GptReferenceTensor& rt = ref.tensors[i];
+    const double* e = rt.value.data_as<double>();
+    const Tolerance tol = tolerance.ForScale(scale[i]);
+    for (const TensorRecord* r : by_slot[i]) {
+      const Tensor host = fetch(*r);
+      const ElementMap map(*r, rt, options.sample_begin, options.sample_end);
+      const int64_t n = host.numel();
+      for (int64_t l = 0; l < n; ++l) {
+        const int64_t k = map.RefIndex(l);
+        // An element outside this rank's reference slice cannot be judged here: count it as
+        // a mismatch (a record placed on the wrong samples is a bug).
+        const double expected = k >= 0 ? e[k] : std::numeric_limits<double>::quiet_NaN();
+        stats[i].Add(map.FullIndex(l), HostValue(host, l), expected, tol);
+      }
+    }
+  }
+  // Reduce: sums, maxima, and the worst element from the rank that holds it.
+  std::vector<int64_t> sums(3 * T);
+  std::vector<double> maxima(2 * T);
+  struct DoubleInt {  // MPI_DOUBLE_INT's layout
+    double excess;
+    int rank;
+  };
+  std::vector<DoubleInt> worst(T);
+  int world_rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+  for (size_t i = 0; i < T; ++i) {
+    sums[3 * i] = stats[i].count;
+    sums[3 * i + 1] = stats[i].mismatches;
+    sums[3 * i + 2] = stats[i].non_finite;
+    maxima[2 * i] = stats[i].max_abs;
+    maxima[2 * i + 1] = stats[i].max_rel;
+    worst[i] = {stats[i].count > 0 ? std::min(stats[i].worst_excess, 1e300) : -1e300, world_rank};
+  }
+  watched::Allreduce(MPI_IN_PLACE, sums.data(), static_cast<int>(sums.size()), MPI_INT64_T,
+                     MPI_SUM, MPI_COMM_WORLD, WorldLabel());
+  watched::Allreduce(MPI_IN_PLACE, maxima.data(), static_cast<int>(maxima.size()), MPI_DOUBLE,
+                     MPI_MAX, MPI_COMM_WORLD, WorldLabel());
+  watched::Allreduce(MPI_IN_PLACE, worst.data(), static_cast<int>(T), MPI_DOUBLE_INT, MPI_MAXLOC,
+                     MPI_COMM_WORLD, WorldLabel());
+  std::vector<double> worst_values(3 * T, 0.0);
+  for (size_t i = 0; i < T; ++i) {
+    if (worst[i].rank != world_rank || stats[i].count == 0) continue;
+    worst_values[3 * i] = static_cast<double>(stats[i].worst_index);
+    worst_values[3 * i + 1] = stats[i].worst_actual;
+    worst_values[3 * i + 2] = stats[i].worst_expected;
+  }
+  watched::Allreduce(MPI_IN_PLACE, worst_values.data(), static_cast<int>(worst_values.size()),
+                     MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD, WorldLabel());
+
+  CheckResult result;
+  for (size_t i = 0; i < T; ++i) {
+    const GptReferenceTensor& rt = ref.tensors[i];
+    TensorCheck c;
+    c.name = rt.name;
+    c.full_shape = rt.full_shape;
+    c.count = sums[3 * i];
+    c.mismatches = sums[3 * i + 1];
+    c.non_finite = sums[3 * i + 2];
+    c.max_abs = maxima[2 * i];
+    c.max_rel = maxima[2 * i + 1];
+    c.scale = scale[i];
+    c.normalized = scale[i] > 0 ? c.max_abs / scale[i] : 0.0;
+    c.allowed = tolerance.rtol;
+    c.not_produced = c.count == 0;
+    if (c.mismatches > 0) {
+      c.worst_index = IndexString(rt.full_shape, static_cast<int64_t>(worst_values[3 * i]));
+      c.worst_actual = worst_values[3 * i + 1];
+      c.worst_expected = worst_values[3 * i + 2];
+    }
+    result.tensors.push_back(std::move(c));
+  }
+  // Run-only tensors: agreed over all ranks by count (each rank reports its own names, and
+  // rank 0's report lists them; the verdict fails on every rank).
+  int64_t extras = static_cast<int64_t>(extra.size());
+  watched::Allreduce(MPI_IN_PLACE, &extras, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD, WorldLabel());
+  for (const TensorRecord* r : extra) {
+    TensorCheck c;
+    c.name = r->name;
+    c.full_shape = r->full_shape;
+    c.missing = true;
+    result.tensors.push_back(std::move(c));
+  }
+  if (extras > 0 && extra.empty()) {
+    TensorCheck c;
+    c.name = "(tensors of other ranks)";
+    c.missing = true;
+    result.tensors.push_back(std::move(c));
+  }
+  result.has_loss = true;
+  result.reference_loss = ref.loss;
+  const GptReferenceTensor* loss = ref.Find("loss");
+  if (loss != nullptr) result.reference_loss = loss->value.data_as<double>()[0];
+  int64_t held = 0;
+  for (const GptReferenceTensor& t : ref.tensors) held += static_cast<int64_t>(t.value.bytes());
+  result.reference_rows_max = run.seq_length * b;
+  result.reference_bytes_max = held;
+  watched::Allreduce(MPI_IN_PLACE, &result.reference_bytes_max, 1, MPI_INT64_T, MPI_MAX,
+                     MPI_COMM_WORLD, WorldLabel());
+  result.reference_bytes_whole = held;
+  int64_t own = 0;
+  for (const TensorRecord& r : records) own += static_cast<int64_t>(r.tensor.bytes());
+  result.record_bytes_max = own;
+  watched::Allreduce(MPI_IN_PLACE, &result.record_bytes_max, 1, MPI_INT64_T, MPI_MAX,
+                     MPI_COMM_WORLD, WorldLabel());
+  return result;
+}
+
+}  // namespace mpusim::run
