@@ -1,5 +1,6 @@
-// `mpusim explain`: how every weight of the layer graph is sliced across the tensor-parallel
-// ranks, in the MPU lab's notation (Y = X A + b, A = W^T).
+// `mpusim explain`: how every weight of the model is sliced across the tensor-parallel ranks:
+// a layer chain in the MPU lab's notation (Y = X A + b, A = W^T), a GPT model parameter by
+// parameter in Megatron's state-dict names.
 #include <ostream>
 
 #include <fmt/format.h>
@@ -8,6 +9,7 @@
 #include "cli/cli.h"
 #include "cli/commands.h"
 #include "cli/config_options.h"
+#include "core/model/gpt_model.h"
 #include "core/model/graph.h"
 #include "core/topology.h"
 
@@ -30,6 +32,7 @@ class ExplainCommand : public Command {
     const Topology* topology = &layout->topology;
     const Config* config = &layout->config;
     std::string source;
+    if (config->gpt) return ExplainGpt(*config, *topology, out, err);
     StatusOr<std::unique_ptr<Graph>> graph = Graph::Build(*config, *topology);
     if (!graph.ok()) {
       return ReportError(err, source, config_.Attribute(graph.status(), &source).Message());
@@ -95,7 +98,53 @@ class ExplainCommand : public Command {
     return kExitOk;
   }
 
+
  private:
+  // The GPT model: every parameter, its split and this rank's piece, in state-dict order.
+  int ExplainGpt(const Config& config, const Topology& topology, std::ostream& out,
+                 std::ostream& err) {
+    std::string source;
+    StatusOr<std::unique_ptr<GptModel>> model = GptModel::Build(config, topology, {});
+    if (!model.ok()) {
+      return ReportError(err, source, config_.Attribute(model.status(), &source).Message());
+    }
+    const GptConfig& gpt = (*model)->gpt();
+    const int64_t t = topology.sizes().tp;
+    const bool sp = config.parallel.sequence_parallel && t > 1;
+    out << fmt::format("GPT model (Megatron-Core GPTModel, local layer spec), "
+                       "tensor_model_parallel_size {}, sequence_parallel {}: a split parameter is "
+                       "cut into {} slices and rank r of a tp group holds slice r\n",
+                       t, sp, t);
+    const int64_t groups_local = gpt.num_query_groups / t;
+    const int64_t per_group = gpt.num_attention_heads / gpt.num_query_groups;
+    for (const auto& p : (*model)->parameters().all()) {
+      const Shape local = LocalShape(p->shard, p->full_shape);
+      std::string how = "replicated";
+      if (p->shard.shard_dim >= 0) {
+        how = fmt::format("split on dim {}{}: {} per rank", p->shard.shard_dim,
+                          p->shard.stride > 1 ? fmt::format(" with stride {}", p->shard.stride) : "",
+                          ShapeString(local));
+      }
+      std::string note;
+      if (p->name.find("linear_qkv") != std::string::npos) {
+        note = fmt::format("; per rank {} query group{} of ({} query head{}, 1 key, 1 value) x {} "
+                           "channels",
+                           groups_local, groups_local == 1 ? "" : "s", per_group,
+                           per_group == 1 ? "" : "s", gpt.kv_channels);
+      } else if (p->shard.stride == 2) {
+        note = "; per rank its gate rows, then the same up rows (SwiGLU)";
+      } else if (p->name == "embedding.word_embeddings.weight" && t > 1) {
+        note = fmt::format("; rank r holds vocabulary rows [{} r, {} (r + 1))", local[0], local[0]);
+      }
+      if (p->sequence_parallel) note += "; gradient all-reduced over tp (sequence parallel)";
+      out << fmt::format("  {} {} {}{}\n", p->name, ShapeString(p->full_shape), how, note);
+    }
+    if (gpt.share_embeddings_and_output_weights) {
+      out << "  output_layer uses embedding.word_embeddings.weight (shared)\n";
+    }
+    return kExitOk;
+  }
+
   CLI::App* app_ = nullptr;
   ConfigOptions config_;
 };

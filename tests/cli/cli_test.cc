@@ -446,6 +446,29 @@ TEST(ExplainCommand, LabSlices) {
   EXPECT_EQ(bad.out, "");
 }
 
+TEST(ExplainCommand, GptParametersInStateDictNames) {
+  const Result gpt = Mpusim({"explain", Sample("gpt_llama_style_gqa_t4_n4.json")});
+  ASSERT_EQ(gpt.code, 0) << gpt.err;
+  for (const char* line :
+       {"  decoder.layers.0.self_attention.linear_qkv.weight [128, 64] split on dim 0: [32, 64] per "
+        "rank; per rank 1 query group of (2 query heads, 1 key, 1 value) x 8 channels\n",
+        "  decoder.layers.1.mlp.linear_fc1.weight [256, 64] split on dim 0 with stride 2: [64, 64] "
+        "per rank; per rank its gate rows, then the same up rows (SwiGLU)\n",
+        "  decoder.final_layernorm.weight [64] replicated; gradient all-reduced over tp (sequence "
+        "parallel)\n",
+        "  output_layer.weight [256, 64] split on dim 0: [64, 64] per rank\n"}) {
+    EXPECT_NE(gpt.out.find(line), std::string::npos) << line << gpt.out;
+  }
+  // The same config at tp 8 cannot split 4 query groups: one line, exit 2.
+  const Result bad = Mpusim({"explain", Sample("gpt_llama_style_gqa_t4_n4.json"), "--tp", "8",
+                             "--world-size", "8"});
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_EQ(bad.err, "error: " + Sample("gpt_llama_style_gqa_t4_n4.json") +
+                        ": model.num_query_groups: 4 is not divisible by "
+                        "tensor_model_parallel_size 8\n");
+  EXPECT_EQ(bad.out, "");
+}
+
 // The GPT samples run on 4 ranks and every tensor passes the check against the float64 GPT
 // reference; a GPT config the layout cannot split is one error line with exit 2.
 TEST(RunCommand, GptSamplesPassTheCheck) {
