@@ -175,7 +175,9 @@ StatusOr<CheckResult> CheckGptAgainstReference(const Config& config, const GptCo
   for (size_t i = 0; i < T; ++i) {
     const GptReferenceTensor& rt = ref.tensors[i];
     const double* e = rt.value.data_as<double>();
-    const Tolerance tol = tolerance.ForScale(scale[i]);
+    // Token ids are exact data: compared for equality.
+    const bool exact = rt.name == "tokens" || rt.name == "labels";
+    const Tolerance tol = exact ? Tolerance{0, 0, 0} : tolerance.ForScale(scale[i]);
     for (const TensorRecord* r : by_slot[i]) {
       const Tensor host = fetch(*r);
       const ElementMap map(*r, rt, options.sample_begin, options.sample_end);
@@ -236,7 +238,7 @@ StatusOr<CheckResult> CheckGptAgainstReference(const Config& config, const GptCo
     c.max_rel = maxima[2 * i + 1];
     c.scale = scale[i];
     c.normalized = scale[i] > 0 ? c.max_abs / scale[i] : 0.0;
-    c.allowed = tolerance.rtol;
+    c.allowed = rt.name == "tokens" || rt.name == "labels" ? 0.0 : tolerance.rtol;
     c.not_produced = c.count == 0;
     if (c.mismatches > 0) {
       c.worst_index = IndexString(rt.full_shape, static_cast<int64_t>(worst_values[3 * i]));
