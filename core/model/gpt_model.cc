@@ -155,11 +155,7 @@ double GptModel::Forward(const ModuleContext& ctx, const Batch& batch, Stash* st
   ctx.Record("output_layer.output", logits, {sh.s, sh.B, padded_vocab_}, sh.ColumnSpec(d_, 1));
   const Tensor losses = VocabParallelCrossEntropyForward(
       k, ctx.tp, logits, batch.labels, padded_vocab_, gpt_.label_smoothing, &stash->loss);
-  ShardSpec batch_split;
-  batch_split.batch_dim = 1;
-  batch_split.batch_shards = d_;
-  batch_split.batch_index = sh.dp_rank;
-  ctx.Record("loss.per_token", losses.Reshaped({sh.s, sh.b}), {sh.s, sh.B}, batch_split);
+  ctx.Record("loss.per_token", losses.Reshaped({sh.s, sh.b}), {sh.s, sh.B}, sh.BatchSpec(1, d_));
   const Tensor host = k.ToHost(losses);
   double sum = 0;
   for (int64_t i = 0; i < host.numel(); ++i) sum += HostValue(host, i);
@@ -177,11 +173,7 @@ void GptModel::Backward(const ModuleContext& ctx, const Batch& batch, Stash& sta
   const double scale = 1.0 / static_cast<double>(run_.num_microbatches * sh.s * sh.B);
   for (int64_t i = 0; i < rows; ++i) SetHostValue(dloss_host, i, scale);
   const Tensor dloss = k.ToDevice(dloss_host);
-  ShardSpec batch_split;
-  batch_split.batch_dim = 1;
-  batch_split.batch_shards = d_;
-  batch_split.batch_index = sh.dp_rank;
-  ctx.Record("loss.per_token_grad", dloss.Reshaped({sh.s, sh.b}), {sh.s, sh.B}, batch_split);
+  ctx.Record("loss.per_token_grad", dloss.Reshaped({sh.s, sh.b}), {sh.s, sh.B}, sh.BatchSpec(1, d_));
   const Tensor dlogits = VocabParallelCrossEntropyBackward(
       k, stash.loss, batch.labels, padded_vocab_, gpt_.label_smoothing, sh.tp_rank, dloss);
   ctx.Record("output_layer.output_grad", dlogits, {sh.s, sh.B, padded_vocab_}, sh.ColumnSpec(d_, 1));
@@ -210,10 +202,7 @@ void GptModel::Run(RankContext& ctx, std::vector<TensorRecord>* records) {
     loss_sum += Forward(mctx, batch, &stash);
     Backward(mctx, batch, stash);
     if (m + 1 == M && records != nullptr) {
-      ShardSpec batch_split;
-      batch_split.batch_dim = 1;
-      batch_split.batch_shards = d_;
-      batch_split.batch_index = shape_.dp_rank;
+      const ShardSpec batch_split = shape_.BatchSpec(1, d_);
       for (const auto* ids : {&batch.tokens, &batch.labels}) {
         Tensor host = Tensor::HostEmpty({shape_.s, shape_.b}, DType::kFloat64);
         for (size_t i = 0; i < ids->size(); ++i) host.data_as<double>()[i] = static_cast<double>((*ids)[i]);

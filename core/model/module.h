@@ -42,44 +42,35 @@ struct StreamShape {
   GlobalIndexMap StreamMap(int64_t w) const {
     return ActivationIndexMap(s_local(), b, w, seq_offset(), dp_rank * b, 0, B, w);
   }
-  // Shard spec of a stream tensor [s, B, w]: batch split over dp, sequence split under SP.
-  ShardSpec StreamSpec(int64_t dp_size) const {
+  // Shard spec of a tensor whose dimension `batch_dim` holds the global samples, split over
+  // the dp ranks (tokens, labels, per-token losses: [s, B]).
+  ShardSpec BatchSpec(int batch_dim, int64_t dp_size) const {
     ShardSpec spec;
-    spec.batch_dim = 1;
+    spec.batch_dim = batch_dim;
     spec.batch_shards = dp_size;
     spec.batch_index = dp_rank;
-    if (sequence_parallel && t > 1) {
-      spec.shard_dim = 0;
-      spec.num_shards = t;
-      spec.shard_index = tp_rank;
-    }
     return spec;
+  }
+  // Shard spec of a stream tensor [s, B, w]: batch split over dp, sequence split under SP.
+  ShardSpec StreamSpec(int64_t dp_size) const {
+    return sequence_parallel ? TpSplit(BatchSpec(1, dp_size), 0, 1) : BatchSpec(1, dp_size);
   }
   // Shard spec of a column-parallel output [s, B, w] (full sequence, columns split over tp
   // with Megatron's `stride`).
   ShardSpec ColumnSpec(int64_t dp_size, int64_t stride) const {
-    ShardSpec spec;
-    spec.batch_dim = 1;
-    spec.batch_shards = dp_size;
-    spec.batch_index = dp_rank;
+    return TpSplit(BatchSpec(1, dp_size), 2, stride);
+  }
+  // Shard spec of per-head attention tensors [B, a, s, s]: samples split over dp, heads over tp.
+  ShardSpec HeadSpec(int64_t dp_size) const { return TpSplit(BatchSpec(0, dp_size), 1, 1); }
+
+ private:
+  // `spec` also split over the tp ranks along `dim` (nothing to split when t = 1).
+  ShardSpec TpSplit(ShardSpec spec, int dim, int64_t stride) const {
     if (t > 1) {
-      spec.shard_dim = 2;
+      spec.shard_dim = dim;
       spec.num_shards = t;
       spec.shard_index = tp_rank;
       spec.stride = stride;
-    }
-    return spec;
-  }
-  // Shard spec of per-head attention tensors [B, a, s, s]: samples split over dp, heads over tp.
-  ShardSpec HeadSpec(int64_t dp_size) const {
-    ShardSpec spec;
-    spec.batch_dim = 0;
-    spec.batch_shards = dp_size;
-    spec.batch_index = dp_rank;
-    if (t > 1) {
-      spec.shard_dim = 1;
-      spec.num_shards = t;
-      spec.shard_index = tp_rank;
     }
     return spec;
   }
