@@ -111,6 +111,12 @@ StatusOr<SimulationResult> SimulateGpt(const Config& config, const SimulateOptio
   RankContext ctx = MakeRankContext(config, backend, topology, world_rank, &result);
   result.padded_vocab_size = model.padded_vocab_size();
   result.gpt = model.gpt();
+  for (const auto& p : model.parameters().all()) {
+    result.parameter_bytes_rank += static_cast<int64_t>(
+        NumElements(LocalShape(p->shard, p->full_shape)) * DTypeSize(config.run->dtype));
+    result.parameter_bytes_model +=
+        static_cast<int64_t>(NumElements(p->full_shape) * DTypeSize(config.run->dtype));
+  }
   model.InitializeParameters(*ctx.kernels);
   const bool want_records = options.check || options.keep_records;
   std::vector<TensorRecord> records;
@@ -207,6 +213,7 @@ class RankRun {
   }
   void PrintLayout(const Topology& topology, const SimulationResult& result);
   void PrintGptModel(const GptConfig& gpt, int64_t padded_vocab_size);
+  void PrintParameterMemory(const SimulationResult& result);
   int PrintChecks(const CheckResult& check, const SimulationResult& result);
   void PrintCommTrace(const CommTrace& trace);
   void PrintMemory();
@@ -352,6 +359,7 @@ int RankRun::Run() {
     out_ << fmt::format("\ndump: {} ({} files + manifest.json)\n", options_.dump_dir,
                         world_size_);
   }
+  if (result->gpt) PrintParameterMemory(*result);
   PrintMemory();
   return code;
 }
@@ -416,6 +424,16 @@ void RankRun::PrintGptModel(const GptConfig& gpt, int64_t padded_vocab_size) {
                                                               : "separate from the output layer");
   out_ << fmt::format("vocab_size {}, padded_vocab_size {}, label_smoothing {}\n", gpt.vocab_size,
                       padded_vocab_size, gpt.label_smoothing);
+}
+
+void RankRun::PrintParameterMemory(const SimulationResult& result) {
+  out_ << fmt::format("parameters: {} per rank of {} for the whole model ({:.3f}; tp {} splits "
+                      "the weight matrices, norms and row-parallel biases stay whole)\n",
+                      FormatBytes(static_cast<uint64_t>(result.parameter_bytes_rank)),
+                      FormatBytes(static_cast<uint64_t>(result.parameter_bytes_model)),
+                      static_cast<double>(result.parameter_bytes_rank) /
+                          static_cast<double>(std::max<int64_t>(1, result.parameter_bytes_model)),
+                      config_.parallel.tensor_model_parallel_size);
 }
 
 int RankRun::PrintChecks(const CheckResult& check, const SimulationResult& result) {

@@ -38,6 +38,8 @@ struct SimulationResult {
   int64_t padded_vocab_size = 0;
   std::vector<Graph::PlannedLayer> plan;  // as seen by rank 0's coordinates (a layer chain)
   std::optional<GptConfig> gpt;           // a GPT run: the model as resolved for the layout
+  int64_t parameter_bytes_rank = 0;       // a GPT run: this rank's parameter shards
+  int64_t parameter_bytes_model = 0;      // a GPT run: the whole model's parameters
 };
 
 struct SimulateOptions {
