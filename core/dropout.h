@@ -10,8 +10,19 @@
 // and kept elements are scaled by 1 / (1 - p). So the mask does not depend on the layout:
 // tp = 1 and tp = 8, with or without sequence parallelism, draw the same mask, and two
 // layouts can be diffed with dropout on. Each rank draws only its own elements, locating them
-// with a GlobalIndexMap. (Megatron draws from per-tp-rank tracker streams instead, so its
-// masks change with the layout; docs/simulator.md compares the two.)
+// with a GlobalIndexMap.
+//
+// "dropout_mode": "rng_tracker" keeps Megatron's semantics instead, so its masks change with
+// the layout. Each rank draws from its RNG tracker (core/rng.h): the "default" stream (key
+// DefaultSeed(seed, pp, dp): the same on every tp rank) or "model-parallel-rng" (key
+// ModelParallelSeed(default key, tp): one per tp rank), with the LOCAL element index. Which
+// stream a GPT site uses is Megatron-Core's: attention dropout always model-parallel-rng
+// (DotProductAttention forks the tracker); the embedding dropout and the bias-dropout-adds
+// model-parallel-rng under sequence parallelism (LanguageModelEmbedding forks, and the whole
+// TransformerBlock runs inside the fork), else the default stream. Every site with p > 0 is one
+// draw on its stream, numbered in forward order: with D draws per micro-batch on a stream, the
+// k-th of micro-batch m is draw n = m * D + k (recomputation restores the tracker, so it
+// redraws the same n). Local element e is kept iff UniformAt(key, n, e) >= p.
 //
 // The GPT model's sites and full shapes (s = seq_length, B = global batch, a = heads):
 //   embedding.embedding_dropout                                   [s, B, h]

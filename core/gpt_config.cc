@@ -55,7 +55,7 @@ Status ParseChoice(const json& value, const std::string& where,
 const std::vector<std::string_view> kNormalizations = {"LayerNorm", "RMSNorm"};
 const std::vector<std::string_view> kActivations = {"gelu", "swiglu"};
 const std::vector<std::string_view> kPositionEmbeddings = {"learned_absolute", "rope"};
-const std::vector<std::string_view> kDropoutModes = {"global"};
+const std::vector<std::string_view> kDropoutModes = {"global", "rng_tracker"};
 
 }  // namespace
 
@@ -64,6 +64,7 @@ const char* ActivationName(Activation a) { return kActivations[static_cast<size_
 const char* PositionEmbeddingName(PositionEmbedding p) {
   return kPositionEmbeddings[static_cast<size_t>(p)].data();
 }
+const char* DropoutModeName(DropoutMode m) { return kDropoutModes[static_cast<size_t>(m)].data(); }
 
 int64_t GptConfig::PaddedVocabSize(int64_t tensor_model_parallel_size) const {
   const int64_t multiple = make_vocab_size_divisible_by * tensor_model_parallel_size;

@@ -22,7 +22,7 @@
 //     "vocab_size": 1000,                required
 //     "make_vocab_size_divisible_by": 128,
 //     "label_smoothing": 0.0,            of the vocab-parallel cross entropy
-//     "dropout_mode": "global"           see core/dropout.h
+//     "dropout_mode": "global"           or "rng_tracker" (Megatron's); see core/dropout.h
 //   }
 // }
 //
@@ -51,7 +51,8 @@ enum class Activation : uint8_t { kGelu, kSwiglu };
 enum class PositionEmbedding : uint8_t { kLearnedAbsolute, kRope };
 // How dropout masks are drawn (core/dropout.h).
 enum class DropoutMode : uint8_t {
-  kGlobal,  // every mask element a pure function of (seed, site, micro-batch, global index)
+  kGlobal,      // every mask element a pure function of (seed, site, micro-batch, global index)
+  kRngTracker,  // Megatron's: per-rank streams of its RNG tracker, local indices (core/dropout.h)
 };
 
 struct GptConfig {
@@ -93,6 +94,7 @@ struct GptConfig {
 const char* NormalizationName(Normalization n);            // "LayerNorm", "RMSNorm"
 const char* ActivationName(Activation a);                  // "gelu", "swiglu"
 const char* PositionEmbeddingName(PositionEmbedding p);    // "learned_absolute", "rope"
+const char* DropoutModeName(DropoutMode m);                // "global", "rng_tracker"
 
 // True when the `model` section has a "type" key: the GPT kind (a chain has none).
 bool IsGptSection(const nlohmann::json& section);

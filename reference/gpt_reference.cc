@@ -33,6 +33,7 @@
 #include "core/dropout.h"
 #include "core/init.h"
 #include "core/philox.h"
+#include "core/rng.h"
 
 namespace mpusim {
 namespace {
@@ -51,6 +52,13 @@ struct Dims {
   int64_t n = 0, sample_begin = 0;  // this slice
   int64_t h = 0, a = 0, g = 0, r = 0, dk = 0, F = 0, f1 = 0, V = 0, Vp = 0, L = 0;
   int64_t qkv = 0;  // (a + 2g) * dk
+  // dropout_mode "rng_tracker" (core/dropout.h): masks depend on who draws them, so the
+  // layout enters: t, sequence parallelism, b samples per dp rank, and each site's draw.
+  bool tracker = false;
+  int64_t t = 1, b = 1;
+  bool sp = false;
+  std::map<std::string, std::pair<bool, int64_t>> draw;  // site -> (model-parallel-rng?, k)
+  int64_t draws_default = 0, draws_model_parallel = 0;    // per micro-batch
 };
 
 // ---- tensors ------------------------------------------------------------------------------
@@ -264,22 +272,61 @@ Mat ActivationBackward(Activation kind, const Mat& dact, const Mat& fc1, int64_t
 
 double KeepScale(double p) { return p < 1.0 ? 1.0 / (1.0 - p) : 0.0; }
 
-// 0 or 1/(1-p) for this slice's rows of an [s, B, w] site: element (i, gs, c) is full flat
-// index (i*B + gs)*w + c.
+// Where one mask element's random number comes from: UniformAt(key, stream, index).
+struct MaskDraw {
+  uint64_t key, stream, index;
+};
+
+// rng_tracker mode: the key and draw number of `site` on the rank at (tp, dp).
+MaskDraw TrackerDraw(const Dims& d, const std::string& site, int64_t m, int64_t tp, int64_t dp,
+                     int64_t local_index) {
+  const auto& [model_parallel, k] = d.draw.at(site);
+  const uint64_t default_key = DefaultSeed(d.seed, 0, dp);
+  const int64_t per_microbatch = model_parallel ? d.draws_model_parallel : d.draws_default;
+  return {model_parallel ? ModelParallelSeed(default_key, tp) : default_key,
+          static_cast<uint64_t>(m * per_microbatch + k), static_cast<uint64_t>(local_index)};
+}
+
+// Element (i, gs, c) of an [s, B, w] site. Global mode: full flat index (i*B + gs)*w + c.
+// Tracker mode: the rank holding it (the sequence shard's tp rank under sequence parallelism,
+// any tp rank otherwise: their default streams agree) and its index in that rank's
+// [s_local, b, w] tensor.
+MaskDraw HiddenDraw(const Dims& d, const std::string& site, int64_t m, int64_t i, int64_t gs,
+                    int64_t c, int64_t w) {
+  if (!d.tracker) {
+    return {d.seed, DropoutStream(site, 0, m), static_cast<uint64_t>((i * d.B + gs) * w + c)};
+  }
+  const int64_t s_local = d.sp ? d.s / d.t : d.s;
+  const int64_t tp = i / s_local, local_i = i % s_local;
+  return TrackerDraw(d, site, m, tp, gs / d.b, (local_i * d.b + gs % d.b) * w + c);
+}
+
+// Element (gs, hd, e) of the [B, a, s*s] attention site. Global mode: ((gs*a + hd)*s*s + e.
+// Tracker mode: head hd lives on tp rank hd / (a/t), at local [b, a/t, s*s] index.
+MaskDraw ProbsDraw(const Dims& d, const std::string& site, int64_t m, int64_t gs, int64_t hd,
+                   int64_t e) {
+  if (!d.tracker) {
+    return {d.seed, DropoutStream(site, 0, m),
+            static_cast<uint64_t>((gs * d.a + hd) * d.s * d.s + e)};
+  }
+  const int64_t heads_local = d.a / d.t;
+  return TrackerDraw(d, site, m, hd / heads_local, gs / d.b,
+                     ((gs % d.b) * heads_local + hd % heads_local) * d.s * d.s + e);
+}
+
+// 0 or 1/(1-p) for this slice's rows of an [s, B, w] site.
 Mat HiddenKeep(const Dims& d, const std::string& site, int64_t m, double p, int64_t w) {
   Mat keep(d.s * d.n, w);
   if (p == 0.0) {
     keep.setOnes();
     return keep;
   }
-  const uint64_t stream = DropoutStream(site, 0, m);
   const double scale = KeepScale(p);
   for (int64_t i = 0; i < d.s; ++i) {
     for (int64_t j = 0; j < d.n; ++j) {
-      const int64_t base = (i * d.B + d.sample_begin + j) * w;
       for (int64_t c = 0; c < w; ++c) {
-        const bool kept = UniformAt(d.seed, stream, static_cast<uint64_t>(base + c)) >= p;
-        keep(i * d.n + j, c) = kept ? scale : 0.0;
+        const MaskDraw r = HiddenDraw(d, site, m, i, d.sample_begin + j, c, w);
+        keep(i * d.n + j, c) = UniformAt(r.key, r.stream, r.index) >= p ? scale : 0.0;
       }
     }
   }
@@ -295,12 +342,10 @@ Mat AttentionKeep(const Dims& d, const std::string& site, int64_t m, double p, i
     keep.setOnes();
     return keep;
   }
-  const uint64_t stream = DropoutStream(site, 0, m);
   const double scale = KeepScale(p);
-  const int64_t base = ((d.sample_begin + j) * d.a + hd) * d.s * d.s;
   for (int64_t e = 0; e < d.s * d.s; ++e) {
-    const bool kept = UniformAt(d.seed, stream, static_cast<uint64_t>(base + e)) >= p;
-    keep(e / d.s, e % d.s) = kept ? scale : 0.0;
+    const MaskDraw r = ProbsDraw(d, site, m, d.sample_begin + j, hd, e);
+    keep(e / d.s, e % d.s) = UniformAt(r.key, r.stream, r.index) >= p ? scale : 0.0;
   }
   return keep;
 }
@@ -771,6 +816,25 @@ StatusOr<GptReferenceResult> RunGptReference(const GptConfig& gpt_in,
   d.Vp = gpt.PaddedVocabSize(t);
   d.L = gpt.num_layers;
   d.qkv = gpt.QkvRows();
+  if (gpt.dropout_mode == DropoutMode::kRngTracker) {
+    // Megatron-Core's stream per site, in forward order (core/dropout.h).
+    d.tracker = true;
+    d.t = t;
+    d.b = run.micro_batch_size;
+    d.sp = parallel.sequence_parallel && t > 1;
+    const auto site = [&d](const std::string& name, bool model_parallel, double p) {
+      if (p > 0) d.draw[name] = {model_parallel, (model_parallel ? d.draws_model_parallel
+                                                                 : d.draws_default)++};
+    };
+    site("embedding.embedding_dropout", d.sp, gpt.hidden_dropout);
+    for (int64_t i = 0; i < gpt.num_layers; ++i) {
+      const std::string layer = fmt::format("decoder.layers.{}", i);
+      site(layer + ".self_attention.core_attention.attention_dropout", true,
+           gpt.attention_dropout);
+      site(layer + ".self_attn_bda", d.sp, gpt.hidden_dropout);
+      site(layer + ".mlp_bda", d.sp, gpt.hidden_dropout);
+    }
+  }
   const int64_t sample_end = options.sample_end < 0 ? d.B : options.sample_end;
   if (options.sample_begin < 0 || options.sample_begin > sample_end || sample_end > d.B) {
     return Status::Error("reference slice", fmt::format("samples [{}, {}) are not inside [0, {})",

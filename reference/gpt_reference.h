@@ -13,13 +13,16 @@
 // inputs are shared: the parameter list and master values (core/gpt_config.h, core/init.h),
 // the synthetic tokens (TokenAt) and the dropout masks (core/dropout.h, core/philox.h). It
 // knows the layout only where the full-model values depend on it: the data-parallel size d
-// (B = b*d) and the padded vocabulary Vp (a function of the tensor-parallel size).
+// (B = b*d), the padded vocabulary Vp (a function of the tensor-parallel size), and, with
+// dropout_mode "rng_tracker" only, which rank draws each mask element (Megatron's per-rank
+// streams, core/dropout.h).
 //
 // Inputs. Micro-batch m's text stream is "text.mb<m>"; sample gs reads s + 1 consecutive
 // tokens of it, tokens[i, gs] = TokenAt(seed, "text.mb<m>", gs*(s+1) + i, V) and labels[i, gs]
 // the next one (index + 1), as Megatron's GPT dataset does. Dropout ("global" mode): element e
 // (row-major in the site's full tensor) of micro-batch m is kept iff
-// UniformAt(seed, DropoutStream(site, 0, m), e) >= p, and kept elements scale by 1/(1-p).
+// UniformAt(seed, DropoutStream(site, 0, m), e) >= p, and kept elements scale by 1/(1-p);
+// "rng_tracker" mode draws each element as the rank holding it does (core/dropout.h).
 // The loss is the mean token loss over all M*s*B tokens.
 //
 // Tensors in the result (float64, host), s = seq_length, B = global batch, n = slice samples:

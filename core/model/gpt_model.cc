@@ -4,9 +4,36 @@
 #include <fmt/format.h>
 
 #include "core/init.h"
+#include "core/rng.h"
 #include "core/tensor_parallel/mappings.h"
 
 namespace mpusim {
+
+namespace {
+
+// Megatron-Core's streams for each GPT dropout site (core/dropout.h, "rng_tracker"), in
+// forward order: the embedding, then per layer attention, self_attn_bda, mlp_bda.
+TrackerDraws MakeTrackerDraws(const GptConfig& gpt, uint64_t seed, const RankCoordinates& coords,
+                              bool sequence_parallel) {
+  TrackerDraws t;
+  t.default_key = DefaultSeed(seed, coords.pp, coords.dp);
+  t.model_parallel_key = ModelParallelSeed(t.default_key, coords.tp);
+  const auto add = [&](std::string site, bool model_parallel, double p) {
+    if (p == 0.0) return;
+    int64_t& count = model_parallel ? t.model_parallel_per_microbatch : t.default_per_microbatch;
+    t.sites[std::move(site)] = {model_parallel, count++};
+  };
+  add("embedding.embedding_dropout", sequence_parallel, gpt.hidden_dropout);
+  for (int64_t i = 0; i < gpt.num_layers; ++i) {
+    const std::string layer = fmt::format("decoder.layers.{}", i);
+    add(layer + ".self_attention.core_attention.attention_dropout", true, gpt.attention_dropout);
+    add(layer + ".self_attn_bda", sequence_parallel, gpt.hidden_dropout);
+    add(layer + ".mlp_bda", sequence_parallel, gpt.hidden_dropout);
+  }
+  return t;
+}
+
+}  // namespace
 
 StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config, const Topology& topology,
                                                     const RankCoordinates& coords) {
@@ -55,6 +82,9 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config, const 
   Parameter* output = gpt.share_embeddings_and_output_weights ? model->word_
                                                               : &params.Get("output_layer.weight");
   model->output_layer_.emplace(output, nullptr);
+  if (gpt.dropout_mode == DropoutMode::kRngTracker) {
+    model->tracker_ = MakeTrackerDraws(gpt, model->run_.seed, coords, sh.sequence_parallel);
+  }
   return model;
 }
 
@@ -196,7 +226,8 @@ void GptModel::Run(RankContext& ctx, std::vector<TensorRecord>* records) {
   const int64_t M = run_.num_microbatches;
   for (int64_t m = 0; m < M; ++m) {
     const Batch batch = MakeBatch(m);
-    ModuleContext mctx{k, ctx.tp(), *ctx.trace, shape_, d_, DropoutDraw{run_.seed, 0, m},
+    ModuleContext mctx{k, ctx.tp(), *ctx.trace, shape_, d_,
+                       DropoutDraw{run_.seed, 0, m, tracker_ ? &*tracker_ : nullptr},
                        fuse_wgrad_, m + 1 == M ? records : nullptr};
     Stash stash;
     loss_sum += Forward(mctx, batch, &stash);

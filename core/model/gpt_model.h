@@ -87,6 +87,7 @@ class GptModel {
   std::optional<Norm> final_norm_;
   std::optional<ColumnParallelLinear> output_layer_;
   double loss_ = 0;
+  std::optional<TrackerDraws> tracker_;  // dropout_mode "rng_tracker"
 };
 
 }  // namespace mpusim

@@ -13,6 +13,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -76,11 +78,26 @@ struct StreamShape {
   }
 };
 
-// The random draw of one micro-batch: dropout_mode "global" (core/dropout.h).
+// dropout_mode "rng_tracker" (core/dropout.h): this rank's stream keys and where each
+// site's draw is.
+struct TrackerDraws {
+  struct Site {
+    bool model_parallel = false;  // "model-parallel-rng", else "default"
+    int64_t position = 0;         // k: its draw among one micro-batch's draws on that stream
+  };
+  uint64_t default_key = 0;
+  uint64_t model_parallel_key = 0;
+  int64_t default_per_microbatch = 0;
+  int64_t model_parallel_per_microbatch = 0;
+  std::map<std::string, Site, std::less<>> sites;  // the sites with p > 0
+};
+
+// The random draws of one micro-batch (core/dropout.h).
 struct DropoutDraw {
   uint64_t seed = 0;
   int64_t iteration = 0;
   int64_t microbatch = 0;
+  const TrackerDraws* tracker = nullptr;  // set: dropout_mode "rng_tracker"; else "global"
 };
 
 struct ModuleContext {
@@ -116,6 +133,16 @@ inline Tensor DropoutAtSite(const ModuleContext& ctx, const std::string& site, d
   Tensor y = ctx.k.Empty(x.shape(), x.dtype());
   if (p == 0.0) {
     ctx.k.Copy(x, y);
+    return y;
+  }
+  if (const TrackerDraws* tracker = ctx.draw.tracker) {
+    // Megatron's tracker: this rank's stream, the local element index.
+    const TrackerDraws::Site& at = tracker->sites.at(site);
+    const int64_t per_microbatch = at.model_parallel ? tracker->model_parallel_per_microbatch
+                                                     : tracker->default_per_microbatch;
+    const uint64_t draw = static_cast<uint64_t>(ctx.draw.microbatch * per_microbatch + at.position);
+    ctx.k.Dropout(x, p, at.model_parallel ? tracker->model_parallel_key : tracker->default_key,
+                  draw, 0, y);
     return y;
   }
   ctx.k.DropoutAt(x, p, ctx.draw.seed, DropoutStream(site, ctx.draw.iteration, ctx.draw.microbatch),

@@ -166,6 +166,27 @@ TEST(GptMpi, RecomputationIsBitIdentical) {
   }
 }
 
+// Megatron's tracker streams: every layout still matches the reference (which draws each
+// element as the rank holding it does), but the masks, and so the loss, change with tp.
+TEST(GptMpi, RngTrackerDropoutMatchesTheReferenceAndDependsOnTheLayout) {
+  std::map<int64_t, double> losses;
+  for (const int64_t t : TensorParallelSizes()) {
+    for (const bool sp : {false, true}) {
+      if (sp && t == 1) continue;
+      SCOPED_TRACE(fmt::format("tp {}, sequence_parallel {}", t, sp));
+      json model = Gpt(8, 8);
+      model["dropout_mode"] = "rng_tracker";
+      const double loss = RunChecked(Document(model, t, sp, "float64", "full")).loss;
+      if (!sp) losses[t] = loss;
+    }
+  }
+  if (losses.size() > 1) {
+    EXPECT_NE(losses.begin()->second, losses.rbegin()->second)
+        << "tp " << losses.begin()->first << " and tp " << losses.rbegin()->first
+        << " drew the same masks";
+  }
+}
+
 TEST(GptMpi, LayoutRefusalsNameTheField) {
   if (WorldSize() < 4) GTEST_SKIP() << "needs tp 4";
   StatusOr<run::SimulationResult> result = Simulate(Document(Llama(8, 2), 4, false, "float32"));
