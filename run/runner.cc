@@ -111,11 +111,10 @@ StatusOr<SimulationResult> SimulateGpt(const Config& config, const SimulateOptio
   RankContext ctx = MakeRankContext(config, backend, topology, world_rank, &result);
   result.padded_vocab_size = model.padded_vocab_size();
   result.gpt = model.gpt();
+  const auto element_bytes = static_cast<int64_t>(DTypeSize(config.run->dtype));
   for (const auto& p : model.parameters().all()) {
-    result.parameter_bytes_rank += static_cast<int64_t>(
-        NumElements(LocalShape(p->shard, p->full_shape)) * DTypeSize(config.run->dtype));
-    result.parameter_bytes_model +=
-        static_cast<int64_t>(NumElements(p->full_shape) * DTypeSize(config.run->dtype));
+    result.parameter_bytes_rank += NumElements(LocalShape(p->shard, p->full_shape)) * element_bytes;
+    result.parameter_bytes_model += NumElements(p->full_shape) * element_bytes;
   }
   model.InitializeParameters(*ctx.kernels);
   const bool want_records = options.check || options.keep_records;
