@@ -116,6 +116,23 @@ TEST(BackendPlugin, CudaBackendLoadsThePluginWhenAskedFor) {
   EXPECT_EQ(ErrorLines(run.output), 1) << run.output;
   EXPECT_NE(run.output.find("error: --backend cuda: "), std::string::npos) << run.output;
 }
+
+// The GPT model on the GPU -- cuBLAS, every transformer kernel, and the host-staged MPI
+// collectives, so that four ranks may share one GPU (NCCL refuses two ranks on one device) --
+// passes the same float64 check as on the CPU, with dropout on, in float32 and bfloat16, with
+// sequence parallelism and selective recomputation. Skipped where no GPU is visible.
+TEST(BackendPlugin, GptOnTheGpuPassesTheCheck) {
+  for (const char* sample : {"gpt_tiny_t2_sp_dp2_n4.json", "gpt_llama_style_gqa_t4_n4.json"}) {
+    SCOPED_TRACE(sample);
+    const Outcome run = Shell(Mpiexec(4) + MPUSIM_BINARY + " run " + Sample(sample) +
+                              " --backend cuda --comm mpi");
+    if (run.code == 2 && run.output.find("error: --backend cuda: ") != std::string::npos) {
+      GTEST_SKIP() << "no CUDA device: " << run.output;
+    }
+    EXPECT_EQ(run.code, 0) << run.output;
+    EXPECT_NE(run.output.find(" passed, 0 failed"), std::string::npos) << run.output;
+  }
+}
 #endif
 
 // A copy of the program in a directory of its own, with `plugin` (a file in the build tree)
