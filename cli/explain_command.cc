@@ -95,6 +95,12 @@ class ExplainCommand : public Command {
         out << fmt::format("    A = [\n    {}\n    ]\n", fmt::join(slices, ", "));
       }
     }
+    // Region mappings that give t-fold gradients as Megatron's code does (docs/simulator.md,
+    // "Warnings"); the layout stays valid, so the exit code does too.
+    if (!(*graph)->warnings().empty()) out << '\n';
+    for (const std::string& warning : (*graph)->warnings()) {
+      out << "warning: " << EscapeControl(warning) << '\n';
+    }
     return kExitOk;
   }
 

@@ -278,6 +278,7 @@ int RankRun::Run() {
   }
   StatusOr<Topology> topology = Topology::Create(config_.parallel);
   if (!topology.ok()) return Usage(source, topology.status().Message());
+  std::vector<std::string> warnings;  // the chain's plan-time warnings (Graph::warnings)
   {
     // The preflight: refuse a run that would not fit before anything is allocated. Every
     // rank judges its own share against its own limit; one refusal stops them all.
@@ -290,6 +291,7 @@ int RankRun::Run() {
     } else {
       StatusOr<std::unique_ptr<Graph>> built = Graph::Build(config_, *topology);
       if (!built.ok()) return Usage(source, built.status().Message());
+      warnings = (*built)->warnings();
       plan = PlanRankMemory(config_, **built, topology->Coordinates(world_rank_), world_size_,
                             options_.check);
     }
@@ -324,6 +326,9 @@ int RankRun::Run() {
       Simulate(config_, {options_.check, options_.repeat, dump}, *backend);
   if (!result.ok()) return Usage(source, result.status().Message());
   PrintLayout(*topology, *result);
+  // Megatron's own t-fold gradients (docs/simulator.md, "Warnings"): the run computes them as
+  // Megatron does, and says here, before the check fails on them, why.
+  for (const std::string& warning : warnings) out_ << "warning: " << EscapeControl(warning) << '\n';
   if (result->has_loss) out_ << fmt::format("\nloss {:.9g}\n", result->loss);
   if (options_.repeat > 1) {
     std::vector<double> sorted = result->seconds;

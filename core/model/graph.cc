@@ -9,6 +9,7 @@
 //   E_dim         ParallelEmbedding shard           [V, h/t]
 #include "core/model/graph.h"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 
@@ -124,12 +125,14 @@ struct Graph::Impl {
   std::vector<LayerSlot> layers;
   std::vector<std::unique_ptr<Parameter>> parameters;
   bool needs_tokens = false, needs_labels = false;
+  std::vector<std::string> warnings;  // Graph::warnings(), filled by PlanWarnings
   // Results.
   double loss_sum = 0;  // sum over micro-batches of the mean token loss
   bool has_loss = false;
   Tensor last_tokens, last_labels;  // host float64 [s, b]
 
   Status Plan(const Topology& topology);
+  void PlanWarnings();
   Status Fail(const LayerSlot& slot, const std::string& what) const {
     return Status::Error(fmt::format("model.layers[{}]", slot.index),
                          fmt::format("({} {}): {}", LayerTypeName(slot.config.type),
@@ -508,7 +511,54 @@ Status Graph::Impl::Plan(const Topology& topology) {
     slot.out_width = width;
     layers.push_back(std::move(slot));
   }
+  PlanWarnings();
   return {};
+}
+
+// Plan-time warnings (docs/simulator.md, "Warnings"): region mappings whose gradients come
+// out t-fold, exactly as Megatron's code computes them.
+//
+// Backward from the output, the gradient reaching every activation of the chain is complete
+// on every rank: the full gradient of a replicated activation, the rank's shard of it for a
+// split one. The output gradient is (synthetic, or the loss's constant), and every layer keeps
+// it so: a ColumnParallelLinear's partial input gradients are summed inside it (its own
+// copy_to all-reduce, or its reduce-scatter under sequence parallelism), the other layers and
+// mappings take no sum or all-gather and split complete gradients. copy_to's backward
+// all-reduce and gather_from_sequence_parallel_region's reduce-scatter (with
+// tensor_parallel_output_grad) are meant for partial gradients; given a complete one, they add
+// t identical copies. Backward is linear in the gradient, so every gradient before such a
+// mapping is t times the full-model one (t^k behind k of them).
+void Graph::Impl::PlanWarnings() {
+  if (t == 1) return;
+  double factor = 1;
+  for (size_t i = layers.size(); i-- > 0;) {
+    const LayerConfig& c = layers[i].config;
+    const char* sum = nullptr;
+    if (c.type == LayerType::kCopyToTensorModelParallelRegion) {
+      sum = "its backward all-reduce";
+    } else if (c.type == LayerType::kGatherFromSequenceParallelRegion &&
+               c.tensor_parallel_output_grad) {
+      sum = "its backward reduce-scatter (tensor_parallel_output_grad true)";
+    }
+    if (sum == nullptr) continue;
+    factor *= static_cast<double>(t);
+    std::vector<std::string> before;
+    for (size_t j = 0; j < i && j < 4; ++j) before.push_back(layers[j].config.name);
+    if (i > 4) before.push_back(fmt::format("and {} more", i - 4));
+    warnings.push_back(fmt::format(
+        "model.layers[{}] ({} {}): {} sums t = {} copies of a gradient every rank already holds "
+        "in full (the layers after it leave the full gradient on every rank), so {} is {:g}x the "
+        "full-model gradient; Megatron's code computes the same; the check against the "
+        "reference will fail for {}.input_grad{}",
+        i, LayerTypeName(c.type), c.name, sum, t,
+        i == 0 ? std::string("the chain's input gradient")
+               : fmt::format("the gradient reaching {}", layers[i - 1].config.name),
+        factor, c.name,
+        i == 0 ? std::string()
+               : fmt::format(" and the gradients of every layer before it ({})",
+                             fmt::join(before, ", "))));
+  }
+  std::reverse(warnings.begin(), warnings.end());  // in layer order
 }
 
 StatusOr<std::unique_ptr<Graph>> Graph::Build(const Config& config, const Topology& topology) {
@@ -549,6 +599,7 @@ Graph::Graph(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Graph::~Graph() = default;
 
 int64_t Graph::padded_vocab_size() const { return impl_->padded_vocab; }
+const std::vector<std::string>& Graph::warnings() const { return impl_->warnings; }
 bool Graph::has_loss() const { return impl_->has_loss; }
 double Graph::loss() const {
   return impl_->loss_sum / static_cast<double>(impl_->run.num_microbatches);
@@ -916,6 +967,15 @@ std::vector<TensorRecord> Graph::Records(RankContext& ctx) const {
                    state.split == Split::kPartialSum};
     out.push_back(std::move(r));
   };
+  // A gradient is held as its activation is (in full when replicated, the rank's shard when
+  // split), except for a partial sum's: d(sum)/d(part) is the identity, so every rank holds
+  // the same full gradient, replicated (the input gradient of a chain that starts with
+  // reduce_from or reduce_scatter).
+  auto gradient = [&](const std::string& name, const Tensor& tensor, ActivationState state,
+                      int64_t width) {
+    if (state.split == Split::kPartialSum) state = ActivationState{Split::kReplicated, 1};
+    activation(name, tensor, state, width);
+  };
   ShardSpec batch_split;
   batch_split.batch_dim = 1;
   batch_split.batch_shards = g.d;
@@ -931,14 +991,14 @@ std::vector<TensorRecord> Graph::Records(RankContext& ctx) const {
     const bool embedding = IsEmbedding(slot.config.type);
     if (!embedding) {
       activation(n + ".input", slot.input, slot.in_state, slot.in_width);
-      activation(n + ".input_grad", slot.input_grad, slot.in_state, slot.in_width);
+      gradient(n + ".input_grad", slot.input_grad, slot.in_state, slot.in_width);
     }
     if (slot.config.type == LayerType::kVocabParallelCrossEntropy) {
       out.push_back({n + ".output", slot.output, {s, B}, batch_split, false});
       out.push_back({n + ".output_grad", slot.output_grad, {s, B}, batch_split, false});
     } else {
       activation(n + ".output", slot.output, slot.out_state, slot.out_width);
-      activation(n + ".output_grad", slot.output_grad, slot.out_state, slot.out_width);
+      gradient(n + ".output_grad", slot.output_grad, slot.out_state, slot.out_width);
     }
     for (const Parameter* p : {slot.owns_weight ? slot.weight : nullptr, slot.bias}) {
       if (p == nullptr) continue;

@@ -73,6 +73,12 @@ class Graph {
   std::vector<PlannedLayer> Plan(const RankCoordinates& coords) const;
   int64_t padded_vocab_size() const;
 
+  // Plan-time warnings, one line each ("model.layers[i] (type name): why"): region mappings
+  // whose backward sums t copies of a gradient every rank already holds in full, so the
+  // gradients before them come out t-fold, as Megatron's own code computes them (the check
+  // then fails for those tensors; docs/simulator.md, "Warnings"). Empty at t = 1.
+  const std::vector<std::string>& warnings() const;
+
   struct Impl;
 
  private:

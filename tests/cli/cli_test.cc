@@ -493,6 +493,95 @@ TEST(RunCommand, GptSamplesPassTheCheck) {
       << output;
 }
 
+// A chain with an explicit copy_to_tensor_model_parallel_region before a ColumnParallelLinear
+// (which runs its own copy_to): at tp 2 its backward all-reduce doubles the gradients before
+// it, as Megatron's code would.
+std::string CopyToChainConfig(int64_t tp) {
+  const json layers = {
+      {{"name", "fc0"}, {"type", "RowParallelLinear"}, {"input_size", 16}, {"output_size", 16},
+       {"input_is_parallel", true}},
+      {{"name", "copy"}, {"type", "copy_to_tensor_model_parallel_region"}},
+      {{"name", "fc1"}, {"type", "ColumnParallelLinear"}, {"input_size", 16}, {"output_size", 32},
+       {"gather_output", false}},
+      {{"name", "gelu"}, {"type", "GeLU"}},
+      {{"name", "fc2"}, {"type", "RowParallelLinear"}, {"input_size", 32}, {"output_size", 16},
+       {"input_is_parallel", true}}};
+  const json config = {
+      {"parallel", {{"world_size", tp}, {"tensor_model_parallel_size", tp}}},
+      {"model", {{"layers", layers}}},
+      {"run", {{"seed", 3}, {"dtype", "float32"}, {"seq_length", 8}, {"micro_batch_size", 2}}}};
+  return WriteTemp(fmt::format("mpusim_copy_to_t{}.{}.json", tp, ::getpid()), config.dump());
+}
+
+constexpr const char* kCopyToWarning =
+    "warning: model.layers[1] (copy_to_tensor_model_parallel_region copy): its backward "
+    "all-reduce sums t = 2 copies of a gradient every rank already holds in full (the layers "
+    "after it leave the full gradient on every rank), so the gradient reaching fc0 is 2x the "
+    "full-model gradient; Megatron's code computes the same; the check against the reference "
+    "will fail for copy.input_grad and the gradients of every layer before it (fc0)\n";
+
+TEST(ExplainCommand, WarnsAboutTFoldGradients) {
+  const std::string path = CopyToChainConfig(2);
+  const Result r = Mpusim({"explain", path});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  EXPECT_NE(r.out.find(kCopyToWarning), std::string::npos) << r.out;
+  // One rank computes the full-model gradient: no warning.
+  const Result one = Mpusim({"explain", path, "--tp", "1", "--world-size", "1"});
+  ASSERT_EQ(one.code, 0) << one.err;
+  EXPECT_EQ(one.out.find("warning:"), std::string::npos) << one.out;
+}
+
+// mpusim run prints the warning before the check table, and the check decides the exit code.
+TEST(RunCommand, WarnsBeforeTheCheckFails) {
+  std::string output;
+  EXPECT_EQ(Shell(Mpiexec(2) + MPUSIM_BINARY + " run " + CopyToChainConfig(2), &output), 1)
+      << output;
+  const size_t warning = output.find(kCopyToWarning);
+  ASSERT_NE(warning, std::string::npos) << output;
+  EXPECT_LT(warning, output.find("check against the float64 reference")) << output;
+  EXPECT_NE(output.find("27 passed, 5 failed"), std::string::npos) << output;
+  EXPECT_EQ(Shell(Mpiexec(1) + MPUSIM_BINARY + " run " + CopyToChainConfig(1), &output), 0)
+      << output;
+  EXPECT_EQ(output.find("warning:"), std::string::npos) << output;
+}
+
+// A chain that starts from a partial sum (every rank holds input / t): the input gradient is
+// the full gradient on every rank, so the tp 2 dump reassembles into the tp 1 run's tensors.
+TEST(RunCommand, PartialSumChainDumpDiffsEqualToOneRank) {
+  const std::string tag = std::to_string(::getpid());
+  const std::filesystem::path tmp = std::filesystem::temp_directory_path();
+  const std::filesystem::path a = tmp / ("mpusim_partial_t2." + tag);
+  const std::filesystem::path b = tmp / ("mpusim_partial_t1." + tag);
+  for (const auto& dir : {a, b}) std::filesystem::remove_all(dir);
+  std::string paths[2];
+  for (const int64_t tp : {1, 2}) {
+    const json config = {
+        {"parallel", {{"world_size", tp}, {"tensor_model_parallel_size", tp}}},
+        {"model",
+         {{"layers",
+           {{{"name", "reduce"}, {"type", "reduce_from_tensor_model_parallel_region"}},
+            {{"name", "fc1"}, {"type", "ColumnParallelLinear"}, {"input_size", 16},
+             {"output_size", 32}, {"gather_output", false}}}}}},
+        {"run", {{"seed", 5}, {"dtype", "float64"}, {"seq_length", 8}, {"micro_batch_size", 2}}}};
+    paths[tp - 1] = WriteTemp(fmt::format("mpusim_partial_t{}.{}.json", tp, tag), config.dump());
+  }
+  std::string output;
+  ASSERT_EQ(Shell(Mpiexec(2) + MPUSIM_BINARY + " run " + paths[1] + " --dump " + a.string(),
+                  &output),
+            0)
+      << output;
+  ASSERT_EQ(Shell(Mpiexec(1) + MPUSIM_BINARY + " run " + paths[0] + " --dump " + b.string(),
+                  &output),
+            0)
+      << output;
+  EXPECT_EQ(Shell(std::string(MPUSIM_BINARY) + " diff " + a.string() + " " + b.string(), &output),
+            0)
+      << output;
+  EXPECT_NE(output.find("reduce.input_grad"), std::string::npos) << output;
+  for (const auto& dir : {a, b}) std::filesystem::remove_all(dir);
+}
+
 }  // namespace run_tests
 
 namespace diff_tests {

@@ -5,6 +5,7 @@
 // utilities on integer data (exact), and the collectives the paper counts.
 #include <mpi.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <map>
@@ -16,8 +17,10 @@
 #include "core/backend.h"
 #include "core/compare.h"
 #include "core/config.h"
+#include "core/model/graph.h"
 #include "core/tensor_parallel/mappings.h"
 #include "core/tensor_parallel/tp_utils.h"
+#include "core/topology.h"
 #include "sim/eigen_kernels.h"
 #include "mpi/mpi_communicator.h"
 #include "run/runner.h"
@@ -429,6 +432,169 @@ TEST(GraphVsReference, ASkippedAllReduceFailsTheCheck) {
         // depends on it, so it is the one tensor that fails.
         EXPECT_EQ(failed, std::vector<std::string>({"fc1.input_grad"}));
       }
+    }
+  }
+}
+
+// A chain whose synthetic input is a partial sum (every rank holds input / t): the input is
+// recorded as a partial sum, its gradient as the full tensor every rank holds (d(sum)/d(part)
+// is the identity), and every tensor matches the reference at every tp size, with
+// reduce_from_tensor_model_parallel_region and, under sequence parallelism,
+// reduce_scatter_to_sequence_parallel_region first.
+TEST(GraphVsReference, ChainsStartingFromAPartialSum) {
+  for (int64_t t : TensorParallelSizes()) {
+    for (const bool sp : {false, true}) {
+      SCOPED_TRACE(fmt::format("tp {} sequence_parallel {}", t, sp));
+      json model = MlpBlock(16, 32);
+      model["layers"].insert(
+          model["layers"].begin(),
+          json{{"name", "reduce"},
+               {"type", sp ? "reduce_scatter_to_sequence_parallel_region"
+                           : "reduce_from_tensor_model_parallel_region"}});
+      const run::SimulationResult r = RunChecked(
+          {{"parallel", Parallel(t, sp)}, {"model", model}, {"run", RunSection("float32", 8)}});
+      std::map<std::string, bool> partial;
+      for (const TensorRecord& record : r.records) partial[record.name] = record.partial_sum;
+      ASSERT_EQ(partial.count("reduce.input"), 1u);
+      ASSERT_EQ(partial.count("reduce.input_grad"), 1u);
+      EXPECT_TRUE(partial["reduce.input"]);
+      EXPECT_FALSE(partial["reduce.input_grad"]);
+      EXPECT_EQ(r.check.tensors.size(), 24u);
+    }
+  }
+}
+
+// The plan-time warnings of a chain (Graph::warnings).
+std::vector<std::string> PlanWarnings(const json& document) {
+  const Config config = MakeConfig(document);
+  StatusOr<Topology> topology = Topology::Create(config.parallel);
+  EXPECT_TRUE(topology.ok()) << topology.status().Message();
+  if (!topology.ok()) return {"no topology"};
+  StatusOr<std::unique_ptr<Graph>> graph = Graph::Build(config, *topology);
+  EXPECT_TRUE(graph.ok()) << graph.status().Message();
+  if (!graph.ok()) return {"no graph"};
+  return (*graph)->warnings();
+}
+
+// The names of the tensors that fail the check, sorted.
+std::vector<std::string> FailedTensors(const json& document) {
+  StatusOr<run::SimulationResult> r = Simulate(MakeConfig(document), true);
+  EXPECT_TRUE(r.ok()) << r.status().Message();
+  if (!r.ok()) return {"no result"};
+  EXPECT_FALSE(r->check.tensors.empty());
+  std::vector<std::string> failed;
+  for (const run::TensorCheck& c : r->check.tensors) {
+    if (!c.ok()) failed.push_back(c.name);
+  }
+  std::sort(failed.begin(), failed.end());
+  return failed;
+}
+
+// Megatron's own t-fold gradients: an explicit copy_to_tensor_model_parallel_region whose
+// gradient is already complete, and gather_from_sequence_parallel_region with
+// tensor_parallel_output_grad before duplicated computation. The executor computes what
+// Megatron computes, the plan warns with the reason (at t > 1 only), and the check fails on
+// exactly the gradients upstream of the mapping, while everything else passes.
+TEST(GraphVsReference, TFoldGradientsAreWarnedAndFailTheCheck) {
+  const auto expected_warning = [](int index, const std::string& type, const std::string& name,
+                                   const std::string& sum, int64_t t, const std::string& reached,
+                                   const std::string& before) {
+    return fmt::format(
+        "model.layers[{}] ({} {}): {} sums t = {} copies of a gradient every rank already holds "
+        "in full (the layers after it leave the full gradient on every rank), so the gradient "
+        "reaching {} is {}x the full-model gradient; Megatron's code computes the same; the "
+        "check against the reference will fail for {}.input_grad and the gradients of every "
+        "layer before it ({})",
+        index, type, name, sum, t, reached, t, name, before);
+  };
+  for (int64_t t : TensorParallelSizes()) {
+    SCOPED_TRACE(fmt::format("tp {}", t));
+    // (a) fc0 -> copy_to -> MLP: fc1 all-reduces its own input gradient, so the copy_to's
+    // all-reduce sums t full gradients.
+    json copy = MlpBlock(16, 32);
+    copy["layers"].insert(copy["layers"].begin(),
+                          {json{{"name", "fc0"},
+                                {"type", "RowParallelLinear"},
+                                {"input_size", 16},
+                                {"output_size", 16},
+                                {"input_is_parallel", true}},
+                           json{{"name", "copy"}, {"type", "copy_to_tensor_model_parallel_region"}}});
+    const json copy_doc = {{"parallel", Parallel(t)}, {"model", copy}, {"run", RunSection("float32")}};
+    // (b) scatter_to_sequence_parallel -> gather_from_sequence_parallel -> GeLU -> MLP: the
+    // gathered activation is used replicated, so the reduce-scatter sums t full gradients.
+    json gather = MlpBlock(16, 32);
+    gather["layers"].insert(gather["layers"].begin(),
+                            {json{{"name", "scatter"}, {"type", "scatter_to_sequence_parallel_region"}},
+                             json{{"name", "gather"},
+                                  {"type", "gather_from_sequence_parallel_region"},
+                                  {"tensor_parallel_output_grad", true}},
+                             json{{"name", "gelu0"}, {"type", "GeLU"}}});
+    const json gather_doc = {{"parallel", Parallel(t)}, {"model", gather}, {"run", RunSection("float32")}};
+    if (t == 1) {
+      EXPECT_EQ(PlanWarnings(copy_doc), std::vector<std::string>());
+      EXPECT_EQ(PlanWarnings(gather_doc), std::vector<std::string>());
+      RunChecked(copy_doc);
+      RunChecked(gather_doc);
+      continue;
+    }
+    EXPECT_EQ(PlanWarnings(copy_doc),
+              std::vector<std::string>({expected_warning(1, "copy_to_tensor_model_parallel_region",
+                                                         "copy", "its backward all-reduce", t,
+                                                         "fc0", "fc0")}));
+    EXPECT_EQ(FailedTensors(copy_doc),
+              std::vector<std::string>({"copy.input_grad", "fc0.bias_grad", "fc0.input_grad",
+                                        "fc0.output_grad", "fc0.weight_grad"}));
+    EXPECT_EQ(PlanWarnings(gather_doc),
+              std::vector<std::string>({expected_warning(
+                  1, "gather_from_sequence_parallel_region", "gather",
+                  "its backward reduce-scatter (tensor_parallel_output_grad true)", t, "scatter",
+                  "scatter")}));
+    EXPECT_EQ(FailedTensors(gather_doc),
+              std::vector<std::string>({"gather.input_grad", "scatter.input_grad",
+                                        "scatter.output_grad"}));
+    // Split instead of reduce-scatter (tensor_parallel_output_grad false): no warning, and
+    // every tensor passes.
+    json split_doc = gather_doc;
+    split_doc["model"]["layers"][1]["tensor_parallel_output_grad"] = false;
+    EXPECT_EQ(PlanWarnings(split_doc), std::vector<std::string>());
+    RunChecked(split_doc);
+    // Two copy_to in a row: t copies of t-fold gradients, t^2 before the first.
+    json twice = copy_doc;
+    twice["model"]["layers"].insert(twice["model"]["layers"].begin() + 2,
+                                    json{{"name", "copy2"},
+                                         {"type", "copy_to_tensor_model_parallel_region"}});
+    const std::vector<std::string> warnings = PlanWarnings(twice);
+    ASSERT_EQ(warnings.size(), 2u);
+    EXPECT_NE(warnings[0].find(fmt::format("model.layers[1] (copy_to_tensor_model_parallel_region "
+                                           "copy): its backward all-reduce sums t = {} copies",
+                                           t)),
+              std::string::npos)
+        << warnings[0];
+    EXPECT_NE(warnings[0].find(fmt::format("reaching fc0 is {}x", t * t)), std::string::npos)
+        << warnings[0];
+    EXPECT_NE(warnings[1].find(fmt::format("model.layers[2] (copy_to_tensor_model_parallel_region "
+                                           "copy2): its backward all-reduce sums t = {} copies",
+                                           t)),
+              std::string::npos)
+        << warnings[1];
+    EXPECT_NE(warnings[1].find(fmt::format("reaching copy is {}x", t)), std::string::npos)
+        << warnings[1];
+  }
+}
+
+// Chains without such a mapping have no warnings, on every layout.
+TEST(GraphVsReference, OrdinaryChainsHaveNoWarnings) {
+  for (int64_t t : TensorParallelSizes()) {
+    for (const bool sp : {false, true}) {
+      SCOPED_TRACE(fmt::format("tp {} sequence_parallel {}", t, sp));
+      EXPECT_EQ(PlanWarnings({{"parallel", Parallel(t, sp)},
+                              {"model", LanguageModel(0.1)},
+                              {"run", RunSection("float32", 8)}}),
+                std::vector<std::string>());
+      EXPECT_EQ(PlanWarnings({{"parallel", Parallel(t, sp)},
+                              {"model", MlpBlock(16, 32)},
+                              {"run", RunSection("float32", 8)}}),
+                std::vector<std::string>());
     }
   }
 }
