@@ -17,6 +17,7 @@
 #include <fmt/ranges.h>
 
 #include "core/init.h"
+#include "core/model/accumulate_grad.h"
 #include "core/tensor_parallel/cross_entropy.h"
 #include "core/tensor_parallel/mappings.h"
 #include "core/tensor_parallel/tp_utils.h"
@@ -164,20 +165,6 @@ struct Graph::Impl {
   // Synthetic inputs and output gradients are fixed by the seed: made once, reused by
   // every repetition of Run.
   std::map<std::string, Tensor> synthetic_cache;
-  // main_grad += the gradient `op(out, beta)` writes, as Megatron's DDP does: op writes
-  // param.grad in the storage dtype and a hook adds it to the float32 main_grad; with
-  // `fused` (gradient_accumulation_fusion, weight GEMMs only) op accumulates straight into
-  // main_grad.
-  template <typename Op>
-  void AccumulateGrad(Kernels& k, Parameter& p, bool fused, Op op) const {
-    if (fused) {
-      op(p.grad, 1.0);
-      return;
-    }
-    Tensor grad = k.Empty(p.value.shape(), p.value.dtype());
-    op(grad, 0.0);
-    k.Axpy(1.0, grad, p.grad);
-  }
   Tensor Forward(RankContext& ctx, LayerSlot& slot, const Tensor& x, const Batch& batch);
   Tensor Backward(RankContext& ctx, LayerSlot& slot, const Tensor& dy, const Batch& batch);
   double ForwardChain(RankContext& ctx, const Batch& batch);

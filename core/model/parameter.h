@@ -17,6 +17,7 @@
 #include "core/communicator.h"
 #include "core/init.h"
 #include "core/kernels.h"
+#include "core/model/accumulate_grad.h"
 #include "core/sharding.h"
 
 namespace mpusim {
@@ -54,20 +55,5 @@ class ParameterSet {
  private:
   std::vector<std::unique_ptr<Parameter>> params_;
 };
-
-// main_grad += grad, where `op(g, beta)` computes a gradient into g (beta 0: overwrite;
-// beta 1: accumulate). With `fused` (gradient_accumulation_fusion) the op accumulates into
-// main_grad directly; otherwise it writes a gradient in the parameter's storage dtype that
-// is then added to main_grad, as Megatron does without the fusion.
-template <typename Op>
-void AccumulateGrad(Kernels& k, Parameter& p, bool fused, Op op) {
-  if (fused) {
-    op(p.grad, 1.0);
-    return;
-  }
-  Tensor grad = k.Empty(p.value.shape(), p.value.dtype());
-  op(grad, 0.0);
-  k.Axpy(1.0, grad, p.grad);
-}
 
 }  // namespace mpusim
