@@ -822,9 +822,11 @@ StatusOr<GptReferenceResult> RunGptReference(const GptConfig& gpt_in,
     d.t = t;
     d.b = run.micro_batch_size;
     d.sp = parallel.sequence_parallel && t > 1;
-    const auto site = [&d](const std::string& name, bool model_parallel, double p) {
-      if (p > 0) d.draw[name] = {model_parallel, (model_parallel ? d.draws_model_parallel
-                                                                 : d.draws_default)++};
+    const auto site = [&d](const std::string& name, bool on_model_parallel, double p) {
+      if (p > 0) {
+        d.draw[name] = {on_model_parallel,
+                        (on_model_parallel ? d.draws_model_parallel : d.draws_default)++};
+      }
     };
     site("embedding.embedding_dropout", d.sp, gpt.hidden_dropout);
     for (int64_t i = 0; i < gpt.num_layers; ++i) {
