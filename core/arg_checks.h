@@ -54,19 +54,34 @@ void DispatchStorage(DType dtype, Body&& body) {
     case DType::kFloat64: body.template operator()<double>(); break;
     case DType::kBFloat16: body.template operator()<BFloat16>(); break;
     case DType::kFloat16: body.template operator()<Float16>(); break;
+    case DType::kInt64:
+      throw std::invalid_argument("DispatchStorage: int64 has no float body (ids are read by "
+                                  "the kernels that take them, never computed on)");
   }
 }
 
+// Which dtypes the tensors of a kernel call (those given to Add) may have: kFloat for
+// kernels that compute (the four float dtypes), kAny for the ones that only move or clear
+// bits (copies, transfers), which take int64 tensors too.
+enum class KernelDTypes : uint8_t { kFloat, kAny };
+
 // Checks of one kernel call: every tensor is allocated on the backend's device (or the one
-// named), and all tensors of the call share the first one's dtype.
+// named), and all tensors of the call share the first one's dtype, a float dtype unless
+// the call is a kAny one. Index tensors (ids, labels) are checked apart with AddIndices.
 class KernelArgs {
  public:
-  KernelArgs(std::string_view backend, Device device, std::string_view kernel)
-      : backend_(backend), device_(device), kernel_(kernel) {}
+  KernelArgs(std::string_view backend, Device device, std::string_view kernel,
+             KernelDTypes dtypes = KernelDTypes::kFloat)
+      : backend_(backend), device_(device), kernel_(kernel), dtypes_(dtypes) {}
 
   KernelArgs& Add(std::string_view name, const Tensor& t) { return Add(name, t, device_); }
   KernelArgs& Add(std::string_view name, const Tensor& t, Device device) {
     Allocated(name, t, device);
+    if (dtypes_ == KernelDTypes::kFloat && !IsFloat(t.dtype())) {
+      Fail(fmt::format("{} is {}; this kernel computes on float32, float64, bfloat16 or "
+                       "float16 only",
+                       name, DTypeName(t.dtype())));
+    }
     if (first_name_.empty()) {
       first_name_ = name;
       dtype_ = t.dtype();
@@ -97,6 +112,17 @@ class KernelArgs {
     }
     return *this;
   }
+  // An index tensor (token ids, labels): int64 of any shape on the backend's device, with
+  // exactly `numel` elements (one per row of the data it indexes).
+  KernelArgs& AddIndices(std::string_view name, const Tensor& t, int64_t numel,
+                         std::string_view because) {
+    Allocated(name, t, device_);
+    if (t.dtype() != DType::kInt64) {
+      Fail(fmt::format("{} is {} but must be int64 (token ids)", name, DTypeName(t.dtype())));
+    }
+    Numel(name, t, numel, because);
+    return *this;
+  }
   // `t` has exactly `numel` elements.
   void Numel(std::string_view name, const Tensor& t, int64_t numel,
              std::string_view because) const {
@@ -124,6 +150,7 @@ class KernelArgs {
   std::string_view backend_;
   Device device_;
   std::string_view kernel_;
+  KernelDTypes dtypes_;
   std::string_view first_name_;
   DType dtype_ = DType::kFloat32;
 };

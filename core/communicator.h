@@ -4,7 +4,8 @@
 // What it is: the narrow interface core/model/graph calls. sim/ implements it on MPI
 // communicators, cuda/ on NCCL. Buffers are Tensors on the backend's device; element type
 // and count come from the tensor. bfloat16/float16 sums and maxima are formed in float32 and
-// rounded to the buffer's dtype after each combining step, as NCCL does.
+// rounded to the buffer's dtype after each combining step, as NCCL does; int64 buffers (token
+// ids, broadcast by broadcast_data) are moved bit for bit and summed exactly.
 // What it is not: point-to-point messaging or process-group creation (backends build one
 // Communicator per group kind from the planner's groups).
 #pragma once

@@ -76,6 +76,7 @@ inline double UnitRoundoff(DType dtype) {
     case DType::kFloat32: return 0x1p-24;
     case DType::kBFloat16: return 0x1p-8;
     case DType::kFloat16: return 0x1p-11;
+    case DType::kInt64: RequireFloat(dtype, "UnitRoundoff"); break;  // ids are not rounded
   }
   return 1.0;
 }
@@ -115,6 +116,7 @@ inline Tolerance DefaultTolerance(DType dtype) {
     case DType::kFloat32: return {1e-5, 1e-4, 0};
     case DType::kBFloat16: return {0, 0x1p-5, 0x1p-5};
     case DType::kFloat16: return {0, 0x1p-8, 0x1p-8};
+    case DType::kInt64: RequireFloat(dtype, "DefaultTolerance"); break;  // dumps hold floats
   }
   return {0, 0, 0};
 }

@@ -107,7 +107,9 @@ struct Manifest {
 
 StatusOr<DType> ParseDTypeName(const Json& value) {
   if (value.is_string()) {
-    if (const std::optional<DType> d = DTypeFromName(value.get<std::string>())) return *d;
+    // Dumps hold float tensors only (tokens and labels are recorded as float64).
+    const std::optional<DType> d = DTypeFromName(value.get<std::string>());
+    if (d && IsFloat(*d)) return *d;
   }
   return Status::Error("", fmt::format("must be \"float32\", \"float64\", \"bfloat16\" or "
                                        "\"float16\", got {}",
@@ -448,6 +450,7 @@ std::string DTypeShort(const std::optional<DType>& d) {
     case DType::kFloat64: return "f64";
     case DType::kBFloat16: return "bf16";
     case DType::kFloat16: return "f16";
+    case DType::kInt64: return "i64";  // not in a dump (ParseDTypeName refuses it)
   }
   return "?";
 }

@@ -152,30 +152,30 @@ Tensor Kernels::Empty(const Shape& shape, DType dtype) {
 }
 
 Tensor Kernels::ToDevice(const Tensor& host) {
-  KernelArgs(backend_, device_, "ToDevice").Add("host", host, Device::kHost);
+  KernelArgs(backend_, device_, "ToDevice", KernelDTypes::kAny).Add("host", host, Device::kHost);
   return DoToDevice(host);
 }
 
 Tensor Kernels::ToHost(const Tensor& tensor) {
-  KernelArgs(backend_, device_, "ToHost").Add("tensor", tensor);
+  KernelArgs(backend_, device_, "ToHost", KernelDTypes::kAny).Add("tensor", tensor);
   return DoToHost(tensor);
 }
 
 void Kernels::Copy(const Tensor& src, Tensor& dst) {
-  KernelArgs args(backend_, device_, "Copy");
+  KernelArgs args(backend_, device_, "Copy", KernelDTypes::kAny);
   args.Add("src", src).Add("dst", dst);
   args.Numel("dst", dst, src.numel(), "the numel of src");
   DoCopy(src, dst);
 }
 
 void Kernels::SetZero(Tensor& x) {
-  KernelArgs(backend_, device_, "SetZero").Add("x", x);
+  KernelArgs(backend_, device_, "SetZero", KernelDTypes::kAny).Add("x", x);
   DoSetZero(x);
 }
 
 void Kernels::CopyBlock(const Tensor& src, int64_t src_row0, int64_t src_col0, Tensor& dst,
                         int64_t dst_row0, int64_t dst_col0, int64_t rows, int64_t cols) {
-  KernelArgs args(backend_, device_, "CopyBlock");
+  KernelArgs args(backend_, device_, "CopyBlock", KernelDTypes::kAny);
   args.Add("src", src).Add("dst", dst);
   const auto check = [&](std::string_view name, const Tensor& t, int64_t row0, int64_t col0) {
     if (rows < 0 || cols < 0 || row0 < 0 || col0 < 0 || row0 + rows > Rows(t) ||
@@ -193,7 +193,7 @@ void Kernels::CopyBlock(const Tensor& src, int64_t src_row0, int64_t src_col0, T
 void Kernels::StridedCopy(const Tensor& src, int64_t src_offset, const std::vector<int64_t>& dims,
                           const std::vector<int64_t>& src_strides, Tensor& dst,
                           int64_t dst_offset, const std::vector<int64_t>& dst_strides) {
-  KernelArgs args(backend_, device_, "StridedCopy");
+  KernelArgs args(backend_, device_, "StridedCopy", KernelDTypes::kAny);
   args.Add("src", src).Add("dst", dst);
   const size_t rank = dims.size();
   args.Require(rank >= 1 && rank <= static_cast<size_t>(kMaxCopyDims),
@@ -464,30 +464,32 @@ void Kernels::Rope(const Tensor& x, int64_t seq, double base, bool inverse, Tens
   DoRope(x, seq, base, inverse, y);
 }
 
-void Kernels::EmbeddingForward(const Tensor& weight, const std::vector<int64_t>& ids,
-                               int64_t vocab_start, int64_t vocab_end, Tensor& out) {
+void Kernels::EmbeddingForward(const Tensor& weight, const Tensor& ids, int64_t vocab_start,
+                               int64_t vocab_end, Tensor& out) {
   KernelArgs args(backend_, device_, "EmbeddingForward");
   args.Add("weight", weight).Add("out", out);
   CheckShard(args, "weight", weight, vocab_start, vocab_end);
-  const int64_t num_ids = static_cast<int64_t>(ids.size());
-  if (Rows(out) != num_ids || Cols(out) != Cols(weight)) {
-    args.Fail(fmt::format("out {} must be {} x {} ({} ids, weight {})", ShapeString(out.shape()),
-                          num_ids, Cols(weight), num_ids, ShapeString(weight.shape())));
+  if (Cols(out) != Cols(weight)) {
+    args.Fail(fmt::format("out {} must have the {} columns of weight {}", ShapeString(out.shape()),
+                          Cols(weight), ShapeString(weight.shape())));
   }
+  args.AddIndices("ids", ids, Rows(out), "one per row of out");
+  Disjoint(args, "out", out, "ids", ids);
   DoEmbeddingForward(weight, ids, vocab_start, vocab_end, out);
 }
 
-void Kernels::EmbeddingBackward(const Tensor& dy, const std::vector<int64_t>& ids,
-                                int64_t vocab_start, int64_t vocab_end, Tensor& dweight) {
+void Kernels::EmbeddingBackward(const Tensor& dy, const Tensor& ids, int64_t vocab_start,
+                                int64_t vocab_end, Tensor& dweight) {
   KernelArgs args(backend_, device_, "EmbeddingBackward");
   args.Add("dy", dy).AddAccumulator("dweight", dweight);
   CheckShard(args, "dweight", dweight, vocab_start, vocab_end);
-  const int64_t num_ids = static_cast<int64_t>(ids.size());
-  if (Rows(dy) != num_ids || Cols(dy) != Cols(dweight)) {
-    args.Fail(fmt::format("dy {} must be {} x {} ({} ids, dweight {})", ShapeString(dy.shape()),
-                          num_ids, Cols(dweight), num_ids, ShapeString(dweight.shape())));
+  if (Cols(dy) != Cols(dweight)) {
+    args.Fail(fmt::format("dy {} must have the {} columns of dweight {}", ShapeString(dy.shape()),
+                          Cols(dweight), ShapeString(dweight.shape())));
   }
+  args.AddIndices("ids", ids, Rows(dy), "one per row of dy");
   args.Require(!Overlap(dy, dweight), "dy shares storage with dweight");
+  Disjoint(args, "dweight", dweight, "ids", ids);
   DoEmbeddingBackward(dy, ids, vocab_start, vocab_end, dweight);
 }
 
@@ -499,8 +501,8 @@ void Kernels::RowMax(const Tensor& logits, Tensor& row_max) {
 }
 
 void Kernels::CrossEntropyPartials(const Tensor& logits, const Tensor& row_max,
-                                   const std::vector<int64_t>& labels, int64_t vocab_start,
-                                   Tensor& sum_exp, Tensor& sum_z, Tensor& target_z) {
+                                   const Tensor& labels, int64_t vocab_start, Tensor& sum_exp,
+                                   Tensor& sum_z, Tensor& target_z) {
   KernelArgs args(backend_, device_, "CrossEntropyPartials");
   args.Add("logits", logits).AddCompute("row_max", row_max).AddCompute("sum_exp", sum_exp);
   args.AddCompute("sum_z", sum_z).AddCompute("target_z", target_z);
@@ -509,15 +511,19 @@ void Kernels::CrossEntropyPartials(const Tensor& logits, const Tensor& row_max,
   args.Numel("sum_exp", sum_exp, rows, "one per row of logits");
   args.Numel("sum_z", sum_z, rows, "one per row of logits");
   args.Numel("target_z", target_z, rows, "one per row of logits");
-  args.Require(static_cast<int64_t>(labels.size()) == rows,
-               fmt::format("{} labels for {} rows of logits", labels.size(), rows));
+  args.AddIndices("labels", labels, rows, "one per row of logits");
+  for (const auto& [name, out] : {std::pair<std::string_view, const Tensor*>{"sum_exp", &sum_exp},
+                                  {"sum_z", &sum_z},
+                                  {"target_z", &target_z}}) {
+    Disjoint(args, name, *out, "labels", labels);
+  }
   DoCrossEntropyPartials(logits, row_max, labels, vocab_start, sum_exp, sum_z, target_z);
 }
 
 void Kernels::CrossEntropyBackward(const Tensor& logits, const Tensor& row_max,
-                                   const Tensor& sum_exp, const std::vector<int64_t>& labels,
-                                   int64_t vocab_start, double on_value, double off_value,
-                                   const Tensor& row_scale, Tensor& grad) {
+                                   const Tensor& sum_exp, const Tensor& labels, int64_t vocab_start,
+                                   double on_value, double off_value, const Tensor& row_scale,
+                                   Tensor& grad) {
   KernelArgs args(backend_, device_, "CrossEntropyBackward");
   args.Add("logits", logits).Add("grad", grad);
   args.AddCompute("row_max", row_max).AddCompute("sum_exp", sum_exp);
@@ -530,11 +536,11 @@ void Kernels::CrossEntropyBackward(const Tensor& logits, const Tensor& row_max,
     args.Fail(fmt::format("grad {} must have the 2-D shape of logits {}", ShapeString(grad.shape()),
                           ShapeString(logits.shape())));
   }
-  args.Require(static_cast<int64_t>(labels.size()) == rows,
-               fmt::format("{} labels for {} rows of logits", labels.size(), rows));
+  args.AddIndices("labels", labels, rows, "one per row of logits");
   // grad may be logits itself but no other partial overlap.
   args.Require(grad.data() == logits.data() || !Overlap(grad, logits),
                "grad partially overlaps logits");
+  Disjoint(args, "grad", grad, "labels", labels);
   DoCrossEntropyBackward(logits, row_max, sum_exp, labels, vocab_start, on_value, off_value,
                          row_scale, grad);
 }

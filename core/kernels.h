@@ -4,8 +4,11 @@
 // dense row-major; "2-D" means the Tensor::rows() x Tensor::cols() view. Names and argument
 // order are the same in every backend: outputs last.
 //
-// Dtypes. float64, float32, bfloat16 and float16 are supported. Arithmetic happens in the
-// compute dtype (ComputeDType: float64 for float64, float32 otherwise): 16-bit inputs are
+// Dtypes. float64, float32, bfloat16 and float16 are supported. int64 is for the ids and
+// labels of the embedding and cross-entropy kernels; the memory operations (Zeros, Empty,
+// ToDevice, ToHost, Copy, SetZero, CopyBlock, StridedCopy) move its bits like any other
+// dtype's, and every other kernel refuses it (std::invalid_argument). Arithmetic happens in
+// the compute dtype (ComputeDType: float64 for float64, float32 otherwise): 16-bit inputs are
 // widened exactly, every sum and product is a float32 one, and each stored 16-bit element
 // is rounded once, to nearest even (core/half.h) -- mixed precision as cuBLAS with
 // CUBLAS_COMPUTE_32F and PyTorch's elementwise kernels do it. All tensors of a call share
@@ -149,12 +152,16 @@ class Kernels {
   void Rope(const Tensor& x, int64_t seq, double base, bool inverse, Tensor& y);
 
   // --- embedding ----------------------------------------------------------------------
+  // ids and labels below are int64 tensors on this backend's device, of any shape with one
+  // element per row (flat index i <-> row i); they are read where they are, never copied to
+  // or from the host. Any id value is allowed: those outside the shard are masked.
+  //
   // out[i, :] = weight[ids[i] - vocab_start, :] if vocab_start <= ids[i] < vocab_end, else 0
   // (Megatron's masked lookup for a vocabulary shard).
-  void EmbeddingForward(const Tensor& weight, const std::vector<int64_t>& ids, int64_t vocab_start,
+  void EmbeddingForward(const Tensor& weight, const Tensor& ids, int64_t vocab_start,
                         int64_t vocab_end, Tensor& out);
-  // dweight[ids[i] - vocab_start, :] += dy[i, :] for ids inside the shard.
-  void EmbeddingBackward(const Tensor& dy, const std::vector<int64_t>& ids, int64_t vocab_start,
+  // dweight[ids[i] - vocab_start, :] += dy[i, :] for ids inside the shard, in increasing i.
+  void EmbeddingBackward(const Tensor& dy, const Tensor& ids, int64_t vocab_start,
                          int64_t vocab_end, Tensor& dweight);
 
   // --- vocab-parallel cross entropy pieces (rows = tokens, cols = local vocabulary) ----
@@ -162,16 +169,14 @@ class Kernels {
   void RowMax(const Tensor& logits, Tensor& row_max);
   // With z = logits - row_max (row_max already all-reduced): sum_exp[i] = sum_j exp(z[i,j]),
   // sum_z[i] = sum_j z[i,j], target_z[i] = z[i, labels[i] - vocab_start] if the label is in
-  // [vocab_start, vocab_start + cols), else 0.
-  void CrossEntropyPartials(const Tensor& logits, const Tensor& row_max,
-                            const std::vector<int64_t>& labels, int64_t vocab_start,
-                            Tensor& sum_exp, Tensor& sum_z, Tensor& target_z);
+  // [vocab_start, vocab_start + cols), else 0. labels: int64, one per row (as ids above).
+  void CrossEntropyPartials(const Tensor& logits, const Tensor& row_max, const Tensor& labels,
+                            int64_t vocab_start, Tensor& sum_exp, Tensor& sum_z, Tensor& target_z);
   // grad[i, j] = row_scale[i] * (exp(z[i,j]) / sum_exp[i] - q[i,j]) with the smoothed target
   // q = on_value at the label column, off_value elsewhere.
   void CrossEntropyBackward(const Tensor& logits, const Tensor& row_max, const Tensor& sum_exp,
-                            const std::vector<int64_t>& labels, int64_t vocab_start,
-                            double on_value, double off_value, const Tensor& row_scale,
-                            Tensor& grad);
+                            const Tensor& labels, int64_t vocab_start, double on_value,
+                            double off_value, const Tensor& row_scale, Tensor& grad);
 
  protected:
   // `backend` names the implementation in error messages; `device` is where its tensors live.
@@ -224,16 +229,16 @@ class Kernels {
   virtual void DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, int64_t seq,
                                        double scale, Tensor& dscores) = 0;
   virtual void DoRope(const Tensor& x, int64_t seq, double base, bool inverse, Tensor& y) = 0;
-  virtual void DoEmbeddingForward(const Tensor& weight, const std::vector<int64_t>& ids,
-                                  int64_t vocab_start, int64_t vocab_end, Tensor& out) = 0;
-  virtual void DoEmbeddingBackward(const Tensor& dy, const std::vector<int64_t>& ids,
-                                   int64_t vocab_start, int64_t vocab_end, Tensor& dweight) = 0;
+  virtual void DoEmbeddingForward(const Tensor& weight, const Tensor& ids, int64_t vocab_start,
+                                  int64_t vocab_end, Tensor& out) = 0;
+  virtual void DoEmbeddingBackward(const Tensor& dy, const Tensor& ids, int64_t vocab_start,
+                                   int64_t vocab_end, Tensor& dweight) = 0;
   virtual void DoRowMax(const Tensor& logits, Tensor& row_max) = 0;
   virtual void DoCrossEntropyPartials(const Tensor& logits, const Tensor& row_max,
-                                      const std::vector<int64_t>& labels, int64_t vocab_start,
-                                      Tensor& sum_exp, Tensor& sum_z, Tensor& target_z) = 0;
+                                      const Tensor& labels, int64_t vocab_start, Tensor& sum_exp,
+                                      Tensor& sum_z, Tensor& target_z) = 0;
   virtual void DoCrossEntropyBackward(const Tensor& logits, const Tensor& row_max,
-                                      const Tensor& sum_exp, const std::vector<int64_t>& labels,
+                                      const Tensor& sum_exp, const Tensor& labels,
                                       int64_t vocab_start, double on_value, double off_value,
                                       const Tensor& row_scale, Tensor& grad) = 0;
 

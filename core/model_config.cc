@@ -528,7 +528,7 @@ Status ParseRunSection(const json& section, RunConfig* out) {
       run.dtype_given = true;
       const std::optional<DType> dtype =
           value.is_string() ? DTypeFromName(value.get<std::string>()) : std::nullopt;
-      if (dtype) {
+      if (dtype && IsFloat(*dtype)) {  // int64 is a storage dtype for ids, not a run's
         run.dtype = *dtype;
       } else {
         return Status::Error(where, fmt::format("must be \"float32\", \"float64\", \"bfloat16\" "

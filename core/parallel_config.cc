@@ -185,7 +185,8 @@ Status ParseParallelSection(const json& section, std::string_view path, Parallel
       std::string name = value.is_string() ? value.get<std::string>() : std::string();
       if (name.starts_with("torch.")) name = name.substr(6);
       config.params_dtype = DTypeFromName(name);
-      if (!config.params_dtype || *config.params_dtype == DType::kFloat64) {
+      if (!config.params_dtype || !IsFloat(*config.params_dtype) ||
+          *config.params_dtype == DType::kFloat64) {
         return Status::Error(where, fmt::format("must be \"float32\", \"bfloat16\", \"float16\" "
                                                 "or null, got {}",
                                                 DescribeJson(value)));

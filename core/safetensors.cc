@@ -72,7 +72,8 @@ Status WritePiecesAtomically(const std::string& path, std::span<const std::strin
   return Status();
 }
 
-// The safetensors names of the dtypes mpusim stores.
+// The safetensors names of the dtypes mpusim stores. Dumps hold float tensors only (tokens
+// and labels are recorded as float64), so int64 ("I64") is neither written nor read.
 constexpr std::pair<std::string_view, DType> kSafetensorsDTypes[] = {
     {"F32", DType::kFloat32},
     {"F64", DType::kFloat64},
@@ -259,6 +260,11 @@ Status WriteSafetensors(const std::string& path, const SafetensorsFile& file) {
     if (!tensor.defined()) return Status::Error(where, "the tensor has no storage");
     if (tensor.device() != Device::kHost) {
       return Status::Error(where, "is not a host tensor; copy it to the host first");
+    }
+    if (!IsFloat(tensor.dtype())) {
+      return Status::Error(where, fmt::format("dtype {} is not supported; only float32, "
+                                              "float64, bfloat16 and float16 are written",
+                                              DTypeName(tensor.dtype())));
     }
     for (int64_t d : tensor.shape()) {
       if (d < 0) {

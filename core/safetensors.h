@@ -22,7 +22,7 @@ namespace mpusim {
 
 struct NamedTensor {
   std::string name;
-  Tensor tensor;  // host, float32 or float64
+  Tensor tensor;  // host, float32, float64, bfloat16 or float16
 };
 
 struct SafetensorsFile {

@@ -1,6 +1,7 @@
 // Tensor helpers (see tensor.h).
 #include "core/tensor.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -51,6 +52,7 @@ double HostValue(const Tensor& host, int64_t i) {
     case DType::kFloat64: return host.data_as<double>()[i];
     case DType::kBFloat16: return Widen(host.data_as<BFloat16>()[i]);
     case DType::kFloat16: return Widen(host.data_as<Float16>()[i]);
+    case DType::kInt64: return static_cast<double>(host.data_as<int64_t>()[i]);
   }
   return 0;
 }
@@ -61,6 +63,14 @@ void SetHostValue(Tensor& host, int64_t i, double v) {
     case DType::kFloat64: host.data_as<double>()[i] = v; break;
     case DType::kBFloat16: host.data_as<BFloat16>()[i] = RoundTo<BFloat16>(v); break;
     case DType::kFloat16: host.data_as<Float16>()[i] = RoundTo<Float16>(v); break;
+    case DType::kInt64:
+      // [-2^63, 2^63) as doubles; the comparisons are false for NaN.
+      if (!(v >= -0x1p63 && v < 0x1p63) || std::trunc(v) != v) {
+        throw std::invalid_argument(
+            fmt::format("SetHostValue: {} is not an integer an int64 element can hold", v));
+      }
+      host.data_as<int64_t>()[i] = static_cast<int64_t>(v);
+      break;
   }
 }
 

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -19,36 +20,63 @@
 namespace mpusim {
 
 // Storage dtypes. bfloat16 and float16 are storage only: kernels compute on them in
-// float32 (ComputeDType) and round each stored element once (core/half.h).
-enum class DType : uint8_t { kFloat32, kFloat64, kBFloat16, kFloat16 };
+// float32 (ComputeDType) and round each stored element once (core/half.h). int64 holds
+// token ids and labels: kernels index with it and copies move it, but nothing computes on
+// it, so the float-only helpers below (LessPrecise, ComputeDType) refuse it.
+enum class DType : uint8_t { kFloat32, kFloat64, kBFloat16, kFloat16, kInt64 };
 enum class Device : uint8_t { kHost, kCuda };
 
 inline size_t DTypeSize(DType dtype) {
   switch (dtype) {
-    case DType::kFloat64: return 8;
+    case DType::kFloat64:
+    case DType::kInt64: return 8;
     case DType::kFloat32: return 4;
-    default: return 2;
+    case DType::kBFloat16:
+    case DType::kFloat16: return 2;
   }
+  return 0;
 }
-// torch's names: "float32", "float64", "bfloat16", "float16".
+// torch's names: "float32", "float64", "bfloat16", "float16", "int64".
 inline std::string_view DTypeName(DType dtype) {
   switch (dtype) {
     case DType::kFloat32: return "float32";
     case DType::kFloat64: return "float64";
     case DType::kBFloat16: return "bfloat16";
     case DType::kFloat16: return "float16";
+    case DType::kInt64: return "int64";
   }
   return "?";
 }
-// The dtype named by DTypeName, or nullopt.
+// The dtype named by DTypeName, or nullopt. Callers that need a float dtype (a run's dtype,
+// a dump's tensors) check IsFloat as well.
 inline std::optional<DType> DTypeFromName(std::string_view name) {
-  for (DType d : {DType::kFloat32, DType::kFloat64, DType::kBFloat16, DType::kFloat16}) {
+  for (DType d :
+       {DType::kFloat32, DType::kFloat64, DType::kBFloat16, DType::kFloat16, DType::kInt64}) {
     if (DTypeName(d) == name) return d;
   }
   return std::nullopt;
 }
-// Of two dtypes, the one with fewer significand bits (bfloat16 < float16 < float32 <
-// float64): the one whose rounding error dominates a comparison.
+// The four floating-point dtypes, the ones kernels compute on.
+inline bool IsFloat(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+    case DType::kFloat64:
+    case DType::kBFloat16:
+    case DType::kFloat16: return true;
+    case DType::kInt64: return false;
+  }
+  return false;
+}
+// Throws std::invalid_argument naming `what` unless `dtype` is a floating-point dtype.
+inline void RequireFloat(DType dtype, std::string_view what) {
+  if (!IsFloat(dtype)) {
+    throw std::invalid_argument(std::string(what) + ": " + std::string(DTypeName(dtype)) +
+                                " is not a floating-point dtype (float32, float64, bfloat16 "
+                                "or float16)");
+  }
+}
+// Of two float dtypes, the one with fewer significand bits (bfloat16 < float16 < float32 <
+// float64): the one whose rounding error dominates a comparison. int64 is refused.
 inline DType LessPrecise(DType a, DType b) {
   const auto bits = [](DType d) {
     switch (d) {
@@ -56,6 +84,7 @@ inline DType LessPrecise(DType a, DType b) {
       case DType::kFloat16: return 11;
       case DType::kFloat32: return 24;
       case DType::kFloat64: return 53;
+      case DType::kInt64: RequireFloat(d, "LessPrecise"); break;
     }
     return 0;
   };
@@ -63,8 +92,10 @@ inline DType LessPrecise(DType a, DType b) {
 }
 inline bool IsHalf(DType dtype) { return dtype == DType::kBFloat16 || dtype == DType::kFloat16; }
 // The dtype arithmetic on `dtype` happens in, and the dtype of accumulators (main_grad,
-// softmax statistics) fed by it: float64 for float64, float32 for everything else.
+// softmax statistics) fed by it: float64 for float64, float32 for the other float dtypes.
+// int64 has none (nothing computes on ids): refused.
 inline DType ComputeDType(DType dtype) {
+  RequireFloat(dtype, "ComputeDType");
   return dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
 }
 
@@ -86,11 +117,15 @@ size_t CheckedTensorBytes(const Shape& shape, DType dtype, size_t pad = 0);
 std::string ShapeString(const Shape& shape);  // "[4, 8]"
 
 class Tensor;
-// Element i (flat) of a host tensor of any dtype, widened exactly to double.
+// Element i (flat) of a host tensor of any dtype, widened to double: exactly for the float
+// dtypes, and for int64 values of magnitude up to 2^53 (token ids; larger ones round to
+// nearest).
 double HostValue(const Tensor& host, int64_t i);
 // Stores v into element i of a host tensor: float64 exactly, float32 rounded to nearest,
 // bfloat16/float16 rounded to float32 first and then to 16 bits (core/half.h), so every
-// backend stores the same bits for the same double.
+// backend stores the same bits for the same double. An int64 element takes v only when v
+// is an integer in [-2^63, 2^63); anything else (a fraction, NaN, out of range) throws
+// std::invalid_argument instead of truncating.
 void SetHostValue(Tensor& host, int64_t i, double v);
 // A host float64 copy of a host tensor of any dtype.
 Tensor HostToFloat64(const Tensor& host);

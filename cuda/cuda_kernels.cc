@@ -27,7 +27,8 @@ namespace {
 
 class Args : public KernelArgs {
  public:
-  explicit Args(std::string_view kernel) : KernelArgs("CudaKernels", Device::kCuda, kernel) {}
+  explicit Args(std::string_view kernel, KernelDTypes dtypes = KernelDTypes::kFloat)
+      : KernelArgs("CudaKernels", Device::kCuda, kernel, dtypes) {}
 };
 
 void FreeDevice(void* pointer) {
@@ -59,8 +60,10 @@ cudaDataType_t CudaDataType(DType dtype) {
     case DType::kFloat64: return CUDA_R_64F;
     case DType::kBFloat16: return CUDA_R_16BF;
     case DType::kFloat16: return CUDA_R_16F;
+    case DType::kInt64: break;  // no GEMM on ids (the base class refuses them first)
   }
-  throw std::invalid_argument("CudaKernels: unknown dtype");
+  throw std::invalid_argument(
+      fmt::format("CudaKernels: {} has no cuBLAS compute type", DTypeName(dtype)));
 }
 
 std::byte* BytePointer(Tensor& t) { return static_cast<std::byte*>(t.data()); }
@@ -81,7 +84,7 @@ CudaKernels::CudaKernels() : Kernels("CudaKernels", Device::kCuda) {
 
 CudaKernels::~CudaKernels() {
   MPUSIM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  if (indices_ != nullptr) MPUSIM_CUDA_CHECK(cudaFree(indices_));
+  if (scratch_ != nullptr) MPUSIM_CUDA_CHECK(cudaFree(scratch_));
   MPUSIM_CUBLAS_CHECK(cublasDestroy(cublas_));
   MPUSIM_CUDA_CHECK(cudaStreamDestroy(stream_));
 }
@@ -95,27 +98,21 @@ Tensor CudaKernels::Allocate(const Shape& shape, DType dtype) {
   return Tensor(shape, dtype, Device::kCuda, std::shared_ptr<void>(pointer, FreeDevice));
 }
 
-const int64_t* CudaKernels::UploadIndices(const std::vector<int64_t>& values) {
-  if (values.empty()) return nullptr;
-  if (values.size() > indices_capacity_) {
-    if (indices_ != nullptr) MPUSIM_CUDA_CHECK(cudaFree(indices_));  // waits for its readers
-    indices_ = nullptr;
-    indices_capacity_ = 0;
-    const size_t capacity = std::max(values.size(), size_t{1024});
+void* CudaKernels::Scratch(size_t bytes) {
+  if (bytes > scratch_bytes_) {
+    if (scratch_ != nullptr) MPUSIM_CUDA_CHECK(cudaFree(scratch_));  // waits for its users
+    scratch_ = nullptr;
+    scratch_bytes_ = 0;
     void* pointer = nullptr;
-    MPUSIM_CUDA_CHECK(cudaMalloc(&pointer, capacity * sizeof(int64_t)));
-    indices_ = static_cast<int64_t*>(pointer);
-    indices_capacity_ = capacity;
+    MPUSIM_CUDA_CHECK(cudaMalloc(&pointer, bytes));
+    scratch_ = pointer;
+    scratch_bytes_ = bytes;
   }
-  // Pageable source: the call returns once `values` has been staged, so the vector may die
-  // right after; the copy runs in stream order, after earlier kernels that read the buffer.
-  MPUSIM_CUDA_CHECK(cudaMemcpyAsync(indices_, values.data(), values.size() * sizeof(int64_t),
-                                    cudaMemcpyHostToDevice, stream_));
-  return indices_;
+  return scratch_;
 }
 
 void CudaKernels::CopyFromHost(const Tensor& host, Tensor& device) {
-  Args args("CopyFromHost");
+  Args args("CopyFromHost", KernelDTypes::kAny);
   args.Add("host", host, Device::kHost).Add("device", device);
   args.Numel("device", device, host.numel(), "the numel of host");
   if (host.bytes() == 0) return;
@@ -503,47 +500,24 @@ void CudaKernels::DoRope(const Tensor& x, int64_t seq, double base, bool inverse
 
 // --- embedding ------------------------------------------------------------------------
 
-void CudaKernels::DoEmbeddingForward(const Tensor& weight, const std::vector<int64_t>& ids,
-                                   int64_t vocab_start, int64_t vocab_end, Tensor& out) {
-  const int64_t num_ids = static_cast<int64_t>(ids.size());
+void CudaKernels::DoEmbeddingForward(const Tensor& weight, const Tensor& ids, int64_t vocab_start,
+                                     int64_t vocab_end, Tensor& out) {
   if (out.numel() == 0) return;
-  const int64_t* device_ids = UploadIndices(ids);
   DispatchStorage(weight.dtype(), [&]<typename T>() {
-    LaunchEmbeddingForward<T>(weight.data_as<T>(), device_ids, num_ids, Cols(weight), vocab_start,
-                              vocab_end, out.data_as<T>(), stream_);
+    LaunchEmbeddingForward<T>(weight.data_as<T>(), ids.data_as<int64_t>(), ids.numel(),
+                              Cols(weight), vocab_start, vocab_end, out.data_as<T>(), stream_);
   });
 }
 
-void CudaKernels::DoEmbeddingBackward(const Tensor& dy, const std::vector<int64_t>& ids,
-                                    int64_t vocab_start, int64_t vocab_end, Tensor& dweight) {
-  const int64_t num_ids = static_cast<int64_t>(ids.size());
-  if (dy.numel() == 0) return;
-  // Group the tokens by the row they update (tokens in increasing order within a row), so
-  // that one GPU thread per (row, column) adds them in the CPU's order without atomics.
-  std::vector<std::pair<int64_t, int64_t>> hits;  // (local row, token)
-  for (int64_t i = 0; i < num_ids; ++i) {
-    const int64_t id = ids[static_cast<size_t>(i)];
-    if (id >= vocab_start && id < vocab_end) hits.emplace_back(id - vocab_start, i);
-  }
-  if (hits.empty()) return;
-  std::sort(hits.begin(), hits.end());
-  std::vector<int64_t> local_rows;
-  std::vector<int64_t> offsets;
-  for (size_t h = 0; h < hits.size(); ++h) {
-    if (h == 0 || hits[h].first != hits[h - 1].first) {
-      local_rows.push_back(hits[h].first);
-      offsets.push_back(static_cast<int64_t>(h));
-    }
-  }
-  offsets.push_back(static_cast<int64_t>(hits.size()));
-  std::vector<int64_t> plan = local_rows;  // see LaunchEmbeddingBackward for the layout
-  plan.insert(plan.end(), offsets.begin(), offsets.end());
-  for (const auto& hit : hits) plan.push_back(hit.second);
-  const int64_t* device_plan = UploadIndices(plan);
-  const int64_t num_rows = static_cast<int64_t>(local_rows.size());
+void CudaKernels::DoEmbeddingBackward(const Tensor& dy, const Tensor& ids, int64_t vocab_start,
+                                      int64_t vocab_end, Tensor& dweight) {
+  const int64_t num_ids = ids.numel();
+  const size_t scratch_bytes = EmbeddingBackwardScratchBytes(num_ids, vocab_end - vocab_start);
+  if (dy.numel() == 0 || scratch_bytes == 0) return;
+  void* scratch = Scratch(scratch_bytes);
   DispatchAccumulator(dy.dtype(), dweight.dtype(), [&]<typename T, typename A>() {
-    LaunchEmbeddingBackward<T, A>(dy.data_as<T>(), device_plan, num_rows, Cols(dweight),
-                                  dweight.data_as<A>(), stream_);
+    LaunchEmbeddingBackward<T, A>(dy.data_as<T>(), ids.data_as<int64_t>(), num_ids, Cols(dweight),
+                                  vocab_start, vocab_end, dweight.data_as<A>(), scratch, stream_);
   });
 }
 
@@ -559,12 +533,12 @@ void CudaKernels::DoRowMax(const Tensor& logits, Tensor& row_max) {
 }
 
 void CudaKernels::DoCrossEntropyPartials(const Tensor& logits, const Tensor& row_max,
-                                       const std::vector<int64_t>& labels, int64_t vocab_start,
-                                       Tensor& sum_exp, Tensor& sum_z, Tensor& target_z) {
+                                         const Tensor& labels, int64_t vocab_start, Tensor& sum_exp,
+                                         Tensor& sum_z, Tensor& target_z) {
   const int64_t rows = Rows(logits);
   const int64_t cols = Cols(logits);
   if (rows == 0) return;
-  const int64_t* device_labels = UploadIndices(labels);
+  const int64_t* device_labels = labels.data_as<int64_t>();
   DispatchStorage(logits.dtype(), [&]<typename T>() {
     using C = ComputeOf<T>;
     LaunchCrossEntropyPartials<T>(logits.data_as<T>(), row_max.data_as<C>(), device_labels, rows,
@@ -574,13 +548,13 @@ void CudaKernels::DoCrossEntropyPartials(const Tensor& logits, const Tensor& row
 }
 
 void CudaKernels::DoCrossEntropyBackward(const Tensor& logits, const Tensor& row_max,
-                                       const Tensor& sum_exp, const std::vector<int64_t>& labels,
-                                       int64_t vocab_start, double on_value, double off_value,
-                                       const Tensor& row_scale, Tensor& grad) {
+                                         const Tensor& sum_exp, const Tensor& labels,
+                                         int64_t vocab_start, double on_value, double off_value,
+                                         const Tensor& row_scale, Tensor& grad) {
   const int64_t rows = Rows(logits);
   const int64_t cols = Cols(logits);
   if (rows == 0 || cols == 0) return;
-  const int64_t* device_labels = UploadIndices(labels);
+  const int64_t* device_labels = labels.data_as<int64_t>();
   DispatchStorage(logits.dtype(), [&]<typename T>() {
     using C = ComputeOf<T>;
     LaunchCrossEntropyBackward<T>(logits.data_as<T>(), row_max.data_as<C>(), sum_exp.data_as<C>(),

@@ -2,11 +2,12 @@
 // of device_kernels.cu.
 //
 // What it is: every Kernels operation (core/kernels.h) for float64, float32, bfloat16 and
-// float16 tensors on the current CUDA device, with the semantics of the CPU reference
-// (sim/eigen_kernels.h): the same formulas in the same order, bit-identical dropout masks
-// (core/philox.h on the device) and a deterministic EmbeddingBackward that adds in the
-// CPU's order. Gemm is cuBLAS in CUBLAS_PEDANTIC_MATH (no TF32, no reduced-precision
-// shortcuts), so float32 GEMMs are true float32 GEMMs like the CPU's.
+// float16 tensors, with int64 ids and labels, on the current CUDA device, with the semantics
+// of the CPU reference (sim/eigen_kernels.h): the same formulas in the same order,
+// bit-identical dropout masks (core/philox.h on the device) and a deterministic
+// EmbeddingBackward that adds in the CPU's order. Gemm is cuBLAS in CUBLAS_PEDANTIC_MATH (no
+// TF32, no reduced-precision shortcuts), so float32 GEMMs are true float32 GEMMs like the
+// CPU's.
 // 16-bit tensors follow the dtype contract of core/kernels.h: elements are widened exactly
 // to float32, the float32 formula runs, and each stored element is rounded once with
 // core/half.h's rounding (so elementwise results are bit-identical to the CPU's whenever
@@ -22,9 +23,10 @@
 //
 // Ordering: everything runs on one stream owned by this object (the communicators of the
 // GPU backend use it too), so kernels, copies and collectives execute in call order.
-// ToHost and ToDevice synchronise the stream before returning; host-side vectors (ids,
-// labels) are copied to a device buffer on the stream. Failed CUDA/cuBLAS calls end the job
-// (cuda_check.h).
+// ToHost and ToDevice synchronise the stream before returning. Ids and labels are int64
+// device tensors that the kernels read where they are (no per-call upload);
+// EmbeddingBackward groups them by row on the device, in a scratch buffer this object owns.
+// Failed CUDA/cuBLAS calls end the job (cuda_check.h).
 //
 // Storage: tensors own their device memory through a shared_ptr whose deleter calls
 // cudaFree; they may outlive this object but not the process's CUDA context.
@@ -113,34 +115,33 @@ class CudaKernels final : public Kernels {
   void DoRope(const Tensor& x, int64_t seq, double base, bool inverse, Tensor& y) override;
 
   // --- embedding ----------------------------------------------------------------------
-  void DoEmbeddingForward(const Tensor& weight, const std::vector<int64_t>& ids, int64_t vocab_start,
-                        int64_t vocab_end, Tensor& out) override;
-  void DoEmbeddingBackward(const Tensor& dy, const std::vector<int64_t>& ids, int64_t vocab_start,
-                         int64_t vocab_end, Tensor& dweight) override;
+  void DoEmbeddingForward(const Tensor& weight, const Tensor& ids, int64_t vocab_start,
+                          int64_t vocab_end, Tensor& out) override;
+  void DoEmbeddingBackward(const Tensor& dy, const Tensor& ids, int64_t vocab_start,
+                           int64_t vocab_end, Tensor& dweight) override;
 
   // --- vocab-parallel cross entropy pieces --------------------------------------------
   void DoRowMax(const Tensor& logits, Tensor& row_max) override;
-  void DoCrossEntropyPartials(const Tensor& logits, const Tensor& row_max,
-                            const std::vector<int64_t>& labels, int64_t vocab_start,
-                            Tensor& sum_exp, Tensor& sum_z, Tensor& target_z) override;
+  void DoCrossEntropyPartials(const Tensor& logits, const Tensor& row_max, const Tensor& labels,
+                              int64_t vocab_start, Tensor& sum_exp, Tensor& sum_z,
+                              Tensor& target_z) override;
   // grad may be logits.
   void DoCrossEntropyBackward(const Tensor& logits, const Tensor& row_max, const Tensor& sum_exp,
-                            const std::vector<int64_t>& labels, int64_t vocab_start,
-                            double on_value, double off_value, const Tensor& row_scale,
-                            Tensor& grad) override;
+                              const Tensor& labels, int64_t vocab_start, double on_value,
+                              double off_value, const Tensor& row_scale, Tensor& grad) override;
 
  private:
   // Device storage for `bytes` bytes (at least 1, so the pointer is never null).
   Tensor Allocate(const Shape& shape, DType dtype);
-  // Copies `values` into a device buffer owned by this object (reused and grown as needed;
-  // stream order keeps earlier kernels' reads before the overwrite) and returns it.
-  const int64_t* UploadIndices(const std::vector<int64_t>& values);
+  // A device buffer of at least `bytes` bytes owned by this object (reused and grown as
+  // needed; stream order keeps earlier kernels' use before the next call's).
+  void* Scratch(size_t bytes);
 
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
-  int64_t* indices_ = nullptr;  // device buffer of indices_capacity_ elements
-  size_t indices_capacity_ = 0;
+  void* scratch_ = nullptr;  // device buffer of scratch_bytes_ bytes
+  size_t scratch_bytes_ = 0;
 };
 
 }  // namespace mpusim::cuda

@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <cub/device/device_radix_sort.cuh>
+
 #include "core/half.h"
 #include "core/philox.h"
 #include "cuda/cuda_check.h"
@@ -411,25 +413,85 @@ __global__ void EmbeddingForwardKernel(const T* weight, const int64_t* ids, int6
   }
 }
 
+// The sort's input: key = the local row of token e's id, or `outside` (the shard's row
+// count, past every row) when another shard owns it; value = e.
+__global__ void EmbeddingKeysKernel(const int64_t* ids, int64_t num_ids, int64_t vocab_start,
+                                    int64_t vocab_end, uint64_t* rows, int64_t* tokens) {
+  for (int64_t e = FirstIndex(); e < num_ids; e += GridStride()) {
+    const int64_t id = ids[e];
+    rows[e] = static_cast<uint64_t>(id >= vocab_start && id < vocab_end ? id - vocab_start
+                                                                        : vocab_end - vocab_start);
+    tokens[e] = e;
+  }
+}
+
+// rows/tokens sorted by row (stably: tokens increase within a row). The thread of sorted
+// position p and column j works only if p starts a run of one in-shard row; it then adds
+// the run's gradients in token order.
 template <typename T, typename A>
-__global__ void EmbeddingBackwardKernel(const T* dy, const int64_t* plan, int64_t num_rows,
-                                        int64_t cols, A* dweight) {
-  const int64_t* local_rows = plan;
-  const int64_t* offsets = plan + num_rows;
-  const int64_t* tokens = plan + 2 * num_rows + 1;
-  const int64_t n = num_rows * cols;
+__global__ void EmbeddingBackwardKernel(const T* dy, const uint64_t* rows, const int64_t* tokens,
+                                        int64_t num_ids, int64_t cols, uint64_t outside,
+                                        A* dweight) {
+  const int64_t n = num_ids * cols;
   for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
-    const int64_t r = e / cols;
+    const int64_t p = e / cols;
     const int64_t j = e % cols;
-    A* target = dweight + local_rows[r] * cols + j;
+    const uint64_t r = rows[p];
+    if (r == outside || (p > 0 && rows[p - 1] == r)) continue;
+    A* target = dweight + static_cast<int64_t>(r) * cols + j;
     // Each token's addition is rounded to A, as the CPU's loop stores after every token
     // (only a 16-bit A actually rounds).
     A acc = *target;
-    for (int64_t t = offsets[r]; t < offsets[r + 1]; ++t) {
-      acc = ToStorage<A>(ToCompute(acc) + ToCompute(dy[tokens[t] * cols + j]));
+    for (int64_t q = p; q < num_ids && rows[q] == r; ++q) {
+      acc = ToStorage<A>(ToCompute(acc) + ToCompute(dy[tokens[q] * cols + j]));
     }
     *target = acc;
   }
+}
+
+// The pieces of EmbeddingBackward's scratch, each at a 256-byte boundary: the keys and
+// values before and after the sort, then CUB's own temporary storage.
+struct EmbeddingScratch {
+  uint64_t* rows_in;
+  uint64_t* rows_out;
+  int64_t* tokens_in;
+  int64_t* tokens_out;
+  void* sort_temp;
+  size_t sort_bytes;
+  size_t total_bytes;
+};
+
+constexpr size_t kScratchAlign = 256;
+
+size_t AlignUp(size_t bytes) { return (bytes + kScratchAlign - 1) / kScratchAlign * kScratchAlign; }
+
+// Bits of the sort keys: enough for every value in [0, vocab_rows] (outside included).
+int KeyBits(int64_t vocab_rows) {
+  int bits = 1;
+  while (bits < 63 && (int64_t{1} << bits) <= vocab_rows) ++bits;
+  return bits;
+}
+
+// The layout over `base` (nullptr: only the sizes, for EmbeddingBackwardScratchBytes).
+EmbeddingScratch LayOutEmbeddingScratch(void* base, int64_t num_ids, int64_t vocab_rows) {
+  EmbeddingScratch s{};
+  const size_t keys = AlignUp(static_cast<size_t>(num_ids) * sizeof(uint64_t));
+  const size_t values = AlignUp(static_cast<size_t>(num_ids) * sizeof(int64_t));
+  // CUB reports its temporary storage for these sizes without touching the pointers.
+  MPUSIM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+      nullptr, s.sort_bytes, static_cast<const uint64_t*>(nullptr), static_cast<uint64_t*>(nullptr),
+      static_cast<const int64_t*>(nullptr), static_cast<int64_t*>(nullptr), num_ids, 0,
+      KeyBits(vocab_rows)));
+  s.total_bytes = 2 * keys + 2 * values + AlignUp(s.sort_bytes);
+  if (base != nullptr) {
+    auto* at = static_cast<unsigned char*>(base);
+    s.rows_in = reinterpret_cast<uint64_t*>(at);
+    s.rows_out = reinterpret_cast<uint64_t*>(at + keys);
+    s.tokens_in = reinterpret_cast<int64_t*>(at + 2 * keys);
+    s.tokens_out = reinterpret_cast<int64_t*>(at + 2 * keys + values);
+    s.sort_temp = at + 2 * keys + 2 * values;
+  }
+  return s;
 }
 
 // --- cross entropy --------------------------------------------------------------------
@@ -654,13 +716,27 @@ void LaunchEmbeddingForward(const T* weight, const int64_t* ids, int64_t num_ids
   MPUSIM_CUDA_CHECK(cudaGetLastError());
 }
 
+size_t EmbeddingBackwardScratchBytes(int64_t num_ids, int64_t vocab_rows) {
+  if (num_ids <= 0 || vocab_rows <= 0) return 0;
+  return LayOutEmbeddingScratch(nullptr, num_ids, vocab_rows).total_bytes;
+}
+
 template <typename T, typename A>
-void LaunchEmbeddingBackward(const T* dy, const int64_t* plan, int64_t num_rows, int64_t cols,
-                             A* dweight, cudaStream_t stream) {
-  const int64_t n = num_rows * cols;
-  if (n <= 0) return;
-  EmbeddingBackwardKernel<T, A><<<GridFor(n), kBlock, 0, stream>>>(dy, plan, num_rows, cols,
-                                                                   dweight);
+void LaunchEmbeddingBackward(const T* dy, const int64_t* ids, int64_t num_ids, int64_t cols,
+                             int64_t vocab_start, int64_t vocab_end, A* dweight, void* scratch,
+                             cudaStream_t stream) {
+  const int64_t vocab_rows = vocab_end - vocab_start;
+  if (num_ids <= 0 || cols <= 0 || vocab_rows <= 0) return;
+  EmbeddingScratch s = LayOutEmbeddingScratch(scratch, num_ids, vocab_rows);
+  EmbeddingKeysKernel<<<GridFor(num_ids), kBlock, 0, stream>>>(ids, num_ids, vocab_start, vocab_end,
+                                                               s.rows_in, s.tokens_in);
+  MPUSIM_CUDA_CHECK(cudaGetLastError());
+  MPUSIM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(s.sort_temp, s.sort_bytes, s.rows_in,
+                                                    s.rows_out, s.tokens_in, s.tokens_out, num_ids,
+                                                    0, KeyBits(vocab_rows), stream));
+  const int64_t n = num_ids * cols;
+  EmbeddingBackwardKernel<T, A><<<GridFor(n), kBlock, 0, stream>>>(
+      dy, s.rows_out, s.tokens_out, num_ids, cols, static_cast<uint64_t>(vocab_rows), dweight);
   MPUSIM_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -735,8 +811,8 @@ void LaunchCrossEntropyBackward(const T* logits, const ComputeOf<T>* row_max,
 #define MPUSIM_INSTANTIATE_ACCUMULATORS(T, A, C)                                                 \
   template void LaunchAxpy<T, A>(const T*, A*, int64_t, C, cudaStream_t);                        \
   template void LaunchSumRows<T, A>(const T*, int64_t, int64_t, double, A*, cudaStream_t);       \
-  template void LaunchEmbeddingBackward<T, A>(const T*, const int64_t*, int64_t, int64_t, A*,    \
-                                              cudaStream_t);                                     \
+  template void LaunchEmbeddingBackward<T, A>(const T*, const int64_t*, int64_t, int64_t,        \
+                                              int64_t, int64_t, A*, void*, cudaStream_t);        \
   template void LaunchNormBackward<T, A>(const T*, const T*, const C*, const C*, const T*,       \
                                          int64_t, int64_t, T*, A*, A*, cudaStream_t);
 

@@ -21,8 +21,9 @@
 // block per row and reduce with a shared-memory tree; elementwise ones (SwiGLU, Rope,
 // DropoutAt, StridedCopy) one thread per element (or rotated pair) in a grid-stride loop.
 // What it is not: argument checking (CudaKernels in cuda_kernels.h checks every call
-// first) or anything that allocates memory. A launcher with nothing to do (n == 0) enqueues
-// nothing: a launch with zero blocks is an error in CUDA.
+// first) or anything that allocates memory (EmbeddingBackward's sort gets its scratch from
+// the caller). A launcher with nothing to do (n == 0) enqueues nothing: a launch with zero
+// blocks is an error in CUDA.
 //
 // This header is plain C++ (no CUDA syntax), so host files compiled by the C++ compiler
 // with the project's warnings can include it.
@@ -170,17 +171,25 @@ template <typename T>
 void LaunchEmbeddingForward(const T* weight, const int64_t* ids, int64_t num_ids, int64_t cols,
                             int64_t vocab_start, int64_t vocab_end, T* out, cudaStream_t stream);
 
-// The accumulation of EmbeddingBackward, with the tokens already grouped by row on the host:
-// `plan` holds num_rows local row indices, then num_rows + 1 offsets, then the token indices
-// of row r at [offsets[r], offsets[r + 1]) in increasing order. One thread per (row, column)
-// adds dy[token, column] for its tokens in that order: no atomics, deterministic, and the
-// same additions in the same order as the CPU's loop over tokens, so the result is
-// bit-identical. Each addition is a ComputeOf<T> one rounded to A, like the CPU's, which
-// stores after every token: a 16-bit dweight rounds once per token, a float32 one is a
-// plain float32 sum. A is T or ComputeOf<T>.
+// The device scratch, in bytes, LaunchEmbeddingBackward needs for num_ids ids and a shard of
+// vocab_rows rows (0 when there is nothing to do). Enqueues nothing.
+size_t EmbeddingBackwardScratchBytes(int64_t num_ids, int64_t vocab_rows);
+
+// dweight[ids[i] - vocab_start, :] += dy[i, :] for the ids inside [vocab_start, vocab_end),
+// with the ids read on the device (no host round trip). The tokens are grouped by the local
+// row they update on the device: a stable radix sort of (row, token) pairs, in which an id
+// outside the shard gets the key vocab_end - vocab_start and sorts last. Then one thread per
+// (sorted position, column) that starts a run of one row adds dy[token, column] for the
+// run's tokens in increasing token order: no atomics, deterministic, and the same additions
+// in the same order as the CPU's loop over tokens, so the result is bit-identical. Each
+// addition is a ComputeOf<T> one rounded to A, like the CPU's, which stores after every
+// token: a 16-bit dweight rounds once per token, a float32 one is a plain float32 sum. A is
+// T or ComputeOf<T>. `scratch` holds EmbeddingBackwardScratchBytes(num_ids, vocab_end -
+// vocab_start) bytes of device memory, which stream order keeps to this call.
 template <typename T, typename A>
-void LaunchEmbeddingBackward(const T* dy, const int64_t* plan, int64_t num_rows, int64_t cols,
-                             A* dweight, cudaStream_t stream);
+void LaunchEmbeddingBackward(const T* dy, const int64_t* ids, int64_t num_ids, int64_t cols,
+                             int64_t vocab_start, int64_t vocab_end, A* dweight, void* scratch,
+                             cudaStream_t stream);
 
 // row_max[i] = max_j logits[i, j] (-inf for a row with no columns). One block per row.
 template <typename T>

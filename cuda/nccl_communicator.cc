@@ -35,6 +35,7 @@ ncclDataType_t NcclType(DType dtype) {
     case DType::kFloat64: return ncclFloat64;
     case DType::kBFloat16: return ncclBfloat16;
     case DType::kFloat16: return ncclFloat16;
+    case DType::kInt64: return ncclInt64;  // token ids: moved, or summed exactly
   }
   throw std::invalid_argument("NcclCommunicator: unknown dtype");
 }

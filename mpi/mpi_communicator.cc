@@ -23,13 +23,15 @@ namespace {
 }
 
 // 16-bit elements travel as MPI_UINT16_T: moving them needs only their bits, and sums and
-// maxima use the user-defined operations below instead of MPI's integer ones.
+// maxima use the user-defined operations below instead of MPI's integer ones. int64 (token
+// ids) is MPI_INT64_T, with MPI's own exact integer sum and max.
 MPI_Datatype MpiType(DType dtype) {
   switch (dtype) {
     case DType::kFloat32: return MPI_FLOAT;
     case DType::kFloat64: return MPI_DOUBLE;
     case DType::kBFloat16:
     case DType::kFloat16: return MPI_UINT16_T;
+    case DType::kInt64: return MPI_INT64_T;
   }
   return MPI_DATATYPE_NULL;
 }
@@ -91,7 +93,7 @@ HalfOps* CreateHalfOps() {
   return ops;
 }
 
-// MPI's own operation for float32/float64; the 16-bit ones above otherwise.
+// MPI's own operation for float32/float64/int64; the 16-bit ones above otherwise.
 MPI_Op MpiOp(DType dtype, ReduceOp op) {
   if (!IsHalf(dtype)) return op == ReduceOp::kSum ? MPI_SUM : MPI_MAX;
   static HalfOps* const ops = CreateHalfOps();  // thread-safe, once per process

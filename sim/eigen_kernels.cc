@@ -80,11 +80,14 @@ void DispatchHalf(DType dtype, Body&& body) {
 }
 
 // Runs body.template operator()<T>() with T a type whose copies move `dtype`'s bits
-// unchanged: float, double, or uint16_t for both 16-bit dtypes (a copy needs no values).
+// unchanged: float, double, int64_t, or uint16_t for both 16-bit dtypes (a copy needs no
+// values).
 template <typename Body>
 void DispatchBits(DType dtype, Body&& body) {
   if (IsHalf(dtype)) {
     body.template operator()<uint16_t>();
+  } else if (dtype == DType::kInt64) {
+    body.template operator()<int64_t>();
   } else {
     Dispatch(dtype, std::forward<Body>(body));
   }
@@ -123,6 +126,9 @@ Tensor BatchEntry(const Tensor& t, int64_t i) {
   return Tensor({shape[1], shape[2]}, t.dtype(), t.device(),
                 std::shared_ptr<void>(std::shared_ptr<void>(), base));
 }
+
+// The int64 ids (or labels) of a host tensor, flat: element i belongs to row i.
+const int64_t* IdsOf(const Tensor& ids) { return ids.data_as<int64_t>(); }
 
 // Column of `label` in a shard starting at vocab_start with `cols` columns, or -1.
 int64_t LocalColumn(int64_t label, int64_t vocab_start, int64_t cols) {
@@ -690,14 +696,15 @@ void EigenKernels::DoRope(const Tensor& x, int64_t seq, double base, bool invers
 
 // --- embedding ------------------------------------------------------------------------
 
-void EigenKernels::DoEmbeddingForward(const Tensor& weight, const std::vector<int64_t>& ids,
-                                    int64_t vocab_start, int64_t vocab_end, Tensor& out) {
-  const int64_t num_ids = static_cast<int64_t>(ids.size());
+void EigenKernels::DoEmbeddingForward(const Tensor& weight, const Tensor& ids, int64_t vocab_start,
+                                      int64_t vocab_end, Tensor& out) {
+  const int64_t num_ids = ids.numel();
+  const int64_t* id_of = IdsOf(ids);
   DispatchBits(weight.dtype(), [&]<typename T>() {
     const auto w = MatrixOf<T>(weight);
     auto o = MatrixOf<T>(out);
     for (int64_t i = 0; i < num_ids; ++i) {
-      const int64_t id = ids[static_cast<size_t>(i)];
+      const int64_t id = id_of[i];
       if (id >= vocab_start && id < vocab_end) {
         o.row(i) = w.row(id - vocab_start);
       } else {
@@ -707,9 +714,10 @@ void EigenKernels::DoEmbeddingForward(const Tensor& weight, const std::vector<in
   });
 }
 
-void EigenKernels::DoEmbeddingBackward(const Tensor& dy, const std::vector<int64_t>& ids,
-                                     int64_t vocab_start, int64_t vocab_end, Tensor& dweight) {
-  const int64_t num_ids = static_cast<int64_t>(ids.size());
+void EigenKernels::DoEmbeddingBackward(const Tensor& dy, const Tensor& ids, int64_t vocab_start,
+                                       int64_t vocab_end, Tensor& dweight) {
+  const int64_t num_ids = ids.numel();
+  const int64_t* id_of = IdsOf(ids);
   if (IsHalf(dy.dtype())) {
     if (dweight.dtype() == DType::kFloat32) {
       DoEmbeddingBackward(Widened(dy, *cache_), ids, vocab_start, vocab_end, dweight);
@@ -722,7 +730,7 @@ void EigenKernels::DoEmbeddingBackward(const Tensor& dy, const std::vector<int64
       const H* g = dy.data_as<H>();
       H* dw = dweight.data_as<H>();
       for (int64_t i = 0; i < num_ids; ++i) {
-        const int64_t id = ids[static_cast<size_t>(i)];
+        const int64_t id = id_of[i];
         if (id < vocab_start || id >= vocab_end) continue;
         H* row = dw + (id - vocab_start) * cols;
         const H* grad_row = g + i * cols;
@@ -737,7 +745,7 @@ void EigenKernels::DoEmbeddingBackward(const Tensor& dy, const std::vector<int64
     const auto g = MatrixOf<T>(dy);
     auto dw = MatrixOf<T>(dweight);
     for (int64_t i = 0; i < num_ids; ++i) {
-      const int64_t id = ids[static_cast<size_t>(i)];
+      const int64_t id = id_of[i];
       if (id >= vocab_start && id < vocab_end) dw.row(id - vocab_start) += g.row(i);
     }
   });
@@ -761,8 +769,8 @@ void EigenKernels::DoRowMax(const Tensor& logits, Tensor& row_max) {
 }
 
 void EigenKernels::DoCrossEntropyPartials(const Tensor& logits, const Tensor& row_max,
-                                        const std::vector<int64_t>& labels, int64_t vocab_start,
-                                        Tensor& sum_exp, Tensor& sum_z, Tensor& target_z) {
+                                          const Tensor& labels, int64_t vocab_start,
+                                          Tensor& sum_exp, Tensor& sum_z, Tensor& target_z) {
   const int64_t rows = Rows(logits);
   const int64_t cols = Cols(logits);
   if (IsHalf(logits.dtype())) {
@@ -780,16 +788,16 @@ void EigenKernels::DoCrossEntropyPartials(const Tensor& logits, const Tensor& ro
       const auto z = l.row(i).array() - m[i];
       se[i] = z.exp().sum();
       sz[i] = z.sum();
-      const int64_t col = LocalColumn(labels[static_cast<size_t>(i)], vocab_start, cols);
+      const int64_t col = LocalColumn(IdsOf(labels)[i], vocab_start, cols);
       tz[i] = col >= 0 ? l(i, col) - m[i] : static_cast<T>(0);
     }
   });
 }
 
 void EigenKernels::DoCrossEntropyBackward(const Tensor& logits, const Tensor& row_max,
-                                        const Tensor& sum_exp, const std::vector<int64_t>& labels,
-                                        int64_t vocab_start, double on_value, double off_value,
-                                        const Tensor& row_scale, Tensor& grad) {
+                                          const Tensor& sum_exp, const Tensor& labels,
+                                          int64_t vocab_start, double on_value, double off_value,
+                                          const Tensor& row_scale, Tensor& grad) {
   const int64_t rows = Rows(logits);
   const int64_t cols = Cols(logits);
   if (IsHalf(logits.dtype())) {
@@ -810,7 +818,7 @@ void EigenKernels::DoCrossEntropyBackward(const Tensor& logits, const Tensor& ro
     const T on = static_cast<T>(on_value);
     const T off = static_cast<T>(off_value);
     for (int64_t i = 0; i < rows; ++i) {
-      const int64_t col = LocalColumn(labels[static_cast<size_t>(i)], vocab_start, cols);
+      const int64_t col = LocalColumn(IdsOf(labels)[i], vocab_start, cols);
       // Read the label's logit before the row is overwritten (grad may be logits).
       const T z_label = col >= 0 ? l(i, col) - m[i] : static_cast<T>(0);
       g.row(i).array() = scale[i] * ((l.row(i).array() - m[i]).exp() / se[i] - off);

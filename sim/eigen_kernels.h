@@ -1,18 +1,18 @@
 // EigenKernels: the simulator's Kernels, on host memory with Eigen.
 //
 // What it is: every Kernels operation (core/kernels.h) for float32, float64, bfloat16 and
-// float16 host tensors. Each call dispatches on the dtype once and then works on Eigen::Map
-// views of the row-major storage; Gemm is Eigen's blocked GEMM (noalias, transposed views,
-// alpha/beta folded into the product) and BatchedGemm one such GEMM per batch entry,
-// elementwise ops are plain loops or Eigen array expressions, the norms and the causal
-// softmax one pass per row, StridedCopy an odometer over its index tuples. float32 and
-// float64 accumulate in their own dtype. bfloat16 and float16 are storage only: their
-// elements are widened exactly to temporary float32 tensors, the float32 code runs
-// (OpenBLAS GEMM included), and each stored 16-bit element is rounded once to nearest even
-// (core/half.h); a float32 accumulator or statistic is used as it is. One
-// exception to "rounded once": a 16-bit EmbeddingBackward dweight rounds after every added
-// token row, in id order. Nothing here starts threads (no OpenMP); how many threads Eigen
-// may use is the caller's choice.
+// float16 host tensors, with int64 ids and labels read in place. Each call dispatches on the
+// dtype once and then works on Eigen::Map views of the row-major storage; Gemm is Eigen's
+// blocked GEMM (noalias, transposed views, alpha/beta folded into the product) and
+// BatchedGemm one such GEMM per batch entry, elementwise ops are plain loops or Eigen array
+// expressions, the norms and the causal softmax one pass per row, StridedCopy an odometer
+// over its index tuples. float32 and float64 accumulate in their own dtype. bfloat16 and
+// float16 are storage only: their elements are widened exactly to temporary float32
+// tensors, the float32 code runs (OpenBLAS GEMM included), and each stored 16-bit element is
+// rounded once to nearest even (core/half.h); a float32 accumulator or statistic is used as
+// it is. One exception to "rounded once": a 16-bit EmbeddingBackward dweight rounds after
+// every added token row, in id order. Nothing here starts threads (no OpenMP); how many
+// threads Eigen may use is the caller's choice.
 // What it is not: the float64 reference model (reference/reference_model is written
 // independently), and not a place for layer logic (core/model/graph).
 //
@@ -107,22 +107,22 @@ class EigenKernels final : public Kernels {
   void DoRope(const Tensor& x, int64_t seq, double base, bool inverse, Tensor& y) override;
 
   // --- embedding (weight / dweight hold rows [vocab_start, vocab_end)) ----------------
-  void DoEmbeddingForward(const Tensor& weight, const std::vector<int64_t>& ids, int64_t vocab_start,
-                        int64_t vocab_end, Tensor& out) override;
-  void DoEmbeddingBackward(const Tensor& dy, const std::vector<int64_t>& ids, int64_t vocab_start,
-                         int64_t vocab_end, Tensor& dweight) override;
+  void DoEmbeddingForward(const Tensor& weight, const Tensor& ids, int64_t vocab_start,
+                          int64_t vocab_end, Tensor& out) override;
+  void DoEmbeddingBackward(const Tensor& dy, const Tensor& ids, int64_t vocab_start,
+                           int64_t vocab_end, Tensor& dweight) override;
 
   // --- vocab-parallel cross entropy pieces --------------------------------------------
   // A row with no columns has row_max = -inf (the identity of the max all-reduce).
   void DoRowMax(const Tensor& logits, Tensor& row_max) override;
-  void DoCrossEntropyPartials(const Tensor& logits, const Tensor& row_max,
-                            const std::vector<int64_t>& labels, int64_t vocab_start,
-                            Tensor& sum_exp, Tensor& sum_z, Tensor& target_z) override;
+  void DoCrossEntropyPartials(const Tensor& logits, const Tensor& row_max, const Tensor& labels,
+                              int64_t vocab_start, Tensor& sum_exp, Tensor& sum_z,
+                              Tensor& target_z) override;
   // grad may be logits (computed in place, as Megatron does).
   void DoCrossEntropyBackward(const Tensor& logits, const Tensor& row_max, const Tensor& sum_exp,
-                            const std::vector<int64_t>& labels, int64_t vocab_start,
-                            double on_value, double off_value, const Tensor& row_scale,
-                            Tensor& grad) override;
+                              const Tensor& labels, int64_t vocab_start, double on_value,
+                              double off_value, const Tensor& row_scale, Tensor& grad) override;
+
  private:
   // One body for both norms: LayerNorm with mean (and bias / dbias), RMSNorm with mean,
   // bias and dbias null (no centering, no shift).

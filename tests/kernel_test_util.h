@@ -41,6 +41,14 @@ Tensor Make(const Shape& shape, const std::vector<double>& values) {
   return MakeOf(kDType<T>, shape, values);
 }
 
+// A host int64 tensor [ids.size()] of token ids or labels, for the embedding and
+// cross-entropy kernels (device backends copy it over with ToDevice).
+inline Tensor Ids(const std::vector<int64_t>& ids) {
+  Tensor t = Tensor::HostEmpty({static_cast<int64_t>(ids.size())}, DType::kInt64);
+  if (!ids.empty()) std::memcpy(t.data(), ids.data(), ids.size() * sizeof(int64_t));
+  return t;
+}
+
 // Every element of a host tensor of any dtype, widened exactly to double.
 inline std::vector<double> ValuesOf(const Tensor& host) {
   std::vector<double> v(static_cast<size_t>(host.numel()));

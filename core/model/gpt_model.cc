@@ -90,24 +90,24 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config, const 
 
 void GptModel::InitializeParameters(Kernels& k) { params_.Initialize(k, run_.seed, run_.dtype); }
 
-GptModel::Batch GptModel::MakeBatch(int64_t microbatch) const {
+GptModel::Batch GptModel::MakeBatch(Kernels& k, int64_t microbatch) const {
   const StreamShape& sh = shape_;
-  Batch batch;
-  const size_t n = static_cast<size_t>(sh.s * sh.b);
-  batch.tokens.resize(n);
-  batch.labels.resize(n);
-  batch.positions.resize(n);
+  Tensor tokens = Tensor::HostEmpty({sh.s, sh.b}, DType::kInt64);
+  Tensor labels = Tensor::HostEmpty({sh.s, sh.b}, DType::kInt64);
+  Tensor positions = Tensor::HostEmpty({sh.s, sh.b}, DType::kInt64);
   const std::string text = fmt::format("text.mb{}", microbatch);
   for (int64_t i = 0; i < sh.s; ++i) {
     for (int64_t j = 0; j < sh.b; ++j) {
       const int64_t gs = sh.dp_rank * sh.b + j;
-      const size_t row = static_cast<size_t>(i * sh.b + j);
-      batch.tokens[row] = TokenAt(run_.seed, text, gs * (sh.s + 1) + i, gpt_.vocab_size);
-      batch.labels[row] = TokenAt(run_.seed, text, gs * (sh.s + 1) + i + 1, gpt_.vocab_size);
-      batch.positions[row] = i;
+      const int64_t row = i * sh.b + j;
+      tokens.data_as<int64_t>()[row] =
+          TokenAt(run_.seed, text, gs * (sh.s + 1) + i, gpt_.vocab_size);
+      labels.data_as<int64_t>()[row] =
+          TokenAt(run_.seed, text, gs * (sh.s + 1) + i + 1, gpt_.vocab_size);
+      positions.data_as<int64_t>()[row] = i;
     }
   }
-  return batch;
+  return Batch{k.ToDevice(tokens), k.ToDevice(labels), k.ToDevice(positions)};
 }
 
 // LanguageModelEmbedding: word embeddings (vocab-parallel: a partial sum over tp) plus
@@ -225,7 +225,7 @@ void GptModel::Run(RankContext& ctx, std::vector<TensorRecord>* records) {
   double loss_sum = 0;
   const int64_t M = run_.num_microbatches;
   for (int64_t m = 0; m < M; ++m) {
-    const Batch batch = MakeBatch(m);
+    const Batch batch = MakeBatch(k, m);
     ModuleContext mctx{k, ctx.tp(), *ctx.trace, shape_, d_,
                        DropoutDraw{run_.seed, 0, m, tracker_ ? &*tracker_ : nullptr},
                        fuse_wgrad_, m + 1 == M ? records : nullptr};
@@ -234,11 +234,11 @@ void GptModel::Run(RankContext& ctx, std::vector<TensorRecord>* records) {
     Backward(mctx, batch, stash);
     if (m + 1 == M && records != nullptr) {
       const ShardSpec batch_split = shape_.BatchSpec(1, d_);
+      // Recorded as float64 [s, b], as dumps and the check hold them.
       for (const auto* ids : {&batch.tokens, &batch.labels}) {
-        Tensor host = Tensor::HostEmpty({shape_.s, shape_.b}, DType::kFloat64);
-        for (size_t i = 0; i < ids->size(); ++i) host.data_as<double>()[i] = static_cast<double>((*ids)[i]);
-        records->push_back({ids == &batch.tokens ? "tokens" : "labels", k.ToDevice(host),
-                            {shape_.s, shape_.B}, batch_split, false});
+        records->push_back({ids == &batch.tokens ? "tokens" : "labels",
+                            k.ToDevice(HostToFloat64(k.ToHost(*ids))), {shape_.s, shape_.B},
+                            batch_split, false});
       }
     }
   }

@@ -63,11 +63,12 @@ class GptModel {
 
  private:
   GptModel() = default;
+  // One micro-batch's ids, int64 on the device, made once and read by the kernels there.
   struct Batch {
-    std::vector<int64_t> tokens, labels;  // [s, b], index i * b + j
-    std::vector<int64_t> positions;       // [s, b]: i
+    Tensor tokens, labels;  // [s, b], index i * b + j
+    Tensor positions;       // [s, b]: i
   };
-  Batch MakeBatch(int64_t microbatch) const;
+  Batch MakeBatch(Kernels& k, int64_t microbatch) const;
   // Returns the sum of this rank's per-token losses.
   double Forward(const ModuleContext& ctx, const Batch& batch, Stash* stash) const;
   void Backward(const ModuleContext& ctx, const Batch& batch, Stash& stash) const;

@@ -53,9 +53,9 @@ struct Parameter {
 // One micro-batch's data on this rank.
 struct Batch {
   int64_t microbatch = 0;
-  std::vector<int64_t> tokens;  // [s, b], full sequence, this dp rank's samples
-  std::vector<int64_t> labels;
-  double token_scale = 0;       // d loss / d per-token loss = 1 / (M * s * B)
+  Tensor tokens;  // [s, b] int64 on the device: full sequence, this dp rank's samples
+  Tensor labels;  // [s, b] int64 on the device
+  double token_scale = 0;  // d loss / d per-token loss = 1 / (M * s * B)
 };
 
 struct LayerSlot {
@@ -630,26 +630,22 @@ Batch Graph::Impl::MakeBatch(RankContext& ctx, int64_t m) const {
   const int64_t s = run.seq_length, b = run.micro_batch_size, B = b * d;
   batch.token_scale = 1.0 / static_cast<double>(run.num_microbatches * s * B);
   // Megatron's broadcast_data: the first rank of each tp group makes its data-parallel
-  // slice and broadcasts it to the group.
-  auto make = [&](const char* stream, std::vector<int64_t>* out) {
-    Tensor host = Tensor::HostZeros({s, b}, DType::kFloat64);
+  // slice and broadcasts it (int64, as torch.int64 there) to the group; the kernels then
+  // read the ids on the device.
+  auto make = [&](const char* stream, Tensor* out) {
+    Tensor host = Tensor::HostZeros({s, b}, DType::kInt64);
     if (ctx.coords.tp == 0) {
-      double* v = host.data_as<double>();
+      int64_t* v = host.data_as<int64_t>();
       const std::string name = fmt::format("{}.mb{}", stream, m);
       for (int64_t i = 0; i < s; ++i) {
         for (int64_t j = 0; j < b; ++j) {
           const int64_t g = ctx.coords.dp * b + j;
-          v[i * b + j] = static_cast<double>(TokenAt(run.seed, name, i * B + g, *model.vocab_size));
+          v[i * b + j] = TokenAt(run.seed, name, i * B + g, *model.vocab_size);
         }
       }
     }
-    Tensor device = ctx.kernels->ToDevice(host);
-    BroadcastData(ctx.tp(), {&device});
-    const Tensor back = ctx.kernels->ToHost(device);
-    out->resize(static_cast<size_t>(s * b));
-    for (size_t k = 0; k < out->size(); ++k) {
-      (*out)[k] = static_cast<int64_t>(back.data_as<double>()[k]);
-    }
+    *out = ctx.kernels->ToDevice(host);
+    BroadcastData(ctx.tp(), {out});
   };
   if (needs_tokens) make("tokens", &batch.tokens);
   if (needs_labels) make("labels", &batch.labels);
@@ -915,21 +911,12 @@ void Graph::Run(RankContext& ctx) {
       ctx.rng.SetStates(after_forward);
     }
     g.BackwardChain(ctx, batch);
-    if (m + 1 == g.run.num_microbatches && !batch.tokens.empty()) {
-      Tensor tokens = Tensor::HostZeros({g.run.seq_length, g.run.micro_batch_size},
-                                        DType::kFloat64);
-      for (size_t i = 0; i < batch.tokens.size(); ++i) {
-        tokens.data_as<double>()[i] = static_cast<double>(batch.tokens[i]);
-      }
-      g.last_tokens = tokens;
+    // Records keep tokens and labels as float64 [s, b] (what dumps and the check hold).
+    if (m + 1 == g.run.num_microbatches && batch.tokens.defined()) {
+      g.last_tokens = HostToFloat64(ctx.kernels->ToHost(batch.tokens));
     }
-    if (m + 1 == g.run.num_microbatches && !batch.labels.empty()) {
-      Tensor labels = Tensor::HostZeros({g.run.seq_length, g.run.micro_batch_size},
-                                        DType::kFloat64);
-      for (size_t i = 0; i < batch.labels.size(); ++i) {
-        labels.data_as<double>()[i] = static_cast<double>(batch.labels[i]);
-      }
-      g.last_labels = labels;
+    if (m + 1 == g.run.num_microbatches && batch.labels.defined()) {
+      g.last_labels = HostToFloat64(ctx.kernels->ToHost(batch.labels));
     }
   }
   // Gradient reductions: replicated parameters that saw only a sequence shard, over tp;

@@ -6,7 +6,7 @@
 namespace mpusim {
 
 Tensor VocabParallelCrossEntropyForward(Kernels& k, Communicator& tp, const Tensor& logits,
-                                        const std::vector<int64_t>& labels, int64_t padded_vocab,
+                                        const Tensor& labels, int64_t padded_vocab,
                                         double label_smoothing, CrossEntropyStash* stash) {
   const int64_t rows = logits.rows();
   const int64_t start = tp.Rank() * logits.cols();
@@ -41,9 +41,9 @@ Tensor VocabParallelCrossEntropyForward(Kernels& k, Communicator& tp, const Tens
 }
 
 Tensor VocabParallelCrossEntropyBackward(Kernels& k, const CrossEntropyStash& stash,
-                                         const std::vector<int64_t>& labels,
-                                         int64_t padded_vocab, double label_smoothing,
-                                         int64_t tp_rank, const Tensor& dloss) {
+                                         const Tensor& labels, int64_t padded_vocab,
+                                         double label_smoothing, int64_t tp_rank,
+                                         const Tensor& dloss) {
   const Tensor& logits = stash.logits;
   const double vp = static_cast<double>(padded_vocab);
   const double alpha = label_smoothing;

@@ -1,7 +1,8 @@
 // Megatron's vocab_parallel_cross_entropy (tensor_parallel/cross_entropy.py), forward and
 // backward, on logits whose vocabulary columns are split over the tensor-parallel group.
 //
-// Shape legend: logits [rows, Vp/t] (rows = tokens), labels [rows] global vocabulary ids.
+// Shape legend: logits [rows, Vp/t] (rows = tokens), labels [rows] global vocabulary ids
+// (int64, on the device; any shape with rows elements, e.g. [s, b]).
 // Forward: a numerically stable softmax over the whole vocabulary: the row max, the sums of
 // exp(z - max), of the label's shifted logit and (with label smoothing) of all shifted logits,
 // each all-reduced over `tp`. With ls = label_smoothing and sm = ls * Vp / (Vp - 1):
@@ -13,7 +14,6 @@
 #pragma once
 
 #include <cstdint>
-#include <vector>
 
 #include "core/communicator.h"
 #include "core/kernels.h"
@@ -29,14 +29,14 @@ struct CrossEntropyStash {
 
 // Per-token losses [rows] (compute dtype, on the device). `padded_vocab` is the full Vp.
 Tensor VocabParallelCrossEntropyForward(Kernels& k, Communicator& tp, const Tensor& logits,
-                                        const std::vector<int64_t>& labels, int64_t padded_vocab,
+                                        const Tensor& labels, int64_t padded_vocab,
                                         double label_smoothing, CrossEntropyStash* stash);
 
 // d loss / d logits [rows, Vp/t] in the logits' dtype; dloss [rows] holds d total / d
 // per-token loss. `tp_rank` places the local vocabulary columns.
 Tensor VocabParallelCrossEntropyBackward(Kernels& k, const CrossEntropyStash& stash,
-                                         const std::vector<int64_t>& labels,
-                                         int64_t padded_vocab, double label_smoothing,
-                                         int64_t tp_rank, const Tensor& dloss);
+                                         const Tensor& labels, int64_t padded_vocab,
+                                         double label_smoothing, int64_t tp_rank,
+                                         const Tensor& dloss);
 
 }  // namespace mpusim

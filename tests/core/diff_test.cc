@@ -701,6 +701,12 @@ TEST_F(DiffTest, ManifestFieldsAreChecked) {
     ExpectContains(LoadError(b), "tensors[0].dtype");
   }
   {
+    // int64 is a dtype of the simulator (token ids) but never of a dump.
+    DumpBuilder b = GoodDump();
+    b.manifest()["tensors"][0]["dtype"] = "int64";
+    ExpectContains(LoadError(b), "tensors[0].dtype");
+  }
+  {
     DumpBuilder b = GoodDump();
     b.manifest()["dtype"] = "fp8";
     ExpectContains(LoadError(b), "manifest.json: dtype: must be \"float32\", \"float64\", "

@@ -593,6 +593,10 @@ TEST(RunConfig, Errors) {
   EXPECT_EQ(RunRefusal({{"seq_length", 8}, {"dtype", 32}}),
             "run.dtype: must be \"float32\", \"float64\", \"bfloat16\" or \"float16\", got "
             "number 32");
+  // int64 is a storage dtype (token ids), never a run's.
+  EXPECT_EQ(RunRefusal({{"seq_length", 8}, {"dtype", "int64"}}),
+            "run.dtype: must be \"float32\", \"float64\", \"bfloat16\" or \"float16\", got "
+            "string \"int64\"");
   EXPECT_EQ(RunRefusal({{"seq_length", 0}}), "run.seq_length: must be an integer >= 1, got 0");
   EXPECT_EQ(RunRefusal({{"seq_length", "8"}}),
             "run.seq_length: must be an integer >= 1, got string \"8\"");

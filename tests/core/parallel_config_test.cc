@@ -142,6 +142,9 @@ TEST(ParallelConfig, MixedPrecisionFields) {
   EXPECT_EQ(Refusal({{"world_size", 2}, {"params_dtype", "float64"}}),
             "parallel.params_dtype: must be \"float32\", \"bfloat16\", \"float16\" or null, got "
             "string \"float64\"");
+  EXPECT_EQ(Refusal({{"world_size", 2}, {"params_dtype", "torch.int64"}}),
+            "parallel.params_dtype: must be \"float32\", \"bfloat16\", \"float16\" or null, got "
+            "string \"torch.int64\"");
   EXPECT_EQ(Refusal({{"world_size", 2}, {"bf16", 1}}),
             "parallel.bf16: must be true or false, got number 1");
   EXPECT_EQ(parse({{"world_size", 2}, {"fp16", true}}, {{"seq_length", 4}, {"dtype", "float64"}},

@@ -261,6 +261,10 @@ TEST_F(SafetensorsTest, WriterValidatesItsInputs) {
   file.tensors = {{"gpu", Tensor({2}, DType::kFloat32, Device::kCuda,
                                  std::make_shared<std::array<float, 2>>())}};
   EXPECT_NE(refusal(file).find("not a host tensor"), std::string::npos);
+  // int64 (token ids) stays in memory: dumps record tokens and labels as float64.
+  file.tensors = {{"ids", Tensor::HostZeros({2}, DType::kInt64)}};
+  EXPECT_NE(refusal(file).find("'ids': dtype int64 is not supported"), std::string::npos)
+      << refusal(file);
   file.tensors = {{"ok", t}};
   file.metadata = {{"bad", std::string("\xff\xfe", 2)}};  // not UTF-8
   EXPECT_NE(refusal(file).find("header: cannot encode"), std::string::npos);

@@ -138,6 +138,8 @@ class CudaKernelsTest : public ::testing::Test {
     return ValuesOf(t.device() == Device::kCuda ? gpu_->ToHost(t) : t);
   }
   Tensor Back(const Tensor& device) { return gpu_->ToHost(device); }
+  // Token ids or labels, int64 on the device.
+  Tensor DevIds(const std::vector<int64_t>& ids) { return gpu_->ToDevice(Ids(ids)); }
 
   EigenKernels cpu_;
   std::unique_ptr<CudaKernels> gpu_;
@@ -519,37 +521,40 @@ TYPED_TEST(CudaKernelsTest, EmbeddingForwardBackwardMask) {
 
   const size_t out_numel = static_cast<size_t>(num_ids * h);
   Tensor cpu_out = this->Host({2, 4, h}, std::vector<double>(out_numel, 7.0));
-  this->cpu_.EmbeddingForward(this->Host({vocab_end - vocab_start, h}, wv), ids, vocab_start,
+  this->cpu_.EmbeddingForward(this->Host({vocab_end - vocab_start, h}, wv), Ids(ids), vocab_start,
                               vocab_end, cpu_out);
   Tensor gpu_out = this->Dev({2, 4, h}, std::vector<double>(out_numel, 7.0));
-  gpu.EmbeddingForward(this->Dev({vocab_end - vocab_start, h}, wv), ids, vocab_start, vocab_end,
-                       gpu_out);
+  gpu.EmbeddingForward(this->Dev({vocab_end - vocab_start, h}, wv), this->DevIds(ids), vocab_start,
+                       vocab_end, gpu_out);
   ASSERT_GT(Norm(ValuesOf(cpu_out)), 0);
   EXPECT_TRUE(TensorsNear("embedding forward", this->Values(gpu_out), ValuesOf(cpu_out)));
 
   const std::vector<double> dyv = Ints(61, num_ids * h);
   const std::vector<double> dw0 = Ints(62, (vocab_end - vocab_start) * h);
   Tensor cpu_dw = this->Host({vocab_end - vocab_start, h}, dw0);
-  this->cpu_.EmbeddingBackward(this->Host({num_ids, h}, dyv), ids, vocab_start, vocab_end, cpu_dw);
+  this->cpu_.EmbeddingBackward(this->Host({num_ids, h}, dyv), Ids(ids), vocab_start, vocab_end,
+                               cpu_dw);
   Tensor gpu_dw = this->Dev({vocab_end - vocab_start, h}, dw0);
-  gpu.EmbeddingBackward(this->Dev({num_ids, h}, dyv), ids, vocab_start, vocab_end, gpu_dw);
+  gpu.EmbeddingBackward(this->Dev({num_ids, h}, dyv), this->DevIds(ids), vocab_start, vocab_end,
+                        gpu_dw);
   EXPECT_TRUE(TensorsNear("embedding backward", this->Values(gpu_dw), ValuesOf(cpu_dw)));
   EXPECT_NE(ValuesOf(cpu_dw), dw0);
 
   // No id in the shard: nothing changes.
   Tensor untouched = this->Dev({vocab_end - vocab_start, h}, dw0);
-  gpu.EmbeddingBackward(this->Dev({3, h}, Ints(63, 3 * h)), {0, 1, 20}, vocab_start, vocab_end,
-                        untouched);
+  gpu.EmbeddingBackward(this->Dev({3, h}, Ints(63, 3 * h)), this->DevIds({0, 1, 20}), vocab_start,
+                        vocab_end, untouched);
   EXPECT_TRUE(TensorsNear("embedding backward outside", this->Values(untouched), dw0));
 
   Tensor short_out = gpu.Zeros({7, h}, kDType<T>);
   const Tensor weight = this->Dev({vocab_end - vocab_start, h}, wv);
-  EXPECT_THROW(gpu.EmbeddingForward(weight, ids, vocab_start, vocab_end, short_out),
+  EXPECT_THROW(gpu.EmbeddingForward(weight, this->DevIds(ids), vocab_start, vocab_end, short_out),
                std::invalid_argument);
-  EXPECT_THROW(gpu.EmbeddingForward(weight, ids, vocab_start, vocab_end + 1, gpu_out),
+  EXPECT_THROW(gpu.EmbeddingForward(weight, this->DevIds(ids), vocab_start, vocab_end + 1, gpu_out),
                std::invalid_argument);
-  EXPECT_THROW(gpu.EmbeddingBackward(gpu_out, ids, vocab_start, vocab_end - 1, gpu_dw),
-               std::invalid_argument);
+  EXPECT_THROW(
+      gpu.EmbeddingBackward(gpu_out, this->DevIds(ids), vocab_start, vocab_end - 1, gpu_dw),
+      std::invalid_argument);
 }
 
 // Many tokens hitting few rows, non-integer gradients: the GPU adds each row's tokens in
@@ -565,16 +570,88 @@ TYPED_TEST(CudaKernelsTest, EmbeddingBackwardIsDeterministicAndBitIdentical) {
   const std::vector<double> dyv = Reals(65, num_ids * h);
   const std::vector<double> dw0 = Reals(66, (vocab_end - vocab_start) * h);
   Tensor cpu_dw = this->Host({vocab_end - vocab_start, h}, dw0);
-  this->cpu_.EmbeddingBackward(this->Host({num_ids, h}, dyv), ids, vocab_start, vocab_end, cpu_dw);
+  this->cpu_.EmbeddingBackward(this->Host({num_ids, h}, dyv), Ids(ids), vocab_start, vocab_end,
+                               cpu_dw);
   Tensor gpu_dw = this->Dev({vocab_end - vocab_start, h}, dw0);
-  this->gpu_->EmbeddingBackward(this->Dev({num_ids, h}, dyv), ids, vocab_start, vocab_end, gpu_dw);
+  this->gpu_->EmbeddingBackward(this->Dev({num_ids, h}, dyv), this->DevIds(ids), vocab_start,
+                                vocab_end, gpu_dw);
   EXPECT_TRUE(SameBits("embedding backward reals", this->Back(gpu_dw), cpu_dw));
 
   Tensor cpu_out = Tensor::HostZeros({num_ids, h}, kDType<T>);
-  this->cpu_.EmbeddingForward(cpu_dw, ids, vocab_start, vocab_end, cpu_out);
+  this->cpu_.EmbeddingForward(cpu_dw, Ids(ids), vocab_start, vocab_end, cpu_out);
   Tensor gpu_out = this->gpu_->Zeros({num_ids, h}, kDType<T>);
-  this->gpu_->EmbeddingForward(gpu_dw, ids, vocab_start, vocab_end, gpu_out);
+  this->gpu_->EmbeddingForward(gpu_dw, this->DevIds(ids), vocab_start, vocab_end, gpu_out);
   EXPECT_TRUE(SameBits("embedding forward reals", this->Back(gpu_out), cpu_out));
+}
+
+// Ids and labels are int64 device tensors of any shape with one element per row, read by
+// the kernels where they are; host ids and float ids are refused.
+TYPED_TEST(CudaKernelsTest, IdsAreInt64DeviceTensors) {
+  using T = TypeParam;
+  CudaKernels& gpu = *this->gpu_;
+  const int64_t h = 3, vocab = 5;
+  const std::vector<int64_t> flat = {4, -7, 2, 5, 2, 0};  // -7 and 5: outside the table
+  const std::vector<double> wv = Ints(95, vocab * h);
+  Tensor cpu_out = Tensor::HostZeros({2, 3, h}, kDType<T>);
+  this->cpu_.EmbeddingForward(this->Host({vocab, h}, wv), Ids(flat).Reshaped({2, 3}), 0, vocab,
+                              cpu_out);
+  const Tensor weight = this->Dev({vocab, h}, wv);
+  Tensor gpu_out = gpu.Zeros({2, 3, h}, kDType<T>);
+  gpu.EmbeddingForward(weight, this->DevIds(flat).Reshaped({2, 3}), 0, vocab, gpu_out);
+  ASSERT_GT(Norm(ValuesOf(cpu_out)), 0);
+  EXPECT_TRUE(TensorsNear("[2, 3] ids", this->Values(gpu_out), ValuesOf(cpu_out)));
+
+  // A shard every id misses, and an empty shard: dweight stays as it was.
+  const Tensor dy = this->Dev({6, h}, Ints(96, 6 * h));
+  Tensor far = this->Dev({2, h}, Ints(97, 2 * h));
+  gpu.EmbeddingBackward(dy, this->DevIds(flat), 100, 102, far);
+  EXPECT_TRUE(TensorsNear("no id in the shard", this->Values(far), Ints(97, 2 * h)));
+  Tensor none = gpu.Zeros({0, h}, kDType<T>);
+  gpu.EmbeddingBackward(dy, this->DevIds(flat), 3, 3, none);
+
+  Tensor dweight = gpu.Zeros({vocab, h}, kDType<T>);
+  const Tensor logits = this->Dev({6, vocab}, Ints(98, 6 * vocab));
+  Tensor stat = gpu.Zeros({6}, kDType<T>);
+  Tensor grad = gpu.Zeros({6, vocab}, kDType<T>);
+  const Tensor host_ids = Ids(flat);
+  const Tensor float_ids = this->Dev({6}, {4, 0, 2, 1, 2, 0});
+  for (const Tensor* wrong : {&host_ids, &float_ids}) {
+    EXPECT_THROW(gpu.EmbeddingForward(weight, *wrong, 0, vocab, gpu_out), std::invalid_argument);
+    EXPECT_THROW(gpu.EmbeddingBackward(dy, *wrong, 0, vocab, dweight), std::invalid_argument);
+    EXPECT_THROW(gpu.CrossEntropyPartials(logits, stat, *wrong, 0, stat, stat, stat),
+                 std::invalid_argument);
+    EXPECT_THROW(gpu.CrossEntropyBackward(logits, stat, stat, *wrong, 0, 1, 0, stat, grad),
+                 std::invalid_argument);
+  }
+}
+
+// int64 tensors move through the device memory operations bit for bit.
+TEST(CudaKernelsInt64Test, MemoryOpsMoveIds) {
+  if (!DeviceVisible()) GTEST_SKIP() << "no CUDA device is visible";
+  CudaKernels gpu;
+  const int64_t big = (int64_t{1} << 62) + 3;  // not a double: a float path would show
+  const std::vector<int64_t> v = {big, -big, 7, 0, -1, 42};
+  const auto ints = [&](const Tensor& t) {
+    const Tensor host = t.device() == Device::kCuda ? gpu.ToHost(t) : t;
+    return std::vector<int64_t>(host.data_as<int64_t>(), host.data_as<int64_t>() + host.numel());
+  };
+  const Tensor dev = gpu.ToDevice(Ids(v).Reshaped({2, 3}));
+  EXPECT_EQ(dev.dtype(), DType::kInt64);
+  EXPECT_EQ(ints(dev), v);
+  Tensor z = gpu.Zeros({2, 3}, DType::kInt64);
+  EXPECT_EQ(ints(z), std::vector<int64_t>(6, 0));
+  gpu.Copy(dev, z);
+  EXPECT_EQ(ints(z), v);
+  gpu.SetZero(z);
+  gpu.CopyBlock(dev, 0, 1, z, 1, 0, 1, 2);  // row 0, columns 1..2 -> row 1, columns 0..1
+  EXPECT_EQ(ints(z), (std::vector<int64_t>{0, 0, 0, -big, 7, 0}));
+  Tensor t = gpu.Empty({3, 2}, DType::kInt64);
+  gpu.StridedCopy(dev, 0, {3, 2}, {1, 3}, t, 0, {2, 1});  // transpose
+  EXPECT_EQ(ints(t), (std::vector<int64_t>{big, 0, -big, -1, 7, 42}));
+  Tensor staged = gpu.Zeros({6}, DType::kInt64);
+  gpu.CopyFromHost(Ids(v), staged);  // what HostStagedCommunicator's broadcast does
+  EXPECT_EQ(ints(staged), v);
+  EXPECT_THROW(gpu.Scale(2.0, z), std::invalid_argument);
 }
 
 // --- vocab-parallel cross entropy -----------------------------------------------------
@@ -620,13 +697,13 @@ TYPED_TEST(CudaKernelsTest, CrossEntropyPartials) {
     Tensor cpu_se = Tensor::HostZeros({rows}, kDType<T>);
     Tensor cpu_sz = Tensor::HostZeros({rows}, kDType<T>);
     Tensor cpu_tz = Tensor::HostZeros({rows}, kDType<T>);
-    this->cpu_.CrossEntropyPartials(this->Host({rows, cols}, lv), this->Host({rows}, max), labels,
-                                    vocab_start, cpu_se, cpu_sz, cpu_tz);
+    this->cpu_.CrossEntropyPartials(this->Host({rows, cols}, lv), this->Host({rows}, max),
+                                    Ids(labels), vocab_start, cpu_se, cpu_sz, cpu_tz);
     Tensor gpu_se = gpu.Zeros({rows}, kDType<T>);
     Tensor gpu_sz = gpu.Zeros({rows}, kDType<T>);
     Tensor gpu_tz = gpu.Zeros({rows}, kDType<T>);
-    gpu.CrossEntropyPartials(this->Dev({rows, cols}, lv), this->Dev({rows}, max), labels,
-                             vocab_start, gpu_se, gpu_sz, gpu_tz);
+    gpu.CrossEntropyPartials(this->Dev({rows, cols}, lv), this->Dev({rows}, max),
+                             this->DevIds(labels), vocab_start, gpu_se, gpu_sz, gpu_tz);
     // exp differs by a few ulp (see kUlpTol), and the GPU sums in a tree, the CPU in another
     // order: a sum of n positive terms is within (n - 1) u relative of exact on each side.
     const double order = static_cast<double>(cols) * std::numeric_limits<T>::epsilon();
@@ -640,7 +717,7 @@ TYPED_TEST(CudaKernelsTest, CrossEntropyPartials) {
   Tensor se = gpu.Zeros({4}, kDType<T>), sz = gpu.Zeros({4}, kDType<T>),
          tz = gpu.Zeros({4}, kDType<T>);
   EXPECT_THROW(gpu.CrossEntropyPartials(this->Dev({4, 5}, Ints(80, 20)), this->Dev({4}, Ints(1, 4)),
-                                        {1, 2, 3}, 0, se, sz, tz),
+                                        this->DevIds({1, 2, 3}), 0, se, sz, tz),
                std::invalid_argument);
 }
 
@@ -663,11 +740,11 @@ TYPED_TEST(CudaKernelsTest, CrossEntropyBackwardIncludingInPlace) {
     SCOPED_TRACE(fmt::format("on {} off {}", on, off));
     Tensor cpu_grad = Tensor::HostZeros({rows, cols}, kDType<T>);
     this->cpu_.CrossEntropyBackward(this->Host({rows, cols}, lv), this->Host({rows}, max),
-                                    this->Host({rows}, se), labels, vocab_start, on, off,
+                                    this->Host({rows}, se), Ids(labels), vocab_start, on, off,
                                     this->Host({rows}, scale), cpu_grad);
     Tensor gpu_grad = gpu.Zeros({rows, cols}, kDType<T>);
     gpu.CrossEntropyBackward(this->Dev({rows, cols}, lv), this->Dev({rows}, max),
-                             this->Dev({rows}, se), labels, vocab_start, on, off,
+                             this->Dev({rows}, se), this->DevIds(labels), vocab_start, on, off,
                              this->Dev({rows}, scale), gpu_grad);
     // exp within a few ulp on both sides; softmax values are <= 1 and are scaled by <= 2,
     // so an absolute tolerance of a few ulp of 1 covers the cancellation against q.
@@ -676,14 +753,15 @@ TYPED_TEST(CudaKernelsTest, CrossEntropyBackwardIncludingInPlace) {
     ASSERT_GT(Norm(ValuesOf(cpu_grad)), 0);
 
     Tensor in_place = this->Dev({rows, cols}, lv);
-    gpu.CrossEntropyBackward(in_place, this->Dev({rows}, max), this->Dev({rows}, se), labels,
-                             vocab_start, on, off, this->Dev({rows}, scale), in_place);
+    gpu.CrossEntropyBackward(in_place, this->Dev({rows}, max), this->Dev({rows}, se),
+                             this->DevIds(labels), vocab_start, on, off, this->Dev({rows}, scale),
+                             in_place);
     EXPECT_TRUE(TensorsNear("grad in place", this->Values(in_place), this->Values(gpu_grad)));
   }
   Tensor wrong = gpu.Zeros({rows, cols + 1}, kDType<T>);
   EXPECT_THROW(gpu.CrossEntropyBackward(this->Dev({rows, cols}, lv), this->Dev({rows}, max),
-                                        this->Dev({rows}, se), labels, vocab_start, 1, 0,
-                                        this->Dev({rows}, scale), wrong),
+                                        this->Dev({rows}, se), this->DevIds(labels), vocab_start, 1,
+                                        0, this->Dev({rows}, scale), wrong),
                std::invalid_argument);
 }
 
@@ -1053,10 +1131,11 @@ TYPED_TEST(CudaKernelsHalfTest, EmbeddingForwardBackward) {
   const std::vector<double> wv = Reals(60, vocab * hidden);
   const size_t out_numel = static_cast<size_t>(num_ids * hidden);
   Tensor cpu_out = this->Host({num_ids, hidden}, std::vector<double>(out_numel, 7.0));
-  this->cpu_.EmbeddingForward(this->Host({vocab, hidden}, wv), ids, vocab_start, vocab_end,
+  this->cpu_.EmbeddingForward(this->Host({vocab, hidden}, wv), Ids(ids), vocab_start, vocab_end,
                               cpu_out);
   Tensor gpu_out = this->Dev({num_ids, hidden}, std::vector<double>(out_numel, 7.0));
-  gpu.EmbeddingForward(this->Dev({vocab, hidden}, wv), ids, vocab_start, vocab_end, gpu_out);
+  gpu.EmbeddingForward(this->Dev({vocab, hidden}, wv), this->DevIds(ids), vocab_start, vocab_end,
+                       gpu_out);
   EXPECT_TRUE(SameBits("embedding forward", this->Back(gpu_out), cpu_out));
 
   for (const DType dw_dtype : {h, DType::kFloat32}) {
@@ -1068,17 +1147,17 @@ TYPED_TEST(CudaKernelsHalfTest, EmbeddingForwardBackward) {
       const std::vector<double> dw0 =
           integers ? Ints(62, vocab * hidden) : Reals(62, vocab * hidden);
       Tensor cpu_dw = this->Host({vocab, hidden}, dw0, dw_dtype);
-      this->cpu_.EmbeddingBackward(this->Host({num_ids, hidden}, dyv), ids, vocab_start,
+      this->cpu_.EmbeddingBackward(this->Host({num_ids, hidden}, dyv), Ids(ids), vocab_start,
                                    vocab_end, cpu_dw);
       Tensor gpu_dw = this->Dev({vocab, hidden}, dw0, dw_dtype);
-      gpu.EmbeddingBackward(this->Dev({num_ids, hidden}, dyv), ids, vocab_start, vocab_end,
-                            gpu_dw);
+      gpu.EmbeddingBackward(this->Dev({num_ids, hidden}, dyv), this->DevIds(ids), vocab_start,
+                            vocab_end, gpu_dw);
       EXPECT_TRUE(SameBits(name, this->Back(gpu_dw), cpu_dw));
       EXPECT_NE(ValuesOf(cpu_dw), ValuesOf(this->Host({vocab, hidden}, dw0, dw_dtype))) << name;
     }
   }
   Tensor dw64 = gpu.Zeros({vocab, hidden}, DType::kFloat64);
-  EXPECT_THROW(gpu.EmbeddingBackward(gpu_out, ids, vocab_start, vocab_end, dw64),
+  EXPECT_THROW(gpu.EmbeddingBackward(gpu_out, this->DevIds(ids), vocab_start, vocab_end, dw64),
                std::invalid_argument);
 }
 
@@ -1127,12 +1206,12 @@ TYPED_TEST(CudaKernelsHalfTest, CrossEntropyPartialsIntoFloat32) {
     Tensor cpu_sz = Tensor::HostZeros({rows}, f32);
     Tensor cpu_tz = Tensor::HostZeros({rows}, f32);
     this->cpu_.CrossEntropyPartials(this->Host({rows, cols}, lv), this->Host({rows}, max, f32),
-                                    labels, vocab_start, cpu_se, cpu_sz, cpu_tz);
+                                    Ids(labels), vocab_start, cpu_se, cpu_sz, cpu_tz);
     Tensor gpu_se = gpu.Zeros({rows}, f32);
     Tensor gpu_sz = gpu.Zeros({rows}, f32);
     Tensor gpu_tz = gpu.Zeros({rows}, f32);
-    gpu.CrossEntropyPartials(this->Dev({rows, cols}, lv), this->Dev({rows}, max, f32), labels,
-                             vocab_start, gpu_se, gpu_sz, gpu_tz);
+    gpu.CrossEntropyPartials(this->Dev({rows, cols}, lv), this->Dev({rows}, max, f32),
+                             this->DevIds(labels), vocab_start, gpu_se, gpu_sz, gpu_tz);
     // As for float32: exp within a few ulp, tree vs sequential summation.
     const double order = static_cast<double>(cols) * std::numeric_limits<float>::epsilon();
     EXPECT_TRUE(TensorsNear("sum_exp", this->Values(gpu_se), ValuesOf(cpu_se), 0,
@@ -1142,10 +1221,10 @@ TYPED_TEST(CudaKernelsHalfTest, CrossEntropyPartialsIntoFloat32) {
     ASSERT_GT(Norm(ValuesOf(cpu_tz)), 0);
   }
   Tensor se = gpu.Zeros({4}, h), sz = gpu.Zeros({4}, f32), tz = gpu.Zeros({4}, f32);
-  EXPECT_THROW(gpu.CrossEntropyPartials(this->Dev({4, 5}, Ints(80, 20)),
-                                        this->Dev({4}, Ints(1, 4), f32), {1, 2, 3, 4}, 0, se, sz,
-                                        tz),
-               std::invalid_argument);
+  EXPECT_THROW(
+      gpu.CrossEntropyPartials(this->Dev({4, 5}, Ints(80, 20)), this->Dev({4}, Ints(1, 4), f32),
+                               this->DevIds({1, 2, 3, 4}), 0, se, sz, tz),
+      std::invalid_argument);
 }
 
 // grad in the logits' 16-bit dtype from float32 statistics: the float32 values differ by a
@@ -1170,11 +1249,11 @@ TYPED_TEST(CudaKernelsHalfTest, CrossEntropyBackwardIncludingInPlace) {
     SCOPED_TRACE(fmt::format("on {} off {}", on, off));
     Tensor cpu_grad = Tensor::HostZeros({rows, cols}, h);
     this->cpu_.CrossEntropyBackward(this->Host({rows, cols}, lv), this->Host({rows}, max, f32),
-                                    this->Host({rows}, se, f32), labels, vocab_start, on, off,
+                                    this->Host({rows}, se, f32), Ids(labels), vocab_start, on, off,
                                     this->Host({rows}, scale, f32), cpu_grad);
     Tensor gpu_grad = gpu.Zeros({rows, cols}, h);
     gpu.CrossEntropyBackward(this->Dev({rows, cols}, lv), this->Dev({rows}, max, f32),
-                             this->Dev({rows}, se, f32), labels, vocab_start, on, off,
+                             this->Dev({rows}, se, f32), this->DevIds(labels), vocab_start, on, off,
                              this->Dev({rows}, scale, f32), gpu_grad);
     EXPECT_TRUE(TensorsNear("grad", this->Values(gpu_grad), ValuesOf(cpu_grad), kUlpTol<float>,
                             kHalfEps<H>));
@@ -1182,20 +1261,20 @@ TYPED_TEST(CudaKernelsHalfTest, CrossEntropyBackwardIncludingInPlace) {
 
     Tensor in_place = this->Dev({rows, cols}, lv);
     gpu.CrossEntropyBackward(in_place, this->Dev({rows}, max, f32), this->Dev({rows}, se, f32),
-                             labels, vocab_start, on, off, this->Dev({rows}, scale, f32),
-                             in_place);
+                             this->DevIds(labels), vocab_start, on, off,
+                             this->Dev({rows}, scale, f32), in_place);
     EXPECT_TRUE(SameBits("grad in place", this->Back(in_place), this->Back(gpu_grad)));
   }
   // grad has the logits' dtype; row_scale is float32.
   Tensor grad32 = gpu.Zeros({rows, cols}, f32);
   EXPECT_THROW(gpu.CrossEntropyBackward(this->Dev({rows, cols}, lv), this->Dev({rows}, max, f32),
-                                        this->Dev({rows}, se, f32), labels, vocab_start, 1, 0,
-                                        this->Dev({rows}, scale, f32), grad32),
+                                        this->Dev({rows}, se, f32), this->DevIds(labels),
+                                        vocab_start, 1, 0, this->Dev({rows}, scale, f32), grad32),
                std::invalid_argument);
   Tensor grad = gpu.Zeros({rows, cols}, h);
   EXPECT_THROW(gpu.CrossEntropyBackward(this->Dev({rows, cols}, lv), this->Dev({rows}, max, f32),
-                                        this->Dev({rows}, se, f32), labels, vocab_start, 1, 0,
-                                        this->Dev({rows}, scale), grad),
+                                        this->Dev({rows}, se, f32), this->DevIds(labels),
+                                        vocab_start, 1, 0, this->Dev({rows}, scale), grad),
                std::invalid_argument);
 }
 

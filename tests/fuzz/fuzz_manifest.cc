@@ -46,6 +46,7 @@ mpusim::Tensor Filled(mpusim::Shape shape, DType dtype, int base) {
       case DType::kFloat64: t.data_as<double>()[k] = value; break;
       case DType::kBFloat16:
       case DType::kFloat16: t.data_as<uint16_t>()[k] = static_cast<uint16_t>(value); break;
+      case DType::kInt64: t.data_as<int64_t>()[k] = value; break;  // not in dumps; complete
     }
   }
   return t;

@@ -145,6 +145,43 @@ TYPED_TEST(MpiCommunicatorTest, BroadcastFromEveryRoot) {
   EXPECT_THROW(this->world_->Broadcast(buffer, -1), std::invalid_argument);
 }
 
+// --- int64 (token ids) -------------------------------------------------------------------
+
+// Megatron's broadcast_data sends token ids as int64: every bit must arrive, including
+// values no double holds (above 2^53), and int64 sums are exact.
+TEST(MpiCommunicatorInt64Test, BroadcastAllGatherAndAllReduceAreExact) {
+  const std::unique_ptr<MpiCommunicator> world = MpiCommunicator::World();
+  const int r = WorldRank(), k = WorldSize();
+  const int64_t n = 7;
+  const int64_t big = (int64_t{1} << 58) + 1;  // not a double; 8 * big still fits
+  const auto value = [&](int root, int64_t e) { return big * (e % 2 == 0 ? 1 : -1) + root + e; };
+  for (int root = 0; root < k; ++root) {
+    Tensor buffer = Tensor::HostZeros({n}, DType::kInt64);
+    for (int64_t e = 0; e < n; ++e) buffer.data_as<int64_t>()[e] = r == root ? value(root, e) : -1;
+    world->Broadcast(buffer, root);
+    for (int64_t e = 0; e < n; ++e) {
+      EXPECT_EQ(buffer.data_as<int64_t>()[e], value(root, e)) << "root " << root << " e " << e;
+    }
+  }
+
+  Tensor in = Tensor::HostZeros({n}, DType::kInt64);
+  for (int64_t e = 0; e < n; ++e) in.data_as<int64_t>()[e] = value(r, e);
+  Tensor out = Tensor::HostZeros({k, n}, DType::kInt64);
+  world->AllGather(in, out);
+  for (int q = 0; q < k; ++q) {
+    for (int64_t e = 0; e < n; ++e) EXPECT_EQ(out.data_as<int64_t>()[q * n + e], value(q, e));
+  }
+
+  Tensor sum = Tensor::HostZeros({n}, DType::kInt64);
+  for (int64_t e = 0; e < n; ++e) sum.data_as<int64_t>()[e] = big + r * (e + 1);
+  world->AllReduce(sum, ReduceOp::kSum);
+  for (int64_t e = 0; e < n; ++e) {
+    EXPECT_EQ(sum.data_as<int64_t>()[e], big * k + int64_t{k} * (k - 1) / 2 * (e + 1));
+  }
+  Tensor floats = Tensor::HostZeros({k, n}, DType::kFloat64);
+  EXPECT_THROW(world->AllGather(in, floats), std::invalid_argument);  // dtypes must agree
+}
+
 // --- bfloat16 / float16 ------------------------------------------------------------------
 
 // Unit roundoff of H: 2^-8 (bfloat16), 2^-11 (float16).

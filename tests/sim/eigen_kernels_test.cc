@@ -18,6 +18,7 @@
 // float64 loops on the stored inputs, with the tolerances explained there, plus the norm
 // backward formulas against finite differences.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -373,7 +374,7 @@ TYPED_TEST(EigenKernelsTest, EmbeddingForwardBackwardMask) {
   const std::vector<double> wv = Ints(60, (vocab_end - vocab_start) * h);
   const Tensor weight = Make<T>({vocab_end - vocab_start, h}, wv);
   Tensor out = Make<T>({2, 4, h}, std::vector<double>(ids.size() * h, 7.0));
-  this->k_.EmbeddingForward(weight, ids, vocab_start, vocab_end, out);
+  this->k_.EmbeddingForward(weight, Ids(ids), vocab_start, vocab_end, out);
   std::vector<double> expected(ids.size() * h, 0.0);
   for (size_t i = 0; i < ids.size(); ++i) {
     if (ids[i] < vocab_start || ids[i] >= vocab_end) continue;
@@ -387,8 +388,8 @@ TYPED_TEST(EigenKernelsTest, EmbeddingForwardBackwardMask) {
   const std::vector<double> dyv = Ints(61, static_cast<int64_t>(ids.size()) * h);
   const std::vector<double> dw0 = Ints(62, (vocab_end - vocab_start) * h);
   Tensor dweight = Make<T>({vocab_end - vocab_start, h}, dw0);
-  this->k_.EmbeddingBackward(Make<T>({static_cast<int64_t>(ids.size()), h}, dyv), ids, vocab_start,
-                             vocab_end, dweight);
+  this->k_.EmbeddingBackward(Make<T>({static_cast<int64_t>(ids.size()), h}, dyv), Ids(ids),
+                             vocab_start, vocab_end, dweight);
   std::vector<double> dw = dw0;  // accumulates; token 6 appears twice
   for (size_t i = 0; i < ids.size(); ++i) {
     if (ids[i] < vocab_start || ids[i] >= vocab_end) continue;
@@ -399,12 +400,107 @@ TYPED_TEST(EigenKernelsTest, EmbeddingForwardBackwardMask) {
   EXPECT_TRUE(TensorsNear("embedding backward", ValuesOf(dweight), dw));
 
   Tensor short_out = this->k_.Zeros({7, h}, kDType<T>);
-  EXPECT_THROW(this->k_.EmbeddingForward(weight, ids, vocab_start, vocab_end, short_out),
+  EXPECT_THROW(this->k_.EmbeddingForward(weight, Ids(ids), vocab_start, vocab_end, short_out),
                std::invalid_argument);
-  EXPECT_THROW(this->k_.EmbeddingForward(weight, ids, vocab_start, vocab_end + 1, out),
+  EXPECT_THROW(this->k_.EmbeddingForward(weight, Ids(ids), vocab_start, vocab_end + 1, out),
                std::invalid_argument);
-  EXPECT_THROW(this->k_.EmbeddingBackward(out, ids, vocab_start, vocab_end - 1, dweight),
+  EXPECT_THROW(this->k_.EmbeddingBackward(out, Ids(ids), vocab_start, vocab_end - 1, dweight),
                std::invalid_argument);
+}
+
+// Ids are int64 tensors of any shape with one element per row; a float tensor of ids (what
+// the chain used to broadcast) is refused, never truncated.
+TYPED_TEST(EigenKernelsTest, IdsAreInt64WithOneElementPerRow) {
+  using T = TypeParam;
+  const int64_t h = 2, vocab = 4;
+  const std::vector<int64_t> flat = {0, 3, 9, -1, 2, 1};  // 9 and -1: outside the table
+  const Tensor weight = Make<T>({vocab, h}, Ints(90, vocab * h));
+  Tensor out = this->k_.Zeros({2, 3, h}, kDType<T>);
+  this->k_.EmbeddingForward(weight, Ids(flat).Reshaped({2, 3}), 0, vocab, out);
+  Tensor flat_out = this->k_.Zeros({6, h}, kDType<T>);
+  this->k_.EmbeddingForward(weight, Ids(flat), 0, vocab, flat_out);
+  ASSERT_GT(Norm(ValuesOf(out)), 0);
+  EXPECT_EQ(ValuesOf(out), ValuesOf(flat_out));
+  EXPECT_EQ(ValuesOf(out)[2 * h], 0.0);  // id 9 is masked
+  EXPECT_EQ(ValuesOf(out)[3 * h], 0.0);  // id -1 too
+
+  const Tensor dy = Make<T>({6, h}, Ints(91, 6 * h));
+  Tensor dweight = this->k_.Zeros({vocab, h}, kDType<T>);
+  Tensor logits = Make<T>({6, vocab}, Ints(92, 6 * vocab));
+  Tensor stat = this->k_.Zeros({6}, ComputeDType(kDType<T>));
+  Tensor grad = this->k_.Zeros({6, vocab}, kDType<T>);
+  // The same calls with int64 ids pass, so the refusals below are the dtype's.
+  EXPECT_NO_THROW(this->k_.EmbeddingBackward(dy, Ids(flat), 0, vocab, dweight));
+  EXPECT_NO_THROW(this->k_.CrossEntropyPartials(logits, stat, Ids(flat), 0, stat, stat, stat));
+  EXPECT_NO_THROW(
+      this->k_.CrossEntropyBackward(logits, stat, stat, Ids(flat), 0, 1, 0, stat, grad));
+  for (DType wrong : {DType::kFloat64, DType::kFloat32}) {
+    const Tensor float_ids = MakeOf(wrong, {6}, {0, 3, 9, -1, 2, 1});
+    EXPECT_THROW(this->k_.EmbeddingForward(weight, float_ids, 0, vocab, flat_out),
+                 std::invalid_argument);
+    EXPECT_THROW(this->k_.EmbeddingBackward(dy, float_ids, 0, vocab, dweight),
+                 std::invalid_argument);
+    EXPECT_THROW(this->k_.CrossEntropyPartials(logits, stat, float_ids, 0, stat, stat, stat),
+                 std::invalid_argument);
+    EXPECT_THROW(this->k_.CrossEntropyBackward(logits, stat, stat, float_ids, 0, 1, 0, stat, grad),
+                 std::invalid_argument);
+  }
+  // One id per row: 5 or 7 ids for 6 rows are refused, whatever their shape.
+  for (const std::vector<int64_t>& count :
+       {std::vector<int64_t>(5, 1), std::vector<int64_t>(7, 1)}) {
+    EXPECT_THROW(this->k_.EmbeddingForward(weight, Ids(count), 0, vocab, flat_out),
+                 std::invalid_argument);
+    EXPECT_THROW(this->k_.EmbeddingBackward(dy, Ids(count), 0, vocab, dweight),
+                 std::invalid_argument);
+  }
+  // Ids on another device (host memory labelled CUDA: never dereferenced).
+  const Tensor elsewhere({6}, DType::kInt64, Device::kCuda,
+                         std::make_shared<std::array<int64_t, 6>>());
+  EXPECT_THROW(this->k_.EmbeddingForward(weight, elsewhere, 0, vocab, flat_out),
+               std::invalid_argument);
+  // The table itself must be a float: an int64 weight is not a lookup table of values.
+  EXPECT_THROW(
+      this->k_.EmbeddingForward(Ids(std::vector<int64_t>(vocab * h, 1)).Reshaped({vocab, h}),
+                                Ids(flat), 0, vocab, flat_out),
+      std::invalid_argument);
+}
+
+// int64 tensors move through the memory operations bit for bit; every kernel that computes
+// refuses them.
+TEST(EigenKernelsInt64Test, MemoryOpsMoveIdsAndArithmeticRefusesThem) {
+  EigenKernels k;
+  const int64_t big = (int64_t{1} << 62) + 3;  // not a double: a float path would show
+  const std::vector<int64_t> v = {big, -big, 7, 0, -1, 42};
+  const Tensor host = Ids(v).Reshaped({2, 3});
+  const auto ints = [](const Tensor& t) {
+    return std::vector<int64_t>(t.data_as<int64_t>(), t.data_as<int64_t>() + t.numel());
+  };
+  Tensor dev = k.ToDevice(host);
+  EXPECT_EQ(dev.dtype(), DType::kInt64);
+  EXPECT_EQ(ints(k.ToHost(dev)), v);
+  Tensor z = k.Zeros({2, 3}, DType::kInt64);
+  EXPECT_EQ(ints(z), std::vector<int64_t>(6, 0));
+  k.Copy(dev, z);
+  EXPECT_EQ(ints(z), v);
+  k.SetZero(z);
+  EXPECT_EQ(ints(z), std::vector<int64_t>(6, 0));
+  k.CopyBlock(dev, 0, 1, z, 1, 0, 1, 2);  // row 0, columns 1..2 -> row 1, columns 0..1
+  EXPECT_EQ(ints(z), (std::vector<int64_t>{0, 0, 0, -big, 7, 0}));
+  Tensor t = k.Empty({3, 2}, DType::kInt64);
+  k.StridedCopy(dev, 0, {3, 2}, {1, 3}, t, 0, {2, 1});  // transpose
+  EXPECT_EQ(ints(t), (std::vector<int64_t>{big, 0, -big, -1, 7, 42}));
+
+  Tensor f32 = k.Zeros({2, 3}, DType::kFloat32);
+  EXPECT_THROW(k.Scale(2.0, dev), std::invalid_argument);
+  EXPECT_THROW(k.Axpy(1.0, dev, z), std::invalid_argument);
+  EXPECT_THROW(k.Axpy(1.0, f32, z), std::invalid_argument);  // an int64 accumulator
+  EXPECT_THROW(k.GeluForward(dev, z), std::invalid_argument);
+  Tensor c = k.Zeros({2, 2}, DType::kInt64);
+  EXPECT_THROW(k.Gemm(false, true, 1.0, dev, dev, 0.0, c), std::invalid_argument);
+  Tensor row_max = k.Zeros({2}, DType::kFloat32);
+  EXPECT_THROW(k.RowMax(dev, row_max), std::invalid_argument);
+  Tensor copy_to_float = k.Zeros({2, 3}, DType::kFloat64);
+  EXPECT_THROW(k.Copy(dev, copy_to_float), std::invalid_argument);  // a copy converts nothing
 }
 
 // --- vocab-parallel cross entropy -----------------------------------------------------
@@ -460,8 +556,8 @@ TYPED_TEST(EigenKernelsTest, CrossEntropyPartialsPerShardSumToFull) {
     Tensor sum_z = this->k_.Zeros({rows}, kDType<T>);
     Tensor target_z = this->k_.Zeros({rows}, kDType<T>);
     this->k_.CrossEntropyPartials(Make<T>({rows, CeExample::kShard}, ex.Shard(s)),
-                                  Make<T>({rows}, max), ex.labels, s * CeExample::kShard, sum_exp,
-                                  sum_z, target_z);
+                                  Make<T>({rows}, max), Ids(ex.labels), s * CeExample::kShard,
+                                  sum_exp, sum_z, target_z);
     std::vector<double> e(rows), z(rows), t(rows);
     for (int64_t i = 0; i < rows; ++i) {
       const size_t r = static_cast<size_t>(i);
@@ -502,10 +598,11 @@ TYPED_TEST(EigenKernelsTest, CrossEntropyPartialsPerShardSumToFull) {
   Tensor ok = this->k_.Zeros({rows}, kDType<T>);
   const Tensor shard = Make<T>({rows, CeExample::kShard}, ex.Shard(0));
   EXPECT_THROW(
-      this->k_.CrossEntropyPartials(shard, Make<T>({rows}, max), ex.labels, 0, small, ok, ok),
+      this->k_.CrossEntropyPartials(shard, Make<T>({rows}, max), Ids(ex.labels), 0, small, ok, ok),
       std::invalid_argument);
-  EXPECT_THROW(this->k_.CrossEntropyPartials(shard, Make<T>({rows}, max), {1, 2}, 0, ok, ok, ok),
-               std::invalid_argument);
+  EXPECT_THROW(
+      this->k_.CrossEntropyPartials(shard, Make<T>({rows}, max), Ids({1, 2}), 0, ok, ok, ok),
+      std::invalid_argument);
 }
 
 TYPED_TEST(EigenKernelsTest, CrossEntropyBackward) {
@@ -525,8 +622,8 @@ TYPED_TEST(EigenKernelsTest, CrossEntropyBackward) {
     const int64_t start = s * CeExample::kShard;
     const Tensor logits = Make<T>({rows, CeExample::kShard}, ex.Shard(s));
     Tensor grad = this->k_.Zeros({rows, CeExample::kShard}, kDType<T>);
-    this->k_.CrossEntropyBackward(logits, Make<T>({rows}, max), Make<T>({rows}, sum_exp), ex.labels,
-                                  start, on, off, Make<T>({rows}, row_scale), grad);
+    this->k_.CrossEntropyBackward(logits, Make<T>({rows}, max), Make<T>({rows}, sum_exp),
+                                  Ids(ex.labels), start, on, off, Make<T>({rows}, row_scale), grad);
     std::vector<double> expected;
     for (int64_t i = 0; i < rows; ++i) {
       const size_t r = static_cast<size_t>(i);
@@ -542,15 +639,17 @@ TYPED_TEST(EigenKernelsTest, CrossEntropyBackward) {
 
     Tensor in_place = Make<T>({rows, CeExample::kShard}, ex.Shard(s));
     this->k_.CrossEntropyBackward(in_place, Make<T>({rows}, max), Make<T>({rows}, sum_exp),
-                                  ex.labels, start, on, off, Make<T>({rows}, row_scale), in_place);
+                                  Ids(ex.labels), start, on, off, Make<T>({rows}, row_scale),
+                                  in_place);
     EXPECT_TRUE(TensorsNear(fmt::format("ce grad in place shard {}", s), ValuesOf(in_place),
                             ValuesOf(grad)));
   }
   // Without smoothing and with unit scale, each full row of the gradient sums to 0.
   const Tensor full = Make<T>({rows, CeExample::kVocab}, ex.logits);
   Tensor grad = this->k_.Zeros({rows, CeExample::kVocab}, kDType<T>);
-  this->k_.CrossEntropyBackward(full, Make<T>({rows}, max), Make<T>({rows}, sum_exp), ex.labels, 0,
-                                1.0, 0.0, Make<T>({rows}, std::vector<double>(rows, 1.0)), grad);
+  this->k_.CrossEntropyBackward(full, Make<T>({rows}, max), Make<T>({rows}, sum_exp),
+                                Ids(ex.labels), 0, 1.0, 0.0,
+                                Make<T>({rows}, std::vector<double>(rows, 1.0)), grad);
   const std::vector<double> g = ValuesOf(grad);
   for (int64_t i = 0; i < rows; ++i) {
     double s = 0;
@@ -560,8 +659,8 @@ TYPED_TEST(EigenKernelsTest, CrossEntropyBackward) {
   }
   Tensor wrong = this->k_.Zeros({rows, CeExample::kVocab + 1}, kDType<T>);
   EXPECT_THROW(
-      this->k_.CrossEntropyBackward(full, Make<T>({rows}, max), Make<T>({rows}, sum_exp), ex.labels,
-                                    0, 1.0, 0.0, Make<T>({rows}, row_scale), wrong),
+      this->k_.CrossEntropyBackward(full, Make<T>({rows}, max), Make<T>({rows}, sum_exp),
+                                    Ids(ex.labels), 0, 1.0, 0.0, Make<T>({rows}, row_scale), wrong),
       std::invalid_argument);
 }
 
@@ -700,7 +799,7 @@ TYPED_TEST(EigenKernelsHalfTest, MemoryOpsMoveBitsUnchanged) {
   // Embedding rows are bit copies too; ids outside the shard give +0.
   const std::vector<int64_t> ids = {5, 2, 3, 9};
   Tensor out = this->k_.Empty({4, 6}, dt);
-  this->k_.EmbeddingForward(host, ids, 2, 6, out);
+  this->k_.EmbeddingForward(host, Ids(ids), 2, 6, out);
   std::vector<uint16_t> rows(24, 0);
   for (size_t i = 0; i < ids.size(); ++i) {
     if (ids[i] < 2 || ids[i] >= 6) continue;
@@ -814,7 +913,7 @@ TYPED_TEST(EigenKernelsHalfTest, RejectsWrongAccumulatorAndStatisticDtypes) {
     EXPECT_THROW(this->k_.Axpy(1, a, y), std::invalid_argument);
     EXPECT_THROW(this->k_.GeluForward(a, y), std::invalid_argument);  // not an accumulator
     Tensor dweight = this->k_.Zeros({4, 3}, wrong);
-    EXPECT_THROW(this->k_.EmbeddingBackward(a, {0, 1}, 0, 4, dweight), std::invalid_argument);
+    EXPECT_THROW(this->k_.EmbeddingBackward(a, Ids({0, 1}), 0, 4, dweight), std::invalid_argument);
   }
   // a and b must share one dtype; the statistics must be float32, not the logits' dtype.
   const Tensor b_other = this->k_.Zeros({3, 2}, other_half);
@@ -827,7 +926,7 @@ TYPED_TEST(EigenKernelsHalfTest, RejectsWrongAccumulatorAndStatisticDtypes) {
     const Tensor stat = this->k_.Zeros({2}, wrong);
     const Tensor f32 = this->k_.Zeros({2}, DType::kFloat32);
     Tensor grad = this->k_.Zeros({2, 3}, dt);
-    EXPECT_THROW(this->k_.CrossEntropyBackward(a, f32, f32, {0, 1}, 0, 1, 0, stat, grad),
+    EXPECT_THROW(this->k_.CrossEntropyBackward(a, f32, f32, Ids({0, 1}), 0, 1, 0, stat, grad),
                  std::invalid_argument);
   }
 }
@@ -995,10 +1094,10 @@ TYPED_TEST(EigenKernelsHalfTest, EmbeddingBackwardAccumulates) {
     }
   }
   for (double& s : slack) s *= 4 * kU32;
-  this->k_.EmbeddingBackward(dy, ids, vocab_start, vocab_end, dw32);
+  this->k_.EmbeddingBackward(dy, Ids(ids), vocab_start, vocab_end, dw32);
   EXPECT_TRUE(WithinSlack("float32 dweight", ValuesOf(dw32), sums, slack));
   EXPECT_NE(ValuesOf(dw32), ValuesOf(Make<float>({rows, h}, dw0)));
-  this->k_.EmbeddingBackward(dy, ids, vocab_start, vocab_end, dw16);
+  this->k_.EmbeddingBackward(dy, Ids(ids), vocab_start, vocab_end, dw16);
   EXPECT_TRUE(TensorsNear(fmt::format("{} dweight", DTypeName(dt)), ValuesOf(dw16), stepwise));
 
   // Where the two differ: 2^digits has an ulp of 2, so adding 0.75 three times rounds back
@@ -1006,10 +1105,10 @@ TYPED_TEST(EigenKernelsHalfTest, EmbeddingBackwardAccumulates) {
   const double base = std::ldexp(1.0, kDigits<H>);
   const Tensor small_dy = Make<H>({3, 1}, {0.75, 0.75, 0.75});
   Tensor one_row = Make<H>({1, 1}, {base});
-  this->k_.EmbeddingBackward(small_dy, {0, 0, 0}, 0, 1, one_row);
+  this->k_.EmbeddingBackward(small_dy, Ids({0, 0, 0}), 0, 1, one_row);
   EXPECT_EQ(ValuesOf(one_row), std::vector<double>{base});
   Tensor one_row32 = Make<float>({1, 1}, {base});
-  this->k_.EmbeddingBackward(small_dy, {0, 0, 0}, 0, 1, one_row32);
+  this->k_.EmbeddingBackward(small_dy, Ids({0, 0, 0}), 0, 1, one_row32);
   EXPECT_EQ(ValuesOf(one_row32), std::vector<double>{base + 2.25});
 }
 
@@ -1036,7 +1135,8 @@ TYPED_TEST(EigenKernelsHalfTest, CrossEntropyPiecesWithFloat32Statistics) {
   Tensor sum_exp = this->k_.Zeros({rows}, DType::kFloat32);
   Tensor sum_z = this->k_.Zeros({rows}, DType::kFloat32);
   Tensor target_z = this->k_.Zeros({rows}, DType::kFloat32);
-  this->k_.CrossEntropyPartials(logits, row_max, labels, vocab_start, sum_exp, sum_z, target_z);
+  this->k_.CrossEntropyPartials(logits, row_max, Ids(labels), vocab_start, sum_exp, sum_z,
+                                target_z);
   std::vector<double> e(rows), z(rows), t(rows), abs_z(rows);
   for (int64_t i = 0; i < rows; ++i) {
     const size_t r = static_cast<size_t>(i);
@@ -1060,7 +1160,7 @@ TYPED_TEST(EigenKernelsHalfTest, CrossEntropyPiecesWithFloat32Statistics) {
   const std::vector<double> row_scale = {0.25, 0.5, 1.0, 2.0};
   const double on = 0.9, off = 0.1 / 9;
   Tensor grad = this->k_.Zeros({rows, cols}, dt);
-  this->k_.CrossEntropyBackward(logits, row_max, sum_exp, labels, vocab_start, on, off,
+  this->k_.CrossEntropyBackward(logits, row_max, sum_exp, Ids(labels), vocab_start, on, off,
                                 Make<float>({rows}, row_scale), grad);
   std::vector<double> expected;
   const std::vector<double> se = ValuesOf(sum_exp);
@@ -1076,7 +1176,7 @@ TYPED_TEST(EigenKernelsHalfTest, CrossEntropyPiecesWithFloat32Statistics) {
   EXPECT_TRUE(HalfNear<H>("ce grad", ValuesOf(grad), expected, 4 * kUlpTol<float>,
                           4 * kUlpTol<float>));
   Tensor in_place = Make<H>({rows, cols}, lv);
-  this->k_.CrossEntropyBackward(in_place, row_max, sum_exp, labels, vocab_start, on, off,
+  this->k_.CrossEntropyBackward(in_place, row_max, sum_exp, Ids(labels), vocab_start, on, off,
                                 Make<float>({rows}, row_scale), in_place);
   EXPECT_EQ(Bits(in_place), Bits(grad));
 }
