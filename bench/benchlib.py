@@ -5,6 +5,7 @@ machine slows every contender alike), medians, the CPU time and peak memory of a
 process tree, and parsing of `mpusim run` output.
 What it is not: a benchmark by itself, or a test. Nothing here asserts a target.
 """
+import contextlib
 import json
 import os
 import re
@@ -104,6 +105,22 @@ def round_robin(contenders, rounds):
         if rounds <= 10 or (r + 1) % 10 == 0:
             print(f"  round {r + 1}/{rounds} done", flush=True)
     return results
+
+
+@contextlib.contextmanager
+def blas_threads(threads):
+    """ENV with OPENBLAS_NUM_THREADS and OMP_NUM_THREADS set to `threads` (the PyTorch
+    contenders' thread count), restored afterwards."""
+    saved = {k: ENV.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    ENV.update(OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                ENV.pop(k, None)
+            else:
+                ENV[k] = v
 
 
 def median(values):

@@ -33,6 +33,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
+    if args.repeat < 2:
+        parser.error("--repeat must be at least 2: mpusim run prints a median step only then")
     mpusim = benchlib.mpusim()
     t1 = os.path.join(benchlib.ROOT, "bench/configs/gpt_layer_t1_n1.json")
     t2 = os.path.join(benchlib.ROOT, "bench/configs/gpt_layer_t2_n2.json")
@@ -48,18 +50,10 @@ def main():
 
     def run_torch(threads):
         def run():
-            saved = {k: benchlib.ENV.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
-            benchlib.ENV.update(OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
-            try:
+            with benchlib.blas_threads(threads):
                 m = benchlib.Measured([sys.executable, os.path.join(benchlib.ROOT,
                                                                     "bench/gpt_layer_torch.py"),
                                        "--threads", str(threads), "--repeat", str(args.repeat)])
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        benchlib.ENV.pop(k, None)
-                    else:
-                        benchlib.ENV[k] = v
             return {"step": benchlib.step_median(m.out)}
         return run
 

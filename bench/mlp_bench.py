@@ -53,18 +53,9 @@ def main():
 
     def run_torch(threads):
         def run():
-            env_threads = {"OPENBLAS_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
-            saved = {k: os.environ.get(k) for k in env_threads}
-            benchlib.ENV.update(env_threads)
-            try:
+            with benchlib.blas_threads(threads):
                 m = benchlib.Measured([sys.executable, os.path.join(benchlib.ROOT, "bench/mlp_torch.py"),
                                        "--threads", str(threads), "--repeat", str(args.repeat)])
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        benchlib.ENV.pop(k, None)
-                    else:
-                        benchlib.ENV[k] = v
             blas = re.search(r"^blas: (.*)$", m.out, re.M)
             info["torch blas"] = blas.group(1) if blas else "?"
             return {"step": benchlib.step_median(m.out)}
