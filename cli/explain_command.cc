@@ -62,15 +62,14 @@ class ExplainCommand : public Command {
         const bool linear = layer.type == "ColumnParallelLinear" ||
                             layer.type == "RowParallelLinear";
         const bool matrix = param.full_shape.size() == 2;
-        std::string how = param.shard.shard_dim < 0
-                              ? "replicated on every rank"
-                              : fmt::format("split on dim {} into {} slices{}", param.shard.shard_dim,
-                                            param.shard.num_shards,
-                                            param.shard.stride > 1
-                                                ? fmt::format(" (stride {})", param.shard.stride)
-                                                : "");
+        std::string how =
+            param.tp_dim < 0
+                ? "replicated on every rank"
+                : fmt::format(
+                      "split on dim {} into {} slices{}", param.tp_dim, t,
+                      param.tp_stride > 1 ? fmt::format(" (stride {})", param.tp_stride) : "");
         out << fmt::format("  {} {} {}\n", param.name, ShapeString(param.full_shape), how);
-        if (param.shard.shard_dim < 0) continue;
+        if (param.tp_dim < 0) continue;
         if (!(linear && matrix)) {
           std::vector<std::string> slices;
           for (int64_t r = 0; r < t; ++r) {
@@ -86,7 +85,7 @@ class ExplainCommand : public Command {
         // columns, a row-parallel layer A's rows.
         out << fmt::format("    Y = X A + b with A = weight^T {}, sliced {}:\n",
                            ShapeString({param.full_shape[1], param.full_shape[0]}),
-                           param.shard.shard_dim == 0 ? "column-wise" : "row-wise");
+                           param.tp_dim == 0 ? "column-wise" : "row-wise");
         std::vector<std::string> slices;
         for (int64_t r = 0; r < t; ++r) {
           const Shape& local = per_rank[static_cast<size_t>(r)][i].parameters[p].local_shape;
@@ -126,9 +125,10 @@ class ExplainCommand : public Command {
     for (const auto& p : (*model)->parameters().all()) {
       const Shape local = LocalShape(p->shard, p->full_shape);
       std::string how = "replicated";
-      if (p->shard.shard_dim >= 0) {
-        how = fmt::format("split on dim {}{}: {} per rank", p->shard.shard_dim,
-                          p->shard.stride > 1 ? fmt::format(" with stride {}", p->shard.stride) : "",
+      const Placement* split = p->shard.Find(ShardAxis::kTp);
+      if (split != nullptr) {
+        how = fmt::format("split on dim {}{}: {} per rank", split->dim,
+                          split->stride > 1 ? fmt::format(" with stride {}", split->stride) : "",
                           ShapeString(local));
       }
       std::string note;
@@ -137,7 +137,7 @@ class ExplainCommand : public Command {
                            "channels",
                            groups_local, groups_local == 1 ? "" : "s", per_group,
                            per_group == 1 ? "" : "s", gpt.kv_channels);
-      } else if (p->shard.stride == 2) {
+      } else if (split != nullptr && split->stride == 2) {
         note = "; per rank its gate rows, then the same up rows (SwiGLU)";
       } else if (p->name == "embedding.word_embeddings.weight" && t > 1) {
         note = fmt::format("; rank r holds vocabulary rows [{} r, {} (r + 1))", local[0], local[0]);

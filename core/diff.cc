@@ -126,10 +126,15 @@ StatusOr<Manifest> ParseManifest(const Json& j) {
     if (!j.contains(key)) return Status::Error(key, "is missing");
   }
   int64_t version = 0;
-  if (!AsInt(j["schema_version"], &version) || version != 1) {
+  if (AsInt(j["schema_version"], &version) && version == 1) {
     return Status::Error("schema_version",
-                         fmt::format("must be 1 (the only version this reader knows), got {}",
-                                     Brief(j["schema_version"])));
+                         "1 is the dump format before shard placements, which this reader no "
+                         "longer reads; write the dump again with `mpusim run --dump`");
+  }
+  if (!AsInt(j["schema_version"], &version) || version != kDumpSchemaVersion) {
+    return Status::Error("schema_version",
+                         fmt::format("must be {} (the only version this reader knows), got {}",
+                                     kDumpSchemaVersion, Brief(j["schema_version"])));
   }
   Manifest m;
   if (!AsInt(j["world_size"], &m.world_size) || m.world_size < 1) {
@@ -253,18 +258,15 @@ struct ShardMetadata {
   bool partial_sum = false;
 };
 
-
-// "{\"full_shape\":[...],\"shard_dim\":d,\"num_shards\":k,\"shard_index\":i,\"stride\":s
-// [,\"batch_dim\",\"batch_shards\",\"batch_index\"][,\"partial_sum\":true]}". Unknown keys are
+// {"full_shape": [...], "placements": [{"axis", "dim", "shards", "index", "stride"}, ...]
+// [, "partial_sum": true]}, placements outermost first (core/sharding.h). Unknown keys are
 // refused: a key this reader does not know could change where the values belong.
 StatusOr<ShardMetadata> ParseShardMetadata(const std::string& text) {
   StatusOr<Json> parsed = ParseJson(text);
   if (!parsed.ok()) return parsed.status();
   const Json& j = *parsed;
   if (!j.is_object()) return Status::Error("", "must be a JSON object");
-  static const std::set<std::string> kAllowed = {"full_shape",   "shard_dim",   "num_shards",
-                                                 "shard_index",  "stride",      "batch_dim",
-                                                 "batch_shards", "batch_index", "partial_sum"};
+  static const std::set<std::string> kAllowed = {"full_shape", "placements", "partial_sum"};
   for (const auto& [key, unused] : j.items()) {
     if (kAllowed.count(key) == 0) {
       return Status::Error(
@@ -278,29 +280,53 @@ StatusOr<ShardMetadata> ParseShardMetadata(const std::string& text) {
                                          "got {}",
                                          Brief(j["full_shape"])));
   }
-  auto read_int = [&](const char* key, int64_t* out) -> Status {
-    if (!j.contains(key)) return Status::Error("", fmt::format("missing key '{}'", key));
-    if (!AsInt(j[key], out)) {
-      return Status::Error("", fmt::format("{} must be an integer, got {}", key, Brief(j[key])));
-    }
-    return Status();
-  };
-  int64_t shard_dim = 0;
-  int64_t batch_dim = -1;
-  MPUSIM_RETURN_IF_ERROR(read_int("shard_dim", &shard_dim));
-  MPUSIM_RETURN_IF_ERROR(read_int("num_shards", &m.spec.num_shards));
-  MPUSIM_RETURN_IF_ERROR(read_int("shard_index", &m.spec.shard_index));
-  MPUSIM_RETURN_IF_ERROR(read_int("stride", &m.spec.stride));
-  const int batch_keys = static_cast<int>(j.contains("batch_dim")) +
-                         static_cast<int>(j.contains("batch_shards")) +
-                         static_cast<int>(j.contains("batch_index"));
-  if (batch_keys != 0 && batch_keys != 3) {
-    return Status::Error("", "batch_dim, batch_shards and batch_index come together or not at all");
+  if (!j.contains("placements")) return Status::Error("", "missing key 'placements'");
+  const Json& list = j["placements"];
+  // Each axis appears at most once, so a longer list is invalid whatever it holds.
+  constexpr size_t kMaxPlacements = 4;
+  if (!list.is_array() || list.size() > kMaxPlacements) {
+    return Status::Error("", fmt::format("placements must be a list of at most {} objects, got {}",
+                                         kMaxPlacements, Brief(list)));
   }
-  if (batch_keys == 3) {
-    MPUSIM_RETURN_IF_ERROR(read_int("batch_dim", &batch_dim));
-    MPUSIM_RETURN_IF_ERROR(read_int("batch_shards", &m.spec.batch_shards));
-    MPUSIM_RETURN_IF_ERROR(read_int("batch_index", &m.spec.batch_index));
+  static const std::set<std::string> kPlacementKeys = {"axis", "dim", "shards", "index", "stride"};
+  const int64_t ndim = static_cast<int64_t>(m.full_shape.size());
+  for (size_t i = 0; i < list.size(); ++i) {
+    const Json& p = list[i];
+    const std::string where = fmt::format("placements[{}]", i);
+    if (!p.is_object()) {
+      return Status::Error("", fmt::format("{} must be an object, got {}", where, Brief(p)));
+    }
+    for (const auto& [key, unused] : p.items()) {
+      if (kPlacementKeys.count(key) == 0) {
+        return Status::Error("", fmt::format("{}: unknown key '{}'; allowed: {}", where, key,
+                                             fmt::join(kPlacementKeys, ", ")));
+      }
+    }
+    for (const std::string& key : kPlacementKeys) {
+      if (!p.contains(key)) {
+        return Status::Error("", fmt::format("{}: missing key '{}'", where, key));
+      }
+    }
+    const std::optional<ShardAxis> axis =
+        p["axis"].is_string() ? ParseShardAxis(p["axis"].get<std::string>()) : std::nullopt;
+    if (!axis) {
+      return Status::Error("", fmt::format("{}.axis must be one of tp, dp, cp, ep, got {}", where,
+                                           Brief(p["axis"])));
+    }
+    int64_t values[4] = {0, 0, 0, 0};
+    const char* keys[4] = {"dim", "shards", "index", "stride"};
+    for (int k = 0; k < 4; ++k) {
+      if (!AsInt(p[keys[k]], &values[k])) {
+        return Status::Error(
+            "", fmt::format("{}.{} must be an integer, got {}", where, keys[k], Brief(p[keys[k]])));
+      }
+    }
+    // Range-check before narrowing to int; ShardSpecError checks the rest.
+    if (values[0] < 0 || values[0] >= ndim) {
+      return Status::Error("", fmt::format("{}.dim {} is outside [0, {})", where, values[0], ndim));
+    }
+    m.spec.placements.push_back(
+        {*axis, static_cast<int>(values[0]), values[1], values[2], values[3]});
   }
   if (j.contains("partial_sum")) {
     if (!j["partial_sum"].is_boolean()) {
@@ -309,78 +335,79 @@ StatusOr<ShardMetadata> ParseShardMetadata(const std::string& text) {
     }
     m.partial_sum = j["partial_sum"].get<bool>();
   }
-  // Range-check before narrowing to int; LayoutError reports the exact bounds.
-  const int64_t ndim = static_cast<int64_t>(m.full_shape.size());
-  if (shard_dim < -1 || shard_dim >= ndim) {
-    return Status::Error("", fmt::format("shard_dim {} is outside [-1, {})", shard_dim, ndim));
-  }
-  if (batch_dim < -1 || batch_dim >= ndim) {
-    return Status::Error("", fmt::format("batch_dim {} is outside [-1, {})", batch_dim, ndim));
-  }
-  m.spec.shard_dim = static_cast<int>(shard_dim);
-  m.spec.batch_dim = static_cast<int>(batch_dim);
   const std::string error = ShardSpecError(m.spec, m.full_shape);
   if (!error.empty()) return Status::Error("", error);
-  if (m.partial_sum && m.spec.shard_dim >= 0) {
-    return Status::Error("", fmt::format("partial_sum with shard_dim {}: a partial sum is summed "
-                                         "over the tp ranks, so it cannot also be split over them",
-                                         m.spec.shard_dim));
+  // One spelling per layout (as ShardSpec::Split writes it): a 1-shard split is no split.
+  std::erase_if(m.spec.placements, [](const Placement& p) { return p.shards == 1; });
+  if (m.partial_sum && m.spec.Find(ShardAxis::kTp) != nullptr) {
+    return Status::Error("",
+                         "partial_sum with a tp placement: a partial sum is summed over the "
+                         "tp ranks, so it cannot also be split over them");
   }
   return m;
 }
 
 bool SameLayout(const DumpTensor& t, const ShardSpec& s, bool partial_sum) {
-  const ShardSpec& f = t.shards.front().spec;
-  return f.shard_dim == s.shard_dim && f.num_shards == s.num_shards && f.stride == s.stride &&
-         f.batch_dim == s.batch_dim && f.batch_shards == s.batch_shards &&
-         t.partial_sum == partial_sum;
+  return SameLayout(t.shards.front().spec, s) && t.partial_sum == partial_sum;
 }
 
 std::string LayoutString(const ShardSpec& s, bool partial_sum) {
-  return fmt::format("shard_dim {}, num_shards {}, stride {}, batch_dim {}, batch_shards {}{}",
-                     s.shard_dim, s.num_shards, s.stride, s.batch_dim, s.batch_shards,
-                     partial_sum ? ", partial_sum" : "");
+  return LayoutString(s) + (partial_sum ? ", partial_sum" : "");
 }
 
-// The coordinates that tell copies (equal keys) from distinct pieces (see diff.h).
-std::pair<int64_t, int64_t> ShardKey(const DumpTensor& t, const DumpShard& s) {
-  return {t.partial_sum ? s.tp_rank : s.spec.shard_index, s.spec.batch_index};
+// The coordinates that tell copies (equal keys) from distinct pieces (see diff.h): each
+// placement's index, after the tp rank for a partial sum.
+using ShardKey = std::vector<int64_t>;
+ShardKey KeyOf(const DumpTensor& t, const DumpShard& s) {
+  ShardKey key;
+  if (t.partial_sum) key.push_back(s.tp_rank);
+  for (const Placement& p : s.spec.placements) key.push_back(p.index);
+  return key;
 }
 
 // Every element covered: all distinct keys present. Counting distinct keys (rather than
-// enumerating all num_shards * batch_shards of them) keeps a hostile num_shards cheap.
+// enumerating every combination of indices) keeps a hostile shard count cheap.
 Status CheckCoverage(const DumpTensor& t, const std::set<int64_t>& tp_ranks) {
   const ShardSpec& spec = t.shards.front().spec;
-  std::set<std::pair<int64_t, int64_t>> keys;
-  for (const DumpShard& s : t.shards) keys.insert(ShardKey(t, s));
-  const int64_t firsts = t.partial_sum ? static_cast<int64_t>(tp_ranks.size()) : spec.num_shards;
-  int64_t needed = 0;
-  if (!__builtin_mul_overflow(firsts, spec.batch_shards, &needed) &&
-      needed == static_cast<int64_t>(keys.size())) {
-    return Status();
-  }
-  // Name the first missing piece; it is among the first keys.size() + 1 candidates.
-  std::vector<int64_t> candidates;
-  if (t.partial_sum) {
-    candidates.assign(tp_ranks.begin(), tp_ranks.end());
-  } else {
-    for (int64_t i = 0; i < spec.num_shards && i <= static_cast<int64_t>(keys.size()); ++i) {
-      candidates.push_back(i);
+  std::set<ShardKey> keys;
+  for (const DumpShard& s : t.shards) keys.insert(KeyOf(t, s));
+  // Per key position: how many values it takes.
+  std::vector<int64_t> radix;
+  if (t.partial_sum) radix.push_back(static_cast<int64_t>(tp_ranks.size()));
+  for (const Placement& p : spec.placements) radix.push_back(p.shards);
+  int64_t needed = 1;
+  bool overflow = false;
+  for (int64_t r : radix) overflow = overflow || __builtin_mul_overflow(needed, r, &needed);
+  if (!overflow && needed == static_cast<int64_t>(keys.size())) return Status();
+  // Name the first missing piece; it is among the first keys.size() + 1 candidates in
+  // odometer order (the last position fastest).
+  const std::vector<int64_t> summand_ranks(tp_ranks.begin(), tp_ranks.end());
+  std::vector<int64_t> digits(radix.size(), 0);
+  for (size_t n = 0; n <= keys.size(); ++n) {
+    ShardKey candidate(digits.size());
+    for (size_t i = 0; i < digits.size(); ++i) {
+      candidate[i] =
+          t.partial_sum && i == 0 ? summand_ranks[static_cast<size_t>(digits[0])] : digits[i];
     }
-  }
-  for (int64_t b = 0; b < spec.batch_shards; ++b) {
-    for (int64_t c : candidates) {
-      if (keys.count({c, b}) != 0) continue;
-      const std::string piece = t.partial_sum
-                                    ? fmt::format("the summand of tp_rank {}", c)
-                                    : fmt::format("shard_index {} of {}", c, spec.num_shards);
-      return Status::Error(
-          fmt::format("tensor '{}'", t.name),
-          fmt::format(
-              "{}{} is in no rank file, so part of the full tensor {} is not covered", piece,
-              spec.batch_dim >= 0 ? fmt::format(" for batch_index {} of {}", b, spec.batch_shards)
-                                  : std::string(),
-              ShapeString(t.full_shape)));
+    if (keys.count(candidate) == 0) {
+      ShardSpec piece = spec;
+      const size_t first = t.partial_sum ? 1 : 0;
+      for (size_t i = 0; i < piece.placements.size(); ++i) {
+        piece.placements[i].index = candidate[first + i];
+      }
+      std::string what =
+          t.partial_sum ? fmt::format("the summand of tp_rank {}{}", candidate[0],
+                                      piece.replicated() ? std::string()
+                                                         : fmt::format(" ({})", PieceString(piece)))
+                        : fmt::format("the piece {}", PieceString(piece));
+      return Status::Error(fmt::format("tensor '{}'", t.name),
+                           fmt::format("{} is in no rank file, so part of the full tensor {} is "
+                                       "not covered",
+                                       what, ShapeString(t.full_shape)));
+    }
+    for (size_t i = digits.size(); i-- > 0;) {
+      if (++digits[i] < radix[i]) break;
+      digits[i] = 0;
     }
   }
   return Status::Error(fmt::format("tensor '{}'", t.name), "is not fully covered by its shards");
@@ -422,18 +449,16 @@ Status CheckCopies(const DumpTensor& t, const DumpShard& first, const DumpShard&
   }
   const std::string piece =
       t.partial_sum
-          ? fmt::format("the tp_rank {} summand", first.tp_rank)
-          : (first.spec.shard_dim >= 0 ? fmt::format("shard_index {}", first.spec.shard_index)
-                                       : std::string("the replicated tensor"));
+          ? fmt::format("the tp_rank {} summand{}", first.tp_rank,
+                        first.spec.replicated() ? std::string()
+                                                : fmt::format(" ({})", PieceString(first.spec)))
+          : (first.spec.replicated() ? PieceString(first.spec)
+                                     : fmt::format("the piece {}", PieceString(first.spec)));
   return Status::Error(
       std::string(t.name),
-      fmt::format("ranks {} and {} hold copies of {}{} that differ in {} of {} elements; first "
+      fmt::format("ranks {} and {} hold copies of {} that differ in {} of {} elements; first "
                   "at {}: {} vs {}",
-                  first.rank, copy.rank, piece,
-                  first.spec.batch_dim >= 0
-                      ? fmt::format(" (batch_index {})", first.spec.batch_index)
-                      : std::string(),
-                  differing, first.tensor.numel(),
+                  first.rank, copy.rank, piece, differing, first.tensor.numel(),
                   ShapeString(GlobalCoordinates(first.spec, t.full_shape, first.tensor.shape(),
                                                 first_diff)),
                   FormatValue(HostValue(first.tensor, first_diff), t.dtype),
@@ -632,23 +657,23 @@ StatusOr<Tensor> Dump::Assemble(std::string_view name) const {
   const DumpTensor* t = Find(name);
   if (t == nullptr) return Status::Error(std::string(name), "is not in the dump");
   // One representative per key; every other copy must equal it.
-  std::map<std::pair<int64_t, int64_t>, const DumpShard*> pieces;
+  std::map<ShardKey, const DumpShard*> pieces;
   for (const DumpShard& s : t->shards) {
-    auto [it, inserted] = pieces.emplace(ShardKey(*t, s), &s);
+    auto [it, inserted] = pieces.emplace(KeyOf(*t, s), &s);
     if (!inserted) MPUSIM_RETURN_IF_ERROR(CheckCopies(*t, *it->second, s));
   }
   // Nothing to place (and AssembleFull would size index tables by the local dimensions,
   // which a zero-size dimension elsewhere leaves unbounded).
   if (NumElements(t->full_shape) == 0) return Tensor::HostZeros(t->full_shape, DType::kFloat64);
-  // Keys sort by (shard_index or tp_rank, batch_index): one AssembleFull per tp_rank for a
+  // Keys sort by tp_rank first for a partial sum: one AssembleFull per tp_rank for a
   // partial sum, whose results are added in tp_rank order.
   Tensor full;
   auto it = pieces.begin();
   while (it != pieces.end()) {
     std::vector<Tensor> shards;
     std::vector<ShardSpec> specs;
-    const int64_t first = it->first.first;
-    for (; it != pieces.end() && (!t->partial_sum || it->first.first == first); ++it) {
+    const int64_t first = t->partial_sum ? it->first.front() : 0;
+    for (; it != pieces.end() && (!t->partial_sum || it->first.front() == first); ++it) {
       shards.push_back(it->second->tensor);
       specs.push_back(it->second->spec);
     }

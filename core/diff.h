@@ -13,11 +13,11 @@
 //   - Shards with the same coordinates are copies (a weight's tp shard on every dp rank, a
 //     replicated tensor on every rank). Copies must agree bit for bit; otherwise Assemble
 //     fails and names the two ranks and the first element that differs.
-//     Coordinates: (shard_index, batch_index); for a partial sum (tp_rank, batch_index).
+//     Coordinates: the index of each placement; for a partial sum, the tp_rank first.
 //   - "partial_sum": true shards hold summands: the full tensor is the sum over the dump's tp
 //     ranks, added in tp_rank order in float64.
-//   - Every element must be covered: all num_shards * batch_shards coordinates are present
-//     (for a partial sum, every tp rank of the dump for every batch_index).
+//   - Every element must be covered: every combination of placement indices is present (for
+//     a partial sum, with every tp rank of the dump).
 //
 // Comparison of tensor T, B being the expected side, over full float64 values a_i and b_i:
 //   element passes     iff a_i and b_i are finite and
@@ -57,6 +57,11 @@
 #include "core/tensor.h"
 
 namespace mpusim {
+
+// The dump format (manifest "schema_version") that `mpusim run --dump` writes and LoadDump
+// reads. 2: shard metadata is a list of placements (core/sharding.h); 1 was one model split
+// plus one batch split.
+inline constexpr int64_t kDumpSchemaVersion = 2;
 
 // One rank file's piece of a tensor.
 struct DumpShard {

@@ -173,16 +173,6 @@ Status PlaceShards(const std::vector<Tensor>& shards, const std::vector<ShardSpe
   return {};
 }
 
-bool SameLayout(const ShardSpec& a, const ShardSpec& b) {
-  return a.shard_dim == b.shard_dim && a.num_shards == b.num_shards && a.stride == b.stride &&
-         a.batch_dim == b.batch_dim && a.batch_shards == b.batch_shards;
-}
-
-std::string LayoutString(const ShardSpec& s) {
-  return fmt::format("shard_dim {}, num_shards {}, stride {}, batch_dim {}, batch_shards {}",
-                     s.shard_dim, s.num_shards, s.stride, s.batch_dim, s.batch_shards);
-}
-
 }  // namespace
 
 StatusOr<InitMethod> ParseInitMethod(std::string_view text, std::string_view where) {

@@ -1,64 +1,118 @@
-// ShardSpec validation (see sharding.h).
+// ShardSpec helpers and validation (see sharding.h).
 #include "core/sharding.h"
 
 #include <fmt/format.h>
 
 namespace mpusim {
 
+std::string_view ShardAxisName(ShardAxis axis) {
+  switch (axis) {
+    case ShardAxis::kTp:
+      return "tp";
+    case ShardAxis::kDp:
+      return "dp";
+    case ShardAxis::kCp:
+      return "cp";
+    case ShardAxis::kEp:
+      return "ep";
+  }
+  return "?";
+}
+
+std::optional<ShardAxis> ParseShardAxis(std::string_view name) {
+  for (ShardAxis axis : {ShardAxis::kTp, ShardAxis::kDp, ShardAxis::kCp, ShardAxis::kEp}) {
+    if (name == ShardAxisName(axis)) return axis;
+  }
+  return std::nullopt;
+}
+
+ShardSpec& ShardSpec::Split(ShardAxis axis, int dim, int64_t shards, int64_t index,
+                            int64_t stride) {
+  if (shards != 1) placements.push_back({axis, dim, shards, index, stride});
+  return *this;
+}
+
+const Placement* ShardSpec::Find(ShardAxis axis) const {
+  for (const Placement& p : placements) {
+    if (p.axis == axis) return &p;
+  }
+  return nullptr;
+}
+
+Placement* ShardSpec::Find(ShardAxis axis) {
+  for (Placement& p : placements) {
+    if (p.axis == axis) return &p;
+  }
+  return nullptr;
+}
+
+bool SameLayout(const ShardSpec& a, const ShardSpec& b) {
+  if (a.placements.size() != b.placements.size()) return false;
+  for (size_t i = 0; i < a.placements.size(); ++i) {
+    const Placement& x = a.placements[i];
+    const Placement& y = b.placements[i];
+    if (x.axis != y.axis || x.dim != y.dim || x.shards != y.shards || x.stride != y.stride) {
+      return false;
+    }
+  }
+  return true;
+}
+
+std::string LayoutString(const ShardSpec& spec) {
+  if (spec.replicated()) return "replicated";
+  std::string out;
+  for (const Placement& p : spec.placements) {
+    if (!out.empty()) out += "; ";
+    out += fmt::format("{}: dim {}, {} shards", ShardAxisName(p.axis), p.dim, p.shards);
+    if (p.stride != 1) out += fmt::format(", stride {}", p.stride);
+  }
+  return out;
+}
+
+std::string PieceString(const ShardSpec& spec) {
+  if (spec.replicated()) return "the replicated tensor";
+  std::string out;
+  for (const Placement& p : spec.placements) {
+    if (!out.empty()) out += ", ";
+    out += fmt::format("{} index {} of {}", ShardAxisName(p.axis), p.index, p.shards);
+  }
+  return out;
+}
+
 std::string ShardSpecError(const ShardSpec& spec, const Shape& full) {
   const int ndim = static_cast<int>(full.size());
   for (int64_t d : full) {
     if (d < 0) return fmt::format("full shape {} has a negative dimension", ShapeString(full));
   }
-  if (spec.shard_dim < -1 || spec.shard_dim >= ndim) {
-    return fmt::format("shard_dim {} is outside [-1, {})", spec.shard_dim, ndim);
-  }
-  if (spec.batch_dim < -1 || spec.batch_dim >= ndim) {
-    return fmt::format("batch_dim {} is outside [-1, {})", spec.batch_dim, ndim);
-  }
-  if (spec.shard_dim >= 0 && spec.shard_dim == spec.batch_dim) {
-    return fmt::format("shard_dim and batch_dim are both {}", spec.shard_dim);
-  }
-  if (spec.shard_dim < 0) {
-    if (spec.num_shards != 1 || spec.shard_index != 0 || spec.stride != 1) {
-      return fmt::format(
-          "shard_dim -1 (not split) needs num_shards 1, shard_index 0 and "
-          "stride 1, got {}, {} and {}",
-          spec.num_shards, spec.shard_index, spec.stride);
+  Shape level = full;  // each dimension's size after the placements so far
+  for (size_t i = 0; i < spec.placements.size(); ++i) {
+    const Placement& p = spec.placements[i];
+    const std::string where = fmt::format("placement {} ({})", i, ShardAxisName(p.axis));
+    if (ShardAxisName(p.axis) == "?") return fmt::format("placement {} has no valid axis", i);
+    for (size_t k = 0; k < i; ++k) {
+      if (spec.placements[k].axis == p.axis) {
+        return fmt::format("{}: axis {} is used by placement {} already", where,
+                           ShardAxisName(p.axis), k);
+      }
     }
-  } else {
-    if (spec.num_shards < 1 || spec.stride < 1) {
-      return fmt::format("num_shards {} and stride {} must be >= 1", spec.num_shards, spec.stride);
+    if (p.dim < 0 || p.dim >= ndim) {
+      return fmt::format("{}: dim {} is outside [0, {})", where, p.dim, ndim);
     }
-    if (spec.shard_index < 0 || spec.shard_index >= spec.num_shards) {
-      return fmt::format("shard_index {} is outside [0, {})", spec.shard_index, spec.num_shards);
+    if (p.shards < 1 || p.stride < 1) {
+      return fmt::format("{}: shards {} and stride {} must be >= 1", where, p.shards, p.stride);
     }
-    const int64_t size = full[static_cast<size_t>(spec.shard_dim)];
+    if (p.index < 0 || p.index >= p.shards) {
+      return fmt::format("{}: index {} is outside [0, {})", where, p.index, p.shards);
+    }
+    int64_t& size = level[static_cast<size_t>(p.dim)];
     int64_t chunks = 0;
-    if (__builtin_mul_overflow(spec.num_shards, spec.stride, &chunks) || size % chunks != 0) {
+    if (__builtin_mul_overflow(p.shards, p.stride, &chunks) || size % chunks != 0) {
       return fmt::format(
-          "dimension {} of {} (size {}) is not divisible by num_shards {} * stride {}",
-          spec.shard_dim, ShapeString(full), size, spec.num_shards, spec.stride);
+          "{}: dimension {} of {} (size {} here) is not divisible by shards {} * "
+          "stride {}",
+          where, p.dim, ShapeString(full), size, p.shards, p.stride);
     }
-  }
-  if (spec.batch_dim < 0) {
-    if (spec.batch_shards != 1 || spec.batch_index != 0) {
-      return fmt::format(
-          "batch_dim -1 (not split) needs batch_shards 1 and batch_index 0, "
-          "got {} and {}",
-          spec.batch_shards, spec.batch_index);
-    }
-  } else {
-    if (spec.batch_shards < 1)
-      return fmt::format("batch_shards {} must be >= 1", spec.batch_shards);
-    if (spec.batch_index < 0 || spec.batch_index >= spec.batch_shards) {
-      return fmt::format("batch_index {} is outside [0, {})", spec.batch_index, spec.batch_shards);
-    }
-    const int64_t size = full[static_cast<size_t>(spec.batch_dim)];
-    if (size % spec.batch_shards != 0) {
-      return fmt::format("batch dimension {} of {} (size {}) is not divisible by batch_shards {}",
-                         spec.batch_dim, ShapeString(full), size, spec.batch_shards);
-    }
+    size /= p.shards;
   }
   return "";
 }

@@ -1,61 +1,110 @@
 // ShardSpec: how a rank's local tensor maps onto the full (unpartitioned) tensor.
 //
-// A tensor may be split along one "model" dimension (tensor parallelism: hidden or vocab
-// columns; sequence parallelism: the sequence dimension) and, for activations, along the
-// batch dimension (data parallelism). Along the model dimension Megatron's `stride` rule
-// applies: the full dimension of size F is cut into num_shards * stride chunks of
-// c = F / (num_shards * stride) elements, and shard r holds chunks r, r + num_shards,
-// r + 2*num_shards, ... (stride of them) concatenated. With stride 1 shard r is simply the
-// r-th contiguous block.
+// A spec is a list of placements, outermost first. Each placement splits one dimension of
+// the tensor over one parallel axis of the layout:
 //
-//   local index l along the model dimension -> global index
+//   axis     which group the split runs over: "tp" (tensor parallelism, and sequence
+//            parallelism, which splits the sequence over the tp group), "dp" (data
+//            parallelism: an activation's samples), "cp" (context parallelism) or "ep"
+//            (expert parallelism)
+//   dim      the dimension it splits
+//   shards   how many pieces (the group's size); a spec never holds a 1-shard placement
+//   index    this rank's piece (its rank in that group)
+//   stride   Megatron's stride rule (below); 1 for a plain contiguous split
+//
+// A dimension of size F split by one placement is cut into shards * stride chunks of
+// c = F / (shards * stride) elements, and piece r holds chunks r, r + shards,
+// r + 2*shards, ... (stride of them) concatenated. With stride 1 piece r is simply the r-th
+// contiguous block.
+//
+//   local index l along the dimension -> global index
 //       k = l / c (which of the rank's chunks), o = l % c
-//       global = (k * num_shards + shard_index) * c + o
+//       global = (k * shards + index) * c + o
 //
-// Example: F = 8, num_shards = 2, stride = 2, so c = 2; shard 0 holds global [0 1 4 5],
-// shard 1 holds [2 3 6 7].
+// Example: F = 8, shards = 2, stride = 2, so c = 2; piece 0 holds global [0 1 4 5],
+// piece 1 holds [2 3 6 7].
+//
+// Several placements may split the same dimension: each later one splits the piece the
+// earlier ones left (a sequence split over cp, then over tp). The mapping applies them from
+// the innermost back out. A spec with no placements is a full, replicated tensor.
+//
+// Examples: a sequence-parallel activation [s, b, h] with dp 2, tp 4 on (tp 1, dp 0):
+// {tp dim 0 4 shards index 1, dp dim 1 2 shards index 0}; a SwiGLU fc1 weight [2f, h] on tp
+// rank 3 of 4: {tp dim 0 4 shards index 3 stride 2}.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "core/tensor.h"
 
 namespace mpusim {
 
-struct ShardSpec {
-  int shard_dim = -1;  // -1: not split along a model dimension (replicated)
-  int64_t num_shards = 1;
-  int64_t shard_index = 0;
-  int64_t stride = 1;
-  int batch_dim = -1;  // -1: not split along the batch (data parallelism)
-  int64_t batch_shards = 1;
-  int64_t batch_index = 0;
+enum class ShardAxis : uint8_t { kTp, kDp, kCp, kEp };
 
-  bool replicated() const { return shard_dim < 0 && batch_dim < 0; }
+std::string_view ShardAxisName(ShardAxis axis);  // "tp", "dp", "cp", "ep"
+std::optional<ShardAxis> ParseShardAxis(std::string_view name);
+
+struct Placement {
+  ShardAxis axis = ShardAxis::kTp;
+  int dim = 0;
+  int64_t shards = 1;
+  int64_t index = 0;
+  int64_t stride = 1;
+
+  bool operator==(const Placement&) const = default;
 };
 
+struct ShardSpec {
+  std::vector<Placement> placements;  // outermost first
+
+  bool replicated() const { return placements.empty(); }
+  // Appends a placement; a 1-shard split changes nothing and is left out, so that every
+  // layout of a tensor has one spelling. Returns *this for chaining.
+  ShardSpec& Split(ShardAxis axis, int dim, int64_t shards, int64_t index, int64_t stride = 1);
+  // The placement over `axis`, or nullptr.
+  const Placement* Find(ShardAxis axis) const;
+  Placement* Find(ShardAxis axis);
+
+  bool operator==(const ShardSpec&) const = default;
+};
+
+// Same placements except for the indices: two pieces of one tensor.
+bool SameLayout(const ShardSpec& a, const ShardSpec& b);
+// "tp: dim 0, 2 shards, stride 2; dp: dim 1, 2 shards", or "replicated".
+std::string LayoutString(const ShardSpec& spec);
+// "tp index 1 of 2, dp index 0 of 2", or "the replicated tensor".
+std::string PieceString(const ShardSpec& spec);
+
 // Why `spec` cannot describe a shard of a tensor of shape `full`, or "" when it can: dims in
-// range and distinct, indices in range, defaults (1 shard, index 0, stride 1) on an unsplit
-// dimension, and exact divisibility (GlobalIndex and LocalShape assume it). Products are
-// guarded against overflow, since specs are also read from files.
+// range, each axis at most once, shards and stride >= 1, indices in range, and exact
+// divisibility at every level (GlobalIndex and LocalShape assume it). Products are guarded
+// against overflow, since specs are also read from files.
 std::string ShardSpecError(const ShardSpec& spec, const Shape& full);
 
 // Global index along `dim` of local index `local`, for a full dimension of size `full`.
 inline int64_t GlobalIndex(const ShardSpec& spec, int dim, int64_t full, int64_t local) {
-  if (dim == spec.shard_dim) {
-    const int64_t chunk = full / (spec.num_shards * spec.stride);
-    const int64_t k = local / chunk;
-    return (k * spec.num_shards + spec.shard_index) * chunk + local % chunk;
+  int64_t size = full;  // the size of the piece the innermost placement on `dim` leaves
+  for (const Placement& p : spec.placements) {
+    if (p.dim == dim) size /= p.shards;
   }
-  if (dim == spec.batch_dim) return spec.batch_index * (full / spec.batch_shards) + local;
+  for (auto it = spec.placements.rbegin(); it != spec.placements.rend(); ++it) {
+    const Placement& p = *it;
+    if (p.dim != dim) continue;
+    const int64_t outer = size * p.shards;
+    const int64_t chunk = outer / (p.shards * p.stride);
+    local = (local / chunk * p.shards + p.index) * chunk + local % chunk;
+    size = outer;
+  }
   return local;
 }
 
 // Local shape of a tensor of full shape `full` under `spec`.
 inline Shape LocalShape(const ShardSpec& spec, Shape full) {
-  if (spec.shard_dim >= 0) full[static_cast<size_t>(spec.shard_dim)] /= spec.num_shards;
-  if (spec.batch_dim >= 0) full[static_cast<size_t>(spec.batch_dim)] /= spec.batch_shards;
+  for (const Placement& p : spec.placements) full[static_cast<size_t>(p.dim)] /= p.shards;
   return full;
 }
 

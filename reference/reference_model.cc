@@ -608,10 +608,7 @@ Tensor DropoutScale(const Plan& plan, const LayerPlan& lp, int64_t micro_batch, 
     local_width = width / sizes.tp_size;
     for (int64_t tp_rank = 0; tp_rank < sizes.tp_size; ++tp_rank) {
       ShardSpec spec;
-      spec.shard_dim = 2;
-      spec.num_shards = sizes.tp_size;
-      spec.shard_index = tp_rank;
-      spec.stride = lp.in_state.stride;
+      spec.Split(ShardAxis::kTp, 2, sizes.tp_size, tp_rank, lp.in_state.stride);
       for (int64_t l = 0; l < local_width; ++l) {
         const auto j = static_cast<size_t>(GlobalIndex(spec, 2, width, l));
         column_rank[j] = tp_rank;

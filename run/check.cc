@@ -3,11 +3,12 @@
 // Wire format of one exchange block (one part of one tensor, one sender -> one owner; an
 // exchange carries a sender's blocks for an owner back to back): native int64 words, then raw
 // element bytes (every rank of a job runs the same binary):
-//   header   tensor (index in the reference's list), dtype, shard_dim, num_shards, shard_index,
-//            stride, partial_sum, local_width, rows
+//   header   tensor (index in the reference's list), dtype, the tp placement's dim (-1: none),
+//            shards, index and stride, partial_sum, local_width, rows
 //   rows     the global row (i*B + g) of each local row sent
 //   values   rows * local_width elements in the record's dtype, padded to a multiple of 8 bytes
-// The owner rebuilds each element's global column from the sender's ShardSpec.
+// The owner rebuilds each element's global column from the sender's tp placement (a chain's
+// tensors split their columns over tp only; rows carry their global index).
 #include "run/check.h"
 
 #include <mpi.h>
@@ -218,14 +219,16 @@ class RowExchange {
         if (owned.empty()) continue;
         const RowPart& part = parts[p];
         const Tensor& host = *part.host;
-        const ShardSpec& shard = part.record->shard;
+        const Placement* tp = part.record->shard.Find(ShardAxis::kTp);
+        const Placement none{ShardAxis::kTp, -1, 1, 0, 1};
+        const Placement& split = tp != nullptr ? *tp : none;
         const size_t row_bytes = RowBytes(host);
         const int64_t header[kHeaderWords] = {static_cast<int64_t>(part.tensor),
                                               static_cast<int64_t>(host.dtype()),
-                                              shard.shard_dim,
-                                              shard.num_shards,
-                                              shard.shard_index,
-                                              shard.stride,
+                                              split.dim,
+                                              split.shards,
+                                              split.index,
+                                              split.stride,
                                               part.record->partial_sum ? 1 : 0,
                                               host.shape().size() > 2 ? host.shape()[2] : 1,
                                               static_cast<int64_t>(owned.size())};
@@ -257,10 +260,8 @@ class RowExchange {
     const ReferenceTensor& ref = *target.ref;
     const auto dtype = static_cast<DType>(header[1]);
     ShardSpec spec;
-    spec.shard_dim = static_cast<int>(header[2]);
-    spec.num_shards = header[3];
-    spec.shard_index = header[4];
-    spec.stride = header[5];
+    const bool split_columns = header[2] == 2;
+    if (split_columns) spec.Split(ShardAxis::kTp, 2, header[3], header[4], header[5]);
     const double factor = header[6] != 0 ? static_cast<double>(tp_size_) : 1.0;
     const int64_t local_width = header[7];
     const int64_t n = header[8];
@@ -269,7 +270,7 @@ class RowExchange {
     std::vector<int64_t> column(static_cast<size_t>(local_width));
     for (int64_t c = 0; c < local_width; ++c) {
       column[static_cast<size_t>(c)] =
-          spec.shard_dim == last_dim && last_dim == 2 ? GlobalIndex(spec, 2, width, c) : c;
+          split_columns && last_dim == 2 ? GlobalIndex(spec, 2, width, c) : c;
     }
     const std::byte* rows_at = block + sizeof(header);
     const std::byte* values = rows_at + n * 8;
@@ -399,10 +400,7 @@ void SumShares(std::vector<ReferenceTensor>& refs) {
 bool ShardMetadataEqual(const TensorRecord& a, const TensorRecord& b) {
   const ShardSpec& x = a.shard;
   const ShardSpec& y = b.shard;
-  return a.full_shape == b.full_shape && a.partial_sum == b.partial_sum &&
-         x.shard_dim == y.shard_dim && x.num_shards == y.num_shards &&
-         x.shard_index == y.shard_index && x.stride == y.stride && x.batch_dim == y.batch_dim &&
-         x.batch_shards == y.batch_shards && x.batch_index == y.batch_index;
+  return a.full_shape == b.full_shape && a.partial_sum == b.partial_sum && x == y;
 }
 
 // Bytes of the distinct storages among `tensors` (aliases count once).

@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "core/diff.h"
 #include "core/safetensors.h"
 #include "mpi/agree.h"
 #include "mpi/mpi_check.h"
@@ -23,14 +24,15 @@ namespace mpusim::run {
 std::string ShardMetadataJson(const TensorRecord& r) {
   nlohmann::ordered_json j;
   j["full_shape"] = r.full_shape;
-  j["shard_dim"] = r.shard.shard_dim;
-  j["num_shards"] = r.shard.num_shards;
-  j["shard_index"] = r.shard.shard_index;
-  j["stride"] = r.shard.stride;
-  if (r.shard.batch_dim >= 0) {
-    j["batch_dim"] = r.shard.batch_dim;
-    j["batch_shards"] = r.shard.batch_shards;
-    j["batch_index"] = r.shard.batch_index;
+  j["placements"] = nlohmann::ordered_json::array();
+  for (const Placement& p : r.shard.placements) {
+    nlohmann::ordered_json placement;
+    placement["axis"] = std::string(ShardAxisName(p.axis));
+    placement["dim"] = p.dim;
+    placement["shards"] = p.shards;
+    placement["index"] = p.index;
+    placement["stride"] = p.stride;
+    j["placements"].push_back(std::move(placement));
   }
   if (r.partial_sum) j["partial_sum"] = true;
   return j.dump();
@@ -178,7 +180,7 @@ Status WriteDump(const DumpTarget& target, const RankCoordinates& coords,
   std::string finished;
   if (world_rank == 0) {
     nlohmann::ordered_json manifest;
-    manifest["schema_version"] = 1;
+    manifest["schema_version"] = kDumpSchemaVersion;
     manifest["run_id"] = target.run_id;
     StatusOr<nlohmann::json> raw = ReadJsonFile(target.config_path);
     manifest["config"] = raw.ok() ? *raw : nlohmann::json(nullptr);

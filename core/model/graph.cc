@@ -38,10 +38,18 @@ const char* SplitName(Split split) {
 
 namespace {
 
+// How a parameter is split over the tp ranks, whatever t is (dim -1: replicated).
+struct TpSplitPlan {
+  int dim = -1;
+  int64_t stride = 1;
+  bool operator==(const TpSplitPlan&) const = default;
+};
+
 struct Parameter {
   std::string name;  // "fc1.weight"
   Shape full_shape;
-  ShardSpec shard;
+  TpSplitPlan split;
+  ShardSpec shard;  // this rank's piece (set by InitializeParameters)
   InitSpec init;
   bool zero_init = false;  // biases
   bool frozen = false;
@@ -80,18 +88,11 @@ struct LayerSlot {
 ShardSpec ActivationSpec(const ActivationState& state, const RankCoordinates& c, int64_t tp,
                          int64_t dp) {
   ShardSpec spec;
-  spec.batch_dim = 1;
-  spec.batch_shards = dp;
-  spec.batch_index = c.dp;
+  spec.Split(ShardAxis::kDp, 1, dp, c.dp);
   if (state.split == Split::kHidden) {
-    spec.shard_dim = 2;
-    spec.num_shards = tp;
-    spec.shard_index = c.tp;
-    spec.stride = state.stride;
+    spec.Split(ShardAxis::kTp, 2, tp, c.tp, state.stride);
   } else if (state.split == Split::kSequence) {
-    spec.shard_dim = 0;
-    spec.num_shards = tp;
-    spec.shard_index = c.tp;
+    spec.Split(ShardAxis::kTp, 0, tp, c.tp);
   }
   return spec;
 }
@@ -139,17 +140,22 @@ struct Graph::Impl {
                          fmt::format("({} {}): {}", LayerTypeName(slot.config.type),
                                      slot.config.name, what));
   }
-  Parameter* AddParameter(std::string name, Shape full, ShardSpec shard, const LayerConfig& c,
+  Parameter* AddParameter(std::string name, Shape full, TpSplitPlan split, const LayerConfig& c,
                           bool zero_init) {
     auto p = std::make_unique<Parameter>();
     p->name = std::move(name);
     p->full_shape = std::move(full);
-    p->shard = shard;
+    p->split = split;
     p->init = c.init;
     p->zero_init = zero_init;
     p->frozen = c.frozen && !zero_init;
     parameters.push_back(std::move(p));
     return parameters.back().get();
+  }
+  ShardSpec RankShard(const Parameter& p, int64_t tp_rank) const {
+    ShardSpec shard;
+    if (p.split.dim >= 0) shard.Split(ShardAxis::kTp, p.split.dim, t, tp_rank, p.split.stride);
+    return shard;
   }
   LayerSlot* FindLayer(const std::string& name) {
     for (LayerSlot& slot : layers) {
@@ -268,7 +274,7 @@ Status Graph::Impl::Plan(const Topology& topology) {
       return require_divisible(s, t, "run.seq_length under sequence parallelism");
     };
 
-    const ShardSpec replicated;
+    const TpSplitPlan replicated;
     switch (c.type) {
       case LayerType::kVocabParallelEmbedding: {
         const int64_t rows = c.num_embeddings.Resolve(padded_vocab);
@@ -278,10 +284,7 @@ Status Graph::Impl::Plan(const Topology& topology) {
                                         rows, *model.vocab_size));
         }
         MPUSIM_RETURN_IF_ERROR(require_divisible(rows, t, "num_embeddings"));
-        ShardSpec shard;
-        shard.shard_dim = 0;
-        shard.num_shards = t;
-        slot.weight = AddParameter(c.name + ".weight", {rows, c.embedding_dim}, shard, c, false);
+        slot.weight = AddParameter(c.name + ".weight", {rows, c.embedding_dim}, {0, 1}, c, false);
         slot.owns_weight = true;
         if (sequence_parallel) {
           MPUSIM_RETURN_IF_ERROR(require_sequence_divisible());
@@ -301,10 +304,7 @@ Status Graph::Impl::Plan(const Topology& topology) {
                                         rows, *model.vocab_size));
         }
         MPUSIM_RETURN_IF_ERROR(require_divisible(c.embedding_dim, t, "embedding_dim"));
-        ShardSpec shard;
-        shard.shard_dim = 1;
-        shard.num_shards = t;
-        slot.weight = AddParameter(c.name + ".weight", {rows, c.embedding_dim}, shard, c, false);
+        slot.weight = AddParameter(c.name + ".weight", {rows, c.embedding_dim}, {1, 1}, c, false);
         slot.owns_weight = true;
         state.split = Split::kReplicated;
         width = c.embedding_dim;
@@ -331,10 +331,7 @@ Status Graph::Impl::Plan(const Topology& topology) {
           return Fail(slot, "gather_output with stride > 1 would leave the gathered columns in "
                             "strided order; use gather_output false");
         }
-        ShardSpec shard;
-        shard.shard_dim = 0;
-        shard.num_shards = t;
-        shard.stride = c.stride;
+        const TpSplitPlan split{0, c.stride};
         if (c.skip_weight_param_allocation) {
           LayerSlot* owner = FindLayer(c.weight_from);
           if (owner == nullptr || owner->weight == nullptr) {
@@ -342,22 +339,20 @@ Status Graph::Impl::Plan(const Topology& topology) {
                                           c.weight_from));
           }
           const Shape want = {out, c.input_size};
-          if (owner->weight->full_shape != want || owner->weight->shard.shard_dim != 0 ||
-              owner->weight->shard.stride != c.stride) {
+          if (owner->weight->full_shape != want || owner->weight->split != split) {
             return Fail(slot, fmt::format("weight_from '{}' has shape {} split on dim {}, but "
                                           "this layer needs {} split on dim 0 with stride {}",
                                           c.weight_from, ShapeString(owner->weight->full_shape),
-                                          owner->weight->shard.shard_dim, ShapeString(want),
+                                          owner->weight->split.dim, ShapeString(want),
                                           c.stride));
           }
           slot.weight = owner->weight;
         } else {
-          slot.weight = AddParameter(c.name + ".weight", {out, c.input_size}, shard, c, false);
+          slot.weight = AddParameter(c.name + ".weight", {out, c.input_size}, split, c, false);
           slot.owns_weight = true;
         }
         if (c.bias) {
-          ShardSpec bias_shard = shard;
-          slot.bias = AddParameter(c.name + ".bias", {out}, bias_shard, c, true);
+          slot.bias = AddParameter(c.name + ".bias", {out}, split, c, true);
         }
         if (c.gather_output) {
           state = ActivationState{Split::kReplicated, 1};
@@ -387,11 +382,7 @@ Status Graph::Impl::Plan(const Topology& topology) {
                                                  "input_size / (tensor_model_parallel_size * "
                                                  "stride): input_size"));
         const int64_t out = c.output_size.Resolve(padded_vocab);
-        ShardSpec shard;
-        shard.shard_dim = 1;
-        shard.num_shards = t;
-        shard.stride = c.stride;
-        slot.weight = AddParameter(c.name + ".weight", {out, c.input_size}, shard, c, false);
+        slot.weight = AddParameter(c.name + ".weight", {out, c.input_size}, {1, c.stride}, c, false);
         slot.owns_weight = true;
         if (c.bias) {
           slot.bias = AddParameter(c.name + ".bias", {out}, replicated, c, true);
@@ -421,7 +412,7 @@ Status Graph::Impl::Plan(const Topology& topology) {
                                           "width {}",
                                           c.bias_from, owner->bias->full_shape[0], width));
           }
-          const bool bias_split = owner->bias->shard.shard_dim == 0;
+          const bool bias_split = owner->bias->split.dim == 0;
           if (bias_split != (state.split == Split::kHidden)) {
             return Fail(slot, fmt::format("bias_from '{}' is {} but the activation is {}",
                                           c.bias_from, bias_split ? "split" : "replicated",
@@ -599,9 +590,9 @@ std::vector<Graph::PlannedLayer> Graph::Plan(const RankCoordinates& coords) cons
                        slot.out_state, slot.in_width, slot.out_width, {}};
     for (const Parameter* p : {slot.owns_weight ? slot.weight : nullptr, slot.bias}) {
       if (p == nullptr) continue;
-      ShardSpec shard = p->shard;
-      if (shard.shard_dim >= 0) shard.shard_index = coords.tp;
-      layer.parameters.push_back({p->name, p->full_shape, LocalShape(shard, p->full_shape), shard});
+      const ShardSpec shard = impl_->RankShard(*p, coords.tp);
+      layer.parameters.push_back({p->name, p->full_shape, LocalShape(shard, p->full_shape), shard,
+                                  p->split.dim, p->split.stride});
     }
     out.push_back(std::move(layer));
   }
@@ -613,7 +604,7 @@ std::vector<Graph::PlannedLayer> Graph::Plan(const RankCoordinates& coords) cons
 
 void Graph::InitializeParameters(RankContext& ctx) {
   for (auto& p : impl_->parameters) {
-    if (p->shard.shard_dim >= 0) p->shard.shard_index = ctx.coords.tp;
+    p->shard = impl_->RankShard(*p, ctx.coords.tp);
     const Shape local = LocalShape(p->shard, p->full_shape);
     Tensor host = Tensor::HostZeros(local, impl_->run.dtype);
     if (!p->zero_init) FillShard(impl_->run.seed, p->name, p->init, p->full_shape, p->shard, host);
@@ -951,9 +942,7 @@ std::vector<TensorRecord> Graph::Records(RankContext& ctx) const {
     activation(name, tensor, state, width);
   };
   ShardSpec batch_split;
-  batch_split.batch_dim = 1;
-  batch_split.batch_shards = g.d;
-  batch_split.batch_index = ctx.coords.dp;
+  batch_split.Split(ShardAxis::kDp, 1, g.d, ctx.coords.dp);
   if (g.last_tokens.defined()) {
     out.push_back({"tokens", ctx.kernels->ToDevice(g.last_tokens), {s, B}, batch_split, false});
   }

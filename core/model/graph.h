@@ -60,6 +60,8 @@ class Graph {
     Shape full_shape;
     Shape local_shape;
     ShardSpec shard;
+    int tp_dim = -1;        // the dimension split over tp whatever t is (-1: replicated)
+    int64_t tp_stride = 1;  // Megatron's stride of that split
   };
   struct PlannedLayer {
     std::string name;

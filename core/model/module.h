@@ -48,9 +48,7 @@ struct StreamShape {
   // the dp ranks (tokens, labels, per-token losses: [s, B]).
   ShardSpec BatchSpec(int batch_dim, int64_t dp_size) const {
     ShardSpec spec;
-    spec.batch_dim = batch_dim;
-    spec.batch_shards = dp_size;
-    spec.batch_index = dp_rank;
+    spec.Split(ShardAxis::kDp, batch_dim, dp_size, dp_rank);
     return spec;
   }
   // Shard spec of a stream tensor [s, B, w]: batch split over dp, sequence split under SP.
@@ -68,12 +66,7 @@ struct StreamShape {
  private:
   // `spec` also split over the tp ranks along `dim` (nothing to split when t = 1).
   ShardSpec TpSplit(ShardSpec spec, int dim, int64_t stride) const {
-    if (t > 1) {
-      spec.shard_dim = dim;
-      spec.num_shards = t;
-      spec.shard_index = tp_rank;
-      spec.stride = stride;
-    }
+    spec.Split(ShardAxis::kTp, dim, t, tp_rank, stride);
     return spec;
   }
 };

@@ -15,12 +15,7 @@ Parameter& ParameterSet::Add(std::string name, Shape full_shape, InitSpec init, 
   p->full_shape = std::move(full_shape);
   p->init = init;
   p->sequence_parallel = sequence_parallel && tp_size > 1;
-  if (tp_dim >= 0 && tp_size > 1) {
-    p->shard.shard_dim = tp_dim;
-    p->shard.num_shards = tp_size;
-    p->shard.shard_index = tp_rank;
-    p->shard.stride = stride;
-  }
+  if (tp_dim >= 0) p->shard.Split(ShardAxis::kTp, tp_dim, tp_size, tp_rank, stride);
   params_.push_back(std::move(p));
   return *params_.back();
 }

@@ -382,7 +382,7 @@ TEST(RunCommand, LabRunPassesAndDumpsReassemblableTensors) {
   std::ifstream manifest_in(dump / "manifest.json");
   ASSERT_TRUE(manifest_in);
   const json manifest = json::parse(manifest_in);
-  EXPECT_EQ(manifest["schema_version"], 1);
+  EXPECT_EQ(manifest["schema_version"], 2);
   EXPECT_EQ(manifest["world_size"], 2);
   EXPECT_EQ(manifest["files"], json({"rank00000.safetensors", "rank00001.safetensors"}));
   std::vector<Tensor> shards;
@@ -393,14 +393,12 @@ TEST(RunCommand, LabRunPassesAndDumpsReassemblableTensors) {
     ASSERT_TRUE(file.ok()) << file.status().Message();
     const json meta = json::parse(file->metadata.at("fc1.weight"));
     EXPECT_EQ(meta["full_shape"], json({256, 64}));
-    EXPECT_EQ(meta["shard_dim"], 0);
-    EXPECT_EQ(meta["num_shards"], 2);
-    EXPECT_EQ(meta["shard_index"], rank);
+    EXPECT_EQ(meta["placements"],
+              json::parse(fmt::format(
+                  R"([{{"axis":"tp","dim":0,"shards":2,"index":{},"stride":1}}])", rank)));
     ShardSpec spec;
-    spec.shard_dim = meta["shard_dim"];
-    spec.num_shards = meta["num_shards"];
-    spec.shard_index = meta["shard_index"];
-    spec.stride = meta["stride"];
+    spec.Split(ShardAxis::kTp, meta["placements"][0]["dim"], meta["placements"][0]["shards"],
+               meta["placements"][0]["index"], meta["placements"][0]["stride"]);
     for (const NamedTensor& t : file->tensors) {
       if (t.name == "fc1.weight") shards.push_back(t.tensor);
     }

@@ -63,18 +63,17 @@ Tensor LocalPiece(const Tensor& full, const ShardSpec& spec, DType dtype) {
   return out;
 }
 
-// The metadata string of `mpusim run --dump` (run/runner.cc MetadataJson).
+// The metadata string of `mpusim run --dump` (run/dump.cc ShardMetadataJson).
 std::string SpecJson(const Shape& full_shape, const ShardSpec& s, bool partial_sum) {
   Json j;
   j["full_shape"] = full_shape;
-  j["shard_dim"] = s.shard_dim;
-  j["num_shards"] = s.num_shards;
-  j["shard_index"] = s.shard_index;
-  j["stride"] = s.stride;
-  if (s.batch_dim >= 0) {
-    j["batch_dim"] = s.batch_dim;
-    j["batch_shards"] = s.batch_shards;
-    j["batch_index"] = s.batch_index;
+  j["placements"] = Json::array();
+  for (const Placement& p : s.placements) {
+    j["placements"].push_back({{"axis", std::string(ShardAxisName(p.axis))},
+                               {"dim", p.dim},
+                               {"shards", p.shards},
+                               {"index", p.index},
+                               {"stride", p.stride}});
   }
   if (partial_sum) j["partial_sum"] = true;
   return j.dump();
@@ -89,7 +88,7 @@ class DumpBuilder {
       file(r).metadata["mpusim"] =
           Json{{"rank", r}, {"tp_rank", r % tp}, {"dp_rank", r / tp}, {"backend", "cpu"}}.dump();
     }
-    manifest_["schema_version"] = 1;
+    manifest_["schema_version"] = 2;
     manifest_["config"] = nullptr;
     manifest_["world_size"] = tp * dp;
     manifest_["backend"] = "cpu";
@@ -111,10 +110,7 @@ class DumpBuilder {
                   int64_t stride = 1) {
     AddAll(name, full, dtype, [&](int64_t tp_rank, int64_t) {
       ShardSpec s;
-      s.shard_dim = dim;
-      s.num_shards = tp_;
-      s.shard_index = tp_rank;
-      s.stride = stride;
+      s.Split(ShardAxis::kTp, dim, tp_, tp_rank, stride);
       return s;
     });
   }
@@ -123,15 +119,8 @@ class DumpBuilder {
                   int model_dim = -1, int64_t stride = 1) {
     AddAll(name, full, dtype, [&](int64_t tp_rank, int64_t dp_rank) {
       ShardSpec s;
-      s.batch_dim = batch_dim;
-      s.batch_shards = dp_;
-      s.batch_index = dp_rank;
-      if (model_dim >= 0) {
-        s.shard_dim = model_dim;
-        s.num_shards = tp_;
-        s.shard_index = tp_rank;
-        s.stride = stride;
-      }
+      s.Split(ShardAxis::kDp, batch_dim, dp_, dp_rank);
+      if (model_dim >= 0) s.Split(ShardAxis::kTp, model_dim, tp_, tp_rank, stride);
       return s;
     });
   }
@@ -147,9 +136,7 @@ class DumpBuilder {
         return k == 0 ? full.data_as<double>()[e] - others * small : small;
       });
       ShardSpec s;
-      s.batch_dim = batch_dim;
-      s.batch_shards = dp_;
-      s.batch_index = r / tp_;
+      s.Split(ShardAxis::kDp, batch_dim, dp_, r / tp_);
       Put(r, name, LocalPiece(summand, s, dtype), SpecJson(full.shape(), s, true));
     }
   }
@@ -173,6 +160,16 @@ class DumpBuilder {
   }
   Json& manifest() { return manifest_; }
 
+  // Every rank's piece under spec_of(tp_rank, dp_rank).
+  void AddAll(const std::string& name, const Tensor& full, DType dtype,
+              const std::function<ShardSpec(int64_t, int64_t)>& spec_of) {
+    AddManifest(name, full.shape(), dtype);
+    for (int64_t r = 0; r < tp_ * dp_; ++r) {
+      const ShardSpec s = spec_of(r % tp_, r / tp_);
+      Put(r, name, LocalPiece(full, s, dtype), SpecJson(full.shape(), s, false));
+    }
+  }
+
   void Write(const fs::path& dir) const {
     fs::create_directories(dir);
     for (size_t r = 0; r < files_.size(); ++r) {
@@ -184,15 +181,6 @@ class DumpBuilder {
   }
 
  private:
-  void AddAll(const std::string& name, const Tensor& full, DType dtype,
-              const std::function<ShardSpec(int64_t, int64_t)>& spec_of) {
-    AddManifest(name, full.shape(), dtype);
-    for (int64_t r = 0; r < tp_ * dp_; ++r) {
-      const ShardSpec s = spec_of(r % tp_, r / tp_);
-      Put(r, name, LocalPiece(full, s, dtype), SpecJson(full.shape(), s, false));
-    }
-  }
-
   int64_t tp_;
   int64_t dp_;
   std::vector<SafetensorsFile> files_;
@@ -351,9 +339,7 @@ TEST_F(DiffTest, WrongStrideMetadataFails) {
   lying.ModelSplit("w", w, DType::kFloat32, 0, 2);
   for (int64_t r = 0; r < 2; ++r) {
     ShardSpec s;
-    s.shard_dim = 0;
-    s.num_shards = 2;
-    s.shard_index = r;
+    s.Split(ShardAxis::kTp, 0, 2, r);
     lying.file(r).metadata["w"] = SpecJson(w.shape(), s, false);
   }
   lying.Write(root_ / "lying");
@@ -624,7 +610,8 @@ TEST_F(DiffTest, ReplicatedCopiesThatDisagreeAreReported) {
   ASSERT_FALSE(w.ok());
   EXPECT_EQ(w.status().where(), "w");
   EXPECT_NE(w.status().what().find("ranks 0 and 2"), std::string::npos) << w.status().what();
-  EXPECT_NE(w.status().what().find("shard_index 0"), std::string::npos) << w.status().what();
+  EXPECT_NE(w.status().what().find("the piece tp index 0 of 2"), std::string::npos)
+      << w.status().what();
   EXPECT_NE(w.status().what().find("1 of 12 elements"), std::string::npos) << w.status().what();
   EXPECT_NE(w.status().what().find("[1, 4]"), std::string::npos) << w.status().what();
 
@@ -665,15 +652,20 @@ TEST_F(DiffTest, MissingDirectoryOrManifest) {
 
 TEST_F(DiffTest, ManifestNotJson) {
   GoodDump().Write(root_ / "bad");
-  ASSERT_TRUE(WriteFileAtomically(Path("bad/manifest.json"), "{\"schema_version\": 1,").ok());
+  ASSERT_TRUE(WriteFileAtomically(Path("bad/manifest.json"), "{\"schema_version\": 2,").ok());
   ExpectContains(LoadMessage("bad"), "invalid JSON");
 }
 
 TEST_F(DiffTest, ManifestFieldsAreChecked) {
   {
     DumpBuilder b = GoodDump();
-    b.manifest()["schema_version"] = 2;
-    ExpectContains(LoadError(b), "schema_version: must be 1");
+    b.manifest()["schema_version"] = 3;
+    ExpectContains(LoadError(b), "schema_version: must be 2");
+  }
+  {
+    DumpBuilder b = GoodDump();
+    b.manifest()["schema_version"] = 1;
+    ExpectContains(LoadError(b), "schema_version: 1 is the dump format before shard placements");
   }
   {
     DumpBuilder b = GoodDump();
@@ -763,9 +755,11 @@ TEST_F(DiffTest, RankMetadataIsChecked) {
 TEST_F(DiffTest, ShardMetadataIsChecked) {
   const Shape full{4, 6};
   ShardSpec rank1;  // the GoodDump spec of w on rank 1
-  rank1.shard_dim = 0;
-  rank1.num_shards = 2;
-  rank1.shard_index = 1;
+  rank1.Split(ShardAxis::kTp, 0, 2, 1);
+  // w's metadata on rank 1 with its one placement's fields replaced by `fields`.
+  auto placement = [](const std::string& fields) {
+    return R"({"full_shape":[4,6],"placements":[{)" + fields + "}]}";
+  };
   auto with_w_metadata = [&](const std::string& text) {
     DumpBuilder b = GoodDump();
     b.file(1).metadata["w"] = text;
@@ -773,40 +767,56 @@ TEST_F(DiffTest, ShardMetadataIsChecked) {
   };
   ExpectContains(with_w_metadata("{\"full_shape\": [4, 6],"), "__metadata__.w: line 1, column 23: invalid JSON");
   ExpectContains(with_w_metadata("[1, 2]"), "__metadata__.w: must be a JSON object");
+  // The well-formed text loads (so each case below fails for its one defect).
+  {
+    DumpBuilder b = GoodDump();
+    b.file(1).metadata["w"] = placement(R"("axis":"tp","dim":0,"shards":2,"index":1,"stride":1)");
+    b.Write(root_ / "well_formed");
+    EXPECT_TRUE(LoadDump((root_ / "well_formed").string()).ok());
+  }
+  ExpectContains(
+      with_w_metadata(placement(R"("axis":"tp","dim":0,"shards":2,"index":2,"stride":1)")),
+      "placement 0 (tp): index 2 is outside [0, 2)");
+  ExpectContains(
+      with_w_metadata(placement(R"("axis":"tp","dim":0,"shards":3,"index":1,"stride":1)")),
+      "not divisible by shards 3");
+  ExpectContains(
+      with_w_metadata(placement(R"("axis":"tp","dim":2,"shards":2,"index":1,"stride":1)")),
+      "placements[0].dim 2 is outside [0, 2)");
+  ExpectContains(
+      with_w_metadata(placement(R"("axis":"pp","dim":0,"shards":2,"index":1,"stride":1)")),
+      "placements[0].axis must be one of tp, dp, cp, ep, got \"pp\"");
+  ExpectContains(with_w_metadata(placement(R"("axis":"tp","dim":0,"shards":2,"index":1,"stride":1,)"
+                                           R"("sharding":"fancy")")),
+                 "placements[0]: unknown key 'sharding'");
+  ExpectContains(with_w_metadata(placement(R"("axis":"tp","dim":0,"shards":2,"index":1)")),
+                 "placements[0]: missing key 'stride'");
+  ExpectContains(
+      with_w_metadata(placement(R"("axis":"tp","dim":0,"shards":2,"index":1,"stride":1.0)")),
+      "placements[0].stride must be an integer");
+  ExpectContains(
+      with_w_metadata(placement(R"("axis":"tp","dim":0,"shards":0,"index":0,"stride":1)")),
+      "shards 0 and stride 1 must be >= 1");
+  ExpectContains(with_w_metadata(R"({"full_shape":[4,6],"placements":[)"
+                                 R"({"axis":"tp","dim":0,"shards":2,"index":1,"stride":1},)"
+                                 R"({"axis":"tp","dim":1,"shards":2,"index":1,"stride":1}]})"),
+                 "placement 1 (tp): axis tp is used by placement 0 already");
+  ExpectContains(with_w_metadata(R"({"full_shape":[4,6],"placements":{"axis":"tp"}})"),
+                 "placements must be a list of at most 4 objects");
+  ExpectContains(with_w_metadata(R"({"full_shape":[4,6]})"), "missing key 'placements'");
   ExpectContains(with_w_metadata(R"({"full_shape":[4,6],"shard_dim":0,"num_shards":2,)"
-                                 R"("shard_index":2,"stride":1})"),
-                 "shard_index 2 is outside [0, 2)");
-  ExpectContains(with_w_metadata(R"({"full_shape":[4,6],"shard_dim":0,"num_shards":3,)"
                                  R"("shard_index":1,"stride":1})"),
-                 "not divisible by num_shards 3");
-  ExpectContains(with_w_metadata(R"({"full_shape":[4,6],"shard_dim":2,"num_shards":2,)"
-                                 R"("shard_index":1,"stride":1})"),
-                 "shard_dim 2 is outside [-1, 2)");
-  ExpectContains(with_w_metadata(R"({"full_shape":[4,6],"shard_dim":0,"num_shards":2,)"
-                                 R"("shard_index":1,"stride":1,"sharding":"fancy"})"),
-                 "unknown key 'sharding'");
-  ExpectContains(with_w_metadata(R"({"full_shape":[4,6],"shard_dim":0,"num_shards":2,)"
-                                 R"("shard_index":1})"),
-                 "missing key 'stride'");
-  ExpectContains(with_w_metadata(R"({"full_shape":[4,6],"shard_dim":0,"num_shards":2,)"
-                                 R"("shard_index":1,"stride":1.0})"),
-                 "stride must be an integer");
-  ExpectContains(with_w_metadata(R"({"full_shape":[4,6],"shard_dim":0,"num_shards":2,)"
-                                 R"("shard_index":1,"stride":1,"batch_dim":1})"),
-                 "come together");
-  ExpectContains(with_w_metadata(R"({"full_shape":[4,6],"shard_dim":0,"num_shards":2,)"
-                                 R"("shard_index":1,"stride":1,"partial_sum":true})"),
+                 "unknown key 'shard_dim'");
+  ExpectContains(with_w_metadata(R"({"full_shape":[4,6],"partial_sum":true,"placements":[)"
+                                 R"({"axis":"tp","dim":0,"shards":2,"index":1,"stride":1}]})"),
                  "cannot also be split");
-  ExpectContains(with_w_metadata(R"({"full_shape":[4,6],"shard_dim":0,)"
-                                 R"("num_shards":9223372036854775807,"shard_index":1,)"
-                                 R"("stride":9223372036854775807})"),
+  ExpectContains(with_w_metadata(placement(R"("axis":"tp","dim":0,"shards":9223372036854775807,)"
+                                           R"("index":1,"stride":9223372036854775807)")),
                  "not divisible");
   // full_shape that disagrees with the manifest, and a local shape the spec does not imply.
   ExpectContains(with_w_metadata(SpecJson({8, 6}, rank1, false)),
                  "full_shape [8, 6] but the manifest says [4, 6]");
-  ShardSpec whole = rank1;
-  whole.num_shards = 1;
-  whole.shard_index = 0;
+  const ShardSpec whole;
   ExpectContains(with_w_metadata(SpecJson(full, whole, false)),
                  "shape [2, 6], but a shard of [4, 6]");
   {
@@ -826,22 +836,17 @@ TEST_F(DiffTest, LayoutMustBeOneAndComplete) {
     // Rank 1 claims a stride-2 split while rank 0 says stride 1.
     DumpBuilder b = GoodDump();
     ShardSpec s;
-    s.shard_dim = 0;
-    s.num_shards = 2;
-    s.shard_index = 1;
-    s.stride = 2;
+    s.Split(ShardAxis::kTp, 0, 2, 1, 2);
     b.file(1).metadata["w"] = SpecJson({4, 6}, s, false);
-    ExpectContains(LoadError(b), "layout (shard_dim 0, num_shards 2, stride 2");
+    ExpectContains(LoadError(b), "layout (tp: dim 0, 2 shards, stride 2)");
   }
   {
     // Both ranks claim shard 0: shard 1 is missing, so rows 2..3 are not covered.
     DumpBuilder b = GoodDump();
     ShardSpec s;
-    s.shard_dim = 0;
-    s.num_shards = 2;
-    s.shard_index = 0;
+    s.Split(ShardAxis::kTp, 0, 2, 0);
     b.file(1).metadata["w"] = SpecJson({4, 6}, s, false);
-    ExpectContains(LoadError(b), "tensor 'w': shard_index 1 of 2 is in no rank file");
+    ExpectContains(LoadError(b), "tensor 'w': the piece tp index 1 of 2 is in no rank file");
   }
   {
     // A partial sum needs a summand from every tp rank.
@@ -851,20 +856,72 @@ TEST_F(DiffTest, LayoutMustBeOneAndComplete) {
     auto& tensors = b.file(1).tensors;
     tensors.erase(tensors.begin());
     b.file(1).metadata.erase("g");
-    ExpectContains(LoadError(b),
-                   "tensor 'g': the summand of tp_rank 1 for batch_index 0 of 1 is in no rank "
-                   "file");
+    ExpectContains(LoadError(b), "tensor 'g': the summand of tp_rank 1 is in no rank file");
   }
   {
-    // dp 2, but the batch_index 1 slice was never written.
+    // dp 2, but the dp index 1 slice was never written.
     DumpBuilder b(1, 2);
     b.Activation("x", Ramp({2, 4, 3}), DType::kFloat32, 1);
     ShardSpec s;
-    s.batch_dim = 1;
-    s.batch_shards = 2;
+    s.Split(ShardAxis::kDp, 1, 2, 0);
     b.file(1).metadata["x"] = SpecJson({2, 4, 3}, s, false);
-    ExpectContains(LoadError(b), "for batch_index 1 of 2 is in no rank file");
+    ExpectContains(LoadError(b), "the piece dp index 1 of 2 is in no rank file");
   }
+  {
+    // A partial sum split over dp: the dp 1 summand of tp_rank 1 is missing.
+    DumpBuilder b(2, 2);
+    b.PartialSum("g", Ramp({2, 2, 3}), DType::kFloat32, 1);
+    b.Replicated("r", Ramp({3}), DType::kFloat32);
+    auto& tensors = b.file(3).tensors;
+    tensors.erase(tensors.begin());
+    b.file(3).metadata.erase("g");
+    ExpectContains(LoadError(b),
+                   "tensor 'g': the summand of tp_rank 1 (dp index 1 of 2) is in no rank file");
+  }
+}
+
+// Two placements on one dimension: the sequence of [s, b, h] split over cp (the outer
+// placement), each cp piece split again over tp, with a stride-2 tp split of h on top --
+// the shape context parallelism will give activations.
+TEST_F(DiffTest, NestedPlacementsOnOneDimensionReassemble) {
+  const Tensor x = Ramp({8, 2, 4});
+  auto nested = [](int64_t tp_rank, int64_t cp_rank) {
+    ShardSpec s;
+    s.Split(ShardAxis::kCp, 0, 2, cp_rank).Split(ShardAxis::kTp, 0, 2, tp_rank);
+    return s;
+  };
+  // Global rows of (tp 1, cp 0): cp 0 holds rows 0..3, its tp 1 piece rows 2..3.
+  EXPECT_EQ(GlobalIndex(nested(1, 0), 0, 8, 0), 2);
+  EXPECT_EQ(GlobalIndex(nested(0, 1), 0, 8, 1), 5);
+  DumpBuilder a(2, 2);  // "dp" here stands for the cp rank
+  a.AddAll("x", x, DType::kFloat64, nested);
+  a.AddAll("y", x, DType::kFloat64, [](int64_t tp_rank, int64_t cp_rank) {
+    ShardSpec s;
+    s.Split(ShardAxis::kCp, 0, 2, cp_rank).Split(ShardAxis::kTp, 2, 2, tp_rank, 2);
+    return s;
+  });
+  a.Write(root_ / "a");
+  DumpBuilder b(1, 1);
+  b.Replicated("x", x, DType::kFloat64);
+  b.Replicated("y", x, DType::kFloat64);
+  b.Write(root_ / "b");
+  const DiffResult r = Diff("a", "b");
+  EXPECT_TRUE(Find(r, "x").pass) << Find(r, "x").problem;
+  EXPECT_TRUE(Find(r, "y").pass) << Find(r, "y").problem;
+  EXPECT_EQ(Find(r, "x").max_abs, 0.0);
+
+  // The same pieces described with tp as the outer split land in other rows.
+  DumpBuilder swapped(2, 2);
+  swapped.AddAll("x", x, DType::kFloat64, nested);
+  for (int64_t rank = 0; rank < 4; ++rank) {
+    ShardSpec s;
+    s.Split(ShardAxis::kTp, 0, 2, rank % 2).Split(ShardAxis::kCp, 0, 2, rank / 2);
+    swapped.file(rank).metadata["x"] = SpecJson(x.shape(), s, false);
+  }
+  swapped.AddAll("y", x, DType::kFloat64, nested);
+  swapped.Write(root_ / "swapped");
+  const DiffResult w = Diff("swapped", "b");
+  EXPECT_FALSE(Find(w, "x").pass);
 }
 
 // A zero-size dimension: nothing to compare, nothing to allocate, even when another

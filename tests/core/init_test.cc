@@ -200,15 +200,38 @@ TEST(FillShard, RoundsMasterValuesOnceToFloat32) {
   }
 }
 
+// A split over tp along `dim` (tp rank `index`).
+ShardSpec Tp(int dim, int64_t shards, int64_t index = 0, int64_t stride = 1) {
+  ShardSpec s;
+  s.Split(ShardAxis::kTp, dim, shards, index, stride);
+  return s;
+}
+
+// Every piece of `layout` (whatever its indices say): one spec per combination of indices.
+std::vector<ShardSpec> AllPieces(const ShardSpec& layout) {
+  std::vector<ShardSpec> pieces;
+  ShardSpec piece = layout;
+  for (Placement& p : piece.placements) p.index = 0;
+  while (true) {
+    pieces.push_back(piece);
+    size_t i = piece.placements.size();
+    while (i > 0) {
+      Placement& p = piece.placements[i - 1];
+      if (++p.index < p.shards) break;
+      p.index = 0;
+      --i;
+    }
+    if (i == 0) return pieces;
+  }
+}
+
 TEST(FillShard, RefusesBadLayoutsAndOutputs) {
   const Shape full = {12, 8};
   Tensor out = Tensor::HostZeros({12, 3}, DType::kFloat32);
   // 8 columns do not split into 3 shards.
-  EXPECT_THROW(FillShard(kSeed, "w", {}, full, ShardSpec{.shard_dim = 1, .num_shards = 3}, out),
-               std::invalid_argument);
+  EXPECT_THROW(FillShard(kSeed, "w", {}, full, Tp(1, 3), out), std::invalid_argument);
   // The local shape of a 2-way column split is [12, 4].
-  EXPECT_THROW(FillShard(kSeed, "w", {}, full, ShardSpec{.shard_dim = 1, .num_shards = 2}, out),
-               std::invalid_argument);
+  EXPECT_THROW(FillShard(kSeed, "w", {}, full, Tp(1, 2), out), std::invalid_argument);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -220,7 +243,7 @@ TEST(Sharding, StrideExampleFromTheHeader) {
   const Shape full = {3, 8};
   const Tensor master = Fill("w", InitSpec{}, full, {}, DType::kFloat64);
   for (int64_t r = 0; r < 2; ++r) {
-    const ShardSpec spec{.shard_dim = 1, .num_shards = 2, .shard_index = r, .stride = 2};
+    const ShardSpec spec = Tp(1, 2, r, 2);
     ASSERT_EQ(LocalShape(spec, full), (Shape{3, 4}));
     const Tensor shard = Fill("w", InitSpec{}, full, spec, DType::kFloat64);
     for (int64_t l = 0; l < 4; ++l) {
@@ -233,19 +256,12 @@ TEST(Sharding, StrideExampleFromTheHeader) {
   }
 }
 
-// Fills every shard of `layout` (shard_index and batch_index ignored) and reassembles them.
-StatusOr<Tensor> FillAndAssemble(std::string_view name, const Shape& full, ShardSpec layout,
-                                 DType dtype) {
+// Fills every shard of `layout` (its indices ignored) and reassembles them.
+StatusOr<Tensor> FillAndAssemble(std::string_view name, const Shape& full, const ShardSpec& layout,
+                                 DType dtype, const InitSpec& init = InitSpec{}) {
   std::vector<Tensor> shards;
-  std::vector<ShardSpec> specs;
-  for (int64_t r = 0; r < layout.num_shards; ++r) {
-    for (int64_t b = 0; b < layout.batch_shards; ++b) {
-      layout.shard_index = r;
-      layout.batch_index = b;
-      shards.push_back(Fill(name, InitSpec{}, full, layout, dtype));
-      specs.push_back(layout);
-    }
-  }
+  const std::vector<ShardSpec> specs = AllPieces(layout);
+  for (const ShardSpec& spec : specs) shards.push_back(Fill(name, init, full, spec, dtype));
   return AssembleFull(shards, specs, full);
 }
 
@@ -259,7 +275,7 @@ TEST(Sharding, EveryModelSplitReassemblesToTheMasterTensor) {
       for (int64_t num_shards : {1, 2, 4}) {
         for (int64_t stride : {1, 2}) {
           if (full[static_cast<size_t>(dim)] % (num_shards * stride) != 0) continue;
-          const ShardSpec layout{.shard_dim = dim, .num_shards = num_shards, .stride = stride};
+          const ShardSpec layout = Tp(dim, num_shards, 0, stride);
           StatusOr<Tensor> assembled = FillAndAssemble("fc.weight", full, layout, dtype);
           ASSERT_TRUE(assembled.ok()) << assembled.status().Message();
           EXPECT_TRUE(BitwiseEqual(*assembled, master))
@@ -281,25 +297,15 @@ TEST(Sharding, DataParallelBatchSplitReassembles) {
     const Tensor master = Fill("input.mb0", InitSpec{InitMethod::kNormal, 1.0}, full, {}, dtype);
     ASSERT_GT(SumOfSquares(master), 0);
     for (int64_t batch_shards : {1, 2, 3, 6}) {
-      for (ShardSpec layout : {ShardSpec{}, ShardSpec{.shard_dim = 2, .num_shards = 2, .stride = 2},
-                               ShardSpec{.shard_dim = 0, .num_shards = 4}}) {
-        layout.batch_dim = 1;
-        layout.batch_shards = batch_shards;
-        std::vector<Tensor> shards;
-        std::vector<ShardSpec> specs;
-        for (int64_t r = 0; r < layout.num_shards; ++r) {
-          for (int64_t b = 0; b < batch_shards; ++b) {
-            layout.shard_index = r;
-            layout.batch_index = b;
-            shards.push_back(
-                Fill("input.mb0", InitSpec{InitMethod::kNormal, 1.0}, full, layout, dtype));
-            specs.push_back(layout);
-          }
-        }
-        StatusOr<Tensor> assembled = AssembleFull(shards, specs, full);
+      for (const ShardSpec& tp : {ShardSpec{}, Tp(2, 2, 0, 2), Tp(0, 4)}) {
+        ShardSpec layout;
+        layout.Split(ShardAxis::kDp, 1, batch_shards, 0);
+        layout.placements.insert(layout.placements.end(), tp.placements.begin(),
+                                 tp.placements.end());
+        StatusOr<Tensor> assembled =
+            FillAndAssemble("input.mb0", full, layout, dtype, InitSpec{InitMethod::kNormal, 1.0});
         ASSERT_TRUE(assembled.ok()) << assembled.status().Message();
-        EXPECT_TRUE(BitwiseEqual(*assembled, master))
-            << "batch_shards " << batch_shards << " shard_dim " << layout.shard_dim;
+        EXPECT_TRUE(BitwiseEqual(*assembled, master)) << LayoutString(layout);
       }
     }
   }
@@ -310,7 +316,8 @@ TEST(Sharding, DataParallelRankHoldsItsContiguousSamples) {
   const Shape full = {4, 6, 8};
   const InitSpec spec{InitMethod::kNormal, 1.0};
   const Tensor master = Fill("x", spec, full, {}, DType::kFloat64);
-  const ShardSpec dp1{.batch_dim = 1, .batch_shards = 3, .batch_index = 1};
+  ShardSpec dp1;
+  dp1.Split(ShardAxis::kDp, 1, 3, 1);
   const Tensor shard = Fill("x", spec, full, dp1, DType::kFloat64);
   ASSERT_EQ(shard.shape(), (Shape{4, 2, 8}));
   for (int64_t i = 0; i < 4; ++i) {
@@ -327,7 +334,7 @@ TEST(Sharding, DataParallelRankHoldsItsContiguousSamples) {
 
 TEST(AssembleFull, RefusesMissingCoverage) {
   const Shape full = {12, 8};
-  const ShardSpec shard0{.shard_dim = 1, .num_shards = 2, .shard_index = 0, .stride = 2};
+  const ShardSpec shard0 = Tp(1, 2, 0, 2);
   StatusOr<Tensor> result =
       AssembleFull({Fill("w", {}, full, shard0, DType::kFloat32)}, {shard0}, full);
   ASSERT_FALSE(result.ok());
@@ -337,9 +344,8 @@ TEST(AssembleFull, RefusesMissingCoverage) {
 
 TEST(AssembleFull, RefusesMismatchedShards) {
   const Shape full = {12, 8};
-  ShardSpec s0{.shard_dim = 0, .num_shards = 2, .shard_index = 0};
-  ShardSpec s1 = s0;
-  s1.shard_index = 1;
+  const ShardSpec s0 = Tp(0, 2, 0);
+  const ShardSpec s1 = Tp(0, 2, 1);
   const Tensor t0 = Fill("w", {}, full, s0, DType::kFloat32);
   const Tensor t1 = Fill("w", {}, full, s1, DType::kFloat32);
   ASSERT_TRUE(AssembleFull({t0, t1}, {s0, s1}, full).ok());
@@ -356,23 +362,32 @@ TEST(AssembleFull, RefusesMismatchedShards) {
   EXPECT_EQ(refusal({}, {}), "no shards to assemble");
   EXPECT_EQ(refusal({t0, Tensor()}, {s0, s1}), "shards[1]: must be a defined host tensor");
 
-  ShardSpec four_way = s1;
-  four_way.num_shards = 4;
+  const ShardSpec four_way = Tp(0, 4, 1);
   EXPECT_EQ(refusal({t0, Fill("w", {}, full, four_way, DType::kFloat32)}, {s0, four_way}),
-            "shards[1]: layout (shard_dim 0, num_shards 4, stride 1, batch_dim -1, "
-            "batch_shards 1) differs from shards[0] (shard_dim 0, num_shards 2, stride 1, "
-            "batch_dim -1, batch_shards 1)");
+            "shards[1]: layout (tp: dim 0, 4 shards) differs from shards[0] (tp: dim 0, 2 "
+            "shards)");
+
+  ShardSpec dp_first;  // the same two splits in the other order
+  dp_first.Split(ShardAxis::kDp, 1, 2, 0).Split(ShardAxis::kTp, 0, 2, 0);
+  ShardSpec tp_first;
+  tp_first.Split(ShardAxis::kTp, 0, 2, 0).Split(ShardAxis::kDp, 1, 2, 0);
+  EXPECT_EQ(refusal({Fill("w", {}, full, dp_first, DType::kFloat32),
+                     Fill("w", {}, full, tp_first, DType::kFloat32)},
+                    {dp_first, tp_first}),
+            "shards[1]: layout (tp: dim 0, 2 shards; dp: dim 1, 2 shards) differs from "
+            "shards[0] (dp: dim 1, 2 shards; tp: dim 0, 2 shards)");
 
   ShardSpec out_of_range = s1;
-  out_of_range.shard_index = 2;
-  EXPECT_EQ(refusal({t0, t1}, {s0, out_of_range}), "shards[1]: shard_index 2 is outside [0, 2)");
+  out_of_range.placements[0].index = 2;
+  EXPECT_EQ(refusal({t0, t1}, {s0, out_of_range}),
+            "shards[1]: placement 0 (tp): index 2 is outside [0, 2)");
 }
 
 TEST(AssembleFull, AcceptsIdenticalReplicasAndRefusesDisagreeingOnes) {
   // A weight replicated over two dp ranks and split over two tp ranks: four shards.
   const Shape full = {4, 6};
-  const ShardSpec s0{.shard_dim = 1, .num_shards = 2, .shard_index = 0};
-  const ShardSpec s1{.shard_dim = 1, .num_shards = 2, .shard_index = 1};
+  const ShardSpec s0 = Tp(1, 2, 0);
+  const ShardSpec s1 = Tp(1, 2, 1);
   const Tensor t0 = Fill("w", {}, full, s0, DType::kFloat64);
   const Tensor t1 = Fill("w", {}, full, s1, DType::kFloat64);
   StatusOr<Tensor> ok = AssembleFull({t0, t1, t0, t1}, {s0, s1, s0, s1}, full);

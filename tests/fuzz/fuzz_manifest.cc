@@ -14,7 +14,7 @@
 //   h  bfloat16 (2, 4)  split on dim 1 into 2 shards, stride 2  local (2, 2)
 //   b  float64  (3)     replicated: bit-identical copies        local (3)
 //   y  float32  (2)     partial sum over the tp ranks           local (2)
-//   x  float16  (4, 3)  split on the batch dim 0 into 2 shards  local (2, 3)
+//   x  float16  (4, 3)  split on dim 0 over "dp" into 2 shards  local (2, 3)
 // What it is not: a fuzzer of the rank files themselves (fuzz_safetensors covers their
 // reader); their sharding metadata is fixed here. Built with -fsanitize=fuzzer when
 // MPUSIM_FUZZ=ON, and always with replay_main.cc as the ctest test fuzz_replay_fuzz_manifest.
@@ -52,26 +52,24 @@ mpusim::Tensor Filled(mpusim::Shape shape, DType dtype, int base) {
   return t;
 }
 
-std::string ShardMetadata(const std::string& full_shape, int shard_dim, int num_shards,
-                          int shard_index, int stride) {
-  return fmt::format(R"({{"full_shape":{},"shard_dim":{},"num_shards":{},"shard_index":{},)"
-                     R"("stride":{}}})",
-                     full_shape, shard_dim, num_shards, shard_index, stride);
+// Metadata of a tensor split by one placement over `axis` (run/dump.cc's format).
+std::string ShardMetadata(const std::string& full_shape, const char* axis, int dim, int shards,
+                          int index, int stride) {
+  return fmt::format(R"({{"full_shape":{},"placements":[{{"axis":"{}","dim":{},"shards":{},)"
+                     R"("index":{},"stride":{}}}]}})",
+                     full_shape, axis, dim, shards, index, stride);
 }
 
 void WriteRankFiles(const mpusim::fuzz::ScratchDir& scratch) {
   for (int tp_rank = 0; tp_rank < 2; ++tp_rank) {
     mpusim::SafetensorsFile file;
     file.metadata["mpusim"] = fmt::format(R"({{"rank":{0},"tp_rank":{0},"dp_rank":0}})", tp_rank);
-    file.metadata["w"] = ShardMetadata("[4,2]", 0, 2, tp_rank, 1);
-    file.metadata["h"] = ShardMetadata("[2,4]", 1, 2, tp_rank, 2);
-    file.metadata["b"] = ShardMetadata("[3]", -1, 1, 0, 1);
-    file.metadata["y"] = R"({"full_shape":[2],"shard_dim":-1,"num_shards":1,"shard_index":0,)"
-                         R"("stride":1,"partial_sum":true})";
-    file.metadata["x"] = fmt::format(R"({{"full_shape":[4,3],"shard_dim":-1,"num_shards":1,)"
-                                     R"("shard_index":0,"stride":1,"batch_dim":0,)"
-                                     R"("batch_shards":2,"batch_index":{}}})",
-                                     tp_rank);
+    file.metadata["w"] = ShardMetadata("[4,2]", "tp", 0, 2, tp_rank, 1);
+    file.metadata["h"] = ShardMetadata("[2,4]", "tp", 1, 2, tp_rank, 2);
+    file.metadata["b"] = R"({"full_shape":[3],"placements":[]})";
+    file.metadata["y"] = R"({"full_shape":[2],"placements":[],"partial_sum":true})";
+    // x stands for an activation split over dp; here the two ranks play the two dp ranks.
+    file.metadata["x"] = ShardMetadata("[4,3]", "dp", 0, 2, tp_rank, 1);
     file.tensors.push_back({"w", Filled({2, 2}, DType::kFloat32, 10 * tp_rank)});
     file.tensors.push_back({"h", Filled({2, 2}, DType::kBFloat16, 0x3f80 + tp_rank)});
     file.tensors.push_back({"b", Filled({3}, DType::kFloat64, 7)});

@@ -224,7 +224,7 @@ def safetensors_seeds():
 # fuzz_manifest: the rank files it matches are written by fuzz_manifest.cc at start-up.
 
 VALID_MANIFEST = {
-    "schema_version": 1,
+    "schema_version": 2,
     "world_size": 2,
     "backend": "cpu",
     "dtype": "float32",
@@ -272,7 +272,8 @@ def manifest_seeds():
             + tensors[1:]),
         "dtype_mismatch.json": manifest(
             tensors=[{"name": "w", "full_shape": [4, 2], "dtype": "float16"}] + tensors[1:]),
-        "schema_version_2.json": manifest(schema_version=2),
+        "schema_version_1.json": manifest(schema_version=1),
+        "schema_version_3.json": manifest(schema_version=3),
         "world_size_int64_max.json": manifest(world_size=INT64_MAX),
         "world_size_1e400.json": valid.replace(b'"world_size": 2', b'"world_size": 1e400'),
         "duplicate_keys.json": valid.replace(b'"world_size": 2',

@@ -570,12 +570,7 @@ TEST(ReferenceModelTest, DropoutMaskOnHiddenSplitInputIsDrawnByTheOwningRank) {
       const uint64_t default_key = DefaultSeed(1234, 0, dp_rank);
       for (int64_t tp_rank = 0; tp_rank < (c.stride == 0 ? 1 : tp); ++tp_rank) {
         ShardSpec spec;
-        if (c.stride > 0) {
-          spec.shard_dim = 2;
-          spec.num_shards = tp;
-          spec.shard_index = tp_rank;
-          spec.stride = c.stride;
-        }
+        if (c.stride > 0) spec.Split(ShardAxis::kTp, 2, tp, tp_rank, c.stride);
         const uint64_t key = c.stride == 0 ? default_key : ModelParallelSeed(default_key, tp_rank);
         const int64_t local_h = c.stride == 0 ? h : h / tp;
         for (int64_t i = 0; i < s; ++i) {
