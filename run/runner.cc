@@ -66,26 +66,24 @@ struct CommSummaryKey {
 
 }  // namespace
 
-namespace {
-
-// The rank's context: coordinates, kernels, traced groups and random streams.
 RankContext MakeRankContext(const Config& config, Backend& backend, const Topology& topology,
-                            int world_rank, SimulationResult* result) {
+                            int world_rank, CommTrace* trace) {
   RankContext ctx;
   ctx.topology = &topology;
   ctx.rank = world_rank;
   ctx.coords = topology.Coordinates(world_rank);
   ctx.kernels = &backend.kernels();
-  ctx.trace = &result->trace;
+  ctx.trace = trace;
   ctx.rng = RngTracker::ForRank(config.run->seed, ctx.coords.tp, ctx.coords.pp, ctx.coords.dp);
   auto groups = backend.MakeGroups(topology, world_rank, RankGroups::Kinds());
   for (auto& [kind, comm] : groups) {
-    comm = std::make_unique<TracedCommunicator>(std::move(comm), kind, &result->trace);
+    comm = std::make_unique<TracedCommunicator>(std::move(comm), kind, trace);
   }
   ctx.groups = RankGroups::Take(groups);
-  result->coords = ctx.coords;
   return ctx;
 }
+
+namespace {
 
 // Runs `step` options.repeat times between barriers, timing each.
 template <typename Step>
@@ -108,7 +106,8 @@ StatusOr<SimulationResult> SimulateGpt(const Config& config, const SimulateOptio
   if (!built.ok()) return built.status();
   GptModel& model = **built;
   SimulationResult result;
-  RankContext ctx = MakeRankContext(config, backend, topology, world_rank, &result);
+  RankContext ctx = MakeRankContext(config, backend, topology, world_rank, &result.trace);
+  result.coords = ctx.coords;
   result.padded_vocab_size = model.padded_vocab_size();
   result.gpt = model.gpt();
   const auto element_bytes = static_cast<int64_t>(DTypeSize(config.run->dtype));
@@ -165,7 +164,8 @@ StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions&
 
   SimulationResult result;
   Kernels& kernels = backend.kernels();
-  RankContext ctx = MakeRankContext(config, backend, *topology, world_rank, &result);
+  RankContext ctx = MakeRankContext(config, backend, *topology, world_rank, &result.trace);
+  result.coords = ctx.coords;
   result.padded_vocab_size = graph.padded_vocab_size();
   result.plan = graph.Plan(topology->Coordinates(0));
 

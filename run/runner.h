@@ -21,6 +21,7 @@
 #include "core/config.h"
 #include "core/model/gpt_model.h"
 #include "core/model/graph.h"
+#include "core/rank_context.h"
 #include "core/status.h"
 #include "run/check.h"
 
@@ -52,6 +53,12 @@ struct SimulateOptions {
 // the world size must equal parallel.world_size). Bad configs give a Status on every rank.
 StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions& options,
                                     Backend& backend);
+
+// The context a rank runs a model in: its coordinates, the backend's kernels, its groups
+// (each traced into `trace`) and its random streams. Collective: every rank of the world
+// calls it (making the groups communicates).
+RankContext MakeRankContext(const Config& config, Backend& backend, const Topology& topology,
+                            int world_rank, CommTrace* trace);
 
 struct RunOptions {
   std::string config_path;

@@ -1,10 +1,16 @@
 // The GPT model (see gpt_model.h).
 #include "core/model/gpt_model.h"
 
+#include <algorithm>
+#include <set>
+#include <stdexcept>
+#include <string_view>
+
 #include <fmt/format.h>
 
 #include "core/init.h"
 #include "core/rng.h"
+#include "core/schedule.h"
 #include "core/tensor_parallel/mappings.h"
 
 namespace mpusim {
@@ -33,10 +39,55 @@ TrackerDraws MakeTrackerDraws(const GptConfig& gpt, uint64_t seed, const RankCoo
   return t;
 }
 
+// The layer number of a "decoder.layers.<i>." parameter, or nullopt for the others.
+std::optional<int64_t> LayerOf(std::string_view name) {
+  constexpr std::string_view kPrefix = "decoder.layers.";
+  if (!name.starts_with(kPrefix)) return std::nullopt;
+  int64_t layer = 0;
+  for (size_t i = kPrefix.size(); i < name.size() && name[i] != '.'; ++i) {
+    layer = layer * 10 + (name[i] - '0');
+  }
+  return layer;
+}
+
+// A rank's chunks: consecutive layers, in order, within the model; the model's first chunk
+// pre_process, its last post_process. When the rank holds the whole model (pp = 1), its
+// chunks must cover every layer once.
+Status CheckChunks(const std::vector<GptChunk>& chunks, int64_t num_layers, int64_t pp) {
+  if (chunks.empty()) return Status::Error("chunks", "a rank holds at least one model chunk");
+  int64_t next = -1;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const GptChunk& chunk = chunks[c];
+    for (int64_t layer : chunk.layers) {
+      if (layer < 0 || layer >= num_layers || (next >= 0 && layer != next) ||
+          (next < 0 && pp == 1 && layer != 0)) {
+        return Status::Error(fmt::format("chunks[{}]", c),
+                             fmt::format("layer {} breaks the consecutive order of the model's "
+                                         "{} layers",
+                                         layer, num_layers));
+      }
+      next = layer + 1;
+    }
+    if ((chunk.pre_process && c != 0) || (chunk.post_process && c + 1 != chunks.size())) {
+      return Status::Error(fmt::format("chunks[{}]", c),
+                           "only the first chunk may hold the embedding and only the last the "
+                           "output layer");
+    }
+  }
+  if (pp == 1 && (next != num_layers || !chunks.front().pre_process ||
+                  !chunks.back().post_process)) {
+    return Status::Error("chunks", "with pipeline_model_parallel_size 1 the rank's chunks hold "
+                                   "the whole model");
+  }
+  return Status();
+}
+
 }  // namespace
 
-StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config, const Topology& topology,
-                                                    const RankCoordinates& coords) {
+StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
+                                                    const Topology& topology,
+                                                    const RankCoordinates& coords,
+                                                    std::optional<std::vector<GptChunk>> chunks) {
   if (!config.gpt || !config.run) {
     return Status::Error(config.gpt ? "run" : "model",
                          "is required by mpusim run (see docs/simulator.md)");
@@ -64,24 +115,64 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config, const 
   sh.sequence_parallel = config.parallel.sequence_parallel && t > 1;
 
   const GptConfig& gpt = model->gpt_;
+  if (chunks) {
+    model->chunks_ = std::move(*chunks);
+  } else {
+    StatusOr<std::vector<std::vector<std::vector<int64_t>>>> assigned =
+        AssignLayers(sizes.pp, config.parallel.virtual_pipeline_model_parallel_size,
+                     gpt.num_layers);
+    if (!assigned.ok()) return assigned.status();
+    const auto& mine = (*assigned)[static_cast<size_t>(coords.pp)];
+    for (size_t c = 0; c < mine.size(); ++c) {
+      GptChunk chunk;
+      for (int64_t layer : mine[c]) chunk.layers.push_back(layer - 1);  // 1-based there
+      chunk.pre_process = coords.pp == 0 && c == 0;
+      chunk.post_process = coords.pp == sizes.pp - 1 && c + 1 == mine.size();
+      model->chunks_.push_back(std::move(chunk));
+    }
+  }
+  MPUSIM_RETURN_IF_ERROR(CheckChunks(model->chunks_, gpt.num_layers, sizes.pp));
+  bool pre = false, post = false;
+  std::set<int64_t> held;
+  for (const GptChunk& chunk : model->chunks_) {
+    pre = pre || chunk.pre_process;
+    post = post || chunk.post_process;
+    held.insert(chunk.layers.begin(), chunk.layers.end());
+  }
+  if (post && !pre && gpt.share_embeddings_and_output_weights) {
+    return Status::Error("model.share_embeddings_and_output_weights",
+                         "a last pipeline stage without the embedding needs its own copy of the "
+                         "word embeddings, which this executor does not make yet");
+  }
+  // This rank's parameters: those of its chunks' layers, the embedding on the first chunk,
+  // the final norm and output layer on the last.
   for (const GptParameter& p : GptParameters(gpt, model->padded_vocab_, sh.sequence_parallel)) {
+    const std::optional<int64_t> layer = LayerOf(p.name);
+    const bool mine = layer ? held.count(*layer) != 0
+                    : p.name.starts_with("embedding.") ? pre
+                                                       : post;
+    if (!mine) continue;
     model->params_.Add(p.name, p.shape, p.init, p.tp_dim, p.tp_stride, p.sequence_parallel, t,
                        coords.tp);
   }
   ParameterSet& params = model->params_;
-  model->word_ = &params.Get("embedding.word_embeddings.weight");
-  model->position_ = params.Find("embedding.position_embeddings.weight");
-  model->layers_.reserve(static_cast<size_t>(gpt.num_layers));
-  for (int64_t i = 0; i < gpt.num_layers; ++i) {
-    model->layers_.emplace_back(gpt, fmt::format("decoder.layers.{}", i), params, t,
-                                model->run_.recompute);
+  if (pre) {
+    model->word_ = &params.Get("embedding.word_embeddings.weight");
+    model->position_ = params.Find("embedding.position_embeddings.weight");
   }
-  model->final_norm_.emplace(gpt.normalization, gpt.layernorm_epsilon,
-                             &params.Get("decoder.final_layernorm.weight"),
-                             params.Find("decoder.final_layernorm.bias"));
-  Parameter* output = gpt.share_embeddings_and_output_weights ? model->word_
-                                                              : &params.Get("output_layer.weight");
-  model->output_layer_.emplace(output, nullptr);
+  for (int64_t i : held) {
+    model->layers_.try_emplace(i, gpt, fmt::format("decoder.layers.{}", i), params, t,
+                               model->run_.recompute);
+  }
+  if (post) {
+    model->final_norm_.emplace(gpt.normalization, gpt.layernorm_epsilon,
+                               &params.Get("decoder.final_layernorm.weight"),
+                               params.Find("decoder.final_layernorm.bias"));
+    Parameter* output = gpt.share_embeddings_and_output_weights
+                            ? model->word_
+                            : &params.Get("output_layer.weight");
+    model->output_layer_.emplace(output, nullptr);
+  }
   if (gpt.dropout_mode == DropoutMode::kRngTracker) {
     model->tracker_ = MakeTrackerDraws(gpt, model->run_.seed, coords, sh.sequence_parallel);
   }
@@ -166,17 +257,21 @@ void GptModel::EmbeddingBackward(const ModuleContext& ctx, const Batch& batch,
   k.EmbeddingBackward(full, batch.tokens, vstart, vstart + vocab_local, word_->grad);
 }
 
-double GptModel::Forward(const ModuleContext& ctx, const Batch& batch, Stash* stash) const {
+ModuleContext GptModel::Context(RankContext& ctx, int64_t microbatch,
+                                std::vector<TensorRecord>* records) const {
+  return ModuleContext{*ctx.kernels,
+                       ctx.tp(),
+                       *ctx.trace,
+                       shape_,
+                       d_,
+                       DropoutDraw{run_.seed, 0, microbatch, tracker_ ? &*tracker_ : nullptr},
+                       fuse_wgrad_,
+                       records};
+}
+
+double GptModel::HeadForward(const ModuleContext& ctx, const Tensor& x, Stash* stash) const {
   Kernels& k = ctx.k;
   const StreamShape& sh = shape_;
-  ctx.trace.SetPhase(Phase::kForward);
-  ctx.trace.SetSite("embedding");
-  Tensor x = EmbeddingForward(ctx, batch, stash);
-  stash->layers.resize(layers_.size());
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    ctx.trace.SetSite(fmt::format("decoder.layers.{}", i));
-    x = layers_[i].Forward(ctx, x, &stash->layers[i]);
-  }
   ctx.trace.SetSite("output_layer");
   const Tensor final = final_norm_->Forward(ctx, x, &stash->final_norm);
   ctx.Record("decoder.final_layernorm.output", final, {sh.s, sh.B, final.cols()},
@@ -184,7 +279,7 @@ double GptModel::Forward(const ModuleContext& ctx, const Batch& batch, Stash* st
   const Tensor logits = output_layer_->Forward(ctx, final, &stash->output_layer);
   ctx.Record("output_layer.output", logits, {sh.s, sh.B, padded_vocab_}, sh.ColumnSpec(d_, 1));
   const Tensor losses = VocabParallelCrossEntropyForward(
-      k, ctx.tp, logits, batch.labels, padded_vocab_, gpt_.label_smoothing, &stash->loss);
+      k, ctx.tp, logits, stash->batch.labels, padded_vocab_, gpt_.label_smoothing, &stash->loss);
   ctx.Record("loss.per_token", losses.Reshaped({sh.s, sh.b}), {sh.s, sh.B}, sh.BatchSpec(1, d_));
   const Tensor host = k.ToHost(losses);
   double sum = 0;
@@ -192,10 +287,9 @@ double GptModel::Forward(const ModuleContext& ctx, const Batch& batch, Stash* st
   return sum;
 }
 
-void GptModel::Backward(const ModuleContext& ctx, const Batch& batch, Stash& stash) const {
+Tensor GptModel::HeadBackward(const ModuleContext& ctx, Stash& stash) const {
   Kernels& k = ctx.k;
   const StreamShape& sh = shape_;
-  ctx.trace.SetPhase(Phase::kBackward);
   ctx.trace.SetSite("output_layer");
   const int64_t rows = sh.s * sh.b;
   const DType stats = ComputeDType(run_.dtype);
@@ -203,36 +297,97 @@ void GptModel::Backward(const ModuleContext& ctx, const Batch& batch, Stash& sta
   const double scale = 1.0 / static_cast<double>(run_.num_microbatches * sh.s * sh.B);
   for (int64_t i = 0; i < rows; ++i) SetHostValue(dloss_host, i, scale);
   const Tensor dloss = k.ToDevice(dloss_host);
-  ctx.Record("loss.per_token_grad", dloss.Reshaped({sh.s, sh.b}), {sh.s, sh.B}, sh.BatchSpec(1, d_));
-  const Tensor dlogits = VocabParallelCrossEntropyBackward(
-      k, stash.loss, batch.labels, padded_vocab_, gpt_.label_smoothing, sh.tp_rank, dloss);
-  ctx.Record("output_layer.output_grad", dlogits, {sh.s, sh.B, padded_vocab_}, sh.ColumnSpec(d_, 1));
+  ctx.Record("loss.per_token_grad", dloss.Reshaped({sh.s, sh.b}), {sh.s, sh.B},
+             sh.BatchSpec(1, d_));
+  const Tensor dlogits =
+      VocabParallelCrossEntropyBackward(k, stash.loss, stash.batch.labels, padded_vocab_,
+                                        gpt_.label_smoothing, sh.tp_rank, dloss);
+  ctx.Record("output_layer.output_grad", dlogits, {sh.s, sh.B, padded_vocab_},
+             sh.ColumnSpec(d_, 1));
   const Tensor dfinal = output_layer_->Backward(ctx, dlogits, stash.output_layer);
   ctx.Record("decoder.final_layernorm.output_grad", dfinal, {sh.s, sh.B, dfinal.cols()},
              sh.StreamSpec(d_));
-  Tensor dx = final_norm_->Backward(ctx, dfinal, stash.final_norm);
-  for (size_t i = layers_.size(); i-- > 0;) {
-    ctx.trace.SetSite(fmt::format("decoder.layers.{}", i));
-    dx = layers_[i].Backward(ctx, dx, stash.layers[i]);
+  return final_norm_->Backward(ctx, dfinal, stash.final_norm);
+}
+
+void GptModel::BeginStep(Kernels& k) {
+  if (!stashes_.empty()) {
+    throw std::logic_error(fmt::format("GptModel::BeginStep: {} stashes of the last step were "
+                                       "never consumed by a backward step",
+                                       stashes_.size()));
   }
-  ctx.trace.SetSite("embedding");
-  EmbeddingBackward(ctx, batch, dx);
+  params_.ZeroGrads(k);
+  loss_sum_ = 0;
+  peak_stashes_ = 0;
+}
+
+Tensor GptModel::ForwardStep(RankContext& ctx, int64_t chunk, int64_t microbatch,
+                             const Tensor& input, std::vector<TensorRecord>* records) {
+  const GptChunk& spec = chunks_.at(static_cast<size_t>(chunk));
+  const auto [it, inserted] = stashes_.try_emplace({chunk, microbatch});
+  if (!inserted) {
+    throw std::logic_error(fmt::format("GptModel::ForwardStep: chunk {} micro-batch {} ran "
+                                       "forward twice before its backward",
+                                       chunk, microbatch));
+  }
+  peak_stashes_ = std::max(peak_stashes_, static_cast<int64_t>(stashes_.size()));
+  Stash& stash = it->second;
+  const ModuleContext mctx = Context(ctx, microbatch, records);
+  mctx.trace.SetPhase(Phase::kForward);
+  if (spec.pre_process || spec.post_process) stash.batch = MakeBatch(*ctx.kernels, microbatch);
+  Tensor x = input;
+  if (spec.pre_process) {
+    mctx.trace.SetSite("embedding");
+    x = EmbeddingForward(mctx, stash.batch, &stash);
+  }
+  stash.layers.resize(spec.layers.size());
+  for (size_t i = 0; i < spec.layers.size(); ++i) {
+    const int64_t layer = spec.layers[i];
+    mctx.trace.SetSite(fmt::format("decoder.layers.{}", layer));
+    x = layers_.at(layer).Forward(mctx, x, &stash.layers[i]);
+  }
+  if (!spec.post_process) return x;
+  loss_sum_ += HeadForward(mctx, x, &stash);
+  return Tensor();
+}
+
+Tensor GptModel::BackwardStep(RankContext& ctx, int64_t chunk, int64_t microbatch,
+                              const Tensor& output_grad, std::vector<TensorRecord>* records) {
+  const GptChunk& spec = chunks_.at(static_cast<size_t>(chunk));
+  auto node = stashes_.extract({chunk, microbatch});
+  if (node.empty()) {
+    throw std::logic_error(fmt::format("GptModel::BackwardStep: chunk {} micro-batch {} has no "
+                                       "stash (no forward step, or a second backward)",
+                                       chunk, microbatch));
+  }
+  Stash& stash = node.mapped();
+  const ModuleContext mctx = Context(ctx, microbatch, records);
+  mctx.trace.SetPhase(Phase::kBackward);
+  Tensor dx = spec.post_process ? HeadBackward(mctx, stash) : output_grad;
+  for (size_t i = spec.layers.size(); i-- > 0;) {
+    const int64_t layer = spec.layers[i];
+    mctx.trace.SetSite(fmt::format("decoder.layers.{}", layer));
+    dx = layers_.at(layer).Backward(mctx, dx, stash.layers[i]);
+  }
+  if (!spec.pre_process) return dx;
+  mctx.trace.SetSite("embedding");
+  EmbeddingBackward(mctx, stash.batch, dx);
+  return Tensor();
 }
 
 void GptModel::Run(RankContext& ctx, std::vector<TensorRecord>* records) {
   Kernels& k = *ctx.kernels;
-  params_.ZeroGrads(k);
-  double loss_sum = 0;
+  BeginStep(k);
   const int64_t M = run_.num_microbatches;
+  const auto C = static_cast<int64_t>(chunks_.size());
   for (int64_t m = 0; m < M; ++m) {
-    const Batch batch = MakeBatch(k, m);
-    ModuleContext mctx{k, ctx.tp(), *ctx.trace, shape_, d_,
-                       DropoutDraw{run_.seed, 0, m, tracker_ ? &*tracker_ : nullptr},
-                       fuse_wgrad_, m + 1 == M ? records : nullptr};
-    Stash stash;
-    loss_sum += Forward(mctx, batch, &stash);
-    Backward(mctx, batch, stash);
-    if (m + 1 == M && records != nullptr) {
+    std::vector<TensorRecord>* mb_records = m + 1 == M ? records : nullptr;
+    Tensor x;
+    for (int64_t c = 0; c < C; ++c) x = ForwardStep(ctx, c, m, x, mb_records);
+    Tensor dy;
+    for (int64_t c = C; c-- > 0;) dy = BackwardStep(ctx, c, m, dy, mb_records);
+    if (mb_records != nullptr) {
+      const Batch batch = MakeBatch(k, m);
       const ShardSpec batch_split = shape_.BatchSpec(1, d_);
       // Recorded as float64 [s, b], as dumps and the check hold them.
       for (const auto* ids : {&batch.tokens, &batch.labels}) {
@@ -245,12 +400,11 @@ void GptModel::Run(RankContext& ctx, std::vector<TensorRecord>* records) {
   params_.FinalizeGrads(ctx.tp(), ctx.dp_cp(), *ctx.trace);
   // The reported loss: mean over every token of every micro-batch on every dp rank.
   Tensor total = Tensor::HostEmpty({1}, DType::kFloat64);
-  total.data_as<double>()[0] = loss_sum;
+  total.data_as<double>()[0] = loss_sum_;
   Tensor device_total = k.ToDevice(total);
   ctx.trace->SetSite("loss");
   if (d_ > 1) ctx.dp().AllReduce(device_total, ReduceOp::kSum);
-  loss_ = HostValue(k.ToHost(device_total), 0) /
-          static_cast<double>(M * shape_.s * shape_.B);
+  loss_ = HostValue(k.ToHost(device_total), 0) / static_cast<double>(M * shape_.s * shape_.B);
   if (records == nullptr) return;
   for (const auto& p : params_.all()) {
     records->push_back({p->name, p->value, p->full_shape, p->shard, false});

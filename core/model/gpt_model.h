@@ -12,13 +12,22 @@
 // Loss: mean per-token loss over all tokens of all micro-batches and dp ranks, so each
 // token's loss gradient is 1 / (M * s * B).
 //
-// State: parameters live in a ParameterSet; activations live in a per-micro-batch Stash that
-// Run creates, hands from forward to backward and frees. Records (tensors for the dump and
-// the check) are taken from the last micro-batch.
+// Chunks: a rank holds one or more model chunks (Megatron's virtual pipeline stages), each a
+// run of consecutive decoder layers; the first chunk of the model also holds the embedding
+// (pre_process), the last the final norm, output layer and loss (post_process). By default
+// a rank holds the chunks the planner assigns it (core/schedule.h AssignLayers); with
+// pipeline_model_parallel_size 1 that is one chunk holding everything.
+//
+// State: parameters live in a ParameterSet; activations live in a Stash per (chunk,
+// micro-batch) that ForwardStep creates and BackwardStep consumes and frees, so steps of
+// different micro-batches and chunks may interleave in any order a schedule gives. Records
+// (tensors for the dump and the check) are taken from the last micro-batch.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "core/config.h"
@@ -33,33 +42,51 @@
 
 namespace mpusim {
 
+// One model chunk on this rank.
+struct GptChunk {
+  std::vector<int64_t> layers;  // 0-based global layer numbers, consecutive, possibly none
+  bool pre_process = false;     // holds the embedding (the model's first chunk)
+  bool post_process = false;    // holds final norm, output layer and loss (the last chunk)
+};
+
 class GptModel {
  public:
   // Checks the model against the layout (core/gpt_config.h CheckGptLayout); errors name the
-  // field. `config.gpt` and `config.run` must be set.
-  static StatusOr<std::unique_ptr<GptModel>> Build(const Config& config, const Topology& topology,
-                                                   const RankCoordinates& coords);
+  // field. `config.gpt` and `config.run` must be set. `chunks` overrides the planner's
+  // assignment for this rank (tests split a one-rank model into chunks); it must cover the
+  // model's layers in order, the first chunk pre_process and the last post_process.
+  static StatusOr<std::unique_ptr<GptModel>> Build(
+      const Config& config, const Topology& topology, const RankCoordinates& coords,
+      std::optional<std::vector<GptChunk>> chunks = std::nullopt);
 
   // Allocates this rank's parameter shards and fills them from the master values.
   void InitializeParameters(Kernels& k);
-  // One step: every micro-batch forward and backward, then the gradient finalisation.
-  // Records of the last micro-batch, the parameters, their gradients and the loss are
-  // appended to `records` when it is not null.
+  // One step on a rank that holds the whole model: every micro-batch forward through the
+  // chunks and backward through them in reverse, then the gradient finalisation. Records
+  // of the last micro-batch, the parameters, their gradients and the loss are appended to
+  // `records` when it is not null.
   void Run(RankContext& ctx, std::vector<TensorRecord>* records);
 
+  // The step pieces a pipeline schedule calls. BeginStep zeroes the gradients and the loss.
+  // ForwardStep runs chunk `chunk` on micro-batch m: `input` is the previous chunk's output
+  // stream [s_l*b, h] (ignored by a pre_process chunk); it returns this chunk's output
+  // stream, or an undefined tensor for a post_process chunk (whose per-token losses are
+  // summed into the step's loss). BackwardStep takes the gradient of that output (ignored
+  // by a post_process chunk), frees the stash, and returns the gradient of `input`
+  // (undefined for a pre_process chunk). `records` is passed for the last micro-batch.
+  void BeginStep(Kernels& k);
+  Tensor ForwardStep(RankContext& ctx, int64_t chunk, int64_t microbatch, const Tensor& input,
+                     std::vector<TensorRecord>* records);
+  Tensor BackwardStep(RankContext& ctx, int64_t chunk, int64_t microbatch,
+                      const Tensor& output_grad, std::vector<TensorRecord>* records);
+
+  const std::vector<GptChunk>& chunks() const { return chunks_; }
+  int64_t live_stashes() const { return static_cast<int64_t>(stashes_.size()); }
+  int64_t peak_live_stashes() const { return peak_stashes_; }  // since BeginStep
   double loss() const { return loss_; }  // after Run
   int64_t padded_vocab_size() const { return padded_vocab_; }
   const GptConfig& gpt() const { return gpt_; }
   ParameterSet& parameters() { return params_; }
-
-  // Activations of one micro-batch between its forward and its backward.
-  struct Stash {
-    Tensor embedding_in;  // [s*b, h] before the sequence split (position embeddings added)
-    std::vector<TransformerLayer::Stash> layers;
-    Norm::Stash final_norm;
-    ColumnParallelLinear::Stash output_layer;
-    CrossEntropyStash loss;
-  };
 
  private:
   GptModel() = default;
@@ -68,12 +95,24 @@ class GptModel {
     Tensor tokens, labels;  // [s, b], index i * b + j
     Tensor positions;       // [s, b]: i
   };
+  // Activations of one (chunk, micro-batch) between its forward and its backward.
+  struct Stash {
+    Batch batch;          // pre_process or post_process chunks
+    Tensor embedding_in;  // [s*b, h] before the sequence split (position embeddings added)
+    std::vector<TransformerLayer::Stash> layers;
+    Norm::Stash final_norm;
+    ColumnParallelLinear::Stash output_layer;
+    CrossEntropyStash loss;
+  };
   Batch MakeBatch(Kernels& k, int64_t microbatch) const;
-  // Returns the sum of this rank's per-token losses.
-  double Forward(const ModuleContext& ctx, const Batch& batch, Stash* stash) const;
-  void Backward(const ModuleContext& ctx, const Batch& batch, Stash& stash) const;
+  ModuleContext Context(RankContext& ctx, int64_t microbatch,
+                        std::vector<TensorRecord>* records) const;
   Tensor EmbeddingForward(const ModuleContext& ctx, const Batch& batch, Stash* stash) const;
   void EmbeddingBackward(const ModuleContext& ctx, const Batch& batch, const Tensor& dy) const;
+  // The head of a post_process chunk: final norm, output layer, cross entropy. Returns the
+  // sum of this rank's per-token losses.
+  double HeadForward(const ModuleContext& ctx, const Tensor& x, Stash* stash) const;
+  Tensor HeadBackward(const ModuleContext& ctx, Stash& stash) const;
 
   GptConfig gpt_;
   RunConfig run_;
@@ -84,9 +123,13 @@ class GptModel {
   ParameterSet params_;
   Parameter* word_ = nullptr;
   Parameter* position_ = nullptr;
-  std::vector<TransformerLayer> layers_;
+  std::vector<GptChunk> chunks_;
+  std::map<int64_t, TransformerLayer> layers_;  // by global layer number
   std::optional<Norm> final_norm_;
   std::optional<ColumnParallelLinear> output_layer_;
+  std::map<std::pair<int64_t, int64_t>, Stash> stashes_;  // by (chunk, micro-batch)
+  int64_t peak_stashes_ = 0;
+  double loss_sum_ = 0;  // this step's per-token losses on this rank
   double loss_ = 0;
   std::optional<TrackerDraws> tracker_;  // dropout_mode "rng_tracker"
 };

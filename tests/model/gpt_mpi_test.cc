@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -17,6 +19,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/config.h"
+#include "core/model/gpt_model.h"
+#include "core/topology.h"
 #include "run/runner.h"
 #include "sim/cpu_backend.h"
 #include "tests/mpi/world.h"
@@ -164,6 +168,116 @@ TEST(GptMpi, RecomputationIsBitIdentical) {
       EXPECT_EQ(std::memcmp(a.tensor.data(), b.tensor.data(), a.tensor.bytes()), 0) << a.name;
     }
   }
+}
+
+// Runs one step of `document` on this rank with the model split into `chunks` (nullopt: the
+// planner's one chunk) and returns the records on the host; `peak` gets the step's highest
+// number of live stashes.
+std::vector<TensorRecord> RunChunked(const json& document,
+                                     std::optional<std::vector<GptChunk>> chunks, int64_t* peak) {
+  const Config config = MakeConfig(document);
+  StatusOr<Topology> topology = Topology::Create(config.parallel);
+  EXPECT_TRUE(topology.ok());
+  if (!topology.ok()) return {};
+  const int rank = WorldRank();
+  StatusOr<std::unique_ptr<GptModel>> model =
+      GptModel::Build(config, *topology, topology->Coordinates(rank), std::move(chunks));
+  EXPECT_TRUE(model.ok()) << model.status().Message();
+  if (!model.ok()) return {};
+  CpuBackend backend;
+  CommTrace trace;
+  RankContext ctx = run::MakeRankContext(config, backend, *topology, rank, &trace);
+  (*model)->InitializeParameters(*ctx.kernels);
+  std::vector<TensorRecord> records;
+  (*model)->Run(ctx, &records);
+  EXPECT_EQ((*model)->live_stashes(), 0);
+  *peak = (*model)->peak_live_stashes();
+  for (TensorRecord& r : records) {
+    if (r.tensor.device() != Device::kHost) r.tensor = ctx.kernels->ToHost(r.tensor);
+  }
+  return records;
+}
+
+// The executor's model chunks (what pipeline stages and virtual stages hold): a one-rank
+// model cut into chunks, run chunk after chunk with the stream handed between them, gives
+// bit-identical tensors, gradients and loss to the model in one chunk.
+TEST(GptMpi, ModelChunksOnOneRankAreBitIdenticalToOneChunk) {
+  const int64_t t = TensorParallelSizes().back();
+  json model = Gpt(8, 8);
+  model["num_layers"] = 4;
+  const json document = Document(model, t, t > 1, "float32");
+  int64_t peak = 0;
+  const std::vector<TensorRecord> whole = RunChunked(document, std::nullopt, &peak);
+  ASSERT_FALSE(whole.empty());
+  EXPECT_EQ(peak, 1);
+  const std::vector<std::vector<GptChunk>> splits = {
+      {{{0}, true, false}, {{1, 2}, false, false}, {{3}, false, true}},
+      {{{}, true, false}, {{0, 1, 2, 3}, false, false}, {{}, false, true}},
+  };
+  for (size_t k = 0; k < splits.size(); ++k) {
+    SCOPED_TRACE(fmt::format("split {}", k));
+    const std::vector<TensorRecord> chunked = RunChunked(document, splits[k], &peak);
+    EXPECT_EQ(peak, 3);  // a micro-batch's three chunks between its forward and backward
+    ASSERT_EQ(whole.size(), chunked.size());
+    for (size_t i = 0; i < whole.size(); ++i) {
+      const TensorRecord& a = whole[i];
+      const TensorRecord& b = chunked[i];
+      ASSERT_EQ(a.name, b.name);
+      EXPECT_EQ(a.shard, b.shard) << a.name;
+      ASSERT_EQ(a.tensor.bytes(), b.tensor.bytes()) << a.name;
+      EXPECT_EQ(std::memcmp(a.tensor.data(), b.tensor.data(), a.tensor.bytes()), 0) << a.name;
+    }
+  }
+}
+
+TEST(GptMpi, ChunkListsAreChecked) {
+  json model = Gpt(4, 4);
+  model["num_layers"] = 3;
+  const Config config = MakeConfig(Document(model, 1, false, "float64"));
+  StatusOr<Topology> topology = Topology::Create(config.parallel);
+  ASSERT_TRUE(topology.ok());
+  const RankCoordinates coords = topology->Coordinates(WorldRank());
+  auto refusal = [&](std::vector<GptChunk> chunks) {
+    StatusOr<std::unique_ptr<GptModel>> built =
+        GptModel::Build(config, *topology, coords, std::move(chunks));
+    return built.ok() ? std::string("accepted") : built.status().Message();
+  };
+  EXPECT_EQ(refusal({{{0, 1, 2}, true, true}}), "accepted");
+  EXPECT_EQ(refusal({{{0, 2}, true, true}}),
+            "chunks[0]: layer 2 breaks the consecutive order of the model's 3 layers");
+  EXPECT_EQ(refusal({{{0}, true, false}, {{2, 1}, false, true}}),
+            "chunks[1]: layer 2 breaks the consecutive order of the model's 3 layers");
+  EXPECT_EQ(refusal({{{0, 1}, true, true}}),
+            "chunks: with pipeline_model_parallel_size 1 the rank's chunks hold the whole model");
+  EXPECT_EQ(refusal({{{0}, true, false}, {{1, 2}, true, true}}),
+            "chunks[1]: only the first chunk may hold the embedding and only the last the "
+            "output layer");
+  EXPECT_EQ(refusal({}), "chunks: a rank holds at least one model chunk");
+}
+
+// Steps out of order are executor bugs, stopped before they corrupt a stash.
+TEST(GptMpi, StepsOutOfOrderAreRefused) {
+  const Config config = MakeConfig(Document(Gpt(4, 4), 1, false, "float64"));
+  StatusOr<Topology> topology = Topology::Create(config.parallel);
+  ASSERT_TRUE(topology.ok());
+  const int rank = WorldRank();
+  StatusOr<std::unique_ptr<GptModel>> built =
+      GptModel::Build(config, *topology, topology->Coordinates(rank));
+  ASSERT_TRUE(built.ok()) << built.status().Message();
+  GptModel& model = **built;
+  CpuBackend backend;
+  CommTrace trace;
+  RankContext ctx = run::MakeRankContext(config, backend, *topology, rank, &trace);
+  model.InitializeParameters(*ctx.kernels);
+  model.BeginStep(*ctx.kernels);
+  EXPECT_THROW(model.BackwardStep(ctx, 0, 0, Tensor(), nullptr), std::logic_error);
+  model.ForwardStep(ctx, 0, 0, Tensor(), nullptr);
+  EXPECT_EQ(model.live_stashes(), 1);
+  EXPECT_THROW(model.ForwardStep(ctx, 0, 0, Tensor(), nullptr), std::logic_error);
+  EXPECT_THROW(model.BeginStep(*ctx.kernels), std::logic_error);  // micro-batch 0 still live
+  model.BackwardStep(ctx, 0, 0, Tensor(), nullptr);
+  EXPECT_EQ(model.live_stashes(), 0);
+  EXPECT_THROW(model.BackwardStep(ctx, 0, 0, Tensor(), nullptr), std::logic_error);
 }
 
 // Megatron's tracker streams: every layout still matches the reference (which draws each
