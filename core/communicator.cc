@@ -10,6 +10,10 @@ const char* CommOpName(CommOpKind op) {
     case CommOpKind::kAllGather: return "all-gather";
     case CommOpKind::kReduceScatter: return "reduce-scatter";
     case CommOpKind::kBroadcast: return "broadcast";
+    case CommOpKind::kSend:
+      return "send";
+    case CommOpKind::kRecv:
+      return "recv";
   }
   return "?";
 }

@@ -6,8 +6,11 @@
 // and count come from the tensor. bfloat16/float16 sums and maxima are formed in float32 and
 // rounded to the buffer's dtype after each combining step, as NCCL does; int64 buffers (token
 // ids, broadcast by broadcast_data) are moved bit for bit and summed exactly.
-// What it is not: point-to-point messaging or process-group creation (backends build one
-// Communicator per group kind from the planner's groups).
+// Point-to-point (pipeline stages) is one call, BatchSendRecv, as Megatron's
+// batch_isend_irecv: every message of a batch is posted together and waited for together,
+// so two neighbours that send to each other never wait on each other's first message.
+// What it is not: process-group creation (backends build one Communicator per group kind
+// from the planner's groups).
 #pragma once
 
 #include <cstdint>
@@ -20,6 +23,14 @@
 namespace mpusim {
 
 enum class ReduceOp : uint8_t { kSum, kMax };
+
+// One message of a BatchSendRecv (Megatron's torch.distributed.P2POp).
+struct P2POp {
+  enum class Kind : uint8_t { kSend, kRecv };
+  Kind kind = Kind::kSend;
+  Tensor buffer;  // a handle: a receive writes into the storage the caller holds too
+  int peer = 0;   // a group rank other than this rank
+};
 
 class Communicator {
  public:
@@ -35,9 +46,22 @@ class Communicator {
   virtual void ReduceScatter(const Tensor& in, Tensor& out) = 0;
   // In place; `root` is a rank inside this group.
   virtual void Broadcast(Tensor& buffer, int root) = 0;
+  // Posts every message of `ops` and returns once all have completed (sends: the buffer may
+  // be reused; receives: the buffer holds the message). Messages between two ranks match in
+  // the order each side lists them, across batches too. A receive's buffer must have the
+  // sender's dtype and element count (otherwise the job is aborted: the ranks disagree).
+  virtual void BatchSendRecv(const std::vector<P2POp>& ops) = 0;
 };
 
-enum class CommOpKind : uint8_t { kAllReduce, kAllReduceMax, kAllGather, kReduceScatter, kBroadcast };
+enum class CommOpKind : uint8_t {
+  kAllReduce,
+  kAllReduceMax,
+  kAllGather,
+  kReduceScatter,
+  kBroadcast,
+  kSend,
+  kRecv
+};
 enum class Phase : uint8_t { kForward, kBackward, kOther };
 const char* CommOpName(CommOpKind op);
 const char* PhaseName(Phase phase);
@@ -46,8 +70,9 @@ struct CommRecord {
   CommOpKind op;
   std::string group;  // group kind, e.g. "tp"
   std::string site;   // which op issued it, e.g. "fc1"
-  int64_t bytes;      // bytes this rank contributes (the input buffer)
+  int64_t bytes;      // bytes this rank contributes (the input buffer; a receive's message)
   Phase phase;
+  int peer = -1;  // send and receive: the group rank of the other side
 };
 
 class CommTrace {
@@ -55,8 +80,8 @@ class CommTrace {
   void SetPhase(Phase phase) { phase_ = phase; }
   Phase phase() const { return phase_; }
   void SetSite(std::string site) { site_ = std::move(site); }
-  void Record(CommOpKind op, const std::string& group, int64_t bytes) {
-    records_.push_back(CommRecord{op, group, site_, bytes, phase_});
+  void Record(CommOpKind op, const std::string& group, int64_t bytes, int peer = -1) {
+    records_.push_back(CommRecord{op, group, site_, bytes, phase_, peer});
   }
   const std::vector<CommRecord>& records() const { return records_; }
   void Clear() { records_.clear(); }
@@ -92,12 +117,19 @@ class TracedCommunicator : public Communicator {
     Note(CommOpKind::kBroadcast, buffer.bytes());
     inner_->Broadcast(buffer, root);
   }
+  void BatchSendRecv(const std::vector<P2POp>& ops) override {
+    for (const P2POp& op : ops) {
+      Note(op.kind == P2POp::Kind::kSend ? CommOpKind::kSend : CommOpKind::kRecv, op.buffer.bytes(),
+           op.peer);
+    }
+    inner_->BatchSendRecv(ops);
+  }
   const std::string& group() const { return group_; }
 
  private:
-  void Note(CommOpKind op, size_t bytes) {
+  void Note(CommOpKind op, size_t bytes, int peer = -1) {
     if (trace_ != nullptr && inner_->Size() > 1) {
-      trace_->Record(op, group_, static_cast<int64_t>(bytes));
+      trace_->Record(op, group_, static_cast<int64_t>(bytes), peer);
     }
   }
   std::unique_ptr<Communicator> inner_;

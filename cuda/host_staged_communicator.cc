@@ -68,4 +68,24 @@ void HostStagedCommunicator::Broadcast(Tensor& buffer, int root) {
   kernels_.CopyFromHost(host, buffer);
 }
 
+void HostStagedCommunicator::BatchSendRecv(const std::vector<P2POp>& ops) {
+  std::vector<P2POp> staged;
+  staged.reserve(ops.size());
+  for (const P2POp& op : ops) {
+    CheckDevice("BatchSendRecv", "buffer", op.buffer);
+    staged.push_back({op.kind,
+                      op.kind == P2POp::Kind::kSend
+                          ? kernels_.ToHost(op.buffer)
+                          : Tensor::HostEmpty(op.buffer.shape(), op.buffer.dtype()),
+                      op.peer});
+  }
+  group_->BatchSendRecv(staged);
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (ops[i].kind == P2POp::Kind::kRecv) {
+      Tensor target = ops[i].buffer;  // shares the caller's storage
+      kernels_.CopyFromHost(staged[i].buffer, target);
+    }
+  }
+}
+
 }  // namespace mpusim::cuda

@@ -157,4 +157,30 @@ void NcclCommunicator::Broadcast(Tensor& buffer, int root) {
   Wait("Broadcast");
 }
 
+void NcclCommunicator::BatchSendRecv(const std::vector<P2POp>& ops) {
+  for (const P2POp& op : ops) {
+    CheckBuffer("BatchSendRecv", "buffer", op.buffer);
+    if (op.peer < 0 || op.peer >= size_ || op.peer == rank_) {
+      Invalid("BatchSendRecv", fmt::format("peer {} is not another rank of this group (rank {} "
+                                           "of {})",
+                                           op.peer, rank_, size_));
+    }
+  }
+  MPUSIM_NCCL_CHECK(ncclGroupStart());
+  for (const P2POp& op : ops) {
+    if (op.buffer.numel() == 0) continue;
+    Tensor buffer = op.buffer;  // shares the caller's storage
+    const auto count = static_cast<size_t>(buffer.numel());
+    if (op.kind == P2POp::Kind::kSend) {
+      MPUSIM_NCCL_CHECK(
+          ncclSend(buffer.data(), count, NcclType(buffer.dtype()), op.peer, comm_, stream_));
+    } else {
+      MPUSIM_NCCL_CHECK(
+          ncclRecv(buffer.data(), count, NcclType(buffer.dtype()), op.peer, comm_, stream_));
+    }
+  }
+  MPUSIM_NCCL_CHECK(ncclGroupEnd());
+  Wait("BatchSendRecv");
+}
+
 }  // namespace mpusim::cuda

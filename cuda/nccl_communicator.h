@@ -54,6 +54,10 @@ class NcclCommunicator final : public Communicator {
   void ReduceScatter(const Tensor& in, Tensor& out) override;
   // In place from group rank `root`.
   void Broadcast(Tensor& buffer, int root) override;
+  // One NCCL group (ncclGroupStart, an ncclSend or ncclRecv per message, ncclGroupEnd), then
+  // the wait. NCCL does not report a receive of the wrong length; the model's steps make
+  // the same calls on both sides, and the CPU backend checks them.
+  void BatchSendRecv(const std::vector<P2POp>& ops) override;
 
  private:
   NcclCommunicator(ncclComm_t comm, int rank, int size, std::string group_name,

@@ -213,6 +213,32 @@ void MpiCommunicator::Recv(Tensor& buffer, int peer) {
   }
 }
 
+void MpiCommunicator::BatchSendRecv(const std::vector<P2POp>& ops) {
+  std::vector<watched::Message> messages;
+  messages.reserve(ops.size());
+  for (const P2POp& op : ops) {
+    const bool send = op.kind == P2POp::Kind::kSend;
+    const char* function = send ? "BatchSendRecv (send)" : "BatchSendRecv (recv)";
+    CheckBuffer(function, "buffer", op.buffer);
+    CheckPeer(function, op.peer, rank_, size_);
+    // A copy of the handle shares the caller's storage: MPI writes a receive there.
+    Tensor buffer = op.buffer;
+    messages.push_back({send, buffer.data(), MpiCount(function, op.buffer.numel()),
+                        MpiType(op.buffer.dtype()), op.peer});
+  }
+  const std::vector<int> received =
+      watched::SendRecvBatch(messages, kPointToPointTag, comm_, label_);
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (messages[i].send || received[i] == messages[i].count) continue;
+    const ProcessPlace place = WhereAmI();
+    AbortJob(
+        fmt::format("mpusim: rank {} (host {}): MpiCommunicator::BatchSendRecv receive "
+                    "from group rank {} of {}: expected {} elements of {}, received {}",
+                    place.world_rank, place.host, ops[i].peer, DescribeGroup(label_),
+                    messages[i].count, DTypeName(ops[i].buffer.dtype()), received[i]));
+  }
+}
+
 std::map<std::string, std::unique_ptr<Communicator>> MakeGroupCommunicators(
     const Topology& topology, int64_t world_rank, MPI_Comm world,
     const std::vector<std::string>& kinds) {

@@ -1,10 +1,11 @@
 // MpiCommunicator: the simulator's Communicator, one MPI communicator per process group.
 //
 // What it is: the four collectives core/model/graph needs (all-reduce, all-gather, reduce-scatter,
-// broadcast) and blocking point-to-point Send / Recv (for pipeline stages) on host float32,
-// float64, bfloat16 and float16 tensors, each a single watched MPI call (mpi/watchdog.h) on the
-// group's own MPI_Comm, plus MakeGroupCommunicators, which builds this rank's communicator for
-// each requested group kind of the planner (core/topology.h) with MPI_Comm_split.
+// broadcast), batched point-to-point (BatchSendRecv, for pipeline stages) and blocking Send / Recv
+// on host float32, float64, bfloat16 and float16 tensors, each a single watched MPI call
+// (mpi/watchdog.h) on the group's own MPI_Comm, plus MakeGroupCommunicators, which builds this
+// rank's communicator for each requested group kind of the planner (core/topology.h) with
+// MPI_Comm_split.
 //
 // 16-bit tensors: all-gather, broadcast and point-to-point move their bits unchanged
 // (MPI_UINT16_T). Sums (all-reduce, reduce-scatter) and maxima use user-defined commutative
@@ -87,6 +88,9 @@ class MpiCommunicator final : public Communicator {
   // reported the same way, both aborting the job (the two ranks disagree: a bug).
   void Send(const Tensor& buffer, int peer);
   void Recv(Tensor& buffer, int peer);
+  // All messages posted (MPI_Isend / MPI_Irecv), then waited for together under the
+  // watchdog; a receive of the wrong length aborts the job like Recv.
+  void BatchSendRecv(const std::vector<P2POp>& ops) override;
 
  private:
   MpiCommunicator(MPI_Comm comm, std::string kind);

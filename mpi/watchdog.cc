@@ -136,6 +136,16 @@ int64_t CountCall(WatchedOp op) {
   return call;
 }
 
+// Between two polls of a call that has waited `waited_s`: nothing, a yield, or a sleep.
+void Pause(double waited_s) {
+  if (waited_s >= kYieldSeconds) {
+    std::this_thread::sleep_for(std::chrono::duration<double>(
+        std::clamp(waited_s / 100, kMinSleepSeconds, kMaxSleepSeconds)));
+  } else if (waited_s >= kSpinSeconds) {
+    sched_yield();
+  }
+}
+
 // Polls `request` until it completes; past the timeout, Expire.
 void Wait(MPI_Request* request, const Watched& w, int64_t call, MPI_Status* status) {
   using Clock = std::chrono::steady_clock;
@@ -147,12 +157,7 @@ void Wait(MPI_Request* request, const Watched& w, int64_t call, MPI_Status* stat
     if (done != 0) return;
     const double waited_s = std::chrono::duration<double>(Clock::now() - start).count();
     if (waited_s >= timeout_s) Expire(w, call, waited_s);
-    if (waited_s >= kYieldSeconds) {
-      std::this_thread::sleep_for(std::chrono::duration<double>(
-          std::clamp(waited_s / 100, kMinSleepSeconds, kMaxSleepSeconds)));
-    } else if (waited_s >= kSpinSeconds) {
-      sched_yield();
-    }
+    Pause(waited_s);
   }
 }
 
@@ -398,6 +403,54 @@ int Recv(void* buffer, int count, MPI_Datatype type, int peer, int tag, MPI_Comm
       &status);
   int received = 0;
   CheckCode(MPI_Get_count(&status, type, &received), w, __LINE__);
+  return received;
+}
+
+std::vector<int> SendRecvBatch(const std::vector<Message>& messages, int tag, MPI_Comm comm,
+                               const CommLabel& label) {
+  const size_t n = messages.size();
+  std::vector<Watched> watches;
+  watches.reserve(n);
+  std::vector<int64_t> calls(n);
+  std::vector<MPI_Request> requests(n, MPI_REQUEST_NULL);
+  for (size_t i = 0; i < n; ++i) {
+    const Message& m = messages[i];
+    watches.push_back(Watched{m.send ? WatchedOp::kSend : WatchedOp::kRecv,
+                              m.send ? "MPI_Isend" : "MPI_Irecv", label, m.peer});
+    calls[i] = CountCall(watches[i].op);
+    CheckCode(m.send ? MPI_Isend(m.buffer, m.count, m.type, m.peer, tag, comm, &requests[i])
+                     : MPI_Irecv(m.buffer, m.count, m.type, m.peer, tag, comm, &requests[i]),
+              watches[i], __LINE__);
+  }
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point start = Clock::now();
+  const double timeout_s = State().timeout_s;
+  std::vector<MPI_Status> statuses(n);
+  std::vector<bool> done(n, false);
+  size_t remaining = n;
+  while (remaining > 0) {
+    size_t first_pending = n;
+    for (size_t i = 0; i < n; ++i) {
+      if (done[i]) continue;
+      int complete = 0;
+      CheckCode(MPI_Test(&requests[i], &complete, &statuses[i]), watches[i], __LINE__);
+      if (complete != 0) {
+        done[i] = true;
+        --remaining;
+      } else if (first_pending == n) {
+        first_pending = i;
+      }
+    }
+    if (remaining == 0) break;
+    const double waited_s = std::chrono::duration<double>(Clock::now() - start).count();
+    if (waited_s >= timeout_s) Expire(watches[first_pending], calls[first_pending], waited_s);
+    Pause(waited_s);
+  }
+  std::vector<int> received(n, 0);
+  for (size_t i = 0; i < n; ++i) {
+    if (messages[i].send) continue;
+    CheckCode(MPI_Get_count(&statuses[i], messages[i].type, &received[i]), watches[i], __LINE__);
+  }
   return received;
 }
 

@@ -145,6 +145,21 @@ void Send(const void* buffer, int count, MPI_Datatype type, int peer, int tag, M
 int Recv(void* buffer, int count, MPI_Datatype type, int peer, int tag, MPI_Comm comm,
          const CommLabel& label);
 
+// One message of SendRecvBatch.
+struct Message {
+  bool send = true;  // false: receive into `buffer`
+  void* buffer = nullptr;
+  int count = 0;
+  MPI_Datatype type = MPI_DATATYPE_NULL;
+  int peer = 0;
+};
+// Posts every message (MPI_Isend / MPI_Irecv, each counted as a send or recv call for
+// MPUSIM_FAULT) and waits until all have completed, under one deadline. Past the timeout the
+// watchdog's line names the first message still incomplete and its peer. Returns, per
+// message, the number of elements received (0 for a send).
+std::vector<int> SendRecvBatch(const std::vector<Message>& messages, int tag, MPI_Comm comm,
+                               const CommLabel& label);
+
 }  // namespace watched
 
 // A watched barrier on MPI_COMM_WORLD, then MPI_Finalize: a rank stopped before the end is

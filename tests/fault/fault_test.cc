@@ -185,12 +185,13 @@ std::vector<std::string> MpusimRun(int ranks, const std::string& config, double 
   return argv;
 }
 
-std::vector<std::string> P2pHelper(int ranks, int64_t elements, int rounds) {
+std::vector<std::string> P2pHelper(int ranks, int64_t elements, int rounds, bool batch = false) {
   std::vector<std::string> argv = Mpiexec(ranks);
   for (const std::string& a : {std::string(MPUSIM_P2P_HELPER), fmt::format("{:g}", kTimeoutS),
                                std::to_string(elements), std::to_string(rounds)}) {
     argv.push_back(a);
   }
+  if (batch) argv.push_back("batch");
   return argv;
 }
 
@@ -253,22 +254,31 @@ TEST(FaultTest, RankStoppedInACollectiveAbortsAfterTheTimeout) {
 // (b) Point-to-point: rank 1 stops before its third receive. With small messages rank 0's
 // third send completes (eagerly) and rank 0 waits in the receive of rank 1's reply; with
 // large ones (rendezvous) rank 0 already waits in the send. Either way the line names the
-// peer. Ranks 2 and 3 finish and wait in the final barrier.
+// peer. Ranks 2 and 3 finish and wait in the final barrier. The same holds for batched
+// exchanges (BatchSendRecv, as pipeline stages make them): the line names the first message
+// of the batch still incomplete.
 TEST(FaultTest, RankStoppedInPointToPointNamesThePeer) {
   struct Case {
     int64_t elements;
+    bool batch;
     std::string waiting;
   };
   for (const Case& c :
-       {Case{16, "MPI_Irecv (recv call 3 on this rank) from rank 1 (group rank 1)"},
-        Case{1 << 18, "MPI_Isend (send call 3 on this rank) to rank 1 (group rank 1)"}}) {
-    SCOPED_TRACE(c.elements);
-    const Job job = RunJob(P2pHelper(4, c.elements, 5), "rank=1,op=recv,call=3,action=stop");
+       {Case{16, false, "MPI_Irecv (recv call 3 on this rank) from rank 1 (group rank 1)"},
+        Case{1 << 18, false, "MPI_Isend (send call 3 on this rank) to rank 1 (group rank 1)"},
+        // Batched, rank 1 posts its third send before it stops at the receive: the small
+        // message may still arrive, and rank 0 then waits in round 4.
+        Case{16, true, "MPI_Irecv (recv call "},
+        Case{1 << 18, true, "MPI_Isend (send call 3 on this rank) to rank 1 (group rank 1)"}}) {
+    SCOPED_TRACE(fmt::format("{} elements{}", c.elements, c.batch ? ", batched" : ""));
+    const Job job =
+        RunJob(P2pHelper(4, c.elements, 5, c.batch), "rank=1,op=recv,call=3,action=stop");
     ExpectEndedCleanly(job, "mpusim: MPUSIM_FAULT: rank 1 (host ");
     EXPECT_LT(job.after_fault_s, kTimeoutS + kAbortSlackS) << job.output;
     const std::string line = WatchdogLine(job.output, 0);
     if (!line.empty()) {
       EXPECT_TRUE(Contains(line, c.waiting)) << line;
+      EXPECT_TRUE(Contains(line, "rank 1 (group rank 1)")) << line;
       EXPECT_TRUE(Contains(line, "on world group [0, 1, 2, 3]")) << line;
     } else {  // a rank of the other pair aborted first, from the final barrier
       EXPECT_TRUE(Contains(job.output,

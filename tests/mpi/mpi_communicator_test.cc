@@ -418,6 +418,57 @@ TEST_P(MpiCommunicatorP2pTest, RefusesPeersOutsideTheGroupAndItself) {
   EXPECT_THROW(world_->Send(Tensor(), (rank_ + 1) % size_), std::invalid_argument);
 }
 
+// Batched: every rank sends to both ring neighbours and receives from both in one batch,
+// large messages (rendezvous: a send completes only once its receive is posted), the sends
+// listed first. Done one message at a time in that order, every rank would wait in its
+// first send; posted together, the batch completes. Several batches in a row keep their
+// order, and a trace records each message with its peer and bytes.
+TEST_P(MpiCommunicatorP2pTest, BatchSendRecvExchangesWithBothNeighbours) {
+  const DType dtype = GetParam();
+  if (size_ < 2) GTEST_SKIP() << "needs two ranks";
+  const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+  const int64_t n = int64_t{1} << 17;
+  CommTrace trace;
+  TracedCommunicator traced(MpiCommunicator::World(), "pp", &trace);
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(round);
+    const Tensor to_next = Message(dtype, 2 * rank_ + 20 * round, n);
+    const Tensor to_prev = Message(dtype, 2 * rank_ + 1 + 20 * round, n);
+    Tensor from_prev = Tensor::HostZeros({n}, dtype);
+    Tensor from_next = Tensor::HostZeros({n}, dtype);
+    traced.BatchSendRecv({{P2POp::Kind::kSend, to_next, next},
+                          {P2POp::Kind::kSend, to_prev, prev},
+                          {P2POp::Kind::kRecv, from_prev, prev},
+                          {P2POp::Kind::kRecv, from_next, next}});
+    // With 2 ranks next == prev: the neighbour's two messages match this rank's two
+    // receives in the order both sides list them.
+    EXPECT_TRUE(SameBytes(from_prev, Message(dtype, 2 * prev + 20 * round, n)));
+    EXPECT_TRUE(SameBytes(from_next, Message(dtype, 2 * next + 1 + 20 * round, n)));
+  }
+  ASSERT_EQ(trace.records().size(), 8u);
+  const CommRecord& first = trace.records()[0];
+  EXPECT_EQ(first.op, CommOpKind::kSend);
+  EXPECT_EQ(first.peer, next);
+  EXPECT_EQ(first.group, "pp");
+  EXPECT_EQ(first.bytes, n * static_cast<int64_t>(DTypeSize(dtype)));
+  EXPECT_EQ(trace.records()[3].op, CommOpKind::kRecv);
+  EXPECT_EQ(trace.records()[3].peer, next);
+  // An empty batch is allowed and does nothing.
+  world_->BatchSendRecv({});
+}
+
+TEST_P(MpiCommunicatorP2pTest, BatchSendRecvRefusesBadPeersAndBuffers) {
+  const Tensor buffer = Tensor::HostZeros({3}, GetParam());
+  for (int peer : {-1, size_, rank_}) {
+    EXPECT_THROW(world_->BatchSendRecv({{P2POp::Kind::kSend, buffer, peer}}), std::invalid_argument)
+        << peer;
+    EXPECT_THROW(world_->BatchSendRecv({{P2POp::Kind::kRecv, buffer, peer}}), std::invalid_argument)
+        << peer;
+  }
+  EXPECT_THROW(world_->BatchSendRecv({{P2POp::Kind::kSend, Tensor(), (rank_ + 1) % size_}}),
+               std::invalid_argument);
+}
+
 // MPI_ERRORS_RETURN on our communicators is what lets MPUSIM_MPI_CHECK see a failure: a
 // call with an invalid count comes back with an error code instead of aborting in MPI.
 TEST(MpiCheckTest, ErrorsComeBackAndAreReported) {
