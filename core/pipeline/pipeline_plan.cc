@@ -101,8 +101,8 @@ PipelinePlan PlanBlockingPairs(const PipelineSchedule& schedule) { return Plan(s
 
 std::string CheckPipelinePlan(const PipelinePlan& plan, Matching matching) {
   const size_t p = plan.size();
-  // (sender, receiver, tag): the tag is the payload when matching by tag, else empty.
-  using Pair = std::tuple<size_t, size_t, int, int64_t, int64_t>;
+  // (sender, receiver, tag): the tag is (kind, chunk) when matching by tag, else empty.
+  using Pair = std::tuple<size_t, size_t, int, int64_t>;
   // Per pair: the payloads posted so far as sends and as receives, in order.
   std::map<Pair, std::vector<Payload>> sent, received;
   std::vector<size_t> at(p, 0);  // each rank's current action
@@ -116,9 +116,10 @@ std::string CheckPipelinePlan(const PipelinePlan& plan, Matching matching) {
       const bool tagged = matching == Matching::kTagged;
       const int kind = tagged ? static_cast<int>(t.kind) : -1;
       const int64_t chunk = tagged ? t.model_chunk : -1;
-      const int64_t microbatch = tagged ? t.microbatch : -1;
+      // Within one (kind, chunk) both sides list the micro-batches in one order; the
+      // payload check below would catch it if they did not.
       const Pair pair =
-          t.send ? Pair{r, peer, kind, chunk, microbatch} : Pair{peer, r, kind, chunk, microbatch};
+          t.send ? Pair{r, peer, kind, chunk} : Pair{peer, r, kind, chunk};
       std::vector<Payload>& list = t.send ? sent[pair] : received[pair];
       positions[r].push_back({pair, list.size()});
       list.push_back(payload);
@@ -201,6 +202,11 @@ std::string CheckPipelinePlan(const PipelinePlan& plan, Matching matching) {
     }
   }
   return "";
+}
+
+int TransferTag(const Transfer& transfer) {
+  return static_cast<int>(transfer.model_chunk * 2 +
+                          (transfer.kind == Transfer::Kind::kGradient ? 1 : 0));
 }
 
 }  // namespace mpusim

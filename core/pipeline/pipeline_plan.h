@@ -22,8 +22,9 @@
 // Matching. Untagged (NCCL), the n-th message a rank sends to a peer is the n-th that peer
 // receives from it, so both must list them in one order. Between two ranks of p = 2 both
 // activations and gradients travel each way, and the interleaved schedule receives them in
-// another order than the peer sends them; so messages carry a tag, their (kind, chunk,
-// microbatch), and match by it (MPI tags). 1F1B needs no tags.
+// another order than the peer sends them; so messages carry a tag, their (kind, chunk)
+// (TransferTag), and match by it (MPI tags); within one tag both sides list the
+// micro-batches in one order. 1F1B needs no tags.
 // CheckPipelinePlan simulates a plan with rendezvous semantics under either matching and
 // proves, for a given schedule, that every step completes and that every message is
 // received as what it was sent as.
@@ -67,6 +68,9 @@ PipelinePlan PlanBlockingPairs(const PipelineSchedule& schedule);
 // wrong, e.g. "deadlock: rank 0 waits at action 3 (F1.0), rank 1 waits at action 2 (B0.0)".
 enum class Matching : uint8_t { kInOrder, kTagged };
 std::string CheckPipelinePlan(const PipelinePlan& plan, Matching matching);
+
+// The message tag of a transfer: 2 * chunk + (1 for a gradient).
+int TransferTag(const Transfer& transfer);
 
 // "send activation c1.m0 to 1", "recv gradient c0.m2 from 0"; a send not waited for ends
 // with " (async)".
