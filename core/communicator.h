@@ -30,6 +30,15 @@ struct P2POp {
   Kind kind = Kind::kSend;
   Tensor buffer;  // a handle: a receive writes into the storage the caller holds too
   int peer = 0;   // a group rank other than this rank
+  int tag = 0;    // in [0, 32767]; a send matches a receive of the same peer pair and tag
+};
+
+// Messages posted by Communicator::PostSendRecv. Wait returns once all have completed; the
+// destructor waits too (the buffers are kept alive until then).
+class PendingP2P {
+ public:
+  virtual ~PendingP2P() = default;
+  virtual void Wait() = 0;
 };
 
 class Communicator {
@@ -46,11 +55,14 @@ class Communicator {
   virtual void ReduceScatter(const Tensor& in, Tensor& out) = 0;
   // In place; `root` is a rank inside this group.
   virtual void Broadcast(Tensor& buffer, int root) = 0;
-  // Posts every message of `ops` and returns once all have completed (sends: the buffer may
-  // be reused; receives: the buffer holds the message). Messages between two ranks match in
-  // the order each side lists them, across batches too. A receive's buffer must have the
-  // sender's dtype and element count (otherwise the job is aborted: the ranks disagree).
-  virtual void BatchSendRecv(const std::vector<P2POp>& ops) = 0;
+  // Posts every message of `ops`; the returned handle completes them (sends: the buffer may
+  // be reused; receives: the buffer holds the message). Messages between two ranks with the
+  // same tag match in the order each side posts them, across batches too. A receive's
+  // buffer must have the sender's dtype and element count (otherwise the job is aborted:
+  // the ranks disagree). A backend may complete the messages before returning (NCCL).
+  virtual std::unique_ptr<PendingP2P> PostSendRecv(const std::vector<P2POp>& ops) = 0;
+  // Posts every message and waits for all of them (Megatron's batch_isend_irecv + wait).
+  void BatchSendRecv(const std::vector<P2POp>& ops) { PostSendRecv(ops)->Wait(); }
 };
 
 enum class CommOpKind : uint8_t {
@@ -117,12 +129,12 @@ class TracedCommunicator : public Communicator {
     Note(CommOpKind::kBroadcast, buffer.bytes());
     inner_->Broadcast(buffer, root);
   }
-  void BatchSendRecv(const std::vector<P2POp>& ops) override {
+  std::unique_ptr<PendingP2P> PostSendRecv(const std::vector<P2POp>& ops) override {
     for (const P2POp& op : ops) {
-      Note(op.kind == P2POp::Kind::kSend ? CommOpKind::kSend : CommOpKind::kRecv, op.buffer.bytes(),
-           op.peer);
+      Note(op.kind == P2POp::Kind::kSend ? CommOpKind::kSend : CommOpKind::kRecv,
+           op.buffer.bytes(), op.peer);
     }
-    inner_->BatchSendRecv(ops);
+    return inner_->PostSendRecv(ops);
   }
   const std::string& group() const { return group_; }
 

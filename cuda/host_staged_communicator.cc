@@ -68,24 +68,51 @@ void HostStagedCommunicator::Broadcast(Tensor& buffer, int root) {
   kernels_.CopyFromHost(host, buffer);
 }
 
-void HostStagedCommunicator::BatchSendRecv(const std::vector<P2POp>& ops) {
+namespace {
+
+class StagedP2P final : public PendingP2P {
+ public:
+  StagedP2P(std::vector<P2POp> ops, std::vector<P2POp> staged,
+            std::unique_ptr<PendingP2P> inner, CudaKernels& kernels)
+      : ops_(std::move(ops)),
+        staged_(std::move(staged)),
+        inner_(std::move(inner)),
+        kernels_(kernels) {}
+  ~StagedP2P() override { Wait(); }
+  void Wait() override {
+    if (waited_) return;
+    waited_ = true;
+    inner_->Wait();
+    for (size_t i = 0; i < ops_.size(); ++i) {
+      if (ops_[i].kind != P2POp::Kind::kRecv) continue;
+      Tensor target = ops_[i].buffer;  // shares the caller's storage
+      kernels_.CopyFromHost(staged_[i].buffer, target);
+    }
+  }
+
+ private:
+  std::vector<P2POp> ops_;
+  std::vector<P2POp> staged_;
+  std::unique_ptr<PendingP2P> inner_;
+  CudaKernels& kernels_;
+  bool waited_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<PendingP2P> HostStagedCommunicator::PostSendRecv(const std::vector<P2POp>& ops) {
   std::vector<P2POp> staged;
   staged.reserve(ops.size());
   for (const P2POp& op : ops) {
-    CheckDevice("BatchSendRecv", "buffer", op.buffer);
+    CheckDevice("PostSendRecv", "buffer", op.buffer);
     staged.push_back({op.kind,
                       op.kind == P2POp::Kind::kSend
                           ? kernels_.ToHost(op.buffer)
                           : Tensor::HostEmpty(op.buffer.shape(), op.buffer.dtype()),
-                      op.peer});
+                      op.peer, op.tag});
   }
-  group_->BatchSendRecv(staged);
-  for (size_t i = 0; i < ops.size(); ++i) {
-    if (ops[i].kind == P2POp::Kind::kRecv) {
-      Tensor target = ops[i].buffer;  // shares the caller's storage
-      kernels_.CopyFromHost(staged[i].buffer, target);
-    }
-  }
+  std::unique_ptr<PendingP2P> inner = group_->PostSendRecv(staged);
+  return std::make_unique<StagedP2P>(ops, std::move(staged), std::move(inner), kernels_);
 }
 
 }  // namespace mpusim::cuda

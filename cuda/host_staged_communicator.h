@@ -35,8 +35,9 @@ class HostStagedCommunicator final : public Communicator {
   void AllGather(const Tensor& in, Tensor& out) override;
   void ReduceScatter(const Tensor& in, Tensor& out) override;
   void Broadcast(Tensor& buffer, int root) override;
-  // Sends are copied to the host first, receives land on the host and are copied back.
-  void BatchSendRecv(const std::vector<P2POp>& ops) override;
+  // Sends are copied to the host first; receives land on the host and are copied back by
+  // Wait.
+  std::unique_ptr<PendingP2P> PostSendRecv(const std::vector<P2POp>& ops) override;
 
  private:
   std::unique_ptr<MpiCommunicator> group_;

@@ -157,11 +157,18 @@ void NcclCommunicator::Broadcast(Tensor& buffer, int root) {
   Wait("Broadcast");
 }
 
-void NcclCommunicator::BatchSendRecv(const std::vector<P2POp>& ops) {
+namespace {
+class CompletedP2P final : public PendingP2P {
+ public:
+  void Wait() override {}
+};
+}  // namespace
+
+std::unique_ptr<PendingP2P> NcclCommunicator::PostSendRecv(const std::vector<P2POp>& ops) {
   for (const P2POp& op : ops) {
-    CheckBuffer("BatchSendRecv", "buffer", op.buffer);
+    CheckBuffer("PostSendRecv", "buffer", op.buffer);
     if (op.peer < 0 || op.peer >= size_ || op.peer == rank_) {
-      Invalid("BatchSendRecv", fmt::format("peer {} is not another rank of this group (rank {} "
+      Invalid("PostSendRecv", fmt::format("peer {} is not another rank of this group (rank {} "
                                            "of {})",
                                            op.peer, rank_, size_));
     }
@@ -180,7 +187,8 @@ void NcclCommunicator::BatchSendRecv(const std::vector<P2POp>& ops) {
     }
   }
   MPUSIM_NCCL_CHECK(ncclGroupEnd());
-  Wait("BatchSendRecv");
+  Wait("PostSendRecv");
+  return std::make_unique<CompletedP2P>();
 }
 
 }  // namespace mpusim::cuda

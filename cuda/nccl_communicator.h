@@ -57,7 +57,10 @@ class NcclCommunicator final : public Communicator {
   // One NCCL group (ncclGroupStart, an ncclSend or ncclRecv per message, ncclGroupEnd), then
   // the wait. NCCL does not report a receive of the wrong length; the model's steps make
   // the same calls on both sides, and the CPU backend checks them.
-  void BatchSendRecv(const std::vector<P2POp>& ops) override;
+  // Completes the messages before returning (the sends are not left in flight: on one stream
+  // a pending send would hold back the kernels after it). Tags are not used: NCCL matches
+  // the messages of a peer pair in order.
+  std::unique_ptr<PendingP2P> PostSendRecv(const std::vector<P2POp>& ops) override;
 
  private:
   NcclCommunicator(ncclComm_t comm, int rank, int size, std::string group_name,

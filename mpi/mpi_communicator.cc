@@ -213,30 +213,60 @@ void MpiCommunicator::Recv(Tensor& buffer, int peer) {
   }
 }
 
-void MpiCommunicator::BatchSendRecv(const std::vector<P2POp>& ops) {
+namespace {
+
+class MpiPendingP2P final : public PendingP2P {
+ public:
+  MpiPendingP2P(std::vector<P2POp> ops, std::vector<watched::Message> messages,
+                watched::PendingMessages pending, const CommLabel& label)
+      : ops_(std::move(ops)),
+        messages_(std::move(messages)),
+        pending_(std::move(pending)),
+        label_(label) {}
+  ~MpiPendingP2P() override { Wait(); }
+  void Wait() override {
+    if (waited_) return;
+    waited_ = true;
+    const std::vector<int> received = pending_.Wait();
+    for (size_t i = 0; i < ops_.size(); ++i) {
+      if (messages_[i].send || received[i] == messages_[i].count) continue;
+      const ProcessPlace place = WhereAmI();
+      AbortJob(fmt::format("mpusim: rank {} (host {}): MpiCommunicator::PostSendRecv receive "
+                           "from group rank {} of {}: expected {} elements of {}, received {}",
+                           place.world_rank, place.host, ops_[i].peer, DescribeGroup(label_),
+                           messages_[i].count, DTypeName(ops_[i].buffer.dtype()),
+                           received[i]));
+    }
+  }
+
+ private:
+  std::vector<P2POp> ops_;  // keeps the buffers alive until the messages complete
+  std::vector<watched::Message> messages_;
+  watched::PendingMessages pending_;
+  const CommLabel& label_;
+  bool waited_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<PendingP2P> MpiCommunicator::PostSendRecv(const std::vector<P2POp>& ops) {
   std::vector<watched::Message> messages;
   messages.reserve(ops.size());
   for (const P2POp& op : ops) {
     const bool send = op.kind == P2POp::Kind::kSend;
-    const char* function = send ? "BatchSendRecv (send)" : "BatchSendRecv (recv)";
+    const char* function = send ? "PostSendRecv (send)" : "PostSendRecv (recv)";
     CheckBuffer(function, "buffer", op.buffer);
     CheckPeer(function, op.peer, rank_, size_);
+    if (op.tag < 0 || op.tag > 32767) {
+      Invalid(function, fmt::format("tag {} is outside [0, 32767]", op.tag));
+    }
     // A copy of the handle shares the caller's storage: MPI writes a receive there.
     Tensor buffer = op.buffer;
     messages.push_back({send, buffer.data(), MpiCount(function, op.buffer.numel()),
-                        MpiType(op.buffer.dtype()), op.peer});
+                        MpiType(op.buffer.dtype()), op.peer, op.tag});
   }
-  const std::vector<int> received =
-      watched::SendRecvBatch(messages, kPointToPointTag, comm_, label_);
-  for (size_t i = 0; i < ops.size(); ++i) {
-    if (messages[i].send || received[i] == messages[i].count) continue;
-    const ProcessPlace place = WhereAmI();
-    AbortJob(
-        fmt::format("mpusim: rank {} (host {}): MpiCommunicator::BatchSendRecv receive "
-                    "from group rank {} of {}: expected {} elements of {}, received {}",
-                    place.world_rank, place.host, ops[i].peer, DescribeGroup(label_),
-                    messages[i].count, DTypeName(ops[i].buffer.dtype()), received[i]));
-  }
+  watched::PendingMessages pending = watched::PostMessages(messages, comm_, label_);
+  return std::make_unique<MpiPendingP2P>(ops, std::move(messages), std::move(pending), label_);
 }
 
 std::map<std::string, std::unique_ptr<Communicator>> MakeGroupCommunicators(

@@ -88,9 +88,9 @@ class MpiCommunicator final : public Communicator {
   // reported the same way, both aborting the job (the two ranks disagree: a bug).
   void Send(const Tensor& buffer, int peer);
   void Recv(Tensor& buffer, int peer);
-  // All messages posted (MPI_Isend / MPI_Irecv), then waited for together under the
-  // watchdog; a receive of the wrong length aborts the job like Recv.
-  void BatchSendRecv(const std::vector<P2POp>& ops) override;
+  // All messages posted (MPI_Isend / MPI_Irecv with the op's tag); Wait completes them under
+  // the watchdog, and a receive of the wrong length aborts the job like Recv.
+  std::unique_ptr<PendingP2P> PostSendRecv(const std::vector<P2POp>& ops) override;
 
  private:
   MpiCommunicator(MPI_Comm comm, std::string kind);

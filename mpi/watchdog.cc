@@ -406,22 +406,54 @@ int Recv(void* buffer, int count, MPI_Datatype type, int peer, int tag, MPI_Comm
   return received;
 }
 
-std::vector<int> SendRecvBatch(const std::vector<Message>& messages, int tag, MPI_Comm comm,
-                               const CommLabel& label) {
-  const size_t n = messages.size();
+struct PendingMessages::Impl {
+  std::vector<Message> messages;
   std::vector<Watched> watches;
-  watches.reserve(n);
-  std::vector<int64_t> calls(n);
-  std::vector<MPI_Request> requests(n, MPI_REQUEST_NULL);
+  std::vector<int64_t> calls;
+  std::vector<MPI_Request> requests;
+  bool waited = false;
+};
+
+PendingMessages::PendingMessages() = default;
+PendingMessages::PendingMessages(PendingMessages&&) noexcept = default;
+PendingMessages& PendingMessages::operator=(PendingMessages&& other) noexcept {
+  if (this != &other) {
+    if (state_ != nullptr && !state_->waited) Wait();
+    state_ = std::move(other.state_);
+  }
+  return *this;
+}
+PendingMessages::~PendingMessages() {
+  if (state_ != nullptr && !state_->waited) Wait();
+}
+
+PendingMessages PostMessages(const std::vector<Message>& messages, MPI_Comm comm,
+                             const CommLabel& label) {
+  PendingMessages pending;
+  pending.state_ = std::make_unique<PendingMessages::Impl>();
+  PendingMessages::Impl& s = *pending.state_;
+  const size_t n = messages.size();
+  s.messages = messages;
+  s.watches.reserve(n);
+  s.calls.resize(n);
+  s.requests.assign(n, MPI_REQUEST_NULL);
   for (size_t i = 0; i < n; ++i) {
     const Message& m = messages[i];
-    watches.push_back(Watched{m.send ? WatchedOp::kSend : WatchedOp::kRecv,
-                              m.send ? "MPI_Isend" : "MPI_Irecv", label, m.peer});
-    calls[i] = CountCall(watches[i].op);
-    CheckCode(m.send ? MPI_Isend(m.buffer, m.count, m.type, m.peer, tag, comm, &requests[i])
-                     : MPI_Irecv(m.buffer, m.count, m.type, m.peer, tag, comm, &requests[i]),
-              watches[i], __LINE__);
+    s.watches.push_back(Watched{m.send ? WatchedOp::kSend : WatchedOp::kRecv,
+                                m.send ? "MPI_Isend" : "MPI_Irecv", label, m.peer});
+    s.calls[i] = CountCall(s.watches[i].op);
+    CheckCode(m.send ? MPI_Isend(m.buffer, m.count, m.type, m.peer, m.tag, comm, &s.requests[i])
+                     : MPI_Irecv(m.buffer, m.count, m.type, m.peer, m.tag, comm, &s.requests[i]),
+              s.watches[i], __LINE__);
   }
+  return pending;
+}
+
+std::vector<int> PendingMessages::Wait() {
+  if (state_ == nullptr || state_->waited) return {};
+  Impl& s = *state_;
+  s.waited = true;
+  const size_t n = s.messages.size();
   using Clock = std::chrono::steady_clock;
   const Clock::time_point start = Clock::now();
   const double timeout_s = State().timeout_s;
@@ -433,7 +465,7 @@ std::vector<int> SendRecvBatch(const std::vector<Message>& messages, int tag, MP
     for (size_t i = 0; i < n; ++i) {
       if (done[i]) continue;
       int complete = 0;
-      CheckCode(MPI_Test(&requests[i], &complete, &statuses[i]), watches[i], __LINE__);
+      CheckCode(MPI_Test(&s.requests[i], &complete, &statuses[i]), s.watches[i], __LINE__);
       if (complete != 0) {
         done[i] = true;
         --remaining;
@@ -443,15 +475,21 @@ std::vector<int> SendRecvBatch(const std::vector<Message>& messages, int tag, MP
     }
     if (remaining == 0) break;
     const double waited_s = std::chrono::duration<double>(Clock::now() - start).count();
-    if (waited_s >= timeout_s) Expire(watches[first_pending], calls[first_pending], waited_s);
+    if (waited_s >= timeout_s) Expire(s.watches[first_pending], s.calls[first_pending], waited_s);
     Pause(waited_s);
   }
   std::vector<int> received(n, 0);
   for (size_t i = 0; i < n; ++i) {
-    if (messages[i].send) continue;
-    CheckCode(MPI_Get_count(&statuses[i], messages[i].type, &received[i]), watches[i], __LINE__);
+    if (s.messages[i].send) continue;
+    CheckCode(MPI_Get_count(&statuses[i], s.messages[i].type, &received[i]), s.watches[i],
+              __LINE__);
   }
   return received;
+}
+
+std::vector<int> SendRecvBatch(const std::vector<Message>& messages, MPI_Comm comm,
+                               const CommLabel& label) {
+  return PostMessages(messages, comm, label).Wait();
 }
 
 }  // namespace watched

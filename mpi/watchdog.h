@@ -44,6 +44,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -152,12 +153,34 @@ struct Message {
   int count = 0;
   MPI_Datatype type = MPI_DATATYPE_NULL;
   int peer = 0;
+  int tag = 0;
 };
+
+// Messages posted by PostMessages and not yet waited for. Wait completes them under one
+// deadline (the timeout counts from Wait); past the timeout the watchdog's line names the
+// first message still incomplete and its peer. Wait returns, per message, the number of
+// elements received (0 for a send). Destroying pending messages waits for them (their
+// buffers must outlive that).
+class PendingMessages {
+ public:
+  PendingMessages();
+  PendingMessages(PendingMessages&&) noexcept;
+  PendingMessages& operator=(PendingMessages&&) noexcept;
+  ~PendingMessages();
+  std::vector<int> Wait();
+
+ private:
+  friend PendingMessages PostMessages(const std::vector<Message>&, MPI_Comm, const CommLabel&);
+  struct Impl;
+  std::unique_ptr<Impl> state_;
+};
+
 // Posts every message (MPI_Isend / MPI_Irecv, each counted as a send or recv call for
-// MPUSIM_FAULT) and waits until all have completed, under one deadline. Past the timeout the
-// watchdog's line names the first message still incomplete and its peer. Returns, per
-// message, the number of elements received (0 for a send).
-std::vector<int> SendRecvBatch(const std::vector<Message>& messages, int tag, MPI_Comm comm,
+// MPUSIM_FAULT) on `comm`; `label` must outlive the result.
+PendingMessages PostMessages(const std::vector<Message>& messages, MPI_Comm comm,
+                             const CommLabel& label);
+// PostMessages, then Wait.
+std::vector<int> SendRecvBatch(const std::vector<Message>& messages, MPI_Comm comm,
                                const CommLabel& label);
 
 }  // namespace watched

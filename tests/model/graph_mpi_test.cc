@@ -386,7 +386,9 @@ class DroppingAllReduce final : public Communicator {
   void AllGather(const Tensor& in, Tensor& out) override { inner_->AllGather(in, out); }
   void ReduceScatter(const Tensor& in, Tensor& out) override { inner_->ReduceScatter(in, out); }
   void Broadcast(Tensor& buffer, int root) override { inner_->Broadcast(buffer, root); }
-  void BatchSendRecv(const std::vector<P2POp>& ops) override { inner_->BatchSendRecv(ops); }
+  std::unique_ptr<PendingP2P> PostSendRecv(const std::vector<P2POp>& ops) override {
+    return inner_->PostSendRecv(ops);
+  }
 
  private:
   std::unique_ptr<Communicator> inner_;

@@ -457,6 +457,29 @@ TEST_P(MpiCommunicatorP2pTest, BatchSendRecvExchangesWithBothNeighbours) {
   world_->BatchSendRecv({});
 }
 
+// Posted sends left in flight while the rank waits for a receive: both partners post a
+// rendezvous-sized send, then each waits for the other's message, then for its own send.
+// Messages with different tags are received in another order than they were sent.
+TEST_P(MpiCommunicatorP2pTest, PostedSendsAndTagsLetPartnersReceiveInAnyOrder) {
+  const DType dtype = GetParam();
+  const int partner = rank_ ^ 1;
+  if (partner >= size_) GTEST_SKIP() << "no partner for rank " << rank_;
+  const int64_t n = int64_t{1} << 17;
+  const Tensor first = Message(dtype, 2 * rank_, n);
+  const Tensor second = Message(dtype, 2 * rank_ + 1, n);
+  std::unique_ptr<PendingP2P> sends = world_->PostSendRecv(
+      {{P2POp::Kind::kSend, first, partner, 7}, {P2POp::Kind::kSend, second, partner, 9}});
+  Tensor got_second = Tensor::HostZeros({n}, dtype);
+  Tensor got_first = Tensor::HostZeros({n}, dtype);
+  world_->BatchSendRecv({{P2POp::Kind::kRecv, got_second, partner, 9}});
+  world_->BatchSendRecv({{P2POp::Kind::kRecv, got_first, partner, 7}});
+  sends->Wait();
+  EXPECT_TRUE(SameBytes(got_first, Message(dtype, 2 * partner, n)));
+  EXPECT_TRUE(SameBytes(got_second, Message(dtype, 2 * partner + 1, n)));
+  EXPECT_THROW(world_->PostSendRecv({{P2POp::Kind::kSend, first, partner, 32768}}),
+               std::invalid_argument);
+}
+
 TEST_P(MpiCommunicatorP2pTest, BatchSendRecvRefusesBadPeersAndBuffers) {
   const Tensor buffer = Tensor::HostZeros({3}, GetParam());
   for (int peer : {-1, size_, rank_}) {
