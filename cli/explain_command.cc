@@ -108,21 +108,53 @@ class ExplainCommand : public Command {
   // The GPT model: every parameter, its split and this rank's piece, in state-dict order.
   int ExplainGpt(const Config& config, const Topology& topology, std::ostream& out,
                  std::ostream& err) {
-    std::string source;
-    StatusOr<std::unique_ptr<GptModel>> model = GptModel::Build(config, topology, {});
-    if (!model.ok()) {
-      return ReportError(err, source, config_.Attribute(model.status(), &source).Message());
+    const int64_t pp = topology.sizes().pp;
+    for (int64_t stage = 0; stage < pp; ++stage) {
+      RankCoordinates coords;
+      coords.pp = stage;
+      std::string source;
+      StatusOr<std::unique_ptr<GptModel>> model = GptModel::Build(config, topology, coords);
+      if (!model.ok()) {
+        return ReportError(err, source, config_.Attribute(model.status(), &source).Message());
+      }
+      ExplainGptStage(config, topology, **model, stage, out);
     }
-    const GptConfig& gpt = (*model)->gpt();
+    return kExitOk;
+  }
+
+  // One pipeline stage's parameters (the whole model when pp = 1).
+  void ExplainGptStage(const Config& config, const Topology& topology, GptModel& model,
+                       int64_t stage, std::ostream& out) {
+    const GptConfig& gpt = model.gpt();
     const int64_t t = topology.sizes().tp;
+    const int64_t pp = topology.sizes().pp;
     const bool sp = config.parallel.sequence_parallel && t > 1;
-    out << fmt::format("GPT model (Megatron-Core GPTModel, local layer spec), "
-                       "tensor_model_parallel_size {}, sequence_parallel {}: a split parameter is "
-                       "cut into {} slices and rank r of a tp group holds slice r\n",
-                       t, sp, t);
+    if (stage == 0) {
+      out << fmt::format(
+          "GPT model (Megatron-Core GPTModel, local layer spec), "
+          "tensor_model_parallel_size {}, sequence_parallel {}: a split parameter "
+          "is cut into {} slices and rank r of a tp group holds slice r\n",
+          t, sp, t);
+    }
+    if (pp > 1) {
+      std::vector<std::string> chunks;
+      for (const GptChunk& chunk : model.chunks()) {
+        std::vector<std::string> parts;
+        if (chunk.pre_process) parts.push_back("embedding");
+        if (!chunk.layers.empty()) {
+          parts.push_back(
+              chunk.layers.size() == 1
+                  ? fmt::format("layer {}", chunk.layers.front())
+                  : fmt::format("layers {}-{}", chunk.layers.front(), chunk.layers.back()));
+        }
+        if (chunk.post_process) parts.push_back("final norm, output layer, loss");
+        chunks.push_back(fmt::format("[{}]", fmt::join(parts, ", ")));
+      }
+      out << fmt::format("pipeline stage {} of {}: chunks {}\n", stage, pp, fmt::join(chunks, " "));
+    }
     const int64_t groups_local = gpt.num_query_groups / t;
     const int64_t per_group = gpt.num_attention_heads / gpt.num_query_groups;
-    for (const auto& p : (*model)->parameters().all()) {
+    for (const auto& p : model.parameters().all()) {
       const Shape local = LocalShape(p->shard, p->full_shape);
       std::string how = "replicated";
       const Placement* split = p->shard.Find(ShardAxis::kTp);
@@ -143,12 +175,16 @@ class ExplainCommand : public Command {
         note = fmt::format("; rank r holds vocabulary rows [{} r, {} (r + 1))", local[0], local[0]);
       }
       if (p->sequence_parallel) note += "; gradient all-reduced over tp (sequence parallel)";
+      if (p->embedding_group) {
+        note +=
+            "; tied: the first and the last stage each hold it, gradient all-reduced over "
+            "embd";
+      }
       out << fmt::format("  {} {} {}{}\n", p->name, ShapeString(p->full_shape), how, note);
     }
-    if (gpt.share_embeddings_and_output_weights) {
+    if (gpt.share_embeddings_and_output_weights && stage == pp - 1) {
       out << "  output_layer uses embedding.word_embeddings.weight (shared)\n";
     }
-    return kExitOk;
   }
 
   CLI::App* app_ = nullptr;

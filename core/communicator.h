@@ -63,6 +63,10 @@ class Communicator {
   virtual std::unique_ptr<PendingP2P> PostSendRecv(const std::vector<P2POp>& ops) = 0;
   // Posts every message and waits for all of them (Megatron's batch_isend_irecv + wait).
   void BatchSendRecv(const std::vector<P2POp>& ops) { PostSendRecv(ops)->Wait(); }
+  // Whether PostSendRecv returns with its sends still in flight (MPI) or completes them
+  // first (NCCL). A pipeline that cannot leave sends in flight pairs each step's sends with
+  // its receive in one batch, as Megatron does (core/pipeline/pipeline_plan.h).
+  virtual bool LeavesSendsInFlight() const { return true; }
 };
 
 enum class CommOpKind : uint8_t {
@@ -129,6 +133,7 @@ class TracedCommunicator : public Communicator {
     Note(CommOpKind::kBroadcast, buffer.bytes());
     inner_->Broadcast(buffer, root);
   }
+  bool LeavesSendsInFlight() const override { return inner_->LeavesSendsInFlight(); }
   std::unique_ptr<PendingP2P> PostSendRecv(const std::vector<P2POp>& ops) override {
     for (const P2POp& op : ops) {
       Note(op.kind == P2POp::Kind::kSend ? CommOpKind::kSend : CommOpKind::kRecv,

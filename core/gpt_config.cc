@@ -196,14 +196,12 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
                                      gpt->max_position_embeddings, run.seq_length));
   }
   for (const auto& [field, value] :
-       {std::pair<const char*, int64_t>{"pipeline_model_parallel_size",
-                                        parallel.pipeline_model_parallel_size},
-        {"context_parallel_size", parallel.context_parallel_size},
+       {std::pair<const char*, int64_t>{"context_parallel_size", parallel.context_parallel_size},
         {"expert_model_parallel_size", parallel.expert_model_parallel_size}}) {
     if (value != 1) {
       return Status::Error(fmt::format("parallel.{}", field),
-                           fmt::format("must be 1 for a GPT run today, got {} (pipeline, context "
-                                       "and expert parallel GPT runs are not built yet)",
+                           fmt::format("must be 1 for a GPT run today, got {} (context and "
+                                       "expert parallel GPT runs are not built yet)",
                                        value));
     }
   }

@@ -24,9 +24,12 @@ struct RankGroups {
   std::unique_ptr<Communicator> tp;     // tensor model-parallel
   std::unique_ptr<Communicator> dp;     // data-parallel (the loss average)
   std::unique_ptr<Communicator> dp_cp;  // data x context parallel (gradient reduction)
+  std::unique_ptr<Communicator> pp;     // pipeline stages (point-to-point between them)
+  std::unique_ptr<Communicator> embd;   // first and last stage (tied embeddings); null on
+                                        // the stages between
 
   // The kinds above, in Megatron's names, for backends' MakeGroups.
-  static std::vector<std::string> Kinds() { return {"tp", "dp", "dp_cp"}; }
+  static std::vector<std::string> Kinds() { return {"tp", "dp", "dp_cp", "pp", "embd"}; }
   // Moves the communicators named by Kinds() out of `made` (a backend's MakeGroups result).
   static RankGroups Take(std::map<std::string, std::unique_ptr<Communicator>>& made) {
     RankGroups groups;
@@ -37,6 +40,8 @@ struct RankGroups {
     groups.tp = take("tp");
     groups.dp = take("dp");
     groups.dp_cp = take("dp_cp");
+    groups.pp = take("pp");
+    groups.embd = take("embd");
     return groups;
   }
 };
@@ -53,6 +58,8 @@ struct RankContext {
   Communicator& tp() const { return Required(groups.tp, "tp"); }
   Communicator& dp() const { return Required(groups.dp, "dp"); }
   Communicator& dp_cp() const { return Required(groups.dp_cp, "dp_cp"); }
+  Communicator& pp() const { return Required(groups.pp, "pp"); }
+  Communicator* embd() const { return groups.embd.get(); }
   int64_t tp_size() const { return topology->sizes().tp; }
   int64_t tp_rank() const { return coords.tp; }
 

@@ -61,6 +61,7 @@ class NcclCommunicator final : public Communicator {
   // a pending send would hold back the kernels after it). Tags are not used: NCCL matches
   // the messages of a peer pair in order.
   std::unique_ptr<PendingP2P> PostSendRecv(const std::vector<P2POp>& ops) override;
+  bool LeavesSendsInFlight() const override { return false; }
 
  private:
   NcclCommunicator(ncclComm_t comm, int rank, int size, std::string group_name,

@@ -1,17 +1,19 @@
 // The dump writer (see dump.h).
 #include "run/dump.h"
 
+#include <fmt/format.h>
 #include <mpi.h>
 
+#include <climits>
 #include <filesystem>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <random>
+#include <set>
+#include <stdexcept>
 #include <string_view>
 #include <system_error>
 #include <utility>
-
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "core/diff.h"
 #include "core/safetensors.h"
@@ -49,6 +51,33 @@ std::string ShareFromRankZero(int world_rank, const std::string& message) {
   std::string shared = world_rank == 0 ? message : std::string(static_cast<size_t>(length), ' ');
   if (length > 0) watched::Bcast(shared.data(), length, MPI_CHAR, 0, MPI_COMM_WORLD, WorldLabel());
   return shared;
+}
+
+// Every rank's `text`, in rank order, on every rank.
+std::vector<std::string> AllGatherStrings(const std::string& text) {
+  int world_size = 1;
+  MPUSIM_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world_size));
+  if (text.size() > static_cast<size_t>(INT_MAX)) {
+    throw std::length_error("AllGatherStrings: a rank's text exceeds 2 GiB");
+  }
+  const int length = static_cast<int>(text.size());
+  std::vector<int> lengths(static_cast<size_t>(world_size));
+  watched::Allgather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, MPI_COMM_WORLD, WorldLabel());
+  std::vector<int> offsets(static_cast<size_t>(world_size));
+  int64_t total = 0;
+  for (size_t r = 0; r < lengths.size(); ++r) {
+    offsets[r] = static_cast<int>(total);
+    total += lengths[r];
+    if (total > INT_MAX) throw std::length_error("AllGatherStrings: the texts exceed 2 GiB");
+  }
+  std::string all(static_cast<size_t>(total), ' ');
+  watched::Allgatherv(text.data(), length, MPI_CHAR, all.data(), lengths.data(), offsets.data(),
+                      MPI_CHAR, MPI_COMM_WORLD, WorldLabel());
+  std::vector<std::string> out;
+  for (size_t r = 0; r < lengths.size(); ++r) {
+    out.push_back(all.substr(static_cast<size_t>(offsets[r]), static_cast<size_t>(lengths[r])));
+  }
+  return out;
 }
 
 int WorldRank() {
@@ -177,6 +206,14 @@ Status WriteDump(const DumpTarget& target, const RankCoordinates& coords,
   if (GatherErrors(written.ok() ? std::string() : path + ": " + written.Message(), lines)) {
     return fail("writing");
   }
+  // The manifest lists every rank's tensors (pipeline stages hold different ones), in rank
+  // order, each once.
+  nlohmann::ordered_json mine = nlohmann::ordered_json::array();
+  for (const TensorRecord& r : records) {
+    mine.push_back(
+        {{"name", r.name}, {"full_shape", r.full_shape}, {"dtype", DTypeName(r.tensor.dtype())}});
+  }
+  const std::vector<std::string> lists = AllGatherStrings(mine.dump());
   std::string finished;
   if (world_rank == 0) {
     nlohmann::ordered_json manifest;
@@ -188,10 +225,11 @@ Status WriteDump(const DumpTarget& target, const RankCoordinates& coords,
     manifest["backend"] = target.backend;
     manifest["dtype"] = DTypeName(target.dtype);
     nlohmann::ordered_json tensors = nlohmann::ordered_json::array();
-    for (const TensorRecord& r : records) {
-      tensors.push_back({{"name", r.name},
-                         {"full_shape", r.full_shape},
-                         {"dtype", DTypeName(r.tensor.dtype())}});
+    std::set<std::string> listed;
+    for (const std::string& list : lists) {
+      for (const auto& entry : nlohmann::ordered_json::parse(list)) {
+        if (listed.insert(entry["name"].get<std::string>()).second) tensors.push_back(entry);
+      }
     }
     manifest["tensors"] = tensors;
     std::vector<std::string> files;

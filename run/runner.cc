@@ -1,6 +1,8 @@
 // `mpusim run` on MPI ranks (see runner.h).
 #include "run/runner.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <mpi.h>
 
 #include <algorithm>
@@ -12,10 +14,8 @@
 #include <ostream>
 #include <sstream>
 
-#include <fmt/format.h>
-#include <fmt/ranges.h>
-
 #include "core/config.h"
+#include "core/schedule.h"
 #include "core/topology.h"
 #include "mpi/agree.h"
 #include "mpi/mpi_check.h"
@@ -113,7 +113,10 @@ StatusOr<SimulationResult> SimulateGpt(const Config& config, const SimulateOptio
   const auto element_bytes = static_cast<int64_t>(DTypeSize(config.run->dtype));
   for (const auto& p : model.parameters().all()) {
     result.parameter_bytes_rank += NumElements(LocalShape(p->shard, p->full_shape)) * element_bytes;
-    result.parameter_bytes_model += NumElements(p->full_shape) * element_bytes;
+  }
+  // The whole model, once (a rank of a pipeline holds only its stages' parameters).
+  for (const GptParameter& p : GptParameters(model.gpt(), model.padded_vocab_size(), false)) {
+    result.parameter_bytes_model += NumElements(p.shape) * element_bytes;
   }
   model.InitializeParameters(*ctx.kernels);
   const bool want_records = options.check || options.keep_records;
@@ -124,6 +127,7 @@ StatusOr<SimulationResult> SimulateGpt(const Config& config, const SimulateOptio
   });
   result.has_loss = true;
   result.loss = model.loss();
+  result.peak_stashes = model.peak_live_stashes();
   if (options.check) {
     Kernels& kernels = *ctx.kernels;
     const HostFetch fetch = [&](const TensorRecord& r) {
@@ -375,10 +379,19 @@ void RankRun::PrintLayout(const Topology& topology, const SimulationResult& resu
                       options_.config_path, world_size_, backend_name_, DTypeName(run.dtype),
                       run.seed);
   out_ << fmt::format("backend: {}\n", backend_description_);
-  out_ << fmt::format("layout: tensor_model_parallel_size {}, data_parallel_size {}, "
-                      "sequence_parallel {}\n",
-                      s.tp, s.dp, config_.parallel.sequence_parallel);
-  for (const char* kind : {"tp", "dp"}) {
+  out_ << fmt::format(
+      "layout: tensor_model_parallel_size {}, data_parallel_size {}, "
+      "sequence_parallel {}{}\n",
+      s.tp, s.dp, config_.parallel.sequence_parallel,
+      s.pp > 1 ? fmt::format(", pipeline_model_parallel_size {}{}", s.pp,
+                             s.vp ? fmt::format(", virtual_pipeline_model_"
+                                                "parallel_size {}",
+                                                *s.vp)
+                                  : std::string())
+               : std::string());
+  std::vector<const char*> kinds = {"tp", "dp"};
+  if (s.pp > 1) kinds.push_back("pp");
+  for (const char* kind : kinds) {
     const size_t k = *topology.FindKind(kind);
     std::vector<std::string> groups;
     for (int64_t g = 0; g < std::min<int64_t>(topology.NumGroups(k), 8); ++g) {
@@ -391,6 +404,17 @@ void RankRun::PrintLayout(const Topology& topology, const SimulationResult& resu
                       "num_microbatches {}{}\n",
                       run.seq_length, run.micro_batch_size, run.micro_batch_size * s.dp,
                       run.num_microbatches, RecomputeNote(run.recompute));
+  if (s.pp > 1) {
+    StatusOr<PipelineSchedule> schedule = BuildPipelineSchedule(
+        s.pp, s.vp, run.num_microbatches, config_.parallel.microbatch_group_size_per_vp_stage);
+    if (schedule.ok()) {
+      out_ << fmt::format(
+          "pipeline: {} schedule; rank 0 (stage 0) runs {} (`mpusim schedule` "
+          "shows every stage); at most {} micro-batch stash{} live on rank 0\n",
+          schedule->interleaved ? "interleaved 1F1B" : "1F1B", FormatRank(*schedule, 0),
+          result.peak_stashes, result.peak_stashes == 1 ? "" : "es");
+    }
+  }
   if (result.gpt) {
     PrintGptModel(*result.gpt, result.padded_vocab_size);
     return;
@@ -431,13 +455,19 @@ void RankRun::PrintGptModel(const GptConfig& gpt, int64_t padded_vocab_size) {
 }
 
 void RankRun::PrintParameterMemory(const SimulationResult& result) {
-  out_ << fmt::format("parameters: {} per rank of {} for the whole model ({:.3f}; tp {} splits "
-                      "the weight matrices, norms and row-parallel biases stay whole)\n",
-                      FormatBytes(static_cast<uint64_t>(result.parameter_bytes_rank)),
-                      FormatBytes(static_cast<uint64_t>(result.parameter_bytes_model)),
-                      static_cast<double>(result.parameter_bytes_rank) /
-                          static_cast<double>(std::max<int64_t>(1, result.parameter_bytes_model)),
-                      config_.parallel.tensor_model_parallel_size);
+  const int64_t pp = config_.parallel.pipeline_model_parallel_size;
+  out_ << fmt::format(
+      "parameters: {} on rank 0 of {} for the whole model ({:.3f}; tp {} splits "
+      "the weight matrices, norms and row-parallel biases stay whole{})\n",
+      FormatBytes(static_cast<uint64_t>(result.parameter_bytes_rank)),
+      FormatBytes(static_cast<uint64_t>(result.parameter_bytes_model)),
+      static_cast<double>(result.parameter_bytes_rank) /
+          static_cast<double>(std::max<int64_t>(1, result.parameter_bytes_model)),
+      config_.parallel.tensor_model_parallel_size,
+      pp > 1 ? fmt::format("; pp {} splits the layers, the first stage holds the "
+                           "embedding",
+                           pp)
+             : std::string());
 }
 
 int RankRun::PrintChecks(const CheckResult& check, const SimulationResult& result) {

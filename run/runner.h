@@ -41,6 +41,7 @@ struct SimulationResult {
   std::optional<GptConfig> gpt;           // a GPT run: the model as resolved for the layout
   int64_t parameter_bytes_rank = 0;       // a GPT run: this rank's parameter shards
   int64_t parameter_bytes_model = 0;      // a GPT run: the whole model's parameters
+  int64_t peak_stashes = 0;  // a GPT run: the most (chunk, micro-batch) stashes live at once
 };
 
 struct SimulateOptions {

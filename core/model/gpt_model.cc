@@ -1,12 +1,13 @@
 // The GPT model (see gpt_model.h).
 #include "core/model/gpt_model.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <set>
 #include <stdexcept>
 #include <string_view>
-
-#include <fmt/format.h>
+#include <tuple>
 
 #include "core/init.h"
 #include "core/rng.h"
@@ -50,17 +51,20 @@ std::optional<int64_t> LayerOf(std::string_view name) {
   return layer;
 }
 
-// A rank's chunks: consecutive layers, in order, within the model; the model's first chunk
-// pre_process, its last post_process. When the rank holds the whole model (pp = 1), its
-// chunks must cover every layer once.
+// A rank's chunks: each a run of consecutive layers, the chunks in increasing order (with
+// virtual stages a rank's chunks are not adjacent); the model's first chunk pre_process and
+// its last post_process. When the rank holds the whole model (pp = 1), its chunks together
+// hold every layer once, in order.
 Status CheckChunks(const std::vector<GptChunk>& chunks, int64_t num_layers, int64_t pp) {
   if (chunks.empty()) return Status::Error("chunks", "a rank holds at least one model chunk");
-  int64_t next = -1;
+  int64_t next = 0;  // the lowest layer the next one may be
   for (size_t c = 0; c < chunks.size(); ++c) {
     const GptChunk& chunk = chunks[c];
-    for (int64_t layer : chunk.layers) {
-      if (layer < 0 || layer >= num_layers || (next >= 0 && layer != next) ||
-          (next < 0 && pp == 1 && layer != 0)) {
+    for (size_t i = 0; i < chunk.layers.size(); ++i) {
+      const int64_t layer = chunk.layers[i];
+      const bool in_order =
+          i == 0 ? layer >= next && (pp > 1 || layer == next) : layer == chunk.layers[i - 1] + 1;
+      if (layer < 0 || layer >= num_layers || !in_order) {
         return Status::Error(fmt::format("chunks[{}]", c),
                              fmt::format("layer {} breaks the consecutive order of the model's "
                                          "{} layers",
@@ -139,26 +143,36 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
     post = post || chunk.post_process;
     held.insert(chunk.layers.begin(), chunk.layers.end());
   }
-  if (post && !pre && gpt.share_embeddings_and_output_weights) {
-    return Status::Error("model.share_embeddings_and_output_weights",
-                         "a last pipeline stage without the embedding needs its own copy of the "
-                         "word embeddings, which this executor does not make yet");
+  const bool tied = gpt.share_embeddings_and_output_weights;
+  if (sizes.pp > 1 && gpt.dropout_mode == DropoutMode::kRngTracker) {
+    return Status::Error("model.dropout_mode",
+                         "\"rng_tracker\" with pipeline_model_parallel_size > 1 is not built "
+                         "yet; use \"global\"");
   }
   // This rank's parameters: those of its chunks' layers, the embedding on the first chunk,
-  // the final norm and output layer on the last.
+  // the final norm and output layer on the last. With tied weights the last stage holds its
+  // own copy of the word embeddings (Megatron's shared_embedding on the last stage): the
+  // same master values, its gradient all-reduced with the first stage's over embd.
+  constexpr std::string_view kWord = "embedding.word_embeddings.weight";
   for (const GptParameter& p : GptParameters(gpt, model->padded_vocab_, sh.sequence_parallel)) {
     const std::optional<int64_t> layer = LayerOf(p.name);
-    const bool mine = layer ? held.count(*layer) != 0
-                    : p.name.starts_with("embedding.") ? pre
-                                                       : post;
+    const bool mine = layer                              ? held.count(*layer) != 0
+                      : p.name.starts_with("embedding.") ? pre || (post && tied && p.name == kWord)
+                                                         : post;
     if (!mine) continue;
-    model->params_.Add(p.name, p.shape, p.init, p.tp_dim, p.tp_stride, p.sequence_parallel, t,
-                       coords.tp);
+    Parameter& added = model->params_.Add(p.name, p.shape, p.init, p.tp_dim, p.tp_stride,
+                                          p.sequence_parallel, t, coords.tp);
+    added.embedding_group = p.name == kWord && tied && sizes.pp > 1;
   }
   ParameterSet& params = model->params_;
-  if (pre) {
-    model->word_ = &params.Get("embedding.word_embeddings.weight");
-    model->position_ = params.Find("embedding.position_embeddings.weight");
+  model->word_ = params.Find(kWord);
+  if (pre) model->position_ = params.Find("embedding.position_embeddings.weight");
+  if (sizes.pp > 1) {
+    StatusOr<PipelineSchedule> schedule = BuildPipelineSchedule(
+        sizes.pp, config.parallel.virtual_pipeline_model_parallel_size,
+        model->run_.num_microbatches, config.parallel.microbatch_group_size_per_vp_stage);
+    if (!schedule.ok()) return schedule.status();
+    model->plan_ = PlanPipelineTransfers(*schedule)[static_cast<size_t>(coords.pp)];
   }
   for (int64_t i : held) {
     model->layers_.try_emplace(i, gpt, fmt::format("decoder.layers.{}", i), params, t,
@@ -168,9 +182,7 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
     model->final_norm_.emplace(gpt.normalization, gpt.layernorm_epsilon,
                                &params.Get("decoder.final_layernorm.weight"),
                                params.Find("decoder.final_layernorm.bias"));
-    Parameter* output = gpt.share_embeddings_and_output_weights
-                            ? model->word_
-                            : &params.Get("output_layer.weight");
+    Parameter* output = tied ? model->word_ : &params.Get("output_layer.weight");
     model->output_layer_.emplace(output, nullptr);
   }
   if (gpt.dropout_mode == DropoutMode::kRngTracker) {
@@ -375,17 +387,88 @@ Tensor GptModel::BackwardStep(RankContext& ctx, int64_t chunk, int64_t microbatc
   return Tensor();
 }
 
+void GptModel::RunSchedule(RankContext& ctx, std::vector<TensorRecord>* records) {
+  Kernels& k = *ctx.kernels;
+  Communicator& pp = ctx.pp();
+  const int64_t M = run_.num_microbatches;
+  const Shape stream = {shape_.stream_rows(), gpt_.hidden_size};
+  std::map<std::tuple<int, int64_t, int64_t>, Tensor> inbox;  // (kind, chunk, mb)
+  std::vector<std::unique_ptr<PendingP2P>> in_flight;
+  Tensor produced;  // the previous step's output stream or input gradient
+  // A backend that completes sends before returning (NCCL) gets Megatron's pairing: each
+  // step's sends in one batch with its receive. That completes for 1F1B but deadlocks the
+  // interleaved warmup (core/pipeline/pipeline_plan.h), so it is refused there.
+  const bool paired = !pp.LeavesSendsInFlight();
+  if (paired && chunks_.size() > 1) {
+    throw std::invalid_argument(
+        "the interleaved pipeline schedule needs sends left in flight, which this backend's "
+        "point-to-point does not do (NCCL); run it with --comm mpi or without "
+        "virtual_pipeline_model_parallel_size");
+  }
+  for (const PlanAction& action : plan_) {
+    std::vector<P2POp> sends, receives;
+    for (const Transfer& t : action.batch) {
+      const int kind = t.kind == Transfer::Kind::kActivation ? 0 : 1;
+      if (t.send) {
+        if (!produced.defined() || produced.shape() != stream || produced.dtype() != run_.dtype) {
+          throw std::logic_error(
+              fmt::format("GptModel::RunSchedule: {} has no {} {} tensor to "
+                          "send",
+                          FormatTransfer(t), ShapeString(stream), DTypeName(run_.dtype)));
+        }
+        sends.push_back({P2POp::Kind::kSend, produced, static_cast<int>(t.peer), TransferTag(t)});
+      } else {
+        Tensor buffer = k.Empty(stream, run_.dtype);
+        inbox[{kind, t.model_chunk, t.microbatch}] = buffer;
+        receives.push_back({P2POp::Kind::kRecv, buffer, static_cast<int>(t.peer), TransferTag(t)});
+      }
+    }
+    ctx.trace->SetPhase(Phase::kOther);
+    ctx.trace->SetSite("pipeline");
+    if (paired) {
+      sends.insert(sends.end(), receives.begin(), receives.end());
+      if (!sends.empty()) pp.BatchSendRecv(sends);
+    } else {
+      if (!sends.empty()) in_flight.push_back(pp.PostSendRecv(sends));
+      if (!receives.empty()) pp.BatchSendRecv(receives);
+    }
+    produced = Tensor();
+    if (!action.step) continue;
+    const ScheduleStep& step = *action.step;
+    std::vector<TensorRecord>* mb_records = step.microbatch + 1 == M ? records : nullptr;
+    const bool forward = step.pass == Pass::kForward;
+    Tensor input;
+    const auto key = std::make_tuple(forward ? 0 : 1, step.model_chunk, step.microbatch);
+    if (const auto it = inbox.find(key); it != inbox.end()) {
+      input = it->second;
+      inbox.erase(it);
+    }
+    produced = forward ? ForwardStep(ctx, step.model_chunk, step.microbatch, input, mb_records)
+                       : BackwardStep(ctx, step.model_chunk, step.microbatch, input, mb_records);
+  }
+  for (auto& pending : in_flight) pending->Wait();
+  if (!inbox.empty()) {
+    throw std::logic_error(
+        fmt::format("GptModel::RunSchedule: {} received tensors were never "
+                    "used",
+                    inbox.size()));
+  }
+}
+
 void GptModel::Run(RankContext& ctx, std::vector<TensorRecord>* records) {
   Kernels& k = *ctx.kernels;
   BeginStep(k);
   const int64_t M = run_.num_microbatches;
   const auto C = static_cast<int64_t>(chunks_.size());
+  if (!plan_.empty()) RunSchedule(ctx, records);
   for (int64_t m = 0; m < M; ++m) {
     std::vector<TensorRecord>* mb_records = m + 1 == M ? records : nullptr;
-    Tensor x;
-    for (int64_t c = 0; c < C; ++c) x = ForwardStep(ctx, c, m, x, mb_records);
-    Tensor dy;
-    for (int64_t c = C; c-- > 0;) dy = BackwardStep(ctx, c, m, dy, mb_records);
+    if (plan_.empty()) {
+      Tensor x;
+      for (int64_t c = 0; c < C; ++c) x = ForwardStep(ctx, c, m, x, mb_records);
+      Tensor dy;
+      for (int64_t c = C; c-- > 0;) dy = BackwardStep(ctx, c, m, dy, mb_records);
+    }
     if (mb_records != nullptr) {
       const Batch batch = MakeBatch(k, m);
       const ShardSpec batch_split = shape_.BatchSpec(1, d_);
@@ -397,12 +480,14 @@ void GptModel::Run(RankContext& ctx, std::vector<TensorRecord>* records) {
       }
     }
   }
-  params_.FinalizeGrads(ctx.tp(), ctx.dp_cp(), *ctx.trace);
-  // The reported loss: mean over every token of every micro-batch on every dp rank.
+  params_.FinalizeGrads(ctx.tp(), ctx.dp_cp(), ctx.embd(), *ctx.trace);
+  // The reported loss: mean over every token of every micro-batch on every dp rank; the
+  // last pipeline stage computed it, the others add 0.
   Tensor total = Tensor::HostEmpty({1}, DType::kFloat64);
   total.data_as<double>()[0] = loss_sum_;
   Tensor device_total = k.ToDevice(total);
   ctx.trace->SetSite("loss");
+  if (!plan_.empty()) ctx.pp().AllReduce(device_total, ReduceOp::kSum);
   if (d_ > 1) ctx.dp().AllReduce(device_total, ReduceOp::kSum);
   loss_ = HostValue(k.ToHost(device_total), 0) / static_cast<double>(M * shape_.s * shape_.B);
   if (records == nullptr) return;

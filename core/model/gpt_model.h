@@ -36,6 +36,7 @@
 #include "core/model/parameter.h"
 #include "core/model/record.h"
 #include "core/model/transformer_layer.h"
+#include "core/pipeline/pipeline_plan.h"
 #include "core/rank_context.h"
 #include "core/status.h"
 #include "core/tensor_parallel/cross_entropy.h"
@@ -105,6 +106,8 @@ class GptModel {
     CrossEntropyStash loss;
   };
   Batch MakeBatch(Kernels& k, int64_t microbatch) const;
+  // Walks this rank's row of the pipeline plan (pp > 1): receives, steps, posted sends.
+  void RunSchedule(RankContext& ctx, std::vector<TensorRecord>* records);
   ModuleContext Context(RankContext& ctx, int64_t microbatch,
                         std::vector<TensorRecord>* records) const;
   Tensor EmbeddingForward(const ModuleContext& ctx, const Batch& batch, Stash* stash) const;
@@ -124,6 +127,7 @@ class GptModel {
   Parameter* word_ = nullptr;
   Parameter* position_ = nullptr;
   std::vector<GptChunk> chunks_;
+  std::vector<PlanAction> plan_;                // this rank's pipeline plan; empty when pp = 1
   std::map<int64_t, TransformerLayer> layers_;  // by global layer number
   std::optional<Norm> final_norm_;
   std::optional<ColumnParallelLinear> output_layer_;

@@ -28,6 +28,8 @@ struct Parameter {
   ShardSpec shard;   // this rank's piece
   InitSpec init;
   bool sequence_parallel = false;  // gradient all-reduced over tp in FinalizeGrads
+  bool embedding_group = false;    // a tied word embedding held by the first and the last
+                                   // pipeline stage: gradient all-reduced over embd
   Tensor value;  // local, storage dtype
   Tensor grad;   // local main_grad, compute dtype
 };
@@ -48,9 +50,10 @@ class ParameterSet {
   void Initialize(Kernels& k, uint64_t seed, DType dtype);
   // main_grad = 0 (Megatron's zero_grad_buffer), before a step's first micro-batch.
   void ZeroGrads(Kernels& k);
-  // finalize_model_grads: sequence-parallel gradients over `tp`, then all over `dp`
-  // (either may be a group of one; then nothing is sent).
-  void FinalizeGrads(Communicator& tp, Communicator& dp, CommTrace& trace);
+  // finalize_model_grads: sequence-parallel gradients over `tp`, then all over `dp`, then
+  // the tied embeddings' over `embd` (any may be a group of one, `embd` null; then nothing
+  // is sent).
+  void FinalizeGrads(Communicator& tp, Communicator& dp, Communicator* embd, CommTrace& trace);
 
  private:
   std::vector<std::unique_ptr<Parameter>> params_;

@@ -470,9 +470,17 @@ TEST(ExplainCommand, GptParametersInStateDictNames) {
 // The GPT samples run on 4 ranks and every tensor passes the check against the float64 GPT
 // reference; a GPT config the layout cannot split is one error line with exit 2.
 TEST(RunCommand, GptSamplesPassTheCheck) {
-  for (const char* sample : {"gpt_tiny_t2_sp_dp2_n4.json", "gpt_llama_style_gqa_t4_n4.json"}) {
+  for (const char* sample : {"gpt_tiny_t2_sp_dp2_n4.json", "gpt_llama_style_gqa_t4_n4.json",
+                             "gpt_pipeline_p2_v2_t2_n4.json"}) {
     std::string output;
     EXPECT_EQ(Shell(Mpiexec(4) + MPUSIM_BINARY + " run " + Sample(sample), &output), 0) << output;
+    if (std::string(sample).find("pipeline") != std::string::npos) {
+      for (const char* line :
+           {" pipeline                 send             pp ",
+            " finalize_model_grads     all-reduce       embd ", "pp 2 splits the layers"}) {
+        EXPECT_NE(output.find(line), std::string::npos) << line << "\n" << output;
+      }
+    }
     for (const char* line : {"model: GPT (Megatron-Core GPTModel, local layer spec)",
                              "check against the float64 GPT reference", " passed, 0 failed",
                              "finalize_model_grads"}) {

@@ -144,11 +144,14 @@ TEST(GptConfig, LayoutChecks) {
   EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
             "model.max_position_embeddings: 4 is shorter than run.seq_length 7");
   copy = gpt;
-  parallel.pipeline_model_parallel_size = 2;
+  parallel.pipeline_model_parallel_size = 2;  // runs (core/pipeline)
   parallel.world_size = 4;
+  EXPECT_TRUE(CheckGptLayout(parallel, run, &copy).ok());
+  parallel.pipeline_model_parallel_size = 1;
+  parallel.context_parallel_size = 2;
   EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
-            "parallel.pipeline_model_parallel_size: must be 1 for a GPT run today, got 2 "
-            "(pipeline, context and expert parallel GPT runs are not built yet)");
+            "parallel.context_parallel_size: must be 1 for a GPT run today, got 2 (context and "
+            "expert parallel GPT runs are not built yet)");
 }
 
 TEST(GptConfig, ParametersFollowMegatronStateDict) {

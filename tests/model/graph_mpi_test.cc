@@ -389,6 +389,7 @@ class DroppingAllReduce final : public Communicator {
   std::unique_ptr<PendingP2P> PostSendRecv(const std::vector<P2POp>& ops) override {
     return inner_->PostSendRecv(ops);
   }
+  bool LeavesSendsInFlight() const override { return inner_->LeavesSendsInFlight(); }
 
  private:
   std::unique_ptr<Communicator> inner_;
