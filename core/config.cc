@@ -42,8 +42,8 @@ Status ParseConfig(const nlohmann::json& document, Config* out) {
                                          "section, got {}",
                                          document.type_name()));
   }
-  static const std::vector<std::string_view> kTopLevel = {"description", "parallel", "model",
-                                                          "run"};
+  static const std::vector<std::string_view> kTopLevel = {"description", "parallel", "model", "run",
+                                                          "optimizer"};
   Config config;
   for (const auto& [key, value] : document.items()) {
     if (key == "description") {
@@ -63,12 +63,16 @@ Status ParseConfig(const nlohmann::json& document, Config* out) {
     } else if (key == "run") {
       config.run.emplace();
       MPUSIM_RETURN_IF_ERROR(ParseRunSection(value, &*config.run));
+    } else if (key == "optimizer") {
+      config.optimizer.emplace();
+      MPUSIM_RETURN_IF_ERROR(ParseOptimizerSection(value, &*config.optimizer));
     } else {
       const std::string suggestion = SuggestKey(key, kTopLevel);
-      return Status::Error(key, suggestion.empty()
-                                    ? "unknown top-level key; allowed: description, parallel, model, run"
-                                    : fmt::format("unknown top-level key; did you mean '{}'?",
-                                                  suggestion));
+      return Status::Error(
+          key, suggestion.empty()
+                   ? "unknown top-level key; allowed: description, parallel, model, run, "
+                     "optimizer"
+                   : fmt::format("unknown top-level key; did you mean '{}'?", suggestion));
     }
   }
   if (!document.contains("parallel")) {

@@ -11,13 +11,13 @@
 // default.
 #pragma once
 
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
 
-#include <nlohmann/json.hpp>
-
 #include "core/gpt_config.h"
 #include "core/model_config.h"
+#include "core/optimizer_config.h"
 #include "core/parallel_config.h"
 #include "core/status.h"
 
@@ -29,6 +29,8 @@ struct Config {
   std::optional<ModelConfig> model;  // the layer chain (the lab format)
   std::optional<GptConfig> gpt;      // or the GPT model ("model": {"type": "gpt", ...})
   std::optional<RunConfig> run;
+  // Training (GPT models): run.train_iters optimizer steps (core/optimizer_config.h).
+  std::optional<OptimizerConfig> optimizer;
 };
 
 // Parses a whole config document. Errors name the JSON path ("parallel.order").

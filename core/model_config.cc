@@ -447,7 +447,8 @@ const std::vector<std::string_view>& RunKeys() {
                                                       "seq_length",
                                                       "micro_batch_size",
                                                       "num_microbatches",
-                                                      "recompute_granularity"};
+                                                      "recompute_granularity",
+                                                      "train_iters"};
   return kKeys;
 }
 
@@ -541,6 +542,8 @@ Status ParseRunSection(const json& section, RunConfig* out) {
       MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &run.micro_batch_size));
     } else if (key == "num_microbatches") {
       MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &run.num_microbatches));
+    } else if (key == "train_iters") {
+      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &run.train_iters));
     } else if (key == "recompute_granularity") {
       if (value.is_null()) {
         run.recompute = RunConfig::Recompute::kNone;

@@ -121,6 +121,9 @@ struct RunConfig {
   int64_t seq_length = 0;  // required
   int64_t micro_batch_size = 1;
   int64_t num_microbatches = 1;  // > 1 accumulates gradients across microbatches
+  // Optimizer steps (with an "optimizer" section; without one, one step and no update).
+  // Iteration k reads micro-batches k*M .. k*M + M - 1 of the data stream.
+  int64_t train_iters = 1;
   // "recompute_granularity": null, "full" (recompute each layer's forward in backward) or
   // "selective" (recompute only core attention; GPT models).
   enum class Recompute : uint8_t { kNone, kFull, kSelective };

@@ -48,6 +48,7 @@ using ConstRowMap = Eigen::Map<const RowVec>;
 
 struct Dims {
   uint64_t seed = 0;
+  int64_t iteration = 0;  // the training iteration: its data and dropout streams
   int64_t s = 0, B = 0, M = 0;
   int64_t n = 0, sample_begin = 0;  // this slice
   int64_t h = 0, a = 0, g = 0, r = 0, dk = 0, F = 0, f1 = 0, V = 0, Vp = 0, L = 0;
@@ -294,7 +295,8 @@ MaskDraw TrackerDraw(const Dims& d, const std::string& site, int64_t m, int64_t 
 MaskDraw HiddenDraw(const Dims& d, const std::string& site, int64_t m, int64_t i, int64_t gs,
                     int64_t c, int64_t w) {
   if (!d.tracker) {
-    return {d.seed, DropoutStream(site, 0, m), static_cast<uint64_t>((i * d.B + gs) * w + c)};
+    return {d.seed, DropoutStream(site, d.iteration, m),
+            static_cast<uint64_t>((i * d.B + gs) * w + c)};
   }
   const int64_t s_local = d.sp ? d.s / d.t : d.s;
   const int64_t tp = i / s_local, local_i = i % s_local;
@@ -306,7 +308,7 @@ MaskDraw HiddenDraw(const Dims& d, const std::string& site, int64_t m, int64_t i
 MaskDraw ProbsDraw(const Dims& d, const std::string& site, int64_t m, int64_t gs, int64_t hd,
                    int64_t e) {
   if (!d.tracker) {
-    return {d.seed, DropoutStream(site, 0, m),
+    return {d.seed, DropoutStream(site, d.iteration, m),
             static_cast<uint64_t>((gs * d.a + hd) * d.s * d.s + e)};
   }
   const int64_t heads_local = d.a / d.t;
@@ -802,6 +804,7 @@ StatusOr<GptReferenceResult> RunGptReference(const GptConfig& gpt_in,
 
   Dims d;
   d.seed = run.seed;
+  d.iteration = options.iteration;
   d.s = run.seq_length;
   d.B = GptReferenceSamples(parallel, run);
   d.M = run.num_microbatches;
@@ -854,7 +857,7 @@ StatusOr<GptReferenceResult> RunGptReference(const GptConfig& gpt_in,
   for (int64_t m = 0; m < d.M; ++m) {
     GptReferenceTokens drawn;
     if (options.tokens.empty() || options.labels.empty()) {
-      drawn = DrawGptReferenceTokens(gpt, parallel, run, m);
+      drawn = DrawGptReferenceTokens(gpt, parallel, run, options.iteration * d.M + m);
     }
     const auto um = static_cast<size_t>(m);
     slice.MicroBatch(m, options.tokens.empty() ? drawn.tokens : options.tokens[um],

@@ -72,6 +72,9 @@ struct GptReferenceOptions {
   // Global samples [sample_begin, sample_end) of each micro-batch; sample_end -1: to B.
   int64_t sample_begin = 0;
   int64_t sample_end = -1;
+  // Training iteration k: its micro-batch m reads the data stream "text.mb<k*M + m>" and
+  // draws dropout from DropoutStream(site, k, m).
+  int64_t iteration = 0;
   // Full host float64 tensors that replace parameters' master values, used as they are (not
   // copied; the reference never writes a parameter). An unknown name or a wrong shape is an
   // error.

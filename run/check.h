@@ -57,6 +57,12 @@ struct CheckResult {
   std::vector<TensorCheck> tensors;  // the reference's order, then run-only tensors
   bool has_loss = false;
   double reference_loss = 0;
+  // A training run: the reference's loss, gradient norm and learning rate per iteration
+  // (the last iteration's loss is reference_loss).
+  struct Iteration {
+    double loss = 0, grad_norm = 0, lr = 0;
+  };
+  std::vector<Iteration> reference_iterations;
   // Memory, in bytes of distinct storage (aliases counted once), over all ranks:
   int64_t reference_rows_max = 0;     // the most token rows one rank's slice holds
   int64_t reference_bytes_max = 0;    // the most reference tensors one rank holds

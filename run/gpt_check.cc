@@ -1,17 +1,20 @@
 // The GPT run's check (see gpt_check.h).
 #include "run/gpt_check.h"
 
+#include <fmt/format.h>
 #include <mpi.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <map>
-
-#include <fmt/format.h>
+#include <optional>
+#include <set>
 
 #include "mpi/watchdog.h"
 #include "reference/gpt_reference.h"
+#include "reference/gpt_train.h"
 
 namespace mpusim::run {
 namespace {
@@ -111,19 +114,76 @@ StatusOr<CheckResult> CheckGptAgainstReference(const Config& config, const GptCo
   GptReferenceOptions options;
   options.sample_begin = coords.dp * b;
   options.sample_end = coords.dp * b + b;
-  StatusOr<GptReferenceResult> reference = RunGptReference(gpt, config.parallel, run, options);
-  if (!reference.ok()) return reference.status();
-  GptReferenceResult& ref = *reference;
-
-  // The whole tensors' shares (gradients, the loss) summed over the dp slices.
+  // The whole tensors' shares (gradients, the loss) are summed over the dp slices.
   MPI_Comm dp_comm = watched::CommSplit(
       MPI_COMM_WORLD, static_cast<int>((coords.pp * sizes.cp + coords.cp) * sizes.tp + coords.tp),
       static_cast<int>(coords.dp), WorldLabel());
   const CommLabel dp_label = LabelOf(dp_comm, "dp");
-  for (GptReferenceTensor& t : ref.tensors) {
-    if (!t.partial || sizes.dp == 1) continue;
-    watched::Allreduce(MPI_IN_PLACE, t.value.data(), static_cast<int>(t.value.numel()), MPI_DOUBLE,
-                       MPI_SUM, dp_comm, dp_label);
+  const std::set<std::string> parameter_names = [&] {
+    std::set<std::string> names;
+    for (const GptParameter& p : GptParameters(gpt, gpt.PaddedVocabSize(sizes.tp), false)) {
+      names.insert(p.name);
+    }
+    return names;
+  }();
+  const ErrorBudget budget =
+      GptErrorBudget(gpt, run, sizes.tp, sizes.dp, gpt.PaddedVocabSize(sizes.tp));
+  const Tolerance tolerance = ToleranceFor(budget, run.dtype);
+  const int64_t iterations = config.optimizer ? run.train_iters : 1;
+  std::optional<GptReferenceTrainer> trainer;
+  if (config.optimizer) {
+    trainer.emplace(*config.optimizer, run.train_iters);
+    trainer->SetGradientTolerance(tolerance.atol, tolerance.ntol, tolerance.rtol);
+  }
+  std::vector<CheckResult::Iteration> reference_iterations;
+  GptReferenceResult ref;
+  for (int64_t k = 0; k < iterations; ++k) {
+    options.iteration = k;
+    if (trainer && trainer->has_parameters()) options.parameter_overrides = trainer->parameters();
+    StatusOr<GptReferenceResult> reference = RunGptReference(gpt, config.parallel, run, options);
+    if (!reference.ok()) {
+      MPI_Comm_free(&dp_comm);
+      return reference.status();
+    }
+    ref = std::move(reference).value();
+    for (GptReferenceTensor& t : ref.tensors) {
+      if (!t.partial || sizes.dp == 1) continue;
+      watched::Allreduce(MPI_IN_PLACE, t.value.data(), static_cast<int>(t.value.numel()),
+                         MPI_DOUBLE, MPI_SUM, dp_comm, dp_label);
+    }
+    if (!trainer) break;
+    // The optimizer step on the full gradients; the records hold the clipped gradients and
+    // the parameters after the step.
+    std::map<std::string, Tensor> parameters;
+    std::map<std::string, Tensor*> grads;
+    CheckResult::Iteration row;
+    for (GptReferenceTensor& t : ref.tensors) {
+      if (parameter_names.count(t.name) != 0) {
+        parameters[t.name] = t.value;
+      } else if (t.name.ends_with(".grad") &&
+                 parameter_names.count(t.name.substr(0, t.name.size() - 5)) != 0) {
+        grads[t.name.substr(0, t.name.size() - 5)] = &t.value;
+      } else if (t.name == "loss") {
+        row.loss = t.value.data_as<double>()[0];
+      }
+    }
+    if (!trainer->has_parameters()) {
+      std::map<std::string, Tensor> copies;
+      for (const auto& [name, value] : parameters) {
+        Tensor copy = Tensor::HostEmpty(value.shape(), DType::kFloat64);
+        std::memcpy(copy.data(), value.data(), value.bytes());
+        copies[name] = std::move(copy);
+      }
+      trainer->SetParameters(std::move(copies));
+    }
+    row.grad_norm = trainer->Step(grads, k);
+    row.lr = trainer->last_lr();
+    reference_iterations.push_back(row);
+    // The result's parameter tensors show the values after the step.
+    for (GptReferenceTensor& t : ref.tensors) {
+      const auto it = trainer->parameters().find(t.name);
+      if (it != trainer->parameters().end()) t.value = it->second;
+    }
   }
   MPI_Comm_free(&dp_comm);
 
@@ -150,8 +210,6 @@ StatusOr<CheckResult> CheckGptAgainstReference(const Config& config, const GptCo
     }
   }
 
-  const ErrorBudget budget = GptErrorBudget(gpt, run, sizes.tp, sizes.dp, gpt.PaddedVocabSize(sizes.tp));
-  const Tolerance tolerance = ToleranceFor(budget, run.dtype);
   // Pass 1: the scale max|e| of each tensor over the elements any rank compares.
   std::vector<double> scale(T, 0.0);
   std::vector<Tensor> hosts(records.size());
@@ -178,6 +236,13 @@ StatusOr<CheckResult> CheckGptAgainstReference(const Config& config, const GptCo
     // Token ids are exact data: compared for equality.
     const bool exact = rt.name == "tokens" || rt.name == "labels";
     const Tolerance tol = exact ? Tolerance{0, 0, 0} : tolerance.ForScale(scale[i]);
+    // A trained parameter: each element's allowance also holds the error its gradients'
+    // tolerance carries through the optimizer steps (reference/gpt_train.h).
+    const std::vector<double>* bounds = nullptr;
+    if (trainer) {
+      const auto it = trainer->error_bounds().find(rt.name);
+      if (it != trainer->error_bounds().end()) bounds = &it->second;
+    }
     for (const TensorRecord* r : by_slot[i]) {
       const Tensor host = fetch(*r);
       const ElementMap map(*r, rt, options.sample_begin, options.sample_end);
@@ -187,7 +252,11 @@ StatusOr<CheckResult> CheckGptAgainstReference(const Config& config, const GptCo
         // An element outside this rank's reference slice cannot be judged here: count it as
         // a mismatch (a record placed on the wrong samples is a bug).
         const double expected = k >= 0 ? e[k] : std::numeric_limits<double>::quiet_NaN();
-        stats[i].Add(map.FullIndex(l), HostValue(host, l), expected, tol);
+        const Tolerance element_tol =
+            bounds != nullptr && k >= 0
+                ? Tolerance{tol.atol + (*bounds)[static_cast<size_t>(k)], tol.rtol, 0}
+                : tol;
+        stats[i].Add(map.FullIndex(l), HostValue(host, l), expected, element_tol);
       }
     }
   }
@@ -265,6 +334,7 @@ StatusOr<CheckResult> CheckGptAgainstReference(const Config& config, const GptCo
     result.tensors.push_back(std::move(c));
   }
   result.has_loss = true;
+  result.reference_iterations = std::move(reference_iterations);
   result.reference_loss = ref.loss;
   const GptReferenceTensor* loss = ref.Find("loss");
   if (loss != nullptr) result.reference_loss = loss->value.data_as<double>()[0];

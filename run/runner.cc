@@ -17,6 +17,7 @@
 #include "core/config.h"
 #include "core/schedule.h"
 #include "core/topology.h"
+#include "core/train/optimizer.h"
 #include "mpi/agree.h"
 #include "mpi/mpi_check.h"
 #include "mpi/watchdog.h"
@@ -121,10 +122,36 @@ StatusOr<SimulationResult> SimulateGpt(const Config& config, const SimulateOptio
   model.InitializeParameters(*ctx.kernels);
   const bool want_records = options.check || options.keep_records;
   std::vector<TensorRecord> records;
-  TimedSteps(options, &result, [&](bool last) {
-    records.clear();
-    model.Run(ctx, last && want_records ? &records : nullptr);
-  });
+  if (!config.optimizer) {
+    TimedSteps(options, &result, [&](bool last) {
+      records.clear();
+      model.Run(ctx, last && want_records ? &records : nullptr);
+      if (last && want_records) model.RecordParameters(&records);
+    });
+  } else {
+    // Training: run.train_iters iterations, each a step and an optimizer update.
+    Kernels& k = *ctx.kernels;
+    Optimizer optimizer(*config.optimizer, model.parameters(), k);
+    const int64_t T = config.run->train_iters;
+    Communicator* pp = topology.sizes().pp > 1 ? &ctx.pp() : nullptr;
+    for (int64_t it = 0; it < T; ++it) {
+      const bool last = it + 1 == T;
+      result.trace.Clear();
+      watched::Barrier(MPI_COMM_WORLD, WorldLabel());
+      const auto start = std::chrono::steady_clock::now();
+      model.Run(ctx, last && want_records ? &records : nullptr, it);
+      const double norm = optimizer.GradNorm(k, ctx.tp(), pp, ctx.coords.tp, result.trace);
+      const double lr = LearningRate(*config.optimizer, it, T);
+      optimizer.Step(k, norm, lr);
+      watched::Barrier(MPI_COMM_WORLD, WorldLabel());
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      result.seconds.push_back(seconds);
+      result.iterations.push_back({it + 1, model.loss(), norm, lr, seconds});
+    }
+    // The final parameters, and the last iteration's clipped gradients.
+    if (want_records) model.RecordParameters(&records);
+  }
   result.has_loss = true;
   result.loss = model.loss();
   result.peak_stashes = model.peak_live_stashes();
@@ -153,6 +180,26 @@ StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions&
   if (!has_model || !config.run) {
     return Status::Error(has_model ? "run" : "model",
                          "is required by mpusim run (see docs/simulator.md)");
+  }
+  if (config.optimizer && !config.gpt) {
+    return Status::Error("optimizer",
+                         "training runs the GPT model (\"model\": {\"type\": "
+                         "\"gpt\", ...}); a layer chain runs one step");
+  }
+  if (config.run->train_iters > 1 && !config.optimizer) {
+    return Status::Error("run.train_iters", fmt::format("is {}, but there is no \"optimizer\" "
+                                                        "section to train with",
+                                                        config.run->train_iters));
+  }
+  if (config.optimizer && options.repeat > 1) {
+    return Status::Error("--repeat",
+                         "must be 1 for a training run (run.train_iters sets the "
+                         "iterations)");
+  }
+  if (config.optimizer && config.gpt->dropout_mode == DropoutMode::kRngTracker) {
+    return Status::Error("model.dropout_mode",
+                         "\"rng_tracker\" is not built for training "
+                         "runs yet; use \"global\"");
   }
   if (config.parallel.world_size != world_size) {
     return Status::Error("parallel.world_size",
@@ -218,6 +265,9 @@ class RankRun {
   void PrintGptModel(const GptConfig& gpt, int64_t padded_vocab_size);
   void PrintParameterMemory(const SimulationResult& result);
   int PrintChecks(const CheckResult& check, const SimulationResult& result);
+  // The per-iteration table of a training run, with the reference's losses when checked;
+  // returns how many iterations' losses fail the loss tensor's tolerance.
+  int PrintTraining(const SimulationResult& result);
   void PrintCommTrace(const CommTrace& trace);
   void PrintMemory();
   std::string PreflightError(const MemoryPlan& plan) const;
@@ -345,7 +395,9 @@ int RankRun::Run() {
                         median, sorted.size(), sorted.front(), sorted.back());
   }
   int code = kExitOk;
+  const int iteration_failures = PrintTraining(*result);
   if (options_.check) code = PrintChecks(result->check, *result);
+  if (iteration_failures > 0) code = kExitCheckFailed;
   PrintCommTrace(result->trace);
   if (dump) {
     DumpTarget target = dump_target;
@@ -468,6 +520,54 @@ void RankRun::PrintParameterMemory(const SimulationResult& result) {
                            "embedding",
                            pp)
              : std::string());
+}
+
+int RankRun::PrintTraining(const SimulationResult& result) {
+  if (result.iterations.empty() || !config_.optimizer) return 0;
+  const OptimizerConfig& o = *config_.optimizer;
+  static constexpr const char* kStyles[] = {"constant", "linear", "cosine"};
+  out_ << fmt::format(
+      "\ntraining: {} ({}), lr {:g} ({} decay to {:g}, {} warmup iterations), weight_decay {:g}, "
+      "clip_grad {:g}; {} iterations\n",
+      o.kind == OptimizerConfig::Kind::kAdam ? "adam" : "sgd",
+      o.kind == OptimizerConfig::Kind::kAdam
+          ? fmt::format("betas {:g} {:g}, eps {:g}", o.adam_beta1, o.adam_beta2, o.adam_eps)
+          : fmt::format("momentum {:g}", o.sgd_momentum),
+      o.lr, kStyles[static_cast<size_t>(o.lr_decay_style)], o.min_lr, o.lr_warmup_iters,
+      o.weight_decay, o.clip_grad, result.iterations.size());
+  const std::vector<CheckResult::Iteration>& ref = result.check.reference_iterations;
+  const bool checked = options_.check && ref.size() == result.iterations.size();
+  double allowed = 0;
+  for (const TensorCheck& c : result.check.tensors) {
+    if (c.name == "loss") allowed = c.allowed;
+  }
+  out_ << fmt::format("  {:>9} {:>14} {:>11} {:>11} {:>9}{}\n", "iteration", "loss", "grad norm",
+                      "lr", "time",
+                      checked ? fmt::format(" {:>16} {:>12} {:>11}  result", "reference loss",
+                                            "|difference|", "ref. norm")
+                              : std::string());
+  int failures = 0;
+  for (size_t i = 0; i < result.iterations.size(); ++i) {
+    const SimulationResult::Iteration& row = result.iterations[i];
+    std::string tail;
+    if (checked) {
+      const double difference = std::fabs(row.loss - ref[i].loss);
+      const bool pass = difference <= allowed * 2 * std::fabs(ref[i].loss);
+      failures += pass ? 0 : 1;
+      tail = fmt::format(" {:>16.10g} {:>12.3g} {:>11.4g}  {}", ref[i].loss, difference,
+                         ref[i].grad_norm, pass ? "pass" : "FAIL");
+    }
+    out_ << fmt::format("  {:>9} {:>14.10g} {:>11.4g} {:>11.4g} {:>7.3f} s{}\n", row.iteration,
+                        row.loss, row.grad_norm, row.lr, row.seconds, tail);
+  }
+  if (checked) {
+    out_ << fmt::format(
+        "  the loss of every iteration against the reference training the same "
+        "model in float64: {} of {} pass (|difference| <= {:.3g} * 2 |reference|)\n",
+        result.iterations.size() - static_cast<size_t>(failures), result.iterations.size(),
+        allowed);
+  }
+  return failures;
 }
 
 int RankRun::PrintChecks(const CheckResult& check, const SimulationResult& result) {

@@ -42,6 +42,13 @@ struct SimulationResult {
   int64_t parameter_bytes_rank = 0;       // a GPT run: this rank's parameter shards
   int64_t parameter_bytes_model = 0;      // a GPT run: the whole model's parameters
   int64_t peak_stashes = 0;  // a GPT run: the most (chunk, micro-batch) stashes live at once
+  // A training run: one row per iteration (the loss of the iteration's data before its
+  // update, the gradient norm before clipping, the learning rate, the wall time).
+  struct Iteration {
+    int64_t iteration = 0;  // from 1
+    double loss = 0, grad_norm = 0, lr = 0, seconds = 0;
+  };
+  std::vector<Iteration> iterations;
 };
 
 struct SimulateOptions {

@@ -163,6 +163,7 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
     Parameter& added = model->params_.Add(p.name, p.shape, p.init, p.tp_dim, p.tp_stride,
                                           p.sequence_parallel, t, coords.tp);
     added.embedding_group = p.name == kWord && tied && sizes.pp > 1;
+    added.shared = added.embedding_group && !pre;
   }
   ParameterSet& params = model->params_;
   model->word_ = params.Find(kWord);
@@ -271,14 +272,11 @@ void GptModel::EmbeddingBackward(const ModuleContext& ctx, const Batch& batch,
 
 ModuleContext GptModel::Context(RankContext& ctx, int64_t microbatch,
                                 std::vector<TensorRecord>* records) const {
-  return ModuleContext{*ctx.kernels,
-                       ctx.tp(),
-                       *ctx.trace,
-                       shape_,
-                       d_,
-                       DropoutDraw{run_.seed, 0, microbatch, tracker_ ? &*tracker_ : nullptr},
-                       fuse_wgrad_,
-                       records};
+  return ModuleContext{
+      *ctx.kernels, ctx.tp(),
+      *ctx.trace,   shape_,
+      d_,           DropoutDraw{run_.seed, iteration_, microbatch, tracker_ ? &*tracker_ : nullptr},
+      fuse_wgrad_,  records};
 }
 
 double GptModel::HeadForward(const ModuleContext& ctx, const Tensor& x, Stash* stash) const {
@@ -346,7 +344,9 @@ Tensor GptModel::ForwardStep(RankContext& ctx, int64_t chunk, int64_t microbatch
   Stash& stash = it->second;
   const ModuleContext mctx = Context(ctx, microbatch, records);
   mctx.trace.SetPhase(Phase::kForward);
-  if (spec.pre_process || spec.post_process) stash.batch = MakeBatch(*ctx.kernels, microbatch);
+  if (spec.pre_process || spec.post_process) {
+    stash.batch = MakeBatch(*ctx.kernels, iteration_ * run_.num_microbatches + microbatch);
+  }
   Tensor x = input;
   if (spec.pre_process) {
     mctx.trace.SetSite("embedding");
@@ -455,9 +455,10 @@ void GptModel::RunSchedule(RankContext& ctx, std::vector<TensorRecord>* records)
   }
 }
 
-void GptModel::Run(RankContext& ctx, std::vector<TensorRecord>* records) {
+void GptModel::Run(RankContext& ctx, std::vector<TensorRecord>* records, int64_t iteration) {
   Kernels& k = *ctx.kernels;
   BeginStep(k);
+  iteration_ = iteration;
   const int64_t M = run_.num_microbatches;
   const auto C = static_cast<int64_t>(chunks_.size());
   if (!plan_.empty()) RunSchedule(ctx, records);
@@ -470,7 +471,7 @@ void GptModel::Run(RankContext& ctx, std::vector<TensorRecord>* records) {
       for (int64_t c = C; c-- > 0;) dy = BackwardStep(ctx, c, m, dy, mb_records);
     }
     if (mb_records != nullptr) {
-      const Batch batch = MakeBatch(k, m);
+      const Batch batch = MakeBatch(k, iteration_ * M + m);
       const ShardSpec batch_split = shape_.BatchSpec(1, d_);
       // Recorded as float64 [s, b], as dumps and the check hold them.
       for (const auto* ids : {&batch.tokens, &batch.labels}) {
@@ -491,13 +492,16 @@ void GptModel::Run(RankContext& ctx, std::vector<TensorRecord>* records) {
   if (d_ > 1) ctx.dp().AllReduce(device_total, ReduceOp::kSum);
   loss_ = HostValue(k.ToHost(device_total), 0) / static_cast<double>(M * shape_.s * shape_.B);
   if (records == nullptr) return;
+  Tensor loss = Tensor::HostEmpty({1}, DType::kFloat64);
+  loss.data_as<double>()[0] = loss_;
+  records->push_back({"loss", k.ToDevice(loss), {1}, ShardSpec{}, false});
+}
+
+void GptModel::RecordParameters(std::vector<TensorRecord>* records) const {
   for (const auto& p : params_.all()) {
     records->push_back({p->name, p->value, p->full_shape, p->shard, false});
     records->push_back({p->name + ".grad", p->grad, p->full_shape, p->shard, false});
   }
-  Tensor loss = Tensor::HostEmpty({1}, DType::kFloat64);
-  loss.data_as<double>()[0] = loss_;
-  records->push_back({"loss", k.ToDevice(loss), {1}, ShardSpec{}, false});
 }
 
 }  // namespace mpusim

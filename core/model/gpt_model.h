@@ -66,7 +66,11 @@ class GptModel {
   // chunks and backward through them in reverse, then the gradient finalisation. Records
   // of the last micro-batch, the parameters, their gradients and the loss are appended to
   // `records` when it is not null.
-  void Run(RankContext& ctx, std::vector<TensorRecord>* records);
+  // `iteration` picks the data and dropout streams (training iteration k reads micro-batches
+  // k*M .. k*M + M - 1). The parameters are not recorded: RecordParameters appends them (and
+  // their gradients), after an optimizer step when there is one.
+  void Run(RankContext& ctx, std::vector<TensorRecord>* records, int64_t iteration = 0);
+  void RecordParameters(std::vector<TensorRecord>* records) const;
 
   // The step pieces a pipeline schedule calls. BeginStep zeroes the gradients and the loss.
   // ForwardStep runs chunk `chunk` on micro-batch m: `input` is the previous chunk's output
@@ -134,6 +138,7 @@ class GptModel {
   std::map<std::pair<int64_t, int64_t>, Stash> stashes_;  // by (chunk, micro-batch)
   int64_t peak_stashes_ = 0;
   double loss_sum_ = 0;  // this step's per-token losses on this rank
+  int64_t iteration_ = 0;  // the training iteration being run (data and dropout streams)
   double loss_ = 0;
   std::optional<TrackerDraws> tracker_;  // dropout_mode "rng_tracker"
 };

@@ -30,6 +30,8 @@ struct Parameter {
   bool sequence_parallel = false;  // gradient all-reduced over tp in FinalizeGrads
   bool embedding_group = false;    // a tied word embedding held by the first and the last
                                    // pipeline stage: gradient all-reduced over embd
+  bool shared = false;             // the last stage's copy of it (Megatron's `shared`): left
+                                   // out of the gradient norm, which counts the first's
   Tensor value;  // local, storage dtype
   Tensor grad;   // local main_grad, compute dtype
 };

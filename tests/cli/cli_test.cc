@@ -499,6 +499,39 @@ TEST(RunCommand, GptSamplesPassTheCheck) {
       << output;
 }
 
+// Training: the per-iteration table against the reference, and what a training config
+// may not ask for.
+TEST(RunCommand, TrainingSamplePrintsEveryIterationAgainstTheReference) {
+  std::string output;
+  EXPECT_EQ(
+      Shell(Mpiexec(4) + MPUSIM_BINARY + " run " + Sample("gpt_train_adam_p2_t2_n4.json"), &output),
+      0)
+      << output;
+  for (const char* line :
+       {"training: adam (betas 0.9 0.999, eps 1e-08), lr 0.001 (cosine decay to 0.0001, 2 "
+        "warmup iterations), weight_decay 0.01, clip_grad 1; 10 iterations",
+        "the loss of every iteration against the reference training the same model in "
+        "float64: 10 of 10 pass",
+        "107 passed, 0 failed", "optimizer (grad norm)"}) {
+    EXPECT_NE(output.find(line), std::string::npos) << line << "\n" << output;
+  }
+  json config = json::parse(std::ifstream(Sample("gpt_train_adam_p2_t2_n4.json")));
+  config.erase("optimizer");
+  const std::string no_optimizer =
+      WriteTemp(fmt::format("mpusim_train_bad.{}.json", ::getpid()), config.dump());
+  EXPECT_EQ(Shell(Mpiexec(4) + MPUSIM_BINARY + " run " + no_optimizer, &output), 2) << output;
+  EXPECT_NE(output.find(": run.train_iters: is 10, but there is no \"optimizer\" section to "
+                        "train with\n"),
+            std::string::npos)
+      << output;
+  json chain = json::parse(std::ifstream(Sample("lab_mlp_lm_t4_dp2_n8.json")));
+  chain["optimizer"] = {{"lr", 0.1}};
+  const std::string chain_path =
+      WriteTemp(fmt::format("mpusim_train_chain.{}.json", ::getpid()), chain.dump());
+  EXPECT_EQ(Shell(Mpiexec(8) + MPUSIM_BINARY + " run " + chain_path, &output), 2) << output;
+  EXPECT_NE(output.find(": optimizer: training runs the GPT model"), std::string::npos) << output;
+}
+
 // A chain with an explicit copy_to_tensor_model_parallel_region before a ColumnParallelLinear
 // (which runs its own copy_to): at tp 2 its backward all-reduce doubles the gradients before
 // it, as Megatron's code would.

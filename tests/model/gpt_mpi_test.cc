@@ -267,6 +267,66 @@ TEST(GptMpi, PipelineWithCompletingPointToPoint) {
   }
 }
 
+// Training (run.train_iters with an optimizer section): every iteration's loss, the last
+// iteration's tensors and clipped gradients, and the final parameters match the float64
+// reference training the same model; every layout of one model gives the same loss curve.
+json Training(json document, const char* optimizer) {
+  document["run"]["train_iters"] = 4;
+  if (std::string(optimizer) == "adam") {
+    document["optimizer"] = {
+        {"optimizer", "adam"}, {"lr", 1e-3}, {"lr_warmup_iters", 1}, {"clip_grad", 1.0}};
+  } else {
+    document["optimizer"] = {{"optimizer", "sgd"}, {"lr", 0.5},        {"lr_decay_style", "cosine"},
+                             {"min_lr", 0.05},     {"clip_grad", 0.5}, {"weight_decay", 0.1}};
+  }
+  return document;
+}
+
+TEST(GptMpi, TrainingMatchesTheReferenceOnEveryLayout) {
+  for (const char* optimizer : {"adam", "sgd"}) {
+    std::vector<std::vector<double>> curves;
+    // dp only, tp only, and a pipeline (of two stages when the world allows).
+    std::vector<PipelineLayout> layouts = {{1, 0, 1}};
+    if (WorldSize() > 1) layouts.push_back({1, 0, WorldSize()});
+    if (WorldSize() > 1) layouts.push_back({2, 0, 1});
+    for (const PipelineLayout& l : layouts) {
+      SCOPED_TRACE(fmt::format("{}: pp {} tp {}", optimizer, l.pp, l.tp));
+      if (WorldRank() == 0) fmt::print("  {} pp {} tp {}:", optimizer, l.pp, l.tp);
+      const run::SimulationResult result =
+          RunChecked(Training(PipelineDocument(l.pp, 0, l.tp, "float64"), optimizer));
+      ASSERT_EQ(result.iterations.size(), 4u);
+      ASSERT_EQ(result.check.reference_iterations.size(), 4u);
+      std::vector<double> curve;
+      for (size_t i = 0; i < 4; ++i) {
+        const double expected = result.check.reference_iterations[i].loss;
+        EXPECT_NEAR(result.iterations[i].loss, expected, 1e-12 * expected) << "iteration " << i;
+        EXPECT_NEAR(result.iterations[i].grad_norm, result.check.reference_iterations[i].grad_norm,
+                    1e-10 * result.check.reference_iterations[i].grad_norm);
+        curve.push_back(result.iterations[i].loss);
+      }
+      // The model learns: the losses are not all the same.
+      EXPECT_NE(curve.front(), curve.back());
+      curves.push_back(curve);
+    }
+    for (const auto& curve : curves) {
+      for (size_t i = 0; i < curve.size(); ++i) EXPECT_NEAR(curve[i], curves.front()[i], 1e-12);
+    }
+  }
+}
+
+// Lower precision: Adam moves a parameter whose exact gradient is 0 (the key bias) by O(lr)
+// on rounding noise, which the check's error bounds carry (reference/gpt_train.h).
+TEST(GptMpi, TrainingInFloat32AndBFloat16) {
+  const int64_t t = TensorParallelSizes().back();
+  for (const char* dtype : {"float32", "bfloat16"}) {
+    for (const char* optimizer : {"adam", "sgd"}) {
+      SCOPED_TRACE(fmt::format("{} {}", dtype, optimizer));
+      if (WorldRank() == 0) fmt::print("  {} {}:", dtype, optimizer);
+      RunChecked(Training(Document(Gpt(8, 8), t, t > 1, dtype), optimizer));
+    }
+  }
+}
+
 TEST(GptMpi, GroupedQueryAttentionLlamaStyle) {
   for (const int64_t t : TensorParallelSizes()) {
     if (t > 4) continue;  // 4 query groups
@@ -325,6 +385,7 @@ std::vector<TensorRecord> RunChunked(const json& document,
   (*model)->InitializeParameters(*ctx.kernels);
   std::vector<TensorRecord> records;
   (*model)->Run(ctx, &records);
+  (*model)->RecordParameters(&records);
   EXPECT_EQ((*model)->live_stashes(), 0);
   *peak = (*model)->peak_live_stashes();
   for (TensorRecord& r : records) {

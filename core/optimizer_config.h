@@ -1,0 +1,63 @@
+// The "optimizer" section of a config: Megatron's optimizer and learning-rate arguments, and
+// the learning rate of an iteration (Megatron's OptimizerParamScheduler).
+//
+//   "optimizer": {
+//     "optimizer": "adam",       "adam" (AdamW: decoupled weight decay, as Megatron's fused
+//                                Adam) or "sgd" (momentum sgd_momentum), default "adam"
+//     "lr": 1e-3,                required: the peak learning rate
+//     "min_lr": 0,               the floor the decay ends at
+//     "lr_decay_style": "linear",  "constant", "linear" or "cosine"
+//     "lr_warmup_iters": 0,      iterations of linear warmup from 0 to lr
+//     "lr_decay_iters": null,    iterations over which lr decays (default: run.train_iters)
+//     "weight_decay": 0.01,      not applied to biases and other 1-D parameters (norms)
+//     "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_eps": 1e-8,
+//     "sgd_momentum": 0.9,
+//     "clip_grad": 1.0           the global gradient norm's limit; 0 turns clipping off
+//   }
+//
+// Learning rate of iteration k (0-based: the k-th optimizer step), as Megatron's scheduler
+// gives it (its step counter is k * global_batch_size when iteration k runs, and warmup and
+// decay are measured in the same unit, so iterations can be used directly), W warmup and D
+// decay iterations:
+//   k < W (warmup):         lr * k / W           (0 at the first iteration)
+//   constant:               lr
+//   k > D:                  min_lr
+//   otherwise r = (k - W) / (D - W), linear c = 1 - r, cosine c = (cos(pi r) + 1) / 2:
+//                           min_lr + c * (lr - min_lr)
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <optional>
+#include <string_view>
+
+#include "core/status.h"
+
+namespace mpusim {
+
+struct OptimizerConfig {
+  enum class Kind : uint8_t { kAdam, kSgd };
+  enum class DecayStyle : uint8_t { kConstant, kLinear, kCosine };
+  Kind kind = Kind::kAdam;
+  double lr = 0;
+  double min_lr = 0;
+  DecayStyle lr_decay_style = DecayStyle::kLinear;
+  int64_t lr_warmup_iters = 0;
+  std::optional<int64_t> lr_decay_iters;
+  double weight_decay = 0.01;
+  double adam_beta1 = 0.9;
+  double adam_beta2 = 0.999;
+  double adam_eps = 1e-8;
+  double sgd_momentum = 0.9;
+  double clip_grad = 1.0;
+};
+
+Status ParseOptimizerSection(const nlohmann::json& section, OptimizerConfig* out);
+
+// The learning rate of 0-based iteration `k` of a run of `train_iters` iterations.
+double LearningRate(const OptimizerConfig& config, int64_t k, int64_t train_iters);
+
+// Megatron's default no_weight_decay_cond: biases and 1-D parameters take no weight decay.
+bool TakesWeightDecay(std::string_view name, int64_t ndim);
+
+}  // namespace mpusim

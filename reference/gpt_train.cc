@@ -1,0 +1,114 @@
+// The reference's optimizer (see gpt_train.h).
+#include "reference/gpt_train.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+namespace mpusim {
+
+GptReferenceTrainer::GptReferenceTrainer(const OptimizerConfig& config, int64_t train_iters)
+    : config_(config), train_iters_(train_iters) {}
+
+void GptReferenceTrainer::SetParameters(std::map<std::string, Tensor> parameters) {
+  parameters_ = std::move(parameters);
+}
+
+double GptReferenceTrainer::Step(std::map<std::string, Tensor*>& grads, int64_t k) {
+  ++steps_;
+  double sum = 0;
+  for (const auto& [name, g] : grads) {
+    const double* x = g->data_as<double>();
+    for (int64_t i = 0; i < g->numel(); ++i) sum += x[i] * x[i];
+  }
+  const double norm = std::sqrt(sum);
+  if (config_.clip_grad > 0) {
+    const double coeff = config_.clip_grad / (norm + 1e-6);
+    if (coeff < 1.0) {
+      for (auto& [name, g] : grads) {
+        double* x = g->data_as<double>();
+        for (int64_t i = 0; i < g->numel(); ++i) x[i] *= coeff;
+      }
+    }
+  }
+  const double lr = LearningRate(config_, k, train_iters_);
+  last_lr_ = lr;
+  const double clip = config_.clip_grad > 0 && config_.clip_grad / (norm + 1e-6) < 1.0
+                          ? config_.clip_grad / (norm + 1e-6)
+                          : 1.0;
+  const double t = static_cast<double>(steps_);
+  const double b1 = config_.adam_beta1, b2 = config_.adam_beta2;
+  // K_t: the largest |update| Adam can make at step t.
+  double k_t = 0;
+  {
+    double series = 0, r = 1;
+    for (int64_t j = 0; j < steps_; ++j, r *= b1 / std::sqrt(b2)) series += r;
+    k_t = (1 - b1) / std::sqrt(1 - b2) * series * std::sqrt(1 - std::pow(b2, t)) /
+          (1 - std::pow(b1, t));
+  }
+  for (auto& [name, g] : grads) {
+    const auto it = parameters_.find(name);
+    if (it == parameters_.end()) {
+      throw std::invalid_argument(fmt::format("GptReferenceTrainer: no parameter '{}'", name));
+    }
+    Tensor& w = it->second;
+    const double wd =
+        TakesWeightDecay(name, static_cast<int64_t>(w.shape().size())) ? config_.weight_decay : 0.0;
+    const auto n = static_cast<size_t>(w.numel());
+    std::vector<double>& m = m_[name];
+    std::vector<double>& dm = dm_[name];
+    std::vector<double>& bound = bounds_[name];
+    m.resize(n, 0.0);
+    dm.resize(n, 0.0);
+    bound.resize(n, 0.0);
+    double* wv = w.data_as<double>();
+    const double* gv = g->data_as<double>();
+    // The gradient's error bound, through the clipping (whose coefficient carries the norm's
+    // relative error, ntol at most).
+    double g_max = 0;
+    for (size_t i = 0; i < n; ++i) g_max = std::max(g_max, std::fabs(gv[i]));
+    auto delta = [&](size_t i) {
+      return (atol_ + ntol_ * g_max / clip + rtol_ * std::fabs(gv[i]) / clip) * clip +
+             ntol_ * std::fabs(gv[i]);
+    };
+    if (config_.kind == OptimizerConfig::Kind::kAdam) {
+      std::vector<double>& v = v_[name];
+      std::vector<double>& dv = dv_[name];
+      v.resize(n, 0.0);
+      dv.resize(n, 0.0);
+      for (size_t i = 0; i < n; ++i) {
+        const double d = delta(i);
+        m[i] = b1 * m[i] + (1 - b1) * gv[i];
+        v[i] = b2 * v[i] + (1 - b2) * gv[i] * gv[i];
+        dm[i] = b1 * dm[i] + (1 - b1) * d;
+        dv[i] = b2 * dv[i] + (1 - b2) * (2 * std::fabs(gv[i]) * d + d * d);
+        const double m_hat = m[i] / (1 - std::pow(b1, t));
+        const double v_hat = v[i] / (1 - std::pow(b2, t));
+        const double dm_hat = dm[i] / (1 - std::pow(b1, t));
+        const double dv_hat = dv[i] / (1 - std::pow(b2, t));
+        const double root = std::sqrt(v_hat);
+        const double d_root =
+            root > 0 ? std::min(std::sqrt(dv_hat), dv_hat / (2 * root)) : std::sqrt(dv_hat);
+        const double denom = root + config_.adam_eps;
+        const double update = m_hat / denom;
+        const double d_update =
+            (dm_hat + std::fabs(update) * d_root) / std::max(denom - d_root, config_.adam_eps);
+        wv[i] -= lr * (update + wd * wv[i]);
+        bound[i] = bound[i] * (1 + lr * wd) + lr * std::min(d_update, 2 * k_t);
+      }
+    } else {
+      for (size_t i = 0; i < n; ++i) {
+        const double d = gv[i] + wd * wv[i];
+        m[i] = steps_ == 1 ? d : config_.sgd_momentum * m[i] + d;
+        dm[i] = (steps_ == 1 ? 0.0 : config_.sgd_momentum * dm[i]) + delta(i) + wd * bound[i];
+        wv[i] -= lr * m[i];
+        bound[i] += lr * dm[i];
+      }
+    }
+  }
+  return norm;
+}
+
+}  // namespace mpusim

@@ -1,0 +1,69 @@
+// The float64 reference's optimizer: trains the reference GPT model from the contract alone
+// (core/optimizer_config.h for the learning rate and which parameters take weight decay).
+//
+// What it is: float64 copies of every parameter of the whole model, updated from the full
+// gradients of an iteration (summed over every sample): the global gradient norm (each
+// parameter once, the tied word embedding once), clipping to clip_grad, then AdamW or
+// momentum SGD in float64, with the learning rate of the iteration. The states are float64
+// too, with no rounding anywhere.
+//
+// Error bounds. A run's gradients carry rounding errors up to the check's gradient tolerance
+// d_i = atol + ntol * max|g| + rtol * |g_i| (SetGradientTolerance); the trainer carries them
+// through the updates to an absolute bound B_i on each parameter element, which the check
+// adds to that element's allowance. SGD is linear: the momentum buffer's error is
+// d + mu * (its previous error), and B grows by lr times it. Adam is not: an element whose
+// exact gradient is 0 (the key bias: softmax ignores it) moves by lr * g / (sqrt(v) + eps)
+// with g pure rounding noise, which eps turns into an O(lr) step in float32. The bound per
+// step is lr * min(first-order error of m_hat / (sqrt(v_hat) + eps), 2 K_t), K_t the
+// largest |update| Adam can make at step t ((1 - b1) / sqrt(1 - b2) * sum (b1/sqrt(b2))^j *
+// sqrt(1 - b2^t) / (1 - b1^t), 1 at t = 1).
+// What it is not: the executor's optimizer (core/train): it shares no code with it; its
+// target cannot link executor code.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/optimizer_config.h"
+#include "core/tensor.h"
+
+namespace mpusim {
+
+class GptReferenceTrainer {
+ public:
+  GptReferenceTrainer(const OptimizerConfig& config, int64_t train_iters);
+
+  // Takes the initial parameters (full host float64 tensors, by name) at the first step.
+  bool has_parameters() const { return !parameters_.empty(); }
+  void SetParameters(std::map<std::string, Tensor> parameters);
+  // The current parameters, for GptReferenceOptions::parameter_overrides.
+  const std::map<std::string, Tensor>& parameters() const { return parameters_; }
+
+  // One step of 0-based iteration k with the full gradients `grads` (by parameter name,
+  // float64 host, clipped in place). Returns the gradient norm before clipping.
+  double Step(std::map<std::string, Tensor*>& grads, int64_t k);
+  double last_lr() const { return last_lr_; }
+  // The run's gradient tolerance (see above); 0 (the default) carries no error.
+  void SetGradientTolerance(double atol, double ntol, double rtol) {
+    atol_ = atol;
+    ntol_ = ntol;
+    rtol_ = rtol;
+  }
+  // Per parameter, per element (row-major): the absolute error bound B_i after the steps.
+  const std::map<std::string, std::vector<double>>& error_bounds() const { return bounds_; }
+
+ private:
+  OptimizerConfig config_;
+  int64_t train_iters_;
+  std::map<std::string, Tensor> parameters_;
+  std::map<std::string, std::vector<double>> m_, v_;
+  // Error propagation: of m (or the SGD buffer), of v, and the bound on each element.
+  std::map<std::string, std::vector<double>> dm_, dv_, bounds_;
+  double atol_ = 0, ntol_ = 0, rtol_ = 0;
+  int64_t steps_ = 0;
+  double last_lr_ = 0;
+};
+
+}  // namespace mpusim
