@@ -1,6 +1,8 @@
 // Config files (see config.h).
 #include "core/config.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "core/strict_json.h"
@@ -31,6 +33,35 @@ Status ResolveStorageDType(const ParallelConfig& parallel, RunConfig* run) {
                                      "them or make them agree",
                                      DTypeName(run->dtype), field, DTypeName(*megatron)));
   }
+  return {};
+}
+
+// run.global_batch_size -> num_microbatches for this layout's data-parallel size. A layout
+// whose sizes do not divide the world is left for the topology to refuse.
+Status ResolveGlobalBatch(const ParallelConfig& parallel, RunConfig* run) {
+  if (!run->global_batch_size) return {};
+  const int64_t model_parallel = std::max<int64_t>(parallel.tensor_model_parallel_size, 1) *
+                                 std::max<int64_t>(parallel.pipeline_model_parallel_size, 1) *
+                                 std::max<int64_t>(parallel.context_parallel_size, 1);
+  if (parallel.world_size < 1 || parallel.world_size % model_parallel != 0) return {};
+  const int64_t dp = parallel.world_size / model_parallel;
+  const int64_t gbs = *run->global_batch_size;
+  const int64_t per_microbatch = run->micro_batch_size * dp;
+  if (gbs % per_microbatch != 0) {
+    return Status::Error("run.global_batch_size",
+                         fmt::format("{} is not divisible by micro_batch_size {} * "
+                                     "data_parallel_size {} = {}",
+                                     gbs, run->micro_batch_size, dp, per_microbatch));
+  }
+  const int64_t microbatches = gbs / per_microbatch;
+  if (run->num_microbatches_given && run->num_microbatches != microbatches) {
+    return Status::Error("run.num_microbatches",
+                         fmt::format("{} disagrees with global_batch_size {} / (micro_batch_size "
+                                     "{} * data_parallel_size {}) = {}; give one of them",
+                                     run->num_microbatches, gbs, run->micro_batch_size, dp,
+                                     microbatches));
+  }
+  run->num_microbatches = microbatches;
   return {};
 }
 
@@ -80,6 +111,7 @@ Status ParseConfig(const nlohmann::json& document, Config* out) {
                                      "\"tensor_model_parallel_size\": 2}}");
   }
   MPUSIM_RETURN_IF_ERROR(ResolveStorageDType(config.parallel, config.run ? &*config.run : nullptr));
+  if (config.run) MPUSIM_RETURN_IF_ERROR(ResolveGlobalBatch(config.parallel, &*config.run));
   *out = std::move(config);
   return {};
 }

@@ -448,7 +448,8 @@ const std::vector<std::string_view>& RunKeys() {
                                                       "micro_batch_size",
                                                       "num_microbatches",
                                                       "recompute_granularity",
-                                                      "train_iters"};
+                                                      "train_iters",
+                                                      "global_batch_size"};
   return kKeys;
 }
 
@@ -542,6 +543,11 @@ Status ParseRunSection(const json& section, RunConfig* out) {
       MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &run.micro_batch_size));
     } else if (key == "num_microbatches") {
       MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &run.num_microbatches));
+      run.num_microbatches_given = true;
+    } else if (key == "global_batch_size") {
+      int64_t gbs = 0;
+      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &gbs));
+      run.global_batch_size = gbs;
     } else if (key == "train_iters") {
       MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &run.train_iters));
     } else if (key == "recompute_granularity") {

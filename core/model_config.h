@@ -124,6 +124,11 @@ struct RunConfig {
   // Optimizer steps (with an "optimizer" section; without one, one step and no update).
   // Iteration k reads micro-batches k*M .. k*M + M - 1 of the data stream.
   int64_t train_iters = 1;
+  // Megatron's global batch: samples per iteration over all dp ranks. When given,
+  // num_microbatches = global_batch_size / (micro_batch_size * data_parallel_size)
+  // (ParseConfig resolves it for the layout), so every layout trains on the same batches.
+  std::optional<int64_t> global_batch_size;
+  bool num_microbatches_given = false;
   // "recompute_granularity": null, "full" (recompute each layer's forward in backward) or
   // "selective" (recompute only core attention; GPT models).
   enum class Recompute : uint8_t { kNone, kFull, kSelective };

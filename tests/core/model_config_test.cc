@@ -580,9 +580,10 @@ TEST(RunConfig, Errors) {
             "run.seq_length: is required (tokens per sample, e.g. \"seq_length\": 8)");
   EXPECT_EQ(RunRefusal({{"seq_length", 8}, {"sead", 1}}),
             "run.sead: unknown key; did you mean 'seed'?");
-  EXPECT_EQ(RunRefusal({{"seq_length", 8}, {"global_batch_size", 8}}),
-            "run.global_batch_size: unknown key; allowed: seed, dtype, seq_length, "
-            "micro_batch_size, num_microbatches, recompute_granularity, train_iters");
+  EXPECT_EQ(RunRefusal({{"seq_length", 8}, {"hidden_size", 8}}),
+            "run.hidden_size: unknown key; allowed: seed, dtype, seq_length, "
+            "micro_batch_size, num_microbatches, recompute_granularity, train_iters, "
+            "global_batch_size");
   EXPECT_EQ(RunRefusal({{"seq_length", 8}, {"train_iters", 0}}).rfind("run.train_iters: ", 0), 0u);
   EXPECT_EQ(RunRefusal({{"seq_length", 8}, {"seed", -1}}),
             "run.seed: must be an integer >= 0, got -1");

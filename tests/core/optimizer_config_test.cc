@@ -1,6 +1,8 @@
 // The optimizer section and Megatron's learning-rate schedule (core/optimizer_config.h).
 #include "core/optimizer_config.h"
 
+#include "core/config.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -76,6 +78,33 @@ TEST(LearningRate, NoWeightDecayOnBiasesAndNorms) {
   EXPECT_TRUE(TakesWeightDecay("decoder.layers.0.mlp.linear_fc1.weight", 2));
   EXPECT_FALSE(TakesWeightDecay("decoder.layers.0.mlp.linear_fc1.bias", 1));
   EXPECT_FALSE(TakesWeightDecay("decoder.final_layernorm.weight", 1));
+}
+
+// run.global_batch_size fixes the samples per iteration; num_microbatches follows the
+// layout's data-parallel size.
+TEST(GlobalBatch, NumMicrobatchesFollowsTheDataParallelSize) {
+  auto parse = [](int64_t world, int64_t tp, json run) {
+    Config config;
+    const Status s = ParseConfig(
+        json{{"parallel", {{"world_size", world}, {"tensor_model_parallel_size", tp}}},
+             {"run", run}},
+        &config);
+    return s.ok() ? std::to_string(config.run->num_microbatches) : s.Message();
+  };
+  const json run = {{"seq_length", 8}, {"micro_batch_size", 2}, {"global_batch_size", 16}};
+  EXPECT_EQ(parse(8, 1, run), "1");  // dp 8
+  EXPECT_EQ(parse(8, 2, run), "2");  // dp 4
+  EXPECT_EQ(parse(8, 8, run), "8");  // dp 1
+  json agreeing = run;
+  agreeing["num_microbatches"] = 2;
+  EXPECT_EQ(parse(8, 2, agreeing), "2");
+  EXPECT_EQ(parse(8, 1, agreeing),
+            "run.num_microbatches: 2 disagrees with global_batch_size 16 / (micro_batch_size 2 * "
+            "data_parallel_size 8) = 1; give one of them");
+  json odd = run;
+  odd["global_batch_size"] = 12;
+  EXPECT_EQ(parse(8, 1, odd), "run.global_batch_size: 12 is not divisible by micro_batch_size 2 "
+                              "* data_parallel_size 8 = 16");
 }
 
 }  // namespace
