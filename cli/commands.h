@@ -21,6 +21,7 @@ std::unique_ptr<Command> MakeScheduleCommand(CLI::App* parent);
 std::unique_ptr<Command> MakeExplainCommand(CLI::App* parent);
 std::unique_ptr<Command> MakeRunCommand(CLI::App* parent);
 std::unique_ptr<Command> MakeDiffCommand(CLI::App* parent);
+std::unique_ptr<Command> MakeSweepCommand(CLI::App* parent);
 
 // Prints "error: <source>: <where>: <what>" and returns kExitUsage.
 int ReportError(std::ostream& err, const std::string& source, const std::string& message);

@@ -35,6 +35,9 @@ class RunCommand : public Command {
     app_->add_option("--dump", options_.dump_dir,
                      "write every rank's tensors to DIR/rankNNNNN.safetensors + manifest.json");
     app_->add_flag("!--no-check", options_.check, "skip the float64 reference check");
+    app_->add_option("--summary", options_.summary_path,
+                     "write the results to FILE as JSON (loss, iterations, the check's counts "
+                     "and largest parameter error, time, peak stashes): what mpusim sweep reads");
     app_->add_option("--backend", options_.backend,
                      "cpu (Eigen/OpenBLAS + MPI) or cuda (CUDA/cuBLAS + NCCL, loaded from the "
                      "plugin libmpusim_backend_cuda.so next to the program); default cpu")

@@ -11,10 +11,13 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <ostream>
+#include <set>
 #include <sstream>
 
 #include "core/config.h"
+#include "core/safetensors.h"
 #include "core/schedule.h"
 #include "core/topology.h"
 #include "core/train/optimizer.h"
@@ -268,6 +271,8 @@ class RankRun {
   // The per-iteration table of a training run, with the reference's losses when checked;
   // returns how many iterations' losses fail the loss tensor's tolerance.
   int PrintTraining(const SimulationResult& result);
+  // --summary FILE: the results as JSON (rank 0).
+  Status WriteSummary(const SimulationResult& result, int code);
   void PrintCommTrace(const CommTrace& trace);
   void PrintMemory();
   std::string PreflightError(const MemoryPlan& plan) const;
@@ -398,6 +403,10 @@ int RankRun::Run() {
   const int iteration_failures = PrintTraining(*result);
   if (options_.check) code = PrintChecks(result->check, *result);
   if (iteration_failures > 0) code = kExitCheckFailed;
+  if (!options_.summary_path.empty() && world_rank_ == 0) {
+    const Status written = WriteSummary(*result, code);
+    if (!written.ok()) return Usage("", written.Message());
+  }
   PrintCommTrace(result->trace);
   if (dump) {
     DumpTarget target = dump_target;
@@ -520,6 +529,47 @@ void RankRun::PrintParameterMemory(const SimulationResult& result) {
                            "embedding",
                            pp)
              : std::string());
+}
+
+Status RankRun::WriteSummary(const SimulationResult& result, int code) {
+  nlohmann::ordered_json j;
+  j["schema_version"] = 1;
+  j["config"] = options_.config_path;
+  j["loss"] = result.loss;
+  j["passed"] = code == kExitOk;
+  nlohmann::ordered_json iterations = nlohmann::ordered_json::array();
+  const std::vector<CheckResult::Iteration>& ref = result.check.reference_iterations;
+  for (size_t i = 0; i < result.iterations.size(); ++i) {
+    const SimulationResult::Iteration& row = result.iterations[i];
+    nlohmann::ordered_json it = {
+        {"loss", row.loss}, {"grad_norm", row.grad_norm}, {"lr", row.lr}, {"seconds", row.seconds}};
+    if (i < ref.size()) it["reference_loss"] = ref[i].loss;
+    iterations.push_back(it);
+  }
+  j["iterations"] = iterations;
+  if (options_.check) {
+    int64_t failed = 0;
+    double parameter_error = 0;  // the largest normalized error of a parameter
+    std::set<std::string> parameters;
+    if (result.gpt) {
+      for (const GptParameter& p : GptParameters(*result.gpt, result.padded_vocab_size, false)) {
+        parameters.insert(p.name);
+      }
+    }
+    for (const TensorCheck& c : result.check.tensors) {
+      if (!c.ok()) ++failed;
+      if (parameters.count(c.name) != 0) parameter_error = std::max(parameter_error, c.normalized);
+    }
+    j["check"] = {{"tensors", result.check.tensors.size()},
+                  {"failed", failed},
+                  {"reference_loss", result.check.reference_loss},
+                  {"max_parameter_normalized_error", parameter_error}};
+  }
+  std::vector<double> sorted = result.seconds;
+  std::sort(sorted.begin(), sorted.end());
+  j["seconds_median"] = sorted.empty() ? 0.0 : sorted[sorted.size() / 2];
+  j["peak_stashes_rank0"] = result.peak_stashes;
+  return WriteFileAtomically(options_.summary_path, j.dump(1) + "\n");
 }
 
 int RankRun::PrintTraining(const SimulationResult& result) {

@@ -71,6 +71,7 @@ RankContext MakeRankContext(const Config& config, Backend& backend, const Topolo
 struct RunOptions {
   std::string config_path;
   std::string dump_dir;  // empty: no dump
+  std::string summary_path;  // empty: none; else rank 0 writes the run's results as JSON
   bool check = true;     // compare with the float64 reference
   int repeat = 1;        // run the step this many times and report timings (benchmarks)
   std::string backend = "cpu";  // "cpu" or a plugin's name ("cuda")

@@ -532,6 +532,28 @@ TEST(RunCommand, TrainingSamplePrintsEveryIterationAgainstTheReference) {
   EXPECT_NE(output.find(": optimizer: training runs the GPT model"), std::string::npos) << output;
 }
 
+// mpusim sweep: every layout of 2 ranks, each checked, one table; a launcher that cannot run
+// them fails every layout (exit 1); a chain config is bad input (exit 2).
+TEST(SweepCommand, EveryLayoutOfTwoRanksPasses) {
+  // The real program (sweep launches itself under mpiexec).
+  const std::string sweep = std::string(MPUSIM_BINARY) + " sweep " +
+                            Sample("gpt_train_adam_p2_t2_n4.json") + " --world-size 2";
+  std::string out;
+  EXPECT_EQ(Shell(sweep + " --train-iters 2", &out), 0) << out;
+  for (const char* line : {"on 2 ranks: 4 layouts (1 skipped), 4 micro-batches of 2 samples",
+                           "skipped tp 1 pp 2 vp 2 dp 1: num_layers: must be divisible by",
+                           "  tp 1 pp 1 dp 2 ", "  tp 1 pp 2 dp 1 ", "  tp 2 pp 1 dp 1 sp ",
+                           "4 of 4 layouts pass; final losses agree to"}) {
+    EXPECT_NE(out.find(line), std::string::npos) << line << "\n" << out;
+  }
+  EXPECT_EQ(Shell(sweep + " --mpiexec /bin/false", &out), 1) << out;
+  EXPECT_NE(out.find("FAIL: mpusim run exited 1"), std::string::npos) << out;
+  EXPECT_NE(out.find("0 of 4 layouts pass"), std::string::npos) << out;
+  const Result chain = Mpusim({"sweep", Sample("lab_mlp_lm_t4_dp2_n8.json"), "--world-size", "2"});
+  EXPECT_EQ(chain.code, 2);
+  EXPECT_NE(chain.err.find("model: mpusim sweep runs GPT configs"), std::string::npos) << chain.err;
+}
+
 // A chain with an explicit copy_to_tensor_model_parallel_region before a ColumnParallelLinear
 // (which runs its own copy_to): at tp 2 its backward all-reduce doubles the gradients before
 // it, as Megatron's code would.

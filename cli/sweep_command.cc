@@ -1,0 +1,259 @@
+// `mpusim sweep CONFIG --world-size N`: every valid layout of one GPT model on N ranks, each
+// run with mpiexec and checked against the float64 reference, in one table.
+//
+// What it is: the layouts are every tp x pp (x vp 2) x dp factorisation of N, with and
+// without sequence parallelism, that the model can be split into (CheckGptLayout, the
+// planner's layer assignment and schedule); each runs as `mpiexec -n N mpusim run` on a copy
+// of the config with that parallel section, the config's num_microbatches M and its B =
+// micro_batch_size * dp samples per micro-batch (micro_batch_size B / dp for the layout), so
+// every layout trains on the same data (micro-batch m's samples 0..B-1 of its stream). The table
+// gives each layout's final loss, the largest deviation of its loss curve from the reference's, the
+// largest normalized error of a final parameter, the check's verdict, the median time per iteration
+// and rank 0's peak of live stashes. Exit 0 when every layout passes, 1 when one fails or cannot
+// run, 2 for bad input. What it is not: a benchmark (the layouts share this machine's cores).
+#include <fmt/format.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cli/commands.h"
+#include "core/config.h"
+#include "core/gpt_config.h"
+#include "core/safetensors.h"
+#include "core/schedule.h"
+#include "core/topology.h"
+
+namespace mpusim::cli {
+namespace {
+
+using nlohmann::json;
+
+constexpr int kExitOk = 0;
+constexpr int kExitFailed = 1;
+
+struct Layout {
+  int64_t tp = 1, pp = 1, vp = 0, dp = 1;
+  bool sp = false;
+  std::string Name() const {
+    return fmt::format("tp {} pp {}{} dp {}{}", tp, pp, vp > 0 ? fmt::format(" vp {}", vp) : "", dp,
+                       sp ? " sp" : "");
+  }
+};
+
+std::string ShellQuote(const std::string& text) {
+  std::string out = "'";
+  for (char c : text) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+// Why `document` cannot run, or "".
+std::string LayoutProblem(const json& document) {
+  Config config;
+  Status s = ParseConfig(document, &config);
+  if (!s.ok()) return s.Message();
+  StatusOr<Topology> topology = Topology::Create(config.parallel);
+  if (!topology.ok()) return topology.status().Message();
+  GptConfig gpt = *config.gpt;
+  s = CheckGptLayout(config.parallel, *config.run, &gpt);
+  if (!s.ok()) return s.Message();
+  const auto vp = config.parallel.virtual_pipeline_model_parallel_size;
+  StatusOr<std::vector<std::vector<std::vector<int64_t>>>> layers =
+      AssignLayers(config.parallel.pipeline_model_parallel_size, vp, gpt.num_layers);
+  if (!layers.ok()) return layers.status().Message();
+  StatusOr<PipelineSchedule> schedule = BuildPipelineSchedule(
+      config.parallel.pipeline_model_parallel_size, vp, config.run->num_microbatches,
+      config.parallel.microbatch_group_size_per_vp_stage);
+  if (!schedule.ok()) return schedule.status().Message();
+  return "";
+}
+
+class SweepCommand final : public Command {
+ public:
+  explicit SweepCommand(CLI::App* parent) {
+    app_ = parent->add_subcommand(
+        "sweep",
+        "Run every valid layout of a GPT config on N ranks and check each against the "
+        "float64 reference");
+    app_->footer(
+        "Each layout runs as `mpiexec -n N --oversubscribe mpusim run`. Exit codes: 0 "
+        "every layout passes, 1 one fails or cannot run, 2 bad input.");
+    app_->add_option("CONFIG", config_path_, "a GPT config (model.type \"gpt\")")->required();
+    app_->add_option("--world-size", world_size_, "ranks of every layout")
+        ->required()
+        ->check(CLI::Range(1, 64));
+    app_->add_option("--train-iters", train_iters_,
+                     "override run.train_iters (with an optimizer section)")
+        ->check(CLI::Range(1, 100000));
+    app_->add_option("--mpiexec", mpiexec_, "the MPI launcher; default " MPUSIM_MPIEXEC);
+  }
+  CLI::App* app() override { return app_; }
+
+  int Run(std::ostream& out, std::ostream& err) override {
+    StatusOr<json> read = ReadJsonFile(config_path_);
+    if (!read.ok()) return ReportError(err, config_path_, read.status().Message());
+    json base = std::move(read).value();
+    Config config;
+    if (const Status s = ParseConfig(base, &config); !s.ok()) {
+      return ReportError(err, config_path_, s.Message());
+    }
+    if (!config.gpt || !config.run) {
+      return ReportError(err, config_path_,
+                         "model: mpusim sweep runs GPT configs (\"model\": {\"type\": \"gpt\", "
+                         "...}) with a run section");
+    }
+    if (train_iters_) {
+      if (!config.optimizer) {
+        return ReportError(err, "--train-iters", "needs an \"optimizer\" section in the config");
+      }
+      base["run"]["train_iters"] = *train_iters_;
+    }
+    // The same samples for every layout: B per micro-batch, M micro-batches.
+    StatusOr<Topology> topology = Topology::Create(config.parallel);
+    if (!topology.ok()) return ReportError(err, config_path_, topology.status().Message());
+    samples_ = config.run->micro_batch_size * topology->sizes().dp;
+    base["run"]["num_microbatches"] = config.run->num_microbatches;
+    base["run"].erase("global_batch_size");
+    std::vector<Layout> layouts;
+    std::vector<std::string> skipped;
+    for (int64_t tp = 1; tp <= world_size_; ++tp) {
+      if (world_size_ % tp != 0) continue;
+      for (int64_t pp = 1; pp <= world_size_ / tp; ++pp) {
+        if ((world_size_ / tp) % pp != 0) continue;
+        for (int64_t vp : {int64_t{0}, int64_t{2}}) {
+          if (vp > 0 && pp == 1) continue;
+          for (bool sp : {false, true}) {
+            if (sp && tp == 1) continue;
+            Layout l{tp, pp, vp, world_size_ / (tp * pp), sp};
+            const std::string problem =
+                samples_ % l.dp != 0
+                    ? fmt::format("{} samples per micro-batch do not split over dp {}", samples_,
+                                  l.dp)
+                    : LayoutProblem(Document(base, l));
+            if (problem.empty()) {
+              layouts.push_back(l);
+            } else {
+              skipped.push_back(fmt::format("{}: {}", l.Name(), problem));
+            }
+          }
+        }
+      }
+    }
+    if (layouts.empty()) {
+      return ReportError(err, config_path_,
+                         fmt::format("no layout of {} ranks can run this model (e.g. {})",
+                                     world_size_, skipped.empty() ? "-" : skipped.front()));
+    }
+    out << fmt::format(
+        "mpusim sweep: {} on {} ranks: {} layouts ({} skipped), {} micro-batches "
+        "of {} samples\n",
+        config_path_, world_size_, layouts.size(), skipped.size(), config.run->num_microbatches,
+        samples_);
+    for (const std::string& s : skipped) out << "  skipped " << s << '\n';
+    out << fmt::format("  {:<22} {:>14} {:>16} {:>12} {:>8} {:>10} {:>7}\n", "layout", "final loss",
+                       "max |loss-ref|", "param err", "check", "s/iter", "stashes");
+    out.flush();
+    char self[4096] = {};
+    const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+    const std::string exe = n > 0 ? std::string(self, static_cast<size_t>(n)) : "mpusim";
+    const std::filesystem::path dir =
+        std::filesystem::temp_directory_path() / fmt::format("mpusim_sweep.{}", ::getpid());
+    std::filesystem::create_directories(dir);
+    int failures = 0;
+    std::optional<double> first_loss;
+    double spread = 0;
+    for (size_t i = 0; i < layouts.size(); ++i) {
+      const Layout& l = layouts[i];
+      const std::string config_file = (dir / fmt::format("layout{}.json", i)).string();
+      const std::string summary_file = (dir / fmt::format("layout{}.summary.json", i)).string();
+      const std::string log_file = (dir / fmt::format("layout{}.log", i)).string();
+      if (const Status s = WriteFileAtomically(config_file, Document(base, l).dump(1)); !s.ok()) {
+        return ReportError(err, config_file, s.Message());
+      }
+      const std::string command =
+          fmt::format("{} -n {} --oversubscribe {} run {} --summary {} > {} 2>&1",
+                      ShellQuote(mpiexec_), world_size_, ShellQuote(exe), ShellQuote(config_file),
+                      ShellQuote(summary_file), ShellQuote(log_file));
+      const int status = std::system(command.c_str());
+      const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      std::ifstream summary_in(summary_file);
+      json summary;
+      if (summary_in) summary = json::parse(summary_in, nullptr, false);
+      if ((code != 0 && code != 1) || !summary.is_object()) {
+        ++failures;
+        std::ifstream log_in(log_file);
+        std::stringstream log;
+        log << log_in.rdbuf();
+        const std::string text = log.str();
+        out << fmt::format("  {:<22} FAIL: mpusim run exited {}: {}\n", l.Name(), code,
+                           text.substr(text.size() > 400 ? text.size() - 400 : 0));
+        continue;
+      }
+      double deviation = 0;
+      for (const json& it : summary["iterations"]) {
+        if (it.contains("reference_loss")) {
+          deviation = std::max(
+              deviation, std::fabs(it["loss"].get<double>() - it["reference_loss"].get<double>()));
+        }
+      }
+      if (summary["iterations"].empty() && summary.contains("check")) {
+        deviation = std::fabs(summary["loss"].get<double>() -
+                              summary["check"]["reference_loss"].get<double>());
+      }
+      const double loss = summary["loss"].get<double>();
+      if (!first_loss) first_loss = loss;
+      spread = std::max(spread, std::fabs(loss - *first_loss));
+      const bool passed = code == 0 && summary["passed"].get<bool>();
+      if (!passed) ++failures;
+      const double seconds = summary["seconds_median"].get<double>();
+      out << fmt::format(
+          "  {:<22} {:>14.10g} {:>16.3g} {:>12.3g} {:>8} {:>10.3f} {:>7}\n", l.Name(), loss,
+          deviation, summary["check"]["max_parameter_normalized_error"].get<double>(),
+          passed ? "pass" : "FAIL", seconds, summary["peak_stashes_rank0"].get<int64_t>());
+      out.flush();
+    }
+    std::filesystem::remove_all(dir);
+    out << fmt::format("{} of {} layouts pass; final losses agree to {:.3g}\n",
+                       layouts.size() - static_cast<size_t>(failures), layouts.size(), spread);
+    return failures > 0 ? kExitFailed : kExitOk;
+  }
+
+ private:
+  // `base` with the parallel section of layout `l`.
+  json Document(const json& base, const Layout& l) const {
+    json document = base;
+    document["parallel"] = {{"world_size", world_size_},
+                            {"tensor_model_parallel_size", l.tp},
+                            {"pipeline_model_parallel_size", l.pp},
+                            {"sequence_parallel", l.sp}};
+    if (l.vp > 0) document["parallel"]["virtual_pipeline_model_parallel_size"] = l.vp;
+    if (l.dp > 0 && samples_ % l.dp == 0) document["run"]["micro_batch_size"] = samples_ / l.dp;
+    return document;
+  }
+
+  CLI::App* app_ = nullptr;
+  std::string config_path_;
+  int64_t world_size_ = 1;
+  std::optional<int64_t> train_iters_;
+  int64_t samples_ = 1;  // B: samples per micro-batch over all dp ranks
+  std::string mpiexec_ = MPUSIM_MPIEXEC;
+};
+
+}  // namespace
+
+std::unique_ptr<Command> MakeSweepCommand(CLI::App* parent) {
+  return std::make_unique<SweepCommand>(parent);
+}
+
+}  // namespace mpusim::cli
