@@ -10,21 +10,10 @@ namespace mpusim {
 
 namespace {
 
-// `value` rounded to `dtype` and widened back.
-double RoundTo(double value, DType dtype) {
-  switch (dtype) {
-    case DType::kFloat64:
-      return value;
-    case DType::kFloat32:
-      return static_cast<double>(static_cast<float>(value));
-    case DType::kBFloat16:
-      return static_cast<double>(ToFloat(FromFloat<BFloat16>(static_cast<float>(value))));
-    case DType::kFloat16:
-      return static_cast<double>(ToFloat(FromFloat<Float16>(static_cast<float>(value))));
-    case DType::kInt64:
-      return value;
-  }
-  return value;
+// `value` rounded to the master dtype (float32, or float64 for a float64 run) and widened back:
+// core/half.h's rounding, the one every backend shares.
+double RoundTo(double value, DType master) {
+  return master == DType::kFloat64 ? value : Widen(mpusim::RoundTo<float>(value));
 }
 
 std::vector<double> HostValues(Kernels& k, const Tensor& t) {
@@ -38,9 +27,9 @@ std::vector<double> HostValues(Kernels& k, const Tensor& t) {
 
 Optimizer::Optimizer(const OptimizerConfig& config, ParameterSet& params, Kernels& k)
     : config_(config) {
-  master_dtype_ = DType::kFloat32;
+  master_dtype_ =
+      params.all().empty() ? DType::kFloat32 : ComputeDType(params.all().front()->value.dtype());
   for (const auto& p : params.all()) {
-    master_dtype_ = ComputeDType(p->value.dtype());
     State s;
     s.param = p.get();
     s.weight_decay = TakesWeightDecay(p->name, static_cast<int64_t>(p->full_shape.size()))
