@@ -2,7 +2,8 @@
 // run with mpiexec and checked against the float64 reference, in one table.
 //
 // What it is: the layouts are every tp x pp (x vp 2) x dp factorisation of N, with and
-// without sequence parallelism, that the model can be split into (CheckGptLayout, the
+// without sequence parallelism, with and without the distributed optimizer (a training config
+// with dp > 1), that the model can be split into (CheckGptLayout, the
 // planner's layer assignment and schedule); each runs as `mpiexec -n N mpusim run` on a copy
 // of the config with that parallel section, the config's num_microbatches M and its B =
 // micro_batch_size * dp samples per micro-batch (micro_batch_size B / dp for the layout), so
@@ -46,9 +47,10 @@ constexpr int kExitFailed = 1;
 struct Layout {
   int64_t tp = 1, pp = 1, vp = 0, dp = 1;
   bool sp = false;
+  bool dist_opt = false;  // optimizer.use_distributed_optimizer
   std::string Name() const {
-    return fmt::format("tp {} pp {}{} dp {}{}", tp, pp, vp > 0 ? fmt::format(" vp {}", vp) : "", dp,
-                       sp ? " sp" : "");
+    return fmt::format("tp {} pp {}{} dp {}{}{}", tp, pp, vp > 0 ? fmt::format(" vp {}", vp) : "",
+                       dp, sp ? " sp" : "", dist_opt ? " dist-opt" : "");
   }
 };
 
@@ -133,9 +135,12 @@ class SweepCommand final : public Command {
         if ((world_size_ / tp) % pp != 0) continue;
         for (int64_t vp : {int64_t{0}, int64_t{2}}) {
           if (vp > 0 && pp == 1) continue;
-          for (bool sp : {false, true}) {
+          for (const auto& [sp, dist_opt] : {std::pair{false, false}, std::pair{false, true},
+                                             std::pair{true, false}, std::pair{true, true}}) {
             if (sp && tp == 1) continue;
-            Layout l{tp, pp, vp, world_size_ / (tp * pp), sp};
+            // The distributed optimizer shards over dp, and needs an optimizer.
+            if (dist_opt && (!config.optimizer || world_size_ / (tp * pp) == 1)) continue;
+            Layout l{tp, pp, vp, world_size_ / (tp * pp), sp, dist_opt};
             const std::string problem =
                 samples_ % l.dp != 0
                     ? fmt::format("{} samples per micro-batch do not split over dp {}", samples_,
@@ -161,7 +166,7 @@ class SweepCommand final : public Command {
         config_path_, world_size_, layouts.size(), skipped.size(), config.run->num_microbatches,
         samples_);
     for (const std::string& s : skipped) out << "  skipped " << s << '\n';
-    out << fmt::format("  {:<22} {:>14} {:>16} {:>12} {:>8} {:>10} {:>7}\n", "layout", "final loss",
+    out << fmt::format("  {:<31} {:>14} {:>16} {:>12} {:>8} {:>10} {:>7}\n", "layout", "final loss",
                        "max |loss-ref|", "param err", "check", "s/iter", "stashes");
     out.flush();
     char self[4096] = {};
@@ -196,7 +201,7 @@ class SweepCommand final : public Command {
         std::stringstream log;
         log << log_in.rdbuf();
         const std::string text = log.str();
-        out << fmt::format("  {:<22} FAIL: mpusim run exited {}: {}\n", l.Name(), code,
+        out << fmt::format("  {:<31} FAIL: mpusim run exited {}: {}\n", l.Name(), code,
                            text.substr(text.size() > 400 ? text.size() - 400 : 0));
         continue;
       }
@@ -218,7 +223,7 @@ class SweepCommand final : public Command {
       if (!passed) ++failures;
       const double seconds = summary["seconds_median"].get<double>();
       out << fmt::format(
-          "  {:<22} {:>14.10g} {:>16.3g} {:>12.3g} {:>8} {:>10.3f} {:>7}\n", l.Name(), loss,
+          "  {:<31} {:>14.10g} {:>16.3g} {:>12.3g} {:>8} {:>10.3f} {:>7}\n", l.Name(), loss,
           deviation, summary["check"]["max_parameter_normalized_error"].get<double>(),
           passed ? "pass" : "FAIL", seconds, summary["peak_stashes_rank0"].get<int64_t>());
       out.flush();
@@ -238,6 +243,9 @@ class SweepCommand final : public Command {
                             {"pipeline_model_parallel_size", l.pp},
                             {"sequence_parallel", l.sp}};
     if (l.vp > 0) document["parallel"]["virtual_pipeline_model_parallel_size"] = l.vp;
+    if (document.contains("optimizer")) {
+      document["optimizer"]["use_distributed_optimizer"] = l.dist_opt;
+    }
     if (l.dp > 0 && samples_ % l.dp == 0) document["run"]["micro_batch_size"] = samples_ / l.dp;
     return document;
   }

@@ -36,10 +36,19 @@ Status ParseOptimizerSection(const nlohmann::json& section, OptimizerConfig* out
     return Status::Error(prefix,
                          fmt::format("must be a JSON object, got {}", DescribeJson(section)));
   }
-  static const std::vector<std::string_view> kKeys = {
-      "optimizer",      "lr",           "min_lr",     "lr_decay_style", "lr_warmup_iters",
-      "lr_decay_iters", "weight_decay", "adam_beta1", "adam_beta2",     "adam_eps",
-      "sgd_momentum",   "clip_grad"};
+  static const std::vector<std::string_view> kKeys = {"optimizer",
+                                                      "lr",
+                                                      "min_lr",
+                                                      "lr_decay_style",
+                                                      "lr_warmup_iters",
+                                                      "lr_decay_iters",
+                                                      "weight_decay",
+                                                      "adam_beta1",
+                                                      "adam_beta2",
+                                                      "adam_eps",
+                                                      "sgd_momentum",
+                                                      "clip_grad",
+                                                      "use_distributed_optimizer"};
   OptimizerConfig c;
   for (const auto& [key, value] : section.items()) {
     const std::string where = prefix + "." + key;
@@ -87,6 +96,8 @@ Status ParseOptimizerSection(const nlohmann::json& section, OptimizerConfig* out
       MPUSIM_RETURN_IF_ERROR(ParseFraction(value, where, &c.sgd_momentum));
     } else if (key == "clip_grad") {
       MPUSIM_RETURN_IF_ERROR(ParseNonNegative(value, where, &c.clip_grad));
+    } else if (key == "use_distributed_optimizer") {
+      MPUSIM_RETURN_IF_ERROR(ParseBool(value, where, &c.use_distributed_optimizer));
     }
   }
   if (!section.contains("lr")) {

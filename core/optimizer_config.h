@@ -12,7 +12,12 @@
 //     "weight_decay": 0.01,      not applied to biases and other 1-D parameters (norms)
 //     "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_eps": 1e-8,
 //     "sgd_momentum": 0.9,
-//     "clip_grad": 1.0           the global gradient norm's limit; 0 turns clipping off
+//     "clip_grad": 1.0,          the global gradient norm's limit; 0 turns clipping off
+//     "use_distributed_optimizer": false
+//                                shard the optimizer state over the data-parallel ranks of each
+//                                distributed-optimizer instance (parallel.
+//                                num_distributed_optimizer_instances): gradients
+//                                reduce-scattered, parameters all-gathered (core/train/optimizer.h)
 //   }
 //
 // Learning rate of iteration k (0-based: the k-th optimizer step), as Megatron's scheduler
@@ -50,6 +55,7 @@ struct OptimizerConfig {
   double adam_eps = 1e-8;
   double sgd_momentum = 0.9;
   double clip_grad = 1.0;
+  bool use_distributed_optimizer = false;
 };
 
 Status ParseOptimizerSection(const nlohmann::json& section, OptimizerConfig* out);

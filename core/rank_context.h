@@ -27,9 +27,22 @@ struct RankGroups {
   std::unique_ptr<Communicator> pp;     // pipeline stages (point-to-point between them)
   std::unique_ptr<Communicator> embd;   // first and last stage (tied embeddings); null on
                                         // the stages between
+  // The distributed optimizer's (core/train/optimizer.h); built only for it, and
+  // inter_dist_opt only with num_distributed_optimizer_instances > 1.
+  std::unique_ptr<Communicator> dp_cp_partial;   // dp within one instance
+  std::unique_ptr<Communicator> intra_dist_opt;  // every rank of one instance
+  std::unique_ptr<Communicator> inter_dist_opt;  // the same position in every instance
 
-  // The kinds above, in Megatron's names, for backends' MakeGroups.
-  static std::vector<std::string> Kinds() { return {"tp", "dp", "dp_cp", "pp", "embd"}; }
+  // The kinds above, in Megatron's names, for backends' MakeGroups: those of the
+  // distributed optimizer with `distributed_optimizer` (and `instances` of it).
+  static std::vector<std::string> Kinds(bool distributed_optimizer = false, int64_t instances = 1) {
+    std::vector<std::string> kinds = {"tp", "dp", "dp_cp", "pp", "embd"};
+    if (distributed_optimizer) {
+      kinds.insert(kinds.end(), {"dp_cp_partial", "intra_dist_opt"});
+      if (instances > 1) kinds.emplace_back("inter_dist_opt");
+    }
+    return kinds;
+  }
   // Moves the communicators named by Kinds() out of `made` (a backend's MakeGroups result).
   static RankGroups Take(std::map<std::string, std::unique_ptr<Communicator>>& made) {
     RankGroups groups;
@@ -42,6 +55,9 @@ struct RankGroups {
     groups.dp_cp = take("dp_cp");
     groups.pp = take("pp");
     groups.embd = take("embd");
+    groups.dp_cp_partial = take("dp_cp_partial");
+    groups.intra_dist_opt = take("intra_dist_opt");
+    groups.inter_dist_opt = take("inter_dist_opt");
     return groups;
   }
 };

@@ -111,4 +111,14 @@ double GptReferenceTrainer::Step(std::map<std::string, Tensor*>& grads, int64_t 
   return norm;
 }
 
+std::vector<GptReferenceTrainer::StateTensor> GptReferenceTrainer::State() const {
+  std::vector<StateTensor> out;
+  const bool adam = config_.kind == OptimizerConfig::Kind::kAdam;
+  for (const auto& [name, m] : m_) {
+    out.push_back({name + (adam ? ".exp_avg" : ".momentum_buffer"), name, m, dm_.at(name)});
+    if (adam) out.push_back({name + ".exp_avg_sq", name, v_.at(name), dv_.at(name)});
+  }
+  return out;
+}
+
 }  // namespace mpusim

@@ -54,6 +54,17 @@ class GptReferenceTrainer {
   // Per parameter, per element (row-major): the absolute error bound B_i after the steps.
   const std::map<std::string, std::vector<double>>& error_bounds() const { return bounds_; }
 
+  // The optimizer state after the steps, per parameter, row-major, with each element's error
+  // bound (the propagated errors of m and v above), named as the executor records it:
+  // "<parameter>.exp_avg" (m) and "<parameter>.exp_avg_sq" (v) for adam,
+  // "<parameter>.momentum_buffer" for sgd.
+  struct StateTensor {
+    std::string name;
+    std::string parameter;
+    std::vector<double> values, bounds;
+  };
+  std::vector<StateTensor> State() const;
+
  private:
   OptimizerConfig config_;
   int64_t train_iters_;

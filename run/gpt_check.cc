@@ -186,6 +186,20 @@ StatusOr<CheckResult> CheckGptAgainstReference(const Config& config, const GptCo
     }
   }
   MPI_Comm_free(&dp_comm);
+  // The optimizer state after the last step, with the error bounds its gradients carry.
+  std::map<std::string, std::vector<double>> state_bounds;
+  if (trainer) {
+    for (GptReferenceTrainer::StateTensor& st : trainer->State()) {
+      const Tensor& parameter = trainer->parameters().at(st.parameter);
+      GptReferenceTensor t;
+      t.name = st.name;
+      t.full_shape = parameter.shape();
+      t.value = Tensor::HostEmpty(parameter.shape(), DType::kFloat64);
+      std::memcpy(t.value.data(), st.values.data(), t.value.bytes());
+      state_bounds[st.name] = std::move(st.bounds);
+      ref.tensors.push_back(std::move(t));
+    }
+  }
 
   // The tensors in the reference's order, then the run's tensors the reference lacks.
   std::vector<std::string> names;
@@ -242,6 +256,8 @@ StatusOr<CheckResult> CheckGptAgainstReference(const Config& config, const GptCo
     if (trainer) {
       const auto it = trainer->error_bounds().find(rt.name);
       if (it != trainer->error_bounds().end()) bounds = &it->second;
+      const auto state = state_bounds.find(rt.name);
+      if (state != state_bounds.end()) bounds = &state->second;
     }
     for (const TensorRecord* r : by_slot[i]) {
       const Tensor host = fetch(*r);

@@ -79,7 +79,12 @@ RankContext MakeRankContext(const Config& config, Backend& backend, const Topolo
   ctx.kernels = &backend.kernels();
   ctx.trace = trace;
   ctx.rng = RngTracker::ForRank(config.run->seed, ctx.coords.tp, ctx.coords.pp, ctx.coords.dp);
-  auto groups = backend.MakeGroups(topology, world_rank, RankGroups::Kinds());
+  const bool distributed_optimizer =
+      config.optimizer.has_value() && config.optimizer->use_distributed_optimizer;
+  auto groups =
+      backend.MakeGroups(topology, world_rank,
+                         RankGroups::Kinds(distributed_optimizer,
+                                           topology.sizes().num_distributed_optimizer_instances));
   for (auto& [kind, comm] : groups) {
     comm = std::make_unique<TracedCommunicator>(std::move(comm), kind, trace);
   }
@@ -134,7 +139,23 @@ StatusOr<SimulationResult> SimulateGpt(const Config& config, const SimulateOptio
   } else {
     // Training: run.train_iters iterations, each a step and an optimizer update.
     Kernels& k = *ctx.kernels;
-    Optimizer optimizer(*config.optimizer, model.parameters(), k);
+    DistributedOptimizerGroups dist_groups;
+    if (config.optimizer->use_distributed_optimizer) {
+      dist_groups = {ctx.groups.dp_cp_partial.get(), ctx.groups.inter_dist_opt.get(),
+                     ctx.groups.intra_dist_opt.get()};
+    }
+    Optimizer optimizer(*config.optimizer, model.parameters(), k, dist_groups);
+    result.optimizer.distributed = optimizer.distributed();
+    result.optimizer.buffer = optimizer.padded_elements();
+    result.optimizer.begin = optimizer.shard_begin();
+    result.optimizer.end = optimizer.shard_end();
+    for (const auto& p : model.parameters().all()) result.optimizer.parameters += p->value.numel();
+    result.optimizer.elements = optimizer.distributed()
+                                    ? optimizer.shard_end() - optimizer.shard_begin()
+                                    : result.optimizer.parameters;
+    result.optimizer.state_tensors = config.optimizer->kind == OptimizerConfig::Kind::kAdam ? 3 : 2;
+    result.optimizer.element_bytes =
+        static_cast<int64_t>(DTypeSize(ComputeDType(config.run->dtype)));
     const int64_t T = config.run->train_iters;
     Communicator* pp = topology.sizes().pp > 1 ? &ctx.pp() : nullptr;
     for (int64_t it = 0; it < T; ++it) {
@@ -143,17 +164,25 @@ StatusOr<SimulationResult> SimulateGpt(const Config& config, const SimulateOptio
       watched::Barrier(MPI_COMM_WORLD, WorldLabel());
       const auto start = std::chrono::steady_clock::now();
       model.Run(ctx, last && want_records ? &records : nullptr, it);
+      optimizer.ReduceGradients(k, result.trace);
       const double norm = optimizer.GradNorm(k, ctx.tp(), pp, ctx.coords.tp, result.trace);
       const double lr = LearningRate(*config.optimizer, it, T);
-      optimizer.Step(k, norm, lr);
+      optimizer.Step(k, norm, lr, result.trace);
       watched::Barrier(MPI_COMM_WORLD, WorldLabel());
       const double seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       result.seconds.push_back(seconds);
       result.iterations.push_back({it + 1, model.loss(), norm, lr, seconds});
     }
-    // The final parameters, and the last iteration's clipped gradients.
-    if (want_records) model.RecordParameters(&records);
+    // The final parameters, the last iteration's clipped gradients and the optimizer state;
+    // the distributed optimizer's gathers for them are left out of the reported trace.
+    if (want_records) {
+      const CommTrace iteration_trace = result.trace;
+      optimizer.GatherGradients(k, result.trace);
+      model.RecordParameters(&records);
+      optimizer.RecordState(k, result.trace, &records);
+      result.trace = iteration_trace;
+    }
   }
   result.has_loss = true;
   result.loss = model.loss();
@@ -198,6 +227,13 @@ StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions&
     return Status::Error("--repeat",
                          "must be 1 for a training run (run.train_iters sets the "
                          "iterations)");
+  }
+  if (config.optimizer && !config.optimizer->use_distributed_optimizer &&
+      config.parallel.num_distributed_optimizer_instances > 1) {
+    return Status::Error("parallel.num_distributed_optimizer_instances",
+                         fmt::format("is {}, which shards the distributed optimizer's state; set "
+                                     "optimizer.use_distributed_optimizer to true, or use 1",
+                                     config.parallel.num_distributed_optimizer_instances));
   }
   if (config.optimizer && config.gpt->dropout_mode == DropoutMode::kRngTracker) {
     return Status::Error("model.dropout_mode",
@@ -452,6 +488,10 @@ void RankRun::PrintLayout(const Topology& topology, const SimulationResult& resu
                : std::string());
   std::vector<const char*> kinds = {"tp", "dp"};
   if (s.pp > 1) kinds.push_back("pp");
+  if (config_.optimizer && config_.optimizer->use_distributed_optimizer) {
+    kinds.push_back("dp_cp_partial");
+    if (s.num_distributed_optimizer_instances > 1) kinds.push_back("inter_dist_opt");
+  }
   for (const char* kind : kinds) {
     const size_t k = *topology.FindKind(kind);
     std::vector<std::string> groups;
@@ -569,6 +609,7 @@ Status RankRun::WriteSummary(const SimulationResult& result, int code) {
   std::sort(sorted.begin(), sorted.end());
   j["seconds_median"] = sorted.empty() ? 0.0 : sorted[sorted.size() / 2];
   j["peak_stashes_rank0"] = result.peak_stashes;
+  if (config_.optimizer) j["distributed_optimizer"] = config_.optimizer->use_distributed_optimizer;
   return WriteFileAtomically(options_.summary_path, j.dump(1) + "\n");
 }
 
@@ -585,6 +626,24 @@ int RankRun::PrintTraining(const SimulationResult& result) {
           : fmt::format("momentum {:g}", o.sgd_momentum),
       o.lr, kStyles[static_cast<size_t>(o.lr_decay_style)], o.min_lr, o.lr_warmup_iters,
       o.weight_decay, o.clip_grad, result.iterations.size());
+  const SimulationResult::OptimizerShard& sh = result.optimizer;
+  const double state_mib =
+      static_cast<double>(sh.elements * sh.state_tensors * sh.element_bytes) / (1024.0 * 1024.0);
+  if (sh.distributed) {
+    out_ << fmt::format(
+        "  distributed optimizer: rank 0 keeps master weights and state for elements [{}, {}) of "
+        "its {}-element flat buffer ({:.2f} MiB, 1/{} of the plain optimizer's {:.2f} MiB), "
+        "gradients reduce-scattered and parameters all-gathered over dp_cp_partial\n",
+        sh.begin, sh.end, sh.buffer, state_mib,
+        sh.end > sh.begin ? sh.buffer / (sh.end - sh.begin) : 0,
+        static_cast<double>(sh.parameters * sh.state_tensors * sh.element_bytes) /
+            (1024.0 * 1024.0));
+  } else {
+    out_ << fmt::format(
+        "  optimizer state on rank 0: master weights and {} for its {} parameter elements "
+        "({:.2f} MiB)\n",
+        sh.state_tensors == 3 ? "m, v" : "the momentum buffer", sh.elements, state_mib);
+  }
   const std::vector<CheckResult::Iteration>& ref = result.check.reference_iterations;
   const bool checked = options_.check && ref.size() == result.iterations.size();
   double allowed = 0;
@@ -695,11 +754,17 @@ void RankRun::PrintCommTrace(const CommTrace& trace) {
   out_ << fmt::format("\ncollectives on rank 0 ({} in all; groups of one rank move no data and "
                       "are not listed):\n",
                       trace.records().size());
-  out_ << fmt::format("  {:<9} {:<24} {:<16} {:<6} {:>6} {:>14}\n", "phase", "issued by", "op",
-                      "group", "count", "bytes");
+  size_t site_width = 24, group_width = 6;
   for (const auto& [key, value] : summary) {
-    out_ << fmt::format("  {:<9} {:<24} {:<16} {:<6} {:>6} {:>14}\n", PhaseName(key.phase),
-                        key.site, CommOpName(key.op), key.group, value.first, value.second);
+    site_width = std::max(site_width, key.site.size());
+    group_width = std::max(group_width, key.group.size());
+  }
+  out_ << fmt::format("  {:<9} {:<{}} {:<16} {:<{}} {:>6} {:>14}\n", "phase", "issued by",
+                      site_width, "op", "group", group_width, "count", "bytes");
+  for (const auto& [key, value] : summary) {
+    out_ << fmt::format("  {:<9} {:<{}} {:<16} {:<{}} {:>6} {:>14}\n", PhaseName(key.phase),
+                        key.site, site_width, CommOpName(key.op), key.group, group_width,
+                        value.first, value.second);
   }
 }
 

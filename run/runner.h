@@ -49,6 +49,18 @@ struct SimulationResult {
     double loss = 0, grad_norm = 0, lr = 0, seconds = 0;
   };
   std::vector<Iteration> iterations;
+  // A training run: this rank's optimizer state, in elements per state tensor (master
+  // weights, m, v): every parameter's for the plain optimizer, its shard [begin, end) of a
+  // flat buffer of `buffer` elements for the distributed one.
+  struct OptimizerShard {
+    bool distributed = false;
+    int64_t buffer = 0, begin = 0, end = 0;
+    int64_t elements = 0;    // owned
+    int64_t parameters = 0;  // this rank's parameter elements
+    int state_tensors = 0;   // per element: master + m (+ v for adam)
+    int64_t element_bytes = 0;
+  };
+  OptimizerShard optimizer;
 };
 
 struct SimulateOptions {

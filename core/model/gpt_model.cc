@@ -108,6 +108,7 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
   model->d_ = sizes.dp;
   model->padded_vocab_ = model->gpt_.PaddedVocabSize(t);
   model->fuse_wgrad_ = config.parallel.gradient_accumulation_fusion;
+  model->dp_reduces_grads_ = !(config.optimizer && config.optimizer->use_distributed_optimizer);
   StreamShape& sh = model->shape_;
   sh.s = model->run_.seq_length;
   sh.b = model->run_.micro_batch_size;
@@ -481,7 +482,8 @@ void GptModel::Run(RankContext& ctx, std::vector<TensorRecord>* records, int64_t
       }
     }
   }
-  params_.FinalizeGrads(ctx.tp(), ctx.dp_cp(), ctx.embd(), *ctx.trace);
+  params_.FinalizeGrads(ctx.tp(), dp_reduces_grads_ ? &ctx.dp_cp() : nullptr, ctx.embd(),
+                        *ctx.trace);
   // The reported loss: mean over every token of every micro-batch on every dp rank; the
   // last pipeline stage computed it, the others add 0.
   Tensor total = Tensor::HostEmpty({1}, DType::kFloat64);

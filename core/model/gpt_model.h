@@ -68,7 +68,9 @@ class GptModel {
   // `records` when it is not null.
   // `iteration` picks the data and dropout streams (training iteration k reads micro-batches
   // k*M .. k*M + M - 1). The parameters are not recorded: RecordParameters appends them (and
-  // their gradients), after an optimizer step when there is one.
+  // their gradients), after an optimizer step when there is one. With the distributed
+  // optimizer (optimizer.use_distributed_optimizer) the gradients are left unreduced over dp:
+  // Optimizer::ReduceGradients reduce-scatters them.
   void Run(RankContext& ctx, std::vector<TensorRecord>* records, int64_t iteration = 0);
   void RecordParameters(std::vector<TensorRecord>* records) const;
 
@@ -127,6 +129,7 @@ class GptModel {
   int64_t d_ = 1;
   int64_t padded_vocab_ = 0;
   bool fuse_wgrad_ = false;
+  bool dp_reduces_grads_ = true;  // false: the distributed optimizer reduce-scatters them
   ParameterSet params_;
   Parameter* word_ = nullptr;
   Parameter* position_ = nullptr;

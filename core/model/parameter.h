@@ -53,9 +53,9 @@ class ParameterSet {
   // main_grad = 0 (Megatron's zero_grad_buffer), before a step's first micro-batch.
   void ZeroGrads(Kernels& k);
   // finalize_model_grads: sequence-parallel gradients over `tp`, then all over `dp`, then
-  // the tied embeddings' over `embd` (any may be a group of one, `embd` null; then nothing
-  // is sent).
-  void FinalizeGrads(Communicator& tp, Communicator& dp, Communicator* embd, CommTrace& trace);
+  // the tied embeddings' over `embd` (any may be a group of one, `dp` or `embd` null; then
+  // nothing is sent: the distributed optimizer does the data-parallel reduction itself).
+  void FinalizeGrads(Communicator& tp, Communicator* dp, Communicator* embd, CommTrace& trace);
 
  private:
   std::vector<std::unique_ptr<Parameter>> params_;

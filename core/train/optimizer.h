@@ -1,5 +1,7 @@
 // The optimizer step of a training iteration: Megatron's gradient clipping by the global
-// norm, then AdamW or momentum SGD with the iteration's learning rate (core/optimizer_config.h).
+// norm, then AdamW or momentum SGD with the iteration's learning rate (core/optimizer_config.h),
+// on every parameter (the plain optimizer) or on this rank's shard of them (the distributed
+// optimizer).
 //
 // Gradient norm (Megatron's get_grad_norm_fp32): sqrt of the sum of squares of every
 // parameter's main_grad, counting each parameter once: a replicated parameter (not split over
@@ -18,8 +20,27 @@
 // Master weights and states: the math runs in float64 on the host; the master weights and
 // the states are kept in the run's compute dtype (float32, float64 for a float64 run), as
 // Megatron keeps float32 main params; the parameter's storage gets the master rounded to it.
-// What it is not: the distributed optimizer (states sharded over dp), or a device kernel:
-// each step copies gradients and weights to the host and back.
+//
+// Distributed optimizer (optimizer.use_distributed_optimizer, Megatron's DistributedOptimizer
+// with num_distributed_optimizer_instances): the rank's parameters are laid end to end in one
+// flat buffer, in reverse order of registration as Megatron's grad buffer holds them, padded
+// at the end to a multiple of D, the data-parallel size of one instance (the dp_cp_partial
+// group; D = dp / num_distributed_optimizer_instances). Group rank r of dp_cp_partial owns
+// elements [r S, (r + 1) S), S = padded size / D, and keeps master weights and states for
+// those only. An iteration:
+//   1. finalize_model_grads leaves the data-parallel reduction to the optimizer
+//      (ParameterSet::FinalizeGrads without dp); ReduceGradients reduce-scatters the flat
+//      gradient buffer over dp_cp_partial, then all-reduces the owned shard over
+//      inter_dist_opt (the same position in every instance; absent with one instance);
+//   2. GradNorm sums the squares of the owned shard (each parameter once, as above) and
+//      all-reduces them over intra_dist_opt (every rank of one instance: tp x pp x D);
+//   3. Step clips and updates the owned elements, then all-gathers the updated parameters
+//      (in their storage dtype) over dp_cp_partial into every rank's parameters.
+// The layout of the flat buffer is mpusim's (Megatron also aligns each parameter's start and
+// splits large buffers into buckets); the arithmetic does not depend on it, and neither do
+// the gathered state tensors RecordState writes.
+// What it is not: a device kernel: each step copies gradients and weights to the host and
+// back.
 #pragma once
 
 #include <cstdint>
@@ -28,31 +49,72 @@
 #include "core/communicator.h"
 #include "core/kernels.h"
 #include "core/model/parameter.h"
+#include "core/model/record.h"
 #include "core/optimizer_config.h"
 
 namespace mpusim {
 
+// The groups of the distributed optimizer (all null for the plain optimizer).
+struct DistributedOptimizerGroups {
+  Communicator* shard = nullptr;     // dp_cp_partial: reduce-scatter and all-gather
+  Communicator* replicas = nullptr;  // inter_dist_opt; null with one instance
+  Communicator* stats = nullptr;     // intra_dist_opt: the gradient norm's sum
+};
+
 class Optimizer {
  public:
-  Optimizer(const OptimizerConfig& config, ParameterSet& params, Kernels& k);
+  // `groups.shard` null: the plain optimizer, every parameter whole on every rank.
+  Optimizer(const OptimizerConfig& config, ParameterSet& params, Kernels& k,
+            DistributedOptimizerGroups groups = {});
 
-  // The global gradient norm over tp and pp (see above), before clipping.
+  bool distributed() const { return groups_.shard != nullptr; }
+  // The distributed optimizer's data-parallel reduction of the gradients (1. above); nothing
+  // for the plain one, whose gradients FinalizeGrads all-reduced.
+  void ReduceGradients(Kernels& k, CommTrace& trace);
+  // The global gradient norm (see above), before clipping.
   double GradNorm(Kernels& k, Communicator& tp, Communicator* pp, int64_t tp_rank,
                   CommTrace& trace) const;
   // Clips to clip_grad (when set) given the norm, then updates every parameter with `lr`.
-  void Step(Kernels& k, double grad_norm, double lr);
+  void Step(Kernels& k, double grad_norm, double lr, CommTrace& trace);
   int64_t steps() const { return steps_; }
+
+  // For records and dumps: the distributed optimizer all-gathers the reduced, clipped
+  // gradient shards into every parameter's main_grad (the plain one holds them already).
+  void GatherGradients(Kernels& k, CommTrace& trace);
+  // Appends the optimizer state of every parameter, whole, with the parameter's shape and
+  // tensor-parallel shard, in the master dtype: "<name>.exp_avg" and "<name>.exp_avg_sq"
+  // (adam, torch's names for m and v) or "<name>.momentum_buffer" (sgd). The distributed
+  // optimizer all-gathers its shards first.
+  void RecordState(Kernels& k, CommTrace& trace, std::vector<TensorRecord>* records);
+
+  // The distributed optimizer's buffer: this rank's elements [begin, end) of its padded
+  // flat buffer of `padded` elements (0, 0, 0 for the plain optimizer).
+  int64_t shard_begin() const { return shard_begin_; }
+  int64_t shard_end() const { return shard_begin_ + shard_size_; }
+  int64_t padded_elements() const { return padded_; }
 
  private:
   struct State {
     Parameter* param = nullptr;
     double weight_decay = 0;
-    std::vector<double> master, m, v;  // float64 host copies of the compute-dtype values
+    int64_t numel = 0;                 // of the local (tensor-parallel) parameter
+    int64_t offset = 0;                // of element 0 in the flat buffer (distributed)
+    int64_t begin = 0, end = 0;        // the owned elements of the flattened local parameter
+    std::vector<double> master, m, v;  // owned elements, float64 copies of compute-dtype values
   };
+  // Every rank's copies of `values(state)` (owned elements, end to end in buffer order)
+  // all-gathered over the shard group: the flat buffer, in `dtype`.
+  template <typename Values>
+  Tensor GatherFlat(Kernels& k, DType dtype, Values&& values);
+
   OptimizerConfig config_;
+  DistributedOptimizerGroups groups_;
   DType master_dtype_;
-  std::vector<State> states_;
+  DType grad_dtype_ = DType::kFloat32;
+  std::vector<State> states_;  // registration order
   int64_t steps_ = 0;
+  int64_t padded_ = 0, shard_begin_ = 0, shard_size_ = 0;
+  std::vector<double> grad_shard_;  // distributed: the reduced gradients of the owned elements
 };
 
 }  // namespace mpusim

@@ -512,7 +512,8 @@ TEST(RunCommand, TrainingSamplePrintsEveryIterationAgainstTheReference) {
         "warmup iterations), weight_decay 0.01, clip_grad 1; 10 iterations",
         "the loss of every iteration against the reference training the same model in "
         "float64: 10 of 10 pass",
-        "107 passed, 0 failed", "optimizer (grad norm)"}) {
+        "163 passed, 0 failed", "optimizer (grad norm)",
+        "optimizer state on rank 0: master weights and m, v for its 37472 parameter elements"}) {
     EXPECT_NE(output.find(line), std::string::npos) << line << "\n" << output;
   }
   json config = json::parse(std::ifstream(Sample("gpt_train_adam_p2_t2_n4.json")));
@@ -530,6 +531,18 @@ TEST(RunCommand, TrainingSamplePrintsEveryIterationAgainstTheReference) {
       WriteTemp(fmt::format("mpusim_train_chain.{}.json", ::getpid()), chain.dump());
   EXPECT_EQ(Shell(Mpiexec(8) + MPUSIM_BINARY + " run " + chain_path, &output), 2) << output;
   EXPECT_NE(output.find(": optimizer: training runs the GPT model"), std::string::npos) << output;
+  // Distributed-optimizer instances need the distributed optimizer.
+  config = json::parse(std::ifstream(Sample("gpt_train_adam_p2_t2_n4.json")));
+  config["parallel"] = {{"world_size", 4}, {"num_distributed_optimizer_instances", 2}};
+  config["run"]["micro_batch_size"] = 1;
+  const std::string instances_path =
+      WriteTemp(fmt::format("mpusim_train_instances.{}.json", ::getpid()), config.dump());
+  EXPECT_EQ(Shell(Mpiexec(4) + MPUSIM_BINARY + " run " + instances_path, &output), 2) << output;
+  EXPECT_NE(output.find(": parallel.num_distributed_optimizer_instances: is 2, which shards the "
+                        "distributed optimizer's state; set optimizer.use_distributed_optimizer "
+                        "to true, or use 1\n"),
+            std::string::npos)
+      << output;
 }
 
 // mpusim sweep: every layout of 2 ranks, each checked, one table; a launcher that cannot run
@@ -540,15 +553,15 @@ TEST(SweepCommand, EveryLayoutOfTwoRanksPasses) {
                             Sample("gpt_train_adam_p2_t2_n4.json") + " --world-size 2";
   std::string out;
   EXPECT_EQ(Shell(sweep + " --train-iters 2", &out), 0) << out;
-  for (const char* line : {"on 2 ranks: 4 layouts (1 skipped), 4 micro-batches of 2 samples",
+  for (const char* line : {"on 2 ranks: 5 layouts (1 skipped), 4 micro-batches of 2 samples",
                            "skipped tp 1 pp 2 vp 2 dp 1: num_layers: must be divisible by",
-                           "  tp 1 pp 1 dp 2 ", "  tp 1 pp 2 dp 1 ", "  tp 2 pp 1 dp 1 sp ",
-                           "4 of 4 layouts pass; final losses agree to"}) {
+                           "  tp 1 pp 1 dp 2 ", "  tp 1 pp 1 dp 2 dist-opt ", "  tp 1 pp 2 dp 1 ",
+                           "  tp 2 pp 1 dp 1 sp ", "5 of 5 layouts pass; final losses agree to"}) {
     EXPECT_NE(out.find(line), std::string::npos) << line << "\n" << out;
   }
   EXPECT_EQ(Shell(sweep + " --mpiexec /bin/false", &out), 1) << out;
   EXPECT_NE(out.find("FAIL: mpusim run exited 1"), std::string::npos) << out;
-  EXPECT_NE(out.find("0 of 4 layouts pass"), std::string::npos) << out;
+  EXPECT_NE(out.find("0 of 5 layouts pass"), std::string::npos) << out;
   const Result chain = Mpusim({"sweep", Sample("lab_mlp_lm_t4_dp2_n8.json"), "--world-size", "2"});
   EXPECT_EQ(chain.code, 2);
   EXPECT_NE(chain.err.find("model: mpusim sweep runs GPT configs"), std::string::npos) << chain.err;

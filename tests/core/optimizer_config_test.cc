@@ -32,7 +32,11 @@ TEST(OptimizerConfig, DefaultsAreMegatrons) {
   EXPECT_EQ(c.adam_eps, 1e-8);
   EXPECT_EQ(c.sgd_momentum, 0.9);
   EXPECT_EQ(c.clip_grad, 1.0);
+  EXPECT_FALSE(c.use_distributed_optimizer);
   EXPECT_FALSE(c.lr_decay_iters.has_value());
+  ASSERT_TRUE(
+      ParseOptimizerSection(json{{"lr", 0.01}, {"use_distributed_optimizer", true}}, &c).ok());
+  EXPECT_TRUE(c.use_distributed_optimizer);
 }
 
 TEST(OptimizerConfig, RefusalsNameTheField) {
@@ -47,6 +51,9 @@ TEST(OptimizerConfig, RefusalsNameTheField) {
   EXPECT_EQ(Refusal(json{{"lr", 1}, {"adam_beta2", 1.0}}).rfind("optimizer.adam_beta2: ", 0), 0u);
   EXPECT_EQ(Refusal(json{{"lr", 1}, {"clip_grad", -1}}),
             "optimizer.clip_grad: must be a finite number >= 0, got number -1");
+  EXPECT_EQ(Refusal(json{{"lr", 1}, {"use_distributed_optimizer", 1}})
+                .rfind("optimizer.use_distributed_optimizer: ", 0),
+            0u);
   EXPECT_EQ(Refusal(json{{"lr", 1}, {"learning_rate", 1}}).rfind("optimizer.learning_rate: ", 0),
             0u);
 }
