@@ -11,7 +11,16 @@ The ideal pp = 2 step is the pp = 1 step halved and stretched by the schedule's 
   ideal = T1 / p * (M v + p - 1) / (M v)   (interleaved, the bubble shrunk by v)
 and what the measured step spends beyond it (`over ideal`) bounds the point-to-point cost
 together with the stages' imbalance (stage 0 holds the embedding, stage 1 the output layer
-and the loss). What it is not: a test. Needs a Release build; run with /usr/bin/python3.
+and the loss).
+
+To separate the two, each pp = 2 run also writes its last step's timeline (`--summary`:
+every rank's forward and backward step spans on the machine's monotonic clock). The
+schedule is replayed with those measured step durations and free communication: a step
+starts when the rank's previous step has ended and the step it depends on has (the forward
+of the previous virtual stage, the backward of the next). That replay is the step this
+machine's compute allows, imbalance included; the measured schedule span beyond it is what
+point-to-point costs (`p2p`: transfers, their waits and the executor's bookkeeping).
+What it is not: a test. Needs a Release build; run with /usr/bin/python3.
 
 Usage: /usr/bin/python3 bench/pipeline_bench.py [--rounds 3] [--repeat 3]
 """
@@ -43,10 +52,20 @@ def main():
                        "virtual_pipeline_model_parallel_size": 2}
     pp2_path, vp2_path = benchlib.temp_config(pp2), benchlib.temp_config(vp2)
 
+    summary = benchlib.temp_config({})
+
     def run(ranks, config):
-        return lambda: {"step": benchlib.step_median(benchlib.Measured(
-            benchlib.mpirun(ranks) + [mpusim, "run", config, "--no-check", "--repeat",
-                                      str(args.repeat)]).out)}
+        def measure():
+            out = benchlib.Measured(benchlib.mpirun(ranks) + [
+                mpusim, "run", config, "--no-check", "--repeat", str(args.repeat),
+                "--summary", summary]).out
+            result = {"step": benchlib.step_median(out)}
+            if ranks > 1:
+                with open(summary) as f:
+                    real, replayed, busy = replay(json.load(f)["timeline"], ranks)
+                result.update(real=real, replayed=replayed, busy=busy)
+            return result
+        return measure
 
     contenders = {"pp=1, 1 rank": run(1, p1), "pp=2 1F1B, 2 ranks": run(2, pp2_path),
                   "pp=2 vp=2, 2 ranks": run(2, vp2_path)}
@@ -56,6 +75,7 @@ def main():
     finally:
         os.unlink(pp2_path)
         os.unlink(vp2_path)
+        os.unlink(summary)
     med = {k: benchlib.median(r["step"]) for k, r in results.items()}
     t1 = med["pp=1, 1 rank"]
     ideals = {"pp=1, 1 rank": t1, "pp=2 1F1B, 2 ranks": t1 / 2 * (m + 1) / m,
@@ -68,6 +88,49 @@ def main():
               f"{100 * (value / ideals[name] - 1):>10.1f}%  ({rounds})")
     print(f"bubble fraction (p - 1) / (M + p - 1): {1 / (m + 1):.3f} (1F1B), "
           f"{1 / (2 * m + 1):.3f} (interleaved, v = 2)")
+    print(f"\n{'schedule of the last step':<22} {'measured':>9} {'replayed':>9} {'p2p':>7} "
+          f"{'busiest rank':>13}  (per-round p2p)")
+    for name, r in results.items():
+        if "real" not in r:
+            continue
+        over = [100 * (a / b - 1) for a, b in zip(r["real"], r["replayed"])]
+        print(f"{name:<22} {benchlib.median(r['real']):>8.3f}s "
+              f"{benchlib.median(r['replayed']):>8.3f}s {benchlib.median(over):>6.1f}% "
+              f"{benchlib.median(r['busy']):>12.3f}s  ({' '.join(f'{o:.1f}%' for o in over)})")
+    print("measured: first step start to the last rank's last send; replayed: the schedule "
+          "with the measured step durations and free communication; busiest rank: its "
+          "steps' total time")
+
+
+def replay(timeline, p):
+    """(measured span, replayed span, busiest rank's compute) of one step's timeline."""
+    real = max(t["schedule_end"] for t in timeline)
+    ranks = {t["pp_rank"]: t["steps"] for t in timeline}  # one rank per stage here
+    v = 1 + max(step[0] for steps in ranks.values() for step in steps)
+    done = {}  # (kind, virtual stage, micro-batch) -> end time
+    clock = {r: 0.0 for r in ranks}
+    position = {r: 0 for r in ranks}
+    remaining = sum(len(steps) for steps in ranks.values())
+    while remaining:
+        progressed = False
+        for r, steps in ranks.items():
+            while position[r] < len(steps):
+                chunk, mb, kind, begin, end = steps[position[r]]
+                u = chunk * p + r
+                need = (("F", u - 1, mb) if kind == "F" and u > 0 else
+                        ("B", u + 1, mb) if kind == "B" and u < p * v - 1 else None)
+                if need is not None and need not in done:
+                    break
+                start = max(clock[r], done[need] if need else 0.0)
+                clock[r] = start + (end - begin)
+                done[(kind, u, mb)] = clock[r]
+                position[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("the timeline's steps cannot be replayed in any order")
+    busy = max(sum(e - b for _, _, _, b, e in steps) for steps in ranks.values())
+    return real, max(clock.values()), busy
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 // Agreement helpers (see agree.h).
 #include "mpi/agree.h"
 
-#include <mpi.h>
-
-#include <map>
-
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <mpi.h>
+
+#include <climits>
+#include <cstdint>
+#include <map>
+#include <stdexcept>
 
 #include "mpi/mpi_check.h"
 #include "mpi/watchdog.h"
@@ -22,14 +24,18 @@ int AgreeOnWorst(int code) {
 std::vector<std::string> AllGatherStrings(const std::string& mine) {
   int world_size = 1;
   MPUSIM_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world_size));
+  if (mine.size() > static_cast<size_t>(INT_MAX)) {
+    throw std::length_error("AllGatherStrings: a rank's text exceeds 2 GiB");
+  }
   int length = static_cast<int>(mine.size());
   std::vector<int> lengths(static_cast<size_t>(world_size)), offsets(lengths.size());
   watched::Allgather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, MPI_COMM_WORLD,
                      WorldLabel());
-  int total = 0;
+  int64_t total = 0;
   for (size_t r = 0; r < lengths.size(); ++r) {
-    offsets[r] = total;
+    offsets[r] = static_cast<int>(total);
     total += lengths[r];
+    if (total > INT_MAX) throw std::length_error("AllGatherStrings: the texts exceed 2 GiB");
   }
   std::string all(static_cast<size_t>(total), '\0');
   watched::Allgatherv(mine.data(), length, MPI_CHAR, all.data(), lengths.data(), offsets.data(),

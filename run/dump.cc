@@ -54,32 +54,6 @@ std::string ShareFromRankZero(int world_rank, const std::string& message) {
 }
 
 // Every rank's `text`, in rank order, on every rank.
-std::vector<std::string> AllGatherStrings(const std::string& text) {
-  int world_size = 1;
-  MPUSIM_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world_size));
-  if (text.size() > static_cast<size_t>(INT_MAX)) {
-    throw std::length_error("AllGatherStrings: a rank's text exceeds 2 GiB");
-  }
-  const int length = static_cast<int>(text.size());
-  std::vector<int> lengths(static_cast<size_t>(world_size));
-  watched::Allgather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, MPI_COMM_WORLD, WorldLabel());
-  std::vector<int> offsets(static_cast<size_t>(world_size));
-  int64_t total = 0;
-  for (size_t r = 0; r < lengths.size(); ++r) {
-    offsets[r] = static_cast<int>(total);
-    total += lengths[r];
-    if (total > INT_MAX) throw std::length_error("AllGatherStrings: the texts exceed 2 GiB");
-  }
-  std::string all(static_cast<size_t>(total), ' ');
-  watched::Allgatherv(text.data(), length, MPI_CHAR, all.data(), lengths.data(), offsets.data(),
-                      MPI_CHAR, MPI_COMM_WORLD, WorldLabel());
-  std::vector<std::string> out;
-  for (size_t r = 0; r < lengths.size(); ++r) {
-    out.push_back(all.substr(static_cast<size_t>(offsets[r]), static_cast<size_t>(lengths[r])));
-  }
-  return out;
-}
-
 int WorldRank() {
   int rank = 0;
   MPUSIM_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));

@@ -108,6 +108,35 @@ void TimedSteps(const SimulateOptions& options, SimulationResult* result, Step&&
   }
 }
 
+// Every rank's step spans of the model's last step, relative to the earliest schedule begin.
+std::vector<SimulationResult::RankTimeline> GatherTimeline(const GptModel& model, int64_t pp_rank) {
+  nlohmann::json mine = {{"pp_rank", pp_rank},
+                         {"begin", model.schedule_begin()},
+                         {"end", model.schedule_end()},
+                         {"steps", nlohmann::json::array()}};
+  for (const GptModel::StepSpan& s : model.step_spans()) {
+    mine["steps"].push_back({s.chunk, s.microbatch, s.forward, s.begin, s.end});
+  }
+  std::vector<nlohmann::json> ranks;
+  double origin = model.schedule_begin();
+  for (const std::string& text : AllGatherStrings(mine.dump())) {
+    ranks.push_back(nlohmann::json::parse(text));
+    origin = std::min(origin, ranks.back()["begin"].get<double>());
+  }
+  std::vector<SimulationResult::RankTimeline> out;
+  for (const nlohmann::json& r : ranks) {
+    SimulationResult::RankTimeline t;
+    t.pp_rank = r["pp_rank"].get<int64_t>();
+    t.schedule_end = r["end"].get<double>() - origin;
+    for (const nlohmann::json& s : r["steps"]) {
+      t.steps.push_back({s[0].get<int64_t>(), s[1].get<int64_t>(), s[2].get<bool>(),
+                         s[3].get<double>() - origin, s[4].get<double>() - origin});
+    }
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
 StatusOr<SimulationResult> SimulateGpt(const Config& config, const SimulateOptions& options,
                                        Backend& backend, const Topology& topology, int world_rank) {
   StatusOr<std::unique_ptr<GptModel>> built =
@@ -187,6 +216,7 @@ StatusOr<SimulationResult> SimulateGpt(const Config& config, const SimulateOptio
   result.has_loss = true;
   result.loss = model.loss();
   result.peak_stashes = model.peak_live_stashes();
+  result.timeline = GatherTimeline(model, ctx.coords.pp);
   if (options.check) {
     Kernels& kernels = *ctx.kernels;
     const HostFetch fetch = [&](const TensorRecord& r) {
@@ -610,6 +640,18 @@ Status RankRun::WriteSummary(const SimulationResult& result, int code) {
   j["seconds_median"] = sorted.empty() ? 0.0 : sorted[sorted.size() / 2];
   j["peak_stashes_rank0"] = result.peak_stashes;
   if (config_.optimizer) j["distributed_optimizer"] = config_.optimizer->use_distributed_optimizer;
+  // The last step's timeline: per world rank, its pp rank, when its schedule ended and its
+  // steps [chunk, micro-batch, "F" or "B", begin, end] in seconds from the earliest start.
+  nlohmann::ordered_json timeline = nlohmann::ordered_json::array();
+  for (const SimulationResult::RankTimeline& t : result.timeline) {
+    nlohmann::ordered_json steps = nlohmann::ordered_json::array();
+    for (const GptModel::StepSpan& s : t.steps) {
+      steps.push_back({s.chunk, s.microbatch, s.forward ? "F" : "B", s.begin, s.end});
+    }
+    timeline.push_back(
+        {{"pp_rank", t.pp_rank}, {"schedule_end", t.schedule_end}, {"steps", steps}});
+  }
+  if (!result.timeline.empty()) j["timeline"] = timeline;
   return WriteFileAtomically(options_.summary_path, j.dump(1) + "\n");
 }
 

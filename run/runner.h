@@ -61,6 +61,15 @@ struct SimulationResult {
     int64_t element_bytes = 0;
   };
   OptimizerShard optimizer;
+  // A GPT run, on every rank: each world rank's forward and backward step spans of the last
+  // step (or iteration), in seconds from the earliest rank's schedule begin, the schedule's
+  // end on that rank (its last send completed), and its pp rank.
+  struct RankTimeline {
+    int64_t pp_rank = 0;
+    double schedule_end = 0;
+    std::vector<GptModel::StepSpan> steps;
+  };
+  std::vector<RankTimeline> timeline;
 };
 
 struct SimulateOptions {

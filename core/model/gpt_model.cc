@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <set>
 #include <stdexcept>
 #include <string_view>
@@ -15,6 +16,32 @@
 #include "core/tensor_parallel/mappings.h"
 
 namespace mpusim {
+
+namespace {
+
+double MonotonicSeconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Appends the span of one step when it ends (returns or throws).
+class SpanRecorder {
+ public:
+  SpanRecorder(std::vector<GptModel::StepSpan>& spans, int64_t chunk, int64_t microbatch,
+               bool forward)
+      : spans_(spans), span_{chunk, microbatch, forward, MonotonicSeconds(), 0} {}
+  ~SpanRecorder() {
+    span_.end = MonotonicSeconds();
+    spans_.push_back(span_);
+  }
+  SpanRecorder(const SpanRecorder&) = delete;
+  SpanRecorder& operator=(const SpanRecorder&) = delete;
+
+ private:
+  std::vector<GptModel::StepSpan>& spans_;
+  GptModel::StepSpan span_;
+};
+
+}  // namespace
 
 namespace {
 
@@ -330,10 +357,13 @@ void GptModel::BeginStep(Kernels& k) {
   params_.ZeroGrads(k);
   loss_sum_ = 0;
   peak_stashes_ = 0;
+  spans_.clear();
+  schedule_begin_ = MonotonicSeconds();
 }
 
 Tensor GptModel::ForwardStep(RankContext& ctx, int64_t chunk, int64_t microbatch,
                              const Tensor& input, std::vector<TensorRecord>* records) {
+  const SpanRecorder span(spans_, chunk, microbatch, true);
   const GptChunk& spec = chunks_.at(static_cast<size_t>(chunk));
   const auto [it, inserted] = stashes_.try_emplace({chunk, microbatch});
   if (!inserted) {
@@ -366,6 +396,7 @@ Tensor GptModel::ForwardStep(RankContext& ctx, int64_t chunk, int64_t microbatch
 
 Tensor GptModel::BackwardStep(RankContext& ctx, int64_t chunk, int64_t microbatch,
                               const Tensor& output_grad, std::vector<TensorRecord>* records) {
+  const SpanRecorder span(spans_, chunk, microbatch, false);
   const GptChunk& spec = chunks_.at(static_cast<size_t>(chunk));
   auto node = stashes_.extract({chunk, microbatch});
   if (node.empty()) {
@@ -482,6 +513,7 @@ void GptModel::Run(RankContext& ctx, std::vector<TensorRecord>* records, int64_t
       }
     }
   }
+  schedule_end_ = MonotonicSeconds();
   params_.FinalizeGrads(ctx.tp(), dp_reduces_grads_ ? &ctx.dp_cp() : nullptr, ctx.embd(),
                         *ctx.trace);
   // The reported loss: mean over every token of every micro-batch on every dp rank; the

@@ -87,6 +87,20 @@ class GptModel {
   Tensor BackwardStep(RankContext& ctx, int64_t chunk, int64_t microbatch,
                       const Tensor& output_grad, std::vector<TensorRecord>* records);
 
+  // Where a step's time went: the wall-clock span of every forward and backward step in the
+  // order they ran, and of the whole schedule (BeginStep to the last send's completion, before
+  // the gradient finalisation), in seconds of std::chrono::steady_clock (CLOCK_MONOTONIC,
+  // one clock for every process of a machine, so the ranks' spans line up). Host time: a
+  // device backend's kernels may still run after a span ends.
+  struct StepSpan {
+    int64_t chunk = 0, microbatch = 0;
+    bool forward = true;
+    double begin = 0, end = 0;
+  };
+  const std::vector<StepSpan>& step_spans() const { return spans_; }  // since BeginStep
+  double schedule_begin() const { return schedule_begin_; }
+  double schedule_end() const { return schedule_end_; }
+
   const std::vector<GptChunk>& chunks() const { return chunks_; }
   int64_t live_stashes() const { return static_cast<int64_t>(stashes_.size()); }
   int64_t peak_live_stashes() const { return peak_stashes_; }  // since BeginStep
@@ -140,6 +154,8 @@ class GptModel {
   std::optional<ColumnParallelLinear> output_layer_;
   std::map<std::pair<int64_t, int64_t>, Stash> stashes_;  // by (chunk, micro-batch)
   int64_t peak_stashes_ = 0;
+  std::vector<StepSpan> spans_;
+  double schedule_begin_ = 0, schedule_end_ = 0;
   double loss_sum_ = 0;  // this step's per-token losses on this rank
   int64_t iteration_ = 0;  // the training iteration being run (data and dropout streams)
   double loss_ = 0;

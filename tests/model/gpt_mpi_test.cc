@@ -16,6 +16,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/config.h"
@@ -208,6 +209,45 @@ TEST(GptMpi, PipelineStashesFollowTheSchedulesInFlightCount) {
                                  ? std::min<int64_t>(schedule->NumWarmup(coords.pp) + 1, 4 * l.vp)
                                  : std::min<int64_t>(l.pp - coords.pp, 4);
     EXPECT_EQ((*model)->peak_live_stashes(), expected) << "pp rank " << coords.pp;
+  }
+}
+
+// The run's timeline (every rank's step spans on one clock) follows the data: the forward of
+// (chunk, micro-batch) on virtual stage u > 0 starts after the forward on u - 1 ended, its
+// backward after the backward on u + 1 ended; each rank runs 2 M steps per chunk, one at a time.
+TEST(GptMpi, TimelineFollowsTheDataDependencies) {
+  for (const PipelineLayout& l : PipelineLayouts()) {
+    if (l.pp == 1 || l.tp != 1) continue;
+    SCOPED_TRACE(fmt::format("pp {} vp {}", l.pp, l.vp));
+    run::SimulateOptions options;
+    options.check = false;
+    CpuBackend backend;
+    StatusOr<run::SimulationResult> result =
+        run::Simulate(MakeConfig(PipelineDocument(l.pp, l.vp, 1, "float32")), options, backend);
+    ASSERT_TRUE(result.ok()) << result.status().Message();
+    const int64_t v = l.vp > 0 ? l.vp : 1;
+    ASSERT_EQ(result->timeline.size(), static_cast<size_t>(WorldSize()));
+    std::map<std::tuple<bool, int64_t, int64_t>, std::pair<double, double>> spans;  // (F, u, m)
+    for (const auto& rank : result->timeline) {
+      ASSERT_EQ(rank.steps.size(), static_cast<size_t>(2 * 4 * v));
+      double previous_end = 0;
+      for (const GptModel::StepSpan& s : rank.steps) {
+        EXPECT_GE(s.begin, previous_end);
+        EXPECT_GE(s.end, s.begin);
+        previous_end = s.end;
+        spans[{s.forward, s.chunk * l.pp + rank.pp_rank, s.microbatch}] = {s.begin, s.end};
+      }
+      EXPECT_GE(rank.schedule_end, previous_end);
+    }
+    for (const auto& [key, span] : spans) {
+      const auto& [forward, u, m] = key;
+      if (forward && u > 0) {
+        EXPECT_GE(span.first, spans.at({true, u - 1, m}).second) << "F u " << u << " m " << m;
+      }
+      if (!forward && u + 1 < l.pp * v) {
+        EXPECT_GE(span.first, spans.at({false, u + 1, m}).second) << "B u " << u << " m " << m;
+      }
+    }
   }
 }
 
