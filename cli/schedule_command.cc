@@ -1,10 +1,11 @@
 // `mpusim schedule`: the 1F1B / interleaved 1F1B pipeline schedule of a config, as
 // per-pipeline-rank tables of forward and backward steps.
-#include <ostream>
-
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <ostream>
 
 #include "cli/cli.h"
 #include "cli/commands.h"
@@ -24,10 +25,11 @@ class ScheduleCommand : public Command {
         "Interleaved 1F1B is used when virtual_pipeline_model_parallel_size is set.\n"
         "Examples:\n"
         "  mpusim schedule sample_configs/interleaved_schedule_p2_v2_n2.json --microbatches 4\n"
+        "  mpusim schedule sample_configs/gpt_pipeline_p4_v2_n4.json   (run.num_microbatches)\n"
         "  mpusim schedule --world-size 4 --pp 4 --microbatches 8 --format json");
     config_.Register(app_);
-    app_->add_option("--microbatches,-m", microbatches_, "number of microbatches (required)")
-        ->required();
+    app_->add_option("--microbatches,-m", microbatches_,
+                     "number of microbatches (default: the config's run.num_microbatches)");
     app_->add_option("--format", format_, "text or json (default text)")
         ->check(CLI::IsMember({"text", "json"}));
   }
@@ -39,10 +41,17 @@ class ScheduleCommand : public Command {
     if (!layout) return kExitUsage;
     std::string source = config_.path().empty() ? "command line" : config_.path();
     const ParallelConfig& c = layout->config.parallel;
-    StatusOr<PipelineSchedule> schedule =
-        BuildPipelineSchedule(c.pipeline_model_parallel_size,
-                              c.virtual_pipeline_model_parallel_size, microbatches_,
-                              c.microbatch_group_size_per_vp_stage);
+    if (!microbatches_) {
+      if (!layout->config.run) {
+        return ReportError(err, "command line",
+                           "--microbatches: is required (or a config with a run section's "
+                           "num_microbatches)");
+      }
+      microbatches_ = layout->config.run->num_microbatches;
+    }
+    StatusOr<PipelineSchedule> schedule = BuildPipelineSchedule(
+        c.pipeline_model_parallel_size, c.virtual_pipeline_model_parallel_size, *microbatches_,
+        c.microbatch_group_size_per_vp_stage);
     if (!schedule.ok()) {
       Status status = schedule.status();
       if (status.where() == "num_microbatches") {
@@ -127,7 +136,7 @@ class ScheduleCommand : public Command {
 
   CLI::App* app_ = nullptr;
   ConfigOptions config_;
-  int64_t microbatches_ = 0;
+  std::optional<int64_t> microbatches_;
   std::string format_ = "text";
 };
 

@@ -13,6 +13,7 @@
 // and rank 0's peak of live stashes. Exit 0 when every layout passes, 1 when one fails or cannot
 // run, 2 for bad input. What it is not: a benchmark (the layouts share this machine's cores).
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -22,6 +23,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <ostream>
@@ -176,8 +178,9 @@ class SweepCommand final : public Command {
         std::filesystem::temp_directory_path() / fmt::format("mpusim_sweep.{}", ::getpid());
     std::filesystem::create_directories(dir);
     int failures = 0;
-    std::optional<double> first_loss;
-    double spread = 0;
+    // Final losses agree between layouts that pad the vocabulary alike (the padded logits
+    // take part in the softmax, so another padding is another model).
+    std::map<int64_t, std::pair<double, double>> losses;  // padded vocab -> (min, max)
     for (size_t i = 0; i < layouts.size(); ++i) {
       const Layout& l = layouts[i];
       const std::string config_file = (dir / fmt::format("layout{}.json", i)).string();
@@ -217,8 +220,9 @@ class SweepCommand final : public Command {
                               summary["check"]["reference_loss"].get<double>());
       }
       const double loss = summary["loss"].get<double>();
-      if (!first_loss) first_loss = loss;
-      spread = std::max(spread, std::fabs(loss - *first_loss));
+      const int64_t padded = config.gpt->PaddedVocabSize(l.tp);
+      const auto [it, fresh] = losses.try_emplace(padded, loss, loss);
+      it->second = {std::min(it->second.first, loss), std::max(it->second.second, loss)};
       const bool passed = code == 0 && summary["passed"].get<bool>();
       if (!passed) ++failures;
       const double seconds = summary["seconds_median"].get<double>();
@@ -229,8 +233,22 @@ class SweepCommand final : public Command {
       out.flush();
     }
     std::filesystem::remove_all(dir);
-    out << fmt::format("{} of {} layouts pass; final losses agree to {:.3g}\n",
-                       layouts.size() - static_cast<size_t>(failures), layouts.size(), spread);
+    std::vector<std::string> agreement;
+    for (const auto& [padded, range] : losses) {
+      agreement.push_back(losses.size() == 1
+                              ? fmt::format("{:.3g}", range.second - range.first)
+                              : fmt::format("{:.3g} among the layouts with padded_vocab_size {}",
+                                            range.second - range.first, padded));
+    }
+    out << fmt::format(
+        "{} of {} layouts pass; final losses agree to {}\n",
+        layouts.size() - static_cast<size_t>(failures), layouts.size(),
+        agreement.empty() ? std::string("-") : fmt::format("{}", fmt::join(agreement, ", ")));
+    if (losses.size() > 1) {
+      out << "  (layouts that pad the vocabulary differently train different models: the "
+             "padded logits take part in the softmax; make vocab_size a multiple of "
+             "make_vocab_size_divisible_by * the largest tp to compare them all)\n";
+    }
     return failures > 0 ? kExitFailed : kExitOk;
   }
 

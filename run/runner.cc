@@ -339,6 +339,7 @@ class RankRun {
   int PrintTraining(const SimulationResult& result);
   // --summary FILE: the results as JSON (rank 0).
   Status WriteSummary(const SimulationResult& result, int code);
+  void PrintStages(const SimulationResult& result, const PipelineSchedule& schedule);
   void PrintCommTrace(const CommTrace& trace);
   void PrintMemory();
   std::string PreflightError(const MemoryPlan& plan) const;
@@ -544,6 +545,7 @@ void RankRun::PrintLayout(const Topology& topology, const SimulationResult& resu
           "shows every stage); at most {} micro-batch stash{} live on rank 0\n",
           schedule->interleaved ? "interleaved 1F1B" : "1F1B", FormatRank(*schedule, 0),
           result.peak_stashes, result.peak_stashes == 1 ? "" : "es");
+      PrintStages(result, *schedule);
     }
   }
   if (result.gpt) {
@@ -784,6 +786,36 @@ int RankRun::PrintChecks(const CheckResult& check, const SimulationResult& resul
         MiB(check.reference_bytes_whole), MiB(check.record_bytes_max));
   }
   return failed > 0 ? kExitCheckFailed : kExitOk;
+}
+
+// Each pipeline stage's share of the last step, from the gathered timeline (its first rank).
+void RankRun::PrintStages(const SimulationResult& result, const PipelineSchedule& schedule) {
+  if (result.timeline.empty()) return;
+  const int64_t p = schedule.pipeline_model_parallel_size;
+  const double m = static_cast<double>(schedule.num_microbatches);
+  const double v = static_cast<double>(schedule.num_model_chunks);
+  out_ << fmt::format(
+      "  stage  rank  steps  peak stashes  warmup  busy of the schedule (last step; the "
+      "schedule's bubble is (p - 1) / ({}M + p - 1) = {:.3f})\n",
+      schedule.interleaved ? "v " : "",
+      static_cast<double>(p - 1) / (v * m + static_cast<double>(p) - 1));
+  for (int64_t stage = 0; stage < p; ++stage) {
+    for (size_t r = 0; r < result.timeline.size(); ++r) {
+      const SimulationResult::RankTimeline& t = result.timeline[r];
+      if (t.pp_rank != stage) continue;
+      int64_t live = 0, peak = 0;
+      double busy = 0;
+      for (const GptModel::StepSpan& span : t.steps) {
+        live += span.forward ? 1 : -1;
+        peak = std::max(peak, live);
+        busy += span.end - span.begin;
+      }
+      out_ << fmt::format("  {:>5}  {:>4}  {:>5}  {:>12}  {:>6}  {:.0f}% of {:.3f} s\n", stage, r,
+                          t.steps.size(), peak, schedule.NumWarmup(stage),
+                          t.schedule_end > 0 ? 100 * busy / t.schedule_end : 0.0, t.schedule_end);
+      break;
+    }
+  }
 }
 
 void RankRun::PrintCommTrace(const CommTrace& trace) {

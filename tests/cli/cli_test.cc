@@ -296,8 +296,13 @@ TEST(ScheduleCommand, BadInput) {
                    "got 4");
   const Result missing = Mpusim({"schedule", Sample("lab_t2_p4_n16.json")});
   EXPECT_EQ(missing.code, 2);
-  EXPECT_EQ(missing.err.rfind("error: command line: --microbatches is required", 0), 0u)
-      << missing.err;
+  EXPECT_EQ(missing.err,
+            "error: command line: --microbatches: is required (or a config with a run "
+            "section's num_microbatches)\n");
+  // A config with a run section gives the default.
+  const Result from_run = Mpusim({"schedule", Sample("gpt_pipeline_p4_v2_n4.json")});
+  EXPECT_EQ(from_run.code, 0) << from_run.err;
+  EXPECT_NE(from_run.out.find("num_microbatches 8,"), std::string::npos) << from_run.out;
   const Result zero = Mpusim({"schedule", Sample("lab_t2_p4_n16.json"), "--microbatches", "0"});
   EXPECT_EQ(zero.code, 2);
   EXPECT_EQ(zero.err.rfind("error: command line: --microbatches: ", 0), 0u) << zero.err;
