@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <mpi.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -101,6 +102,7 @@ void TimedSteps(const SimulateOptions& options, SimulationResult* result, Step&&
     result->trace.Clear();
     watched::Barrier(MPI_COMM_WORLD, WorldLabel());
     const auto start = std::chrono::steady_clock::now();
+    result->step_start = std::chrono::duration<double>(start.time_since_epoch()).count();
     step(i + 1 == options.repeat);
     watched::Barrier(MPI_COMM_WORLD, WorldLabel());
     result->seconds.push_back(
@@ -108,29 +110,40 @@ void TimedSteps(const SimulateOptions& options, SimulationResult* result, Step&&
   }
 }
 
-// Every rank's step spans of the model's last step, relative to the earliest schedule begin.
-std::vector<SimulationResult::RankTimeline> GatherTimeline(const GptModel& model, int64_t pp_rank) {
+// Every rank's step spans of the model's last step, in seconds from the step's start. On one
+// machine every process reads the same monotonic clock, so the start is the earliest rank's
+// `start` (its clock as it left the barrier before the step). Across machines the clocks are
+// unrelated: each rank's times count from its own `start` instead, since the ranks leave the
+// barrier together (to the barrier's skew).
+std::vector<SimulationResult::RankTimeline> GatherTimeline(const GptModel& model, int64_t pp_rank,
+                                                           double start) {
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
   nlohmann::json mine = {{"pp_rank", pp_rank},
-                         {"begin", model.schedule_begin()},
+                         {"host", std::string(host)},
+                         {"start", start},
                          {"end", model.schedule_end()},
                          {"steps", nlohmann::json::array()}};
   for (const GptModel::StepSpan& s : model.step_spans()) {
     mine["steps"].push_back({s.chunk, s.microbatch, s.forward, s.begin, s.end});
   }
   std::vector<nlohmann::json> ranks;
-  double origin = model.schedule_begin();
+  bool one_machine = true;
+  double earliest = start;
   for (const std::string& text : AllGatherStrings(mine.dump())) {
     ranks.push_back(nlohmann::json::parse(text));
-    origin = std::min(origin, ranks.back()["begin"].get<double>());
+    one_machine = one_machine && ranks.back()["host"] == ranks.front()["host"];
+    earliest = std::min(earliest, ranks.back()["start"].get<double>());
   }
   std::vector<SimulationResult::RankTimeline> out;
   for (const nlohmann::json& r : ranks) {
+    const double origin = one_machine ? earliest : r["start"].get<double>();
     SimulationResult::RankTimeline t;
     t.pp_rank = r["pp_rank"].get<int64_t>();
     t.schedule_end = r["end"].get<double>() - origin;
-    for (const nlohmann::json& s : r["steps"]) {
-      t.steps.push_back({s[0].get<int64_t>(), s[1].get<int64_t>(), s[2].get<bool>(),
-                         s[3].get<double>() - origin, s[4].get<double>() - origin});
+    for (const nlohmann::json& step : r["steps"]) {
+      t.steps.push_back({step[0].get<int64_t>(), step[1].get<int64_t>(), step[2].get<bool>(),
+                         step[3].get<double>() - origin, step[4].get<double>() - origin});
     }
     out.push_back(std::move(t));
   }
@@ -192,6 +205,7 @@ StatusOr<SimulationResult> SimulateGpt(const Config& config, const SimulateOptio
       result.trace.Clear();
       watched::Barrier(MPI_COMM_WORLD, WorldLabel());
       const auto start = std::chrono::steady_clock::now();
+      result.step_start = std::chrono::duration<double>(start.time_since_epoch()).count();
       model.Run(ctx, last && want_records ? &records : nullptr, it);
       optimizer.ReduceGradients(k, result.trace);
       const double norm = optimizer.GradNorm(k, ctx.tp(), pp, ctx.coords.tp, result.trace);
@@ -216,7 +230,7 @@ StatusOr<SimulationResult> SimulateGpt(const Config& config, const SimulateOptio
   result.has_loss = true;
   result.loss = model.loss();
   result.peak_stashes = model.peak_live_stashes();
-  result.timeline = GatherTimeline(model, ctx.coords.pp);
+  result.timeline = GatherTimeline(model, ctx.coords.pp, result.step_start);
   if (options.check) {
     Kernels& kernels = *ctx.kernels;
     const HostFetch fetch = [&](const TensorRecord& r) {

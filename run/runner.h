@@ -61,9 +61,13 @@ struct SimulationResult {
     int64_t element_bytes = 0;
   };
   OptimizerShard optimizer;
+  // When the last step (or iteration) started: this rank's steady_clock, in seconds, as it
+  // left the barrier before the step.
+  double step_start = 0;
   // A GPT run, on every rank: each world rank's forward and backward step spans of the last
-  // step (or iteration), in seconds from the earliest rank's schedule begin, the schedule's
-  // end on that rank (its last send completed), and its pp rank.
+  // step (or iteration), in seconds from the step's start (the earliest rank's step_start on
+  // one machine; each rank's own across machines), the schedule's end on that rank (its last
+  // send completed), and its pp rank.
   struct RankTimeline {
     int64_t pp_rank = 0;
     double schedule_end = 0;
