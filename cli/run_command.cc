@@ -38,6 +38,10 @@ class RunCommand : public Command {
     app_->add_option("--summary", options_.summary_path,
                      "write the results to FILE as JSON (loss, iterations, the check's counts "
                      "and largest parameter error, time, peak stashes): what mpusim sweep reads");
+    app_->add_option("--trace", options_.trace_path,
+                     "write the last step to FILE as Chrome trace events (open in "
+                     "ui.perfetto.dev or chrome://tracing): a track per rank, a slice per "
+                     "forward/backward step and per collective or send/receive");
     app_->add_option("--backend", options_.backend,
                      "cpu (Eigen/OpenBLAS + MPI) or cuda (CUDA/cuBLAS + NCCL, loaded from the "
                      "plugin libmpusim_backend_cuda.so next to the program); default cpu")

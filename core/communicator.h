@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -89,23 +90,43 @@ struct CommRecord {
   int64_t bytes;      // bytes this rank contributes (the input buffer; a receive's message)
   Phase phase;
   int peer = -1;  // send and receive: the group rank of the other side
+  // When the call began and returned (a send or receive: when it was posted and when the wait
+  // for it returned), in seconds of std::chrono::steady_clock; end 0 while in flight.
+  double begin = 0, end = 0;
 };
+
+// Seconds of std::chrono::steady_clock (the machine's monotonic clock, shared by its
+// processes), the clock of CommRecord's and the model's spans.
+double MonotonicSeconds();
 
 class CommTrace {
  public:
   void SetPhase(Phase phase) { phase_ = phase; }
   Phase phase() const { return phase_; }
   void SetSite(std::string site) { site_ = std::move(site); }
-  void Record(CommOpKind op, const std::string& group, int64_t bytes, int peer = -1) {
-    records_.push_back(CommRecord{op, group, site_, bytes, phase_, peer});
+  // Appends a record that begins now; returns its handle for End.
+  size_t Record(CommOpKind op, const std::string& group, int64_t bytes, int peer = -1) {
+    records_.push_back(CommRecord{op, group, site_, bytes, phase_, peer, MonotonicSeconds(), 0.0});
+    return (generation_ << 32) | (records_.size() - 1);
+  }
+  // Marks the record `handle` as ended now (nothing when the trace was cleared since).
+  void End(size_t handle) {
+    const size_t index = handle & 0xffffffffu;
+    if ((handle >> 32) == generation_ && index < records_.size()) {
+      records_[index].end = MonotonicSeconds();
+    }
   }
   const std::vector<CommRecord>& records() const { return records_; }
-  void Clear() { records_.clear(); }
+  void Clear() {
+    records_.clear();
+    ++generation_;
+  }
 
  private:
   Phase phase_ = Phase::kOther;
   std::string site_;
   std::vector<CommRecord> records_;
+  size_t generation_ = 0;
 };
 
 // Decorator that records every call into a CommTrace, then forwards it. Groups of size 1
@@ -117,37 +138,37 @@ class TracedCommunicator : public Communicator {
   int Rank() const override { return inner_->Rank(); }
   int Size() const override { return inner_->Size(); }
   void AllReduce(Tensor& buffer, ReduceOp op) override {
-    Note(op == ReduceOp::kSum ? CommOpKind::kAllReduce : CommOpKind::kAllReduceMax,
-         buffer.bytes());
+    const auto handle = Note(
+        op == ReduceOp::kSum ? CommOpKind::kAllReduce : CommOpKind::kAllReduceMax, buffer.bytes());
     inner_->AllReduce(buffer, op);
+    End(handle);
   }
   void AllGather(const Tensor& in, Tensor& out) override {
-    Note(CommOpKind::kAllGather, in.bytes());
+    const auto handle = Note(CommOpKind::kAllGather, in.bytes());
     inner_->AllGather(in, out);
+    End(handle);
   }
   void ReduceScatter(const Tensor& in, Tensor& out) override {
-    Note(CommOpKind::kReduceScatter, in.bytes());
+    const auto handle = Note(CommOpKind::kReduceScatter, in.bytes());
     inner_->ReduceScatter(in, out);
+    End(handle);
   }
   void Broadcast(Tensor& buffer, int root) override {
-    Note(CommOpKind::kBroadcast, buffer.bytes());
+    const auto handle = Note(CommOpKind::kBroadcast, buffer.bytes());
     inner_->Broadcast(buffer, root);
+    End(handle);
   }
   bool LeavesSendsInFlight() const override { return inner_->LeavesSendsInFlight(); }
-  std::unique_ptr<PendingP2P> PostSendRecv(const std::vector<P2POp>& ops) override {
-    for (const P2POp& op : ops) {
-      Note(op.kind == P2POp::Kind::kSend ? CommOpKind::kSend : CommOpKind::kRecv,
-           op.buffer.bytes(), op.peer);
-    }
-    return inner_->PostSendRecv(ops);
-  }
+  std::unique_ptr<PendingP2P> PostSendRecv(const std::vector<P2POp>& ops) override;
   const std::string& group() const { return group_; }
 
  private:
-  void Note(CommOpKind op, size_t bytes, int peer = -1) {
-    if (trace_ != nullptr && inner_->Size() > 1) {
-      trace_->Record(op, group_, static_cast<int64_t>(bytes), peer);
-    }
+  std::optional<size_t> Note(CommOpKind op, size_t bytes, int peer = -1) {
+    if (trace_ == nullptr || inner_->Size() <= 1) return std::nullopt;
+    return trace_->Record(op, group_, static_cast<int64_t>(bytes), peer);
+  }
+  void End(const std::optional<size_t>& handle) {
+    if (handle) trace_->End(*handle);
   }
   std::unique_ptr<Communicator> inner_;
   std::string group_;

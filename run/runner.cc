@@ -115,17 +115,27 @@ void TimedSteps(const SimulateOptions& options, SimulationResult* result, Step&&
 // `start` (its clock as it left the barrier before the step). Across machines the clocks are
 // unrelated: each rank's times count from its own `start` instead, since the ranks leave the
 // barrier together (to the barrier's skew).
-std::vector<SimulationResult::RankTimeline> GatherTimeline(const GptModel& model, int64_t pp_rank,
-                                                           double start) {
+std::vector<SimulationResult::RankTimeline> GatherTimeline(const GptModel* model,
+                                                           const CommTrace& trace, bool comms,
+                                                           int64_t pp_rank, double start) {
   char host[256] = {};
   gethostname(host, sizeof(host) - 1);
   nlohmann::json mine = {{"pp_rank", pp_rank},
                          {"host", std::string(host)},
                          {"start", start},
-                         {"end", model.schedule_end()},
-                         {"steps", nlohmann::json::array()}};
-  for (const GptModel::StepSpan& s : model.step_spans()) {
-    mine["steps"].push_back({s.chunk, s.microbatch, s.forward, s.begin, s.end});
+                         {"end", model != nullptr ? model->schedule_end() : start},
+                         {"steps", nlohmann::json::array()},
+                         {"comms", nlohmann::json::array()}};
+  if (model != nullptr) {
+    for (const GptModel::StepSpan& s : model->step_spans()) {
+      mine["steps"].push_back({s.chunk, s.microbatch, s.forward, s.begin, s.end});
+    }
+  }
+  if (comms) {
+    for (const CommRecord& r : trace.records()) {
+      mine["comms"].push_back({static_cast<int>(r.op), r.group, r.site, r.bytes,
+                               static_cast<int>(r.phase), r.peer, r.begin, r.end});
+    }
   }
   std::vector<nlohmann::json> ranks;
   bool one_machine = true;
@@ -144,6 +154,13 @@ std::vector<SimulationResult::RankTimeline> GatherTimeline(const GptModel& model
     for (const nlohmann::json& step : r["steps"]) {
       t.steps.push_back({step[0].get<int64_t>(), step[1].get<int64_t>(), step[2].get<bool>(),
                          step[3].get<double>() - origin, step[4].get<double>() - origin});
+    }
+    for (const nlohmann::json& c : r["comms"]) {
+      const double end = c[7].get<double>();
+      t.comms.push_back({static_cast<CommOpKind>(c[0].get<int>()), c[1].get<std::string>(),
+                         c[2].get<std::string>(), c[3].get<int64_t>(),
+                         static_cast<Phase>(c[4].get<int>()), c[5].get<int>(),
+                         c[6].get<double>() - origin, end > 0 ? end - origin : 0.0});
     }
     out.push_back(std::move(t));
   }
@@ -230,7 +247,8 @@ StatusOr<SimulationResult> SimulateGpt(const Config& config, const SimulateOptio
   result.has_loss = true;
   result.loss = model.loss();
   result.peak_stashes = model.peak_live_stashes();
-  result.timeline = GatherTimeline(model, ctx.coords.pp, result.step_start);
+  result.timeline = GatherTimeline(&model, result.trace, options.timeline_comms, ctx.coords.pp,
+                                   result.step_start);
   if (options.check) {
     Kernels& kernels = *ctx.kernels;
     const HostFetch fetch = [&](const TensorRecord& r) {
@@ -305,6 +323,9 @@ StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions&
 
   graph.InitializeParameters(ctx);
   TimedSteps(options, &result, [&](bool) { graph.Run(ctx); });
+  if (options.timeline_comms) {
+    result.timeline = GatherTimeline(nullptr, result.trace, true, ctx.coords.pp, result.step_start);
+  }
   result.has_loss = graph.has_loss();
   result.loss = result.has_loss ? graph.loss() : 0.0;
   if (!options.check && !options.keep_records) return result;
@@ -355,6 +376,7 @@ class RankRun {
   Status WriteSummary(const SimulationResult& result, int code);
   void PrintStages(const SimulationResult& result, const PipelineSchedule& schedule);
   void PrintCommTrace(const CommTrace& trace);
+  Status WriteTrace(const Topology& topology, const SimulationResult& result);
   void PrintMemory();
   std::string PreflightError(const MemoryPlan& plan) const;
   unsigned __int128 preflight_bytes_ = 0;  // this rank's preflight estimate
@@ -462,8 +484,8 @@ int RankRun::Run() {
   backend_name_ = backend->name();
   backend_description_ = backend->Describe();
   const bool dump = !options_.dump_dir.empty();
-  StatusOr<SimulationResult> result =
-      Simulate(config_, {options_.check, options_.repeat, dump}, *backend);
+  StatusOr<SimulationResult> result = Simulate(
+      config_, {options_.check, options_.repeat, dump, !options_.trace_path.empty()}, *backend);
   if (!result.ok()) return Usage(source, result.status().Message());
   PrintLayout(*topology, *result);
   // Megatron's own t-fold gradients (docs/simulator.md, "Warnings"): the run computes them as
@@ -486,6 +508,10 @@ int RankRun::Run() {
   if (iteration_failures > 0) code = kExitCheckFailed;
   if (!options_.summary_path.empty() && world_rank_ == 0) {
     const Status written = WriteSummary(*result, code);
+    if (!written.ok()) return Usage("", written.Message());
+  }
+  if (!options_.trace_path.empty() && world_rank_ == 0) {
+    const Status written = WriteTrace(*topology, *result);
     if (!written.ok()) return Usage("", written.Message());
   }
   PrintCommTrace(result->trace);
@@ -669,6 +695,68 @@ Status RankRun::WriteSummary(const SimulationResult& result, int code) {
   }
   if (!result.timeline.empty()) j["timeline"] = timeline;
   return WriteFileAtomically(options_.summary_path, j.dump(1) + "\n");
+}
+
+// --trace FILE: the last step as Chrome trace events (the format chrome://tracing, Perfetto
+// and PyTorch's profiler use): a process per node, a thread per rank named by its
+// coordinates, a complete ("X") event per forward or backward step and per collective or
+// send/receive, times in microseconds from the step's start.
+Status RankRun::WriteTrace(const Topology& topology, const SimulationResult& result) {
+  nlohmann::ordered_json events = nlohmann::ordered_json::array();
+  std::set<int64_t> nodes;
+  const auto micros = [](double seconds) { return seconds * 1e6; };
+  for (size_t r = 0; r < result.timeline.size(); ++r) {
+    const auto rank = static_cast<int64_t>(r);
+    const RankCoordinates c = topology.Coordinates(rank);
+    const int64_t node = topology.NodeOf(rank);
+    if (nodes.insert(node).second) {
+      events.push_back({{"name", "process_name"},
+                        {"ph", "M"},
+                        {"pid", node},
+                        {"tid", 0},
+                        {"args", {{"name", fmt::format("node {}", node)}}}});
+    }
+    events.push_back(
+        {{"name", "thread_name"},
+         {"ph", "M"},
+         {"pid", node},
+         {"tid", rank},
+         {"args",
+          {{"name", fmt::format("rank {} (tp {}, pp {}, dp {})", rank, c.tp, c.pp, c.dp)}}}});
+    events.push_back({{"name", "thread_sort_index"},
+                      {"ph", "M"},
+                      {"pid", node},
+                      {"tid", rank},
+                      {"args", {{"sort_index", rank}}}});
+    const SimulationResult::RankTimeline& t = result.timeline[r];
+    for (const GptModel::StepSpan& s : t.steps) {
+      events.push_back(
+          {{"name", fmt::format("{}{}.{}", s.forward ? "F" : "B", s.chunk, s.microbatch)},
+           {"cat", s.forward ? "forward" : "backward"},
+           {"ph", "X"},
+           {"ts", micros(s.begin)},
+           {"dur", micros(s.end - s.begin)},
+           {"pid", node},
+           {"tid", rank},
+           {"args", {{"chunk", s.chunk}, {"microbatch", s.microbatch}}}});
+    }
+    for (const CommRecord& m : t.comms) {
+      nlohmann::ordered_json args = {
+          {"site", m.site}, {"group", m.group}, {"bytes", m.bytes}, {"phase", PhaseName(m.phase)}};
+      if (m.peer >= 0) args["peer (group rank)"] = m.peer;
+      const double end = m.end > 0 ? m.end : m.begin;
+      events.push_back({{"name", fmt::format("{} {}", CommOpName(m.op), m.group)},
+                        {"cat", "comm"},
+                        {"ph", "X"},
+                        {"ts", micros(m.begin)},
+                        {"dur", micros(end - m.begin)},
+                        {"pid", node},
+                        {"tid", rank},
+                        {"args", args}});
+    }
+  }
+  nlohmann::ordered_json j = {{"traceEvents", events}, {"displayTimeUnit", "ms"}};
+  return WriteFileAtomically(options_.trace_path, j.dump() + "\n");
 }
 
 int RankRun::PrintTraining(const SimulationResult& result) {

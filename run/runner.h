@@ -72,6 +72,7 @@ struct SimulationResult {
     int64_t pp_rank = 0;
     double schedule_end = 0;
     std::vector<GptModel::StepSpan> steps;
+    std::vector<CommRecord> comms;  // with timeline_comms: the last step's, times as above
   };
   std::vector<RankTimeline> timeline;
 };
@@ -80,6 +81,7 @@ struct SimulateOptions {
   bool check = true;          // compare with the float64 reference
   int repeat = 1;             // run the step this many times (benchmarks)
   bool keep_records = false;  // return the records (for a dump)
+  bool timeline_comms = false;  // gather every rank's timed collectives too (--trace)
 };
 
 // Runs `config` on MPI_COMM_WORLD (collective: every rank calls it with the same config;
@@ -97,6 +99,7 @@ struct RunOptions {
   std::string config_path;
   std::string dump_dir;  // empty: no dump
   std::string summary_path;  // empty: none; else rank 0 writes the run's results as JSON
+  std::string trace_path;    // empty: none; else rank 0 writes the last step's Chrome trace
   bool check = true;     // compare with the float64 reference
   int repeat = 1;        // run the step this many times and report timings (benchmarks)
   std::string backend = "cpu";  // "cpu" or a plugin's name ("cuda")

@@ -4,7 +4,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <chrono>
 #include <set>
 #include <stdexcept>
 #include <string_view>
@@ -18,10 +17,6 @@
 namespace mpusim {
 
 namespace {
-
-double MonotonicSeconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 // Appends the span of one step when it ends (returns or throws).
 class SpanRecorder {

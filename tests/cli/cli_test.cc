@@ -476,13 +476,13 @@ TEST(ExplainCommand, GptParametersInStateDictNames) {
 // reference; a GPT config the layout cannot split is one error line with exit 2.
 TEST(RunCommand, GptSamplesPassTheCheck) {
   for (const char* sample : {"gpt_tiny_t2_sp_dp2_n4.json", "gpt_llama_style_gqa_t4_n4.json",
-                             "gpt_pipeline_p2_v2_t2_n4.json"}) {
+                             "gpt_pipeline_p2_v2_t2_n4.json", "gpt_pipeline_p4_v2_n4.json"}) {
     std::string output;
     EXPECT_EQ(Shell(Mpiexec(4) + MPUSIM_BINARY + " run " + Sample(sample), &output), 0) << output;
     if (std::string(sample).find("pipeline") != std::string::npos) {
       for (const char* line :
            {" pipeline                 send             pp ",
-            " finalize_model_grads     all-reduce       embd ", "pp 2 splits the layers"}) {
+            " finalize_model_grads     all-reduce       embd ", " splits the layers"}) {
         EXPECT_NE(output.find(line), std::string::npos) << line << "\n" << output;
       }
     }
@@ -502,6 +502,55 @@ TEST(RunCommand, GptSamplesPassTheCheck) {
                         "tensor_model_parallel_size 4\n"),
             std::string::npos)
       << output;
+}
+
+// --trace FILE: Chrome trace events for the last step. Every rank is a thread named by its
+// coordinates; it has a complete event per forward and backward step (2 M v) and per
+// collective or send/receive, as many as the run's comm trace lists for rank 0; each
+// rank's steps follow one another.
+TEST(RunCommand, TraceIsChromeTraceEventsMatchingTheCommTrace) {
+  const std::string path =
+      (std::filesystem::temp_directory_path() / fmt::format("mpusim_trace.{}.json", ::getpid()))
+          .string();
+  std::string output;
+  ASSERT_EQ(Shell(Mpiexec(4) + MPUSIM_BINARY + " run " + Sample("gpt_pipeline_p2_v2_t2_n4.json") +
+                      " --no-check --trace " + path,
+                  &output),
+            0)
+      << output;
+  const std::string marker = "collectives on rank 0 (";
+  const size_t at = output.find(marker);
+  ASSERT_NE(at, std::string::npos) << output;
+  const int64_t rank0_comms = std::stoll(output.substr(at + marker.size()));
+  const json trace = json::parse(std::ifstream(path));
+  ASSERT_TRUE(trace["traceEvents"].is_array());
+  std::map<int64_t, int64_t> steps, comms;
+  std::map<int64_t, std::string> names;
+  std::map<int64_t, double> last_end;
+  for (const json& e : trace["traceEvents"]) {
+    ASSERT_TRUE(e.contains("ph") && e.contains("pid") && e.contains("tid") && e.contains("name"))
+        << e.dump();
+    const int64_t rank = e["tid"].get<int64_t>();
+    if (e["ph"] == "M") {
+      if (e["name"] == "thread_name") names[rank] = e["args"]["name"].get<std::string>();
+      continue;
+    }
+    ASSERT_EQ(e["ph"], "X") << e.dump();
+    ASSERT_TRUE(e["ts"].is_number() && e["dur"].is_number()) << e.dump();
+    EXPECT_GE(e["dur"].get<double>(), 0.0) << e.dump();
+    if (e["cat"] == "comm") {
+      ++comms[rank];
+      EXPECT_TRUE(e["args"].contains("bytes") && e["args"].contains("group")) << e.dump();
+    } else {
+      ++steps[rank];
+      EXPECT_GE(e["ts"].get<double>(), last_end[rank]) << e.dump();
+      last_end[rank] = e["ts"].get<double>() + e["dur"].get<double>();
+    }
+  }
+  EXPECT_EQ(names[2], "rank 2 (tp 0, pp 1, dp 0)");
+  EXPECT_EQ(comms[0], rank0_comms);
+  for (int64_t rank = 0; rank < 4; ++rank) EXPECT_EQ(steps[rank], 2 * 4 * 2) << rank;
+  std::filesystem::remove(path);
 }
 
 // Training: the per-iteration table against the reference, and what a training config
