@@ -101,10 +101,25 @@ std::vector<size_t> DefaultTextKindOrder(const Topology& topology) {
   return order;
 }
 
+// The kinds whose groups leaving a node are worth a warning: tp, expt_tp and ep, less
+// expt_tp when its groups are tp's (the dense expert layout, ep = 1 and etp = tp: one
+// warning for the same groups is enough).
+std::vector<const char*> NodeWarningKinds(const Topology& topology) {
+  const size_t tp = *topology.FindKind("tp");
+  const size_t expt_tp = *topology.FindKind("expt_tp");
+  bool same = topology.NumGroups(tp) == topology.NumGroups(expt_tp) &&
+              topology.GroupSize(tp) == topology.GroupSize(expt_tp);
+  for (int64_t g = 0; same && g < topology.NumGroups(tp); ++g) {
+    same = topology.Group(tp, g) == topology.Group(expt_tp, g);
+  }
+  if (same) return {"tp", "ep"};
+  return {"tp", "expt_tp", "ep"};
+}
+
 std::vector<std::string> NodeWarnings(const Topology& topology) {
   std::vector<std::string> warnings;
   const int64_t gpus = topology.config().gpus_per_node;
-  for (const char* name : {"tp", "expt_tp", "ep"}) {
+  for (const char* name : NodeWarningKinds(topology)) {
     const size_t kind = *topology.FindKind(name);
     const int64_t spanning = topology.NumGroupsSpanningNodes(kind);
     if (spanning == 0) continue;
@@ -119,7 +134,7 @@ std::vector<std::string> NodeWarnings(const Topology& topology) {
 std::vector<std::string> RankNodeWarnings(const Topology& topology, int64_t rank) {
   std::vector<std::string> warnings;
   const int64_t gpus = topology.config().gpus_per_node;
-  for (const char* name : {"tp", "expt_tp", "ep"}) {
+  for (const char* name : NodeWarningKinds(topology)) {
     const size_t kind = *topology.FindKind(name);
     const std::optional<GroupSlot> slot = topology.Locate(kind, rank);
     if (!slot || !topology.GroupSpansNodes(kind, slot->group_index)) continue;

@@ -190,6 +190,8 @@ TEST(LayoutCommand, WarnsWhenTensorGroupsLeaveANode) {
             std::string::npos)
       << r.err;
   EXPECT_NE(r.out.find("groups that span nodes:   tp 2/2"), std::string::npos) << r.out;
+  // The dense expert layout (ep 1, etp = tp) has tp's groups as expt_tp: one warning, not two.
+  EXPECT_EQ(r.err.find("expt_tp"), std::string::npos) << r.err;
   const Result lab = Mpusim({"layout", Sample("lab_t2_p4_n16.json")});
   EXPECT_EQ(lab.err, "");
 }
