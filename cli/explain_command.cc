@@ -30,7 +30,17 @@ class ExplainCommand : public Command {
     std::optional<ConfigOptions::Layout> layout = config_.ResolveLayout(err);
     if (!layout) return kExitUsage;
     const Topology* topology = &layout->topology;
-    const Config* config = &layout->config;
+    // How weights are sliced does not depend on the data: without a run section, explain
+    // uses the shortest sequence and the fewest micro-batches every split and schedule accept.
+    Config with_run = layout->config;
+    if (!with_run.run) {
+      RunConfig run;
+      run.seq_length = topology->sizes().tp * topology->sizes().cp;
+      run.num_microbatches =
+          with_run.parallel.microbatch_group_size_per_vp_stage.value_or(topology->sizes().pp);
+      with_run.run = run;
+    }
+    const Config* config = &with_run;
     std::string source;
     if (config->gpt) return ExplainGpt(*config, *topology, out, err);
     StatusOr<std::unique_ptr<Graph>> graph = Graph::Build(*config, *topology);

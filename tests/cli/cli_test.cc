@@ -472,6 +472,16 @@ TEST(ExplainCommand, GptParametersInStateDictNames) {
                         ": model.num_query_groups: 4 is not divisible by "
                         "tensor_model_parallel_size 8\n");
   EXPECT_EQ(bad.out, "");
+  // Only parallel and model are needed; a pipeline lists each stage's chunks.
+  json config = json::parse(std::ifstream(Sample("gpt_pipeline_p4_v2_n4.json")));
+  config.erase("run");
+  const Result no_run =
+      Mpusim({"explain",
+              WriteTemp(fmt::format("mpusim_explain_norun.{}.json", ::getpid()), config.dump())});
+  EXPECT_EQ(no_run.code, 0) << no_run.err;
+  EXPECT_NE(no_run.out.find("pipeline stage 3 of 4: chunks [layer 3] [layer 7, final norm, "),
+            std::string::npos)
+      << no_run.out;
 }
 
 // The GPT samples run on 4 ranks and every tensor passes the check against the float64 GPT
