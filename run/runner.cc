@@ -428,15 +428,19 @@ int RankRun::Run() {
   if (want != world_size_) {
     const bool under_mpirun = std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr ||
                               std::getenv("PMI_SIZE") != nullptr;
+    // Open MPI refuses more ranks than this machine's cores without --oversubscribe.
+    const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    const std::string launch =
+        fmt::format("mpirun -n {}{} mpusim run {}", want,
+                    cores > 0 && want > cores ? " --oversubscribe" : "", source);
     if (!under_mpirun) {
       return Usage(source, fmt::format("parallel.world_size: the config needs {} ranks but mpusim "
-                                       "run was started without mpirun; run: mpirun -n {} "
-                                       "mpusim run {}",
-                                       want, want, source));
+                                       "run was started without mpirun; run: {}",
+                                       want, launch));
     }
     return Usage(source, fmt::format("parallel.world_size: the config needs {} ranks but mpirun "
-                                     "started {}; run: mpirun -n {} mpusim run {}",
-                                     want, world_size_, want, source));
+                                     "started {}; run: {}",
+                                     want, world_size_, launch));
   }
   StatusOr<Topology> topology = Topology::Create(config_.parallel);
   if (!topology.ok()) return Usage(source, topology.status().Message());

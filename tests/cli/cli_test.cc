@@ -426,8 +426,18 @@ TEST(RunCommand, WorldSizeMismatchAndBadInput) {
                       Sample("lab_parallel_embedding_t2_n2.json"),
                   &output),
             2);
-  EXPECT_NE(output.find("parallel.world_size: the config needs 2 ranks but mpirun started 1; "
-                        "run: mpirun -n 2 mpusim run"),
+  // The hint adds --oversubscribe when this machine has fewer cores than the ranks.
+  const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  EXPECT_NE(output.find(fmt::format("parallel.world_size: the config needs 2 ranks but mpirun "
+                                    "started 1; run: mpirun -n 2{} mpusim run",
+                                    cores < 2 ? " --oversubscribe" : "")),
+            std::string::npos)
+      << output;
+  EXPECT_EQ(
+      Shell(Mpiexec(1) + MPUSIM_BINARY + " run " + Sample("lab_mlp_lm_t4_dp2_n8.json"), &output),
+      2);
+  EXPECT_NE(output.find(
+                fmt::format("run: mpirun -n 8{} mpusim run", cores < 8 ? " --oversubscribe" : "")),
             std::string::npos)
       << output;
   // A layout config without a model is refused by run, with exit 2 and one error line.
