@@ -1,9 +1,11 @@
 // `mpusim layout`: Megatron-Core's process groups for a config, as text, JSON or a picture,
 // or one rank's coordinates and groups.
-#include <ostream>
-
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+
+#include <nlohmann/json.hpp>
+#include <ostream>
+#include <vector>
 
 #include "cli/cli.h"
 #include "cli/commands.h"
@@ -24,6 +26,7 @@ class LayoutCommand : public Command {
         "  mpusim layout sample_configs/lab_t2_p4_n16.json\n"
         "  mpusim layout --world-size 16 --tp 2 --pp 4 --format json\n"
         "  mpusim layout CONFIG --rank 5 --kinds tp,pp,dp\n"
+        "  mpusim layout --sweep --world-size 16\n"
         "Kinds: tp pp dp dp_cp dp_cp_partial cp hcp_L<k> mp embd pos_embd tp_dp tp_dp_cp tp_cp\n"
         "       ep expt_tp tp_ep tp_ep_pp expt_dp expt_dp_partial intra_dist_opt inter_dist_opt");
     config_.Register(app_);
@@ -35,11 +38,15 @@ class LayoutCommand : public Command {
                      "comma-separated group kinds to show (default all), e.g. tp,dp,pp");
     app_->add_option("--max-groups", max_groups_,
                      "text only: groups listed per kind (default 32, 0 = all)");
+    app_->add_flag("--sweep", sweep_,
+                   "list every valid tp x pp x cp x dp of the world size (the config's other "
+                   "keys kept), with group counts");
   }
 
   CLI::App* app() override { return app_; }
 
   int Run(std::ostream& out, std::ostream& err) override {
+    if (sweep_) return Sweep(out, err);
     std::optional<ConfigOptions::Layout> layout = config_.ResolveLayout(err);
     if (!layout) return kExitUsage;
     const Topology* topology = &layout->topology;
@@ -92,6 +99,78 @@ class LayoutCommand : public Command {
   }
 
  private:
+  // --sweep: every factorisation n = tp * pp * cp * dp that Topology accepts with the config's
+  // other keys, in order of tp, pp, cp.
+  int Sweep(std::ostream& out, std::ostream& err) {
+    if (rank_option_->count() > 0 || !kinds_.empty() || format_ == "picture") {
+      return ReportError(err, "command line",
+                         "--sweep: lists layouts; it takes --format text or json, not --rank, "
+                         "--kinds or --format picture");
+    }
+    std::optional<ConfigOptions::Layout> base = config_.ResolveLayout(err);
+    if (!base) return kExitUsage;
+    const int64_t n = base->topology.world_size();
+    struct Row {
+      int64_t tp, pp, cp, dp, tp_spanning;
+    };
+    std::vector<Row> rows;
+    int64_t refused = 0;
+    for (int64_t tp = 1; tp <= n; ++tp) {
+      if (n % tp != 0) continue;
+      for (int64_t pp = 1; pp <= n / tp; ++pp) {
+        if ((n / tp) % pp != 0) continue;
+        for (int64_t cp = 1; cp <= n / (tp * pp); ++cp) {
+          if ((n / (tp * pp)) % cp != 0) continue;
+          ParallelConfig c = base->config.parallel;
+          c.tensor_model_parallel_size = tp;
+          c.pipeline_model_parallel_size = pp;
+          c.context_parallel_size = cp;
+          c.expert_tensor_parallel_size = std::nullopt;
+          c.virtual_pipeline_model_parallel_size = std::nullopt;
+          c.microbatch_group_size_per_vp_stage = std::nullopt;
+          c.hierarchical_context_parallel_sizes.clear();
+          StatusOr<Topology> t = Topology::Create(c);
+          if (!t.ok()) {
+            ++refused;
+            continue;
+          }
+          rows.push_back(
+              {tp, pp, cp, n / (tp * pp * cp), t->NumGroupsSpanningNodes(*t->FindKind("tp"))});
+        }
+      }
+    }
+    if (format_ == "json") {
+      nlohmann::ordered_json j = {
+          {"schema_version", 1}, {"world_size", n}, {"layouts", nlohmann::ordered_json::array()}};
+      for (const Row& r : rows) {
+        j["layouts"].push_back({{"tp", r.tp},
+                                {"pp", r.pp},
+                                {"cp", r.cp},
+                                {"dp", r.dp},
+                                {"tp_groups", n / r.tp},
+                                {"pp_groups", n / r.pp},
+                                {"dp_groups", n / r.dp},
+                                {"tp_groups_spanning_nodes", r.tp_spanning}});
+      }
+      out << j.dump(1) << '\n';
+      return kExitOk;
+    }
+    out << fmt::format(
+        "layouts of {} ranks (order {}, gpus_per_node {}): {} valid{}\n", n,
+        base->config.parallel.order, base->config.parallel.gpus_per_node, rows.size(),
+        refused > 0 ? fmt::format(", {} refused by the config's other keys", refused) : "");
+    out << fmt::format("  {:>4} {:>4} {:>4} {:>4}  {:>9} {:>9} {:>9}  {}\n", "tp", "pp", "cp", "dp",
+                       "tp groups", "pp groups", "dp groups", "tp groups leaving a node");
+    for (const Row& r : rows) {
+      out << fmt::format(
+          "  {:>4} {:>4} {:>4} {:>4}  {:>9} {:>9} {:>9}  {}\n", r.tp, r.pp, r.cp, r.dp, n / r.tp,
+          n / r.pp, n / r.dp,
+          r.tp_spanning > 0 ? fmt::format("{} of {}", r.tp_spanning, n / r.tp) : std::string("-"));
+    }
+    out << fmt::format("(a row's groups: mpusim layout --world-size {} --tp T --pp P --cp C)\n", n);
+    return kExitOk;
+  }
+
   // --kinds, validated against this layout; the default order depends on the format.
   Status SelectKinds(const Topology& topology, std::vector<size_t>* selected) const {
     selected->clear();
@@ -138,6 +217,7 @@ class LayoutCommand : public Command {
   std::string format_ = "text";
   CLI::Option* rank_option_ = nullptr;
   int64_t rank_ = 0;
+  bool sweep_ = false;
   std::string kinds_;
   int64_t max_groups_ = 32;
 };

@@ -196,6 +196,31 @@ TEST(LayoutCommand, WarnsWhenTensorGroupsLeaveANode) {
   EXPECT_EQ(lab.err, "");
 }
 
+// --sweep: every tp x pp x cp x dp of 16 ranks: the ordered factorisations of 2^4 into four
+// factors, C(4 + 3, 3) = 35; MoE's expert sizes refuse some of them.
+TEST(LayoutCommand, SweepListsEveryFactorisation) {
+  const Result r = Mpusim({"layout", "--sweep", "--world-size", "16", "--gpus-per-node", "8"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("layouts of 16 ranks (order tp-cp-ep-dp-pp, gpus_per_node 8): 35 valid\n"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("\n     2    4    1    2          8         4         8  -\n"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("    16    1    1    1          1        16        16  1 of 1\n"),
+            std::string::npos)
+      << r.out;
+  const Result json_out = Mpusim({"layout", "--sweep", "--world-size", "16", "--format", "json"});
+  ASSERT_EQ(json_out.code, 0) << json_out.err;
+  EXPECT_EQ(json::parse(json_out.out)["layouts"].size(), 35u);
+  const Result moe = Mpusim({"layout", Sample("moe_t2_p2_ep4_etp1_n16.json"), "--sweep"});
+  EXPECT_NE(moe.out.find("22 valid, 13 refused by the config's other keys"), std::string::npos)
+      << moe.out;
+  ExpectUsageError(Mpusim({"layout", "--sweep", "--world-size", "16", "--rank", "3"}),
+                   "error: command line: --sweep: lists layouts; it takes --format text or json, "
+                   "not --rank, --kinds or --format picture");
+}
+
 TEST(LayoutCommand, VirtualPipelineLayerAssignment) {
   const Result r = Mpusim({"layout", Sample("virtual_pipeline_t1_p4_v2_n4.json"), "--kinds", "pp"});
   ASSERT_EQ(r.code, 0) << r.err;
