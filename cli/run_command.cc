@@ -20,6 +20,24 @@ BackendOrStatus MakeBackend(const run::RunOptions& options) {
   return run::LoadBackendPlugin(options.backend, BackendOptions{options.comm});
 }
 
+struct OverrideFlag {
+  const char* flag;
+  const char* key;
+  const char* help;
+};
+constexpr OverrideFlag kOverrides[] = {
+    {"--world-size", "parallel.world_size",
+     "override parallel.world_size (the ranks mpirun starts)"},
+    {"--tp", "parallel.tensor_model_parallel_size", "override tensor_model_parallel_size"},
+    {"--pp", "parallel.pipeline_model_parallel_size", "override pipeline_model_parallel_size"},
+    {"--vp", "parallel.virtual_pipeline_model_parallel_size",
+     "override virtual_pipeline_model_parallel_size"},
+    {"--dtype", "run.dtype", "override run.dtype: float64, float32, bfloat16 or float16"},
+    {"--seed", "run.seed", "override run.seed"},
+    {"--micro-batch-size", "run.micro_batch_size", "override run.micro_batch_size"},
+    {"--train-iters", "run.train_iters", "override run.train_iters"},
+};
+
 class RunCommand : public Command {
  public:
   explicit RunCommand(CLI::App* parent) {
@@ -42,6 +60,19 @@ class RunCommand : public Command {
                      "write the last step to FILE as Chrome trace events (open in "
                      "ui.perfetto.dev or chrome://tracing): a track per rank, a slice per "
                      "forward/backward step and per collective or send/receive");
+    // Overrides of the file's keys, for trying a layout or a precision without editing it.
+    for (const auto& [flag, key, help] : kOverrides) {
+      app_->add_option_function<std::string>(
+              flag,
+              [this, flag, key](const std::string& value) {
+                const bool text = key == std::string("run.dtype");
+                options_.overrides.push_back({flag, key, text ? "\"" + value + "\"" : value});
+              },
+              help)
+          ->check(std::string(key) == "run.dtype"
+                      ? CLI::Validator(CLI::IsMember({"float64", "float32", "bfloat16", "float16"}))
+                      : CLI::Validator(CLI::NonNegativeNumber & CLI::TypeValidator<int64_t>()));
+    }
     app_->add_option("--backend", options_.backend,
                      "cpu (Eigen/OpenBLAS + MPI) or cuda (CUDA/cuBLAS + NCCL, loaded from the "
                      "plugin libmpusim_backend_cuda.so next to the program); default cpu")

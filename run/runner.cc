@@ -416,9 +416,20 @@ std::string RankRun::PreflightError(const MemoryPlan& plan) const {
 int RankRun::Run() {
   const std::string& source = options_.config_path;
   // Every rank parses the same file; only rank 0 reports, and everyone exits 2 together.
-  StatusOr<Config> loaded = LoadConfigFile(source);
-  if (!loaded.ok()) return Usage(source, loaded.status().Message());
-  config_ = *loaded;
+  StatusOr<nlohmann::json> document = ReadJsonFile(source);
+  if (!document.ok()) return Usage(source, document.status().Message());
+  for (const RunOptions::Override& o : options_.overrides) {
+    const size_t dot = o.key.find('.');
+    nlohmann::json& section = (*document)[o.key.substr(0, dot)];
+    if (!section.is_object()) section = nlohmann::json::object();
+    section[o.key.substr(dot + 1)] = nlohmann::json::parse(o.value, nullptr, false);
+  }
+  if (const Status parsed = ParseConfig(*document, &config_); !parsed.ok()) {
+    for (const RunOptions::Override& o : options_.overrides) {
+      if (parsed.where() == o.key) return Usage("command line", o.flag + ": " + parsed.Message());
+    }
+    return Usage(source, parsed.Message());
+  }
   const bool has_model = config_.model || config_.gpt;
   if (!has_model || !config_.run) {
     return Usage(source, fmt::format("{}: is required by mpusim run (see docs/simulator.md)",

@@ -100,6 +100,11 @@ struct RunOptions {
   std::string dump_dir;  // empty: no dump
   std::string summary_path;  // empty: none; else rank 0 writes the run's results as JSON
   std::string trace_path;    // empty: none; else rank 0 writes the last step's Chrome trace
+  // Config keys set on the command line over the file's: (flag, "section.key", JSON text).
+  struct Override {
+    std::string flag, key, value;
+  };
+  std::vector<Override> overrides;
   bool check = true;     // compare with the float64 reference
   int repeat = 1;        // run the step this many times and report timings (benchmarks)
   std::string backend = "cpu";  // "cpu" or a plugin's name ("cuda")

@@ -632,6 +632,24 @@ TEST(RunCommand, TrainingSamplePrintsEveryIterationAgainstTheReference) {
       WriteTemp(fmt::format("mpusim_train_chain.{}.json", ::getpid()), chain.dump());
   EXPECT_EQ(Shell(Mpiexec(8) + MPUSIM_BINARY + " run " + chain_path, &output), 2) << output;
   EXPECT_NE(output.find(": optimizer: training runs the GPT model"), std::string::npos) << output;
+  // Overrides of the file's keys on the command line.
+  EXPECT_EQ(Shell(Mpiexec(4) + MPUSIM_BINARY + " run " + Sample("gpt_train_adam_p2_t2_n4.json") +
+                      " --tp 1 --micro-batch-size 1 --train-iters 2 --dtype float64",
+                  &output),
+            0)
+      << output;
+  for (const char* line : {"tensor_model_parallel_size 1, data_parallel_size 2,",
+                           "(cpu backend, float64, seed 1234)", "clip_grad 1; 2 iterations"}) {
+    EXPECT_NE(output.find(line), std::string::npos) << line << "\n" << output;
+  }
+  EXPECT_EQ(Shell(Mpiexec(4) + MPUSIM_BINARY + " run " + Sample("gpt_train_adam_p2_t2_n4.json") +
+                      " --train-iters 0",
+                  &output),
+            2)
+      << output;
+  EXPECT_NE(output.find("error: command line: --train-iters: run.train_iters: must be"),
+            std::string::npos)
+      << output;
   // Distributed-optimizer instances need the distributed optimizer.
   config = json::parse(std::ifstream(Sample("gpt_train_adam_p2_t2_n4.json")));
   config["parallel"] = {{"world_size", 4}, {"num_distributed_optimizer_instances", 2}};
