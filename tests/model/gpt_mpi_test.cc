@@ -77,6 +77,9 @@ run::SimulationResult RunChecked(const json& document) {
   return std::move(result).value();
 }
 
+// Samples per micro-batch over all dp ranks: 8, or the world size past 8 ranks.
+int64_t Samples() { return std::max<int64_t>(8, WorldSize()); }
+
 json Gpt(int64_t heads, int64_t groups) {
   return {{"type", "gpt"},          {"num_layers", 2},       {"hidden_size", 32},
           {"num_attention_heads", heads}, {"num_query_groups", groups},
@@ -98,10 +101,13 @@ json Llama(int64_t heads, int64_t groups) {
 
 json Document(const json& model, int64_t tp, bool sequence_parallel, const char* dtype,
               const char* recompute = nullptr) {
-  // A global batch of 8 samples per micro-batch on every layout, so that every layout
-  // trains on the same data.
+  // A global batch of 8 samples per micro-batch on every layout (16 on 16 ranks), so that
+  // every layout trains on the same data.
   const int64_t dp = WorldSize() / tp;
-  json run = {{"seed", 7}, {"dtype", dtype}, {"seq_length", 8}, {"micro_batch_size", 8 / dp},
+  json run = {{"seed", 7},
+              {"dtype", dtype},
+              {"seq_length", 8},
+              {"micro_batch_size", Samples() / dp},
               {"num_microbatches", 2}};
   if (recompute != nullptr) run["recompute_granularity"] = recompute;
   return {{"parallel",
@@ -144,7 +150,7 @@ json PipelineDocument(int64_t pp, int64_t vp, int64_t tp, const char* dtype) {
   document["parallel"]["pipeline_model_parallel_size"] = pp;
   if (vp > 0) document["parallel"]["virtual_pipeline_model_parallel_size"] = vp;
   const int64_t dp = WorldSize() / (pp * tp);
-  document["run"]["micro_batch_size"] = 8 / dp;
+  document["run"]["micro_batch_size"] = Samples() / dp;
   document["run"]["num_microbatches"] = 4;
   return document;
 }
@@ -158,7 +164,7 @@ std::vector<PipelineLayout> PipelineLayouts() {
   for (int64_t pp : {1, 2, 4}) {
     for (int64_t vp : {0, 2}) {
       if (vp > 0 && (pp == 1 || 4 % (pp * vp) != 0)) continue;
-      for (int64_t tp = 1; pp * tp <= WorldSize(); tp *= 2) {
+      for (int64_t tp = 1; pp * tp <= WorldSize() && tp <= 8; tp *= 2) {  // 8 heads
         if (WorldSize() % (pp * tp) == 0) layouts.push_back({pp, vp, tp});
       }
     }
