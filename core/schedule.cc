@@ -249,4 +249,76 @@ StatusOr<std::vector<std::vector<std::vector<int64_t>>>> AssignLayers(
   return layers;
 }
 
+double ScheduleTiming::BubbleFraction() const {
+  double busy = 0;
+  for (size_t r = 0; r < start.size(); ++r) {
+    for (size_t i = 0; i < start[r].size(); ++i) busy += end[r][i] - start[r][i];
+  }
+  const double total = makespan * static_cast<double>(start.size());
+  return total > 0 ? 1.0 - busy / total : 0.0;
+}
+
+int64_t ScheduleTiming::PeakInFlight(const PipelineSchedule& schedule, int64_t pp_rank) {
+  int64_t live = 0, peak = 0;
+  for (const ScheduleStep& step : schedule.per_rank.at(static_cast<size_t>(pp_rank))) {
+    live += step.pass == Pass::kForward ? 1 : -1;
+    peak = std::max(peak, live);
+  }
+  return peak;
+}
+
+ScheduleTiming TimeSchedule(const PipelineSchedule& schedule, double forward, double backward) {
+  if (!(forward > 0) || !(backward > 0)) {
+    throw std::invalid_argument("TimeSchedule: step costs must be positive");
+  }
+  const int64_t p = schedule.pipeline_model_parallel_size;
+  const int64_t stages = p * schedule.num_model_chunks;
+  ScheduleTiming t;
+  t.start.resize(static_cast<size_t>(p));
+  t.end.resize(static_cast<size_t>(p));
+  // done[pass][virtual stage][microbatch]: when that step ended (< 0: not yet).
+  const auto M = static_cast<size_t>(schedule.num_microbatches);
+  std::vector<std::vector<std::vector<double>>> done(
+      2, std::vector<std::vector<double>>(static_cast<size_t>(stages), std::vector<double>(M, -1)));
+  std::vector<size_t> next(static_cast<size_t>(p), 0);
+  std::vector<double> clock(static_cast<size_t>(p), 0.0);
+  size_t remaining = 0;
+  for (const auto& steps : schedule.per_rank) remaining += steps.size();
+  while (remaining > 0) {
+    bool progressed = false;
+    for (int64_t r = 0; r < p; ++r) {
+      const auto& steps = schedule.per_rank[static_cast<size_t>(r)];
+      auto& i = next[static_cast<size_t>(r)];
+      while (i < steps.size()) {
+        const ScheduleStep& step = steps[i];
+        const bool fwd = step.pass == Pass::kForward;
+        const int64_t u = step.model_chunk * p + r;
+        const auto m = static_cast<size_t>(step.microbatch);
+        double ready = clock[static_cast<size_t>(r)];
+        if (fwd && u > 0) {
+          const double need = done[0][static_cast<size_t>(u - 1)][m];
+          if (need < 0) break;
+          ready = std::max(ready, need);
+        } else if (!fwd && u + 1 < stages) {
+          const double need = done[1][static_cast<size_t>(u + 1)][m];
+          if (need < 0) break;
+          ready = std::max(ready, need);
+        }
+        const double finish = ready + (fwd ? forward : backward);
+        t.start[static_cast<size_t>(r)].push_back(ready);
+        t.end[static_cast<size_t>(r)].push_back(finish);
+        done[fwd ? 0 : 1][static_cast<size_t>(u)][m] = finish;
+        clock[static_cast<size_t>(r)] = finish;
+        t.makespan = std::max(t.makespan, finish);
+        ++i;
+        --remaining;
+        progressed = true;
+      }
+    }
+    if (!progressed)
+      throw std::logic_error("TimeSchedule: the schedule's steps wait on each other");
+  }
+  return t;
+}
+
 }  // namespace mpusim

@@ -97,6 +97,25 @@ StatusOr<PipelineSchedule> BuildPipelineSchedule(
 // 0 <= pp_rank < p (std::out_of_range otherwise).
 std::string FormatRank(const PipelineSchedule& schedule, int64_t pp_rank);
 
+// The schedule on an idealised machine: every forward takes `forward` time units, every
+// backward `backward`, communication is free, and a step starts as soon as its rank's previous
+// step has ended and the step it needs has: the forward of (chunk, m) on virtual stage
+// u = chunk * p + rank needs the forward of (u - 1, m), its backward the backward of
+// (u + 1, m). With equal costs 1F1B takes (M + p - 1)(F + B): the bubble fraction
+// (p - 1) / (M + p - 1) of Megatron's paper. For pictures and the bubble a schedule implies;
+// the executor's timeline (`mpusim run --summary`) is the measured counterpart.
+struct ScheduleTiming {
+  std::vector<std::vector<double>> start;  // [pp_rank][step of per_rank[pp_rank]]
+  std::vector<std::vector<double>> end;
+  double makespan = 0;
+  // Idle time over p * makespan.
+  double BubbleFraction() const;
+  // The most micro-batches between their forward and backward at once on `pp_rank`.
+  static int64_t PeakInFlight(const PipelineSchedule& schedule, int64_t pp_rank);
+};
+// Requires forward, backward > 0 (std::invalid_argument otherwise).
+ScheduleTiming TimeSchedule(const PipelineSchedule& schedule, double forward, double backward);
+
 // Megatron's virtual-pipeline layer assignment, 1-based layer numbers:
 // result[pp_rank][chunk] = that chunk's layers, L / (p*v) consecutive ones. Virtual stage
 // s = chunk*p + pp_rank holds layers s*L/(p*v) + 1 .. (s+1)*L/(p*v), so the activations of

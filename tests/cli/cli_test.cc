@@ -330,6 +330,26 @@ TEST(ScheduleCommand, BadInput) {
   const Result from_run = Mpusim({"schedule", Sample("gpt_pipeline_p4_v2_n4.json")});
   EXPECT_EQ(from_run.code, 0) << from_run.err;
   EXPECT_NE(from_run.out.find("num_microbatches 8,"), std::string::npos) << from_run.out;
+  // The idealised timing: the bubble of Megatron's formula, the stashes per rank.
+  EXPECT_NE(
+      from_run.out.find("most micro-batches in flight per rank (activation stashes): 11 9 7 5\n"
+                        "with forward 1 and backward 2 time units and free communication: "
+                        "57 units, bubble 0.158 of the ranks' time ((p - 1) / (v M + p - 1) "
+                        "= 0.158;"),
+      std::string::npos)
+      << from_run.out;
+  // --format svg: a box per step (4 ranks x 2 M v).
+  const Result svg = Mpusim({"schedule", Sample("gpt_pipeline_p4_v2_n4.json"), "--format", "svg"});
+  ASSERT_EQ(svg.code, 0) << svg.err;
+  EXPECT_EQ(svg.out.rfind("<svg xmlns=\"http://www.w3.org/2000/svg\"", 0), 0u);
+  EXPECT_TRUE(svg.out.ends_with("</svg>\n"));
+  size_t boxes = 0;
+  for (size_t at = svg.out.find("<g><title>"); at != std::string::npos;
+       at = svg.out.find("<g><title>", at + 1)) {
+    ++boxes;
+  }
+  EXPECT_EQ(boxes, 4u * 2 * 8 * 2);
+  EXPECT_NE(svg.out.find("<title>rank 3 backward chunk 1 micro-batch 7: "), std::string::npos);
   const Result zero = Mpusim({"schedule", Sample("lab_t2_p4_n16.json"), "--microbatches", "0"});
   EXPECT_EQ(zero.code, 2);
   EXPECT_EQ(zero.err.rfind("error: command line: --microbatches: ", 0), 0u) << zero.err;

@@ -9,10 +9,12 @@
 
 #include <cstddef>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -521,6 +523,73 @@ TEST(AssignLayersTest, Errors) {
   ExpectLayersError(4, std::nullopt, 2, "num_layers", "must be divisible");
   // Huge v must be refused, not overflow p*v into something that divides L.
   ExpectLayersError(2, int64_t{1} << 62, 8, "num_layers", "must be divisible");
+}
+
+}  // namespace
+}  // namespace mpusim
+
+namespace mpusim {
+namespace {
+
+// The idealised timing: 1F1B with equal forward and backward costs takes (M + p - 1)(F + B),
+// the bubble fraction (p - 1) / (M + p - 1) of Megatron's paper; the interleaved schedule
+// shrinks it towards (p - 1) / (v M + p - 1); every step waits for the step it needs.
+TEST(ScheduleTimingTest, OneFOneBBubbleIsThePapersFormula) {
+  for (int64_t p = 1; p <= 6; ++p) {
+    for (int64_t m = 1; m <= 9; ++m) {
+      StatusOr<PipelineSchedule> s = BuildPipelineSchedule(p, std::nullopt, m, std::nullopt);
+      ASSERT_TRUE(s.ok());
+      const ScheduleTiming t = TimeSchedule(*s, 1.0, 1.0);
+      EXPECT_DOUBLE_EQ(t.makespan, 2.0 * static_cast<double>(m + p - 1)) << p << " " << m;
+      EXPECT_NEAR(t.BubbleFraction(), static_cast<double>(p - 1) / static_cast<double>(m + p - 1),
+                  1e-12)
+          << p << " " << m;
+      for (int64_t r = 0; r < p; ++r) {
+        EXPECT_EQ(ScheduleTiming::PeakInFlight(*s, r), std::min(p - r, m));
+      }
+    }
+  }
+}
+
+TEST(ScheduleTimingTest, InterleavedStepsWaitForTheirInputsAndShrinkTheBubble) {
+  for (int64_t p = 2; p <= 4; ++p) {
+    for (int64_t v = 2; v <= 3; ++v) {
+      for (int64_t m = p; m <= 8; m += p) {
+        StatusOr<PipelineSchedule> s = BuildPipelineSchedule(p, v, m, std::nullopt);
+        ASSERT_TRUE(s.ok());
+        const ScheduleTiming t = TimeSchedule(*s, 1.0, 2.0);
+        const StatusOr<PipelineSchedule> plain =
+            BuildPipelineSchedule(p, std::nullopt, m, std::nullopt);
+        // The same work (v chunks of 1/v of the layers each) in 1F1B takes longer.
+        const ScheduleTiming base =
+            TimeSchedule(*plain, static_cast<double>(v), 2.0 * static_cast<double>(v));
+        EXPECT_LT(t.makespan, base.makespan) << p << " " << v << " " << m;
+        EXPECT_LT(t.BubbleFraction(), base.BubbleFraction());
+        // Data dependencies: every forward of virtual stage u > 0 starts after stage u - 1's.
+        std::map<std::tuple<bool, int64_t, int64_t>, std::pair<double, double>> spans;
+        for (int64_t r = 0; r < p; ++r) {
+          const auto& steps = s->per_rank[static_cast<size_t>(r)];
+          for (size_t i = 0; i < steps.size(); ++i) {
+            spans[{steps[i].pass == Pass::kForward, steps[i].model_chunk * p + r,
+                   steps[i].microbatch}] = {t.start[static_cast<size_t>(r)][i],
+                                            t.end[static_cast<size_t>(r)][i]};
+            if (i > 0) {
+              EXPECT_GE(t.start[static_cast<size_t>(r)][i], t.end[static_cast<size_t>(r)][i - 1]);
+            }
+          }
+        }
+        for (const auto& [key, span] : spans) {
+          const auto& [forward, u, mb] = key;
+          if (forward && u > 0) {
+            EXPECT_GE(span.first, spans.at({true, u - 1, mb}).second);
+          }
+          if (!forward && u + 1 < p * v) {
+            EXPECT_GE(span.first, spans.at({false, u + 1, mb}).second);
+          }
+        }
+      }
+    }
+  }
 }
 
 }  // namespace
