@@ -569,6 +569,28 @@ Tensor LeadingAlong(const Tensor& full, const Shape& shape, size_t k, int64_t ke
   return out;
 }
 
+// The world ranks whose shard of `t` holds the element at multi-index `index` of the full
+// tensor (every rank of a dimension's copies; a partial sum's summands all hold it).
+std::vector<int64_t> HoldersOf(const DumpTensor& t, const Shape& index) {
+  std::vector<int64_t> ranks;
+  for (const DumpShard& shard : t.shards) {
+    bool holds = true;
+    for (size_t d = 0; holds && d < index.size(); ++d) {
+      const int dim = static_cast<int>(d);
+      bool split = false;
+      for (const Placement& p : shard.spec.placements) split = split || p.dim == dim;
+      if (!split) continue;
+      const int64_t local = LocalShape(shard.spec, t.full_shape)[d];
+      holds = false;
+      for (int64_t l = 0; l < local && !holds; ++l) {
+        holds = GlobalIndex(shard.spec, dim, t.full_shape[d], l) == index[d];
+      }
+    }
+    if (holds) ranks.push_back(shard.rank);
+  }
+  return ranks;
+}
+
 TensorDiff DiffTensor(const Dump& a, const Dump& b, const std::string& name,
                       const DiffOptions& options) {
   TensorDiff d;
@@ -613,6 +635,10 @@ TensorDiff DiffTensor(const Dump& a, const Dump& b, const std::string& name,
   d.compared = true;
   CompareValues(*full_a, *full_b, d);
   d.pass = d.problem.empty();
+  if (!d.pass && d.worst_flat >= 0) {
+    d.worst_ranks_a = HoldersOf(*ta, d.worst_index);
+    d.worst_ranks_b = HoldersOf(*tb, d.worst_index);
+  }
   return d;
 }
 
@@ -917,6 +943,21 @@ std::string DiffText(const DiffResult& r) {
     }
   }
   out += fmt::format("{} passed, {} failed\n", r.passed, r.failed);
+  // Where to start looking: A's manifest lists a run's tensors in the order it produced them.
+  for (const TensorDiff& d : r.tensors) {
+    if (d.pass) continue;
+    out += fmt::format("first to differ, in the order A's run produced its tensors: {}", d.name);
+    if (d.compared && d.worst_flat >= 0) {
+      out += fmt::format(", worst element {} on rank{} {} of A (rank{} {} of B)",
+                         ShapeString(d.worst_index), d.worst_ranks_a.size() == 1 ? "" : "s",
+                         fmt::join(d.worst_ranks_a, ", "), d.worst_ranks_b.size() == 1 ? "" : "s",
+                         fmt::join(d.worst_ranks_b, ", "));
+    } else {
+      out += fmt::format(": {}", d.problem);
+    }
+    out += '\n';
+    break;
+  }
   return out;
 }
 
@@ -950,10 +991,9 @@ std::string DiffJson(const DiffResult& r) {
     t["max_rel"] = d.compared ? Number(d.max_rel) : null;
     t["normalized"] = d.compared ? Number(d.normalized) : null;
     if (d.compared && d.worst_flat >= 0) {
-      t["worst"] = {{"index", d.worst_index},
-                    {"flat_index", d.worst_flat},
-                    {"a", Number(d.worst_a)},
-                    {"b", Number(d.worst_b)}};
+      t["worst"] = {{"index", d.worst_index},     {"flat_index", d.worst_flat},
+                    {"a", Number(d.worst_a)},     {"b", Number(d.worst_b)},
+                    {"ranks_a", d.worst_ranks_a}, {"ranks_b", d.worst_ranks_b}};
     } else {
       t["worst"] = null;
     }

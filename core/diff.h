@@ -143,6 +143,8 @@ struct TensorDiff {
   int64_t worst_flat = -1;  // -1: no element (not compared, or empty)
   Shape worst_index;        // multi-index of worst_flat in `shape`
   double worst_a = 0, worst_b = 0;
+  // The world ranks whose files hold the worst element, in A and in B (a failing tensor).
+  std::vector<int64_t> worst_ranks_a, worst_ranks_b;
   bool pass = false;
   std::string problem;  // "" exactly when pass
   // Set when the two layouts pad the vocabulary differently: only the real vocabulary

@@ -379,6 +379,13 @@ TEST_F(DiffTest, PerturbedElementFailsWithItsCoordinates) {
   EXPECT_EQ(d.max_abs, 0.5);
   EXPECT_NE(d.problem.find("1 of 128 elements"), std::string::npos) << d.problem;
   EXPECT_NE(d.problem.find("[3, 2, 5]"), std::string::npos) << d.problem;
+  // Sample 2 is on dp rank 1, channel 5 on tp rank 1: world rank 1 * 2 + 1 of A.
+  EXPECT_EQ(d.worst_ranks_a, (std::vector<int64_t>{3}));
+  EXPECT_EQ(d.worst_ranks_b, (std::vector<int64_t>{0}));
+  EXPECT_NE(DiffText(r).find("first to differ, in the order A's run produced its tensors: "
+                             "fc1.output, worst element [3, 2, 5] on rank 3 of A (rank 0 of B)\n"),
+            std::string::npos)
+      << DiffText(r);
   EXPECT_EQ(r.failed, 1);
   EXPECT_EQ(r.passed, static_cast<int64_t>(ModelNames().size()) - 1);
 
