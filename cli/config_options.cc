@@ -64,7 +64,11 @@ void ConfigOptions::Register(CLI::App* app) {
   app->add_option("CONFIG", path_, "config file (JSON with a \"parallel\" section)");
   for (const ParallelFlag& f : kParallelFlags) {
     std::string& slot = values_[f.key];
-    app->add_option(f.flag, slot, f.help)->group("Layout flags (set or override parallel keys)");
+    app->add_option(f.flag, slot, f.help)
+        ->group("Layout flags (set or override parallel keys)")
+        ->type_name(f.type == FlagType::kInt       ? "INT"
+                    : f.type == FlagType::kIntList ? "INT,INT,..."
+                                                   : "TEXT");
   }
 }
 

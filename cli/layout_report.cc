@@ -104,14 +104,12 @@ std::vector<size_t> DefaultTextKindOrder(const Topology& topology) {
 // The kinds whose groups leaving a node are worth a warning: tp, expt_tp and ep, less
 // expt_tp when its groups are tp's (the dense expert layout, ep = 1 and etp = tp: one
 // warning for the same groups is enough).
+// A direct kind's groups are fixed by its size and its generator's stride (the group of rank
+// r is r's run of `size` ranks `stride` apart), so the comparison is O(1) at any world size.
 std::vector<const char*> NodeWarningKinds(const Topology& topology) {
-  const size_t tp = *topology.FindKind("tp");
-  const size_t expt_tp = *topology.FindKind("expt_tp");
-  bool same = topology.NumGroups(tp) == topology.NumGroups(expt_tp) &&
-              topology.GroupSize(tp) == topology.GroupSize(expt_tp);
-  for (int64_t g = 0; same && g < topology.NumGroups(tp); ++g) {
-    same = topology.Group(tp, g) == topology.Group(expt_tp, g);
-  }
+  const DerivedSizes& s = topology.sizes();
+  const bool same =
+      s.etp == s.tp && topology.dense().Stride(Axis::kTp) == topology.expert().Stride(Axis::kTp);
   if (same) return {"tp", "ep"};
   return {"tp", "expt_tp", "ep"};
 }

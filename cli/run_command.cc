@@ -51,15 +51,19 @@ class RunCommand : public Command {
     app_->add_option("CONFIG", options_.config_path, "config file with parallel, model, run")
         ->required();
     app_->add_option("--dump", options_.dump_dir,
-                     "write every rank's tensors to DIR/rankNNNNN.safetensors + manifest.json");
+                     "write every rank's tensors to DIR/rankNNNNN.safetensors + manifest.json")
+        ->type_name("DIR");
     app_->add_flag("!--no-check", options_.check, "skip the float64 reference check");
     app_->add_option("--summary", options_.summary_path,
                      "write the results to FILE as JSON (loss, iterations, the check's counts "
-                     "and largest parameter error, time, peak stashes): what mpusim sweep reads");
+                     "and largest parameter error, time, peak stashes, the last step's timeline): "
+                     "what mpusim sweep reads")
+        ->type_name("FILE");
     app_->add_option("--trace", options_.trace_path,
                      "write the last step to FILE as Chrome trace events (open in "
                      "ui.perfetto.dev or chrome://tracing): a track per rank, a slice per "
-                     "forward/backward step and per collective or send/receive");
+                     "forward/backward step and per collective or send/receive")
+        ->type_name("FILE");
     // Overrides of the file's keys, for trying a layout or a precision without editing it.
     for (const auto& [flag, key, help] : kOverrides) {
       app_->add_option_function<std::string>(
@@ -69,9 +73,18 @@ class RunCommand : public Command {
                 options_.overrides.push_back({flag, key, text ? "\"" + value + "\"" : value});
               },
               help)
+          ->type_name(std::string(key) == "run.dtype" ? "TEXT" : "INT")
           ->check(std::string(key) == "run.dtype"
                       ? CLI::Validator(CLI::IsMember({"float64", "float32", "bfloat16", "float16"}))
-                      : CLI::Validator(CLI::NonNegativeNumber & CLI::TypeValidator<int64_t>()));
+                      : CLI::Validator(
+                            [](const std::string& text) {
+                              const bool digits =
+                                  !text.empty() && text.size() < 19 &&
+                                  text.find_first_not_of("0123456789") == std::string::npos;
+                              return digits ? std::string()
+                                            : "'" + text + "' is not a whole number >= 0";
+                            },
+                            ""));
     }
     app_->add_option("--backend", options_.backend,
                      "cpu (Eigen/OpenBLAS + MPI) or cuda (CUDA/cuBLAS + NCCL, loaded from the "
