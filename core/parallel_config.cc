@@ -101,6 +101,84 @@ std::string SuggestKey(std::string_view unknown, const std::vector<std::string_v
   return best;
 }
 
+namespace {
+
+// ModelParallelConfig fields (seed 003) that do not change the process groups or the math
+// mpusim models, with why; `refused_unless` the value mpusim can honour ("" = any value).
+struct IgnoredField {
+  std::string_view name;
+  std::string_view refused_unless;  // JSON text of the only accepted value, or "" for any
+  std::string_view why;
+};
+
+constexpr std::string_view kOverlap =
+    "overlaps communication with computation, which changes timing, not results";
+constexpr std::string_view kCallable =
+    "a Python callable set by the training loop; mpusim's run driver does its work";
+constexpr IgnoredField kIgnoredFields[] = {
+    {"pipeline_model_parallel_comm_backend", "",
+     "mpusim's point-to-point runs on MPI, or NCCL with --backend cuda"},
+    {"tp_comm_bootstrap_backend", "", "mpusim bootstraps NCCL over MPI"},
+    {"perform_initialization", "",
+     "mpusim initialises every parameter from its master values (core/init.h)"},
+    {"use_cpu_initialization", "",
+     "mpusim initialises every parameter from its master values (core/init.h)"},
+    {"timers", "null", kCallable},
+    {"finalize_model_grads_func", "null", kCallable},
+    {"grad_scale_func", "null", kCallable},
+    {"no_sync_func", "null", kCallable},
+    {"grad_sync_func", "null", kCallable},
+    {"param_sync_func", "null", kCallable},
+    {"deterministic_mode", "", "mpusim's kernels are deterministic"},
+    {"enable_autocast", "false", "mixed precision is run.dtype (or bf16/fp16 here)"},
+    {"autocast_dtype", "", "mixed precision is run.dtype (or bf16/fp16 here)"},
+    {"moe_extended_tp", "false", "the extended expert tensor parallelism is not modelled"},
+    {"num_microbatches_with_partial_activation_checkpoints", "null",
+     "recomputation is run.recompute_granularity, for every micro-batch"},
+    {"async_tensor_model_parallel_allreduce", "", kOverlap},
+    {"use_te_rng_tracker", "false", "dropout masks come from model.dropout_mode"},
+    {"tp_comm_overlap", "", kOverlap},
+    {"tp_comm_bulk_wgrad", "", kOverlap},
+    {"tp_comm_bulk_dgrad", "", kOverlap},
+    {"tp_comm_overlap_ag", "", kOverlap},
+    {"tp_comm_overlap_rs", "", kOverlap},
+    {"tp_comm_overlap_rs_dgrad", "", kOverlap},
+    {"tp_comm_split_ag", "", kOverlap},
+    {"tp_comm_atomic_ag", "", kOverlap},
+    {"tp_comm_split_rs", "", kOverlap},
+    {"tp_comm_atomic_rs", "", kOverlap},
+    {"tp_comm_overlap_disable_qkv", "", kOverlap},
+    {"tp_comm_overlap_disable_fc1", "", kOverlap},
+    {"cross_entropy_loss_fusion", "", "a fused kernel of the same loss; mpusim's is unfused"},
+    {"cross_entropy_fusion_impl", "", "a fused kernel of the same loss; mpusim's is unfused"},
+    {"overlap_moe_expert_parallel_comm", "", kOverlap},
+    {"delay_wgrad_compute", "", kOverlap},
+    {"pipeline_dtype", "", "point-to-point tensors travel in run.dtype, the parameters' dtype"},
+    {"variable_seq_lengths", "false", "every micro-batch has run.seq_length tokens"},
+    {"overlap_p2p_comm", "", kOverlap},
+    {"batch_p2p_comm", "", "mpusim posts each step's messages together (docs/simulator.md)"},
+    {"batch_p2p_sync", "", kOverlap},
+    {"use_ring_exchange_p2p", "", "mpusim posts each step's messages together (docs/simulator.md)"},
+    {"deallocate_pipeline_outputs", "", "frees pipeline outputs early: memory, not values"},
+    {"defer_embedding_wgrad_compute", "", kOverlap},
+    {"wgrad_deferral_limit", "", kOverlap},
+    {"overlap_p2p_comm_warmup_flush", "", kOverlap},
+    {"cpu_offloading", "", "offloading moves tensors, not values"},
+    {"cpu_offloading_num_layers", "", "offloading moves tensors, not values"},
+    {"cpu_offloading_activations", "", "offloading moves tensors, not values"},
+    {"cpu_offloading_weights", "", "offloading moves tensors, not values"},
+    {"cpu_offloading_double_buffering", "", "offloading moves tensors, not values"},
+};
+
+const IgnoredField* FindIgnored(std::string_view key) {
+  for (const IgnoredField& f : kIgnoredFields) {
+    if (f.name == key) return &f;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
 Status ParseParallelSection(const json& section, std::string_view path, ParallelConfig* out) {
   const std::string prefix(path);
   if (!section.is_object()) {
@@ -113,6 +191,15 @@ Status ParseParallelSection(const json& section, std::string_view path, Parallel
     if (key == "data_parallel_size" || key == "expert_data_parallel_size") {
       return Status::Error(where, "is derived, not set: it is world_size divided by the other "
                                   "sizes of its rank generator");
+    }
+    if (const IgnoredField* ignored = FindIgnored(key)) {
+      if (!ignored->refused_unless.empty() &&
+          value != json::parse(ignored->refused_unless, nullptr, false)) {
+        return Status::Error(where, fmt::format("{}: {}; only {} is accepted", DescribeJson(value),
+                                                ignored->why, ignored->refused_unless));
+      }
+      config.ignored.push_back(fmt::format("{}: ignored: {}", where, ignored->why));
+      continue;
     }
     if (std::find(keys.begin(), keys.end(), key) == keys.end()) {
       const std::string suggestion = SuggestKey(key, keys);

@@ -30,6 +30,9 @@ namespace mpusim {
 
 struct ParallelConfig {
   int64_t world_size = 0;  // required
+  // One line per ModelParallelConfig field the section sets that mpusim accepts and ignores
+  // ("parallel.tp_comm_overlap: ignored: ..."): the commands print them on stderr.
+  std::vector<std::string> ignored;
   int64_t gpus_per_node = 8;
   int64_t tensor_model_parallel_size = 1;
   int64_t pipeline_model_parallel_size = 1;

@@ -430,6 +430,9 @@ int RankRun::Run() {
     }
     return Usage(source, parsed.Message());
   }
+  if (world_rank_ == 0) {
+    for (const std::string& line : config_.parallel.ignored) err_ << "note: " << line << '\n';
+  }
   const bool has_model = config_.model || config_.gpt;
   if (!has_model || !config_.run) {
     return Usage(source, fmt::format("{}: is required by mpusim run (see docs/simulator.md)",

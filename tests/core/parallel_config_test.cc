@@ -58,6 +58,35 @@ TEST(ParallelConfig, RoundTripsThroughJson) {
   EXPECT_EQ(written["hierarchical_context_parallel_sizes"], json({2}));
 }
 
+// ModelParallelConfig's other fields (seed 003): accepted with a note saying why they change
+// nothing mpusim computes, or refused when their value would change what it models.
+TEST(ParallelConfig, ModelParallelConfigFieldsAreAcceptedOrRefusedWithAReason) {
+  Config config;
+  ASSERT_TRUE(ParseConfig(json{{"parallel",
+                                {{"world_size", 8},
+                                 {"tp_comm_overlap", true},
+                                 {"deallocate_pipeline_outputs", true},
+                                 {"timers", nullptr},
+                                 {"variable_seq_lengths", false}}}},
+                          &config)
+                  .ok());
+  ASSERT_EQ(config.parallel.ignored.size(), 4u);
+  EXPECT_EQ(config.parallel.ignored[0],
+            "parallel.deallocate_pipeline_outputs: ignored: frees pipeline outputs early: memory, "
+            "not values");
+  EXPECT_EQ(config.parallel.ignored[2],
+            "parallel.tp_comm_overlap: ignored: overlaps communication with computation, which "
+            "changes timing, not results");
+  EXPECT_EQ(Refusal({{"world_size", 8}, {"moe_extended_tp", true}}),
+            "parallel.moe_extended_tp: boolean true: the extended expert tensor parallelism is not "
+            "modelled; only false is accepted");
+  EXPECT_EQ(Refusal({{"world_size", 8}, {"variable_seq_lengths", true}}),
+            "parallel.variable_seq_lengths: boolean true: every micro-batch has run.seq_length "
+            "tokens; only false is accepted");
+  EXPECT_EQ(Refusal({{"world_size", 8}, {"timers", "wall"}}).rfind("parallel.timers: string", 0),
+            0u);
+}
+
 TEST(ParallelConfig, SchemaErrorsNameTheField) {
   EXPECT_EQ(Refusal({{"tensor_model_parallel_size", 2}}),
             "parallel.world_size: is required (the number of ranks, e.g. \"world_size\": 16)");
