@@ -81,6 +81,10 @@ std::string SuggestKey(std::string_view unknown, const std::vector<std::string_v
       {"world", "world_size"},
       {"nodes", "gpus_per_node"},
       {"layers", "num_layers"},
+      // torch.nn.Linear's names for the sizes (seed 002's lab model), as Megatron's layers
+      // name them.
+      {"in_features", "input_size"},
+      {"out_features", "output_size"},
   };
   if (auto it = kAliases.find(unknown); it != kAliases.end()) {
     if (std::find(candidates.begin(), candidates.end(), it->second) != candidates.end()) {

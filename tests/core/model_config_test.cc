@@ -266,6 +266,11 @@ TEST(ModelConfig, TypeErrors) {
             "model.layers[0].type: unknown layer type \"ColumnParalelLinear\"; did you mean "
             "'ColumnParallelLinear'? (types: " +
                 types + ")");
+  // torch.nn.Linear's names (the lab's seed model) point to Megatron's.
+  EXPECT_EQ(LayerRefusal({{"name", "x"}, {"type", "ColumnParallelLinear"}, {"in_features", 8}}),
+            "model.layers[0].in_features: unknown key; did you mean 'input_size'?");
+  EXPECT_EQ(LayerRefusal({{"name", "x"}, {"type", "RowParallelLinear"}, {"out_features", 8}}),
+            "model.layers[0].out_features: unknown key; did you mean 'output_size'?");
   EXPECT_EQ(LayerRefusal({{"name", "x"}, {"type", "gelu"}}),
             "model.layers[0].type: unknown layer type \"gelu\"; did you mean 'GeLU'? (types: " +
                 types + ")");
