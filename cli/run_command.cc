@@ -65,16 +65,16 @@ class RunCommand : public Command {
                      "forward/backward step and per collective or send/receive")
         ->type_name("FILE");
     // Overrides of the file's keys, for trying a layout or a precision without editing it.
-    for (const auto& [flag, key, help] : kOverrides) {
+    for (const OverrideFlag& o : kOverrides) {
+      const bool text = std::string(o.key) == "run.dtype";
       app_->add_option_function<std::string>(
-              flag,
-              [this, flag, key](const std::string& value) {
-                const bool text = key == std::string("run.dtype");
-                options_.overrides.push_back({flag, key, text ? "\"" + value + "\"" : value});
+              o.flag,
+              [this, o, text](const std::string& value) {
+                options_.overrides.push_back({o.flag, o.key, text ? "\"" + value + "\"" : value});
               },
-              help)
-          ->type_name(std::string(key) == "run.dtype" ? "TEXT" : "INT")
-          ->check(std::string(key) == "run.dtype"
+              o.help)
+          ->type_name(text ? "TEXT" : "INT")
+          ->check(text
                       ? CLI::Validator(CLI::IsMember({"float64", "float32", "bfloat16", "float16"}))
                       : CLI::Validator(
                             [](const std::string& text) {

@@ -227,14 +227,14 @@ void Optimizer::RecordState(Kernels& k, CommTrace& trace, std::vector<TensorReco
   trace.SetPhase(Phase::kOther);
   trace.SetSite("distributed optimizer (gather state for records)");
   const bool adam = config_.kind == OptimizerConfig::Kind::kAdam;
-  const std::vector<std::pair<const char*, std::vector<double> State::*>> kinds =
-      adam ? std::vector<std::pair<const char*, std::vector<double> State::*>>{{".exp_avg",
-                                                                                &State::m},
-                                                                               {".exp_avg_sq",
-                                                                                &State::v}}
-           : std::vector<std::pair<const char*, std::vector<double> State::*>>{
-                 {".momentum_buffer", &State::m}};
-  for (const auto& [suffix, member] : kinds) {
+  using Member = std::vector<double> State::*;
+  const std::vector<std::pair<const char*, Member>> kinds =
+      adam ? std::vector<std::pair<const char*, Member>>{{".exp_avg", &State::m},
+                                                         {".exp_avg_sq", &State::v}}
+           : std::vector<std::pair<const char*, Member>>{{".momentum_buffer", &State::m}};
+  for (const auto& kind : kinds) {
+    const char* suffix = kind.first;
+    const Member member = kind.second;
     Tensor flat;
     if (distributed()) {
       flat = GatherFlat(k, master_dtype_, [member](const State& s, int64_t j) {
