@@ -66,15 +66,16 @@ class RunCommand : public Command {
         ->type_name("FILE");
     // Overrides of the file's keys, for trying a layout or a precision without editing it.
     for (const OverrideFlag& o : kOverrides) {
-      const bool text = std::string(o.key) == "run.dtype";
+      const bool is_dtype = std::string(o.key) == "run.dtype";
       app_->add_option_function<std::string>(
               o.flag,
-              [this, o, text](const std::string& value) {
-                options_.overrides.push_back({o.flag, o.key, text ? "\"" + value + "\"" : value});
+              [this, o, is_dtype](const std::string& value) {
+                options_.overrides.push_back(
+                    {o.flag, o.key, is_dtype ? "\"" + value + "\"" : value});
               },
               o.help)
-          ->type_name(text ? "TEXT" : "INT")
-          ->check(text
+          ->type_name(is_dtype ? "TEXT" : "INT")
+          ->check(is_dtype
                       ? CLI::Validator(CLI::IsMember({"float64", "float32", "bfloat16", "float16"}))
                       : CLI::Validator(
                             [](const std::string& text) {
