@@ -131,6 +131,9 @@ struct ErrorStats {
   double worst_actual = 0;
   double worst_expected = 0;
   double worst_excess = -std::numeric_limits<double>::infinity();
+  // The largest share of its own allowance an element's error uses (pass: <= 1; infinite for
+  // a non-finite value or an error where nothing is allowed).
+  double max_used = 0;
 
   // Runs once per compared element, so it stays branch-light (no libm fmax, no division unless
   // the relative maximum grows).
@@ -146,9 +149,13 @@ struct ErrorStats {
       if (!finite) ++non_finite;
     }
     if (finite) {
+      if (diff > max_used * allowed) {
+        max_used = allowed > 0 ? diff / allowed : std::numeric_limits<double>::infinity();
+      }
       if (diff > max_abs) max_abs = diff;
       if (magnitude > tol.atol && diff > max_rel * magnitude) max_rel = diff / magnitude;
     }
+    if (!finite) max_used = std::numeric_limits<double>::infinity();
     const double excess = finite ? diff - allowed : std::numeric_limits<double>::infinity();
     if (excess > worst_excess) {
       worst_excess = excess;

@@ -20,9 +20,17 @@
 // (DotProductAttention forks the tracker); the embedding dropout and the bias-dropout-adds
 // model-parallel-rng under sequence parallelism (LanguageModelEmbedding forks, and the whole
 // TransformerBlock runs inside the fork), else the default stream. Every site with p > 0 is one
-// draw on its stream, numbered in forward order: with D draws per micro-batch on a stream, the
-// k-th of micro-batch m is draw n = m * D + k (recomputation restores the tracker, so it
-// redraws the same n). Local element e is kept iff UniformAt(key, n, e) >= p.
+// draw on its stream; the tracker is a state that each forward step advances, so draws are
+// numbered in the order the rank runs them. A forward step of (chunk c, micro-batch m) on
+// pipeline rank r makes D_c draws on a stream (its chunk's sites with p > 0 on it, in forward
+// order: the embedding on the model's first chunk, then per layer attention, self_attn_bda,
+// mlp_bda). Rank r runs its forwards in the schedule's forward-table order (core/schedule.h:
+// micro-batches in order without virtual stages), and every iteration continues where the last
+// one ended, so the k-th draw of (c, m) in iteration it is
+//     n = it * M * sum_c' D_c' + (sum of D over r's forwards before (c, m)) + k,
+// with pp = 1 simply n = (it * M + m) * D + k. Recomputation restores the tracker, so it
+// redraws the same n. Local element e is kept iff UniformAt(key, n, e) >= p. The key holds
+// the pipeline rank (DefaultSeed(seed, pp, dp)), so each stage draws its own masks.
 //
 // The GPT model's sites and full shapes (s = seq_length, B = global batch, a = heads):
 //   embedding.embedding_dropout                                   [s, B, h]

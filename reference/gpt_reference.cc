@@ -22,10 +22,12 @@
 
 #include <Eigen/Dense>
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <map>
 #include <numbers>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -34,6 +36,7 @@
 #include "core/init.h"
 #include "core/philox.h"
 #include "core/rng.h"
+#include "core/schedule.h"
 
 namespace mpusim {
 namespace {
@@ -58,8 +61,18 @@ struct Dims {
   bool tracker = false;
   int64_t t = 1, b = 1;
   bool sp = false;
-  std::map<std::string, std::pair<bool, int64_t>> draw;  // site -> (model-parallel-rng?, k)
-  int64_t draws_default = 0, draws_model_parallel = 0;    // per micro-batch
+  struct SiteDraw {
+    bool model_parallel = false;  // "model-parallel-rng", else "default"
+    int64_t pp = 0;               // the pipeline rank that draws it (its key)
+    int64_t chunk = 0;            // the model chunk of that rank holding it
+    int64_t k = 0;                // its draw among that chunk's draws on its stream
+  };
+  std::map<std::string, SiteDraw> draw;
+  // first[pp][{chunk, m}][stream]: the draws that pipeline rank made on the stream (0:
+  // default, 1: model-parallel-rng) in one iteration before its forward of (chunk, m);
+  // per_iteration[pp][stream]: all of one iteration's.
+  std::vector<std::map<std::pair<int64_t, int64_t>, std::array<int64_t, 2>>> first;
+  std::vector<std::array<int64_t, 2>> per_iteration;
 };
 
 // ---- tensors ------------------------------------------------------------------------------
@@ -278,14 +291,17 @@ struct MaskDraw {
   uint64_t key, stream, index;
 };
 
-// rng_tracker mode: the key and draw number of `site` on the rank at (tp, dp).
+// rng_tracker mode: the key and draw number of `site` on the rank at (tp, dp) of the
+// pipeline rank holding it.
 MaskDraw TrackerDraw(const Dims& d, const std::string& site, int64_t m, int64_t tp, int64_t dp,
                      int64_t local_index) {
-  const auto& [model_parallel, k] = d.draw.at(site);
-  const uint64_t default_key = DefaultSeed(d.seed, 0, dp);
-  const int64_t per_microbatch = model_parallel ? d.draws_model_parallel : d.draws_default;
-  return {model_parallel ? ModelParallelSeed(default_key, tp) : default_key,
-          static_cast<uint64_t>(m * per_microbatch + k), static_cast<uint64_t>(local_index)};
+  const Dims::SiteDraw& at = d.draw.at(site);
+  const uint64_t default_key = DefaultSeed(d.seed, at.pp, dp);
+  const size_t stream = at.model_parallel ? 1 : 0;
+  const int64_t n = d.iteration * d.per_iteration[static_cast<size_t>(at.pp)][stream] +
+                    d.first[static_cast<size_t>(at.pp)].at({at.chunk, m})[stream] + at.k;
+  return {at.model_parallel ? ModelParallelSeed(default_key, tp) : default_key,
+          static_cast<uint64_t>(n), static_cast<uint64_t>(local_index)};
 }
 
 // Element (i, gs, c) of an [s, B, w] site. Global mode: full flat index (i*B + gs)*w + c.
@@ -825,19 +841,51 @@ StatusOr<GptReferenceResult> RunGptReference(const GptConfig& gpt_in,
     d.t = t;
     d.b = run.micro_batch_size;
     d.sp = parallel.sequence_parallel && t > 1;
-    const auto site = [&d](const std::string& name, bool on_model_parallel, double p) {
-      if (p > 0) {
-        d.draw[name] = {on_model_parallel,
-                        (on_model_parallel ? d.draws_model_parallel : d.draws_default)++};
+    // Each pipeline rank draws from its own tracker, advanced by its forward steps in the
+    // order it runs them: the schedule's forward table (micro-batches in order without
+    // virtual stages), every iteration continuing where the last one ended.
+    const int64_t p = parallel.pipeline_model_parallel_size;
+    const std::optional<int64_t> v = parallel.virtual_pipeline_model_parallel_size;
+    StatusOr<std::vector<std::vector<std::vector<int64_t>>>> layers =
+        AssignLayers(p, v, gpt.num_layers);
+    if (!layers.ok()) return layers.status();
+    std::vector<std::pair<int64_t, int64_t>> forward_order;  // (microbatch, chunk)
+    if (p > 1) {
+      StatusOr<PipelineSchedule> schedule =
+          BuildPipelineSchedule(p, v, d.M, parallel.microbatch_group_size_per_vp_stage);
+      if (!schedule.ok()) return schedule.status();
+      forward_order = schedule->forward_table;
+    } else {
+      for (int64_t m = 0; m < d.M; ++m) forward_order.emplace_back(m, 0);
+    }
+    d.first.resize(static_cast<size_t>(p));
+    d.per_iteration.assign(static_cast<size_t>(p), {0, 0});
+    for (int64_t r = 0; r < p; ++r) {
+      const auto& chunks = (*layers)[static_cast<size_t>(r)];
+      std::vector<std::array<int64_t, 2>> per_chunk(chunks.size(), {0, 0});
+      for (size_t c = 0; c < chunks.size(); ++c) {
+        const auto site = [&](const std::string& name, bool on_model_parallel, double prob) {
+          if (prob > 0) {
+            d.draw[name] = {on_model_parallel, r, static_cast<int64_t>(c),
+                            per_chunk[c][on_model_parallel ? 1 : 0]++};
+          }
+        };
+        if (r == 0 && c == 0) site("embedding.embedding_dropout", d.sp, gpt.hidden_dropout);
+        for (int64_t layer : chunks[c]) {  // 1-based
+          const std::string name = fmt::format("decoder.layers.{}", layer - 1);
+          site(name + ".self_attention.core_attention.attention_dropout", true,
+               gpt.attention_dropout);
+          site(name + ".self_attn_bda", d.sp, gpt.hidden_dropout);
+          site(name + ".mlp_bda", d.sp, gpt.hidden_dropout);
+        }
       }
-    };
-    site("embedding.embedding_dropout", d.sp, gpt.hidden_dropout);
-    for (int64_t i = 0; i < gpt.num_layers; ++i) {
-      const std::string layer = fmt::format("decoder.layers.{}", i);
-      site(layer + ".self_attention.core_attention.attention_dropout", true,
-           gpt.attention_dropout);
-      site(layer + ".self_attn_bda", d.sp, gpt.hidden_dropout);
-      site(layer + ".mlp_bda", d.sp, gpt.hidden_dropout);
+      std::array<int64_t, 2>& total = d.per_iteration[static_cast<size_t>(r)];
+      for (const auto& [m, c] : forward_order) {
+        d.first[static_cast<size_t>(r)][{c, m}] = total;
+        for (size_t stream = 0; stream < 2; ++stream) {
+          total[stream] += per_chunk[static_cast<size_t>(c)][stream];
+        }
+      }
     }
   }
   const int64_t sample_end = options.sample_end < 0 ? d.B : options.sample_end;

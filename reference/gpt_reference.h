@@ -14,8 +14,9 @@
 // the synthetic tokens (TokenAt) and the dropout masks (core/dropout.h, core/philox.h). It
 // knows the layout only where the full-model values depend on it: the data-parallel size d
 // (B = b*d), the padded vocabulary Vp (a function of the tensor-parallel size), and, with
-// dropout_mode "rng_tracker" only, which rank draws each mask element (Megatron's per-rank
-// streams, core/dropout.h).
+// dropout_mode "rng_tracker" only, which rank draws each mask element and in which order
+// (Megatron's per-rank streams, core/dropout.h: the planner's layer assignment and forward
+// table, core/schedule.h).
 //
 // Inputs. Micro-batch m's text stream is "text.mb<m>"; sample gs reads s + 1 consecutive
 // tokens of it, tokens[i, gs] = TokenAt(seed, "text.mb<m>", gs*(s+1) + i, V) and labels[i, gs]
@@ -73,7 +74,7 @@ struct GptReferenceOptions {
   int64_t sample_begin = 0;
   int64_t sample_end = -1;
   // Training iteration k: its micro-batch m reads the data stream "text.mb<k*M + m>" and
-  // draws dropout from DropoutStream(site, k, m).
+  // draws dropout from DropoutStream(site, k, m) (rng_tracker: after k iterations' draws).
   int64_t iteration = 0;
   // Full host float64 tensors that replace parameters' master values, used as they are (not
   // copied; the reference never writes a parameter). An unknown name or a wrong shape is an

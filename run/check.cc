@@ -421,7 +421,7 @@ std::vector<TensorCheck> ReduceOverRanks(const std::vector<ReferenceTensor>& ref
                                          const std::vector<ErrorStats>& stats,
                                          std::vector<int>& flags, DType storage, int world_rank) {
   const size_t n = refs.size();
-  std::vector<double> maxima(2 * n);
+  std::vector<double> maxima(3 * n);
   std::vector<long long> counts(3 * n);
   struct Excess {  // MPI_DOUBLE_INT
     double value;
@@ -429,8 +429,9 @@ std::vector<TensorCheck> ReduceOverRanks(const std::vector<ReferenceTensor>& ref
   };
   std::vector<Excess> excess(n);
   for (size_t i = 0; i < n; ++i) {
-    maxima[2 * i] = stats[i].max_abs;
-    maxima[2 * i + 1] = stats[i].max_rel;
+    maxima[3 * i] = stats[i].max_abs;
+    maxima[3 * i + 1] = stats[i].max_rel;
+    maxima[3 * i + 2] = stats[i].max_used;
     counts[3 * i] = stats[i].count;
     counts[3 * i + 1] = stats[i].mismatches;
     counts[3 * i + 2] = stats[i].non_finite;
@@ -459,8 +460,9 @@ std::vector<TensorCheck> ReduceOverRanks(const std::vector<ReferenceTensor>& ref
     TensorCheck c;
     c.name = refs[i].name;
     c.full_shape = refs[i].full_shape;
-    c.max_abs = maxima[2 * i];
-    c.max_rel = maxima[2 * i + 1];
+    c.max_abs = maxima[3 * i];
+    c.max_rel = maxima[3 * i + 1];
+    c.used = maxima[3 * i + 2];
     c.scale = scales[i];
     c.normalized = c.scale > 0 ? c.max_abs / c.scale : 0.0;
     c.allowed = ToleranceFor(refs[i].budget, storage).rtol;

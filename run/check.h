@@ -38,6 +38,11 @@ struct TensorCheck {
   double scale = 0;       // max |expected| over the full tensor
   double normalized = 0;  // max_abs / scale (0 when the tensor is all zeros)
   double allowed = 0;     // the tensor's tolerance: pass when |a - e| <= allowed * (scale + |e|)
+  // The largest share of its own allowance any element's error uses: <= 1 passes. Equal to
+  // the largest |a - e| / (allowed * (scale + |e|)), except for trained parameters and
+  // optimizer states, whose elements are also allowed the error their gradients' tolerance
+  // carries through the optimizer steps.
+  double used = 0;
   int64_t count = 0;      // elements compared (every copy of a replicated element counts)
   int64_t mismatches = 0;
   int64_t non_finite = 0;

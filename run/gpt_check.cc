@@ -278,7 +278,7 @@ StatusOr<CheckResult> CheckGptAgainstReference(const Config& config, const GptCo
   }
   // Reduce: sums, maxima, and the worst element from the rank that holds it.
   std::vector<int64_t> sums(3 * T);
-  std::vector<double> maxima(2 * T);
+  std::vector<double> maxima(3 * T);
   struct DoubleInt {  // MPI_DOUBLE_INT's layout
     double excess;
     int rank;
@@ -290,8 +290,9 @@ StatusOr<CheckResult> CheckGptAgainstReference(const Config& config, const GptCo
     sums[3 * i] = stats[i].count;
     sums[3 * i + 1] = stats[i].mismatches;
     sums[3 * i + 2] = stats[i].non_finite;
-    maxima[2 * i] = stats[i].max_abs;
-    maxima[2 * i + 1] = stats[i].max_rel;
+    maxima[3 * i] = stats[i].max_abs;
+    maxima[3 * i + 1] = stats[i].max_rel;
+    maxima[3 * i + 2] = stats[i].max_used;
     worst[i] = {stats[i].count > 0 ? std::min(stats[i].worst_excess, 1e300) : -1e300, world_rank};
   }
   watched::Allreduce(MPI_IN_PLACE, sums.data(), static_cast<int>(sums.size()), MPI_INT64_T,
@@ -319,8 +320,9 @@ StatusOr<CheckResult> CheckGptAgainstReference(const Config& config, const GptCo
     c.count = sums[3 * i];
     c.mismatches = sums[3 * i + 1];
     c.non_finite = sums[3 * i + 2];
-    c.max_abs = maxima[2 * i];
-    c.max_rel = maxima[2 * i + 1];
+    c.max_abs = maxima[3 * i];
+    c.max_rel = maxima[3 * i + 1];
+    c.used = maxima[3 * i + 2];
     c.scale = scale[i];
     c.normalized = scale[i] > 0 ? c.max_abs / scale[i] : 0.0;
     c.allowed = rt.name == "tokens" || rt.name == "labels" ? 0.0 : tolerance.rtol;

@@ -40,24 +40,29 @@ class SpanRecorder {
 
 namespace {
 
-// Megatron-Core's streams for each GPT dropout site (core/dropout.h, "rng_tracker"), in
-// forward order: the embedding, then per layer attention, self_attn_bda, mlp_bda.
+// Megatron-Core's streams for each GPT dropout site of this rank (core/dropout.h,
+// "rng_tracker"), in forward order within each chunk: the embedding (on the first chunk of
+// the model), then per layer attention, self_attn_bda, mlp_bda.
 TrackerDraws MakeTrackerDraws(const GptConfig& gpt, uint64_t seed, const RankCoordinates& coords,
-                              bool sequence_parallel) {
+                              bool sequence_parallel, const std::vector<GptChunk>& chunks) {
   TrackerDraws t;
   t.default_key = DefaultSeed(seed, coords.pp, coords.dp);
   t.model_parallel_key = ModelParallelSeed(t.default_key, coords.tp);
-  const auto add = [&](std::string site, bool model_parallel, double p) {
-    if (p == 0.0) return;
-    int64_t& count = model_parallel ? t.model_parallel_per_microbatch : t.default_per_microbatch;
-    t.sites[std::move(site)] = {model_parallel, count++};
-  };
-  add("embedding.embedding_dropout", sequence_parallel, gpt.hidden_dropout);
-  for (int64_t i = 0; i < gpt.num_layers; ++i) {
-    const std::string layer = fmt::format("decoder.layers.{}", i);
-    add(layer + ".self_attention.core_attention.attention_dropout", true, gpt.attention_dropout);
-    add(layer + ".self_attn_bda", sequence_parallel, gpt.hidden_dropout);
-    add(layer + ".mlp_bda", sequence_parallel, gpt.hidden_dropout);
+  for (const GptChunk& chunk : chunks) {
+    TrackerDraws::Count& count = t.per_chunk.emplace_back();
+    const auto add = [&](std::string site, bool model_parallel, double p) {
+      if (p == 0.0) return;
+      int64_t& n = model_parallel ? count.model_parallel_draws : count.default_draws;
+      t.sites[std::move(site)] = {model_parallel, n++};
+    };
+    if (chunk.pre_process)
+      add("embedding.embedding_dropout", sequence_parallel, gpt.hidden_dropout);
+    for (int64_t i : chunk.layers) {
+      const std::string layer = fmt::format("decoder.layers.{}", i);
+      add(layer + ".self_attention.core_attention.attention_dropout", true, gpt.attention_dropout);
+      add(layer + ".self_attn_bda", sequence_parallel, gpt.hidden_dropout);
+      add(layer + ".mlp_bda", sequence_parallel, gpt.hidden_dropout);
+    }
   }
   return t;
 }
@@ -167,11 +172,6 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
     held.insert(chunk.layers.begin(), chunk.layers.end());
   }
   const bool tied = gpt.share_embeddings_and_output_weights;
-  if (sizes.pp > 1 && gpt.dropout_mode == DropoutMode::kRngTracker) {
-    return Status::Error("model.dropout_mode",
-                         "\"rng_tracker\" with pipeline_model_parallel_size > 1 is not built "
-                         "yet; use \"global\"");
-  }
   // This rank's parameters: those of its chunks' layers, the embedding on the first chunk,
   // the final norm and output layer on the last. With tied weights the last stage holds its
   // own copy of the word embeddings (Megatron's shared_embedding on the last stage): the
@@ -210,7 +210,8 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
     model->output_layer_.emplace(output, nullptr);
   }
   if (gpt.dropout_mode == DropoutMode::kRngTracker) {
-    model->tracker_ = MakeTrackerDraws(gpt, model->run_.seed, coords, sh.sequence_parallel);
+    model->tracker_ =
+        MakeTrackerDraws(gpt, model->run_.seed, coords, sh.sequence_parallel, model->chunks_);
   }
   return model;
 }
@@ -293,13 +294,11 @@ void GptModel::EmbeddingBackward(const ModuleContext& ctx, const Batch& batch,
   k.EmbeddingBackward(full, batch.tokens, vstart, vstart + vocab_local, word_->grad);
 }
 
-ModuleContext GptModel::Context(RankContext& ctx, int64_t microbatch,
+ModuleContext GptModel::Context(RankContext& ctx, int64_t microbatch, const Stash& stash,
                                 std::vector<TensorRecord>* records) const {
-  return ModuleContext{
-      *ctx.kernels, ctx.tp(),
-      *ctx.trace,   shape_,
-      d_,           DropoutDraw{run_.seed, iteration_, microbatch, tracker_ ? &*tracker_ : nullptr},
-      fuse_wgrad_,  records};
+  const DropoutDraw draw{run_.seed, iteration_, microbatch, tracker_ ? &*tracker_ : nullptr,
+                         stash.draws};
+  return ModuleContext{*ctx.kernels, ctx.tp(), *ctx.trace, shape_, d_, draw, fuse_wgrad_, records};
 }
 
 double GptModel::HeadForward(const ModuleContext& ctx, const Tensor& x, Stash* stash) const {
@@ -368,7 +367,15 @@ Tensor GptModel::ForwardStep(RankContext& ctx, int64_t chunk, int64_t microbatch
   }
   peak_stashes_ = std::max(peak_stashes_, static_cast<int64_t>(stashes_.size()));
   Stash& stash = it->second;
-  const ModuleContext mctx = Context(ctx, microbatch, records);
+  if (tracker_) {
+    // Megatron's tracker is a state that every forward advances, in the order this rank runs
+    // them; recomputation in the backward step redraws the same numbers (core/dropout.h).
+    const TrackerDraws::Count& count = tracker_->per_chunk.at(static_cast<size_t>(chunk));
+    stash.draws = tracker_next_;
+    tracker_next_.default_draws += count.default_draws;
+    tracker_next_.model_parallel_draws += count.model_parallel_draws;
+  }
+  const ModuleContext mctx = Context(ctx, microbatch, stash, records);
   mctx.trace.SetPhase(Phase::kForward);
   if (spec.pre_process || spec.post_process) {
     stash.batch = MakeBatch(*ctx.kernels, iteration_ * run_.num_microbatches + microbatch);
@@ -400,7 +407,7 @@ Tensor GptModel::BackwardStep(RankContext& ctx, int64_t chunk, int64_t microbatc
                                        chunk, microbatch));
   }
   Stash& stash = node.mapped();
-  const ModuleContext mctx = Context(ctx, microbatch, records);
+  const ModuleContext mctx = Context(ctx, microbatch, stash, records);
   mctx.trace.SetPhase(Phase::kBackward);
   Tensor dx = spec.post_process ? HeadBackward(mctx, stash) : output_grad;
   for (size_t i = spec.layers.size(); i-- > 0;) {
@@ -488,6 +495,17 @@ void GptModel::Run(RankContext& ctx, std::vector<TensorRecord>* records, int64_t
   iteration_ = iteration;
   const int64_t M = run_.num_microbatches;
   const auto C = static_cast<int64_t>(chunks_.size());
+  // The tracker's state at the start of the iteration: every earlier iteration ran M
+  // forwards of every chunk.
+  TrackerDraws::Count per_iteration;
+  if (tracker_) {
+    for (const TrackerDraws::Count& count : tracker_->per_chunk) {
+      per_iteration.default_draws += M * count.default_draws;
+      per_iteration.model_parallel_draws += M * count.model_parallel_draws;
+    }
+    tracker_next_ = {iteration * per_iteration.default_draws,
+                     iteration * per_iteration.model_parallel_draws};
+  }
   if (!plan_.empty()) RunSchedule(ctx, records);
   for (int64_t m = 0; m < M; ++m) {
     std::vector<TensorRecord>* mb_records = m + 1 == M ? records : nullptr;
@@ -509,6 +527,14 @@ void GptModel::Run(RankContext& ctx, std::vector<TensorRecord>* records, int64_t
     }
   }
   schedule_end_ = MonotonicSeconds();
+  if (tracker_ && (tracker_next_.default_draws != (iteration + 1) * per_iteration.default_draws ||
+                   tracker_next_.model_parallel_draws !=
+                       (iteration + 1) * per_iteration.model_parallel_draws)) {
+    throw std::logic_error(
+        fmt::format("GptModel::Run: the RNG tracker advanced to draws ({}, {}), not to the end of "
+                    "iteration {}",
+                    tracker_next_.default_draws, tracker_next_.model_parallel_draws, iteration));
+  }
   params_.FinalizeGrads(ctx.tp(), dp_reduces_grads_ ? &ctx.dp_cp() : nullptr, ctx.embd(),
                         *ctx.trace);
   // The reported loss: mean over every token of every micro-batch on every dp rank; the

@@ -124,11 +124,12 @@ class GptModel {
     Norm::Stash final_norm;
     ColumnParallelLinear::Stash output_layer;
     CrossEntropyStash loss;
+    TrackerDraws::Count draws;  // rng_tracker: the forward step's first draws
   };
   Batch MakeBatch(Kernels& k, int64_t microbatch) const;
   // Walks this rank's row of the pipeline plan (pp > 1): receives, steps, posted sends.
   void RunSchedule(RankContext& ctx, std::vector<TensorRecord>* records);
-  ModuleContext Context(RankContext& ctx, int64_t microbatch,
+  ModuleContext Context(RankContext& ctx, int64_t microbatch, const Stash& stash,
                         std::vector<TensorRecord>* records) const;
   Tensor EmbeddingForward(const ModuleContext& ctx, const Batch& batch, Stash* stash) const;
   void EmbeddingBackward(const ModuleContext& ctx, const Batch& batch, const Tensor& dy) const;
@@ -160,6 +161,7 @@ class GptModel {
   int64_t iteration_ = 0;  // the training iteration being run (data and dropout streams)
   double loss_ = 0;
   std::optional<TrackerDraws> tracker_;  // dropout_mode "rng_tracker"
+  TrackerDraws::Count tracker_next_;     // its state: the next draw on each stream
 };
 
 }  // namespace mpusim

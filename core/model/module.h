@@ -72,17 +72,20 @@ struct StreamShape {
 };
 
 // dropout_mode "rng_tracker" (core/dropout.h): this rank's stream keys and where each
-// site's draw is.
+// site's draw is. A forward step of chunk c takes the next draws[c] numbers of each stream.
 struct TrackerDraws {
   struct Site {
     bool model_parallel = false;  // "model-parallel-rng", else "default"
-    int64_t position = 0;         // k: its draw among one micro-batch's draws on that stream
+    int64_t position = 0;         // its draw among its chunk's draws on that stream
+  };
+  struct Count {
+    int64_t default_draws = 0;
+    int64_t model_parallel_draws = 0;
   };
   uint64_t default_key = 0;
   uint64_t model_parallel_key = 0;
-  int64_t default_per_microbatch = 0;
-  int64_t model_parallel_per_microbatch = 0;
-  std::map<std::string, Site, std::less<>> sites;  // the sites with p > 0
+  std::vector<Count> per_chunk;                    // draws of one forward step of chunk c
+  std::map<std::string, Site, std::less<>> sites;  // this rank's sites with p > 0
 };
 
 // The random draws of one micro-batch (core/dropout.h).
@@ -91,6 +94,7 @@ struct DropoutDraw {
   int64_t iteration = 0;
   int64_t microbatch = 0;
   const TrackerDraws* tracker = nullptr;  // set: dropout_mode "rng_tracker"; else "global"
+  TrackerDraws::Count first;              // rng_tracker: the step's first draw on each stream
 };
 
 struct ModuleContext {
@@ -131,9 +135,9 @@ inline Tensor DropoutAtSite(const ModuleContext& ctx, const std::string& site, d
   if (const TrackerDraws* tracker = ctx.draw.tracker) {
     // Megatron's tracker: this rank's stream, the local element index.
     const TrackerDraws::Site& at = tracker->sites.at(site);
-    const int64_t per_microbatch = at.model_parallel ? tracker->model_parallel_per_microbatch
-                                                     : tracker->default_per_microbatch;
-    const uint64_t draw = static_cast<uint64_t>(ctx.draw.microbatch * per_microbatch + at.position);
+    const int64_t first =
+        at.model_parallel ? ctx.draw.first.model_parallel_draws : ctx.draw.first.default_draws;
+    const auto draw = static_cast<uint64_t>(first + at.position);
     ctx.k.Dropout(x, p, at.model_parallel ? tracker->model_parallel_key : tracker->default_key,
                   draw, 0, y);
     return y;
