@@ -43,6 +43,7 @@ class RngTracker {
   struct State {
     uint64_t key = 0;
     uint64_t calls = 0;
+    bool operator==(const State&) const = default;
   };
   using States = std::map<std::string, State>;
 

@@ -699,8 +699,10 @@ struct SliceRun {
   void MicroBatch(int64_t m, bool record);
 };
 
-// One micro-batch forward and backward on this slice's rows. Adds into the gradient
-// accumulators and into loss_sum; records the activations when `record`.
+// One micro-batch forward and backward on this slice's rows: global micro-batch m (k*M + the
+// micro-batch in training iteration k), whose number names its data and synthetic streams and
+// numbers its dropout draws. Adds into the gradient accumulators and into loss_sum; records
+// the activations when `record`.
 void SliceRun::MicroBatch(int64_t m, bool record) {
   const Sizes& sizes = plan.sizes;
   const size_t n = plan.layers.size();
@@ -956,7 +958,8 @@ int64_t ReferenceRows(const ParallelConfig& parallel, const RunConfig& run) {
 
 StatusOr<ReferenceResult> RunReferenceWithOverrides(
     const ParallelConfig& parallel, const ModelConfig& model, const RunConfig& run,
-    const std::map<std::string, Tensor>& parameter_overrides, ReferenceSlice slice) {
+    const std::map<std::string, Tensor>& parameter_overrides, ReferenceSlice slice,
+    int64_t iteration) {
 #if defined(MPUSIM_HAVE_OPENBLAS)
   openblas_set_num_threads(1);
 #endif
@@ -972,9 +975,11 @@ StatusOr<ReferenceResult> RunReferenceWithOverrides(
   MPUSIM_RETURN_IF_ERROR(InitParameters(plan, parameter_overrides, &params));
 
   SliceRun slice_run(plan, slice.row_begin, row_end, &params);
-  for (int64_t m = 0; m < plan.sizes.num_micro; ++m) {
-    slice_run.MicroBatch(m, m + 1 == plan.sizes.num_micro);
+  if (iteration < 0) {
+    return Status::Error("reference iteration", fmt::format("is {}, not >= 0", iteration));
   }
+  const int64_t M = plan.sizes.num_micro;
+  for (int64_t m = 0; m < M; ++m) slice_run.MicroBatch(iteration * M + m, m + 1 == M);
 
   ReferenceResult result;
   result.rows = rows;

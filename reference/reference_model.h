@@ -123,9 +123,12 @@ StatusOr<std::vector<ReferenceParameter>> ReferenceParameters(const ParallelConf
 // takes the given full host float64 tensor instead of its master values: the master values
 // generated elsewhere (the check), or perturbed ones (finite differences, hand-built tests).
 // The tensor is used as it is, not copied (the reference never writes a parameter). An
-// unknown name or a wrong shape is an error.
+// unknown name or a wrong shape is an error. `iteration` k > 0 is training iteration k: its
+// micro-batch m is global micro-batch k*M + m ("tokens.mb<k*M + m>", "input.mb<...>", ...),
+// and its dropout draws continue the streams after k iterations' draws.
 StatusOr<ReferenceResult> RunReferenceWithOverrides(
     const ParallelConfig& parallel, const ModelConfig& model, const RunConfig& run,
-    const std::map<std::string, Tensor>& parameter_overrides, ReferenceSlice slice = {});
+    const std::map<std::string, Tensor>& parameter_overrides, ReferenceSlice slice = {},
+    int64_t iteration = 0);
 
 }  // namespace mpusim

@@ -11,6 +11,7 @@
 // tensors split their columns over tp only; rows carry their global index).
 #include "run/check.h"
 
+#include <fmt/format.h>
 #include <mpi.h>
 
 #include <algorithm>
@@ -19,10 +20,9 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <optional>
 #include <set>
 #include <stdexcept>
-
-#include <fmt/format.h>
 
 #include "core/arg_checks.h"
 #include "core/half.h"
@@ -32,6 +32,7 @@
 #include "mpi/mpi_check.h"
 #include "mpi/watchdog.h"
 #include "reference/reference_model.h"
+#include "reference/trainer.h"
 
 namespace mpusim::run {
 namespace {
@@ -99,8 +100,10 @@ void ForEachValue(DType dtype, const void* data, int64_t count, Fn&& fn) {
 }
 
 // A local record compared with a whole reference tensor, element by element.
+// `bounds`, when given, adds an absolute allowance per element (row-major in the full tensor):
+// the error a trained parameter's gradients carry through the optimizer (reference/trainer.h).
 void CompareWhole(const TensorRecord& record, const Tensor& host, const Tensor& expected,
-                  const Tolerance& tol, ErrorStats* stats) {
+                  const Tolerance& tol, const std::vector<double>* bounds, ErrorStats* stats) {
   const Shape& local = host.shape();
   const Shape& full = record.full_shape;
   const size_t dims = full.size();
@@ -111,7 +114,10 @@ void CompareWhole(const TensorRecord& record, const Tensor& host, const Tensor& 
     for (size_t k = 0; k < dims; ++k) {
       flat = flat * full[k] + GlobalIndex(record.shard, static_cast<int>(k), full[k], index[k]);
     }
-    stats->Add(flat, actual, want[flat], tol);
+    stats->Add(flat, actual, want[flat],
+               bounds != nullptr
+                   ? Tolerance{tol.atol + (*bounds)[static_cast<size_t>(flat)], tol.rtol, 0}
+                   : tol);
     for (size_t k = dims; k-- > 0;) {
       if (++index[k] < local[k]) break;
       index[k] = 0;
@@ -503,6 +509,54 @@ void MeasureMemory(const ReferenceResult& reference, const std::vector<TensorRec
   result->reference_bytes_whole = whole_bytes + row_bytes;
 }
 
+// One optimizer step of the reference on its full (summed) gradients, iteration k: the
+// parameters are the whole, non-partial tensors, their gradients "<parameter>_grad" (frozen
+// parameters have none and stay). Afterwards the result's parameters hold the updated values
+// and its gradients the clipped ones, as the executor's records do.
+// The gradients' error, which the trainer carries into its error bounds, is taken as the
+// largest tolerance of any gradient tensor in the run's storage dtype.
+void TrainReference(ReferenceResult& reference, int64_t k, DType storage, ReferenceTrainer& trainer,
+                    std::vector<CheckResult::Iteration>* iterations) {
+  std::map<std::string, Tensor*> grads;
+  std::map<std::string, Tensor> parameters;
+  double gradient_tolerance = 0;
+  CheckResult::Iteration row;
+  for (ReferenceTensor& t : reference.tensors) {
+    if (t.layout != Layout::kWhole) continue;
+    if (t.name == "loss") {
+      row.loss = t.value.data_as<double>()[0];
+    } else if (!t.partial) {
+      parameters[t.name] = t.value;
+    }
+  }
+  for (ReferenceTensor& t : reference.tensors) {
+    if (t.layout != Layout::kWhole || !t.partial || !t.name.ends_with("_grad")) continue;
+    const std::string parameter = t.name.substr(0, t.name.size() - 5);
+    if (parameters.count(parameter) == 0) continue;
+    grads[parameter] = &t.value;
+    gradient_tolerance = std::max(gradient_tolerance, ToleranceFor(t.budget, storage).rtol);
+  }
+  if (!trainer.has_parameters()) {
+    std::map<std::string, Tensor> copies;
+    for (const auto& [name, value] : parameters) {
+      Tensor copy = Tensor::HostEmpty(value.shape(), DType::kFloat64);
+      std::memcpy(copy.data(), value.data(), value.bytes());
+      copies[name] = std::move(copy);
+    }
+    trainer.SetParameters(std::move(copies));
+  }
+  trainer.SetGradientTolerance(0, gradient_tolerance, gradient_tolerance);
+  row.grad_norm = trainer.Step(grads, k);
+  row.lr = trainer.last_lr();
+  iterations->push_back(row);
+  for (ReferenceTensor& t : reference.tensors) {
+    const auto it = trainer.parameters().find(t.name);
+    if (it != trainer.parameters().end() && t.layout == Layout::kWhole && !t.partial) {
+      t.value = it->second;
+    }
+  }
+}
+
 }  // namespace
 
 StatusOr<CheckResult> CheckAgainstReference(const Config& config,
@@ -512,24 +566,64 @@ StatusOr<CheckResult> CheckAgainstReference(const Config& config,
   MPUSIM_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
   MPUSIM_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world_size));
   const RowPartition partition(ReferenceRows(config.parallel, *config.run), world_size);
+  const ReferenceSlice slice{partition.Begin(world_rank), partition.End(world_rank)};
   StatusOr<std::map<std::string, Tensor>> weights =
       SharedMasterWeights(config, world_rank, world_size);
-  StatusOr<ReferenceResult> reference =
-      weights.ok() ? RunReferenceWithOverrides(config.parallel, *config.model, *config.run, *weights,
-                                               {partition.Begin(world_rank), partition.End(world_rank)})
-                   : StatusOr<ReferenceResult>(weights.status());
-  weights = std::map<std::string, Tensor>();  // the reference holds what it needs
-  int failed = reference.ok() ? 0 : 1;
-  watched::Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD, WorldLabel());
-  if (failed != 0) {
-    return reference.ok() ? Status::Error("reference model", "failed on another rank")
-                          : Status::Error("reference model", reference.status().Message());
+  // A training run: the reference trains the whole model too, iteration by iteration, each
+  // on the parameters the last one left (reference/trainer.h); the tensors compared are the
+  // last iteration's, with the parameters after its update and the optimizer state.
+  const int64_t iterations = config.optimizer ? config.run->train_iters : 1;
+  std::optional<ReferenceTrainer> trainer;
+  if (config.optimizer) trainer.emplace(*config.optimizer, config.run->train_iters);
+  std::vector<CheckResult::Iteration> reference_iterations;
+  StatusOr<ReferenceResult> reference = Status::Error("reference model", "not run");
+  for (int64_t k = 0; k < iterations; ++k) {
+    if (k == 0) {
+      reference = weights.ok() ? RunReferenceWithOverrides(config.parallel, *config.model,
+                                                           *config.run, *weights, slice, 0)
+                               : StatusOr<ReferenceResult>(weights.status());
+      weights = std::map<std::string, Tensor>();  // the reference holds what it needs
+    } else {
+      reference = RunReferenceWithOverrides(config.parallel, *config.model, *config.run,
+                                            trainer->parameters(), slice, k);
+    }
+    int failed = reference.ok() ? 0 : 1;
+    watched::Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD, WorldLabel());
+    if (failed != 0) {
+      return reference.ok() ? Status::Error("reference model", "failed on another rank")
+                            : Status::Error("reference model", reference.status().Message());
+    }
+    // Whole tensors: the slices' shares of gradients and of the loss add up.
+    SumShares(reference->tensors);
+    if (!trainer) break;
+    TrainReference(*reference, k, config.run->dtype, *trainer, &reference_iterations);
   }
   std::vector<ReferenceTensor>& refs = reference->tensors;
+  std::map<std::string, const std::vector<double>*> bounds;
+  if (trainer) {
+    for (const auto& [name, b] : trainer->error_bounds()) bounds[name] = &b;
+  }
+  std::vector<ReferenceTrainer::StateTensor> state;
+  if (trainer) {
+    // The optimizer state, with the tolerance of its parameter's gradient and the error that
+    // gradient's tolerance carries into it.
+    state = trainer->State();
+    for (const ReferenceTrainer::StateTensor& st : state) {
+      const Tensor& parameter = trainer->parameters().at(st.parameter);
+      const ReferenceTensor* grad = reference->Find(st.parameter + "_grad");
+      ReferenceTensor t{st.name,
+                        parameter.shape(),
+                        Layout::kWhole,
+                        false,
+                        Tensor::HostEmpty(parameter.shape(), DType::kFloat64),
+                        grad != nullptr ? grad->budget : ErrorBudget{}};
+      std::memcpy(t.value.data(), st.values.data(), t.value.bytes());
+      refs.push_back(std::move(t));
+      bounds[st.name] = &st.bounds;
+    }
+  }
   const size_t n = refs.size();
 
-  // Whole tensors: the slices' shares of gradients and of the loss add up.
-  SumShares(refs);
   std::vector<double> scales(n);
   for (size_t i = 0; i < n; ++i) scales[i] = MaxAbs(refs[i].value);
   watched::Allreduce(MPI_IN_PLACE, scales.data(), static_cast<int>(n), MPI_DOUBLE, MPI_MAX,
@@ -558,7 +652,9 @@ StatusOr<CheckResult> CheckAgainstReference(const Config& config,
   for (size_t i = 0; i < n; ++i) {
     if (refs[i].layout != Layout::kWhole || mine[i] == nullptr) continue;
     const Tensor host = fetch(*mine[i]);
-    CompareWhole(*mine[i], host, refs[i].value, tolerances[i], &stats[i]);
+    const auto bound = bounds.find(refs[i].name);
+    CompareWhole(*mine[i], host, refs[i].value, tolerances[i],
+                 bound != bounds.end() ? bound->second : nullptr, &stats[i]);
   }
 
   // Row tensors. One reduction agrees on each tensor's largest shard (bytes) and on which
@@ -661,6 +757,7 @@ StatusOr<CheckResult> CheckAgainstReference(const Config& config,
     result.has_loss = true;
     result.reference_loss = loss->value.data_as<double>()[0];
   }
+  result.reference_iterations = std::move(reference_iterations);
   MeasureMemory(*reference, records, &result);
   for (const std::string& name : run_only) {
     TensorCheck c;

@@ -14,7 +14,7 @@
 
 #include "mpi/watchdog.h"
 #include "reference/gpt_reference.h"
-#include "reference/gpt_train.h"
+#include "reference/trainer.h"
 
 namespace mpusim::run {
 namespace {
@@ -130,7 +130,7 @@ StatusOr<CheckResult> CheckGptAgainstReference(const Config& config, const GptCo
       GptErrorBudget(gpt, run, sizes.tp, sizes.dp, gpt.PaddedVocabSize(sizes.tp));
   const Tolerance tolerance = ToleranceFor(budget, run.dtype);
   const int64_t iterations = config.optimizer ? run.train_iters : 1;
-  std::optional<GptReferenceTrainer> trainer;
+  std::optional<ReferenceTrainer> trainer;
   if (config.optimizer) {
     trainer.emplace(*config.optimizer, run.train_iters);
     trainer->SetGradientTolerance(tolerance.atol, tolerance.ntol, tolerance.rtol);
@@ -189,7 +189,7 @@ StatusOr<CheckResult> CheckGptAgainstReference(const Config& config, const GptCo
   // The optimizer state after the last step, with the error bounds its gradients carry.
   std::map<std::string, std::vector<double>> state_bounds;
   if (trainer) {
-    for (GptReferenceTrainer::StateTensor& st : trainer->State()) {
+    for (ReferenceTrainer::StateTensor& st : trainer->State()) {
       const Tensor& parameter = trainer->parameters().at(st.parameter);
       GptReferenceTensor t;
       t.name = st.name;
@@ -251,7 +251,7 @@ StatusOr<CheckResult> CheckGptAgainstReference(const Config& config, const GptCo
     const bool exact = rt.name == "tokens" || rt.name == "labels";
     const Tolerance tol = exact ? Tolerance{0, 0, 0} : tolerance.ForScale(scale[i]);
     // A trained parameter: each element's allowance also holds the error its gradients'
-    // tolerance carries through the optimizer steps (reference/gpt_train.h).
+    // tolerance carries through the optimizer steps (reference/trainer.h).
     const std::vector<double>* bounds = nullptr;
     if (trainer) {
       const auto it = trainer->error_bounds().find(rt.name);

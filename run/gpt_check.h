@@ -32,7 +32,7 @@ ErrorBudget GptErrorBudget(const GptConfig& gpt, const RunConfig& run, int64_t t
 
 // Collective over MPI_COMM_WORLD: every rank passes its own records of one run. `gpt` is the
 // model as the executor resolved it (CheckGptLayout). A training run (config.optimizer) is
-// checked as the reference trains (reference/gpt_train.h): each iteration's reference runs
+// checked as the reference trains (reference/trainer.h): each iteration's reference runs
 // on the parameters the previous steps made, and the records (the last iteration's tensors,
 // its clipped gradients and the final parameters) are compared with the last iteration's.
 StatusOr<CheckResult> CheckGptAgainstReference(const Config& config, const GptConfig& gpt,

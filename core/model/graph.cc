@@ -9,15 +9,17 @@
 //   E_dim         ParallelEmbedding shard           [V, h/t]
 #include "core/model/graph.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <cmath>
 #include <map>
 
-#include <fmt/format.h>
-#include <fmt/ranges.h>
-
 #include "core/init.h"
 #include "core/model/accumulate_grad.h"
+#include "core/model/parameter.h"
+#include "core/rng.h"
 #include "core/tensor_parallel/cross_entropy.h"
 #include "core/tensor_parallel/mappings.h"
 #include "core/tensor_parallel/tp_utils.h"
@@ -45,17 +47,12 @@ struct TpSplitPlan {
   bool operator==(const TpSplitPlan&) const = default;
 };
 
-struct Parameter {
-  std::string name;  // "fc1.weight"
-  Shape full_shape;
+// A chain parameter: the shared Parameter (core/model/parameter.h: what the optimizer
+// updates) with how the chain plans it.
+struct ChainParameter : Parameter {
   TpSplitPlan split;
-  ShardSpec shard;  // this rank's piece (set by InitializeParameters)
-  InitSpec init;
   bool zero_init = false;  // biases
-  bool frozen = false;
-  bool reduce_over_tp = false;  // replicated parameter fed by a sequence shard
-  Tensor value;                 // local, in the storage dtype (run.dtype)
-  Tensor grad;                  // local main_grad in the compute dtype; undefined when frozen
+  bool frozen = false;     // no main_grad, never updated
 };
 
 // One micro-batch's data on this rank.
@@ -73,10 +70,10 @@ struct LayerSlot {
   ActivationState out_state;
   int64_t in_width = 0;   // full hidden width (0: tokens)
   int64_t out_width = 0;  // full hidden width (0: loss)
-  Parameter* weight = nullptr;  // owned or borrowed (weight_from)
+  ChainParameter* weight = nullptr;  // owned or borrowed (weight_from)
   bool owns_weight = false;
-  Parameter* bias = nullptr;
-  Parameter* added_bias = nullptr;  // GeLU with bias_from
+  ChainParameter* bias = nullptr;
+  ChainParameter* added_bias = nullptr;  // GeLU with bias_from
   std::string rng_stream;           // Dropout
   // Saved for backward and for the records (last micro-batch).
   Tensor input, output, output_grad, input_grad;
@@ -124,8 +121,9 @@ struct Graph::Impl {
   int64_t padded_vocab = 0;
   bool sequence_parallel = false;
   bool fuse_wgrad = false;  // parallel.gradient_accumulation_fusion
+  bool dp_reduces_grads = true;  // false: the distributed optimizer reduces over dp itself
   std::vector<LayerSlot> layers;
-  std::vector<std::unique_ptr<Parameter>> parameters;
+  std::vector<std::unique_ptr<ChainParameter>> parameters;
   bool needs_tokens = false, needs_labels = false;
   std::vector<std::string> warnings;  // Graph::warnings(), filled by PlanWarnings
   // Results.
@@ -140,9 +138,9 @@ struct Graph::Impl {
                          fmt::format("({} {}): {}", LayerTypeName(slot.config.type),
                                      slot.config.name, what));
   }
-  Parameter* AddParameter(std::string name, Shape full, TpSplitPlan split, const LayerConfig& c,
-                          bool zero_init) {
-    auto p = std::make_unique<Parameter>();
+  ChainParameter* AddParameter(std::string name, Shape full, TpSplitPlan split,
+                               const LayerConfig& c, bool zero_init) {
+    auto p = std::make_unique<ChainParameter>();
     p->name = std::move(name);
     p->full_shape = std::move(full);
     p->split = split;
@@ -152,7 +150,7 @@ struct Graph::Impl {
     parameters.push_back(std::move(p));
     return parameters.back().get();
   }
-  ShardSpec RankShard(const Parameter& p, int64_t tp_rank) const {
+  ShardSpec RankShard(const ChainParameter& p, int64_t tp_rank) const {
     ShardSpec shard;
     if (p.split.dim >= 0) shard.Split(ShardAxis::kTp, p.split.dim, t, tp_rank, p.split.stride);
     return shard;
@@ -168,9 +166,23 @@ struct Graph::Impl {
   Batch MakeBatch(RankContext& ctx, int64_t m) const;
   Tensor SyntheticActivation(RankContext& ctx, const std::string& name, ActivationState state,
                              int64_t width, DType dtype);
-  // Synthetic inputs and output gradients are fixed by the seed: made once, reused by
-  // every repetition of Run.
+  // Synthetic inputs and output gradients are fixed by the seed and the iteration: made once,
+  // reused by every repetition of Run with that iteration.
   std::map<std::string, Tensor> synthetic_cache;
+  int64_t synthetic_iteration = -1;
+  // The RNG tracker's states before the first step, and how far one iteration advances each
+  // stream (M draws per Dropout layer on it).
+  RngTracker::States initial_rng;
+  std::map<std::string, uint64_t> draws_per_iteration;
+  RngTracker::States RngAtIteration(int64_t iteration) const {
+    RngTracker::States states = initial_rng;
+    for (auto& [name, state] : states) {
+      const auto it = draws_per_iteration.find(name);
+      if (it != draws_per_iteration.end())
+        state.calls += static_cast<uint64_t>(iteration) * it->second;
+    }
+    return states;
+  }
   Tensor Forward(RankContext& ctx, LayerSlot& slot, const Tensor& x, const Batch& batch);
   Tensor Backward(RankContext& ctx, LayerSlot& slot, const Tensor& dy, const Batch& batch);
   double ForwardChain(RankContext& ctx, const Batch& batch);
@@ -386,7 +398,7 @@ Status Graph::Impl::Plan(const Topology& topology) {
         slot.owns_weight = true;
         if (c.bias) {
           slot.bias = AddParameter(c.name + ".bias", {out}, replicated, c, true);
-          slot.bias->reduce_over_tp = sequence_parallel;
+          slot.bias->sequence_parallel = sequence_parallel;
         }
         if (sequence_parallel) {
           MPUSIM_RETURN_IF_ERROR(require_sequence_divisible());
@@ -569,6 +581,7 @@ StatusOr<std::unique_ptr<Graph>> Graph::Build(const Config& config, const Topolo
   impl->parallel = config.parallel;
   impl->model = *config.model;
   impl->run = *config.run;
+  impl->dp_reduces_grads = !(config.optimizer && config.optimizer->use_distributed_optimizer);
   MPUSIM_RETURN_IF_ERROR(impl->Plan(topology));
   return std::unique_ptr<Graph>(new Graph(std::move(impl)));
 }
@@ -588,7 +601,7 @@ std::vector<Graph::PlannedLayer> Graph::Plan(const RankCoordinates& coords) cons
   for (const LayerSlot& slot : impl_->layers) {
     PlannedLayer layer{slot.config.name, LayerTypeName(slot.config.type), slot.in_state,
                        slot.out_state, slot.in_width, slot.out_width, {}};
-    for (const Parameter* p : {slot.owns_weight ? slot.weight : nullptr, slot.bias}) {
+    for (const ChainParameter* p : {slot.owns_weight ? slot.weight : nullptr, slot.bias}) {
       if (p == nullptr) continue;
       const ShardSpec shard = impl_->RankShard(*p, coords.tp);
       layer.parameters.push_back({p->name, p->full_shape, LocalShape(shard, p->full_shape), shard,
@@ -603,6 +616,14 @@ std::vector<Graph::PlannedLayer> Graph::Plan(const RankCoordinates& coords) cons
 // Parameters and data
 
 void Graph::InitializeParameters(RankContext& ctx) {
+  impl_->initial_rng = ctx.rng.GetStates();
+  impl_->draws_per_iteration.clear();
+  for (const LayerSlot& slot : impl_->layers) {
+    if (slot.config.type == LayerType::kDropout) {
+      impl_->draws_per_iteration[slot.rng_stream] +=
+          static_cast<uint64_t>(impl_->run.num_microbatches);
+    }
+  }
   for (auto& p : impl_->parameters) {
     p->shard = impl_->RankShard(*p, ctx.coords.tp);
     const Shape local = LocalShape(p->shard, p->full_shape);
@@ -869,8 +890,23 @@ void Graph::Impl::BackwardChain(RankContext& ctx, const Batch& batch) {
   }
 }
 
-void Graph::Run(RankContext& ctx) {
+std::vector<Parameter*> Graph::TrainableParameters() const {
+  std::vector<Parameter*> out;
+  for (const auto& p : impl_->parameters) {
+    if (!p->frozen) out.push_back(p.get());
+  }
+  return out;
+}
+
+void Graph::Run(RankContext& ctx, int64_t iteration) {
   Impl& g = *impl_;
+  // Megatron's tracker keeps advancing from step to step: iteration k starts where k
+  // iterations of draws left it (a repeated step starts where its iteration does).
+  ctx.rng.SetStates(g.RngAtIteration(iteration));
+  if (g.synthetic_iteration != iteration) {
+    g.synthetic_cache.clear();
+    g.synthetic_iteration = iteration;
+  }
   // A new step: the previous step's activations are released before any new one is made (so
   // a repeated step reuses their memory instead of holding two steps' worth), and main_grad
   // starts from zero (Megatron's zero_grad_buffer), so every step computes the same gradients.
@@ -885,7 +921,8 @@ void Graph::Run(RankContext& ctx) {
   g.loss_sum = 0;
   g.has_loss = g.layers.back().config.type == LayerType::kVocabParallelCrossEntropy;
   for (int64_t m = 0; m < g.run.num_microbatches; ++m) {
-    const Batch batch = g.MakeBatch(ctx, m);
+    // Micro-batch m of iteration k reads the data of global micro-batch k*M + m.
+    const Batch batch = g.MakeBatch(ctx, iteration * g.run.num_microbatches + m);
     const RngTracker::States before_forward = ctx.rng.GetStates();
     g.loss_sum += g.ForwardChain(ctx, batch);
     if (g.run.recompute == RunConfig::Recompute::kFull) {
@@ -910,14 +947,21 @@ void Graph::Run(RankContext& ctx) {
       g.last_labels = HostToFloat64(ctx.kernels->ToHost(batch.labels));
     }
   }
+  if (ctx.rng.GetStates() != g.RngAtIteration(iteration + 1)) {
+    throw std::logic_error(
+        fmt::format("Graph::Run: the RNG tracker did not advance by one iteration's draws "
+                    "in iteration {}",
+                    iteration));
+  }
   // Gradient reductions: replicated parameters that saw only a sequence shard, over tp;
-  // then every gradient over the data-parallel group (with cp = 1, dp_cp = dp).
+  // then every gradient over the data-parallel group (with cp = 1, dp_cp = dp), unless the
+  // distributed optimizer reduce-scatters them itself.
   ctx.trace->SetPhase(Phase::kOther);
   for (auto& p : g.parameters) {
     if (p->frozen) continue;
     ctx.trace->SetSite(p->name);
-    if (p->reduce_over_tp && g.t > 1) ctx.tp().AllReduce(p->grad, ReduceOp::kSum);
-    if (g.d > 1) ctx.dp_cp().AllReduce(p->grad, ReduceOp::kSum);
+    if (p->sequence_parallel && g.t > 1) ctx.tp().AllReduce(p->grad, ReduceOp::kSum);
+    if (g.d > 1 && g.dp_reduces_grads) ctx.dp_cp().AllReduce(p->grad, ReduceOp::kSum);
   }
 }
 
@@ -963,7 +1007,7 @@ std::vector<TensorRecord> Graph::Records(RankContext& ctx) const {
       activation(n + ".output", slot.output, slot.out_state, slot.out_width);
       gradient(n + ".output_grad", slot.output_grad, slot.out_state, slot.out_width);
     }
-    for (const Parameter* p : {slot.owns_weight ? slot.weight : nullptr, slot.bias}) {
+    for (const ChainParameter* p : {slot.owns_weight ? slot.weight : nullptr, slot.bias}) {
       if (p == nullptr) continue;
       out.push_back({p->name, p->value, p->full_shape, p->shard, false});
       if (!p->frozen) out.push_back({p->name + "_grad", p->grad, p->full_shape, p->shard, false});

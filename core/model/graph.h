@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/config.h"
+#include "core/model/parameter.h"
 #include "core/model/record.h"
 #include "core/rank_context.h"
 #include "core/sharding.h"
@@ -44,9 +45,16 @@ class Graph {
 
   // Allocates this rank's parameter shards and fills them from the master values.
   void InitializeParameters(RankContext& ctx);
-  // All micro-batches: data, forward, loss, backward (recomputing the forward first when
-  // run.recompute), gradient accumulation; then the tp and dp gradient reductions.
-  void Run(RankContext& ctx);
+  // All micro-batches of training iteration `iteration`: data, forward, loss, backward
+  // (recomputing the forward first when run.recompute), gradient accumulation; then the tp
+  // and dp gradient reductions (the dp one left to the distributed optimizer when the config
+  // uses it). Micro-batch m reads global micro-batch iteration*M + m's data and synthetic
+  // tensors, and the RNG tracker starts where `iteration` earlier iterations left it, so a
+  // repeated call computes the same step.
+  void Run(RankContext& ctx, int64_t iteration = 0);
+  // The parameters with a main_grad (not frozen), in registration order: what the optimizer
+  // updates.
+  std::vector<Parameter*> TrainableParameters() const;
 
   // After Run: every tensor of the last micro-batch plus parameters and gradients.
   std::vector<TensorRecord> Records(RankContext& ctx) const;

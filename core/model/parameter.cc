@@ -32,6 +32,13 @@ Parameter& ParameterSet::Get(std::string_view name) {
   throw std::out_of_range(fmt::format("no parameter named '{}'", name));
 }
 
+std::vector<Parameter*> ParameterSet::pointers() const {
+  std::vector<Parameter*> out;
+  out.reserve(params_.size());
+  for (const auto& p : params_) out.push_back(p.get());
+  return out;
+}
+
 void ParameterSet::Initialize(Kernels& k, uint64_t seed, DType dtype) {
   for (auto& p : params_) {
     const Shape local = LocalShape(p->shard, p->full_shape);

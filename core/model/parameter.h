@@ -47,6 +47,8 @@ class ParameterSet {
   // The parameter called `name`, or nullptr (optional biases).
   Parameter* Find(std::string_view name);
   const std::vector<std::unique_ptr<Parameter>>& all() const { return params_; }
+  // The same list as pointers (what the optimizer takes).
+  std::vector<Parameter*> pointers() const;
 
   // Fills every local value with its master values (in `dtype`) and zeroes main_grad.
   void Initialize(Kernels& k, uint64_t seed, DType dtype);

@@ -46,15 +46,14 @@ Tensor Slice(const Tensor& flat, int64_t offset, const Shape& shape) {
 
 }  // namespace
 
-Optimizer::Optimizer(const OptimizerConfig& config, ParameterSet& params, Kernels& k,
-                     DistributedOptimizerGroups groups)
+Optimizer::Optimizer(const OptimizerConfig& config, const std::vector<Parameter*>& params,
+                     Kernels& k, DistributedOptimizerGroups groups)
     : config_(config), groups_(groups) {
-  master_dtype_ =
-      params.all().empty() ? DType::kFloat32 : ComputeDType(params.all().front()->value.dtype());
-  if (!params.all().empty()) grad_dtype_ = params.all().front()->grad.dtype();
-  for (const auto& p : params.all()) {
+  master_dtype_ = params.empty() ? DType::kFloat32 : ComputeDType(params.front()->value.dtype());
+  if (!params.empty()) grad_dtype_ = params.front()->grad.dtype();
+  for (Parameter* p : params) {
     State s;
-    s.param = p.get();
+    s.param = p;
     s.weight_decay = TakesWeightDecay(p->name, static_cast<int64_t>(p->full_shape.size()))
                          ? config.weight_decay
                          : 0.0;

@@ -63,8 +63,9 @@ struct DistributedOptimizerGroups {
 
 class Optimizer {
  public:
-  // `groups.shard` null: the plain optimizer, every parameter whole on every rank.
-  Optimizer(const OptimizerConfig& config, ParameterSet& params, Kernels& k,
+  // Updates `params` (in registration order; every one with a main_grad), which must
+  // outlive it. `groups.shard` null: the plain optimizer, every parameter whole on every rank.
+  Optimizer(const OptimizerConfig& config, const std::vector<Parameter*>& params, Kernels& k,
             DistributedOptimizerGroups groups = {});
 
   bool distributed() const { return groups_.shard != nullptr; }

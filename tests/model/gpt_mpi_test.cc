@@ -424,7 +424,7 @@ TEST(GptMpi, DistributedOptimizerTrainsAsThePlainOne) {
 }
 
 // Lower precision: Adam moves a parameter whose exact gradient is 0 (the key bias) by O(lr)
-// on rounding noise, which the check's error bounds carry (reference/gpt_train.h).
+// on rounding noise, which the check's error bounds carry (reference/trainer.h).
 TEST(GptMpi, TrainingInFloat32AndBFloat16) {
   const int64_t t = TensorParallelSizes().back();
   for (const char* dtype : {"float32", "bfloat16"}) {

@@ -605,15 +605,121 @@ TEST(GraphVsReference, OrdinaryChainsHaveNoWarnings) {
 
 // A repeated step (--repeat) starts from zero gradients: every repetition computes the same
 // tensors, so the last one still matches the reference.
+// Repeated steps (--repeat) compute the same step: the RNG tracker starts every repetition
+// where its iteration starts, so dropout draws the same masks each time.
 TEST(GraphVsReference, RepeatedStepsGiveTheSameTensors) {
   CpuBackend backend;
+  json model = LanguageModel(0.1);
+  model["layers"].insert(model["layers"].begin() + 3,
+                         json{{"name", "dropout"}, {"type", "Dropout"}, {"p", 0.3}});
   const Config config = MakeConfig({{"parallel", Parallel(WorldSize())},
-                                    {"model", LanguageModel(0.1)},
+                                    {"model", model},
                                     {"run", RunSection("float32", 8, 2, 2)}});
   StatusOr<run::SimulationResult> r = run::Simulate(config, {true, 3, false}, backend);
   ASSERT_TRUE(r.ok()) << r.status().Message();
   EXPECT_EQ(r->seconds.size(), 3u);
   for (const run::TensorCheck& c : r->check.tensors) EXPECT_TRUE(c.ok()) << c.name;
+}
+
+// Training the layer chain: every iteration's loss and gradient norm, and the final
+// parameters, clipped gradients and optimizer state, against the float64 reference training
+// the whole chain (reference/trainer.h). Without dropout every layout (tp, dp, sequence
+// parallelism, the distributed optimizer) trains one loss curve.
+json ChainTraining(json document, const char* optimizer, bool distributed) {
+  document["run"]["train_iters"] = 4;
+  if (std::string(optimizer) == "adam") {
+    document["optimizer"] = {{"optimizer", "adam"},
+                             {"lr", 0.01},
+                             {"lr_warmup_iters", 1},
+                             {"clip_grad", 1.0},
+                             {"weight_decay", 0.1}};
+  } else {
+    document["optimizer"] = {{"optimizer", "sgd"},
+                             {"lr", 0.5},
+                             {"lr_decay_style", "cosine"},
+                             {"clip_grad", 0.05},
+                             {"weight_decay", 0.1}};
+  }
+  document["optimizer"]["use_distributed_optimizer"] = distributed;
+  return document;
+}
+
+void ExpectIterationsMatch(const run::SimulationResult& result, double relative) {
+  ASSERT_EQ(result.iterations.size(), 4u);
+  ASSERT_EQ(result.check.reference_iterations.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    const run::CheckResult::Iteration& ref = result.check.reference_iterations[i];
+    EXPECT_NEAR(result.iterations[i].loss, ref.loss, relative * std::fabs(ref.loss) + 1e-300)
+        << "iteration " << i;
+    EXPECT_NEAR(result.iterations[i].grad_norm, ref.grad_norm, relative * ref.grad_norm)
+        << "iteration " << i;
+  }
+}
+
+TEST(GraphTraining, EveryLayoutTrainsTheReferencesLossCurve) {
+  for (const char* optimizer : {"adam", "sgd"}) {
+    // One curve per padded vocabulary (tp 8 pads the 96 entries to 128: another model).
+    std::map<int64_t, std::vector<std::vector<double>>> curves;
+    for (int64_t t : TensorParallelSizes()) {
+      for (const bool sp : {false, true}) {
+        for (const bool distributed : {false, true}) {
+          if ((sp && t == 1) || (distributed && WorldSize() / t == 1)) continue;
+          SCOPED_TRACE(fmt::format("{} tp {} sequence_parallel {} distributed {}", optimizer, t, sp,
+                                   distributed));
+          const int64_t dp = WorldSize() / t;
+          const run::SimulationResult result = RunChecked(ChainTraining(
+              {{"parallel", Parallel(t, sp)},
+               {"model", LanguageModel(0.1)},
+               {"run", RunSection("float64", 8, std::max<int64_t>(8, WorldSize()) / dp, 2)}},
+              optimizer, distributed));
+          ExpectIterationsMatch(result, 1e-12);
+          std::vector<double> curve;
+          for (const auto& row : result.iterations) curve.push_back(row.loss);
+          EXPECT_NE(curve.front(), curve.back()) << "the chain did not learn";
+          curves[result.padded_vocab_size].push_back(curve);
+        }
+      }
+    }
+    for (const auto& [padded, same_model] : curves) {
+      for (const auto& curve : same_model) {
+        for (size_t i = 0; i < curve.size(); ++i) {
+          EXPECT_NEAR(curve[i], same_model.front()[i], 1e-12) << "padded vocabulary " << padded;
+        }
+      }
+    }
+  }
+}
+
+// Dropout (each iteration continuing the tracker's streams), recomputation, a frozen layer,
+// a chain without a loss layer (trained on its synthetic output gradients), and 16-bit
+// storage with float32 master weights.
+TEST(GraphTraining, DropoutFrozenLayersNoLossAndMixedPrecision) {
+  const int64_t t = WorldSize() >= 2 ? 2 : 1;
+  json model = LanguageModel(0.1);
+  model["layers"].insert(model["layers"].begin() + 3,
+                         json{{"name", "dropout"}, {"type", "Dropout"}, {"p", 0.3}});
+  model["layers"][1]["frozen"] = true;
+  json run = RunSection("float64", 8, 2, 2);
+  run["recompute_granularity"] = "full";
+  ExpectIterationsMatch(
+      RunChecked(ChainTraining({{"parallel", Parallel(t, t > 1)}, {"model", model}, {"run", run}},
+                               "adam", false)),
+      1e-12);
+  json mlp = MlpBlock(16, 64);
+  mlp["layers"].insert(mlp["layers"].begin() + 2,
+                       json{{"name", "dropout"}, {"type", "Dropout"}, {"p", 0.2}});
+  ExpectIterationsMatch(
+      RunChecked(ChainTraining(
+          {{"parallel", Parallel(t)}, {"model", mlp}, {"run", RunSection("float64", 8, 2, 3)}},
+          "sgd", WorldSize() / t > 1)),
+      1e-12);
+  for (const char* dtype : {"float32", "bfloat16"}) {
+    SCOPED_TRACE(dtype);
+    RunChecked(ChainTraining({{"parallel", Parallel(t, t > 1)},
+                              {"model", LanguageModel(0.1)},
+                              {"run", RunSection(dtype, 8, 2, 2)}},
+                             "adam", WorldSize() / t > 1));
+  }
 }
 
 // Fewer token rows than ranks: some ranks hold an empty slice of the reference, and every

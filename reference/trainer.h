@@ -1,5 +1,6 @@
-// The float64 reference's optimizer: trains the reference GPT model from the contract alone
-// (core/optimizer_config.h for the learning rate and which parameters take weight decay).
+// The float64 reference's optimizer: trains the reference models (the GPT model and the layer
+// chain) from the contract alone (core/optimizer_config.h for the learning rate and which
+// parameters take weight decay).
 //
 // What it is: float64 copies of every parameter of the whole model, updated from the full
 // gradients of an iteration (summed over every sample): the global gradient norm (each
@@ -31,18 +32,19 @@
 
 namespace mpusim {
 
-class GptReferenceTrainer {
+class ReferenceTrainer {
  public:
-  GptReferenceTrainer(const OptimizerConfig& config, int64_t train_iters);
+  ReferenceTrainer(const OptimizerConfig& config, int64_t train_iters);
 
   // Takes the initial parameters (full host float64 tensors, by name) at the first step.
   bool has_parameters() const { return !parameters_.empty(); }
   void SetParameters(std::map<std::string, Tensor> parameters);
-  // The current parameters, for GptReferenceOptions::parameter_overrides.
+  // The current parameters, for the references' parameter overrides.
   const std::map<std::string, Tensor>& parameters() const { return parameters_; }
 
   // One step of 0-based iteration k with the full gradients `grads` (by parameter name,
-  // float64 host, clipped in place). Returns the gradient norm before clipping.
+  // float64 host, clipped in place). Parameters without a gradient (frozen) stay as they are.
+  // Returns the gradient norm before clipping.
   double Step(std::map<std::string, Tensor*>& grads, int64_t k);
   double last_lr() const { return last_lr_; }
   // The run's gradient tolerance (see above); 0 (the default) carries no error.

@@ -1,5 +1,5 @@
-// The reference's optimizer (see gpt_train.h).
-#include "reference/gpt_train.h"
+// The reference's optimizer (see trainer.h).
+#include "reference/trainer.h"
 
 #include <fmt/format.h>
 
@@ -9,14 +9,14 @@
 
 namespace mpusim {
 
-GptReferenceTrainer::GptReferenceTrainer(const OptimizerConfig& config, int64_t train_iters)
+ReferenceTrainer::ReferenceTrainer(const OptimizerConfig& config, int64_t train_iters)
     : config_(config), train_iters_(train_iters) {}
 
-void GptReferenceTrainer::SetParameters(std::map<std::string, Tensor> parameters) {
+void ReferenceTrainer::SetParameters(std::map<std::string, Tensor> parameters) {
   parameters_ = std::move(parameters);
 }
 
-double GptReferenceTrainer::Step(std::map<std::string, Tensor*>& grads, int64_t k) {
+double ReferenceTrainer::Step(std::map<std::string, Tensor*>& grads, int64_t k) {
   ++steps_;
   double sum = 0;
   for (const auto& [name, g] : grads) {
@@ -51,7 +51,7 @@ double GptReferenceTrainer::Step(std::map<std::string, Tensor*>& grads, int64_t 
   for (auto& [name, g] : grads) {
     const auto it = parameters_.find(name);
     if (it == parameters_.end()) {
-      throw std::invalid_argument(fmt::format("GptReferenceTrainer: no parameter '{}'", name));
+      throw std::invalid_argument(fmt::format("ReferenceTrainer: no parameter '{}'", name));
     }
     Tensor& w = it->second;
     const double wd =
@@ -111,7 +111,7 @@ double GptReferenceTrainer::Step(std::map<std::string, Tensor*>& grads, int64_t 
   return norm;
 }
 
-std::vector<GptReferenceTrainer::StateTensor> GptReferenceTrainer::State() const {
+std::vector<ReferenceTrainer::StateTensor> ReferenceTrainer::State() const {
   std::vector<StateTensor> out;
   const bool adam = config_.kind == OptimizerConfig::Kind::kAdam;
   for (const auto& [name, m] : m_) {
