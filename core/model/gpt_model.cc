@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "core/init.h"
+#include "core/pipeline/pipeline_walk.h"
 #include "core/rng.h"
 #include "core/schedule.h"
 #include "core/tensor_parallel/mappings.h"
@@ -422,71 +423,19 @@ Tensor GptModel::BackwardStep(RankContext& ctx, int64_t chunk, int64_t microbatc
 }
 
 void GptModel::RunSchedule(RankContext& ctx, std::vector<TensorRecord>* records) {
-  Kernels& k = *ctx.kernels;
-  Communicator& pp = ctx.pp();
   const int64_t M = run_.num_microbatches;
   const Shape stream = {shape_.stream_rows(), gpt_.hidden_size};
-  std::map<std::tuple<int, int64_t, int64_t>, Tensor> inbox;  // (kind, chunk, mb)
-  std::vector<std::unique_ptr<PendingP2P>> in_flight;
-  Tensor produced;  // the previous step's output stream or input gradient
-  // A backend that completes sends before returning (NCCL) gets Megatron's pairing: each
-  // step's sends in one batch with its receive. That completes for 1F1B but deadlocks the
-  // interleaved warmup (core/pipeline/pipeline_plan.h), so it is refused there.
-  const bool paired = !pp.LeavesSendsInFlight();
-  if (paired && chunks_.size() > 1) {
-    throw std::invalid_argument(
-        "the interleaved pipeline schedule needs sends left in flight, which this backend's "
-        "point-to-point does not do (NCCL); run it with --comm mpi or without "
-        "virtual_pipeline_model_parallel_size");
-  }
-  for (const PlanAction& action : plan_) {
-    std::vector<P2POp> sends, receives;
-    for (const Transfer& t : action.batch) {
-      const int kind = t.kind == Transfer::Kind::kActivation ? 0 : 1;
-      if (t.send) {
-        if (!produced.defined() || produced.shape() != stream || produced.dtype() != run_.dtype) {
-          throw std::logic_error(
-              fmt::format("GptModel::RunSchedule: {} has no {} {} tensor to "
-                          "send",
-                          FormatTransfer(t), ShapeString(stream), DTypeName(run_.dtype)));
-        }
-        sends.push_back({P2POp::Kind::kSend, produced, static_cast<int>(t.peer), TransferTag(t)});
-      } else {
-        Tensor buffer = k.Empty(stream, run_.dtype);
-        inbox[{kind, t.model_chunk, t.microbatch}] = buffer;
-        receives.push_back({P2POp::Kind::kRecv, buffer, static_cast<int>(t.peer), TransferTag(t)});
-      }
-    }
-    ctx.trace->SetPhase(Phase::kOther);
-    ctx.trace->SetSite("pipeline");
-    if (paired) {
-      sends.insert(sends.end(), receives.begin(), receives.end());
-      if (!sends.empty()) pp.BatchSendRecv(sends);
-    } else {
-      if (!sends.empty()) in_flight.push_back(pp.PostSendRecv(sends));
-      if (!receives.empty()) pp.BatchSendRecv(receives);
-    }
-    produced = Tensor();
-    if (!action.step) continue;
-    const ScheduleStep& step = *action.step;
+  PipelineStepFunctions functions;
+  // Every transfer is the residual stream [s_l*b, h] or its gradient.
+  functions.shape = [&](const Transfer&) { return std::make_pair(stream, run_.dtype); };
+  functions.step = [&](const ScheduleStep& step, const Tensor& input) {
     std::vector<TensorRecord>* mb_records = step.microbatch + 1 == M ? records : nullptr;
-    const bool forward = step.pass == Pass::kForward;
-    Tensor input;
-    const auto key = std::make_tuple(forward ? 0 : 1, step.model_chunk, step.microbatch);
-    if (const auto it = inbox.find(key); it != inbox.end()) {
-      input = it->second;
-      inbox.erase(it);
-    }
-    produced = forward ? ForwardStep(ctx, step.model_chunk, step.microbatch, input, mb_records)
-                       : BackwardStep(ctx, step.model_chunk, step.microbatch, input, mb_records);
-  }
-  for (auto& pending : in_flight) pending->Wait();
-  if (!inbox.empty()) {
-    throw std::logic_error(
-        fmt::format("GptModel::RunSchedule: {} received tensors were never "
-                    "used",
-                    inbox.size()));
-  }
+    return step.pass == Pass::kForward
+               ? ForwardStep(ctx, step.model_chunk, step.microbatch, input, mb_records)
+               : BackwardStep(ctx, step.model_chunk, step.microbatch, input, mb_records);
+  };
+  WalkPipelinePlan(plan_, static_cast<int64_t>(chunks_.size()), ctx.pp(), *ctx.kernels, *ctx.trace,
+                   functions);
 }
 
 void GptModel::Run(RankContext& ctx, std::vector<TensorRecord>* records, int64_t iteration) {
