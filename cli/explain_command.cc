@@ -60,13 +60,17 @@ class ExplainCommand : public Command {
     }
     for (size_t i = 0; i < per_rank[0].size(); ++i) {
       const Graph::PlannedLayer& layer = per_rank[0][i];
-      out << fmt::format("\n{} {}: input {} -> output {}\n", layer.type, layer.name,
-                         layer.input_width == 0 ? std::string("tokens")
-                                                : fmt::format("{} ({})", layer.input_width,
-                                                              SplitName(layer.input.split)),
-                         layer.output_width == 0 ? std::string("loss")
-                                                 : fmt::format("{} ({})", layer.output_width,
-                                                               SplitName(layer.output.split)));
+      out << fmt::format(
+          "\n{} {}: input {} -> output {}{}\n", layer.type, layer.name,
+          layer.input_width == 0
+              ? std::string("tokens")
+              : fmt::format("{} ({})", layer.input_width, SplitName(layer.input.split)),
+          layer.output_width == 0
+              ? std::string("loss")
+              : fmt::format("{} ({})", layer.output_width, SplitName(layer.output.split)),
+          topology->sizes().pp > 1
+              ? fmt::format("; pipeline rank {}, chunk {}", layer.pp_rank, layer.chunk)
+              : std::string());
       for (size_t p = 0; p < layer.parameters.size(); ++p) {
         const Graph::PlannedParameter& param = layer.parameters[p];
         const bool linear = layer.type == "ColumnParallelLinear" ||

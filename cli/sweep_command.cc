@@ -34,6 +34,7 @@
 #include "cli/commands.h"
 #include "core/config.h"
 #include "core/gpt_config.h"
+#include "core/model/graph.h"
 #include "core/safetensors.h"
 #include "core/schedule.h"
 #include "core/topology.h"
@@ -69,13 +70,19 @@ std::string LayoutProblem(const json& document) {
   if (!s.ok()) return s.Message();
   StatusOr<Topology> topology = Topology::Create(config.parallel);
   if (!topology.ok()) return topology.status().Message();
-  GptConfig gpt = *config.gpt;
-  s = CheckGptLayout(config.parallel, *config.run, &gpt);
-  if (!s.ok()) return s.Message();
   const auto vp = config.parallel.virtual_pipeline_model_parallel_size;
-  StatusOr<std::vector<std::vector<std::vector<int64_t>>>> layers =
-      AssignLayers(config.parallel.pipeline_model_parallel_size, vp, gpt.num_layers);
-  if (!layers.ok()) return layers.status().Message();
+  if (config.gpt) {
+    GptConfig gpt = *config.gpt;
+    s = CheckGptLayout(config.parallel, *config.run, &gpt);
+    if (!s.ok()) return s.Message();
+    StatusOr<std::vector<std::vector<std::vector<int64_t>>>> layers =
+        AssignLayers(config.parallel.pipeline_model_parallel_size, vp, gpt.num_layers);
+    if (!layers.ok()) return layers.status().Message();
+  } else {
+    // A layer chain: whatever Graph::Build refuses (shapes, states, stages, ties).
+    StatusOr<std::unique_ptr<Graph>> graph = Graph::Build(config, *topology);
+    if (!graph.ok()) return graph.status().Message();
+  }
   StatusOr<PipelineSchedule> schedule = BuildPipelineSchedule(
       config.parallel.pipeline_model_parallel_size, vp, config.run->num_microbatches,
       config.parallel.microbatch_group_size_per_vp_stage);
@@ -88,12 +95,12 @@ class SweepCommand final : public Command {
   explicit SweepCommand(CLI::App* parent) {
     app_ = parent->add_subcommand(
         "sweep",
-        "Run every valid layout of a GPT config on N ranks and check each against the "
-        "float64 reference");
+        "Run every valid layout of a config (the GPT model or a layer chain) on N ranks and "
+        "check each against the float64 reference");
     app_->footer(
         "Each layout runs as `mpiexec -n N --oversubscribe mpusim run`. Exit codes: 0 "
         "every layout passes, 1 one fails or cannot run, 2 bad input.");
-    app_->add_option("CONFIG", config_path_, "a GPT config (model.type \"gpt\")")->required();
+    app_->add_option("CONFIG", config_path_, "a config with a model and a run section")->required();
     app_->add_option("--world-size", world_size_, "ranks of every layout")
         ->required()
         ->check(CLI::Range(1, 64));
@@ -112,10 +119,11 @@ class SweepCommand final : public Command {
     if (const Status s = ParseConfig(base, &config); !s.ok()) {
       return ReportError(err, config_path_, s.Message());
     }
-    if (!config.gpt || !config.run) {
+    if ((!config.gpt && !config.model) || !config.run) {
       return ReportError(err, config_path_,
-                         "model: mpusim sweep runs GPT configs (\"model\": {\"type\": \"gpt\", "
-                         "...}) with a run section");
+                         !config.gpt && !config.model
+                             ? "model: is required by mpusim sweep"
+                             : "run: is required by mpusim sweep (its data and dtype)");
     }
     if (train_iters_) {
       if (!config.optimizer) {
@@ -220,7 +228,9 @@ class SweepCommand final : public Command {
                               summary["check"]["reference_loss"].get<double>());
       }
       const double loss = summary["loss"].get<double>();
-      const int64_t padded = config.gpt->PaddedVocabSize(l.tp);
+      const int64_t padded = config.gpt                 ? config.gpt->PaddedVocabSize(l.tp)
+                             : config.model->vocab_size ? config.model->PaddedVocabSize(l.tp)
+                                                        : 0;
       const auto [it, fresh] = losses.try_emplace(padded, loss, loss);
       it->second = {std::min(it->second.first, loss), std::max(it->second.second, loss)};
       const bool passed = code == 0 && summary["passed"].get<bool>();
@@ -244,6 +254,14 @@ class SweepCommand final : public Command {
         "{} of {} layouts pass; final losses agree to {}\n",
         layouts.size() - static_cast<size_t>(failures), layouts.size(),
         agreement.empty() ? std::string("-") : fmt::format("{}", fmt::join(agreement, ", ")));
+    if (config.model && std::any_of(config.model->layers.begin(), config.model->layers.end(),
+                                    [](const LayerConfig& c) {
+                                      return c.type == LayerType::kDropout && c.p > 0;
+                                    })) {
+      out << "  (a chain's dropout masks come from each rank's RNG tracker, as Megatron's do, "
+             "so its losses differ between layouts; each layout is checked against the "
+             "reference drawing the same masks)\n";
+    }
     if (losses.size() > 1) {
       out << "  (layouts that pad the vocabulary differently train different models: the "
              "padded logits take part in the softmax; make vocab_size a multiple of "

@@ -20,6 +20,7 @@
 #include <fmt/format.h>
 
 #include <Eigen/Dense>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -33,6 +34,7 @@
 #include "core/init.h"
 #include "core/philox.h"
 #include "core/rng.h"
+#include "core/schedule.h"
 #include "core/sharding.h"
 
 namespace mpusim {
@@ -63,6 +65,7 @@ struct ActState {
 struct Sizes {
   uint64_t seed = 0;
   int64_t tp_size = 1;                  // t
+  int64_t pp_size = 1;                  // p: pipeline stages (only dropout masks see them)
   int64_t dp_size = 1;                  // d
   int64_t seq = 0;                      // s
   int64_t micro = 0;                    // b
@@ -87,15 +90,22 @@ struct LayerPlan {
   // Dropout
   ActState in_state;
   bool model_parallel_stream = false;
-  int64_t stream_position = 0;  // position among the dropout layers on the same stream
+  // Who draws its mask: the pipeline rank and model chunk holding it, and its position among
+  // that chunk's dropout layers on the same stream.
+  int64_t pp_rank = 0;
+  int64_t chunk = 0;
+  int64_t stream_position = 0;
 };
 
 struct Plan {
   Sizes sizes;
   std::vector<LayerPlan> layers;
   int64_t input_width = 0;  // synthetic input width; 0 when the chain starts with an embedding
-  int64_t dropouts_on_default = 0;
-  int64_t dropouts_on_model_parallel = 0;
+  // first[r][{chunk, m}][stream]: the draws pipeline rank r made on a stream (0: default, 1:
+  // model-parallel-rng) in one iteration before its forward of (chunk, m); per_iteration[r]:
+  // all of one iteration's (docs/simulator.md, "Pipeline stages of a chain").
+  std::vector<std::map<std::pair<int64_t, int64_t>, std::array<int64_t, 2>>> first;
+  std::vector<std::array<int64_t, 2>> per_iteration;
   bool has_embedding = false;
   bool has_loss = false;
 };
@@ -217,8 +227,12 @@ Status CheckSizes(const ParallelConfig& parallel, const ModelConfig& model, cons
                                      "({}), got {}",
                                      tp_size, parallel.world_size));
   }
-  if (parallel.pipeline_model_parallel_size != 1) {
-    return Status::Error("parallel.pipeline_model_parallel_size", "mpusim run requires 1");
+  const int64_t pp_size = parallel.pipeline_model_parallel_size;
+  if (pp_size < 1 || parallel.world_size % (tp_size * pp_size) != 0) {
+    return Status::Error("parallel.pipeline_model_parallel_size",
+                         fmt::format("must be >= 1 and divide world_size / "
+                                     "tensor_model_parallel_size, got {}",
+                                     pp_size));
   }
   if (parallel.context_parallel_size != 1) {
     return Status::Error("parallel.context_parallel_size", "mpusim run requires 1");
@@ -228,7 +242,8 @@ Status CheckSizes(const ParallelConfig& parallel, const ModelConfig& model, cons
   if (run.num_microbatches < 1) return Status::Error("run.num_microbatches", "must be >= 1");
   sizes->seed = run.seed;
   sizes->tp_size = tp_size;
-  sizes->dp_size = parallel.world_size / tp_size;
+  sizes->pp_size = pp_size;
+  sizes->dp_size = parallel.world_size / (tp_size * pp_size);
   sizes->seq = run.seq_length;
   sizes->micro = run.micro_batch_size;
   sizes->batch = run.micro_batch_size * sizes->dp_size;
@@ -247,8 +262,8 @@ Status CheckSizes(const ParallelConfig& parallel, const ModelConfig& model, cons
   return Status();
 }
 
-// Checks the dropout's input state and places it on its random stream.
-Status PlanDropout(const Sizes& sizes, ActState state, int64_t width, Plan* plan, LayerPlan* lp) {
+// Checks the dropout's input state and picks its random stream (PlaceDropouts numbers its draws).
+Status PlanDropout(const Sizes& sizes, ActState state, int64_t width, LayerPlan* lp) {
   const double p = lp->config->p;
   if (!(p >= 0.0 && p <= 1.0)) return Status::Error(lp->where + ".p", "must be in [0, 1]");
   lp->in_state = state;
@@ -277,9 +292,54 @@ Status PlanDropout(const Sizes& sizes, ActState state, int64_t width, Plan* plan
                            "Dropout needs a replicated, hidden-split or "
                            "sequence-split input (not a partial sum)");
   }
-  int64_t& count =
-      lp->model_parallel_stream ? plan->dropouts_on_model_parallel : plan->dropouts_on_default;
-  lp->stream_position = count++;
+  return Status();
+}
+
+// Who draws each dropout mask, and when (docs/simulator.md, "Pipeline stages of a chain"): the
+// n layers fill the S = p * v virtual stages in consecutive runs, stage u taking layers
+// [u n / S, (u + 1) n / S); stage u is chunk u / p of pipeline rank u % p. Each rank draws
+// from its own tracker, advanced by its forwards in the schedule's forward-table order
+// (micro-batches in order without virtual stages), every iteration continuing the streams.
+Status PlaceDropouts(const ParallelConfig& parallel, const RunConfig& run, Plan* plan) {
+  const int64_t p = plan->sizes.pp_size;
+  const int64_t v = parallel.virtual_pipeline_model_parallel_size.value_or(1);
+  const auto n = static_cast<int64_t>(plan->layers.size());
+  const int64_t stages = p * v;
+  if (v < 1 || n < stages) {
+    return Status::Error("model.layers",
+                         fmt::format("{} layers cannot fill {} pipeline stages", n, stages));
+  }
+  std::vector<std::array<int64_t, 2>> per_chunk(static_cast<size_t>(stages), {0, 0});
+  for (int64_t u = 0, i = 0; u < stages; ++u) {
+    for (; i < (u + 1) * n / stages; ++i) {
+      LayerPlan& lp = plan->layers[static_cast<size_t>(i)];
+      if (lp.config->type != LayerType::kDropout) continue;
+      lp.pp_rank = u % p;
+      lp.chunk = u / p;
+      lp.stream_position = per_chunk[static_cast<size_t>(u)][lp.model_parallel_stream ? 1 : 0]++;
+    }
+  }
+  std::vector<std::pair<int64_t, int64_t>> forward_order;  // (micro-batch, chunk)
+  if (p > 1) {
+    StatusOr<PipelineSchedule> schedule =
+        BuildPipelineSchedule(p, parallel.virtual_pipeline_model_parallel_size,
+                              run.num_microbatches, parallel.microbatch_group_size_per_vp_stage);
+    if (!schedule.ok()) return schedule.status();
+    forward_order = schedule->forward_table;
+  } else {
+    for (int64_t m = 0; m < run.num_microbatches; ++m) forward_order.emplace_back(m, 0);
+  }
+  plan->first.assign(static_cast<size_t>(p), {});
+  plan->per_iteration.assign(static_cast<size_t>(p), {0, 0});
+  for (int64_t r = 0; r < p; ++r) {
+    std::array<int64_t, 2>& total = plan->per_iteration[static_cast<size_t>(r)];
+    for (const auto& [m, c] : forward_order) {
+      plan->first[static_cast<size_t>(r)][{c, m}] = total;
+      for (size_t stream = 0; stream < 2; ++stream) {
+        total[stream] += per_chunk[static_cast<size_t>(c * p + r)][stream];
+      }
+    }
+  }
   return Status();
 }
 
@@ -398,7 +458,7 @@ Status BuildPlan(const ParallelConfig& parallel, const ModelConfig& model, const
       }
       case LayerType::kDropout:
         lp.out_width = width;
-        MPUSIM_RETURN_IF_ERROR(PlanDropout(sizes, state, width, plan, &lp));
+        MPUSIM_RETURN_IF_ERROR(PlanDropout(sizes, state, width, &lp));
         break;
       case LayerType::kVocabParallelCrossEntropy: {
         if (!last) return Status::Error(lp.where, "the loss must be the last layer");
@@ -447,7 +507,7 @@ Status BuildPlan(const ParallelConfig& parallel, const ModelConfig& model, const
                                        lp.out_width, lp.in_width));
     }
   }
-  return Status();
+  return PlaceDropouts(parallel, run, plan);
 }
 
 // ---- budgets ------------------------------------------------------------------------------
@@ -592,10 +652,13 @@ Tensor DropoutScale(const Plan& plan, const LayerPlan& lp, int64_t micro_batch, 
   const Sizes& sizes = plan.sizes;
   const double p = lp.config->p;
   const double scale = p < 1.0 ? 1.0 / (1.0 - p) : 0.0;
-  const int64_t draws_per_micro_batch =
-      lp.model_parallel_stream ? plan.dropouts_on_model_parallel : plan.dropouts_on_default;
-  const uint64_t draw =
-      static_cast<uint64_t>(micro_batch * draws_per_micro_batch + lp.stream_position);
+  // micro_batch is global: iteration it's micro-batch m.
+  const int64_t it = micro_batch / sizes.num_micro, m = micro_batch % sizes.num_micro;
+  const size_t stream = lp.model_parallel_stream ? 1 : 0;
+  const auto r = static_cast<size_t>(lp.pp_rank);
+  const auto draw =
+      static_cast<uint64_t>(it * plan.per_iteration[r][stream] +
+                            plan.first[r].at({lp.chunk, m})[stream] + lp.stream_position);
   const int64_t width = lp.in_width;
   const StateKind kind = lp.in_state.kind;
 
@@ -628,7 +691,7 @@ Tensor DropoutScale(const Plan& plan, const LayerPlan& lp, int64_t micro_batch, 
     const int64_t local_sample = g % sizes.micro;
     const int64_t seq_tp_rank = i / local_seq;  // 0 unless sequence split
     const int64_t local_i = i % local_seq;
-    const uint64_t default_key = DefaultSeed(sizes.seed, 0, dp_rank);
+    const uint64_t default_key = DefaultSeed(sizes.seed, lp.pp_rank, dp_rank);
     for (int64_t j = 0; j < width; ++j) {
       const auto jj = static_cast<size_t>(j);
       uint64_t key = default_key;
@@ -953,7 +1016,8 @@ StatusOr<std::vector<ReferenceParameter>> ReferenceParameters(const ParallelConf
 
 int64_t ReferenceRows(const ParallelConfig& parallel, const RunConfig& run) {
   const int64_t tp = std::max<int64_t>(parallel.tensor_model_parallel_size, 1);
-  return run.seq_length * run.micro_batch_size * (parallel.world_size / tp);
+  const int64_t pp = std::max<int64_t>(parallel.pipeline_model_parallel_size, 1);
+  return run.seq_length * run.micro_batch_size * (parallel.world_size / (tp * pp));
 }
 
 StatusOr<ReferenceResult> RunReferenceWithOverrides(

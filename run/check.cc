@@ -509,6 +509,29 @@ void MeasureMemory(const ReferenceResult& reference, const std::vector<TensorRec
   result->reference_bytes_whole = whole_bytes + row_bytes;
 }
 
+// The trained parameters' measured error, relative to each one's scale, summed over the
+// parameters, times the tolerance's safety factor: what the last iteration's activations and
+// gradients inherit (to first order every product adds its factors' relative errors) on top
+// of their own rounding. Collective: the largest error of each parameter over the ranks.
+double TrainingDrift(const std::vector<ReferenceTensor>& refs, const std::vector<double>& scales,
+                     const std::vector<ErrorStats>& stats,
+                     const std::map<std::string, Tensor>& parameters) {
+  std::vector<double> errors;
+  std::vector<size_t> which;
+  for (size_t i = 0; i < refs.size(); ++i) {
+    if (parameters.count(refs[i].name) == 0) continue;
+    errors.push_back(stats[i].max_abs);
+    which.push_back(i);
+  }
+  watched::Allreduce(MPI_IN_PLACE, errors.data(), static_cast<int>(errors.size()), MPI_DOUBLE,
+                     MPI_MAX, MPI_COMM_WORLD, WorldLabel());
+  double drift = 0;
+  for (size_t j = 0; j < which.size(); ++j) {
+    if (scales[which[j]] > 0) drift += errors[j] / scales[which[j]];
+  }
+  return kToleranceSafety * drift;
+}
+
 // One optimizer step of the reference on its full (summed) gradients, iteration k: the
 // parameters are the whole, non-partial tensors, their gradients "<parameter>_grad" (frozen
 // parameters have none and stay). Afterwards the result's parameters hold the updated values
@@ -648,13 +671,27 @@ StatusOr<CheckResult> CheckAgainstReference(const Config& config,
     by_name.erase(it);
   }
 
-  // Whole tensors: each rank its own shard.
-  for (size_t i = 0; i < n; ++i) {
-    if (refs[i].layout != Layout::kWhole || mine[i] == nullptr) continue;
-    const Tensor host = fetch(*mine[i]);
-    const auto bound = bounds.find(refs[i].name);
-    CompareWhole(*mine[i], host, refs[i].value, tolerances[i],
-                 bound != bounds.end() ? bound->second : nullptr, &stats[i]);
+  // Whole tensors: each rank its own shard. After training, the parameters and optimizer
+  // state first, with the error bounds training carries; the last iteration's activations and
+  // gradients were computed from those parameters, so they are then allowed the parameters'
+  // measured error too (TrainingDrift).
+  for (const bool trained : {true, false}) {
+    for (size_t i = 0; i < n; ++i) {
+      const auto bound = bounds.find(refs[i].name);
+      if (refs[i].layout != Layout::kWhole || mine[i] == nullptr ||
+          trained != (bound != bounds.end())) {
+        continue;
+      }
+      const Tensor host = fetch(*mine[i]);
+      CompareWhole(*mine[i], host, refs[i].value, tolerances[i],
+                   bound != bounds.end() ? bound->second : nullptr, &stats[i]);
+    }
+    if (trained && trainer) {
+      const double drift = TrainingDrift(refs, scales, stats, trainer->parameters());
+      for (size_t i = 0; i < n; ++i) {
+        if (bounds.count(refs[i].name) == 0) tolerances[i].atol += drift * scales[i];
+      }
+    }
   }
 
   // Row tensors. One reduction agrees on each tensor's largest shard (bytes) and on which

@@ -242,39 +242,62 @@ StatusOr<CheckResult> CheckGptAgainstReference(const Config& config, const GptCo
   watched::Allreduce(MPI_IN_PLACE, scale.data(), static_cast<int>(T), MPI_DOUBLE, MPI_MAX,
                      MPI_COMM_WORLD, WorldLabel());
 
-  // Pass 2: compare.
+  // Pass 2: compare. After training, the parameters and optimizer state first, with the error
+  // bounds training carries; the last iteration's activations and gradients were computed from
+  // those parameters, so they are then allowed the parameters' measured error too, relative to
+  // their scale (the sum over the parameters of max|a - e| / max|e|, times the tolerance's
+  // safety factor: to first order every product adds its factors' relative errors).
   std::vector<ErrorStats> stats(T);
-  for (size_t i = 0; i < T; ++i) {
-    const GptReferenceTensor& rt = ref.tensors[i];
-    const double* e = rt.value.data_as<double>();
-    // Token ids are exact data: compared for equality.
-    const bool exact = rt.name == "tokens" || rt.name == "labels";
-    const Tolerance tol = exact ? Tolerance{0, 0, 0} : tolerance.ForScale(scale[i]);
-    // A trained parameter: each element's allowance also holds the error its gradients'
-    // tolerance carries through the optimizer steps (reference/trainer.h).
-    const std::vector<double>* bounds = nullptr;
-    if (trainer) {
-      const auto it = trainer->error_bounds().find(rt.name);
-      if (it != trainer->error_bounds().end()) bounds = &it->second;
-      const auto state = state_bounds.find(rt.name);
-      if (state != state_bounds.end()) bounds = &state->second;
-    }
-    for (const TensorRecord* r : by_slot[i]) {
-      const Tensor host = fetch(*r);
-      const ElementMap map(*r, rt, options.sample_begin, options.sample_end);
-      const int64_t n = host.numel();
-      for (int64_t l = 0; l < n; ++l) {
-        const int64_t k = map.RefIndex(l);
-        // An element outside this rank's reference slice cannot be judged here: count it as
-        // a mismatch (a record placed on the wrong samples is a bug).
-        const double expected = k >= 0 ? e[k] : std::numeric_limits<double>::quiet_NaN();
-        const Tolerance element_tol =
-            bounds != nullptr && k >= 0
-                ? Tolerance{tol.atol + (*bounds)[static_cast<size_t>(k)], tol.rtol, 0}
-                : tol;
-        stats[i].Add(map.FullIndex(l), HostValue(host, l), expected, element_tol);
+  double drift = 0;
+  for (const bool trained : {true, false}) {
+    for (size_t i = 0; i < T; ++i) {
+      const GptReferenceTensor& rt = ref.tensors[i];
+      const double* e = rt.value.data_as<double>();
+      // Token ids are exact data: compared for equality.
+      const bool exact = rt.name == "tokens" || rt.name == "labels";
+      Tolerance tol = exact ? Tolerance{0, 0, 0} : tolerance.ForScale(scale[i]);
+      // A trained parameter: each element's allowance also holds the error its gradients'
+      // tolerance carries through the optimizer steps (reference/trainer.h).
+      const std::vector<double>* bounds = nullptr;
+      if (trainer) {
+        const auto it = trainer->error_bounds().find(rt.name);
+        if (it != trainer->error_bounds().end()) bounds = &it->second;
+        const auto state = state_bounds.find(rt.name);
+        if (state != state_bounds.end()) bounds = &state->second;
+      }
+      if (trained != (bounds != nullptr)) continue;
+      if (!exact) tol.atol += drift * scale[i];
+      for (const TensorRecord* r : by_slot[i]) {
+        const Tensor host = fetch(*r);
+        const ElementMap map(*r, rt, options.sample_begin, options.sample_end);
+        const int64_t n = host.numel();
+        for (int64_t l = 0; l < n; ++l) {
+          const int64_t k = map.RefIndex(l);
+          // An element outside this rank's reference slice cannot be judged here: count it
+          // as a mismatch (a record placed on the wrong samples is a bug).
+          const double expected = k >= 0 ? e[k] : std::numeric_limits<double>::quiet_NaN();
+          const Tolerance element_tol =
+              bounds != nullptr && k >= 0
+                  ? Tolerance{tol.atol + (*bounds)[static_cast<size_t>(k)], tol.rtol, 0}
+                  : tol;
+          stats[i].Add(map.FullIndex(l), HostValue(host, l), expected, element_tol);
+        }
       }
     }
+    if (!trained || !trainer) continue;
+    std::vector<double> errors;
+    std::vector<size_t> which;
+    for (size_t i = 0; i < T; ++i) {
+      if (trainer->parameters().count(ref.tensors[i].name) == 0) continue;
+      errors.push_back(stats[i].max_abs);
+      which.push_back(i);
+    }
+    watched::Allreduce(MPI_IN_PLACE, errors.data(), static_cast<int>(errors.size()), MPI_DOUBLE,
+                       MPI_MAX, MPI_COMM_WORLD, WorldLabel());
+    for (size_t j = 0; j < which.size(); ++j) {
+      if (scale[which[j]] > 0) drift += errors[j] / scale[which[j]];
+    }
+    drift *= kToleranceSafety;
   }
   // Reduce: sums, maxima, and the worst element from the rank that holds it.
   std::vector<int64_t> sums(3 * T);

@@ -115,7 +115,8 @@ void TimedSteps(const SimulateOptions& options, SimulationResult* result, Step&&
 // `start` (its clock as it left the barrier before the step). Across machines the clocks are
 // unrelated: each rank's times count from its own `start` instead, since the ranks leave the
 // barrier together (to the barrier's skew).
-std::vector<SimulationResult::RankTimeline> GatherTimeline(const GptModel* model,
+std::vector<SimulationResult::RankTimeline> GatherTimeline(const std::vector<StepSpan>& spans,
+                                                           double schedule_end,
                                                            const CommTrace& trace, bool comms,
                                                            int64_t pp_rank, double start) {
   char host[256] = {};
@@ -123,13 +124,11 @@ std::vector<SimulationResult::RankTimeline> GatherTimeline(const GptModel* model
   nlohmann::json mine = {{"pp_rank", pp_rank},
                          {"host", std::string(host)},
                          {"start", start},
-                         {"end", model != nullptr ? model->schedule_end() : start},
+                         {"end", schedule_end},
                          {"steps", nlohmann::json::array()},
                          {"comms", nlohmann::json::array()}};
-  if (model != nullptr) {
-    for (const GptModel::StepSpan& s : model->step_spans()) {
-      mine["steps"].push_back({s.chunk, s.microbatch, s.forward, s.begin, s.end});
-    }
+  for (const StepSpan& s : spans) {
+    mine["steps"].push_back({s.chunk, s.microbatch, s.forward, s.begin, s.end});
   }
   if (comms) {
     for (const CommRecord& r : trace.records()) {
@@ -265,8 +264,8 @@ StatusOr<SimulationResult> SimulateGpt(const Config& config, const SimulateOptio
   result.has_loss = true;
   result.loss = model.loss();
   result.peak_stashes = model.peak_live_stashes();
-  result.timeline = GatherTimeline(&model, result.trace, options.timeline_comms, ctx.coords.pp,
-                                   result.step_start);
+  result.timeline = GatherTimeline(model.step_spans(), model.schedule_end(), result.trace,
+                                   options.timeline_comms, ctx.coords.pp, result.step_start);
   if (options.check) {
     Kernels& kernels = *ctx.kernels;
     const HostFetch fetch = [&](const TensorRecord& r) {
@@ -340,9 +339,9 @@ StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions&
           return graph.has_loss() ? graph.loss() : 0.0;
         });
   }
-  if (options.timeline_comms) {
-    result.timeline = GatherTimeline(nullptr, result.trace, true, ctx.coords.pp, result.step_start);
-  }
+  result.peak_stashes = graph.peak_live_stashes();
+  result.timeline = GatherTimeline(graph.step_spans(), graph.schedule_end(), result.trace,
+                                   options.timeline_comms, ctx.coords.pp, result.step_start);
   result.has_loss = graph.has_loss();
   result.loss = result.has_loss ? graph.loss() : 0.0;
   if (!options.check && !options.keep_records) return result;
@@ -652,7 +651,13 @@ void RankRun::PrintLayout(const Topology& topology, const SimulationResult& resu
                                    ? std::string("loss")
                                    : fmt::format("{} {}", SplitName(layer.output.split),
                                                  layer.output_width);
-    out_ << fmt::format("  {:<12} {:<44} {} -> {}\n", layer.name, layer.type, in, produced);
+    const std::string flow = fmt::format("{} -> {}", in, produced);
+    if (s.pp > 1) {  // the stage holding it
+      out_ << fmt::format("  {:<12} {:<44} {:<40} pp rank {}, chunk {}\n", layer.name, layer.type,
+                          flow, layer.pp_rank, layer.chunk);
+    } else {
+      out_ << fmt::format("  {:<12} {:<44} {}\n", layer.name, layer.type, flow);
+    }
   }
 }
 
@@ -717,6 +722,9 @@ Status RankRun::WriteSummary(const SimulationResult& result, int code) {
         parameters.insert(p.name);
       }
     }
+    for (const Graph::PlannedLayer& layer : result.plan) {  // a chain's
+      for (const Graph::PlannedParameter& p : layer.parameters) parameters.insert(p.name);
+    }
     for (const TensorCheck& c : result.check.tensors) {
       if (!c.ok()) ++failed;
       if (parameters.count(c.name) != 0) parameter_error = std::max(parameter_error, c.normalized);
@@ -736,7 +744,7 @@ Status RankRun::WriteSummary(const SimulationResult& result, int code) {
   nlohmann::ordered_json timeline = nlohmann::ordered_json::array();
   for (const SimulationResult::RankTimeline& t : result.timeline) {
     nlohmann::ordered_json steps = nlohmann::ordered_json::array();
-    for (const GptModel::StepSpan& s : t.steps) {
+    for (const StepSpan& s : t.steps) {
       steps.push_back({s.chunk, s.microbatch, s.forward ? "F" : "B", s.begin, s.end});
     }
     timeline.push_back(
@@ -778,7 +786,7 @@ Status RankRun::WriteTrace(const Topology& topology, const SimulationResult& res
                       {"tid", rank},
                       {"args", {{"sort_index", rank}}}});
     const SimulationResult::RankTimeline& t = result.timeline[r];
-    for (const GptModel::StepSpan& s : t.steps) {
+    for (const StepSpan& s : t.steps) {
       events.push_back(
           {{"name", fmt::format("{}{}.{}", s.forward ? "F" : "B", s.chunk, s.microbatch)},
            {"cat", s.forward ? "forward" : "backward"},
@@ -972,7 +980,7 @@ void RankRun::PrintStages(const SimulationResult& result, const PipelineSchedule
       if (t.pp_rank != stage) continue;
       int64_t live = 0, peak = 0;
       double busy = 0;
-      for (const GptModel::StepSpan& span : t.steps) {
+      for (const StepSpan& span : t.steps) {
         live += span.forward ? 1 : -1;
         peak = std::max(peak, live);
         busy += span.end - span.begin;

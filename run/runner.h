@@ -71,7 +71,7 @@ struct SimulationResult {
   struct RankTimeline {
     int64_t pp_rank = 0;
     double schedule_end = 0;
-    std::vector<GptModel::StepSpan> steps;
+    std::vector<StepSpan> steps;
     std::vector<CommRecord> comms;  // with timeline_comms: the last step's, times as above
   };
   std::vector<RankTimeline> timeline;

@@ -19,28 +19,6 @@ namespace mpusim {
 
 namespace {
 
-// Appends the span of one step when it ends (returns or throws).
-class SpanRecorder {
- public:
-  SpanRecorder(std::vector<GptModel::StepSpan>& spans, int64_t chunk, int64_t microbatch,
-               bool forward)
-      : spans_(spans), span_{chunk, microbatch, forward, MonotonicSeconds(), 0} {}
-  ~SpanRecorder() {
-    span_.end = MonotonicSeconds();
-    spans_.push_back(span_);
-  }
-  SpanRecorder(const SpanRecorder&) = delete;
-  SpanRecorder& operator=(const SpanRecorder&) = delete;
-
- private:
-  std::vector<GptModel::StepSpan>& spans_;
-  GptModel::StepSpan span_;
-};
-
-}  // namespace
-
-namespace {
-
 // Megatron-Core's streams for each GPT dropout site of this rank (core/dropout.h,
 // "rng_tracker"), in forward order within each chunk: the embedding (on the first chunk of
 // the model), then per layer attention, self_attn_bda, mlp_bda.

@@ -35,6 +35,7 @@
 #include "core/model/linear.h"
 #include "core/model/parameter.h"
 #include "core/model/record.h"
+#include "core/model/step_span.h"
 #include "core/model/transformer_layer.h"
 #include "core/pipeline/pipeline_plan.h"
 #include "core/rank_context.h"
@@ -87,16 +88,10 @@ class GptModel {
   Tensor BackwardStep(RankContext& ctx, int64_t chunk, int64_t microbatch,
                       const Tensor& output_grad, std::vector<TensorRecord>* records);
 
-  // Where a step's time went: the wall-clock span of every forward and backward step in the
-  // order they ran, and of the whole schedule (BeginStep to the last send's completion, before
-  // the gradient finalisation), in seconds of std::chrono::steady_clock (CLOCK_MONOTONIC,
-  // one clock for every process of a machine, so the ranks' spans line up). Host time: a
-  // device backend's kernels may still run after a span ends.
-  struct StepSpan {
-    int64_t chunk = 0, microbatch = 0;
-    bool forward = true;
-    double begin = 0, end = 0;
-  };
+  // Where a step's time went (core/model/step_span.h): the span of every forward and backward
+  // step in the order they ran, and of the whole schedule (BeginStep to the last send's
+  // completion, before the gradient finalisation).
+  using StepSpan = ::mpusim::StepSpan;
   const std::vector<StepSpan>& step_spans() const { return spans_; }  // since BeginStep
   double schedule_begin() const { return schedule_begin_; }
   double schedule_end() const { return schedule_end_; }

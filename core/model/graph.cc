@@ -19,7 +19,10 @@
 #include "core/init.h"
 #include "core/model/accumulate_grad.h"
 #include "core/model/parameter.h"
+#include "core/pipeline/pipeline_plan.h"
+#include "core/pipeline/pipeline_walk.h"
 #include "core/rng.h"
+#include "core/schedule.h"
 #include "core/tensor_parallel/cross_entropy.h"
 #include "core/tensor_parallel/mappings.h"
 #include "core/tensor_parallel/tp_utils.h"
@@ -53,6 +56,8 @@ struct ChainParameter : Parameter {
   TpSplitPlan split;
   bool zero_init = false;  // biases
   bool frozen = false;     // no main_grad, never updated
+  int64_t owner_stage = 0;  // the virtual pipeline stage of the layer that owns it
+  bool held = true;         // on this rank (its owner's, or a tied user's, pipeline rank)
 };
 
 // One micro-batch's data on this rank.
@@ -63,9 +68,19 @@ struct Batch {
   double token_scale = 0;  // d loss / d per-token loss = 1 / (M * s * B)
 };
 
-struct LayerSlot {
+// What a layer keeps of one micro-batch: saved for its backward and, for the last
+// micro-batch, for the records. A pipeline stashes them per (chunk, micro-batch).
+struct SlotTensors {
+  Tensor input, output, output_grad, input_grad;
+  Tensor saved;             // layer-specific: CPL/RPL gathered or split input, GeLU pre-activation
+  RngDraw draw{};           // Dropout
+  Tensor row_max, sum_exp;  // cross entropy
+};
+
+struct LayerSlot : SlotTensors {
   LayerConfig config;
   int index = 0;
+  int64_t stage = 0;  // the virtual pipeline stage holding it
   ActivationState in_state;
   ActivationState out_state;
   int64_t in_width = 0;   // full hidden width (0: tokens)
@@ -74,12 +89,7 @@ struct LayerSlot {
   bool owns_weight = false;
   ChainParameter* bias = nullptr;
   ChainParameter* added_bias = nullptr;  // GeLU with bias_from
-  std::string rng_stream;           // Dropout
-  // Saved for backward and for the records (last micro-batch).
-  Tensor input, output, output_grad, input_grad;
-  Tensor saved;     // layer-specific: CPL/RPL gathered or split input, GeLU pre-activation
-  RngDraw draw{};   // Dropout
-  Tensor row_max, sum_exp;  // cross entropy
+  std::string rng_stream;                // Dropout
 };
 
 ShardSpec ActivationSpec(const ActivationState& state, const RankCoordinates& c, int64_t tp,
@@ -126,6 +136,25 @@ struct Graph::Impl {
   std::vector<std::unique_ptr<ChainParameter>> parameters;
   bool needs_tokens = false, needs_labels = false;
   std::vector<std::string> warnings;  // Graph::warnings(), filled by PlanWarnings
+  int64_t planning_stage = 0;         // the stage of the layer Plan is at
+  // Pipeline: p stages of v chunks; virtual stage u = chunk * p + pp_rank holds the layers
+  // [stage_start[u], stage_start[u + 1]) (PipelineStages), and every pp rank's plan.
+  int64_t pp_size = 1, vp_size = 1;
+  std::vector<int64_t> stage_start;
+  PipelinePlan pipeline_plan;
+  // This rank (InitializeParameters).
+  int64_t pp_rank = 0;
+  struct Stash {
+    std::vector<SlotTensors> slots;  // the chunk's layers; with recompute, nothing
+    Tensor input;                    // the chunk's input (undefined on the first stage)
+    Batch batch;
+    RngTracker::States rng_before;  // the tracker before the forward, for recomputation
+  };
+  std::map<std::pair<int64_t, int64_t>, Stash> stashes;  // (chunk, micro-batch)
+  int64_t current_iteration = 0;
+  int64_t peak_stashes = 0;
+  std::vector<StepSpan> spans;  // the last Run's steps
+  double schedule_end = 0;
   // Results.
   double loss_sum = 0;  // sum over micro-batches of the mean token loss
   bool has_loss = false;
@@ -147,6 +176,7 @@ struct Graph::Impl {
     p->init = c.init;
     p->zero_init = zero_init;
     p->frozen = c.frozen && !zero_init;
+    p->owner_stage = planning_stage;
     parameters.push_back(std::move(p));
     return parameters.back().get();
   }
@@ -162,8 +192,21 @@ struct Graph::Impl {
     return nullptr;
   }
 
+  int64_t PipelineRankOf(int64_t stage) const { return stage % pp_size; }
+  int64_t First(int64_t chunk) const {
+    return stage_start[static_cast<size_t>(chunk * pp_size + pp_rank)];
+  }
+  int64_t End(int64_t chunk) const {
+    return stage_start[static_cast<size_t>(chunk * pp_size + pp_rank) + 1];
+  }
+  // The local [s_l, b, w_l] shape of an activation in `state` of full width `width`.
+  Shape LocalActivationShape(ActivationState state, int64_t width, const RankCoordinates& c) const {
+    return LocalShape(ActivationSpec(state, c, t, d),
+                      {run.seq_length, run.micro_batch_size * d, width});
+  }
+
   // Execution.
-  Batch MakeBatch(RankContext& ctx, int64_t m) const;
+  Batch MakeBatch(RankContext& ctx, int64_t m, bool tokens, bool labels) const;
   Tensor SyntheticActivation(RankContext& ctx, const std::string& name, ActivationState state,
                              int64_t width, DType dtype);
   // Synthetic inputs and output gradients are fixed by the seed and the iteration: made once,
@@ -185,8 +228,17 @@ struct Graph::Impl {
   }
   Tensor Forward(RankContext& ctx, LayerSlot& slot, const Tensor& x, const Batch& batch);
   Tensor Backward(RankContext& ctx, LayerSlot& slot, const Tensor& dy, const Batch& batch);
-  double ForwardChain(RankContext& ctx, const Batch& batch);
-  void BackwardChain(RankContext& ctx, const Batch& batch);
+  // Layers [first, end) forward from `x` (the synthetic input or the embedding's tokens when
+  // first is 0); returns the last one's output. Adds the micro-batch's mean token loss to
+  // loss_sum when the chunk ends with the loss and `count_loss`.
+  Tensor ForwardLayers(RankContext& ctx, int64_t first, int64_t end, Tensor x, const Batch& batch,
+                       bool count_loss);
+  // Layers [first, end) backward from `dy` (the loss's constant or the synthetic output
+  // gradient when end is the chain's end); returns the gradient of the first one's input.
+  Tensor BackwardLayers(RankContext& ctx, int64_t first, int64_t end, Tensor dy,
+                        const Batch& batch);
+  Tensor ForwardStep(RankContext& ctx, int64_t chunk, int64_t m, const Tensor& input);
+  Tensor BackwardStep(RankContext& ctx, int64_t chunk, int64_t m, const Tensor& output_grad);
 };
 
 // ---------------------------------------------------------------------------------------
@@ -199,6 +251,21 @@ Status Graph::Impl::Plan(const Topology& topology) {
   fuse_wgrad = parallel.gradient_accumulation_fusion;
   const int64_t s = run.seq_length;
   if (model.vocab_size) padded_vocab = model.PaddedVocabSize(t);
+  // Pipeline stages: the chain's n layers in p * v consecutive runs, as even as they go
+  // (stage u starts at layer u * n / S; the later stages take the extra layers).
+  pp_size = topology.sizes().pp;
+  vp_size = parallel.virtual_pipeline_model_parallel_size.value_or(1);
+  const auto n = static_cast<int64_t>(model.layers.size());
+  const int64_t stages = pp_size * vp_size;
+  if (n < stages) {
+    return Status::Error(
+        "model.layers",
+        fmt::format("{} layers cannot fill {} pipeline stages (pipeline_model_parallel_size {} x "
+                    "virtual_pipeline_model_parallel_size {}); each stage holds at least one layer",
+                    n, stages, pp_size, vp_size));
+  }
+  stage_start.clear();
+  for (int64_t u = 0; u <= stages; ++u) stage_start.push_back(u * n / stages);
 
   ActivationState state;
   int64_t width = 0;
@@ -206,6 +273,10 @@ Status Graph::Impl::Plan(const Topology& topology) {
     LayerSlot slot;
     slot.config = model.layers[i];
     slot.index = static_cast<int>(i);
+    slot.stage = static_cast<int64_t>(
+        std::upper_bound(stage_start.begin(), stage_start.end(), static_cast<int64_t>(i)) -
+        stage_start.begin() - 1);
+    planning_stage = slot.stage;
     const LayerConfig& c = slot.config;
     const bool first = i == 0;
     const bool needs_vocab = IsEmbedding(c.type) ||
@@ -501,6 +572,27 @@ Status Graph::Impl::Plan(const Topology& topology) {
     slot.out_width = width;
     layers.push_back(std::move(slot));
   }
+  // A layer using another layer's parameter on another pipeline rank: Megatron shares only
+  // the word embeddings, between the first and the last stage (the last holds a copy whose
+  // gradient is all-reduced with the first's over the embd group).
+  for (LayerSlot& slot : layers) {
+    const auto check = [&](ChainParameter* param, bool weight) -> Status {
+      if (param == nullptr) return {};
+      const int64_t owner = PipelineRankOf(param->owner_stage);
+      const int64_t user = PipelineRankOf(slot.stage);
+      if (owner == user) return {};
+      if (weight && owner == 0 && user == pp_size - 1) {
+        param->embedding_group = true;
+        return {};
+      }
+      return Fail(slot, fmt::format("uses {} from pipeline rank {} but runs on pipeline rank {}; "
+                                    "across pipeline ranks only a weight of the first rank is "
+                                    "shared, with the last (Megatron's tied embeddings)",
+                                    param->name, owner, user));
+    };
+    if (!slot.owns_weight) MPUSIM_RETURN_IF_ERROR(check(slot.weight, true));
+    MPUSIM_RETURN_IF_ERROR(check(slot.added_bias, false));
+  }
   PlanWarnings();
   return {};
 }
@@ -557,12 +649,6 @@ StatusOr<std::unique_ptr<Graph>> Graph::Build(const Config& config, const Topolo
                          "is required by mpusim run (see docs/simulator.md)");
   }
   const DerivedSizes& sizes = topology.sizes();
-  if (sizes.pp != 1) {
-    return Status::Error("parallel.pipeline_model_parallel_size",
-                         fmt::format("mpusim run simulates tensor and data parallelism; "
-                                     "pipeline_model_parallel_size must be 1, got {}",
-                                     sizes.pp));
-  }
   if (sizes.cp != 1) {
     return Status::Error("parallel.context_parallel_size",
                          fmt::format("mpusim run does not simulate context parallelism; "
@@ -583,6 +669,13 @@ StatusOr<std::unique_ptr<Graph>> Graph::Build(const Config& config, const Topolo
   impl->run = *config.run;
   impl->dp_reduces_grads = !(config.optimizer && config.optimizer->use_distributed_optimizer);
   MPUSIM_RETURN_IF_ERROR(impl->Plan(topology));
+  if (sizes.pp > 1) {
+    StatusOr<PipelineSchedule> schedule = BuildPipelineSchedule(
+        sizes.pp, config.parallel.virtual_pipeline_model_parallel_size,
+        config.run->num_microbatches, config.parallel.microbatch_group_size_per_vp_stage);
+    if (!schedule.ok()) return schedule.status();
+    impl->pipeline_plan = PlanPipelineTransfers(*schedule);
+  }
   return std::unique_ptr<Graph>(new Graph(std::move(impl)));
 }
 
@@ -599,8 +692,15 @@ double Graph::loss() const {
 std::vector<Graph::PlannedLayer> Graph::Plan(const RankCoordinates& coords) const {
   std::vector<PlannedLayer> out;
   for (const LayerSlot& slot : impl_->layers) {
-    PlannedLayer layer{slot.config.name, LayerTypeName(slot.config.type), slot.in_state,
-                       slot.out_state, slot.in_width, slot.out_width, {}};
+    PlannedLayer layer{slot.config.name,
+                       LayerTypeName(slot.config.type),
+                       slot.in_state,
+                       slot.out_state,
+                       slot.in_width,
+                       slot.out_width,
+                       {},
+                       impl_->PipelineRankOf(slot.stage),
+                       slot.stage / impl_->pp_size};
     for (const ChainParameter* p : {slot.owns_weight ? slot.weight : nullptr, slot.bias}) {
       if (p == nullptr) continue;
       const ShardSpec shard = impl_->RankShard(*p, coords.tp);
@@ -616,25 +716,34 @@ std::vector<Graph::PlannedLayer> Graph::Plan(const RankCoordinates& coords) cons
 // Parameters and data
 
 void Graph::InitializeParameters(RankContext& ctx) {
-  impl_->initial_rng = ctx.rng.GetStates();
-  impl_->draws_per_iteration.clear();
-  for (const LayerSlot& slot : impl_->layers) {
+  Impl& g = *impl_;
+  g.pp_rank = ctx.coords.pp;
+  g.initial_rng = ctx.rng.GetStates();
+  g.draws_per_iteration.clear();
+  // This rank's layers; a parameter is held where its owner runs and where a tied user runs.
+  for (auto& p : g.parameters) p->held = g.PipelineRankOf(p->owner_stage) == g.pp_rank;
+  for (const LayerSlot& slot : g.layers) {
+    if (g.PipelineRankOf(slot.stage) != g.pp_rank) continue;
     if (slot.config.type == LayerType::kDropout) {
-      impl_->draws_per_iteration[slot.rng_stream] +=
-          static_cast<uint64_t>(impl_->run.num_microbatches);
+      g.draws_per_iteration[slot.rng_stream] += static_cast<uint64_t>(g.run.num_microbatches);
+    }
+    if (slot.weight != nullptr && !slot.weight->held) {
+      slot.weight->held = true;
+      slot.weight->shared = true;  // the last stage's copy: left out of the gradient norm
     }
   }
-  for (auto& p : impl_->parameters) {
-    p->shard = impl_->RankShard(*p, ctx.coords.tp);
+  for (auto& p : g.parameters) {
+    if (!p->held) continue;
+    p->shard = g.RankShard(*p, ctx.coords.tp);
     const Shape local = LocalShape(p->shard, p->full_shape);
-    Tensor host = Tensor::HostZeros(local, impl_->run.dtype);
-    if (!p->zero_init) FillShard(impl_->run.seed, p->name, p->init, p->full_shape, p->shard, host);
+    Tensor host = Tensor::HostZeros(local, g.run.dtype);
+    if (!p->zero_init) FillShard(g.run.seed, p->name, p->init, p->full_shape, p->shard, host);
     p->value = ctx.kernels->ToDevice(host);
-    if (!p->frozen) p->grad = ctx.kernels->Zeros(local, ComputeDType(impl_->run.dtype));
+    if (!p->frozen) p->grad = ctx.kernels->Zeros(local, ComputeDType(g.run.dtype));
   }
 }
 
-Batch Graph::Impl::MakeBatch(RankContext& ctx, int64_t m) const {
+Batch Graph::Impl::MakeBatch(RankContext& ctx, int64_t m, bool tokens, bool labels) const {
   Batch batch;
   batch.microbatch = m;
   ctx.trace->SetPhase(Phase::kOther);
@@ -659,8 +768,8 @@ Batch Graph::Impl::MakeBatch(RankContext& ctx, int64_t m) const {
     *out = ctx.kernels->ToDevice(host);
     BroadcastData(ctx.tp(), {out});
   };
-  if (needs_tokens) make("tokens", &batch.tokens);
-  if (needs_labels) make("labels", &batch.labels);
+  if (tokens) make("tokens", &batch.tokens);
+  if (labels) make("labels", &batch.labels);
   return batch;
 }
 
@@ -842,22 +951,25 @@ Tensor Graph::Impl::Backward(RankContext& ctx, LayerSlot& slot, const Tensor& dy
   }
 }
 
-double Graph::Impl::ForwardChain(RankContext& ctx, const Batch& batch) {
+Tensor Graph::Impl::ForwardLayers(RankContext& ctx, int64_t first, int64_t end, Tensor x,
+                                  const Batch& batch, bool count_loss) {
   ctx.trace->SetPhase(Phase::kForward);
-  Tensor x;
-  const LayerSlot& first = layers.front();
-  if (!IsEmbedding(first.config.type)) {
-    x = SyntheticActivation(ctx, fmt::format("input.mb{}", batch.microbatch), first.in_state,
-                            first.in_width, run.dtype);
+  const LayerSlot& head = layers.front();
+  if (first == 0 && !IsEmbedding(head.config.type)) {
+    x = SyntheticActivation(ctx, fmt::format("input.mb{}", batch.microbatch), head.in_state,
+                            head.in_width, run.dtype);
   }
-  for (LayerSlot& slot : layers) {
+  for (int64_t i = first; i < end; ++i) {
+    LayerSlot& slot = layers[static_cast<size_t>(i)];
     ctx.trace->SetSite(slot.config.name);
     slot.output = Forward(ctx, slot, x, batch);
     x = slot.output;
   }
-  if (layers.back().config.type != LayerType::kVocabParallelCrossEntropy) return 0.0;
+  const bool ends_with_loss = end == static_cast<int64_t>(layers.size()) &&
+                              layers.back().config.type == LayerType::kVocabParallelCrossEntropy;
+  if (!ends_with_loss || !count_loss) return x;
   // Mean token loss over this micro-batch's s * B tokens: local sum, summed over dp.
-  const Tensor host = ctx.kernels->ToHost(layers.back().output);
+  const Tensor host = ctx.kernels->ToHost(x);
   double local = 0;
   for (int64_t i = 0; i < host.numel(); ++i) local += HostValue(host, i);
   Tensor sum = Tensor::HostZeros({1}, DType::kFloat64);
@@ -867,39 +979,122 @@ double Graph::Impl::ForwardChain(RankContext& ctx, const Batch& batch) {
   ctx.trace->SetSite("loss");
   if (d > 1) ctx.dp().AllReduce(device, ReduceOp::kSum);
   const double total = ctx.kernels->ToHost(device).data_as<double>()[0];
-  return total / static_cast<double>(run.seq_length * run.micro_batch_size * d);
+  loss_sum += total / static_cast<double>(run.seq_length * run.micro_batch_size * d);
+  return x;
 }
 
-void Graph::Impl::BackwardChain(RankContext& ctx, const Batch& batch) {
+Tensor Graph::Impl::BackwardLayers(RankContext& ctx, int64_t first, int64_t end, Tensor dy,
+                                   const Batch& batch) {
   ctx.trace->SetPhase(Phase::kBackward);
-  LayerSlot& last = layers.back();
-  Tensor dy;
-  if (last.config.type == LayerType::kVocabParallelCrossEntropy) {
-    Tensor host = Tensor::HostZeros(last.output.shape(), last.output.dtype());
-    for (int64_t i = 0; i < host.numel(); ++i) SetHostValue(host, i, batch.token_scale);
-    dy = ctx.kernels->ToDevice(host);
+  if (end == static_cast<int64_t>(layers.size())) {
+    LayerSlot& last = layers.back();
+    if (last.config.type == LayerType::kVocabParallelCrossEntropy) {
+      Tensor host = Tensor::HostZeros(last.output.shape(), last.output.dtype());
+      for (int64_t i = 0; i < host.numel(); ++i) SetHostValue(host, i, batch.token_scale);
+      dy = ctx.kernels->ToDevice(host);
+    } else {
+      dy = SyntheticActivation(ctx, fmt::format("output_grad.mb{}", batch.microbatch),
+                               last.out_state, last.out_width, run.dtype);
+    }
+  }
+  for (int64_t i = end; i-- > first;) {
+    LayerSlot& slot = layers[static_cast<size_t>(i)];
+    ctx.trace->SetSite(slot.config.name);
+    slot.output_grad = dy;
+    dy = Backward(ctx, slot, dy, batch);
+    slot.input_grad = dy;
+  }
+  return dy;
+}
+
+Tensor Graph::Impl::ForwardStep(RankContext& ctx, int64_t chunk, int64_t m, const Tensor& input) {
+  const SpanRecorder span(spans, chunk, m, true);
+  const int64_t first = First(chunk), end = End(chunk);
+  const auto [it, inserted] = stashes.try_emplace({chunk, m});
+  if (!inserted) {
+    throw std::logic_error(
+        fmt::format("Graph: chunk {} micro-batch {} ran forward twice", chunk, m));
+  }
+  peak_stashes = std::max(peak_stashes, static_cast<int64_t>(stashes.size()));
+  Stash& stash = it->second;
+  const auto n = static_cast<int64_t>(layers.size());
+  // Micro-batch m of iteration k reads the data of global micro-batch k*M + m.
+  stash.batch = MakeBatch(ctx, current_iteration * run.num_microbatches + m,
+                          first == 0 && needs_tokens, end == n && needs_labels);
+  stash.input = input;
+  stash.rng_before = ctx.rng.GetStates();
+  const Tensor output = ForwardLayers(ctx, first, end, input, stash.batch, true);
+  for (int64_t i = first; i < end; ++i) {
+    LayerSlot& slot = layers[static_cast<size_t>(i)];
+    // Activation checkpointing keeps only the chunk's input (and the tracker's state).
+    if (run.recompute != RunConfig::Recompute::kFull) stash.slots.push_back(slot);
+    static_cast<SlotTensors&>(slot) = SlotTensors();
+  }
+  return end == n ? Tensor() : output;
+}
+
+Tensor Graph::Impl::BackwardStep(RankContext& ctx, int64_t chunk, int64_t m,
+                                 const Tensor& output_grad) {
+  const SpanRecorder span(spans, chunk, m, false);
+  const int64_t first = First(chunk), end = End(chunk);
+  auto node = stashes.extract({chunk, m});
+  if (node.empty()) {
+    throw std::logic_error(
+        fmt::format("Graph: chunk {} micro-batch {} has no stash for its backward", chunk, m));
+  }
+  Stash& stash = node.mapped();
+  if (run.recompute == RunConfig::Recompute::kFull) {
+    // Recompute the chunk's forward with the random streams as they were (Megatron's
+    // CheckpointFunction), then put the streams back. Its collectives are real: they stay in
+    // the trace, as forward.
+    const RngTracker::States now = ctx.rng.GetStates();
+    ctx.rng.SetStates(stash.rng_before);
+    ForwardLayers(ctx, first, end, stash.input, stash.batch, false);
+    ctx.rng.SetStates(now);
   } else {
-    dy = SyntheticActivation(ctx, fmt::format("output_grad.mb{}", batch.microbatch),
-                             last.out_state, last.out_width, run.dtype);
+    for (int64_t i = first; i < end; ++i) {
+      static_cast<SlotTensors&>(layers[static_cast<size_t>(i)]) =
+          stash.slots[static_cast<size_t>(i - first)];
+    }
   }
-  for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
-    ctx.trace->SetSite(it->config.name);
-    it->output_grad = dy;
-    dy = Backward(ctx, *it, dy, batch);
-    it->input_grad = dy;
+  const Tensor input_grad = BackwardLayers(ctx, first, end, output_grad, stash.batch);
+  if (m + 1 == run.num_microbatches) {
+    // The last micro-batch's tensors stay for the records; tokens and labels as float64
+    // [s, b] (what dumps and the check hold).
+    if (stash.batch.tokens.defined()) {
+      last_tokens = HostToFloat64(ctx.kernels->ToHost(stash.batch.tokens));
+    }
+    if (stash.batch.labels.defined()) {
+      last_labels = HostToFloat64(ctx.kernels->ToHost(stash.batch.labels));
+    }
+  } else {
+    for (int64_t i = first; i < end; ++i) {
+      static_cast<SlotTensors&>(layers[static_cast<size_t>(i)]) = SlotTensors();
+    }
   }
+  return first == 0 ? Tensor() : input_grad;
 }
 
 std::vector<Parameter*> Graph::TrainableParameters() const {
   std::vector<Parameter*> out;
   for (const auto& p : impl_->parameters) {
-    if (!p->frozen) out.push_back(p.get());
+    if (p->held && !p->frozen) out.push_back(p.get());
   }
   return out;
 }
 
+int64_t Graph::peak_live_stashes() const { return impl_->peak_stashes; }
+const std::vector<StepSpan>& Graph::step_spans() const { return impl_->spans; }
+double Graph::schedule_end() const { return impl_->schedule_end; }
+
 void Graph::Run(RankContext& ctx, int64_t iteration) {
   Impl& g = *impl_;
+  if (!g.stashes.empty()) {
+    throw std::logic_error(
+        fmt::format("Graph::Run: {} stashes of the last step were never "
+                    "consumed by a backward step",
+                    g.stashes.size()));
+  }
   // Megatron's tracker keeps advancing from step to step: iteration k starts where k
   // iterations of draws left it (a repeated step starts where its iteration does).
   ctx.rng.SetStates(g.RngAtIteration(iteration));
@@ -907,61 +1102,78 @@ void Graph::Run(RankContext& ctx, int64_t iteration) {
     g.synthetic_cache.clear();
     g.synthetic_iteration = iteration;
   }
+  g.current_iteration = iteration;
   // A new step: the previous step's activations are released before any new one is made (so
   // a repeated step reuses their memory instead of holding two steps' worth), and main_grad
   // starts from zero (Megatron's zero_grad_buffer), so every step computes the same gradients.
-  for (LayerSlot& slot : g.layers) {
-    slot.input = slot.output = slot.output_grad = slot.input_grad = slot.saved = Tensor();
-    slot.row_max = slot.sum_exp = Tensor();
-  }
+  for (LayerSlot& slot : g.layers) static_cast<SlotTensors&>(slot) = SlotTensors();
   for (auto& p : g.parameters) {
-    if (p->frozen) continue;
-    ctx.kernels->SetZero(p->grad);
+    if (p->held && !p->frozen) ctx.kernels->SetZero(p->grad);
   }
   g.loss_sum = 0;
+  g.peak_stashes = 0;
+  g.spans.clear();
   g.has_loss = g.layers.back().config.type == LayerType::kVocabParallelCrossEntropy;
-  for (int64_t m = 0; m < g.run.num_microbatches; ++m) {
-    // Micro-batch m of iteration k reads the data of global micro-batch k*M + m.
-    const Batch batch = g.MakeBatch(ctx, iteration * g.run.num_microbatches + m);
-    const RngTracker::States before_forward = ctx.rng.GetStates();
-    g.loss_sum += g.ForwardChain(ctx, batch);
-    if (g.run.recompute == RunConfig::Recompute::kFull) {
-      // Activation checkpointing: drop what the forward kept, then recompute it with the
-      // random streams as they were (Megatron's CheckpointFunction), and put the streams
-      // back where the first forward left them.
-      for (LayerSlot& slot : g.layers) {
-        slot.input = slot.output = slot.saved = Tensor();
-      }
-      const RngTracker::States after_forward = ctx.rng.GetStates();
-      ctx.rng.SetStates(before_forward);
-      // The recomputation's collectives are real: they stay in the trace, as forward.
-      g.ForwardChain(ctx, batch);
-      ctx.rng.SetStates(after_forward);
+  const int64_t M = g.run.num_microbatches;
+  if (g.pp_size == 1) {
+    for (int64_t m = 0; m < M; ++m) {
+      g.ForwardStep(ctx, 0, m, Tensor());
+      g.BackwardStep(ctx, 0, m, Tensor());
     }
-    g.BackwardChain(ctx, batch);
-    // Records keep tokens and labels as float64 [s, b] (what dumps and the check hold).
-    if (m + 1 == g.run.num_microbatches && batch.tokens.defined()) {
-      g.last_tokens = HostToFloat64(ctx.kernels->ToHost(batch.tokens));
-    }
-    if (m + 1 == g.run.num_microbatches && batch.labels.defined()) {
-      g.last_labels = HostToFloat64(ctx.kernels->ToHost(batch.labels));
-    }
+  } else {
+    // The schedule (1F1B or interleaved) over the pp group: the activations and gradients at
+    // the chunk boundaries, each in its layer's state on the tp group.
+    PipelineStepFunctions functions;
+    functions.shape = [&](const Transfer& t) {
+      // The virtual stage consuming it, on the receiving rank: an activation enters its first
+      // layer, a gradient the output of its last.
+      const int64_t receiver = t.send ? t.peer : g.pp_rank;
+      const auto u = static_cast<size_t>(t.model_chunk * g.pp_size + receiver);
+      const bool activation = t.kind == Transfer::Kind::kActivation;
+      const LayerSlot& at =
+          g.layers[static_cast<size_t>(activation ? g.stage_start[u] : g.stage_start[u + 1] - 1)];
+      return std::make_pair(activation
+                                ? g.LocalActivationShape(at.in_state, at.in_width, ctx.coords)
+                                : g.LocalActivationShape(at.out_state, at.out_width, ctx.coords),
+                            g.run.dtype);
+    };
+    functions.step = [&](const ScheduleStep& step, const Tensor& input) {
+      return step.pass == Pass::kForward
+                 ? g.ForwardStep(ctx, step.model_chunk, step.microbatch, input)
+                 : g.BackwardStep(ctx, step.model_chunk, step.microbatch, input);
+    };
+    WalkPipelinePlan(g.pipeline_plan[static_cast<size_t>(g.pp_rank)], g.vp_size, ctx.pp(),
+                     *ctx.kernels, *ctx.trace, functions);
   }
+  g.schedule_end = MonotonicSeconds();
   if (ctx.rng.GetStates() != g.RngAtIteration(iteration + 1)) {
     throw std::logic_error(
         fmt::format("Graph::Run: the RNG tracker did not advance by one iteration's draws "
                     "in iteration {}",
                     iteration));
   }
-  // Gradient reductions: replicated parameters that saw only a sequence shard, over tp;
-  // then every gradient over the data-parallel group (with cp = 1, dp_cp = dp), unless the
-  // distributed optimizer reduce-scatters them itself.
+  // Gradient reductions (finalize_model_grads): replicated parameters that saw only a
+  // sequence shard, over tp; every gradient over the data-parallel group (with cp = 1,
+  // dp_cp = dp), unless the distributed optimizer reduce-scatters them itself; a weight tied
+  // across the first and the last pipeline rank, over embd.
   ctx.trace->SetPhase(Phase::kOther);
   for (auto& p : g.parameters) {
-    if (p->frozen) continue;
+    if (!p->held || p->frozen) continue;
     ctx.trace->SetSite(p->name);
     if (p->sequence_parallel && g.t > 1) ctx.tp().AllReduce(p->grad, ReduceOp::kSum);
     if (g.d > 1 && g.dp_reduces_grads) ctx.dp_cp().AllReduce(p->grad, ReduceOp::kSum);
+    if (p->embedding_group && ctx.embd() != nullptr) {
+      ctx.embd()->AllReduce(p->grad, ReduceOp::kSum);
+    }
+  }
+  if (g.pp_size > 1 && g.has_loss) {
+    // The loss: the last stage computed it, the others add 0.
+    Tensor total = Tensor::HostZeros({1}, DType::kFloat64);
+    total.data_as<double>()[0] = g.loss_sum;
+    Tensor device = ctx.kernels->ToDevice(total);
+    ctx.trace->SetSite("loss");
+    ctx.pp().AllReduce(device, ReduceOp::kSum);
+    g.loss_sum = ctx.kernels->ToHost(device).data_as<double>()[0];
   }
 }
 
@@ -1001,14 +1213,16 @@ std::vector<TensorRecord> Graph::Records(RankContext& ctx) const {
       gradient(n + ".input_grad", slot.input_grad, slot.in_state, slot.in_width);
     }
     if (slot.config.type == LayerType::kVocabParallelCrossEntropy) {
-      out.push_back({n + ".output", slot.output, {s, B}, batch_split, false});
-      out.push_back({n + ".output_grad", slot.output_grad, {s, B}, batch_split, false});
+      if (slot.output.defined()) {  // on the last pipeline stage
+        out.push_back({n + ".output", slot.output, {s, B}, batch_split, false});
+        out.push_back({n + ".output_grad", slot.output_grad, {s, B}, batch_split, false});
+      }
     } else {
       activation(n + ".output", slot.output, slot.out_state, slot.out_width);
       gradient(n + ".output_grad", slot.output_grad, slot.out_state, slot.out_width);
     }
     for (const ChainParameter* p : {slot.owns_weight ? slot.weight : nullptr, slot.bias}) {
-      if (p == nullptr) continue;
+      if (p == nullptr || !p->held) continue;
       out.push_back({p->name, p->value, p->full_shape, p->shard, false});
       if (!p->frozen) out.push_back({p->name + "_grad", p->grad, p->full_shape, p->shard, false});
     }

@@ -20,6 +20,7 @@
 #include "core/config.h"
 #include "core/model/parameter.h"
 #include "core/model/record.h"
+#include "core/model/step_span.h"
 #include "core/rank_context.h"
 #include "core/sharding.h"
 #include "core/status.h"
@@ -55,6 +56,13 @@ class Graph {
   // The parameters with a main_grad (not frozen), in registration order: what the optimizer
   // updates.
   std::vector<Parameter*> TrainableParameters() const;
+  // The most (chunk, micro-batch) stashes live at once in the last Run: the activation memory
+  // the pipeline schedule's in-flight count bounds (1 without a pipeline).
+  int64_t peak_live_stashes() const;
+  // The last Run's forward and backward steps (core/model/step_span.h) and when its schedule
+  // ended (before the gradient finalisation).
+  const std::vector<StepSpan>& step_spans() const;
+  double schedule_end() const;
 
   // After Run: every tensor of the last micro-batch plus parameters and gradients.
   std::vector<TensorRecord> Records(RankContext& ctx) const;
@@ -79,6 +87,10 @@ class Graph {
     int64_t input_width;   // full hidden width (0 for token input)
     int64_t output_width;  // full hidden width (0 for the loss)
     std::vector<PlannedParameter> parameters;
+    // Its pipeline stage: the pp rank and model chunk holding it (docs/simulator.md,
+    // "Pipeline stages of a chain").
+    int64_t pp_rank = 0;
+    int64_t chunk = 0;
   };
   std::vector<PlannedLayer> Plan(const RankCoordinates& coords) const;
   int64_t padded_vocab_size() const;

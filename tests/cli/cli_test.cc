@@ -504,6 +504,20 @@ TEST(ExplainCommand, LabSlices) {
   const Result bad = Mpusim({"explain", Sample("lab_t2_p4_n16.json")});
   EXPECT_EQ(bad.code, 2);
   EXPECT_EQ(bad.out, "");
+  // A chain's pipeline stages: 7 layers in 4 virtual stages (1, 2, 2, 2 layers).
+  const Result staged =
+      Mpusim({"explain", Sample("lab_train_mlp_lm_t2_dp2_n4.json"), "--pp", "2", "--vp", "2"});
+  ASSERT_EQ(staged.code, 0) << staged.err;
+  for (const char* line :
+       {"VocabParallelEmbedding embedding: input tokens -> output 32 (sequence split); pipeline "
+        "rank 0, chunk 0\n",
+        "GeLU gelu: input 128 (hidden split) -> output 128 (hidden split); pipeline rank 1, "
+        "chunk 0\n",
+        "Dropout dropout: input 128 (hidden split) -> output 128 (hidden split); pipeline rank 0, "
+        "chunk 1\n",
+        "-> output loss; pipeline rank 1, chunk 1\n"}) {
+    EXPECT_NE(staged.out.find(line), std::string::npos) << line << "\n" << staged.out;
+  }
 }
 
 TEST(ExplainCommand, GptParametersInStateDictNames) {
@@ -707,9 +721,24 @@ TEST(SweepCommand, EveryLayoutOfTwoRanksPasses) {
   EXPECT_EQ(Shell(sweep + " --mpiexec /bin/false", &out), 1) << out;
   EXPECT_NE(out.find("FAIL: mpusim run exited 1"), std::string::npos) << out;
   EXPECT_NE(out.find("0 of 5 layouts pass"), std::string::npos) << out;
-  const Result chain = Mpusim({"sweep", Sample("lab_mlp_lm_t4_dp2_n8.json"), "--world-size", "2"});
-  EXPECT_EQ(chain.code, 2);
-  EXPECT_NE(chain.err.find("model: mpusim sweep runs GPT configs"), std::string::npos) << chain.err;
+  // A layer chain: its layouts too, pipelines included (the 7 layers fill 2 stages), each
+  // trained and checked; its dropout masks follow the layout, which the table says.
+  std::string chain;
+  EXPECT_EQ(Shell(std::string(MPUSIM_BINARY) + " sweep " +
+                      Sample("lab_train_mlp_lm_t2_dp2_n4.json") + " --world-size 2 --train-iters 2",
+                  &chain),
+            0)
+      << chain;
+  for (const char* line :
+       {"on 2 ranks: 6 layouts (0 skipped)", "  tp 1 pp 2 dp 1 ", "  tp 1 pp 2 vp 2 dp 1 ",
+        "  tp 2 pp 1 dp 1 sp ", "  tp 1 pp 1 dp 2 dist-opt ", "6 of 6 layouts pass",
+        "a chain's dropout masks come from each rank's RNG tracker"}) {
+    EXPECT_NE(chain.find(line), std::string::npos) << line << "\n" << chain;
+  }
+  const Result no_run = Mpusim({"sweep", Sample("lab_t2_p4_n16.json"), "--world-size", "2"});
+  EXPECT_EQ(no_run.code, 2);
+  EXPECT_NE(no_run.err.find(": model: is required by mpusim sweep"), std::string::npos)
+      << no_run.err;
 }
 
 // A chain with an explicit copy_to_tensor_model_parallel_region before a ColumnParallelLinear

@@ -3,28 +3,28 @@
 // dp layouts, sequence parallelism, dropout, recomputation, gradient accumulation (fused or
 // not); plus the region mappings and
 // utilities on integer data (exact), and the collectives the paper counts.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
 #include <mpi.h>
 
 #include <algorithm>
 #include <cmath>
 #include <functional>
 #include <map>
-
-#include <fmt/format.h>
-#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 #include "core/backend.h"
 #include "core/compare.h"
 #include "core/config.h"
 #include "core/model/graph.h"
+#include "core/schedule.h"
 #include "core/tensor_parallel/mappings.h"
 #include "core/tensor_parallel/tp_utils.h"
 #include "core/topology.h"
-#include "sim/eigen_kernels.h"
 #include "mpi/mpi_communicator.h"
 #include "run/runner.h"
 #include "sim/cpu_backend.h"
+#include "sim/eigen_kernels.h"
 #include "tests/mpi/world.h"
 
 namespace mpusim {
@@ -720,6 +720,140 @@ TEST(GraphTraining, DropoutFrozenLayersNoLossAndMixedPrecision) {
                               {"run", RunSection(dtype, 8, 2, 2)}},
                              "adam", WorldSize() / t > 1));
   }
+}
+
+// Pipelines of a chain: its layers in p * v consecutive stages (docs/simulator.md, "Pipeline
+// stages of a chain"), run by the 1F1B or interleaved schedule, trained and checked against
+// the reference. The language model's tied head sits on the last stage, its embedding on the
+// first: the embd all-reduce keeps the two copies equal. Without dropout every layout of one
+// padded vocabulary trains one loss curve; with dropout every pipeline rank draws from its
+// own tracker in the order it runs its forwards, and the reference numbers the draws from
+// the stage rule and the schedule alone.
+struct ChainLayout {
+  int64_t pp, vp, tp;
+};
+
+// The layouts of the world whose stages the 6-layer language model fills.
+std::vector<ChainLayout> ChainLayouts() {
+  std::vector<ChainLayout> layouts;
+  for (int64_t pp : {1, 2, 4}) {
+    for (int64_t vp : {0, 2}) {
+      if ((vp > 0 && pp == 1) || pp * std::max<int64_t>(vp, 1) > 6) continue;
+      for (int64_t tp = 1; pp * tp <= WorldSize(); tp *= 2) {
+        if (WorldSize() % (pp * tp) == 0) layouts.push_back({pp, vp, tp});
+      }
+    }
+  }
+  return layouts;
+}
+
+json ChainPipelineDocument(const ChainLayout& l, bool dropout) {
+  json model = LanguageModel(0.1);
+  model["layers"][4]["skip_weight_param_allocation"] = true;
+  model["layers"][4]["weight_from"] = "embedding";
+  if (dropout) {
+    // Two dropouts on one stream (replicated inputs: the default stream), which pp 2 x vp 2
+    // puts in both chunks of pp rank 0, so that the order of its forwards decides the draws.
+    model["layers"].insert(model["layers"].begin() + 4,
+                           json{{"name", "dropout1"}, {"type", "Dropout"}, {"p", 0.3}});
+    model["layers"].insert(model["layers"].begin() + 1,
+                           json{{"name", "dropout0"}, {"type", "Dropout"}, {"p", 0.2}});
+  }
+  json parallel = Parallel(l.tp, l.tp > 1);
+  parallel["pipeline_model_parallel_size"] = l.pp;
+  if (l.vp > 0) parallel["virtual_pipeline_model_parallel_size"] = l.vp;
+  const int64_t dp = WorldSize() / (l.pp * l.tp);
+  return ChainTraining(
+      {{"parallel", parallel},
+       {"model", model},
+       {"run", RunSection("float64", 8, std::max<int64_t>(8, WorldSize()) / dp, 4)}},
+      "adam", dp > 1);
+}
+
+TEST(GraphPipeline, EveryLayoutTrainsTheReferencesLossCurve) {
+  for (const bool dropout : {false, true}) {
+    std::map<int64_t, std::vector<std::vector<double>>> curves;
+    for (const ChainLayout& l : ChainLayouts()) {
+      SCOPED_TRACE(fmt::format("pp {} vp {} tp {} dropout {}", l.pp, l.vp, l.tp, dropout));
+      const run::SimulationResult result = RunChecked(ChainPipelineDocument(l, dropout));
+      ExpectIterationsMatch(result, 1e-12);
+      std::vector<double> curve;
+      for (const auto& row : result.iterations) curve.push_back(row.loss);
+      curves[result.padded_vocab_size].push_back(curve);
+    }
+    if (dropout) continue;  // the masks, and so the curves, depend on the layout
+    for (const auto& [padded, same_model] : curves) {
+      for (const auto& curve : same_model) {
+        for (size_t i = 0; i < curve.size(); ++i) {
+          EXPECT_NEAR(curve[i], same_model.front()[i], 1e-12) << "padded vocabulary " << padded;
+        }
+      }
+    }
+  }
+}
+
+// Activation memory follows the schedule, as for the GPT model: on pp rank r, 1F1B keeps at
+// most min(p - r, M) micro-batches between their forward and backward, the interleaved
+// schedule its warmup plus one; recomputation changes no bit.
+TEST(GraphPipeline, StashesFollowTheScheduleAndRecomputationIsBitIdentical) {
+  for (const ChainLayout& l : ChainLayouts()) {
+    if (l.pp == 1 || l.tp != 1) continue;
+    SCOPED_TRACE(fmt::format("pp {} vp {}", l.pp, l.vp));
+    json document = ChainPipelineDocument(l, true);
+    document.erase("optimizer");
+    document["run"].erase("train_iters");
+    std::vector<double> losses;
+    for (const bool recompute : {false, true}) {
+      if (recompute) document["run"]["recompute_granularity"] = "full";
+      const run::SimulationResult result = RunChecked(document);
+      losses.push_back(result.loss);
+      StatusOr<PipelineSchedule> schedule = BuildPipelineSchedule(
+          l.pp, l.vp > 0 ? std::optional<int64_t>(l.vp) : std::nullopt, 4, std::nullopt);
+      ASSERT_TRUE(schedule.ok());
+      const int64_t r = result.coords.pp;
+      const int64_t expected = l.vp > 0 ? std::min<int64_t>(schedule->NumWarmup(r) + 1, 4 * l.vp)
+                                        : std::min<int64_t>(l.pp - r, 4);
+      EXPECT_EQ(result.peak_stashes, expected) << "pp rank " << r;
+    }
+    EXPECT_EQ(losses[0], losses[1]);
+  }
+}
+
+TEST(GraphPipeline, StagesThatCannotBeBuiltAreRefused) {
+  if (WorldSize() < 4) GTEST_SKIP() << "needs pp 4";
+  const auto refusal = [](json document) {
+    StatusOr<run::SimulationResult> r = Simulate(MakeConfig(document), false);
+    return r.ok() ? std::string("ran") : r.status().Message();
+  };
+  json document = ChainPipelineDocument({4, 2, 1}, false);  // 6 layers, 8 stages
+  EXPECT_EQ(refusal(document),
+            "model.layers: 6 layers cannot fill 8 pipeline stages (pipeline_model_parallel_size 4 "
+            "x virtual_pipeline_model_parallel_size 2); each stage holds at least one layer");
+  // Two MLP blocks, the second's fc3 multiplying by fc1's weight: fc1 runs on pp rank 0, fc3
+  // on pp rank 2, and only the first and the last rank share a weight.
+  json mlp = MlpBlock(16, 64);
+  const json second = json::array({{{"name", "fc3"},
+                                    {"type", "ColumnParallelLinear"},
+                                    {"input_size", 16},
+                                    {"output_size", 64},
+                                    {"gather_output", false},
+                                    {"skip_weight_param_allocation", true},
+                                    {"weight_from", "fc1"}},
+                                   {{"name", "gelu2"}, {"type", "GeLU"}},
+                                   {{"name", "fc4"},
+                                    {"type", "RowParallelLinear"},
+                                    {"input_size", 64},
+                                    {"output_size", 16},
+                                    {"input_is_parallel", true}}});
+  for (const json& layer : second) mlp["layers"].push_back(layer);
+  json parallel = Parallel(1);
+  parallel["pipeline_model_parallel_size"] = 4;
+  document = {{"parallel", parallel}, {"model", mlp}, {"run", RunSection("float64", 8, 2, 4)}};
+  EXPECT_EQ(refusal(document),
+            "model.layers[3]: (ColumnParallelLinear fc3): uses fc1.weight from pipeline rank 0 "
+            "but runs on pipeline rank 2; across pipeline ranks only a weight of the first rank "
+            "is shared, with the last (Megatron's tied embeddings)")
+      << refusal(document);
 }
 
 // Fewer token rows than ranks: some ranks hold an empty slice of the reference, and every
