@@ -118,9 +118,10 @@ json Document(const json& model, int64_t tp, bool sequence_parallel, const char*
           {"run", run}};
 }
 
+// Every tp size that divides the world, up to the models' 8 heads.
 std::vector<int64_t> TensorParallelSizes() {
   std::vector<int64_t> sizes;
-  for (int64_t t = 1; t <= WorldSize(); t *= 2) {
+  for (int64_t t = 1; t <= WorldSize() && t <= 8; t *= 2) {
     if (WorldSize() % t == 0) sizes.push_back(t);
   }
   return sizes;

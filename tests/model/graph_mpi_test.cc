@@ -130,10 +130,11 @@ json MlpBlock(int64_t hidden, int64_t ffn) {
              {"input_is_parallel", true}}}}};
 }
 
-// Every tp size that divides the world (the rest is data parallel).
+// Every tp size that divides the world (the rest is data parallel), up to the 8 positions
+// sequence parallelism splits.
 std::vector<int64_t> TensorParallelSizes() {
   std::vector<int64_t> sizes;
-  for (int64_t t = 1; t <= WorldSize(); t *= 2) {
+  for (int64_t t = 1; t <= WorldSize() && t <= 8; t *= 2) {
     if (WorldSize() % t == 0) sizes.push_back(t);
   }
   return sizes;
@@ -739,7 +740,7 @@ std::vector<ChainLayout> ChainLayouts() {
   for (int64_t pp : {1, 2, 4}) {
     for (int64_t vp : {0, 2}) {
       if ((vp > 0 && pp == 1) || pp * std::max<int64_t>(vp, 1) > 6) continue;
-      for (int64_t tp = 1; pp * tp <= WorldSize(); tp *= 2) {
+      for (int64_t tp = 1; pp * tp <= WorldSize() && tp <= 8; tp *= 2) {
         if (WorldSize() % (pp * tp) == 0) layouts.push_back({pp, vp, tp});
       }
     }
