@@ -1,0 +1,155 @@
+// README transcripts cannot go stale: every `$ command` in a README code block runs here and
+// its output (stdout and stderr together) is compared with the lines that follow it in the
+// block.
+//
+// Rules (README "Tests" repeats them for authors):
+//   - `mpusim` and `build/cli/mpusim` run the binary this build made; `mpirun -n N` runs it on
+//     N ranks (with --oversubscribe); commands run from the repository root.
+//   - A line `...` (indented or not) in the README stands for any number of output lines.
+//   - The planner's commands (layout, schedule, explain) must match exactly. The others (run,
+//     sweep, diff) print timings, memory and rounding-level errors that change from machine
+//     to machine: there every decimal number (with a point or an exponent) is masked and runs
+//     of spaces count as one, so the words, the names, the counts, the table layout and which
+//     tensors pass must still match.
+//   - A block that cannot run here (a GPU, a benchmark, dumps made elsewhere, minutes of
+//     work) is preceded by `<!-- transcript: skip, <why> -->`, which the rendered README hides.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+namespace {
+
+struct Transcript {
+  int line = 0;  // of the `$` line in README.md
+  std::string command;
+  std::vector<std::string> expected;
+};
+
+std::vector<std::string> ReadLines(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+// Every `$` command in the README's code blocks, except in blocks marked skip.
+std::vector<Transcript> Transcripts(const std::vector<std::string>& lines, int* skipped) {
+  std::vector<Transcript> out;
+  bool in_block = false, skip = false, in_transcript = false;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    const std::string& line = lines[i];
+    if (line.rfind("```", 0) == 0) {
+      if (!in_block) {
+        skip = i > 0 && lines[i - 1].rfind("<!-- transcript: skip", 0) == 0;
+        if (skip) ++*skipped;
+      }
+      in_block = !in_block;
+      in_transcript = false;  // a block's text belongs to its own `$` lines only
+      continue;
+    }
+    if (!in_block || skip) continue;
+    if (line.rfind("$ ", 0) == 0) {
+      out.push_back({static_cast<int>(i) + 1, line.substr(2), {}});
+      in_transcript = true;
+    } else if (in_transcript) {
+      out.back().expected.push_back(line);
+    }
+  }
+  return out;
+}
+
+// The command as this build runs it.
+std::string ShellCommand(const std::string& command) {
+  static const std::regex mpirun(R"(^mpirun -n (\d+)( --oversubscribe)? )");
+  static const std::regex binary(R"((^|\s)(build/cli/)?mpusim(\s|$))");
+  std::string c = std::regex_replace(command, mpirun,
+                                     fmt::format("{} -n $1 --oversubscribe ", MPUSIM_MPIEXEC));
+  c = std::regex_replace(c, binary, fmt::format("$1{}$3", MPUSIM_BINARY));
+  return c;
+}
+
+std::string RunShell(const std::string& command) {
+  static int calls = 0;
+  const std::string log = (std::filesystem::temp_directory_path() /
+                           fmt::format("mpusim_readme.{}.{}.log", ::getpid(), ++calls))
+                              .string();
+  const std::string line = fmt::format(
+      "cd {} && OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 {} > {} 2>&1",
+      MPUSIM_SOURCE_DIR, command, log);
+  (void)std::system(line.c_str());
+  std::ifstream in(log);
+  std::string text(std::istreambuf_iterator<char>(in), {});
+  std::filesystem::remove(log);
+  return text;
+}
+
+// Decimal numbers (those with a point or an exponent: times, sizes in MiB, errors, losses)
+// masked and runs of spaces made one, for the commands with machine-dependent output; counts
+// (tensors passed and failed, bytes, elements, ranks) stay exact.
+std::string Masked(const std::string& line) {
+  static const std::regex number(R"([-+]?(\d+\.\d*|\.\d+|\d+(?=[eE]))([eE][-+]?\d+)?)");
+  static const std::regex spaces(R"( +)");
+  return std::regex_replace(std::regex_replace(line, number, "#"), spaces, " ");
+}
+
+// Whether `actual` matches `expected`, where an expected "..." matches any run of lines;
+// on a mismatch, `why` says where.
+bool Matches(const std::vector<std::string>& expected, const std::vector<std::string>& actual,
+             bool masked, size_t e, size_t a, std::string* why) {
+  for (; e < expected.size(); ++e, ++a) {
+    if (expected[e].find_first_not_of(' ') != std::string::npos &&
+        expected[e].substr(expected[e].find_first_not_of(' ')) == "...") {
+      for (size_t skip = a; skip <= actual.size(); ++skip) {
+        if (Matches(expected, actual, masked, e + 1, skip, nullptr)) return true;
+      }
+      if (why != nullptr) *why = fmt::format("nothing after README line {} matches", e + 1);
+      return false;
+    }
+    const bool same = a < actual.size() && (masked ? Masked(expected[e]) == Masked(actual[a])
+                                                   : expected[e] == actual[a]);
+    if (!same) {
+      if (why != nullptr) {
+        *why = fmt::format("output line {}:\n  README: {}\n  actual: {}", a + 1, expected[e],
+                           a < actual.size() ? actual[a] : std::string("(no more output)"));
+      }
+      return false;
+    }
+  }
+  if (a < actual.size() && why != nullptr) {
+    *why = fmt::format("output goes on after the README's last line: {}", actual[a]);
+  }
+  return a >= actual.size();
+}
+
+TEST(ReadmeTranscripts, EveryCommandPrintsWhatTheReadmeShows) {
+  const std::vector<std::string> lines = ReadLines(std::string(MPUSIM_SOURCE_DIR) + "/README.md");
+  ASSERT_FALSE(lines.empty());
+  int skipped = 0;
+  const std::vector<Transcript> transcripts = Transcripts(lines, &skipped);
+  EXPECT_GE(transcripts.size(), 10u);
+  static const std::regex planner(R"(mpusim (layout|schedule|explain)\b)");
+  for (const Transcript& t : transcripts) {
+    SCOPED_TRACE(fmt::format("README.md:{}: $ {}", t.line, t.command));
+    std::vector<std::string> actual;
+    std::istringstream text(RunShell(ShellCommand(t.command)));
+    for (std::string line; std::getline(text, line);) actual.push_back(line);
+    std::string why;
+    const bool masked = !std::regex_search(t.command, planner);
+    EXPECT_TRUE(Matches(t.expected, actual, masked, 0, 0, &why))
+        << why << "\n(the whole output: " << actual.size() << " lines)";
+  }
+  std::cout << fmt::format("{} README commands run and compared, {} blocks marked skip\n",
+                           transcripts.size(), skipped);
+}
+
+}  // namespace
