@@ -1,10 +1,20 @@
 // `mpusim explain`: how every weight of the model is sliced across the tensor-parallel ranks:
 // a layer chain in the MPU lab's notation (Y = X A + b, A = W^T), a GPT model parameter by
-// parameter in Megatron's state-dict names.
-#include <ostream>
-
+// parameter in Megatron's state-dict names; then the sharding map: for every parameter, the
+// index ranges of the master tensor each tp rank holds (stride-aware) and the global ranks
+// that hold them (its pipeline stage's). `--rank R` shows what one rank holds; `--format
+// json` gives the map as JSON.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "cli/cli.h"
 #include "cli/commands.h"
@@ -16,13 +26,172 @@
 namespace mpusim::cli {
 namespace {
 
+// One parameter of the sharding map: where it lives (pp rank, chunk) and how it is split.
+struct MappedParameter {
+  std::string name;
+  Shape full_shape;
+  int tp_dim = -1;  // -1: replicated
+  int64_t tp_stride = 1;
+  int64_t pp_rank = 0;
+  int64_t chunk = 0;
+  std::string note;  // e.g. a tied copy
+};
+
+// The index ranges [begin, end) along `dim` of the master tensor that tp rank `tp_rank` holds.
+std::vector<std::pair<int64_t, int64_t>> HeldRanges(const MappedParameter& p, int64_t t,
+                                                    int64_t tp_rank) {
+  const int64_t full =
+      p.tp_dim < 0 ? p.full_shape.front() : p.full_shape[static_cast<size_t>(p.tp_dim)];
+  if (p.tp_dim < 0) return {{0, full}};
+  ShardSpec spec;
+  spec.Split(ShardAxis::kTp, p.tp_dim, t, tp_rank, p.tp_stride);
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (int64_t l = 0; l < full / t; ++l) {
+    const int64_t g = GlobalIndex(spec, p.tp_dim, full, l);
+    if (!ranges.empty() && ranges.back().second == g) {
+      ++ranges.back().second;
+    } else {
+      ranges.emplace_back(g, g + 1);
+    }
+  }
+  return ranges;
+}
+
+// The global ranks with these tp and pp coordinates.
+std::vector<int64_t> RanksAt(const Topology& topology, int64_t tp, int64_t pp) {
+  std::vector<int64_t> out;
+  for (int64_t r = 0; r < topology.world_size(); ++r) {
+    const RankCoordinates c = topology.Coordinates(r);
+    if (c.tp == tp && c.pp == pp) out.push_back(r);
+  }
+  return out;
+}
+
+// "0, 2, 4-7": runs of consecutive ranks joined; past 12 entries, "... (N ranks)".
+std::string RankList(const std::vector<int64_t>& ranks) {
+  std::vector<std::string> parts;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    parts.push_back(j == i ? fmt::format("{}", ranks[i])
+                           : fmt::format("{}{}{}", ranks[i], j == i + 1 ? ", " : "-", ranks[j]));
+    i = j + 1;
+  }
+  if (parts.size() > 12) {
+    parts.resize(12);
+    return fmt::format("{}, ... ({} ranks)", fmt::join(parts, ", "), ranks.size());
+  }
+  return fmt::format("{}", fmt::join(parts, ", "));
+}
+
+std::string DimName(const MappedParameter& p) {
+  if (p.tp_dim < 0) return "";
+  if (p.full_shape.size() == 1) return "elements";
+  return p.tp_dim == 0 ? "rows" : "columns";
+}
+
+std::string RangesText(const std::vector<std::pair<int64_t, int64_t>>& ranges) {
+  std::vector<std::string> parts;
+  for (const auto& [b, e] : ranges) parts.push_back(fmt::format("[{}, {})", b, e));
+  return fmt::format("{}", fmt::join(parts, " "));
+}
+
+// The map as text (every parameter, or what `rank` holds) or JSON.
+// `rank` -1: every rank.
+void PrintShardingMap(const std::vector<MappedParameter>& params, const Topology& topology,
+                      int64_t rank, bool json_format, std::ostream& out) {
+  const int64_t t = topology.sizes().tp;
+  const int64_t pp = topology.sizes().pp;
+  std::optional<RankCoordinates> only;
+  if (rank >= 0) only = topology.Coordinates(rank);
+  nlohmann::ordered_json doc = {{"schema_version", 1},
+                                {"world_size", topology.world_size()},
+                                {"tensor_model_parallel_size", t},
+                                {"pipeline_model_parallel_size", pp}};
+  if (only) {
+    doc["rank"] = rank;
+    doc["coordinates"] = {{"tp", only->tp}, {"pp", only->pp}, {"dp", only->dp}, {"cp", only->cp}};
+  }
+  nlohmann::ordered_json list = nlohmann::ordered_json::array();
+  if (!json_format) {
+    out << (only ? fmt::format("\nsharding map of rank {} (tp rank {}, pp rank {}, dp rank {}): "
+                               "the index ranges of each master tensor it holds\n",
+                               rank, only->tp, only->pp, only->dp)
+                 : std::string("\nsharding map: the index ranges of each master tensor that each "
+                               "tp rank holds, and the global ranks holding them\n"));
+  }
+  for (const MappedParameter& p : params) {
+    if (only && p.pp_rank != only->pp) continue;
+    nlohmann::ordered_json shards = nlohmann::ordered_json::array();
+    const std::string where =
+        pp > 1 ? fmt::format(", pp rank {} chunk {}", p.pp_rank, p.chunk) : std::string();
+    if (!json_format) {
+      out << fmt::format(
+          "  {} {} {}{}{}\n", p.name, ShapeString(p.full_shape),
+          p.tp_dim < 0
+              ? std::string("replicated")
+              : fmt::format("{} split over tp{}", DimName(p),
+                            p.tp_stride > 1 ? fmt::format(" with stride {}", p.tp_stride) : ""),
+          where, p.note.empty() ? "" : "; " + p.note);
+    }
+    for (int64_t r = 0; r < (p.tp_dim < 0 ? 1 : t); ++r) {
+      if (only && p.tp_dim >= 0 && r != only->tp) continue;
+      const auto ranges = HeldRanges(p, t, r);
+      std::vector<int64_t> ranks;
+      if (p.tp_dim < 0) {
+        for (int64_t tp = 0; tp < t; ++tp) {
+          for (int64_t g : RanksAt(topology, tp, p.pp_rank)) ranks.push_back(g);
+        }
+        std::sort(ranks.begin(), ranks.end());
+      } else {
+        ranks = RanksAt(topology, r, p.pp_rank);
+      }
+      const std::string held_by =
+          fmt::format("{} {}", ranks.size() == 1 ? "rank" : "ranks", RankList(ranks));
+      if (!json_format && p.tp_dim >= 0) {
+        out << fmt::format("    tp {}: {} {}{}\n", r, DimName(p), RangesText(ranges),
+                           only ? std::string() : "  " + held_by);
+      } else if (!json_format) {
+        out << (only ? std::string("    whole\n") : fmt::format("    whole on {}\n", held_by));
+      }
+      nlohmann::ordered_json ranges_json = nlohmann::ordered_json::array();
+      for (const auto& [b, e] : ranges) ranges_json.push_back({b, e});
+      nlohmann::ordered_json shard = {
+          {"tp_rank", p.tp_dim < 0 ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(r)},
+          {"ranges", ranges_json}};
+      if (!only) shard["ranks"] = ranks;
+      shards.push_back(shard);
+    }
+    nlohmann::ordered_json entry = {
+        {"name", p.name},
+        {"shape", p.full_shape},
+        {"split", p.tp_dim < 0
+                      ? nlohmann::ordered_json(nullptr)
+                      : nlohmann::ordered_json{{"dim", p.tp_dim}, {"stride", p.tp_stride}}},
+        {"pp_rank", p.pp_rank},
+        {"chunk", p.chunk},
+        {"shards", shards}};
+    if (!p.note.empty()) entry["note"] = p.note;
+    list.push_back(entry);
+  }
+  doc["parameters"] = list;
+  if (json_format) out << doc.dump(1) << '\n';
+}
+
 class ExplainCommand : public Command {
  public:
   explicit ExplainCommand(CLI::App* parent) {
     app_ = parent->add_subcommand(
         "explain", "Show how each weight of the model is sliced across tensor-parallel ranks");
-    app_->footer("Example:\n  mpusim explain sample_configs/lab_column_parallel_t16_n16.json");
+    app_->footer(
+        "Examples:\n  mpusim explain sample_configs/lab_column_parallel_t16_n16.json\n"
+        "  mpusim explain sample_configs/gpt_pipeline_p4_v2_n4.json --rank 3\n"
+        "  mpusim explain sample_configs/lab_mlp_lm_t4_dp2_n8.json --format json");
     config_.Register(app_);
+    app_->add_option("--format", format_, "text or json (the sharding map; default text)")
+        ->check(CLI::IsMember({"text", "json"}));
+    rank_option_ =
+        app_->add_option("--rank", rank_, "show what one global rank holds")->type_name("INT");
   }
   CLI::App* app() override { return app_; }
 
@@ -42,11 +211,45 @@ class ExplainCommand : public Command {
     }
     const Config* config = &with_run;
     std::string source;
-    if (config->gpt) return ExplainGpt(*config, *topology, out, err);
+    if (rank_option_->count() > 0 && !topology->HasRank(rank_)) {
+      return ReportError(err, "command line",
+                         fmt::format("--rank: {} is not in this layout; ranks are 0..{}", rank_,
+                                     topology->world_size() - 1));
+    }
+    const int64_t rank = rank_option_->count() > 0 ? rank_ : -1;
+    json_ = format_ == "json";
+    // The text goes to `out` unless only the JSON map is wanted.
+    std::ostringstream discard;
+    std::ostream& text = json_ ? discard : out;
+    if (config->gpt) return ExplainGpt(*config, *topology, rank, text, out, err);
     StatusOr<std::unique_ptr<Graph>> graph = Graph::Build(*config, *topology);
     if (!graph.ok()) {
       return ReportError(err, source, config_.Attribute(graph.status(), &source).Message());
     }
+    return ExplainChain(**graph, *topology, rank, text, out);
+  }
+
+ private:
+  // A layer chain in the lab's notation, then its sharding map.
+  int ExplainChain(const Graph& graph, const Topology& topology, int64_t rank, std::ostream& out,
+                   std::ostream& map_out) {
+    const Topology* topology_ptr = &topology;
+    const Graph* graph_ptr = &graph;
+    std::vector<MappedParameter> mapped;
+    for (const Graph::PlannedLayer& layer : graph.Plan(RankCoordinates{})) {
+      for (const Graph::PlannedParameter& p : layer.parameters) {
+        mapped.push_back(
+            {p.name, p.full_shape, p.tp_dim, p.tp_stride, layer.pp_rank, layer.chunk, ""});
+      }
+    }
+    const int code = ExplainChainSlices(*graph_ptr, *topology_ptr, out);
+    PrintShardingMap(mapped, topology, rank, json_, json_ ? map_out : out);
+    return code;
+  }
+
+  int ExplainChainSlices(const Graph& graph_ref, const Topology& topology_ref, std::ostream& out) {
+    const Topology* topology = &topology_ref;
+    const Graph* graph_raw = &graph_ref;
     const int64_t t = topology->sizes().tp;
     out << fmt::format("tensor_model_parallel_size {}: each weight below is cut into {} slices; "
                        "rank r of a tp group holds slice r\n",
@@ -56,7 +259,7 @@ class ExplainCommand : public Command {
     for (int64_t r = 0; r < t; ++r) {
       RankCoordinates coords;
       coords.tp = r;
-      per_rank.push_back((*graph)->Plan(coords));
+      per_rank.push_back(graph_raw->Plan(coords));
     }
     for (size_t i = 0; i < per_rank[0].size(); ++i) {
       const Graph::PlannedLayer& layer = per_rank[0][i];
@@ -110,19 +313,19 @@ class ExplainCommand : public Command {
     }
     // Region mappings that give t-fold gradients as Megatron's code does (docs/simulator.md,
     // "Warnings"); the layout stays valid, so the exit code does too.
-    if (!(*graph)->warnings().empty()) out << '\n';
-    for (const std::string& warning : (*graph)->warnings()) {
+    if (!graph_raw->warnings().empty()) out << '\n';
+    for (const std::string& warning : graph_raw->warnings()) {
       out << "warning: " << EscapeControl(warning) << '\n';
     }
     return kExitOk;
   }
 
-
- private:
-  // The GPT model: every parameter, its split and this rank's piece, in state-dict order.
-  int ExplainGpt(const Config& config, const Topology& topology, std::ostream& out,
-                 std::ostream& err) {
+  // The GPT model: every parameter, its split and this rank's piece, in state-dict order; then
+  // the sharding map.
+  int ExplainGpt(const Config& config, const Topology& topology, int64_t rank, std::ostream& out,
+                 std::ostream& map_out, std::ostream& err) {
     const int64_t pp = topology.sizes().pp;
+    std::vector<MappedParameter> mapped;
     for (int64_t stage = 0; stage < pp; ++stage) {
       RankCoordinates coords;
       coords.pp = stage;
@@ -132,7 +335,31 @@ class ExplainCommand : public Command {
         return ReportError(err, source, config_.Attribute(model.status(), &source).Message());
       }
       ExplainGptStage(config, topology, **model, stage, out);
+      const std::vector<GptChunk>& chunks = (*model)->chunks();
+      for (const auto& p : (*model)->parameters().all()) {
+        // The chunk holding it: its layer's, the embedding's first, the head's last.
+        int64_t chunk = 0;
+        constexpr std::string_view kLayers = "decoder.layers.";
+        if (p->name.starts_with(kLayers)) {
+          const int64_t layer = std::stoll(p->name.substr(kLayers.size()));
+          for (size_t c = 0; c < chunks.size(); ++c) {
+            if (std::find(chunks[c].layers.begin(), chunks[c].layers.end(), layer) !=
+                chunks[c].layers.end()) {
+              chunk = static_cast<int64_t>(c);
+            }
+          }
+        } else if (!p->name.starts_with("embedding.") || p->shared) {
+          chunk = static_cast<int64_t>(chunks.size()) - 1;
+        }
+        const Placement* split = p->shard.Find(ShardAxis::kTp);
+        mapped.push_back({p->name, p->full_shape, split != nullptr ? split->dim : -1,
+                          split != nullptr ? split->stride : 1, stage, chunk,
+                          p->shared ? "the last stage's copy of the tied word embeddings, "
+                                      "gradient all-reduced over embd"
+                                    : ""});
+      }
     }
+    PrintShardingMap(mapped, topology, rank, json_, json_ ? map_out : out);
     return kExitOk;
   }
 
@@ -203,6 +430,10 @@ class ExplainCommand : public Command {
 
   CLI::App* app_ = nullptr;
   ConfigOptions config_;
+  std::string format_ = "text";
+  CLI::Option* rank_option_ = nullptr;
+  int64_t rank_ = 0;
+  bool json_ = false;
 };
 
 }  // namespace

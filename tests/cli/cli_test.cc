@@ -520,6 +520,59 @@ TEST(ExplainCommand, LabSlices) {
   }
 }
 
+// The sharding map: the index ranges of the master tensor each tp rank holds, stride-aware,
+// with the global ranks holding them; one rank's share with --rank; JSON with --format json.
+TEST(ExplainCommand, ShardingMapWithStridesRanksAndJson) {
+  const json config = {{"parallel", {{"world_size", 4}, {"tensor_model_parallel_size", 2}}},
+                       {"model",
+                        {{"layers",
+                          {{{"name", "qkv"},
+                            {"type", "ColumnParallelLinear"},
+                            {"input_size", 8},
+                            {"output_size", 12},
+                            {"gather_output", false},
+                            {"stride", 3}},
+                           {{"name", "proj"},
+                            {"type", "RowParallelLinear"},
+                            {"input_size", 12},
+                            {"output_size", 8},
+                            {"input_is_parallel", true},
+                            {"stride", 3}}}}}}};
+  const std::string path =
+      WriteTemp(fmt::format("mpusim_explain_map.{}.json", ::getpid()), config.dump());
+  const Result text = Mpusim({"explain", path});
+  ASSERT_EQ(text.code, 0) << text.err;
+  for (const char* line : {"  qkv.weight [12, 8] rows split over tp with stride 3\n",
+                           "    tp 0: rows [0, 2) [4, 6) [8, 10)  ranks 0, 2\n",
+                           "    tp 1: rows [2, 4) [6, 8) [10, 12)  ranks 1, 3\n",
+                           "    tp 1: elements [2, 4) [6, 8) [10, 12)  ranks 1, 3\n",
+                           "  proj.weight [8, 12] columns split over tp with stride 3\n",
+                           "    tp 0: columns [0, 2) [4, 6) [8, 10)  ranks 0, 2\n",
+                           "  proj.bias [8] replicated\n    whole on ranks 0-3\n"}) {
+    EXPECT_NE(text.out.find(line), std::string::npos) << line << "\n" << text.out;
+  }
+  const Result one = Mpusim({"explain", path, "--rank", "3"});
+  ASSERT_EQ(one.code, 0) << one.err;
+  EXPECT_NE(one.out.find("sharding map of rank 3 (tp rank 1, pp rank 0, dp rank 1)"),
+            std::string::npos)
+      << one.out;
+  EXPECT_NE(one.out.find("    tp 1: rows [2, 4) [6, 8) [10, 12)\n"), std::string::npos) << one.out;
+  EXPECT_EQ(one.out.find("    tp 0:"), std::string::npos) << one.out;
+  const Result as_json = Mpusim({"explain", path, "--format", "json"});
+  ASSERT_EQ(as_json.code, 0) << as_json.err;
+  const json map = json::parse(as_json.out);
+  EXPECT_EQ(map["schema_version"], 1);
+  const json& qkv = map["parameters"][0];
+  EXPECT_EQ(qkv["name"], "qkv.weight");
+  EXPECT_EQ(qkv["split"]["stride"], 3);
+  EXPECT_EQ(qkv["shards"][1]["ranges"], json::parse("[[2, 4], [6, 8], [10, 12]]"));
+  EXPECT_EQ(qkv["shards"][1]["ranks"], json::parse("[1, 3]"));
+  const Result bad = Mpusim({"explain", path, "--rank", "4"});
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_EQ(bad.err, "error: command line: --rank: 4 is not in this layout; ranks are 0..3\n");
+  EXPECT_EQ(bad.out, "");
+}
+
 TEST(ExplainCommand, GptParametersInStateDictNames) {
   const Result gpt = Mpusim({"explain", Sample("gpt_llama_style_gqa_t4_n4.json")});
   ASSERT_EQ(gpt.code, 0) << gpt.err;
