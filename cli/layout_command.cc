@@ -25,13 +25,15 @@ class LayoutCommand : public Command {
         "Examples:\n"
         "  mpusim layout sample_configs/lab_t2_p4_n16.json\n"
         "  mpusim layout --world-size 16 --tp 2 --pp 4 --format json\n"
+        "  mpusim layout sample_configs/lab_t2_p4_n16.json --format html > layout.html\n"
         "  mpusim layout CONFIG --rank 5 --kinds tp,pp,dp\n"
         "  mpusim layout --sweep --world-size 16\n"
         "Kinds: tp pp dp dp_cp dp_cp_partial cp hcp_L<k> mp embd pos_embd tp_dp tp_dp_cp tp_cp\n"
         "       ep expt_tp tp_ep tp_ep_pp expt_dp expt_dp_partial intra_dist_opt inter_dist_opt");
     config_.Register(app_);
-    app_->add_option("--format", format_, "text, json or picture (default text)")
-        ->check(CLI::IsMember({"text", "json", "picture"}));
+    app_->add_option("--format", format_,
+                     "text, json, picture or html (a self-contained page; default text)")
+        ->check(CLI::IsMember({"text", "json", "picture", "html"}));
     rank_option_ =
         app_->add_option("--rank", rank_, "show one global rank's coordinates and groups");
     app_->add_option("--kinds", kinds_,
@@ -80,6 +82,11 @@ class LayoutCommand : public Command {
          huge ? RankNodeWarnings(*topology, rank_) : NodeWarnings(*topology)) {
       err << "warning: " << warning << '\n';
     }
+    if (one_rank && format_ == "html") {
+      return ReportError(err, "command line",
+                         "--format html: draws the whole layout (click a GPU in it for one "
+                         "rank); drop --rank");
+    }
     if (one_rank) {
       if (format_ == "json") {
         PrintRankJson(*topology, rank_, options, out);
@@ -92,6 +99,8 @@ class LayoutCommand : public Command {
       PrintLayoutJson(*topology, options, out);
     } else if (format_ == "picture") {
       PrintLayoutPicture(*topology, out);
+    } else if (format_ == "html") {
+      PrintLayoutHtml(*topology, options, out);
     } else {
       PrintLayoutText(*topology, options, out);
     }
@@ -102,10 +111,10 @@ class LayoutCommand : public Command {
   // --sweep: every factorisation n = tp * pp * cp * dp that Topology accepts with the config's
   // other keys, in order of tp, pp, cp.
   int Sweep(std::ostream& out, std::ostream& err) {
-    if (rank_option_->count() > 0 || !kinds_.empty() || format_ == "picture") {
+    if (rank_option_->count() > 0 || !kinds_.empty() || format_ == "picture" || format_ == "html") {
       return ReportError(err, "command line",
                          "--sweep: lists layouts; it takes --format text or json, not --rank, "
-                         "--kinds or --format picture");
+                         "--kinds or --format picture or html");
     }
     std::optional<ConfigOptions::Layout> base = config_.ResolveLayout(err);
     if (!base) return kExitUsage;

@@ -41,6 +41,12 @@ void PrintLayoutJson(const Topology& topology, const LayoutReportOptions& option
                      std::ostream& out);
 // A grid: one row per node, one cell per GPU with its coordinates on the axes of size > 1.
 void PrintLayoutPicture(const Topology& topology, std::ostream& out);
+// One self-contained HTML page (inline CSS, script and data; nothing fetched): the nodes and
+// their GPUs; choosing a group kind colours its groups, clicking a GPU shows its coordinates
+// and every group it belongs to and outlines the ranks of its group of the chosen kind. The
+// node map's warnings are shown. The data is the JSON report plus every rank's coordinates.
+void PrintLayoutHtml(const Topology& topology, const LayoutReportOptions& options,
+                     std::ostream& out);
 
 void PrintRankText(const Topology& topology, int64_t rank, const LayoutReportOptions& options,
                    std::ostream& out);

@@ -218,7 +218,7 @@ TEST(LayoutCommand, SweepListsEveryFactorisation) {
       << moe.out;
   ExpectUsageError(Mpusim({"layout", "--sweep", "--world-size", "16", "--rank", "3"}),
                    "error: command line: --sweep: lists layouts; it takes --format text or json, "
-                   "not --rank, --kinds or --format picture");
+                   "not --rank, --kinds or --format picture or html");
 }
 
 TEST(LayoutCommand, VirtualPipelineLayerAssignment) {
@@ -361,7 +361,7 @@ TEST(SampleConfigs, EveryOneLoadsAndPlans) {
   for (const auto& entry : std::filesystem::directory_iterator(MPUSIM_SAMPLE_CONFIG_DIR)) {
     if (entry.path().extension() != ".json") continue;
     ++count;
-    for (const char* format : {"text", "json", "picture"}) {
+    for (const char* format : {"text", "json", "picture", "html"}) {
       const Result r = Mpusim({"layout", entry.path().string(), "--format", format});
       EXPECT_EQ(r.code, 0) << entry.path() << ": " << r.err;
       EXPECT_FALSE(r.out.empty());
@@ -371,6 +371,41 @@ TEST(SampleConfigs, EveryOneLoadsAndPlans) {
     }
   }
   EXPECT_GE(count, 5);
+}
+
+// The layout page: one self-contained HTML file (nothing fetched: no URL, no src or href
+// attribute) whose embedded data is the JSON report's groups plus every rank's coordinates;
+// the GPT-3 layout of 1024 ranks stays small.
+TEST(LayoutPage, SelfContainedWithTheReportsGroups) {
+  const Result page = Mpusim({"layout", Sample("lab_t2_p4_n16.json"), "--format", "html"});
+  ASSERT_EQ(page.code, 0) << page.err;
+  EXPECT_EQ(page.out.rfind("<!DOCTYPE html>", 0), 0u);
+  for (const char* outside : {"http:", "https:", "src=", "href=", "@import", "url("}) {
+    EXPECT_EQ(page.out.find(outside), std::string::npos) << outside;
+  }
+  const std::string open = "<script id=\"layout\" type=\"application/json\">";
+  const size_t begin = page.out.find(open);
+  ASSERT_NE(begin, std::string::npos);
+  const size_t end = page.out.find("</script>", begin);
+  const json data = json::parse(page.out.substr(begin + open.size(), end - begin - open.size()));
+  const Result report = Mpusim({"layout", Sample("lab_t2_p4_n16.json"), "--format", "json"});
+  ASSERT_EQ(report.code, 0);
+  EXPECT_EQ(data["groups"], json::parse(report.out)["groups"]);
+  ASSERT_EQ(data["coordinates"].size(), 16u);
+  // Rank 5: node 0, GPU 5, tp 1, cp 0, dp 0, pp 1 (the lab's t = 2, p = 4 layout).
+  EXPECT_EQ(data["coordinates"][5], json::parse("[0, 5, 1, 0, 0, 1, 1, 0, 0]"));
+  EXPECT_EQ(page.out.find("<p class=\"warning\">"), std::string::npos);
+  const Result big = Mpusim({"layout", Sample("gpt3_175b_t8_p16_n1024.json"), "--format", "html"});
+  ASSERT_EQ(big.code, 0) << big.err;
+  EXPECT_LT(big.out.size(), 1u << 20);
+  const Result warned =
+      Mpusim({"layout", Sample("multinode_tp16_gpn8_n32.json"), "--format", "html"});
+  ASSERT_EQ(warned.code, 0) << warned.err;
+  EXPECT_NE(warned.out.find("<p class=\"warning\">warning: "), std::string::npos);
+  const Result one =
+      Mpusim({"layout", Sample("lab_t2_p4_n16.json"), "--format", "html", "--rank", "3"});
+  EXPECT_EQ(one.code, 2);
+  EXPECT_EQ(one.out, "");
 }
 
 TEST(Binary, HelpAndExitCodes) {
