@@ -12,7 +12,7 @@ trap 'rm -rf "${work}"' EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
 browse() {  # browse PAGE FRAGMENT -> the DOM after the page's script ran
-  timeout 120 "${chromium}" --headless --no-sandbox --disable-gpu --user-data-dir="${work}/profile" \
+  timeout 120 "${chromium}" --headless --no-sandbox --disable-gpu --disable-dev-shm-usage --user-data-dir="${work}/profile" \
     --virtual-time-budget=5000 --dump-dom "file://$1#$2" 2>/dev/null
 }
 
@@ -45,7 +45,7 @@ check "${samples}/lab_t2_p4_n16.json" dp 6
 check "${samples}/gpt3_175b_t8_p16_n1024.json" dp 1000
 # A screenshot for the labs (docs/labs.md).
 "${mpusim}" layout "${samples}/lab_t2_p4_n16.json" --format html > "${work}/shot.html" 2>/dev/null
-timeout 120 "${chromium}" --headless --no-sandbox --disable-gpu --user-data-dir="${work}/profile" \
+timeout 120 "${chromium}" --headless --no-sandbox --disable-gpu --disable-dev-shm-usage --user-data-dir="${work}/profile" \
   --window-size=1100,420 --screenshot="${out}/layout_page.png" \
   "file://${work}/shot.html#kind=tp&rank=5" > /dev/null 2>&1
 [[ -s "${out}/layout_page.png" ]] || fail "no screenshot"
