@@ -3,13 +3,17 @@
 //
 // What it is: for each layer, *what* to compute and *which collective in which group*, in
 // forward and backward (docs/simulator.md is the contract), plus data generation, gradient
-// accumulation over micro-batches, activation recomputation, and the final gradient
-// reductions (sequence-parallel replicated parameters over tp, then data-parallel).
+// accumulation over micro-batches, activation recomputation, the pipeline stages (the layers
+// in p * v consecutive runs, each rank walking its row of the 1F1B or interleaved schedule
+// with a stash per chunk and micro-batch), and the final gradient reductions
+// (sequence-parallel replicated parameters over tp, then data-parallel, then a weight tied
+// across the first and last pipeline rank over embd). Training iterations differ only in
+// their data and random streams; the optimizer (core/train) updates TrainableParameters.
 // Precision: parameters, activations and activation gradients are stored in run.dtype
 // (float64, float32, bfloat16 or float16); main_grad, the softmax statistics and the loss
 // are in its compute dtype (float32 for 16-bit storage), as in Megatron's mixed precision.
-// What it is not: a checker (sim/ compares the results with the float64 reference) or a
-// launcher (sim/ and cuda/ set up ranks and communicators).
+// What it is not: a checker (run/ compares the results with the float64 reference) or a
+// launcher (run/ and cuda/ set up ranks and communicators).
 #pragma once
 
 #include <memory>
