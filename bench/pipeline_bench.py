@@ -105,7 +105,8 @@ def main():
 def replay(timeline, p):
     """(measured span, replayed span, busiest rank's compute) of one step's timeline."""
     real = max(t["schedule_end"] for t in timeline)
-    ranks = {t["pp_rank"]: t["steps"] for t in timeline}  # one rank per stage here
+    # One rank per stage here; recomputations ("R") lie inside their backward steps.
+    ranks = {t["pp_rank"]: [s for s in t["steps"] if s[2] != "R"] for t in timeline}
     v = 1 + max(step[0] for steps in ranks.values() for step in steps)
     done = {}  # (kind, virtual stage, micro-batch) -> end time
     clock = {r: 0.0 for r in ranks}

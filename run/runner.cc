@@ -128,7 +128,7 @@ std::vector<SimulationResult::RankTimeline> GatherTimeline(const std::vector<Ste
                          {"steps", nlohmann::json::array()},
                          {"comms", nlohmann::json::array()}};
   for (const StepSpan& s : spans) {
-    mine["steps"].push_back({s.chunk, s.microbatch, s.forward, s.begin, s.end});
+    mine["steps"].push_back({s.chunk, s.microbatch, s.forward, s.begin, s.end, s.recompute});
   }
   if (comms) {
     for (const CommRecord& r : trace.records()) {
@@ -152,7 +152,8 @@ std::vector<SimulationResult::RankTimeline> GatherTimeline(const std::vector<Ste
     t.schedule_end = r["end"].get<double>() - origin;
     for (const nlohmann::json& step : r["steps"]) {
       t.steps.push_back({step[0].get<int64_t>(), step[1].get<int64_t>(), step[2].get<bool>(),
-                         step[3].get<double>() - origin, step[4].get<double>() - origin});
+                         step[3].get<double>() - origin, step[4].get<double>() - origin,
+                         step[5].get<bool>()});
     }
     for (const nlohmann::json& c : r["comms"]) {
       const double end = c[7].get<double>();
@@ -740,12 +741,17 @@ Status RankRun::WriteSummary(const SimulationResult& result, int code) {
   j["peak_stashes_rank0"] = result.peak_stashes;
   if (config_.optimizer) j["distributed_optimizer"] = config_.optimizer->use_distributed_optimizer;
   // The last step's timeline: per world rank, its pp rank, when its schedule ended and its
-  // steps [chunk, micro-batch, "F" or "B", begin, end] in seconds from the earliest start.
+  // steps [chunk, micro-batch, "F", "B" or "R" (a recomputation inside its backward), begin,
+  // end] in seconds from the earliest start.
   nlohmann::ordered_json timeline = nlohmann::ordered_json::array();
   for (const SimulationResult::RankTimeline& t : result.timeline) {
     nlohmann::ordered_json steps = nlohmann::ordered_json::array();
     for (const StepSpan& s : t.steps) {
-      steps.push_back({s.chunk, s.microbatch, s.forward ? "F" : "B", s.begin, s.end});
+      steps.push_back({s.chunk, s.microbatch,
+                       s.recompute ? "R"
+                       : s.forward ? "F"
+                                   : "B",
+                       s.begin, s.end});
     }
     timeline.push_back(
         {{"pp_rank", t.pp_rank}, {"schedule_end", t.schedule_end}, {"steps", steps}});
@@ -756,7 +762,8 @@ Status RankRun::WriteSummary(const SimulationResult& result, int code) {
 
 // --trace FILE: the last step as Chrome trace events (the format chrome://tracing, Perfetto
 // and PyTorch's profiler use): a process per node, a thread per rank named by its
-// coordinates, a complete ("X") event per forward or backward step and per collective or
+// coordinates, a complete ("X") event per forward or backward step (and per recomputation,
+// nested in its backward step) and per collective or
 // send/receive, times in microseconds from the step's start.
 Status RankRun::WriteTrace(const Topology& topology, const SimulationResult& result) {
   nlohmann::ordered_json events = nlohmann::ordered_json::array();
@@ -787,15 +794,20 @@ Status RankRun::WriteTrace(const Topology& topology, const SimulationResult& res
                       {"args", {{"sort_index", rank}}}});
     const SimulationResult::RankTimeline& t = result.timeline[r];
     for (const StepSpan& s : t.steps) {
-      events.push_back(
-          {{"name", fmt::format("{}{}.{}", s.forward ? "F" : "B", s.chunk, s.microbatch)},
-           {"cat", s.forward ? "forward" : "backward"},
-           {"ph", "X"},
-           {"ts", micros(s.begin)},
-           {"dur", micros(s.end - s.begin)},
-           {"pid", node},
-           {"tid", rank},
-           {"args", {{"chunk", s.chunk}, {"microbatch", s.microbatch}}}});
+      events.push_back({{"name", fmt::format("{}{}.{}",
+                                             s.recompute ? "R"
+                                             : s.forward ? "F"
+                                                         : "B",
+                                             s.chunk, s.microbatch)},
+                        {"cat", s.recompute ? "recompute"
+                                : s.forward ? "forward"
+                                            : "backward"},
+                        {"ph", "X"},
+                        {"ts", micros(s.begin)},
+                        {"dur", micros(s.end - s.begin)},
+                        {"pid", node},
+                        {"tid", rank},
+                        {"args", {{"chunk", s.chunk}, {"microbatch", s.microbatch}}}});
     }
     for (const CommRecord& m : t.comms) {
       nlohmann::ordered_json args = {
@@ -978,15 +990,17 @@ void RankRun::PrintStages(const SimulationResult& result, const PipelineSchedule
     for (size_t r = 0; r < result.timeline.size(); ++r) {
       const SimulationResult::RankTimeline& t = result.timeline[r];
       if (t.pp_rank != stage) continue;
-      int64_t live = 0, peak = 0;
+      int64_t live = 0, peak = 0, steps = 0;
       double busy = 0;
       for (const StepSpan& span : t.steps) {
+        if (span.recompute) continue;  // inside its backward step
+        ++steps;
         live += span.forward ? 1 : -1;
         peak = std::max(peak, live);
         busy += span.end - span.begin;
       }
       out_ << fmt::format("  {:>5}  {:>4}  {:>5}  {:>12}  {:>6}  {:.0f}% of {:.3f} s\n", stage, r,
-                          t.steps.size(), peak, schedule.NumWarmup(stage),
+                          steps, peak, schedule.NumWarmup(stage),
                           t.schedule_end > 0 ? 100 * busy / t.schedule_end : 0.0, t.schedule_end);
       break;
     }

@@ -1,9 +1,10 @@
 // Self-attention (see attention.h).
 #include "core/model/attention.h"
 
-#include <cmath>
-
 #include <fmt/format.h>
+
+#include <cmath>
+#include <optional>
 
 namespace mpusim {
 
@@ -57,6 +58,10 @@ Tensor SelfAttention::Backward(const ModuleContext& ctx, const Tensor& dy, Stash
     // function of their global indices, so the recomputed probabilities are bit-identical.
     ModuleContext quiet = ctx;
     quiet.records = nullptr;
+    std::optional<SpanRecorder> span;
+    if (ctx.recompute_spans != nullptr) {
+      span.emplace(*ctx.recompute_spans, ctx.chunk, ctx.draw.microbatch, true, true);
+    }
     CoreStash core;
     CoreForward(quiet, stash.qkv, &core);
     stash.core = std::move(core);

@@ -386,7 +386,9 @@ Tensor GptModel::BackwardStep(RankContext& ctx, int64_t chunk, int64_t microbatc
                                        chunk, microbatch));
   }
   Stash& stash = node.mapped();
-  const ModuleContext mctx = Context(ctx, microbatch, stash, records);
+  ModuleContext mctx = Context(ctx, microbatch, stash, records);
+  mctx.recompute_spans = &spans_;
+  mctx.chunk = chunk;
   mctx.trace.SetPhase(Phase::kBackward);
   Tensor dx = spec.post_process ? HeadBackward(mctx, stash) : output_grad;
   for (size_t i = spec.layers.size(); i-- > 0;) {

@@ -1047,6 +1047,7 @@ Tensor Graph::Impl::BackwardStep(RankContext& ctx, int64_t chunk, int64_t m,
     // Recompute the chunk's forward with the random streams as they were (Megatron's
     // CheckpointFunction), then put the streams back. Its collectives are real: they stay in
     // the trace, as forward.
+    const SpanRecorder recompute(spans, chunk, m, true, true);
     const RngTracker::States now = ctx.rng.GetStates();
     ctx.rng.SetStates(stash.rng_before);
     ForwardLayers(ctx, first, end, stash.input, stash.batch, false);

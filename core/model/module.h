@@ -12,6 +12,8 @@
 //   stream   the residual stream [s_l, b, h], stored as [s_l * b, h]
 #pragma once
 
+#include <fmt/format.h>
+
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -19,12 +21,11 @@
 #include <string>
 #include <vector>
 
-#include <fmt/format.h>
-
 #include "core/communicator.h"
 #include "core/dropout.h"
 #include "core/kernels.h"
 #include "core/model/record.h"
+#include "core/model/step_span.h"
 
 namespace mpusim {
 
@@ -106,6 +107,10 @@ struct ModuleContext {
   DropoutDraw draw;
   bool fuse_wgrad = false;                      // gradient_accumulation_fusion
   std::vector<TensorRecord>* records = nullptr;  // null: this pass records nothing
+  // Set: a recomputation in this pass appends its span (chunk `chunk`, the draw's
+  // micro-batch) here, for the timeline.
+  std::vector<StepSpan>* recompute_spans = nullptr;
+  int64_t chunk = 0;
 
   // Records `tensor` (any view of the rank's local elements) with the local shape its shard
   // of `full_shape` has, as dumps and the check expect.

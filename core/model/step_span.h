@@ -12,17 +12,21 @@
 
 namespace mpusim {
 
+// A recomputation (activation checkpointing's forward again, inside a backward step) is a
+// span of its own, nested in its backward step's: recompute true, forward true.
 struct StepSpan {
   int64_t chunk = 0, microbatch = 0;
   bool forward = true;
   double begin = 0, end = 0;
+  bool recompute = false;
 };
 
 // Appends the span of one step when it ends (returns or throws).
 class SpanRecorder {
  public:
-  SpanRecorder(std::vector<StepSpan>& spans, int64_t chunk, int64_t microbatch, bool forward)
-      : spans_(spans), span_{chunk, microbatch, forward, MonotonicSeconds(), 0} {}
+  SpanRecorder(std::vector<StepSpan>& spans, int64_t chunk, int64_t microbatch, bool forward,
+               bool recompute = false)
+      : spans_(spans), span_{chunk, microbatch, forward, MonotonicSeconds(), 0, recompute} {}
   ~SpanRecorder() {
     span_.end = MonotonicSeconds();
     spans_.push_back(span_);

@@ -1,6 +1,8 @@
 // Transformer layer (see transformer_layer.h).
 #include "core/model/transformer_layer.h"
 
+#include <optional>
+
 namespace mpusim {
 namespace {
 
@@ -90,6 +92,10 @@ Tensor TransformerLayer::Backward(const ModuleContext& ctx, const Tensor& dy, St
     // are real and stay in the trace.
     ModuleContext quiet = ctx;
     quiet.records = nullptr;
+    std::optional<SpanRecorder> span;
+    if (ctx.recompute_spans != nullptr) {
+      span.emplace(*ctx.recompute_spans, ctx.chunk, ctx.draw.microbatch, true, true);
+    }
     Inner inner;
     ForwardInner(quiet, stash.input, &inner);
     stash.inner = std::move(inner);

@@ -722,6 +722,59 @@ TEST(RunCommand, TraceIsChromeTraceEventsMatchingTheCommTrace) {
   std::filesystem::remove(path);
 }
 
+// With activation recomputation every recomputation is a "recompute" slice ("R<chunk>.<mb>")
+// nested in the backward step of the same chunk and micro-batch on the same rank: one per
+// layer of the GPT model (full or selective), one per chunk of a layer chain.
+TEST(RunCommand, TraceNestsRecomputationsInTheirBackwardSteps) {
+  struct Case {
+    const char* sample;
+    const char* granularity;
+    std::string flags;
+    int64_t per_rank;  // recomputations per rank
+  };
+  const std::vector<Case> cases = {
+      {"gpt_pipeline_p2_v2_t2_n4.json", "full", "", 8},  // one layer per chunk, 8 backward steps
+      {"gpt_pipeline_p2_v2_t2_n4.json", "selective", "", 8},
+      {"lab_train_mlp_lm_t2_dp2_n4.json", "full", " --tp 1 --pp 2 --train-iters 1", 2}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(fmt::format("{} {}", c.sample, c.granularity));
+    json config = json::parse(std::ifstream(Sample(c.sample)));
+    config["run"]["recompute_granularity"] = c.granularity;
+    const std::string config_path =
+        WriteTemp(fmt::format("mpusim_recompute.{}.json", ::getpid()), config.dump());
+    const std::string path =
+        (std::filesystem::temp_directory_path() / fmt::format("mpusim_rtrace.{}.json", ::getpid()))
+            .string();
+    std::string output;
+    ASSERT_EQ(Shell(Mpiexec(4) + MPUSIM_BINARY + " run " + config_path + c.flags +
+                        " --no-check --trace " + path,
+                    &output),
+              0)
+        << output;
+    const json trace = json::parse(std::ifstream(path));
+    std::vector<json> backward, recompute;
+    for (const json& e : trace["traceEvents"]) {
+      if (e["ph"] != "X") continue;
+      if (e["cat"] == "backward") backward.push_back(e);
+      if (e["cat"] == "recompute") recompute.push_back(e);
+    }
+    std::map<int64_t, int64_t> per_rank;
+    for (const json& r : recompute) {
+      ++per_rank[r["tid"].get<int64_t>()];
+      const std::string step = r["name"].get<std::string>().substr(1);
+      const bool nested = std::any_of(backward.begin(), backward.end(), [&](const json& b) {
+        return b["tid"] == r["tid"] && b["name"].get<std::string>().substr(1) == step &&
+               b["ts"].get<double>() <= r["ts"].get<double>() &&
+               r["ts"].get<double>() + r["dur"].get<double>() <=
+                   b["ts"].get<double>() + b["dur"].get<double>() + 1e-3;
+      });
+      EXPECT_TRUE(nested) << r.dump();
+    }
+    for (int64_t rank = 0; rank < 4; ++rank) EXPECT_EQ(per_rank[rank], c.per_rank) << rank;
+    std::filesystem::remove(path);
+  }
+}
+
 // Training: the per-iteration table against the reference, and what a training config
 // may not ask for.
 TEST(RunCommand, TrainingSamplePrintsEveryIterationAgainstTheReference) {
