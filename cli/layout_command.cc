@@ -100,7 +100,19 @@ class LayoutCommand : public Command {
     } else if (format_ == "picture") {
       PrintLayoutPicture(*topology, out);
     } else if (format_ == "html") {
-      PrintLayoutHtml(*topology, options, out);
+      // With pipeline stages the page shows the schedule too: the run section's micro-batches,
+      // else 2 per stage.
+      std::optional<PipelineSchedule> schedule;
+      const ParallelConfig& pc = topology->config();
+      if (pc.pipeline_model_parallel_size > 1) {
+        const Config& full = layout->config;
+        StatusOr<PipelineSchedule> built = BuildPipelineSchedule(
+            pc.pipeline_model_parallel_size, pc.virtual_pipeline_model_parallel_size,
+            full.run ? full.run->num_microbatches : 2 * pc.pipeline_model_parallel_size,
+            pc.microbatch_group_size_per_vp_stage);
+        if (built.ok()) schedule = std::move(built).value();
+      }
+      PrintLayoutHtml(*topology, options, schedule ? &*schedule : nullptr, out);
     } else {
       PrintLayoutText(*topology, options, out);
     }

@@ -399,8 +399,61 @@ h1 { font-size: 18px; margin: 0 0 8px; }
 
 }  // namespace
 
+void PrintScheduleSvg(const PipelineSchedule& s, double kForward, double kBackward, bool standalone,
+                      std::ostream& out) {
+  const ScheduleTiming t = TimeSchedule(s, kForward, kBackward);
+  const int64_t p = s.pipeline_model_parallel_size;
+  constexpr double kUnit = 28, kRow = 34, kLeft = 70, kTop = 44;
+  const double width = kLeft + t.makespan * kUnit + 20;
+  const double height = kTop + static_cast<double>(p) * kRow + 40;
+  out << fmt::format(
+      "<svg{} width=\"{:.0f}\" height=\"{:.0f}\" font-family=\"sans-serif\" "
+      "font-size=\"11\">\n",
+      // Inside an HTML page the svg element needs no namespace (and the page no URL).
+      standalone ? " xmlns=\"http://www.w3.org/2000/svg\"" : "", width, height);
+  out << fmt::format(
+      "<text x=\"{}\" y=\"18\" font-size=\"13\">{}: p {}{}, M {}; forward {:g}, backward {:g} "
+      "units; bubble {:.3f} of the ranks' time</text>\n",
+      kLeft, s.interleaved ? "interleaved 1F1B" : "1F1B", p,
+      s.interleaved ? fmt::format(", v {}", s.num_model_chunks) : "", s.num_microbatches, kForward,
+      kBackward, t.BubbleFraction());
+  for (int64_t r = 0; r < p; ++r) {
+    const double y = kTop + static_cast<double>(r) * kRow;
+    out << fmt::format(
+        "<text x=\"8\" y=\"{:.0f}\">rank {}</text>\n<rect x=\"{}\" y=\"{:.0f}\" "
+        "width=\"{:.0f}\" height=\"{:.0f}\" fill=\"#eeeeee\"/>\n",
+        y + kRow / 2 + 4, r, kLeft, y, t.makespan * kUnit, kRow - 6);
+    const auto& steps = s.per_rank[static_cast<size_t>(r)];
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const ScheduleStep& step = steps[i];
+      const bool forward = step.pass == Pass::kForward;
+      const double hue = 360.0 * static_cast<double>(step.microbatch) /
+                         static_cast<double>(std::max<int64_t>(s.num_microbatches, 1));
+      const double light = 45.0 + 20.0 * static_cast<double>(step.model_chunk) /
+                                      static_cast<double>(s.num_model_chunks);
+      const double x = kLeft + t.start[static_cast<size_t>(r)][i] * kUnit;
+      const double w =
+          (t.end[static_cast<size_t>(r)][i] - t.start[static_cast<size_t>(r)][i]) * kUnit;
+      out << fmt::format(
+          "<g><title>rank {} {} chunk {} micro-batch {}: {:g} to {:g}</title><rect x=\"{:.1f}\" "
+          "y=\"{:.0f}\" width=\"{:.1f}\" height=\"{:.0f}\" fill=\"hsl({:.0f},{},{:.0f}%)\" "
+          "stroke=\"#333\" stroke-width=\"0.5\"/><text x=\"{:.1f}\" y=\"{:.0f}\" "
+          "text-anchor=\"middle\">{}</text></g>\n",
+          r, forward ? "forward" : "backward", step.model_chunk, step.microbatch,
+          t.start[static_cast<size_t>(r)][i], t.end[static_cast<size_t>(r)][i], x, y + 2, w - 1,
+          kRow - 10, hue, forward ? "70%" : "45%", light, x + w / 2, y + kRow / 2 + 2,
+          FormatStep(step));
+    }
+  }
+  out << fmt::format(
+      "<text x=\"{}\" y=\"{:.0f}\">F&lt;chunk&gt;.&lt;micro-batch&gt; forward, B backward; "
+      "colour: "
+      "micro-batch; grey: idle (the bubble)</text>\n</svg>\n",
+      kLeft, height - 12);
+}
+
 void PrintLayoutHtml(const Topology& topology, const LayoutReportOptions& options,
-                     std::ostream& out) {
+                     const PipelineSchedule* schedule, std::ostream& out) {
   std::ostringstream layout_json;
   PrintLayoutJson(topology, options, layout_json);
   ordered_json data = ordered_json::parse(layout_json.str());  // kinds in Megatron's order
@@ -464,8 +517,16 @@ void PrintLayoutHtml(const Topology& topology, const LayoutReportOptions& option
              (topology.world_size() + c.gpus_per_node - 1) / c.gpus_per_node, c.gpus_per_node,
              c.gpus_per_node)
       << warnings << "<div class=\"controls\">group kind: <select id=\"kind\"></select></div>\n"
-      << "<div id=\"grid\"></div>\n<pre id=\"info\">click a GPU</pre>\n"
-      << "<script id=\"layout\" type=\"application/json\">" << embedded << "</script>\n"
+      << "<div id=\"grid\"></div>\n<pre id=\"info\">click a GPU</pre>\n";
+  if (schedule != nullptr) {
+    // The pipeline schedule on an idealised machine (`mpusim schedule --format svg`).
+    out << fmt::format(
+        "<h2>pipeline schedule, {} micro-batches (forward 1, backward 2 time units, "
+        "communication free)</h2>\n",
+        schedule->num_microbatches);
+    PrintScheduleSvg(*schedule, 1, 2, /*standalone=*/false, out);
+  }
+  out << "<script id=\"layout\" type=\"application/json\">" << embedded << "</script>\n"
       << "<script>" << kPageScript << "</script>\n</body>\n</html>\n";
 }
 

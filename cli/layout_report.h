@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/schedule.h"
 #include "core/topology.h"
 
 namespace mpusim::cli {
@@ -45,8 +46,16 @@ void PrintLayoutPicture(const Topology& topology, std::ostream& out);
 // their GPUs; choosing a group kind colours its groups, clicking a GPU shows its coordinates
 // and every group it belongs to and outlines the ranks of its group of the chosen kind. The
 // node map's warnings are shown. The data is the JSON report plus every rank's coordinates.
+// With `schedule` (pp > 1), the page also shows the pipeline schedule's picture.
 void PrintLayoutHtml(const Topology& topology, const LayoutReportOptions& options,
-                     std::ostream& out);
+                     const PipelineSchedule* schedule, std::ostream& out);
+
+// The schedule on an idealised machine (TimeSchedule with `forward` and `backward` time units)
+// as SVG: a row per pipeline rank, a box per step at its time, coloured by micro-batch,
+// lighter for later chunks, a tooltip naming each box; the gaps are the bubble. `standalone`:
+// a file of its own (with the SVG namespace), else an element inside an HTML page.
+void PrintScheduleSvg(const PipelineSchedule& schedule, double forward, double backward,
+                      bool standalone, std::ostream& out);
 
 void PrintRankText(const Topology& topology, int64_t rank, const LayoutReportOptions& options,
                    std::ostream& out);

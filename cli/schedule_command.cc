@@ -10,6 +10,7 @@
 #include "cli/cli.h"
 #include "cli/commands.h"
 #include "cli/config_options.h"
+#include "cli/layout_report.h"
 #include "core/schedule.h"
 #include "core/topology.h"
 
@@ -68,7 +69,7 @@ class ScheduleCommand : public Command {
     if (format_ == "json") {
       PrintJson(*schedule, out);
     } else if (format_ == "svg") {
-      PrintSvg(*schedule, out);
+      PrintScheduleSvg(*schedule, kForward, kBackward, /*standalone=*/true, out);
     } else {
       PrintText(*schedule, out);
     }
@@ -120,59 +121,6 @@ class ScheduleCommand : public Command {
         kForward, kBackward, t.makespan, t.BubbleFraction(), s.interleaved ? "v " : "",
         static_cast<double>(p - 1) /
             static_cast<double>(s.num_model_chunks * s.num_microbatches + p - 1));
-  }
-
-  // A time-step picture: a row per pipeline rank, a box per step at its idealised time
-  // (TimeSchedule), coloured by micro-batch, lighter for later chunks; gaps are the bubble.
-  static void PrintSvg(const PipelineSchedule& s, std::ostream& out) {
-    const ScheduleTiming t = TimeSchedule(s, kForward, kBackward);
-    const int64_t p = s.pipeline_model_parallel_size;
-    constexpr double kUnit = 28, kRow = 34, kLeft = 70, kTop = 44;
-    const double width = kLeft + t.makespan * kUnit + 20;
-    const double height = kTop + static_cast<double>(p) * kRow + 40;
-    out << fmt::format(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" height=\"{:.0f}\" "
-        "font-family=\"sans-serif\" font-size=\"11\">\n",
-        width, height);
-    out << fmt::format(
-        "<text x=\"{}\" y=\"18\" font-size=\"13\">{}: p {}{}, M {}; forward {:g}, backward {:g} "
-        "units; bubble {:.3f} of the ranks' time</text>\n",
-        kLeft, s.interleaved ? "interleaved 1F1B" : "1F1B", p,
-        s.interleaved ? fmt::format(", v {}", s.num_model_chunks) : "", s.num_microbatches,
-        kForward, kBackward, t.BubbleFraction());
-    for (int64_t r = 0; r < p; ++r) {
-      const double y = kTop + static_cast<double>(r) * kRow;
-      out << fmt::format(
-          "<text x=\"8\" y=\"{:.0f}\">rank {}</text>\n<rect x=\"{}\" y=\"{:.0f}\" "
-          "width=\"{:.0f}\" height=\"{:.0f}\" fill=\"#eeeeee\"/>\n",
-          y + kRow / 2 + 4, r, kLeft, y, t.makespan * kUnit, kRow - 6);
-      const auto& steps = s.per_rank[static_cast<size_t>(r)];
-      for (size_t i = 0; i < steps.size(); ++i) {
-        const ScheduleStep& step = steps[i];
-        const bool forward = step.pass == Pass::kForward;
-        const double hue = 360.0 * static_cast<double>(step.microbatch) /
-                           static_cast<double>(std::max<int64_t>(s.num_microbatches, 1));
-        const double light = 45.0 + 20.0 * static_cast<double>(step.model_chunk) /
-                                        static_cast<double>(s.num_model_chunks);
-        const double x = kLeft + t.start[static_cast<size_t>(r)][i] * kUnit;
-        const double w =
-            (t.end[static_cast<size_t>(r)][i] - t.start[static_cast<size_t>(r)][i]) * kUnit;
-        out << fmt::format(
-            "<g><title>rank {} {} chunk {} micro-batch {}: {:g} to {:g}</title><rect x=\"{:.1f}\" "
-            "y=\"{:.0f}\" width=\"{:.1f}\" height=\"{:.0f}\" fill=\"hsl({:.0f},{},{:.0f}%)\" "
-            "stroke=\"#333\" stroke-width=\"0.5\"/><text x=\"{:.1f}\" y=\"{:.0f}\" "
-            "text-anchor=\"middle\">{}</text></g>\n",
-            r, forward ? "forward" : "backward", step.model_chunk, step.microbatch,
-            t.start[static_cast<size_t>(r)][i], t.end[static_cast<size_t>(r)][i], x, y + 2, w - 1,
-            kRow - 10, hue, forward ? "70%" : "45%", light, x + w / 2, y + kRow / 2 + 2,
-            FormatStep(step));
-      }
-    }
-    out << fmt::format(
-        "<text x=\"{}\" y=\"{:.0f}\">F&lt;chunk&gt;.&lt;micro-batch&gt; forward, B backward; "
-        "colour: "
-        "micro-batch; grey: idle (the bubble)</text>\n</svg>\n",
-        kLeft, height - 12);
   }
 
   static void PrintJson(const PipelineSchedule& s, std::ostream& out) {

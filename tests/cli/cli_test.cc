@@ -395,6 +395,13 @@ TEST(LayoutPage, SelfContainedWithTheReportsGroups) {
   // Rank 5: node 0, GPU 5, tp 1, cp 0, dp 0, pp 1 (the lab's t = 2, p = 4 layout).
   EXPECT_EQ(data["coordinates"][5], json::parse("[0, 5, 1, 0, 0, 1, 1, 0, 0]"));
   EXPECT_EQ(page.out.find("<p class=\"warning\">"), std::string::npos);
+  // pp 4: the schedule's picture below the GPUs (8 micro-batches, 2 per stage, without a run
+  // section), as `mpusim schedule --format svg` draws it but without the SVG namespace URL.
+  EXPECT_NE(page.out.find("<h2>pipeline schedule, 8 micro-batches"), std::string::npos);
+  EXPECT_NE(page.out.find("<svg width="), std::string::npos);
+  const Result flat = Mpusim({"layout", "--world-size", "4", "--tp", "2", "--format", "html"});
+  ASSERT_EQ(flat.code, 0) << flat.err;
+  EXPECT_EQ(flat.out.find("<svg"), std::string::npos);
   const Result big = Mpusim({"layout", Sample("gpt3_175b_t8_p16_n1024.json"), "--format", "html"});
   ASSERT_EQ(big.code, 0) << big.err;
   EXPECT_LT(big.out.size(), 1u << 20);
