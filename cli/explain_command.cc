@@ -233,8 +233,6 @@ class ExplainCommand : public Command {
   // A layer chain in the lab's notation, then its sharding map.
   int ExplainChain(const Graph& graph, const Topology& topology, int64_t rank, std::ostream& out,
                    std::ostream& map_out) {
-    const Topology* topology_ptr = &topology;
-    const Graph* graph_ptr = &graph;
     std::vector<MappedParameter> mapped;
     for (const Graph::PlannedLayer& layer : graph.Plan(RankCoordinates{})) {
       for (const Graph::PlannedParameter& p : layer.parameters) {
@@ -242,15 +240,14 @@ class ExplainCommand : public Command {
             {p.name, p.full_shape, p.tp_dim, p.tp_stride, layer.pp_rank, layer.chunk, ""});
       }
     }
-    const int code = ExplainChainSlices(*graph_ptr, *topology_ptr, out);
+    ExplainChainSlices(graph, topology, out);
     PrintShardingMap(mapped, topology, rank, json_, json_ ? map_out : out);
-    return code;
+    return kExitOk;
   }
 
-  int ExplainChainSlices(const Graph& graph_ref, const Topology& topology_ref, std::ostream& out) {
-    const Topology* topology = &topology_ref;
-    const Graph* graph_raw = &graph_ref;
-    const int64_t t = topology->sizes().tp;
+  // Each layer's weights in the lab's notation, then Graph's plan-time warnings.
+  void ExplainChainSlices(const Graph& graph, const Topology& topology, std::ostream& out) {
+    const int64_t t = topology.sizes().tp;
     out << fmt::format("tensor_model_parallel_size {}: each weight below is cut into {} slices; "
                        "rank r of a tp group holds slice r\n",
                        t, t);
@@ -259,7 +256,7 @@ class ExplainCommand : public Command {
     for (int64_t r = 0; r < t; ++r) {
       RankCoordinates coords;
       coords.tp = r;
-      per_rank.push_back(graph_raw->Plan(coords));
+      per_rank.push_back(graph.Plan(coords));
     }
     for (size_t i = 0; i < per_rank[0].size(); ++i) {
       const Graph::PlannedLayer& layer = per_rank[0][i];
@@ -271,7 +268,7 @@ class ExplainCommand : public Command {
           layer.output_width == 0
               ? std::string("loss")
               : fmt::format("{} ({})", layer.output_width, SplitName(layer.output.split)),
-          topology->sizes().pp > 1
+          topology.sizes().pp > 1
               ? fmt::format("; pipeline rank {}, chunk {}", layer.pp_rank, layer.chunk)
               : std::string());
       for (size_t p = 0; p < layer.parameters.size(); ++p) {
@@ -313,11 +310,10 @@ class ExplainCommand : public Command {
     }
     // Region mappings that give t-fold gradients as Megatron's code does (docs/simulator.md,
     // "Warnings"); the layout stays valid, so the exit code does too.
-    if (!graph_raw->warnings().empty()) out << '\n';
-    for (const std::string& warning : graph_raw->warnings()) {
+    if (!graph.warnings().empty()) out << '\n';
+    for (const std::string& warning : graph.warnings()) {
       out << "warning: " << EscapeControl(warning) << '\n';
     }
-    return kExitOk;
   }
 
   // The GPT model: every parameter, its split and this rank's piece, in state-dict order; then

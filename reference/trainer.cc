@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 
 namespace mpusim {
@@ -12,8 +13,13 @@ namespace mpusim {
 ReferenceTrainer::ReferenceTrainer(const OptimizerConfig& config, int64_t train_iters)
     : config_(config), train_iters_(train_iters) {}
 
-void ReferenceTrainer::SetParameters(std::map<std::string, Tensor> parameters) {
-  parameters_ = std::move(parameters);
+void ReferenceTrainer::SetParameters(const std::map<std::string, Tensor>& parameters) {
+  parameters_.clear();
+  for (const auto& [name, value] : parameters) {
+    Tensor copy = Tensor::HostEmpty(value.shape(), DType::kFloat64);
+    std::memcpy(copy.data(), value.data(), value.bytes());
+    parameters_.emplace(name, std::move(copy));
+  }
 }
 
 double ReferenceTrainer::Step(std::map<std::string, Tensor*>& grads, int64_t k) {

@@ -36,9 +36,10 @@ class ReferenceTrainer {
  public:
   ReferenceTrainer(const OptimizerConfig& config, int64_t train_iters);
 
-  // Takes the initial parameters (full host float64 tensors, by name) at the first step.
+  // Copies the initial parameters (full host float64 tensors, by name) at the first step; the
+  // trainer then updates its copies, never the caller's tensors.
   bool has_parameters() const { return !parameters_.empty(); }
-  void SetParameters(std::map<std::string, Tensor> parameters);
+  void SetParameters(const std::map<std::string, Tensor>& parameters);
   // The current parameters, for the references' parameter overrides.
   const std::map<std::string, Tensor>& parameters() const { return parameters_; }
 

@@ -509,29 +509,6 @@ void MeasureMemory(const ReferenceResult& reference, const std::vector<TensorRec
   result->reference_bytes_whole = whole_bytes + row_bytes;
 }
 
-// The trained parameters' measured error, relative to each one's scale, summed over the
-// parameters, times the tolerance's safety factor: what the last iteration's activations and
-// gradients inherit (to first order every product adds its factors' relative errors) on top
-// of their own rounding. Collective: the largest error of each parameter over the ranks.
-double TrainingDrift(const std::vector<ReferenceTensor>& refs, const std::vector<double>& scales,
-                     const std::vector<ErrorStats>& stats,
-                     const std::map<std::string, Tensor>& parameters) {
-  std::vector<double> errors;
-  std::vector<size_t> which;
-  for (size_t i = 0; i < refs.size(); ++i) {
-    if (parameters.count(refs[i].name) == 0) continue;
-    errors.push_back(stats[i].max_abs);
-    which.push_back(i);
-  }
-  watched::Allreduce(MPI_IN_PLACE, errors.data(), static_cast<int>(errors.size()), MPI_DOUBLE,
-                     MPI_MAX, MPI_COMM_WORLD, WorldLabel());
-  double drift = 0;
-  for (size_t j = 0; j < which.size(); ++j) {
-    if (scales[which[j]] > 0) drift += errors[j] / scales[which[j]];
-  }
-  return kToleranceSafety * drift;
-}
-
 // One optimizer step of the reference on its full (summed) gradients, iteration k: the
 // parameters are the whole, non-partial tensors, their gradients "<parameter>_grad" (frozen
 // parameters have none and stay). Afterwards the result's parameters hold the updated values
@@ -559,15 +536,7 @@ void TrainReference(ReferenceResult& reference, int64_t k, DType storage, Refere
     grads[parameter] = &t.value;
     gradient_tolerance = std::max(gradient_tolerance, ToleranceFor(t.budget, storage).rtol);
   }
-  if (!trainer.has_parameters()) {
-    std::map<std::string, Tensor> copies;
-    for (const auto& [name, value] : parameters) {
-      Tensor copy = Tensor::HostEmpty(value.shape(), DType::kFloat64);
-      std::memcpy(copy.data(), value.data(), value.bytes());
-      copies[name] = std::move(copy);
-    }
-    trainer.SetParameters(std::move(copies));
-  }
+  if (!trainer.has_parameters()) trainer.SetParameters(parameters);
   trainer.SetGradientTolerance(0, gradient_tolerance, gradient_tolerance);
   row.grad_norm = trainer.Step(grads, k);
   row.lr = trainer.last_lr();
@@ -581,6 +550,25 @@ void TrainReference(ReferenceResult& reference, int64_t k, DType storage, Refere
 }
 
 }  // namespace
+
+double TrainingDrift(const std::vector<std::string>& names, const std::vector<double>& scales,
+                     const std::vector<ErrorStats>& stats,
+                     const std::map<std::string, Tensor>& parameters) {
+  std::vector<double> errors;
+  std::vector<size_t> which;
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (parameters.count(names[i]) == 0) continue;
+    errors.push_back(stats[i].max_abs);
+    which.push_back(i);
+  }
+  watched::Allreduce(MPI_IN_PLACE, errors.data(), static_cast<int>(errors.size()), MPI_DOUBLE,
+                     MPI_MAX, MPI_COMM_WORLD, WorldLabel());
+  double drift = 0;
+  for (size_t j = 0; j < which.size(); ++j) {
+    if (scales[which[j]] > 0) drift += errors[j] / scales[which[j]];
+  }
+  return kToleranceSafety * drift;
+}
 
 StatusOr<CheckResult> CheckAgainstReference(const Config& config,
                                             const std::vector<TensorRecord>& records,
@@ -687,7 +675,9 @@ StatusOr<CheckResult> CheckAgainstReference(const Config& config,
                    bound != bounds.end() ? bound->second : nullptr, &stats[i]);
     }
     if (trained && trainer) {
-      const double drift = TrainingDrift(refs, scales, stats, trainer->parameters());
+      std::vector<std::string> names;
+      for (const ReferenceTensor& t : refs) names.push_back(t.name);
+      const double drift = TrainingDrift(names, scales, stats, trainer->parameters());
       for (size_t i = 0; i < n; ++i) {
         if (bounds.count(refs[i].name) == 0) tolerances[i].atol += drift * scales[i];
       }

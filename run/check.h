@@ -18,6 +18,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -74,6 +75,15 @@ struct CheckResult {
   int64_t reference_bytes_whole = 0;  // what one process holding the whole reference would hold
   int64_t record_bytes_max = 0;       // the most bytes of its own tensors one rank checked
 };
+
+// After training, what the last iteration's activations and gradients inherit from the trained
+// parameters on top of their own rounding, relative to their scale: the parameters' measured
+// errors (stats[i].max_abs of the tensors in `names` that are `parameters`, the largest over
+// the ranks) over their scales, summed (to first order every product adds its factors'
+// relative errors), times kToleranceSafety. Collective over MPI_COMM_WORLD.
+double TrainingDrift(const std::vector<std::string>& names, const std::vector<double>& scales,
+                     const std::vector<ErrorStats>& stats,
+                     const std::map<std::string, Tensor>& parameters);
 
 // Host view of a record's tensor (a copy for device tensors, the tensor itself on the host).
 using HostFetch = std::function<Tensor(const TensorRecord&)>;

@@ -167,15 +167,7 @@ StatusOr<CheckResult> CheckGptAgainstReference(const Config& config, const GptCo
         row.loss = t.value.data_as<double>()[0];
       }
     }
-    if (!trainer->has_parameters()) {
-      std::map<std::string, Tensor> copies;
-      for (const auto& [name, value] : parameters) {
-        Tensor copy = Tensor::HostEmpty(value.shape(), DType::kFloat64);
-        std::memcpy(copy.data(), value.data(), value.bytes());
-        copies[name] = std::move(copy);
-      }
-      trainer->SetParameters(std::move(copies));
-    }
+    if (!trainer->has_parameters()) trainer->SetParameters(parameters);
     row.grad_norm = trainer->Step(grads, k);
     row.lr = trainer->last_lr();
     reference_iterations.push_back(row);
@@ -284,20 +276,7 @@ StatusOr<CheckResult> CheckGptAgainstReference(const Config& config, const GptCo
         }
       }
     }
-    if (!trained || !trainer) continue;
-    std::vector<double> errors;
-    std::vector<size_t> which;
-    for (size_t i = 0; i < T; ++i) {
-      if (trainer->parameters().count(ref.tensors[i].name) == 0) continue;
-      errors.push_back(stats[i].max_abs);
-      which.push_back(i);
-    }
-    watched::Allreduce(MPI_IN_PLACE, errors.data(), static_cast<int>(errors.size()), MPI_DOUBLE,
-                       MPI_MAX, MPI_COMM_WORLD, WorldLabel());
-    for (size_t j = 0; j < which.size(); ++j) {
-      if (scale[which[j]] > 0) drift += errors[j] / scale[which[j]];
-    }
-    drift *= kToleranceSafety;
+    if (trained && trainer) drift = TrainingDrift(names, scale, stats, trainer->parameters());
   }
   // Reduce: sums, maxima, and the worst element from the rank that holds it.
   std::vector<int64_t> sums(3 * T);
