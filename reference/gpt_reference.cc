@@ -37,6 +37,7 @@
 #include "core/philox.h"
 #include "core/rng.h"
 #include "core/schedule.h"
+#include "reference/tracker_draws.h"
 
 namespace mpusim {
 namespace {
@@ -68,11 +69,8 @@ struct Dims {
     int64_t k = 0;                // its draw among that chunk's draws on its stream
   };
   std::map<std::string, SiteDraw> draw;
-  // first[pp][{chunk, m}][stream]: the draws that pipeline rank made on the stream (0:
-  // default, 1: model-parallel-rng) in one iteration before its forward of (chunk, m);
-  // per_iteration[pp][stream]: all of one iteration's.
-  std::vector<std::map<std::pair<int64_t, int64_t>, std::array<int64_t, 2>>> first;
-  std::vector<std::array<int64_t, 2>> per_iteration;
+  // Where each pipeline rank's forwards start drawing (reference/tracker_draws.h).
+  DrawPositions draws;
 };
 
 // ---- tensors ------------------------------------------------------------------------------
@@ -298,8 +296,7 @@ MaskDraw TrackerDraw(const Dims& d, const std::string& site, int64_t m, int64_t 
   const Dims::SiteDraw& at = d.draw.at(site);
   const uint64_t default_key = DefaultSeed(d.seed, at.pp, dp);
   const size_t stream = at.model_parallel ? 1 : 0;
-  const int64_t n = d.iteration * d.per_iteration[static_cast<size_t>(at.pp)][stream] +
-                    d.first[static_cast<size_t>(at.pp)].at({at.chunk, m})[stream] + at.k;
+  const int64_t n = d.draws.Position(d.iteration, at.pp, at.chunk, m, stream, at.k);
   return {at.model_parallel ? ModelParallelSeed(default_key, tp) : default_key,
           static_cast<uint64_t>(n), static_cast<uint64_t>(local_index)};
 }
@@ -841,28 +838,19 @@ StatusOr<GptReferenceResult> RunGptReference(const GptConfig& gpt_in,
     d.t = t;
     d.b = run.micro_batch_size;
     d.sp = parallel.sequence_parallel && t > 1;
-    // Each pipeline rank draws from its own tracker, advanced by its forward steps in the
-    // order it runs them: the schedule's forward table (micro-batches in order without
-    // virtual stages), every iteration continuing where the last one ended.
+    // Each pipeline rank draws from its own tracker in the order it runs its forwards
+    // (reference/tracker_draws.h).
     const int64_t p = parallel.pipeline_model_parallel_size;
     const std::optional<int64_t> v = parallel.virtual_pipeline_model_parallel_size;
     StatusOr<std::vector<std::vector<std::vector<int64_t>>>> layers =
         AssignLayers(p, v, gpt.num_layers);
     if (!layers.ok()) return layers.status();
-    std::vector<std::pair<int64_t, int64_t>> forward_order;  // (microbatch, chunk)
-    if (p > 1) {
-      StatusOr<PipelineSchedule> schedule =
-          BuildPipelineSchedule(p, v, d.M, parallel.microbatch_group_size_per_vp_stage);
-      if (!schedule.ok()) return schedule.status();
-      forward_order = schedule->forward_table;
-    } else {
-      for (int64_t m = 0; m < d.M; ++m) forward_order.emplace_back(m, 0);
-    }
-    d.first.resize(static_cast<size_t>(p));
-    d.per_iteration.assign(static_cast<size_t>(p), {0, 0});
+    // Per pp rank and chunk, one forward's draws on each stream.
+    std::vector<std::vector<std::array<int64_t, 2>>> draws(static_cast<size_t>(p));
     for (int64_t r = 0; r < p; ++r) {
       const auto& chunks = (*layers)[static_cast<size_t>(r)];
-      std::vector<std::array<int64_t, 2>> per_chunk(chunks.size(), {0, 0});
+      std::vector<std::array<int64_t, 2>>& per_chunk = draws[static_cast<size_t>(r)];
+      per_chunk.assign(chunks.size(), {0, 0});
       for (size_t c = 0; c < chunks.size(); ++c) {
         const auto site = [&](const std::string& name, bool on_model_parallel, double prob) {
           if (prob > 0) {
@@ -879,14 +867,10 @@ StatusOr<GptReferenceResult> RunGptReference(const GptConfig& gpt_in,
           site(name + ".mlp_bda", d.sp, gpt.hidden_dropout);
         }
       }
-      std::array<int64_t, 2>& total = d.per_iteration[static_cast<size_t>(r)];
-      for (const auto& [m, c] : forward_order) {
-        d.first[static_cast<size_t>(r)][{c, m}] = total;
-        for (size_t stream = 0; stream < 2; ++stream) {
-          total[stream] += per_chunk[static_cast<size_t>(c)][stream];
-        }
-      }
     }
+    StatusOr<DrawPositions> numbered = NumberTrackerDraws(parallel, d.M, draws);
+    if (!numbered.ok()) return numbered.status();
+    d.draws = *std::move(numbered);
   }
   const int64_t sample_end = options.sample_end < 0 ? d.B : options.sample_end;
   if (options.sample_begin < 0 || options.sample_begin > sample_end || sample_end > d.B) {

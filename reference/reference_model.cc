@@ -36,6 +36,7 @@
 #include "core/rng.h"
 #include "core/schedule.h"
 #include "core/sharding.h"
+#include "reference/tracker_draws.h"
 
 namespace mpusim {
 namespace {
@@ -101,11 +102,9 @@ struct Plan {
   Sizes sizes;
   std::vector<LayerPlan> layers;
   int64_t input_width = 0;  // synthetic input width; 0 when the chain starts with an embedding
-  // first[r][{chunk, m}][stream]: the draws pipeline rank r made on a stream (0: default, 1:
-  // model-parallel-rng) in one iteration before its forward of (chunk, m); per_iteration[r]:
-  // all of one iteration's (docs/simulator.md, "Pipeline stages of a chain").
-  std::vector<std::map<std::pair<int64_t, int64_t>, std::array<int64_t, 2>>> first;
-  std::vector<std::array<int64_t, 2>> per_iteration;
+  // Where each pipeline rank's forwards start drawing (reference/tracker_draws.h;
+  // docs/simulator.md, "Pipeline stages of a chain").
+  DrawPositions draws;
   bool has_embedding = false;
   bool has_loss = false;
 };
@@ -319,27 +318,16 @@ Status PlaceDropouts(const ParallelConfig& parallel, const RunConfig& run, Plan*
       lp.stream_position = per_chunk[static_cast<size_t>(u)][lp.model_parallel_stream ? 1 : 0]++;
     }
   }
-  std::vector<std::pair<int64_t, int64_t>> forward_order;  // (micro-batch, chunk)
-  if (p > 1) {
-    StatusOr<PipelineSchedule> schedule =
-        BuildPipelineSchedule(p, parallel.virtual_pipeline_model_parallel_size,
-                              run.num_microbatches, parallel.microbatch_group_size_per_vp_stage);
-    if (!schedule.ok()) return schedule.status();
-    forward_order = schedule->forward_table;
-  } else {
-    for (int64_t m = 0; m < run.num_microbatches; ++m) forward_order.emplace_back(m, 0);
-  }
-  plan->first.assign(static_cast<size_t>(p), {});
-  plan->per_iteration.assign(static_cast<size_t>(p), {0, 0});
+  // Per pp rank and chunk, one forward's draws on each stream (virtual stage u = c p + r).
+  std::vector<std::vector<std::array<int64_t, 2>>> draws(static_cast<size_t>(p));
   for (int64_t r = 0; r < p; ++r) {
-    std::array<int64_t, 2>& total = plan->per_iteration[static_cast<size_t>(r)];
-    for (const auto& [m, c] : forward_order) {
-      plan->first[static_cast<size_t>(r)][{c, m}] = total;
-      for (size_t stream = 0; stream < 2; ++stream) {
-        total[stream] += per_chunk[static_cast<size_t>(c * p + r)][stream];
-      }
+    for (int64_t c = 0; c < v; ++c) {
+      draws[static_cast<size_t>(r)].push_back(per_chunk[static_cast<size_t>(c * p + r)]);
     }
   }
+  StatusOr<DrawPositions> numbered = NumberTrackerDraws(parallel, run.num_microbatches, draws);
+  if (!numbered.ok()) return numbered.status();
+  plan->draws = *std::move(numbered);
   return Status();
 }
 
@@ -655,10 +643,8 @@ Tensor DropoutScale(const Plan& plan, const LayerPlan& lp, int64_t micro_batch, 
   // micro_batch is global: iteration it's micro-batch m.
   const int64_t it = micro_batch / sizes.num_micro, m = micro_batch % sizes.num_micro;
   const size_t stream = lp.model_parallel_stream ? 1 : 0;
-  const auto r = static_cast<size_t>(lp.pp_rank);
-  const auto draw =
-      static_cast<uint64_t>(it * plan.per_iteration[r][stream] +
-                            plan.first[r].at({lp.chunk, m})[stream] + lp.stream_position);
+  const auto draw = static_cast<uint64_t>(
+      plan.draws.Position(it, lp.pp_rank, lp.chunk, m, stream, lp.stream_position));
   const int64_t width = lp.in_width;
   const StateKind kind = lp.in_state.kind;
 
