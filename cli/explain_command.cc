@@ -239,6 +239,28 @@ class ExplainCommand : public Command {
         mapped.push_back(
             {p.name, p.full_shape, p.tp_dim, p.tp_stride, layer.pp_rank, layer.chunk, ""});
       }
+      if (layer.tied_weight.empty()) continue;
+      // weight_from: on its owner's pp rank the layer uses the owner's tensor; on another
+      // (the last stage, with the owner on the first) that rank holds a copy.
+      const auto owner = std::find_if(mapped.begin(), mapped.end(), [&](const MappedParameter& m) {
+        return m.name == layer.tied_weight;
+      });
+      if (owner == mapped.end()) continue;
+      if (owner->pp_rank == layer.pp_rank) {
+        owner->note += fmt::format("{}also the weight of {} (weight_from)",
+                                   owner->note.empty() ? "" : "; ", layer.name);
+      } else {
+        MappedParameter copy = *owner;
+        copy.pp_rank = layer.pp_rank;
+        copy.chunk = layer.chunk;
+        copy.note = fmt::format(
+            "tied: the copy {} uses (weight_from), its gradient all-reduced over embd with pp "
+            "rank {}'s",
+            layer.name, owner->pp_rank);
+        owner->note += fmt::format("{}tied: pp rank {} holds a copy for {} (weight_from)",
+                                   owner->note.empty() ? "" : "; ", layer.pp_rank, layer.name);
+        mapped.push_back(std::move(copy));
+      }
     }
     ExplainChainSlices(graph, topology, out);
     PrintShardingMap(mapped, topology, rank, json_, json_ ? map_out : out);
@@ -271,6 +293,9 @@ class ExplainCommand : public Command {
           topology.sizes().pp > 1
               ? fmt::format("; pipeline rank {}, chunk {}", layer.pp_rank, layer.chunk)
               : std::string());
+      if (!layer.tied_weight.empty()) {
+        out << fmt::format("  weight: {} (weight_from), sliced as there\n", layer.tied_weight);
+      }
       for (size_t p = 0; p < layer.parameters.size(); ++p) {
         const Graph::PlannedParameter& param = layer.parameters[p];
         const bool linear = layer.type == "ColumnParallelLinear" ||

@@ -6,9 +6,11 @@
 
 #include <algorithm>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <ostream>
 #include <sstream>
 
+#include "core/pipeline/pipeline_plan.h"
 #include "core/schedule.h"
 
 namespace mpusim::cli {
@@ -417,6 +419,33 @@ void PrintScheduleSvg(const PipelineSchedule& s, double kForward, double kBackwa
       kLeft, s.interleaved ? "interleaved 1F1B" : "1F1B", p,
       s.interleaved ? fmt::format(", v {}", s.num_model_chunks) : "", s.num_microbatches, kForward,
       kBackward, t.BubbleFraction());
+  // The executor's transfers (core/pipeline): action i posts step i's receive and step
+  // i - 1's sends, so step i's send is in action i + 1.
+  const PipelinePlan plan = PlanPipelineTransfers(s);
+  const auto transfers_of = [&](int64_t r, size_t i) {
+    std::vector<Transfer> out_transfers;
+    const auto& actions = plan[static_cast<size_t>(r)];
+    for (const Transfer& transfer : actions[i].batch) {
+      if (!transfer.send) out_transfers.push_back(transfer);
+    }
+    for (const Transfer& transfer : actions[i + 1].batch) {
+      if (transfer.send) out_transfers.push_back(transfer);
+    }
+    return out_transfers;
+  };
+  // Where a sent message is consumed: the step of the peer with its pass, chunk and
+  // micro-batch.
+  const auto consumer = [&](const Transfer& sent) -> std::optional<size_t> {
+    const auto& steps = s.per_rank[static_cast<size_t>(sent.peer)];
+    const Pass pass = sent.kind == Transfer::Kind::kActivation ? Pass::kForward : Pass::kBackward;
+    for (size_t j = 0; j < steps.size(); ++j) {
+      if (steps[j].pass == pass && steps[j].model_chunk == sent.model_chunk &&
+          steps[j].microbatch == sent.microbatch) {
+        return j;
+      }
+    }
+    return std::nullopt;
+  };
   for (int64_t r = 0; r < p; ++r) {
     const double y = kTop + static_cast<double>(r) * kRow;
     out << fmt::format(
@@ -434,21 +463,46 @@ void PrintScheduleSvg(const PipelineSchedule& s, double kForward, double kBackwa
       const double x = kLeft + t.start[static_cast<size_t>(r)][i] * kUnit;
       const double w =
           (t.end[static_cast<size_t>(r)][i] - t.start[static_cast<size_t>(r)][i]) * kUnit;
+      std::string moves;
+      for (const Transfer& transfer : transfers_of(r, i)) {
+        moves += "; " + FormatTransfer(transfer);
+      }
       out << fmt::format(
-          "<g><title>rank {} {} chunk {} micro-batch {}: {:g} to {:g}</title><rect x=\"{:.1f}\" "
+          "<g><title>rank {} {} chunk {} micro-batch {}: {:g} to {:g}{}</title><rect x=\"{:.1f}\" "
           "y=\"{:.0f}\" width=\"{:.1f}\" height=\"{:.0f}\" fill=\"hsl({:.0f},{},{:.0f}%)\" "
           "stroke=\"#333\" stroke-width=\"0.5\"/><text x=\"{:.1f}\" y=\"{:.0f}\" "
           "text-anchor=\"middle\">{}</text></g>\n",
           r, forward ? "forward" : "backward", step.model_chunk, step.microbatch,
-          t.start[static_cast<size_t>(r)][i], t.end[static_cast<size_t>(r)][i], x, y + 2, w - 1,
-          kRow - 10, hue, forward ? "70%" : "45%", light, x + w / 2, y + kRow / 2 + 2,
+          t.start[static_cast<size_t>(r)][i], t.end[static_cast<size_t>(r)][i], moves, x, y + 2,
+          w - 1, kRow - 10, hue, forward ? "70%" : "45%", light, x + w / 2, y + kRow / 2 + 2,
           FormatStep(step));
+    }
+  }
+  // A line per send, from the end of the producing step to the start of the step that
+  // consumes it: activations solid, gradients dashed.
+  for (int64_t r = 0; r < p; ++r) {
+    const auto& steps = s.per_rank[static_cast<size_t>(r)];
+    for (size_t i = 0; i < steps.size(); ++i) {
+      for (const Transfer& transfer : plan[static_cast<size_t>(r)][i + 1].batch) {
+        if (!transfer.send) continue;
+        const std::optional<size_t> j = consumer(transfer);
+        if (!j) continue;
+        const bool down = transfer.peer > r;
+        const double y0 = kTop + static_cast<double>(r) * kRow + (down ? kRow - 8 : 2);
+        const double y1 = kTop + static_cast<double>(transfer.peer) * kRow + (down ? 2 : kRow - 8);
+        out << fmt::format(
+            "<line x1=\"{:.1f}\" y1=\"{:.0f}\" x2=\"{:.1f}\" y2=\"{:.0f}\" stroke=\"#333\" "
+            "stroke-opacity=\"0.45\"{}/>\n",
+            kLeft + t.end[static_cast<size_t>(r)][i] * kUnit, y0,
+            kLeft + t.start[static_cast<size_t>(transfer.peer)][*j] * kUnit, y1,
+            transfer.kind == Transfer::Kind::kGradient ? " stroke-dasharray=\"3,2\"" : "");
+      }
     }
   }
   out << fmt::format(
       "<text x=\"{}\" y=\"{:.0f}\">F&lt;chunk&gt;.&lt;micro-batch&gt; forward, B backward; "
-      "colour: "
-      "micro-batch; grey: idle (the bubble)</text>\n</svg>\n",
+      "colour: micro-batch; grey: idle (the bubble); lines: activations sent on (solid), "
+      "gradients sent back (dashed)</text>\n</svg>\n",
       kLeft, height - 12);
 }
 

@@ -11,6 +11,7 @@
 #include "cli/commands.h"
 #include "cli/config_options.h"
 #include "cli/layout_report.h"
+#include "core/pipeline/pipeline_plan.h"
 #include "core/schedule.h"
 #include "core/topology.h"
 
@@ -38,6 +39,9 @@ class ScheduleCommand : public Command {
                      "text, json or svg (a picture: a row per pipeline rank, time to the right, "
                      "forward 1 and backward 2 time units; default text)")
         ->check(CLI::IsMember({"text", "json", "svg"}));
+    app_->add_flag("--transfers", transfers_,
+                   "also list each step's receive and sends, as the executor posts them "
+                   "(text and json; the svg shows them as lines and in each step's tooltip)");
   }
 
   CLI::App* app() override { return app_; }
@@ -67,17 +71,17 @@ class ScheduleCommand : public Command {
       return ReportError(err, source, config_.Attribute(status, &source).Message());
     }
     if (format_ == "json") {
-      PrintJson(*schedule, out);
+      PrintJson(*schedule, transfers_, out);
     } else if (format_ == "svg") {
       PrintScheduleSvg(*schedule, kForward, kBackward, /*standalone=*/true, out);
     } else {
-      PrintText(*schedule, out);
+      PrintText(*schedule, transfers_, out);
     }
     return kExitOk;
   }
 
  private:
-  static void PrintText(const PipelineSchedule& s, std::ostream& out) {
+  static void PrintText(const PipelineSchedule& s, bool transfers, std::ostream& out) {
     const int64_t p = s.pipeline_model_parallel_size;
     if (s.interleaved) {
       out << fmt::format("interleaved 1F1B: pipeline_model_parallel_size {}, "
@@ -121,9 +125,24 @@ class ScheduleCommand : public Command {
         kForward, kBackward, t.makespan, t.BubbleFraction(), s.interleaved ? "v " : "",
         static_cast<double>(p - 1) /
             static_cast<double>(s.num_model_chunks * s.num_microbatches + p - 1));
+    if (!transfers) return;
+    out << "\nsends and receives around each step, as the executor posts them: before a step, "
+           "its receive (waited for) and the previous step's send (async: waited for after "
+           "the last step)\n";
+    const PipelinePlan plan = PlanPipelineTransfers(s);
+    for (int64_t r = 0; r < p; ++r) {
+      out << fmt::format("rank {}\n", r);
+      for (const PlanAction& action : plan[static_cast<size_t>(r)]) {
+        std::vector<std::string> batch;
+        for (const Transfer& transfer : action.batch) batch.push_back(FormatTransfer(transfer));
+        out << fmt::format(
+            "  {:<5} {}\n", action.step ? FormatStep(*action.step) : "end",
+            batch.empty() ? std::string("-") : fmt::format("{}", fmt::join(batch, "; ")));
+      }
+    }
   }
 
-  static void PrintJson(const PipelineSchedule& s, std::ostream& out) {
+  static void PrintJson(const PipelineSchedule& s, bool transfers, std::ostream& out) {
     nlohmann::ordered_json j;
     j["schema_version"] = 1;
     j["schedule"] = s.interleaved ? "interleaved_1f1b" : "1f1b";
@@ -148,6 +167,22 @@ class ScheduleCommand : public Command {
     }
     j["ranks"] = ranks;
     j["num_warmup_microbatches"] = warmup;
+    if (transfers) {
+      // Per rank, per action (one per step, then the final wait): its step and batch.
+      nlohmann::ordered_json plan_json = nlohmann::ordered_json::object();
+      const PipelinePlan plan = PlanPipelineTransfers(s);
+      for (int64_t r = 0; r < s.pipeline_model_parallel_size; ++r) {
+        nlohmann::ordered_json actions = nlohmann::ordered_json::array();
+        for (const PlanAction& action : plan[static_cast<size_t>(r)]) {
+          nlohmann::ordered_json batch = nlohmann::ordered_json::array();
+          for (const Transfer& t : action.batch) batch.push_back(FormatTransfer(t));
+          actions.push_back(
+              {{"step", action.step ? FormatStep(*action.step) : "end"}, {"transfers", batch}});
+        }
+        plan_json[std::to_string(r)] = actions;
+      }
+      j["transfers"] = plan_json;
+    }
     out << j.dump(1) << '\n';
   }
 
@@ -155,6 +190,7 @@ class ScheduleCommand : public Command {
   ConfigOptions config_;
   std::optional<int64_t> microbatches_;
   std::string format_ = "text";
+  bool transfers_ = false;
 };
 
 }  // namespace

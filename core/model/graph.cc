@@ -700,7 +700,8 @@ std::vector<Graph::PlannedLayer> Graph::Plan(const RankCoordinates& coords) cons
                        slot.out_width,
                        {},
                        impl_->PipelineRankOf(slot.stage),
-                       slot.stage / impl_->pp_size};
+                       slot.stage / impl_->pp_size,
+                       !slot.owns_weight && slot.weight != nullptr ? slot.weight->name : ""};
     for (const ChainParameter* p : {slot.owns_weight ? slot.weight : nullptr, slot.bias}) {
       if (p == nullptr) continue;
       const ShardSpec shard = impl_->RankShard(*p, coords.tp);

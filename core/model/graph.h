@@ -95,6 +95,9 @@ class Graph {
     // "Pipeline stages of a chain").
     int64_t pp_rank = 0;
     int64_t chunk = 0;
+    // weight_from: the name of the earlier layer's weight this layer uses (not in
+    // `parameters`; on another pp rank it holds a copy, all-reduced over embd). Empty if none.
+    std::string tied_weight;
   };
   std::vector<PlannedLayer> Plan(const RankCoordinates& coords) const;
   int64_t padded_vocab_size() const;

@@ -350,6 +350,32 @@ TEST(ScheduleCommand, BadInput) {
   }
   EXPECT_EQ(boxes, 4u * 2 * 8 * 2);
   EXPECT_NE(svg.out.find("<title>rank 3 backward chunk 1 micro-batch 7: "), std::string::npos);
+  // A step's tooltip names its receive and send; a line per message (each of M micro-batches
+  // crosses p v - 1 stage boundaries forward and back), never running back in time.
+  const size_t title = svg.out.find("<title>rank 1 forward chunk 0 micro-batch 1: ");
+  ASSERT_NE(title, std::string::npos);
+  EXPECT_NE(svg.out.substr(title, svg.out.find("</title>", title) - title)
+                .find("; recv activation c0.m1 from 0; send activation c0.m1 to 2 (async)"),
+            std::string::npos)
+      << svg.out.substr(title, 200);
+  const std::regex line_re("<line x1=\"([0-9.]+)\" y1=\"[0-9.]+\" x2=\"([0-9.]+)\"");
+  size_t lines = 0;
+  for (auto it = std::sregex_iterator(svg.out.begin(), svg.out.end(), line_re);
+       it != std::sregex_iterator(); ++it, ++lines) {
+    EXPECT_LE(std::stod((*it)[1]), std::stod((*it)[2]) + 1e-9) << (*it)[0];
+  }
+  EXPECT_EQ(lines, 2u * 8 * (4 * 2 - 1));
+  // --transfers: each step's batch as the executor posts it.
+  const Result moves = Mpusim({"schedule", Sample("interleaved_schedule_p2_v2_n2.json"),
+                               "--microbatches", "4", "--transfers"});
+  ASSERT_EQ(moves.code, 0) << moves.err;
+  for (const char* expected :
+       {"rank 1\n  F0.0  recv activation c0.m0 from 0\n  F0.1  send activation c1.m0 to 0 "
+        "(async); recv activation c0.m1 from 0\n",
+        "  B0.3  send gradient c0.m2 to 0 (async); recv gradient c0.m3 from 0\n  end   send "
+        "gradient c0.m3 to 0 (async)\n"}) {
+    EXPECT_NE(moves.out.find(expected), std::string::npos) << expected << "\n" << moves.out;
+  }
   const Result zero = Mpusim({"schedule", Sample("lab_t2_p4_n16.json"), "--microbatches", "0"});
   EXPECT_EQ(zero.code, 2);
   EXPECT_EQ(zero.err.rfind("error: command line: --microbatches: ", 0), 0u) << zero.err;
@@ -557,9 +583,26 @@ TEST(ExplainCommand, LabSlices) {
         "chunk 0\n",
         "Dropout dropout: input 128 (hidden split) -> output 128 (hidden split); pipeline rank 0, "
         "chunk 1\n",
-        "-> output loss; pipeline rank 1, chunk 1\n"}) {
+        "-> output loss; pipeline rank 1, chunk 1\n",
+        // The head's weight_from tie: pp rank 1 holds a copy of the embedding's weight.
+        "  embedding.weight [128, 32] rows split over tp, pp rank 0 chunk 0; tied: pp rank 1 "
+        "holds a copy for head (weight_from)\n",
+        "  embedding.weight [128, 32] rows split over tp, pp rank 1 chunk 1; tied: the copy head "
+        "uses (weight_from), its gradient all-reduced over embd with pp rank 0's\n"}) {
     EXPECT_NE(staged.out.find(line), std::string::npos) << line << "\n" << staged.out;
   }
+  // Without stages the head uses the embedding's own tensor.
+  const Result tied = Mpusim({"explain", Sample("lab_train_mlp_lm_t2_dp2_n4.json")});
+  ASSERT_EQ(tied.code, 0) << tied.err;
+  EXPECT_NE(tied.out.find("ColumnParallelLinear head: input 32 (sequence split) -> output 128 "
+                          "(hidden split)\n  weight: embedding.weight (weight_from), sliced as "
+                          "there\n"),
+            std::string::npos)
+      << tied.out;
+  EXPECT_NE(tied.out.find("  embedding.weight [128, 32] rows split over tp; also the weight of "
+                          "head (weight_from)\n"),
+            std::string::npos)
+      << tied.out;
 }
 
 // The sharding map: the index ranges of the master tensor each tp rank holds, stride-aware,
