@@ -10,6 +10,7 @@
 #include <ostream>
 #include <sstream>
 
+#include "core/html.h"
 #include "core/pipeline/pipeline_plan.h"
 #include "core/schedule.h"
 
@@ -520,38 +521,8 @@ void PrintLayoutHtml(const Topology& topology, const LayoutReportOptions& option
   }
   data["coordinates"] = coordinates;
   data["expert_differs"] = expert_differs;
-  // Inside <script>, "</" must not appear: '<' only occurs in strings, where \u003c is the
-  // same character.
-  std::string embedded;
-  for (const char ch : data.dump()) {
-    if (ch == '<') {
-      embedded += "\\u003c";
-    } else {
-      embedded += ch;
-    }
-  }
-  const auto escape = [](const std::string& text) {
-    std::string html;
-    for (const char ch : text) {
-      switch (ch) {
-        case '<':
-          html += "&lt;";
-          break;
-        case '>':
-          html += "&gt;";
-          break;
-        case '&':
-          html += "&amp;";
-          break;
-        case '"':
-          html += "&quot;";
-          break;
-        default:
-          html += ch;
-      }
-    }
-    return html;
-  };
+  const std::string embedded = JsonForScript(data.dump());
+  const auto escape = [](const std::string& text) { return HtmlEscape(text); };
   const ParallelConfig& c = topology.config();
   std::string warnings;
   for (const std::string& w : NodeWarnings(topology)) {

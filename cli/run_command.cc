@@ -62,7 +62,8 @@ class RunCommand : public Command {
     app_->add_option("--trace", options_.trace_path,
                      "write the last step to FILE as Chrome trace events (open in "
                      "ui.perfetto.dev or chrome://tracing): a track per rank, a slice per "
-                     "forward/backward step and per collective or send/receive")
+                     "forward/backward step and per collective or send/receive; a FILE "
+                     "ending in .html is a self-contained page drawing them, for offline use")
         ->type_name("FILE");
     // Overrides of the file's keys, for trying a layout or a precision without editing it.
     for (const OverrideFlag& o : kOverrides) {

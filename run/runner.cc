@@ -28,6 +28,7 @@
 #include "run/dump.h"
 #include "run/gpt_check.h"
 #include "run/preflight.h"
+#include "run/trace_page.h"
 
 namespace mpusim::run {
 namespace {
@@ -825,6 +826,10 @@ Status RankRun::WriteTrace(const Topology& topology, const SimulationResult& res
     }
   }
   nlohmann::ordered_json j = {{"traceEvents", events}, {"displayTimeUnit", "ms"}};
+  // FILE.html: the same events drawn by a self-contained page (run/trace_page.h).
+  if (options_.trace_path.ends_with(".html")) {
+    return WriteFileAtomically(options_.trace_path, TracePageHtml(j, options_.config_path));
+  }
   return WriteFileAtomically(options_.trace_path, j.dump() + "\n");
 }
 

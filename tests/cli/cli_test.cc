@@ -772,6 +772,37 @@ TEST(RunCommand, TraceIsChromeTraceEventsMatchingTheCommTrace) {
   std::filesystem::remove(path);
 }
 
+// --trace FILE.html: one self-contained page (no external script, style or link) embedding
+// the same trace events, which its script draws (the browser test checks the drawing).
+TEST(RunCommand, TracePageEmbedsTheTraceEvents) {
+  const std::string path =
+      (std::filesystem::temp_directory_path() / fmt::format("mpusim_trace.{}.html", ::getpid()))
+          .string();
+  std::string output;
+  ASSERT_EQ(Shell(Mpiexec(4) + MPUSIM_BINARY + " run " + Sample("gpt_pipeline_p2_v2_t2_n4.json") +
+                      " --no-check --trace " + path,
+                  &output),
+            0)
+      << output;
+  std::ifstream in(path);
+  const std::string page((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_EQ(page.rfind("<!DOCTYPE html>", 0), 0u);
+  for (const char* external : {"<script src", "<link", "src=\"http", "href=\"http", "@import"}) {
+    EXPECT_EQ(page.find(external), std::string::npos) << external;
+  }
+  const std::string open = "<script id=\"trace\" type=\"application/json\">";
+  const size_t begin = page.find(open);
+  ASSERT_NE(begin, std::string::npos);
+  const size_t end = page.find("</script>", begin);
+  const json trace = json::parse(page.substr(begin + open.size(), end - begin - open.size()));
+  std::map<int64_t, int64_t> steps;
+  for (const json& e : trace["traceEvents"]) {
+    if (e["ph"] == "X" && e["cat"] != "comm") ++steps[e["tid"].get<int64_t>()];
+  }
+  for (int64_t rank = 0; rank < 4; ++rank) EXPECT_EQ(steps[rank], 2 * 4 * 2) << rank;
+  std::filesystem::remove(path);
+}
+
 // With activation recomputation every recomputation is a "recompute" slice ("R<chunk>.<mb>")
 // nested in the backward step of the same chunk and micro-batch on the same rank: one per
 // layer of the GPT model (full or selective), one per chunk of a layer chain.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The layout page in a real browser: Debian's chromium, headless, driven by Selenium.
+"""mpusim's pages in a real browser: Debian's chromium, headless, driven by Selenium.
 
 What it checks, on pages written by `mpusim layout CONFIG --format html`:
   - the page draws one GPU cell per rank;
@@ -11,13 +11,15 @@ What it checks, on pages written by `mpusim layout CONFIG --format html`:
     it in;
   - a link ending in #kind=K&rank=R opens with that choice made;
   - the 1024-rank GPT-3 page loads and answers a click (its times are printed).
-It checks that the layout page of a pipeline config draws its schedule, and writes
-screenshots for the docs into OUT_DIR: the layout page and the schedule SVGs of 1F1B and of
-the interleaved schedule.
+It checks that the layout page of a pipeline config draws its schedule, and that the timeline
+page of `mpusim run --trace FILE.html` draws a slice per trace event with a row per rank and
+zooms. It writes screenshots for the docs into OUT_DIR: the layout page, the schedule SVGs of
+1F1B and of the interleaved schedule, and the timeline page.
 
-Usage: layout_page_test.py MPUSIM CHROMIUM CHROMEDRIVER SAMPLE_CONFIG_DIR OUT_DIR
+Usage: pages_test.py MPUSIM MPIEXEC CHROMIUM CHROMEDRIVER SAMPLE_CONFIG_DIR OUT_DIR
 """
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -29,8 +31,11 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select
 
-mpusim, chromium, chromedriver, samples, out = sys.argv[1:6]
-samples = pathlib.Path(samples)
+mpusim, mpiexec, chromium, chromedriver, samples, out = sys.argv[1:7]
+# mpusim runs from the sample folder's parent with relative paths, so that the pages (and the
+# screenshots) name sample_configs/NAME.json, not this machine's checkout.
+root = pathlib.Path(samples).resolve().parent
+samples = pathlib.Path(pathlib.Path(samples).resolve().name)
 out = pathlib.Path(out)
 work = pathlib.Path(tempfile.mkdtemp(prefix="mpusim-browser-"))
 failures = []
@@ -42,7 +47,8 @@ def fail(message):
 
 
 def mpusim_output(*args):
-    return subprocess.run([mpusim, *args], check=True, capture_output=True, text=True).stdout
+    return subprocess.run([mpusim, *args], check=True, capture_output=True, text=True,
+                          cwd=root).stdout
 
 
 def write_page(config, name):
@@ -160,7 +166,35 @@ def schedule_shot(name, *args):
 
 schedule_shot("schedule_1f1b", "--world-size", "4", "--pp", "4", "--microbatches", "8")
 schedule_shot("schedule_interleaved", str(pipeline))
-shots = ("layout_page.png", "schedule_1f1b.png", "schedule_interleaved.png")
+# The timeline page of a run (--trace FILE.html): a slice drawn per complete event, the zoom
+# menu widening the drawing.
+trace_page = work / "trace.html"
+subprocess.run([mpiexec, "-n", "4", "--oversubscribe", mpusim, "run",
+                str(samples / "gpt_pipeline_p2_v2_t2_n4.json"), "--no-check", "--trace",
+                str(trace_page)], check=True, capture_output=True, cwd=root,
+               env={**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1",
+                    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
+driver.set_window_size(1450, 620)
+driver.get(trace_page.as_uri())
+events = json.loads(driver.find_element(By.ID, "trace").get_attribute("textContent"))["traceEvents"]
+complete = [e for e in events if e["ph"] == "X"]
+drawn = driver.execute_script("return document.querySelectorAll('#timeline g.slice').length")
+if drawn != len(complete):
+    fail(f"trace page: {drawn} slices drawn for {len(complete)} complete events")
+rows = driver.execute_script(
+    "return Array.from(document.querySelectorAll('#timeline text'), t => t.textContent)"
+    ".filter(t => t.startsWith('rank '))")
+if rows != [f"rank {r} (tp {r % 2}, pp {r // 2}, dp 0)" for r in range(4)]:
+    fail(f"trace page: the rows are {rows}")
+width = float(driver.find_element(By.CSS_SELECTOR, "#timeline svg").get_attribute("width"))
+driver.save_screenshot(str(out / "trace_page.png"))
+Select(driver.find_element(By.ID, "zoom")).select_by_value("4")
+wider = float(driver.find_element(By.CSS_SELECTOR, "#timeline svg").get_attribute("width"))
+if not wider > 3 * width - 600:
+    fail(f"trace page: zoom 4x draws {wider} px wide, 1x {width} px")
+print(f"ok: trace page: {drawn} slices drawn for {len(complete)} events, rows {rows[0]} ... "
+      f"{rows[-1]}; zoom 4x: {width:.0f} -> {wider:.0f} px")
+shots = ("layout_page.png", "schedule_1f1b.png", "schedule_interleaved.png", "trace_page.png")
 for shot in shots:
     if (out / shot).stat().st_size == 0:
         fail(f"empty screenshot {shot}")
