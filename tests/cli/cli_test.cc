@@ -723,20 +723,30 @@ TEST(RunCommand, GptSamplesPassTheCheck) {
       << output;
 }
 
+// The 4-rank pipeline sample run with --trace PATH; its output.
+std::string RunTraced(const std::string& path) {
+  std::string output;
+  EXPECT_EQ(Shell(Mpiexec(4) + MPUSIM_BINARY + " run " + Sample("gpt_pipeline_p2_v2_t2_n4.json") +
+                      " --no-check --trace " + path,
+                  &output),
+            0)
+      << output;
+  return output;
+}
+
+std::string TracePath(const std::string& extension) {
+  return (std::filesystem::temp_directory_path() /
+          fmt::format("mpusim_trace.{}.{}", ::getpid(), extension))
+      .string();
+}
+
 // --trace FILE: Chrome trace events for the last step. Every rank is a thread named by its
 // coordinates; it has a complete event per forward and backward step (2 M v) and per
 // collective or send/receive, as many as the run's comm trace lists for rank 0; each
 // rank's steps follow one another.
 TEST(RunCommand, TraceIsChromeTraceEventsMatchingTheCommTrace) {
-  const std::string path =
-      (std::filesystem::temp_directory_path() / fmt::format("mpusim_trace.{}.json", ::getpid()))
-          .string();
-  std::string output;
-  ASSERT_EQ(Shell(Mpiexec(4) + MPUSIM_BINARY + " run " + Sample("gpt_pipeline_p2_v2_t2_n4.json") +
-                      " --no-check --trace " + path,
-                  &output),
-            0)
-      << output;
+  const std::string path = TracePath("json");
+  const std::string output = RunTraced(path);
   const std::string marker = "collectives on rank 0 (";
   const size_t at = output.find(marker);
   ASSERT_NE(at, std::string::npos) << output;
@@ -775,15 +785,8 @@ TEST(RunCommand, TraceIsChromeTraceEventsMatchingTheCommTrace) {
 // --trace FILE.html: one self-contained page (no external script, style or link) embedding
 // the same trace events, which its script draws (the browser test checks the drawing).
 TEST(RunCommand, TracePageEmbedsTheTraceEvents) {
-  const std::string path =
-      (std::filesystem::temp_directory_path() / fmt::format("mpusim_trace.{}.html", ::getpid()))
-          .string();
-  std::string output;
-  ASSERT_EQ(Shell(Mpiexec(4) + MPUSIM_BINARY + " run " + Sample("gpt_pipeline_p2_v2_t2_n4.json") +
-                      " --no-check --trace " + path,
-                  &output),
-            0)
-      << output;
+  const std::string path = TracePath("html");
+  RunTraced(path);
   std::ifstream in(path);
   const std::string page((std::istreambuf_iterator<char>(in)), {});
   EXPECT_EQ(page.rfind("<!DOCTYPE html>", 0), 0u);
