@@ -23,7 +23,12 @@ const ranks = [...new Set(slices.map(s => s.tid).concat(Object.keys(names).map(N
 const row = {};
 ranks.forEach((r, i) => { row[r] = i; });
 let end = 0;
-for (const s of slices) end = Math.max(end, s.ts + s.dur);
+const busy = {};  // rank -> time in forward and backward steps (recomputations lie inside)
+for (const s of slices) {
+  end = Math.max(end, s.ts + s.dur);
+  if (s.cat === 'forward' || s.cat === 'backward') busy[s.tid] = (busy[s.tid] || 0) + s.dur;
+}
+for (const r of Object.keys(names)) busy[r] = busy[r] || 0;
 const microbatches = 1 + Math.max(0, ...slices.filter(s => s.cat !== 'comm').map(s => s.args.microbatch));
 const commColour = {'all-reduce': '#d9534f', 'all-gather': '#5cb85c', 'reduce-scatter': '#428bca',
                     'send': '#f0ad4e', 'recv': '#f0ad4e', 'broadcast': '#9b59b6'};
@@ -58,6 +63,8 @@ function draw() {
   ranks.forEach((r, i) => {
     const y = TOP + i * LANE;
     add('text', {x: 4, y: y + 16}).textContent = names[r] || ('rank ' + r);
+    add('text', {x: 4, y: y + 31, fill: '#555'}).textContent =
+        'compute ' + Math.round(100 * busy[r] / end) + '%';
     add('rect', {x: LEFT, y: y, width: width, height: 18, fill: '#eee'});
     add('rect', {x: LEFT, y: y + 21, width: width, height: 13, fill: '#f6f6f6'});
     add('rect', {x: LEFT, y: y + 36, width: width, height: 13, fill: '#f6f6f6'});
@@ -114,8 +121,9 @@ std::string TracePageHtml(const nlohmann::ordered_json& trace, const std::string
       "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
       "<title>mpusim trace: {0}</title>\n<style>{1}</style>\n</head>\n<body>\n"
       "<h1>mpusim trace of {0}: the last step</h1>\n"
-      "<p><span id=\"summary\"></span>. A row per rank: its forward (light) and backward "
-      "(dark) steps coloured by micro-batch, a recomputation as a band inside its backward "
+      "<p><span id=\"summary\"></span>. A row per rank, with the share of the step it spent "
+      "in forward and backward steps: its forward (light) and backward (dark) steps coloured "
+      "by micro-batch, a recomputation as a band inside its backward "
       "step, and below them its collectives and its sends and receives (each from its "
       "posting to the end of the wait for it). Hover a slice for its details. zoom: <select "
       "id=\"zoom\"><option value=\"1\">1x</option><option "

@@ -19,6 +19,7 @@ zooms. It writes screenshots for the docs into OUT_DIR: the layout page, the sch
 Usage: pages_test.py MPUSIM MPIEXEC CHROMIUM CHROMEDRIVER SAMPLE_CONFIG_DIR OUT_DIR
 """
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -186,6 +187,16 @@ rows = driver.execute_script(
     ".filter(t => t.startsWith('rank '))")
 if rows != [f"rank {r} (tp {r % 2}, pp {r // 2}, dp 0)" for r in range(4)]:
     fail(f"trace page: the rows are {rows}")
+# Each row's compute share: its forward and backward time over the step, from the events.
+shares = driver.execute_script(
+    "return Array.from(document.querySelectorAll('#timeline text'), t => t.textContent)"
+    ".filter(t => t.startsWith('compute '))")
+end = max(e["ts"] + e["dur"] for e in complete)
+busy = [sum(e["dur"] for e in complete if e["tid"] == r and e["cat"] in ("forward", "backward"))
+        for r in range(4)]
+expected_shares = [f"compute {math.floor(100 * b / end + 0.5)}%" for b in busy]  # Math.round
+if shares != expected_shares:
+    fail(f"trace page: the rows' compute shares are {shares}, the events give {expected_shares}")
 width = float(driver.find_element(By.CSS_SELECTOR, "#timeline svg").get_attribute("width"))
 driver.save_screenshot(str(out / "trace_page.png"))
 Select(driver.find_element(By.ID, "zoom")).select_by_value("4")
@@ -193,7 +204,7 @@ wider = float(driver.find_element(By.CSS_SELECTOR, "#timeline svg").get_attribut
 if not wider > 3 * width - 600:
     fail(f"trace page: zoom 4x draws {wider} px wide, 1x {width} px")
 print(f"ok: trace page: {drawn} slices drawn for {len(complete)} events, rows {rows[0]} ... "
-      f"{rows[-1]}; zoom 4x: {width:.0f} -> {wider:.0f} px")
+      f"{rows[-1]}, {' '.join(shares)}; zoom 4x: {width:.0f} -> {wider:.0f} px")
 shots = ("layout_page.png", "schedule_1f1b.png", "schedule_interleaved.png", "trace_page.png")
 for shot in shots:
     if (out / shot).stat().st_size == 0:
