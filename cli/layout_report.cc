@@ -450,9 +450,11 @@ void PrintScheduleSvg(const PipelineSchedule& s, double kForward, double kBackwa
   for (int64_t r = 0; r < p; ++r) {
     const double y = kTop + static_cast<double>(r) * kRow;
     out << fmt::format(
-        "<text x=\"8\" y=\"{:.0f}\">rank {}</text>\n<rect x=\"{}\" y=\"{:.0f}\" "
+        "<text x=\"8\" y=\"{:.0f}\">rank {}</text><text x=\"8\" y=\"{:.0f}\" "
+        "font-size=\"9\" fill=\"#555\">peak {}</text>\n<rect x=\"{}\" y=\"{:.0f}\" "
         "width=\"{:.0f}\" height=\"{:.0f}\" fill=\"#eeeeee\"/>\n",
-        y + kRow / 2 + 4, r, kLeft, y, t.makespan * kUnit, kRow - 6);
+        y + kRow / 2 - 1, r, y + kRow / 2 + 9, ScheduleTiming::PeakInFlight(s, r), kLeft, y,
+        t.makespan * kUnit, kRow - 6);
     const auto& steps = s.per_rank[static_cast<size_t>(r)];
     for (size_t i = 0; i < steps.size(); ++i) {
       const ScheduleStep& step = steps[i];
@@ -503,7 +505,7 @@ void PrintScheduleSvg(const PipelineSchedule& s, double kForward, double kBackwa
   out << fmt::format(
       "<text x=\"{}\" y=\"{:.0f}\">F&lt;chunk&gt;.&lt;micro-batch&gt; forward, B backward; "
       "colour: micro-batch; grey: idle (the bubble); lines: activations sent on (solid), "
-      "gradients sent back (dashed)</text>\n</svg>\n",
+      "gradients sent back (dashed); peak: most micro-batches in flight</text>\n</svg>\n",
       kLeft, height - 12);
 }
 

@@ -365,6 +365,14 @@ TEST(ScheduleCommand, BadInput) {
     EXPECT_LE(std::stod((*it)[1]), std::stod((*it)[2]) + 1e-9) << (*it)[0];
   }
   EXPECT_EQ(lines, 2u * 8 * (4 * 2 - 1));
+  // Each row's peak of micro-batches in flight, as the text gives them (11 9 7 5).
+  const std::regex peak_re(">peak ([0-9]+)</text>");
+  std::vector<std::string> peaks;
+  for (auto it = std::sregex_iterator(svg.out.begin(), svg.out.end(), peak_re);
+       it != std::sregex_iterator(); ++it) {
+    peaks.push_back((*it)[1]);
+  }
+  EXPECT_EQ(peaks, (std::vector<std::string>{"11", "9", "7", "5"}));
   // --transfers: each step's batch as the executor posts it.
   const Result moves = Mpusim({"schedule", Sample("interleaved_schedule_p2_v2_n2.json"),
                                "--microbatches", "4", "--transfers"});
