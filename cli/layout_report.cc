@@ -486,7 +486,7 @@ void PrintScheduleSvg(const PipelineSchedule& s, double kForward, double kBackwa
   for (int64_t r = 0; r < p; ++r) {
     const auto& steps = s.per_rank[static_cast<size_t>(r)];
     for (size_t i = 0; i < steps.size(); ++i) {
-      for (const Transfer& transfer : plan[static_cast<size_t>(r)][i + 1].batch) {
+      for (const Transfer& transfer : transfers_of(r, i)) {
         if (!transfer.send) continue;
         const std::optional<size_t> j = consumer(transfer);
         if (!j) continue;
@@ -524,17 +524,16 @@ void PrintLayoutHtml(const Topology& topology, const LayoutReportOptions& option
   data["coordinates"] = coordinates;
   data["expert_differs"] = expert_differs;
   const std::string embedded = JsonForScript(data.dump());
-  const auto escape = [](const std::string& text) { return HtmlEscape(text); };
   const ParallelConfig& c = topology.config();
   std::string warnings;
   for (const std::string& w : NodeWarnings(topology)) {
-    warnings += "<p class=\"warning\">warning: " + escape(w) + "</p>\n";
+    warnings += "<p class=\"warning\">warning: " + HtmlEscape(w) + "</p>\n";
   }
   out << "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
-      << "<title>mpusim layout: " << escape(options.source) << "</title>\n<style>" << kPageStyle
+      << "<title>mpusim layout: " << HtmlEscape(options.source) << "</title>\n<style>" << kPageStyle
       << "</style>\n</head>\n<body>\n"
       << fmt::format("<h1>mpusim layout of {}: {} ranks, tp {} pp {} cp {} dp {}</h1>\n",
-                     escape(options.source), topology.world_size(), topology.sizes().tp,
+                     HtmlEscape(options.source), topology.world_size(), topology.sizes().tp,
                      topology.sizes().pp, topology.sizes().cp, topology.sizes().dp)
       << fmt::format(
              "<p>{} nodes of {} GPUs, rank r on node r / {}. Choose a group kind to "

@@ -6,6 +6,9 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <ostream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "cli/cli.h"
 #include "cli/commands.h"
@@ -81,6 +84,14 @@ class ScheduleCommand : public Command {
   }
 
  private:
+  // An action of the executor's plan as its step ("F1.0", or "end" for the final wait) and
+  // its transfers ("recv activation c1.m0 from 0", ...).
+  static std::pair<std::string, std::vector<std::string>> DescribeAction(const PlanAction& action) {
+    std::vector<std::string> batch;
+    for (const Transfer& transfer : action.batch) batch.push_back(FormatTransfer(transfer));
+    return {action.step ? FormatStep(*action.step) : "end", std::move(batch)};
+  }
+
   static void PrintText(const PipelineSchedule& s, bool transfers, std::ostream& out) {
     const int64_t p = s.pipeline_model_parallel_size;
     if (s.interleaved) {
@@ -133,10 +144,9 @@ class ScheduleCommand : public Command {
     for (int64_t r = 0; r < p; ++r) {
       out << fmt::format("rank {}\n", r);
       for (const PlanAction& action : plan[static_cast<size_t>(r)]) {
-        std::vector<std::string> batch;
-        for (const Transfer& transfer : action.batch) batch.push_back(FormatTransfer(transfer));
+        const auto [step, batch] = DescribeAction(action);
         out << fmt::format(
-            "  {:<5} {}\n", action.step ? FormatStep(*action.step) : "end",
+            "  {:<5} {}\n", step,
             batch.empty() ? std::string("-") : fmt::format("{}", fmt::join(batch, "; ")));
       }
     }
@@ -174,10 +184,8 @@ class ScheduleCommand : public Command {
       for (int64_t r = 0; r < s.pipeline_model_parallel_size; ++r) {
         nlohmann::ordered_json actions = nlohmann::ordered_json::array();
         for (const PlanAction& action : plan[static_cast<size_t>(r)]) {
-          nlohmann::ordered_json batch = nlohmann::ordered_json::array();
-          for (const Transfer& t : action.batch) batch.push_back(FormatTransfer(t));
-          actions.push_back(
-              {{"step", action.step ? FormatStep(*action.step) : "end"}, {"transfers", batch}});
+          const auto [step, batch] = DescribeAction(action);
+          actions.push_back({{"step", step}, {"transfers", batch}});
         }
         plan_json[std::to_string(r)] = actions;
       }

@@ -8,9 +8,10 @@
 namespace mpusim::run {
 namespace {
 
-// Draws the trace's complete events as SVG rectangles: a row per rank (tid), steps on the
-// upper line (recomputations as a band inside their backward step), communication on the
-// lower line. Plain DOM, no libraries.
+// Draws the trace's complete events as SVG rectangles: a row per rank (tid) of three lines,
+// its steps (recomputations as a band inside their backward step), its collectives and its
+// sends and receives, and its share of the step in forward and backward steps. Plain DOM,
+// no libraries.
 constexpr const char* kScript = R"JS(
 const T = JSON.parse(document.getElementById('trace').textContent);
 const names = {}, slices = [];

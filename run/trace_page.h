@@ -2,9 +2,10 @@
 // drawn by one self-contained HTML page (inline script and data, nothing fetched), for a
 // laptop without a network or a class without Perfetto.
 //
-// What it is: a row per rank (its name from the trace's thread_name events), the forward,
-// backward and recompute slices on a compute line and the collectives and sends/receives on
-// a communication line below it, with a tooltip per slice (name, times, args) and a zoom menu.
+// What it is: a row per rank (its name from the trace's thread_name events, its share of the
+// step in forward and backward steps), the forward, backward and recompute slices on a
+// compute line, and below it a line of collectives and one of sends and receives, with a
+// tooltip per slice (name, times, args) and a zoom menu.
 // The page embeds the trace itself, so a reader can still save it for Perfetto.
 // What it is not: a general trace viewer; it reads only the events WriteTrace writes
 // (metadata "M" and complete "X" events).

@@ -384,6 +384,17 @@ TEST(ScheduleCommand, BadInput) {
         "gradient c0.m3 to 0 (async)\n"}) {
     EXPECT_NE(moves.out.find(expected), std::string::npos) << expected << "\n" << moves.out;
   }
+  // The same plan in JSON: per rank one action per step, then the final wait.
+  const Result moves_json = Mpusim({"schedule", Sample("interleaved_schedule_p2_v2_n2.json"),
+                                    "--microbatches", "4", "--transfers", "--format", "json"});
+  ASSERT_EQ(moves_json.code, 0) << moves_json.err;
+  const json plan = json::parse(moves_json.out)["transfers"]["1"];
+  ASSERT_EQ(plan.size(), 2u * 4 * 2 + 1);
+  EXPECT_EQ(plan[1]["step"], "F0.1");
+  EXPECT_EQ(plan[1]["transfers"],
+            json::array({"send activation c1.m0 to 0 (async)", "recv activation c0.m1 from 0"}));
+  EXPECT_EQ(plan.back()["step"], "end");
+  EXPECT_EQ(plan.back()["transfers"], json::array({"send gradient c0.m3 to 0 (async)"}));
   const Result zero = Mpusim({"schedule", Sample("lab_t2_p4_n16.json"), "--microbatches", "0"});
   EXPECT_EQ(zero.code, 2);
   EXPECT_EQ(zero.err.rfind("error: command line: --microbatches: ", 0), 0u) << zero.err;
