@@ -135,11 +135,19 @@ TEST(BackendPlugin, GptOnTheGpuPassesTheCheck) {
 }
 #endif
 
-// A copy of the program in a directory of its own, with `plugin` (a file in the build tree)
-// next to it under the CUDA plugin's name, or nothing.
+// A copy of the program in a tree of its own, laid out as the build tree is (cli/mpusim next
+// to ../core and ../mpi, which the program's $ORIGIN run path names), with `plugin` (a file
+// in the build tree) next to the program under the CUDA plugin's name, or nothing. Returns
+// the program's directory.
 fs::path ProgramCopy(const std::string& tag, const std::string& plugin = "") {
-  const fs::path dir = fs::temp_directory_path() / fmt::format("mpusim_plugin.{}.{}", ::getpid(), tag);
-  fs::remove_all(dir);
+  const fs::path root = fs::temp_directory_path() / fmt::format("mpusim_plugin.{}.{}", ::getpid(), tag);
+  const fs::path build = fs::path(MPUSIM_BINARY).parent_path().parent_path();
+  fs::remove_all(root);
+  for (const char* library : {"core/libmpusim_core.so", "mpi/libmpusim_mpi.so"}) {
+    fs::create_directories((root / library).parent_path());
+    fs::copy_file(build / library, root / library);
+  }
+  const fs::path dir = root / "cli";
   fs::create_directories(dir);
   fs::copy_file(MPUSIM_BINARY, dir / "mpusim");
   fs::permissions(dir / "mpusim", fs::perms::owner_all, fs::perm_options::add);
@@ -155,7 +163,7 @@ void ExpectRefused(const fs::path& dir, const std::string& message) {
   EXPECT_EQ(ErrorLines(run.output), 1) << run.output;
   EXPECT_NE(run.output.find(message), std::string::npos) << run.output;
   EXPECT_EQ(run.output.find("check against"), std::string::npos) << run.output;
-  fs::remove_all(dir);
+  fs::remove_all(dir.parent_path());
 }
 
 TEST(BackendPlugin, WithoutThePluginOneLineExitTwo) {
