@@ -11,8 +11,10 @@
 // older build.
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,6 +25,14 @@
 
 namespace mpusim {
 
+// The memory of the device a backend's tensors live on, for the run's preflight.
+struct DeviceMemory {
+  std::string device;        // "CUDA device 0 (NVIDIA H100 80GB HBM3)"
+  uint64_t free_bytes = 0;   // free now (cudaMemGetInfo), before this run allocates
+  uint64_t total_bytes = 0;
+  int64_t ranks = 1;         // ranks of this node that use the device (they share free_bytes)
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -31,6 +41,9 @@ class Backend {
   // GPU (e.g. "Eigen 3.4.0, GEMMs through OpenBLAS 0.3.21 (Haswell kernels), 1 thread").
   virtual std::string Describe() const { return name(); }
   virtual Kernels& kernels() = 0;
+  // The memory of this rank's device, or nullopt when the backend's tensors live in host
+  // memory (the CPU backend: the host preflight covers them).
+  virtual std::optional<DeviceMemory> Memory() const { return std::nullopt; }
   // This rank's communicator for each kind in `kinds` (kinds whose groups leave this rank
   // out get no entry). Collective: every rank of the run calls it with the same kinds.
   virtual std::map<std::string, std::unique_ptr<Communicator>> MakeGroups(
@@ -49,7 +62,7 @@ using BackendOrStatus = StatusOr<std::unique_ptr<Backend>>;
 // mpusim_make_backend is collective over MPI_COMM_WORLD (the GPU backend picks devices per
 // node) and reports a missing or unusable device as a Status in *out, never by aborting.
 // Bump kBackendAbi whenever these types or the entry points change.
-inline constexpr int kBackendAbi = 1;
+inline constexpr int kBackendAbi = 2;
 inline constexpr char kBackendAbiSymbol[] = "mpusim_backend_abi";
 inline constexpr char kMakeBackendSymbol[] = "mpusim_make_backend";
 using MakeBackendFunction = void (*)(const BackendOptions* options, BackendOrStatus* out);

@@ -45,6 +45,11 @@ class Kernels {
 
   virtual ~Kernels() = default;
 
+  // Returns once every operation this backend has started has finished: a no-op where calls
+  // complete before they return (the CPU), a stream synchronisation on a GPU, whose kernels
+  // run after their launch returns. Whoever reads a clock to time device work calls it first.
+  virtual void Synchronize() {}
+
   // Each call checks its arguments (core/arg_checks.h: allocated tensors on this backend's
   // device, one dtype, matching shapes; std::invalid_argument otherwise), then runs the
   // backend's Do* implementation, so every backend enforces the same rules.

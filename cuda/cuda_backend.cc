@@ -37,8 +37,11 @@ bool MpiRunning() {
 class CudaBackend final : public Backend {
  public:
   // The device must be current (cudaSetDevice) before construction: kernels_ binds to it.
-  CudaBackend(std::string comm, int device, double nccl_timeout_s)
-      : comm_(std::move(comm)), device_(device), nccl_timeout_s_(nccl_timeout_s) {}
+  CudaBackend(std::string comm, int device, int64_t ranks_on_device, double nccl_timeout_s)
+      : comm_(std::move(comm)),
+        device_(device),
+        ranks_on_device_(ranks_on_device),
+        nccl_timeout_s_(nccl_timeout_s) {}
 
   std::string name() const override { return "cuda"; }
   std::string Describe() const override {
@@ -49,6 +52,15 @@ class CudaBackend final : public Backend {
                        comm_ == "mpi" ? "host-staged MPI" : "NCCL");
   }
   Kernels& kernels() override { return kernels_; }
+  std::optional<DeviceMemory> Memory() const override {
+    MPUSIM_CUDA_CHECK(cudaSetDevice(device_));
+    size_t free_bytes = 0, total_bytes = 0;
+    MPUSIM_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    cudaDeviceProp properties{};
+    const bool known = cudaGetDeviceProperties(&properties, device_) == cudaSuccess;
+    return DeviceMemory{fmt::format("CUDA device {} ({})", device_, known ? properties.name : "?"),
+                        free_bytes, total_bytes, ranks_on_device_};
+  }
 
   std::map<std::string, std::unique_ptr<Communicator>> MakeGroups(
       const Topology& topology, int64_t world_rank,
@@ -79,6 +91,7 @@ class CudaBackend final : public Backend {
  private:
   std::string comm_;
   int device_;
+  int64_t ranks_on_device_;  // ranks of this node on device_ (they share its memory)
   double nccl_timeout_s_;
   CudaKernels kernels_;
 };
@@ -195,7 +208,10 @@ StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const std::string& comm) {
   }
   if (node != MPI_COMM_NULL) MPUSIM_MPI_CHECK(MPI_Comm_free(&node));
   if (!status.ok()) return status;
-  return std::unique_ptr<Backend>(new CudaBackend(comm, device, nccl_timeout_s));
+  // Local ranks r with r % device_count == device share it.
+  const int64_t ranks_on_device =
+      local_size / device_count + (device < local_size % device_count ? 1 : 0);
+  return std::unique_ptr<Backend>(new CudaBackend(comm, device, ranks_on_device, nccl_timeout_s));
 }
 
 }  // namespace mpusim::cuda

@@ -55,7 +55,7 @@ class CudaKernels final : public Kernels {
   cudaStream_t stream() const { return stream_; }
   int device() const { return device_; }
   // Waits until everything enqueued on stream() has finished.
-  void Synchronize();
+  void Synchronize() override;
   // device = host (same dtype and numel; a device tensor and a host tensor); synchronous.
   void CopyFromHost(const Tensor& host, Tensor& device);
 

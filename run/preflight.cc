@@ -41,9 +41,9 @@ class Planner {
     plan_->items.push_back(MemoryItem{std::move(name), std::move(shape), dtype, bytes});
     plan_->total = SaturatingAdd(plan_->total, bytes);
   }
-  void AddBytes(std::string name, Bytes elements, DType dtype) {
+  void AddBytes(std::string name, Bytes elements, DType dtype, bool host = false) {
     const Bytes bytes = SaturatingMul(elements, DTypeSize(dtype));
-    plan_->items.push_back(MemoryItem{std::move(name), {}, dtype, bytes});
+    plan_->items.push_back(MemoryItem{std::move(name), {}, dtype, bytes, host});
     plan_->total = SaturatingAdd(plan_->total, bytes);
   }
 
@@ -113,16 +113,17 @@ MemoryPlan PlanRankMemory(const Config& config, const Graph& graph, const RankCo
     const Bytes all_rows = SaturatingMul(static_cast<Bytes>(rows), static_cast<Bytes>(dp));
     const Bytes slice = (all_rows + static_cast<Bytes>(world_size) - 1) /
                         static_cast<Bytes>(std::max<int64_t>(1, world_size));
-    add.AddBytes("reference: master weights (float64, full)", full_parameters, DType::kFloat64);
-    add.AddBytes("reference: gradients (float64, full)", full_parameters, DType::kFloat64);
+    add.AddBytes("reference: master weights (float64, full)", full_parameters, DType::kFloat64,
+                 true);
+    add.AddBytes("reference: gradients (float64, full)", full_parameters, DType::kFloat64, true);
     add.AddBytes("reference: activations and their gradients (float64, this rank's rows)",
-                 SaturatingMul(SaturatingMul(slice, reference_widths), 2), DType::kFloat64);
+                 SaturatingMul(SaturatingMul(slice, reference_widths), 2), DType::kFloat64, true);
     // The exchange sends this rank's row tensors (as float64) in parts of at most
     // kExchangeBytes, and receives as much.
     const Bytes part = std::min(static_cast<Bytes>(kExchangeBytes) / DTypeSize(DType::kFloat64),
                                 activation_elements);
     add.AddBytes("check: exchange buffers (send and receive)", SaturatingMul(part, 2),
-                 DType::kFloat64);
+                 DType::kFloat64, true);
   }
   return plan;
 }
@@ -166,7 +167,7 @@ MemoryPlan PlanGptRankMemory(const Config& config, const GptConfig& gpt, int64_t
   if (check) {
     // Every rank runs the float64 reference on its dp rank's b samples (run/gpt_check.h).
     add.AddBytes("reference: parameters and gradients (float64, full)",
-                 SaturatingMul(full_parameters, 2), DType::kFloat64);
+                 SaturatingMul(full_parameters, 2), DType::kFloat64, true);
     const int64_t attn = gpt.num_attention_heads * gpt.kv_channels;
     const Bytes ref_layer = SaturatingAdd(
         Elements({rows, 6 * h + gpt.QkvRows() + attn + gpt.Fc1Rows() + 2 * gpt.ffn_hidden_size}),
@@ -174,7 +175,7 @@ MemoryPlan PlanGptRankMemory(const Config& config, const GptConfig& gpt, int64_t
     add.AddBytes("reference: activations and their gradients (float64, this rank's samples)",
                  SaturatingMul(SaturatingAdd(SaturatingMul(ref_layer, L), Elements({rows, 2 * vp})),
                                2),
-                 DType::kFloat64);
+                 DType::kFloat64, true);
   }
   return plan;
 }
@@ -193,8 +194,38 @@ std::string FormatBytes(unsigned __int128 bytes) {
                    : fmt::format("{:.1f} {}", value, kUnits[unit]);
 }
 
+MemoryPlan MemoryPlan::HostItems() const {
+  MemoryPlan part;
+  for (const MemoryItem& item : items) {
+    if (!item.host) continue;
+    part.items.push_back(item);
+    part.total = SaturatingAdd(part.total, item.bytes);
+  }
+  return part;
+}
+
+MemoryPlan MemoryPlan::DeviceItems() const {
+  MemoryPlan part;
+  for (const MemoryItem& item : items) {
+    if (item.host) continue;
+    part.items.push_back(item);
+    part.total = SaturatingAdd(part.total, item.bytes);
+  }
+  return part;
+}
+
+Status CheckDeviceMemory(const MemoryPlan& plan, const DeviceMemory& device) {
+  const int64_t ranks = std::max<int64_t>(1, device.ranks);
+  return CheckRankMemory(
+      plan.DeviceItems(), device.free_bytes / static_cast<uint64_t>(ranks),
+      fmt::format("{}'s free memory, {} of {}, shared by {} rank{}", device.device,
+                  FormatBytes(device.free_bytes), FormatBytes(device.total_bytes), ranks,
+                  ranks == 1 ? "" : "s"),
+      "spread the model over more GPUs (tp, pp) or start fewer ranks per GPU");
+}
+
 Status CheckRankMemory(const MemoryPlan& plan, uint64_t limit_bytes,
-                       const std::string& limit_source) {
+                       const std::string& limit_source, const std::string& remedy) {
   if (plan.total <= limit_bytes) return {};
   std::vector<const MemoryItem*> biggest;
   for (const MemoryItem& item : plan.items) biggest.push_back(&item);
@@ -211,9 +242,9 @@ Status CheckRankMemory(const MemoryPlan& plan, uint64_t limit_bytes,
   }
   return Status::Error("run", fmt::format("one rank would hold {}, more than the {} allowed ({}); "
                                           "biggest: {}; shrink seq_length, micro_batch_size or "
-                                          "the layers, or raise the limit with --max-memory",
+                                          "the layers, or {}",
                                           FormatBytes(plan.total), FormatBytes(limit_bytes),
-                                          limit_source, list));
+                                          limit_source, list, remedy));
 }
 
 std::optional<uint64_t> ParseByteSize(const std::string& text) {

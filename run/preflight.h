@@ -4,7 +4,9 @@
 // What it is: per-rank bytes of parameters, main_grad, the activations and saved tensors of
 // one micro-batch (the stash the backward pass needs), and, when the run is checked, the
 // float64 reference's share (full master weights and gradients, this rank's slice of the
-// token rows) and the check's exchange buffers. Every count is formed in 128-bit arithmetic
+// token rows) and the check's exchange buffers. On the CPU all of it is host memory; with a
+// GPU backend the executor's items are checked against the GPU's free memory
+// (CheckDeviceMemory, once the backend exists) and only the reference's against the host's. Every count is formed in 128-bit arithmetic
 // and capped, so sizes whose products wrap int64 or size_t are refused like any other
 // oversized run, never allocated.
 // What it is not: an exact allocator trace. It counts each tensor the executor and the
@@ -18,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "core/backend.h"
 #include "core/config.h"
 #include "core/model/graph.h"
 #include "core/status.h"
@@ -30,11 +33,17 @@ struct MemoryItem {
   Shape shape;       // local shape on this rank ({} for aggregates)
   DType dtype;
   unsigned __int128 bytes;
+  // In host memory whatever the backend (the float64 reference, the check's buffers); the
+  // other items live where the backend's tensors do (a GPU's memory for --backend cuda).
+  bool host = false;
 };
 
 struct MemoryPlan {
   std::vector<MemoryItem> items;
   unsigned __int128 total = 0;
+  // The items with host set, or not: on a backend with device memory, the two sides of it.
+  MemoryPlan HostItems() const;
+  MemoryPlan DeviceItems() const;
 };
 
 // The plan for the rank at `coords` (every rank of a tp x dp layout holds the same sizes).
@@ -47,9 +56,14 @@ MemoryPlan PlanRankMemory(const Config& config, const Graph& graph, const RankCo
 MemoryPlan PlanGptRankMemory(const Config& config, const GptConfig& gpt, int64_t tp, bool check);
 
 // OK when plan.total <= limit_bytes; otherwise an error at "run" naming the total, the
-// limit and where it comes from (`limit_source`), and the biggest items.
+// limit and where it comes from (`limit_source`), the biggest items and what to do (`remedy`).
 Status CheckRankMemory(const MemoryPlan& plan, uint64_t limit_bytes,
-                       const std::string& limit_source);
+                       const std::string& limit_source,
+                       const std::string& remedy = "raise the limit with --max-memory");
+
+// The device preflight of a backend with memory of its own (Backend::Memory, a GPU): the
+// plan's device items against the device's free memory shared by the ranks that use it.
+Status CheckDeviceMemory(const MemoryPlan& plan, const DeviceMemory& device);
 
 // "512M", "4G", "1.5GiB", "1000000" (bytes): a size for --max-memory; nullopt if malformed
 // or not positive.

@@ -96,15 +96,18 @@ RankContext MakeRankContext(const Config& config, Backend& backend, const Topolo
 
 namespace {
 
-// Runs `step` options.repeat times between barriers, timing each.
+// Runs `step` options.repeat times between barriers, timing each: a step ends when the
+// backend's last kernel has (Kernels::Synchronize: a GPU's kernels outlive their launch).
 template <typename Step>
-void TimedSteps(const SimulateOptions& options, SimulationResult* result, Step&& step) {
+void TimedSteps(const SimulateOptions& options, Kernels& k, SimulationResult* result,
+                Step&& step) {
   for (int i = 0; i < options.repeat; ++i) {
     result->trace.Clear();
     watched::Barrier(MPI_COMM_WORLD, WorldLabel());
     const auto start = std::chrono::steady_clock::now();
     result->step_start = std::chrono::duration<double>(start.time_since_epoch()).count();
     step(i + 1 == options.repeat);
+    k.Synchronize();
     watched::Barrier(MPI_COMM_WORLD, WorldLabel());
     result->seconds.push_back(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
@@ -207,6 +210,7 @@ std::unique_ptr<Optimizer> Train(const Config& config, const Topology& topology,
     const double norm = optimizer.GradNorm(k, ctx.tp(), pp, ctx.coords.tp, result.trace);
     const double lr = LearningRate(*config.optimizer, it, T);
     optimizer.Step(k, norm, lr, result.trace);
+    k.Synchronize();
     watched::Barrier(MPI_COMM_WORLD, WorldLabel());
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -239,7 +243,7 @@ StatusOr<SimulationResult> SimulateGpt(const Config& config, const SimulateOptio
   const bool want_records = options.check || options.keep_records;
   std::vector<TensorRecord> records;
   if (!config.optimizer) {
-    TimedSteps(options, &result, [&](bool last) {
+    TimedSteps(options, *ctx.kernels, &result, [&](bool last) {
       records.clear();
       model.Run(ctx, last && want_records ? &records : nullptr);
       if (last && want_records) model.RecordParameters(&records);
@@ -333,7 +337,7 @@ StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions&
   graph.InitializeParameters(ctx);
   std::unique_ptr<Optimizer> optimizer;
   if (!config.optimizer) {
-    TimedSteps(options, &result, [&](bool) { graph.Run(ctx); });
+    TimedSteps(options, kernels, &result, [&](bool) { graph.Run(ctx); });
   } else {
     optimizer =
         Train(config, *topology, ctx, graph.TrainableParameters(), &result, [&](int64_t it, bool) {
@@ -488,10 +492,13 @@ int RankRun::Run() {
   StatusOr<Topology> topology = Topology::Create(config_.parallel);
   if (!topology.ok()) return Usage(source, topology.status().Message());
   std::vector<std::string> warnings;  // the chain's plan-time warnings (Graph::warnings)
+  // The preflight: refuse a run that would not fit before anything is allocated. Every rank
+  // judges its own share against its own limit; one refusal stops them all. A GPU backend's
+  // tensors are judged against the GPU's memory once the backend exists (below), so here
+  // only the host's part of its plan is.
+  MemoryPlan plan;
+  const bool own_memory = options_.backend != "cpu";
   {
-    // The preflight: refuse a run that would not fit before anything is allocated. Every
-    // rank judges its own share against its own limit; one refusal stops them all.
-    MemoryPlan plan;
     if (config_.gpt) {
       StatusOr<std::unique_ptr<GptModel>> built =
           GptModel::Build(config_, *topology, topology->Coordinates(world_rank_));
@@ -506,7 +513,7 @@ int RankRun::Run() {
     }
     preflight_bytes_ = plan.total;
     std::vector<std::string> lines;
-    if (GatherErrors(PreflightError(plan), &lines)) {
+    if (GatherErrors(PreflightError(own_memory ? plan.HostItems() : plan), &lines)) {
       for (const std::string& line : lines) {
         err_ << "error: " << EscapeControl(source) << ": " << EscapeControl(line) << '\n';
       }
@@ -527,6 +534,23 @@ int RankRun::Run() {
       return kExitUsage;
     }
     backend = std::move(made).value();
+  }
+  if (own_memory) {
+    const std::optional<DeviceMemory> memory = backend->Memory();
+    std::string error;
+    if (memory) {
+      const Status fits = CheckDeviceMemory(plan, *memory);
+      if (!fits.ok()) error = fits.Message();
+    } else {
+      error = PreflightError(plan);  // a plugin whose tensors live in host memory
+    }
+    std::vector<std::string> lines;
+    if (GatherErrors(error, &lines)) {
+      for (const std::string& line : lines) {
+        err_ << "error: " << EscapeControl(source) << ": " << EscapeControl(line) << '\n';
+      }
+      return kExitUsage;
+    }
   }
   backend_name_ = backend->name();
   backend_description_ = backend->Describe();
