@@ -545,4 +545,53 @@ void Kernels::CrossEntropyBackward(const Tensor& logits, const Tensor& row_max,
                          row_scale, grad);
 }
 
+void Kernels::OptimizerStep(const OptimizerUpdate& update, const Tensor& grad, Tensor& master,
+                            Tensor& state1, Tensor& state2, Tensor& param) {
+  KernelArgs args(backend_, device_, "OptimizerStep");
+  args.Add("master", master).Add("state1", state1);
+  const bool adam = update.kind == OptimizerUpdate::Kind::kAdam;
+  if (adam) {
+    args.Add("state2", state2);
+  } else {
+    args.Require(!state2.defined(), "state2 must be undefined for sgd (it has one state)");
+  }
+  args.Require(master.dtype() == DType::kFloat32 || master.dtype() == DType::kFloat64,
+               fmt::format("master is {}; the master dtype is float32 or float64",
+                           DTypeName(master.dtype())));
+  args.Require(update.master_float64 == (master.dtype() == DType::kFloat64),
+               "update.master_float64 does not match master's dtype");
+  KernelArgs(backend_, device_, "OptimizerStep").Add("grad", grad);
+  args.Require(grad.dtype() == DType::kFloat32 || grad.dtype() == DType::kFloat64,
+               fmt::format("grad is {}; gradients (main_grad) are float32 or float64",
+                           DTypeName(grad.dtype())));
+  KernelArgs(backend_, device_, "OptimizerStep").Add("param", param);
+  const int64_t n = master.numel();
+  args.Numel("grad", grad, n, "the numel of master");
+  args.Numel("state1", state1, n, "the numel of master");
+  if (adam) args.Numel("state2", state2, n, "the numel of master");
+  args.Numel("param", param, n, "the numel of master");
+  for (const auto& [name, other] : {std::pair<const char*, const Tensor*>{"master", &master},
+                                    {"grad", &grad}, {"state1", &state1}, {"state2", &state2}}) {
+    if (other->defined() && Overlap(param, *other)) {
+      args.Fail(fmt::format("param overlaps {}", name));
+    }
+  }
+  if (n == 0) return;
+  DoOptimizerStep(update, grad, master, state1, state2, param);
+}
+
+void Kernels::SumOfSquares(const Tensor& x, Tensor& out) {
+  KernelArgs args(backend_, device_, "SumOfSquares");
+  args.Add("x", x);
+  args.Require(x.dtype() == DType::kFloat32 || x.dtype() == DType::kFloat64,
+               fmt::format("x is {}; gradients (main_grad) are float32 or float64",
+                           DTypeName(x.dtype())));
+  KernelArgs(backend_, device_, "SumOfSquares").Add("out", out);
+  args.Require(out.dtype() == DType::kFloat64 && out.numel() == 1,
+               fmt::format("out is {} {}; it must be float64 with one element",
+                           DTypeName(out.dtype()), ShapeString(out.shape())));
+  if (x.numel() == 0) return;
+  DoSumOfSquares(x, out);
+}
+
 }  // namespace mpusim

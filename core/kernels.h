@@ -25,7 +25,9 @@
 // The operations, by section below: memory (Zeros, Empty, ToDevice, ToHost, Copy, SetZero,
 // CopyBlock, StridedCopy); dense algebra (Gemm, BatchedGemm, AddRowVector, SumRows, Axpy,
 // Scale); elementwise (GELU, SwiGLU, Dropout, DropoutAt); normalization (LayerNorm,
-// RMSNorm); attention (CausalSoftmax, Rope); embedding; vocab-parallel cross entropy.
+// RMSNorm); attention (CausalSoftmax, Rope); embedding; vocab-parallel cross entropy; the
+// optimizer (OptimizerStep, SumOfSquares), so that training never copies weights or
+// gradients off the device.
 // What it is not: a graph or autograd -- every backward is its own call, made by the layer
 // (core/model) that saved what it needs.
 #pragma once
@@ -34,6 +36,7 @@
 #include <vector>
 
 #include "core/dropout.h"
+#include "core/optimizer_update.h"
 #include "core/tensor.h"
 
 namespace mpusim {
@@ -183,6 +186,18 @@ class Kernels {
                             const Tensor& labels, int64_t vocab_start, double on_value,
                             double off_value, const Tensor& row_scale, Tensor& grad);
 
+  // --- optimizer (flat tensors of one parameter's elements, or a shard of them) --------
+  // For every element e, update(Widen(grad[e]), master[e], state1[e], state2[e]) in float64
+  // (core/optimizer_update.h), then param[e] = RoundTo<param dtype>(master[e]). grad is
+  // float32 or float64 (main_grad); master, state1 and state2 have the master dtype (float32
+  // or float64), state2 is adam's exp_avg_sq and undefined for sgd; param has any float
+  // dtype and overlaps none of the others. All have one numel.
+  void OptimizerStep(const OptimizerUpdate& update, const Tensor& grad, Tensor& master,
+                     Tensor& state1, Tensor& state2, Tensor& param);
+  // out[0] += sum_e x[e]^2 in float64 (out: float64 with one element; x float32 or float64).
+  // The CPU sums e = 0, 1, ... in order; a GPU in an order of its own (a fixed one).
+  void SumOfSquares(const Tensor& x, Tensor& out);
+
  protected:
   // `backend` names the implementation in error messages; `device` is where its tensors live.
   Kernels(const char* backend, Device device) : backend_(backend), device_(device) {}
@@ -246,6 +261,9 @@ class Kernels {
                                       const Tensor& sum_exp, const Tensor& labels,
                                       int64_t vocab_start, double on_value, double off_value,
                                       const Tensor& row_scale, Tensor& grad) = 0;
+  virtual void DoOptimizerStep(const OptimizerUpdate& update, const Tensor& grad, Tensor& master,
+                               Tensor& state1, Tensor& state2, Tensor& param) = 0;
+  virtual void DoSumOfSquares(const Tensor& x, Tensor& out) = 0;
 
  private:
   const char* backend_;

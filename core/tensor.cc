@@ -2,8 +2,10 @@
 #include "core/tensor.h"
 
 #include <cmath>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <new>
 #include <stdexcept>
 
@@ -82,4 +84,15 @@ Tensor HostToFloat64(const Tensor& host) {
   return out;
 }
 
+Tensor Tensor::FlatSlice(int64_t offset, int64_t count) const {
+  if (offset < 0 || count < 0 || offset > numel() || count > numel() - offset) {
+    throw std::out_of_range(fmt::format("Tensor::FlatSlice: elements [{}, {} + {}) of a {} tensor",
+                                        offset, offset, count, ShapeString(shape_)));
+  }
+  auto* first = static_cast<std::byte*>(storage_.get()) +
+                static_cast<size_t>(offset) * DTypeSize(dtype_);
+  return Tensor({count}, dtype_, device_, std::shared_ptr<void>(storage_, first));
+}
+
 }  // namespace mpusim
+

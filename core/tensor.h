@@ -171,6 +171,10 @@ class Tensor {
   Tensor Reshaped(Shape shape) const {
     return Tensor(std::move(shape), dtype_, device_, storage_);
   }
+  // Elements [offset, offset + count) of the flat storage, as a 1-D tensor [count] that
+  // shares it (keeping all of it alive): a parameter's place in a flat buffer, or an
+  // optimizer's shard. Throws std::out_of_range unless 0 <= offset <= offset + count <= numel.
+  Tensor FlatSlice(int64_t offset, int64_t count) const;
 
  private:
   Shape shape_;

@@ -564,4 +564,27 @@ void CudaKernels::DoCrossEntropyBackward(const Tensor& logits, const Tensor& row
   });
 }
 
+// --- optimizer ------------------------------------------------------------------------
+
+void CudaKernels::DoOptimizerStep(const OptimizerUpdate& update, const Tensor& grad,
+                                  Tensor& master, Tensor& state1, Tensor& state2, Tensor& param) {
+  Dispatch(grad.dtype(), [&]<typename G>() {
+    Dispatch(master.dtype(), [&]<typename M>() {
+      DispatchStorage(param.dtype(), [&]<typename P>() {
+        LaunchOptimizerStep<G, M, P>(update, grad.data_as<G>(), master.data_as<M>(),
+                                     state1.data_as<M>(),
+                                     state2.defined() ? state2.data_as<M>() : nullptr,
+                                     param.data_as<P>(), master.numel(), stream_);
+      });
+    });
+  });
+}
+
+void CudaKernels::DoSumOfSquares(const Tensor& x, Tensor& out) {
+  Dispatch(x.dtype(), [&]<typename T>() {
+    LaunchSumOfSquares<T>(x.data_as<T>(), x.numel(), out.data_as<double>(), stream_);
+  });
+}
+
 }  // namespace mpusim::cuda
+

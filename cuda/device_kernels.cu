@@ -556,6 +556,33 @@ __global__ void CrossEntropyBackwardKernel(const T* logits, const ComputeOf<T>* 
   }
 }
 
+// --- optimizer ------------------------------------------------------------------------
+
+template <typename G, typename M, typename P>
+__global__ void OptimizerStepKernel(OptimizerUpdate update, const G* grad, M* master, M* state1,
+                                    M* state2, P* param, int64_t n) {
+  for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
+    double w = master[e], m = state1[e], v = state2 != nullptr ? state2[e] : 0.0;
+    update(static_cast<double>(grad[e]), w, m, v);
+    master[e] = static_cast<M>(w);
+    state1[e] = static_cast<M>(m);
+    if (state2 != nullptr) state2[e] = static_cast<M>(v);
+    param[e] = RoundTo<P>(w);
+  }
+}
+
+template <typename T>
+__global__ void SumOfSquaresKernel(const T* x, int64_t n, double* out) {
+  __shared__ double buf[kBlock];
+  double sum = 0;
+  for (int64_t e = threadIdx.x; e < n; e += kBlock) {
+    const double value = static_cast<double>(x[e]);
+    sum += value * value;
+  }
+  const double total = BlockReduce(sum, buf, [](double a, double b) { return a + b; });
+  if (threadIdx.x == 0) out[0] += total;
+}
+
 }  // namespace
 
 // --- launchers ------------------------------------------------------------------------
@@ -776,6 +803,22 @@ void LaunchCrossEntropyBackward(const T* logits, const ComputeOf<T>* row_max,
   MPUSIM_CUDA_CHECK(cudaGetLastError());
 }
 
+template <typename G, typename M, typename P>
+void LaunchOptimizerStep(const OptimizerUpdate& update, const G* grad, M* master, M* state1,
+                         M* state2, P* param, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  OptimizerStepKernel<G, M, P><<<GridFor(n), kBlock, 0, stream>>>(update, grad, master, state1,
+                                                                   state2, param, n);
+  MPUSIM_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+void LaunchSumOfSquares(const T* x, int64_t n, double* out, cudaStream_t stream) {
+  if (n <= 0) return;
+  SumOfSquaresKernel<T><<<1, kBlock, 0, stream>>>(x, n, out);
+  MPUSIM_CUDA_CHECK(cudaGetLastError());
+}
+
 // Every storage type, with C = ComputeOf<T>.
 #define MPUSIM_INSTANTIATE_LAUNCHERS(T, C)                                                     \
   template void LaunchScale<T>(T*, int64_t, C, cudaStream_t);                                  \
@@ -833,6 +876,24 @@ MPUSIM_INSTANTIATE_ACCUMULATORS(BFloat16, float, float)
 MPUSIM_INSTANTIATE_ACCUMULATORS(Float16, Float16, float)
 MPUSIM_INSTANTIATE_ACCUMULATORS(Float16, float, float)
 
+// The optimizer: gradient type G and master type M (float or double), parameter type P.
+#define MPUSIM_INSTANTIATE_OPTIMIZER(G, M, P)                                                   \
+  template void LaunchOptimizerStep<G, M, P>(const OptimizerUpdate&, const G*, M*, M*, M*, P*, \
+                                             int64_t, cudaStream_t);
+#define MPUSIM_INSTANTIATE_OPTIMIZER_PARAMS(G, M)  \
+  MPUSIM_INSTANTIATE_OPTIMIZER(G, M, double)       \
+  MPUSIM_INSTANTIATE_OPTIMIZER(G, M, float)        \
+  MPUSIM_INSTANTIATE_OPTIMIZER(G, M, BFloat16)     \
+  MPUSIM_INSTANTIATE_OPTIMIZER(G, M, Float16)
+MPUSIM_INSTANTIATE_OPTIMIZER_PARAMS(float, float)
+MPUSIM_INSTANTIATE_OPTIMIZER_PARAMS(float, double)
+MPUSIM_INSTANTIATE_OPTIMIZER_PARAMS(double, float)
+MPUSIM_INSTANTIATE_OPTIMIZER_PARAMS(double, double)
+template void LaunchSumOfSquares<float>(const float*, int64_t, double*, cudaStream_t);
+template void LaunchSumOfSquares<double>(const double*, int64_t, double*, cudaStream_t);
+
+#undef MPUSIM_INSTANTIATE_OPTIMIZER_PARAMS
+#undef MPUSIM_INSTANTIATE_OPTIMIZER
 #undef MPUSIM_INSTANTIATE_ACCUMULATORS
 #undef MPUSIM_INSTANTIATE_LAUNCHERS
 

@@ -35,6 +35,7 @@
 #include <type_traits>
 
 #include "core/half.h"
+#include "core/optimizer_update.h"
 
 namespace mpusim::cuda {
 
@@ -214,4 +215,20 @@ void LaunchCrossEntropyBackward(const T* logits, const ComputeOf<T>* row_max,
                                 ComputeOf<T> off_value, const ComputeOf<T>* row_scale, T* grad,
                                 cudaStream_t stream);
 
+// --- optimizer ------------------------------------------------------------------------
+
+// For every e < n: update(grad[e], master[e], state1[e], state2[e]) in double (the functor
+// of core/optimizer_update.h, the CPU's too), then param[e] = RoundTo<P>(master[e]). G and
+// M are float or double (the gradient's and the master's types), P any storage type;
+// state2 may be null (sgd).
+template <typename G, typename M, typename P>
+void LaunchOptimizerStep(const OptimizerUpdate& update, const G* grad, M* master, M* state1,
+                         M* state2, P* param, int64_t n, cudaStream_t stream);
+
+// out[0] += sum_e x[e]^2, accumulated in double by one block in a fixed order (each thread
+// its grid-stride elements, then a tree), so the same input gives the same bits every time.
+template <typename T>
+void LaunchSumOfSquares(const T* x, int64_t n, double* out, cudaStream_t stream);
+
 }  // namespace mpusim::cuda
+

@@ -827,4 +827,44 @@ void EigenKernels::DoCrossEntropyBackward(const Tensor& logits, const Tensor& ro
   });
 }
 
+// --- optimizer ------------------------------------------------------------------------
+
+void EigenKernels::DoOptimizerStep(const OptimizerUpdate& update, const Tensor& grad,
+                                   Tensor& master, Tensor& state1, Tensor& state2,
+                                   Tensor& param) {
+  const int64_t n = master.numel();
+  Dispatch(grad.dtype(), [&]<typename G>() {
+    Dispatch(master.dtype(), [&]<typename M>() {
+      DispatchStorage(param.dtype(), [&]<typename P>() {
+        const G* g = grad.data_as<G>();
+        M* w = master.data_as<M>();
+        M* m = state1.data_as<M>();
+        M* v = state2.defined() ? state2.data_as<M>() : nullptr;
+        P* out = param.data_as<P>();
+        for (int64_t e = 0; e < n; ++e) {
+          double we = w[e], me = m[e], ve = v != nullptr ? v[e] : 0.0;
+          update(static_cast<double>(g[e]), we, me, ve);
+          w[e] = static_cast<M>(we);
+          m[e] = static_cast<M>(me);
+          if (v != nullptr) v[e] = static_cast<M>(ve);
+          out[e] = RoundTo<P>(we);
+        }
+      });
+    });
+  });
+}
+
+void EigenKernels::DoSumOfSquares(const Tensor& x, Tensor& out) {
+  double sum = out.data_as<double>()[0];
+  Dispatch(x.dtype(), [&]<typename T>() {
+    const T* values = x.data_as<T>();
+    for (int64_t e = 0; e < x.numel(); ++e) {
+      const double value = values[e];
+      sum += value * value;
+    }
+  });
+  out.data_as<double>()[0] = sum;
+}
+
 }  // namespace mpusim
+

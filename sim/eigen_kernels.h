@@ -122,6 +122,9 @@ class EigenKernels final : public Kernels {
   void DoCrossEntropyBackward(const Tensor& logits, const Tensor& row_max, const Tensor& sum_exp,
                               const Tensor& labels, int64_t vocab_start, double on_value,
                               double off_value, const Tensor& row_scale, Tensor& grad) override;
+  void DoOptimizerStep(const OptimizerUpdate& update, const Tensor& grad, Tensor& master,
+                       Tensor& state1, Tensor& state2, Tensor& param) override;
+  void DoSumOfSquares(const Tensor& x, Tensor& out) override;
 
  private:
   // One body for both norms: LayerNorm with mean (and bias / dbias), RMSNorm with mean,

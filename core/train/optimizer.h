@@ -17,9 +17,12 @@
 //        w -= lr * ((m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd w)
 //   sgd (torch.optim.SGD with momentum mu):  d = g + wd w,  buf = d at t = 1, else mu buf + d,
 //        w -= lr * buf
-// Master weights and states: the math runs in float64 on the host; the master weights and
-// the states are kept in the run's compute dtype (float32, float64 for a float64 run), as
-// Megatron keeps float32 main params; the parameter's storage gets the master rounded to it.
+// Master weights and states: kept on the backend's device in the run's compute dtype
+// (float32, float64 for a float64 run), as Megatron keeps float32 main params; the update
+// runs in float64 per element (Kernels::OptimizerStep, whose one definition both backends
+// call: core/optimizer_update.h) and the parameter's storage gets the master rounded to it.
+// The gradient norm's sum of squares is a device reduction too (Kernels::SumOfSquares); the
+// only value that reaches the host in a step is the norm itself.
 //
 // Distributed optimizer (optimizer.use_distributed_optimizer, Megatron's DistributedOptimizer
 // with num_distributed_optimizer_instances): the rank's parameters are laid end to end in one
@@ -39,8 +42,8 @@
 // The layout of the flat buffer is mpusim's (Megatron also aligns each parameter's start and
 // splits large buffers into buckets); the arithmetic does not depend on it, and neither do
 // the gathered state tensors RecordState writes.
-// What it is not: a device kernel: each step copies gradients and weights to the host and
-// back.
+// What it is not: the loss scaler of float16 training, or Megatron's bucketed, aligned
+// buffer layout.
 #pragma once
 
 #include <cstdint>
@@ -98,15 +101,20 @@ class Optimizer {
   struct State {
     Parameter* param = nullptr;
     double weight_decay = 0;
-    int64_t numel = 0;                 // of the local (tensor-parallel) parameter
-    int64_t offset = 0;                // of element 0 in the flat buffer (distributed)
-    int64_t begin = 0, end = 0;        // the owned elements of the flattened local parameter
-    std::vector<double> master, m, v;  // owned elements, float64 copies of compute-dtype values
+    int64_t numel = 0;           // of the local (tensor-parallel) parameter
+    int64_t offset = 0;          // of element 0 in the flat buffer (distributed)
+    int64_t begin = 0, end = 0;  // the owned elements of the flattened local parameter
+    Tensor master, m, v;         // [end - begin] owned elements, master dtype, on the device;
+                                 // v is adam's only; none when nothing is owned
   };
-  // Every rank's copies of `values(state)` (owned elements, end to end in buffer order)
-  // all-gathered over the shard group: the flat buffer, in `dtype`.
-  template <typename Values>
-  Tensor GatherFlat(Kernels& k, DType dtype, Values&& values);
+  // The reduced gradients of a state's owned elements: its part of grad_shard_.
+  Tensor OwnedGradient(const State& s) const;
+  // Every rank's `member` tensors (owned elements, end to end in buffer order) all-gathered
+  // over the shard group: the flat buffer, in `dtype`.
+  Tensor GatherFlat(Kernels& k, DType dtype, Tensor State::*member) const;
+  // This rank's shard of a flat buffer all-gathered over the shard group (itself when the
+  // group has one rank).
+  Tensor GatherShard(Kernels& k, const Tensor& shard) const;
 
   OptimizerConfig config_;
   DistributedOptimizerGroups groups_;
@@ -115,7 +123,7 @@ class Optimizer {
   std::vector<State> states_;  // registration order
   int64_t steps_ = 0;
   int64_t padded_ = 0, shard_begin_ = 0, shard_size_ = 0;
-  std::vector<double> grad_shard_;  // distributed: the reduced gradients of the owned elements
+  Tensor grad_shard_;  // distributed: [shard size] the reduced gradients of the owned elements
 };
 
 }  // namespace mpusim

@@ -1637,5 +1637,90 @@ TYPED_TEST(CudaKernelsModelTest, DropoutAtIsBitIdentical) {
                std::invalid_argument);
 }
 
+// --- optimizer ------------------------------------------------------------------------
+
+// The optimizer step is one functor on both backends (core/optimizer_update.h), in float64
+// with --fmad=false: three steps of each optimizer must give the CPU's bits exactly, for
+// every gradient, master and parameter dtype.
+TEST(CudaOptimizerTest, StepIsBitIdenticalToTheCpu) {
+  if (!DeviceVisible()) GTEST_SKIP() << "no CUDA device is visible";
+  CudaKernels gpu;
+  EigenKernels cpu;
+  const int64_t n = 5000;
+  for (const bool adam : {true, false}) {
+    for (const DType grad_dtype : {DType::kFloat32, DType::kFloat64}) {
+      for (const DType master_dtype : {DType::kFloat32, DType::kFloat64}) {
+        for (const DType param_dtype :
+             {DType::kFloat64, DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+          SCOPED_TRACE(fmt::format("{} grad {} master {} param {}", adam ? "adam" : "sgd",
+                                   DTypeName(grad_dtype), DTypeName(master_dtype),
+                                   DTypeName(param_dtype)));
+          Tensor cpu_master = MakeOf(master_dtype, {n}, Reals(401, n));
+          Tensor cpu_m = cpu.Zeros({n}, master_dtype);
+          Tensor cpu_v = adam ? cpu.Zeros({n}, master_dtype) : Tensor();
+          Tensor cpu_param = cpu.Zeros({n}, param_dtype);
+          Tensor gpu_master = gpu.ToDevice(cpu_master);
+          Tensor gpu_m = gpu.Zeros({n}, master_dtype);
+          Tensor gpu_v = adam ? gpu.Zeros({n}, master_dtype) : Tensor();
+          Tensor gpu_param = gpu.Zeros({n}, param_dtype);
+          for (int step = 1; step <= 3; ++step) {
+            OptimizerUpdate u;
+            u.kind = adam ? OptimizerUpdate::Kind::kAdam : OptimizerUpdate::Kind::kSgd;
+            u.lr = 0.01;
+            u.weight_decay = 0.1;
+            u.bias_correction1 = 1 - std::pow(u.beta1, step);
+            u.bias_correction2 = 1 - std::pow(u.beta2, step);
+            u.momentum = 0.9;
+            u.first_step = step == 1;
+            u.master_float64 = master_dtype == DType::kFloat64;
+            std::vector<double> g = Reals(410 + static_cast<uint64_t>(step), n);
+            for (double& x : g) x *= 0.1;
+            const Tensor grad = MakeOf(grad_dtype, {n}, g);
+            cpu.OptimizerStep(u, grad, cpu_master, cpu_m, cpu_v, cpu_param);
+            gpu.OptimizerStep(u, gpu.ToDevice(grad), gpu_master, gpu_m, gpu_v, gpu_param);
+          }
+          EXPECT_TRUE(SameBits("master", gpu.ToHost(gpu_master), cpu_master));
+          EXPECT_TRUE(SameBits("state1", gpu.ToHost(gpu_m), cpu_m));
+          if (adam) {
+            EXPECT_TRUE(SameBits("state2", gpu.ToHost(gpu_v), cpu_v));
+          }
+          EXPECT_TRUE(SameBits("param", gpu.ToHost(gpu_param), cpu_param));
+        }
+      }
+    }
+  }
+}
+
+// The gradient norm's sum of squares: exact on integer data (every partial sum is), the
+// CPU's to a few float64 ulps on real data (another summation order), and the same bits on
+// every call (one block, a fixed order).
+TEST(CudaOptimizerTest, SumOfSquares) {
+  if (!DeviceVisible()) GTEST_SKIP() << "no CUDA device is visible";
+  CudaKernels gpu;
+  EigenKernels cpu;
+  for (const DType dtype : {DType::kFloat32, DType::kFloat64}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    const int64_t n = 300001;
+    const Tensor ints = MakeOf(dtype, {n}, Ints(420, n, -100, 100));
+    Tensor gpu_out = gpu.Zeros({1}, DType::kFloat64);
+    gpu.SumOfSquares(gpu.ToDevice(ints), gpu_out);
+    Tensor cpu_out = cpu.Zeros({1}, DType::kFloat64);
+    cpu.SumOfSquares(ints, cpu_out);
+    ASSERT_GT(ValuesOf(cpu_out)[0], 0);
+    EXPECT_EQ(ValuesOf(gpu.ToHost(gpu_out))[0], ValuesOf(cpu_out)[0]);
+
+    const Tensor reals = MakeOf(dtype, {n}, Reals(421, n));
+    const Tensor device_reals = gpu.ToDevice(reals);
+    Tensor first = gpu.Zeros({1}, DType::kFloat64), second = gpu.Zeros({1}, DType::kFloat64);
+    gpu.SumOfSquares(device_reals, first);
+    gpu.SumOfSquares(device_reals, second);
+    Tensor cpu_reals = cpu.Zeros({1}, DType::kFloat64);
+    cpu.SumOfSquares(reals, cpu_reals);
+    EXPECT_EQ(ValuesOf(gpu.ToHost(first))[0], ValuesOf(gpu.ToHost(second))[0]);
+    EXPECT_TRUE(TensorsNear("sum of squares", ValuesOf(gpu.ToHost(first)), ValuesOf(cpu_reals),
+                            0, 1e-13));
+  }
+}
+
 }  // namespace
 }  // namespace mpusim::cuda

@@ -1,0 +1,185 @@
+// The optimizer kernels of the CPU backend (Kernels::OptimizerStep, SumOfSquares) against
+// AdamW and momentum SGD written out here, element by element, from their definitions
+// (torch.optim.AdamW / Megatron's fused Adam, torch.optim.SGD), with the master and the
+// states rounded to the master dtype after each update as the optimizer stores them.
+// The same float64 operations in the same order: every result must be bit-identical.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "core/half.h"
+#include "core/philox.h"
+#include "sim/eigen_kernels.h"
+#include "tests/kernel_test_util.h"
+
+namespace mpusim {
+namespace {
+
+std::vector<double> Reals(uint64_t key, int64_t n, double scale = 1.0) {
+  std::vector<double> v(static_cast<size_t>(n));
+  for (int64_t e = 0; e < n; ++e) {
+    v[static_cast<size_t>(e)] = scale * (2 * UniformAt(key, 3, static_cast<uint64_t>(e)) - 1);
+  }
+  return v;
+}
+
+double RoundToMaster(double v, bool float64) {
+  return float64 ? v : static_cast<double>(static_cast<float>(v));
+}
+
+struct Expected {
+  std::vector<double> master, m, v;
+};
+
+// Three steps of AdamW (adam = true) or momentum SGD on `master` with the gradients
+// grads[step], as written in the optimizers' documentation.
+Expected Reference(bool adam, bool float64, std::vector<double> w,
+                   const std::vector<std::vector<double>>& grads, double lr, double wd) {
+  const double b1 = 0.9, b2 = 0.95, eps = 1e-8, mu = 0.8;
+  std::vector<double> m(w.size(), 0.0), v(w.size(), 0.0);
+  for (size_t step = 1; step <= grads.size(); ++step) {
+    for (size_t e = 0; e < w.size(); ++e) {
+      const double g = grads[step - 1][e];
+      if (adam) {
+        m[e] = RoundToMaster(b1 * m[e] + (1 - b1) * g, float64);
+        v[e] = RoundToMaster(b2 * v[e] + (1 - b2) * g * g, float64);
+        const double m_hat = m[e] / (1 - std::pow(b1, static_cast<double>(step)));
+        const double v_hat = v[e] / (1 - std::pow(b2, static_cast<double>(step)));
+        w[e] -= lr * (m_hat / (std::sqrt(v_hat) + eps) + wd * w[e]);
+      } else {
+        const double d = g + wd * w[e];
+        m[e] = RoundToMaster(step == 1 ? d : mu * m[e] + d, float64);
+        w[e] -= lr * m[e];
+      }
+      w[e] = RoundToMaster(w[e], float64);
+    }
+  }
+  return {w, m, v};
+}
+
+OptimizerUpdate Update(bool adam, bool float64, int step, double lr, double wd) {
+  OptimizerUpdate u;
+  u.kind = adam ? OptimizerUpdate::Kind::kAdam : OptimizerUpdate::Kind::kSgd;
+  u.lr = lr;
+  u.weight_decay = wd;
+  u.beta1 = 0.9;
+  u.beta2 = 0.95;
+  u.eps = 1e-8;
+  u.bias_correction1 = 1 - std::pow(0.9, step);
+  u.bias_correction2 = 1 - std::pow(0.95, step);
+  u.momentum = 0.8;
+  u.first_step = step == 1;
+  u.master_float64 = float64;
+  return u;
+}
+
+// Every gradient dtype, master dtype and parameter dtype, both optimizers.
+TEST(OptimizerKernels, StepMatchesTheDefinitionsBitForBit) {
+  EigenKernels k;
+  const int64_t n = 257;
+  for (const bool adam : {true, false}) {
+    for (const DType grad_dtype : {DType::kFloat32, DType::kFloat64}) {
+      for (const DType master_dtype : {DType::kFloat32, DType::kFloat64}) {
+        for (const DType param_dtype :
+             {DType::kFloat64, DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+          SCOPED_TRACE(::testing::Message()
+                       << (adam ? "adam" : "sgd") << " grad " << DTypeName(grad_dtype)
+                       << " master " << DTypeName(master_dtype) << " param "
+                       << DTypeName(param_dtype));
+          const bool float64 = master_dtype == DType::kFloat64;
+          // The master starts as the parameter's values widened.
+          const std::vector<double> start =
+              ValuesOf(MakeOf(param_dtype, {n}, Reals(11, n)));
+          std::vector<std::vector<double>> grads;
+          for (uint64_t step = 0; step < 3; ++step) {
+            grads.push_back(ValuesOf(MakeOf(grad_dtype, {n}, Reals(20 + step, n, 0.1))));
+          }
+          ASSERT_GT(Norm(grads[0]), 0);
+          const double lr = 0.01, wd = 0.1;
+          Tensor master = MakeOf(master_dtype, {n}, start);
+          const std::vector<double> master_start = ValuesOf(master);
+          Tensor m = k.Zeros({n}, master_dtype);
+          Tensor v = adam ? k.Zeros({n}, master_dtype) : Tensor();
+          Tensor param = k.Zeros({n}, param_dtype);
+          for (int step = 1; step <= 3; ++step) {
+            const Tensor grad = MakeOf(grad_dtype, {n}, grads[static_cast<size_t>(step - 1)]);
+            k.OptimizerStep(Update(adam, float64, step, lr, wd), grad, master, m, v, param);
+          }
+          const Expected want = Reference(adam, float64, master_start, grads, lr, wd);
+          EXPECT_TRUE(TensorsNear("master", ValuesOf(master), want.master));
+          EXPECT_TRUE(TensorsNear("state1", ValuesOf(m), want.m));
+          if (adam) {
+            EXPECT_TRUE(TensorsNear("state2", ValuesOf(v), want.v));
+          }
+          // The parameter is the master rounded once more, to its storage dtype.
+          EXPECT_TRUE(TensorsNear("param", ValuesOf(param),
+                                  ValuesOf(MakeOf(param_dtype, {n}, want.master))));
+          // Something moved: the test would pass on an identity otherwise.
+          EXPECT_NE(ValuesOf(master), master_start);
+        }
+      }
+    }
+  }
+}
+
+TEST(OptimizerKernels, SumOfSquaresAccumulatesInFloat64) {
+  EigenKernels k;
+  Tensor out = k.Zeros({1}, DType::kFloat64);
+  // Integer-valued data: every partial sum is exact.
+  const Tensor a = Make<float>({2, 3}, {1, -2, 3, 4, 0, -5});   // 55
+  const Tensor b = Make<double>({4}, {6, 7, -8, 1e8});          // 149 + 1e16
+  k.SumOfSquares(a, out);
+  EXPECT_EQ(ValuesOf(out)[0], 55.0);
+  k.SumOfSquares(b, out);
+  EXPECT_EQ(ValuesOf(out)[0], 55.0 + 149.0 + 1e16);
+  // Float32 squares are formed in float64: 16777217^2 has no float32 representation.
+  Tensor exact = k.Zeros({1}, DType::kFloat64);
+  k.SumOfSquares(Make<float>({1}, {4097}), exact);
+  EXPECT_EQ(ValuesOf(exact)[0], 4097.0 * 4097.0);
+}
+
+TEST(OptimizerKernels, RefuseBadArguments) {
+  EigenKernels k;
+  const OptimizerUpdate adam = Update(true, false, 1, 0.1, 0.0);
+  const OptimizerUpdate sgd = Update(false, false, 1, 0.1, 0.0);
+  Tensor grad = k.Zeros({4}, DType::kFloat32), master = k.Zeros({4}, DType::kFloat32);
+  Tensor m = k.Zeros({4}, DType::kFloat32), v = k.Zeros({4}, DType::kFloat32);
+  Tensor param = k.Zeros({4}, DType::kBFloat16), none;
+  EXPECT_NO_THROW(k.OptimizerStep(adam, grad, master, m, v, param));
+  EXPECT_NO_THROW(k.OptimizerStep(sgd, grad, master, m, none, param));
+  EXPECT_THROW(k.OptimizerStep(adam, grad, master, m, none, param), std::invalid_argument);
+  EXPECT_THROW(k.OptimizerStep(sgd, grad, master, m, v, param), std::invalid_argument);
+  Tensor short_param = k.Zeros({3}, DType::kFloat32);
+  EXPECT_THROW(k.OptimizerStep(adam, grad, master, m, v, short_param), std::invalid_argument);
+  Tensor bf16_grad = k.Zeros({4}, DType::kBFloat16);
+  EXPECT_THROW(k.OptimizerStep(adam, bf16_grad, master, m, v, param), std::invalid_argument);
+  Tensor bf16_master = k.Zeros({4}, DType::kBFloat16);
+  EXPECT_THROW(k.OptimizerStep(adam, grad, bf16_master, m, v, param), std::invalid_argument);
+  const OptimizerUpdate adam64 = Update(true, true, 1, 0.1, 0.0);
+  EXPECT_THROW(k.OptimizerStep(adam64, grad, master, m, v, param), std::invalid_argument);
+  Tensor aliased = master;  // the parameter written over its own master
+  EXPECT_THROW(k.OptimizerStep(adam, grad, master, m, v, aliased), std::invalid_argument);
+  Tensor out32 = k.Zeros({1}, DType::kFloat32), out2 = k.Zeros({2}, DType::kFloat64);
+  EXPECT_THROW(k.SumOfSquares(grad, out32), std::invalid_argument);
+  EXPECT_THROW(k.SumOfSquares(grad, out2), std::invalid_argument);
+  EXPECT_THROW(k.SumOfSquares(param, out2), std::invalid_argument);
+}
+
+TEST(OptimizerKernels, FlatSliceSharesStorage) {
+  EigenKernels k;
+  Tensor flat = Make<float>({2, 3}, {1, 2, 3, 4, 5, 6});
+  Tensor middle = flat.FlatSlice(2, 3);
+  EXPECT_EQ(middle.shape(), (Shape{3}));
+  EXPECT_EQ(ValuesOf(middle), (std::vector<double>{3, 4, 5}));
+  k.Scale(10, middle);
+  EXPECT_EQ(ValuesOf(flat), (std::vector<double>{1, 2, 30, 40, 50, 6}));
+  EXPECT_EQ(flat.FlatSlice(6, 0).numel(), 0);
+  EXPECT_THROW(flat.FlatSlice(4, 3), std::out_of_range);
+  EXPECT_THROW(flat.FlatSlice(-1, 1), std::out_of_range);
+  EXPECT_THROW(flat.FlatSlice(7, 0), std::out_of_range);
+}
+
+}  // namespace
+}  // namespace mpusim
