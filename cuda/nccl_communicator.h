@@ -58,8 +58,9 @@ class NcclCommunicator final : public Communicator {
   // the wait. NCCL does not report a receive of the wrong length; the model's steps make
   // the same calls on both sides, and the CPU backend checks them.
   // Completes the messages before returning (the sends are not left in flight: on one stream
-  // a pending send would hold back the kernels after it). Tags are not used: NCCL matches
-  // the messages of a peer pair in order.
+  // a pending send would hold back the kernels after it), so pipelines run the lockstep plan
+  // (core/pipeline/pipeline_plan.h). Tags are not used: NCCL matches the messages of a peer
+  // pair in order.
   std::unique_ptr<PendingP2P> PostSendRecv(const std::vector<P2POp>& ops) override;
   bool LeavesSendsInFlight() const override { return false; }
 

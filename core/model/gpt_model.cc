@@ -175,7 +175,7 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
         sizes.pp, config.parallel.virtual_pipeline_model_parallel_size,
         model->run_.num_microbatches, config.parallel.microbatch_group_size_per_vp_stage);
     if (!schedule.ok()) return schedule.status();
-    model->plan_ = PlanPipelineTransfers(*schedule)[static_cast<size_t>(coords.pp)];
+    model->plans_ = PlanPipelineRanks(*schedule)[static_cast<size_t>(coords.pp)];
   }
   for (int64_t i : held) {
     model->layers_.try_emplace(i, gpt, fmt::format("decoder.layers.{}", i), params, t,
@@ -414,8 +414,7 @@ void GptModel::RunSchedule(RankContext& ctx, std::vector<TensorRecord>* records)
                ? ForwardStep(ctx, step.model_chunk, step.microbatch, input, mb_records)
                : BackwardStep(ctx, step.model_chunk, step.microbatch, input, mb_records);
   };
-  WalkPipelinePlan(plan_, static_cast<int64_t>(chunks_.size()), ctx.pp(), *ctx.kernels, *ctx.trace,
-                   functions);
+  WalkPipelinePlan(plans_, ctx.pp(), *ctx.kernels, *ctx.trace, functions);
 }
 
 void GptModel::Run(RankContext& ctx, std::vector<TensorRecord>* records, int64_t iteration) {
@@ -435,10 +434,10 @@ void GptModel::Run(RankContext& ctx, std::vector<TensorRecord>* records, int64_t
     tracker_next_ = {iteration * per_iteration.default_draws,
                      iteration * per_iteration.model_parallel_draws};
   }
-  if (!plan_.empty()) RunSchedule(ctx, records);
+  if (!plans_.in_flight.empty()) RunSchedule(ctx, records);
   for (int64_t m = 0; m < M; ++m) {
     std::vector<TensorRecord>* mb_records = m + 1 == M ? records : nullptr;
-    if (plan_.empty()) {
+    if (plans_.in_flight.empty()) {
       Tensor x;
       for (int64_t c = 0; c < C; ++c) x = ForwardStep(ctx, c, m, x, mb_records);
       Tensor dy;
@@ -472,7 +471,7 @@ void GptModel::Run(RankContext& ctx, std::vector<TensorRecord>* records, int64_t
   total.data_as<double>()[0] = loss_sum_;
   Tensor device_total = k.ToDevice(total);
   ctx.trace->SetSite("loss");
-  if (!plan_.empty()) ctx.pp().AllReduce(device_total, ReduceOp::kSum);
+  if (!plans_.in_flight.empty()) ctx.pp().AllReduce(device_total, ReduceOp::kSum);
   if (d_ > 1) ctx.dp().AllReduce(device_total, ReduceOp::kSum);
   loss_ = HostValue(k.ToHost(device_total), 0) / static_cast<double>(M * shape_.s * shape_.B);
   if (records == nullptr) return;

@@ -144,7 +144,7 @@ class GptModel {
   Parameter* word_ = nullptr;
   Parameter* position_ = nullptr;
   std::vector<GptChunk> chunks_;
-  std::vector<PlanAction> plan_;                // this rank's pipeline plan; empty when pp = 1
+  RankPipelinePlans plans_;                     // this rank's pipeline plans; empty when pp = 1
   std::map<int64_t, TransformerLayer> layers_;  // by global layer number
   std::optional<Norm> final_norm_;
   std::optional<ColumnParallelLinear> output_layer_;

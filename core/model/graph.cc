@@ -141,7 +141,7 @@ struct Graph::Impl {
   // [stage_start[u], stage_start[u + 1]) (PipelineStages), and every pp rank's plan.
   int64_t pp_size = 1, vp_size = 1;
   std::vector<int64_t> stage_start;
-  PipelinePlan pipeline_plan;
+  std::vector<RankPipelinePlans> pipeline_plans;  // per pp rank
   // This rank (InitializeParameters).
   int64_t pp_rank = 0;
   struct Stash {
@@ -674,7 +674,7 @@ StatusOr<std::unique_ptr<Graph>> Graph::Build(const Config& config, const Topolo
         sizes.pp, config.parallel.virtual_pipeline_model_parallel_size,
         config.run->num_microbatches, config.parallel.microbatch_group_size_per_vp_stage);
     if (!schedule.ok()) return schedule.status();
-    impl->pipeline_plan = PlanPipelineTransfers(*schedule);
+    impl->pipeline_plans = PlanPipelineRanks(*schedule);
   }
   return std::unique_ptr<Graph>(new Graph(std::move(impl)));
 }
@@ -1144,8 +1144,8 @@ void Graph::Run(RankContext& ctx, int64_t iteration) {
                  ? g.ForwardStep(ctx, step.model_chunk, step.microbatch, input)
                  : g.BackwardStep(ctx, step.model_chunk, step.microbatch, input);
     };
-    WalkPipelinePlan(g.pipeline_plan[static_cast<size_t>(g.pp_rank)], g.vp_size, ctx.pp(),
-                     *ctx.kernels, *ctx.trace, functions);
+    WalkPipelinePlan(g.pipeline_plans[static_cast<size_t>(g.pp_rank)], ctx.pp(), *ctx.kernels,
+                     *ctx.trace, functions);
   }
   g.schedule_end = MonotonicSeconds();
   if (ctx.rng.GetStates() != g.RngAtIteration(iteration + 1)) {

@@ -3,8 +3,11 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <deque>
 #include <map>
+#include <set>
+#include <stdexcept>
 #include <tuple>
 #include <utility>
 
@@ -98,6 +101,76 @@ PipelinePlan PlanPipelineTransfers(const PipelineSchedule& schedule) {
 }
 
 PipelinePlan PlanBlockingPairs(const PipelineSchedule& schedule) { return Plan(schedule, true); }
+
+PipelinePlan PlanLockstepRounds(const PipelineSchedule& schedule) {
+  const int64_t p = schedule.pipeline_model_parallel_size;
+  const int64_t v = schedule.num_model_chunks;
+  const auto ranks = static_cast<size_t>(p);
+  PipelinePlan plan(ranks);
+  std::vector<size_t> next(ranks, 0);                     // each rank's next schedule step
+  std::vector<std::set<std::tuple<int, int64_t, int64_t>>> arrived(ranks);  // (kind, chunk, mb)
+  std::vector<std::vector<Transfer>> batch(ranks);       // the current round's transfers
+  size_t left = 0;
+  for (const auto& row : schedule.per_rank) left += row.size();
+  // Every round runs at least one step of a schedule whose order respects the dataflow;
+  // the bound only turns a schedule that does not into an error instead of a hang.
+  const size_t max_rounds = 2 * left + 2;
+  for (size_t round = 0; left > 0; ++round) {
+    if (round == max_rounds) {
+      throw std::logic_error("PlanLockstepRounds: the schedule's order does not respect the "
+                             "dataflow (no step can run)");
+    }
+    std::vector<Transfer> sends;
+    for (size_t r = 0; r < ranks; ++r) {
+      PlanAction action;
+      action.batch = std::move(batch[r]);
+      batch[r].clear();
+      const std::vector<ScheduleStep>& row = schedule.per_rank[r];
+      if (next[r] < row.size()) {
+        const ScheduleStep& step = row[next[r]];
+        const StepTransfers t = TransfersOf(step, static_cast<int64_t>(r), p, v);
+        const bool ready =
+            !t.recv || arrived[r].erase({static_cast<int>(t.recv->kind), t.recv->model_chunk,
+                                         t.recv->microbatch}) == 1;
+        if (ready) {
+          action.step = step;
+          ++next[r];
+          --left;
+          if (t.send) {
+            Transfer send = *t.send;
+            send.peer = static_cast<int64_t>(r);  // the sender, until the batches are built
+            sends.push_back(send);
+          }
+        }
+      }
+      // A round with neither transfers nor a step is no action at all.
+      if (!action.batch.empty() || action.step) plan[r].push_back(std::move(action));
+    }
+    // This round's messages travel in the next batch of both sides: one message per sender
+    // at most, so no pair of ranks exchanges two in one direction within a batch.
+    for (const Transfer& send : sends) {
+      const auto from = static_cast<size_t>(send.peer);
+      const int64_t p_next = (send.peer + 1) % p, p_prev = (send.peer + p - 1) % p;
+      const int64_t to = send.kind == Transfer::Kind::kActivation ? p_next : p_prev;
+      Transfer out = send, in = send;
+      out.peer = to;
+      in.send = false;
+      in.peer = send.peer;
+      batch[from].push_back(out);
+      batch[static_cast<size_t>(to)].push_back(in);
+      arrived[static_cast<size_t>(to)].insert(
+          {static_cast<int>(send.kind), send.model_chunk, send.microbatch});
+    }
+    for (std::vector<Transfer>& transfers : batch) {  // sends first, as in the other plans
+      std::stable_partition(transfers.begin(), transfers.end(),
+                            [](const Transfer& t) { return t.send; });
+    }
+  }
+  for (size_t r = 0; r < ranks; ++r) {
+    plan[r].push_back(PlanAction{std::move(batch[r]), std::nullopt});
+  }
+  return plan;
+}
 
 std::string CheckPipelinePlan(const PipelinePlan& plan, Matching matching) {
   const size_t p = plan.size();
@@ -202,6 +275,16 @@ std::string CheckPipelinePlan(const PipelinePlan& plan, Matching matching) {
     }
   }
   return "";
+}
+
+std::vector<RankPipelinePlans> PlanPipelineRanks(const PipelineSchedule& schedule) {
+  PipelinePlan in_flight = PlanPipelineTransfers(schedule);
+  PipelinePlan lockstep = PlanLockstepRounds(schedule);
+  std::vector<RankPipelinePlans> ranks(in_flight.size());
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    ranks[r] = {std::move(in_flight[r]), std::move(lockstep[r])};
+  }
+  return ranks;
 }
 
 int TransferTag(const Transfer& transfer) {

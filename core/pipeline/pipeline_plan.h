@@ -64,6 +64,30 @@ PipelinePlan PlanPipelineTransfers(const PipelineSchedule& schedule);
 // Megatron's pairing for comparison: the same batches, every transfer waited for.
 PipelinePlan PlanBlockingPairs(const PipelineSchedule& schedule);
 
+// The plan for point-to-point that completes each batch before the next (NCCL: a group's
+// kernel ends before the stream goes on, so nothing stays in flight and every transfer is
+// waited for). It replays the schedule in rounds: in round t every rank runs its next step
+// if its input has arrived (else it idles), and each message a step produces travels in the
+// next batch of both its sender and its receiver; the receiver keeps it until its step comes.
+// So every batch's partner transfers sit in the same round's batch of the peer, and each
+// rank's batches are in round order. Why that cannot deadlock: take the earliest round t
+// with a batch not yet complete; every rank has completed its batches before t, so each rank
+// with a round-t batch has posted it (its steps in between had their inputs), and so has
+// each of its peers: they all complete. A sender sends at most one message per round, so no
+// pair of ranks carries two messages in one direction in one batch and untagged in-order
+// matching suffices. Rounds in which a rank neither steps nor transfers are left out; every
+// rank still runs its own steps in its schedule order. Throws std::logic_error when the
+// schedule's order does not respect the dataflow.
+PipelinePlan PlanLockstepRounds(const PipelineSchedule& schedule);
+
+// One pp rank's two plans of a step; the executor runs the one its pp communicator can
+// (Communicator::LeavesSendsInFlight: MPI leaves sends in flight, NCCL completes batches).
+struct RankPipelinePlans {
+  std::vector<PlanAction> in_flight;  // PlanPipelineTransfers' row (tagged messages)
+  std::vector<PlanAction> lockstep;   // PlanLockstepRounds' row (untagged, all waited)
+};
+std::vector<RankPipelinePlans> PlanPipelineRanks(const PipelineSchedule& schedule);
+
 // "" when the plan completes and every message matches (see above); otherwise what goes
 // wrong, e.g. "deadlock: rank 0 waits at action 3 (F1.0), rank 1 waits at action 2 (B0.0)".
 enum class Matching : uint8_t { kInOrder, kTagged };

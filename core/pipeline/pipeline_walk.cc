@@ -10,19 +10,14 @@
 
 namespace mpusim {
 
-void WalkPipelinePlan(const std::vector<PlanAction>& plan, int64_t num_model_chunks,
-                      Communicator& pp, Kernels& k, CommTrace& trace,
-                      const PipelineStepFunctions& functions) {
+void WalkPipelinePlan(const RankPipelinePlans& plans, Communicator& pp, Kernels& k,
+                      CommTrace& trace, const PipelineStepFunctions& functions) {
   std::map<std::tuple<int, int64_t, int64_t>, Tensor> inbox;  // (kind, chunk, mb)
   std::vector<std::unique_ptr<PendingP2P>> in_flight;
   Tensor produced;  // the previous step's output or input gradient
+  // Point-to-point that completes each batch runs the lockstep plan, one batch per action.
   const bool paired = !pp.LeavesSendsInFlight();
-  if (paired && num_model_chunks > 1) {
-    throw std::invalid_argument(
-        "the interleaved pipeline schedule needs sends left in flight, which this backend's "
-        "point-to-point does not do (NCCL); run it with --comm mpi or without "
-        "virtual_pipeline_model_parallel_size");
-  }
+  const std::vector<PlanAction>& plan = paired ? plans.lockstep : plans.in_flight;
   for (const PlanAction& action : plan) {
     std::vector<P2POp> sends, receives;
     for (const Transfer& t : action.batch) {

@@ -3,10 +3,10 @@
 // the step; at the end wait for every send. The model is a pair of callbacks, so the GPT
 // model and the layer chain share one walker.
 //
-// A backend that completes sends before returning (NCCL: Communicator::LeavesSendsInFlight
-// is false) gets Megatron's pairing instead, each step's sends and receive in one batch: that
-// completes for 1F1B but deadlocks the interleaved warmup (pipeline_plan.h), so it is refused
-// there with one line.
+// A backend that completes each batch before returning (NCCL: Communicator::
+// LeavesSendsInFlight is false) runs the lockstep plan instead (PlanLockstepRounds), each
+// batch's sends and receives in one group, every one waited for: deadlock-free for 1F1B and
+// the interleaved schedule alike, with untagged messages.
 #pragma once
 
 #include <functional>
@@ -28,11 +28,10 @@ struct PipelineStepFunctions {
   std::function<Tensor(const ScheduleStep&, const Tensor&)> step;
 };
 
-// Runs `plan` (this rank's row; `num_model_chunks` > 1 for the interleaved schedule) over
-// `pp`. Throws std::logic_error when a send has no matching tensor or a received tensor is
-// never used (executor bugs), std::invalid_argument for the refused pairing above.
-void WalkPipelinePlan(const std::vector<PlanAction>& plan, int64_t num_model_chunks,
-                      Communicator& pp, Kernels& k, CommTrace& trace,
-                      const PipelineStepFunctions& functions);
+// Runs this rank's plan over `pp`: `plans.in_flight` when pp leaves sends in flight, else
+// `plans.lockstep`. Throws std::logic_error when a send has no matching tensor or a
+// received tensor is never used (executor bugs).
+void WalkPipelinePlan(const RankPipelinePlans& plans, Communicator& pp, Kernels& k,
+                      CommTrace& trace, const PipelineStepFunctions& functions);
 
 }  // namespace mpusim

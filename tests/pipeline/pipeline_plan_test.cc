@@ -26,6 +26,26 @@ std::string Batch(const PlanAction& action) {
   return out;
 }
 
+// The lockstep plan (for point-to-point that completes each batch, NCCL): it completes with
+// every transfer waited for and untagged in-order matching, and each rank runs exactly its
+// schedule row, in order.
+void ExpectLockstepRunsTheSchedule(const PipelineSchedule& schedule) {
+  const PipelinePlan plan = PlanLockstepRounds(schedule);
+  EXPECT_EQ(CheckPipelinePlan(plan, Matching::kInOrder), "");
+  ASSERT_EQ(plan.size(), schedule.per_rank.size());
+  for (size_t r = 0; r < plan.size(); ++r) {
+    std::vector<std::string> steps, want;
+    for (const PlanAction& action : plan[r]) {
+      if (action.step) steps.push_back(FormatStep(*action.step));
+      for (const Transfer& t : action.batch) EXPECT_TRUE(t.wait) << FormatTransfer(t);
+    }
+    for (const ScheduleStep& step : schedule.per_rank[r]) want.push_back(FormatStep(step));
+    EXPECT_EQ(steps, want) << "rank " << r;
+    ASSERT_FALSE(plan[r].empty());
+    EXPECT_FALSE(plan[r].back().step.has_value());
+  }
+}
+
 TEST(PipelinePlan, EverySmallScheduleCompletesWithMatchedMessages) {
   int checked = 0;
   for (int64_t p = 1; p <= 6; ++p) {
@@ -35,15 +55,16 @@ TEST(PipelinePlan, EverySmallScheduleCompletesWithMatchedMessages) {
       const PipelineSchedule one_f_one_b = Schedule(p, std::nullopt, m);
       EXPECT_EQ(CheckPipelinePlan(PlanPipelineTransfers(one_f_one_b), Matching::kInOrder), "");
       EXPECT_EQ(CheckPipelinePlan(PlanBlockingPairs(one_f_one_b), Matching::kInOrder), "");
+      ExpectLockstepRunsTheSchedule(one_f_one_b);
       ++checked;
       if (p == 1) continue;
       for (int64_t v = 2; v <= 3; ++v) {
         for (int64_t n = p; n <= m; ++n) {
           if (m % n != 0 && m % n < p) continue;  // refused by Megatron's rule
           SCOPED_TRACE(fmt::format("v {} N {}", v, n));
-          EXPECT_EQ(
-              CheckPipelinePlan(PlanPipelineTransfers(Schedule(p, v, m, n)), Matching::kTagged),
-              "");
+          const PipelineSchedule interleaved = Schedule(p, v, m, n);
+          EXPECT_EQ(CheckPipelinePlan(PlanPipelineTransfers(interleaved), Matching::kTagged), "");
+          ExpectLockstepRunsTheSchedule(interleaved);
           ++checked;
         }
       }
@@ -95,6 +116,26 @@ TEST(PipelinePlan, InterleavedNeedsAsyncSendsAndTags) {
       CheckPipelinePlan(PlanPipelineTransfers(schedule), Matching::kInOrder);
   EXPECT_EQ(untagged.rfind("mismatch: ", 0), 0u) << untagged;
   EXPECT_EQ(CheckPipelinePlan(PlanPipelineTransfers(schedule), Matching::kTagged), "");
+}
+
+// Interleaved, p = 2, v = 2, M = 4, in lockstep rounds. Rank 0 runs F0.0 F0.1 F1.0 ...;
+// F0.0's output travels in the next batch of both ranks, while rank 1 idles for its input;
+// F1.0 on rank 0 waits (idles) until rank 1's chunk 0 output of micro-batch 0 has arrived.
+TEST(PipelinePlan, LockstepRoundsPairEachMessageInOneRound) {
+  const PipelinePlan plan = PlanLockstepRounds(Schedule(2, 2, 4, 2));
+  // Round 0: rank 0 runs F0.0; rank 1 has nothing (its first step needs an input).
+  EXPECT_EQ(Batch(plan[0][0]), "");
+  EXPECT_EQ(FormatStep(*plan[0][0].step), "F0.0");
+  // Round 1: both ranks carry F0.0's output; rank 1 then runs F0.0, rank 0 F0.1.
+  EXPECT_EQ(Batch(plan[0][1]), "send activation c0.m0 to 1");
+  EXPECT_EQ(FormatStep(*plan[0][1].step), "F0.1");
+  EXPECT_EQ(Batch(plan[1][0]), "recv activation c0.m0 from 0");
+  EXPECT_EQ(FormatStep(*plan[1][0].step), "F0.0");
+  // Round 2: rank 0 sends F0.1's output and receives rank 1's F0.0 output (chunk 1's input).
+  EXPECT_EQ(Batch(plan[0][2]), "send activation c0.m1 to 1, recv activation c1.m0 from 1");
+  EXPECT_EQ(FormatStep(*plan[0][2].step), "F1.0");
+  EXPECT_EQ(Batch(plan[1][1]), "send activation c1.m0 to 0, recv activation c0.m1 from 0");
+  EXPECT_EQ(FormatStep(*plan[1][1].step), "F0.1");
 }
 
 TEST(PipelinePlan, CheckFindsMismatchesAndDeadlocks) {
