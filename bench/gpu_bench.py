@@ -21,6 +21,8 @@ tools/gpu-kit/run calls it with the kit's launcher; by hand, from a build with C
 Usage: python3 bench/gpu_bench.py [--rounds 3] [--repeat 10] [--cases gpt_layer,mlp]
            [--dtypes bfloat16,float32] [--mpusim build/cli/mpusim] [--mpirun mpirun]
            [--kit-exec WRAPPER] [--max-seconds S] [--json FILE] [--markdown FILE]
+       /usr/bin/python3 bench/gpu_bench.py --device cpu --smoke --rounds 1 --repeat 2
+           (no GPU: the script itself, on the CPU benchmarks' sizes)
 """
 import argparse
 import json
@@ -34,6 +36,23 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
 S, H, HEADS, FFN, VOCAB = 2048, 4096, 32, 16384, 1024
+
+# --smoke: the CPU benchmarks' smaller sizes (bench/configs/gpt_layer_t1_n1.json, mlp_t1_n1.json),
+# for checking this script where no GPU is (with --device cpu).
+SMOKE = {
+    "gpt_layer": {
+        "config": "bench/configs/gpt_layer_t1_n1.json",
+        "torch": ["bench/gpt_layer_torch.py"],
+        "gflop": 3 * (24 * 1024 * 1024 * 1024 + 4 * 1024 * 1024 * 1024) / 1e9,
+        "what": "GPT layer s 1024, h 1024, 16 heads, ffn 4096",
+    },
+    "mlp": {
+        "config": "bench/configs/mlp_t1_n1.json",
+        "torch": ["bench/mlp_torch.py"],
+        "gflop": 3 * 4 * 2048 * 1024 * 4096 / 1e9,
+        "what": "MLP T 2048, 1024 -> 4096 -> 1024",
+    },
+}
 
 CASES = {
     "gpt_layer": {
@@ -80,6 +99,9 @@ def main():
     parser.add_argument("--python", default=sys.executable, help="the Python with PyTorch")
     parser.add_argument("--max-seconds", type=float, default=0,
                         help="start no round after this many seconds (0: no limit)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cpu: both contenders on the CPU (a check of this script)")
+    parser.add_argument("--smoke", action="store_true", help="the CPU benchmarks' smaller sizes")
     parser.add_argument("--json", default="")
     parser.add_argument("--markdown", default="")
     args = parser.parse_args()
@@ -87,6 +109,7 @@ def main():
         parser.error("--repeat must be at least 2: mpusim run prints a median step only then")
     cases = [c for c in args.cases.split(",") if c]
     dtypes = [d for d in args.dtypes.split(",") if d]
+    specs = SMOKE if args.smoke else CASES
     for c in cases:
         if c not in CASES:
             parser.error(f"--cases: '{c}' is not one of {', '.join(CASES)}")
@@ -96,14 +119,15 @@ def main():
 
     launcher = [args.kit_exec] if args.kit_exec else []
     contenders = []  # (case, dtype, who, argv)
+    backend = ["--backend", "cuda", "--comm", "nccl"] if args.device == "cuda" else []
     for case in cases:
-        spec = CASES[case]
+        spec = specs[case]
         for dtype in dtypes:
             contenders.append((case, dtype, "mpusim", launcher + [
-                args.mpirun, "-n", "1", args.mpusim, "run", spec["config"], "--backend", "cuda",
-                "--comm", "nccl", "--no-check", "--repeat", str(args.repeat), "--dtype", dtype]))
+                args.mpirun, "-n", "1", args.mpusim, "run", spec["config"], *backend,
+                "--no-check", "--repeat", str(args.repeat), "--dtype", dtype]))
             contenders.append((case, dtype, "pytorch", [
-                args.python, *spec["torch"], "--device", "cuda", "--dtype", dtype,
+                args.python, *spec["torch"], "--device", args.device, "--dtype", dtype,
                 "--repeat", str(args.repeat)]))
 
     start = time.perf_counter()
@@ -142,8 +166,8 @@ def main():
                 rows.append({"case": case, "dtype": dtype, "error": "no measurement"})
                 continue
             mm, tm = statistics.median(m), statistics.median(t)
-            gflop = CASES[case]["gflop"]
-            rows.append({"case": case, "what": CASES[case]["what"], "dtype": dtype,
+            gflop = specs[case]["gflop"]
+            rows.append({"case": case, "what": specs[case]["what"], "dtype": dtype,
                          "mpusim_s": mm, "pytorch_s": tm, "ratio": mm / tm,
                          "mpusim_tflops": gflop / mm / 1e3, "pytorch_tflops": gflop / tm / 1e3,
                          "rounds": len(m)})

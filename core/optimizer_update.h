@@ -8,13 +8,13 @@
 // the master dtype (float32, or float64 for a float64 run) after each update, as they are
 // stored. The bias corrections 1 - beta^t are computed once per step on the host
 // (std::pow), never per element.
-// What it is not: the gradient clipping (a Scale of the gradient before the step) or the
-// rounding of the master to the parameter's storage dtype (RoundTo<T>, core/half.h).
+// What it is not: the gradient clipping (a Scale of the gradient before the step).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 
+#include "core/half.h"    // RoundTo
 #include "core/philox.h"  // MPUSIM_HD
 
 namespace mpusim {
@@ -52,6 +52,21 @@ struct OptimizerUpdate {
       w -= lr * m;
     }
     w = Round(w);
+  }
+
+  // Element e of flat arrays, loads and stores included: the update above in float64, the
+  // master and the states stored back in M (float or double, already rounded to it), the
+  // parameter as the master rounded to its storage type P; state2 is null for sgd. The
+  // CPU's loop and the CUDA kernel both run exactly this.
+  template <typename G, typename M, typename P>
+  MPUSIM_HD void Apply(const G* grad, M* master, M* state1, M* state2, P* param,
+                       int64_t e) const {
+    double w = master[e], m = state1[e], v = state2 != nullptr ? state2[e] : 0.0;
+    (*this)(static_cast<double>(grad[e]), w, m, v);
+    master[e] = static_cast<M>(w);
+    state1[e] = static_cast<M>(m);
+    if (state2 != nullptr) state2[e] = static_cast<M>(v);
+    param[e] = RoundTo<P>(w);
   }
 };
 

@@ -562,12 +562,7 @@ template <typename G, typename M, typename P>
 __global__ void OptimizerStepKernel(OptimizerUpdate update, const G* grad, M* master, M* state1,
                                     M* state2, P* param, int64_t n) {
   for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
-    double w = master[e], m = state1[e], v = state2 != nullptr ? state2[e] : 0.0;
-    update(static_cast<double>(grad[e]), w, m, v);
-    master[e] = static_cast<M>(w);
-    state1[e] = static_cast<M>(m);
-    if (state2 != nullptr) state2[e] = static_cast<M>(v);
-    param[e] = RoundTo<P>(w);
+    update.Apply(grad, master, state1, state2, param, e);
   }
 }
 

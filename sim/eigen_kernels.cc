@@ -836,18 +836,10 @@ void EigenKernels::DoOptimizerStep(const OptimizerUpdate& update, const Tensor& 
   Dispatch(grad.dtype(), [&]<typename G>() {
     Dispatch(master.dtype(), [&]<typename M>() {
       DispatchStorage(param.dtype(), [&]<typename P>() {
-        const G* g = grad.data_as<G>();
-        M* w = master.data_as<M>();
-        M* m = state1.data_as<M>();
         M* v = state2.defined() ? state2.data_as<M>() : nullptr;
-        P* out = param.data_as<P>();
         for (int64_t e = 0; e < n; ++e) {
-          double we = w[e], me = m[e], ve = v != nullptr ? v[e] : 0.0;
-          update(static_cast<double>(g[e]), we, me, ve);
-          w[e] = static_cast<M>(we);
-          m[e] = static_cast<M>(me);
-          if (v != nullptr) v[e] = static_cast<M>(ve);
-          out[e] = RoundTo<P>(we);
+          update.Apply(grad.data_as<G>(), master.data_as<M>(), state1.data_as<M>(), v,
+                       param.data_as<P>(), e);
         }
       });
     });

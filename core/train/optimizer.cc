@@ -19,6 +19,15 @@ bool MasterIsFloat64(DType master) { return master == DType::kFloat64; }
 // The whole of `t` as a flat tensor sharing its storage.
 Tensor Flat(const Tensor& t) { return t.Reshaped({t.numel()}); }
 
+// A new tensor shaped like `like` holding elements [offset, offset + like.numel()) of `flat`
+// (a new one: records of the step before may still hold the tensor it replaces).
+Tensor CopyOfPart(Kernels& k, const Tensor& flat, int64_t offset, const Tensor& like) {
+  Tensor out = k.Empty(like.shape(), like.dtype());
+  Tensor place = Flat(out);
+  k.Copy(flat.FlatSlice(offset, like.numel()), place);
+  return out;
+}
+
 }  // namespace
 
 Optimizer::Optimizer(const OptimizerConfig& config, const std::vector<Parameter*>& params,
@@ -174,12 +183,7 @@ void Optimizer::Step(Kernels& k, double grad_norm, double lr, CommTrace& trace) 
   trace.SetPhase(Phase::kOther);
   trace.SetSite("distributed optimizer (parameters)");
   const Tensor flat = GatherShard(k, param_shard);
-  for (State& s : states_) {
-    Tensor value = k.Empty(s.param->value.shape(), s.param->value.dtype());
-    Tensor place = Flat(value);
-    k.Copy(flat.FlatSlice(s.offset, s.numel), place);
-    s.param->value = value;
-  }
+  for (State& s : states_) s.param->value = CopyOfPart(k, flat, s.offset, s.param->value);
 }
 
 void Optimizer::GatherGradients(Kernels& k, CommTrace& trace) {
@@ -187,12 +191,7 @@ void Optimizer::GatherGradients(Kernels& k, CommTrace& trace) {
   trace.SetPhase(Phase::kOther);
   trace.SetSite("distributed optimizer (gather gradients for records)");
   const Tensor flat = GatherShard(k, grad_shard_);
-  for (State& s : states_) {
-    Tensor grad = k.Empty(s.param->grad.shape(), s.param->grad.dtype());
-    Tensor place = Flat(grad);
-    k.Copy(flat.FlatSlice(s.offset, s.numel), place);
-    s.param->grad = grad;
-  }
+  for (State& s : states_) s.param->grad = CopyOfPart(k, flat, s.offset, s.param->grad);
 }
 
 void Optimizer::RecordState(Kernels& k, CommTrace& trace, std::vector<TensorRecord>* records) {
