@@ -45,16 +45,7 @@ std::vector<std::pair<int64_t, int64_t>> HeldRanges(const MappedParameter& p, in
   if (p.tp_dim < 0) return {{0, full}};
   ShardSpec spec;
   spec.Split(ShardAxis::kTp, p.tp_dim, t, tp_rank, p.tp_stride);
-  std::vector<std::pair<int64_t, int64_t>> ranges;
-  for (int64_t l = 0; l < full / t; ++l) {
-    const int64_t g = GlobalIndex(spec, p.tp_dim, full, l);
-    if (!ranges.empty() && ranges.back().second == g) {
-      ++ranges.back().second;
-    } else {
-      ranges.emplace_back(g, g + 1);
-    }
-  }
-  return ranges;
+  return HeldRuns(spec, p.tp_dim, full);
 }
 
 // The global ranks with these tp and pp coordinates.

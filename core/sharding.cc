@@ -1,6 +1,8 @@
 // ShardSpec helpers and validation (see sharding.h).
 #include "core/sharding.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 namespace mpusim {
@@ -117,4 +119,40 @@ std::string ShardSpecError(const ShardSpec& spec, const Shape& full) {
   return "";
 }
 
+std::vector<std::pair<int64_t, int64_t>> HeldRuns(const ShardSpec& spec, int dim, int64_t full) {
+  int64_t size = full;  // the index space of the innermost placement on `dim`
+  for (const Placement& p : spec.placements) {
+    if (p.dim == dim) size /= p.shards;
+  }
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  if (size > 0) runs.emplace_back(0, size);
+  // Outwards, as GlobalIndex maps an index: each run is cut at the placement's chunks, and
+  // each piece moves to its chunk's place in the outer index space (pieces stay in order).
+  for (auto it = spec.placements.rbegin(); it != spec.placements.rend(); ++it) {
+    const Placement& p = *it;
+    if (p.dim != dim) continue;
+    const int64_t outer = size * p.shards;
+    const int64_t chunk = outer / (p.shards * p.stride);
+    std::vector<std::pair<int64_t, int64_t>> mapped;
+    for (const auto& [begin, end] : runs) {
+      for (int64_t a = begin; a < end;) {
+        const int64_t block = a / chunk;
+        const int64_t b = std::min(end, (block + 1) * chunk);
+        const int64_t base = (block * p.shards + p.index) * chunk;
+        const int64_t first = base + a % chunk, last = first + (b - a);
+        if (!mapped.empty() && mapped.back().second == first) {
+          mapped.back().second = last;
+        } else {
+          mapped.emplace_back(first, last);
+        }
+        a = b;
+      }
+    }
+    runs = std::move(mapped);
+    size = outer;
+  }
+  return runs;
+}
+
 }  // namespace mpusim
+

@@ -37,6 +37,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "core/tensor.h"
@@ -101,6 +102,12 @@ inline int64_t GlobalIndex(const ShardSpec& spec, int dim, int64_t full, int64_t
   }
   return local;
 }
+
+// The global indices along `dim` that a rank holding `spec` has, as sorted, disjoint runs
+// [begin, end) with adjacent runs merged: GlobalIndex over every local index, computed in
+// O(runs) rather than O(local size) (a 2^31 vocabulary split over tp is one run per rank, a
+// stride-s split s runs), so a sharding map of any size answers at once.
+std::vector<std::pair<int64_t, int64_t>> HeldRuns(const ShardSpec& spec, int dim, int64_t full);
 
 // Local shape of a tensor of full shape `full` under `spec`.
 inline Shape LocalShape(const ShardSpec& spec, Shape full) {

@@ -1,0 +1,84 @@
+// HeldRuns (core/sharding.h): the runs of global indices a shard holds, computed from its
+// placements, against GlobalIndex over every local index, for every split of small sizes
+// (one and two placements on a dimension, strides, another dimension's placement between),
+// and at sizes where visiting every index would take seconds.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "core/sharding.h"
+
+namespace mpusim {
+namespace {
+
+using Runs = std::vector<std::pair<int64_t, int64_t>>;
+
+// The same runs the slow way: every local index through GlobalIndex, adjacent ones joined.
+Runs ByEveryIndex(const ShardSpec& spec, int dim, int64_t full) {
+  int64_t local = full;
+  for (const Placement& p : spec.placements) {
+    if (p.dim == dim) local /= p.shards;
+  }
+  std::vector<int64_t> held;
+  for (int64_t l = 0; l < local; ++l) held.push_back(GlobalIndex(spec, dim, full, l));
+  std::sort(held.begin(), held.end());
+  Runs runs;
+  for (const int64_t g : held) {
+    if (!runs.empty() && runs.back().second == g) {
+      ++runs.back().second;
+    } else {
+      runs.emplace_back(g, g + 1);
+    }
+  }
+  return runs;
+}
+
+TEST(HeldRuns, EqualsGlobalIndexOverEveryLocalIndex) {
+  int checked = 0;
+  for (int64_t t = 1; t <= 4; ++t) {
+    for (int64_t stride = 1; stride <= 3; ++stride) {
+      for (int64_t e = 1; e <= 3; ++e) {        // a second (outer) split of the same dim
+        for (int64_t blocks = 1; blocks <= 3; ++blocks) {
+          const int64_t full = t * stride * e * blocks * 2;
+          for (int64_t r = 0; r < t; ++r) {
+            for (int64_t q = 0; q < e; ++q) {
+              ShardSpec spec;
+              spec.Split(ShardAxis::kDp, 0, e, q);           // outer, same dim
+              spec.Split(ShardAxis::kCp, 1, 2, 1);           // another dim, in between
+              spec.Split(ShardAxis::kTp, 0, t, r, stride);   // inner, strided
+              SCOPED_TRACE(::testing::Message() << "full " << full << " t " << t << " r " << r
+                                                << " stride " << stride << " e " << e
+                                                << " q " << q);
+              const Runs runs = HeldRuns(spec, 0, full);
+              EXPECT_EQ(runs, ByEveryIndex(spec, 0, full));
+              EXPECT_EQ(HeldRuns(spec, 1, 8), ByEveryIndex(spec, 1, 8));
+              ++checked;
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, (1 + 2 + 3 + 4) * 3 * (1 + 2 + 3) * 3);
+}
+
+TEST(HeldRuns, AnswersForDimensionsOfBillions) {
+  ShardSpec replicated;
+  EXPECT_EQ(HeldRuns(replicated, 0, 2147483647), (Runs{{0, 2147483647}}));
+  ShardSpec vocab;
+  vocab.Split(ShardAxis::kTp, 0, 2, 1);  // the second half of a 2 * (2^31 - 1) vocabulary
+  EXPECT_EQ(HeldRuns(vocab, 0, 4294967294), (Runs{{2147483647, 4294967294}}));
+  ShardSpec qkv;
+  qkv.Split(ShardAxis::kTp, 0, 4, 3, 3);  // stride 3: one run per block
+  const int64_t full = int64_t{3} * 4 * (int64_t{1} << 30);
+  EXPECT_EQ(HeldRuns(qkv, 0, full),
+            (Runs{{3 * (int64_t{1} << 30), 4 * (int64_t{1} << 30)},
+                  {7 * (int64_t{1} << 30), 8 * (int64_t{1} << 30)},
+                  {11 * (int64_t{1} << 30), 12 * (int64_t{1} << 30)}}));
+}
+
+}  // namespace
+}  // namespace mpusim
