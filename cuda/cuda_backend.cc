@@ -45,10 +45,7 @@ class CudaBackend final : public Backend {
 
   std::string name() const override { return "cuda"; }
   std::string Describe() const override {
-    cudaDeviceProp properties{};
-    const bool known = cudaGetDeviceProperties(&properties, device_) == cudaSuccess;
-    return fmt::format("CUDA device {} ({}), cuBLAS, {} collectives", device_,
-                       known ? properties.name : "?",
+    return fmt::format("{}, cuBLAS, {} collectives", DeviceName(),
                        comm_ == "mpi" ? "host-staged MPI" : "NCCL");
   }
   Kernels& kernels() override { return kernels_; }
@@ -56,10 +53,7 @@ class CudaBackend final : public Backend {
     MPUSIM_CUDA_CHECK(cudaSetDevice(device_));
     size_t free_bytes = 0, total_bytes = 0;
     MPUSIM_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-    cudaDeviceProp properties{};
-    const bool known = cudaGetDeviceProperties(&properties, device_) == cudaSuccess;
-    return DeviceMemory{fmt::format("CUDA device {} ({})", device_, known ? properties.name : "?"),
-                        free_bytes, total_bytes, ranks_on_device_};
+    return DeviceMemory{DeviceName(), free_bytes, total_bytes, ranks_on_device_};
   }
 
   std::map<std::string, std::unique_ptr<Communicator>> MakeGroups(
@@ -89,6 +83,13 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  // "CUDA device 0 (NVIDIA H100 80GB HBM3)".
+  std::string DeviceName() const {
+    cudaDeviceProp properties{};
+    const bool known = cudaGetDeviceProperties(&properties, device_) == cudaSuccess;
+    return fmt::format("CUDA device {} ({})", device_, known ? properties.name : "?");
+  }
+
   std::string comm_;
   int device_;
   int64_t ranks_on_device_;  // ranks of this node on device_ (they share its memory)

@@ -194,20 +194,10 @@ std::string FormatBytes(unsigned __int128 bytes) {
                    : fmt::format("{:.1f} {}", value, kUnits[unit]);
 }
 
-MemoryPlan MemoryPlan::HostItems() const {
+MemoryPlan MemoryPlan::Items(bool host) const {
   MemoryPlan part;
   for (const MemoryItem& item : items) {
-    if (!item.host) continue;
-    part.items.push_back(item);
-    part.total = SaturatingAdd(part.total, item.bytes);
-  }
-  return part;
-}
-
-MemoryPlan MemoryPlan::DeviceItems() const {
-  MemoryPlan part;
-  for (const MemoryItem& item : items) {
-    if (item.host) continue;
+    if (item.host != host) continue;
     part.items.push_back(item);
     part.total = SaturatingAdd(part.total, item.bytes);
   }

@@ -6,9 +6,9 @@
 // float64 reference's share (full master weights and gradients, this rank's slice of the
 // token rows) and the check's exchange buffers. On the CPU all of it is host memory; with a
 // GPU backend the executor's items are checked against the GPU's free memory
-// (CheckDeviceMemory, once the backend exists) and only the reference's against the host's. Every count is formed in 128-bit arithmetic
-// and capped, so sizes whose products wrap int64 or size_t are refused like any other
-// oversized run, never allocated.
+// (CheckDeviceMemory, once the backend exists) and only the reference's against the host's.
+// Every count is formed in 128-bit arithmetic and capped, so sizes whose products wrap int64
+// or size_t are refused like any other oversized run, never allocated.
 // What it is not: an exact allocator trace. It counts each tensor the executor and the
 // reference keep, not the program's own footprint (libraries, MPI buffers: tens of MiB),
 // allocator slack or temporaries of a single kernel. `mpusim run` prints it next to the
@@ -42,8 +42,9 @@ struct MemoryPlan {
   std::vector<MemoryItem> items;
   unsigned __int128 total = 0;
   // The items with host set, or not: on a backend with device memory, the two sides of it.
-  MemoryPlan HostItems() const;
-  MemoryPlan DeviceItems() const;
+  MemoryPlan HostItems() const { return Items(true); }
+  MemoryPlan DeviceItems() const { return Items(false); }
+  MemoryPlan Items(bool host) const;
 };
 
 // The plan for the rank at `coords` (every rank of a tp x dp layout holds the same sizes).

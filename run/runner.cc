@@ -398,6 +398,11 @@ class RankRun {
     err_ << "error: " << EscapeControl(source) << ": " << EscapeControl(message) << '\n';
     return kExitUsage;
   }
+  // Every rank's refusal (GatherErrors' lines), one Usage line each.
+  int Refused(const std::string& source, const std::vector<std::string>& lines) {
+    for (const std::string& line : lines) Usage(source, line);
+    return kExitUsage;
+  }
   void PrintLayout(const Topology& topology, const SimulationResult& result);
   void PrintGptModel(const GptConfig& gpt, int64_t padded_vocab_size);
   void PrintParameterMemory(const SimulationResult& result);
@@ -514,10 +519,7 @@ int RankRun::Run() {
     preflight_bytes_ = plan.total;
     std::vector<std::string> lines;
     if (GatherErrors(PreflightError(own_memory ? plan.HostItems() : plan), &lines)) {
-      for (const std::string& line : lines) {
-        err_ << "error: " << EscapeControl(source) << ": " << EscapeControl(line) << '\n';
-      }
-      return kExitUsage;
+      return Refused(source, lines);
     }
   }
   DumpTarget dump_target{options_.dump_dir, options_.config_path, "", config_.run->dtype, ""};
@@ -545,12 +547,7 @@ int RankRun::Run() {
       error = PreflightError(plan);  // a plugin whose tensors live in host memory
     }
     std::vector<std::string> lines;
-    if (GatherErrors(error, &lines)) {
-      for (const std::string& line : lines) {
-        err_ << "error: " << EscapeControl(source) << ": " << EscapeControl(line) << '\n';
-      }
-      return kExitUsage;
-    }
+    if (GatherErrors(error, &lines)) return Refused(source, lines);
   }
   backend_name_ = backend->name();
   backend_description_ = backend->Describe();

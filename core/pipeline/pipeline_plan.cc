@@ -120,7 +120,7 @@ PipelinePlan PlanLockstepRounds(const PipelineSchedule& schedule) {
       throw std::logic_error("PlanLockstepRounds: the schedule's order does not respect the "
                              "dataflow (no step can run)");
     }
-    std::vector<Transfer> sends;
+    std::vector<std::pair<size_t, Transfer>> sends;  // (sender, the send to its receiver)
     for (size_t r = 0; r < ranks; ++r) {
       PlanAction action;
       action.batch = std::move(batch[r]);
@@ -136,11 +136,7 @@ PipelinePlan PlanLockstepRounds(const PipelineSchedule& schedule) {
           action.step = step;
           ++next[r];
           --left;
-          if (t.send) {
-            Transfer send = *t.send;
-            send.peer = static_cast<int64_t>(r);  // the sender, until the batches are built
-            sends.push_back(send);
-          }
+          if (t.send) sends.emplace_back(r, *t.send);
         }
       }
       // A round with neither transfers nor a step is no action at all.
@@ -148,18 +144,14 @@ PipelinePlan PlanLockstepRounds(const PipelineSchedule& schedule) {
     }
     // This round's messages travel in the next batch of both sides: one message per sender
     // at most, so no pair of ranks exchanges two in one direction within a batch.
-    for (const Transfer& send : sends) {
-      const auto from = static_cast<size_t>(send.peer);
-      const int64_t p_next = (send.peer + 1) % p, p_prev = (send.peer + p - 1) % p;
-      const int64_t to = send.kind == Transfer::Kind::kActivation ? p_next : p_prev;
-      Transfer out = send, in = send;
-      out.peer = to;
-      in.send = false;
-      in.peer = send.peer;
-      batch[from].push_back(out);
-      batch[static_cast<size_t>(to)].push_back(in);
-      arrived[static_cast<size_t>(to)].insert(
-          {static_cast<int>(send.kind), send.model_chunk, send.microbatch});
+    for (const auto& [from, send] : sends) {
+      const auto to = static_cast<size_t>(send.peer);
+      Transfer recv = send;
+      recv.send = false;
+      recv.peer = static_cast<int64_t>(from);
+      batch[from].push_back(send);
+      batch[to].push_back(recv);
+      arrived[to].insert({static_cast<int>(send.kind), send.model_chunk, send.microbatch});
     }
     for (std::vector<Transfer>& transfers : batch) {  // sends first, as in the other plans
       std::stable_partition(transfers.begin(), transfers.end(),

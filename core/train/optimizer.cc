@@ -12,10 +12,6 @@ namespace mpusim {
 
 namespace {
 
-// The master dtype: the compute dtype of the parameters (float64 for a float64 run, float32
-// otherwise), as Megatron keeps float32 main params.
-bool MasterIsFloat64(DType master) { return master == DType::kFloat64; }
-
 // The whole of `t` as a flat tensor sharing its storage.
 Tensor Flat(const Tensor& t) { return t.Reshaped({t.numel()}); }
 
@@ -154,7 +150,7 @@ void Optimizer::Step(Kernels& k, double grad_norm, double lr, CommTrace& trace) 
   update.bias_correction2 = 1 - std::pow(config_.adam_beta2, t);
   update.momentum = config_.sgd_momentum;
   update.first_step = steps_ == 1;
-  update.master_float64 = MasterIsFloat64(master_dtype_);
+  update.master_float64 = master_dtype_ == DType::kFloat64;
   // The distributed optimizer's updated shard, in the parameters' storage dtype.
   Tensor param_shard;
   if (distributed() && !states_.empty()) {
