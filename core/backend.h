@@ -62,7 +62,7 @@ using BackendOrStatus = StatusOr<std::unique_ptr<Backend>>;
 // mpusim_make_backend is collective over MPI_COMM_WORLD (the GPU backend picks devices per
 // node) and reports a missing or unusable device as a Status in *out, never by aborting.
 // Bump kBackendAbi whenever these types or the entry points change.
-inline constexpr int kBackendAbi = 2;
+inline constexpr int kBackendAbi = 3;
 inline constexpr char kBackendAbiSymbol[] = "mpusim_backend_abi";
 inline constexpr char kMakeBackendSymbol[] = "mpusim_make_backend";
 using MakeBackendFunction = void (*)(const BackendOptions* options, BackendOrStatus* out);

@@ -53,14 +53,12 @@ Status ParseChoice(const json& value, const std::string& where,
 }
 
 const std::vector<std::string_view> kNormalizations = {"LayerNorm", "RMSNorm"};
-const std::vector<std::string_view> kActivations = {"gelu", "swiglu"};
 const std::vector<std::string_view> kPositionEmbeddings = {"learned_absolute", "rope"};
 const std::vector<std::string_view> kDropoutModes = {"global", "rng_tracker"};
 
 }  // namespace
 
 const char* NormalizationName(Normalization n) { return kNormalizations[static_cast<size_t>(n)].data(); }
-const char* ActivationName(Activation a) { return kActivations[static_cast<size_t>(a)].data(); }
 const char* PositionEmbeddingName(PositionEmbedding p) {
   return kPositionEmbeddings[static_cast<size_t>(p)].data();
 }
@@ -110,7 +108,7 @@ Status ParseGptSection(const json& section, GptConfig* out) {
     } else if (key == "layernorm_epsilon") {
       MPUSIM_RETURN_IF_ERROR(ParsePositive(value, where, &gpt.layernorm_epsilon));
     } else if (key == "activation") {
-      MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, kActivations, &gpt.activation));
+      MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, ActivationNames(), &gpt.activation));
     } else if (key == "add_bias_linear") {
       MPUSIM_RETURN_IF_ERROR(ParseBool(value, where, &gpt.add_bias_linear));
     } else if (key == "hidden_dropout") {
@@ -231,7 +229,7 @@ std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_voc
   if (gpt.has_position_embeddings()) {
     add("embedding.position_embeddings.weight", {gpt.max_position_embeddings, h}, normal, -1);
   }
-  const int64_t stride_fc1 = gpt.activation == Activation::kSwiglu ? 2 : 1;
+  const int64_t stride_fc1 = IsGated(gpt.activation) ? 2 : 1;
   const int64_t attn_width = gpt.num_attention_heads * gpt.kv_channels;
   for (int64_t i = 0; i < gpt.num_layers; ++i) {
     const std::string layer = fmt::format("decoder.layers.{}", i);

@@ -11,7 +11,8 @@
 //                                        when smaller; must divide num_attention_heads)
 //     "normalization": "LayerNorm",      or "RMSNorm"
 //     "layernorm_epsilon": 1e-5,
-//     "activation": "gelu",              or "swiglu" (fc1 then has 2 * ffn_hidden_size rows)
+//     "activation": "gelu",              or another of core/ops/activation.h's names; a gated
+//                                        one (swiglu) gives fc1 2 * ffn_hidden_size rows
 //     "add_bias_linear": true,
 //     "hidden_dropout": 0.1, "attention_dropout": 0.1,
 //     "position_embedding_type": "learned_absolute",   or "rope"
@@ -38,6 +39,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "core/init.h"
+#include "core/ops/activation.h"  // Activation, ActivationName, IsGated
 #include "core/status.h"
 #include "core/tensor.h"
 
@@ -47,7 +49,6 @@ struct ParallelConfig;
 struct RunConfig;
 
 enum class Normalization : uint8_t { kLayerNorm, kRMSNorm };
-enum class Activation : uint8_t { kGelu, kSwiglu };
 enum class PositionEmbedding : uint8_t { kLearnedAbsolute, kRope };
 // How dropout masks are drawn (core/dropout.h).
 enum class DropoutMode : uint8_t {
@@ -82,17 +83,14 @@ struct GptConfig {
   int64_t PaddedVocabSize(int64_t tensor_model_parallel_size) const;
   // Rows of the fused QKV weight: (num_attention_heads + 2 * num_query_groups) * kv_channels.
   int64_t QkvRows() const { return (num_attention_heads + 2 * num_query_groups) * kv_channels; }
-  // Rows of fc1: ffn_hidden_size, or 2 * ffn_hidden_size for swiglu.
-  int64_t Fc1Rows() const {
-    return activation == Activation::kSwiglu ? 2 * ffn_hidden_size : ffn_hidden_size;
-  }
+  // Rows of fc1: ffn_hidden_size, or 2 * ffn_hidden_size for a gated activation (swiglu).
+  int64_t Fc1Rows() const { return IsGated(activation) ? 2 * ffn_hidden_size : ffn_hidden_size; }
   bool has_position_embeddings() const {
     return position_embedding_type == PositionEmbedding::kLearnedAbsolute;
   }
 };
 
 const char* NormalizationName(Normalization n);            // "LayerNorm", "RMSNorm"
-const char* ActivationName(Activation a);                  // "gelu", "swiglu"
 const char* PositionEmbeddingName(PositionEmbedding p);    // "learned_absolute", "rope"
 const char* DropoutModeName(DropoutMode m);                // "global", "rng_tracker"
 

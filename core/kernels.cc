@@ -307,19 +307,43 @@ void Kernels::Scale(double alpha, Tensor& x) {
   DoScale(alpha, x);
 }
 
-void Kernels::GeluForward(const Tensor& x, Tensor& y) {
-  KernelArgs args(backend_, device_, "GeluForward");
+void Kernels::ActivationForward(Activation act, const Tensor& x, Tensor& y) {
+  const std::string name = fmt::format("ActivationForward({})", ActivationName(act));
+  KernelArgs args(backend_, device_, name.c_str());
   args.Add("x", x).Add("y", y);
-  args.Numel("y", y, x.numel(), "the numel of x");
-  DoGeluForward(x, y);
+  if (IsGated(act)) {
+    args.Require(Cols(x) % 2 == 0,
+                 fmt::format("x {} must have an even number of columns ([a | b])",
+                             ShapeString(x.shape())));
+    CheckMatrix(args, "y", y, Rows(x), Cols(x) / 2, "half the columns of x");
+    Disjoint(args, "y", y, "x", x);
+  } else {
+    args.Numel("y", y, x.numel(), "the numel of x");
+    SameOrDisjoint(args, "y", y, "x", x);
+  }
+  if (y.numel() == 0) return;
+  DoActivationForward(act, x, y);
 }
 
-void Kernels::GeluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) {
-  KernelArgs args(backend_, device_, "GeluBackward");
+void Kernels::ActivationBackward(Activation act, const Tensor& x, const Tensor& dy, Tensor& dx) {
+  const std::string name = fmt::format("ActivationBackward({})", ActivationName(act));
+  KernelArgs args(backend_, device_, name.c_str());
   args.Add("x", x).Add("dy", dy).Add("dx", dx);
-  args.Numel("dy", dy, x.numel(), "the numel of x");
-  args.Numel("dx", dx, x.numel(), "the numel of x");
-  DoGeluBackward(x, dy, dx);
+  if (IsGated(act)) {
+    args.Require(Cols(x) % 2 == 0,
+                 fmt::format("x {} must have an even number of columns ([a | b])",
+                             ShapeString(x.shape())));
+    CheckMatrix(args, "dy", dy, Rows(x), Cols(x) / 2, "half the columns of x");
+    CheckMatrix(args, "dx", dx, Rows(x), Cols(x), "the 2-D shape of x");
+    Disjoint(args, "dx", dx, "dy", dy);
+  } else {
+    args.Numel("dy", dy, x.numel(), "the numel of x");
+    args.Numel("dx", dx, x.numel(), "the numel of x");
+    SameOrDisjoint(args, "dx", dx, "dy", dy);
+  }
+  SameOrDisjoint(args, "dx", dx, "x", x);
+  if (dy.numel() == 0) return;
+  DoActivationBackward(act, x, dy, dx);
 }
 
 void Kernels::Dropout(const Tensor& x, double p, uint64_t key, uint64_t stream, uint64_t offset,
@@ -353,32 +377,6 @@ void Kernels::DropoutAt(const Tensor& x, double p, uint64_t key, uint64_t stream
   }
   if (x.numel() == 0) return;
   DoDropoutAt(x, p, key, stream, map, y);
-}
-
-void Kernels::SwigluForward(const Tensor& x, Tensor& y) {
-  KernelArgs args(backend_, device_, "SwigluForward");
-  args.Add("x", x).Add("y", y);
-  args.Require(Cols(x) % 2 == 0,
-               fmt::format("x {} must have an even number of columns ([a | b])",
-                           ShapeString(x.shape())));
-  CheckMatrix(args, "y", y, Rows(x), Cols(x) / 2, "half the columns of x");
-  Disjoint(args, "y", y, "x", x);
-  if (y.numel() == 0) return;
-  DoSwigluForward(x, y);
-}
-
-void Kernels::SwigluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) {
-  KernelArgs args(backend_, device_, "SwigluBackward");
-  args.Add("x", x).Add("dy", dy).Add("dx", dx);
-  args.Require(Cols(x) % 2 == 0,
-               fmt::format("x {} must have an even number of columns ([a | b])",
-                           ShapeString(x.shape())));
-  CheckMatrix(args, "dy", dy, Rows(x), Cols(x) / 2, "half the columns of x");
-  CheckMatrix(args, "dx", dx, Rows(x), Cols(x), "the 2-D shape of x");
-  SameOrDisjoint(args, "dx", dx, "x", x);
-  Disjoint(args, "dx", dx, "dy", dy);
-  if (dy.numel() == 0) return;
-  DoSwigluBackward(x, dy, dx);
 }
 
 void Kernels::LayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias,

@@ -24,7 +24,7 @@
 //
 // The operations, by section below: memory (Zeros, Empty, ToDevice, ToHost, Copy, SetZero,
 // CopyBlock, StridedCopy); dense algebra (Gemm, BatchedGemm, AddRowVector, SumRows, Axpy,
-// Scale); elementwise (GELU, SwiGLU, Dropout, DropoutAt); normalization (LayerNorm,
+// Scale); elementwise (the activations, Dropout, DropoutAt); normalization (LayerNorm,
 // RMSNorm); attention (CausalSoftmax, Rope); embedding; vocab-parallel cross entropy; the
 // optimizer (OptimizerStep, SumOfSquares), so that training never copies weights or
 // gradients off the device.
@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "core/dropout.h"
+#include "core/ops/activation.h"
 #include "core/optimizer_update.h"
 #include "core/tensor.h"
 
@@ -98,10 +99,12 @@ class Kernels {
   void Scale(double alpha, Tensor& x);
 
   // --- elementwise --------------------------------------------------------------------
-  // Exact GELU: y = x * Phi(x) = 0.5 x (1 + erf(x / sqrt 2)).
-  void GeluForward(const Tensor& x, Tensor& y);
-  // dx = dy * (Phi(x) + x phi(x)).
-  void GeluBackward(const Tensor& x, const Tensor& dy, Tensor& dx);
+  // The activation `act` (core/ops/activation.h). Plain: y = f(x) with y the shape of x,
+  // and y may be x. Gated (swiglu): x = [a | b] [n, 2f], y = f(a) * b [n, f], y apart from x.
+  void ActivationForward(Activation act, const Tensor& x, Tensor& y);
+  // Plain: dx = dy * f'(x) (dx may be x or dy). Gated: dx = [dy * b * f'(a) | dy * f(a)]
+  // [n, 2f] from dy [n, f]; dx may be x, not dy.
+  void ActivationBackward(Activation act, const Tensor& x, const Tensor& dy, Tensor& dx);
   // Inverted dropout with a counter-based mask: element e is kept iff
   // UniformAt(key, stream, offset + e) >= p, and kept elements are scaled by 1 / (1 - p).
   // Backward applies the same mask to the gradient (call it with dy, dx).
@@ -113,11 +116,6 @@ class Kernels {
   // be x.
   void DropoutAt(const Tensor& x, double p, uint64_t key, uint64_t stream,
                  const GlobalIndexMap& map, Tensor& y);
-  // SwiGLU on x = [a | b] (x [n, 2f], y [n, f]): y = silu(a) * b, silu(a) = a sigmoid(a).
-  void SwigluForward(const Tensor& x, Tensor& y);
-  // dx = [dy * b * sigmoid(a) * (1 + a (1 - sigmoid(a))) | dy * silu(a)] (dx [n, 2f]); dx
-  // may be x.
-  void SwigluBackward(const Tensor& x, const Tensor& dy, Tensor& dx);
 
   // --- normalization over the last dimension (x [n, h] 2-D view, h >= 1) --------------
   // mean_i = (1/h) sum_j x_ij, var_i = (1/h) sum_j (x_ij - mean_i)^2 (biased),
@@ -203,8 +201,8 @@ class Kernels {
   Kernels(const char* backend, Device device) : backend_(backend), device_(device) {}
 
   // The implementations, called after the checks above passed. StridedCopy, BatchedGemm,
-  // DropoutAt, SwiGLU, the norms, the causal softmaxes and Rope reach their Do* only with work to
-  // do: no StridedCopy dimension is 0, BatchedGemm's c is not empty (a and b may be, when
+  // DropoutAt, the activations, the norms, the causal softmaxes and Rope reach their Do* only
+  // with work to do: no StridedCopy dimension is 0, BatchedGemm's c is not empty (a and b may be, when
   // k == 0), and no tensor of the other calls is empty.
   virtual Tensor DoZeros(const Shape& shape, DType dtype) = 0;
   virtual Tensor DoEmpty(const Shape& shape, DType dtype) = 0;
@@ -227,14 +225,13 @@ class Kernels {
   virtual void DoSumRows(const Tensor& x, double beta, Tensor& out) = 0;
   virtual void DoAxpy(double alpha, const Tensor& x, Tensor& y) = 0;
   virtual void DoScale(double alpha, Tensor& x) = 0;
-  virtual void DoGeluForward(const Tensor& x, Tensor& y) = 0;
-  virtual void DoGeluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) = 0;
+  virtual void DoActivationForward(Activation act, const Tensor& x, Tensor& y) = 0;
+  virtual void DoActivationBackward(Activation act, const Tensor& x, const Tensor& dy,
+                                    Tensor& dx) = 0;
   virtual void DoDropout(const Tensor& x, double p, uint64_t key, uint64_t stream, uint64_t offset,
                          Tensor& y) = 0;
   virtual void DoDropoutAt(const Tensor& x, double p, uint64_t key, uint64_t stream,
                            const GlobalIndexMap& map, Tensor& y) = 0;
-  virtual void DoSwigluForward(const Tensor& x, Tensor& y) = 0;
-  virtual void DoSwigluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) = 0;
   virtual void DoLayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias,
                                   double eps, Tensor& y, Tensor& mean, Tensor& rstd) = 0;
   virtual void DoLayerNormBackward(const Tensor& x, const Tensor& weight, const Tensor& mean,

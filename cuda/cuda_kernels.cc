@@ -365,22 +365,18 @@ void CudaKernels::DoScale(double alpha, Tensor& x) {
 
 // --- elementwise ----------------------------------------------------------------------
 
-void CudaKernels::DoGeluForward(const Tensor& x, Tensor& y) {
+void CudaKernels::DoActivationForward(Activation act, const Tensor& x, Tensor& y) {
   DispatchStorage(x.dtype(), [&]<typename T>() {
-    using C = ComputeOf<T>;
-    const C inv_sqrt2 = static_cast<C>(1) / std::numbers::sqrt2_v<C>;  // as on the CPU
-    LaunchGeluForward<T>(x.data_as<T>(), y.data_as<T>(), x.numel(), inv_sqrt2, stream_);
+    LaunchActivationForward<T>(act, x.data_as<T>(), y.data_as<T>(), y.numel(), Cols(y),
+                               stream_);
   });
 }
 
-void CudaKernels::DoGeluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) {
+void CudaKernels::DoActivationBackward(Activation act, const Tensor& x, const Tensor& dy,
+                                       Tensor& dx) {
   DispatchStorage(x.dtype(), [&]<typename T>() {
-    using C = ComputeOf<T>;
-    const C inv_sqrt2 = static_cast<C>(1) / std::numbers::sqrt2_v<C>;
-    // phi(x) = exp(-x^2 / 2) / sqrt(2 pi), with the CPU's constant.
-    const C inv_sqrt_2pi = std::numbers::inv_sqrtpi_v<C> * inv_sqrt2;
-    LaunchGeluBackward<T>(x.data_as<T>(), dy.data_as<T>(), dx.data_as<T>(), x.numel(), inv_sqrt2,
-                          inv_sqrt_2pi, stream_);
+    LaunchActivationBackward<T>(act, x.data_as<T>(), dy.data_as<T>(), dx.data_as<T>(),
+                                dy.numel(), Cols(dy), stream_);
   });
 }
 
@@ -411,19 +407,6 @@ void CudaKernels::DoDropoutAt(const Tensor& x, double p, uint64_t key, uint64_t 
     const auto keep_probability = static_cast<ComputeOf<T>>(1.0 - p);  // as DoDropout
     LaunchDropoutAt<T>(x.data_as<T>(), y.data_as<T>(), x.numel(), p, keep_probability, key,
                        stream, device_map, stream_);
-  });
-}
-
-void CudaKernels::DoSwigluForward(const Tensor& x, Tensor& y) {
-  DispatchStorage(x.dtype(), [&]<typename T>() {
-    LaunchSwigluForward<T>(x.data_as<T>(), y.data_as<T>(), Rows(y), Cols(y), stream_);
-  });
-}
-
-void CudaKernels::DoSwigluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) {
-  DispatchStorage(x.dtype(), [&]<typename T>() {
-    LaunchSwigluBackward<T>(x.data_as<T>(), dy.data_as<T>(), dx.data_as<T>(), Rows(dy),
-                            Cols(dy), stream_);
   });
 }
 

@@ -87,14 +87,13 @@ class CudaKernels final : public Kernels {
   void DoScale(double alpha, Tensor& x) override;
 
   // --- elementwise (y may be x, dx may be dy) -----------------------------------------
-  void DoGeluForward(const Tensor& x, Tensor& y) override;
-  void DoGeluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) override;
+  void DoActivationForward(Activation act, const Tensor& x, Tensor& y) override;
+  void DoActivationBackward(Activation act, const Tensor& x, const Tensor& dy,
+                            Tensor& dx) override;
   void DoDropout(const Tensor& x, double p, uint64_t key, uint64_t stream, uint64_t offset,
                Tensor& y) override;
   void DoDropoutAt(const Tensor& x, double p, uint64_t key, uint64_t stream,
                    const GlobalIndexMap& map, Tensor& y) override;
-  void DoSwigluForward(const Tensor& x, Tensor& y) override;
-  void DoSwigluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) override;
 
   // --- normalization (y may be x, dx may be dy) ---------------------------------------
   void DoLayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,

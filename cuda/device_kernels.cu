@@ -23,6 +23,7 @@
 #include <cub/device/device_radix_sort.cuh>
 
 #include "core/half.h"
+#include "core/ops/activation.h"
 #include "core/philox.h"
 #include "cuda/cuda_check.h"
 
@@ -43,8 +44,6 @@ __device__ inline int64_t GridStride() { return static_cast<int64_t>(gridDim.x) 
 
 __device__ inline float Exp(float x) { return expf(x); }
 __device__ inline double Exp(double x) { return exp(x); }
-__device__ inline float Erf(float x) { return erff(x); }
-__device__ inline double Erf(double x) { return erf(x); }
 __device__ inline float Sqrt(float x) { return sqrtf(x); }  // IEEE-rounded (no fast math)
 __device__ inline double Sqrt(double x) { return sqrt(x); }
 
@@ -132,24 +131,18 @@ __global__ void SumRowsKernel(const T* x, int64_t rows, int64_t cols, int beta_m
   }
 }
 
-template <typename T>
-__global__ void GeluForwardKernel(const T* x, T* y, int64_t n, ComputeOf<T> inv_sqrt2) {
-  using C = ComputeOf<T>;
+template <typename A, typename T>
+__global__ void ActivationForwardKernel(const T* x, T* y, int64_t n, int64_t f) {
   for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
-    const C v = ToCompute(x[e]);
-    y[e] = ToStorage<T>((C(0.5) * v) * (C(1) + Erf(v * inv_sqrt2)));
+    ops::ActivationForwardAt<A>(x, y, e, f);
   }
 }
 
-template <typename T>
-__global__ void GeluBackwardKernel(const T* x, const T* dy, T* dx, int64_t n,
-                                   ComputeOf<T> inv_sqrt2, ComputeOf<T> inv_sqrt_2pi) {
-  using C = ComputeOf<T>;
+// A gated A's thread alone reads and writes its pair (i, j), (i, f + j): dx may be x.
+template <typename A, typename T>
+__global__ void ActivationBackwardKernel(const T* x, const T* dy, T* dx, int64_t n, int64_t f) {
   for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
-    const C v = ToCompute(x[e]);
-    const C cdf = C(0.5) * (C(1) + Erf(v * inv_sqrt2));
-    const C v_pdf = (v * Exp(C(-0.5) * (v * v))) * inv_sqrt_2pi;
-    dx[e] = ToStorage<T>(ToCompute(dy[e]) * (cdf + v_pdf));
+    ops::ActivationBackwardAt<A>(x, dy, dx, e, f);
   }
 }
 
@@ -183,35 +176,6 @@ __global__ void DropoutAtKernel(const T* x, T* y, int64_t n, double p,
     const uint64_t index = static_cast<uint64_t>(GlobalIndexAt(map, e));
     const bool keep = UniformAt(key, rng_stream, index) >= p;
     y[e] = ToStorage<T>(keep ? ToCompute(x[e]) / keep_probability : C(0));
-  }
-}
-
-template <typename T>
-__global__ void SwigluForwardKernel(const T* x, T* y, int64_t n, int64_t f) {
-  using C = ComputeOf<T>;
-  for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
-    const int64_t i = e / f;
-    const int64_t j = e % f;
-    const C a = ToCompute(x[i * 2 * f + j]);
-    const C b = ToCompute(x[i * 2 * f + f + j]);
-    const C sigmoid = C(1) / (C(1) + Exp(-a));
-    y[e] = ToStorage<T>((a * sigmoid) * b);
-  }
-}
-
-template <typename T>
-__global__ void SwigluBackwardKernel(const T* x, const T* dy, T* dx, int64_t n, int64_t f) {
-  using C = ComputeOf<T>;
-  for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
-    const int64_t i = e / f;
-    const int64_t j = e % f;
-    // This thread alone reads and writes the pair (i, j), (i, f + j): dx may be x.
-    const C a = ToCompute(x[i * 2 * f + j]);
-    const C b = ToCompute(x[i * 2 * f + f + j]);
-    const C g = ToCompute(dy[e]);
-    const C sigmoid = C(1) / (C(1) + Exp(-a));
-    dx[i * 2 * f + j] = ToStorage<T>(((g * b) * sigmoid) * (C(1) + a * (C(1) - sigmoid)));
-    dx[i * 2 * f + f + j] = ToStorage<T>(g * (a * sigmoid));
   }
 }
 
@@ -614,19 +578,44 @@ void LaunchSumRows(const T* x, int64_t rows, int64_t cols, double beta, A* out,
   MPUSIM_CUDA_CHECK(cudaGetLastError());
 }
 
+// The kernels of the activation ops::VisitActivation picks (a visitor struct: C++17).
 template <typename T>
-void LaunchGeluForward(const T* x, T* y, int64_t n, ComputeOf<T> inv_sqrt2, cudaStream_t stream) {
+struct ActivationForwardLaunch {
+  const T* x;
+  T* y;
+  int64_t n, f;
+  cudaStream_t stream;
+  template <typename A>
+  void operator()() const {
+    ActivationForwardKernel<A, T><<<GridFor(n), kBlock, 0, stream>>>(x, y, n, f);
+  }
+};
+template <typename T>
+struct ActivationBackwardLaunch {
+  const T* x;
+  const T* dy;
+  T* dx;
+  int64_t n, f;
+  cudaStream_t stream;
+  template <typename A>
+  void operator()() const {
+    ActivationBackwardKernel<A, T><<<GridFor(n), kBlock, 0, stream>>>(x, dy, dx, n, f);
+  }
+};
+
+template <typename T>
+void LaunchActivationForward(Activation act, const T* x, T* y, int64_t n, int64_t f,
+                             cudaStream_t stream) {
   if (n <= 0) return;
-  GeluForwardKernel<T><<<GridFor(n), kBlock, 0, stream>>>(x, y, n, inv_sqrt2);
+  ops::VisitActivation(act, ActivationForwardLaunch<T>{x, y, n, f, stream});
   MPUSIM_CUDA_CHECK(cudaGetLastError());
 }
 
 template <typename T>
-void LaunchGeluBackward(const T* x, const T* dy, T* dx, int64_t n, ComputeOf<T> inv_sqrt2,
-                        ComputeOf<T> inv_sqrt_2pi, cudaStream_t stream) {
+void LaunchActivationBackward(Activation act, const T* x, const T* dy, T* dx, int64_t n,
+                              int64_t f, cudaStream_t stream) {
   if (n <= 0) return;
-  GeluBackwardKernel<T><<<GridFor(n), kBlock, 0, stream>>>(x, dy, dx, n, inv_sqrt2,
-                                                           inv_sqrt_2pi);
+  ops::VisitActivation(act, ActivationBackwardLaunch<T>{x, dy, dx, n, f, stream});
   MPUSIM_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -645,23 +634,6 @@ void LaunchDropoutAt(const T* x, T* y, int64_t n, double p, ComputeOf<T> keep_pr
   if (n <= 0) return;
   DropoutAtKernel<T><<<GridFor(n), kBlock, 0, stream>>>(x, y, n, p, keep_probability, key,
                                                         rng_stream, map);
-  MPUSIM_CUDA_CHECK(cudaGetLastError());
-}
-
-template <typename T>
-void LaunchSwigluForward(const T* x, T* y, int64_t rows, int64_t f, cudaStream_t stream) {
-  const int64_t n = rows * f;
-  if (n <= 0) return;
-  SwigluForwardKernel<T><<<GridFor(n), kBlock, 0, stream>>>(x, y, n, f);
-  MPUSIM_CUDA_CHECK(cudaGetLastError());
-}
-
-template <typename T>
-void LaunchSwigluBackward(const T* x, const T* dy, T* dx, int64_t rows, int64_t f,
-                          cudaStream_t stream) {
-  const int64_t n = rows * f;
-  if (n <= 0) return;
-  SwigluBackwardKernel<T><<<GridFor(n), kBlock, 0, stream>>>(x, dy, dx, n, f);
   MPUSIM_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -818,15 +790,14 @@ void LaunchSumOfSquares(const T* x, int64_t n, double* out, cudaStream_t stream)
 #define MPUSIM_INSTANTIATE_LAUNCHERS(T, C)                                                     \
   template void LaunchScale<T>(T*, int64_t, C, cudaStream_t);                                  \
   template void LaunchAddRowVector<T>(const T*, T*, int64_t, int64_t, cudaStream_t);           \
-  template void LaunchGeluForward<T>(const T*, T*, int64_t, C, cudaStream_t);                  \
-  template void LaunchGeluBackward<T>(const T*, const T*, T*, int64_t, C, C, cudaStream_t);    \
+  template void LaunchActivationForward<T>(Activation, const T*, T*, int64_t, int64_t,        \
+                                          cudaStream_t);                                       \
+  template void LaunchActivationBackward<T>(Activation, const T*, const T*, T*, int64_t,       \
+                                           int64_t, cudaStream_t);                             \
   template void LaunchDropout<T>(const T*, T*, int64_t, double, C, uint64_t, uint64_t,         \
                                  uint64_t, cudaStream_t);                                      \
   template void LaunchDropoutAt<T>(const T*, T*, int64_t, double, C, uint64_t, uint64_t,       \
                                    IndexMap, cudaStream_t);                                    \
-  template void LaunchSwigluForward<T>(const T*, T*, int64_t, int64_t, cudaStream_t);          \
-  template void LaunchSwigluBackward<T>(const T*, const T*, T*, int64_t, int64_t,              \
-                                        cudaStream_t);                                         \
   template void LaunchNormForward<T>(const T*, const T*, const T*, int64_t, int64_t, C, T*,    \
                                      C*, C*, cudaStream_t);                                    \
   template void LaunchCausalSoftmaxForward<T>(const T*, int64_t, int64_t, C, T*,               \

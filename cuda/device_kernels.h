@@ -35,6 +35,7 @@
 #include <type_traits>
 
 #include "core/half.h"
+#include "core/ops/activation.h"
 #include "core/optimizer_update.h"
 
 namespace mpusim::cuda {
@@ -62,15 +63,18 @@ template <typename T, typename A>
 void LaunchSumRows(const T* x, int64_t rows, int64_t cols, double beta, A* out,
                    cudaStream_t stream);
 
-// y = round(0.5 x (1 + erf(x * inv_sqrt2))); y may be x.
+// The activation `act` (core/ops/activation.h, its element functions run as they are):
+// y has n elements and f columns; plain y = f(x) (y may be x), gated y = f(a) * b with
+// x = [a | b] [n / f, 2f].
 template <typename T>
-void LaunchGeluForward(const T* x, T* y, int64_t n, ComputeOf<T> inv_sqrt2, cudaStream_t stream);
+void LaunchActivationForward(Activation act, const T* x, T* y, int64_t n, int64_t f,
+                             cudaStream_t stream);
 
-// dx = round(dy * (0.5 (1 + erf(x * inv_sqrt2)) + x exp(-x^2 / 2) * inv_sqrt_2pi)); dx may
-// be dy.
+// dy has n elements and f columns; plain dx = dy * f'(x) (dx may be x or dy), gated
+// dx = [dy * b * f'(a) | dy * f(a)] (dx may be x).
 template <typename T>
-void LaunchGeluBackward(const T* x, const T* dy, T* dx, int64_t n, ComputeOf<T> inv_sqrt2,
-                        ComputeOf<T> inv_sqrt_2pi, cudaStream_t stream);
+void LaunchActivationBackward(Activation act, const T* x, const T* dy, T* dx, int64_t n,
+                              int64_t f, cudaStream_t stream);
 
 // y[e] = UniformAt(key, rng_stream, offset + e) >= p ? round(x[e] / keep_probability) : 0;
 // y may be x.
@@ -91,17 +95,6 @@ struct IndexMap {
 template <typename T>
 void LaunchDropoutAt(const T* x, T* y, int64_t n, double p, ComputeOf<T> keep_probability,
                      uint64_t key, uint64_t rng_stream, IndexMap map, cudaStream_t stream);
-
-// x [rows, 2f] = [a | b], y [rows, f]: y = round((a * sigmoid(a)) * b), with
-// sigmoid(a) = 1 / (1 + exp(-a)).
-template <typename T>
-void LaunchSwigluForward(const T* x, T* y, int64_t rows, int64_t f, cudaStream_t stream);
-
-// dx[:, :f] = round(((dy * b) * sigmoid(a)) * (1 + a (1 - sigmoid(a)))),
-// dx[:, f:] = round(dy * (a * sigmoid(a))); dx may be x.
-template <typename T>
-void LaunchSwigluBackward(const T* x, const T* dy, T* dx, int64_t rows, int64_t f,
-                          cudaStream_t stream);
 
 // Both norms, one block per row of x [rows, cols]. LayerNorm when mean is given:
 //   m = sum x / cols, var = sum (x - m)^2 / cols, r = 1 / sqrt(var + eps),

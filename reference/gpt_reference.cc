@@ -28,6 +28,7 @@
 #include <map>
 #include <numbers>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -249,32 +250,47 @@ double GeluGrad(double x) {
 }
 double Sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 
-// gelu: act = gelu(fc1). swiglu: fc1 = [gate | up] (F columns each), act = silu(gate) * up.
+// The activation's function f and its derivative; a gated one (swiglu: f = silu) applies f
+// to the gate half of fc1 and multiplies by the other half (below).
+double ActivationF(Activation kind, double x) {
+  switch (kind) {
+    case Activation::kGelu: return Gelu(x);
+    case Activation::kSwiglu: return x * Sigmoid(x);  // silu
+  }
+  throw std::logic_error("reference: unknown activation");
+}
+// silu'(x) = sig(x) (1 + x (1 - sig(x))).
+double ActivationGrad(Activation kind, double x) {
+  switch (kind) {
+    case Activation::kGelu: return GeluGrad(x);
+    case Activation::kSwiglu: return Sigmoid(x) * (1.0 + x * (1.0 - Sigmoid(x)));
+  }
+  throw std::logic_error("reference: unknown activation");
+}
+
+// Plain: act = f(fc1). Gated: fc1 = [gate | up] (F columns each), act = f(gate) * up.
 Mat ActivationForward(Activation kind, const Mat& fc1, int64_t F) {
-  if (kind == Activation::kGelu) return fc1.unaryExpr([](double v) { return Gelu(v); });
+  if (!IsGated(kind)) return fc1.unaryExpr([kind](double v) { return ActivationF(kind, v); });
   Mat act(fc1.rows(), F);
   for (int64_t row = 0; row < fc1.rows(); ++row) {
     for (int64_t c = 0; c < F; ++c) {
-      const double gate = fc1(row, c);
-      act(row, c) = gate * Sigmoid(gate) * fc1(row, F + c);
+      act(row, c) = ActivationF(kind, fc1(row, c)) * fc1(row, F + c);
     }
   }
   return act;
 }
 
-// swiglu: d gate = dact * up * silu'(gate), silu'(x) = sig(x) (1 + x (1 - sig(x)));
-//         d up = dact * silu(gate).
+// Plain: d fc1 = dact * f'(fc1). Gated: d gate = dact * up * f'(gate), d up = dact * f(gate).
 Mat ActivationBackward(Activation kind, const Mat& dact, const Mat& fc1, int64_t F) {
-  if (kind == Activation::kGelu) {
-    return dact.cwiseProduct(fc1.unaryExpr([](double v) { return GeluGrad(v); }));
+  if (!IsGated(kind)) {
+    return dact.cwiseProduct(fc1.unaryExpr([kind](double v) { return ActivationGrad(kind, v); }));
   }
   Mat dfc1(fc1.rows(), 2 * F);
   for (int64_t row = 0; row < fc1.rows(); ++row) {
     for (int64_t c = 0; c < F; ++c) {
       const double gate = fc1(row, c), up = fc1(row, F + c);
-      const double sig = Sigmoid(gate);
-      dfc1(row, c) = dact(row, c) * up * sig * (1.0 + gate * (1.0 - sig));
-      dfc1(row, F + c) = dact(row, c) * gate * sig;
+      dfc1(row, c) = dact(row, c) * up * ActivationGrad(kind, gate);
+      dfc1(row, F + c) = dact(row, c) * ActivationF(kind, gate);
     }
   }
   return dfc1;

@@ -357,38 +357,31 @@ void EigenKernels::DoScale(double alpha, Tensor& x) {
 
 // --- elementwise ----------------------------------------------------------------------
 
-void EigenKernels::DoGeluForward(const Tensor& x, Tensor& y) {
-  if (IsHalf(x.dtype())) {
-    Tensor xf = Widened(x, *cache_);
-    DoGeluForward(xf, xf);  // in place on the float32 copy; y may be x
-    StoreRounded(xf, y);
-    return;
-  }
-  Dispatch(x.dtype(), [&]<typename T>() {
-    // Eigen's array erf is vectorised for float (a few ulp), scalar std::erf for double.
-    const auto xs = ArrayOf<T>(x);
-    auto ys = ArrayOf<T>(y);
-    const T inv_sqrt2 = static_cast<T>(1) / std::numbers::sqrt2_v<T>;
-    ys = static_cast<T>(0.5) * xs * (static_cast<T>(1) + (xs * inv_sqrt2).erf());
+// The op functors take any storage type (their loads widen, their stores round once), so
+// the 16-bit dtypes need no float32 copies here.
+void EigenKernels::DoActivationForward(Activation act, const Tensor& x, Tensor& y) {
+  const int64_t n = y.numel();
+  const int64_t f = Cols(y);
+  DispatchStorage(x.dtype(), [&]<typename T>() {
+    ops::VisitActivation(act, [&]<typename A>() {
+      const T* xs = x.data_as<T>();
+      T* ys = y.data_as<T>();
+      for (int64_t e = 0; e < n; ++e) ops::ActivationForwardAt<A>(xs, ys, e, f);
+    });
   });
 }
 
-void EigenKernels::DoGeluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) {
-  if (IsHalf(x.dtype())) {
-    Tensor dyf = Widened(dy, *cache_);
-    DoGeluBackward(Widened(x, *cache_), dyf, dyf);
-    StoreRounded(dyf, dx);
-    return;
-  }
-  Dispatch(x.dtype(), [&]<typename T>() {
-    const auto xs = ArrayOf<T>(x);
-    const auto dys = ArrayOf<T>(dy);
-    auto dxs = ArrayOf<T>(dx);
-    const T inv_sqrt2 = static_cast<T>(1) / std::numbers::sqrt2_v<T>;
-    // phi(x) = exp(-x^2 / 2) / sqrt(2 pi) = exp(-x^2 / 2) * (1 / sqrt(pi)) / sqrt(2)
-    const T inv_sqrt_2pi = std::numbers::inv_sqrtpi_v<T> * inv_sqrt2;
-    dxs = dys * (static_cast<T>(0.5) * (static_cast<T>(1) + (xs * inv_sqrt2).erf()) +
-                 xs * (static_cast<T>(-0.5) * xs.square()).exp() * inv_sqrt_2pi);
+void EigenKernels::DoActivationBackward(Activation act, const Tensor& x, const Tensor& dy,
+                                        Tensor& dx) {
+  const int64_t n = dy.numel();
+  const int64_t f = Cols(dy);
+  DispatchStorage(x.dtype(), [&]<typename T>() {
+    ops::VisitActivation(act, [&]<typename A>() {
+      const T* xs = x.data_as<T>();
+      const T* dys = dy.data_as<T>();
+      T* dxs = dx.data_as<T>();
+      for (int64_t e = 0; e < n; ++e) ops::ActivationBackwardAt<A>(xs, dys, dxs, e, f);
+    });
   });
 }
 
@@ -438,58 +431,6 @@ void EigenKernels::DoDropoutAt(const Tensor& x, double p, uint64_t key, uint64_t
     for (int64_t e = 0; e < n; ++e) {
       const bool keep = UniformAt(key, stream, static_cast<uint64_t>(map.At(e))) >= p;
       ys[e] = keep ? xs[e] / keep_probability : static_cast<T>(0);
-    }
-  });
-}
-
-void EigenKernels::DoSwigluForward(const Tensor& x, Tensor& y) {
-  if (IsHalf(x.dtype())) {
-    Tensor yf = cache_->Empty(y.shape(), DType::kFloat32);
-    DoSwigluForward(Widened(x, *cache_), yf);
-    StoreRounded(yf, y);
-    return;
-  }
-  Dispatch(x.dtype(), [&]<typename T>() {
-    const int64_t n = Rows(y);
-    const int64_t f = Cols(y);
-    const T* xs = x.data_as<T>();
-    T* ys = y.data_as<T>();
-    for (int64_t i = 0; i < n; ++i) {
-      for (int64_t j = 0; j < f; ++j) {
-        const T a = xs[i * 2 * f + j];
-        const T b = xs[i * 2 * f + f + j];
-        const T sigmoid = static_cast<T>(1) / (static_cast<T>(1) + std::exp(-a));
-        ys[i * f + j] = (a * sigmoid) * b;
-      }
-    }
-  });
-}
-
-void EigenKernels::DoSwigluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) {
-  if (IsHalf(x.dtype())) {
-    // In place on the float32 copy of x (dx may be x).
-    Tensor xf = Widened(x, *cache_);
-    DoSwigluBackward(xf, Widened(dy, *cache_), xf);
-    StoreRounded(xf, dx);
-    return;
-  }
-  Dispatch(x.dtype(), [&]<typename T>() {
-    const int64_t n = Rows(dy);
-    const int64_t f = Cols(dy);
-    const T* xs = x.data_as<T>();
-    const T* dys = dy.data_as<T>();
-    T* dxs = dx.data_as<T>();
-    const T one = static_cast<T>(1);
-    for (int64_t i = 0; i < n; ++i) {
-      for (int64_t j = 0; j < f; ++j) {
-        // Both halves are read before either is written (dx may be x).
-        const T a = xs[i * 2 * f + j];
-        const T b = xs[i * 2 * f + f + j];
-        const T g = dys[i * f + j];
-        const T sigmoid = one / (one + std::exp(-a));
-        dxs[i * 2 * f + j] = ((g * b) * sigmoid) * (one + a * (one - sigmoid));
-        dxs[i * 2 * f + f + j] = g * (a * sigmoid);
-      }
     }
   });
 }

@@ -71,8 +71,9 @@ class EigenKernels final : public Kernels {
   void DoScale(double alpha, Tensor& x) override;
 
   // --- elementwise (y may be x, dx may be dy) -----------------------------------------
-  void DoGeluForward(const Tensor& x, Tensor& y) override;
-  void DoGeluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) override;
+  void DoActivationForward(Activation act, const Tensor& x, Tensor& y) override;
+  void DoActivationBackward(Activation act, const Tensor& x, const Tensor& dy,
+                            Tensor& dx) override;
   // y = keep ? x / (1 - p) : 0 with keep = UniformAt(key, stream, offset + e) >= p for flat
   // element e; p in [0, 1]; p == 0 copies, p == 1 zeroes.
   void DoDropout(const Tensor& x, double p, uint64_t key, uint64_t stream, uint64_t offset,
@@ -81,8 +82,6 @@ class EigenKernels final : public Kernels {
   void DoDropoutAt(const Tensor& x, double p, uint64_t key, uint64_t stream,
                    const GlobalIndexMap& map, Tensor& y) override;
   // sigmoid(a) = 1 / (1 + exp(-a)); dx may be x.
-  void DoSwigluForward(const Tensor& x, Tensor& y) override;
-  void DoSwigluBackward(const Tensor& x, const Tensor& dy, Tensor& dx) override;
 
   // --- normalization (y may be x, dx may be dy) ---------------------------------------
   // Row statistics are sums in the compute dtype divided by h; dweight and dbias get the

@@ -847,7 +847,7 @@ Tensor Graph::Impl::Forward(RankContext& ctx, LayerSlot& slot, const Tensor& x,
       }
       slot.saved = pre;
       Tensor y = k.Empty(x.shape(), dtype);
-      k.GeluForward(pre, y);
+      k.ActivationForward(Activation::kGelu, pre, y);
       return y;
     }
     case LayerType::kDropout: {
@@ -929,7 +929,7 @@ Tensor Graph::Impl::Backward(RankContext& ctx, LayerSlot& slot, const Tensor& dy
     }
     case LayerType::kGeLU: {
       Tensor dx = k.Empty(dy.shape(), dtype);
-      k.GeluBackward(slot.saved, dy, dx);
+      k.ActivationBackward(Activation::kGelu, slot.saved, dy, dx);
       if (slot.added_bias != nullptr) {
         AccumulateGrad(k, *slot.added_bias, false,
                        [&](Tensor& g, double beta) { k.SumRows(dx, beta, g); });

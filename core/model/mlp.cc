@@ -14,19 +14,13 @@ Mlp::Mlp(const GptConfig& gpt, std::string prefix, ParameterSet& params)
 Tensor Mlp::Forward(const ModuleContext& ctx, const Tensor& x, Stash* stash) const {
   Kernels& k = ctx.k;
   const StreamShape& sh = ctx.shape;
-  const int64_t stride = activation_ == Activation::kSwiglu ? 2 : 1;
+  const int64_t stride = IsGated(activation_) ? 2 : 1;
   stash->fc1_out = fc1_.Forward(ctx, x, &stash->fc1_in);
   ctx.Record(prefix_ + ".linear_fc1.output", stash->fc1_out, {sh.s, sh.B, fc1_rows_},
              sh.ColumnSpec(ctx.dp_size, stride));
   const Tensor& h = stash->fc1_out;
-  Tensor act;
-  if (activation_ == Activation::kSwiglu) {
-    act = k.Empty({h.rows(), h.cols() / 2}, h.dtype());
-    k.SwigluForward(h, act);
-  } else {
-    act = k.Empty(h.shape(), h.dtype());
-    k.GeluForward(h, act);
-  }
+  Tensor act = k.Empty({h.rows(), IsGated(activation_) ? h.cols() / 2 : h.cols()}, h.dtype());
+  k.ActivationForward(activation_, h, act);
   const Tensor out = fc2_.Forward(ctx, act, &stash->fc2_in);
   ctx.Record(prefix_ + ".linear_fc2.output", out, {sh.s, sh.B, out.cols()},
              sh.StreamSpec(ctx.dp_size));
@@ -41,13 +35,9 @@ Tensor Mlp::Backward(const ModuleContext& ctx, const Tensor& dy, const Stash& st
   const Tensor dact = fc2_.Backward(ctx, dy, stash.fc2_in);
   const Tensor& h = stash.fc1_out;
   Tensor dh = k.Empty(h.shape(), h.dtype());
-  if (activation_ == Activation::kSwiglu) {
-    k.SwigluBackward(h, dact, dh);
-  } else {
-    k.GeluBackward(h, dact, dh);
-  }
+  k.ActivationBackward(activation_, h, dact, dh);
   ctx.Record(prefix_ + ".linear_fc1.output_grad", dh, {sh.s, sh.B, fc1_rows_},
-             sh.ColumnSpec(ctx.dp_size, activation_ == Activation::kSwiglu ? 2 : 1));
+             sh.ColumnSpec(ctx.dp_size, IsGated(activation_) ? 2 : 1));
   return fc1_.Backward(ctx, dh, stash.fc1_in);
 }
 

@@ -433,31 +433,31 @@ TYPED_TEST(CudaKernelsTest, Gelu) {
   const std::vector<double> dyv = Ints(40, 41);
 
   Tensor cpu_y = this->Host({41}, xv);
-  this->cpu_.GeluForward(this->Host({41}, xv), cpu_y);
+  this->cpu_.ActivationForward(Activation::kGelu, this->Host({41}, xv), cpu_y);
   Tensor gpu_y = gpu.Zeros({41}, kDType<T>);
-  gpu.GeluForward(this->Dev({41}, xv), gpu_y);
+  gpu.ActivationForward(Activation::kGelu, this->Dev({41}, xv), gpu_y);
   EXPECT_TRUE(TensorsNear("gelu", this->Values(gpu_y), ValuesOf(cpu_y), kUlpTol<T>,
                           kUlpTol<T>));
   EXPECT_EQ(this->Values(gpu_y)[20], 0.0);  // gelu(0)
 
   Tensor in_place = this->Dev({41}, xv);
-  gpu.GeluForward(in_place, in_place);
+  gpu.ActivationForward(Activation::kGelu, in_place, in_place);
   EXPECT_TRUE(TensorsNear("gelu in place", this->Values(in_place), this->Values(gpu_y)));
 
   Tensor cpu_dx = this->Host({41}, xv);
-  this->cpu_.GeluBackward(this->Host({41}, xv), this->Host({41}, dyv), cpu_dx);
+  this->cpu_.ActivationBackward(Activation::kGelu, this->Host({41}, xv), this->Host({41}, dyv), cpu_dx);
   Tensor gpu_dx = gpu.Zeros({41}, kDType<T>);
-  gpu.GeluBackward(this->Dev({41}, xv), this->Dev({41}, dyv), gpu_dx);
+  gpu.ActivationBackward(Activation::kGelu, this->Dev({41}, xv), this->Dev({41}, dyv), gpu_dx);
   ASSERT_GT(Norm(ValuesOf(cpu_dx)), 0);
   EXPECT_TRUE(TensorsNear("gelu backward", this->Values(gpu_dx), ValuesOf(cpu_dx),
                           kUlpTol<T>, kUlpTol<T>));
   Tensor dy_in_place = this->Dev({41}, dyv);
-  gpu.GeluBackward(this->Dev({41}, xv), dy_in_place, dy_in_place);
+  gpu.ActivationBackward(Activation::kGelu, this->Dev({41}, xv), dy_in_place, dy_in_place);
   EXPECT_TRUE(TensorsNear("gelu backward in place", this->Values(dy_in_place),
                           this->Values(gpu_dx)));
 
   Tensor short_y = gpu.Zeros({40}, kDType<T>);
-  EXPECT_THROW(gpu.GeluForward(this->Dev({41}, xv), short_y), std::invalid_argument);
+  EXPECT_THROW(gpu.ActivationForward(Activation::kGelu, this->Dev({41}, xv), short_y), std::invalid_argument);
 }
 
 TYPED_TEST(CudaKernelsTest, DropoutIsBitIdenticalToTheCpu) {
@@ -1059,25 +1059,25 @@ TYPED_TEST(CudaKernelsHalfTest, Gelu) {
   const double atol = kUlpTol<float>;
 
   Tensor cpu_y = this->Host({n}, xv);
-  this->cpu_.GeluForward(this->Host({n}, xv), cpu_y);
+  this->cpu_.ActivationForward(Activation::kGelu, this->Host({n}, xv), cpu_y);
   Tensor gpu_y = gpu.Zeros({n}, h);
-  gpu.GeluForward(this->Dev({n}, xv), gpu_y);
+  gpu.ActivationForward(Activation::kGelu, this->Dev({n}, xv), gpu_y);
   EXPECT_TRUE(TensorsNear("gelu", this->Values(gpu_y), ValuesOf(cpu_y), atol, kHalfEps<H>));
   EXPECT_EQ(this->Values(gpu_y)[20], 0.0);  // gelu(0)
 
   Tensor in_place = this->Dev({n}, xv);
-  gpu.GeluForward(in_place, in_place);
+  gpu.ActivationForward(Activation::kGelu, in_place, in_place);
   EXPECT_TRUE(SameBits("gelu in place", this->Back(in_place), this->Back(gpu_y)));
 
   Tensor cpu_dx = this->Host({n}, xv);
-  this->cpu_.GeluBackward(this->Host({n}, xv), this->Host({n}, dyv), cpu_dx);
+  this->cpu_.ActivationBackward(Activation::kGelu, this->Host({n}, xv), this->Host({n}, dyv), cpu_dx);
   Tensor gpu_dx = gpu.Zeros({n}, h);
-  gpu.GeluBackward(this->Dev({n}, xv), this->Dev({n}, dyv), gpu_dx);
+  gpu.ActivationBackward(Activation::kGelu, this->Dev({n}, xv), this->Dev({n}, dyv), gpu_dx);
   ASSERT_GT(Norm(ValuesOf(cpu_dx)), 0);
   EXPECT_TRUE(
       TensorsNear("gelu backward", this->Values(gpu_dx), ValuesOf(cpu_dx), atol, kHalfEps<H>));
   Tensor dy_in_place = this->Dev({n}, dyv);
-  gpu.GeluBackward(this->Dev({n}, xv), dy_in_place, dy_in_place);
+  gpu.ActivationBackward(Activation::kGelu, this->Dev({n}, xv), dy_in_place, dy_in_place);
   EXPECT_TRUE(SameBits("gelu backward in place", this->Back(dy_in_place), this->Back(gpu_dx)));
 }
 
@@ -1551,19 +1551,19 @@ TYPED_TEST(CudaKernelsModelTest, Swiglu) {
   for (double& v : xv) v *= 6;
   const std::vector<double> dyv = Reals(341, n * f);
   Tensor cpu_y = this->Host({n, f}, std::vector<double>(static_cast<size_t>(n * f)));
-  this->cpu_.SwigluForward(this->Host({n, 2 * f}, xv), cpu_y);
+  this->cpu_.ActivationForward(Activation::kSwiglu, this->Host({n, 2 * f}, xv), cpu_y);
   Tensor gpu_y = gpu.Zeros({n, f}, dt);
-  gpu.SwigluForward(this->Dev({n, 2 * f}, xv), gpu_y);
+  gpu.ActivationForward(Activation::kSwiglu, this->Dev({n, 2 * f}, xv), gpu_y);
   EXPECT_TRUE(MatchesCpu<T>("swiglu", this->Values(gpu_y), ValuesOf(cpu_y)));
 
   Tensor cpu_dx = this->Host({n, 2 * f}, std::vector<double>(static_cast<size_t>(n * 2 * f)));
-  this->cpu_.SwigluBackward(this->Host({n, 2 * f}, xv), this->Host({n, f}, dyv), cpu_dx);
+  this->cpu_.ActivationBackward(Activation::kSwiglu, this->Host({n, 2 * f}, xv), this->Host({n, f}, dyv), cpu_dx);
   Tensor gpu_dx = gpu.Zeros({n, 2 * f}, dt);
-  gpu.SwigluBackward(this->Dev({n, 2 * f}, xv), this->Dev({n, f}, dyv), gpu_dx);
+  gpu.ActivationBackward(Activation::kSwiglu, this->Dev({n, 2 * f}, xv), this->Dev({n, f}, dyv), gpu_dx);
   ASSERT_GT(Norm(ValuesOf(cpu_dx)), 0);
   EXPECT_TRUE(MatchesCpu<T>("swiglu backward", this->Values(gpu_dx), ValuesOf(cpu_dx)));
   Tensor in_place = this->Dev({n, 2 * f}, xv);
-  gpu.SwigluBackward(in_place, this->Dev({n, f}, dyv), in_place);
+  gpu.ActivationBackward(Activation::kSwiglu, in_place, this->Dev({n, f}, dyv), in_place);
   EXPECT_TRUE(SameBits("swiglu backward in place", this->Back(in_place), this->Back(gpu_dx)));
 }
 

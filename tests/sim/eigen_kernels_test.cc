@@ -285,21 +285,21 @@ TYPED_TEST(EigenKernelsTest, Gelu) {
   }
   const Tensor x = Make<T>({41}, xv);
   Tensor y = this->k_.Zeros({41}, kDType<T>);
-  this->k_.GeluForward(x, y);
+  this->k_.ActivationForward(Activation::kGelu, x, y);
   EXPECT_TRUE(TensorsNear("gelu", ValuesOf(y), fwd, kUlpTol<T>, kUlpTol<T>));
   EXPECT_NEAR(ValuesOf(y)[24], 0.8413447460685429, kUlpTol<T>);  // gelu(1) = Phi(1)
   EXPECT_EQ(ValuesOf(y)[20], 0.0);                               // gelu(0)
 
   Tensor in_place = Make<T>({41}, xv);
-  this->k_.GeluForward(in_place, in_place);
+  this->k_.ActivationForward(Activation::kGelu, in_place, in_place);
   EXPECT_TRUE(TensorsNear("gelu in place", ValuesOf(in_place), ValuesOf(y)));
 
   Tensor dx = this->k_.Zeros({41}, kDType<T>);
-  this->k_.GeluBackward(x, Make<T>({41}, dyv), dx);
+  this->k_.ActivationBackward(Activation::kGelu, x, Make<T>({41}, dyv), dx);
   ASSERT_GT(Norm(bwd), 0);
   EXPECT_TRUE(TensorsNear("gelu backward", ValuesOf(dx), bwd, kUlpTol<T>, kUlpTol<T>));
   Tensor short_y = this->k_.Zeros({40}, kDType<T>);
-  EXPECT_THROW(this->k_.GeluForward(x, short_y), std::invalid_argument);
+  EXPECT_THROW(this->k_.ActivationForward(Activation::kGelu, x, short_y), std::invalid_argument);
 }
 
 template <typename T>
@@ -494,7 +494,7 @@ TEST(EigenKernelsInt64Test, MemoryOpsMoveIdsAndArithmeticRefusesThem) {
   EXPECT_THROW(k.Scale(2.0, dev), std::invalid_argument);
   EXPECT_THROW(k.Axpy(1.0, dev, z), std::invalid_argument);
   EXPECT_THROW(k.Axpy(1.0, f32, z), std::invalid_argument);  // an int64 accumulator
-  EXPECT_THROW(k.GeluForward(dev, z), std::invalid_argument);
+  EXPECT_THROW(k.ActivationForward(Activation::kGelu, dev, z), std::invalid_argument);
   Tensor c = k.Zeros({2, 2}, DType::kInt64);
   EXPECT_THROW(k.Gemm(false, true, 1.0, dev, dev, 0.0, c), std::invalid_argument);
   Tensor row_max = k.Zeros({2}, DType::kFloat32);
@@ -911,7 +911,7 @@ TYPED_TEST(EigenKernelsHalfTest, RejectsWrongAccumulatorAndStatisticDtypes) {
     EXPECT_THROW(this->k_.SumRows(a, 0, out), std::invalid_argument);
     Tensor y = this->k_.Zeros({2, 3}, wrong);
     EXPECT_THROW(this->k_.Axpy(1, a, y), std::invalid_argument);
-    EXPECT_THROW(this->k_.GeluForward(a, y), std::invalid_argument);  // not an accumulator
+    EXPECT_THROW(this->k_.ActivationForward(Activation::kGelu, a, y), std::invalid_argument);  // not an accumulator
     Tensor dweight = this->k_.Zeros({4, 3}, wrong);
     EXPECT_THROW(this->k_.EmbeddingBackward(a, Ids({0, 1}), 0, 4, dweight), std::invalid_argument);
   }
@@ -1019,17 +1019,17 @@ TYPED_TEST(EigenKernelsHalfTest, Gelu) {
   ASSERT_GT(Norm(bwd), 0);
   // The float32 erf/exp path's own error is the float32 test's tolerance (kUlpTol<float>).
   Tensor y = this->k_.Zeros({41}, dt);
-  this->k_.GeluForward(x, y);
+  this->k_.ActivationForward(Activation::kGelu, x, y);
   EXPECT_TRUE(HalfNear<H>("gelu", ValuesOf(y), fwd, kUlpTol<float>, kUlpTol<float>));
   Tensor in_place = Make<H>({41}, xv);
-  this->k_.GeluForward(in_place, in_place);
+  this->k_.ActivationForward(Activation::kGelu, in_place, in_place);
   EXPECT_EQ(Bits(in_place), Bits(y));
 
   Tensor dx = this->k_.Zeros({41}, dt);
-  this->k_.GeluBackward(x, dy, dx);
+  this->k_.ActivationBackward(Activation::kGelu, x, dy, dx);
   EXPECT_TRUE(HalfNear<H>("gelu backward", ValuesOf(dx), bwd, kUlpTol<float>, kUlpTol<float>));
   Tensor dx_in_place = Make<H>({41}, dyv);
-  this->k_.GeluBackward(x, dx_in_place, dx_in_place);
+  this->k_.ActivationBackward(Activation::kGelu, x, dx_in_place, dx_in_place);
   EXPECT_EQ(Bits(dx_in_place), Bits(dx));
 }
 
@@ -1804,20 +1804,20 @@ TYPED_TEST(EigenKernelsModelTest, Swiglu) {
   }
   ASSERT_GT(Norm(y), 0);
   Tensor out = this->k_.Zeros({n, f}, dt);
-  this->k_.SwigluForward(x, out);
+  this->k_.ActivationForward(Activation::kSwiglu, x, out);
   EXPECT_TRUE(OpNear<T>("swiglu", ValuesOf(out), y, y_scale));
   Tensor grad = this->k_.Zeros({n, 2 * f}, dt);
-  this->k_.SwigluBackward(x, dy, grad);
+  this->k_.ActivationBackward(Activation::kSwiglu, x, dy, grad);
   EXPECT_TRUE(OpNear<T>("swiglu backward", ValuesOf(grad), dx, dx_scale));
   Tensor in_place = Make<T>({n, 2 * f}, xv);
-  this->k_.SwigluBackward(in_place, dy, in_place);
+  this->k_.ActivationBackward(Activation::kSwiglu, in_place, dy, in_place);
   EXPECT_EQ(ValuesOf(in_place), ValuesOf(grad));
 
   Tensor odd = this->k_.Zeros({n, 2 * f - 1}, dt);
-  EXPECT_THROW(this->k_.SwigluForward(odd, out), std::invalid_argument);
+  EXPECT_THROW(this->k_.ActivationForward(Activation::kSwiglu, odd, out), std::invalid_argument);
   Tensor wide = this->k_.Zeros({n, 2 * f}, dt);
-  EXPECT_THROW(this->k_.SwigluForward(x, wide), std::invalid_argument);
-  EXPECT_THROW(this->k_.SwigluBackward(x, dy, out), std::invalid_argument);
+  EXPECT_THROW(this->k_.ActivationForward(Activation::kSwiglu, x, wide), std::invalid_argument);
+  EXPECT_THROW(this->k_.ActivationBackward(Activation::kSwiglu, x, dy, out), std::invalid_argument);
 }
 
 // StridedCopy moves bits: compared exactly, in every dtype.

@@ -1,0 +1,175 @@
+// The MLP's activations, each defined once: its JSON name, whether it is gated, and its
+// function and derivative as host/device functors that the CPU backend's loop and the CUDA
+// backend's kernel both call (Kernels::ActivationForward / ActivationBackward), with the
+// argument rules once in core/kernels.cc.
+//
+// What they are (Megatron's activation_func, with gated_linear_unit for the gated ones):
+//   gelu          f(x) = x Phi(x) = 0.5 x (1 + erf(x / sqrt 2))      (exact, not tanh)
+//   swiglu        gated silu: x = [a | b], y = silu(a) * b, silu(a) = a sigmoid(a)
+// A plain activation maps x [n, w] to y [n, w]: y = f(x), dx = dy f'(x). A gated one maps
+// x = [a | b] [n, 2f] to y [n, f]: y = f(a) b, and back da = dy b f'(a), db = dy f(a); fc1 then
+// has 2 * ffn_hidden_size rows, interleaved per tensor-parallel rank (stride 2).
+//
+// Arithmetic is in the compute type C (float for float32, bfloat16 and float16 storage;
+// double for float64): a load widens exactly, one rounding stores (core/half.h).
+//
+// Adding an activation: its enum value (and the count), a functor below and a row in
+// VisitActivation; then its float64 reference (reference/gpt_reference.cc) and a row in
+// the op test table (tests/ops/activation_ops.h).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "core/half.h"    // ToFloat, FromFloat
+#include "core/philox.h"  // MPUSIM_HD
+
+namespace mpusim {
+
+enum class Activation : uint8_t { kGelu, kSwiglu };
+inline constexpr int kActivationCount = 2;  // the values above
+
+namespace ops {
+
+// The compute type of a storage type, its exact load and its one rounding.
+template <typename T>
+using ComputeOf = std::conditional_t<std::is_same_v<T, double>, double, float>;
+MPUSIM_HD inline double Load(double v) { return v; }
+MPUSIM_HD inline float Load(float v) { return v; }
+MPUSIM_HD inline float Load(BFloat16 v) { return ToFloat(v); }
+MPUSIM_HD inline float Load(Float16 v) { return ToFloat(v); }
+template <typename S>
+MPUSIM_HD inline S Store(ComputeOf<S> v) {
+  if constexpr (std::is_same_v<S, ComputeOf<S>>) {
+    return v;
+  } else {
+    return FromFloat<S>(v);
+  }
+}
+
+// libm on the host, CUDA's math library on the device (both correctly rounded or within an
+// ulp or two; the backends' results may differ in the last bits).
+MPUSIM_HD inline float Exp(float x) { return expf(x); }
+MPUSIM_HD inline double Exp(double x) { return exp(x); }
+MPUSIM_HD inline float Erf(float x) { return erff(x); }
+MPUSIM_HD inline double Erf(double x) { return erf(x); }
+
+struct Gelu {
+  static constexpr std::string_view kName = "gelu";
+  static constexpr bool kGated = false;
+  static constexpr double kInvSqrt2 = 0.70710678118654752440;     // 1 / sqrt(2)
+  static constexpr double kInvSqrt2Pi = 0.39894228040143267794;   // 1 / sqrt(2 pi)
+  template <typename C>
+  MPUSIM_HD static C F(C x) {
+    return (C(0.5) * x) * (C(1) + Erf(x * C(kInvSqrt2)));
+  }
+  // Phi(x) + x phi(x), phi(x) = exp(-x^2 / 2) / sqrt(2 pi).
+  template <typename C>
+  MPUSIM_HD static C Grad(C x) {
+    const C cdf = C(0.5) * (C(1) + Erf(x * C(kInvSqrt2)));
+    return cdf + (x * Exp(C(-0.5) * (x * x))) * C(kInvSqrt2Pi);
+  }
+};
+
+struct Swiglu {
+  static constexpr std::string_view kName = "swiglu";
+  static constexpr bool kGated = true;
+  template <typename C>
+  MPUSIM_HD static C Sigmoid(C x) {
+    return C(1) / (C(1) + Exp(-x));
+  }
+  template <typename C>
+  MPUSIM_HD static C F(C x) {  // silu
+    return x * Sigmoid(x);
+  }
+  // silu'(x) = sigmoid(x) (1 + x (1 - sigmoid(x))).
+  template <typename C>
+  MPUSIM_HD static C Grad(C x) {
+    const C s = Sigmoid(x);
+    return s * (C(1) + x * (C(1) - s));
+  }
+};
+
+// Runs visitor.template operator()<Functor>() for `a`: the one place that maps an Activation
+// to its functor (the backends instantiate their loops and kernels through it).
+template <typename Visitor>
+decltype(auto) VisitActivation(Activation a, Visitor&& visitor) {
+  switch (a) {
+    case Activation::kSwiglu:
+      return visitor.template operator()<Swiglu>();
+    case Activation::kGelu:
+      break;
+  }
+  return visitor.template operator()<Gelu>();
+}
+
+// Element e of y (f = y's columns): y[e] = f(x[e]), or f(a) b for a gated A.
+template <typename A, typename T>
+MPUSIM_HD void ActivationForwardAt(const T* x, T* y, int64_t e, int64_t f) {
+  using C = ComputeOf<T>;
+  if constexpr (A::kGated) {
+    const int64_t i = e / f, j = e % f;
+    const C a = Load(x[i * 2 * f + j]);
+    const C b = Load(x[i * 2 * f + f + j]);
+    y[e] = Store<T>(A::F(a) * b);
+  } else {
+    y[e] = Store<T>(A::F(Load(x[e])));
+  }
+}
+
+// Element e of dy (f = dy's columns): dx[e] = dy[e] f'(x[e]); for a gated A the pair
+// da = dy b f'(a), db = dy f(a). Reads x before writing dx, so dx may be x.
+template <typename A, typename T>
+MPUSIM_HD void ActivationBackwardAt(const T* x, const T* dy, T* dx, int64_t e, int64_t f) {
+  using C = ComputeOf<T>;
+  const C g = Load(dy[e]);
+  if constexpr (A::kGated) {
+    const int64_t i = e / f, j = e % f;
+    const C a = Load(x[i * 2 * f + j]);
+    const C b = Load(x[i * 2 * f + f + j]);
+    dx[i * 2 * f + j] = Store<T>((g * b) * A::Grad(a));
+    dx[i * 2 * f + f + j] = Store<T>(g * A::F(a));
+  } else {
+    dx[e] = Store<T>(g * A::Grad(Load(x[e])));
+  }
+}
+
+}  // namespace ops
+
+namespace ops {
+// Visitors are structs, not template lambdas, so that the CUDA code (C++17) compiles them.
+struct NameOf {
+  template <typename A>
+  std::string_view operator()() const {
+    return A::kName;
+  }
+};
+struct GatedOf {
+  template <typename A>
+  bool operator()() const {
+    return A::kGated;
+  }
+};
+}  // namespace ops
+
+// The JSON name ("gelu", "swiglu") and whether x = [a | b] is gated.
+inline std::string_view ActivationName(Activation a) {
+  return ops::VisitActivation(a, ops::NameOf{});
+}
+inline bool IsGated(Activation a) { return ops::VisitActivation(a, ops::GatedOf{}); }
+// Every name, in enum order (a config's "activation" is one of them).
+inline const std::vector<std::string_view>& ActivationNames() {
+  static const std::vector<std::string_view> names = [] {
+    std::vector<std::string_view> v;
+    for (int i = 0; i < kActivationCount; ++i) {
+      v.push_back(ActivationName(static_cast<Activation>(i)));
+    }
+    return v;
+  }();
+  return names;
+}
+
+}  // namespace mpusim

@@ -1,0 +1,171 @@
+// The op test table of the activations (core/ops/activation.h), run by every backend's test
+// binary (tests/sim on the CPU, tests/cuda where a device is visible): every activation,
+// forward and backward, in every float dtype, against float64 formulas written here
+// independently of the functors. A new activation without a row here fails
+// EveryActivationHasARow.
+//
+// Bounds: |actual - expected| <= rtol(dtype) * (|expected| + scale) + atol(dtype), where
+// scale is the size of the terms that cancel in the formula (gelu's x Phi(x) near x = -6,
+// silu'(a) = sigmoid(a) (1 + a (1 - sigmoid(a))) near a = -1.28): an error of the inputs'
+// magnitude times the compute type's epsilon is allowed there, not one relative to a result
+// near zero. Inputs are compared after their rounding to the dtype (the kernels see those).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numbers>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "core/kernels.h"
+#include "core/ops/activation.h"
+#include "core/tensor.h"
+#include "tests/kernel_test_util.h"
+
+namespace mpusim::activation_ops {
+
+// f, f' and the magnitudes of their terms, in float64.
+struct Row {
+  Activation act;
+  double (*f)(double);
+  double (*grad)(double);
+  double (*f_scale)(double);
+  double (*grad_scale)(double);
+};
+
+inline double Phi(double x) { return 0.5 * std::erfc(-x / std::numbers::sqrt2); }
+inline double PhiDensity(double x) {
+  return std::exp(-0.5 * x * x) / std::sqrt(2 * std::numbers::pi);
+}
+inline double Sigmoid(double x) { return 1 / (1 + std::exp(-x)); }
+
+inline const std::vector<Row>& Rows() {
+  static const std::vector<Row> rows = {
+      {Activation::kGelu, [](double x) { return x * Phi(x); },
+       [](double x) { return Phi(x) + x * PhiDensity(x); },
+       [](double x) { return std::fabs(x); },  // 0.5 x (1 + erf): 1 + erf cancels for x < 0
+       [](double x) { return 1 + std::fabs(x) * PhiDensity(x); }},
+      {Activation::kSwiglu, [](double a) { return a * Sigmoid(a); },
+       [](double a) { return Sigmoid(a) * (1 + a * (1 - Sigmoid(a))); },
+       [](double a) { return std::fabs(a) * Sigmoid(a); },
+       [](double a) { return Sigmoid(a) * (1 + std::fabs(a) * (1 - Sigmoid(a))); }},
+  };
+  return rows;
+}
+
+inline const Row* Find(Activation act) {
+  for (const Row& row : Rows()) {
+    if (row.act == act) return &row;
+  }
+  return nullptr;
+}
+
+// A few epsilons of the compute type, plus the storage rounding for the 16-bit dtypes.
+inline double RelTol(DType dt) {
+  const double float_part = 16 * std::ldexp(1.0, -23);
+  switch (dt) {
+    case DType::kFloat64: return 16 * std::ldexp(1.0, -52);
+    case DType::kBFloat16: return std::ldexp(1.0, -8) + float_part;
+    case DType::kFloat16: return std::ldexp(1.0, -11) + float_part;
+    default: return float_part;
+  }
+}
+// float16's subnormals are spaced 2^-24 (gelu(-6) is one of them).
+inline double AbsTol(DType dt) { return dt == DType::kFloat16 ? std::ldexp(1.0, -24) : 0.0; }
+
+inline ::testing::AssertionResult Near(const std::string& name, DType dt,
+                                       const std::vector<double>& actual,
+                                       const std::vector<double>& expected,
+                                       const std::vector<double>& scale) {
+  if (actual.size() != expected.size()) {
+    return ::testing::AssertionFailure() << name << ": " << actual.size() << " elements, expected "
+                                         << expected.size();
+  }
+  int64_t bad = 0;
+  double worst = 0;  // the largest error in units of its bound
+  std::string first;
+  for (size_t e = 0; e < actual.size(); ++e) {
+    const double bound = RelTol(dt) * (std::fabs(expected[e]) + scale[e]) + AbsTol(dt);
+    const double error = std::fabs(actual[e] - expected[e]);
+    if (!(error <= bound) && bad++ < 8) {
+      first += fmt::format("\n  [{}] {} vs {} (error {:.3g}, bound {:.3g})", e, actual[e],
+                           expected[e], error, bound);
+    }
+    if (bound > 0) worst = std::max(worst, error / bound);
+  }
+  if (bad == 0) return ::testing::AssertionSuccess() << name << ": worst " << worst << " of bound";
+  return ::testing::AssertionFailure() << name << " (" << DTypeName(dt) << "): " << bad << " of "
+                                       << actual.size() << " out of bounds:" << first;
+}
+
+// Runs every row's forward and backward on `k` in dtype `dt` (inputs from -6 to 6, zero and
+// both signs of every gradient included) and checks them; dx = x in place too.
+inline void CheckAll(Kernels& k, DType dt) {
+  const int64_t n = 7, f = 9;  // [n, f] plain inputs; [n, 2f] gated ones
+  for (const Row& row : Rows()) {
+    const bool gated = IsGated(row.act);
+    const int64_t w = gated ? 2 * f : f;
+    std::vector<double> xv(static_cast<size_t>(n * w)), dyv(static_cast<size_t>(n * f));
+    for (size_t e = 0; e < xv.size(); ++e) {
+      xv[e] = -6.0 + 12.0 * static_cast<double>((e * 37) % xv.size()) /
+                         static_cast<double>(xv.size() - 1);
+    }
+    xv[xv.size() / 2] = 0.0;
+    for (size_t e = 0; e < dyv.size(); ++e) {
+      dyv[e] = 0.25 + 0.5 * static_cast<double>((e * 5) % 7) - 1.5;
+    }
+    const Tensor x_host = MakeOf(dt, {n, w}, xv);
+    const Tensor dy_host = MakeOf(dt, {n, f}, dyv);
+    xv = ValuesOf(x_host);  // as rounded to dt
+    dyv = ValuesOf(dy_host);
+
+    std::vector<double> y(static_cast<size_t>(n * f)), y_scale(y.size());
+    std::vector<double> dx(xv.size()), dx_scale(xv.size());
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < f; ++j) {
+        const size_t o = static_cast<size_t>(i * f + j);
+        const double g = dyv[o];
+        if (gated) {
+          const size_t ia = static_cast<size_t>(i * w + j), ib = ia + static_cast<size_t>(f);
+          const double a = xv[ia], b = xv[ib];
+          y[o] = row.f(a) * b;
+          y_scale[o] = row.f_scale(a) * std::fabs(b);
+          dx[ia] = g * b * row.grad(a);
+          dx_scale[ia] = std::fabs(g * b) * row.grad_scale(a);
+          dx[ib] = g * row.f(a);
+          dx_scale[ib] = std::fabs(g) * row.f_scale(a);
+        } else {
+          y[o] = row.f(xv[o]);
+          y_scale[o] = row.f_scale(xv[o]);
+          dx[o] = g * row.grad(xv[o]);
+          dx_scale[o] = std::fabs(g) * row.grad_scale(xv[o]);
+        }
+      }
+    }
+    const std::string name = fmt::format("{} {}", ActivationName(row.act), DTypeName(dt));
+    const Tensor x = k.ToDevice(x_host);
+    const Tensor dy = k.ToDevice(dy_host);
+    Tensor out = k.Zeros({n, f}, dt);
+    k.ActivationForward(row.act, x, out);
+    EXPECT_TRUE(Near(name, dt, ValuesOf(k.ToHost(out)), y, y_scale));
+    Tensor grad = k.Zeros({n, w}, dt);
+    k.ActivationBackward(row.act, x, dy, grad);
+    EXPECT_TRUE(Near(name + " backward", dt, ValuesOf(k.ToHost(grad)), dx, dx_scale));
+    Tensor in_place = k.ToDevice(x_host);
+    k.ActivationBackward(row.act, in_place, dy, in_place);
+    EXPECT_EQ(ValuesOf(k.ToHost(in_place)), ValuesOf(k.ToHost(grad))) << name << " dx = x";
+  }
+}
+
+inline void CheckEveryActivationHasARow() {
+  for (int i = 0; i < kActivationCount; ++i) {
+    const auto act = static_cast<Activation>(i);
+    EXPECT_NE(Find(act), nullptr) << ActivationName(act)
+                                  << " has no row in tests/ops/activation_ops.h";
+  }
+}
+
+}  // namespace mpusim::activation_ops
