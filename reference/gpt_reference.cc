@@ -256,6 +256,7 @@ double ActivationF(Activation kind, double x) {
   switch (kind) {
     case Activation::kGelu: return Gelu(x);
     case Activation::kSwiglu: return x * Sigmoid(x);  // silu
+    case Activation::kSquaredRelu: return x > 0.0 ? x * x : 0.0;
   }
   throw std::logic_error("reference: unknown activation");
 }
@@ -264,6 +265,7 @@ double ActivationGrad(Activation kind, double x) {
   switch (kind) {
     case Activation::kGelu: return GeluGrad(x);
     case Activation::kSwiglu: return Sigmoid(x) * (1.0 + x * (1.0 - Sigmoid(x)));
+    case Activation::kSquaredRelu: return x > 0.0 ? 2.0 * x : 0.0;
   }
   throw std::logic_error("reference: unknown activation");
 }

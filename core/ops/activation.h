@@ -6,6 +6,7 @@
 // What they are (Megatron's activation_func, with gated_linear_unit for the gated ones):
 //   gelu          f(x) = x Phi(x) = 0.5 x (1 + erf(x / sqrt 2))      (exact, not tanh)
 //   swiglu        gated silu: x = [a | b], y = silu(a) * b, silu(a) = a sigmoid(a)
+//   squared_relu  f(x) = relu(x)^2, f'(x) = 2 relu(x)                (Primer, So et al. 2021)
 // A plain activation maps x [n, w] to y [n, w]: y = f(x), dx = dy f'(x). A gated one maps
 // x = [a | b] [n, 2f] to y [n, f]: y = f(a) b, and back da = dy b f'(a), db = dy f(a); fc1 then
 // has 2 * ffn_hidden_size rows, interleaved per tensor-parallel rank (stride 2).
@@ -29,8 +30,8 @@
 
 namespace mpusim {
 
-enum class Activation : uint8_t { kGelu, kSwiglu };
-inline constexpr int kActivationCount = 2;  // the values above
+enum class Activation : uint8_t { kGelu, kSwiglu, kSquaredRelu };
+inline constexpr int kActivationCount = 3;  // the values above
 
 namespace ops {
 
@@ -93,6 +94,19 @@ struct Swiglu {
   }
 };
 
+struct SquaredRelu {
+  static constexpr std::string_view kName = "squared_relu";
+  static constexpr bool kGated = false;
+  template <typename C>
+  MPUSIM_HD static C F(C x) {
+    return x > C(0) ? x * x : C(0);
+  }
+  template <typename C>
+  MPUSIM_HD static C Grad(C x) {
+    return x > C(0) ? C(2) * x : C(0);
+  }
+};
+
 // Runs visitor.template operator()<Functor>() for `a`: the one place that maps an Activation
 // to its functor (the backends instantiate their loops and kernels through it).
 template <typename Visitor>
@@ -100,6 +114,8 @@ decltype(auto) VisitActivation(Activation a, Visitor&& visitor) {
   switch (a) {
     case Activation::kSwiglu:
       return visitor.template operator()<Swiglu>();
+    case Activation::kSquaredRelu:
+      return visitor.template operator()<SquaredRelu>();
     case Activation::kGelu:
       break;
   }
@@ -155,7 +171,7 @@ struct GatedOf {
 };
 }  // namespace ops
 
-// The JSON name ("gelu", "swiglu") and whether x = [a | b] is gated.
+// The JSON name ("gelu", "swiglu", "squared_relu") and whether x = [a | b] is gated.
 inline std::string_view ActivationName(Activation a) {
   return ops::VisitActivation(a, ops::NameOf{});
 }

@@ -65,6 +65,18 @@ TEST(GptConfig, GroupedQuerySwigluRope) {
   EXPECT_FALSE(gpt.has_position_embeddings());
 }
 
+// A plain activation keeps fc1 at ffn_hidden_size rows with stride 1; a gated one doubles it.
+TEST(GptConfig, SquaredReluIsPlain) {
+  json section = Minimal();
+  section["activation"] = "squared_relu";
+  section["ffn_hidden_size"] = 96;
+  GptConfig gpt;
+  ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
+  EXPECT_EQ(gpt.activation, Activation::kSquaredRelu);
+  EXPECT_EQ(ActivationName(gpt.activation), "squared_relu");
+  EXPECT_EQ(gpt.Fc1Rows(), 96);
+}
+
 TEST(GptConfig, Refusals) {
   json typo = Minimal();
   typo["num_attention_head"] = 4;
@@ -76,6 +88,10 @@ TEST(GptConfig, Refusals) {
   norm["normalization"] = "layernorm";
   EXPECT_EQ(Refusal(norm),
             "model.normalization: must be \"LayerNorm\" or \"RMSNorm\", got string \"layernorm\"");
+  json act = Minimal();
+  act["activation"] = "relu";
+  EXPECT_EQ(Refusal(act),
+            "model.activation: must be \"gelu\", \"swiglu\" or \"squared_relu\", got string \"relu\"");
   json groups = Minimal();
   groups["num_query_groups"] = 3;
   EXPECT_EQ(Refusal(groups),

@@ -2,7 +2,7 @@
 // float64 GPT reference: every tp x dp layout the world size allows, with and without
 // sequence parallelism, dropout on (the default 0.1, masks drawn per global element), in
 // float64, float32 and bfloat16; the Llama-style options (RMSNorm, SwiGLU, RoPE, grouped-query
-// attention, untied output layer, no biases, label smoothing); recomputation giving
+// attention, untied output layer, no biases, label smoothing); squared_relu; recomputation giving
 // bit-identical results; and the same loss from every layout of one model.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -436,6 +436,22 @@ TEST(GptMpi, GroupedQueryAttentionLlamaStyle) {
     if (t > 4) continue;  // 4 query groups
     SCOPED_TRACE(fmt::format("tp {}", t));
     RunChecked(Document(Llama(8, 4), t, t > 1, "float64"));
+  }
+}
+
+// Megatron's squared_relu (relu(x)^2, core/ops/activation.h) on every tp size, with sequence
+// parallelism where tp > 1, in float64, and on the widest layout in float32 and bfloat16.
+TEST(GptMpi, SquaredReluOnEveryLayout) {
+  json model = Gpt(8, 8);
+  model["activation"] = "squared_relu";
+  for (const int64_t t : TensorParallelSizes()) {
+    SCOPED_TRACE(fmt::format("tp {}", t));
+    RunChecked(Document(model, t, t > 1, "float64"));
+  }
+  const int64_t t = TensorParallelSizes().back();
+  for (const char* dtype : {"float32", "bfloat16"}) {
+    SCOPED_TRACE(dtype);
+    RunChecked(Document(model, t, t > 1, dtype));
   }
 }
 

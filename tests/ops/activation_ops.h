@@ -52,6 +52,9 @@ inline const std::vector<Row>& Rows() {
        [](double a) { return Sigmoid(a) * (1 + a * (1 - Sigmoid(a))); },
        [](double a) { return std::fabs(a) * Sigmoid(a); },
        [](double a) { return Sigmoid(a) * (1 + std::fabs(a) * (1 - Sigmoid(a))); }},
+      {Activation::kSquaredRelu, [](double x) { return x > 0 ? x * x : 0.0; },
+       [](double x) { return x > 0 ? 2 * x : 0.0; }, [](double x) { return x * x; },
+       [](double x) { return 2 * std::fabs(x); }},
   };
   return rows;
 }
