@@ -357,30 +357,102 @@ void EigenKernels::DoScale(double alpha, Tensor& x) {
 
 // --- elementwise ----------------------------------------------------------------------
 
-// The op functors take any storage type (their loads widen, their stores round once), so
-// the 16-bit dtypes need no float32 copies here.
+// The op functors (core/ops) on blocks of elements: their formulas with Eigen's vectorised
+// array functions (erf a rational approximation within a few ulp for float, std::erf for
+// double; exp likewise), over blocks of at most kOpBlock elements held on the stack. Loads
+// widen and stores round once (ops::Load, ops::Store), so every storage type runs the same
+// code, with no float32 copies of 16-bit tensors.
+struct BlockMath {
+  static constexpr int kOpBlock = 256;
+  template <typename C>
+  using Value = Eigen::Array<C, Eigen::Dynamic, 1, Eigen::ColMajor, kOpBlock, 1>;
+  template <typename E>
+  static auto Exp(const E& x) {
+    return x.exp();
+  }
+  template <typename E>
+  static auto Erf(const E& x) {
+    return x.erf();
+  }
+  template <typename W, typename A, typename B>
+  static auto Select(const W& where, const A& a, const B& b) {
+    return where.select(a, b);
+  }
+};
+
+template <typename T>
+BlockMath::Value<ops::ComputeOf<T>> LoadBlock(const T* p, int64_t n) {
+  BlockMath::Value<ops::ComputeOf<T>> v(n);
+  for (int64_t k = 0; k < n; ++k) v[k] = ops::Load(p[k]);
+  return v;
+}
+template <typename T>
+void StoreBlock(const BlockMath::Value<ops::ComputeOf<T>>& v, T* p) {
+  for (int64_t k = 0; k < v.size(); ++k) p[k] = ops::Store<T>(v[k]);
+}
+
+// Calls fn(offset, length) for the blocks of [0, n) in order.
+template <typename Fn>
+void ForBlocks(int64_t n, Fn&& fn) {
+  for (int64_t at = 0; at < n; at += BlockMath::kOpBlock) {
+    fn(at, std::min<int64_t>(BlockMath::kOpBlock, n - at));
+  }
+}
+
 void EigenKernels::DoActivationForward(Activation act, const Tensor& x, Tensor& y) {
-  const int64_t n = y.numel();
   const int64_t f = Cols(y);
+  const int64_t rows = Rows(y);
   DispatchStorage(x.dtype(), [&]<typename T>() {
+    using C = ops::ComputeOf<T>;
     ops::VisitActivation(act, [&]<typename A>() {
       const T* xs = x.data_as<T>();
       T* ys = y.data_as<T>();
-      for (int64_t e = 0; e < n; ++e) ops::ActivationForwardAt<A>(xs, ys, e, f);
+      if constexpr (A::kGated) {
+        for (int64_t i = 0; i < rows; ++i) {
+          ForBlocks(f, [&](int64_t j, int64_t len) {
+            const auto a = LoadBlock(xs + i * 2 * f + j, len);
+            const auto b = LoadBlock(xs + i * 2 * f + f + j, len);
+            StoreBlock<T>(ops::GatedForward<A, C, BlockMath>(a, b), ys + i * f + j);
+          });
+        }
+      } else {
+        ForBlocks(y.numel(), [&](int64_t e, int64_t len) {
+          StoreBlock<T>(ops::Forward<A, C, BlockMath>(LoadBlock(xs + e, len)), ys + e);
+        });
+      }
     });
   });
 }
 
 void EigenKernels::DoActivationBackward(Activation act, const Tensor& x, const Tensor& dy,
                                         Tensor& dx) {
-  const int64_t n = dy.numel();
   const int64_t f = Cols(dy);
+  const int64_t rows = Rows(dy);
   DispatchStorage(x.dtype(), [&]<typename T>() {
+    using C = ops::ComputeOf<T>;
     ops::VisitActivation(act, [&]<typename A>() {
       const T* xs = x.data_as<T>();
       const T* dys = dy.data_as<T>();
       T* dxs = dx.data_as<T>();
-      for (int64_t e = 0; e < n; ++e) ops::ActivationBackwardAt<A>(xs, dys, dxs, e, f);
+      if constexpr (A::kGated) {
+        // A block of both halves is loaded before either is stored (dx may be x).
+        for (int64_t i = 0; i < rows; ++i) {
+          ForBlocks(f, [&](int64_t j, int64_t len) {
+            const auto a = LoadBlock(xs + i * 2 * f + j, len);
+            const auto b = LoadBlock(xs + i * 2 * f + f + j, len);
+            BlockMath::Value<C> da(len), db(len);
+            ops::GatedBackward<A, C, BlockMath>(a, b, LoadBlock(dys + i * f + j, len), da, db);
+            StoreBlock<T>(da, dxs + i * 2 * f + j);
+            StoreBlock<T>(db, dxs + i * 2 * f + f + j);
+          });
+        }
+      } else {
+        ForBlocks(dy.numel(), [&](int64_t e, int64_t len) {
+          StoreBlock<T>(ops::Backward<A, C, BlockMath>(LoadBlock(xs + e, len),
+                                                       LoadBlock(dys + e, len)),
+                        dxs + e);
+        });
+      }
     });
   });
 }

@@ -14,7 +14,8 @@
 // Arithmetic is in the compute type C (float for float32, bfloat16 and float16 storage;
 // double for float64): a load widens exactly, one rounding stores (core/half.h).
 //
-// Adding an activation: its enum value (and the count), a functor below and a row in
+// Adding an activation: its enum value (and the count), a functor below (in the math M, so
+// that it runs on an element and on a block) and a row in
 // VisitActivation; then its float64 reference (reference/gpt_reference.cc) and a row in
 // the op test table (tests/ops/activation_ops.h).
 #pragma once
@@ -51,45 +52,61 @@ MPUSIM_HD inline S Store(ComputeOf<S> v) {
   }
 }
 
-// libm on the host, CUDA's math library on the device (both correctly rounded or within an
-// ulp or two; the backends' results may differ in the last bits).
-MPUSIM_HD inline float Exp(float x) { return expf(x); }
-MPUSIM_HD inline double Exp(double x) { return exp(x); }
-MPUSIM_HD inline float Erf(float x) { return erff(x); }
-MPUSIM_HD inline double Erf(double x) { return erf(x); }
+// The math the functors are written in, for a value V of compute type C: here one element,
+// with libm on the host and CUDA's math library on the device (both within an ulp or two;
+// the backends may differ in the last bits). The CPU backend passes a math whose V is a
+// block of elements and whose functions are Eigen's vectorised array functions
+// (sim/eigen_kernels.cc), so that one formula serves an element and a block.
+struct ScalarMath {
+  template <typename C>
+  using Value = C;
+  MPUSIM_HD static float Exp(float x) { return expf(x); }
+  MPUSIM_HD static double Exp(double x) { return exp(x); }
+  MPUSIM_HD static float Erf(float x) { return erff(x); }
+  MPUSIM_HD static double Erf(double x) { return erf(x); }
+  // where ? a : b
+  template <typename C>
+  MPUSIM_HD static C Select(bool where, C a, C b) {
+    return where ? a : b;
+  }
+};
+
+// An activation is f and f' of (C, M, V): MPUSIM_HD static V F(const V& x), Grad likewise.
+#define MPUSIM_OP_VALUE \
+  typename C, typename M = ScalarMath, typename V = typename M::template Value<C>
 
 struct Gelu {
   static constexpr std::string_view kName = "gelu";
   static constexpr bool kGated = false;
-  static constexpr double kInvSqrt2 = 0.70710678118654752440;     // 1 / sqrt(2)
-  static constexpr double kInvSqrt2Pi = 0.39894228040143267794;   // 1 / sqrt(2 pi)
-  template <typename C>
-  MPUSIM_HD static C F(C x) {
-    return (C(0.5) * x) * (C(1) + Erf(x * C(kInvSqrt2)));
+  static constexpr double kInvSqrt2 = 0.70710678118654752440;    // 1 / sqrt(2)
+  static constexpr double kInvSqrt2Pi = 0.39894228040143267794;  // 1 / sqrt(2 pi)
+  template <MPUSIM_OP_VALUE>
+  MPUSIM_HD static V F(const V& x) {
+    return (C(0.5) * x) * (C(1) + M::Erf(x * C(kInvSqrt2)));
   }
   // Phi(x) + x phi(x), phi(x) = exp(-x^2 / 2) / sqrt(2 pi).
-  template <typename C>
-  MPUSIM_HD static C Grad(C x) {
-    const C cdf = C(0.5) * (C(1) + Erf(x * C(kInvSqrt2)));
-    return cdf + (x * Exp(C(-0.5) * (x * x))) * C(kInvSqrt2Pi);
+  template <MPUSIM_OP_VALUE>
+  MPUSIM_HD static V Grad(const V& x) {
+    const V cdf = C(0.5) * (C(1) + M::Erf(x * C(kInvSqrt2)));
+    return cdf + (x * M::Exp(C(-0.5) * (x * x))) * C(kInvSqrt2Pi);
   }
 };
 
 struct Swiglu {
   static constexpr std::string_view kName = "swiglu";
   static constexpr bool kGated = true;
-  template <typename C>
-  MPUSIM_HD static C Sigmoid(C x) {
-    return C(1) / (C(1) + Exp(-x));
+  template <MPUSIM_OP_VALUE>
+  MPUSIM_HD static V Sigmoid(const V& x) {
+    return C(1) / (C(1) + M::Exp(-x));
   }
-  template <typename C>
-  MPUSIM_HD static C F(C x) {  // silu
-    return x * Sigmoid(x);
+  template <MPUSIM_OP_VALUE>
+  MPUSIM_HD static V F(const V& x) {  // silu
+    return x * Sigmoid<C, M, V>(x);
   }
   // silu'(x) = sigmoid(x) (1 + x (1 - sigmoid(x))).
-  template <typename C>
-  MPUSIM_HD static C Grad(C x) {
-    const C s = Sigmoid(x);
+  template <MPUSIM_OP_VALUE>
+  MPUSIM_HD static V Grad(const V& x) {
+    const V s = Sigmoid<C, M, V>(x);
     return s * (C(1) + x * (C(1) - s));
   }
 };
@@ -97,13 +114,13 @@ struct Swiglu {
 struct SquaredRelu {
   static constexpr std::string_view kName = "squared_relu";
   static constexpr bool kGated = false;
-  template <typename C>
-  MPUSIM_HD static C F(C x) {
-    return x > C(0) ? x * x : C(0);
+  template <MPUSIM_OP_VALUE>
+  MPUSIM_HD static V F(const V& x) {
+    return M::Select(x > C(0), x * x, C(0));
   }
-  template <typename C>
-  MPUSIM_HD static C Grad(C x) {
-    return x > C(0) ? C(2) * x : C(0);
+  template <MPUSIM_OP_VALUE>
+  MPUSIM_HD static V Grad(const V& x) {
+    return M::Select(x > C(0), C(2) * x, C(0));
   }
 };
 
@@ -122,6 +139,26 @@ decltype(auto) VisitActivation(Activation a, Visitor&& visitor) {
   return visitor.template operator()<Gelu>();
 }
 
+// The op on values (an element, or a block on the CPU): y = f(x); gated, y = f(a) b; back,
+// dx = dy f'(x); gated, da = dy b f'(a) and db = dy f(a).
+template <typename A, MPUSIM_OP_VALUE>
+MPUSIM_HD V Forward(const V& x) {
+  return A::template F<C, M, V>(x);
+}
+template <typename A, MPUSIM_OP_VALUE>
+MPUSIM_HD V GatedForward(const V& a, const V& b) {
+  return A::template F<C, M, V>(a) * b;
+}
+template <typename A, MPUSIM_OP_VALUE>
+MPUSIM_HD V Backward(const V& x, const V& dy) {
+  return dy * A::template Grad<C, M, V>(x);
+}
+template <typename A, MPUSIM_OP_VALUE>
+MPUSIM_HD void GatedBackward(const V& a, const V& b, const V& dy, V& da, V& db) {
+  da = (dy * b) * A::template Grad<C, M, V>(a);
+  db = dy * A::template F<C, M, V>(a);
+}
+
 // Element e of y (f = y's columns): y[e] = f(x[e]), or f(a) b for a gated A.
 template <typename A, typename T>
 MPUSIM_HD void ActivationForwardAt(const T* x, T* y, int64_t e, int64_t f) {
@@ -130,14 +167,14 @@ MPUSIM_HD void ActivationForwardAt(const T* x, T* y, int64_t e, int64_t f) {
     const int64_t i = e / f, j = e % f;
     const C a = Load(x[i * 2 * f + j]);
     const C b = Load(x[i * 2 * f + f + j]);
-    y[e] = Store<T>(A::F(a) * b);
+    y[e] = Store<T>(GatedForward<A, C>(a, b));
   } else {
-    y[e] = Store<T>(A::F(Load(x[e])));
+    y[e] = Store<T>(Forward<A, C>(Load(x[e])));
   }
 }
 
 // Element e of dy (f = dy's columns): dx[e] = dy[e] f'(x[e]); for a gated A the pair
-// da = dy b f'(a), db = dy f(a). Reads x before writing dx, so dx may be x.
+// (i, j), (i, f + j) of dx. Reads x before writing dx, so dx may be x.
 template <typename A, typename T>
 MPUSIM_HD void ActivationBackwardAt(const T* x, const T* dy, T* dx, int64_t e, int64_t f) {
   using C = ComputeOf<T>;
@@ -146,10 +183,12 @@ MPUSIM_HD void ActivationBackwardAt(const T* x, const T* dy, T* dx, int64_t e, i
     const int64_t i = e / f, j = e % f;
     const C a = Load(x[i * 2 * f + j]);
     const C b = Load(x[i * 2 * f + f + j]);
-    dx[i * 2 * f + j] = Store<T>((g * b) * A::Grad(a));
-    dx[i * 2 * f + f + j] = Store<T>(g * A::F(a));
+    C da, db;
+    GatedBackward<A, C>(a, b, g, da, db);
+    dx[i * 2 * f + j] = Store<T>(da);
+    dx[i * 2 * f + f + j] = Store<T>(db);
   } else {
-    dx[e] = Store<T>(g * A::Grad(Load(x[e])));
+    dx[e] = Store<T>(Backward<A, C>(Load(x[e]), g));
   }
 }
 
@@ -170,6 +209,8 @@ struct GatedOf {
   }
 };
 }  // namespace ops
+
+#undef MPUSIM_OP_VALUE
 
 // The JSON name ("gelu", "swiglu", "squared_relu") and whether x = [a | b] is gated.
 inline std::string_view ActivationName(Activation a) {
