@@ -94,6 +94,7 @@ struct ManifestTensor {
   std::string name;
   Shape full_shape;
   DType dtype = DType::kFloat32;
+  std::optional<Tolerance> budget;  // "budget": {"atol", "rtol"} (a checked run's dump)
 };
 
 struct Manifest {
@@ -184,9 +185,9 @@ StatusOr<Manifest> ParseManifest(const Json& j) {
     const Json& t = tensors[i];
     if (!t.is_object()) return Status::Error(where, "must be an object {name, full_shape, dtype}");
     for (const auto& [key, unused] : t.items()) {
-      if (key != "name" && key != "full_shape" && key != "dtype") {
+      if (key != "name" && key != "full_shape" && key != "dtype" && key != "budget") {
         return Status::Error(where, fmt::format("unknown key '{}'; allowed: name, full_shape, "
-                                                "dtype",
+                                                "dtype, budget",
                                                 key));
       }
     }
@@ -213,6 +214,23 @@ StatusOr<Manifest> ParseManifest(const Json& j) {
     StatusOr<DType> dtype = ParseDTypeName(t["dtype"]);
     if (!dtype.ok()) return Status::Error(where + ".dtype", dtype.status().what());
     mt.dtype = *dtype;
+    if (t.contains("budget")) {
+      const Json& b = t["budget"];
+      const auto number = [&](const char* key, double* out) {
+        if (!b.is_object() || !b.contains(key) || !b[key].is_number()) return false;
+        *out = b[key].get<double>();
+        return std::isfinite(*out) && *out >= 0;
+      };
+      Tolerance budget{0, 0, 0};
+      if (!b.is_object() || b.size() != 2 || !number("atol", &budget.atol) ||
+          !number("rtol", &budget.rtol)) {
+        return Status::Error(where + ".budget",
+                             fmt::format("must be {{\"atol\": A, \"rtol\": R}} with finite "
+                                         "A, R >= 0, got {}",
+                                         Brief(b)));
+      }
+      mt.budget = budget;
+    }
     m.tensors.push_back(std::move(mt));
   }
   return m;
@@ -603,6 +621,12 @@ TensorDiff DiffTensor(const Dump& a, const Dump& b, const std::string& name,
   d.precision = LessPrecise(a.Precision(ta != nullptr ? ta->dtype : DType::kFloat64),
                             b.Precision(tb != nullptr ? tb->dtype : DType::kFloat64));
   d.tolerance = DiffTolerance(d.precision, d.precision, options);
+  if (ta != nullptr && tb != nullptr && ta->budget && tb->budget && !options.atol &&
+      !options.ntol && !options.rtol) {
+    // Each side is within its budget of the exact value, so the two are within the sum.
+    d.tolerance = {ta->budget->atol + tb->budget->atol, ta->budget->rtol + tb->budget->rtol, 0};
+    d.budgeted = true;
+  }
   if (ta == nullptr || tb == nullptr) {
     d.problem = ta == nullptr ? "only in B" : "only in A";
     return d;
@@ -760,6 +784,7 @@ StatusOr<Dump> LoadDump(const std::string& dir) {
     t.name = mt.name;
     t.full_shape = mt.full_shape;
     t.dtype = mt.dtype;
+    t.budget = mt.budget;
     dump.tensors_.push_back(std::move(t));
   }
   std::set<int64_t> tp_ranks;
@@ -926,6 +951,14 @@ std::string DiffText(const DiffResult& r) {
       "precise dtype of the tensor on either side and of the runs' storage picks the "
       "tolerance: {}\n",
       fmt::join(policies, ", "));
+  const auto budgeted = std::count_if(r.tensors.begin(), r.tensors.end(),
+                                      [](const TensorDiff& d) { return d.budgeted; });
+  if (budgeted > 0) {
+    out += fmt::format(
+        "{} of {} tensors carry error budgets in both dumps (their runs' checks against the "
+        "float64 reference): those are allowed the sum of the two budgets instead\n",
+        budgeted, r.tensors.size());
+  }
   size_t width = 26;
   for (const TensorDiff& d : r.tensors) width = std::max(width, d.name.size());
   out += fmt::format("  {:<{}} {:<16} {:<7} {:>12} {:>12} {:>12}  {}\n", "tensor", width, "shape",
@@ -982,6 +1015,7 @@ std::string DiffJson(const DiffResult& r) {
     t["dtype_a"] = dtype(d.dtype_a);
     t["dtype_b"] = dtype(d.dtype_b);
     t["precision"] = std::string(DTypeName(d.precision));
+    t["budgeted"] = d.budgeted;
     t["atol"] = d.tolerance.atol;
     t["ntol"] = d.tolerance.ntol;
     t["rtol"] = d.tolerance.rtol;

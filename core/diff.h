@@ -31,9 +31,13 @@
 //   precision          = the least precise of: T's dtype in A and in B, and each dump's run
 //                        storage dtype (manifest "dtype"; a bfloat16 run's float32 main_grad
 //                        carries bfloat16-sized errors)
-//   (atol, ntol, rtol) = DefaultTolerance(precision) (core/compare.h: float64 1e-12, 0, 1e-9;
-//                        float32 1e-5, 0, 1e-4; float16 0, 2^-8, 2^-8; bfloat16 0, 2^-5,
-//                        2^-5), each overridable.
+//   (atol, ntol, rtol) = when both dumps record T's error budget (a checked run's manifest
+//                        "budget": every element within atol + rtol * |exact| of the exact
+//                        value, the check's allowance): the sums of both sides' atol and
+//                        rtol, ntol 0. Otherwise DefaultTolerance(precision) (core/compare.h:
+//                        float64 1e-12, 0, 1e-9; float32 1e-5, 0, 1e-4; float16 0, 2^-8,
+//                        2^-8; bfloat16 0, 2^-5, 2^-5). --atol, --ntol or --rtol replace
+//                        both: the per-dtype policy with those values overridden.
 // A tensor fails when an element fails, when the shapes differ, when it is in one side only,
 // or when a side's copies disagree. One difference of shapes is allowed: two layouts of one
 // model may pad the vocabulary differently (Megatron pads vocab_size to a multiple of
@@ -77,6 +81,9 @@ struct DumpTensor {
   DType dtype = DType::kFloat32;
   bool partial_sum = false;
   std::vector<DumpShard> shards;  // in rank order; all with the same layout
+  // The run's check allowed every element |value - exact| <= atol + rtol * |exact| (manifest
+  // "budget"; absent when the run was not checked).
+  std::optional<Tolerance> budget;
 };
 
 class Dump {
@@ -135,6 +142,7 @@ struct TensorDiff {
   std::optional<DType> dtype_b;
   DType precision = DType::kFloat64;  // picks the tolerance (see above)
   Tolerance tolerance{0, 0};
+  bool budgeted = false;  // tolerance is the sum of both dumps' error budgets
   bool compared = false;  // values were compared (statistics below are meaningful)
   int64_t elements = 0;
   int64_t mismatches = 0;  // failing elements, NaN and Inf included

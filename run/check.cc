@@ -425,6 +425,7 @@ int64_t DistinctBytes(const std::vector<const Tensor*>& tensors) {
 std::vector<TensorCheck> ReduceOverRanks(const std::vector<ReferenceTensor>& refs,
                                          const std::vector<double>& scales,
                                          const std::vector<ErrorStats>& stats,
+                                         const std::vector<double>& budget_atol,
                                          std::vector<int>& flags, DType storage, int world_rank) {
   const size_t n = refs.size();
   std::vector<double> maxima(3 * n);
@@ -472,6 +473,7 @@ std::vector<TensorCheck> ReduceOverRanks(const std::vector<ReferenceTensor>& ref
     c.scale = scales[i];
     c.normalized = c.scale > 0 ? c.max_abs / c.scale : 0.0;
     c.allowed = ToleranceFor(refs[i].budget, storage).rtol;
+    c.budget_atol = budget_atol[i];
     c.count = counts[3 * i];
     c.mismatches = counts[3 * i + 1];
     c.non_finite = counts[3 * i + 2];
@@ -778,8 +780,16 @@ StatusOr<CheckResult> CheckAgainstReference(const Config& config,
   for (const auto& [name, record] : by_name) unknown.push_back(name);
   const std::vector<std::string> run_only = RunOnlyNames(unknown);
 
+  std::vector<double> budget_atol(n);  // TensorCheck::budget_atol
+  for (size_t i = 0; i < n; ++i) {
+    const auto bound = bounds.find(refs[i].name);
+    const std::vector<double>* b = bound != bounds.end() ? bound->second : nullptr;
+    budget_atol[i] = tolerances[i].atol +
+                     (b != nullptr && !b->empty() ? *std::max_element(b->begin(), b->end()) : 0.0);
+  }
   CheckResult result;
-  result.tensors = ReduceOverRanks(refs, scales, stats, flags, config.run->dtype, world_rank);
+  result.tensors =
+      ReduceOverRanks(refs, scales, stats, budget_atol, flags, config.run->dtype, world_rank);
   if (const ReferenceTensor* loss = reference->Find("loss")) {
     result.has_loss = true;
     result.reference_loss = loss->value.data_as<double>()[0];

@@ -44,6 +44,13 @@ struct TensorCheck {
   // optimizer states, whose elements are also allowed the error their gradients' tolerance
   // carries through the optimizer steps.
   double used = 0;
+  // The absolute part of the allowance, `allowed` being the relative one: every element was
+  // allowed |a - e| <= budget_atol + allowed * |e|. It is allowed * scale, plus after
+  // training the parameters' drift (TrainingDrift) or, for a trained parameter or optimizer
+  // state, the largest of its elements' training bounds (a summary that covers each). A dump
+  // records both as the tensor's error budget (manifest "budget"), and `mpusim diff` allows
+  // two dumps with budgets the sum of theirs (core/diff.h).
+  double budget_atol = 0;
   int64_t count = 0;      // elements compared (every copy of a replicated element counts)
   int64_t mismatches = 0;
   int64_t non_finite = 0;

@@ -6,6 +6,7 @@
 
 #include <climits>
 #include <filesystem>
+#include <cmath>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -131,8 +132,19 @@ Status PrepareDump(DumpTarget* target) {
   return {};
 }
 
+std::map<std::string, Tolerance> ErrorBudgets(const CheckResult& check) {
+  std::map<std::string, Tolerance> budgets;
+  for (const TensorCheck& c : check.tensors) {
+    if (c.count > 0 && !c.missing && std::isfinite(c.budget_atol) && std::isfinite(c.allowed)) {
+      budgets[c.name] = {c.budget_atol, c.allowed, 0};
+    }
+  }
+  return budgets;
+}
+
 Status WriteDump(const DumpTarget& target, const RankCoordinates& coords,
                  const std::vector<TensorRecord>& records, const HostFetch& fetch,
+                 const std::map<std::string, Tolerance>& budgets,
                  std::vector<std::string>* lines) {
   const int world_rank = WorldRank();
   int world_size = 1;
@@ -184,8 +196,13 @@ Status WriteDump(const DumpTarget& target, const RankCoordinates& coords,
   // order, each once.
   nlohmann::ordered_json mine = nlohmann::ordered_json::array();
   for (const TensorRecord& r : records) {
-    mine.push_back(
-        {{"name", r.name}, {"full_shape", r.full_shape}, {"dtype", DTypeName(r.tensor.dtype())}});
+    nlohmann::ordered_json entry = {
+        {"name", r.name}, {"full_shape", r.full_shape}, {"dtype", DTypeName(r.tensor.dtype())}};
+    const auto budget = budgets.find(r.name);
+    if (budget != budgets.end()) {
+      entry["budget"] = {{"atol", budget->second.atol}, {"rtol", budget->second.rtol}};
+    }
+    mine.push_back(std::move(entry));
   }
   const std::vector<std::string> lists = AllGatherStrings(mine.dump());
   std::string finished;

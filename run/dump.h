@@ -6,9 +6,11 @@
 // What it is not: a checkpoint (no optimizer state, no way back into a run).
 #pragma once
 
+#include <map>
 #include <string>
 #include <vector>
 
+#include "core/compare.h"
 #include "core/config.h"
 #include "core/model/graph.h"
 #include "core/status.h"
@@ -38,9 +40,16 @@ Status PrepareDump(DumpTarget* target);
 // either a complete dump or absent. Host copies are made once per storage (a tensor
 // recorded under two names is copied once). Returns a Status on every rank when the directory cannot
 // be made or a file cannot be written; *lines (rank 0) then says which ranks failed and why.
+// `budgets` (the same on every rank; empty for a run without the check) gives a tensor's
+// error budget, written into its manifest entry: {"atol", "rtol"}, every element was allowed
+// |value - exact| <= atol + rtol * |exact| by the check (TensorCheck::budget_atol, allowed).
 Status WriteDump(const DumpTarget& target, const RankCoordinates& coords,
                  const std::vector<TensorRecord>& records, const HostFetch& fetch,
+                 const std::map<std::string, Tolerance>& budgets,
                  std::vector<std::string>* lines);
+
+// The error budgets of a checked run's tensors (those it compared), for WriteDump.
+std::map<std::string, Tolerance> ErrorBudgets(const CheckResult& check);
 
 // The sharding metadata of one record, as stored in the safetensors header.
 std::string ShardMetadataJson(const TensorRecord& record);

@@ -240,6 +240,7 @@ StatusOr<CheckResult> CheckGptAgainstReference(const Config& config, const GptCo
   // their scale (the sum over the parameters of max|a - e| / max|e|, times the tolerance's
   // safety factor: to first order every product adds its factors' relative errors).
   std::vector<ErrorStats> stats(T);
+  std::vector<double> budget_atol(T, 0.0);  // TensorCheck::budget_atol
   double drift = 0;
   for (const bool trained : {true, false}) {
     for (size_t i = 0; i < T; ++i) {
@@ -259,6 +260,9 @@ StatusOr<CheckResult> CheckGptAgainstReference(const Config& config, const GptCo
       }
       if (trained != (bounds != nullptr)) continue;
       if (!exact) tol.atol += drift * scale[i];
+      budget_atol[i] = tol.atol + (bounds != nullptr && !bounds->empty()
+                                       ? *std::max_element(bounds->begin(), bounds->end())
+                                       : 0.0);
       for (const TensorRecord* r : by_slot[i]) {
         const Tensor host = fetch(*r);
         const ElementMap map(*r, rt, options.sample_begin, options.sample_end);
@@ -328,6 +332,7 @@ StatusOr<CheckResult> CheckGptAgainstReference(const Config& config, const GptCo
     c.scale = scale[i];
     c.normalized = scale[i] > 0 ? c.max_abs / scale[i] : 0.0;
     c.allowed = rt.name == "tokens" || rt.name == "labels" ? 0.0 : tolerance.rtol;
+    c.budget_atol = budget_atol[i];
     c.not_produced = c.count == 0;
     if (c.mismatches > 0) {
       c.worst_index = IndexString(rt.full_shape, static_cast<int64_t>(worst_values[3 * i]));

@@ -593,7 +593,7 @@ int RankRun::Run() {
                     return r.tensor.device() == Device::kHost ? r.tensor
                                                               : backend->kernels().ToHost(r.tensor);
                   },
-                  &lines);
+                  ErrorBudgets(result->check), &lines);
     result->records.clear();
     if (!written.ok()) {
       if (lines.empty()) return Usage("command line", written.Message());

@@ -397,6 +397,62 @@ TEST_F(DiffTest, PerturbedElementFailsWithItsCoordinates) {
   EXPECT_EQ(Find(Diff("a", "b", loose), "fc1.output").tolerance.atol, 1.0);
 }
 
+// Dumps of checked runs carry each tensor's error budget (the check's allowance against the
+// float64 reference): a pair is allowed the sum of both sides' budgets; a side without one,
+// or an override on the command line, falls back to the per-dtype policy.
+TEST_F(DiffTest, ErrorBudgetsOfBothSidesAddUp) {
+  const Model m;
+  Model perturbed;
+  perturbed.act = Ramp({4, 4, 8});
+  const int64_t flat = (3 * 4 + 2) * 8 + 5;
+  perturbed.act.data_as<double>()[flat] += 0.01;  // far outside float32's 1e-5 + 1e-4 |b|
+  const auto budgeted = [](DumpBuilder& b, double atol, double rtol) {
+    for (Json& t : b.manifest()["tensors"]) t["budget"] = {{"atol", atol}, {"rtol", rtol}};
+  };
+  DumpBuilder expected(1, 1);
+  AddModel(expected, m, DType::kFloat32);
+  expected.Write(root_ / "b_plain");
+  budgeted(expected, 0.004, 1e-6);
+  expected.Write(root_ / "b");
+  DumpBuilder actual(2, 2);
+  AddModel(actual, perturbed, DType::kFloat32);
+  actual.Write(root_ / "a_plain");
+  budgeted(actual, 0.007, 2e-6);
+  actual.Write(root_ / "a");
+
+  // 0.01 <= 0.004 + 0.007 + 3e-6 |b|: within the two budgets.
+  const DiffResult r = Diff("a", "b");
+  const TensorDiff& d = Find(r, "fc1.output");
+  EXPECT_TRUE(d.pass) << d.problem;
+  EXPECT_TRUE(d.budgeted);
+  EXPECT_DOUBLE_EQ(d.tolerance.atol, 0.011);
+  EXPECT_DOUBLE_EQ(d.tolerance.rtol, 3e-6);
+  EXPECT_EQ(d.tolerance.ntol, 0.0);
+  EXPECT_EQ(r.failed, 0);
+  EXPECT_NE(DiffText(r).find("8 of 8 tensors carry error budgets in both dumps"),
+            std::string::npos)
+      << DiffText(r);
+  EXPECT_EQ(nlohmann::json::parse(DiffJson(r))["tensors"][4]["budgeted"], true);
+  // One budget alone does not cover it.
+  budgeted(actual, 0.005, 2e-6);
+  actual.Write(root_ / "a_small");
+  EXPECT_FALSE(Find(Diff("a_small", "b"), "fc1.output").pass);
+  // Without a budget on either side: the float32 policy, which 0.01 fails.
+  for (const auto& [a, b] : {std::pair{"a_plain", "b"}, std::pair{"a", "b_plain"}}) {
+    const TensorDiff& plain = Find(Diff(a, b), "fc1.output");
+    EXPECT_FALSE(plain.budgeted) << a << " " << b;
+    EXPECT_FALSE(plain.pass) << a << " " << b;
+    EXPECT_EQ(plain.tolerance.atol, 1e-5);
+  }
+  // An override replaces the budgets: the policy with rtol 0.5 (atol stays float32's 1e-5).
+  DiffOptions rtol_only;
+  rtol_only.rtol = 0.5;
+  const TensorDiff& overridden = Find(Diff("a", "b", rtol_only), "fc1.output");
+  EXPECT_FALSE(overridden.budgeted);
+  EXPECT_EQ(overridden.tolerance.atol, 1e-5);
+  EXPECT_EQ(overridden.tolerance.rtol, 0.5);
+}
+
 TEST_F(DiffTest, DefaultPolicyUsesTheLessPreciseDtype) {
   const DiffOptions none;
   const Tolerance f32 = DiffTolerance(DType::kFloat32, DType::kFloat64, none);
@@ -693,6 +749,14 @@ TEST_F(DiffTest, ManifestFieldsAreChecked) {
     DumpBuilder b = GoodDump();
     b.manifest()["tensors"][0]["full_shape"] = Json::array({4, -6});
     ExpectContains(LoadError(b), "tensors[0].full_shape");
+  }
+  for (const Json& bad : {Json{{"atol", -1.0}, {"rtol", 0.0}}, Json{{"atol", 1.0}},
+                          Json{{"atol", 1.0}, {"rtol", "x"}},
+                          Json{{"atol", 1.0}, {"rtol", 0.0}, {"ntol", 0.0}}, Json(3)}) {
+    DumpBuilder b = GoodDump();
+    b.manifest()["tensors"][0]["budget"] = bad;
+    ExpectContains(LoadError(b), "tensors[0].budget: must be {\"atol\": A, \"rtol\": R} with finite "
+                                 "A, R >= 0, got");
   }
   {
     DumpBuilder b = GoodDump();
