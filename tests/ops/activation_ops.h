@@ -1,8 +1,9 @@
 // The op test table of the activations (core/ops/activation.h), run by every backend's test
 // binary (tests/sim on the CPU, tests/cuda where a device is visible): every activation,
 // forward and backward, in every float dtype, against float64 formulas written here
-// independently of the functors. A new activation without a row here fails
-// EveryActivationHasARow.
+// independently of the functors, in place where allowed, and the argument rules. It replaces
+// the per-backend GELU and SwiGLU cases of tests/sim and tests/cuda. A new activation without
+// a row here fails EveryActivationHasARow.
 //
 // Bounds: |actual - expected| <= rtol(dtype) * (|expected| + scale) + atol(dtype), where
 // scale is the size of the terms that cancel in the formula (gelu's x Phi(x) near x = -6,
@@ -15,6 +16,7 @@
 
 #include <cmath>
 #include <numbers>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -160,6 +162,24 @@ inline void CheckAll(Kernels& k, DType dt) {
     Tensor in_place = k.ToDevice(x_host);
     k.ActivationBackward(row.act, in_place, dy, in_place);
     EXPECT_EQ(ValuesOf(k.ToHost(in_place)), ValuesOf(k.ToHost(grad))) << name << " dx = x";
+    if (!gated) {  // a plain activation also runs with y = x, and with dx = dy
+      Tensor y_in_place = k.ToDevice(x_host);
+      k.ActivationForward(row.act, y_in_place, y_in_place);
+      EXPECT_EQ(ValuesOf(k.ToHost(y_in_place)), ValuesOf(k.ToHost(out))) << name << " y = x";
+      Tensor dy_in_place = k.ToDevice(dy_host);
+      k.ActivationBackward(row.act, x, dy_in_place, dy_in_place);
+      EXPECT_EQ(ValuesOf(k.ToHost(dy_in_place)), ValuesOf(k.ToHost(grad))) << name << " dx = dy";
+    }
+    // The argument rules (core/kernels.cc), the same on every backend.
+    Tensor short_y = k.Zeros({n, f - 1}, dt);
+    EXPECT_THROW(k.ActivationForward(row.act, x, short_y), std::invalid_argument) << name;
+    EXPECT_THROW(k.ActivationBackward(row.act, x, dy, short_y), std::invalid_argument) << name;
+    if (gated) {
+      const Tensor odd = k.Zeros({n, w - 1}, dt);
+      EXPECT_THROW(k.ActivationForward(row.act, odd, out), std::invalid_argument) << name;
+      Tensor wide = k.Zeros({n, w}, dt);
+      EXPECT_THROW(k.ActivationForward(row.act, x, wide), std::invalid_argument) << name;
+    }
   }
 }
 
