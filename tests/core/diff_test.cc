@@ -439,7 +439,8 @@ TEST_F(DiffTest, ErrorBudgetsOfBothSidesAddUp) {
   EXPECT_FALSE(Find(Diff("a_small", "b"), "fc1.output").pass);
   // Without a budget on either side: the float32 policy, which 0.01 fails.
   for (const auto& [a, b] : {std::pair{"a_plain", "b"}, std::pair{"a", "b_plain"}}) {
-    const TensorDiff& plain = Find(Diff(a, b), "fc1.output");
+    const DiffResult result = Diff(a, b);
+    const TensorDiff& plain = Find(result, "fc1.output");
     EXPECT_FALSE(plain.budgeted) << a << " " << b;
     EXPECT_FALSE(plain.pass) << a << " " << b;
     EXPECT_EQ(plain.tolerance.atol, 1e-5);
@@ -447,7 +448,8 @@ TEST_F(DiffTest, ErrorBudgetsOfBothSidesAddUp) {
   // An override replaces the budgets: the policy with rtol 0.5 (atol stays float32's 1e-5).
   DiffOptions rtol_only;
   rtol_only.rtol = 0.5;
-  const TensorDiff& overridden = Find(Diff("a", "b", rtol_only), "fc1.output");
+  const DiffResult with_override = Diff("a", "b", rtol_only);
+  const TensorDiff& overridden = Find(with_override, "fc1.output");
   EXPECT_FALSE(overridden.budgeted);
   EXPECT_EQ(overridden.tolerance.atol, 1e-5);
   EXPECT_EQ(overridden.tolerance.rtol, 0.5);
