@@ -47,6 +47,7 @@
 #include <fmt/format.h>
 
 #include "core/init.h"
+#include "core/ops/dropout.h"  // MapIndex
 
 namespace mpusim {
 
@@ -64,11 +65,7 @@ struct GlobalIndexMap {
   std::array<int64_t, 3> strides{0, 0, 1};
 
   int64_t At(int64_t flat_local) const {
-    const int64_t k = flat_local % dims[2];
-    const int64_t ij = flat_local / dims[2];
-    const int64_t j = ij % dims[1];
-    const int64_t i = ij / dims[1];
-    return base + i * strides[0] + j * strides[1] + k * strides[2];
+    return ops::MapIndex(base, dims.data(), strides.data(), flat_local);
   }
 };
 

@@ -387,9 +387,7 @@ void CudaKernels::DoDropout(const Tensor& x, double p, uint64_t key, uint64_t st
     return;
   }
   DispatchStorage(x.dtype(), [&]<typename T>() {
-    // Unused when p == 1: nothing is kept.
-    const auto keep_probability = static_cast<ComputeOf<T>>(1.0 - p);
-    LaunchDropout<T>(x.data_as<T>(), y.data_as<T>(), x.numel(), p, keep_probability, key, stream,
+    LaunchDropout<T>(x.data_as<T>(), y.data_as<T>(), x.numel(), ops::Dropout{p, key, stream},
                      offset, stream_);
   });
 }
@@ -404,9 +402,8 @@ void CudaKernels::DoDropoutAt(const Tensor& x, double p, uint64_t key, uint64_t 
                             {map.dims[0], map.dims[1], map.dims[2]},
                             {map.strides[0], map.strides[1], map.strides[2]}};
   DispatchStorage(x.dtype(), [&]<typename T>() {
-    const auto keep_probability = static_cast<ComputeOf<T>>(1.0 - p);  // as DoDropout
-    LaunchDropoutAt<T>(x.data_as<T>(), y.data_as<T>(), x.numel(), p, keep_probability, key,
-                       stream, device_map, stream_);
+    LaunchDropoutAt<T>(x.data_as<T>(), y.data_as<T>(), x.numel(), ops::Dropout{p, key, stream},
+                       device_map, stream_);
   });
 }
 

@@ -146,36 +146,18 @@ __global__ void ActivationBackwardKernel(const T* x, const T* dy, T* dx, int64_t
   }
 }
 
+// ops::Dropout: the CPU's Philox element and division, so masks and values are bit-identical.
 template <typename T>
-__global__ void DropoutKernel(const T* x, T* y, int64_t n, double p,
-                              ComputeOf<T> keep_probability, uint64_t key, uint64_t rng_stream,
-                              uint64_t offset) {
-  using C = ComputeOf<T>;
+__global__ void DropoutKernel(const T* x, T* y, int64_t n, ops::Dropout op, uint64_t offset) {
   for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
-    // The same Philox element as the CPU: masks are bit-identical.
-    const bool keep = UniformAt(key, rng_stream, offset + static_cast<uint64_t>(e)) >= p;
-    y[e] = ToStorage<T>(keep ? ToCompute(x[e]) / keep_probability : C(0));
+    y[e] = op(x[e], offset + static_cast<uint64_t>(e));
   }
 }
 
-// GlobalIndexMap::At (core/dropout.h), the same formula on the device.
-__device__ inline int64_t GlobalIndexAt(const IndexMap& map, int64_t e) {
-  const int64_t k = e % map.dims[2];
-  const int64_t ij = e / map.dims[2];
-  const int64_t j = ij % map.dims[1];
-  const int64_t i = ij / map.dims[1];
-  return map.base + i * map.strides[0] + j * map.strides[1] + k * map.strides[2];
-}
-
 template <typename T>
-__global__ void DropoutAtKernel(const T* x, T* y, int64_t n, double p,
-                                ComputeOf<T> keep_probability, uint64_t key, uint64_t rng_stream,
-                                IndexMap map) {
-  using C = ComputeOf<T>;
+__global__ void DropoutAtKernel(const T* x, T* y, int64_t n, ops::Dropout op, IndexMap map) {
   for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
-    const uint64_t index = static_cast<uint64_t>(GlobalIndexAt(map, e));
-    const bool keep = UniformAt(key, rng_stream, index) >= p;
-    y[e] = ToStorage<T>(keep ? ToCompute(x[e]) / keep_probability : C(0));
+    y[e] = op(x[e], static_cast<uint64_t>(ops::MapIndex(map.base, map.dims, map.strides, e)));
   }
 }
 
@@ -620,20 +602,18 @@ void LaunchActivationBackward(Activation act, const T* x, const T* dy, T* dx, in
 }
 
 template <typename T>
-void LaunchDropout(const T* x, T* y, int64_t n, double p, ComputeOf<T> keep_probability,
-                   uint64_t key, uint64_t rng_stream, uint64_t offset, cudaStream_t stream) {
+void LaunchDropout(const T* x, T* y, int64_t n, ops::Dropout op, uint64_t offset,
+                   cudaStream_t stream) {
   if (n <= 0) return;
-  DropoutKernel<T><<<GridFor(n), kBlock, 0, stream>>>(x, y, n, p, keep_probability, key,
-                                                      rng_stream, offset);
+  DropoutKernel<T><<<GridFor(n), kBlock, 0, stream>>>(x, y, n, op, offset);
   MPUSIM_CUDA_CHECK(cudaGetLastError());
 }
 
 template <typename T>
-void LaunchDropoutAt(const T* x, T* y, int64_t n, double p, ComputeOf<T> keep_probability,
-                     uint64_t key, uint64_t rng_stream, IndexMap map, cudaStream_t stream) {
+void LaunchDropoutAt(const T* x, T* y, int64_t n, ops::Dropout op, IndexMap map,
+                     cudaStream_t stream) {
   if (n <= 0) return;
-  DropoutAtKernel<T><<<GridFor(n), kBlock, 0, stream>>>(x, y, n, p, keep_probability, key,
-                                                        rng_stream, map);
+  DropoutAtKernel<T><<<GridFor(n), kBlock, 0, stream>>>(x, y, n, op, map);
   MPUSIM_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -790,14 +770,14 @@ void LaunchSumOfSquares(const T* x, int64_t n, double* out, cudaStream_t stream)
 #define MPUSIM_INSTANTIATE_LAUNCHERS(T, C)                                                     \
   template void LaunchScale<T>(T*, int64_t, C, cudaStream_t);                                  \
   template void LaunchAddRowVector<T>(const T*, T*, int64_t, int64_t, cudaStream_t);           \
-  template void LaunchActivationForward<T>(Activation, const T*, T*, int64_t, int64_t,        \
+  template void LaunchActivationForward<T>(Activation, const T*, T*, int64_t, int64_t,         \
                                           cudaStream_t);                                       \
   template void LaunchActivationBackward<T>(Activation, const T*, const T*, T*, int64_t,       \
                                            int64_t, cudaStream_t);                             \
-  template void LaunchDropout<T>(const T*, T*, int64_t, double, C, uint64_t, uint64_t,         \
-                                 uint64_t, cudaStream_t);                                      \
-  template void LaunchDropoutAt<T>(const T*, T*, int64_t, double, C, uint64_t, uint64_t,       \
-                                   IndexMap, cudaStream_t);                                    \
+  template void LaunchDropout<T>(const T*, T*, int64_t, ops::Dropout, uint64_t,                \
+                                 cudaStream_t);                                                \
+  template void LaunchDropoutAt<T>(const T*, T*, int64_t, ops::Dropout, IndexMap,              \
+                                   cudaStream_t);                                              \
   template void LaunchNormForward<T>(const T*, const T*, const T*, int64_t, int64_t, C, T*,    \
                                      C*, C*, cudaStream_t);                                    \
   template void LaunchCausalSoftmaxForward<T>(const T*, int64_t, int64_t, C, T*,               \

@@ -36,6 +36,7 @@
 
 #include "core/half.h"
 #include "core/ops/activation.h"
+#include "core/ops/dropout.h"
 #include "core/optimizer_update.h"
 
 namespace mpusim::cuda {
@@ -76,25 +77,24 @@ template <typename T>
 void LaunchActivationBackward(Activation act, const T* x, const T* dy, T* dx, int64_t n,
                               int64_t f, cudaStream_t stream);
 
-// y[e] = UniformAt(key, rng_stream, offset + e) >= p ? round(x[e] / keep_probability) : 0;
-// y may be x.
+// y[e] = op(x[e], offset + e) (ops::Dropout, core/ops/dropout.h: the CPU's definition); y
+// may be x.
 template <typename T>
-void LaunchDropout(const T* x, T* y, int64_t n, double p, ComputeOf<T> keep_probability,
-                   uint64_t key, uint64_t rng_stream, uint64_t offset, cudaStream_t stream);
+void LaunchDropout(const T* x, T* y, int64_t n, ops::Dropout op, uint64_t offset,
+                   cudaStream_t stream);
 
-// core/dropout.h's GlobalIndexMap in plain arrays: element e of the local tensor, viewed as
-// [dims[0], dims[1], dims[2]], is element base + i strides[0] + j strides[1] + k strides[2]
-// of the full tensor. The device evaluates GlobalIndexMap::At's formula itself.
+// core/dropout.h's GlobalIndexMap in plain arrays, for a kernel argument: element e of the
+// local tensor is element ops::MapIndex(base, dims, strides, e) of the full tensor.
 struct IndexMap {
   int64_t base;
   int64_t dims[3];
   int64_t strides[3];
 };
 
-// LaunchDropout with the Philox index map.At(e) instead of offset + e; y may be x.
+// y[e] = op(x[e], MapIndex(map, e)); y may be x.
 template <typename T>
-void LaunchDropoutAt(const T* x, T* y, int64_t n, double p, ComputeOf<T> keep_probability,
-                     uint64_t key, uint64_t rng_stream, IndexMap map, cudaStream_t stream);
+void LaunchDropoutAt(const T* x, T* y, int64_t n, ops::Dropout op, IndexMap map,
+                     cudaStream_t stream);
 
 // Both norms, one block per row of x [rows, cols]. LayerNorm when mean is given:
 //   m = sum x / cols, var = sum (x - m)^2 / cols, r = 1 / sqrt(var + eps),

@@ -36,6 +36,7 @@
 
 #include "core/arg_checks.h"
 #include "core/half.h"
+#include "core/ops/dropout.h"
 #include "core/philox.h"
 
 namespace mpusim {
@@ -457,28 +458,19 @@ void EigenKernels::DoActivationBackward(Activation act, const Tensor& x, const T
   });
 }
 
+// ops::Dropout on any storage type (its load widens, its store rounds once).
 void EigenKernels::DoDropout(const Tensor& x, double p, uint64_t key, uint64_t stream,
-                           uint64_t offset, Tensor& y) {
+                             uint64_t offset, Tensor& y) {
   if (p == 0.0) {
     Copy(x, y);
     return;
   }
-  if (IsHalf(x.dtype())) {
-    // Same mask and float32 scale as below, on the widened values; y may be x.
-    Tensor xf = Widened(x, *cache_);
-    DoDropout(xf, p, key, stream, offset, xf);
-    StoreRounded(xf, y);
-    return;
-  }
-  Dispatch(x.dtype(), [&]<typename T>() {
+  const ops::Dropout op{p, key, stream};
+  DispatchStorage(x.dtype(), [&]<typename T>() {
     const T* xs = x.data_as<T>();
     T* ys = y.data_as<T>();
-    const T keep_probability = static_cast<T>(1.0 - p);  // unused when p == 1: nothing is kept
     const uint64_t n = static_cast<uint64_t>(x.numel());
-    for (uint64_t e = 0; e < n; ++e) {
-      const bool keep = UniformAt(key, stream, offset + e) >= p;
-      ys[e] = keep ? xs[e] / keep_probability : static_cast<T>(0);
-    }
+    for (uint64_t e = 0; e < n; ++e) ys[e] = op(xs[e], offset + e);
   });
 }
 
@@ -488,22 +480,12 @@ void EigenKernels::DoDropoutAt(const Tensor& x, double p, uint64_t key, uint64_t
     Copy(x, y);
     return;
   }
-  if (IsHalf(x.dtype())) {
-    // Same mask and float32 scale as below, on the widened values; y may be x.
-    Tensor xf = Widened(x, *cache_);
-    DoDropoutAt(xf, p, key, stream, map, xf);
-    StoreRounded(xf, y);
-    return;
-  }
-  Dispatch(x.dtype(), [&]<typename T>() {
+  const ops::Dropout op{p, key, stream};
+  DispatchStorage(x.dtype(), [&]<typename T>() {
     const T* xs = x.data_as<T>();
     T* ys = y.data_as<T>();
-    const T keep_probability = static_cast<T>(1.0 - p);  // unused when p == 1: nothing is kept
     const int64_t n = x.numel();
-    for (int64_t e = 0; e < n; ++e) {
-      const bool keep = UniformAt(key, stream, static_cast<uint64_t>(map.At(e))) >= p;
-      ys[e] = keep ? xs[e] / keep_probability : static_cast<T>(0);
-    }
+    for (int64_t e = 0; e < n; ++e) ys[e] = op(xs[e], static_cast<uint64_t>(map.At(e)));
   });
 }
 

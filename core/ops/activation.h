@@ -23,11 +23,9 @@
 #include <cmath>
 #include <cstdint>
 #include <string_view>
-#include <type_traits>
 #include <vector>
 
-#include "core/half.h"    // ToFloat, FromFloat
-#include "core/philox.h"  // MPUSIM_HD
+#include "core/ops/element.h"  // ComputeOf, Load, Store, MPUSIM_HD
 
 namespace mpusim {
 
@@ -35,22 +33,6 @@ enum class Activation : uint8_t { kGelu, kSwiglu, kSquaredRelu };
 inline constexpr int kActivationCount = 3;  // the values above
 
 namespace ops {
-
-// The compute type of a storage type, its exact load and its one rounding.
-template <typename T>
-using ComputeOf = std::conditional_t<std::is_same_v<T, double>, double, float>;
-MPUSIM_HD inline double Load(double v) { return v; }
-MPUSIM_HD inline float Load(float v) { return v; }
-MPUSIM_HD inline float Load(BFloat16 v) { return ToFloat(v); }
-MPUSIM_HD inline float Load(Float16 v) { return ToFloat(v); }
-template <typename S>
-MPUSIM_HD inline S Store(ComputeOf<S> v) {
-  if constexpr (std::is_same_v<S, ComputeOf<S>>) {
-    return v;
-  } else {
-    return FromFloat<S>(v);
-  }
-}
 
 // The math the functors are written in, for a value V of compute type C: here one element,
 // with libm on the host and CUDA's math library on the device (both within an ulp or two;
