@@ -9,8 +9,8 @@
 // output be its input (in place). Correctness and determinism over speed: cuBLAS does
 // the heavy lifting (GEMMs), these kernels move O(elements) data.
 //
-// One body per op, templated on the storage type: loads go through ToCompute (exact
-// widening), stores through ToStorage<T> (one rounding, core/half.h), both the identity for
+// One body per op, templated on the storage type: loads go through ops::Load (exact
+// widening), stores through ops::Store<T> (one rounding), both the identity for
 // float and double, so the float32 and float64 kernels are exactly what they were.
 #include "cuda/device_kernels.h"
 
@@ -47,21 +47,10 @@ __device__ inline double Exp(double x) { return exp(x); }
 __device__ inline float Sqrt(float x) { return sqrtf(x); }  // IEEE-rounded (no fast math)
 __device__ inline double Sqrt(double x) { return sqrt(x); }
 
-// Loads: a stored element widened exactly to its compute type.
-__device__ inline double ToCompute(double v) { return v; }
-__device__ inline float ToCompute(float v) { return v; }
-__device__ inline float ToCompute(BFloat16 v) { return ToFloat(v); }
-__device__ inline float ToCompute(Float16 v) { return ToFloat(v); }
-
-// Stores: a compute-type value rounded once to the storage type S (exact for S = C).
-template <typename S>
-__device__ inline S ToStorage(ComputeOf<S> v) {
-  if constexpr (std::is_same_v<S, ComputeOf<S>>) {
-    return v;
-  } else {
-    return FromFloat<S>(v);
-  }
-}
+// Loads and stores are the op functors' (core/ops/element.h): a stored element widened
+// exactly to its compute type, and a compute-type value rounded once to its storage type.
+using ops::Load;
+using ops::Store;
 
 struct SumOp {
   template <typename T>
@@ -98,21 +87,21 @@ __device__ T BlockReduce(T value, T* buf, Op op) {
 template <typename T>
 __global__ void ScaleKernel(T* x, int64_t n, ComputeOf<T> alpha) {
   for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
-    x[e] = ToStorage<T>(ToCompute(x[e]) * alpha);
+    x[e] = Store<T>(Load(x[e]) * alpha);
   }
 }
 
 template <typename T, typename A>
 __global__ void AxpyKernel(const T* x, A* y, int64_t n, ComputeOf<T> alpha) {
   for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
-    y[e] = ToStorage<A>(ToCompute(y[e]) + alpha * ToCompute(x[e]));
+    y[e] = Store<A>(Load(y[e]) + alpha * Load(x[e]));
   }
 }
 
 template <typename T>
 __global__ void AddRowVectorKernel(const T* bias, T* y, int64_t n, int64_t cols) {
   for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
-    y[e] = ToStorage<T>(ToCompute(y[e]) + ToCompute(bias[e % cols]));
+    y[e] = Store<T>(Load(y[e]) + Load(bias[e % cols]));
   }
 }
 
@@ -123,11 +112,11 @@ __global__ void SumRowsKernel(const T* x, int64_t rows, int64_t cols, int beta_m
   using C = ComputeOf<T>;
   for (int64_t j = FirstIndex(); j < cols; j += GridStride()) {
     C sum = 0;
-    for (int64_t i = 0; i < rows; ++i) sum += ToCompute(x[i * cols + j]);
+    for (int64_t i = 0; i < rows; ++i) sum += Load(x[i * cols + j]);
     const C kept = beta_mode == 0   ? C(0)
-                   : beta_mode == 1 ? ToCompute(out[j])
-                                    : ToCompute(out[j]) * beta;
-    out[j] = ToStorage<A>(rows > 0 ? kept + sum : kept);
+                   : beta_mode == 1 ? Load(out[j])
+                                    : Load(out[j]) * beta;
+    out[j] = Store<A>(rows > 0 ? kept + sum : kept);
   }
 }
 
@@ -175,12 +164,12 @@ __global__ void NormForwardKernel(const T* x, const T* weight, const T* bias, in
     C m = 0;
     if (mean != nullptr) {
       C sum = 0;
-      for (int64_t j = threadIdx.x; j < cols; j += kBlock) sum += ToCompute(row[j]);
+      for (int64_t j = threadIdx.x; j < cols; j += kBlock) sum += Load(row[j]);
       m = BlockReduce(sum, buf, SumOp()) / count;
     }
     C squares = 0;
     for (int64_t j = threadIdx.x; j < cols; j += kBlock) {
-      const C centered = ToCompute(row[j]) - m;
+      const C centered = Load(row[j]) - m;
       squares += centered * centered;
     }
     const C var = BlockReduce(squares, buf, SumOp()) / count;
@@ -191,8 +180,8 @@ __global__ void NormForwardKernel(const T* x, const T* weight, const T* bias, in
     }
     T* out = y + i * cols;
     for (int64_t j = threadIdx.x; j < cols; j += kBlock) {
-      const C v = ((ToCompute(row[j]) - m) * r) * ToCompute(weight[j]);
-      out[j] = ToStorage<T>(bias != nullptr ? v + ToCompute(bias[j]) : v);
+      const C v = ((Load(row[j]) - m) * r) * Load(weight[j]);
+      out[j] = Store<T>(bias != nullptr ? v + Load(bias[j]) : v);
     }
   }
 }
@@ -208,13 +197,13 @@ __global__ void NormColumnsKernel(const T* x, const ComputeOf<T>* mean, const Co
     C db = 0;
     for (int64_t i = 0; i < rows; ++i) {
       const C m = mean != nullptr ? mean[i] : C(0);
-      const C xhat = (ToCompute(x[i * cols + j]) - m) * rstd[i];
-      const C g = ToCompute(dy[i * cols + j]);
+      const C xhat = (Load(x[i * cols + j]) - m) * rstd[i];
+      const C g = Load(dy[i * cols + j]);
       dw += g * xhat;
       db += g;
     }
-    dweight[j] = ToStorage<A>(ToCompute(dweight[j]) + dw);
-    if (dbias != nullptr) dbias[j] = ToStorage<A>(ToCompute(dbias[j]) + db);
+    dweight[j] = Store<A>(Load(dweight[j]) + dw);
+    if (dbias != nullptr) dbias[j] = Store<A>(Load(dbias[j]) + db);
   }
 }
 
@@ -233,8 +222,8 @@ __global__ void NormRowsBackwardKernel(const T* x, const T* weight, const Comput
     C sum_g = 0;
     C sum_gx = 0;
     for (int64_t j = threadIdx.x; j < cols; j += kBlock) {
-      const C xhat = (ToCompute(x_row[j]) - m) * r;
-      const C g = ToCompute(dy_row[j]) * ToCompute(weight[j]);
+      const C xhat = (Load(x_row[j]) - m) * r;
+      const C g = Load(dy_row[j]) * Load(weight[j]);
       sum_g += g;
       sum_gx += g * xhat;
     }
@@ -244,9 +233,9 @@ __global__ void NormRowsBackwardKernel(const T* x, const T* weight, const Comput
     const C mean_gx = sum_gx / count;
     T* dx_row = dx + i * cols;
     for (int64_t j = threadIdx.x; j < cols; j += kBlock) {
-      const C xhat = (ToCompute(x_row[j]) - m) * r;
-      const C g = ToCompute(dy_row[j]) * ToCompute(weight[j]);
-      dx_row[j] = ToStorage<T>(r * (g - mean_g - xhat * mean_gx));
+      const C xhat = (Load(x_row[j]) - m) * r;
+      const C g = Load(dy_row[j]) * Load(weight[j]);
+      dx_row[j] = Store<T>(r * (g - mean_g - xhat * mean_gx));
     }
   }
 }
@@ -263,18 +252,18 @@ __global__ void CausalSoftmaxForwardKernel(const T* scores, int64_t rows, int64_
     const int64_t visible = i % seq + 1;  // keys 0..q
     C m = lowest;
     for (int64_t k = threadIdx.x; k < visible; k += kBlock) {
-      m = MaxOp()(m, scale * ToCompute(row[k]));
+      m = MaxOp()(m, scale * Load(row[k]));
     }
     m = BlockReduce(m, buf, MaxOp());
     C sum = 0;
     for (int64_t k = threadIdx.x; k < visible; k += kBlock) {
-      sum += Exp(scale * ToCompute(row[k]) - m);
+      sum += Exp(scale * Load(row[k]) - m);
     }
     sum = BlockReduce(sum, buf, SumOp());
     T* out = probs + i * seq;
     for (int64_t k = threadIdx.x; k < seq; k += kBlock) {
       // T{} is +0 for every storage type: masked keys are exactly zero.
-      out[k] = k < visible ? ToStorage<T>(Exp(scale * ToCompute(row[k]) - m) / sum) : T{};
+      out[k] = k < visible ? Store<T>(Exp(scale * Load(row[k]) - m) / sum) : T{};
     }
   }
 }
@@ -290,13 +279,13 @@ __global__ void CausalSoftmaxBackwardKernel(const T* probs, const T* dprobs, int
     const int64_t visible = i % seq + 1;
     C dot = 0;
     for (int64_t k = threadIdx.x; k < visible; k += kBlock) {
-      dot += ToCompute(p[k]) * ToCompute(dp[k]);
+      dot += Load(p[k]) * Load(dp[k]);
     }
     dot = BlockReduce(dot, buf, SumOp());
     T* out = dscores + i * seq;
     for (int64_t k = threadIdx.x; k < seq; k += kBlock) {
       out[k] = k < visible
-                   ? ToStorage<T>(scale * (ToCompute(p[k]) * (ToCompute(dp[k]) - dot)))
+                   ? Store<T>(scale * (Load(p[k]) * (Load(dp[k]) - dot)))
                    : T{};
     }
   }
@@ -318,10 +307,10 @@ __global__ void RopeKernel(const T* x, int64_t rows, int64_t d, int64_t seq, dou
     const C c = static_cast<C>(cos(theta));
     const C s = static_cast<C>(inverse ? -sine : sine);
     // This thread alone reads and writes the pair: y may be x.
-    const C lo = ToCompute(x[r * d + i]);
-    const C hi = ToCompute(x[r * d + half + i]);
-    y[r * d + i] = ToStorage<T>(lo * c - hi * s);
-    y[r * d + half + i] = ToStorage<T>(hi * c + lo * s);
+    const C lo = Load(x[r * d + i]);
+    const C hi = Load(x[r * d + half + i]);
+    y[r * d + i] = Store<T>(lo * c - hi * s);
+    y[r * d + half + i] = Store<T>(hi * c + lo * s);
   }
 }
 
@@ -389,7 +378,7 @@ __global__ void EmbeddingBackwardKernel(const T* dy, const uint64_t* rows, const
     // (only a 16-bit A actually rounds).
     A acc = *target;
     for (int64_t q = p; q < num_ids && rows[q] == r; ++q) {
-      acc = ToStorage<A>(ToCompute(acc) + ToCompute(dy[tokens[q] * cols + j]));
+      acc = Store<A>(Load(acc) + Load(dy[tokens[q] * cols + j]));
     }
     *target = acc;
   }
@@ -450,7 +439,7 @@ __global__ void RowMaxKernel(const T* logits, int64_t rows, int64_t cols, Comput
   for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
     const T* row = logits + i * cols;
     C m = lowest;
-    for (int64_t j = threadIdx.x; j < cols; j += kBlock) m = MaxOp()(m, ToCompute(row[j]));
+    for (int64_t j = threadIdx.x; j < cols; j += kBlock) m = MaxOp()(m, Load(row[j]));
     m = BlockReduce(m, buf, MaxOp());
     if (threadIdx.x == 0) row_max[i] = m;
   }
@@ -469,7 +458,7 @@ __global__ void CrossEntropyPartialsKernel(const T* logits, const ComputeOf<T>* 
     C se = 0;
     C sz = 0;
     for (int64_t j = threadIdx.x; j < cols; j += kBlock) {
-      const C z = ToCompute(row[j]) - m;
+      const C z = Load(row[j]) - m;
       se += Exp(z);
       sz += z;
     }
@@ -479,7 +468,7 @@ __global__ void CrossEntropyPartialsKernel(const T* logits, const ComputeOf<T>* 
       sum_exp[i] = se;
       sum_z[i] = sz;
       const int64_t col = labels[i] - vocab_start;
-      target_z[i] = col >= 0 && col < cols ? ToCompute(row[col]) - m : C(0);
+      target_z[i] = col >= 0 && col < cols ? Load(row[col]) - m : C(0);
     }
   }
 }
@@ -498,7 +487,7 @@ __global__ void CrossEntropyBackwardKernel(const T* logits, const ComputeOf<T>* 
     const int64_t j = e % cols;
     const C q = j == labels[i] - vocab_start ? on_value : off_value;
     grad[e] =
-        ToStorage<T>(row_scale[i] * (Exp(ToCompute(logits[e]) - row_max[i]) / sum_exp[i] - q));
+        Store<T>(row_scale[i] * (Exp(Load(logits[e]) - row_max[i]) / sum_exp[i] - q));
   }
 }
 

@@ -41,9 +41,9 @@
 
 namespace mpusim::cuda {
 
-// The type a kernel on storage type T computes in: double for double, float otherwise.
-template <typename T>
-using ComputeOf = std::conditional_t<std::is_same_v<T, double>, double, float>;
+// The type a kernel on storage type T computes in: double for double, float otherwise
+// (core/ops/element.h).
+using ops::ComputeOf;
 
 // x[e] = round(alpha * x[e]).
 template <typename T>
