@@ -19,23 +19,14 @@
 #include "cli/cli.h"
 #include "cli/commands.h"
 #include "cli/config_options.h"
-#include "core/model/gpt_model.h"
-#include "core/model/graph.h"
+#include "core/model/model.h"
 #include "core/topology.h"
 
 namespace mpusim::cli {
 namespace {
 
 // One parameter of the sharding map: where it lives (pp rank, chunk) and how it is split.
-struct MappedParameter {
-  std::string name;
-  Shape full_shape;
-  int tp_dim = -1;  // -1: replicated
-  int64_t tp_stride = 1;
-  int64_t pp_rank = 0;
-  int64_t chunk = 0;
-  std::string note;  // e.g. a tied copy
-};
+using MappedParameter = ParameterPlacement;
 
 // The index ranges [begin, end) along `dim` of the master tensor that tp rank `tp_rank` holds.
 std::vector<std::pair<int64_t, int64_t>> HeldRanges(const MappedParameter& p, int64_t t,
@@ -190,6 +181,14 @@ class ExplainCommand : public Command {
     std::optional<ConfigOptions::Layout> layout = config_.ResolveLayout(err);
     if (!layout) return kExitUsage;
     const Topology* topology = &layout->topology;
+    if (!layout->config.has_model()) {
+      std::string source;
+      const Status missing = config_.Attribute(
+          Status::Error("model", "is required by mpusim explain (the sharding map is a "
+                                 "model's; `mpusim layout` shows a layout's groups)"),
+          &source);
+      return ReportError(err, source, missing.Message());
+    }
     // How weights are sliced does not depend on the data: without a run section, explain
     // uses the shortest sequence and the fewest micro-batches every split and schedule accept.
     Config with_run = layout->config;
@@ -201,7 +200,6 @@ class ExplainCommand : public Command {
       with_run.run = run;
     }
     const Config* config = &with_run;
-    std::string source;
     if (rank_option_->count() > 0 && !topology->HasRank(rank_)) {
       return ReportError(err, "command line",
                          fmt::format("--rank: {} is not in this layout; ranks are 0..{}", rank_,
@@ -212,234 +210,17 @@ class ExplainCommand : public Command {
     // The text goes to `out` unless only the JSON map is wanted.
     std::ostringstream discard;
     std::ostream& text = json_ ? discard : out;
-    if (config->gpt) return ExplainGpt(*config, *topology, rank, text, out, err);
-    StatusOr<std::unique_ptr<Graph>> graph = Graph::Build(*config, *topology);
-    if (!graph.ok()) {
-      return ReportError(err, source, config_.Attribute(graph.status(), &source).Message());
+    std::string source;
+    StatusOr<std::unique_ptr<Model>> model = BuildModel(*config, *topology, RankCoordinates{});
+    if (!model.ok()) {
+      return ReportError(err, source, config_.Attribute(model.status(), &source).Message());
     }
-    return ExplainChain(**graph, *topology, rank, text, out);
+    (*model)->Explain(text);
+    PrintShardingMap((*model)->ShardingMap(), *topology, rank, json_, json_ ? out : text);
+    return kExitOk;
   }
 
  private:
-  // A layer chain in the lab's notation, then its sharding map.
-  int ExplainChain(const Graph& graph, const Topology& topology, int64_t rank, std::ostream& out,
-                   std::ostream& map_out) {
-    std::vector<MappedParameter> mapped;
-    for (const Graph::PlannedLayer& layer : graph.Plan(RankCoordinates{})) {
-      for (const Graph::PlannedParameter& p : layer.parameters) {
-        mapped.push_back(
-            {p.name, p.full_shape, p.tp_dim, p.tp_stride, layer.pp_rank, layer.chunk, ""});
-      }
-      if (layer.tied_weight.empty()) continue;
-      // weight_from: on its owner's pp rank the layer uses the owner's tensor; on another
-      // (the last stage, with the owner on the first) that rank holds a copy.
-      const auto owner = std::find_if(mapped.begin(), mapped.end(), [&](const MappedParameter& m) {
-        return m.name == layer.tied_weight;
-      });
-      if (owner == mapped.end()) continue;
-      if (owner->pp_rank == layer.pp_rank) {
-        owner->note += fmt::format("{}also the weight of {} (weight_from)",
-                                   owner->note.empty() ? "" : "; ", layer.name);
-      } else {
-        MappedParameter copy = *owner;
-        copy.pp_rank = layer.pp_rank;
-        copy.chunk = layer.chunk;
-        copy.note = fmt::format(
-            "tied: the copy {} uses (weight_from), its gradient all-reduced over embd with pp "
-            "rank {}'s",
-            layer.name, owner->pp_rank);
-        owner->note += fmt::format("{}tied: pp rank {} holds a copy for {} (weight_from)",
-                                   owner->note.empty() ? "" : "; ", layer.pp_rank, layer.name);
-        mapped.push_back(std::move(copy));
-      }
-    }
-    ExplainChainSlices(graph, topology, out);
-    PrintShardingMap(mapped, topology, rank, json_, json_ ? map_out : out);
-    return kExitOk;
-  }
-
-  // Each layer's weights in the lab's notation, then Graph's plan-time warnings.
-  void ExplainChainSlices(const Graph& graph, const Topology& topology, std::ostream& out) {
-    const int64_t t = topology.sizes().tp;
-    out << fmt::format("tensor_model_parallel_size {}: each weight below is cut into {} slices; "
-                       "rank r of a tp group holds slice r\n",
-                       t, t);
-    // Shapes on every tp rank (equal, but listed as the lab does).
-    std::vector<std::vector<Graph::PlannedLayer>> per_rank;
-    for (int64_t r = 0; r < t; ++r) {
-      RankCoordinates coords;
-      coords.tp = r;
-      per_rank.push_back(graph.Plan(coords));
-    }
-    for (size_t i = 0; i < per_rank[0].size(); ++i) {
-      const Graph::PlannedLayer& layer = per_rank[0][i];
-      out << fmt::format(
-          "\n{} {}: input {} -> output {}{}\n", layer.type, layer.name,
-          layer.input_width == 0
-              ? std::string("tokens")
-              : fmt::format("{} ({})", layer.input_width, SplitName(layer.input.split)),
-          layer.output_width == 0
-              ? std::string("loss")
-              : fmt::format("{} ({})", layer.output_width, SplitName(layer.output.split)),
-          topology.sizes().pp > 1
-              ? fmt::format("; pipeline rank {}, chunk {}", layer.pp_rank, layer.chunk)
-              : std::string());
-      if (!layer.tied_weight.empty()) {
-        out << fmt::format("  weight: {} (weight_from), sliced as there\n", layer.tied_weight);
-      }
-      for (size_t p = 0; p < layer.parameters.size(); ++p) {
-        const Graph::PlannedParameter& param = layer.parameters[p];
-        const bool linear = layer.type == "ColumnParallelLinear" ||
-                            layer.type == "RowParallelLinear";
-        const bool matrix = param.full_shape.size() == 2;
-        std::string how =
-            param.tp_dim < 0
-                ? "replicated on every rank"
-                : fmt::format(
-                      "split on dim {} into {} slices{}", param.tp_dim, t,
-                      param.tp_stride > 1 ? fmt::format(" (stride {})", param.tp_stride) : "");
-        out << fmt::format("  {} {} {}\n", param.name, ShapeString(param.full_shape), how);
-        if (param.tp_dim < 0) continue;
-        if (!(linear && matrix)) {
-          std::vector<std::string> slices;
-          for (int64_t r = 0; r < t; ++r) {
-            slices.push_back(fmt::format("{}{}= {}", param.name.substr(param.name.find('.') + 1),
-                                         r, ShapeString(per_rank[static_cast<size_t>(r)][i]
-                                                            .parameters[p]
-                                                            .local_shape)));
-          }
-          out << fmt::format("    {}\n", fmt::join(slices, ", "));
-          continue;
-        }
-        // The lab writes Y = X A with A = W^T ([in, out]); a column-parallel layer cuts A's
-        // columns, a row-parallel layer A's rows.
-        out << fmt::format("    Y = X A + b with A = weight^T {}, sliced {}:\n",
-                           ShapeString({param.full_shape[1], param.full_shape[0]}),
-                           param.tp_dim == 0 ? "column-wise" : "row-wise");
-        std::vector<std::string> slices;
-        for (int64_t r = 0; r < t; ++r) {
-          const Shape& local = per_rank[static_cast<size_t>(r)][i].parameters[p].local_shape;
-          slices.push_back(fmt::format("A{}= {}", r, ShapeString({local[1], local[0]})));
-        }
-        out << fmt::format("    A = [\n    {}\n    ]\n", fmt::join(slices, ", "));
-      }
-    }
-    // Region mappings that give t-fold gradients as Megatron's code does (docs/simulator.md,
-    // "Warnings"); the layout stays valid, so the exit code does too.
-    if (!graph.warnings().empty()) out << '\n';
-    for (const std::string& warning : graph.warnings()) {
-      out << "warning: " << EscapeControl(warning) << '\n';
-    }
-  }
-
-  // The GPT model: every parameter, its split and this rank's piece, in state-dict order; then
-  // the sharding map.
-  int ExplainGpt(const Config& config, const Topology& topology, int64_t rank, std::ostream& out,
-                 std::ostream& map_out, std::ostream& err) {
-    const int64_t pp = topology.sizes().pp;
-    std::vector<MappedParameter> mapped;
-    for (int64_t stage = 0; stage < pp; ++stage) {
-      RankCoordinates coords;
-      coords.pp = stage;
-      std::string source;
-      StatusOr<std::unique_ptr<GptModel>> model = GptModel::Build(config, topology, coords);
-      if (!model.ok()) {
-        return ReportError(err, source, config_.Attribute(model.status(), &source).Message());
-      }
-      ExplainGptStage(config, topology, **model, stage, out);
-      const std::vector<GptChunk>& chunks = (*model)->chunks();
-      for (const auto& p : (*model)->parameters().all()) {
-        // The chunk holding it: its layer's, the embedding's first, the head's last.
-        int64_t chunk = 0;
-        constexpr std::string_view kLayers = "decoder.layers.";
-        if (p->name.starts_with(kLayers)) {
-          const int64_t layer = std::stoll(p->name.substr(kLayers.size()));
-          for (size_t c = 0; c < chunks.size(); ++c) {
-            if (std::find(chunks[c].layers.begin(), chunks[c].layers.end(), layer) !=
-                chunks[c].layers.end()) {
-              chunk = static_cast<int64_t>(c);
-            }
-          }
-        } else if (!p->name.starts_with("embedding.") || p->shared) {
-          chunk = static_cast<int64_t>(chunks.size()) - 1;
-        }
-        const Placement* split = p->shard.Find(ShardAxis::kTp);
-        mapped.push_back({p->name, p->full_shape, split != nullptr ? split->dim : -1,
-                          split != nullptr ? split->stride : 1, stage, chunk,
-                          p->shared ? "the last stage's copy of the tied word embeddings, "
-                                      "gradient all-reduced over embd"
-                                    : ""});
-      }
-    }
-    PrintShardingMap(mapped, topology, rank, json_, json_ ? map_out : out);
-    return kExitOk;
-  }
-
-  // One pipeline stage's parameters (the whole model when pp = 1).
-  void ExplainGptStage(const Config& config, const Topology& topology, GptModel& model,
-                       int64_t stage, std::ostream& out) {
-    const GptConfig& gpt = model.gpt();
-    const int64_t t = topology.sizes().tp;
-    const int64_t pp = topology.sizes().pp;
-    const bool sp = config.parallel.sequence_parallel && t > 1;
-    if (stage == 0) {
-      out << fmt::format(
-          "GPT model (Megatron-Core GPTModel, local layer spec), "
-          "tensor_model_parallel_size {}, sequence_parallel {}: a split parameter "
-          "is cut into {} slices and rank r of a tp group holds slice r\n",
-          t, sp, t);
-    }
-    if (pp > 1) {
-      std::vector<std::string> chunks;
-      for (const GptChunk& chunk : model.chunks()) {
-        std::vector<std::string> parts;
-        if (chunk.pre_process) parts.push_back("embedding");
-        if (!chunk.layers.empty()) {
-          parts.push_back(
-              chunk.layers.size() == 1
-                  ? fmt::format("layer {}", chunk.layers.front())
-                  : fmt::format("layers {}-{}", chunk.layers.front(), chunk.layers.back()));
-        }
-        if (chunk.post_process) parts.push_back("final norm, output layer, loss");
-        chunks.push_back(fmt::format("[{}]", fmt::join(parts, ", ")));
-      }
-      out << fmt::format("pipeline stage {} of {}: chunks {}\n", stage, pp, fmt::join(chunks, " "));
-    }
-    const int64_t groups_local = gpt.num_query_groups / t;
-    const int64_t per_group = gpt.num_attention_heads / gpt.num_query_groups;
-    for (const auto& p : model.parameters().all()) {
-      const Shape local = LocalShape(p->shard, p->full_shape);
-      std::string how = "replicated";
-      const Placement* split = p->shard.Find(ShardAxis::kTp);
-      if (split != nullptr) {
-        how = fmt::format("split on dim {}{}: {} per rank", split->dim,
-                          split->stride > 1 ? fmt::format(" with stride {}", split->stride) : "",
-                          ShapeString(local));
-      }
-      std::string note;
-      if (p->name.find("linear_qkv") != std::string::npos) {
-        note = fmt::format("; per rank {} query group{} of ({} query head{}, 1 key, 1 value) x {} "
-                           "channels",
-                           groups_local, groups_local == 1 ? "" : "s", per_group,
-                           per_group == 1 ? "" : "s", gpt.kv_channels);
-      } else if (split != nullptr && split->stride == 2) {
-        note = "; per rank its gate rows, then the same up rows (SwiGLU)";
-      } else if (p->name == "embedding.word_embeddings.weight" && t > 1) {
-        note = fmt::format("; rank r holds vocabulary rows [{} r, {} (r + 1))", local[0], local[0]);
-      }
-      if (p->sequence_parallel) note += "; gradient all-reduced over tp (sequence parallel)";
-      if (p->embedding_group) {
-        note +=
-            "; tied: the first and the last stage each hold it, gradient all-reduced over "
-            "embd";
-      }
-      out << fmt::format("  {} {} {}{}\n", p->name, ShapeString(p->full_shape), how, note);
-    }
-    if (gpt.share_embeddings_and_output_weights && stage == pp - 1) {
-      out << "  output_layer uses embedding.word_embeddings.weight (shared)\n";
-    }
-  }
-
   CLI::App* app_ = nullptr;
   ConfigOptions config_;
   std::string format_ = "text";

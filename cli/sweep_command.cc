@@ -3,7 +3,7 @@
 //
 // What it is: the layouts are every tp x pp (x vp 2) x dp factorisation of N, with and
 // without sequence parallelism, with and without the distributed optimizer (a training config
-// with dp > 1), that the model can be split into (CheckGptLayout, the
+// with dp > 1), that the model can be split into (BuildModel: the model's own layout checks, the
 // planner's layer assignment and schedule); each runs as `mpiexec -n N mpusim run` on a copy
 // of the config with that parallel section, the config's num_microbatches M and its B =
 // micro_batch_size * dp samples per micro-batch (micro_batch_size B / dp for the layout), so
@@ -34,7 +34,7 @@
 #include "cli/commands.h"
 #include "core/config.h"
 #include "core/gpt_config.h"
-#include "core/model/graph.h"
+#include "core/model/model.h"
 #include "core/safetensors.h"
 #include "core/schedule.h"
 #include "core/topology.h"
@@ -71,23 +71,26 @@ std::string LayoutProblem(const json& document) {
   StatusOr<Topology> topology = Topology::Create(config.parallel);
   if (!topology.ok()) return topology.status().Message();
   const auto vp = config.parallel.virtual_pipeline_model_parallel_size;
-  if (config.gpt) {
-    GptConfig gpt = *config.gpt;
-    s = CheckGptLayout(config.parallel, *config.run, &gpt);
-    if (!s.ok()) return s.Message();
-    StatusOr<std::vector<std::vector<std::vector<int64_t>>>> layers =
-        AssignLayers(config.parallel.pipeline_model_parallel_size, vp, gpt.num_layers);
-    if (!layers.ok()) return layers.status().Message();
-  } else {
-    // A layer chain: whatever Graph::Build refuses (shapes, states, stages, ties).
-    StatusOr<std::unique_ptr<Graph>> graph = Graph::Build(config, *topology);
-    if (!graph.ok()) return graph.status().Message();
-  }
+  // Whatever the model refuses for this layout (shapes, states, stages, ties).
+  StatusOr<std::unique_ptr<Model>> model =
+      BuildModel(config, *topology, topology->Coordinates(0));
+  if (!model.ok()) return model.status().Message();
   StatusOr<PipelineSchedule> schedule = BuildPipelineSchedule(
       config.parallel.pipeline_model_parallel_size, vp, config.run->num_microbatches,
       config.parallel.microbatch_group_size_per_vp_stage);
   if (!schedule.ok()) return schedule.status().Message();
   return "";
+}
+
+// Whether the model of `document` (a layout that runs) draws layout-dependent dropout masks.
+bool MasksDependOnLayout(const json& document) {
+  Config config;
+  if (!ParseConfig(document, &config).ok()) return false;
+  StatusOr<Topology> topology = Topology::Create(config.parallel);
+  if (!topology.ok()) return false;
+  StatusOr<std::unique_ptr<Model>> model =
+      BuildModel(config, *topology, topology->Coordinates(0));
+  return model.ok() && (*model)->MasksDependOnLayout();
 }
 
 class SweepCommand final : public Command {
@@ -119,9 +122,9 @@ class SweepCommand final : public Command {
     if (const Status s = ParseConfig(base, &config); !s.ok()) {
       return ReportError(err, config_path_, s.Message());
     }
-    if ((!config.gpt && !config.model) || !config.run) {
+    if (!config.has_model() || !config.run) {
       return ReportError(err, config_path_,
-                         !config.gpt && !config.model
+                         !config.has_model()
                              ? "model: is required by mpusim sweep"
                              : "run: is required by mpusim sweep (its data and dtype)");
     }
@@ -228,9 +231,7 @@ class SweepCommand final : public Command {
                               summary["check"]["reference_loss"].get<double>());
       }
       const double loss = summary["loss"].get<double>();
-      const int64_t padded = config.gpt                 ? config.gpt->PaddedVocabSize(l.tp)
-                             : config.model->vocab_size ? config.model->PaddedVocabSize(l.tp)
-                                                        : 0;
+      const int64_t padded = summary.value("padded_vocab_size", int64_t{0});
       const auto [it, fresh] = losses.try_emplace(padded, loss, loss);
       it->second = {std::min(it->second.first, loss), std::max(it->second.second, loss)};
       const bool passed = code == 0 && summary["passed"].get<bool>();
@@ -254,13 +255,10 @@ class SweepCommand final : public Command {
         "{} of {} layouts pass; final losses agree to {}\n",
         layouts.size() - static_cast<size_t>(failures), layouts.size(),
         agreement.empty() ? std::string("-") : fmt::format("{}", fmt::join(agreement, ", ")));
-    if (config.model && std::any_of(config.model->layers.begin(), config.model->layers.end(),
-                                    [](const LayerConfig& c) {
-                                      return c.type == LayerType::kDropout && c.p > 0;
-                                    })) {
-      out << "  (a chain's dropout masks come from each rank's RNG tracker, as Megatron's do, "
-             "so its losses differ between layouts; each layout is checked against the "
-             "reference drawing the same masks)\n";
+    if (MasksDependOnLayout(Document(base, layouts.front()))) {
+      out << "  (the dropout masks come from each rank's RNG tracker, as Megatron's do, so the "
+             "losses differ between layouts; each layout is checked against the reference "
+             "drawing the same masks)\n";
     }
     if (losses.size() > 1) {
       out << "  (layouts that pad the vocabulary differently train different models: the "

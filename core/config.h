@@ -31,6 +31,9 @@ struct Config {
   std::optional<RunConfig> run;
   // Training (GPT models): run.train_iters optimizer steps (core/optimizer_config.h).
   std::optional<OptimizerConfig> optimizer;
+
+  // Whether the config describes a model at all (core/model/model.h BuildModel builds it).
+  bool has_model() const { return model.has_value() || gpt.has_value(); }
 };
 
 // Parses a whole config document. Errors name the JSON path ("parallel.order").

@@ -33,6 +33,7 @@
 #include "mpi/watchdog.h"
 #include "reference/reference_model.h"
 #include "reference/trainer.h"
+#include "run/gpt_check.h"
 
 namespace mpusim::run {
 namespace {
@@ -796,6 +797,18 @@ StatusOr<CheckResult> CheckAgainstReference(const Config& config,
   }
   result.reference_iterations = std::move(reference_iterations);
   MeasureMemory(*reference, records, &result);
+  result.header = fmt::format(
+      "check against the float64 reference ({} storage; computed once, split over {} ranks by "
+      "token rows):\n"
+      "  pass when |a - e| <= allowed * (max|e| + |e|); allowed = {:g} * sqrt(roundings * u^2 + "
+      "terms * u_c^2) grows with the tensor's reduction lengths (README \"Checks and "
+      "tolerances\")\n",
+      DTypeName(config.run->dtype), world_size, kToleranceSafety);
+  result.memory = fmt::format(
+      "reference memory: {:.1f} MiB on the largest rank ({} token rows), {:.1f} MiB for the "
+      "whole reference; the largest rank's own tensors: {:.1f} MiB\n",
+      Mebibytes(result.reference_bytes_max), result.reference_rows_max,
+      Mebibytes(result.reference_bytes_whole), Mebibytes(result.record_bytes_max));
   for (const std::string& name : run_only) {
     TensorCheck c;
     c.name = name;
@@ -808,6 +821,16 @@ StatusOr<CheckResult> CheckAgainstReference(const Config& config,
     result.tensors.push_back(std::move(c));
   }
   return result;
+}
+
+StatusOr<CheckResult> CheckRun(const Config& config, const Topology& topology,
+                               const RankCoordinates& coords,
+                               const std::vector<TensorRecord>& records, const HostFetch& fetch) {
+  if (!config.gpt) return CheckAgainstReference(config, records, fetch);
+  // The GPT as the executor resolved it for the layout (GptModel::Build did the same).
+  GptConfig gpt = *config.gpt;
+  MPUSIM_RETURN_IF_ERROR(CheckGptLayout(config.parallel, *config.run, &gpt));
+  return CheckGptAgainstReference(config, gpt, topology, coords, records, fetch);
 }
 
 }  // namespace mpusim::run

@@ -24,7 +24,8 @@
 
 #include "core/compare.h"
 #include "core/config.h"
-#include "core/model/graph.h"
+#include "core/model/record.h"
+#include "core/topology.h"
 #include "core/status.h"
 
 namespace mpusim::run {
@@ -81,6 +82,10 @@ struct CheckResult {
   int64_t reference_bytes_max = 0;    // the most reference tensors one rank holds
   int64_t reference_bytes_whole = 0;  // what one process holding the whole reference would hold
   int64_t record_bytes_max = 0;       // the most bytes of its own tensors one rank checked
+  // What the report prints of the check: the lines before the table (which reference, how
+  // it was split, how the tolerances grow) and the line on the reference's memory.
+  std::string header;
+  std::string memory;
 };
 
 // After training, what the last iteration's activations and gradients inherit from the trained
@@ -100,6 +105,16 @@ using HostFetch = std::function<Tensor(const TensorRecord&)>;
 StatusOr<CheckResult> CheckAgainstReference(const Config& config,
                                             const std::vector<TensorRecord>& records,
                                             const HostFetch& fetch);
+
+// Collective over MPI_COMM_WORLD: the check of any model against the float64 reference of
+// the model `config` describes (the layer chain's, CheckAgainstReference, or the GPT's,
+// run/gpt_check.h), with `records` taken from the rank at `coords` after a run.
+StatusOr<CheckResult> CheckRun(const Config& config, const Topology& topology,
+                               const RankCoordinates& coords,
+                               const std::vector<TensorRecord>& records, const HostFetch& fetch);
+
+// `bytes` in MiB, for the report.
+inline double Mebibytes(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
 
 // Bytes a rank sends per exchange (and sums per packed all-reduce): bounds the buffers.
 inline constexpr int64_t kExchangeBytes = int64_t{32} << 20;

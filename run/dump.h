@@ -12,7 +12,7 @@
 
 #include "core/compare.h"
 #include "core/config.h"
-#include "core/model/graph.h"
+#include "core/model/record.h"
 #include "core/status.h"
 #include "core/topology.h"
 #include "run/check.h"

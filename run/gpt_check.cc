@@ -375,6 +375,17 @@ StatusOr<CheckResult> CheckGptAgainstReference(const Config& config, const GptCo
   result.record_bytes_max = own;
   watched::Allreduce(MPI_IN_PLACE, &result.record_bytes_max, 1, MPI_INT64_T, MPI_MAX,
                      MPI_COMM_WORLD, WorldLabel());
+  result.header = fmt::format(
+      "check against the float64 GPT reference ({} storage; each rank computes its dp rank's "
+      "samples):\n"
+      "  pass when |a - e| <= allowed * (max|e| + |e|); allowed = {:g} * sqrt(roundings * u^2 "
+      "+ terms * u_c^2) for the model's longest path (README \"Checks and tolerances\")\n",
+      DTypeName(run.dtype), kToleranceSafety);
+  result.memory = fmt::format(
+      "reference memory: {:.1f} MiB on the largest rank (the whole model and {} token rows); "
+      "the largest rank's own tensors: {:.1f} MiB\n",
+      Mebibytes(result.reference_bytes_max), result.reference_rows_max,
+      Mebibytes(result.record_bytes_max));
   return result;
 }
 

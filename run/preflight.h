@@ -7,8 +7,9 @@
 // token rows) and the check's exchange buffers. On the CPU all of it is host memory; with a
 // GPU backend the executor's items are checked against the GPU's free memory
 // (CheckDeviceMemory, once the backend exists) and only the reference's against the host's.
-// Every count is formed in 128-bit arithmetic and capped, so sizes whose products wrap int64
-// or size_t are refused like any other oversized run, never allocated.
+// Every count is formed in 128-bit arithmetic and capped (core/memory_plan.h), so sizes whose
+// products wrap int64 or size_t are refused like any other oversized run, never allocated.
+// Each model counts its own tensors (Model::PlanMemory); the preflight judges the sum.
 // What it is not: an exact allocator trace. It counts each tensor the executor and the
 // reference keep, not the program's own footprint (libraries, MPI buffers: tens of MiB),
 // allocator slack or temporaries of a single kernel. `mpusim run` prints it next to the
@@ -22,39 +23,17 @@
 
 #include "core/backend.h"
 #include "core/config.h"
-#include "core/model/graph.h"
+#include "core/memory_plan.h"
+#include "core/model/model.h"
 #include "core/status.h"
 #include "core/topology.h"
 
 namespace mpusim::run {
 
-struct MemoryItem {
-  std::string name;  // "fc1.weight", "fc1.output_grad", "reference: master weights"
-  Shape shape;       // local shape on this rank ({} for aggregates)
-  DType dtype;
-  unsigned __int128 bytes;
-  // In host memory whatever the backend (the float64 reference, the check's buffers); the
-  // other items live where the backend's tensors do (a GPU's memory for --backend cuda).
-  bool host = false;
-};
-
-struct MemoryPlan {
-  std::vector<MemoryItem> items;
-  unsigned __int128 total = 0;
-  // The items with host set, or not: on a backend with device memory, the two sides of it.
-  MemoryPlan HostItems() const { return Items(true); }
-  MemoryPlan DeviceItems() const { return Items(false); }
-  MemoryPlan Items(bool host) const;
-};
-
-// The plan for the rank at `coords` (every rank of a tp x dp layout holds the same sizes).
-// `world_size` is the number of ranks sharing the reference's token rows.
-MemoryPlan PlanRankMemory(const Config& config, const Graph& graph, const RankCoordinates& coords,
-                          int64_t world_size, bool check);
-
-// The plan for one rank of a GPT run (every rank of a tp x dp layout holds the same sizes),
-// `gpt` as the executor resolved it.
-MemoryPlan PlanGptRankMemory(const Config& config, const GptConfig& gpt, int64_t tp, bool check);
+// The plan for this rank of `model` (Model::PlanMemory), with the check's share when
+// `check`: `world_size` ranks share the reference's work and exchange buffers of
+// kExchangeBytes (run/check.h).
+MemoryPlan PlanRankMemory(const Model& model, int64_t world_size, bool check);
 
 // OK when plan.total <= limit_bytes; otherwise an error at "run" naming the total, the
 // limit and where it comes from (`limit_source`), the biggest items and what to do (`remedy`).

@@ -26,7 +26,6 @@
 #include "mpi/mpi_check.h"
 #include "mpi/watchdog.h"
 #include "run/dump.h"
-#include "run/gpt_check.h"
 #include "run/preflight.h"
 #include "run/trace_page.h"
 
@@ -58,7 +57,6 @@ const char* RecomputeNote(RunConfig::Recompute recompute) {
   return "";
 }
 
-double MiB(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
 
 struct CommSummaryKey {
   Phase phase;
@@ -171,7 +169,7 @@ std::vector<SimulationResult::RankTimeline> GatherTimeline(const std::vector<Ste
   return out;
 }
 
-// The training loop of the GPT model and of the chain: run.train_iters iterations, each
+// The training loop of any model: run.train_iters iterations, each
 // `run_iteration(it, last)` (every micro-batch forward and backward and the gradient
 // finalisation; returns the iteration's loss) and an optimizer step on `params`. Returns the
 // optimizer, whose state the records then take.
@@ -220,70 +218,22 @@ std::unique_ptr<Optimizer> Train(const Config& config, const Topology& topology,
   return owned;
 }
 
-StatusOr<SimulationResult> SimulateGpt(const Config& config, const SimulateOptions& options,
-                                       Backend& backend, const Topology& topology, int world_rank) {
-  StatusOr<std::unique_ptr<GptModel>> built =
-      GptModel::Build(config, topology, topology.Coordinates(world_rank));
-  if (!built.ok()) return built.status();
-  GptModel& model = **built;
-  SimulationResult result;
-  RankContext ctx = MakeRankContext(config, backend, topology, world_rank, &result.trace);
-  result.coords = ctx.coords;
-  result.padded_vocab_size = model.padded_vocab_size();
-  result.gpt = model.gpt();
-  const auto element_bytes = static_cast<int64_t>(DTypeSize(config.run->dtype));
-  for (const auto& p : model.parameters().all()) {
-    result.parameter_bytes_rank += NumElements(LocalShape(p->shard, p->full_shape)) * element_bytes;
+// The model's description for the report, and its parameter sizes: this rank's trainable
+// shards and the whole model's.
+void DescribeModel(const Model& model, DType dtype, SimulationResult* result) {
+  result->padded_vocab_size = model.padded_vocab_size();
+  result->model_description = model.Describe();
+  result->parameter_split = model.ParameterSplitNote();
+  const auto element_bytes = static_cast<int64_t>(DTypeSize(dtype));
+  for (const Parameter* p : model.TrainableParameters()) {
+    result->parameter_bytes_rank += NumElements(LocalShape(p->shard, p->full_shape)) * element_bytes;
   }
-  // The whole model, once (a rank of a pipeline holds only its stages' parameters).
-  for (const GptParameter& p : GptParameters(model.gpt(), model.padded_vocab_size(), false)) {
-    result.parameter_bytes_model += NumElements(p.shape) * element_bytes;
+  std::set<std::string> seen;  // a tied weight's copy on another stage is counted once
+  for (const ParameterPlacement& p : model.ShardingMap()) {
+    if (!seen.insert(p.name).second) continue;
+    result->parameter_names.push_back(p.name);
+    result->parameter_bytes_model += NumElements(p.full_shape) * element_bytes;
   }
-  model.InitializeParameters(*ctx.kernels);
-  const bool want_records = options.check || options.keep_records;
-  std::vector<TensorRecord> records;
-  if (!config.optimizer) {
-    TimedSteps(options, *ctx.kernels, &result, [&](bool last) {
-      records.clear();
-      model.Run(ctx, last && want_records ? &records : nullptr);
-      if (last && want_records) model.RecordParameters(&records);
-    });
-  } else {
-    // Training: run.train_iters iterations, each a step and an optimizer update.
-    Kernels& k = *ctx.kernels;
-    const std::unique_ptr<Optimizer> trained = Train(
-        config, topology, ctx, model.parameters().pointers(), &result, [&](int64_t it, bool last) {
-          model.Run(ctx, last && want_records ? &records : nullptr, it);
-          return model.loss();
-        });
-    Optimizer& optimizer = *trained;
-    // The final parameters, the last iteration's clipped gradients and the optimizer state;
-    // the distributed optimizer's gathers for them are left out of the reported trace.
-    if (want_records) {
-      const CommTrace iteration_trace = result.trace;
-      optimizer.GatherGradients(k, result.trace);
-      model.RecordParameters(&records);
-      optimizer.RecordState(k, result.trace, &records);
-      result.trace = iteration_trace;
-    }
-  }
-  result.has_loss = true;
-  result.loss = model.loss();
-  result.peak_stashes = model.peak_live_stashes();
-  result.timeline = GatherTimeline(model.step_spans(), model.schedule_end(), result.trace,
-                                   options.timeline_comms, ctx.coords.pp, result.step_start);
-  if (options.check) {
-    Kernels& kernels = *ctx.kernels;
-    const HostFetch fetch = [&](const TensorRecord& r) {
-      return r.tensor.device() == Device::kHost ? r.tensor : kernels.ToHost(r.tensor);
-    };
-    StatusOr<CheckResult> checked =
-        CheckGptAgainstReference(config, model.gpt(), topology, ctx.coords, records, fetch);
-    if (!checked.ok()) return checked.status();
-    result.check = std::move(checked).value();
-  }
-  if (options.keep_records) result.records = std::move(records);
-  return result;
 }
 
 }  // namespace
@@ -293,7 +243,7 @@ StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions&
   int world_rank = 0, world_size = 1;
   MPUSIM_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
   MPUSIM_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world_size));
-  const bool has_model = config.model || config.gpt;
+  const bool has_model = config.has_model();
   if (!has_model || !config.run) {
     return Status::Error(has_model ? "run" : "model",
                          "is required by mpusim run (see docs/simulator.md)");
@@ -322,37 +272,38 @@ StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions&
   }
   StatusOr<Topology> topology = Topology::Create(config.parallel);
   if (!topology.ok()) return topology.status();
-  if (config.gpt) return SimulateGpt(config, options, backend, *topology, world_rank);
-  StatusOr<std::unique_ptr<Graph>> built = Graph::Build(config, *topology);
+  StatusOr<std::unique_ptr<Model>> built =
+      BuildModel(config, *topology, topology->Coordinates(world_rank));
   if (!built.ok()) return built.status();
-  Graph& graph = **built;
+  Model& model = **built;
 
   SimulationResult result;
   Kernels& kernels = backend.kernels();
   RankContext ctx = MakeRankContext(config, backend, *topology, world_rank, &result.trace);
   result.coords = ctx.coords;
-  result.padded_vocab_size = graph.padded_vocab_size();
-  result.plan = graph.Plan(topology->Coordinates(0));
-
-  graph.InitializeParameters(ctx);
+  DescribeModel(model, config.run->dtype, &result);
+  model.InitializeParameters(ctx);
+  const bool want_records = options.check || options.keep_records;
   std::unique_ptr<Optimizer> optimizer;
   if (!config.optimizer) {
-    TimedSteps(options, kernels, &result, [&](bool) { graph.Run(ctx); });
+    TimedSteps(options, kernels, &result,
+               [&](bool last) { model.Step(ctx, 0, last && want_records); });
   } else {
-    optimizer =
-        Train(config, *topology, ctx, graph.TrainableParameters(), &result, [&](int64_t it, bool) {
-          graph.Run(ctx, it);
-          return graph.has_loss() ? graph.loss() : 0.0;
-        });
+    // Training: run.train_iters iterations, each a step and an optimizer update.
+    optimizer = Train(config, *topology, ctx, model.TrainableParameters(), &result,
+                      [&](int64_t it, bool last) {
+                        model.Step(ctx, it, last && want_records);
+                        return model.has_loss() ? model.loss() : 0.0;
+                      });
   }
-  result.peak_stashes = graph.peak_live_stashes();
-  result.timeline = GatherTimeline(graph.step_spans(), graph.schedule_end(), result.trace,
+  result.has_loss = model.has_loss();
+  result.loss = result.has_loss ? model.loss() : 0.0;
+  result.peak_stashes = model.peak_live_stashes();
+  result.timeline = GatherTimeline(model.step_spans(), model.schedule_end(), result.trace,
                                    options.timeline_comms, ctx.coords.pp, result.step_start);
-  result.has_loss = graph.has_loss();
-  result.loss = result.has_loss ? graph.loss() : 0.0;
-  if (!options.check && !options.keep_records) return result;
+  if (!want_records) return result;
 
-  // The records are the graph's own tensors (no copies); a host copy of one is made only
+  // The records are the model's own tensors (no copies); a host copy of one is made only
   // while the check or the dump reads it, and not at all on a host backend. After training:
   // the last iteration's activations, the final parameters, the clipped gradients and the
   // optimizer state (the distributed optimizer's gathers for them left out of the trace).
@@ -360,17 +311,17 @@ StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions&
   if (optimizer) {
     const CommTrace iteration_trace = result.trace;
     optimizer->GatherGradients(kernels, result.trace);
-    records = graph.Records(ctx);
+    model.Records(ctx, &records);
     optimizer->RecordState(kernels, result.trace, &records);
     result.trace = iteration_trace;
   } else {
-    records = graph.Records(ctx);
+    model.Records(ctx, &records);
   }
   if (options.check) {
     const HostFetch fetch = [&](const TensorRecord& r) {
       return r.tensor.device() == Device::kHost ? r.tensor : kernels.ToHost(r.tensor);
     };
-    StatusOr<CheckResult> checked = CheckAgainstReference(config, records, fetch);
+    StatusOr<CheckResult> checked = CheckRun(config, *topology, ctx.coords, records, fetch);
     if (!checked.ok()) return checked.status();
     result.check = std::move(checked).value();
   }
@@ -404,7 +355,6 @@ class RankRun {
     return kExitUsage;
   }
   void PrintLayout(const Topology& topology, const SimulationResult& result);
-  void PrintGptModel(const GptConfig& gpt, int64_t padded_vocab_size);
   void PrintParameterMemory(const SimulationResult& result);
   int PrintChecks(const CheckResult& check, const SimulationResult& result);
   // The per-iteration table of a training run, with the reference's losses when checked;
@@ -471,7 +421,7 @@ int RankRun::Run() {
   if (world_rank_ == 0) {
     for (const std::string& line : config_.parallel.ignored) err_ << "note: " << line << '\n';
   }
-  const bool has_model = config_.model || config_.gpt;
+  const bool has_model = config_.has_model();
   if (!has_model || !config_.run) {
     return Usage(source, fmt::format("{}: is required by mpusim run (see docs/simulator.md)",
                                      has_model ? "run" : "model"));
@@ -496,7 +446,7 @@ int RankRun::Run() {
   }
   StatusOr<Topology> topology = Topology::Create(config_.parallel);
   if (!topology.ok()) return Usage(source, topology.status().Message());
-  std::vector<std::string> warnings;  // the chain's plan-time warnings (Graph::warnings)
+  std::vector<std::string> warnings;  // the model's plan-time warnings (Model::Warnings)
   // The preflight: refuse a run that would not fit before anything is allocated. Every rank
   // judges its own share against its own limit; one refusal stops them all. A GPU backend's
   // tensors are judged against the GPU's memory once the backend exists (below), so here
@@ -504,18 +454,11 @@ int RankRun::Run() {
   MemoryPlan plan;
   const bool own_memory = options_.backend != "cpu";
   {
-    if (config_.gpt) {
-      StatusOr<std::unique_ptr<GptModel>> built =
-          GptModel::Build(config_, *topology, topology->Coordinates(world_rank_));
-      if (!built.ok()) return Usage(source, built.status().Message());
-      plan = PlanGptRankMemory(config_, (*built)->gpt(), topology->sizes().tp, options_.check);
-    } else {
-      StatusOr<std::unique_ptr<Graph>> built = Graph::Build(config_, *topology);
-      if (!built.ok()) return Usage(source, built.status().Message());
-      warnings = (*built)->warnings();
-      plan = PlanRankMemory(config_, **built, topology->Coordinates(world_rank_), world_size_,
-                            options_.check);
-    }
+    StatusOr<std::unique_ptr<Model>> built =
+        BuildModel(config_, *topology, topology->Coordinates(world_rank_));
+    if (!built.ok()) return Usage(source, built.status().Message());
+    warnings = (*built)->Warnings();
+    plan = PlanRankMemory(**built, world_size_, options_.check);
     preflight_bytes_ = plan.total;
     std::vector<std::string> lines;
     if (GatherErrors(PreflightError(own_memory ? plan.HostItems() : plan), &lines)) {
@@ -603,7 +546,7 @@ int RankRun::Run() {
     out_ << fmt::format("\ndump: {} ({} files + manifest.json)\n", options_.dump_dir,
                         world_size_);
   }
-  if (result->gpt) PrintParameterMemory(*result);
+  if (!result->parameter_split.empty()) PrintParameterMemory(*result);
   PrintMemory();
   return code;
 }
@@ -656,68 +599,16 @@ void RankRun::PrintLayout(const Topology& topology, const SimulationResult& resu
       PrintStages(result, *schedule);
     }
   }
-  if (result.gpt) {
-    PrintGptModel(*result.gpt, result.padded_vocab_size);
-    return;
-  }
-  if (config_.model->vocab_size) {
-    out_ << fmt::format("vocab_size {}, padded_vocab_size {}\n", *config_.model->vocab_size,
-                        result.padded_vocab_size);
-  }
-  out_ << "layers (activation state on the tp group, full width):\n";
-  for (const Graph::PlannedLayer& layer : result.plan) {
-    const std::string in = layer.input_width == 0
-                               ? std::string("tokens")
-                               : fmt::format("{} {}", SplitName(layer.input.split),
-                                             layer.input_width);
-    const std::string produced = layer.output_width == 0
-                                   ? std::string("loss")
-                                   : fmt::format("{} {}", SplitName(layer.output.split),
-                                                 layer.output_width);
-    const std::string flow = fmt::format("{} -> {}", in, produced);
-    if (s.pp > 1) {  // the stage holding it
-      out_ << fmt::format("  {:<12} {:<44} {:<40} pp rank {}, chunk {}\n", layer.name, layer.type,
-                          flow, layer.pp_rank, layer.chunk);
-    } else {
-      out_ << fmt::format("  {:<12} {:<44} {}\n", layer.name, layer.type, flow);
-    }
-  }
-}
-
-void RankRun::PrintGptModel(const GptConfig& gpt, int64_t padded_vocab_size) {
-  out_ << fmt::format("model: GPT (Megatron-Core GPTModel, local layer spec), {} layers, "
-                      "hidden_size {}, {} heads of {} channels in {} query groups, "
-                      "ffn_hidden_size {} ({})\n",
-                      gpt.num_layers, gpt.hidden_size, gpt.num_attention_heads, gpt.kv_channels,
-                      gpt.num_query_groups, gpt.ffn_hidden_size, ActivationName(gpt.activation));
-  out_ << fmt::format(
-      "  {}, {} position embeddings, bias {}, dropout hidden {} attention {} "
-      "({}), embeddings {}\n",
-      NormalizationName(gpt.normalization), PositionEmbeddingName(gpt.position_embedding_type),
-      gpt.add_bias_linear, gpt.hidden_dropout, gpt.attention_dropout,
-      gpt.dropout_mode == DropoutMode::kRngTracker
-          ? "masks from each rank's RNG tracker streams, as Megatron draws them"
-          : "masks drawn per global element",
-      gpt.share_embeddings_and_output_weights ? "shared with the output layer"
-                                              : "separate from the output layer");
-  out_ << fmt::format("vocab_size {}, padded_vocab_size {}, label_smoothing {}\n", gpt.vocab_size,
-                      padded_vocab_size, gpt.label_smoothing);
+  out_ << result.model_description;
 }
 
 void RankRun::PrintParameterMemory(const SimulationResult& result) {
-  const int64_t pp = config_.parallel.pipeline_model_parallel_size;
-  out_ << fmt::format(
-      "parameters: {} on rank 0 of {} for the whole model ({:.3f}; tp {} splits "
-      "the weight matrices, norms and row-parallel biases stay whole{})\n",
-      FormatBytes(static_cast<uint64_t>(result.parameter_bytes_rank)),
-      FormatBytes(static_cast<uint64_t>(result.parameter_bytes_model)),
-      static_cast<double>(result.parameter_bytes_rank) /
-          static_cast<double>(std::max<int64_t>(1, result.parameter_bytes_model)),
-      config_.parallel.tensor_model_parallel_size,
-      pp > 1 ? fmt::format("; pp {} splits the layers, the first stage holds the "
-                           "embedding",
-                           pp)
-             : std::string());
+  out_ << fmt::format("parameters: {} on rank 0 of {} for the whole model ({:.3f}; {})\n",
+                      FormatBytes(static_cast<uint64_t>(result.parameter_bytes_rank)),
+                      FormatBytes(static_cast<uint64_t>(result.parameter_bytes_model)),
+                      static_cast<double>(result.parameter_bytes_rank) /
+                          static_cast<double>(std::max<int64_t>(1, result.parameter_bytes_model)),
+                      result.parameter_split);
 }
 
 Status RankRun::WriteSummary(const SimulationResult& result, int code) {
@@ -725,6 +616,7 @@ Status RankRun::WriteSummary(const SimulationResult& result, int code) {
   j["schema_version"] = 1;
   j["config"] = options_.config_path;
   j["loss"] = result.loss;
+  j["padded_vocab_size"] = result.padded_vocab_size;
   j["passed"] = code == kExitOk;
   nlohmann::ordered_json iterations = nlohmann::ordered_json::array();
   const std::vector<CheckResult::Iteration>& ref = result.check.reference_iterations;
@@ -739,15 +631,8 @@ Status RankRun::WriteSummary(const SimulationResult& result, int code) {
   if (options_.check) {
     int64_t failed = 0;
     double parameter_error = 0;  // the largest normalized error of a parameter
-    std::set<std::string> parameters;
-    if (result.gpt) {
-      for (const GptParameter& p : GptParameters(*result.gpt, result.padded_vocab_size, false)) {
-        parameters.insert(p.name);
-      }
-    }
-    for (const Graph::PlannedLayer& layer : result.plan) {  // a chain's
-      for (const Graph::PlannedParameter& p : layer.parameters) parameters.insert(p.name);
-    }
+    const std::set<std::string> parameters(result.parameter_names.begin(),
+                                           result.parameter_names.end());
     for (const TensorCheck& c : result.check.tensors) {
       if (!c.ok()) ++failed;
       if (parameters.count(c.name) != 0) parameter_error = std::max(parameter_error, c.normalized);
@@ -936,22 +821,7 @@ int RankRun::PrintChecks(const CheckResult& check, const SimulationResult& resul
     out_ << fmt::format("reference loss {:.9g} (float64), |difference| {:.3g}\n",
                         check.reference_loss, std::fabs(result.loss - check.reference_loss));
   }
-  if (result.gpt) {
-    out_ << fmt::format(
-        "\ncheck against the float64 GPT reference ({} storage; each rank computes its dp "
-        "rank's samples):\n"
-        "  pass when |a - e| <= allowed * (max|e| + |e|); allowed = {:g} * sqrt(roundings * u^2 "
-        "+ terms * u_c^2) for the model's longest path (README \"Checks and tolerances\")\n",
-        DTypeName(config_.run->dtype), kToleranceSafety);
-  } else {
-    out_ << fmt::format(
-        "\ncheck against the float64 reference ({} storage; computed once, split over {} ranks "
-        "by token rows):\n"
-        "  pass when |a - e| <= allowed * (max|e| + |e|); allowed = {:g} * sqrt(roundings * u^2 + "
-        "terms * u_c^2) grows with the tensor's reduction lengths (README \"Checks and "
-        "tolerances\")\n",
-        DTypeName(config_.run->dtype), world_size_, kToleranceSafety);
-  }
+  out_ << '\n' << check.header;
   size_t name_width = 26;
   for (const TensorCheck& c : check.tensors) name_width = std::max(name_width, c.name.size());
   out_ << fmt::format("  {:<{}} {:<16} {:>12} {:>12} {:>12} {:>10}  {}\n", "tensor", name_width, "shape",
@@ -986,18 +856,7 @@ int RankRun::PrintChecks(const CheckResult& check, const SimulationResult& resul
   }
   out_ << fmt::format("{} passed, {} failed\n", check.tensors.size() - static_cast<size_t>(failed),
                       failed);
-  if (result.gpt) {
-    out_ << fmt::format(
-        "reference memory: {:.1f} MiB on the largest rank (the whole model and {} token rows); "
-        "the largest rank's own tensors: {:.1f} MiB\n",
-        MiB(check.reference_bytes_max), check.reference_rows_max, MiB(check.record_bytes_max));
-  } else {
-    out_ << fmt::format(
-        "reference memory: {:.1f} MiB on the largest rank ({} token rows), {:.1f} MiB for the "
-        "whole reference; the largest rank's own tensors: {:.1f} MiB\n",
-        MiB(check.reference_bytes_max), check.reference_rows_max,
-        MiB(check.reference_bytes_whole), MiB(check.record_bytes_max));
-  }
+  out_ << check.memory;
   return failed > 0 ? kExitCheckFailed : kExitOk;
 }
 
@@ -1071,7 +930,7 @@ void RankRun::PrintMemory() {
   out_ << fmt::format("\nmemory: peak RSS {:.1f} MiB on the largest rank; {:.1f} MiB held by all "
                       "{} ranks at the end (PSS: pages shared between ranks counted once); the "
                       "preflight estimated {} per rank for tensors\n",
-                      MiB(peak), MiB(pss), world_size_, FormatBytes(preflight_bytes_));
+                      Mebibytes(peak), Mebibytes(pss), world_size_, FormatBytes(preflight_bytes_));
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
-// `mpusim run`: every MPI rank plays one GPU and runs the layer graph (core/model/graph) on a
-// Backend; the job then checks every tensor against the float64 reference (run/check.h) and
+// `mpusim run`: every MPI rank plays one GPU and runs the model (core/model/model.h: the GPT or
+// the lab's layer chain) on a Backend; the job then checks every tensor against the float64 reference (run/check.h) and
 // may dump them (run/dump.h).
 //
 // What it is: the driver: MPI start-up, world-size check, groups from the planner, the
@@ -19,8 +19,7 @@
 #include "core/backend.h"
 #include "core/communicator.h"
 #include "core/config.h"
-#include "core/model/gpt_model.h"
-#include "core/model/graph.h"
+#include "core/model/model.h"
 #include "core/rank_context.h"
 #include "core/status.h"
 #include "run/check.h"
@@ -37,11 +36,12 @@ struct SimulationResult {
   CommTrace trace;                    // this rank's collectives (the last repetition)
   std::vector<double> seconds;        // wall time of each repetition
   int64_t padded_vocab_size = 0;
-  std::vector<Graph::PlannedLayer> plan;  // as seen by rank 0's coordinates (a layer chain)
-  std::optional<GptConfig> gpt;           // a GPT run: the model as resolved for the layout
-  int64_t parameter_bytes_rank = 0;       // a GPT run: this rank's parameter shards
-  int64_t parameter_bytes_model = 0;      // a GPT run: the whole model's parameters
-  int64_t peak_stashes = 0;  // a GPT run: the most (chunk, micro-batch) stashes live at once
+  std::string model_description;   // Model::Describe
+  std::string parameter_split;     // Model::ParameterSplitNote ("": no parameter-memory line)
+  std::vector<std::string> parameter_names;  // the whole model's (Model::ShardingMap)
+  int64_t parameter_bytes_rank = 0;   // this rank's trainable parameter shards
+  int64_t parameter_bytes_model = 0;  // the whole model's parameters
+  int64_t peak_stashes = 0;  // the most (chunk, micro-batch) stashes live at once
   // A training run: one row per iteration (the loss of the iteration's data before its
   // update, the gradient norm before clipping, the learning rate, the wall time).
   struct Iteration {
@@ -64,7 +64,7 @@ struct SimulationResult {
   // When the last step (or iteration) started: this rank's steady_clock, in seconds, as it
   // left the barrier before the step.
   double step_start = 0;
-  // A GPT run, on every rank: each world rank's forward and backward step spans of the last
+  // On every rank: each world rank's forward and backward step spans of the last
   // step (or iteration), in seconds from the step's start (the earliest rank's step_start on
   // one machine; each rank's own across machines), the schedule's end on that rank (its last
   // send completed), and its pp rank.

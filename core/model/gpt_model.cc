@@ -103,6 +103,9 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
                          "is required by mpusim run (see docs/simulator.md)");
   }
   std::unique_ptr<GptModel> model(new GptModel());
+  model->config_ = config;
+  model->topology_ = &topology;
+  model->coords_ = coords;
   model->gpt_ = *config.gpt;
   model->run_ = *config.run;
   MPUSIM_RETURN_IF_ERROR(CheckGptLayout(config.parallel, model->run_, &model->gpt_));
@@ -478,6 +481,16 @@ void GptModel::Run(RankContext& ctx, std::vector<TensorRecord>* records, int64_t
   Tensor loss = Tensor::HostEmpty({1}, DType::kFloat64);
   loss.data_as<double>()[0] = loss_;
   records->push_back({"loss", k.ToDevice(loss), {1}, ShardSpec{}, false});
+}
+
+void GptModel::Step(RankContext& ctx, int64_t iteration, bool record) {
+  recorded_.clear();
+  Run(ctx, record ? &recorded_ : nullptr, iteration);
+}
+
+void GptModel::Records(RankContext& /*ctx*/, std::vector<TensorRecord>* records) const {
+  records->insert(records->end(), recorded_.begin(), recorded_.end());
+  RecordParameters(records);
 }
 
 void GptModel::RecordParameters(std::vector<TensorRecord>* records) const {

@@ -33,6 +33,7 @@
 #include "core/config.h"
 #include "core/model/layer_norm.h"
 #include "core/model/linear.h"
+#include "core/model/model.h"
 #include "core/model/parameter.h"
 #include "core/model/record.h"
 #include "core/model/step_span.h"
@@ -51,7 +52,7 @@ struct GptChunk {
   bool post_process = false;    // holds final norm, output layer and loss (the last chunk)
 };
 
-class GptModel {
+class GptModel final : public Model {
  public:
   // Checks the model against the layout (core/gpt_config.h CheckGptLayout); errors name the
   // field. `config.gpt` and `config.run` must be set. `chunks` overrides the planner's
@@ -63,6 +64,7 @@ class GptModel {
 
   // Allocates this rank's parameter shards and fills them from the master values.
   void InitializeParameters(Kernels& k);
+  void InitializeParameters(RankContext& ctx) override { InitializeParameters(*ctx.kernels); }
   // One step on a rank that holds the whole model: every micro-batch forward through the
   // chunks and backward through them in reverse, then the gradient finalisation. Records
   // of the last micro-batch, the parameters, their gradients and the loss are appended to
@@ -74,6 +76,20 @@ class GptModel {
   // Optimizer::ReduceGradients reduce-scatters them.
   void Run(RankContext& ctx, std::vector<TensorRecord>* records, int64_t iteration = 0);
   void RecordParameters(std::vector<TensorRecord>* records) const;
+
+  // The Model interface (model.h). Step runs Run and keeps the records it is asked for;
+  // Records appends them and then RecordParameters'.
+  void Step(RankContext& ctx, int64_t iteration, bool record) override;
+  void Records(RankContext& ctx, std::vector<TensorRecord>* records) const override;
+  std::vector<Parameter*> TrainableParameters() const override { return params_.pointers(); }
+  bool has_loss() const override { return true; }
+  std::string Describe() const override;
+  std::vector<ParameterPlacement> ShardingMap() const override;
+  std::string ParameterSplitNote() const override;
+  void Explain(std::ostream& out) const override;
+  std::vector<std::string> Warnings() const override { return {}; }
+  bool MasksDependOnLayout() const override;
+  MemoryPlan PlanMemory(const MemoryPlanOptions& options) const override;
 
   // The step pieces a pipeline schedule calls. BeginStep zeroes the gradients and the loss.
   // ForwardStep runs chunk `chunk` on micro-batch m: `input` is the previous chunk's output
@@ -92,15 +108,15 @@ class GptModel {
   // step in the order they ran, and of the whole schedule (BeginStep to the last send's
   // completion, before the gradient finalisation).
   using StepSpan = ::mpusim::StepSpan;
-  const std::vector<StepSpan>& step_spans() const { return spans_; }  // since BeginStep
+  const std::vector<StepSpan>& step_spans() const override { return spans_; }  // since BeginStep
   double schedule_begin() const { return schedule_begin_; }
-  double schedule_end() const { return schedule_end_; }
+  double schedule_end() const override { return schedule_end_; }
 
   const std::vector<GptChunk>& chunks() const { return chunks_; }
   int64_t live_stashes() const { return static_cast<int64_t>(stashes_.size()); }
-  int64_t peak_live_stashes() const { return peak_stashes_; }  // since BeginStep
-  double loss() const { return loss_; }  // after Run
-  int64_t padded_vocab_size() const { return padded_vocab_; }
+  int64_t peak_live_stashes() const override { return peak_stashes_; }  // since BeginStep
+  double loss() const override { return loss_; }  // after Run
+  int64_t padded_vocab_size() const override { return padded_vocab_; }
   const GptConfig& gpt() const { return gpt_; }
   ParameterSet& parameters() { return params_; }
 
@@ -133,6 +149,12 @@ class GptModel {
   double HeadForward(const ModuleContext& ctx, const Tensor& x, Stash* stash) const;
   Tensor HeadBackward(const ModuleContext& ctx, Stash& stash) const;
 
+  // This rank's account of one pipeline stage for Explain (the whole model when pp = 1).
+  void ExplainStage(std::ostream& out) const;
+
+  Config config_;  // as built (ShardingMap and Explain build the other stages from it)
+  const Topology* topology_ = nullptr;
+  RankCoordinates coords_;
   GptConfig gpt_;
   RunConfig run_;
   StreamShape shape_;
@@ -155,6 +177,7 @@ class GptModel {
   double loss_sum_ = 0;  // this step's per-token losses on this rank
   int64_t iteration_ = 0;  // the training iteration being run (data and dropout streams)
   double loss_ = 0;
+  std::vector<TensorRecord> recorded_;  // Step's records (record = true)
   std::optional<TrackerDraws> tracker_;  // dropout_mode "rng_tracker"
   TrackerDraws::Count tracker_next_;     // its state: the next draw on each stream
 };

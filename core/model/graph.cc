@@ -643,7 +643,8 @@ void Graph::Impl::PlanWarnings() {
   std::reverse(warnings.begin(), warnings.end());  // in layer order
 }
 
-StatusOr<std::unique_ptr<Graph>> Graph::Build(const Config& config, const Topology& topology) {
+StatusOr<std::unique_ptr<Graph>> Graph::Build(const Config& config, const Topology& topology,
+                                              const RankCoordinates& coords) {
   if (!config.model || !config.run) {
     return Status::Error(config.model ? "run" : "model",
                          "is required by mpusim run (see docs/simulator.md)");
@@ -676,7 +677,11 @@ StatusOr<std::unique_ptr<Graph>> Graph::Build(const Config& config, const Topolo
     if (!schedule.ok()) return schedule.status();
     impl->pipeline_plans = PlanPipelineRanks(*schedule);
   }
-  return std::unique_ptr<Graph>(new Graph(std::move(impl)));
+  std::unique_ptr<Graph> graph(new Graph(std::move(impl)));
+  graph->config_ = config;
+  graph->topology_ = &topology;
+  graph->coords_ = coords;
+  return graph;
 }
 
 Graph::Graph(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -1177,6 +1182,12 @@ void Graph::Run(RankContext& ctx, int64_t iteration) {
     ctx.pp().AllReduce(device, ReduceOp::kSum);
     g.loss_sum = ctx.kernels->ToHost(device).data_as<double>()[0];
   }
+}
+
+void Graph::Records(RankContext& ctx, std::vector<TensorRecord>* records) const {
+  std::vector<TensorRecord> mine = Records(ctx);
+  records->insert(records->end(), std::make_move_iterator(mine.begin()),
+                  std::make_move_iterator(mine.end()));
 }
 
 std::vector<TensorRecord> Graph::Records(RankContext& ctx) const {

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "core/config.h"
+#include "core/model/model.h"
 #include "core/model/parameter.h"
 #include "core/model/record.h"
 #include "core/model/step_span.h"
@@ -39,17 +40,19 @@ struct ActivationState {
 };
 const char* SplitName(ActivationState::Split split);
 
-class Graph {
+class Graph final : public Model {
  public:
   // Checks that the layers fit together (shapes, parallel states, divisibility) for this
-  // layout; errors name "model.layers[i]" and say what is allowed.
-  static StatusOr<std::unique_ptr<Graph>> Build(const Config& config, const Topology& topology);
+  // layout; errors name "model.layers[i]" and say what is allowed. `coords` is the rank the
+  // model runs on (its memory plan's); `topology` must outlive the graph.
+  static StatusOr<std::unique_ptr<Graph>> Build(const Config& config, const Topology& topology,
+                                                const RankCoordinates& coords = {});
   ~Graph();
   Graph(const Graph&) = delete;
   Graph& operator=(const Graph&) = delete;
 
   // Allocates this rank's parameter shards and fills them from the master values.
-  void InitializeParameters(RankContext& ctx);
+  void InitializeParameters(RankContext& ctx) override;
   // All micro-batches of training iteration `iteration`: data, forward, loss, backward
   // (recomputing the forward first when run.recompute), gradient accumulation; then the tp
   // and dp gradient reductions (the dp one left to the distributed optimizer when the config
@@ -57,21 +60,25 @@ class Graph {
   // tensors, and the RNG tracker starts where `iteration` earlier iterations left it, so a
   // repeated call computes the same step.
   void Run(RankContext& ctx, int64_t iteration = 0);
+  // The Model interface (model.h): Step is Run (the chain keeps its last micro-batch's
+  // tensors whether or not they are recorded); Records appends Records(ctx).
+  void Step(RankContext& ctx, int64_t iteration, bool /*record*/) override { Run(ctx, iteration); }
+  void Records(RankContext& ctx, std::vector<TensorRecord>* records) const override;
   // The parameters with a main_grad (not frozen), in registration order: what the optimizer
   // updates.
-  std::vector<Parameter*> TrainableParameters() const;
+  std::vector<Parameter*> TrainableParameters() const override;
   // The most (chunk, micro-batch) stashes live at once in the last Run: the activation memory
   // the pipeline schedule's in-flight count bounds (1 without a pipeline).
-  int64_t peak_live_stashes() const;
+  int64_t peak_live_stashes() const override;
   // The last Run's forward and backward steps (core/model/step_span.h) and when its schedule
   // ended (before the gradient finalisation).
-  const std::vector<StepSpan>& step_spans() const;
-  double schedule_end() const;
+  const std::vector<StepSpan>& step_spans() const override;
+  double schedule_end() const override;
 
   // After Run: every tensor of the last micro-batch plus parameters and gradients.
   std::vector<TensorRecord> Records(RankContext& ctx) const;
-  bool has_loss() const;
-  double loss() const;  // mean over all tokens of all micro-batches (all dp ranks)
+  bool has_loss() const override;
+  double loss() const override;  // mean over all tokens of all micro-batches (all dp ranks)
 
   // The layers as planned, for `mpusim explain`: name, type, input/output states, full
   // parameter shapes and their shard specs on this rank.
@@ -100,7 +107,18 @@ class Graph {
     std::string tied_weight;
   };
   std::vector<PlannedLayer> Plan(const RankCoordinates& coords) const;
-  int64_t padded_vocab_size() const;
+  int64_t padded_vocab_size() const override;
+
+  // The rest of the Model interface (graph_plan.cc), from Plan: the layer table `mpusim run`
+  // prints, the sharding map (a weight_from copy on another stage is a row of its own), the
+  // lab's notation for `mpusim explain`, and the memory plan of this rank.
+  std::string Describe() const override;
+  std::vector<ParameterPlacement> ShardingMap() const override;
+  std::string ParameterSplitNote() const override { return ""; }
+  void Explain(std::ostream& out) const override;
+  std::vector<std::string> Warnings() const override { return warnings(); }
+  bool MasksDependOnLayout() const override;
+  MemoryPlan PlanMemory(const MemoryPlanOptions& options) const override;
 
   // Plan-time warnings, one line each ("model.layers[i] (type name): why"): region mappings
   // whose backward sums t copies of a gradient every rank already holds in full, so the
@@ -113,6 +131,9 @@ class Graph {
  private:
   explicit Graph(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
+  Config config_;  // as built
+  const Topology* topology_ = nullptr;
+  RankCoordinates coords_;
 };
 
 }  // namespace mpusim

@@ -114,6 +114,12 @@ DESIGN_REFERENCE = ("DESIGN.md: reference/ cannot link core/tensor_parallel, cor
                     "fact")
 
 
+# DESIGN.md: "Nothing outside a model asks which model it holds": the run driver and the
+# program see a model through core/model/model.h (BuildModel builds the one a config names).
+MODEL_HEADERS = ("core/model/gpt_model.h", "core/model/graph.h")
+MODEL_INTERFACE = ("DESIGN.md: nothing outside a model asks which model it holds; run/ and "
+                   "cli/ work on the Model interface (core/model/model.h, BuildModel)")
+
 REFERENCE_OPS = ("core/ops/ holds the backends' op functors; the reference computes every op "
                  "with its own float64 code, so that it checks them (it sees the Activation "
                  "enum through core/gpt_config.h, not the functors' math)")
@@ -361,6 +367,10 @@ def Check(root):
                             f"add it to tests/rules/include_rules.py (FAMILIES, or the system "
                             f"lists) and allow it where its library is linked")
                         continue
+                    if src in ("run", "cli") and inc in MODEL_HEADERS:
+                        violations.append(f"{where}: {src}/ may not include {inc}: "
+                                          f"{MODEL_INTERFACE}")
+                        continue
                     if src == "reference" and inc.startswith("core/ops/"):
                         violations.append(f"{where}: reference/ may not include core/ops/: "
                                           f"{REFERENCE_OPS}")
@@ -405,6 +415,11 @@ SELF_TEST = [
     ("core/r.h", '#include "cli/cli.h"\n', "only cli/ includes cli/"),
     # mpusim_core and the executor's layers
     ("core/s.h", '#include "core/model/graph.h"\n', "mpusim_core links none of the executor"),
+    ("run/model_a.cc", '#include "core/model/gpt_model.h"\n',
+     "run/ may not include core/model/gpt_model.h: DESIGN.md: nothing outside a model asks"),
+    ("cli/model_b.cc", '#include "core/model/graph.h"\n',
+     "cli/ may not include core/model/graph.h: DESIGN.md: nothing outside a model asks"),
+    ("cli/model_c.cc", '#include "core/model/model.h"\n', None),
     ("reference/o.cc", '#include "core/ops/activation.h"\n',
      "reference/ may not include core/ops/"),
     ("core/ops/t.h", '#include "core/tensor_parallel/mappings.h"\n',
@@ -465,7 +480,7 @@ SELF_TEST = [
     ("cuda/ok.cu", '#include <cuda_runtime.h>\n#include <cub/device/device_radix_sort.cuh>\n'
      '#include <cuda/std/limits>\n#include "cuda/device_kernels.h"\n'
      '#include "mpi/watchdog.h"\n', None),
-    ("run/ok.cc", '#include "core/model/graph.h"\n#include "reference/trainer.h"\n'
+    ("run/ok.cc", '#include "core/model/model.h"\n#include "reference/trainer.h"\n'
      '#include <mpi.h>\n'
      '#include "mpi/agree.h"\n', None),
     ("cli/ok.cc", '#include "sim/cpu_backend.h"\n#include "run/runner.h"\n#include <CLI/CLI.hpp>\n'

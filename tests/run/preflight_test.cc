@@ -2,11 +2,12 @@
 // (run/preflight.h): which items live where, and the device check's verdict and its line.
 #include <memory>
 #include <string>
+#include <utility>
 
 #include <gtest/gtest.h>
 
 #include "core/config.h"
-#include "core/model/gpt_model.h"
+#include "core/model/model.h"
 #include "core/topology.h"
 #include "run/preflight.h"
 
@@ -61,32 +62,49 @@ TEST(DevicePreflight, TheDeviceItemsMustFitTheFreeMemoryOfEachRankOnTheDevice) {
   EXPECT_TRUE(CheckDeviceMemory(plan, device).ok());
 }
 
+// Both models (core/model/model.h) plan their own memory: the float64 reference and the
+// check's buffers on the host, the executor's tensors where the backend keeps them.
 TEST(DevicePreflight, TheReferenceAndTheCheckLiveOnTheHost) {
-  StatusOr<nlohmann::json> document = ParseJsonText(R"({
+  const char* gpt = R"({
     "parallel": {"world_size": 2, "tensor_model_parallel_size": 2},
     "model": {"type": "gpt", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
               "vocab_size": 100, "max_position_embeddings": 16},
-    "run": {"seq_length": 16, "micro_batch_size": 2}})");
-  ASSERT_TRUE(document.ok()) << document.status().Message();
-  Config config;
-  const Status parsed = ParseConfig(*document, &config);
-  ASSERT_TRUE(parsed.ok()) << parsed.Message();
-  StatusOr<Topology> topology = Topology::Create(config.parallel);
-  ASSERT_TRUE(topology.ok()) << topology.status().Message();
-  StatusOr<std::unique_ptr<GptModel>> model =
-      GptModel::Build(config, *topology, topology->Coordinates(0));
-  ASSERT_TRUE(model.ok()) << model.status().Message();
-  const GptConfig& gpt = (*model)->gpt();
-  for (const bool check : {false, true}) {
-    const MemoryPlan plan = PlanGptRankMemory(config, gpt, 2, check);
-    int host = 0;
-    for (const MemoryItem& item : plan.items) {
-      const bool reference = item.name.rfind("reference:", 0) == 0;
-      EXPECT_EQ(item.host, reference) << item.name;
-      host += item.host ? 1 : 0;
+    "run": {"seq_length": 16, "micro_batch_size": 2}})";
+  const char* chain = R"({
+    "parallel": {"world_size": 2, "tensor_model_parallel_size": 2},
+    "model": {"vocab_size": 100, "layers": [
+      {"name": "embedding", "type": "VocabParallelEmbedding", "embedding_dim": 32},
+      {"name": "head", "type": "ColumnParallelLinear", "input_size": 32,
+       "output_size": "padded_vocab_size", "gather_output": false},
+      {"name": "loss", "type": "VocabParallelCrossEntropy"}]},
+    "run": {"seq_length": 16, "micro_batch_size": 2}})";
+  // The host items each model's check adds: the GPT's reference, the chain's reference and
+  // its exchange buffers.
+  for (const auto& [text, host_items] : {std::pair{gpt, 2}, std::pair{chain, 4}}) {
+    StatusOr<nlohmann::json> document = ParseJsonText(text);
+    ASSERT_TRUE(document.ok()) << document.status().Message();
+    Config config;
+    const Status parsed = ParseConfig(*document, &config);
+    ASSERT_TRUE(parsed.ok()) << parsed.Message();
+    StatusOr<Topology> topology = Topology::Create(config.parallel);
+    ASSERT_TRUE(topology.ok()) << topology.status().Message();
+    StatusOr<std::unique_ptr<Model>> model =
+        BuildModel(config, *topology, topology->Coordinates(0));
+    ASSERT_TRUE(model.ok()) << model.status().Message();
+    for (const bool check : {false, true}) {
+      const MemoryPlan plan = PlanRankMemory(**model, 2, check);
+      int host = 0;
+      for (const MemoryItem& item : plan.items) {
+        const bool reference =
+            item.name.rfind("reference:", 0) == 0 || item.name.rfind("check:", 0) == 0;
+        EXPECT_EQ(item.host, reference) << item.name;
+        host += item.host ? 1 : 0;
+      }
+      EXPECT_EQ(host, check ? host_items : 0) << text;
+      EXPECT_GT(plan.DeviceItems().total, 0u);
+      // The executor's part does not depend on the check.
+      EXPECT_EQ(plan.DeviceItems().total, PlanRankMemory(**model, 2, false).total);
     }
-    EXPECT_EQ(host, check ? 2 : 0);
-    EXPECT_GT(plan.DeviceItems().total, 0u);
   }
 }
 

@@ -1,0 +1,219 @@
+// The GPT model's account of itself (see gpt_model.h and model.h): its description for
+// `mpusim run`, its sharding map and `mpusim explain`'s text, and its memory plan.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "core/model/gpt_model.h"
+
+namespace mpusim {
+
+std::string GptModel::Describe() const {
+  const GptConfig& gpt = gpt_;
+  std::string out = fmt::format(
+      "model: GPT (Megatron-Core GPTModel, local layer spec), {} layers, hidden_size {}, {} "
+      "heads of {} channels in {} query groups, ffn_hidden_size {} ({})\n",
+      gpt.num_layers, gpt.hidden_size, gpt.num_attention_heads, gpt.kv_channels,
+      gpt.num_query_groups, gpt.ffn_hidden_size, ActivationName(gpt.activation));
+  out += fmt::format(
+      "  {}, {} position embeddings, bias {}, dropout hidden {} attention {} ({}), embeddings "
+      "{}\n",
+      NormalizationName(gpt.normalization), PositionEmbeddingName(gpt.position_embedding_type),
+      gpt.add_bias_linear, gpt.hidden_dropout, gpt.attention_dropout,
+      gpt.dropout_mode == DropoutMode::kRngTracker
+          ? "masks from each rank's RNG tracker streams, as Megatron draws them"
+          : "masks drawn per global element",
+      gpt.share_embeddings_and_output_weights ? "shared with the output layer"
+                                              : "separate from the output layer");
+  out += fmt::format("vocab_size {}, padded_vocab_size {}, label_smoothing {}\n", gpt.vocab_size,
+                     padded_vocab_, gpt.label_smoothing);
+  return out;
+}
+
+std::string GptModel::ParameterSplitNote() const {
+  const int64_t pp = topology_->sizes().pp;
+  return fmt::format("tp {} splits the weight matrices, norms and row-parallel biases stay whole{}",
+                     topology_->sizes().tp,
+                     pp > 1 ? fmt::format("; pp {} splits the layers, the first stage holds the "
+                                          "embedding",
+                                          pp)
+                            : std::string());
+}
+
+bool GptModel::MasksDependOnLayout() const {
+  return gpt_.dropout_mode == DropoutMode::kRngTracker &&
+         (gpt_.hidden_dropout > 0 || gpt_.attention_dropout > 0);
+}
+
+// Every stage's model, built from the same config (this one's when pp = 1).
+std::vector<ParameterPlacement> GptModel::ShardingMap() const {
+  std::vector<ParameterPlacement> mapped;
+  const int64_t pp = topology_->sizes().pp;
+  for (int64_t stage = 0; stage < pp; ++stage) {
+    RankCoordinates coords = coords_;
+    coords.pp = stage;
+    StatusOr<std::unique_ptr<GptModel>> built = Build(config_, *topology_, coords);
+    if (!built.ok()) throw std::logic_error("GptModel::ShardingMap: " + built.status().Message());
+    const GptModel& model = **built;
+    const std::vector<GptChunk>& chunks = model.chunks();
+    for (const auto& p : model.params_.all()) {
+      // The chunk holding it: its layer's, the embedding's first, the head's last.
+      int64_t chunk = 0;
+      constexpr std::string_view kLayers = "decoder.layers.";
+      if (p->name.starts_with(kLayers)) {
+        const int64_t layer = std::stoll(p->name.substr(kLayers.size()));
+        for (size_t c = 0; c < chunks.size(); ++c) {
+          if (std::find(chunks[c].layers.begin(), chunks[c].layers.end(), layer) !=
+              chunks[c].layers.end()) {
+            chunk = static_cast<int64_t>(c);
+          }
+        }
+      } else if (!p->name.starts_with("embedding.") || p->shared) {
+        chunk = static_cast<int64_t>(chunks.size()) - 1;
+      }
+      const Placement* split = p->shard.Find(ShardAxis::kTp);
+      mapped.push_back({p->name, p->full_shape, split != nullptr ? split->dim : -1,
+                        split != nullptr ? split->stride : 1, stage, chunk,
+                        p->shared ? "the last stage's copy of the tied word embeddings, "
+                                    "gradient all-reduced over embd"
+                                  : ""});
+    }
+  }
+  return mapped;
+}
+
+void GptModel::Explain(std::ostream& out) const {
+  const int64_t pp = topology_->sizes().pp;
+  for (int64_t stage = 0; stage < pp; ++stage) {
+    RankCoordinates coords = coords_;
+    coords.pp = stage;
+    StatusOr<std::unique_ptr<GptModel>> built = Build(config_, *topology_, coords);
+    if (!built.ok()) throw std::logic_error("GptModel::Explain: " + built.status().Message());
+    (*built)->ExplainStage(out);
+  }
+}
+
+// One pipeline stage's parameters (the whole model when pp = 1).
+void GptModel::ExplainStage(std::ostream& out) const {
+  const GptConfig& gpt = gpt_;
+  const int64_t t = topology_->sizes().tp;
+  const int64_t pp = topology_->sizes().pp;
+  const int64_t stage = coords_.pp;
+  if (stage == 0) {
+    out << fmt::format(
+        "GPT model (Megatron-Core GPTModel, local layer spec), "
+        "tensor_model_parallel_size {}, sequence_parallel {}: a split parameter "
+        "is cut into {} slices and rank r of a tp group holds slice r\n",
+        t, shape_.sequence_parallel, t);
+  }
+  if (pp > 1) {
+    std::vector<std::string> chunks;
+    for (const GptChunk& chunk : chunks_) {
+      std::vector<std::string> parts;
+      if (chunk.pre_process) parts.push_back("embedding");
+      if (!chunk.layers.empty()) {
+        parts.push_back(chunk.layers.size() == 1
+                            ? fmt::format("layer {}", chunk.layers.front())
+                            : fmt::format("layers {}-{}", chunk.layers.front(),
+                                          chunk.layers.back()));
+      }
+      if (chunk.post_process) parts.push_back("final norm, output layer, loss");
+      chunks.push_back(fmt::format("[{}]", fmt::join(parts, ", ")));
+    }
+    out << fmt::format("pipeline stage {} of {}: chunks {}\n", stage, pp, fmt::join(chunks, " "));
+  }
+  const int64_t groups_local = gpt.num_query_groups / t;
+  const int64_t per_group = gpt.num_attention_heads / gpt.num_query_groups;
+  for (const auto& p : params_.all()) {
+    const Shape local = LocalShape(p->shard, p->full_shape);
+    std::string how = "replicated";
+    const Placement* split = p->shard.Find(ShardAxis::kTp);
+    if (split != nullptr) {
+      how = fmt::format("split on dim {}{}: {} per rank", split->dim,
+                        split->stride > 1 ? fmt::format(" with stride {}", split->stride) : "",
+                        ShapeString(local));
+    }
+    std::string note;
+    if (p->name.find("linear_qkv") != std::string::npos) {
+      note = fmt::format("; per rank {} query group{} of ({} query head{}, 1 key, 1 value) x {} "
+                         "channels",
+                         groups_local, groups_local == 1 ? "" : "s", per_group,
+                         per_group == 1 ? "" : "s", gpt.kv_channels);
+    } else if (split != nullptr && split->stride == 2) {
+      note = "; per rank its gate rows, then the same up rows (SwiGLU)";
+    } else if (p->name == "embedding.word_embeddings.weight" && t > 1) {
+      note = fmt::format("; rank r holds vocabulary rows [{} r, {} (r + 1))", local[0], local[0]);
+    }
+    if (p->sequence_parallel) note += "; gradient all-reduced over tp (sequence parallel)";
+    if (p->embedding_group) {
+      note +=
+          "; tied: the first and the last stage each hold it, gradient all-reduced over "
+          "embd";
+    }
+    out << fmt::format("  {} {} {}{}\n", p->name, ShapeString(p->full_shape), how, note);
+  }
+  if (gpt.share_embeddings_and_output_weights && stage == pp - 1) {
+    out << "  output_layer uses embedding.word_embeddings.weight (shared)\n";
+  }
+}
+
+// One rank of a tp x dp layout holds the same sizes as every other (a pipeline stage is
+// counted as if it held the whole model: the plan is an upper bound per rank).
+MemoryPlan GptModel::PlanMemory(const MemoryPlanOptions& options) const {
+  MemoryPlan plan;
+  const GptConfig& gpt = gpt_;
+  const RunConfig& run = run_;
+  const DType storage = run.dtype;
+  const DType compute = ComputeDType(storage);
+  const int64_t t = std::max<int64_t>(1, shape_.t);
+  const int64_t s = run.seq_length, b = run.micro_batch_size;
+  const int64_t rows = s * b;
+  const int64_t stream_rows = shape_.sequence_parallel ? rows / t : rows;
+  const int64_t h = gpt.hidden_size, heads_local = gpt.num_attention_heads / t;
+  const int64_t qkv_local = gpt.QkvRows() / t, fc1_local = gpt.Fc1Rows() / t;
+  const int64_t ffn_local = gpt.ffn_hidden_size / t;
+  const int64_t attn_local = heads_local * gpt.kv_channels;
+  const int64_t vp = gpt.PaddedVocabSize(t);
+  PlanBytes full_parameters = 0;
+  for (const GptParameter& p : GptParameters(gpt, vp, false)) {
+    Shape local = p.shape;
+    if (p.tp_dim >= 0) local[static_cast<size_t>(p.tp_dim)] /= t;
+    plan.Add(p.name, local, storage);
+    plan.Add(p.name + ".main_grad", local, compute);
+    full_parameters = SaturatingAdd(full_parameters, PlanElements(p.shape));
+  }
+  // One micro-batch's stash per layer (forward to backward), and about as much again for
+  // the gradients in flight: stream tensors, the gathered GEMM inputs, qkv and its per-head
+  // copies, the attention probabilities before and after dropout, fc1 and the activation.
+  const PlanBytes L = static_cast<PlanBytes>(gpt.num_layers);
+  const PlanBytes stream = PlanElements({stream_rows, h});
+  const PlanBytes per_layer = SaturatingAdd(
+      SaturatingAdd(SaturatingMul(stream, 6), PlanElements({rows, 2 * qkv_local})),
+      SaturatingAdd(PlanElements({2 * b * heads_local, s, s}),
+                    PlanElements({rows, attn_local + fc1_local + ffn_local + 2 * h})));
+  plan.AddElements("activations: every layer's stash of one micro-batch",
+                   SaturatingMul(per_layer, L), storage);
+  plan.AddElements("activation gradients in flight (one layer)", SaturatingMul(per_layer, 2),
+                   storage);
+  plan.Add("logits and their gradient", {2 * rows, vp / t}, storage);
+  if (options.check) {
+    // Every rank runs the float64 reference on its dp rank's b samples (run/gpt_check.h).
+    plan.AddElements("reference: parameters and gradients (float64, full)",
+                     SaturatingMul(full_parameters, 2), DType::kFloat64, true);
+    const int64_t attn = gpt.num_attention_heads * gpt.kv_channels;
+    const PlanBytes ref_layer = SaturatingAdd(
+        PlanElements({rows, 6 * h + gpt.QkvRows() + attn + gpt.Fc1Rows() + 2 * gpt.ffn_hidden_size}),
+        PlanElements({2 * b * gpt.num_attention_heads, s, s}));
+    plan.AddElements(
+        "reference: activations and their gradients (float64, this rank's samples)",
+        SaturatingMul(SaturatingAdd(SaturatingMul(ref_layer, L), PlanElements({rows, 2 * vp})), 2),
+        DType::kFloat64, true);
+  }
+  return plan;
+}
+
+}  // namespace mpusim
