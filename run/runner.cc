@@ -22,6 +22,7 @@
 #include "core/schedule.h"
 #include "core/topology.h"
 #include "core/train/optimizer.h"
+#include "core/train/train_step.h"
 #include "mpi/agree.h"
 #include "mpi/mpi_check.h"
 #include "mpi/watchdog.h"
@@ -169,53 +170,27 @@ std::vector<SimulationResult::RankTimeline> GatherTimeline(const std::vector<Ste
   return out;
 }
 
-// The training loop of any model: run.train_iters iterations, each
-// `run_iteration(it, last)` (every micro-batch forward and backward and the gradient
-// finalisation; returns the iteration's loss) and an optimizer step on `params`. Returns the
-// optimizer, whose state the records then take.
-template <typename RunIteration>
-std::unique_ptr<Optimizer> Train(const Config& config, const Topology& topology, RankContext& ctx,
-                                 const std::vector<Parameter*>& params, SimulationResult* out,
-                                 RunIteration&& run_iteration) {
-  SimulationResult& result = *out;
-  Kernels& k = *ctx.kernels;
+// The optimizer of a training run over `params`, and what the report says of its state.
+std::unique_ptr<Optimizer> MakeOptimizer(const Config& config, RankContext& ctx,
+                                         const std::vector<Parameter*>& params,
+                                         SimulationResult* result) {
   DistributedOptimizerGroups dist_groups;
   if (config.optimizer->use_distributed_optimizer) {
     dist_groups = {ctx.groups.dp_cp_partial.get(), ctx.groups.inter_dist_opt.get(),
                    ctx.groups.intra_dist_opt.get()};
   }
-  auto owned = std::make_unique<Optimizer>(*config.optimizer, params, k, dist_groups);
-  Optimizer& optimizer = *owned;
-  result.optimizer.distributed = optimizer.distributed();
-  result.optimizer.buffer = optimizer.padded_elements();
-  result.optimizer.begin = optimizer.shard_begin();
-  result.optimizer.end = optimizer.shard_end();
-  for (const Parameter* p : params) result.optimizer.parameters += p->value.numel();
-  result.optimizer.elements = optimizer.distributed()
-                                  ? optimizer.shard_end() - optimizer.shard_begin()
-                                  : result.optimizer.parameters;
-  result.optimizer.state_tensors = config.optimizer->kind == OptimizerConfig::Kind::kAdam ? 3 : 2;
-  result.optimizer.element_bytes = static_cast<int64_t>(DTypeSize(ComputeDType(config.run->dtype)));
-  const int64_t T = config.run->train_iters;
-  Communicator* pp = topology.sizes().pp > 1 ? &ctx.pp() : nullptr;
-  for (int64_t it = 0; it < T; ++it) {
-    result.trace.Clear();
-    watched::Barrier(MPI_COMM_WORLD, WorldLabel());
-    const auto start = std::chrono::steady_clock::now();
-    result.step_start = std::chrono::duration<double>(start.time_since_epoch()).count();
-    const double loss = run_iteration(it, it + 1 == T);
-    optimizer.ReduceGradients(k, result.trace);
-    const double norm = optimizer.GradNorm(k, ctx.tp(), pp, ctx.coords.tp, result.trace);
-    const double lr = LearningRate(*config.optimizer, it, T);
-    optimizer.Step(k, norm, lr, result.trace);
-    k.Synchronize();
-    watched::Barrier(MPI_COMM_WORLD, WorldLabel());
-    const double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    result.seconds.push_back(seconds);
-    result.iterations.push_back({it + 1, loss, norm, lr, seconds});
-  }
-  return owned;
+  auto optimizer = std::make_unique<Optimizer>(*config.optimizer, params, *ctx.kernels, dist_groups);
+  SimulationResult::OptimizerShard& shard = result->optimizer;
+  shard.distributed = optimizer->distributed();
+  shard.buffer = optimizer->padded_elements();
+  shard.begin = optimizer->shard_begin();
+  shard.end = optimizer->shard_end();
+  for (const Parameter* p : params) shard.parameters += p->value.numel();
+  shard.elements =
+      optimizer->distributed() ? optimizer->shard_end() - optimizer->shard_begin() : shard.parameters;
+  shard.state_tensors = config.optimizer->kind == OptimizerConfig::Kind::kAdam ? 3 : 2;
+  shard.element_bytes = static_cast<int64_t>(DTypeSize(ComputeDType(config.run->dtype)));
+  return optimizer;
 }
 
 // The model's description for the report, and its parameter sizes: this rank's trainable
@@ -282,24 +257,32 @@ StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions&
   RankContext ctx = MakeRankContext(config, backend, *topology, world_rank, &result.trace);
   result.coords = ctx.coords;
   DescribeModel(model, config.run->dtype, &result);
+  StatusOr<PipelineExecutor> executor =
+      PipelineExecutor::ForRank(config.parallel, config.run->num_microbatches, ctx.coords.pp);
+  if (!executor.ok()) return executor.status();
   model.InitializeParameters(ctx);
   const bool want_records = options.check || options.keep_records;
   std::unique_ptr<Optimizer> optimizer;
   if (!config.optimizer) {
-    TimedSteps(options, kernels, &result,
-               [&](bool last) { model.Step(ctx, 0, last && want_records); });
+    TimedSteps(options, kernels, &result, [&](bool last) {
+      RunStep(model, *executor, ctx, 0, last && want_records, /*reduce_dp=*/true);
+    });
   } else {
     // Training: run.train_iters iterations, each a step and an optimizer update.
-    optimizer = Train(config, *topology, ctx, model.TrainableParameters(), &result,
-                      [&](int64_t it, bool last) {
-                        model.Step(ctx, it, last && want_records);
-                        return model.has_loss() ? model.loss() : 0.0;
-                      });
+    optimizer = MakeOptimizer(config, ctx, model.TrainableParameters(), &result);
+    const std::vector<TrainedIteration> rows =
+        Train(model, *executor, *optimizer, ctx, *config.optimizer, config.run->train_iters,
+              want_records, [] { watched::Barrier(MPI_COMM_WORLD, WorldLabel()); });
+    for (const TrainedIteration& row : rows) {
+      result.seconds.push_back(row.seconds);
+      result.iterations.push_back({row.iteration, row.loss, row.grad_norm, row.lr, row.seconds});
+      result.step_start = row.start;
+    }
   }
   result.has_loss = model.has_loss();
   result.loss = result.has_loss ? model.loss() : 0.0;
-  result.peak_stashes = model.peak_live_stashes();
-  result.timeline = GatherTimeline(model.step_spans(), model.schedule_end(), result.trace,
+  result.peak_stashes = executor->peak_live_stashes();
+  result.timeline = GatherTimeline(executor->step_spans(), executor->schedule_end(), result.trace,
                                    options.timeline_comms, ctx.coords.pp, result.step_start);
   if (!want_records) return result;
 

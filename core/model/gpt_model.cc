@@ -10,7 +10,6 @@
 #include <tuple>
 
 #include "core/init.h"
-#include "core/pipeline/pipeline_walk.h"
 #include "core/rng.h"
 #include "core/schedule.h"
 #include "core/tensor_parallel/mappings.h"
@@ -117,7 +116,6 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
   model->d_ = sizes.dp;
   model->padded_vocab_ = model->gpt_.PaddedVocabSize(t);
   model->fuse_wgrad_ = config.parallel.gradient_accumulation_fusion;
-  model->dp_reduces_grads_ = !(config.optimizer && config.optimizer->use_distributed_optimizer);
   StreamShape& sh = model->shape_;
   sh.s = model->run_.seq_length;
   sh.b = model->run_.micro_batch_size;
@@ -178,7 +176,6 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
         sizes.pp, config.parallel.virtual_pipeline_model_parallel_size,
         model->run_.num_microbatches, config.parallel.microbatch_group_size_per_vp_stage);
     if (!schedule.ok()) return schedule.status();
-    model->plans_ = PlanPipelineRanks(*schedule)[static_cast<size_t>(coords.pp)];
   }
   for (int64_t i : held) {
     model->layers_.try_emplace(i, gpt, fmt::format("decoder.layers.{}", i), params, t,
@@ -324,43 +321,51 @@ Tensor GptModel::HeadBackward(const ModuleContext& ctx, Stash& stash) const {
   return final_norm_->Backward(ctx, dfinal, stash.final_norm);
 }
 
-void GptModel::BeginStep(Kernels& k) {
-  if (!stashes_.empty()) {
-    throw std::logic_error(fmt::format("GptModel::BeginStep: {} stashes of the last step were "
-                                       "never consumed by a backward step",
-                                       stashes_.size()));
-  }
-  params_.ZeroGrads(k);
+void GptModel::BeginStep(RankContext& ctx, int64_t iteration, bool record) {
+  params_.ZeroGrads(*ctx.kernels);
   loss_sum_ = 0;
-  peak_stashes_ = 0;
-  spans_.clear();
-  schedule_begin_ = MonotonicSeconds();
+  iteration_ = iteration;
+  record_ = record;
+  recorded_.clear();
+  // The tracker's state at the start of the iteration: every earlier iteration ran M
+  // forwards of every chunk.
+  if (tracker_) tracker_next_ = TrackerAtIteration(iteration);
 }
 
-Tensor GptModel::ForwardStep(RankContext& ctx, int64_t chunk, int64_t microbatch,
-                             const Tensor& input, std::vector<TensorRecord>* records) {
-  const SpanRecorder span(spans_, chunk, microbatch, true);
-  const GptChunk& spec = chunks_.at(static_cast<size_t>(chunk));
-  const auto [it, inserted] = stashes_.try_emplace({chunk, microbatch});
-  if (!inserted) {
-    throw std::logic_error(fmt::format("GptModel::ForwardStep: chunk {} micro-batch {} ran "
-                                       "forward twice before its backward",
-                                       chunk, microbatch));
+TrackerDraws::Count GptModel::TrackerAtIteration(int64_t iteration) const {
+  TrackerDraws::Count at;
+  for (const TrackerDraws::Count& count : tracker_->per_chunk) {
+    at.default_draws += iteration * run_.num_microbatches * count.default_draws;
+    at.model_parallel_draws += iteration * run_.num_microbatches * count.model_parallel_draws;
   }
-  peak_stashes_ = std::max(peak_stashes_, static_cast<int64_t>(stashes_.size()));
-  Stash& stash = it->second;
+  return at;
+}
+
+std::pair<Shape, DType> GptModel::TransferShape(const RankContext& /*ctx*/,
+                                                const Transfer& /*transfer*/) const {
+  return {{shape_.stream_rows(), gpt_.hidden_size}, run_.dtype};
+}
+
+std::unique_ptr<StepStash> GptModel::NewStash(int64_t /*chunk*/) const {
+  return std::make_unique<Stash>();
+}
+
+Tensor GptModel::ForwardStep(const StepCall& call, const Tensor& input, StepStash& stashed) {
+  RankContext& ctx = call.ctx;
+  const GptChunk& spec = chunks_.at(static_cast<size_t>(call.chunk));
+  auto& stash = static_cast<Stash&>(stashed);
   if (tracker_) {
     // Megatron's tracker is a state that every forward advances, in the order this rank runs
     // them; recomputation in the backward step redraws the same numbers (core/dropout.h).
-    const TrackerDraws::Count& count = tracker_->per_chunk.at(static_cast<size_t>(chunk));
+    const TrackerDraws::Count& count = tracker_->per_chunk.at(static_cast<size_t>(call.chunk));
     stash.draws = tracker_next_;
     tracker_next_.default_draws += count.default_draws;
     tracker_next_.model_parallel_draws += count.model_parallel_draws;
   }
-  const ModuleContext mctx = Context(ctx, microbatch, stash, records);
+  const ModuleContext mctx = Context(ctx, call.microbatch, stash, call.record ? &recorded_ : nullptr);
   mctx.trace.SetPhase(Phase::kForward);
   if (spec.pre_process || spec.post_process) {
-    stash.batch = MakeBatch(*ctx.kernels, iteration_ * run_.num_microbatches + microbatch);
+    stash.batch = MakeBatch(*ctx.kernels, iteration_ * run_.num_microbatches + call.microbatch);
   }
   Tensor x = input;
   if (spec.pre_process) {
@@ -378,20 +383,14 @@ Tensor GptModel::ForwardStep(RankContext& ctx, int64_t chunk, int64_t microbatch
   return Tensor();
 }
 
-Tensor GptModel::BackwardStep(RankContext& ctx, int64_t chunk, int64_t microbatch,
-                              const Tensor& output_grad, std::vector<TensorRecord>* records) {
-  const SpanRecorder span(spans_, chunk, microbatch, false);
-  const GptChunk& spec = chunks_.at(static_cast<size_t>(chunk));
-  auto node = stashes_.extract({chunk, microbatch});
-  if (node.empty()) {
-    throw std::logic_error(fmt::format("GptModel::BackwardStep: chunk {} micro-batch {} has no "
-                                       "stash (no forward step, or a second backward)",
-                                       chunk, microbatch));
-  }
-  Stash& stash = node.mapped();
-  ModuleContext mctx = Context(ctx, microbatch, stash, records);
-  mctx.recompute_spans = &spans_;
-  mctx.chunk = chunk;
+Tensor GptModel::BackwardStep(const StepCall& call, const Tensor& output_grad,
+                              StepStash& stashed) {
+  const GptChunk& spec = chunks_.at(static_cast<size_t>(call.chunk));
+  auto& stash = static_cast<Stash&>(stashed);
+  ModuleContext mctx =
+      Context(call.ctx, call.microbatch, stash, call.record ? &recorded_ : nullptr);
+  mctx.recompute_spans = call.spans;
+  mctx.chunk = call.chunk;
   mctx.trace.SetPhase(Phase::kBackward);
   Tensor dx = spec.post_process ? HeadBackward(mctx, stash) : output_grad;
   for (size_t i = spec.layers.size(); i-- > 0;) {
@@ -405,87 +404,38 @@ Tensor GptModel::BackwardStep(RankContext& ctx, int64_t chunk, int64_t microbatc
   return Tensor();
 }
 
-void GptModel::RunSchedule(RankContext& ctx, std::vector<TensorRecord>* records) {
-  const int64_t M = run_.num_microbatches;
-  const Shape stream = {shape_.stream_rows(), gpt_.hidden_size};
-  PipelineStepFunctions functions;
-  // Every transfer is the residual stream [s_l*b, h] or its gradient.
-  functions.shape = [&](const Transfer&) { return std::make_pair(stream, run_.dtype); };
-  functions.step = [&](const ScheduleStep& step, const Tensor& input) {
-    std::vector<TensorRecord>* mb_records = step.microbatch + 1 == M ? records : nullptr;
-    return step.pass == Pass::kForward
-               ? ForwardStep(ctx, step.model_chunk, step.microbatch, input, mb_records)
-               : BackwardStep(ctx, step.model_chunk, step.microbatch, input, mb_records);
-  };
-  WalkPipelinePlan(plans_, ctx.pp(), *ctx.kernels, *ctx.trace, functions);
-}
-
-void GptModel::Run(RankContext& ctx, std::vector<TensorRecord>* records, int64_t iteration) {
+void GptModel::EndStep(RankContext& ctx) {
   Kernels& k = *ctx.kernels;
-  BeginStep(k);
-  iteration_ = iteration;
   const int64_t M = run_.num_microbatches;
-  const auto C = static_cast<int64_t>(chunks_.size());
-  // The tracker's state at the start of the iteration: every earlier iteration ran M
-  // forwards of every chunk.
-  TrackerDraws::Count per_iteration;
-  if (tracker_) {
-    for (const TrackerDraws::Count& count : tracker_->per_chunk) {
-      per_iteration.default_draws += M * count.default_draws;
-      per_iteration.model_parallel_draws += M * count.model_parallel_draws;
-    }
-    tracker_next_ = {iteration * per_iteration.default_draws,
-                     iteration * per_iteration.model_parallel_draws};
-  }
-  if (!plans_.in_flight.empty()) RunSchedule(ctx, records);
-  for (int64_t m = 0; m < M; ++m) {
-    std::vector<TensorRecord>* mb_records = m + 1 == M ? records : nullptr;
-    if (plans_.in_flight.empty()) {
-      Tensor x;
-      for (int64_t c = 0; c < C; ++c) x = ForwardStep(ctx, c, m, x, mb_records);
-      Tensor dy;
-      for (int64_t c = C; c-- > 0;) dy = BackwardStep(ctx, c, m, dy, mb_records);
-    }
-    if (mb_records != nullptr) {
-      const Batch batch = MakeBatch(k, iteration_ * M + m);
-      const ShardSpec batch_split = shape_.BatchSpec(1, d_);
-      // Recorded as float64 [s, b], as dumps and the check hold them.
-      for (const auto* ids : {&batch.tokens, &batch.labels}) {
-        records->push_back({ids == &batch.tokens ? "tokens" : "labels",
-                            k.ToDevice(HostToFloat64(k.ToHost(*ids))), {shape_.s, shape_.B},
-                            batch_split, false});
-      }
-    }
-  }
-  schedule_end_ = MonotonicSeconds();
-  if (tracker_ && (tracker_next_.default_draws != (iteration + 1) * per_iteration.default_draws ||
-                   tracker_next_.model_parallel_draws !=
-                       (iteration + 1) * per_iteration.model_parallel_draws)) {
+  if (tracker_ && tracker_next_ != TrackerAtIteration(iteration_ + 1)) {
     throw std::logic_error(
-        fmt::format("GptModel::Run: the RNG tracker advanced to draws ({}, {}), not to the end of "
+        fmt::format("GptModel: the RNG tracker advanced to draws ({}, {}), not to the end of "
                     "iteration {}",
-                    tracker_next_.default_draws, tracker_next_.model_parallel_draws, iteration));
+                    tracker_next_.default_draws, tracker_next_.model_parallel_draws, iteration_));
   }
-  params_.FinalizeGrads(ctx.tp(), dp_reduces_grads_ ? &ctx.dp_cp() : nullptr, ctx.embd(),
-                        *ctx.trace);
+  if (record_) {
+    const Batch batch = MakeBatch(k, iteration_ * M + M - 1);
+    const ShardSpec batch_split = shape_.BatchSpec(1, d_);
+    // Recorded as float64 [s, b], as dumps and the check hold them.
+    for (const auto* ids : {&batch.tokens, &batch.labels}) {
+      recorded_.push_back({ids == &batch.tokens ? "tokens" : "labels",
+                           k.ToDevice(HostToFloat64(k.ToHost(*ids))), {shape_.s, shape_.B},
+                           batch_split, false});
+    }
+  }
   // The reported loss: mean over every token of every micro-batch on every dp rank; the
   // last pipeline stage computed it, the others add 0.
   Tensor total = Tensor::HostEmpty({1}, DType::kFloat64);
   total.data_as<double>()[0] = loss_sum_;
   Tensor device_total = k.ToDevice(total);
   ctx.trace->SetSite("loss");
-  if (!plans_.in_flight.empty()) ctx.pp().AllReduce(device_total, ReduceOp::kSum);
+  if (ctx.pp().Size() > 1) ctx.pp().AllReduce(device_total, ReduceOp::kSum);
   if (d_ > 1) ctx.dp().AllReduce(device_total, ReduceOp::kSum);
   loss_ = HostValue(k.ToHost(device_total), 0) / static_cast<double>(M * shape_.s * shape_.B);
-  if (records == nullptr) return;
+  if (!record_) return;
   Tensor loss = Tensor::HostEmpty({1}, DType::kFloat64);
   loss.data_as<double>()[0] = loss_;
-  records->push_back({"loss", k.ToDevice(loss), {1}, ShardSpec{}, false});
-}
-
-void GptModel::Step(RankContext& ctx, int64_t iteration, bool record) {
-  recorded_.clear();
-  Run(ctx, record ? &recorded_ : nullptr, iteration);
+  recorded_.push_back({"loss", k.ToDevice(loss), {1}, ShardSpec{}, false});
 }
 
 void GptModel::Records(RankContext& /*ctx*/, std::vector<TensorRecord>* records) const {

@@ -19,9 +19,10 @@
 // pipeline_model_parallel_size 1 that is one chunk holding everything.
 //
 // State: parameters live in a ParameterSet; activations live in a Stash per (chunk,
-// micro-batch) that ForwardStep creates and BackwardStep consumes and frees, so steps of
-// different micro-batches and chunks may interleave in any order a schedule gives. Records
-// (tensors for the dump and the check) are taken from the last micro-batch.
+// micro-batch) that the executor (core/pipeline/executor.h) creates for ForwardStep, hands
+// to BackwardStep and frees, so steps of different micro-batches and chunks may interleave
+// in any order a schedule gives. Records (tensors for the dump and the check) are taken
+// from the last micro-batch.
 #pragma once
 
 #include <map>
@@ -36,9 +37,8 @@
 #include "core/model/model.h"
 #include "core/model/parameter.h"
 #include "core/model/record.h"
-#include "core/model/step_span.h"
+#include "core/pipeline/step_span.h"
 #include "core/model/transformer_layer.h"
-#include "core/pipeline/pipeline_plan.h"
 #include "core/rank_context.h"
 #include "core/status.h"
 #include "core/tensor_parallel/cross_entropy.h"
@@ -65,21 +65,29 @@ class GptModel final : public Model {
   // Allocates this rank's parameter shards and fills them from the master values.
   void InitializeParameters(Kernels& k);
   void InitializeParameters(RankContext& ctx) override { InitializeParameters(*ctx.kernels); }
-  // One step on a rank that holds the whole model: every micro-batch forward through the
-  // chunks and backward through them in reverse, then the gradient finalisation. Records
-  // of the last micro-batch, the parameters, their gradients and the loss are appended to
-  // `records` when it is not null.
-  // `iteration` picks the data and dropout streams (training iteration k reads micro-batches
-  // k*M .. k*M + M - 1). The parameters are not recorded: RecordParameters appends them (and
-  // their gradients), after an optimizer step when there is one. With the distributed
-  // optimizer (optimizer.use_distributed_optimizer) the gradients are left unreduced over dp:
-  // Optimizer::ReduceGradients reduce-scatters them.
-  void Run(RankContext& ctx, std::vector<TensorRecord>* records, int64_t iteration = 0);
+  // The parameters and their gradients, appended to `records` (Records does it after the
+  // activations).
   void RecordParameters(std::vector<TensorRecord>* records) const;
 
-  // The Model interface (model.h). Step runs Run and keeps the records it is asked for;
-  // Records appends them and then RecordParameters'.
-  void Step(RankContext& ctx, int64_t iteration, bool record) override;
+  // The Model interface (model.h). BeginStep zeroes the gradients and the loss and sets the
+  // iteration's data and dropout streams (training iteration k reads micro-batches k*M ..
+  // k*M + M - 1). ForwardStep runs chunk `call.chunk` on micro-batch `call.microbatch`:
+  // `input` is the previous chunk's output stream [s_l*b, h] (ignored by a pre_process
+  // chunk); it returns this chunk's output stream, or an undefined tensor for a post_process
+  // chunk (whose per-token losses are summed into the step's loss). BackwardStep takes the
+  // gradient of that output (ignored by a post_process chunk) and returns the gradient of
+  // `input` (undefined for a pre_process chunk). Every transfer is the residual stream
+  // [s_l*b, h] or its gradient. EndStep checks that the RNG tracker advanced by one
+  // iteration's draws and reduces the loss over pp and dp. Records appends the last
+  // micro-batch's tensors, tokens, labels and loss, then RecordParameters'.
+  void BeginStep(RankContext& ctx, int64_t iteration, bool record) override;
+  void EndStep(RankContext& ctx) override;
+  int64_t num_model_chunks() const override { return static_cast<int64_t>(chunks_.size()); }
+  std::pair<Shape, DType> TransferShape(const RankContext& ctx,
+                                        const Transfer& transfer) const override;
+  std::unique_ptr<StepStash> NewStash(int64_t chunk) const override;
+  Tensor ForwardStep(const StepCall& call, const Tensor& input, StepStash& stash) override;
+  Tensor BackwardStep(const StepCall& call, const Tensor& output_grad, StepStash& stash) override;
   void Records(RankContext& ctx, std::vector<TensorRecord>* records) const override;
   std::vector<Parameter*> TrainableParameters() const override { return params_.pointers(); }
   bool has_loss() const override { return true; }
@@ -91,31 +99,8 @@ class GptModel final : public Model {
   bool MasksDependOnLayout() const override;
   MemoryPlan PlanMemory(const MemoryPlanOptions& options) const override;
 
-  // The step pieces a pipeline schedule calls. BeginStep zeroes the gradients and the loss.
-  // ForwardStep runs chunk `chunk` on micro-batch m: `input` is the previous chunk's output
-  // stream [s_l*b, h] (ignored by a pre_process chunk); it returns this chunk's output
-  // stream, or an undefined tensor for a post_process chunk (whose per-token losses are
-  // summed into the step's loss). BackwardStep takes the gradient of that output (ignored
-  // by a post_process chunk), frees the stash, and returns the gradient of `input`
-  // (undefined for a pre_process chunk). `records` is passed for the last micro-batch.
-  void BeginStep(Kernels& k);
-  Tensor ForwardStep(RankContext& ctx, int64_t chunk, int64_t microbatch, const Tensor& input,
-                     std::vector<TensorRecord>* records);
-  Tensor BackwardStep(RankContext& ctx, int64_t chunk, int64_t microbatch,
-                      const Tensor& output_grad, std::vector<TensorRecord>* records);
-
-  // Where a step's time went (core/model/step_span.h): the span of every forward and backward
-  // step in the order they ran, and of the whole schedule (BeginStep to the last send's
-  // completion, before the gradient finalisation).
-  using StepSpan = ::mpusim::StepSpan;
-  const std::vector<StepSpan>& step_spans() const override { return spans_; }  // since BeginStep
-  double schedule_begin() const { return schedule_begin_; }
-  double schedule_end() const override { return schedule_end_; }
-
   const std::vector<GptChunk>& chunks() const { return chunks_; }
-  int64_t live_stashes() const { return static_cast<int64_t>(stashes_.size()); }
-  int64_t peak_live_stashes() const override { return peak_stashes_; }  // since BeginStep
-  double loss() const override { return loss_; }  // after Run
+  double loss() const override { return loss_; }  // after EndStep
   int64_t padded_vocab_size() const override { return padded_vocab_; }
   const GptConfig& gpt() const { return gpt_; }
   ParameterSet& parameters() { return params_; }
@@ -128,7 +113,7 @@ class GptModel final : public Model {
     Tensor positions;       // [s, b]: i
   };
   // Activations of one (chunk, micro-batch) between its forward and its backward.
-  struct Stash {
+  struct Stash : StepStash {
     Batch batch;          // pre_process or post_process chunks
     Tensor embedding_in;  // [s*b, h] before the sequence split (position embeddings added)
     std::vector<TransformerLayer::Stash> layers;
@@ -138,8 +123,9 @@ class GptModel final : public Model {
     TrackerDraws::Count draws;  // rng_tracker: the forward step's first draws
   };
   Batch MakeBatch(Kernels& k, int64_t microbatch) const;
-  // Walks this rank's row of the pipeline plan (pp > 1): receives, steps, posted sends.
-  void RunSchedule(RankContext& ctx, std::vector<TensorRecord>* records);
+  // The RNG tracker's next draws at the start of `iteration` (every earlier iteration ran M
+  // forward steps of every chunk).
+  TrackerDraws::Count TrackerAtIteration(int64_t iteration) const;
   ModuleContext Context(RankContext& ctx, int64_t microbatch, const Stash& stash,
                         std::vector<TensorRecord>* records) const;
   Tensor EmbeddingForward(const ModuleContext& ctx, const Batch& batch, Stash* stash) const;
@@ -161,23 +147,18 @@ class GptModel final : public Model {
   int64_t d_ = 1;
   int64_t padded_vocab_ = 0;
   bool fuse_wgrad_ = false;
-  bool dp_reduces_grads_ = true;  // false: the distributed optimizer reduce-scatters them
   ParameterSet params_;
   Parameter* word_ = nullptr;
   Parameter* position_ = nullptr;
   std::vector<GptChunk> chunks_;
-  RankPipelinePlans plans_;                     // this rank's pipeline plans; empty when pp = 1
   std::map<int64_t, TransformerLayer> layers_;  // by global layer number
   std::optional<Norm> final_norm_;
   std::optional<ColumnParallelLinear> output_layer_;
-  std::map<std::pair<int64_t, int64_t>, Stash> stashes_;  // by (chunk, micro-batch)
-  int64_t peak_stashes_ = 0;
-  std::vector<StepSpan> spans_;
-  double schedule_begin_ = 0, schedule_end_ = 0;
   double loss_sum_ = 0;  // this step's per-token losses on this rank
   int64_t iteration_ = 0;  // the training iteration being run (data and dropout streams)
   double loss_ = 0;
-  std::vector<TensorRecord> recorded_;  // Step's records (record = true)
+  bool record_ = false;                  // this step records (BeginStep)
+  std::vector<TensorRecord> recorded_;  // the last micro-batch's records of this step
   std::optional<TrackerDraws> tracker_;  // dropout_mode "rng_tracker"
   TrackerDraws::Count tracker_next_;     // its state: the next draw on each stream
 };

@@ -20,7 +20,6 @@
 #include "core/model/accumulate_grad.h"
 #include "core/model/parameter.h"
 #include "core/pipeline/pipeline_plan.h"
-#include "core/pipeline/pipeline_walk.h"
 #include "core/rng.h"
 #include "core/schedule.h"
 #include "core/tensor_parallel/cross_entropy.h"
@@ -131,7 +130,6 @@ struct Graph::Impl {
   int64_t padded_vocab = 0;
   bool sequence_parallel = false;
   bool fuse_wgrad = false;  // parallel.gradient_accumulation_fusion
-  bool dp_reduces_grads = true;  // false: the distributed optimizer reduces over dp itself
   std::vector<LayerSlot> layers;
   std::vector<std::unique_ptr<ChainParameter>> parameters;
   bool needs_tokens = false, needs_labels = false;
@@ -141,20 +139,15 @@ struct Graph::Impl {
   // [stage_start[u], stage_start[u + 1]) (PipelineStages), and every pp rank's plan.
   int64_t pp_size = 1, vp_size = 1;
   std::vector<int64_t> stage_start;
-  std::vector<RankPipelinePlans> pipeline_plans;  // per pp rank
   // This rank (InitializeParameters).
   int64_t pp_rank = 0;
-  struct Stash {
+  struct Stash : StepStash {
     std::vector<SlotTensors> slots;  // the chunk's layers; with recompute, nothing
     Tensor input;                    // the chunk's input (undefined on the first stage)
     Batch batch;
     RngTracker::States rng_before;  // the tracker before the forward, for recomputation
   };
-  std::map<std::pair<int64_t, int64_t>, Stash> stashes;  // (chunk, micro-batch)
   int64_t current_iteration = 0;
-  int64_t peak_stashes = 0;
-  std::vector<StepSpan> spans;  // the last Run's steps
-  double schedule_end = 0;
   // Results.
   double loss_sum = 0;  // sum over micro-batches of the mean token loss
   bool has_loss = false;
@@ -237,8 +230,8 @@ struct Graph::Impl {
   // gradient when end is the chain's end); returns the gradient of the first one's input.
   Tensor BackwardLayers(RankContext& ctx, int64_t first, int64_t end, Tensor dy,
                         const Batch& batch);
-  Tensor ForwardStep(RankContext& ctx, int64_t chunk, int64_t m, const Tensor& input);
-  Tensor BackwardStep(RankContext& ctx, int64_t chunk, int64_t m, const Tensor& output_grad);
+  Tensor ForwardStep(const StepCall& call, const Tensor& input, Stash& stash);
+  Tensor BackwardStep(const StepCall& call, const Tensor& output_grad, Stash& stash);
 };
 
 // ---------------------------------------------------------------------------------------
@@ -668,14 +661,12 @@ StatusOr<std::unique_ptr<Graph>> Graph::Build(const Config& config, const Topolo
   impl->parallel = config.parallel;
   impl->model = *config.model;
   impl->run = *config.run;
-  impl->dp_reduces_grads = !(config.optimizer && config.optimizer->use_distributed_optimizer);
   MPUSIM_RETURN_IF_ERROR(impl->Plan(topology));
   if (sizes.pp > 1) {
     StatusOr<PipelineSchedule> schedule = BuildPipelineSchedule(
         sizes.pp, config.parallel.virtual_pipeline_model_parallel_size,
         config.run->num_microbatches, config.parallel.microbatch_group_size_per_vp_stage);
     if (!schedule.ok()) return schedule.status();
-    impl->pipeline_plans = PlanPipelineRanks(*schedule);
   }
   std::unique_ptr<Graph> graph(new Graph(std::move(impl)));
   graph->config_ = config;
@@ -1013,16 +1004,10 @@ Tensor Graph::Impl::BackwardLayers(RankContext& ctx, int64_t first, int64_t end,
   return dy;
 }
 
-Tensor Graph::Impl::ForwardStep(RankContext& ctx, int64_t chunk, int64_t m, const Tensor& input) {
-  const SpanRecorder span(spans, chunk, m, true);
-  const int64_t first = First(chunk), end = End(chunk);
-  const auto [it, inserted] = stashes.try_emplace({chunk, m});
-  if (!inserted) {
-    throw std::logic_error(
-        fmt::format("Graph: chunk {} micro-batch {} ran forward twice", chunk, m));
-  }
-  peak_stashes = std::max(peak_stashes, static_cast<int64_t>(stashes.size()));
-  Stash& stash = it->second;
+Tensor Graph::Impl::ForwardStep(const StepCall& call, const Tensor& input, Stash& stash) {
+  RankContext& ctx = call.ctx;
+  const int64_t m = call.microbatch;
+  const int64_t first = First(call.chunk), end = End(call.chunk);
   const auto n = static_cast<int64_t>(layers.size());
   // Micro-batch m of iteration k reads the data of global micro-batch k*M + m.
   stash.batch = MakeBatch(ctx, current_iteration * run.num_microbatches + m,
@@ -1039,21 +1024,16 @@ Tensor Graph::Impl::ForwardStep(RankContext& ctx, int64_t chunk, int64_t m, cons
   return end == n ? Tensor() : output;
 }
 
-Tensor Graph::Impl::BackwardStep(RankContext& ctx, int64_t chunk, int64_t m,
-                                 const Tensor& output_grad) {
-  const SpanRecorder span(spans, chunk, m, false);
-  const int64_t first = First(chunk), end = End(chunk);
-  auto node = stashes.extract({chunk, m});
-  if (node.empty()) {
-    throw std::logic_error(
-        fmt::format("Graph: chunk {} micro-batch {} has no stash for its backward", chunk, m));
-  }
-  Stash& stash = node.mapped();
+Tensor Graph::Impl::BackwardStep(const StepCall& call, const Tensor& output_grad,
+                                 Stash& stash) {
+  RankContext& ctx = call.ctx;
+  const int64_t m = call.microbatch;
+  const int64_t first = First(call.chunk), end = End(call.chunk);
   if (run.recompute == RunConfig::Recompute::kFull) {
     // Recompute the chunk's forward with the random streams as they were (Megatron's
     // CheckpointFunction), then put the streams back. Its collectives are real: they stay in
     // the trace, as forward.
-    const SpanRecorder recompute(spans, chunk, m, true, true);
+    const SpanRecorder recompute(*call.spans, call.chunk, m, true, true);
     const RngTracker::States now = ctx.rng.GetStates();
     ctx.rng.SetStates(stash.rng_before);
     ForwardLayers(ctx, first, end, stash.input, stash.batch, false);
@@ -1090,18 +1070,8 @@ std::vector<Parameter*> Graph::TrainableParameters() const {
   return out;
 }
 
-int64_t Graph::peak_live_stashes() const { return impl_->peak_stashes; }
-const std::vector<StepSpan>& Graph::step_spans() const { return impl_->spans; }
-double Graph::schedule_end() const { return impl_->schedule_end; }
-
-void Graph::Run(RankContext& ctx, int64_t iteration) {
+void Graph::BeginStep(RankContext& ctx, int64_t iteration, bool /*record*/) {
   Impl& g = *impl_;
-  if (!g.stashes.empty()) {
-    throw std::logic_error(
-        fmt::format("Graph::Run: {} stashes of the last step were never "
-                    "consumed by a backward step",
-                    g.stashes.size()));
-  }
   // Megatron's tracker keeps advancing from step to step: iteration k starts where k
   // iterations of draws left it (a repeated step starts where its iteration does).
   ctx.rng.SetStates(g.RngAtIteration(iteration));
@@ -1118,60 +1088,45 @@ void Graph::Run(RankContext& ctx, int64_t iteration) {
     if (p->held && !p->frozen) ctx.kernels->SetZero(p->grad);
   }
   g.loss_sum = 0;
-  g.peak_stashes = 0;
-  g.spans.clear();
   g.has_loss = g.layers.back().config.type == LayerType::kVocabParallelCrossEntropy;
-  const int64_t M = g.run.num_microbatches;
-  if (g.pp_size == 1) {
-    for (int64_t m = 0; m < M; ++m) {
-      g.ForwardStep(ctx, 0, m, Tensor());
-      g.BackwardStep(ctx, 0, m, Tensor());
-    }
-  } else {
-    // The schedule (1F1B or interleaved) over the pp group: the activations and gradients at
-    // the chunk boundaries, each in its layer's state on the tp group.
-    PipelineStepFunctions functions;
-    functions.shape = [&](const Transfer& t) {
-      // The virtual stage consuming it, on the receiving rank: an activation enters its first
-      // layer, a gradient the output of its last.
-      const int64_t receiver = t.send ? t.peer : g.pp_rank;
-      const auto u = static_cast<size_t>(t.model_chunk * g.pp_size + receiver);
-      const bool activation = t.kind == Transfer::Kind::kActivation;
-      const LayerSlot& at =
-          g.layers[static_cast<size_t>(activation ? g.stage_start[u] : g.stage_start[u + 1] - 1)];
-      return std::make_pair(activation
-                                ? g.LocalActivationShape(at.in_state, at.in_width, ctx.coords)
-                                : g.LocalActivationShape(at.out_state, at.out_width, ctx.coords),
-                            g.run.dtype);
-    };
-    functions.step = [&](const ScheduleStep& step, const Tensor& input) {
-      return step.pass == Pass::kForward
-                 ? g.ForwardStep(ctx, step.model_chunk, step.microbatch, input)
-                 : g.BackwardStep(ctx, step.model_chunk, step.microbatch, input);
-    };
-    WalkPipelinePlan(g.pipeline_plans[static_cast<size_t>(g.pp_rank)], ctx.pp(), *ctx.kernels,
-                     *ctx.trace, functions);
-  }
-  g.schedule_end = MonotonicSeconds();
-  if (ctx.rng.GetStates() != g.RngAtIteration(iteration + 1)) {
+}
+
+int64_t Graph::num_model_chunks() const { return impl_->vp_size; }
+
+// The activations and gradients at the chunk boundaries, each in its layer's state on the tp
+// group: an activation enters the first layer of the virtual stage consuming it (on the
+// receiving rank), a gradient the output of its last.
+std::pair<Shape, DType> Graph::TransferShape(const RankContext& ctx, const Transfer& t) const {
+  const Impl& g = *impl_;
+  const int64_t receiver = t.send ? t.peer : g.pp_rank;
+  const auto u = static_cast<size_t>(t.model_chunk * g.pp_size + receiver);
+  const bool activation = t.kind == Transfer::Kind::kActivation;
+  const LayerSlot& at =
+      g.layers[static_cast<size_t>(activation ? g.stage_start[u] : g.stage_start[u + 1] - 1)];
+  return {activation ? g.LocalActivationShape(at.in_state, at.in_width, ctx.coords)
+                     : g.LocalActivationShape(at.out_state, at.out_width, ctx.coords),
+          g.run.dtype};
+}
+
+std::unique_ptr<StepStash> Graph::NewStash(int64_t /*chunk*/) const {
+  return std::make_unique<Impl::Stash>();
+}
+
+Tensor Graph::ForwardStep(const StepCall& call, const Tensor& input, StepStash& stash) {
+  return impl_->ForwardStep(call, input, static_cast<Impl::Stash&>(stash));
+}
+
+Tensor Graph::BackwardStep(const StepCall& call, const Tensor& output_grad, StepStash& stash) {
+  return impl_->BackwardStep(call, output_grad, static_cast<Impl::Stash&>(stash));
+}
+
+void Graph::EndStep(RankContext& ctx) {
+  Impl& g = *impl_;
+  if (ctx.rng.GetStates() != g.RngAtIteration(g.current_iteration + 1)) {
     throw std::logic_error(
-        fmt::format("Graph::Run: the RNG tracker did not advance by one iteration's draws "
+        fmt::format("Graph: the RNG tracker did not advance by one iteration's draws "
                     "in iteration {}",
-                    iteration));
-  }
-  // Gradient reductions (finalize_model_grads): replicated parameters that saw only a
-  // sequence shard, over tp; every gradient over the data-parallel group (with cp = 1,
-  // dp_cp = dp), unless the distributed optimizer reduce-scatters them itself; a weight tied
-  // across the first and the last pipeline rank, over embd.
-  ctx.trace->SetPhase(Phase::kOther);
-  for (auto& p : g.parameters) {
-    if (!p->held || p->frozen) continue;
-    ctx.trace->SetSite(p->name);
-    if (p->sequence_parallel && g.t > 1) ctx.tp().AllReduce(p->grad, ReduceOp::kSum);
-    if (g.d > 1 && g.dp_reduces_grads) ctx.dp_cp().AllReduce(p->grad, ReduceOp::kSum);
-    if (p->embedding_group && ctx.embd() != nullptr) {
-      ctx.embd()->AllReduce(p->grad, ReduceOp::kSum);
-    }
+                    g.current_iteration));
   }
   if (g.pp_size > 1 && g.has_loss) {
     // The loss: the last stage computed it, the others add 0.

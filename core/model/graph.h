@@ -3,12 +3,13 @@
 //
 // What it is: for each layer, *what* to compute and *which collective in which group*, in
 // forward and backward (docs/simulator.md is the contract), plus data generation, gradient
-// accumulation over micro-batches, activation recomputation, the pipeline stages (the layers
-// in p * v consecutive runs, each rank walking its row of the 1F1B or interleaved schedule
-// with a stash per chunk and micro-batch), and the final gradient reductions
-// (sequence-parallel replicated parameters over tp, then data-parallel, then a weight tied
-// across the first and last pipeline rank over embd). Training iterations differ only in
-// their data and random streams; the optimizer (core/train) updates TrainableParameters.
+// accumulation over micro-batches, activation recomputation, and the pipeline stages (the
+// layers in p * v consecutive runs; the executor, core/pipeline/executor.h, walks each rank's
+// row of the 1F1B or interleaved schedule with a stash per chunk and micro-batch). The
+// gradient reductions (core/train RunStep) follow the parameters' flags: sequence-parallel
+// replicated parameters over tp, every one over dp, a weight tied across the first and last
+// pipeline rank over embd. Training iterations differ only in their data and random streams;
+// the optimizer (core/train) updates TrainableParameters.
 // Precision: parameters, activations and activation gradients are stored in run.dtype
 // (float64, float32, bfloat16 or float16); main_grad, the softmax statistics and the loss
 // are in its compute dtype (float32 for 16-bit storage), as in Megatron's mixed precision.
@@ -25,7 +26,7 @@
 #include "core/model/model.h"
 #include "core/model/parameter.h"
 #include "core/model/record.h"
-#include "core/model/step_span.h"
+#include "core/pipeline/step_span.h"
 #include "core/rank_context.h"
 #include "core/sharding.h"
 #include "core/status.h"
@@ -53,29 +54,28 @@ class Graph final : public Model {
 
   // Allocates this rank's parameter shards and fills them from the master values.
   void InitializeParameters(RankContext& ctx) override;
-  // All micro-batches of training iteration `iteration`: data, forward, loss, backward
-  // (recomputing the forward first when run.recompute), gradient accumulation; then the tp
-  // and dp gradient reductions (the dp one left to the distributed optimizer when the config
-  // uses it). Micro-batch m reads global micro-batch iteration*M + m's data and synthetic
-  // tensors, and the RNG tracker starts where `iteration` earlier iterations left it, so a
-  // repeated call computes the same step.
-  void Run(RankContext& ctx, int64_t iteration = 0);
-  // The Model interface (model.h): Step is Run (the chain keeps its last micro-batch's
-  // tensors whether or not they are recorded); Records appends Records(ctx).
-  void Step(RankContext& ctx, int64_t iteration, bool /*record*/) override { Run(ctx, iteration); }
+  // The Model interface (model.h) and its steps (core/pipeline/executor.h). BeginStep starts
+  // training iteration `iteration`: micro-batch m reads global micro-batch iteration*M + m's
+  // data and synthetic tensors, and the RNG tracker starts where `iteration` earlier
+  // iterations left it, so a repeated step computes the same; main_grad starts from zero. A
+  // step of chunk c runs the layers of its virtual stage c * p + pp_rank (recomputing the
+  // forward first in the backward when run.recompute is "full"); the chain keeps the last
+  // micro-batch's tensors for Records whatever `record` says. EndStep checks that the
+  // tracker advanced by one iteration's draws and sums the loss over the stages.
+  void BeginStep(RankContext& ctx, int64_t iteration, bool record) override;
+  void EndStep(RankContext& ctx) override;
+  int64_t num_model_chunks() const override;
+  std::pair<Shape, DType> TransferShape(const RankContext& ctx,
+                                        const Transfer& transfer) const override;
+  std::unique_ptr<StepStash> NewStash(int64_t chunk) const override;
+  Tensor ForwardStep(const StepCall& call, const Tensor& input, StepStash& stash) override;
+  Tensor BackwardStep(const StepCall& call, const Tensor& output_grad, StepStash& stash) override;
   void Records(RankContext& ctx, std::vector<TensorRecord>* records) const override;
-  // The parameters with a main_grad (not frozen), in registration order: what the optimizer
-  // updates.
+  // The parameters with a main_grad (not frozen), in registration order: what the gradient
+  // finalisation reduces and the optimizer updates.
   std::vector<Parameter*> TrainableParameters() const override;
-  // The most (chunk, micro-batch) stashes live at once in the last Run: the activation memory
-  // the pipeline schedule's in-flight count bounds (1 without a pipeline).
-  int64_t peak_live_stashes() const override;
-  // The last Run's forward and backward steps (core/model/step_span.h) and when its schedule
-  // ended (before the gradient finalisation).
-  const std::vector<StepSpan>& step_spans() const override;
-  double schedule_end() const override;
 
-  // After Run: every tensor of the last micro-batch plus parameters and gradients.
+  // After a step: every tensor of the last micro-batch plus parameters and gradients.
   std::vector<TensorRecord> Records(RankContext& ctx) const;
   bool has_loss() const override;
   double loss() const override;  // mean over all tokens of all micro-batches (all dp ranks)

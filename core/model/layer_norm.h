@@ -6,7 +6,7 @@
 //   RMSNorm    y = x * rstd * w,               rstd = 1 / sqrt(mean(x^2) + eps)
 // Backward accumulates dw (and db) straight into main_grad (the kernels' accumulator rule);
 // under sequence parallelism each rank holds the sum over its rows only, and the tp
-// all-reduce in ParameterSet::FinalizeGrads completes it.
+// all-reduce in core/train FinalizeModelGrads completes it.
 #pragma once
 
 #include "core/gpt_config.h"

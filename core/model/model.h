@@ -3,11 +3,11 @@
 // lab's layer chain (graph.h) implement it, and BuildModel is the one place that reads which
 // of the two a config describes; nothing outside the models asks which one it holds.
 //
-// A Model is one rank's share of the model (its chunks, parameters and stashes), built for
-// the rank at `coords` of a layout. One step is Run: every micro-batch forward and backward,
-// the pipeline schedule when pp > 1, and the gradient finalisation (tp, embd, and dp unless
-// the distributed optimizer reduce-scatters the gradients itself); the training loop and the
-// optimizer (core/train) then update TrainableParameters.
+// A Model is one rank's share of the model (its chunks and parameters), built for the rank at
+// `coords` of a layout. It is a StagedModel (core/pipeline/executor.h): the forward and the
+// backward of one (chunk, micro-batch) over a stash the executor owns. The executor walks the
+// schedule; core/train runs a step (RunStep: the gradient finalisation too) and the training
+// loop with the optimizer over TrainableParameters.
 #pragma once
 
 #include <cstdint>
@@ -20,7 +20,7 @@
 #include "core/memory_plan.h"
 #include "core/model/parameter.h"
 #include "core/model/record.h"
-#include "core/model/step_span.h"
+#include "core/pipeline/executor.h"
 #include "core/rank_context.h"
 #include "core/status.h"
 #include "core/topology.h"
@@ -46,35 +46,31 @@ struct MemoryPlanOptions {
   int64_t exchange_bytes = 0;  // the check's exchange buffer per rank and direction
 };
 
-class Model {
+class Model : public StagedModel {
  public:
-  virtual ~Model() = default;
-
   // Allocates this rank's parameter shards and fills them from the master values.
   virtual void InitializeParameters(RankContext& ctx) = 0;
-  // One step (a training iteration): `iteration` picks the data and the random streams
-  // (iteration k reads micro-batches k*M .. k*M + M - 1), so a repeated call computes the
-  // same step. `record`: keep the last micro-batch's tensors for Records.
-  virtual void Step(RankContext& ctx, int64_t iteration, bool record) = 0;
-  // After a Step with `record`: the tensors the check and the dump compare (the last
+  // The ends of one step (core/train RunStep runs it: BeginStep, the executor's walk of the
+  // schedule over the StagedModel steps, the gradient finalisation, EndStep). `iteration`
+  // picks the data and the random streams (iteration k reads micro-batches k*M .. k*M + M -
+  // 1), so a repeated step computes the same; BeginStep zeroes the gradients and the loss.
+  // `record`: keep the last micro-batch's tensors for Records. EndStep reduces the loss
+  // over the stages and the data-parallel ranks.
+  virtual void BeginStep(RankContext& ctx, int64_t iteration, bool record) = 0;
+  virtual void EndStep(RankContext& ctx) = 0;
+  // After a step with `record`: the tensors the check and the dump compare (the last
   // micro-batch's activations and their gradients, the loss, the parameters and their
   // gradients as they are now), appended to `records`. The tensors are the model's own (no
-  // copies); they stay valid until the next Step.
+  // copies); they stay valid until the next step.
   virtual void Records(RankContext& ctx, std::vector<TensorRecord>* records) const = 0;
-  // The parameters with a gradient (not frozen), in registration order: what the optimizer
-  // updates.
+  // The parameters with a gradient (not frozen), in registration order: what the gradient
+  // finalisation reduces and the optimizer updates.
   virtual std::vector<Parameter*> TrainableParameters() const = 0;
 
-  // Whether the model ends in a loss (a chain may end in a hidden layer), and the last Step's
+  // Whether the model ends in a loss (a chain may end in a hidden layer), and the last step's
   // loss: the mean over all tokens of all micro-batches and dp ranks.
   virtual bool has_loss() const = 0;
   virtual double loss() const = 0;
-  // The most (chunk, micro-batch) stashes live at once in the last Step.
-  virtual int64_t peak_live_stashes() const = 0;
-  // The last Step's forward and backward steps and when its schedule ended (before the
-  // gradient finalisation).
-  virtual const std::vector<StepSpan>& step_spans() const = 0;
-  virtual double schedule_end() const = 0;
   // The vocabulary padded for this layout (0 when the model has none).
   virtual int64_t padded_vocab_size() const = 0;
 

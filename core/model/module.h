@@ -25,7 +25,7 @@
 #include "core/dropout.h"
 #include "core/kernels.h"
 #include "core/model/record.h"
-#include "core/model/step_span.h"
+#include "core/pipeline/step_span.h"
 
 namespace mpusim {
 
@@ -82,6 +82,7 @@ struct TrackerDraws {
   struct Count {
     int64_t default_draws = 0;
     int64_t model_parallel_draws = 0;
+    bool operator==(const Count&) const = default;
   };
   uint64_t default_key = 0;
   uint64_t model_parallel_key = 0;

@@ -53,19 +53,4 @@ void ParameterSet::ZeroGrads(Kernels& k) {
   for (auto& p : params_) k.SetZero(p->grad);
 }
 
-void ParameterSet::FinalizeGrads(Communicator& tp, Communicator* dp, Communicator* embd,
-                                 CommTrace& trace) {
-  trace.SetPhase(Phase::kOther);
-  trace.SetSite("finalize_model_grads");
-  for (auto& p : params_) {
-    if (p->sequence_parallel && tp.Size() > 1) tp.AllReduce(p->grad, ReduceOp::kSum);
-    if (dp != nullptr && dp->Size() > 1) dp->AllReduce(p->grad, ReduceOp::kSum);
-  }
-  for (auto& p : params_) {
-    if (p->embedding_group && embd != nullptr && embd->Size() > 1) {
-      embd->AllReduce(p->grad, ReduceOp::kSum);
-    }
-  }
-}
-
 }  // namespace mpusim

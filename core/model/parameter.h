@@ -3,10 +3,10 @@
 // What it is: a model's parameters as one list, each with its full shape, this rank's
 // ShardSpec (Megatron's tensor-parallel split and stride), its initialisation (core/init.h:
 // layout-invariant master values), its local value in the storage dtype and its main_grad in
-// the compute dtype; and the gradient finalisation Megatron's finalize_model_grads does
-// after the last micro-batch: the tp all-reduce of parameters marked sequence_parallel
-// (replicated, but each rank saw only its sequence shard), then the data-parallel all-reduce.
-// What it is not: an optimizer (the training issue adds one on top of this list).
+// the compute dtype, and the flags the gradient finalisation reads (core/train
+// FinalizeModelGrads: the tp all-reduce of parameters marked sequence_parallel, replicated
+// but each rank saw only its sequence shard; the data-parallel all-reduce; embd for a tied
+// embedding). What it is not: the finalisation or an optimizer (core/train).
 #pragma once
 
 #include <memory>
@@ -27,7 +27,7 @@ struct Parameter {
   Shape full_shape;
   ShardSpec shard;   // this rank's piece
   InitSpec init;
-  bool sequence_parallel = false;  // gradient all-reduced over tp in FinalizeGrads
+  bool sequence_parallel = false;  // gradient all-reduced over tp (core/train FinalizeModelGrads)
   bool embedding_group = false;    // a tied word embedding held by the first and the last
                                    // pipeline stage: gradient all-reduced over embd
   bool shared = false;             // the last stage's copy of it (Megatron's `shared`): left
@@ -54,10 +54,6 @@ class ParameterSet {
   void Initialize(Kernels& k, uint64_t seed, DType dtype);
   // main_grad = 0 (Megatron's zero_grad_buffer), before a step's first micro-batch.
   void ZeroGrads(Kernels& k);
-  // finalize_model_grads: sequence-parallel gradients over `tp`, then all over `dp`, then
-  // the tied embeddings' over `embd` (any may be a group of one, `dp` or `embd` null; then
-  // nothing is sent: the distributed optimizer does the data-parallel reduction itself).
-  void FinalizeGrads(Communicator& tp, Communicator* dp, Communicator* embd, CommTrace& trace);
 
  private:
   std::vector<std::unique_ptr<Parameter>> params_;

@@ -21,8 +21,10 @@
 
 #include "core/config.h"
 #include "core/model/gpt_model.h"
+#include "core/pipeline/executor.h"
 #include "core/schedule.h"
 #include "core/topology.h"
+#include "core/train/train_step.h"
 #include "run/runner.h"
 #include "sim/cpu_backend.h"
 #include "tests/mpi/world.h"
@@ -127,6 +129,18 @@ std::vector<int64_t> TensorParallelSizes() {
   return sizes;
 }
 
+
+// One step of `model` on this rank (core/train RunStep) with the executor of its layout;
+// returns the executor (its stashes and timeline).
+PipelineExecutor StepModel(GptModel& model, const Config& config, RankContext& ctx,
+                           bool record) {
+  StatusOr<PipelineExecutor> executor = PipelineExecutor::ForRank(
+      config.parallel, config.run->num_microbatches, ctx.coords.pp);
+  if (!executor.ok()) throw std::runtime_error(executor.status().Message());
+  RunStep(model, *executor, ctx, 0, record, /*reduce_dp=*/true);
+  return std::move(executor).value();
+}
+
 TEST(GptMpi, EveryLayoutMatchesTheReferenceInFloat64) {
   std::vector<double> losses;
   for (const int64_t t : TensorParallelSizes()) {
@@ -207,15 +221,15 @@ TEST(GptMpi, PipelineStashesFollowTheSchedulesInFlightCount) {
     CommTrace trace;
     RankContext ctx = run::MakeRankContext(config, backend, *topology, rank, &trace);
     (*model)->InitializeParameters(*ctx.kernels);
-    (*model)->Run(ctx, nullptr);
-    EXPECT_EQ((*model)->live_stashes(), 0);
+    const PipelineExecutor executor = StepModel(**model, config, ctx, false);
+    EXPECT_EQ(executor.live_stashes(), 0);
     StatusOr<PipelineSchedule> schedule = BuildPipelineSchedule(
         l.pp, l.vp > 0 ? std::optional<int64_t>(l.vp) : std::nullopt, 4, std::nullopt);
     ASSERT_TRUE(schedule.ok());
     const int64_t expected = l.vp > 0
                                  ? std::min<int64_t>(schedule->NumWarmup(coords.pp) + 1, 4 * l.vp)
                                  : std::min<int64_t>(l.pp - coords.pp, 4);
-    EXPECT_EQ((*model)->peak_live_stashes(), expected) << "pp rank " << coords.pp;
+    EXPECT_EQ(executor.peak_live_stashes(), expected) << "pp rank " << coords.pp;
   }
 }
 
@@ -238,7 +252,7 @@ TEST(GptMpi, TimelineFollowsTheDataDependencies) {
     for (const auto& rank : result->timeline) {
       ASSERT_EQ(rank.steps.size(), static_cast<size_t>(2 * 4 * v));
       double previous_end = 0;
-      for (const GptModel::StepSpan& s : rank.steps) {
+      for (const StepSpan& s : rank.steps) {
         EXPECT_GE(s.begin, previous_end);
         EXPECT_GE(s.end, s.begin);
         previous_end = s.end;
@@ -301,7 +315,7 @@ TEST(GptMpi, PipelineWithCompletingPointToPoint) {
         ctx.groups.pp = std::make_unique<CompletingCommunicator>(std::move(ctx.groups.pp));
       }
       (*model)->InitializeParameters(*ctx.kernels);
-      (*model)->Run(ctx, nullptr);
+      StepModel(**model, config, ctx, false);
       losses[completing] = (*model)->loss();
     }
     EXPECT_EQ(losses[0], losses[1]);
@@ -511,11 +525,11 @@ std::vector<TensorRecord> RunChunked(const json& document,
   CommTrace trace;
   RankContext ctx = run::MakeRankContext(config, backend, *topology, rank, &trace);
   (*model)->InitializeParameters(*ctx.kernels);
+  const PipelineExecutor executor = StepModel(**model, config, ctx, true);
   std::vector<TensorRecord> records;
-  (*model)->Run(ctx, &records);
-  (*model)->RecordParameters(&records);
-  EXPECT_EQ((*model)->live_stashes(), 0);
-  *peak = (*model)->peak_live_stashes();
+  (*model)->Records(ctx, &records);
+  EXPECT_EQ(executor.live_stashes(), 0);
+  *peak = executor.peak_live_stashes();
   for (TensorRecord& r : records) {
     if (r.tensor.device() != Device::kHost) r.tensor = ctx.kernels->ToHost(r.tensor);
   }
@@ -577,31 +591,6 @@ TEST(GptMpi, ChunkListsAreChecked) {
             "chunks[1]: only the first chunk may hold the embedding and only the last the "
             "output layer");
   EXPECT_EQ(refusal({}), "chunks: a rank holds at least one model chunk");
-}
-
-// Steps out of order are executor bugs, stopped before they corrupt a stash.
-TEST(GptMpi, StepsOutOfOrderAreRefused) {
-  const Config config = MakeConfig(Document(Gpt(4, 4), 1, false, "float64"));
-  StatusOr<Topology> topology = Topology::Create(config.parallel);
-  ASSERT_TRUE(topology.ok());
-  const int rank = WorldRank();
-  StatusOr<std::unique_ptr<GptModel>> built =
-      GptModel::Build(config, *topology, topology->Coordinates(rank));
-  ASSERT_TRUE(built.ok()) << built.status().Message();
-  GptModel& model = **built;
-  CpuBackend backend;
-  CommTrace trace;
-  RankContext ctx = run::MakeRankContext(config, backend, *topology, rank, &trace);
-  model.InitializeParameters(*ctx.kernels);
-  model.BeginStep(*ctx.kernels);
-  EXPECT_THROW(model.BackwardStep(ctx, 0, 0, Tensor(), nullptr), std::logic_error);
-  model.ForwardStep(ctx, 0, 0, Tensor(), nullptr);
-  EXPECT_EQ(model.live_stashes(), 1);
-  EXPECT_THROW(model.ForwardStep(ctx, 0, 0, Tensor(), nullptr), std::logic_error);
-  EXPECT_THROW(model.BeginStep(*ctx.kernels), std::logic_error);  // micro-batch 0 still live
-  model.BackwardStep(ctx, 0, 0, Tensor(), nullptr);
-  EXPECT_EQ(model.live_stashes(), 0);
-  EXPECT_THROW(model.BackwardStep(ctx, 0, 0, Tensor(), nullptr), std::logic_error);
 }
 
 // Megatron's tracker streams: every layout still matches the reference (which draws each

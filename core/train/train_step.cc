@@ -1,0 +1,62 @@
+// One step and the training loop (see train_step.h).
+#include "core/train/train_step.h"
+
+#include <chrono>
+
+namespace mpusim {
+
+void FinalizeModelGrads(const std::vector<Parameter*>& params, RankContext& ctx, bool reduce_dp) {
+  CommTrace& trace = *ctx.trace;
+  trace.SetPhase(Phase::kOther);
+  trace.SetSite("finalize_model_grads");
+  Communicator& tp = ctx.tp();
+  Communicator* dp = reduce_dp ? &ctx.dp_cp() : nullptr;
+  for (Parameter* p : params) {
+    if (p->sequence_parallel && tp.Size() > 1) tp.AllReduce(p->grad, ReduceOp::kSum);
+    if (dp != nullptr && dp->Size() > 1) dp->AllReduce(p->grad, ReduceOp::kSum);
+  }
+  Communicator* embd = ctx.embd();
+  for (Parameter* p : params) {
+    if (p->embedding_group && embd != nullptr && embd->Size() > 1) {
+      embd->AllReduce(p->grad, ReduceOp::kSum);
+    }
+  }
+}
+
+void RunStep(Model& model, PipelineExecutor& executor, RankContext& ctx, int64_t iteration,
+             bool record, bool reduce_dp) {
+  model.BeginStep(ctx, iteration, record);
+  executor.Run(ctx, model, record);
+  FinalizeModelGrads(model.TrainableParameters(), ctx, reduce_dp);
+  model.EndStep(ctx);
+}
+
+std::vector<TrainedIteration> Train(Model& model, PipelineExecutor& executor,
+                                    Optimizer& optimizer, RankContext& ctx,
+                                    const OptimizerConfig& config, int64_t iterations,
+                                    bool record, const std::function<void()>& fence) {
+  Kernels& k = *ctx.kernels;
+  CommTrace& trace = *ctx.trace;
+  Communicator* pp = ctx.pp().Size() > 1 ? &ctx.pp() : nullptr;
+  std::vector<TrainedIteration> rows;
+  for (int64_t it = 0; it < iterations; ++it) {
+    trace.Clear();
+    fence();
+    const auto start = std::chrono::steady_clock::now();
+    RunStep(model, executor, ctx, it, record && it + 1 == iterations, !optimizer.distributed());
+    const double loss = model.has_loss() ? model.loss() : 0.0;
+    optimizer.ReduceGradients(k, trace);
+    const double norm = optimizer.GradNorm(k, ctx.tp(), pp, ctx.coords.tp, trace);
+    const double lr = LearningRate(config, it, iterations);
+    optimizer.Step(k, norm, lr, trace);
+    k.Synchronize();
+    fence();
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    rows.push_back({it + 1, loss, norm, lr, seconds,
+                    std::chrono::duration<double>(start.time_since_epoch()).count()});
+  }
+  return rows;
+}
+
+}  // namespace mpusim
