@@ -1,10 +1,11 @@
 // `mpusim run`: every MPI rank plays one GPU and runs the model (core/model/model.h: the GPT or
-// the lab's layer chain) on a Backend; the job then checks every tensor against the float64 reference (run/check.h) and
-// may dump them (run/dump.h).
+// the lab's layer chain) on a Backend; the job then checks every tensor against the float64
+// reference (run/check.h) and may dump them (run/dump.h).
 //
-// What it is: the driver: MPI start-up, world-size check, groups from the planner, the
-// backend (the CPU backend or a plugin, through a factory), the timed steps, the check, the
-// report (printed by rank 0: layout, checks, collectives, memory) and the dump.
+// What it is: the driver: MPI start-up, the config and the world size, the preflight
+// (run/preflight.h), the backend (the CPU backend or a plugin, through a factory), the run
+// (run/simulate.h), the report rank 0 prints (run/report.h) and the dump. Exit codes: 0 all
+// checks passed, 1 a check failed, 2 bad input, 3 out of memory, 4 an internal error.
 // What it is not: the layer logic (core/model), the reference (reference/) or a backend.
 #pragma once
 
@@ -17,83 +18,10 @@
 #include <vector>
 
 #include "core/backend.h"
-#include "core/communicator.h"
-#include "core/config.h"
-#include "core/model/model.h"
-#include "core/rank_context.h"
 #include "core/status.h"
-#include "run/check.h"
+#include "run/simulate.h"
 
 namespace mpusim::run {
-
-struct SimulationResult {
-  RankCoordinates coords;             // this rank's place in the layout
-  // This rank's tensors (on the backend's device), kept only when asked for (a dump).
-  std::vector<TensorRecord> records;
-  CheckResult check;                  // empty without the check
-  bool has_loss = false;
-  double loss = 0;
-  CommTrace trace;                    // this rank's collectives (the last repetition)
-  std::vector<double> seconds;        // wall time of each repetition
-  int64_t padded_vocab_size = 0;
-  std::string model_description;   // Model::Describe
-  std::string parameter_split;     // Model::ParameterSplitNote ("": no parameter-memory line)
-  std::vector<std::string> parameter_names;  // the whole model's (Model::ShardingMap)
-  int64_t parameter_bytes_rank = 0;   // this rank's trainable parameter shards
-  int64_t parameter_bytes_model = 0;  // the whole model's parameters
-  int64_t peak_stashes = 0;  // the most (chunk, micro-batch) stashes live at once
-  // A training run: one row per iteration (the loss of the iteration's data before its
-  // update, the gradient norm before clipping, the learning rate, the wall time).
-  struct Iteration {
-    int64_t iteration = 0;  // from 1
-    double loss = 0, grad_norm = 0, lr = 0, seconds = 0;
-  };
-  std::vector<Iteration> iterations;
-  // A training run: this rank's optimizer state, in elements per state tensor (master
-  // weights, m, v): every parameter's for the plain optimizer, its shard [begin, end) of a
-  // flat buffer of `buffer` elements for the distributed one.
-  struct OptimizerShard {
-    bool distributed = false;
-    int64_t buffer = 0, begin = 0, end = 0;
-    int64_t elements = 0;    // owned
-    int64_t parameters = 0;  // this rank's parameter elements
-    int state_tensors = 0;   // per element: master + m (+ v for adam)
-    int64_t element_bytes = 0;
-  };
-  OptimizerShard optimizer;
-  // When the last step (or iteration) started: this rank's steady_clock, in seconds, as it
-  // left the barrier before the step.
-  double step_start = 0;
-  // On every rank: each world rank's forward and backward step spans of the last
-  // step (or iteration), in seconds from the step's start (the earliest rank's step_start on
-  // one machine; each rank's own across machines), the schedule's end on that rank (its last
-  // send completed), and its pp rank.
-  struct RankTimeline {
-    int64_t pp_rank = 0;
-    double schedule_end = 0;
-    std::vector<StepSpan> steps;
-    std::vector<CommRecord> comms;  // with timeline_comms: the last step's, times as above
-  };
-  std::vector<RankTimeline> timeline;
-};
-
-struct SimulateOptions {
-  bool check = true;          // compare with the float64 reference
-  int repeat = 1;             // run the step this many times (benchmarks)
-  bool keep_records = false;  // return the records (for a dump)
-  bool timeline_comms = false;  // gather every rank's timed collectives too (--trace)
-};
-
-// Runs `config` on MPI_COMM_WORLD (collective: every rank calls it with the same config;
-// the world size must equal parallel.world_size). Bad configs give a Status on every rank.
-StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions& options,
-                                    Backend& backend);
-
-// The context a rank runs a model in: its coordinates, the backend's kernels, its groups
-// (each traced into `trace`) and its random streams. Collective: every rank of the world
-// calls it (making the groups communicates).
-RankContext MakeRankContext(const Config& config, Backend& backend, const Topology& topology,
-                            int world_rank, CommTrace* trace);
 
 struct RunOptions {
   std::string config_path;

@@ -1,0 +1,452 @@
+// What rank 0 prints of a run, and its --summary and --trace files (see report.h).
+#include "run/report.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <tuple>
+
+#include "core/safetensors.h"
+#include "core/schedule.h"
+#include "mpi/watchdog.h"
+#include "run/preflight.h"
+#include "run/trace_page.h"
+
+namespace mpusim::run {
+namespace {
+
+// A "<Key>: <n> kB" line of a /proc file, in bytes; 0 when the file or the key is not there.
+int64_t ProcKilobytes(const char* path, const std::string& key) {
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(key, 0) == 0) return std::atoll(line.c_str() + key.size()) * 1024;
+  }
+  return 0;
+}
+
+const char* RecomputeNote(RunConfig::Recompute recompute) {
+  switch (recompute) {
+    case RunConfig::Recompute::kFull: return ", recompute_granularity full";
+    case RunConfig::Recompute::kSelective: return ", recompute_granularity selective";
+    case RunConfig::Recompute::kNone: break;
+  }
+  return "";
+}
+
+struct CommSummaryKey {
+  Phase phase;
+  std::string site;
+  CommOpKind op;
+  std::string group;
+  bool operator<(const CommSummaryKey& o) const {
+    return std::tie(phase, site, op, group) < std::tie(o.phase, o.site, o.op, o.group);
+  }
+};
+
+}  // namespace
+
+void RunReport::PrintLayout(const Topology& topology, const SimulationResult& result) {
+  const DerivedSizes& s = topology.sizes();
+  const RunConfig& run = *config_.run;
+  out_ << fmt::format("mpusim run: {} on {} ranks ({} backend, {}, seed {})\n",
+                      options_.config_path, world_size_, backend_name_, DTypeName(run.dtype),
+                      run.seed);
+  out_ << fmt::format("backend: {}\n", backend_description_);
+  out_ << fmt::format(
+      "layout: tensor_model_parallel_size {}, data_parallel_size {}, "
+      "sequence_parallel {}{}\n",
+      s.tp, s.dp, config_.parallel.sequence_parallel,
+      s.pp > 1 ? fmt::format(", pipeline_model_parallel_size {}{}", s.pp,
+                             s.vp ? fmt::format(", virtual_pipeline_model_"
+                                                "parallel_size {}",
+                                                *s.vp)
+                                  : std::string())
+               : std::string());
+  std::vector<const char*> kinds = {"tp", "dp"};
+  if (s.pp > 1) kinds.push_back("pp");
+  if (config_.optimizer && config_.optimizer->use_distributed_optimizer) {
+    kinds.push_back("dp_cp_partial");
+    if (s.num_distributed_optimizer_instances > 1) kinds.push_back("inter_dist_opt");
+  }
+  for (const char* kind : kinds) {
+    const size_t k = *topology.FindKind(kind);
+    std::vector<std::string> groups;
+    for (int64_t g = 0; g < std::min<int64_t>(topology.NumGroups(k), 8); ++g) {
+      groups.push_back(fmt::format("[{}]", fmt::join(topology.Group(k, g), ", ")));
+    }
+    out_ << fmt::format("  {} groups: {}{}\n", kind, fmt::join(groups, " "),
+                        topology.NumGroups(k) > 8 ? " ..." : "");
+  }
+  out_ << fmt::format("data: seq_length {}, micro_batch_size {} per dp rank ({} in all), "
+                      "num_microbatches {}{}\n",
+                      run.seq_length, run.micro_batch_size, run.micro_batch_size * s.dp,
+                      run.num_microbatches, RecomputeNote(run.recompute));
+  if (s.pp > 1) {
+    StatusOr<PipelineSchedule> schedule = BuildPipelineSchedule(
+        s.pp, s.vp, run.num_microbatches, config_.parallel.microbatch_group_size_per_vp_stage);
+    if (schedule.ok()) {
+      out_ << fmt::format(
+          "pipeline: {} schedule; rank 0 (stage 0) runs {} (`mpusim schedule` "
+          "shows every stage); at most {} micro-batch stash{} live on rank 0\n",
+          schedule->interleaved ? "interleaved 1F1B" : "1F1B", FormatRank(*schedule, 0),
+          result.peak_stashes, result.peak_stashes == 1 ? "" : "es");
+      PrintStages(result, *schedule);
+    }
+  }
+  out_ << result.model_description;
+}
+
+void RunReport::PrintLoss(const SimulationResult& result) {
+  if (result.has_loss) out_ << fmt::format("\nloss {:.9g}\n", result.loss);
+  if (options_.repeat > 1) {
+    std::vector<double> sorted = result.seconds;
+    std::sort(sorted.begin(), sorted.end());
+    const size_t mid = sorted.size() / 2;
+    const double median =
+        sorted.size() % 2 == 1 ? sorted[mid] : 0.5 * (sorted[mid - 1] + sorted[mid]);
+    out_ << fmt::format("time per step (forward + backward, all micro-batches): median {:.4f} s "
+                        "over {} runs, min {:.4f} s, max {:.4f} s\n",
+                        median, sorted.size(), sorted.front(), sorted.back());
+  }
+}
+
+void RunReport::PrintParameterMemory(const SimulationResult& result) {
+  out_ << fmt::format("parameters: {} on rank 0 of {} for the whole model ({:.3f}; {})\n",
+                      FormatBytes(static_cast<uint64_t>(result.parameter_bytes_rank)),
+                      FormatBytes(static_cast<uint64_t>(result.parameter_bytes_model)),
+                      static_cast<double>(result.parameter_bytes_rank) /
+                          static_cast<double>(std::max<int64_t>(1, result.parameter_bytes_model)),
+                      result.parameter_split);
+}
+
+Status RunReport::WriteSummary(const SimulationResult& result, int code) {
+  nlohmann::ordered_json j;
+  j["schema_version"] = 1;
+  j["config"] = options_.config_path;
+  j["loss"] = result.loss;
+  j["padded_vocab_size"] = result.padded_vocab_size;
+  j["passed"] = code == 0;
+  nlohmann::ordered_json iterations = nlohmann::ordered_json::array();
+  const std::vector<CheckResult::Iteration>& ref = result.check.reference_iterations;
+  for (size_t i = 0; i < result.iterations.size(); ++i) {
+    const SimulationResult::Iteration& row = result.iterations[i];
+    nlohmann::ordered_json it = {
+        {"loss", row.loss}, {"grad_norm", row.grad_norm}, {"lr", row.lr}, {"seconds", row.seconds}};
+    if (i < ref.size()) it["reference_loss"] = ref[i].loss;
+    iterations.push_back(it);
+  }
+  j["iterations"] = iterations;
+  if (options_.check) {
+    int64_t failed = 0;
+    double parameter_error = 0;  // the largest normalized error of a parameter
+    const std::set<std::string> parameters(result.parameter_names.begin(),
+                                           result.parameter_names.end());
+    for (const TensorCheck& c : result.check.tensors) {
+      if (!c.ok()) ++failed;
+      if (parameters.count(c.name) != 0) parameter_error = std::max(parameter_error, c.normalized);
+    }
+    j["check"] = {{"tensors", result.check.tensors.size()},
+                  {"failed", failed},
+                  {"reference_loss", result.check.reference_loss},
+                  {"max_parameter_normalized_error", parameter_error}};
+  }
+  std::vector<double> sorted = result.seconds;
+  std::sort(sorted.begin(), sorted.end());
+  j["seconds_median"] = sorted.empty() ? 0.0 : sorted[sorted.size() / 2];
+  j["peak_stashes_rank0"] = result.peak_stashes;
+  if (config_.optimizer) j["distributed_optimizer"] = config_.optimizer->use_distributed_optimizer;
+  // The last step's timeline: per world rank, its pp rank, when its schedule ended and its
+  // steps [chunk, micro-batch, "F", "B" or "R" (a recomputation inside its backward), begin,
+  // end] in seconds from the earliest start.
+  nlohmann::ordered_json timeline = nlohmann::ordered_json::array();
+  for (const SimulationResult::RankTimeline& t : result.timeline) {
+    nlohmann::ordered_json steps = nlohmann::ordered_json::array();
+    for (const StepSpan& s : t.steps) {
+      steps.push_back({s.chunk, s.microbatch,
+                       s.recompute ? "R"
+                       : s.forward ? "F"
+                                   : "B",
+                       s.begin, s.end});
+    }
+    timeline.push_back(
+        {{"pp_rank", t.pp_rank}, {"schedule_end", t.schedule_end}, {"steps", steps}});
+  }
+  if (!result.timeline.empty()) j["timeline"] = timeline;
+  return WriteFileAtomically(options_.summary_path, j.dump(1) + "\n");
+}
+
+// --trace FILE: the last step as Chrome trace events (the format chrome://tracing, Perfetto
+// and PyTorch's profiler use): a process per node, a thread per rank named by its
+// coordinates, a complete ("X") event per forward or backward step (and per recomputation,
+// nested in its backward step) and per collective or
+// send/receive, times in microseconds from the step's start.
+Status RunReport::WriteTrace(const Topology& topology, const SimulationResult& result) {
+  nlohmann::ordered_json events = nlohmann::ordered_json::array();
+  std::set<int64_t> nodes;
+  const auto micros = [](double seconds) { return seconds * 1e6; };
+  for (size_t r = 0; r < result.timeline.size(); ++r) {
+    const auto rank = static_cast<int64_t>(r);
+    const RankCoordinates c = topology.Coordinates(rank);
+    const int64_t node = topology.NodeOf(rank);
+    if (nodes.insert(node).second) {
+      events.push_back({{"name", "process_name"},
+                        {"ph", "M"},
+                        {"pid", node},
+                        {"tid", 0},
+                        {"args", {{"name", fmt::format("node {}", node)}}}});
+    }
+    events.push_back(
+        {{"name", "thread_name"},
+         {"ph", "M"},
+         {"pid", node},
+         {"tid", rank},
+         {"args",
+          {{"name", fmt::format("rank {} (tp {}, pp {}, dp {})", rank, c.tp, c.pp, c.dp)}}}});
+    events.push_back({{"name", "thread_sort_index"},
+                      {"ph", "M"},
+                      {"pid", node},
+                      {"tid", rank},
+                      {"args", {{"sort_index", rank}}}});
+    const SimulationResult::RankTimeline& t = result.timeline[r];
+    for (const StepSpan& s : t.steps) {
+      events.push_back({{"name", fmt::format("{}{}.{}",
+                                             s.recompute ? "R"
+                                             : s.forward ? "F"
+                                                         : "B",
+                                             s.chunk, s.microbatch)},
+                        {"cat", s.recompute ? "recompute"
+                                : s.forward ? "forward"
+                                            : "backward"},
+                        {"ph", "X"},
+                        {"ts", micros(s.begin)},
+                        {"dur", micros(s.end - s.begin)},
+                        {"pid", node},
+                        {"tid", rank},
+                        {"args", {{"chunk", s.chunk}, {"microbatch", s.microbatch}}}});
+    }
+    for (const CommRecord& m : t.comms) {
+      nlohmann::ordered_json args = {
+          {"site", m.site}, {"group", m.group}, {"bytes", m.bytes}, {"phase", PhaseName(m.phase)}};
+      if (m.peer >= 0) args["peer (group rank)"] = m.peer;
+      const double end = m.end > 0 ? m.end : m.begin;
+      events.push_back({{"name", fmt::format("{} {}", CommOpName(m.op), m.group)},
+                        {"cat", "comm"},
+                        {"ph", "X"},
+                        {"ts", micros(m.begin)},
+                        {"dur", micros(end - m.begin)},
+                        {"pid", node},
+                        {"tid", rank},
+                        {"args", args}});
+    }
+  }
+  nlohmann::ordered_json j = {{"traceEvents", events}, {"displayTimeUnit", "ms"}};
+  // FILE.html: the same events drawn by a self-contained page (run/trace_page.h).
+  if (options_.trace_path.ends_with(".html")) {
+    return WriteFileAtomically(options_.trace_path, TracePageHtml(j, options_.config_path));
+  }
+  return WriteFileAtomically(options_.trace_path, j.dump() + "\n");
+}
+
+int RunReport::PrintTraining(const SimulationResult& result) {
+  if (result.iterations.empty() || !config_.optimizer) return 0;
+  const OptimizerConfig& o = *config_.optimizer;
+  static constexpr const char* kStyles[] = {"constant", "linear", "cosine"};
+  out_ << fmt::format(
+      "\ntraining: {} ({}), lr {:g} ({} decay to {:g}, {} warmup iterations), weight_decay {:g}, "
+      "clip_grad {:g}; {} iterations\n",
+      o.kind == OptimizerConfig::Kind::kAdam ? "adam" : "sgd",
+      o.kind == OptimizerConfig::Kind::kAdam
+          ? fmt::format("betas {:g} {:g}, eps {:g}", o.adam_beta1, o.adam_beta2, o.adam_eps)
+          : fmt::format("momentum {:g}", o.sgd_momentum),
+      o.lr, kStyles[static_cast<size_t>(o.lr_decay_style)], o.min_lr, o.lr_warmup_iters,
+      o.weight_decay, o.clip_grad, result.iterations.size());
+  const SimulationResult::OptimizerShard& sh = result.optimizer;
+  const double state_mib =
+      static_cast<double>(sh.elements * sh.state_tensors * sh.element_bytes) / (1024.0 * 1024.0);
+  if (sh.distributed) {
+    out_ << fmt::format(
+        "  distributed optimizer: rank 0 keeps master weights and state for elements [{}, {}) of "
+        "its {}-element flat buffer ({:.2f} MiB, 1/{} of the plain optimizer's {:.2f} MiB), "
+        "gradients reduce-scattered and parameters all-gathered over dp_cp_partial\n",
+        sh.begin, sh.end, sh.buffer, state_mib,
+        sh.end > sh.begin ? sh.buffer / (sh.end - sh.begin) : 0,
+        static_cast<double>(sh.parameters * sh.state_tensors * sh.element_bytes) /
+            (1024.0 * 1024.0));
+  } else {
+    out_ << fmt::format(
+        "  optimizer state on rank 0: master weights and {} for its {} parameter elements "
+        "({:.2f} MiB)\n",
+        sh.state_tensors == 3 ? "m, v" : "the momentum buffer", sh.elements, state_mib);
+  }
+  const std::vector<CheckResult::Iteration>& ref = result.check.reference_iterations;
+  const bool checked = options_.check && ref.size() == result.iterations.size();
+  // A chain without a loss layer trains on its synthetic output gradients: its iterations
+  // are judged by the gradient norm, with the largest tolerance of a parameter gradient.
+  const bool by_loss = result.has_loss;
+  double allowed = 0;
+  for (const TensorCheck& c : result.check.tensors) {
+    if (by_loss && c.name == "loss") allowed = c.allowed;
+    if (!by_loss && (c.name.ends_with("_grad") || c.name.ends_with(".grad"))) {
+      allowed = std::max(allowed, c.allowed);
+    }
+  }
+  out_ << fmt::format("  {:>9} {:>14} {:>11} {:>11} {:>9}{}\n", "iteration", "loss", "grad norm",
+                      "lr", "time",
+                      checked ? fmt::format(" {:>16} {:>12} {:>11}  result", "reference loss",
+                                            "|difference|", "ref. norm")
+                              : std::string());
+  int failures = 0;
+  for (size_t i = 0; i < result.iterations.size(); ++i) {
+    const SimulationResult::Iteration& row = result.iterations[i];
+    std::string tail;
+    if (checked) {
+      const double mine = by_loss ? row.loss : row.grad_norm;
+      const double theirs = by_loss ? ref[i].loss : ref[i].grad_norm;
+      const double difference = std::fabs(mine - theirs);
+      const bool pass = difference <= allowed * 2 * std::fabs(theirs);
+      failures += pass ? 0 : 1;
+      tail = fmt::format(" {:>16} {:>12.3g} {:>11.4g}  {}",
+                         by_loss ? fmt::format("{:.10g}", ref[i].loss) : std::string("-"),
+                         difference, ref[i].grad_norm, pass ? "pass" : "FAIL");
+    }
+    out_ << fmt::format("  {:>9} {:>14} {:>11.4g} {:>11.4g} {:>7.3f} s{}\n", row.iteration,
+                        by_loss ? fmt::format("{:.10g}", row.loss) : std::string("-"),
+                        row.grad_norm, row.lr, row.seconds, tail);
+  }
+  if (checked) {
+    out_ << fmt::format(
+        "  the {} of every iteration against the reference training the same model in "
+        "float64: {} of {} pass (|difference| <= {:.3g} * 2 |reference|)\n",
+        by_loss ? "loss" : "gradient norm (the chain has no loss layer)",
+        result.iterations.size() - static_cast<size_t>(failures), result.iterations.size(),
+        allowed);
+  }
+  return failures;
+}
+
+int RunReport::PrintChecks(const CheckResult& check, const SimulationResult& result) {
+  if (check.has_loss) {
+    out_ << fmt::format("reference loss {:.9g} (float64), |difference| {:.3g}\n",
+                        check.reference_loss, std::fabs(result.loss - check.reference_loss));
+  }
+  out_ << '\n' << check.header;
+  size_t name_width = 26;
+  for (const TensorCheck& c : check.tensors) name_width = std::max(name_width, c.name.size());
+  out_ << fmt::format("  {:<{}} {:<16} {:>12} {:>12} {:>12} {:>10}  {}\n", "tensor", name_width, "shape",
+                      "max abs err", "max rel err", "normalized", "allowed", "result");
+  int failed = 0;
+  for (const TensorCheck& c : check.tensors) {
+    std::string verdict = "pass";
+    if (c.missing) {
+      verdict = "FAIL (not produced by the reference)";
+    } else if (c.not_produced) {
+      verdict = "FAIL (not produced by the run)";
+    } else if (c.mismatches > 0) {
+      verdict = fmt::format("FAIL ({} of {} elements{}; worst {}: {:.9g} vs {:.9g})",
+                            c.mismatches, c.count,
+                            c.non_finite > 0 ? fmt::format(", {} not finite", c.non_finite)
+                                             : std::string(),
+                            c.worst_index, c.worst_actual, c.worst_expected);
+    } else if (c.count < NumElements(c.full_shape)) {
+      verdict = fmt::format("FAIL (only {} of {} elements produced)", c.count,
+                            NumElements(c.full_shape));
+    }
+    if (c.ok() && c.normalized > c.allowed) {
+      // A trained parameter or optimizer state: its elements are also allowed the error
+      // their gradients' tolerance carries through the updates.
+      verdict = fmt::format("pass ({:.2g} of its allowance with the training bound)", c.used);
+    }
+    if (!c.ok()) ++failed;
+    out_ << fmt::format("  {:<{}} {:<16} {:>12.3g} {:>12.3g} {:>12.3g} {:>10.3g}  {}\n", c.name,
+                        name_width,
+                        ShapeString(c.full_shape), c.max_abs, c.max_rel, c.normalized, c.allowed,
+                        verdict);
+  }
+  out_ << fmt::format("{} passed, {} failed\n", check.tensors.size() - static_cast<size_t>(failed),
+                      failed);
+  out_ << check.memory;
+  return failed;
+}
+
+// Each pipeline stage's share of the last step, from the gathered timeline (its first rank).
+void RunReport::PrintStages(const SimulationResult& result, const PipelineSchedule& schedule) {
+  if (result.timeline.empty()) return;
+  const int64_t p = schedule.pipeline_model_parallel_size;
+  const double m = static_cast<double>(schedule.num_microbatches);
+  const double v = static_cast<double>(schedule.num_model_chunks);
+  out_ << fmt::format(
+      "  stage  rank  steps  peak stashes  warmup  busy of the schedule (last step; the "
+      "schedule's bubble is (p - 1) / ({}M + p - 1) = {:.3f})\n",
+      schedule.interleaved ? "v " : "",
+      static_cast<double>(p - 1) / (v * m + static_cast<double>(p) - 1));
+  for (int64_t stage = 0; stage < p; ++stage) {
+    for (size_t r = 0; r < result.timeline.size(); ++r) {
+      const SimulationResult::RankTimeline& t = result.timeline[r];
+      if (t.pp_rank != stage) continue;
+      int64_t live = 0, peak = 0, steps = 0;
+      double busy = 0;
+      for (const StepSpan& span : t.steps) {
+        if (span.recompute) continue;  // inside its backward step
+        ++steps;
+        live += span.forward ? 1 : -1;
+        peak = std::max(peak, live);
+        busy += span.end - span.begin;
+      }
+      out_ << fmt::format("  {:>5}  {:>4}  {:>5}  {:>12}  {:>6}  {:.0f}% of {:.3f} s\n", stage, r,
+                          steps, peak, schedule.NumWarmup(stage),
+                          t.schedule_end > 0 ? 100 * busy / t.schedule_end : 0.0, t.schedule_end);
+      break;
+    }
+  }
+}
+
+void RunReport::PrintCommTrace(const CommTrace& trace) {
+  std::map<CommSummaryKey, std::pair<int64_t, int64_t>> summary;  // count, bytes
+  for (const CommRecord& r : trace.records()) {
+    auto& entry = summary[{r.phase, r.site, r.op, r.group}];
+    entry.first += 1;
+    entry.second += r.bytes;
+  }
+  out_ << fmt::format("\ncollectives on rank 0 ({} in all; groups of one rank move no data and "
+                      "are not listed):\n",
+                      trace.records().size());
+  size_t site_width = 24, group_width = 6;
+  for (const auto& [key, value] : summary) {
+    site_width = std::max(site_width, key.site.size());
+    group_width = std::max(group_width, key.group.size());
+  }
+  out_ << fmt::format("  {:<9} {:<{}} {:<16} {:<{}} {:>6} {:>14}\n", "phase", "issued by",
+                      site_width, "op", "group", group_width, "count", "bytes");
+  for (const auto& [key, value] : summary) {
+    out_ << fmt::format("  {:<9} {:<{}} {:<16} {:<{}} {:>6} {:>14}\n", PhaseName(key.phase),
+                        key.site, site_width, CommOpName(key.op), key.group, group_width,
+                        value.first, value.second);
+  }
+}
+
+// Peak resident set (VmHWM) of the largest rank, and the proportional set size (Pss: a page
+// that n ranks share counts 1/n to each, so the sum is what the job really holds) of all ranks
+// together at the end of the run. A sum of RSS would count every shared library page once per
+// rank: 5x the truth at 64 ranks.
+void RunReport::PrintMemory(PlanBytes preflight_bytes) {
+  long long peak = ProcKilobytes("/proc/self/status", "VmHWM:");
+  long long pss = ProcKilobytes("/proc/self/smaps_rollup", "Pss:");
+  watched::Reduce(world_rank_ == 0 ? MPI_IN_PLACE : &peak, &peak, 1, MPI_LONG_LONG, MPI_MAX, 0,
+                  MPI_COMM_WORLD, WorldLabel());
+  watched::Reduce(world_rank_ == 0 ? MPI_IN_PLACE : &pss, &pss, 1, MPI_LONG_LONG, MPI_SUM, 0,
+                  MPI_COMM_WORLD, WorldLabel());
+  out_ << fmt::format("\nmemory: peak RSS {:.1f} MiB on the largest rank; {:.1f} MiB held by all "
+                      "{} ranks at the end (PSS: pages shared between ranks counted once); the "
+                      "preflight estimated {} per rank for tensors\n",
+                      Mebibytes(peak), Mebibytes(pss), world_size_, FormatBytes(preflight_bytes));
+}
+
+}  // namespace mpusim::run
