@@ -1,6 +1,8 @@
 // The float64 GPT reference (see gpt_reference.h): Megatron-Core's GPTModel, forward and
 // backward by hand, with plain Eigen, one micro-batch at a time, on one slice of the samples.
-// Written from the model's math (core/gpt_config.h, core/dropout.h) only.
+// Written from the model's math (core/gpt_config.h, core/dropout.h) only. The ops it shares
+// with the layer chain (linear, embedding, activations, dropout masks, cross entropy) are
+// reference/ops.h; the ones only this model has (norms, RoPE, attention) are here.
 //
 // Shape legend (full model unless said):
 //   s = seq_length, B = b*d global samples, M = micro-batches, n = samples of this slice,
@@ -26,26 +28,24 @@
 #include <cmath>
 #include <cstdint>
 #include <map>
-#include <numbers>
 #include <optional>
-#include <stdexcept>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "core/dropout.h"
 #include "core/init.h"
-#include "core/philox.h"
-#include "core/rng.h"
 #include "core/schedule.h"
+#include "reference/ops.h"
 #include "reference/tracker_draws.h"
 
 namespace mpusim {
 namespace {
 
-using Mat = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using Mat = ref::Mat;
 using Vec = Eigen::VectorXd;
-using RowVec = Eigen::Matrix<double, 1, Eigen::Dynamic>;
+using RowVec = ref::RowVec;
 using MatMap = Eigen::Map<Mat>;
 using ConstMatMap = Eigen::Map<const Mat>;
 using RowMap = Eigen::Map<RowVec>;
@@ -177,19 +177,23 @@ Status InitParameters(const GptConfig& gpt, const Dims& d,
 }
 
 // ---- ops ----------------------------------------------------------------------------------
+// The shared ops (reference/ops.h) on a layer's parameters, and the ops only this model has.
 
 // y = x W^T (+ b).
 Mat Linear(const Mat& x, const Param& weight, const Param& bias) {
-  Mat y = x * AsMat(weight.value).transpose();
-  if (bias.defined()) y.rowwise() += AsRow(bias.value);
+  Mat y(x.rows(), weight.value.rows());
+  ref::LinearForward(x, AsMat(weight.value), y);
+  if (bias.defined()) ref::AddBias(AsRow(bias.value), y);
   return y;
 }
 
 // dx = dy W; dW += dy^T x; db += sum over rows of dy.
 Mat LinearBackward(const Mat& dy, const Mat& x, Param& weight, Param& bias) {
-  AsMat(weight.grad).noalias() += dy.transpose() * x;
-  if (bias.defined()) AsRow(bias.grad) += dy.colwise().sum();
-  return dy * AsMat(weight.value);
+  ref::LinearGradWeight(dy, x, AsMat(weight.grad));
+  if (bias.defined()) ref::LinearGradBias(dy, AsRow(bias.grad));
+  Mat dx(dy.rows(), weight.value.cols());
+  ref::LinearGradInput(dy, AsMat(weight.value), dx);
+  return dx;
 }
 
 // LayerNorm: xhat = (x - mean) * rstd, rstd = 1/sqrt(var + eps) (biased variance);
@@ -241,82 +245,19 @@ Mat NormBackward(Normalization kind, const Mat& dy, const NormStash& stash, Norm
   return dx;
 }
 
-double Gelu(double x) { return 0.5 * x * (1.0 + std::erf(x / std::numbers::sqrt2)); }
-// d gelu / dx = Phi(x) + x phi(x).
-double GeluGrad(double x) {
-  const double cdf = 0.5 * (1.0 + std::erf(x / std::numbers::sqrt2));
-  const double pdf = std::exp(-0.5 * x * x) / std::sqrt(2.0 * std::numbers::pi);
-  return cdf + x * pdf;
-}
-double Sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
-
-// The activation's function f and its derivative; a gated one (swiglu: f = silu) applies f
-// to the gate half of fc1 and multiplies by the other half (below).
-double ActivationF(Activation kind, double x) {
-  switch (kind) {
-    case Activation::kGelu: return Gelu(x);
-    case Activation::kSwiglu: return x * Sigmoid(x);  // silu
-    case Activation::kSquaredRelu: return x > 0.0 ? x * x : 0.0;
-  }
-  throw std::logic_error("reference: unknown activation");
-}
-// silu'(x) = sig(x) (1 + x (1 - sig(x))).
-double ActivationGrad(Activation kind, double x) {
-  switch (kind) {
-    case Activation::kGelu: return GeluGrad(x);
-    case Activation::kSwiglu: return Sigmoid(x) * (1.0 + x * (1.0 - Sigmoid(x)));
-    case Activation::kSquaredRelu: return x > 0.0 ? 2.0 * x : 0.0;
-  }
-  throw std::logic_error("reference: unknown activation");
-}
-
-// Plain: act = f(fc1). Gated: fc1 = [gate | up] (F columns each), act = f(gate) * up.
-Mat ActivationForward(Activation kind, const Mat& fc1, int64_t F) {
-  if (!IsGated(kind)) return fc1.unaryExpr([kind](double v) { return ActivationF(kind, v); });
-  Mat act(fc1.rows(), F);
-  for (int64_t row = 0; row < fc1.rows(); ++row) {
-    for (int64_t c = 0; c < F; ++c) {
-      act(row, c) = ActivationF(kind, fc1(row, c)) * fc1(row, F + c);
-    }
-  }
-  return act;
-}
-
-// Plain: d fc1 = dact * f'(fc1). Gated: d gate = dact * up * f'(gate), d up = dact * f(gate).
-Mat ActivationBackward(Activation kind, const Mat& dact, const Mat& fc1, int64_t F) {
-  if (!IsGated(kind)) {
-    return dact.cwiseProduct(fc1.unaryExpr([kind](double v) { return ActivationGrad(kind, v); }));
-  }
-  Mat dfc1(fc1.rows(), 2 * F);
-  for (int64_t row = 0; row < fc1.rows(); ++row) {
-    for (int64_t c = 0; c < F; ++c) {
-      const double gate = fc1(row, c), up = fc1(row, F + c);
-      dfc1(row, c) = dact(row, c) * up * ActivationGrad(kind, gate);
-      dfc1(row, F + c) = dact(row, c) * ActivationF(kind, gate);
-    }
-  }
-  return dfc1;
-}
-
 // ---- dropout ------------------------------------------------------------------------------
 
-double KeepScale(double p) { return p < 1.0 ? 1.0 / (1.0 - p) : 0.0; }
-
-// Where one mask element's random number comes from: UniformAt(key, stream, index).
-struct MaskDraw {
-  uint64_t key, stream, index;
-};
+using ref::MaskDraw;
 
 // rng_tracker mode: the key and draw number of `site` on the rank at (tp, dp) of the
 // pipeline rank holding it.
 MaskDraw TrackerDraw(const Dims& d, const std::string& site, int64_t m, int64_t tp, int64_t dp,
                      int64_t local_index) {
   const Dims::SiteDraw& at = d.draw.at(site);
-  const uint64_t default_key = DefaultSeed(d.seed, at.pp, dp);
   const size_t stream = at.model_parallel ? 1 : 0;
   const int64_t n = d.draws.Position(d.iteration, at.pp, at.chunk, m, stream, at.k);
-  return {at.model_parallel ? ModelParallelSeed(default_key, tp) : default_key,
-          static_cast<uint64_t>(n), static_cast<uint64_t>(local_index)};
+  return {ref::TrackerKey(d.seed, at.pp, dp, at.model_parallel, tp), static_cast<uint64_t>(n),
+          static_cast<uint64_t>(local_index)};
 }
 
 // Element (i, gs, c) of an [s, B, w] site. Global mode: full flat index (i*B + gs)*w + c.
@@ -329,9 +270,9 @@ MaskDraw HiddenDraw(const Dims& d, const std::string& site, int64_t m, int64_t i
     return {d.seed, DropoutStream(site, d.iteration, m),
             static_cast<uint64_t>((i * d.B + gs) * w + c)};
   }
-  const int64_t s_local = d.sp ? d.s / d.t : d.s;
-  const int64_t tp = i / s_local, local_i = i % s_local;
-  return TrackerDraw(d, site, m, tp, gs / d.b, (local_i * d.b + gs % d.b) * w + c);
+  const ref::LocalElement at =
+      ref::LocalActivationElement(i, gs, c, d.sp ? d.s / d.t : d.s, d.b, w);
+  return TrackerDraw(d, site, m, at.seq_rank, at.dp_rank, at.index);
 }
 
 // Element (gs, hd, e) of the [B, a, s*s] attention site. Global mode: ((gs*a + hd)*s*s + e.
@@ -347,22 +288,16 @@ MaskDraw ProbsDraw(const Dims& d, const std::string& site, int64_t m, int64_t gs
                      ((gs % d.b) * heads_local + hd % heads_local) * d.s * d.s + e);
 }
 
-// 0 or 1/(1-p) for this slice's rows of an [s, B, w] site.
+// 0 or 1/(1-p) for this slice's rows of an [s, B, w] site: row i*n + j is position i of slice
+// sample j.
 Mat HiddenKeep(const Dims& d, const std::string& site, int64_t m, double p, int64_t w) {
   Mat keep(d.s * d.n, w);
-  if (p == 0.0) {
-    keep.setOnes();
-    return keep;
-  }
-  const double scale = KeepScale(p);
-  for (int64_t i = 0; i < d.s; ++i) {
-    for (int64_t j = 0; j < d.n; ++j) {
-      for (int64_t c = 0; c < w; ++c) {
-        const MaskDraw r = HiddenDraw(d, site, m, i, d.sample_begin + j, c, w);
-        keep(i * d.n + j, c) = UniformAt(r.key, r.stream, r.index) >= p ? scale : 0.0;
-      }
-    }
-  }
+  ref::DropoutKeep(
+      p,
+      [&](int64_t row, int64_t c) {
+        return HiddenDraw(d, site, m, row / d.n, d.sample_begin + row % d.n, c, w);
+      },
+      keep);
   return keep;
 }
 
@@ -371,15 +306,12 @@ Mat HiddenKeep(const Dims& d, const std::string& site, int64_t m, double p, int6
 Mat AttentionKeep(const Dims& d, const std::string& site, int64_t m, double p, int64_t j,
                   int64_t hd) {
   Mat keep(d.s, d.s);
-  if (p == 0.0) {
-    keep.setOnes();
-    return keep;
-  }
-  const double scale = KeepScale(p);
-  for (int64_t e = 0; e < d.s * d.s; ++e) {
-    const MaskDraw r = ProbsDraw(d, site, m, d.sample_begin + j, hd, e);
-    keep(e / d.s, e % d.s) = UniformAt(r.key, r.stream, r.index) >= p ? scale : 0.0;
-  }
+  ref::DropoutKeep(
+      p,
+      [&](int64_t qi, int64_t ki) {
+        return ProbsDraw(d, site, m, d.sample_begin + j, hd, qi * d.s + ki);
+      },
+      keep);
   return keep;
 }
 
@@ -514,29 +446,6 @@ Mat AttentionBackward(const Dims& d, const GptConfig& gpt, const Mat& dcontext,
   return dqkv;
 }
 
-// ---- loss ---------------------------------------------------------------------------------
-
-// Megatron's vocab_parallel_cross_entropy over all Vp logits, with sm = ls * Vp / (Vp - 1):
-//   loss = (1 - sm)(logZ - z_y) + sm (logZ - mean_j z_j)
-//   d loss / d z_j = softmax_j - (1 - sm)[j == y] - sm / Vp.
-// Shifting z by its row max changes neither and keeps exp() finite. `dlogits` gets the
-// gradient times `token_scale` (d total loss / d per-token loss).
-void CrossEntropy(const Mat& logits, const std::vector<int64_t>& labels, double label_smoothing,
-                  double token_scale, Vec* loss, Mat* dlogits) {
-  const auto vp = static_cast<double>(logits.cols());
-  const double sm = label_smoothing > 0.0 ? label_smoothing * vp / (vp - 1.0) : 0.0;
-  loss->resize(logits.rows());
-  dlogits->resize(logits.rows(), logits.cols());
-  for (int64_t row = 0; row < logits.rows(); ++row) {
-    const RowVec shifted = logits.row(row).array() - logits.row(row).maxCoeff();
-    const double log_z = std::log(shifted.array().exp().sum());
-    const int64_t y = labels[static_cast<size_t>(row)];
-    (*loss)(row) = (1.0 - sm) * (log_z - shifted(y)) + sm * (log_z - shifted.mean());
-    dlogits->row(row) = ((shifted.array() - log_z).exp() - sm / vp) * token_scale;
-    (*dlogits)(row, y) -= (1.0 - sm) * token_scale;
-  }
-}
-
 // ---- one slice ----------------------------------------------------------------------------
 
 // What a layer's forward keeps for its backward.
@@ -603,29 +512,65 @@ struct SliceRun {
                   const std::vector<int64_t>& all_labels, bool record);
 };
 
+// This slice's rows of an [s*B] list of ids (element i*B + gs): [s*n], row i*n + j.
+std::vector<int64_t> SliceRows(const Dims& d, const std::vector<int64_t>& all) {
+  std::vector<int64_t> rows(static_cast<size_t>(d.s * d.n));
+  for (int64_t i = 0; i < d.s; ++i) {
+    for (int64_t j = 0; j < d.n; ++j) {
+      rows[static_cast<size_t>(i * d.n + j)] =
+          all[static_cast<size_t>(i * d.B + d.sample_begin + j)];
+    }
+  }
+  return rows;
+}
+
+// The sequence position of each of this slice's rows: row i*n + j is position i.
+std::vector<int64_t> RowPositions(const Dims& d) {
+  std::vector<int64_t> positions(static_cast<size_t>(d.s * d.n));
+  for (int64_t row = 0; row < d.s * d.n; ++row) positions[static_cast<size_t>(row)] = row / d.n;
+  return positions;
+}
+
+// Ids [s*n] as an [s, n] matrix of doubles (for the record).
+Mat IdsMat(const Dims& d, const std::vector<int64_t>& ids) {
+  Mat out(d.s, d.n);
+  for (int64_t r = 0; r < d.s * d.n; ++r) {
+    out(r / d.n, r % d.n) = static_cast<double>(ids[static_cast<size_t>(r)]);
+  }
+  return out;
+}
+
+// The embedding of this slice's rows before its dropout, [s*n, h]: word rows E[tokens], plus
+// the position rows P[i] with learned absolute positions (row i*n + j is position i).
+Mat Embed(const Dims& d, const ModelParams& params, const std::vector<int64_t>& tokens) {
+  Mat x(d.s * d.n, d.h);
+  ref::EmbeddingForward(AsMat(params.word.value), tokens, x);
+  if (params.position.defined()) {
+    Mat position(d.s * d.n, d.h);
+    ref::EmbeddingForward(AsMat(params.position.value), RowPositions(d), position);
+    x += position;
+  }
+  return x;
+}
+
+// Embed's backward: dE[tokens] += dx (and dP[i] += dx).
+void EmbedBackward(const Dims& d, const Mat& dx, const std::vector<int64_t>& tokens,
+                   ModelParams& params) {
+  ref::EmbeddingBackward(dx, tokens, AsMat(params.word.grad));
+  if (params.position.defined()) {
+    ref::EmbeddingBackward(dx, RowPositions(d), AsMat(params.position.grad));
+  }
+}
+
 void SliceRun::MicroBatch(int64_t m, const std::vector<int64_t>& all_tokens,
                           const std::vector<int64_t>& all_labels, bool record) {
   const int64_t rows = d.s * d.n;
-  std::vector<int64_t> tokens(static_cast<size_t>(rows)), labels(static_cast<size_t>(rows));
-  Mat token_ids(d.s, d.n), label_ids(d.s, d.n);
-  for (int64_t i = 0; i < d.s; ++i) {
-    for (int64_t j = 0; j < d.n; ++j) {
-      const auto full = static_cast<size_t>(i * d.B + d.sample_begin + j);
-      tokens[static_cast<size_t>(i * d.n + j)] = all_tokens[full];
-      labels[static_cast<size_t>(i * d.n + j)] = all_labels[full];
-      token_ids(i, j) = static_cast<double>(all_tokens[full]);
-      label_ids(i, j) = static_cast<double>(all_labels[full]);
-    }
-  }
-  Record(record, "tokens", Kind::kPerToken, token_ids);
-  Record(record, "labels", Kind::kPerToken, label_ids);
+  const std::vector<int64_t> tokens = SliceRows(d, all_tokens), labels = SliceRows(d, all_labels);
+  Record(record, "tokens", Kind::kPerToken, IdsMat(d, tokens));
+  Record(record, "labels", Kind::kPerToken, IdsMat(d, labels));
 
   // ---- forward --------------------------------------------------------------------------
-  Mat x(rows, d.h);
-  for (int64_t row = 0; row < rows; ++row) {
-    x.row(row) = AsMat(params.word.value).row(tokens[static_cast<size_t>(row)]);
-    if (params.position.defined()) x.row(row) += AsMat(params.position.value).row(row / d.n);
-  }
+  Mat x = Embed(d, params, tokens);
   const Mat keep_embedding =
       HiddenKeep(d, "embedding.embedding_dropout", m, gpt.hidden_dropout, d.h);
   x = x.cwiseProduct(keep_embedding);
@@ -649,7 +594,7 @@ void SliceRun::MicroBatch(int64_t m, const std::vector<int64_t>& all_tokens,
     Mat proj = Linear(st.context, p.proj_weight, Param{});
     Record(record, prefix + ".self_attention.linear_proj.output", Kind::kHidden, proj);
     // Bias-dropout-add: x + dropout(proj + b).
-    if (p.proj_bias.defined()) proj.rowwise() += AsRow(p.proj_bias.value);
+    if (p.proj_bias.defined()) ref::AddBias(AsRow(p.proj_bias.value), proj);
     st.keep_attn = HiddenKeep(d, prefix + ".self_attn_bda", m, gpt.hidden_dropout, d.h);
     x += proj.cwiseProduct(st.keep_attn);
     Record(record, prefix + ".self_attn_bda.output", Kind::kHidden, x);
@@ -659,10 +604,11 @@ void SliceRun::MicroBatch(int64_t m, const std::vector<int64_t>& all_tokens,
     Record(record, prefix + ".pre_mlp_layernorm.output", Kind::kHidden, st.ln2_out);
     st.fc1 = Linear(st.ln2_out, p.fc1_weight, p.fc1_bias);
     Record(record, prefix + ".mlp.linear_fc1.output", Kind::kHidden, st.fc1);
-    st.act = ActivationForward(gpt.activation, st.fc1, d.F);
+    st.act.resize(rows, d.F);
+    ref::ActivationForward(gpt.activation, st.fc1, st.act);
     Mat fc2 = Linear(st.act, p.fc2_weight, Param{});
     Record(record, prefix + ".mlp.linear_fc2.output", Kind::kHidden, fc2);
-    if (p.fc2_bias.defined()) fc2.rowwise() += AsRow(p.fc2_bias.value);
+    if (p.fc2_bias.defined()) ref::AddBias(AsRow(p.fc2_bias.value), fc2);
     st.keep_mlp = HiddenKeep(d, prefix + ".mlp_bda", m, gpt.hidden_dropout, d.h);
     x += fc2.cwiseProduct(st.keep_mlp);
     Record(record, prefix + ".mlp_bda.output", Kind::kHidden, x);
@@ -675,9 +621,10 @@ void SliceRun::MicroBatch(int64_t m, const std::vector<int64_t>& all_tokens,
   const Mat logits = Linear(final_out, params.output, Param{});
   Record(record, "output_layer.output", Kind::kHidden, logits);
   const double token_scale = 1.0 / static_cast<double>(d.M * d.s * d.B);
-  Vec loss;
-  Mat dlogits;
-  CrossEntropy(logits, labels, gpt.label_smoothing, token_scale, &loss, &dlogits);
+  Vec loss(rows);
+  Mat dlogits(rows, logits.cols());
+  ref::CrossEntropy(logits, labels, gpt.label_smoothing, token_scale,
+                    std::span<double>(loss.data(), static_cast<size_t>(rows)), dlogits);
   loss_sum += loss.sum();
   Record(record, "loss.per_token", Kind::kPerToken, MatMap(loss.data(), d.s, d.n));
 
@@ -697,7 +644,8 @@ void SliceRun::MicroBatch(int64_t m, const std::vector<int64_t>& all_tokens,
     const Mat dfc2 = dx.cwiseProduct(st.keep_mlp);  // also d(fc2 + b)
     Record(record, prefix + ".mlp.linear_fc2.output_grad", Kind::kHidden, dfc2);
     const Mat dact = LinearBackward(dfc2, st.act, p.fc2_weight, p.fc2_bias);
-    const Mat dfc1 = ActivationBackward(gpt.activation, dact, st.fc1, d.F);
+    Mat dfc1(rows, d.f1);
+    ref::ActivationBackward(gpt.activation, dact, st.fc1, dfc1);
     Record(record, prefix + ".mlp.linear_fc1.output_grad", Kind::kHidden, dfc1);
     const Mat dln2 = LinearBackward(dfc1, st.ln2_out, p.fc1_weight, p.fc1_bias);
     Record(record, prefix + ".pre_mlp_layernorm.output_grad", Kind::kHidden, dln2);
@@ -720,13 +668,7 @@ void SliceRun::MicroBatch(int64_t m, const std::vector<int64_t>& all_tokens,
   }
 
   Record(record, "embedding.output_grad", Kind::kHidden, dx);
-  const Mat dembedding = dx.cwiseProduct(keep_embedding);
-  MatMap dword = AsMat(params.word.grad);
-  for (int64_t row = 0; row < rows; ++row) {
-    dword.row(tokens[static_cast<size_t>(row)]) += dembedding.row(row);
-    if (params.position.defined())
-      AsMat(params.position.grad).row(row / d.n) += dembedding.row(row);
-  }
+  EmbedBackward(d, dx.cwiseProduct(keep_embedding), tokens, params);
 }
 
 Status CheckTokenLists(const std::vector<std::vector<int64_t>>& lists, const char* what,

@@ -14,37 +14,36 @@
 //   forward   x_0 = embedding(tokens) or input.mb<m>;  x_{k+1} = layer_k(x_k)
 //   backward  dy = 1/(M*s*B) per token (loss) or output_grad.mb<m>;  walk the layers back,
 //             adding parameter gradients into accumulators shared by all micro-batches.
-// Every op also adds to the error budget of what it produces (the "Budgets" section below).
+// The ops' math is reference/ops.h, shared with the GPT reference; here each op also adds to
+// the error budget of what it produces (the "Budgets" section below).
 #include "reference/reference_model.h"
 
 #include <fmt/format.h>
 
 #include <Eigen/Dense>
 #include <array>
-#include <cmath>
 #include <cstdint>
 #include <map>
-#include <numbers>
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "core/init.h"
-#include "core/philox.h"
-#include "core/rng.h"
 #include "core/schedule.h"
 #include "core/sharding.h"
+#include "reference/ops.h"
 #include "reference/tracker_draws.h"
 
 namespace mpusim {
 namespace {
 
-using Mat = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using Mat = ref::Mat;
 using MatMap = Eigen::Map<Mat>;
 using ConstMatMap = Eigen::Map<const Mat>;
-using RowVecMap = Eigen::Map<Eigen::Matrix<double, 1, Eigen::Dynamic>>;
+using RowVecMap = Eigen::Map<ref::RowVec>;
 
 // The parallel state of an activation (docs/simulator.md, "Parallel states of an
 // activation"). The full-model values never depend on it; only the dropout masks do,
@@ -638,8 +637,6 @@ std::vector<int64_t> Tokens(const Sizes& sizes, int64_t row_begin, int64_t rows,
 Tensor DropoutScale(const Plan& plan, const LayerPlan& lp, int64_t micro_batch, int64_t row_begin,
                     int64_t rows) {
   const Sizes& sizes = plan.sizes;
-  const double p = lp.config->p;
-  const double scale = p < 1.0 ? 1.0 / (1.0 - p) : 0.0;
   // micro_batch is global: iteration it's micro-batch m.
   const int64_t it = micro_batch / sizes.num_micro, m = micro_batch % sizes.num_micro;
   const size_t stream = lp.model_parallel_stream ? 1 : 0;
@@ -669,37 +666,19 @@ Tensor DropoutScale(const Plan& plan, const LayerPlan& lp, int64_t micro_batch, 
       kind == StateKind::kSequenceSplit ? sizes.seq / sizes.tp_size : sizes.seq;
 
   Tensor keep = NewOutput({rows, width});
-  MatMap k = AsMat(keep);
-  for (int64_t row = 0; row < rows; ++row) {
-    const int64_t i = (row_begin + row) / sizes.batch;
-    const int64_t g = (row_begin + row) % sizes.batch;
-    const int64_t dp_rank = g / sizes.micro;
-    const int64_t local_sample = g % sizes.micro;
-    const int64_t seq_tp_rank = i / local_seq;  // 0 unless sequence split
-    const int64_t local_i = i % local_seq;
-    const uint64_t default_key = DefaultSeed(sizes.seed, lp.pp_rank, dp_rank);
-    for (int64_t j = 0; j < width; ++j) {
-      const auto jj = static_cast<size_t>(j);
-      uint64_t key = default_key;
-      if (kind == StateKind::kHiddenSplit) {
-        key = ModelParallelSeed(default_key, column_rank[jj]);
-      } else if (kind == StateKind::kSequenceSplit) {
-        key = ModelParallelSeed(default_key, seq_tp_rank);
-      }
-      const int64_t e = (local_i * sizes.micro + local_sample) * local_width + column_local[jj];
-      const bool kept = UniformAt(key, draw, static_cast<uint64_t>(e)) >= p;
-      k(row, j) = kept ? scale : 0.0;
-    }
-  }
+  const auto draw_of = [&](int64_t row, int64_t j) {
+    const auto jj = static_cast<size_t>(j);
+    const ref::LocalElement at = ref::LocalActivationElement(
+        (row_begin + row) / sizes.batch, (row_begin + row) % sizes.batch, column_local[jj],
+        local_seq, sizes.micro, local_width);
+    // The rank holding a hidden-split column is its shard's; otherwise the sequence shard's.
+    const int64_t tp_rank = kind == StateKind::kHiddenSplit ? column_rank[jj] : at.seq_rank;
+    return ref::MaskDraw{
+        ref::TrackerKey(sizes.seed, lp.pp_rank, at.dp_rank, lp.model_parallel_stream, tp_rank),
+        draw, static_cast<uint64_t>(at.index)};
+  };
+  ref::DropoutKeep(lp.config->p, draw_of, AsMat(keep));
   return keep;
-}
-
-double Gelu(double x) { return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0))); }
-// d gelu / dx = Phi(x) + x phi(x).
-double GeluGrad(double x) {
-  const double cdf = 0.5 * (1.0 + std::erf(x / std::sqrt(2.0)));
-  const double pdf = std::exp(-0.5 * x * x) / std::sqrt(2.0 * std::numbers::pi);
-  return cdf + x * pdf;
 }
 
 // Token ids as a [n, 1] float64 tensor (the rows of [s, B]).
@@ -708,6 +687,16 @@ Tensor IdsTensor(const std::vector<int64_t>& ids) {
   for (size_t r = 0; r < ids.size(); ++r) t.data_as<double>()[r] = static_cast<double>(ids[r]);
   return t;
 }
+
+// What one micro-batch's forward keeps for its backward (by layer index where per layer).
+struct MicroBatchStash {
+  std::vector<int64_t> tokens;  // [n] the embedding's ids
+  std::vector<Act> inputs;      // each layer's input [n, h_in]
+  std::vector<Act> gelu_in;     // GeLU: X + bias (X itself without bias_from)
+  std::vector<Tensor> keep;     // Dropout: 0 or 1/(1-p)
+  Tensor loss_grad;             // loss: dl/dz per token [n, Vp], before the 1/(M*s*B) scale
+  ErrorBudget loss_grad_budget;
+};
 
 // The slice being computed and what it records.
 struct SliceRun {
@@ -746,6 +735,8 @@ struct SliceRun {
   Shape TokenShape() const { return {plan.sizes.seq, plan.sizes.batch}; }
 
   void MicroBatch(int64_t m, bool record);
+  void Forward(int64_t m, bool record, MicroBatchStash* st);
+  void Backward(int64_t m, bool record, const MicroBatchStash& st);
 };
 
 // One micro-batch forward and backward on this slice's rows: global micro-batch m (k*M + the
@@ -753,26 +744,30 @@ struct SliceRun {
 // numbers its dropout draws. Adds into the gradient accumulators and into loss_sum; records
 // the activations when `record`.
 void SliceRun::MicroBatch(int64_t m, bool record) {
+  MicroBatchStash st;
+  Forward(m, record, &st);
+  Backward(m, record, st);
+}
+
+// The forward: records each layer's input and output, adds the per-token losses into
+// loss_sum, and keeps in `st` what the backward needs.
+void SliceRun::Forward(int64_t m, bool record, MicroBatchStash* st) {
   const Sizes& sizes = plan.sizes;
   const size_t n = plan.layers.size();
   const int64_t t = sizes.tp_size;
 
-  std::vector<int64_t> tokens, labels;
+  std::vector<int64_t> labels;
   if (plan.has_embedding) {
-    tokens = Tokens(sizes, row_begin, rows, fmt::format("tokens.mb{}", m));
-    Record(record, "tokens", TokenShape(), Act{IdsTensor(tokens), {}});
+    st->tokens = Tokens(sizes, row_begin, rows, fmt::format("tokens.mb{}", m));
+    Record(record, "tokens", TokenShape(), Act{IdsTensor(st->tokens), {}});
   }
   if (plan.has_loss) {
     labels = Tokens(sizes, row_begin, rows, fmt::format("labels.mb{}", m));
     Record(record, "labels", TokenShape(), Act{IdsTensor(labels), {}});
   }
-
-  // ---- forward ----------------------------------------------------------------------
-  std::vector<Act> inputs(n);       // each layer's input [n, h_in]
-  std::vector<Act> gelu_in(n);      // GeLU: X + bias (X itself without bias_from)
-  std::vector<Tensor> keep(n);      // Dropout: 0 or 1/(1-p)
-  Tensor loss_grad;                 // loss: dl/dz per token, before the 1/(M*s*B) scale
-  ErrorBudget loss_grad_budget;
+  st->inputs.assign(n, Act{});
+  st->gelu_in.assign(n, Act{});
+  st->keep.assign(n, Tensor());
   Act x;
   if (!plan.has_embedding) {
     x = SyntheticNormal(sizes, row_begin, rows, fmt::format("input.mb{}", m), plan.input_width);
@@ -780,69 +775,56 @@ void SliceRun::MicroBatch(int64_t m, bool record) {
   for (size_t k = 0; k < n; ++k) {
     const LayerPlan& lp = plan.layers[k];
     const LayerConfig& c = *lp.config;
-    if (!IsEmbedding(c.type)) inputs[k] = x;
+    if (!IsEmbedding(c.type)) st->inputs[k] = x;
+    const Act& in = st->inputs[k];
     switch (c.type) {
       case LayerType::kVocabParallelEmbedding:
       case LayerType::kParallelEmbedding: {
         const Tensor& w = params->weight[k];
         x = NewAct(rows, w.cols(), kStored + kStored);
-        MatMap y = AsMat(x.value);
-        for (int64_t r = 0; r < rows; ++r) y.row(r) = ConstMat(w).row(tokens[static_cast<size_t>(r)]);
+        ref::EmbeddingForward(ConstMat(w), st->tokens, AsMat(x.value));
         break;
       }
       case LayerType::kColumnParallelLinear:
       case LayerType::kRowParallelLinear: {
         const Tensor& w = params->weight[static_cast<size_t>(lp.weight_layer)];
-        ErrorBudget budget = inputs[k].budget + kStored + kStored + SumOf(c.input_size) + TpSum(t);
+        ErrorBudget budget = in.budget + kStored + kStored + SumOf(c.input_size) + TpSum(t);
         if (lp.adds_bias) budget += kStored;
         x = NewAct(rows, lp.out_width, budget);
-        MatMap y = AsMat(x.value);
-        y.noalias() = ConstMat(inputs[k].value) * ConstMat(w).transpose();
-        if (lp.adds_bias) y.rowwise() += AsRow(params->bias[k]);
+        ref::LinearForward(ConstMat(in.value), ConstMat(w), AsMat(x.value));
+        if (lp.adds_bias) ref::AddBias(AsRow(params->bias[k]), AsMat(x.value));
         break;
       }
       case LayerType::kGeLU: {
-        gelu_in[k] = inputs[k];
+        Act& gelu_in = st->gelu_in[k];
+        gelu_in = in;
         if (lp.bias_layer >= 0) {
-          gelu_in[k] = NewAct(rows, lp.in_width, inputs[k].budget + kStored);
-          AsMat(gelu_in[k].value) = AsMat(inputs[k].value);
-          AsMat(gelu_in[k].value).rowwise() += AsRow(params->bias[static_cast<size_t>(lp.bias_layer)]);
+          gelu_in = NewAct(rows, lp.in_width, in.budget + kStored);
+          AsMat(gelu_in.value) = ConstMat(in.value);
+          ref::AddBias(AsRow(params->bias[static_cast<size_t>(lp.bias_layer)]),
+                       AsMat(gelu_in.value));
         }
-        x = NewAct(rows, lp.out_width, gelu_in[k].budget + kFunction + kStored);
-        AsMat(x.value) = AsMat(gelu_in[k].value).unaryExpr([](double v) { return Gelu(v); });
+        x = NewAct(rows, lp.out_width, gelu_in.budget + kFunction + kStored);
+        ref::ActivationForward(Activation::kGelu, ConstMat(gelu_in.value), AsMat(x.value));
         break;
       }
       case LayerType::kDropout:
-        keep[k] = DropoutScale(plan, lp, m, row_begin, rows);
-        x = NewAct(rows, lp.out_width, inputs[k].budget + kStored);
-        AsMat(x.value) = AsMat(inputs[k].value).cwiseProduct(AsMat(keep[k]));
+        st->keep[k] = DropoutScale(plan, lp, m, row_begin, rows);
+        x = NewAct(rows, lp.out_width, in.budget + kStored);
+        AsMat(x.value) = ConstMat(in.value).cwiseProduct(ConstMat(st->keep[k]));
         break;
       case LayerType::kVocabParallelCrossEntropy: {
-        // l = (1 - sm)(logZ - z_y) + sm (logZ - mean_j z_j), sm = alpha Vp / (Vp - 1);
-        // shifting z by its row max changes neither term and keeps exp() finite.
-        ConstMatMap z = ConstMat(inputs[k].value);
-        const auto vp = static_cast<double>(lp.in_width);
-        const double alpha = c.label_smoothing;
-        const double sm = alpha > 0.0 ? alpha * vp / (vp - 1.0) : 0.0;
         // exp and log of every logit, the sums over Vp, the statistics summed over tp.
         const ErrorBudget budget =
-            inputs[k].budget + kFunction + kFunction + SumOf(lp.in_width) + TpSum(t) + kStored;
+            in.budget + kFunction + kFunction + SumOf(lp.in_width) + TpSum(t) + kStored;
         x = NewAct(rows, 1, budget);
-        loss_grad = NewOutput({rows, lp.in_width});
-        loss_grad_budget = budget;
-        MatMap per_token = AsMat(x.value);
-        MatMap grad = AsMat(loss_grad);
-        for (int64_t r = 0; r < rows; ++r) {
-          const Eigen::Matrix<double, 1, Eigen::Dynamic> shifted = z.row(r).array() - z.row(r).maxCoeff();
-          const double log_sum_exp = std::log(shifted.array().exp().sum());
-          const int64_t y = labels[static_cast<size_t>(r)];
-          per_token(r, 0) =
-              (1.0 - sm) * (log_sum_exp - shifted(y)) + sm * (log_sum_exp - shifted.mean());
-          // dl/dz_j = softmax_j - (1 - sm)[j == y] - sm / Vp
-          grad.row(r) = (shifted.array() - log_sum_exp).exp() - sm / vp;
-          grad(r, y) -= 1.0 - sm;
-        }
-        loss_sum += per_token.sum();
+        st->loss_grad = NewOutput({rows, lp.in_width});
+        st->loss_grad_budget = budget;
+        // The per-token gradient (token scale 1): the backward multiplies by output_grad.
+        ref::CrossEntropy(ConstMat(in.value), labels, c.label_smoothing, 1.0,
+                          std::span<double>(x.value.data_as<double>(), static_cast<size_t>(rows)),
+                          AsMat(st->loss_grad));
+        loss_sum += AsMat(x.value).sum();
         loss_budget = budget + SumOf(sizes.num_micro * sizes.seq * sizes.batch);
         break;
       }
@@ -850,14 +832,19 @@ void SliceRun::MicroBatch(int64_t m, bool record) {
         if (MappingSumsForward(c.type)) x.budget += TpSum(t);
         break;
     }
-    if (!IsEmbedding(c.type)) Record(record, c.name + ".input", ActivationShape(lp.in_width), inputs[k]);
+    if (!IsEmbedding(c.type)) Record(record, c.name + ".input", ActivationShape(lp.in_width), in);
     Record(record, c.name + ".output",
            c.type == LayerType::kVocabParallelCrossEntropy ? TokenShape()
                                                            : ActivationShape(lp.out_width),
            x);
   }
+}
 
-  // ---- backward ---------------------------------------------------------------------
+// The backward: from 1/(M*s*B) per token (the loss) or output_grad.mb<m> back to the first
+// layer, recording each gradient and adding the parameter gradients into the accumulators.
+void SliceRun::Backward(int64_t m, bool record, const MicroBatchStash& st) {
+  const Sizes& sizes = plan.sizes;
+  const int64_t t = sizes.tp_size;
   Act dy;
   if (plan.has_loss) {
     const double per_token = 1.0 / static_cast<double>(sizes.num_micro * sizes.seq * sizes.batch);
@@ -867,7 +854,7 @@ void SliceRun::MicroBatch(int64_t m, bool record) {
     dy = SyntheticNormal(sizes, row_begin, rows, fmt::format("output_grad.mb{}", m),
                          plan.layers.back().out_width);
   }
-  for (size_t k = n; k-- > 0;) {
+  for (size_t k = plan.layers.size(); k-- > 0;) {
     const LayerPlan& lp = plan.layers[k];
     const LayerConfig& c = *lp.config;
     Record(record, c.name + ".output_grad",
@@ -881,9 +868,7 @@ void SliceRun::MicroBatch(int64_t m, bool record) {
         Tensor& dw = params->weight_grad[k];
         weight_grad_budget[k] = dy.budget;
         if (!dw.defined()) break;  // frozen
-        MatMap g = AsMat(dw);
-        ConstMatMap d = ConstMat(dy.value);
-        for (int64_t r = 0; r < rows; ++r) g.row(tokens[static_cast<size_t>(r)]) += d.row(r);
+        ref::EmbeddingBackward(ConstMat(dy.value), st.tokens, AsMat(dw));
         break;
       }
       case LayerType::kColumnParallelLinear:
@@ -891,38 +876,39 @@ void SliceRun::MicroBatch(int64_t m, bool record) {
         const auto owner = static_cast<size_t>(lp.weight_layer);
         dx = NewAct(rows, lp.in_width,
                     dy.budget + kStored + kStored + SumOf(lp.out_width) + TpSum(t));
-        AsMat(dx.value).noalias() = AsMat(dy.value) * AsMat(params->weight[owner]);
+        ref::LinearGradInput(ConstMat(dy.value), ConstMat(params->weight[owner]), AsMat(dx.value));
         if (Tensor& dw = params->weight_grad[owner]; dw.defined()) {
-          AsMat(dw).noalias() += AsMat(dy.value).transpose() * AsMat(inputs[k].value);
+          ref::LinearGradWeight(ConstMat(dy.value), ConstMat(st.inputs[k].value), AsMat(dw));
         }
         // A tied weight's gradient sums both uses: the larger budget stands for both.
-        const ErrorBudget use = dy.budget + inputs[k].budget;
-        if (use.roundings + use.terms > weight_grad_budget[owner].roundings + weight_grad_budget[owner].terms) {
+        const ErrorBudget use = dy.budget + st.inputs[k].budget;
+        if (use.roundings + use.terms >
+            weight_grad_budget[owner].roundings + weight_grad_budget[owner].terms) {
           weight_grad_budget[owner] = use;
         }
         if (lp.adds_bias) {
-          AsRow(params->bias_grad[k]) += AsMat(dy.value).colwise().sum();
+          ref::LinearGradBias(ConstMat(dy.value), AsRow(params->bias_grad[k]));
           bias_grad_budget[k] = dy.budget;
         }
         break;
       }
       case LayerType::kGeLU:
-        dx = NewAct(rows, lp.in_width, dy.budget + gelu_in[k].budget + kFunction + kStored);
-        AsMat(dx.value) = AsMat(dy.value).cwiseProduct(
-            AsMat(gelu_in[k].value).unaryExpr([](double v) { return GeluGrad(v); }));
+        dx = NewAct(rows, lp.in_width, dy.budget + st.gelu_in[k].budget + kFunction + kStored);
+        ref::ActivationBackward(Activation::kGelu, ConstMat(dy.value),
+                                ConstMat(st.gelu_in[k].value), AsMat(dx.value));
         if (lp.bias_layer >= 0) {
           const auto owner = static_cast<size_t>(lp.bias_layer);
-          AsRow(params->bias_grad[owner]) += AsMat(dx.value).colwise().sum();
+          ref::LinearGradBias(ConstMat(dx.value), AsRow(params->bias_grad[owner]));
           bias_grad_budget[owner] = dx.budget;
         }
         break;
       case LayerType::kDropout:
         dx = NewAct(rows, lp.in_width, dy.budget + kStored);
-        AsMat(dx.value) = AsMat(dy.value).cwiseProduct(AsMat(keep[k]));
+        AsMat(dx.value) = AsMat(dy.value).cwiseProduct(ConstMat(st.keep[k]));
         break;
       case LayerType::kVocabParallelCrossEntropy:
-        dx = NewAct(rows, lp.in_width, dy.budget + loss_grad_budget + kStored);
-        AsMat(dx.value) = AsMat(loss_grad).array().colwise() * AsMat(dy.value).col(0).array();
+        dx = NewAct(rows, lp.in_width, dy.budget + st.loss_grad_budget + kStored);
+        AsMat(dx.value) = ConstMat(st.loss_grad).array().colwise() * AsMat(dy.value).col(0).array();
         break;
       default:  // region mappings: identity
         dx = dy;

@@ -16,7 +16,7 @@
 //
 // Adding an activation: its enum value (and the count), a functor below (in the math M, so
 // that it runs on an element and on a block) and a row in
-// VisitActivation; then its float64 reference (reference/gpt_reference.cc) and a row in
+// VisitActivation; then its float64 reference (reference/ops.cc) and a row in
 // the op test table (tests/ops/activation_ops.h).
 #pragma once
 
