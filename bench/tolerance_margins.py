@@ -5,7 +5,7 @@ For every config with a model (sample_configs/lab_*.json and bench/configs/*.jso
 storage dtype, runs the checked `mpirun -n N mpusim run` and reports, over all tensors:
   worst      the tensor whose error is the largest fraction of what it is allowed
   normalized its max |a - e| / max |e|
-  allowed    its tolerance (core/compare.h: lambda * sigma, sigma from the tensor's error
+  allowed    its tolerance (core/dump/compare.h: lambda * sigma, sigma from the tensor's error
              budget: sqrt(roundings * u_storage^2 + terms * u_compute^2))
   ratio      normalized / allowed: 1 is the edge of failing; lambda = 8 was chosen so that
              every ratio here stays far below it

@@ -38,7 +38,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/parallel_config.h"
+#include "core/config/parallel_config.h"
 #include "core/topology.h"
 
 namespace mpusim {

@@ -12,7 +12,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "core/config.h"
+#include "core/config/config.h"
 #include "core/status.h"
 #include "core/topology.h"
 

@@ -1,5 +1,5 @@
 // `mpusim diff A B`: compares two `mpusim run --dump` directories tensor by tensor, whatever
-// their layouts and dtypes (core/diff.h reads, reassembles and compares; this file only
+// their layouts and dtypes (core/dump/diff.h reads, reassembles and compares; this file only
 // parses the options and picks the rendering).
 #include <ostream>
 #include <string>
@@ -7,7 +7,7 @@
 
 #include "cli/cli.h"
 #include "cli/commands.h"
-#include "core/diff.h"
+#include "core/dump/diff.h"
 
 namespace mpusim::cli {
 namespace {

@@ -32,10 +32,10 @@
 #include <vector>
 
 #include "cli/commands.h"
-#include "core/config.h"
-#include "core/gpt_config.h"
+#include "core/config/config.h"
+#include "core/config/gpt_config.h"
 #include "core/model/model.h"
-#include "core/safetensors.h"
+#include "core/dump/safetensors.h"
 #include "core/schedule.h"
 #include "core/topology.h"
 

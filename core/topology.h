@@ -52,7 +52,7 @@
 #include <string_view>
 #include <vector>
 
-#include "core/parallel_config.h"
+#include "core/config/parallel_config.h"
 #include "core/status.h"
 
 namespace mpusim {

@@ -1,6 +1,6 @@
 // The float64 GPT reference (see gpt_reference.h): Megatron-Core's GPTModel, forward and
 // backward by hand, with plain Eigen, one micro-batch at a time, on one slice of the samples.
-// Written from the model's math (core/gpt_config.h, core/dropout.h) only. The ops it shares
+// Written from the model's math (core/config/gpt_config.h, core/dropout.h) only. The ops it shares
 // with the layer chain (linear, embedding, activations, dropout masks, cross entropy) are
 // reference/ops.h; the ones only this model has (norms, RoPE, attention) are here.
 //

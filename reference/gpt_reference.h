@@ -2,7 +2,7 @@
 // whole (unpartitioned) model, forward and backward, on one slice of the global batch.
 //
 // What it is: a plain Eigen implementation of the math that the GPT model section
-// (core/gpt_config.h) defines, one function per op, written from that math alone. It runs
+// (core/config/gpt_config.h) defines, one function per op, written from that math alone. It runs
 // every micro-batch m = 0..M-1 of the global micro-batch [s, B = b*d], forward then backward
 // with hand-written gradients, and sums the parameter gradients over micro-batches. Attention
 // mixes the positions of a sample, so the work splits by samples, not token rows: a call
@@ -10,7 +10,7 @@
 // default slice is the whole reference.
 // What it is not: a second executor. It shares no op code with core/model or
 // core/tensor_parallel (its CMake target cannot link them); only the definitions of the
-// inputs are shared: the parameter list and master values (core/gpt_config.h, core/init.h),
+// inputs are shared: the parameter list and master values (core/config/gpt_config.h, core/init.h),
 // the synthetic tokens (TokenAt) and the dropout masks (core/dropout.h, core/philox.h). It
 // knows the layout only where the full-model values depend on it: the data-parallel size d
 // (B = b*d), the padded vocabulary Vp (a function of the tensor-parallel size), and, with
@@ -61,9 +61,9 @@
 #include <string_view>
 #include <vector>
 
-#include "core/gpt_config.h"
-#include "core/model_config.h"
-#include "core/parallel_config.h"
+#include "core/config/gpt_config.h"
+#include "core/config/model_config.h"
+#include "core/config/parallel_config.h"
 #include "core/status.h"
 #include "core/tensor.h"
 

@@ -3,7 +3,7 @@
 // Eigen function on row-major matrices, one token per row, its forward and backward side by
 // side.
 //
-// What it is: the per-token math of docs/simulator.md and core/gpt_config.h (linear layers,
+// What it is: the per-token math of docs/simulator.md and core/config/gpt_config.h (linear layers,
 // embedding lookups, activations, dropout masks, cross entropy), with no knowledge of the
 // parallel layout beyond what a dropout mask's draw needs, and no error budgets (the chain
 // counts those where it calls an op). What it is not: the executor's ops (core/ops, the
@@ -23,7 +23,7 @@
 #include <cstdint>
 #include <span>
 
-#include "core/gpt_config.h"  // Activation, IsGated
+#include "core/config/gpt_config.h"  // Activation, IsGated
 #include "core/philox.h"
 
 namespace mpusim::ref {

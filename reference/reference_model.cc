@@ -498,7 +498,7 @@ Status BuildPlan(const ParallelConfig& parallel, const ModelConfig& model, const
 }
 
 // ---- budgets ------------------------------------------------------------------------------
-// The rounding each op adds to what it produces (core/compare.h, docs/simulator.md
+// The rounding each op adds to what it produces (core/dump/compare.h, docs/simulator.md
 // "Tolerances"). An op's result carries its inputs' budgets plus its own.
 
 // A value written in the storage dtype.

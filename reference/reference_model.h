@@ -32,7 +32,7 @@
 // Shares (`partial`) add up over the slices of a partition of the rows to the full value.
 // Tensors that are one value under two names (fc1.output and gelu.input) share storage.
 //
-// Each tensor carries its ErrorBudget (core/compare.h): the roundings and summands a correct
+// Each tensor carries its ErrorBudget (core/dump/compare.h): the roundings and summands a correct
 // implementation goes through to produce it, counted op by op as docs/simulator.md
 // ("Tolerances") lists them; the check turns it into the tensor's tolerance.
 //
@@ -54,10 +54,10 @@
 #include <string_view>
 #include <vector>
 
-#include "core/compare.h"
+#include "core/dump/compare.h"
 #include "core/init.h"
-#include "core/model_config.h"
-#include "core/parallel_config.h"
+#include "core/config/model_config.h"
+#include "core/config/parallel_config.h"
 #include "core/status.h"
 #include "core/tensor.h"
 

@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/parallel_config.h"
+#include "core/config/parallel_config.h"
 #include "core/status.h"
 
 namespace mpusim {

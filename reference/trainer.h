@@ -1,5 +1,5 @@
 // The float64 reference's optimizer: trains the reference models (the GPT model and the layer
-// chain) from the contract alone (core/optimizer_config.h for the learning rate and which
+// chain) from the contract alone (core/config/optimizer_config.h for the learning rate and which
 // parameters take weight decay).
 //
 // What it is: float64 copies of every parameter of the whole model, updated from the full
@@ -27,7 +27,7 @@
 #include <string>
 #include <vector>
 
-#include "core/optimizer_config.h"
+#include "core/config/optimizer_config.h"
 #include "core/tensor.h"
 
 namespace mpusim {

@@ -12,7 +12,7 @@
 //     slices are summed (MPI_Allreduce), and each rank compares its own shard.
 // The statistics are then reduced over all ranks. Every element of every recorded tensor is
 // compared, on whichever rank holds it (replicas included: a tp-replicated activation is
-// compared once per copy), under the tolerance its error budget gives (core/compare.h).
+// compared once per copy), under the tolerance its error budget gives (core/dump/compare.h).
 // Host copies are made one record at a time, when that record is compared.
 // What it is not: a gather. No rank ever holds a full activation tensor.
 #pragma once
@@ -22,8 +22,8 @@
 #include <string>
 #include <vector>
 
-#include "core/compare.h"
-#include "core/config.h"
+#include "core/dump/compare.h"
+#include "core/config/config.h"
 #include "core/model/record.h"
 #include "core/topology.h"
 #include "core/status.h"
@@ -50,7 +50,7 @@ struct TensorCheck {
   // training the parameters' drift (TrainingDrift) or, for a trained parameter or optimizer
   // state, the largest of its elements' training bounds (a summary that covers each). A dump
   // records both as the tensor's error budget (manifest "budget"), and `mpusim diff` allows
-  // two dumps with budgets the sum of theirs (core/diff.h).
+  // two dumps with budgets the sum of theirs (core/dump/diff.h).
   double budget_atol = 0;
   int64_t count = 0;      // elements compared (every copy of a replicated element counts)
   int64_t mismatches = 0;

@@ -16,8 +16,8 @@
 #include <system_error>
 #include <utility>
 
-#include "core/diff.h"
-#include "core/safetensors.h"
+#include "core/dump/diff.h"
+#include "core/dump/safetensors.h"
 #include "mpi/agree.h"
 #include "mpi/mpi_check.h"
 #include "mpi/watchdog.h"

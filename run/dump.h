@@ -1,7 +1,7 @@
 // The dump of `mpusim run --dump DIR`: DIR/rankNNNNN.safetensors per rank (this rank's
 // tensors with their sharding metadata) and DIR/manifest.json (rank 0).
 //
-// What it is: the writer; `mpusim diff` (core/diff.h) is the reader. The file format is in
+// What it is: the writer; `mpusim diff` (core/dump/diff.h) is the reader. The file format is in
 // the README ("Dumps").
 // What it is not: a checkpoint (no optimizer state, no way back into a run).
 #pragma once
@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "core/compare.h"
-#include "core/config.h"
+#include "core/dump/compare.h"
+#include "core/config/config.h"
 #include "core/model/record.h"
 #include "core/status.h"
 #include "core/topology.h"

@@ -7,7 +7,7 @@
 // activation shards, whatever the tensor or sequence split. Gradients and the loss are the
 // sums of the dp slices' shares (an MPI_Allreduce over the ranks of one tp coordinate).
 // Every element of every record is compared on the rank that holds it, under the tolerance
-// ToleranceFor(GptErrorBudget) gives (core/compare.h), and the statistics are reduced over
+// ToleranceFor(GptErrorBudget) gives (core/dump/compare.h), and the statistics are reduced over
 // all ranks in a few packed collectives.
 // What it is not: cheap at scale. The t ranks of a tensor-parallel group compute the same
 // reference slice, and every rank holds the whole model's float64 parameters and gradients;
@@ -16,15 +16,15 @@
 
 #include <vector>
 
-#include "core/compare.h"
-#include "core/config.h"
+#include "core/dump/compare.h"
+#include "core/config/config.h"
 #include "core/model/record.h"
 #include "core/topology.h"
 #include "run/check.h"
 
 namespace mpusim::run {
 
-// The error budget every tensor of a GPT run is charged (core/compare.h): the stored values
+// The error budget every tensor of a GPT run is charged (core/dump/compare.h): the stored values
 // and sums on the longest path through the model, forward and backward (a conservative
 // bound for the tensors nearer the input or the loss).
 ErrorBudget GptErrorBudget(const GptConfig& gpt, const RunConfig& run, int64_t t, int64_t d,

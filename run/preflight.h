@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "core/backend.h"
-#include "core/config.h"
+#include "core/config/config.h"
 #include "core/memory_plan.h"
 #include "core/model/model.h"
 #include "core/status.h"

@@ -13,7 +13,7 @@
 #include <set>
 #include <tuple>
 
-#include "core/safetensors.h"
+#include "core/dump/safetensors.h"
 #include "core/schedule.h"
 #include "mpi/watchdog.h"
 #include "run/preflight.h"

@@ -10,7 +10,7 @@
 #include <utility>
 
 #include "core/communicator.h"
-#include "core/config.h"
+#include "core/config/config.h"
 #include "core/memory_plan.h"
 #include "core/schedule.h"
 #include "core/status.h"

@@ -11,7 +11,7 @@
 #include <ostream>
 #include <sstream>
 
-#include "core/config.h"
+#include "core/config/config.h"
 #include "core/topology.h"
 #include "mpi/agree.h"
 #include "mpi/mpi_check.h"

@@ -10,7 +10,7 @@
 
 #include "core/backend.h"
 #include "core/communicator.h"
-#include "core/config.h"
+#include "core/config/config.h"
 #include "core/model/model.h"
 #include "core/rank_context.h"
 #include "core/status.h"

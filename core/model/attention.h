@@ -20,7 +20,7 @@
 #include <optional>
 #include <string>
 
-#include "core/gpt_config.h"
+#include "core/config/gpt_config.h"
 #include "core/model/linear.h"
 
 namespace mpusim {

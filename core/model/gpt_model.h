@@ -31,7 +31,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/config.h"
+#include "core/config/config.h"
 #include "core/model/layer_norm.h"
 #include "core/model/linear.h"
 #include "core/model/model.h"
@@ -54,7 +54,7 @@ struct GptChunk {
 
 class GptModel final : public Model {
  public:
-  // Checks the model against the layout (core/gpt_config.h CheckGptLayout); errors name the
+  // Checks the model against the layout (core/config/gpt_config.h CheckGptLayout); errors name the
   // field. `config.gpt` and `config.run` must be set. `chunks` overrides the planner's
   // assignment for this rank (tests split a one-rank model into chunks); it must cover the
   // model's layers in order, the first chunk pre_process and the last post_process.

@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "core/config.h"
+#include "core/config/config.h"
 #include "core/model/model.h"
 #include "core/model/parameter.h"
 #include "core/model/record.h"

@@ -9,7 +9,7 @@
 // all-reduce in core/train FinalizeModelGrads completes it.
 #pragma once
 
-#include "core/gpt_config.h"
+#include "core/config/gpt_config.h"
 #include "core/model/module.h"
 #include "core/model/parameter.h"
 

@@ -9,7 +9,7 @@
 
 #include <string>
 
-#include "core/gpt_config.h"
+#include "core/config/gpt_config.h"
 #include "core/model/linear.h"
 
 namespace mpusim {

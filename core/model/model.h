@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "core/config.h"
+#include "core/config/config.h"
 #include "core/memory_plan.h"
 #include "core/model/parameter.h"
 #include "core/model/record.h"

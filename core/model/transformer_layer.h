@@ -16,7 +16,7 @@
 #include "core/model/attention.h"
 #include "core/model/layer_norm.h"
 #include "core/model/mlp.h"
-#include "core/model_config.h"
+#include "core/config/model_config.h"
 
 namespace mpusim {
 

@@ -19,7 +19,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/parallel_config.h"
+#include "core/config/parallel_config.h"
 #include "core/pipeline/pipeline_plan.h"
 #include "core/pipeline/step_span.h"
 #include "core/rank_context.h"

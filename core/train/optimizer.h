@@ -1,5 +1,5 @@
 // The optimizer step of a training iteration: Megatron's gradient clipping by the global
-// norm, then AdamW or momentum SGD with the iteration's learning rate (core/optimizer_config.h),
+// norm, then AdamW or momentum SGD with the iteration's learning rate (core/config/optimizer_config.h),
 // on every parameter (the plain optimizer) or on this rank's shard of them (the distributed
 // optimizer).
 //
@@ -53,7 +53,7 @@
 #include "core/kernels.h"
 #include "core/model/parameter.h"
 #include "core/model/record.h"
-#include "core/optimizer_config.h"
+#include "core/config/optimizer_config.h"
 
 namespace mpusim {
 

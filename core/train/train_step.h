@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "core/model/model.h"
-#include "core/optimizer_config.h"
+#include "core/config/optimizer_config.h"
 #include "core/pipeline/executor.h"
 #include "core/rank_context.h"
 #include "core/train/optimizer.h"

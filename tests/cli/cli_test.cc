@@ -15,7 +15,7 @@
 
 #include "cli/cli.h"
 #include "core/init.h"
-#include "core/safetensors.h"
+#include "core/dump/safetensors.h"
 
 namespace mpusim::cli {
 namespace {

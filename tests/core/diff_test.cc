@@ -1,4 +1,4 @@
-// mpusim diff (core/diff.h): hand-made dumps in a temp directory, written with the same
+// mpusim diff (core/dump/diff.h): hand-made dumps in a temp directory, written with the same
 // safetensors writer and metadata format as `mpusim run --dump`.
 //   - the same full tensor in different layouts (tp split with and without stride, dp batch
 //     split, partial sums, replicated copies) reassembles bit-exactly and compares equal;
@@ -7,7 +7,7 @@
 //   - every corrupt input we can think of is a Status from LoadDump (exit 2), and copies that
 //     disagree are a Status from Assemble and a failed tensor in DiffDumps (exit 1).
 // What it is not: a test of the CLI wrapper, or of dumps from real runs (no mpirun here).
-#include "core/diff.h"
+#include "core/dump/diff.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "core/safetensors.h"
+#include "core/dump/safetensors.h"
 
 namespace mpusim {
 namespace {

@@ -1,7 +1,7 @@
-// Tests of the GPT model section (core/gpt_config.h): TransformerConfig's defaults, one-line
+// Tests of the GPT model section (core/config/gpt_config.h): TransformerConfig's defaults, one-line
 // refusals naming the field, the layout checks, and the parameter list (Megatron-Core
 // GPTModel state-dict names, shapes, tensor-parallel splits).
-#include "core/gpt_config.h"
+#include "core/config/gpt_config.h"
 
 #include <gtest/gtest.h>
 
@@ -9,8 +9,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/config.h"
-#include "core/parallel_config.h"
+#include "core/config/config.h"
+#include "core/config/parallel_config.h"
 
 namespace mpusim {
 namespace {

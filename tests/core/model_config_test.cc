@@ -8,14 +8,14 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "core/model_config.h"
+#include "core/config/model_config.h"
 
 namespace mpusim {
 namespace {
 
 using nlohmann::json;
 
-// The example in the header comment of core/model_config.h.
+// The example in the header comment of core/config/model_config.h.
 json ExampleModel() {
   return json::parse(R"({
     "vocab_size": 64,

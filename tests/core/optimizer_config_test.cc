@@ -1,7 +1,7 @@
-// The optimizer section and Megatron's learning-rate schedule (core/optimizer_config.h).
-#include "core/optimizer_config.h"
+// The optimizer section and Megatron's learning-rate schedule (core/config/optimizer_config.h).
+#include "core/config/optimizer_config.h"
 
-#include "core/config.h"
+#include "core/config/config.h"
 
 #include <gtest/gtest.h>
 

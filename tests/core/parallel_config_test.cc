@@ -3,7 +3,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "core/config.h"
+#include "core/config/config.h"
 #include "core/topology.h"
 
 namespace mpusim {

@@ -2,7 +2,7 @@
 // the reader's refusal of every corrupt input we can think of (each prefix of a valid file,
 // bad lengths, bad JSON, bad dtypes, offsets, metadata), always as a Status, never a crash.
 // What it is not: an interoperability test against the Python package (none is required here).
-#include "core/safetensors.h"
+#include "core/dump/safetensors.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>

@@ -1,6 +1,6 @@
-// The strict JSON reader (core/strict_json.h): what it refuses, how it says so, and that it
+// The strict JSON reader (core/config/strict_json.h): what it refuses, how it says so, and that it
 // keeps what it accepts intact.
-#include "core/strict_json.h"
+#include "core/config/strict_json.h"
 
 #include <gtest/gtest.h>
 
@@ -8,7 +8,7 @@
 #include <fstream>
 #include <string>
 
-#include "core/config.h"
+#include "core/config/config.h"
 #include "core/status.h"
 
 namespace mpusim {

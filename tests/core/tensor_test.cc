@@ -1,4 +1,4 @@
-// The dtype helpers of core/tensor.h and core/compare.h, and host element access, for the
+// The dtype helpers of core/tensor.h and core/dump/compare.h, and host element access, for the
 // int64 dtype of token ids and labels next to the four float dtypes.
 #include "core/tensor.h"
 
@@ -9,7 +9,7 @@
 #include <limits>
 #include <stdexcept>
 
-#include "core/compare.h"
+#include "core/dump/compare.h"
 
 namespace mpusim {
 namespace {

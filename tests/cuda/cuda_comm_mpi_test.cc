@@ -23,7 +23,7 @@
 #include <gtest/gtest.h>
 
 #include "core/backend.h"
-#include "core/parallel_config.h"
+#include "core/config/parallel_config.h"
 #include "core/status.h"
 #include "core/tensor.h"
 #include "core/topology.h"

@@ -1,6 +1,6 @@
 // Fuzz target: config text -> ParseJsonText -> ParseConfig -> Topology -> Graph plan.
 //
-// What it is: the libFuzzer entry point for the config reader (core/config.h) and what
+// What it is: the libFuzzer entry point for the config reader (core/config/config.h) and what
 // `mpusim layout` and `mpusim run` do next with an accepted config, short of running it:
 // build the planner (Topology::Create), locate the first and last rank in every group kind,
 // and plan the layer graph (Graph::Build, Graph::Plan). Any input may be refused with a
@@ -24,7 +24,7 @@
 #include <string_view>
 #include <vector>
 
-#include "core/config.h"
+#include "core/config/config.h"
 #include "core/model/graph.h"
 #include "core/topology.h"
 

@@ -1,6 +1,6 @@
 // Fuzz target: manifest.json bytes -> LoadDump, then Assemble and DiffDumps on what loads.
 //
-// What it is: the libFuzzer entry point for the dump reader (core/diff.h). At start-up it
+// What it is: the libFuzzer entry point for the dump reader (core/dump/diff.h). At start-up it
 // writes a valid two-rank dump's rank files into a per-process scratch directory
 // (scratch_dir.h); each input becomes that directory's manifest.json, so an input close to
 // the matching manifest (tests/fuzz/corpus/fuzz_manifest/valid_tp2.json) gets past the
@@ -27,8 +27,8 @@
 
 #include <fmt/format.h>
 
-#include "core/diff.h"
-#include "core/safetensors.h"
+#include "core/dump/diff.h"
+#include "core/dump/safetensors.h"
 #include "tests/fuzz/scratch_dir.h"
 
 namespace {

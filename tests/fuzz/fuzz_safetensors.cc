@@ -1,6 +1,6 @@
 // Fuzz target: file bytes -> ReadSafetensors, and a round trip through WriteSafetensors.
 //
-// What it is: the libFuzzer entry point for the safetensors reader (core/safetensors.h),
+// What it is: the libFuzzer entry point for the safetensors reader (core/dump/safetensors.h),
 // which takes a path: each input is written to input.safetensors in a per-process scratch
 // directory (scratch_dir.h) and read from there. Any input may be refused with a Status; a
 // crash, a sanitizer report, a hang or an uncaught exception is a finding. An accepted file
@@ -17,7 +17,7 @@
 #include <cstring>
 #include <string>
 
-#include "core/safetensors.h"
+#include "core/dump/safetensors.h"
 #include "tests/fuzz/scratch_dir.h"
 
 namespace {

@@ -19,7 +19,7 @@
 #include <tuple>
 #include <vector>
 
-#include "core/config.h"
+#include "core/config/config.h"
 #include "core/model/gpt_model.h"
 #include "core/pipeline/executor.h"
 #include "core/schedule.h"

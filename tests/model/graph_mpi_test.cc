@@ -14,8 +14,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/backend.h"
-#include "core/compare.h"
-#include "core/config.h"
+#include "core/dump/compare.h"
+#include "core/config/config.h"
 #include "core/model/graph.h"
 #include "core/schedule.h"
 #include "core/tensor_parallel/mappings.h"

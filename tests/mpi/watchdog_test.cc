@@ -21,7 +21,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "core/parallel_config.h"
+#include "core/config/parallel_config.h"
 #include "core/topology.h"
 #include "mpi/mpi_check.h"
 #include "mpi/mpi_communicator.h"

@@ -24,12 +24,12 @@
 #include <string>
 #include <vector>
 
-#include "core/config.h"
+#include "core/config/config.h"
 #include "core/dropout.h"
-#include "core/gpt_config.h"
+#include "core/config/gpt_config.h"
 #include "core/init.h"
 #include "core/philox.h"
-#include "core/safetensors.h"
+#include "core/dump/safetensors.h"
 
 #ifndef MPUSIM_TEST_DATA_DIR
 #error "MPUSIM_TEST_DATA_DIR must name the tests/data folder"

@@ -122,7 +122,7 @@ MODEL_INTERFACE = ("DESIGN.md: nothing outside a model asks which model it holds
 
 REFERENCE_OPS = ("core/ops/ holds the backends' op functors; the reference computes every op "
                  "with its own float64 code, so that it checks them (it sees the Activation "
-                 "enum through core/gpt_config.h, not the functors' math)")
+                 "enum through core/config/gpt_config.h, not the functors' math)")
 
 
 def Part(path):

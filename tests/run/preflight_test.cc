@@ -6,7 +6,7 @@
 
 #include <gtest/gtest.h>
 
-#include "core/config.h"
+#include "core/config/config.h"
 #include "core/model/model.h"
 #include "core/topology.h"
 #include "run/preflight.h"

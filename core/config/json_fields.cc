@@ -1,7 +1,7 @@
 // Strict JSON value readers (see json_fields.h).
-#include "core/json_fields.h"
+#include "core/config/json_fields.h"
 
-#include "core/parallel_config.h"
+#include "core/config/parallel_config.h"
 
 #include <cmath>
 

@@ -7,7 +7,7 @@
 // t=1, with or without data parallelism) and different dtypes (float64, float32, bfloat16,
 // float16): both are reduced to full float64 tensors first.
 // What it is not: the check of `mpusim run` against its float64 reference (run/runner.cc),
-// or a reader for other people's safetensors (that is core/safetensors.h).
+// or a reader for other people's safetensors (that is core/dump/safetensors.h).
 //
 // Reassembly of tensor T (see core/sharding.h for ShardSpec):
 //   - Shards with the same coordinates are copies (a weight's tp shard on every dp rank, a
@@ -34,7 +34,7 @@
 //   (atol, ntol, rtol) = when both dumps record T's error budget (a checked run's manifest
 //                        "budget": every element within atol + rtol * |exact| of the exact
 //                        value, the check's allowance): the sums of both sides' atol and
-//                        rtol, ntol 0. Otherwise DefaultTolerance(precision) (core/compare.h:
+//                        rtol, ntol 0. Otherwise DefaultTolerance(precision) (core/dump/compare.h:
 //                        float64 1e-12, 0, 1e-9; float32 1e-5, 0, 1e-4; float16 0, 2^-8,
 //                        2^-8; bfloat16 0, 2^-5, 2^-5). --atol, --ntol or --rtol replace
 //                        both: the per-dtype policy with those values overridden.
@@ -55,7 +55,7 @@
 #include <string_view>
 #include <vector>
 
-#include "core/compare.h"
+#include "core/dump/compare.h"
 #include "core/sharding.h"
 #include "core/status.h"
 #include "core/tensor.h"

@@ -4,7 +4,7 @@
 // options each layer type accepts, and the references between layers (weight_from,
 // bias_from). What it does not check: whether consecutive layers fit together (shapes,
 // parallel states, sequence_parallel); core/model/graph owns that, since it needs the layout.
-#include "core/model_config.h"
+#include "core/config/model_config.h"
 
 #include <algorithm>
 #include <cctype>
@@ -16,8 +16,8 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
-#include "core/json_fields.h"
-#include "core/parallel_config.h"
+#include "core/config/json_fields.h"
+#include "core/config/parallel_config.h"
 
 namespace mpusim {
 namespace {

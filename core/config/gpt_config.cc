@@ -3,7 +3,7 @@
 // Defaults are TransformerConfig's (megatron/core/transformer/transformer_config.py) and
 // GPTModel's; the parameter list follows GPTModel's state dict with the local layer spec
 // (get_gpt_layer_local_spec: separate input_layernorm / pre_mlp_layernorm modules).
-#include "core/gpt_config.h"
+#include "core/config/gpt_config.h"
 
 #include <algorithm>
 #include <cmath>
@@ -12,9 +12,9 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "core/json_fields.h"
-#include "core/model_config.h"
-#include "core/parallel_config.h"
+#include "core/config/json_fields.h"
+#include "core/config/model_config.h"
+#include "core/config/parallel_config.h"
 
 namespace mpusim {
 namespace {

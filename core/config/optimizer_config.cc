@@ -1,5 +1,5 @@
 // The optimizer section and the learning-rate schedule (see optimizer_config.h).
-#include "core/optimizer_config.h"
+#include "core/config/optimizer_config.h"
 
 #include <fmt/format.h>
 
@@ -11,7 +11,7 @@
 #include <string_view>
 #include <vector>
 
-#include "core/json_fields.h"
+#include "core/config/json_fields.h"
 
 namespace mpusim {
 

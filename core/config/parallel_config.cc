@@ -1,5 +1,5 @@
 // Strict parsing of the `parallel` section (see parallel_config.h).
-#include "core/parallel_config.h"
+#include "core/config/parallel_config.h"
 
 #include <algorithm>
 #include <limits>
@@ -8,7 +8,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "core/json_fields.h"
+#include "core/config/json_fields.h"
 
 namespace mpusim {
 namespace {

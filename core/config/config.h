@@ -15,10 +15,10 @@
 #include <string>
 #include <string_view>
 
-#include "core/gpt_config.h"
-#include "core/model_config.h"
-#include "core/optimizer_config.h"
-#include "core/parallel_config.h"
+#include "core/config/gpt_config.h"
+#include "core/config/model_config.h"
+#include "core/config/optimizer_config.h"
+#include "core/config/parallel_config.h"
 #include "core/status.h"
 
 namespace mpusim {
@@ -29,7 +29,7 @@ struct Config {
   std::optional<ModelConfig> model;  // the layer chain (the lab format)
   std::optional<GptConfig> gpt;      // or the GPT model ("model": {"type": "gpt", ...})
   std::optional<RunConfig> run;
-  // Training (GPT models): run.train_iters optimizer steps (core/optimizer_config.h).
+  // Training (GPT models): run.train_iters optimizer steps (core/config/optimizer_config.h).
   std::optional<OptimizerConfig> optimizer;
 
   // Whether the config describes a model at all (core/model/model.h BuildModel builds it).

@@ -1,7 +1,7 @@
 // The strict JSON reader (see strict_json.h): nlohmann's SAX parser feeding a document
 // builder that counts depth, remembers each open object's keys and the path to the value
 // being read.
-#include "core/strict_json.h"
+#include "core/config/strict_json.h"
 
 #include <cstdint>
 #include <filesystem>

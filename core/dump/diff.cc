@@ -5,7 +5,7 @@
 // before it is used to index anything, so a corrupt dump is a Status, never a crash.
 // What it is not: a tolerant reader. A dump that does not describe a consistent tensor is
 // refused rather than compared on a guess.
-#include "core/diff.h"
+#include "core/dump/diff.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -24,9 +24,9 @@
 #include <utility>
 
 #include "core/init.h"
-#include "core/safetensors.h"
+#include "core/dump/safetensors.h"
 #include "core/sharding.h"
-#include "core/strict_json.h"
+#include "core/config/strict_json.h"
 
 namespace mpusim {
 namespace {

@@ -1,11 +1,11 @@
 // Config files (see config.h).
-#include "core/config.h"
+#include "core/config/config.h"
 
 #include <algorithm>
 
 #include <fmt/format.h>
 
-#include "core/strict_json.h"
+#include "core/config/strict_json.h"
 
 namespace mpusim {
 namespace {

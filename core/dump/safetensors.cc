@@ -5,7 +5,7 @@
 // tensors plus string metadata. The reader validates every byte it is given before trusting it.
 // What it is not: a memory-mapped loader, a converter between dtypes, or a reader for the
 // other safetensors dtypes (I64, F8_E4M3, ...), which are refused by name.
-#include "core/safetensors.h"
+#include "core/dump/safetensors.h"
 
 #include <fmt/format.h>
 #include <unistd.h>
@@ -25,7 +25,7 @@
 #include <system_error>
 #include <utility>
 
-#include "core/strict_json.h"
+#include "core/config/strict_json.h"
 
 namespace mpusim {
 namespace {
@@ -221,7 +221,7 @@ Status ParseMetadata(const Json& value, std::map<std::string, std::string>* out)
   return Status();
 }
 
-// Parses the header text strictly (core/strict_json.h: duplicate keys, depth, trailing
+// Parses the header text strictly (core/config/strict_json.h: duplicate keys, depth, trailing
 // content and NUL bytes are refused).
 StatusOr<Json> ParseHeaderJson(const std::string& text) {
   StatusOr<Json> document = ParseStrictJson<Json>(text);
