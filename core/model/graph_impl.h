@@ -1,0 +1,214 @@
+// The layer chain's internals (graph.h), shared by its two files: graph_planner.cc (Build:
+// states, shapes, parameters, stages, warnings) and graph.cc (parameters, data, the forward
+// and backward steps). Not an interface: nothing outside core/model/graph*.cc includes it.
+//
+// Shape legend (local, on one rank; t = tp size, d = dp size):
+//   s, b          sequence length (s/t under sequence parallelism), micro-batch per dp rank
+//   x, y          activations [s, b, h] viewed as [s*b, h]
+#pragma once
+
+#include <fmt/format.h>
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/model/graph.h"
+#include "core/model/parameter.h"
+#include "core/pipeline/executor.h"
+#include "core/rng.h"
+#include "core/tensor_parallel/mappings.h"
+
+namespace mpusim {
+namespace chain {
+
+using Split = ActivationState::Split;
+
+// How a parameter is split over the tp ranks, whatever t is (dim -1: replicated).
+struct TpSplitPlan {
+  int dim = -1;
+  int64_t stride = 1;
+  bool operator==(const TpSplitPlan&) const = default;
+};
+
+// A chain parameter: the shared Parameter (core/model/parameter.h: what the optimizer
+// updates) with how the chain plans it.
+struct ChainParameter : Parameter {
+  TpSplitPlan split;
+  bool zero_init = false;   // biases
+  bool frozen = false;      // no main_grad, never updated
+  int64_t owner_stage = 0;  // the virtual pipeline stage of the layer that owns it
+  bool held = true;         // on this rank (its owner's, or a tied user's, pipeline rank)
+};
+
+// One micro-batch's data on this rank.
+struct Batch {
+  int64_t microbatch = 0;
+  Tensor tokens;           // [s, b] int64 on the device: full sequence, this dp rank's samples
+  Tensor labels;           // [s, b] int64 on the device
+  double token_scale = 0;  // d loss / d per-token loss = 1 / (M * s * B)
+};
+
+// What a layer keeps of one micro-batch: saved for its backward and, for the last
+// micro-batch, for the records. A pipeline stashes them per (chunk, micro-batch).
+struct SlotTensors {
+  Tensor input, output, output_grad, input_grad;
+  Tensor saved;             // layer-specific: CPL/RPL gathered or split input, GeLU pre-activation
+  RngDraw draw{};           // Dropout
+  Tensor row_max, sum_exp;  // cross entropy
+};
+
+struct LayerSlot : SlotTensors {
+  LayerConfig config;
+  int index = 0;
+  int64_t stage = 0;  // the virtual pipeline stage holding it
+  ActivationState in_state;
+  ActivationState out_state;
+  int64_t in_width = 0;              // full hidden width (0: tokens)
+  int64_t out_width = 0;             // full hidden width (0: loss)
+  ChainParameter* weight = nullptr;  // owned or borrowed (weight_from)
+  bool owns_weight = false;
+  ChainParameter* bias = nullptr;
+  ChainParameter* added_bias = nullptr;  // GeLU with bias_from
+  std::string rng_stream;                // Dropout
+};
+
+// The tensor-parallel layout of an activation in `state` on the rank at `c`.
+ShardSpec ActivationSpec(const ActivationState& state, const RankCoordinates& c, int64_t tp,
+                         int64_t dp);
+bool IsEmbedding(LayerType type);
+// The region mapping a layer type is, or nullopt for the other layers.
+std::optional<Mapping> MappingOf(LayerType type);
+
+}  // namespace chain
+
+struct Graph::Impl {
+  using ChainParameter = chain::ChainParameter;
+  using LayerSlot = chain::LayerSlot;
+  using SlotTensors = chain::SlotTensors;
+  using Batch = chain::Batch;
+  using TpSplitPlan = chain::TpSplitPlan;
+  using Split = ActivationState::Split;
+
+  ParallelConfig parallel;
+  ModelConfig model;
+  RunConfig run;
+  int64_t t = 1, d = 1;
+  int64_t padded_vocab = 0;
+  bool sequence_parallel = false;
+  bool fuse_wgrad = false;  // parallel.gradient_accumulation_fusion
+  std::vector<LayerSlot> layers;
+  std::vector<std::unique_ptr<ChainParameter>> parameters;
+  bool needs_tokens = false, needs_labels = false;
+  std::vector<std::string> warnings;  // Graph::warnings(), filled by PlanWarnings
+  int64_t planning_stage = 0;         // the stage of the layer Plan is at
+  // Pipeline: p stages of v chunks; virtual stage u = chunk * p + pp_rank holds the layers
+  // [stage_start[u], stage_start[u + 1]) (PipelineStages), and every pp rank's plan.
+  int64_t pp_size = 1, vp_size = 1;
+  std::vector<int64_t> stage_start;
+  // This rank (InitializeParameters).
+  int64_t pp_rank = 0;
+  struct Stash : StepStash {
+    std::vector<SlotTensors> slots;  // the chunk's layers; with recompute, nothing
+    Tensor input;                    // the chunk's input (undefined on the first stage)
+    Batch batch;
+    RngTracker::States rng_before;  // the tracker before the forward, for recomputation
+  };
+  int64_t current_iteration = 0;
+  // Results.
+  double loss_sum = 0;  // sum over micro-batches of the mean token loss
+  bool has_loss = false;
+  Tensor last_tokens, last_labels;  // host float64 [s, b]
+
+  // Build's plan (graph_planner.cc): the stages, then each layer in order (PlanLayer; a first
+  // layer that is not an embedding gets its synthetic input's state and width from
+  // PlanSyntheticInput), then the ties across stages and the warnings.
+  Status Plan(const Topology& topology);
+  Status PlanStages();
+  Status PlanSyntheticInput(const LayerSlot& slot, ActivationState* state, int64_t* width) const;
+  Status PlanLayer(LayerSlot& slot, ActivationState* state, int64_t* width);
+  Status PlanTies();
+  void PlanWarnings();
+  Status Fail(const LayerSlot& slot, const std::string& what) const {
+    return Status::Error(
+        fmt::format("model.layers[{}]", slot.index),
+        fmt::format("({} {}): {}", LayerTypeName(slot.config.type), slot.config.name, what));
+  }
+  ChainParameter* AddParameter(std::string name, Shape full, TpSplitPlan split,
+                               const LayerConfig& c, bool zero_init) {
+    auto p = std::make_unique<ChainParameter>();
+    p->name = std::move(name);
+    p->full_shape = std::move(full);
+    p->split = split;
+    p->init = c.init;
+    p->zero_init = zero_init;
+    p->frozen = c.frozen && !zero_init;
+    p->owner_stage = planning_stage;
+    parameters.push_back(std::move(p));
+    return parameters.back().get();
+  }
+  ShardSpec RankShard(const ChainParameter& p, int64_t tp_rank) const {
+    ShardSpec shard;
+    if (p.split.dim >= 0) shard.Split(ShardAxis::kTp, p.split.dim, t, tp_rank, p.split.stride);
+    return shard;
+  }
+  LayerSlot* FindLayer(const std::string& name) {
+    for (LayerSlot& slot : layers) {
+      if (slot.config.name == name) return &slot;
+    }
+    return nullptr;
+  }
+
+  int64_t PipelineRankOf(int64_t stage) const { return stage % pp_size; }
+  int64_t First(int64_t chunk) const {
+    return stage_start[static_cast<size_t>(chunk * pp_size + pp_rank)];
+  }
+  int64_t End(int64_t chunk) const {
+    return stage_start[static_cast<size_t>(chunk * pp_size + pp_rank) + 1];
+  }
+  // The local [s_l, b, w_l] shape of an activation in `state` of full width `width`.
+  Shape LocalActivationShape(ActivationState state, int64_t width, const RankCoordinates& c) const {
+    return LocalShape(chain::ActivationSpec(state, c, t, d),
+                      {run.seq_length, run.micro_batch_size * d, width});
+  }
+
+  // Execution.
+  Batch MakeBatch(RankContext& ctx, int64_t m, bool tokens, bool labels) const;
+  Tensor SyntheticActivation(RankContext& ctx, const std::string& name, ActivationState state,
+                             int64_t width, DType dtype);
+  // Synthetic inputs and output gradients are fixed by the seed and the iteration: made once,
+  // reused by every repetition of Run with that iteration.
+  std::map<std::string, Tensor> synthetic_cache;
+  int64_t synthetic_iteration = -1;
+  // The RNG tracker's states before the first step, and how far one iteration advances each
+  // stream (M draws per Dropout layer on it).
+  RngTracker::States initial_rng;
+  std::map<std::string, uint64_t> draws_per_iteration;
+  RngTracker::States RngAtIteration(int64_t iteration) const {
+    RngTracker::States states = initial_rng;
+    for (auto& [name, state] : states) {
+      const auto it = draws_per_iteration.find(name);
+      if (it != draws_per_iteration.end())
+        state.calls += static_cast<uint64_t>(iteration) * it->second;
+    }
+    return states;
+  }
+  Tensor Forward(RankContext& ctx, LayerSlot& slot, const Tensor& x, const Batch& batch);
+  Tensor Backward(RankContext& ctx, LayerSlot& slot, const Tensor& dy, const Batch& batch);
+  // Layers [first, end) forward from `x` (the synthetic input or the embedding's tokens when
+  // first is 0); returns the last one's output. Adds the micro-batch's mean token loss to
+  // loss_sum when the chunk ends with the loss and `count_loss`.
+  Tensor ForwardLayers(RankContext& ctx, int64_t first, int64_t end, Tensor x, const Batch& batch,
+                       bool count_loss);
+  // Layers [first, end) backward from `dy` (the loss's constant or the synthetic output
+  // gradient when end is the chain's end); returns the gradient of the first one's input.
+  Tensor BackwardLayers(RankContext& ctx, int64_t first, int64_t end, Tensor dy,
+                        const Batch& batch);
+  Tensor ForwardStep(const StepCall& call, const Tensor& input, Stash& stash);
+  Tensor BackwardStep(const StepCall& call, const Tensor& output_grad, Stash& stash);
+};
+
+}  // namespace mpusim
