@@ -1,14 +1,5 @@
-// The check against the float64 reference, one reference per job (see check.h).
-//
-// Wire format of one exchange block (one part of one tensor, one sender -> one owner; an
-// exchange carries a sender's blocks for an owner back to back): native int64 words, then raw
-// element bytes (every rank of a job runs the same binary):
-//   header   tensor (index in the reference's list), dtype, the tp placement's dim (-1: none),
-//            shards, index and stride, partial_sum, local_width, rows
-//   rows     the global row (i*B + g) of each local row sent
-//   values   rows * local_width elements in the record's dtype, padded to a multiple of 8 bytes
-// The owner rebuilds each element's global column from the sender's tp placement (a chain's
-// tensors split their columns over tp only; rows carry their global index).
+// The check against the float64 reference, one reference per job (see check.h). The row
+// tensors' exchange is in row_exchange.h.
 #include "run/check.h"
 
 #include <fmt/format.h>
@@ -34,35 +25,12 @@
 #include "reference/reference_model.h"
 #include "reference/trainer.h"
 #include "run/gpt_check.h"
+#include "run/row_exchange.h"
 
 namespace mpusim::run {
 namespace {
 
 using Layout = ReferenceTensor::Layout;
-
-// Rows [Begin(k), End(k)) of the R rows belong to rank k: balanced contiguous blocks (some
-// empty when R < K).
-class RowPartition {
- public:
-  RowPartition(int64_t rows, int ranks) : begin_(static_cast<size_t>(ranks) + 1) {
-    for (int k = 0; k <= ranks; ++k) {
-      begin_[static_cast<size_t>(k)] = static_cast<int64_t>(
-          static_cast<__int128>(k) * rows / ranks);
-    }
-  }
-  int64_t Begin(int k) const { return begin_[static_cast<size_t>(k)]; }
-  int64_t End(int k) const { return begin_[static_cast<size_t>(k) + 1]; }
-  // The rank whose block holds row r (the last k with Begin(k) <= r, skipping empty blocks).
-  int Owner(int64_t r) const {
-    const auto it = std::upper_bound(begin_.begin(), begin_.end() - 1, r);
-    return static_cast<int>(it - begin_.begin()) - 1;
-  }
-
- private:
-  std::vector<int64_t> begin_;
-};
-
-constexpr int kHeaderWords = 9;
 
 // MPI counts are int: large buffers go in pieces.
 void AllReduceSum(double* data, int64_t n) {
@@ -79,25 +47,6 @@ double MaxAbs(const Tensor& host64) {
   const double* v = host64.data_as<double>();
   for (int64_t i = 0; i < host64.numel(); ++i) scale = std::max(scale, std::fabs(v[i]));
   return scale;
-}
-
-// "[i, j, k]": the multi-index of `flat` in `shape`.
-std::string IndexString(const Shape& shape, int64_t flat) {
-  Shape index(shape.size());
-  for (size_t d = shape.size(); d-- > 0;) {
-    index[d] = shape[d] > 0 ? flat % shape[d] : 0;
-    flat = shape[d] > 0 ? flat / shape[d] : 0;
-  }
-  return ShapeString(index);
-}
-
-// Calls fn(local_flat, value as double) for `count` elements of raw storage of `dtype`.
-template <typename Fn>
-void ForEachValue(DType dtype, const void* data, int64_t count, Fn&& fn) {
-  DispatchStorage(dtype, [&]<typename T>() {
-    const T* v = static_cast<const T*>(data);
-    for (int64_t e = 0; e < count; ++e) fn(e, Widen(v[e]));
-  });
 }
 
 // A local record compared with a whole reference tensor, element by element.
@@ -125,188 +74,6 @@ void CompareWhole(const TensorRecord& record, const Tensor& host, const Tensor& 
     }
   });
 }
-
-// One piece of an exchange: rows [first, last) of this rank's record of row tensor `tensor`
-// (none when this rank does not hold it).
-struct RowPart {
-  size_t tensor = 0;
-  const TensorRecord* record = nullptr;
-  const Tensor* host = nullptr;
-  int64_t first = 0;
-  int64_t last = 0;
-};
-
-// What the owner of a block needs to compare it: the reference slice, its tolerance and where
-// the statistics go, per reference tensor.
-struct RowTarget {
-  const ReferenceTensor* ref = nullptr;
-  Tolerance tolerance{0, 0, 0};
-  ErrorStats* stats = nullptr;
-};
-
-// The exchange of row tensors: every rank sends the rows of its parts to their owners (one
-// MPI_Alltoallv for all the parts of one exchange), and compares the blocks it owns with its
-// slice of the reference. The buffers keep their capacity from one exchange to the next.
-class RowExchange {
- public:
-  RowExchange(const RowPartition& partition, int world_size, int64_t tp_size,
-              int64_t slice_begin, std::vector<RowTarget> targets)
-      : partition_(partition),
-        size_(world_size),
-        tp_size_(tp_size),
-        slice_begin_(slice_begin),
-        targets_(std::move(targets)),
-        send_counts_(static_cast<size_t>(world_size)),
-        send_offsets_(send_counts_.size()),
-        recv_counts_(send_counts_.size()),
-        recv_offsets_(send_counts_.size()) {}
-
-  void Exchange(const std::vector<RowPart>& parts) {
-    Pack(parts);
-    watched::Alltoall(send_counts_.data(), 1, MPI_INT, recv_counts_.data(), 1, MPI_INT,
-                      MPI_COMM_WORLD, WorldLabel());
-    int64_t total = 0;
-    for (size_t i = 0; i < recv_counts_.size(); ++i) {
-      recv_offsets_[i] = static_cast<int>(total);
-      total += recv_counts_[i];
-      if (total > INT_MAX) throw std::length_error("RowExchange: an exchange receives over 2 GiB");
-    }
-    recv_.resize(static_cast<size_t>(total));
-    watched::Alltoallv(send_.data(), send_counts_.data(), send_offsets_.data(), MPI_BYTE,
-                       recv_.data(), recv_counts_.data(), recv_offsets_.data(), MPI_BYTE,
-                       MPI_COMM_WORLD, WorldLabel());
-    for (size_t i = 0; i < recv_counts_.size(); ++i) {
-      const std::byte* at = recv_.data() + recv_offsets_[i];
-      const std::byte* end = at + recv_counts_[i];
-      while (at < end) at = Unpack(at, end);
-    }
-  }
-
- private:
-  static size_t Padded(size_t bytes) { return (bytes + 7) / 8 * 8; }
-  static size_t RowBytes(const Tensor& host) {
-    return static_cast<size_t>(host.shape().size() > 2 ? host.shape()[2] : 1) *
-           DTypeSize(host.dtype());
-  }
-
-  // Lays the parts out in send_: for each owner, one block per part with rows for it.
-  void Pack(const std::vector<RowPart>& parts) {
-    // rows[p][k]: (global row, local row) of part p that owner k holds, in local order.
-    std::vector<std::vector<std::vector<std::pair<int64_t, int64_t>>>> rows(parts.size());
-    for (size_t p = 0; p < parts.size(); ++p) {
-      rows[p].resize(static_cast<size_t>(size_));
-      const RowPart& part = parts[p];
-      if (part.record == nullptr) continue;
-      const Shape& full = part.record->full_shape;
-      const int64_t local_batch = part.host->shape()[1];
-      for (int64_t q = part.first; q < part.last; ++q) {
-        const int64_t i = GlobalIndex(part.record->shard, 0, full[0], q / local_batch);
-        const int64_t g = GlobalIndex(part.record->shard, 1, full[1], q % local_batch);
-        const int64_t r = i * full[1] + g;
-        rows[p][static_cast<size_t>(partition_.Owner(r))].push_back({r, q});
-      }
-    }
-    size_t total = 0;
-    for (size_t k = 0; k < static_cast<size_t>(size_); ++k) {
-      size_t bytes = 0;
-      for (size_t p = 0; p < parts.size(); ++p) {
-        const size_t n = rows[p][k].size();
-        if (n > 0) bytes += kHeaderWords * 8 + n * 8 + Padded(n * RowBytes(*parts[p].host));
-      }
-      if (total + bytes > INT_MAX) throw std::length_error("RowExchange: an exchange sends over 2 GiB");
-      send_offsets_[k] = static_cast<int>(total);
-      send_counts_[k] = static_cast<int>(bytes);
-      total += bytes;
-    }
-    send_.resize(total);
-    for (size_t k = 0; k < static_cast<size_t>(size_); ++k) {
-      std::byte* at = send_.data() + send_offsets_[k];
-      for (size_t p = 0; p < parts.size(); ++p) {
-        const auto& owned = rows[p][k];
-        if (owned.empty()) continue;
-        const RowPart& part = parts[p];
-        const Tensor& host = *part.host;
-        const Placement* tp = part.record->shard.Find(ShardAxis::kTp);
-        const Placement none{ShardAxis::kTp, -1, 1, 0, 1};
-        const Placement& split = tp != nullptr ? *tp : none;
-        const size_t row_bytes = RowBytes(host);
-        const int64_t header[kHeaderWords] = {static_cast<int64_t>(part.tensor),
-                                              static_cast<int64_t>(host.dtype()),
-                                              split.dim,
-                                              split.shards,
-                                              split.index,
-                                              split.stride,
-                                              part.record->partial_sum ? 1 : 0,
-                                              host.shape().size() > 2 ? host.shape()[2] : 1,
-                                              static_cast<int64_t>(owned.size())};
-        std::memcpy(at, header, sizeof(header));
-        at += sizeof(header);
-        for (const auto& [r, q] : owned) {
-          std::memcpy(at, &r, 8);
-          at += 8;
-        }
-        const auto* values = static_cast<const std::byte*>(host.data());
-        std::byte* values_start = at;
-        for (const auto& [r, q] : owned) {
-          std::memcpy(at, values + static_cast<size_t>(q) * row_bytes, row_bytes);
-          at += row_bytes;
-        }
-        at = values_start + Padded(owned.size() * row_bytes);
-      }
-    }
-  }
-
-  // Compares one block with this rank's slice; returns where the next block starts.
-  const std::byte* Unpack(const std::byte* block, const std::byte* end) const {
-    int64_t header[kHeaderWords];
-    if (end - block < static_cast<std::ptrdiff_t>(sizeof(header))) {
-      throw std::logic_error("RowExchange: short block");
-    }
-    std::memcpy(header, block, sizeof(header));
-    const RowTarget& target = targets_.at(static_cast<size_t>(header[0]));
-    const ReferenceTensor& ref = *target.ref;
-    const auto dtype = static_cast<DType>(header[1]);
-    ShardSpec spec;
-    const bool split_columns = header[2] == 2;
-    if (split_columns) spec.Split(ShardAxis::kTp, 2, header[3], header[4], header[5]);
-    const double factor = header[6] != 0 ? static_cast<double>(tp_size_) : 1.0;
-    const int64_t local_width = header[7];
-    const int64_t n = header[8];
-    const int64_t width = ref.width();
-    const int last_dim = static_cast<int>(ref.full_shape.size()) - 1;
-    std::vector<int64_t> column(static_cast<size_t>(local_width));
-    for (int64_t c = 0; c < local_width; ++c) {
-      column[static_cast<size_t>(c)] =
-          split_columns && last_dim == 2 ? GlobalIndex(spec, 2, width, c) : c;
-    }
-    const std::byte* rows_at = block + sizeof(header);
-    const std::byte* values = rows_at + n * 8;
-    const double* expected = ref.value.data_as<double>();
-    const int64_t local_rows = ref.value.rows();
-    const size_t row_bytes = static_cast<size_t>(local_width) * DTypeSize(dtype);
-    for (int64_t k = 0; k < n; ++k) {
-      int64_t r = 0;
-      std::memcpy(&r, rows_at + k * 8, 8);
-      const int64_t row = r - slice_begin_;
-      if (row < 0 || row >= local_rows) throw std::logic_error("RowExchange: row not in slice");
-      const double* want = expected + row * width;
-      ForEachValue(dtype, values + static_cast<size_t>(k) * row_bytes, local_width,
-                   [&](int64_t c, double actual) {
-                     const int64_t j = column[static_cast<size_t>(c)];
-                     target.stats->Add(r * width + j, actual * factor, want[j], target.tolerance);
-                   });
-    }
-    return values + Padded(static_cast<size_t>(n) * row_bytes);
-  }
-
-  const RowPartition& partition_;
-  int size_;
-  int64_t tp_size_;
-  int64_t slice_begin_;
-  std::vector<RowTarget> targets_;  // by reference tensor index
-  std::vector<int> send_counts_, send_offsets_, recv_counts_, recv_offsets_;
-  std::vector<std::byte> send_, recv_;
-};
 
 // The names of records that no reference tensor matches, on any rank (sorted, the same on
 // every rank).
@@ -552,46 +319,38 @@ void TrainReference(ReferenceResult& reference, int64_t k, DType storage, Refere
   }
 }
 
-}  // namespace
+// What this rank knows of each reference tensor i (refs[i]) while it compares: its scale and
+// tolerance, its own record of it, and the statistics of that record's elements.
+struct Comparison {
+  std::vector<ReferenceTensor>* refs = nullptr;
+  // A training run: the optimizer state (it owns the state's bounds), and per trained tensor
+  // the absolute allowance each element gets from training (reference/trainer.h).
+  std::vector<ReferenceTrainer::StateTensor> state;
+  std::map<std::string, const std::vector<double>*> bounds;
+  std::vector<double> scales;  // max |e| over all ranks
+  std::vector<Tolerance> tolerances;
+  std::vector<const TensorRecord*> mine;  // this rank's record, nullptr when none fits
+  std::vector<int> flags;                 // 2i: missing (wrong shape), 2i + 1: produced
+  std::vector<ErrorStats> stats;
+  std::map<std::string, const TensorRecord*> unmatched;  // records no reference tensor names
+};
 
-double TrainingDrift(const std::vector<std::string>& names, const std::vector<double>& scales,
-                     const std::vector<ErrorStats>& stats,
-                     const std::map<std::string, Tensor>& parameters) {
-  std::vector<double> errors;
-  std::vector<size_t> which;
-  for (size_t i = 0; i < names.size(); ++i) {
-    if (parameters.count(names[i]) == 0) continue;
-    errors.push_back(stats[i].max_abs);
-    which.push_back(i);
-  }
-  watched::Allreduce(MPI_IN_PLACE, errors.data(), static_cast<int>(errors.size()), MPI_DOUBLE,
-                     MPI_MAX, MPI_COMM_WORLD, WorldLabel());
-  double drift = 0;
-  for (size_t j = 0; j < which.size(); ++j) {
-    if (scales[which[j]] > 0) drift += errors[j] / scales[which[j]];
-  }
-  return kToleranceSafety * drift;
-}
-
-StatusOr<CheckResult> CheckAgainstReference(const Config& config,
-                                            const std::vector<TensorRecord>& records,
-                                            const HostFetch& fetch) {
-  int world_rank = 0, world_size = 1;
-  MPUSIM_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
-  MPUSIM_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world_size));
-  const RowPartition partition(ReferenceRows(config.parallel, *config.run), world_size);
+// The reference for this rank's slice of the token rows, the slices' shares of gradients and
+// of the loss summed over the ranks. A training run: the reference trains the whole model
+// too, iteration by iteration, each on the parameters the last one left (reference/trainer.h);
+// the result is the last iteration's, with the parameters after its update. A reference that
+// fails on any rank is a Status on every rank.
+StatusOr<ReferenceResult> RunReferenceSlice(const Config& config, const RowPartition& partition,
+                                            int world_rank, int world_size,
+                                            std::optional<ReferenceTrainer>* trainer,
+                                            std::vector<CheckResult::Iteration>* iterations) {
   const ReferenceSlice slice{partition.Begin(world_rank), partition.End(world_rank)};
   StatusOr<std::map<std::string, Tensor>> weights =
       SharedMasterWeights(config, world_rank, world_size);
-  // A training run: the reference trains the whole model too, iteration by iteration, each
-  // on the parameters the last one left (reference/trainer.h); the tensors compared are the
-  // last iteration's, with the parameters after its update and the optimizer state.
-  const int64_t iterations = config.optimizer ? config.run->train_iters : 1;
-  std::optional<ReferenceTrainer> trainer;
-  if (config.optimizer) trainer.emplace(*config.optimizer, config.run->train_iters);
-  std::vector<CheckResult::Iteration> reference_iterations;
+  const int64_t iteration_count = config.optimizer ? config.run->train_iters : 1;
+  if (config.optimizer) trainer->emplace(*config.optimizer, config.run->train_iters);
   StatusOr<ReferenceResult> reference = Status::Error("reference model", "not run");
-  for (int64_t k = 0; k < iterations; ++k) {
+  for (int64_t k = 0; k < iteration_count; ++k) {
     if (k == 0) {
       reference = weights.ok() ? RunReferenceWithOverrides(config.parallel, *config.model,
                                                            *config.run, *weights, slice, 0)
@@ -599,7 +358,7 @@ StatusOr<CheckResult> CheckAgainstReference(const Config& config,
       weights = std::map<std::string, Tensor>();  // the reference holds what it needs
     } else {
       reference = RunReferenceWithOverrides(config.parallel, *config.model, *config.run,
-                                            trainer->parameters(), slice, k);
+                                            (*trainer)->parameters(), slice, k);
     }
     int failed = reference.ok() ? 0 : 1;
     watched::Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD, WorldLabel());
@@ -609,129 +368,160 @@ StatusOr<CheckResult> CheckAgainstReference(const Config& config,
     }
     // Whole tensors: the slices' shares of gradients and of the loss add up.
     SumShares(reference->tensors);
-    if (!trainer) break;
-    TrainReference(*reference, k, config.run->dtype, *trainer, &reference_iterations);
+    if (!*trainer) break;
+    TrainReference(*reference, k, config.run->dtype, **trainer, iterations);
   }
-  std::vector<ReferenceTensor>& refs = reference->tensors;
-  std::map<std::string, const std::vector<double>*> bounds;
-  if (trainer) {
-    for (const auto& [name, b] : trainer->error_bounds()) bounds[name] = &b;
-  }
-  std::vector<ReferenceTrainer::StateTensor> state;
-  if (trainer) {
-    // The optimizer state, with the tolerance of its parameter's gradient and the error that
-    // gradient's tolerance carries into it.
-    state = trainer->State();
-    for (const ReferenceTrainer::StateTensor& st : state) {
-      const Tensor& parameter = trainer->parameters().at(st.parameter);
-      const ReferenceTensor* grad = reference->Find(st.parameter + "_grad");
-      ReferenceTensor t{st.name,
-                        parameter.shape(),
-                        Layout::kWhole,
-                        false,
-                        Tensor::HostEmpty(parameter.shape(), DType::kFloat64),
-                        grad != nullptr ? grad->budget : ErrorBudget{}};
-      std::memcpy(t.value.data(), st.values.data(), t.value.bytes());
-      refs.push_back(std::move(t));
-      bounds[st.name] = &st.bounds;
-    }
-  }
-  const size_t n = refs.size();
+  return reference;
+}
 
-  std::vector<double> scales(n);
-  for (size_t i = 0; i < n; ++i) scales[i] = MaxAbs(refs[i].value);
-  watched::Allreduce(MPI_IN_PLACE, scales.data(), static_cast<int>(n), MPI_DOUBLE, MPI_MAX,
+// A training run: the trained tensors' error bounds, and the optimizer state appended to the
+// reference's tensors, with the tolerance of its parameter's gradient and the error that
+// gradient's tolerance carries into it.
+void AddOptimizerState(const ReferenceTrainer& trainer, ReferenceResult& reference,
+                       Comparison* c) {
+  for (const auto& [name, b] : trainer.error_bounds()) c->bounds[name] = &b;
+  c->state = trainer.State();
+  for (const ReferenceTrainer::StateTensor& st : c->state) {
+    const Tensor& parameter = trainer.parameters().at(st.parameter);
+    const ReferenceTensor* grad = reference.Find(st.parameter + "_grad");
+    ReferenceTensor t{st.name,
+                      parameter.shape(),
+                      Layout::kWhole,
+                      false,
+                      Tensor::HostEmpty(parameter.shape(), DType::kFloat64),
+                      grad != nullptr ? grad->budget : ErrorBudget{}};
+    std::memcpy(t.value.data(), st.values.data(), t.value.bytes());
+    reference.tensors.push_back(std::move(t));
+    c->bounds[st.name] = &st.bounds;
+  }
+}
+
+// The scales over all ranks (one MPI_Allreduce), the tolerances they give, and which of this
+// rank's records each reference tensor is compared with.
+void MatchRecords(DType storage, const std::vector<TensorRecord>& records, Comparison* c) {
+  const std::vector<ReferenceTensor>& refs = *c->refs;
+  const size_t n = refs.size();
+  c->scales.resize(n);
+  for (size_t i = 0; i < n; ++i) c->scales[i] = MaxAbs(refs[i].value);
+  watched::Allreduce(MPI_IN_PLACE, c->scales.data(), static_cast<int>(n), MPI_DOUBLE, MPI_MAX,
                      MPI_COMM_WORLD, WorldLabel());
 
-  std::map<std::string, const TensorRecord*> by_name;
-  for (const TensorRecord& r : records) by_name[r.name] = &r;
-  std::vector<ErrorStats> stats(n);
-  std::vector<int> flags(2 * n, 0);  // missing (wrong shape), produced
-  std::vector<Tolerance> tolerances(n);
-  std::vector<const TensorRecord*> mine(n, nullptr);
+  for (const TensorRecord& r : records) c->unmatched[r.name] = &r;
+  c->stats.resize(n);
+  c->flags.assign(2 * n, 0);
+  c->tolerances.resize(n);
+  c->mine.assign(n, nullptr);
   for (size_t i = 0; i < n; ++i) {
-    tolerances[i] = ToleranceFor(refs[i].budget, config.run->dtype).ForScale(scales[i]);
-    const auto it = by_name.find(refs[i].name);
-    if (it == by_name.end()) continue;
-    flags[2 * i + 1] = 1;
+    c->tolerances[i] = ToleranceFor(refs[i].budget, storage).ForScale(c->scales[i]);
+    const auto it = c->unmatched.find(refs[i].name);
+    if (it == c->unmatched.end()) continue;
+    c->flags[2 * i + 1] = 1;
     if (it->second->full_shape != refs[i].full_shape) {
-      flags[2 * i] = 1;
+      c->flags[2 * i] = 1;
     } else {
-      mine[i] = it->second;
+      c->mine[i] = it->second;
     }
-    by_name.erase(it);
+    c->unmatched.erase(it);
   }
+}
 
-  // Whole tensors: each rank its own shard. After training, the parameters and optimizer
-  // state first, with the error bounds training carries; the last iteration's activations and
-  // gradients were computed from those parameters, so they are then allowed the parameters'
-  // measured error too (TrainingDrift).
+// Whole tensors: each rank its own shard. After training, the parameters and optimizer state
+// first, with the error bounds training carries; the last iteration's activations and
+// gradients were computed from those parameters, so they are then allowed the parameters'
+// measured error too (TrainingDrift, collective).
+void CompareWholeTensors(const ReferenceTrainer* trainer, const HostFetch& fetch,
+                         Comparison* c) {
+  const std::vector<ReferenceTensor>& refs = *c->refs;
+  const size_t n = refs.size();
   for (const bool trained : {true, false}) {
     for (size_t i = 0; i < n; ++i) {
-      const auto bound = bounds.find(refs[i].name);
-      if (refs[i].layout != Layout::kWhole || mine[i] == nullptr ||
-          trained != (bound != bounds.end())) {
+      const auto bound = c->bounds.find(refs[i].name);
+      if (refs[i].layout != Layout::kWhole || c->mine[i] == nullptr ||
+          trained != (bound != c->bounds.end())) {
         continue;
       }
-      const Tensor host = fetch(*mine[i]);
-      CompareWhole(*mine[i], host, refs[i].value, tolerances[i],
-                   bound != bounds.end() ? bound->second : nullptr, &stats[i]);
+      const Tensor host = fetch(*c->mine[i]);
+      CompareWhole(*c->mine[i], host, refs[i].value, c->tolerances[i],
+                   bound != c->bounds.end() ? bound->second : nullptr, &c->stats[i]);
     }
-    if (trained && trainer) {
+    if (trained && trainer != nullptr) {
       std::vector<std::string> names;
       for (const ReferenceTensor& t : refs) names.push_back(t.name);
-      const double drift = TrainingDrift(names, scales, stats, trainer->parameters());
+      const double drift = TrainingDrift(names, c->scales, c->stats, trainer->parameters());
       for (size_t i = 0; i < n; ++i) {
-        if (bounds.count(refs[i].name) == 0) tolerances[i].atol += drift * scales[i];
+        if (c->bounds.count(refs[i].name) == 0) c->tolerances[i].atol += drift * c->scales[i];
       }
     }
   }
+}
 
-  // Row tensors. One reduction agrees on each tensor's largest shard (bytes) and on which
-  // tensors are one value under two names: a tensor whose reference and, on every rank, whose
-  // record share storage with an earlier tensor's (a layer's input is the previous layer's
-  // output) is compared once, and the earlier tensor's statistics stand for both.
-  // agreed: [0, n) largest bytes; [n, 2n) earlier index + 1; [2n, 3n) -(earlier index + 1),
-  // so that one MAX gives the largest and the smallest index any rank saw.
-  std::vector<long long> agreed(3 * n, 0);
-  for (size_t j = 0; j < n; ++j) {
-    if (refs[j].layout != Layout::kRows) continue;
-    if (mine[j] != nullptr) agreed[j] = static_cast<long long>(mine[j]->tensor.bytes());
-    for (size_t i = 0; i < j; ++i) {
-      const bool same_reference = refs[i].layout == Layout::kRows &&
-                                  refs[i].value.data() == refs[j].value.data() &&
-                                  refs[i].full_shape == refs[j].full_shape;
-      const bool same_record =
-          (mine[i] == nullptr && mine[j] == nullptr) ||
-          (mine[i] != nullptr && mine[j] != nullptr &&
-           mine[i]->tensor.data() == mine[j]->tensor.data() &&
-           mine[i]->tensor.dtype() == mine[j]->tensor.dtype() &&
-           ShardMetadataEqual(*mine[i], *mine[j]));
-      if (same_reference && same_record) {
-        agreed[n + j] = static_cast<long long>(i) + 1;
-        agreed[2 * n + j] = -agreed[n + j];
-        break;
+// What all ranks agree on about the row tensors (one reduction): each tensor's largest shard
+// (bytes) and which tensors are one value under two names: a tensor whose reference and, on
+// every rank, whose record share storage with an earlier tensor's (a layer's input is the
+// previous layer's output) is compared once, and the earlier tensor's statistics stand for
+// both.
+class RowAgreement {
+ public:
+  explicit RowAgreement(const Comparison& c) : n_(c.refs->size()), agreed_(3 * n_, 0) {
+    const std::vector<ReferenceTensor>& refs = *c.refs;
+    const std::vector<const TensorRecord*>& mine = c.mine;
+    for (size_t j = 0; j < n_; ++j) {
+      if (refs[j].layout != Layout::kRows) continue;
+      if (mine[j] != nullptr) agreed_[j] = static_cast<long long>(mine[j]->tensor.bytes());
+      for (size_t i = 0; i < j; ++i) {
+        const bool same_reference = refs[i].layout == Layout::kRows &&
+                                    refs[i].value.data() == refs[j].value.data() &&
+                                    refs[i].full_shape == refs[j].full_shape;
+        const bool same_record =
+            (mine[i] == nullptr && mine[j] == nullptr) ||
+            (mine[i] != nullptr && mine[j] != nullptr &&
+             mine[i]->tensor.data() == mine[j]->tensor.data() &&
+             mine[i]->tensor.dtype() == mine[j]->tensor.dtype() &&
+             ShardMetadataEqual(*mine[i], *mine[j]));
+        if (same_reference && same_record) {
+          agreed_[n_ + j] = static_cast<long long>(i) + 1;
+          agreed_[2 * n_ + j] = -agreed_[n_ + j];
+          break;
+        }
       }
     }
+    watched::Allreduce(MPI_IN_PLACE, agreed_.data(), static_cast<int>(agreed_.size()),
+                       MPI_LONG_LONG, MPI_MAX, MPI_COMM_WORLD, WorldLabel());
   }
-  watched::Allreduce(MPI_IN_PLACE, agreed.data(), static_cast<int>(agreed.size()), MPI_LONG_LONG,
-                     MPI_MAX, MPI_COMM_WORLD, WorldLabel());
-  const auto alias_of = [&](size_t j) -> int64_t {  // -1: compared on its own
-    return agreed[n + j] > 0 && agreed[n + j] == -agreed[2 * n + j] ? agreed[n + j] - 1 : -1;
-  };
+  // The largest shard of tensor i on any rank, in bytes.
+  int64_t Bytes(size_t i) const { return agreed_[i]; }
+  // The earlier tensor whose statistics stand for tensor j; -1: compared on its own.
+  int64_t AliasOf(size_t j) const {
+    return agreed_[n_ + j] > 0 && agreed_[n_ + j] == -agreed_[2 * n_ + j] ? agreed_[n_ + j] - 1
+                                                                          : -1;
+  }
 
-  // Each tensor goes in ceil(bytes / kExchangeBytes) parts; consecutive parts share one
-  // exchange while their largest sizes add up to at most kExchangeBytes (a small model's
-  // tensors all go in one), so that a job on many ranks makes few collectives.
+ private:
+  size_t n_;
+  // [0, n) largest bytes; [n, 2n) earlier index + 1; [2n, 3n) -(earlier index + 1), so that
+  // one MAX gives the largest and the smallest index any rank saw.
+  std::vector<long long> agreed_;
+};
+
+// Row tensors: each goes in ceil(bytes / kExchangeBytes) parts; consecutive parts share one
+// exchange while their largest sizes add up to at most kExchangeBytes (a small model's
+// tensors all go in one), so that a job on many ranks makes few collectives. Every rank
+// makes the same exchanges, from the agreed sizes.
+void CompareRowTensors(const Config& config, const RowPartition& partition, int world_size,
+                       int64_t row_begin, const HostFetch& fetch, Comparison* c) {
+  const std::vector<ReferenceTensor>& refs = *c->refs;
+  const std::vector<const TensorRecord*>& mine = c->mine;
+  const size_t n = refs.size();
+  const RowAgreement agreement(*c);
   std::vector<RowTarget> targets(n);
-  for (size_t i = 0; i < n; ++i) targets[i] = {&refs[i], tolerances[i], &stats[i]};
+  for (size_t i = 0; i < n; ++i) targets[i] = {&refs[i], c->tolerances[i], &c->stats[i]};
   RowExchange exchange(partition, world_size, config.parallel.tensor_model_parallel_size,
-                       reference->row_begin, std::move(targets));
+                       row_begin, std::move(targets));
   std::map<size_t, Tensor> hosts;  // host copies of the tensors with parts still to send
   std::vector<std::pair<size_t, int64_t>> group;  // (tensor, part)
   int64_t group_bytes = 0;
   const auto parts_of = [&](size_t i) {
-    return std::max<int64_t>(1, (agreed[i] + kExchangeBytes - 1) / kExchangeBytes);
+    return std::max<int64_t>(1, (agreement.Bytes(i) + kExchangeBytes - 1) / kExchangeBytes);
   };
   const auto flush = [&]() {
     std::vector<RowPart> parts;
@@ -763,8 +553,10 @@ StatusOr<CheckResult> CheckAgainstReference(const Config& config,
     group_bytes = 0;
   };
   for (size_t i = 0; i < n; ++i) {
-    if (refs[i].layout != Layout::kRows || alias_of(i) >= 0 || agreed[i] == 0) continue;
-    const int64_t part_bytes = (agreed[i] + parts_of(i) - 1) / parts_of(i);
+    if (refs[i].layout != Layout::kRows || agreement.AliasOf(i) >= 0 || agreement.Bytes(i) == 0) {
+      continue;
+    }
+    const int64_t part_bytes = (agreement.Bytes(i) + parts_of(i) - 1) / parts_of(i);
     for (int64_t part = 0; part < parts_of(i); ++part) {
       if (!group.empty() && group_bytes + part_bytes > kExchangeBytes) flush();
       group.emplace_back(i, part);
@@ -773,30 +565,40 @@ StatusOr<CheckResult> CheckAgainstReference(const Config& config,
   }
   if (!group.empty()) flush();
   for (size_t j = 0; j < n; ++j) {
-    if (alias_of(j) >= 0) stats[j] = stats[static_cast<size_t>(alias_of(j))];
+    const int64_t alias = agreement.AliasOf(j);
+    if (alias >= 0) c->stats[j] = c->stats[static_cast<size_t>(alias)];
   }
+}
 
-  // Records the reference does not know, on any rank.
+// The CheckResult, the same on every rank: the statistics reduced over the ranks, the
+// reference's loss and iterations, the memory figures, and the records the reference does
+// not know on any rank (collective: the run-only names, the statistics, the memory).
+CheckResult BuildResult(const Config& config, const ReferenceResult& reference,
+                        const std::vector<TensorRecord>& records,
+                        std::vector<CheckResult::Iteration> reference_iterations, int world_rank,
+                        int world_size, Comparison& c) {
+  const std::vector<ReferenceTensor>& refs = *c.refs;
+  const size_t n = refs.size();
   std::vector<std::string> unknown;
-  for (const auto& [name, record] : by_name) unknown.push_back(name);
+  for (const auto& [name, record] : c.unmatched) unknown.push_back(name);
   const std::vector<std::string> run_only = RunOnlyNames(unknown);
 
   std::vector<double> budget_atol(n);  // TensorCheck::budget_atol
   for (size_t i = 0; i < n; ++i) {
-    const auto bound = bounds.find(refs[i].name);
-    const std::vector<double>* b = bound != bounds.end() ? bound->second : nullptr;
-    budget_atol[i] = tolerances[i].atol +
+    const auto bound = c.bounds.find(refs[i].name);
+    const std::vector<double>* b = bound != c.bounds.end() ? bound->second : nullptr;
+    budget_atol[i] = c.tolerances[i].atol +
                      (b != nullptr && !b->empty() ? *std::max_element(b->begin(), b->end()) : 0.0);
   }
   CheckResult result;
-  result.tensors =
-      ReduceOverRanks(refs, scales, stats, budget_atol, flags, config.run->dtype, world_rank);
-  if (const ReferenceTensor* loss = reference->Find("loss")) {
+  result.tensors = ReduceOverRanks(refs, c.scales, c.stats, budget_atol, c.flags,
+                                   config.run->dtype, world_rank);
+  if (const ReferenceTensor* loss = reference.Find("loss")) {
     result.has_loss = true;
     result.reference_loss = loss->value.data_as<double>()[0];
   }
   result.reference_iterations = std::move(reference_iterations);
-  MeasureMemory(*reference, records, &result);
+  MeasureMemory(reference, records, &result);
   result.header = fmt::format(
       "check against the float64 reference ({} storage; computed once, split over {} ranks by "
       "token rows):\n"
@@ -810,17 +612,73 @@ StatusOr<CheckResult> CheckAgainstReference(const Config& config,
       Mebibytes(result.reference_bytes_max), result.reference_rows_max,
       Mebibytes(result.reference_bytes_whole), Mebibytes(result.record_bytes_max));
   for (const std::string& name : run_only) {
-    TensorCheck c;
-    c.name = name;
+    TensorCheck check;
+    check.name = name;
     if (const auto it = std::find_if(records.begin(), records.end(),
                                      [&](const TensorRecord& r) { return r.name == name; });
         it != records.end()) {
-      c.full_shape = it->full_shape;
+      check.full_shape = it->full_shape;
     }
-    c.missing = true;
-    result.tensors.push_back(std::move(c));
+    check.missing = true;
+    result.tensors.push_back(std::move(check));
   }
   return result;
+}
+
+}  // namespace
+
+std::string IndexString(const Shape& shape, int64_t flat) {
+  Shape index(shape.size());
+  for (size_t d = shape.size(); d-- > 0;) {
+    index[d] = shape[d] > 0 ? flat % shape[d] : 0;
+    flat = shape[d] > 0 ? flat / shape[d] : 0;
+  }
+  return ShapeString(index);
+}
+
+double TrainingDrift(const std::vector<std::string>& names, const std::vector<double>& scales,
+                     const std::vector<ErrorStats>& stats,
+                     const std::map<std::string, Tensor>& parameters) {
+  std::vector<double> errors;
+  std::vector<size_t> which;
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (parameters.count(names[i]) == 0) continue;
+    errors.push_back(stats[i].max_abs);
+    which.push_back(i);
+  }
+  watched::Allreduce(MPI_IN_PLACE, errors.data(), static_cast<int>(errors.size()), MPI_DOUBLE,
+                     MPI_MAX, MPI_COMM_WORLD, WorldLabel());
+  double drift = 0;
+  for (size_t j = 0; j < which.size(); ++j) {
+    if (scales[which[j]] > 0) drift += errors[j] / scales[which[j]];
+  }
+  return kToleranceSafety * drift;
+}
+
+
+StatusOr<CheckResult> CheckAgainstReference(const Config& config,
+                                            const std::vector<TensorRecord>& records,
+                                            const HostFetch& fetch) {
+  int world_rank = 0, world_size = 1;
+  MPUSIM_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
+  MPUSIM_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world_size));
+  const RowPartition partition(ReferenceRows(config.parallel, *config.run), world_size);
+  // A training run: the tensors compared are the last iteration's, with the parameters after
+  // its update and the optimizer state.
+  std::optional<ReferenceTrainer> trainer;
+  std::vector<CheckResult::Iteration> reference_iterations;
+  StatusOr<ReferenceResult> reference = RunReferenceSlice(config, partition, world_rank,
+                                                          world_size, &trainer,
+                                                          &reference_iterations);
+  if (!reference.ok()) return reference.status();
+  Comparison c;
+  c.refs = &reference->tensors;
+  if (trainer) AddOptimizerState(*trainer, *reference, &c);
+  MatchRecords(config.run->dtype, records, &c);
+  CompareWholeTensors(trainer ? &*trainer : nullptr, fetch, &c);
+  CompareRowTensors(config, partition, world_size, reference->row_begin, fetch, &c);
+  return BuildResult(config, *reference, records, std::move(reference_iterations), world_rank,
+                     world_size, c);
 }
 
 StatusOr<CheckResult> CheckRun(const Config& config, const Topology& topology,

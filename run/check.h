@@ -113,6 +113,9 @@ StatusOr<CheckResult> CheckRun(const Config& config, const Topology& topology,
                                const RankCoordinates& coords,
                                const std::vector<TensorRecord>& records, const HostFetch& fetch);
 
+// "[i, j, k]": the multi-index of `flat` in `shape` (a TensorCheck's worst_index).
+std::string IndexString(const Shape& shape, int64_t flat);
+
 // `bytes` in MiB, for the report.
 inline double Mebibytes(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
 

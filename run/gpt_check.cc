@@ -69,13 +69,357 @@ class ElementMap {
   int64_t sample_begin_ = 0;
 };
 
-std::string IndexString(const Shape& shape, int64_t flat) {
-  Shape index(shape.size());
-  for (size_t d = shape.size(); d-- > 0;) {
-    index[d] = flat % shape[d];
-    flat /= shape[d];
+// One optimizer step of the reference on its full gradients, iteration k; the records hold
+// the clipped gradients and the parameters after the step, and so does `ref` afterwards.
+void TrainGptReference(const std::set<std::string>& parameter_names, int64_t k,
+                       ReferenceTrainer& trainer, GptReferenceResult* ref,
+                       std::vector<CheckResult::Iteration>* iterations) {
+  std::map<std::string, Tensor> parameters;
+  std::map<std::string, Tensor*> grads;
+  CheckResult::Iteration row;
+  for (GptReferenceTensor& t : ref->tensors) {
+    if (parameter_names.count(t.name) != 0) {
+      parameters[t.name] = t.value;
+    } else if (t.name.ends_with(".grad") &&
+               parameter_names.count(t.name.substr(0, t.name.size() - 5)) != 0) {
+      grads[t.name.substr(0, t.name.size() - 5)] = &t.value;
+    } else if (t.name == "loss") {
+      row.loss = t.value.data_as<double>()[0];
+    }
   }
-  return ShapeString(index);
+  if (!trainer.has_parameters()) trainer.SetParameters(parameters);
+  row.grad_norm = trainer.Step(grads, k);
+  row.lr = trainer.last_lr();
+  iterations->push_back(row);
+  // The result's parameter tensors show the values after the step.
+  for (GptReferenceTensor& t : ref->tensors) {
+    const auto it = trainer.parameters().find(t.name);
+    if (it != trainer.parameters().end()) t.value = it->second;
+  }
+}
+
+// The reference on this rank's sample slice, the whole tensors' shares (gradients, the loss)
+// summed over the dp slices (an MPI_Allreduce per partial tensor over the ranks of one pp,
+// cp and tp coordinate). A training run: each iteration's reference runs on the parameters
+// the previous steps made, and the result is the last iteration's, after its step.
+StatusOr<GptReferenceResult> RunGptReferenceSlice(const Config& config, const GptConfig& gpt,
+                                                  const DerivedSizes& sizes,
+                                                  const RankCoordinates& coords,
+                                                  GptReferenceOptions options,
+                                                  ReferenceTrainer* trainer,
+                                                  std::vector<CheckResult::Iteration>* iterations) {
+  const RunConfig& run = *config.run;
+  MPI_Comm dp_comm = watched::CommSplit(
+      MPI_COMM_WORLD, static_cast<int>((coords.pp * sizes.cp + coords.cp) * sizes.tp + coords.tp),
+      static_cast<int>(coords.dp), WorldLabel());
+  const CommLabel dp_label = LabelOf(dp_comm, "dp");
+  const std::set<std::string> parameter_names = [&] {
+    std::set<std::string> names;
+    for (const GptParameter& p : GptParameters(gpt, gpt.PaddedVocabSize(sizes.tp), false)) {
+      names.insert(p.name);
+    }
+    return names;
+  }();
+  const int64_t iteration_count = config.optimizer ? run.train_iters : 1;
+  GptReferenceResult ref;
+  for (int64_t k = 0; k < iteration_count; ++k) {
+    options.iteration = k;
+    if (trainer != nullptr && trainer->has_parameters()) {
+      options.parameter_overrides = trainer->parameters();
+    }
+    StatusOr<GptReferenceResult> reference = RunGptReference(gpt, config.parallel, run, options);
+    if (!reference.ok()) {
+      MPI_Comm_free(&dp_comm);
+      return reference.status();
+    }
+    ref = std::move(reference).value();
+    for (GptReferenceTensor& t : ref.tensors) {
+      if (!t.partial || sizes.dp == 1) continue;
+      watched::Allreduce(MPI_IN_PLACE, t.value.data(), static_cast<int>(t.value.numel()),
+                         MPI_DOUBLE, MPI_SUM, dp_comm, dp_label);
+    }
+    if (trainer == nullptr) break;
+    TrainGptReference(parameter_names, k, *trainer, &ref, iterations);
+  }
+  MPI_Comm_free(&dp_comm);
+  return ref;
+}
+
+// A training run: the optimizer state after the last step appended to the reference's
+// tensors; returns the error bounds its gradients carry, by state tensor.
+std::map<std::string, std::vector<double>> AddGptOptimizerState(const ReferenceTrainer& trainer,
+                                                                GptReferenceResult* ref) {
+  std::map<std::string, std::vector<double>> state_bounds;
+  for (ReferenceTrainer::StateTensor& st : trainer.State()) {
+    const Tensor& parameter = trainer.parameters().at(st.parameter);
+    GptReferenceTensor t;
+    t.name = st.name;
+    t.full_shape = parameter.shape();
+    t.value = Tensor::HostEmpty(parameter.shape(), DType::kFloat64);
+    std::memcpy(t.value.data(), st.values.data(), t.value.bytes());
+    state_bounds[st.name] = std::move(st.bounds);
+    ref->tensors.push_back(std::move(t));
+  }
+  return state_bounds;
+}
+
+// The tensors in the reference's order, and this rank's records of each. Run-only names must
+// be the same list on every rank: gathering them from rank 0's records is not enough (ranks
+// may differ), so each rank marks which reference slots it covers and run-only names are
+// reported by the ranks that have them.
+struct GptSlots {
+  std::vector<std::string> names;                         // the reference's tensors
+  std::vector<std::vector<const TensorRecord*>> by_slot;  // this rank's records of each
+  std::vector<const TensorRecord*> extra;                 // records the reference lacks
+};
+
+GptSlots MatchGptRecords(const GptReferenceResult& ref, const std::vector<TensorRecord>& records) {
+  GptSlots slots;
+  std::map<std::string, size_t> slot;
+  for (const GptReferenceTensor& t : ref.tensors) {
+    slot.emplace(t.name, slots.names.size());
+    slots.names.push_back(t.name);
+  }
+  slots.by_slot.resize(slots.names.size());
+  for (const TensorRecord& r : records) {
+    const auto it = slot.find(r.name);
+    const GptReferenceTensor* rt = it == slot.end() ? nullptr : &ref.tensors[it->second];
+    if (rt == nullptr || rt->full_shape != r.full_shape) {
+      slots.extra.push_back(&r);
+    } else {
+      slots.by_slot[it->second].push_back(&r);
+    }
+  }
+  return slots;
+}
+
+// Pass 1: the scale max|e| of each tensor over the elements any rank compares (one
+// MPI_Allreduce).
+std::vector<double> GptScales(const GptReferenceResult& ref, const GptSlots& slots,
+                              const GptReferenceOptions& options) {
+  const size_t T = slots.names.size();
+  std::vector<double> scale(T, 0.0);
+  for (size_t i = 0; i < T; ++i) {
+    const GptReferenceTensor& rt = ref.tensors[i];
+    const double* e = rt.value.data_as<double>();
+    for (const TensorRecord* r : slots.by_slot[i]) {
+      const ElementMap map(*r, rt, options.sample_begin, options.sample_end);
+      const int64_t n = NumElements(LocalShape(r->shard, r->full_shape));
+      for (int64_t l = 0; l < n; ++l) {
+        const int64_t k = map.RefIndex(l);
+        if (k >= 0) scale[i] = std::max(scale[i], std::fabs(e[k]));
+      }
+    }
+  }
+  watched::Allreduce(MPI_IN_PLACE, scale.data(), static_cast<int>(T), MPI_DOUBLE, MPI_MAX,
+                     MPI_COMM_WORLD, WorldLabel());
+  return scale;
+}
+
+// What pass 2 compares with: the reference, its scales and tolerance, and after training the
+// error bounds of the trained tensors.
+struct GptCompareContext {
+  const GptReferenceResult* ref = nullptr;
+  const GptSlots* slots = nullptr;
+  const std::vector<double>* scale = nullptr;
+  Tolerance tolerance{0, 0, 0};
+  const ReferenceTrainer* trainer = nullptr;  // a training run
+  const std::map<std::string, std::vector<double>>* state_bounds = nullptr;
+  const GptReferenceOptions* options = nullptr;
+};
+
+// Pass 2: compare. After training, the parameters and optimizer state first, with the error
+// bounds training carries; the last iteration's activations and gradients were computed from
+// those parameters, so they are then allowed the parameters' measured error too, relative to
+// their scale (the sum over the parameters of max|a - e| / max|e|, times the tolerance's
+// safety factor: to first order every product adds its factors' relative errors; collective).
+void CompareGptTensors(const GptCompareContext& ctx, const HostFetch& fetch,
+                       std::vector<ErrorStats>* stats, std::vector<double>* budget_atol) {
+  const std::vector<double>& scale = *ctx.scale;
+  const size_t T = ctx.slots->names.size();
+  const ReferenceTrainer* trainer = ctx.trainer;
+  double drift = 0;
+  for (const bool trained : {true, false}) {
+    for (size_t i = 0; i < T; ++i) {
+      const GptReferenceTensor& rt = ctx.ref->tensors[i];
+      const double* e = rt.value.data_as<double>();
+      // Token ids are exact data: compared for equality.
+      const bool exact = rt.name == "tokens" || rt.name == "labels";
+      Tolerance tol = exact ? Tolerance{0, 0, 0} : ctx.tolerance.ForScale(scale[i]);
+      // A trained parameter: each element's allowance also holds the error its gradients'
+      // tolerance carries through the optimizer steps (reference/trainer.h).
+      const std::vector<double>* bounds = nullptr;
+      if (trainer != nullptr) {
+        const auto it = trainer->error_bounds().find(rt.name);
+        if (it != trainer->error_bounds().end()) bounds = &it->second;
+        const auto state = ctx.state_bounds->find(rt.name);
+        if (state != ctx.state_bounds->end()) bounds = &state->second;
+      }
+      if (trained != (bounds != nullptr)) continue;
+      if (!exact) tol.atol += drift * scale[i];
+      (*budget_atol)[i] = tol.atol + (bounds != nullptr && !bounds->empty()
+                                          ? *std::max_element(bounds->begin(), bounds->end())
+                                          : 0.0);
+      for (const TensorRecord* r : ctx.slots->by_slot[i]) {
+        const Tensor host = fetch(*r);
+        const ElementMap map(*r, rt, ctx.options->sample_begin, ctx.options->sample_end);
+        const int64_t n = host.numel();
+        for (int64_t l = 0; l < n; ++l) {
+          const int64_t k = map.RefIndex(l);
+          // An element outside this rank's reference slice cannot be judged here: count it
+          // as a mismatch (a record placed on the wrong samples is a bug).
+          const double expected = k >= 0 ? e[k] : std::numeric_limits<double>::quiet_NaN();
+          const Tolerance element_tol =
+              bounds != nullptr && k >= 0
+                  ? Tolerance{tol.atol + (*bounds)[static_cast<size_t>(k)], tol.rtol, 0}
+                  : tol;
+          (*stats)[i].Add(map.FullIndex(l), HostValue(host, l), expected, element_tol);
+        }
+      }
+    }
+    if (trained && trainer != nullptr) {
+      drift = TrainingDrift(ctx.slots->names, scale, *stats, trainer->parameters());
+    }
+  }
+}
+
+// The statistics reduced over all ranks, 3 values per tensor in each.
+struct GptReducedStats {
+  std::vector<int64_t> sums;         // count, mismatches, non_finite
+  std::vector<double> maxima;        // max_abs, max_rel, max_used
+  std::vector<double> worst_values;  // the worst element's index, actual, expected
+};
+
+// Reduce: sums, maxima, and the worst element from the rank that holds it.
+GptReducedStats ReduceGptStats(const std::vector<ErrorStats>& stats) {
+  const size_t T = stats.size();
+  std::vector<int64_t> sums(3 * T);
+  std::vector<double> maxima(3 * T);
+  struct DoubleInt {  // MPI_DOUBLE_INT's layout
+    double excess;
+    int rank;
+  };
+  std::vector<DoubleInt> worst(T);
+  int world_rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+  for (size_t i = 0; i < T; ++i) {
+    sums[3 * i] = stats[i].count;
+    sums[3 * i + 1] = stats[i].mismatches;
+    sums[3 * i + 2] = stats[i].non_finite;
+    maxima[3 * i] = stats[i].max_abs;
+    maxima[3 * i + 1] = stats[i].max_rel;
+    maxima[3 * i + 2] = stats[i].max_used;
+    worst[i] = {stats[i].count > 0 ? std::min(stats[i].worst_excess, 1e300) : -1e300, world_rank};
+  }
+  watched::Allreduce(MPI_IN_PLACE, sums.data(), static_cast<int>(sums.size()), MPI_INT64_T,
+                     MPI_SUM, MPI_COMM_WORLD, WorldLabel());
+  watched::Allreduce(MPI_IN_PLACE, maxima.data(), static_cast<int>(maxima.size()), MPI_DOUBLE,
+                     MPI_MAX, MPI_COMM_WORLD, WorldLabel());
+  watched::Allreduce(MPI_IN_PLACE, worst.data(), static_cast<int>(T), MPI_DOUBLE_INT, MPI_MAXLOC,
+                     MPI_COMM_WORLD, WorldLabel());
+  std::vector<double> worst_values(3 * T, 0.0);
+  for (size_t i = 0; i < T; ++i) {
+    if (worst[i].rank != world_rank || stats[i].count == 0) continue;
+    worst_values[3 * i] = static_cast<double>(stats[i].worst_index);
+    worst_values[3 * i + 1] = stats[i].worst_actual;
+    worst_values[3 * i + 2] = stats[i].worst_expected;
+  }
+  watched::Allreduce(MPI_IN_PLACE, worst_values.data(), static_cast<int>(worst_values.size()),
+                     MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD, WorldLabel());
+  return {std::move(sums), std::move(maxima), std::move(worst_values)};
+}
+
+// One TensorCheck per reference tensor, from the reduced statistics.
+std::vector<TensorCheck> GptTensorChecks(const GptReferenceResult& ref,
+                                         const GptReducedStats& reduced,
+                                         const std::vector<double>& scale,
+                                         const Tolerance& tolerance,
+                                         const std::vector<double>& budget_atol) {
+  const std::vector<int64_t>& sums = reduced.sums;
+  const std::vector<double>& maxima = reduced.maxima;
+  const std::vector<double>& worst_values = reduced.worst_values;
+  std::vector<TensorCheck> checks;
+  for (size_t i = 0; i < scale.size(); ++i) {
+    const GptReferenceTensor& rt = ref.tensors[i];
+    TensorCheck c;
+    c.name = rt.name;
+    c.full_shape = rt.full_shape;
+    c.count = sums[3 * i];
+    c.mismatches = sums[3 * i + 1];
+    c.non_finite = sums[3 * i + 2];
+    c.max_abs = maxima[3 * i];
+    c.max_rel = maxima[3 * i + 1];
+    c.used = maxima[3 * i + 2];
+    c.scale = scale[i];
+    c.normalized = scale[i] > 0 ? c.max_abs / scale[i] : 0.0;
+    c.allowed = rt.name == "tokens" || rt.name == "labels" ? 0.0 : tolerance.rtol;
+    c.budget_atol = budget_atol[i];
+    c.not_produced = c.count == 0;
+    if (c.mismatches > 0) {
+      c.worst_index = IndexString(rt.full_shape, static_cast<int64_t>(worst_values[3 * i]));
+      c.worst_actual = worst_values[3 * i + 1];
+      c.worst_expected = worst_values[3 * i + 2];
+    }
+    checks.push_back(std::move(c));
+  }
+  return checks;
+}
+
+// Run-only tensors: agreed over all ranks by count (each rank reports its own names, and
+// rank 0's report lists them; the verdict fails on every rank).
+void AddRunOnly(const std::vector<const TensorRecord*>& extra, CheckResult* result) {
+  int64_t extras = static_cast<int64_t>(extra.size());
+  watched::Allreduce(MPI_IN_PLACE, &extras, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD, WorldLabel());
+  for (const TensorRecord* r : extra) {
+    TensorCheck c;
+    c.name = r->name;
+    c.full_shape = r->full_shape;
+    c.missing = true;
+    result->tensors.push_back(std::move(c));
+  }
+  if (extras > 0 && extra.empty()) {
+    TensorCheck c;
+    c.name = "(tensors of other ranks)";
+    c.missing = true;
+    result->tensors.push_back(std::move(c));
+  }
+}
+
+// The reference's loss and iterations, the memory figures (maxima over the ranks) and the
+// report's lines.
+void AddGptSummary(const RunConfig& run, const GptReferenceResult& ref,
+                   const std::vector<TensorRecord>& records,
+                   std::vector<CheckResult::Iteration> reference_iterations,
+                   CheckResult* result) {
+  const int64_t b = run.micro_batch_size;
+  result->has_loss = true;
+  result->reference_iterations = std::move(reference_iterations);
+  result->reference_loss = ref.loss;
+  const GptReferenceTensor* loss = ref.Find("loss");
+  if (loss != nullptr) result->reference_loss = loss->value.data_as<double>()[0];
+  int64_t held = 0;
+  for (const GptReferenceTensor& t : ref.tensors) held += static_cast<int64_t>(t.value.bytes());
+  result->reference_rows_max = run.seq_length * b;
+  result->reference_bytes_max = held;
+  watched::Allreduce(MPI_IN_PLACE, &result->reference_bytes_max, 1, MPI_INT64_T, MPI_MAX,
+                     MPI_COMM_WORLD, WorldLabel());
+  result->reference_bytes_whole = held;
+  int64_t own = 0;
+  for (const TensorRecord& r : records) own += static_cast<int64_t>(r.tensor.bytes());
+  result->record_bytes_max = own;
+  watched::Allreduce(MPI_IN_PLACE, &result->record_bytes_max, 1, MPI_INT64_T, MPI_MAX,
+                     MPI_COMM_WORLD, WorldLabel());
+  result->header = fmt::format(
+      "check against the float64 GPT reference ({} storage; each rank computes its dp rank's "
+      "samples):\n"
+      "  pass when |a - e| <= allowed * (max|e| + |e|); allowed = {:g} * sqrt(roundings * u^2 "
+      "+ terms * u_c^2) for the model's longest path (README \"Checks and tolerances\")\n",
+      DTypeName(run.dtype), kToleranceSafety);
+  result->memory = fmt::format(
+      "reference memory: {:.1f} MiB on the largest rank (the whole model and {} token rows); "
+      "the largest rank's own tensors: {:.1f} MiB\n",
+      Mebibytes(result->reference_bytes_max), result->reference_rows_max,
+      Mebibytes(result->record_bytes_max));
 }
 
 }  // namespace
@@ -114,278 +458,35 @@ StatusOr<CheckResult> CheckGptAgainstReference(const Config& config, const GptCo
   GptReferenceOptions options;
   options.sample_begin = coords.dp * b;
   options.sample_end = coords.dp * b + b;
-  // The whole tensors' shares (gradients, the loss) are summed over the dp slices.
-  MPI_Comm dp_comm = watched::CommSplit(
-      MPI_COMM_WORLD, static_cast<int>((coords.pp * sizes.cp + coords.cp) * sizes.tp + coords.tp),
-      static_cast<int>(coords.dp), WorldLabel());
-  const CommLabel dp_label = LabelOf(dp_comm, "dp");
-  const std::set<std::string> parameter_names = [&] {
-    std::set<std::string> names;
-    for (const GptParameter& p : GptParameters(gpt, gpt.PaddedVocabSize(sizes.tp), false)) {
-      names.insert(p.name);
-    }
-    return names;
-  }();
   const ErrorBudget budget =
       GptErrorBudget(gpt, run, sizes.tp, sizes.dp, gpt.PaddedVocabSize(sizes.tp));
   const Tolerance tolerance = ToleranceFor(budget, run.dtype);
-  const int64_t iterations = config.optimizer ? run.train_iters : 1;
   std::optional<ReferenceTrainer> trainer;
   if (config.optimizer) {
     trainer.emplace(*config.optimizer, run.train_iters);
     trainer->SetGradientTolerance(tolerance.atol, tolerance.ntol, tolerance.rtol);
   }
   std::vector<CheckResult::Iteration> reference_iterations;
-  GptReferenceResult ref;
-  for (int64_t k = 0; k < iterations; ++k) {
-    options.iteration = k;
-    if (trainer && trainer->has_parameters()) options.parameter_overrides = trainer->parameters();
-    StatusOr<GptReferenceResult> reference = RunGptReference(gpt, config.parallel, run, options);
-    if (!reference.ok()) {
-      MPI_Comm_free(&dp_comm);
-      return reference.status();
-    }
-    ref = std::move(reference).value();
-    for (GptReferenceTensor& t : ref.tensors) {
-      if (!t.partial || sizes.dp == 1) continue;
-      watched::Allreduce(MPI_IN_PLACE, t.value.data(), static_cast<int>(t.value.numel()),
-                         MPI_DOUBLE, MPI_SUM, dp_comm, dp_label);
-    }
-    if (!trainer) break;
-    // The optimizer step on the full gradients; the records hold the clipped gradients and
-    // the parameters after the step.
-    std::map<std::string, Tensor> parameters;
-    std::map<std::string, Tensor*> grads;
-    CheckResult::Iteration row;
-    for (GptReferenceTensor& t : ref.tensors) {
-      if (parameter_names.count(t.name) != 0) {
-        parameters[t.name] = t.value;
-      } else if (t.name.ends_with(".grad") &&
-                 parameter_names.count(t.name.substr(0, t.name.size() - 5)) != 0) {
-        grads[t.name.substr(0, t.name.size() - 5)] = &t.value;
-      } else if (t.name == "loss") {
-        row.loss = t.value.data_as<double>()[0];
-      }
-    }
-    if (!trainer->has_parameters()) trainer->SetParameters(parameters);
-    row.grad_norm = trainer->Step(grads, k);
-    row.lr = trainer->last_lr();
-    reference_iterations.push_back(row);
-    // The result's parameter tensors show the values after the step.
-    for (GptReferenceTensor& t : ref.tensors) {
-      const auto it = trainer->parameters().find(t.name);
-      if (it != trainer->parameters().end()) t.value = it->second;
-    }
-  }
-  MPI_Comm_free(&dp_comm);
-  // The optimizer state after the last step, with the error bounds its gradients carry.
+  StatusOr<GptReferenceResult> reference =
+      RunGptReferenceSlice(config, gpt, sizes, coords, options, trainer ? &*trainer : nullptr,
+                           &reference_iterations);
+  if (!reference.ok()) return reference.status();
+  GptReferenceResult& ref = *reference;
   std::map<std::string, std::vector<double>> state_bounds;
-  if (trainer) {
-    for (ReferenceTrainer::StateTensor& st : trainer->State()) {
-      const Tensor& parameter = trainer->parameters().at(st.parameter);
-      GptReferenceTensor t;
-      t.name = st.name;
-      t.full_shape = parameter.shape();
-      t.value = Tensor::HostEmpty(parameter.shape(), DType::kFloat64);
-      std::memcpy(t.value.data(), st.values.data(), t.value.bytes());
-      state_bounds[st.name] = std::move(st.bounds);
-      ref.tensors.push_back(std::move(t));
-    }
-  }
+  if (trainer) state_bounds = AddGptOptimizerState(*trainer, &ref);
 
-  // The tensors in the reference's order, then the run's tensors the reference lacks.
-  std::vector<std::string> names;
-  std::map<std::string, size_t> slot;
-  for (const GptReferenceTensor& t : ref.tensors) {
-    slot.emplace(t.name, names.size());
-    names.push_back(t.name);
-  }
-  // Run-only names must be the same list on every rank: gather them from rank 0's records is
-  // not enough (ranks may differ), so each rank marks which reference slots it covers and
-  // run-only names are reported by the ranks that have them.
-  const size_t T = names.size();
-  std::vector<const TensorRecord*> extra;
-  std::vector<std::vector<const TensorRecord*>> by_slot(T);
-  for (const TensorRecord& r : records) {
-    const auto it = slot.find(r.name);
-    const GptReferenceTensor* rt = it == slot.end() ? nullptr : &ref.tensors[it->second];
-    if (rt == nullptr || rt->full_shape != r.full_shape) {
-      extra.push_back(&r);
-    } else {
-      by_slot[it->second].push_back(&r);
-    }
-  }
-
-  // Pass 1: the scale max|e| of each tensor over the elements any rank compares.
-  std::vector<double> scale(T, 0.0);
-  std::vector<Tensor> hosts(records.size());
-  for (size_t i = 0; i < T; ++i) {
-    const GptReferenceTensor& rt = ref.tensors[i];
-    const double* e = rt.value.data_as<double>();
-    for (const TensorRecord* r : by_slot[i]) {
-      const ElementMap map(*r, rt, options.sample_begin, options.sample_end);
-      const int64_t n = NumElements(LocalShape(r->shard, r->full_shape));
-      for (int64_t l = 0; l < n; ++l) {
-        const int64_t k = map.RefIndex(l);
-        if (k >= 0) scale[i] = std::max(scale[i], std::fabs(e[k]));
-      }
-    }
-  }
-  watched::Allreduce(MPI_IN_PLACE, scale.data(), static_cast<int>(T), MPI_DOUBLE, MPI_MAX,
-                     MPI_COMM_WORLD, WorldLabel());
-
-  // Pass 2: compare. After training, the parameters and optimizer state first, with the error
-  // bounds training carries; the last iteration's activations and gradients were computed from
-  // those parameters, so they are then allowed the parameters' measured error too, relative to
-  // their scale (the sum over the parameters of max|a - e| / max|e|, times the tolerance's
-  // safety factor: to first order every product adds its factors' relative errors).
-  std::vector<ErrorStats> stats(T);
-  std::vector<double> budget_atol(T, 0.0);  // TensorCheck::budget_atol
-  double drift = 0;
-  for (const bool trained : {true, false}) {
-    for (size_t i = 0; i < T; ++i) {
-      const GptReferenceTensor& rt = ref.tensors[i];
-      const double* e = rt.value.data_as<double>();
-      // Token ids are exact data: compared for equality.
-      const bool exact = rt.name == "tokens" || rt.name == "labels";
-      Tolerance tol = exact ? Tolerance{0, 0, 0} : tolerance.ForScale(scale[i]);
-      // A trained parameter: each element's allowance also holds the error its gradients'
-      // tolerance carries through the optimizer steps (reference/trainer.h).
-      const std::vector<double>* bounds = nullptr;
-      if (trainer) {
-        const auto it = trainer->error_bounds().find(rt.name);
-        if (it != trainer->error_bounds().end()) bounds = &it->second;
-        const auto state = state_bounds.find(rt.name);
-        if (state != state_bounds.end()) bounds = &state->second;
-      }
-      if (trained != (bounds != nullptr)) continue;
-      if (!exact) tol.atol += drift * scale[i];
-      budget_atol[i] = tol.atol + (bounds != nullptr && !bounds->empty()
-                                       ? *std::max_element(bounds->begin(), bounds->end())
-                                       : 0.0);
-      for (const TensorRecord* r : by_slot[i]) {
-        const Tensor host = fetch(*r);
-        const ElementMap map(*r, rt, options.sample_begin, options.sample_end);
-        const int64_t n = host.numel();
-        for (int64_t l = 0; l < n; ++l) {
-          const int64_t k = map.RefIndex(l);
-          // An element outside this rank's reference slice cannot be judged here: count it
-          // as a mismatch (a record placed on the wrong samples is a bug).
-          const double expected = k >= 0 ? e[k] : std::numeric_limits<double>::quiet_NaN();
-          const Tolerance element_tol =
-              bounds != nullptr && k >= 0
-                  ? Tolerance{tol.atol + (*bounds)[static_cast<size_t>(k)], tol.rtol, 0}
-                  : tol;
-          stats[i].Add(map.FullIndex(l), HostValue(host, l), expected, element_tol);
-        }
-      }
-    }
-    if (trained && trainer) drift = TrainingDrift(names, scale, stats, trainer->parameters());
-  }
-  // Reduce: sums, maxima, and the worst element from the rank that holds it.
-  std::vector<int64_t> sums(3 * T);
-  std::vector<double> maxima(3 * T);
-  struct DoubleInt {  // MPI_DOUBLE_INT's layout
-    double excess;
-    int rank;
-  };
-  std::vector<DoubleInt> worst(T);
-  int world_rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
-  for (size_t i = 0; i < T; ++i) {
-    sums[3 * i] = stats[i].count;
-    sums[3 * i + 1] = stats[i].mismatches;
-    sums[3 * i + 2] = stats[i].non_finite;
-    maxima[3 * i] = stats[i].max_abs;
-    maxima[3 * i + 1] = stats[i].max_rel;
-    maxima[3 * i + 2] = stats[i].max_used;
-    worst[i] = {stats[i].count > 0 ? std::min(stats[i].worst_excess, 1e300) : -1e300, world_rank};
-  }
-  watched::Allreduce(MPI_IN_PLACE, sums.data(), static_cast<int>(sums.size()), MPI_INT64_T,
-                     MPI_SUM, MPI_COMM_WORLD, WorldLabel());
-  watched::Allreduce(MPI_IN_PLACE, maxima.data(), static_cast<int>(maxima.size()), MPI_DOUBLE,
-                     MPI_MAX, MPI_COMM_WORLD, WorldLabel());
-  watched::Allreduce(MPI_IN_PLACE, worst.data(), static_cast<int>(T), MPI_DOUBLE_INT, MPI_MAXLOC,
-                     MPI_COMM_WORLD, WorldLabel());
-  std::vector<double> worst_values(3 * T, 0.0);
-  for (size_t i = 0; i < T; ++i) {
-    if (worst[i].rank != world_rank || stats[i].count == 0) continue;
-    worst_values[3 * i] = static_cast<double>(stats[i].worst_index);
-    worst_values[3 * i + 1] = stats[i].worst_actual;
-    worst_values[3 * i + 2] = stats[i].worst_expected;
-  }
-  watched::Allreduce(MPI_IN_PLACE, worst_values.data(), static_cast<int>(worst_values.size()),
-                     MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD, WorldLabel());
+  const GptSlots slots = MatchGptRecords(ref, records);
+  const std::vector<double> scale = GptScales(ref, slots, options);
+  std::vector<ErrorStats> stats(slots.names.size());
+  std::vector<double> budget_atol(slots.names.size(), 0.0);  // TensorCheck::budget_atol
+  const GptCompareContext ctx{&ref,      &slots, &scale, tolerance, trainer ? &*trainer : nullptr,
+                              &state_bounds, &options};
+  CompareGptTensors(ctx, fetch, &stats, &budget_atol);
 
   CheckResult result;
-  for (size_t i = 0; i < T; ++i) {
-    const GptReferenceTensor& rt = ref.tensors[i];
-    TensorCheck c;
-    c.name = rt.name;
-    c.full_shape = rt.full_shape;
-    c.count = sums[3 * i];
-    c.mismatches = sums[3 * i + 1];
-    c.non_finite = sums[3 * i + 2];
-    c.max_abs = maxima[3 * i];
-    c.max_rel = maxima[3 * i + 1];
-    c.used = maxima[3 * i + 2];
-    c.scale = scale[i];
-    c.normalized = scale[i] > 0 ? c.max_abs / scale[i] : 0.0;
-    c.allowed = rt.name == "tokens" || rt.name == "labels" ? 0.0 : tolerance.rtol;
-    c.budget_atol = budget_atol[i];
-    c.not_produced = c.count == 0;
-    if (c.mismatches > 0) {
-      c.worst_index = IndexString(rt.full_shape, static_cast<int64_t>(worst_values[3 * i]));
-      c.worst_actual = worst_values[3 * i + 1];
-      c.worst_expected = worst_values[3 * i + 2];
-    }
-    result.tensors.push_back(std::move(c));
-  }
-  // Run-only tensors: agreed over all ranks by count (each rank reports its own names, and
-  // rank 0's report lists them; the verdict fails on every rank).
-  int64_t extras = static_cast<int64_t>(extra.size());
-  watched::Allreduce(MPI_IN_PLACE, &extras, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD, WorldLabel());
-  for (const TensorRecord* r : extra) {
-    TensorCheck c;
-    c.name = r->name;
-    c.full_shape = r->full_shape;
-    c.missing = true;
-    result.tensors.push_back(std::move(c));
-  }
-  if (extras > 0 && extra.empty()) {
-    TensorCheck c;
-    c.name = "(tensors of other ranks)";
-    c.missing = true;
-    result.tensors.push_back(std::move(c));
-  }
-  result.has_loss = true;
-  result.reference_iterations = std::move(reference_iterations);
-  result.reference_loss = ref.loss;
-  const GptReferenceTensor* loss = ref.Find("loss");
-  if (loss != nullptr) result.reference_loss = loss->value.data_as<double>()[0];
-  int64_t held = 0;
-  for (const GptReferenceTensor& t : ref.tensors) held += static_cast<int64_t>(t.value.bytes());
-  result.reference_rows_max = run.seq_length * b;
-  result.reference_bytes_max = held;
-  watched::Allreduce(MPI_IN_PLACE, &result.reference_bytes_max, 1, MPI_INT64_T, MPI_MAX,
-                     MPI_COMM_WORLD, WorldLabel());
-  result.reference_bytes_whole = held;
-  int64_t own = 0;
-  for (const TensorRecord& r : records) own += static_cast<int64_t>(r.tensor.bytes());
-  result.record_bytes_max = own;
-  watched::Allreduce(MPI_IN_PLACE, &result.record_bytes_max, 1, MPI_INT64_T, MPI_MAX,
-                     MPI_COMM_WORLD, WorldLabel());
-  result.header = fmt::format(
-      "check against the float64 GPT reference ({} storage; each rank computes its dp rank's "
-      "samples):\n"
-      "  pass when |a - e| <= allowed * (max|e| + |e|); allowed = {:g} * sqrt(roundings * u^2 "
-      "+ terms * u_c^2) for the model's longest path (README \"Checks and tolerances\")\n",
-      DTypeName(run.dtype), kToleranceSafety);
-  result.memory = fmt::format(
-      "reference memory: {:.1f} MiB on the largest rank (the whole model and {} token rows); "
-      "the largest rank's own tensors: {:.1f} MiB\n",
-      Mebibytes(result.reference_bytes_max), result.reference_rows_max,
-      Mebibytes(result.record_bytes_max));
+  result.tensors = GptTensorChecks(ref, ReduceGptStats(stats), scale, tolerance, budget_atol);
+  AddRunOnly(slots.extra, &result);
+  AddGptSummary(run, ref, records, std::move(reference_iterations), &result);
   return result;
 }
 
