@@ -31,11 +31,12 @@
 #include <string>
 #include <vector>
 
+#include "cli/cli.h"
 #include "cli/commands.h"
 #include "core/config/config.h"
 #include "core/config/gpt_config.h"
-#include "core/model/model.h"
 #include "core/dump/safetensors.h"
+#include "core/model/model.h"
 #include "core/schedule.h"
 #include "core/topology.h"
 
@@ -72,8 +73,7 @@ std::string LayoutProblem(const json& document) {
   if (!topology.ok()) return topology.status().Message();
   const auto vp = config.parallel.virtual_pipeline_model_parallel_size;
   // Whatever the model refuses for this layout (shapes, states, stages, ties).
-  StatusOr<std::unique_ptr<Model>> model =
-      BuildModel(config, *topology, topology->Coordinates(0));
+  StatusOr<std::unique_ptr<Model>> model = BuildModel(config, *topology, topology->Coordinates(0));
   if (!model.ok()) return model.status().Message();
   StatusOr<PipelineSchedule> schedule = BuildPipelineSchedule(
       config.parallel.pipeline_model_parallel_size, vp, config.run->num_microbatches,
@@ -88,8 +88,7 @@ bool MasksDependOnLayout(const json& document) {
   if (!ParseConfig(document, &config).ok()) return false;
   StatusOr<Topology> topology = Topology::Create(config.parallel);
   if (!topology.ok()) return false;
-  StatusOr<std::unique_ptr<Model>> model =
-      BuildModel(config, *topology, topology->Coordinates(0));
+  StatusOr<std::unique_ptr<Model>> model = BuildModel(config, *topology, topology->Coordinates(0));
   return model.ok() && (*model)->MasksDependOnLayout();
 }
 
@@ -142,32 +141,7 @@ class SweepCommand final : public Command {
     base["run"].erase("global_batch_size");
     std::vector<Layout> layouts;
     std::vector<std::string> skipped;
-    for (int64_t tp = 1; tp <= world_size_; ++tp) {
-      if (world_size_ % tp != 0) continue;
-      for (int64_t pp = 1; pp <= world_size_ / tp; ++pp) {
-        if ((world_size_ / tp) % pp != 0) continue;
-        for (int64_t vp : {int64_t{0}, int64_t{2}}) {
-          if (vp > 0 && pp == 1) continue;
-          for (const auto& [sp, dist_opt] : {std::pair{false, false}, std::pair{false, true},
-                                             std::pair{true, false}, std::pair{true, true}}) {
-            if (sp && tp == 1) continue;
-            // The distributed optimizer shards over dp, and needs an optimizer.
-            if (dist_opt && (!config.optimizer || world_size_ / (tp * pp) == 1)) continue;
-            Layout l{tp, pp, vp, world_size_ / (tp * pp), sp, dist_opt};
-            const std::string problem =
-                samples_ % l.dp != 0
-                    ? fmt::format("{} samples per micro-batch do not split over dp {}", samples_,
-                                  l.dp)
-                    : LayoutProblem(Document(base, l));
-            if (problem.empty()) {
-              layouts.push_back(l);
-            } else {
-              skipped.push_back(fmt::format("{}: {}", l.Name(), problem));
-            }
-          }
-        }
-      }
-    }
+    ListLayouts(base, config.optimizer.has_value(), &layouts, &skipped);
     if (layouts.empty()) {
       return ReportError(err, config_path_,
                          fmt::format("no layout of {} ranks can run this model (e.g. {})",
@@ -193,55 +167,10 @@ class SweepCommand final : public Command {
     // take part in the softmax, so another padding is another model).
     std::map<int64_t, std::pair<double, double>> losses;  // padded vocab -> (min, max)
     for (size_t i = 0; i < layouts.size(); ++i) {
-      const Layout& l = layouts[i];
-      const std::string config_file = (dir / fmt::format("layout{}.json", i)).string();
-      const std::string summary_file = (dir / fmt::format("layout{}.summary.json", i)).string();
-      const std::string log_file = (dir / fmt::format("layout{}.log", i)).string();
-      if (const Status s = WriteFileAtomically(config_file, Document(base, l).dump(1)); !s.ok()) {
-        return ReportError(err, config_file, s.Message());
-      }
-      const std::string command =
-          fmt::format("{} -n {} --oversubscribe {} run {} --summary {} > {} 2>&1",
-                      ShellQuote(mpiexec_), world_size_, ShellQuote(exe), ShellQuote(config_file),
-                      ShellQuote(summary_file), ShellQuote(log_file));
-      const int status = std::system(command.c_str());
-      const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-      std::ifstream summary_in(summary_file);
-      json summary;
-      if (summary_in) summary = json::parse(summary_in, nullptr, false);
-      if ((code != 0 && code != 1) || !summary.is_object()) {
-        ++failures;
-        std::ifstream log_in(log_file);
-        std::stringstream log;
-        log << log_in.rdbuf();
-        const std::string text = log.str();
-        out << fmt::format("  {:<31} FAIL: mpusim run exited {}: {}\n", l.Name(), code,
-                           text.substr(text.size() > 400 ? text.size() - 400 : 0));
-        continue;
-      }
-      double deviation = 0;
-      for (const json& it : summary["iterations"]) {
-        if (it.contains("reference_loss")) {
-          deviation = std::max(
-              deviation, std::fabs(it["loss"].get<double>() - it["reference_loss"].get<double>()));
-        }
-      }
-      if (summary["iterations"].empty() && summary.contains("check")) {
-        deviation = std::fabs(summary["loss"].get<double>() -
-                              summary["check"]["reference_loss"].get<double>());
-      }
-      const double loss = summary["loss"].get<double>();
-      const int64_t padded = summary.value("padded_vocab_size", int64_t{0});
-      const auto [it, fresh] = losses.try_emplace(padded, loss, loss);
-      it->second = {std::min(it->second.first, loss), std::max(it->second.second, loss)};
-      const bool passed = code == 0 && summary["passed"].get<bool>();
-      if (!passed) ++failures;
-      const double seconds = summary["seconds_median"].get<double>();
-      out << fmt::format(
-          "  {:<31} {:>14.10g} {:>16.3g} {:>12.3g} {:>8} {:>10.3f} {:>7}\n", l.Name(), loss,
-          deviation, summary["check"]["max_parameter_normalized_error"].get<double>(),
-          passed ? "pass" : "FAIL", seconds, summary["peak_stashes_rank0"].get<int64_t>());
-      out.flush();
+      const std::optional<bool> passed =
+          RunLayout(i, layouts[i], base, dir, exe, out, err, &losses);
+      if (!passed) return kExitUsage;
+      if (!*passed) ++failures;
     }
     std::filesystem::remove_all(dir);
     std::vector<std::string> agreement;
@@ -282,6 +211,98 @@ class SweepCommand final : public Command {
     }
     if (l.dp > 0 && samples_ % l.dp == 0) document["run"]["micro_batch_size"] = samples_ / l.dp;
     return document;
+  }
+
+  // Every tp x pp (x vp 2) x dp layout of world_size_ ranks, with and without sequence
+  // parallelism and the distributed optimizer (with `has_optimizer` and dp > 1): those the
+  // model accepts into `layouts`, the others into `skipped` with the reason.
+  void ListLayouts(const json& base, bool has_optimizer, std::vector<Layout>* layouts_out,
+                   std::vector<std::string>* skipped_out) const {
+    std::vector<Layout>& layouts = *layouts_out;
+    std::vector<std::string>& skipped = *skipped_out;
+    for (int64_t tp = 1; tp <= world_size_; ++tp) {
+      if (world_size_ % tp != 0) continue;
+      for (int64_t pp = 1; pp <= world_size_ / tp; ++pp) {
+        if ((world_size_ / tp) % pp != 0) continue;
+        for (int64_t vp : {int64_t{0}, int64_t{2}}) {
+          if (vp > 0 && pp == 1) continue;
+          for (const auto& [sp, dist_opt] : {std::pair{false, false}, std::pair{false, true},
+                                             std::pair{true, false}, std::pair{true, true}}) {
+            if (sp && tp == 1) continue;
+            // The distributed optimizer shards over dp, and needs an optimizer.
+            if (dist_opt && (!has_optimizer || world_size_ / (tp * pp) == 1)) continue;
+            Layout l{tp, pp, vp, world_size_ / (tp * pp), sp, dist_opt};
+            const std::string problem =
+                samples_ % l.dp != 0
+                    ? fmt::format("{} samples per micro-batch do not split over dp {}", samples_,
+                                  l.dp)
+                    : LayoutProblem(Document(base, l));
+            if (problem.empty()) {
+              layouts.push_back(l);
+            } else {
+              skipped.push_back(fmt::format("{}: {}", l.Name(), problem));
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // Runs layout `i` (`l`) as `mpiexec -n N mpusim run` in `dir` and prints its row; adds its
+  // final loss to `losses` (by padded vocabulary). Returns whether it passed, or nullopt
+  // (reported on `err`) when its config cannot be written.
+  std::optional<bool> RunLayout(size_t i, const Layout& l, const json& base,
+                                const std::filesystem::path& dir, const std::string& exe,
+                                std::ostream& out, std::ostream& err,
+                                std::map<int64_t, std::pair<double, double>>* losses) const {
+    const std::string config_file = (dir / fmt::format("layout{}.json", i)).string();
+    const std::string summary_file = (dir / fmt::format("layout{}.summary.json", i)).string();
+    const std::string log_file = (dir / fmt::format("layout{}.log", i)).string();
+    if (const Status s = WriteFileAtomically(config_file, Document(base, l).dump(1)); !s.ok()) {
+      ReportError(err, config_file, s.Message());
+      return std::nullopt;
+    }
+    const std::string command =
+        fmt::format("{} -n {} --oversubscribe {} run {} --summary {} > {} 2>&1",
+                    ShellQuote(mpiexec_), world_size_, ShellQuote(exe), ShellQuote(config_file),
+                    ShellQuote(summary_file), ShellQuote(log_file));
+    const int status = std::system(command.c_str());
+    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    std::ifstream summary_in(summary_file);
+    json summary;
+    if (summary_in) summary = json::parse(summary_in, nullptr, false);
+    if ((code != 0 && code != 1) || !summary.is_object()) {
+      std::ifstream log_in(log_file);
+      std::stringstream log;
+      log << log_in.rdbuf();
+      const std::string text = log.str();
+      out << fmt::format("  {:<31} FAIL: mpusim run exited {}: {}\n", l.Name(), code,
+                         text.substr(text.size() > 400 ? text.size() - 400 : 0));
+      return false;
+    }
+    double deviation = 0;
+    for (const json& it : summary["iterations"]) {
+      if (it.contains("reference_loss")) {
+        deviation = std::max(
+            deviation, std::fabs(it["loss"].get<double>() - it["reference_loss"].get<double>()));
+      }
+    }
+    if (summary["iterations"].empty() && summary.contains("check")) {
+      deviation = std::fabs(summary["loss"].get<double>() -
+                            summary["check"]["reference_loss"].get<double>());
+    }
+    const double loss = summary["loss"].get<double>();
+    const int64_t padded = summary.value("padded_vocab_size", int64_t{0});
+    const auto range = losses->try_emplace(padded, loss, loss).first;
+    range->second = {std::min(range->second.first, loss), std::max(range->second.second, loss)};
+    const bool passed = code == 0 && summary["passed"].get<bool>();
+    const double seconds = summary["seconds_median"].get<double>();
+    out << fmt::format(
+        "  {:<31} {:>14.10g} {:>16.3g} {:>12.3g} {:>8} {:>10.3f} {:>7}\n", l.Name(), loss,
+        deviation, summary["check"]["max_parameter_normalized_error"].get<double>(),
+        passed ? "pass" : "FAIL", seconds, summary["peak_stashes_rank0"].get<int64_t>());
+    out.flush();
+    return passed;
   }
 
   CLI::App* app_ = nullptr;
