@@ -736,14 +736,11 @@ GptReferenceTokens DrawGptReferenceTokens(const GptConfig& gpt, const ParallelCo
   return out;
 }
 
-StatusOr<GptReferenceResult> RunGptReference(const GptConfig& gpt_in,
-                                             const ParallelConfig& parallel, const RunConfig& run,
-                                             const GptReferenceOptions& options) {
-#if defined(MPUSIM_HAVE_OPENBLAS)
-  openblas_set_num_threads(1);
-#endif
-  GptConfig gpt = gpt_in;
-  if (gpt.max_position_embeddings == 0) gpt.max_position_embeddings = run.seq_length;
+namespace {
+
+// What the reference needs of the config: resolved sizes, a layout that divides the world.
+Status CheckGptReferenceConfig(const GptConfig& gpt, const ParallelConfig& parallel,
+                               const RunConfig& run) {
   const int64_t t = parallel.tensor_model_parallel_size;
   const int64_t model_parallel =
       t * parallel.pipeline_model_parallel_size * parallel.context_parallel_size;
@@ -775,6 +772,69 @@ StatusOr<GptReferenceResult> RunGptReference(const GptConfig& gpt_in,
                                      gpt.max_position_embeddings, run.seq_length));
   }
 
+  return {};
+}
+
+// Where each dropout site of every pipeline rank draws from under dropout_mode "rng_tracker"
+// (core/dropout.h, reference/tracker_draws.h): its stream, and its position among the draws
+// of the rank's forwards in schedule order.
+Status PlanTrackerDraws(const GptConfig& gpt, const ParallelConfig& parallel, const RunConfig& run,
+                        Dims* dims) {
+  Dims& d = *dims;
+  const int64_t t = parallel.tensor_model_parallel_size;
+  // Megatron-Core's stream per site, in forward order (core/dropout.h).
+  d.tracker = true;
+  d.t = t;
+  d.b = run.micro_batch_size;
+  d.sp = parallel.sequence_parallel && t > 1;
+  // Each pipeline rank draws from its own tracker in the order it runs its forwards
+  // (reference/tracker_draws.h).
+  const int64_t p = parallel.pipeline_model_parallel_size;
+  const std::optional<int64_t> v = parallel.virtual_pipeline_model_parallel_size;
+  StatusOr<std::vector<std::vector<std::vector<int64_t>>>> layers =
+      AssignLayers(p, v, gpt.num_layers);
+  if (!layers.ok()) return layers.status();
+  // Per pp rank and chunk, one forward's draws on each stream.
+  std::vector<std::vector<std::array<int64_t, 2>>> draws(static_cast<size_t>(p));
+  for (int64_t r = 0; r < p; ++r) {
+    const auto& chunks = (*layers)[static_cast<size_t>(r)];
+    std::vector<std::array<int64_t, 2>>& per_chunk = draws[static_cast<size_t>(r)];
+    per_chunk.assign(chunks.size(), {0, 0});
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      const auto site = [&](const std::string& name, bool on_model_parallel, double prob) {
+        if (prob > 0) {
+          d.draw[name] = {on_model_parallel, r, static_cast<int64_t>(c),
+                          per_chunk[c][on_model_parallel ? 1 : 0]++};
+        }
+      };
+      if (r == 0 && c == 0) site("embedding.embedding_dropout", d.sp, gpt.hidden_dropout);
+      for (int64_t layer : chunks[c]) {  // 1-based
+        const std::string name = fmt::format("decoder.layers.{}", layer - 1);
+        site(name + ".self_attention.core_attention.attention_dropout", true,
+             gpt.attention_dropout);
+        site(name + ".self_attn_bda", d.sp, gpt.hidden_dropout);
+        site(name + ".mlp_bda", d.sp, gpt.hidden_dropout);
+      }
+    }
+  }
+  StatusOr<DrawPositions> numbered = NumberTrackerDraws(parallel, d.M, draws);
+  if (!numbered.ok()) return numbered.status();
+  d.draws = *std::move(numbered);
+  return {};
+}
+
+}  // namespace
+
+StatusOr<GptReferenceResult> RunGptReference(const GptConfig& gpt_in,
+                                             const ParallelConfig& parallel, const RunConfig& run,
+                                             const GptReferenceOptions& options) {
+#if defined(MPUSIM_HAVE_OPENBLAS)
+  openblas_set_num_threads(1);
+#endif
+  GptConfig gpt = gpt_in;
+  if (gpt.max_position_embeddings == 0) gpt.max_position_embeddings = run.seq_length;
+  MPUSIM_RETURN_IF_ERROR(CheckGptReferenceConfig(gpt, parallel, run));
+  const int64_t t = parallel.tensor_model_parallel_size;
   Dims d;
   d.seed = run.seed;
   d.iteration = options.iteration;
@@ -793,44 +853,7 @@ StatusOr<GptReferenceResult> RunGptReference(const GptConfig& gpt_in,
   d.L = gpt.num_layers;
   d.qkv = gpt.QkvRows();
   if (gpt.dropout_mode == DropoutMode::kRngTracker) {
-    // Megatron-Core's stream per site, in forward order (core/dropout.h).
-    d.tracker = true;
-    d.t = t;
-    d.b = run.micro_batch_size;
-    d.sp = parallel.sequence_parallel && t > 1;
-    // Each pipeline rank draws from its own tracker in the order it runs its forwards
-    // (reference/tracker_draws.h).
-    const int64_t p = parallel.pipeline_model_parallel_size;
-    const std::optional<int64_t> v = parallel.virtual_pipeline_model_parallel_size;
-    StatusOr<std::vector<std::vector<std::vector<int64_t>>>> layers =
-        AssignLayers(p, v, gpt.num_layers);
-    if (!layers.ok()) return layers.status();
-    // Per pp rank and chunk, one forward's draws on each stream.
-    std::vector<std::vector<std::array<int64_t, 2>>> draws(static_cast<size_t>(p));
-    for (int64_t r = 0; r < p; ++r) {
-      const auto& chunks = (*layers)[static_cast<size_t>(r)];
-      std::vector<std::array<int64_t, 2>>& per_chunk = draws[static_cast<size_t>(r)];
-      per_chunk.assign(chunks.size(), {0, 0});
-      for (size_t c = 0; c < chunks.size(); ++c) {
-        const auto site = [&](const std::string& name, bool on_model_parallel, double prob) {
-          if (prob > 0) {
-            d.draw[name] = {on_model_parallel, r, static_cast<int64_t>(c),
-                            per_chunk[c][on_model_parallel ? 1 : 0]++};
-          }
-        };
-        if (r == 0 && c == 0) site("embedding.embedding_dropout", d.sp, gpt.hidden_dropout);
-        for (int64_t layer : chunks[c]) {  // 1-based
-          const std::string name = fmt::format("decoder.layers.{}", layer - 1);
-          site(name + ".self_attention.core_attention.attention_dropout", true,
-               gpt.attention_dropout);
-          site(name + ".self_attn_bda", d.sp, gpt.hidden_dropout);
-          site(name + ".mlp_bda", d.sp, gpt.hidden_dropout);
-        }
-      }
-    }
-    StatusOr<DrawPositions> numbered = NumberTrackerDraws(parallel, d.M, draws);
-    if (!numbered.ok()) return numbered.status();
-    d.draws = *std::move(numbered);
+    MPUSIM_RETURN_IF_ERROR(PlanTrackerDraws(gpt, parallel, run, &d));
   }
   const int64_t sample_end = options.sample_end < 0 ? d.B : options.sample_end;
   if (options.sample_begin < 0 || options.sample_begin > sample_end || sample_end > d.B) {
