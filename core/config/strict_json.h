@@ -14,7 +14,7 @@
 // integer readers refuse them as "not an integer". The parser builds the document itself
 // through nlohmann's SAX interface: no exception leaves it, whatever the input.
 // What it is not: a schema checker. Field types and ranges are the callers' business
-// (json_fields.h, diff.cc, safetensors.cc).
+// (json_fields.h, dump_loader.cc, safetensors.cc).
 #pragma once
 
 #include <cstddef>
