@@ -116,15 +116,13 @@ class Graph final : public Model {
   std::vector<ParameterPlacement> ShardingMap() const override;
   std::string ParameterSplitNote() const override { return ""; }
   void Explain(std::ostream& out) const override;
-  std::vector<std::string> Warnings() const override { return warnings(); }
-  bool MasksDependOnLayout() const override;
-  MemoryPlan PlanMemory(const MemoryPlanOptions& options) const override;
-
   // Plan-time warnings, one line each ("model.layers[i] (type name): why"): region mappings
   // whose backward sums t copies of a gradient every rank already holds in full, so the
   // gradients before them come out t-fold, as Megatron's own code computes them (the check
   // then fails for those tensors; docs/simulator.md, "Warnings"). Empty at t = 1.
-  const std::vector<std::string>& warnings() const;
+  std::vector<std::string> Warnings() const override;
+  bool MasksDependOnLayout() const override;
+  MemoryPlan PlanMemory(const MemoryPlanOptions& options) const override;
 
   struct Impl;
 

@@ -103,7 +103,7 @@ struct Graph::Impl {
   std::vector<LayerSlot> layers;
   std::vector<std::unique_ptr<ChainParameter>> parameters;
   bool needs_tokens = false, needs_labels = false;
-  std::vector<std::string> warnings;  // Graph::warnings(), filled by PlanWarnings
+  std::vector<std::string> warnings;  // Graph::Warnings(), filled by PlanWarnings
   int64_t planning_stage = 0;         // the stage of the layer Plan is at
   // Pipeline: p stages of v chunks; virtual stage u = chunk * p + pp_rank holds the layers
   // [stage_start[u], stage_start[u + 1]) (PipelineStages), and every pp rank's plan.

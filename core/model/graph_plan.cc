@@ -141,8 +141,9 @@ void Graph::Explain(std::ostream& out) const {
   }
   // Region mappings that give t-fold gradients as Megatron's code does (docs/simulator.md,
   // "Warnings"); the layout stays valid, so the exit code does too.
-  if (!warnings().empty()) out << '\n';
-  for (const std::string& warning : warnings()) {
+  const std::vector<std::string> warnings = Warnings();
+  if (!warnings.empty()) out << '\n';
+  for (const std::string& warning : warnings) {
     out << "warning: " << EscapeControl(warning) << '\n';
   }
 }

@@ -33,16 +33,17 @@ class LayerPlanner {
   LayerPlanner(Graph::Impl& g, LayerSlot& slot, ActivationState& state, int64_t& width)
       : g_(g), slot_(slot), state_(state), width_(width) {}
 
-  Status VocabParallelEmbedding();
-  Status ParallelEmbedding();
+  // The layer's kind's method below.
+  Status Run();
+
+ private:
+  Status Embedding(bool vocab_parallel);
   Status ColumnParallelLinear();
   Status RowParallelLinear();
   Status GeLU();
   Status Dropout();
   Status VocabParallelCrossEntropy();
   Status RegionMapping();
-
- private:
   Status Fail(const std::string& what) const { return g_.Fail(slot_, what); }
   Status RequireState(std::initializer_list<Split> allowed) const {
     for (Split a : allowed) {
@@ -76,53 +77,28 @@ class LayerPlanner {
   int64_t& width_;
 };
 
-Status LayerPlanner::VocabParallelEmbedding() {
+// VocabParallelEmbedding splits the rows (the vocabulary) over tp and, under sequence
+// parallelism, scatters its output by sequence; ParallelEmbedding splits the columns and
+// produces a replicated activation.
+Status LayerPlanner::Embedding(bool vocab_parallel) {
   Graph::Impl& g = g_;
-  LayerSlot& slot = slot_;
-  const LayerConfig& c = slot.config;
-  ActivationState& state = state_;
-  int64_t& width = width_;
-  const int64_t t = g.t;
+  const LayerConfig& c = slot_.config;
   const int64_t rows = c.num_embeddings.Resolve(g.padded_vocab);
   if (rows < *g.model.vocab_size) {
-    return Fail(
-        fmt::format("num_embeddings ({}) is smaller than model.vocab_size "
-                    "({})",
-                    rows, *g.model.vocab_size));
+    return Fail(fmt::format("num_embeddings ({}) is smaller than model.vocab_size ({})", rows,
+                            *g.model.vocab_size));
   }
-  MPUSIM_RETURN_IF_ERROR(RequireDivisible(rows, t, "num_embeddings"));
-  slot.weight = g.AddParameter(c.name + ".weight", {rows, c.embedding_dim}, {0, 1}, c, false);
-  slot.owns_weight = true;
-  if (g.sequence_parallel) {
+  MPUSIM_RETURN_IF_ERROR(vocab_parallel ? RequireDivisible(rows, g.t, "num_embeddings")
+                                        : RequireDivisible(c.embedding_dim, g.t, "embedding_dim"));
+  const TpSplitPlan split = vocab_parallel ? TpSplitPlan{0, 1} : TpSplitPlan{1, 1};
+  slot_.weight = g.AddParameter(c.name + ".weight", {rows, c.embedding_dim}, split, c, false);
+  slot_.owns_weight = true;
+  state_.split = Split::kReplicated;
+  if (vocab_parallel && g.sequence_parallel) {
     MPUSIM_RETURN_IF_ERROR(RequireSequenceDivisible());
-    state.split = Split::kSequence;
-  } else {
-    state.split = Split::kReplicated;
+    state_.split = Split::kSequence;
   }
-  width = c.embedding_dim;
-  g.needs_tokens = true;
-  return {};
-}
-
-Status LayerPlanner::ParallelEmbedding() {
-  Graph::Impl& g = g_;
-  LayerSlot& slot = slot_;
-  const LayerConfig& c = slot.config;
-  ActivationState& state = state_;
-  int64_t& width = width_;
-  const int64_t t = g.t;
-  const int64_t rows = c.num_embeddings.Resolve(g.padded_vocab);
-  if (rows < *g.model.vocab_size) {
-    return Fail(
-        fmt::format("num_embeddings ({}) is smaller than model.vocab_size "
-                    "({})",
-                    rows, *g.model.vocab_size));
-  }
-  MPUSIM_RETURN_IF_ERROR(RequireDivisible(c.embedding_dim, t, "embedding_dim"));
-  slot.weight = g.AddParameter(c.name + ".weight", {rows, c.embedding_dim}, {1, 1}, c, false);
-  slot.owns_weight = true;
-  state.split = Split::kReplicated;
-  width = c.embedding_dim;
+  width_ = c.embedding_dim;
   g.needs_tokens = true;
   return {};
 }
@@ -326,6 +302,27 @@ Status LayerPlanner::RegionMapping() {
   return {};
 }
 
+Status LayerPlanner::Run() {
+  switch (slot_.config.type) {
+    case LayerType::kVocabParallelEmbedding:
+      return Embedding(/*vocab_parallel=*/true);
+    case LayerType::kParallelEmbedding:
+      return Embedding(/*vocab_parallel=*/false);
+    case LayerType::kColumnParallelLinear:
+      return ColumnParallelLinear();
+    case LayerType::kRowParallelLinear:
+      return RowParallelLinear();
+    case LayerType::kGeLU:
+      return GeLU();
+    case LayerType::kDropout:
+      return Dropout();
+    case LayerType::kVocabParallelCrossEntropy:
+      return VocabParallelCrossEntropy();
+    default:
+      return RegionMapping();
+  }
+}
+
 }  // namespace
 
 Status Graph::Impl::Plan(const Topology& topology) {
@@ -439,32 +436,7 @@ Status Graph::Impl::PlanLayer(LayerSlot& slot, ActivationState* state, int64_t* 
   if (!first && layers.back().config.type == LayerType::kVocabParallelCrossEntropy) {
     return Fail(slot, "comes after the loss; VocabParallelCrossEntropy must be the last layer");
   }
-  LayerPlanner plan(*this, slot, *state, *width);
-  switch (c.type) {
-    case LayerType::kVocabParallelEmbedding:
-      MPUSIM_RETURN_IF_ERROR(plan.VocabParallelEmbedding());
-      break;
-    case LayerType::kParallelEmbedding:
-      MPUSIM_RETURN_IF_ERROR(plan.ParallelEmbedding());
-      break;
-    case LayerType::kColumnParallelLinear:
-      MPUSIM_RETURN_IF_ERROR(plan.ColumnParallelLinear());
-      break;
-    case LayerType::kRowParallelLinear:
-      MPUSIM_RETURN_IF_ERROR(plan.RowParallelLinear());
-      break;
-    case LayerType::kGeLU:
-      MPUSIM_RETURN_IF_ERROR(plan.GeLU());
-      break;
-    case LayerType::kDropout:
-      MPUSIM_RETURN_IF_ERROR(plan.Dropout());
-      break;
-    case LayerType::kVocabParallelCrossEntropy:
-      MPUSIM_RETURN_IF_ERROR(plan.VocabParallelCrossEntropy());
-      break;
-    default:
-      MPUSIM_RETURN_IF_ERROR(plan.RegionMapping());
-  }
+  MPUSIM_RETURN_IF_ERROR(LayerPlanner(*this, slot, *state, *width).Run());
   if (state->split == Split::kHidden && *width % (t * state->stride) != 0) {
     return Fail(slot, fmt::format("the output width {} must be divisible by "
                                   "tensor_model_parallel_size * stride = {}",
@@ -589,7 +561,7 @@ Graph::Graph(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Graph::~Graph() = default;
 
 int64_t Graph::padded_vocab_size() const { return impl_->padded_vocab; }
-const std::vector<std::string>& Graph::warnings() const { return impl_->warnings; }
+std::vector<std::string> Graph::Warnings() const { return impl_->warnings; }
 bool Graph::has_loss() const { return impl_->has_loss; }
 double Graph::loss() const {
   return impl_->loss_sum / static_cast<double>(impl_->run.num_microbatches);

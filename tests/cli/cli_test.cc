@@ -576,6 +576,17 @@ TEST(RunCommand, WorldSizeMismatchAndBadInput) {
   EXPECT_EQ(Shell(Mpiexec(1) + MPUSIM_BINARY + " run " + Sample("lab_t2_p4_n16.json"), &output),
             2);
   EXPECT_NE(output.find("model: is required by mpusim run"), std::string::npos) << output;
+  // explain names itself, from a file or from flags alone, with one line and nothing on stdout.
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"explain", Sample("lab_t2_p4_n16.json")},
+        std::vector<std::string>{"explain", "--tp", "2", "--world-size", "2"}}) {
+    const Result explain = Mpusim(args);
+    EXPECT_EQ(explain.code, 2);
+    EXPECT_EQ(explain.out, "");
+    EXPECT_NE(explain.err.find(": model: is required by mpusim explain"), std::string::npos)
+        << explain.err;
+    EXPECT_EQ(std::count(explain.err.begin(), explain.err.end(), '\n'), 1) << explain.err;
+  }
 }
 
 TEST(ExplainCommand, LabSlices) {

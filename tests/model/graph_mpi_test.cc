@@ -478,7 +478,7 @@ std::vector<std::string> PlanWarnings(const json& document) {
   StatusOr<std::unique_ptr<Graph>> graph = Graph::Build(config, *topology);
   EXPECT_TRUE(graph.ok()) << graph.status().Message();
   if (!graph.ok()) return {"no graph"};
-  return (*graph)->warnings();
+  return (*graph)->Warnings();
 }
 
 // The names of the tensors that fail the check, sorted.
