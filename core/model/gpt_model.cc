@@ -226,21 +226,12 @@ Tensor GptModel::EmbeddingForward(const ModuleContext& ctx, const Batch& batch,
   Kernels& k = ctx.k;
   const StreamShape& sh = shape_;
   const int64_t rows = sh.s * sh.b, h = gpt_.hidden_size;
-  const int64_t vocab_local = word_->value.rows();
-  const int64_t vstart = sh.tp_rank * vocab_local;
-  Tensor words = k.Empty({rows, h}, run_.dtype);
-  k.EmbeddingForward(word_->value, batch.tokens, vstart, vstart + vocab_local, words);
-  Tensor embeddings;
+  Tensor embeddings = WordEmbeddings().Forward(ctx, batch.tokens);
   if (position_ != nullptr) {
-    embeddings = MappingForward(k, ctx.tp, Mapping::kReduceFromTp, words);
     Tensor positions = k.Empty({rows, h}, run_.dtype);
     k.EmbeddingForward(position_->value, batch.positions, 0, position_->value.rows(), positions);
     k.Axpy(1.0, positions, embeddings);
     if (sh.sequence_parallel) embeddings = SplitFirstDim(k, ctx.tp, embeddings);
-  } else {
-    embeddings = sh.sequence_parallel
-                     ? ReduceScatterFirstDim(k, ctx.tp, words)
-                     : MappingForward(k, ctx.tp, Mapping::kReduceFromTp, words);
   }
   stash->embedding_in = embeddings;
   const Tensor out =
@@ -262,15 +253,21 @@ void GptModel::EmbeddingBackward(const ModuleContext& ctx, const Batch& batch,
       gpt_.hidden_dropout > 0
           ? DropoutAtSite(ctx, "embedding.embedding_dropout", gpt_.hidden_dropout, sh.StreamMap(h), dy)
           : dy;
-  // The backward of the scatter (or of the reduce-scatter) is an all-gather; that of the
-  // reduce_from all-reduce is the identity.
-  const Tensor full = sh.sequence_parallel ? AllGatherFirstDim(k, ctx.tp, ddrop) : ddrop;
+  // With position embeddings the backward of the split is an all-gather (the word
+  // embeddings' all-reduce then has the identity); without, the word embeddings undo their
+  // own reduce-scatter.
+  Tensor grad = ddrop;
   if (position_ != nullptr) {
-    k.EmbeddingBackward(full, batch.positions, 0, position_->value.rows(), position_->grad);
+    if (sh.sequence_parallel) grad = AllGatherFirstDim(k, ctx.tp, ddrop);
+    k.EmbeddingBackward(grad, batch.positions, 0, position_->value.rows(), position_->grad);
   }
-  const int64_t vocab_local = word_->value.rows();
-  const int64_t vstart = sh.tp_rank * vocab_local;
-  k.EmbeddingBackward(full, batch.tokens, vstart, vstart + vocab_local, word_->grad);
+  WordEmbeddings().Backward(ctx, batch.tokens, grad);
+}
+
+// LanguageModelEmbedding's word embeddings: reduce-scattered straight to the sequence shard
+// under sequence parallelism when nothing is added to them (rope), else all-reduced.
+VocabParallelEmbedding GptModel::WordEmbeddings() const {
+  return VocabParallelEmbedding(word_, shape_.sequence_parallel && position_ == nullptr);
 }
 
 ModuleContext GptModel::Context(RankContext& ctx, int64_t microbatch, const Stash& stash,

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "core/config/config.h"
+#include "core/model/embedding.h"
 #include "core/model/layer_norm.h"
 #include "core/model/linear.h"
 #include "core/model/model.h"
@@ -130,6 +131,7 @@ class GptModel final : public Model {
                         std::vector<TensorRecord>* records) const;
   Tensor EmbeddingForward(const ModuleContext& ctx, const Batch& batch, Stash* stash) const;
   void EmbeddingBackward(const ModuleContext& ctx, const Batch& batch, const Tensor& dy) const;
+  VocabParallelEmbedding WordEmbeddings() const;
   // The head of a post_process chunk: final norm, output layer, cross entropy. Returns the
   // sum of this rank's per-token losses.
   double HeadForward(const ModuleContext& ctx, const Tensor& x, Stash* stash) const;

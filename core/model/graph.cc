@@ -1,30 +1,20 @@
-// The layer graph (see graph.h and docs/simulator.md).
+// The layer graph (see graph.h and docs/simulator.md): its parameters and data, the forward
+// and backward steps over a chunk's layers (each layer's kind, graph_layers.cc, computes it),
+// and the records.
 //
 // Shape legend (local, on one rank; t = tp size, d = dp size):
 //   s, b          sequence length (s/t under sequence parallelism), micro-batch per dp rank
-//   x, y          activations [s, b, h] viewed as [s*b, h]
-//   W_col         ColumnParallelLinear weight shard [out/t, in]
-//   W_row         RowParallelLinear weight shard    [out, in/t]
-//   E_vocab       VocabParallelEmbedding shard      [Vp/t, h]
-//   E_dim         ParallelEmbedding shard           [V, h/t]
+//   x, y          activations [s, b, w] (w/t columns when hidden-split)
 #include "core/model/graph.h"
 #include "core/model/graph_impl.h"
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 
-#include <algorithm>
-#include <cmath>
 #include <map>
 
 #include "core/init.h"
-#include "core/model/accumulate_grad.h"
 #include "core/model/parameter.h"
-#include "core/pipeline/pipeline_plan.h"
 #include "core/rng.h"
-#include "core/schedule.h"
-#include "core/tensor_parallel/cross_entropy.h"
-#include "core/tensor_parallel/mappings.h"
 #include "core/tensor_parallel/tp_utils.h"
 
 namespace mpusim {
@@ -55,29 +45,11 @@ ShardSpec ActivationSpec(const ActivationState& state, const RankCoordinates& c,
   return spec;
 }
 
-bool IsEmbedding(LayerType type) {
-  return type == LayerType::kVocabParallelEmbedding || type == LayerType::kParallelEmbedding;
-}
-
-std::optional<Mapping> MappingOf(LayerType type) {
-  switch (type) {
-    case LayerType::kCopyToTensorModelParallelRegion: return Mapping::kCopyToTp;
-    case LayerType::kReduceFromTensorModelParallelRegion: return Mapping::kReduceFromTp;
-    case LayerType::kScatterToTensorModelParallelRegion: return Mapping::kScatterToTp;
-    case LayerType::kGatherFromTensorModelParallelRegion: return Mapping::kGatherFromTp;
-    case LayerType::kScatterToSequenceParallelRegion: return Mapping::kScatterToSp;
-    case LayerType::kGatherFromSequenceParallelRegion: return Mapping::kGatherFromSp;
-    case LayerType::kReduceScatterToSequenceParallelRegion: return Mapping::kReduceScatterToSp;
-    default: return std::nullopt;
-  }
-}
-
 }  // namespace chain
 
 using chain::ActivationSpec;
-using chain::IsEmbedding;
-using chain::MappingOf;
 using chain::Batch;
+using chain::LayerCall;
 using chain::ChainParameter;
 using chain::LayerSlot;
 using chain::SlotTensors;
@@ -95,7 +67,7 @@ void Graph::InitializeParameters(RankContext& ctx) {
   for (auto& p : g.parameters) p->held = g.PipelineRankOf(p->owner_stage) == g.pp_rank;
   for (const LayerSlot& slot : g.layers) {
     if (g.PipelineRankOf(slot.stage) != g.pp_rank) continue;
-    if (slot.config.type == LayerType::kDropout) {
+    if (!slot.rng_stream.empty()) {  // a Dropout layer
       g.draws_per_iteration[slot.rng_stream] += static_cast<uint64_t>(g.run.num_microbatches);
     }
     if (slot.weight != nullptr && !slot.weight->held) {
@@ -159,174 +131,38 @@ Tensor Graph::Impl::SyntheticActivation(RankContext& ctx, const std::string& nam
 }
 
 // ---------------------------------------------------------------------------------------
-// Layers
+// Layers: each kind's forward and backward (graph_layers.cc) on the module context of this
+// rank, with the [s, b, w] shape of the layer's output and input gradient given back.
+
+LayerCall Graph::Impl::Call(RankContext& ctx, const Batch& batch) const {
+  const StreamShape shape{run.seq_length, run.micro_batch_size, run.micro_batch_size * d,
+                          ctx.coords.dp,  t,                    ctx.coords.tp,
+                          sequence_parallel};
+  return LayerCall{ctx,
+                   ModuleContext{*ctx.kernels, ctx.tp(), *ctx.trace, shape, d, {}, fuse_wgrad},
+                   batch, padded_vocab};
+}
 
 Tensor Graph::Impl::Forward(RankContext& ctx, LayerSlot& slot, const Tensor& x,
                             const Batch& batch) {
-  Kernels& k = *ctx.kernels;
-  const LayerConfig& c = slot.config;
-  const DType dtype = run.dtype;
-  const int64_t s = run.seq_length, b = run.micro_batch_size;
   slot.input = x;
-  switch (c.type) {
-    case LayerType::kVocabParallelEmbedding: {
-      // Masked lookup in this rank's vocabulary rows, then sum over tp (each token's row
-      // lives on exactly one rank).
-      const auto [first, last] =
-          VocabRangeFromPerPartitionVocabSize(slot.weight->value.shape()[0], ctx.coords.tp);
-      Tensor y = k.Zeros({s, b, c.embedding_dim}, dtype);
-      k.EmbeddingForward(slot.weight->value, batch.tokens, first, last, y);
-      if (sequence_parallel) return ReduceScatterFirstDim(k, ctx.tp(), y);
-      return MappingForward(k, ctx.tp(), Mapping::kReduceFromTp, y);
-    }
-    case LayerType::kParallelEmbedding: {
-      const int64_t rows = slot.weight->value.shape()[0];
-      Tensor y = k.Zeros({s, b, c.embedding_dim / t}, dtype);
-      k.EmbeddingForward(slot.weight->value, batch.tokens, 0, rows, y);
-      return AllGatherLastDim(k, ctx.tp(), y);
-    }
-    case LayerType::kColumnParallelLinear: {
-      // copy_to_tensor_model_parallel_region (identity), or the sequence-parallel all-gather.
-      slot.saved = sequence_parallel ? AllGatherFirstDim(k, ctx.tp(), x) : x;
-      const Tensor& w = slot.weight->value;
-      Shape shape = slot.saved.shape();
-      shape.back() = w.shape()[0];
-      Tensor y = k.Empty(shape, dtype);
-      k.Gemm(false, true, 1.0, slot.saved, w, 0.0, y);
-      if (slot.bias != nullptr && !c.skip_bias_add) k.AddRowVector(slot.bias->value, y);
-      return c.gather_output ? AllGatherLastDim(k, ctx.tp(), y) : y;
-    }
-    case LayerType::kRowParallelLinear: {
-      slot.saved = c.input_is_parallel ? x : SplitLastDim(k, ctx.tp(), x);
-      const Tensor& w = slot.weight->value;
-      Shape shape = slot.saved.shape();
-      shape.back() = w.shape()[0];
-      Tensor partial = k.Empty(shape, dtype);
-      k.Gemm(false, true, 1.0, slot.saved, w, 0.0, partial);
-      Tensor y = sequence_parallel ? ReduceScatterFirstDim(k, ctx.tp(), partial)
-                                   : MappingForward(k, ctx.tp(), Mapping::kReduceFromTp, partial);
-      if (slot.bias != nullptr && !c.skip_bias_add) k.AddRowVector(slot.bias->value, y);
-      return y;
-    }
-    case LayerType::kGeLU: {
-      Tensor pre = x;
-      if (slot.added_bias != nullptr) {
-        pre = k.Empty(x.shape(), dtype);
-        k.Copy(x, pre);
-        k.AddRowVector(slot.added_bias->value, pre);
-      }
-      slot.saved = pre;
-      Tensor y = k.Empty(x.shape(), dtype);
-      k.ActivationForward(Activation::kGelu, pre, y);
-      return y;
-    }
-    case LayerType::kDropout: {
-      slot.draw = ctx.rng.Draw(slot.rng_stream);
-      Tensor y = k.Empty(x.shape(), dtype);
-      k.Dropout(x, c.p, slot.draw.key, slot.draw.subsequence, 0, y);
-      return y;
-    }
-    case LayerType::kVocabParallelCrossEntropy: {
-      CrossEntropyStash stash;
-      const Tensor losses = VocabParallelCrossEntropyForward(
-          k, ctx.tp(), x, batch.labels, padded_vocab, c.label_smoothing, &stash);
-      slot.row_max = stash.row_max;
-      slot.sum_exp = stash.sum_exp;
-      return losses.Reshaped({s, b});
-    }
-    default:
-      return MappingForward(k, ctx.tp(), *MappingOf(c.type), x);
-  }
+  const Tensor y = slot.kind->Forward(Call(ctx, batch), slot, x);
+  if (slot.kind->is_loss()) return y;
+  return y.Reshaped(LocalActivationShape(slot.out_state, slot.out_width, ctx.coords));
 }
 
 Tensor Graph::Impl::Backward(RankContext& ctx, LayerSlot& slot, const Tensor& dy,
                              const Batch& batch) {
-  Kernels& k = *ctx.kernels;
-  const LayerConfig& c = slot.config;
-  const DType dtype = run.dtype;
-  switch (c.type) {
-    case LayerType::kVocabParallelEmbedding: {
-      if (slot.weight->frozen) return Tensor();
-      // Embedding gradients are scattered straight into main_grad (float32 under 16-bit
-      // storage): one rounding fewer than torch's bf16 weight.grad followed by the DDP add.
-      const Tensor full = sequence_parallel ? AllGatherFirstDim(k, ctx.tp(), dy) : dy;
-      const auto [first, last] =
-          VocabRangeFromPerPartitionVocabSize(slot.weight->value.shape()[0], ctx.coords.tp);
-      k.EmbeddingBackward(full, batch.tokens, first, last, slot.weight->grad);
-      return Tensor();
-    }
-    case LayerType::kParallelEmbedding: {
-      if (slot.weight->frozen) return Tensor();
-      const Tensor local = SplitLastDim(k, ctx.tp(), dy);
-      k.EmbeddingBackward(local, batch.tokens, 0, slot.weight->value.shape()[0],
-                          slot.weight->grad);
-      return Tensor();
-    }
-    case LayerType::kColumnParallelLinear: {
-      const Tensor d_local = c.gather_output ? SplitLastDim(k, ctx.tp(), dy) : dy;
-      const Tensor& w = slot.weight->value;
-      Tensor dx_total = k.Empty(slot.saved.shape(), dtype);
-      k.Gemm(false, false, 1.0, d_local, w, 0.0, dx_total);  // [R, out/t] @ [out/t, in]
-      if (!slot.weight->frozen) {
-        AccumulateGrad(k, *slot.weight, fuse_wgrad, [&](Tensor& g, double beta) {
-          k.Gemm(true, false, 1.0, d_local, slot.saved, beta, g);
-        });
-      }
-      if (slot.bias != nullptr && !c.skip_bias_add && !slot.bias->frozen) {
-        AccumulateGrad(k, *slot.bias, false,
-                       [&](Tensor& g, double beta) { k.SumRows(d_local, beta, g); });
-      }
-      // Backward of the input mapping: reduce-scatter (sequence parallel) or the
-      // all-reduce of copy_to_tensor_model_parallel_region.
-      return sequence_parallel ? ReduceScatterFirstDim(k, ctx.tp(), dx_total)
-                               : MappingBackward(k, ctx.tp(), Mapping::kCopyToTp, dx_total);
-    }
-    case LayerType::kRowParallelLinear: {
-      const Tensor d_total = sequence_parallel ? AllGatherFirstDim(k, ctx.tp(), dy) : dy;
-      const Tensor& w = slot.weight->value;
-      Tensor dx_local = k.Empty(slot.saved.shape(), dtype);
-      k.Gemm(false, false, 1.0, d_total, w, 0.0, dx_local);  // [R, out] @ [out, in/t]
-      if (!slot.weight->frozen) {
-        AccumulateGrad(k, *slot.weight, fuse_wgrad, [&](Tensor& g, double beta) {
-          k.Gemm(true, false, 1.0, d_total, slot.saved, beta, g);
-        });
-      }
-      if (slot.bias != nullptr && !c.skip_bias_add) {
-        AccumulateGrad(k, *slot.bias, false, [&](Tensor& g, double beta) { k.SumRows(dy, beta, g); });
-      }
-      return c.input_is_parallel ? dx_local
-                                 : AllGatherLastDim(k, ctx.tp(), dx_local);
-    }
-    case LayerType::kGeLU: {
-      Tensor dx = k.Empty(dy.shape(), dtype);
-      k.ActivationBackward(Activation::kGelu, slot.saved, dy, dx);
-      if (slot.added_bias != nullptr) {
-        AccumulateGrad(k, *slot.added_bias, false,
-                       [&](Tensor& g, double beta) { k.SumRows(dx, beta, g); });
-      }
-      return dx;
-    }
-    case LayerType::kDropout: {
-      Tensor dx = k.Empty(dy.shape(), dtype);
-      k.Dropout(dy, c.p, slot.draw.key, slot.draw.subsequence, 0, dx);
-      return dx;
-    }
-    case LayerType::kVocabParallelCrossEntropy: {
-      // dy holds d loss / d per-token loss.
-      return VocabParallelCrossEntropyBackward(k, {slot.input, slot.row_max, slot.sum_exp},
-                                               batch.labels, padded_vocab, c.label_smoothing,
-                                               ctx.coords.tp, dy);
-    }
-    default:
-      return MappingBackward(k, ctx.tp(), *MappingOf(c.type), dy, c.tensor_parallel_output_grad);
-  }
+  const Tensor dx = slot.kind->Backward(Call(ctx, batch), slot, dy);
+  if (slot.kind->takes_tokens()) return dx;
+  return dx.Reshaped(LocalActivationShape(slot.in_state, slot.in_width, ctx.coords));
 }
 
 Tensor Graph::Impl::ForwardLayers(RankContext& ctx, int64_t first, int64_t end, Tensor x,
                                   const Batch& batch, bool count_loss) {
   ctx.trace->SetPhase(Phase::kForward);
   const LayerSlot& head = layers.front();
-  if (first == 0 && !IsEmbedding(head.config.type)) {
+  if (first == 0 && !head.kind->takes_tokens()) {
     x = SyntheticActivation(ctx, fmt::format("input.mb{}", batch.microbatch), head.in_state,
                             head.in_width, run.dtype);
   }
@@ -336,8 +172,8 @@ Tensor Graph::Impl::ForwardLayers(RankContext& ctx, int64_t first, int64_t end, 
     slot.output = Forward(ctx, slot, x, batch);
     x = slot.output;
   }
-  const bool ends_with_loss = end == static_cast<int64_t>(layers.size()) &&
-                              layers.back().config.type == LayerType::kVocabParallelCrossEntropy;
+  const bool ends_with_loss =
+      end == static_cast<int64_t>(layers.size()) && layers.back().kind->is_loss();
   if (!ends_with_loss || !count_loss) return x;
   // Mean token loss over this micro-batch's s * B tokens: local sum, summed over dp.
   const Tensor host = ctx.kernels->ToHost(x);
@@ -359,7 +195,7 @@ Tensor Graph::Impl::BackwardLayers(RankContext& ctx, int64_t first, int64_t end,
   ctx.trace->SetPhase(Phase::kBackward);
   if (end == static_cast<int64_t>(layers.size())) {
     LayerSlot& last = layers.back();
-    if (last.config.type == LayerType::kVocabParallelCrossEntropy) {
+    if (last.kind->is_loss()) {
       Tensor host = Tensor::HostZeros(last.output.shape(), last.output.dtype());
       for (int64_t i = 0; i < host.numel(); ++i) SetHostValue(host, i, batch.token_scale);
       dy = ctx.kernels->ToDevice(host);
@@ -462,7 +298,7 @@ void Graph::BeginStep(RankContext& ctx, int64_t iteration, bool /*record*/) {
     if (p->held && !p->frozen) ctx.kernels->SetZero(p->grad);
   }
   g.loss_sum = 0;
-  g.has_loss = g.layers.back().config.type == LayerType::kVocabParallelCrossEntropy;
+  g.has_loss = g.layers.back().kind->is_loss();
 }
 
 int64_t Graph::num_model_chunks() const { return impl_->vp_size; }
@@ -549,12 +385,11 @@ std::vector<TensorRecord> Graph::Records(RankContext& ctx) const {
   }
   for (const LayerSlot& slot : g.layers) {
     const std::string& n = slot.config.name;
-    const bool embedding = IsEmbedding(slot.config.type);
-    if (!embedding) {
+    if (!slot.kind->takes_tokens()) {
       activation(n + ".input", slot.input, slot.in_state, slot.in_width);
       gradient(n + ".input_grad", slot.input_grad, slot.in_state, slot.in_width);
     }
-    if (slot.config.type == LayerType::kVocabParallelCrossEntropy) {
+    if (slot.kind->is_loss()) {
       if (slot.output.defined()) {  // on the last pipeline stage
         out.push_back({n + ".output", slot.output, {s, B}, batch_split, false});
         out.push_back({n + ".output_grad", slot.output_grad, {s, B}, batch_split, false});

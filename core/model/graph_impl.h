@@ -1,6 +1,8 @@
-// The layer chain's internals (graph.h), shared by its two files: graph_planner.cc (Build:
-// states, shapes, parameters, stages, warnings) and graph.cc (parameters, data, the forward
-// and backward steps). Not an interface: nothing outside core/model/graph*.cc includes it.
+// The layer chain's internals (graph.h), shared by its files: graph_layers.cc (each kind of
+// layer: how it plans and how it runs, from the core/model modules), graph_planner.cc
+// (Build: states, shapes, parameters, stages, ties, warnings) and graph.cc (parameters, data,
+// the forward and backward steps). Not an interface: nothing outside core/model/graph*.cc
+// includes it.
 //
 // Shape legend (local, on one rank; t = tp size, d = dp size):
 //   s, b          sequence length (s/t under sequence parallelism), micro-batch per dp rank
@@ -9,6 +11,7 @@
 
 #include <fmt/format.h>
 
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <optional>
@@ -17,6 +20,7 @@
 #include <vector>
 
 #include "core/model/graph.h"
+#include "core/model/module.h"
 #include "core/model/parameter.h"
 #include "core/pipeline/executor.h"
 #include "core/rng.h"
@@ -52,6 +56,19 @@ struct Batch {
   double token_scale = 0;  // d loss / d per-token loss = 1 / (M * s * B)
 };
 
+class LayerKind;
+class LayerPlanner;
+
+// What a layer kind's Forward and Backward are given: the rank, the modules' context (the
+// backend, the tp group, the stream shape with sequence parallelism, gradient accumulation
+// fusion), the micro-batch's tokens and labels, and the padded vocabulary.
+struct LayerCall {
+  RankContext& ctx;
+  ModuleContext module;
+  const Batch& batch;
+  int64_t padded_vocab = 0;
+};
+
 // What a layer keeps of one micro-batch: saved for its backward and, for the last
 // micro-batch, for the records. A pipeline stashes them per (chunk, micro-batch).
 struct SlotTensors {
@@ -63,6 +80,7 @@ struct SlotTensors {
 
 struct LayerSlot : SlotTensors {
   LayerConfig config;
+  const LayerKind* kind = nullptr;  // KindOf(config.type)
   int index = 0;
   int64_t stage = 0;  // the virtual pipeline stage holding it
   ActivationState in_state;
@@ -76,12 +94,44 @@ struct LayerSlot : SlotTensors {
   std::string rng_stream;                // Dropout
 };
 
+// One kind of layer (graph_layers.cc), built from the core/model modules: what it accepts
+// and produces (Plan), and its forward and backward on one rank. A LayerSlot holds its
+// layer's parameters and the tensors of the micro-batch in flight; the kind holds nothing.
+// Adding a kind of layer: its LayerType and config options (core/config/model_config), a
+// class in graph_layers.cc with its row in KindOf, and its float64 reference (reference/).
+class LayerKind {
+ public:
+  virtual ~LayerKind() = default;
+  // An embedding: consumes the token ids, so it is the first layer and has no input
+  // activation (its backward returns an undefined tensor).
+  virtual bool takes_tokens() const { return false; }
+  // The loss: the last layer, its output the per-token losses [s, b].
+  virtual bool is_loss() const { return false; }
+  // The state a chain starting with this layer gets its synthetic input in.
+  virtual Split SyntheticInputSplit(const LayerConfig& /*c*/, bool /*sequence_parallel*/) const {
+    return Split::kReplicated;
+  }
+  // The input width the layer fixes by itself (0: it takes any).
+  virtual int64_t FixedInputWidth(const LayerConfig& /*c*/, int64_t /*padded_vocab*/) const {
+    return 0;
+  }
+  // Checks the state and width the layer receives, adds its parameters and leaves the state
+  // and width it produces in the planner; errors name "model.layers[i]".
+  virtual Status Plan(LayerPlanner& p) const = 0;
+  // The layer's backward collective when it sums t copies of a gradient that every rank
+  // already holds in full (Graph::Impl::PlanWarnings), or null.
+  virtual const char* RedundantGradientSum(const LayerConfig& /*c*/) const { return nullptr; }
+  // Forward of the slot's layer on x (saving what its backward needs in the slot); backward
+  // from dy, accumulating its parameters' gradients, returns the input gradient.
+  virtual Tensor Forward(const LayerCall& call, LayerSlot& slot, const Tensor& x) const = 0;
+  virtual Tensor Backward(const LayerCall& call, LayerSlot& slot, const Tensor& dy) const = 0;
+};
+// The kind of a layer type (a table, in LayerType's order).
+const LayerKind& KindOf(LayerType type);
+
 // The tensor-parallel layout of an activation in `state` on the rank at `c`.
 ShardSpec ActivationSpec(const ActivationState& state, const RankCoordinates& c, int64_t tp,
                          int64_t dp);
-bool IsEmbedding(LayerType type);
-// The region mapping a layer type is, or nullopt for the other layers.
-std::optional<Mapping> MappingOf(LayerType type);
 
 }  // namespace chain
 
@@ -90,6 +140,7 @@ struct Graph::Impl {
   using LayerSlot = chain::LayerSlot;
   using SlotTensors = chain::SlotTensors;
   using Batch = chain::Batch;
+  using LayerCall = chain::LayerCall;
   using TpSplitPlan = chain::TpSplitPlan;
   using Split = ActivationState::Split;
 
@@ -196,6 +247,7 @@ struct Graph::Impl {
     }
     return states;
   }
+  LayerCall Call(RankContext& ctx, const Batch& batch) const;
   Tensor Forward(RankContext& ctx, LayerSlot& slot, const Tensor& x, const Batch& batch);
   Tensor Backward(RankContext& ctx, LayerSlot& slot, const Tensor& dy, const Batch& batch);
   // Layers [first, end) forward from `x` (the synthetic input or the embedding's tokens when
@@ -210,5 +262,30 @@ struct Graph::Impl {
   Tensor ForwardStep(const StepCall& call, const Tensor& input, Stash& stash);
   Tensor BackwardStep(const StepCall& call, const Tensor& output_grad, Stash& stash);
 };
+
+namespace chain {
+
+// What a layer kind's Plan works on: the chain, the layer's slot, and the activation state
+// and width flowing through (the one it receives, then the one it produces), with the
+// checks every kind uses. Errors name "model.layers[i]" (Graph::Impl::Fail).
+class LayerPlanner {
+ public:
+  LayerPlanner(Graph::Impl& chain, LayerSlot& layer, ActivationState& flowing_state,
+               int64_t& flowing_width)
+      : g(chain), slot(layer), state(flowing_state), width(flowing_width) {}
+
+  Status Fail(const std::string& what) const { return g.Fail(slot, what); }
+  Status RequireState(std::initializer_list<Split> allowed) const;
+  Status RequireDivisible(int64_t value, int64_t by, const std::string& what) const;
+  Status RequireWidth(int64_t expected, const char* field) const;
+  Status RequireSequenceDivisible() const;
+
+  Graph::Impl& g;
+  LayerSlot& slot;
+  ActivationState& state;
+  int64_t& width;
+};
+
+}  // namespace chain
 
 }  // namespace mpusim

@@ -192,12 +192,14 @@ MemoryPlan Graph::PlanMemory(const MemoryPlanOptions& options) const {
       const Shape in = {local_rows(layer.input), local_width(layer.input, layer.input_width)};
       plan.Add(layer.name + ".input_grad", in, storage);
       activation_elements = SaturatingAdd(activation_elements, PlanElements(in));
-      // What the layer saves for backward: the linear layers their (gathered) input, the
-      // others a tensor of their output's size at most.
+      // What the layer saves for backward: the linear layers their input (a column-parallel
+      // one its sequence shard under sequence parallelism, which its backward gathers again;
+      // a row-parallel one at most its input's width), the others a tensor of their output's
+      // size at most.
       const bool linear = layer.type == "ColumnParallelLinear" || layer.type == "RowParallelLinear";
       if (linear) {
-        plan.Add(layer.name + ".saved_input", {rows, local_width(layer.input, layer.input_width)},
-                 storage);
+        plan.Add(layer.name + ".saved_input",
+                 {local_rows(layer.input), local_width(layer.input, layer.input_width)}, storage);
       } else if (layer.output_width > 0) {
         plan.Add(layer.name + ".saved",
                  {local_rows(layer.output), local_width(layer.output, layer.output_width)},

@@ -17,313 +17,10 @@
 namespace mpusim {
 
 using chain::ChainParameter;
-using chain::IsEmbedding;
+using chain::KindOf;
+using chain::LayerKind;
 using chain::LayerSlot;
-using chain::MappingOf;
-using chain::TpSplitPlan;
 using Split = ActivationState::Split;
-
-namespace {
-
-// Plans one layer (Graph::Impl::PlanLayer): checks the state and width it receives, adds its
-// parameters, and leaves the state and width it produces in `state` and `width`. One method
-// per kind of layer; errors name "model.layers[i]" (Graph::Impl::Fail).
-class LayerPlanner {
- public:
-  LayerPlanner(Graph::Impl& g, LayerSlot& slot, ActivationState& state, int64_t& width)
-      : g_(g), slot_(slot), state_(state), width_(width) {}
-
-  // The layer's kind's method below.
-  Status Run();
-
- private:
-  Status Embedding(bool vocab_parallel);
-  Status ColumnParallelLinear();
-  Status RowParallelLinear();
-  Status GeLU();
-  Status Dropout();
-  Status VocabParallelCrossEntropy();
-  Status RegionMapping();
-  Status Fail(const std::string& what) const { return g_.Fail(slot_, what); }
-  Status RequireState(std::initializer_list<Split> allowed) const {
-    for (Split a : allowed) {
-      if (state_.split == a) return {};
-    }
-    std::vector<std::string> names;
-    for (Split a : allowed) names.emplace_back(SplitName(a));
-    return Fail(fmt::format("receives a {} activation but accepts only: {}",
-                            SplitName(state_.split), fmt::join(names, ", ")));
-  }
-  Status RequireDivisible(int64_t value, int64_t by, const std::string& what) const {
-    if (value % by != 0) {
-      return Fail(fmt::format("{} ({}) must be divisible by {}", what, value, by));
-    }
-    return {};
-  }
-  Status RequireWidth(int64_t expected, const char* field) const {
-    if (width_ != expected) {
-      return Fail(fmt::format("{} is {} but the incoming activation has width {}", field, expected,
-                              width_));
-    }
-    return {};
-  }
-  Status RequireSequenceDivisible() const {
-    return RequireDivisible(g_.run.seq_length, g_.t, "run.seq_length under sequence parallelism");
-  }
-
-  Graph::Impl& g_;
-  LayerSlot& slot_;
-  ActivationState& state_;
-  int64_t& width_;
-};
-
-// VocabParallelEmbedding splits the rows (the vocabulary) over tp and, under sequence
-// parallelism, scatters its output by sequence; ParallelEmbedding splits the columns and
-// produces a replicated activation.
-Status LayerPlanner::Embedding(bool vocab_parallel) {
-  Graph::Impl& g = g_;
-  const LayerConfig& c = slot_.config;
-  const int64_t rows = c.num_embeddings.Resolve(g.padded_vocab);
-  if (rows < *g.model.vocab_size) {
-    return Fail(fmt::format("num_embeddings ({}) is smaller than model.vocab_size ({})", rows,
-                            *g.model.vocab_size));
-  }
-  MPUSIM_RETURN_IF_ERROR(vocab_parallel ? RequireDivisible(rows, g.t, "num_embeddings")
-                                        : RequireDivisible(c.embedding_dim, g.t, "embedding_dim"));
-  const TpSplitPlan split = vocab_parallel ? TpSplitPlan{0, 1} : TpSplitPlan{1, 1};
-  slot_.weight = g.AddParameter(c.name + ".weight", {rows, c.embedding_dim}, split, c, false);
-  slot_.owns_weight = true;
-  state_.split = Split::kReplicated;
-  if (vocab_parallel && g.sequence_parallel) {
-    MPUSIM_RETURN_IF_ERROR(RequireSequenceDivisible());
-    state_.split = Split::kSequence;
-  }
-  width_ = c.embedding_dim;
-  g.needs_tokens = true;
-  return {};
-}
-
-Status LayerPlanner::ColumnParallelLinear() {
-  Graph::Impl& g = g_;
-  LayerSlot& slot = slot_;
-  const LayerConfig& c = slot.config;
-  ActivationState& state = state_;
-  int64_t& width = width_;
-  const int64_t t = g.t;
-  if (g.sequence_parallel) {
-    MPUSIM_RETURN_IF_ERROR(RequireState({Split::kSequence}));
-    MPUSIM_RETURN_IF_ERROR(RequireSequenceDivisible());
-    if (c.gather_output) {
-      return Fail(
-          "gather_output cannot be used with sequence_parallel (Megatron "
-          "refuses it too); set gather_output to false");
-    }
-  } else {
-    MPUSIM_RETURN_IF_ERROR(RequireState({Split::kReplicated}));
-  }
-  MPUSIM_RETURN_IF_ERROR(RequireWidth(c.input_size, "input_size"));
-  const int64_t out = c.output_size.Resolve(g.padded_vocab);
-  MPUSIM_RETURN_IF_ERROR(RequireDivisible(out, t * c.stride,
-                                          "output_size / (tensor_model_parallel_size * "
-                                          "stride): output_size"));
-  if (c.gather_output && c.stride > 1) {
-    return Fail(
-        "gather_output with stride > 1 would leave the gathered columns in "
-        "strided order; use gather_output false");
-  }
-  const TpSplitPlan split{0, c.stride};
-  if (c.skip_weight_param_allocation) {
-    LayerSlot* owner = g.FindLayer(c.weight_from);
-    if (owner == nullptr || owner->weight == nullptr) {
-      return Fail(
-          fmt::format("weight_from '{}' is not an earlier layer with a weight", c.weight_from));
-    }
-    const Shape want = {out, c.input_size};
-    if (owner->weight->full_shape != want || owner->weight->split != split) {
-      return Fail(
-          fmt::format("weight_from '{}' has shape {} split on dim {}, but "
-                      "this layer needs {} split on dim 0 with stride {}",
-                      c.weight_from, ShapeString(owner->weight->full_shape),
-                      owner->weight->split.dim, ShapeString(want), c.stride));
-    }
-    slot.weight = owner->weight;
-  } else {
-    slot.weight = g.AddParameter(c.name + ".weight", {out, c.input_size}, split, c, false);
-    slot.owns_weight = true;
-  }
-  if (c.bias) {
-    slot.bias = g.AddParameter(c.name + ".bias", {out}, split, c, true);
-  }
-  if (c.gather_output) {
-    state = ActivationState{Split::kReplicated, 1};
-  } else {
-    state = ActivationState{Split::kHidden, c.stride};
-  }
-  width = out;
-  return {};
-}
-
-Status LayerPlanner::RowParallelLinear() {
-  Graph::Impl& g = g_;
-  LayerSlot& slot = slot_;
-  const LayerConfig& c = slot.config;
-  ActivationState& state = state_;
-  int64_t& width = width_;
-  const int64_t t = g.t;
-  const TpSplitPlan replicated;
-  if (c.input_is_parallel) {
-    MPUSIM_RETURN_IF_ERROR(RequireState({Split::kHidden}));
-    if (state.stride != c.stride) {
-      return Fail(
-          fmt::format("its input is split with stride {} but the layer's "
-                      "stride is {}; they must match",
-                      state.stride, c.stride));
-    }
-  } else {
-    MPUSIM_RETURN_IF_ERROR(RequireState({Split::kReplicated}));
-    if (c.stride != 1) {
-      return Fail(
-          "stride > 1 needs input_is_parallel (the scatter splits "
-          "contiguously)");
-    }
-  }
-  MPUSIM_RETURN_IF_ERROR(RequireWidth(c.input_size, "input_size"));
-  MPUSIM_RETURN_IF_ERROR(RequireDivisible(c.input_size, t * c.stride,
-                                          "input_size / (tensor_model_parallel_size * "
-                                          "stride): input_size"));
-  const int64_t out = c.output_size.Resolve(g.padded_vocab);
-  slot.weight = g.AddParameter(c.name + ".weight", {out, c.input_size}, {1, c.stride}, c, false);
-  slot.owns_weight = true;
-  if (c.bias) {
-    slot.bias = g.AddParameter(c.name + ".bias", {out}, replicated, c, true);
-    slot.bias->sequence_parallel = g.sequence_parallel;
-  }
-  if (g.sequence_parallel) {
-    MPUSIM_RETURN_IF_ERROR(RequireSequenceDivisible());
-    state = ActivationState{Split::kSequence, 1};
-  } else {
-    state = ActivationState{Split::kReplicated, 1};
-  }
-  width = out;
-  return {};
-}
-
-Status LayerPlanner::GeLU() {
-  Graph::Impl& g = g_;
-  LayerSlot& slot = slot_;
-  const LayerConfig& c = slot.config;
-  ActivationState& state = state_;
-  int64_t& width = width_;
-  MPUSIM_RETURN_IF_ERROR(RequireState({Split::kReplicated, Split::kHidden, Split::kSequence}));
-  if (!c.bias_from.empty()) {
-    LayerSlot* owner = g.FindLayer(c.bias_from);
-    if (owner == nullptr || owner->bias == nullptr || !owner->config.skip_bias_add) {
-      return Fail(
-          fmt::format("bias_from '{}' must name an earlier linear layer with "
-                      "bias and skip_bias_add",
-                      c.bias_from));
-    }
-    if (owner->bias->full_shape[0] != width) {
-      return Fail(
-          fmt::format("bias_from '{}' has {} elements but the activation has "
-                      "width {}",
-                      c.bias_from, owner->bias->full_shape[0], width));
-    }
-    const bool bias_split = owner->bias->split.dim == 0;
-    if (bias_split != (state.split == Split::kHidden)) {
-      return Fail(fmt::format("bias_from '{}' is {} but the activation is {}", c.bias_from,
-                              bias_split ? "split" : "replicated", SplitName(state.split)));
-    }
-    slot.added_bias = owner->bias;
-  }
-  return {};
-}
-
-Status LayerPlanner::Dropout() {
-  MPUSIM_RETURN_IF_ERROR(RequireState({Split::kReplicated, Split::kHidden, Split::kSequence}));
-  slot_.rng_stream = state_.split == Split::kReplicated ? kDefaultStream : kModelParallelStream;
-  return {};
-}
-
-Status LayerPlanner::VocabParallelCrossEntropy() {
-  MPUSIM_RETURN_IF_ERROR(RequireState({Split::kHidden}));
-  if (state_.stride != 1) return Fail("the logits must be split with stride 1");
-  MPUSIM_RETURN_IF_ERROR(RequireWidth(g_.padded_vocab, "padded_vocab_size"));
-  if (slot_.config.label_smoothing > 0 && g_.padded_vocab < 2) {
-    return Fail("label smoothing needs at least 2 vocabulary entries");
-  }
-  g_.needs_labels = true;
-  state_ = ActivationState{Split::kReplicated, 1};
-  width_ = 0;
-  return {};
-}
-
-Status LayerPlanner::RegionMapping() {
-  Graph::Impl& g = g_;
-  LayerSlot& slot = slot_;
-  const LayerConfig& c = slot.config;
-  ActivationState& state = state_;
-  int64_t& width = width_;
-  const int64_t t = g.t;
-  const Mapping mapping = *MappingOf(c.type);
-  switch (mapping) {
-    case Mapping::kCopyToTp:
-      MPUSIM_RETURN_IF_ERROR(RequireState({Split::kReplicated}));
-      break;
-    case Mapping::kReduceFromTp:
-      MPUSIM_RETURN_IF_ERROR(RequireState({Split::kPartialSum}));
-      state = ActivationState{Split::kReplicated, 1};
-      break;
-    case Mapping::kScatterToTp:
-      MPUSIM_RETURN_IF_ERROR(RequireState({Split::kReplicated}));
-      MPUSIM_RETURN_IF_ERROR(RequireDivisible(width, t, "the activation width"));
-      state = ActivationState{Split::kHidden, 1};
-      break;
-    case Mapping::kGatherFromTp:
-      MPUSIM_RETURN_IF_ERROR(RequireState({Split::kHidden}));
-      if (state.stride != 1) return Fail("cannot gather a strided split");
-      state = ActivationState{Split::kReplicated, 1};
-      break;
-    case Mapping::kScatterToSp:
-      MPUSIM_RETURN_IF_ERROR(RequireState({Split::kReplicated}));
-      MPUSIM_RETURN_IF_ERROR(RequireDivisible(g.run.seq_length, t, "run.seq_length"));
-      state = ActivationState{Split::kSequence, 1};
-      break;
-    case Mapping::kGatherFromSp:
-      MPUSIM_RETURN_IF_ERROR(RequireState({Split::kSequence}));
-      state = ActivationState{Split::kReplicated, 1};
-      break;
-    case Mapping::kReduceScatterToSp:
-      MPUSIM_RETURN_IF_ERROR(RequireState({Split::kPartialSum}));
-      MPUSIM_RETURN_IF_ERROR(RequireDivisible(g.run.seq_length, t, "run.seq_length"));
-      state = ActivationState{Split::kSequence, 1};
-      break;
-  }
-  return {};
-}
-
-Status LayerPlanner::Run() {
-  switch (slot_.config.type) {
-    case LayerType::kVocabParallelEmbedding:
-      return Embedding(/*vocab_parallel=*/true);
-    case LayerType::kParallelEmbedding:
-      return Embedding(/*vocab_parallel=*/false);
-    case LayerType::kColumnParallelLinear:
-      return ColumnParallelLinear();
-    case LayerType::kRowParallelLinear:
-      return RowParallelLinear();
-    case LayerType::kGeLU:
-      return GeLU();
-    case LayerType::kDropout:
-      return Dropout();
-    case LayerType::kVocabParallelCrossEntropy:
-      return VocabParallelCrossEntropy();
-    default:
-      return RegionMapping();
-  }
-}
-
-}  // namespace
 
 Status Graph::Impl::Plan(const Topology& topology) {
   t = topology.sizes().tp;
@@ -372,42 +69,12 @@ Status Graph::Impl::PlanStages() {
 // The state and width a first layer that is not an embedding receives its synthetic input in.
 Status Graph::Impl::PlanSyntheticInput(const LayerSlot& slot, ActivationState* state_out,
                                        int64_t* width_out) const {
-  const LayerConfig& c = slot.config;
-  ActivationState& state = *state_out;
+  state_out->split = slot.kind->SyntheticInputSplit(slot.config, sequence_parallel);
+  // The width: the first layer of the chain that fixes its input width (a linear layer's
+  // input_size, or the loss's padded vocabulary); the layers in between keep it.
   int64_t& width = *width_out;
-  switch (c.type) {
-    case LayerType::kColumnParallelLinear:
-      state.split = sequence_parallel ? Split::kSequence : Split::kReplicated;
-      width = c.input_size;
-      break;
-    case LayerType::kRowParallelLinear:
-      state.split = c.input_is_parallel ? Split::kHidden : Split::kReplicated;
-      width = c.input_size;
-      break;
-    case LayerType::kReduceFromTensorModelParallelRegion:
-    case LayerType::kReduceScatterToSequenceParallelRegion:
-      state.split = Split::kPartialSum;
-      break;
-    case LayerType::kGatherFromTensorModelParallelRegion:
-    case LayerType::kVocabParallelCrossEntropy:
-      state.split = Split::kHidden;
-      break;
-    case LayerType::kGatherFromSequenceParallelRegion:
-      state.split = Split::kSequence;
-      break;
-    default:
-      state.split = Split::kReplicated;
-  }
-  // Layers without a size of their own take the width from the first later layer that
-  // fixes it (a linear layer's input_size, or the loss's padded vocabulary).
   for (size_t j = 0; width == 0 && j < model.layers.size(); ++j) {
-    const LayerConfig& later = model.layers[j];
-    if (later.type == LayerType::kColumnParallelLinear ||
-        later.type == LayerType::kRowParallelLinear) {
-      width = later.input_size;
-    } else if (later.type == LayerType::kVocabParallelCrossEntropy) {
-      width = padded_vocab;
-    }
+    width = KindOf(model.layers[j].type).FixedInputWidth(model.layers[j], padded_vocab);
   }
   if (width == 0) {
     return Fail(slot,
@@ -419,24 +86,26 @@ Status Graph::Impl::PlanSyntheticInput(const LayerSlot& slot, ActivationState* s
 
 Status Graph::Impl::PlanLayer(LayerSlot& slot, ActivationState* state, int64_t* width) {
   const LayerConfig& c = slot.config;
+  const LayerKind& kind = KindOf(c.type);
+  slot.kind = &kind;
   const bool first = slot.index == 0;
-  const bool needs_vocab = IsEmbedding(c.type) || c.type == LayerType::kVocabParallelCrossEntropy ||
-                           c.output_size.padded_vocab;
+  const bool needs_vocab = kind.takes_tokens() || kind.is_loss() || c.output_size.padded_vocab;
   if (needs_vocab && !model.vocab_size) {
     return Fail(slot, "needs model.vocab_size (the vocabulary tokens and labels come from)");
   }
-  if (first && !IsEmbedding(c.type)) {
+  if (first && !kind.takes_tokens()) {
     MPUSIM_RETURN_IF_ERROR(PlanSyntheticInput(slot, state, width));
   }
   slot.in_state = *state;
-  slot.in_width = IsEmbedding(c.type) ? 0 : *width;
-  if (IsEmbedding(c.type) && !first) {
+  slot.in_width = kind.takes_tokens() ? 0 : *width;
+  if (kind.takes_tokens() && !first) {
     return Fail(slot, "an embedding consumes token ids, so it must be the first layer");
   }
-  if (!first && layers.back().config.type == LayerType::kVocabParallelCrossEntropy) {
+  if (!first && layers.back().kind->is_loss()) {
     return Fail(slot, "comes after the loss; VocabParallelCrossEntropy must be the last layer");
   }
-  MPUSIM_RETURN_IF_ERROR(LayerPlanner(*this, slot, *state, *width).Run());
+  chain::LayerPlanner planner(*this, slot, *state, *width);
+  MPUSIM_RETURN_IF_ERROR(kind.Plan(planner));
   if (state->split == Split::kHidden && *width % (t * state->stride) != 0) {
     return Fail(slot, fmt::format("the output width {} must be divisible by "
                                   "tensor_model_parallel_size * stride = {}",
@@ -490,13 +159,7 @@ void Graph::Impl::PlanWarnings() {
   double factor = 1;
   for (size_t i = layers.size(); i-- > 0;) {
     const LayerConfig& c = layers[i].config;
-    const char* sum = nullptr;
-    if (c.type == LayerType::kCopyToTensorModelParallelRegion) {
-      sum = "its backward all-reduce";
-    } else if (c.type == LayerType::kGatherFromSequenceParallelRegion &&
-               c.tensor_parallel_output_grad) {
-      sum = "its backward reduce-scatter (tensor_parallel_output_grad true)";
-    }
+    const char* sum = layers[i].kind->RedundantGradientSum(c);
     if (sum == nullptr) continue;
     factor *= static_cast<double>(t);
     std::vector<std::string> before;

@@ -11,12 +11,19 @@
 //                                   dW += dy^T x  (under SP x is gathered again, as
 //                                   Megatron-Core re-gathers the saved shard instead of
 //                                   keeping the gathered input)
+//                          gather_output: y --all-gather last dim--> [R, out]; dy split
 //   RowParallelLinear      forward  y = x W_row^T [R, out] partial sums
 //                                   --reduce-scatter(SP) / all-reduce-->        [R_l, out]
-//                                   the bias is not added (skip_bias_add: the caller's
-//                                   bias-dropout-add adds it on the stream)
+//                                   (+ bias, when one is given: the GPT passes none, its
+//                                   bias-dropout-add adds fc2's and proj's bias on the stream)
 //                          backward dy --all-gather(SP) / identity--> [R, out]
-//                                   dx = dy W_row, dW += dy^T x
+//                                   dx = dy W_row, dW += dy^T x, dbias += sum of dy's rows
+//                          input_is_parallel false: x [R, in] is split to [R, in/t] first,
+//                                   and dx all-gathered back
+//
+// A parameter without a main_grad (a frozen one: its `grad` is undefined) gets no gradient;
+// the input gradient is computed all the same. The GPT model and the layer chain both build
+// their linear layers from these two modules.
 #pragma once
 
 #include "core/model/module.h"
@@ -27,7 +34,10 @@ namespace mpusim {
 class ColumnParallelLinear {
  public:
   // `bias` may be null. A tied output layer passes the word embedding as `weight`.
-  ColumnParallelLinear(Parameter* weight, Parameter* bias) : weight_(weight), bias_(bias) {}
+  // `gather_output` (Megatron's option; not under sequence parallelism) all-gathers the
+  // output's columns.
+  ColumnParallelLinear(Parameter* weight, Parameter* bias, bool gather_output = false)
+      : weight_(weight), bias_(bias), gather_output_(gather_output) {}
   struct Stash {
     Tensor input;  // [R_l, in] as given (the sequence shard under SP)
   };
@@ -37,11 +47,16 @@ class ColumnParallelLinear {
  private:
   Parameter* weight_;
   Parameter* bias_;
+  bool gather_output_;
 };
 
 class RowParallelLinear {
  public:
-  explicit RowParallelLinear(Parameter* weight) : weight_(weight) {}
+  // `bias` may be null (the GPT's: skip_bias_add). `input_is_parallel` false: the input
+  // arrives whole and is split over the tp ranks first (Megatron's scatter_to).
+  explicit RowParallelLinear(Parameter* weight, Parameter* bias = nullptr,
+                             bool input_is_parallel = true)
+      : weight_(weight), bias_(bias), input_is_parallel_(input_is_parallel) {}
   struct Stash {
     Tensor input;  // [R, in/t]
   };
@@ -50,6 +65,8 @@ class RowParallelLinear {
 
  private:
   Parameter* weight_;
+  Parameter* bias_;
+  bool input_is_parallel_;
 };
 
 }  // namespace mpusim
