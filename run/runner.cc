@@ -6,7 +6,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <ostream>
 #include <sstream>
@@ -28,6 +32,30 @@ constexpr int kExitCheckFailed = 1;
 constexpr int kExitUsage = 2;
 constexpr int kExitOutOfMemory = 3;
 constexpr int kExitInternalError = 4;
+
+// "" when `path` (a --trace or --summary FILE, written by rank 0 after the run) can be
+// written: it is not a directory, and its directory exists and takes a new file (the file is
+// written to a sibling and renamed); else why not.
+std::string OutputFileError(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path file(path);
+  if (fs::is_directory(file, ec)) return fmt::format("'{}' is a directory; give a file name", path);
+  const fs::path dir = file.has_parent_path() ? file.parent_path() : fs::path(".");
+  if (!fs::is_directory(dir, ec)) {
+    return fmt::format("cannot write '{}': there is no directory '{}'", path, dir.string());
+  }
+  const fs::path probe =
+      dir / fmt::format(".{}.mpusim-probe-{}", file.filename().string(), ::getpid());
+  std::ofstream out(probe);
+  if (!out) {
+    return fmt::format("cannot write '{}': the directory '{}' takes no new file ({})", path,
+                       dir.string(), std::strerror(errno));
+  }
+  out.close();
+  fs::remove(probe, ec);
+  return "";
+}
 
 class RankRun {
  public:
@@ -56,6 +84,7 @@ class RankRun {
   static constexpr int kContinue = -1;
   int LoadConfig();       // config_: the file with the command line's overrides, checked
   int CheckWorldSize() const;
+  int CheckOutputFiles() const;  // --summary and --trace, before anything runs
   int Preflight(const Topology& topology);  // plan_, warnings_: refuse what would not fit
   int MakeBackend();      // backend_, and its device memory against plan_
   int Report(const Topology& topology, SimulationResult& result, const DumpTarget& dump);
@@ -106,6 +135,7 @@ int RankRun::Run() {
     const Status ready = PrepareDump(&dump);
     if (!ready.ok()) return Usage("command line", ready.Message());
   }
+  if (const int code = CheckOutputFiles(); code != kContinue) return code;
   if (const int code = MakeBackend(); code != kContinue) return code;
   StatusOr<SimulationResult> result =
       Simulate(config_,
@@ -183,6 +213,24 @@ int RankRun::Preflight(const Topology& topology) {
   return kContinue;
 }
 
+int RankRun::CheckOutputFiles() const {
+  std::string error;
+  if (world_rank_ == 0) {
+    for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{
+                                         "--summary", options_.summary_path},
+                                     {"--trace", options_.trace_path}}) {
+      if (path.empty()) continue;
+      if (const std::string why = OutputFileError(path); !why.empty()) {
+        error = fmt::format("{}: {}", flag, why);
+        break;
+      }
+    }
+  }
+  std::vector<std::string> lines;  // rank 0's alone: its error line says it without a rank
+  if (GatherErrors(error, &lines)) return Usage("command line", error);
+  return kContinue;
+}
+
 int RankRun::MakeBackend() {
   BackendOrStatus made = factory_(options_);
   std::vector<std::string> lines;
@@ -218,13 +266,16 @@ int RankRun::Report(const Topology& topology, SimulationResult& result, const Du
   const int iteration_failures = report.PrintTraining(result);
   if (options_.check && report.PrintChecks(result.check, result) > 0) code = kExitCheckFailed;
   if (iteration_failures > 0) code = kExitCheckFailed;
+  // The paths were checked before the run; should a write fail all the same (a full disk),
+  // rank 0 says so and exits 2 after the collective steps below, which every rank takes.
+  int output_code = kContinue;
   if (!options_.summary_path.empty() && world_rank_ == 0) {
     const Status written = report.WriteSummary(result, code);
-    if (!written.ok()) return Usage("", written.Message());
+    if (!written.ok()) output_code = Usage("command line", "--summary: " + written.Message());
   }
   if (!options_.trace_path.empty() && world_rank_ == 0) {
     const Status written = report.WriteTrace(topology, result);
-    if (!written.ok()) return Usage("", written.Message());
+    if (!written.ok()) output_code = Usage("command line", "--trace: " + written.Message());
   }
   report.PrintCommTrace(result.trace);
   if (!options_.dump_dir.empty()) {
@@ -249,7 +300,7 @@ int RankRun::Report(const Topology& topology, SimulationResult& result, const Du
   }
   if (!result.parameter_split.empty()) report.PrintParameterMemory(result);
   report.PrintMemory(plan_.total);
-  return code;
+  return output_code != kContinue ? output_code : code;
 }
 
 }  // namespace

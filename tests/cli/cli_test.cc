@@ -1411,6 +1411,41 @@ TEST(HostileInput, DumpsAreWholeOrAbsentAndNeverMixed) {
   fs::remove_all(tmp);
 }
 
+// --trace and --summary are written by rank 0 after the run; a path that cannot be written is
+// refused before anything runs, naming the flag (it used to crash the job after the run).
+TEST(HostileInput, OutputFilesAreCheckedBeforeTheRun) {
+  namespace fs = std::filesystem;
+  const fs::path tmp = fs::temp_directory_path() / fmt::format("mpusim_outputs.{}", ::getpid());
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+  const std::string run =
+      Mpiexec(2) + MPUSIM_BINARY + " run " + Sample("lab_parallel_embedding_t2_n2.json");
+  std::string output;
+  const std::string missing = (tmp / "no" / "such" / "t.json").string();
+  EXPECT_EQ(Shell(run + " --trace " + missing, &output), 2) << output;
+  EXPECT_EQ(output.substr(0, output.find('\n') + 1),
+            fmt::format("error: command line: --trace: cannot write '{}': there is no "
+                        "directory '{}'\n",
+                        missing, (tmp / "no" / "such").string()));
+  EXPECT_EQ(output.find("check"), std::string::npos) << output;  // nothing ran
+  EXPECT_EQ(Shell(run + " --summary " + tmp.string(), &output), 2) << output;
+  EXPECT_EQ(output.substr(0, output.find('\n') + 1),
+            fmt::format("error: command line: --summary: '{}' is a directory; give a "
+                        "file name\n",
+                        tmp.string()));
+  // Both good: both written, and the directory holds nothing else (the probe is gone).
+  EXPECT_EQ(Shell(run + " --summary " + (tmp / "s.json").string() + " --trace " +
+                      (tmp / "t.json").string(),
+                  &output),
+            0)
+      << output;
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(tmp)) names.push_back(entry.path().filename());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"s.json", "t.json"}));
+  fs::remove_all(tmp);
+}
+
 }  // namespace hostile_tests
 
 }  // namespace
