@@ -43,6 +43,9 @@ class TracedPending final : public PendingP2P {
   TracedPending(std::unique_ptr<PendingP2P> inner, CommTrace* trace, std::vector<size_t> handles)
       : inner_(std::move(inner)), trace_(trace), handles_(std::move(handles)) {}
   void Wait() override {
+    if (trace_ != nullptr) {
+      for (size_t handle : handles_) trace_->BeginWait(handle);
+    }
     inner_->Wait();
     if (trace_ == nullptr) return;
     for (size_t handle : handles_) trace_->End(handle);

@@ -91,8 +91,10 @@ struct CommRecord {
   Phase phase;
   int peer = -1;  // send and receive: the group rank of the other side
   // When the call began and returned (a send or receive: when it was posted and when the wait
-  // for it returned), in seconds of std::chrono::steady_clock; end 0 while in flight.
+  // for it returned), in seconds of std::chrono::steady_clock; end 0 while in flight. A send
+  // or receive also has when its wait began: the rank was blocked from `wait` to `end`.
   double begin = 0, end = 0;
+  double wait = 0;
 };
 
 // Seconds of std::chrono::steady_clock (the machine's monotonic clock, shared by its
@@ -111,10 +113,11 @@ class CommTrace {
   }
   // Marks the record `handle` as ended now (nothing when the trace was cleared since).
   void End(size_t handle) {
-    const size_t index = handle & 0xffffffffu;
-    if ((handle >> 32) == generation_ && index < records_.size()) {
-      records_[index].end = MonotonicSeconds();
-    }
+    if (CommRecord* r = Find(handle)) r->end = MonotonicSeconds();
+  }
+  // Marks that the wait for the send or receive `handle` begins now.
+  void BeginWait(size_t handle) {
+    if (CommRecord* r = Find(handle)) r->wait = MonotonicSeconds();
   }
   const std::vector<CommRecord>& records() const { return records_; }
   void Clear() {
@@ -123,6 +126,12 @@ class CommTrace {
   }
 
  private:
+  CommRecord* Find(size_t handle) {
+    const size_t index = handle & 0xffffffffu;
+    if ((handle >> 32) != generation_ || index >= records_.size()) return nullptr;
+    return &records_[index];
+  }
+
   Phase phase_ = Phase::kOther;
   std::string site_;
   std::vector<CommRecord> records_;

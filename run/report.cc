@@ -184,16 +184,20 @@ Status RunReport::WriteSummary(const SimulationResult& result, int code) {
 }
 
 // --trace FILE: the last step as Chrome trace events (the format chrome://tracing, Perfetto
-// and PyTorch's profiler use): a process per node, a thread per rank named by its
-// coordinates, a complete ("X") event per forward or backward step (and per recomputation,
-// nested in its backward step) and per collective or
-// send/receive, times in microseconds from the step's start.
+// and PyTorch's profiler use), times in microseconds from the step's start. A process per
+// node; per rank three threads, so that the complete ("X") events of a thread nest as the
+// format requires: tid r (named by the rank's coordinates) its forward and backward steps
+// (a recomputation nested in its backward step), tid W + r its collectives, tid 2W + r the
+// waits of its sends and receives (the rank blocked), each message also an async span ("b"
+// and "e", category "p2p") from its posting to the end of its wait, as messages in flight
+// overlap. W, the number of ranks, is otherData.ranks.
 Status RunReport::WriteTrace(const Topology& topology, const SimulationResult& result) {
   nlohmann::ordered_json events = nlohmann::ordered_json::array();
   std::set<int64_t> nodes;
   const auto micros = [](double seconds) { return seconds * 1e6; };
-  for (size_t r = 0; r < result.timeline.size(); ++r) {
-    const auto rank = static_cast<int64_t>(r);
+  const auto world = static_cast<int64_t>(result.timeline.size());
+  int64_t message = 0;  // async span ids
+  for (int64_t rank = 0; rank < world; ++rank) {
     const RankCoordinates c = topology.Coordinates(rank);
     const int64_t node = topology.NodeOf(rank);
     if (nodes.insert(node).second) {
@@ -203,19 +207,25 @@ Status RunReport::WriteTrace(const Topology& topology, const SimulationResult& r
                         {"tid", 0},
                         {"args", {{"name", fmt::format("node {}", node)}}}});
     }
-    events.push_back(
-        {{"name", "thread_name"},
-         {"ph", "M"},
-         {"pid", node},
-         {"tid", rank},
-         {"args",
-          {{"name", fmt::format("rank {} (tp {}, pp {}, dp {})", rank, c.tp, c.pp, c.dp)}}}});
-    events.push_back({{"name", "thread_sort_index"},
-                      {"ph", "M"},
-                      {"pid", node},
-                      {"tid", rank},
-                      {"args", {{"sort_index", rank}}}});
-    const SimulationResult::RankTimeline& t = result.timeline[r];
+    const std::string rank_name =
+        fmt::format("rank {} (tp {}, pp {}, dp {})", rank, c.tp, c.pp, c.dp);
+    const int64_t steps = rank, collectives = world + rank, p2p = 2 * world + rank;
+    for (const auto& [tid, name, order] :
+         {std::tuple{steps, rank_name, 3 * rank},
+          std::tuple{collectives, fmt::format("rank {} collectives", rank), 3 * rank + 1},
+          std::tuple{p2p, fmt::format("rank {} send/recv waits", rank), 3 * rank + 2}}) {
+      events.push_back({{"name", "thread_name"},
+                        {"ph", "M"},
+                        {"pid", node},
+                        {"tid", tid},
+                        {"args", {{"name", name}}}});
+      events.push_back({{"name", "thread_sort_index"},
+                        {"ph", "M"},
+                        {"pid", node},
+                        {"tid", tid},
+                        {"args", {{"sort_index", order}}}});
+    }
+    const SimulationResult::RankTimeline& t = result.timeline[static_cast<size_t>(rank)];
     for (const StepSpan& s : t.steps) {
       events.push_back({{"name", fmt::format("{}{}.{}",
                                              s.recompute ? "R"
@@ -229,25 +239,46 @@ Status RunReport::WriteTrace(const Topology& topology, const SimulationResult& r
                         {"ts", micros(s.begin)},
                         {"dur", micros(s.end - s.begin)},
                         {"pid", node},
-                        {"tid", rank},
+                        {"tid", steps},
                         {"args", {{"chunk", s.chunk}, {"microbatch", s.microbatch}}}});
     }
     for (const CommRecord& m : t.comms) {
       nlohmann::ordered_json args = {
           {"site", m.site}, {"group", m.group}, {"bytes", m.bytes}, {"phase", PhaseName(m.phase)}};
-      if (m.peer >= 0) args["peer (group rank)"] = m.peer;
+      const std::string name = fmt::format("{} {}", CommOpName(m.op), m.group);
       const double end = m.end > 0 ? m.end : m.begin;
-      events.push_back({{"name", fmt::format("{} {}", CommOpName(m.op), m.group)},
-                        {"cat", "comm"},
+      if (m.peer < 0) {
+        events.push_back({{"name", name},
+                          {"cat", "comm"},
+                          {"ph", "X"},
+                          {"ts", micros(m.begin)},
+                          {"dur", micros(end - m.begin)},
+                          {"pid", node},
+                          {"tid", collectives},
+                          {"args", args}});
+        continue;
+      }
+      args["peer (group rank)"] = m.peer;
+      const double wait = m.wait > 0 ? std::clamp(m.wait, m.begin, end) : m.begin;
+      args["posted (us)"] = micros(m.begin);
+      events.push_back({{"name", name},
+                        {"cat", "p2p wait"},
                         {"ph", "X"},
-                        {"ts", micros(m.begin)},
-                        {"dur", micros(end - m.begin)},
+                        {"ts", micros(wait)},
+                        {"dur", micros(end - wait)},
                         {"pid", node},
-                        {"tid", rank},
+                        {"tid", p2p},
                         {"args", args}});
+      const std::string id = fmt::format("0x{:x}", ++message);
+      events.push_back({{"name", name}, {"cat", "p2p"}, {"ph", "b"}, {"id", id},
+                        {"ts", micros(m.begin)}, {"pid", node}, {"tid", p2p},
+                        {"args", {{"site", m.site}, {"bytes", m.bytes}}}});
+      events.push_back({{"name", name}, {"cat", "p2p"}, {"ph", "e"}, {"id", id},
+                        {"ts", micros(end)}, {"pid", node}, {"tid", p2p}});
     }
   }
-  nlohmann::ordered_json j = {{"traceEvents", events}, {"displayTimeUnit", "ms"}};
+  nlohmann::ordered_json j = {
+      {"traceEvents", events}, {"displayTimeUnit", "ms"}, {"otherData", {{"ranks", world}}}};
   // FILE.html: the same events drawn by a self-contained page (run/trace_page.h).
   if (options_.trace_path.ends_with(".html")) {
     return WriteFileAtomically(options_.trace_path, TracePageHtml(j, options_.config_path));

@@ -83,7 +83,7 @@ std::vector<SimulationResult::RankTimeline> GatherTimeline(const std::vector<Ste
   if (comms) {
     for (const CommRecord& r : trace.records()) {
       mine["comms"].push_back({static_cast<int>(r.op), r.group, r.site, r.bytes,
-                               static_cast<int>(r.phase), r.peer, r.begin, r.end});
+                               static_cast<int>(r.phase), r.peer, r.begin, r.end, r.wait});
     }
   }
   std::vector<nlohmann::json> ranks;
@@ -106,11 +106,12 @@ std::vector<SimulationResult::RankTimeline> GatherTimeline(const std::vector<Ste
                          step[5].get<bool>()});
     }
     for (const nlohmann::json& c : r["comms"]) {
-      const double end = c[7].get<double>();
+      const double end = c[7].get<double>(), wait = c[8].get<double>();
       t.comms.push_back({static_cast<CommOpKind>(c[0].get<int>()), c[1].get<std::string>(),
                          c[2].get<std::string>(), c[3].get<int64_t>(),
                          static_cast<Phase>(c[4].get<int>()), c[5].get<int>(),
-                         c[6].get<double>() - origin, end > 0 ? end - origin : 0.0});
+                         c[6].get<double>() - origin, end > 0 ? end - origin : 0.0,
+                         wait > 0 ? wait - origin : 0.0});
     }
     out.push_back(std::move(t));
   }

@@ -8,43 +8,68 @@
 namespace mpusim::run {
 namespace {
 
-// Draws the trace's complete events as SVG rectangles: a row per rank (tid) of three lines,
-// its steps (recomputations as a band inside their backward step), its collectives and its
-// sends and receives, and its share of the step in forward and backward steps. Plain DOM,
+// Draws the trace's events as SVG rectangles: a row per rank of three lines, its steps
+// (recomputations as a band inside their backward step; tid r), its collectives (tid W + r)
+// and its sends and receives (tid 2W + r: each message in flight from its posting to the end
+// of its wait as a thin translucent bar, the wait, when the rank was blocked, solid), and its
+// share of the step in forward and backward steps; W is otherData.ranks (run/report.cc
+// WriteTrace). Micro-batches get hues a golden angle apart; collectives are greys. Plain DOM,
 // no libraries.
 constexpr const char* kScript = R"JS(
 const T = JSON.parse(document.getElementById('trace').textContent);
-const names = {}, slices = [];
+const W = T.otherData.ranks;
+const names = {}, slices = [], flights = [], opened = {};
 for (const e of T.traceEvents) {
-  if (e.ph === 'M' && e.name === 'thread_name') names[e.tid] = e.args.name;
+  if (e.ph === 'M' && e.name === 'thread_name' && e.tid < W) names[e.tid] = e.args.name;
   if (e.ph === 'X') slices.push(e);
+  if (e.ph === 'b') opened[e.id] = e;
+  if (e.ph === 'e' && opened[e.id]) {
+    flights.push({name: e.name, tid: e.tid, ts: opened[e.id].ts, dur: e.ts - opened[e.id].ts});
+  }
 }
-const ranks = [...new Set(slices.map(s => s.tid).concat(Object.keys(names).map(Number)))]
-    .sort((a, b) => a - b);
-const row = {};
-ranks.forEach((r, i) => { row[r] = i; });
+const rankOf = tid => tid % W;
+const ranks = [...Array(W).keys()];
 let end = 0;
 const busy = {};  // rank -> time in forward and backward steps (recomputations lie inside)
-for (const s of slices) {
+for (const r of ranks) busy[r] = 0;
+for (const s of slices.concat(flights)) {
   end = Math.max(end, s.ts + s.dur);
-  if (s.cat === 'forward' || s.cat === 'backward') busy[s.tid] = (busy[s.tid] || 0) + s.dur;
+  if (s.cat === 'forward' || s.cat === 'backward') busy[rankOf(s.tid)] += s.dur;
 }
-for (const r of Object.keys(names)) busy[r] = busy[r] || 0;
-const microbatches = 1 + Math.max(0, ...slices.filter(s => s.cat !== 'comm').map(s => s.args.microbatch));
-const commColour = {'all-reduce': '#d9534f', 'all-gather': '#5cb85c', 'reduce-scatter': '#428bca',
-                    'send': '#f0ad4e', 'recv': '#f0ad4e', 'broadcast': '#9b59b6'};
+const steps = slices.filter(s => s.cat === 'forward' || s.cat === 'backward' || s.cat === 'recompute');
+const microbatches = 1 + Math.max(0, ...steps.map(s => s.args.microbatch));
+const hue = m => Math.round(m * 137.508) % 360;
+const commColour = {'all-reduce': '#222', 'all-gather': '#666', 'reduce-scatter': '#999',
+                    'broadcast': '#bbb', 'send': '#444', 'recv': '#444'};
 function colour(s) {
-  if (s.cat === 'comm') {
+  if (s.cat === 'comm' || s.cat === 'p2p wait') {
     const op = s.name.split(' ')[0].replace('(max)', '');
-    return commColour[op] || '#999';
+    return commColour[op] || '#888';
   }
-  const hue = Math.round(360 * s.args.microbatch / microbatches);
-  if (s.cat === 'recompute') return 'hsl(' + hue + ', 30%, 35%)';
-  return 'hsl(' + hue + ', ' + (s.cat === 'forward' ? '70%, 70%' : '45%, 50%') + ')';
+  const h = hue(s.args.microbatch);
+  if (s.cat === 'recompute') return 'hsl(' + h + ', 30%, 35%)';
+  return 'hsl(' + h + ', ' + (s.cat === 'forward' ? '70%, 72%' : '60%, 45%') + ')';
 }
+const line = s => s.cat === 'comm' ? 1 : s.cat === 'p2p wait' ? 2 : 0;
 const LEFT = 190, LANE = 58, TOP = 10;
-const p2p = s => /^(send|recv) /.test(s.name);
 const svgNS = 'http://www.w3.org/2000/svg';
+function legend() {
+  const box = document.getElementById('microbatches');
+  box.replaceChildren();
+  for (let m = 0; m < microbatches; ++m) {
+    for (const [cat, label] of [['forward', 'F'], ['backward', 'B']]) {
+      const span = document.createElement('span');
+      span.style.background = colour({cat: cat, args: {microbatch: m}});
+      span.textContent = label + ' mb ' + m;
+      box.appendChild(span);
+    }
+  }
+  const r = document.createElement('span');
+  r.style.background = colour({cat: 'recompute', args: {microbatch: 0}});
+  r.style.color = '#fff';
+  r.textContent = 'recomputation (band, shaded by micro-batch)';
+  box.appendChild(r);
+}
 function draw() {
   // 1x fits the window; the zoom menu multiplies it.
   const fit = Math.max(600, document.getElementById('timeline').clientWidth - LEFT - 50);
@@ -72,23 +97,32 @@ function draw() {
     add('text', {x: LEFT - 6, y: y + 31, 'text-anchor': 'end', fill: '#777'}).textContent = 'collectives';
     add('text', {x: LEFT - 6, y: y + 46, 'text-anchor': 'end', fill: '#777'}).textContent = 'send / recv';
   });
+  // Messages in flight: a thin translucent bar each (they overlap), under the waits.
+  for (const f of flights) {
+    const y = TOP + rankOf(f.tid) * LANE + 36;
+    const g = add('g', {class: 'flight'});
+    add('rect', {x: x(f.ts), y: y + 9, width: Math.max(x(f.ts + f.dur) - x(f.ts), 0.5), height: 4,
+                 fill: '#888', 'fill-opacity': 0.35}, g);
+    add('title', {}, g).textContent = 'rank ' + rankOf(f.tid) + ': ' + f.name + ' in flight, ' +
+        (f.ts / 1000).toFixed(3) + ' to ' + ((f.ts + f.dur) / 1000).toFixed(3) + ' ms';
+  }
   // Steps first, then recomputations and communication over them.
-  const order = {forward: 0, backward: 0, recompute: 1, comm: 2};
+  const order = {forward: 0, backward: 0, recompute: 1, comm: 2, 'p2p wait': 2};
   for (const s of [...slices].sort((a, b) => order[a.cat] - order[b.cat])) {
-    const y = TOP + row[s.tid] * LANE;
-    const top = s.cat === 'comm' ? y + (p2p(s) ? 36 : 21) : s.cat === 'recompute' ? y + 11 : y;
-    const height = s.cat === 'comm' ? 13 : s.cat === 'recompute' ? 7 : 18;
-    const g = add('g', {class: 'slice ' + s.cat});
+    const rank = rankOf(s.tid);
+    const y = TOP + rank * LANE;
+    const top = [s.cat === 'recompute' ? y + 11 : y, y + 21, y + 36][line(s)];
+    const height = line(s) > 0 ? (line(s) === 2 ? 9 : 13) : s.cat === 'recompute' ? 7 : 18;
+    const g = add('g', {class: 'slice ' + s.cat.replace(' ', '-')});
     const w = Math.max(x(s.ts + s.dur) - x(s.ts), 0.5);
-    // Sends last from their posting to their wait and overlap: translucent, so that
-    // overlapping ones show darker.
     add('rect', {x: x(s.ts), y: top, width: w, height: height, fill: colour(s),
-                 'fill-opacity': p2p(s) ? 0.45 : 1, stroke: '#333', 'stroke-width': 0.3}, g);
-    if (s.cat !== 'comm' && s.cat !== 'recompute' && w > 26) {
+                 stroke: '#333', 'stroke-width': 0.3}, g);
+    if (line(s) === 0 && s.cat !== 'recompute' && w > 26) {
       add('text', {x: x(s.ts) + w / 2, y: y + 13, 'text-anchor': 'middle'}, g).textContent = s.name;
     }
     const args = Object.entries(s.args || {}).map(([k, v]) => k + ': ' + v).join(', ');
-    add('title', {}, g).textContent = (names[s.tid] || 'rank ' + s.tid) + ': ' + s.name + ', ' +
+    add('title', {}, g).textContent = (names[rank] || 'rank ' + rank) + ': ' + s.name +
+        (s.cat === 'p2p wait' ? ' (waiting)' : '') + ', ' +
         (s.ts / 1000).toFixed(3) + ' to ' + ((s.ts + s.dur) / 1000).toFixed(3) + ' ms' +
         (args ? ' (' + args + ')' : '');
   }
@@ -105,6 +139,7 @@ function draw() {
 document.getElementById('summary').textContent =
     ranks.length + ' ranks, ' + slices.length + ' slices over ' + (end / 1000).toFixed(3) + ' ms';
 document.getElementById('zoom').addEventListener('change', draw);
+legend();
 draw();
 )JS";
 
@@ -125,16 +160,19 @@ std::string TracePageHtml(const nlohmann::ordered_json& trace, const std::string
       "<p><span id=\"summary\"></span>. A row per rank, with the share of the step it spent "
       "in forward and backward steps: its forward (light) and backward (dark) steps coloured "
       "by micro-batch, a recomputation as a band inside its backward "
-      "step, and below them its collectives and its sends and receives (each from its "
-      "posting to the end of the wait for it). Hover a slice for its details. zoom: <select "
+      "step, and below them its collectives and its sends and receives: a message in flight "
+      "from its posting to the end of the wait for it as a thin bar, the wait itself (the "
+      "rank blocked) solid. Hover a slice for its details. zoom: <select "
       "id=\"zoom\"><option value=\"1\">1x</option><option "
       "value=\"2\">2x</option><option value=\"4\">4x</option><option value=\"8\">8x</option>"
       "<option value=\"16\">16x</option></select></p>\n"
-      "<p class=\"legend\"><span style=\"background:#d9534f\">all-reduce</span><span "
-      "style=\"background:#5cb85c\">all-gather</span><span "
-      "style=\"background:#428bca\">reduce-scatter</span><span "
-      "style=\"background:#f0ad4e\">send / recv</span><span "
-      "style=\"background:#9b59b6\">broadcast</span></p>\n"
+      "<p class=\"legend\">collectives: <span style=\"background:#222;color:#fff\">"
+      "all-reduce</span><span style=\"background:#666;color:#fff\">all-gather</span><span "
+      "style=\"background:#999\">reduce-scatter</span><span "
+      "style=\"background:#bbb\">broadcast</span> send / recv: <span "
+      "style=\"background:#444;color:#fff\">waiting</span><span "
+      "style=\"background:rgba(136,136,136,0.35)\">in flight</span></p>\n"
+      "<p class=\"legend\" id=\"microbatches\"></p>\n"
       "<div id=\"timeline\"></div>\n"
       "<script id=\"trace\" type=\"application/json\">{2}</script>\n"
       "<script>{3}</script>\n</body>\n</html>\n",

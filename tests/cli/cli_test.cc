@@ -3,9 +3,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <regex>
 #include <sstream>
 
@@ -499,6 +501,82 @@ int Shell(const std::string& command, std::string* output = nullptr) {
 
 std::string Mpiexec(int ranks) {
   return fmt::format("{} -n {} --oversubscribe ", MPUSIM_MPIEXEC, ranks);
+}
+
+// The complete ("X") events of one trace thread must nest (each inside the open one or after
+// it ends): Perfetto and chrome://tracing draw overlapping ones wrongly or drop them. Returns
+// the first violation, "" when none; async spans ("b"/"e") must pair up.
+std::string TraceNestingError(const nlohmann::json& trace) {
+  std::map<std::pair<int64_t, int64_t>, std::vector<std::pair<double, double>>> threads;
+  std::map<std::string, int> open;
+  for (const nlohmann::json& e : trace.at("traceEvents")) {
+    const std::string ph = e.at("ph");
+    if (ph == "X") {
+      const double ts = e.at("ts"), dur = e.at("dur");
+      if (dur < 0) return fmt::format("{}: negative duration", e.dump());
+      threads[{e.at("pid"), e.at("tid")}].push_back({ts, ts + dur});
+    } else if (ph == "b") {
+      ++open[e.at("id").get<std::string>()];
+    } else if (ph == "e" && --open[e.at("id").get<std::string>()] < 0) {
+      return fmt::format("{}: ends a span that never began", e.dump());
+    }
+  }
+  for (const auto& [id, count] : open) {
+    if (count != 0) return fmt::format("async span {} begins {} more times than it ends", id, count);
+  }
+  constexpr double kSlack = 1e-3;  // microseconds: the JSON's rounding
+  for (auto& [thread, spans] : threads) {
+    std::sort(spans.begin(), spans.end(), [](const auto& a, const auto& b) {
+      return a.first != b.first ? a.first < b.first : a.second > b.second;
+    });
+    std::vector<double> ends;  // the open spans' ends, innermost last
+    for (const auto& [begin, end] : spans) {
+      while (!ends.empty() && ends.back() <= begin + kSlack) ends.pop_back();
+      if (!ends.empty() && end > ends.back() + kSlack) {
+        return fmt::format("pid {} tid {}: [{}, {}] overlaps the span ending at {} partly",
+                           thread.first, thread.second, begin, end, ends.back());
+      }
+      ends.push_back(end);
+    }
+  }
+  return "";
+}
+
+TEST(RunCommand, TraceEventsNestOnEverySample) {
+  namespace fs = std::filesystem;
+  const fs::path trace = fs::temp_directory_path() / fmt::format("mpusim_nest.{}.json", ::getpid());
+  int traced = 0;
+  for (const auto& entry : fs::directory_iterator(MPUSIM_SAMPLE_CONFIG_DIR)) {
+    if (entry.path().extension() != ".json") continue;
+    std::ifstream in(entry.path());
+    const nlohmann::json config = nlohmann::json::parse(in);
+    if (!config.contains("model") || !config.contains("run")) continue;
+    const int ranks = config.at("parallel").at("world_size");
+    if (ranks > 8) continue;
+    std::string output;
+    ASSERT_EQ(Shell(Mpiexec(ranks) + MPUSIM_BINARY + " run " + entry.path().string() +
+                        " --no-check --trace " + trace.string(),
+                    &output),
+              0)
+        << entry.path() << output;
+    std::ifstream written(trace);
+    const nlohmann::json events = nlohmann::json::parse(written);
+    EXPECT_EQ(TraceNestingError(events), "") << entry.path();
+    EXPECT_EQ(events.at("otherData").at("ranks"), ranks) << entry.path();
+    ++traced;
+  }
+  EXPECT_GE(traced, 10);
+  fs::remove(trace);
+  // The checker itself: a partial overlap on one thread is caught, nesting and equal spans pass.
+  const auto thread = [](std::vector<std::pair<double, double>> spans) {
+    nlohmann::json events = nlohmann::json::array();
+    for (const auto& [ts, dur] : spans) {
+      events.push_back({{"ph", "X"}, {"ts", ts}, {"dur", dur}, {"pid", 0}, {"tid", 0}});
+    }
+    return nlohmann::json{{"traceEvents", events}};
+  };
+  EXPECT_EQ(TraceNestingError(thread({{0, 10}, {2, 3}, {5, 5}, {5, 5}, {12, 1}})), "");
+  EXPECT_NE(TraceNestingError(thread({{0, 10}, {5, 10}})), "");
 }
 
 TEST(RunCommand, LabRunPassesAndDumpsReassemblableTensors) {
