@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "core/model/model.h"
 
 namespace mpusim::cli {
 namespace {
@@ -135,7 +136,32 @@ Status ConfigOptions::Attribute(const Status& status, std::string* source) const
       return Status::Error(it->second, status.what());
     }
   }
+  if (!flag_of_key_.empty() && !path_.empty() && FileAloneIsValid()) {
+    *source = "command line";
+    return Status::Error(FlagsText(), status.Message());
+  }
   return status;
+}
+
+bool ConfigOptions::FileAloneIsValid() const {
+  StatusOr<nlohmann::json> document = ReadJsonFile(path_);
+  if (!document.ok()) return false;
+  Config config;
+  if (!ParseConfig(*document, &config).ok()) return false;
+  StatusOr<Topology> topology = Topology::Create(config.parallel);
+  if (!topology.ok()) return false;
+  if (!config.has_model() || !config.run) return true;
+  return BuildModel(config, *topology, RankCoordinates{}).ok();
+}
+
+std::string ConfigOptions::FlagsText() const {
+  std::string text;
+  for (const ParallelFlag& f : kParallelFlags) {
+    const std::string& value = values_.at(f.key);
+    if (value.empty()) continue;
+    text += fmt::format("{}{} {}", text.empty() ? "" : " ", LongName(f.flag), value);
+  }
+  return text;
 }
 
 std::optional<ConfigOptions::Layout> ConfigOptions::ResolveLayout(std::ostream& err) {

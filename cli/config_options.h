@@ -28,8 +28,10 @@ class ConfigOptions {
   StatusOr<Config> Resolve();
 
   // Names the source of an error about the resolved config: the flag, when the field it
-  // names was set by a flag ("command line", "--tp"), else the file ("<CONFIG>", field).
-  // Sets `*source` and returns the Status to print after it.
+  // names was set by a flag ("command line", "--tp"); the flags given ("command line",
+  // "--tp 3"), when the file alone is a valid layout and model (the flags broke it: --tp 3
+  // on a 4-rank file fails on world_size); else the file ("<CONFIG>", field). Sets `*source`
+  // and returns the Status to print after it.
   Status Attribute(const Status& status, std::string* source) const;
 
   // Resolve, then plan the layout. On error, prints the one-line error to `err` (with the
@@ -43,6 +45,12 @@ class ConfigOptions {
   const std::string& path() const { return path_; }
 
  private:
+  // The file without the flags parses, lays out and builds its model (when it has a model
+  // and a run section).
+  bool FileAloneIsValid() const;
+  // The flags given, as typed: "--tp 3 --pp 2".
+  std::string FlagsText() const;
+
   std::string path_;
   std::map<std::string, std::string> values_;       // JSON key -> flag text as typed
   std::map<std::string, std::string> flag_of_key_;  // JSON key -> flag, for flags given

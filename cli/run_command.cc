@@ -36,24 +36,28 @@ constexpr OverrideFlag kOverrides[] = {
     {"--seed", "run.seed", "override run.seed"},
     {"--micro-batch-size", "run.micro_batch_size", "override run.micro_batch_size"},
     {"--train-iters", "run.train_iters", "override run.train_iters"},
+    {"--num-microbatches", "run.num_microbatches", "override run.num_microbatches"},
 };
 
 class RunCommand : public Command {
  public:
   explicit RunCommand(CLI::App* parent) {
     app_ = parent->add_subcommand(
-        "run", "Run the layer graph on MPI ranks (one rank = one GPU) and check it against the "
-               "float64 reference");
+        "run", "Run a config's model (a layer chain or a GPT; tp, sp, pp, vp, dp, the "
+               "distributed optimizer, training) on MPI ranks (one rank = one GPU) and check "
+               "every tensor against the float64 reference");
     app_->footer(
         "Launch with one MPI rank per GPU of the config's world_size, e.g.\n"
         "  mpirun -n 8 --oversubscribe mpusim run sample_configs/lab_mlp_lm_t4_dp2_n8.json\n"
-        "Exit codes: 0 every tensor matches the reference, 1 a mismatch, 2 bad input.");
+        "Exit codes: 0 every tensor matches the reference, 1 a mismatch, 2 bad input, 3 out of "
+        "memory, 4 an internal error.");
     app_->add_option("CONFIG", options_.config_path, "config file with parallel, model, run")
         ->required();
     app_->add_option("--dump", options_.dump_dir,
                      "write every rank's tensors to DIR/rankNNNNN.safetensors + manifest.json")
         ->type_name("DIR");
-    app_->add_flag("!--no-check", options_.check, "skip the float64 reference check");
+    app_->add_flag_callback("--no-check", [this] { options_.check = false; },
+                            "skip the float64 reference check");
     app_->add_option("--summary", options_.summary_path,
                      "write the results to FILE as JSON (loss, iterations, the check's counts "
                      "and largest parameter error, time, peak stashes, the last step's timeline): "
@@ -88,6 +92,14 @@ class RunCommand : public Command {
                             },
                             ""));
     }
+    app_->add_flag_callback(
+        "--sp",
+        [this] { options_.overrides.push_back({"--sp", "parallel.sequence_parallel", "true"}); },
+        "override parallel.sequence_parallel: true");
+    app_->add_flag_callback(
+        "--no-sp",
+        [this] { options_.overrides.push_back({"--no-sp", "parallel.sequence_parallel", "false"}); },
+        "override parallel.sequence_parallel: false");
     app_->add_option("--backend", options_.backend,
                      "cpu (Eigen/OpenBLAS + MPI) or cuda (CUDA/cuBLAS + NCCL, loaded from the "
                      "plugin libmpusim_backend_cuda.so next to the program); default cpu")

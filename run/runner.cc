@@ -16,6 +16,7 @@
 #include <sstream>
 
 #include "core/config/config.h"
+#include "core/model/model.h"
 #include "core/topology.h"
 #include "mpi/agree.h"
 #include "mpi/mpi_check.h"
@@ -85,6 +86,12 @@ class RankRun {
   int LoadConfig();       // config_: the file with the command line's overrides, checked
   int CheckWorldSize() const;
   int CheckOutputFiles() const;  // --summary and --trace, before anything runs
+  // An error about the resolved config: the override's flag when the field is one it set;
+  // the overrides as typed when the file alone is a valid layout and model (they broke it);
+  // else the file.
+  int ConfigError(const Status& status) const;
+  bool FileAloneIsValid() const;
+  std::string OverridesText() const;  // " --tp 3 --dtype bfloat16", as typed
   int Preflight(const Topology& topology);  // plan_, warnings_: refuse what would not fit
   int MakeBackend();      // backend_, and its device memory against plan_
   int Report(const Topology& topology, SimulationResult& result, const DumpTarget& dump);
@@ -125,10 +132,16 @@ std::string RankRun::PreflightError(const MemoryPlan& plan) const {
 
 int RankRun::Run() {
   if (const int code = LoadConfig(); code != kContinue) return code;
-  if (const int code = CheckWorldSize(); code != kContinue) return code;
-  const std::string& source = options_.config_path;
+  // The layout and the model are judged before the rank count, so that a config mpirun would
+  // start with other ranks hears what else is wrong with it first.
   StatusOr<Topology> topology = Topology::Create(config_.parallel);
-  if (!topology.ok()) return Usage(source, topology.status().Message());
+  if (!topology.ok()) return ConfigError(topology.status());
+  if (StatusOr<std::unique_ptr<Model>> model =
+          BuildModel(config_, *topology, topology->Coordinates(topology->first_rank()));
+      !model.ok()) {
+    return ConfigError(model.status());
+  }
+  if (const int code = CheckWorldSize(); code != kContinue) return code;
   if (const int code = Preflight(*topology); code != kContinue) return code;
   DumpTarget dump{options_.dump_dir, options_.config_path, "", config_.run->dtype, ""};
   if (!options_.dump_dir.empty()) {
@@ -142,7 +155,7 @@ int RankRun::Run() {
                {options_.check, options_.repeat, !options_.dump_dir.empty(),
                 !options_.trace_path.empty()},
                *backend_);
-  if (!result.ok()) return Usage(source, result.status().Message());
+  if (!result.ok()) return Usage(options_.config_path, result.status().Message());
   return Report(*topology, *result, dump);
 }
 
@@ -158,10 +171,7 @@ int RankRun::LoadConfig() {
     section[o.key.substr(dot + 1)] = nlohmann::json::parse(o.value, nullptr, false);
   }
   if (const Status parsed = ParseConfig(*document, &config_); !parsed.ok()) {
-    for (const RunOptions::Override& o : options_.overrides) {
-      if (parsed.where() == o.key) return Usage("command line", o.flag + ": " + parsed.Message());
-    }
-    return Usage(source, parsed.Message());
+    return ConfigError(parsed);
   }
   if (world_rank_ == 0) {
     for (const std::string& line : config_.parallel.ignored) err_ << "note: " << line << '\n';
@@ -174,6 +184,40 @@ int RankRun::LoadConfig() {
   return kContinue;
 }
 
+int RankRun::ConfigError(const Status& status) const {
+  for (const RunOptions::Override& o : options_.overrides) {
+    if (status.where() == o.key) return Usage("command line", o.flag + ": " + status.Message());
+  }
+  if (!options_.overrides.empty() && FileAloneIsValid()) {
+    return Usage("command line", OverridesText().substr(1) + ": " + status.Message());
+  }
+  return Usage(options_.config_path, status.Message());
+}
+
+bool RankRun::FileAloneIsValid() const {
+  StatusOr<nlohmann::json> document = ReadJsonFile(options_.config_path);
+  Config config;
+  if (!document.ok() || !ParseConfig(*document, &config).ok()) return false;
+  if (!config.has_model() || !config.run) return false;
+  StatusOr<Topology> topology = Topology::Create(config.parallel);
+  return topology.ok() &&
+         BuildModel(config, *topology, topology->Coordinates(topology->first_rank())).ok();
+}
+
+std::string RankRun::OverridesText() const {
+  std::string text;
+  for (const RunOptions::Override& o : options_.overrides) {
+    const bool quoted = o.value.size() >= 2 && o.value.front() == '"';
+    if (o.value == "true" || o.value == "false") {  // a flag: --sp, --no-sp
+      text += " " + o.flag;
+      continue;
+    }
+    text += fmt::format(" {} {}", o.flag,
+                        quoted ? o.value.substr(1, o.value.size() - 2) : o.value);
+  }
+  return text;
+}
+
 int RankRun::CheckWorldSize() const {
   const std::string& source = options_.config_path;
   const int64_t want = config_.parallel.world_size;
@@ -182,9 +226,9 @@ int RankRun::CheckWorldSize() const {
       std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr;
   // Open MPI refuses more ranks than this machine's cores without --oversubscribe.
   const long cores = sysconf(_SC_NPROCESSORS_ONLN);
-  const std::string launch = fmt::format("mpirun -n {}{} mpusim run {}", want,
+  const std::string launch = fmt::format("mpirun -n {}{} mpusim run {}{}", want,
                                          cores > 0 && want > cores ? " --oversubscribe" : "",
-                                         source);
+                                         source, OverridesText());
   return Usage(source,
                under_mpirun
                    ? fmt::format("parallel.world_size: the config needs {} ranks but mpirun "
@@ -202,7 +246,7 @@ int RankRun::CheckWorldSize() const {
 int RankRun::Preflight(const Topology& topology) {
   StatusOr<std::unique_ptr<Model>> built =
       BuildModel(config_, topology, topology.Coordinates(world_rank_));
-  if (!built.ok()) return Usage(options_.config_path, built.status().Message());
+  if (!built.ok()) return ConfigError(built.status());
   warnings_ = (*built)->Warnings();
   plan_ = PlanRankMemory(**built, world_size_, options_.check);
   const bool own_memory = options_.backend != "cpu";

@@ -861,29 +861,45 @@ TEST(RunCommand, TraceIsChromeTraceEventsMatchingTheCommTrace) {
   const int64_t rank0_comms = std::stoll(output.substr(at + marker.size()));
   const json trace = json::parse(std::ifstream(path));
   ASSERT_TRUE(trace["traceEvents"].is_array());
-  std::map<int64_t, int64_t> steps, comms;
+  // Per rank r of W: its steps on tid r, its collectives on W + r, its send/receive waits on
+  // 2W + r with an async span ("b", "e") per message.
+  const int64_t world = trace["otherData"]["ranks"].get<int64_t>();
+  ASSERT_EQ(world, 4);
+  std::map<int64_t, int64_t> steps, comms, flights;
   std::map<int64_t, std::string> names;
   std::map<int64_t, double> last_end;
   for (const json& e : trace["traceEvents"]) {
     ASSERT_TRUE(e.contains("ph") && e.contains("pid") && e.contains("tid") && e.contains("name"))
         << e.dump();
-    const int64_t rank = e["tid"].get<int64_t>();
+    const int64_t tid = e["tid"].get<int64_t>();
+    const int64_t rank = tid % world, track = tid / world;
     if (e["ph"] == "M") {
-      if (e["name"] == "thread_name") names[rank] = e["args"]["name"].get<std::string>();
+      if (e["name"] == "thread_name") names[tid] = e["args"]["name"].get<std::string>();
+      continue;
+    }
+    if (e["ph"] == "b" || e["ph"] == "e") {
+      EXPECT_EQ(track, 2) << e.dump();
+      EXPECT_EQ(e["cat"], "p2p") << e.dump();
+      flights[rank] += e["ph"] == "b" ? 1 : 0;
       continue;
     }
     ASSERT_EQ(e["ph"], "X") << e.dump();
     ASSERT_TRUE(e["ts"].is_number() && e["dur"].is_number()) << e.dump();
     EXPECT_GE(e["dur"].get<double>(), 0.0) << e.dump();
-    if (e["cat"] == "comm") {
+    if (e["cat"] == "comm" || e["cat"] == "p2p wait") {
+      EXPECT_EQ(track, e["cat"] == "comm" ? 1 : 2) << e.dump();
       ++comms[rank];
       EXPECT_TRUE(e["args"].contains("bytes") && e["args"].contains("group")) << e.dump();
     } else {
+      EXPECT_EQ(track, 0) << e.dump();
       ++steps[rank];
       EXPECT_GE(e["ts"].get<double>(), last_end[rank]) << e.dump();
       last_end[rank] = e["ts"].get<double>() + e["dur"].get<double>();
     }
   }
+  EXPECT_EQ(names[6], "rank 2 collectives");
+  EXPECT_EQ(names[10], "rank 2 send/recv waits");
+  EXPECT_GT(flights[0], 0);
   EXPECT_EQ(names[2], "rank 2 (tp 0, pp 1, dp 0)");
   EXPECT_EQ(comms[0], rank0_comms);
   for (int64_t rank = 0; rank < 4; ++rank) EXPECT_EQ(steps[rank], 2 * 4 * 2) << rank;
@@ -1487,6 +1503,39 @@ TEST(HostileInput, DumpsAreWholeOrAbsentAndNeverMixed) {
   EXPECT_EQ(output.rfind("error: command line: --dump: cannot create a directory", 0), 0u)
       << output;
   fs::remove_all(tmp);
+}
+
+// An error that the command line's overrides cause names them: the field's own flag, or the
+// overrides as typed when the file alone is valid; the model is judged before the rank count;
+// the wrong-world-size hint keeps the overrides. A file that is wrong by itself is still
+// named as the source.
+TEST(HostileInput, OverrideErrorsNameTheirFlags) {
+  const std::string gpt = Sample("gpt_tiny_t2_sp_dp2_n4.json");
+  const std::string run = Mpiexec(4) + MPUSIM_BINARY + " run " + gpt;
+  std::string output;
+  const auto first_line = [&] { return output.substr(0, output.find('\n')); };
+  EXPECT_EQ(Shell(run + " --tp 3", &output), 2);
+  EXPECT_EQ(first_line(),
+            "error: command line: --tp 3: parallel.world_size: 4 is not divisible by "
+            "tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size "
+            "= 3 * 1 * 1");
+  // 16 ranks are not needed to hear that the heads do not split 16 ways.
+  EXPECT_EQ(Shell(run + " --world-size 16 --tp 16", &output), 2);
+  EXPECT_EQ(first_line(),
+            "error: command line: --world-size 16 --tp 16: model.num_attention_heads: 8 is not "
+            "divisible by tensor_model_parallel_size 16");
+  EXPECT_EQ(Shell(Mpiexec(2) + MPUSIM_BINARY + " run " + gpt + " --dtype float32 --no-sp", &output),
+            2);
+  EXPECT_NE(first_line().find("; run: mpirun -n 4 "), std::string::npos) << output;
+  EXPECT_NE(first_line().find(gpt + " --dtype float32 --no-sp"), std::string::npos) << output;
+  ExpectOneLineRefusal(Mpusim({"explain", gpt, "--tp", "3"}),
+                       "error: command line: --tp 3: parallel.world_size: 4 is not divisible");
+  // The file itself asks for tp 3 of 4 ranks: the file is the source, not --pp.
+  const std::string bad = WriteTemp(
+      "bad_tp.json",
+      R"({"parallel": {"world_size": 4, "tensor_model_parallel_size": 3}})");
+  const Result r = Mpusim({"layout", bad, "--pp", "1"});
+  ExpectOneLineRefusal(r, "error: " + bad + ": parallel.world_size: 4 is not divisible");
 }
 
 // --trace and --summary are written by rank 0 after the run; a path that cannot be written is
