@@ -190,9 +190,10 @@ GroupKind Split(GroupKind base, std::string name, std::string title, int64_t inn
   return base;
 }
 
-}  // namespace
-
-StatusOr<Topology> Topology::Create(const ParallelConfig& config) {
+// The dense sizes: world_size and rank_offset in range, tp * pp * cp dividing the world,
+// virtual pipeline stages only with a pipeline. Fills tp, pp, cp, dp = world_size / (tp * pp
+// * cp) and model_size.
+Status CheckDenseSizes(const ParallelConfig& config, DerivedSizes* sizes) {
   const int64_t n = config.world_size;
   if (n < 1) return Status::Error("parallel.world_size", "must be an integer >= 1");
   if (config.rank_offset > std::numeric_limits<int32_t>::max() - (n - 1)) {
@@ -219,23 +220,38 @@ StatusOr<Topology> Topology::Create(const ParallelConfig& config) {
                                      "set it to null or raise pipeline_model_parallel_size",
                                      p));
   }
+  sizes->tp = t;
+  sizes->pp = p;
+  sizes->cp = c;
+  sizes->dp = d;
+  sizes->model_size = model_size;
+  return Status();
+}
 
-  StatusOr<std::vector<Axis>> listed = ParseOrder(config.order, "parallel.order");
-  if (!listed.ok()) return listed.status();
-
+// The dense generator (tp, cp, ep = 1, dp, pp) in the listed order, completed.
+StatusOr<RankGenerator> DenseGenerator(const ParallelConfig& config,
+                                       const std::vector<Axis>& listed, const DerivedSizes& sizes) {
   std::array<int64_t, kNumAxes> dense_sizes{};
-  dense_sizes[Index(Axis::kTp)] = t;
-  dense_sizes[Index(Axis::kCp)] = c;
+  dense_sizes[Index(Axis::kTp)] = sizes.tp;
+  dense_sizes[Index(Axis::kCp)] = sizes.cp;
   dense_sizes[Index(Axis::kEp)] = 1;
-  dense_sizes[Index(Axis::kDp)] = d;
-  dense_sizes[Index(Axis::kPp)] = p;
+  dense_sizes[Index(Axis::kDp)] = sizes.dp;
+  dense_sizes[Index(Axis::kPp)] = sizes.pp;
   StatusOr<std::vector<Axis>> dense_order = CompleteOrder(
-      config, *listed, dense_sizes,
+      config, listed, dense_sizes,
       {"tensor_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
        "data_parallel_size", "pipeline_model_parallel_size"},
       "dense");
   if (!dense_order.ok()) return dense_order.status();
+  return RankGenerator(dense_sizes, *dense_order, config.rank_offset);
+}
 
+// The expert generator (etp, cp = 1, ep, edp, pp) in the listed order, completed, where
+// etp * ep * pp divides the world. Fills ep, etp and edp = world_size / (etp * ep * pp).
+StatusOr<RankGenerator> ExpertGenerator(const ParallelConfig& config,
+                                        const std::vector<Axis>& listed, DerivedSizes* sizes) {
+  const int64_t n = config.world_size;
+  const int64_t p = sizes->pp;
   const int64_t etp = config.EffectiveExpertTensorParallelSize();
   const int64_t e = config.expert_model_parallel_size;
   const int64_t expert_model_size = ProductCapped({etp, e, p}, n);
@@ -254,24 +270,29 @@ StatusOr<Topology> Topology::Create(const ParallelConfig& config) {
   expert_sizes[Index(Axis::kDp)] = edp;
   expert_sizes[Index(Axis::kPp)] = p;
   StatusOr<std::vector<Axis>> expert_order = CompleteOrder(
-      config, *listed, expert_sizes,
+      config, listed, expert_sizes,
       {"expert_tensor_parallel_size", "context_parallel_size", "expert_model_parallel_size",
        "expert_data_parallel_size", "pipeline_model_parallel_size"},
       "expert");
   if (!expert_order.ok()) return expert_order.status();
+  sizes->ep = e;
+  sizes->etp = etp;
+  sizes->edp = edp;
+  return RankGenerator(expert_sizes, *expert_order, config.rank_offset);
+}
 
-  // The two completed orders differ only in which size-1 axes were appended, which does
-  // not change any stride of a size > 1 axis.
-  RankGenerator dense(dense_sizes, *dense_order, config.rank_offset);
-  RankGenerator expert(expert_sizes, *expert_order, config.rank_offset);
-
-  if (listed->back() != Axis::kPp && p != 1 && edp != d) {
+// The dense and expert generators must lay out the same pipeline groups.
+Status CheckPipelineGroups(const ParallelConfig& config, const std::vector<Axis>& listed,
+                           const DerivedSizes& sizes, const RankGenerator& dense,
+                           const RankGenerator& expert) {
+  const int64_t p = sizes.pp;
+  if (listed.back() != Axis::kPp && p != 1 && sizes.edp != sizes.dp) {
     return Status::Error(
         "parallel.order",
         fmt::format("'{}' does not end with pp, which needs the expert data-parallel size "
                     "({}) to equal the data-parallel size ({}); end the order with pp or "
                     "change the expert sizes",
-                    config.order, edp, d));
+                    config.order, sizes.edp, sizes.dp));
   }
   // Both generators must lay out identical pp groups. With equal pp sizes and world sizes
   // the groups coincide exactly when the pp strides do (groups are numbered by their
@@ -284,7 +305,16 @@ StatusOr<Topology> Topology::Create(const ParallelConfig& config) {
                     "the axes before pp multiply to the same size on both sides",
                     config.order, dense.Stride(Axis::kPp), expert.Stride(Axis::kPp)));
   }
+  return Status();
+}
 
+// The sizes of the split kinds: the distributed-optimizer instances divide dp * cp and edp;
+// the hierarchical context-parallel levels multiply to cp. Fills
+// num_distributed_optimizer_instances.
+Status CheckSplitSizes(const ParallelConfig& config, DerivedSizes* sizes) {
+  const int64_t c = sizes->cp;
+  const int64_t d = sizes->dp;
+  const int64_t edp = sizes->edp;
   const int64_t instances = config.num_distributed_optimizer_instances;
   if ((d * c) % instances != 0) {
     return Status::Error(
@@ -310,9 +340,14 @@ StatusOr<Topology> Topology::Create(const ParallelConfig& config) {
                     "pipeline_model_parallel_size))",
                     instances, edp));
   }
+  sizes->num_distributed_optimizer_instances = instances;
+  return Status();
+}
 
-  // Keys that shape the schedule and the layer assignment, checked here so that a config
-  // is either usable by every subcommand or refused up front.
+// Keys that shape the schedule and the layer assignment, checked here so that a config
+// is either usable by every subcommand or refused up front.
+Status CheckScheduleKeys(const ParallelConfig& config) {
+  const int64_t p = config.pipeline_model_parallel_size;
   const auto& vp = config.virtual_pipeline_model_parallel_size;
   if (config.microbatch_group_size_per_vp_stage) {
     if (!vp) {
@@ -321,94 +356,126 @@ StatusOr<Topology> Topology::Create(const ParallelConfig& config) {
                            "virtual_pipeline_model_parallel_size or remove it");
     }
     if (*config.microbatch_group_size_per_vp_stage < p) {
-      return Status::Error(
-          "parallel.microbatch_group_size_per_vp_stage",
-          fmt::format("must be at least pipeline_model_parallel_size ({}), got {}", p,
-                      *config.microbatch_group_size_per_vp_stage));
+      return Status::Error("parallel.microbatch_group_size_per_vp_stage",
+                           fmt::format("must be at least pipeline_model_parallel_size ({}), got {}",
+                                       p, *config.microbatch_group_size_per_vp_stage));
     }
   }
   if (config.num_layers) {
     const int64_t stages = ProductCapped({p, vp.value_or(1)}, *config.num_layers);
     if (*config.num_layers % stages != 0) {
-      return Status::Error(
-          "parallel.num_layers",
-          fmt::format("{} is not divisible by pipeline_model_parallel_size * "
-                      "virtual_pipeline_model_parallel_size = {} * {}",
-                      *config.num_layers, p, vp.value_or(1)));
+      return Status::Error("parallel.num_layers",
+                           fmt::format("{} is not divisible by pipeline_model_parallel_size * "
+                                       "virtual_pipeline_model_parallel_size = {} * {}",
+                                       *config.num_layers, p, vp.value_or(1)));
     }
   }
+  return Status();
+}
 
-  DerivedSizes sizes{t, p, c, d, e, etp, edp, config.virtual_pipeline_model_parallel_size,
-                     instances, model_size};
-
+// The dense generator's kinds, the hierarchical context-parallel levels among them, in the
+// golden files' order.
+void AddDenseKinds(const DerivedSizes& sizes, const std::vector<int64_t>& hcp,
+                   std::vector<GroupKind>* kinds) {
+  const int64_t p = sizes.pp;
   using G = GroupKind::Generator;
-  std::vector<GroupKind> kinds;
   const GroupKind dp_cp =
-      Direct("dp_cp", "data+context-parallel", G::kDense,
-             MaskOf({Axis::kDp, Axis::kCp}));
+      Direct("dp_cp", "data+context-parallel", G::kDense, MaskOf({Axis::kDp, Axis::kCp}));
   const GroupKind cp = Direct("cp", "context-parallel", G::kDense, MaskOf({Axis::kCp}));
   const GroupKind pp = Direct("pp", "pipeline model-parallel", G::kDense, MaskOf({Axis::kPp}));
-  const GroupKind expt_dp =
-      Direct("expt_dp", "expert data-parallel", G::kExpert, MaskOf({Axis::kDp}));
-  const GroupKind tp_ep_pp = Direct("tp_ep_pp", "expert tensor+expert+pipeline-parallel",
-                                    G::kExpert, MaskOf({Axis::kTp, Axis::kEp, Axis::kPp}));
-  kinds.push_back(Direct("tp", "tensor model-parallel", G::kDense, MaskOf({Axis::kTp})));
-  kinds.push_back(pp);
-  kinds.push_back(Direct("dp", "data_parallel", G::kDense, MaskOf({Axis::kDp})));
-  kinds.push_back(dp_cp);
-  kinds.push_back(Split(dp_cp, "dp_cp_partial",
-                        "data+context-parallel within one distributed-optimizer instance",
-                        1, d * c / instances));
-  kinds.push_back(cp);
+  kinds->push_back(Direct("tp", "tensor model-parallel", G::kDense, MaskOf({Axis::kTp})));
+  kinds->push_back(pp);
+  kinds->push_back(Direct("dp", "data_parallel", G::kDense, MaskOf({Axis::kDp})));
+  kinds->push_back(dp_cp);
+  kinds->push_back(Split(dp_cp, "dp_cp_partial",
+                         "data+context-parallel within one distributed-optimizer instance", 1,
+                         sizes.dp * sizes.cp / sizes.num_distributed_optimizer_instances));
+  kinds->push_back(cp);
   int64_t inner = 1;
   for (size_t level = 0; level < hcp.size(); ++level) {
-    kinds.push_back(Split(cp, fmt::format("hcp_L{}", level),
-                          fmt::format("hierarchical context-parallel level {}", level), inner,
-                          hcp[level]));
+    kinds->push_back(Split(cp, fmt::format("hcp_L{}", level),
+                           fmt::format("hierarchical context-parallel level {}", level), inner,
+                           hcp[level]));
     inner *= hcp[level];
   }
-  kinds.push_back(Direct("mp", "model-parallel: tensor x pipeline", G::kDense,
-                         MaskOf({Axis::kTp, Axis::kPp})));
+  kinds->push_back(
+      Direct("mp", "model-parallel: tensor x pipeline", G::kDense, MaskOf({Axis::kTp, Axis::kPp})));
   GroupKind embd = pp;
   embd.name = "embd";
   embd.title = "embedding: first and last pipeline stage";
   embd.derivation = GroupKind::Derivation::kPick;
   embd.picks = p == 1 ? std::vector<int64_t>{0} : std::vector<int64_t>{0, p - 1};
   embd.covers_world = p <= 2;
-  kinds.push_back(embd);
+  kinds->push_back(embd);
   GroupKind pos_embd = pp;
   pos_embd.name = "pos_embd";
   pos_embd.title = "position embedding: first pipeline stage";
   pos_embd.derivation = GroupKind::Derivation::kPick;
   pos_embd.picks = {0};
   pos_embd.covers_world = p == 1;
-  kinds.push_back(pos_embd);
-  kinds.push_back(Direct("tp_dp", "tensor+data-parallel", G::kDense,
-                         MaskOf({Axis::kTp, Axis::kDp})));
-  kinds.push_back(Direct("tp_dp_cp", "tensor+data+context-parallel", G::kDense,
-                         MaskOf({Axis::kTp, Axis::kDp, Axis::kCp})));
-  kinds.push_back(Direct("tp_cp", "tensor+context-parallel", G::kDense,
-                         MaskOf({Axis::kTp, Axis::kCp})));
-  kinds.push_back(Direct("ep", "expert model-parallel", G::kExpert, MaskOf({Axis::kEp})));
-  kinds.push_back(Direct("expt_tp", "expert tensor-parallel", G::kExpert, MaskOf({Axis::kTp})));
-  kinds.push_back(Direct("tp_ep", "expert tensor+expert-parallel", G::kExpert,
-                         MaskOf({Axis::kTp, Axis::kEp})));
-  kinds.push_back(tp_ep_pp);
-  kinds.push_back(expt_dp);
-  const int64_t intra_edp = edp / instances;
-  kinds.push_back(Split(expt_dp, "expt_dp_partial",
-                        "expert data-parallel within one distributed-optimizer instance", 1, intra_edp));
+  kinds->push_back(pos_embd);
+  kinds->push_back(
+      Direct("tp_dp", "tensor+data-parallel", G::kDense, MaskOf({Axis::kTp, Axis::kDp})));
+  kinds->push_back(Direct("tp_dp_cp", "tensor+data+context-parallel", G::kDense,
+                          MaskOf({Axis::kTp, Axis::kDp, Axis::kCp})));
+  kinds->push_back(
+      Direct("tp_cp", "tensor+context-parallel", G::kDense, MaskOf({Axis::kTp, Axis::kCp})));
+}
+
+// The expert generator's kinds and the distributed-optimizer groups built on them, in the
+// golden files' order.
+void AddExpertKinds(const DerivedSizes& sizes, std::vector<GroupKind>* kinds) {
+  const int64_t instances = sizes.num_distributed_optimizer_instances;
+  using G = GroupKind::Generator;
+  const GroupKind expt_dp =
+      Direct("expt_dp", "expert data-parallel", G::kExpert, MaskOf({Axis::kDp}));
+  const GroupKind tp_ep_pp = Direct("tp_ep_pp", "expert tensor+expert+pipeline-parallel",
+                                    G::kExpert, MaskOf({Axis::kTp, Axis::kEp, Axis::kPp}));
+  kinds->push_back(Direct("ep", "expert model-parallel", G::kExpert, MaskOf({Axis::kEp})));
+  kinds->push_back(Direct("expt_tp", "expert tensor-parallel", G::kExpert, MaskOf({Axis::kTp})));
+  kinds->push_back(
+      Direct("tp_ep", "expert tensor+expert-parallel", G::kExpert, MaskOf({Axis::kTp, Axis::kEp})));
+  kinds->push_back(tp_ep_pp);
+  kinds->push_back(expt_dp);
+  const int64_t intra_edp = sizes.edp / instances;
+  kinds->push_back(Split(expt_dp, "expt_dp_partial",
+                         "expert data-parallel within one distributed-optimizer instance", 1,
+                         intra_edp));
   GroupKind intra = tp_ep_pp;
   intra.name = "intra_dist_opt";
   intra.title = "all ranks of one distributed-optimizer instance";
   intra.derivation = GroupKind::Derivation::kConcat;
   intra.concat = intra_edp;
-  kinds.push_back(intra);
+  kinds->push_back(intra);
   if (instances > 1) {
-    kinds.push_back(Split(expt_dp, "inter_dist_opt", "same position across distributed-optimizer instances",
-                          intra_edp, instances));
+    kinds->push_back(Split(expt_dp, "inter_dist_opt",
+                           "same position across distributed-optimizer instances", intra_edp,
+                           instances));
   }
-  return Topology(config, sizes, std::move(dense), std::move(expert), std::move(kinds));
+}
+
+}  // namespace
+
+StatusOr<Topology> Topology::Create(const ParallelConfig& config) {
+  DerivedSizes sizes{};
+  MPUSIM_RETURN_IF_ERROR(CheckDenseSizes(config, &sizes));
+  StatusOr<std::vector<Axis>> listed = ParseOrder(config.order, "parallel.order");
+  if (!listed.ok()) return listed.status();
+  // The two completed orders differ only in which size-1 axes were appended, which does
+  // not change any stride of a size > 1 axis.
+  StatusOr<RankGenerator> dense = DenseGenerator(config, *listed, sizes);
+  if (!dense.ok()) return dense.status();
+  StatusOr<RankGenerator> expert = ExpertGenerator(config, *listed, &sizes);
+  if (!expert.ok()) return expert.status();
+  MPUSIM_RETURN_IF_ERROR(CheckPipelineGroups(config, *listed, sizes, *dense, *expert));
+  MPUSIM_RETURN_IF_ERROR(CheckSplitSizes(config, &sizes));
+  MPUSIM_RETURN_IF_ERROR(CheckScheduleKeys(config));
+  sizes.vp = config.virtual_pipeline_model_parallel_size;
+
+  std::vector<GroupKind> kinds;
+  AddDenseKinds(sizes, config.hierarchical_context_parallel_sizes, &kinds);
+  AddExpertKinds(sizes, &kinds);
+  return Topology(config, sizes, std::move(*dense), std::move(*expert), std::move(kinds));
 }
 
 Topology::Topology(ParallelConfig config, DerivedSizes sizes, RankGenerator dense,

@@ -2,7 +2,8 @@
 // backward by hand, with plain Eigen, one micro-batch at a time, on one slice of the samples.
 // Written from the model's math (core/config/gpt_config.h, core/dropout.h) only. The ops it shares
 // with the layer chain (linear, embedding, activations, dropout masks, cross entropy) are
-// reference/ops.h; the ones only this model has (norms, RoPE, attention) are here.
+// reference/ops.h; the ones only this model has (norms, dropout masks, RoPE, attention) are
+// gpt_reference_ops.{h,cc}. Here: the parameters, the micro-batch loop and the entry points.
 //
 // Shape legend (full model unless said):
 //   s = seq_length, B = b*d global samples, M = micro-batches, n = samples of this slice,
@@ -25,7 +26,6 @@
 #include <Eigen/Dense>
 #include <algorithm>
 #include <array>
-#include <cmath>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -34,53 +34,36 @@
 #include <utility>
 #include <vector>
 
-#include "core/dropout.h"
 #include "core/init.h"
 #include "core/schedule.h"
+#include "reference/gpt_reference_ops.h"
 #include "reference/ops.h"
 #include "reference/tracker_draws.h"
 
 namespace mpusim {
 namespace {
 
-using Mat = ref::Mat;
-using Vec = Eigen::VectorXd;
-using RowVec = ref::RowVec;
-using MatMap = Eigen::Map<Mat>;
-using ConstMatMap = Eigen::Map<const Mat>;
-using RowMap = Eigen::Map<RowVec>;
-using ConstRowMap = Eigen::Map<const RowVec>;
-
-struct Dims {
-  uint64_t seed = 0;
-  int64_t iteration = 0;  // the training iteration: its data and dropout streams
-  int64_t s = 0, B = 0, M = 0;
-  int64_t n = 0, sample_begin = 0;  // this slice
-  int64_t h = 0, a = 0, g = 0, r = 0, dk = 0, F = 0, f1 = 0, V = 0, Vp = 0, L = 0;
-  int64_t qkv = 0;  // (a + 2g) * dk
-  // dropout_mode "rng_tracker" (core/dropout.h): masks depend on who draws them, so the
-  // layout enters: t, sequence parallelism, b samples per dp rank, and each site's draw.
-  bool tracker = false;
-  int64_t t = 1, b = 1;
-  bool sp = false;
-  struct SiteDraw {
-    bool model_parallel = false;  // "model-parallel-rng", else "default"
-    int64_t pp = 0;               // the pipeline rank that draws it (its key)
-    int64_t chunk = 0;            // the model chunk of that rank holding it
-    int64_t k = 0;                // its draw among that chunk's draws on its stream
-  };
-  std::map<std::string, SiteDraw> draw;
-  // Where each pipeline rank's forwards start drawing (reference/tracker_draws.h).
-  DrawPositions draws;
-};
+using gpt_reference::AsMat;
+using gpt_reference::AsRow;
+using gpt_reference::AttentionBackward;
+using gpt_reference::AttentionForward;
+using gpt_reference::AttentionStash;
+using gpt_reference::Dims;
+using gpt_reference::HiddenKeep;
+using gpt_reference::Linear;
+using gpt_reference::LinearBackward;
+using gpt_reference::Mat;
+using gpt_reference::MatMap;
+using gpt_reference::NormBackward;
+using gpt_reference::NormForward;
+using gpt_reference::NormParams;
+using gpt_reference::NormStash;
+using gpt_reference::Param;
+using gpt_reference::Vec;
 
 // ---- tensors ------------------------------------------------------------------------------
 
 Tensor NewTensor(Shape shape) { return Tensor::HostZeros(std::move(shape), DType::kFloat64); }
-ConstMatMap AsMat(const Tensor& t) { return ConstMatMap(t.data_as<double>(), t.rows(), t.cols()); }
-MatMap AsMat(Tensor& t) { return MatMap(t.data_as<double>(), t.rows(), t.cols()); }
-ConstRowMap AsRow(const Tensor& t) { return ConstRowMap(t.data_as<double>(), t.numel()); }
-RowMap AsRow(Tensor& t) { return RowMap(t.data_as<double>(), t.numel()); }
 
 Tensor ToTensor(const Mat& m, Shape shape) {
   Tensor t = Tensor::HostEmpty(std::move(shape), DType::kFloat64);
@@ -89,18 +72,6 @@ Tensor ToTensor(const Mat& m, Shape shape) {
 }
 
 // ---- parameters ---------------------------------------------------------------------------
-
-// A parameter and its gradient accumulator; both undefined where the model has none.
-struct Param {
-  Tensor value;
-  Tensor grad;
-  bool defined() const { return value.defined(); }
-};
-
-struct NormParams {
-  Param weight;
-  Param bias;  // LayerNorm only
-};
 
 struct LayerParams {
   NormParams input_layernorm;
@@ -174,276 +145,6 @@ Status InitParameters(const GptConfig& gpt, const Dims& d,
   p->final_layernorm = norm("decoder.final_layernorm");
   p->output = gpt.share_embeddings_and_output_weights ? p->word : get("output_layer.weight");
   return Status();
-}
-
-// ---- ops ----------------------------------------------------------------------------------
-// The shared ops (reference/ops.h) on a layer's parameters, and the ops only this model has.
-
-// y = x W^T (+ b).
-Mat Linear(const Mat& x, const Param& weight, const Param& bias) {
-  Mat y(x.rows(), weight.value.rows());
-  ref::LinearForward(x, AsMat(weight.value), y);
-  if (bias.defined()) ref::AddBias(AsRow(bias.value), y);
-  return y;
-}
-
-// dx = dy W; dW += dy^T x; db += sum over rows of dy.
-Mat LinearBackward(const Mat& dy, const Mat& x, Param& weight, Param& bias) {
-  ref::LinearGradWeight(dy, x, AsMat(weight.grad));
-  if (bias.defined()) ref::LinearGradBias(dy, AsRow(bias.grad));
-  Mat dx(dy.rows(), weight.value.cols());
-  ref::LinearGradInput(dy, AsMat(weight.value), dx);
-  return dx;
-}
-
-// LayerNorm: xhat = (x - mean) * rstd, rstd = 1/sqrt(var + eps) (biased variance);
-// RMSNorm:   xhat = x * rstd,          rstd = 1/sqrt(mean(x^2) + eps).
-// y = xhat * w (+ b).
-struct NormStash {
-  Mat xhat;  // [rows, h]
-  Vec rstd;  // [rows]
-};
-
-Mat NormForward(Normalization kind, double eps, const Mat& x, const NormParams& p,
-                NormStash* stash) {
-  const auto width = static_cast<double>(x.cols());
-  stash->xhat.resize(x.rows(), x.cols());
-  stash->rstd.resize(x.rows());
-  for (int64_t row = 0; row < x.rows(); ++row) {
-    if (kind == Normalization::kLayerNorm) {
-      const RowVec centered = x.row(row).array() - x.row(row).mean();
-      const double var = centered.squaredNorm() / width;
-      stash->rstd(row) = 1.0 / std::sqrt(var + eps);
-      stash->xhat.row(row) = centered * stash->rstd(row);
-    } else {
-      const double mean_square = x.row(row).squaredNorm() / width;
-      stash->rstd(row) = 1.0 / std::sqrt(mean_square + eps);
-      stash->xhat.row(row) = x.row(row) * stash->rstd(row);
-    }
-  }
-  Mat y = stash->xhat.array().rowwise() * AsRow(p.weight.value).array();
-  if (p.bias.defined()) y.rowwise() += AsRow(p.bias.value);
-  return y;
-}
-
-// With dxhat = dy * w:
-//   LayerNorm dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
-//   RMSNorm   dx = rstd * (dxhat - xhat * mean(dxhat * xhat))
-// dw += sum over rows of dy * xhat; db += sum over rows of dy.
-Mat NormBackward(Normalization kind, const Mat& dy, const NormStash& stash, NormParams& p) {
-  AsRow(p.weight.grad) += dy.cwiseProduct(stash.xhat).colwise().sum();
-  if (p.bias.defined()) AsRow(p.bias.grad) += dy.colwise().sum();
-  const Mat dxhat = dy.array().rowwise() * AsRow(p.weight.value).array();
-  const auto width = static_cast<double>(dy.cols());
-  Mat dx(dy.rows(), dy.cols());
-  for (int64_t row = 0; row < dy.rows(); ++row) {
-    const double mean_dot = dxhat.row(row).dot(stash.xhat.row(row)) / width;
-    RowVec v = dxhat.row(row) - stash.xhat.row(row) * mean_dot;
-    if (kind == Normalization::kLayerNorm) v.array() -= dxhat.row(row).mean();
-    dx.row(row) = v * stash.rstd(row);
-  }
-  return dx;
-}
-
-// ---- dropout ------------------------------------------------------------------------------
-
-using ref::MaskDraw;
-
-// rng_tracker mode: the key and draw number of `site` on the rank at (tp, dp) of the
-// pipeline rank holding it.
-MaskDraw TrackerDraw(const Dims& d, const std::string& site, int64_t m, int64_t tp, int64_t dp,
-                     int64_t local_index) {
-  const Dims::SiteDraw& at = d.draw.at(site);
-  const size_t stream = at.model_parallel ? 1 : 0;
-  const int64_t n = d.draws.Position(d.iteration, at.pp, at.chunk, m, stream, at.k);
-  return {ref::TrackerKey(d.seed, at.pp, dp, at.model_parallel, tp), static_cast<uint64_t>(n),
-          static_cast<uint64_t>(local_index)};
-}
-
-// Element (i, gs, c) of an [s, B, w] site. Global mode: full flat index (i*B + gs)*w + c.
-// Tracker mode: the rank holding it (the sequence shard's tp rank under sequence parallelism,
-// any tp rank otherwise: their default streams agree) and its index in that rank's
-// [s_local, b, w] tensor.
-MaskDraw HiddenDraw(const Dims& d, const std::string& site, int64_t m, int64_t i, int64_t gs,
-                    int64_t c, int64_t w) {
-  if (!d.tracker) {
-    return {d.seed, DropoutStream(site, d.iteration, m),
-            static_cast<uint64_t>((i * d.B + gs) * w + c)};
-  }
-  const ref::LocalElement at =
-      ref::LocalActivationElement(i, gs, c, d.sp ? d.s / d.t : d.s, d.b, w);
-  return TrackerDraw(d, site, m, at.seq_rank, at.dp_rank, at.index);
-}
-
-// Element (gs, hd, e) of the [B, a, s*s] attention site. Global mode: ((gs*a + hd)*s*s + e.
-// Tracker mode: head hd lives on tp rank hd / (a/t), at local [b, a/t, s*s] index.
-MaskDraw ProbsDraw(const Dims& d, const std::string& site, int64_t m, int64_t gs, int64_t hd,
-                   int64_t e) {
-  if (!d.tracker) {
-    return {d.seed, DropoutStream(site, d.iteration, m),
-            static_cast<uint64_t>((gs * d.a + hd) * d.s * d.s + e)};
-  }
-  const int64_t heads_local = d.a / d.t;
-  return TrackerDraw(d, site, m, hd / heads_local, gs / d.b,
-                     ((gs % d.b) * heads_local + hd % heads_local) * d.s * d.s + e);
-}
-
-// 0 or 1/(1-p) for this slice's rows of an [s, B, w] site: row i*n + j is position i of slice
-// sample j.
-Mat HiddenKeep(const Dims& d, const std::string& site, int64_t m, double p, int64_t w) {
-  Mat keep(d.s * d.n, w);
-  ref::DropoutKeep(
-      p,
-      [&](int64_t row, int64_t c) {
-        return HiddenDraw(d, site, m, row / d.n, d.sample_begin + row % d.n, c, w);
-      },
-      keep);
-  return keep;
-}
-
-// 0 or 1/(1-p) for the [s, s] probabilities of slice sample j, head hd of the [B, a, s, s]
-// site: element (gs, hd, qi, ki) is full flat index ((gs*a + hd)*s + qi)*s + ki.
-Mat AttentionKeep(const Dims& d, const std::string& site, int64_t m, double p, int64_t j,
-                  int64_t hd) {
-  Mat keep(d.s, d.s);
-  ref::DropoutKeep(
-      p,
-      [&](int64_t qi, int64_t ki) {
-        return ProbsDraw(d, site, m, d.sample_begin + j, hd, qi * d.s + ki);
-      },
-      keep);
-  return keep;
-}
-
-// ---- attention ----------------------------------------------------------------------------
-
-// Megatron's fused QKV row order: per query group grp, its r query heads, its key head, its
-// value head (dk rows each). Query head hd = grp*r + t.
-int64_t QueryColumn(const Dims& d, int64_t hd) {
-  return ((hd / d.r) * (d.r + 2) + hd % d.r) * d.dk;
-}
-int64_t KeyColumn(const Dims& d, int64_t grp) { return (grp * (d.r + 2) + d.r) * d.dk; }
-int64_t ValueColumn(const Dims& d, int64_t grp) { return (grp * (d.r + 2) + d.r + 1) * d.dk; }
-
-// The [s, dk] head of slice sample j at columns [col, col + dk) of an [s*n, w] activation.
-Mat GatherHead(const Dims& d, const Mat& x, int64_t j, int64_t col) {
-  Mat head(d.s, d.dk);
-  for (int64_t i = 0; i < d.s; ++i) head.row(i) = x.block(i * d.n + j, col, 1, d.dk);
-  return head;
-}
-void AddHead(const Dims& d, const Mat& head, int64_t j, int64_t col, Mat* x) {
-  for (int64_t i = 0; i < d.s; ++i) x->block(i * d.n + j, col, 1, d.dk) += head.row(i);
-}
-
-// Non-interleaved RoPE (Megatron's rotate_half) of an [s, dk] head: row i is position i;
-// channel c < dk/2 pairs with c + dk/2 and turns by theta = i * base^(-2c/dk):
-//   y[c] = x[c] cos - x[c + dk/2] sin,  y[c + dk/2] = x[c + dk/2] cos + x[c] sin.
-// sign -1 turns the other way: the transpose, for the backward.
-void Rope(const Dims& d, double base, double sign, Mat* x) {
-  const int64_t half = d.dk / 2;
-  for (int64_t i = 0; i < d.s; ++i) {
-    for (int64_t c = 0; c < half; ++c) {
-      const double theta = static_cast<double>(i) * std::pow(base, -2.0 * static_cast<double>(c) /
-                                                                       static_cast<double>(d.dk));
-      const double cs = std::cos(theta), sn = sign * std::sin(theta);
-      const double lo = (*x)(i, c), hi = (*x)(i, c + half);
-      (*x)(i, c) = lo * cs - hi * sn;
-      (*x)(i, c + half) = hi * cs + lo * sn;
-    }
-  }
-}
-
-struct AttentionStash {
-  std::vector<Mat> q;      // [n*a] (index j*a + hd): rotated query heads [s, dk]
-  std::vector<Mat> k, v;   // [n*g] (index j*g + grp): rotated key heads, value heads [s, dk]
-  std::vector<Mat> probs;  // [n*a]: softmax [s, s], exactly 0 above the diagonal
-  std::vector<Mat> keep;   // [n*a]: attention dropout scales [s, s]
-};
-
-// context[i, j, hd*dk + c] = sum_ki dropout(softmax_ki(q_i . k_ki / sqrt(dk), ki <= i)) v_ki.
-Mat AttentionForward(const Dims& d, const GptConfig& gpt, const Mat& qkv, const std::string& site,
-                     int64_t m, AttentionStash* st) {
-  const bool rope = gpt.position_embedding_type == PositionEmbedding::kRope;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d.dk));
-  st->q.assign(static_cast<size_t>(d.n * d.a), Mat());
-  st->k.assign(static_cast<size_t>(d.n * d.g), Mat());
-  st->v.assign(static_cast<size_t>(d.n * d.g), Mat());
-  st->probs.assign(static_cast<size_t>(d.n * d.a), Mat());
-  st->keep.assign(static_cast<size_t>(d.n * d.a), Mat());
-  Mat context(d.s * d.n, d.a * d.dk);
-  for (int64_t j = 0; j < d.n; ++j) {
-    for (int64_t grp = 0; grp < d.g; ++grp) {
-      const auto kv = static_cast<size_t>(j * d.g + grp);
-      st->k[kv] = GatherHead(d, qkv, j, KeyColumn(d, grp));
-      st->v[kv] = GatherHead(d, qkv, j, ValueColumn(d, grp));
-      if (rope) Rope(d, gpt.rotary_base, 1.0, &st->k[kv]);
-    }
-    for (int64_t hd = 0; hd < d.a; ++hd) {
-      const auto qh = static_cast<size_t>(j * d.a + hd);
-      const auto kv = static_cast<size_t>(j * d.g + hd / d.r);
-      Mat& q = st->q[qh];
-      q = GatherHead(d, qkv, j, QueryColumn(d, hd));
-      if (rope) Rope(d, gpt.rotary_base, 1.0, &q);
-      const Mat scores = (q * st->k[kv].transpose()) * scale;
-      Mat& probs = st->probs[qh];
-      probs = Mat::Zero(d.s, d.s);
-      for (int64_t qi = 0; qi < d.s; ++qi) {
-        const double max = scores.row(qi).head(qi + 1).maxCoeff();
-        double sum = 0.0;
-        for (int64_t ki = 0; ki <= qi; ++ki) {
-          probs(qi, ki) = std::exp(scores(qi, ki) - max);
-          sum += probs(qi, ki);
-        }
-        probs.row(qi).head(qi + 1) /= sum;
-      }
-      st->keep[qh] = AttentionKeep(d, site, m, gpt.attention_dropout, j, hd);
-      const Mat head = probs.cwiseProduct(st->keep[qh]) * st->v[kv];
-      for (int64_t i = 0; i < d.s; ++i)
-        context.block(i * d.n + j, hd * d.dk, 1, d.dk) = head.row(i);
-    }
-  }
-  return context;
-}
-
-// Backward of AttentionForward, per (sample, head), with Pd = probs * keep:
-//   dPd = dctx v^T;  dv += Pd^T dctx;  dprobs = dPd * keep;
-//   dscores = probs * (dprobs - rowsum(dprobs * probs)) / sqrt(dk);
-//   dq = dscores k;  dk += dscores^T q;  then RoPE's transpose on dq and dk.
-// Returns d qkv [s*n, (a+2g)*dk]; `dprobs` gets the [n*a] matrices d loss / d probs.
-Mat AttentionBackward(const Dims& d, const GptConfig& gpt, const Mat& dcontext,
-                      const AttentionStash& st, std::vector<Mat>* dprobs) {
-  const bool rope = gpt.position_embedding_type == PositionEmbedding::kRope;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d.dk));
-  Mat dqkv = Mat::Zero(d.s * d.n, d.qkv);
-  dprobs->assign(static_cast<size_t>(d.n * d.a), Mat());
-  for (int64_t j = 0; j < d.n; ++j) {
-    std::vector<Mat> dk(static_cast<size_t>(d.g), Mat::Zero(d.s, d.dk));
-    std::vector<Mat> dv(static_cast<size_t>(d.g), Mat::Zero(d.s, d.dk));
-    for (int64_t hd = 0; hd < d.a; ++hd) {
-      const auto qh = static_cast<size_t>(j * d.a + hd);
-      const int64_t grp = hd / d.r;
-      const auto kv = static_cast<size_t>(j * d.g + grp);
-      const Mat dctx = GatherHead(d, dcontext, j, hd * d.dk);
-      const Mat& probs = st.probs[qh];
-      const Mat& keep = st.keep[qh];
-      dv[static_cast<size_t>(grp)].noalias() += probs.cwiseProduct(keep).transpose() * dctx;
-      Mat& dp = (*dprobs)[qh];
-      dp = (dctx * st.v[kv].transpose()).cwiseProduct(keep);
-      const Vec row_dot = dp.cwiseProduct(probs).rowwise().sum();
-      const Mat dscores = (probs.array() * (dp.colwise() - row_dot).array()).matrix() * scale;
-      Mat dq = dscores * st.k[kv];
-      dk[static_cast<size_t>(grp)].noalias() += dscores.transpose() * st.q[qh];
-      if (rope) Rope(d, gpt.rotary_base, -1.0, &dq);
-      AddHead(d, dq, j, QueryColumn(d, hd), &dqkv);
-    }
-    for (int64_t grp = 0; grp < d.g; ++grp) {
-      Mat& dkey = dk[static_cast<size_t>(grp)];
-      if (rope) Rope(d, gpt.rotary_base, -1.0, &dkey);
-      AddHead(d, dkey, j, KeyColumn(d, grp), &dqkv);
-      AddHead(d, dv[static_cast<size_t>(grp)], j, ValueColumn(d, grp), &dqkv);
-    }
-  }
-  return dqkv;
 }
 
 // ---- one slice ----------------------------------------------------------------------------

@@ -259,16 +259,9 @@ Status CheckBiasFrom(const LayerConfig& layer, const std::vector<LayerConfig>& e
   return {};
 }
 
-Status ParseLayer(const json& value, const std::string& prefix,
-                  const std::vector<LayerConfig>& earlier, LayerConfig* out) {
-  if (!value.is_object()) {
-    return Status::Error(prefix, fmt::format("must be a JSON object with \"name\" and \"type\", "
-                                             "got {}",
-                                             DescribeJson(value)));
-  }
-  LayerConfig layer;
-
-  // name: used in tensor names "<layer>.<role>", so unique and without '.'.
+// name: used in tensor names "<layer>.<role>", so unique and without '.'.
+Status ParseUniqueName(const json& value, const std::string& prefix,
+                       const std::vector<LayerConfig>& earlier, LayerConfig* layer) {
   const std::string name_where = prefix + ".name";
   if (!value.contains("name")) {
     return Status::Error(name_where, "is required (a unique layer name, e.g. \"fc1\")");
@@ -278,20 +271,23 @@ Status ParseLayer(const json& value, const std::string& prefix,
     return Status::Error(name_where,
                          fmt::format("must be a non-empty string, got {}", DescribeJson(name)));
   }
-  layer.name = name.get<std::string>();
-  if (layer.name.find('.') != std::string::npos) {
+  layer->name = name.get<std::string>();
+  if (layer->name.find('.') != std::string::npos) {
     return Status::Error(name_where, fmt::format("must not contain '.' (tensor names are "
                                                  "\"<layer>.<role>\"), got \"{}\"",
-                                                 layer.name));
+                                                 layer->name));
   }
   for (size_t i = 0; i < earlier.size(); ++i) {
-    if (earlier[i].name == layer.name) {
-      return Status::Error(
-          name_where, fmt::format("\"{}\" is already the name of model.layers[{}]", layer.name, i));
+    if (earlier[i].name == layer->name) {
+      return Status::Error(name_where, fmt::format("\"{}\" is already the name of model.layers[{}]",
+                                                   layer->name, i));
     }
   }
+  return {};
+}
 
-  // type
+// type: one of LayerTypes(), with a suggestion for a near miss.
+Status ParseType(const json& value, const std::string& prefix, LayerConfig* layer) {
   std::vector<std::string_view> type_names;
   for (const LayerTypeInfo& info : LayerTypes()) type_names.push_back(info.name);
   const std::string type_where = prefix + ".type";
@@ -315,10 +311,13 @@ Status ParseLayer(const json& value, const std::string& prefix,
                         : fmt::format("unknown layer type \"{}\"; did you mean '{}'? (types: {})",
                                       type_text, suggestion, fmt::join(type_names, ", ")));
   }
-  layer.type = *layer_type;
-  const LayerTypeInfo& info = InfoOf(layer.type);
+  layer->type = *layer_type;
+  return {};
+}
 
-  // Options, refused unless they belong to this type.
+// Options, refused unless they belong to this type.
+Status ParseOptions(const json& value, const std::string& prefix, LayerConfig* layer) {
+  const LayerTypeInfo& info = InfoOf(layer->type);
   std::vector<std::string_view> keys = {"name", "type"};
   keys.insert(keys.end(), info.options.begin(), info.options.end());
   for (const auto& [key, option] : value.items()) {
@@ -341,10 +340,14 @@ Status ParseLayer(const json& value, const std::string& prefix,
                                                     fmt::join(keys, ", "))
                                       : fmt::format("unknown key; did you mean '{}'?", suggestion));
     }
-    MPUSIM_RETURN_IF_ERROR(ParseLayerOption(key, option, where, &layer));
+    MPUSIM_RETURN_IF_ERROR(ParseLayerOption(key, option, where, layer));
   }
+  return {};
+}
 
-  // Required options.
+// Required options.
+Status CheckRequiredOptions(const json& value, const std::string& prefix,
+                            const LayerConfig& layer) {
   if (IsEmbedding(layer.type) && !value.contains("embedding_dim")) {
     return Status::Error(prefix + ".embedding_dim", "is required (an integer >= 1)");
   }
@@ -360,8 +363,12 @@ Status ParseLayer(const json& value, const std::string& prefix,
   if (layer.type == LayerType::kDropout && !value.contains("p")) {
     return Status::Error(prefix + ".p", "is required (the drop probability, in [0, 1))");
   }
+  return {};
+}
 
-  // Options that only make sense together.
+// Options that only make sense together.
+Status CheckOptionsTogether(const json& value, const std::string& prefix,
+                            const std::vector<LayerConfig>& earlier, const LayerConfig& layer) {
   if (layer.skip_weight_param_allocation) {
     if (layer.weight_from.empty()) {
       return Status::Error(prefix + ".weight_from",
@@ -387,7 +394,22 @@ Status ParseLayer(const json& value, const std::string& prefix,
                          "is only used with \"init_method\": \"normal\"");
   }
   if (!layer.bias_from.empty()) MPUSIM_RETURN_IF_ERROR(CheckBiasFrom(layer, earlier, prefix));
+  return {};
+}
 
+Status ParseLayer(const json& value, const std::string& prefix,
+                  const std::vector<LayerConfig>& earlier, LayerConfig* out) {
+  if (!value.is_object()) {
+    return Status::Error(prefix, fmt::format("must be a JSON object with \"name\" and \"type\", "
+                                             "got {}",
+                                             DescribeJson(value)));
+  }
+  LayerConfig layer;
+  MPUSIM_RETURN_IF_ERROR(ParseUniqueName(value, prefix, earlier, &layer));
+  MPUSIM_RETURN_IF_ERROR(ParseType(value, prefix, &layer));
+  MPUSIM_RETURN_IF_ERROR(ParseOptions(value, prefix, &layer));
+  MPUSIM_RETURN_IF_ERROR(CheckRequiredOptions(value, prefix, layer));
+  MPUSIM_RETURN_IF_ERROR(CheckOptionsTogether(value, prefix, earlier, layer));
   *out = std::move(layer);
   return {};
 }

@@ -181,6 +181,102 @@ const IgnoredField* FindIgnored(std::string_view key) {
   return nullptr;
 }
 
+// One known key of the section: its value, checked, into `config`.
+Status ParseParallelOption(const std::string& key, const json& value, const std::string& where,
+                           ParallelConfig* config) {
+  if (key == "world_size") {
+    MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &config->world_size));
+  } else if (key == "gpus_per_node") {
+    MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &config->gpus_per_node));
+  } else if (key == "tensor_model_parallel_size") {
+    MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &config->tensor_model_parallel_size));
+  } else if (key == "pipeline_model_parallel_size") {
+    MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &config->pipeline_model_parallel_size));
+  } else if (key == "virtual_pipeline_model_parallel_size") {
+    MPUSIM_RETURN_IF_ERROR(
+        ParseOptionalInt(value, where, 1, &config->virtual_pipeline_model_parallel_size));
+  } else if (key == "context_parallel_size") {
+    MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &config->context_parallel_size));
+  } else if (key == "hierarchical_context_parallel_sizes") {
+    config->hierarchical_context_parallel_sizes.clear();
+    if (value.is_null()) return {};
+    if (!value.is_array() || value.empty()) {
+      return Status::Error(where, fmt::format("must be null or a non-empty list of integers "
+                                              ">= 1 (e.g. [2, 4]), got {}",
+                                              DescribeJson(value)));
+    }
+    for (size_t i = 0; i < value.size(); ++i) {
+      int64_t level_size = 0;
+      MPUSIM_RETURN_IF_ERROR(ParseInt(value[i], fmt::format("{}[{}]", where, i), 1, &level_size));
+      config->hierarchical_context_parallel_sizes.push_back(level_size);
+    }
+  } else if (key == "expert_model_parallel_size") {
+    MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &config->expert_model_parallel_size));
+  } else if (key == "expert_tensor_parallel_size") {
+    MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &config->expert_tensor_parallel_size));
+  } else if (key == "num_distributed_optimizer_instances") {
+    MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &config->num_distributed_optimizer_instances));
+  } else if (key == "order") {
+    if (!value.is_string()) {
+      return Status::Error(where, fmt::format("must be a string such as \"tp-cp-ep-dp-pp\", "
+                                              "got {}",
+                                              DescribeJson(value)));
+    }
+    config->order = value.get<std::string>();
+  } else if (key == "rank_offset") {
+    MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 0, &config->rank_offset));
+  } else if (key == "microbatch_group_size_per_vp_stage") {
+    MPUSIM_RETURN_IF_ERROR(
+        ParseOptionalInt(value, where, 1, &config->microbatch_group_size_per_vp_stage));
+  } else if (key == "num_layers") {
+    MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &config->num_layers));
+  } else if (key == "sequence_parallel" || key == "gradient_accumulation_fusion" || key == "fp16" ||
+             key == "bf16") {
+    if (!value.is_boolean()) {
+      return Status::Error(where,
+                           fmt::format("must be true or false, got {}", DescribeJson(value)));
+    }
+    bool* flag = key == "sequence_parallel"              ? &config->sequence_parallel
+                 : key == "gradient_accumulation_fusion" ? &config->gradient_accumulation_fusion
+                 : key == "fp16"                         ? &config->fp16
+                                                         : &config->bf16;
+    *flag = value.get<bool>();
+  } else if (key == "params_dtype") {
+    config->params_dtype.reset();
+    if (value.is_null()) return {};
+    std::string name = value.is_string() ? value.get<std::string>() : std::string();
+    if (name.starts_with("torch.")) name = name.substr(6);
+    config->params_dtype = DTypeFromName(name);
+    if (!config->params_dtype || !IsFloat(*config->params_dtype) ||
+        *config->params_dtype == DType::kFloat64) {
+      return Status::Error(where, fmt::format("must be \"float32\", \"bfloat16\", \"float16\" "
+                                              "or null, got {}",
+                                              DescribeJson(value)));
+    }
+  }
+  return {};
+}
+
+// fp16, bf16 and params_dtype agree.
+Status CheckPrecision(const ParallelConfig& config, const std::string& prefix) {
+  if (config.fp16 && config.bf16) {
+    return Status::Error(prefix + ".bf16",
+                         "cannot be true together with fp16 (Megatron refuses "
+                         "it too); choose one 16-bit format");
+  }
+  if (config.params_dtype && (config.bf16 || config.fp16)) {
+    const DType want = config.bf16 ? DType::kBFloat16 : DType::kFloat16;
+    if (*config.params_dtype != want) {
+      return Status::Error(prefix + ".params_dtype",
+                           fmt::format("must be \"{}\" when {} is true (parameters, activations "
+                                       "and gradients share one storage dtype), got \"{}\"",
+                                       DTypeName(want), config.bf16 ? "bf16" : "fp16",
+                                       DTypeName(*config.params_dtype)));
+    }
+  }
+  return {};
+}
+
 }  // namespace
 
 Status ParseParallelSection(const json& section, std::string_view path, ParallelConfig* out) {
@@ -211,93 +307,9 @@ Status ParseParallelSection(const json& section, std::string_view path, Parallel
                                       ? fmt::format("unknown key; allowed: {}", fmt::join(keys, ", "))
                                       : fmt::format("unknown key; did you mean '{}'?", suggestion));
     }
-    if (key == "world_size") {
-      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &config.world_size));
-    } else if (key == "gpus_per_node") {
-      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &config.gpus_per_node));
-    } else if (key == "tensor_model_parallel_size") {
-      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &config.tensor_model_parallel_size));
-    } else if (key == "pipeline_model_parallel_size") {
-      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &config.pipeline_model_parallel_size));
-    } else if (key == "virtual_pipeline_model_parallel_size") {
-      MPUSIM_RETURN_IF_ERROR(
-          ParseOptionalInt(value, where, 1, &config.virtual_pipeline_model_parallel_size));
-    } else if (key == "context_parallel_size") {
-      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &config.context_parallel_size));
-    } else if (key == "hierarchical_context_parallel_sizes") {
-      config.hierarchical_context_parallel_sizes.clear();
-      if (value.is_null()) continue;
-      if (!value.is_array() || value.empty()) {
-        return Status::Error(where, fmt::format("must be null or a non-empty list of integers "
-                                                ">= 1 (e.g. [2, 4]), got {}",
-                                                DescribeJson(value)));
-      }
-      for (size_t i = 0; i < value.size(); ++i) {
-        int64_t level_size = 0;
-        MPUSIM_RETURN_IF_ERROR(
-            ParseInt(value[i], fmt::format("{}[{}]", where, i), 1, &level_size));
-        config.hierarchical_context_parallel_sizes.push_back(level_size);
-      }
-    } else if (key == "expert_model_parallel_size") {
-      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &config.expert_model_parallel_size));
-    } else if (key == "expert_tensor_parallel_size") {
-      MPUSIM_RETURN_IF_ERROR(
-          ParseOptionalInt(value, where, 1, &config.expert_tensor_parallel_size));
-    } else if (key == "num_distributed_optimizer_instances") {
-      MPUSIM_RETURN_IF_ERROR(
-          ParseInt(value, where, 1, &config.num_distributed_optimizer_instances));
-    } else if (key == "order") {
-      if (!value.is_string()) {
-        return Status::Error(where, fmt::format("must be a string such as \"tp-cp-ep-dp-pp\", "
-                                                "got {}",
-                                                DescribeJson(value)));
-      }
-      config.order = value.get<std::string>();
-    } else if (key == "rank_offset") {
-      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 0, &config.rank_offset));
-    } else if (key == "microbatch_group_size_per_vp_stage") {
-      MPUSIM_RETURN_IF_ERROR(
-          ParseOptionalInt(value, where, 1, &config.microbatch_group_size_per_vp_stage));
-    } else if (key == "num_layers") {
-      MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &config.num_layers));
-    } else if (key == "sequence_parallel" || key == "gradient_accumulation_fusion" ||
-               key == "fp16" || key == "bf16") {
-      if (!value.is_boolean()) {
-        return Status::Error(where, fmt::format("must be true or false, got {}", DescribeJson(value)));
-      }
-      bool* flag = key == "sequence_parallel"              ? &config.sequence_parallel
-                   : key == "gradient_accumulation_fusion" ? &config.gradient_accumulation_fusion
-                   : key == "fp16"                         ? &config.fp16
-                                                           : &config.bf16;
-      *flag = value.get<bool>();
-    } else if (key == "params_dtype") {
-      config.params_dtype.reset();
-      if (value.is_null()) continue;
-      std::string name = value.is_string() ? value.get<std::string>() : std::string();
-      if (name.starts_with("torch.")) name = name.substr(6);
-      config.params_dtype = DTypeFromName(name);
-      if (!config.params_dtype || !IsFloat(*config.params_dtype) ||
-          *config.params_dtype == DType::kFloat64) {
-        return Status::Error(where, fmt::format("must be \"float32\", \"bfloat16\", \"float16\" "
-                                                "or null, got {}",
-                                                DescribeJson(value)));
-      }
-    }
+    MPUSIM_RETURN_IF_ERROR(ParseParallelOption(key, value, where, &config));
   }
-  if (config.fp16 && config.bf16) {
-    return Status::Error(prefix + ".bf16", "cannot be true together with fp16 (Megatron refuses "
-                                           "it too); choose one 16-bit format");
-  }
-  if (config.params_dtype && (config.bf16 || config.fp16)) {
-    const DType want = config.bf16 ? DType::kBFloat16 : DType::kFloat16;
-    if (*config.params_dtype != want) {
-      return Status::Error(prefix + ".params_dtype",
-                           fmt::format("must be \"{}\" when {} is true (parameters, activations "
-                                       "and gradients share one storage dtype), got \"{}\"",
-                                       DTypeName(want), config.bf16 ? "bf16" : "fp16",
-                                       DTypeName(*config.params_dtype)));
-    }
-  }
+  MPUSIM_RETURN_IF_ERROR(CheckPrecision(config, prefix));
   if (!section.contains("world_size")) {
     return Status::Error(prefix + ".world_size",
                          "is required (the number of ranks, e.g. \"world_size\": 16)");
