@@ -176,7 +176,7 @@ std::optional<ConfigOptions::Layout> ConfigOptions::ResolveLayout(std::ostream& 
     ReportError(err, source, Attribute(topology.status(), &source).Message());
     return std::nullopt;
   }
-  for (const std::string& line : config->parallel.ignored) err << "note: " << line << '\n';
+  for (const std::string& line : config->notes()) err << "note: " << line << '\n';
   return Layout{std::move(config).value(), std::move(topology).value()};
 }
 

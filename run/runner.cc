@@ -174,7 +174,7 @@ int RankRun::LoadConfig() {
     return ConfigError(parsed);
   }
   if (world_rank_ == 0) {
-    for (const std::string& line : config_.parallel.ignored) err_ << "note: " << line << '\n';
+    for (const std::string& line : config_.notes()) err_ << "note: " << line << '\n';
   }
   const bool has_model = config_.has_model();
   if (!has_model || !config_.run) {

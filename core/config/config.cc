@@ -2,10 +2,14 @@
 #include "core/config/config.h"
 
 #include <algorithm>
+#include <string>
+#include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/config/strict_json.h"
+#include "core/config/json_fields.h"
 
 namespace mpusim {
 namespace {
@@ -65,6 +69,125 @@ Status ResolveGlobalBatch(const ParallelConfig& parallel, RunConfig* run) {
   return {};
 }
 
+const std::vector<std::string_view>& TopLevelKeys() {
+  static const std::vector<std::string_view> kKeys = {"description", "parallel", "model", "run",
+                                                      "optimizer"};
+  return kKeys;
+}
+
+// A section of the file and the keys it takes.
+struct SectionKeys {
+  std::string_view name;  // "" for the top level
+  const std::vector<std::string_view>* keys;
+  bool (*also_accepts)(std::string_view) = nullptr;  // fields accepted with a note
+  bool Knows(std::string_view key) const {
+    return std::find(keys->begin(), keys->end(), key) != keys->end() ||
+           (also_accepts != nullptr && also_accepts(key));
+  }
+  std::string Path(std::string_view key) const {
+    return name.empty() ? std::string(key) : fmt::format("{}.{}", name, key);
+  }
+};
+
+// What to tell of an unknown `key` of `section`: a near key of its own section, the section
+// it belongs in, a near key of another section ("run.lr" -> "optimizer.lr"), or "".
+std::string KeyHint(std::string_view key, const SectionKeys& section,
+                    const std::vector<SectionKeys>& all) {
+  const auto near = [&](const SectionKeys& s) -> std::string {
+    std::string suggestion = SuggestKey(key, *s.keys);
+    if (!suggestion.empty()) return suggestion;
+    for (std::string_view candidate : *s.keys) {  // beta1 -> adam_beta1
+      if (candidate.size() > key.size() + 1 && candidate.ends_with(key) &&
+          candidate[candidate.size() - key.size() - 1] == '_') {
+        return std::string(candidate);
+      }
+    }
+    return "";
+  };
+  if (const std::string own = near(section); !own.empty()) {
+    return fmt::format("did you mean '{}'?", own);
+  }
+  for (const SectionKeys& other : all) {
+    if (other.name != section.name && other.Knows(key)) {
+      return other.name.empty() ? "it is a top-level key"
+                                : fmt::format("it belongs in {}", other.Path(key));
+    }
+  }
+  for (const SectionKeys& other : all) {
+    if (other.name == section.name) continue;
+    if (const std::string there = near(other); !there.empty()) {
+      return fmt::format("did you mean '{}'?", other.Path(there));
+    }
+  }
+  return "";
+}
+
+// Every unknown key of the file at once (a pasted config would otherwise be refused one key
+// per attempt), each with its hint; one error line.
+Status CheckKeys(const nlohmann::json& document) {
+  static const std::vector<std::string_view> kGptAndChain = [] {
+    std::vector<std::string_view> keys = GptConfigKeys();
+    for (std::string_view k : ModelConfigKeys()) {
+      if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
+    }
+    return keys;
+  }();
+  const nlohmann::json* model = document.contains("model") ? &document.at("model") : nullptr;
+  const bool gpt = model != nullptr && IsGptSection(*model);
+  // A chain's `model` knows only its own keys; a GPT's its keys and Megatron's fields.
+  const SectionKeys model_keys =
+      gpt ? SectionKeys{"model", &GptConfigKeys(), IsAcceptedTransformerField}
+          : SectionKeys{"model", &ModelConfigKeys()};
+  const std::vector<SectionKeys> sections = {
+      {"", &TopLevelKeys()},
+      {"parallel", &ParallelConfigKeys(), IsAcceptedParallelField},
+      model_keys,
+      {"run", &RunConfigKeys()},
+      {"optimizer", &OptimizerConfigKeys()}};
+  // Where a key belongs, other sections are judged by everything they could take.
+  std::vector<SectionKeys> targets = sections;
+  targets[2] = SectionKeys{"model", &kGptAndChain, IsAcceptedTransformerField};
+  if (model != nullptr && model->is_object() && !gpt) {
+    for (const auto& [key, value] : model->items()) {
+      if (!model_keys.Knows(key) &&
+          std::find(GptConfigKeys().begin(), GptConfigKeys().end(), key) != GptConfigKeys().end()) {
+        return Status::Error("model", fmt::format("has the GPT key \"{}\" but no \"type\": add "
+                                                  "\"type\": \"gpt\" (a model without it is a "
+                                                  "layer chain: {})",
+                                                  key, fmt::join(ModelConfigKeys(), ", ")));
+      }
+    }
+  }
+  struct Unknown {
+    std::string path, hint;
+    const SectionKeys* section;
+  };
+  std::vector<Unknown> unknown;
+  for (const SectionKeys& section : sections) {
+    if (!section.name.empty() && !document.contains(std::string(section.name))) continue;
+    const nlohmann::json& object =
+        section.name.empty() ? document : document.at(std::string(section.name));
+    if (!object.is_object()) continue;  // the section's parser says what it must be
+    for (const auto& [key, value] : object.items()) {
+      if (section.Knows(key)) continue;
+      unknown.push_back({section.Path(key), KeyHint(key, section, targets), &section});
+    }
+  }
+  if (unknown.empty()) return {};
+  if (unknown.size() == 1) {
+    const Unknown& u = unknown.front();
+    const std::string what = u.section->name.empty() ? "unknown top-level key" : "unknown key";
+    return Status::Error(u.path, u.hint.empty() ? fmt::format("{}; allowed: {}", what,
+                                                              fmt::join(*u.section->keys, ", "))
+                                                : fmt::format("{}; {}", what, u.hint));
+  }
+  std::vector<std::string> parts;
+  for (const Unknown& u : unknown) {
+    parts.push_back(u.hint.empty() ? u.path : fmt::format("{} ({})", u.path, u.hint));
+  }
+  return Status::Error("", fmt::format("{} unknown keys: {}", unknown.size(), fmt::join(parts, "; ")));
+}
+
 }  // namespace
 
 Status ParseConfig(const nlohmann::json& document, Config* out) {
@@ -73,8 +196,8 @@ Status ParseConfig(const nlohmann::json& document, Config* out) {
                                          "section, got {}",
                                          document.type_name()));
   }
-  static const std::vector<std::string_view> kTopLevel = {"description", "parallel", "model", "run",
-                                                          "optimizer"};
+  MPUSIM_RETURN_IF_ERROR(CheckKeys(document));
+  const std::vector<std::string_view>& kTopLevel = TopLevelKeys();
   Config config;
   for (const auto& [key, value] : document.items()) {
     if (key == "description") {

@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 #include <string_view>
 
 #include "core/config/gpt_config.h"
@@ -34,6 +35,13 @@ struct Config {
 
   // Whether the config describes a model at all (core/model/model.h BuildModel builds it).
   bool has_model() const { return model.has_value() || gpt.has_value(); }
+  // One line per field given that changes nothing mpusim computes (Megatron's fields of
+  // `parallel` and of a GPT `model`), to print as "note: " lines.
+  std::vector<std::string> notes() const {
+    std::vector<std::string> out = parallel.ignored;
+    if (gpt) out.insert(out.end(), gpt->ignored.begin(), gpt->ignored.end());
+    return out;
+  }
 };
 
 // Parses a whole config document. Errors name the JSON path ("parallel.order").

@@ -21,6 +21,86 @@ namespace {
 
 using nlohmann::json;
 
+// TransformerConfig fields (megatron/core/transformer/transformer_config.py) a pasted
+// Megatron config carries that do not change what mpusim computes, with why; `refused_unless`
+// the only value mpusim computes ("" = any value). add_qkv_bias and gated_linear_unit depend
+// on other keys and are judged in ParseGptSection.
+struct TransformerField {
+  std::string_view name;
+  std::string_view refused_unless;  // JSON text of the only accepted value, or "" for any
+  std::string_view why;
+};
+
+constexpr std::string_view kFusion =
+    "a fused kernel computing the same values; mpusim's kernels are unfused";
+constexpr TransformerField kTransformerFields[] = {
+    {"apply_query_key_layer_scaling", "",
+     "divides Q K^T by the layer number and the softmax multiplies it back: the same "
+     "probabilities (a float16 overflow guard)"},
+    {"bias_dropout_fusion", "", kFusion},
+    {"masked_softmax_fusion", "", kFusion},
+    {"bias_activation_fusion", "", kFusion},
+    {"persist_layer_norm", "", kFusion},
+    {"memory_efficient_layer_norm", "",
+     "recomputes the norm's input in its backward: memory, not values"},
+    {"attention_softmax_in_fp32", "true",
+     "the softmax runs in the compute dtype, float32 for 16-bit storage"},
+    {"apply_residual_connection_post_layernorm", "false",
+     "the residual is the norm's input (pre-norm, Megatron-Core's default); the post-norm "
+     "residual is not modelled"},
+    {"fp32_residual_connection", "false", "the residual stream is kept in run.dtype"},
+    {"qk_layernorm", "false", "query and key layer norms are not modelled yet"},
+    {"rotary_percent", "1.0", "rotary embeddings turn every channel of a head"},
+};
+
+const TransformerField* FindTransformerField(std::string_view key) {
+  for (const TransformerField& f : kTransformerFields) {
+    if (f.name == key) return &f;
+  }
+  return nullptr;
+}
+
+// add_qkv_bias and gated_linear_unit, once add_bias_linear and activation are known: a note
+// when they agree with what mpusim computes, else the error naming what to set instead.
+Status JudgeDependentFields(const json& section, GptConfig* gpt) {
+  if (section.contains("add_qkv_bias")) {
+    const json& v = section["add_qkv_bias"];
+    if (!v.is_boolean()) {
+      return Status::Error("model.add_qkv_bias", fmt::format("must be true or false, got {}",
+                                                             DescribeJson(v)));
+    }
+    if (v.get<bool>() && !gpt->add_bias_linear) {
+      return Status::Error("model.add_qkv_bias",
+                           "true with add_bias_linear false (a qkv bias alone) is not modelled "
+                           "yet; set add_bias_linear true or add_qkv_bias false");
+    }
+    gpt->ignored.push_back(
+        fmt::format("model.add_qkv_bias: ignored: linear_qkv has a bias exactly when "
+                    "add_bias_linear is true ({} here)",
+                    gpt->add_bias_linear));
+  }
+  if (section.contains("gated_linear_unit")) {
+    const json& v = section["gated_linear_unit"];
+    if (!v.is_boolean()) {
+      return Status::Error("model.gated_linear_unit", fmt::format("must be true or false, got {}",
+                                                                  DescribeJson(v)));
+    }
+    if (v.get<bool>() != IsGated(gpt->activation)) {
+      return Status::Error(
+          "model.gated_linear_unit",
+          fmt::format("{} disagrees with \"activation\": \"{}\"; mpusim names the gate with the "
+                      "activation: \"swiglu\" is Megatron's gated_linear_unit true with silu, "
+                      "\"gelu\" and \"squared_relu\" are ungated; set \"activation\" and drop "
+                      "gated_linear_unit",
+                      v.get<bool>(), ActivationName(gpt->activation)));
+    }
+    gpt->ignored.push_back(fmt::format(
+        "model.gated_linear_unit: ignored: the gate follows \"activation\": \"{}\"",
+        ActivationName(gpt->activation)));
+  }
+  return {};
+}
+
 const std::vector<std::string_view>& GptKeys() {
   static const std::vector<std::string_view> keys = {
       "type", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -69,6 +149,13 @@ int64_t GptConfig::PaddedVocabSize(int64_t tensor_model_parallel_size) const {
   return (vocab_size + multiple - 1) / multiple * multiple;
 }
 
+const std::vector<std::string_view>& GptConfigKeys() { return GptKeys(); }
+
+bool IsAcceptedTransformerField(std::string_view key) {
+  return key == "add_qkv_bias" || key == "gated_linear_unit" ||
+         FindTransformerField(key) != nullptr;
+}
+
 bool IsGptSection(const json& section) {
   return section.is_object() && section.contains("type");
 }
@@ -82,6 +169,19 @@ Status ParseGptSection(const json& section, GptConfig* out) {
   std::optional<int64_t> ffn, kv, groups;
   for (const auto& [key, value] : section.items()) {
     const std::string where = prefix + "." + key;
+    if (key == "add_qkv_bias" || key == "gated_linear_unit") continue;  // JudgeDependentFields
+    if (const TransformerField* field = FindTransformerField(key)) {
+      if (!field->refused_unless.empty() &&
+          value != json::parse(field->refused_unless, nullptr, false)) {
+        return Status::Error(where, fmt::format("{}: {}; only {} is accepted", DescribeJson(value),
+                                                field->why, field->refused_unless));
+      }
+      gpt.ignored.push_back(field->refused_unless.empty()
+                                ? fmt::format("{}: ignored: {}", where, field->why)
+                                : fmt::format("{}: {} is what mpusim computes: {}", where,
+                                              value.dump(), field->why));
+      continue;
+    }
     if (std::find(GptKeys().begin(), GptKeys().end(), key) == GptKeys().end()) {
       return UnknownKey(where, key, GptKeys());
     }
@@ -142,6 +242,7 @@ Status ParseGptSection(const json& section, GptConfig* out) {
                            "is required for \"type\": \"gpt\" (an integer >= 1)");
     }
   }
+  MPUSIM_RETURN_IF_ERROR(JudgeDependentFields(section, &gpt));
   // TransformerConfig.__post_init__'s defaults.
   gpt.ffn_hidden_size = ffn.value_or(4 * gpt.hidden_size);
   if (!kv && gpt.hidden_size % gpt.num_attention_heads != 0) {

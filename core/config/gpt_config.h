@@ -78,6 +78,9 @@ struct GptConfig {
   int64_t make_vocab_size_divisible_by = 128;
   double label_smoothing = 0.0;
   DropoutMode dropout_mode = DropoutMode::kGlobal;
+  // TransformerConfig fields given that change nothing mpusim computes, one line each
+  // ("model.bias_dropout_fusion: ignored: why"), printed as notes.
+  std::vector<std::string> ignored;
 
   // Megatron's _vocab_size_with_padding.
   int64_t PaddedVocabSize(int64_t tensor_model_parallel_size) const;
@@ -93,6 +96,11 @@ struct GptConfig {
 const char* NormalizationName(Normalization n);            // "LayerNorm", "RMSNorm"
 const char* PositionEmbeddingName(PositionEmbedding p);    // "learned_absolute", "rope"
 const char* DropoutModeName(DropoutMode m);                // "global", "rng_tracker"
+
+// The keys of a GPT `model` section: its own, and the TransformerConfig fields it accepts
+// with a note (or refuses unless at the value mpusim computes).
+const std::vector<std::string_view>& GptConfigKeys();
+bool IsAcceptedTransformerField(std::string_view key);
 
 // True when the `model` section has a "type" key: the GPT kind (a chain has none).
 bool IsGptSection(const nlohmann::json& section);

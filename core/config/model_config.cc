@@ -457,13 +457,15 @@ Status CheckChain(const ModelConfig& model) {
   return {};
 }
 
-const std::vector<std::string_view>& ModelKeys() {
+}  // namespace
+
+const std::vector<std::string_view>& ModelConfigKeys() {
   static const std::vector<std::string_view> kKeys = {"vocab_size", "make_vocab_size_divisible_by",
                                                       "layers"};
   return kKeys;
 }
 
-const std::vector<std::string_view>& RunKeys() {
+const std::vector<std::string_view>& RunConfigKeys() {
   static const std::vector<std::string_view> kKeys = {"seed",
                                                       "dtype",
                                                       "seq_length",
@@ -475,7 +477,6 @@ const std::vector<std::string_view>& RunKeys() {
   return kKeys;
 }
 
-}  // namespace
 
 const char* LayerTypeName(LayerType type) { return InfoOf(type).name.data(); }
 
@@ -496,8 +497,8 @@ Status ParseModelSection(const json& section, ModelConfig* out) {
   ModelConfig model;
   for (const auto& [key, value] : section.items()) {
     const std::string where = prefix + "." + key;
-    if (std::find(ModelKeys().begin(), ModelKeys().end(), key) == ModelKeys().end()) {
-      return UnknownKey(where, key, ModelKeys());
+    if (std::find(ModelConfigKeys().begin(), ModelConfigKeys().end(), key) == ModelConfigKeys().end()) {
+      return UnknownKey(where, key, ModelConfigKeys());
     }
     if (key == "vocab_size") {
       MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &model.vocab_size));
@@ -534,8 +535,8 @@ Status ParseRunSection(const json& section, RunConfig* out) {
   RunConfig run;
   for (const auto& [key, value] : section.items()) {
     const std::string where = prefix + "." + key;
-    if (std::find(RunKeys().begin(), RunKeys().end(), key) == RunKeys().end()) {
-      return UnknownKey(where, key, RunKeys());
+    if (std::find(RunConfigKeys().begin(), RunConfigKeys().end(), key) == RunConfigKeys().end()) {
+      return UnknownKey(where, key, RunConfigKeys());
     }
     if (key == "seed") {
       // The full uint64 range: seeds are Philox keys, not sizes.

@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
@@ -61,6 +62,10 @@ enum class LayerType : uint8_t {
 };
 
 // The spelling used in configs ("ColumnParallelLinear", "copy_to_tensor_model_parallel_region").
+// The keys of a layer-chain `model` section and of the `run` section.
+const std::vector<std::string_view>& ModelConfigKeys();
+const std::vector<std::string_view>& RunConfigKeys();
+
 const char* LayerTypeName(LayerType type);
 
 // A size given as a number or as "padded_vocab_size".

@@ -30,12 +30,7 @@ Status ParseNonNegative(const nlohmann::json& value, const std::string& where, d
 
 }  // namespace
 
-Status ParseOptimizerSection(const nlohmann::json& section, OptimizerConfig* out) {
-  const std::string prefix = "optimizer";
-  if (!section.is_object()) {
-    return Status::Error(prefix,
-                         fmt::format("must be a JSON object, got {}", DescribeJson(section)));
-  }
+const std::vector<std::string_view>& OptimizerConfigKeys() {
   static const std::vector<std::string_view> kKeys = {"optimizer",
                                                       "lr",
                                                       "min_lr",
@@ -49,6 +44,16 @@ Status ParseOptimizerSection(const nlohmann::json& section, OptimizerConfig* out
                                                       "sgd_momentum",
                                                       "clip_grad",
                                                       "use_distributed_optimizer"};
+  return kKeys;
+}
+
+Status ParseOptimizerSection(const nlohmann::json& section, OptimizerConfig* out) {
+  const std::string prefix = "optimizer";
+  if (!section.is_object()) {
+    return Status::Error(prefix,
+                         fmt::format("must be a JSON object, got {}", DescribeJson(section)));
+  }
+  const std::vector<std::string_view>& kKeys = OptimizerConfigKeys();
   OptimizerConfig c;
   for (const auto& [key, value] : section.items()) {
     const std::string where = prefix + "." + key;
@@ -56,13 +61,13 @@ Status ParseOptimizerSection(const nlohmann::json& section, OptimizerConfig* out
       return UnknownKey(where, key, kKeys);
     }
     if (key == "optimizer") {
-      if (value == "adam") {
+      if (value == "adam" || value == "adamw") {  // Megatron's "adam" is AdamW
         c.kind = OptimizerConfig::Kind::kAdam;
       } else if (value == "sgd") {
         c.kind = OptimizerConfig::Kind::kSgd;
       } else {
         return Status::Error(
-            where, fmt::format("must be \"adam\" or \"sgd\", got {}", DescribeJson(value)));
+            where, fmt::format("must be \"adam\" (AdamW; \"adamw\" is accepted too) or \"sgd\", got {}", DescribeJson(value)));
       }
     } else if (key == "lr") {
       MPUSIM_RETURN_IF_ERROR(ParsePositive(value, where, &c.lr));

@@ -35,6 +35,7 @@
 #include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string_view>
+#include <vector>
 
 #include "core/status.h"
 
@@ -57,6 +58,9 @@ struct OptimizerConfig {
   double clip_grad = 1.0;
   bool use_distributed_optimizer = false;
 };
+
+// The keys of the `optimizer` section.
+const std::vector<std::string_view>& OptimizerConfigKeys();
 
 Status ParseOptimizerSection(const nlohmann::json& section, OptimizerConfig* out);
 

@@ -19,19 +19,22 @@ using nlohmann::json;
 
 
 
+// Edits (insert, delete, substitute, swap two neighbours: "modle" is one from "model")
+// between a and b: the optimal string alignment distance.
 size_t EditDistance(std::string_view a, std::string_view b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  std::vector<std::vector<size_t>> d(a.size() + 1, std::vector<size_t>(b.size() + 1));
+  for (size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
+  for (size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
   for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diagonal = row[0];
-    row[0] = i;
     for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t above = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diagonal = above;
+      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1,
+                          d[i - 1][j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) {
+        d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+      }
     }
   }
-  return row[b.size()];
+  return d[a.size()][b.size()];
 }
 
 }  // namespace
@@ -278,6 +281,11 @@ Status CheckPrecision(const ParallelConfig& config, const std::string& prefix) {
 }
 
 }  // namespace
+
+bool IsAcceptedParallelField(std::string_view key) {
+  return FindIgnored(key) != nullptr || key == "data_parallel_size" ||
+         key == "expert_data_parallel_size";
+}
 
 Status ParseParallelSection(const json& section, std::string_view path, ParallelConfig* out) {
   const std::string prefix(path);

@@ -65,6 +65,9 @@ struct ParallelConfig {
 
 // The keys ParseParallelSection accepts, in documentation order.
 const std::vector<std::string_view>& ParallelConfigKeys();
+// ModelParallelConfig fields accepted with a note (or refused unless at mpusim's value), and
+// the derived sizes refused with their own message.
+bool IsAcceptedParallelField(std::string_view key);
 
 // Parses `section` (the value of the "parallel" key); `path` prefixes field names in
 // errors, normally "parallel".

@@ -779,13 +779,13 @@ TEST(ExplainCommand, GptParametersInStateDictNames) {
         "  output_layer.weight [256, 64] split on dim 0: [64, 64] per rank\n"}) {
     EXPECT_NE(gpt.out.find(line), std::string::npos) << line << gpt.out;
   }
-  // The same config at tp 8 cannot split 4 query groups: one line, exit 2.
+  // The same config at tp 8 cannot split 4 query groups: one line naming the flags that
+  // broke a valid file, exit 2.
   const Result bad = Mpusim({"explain", Sample("gpt_llama_style_gqa_t4_n4.json"), "--tp", "8",
                              "--world-size", "8"});
   EXPECT_EQ(bad.code, 2);
-  EXPECT_EQ(bad.err, "error: " + Sample("gpt_llama_style_gqa_t4_n4.json") +
-                        ": model.num_query_groups: 4 is not divisible by "
-                        "tensor_model_parallel_size 8\n");
+  EXPECT_EQ(bad.err, "error: command line: --world-size 8 --tp 8: model.num_query_groups: 4 is "
+                     "not divisible by tensor_model_parallel_size 8\n");
   EXPECT_EQ(bad.out, "");
   // Only parallel and model are needed; a pipeline lists each stage's chunks.
   json config = json::parse(std::ifstream(Sample("gpt_pipeline_p4_v2_n4.json")));

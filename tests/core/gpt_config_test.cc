@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -127,6 +128,91 @@ TEST(GptConfig, ConfigRoutesByType) {
   ASSERT_TRUE(ParseConfig(document, &config).ok());
   EXPECT_TRUE(config.gpt.has_value());
   EXPECT_FALSE(config.model.has_value());
+}
+
+// A Megatron user's TransformerConfig fields at Megatron's defaults: accepted, one note each
+// saying why it changes nothing mpusim computes.
+TEST(GptConfig, PastedTransformerConfigFieldsAtTheirDefaultsGiveNotes) {
+  json section = Minimal();
+  const json pasted = {{"apply_query_key_layer_scaling", false},
+                       {"bias_dropout_fusion", true},
+                       {"masked_softmax_fusion", true},
+                       {"attention_softmax_in_fp32", true},
+                       {"bias_activation_fusion", true},
+                       {"persist_layer_norm", true},
+                       {"memory_efficient_layer_norm", false},
+                       {"apply_residual_connection_post_layernorm", false},
+                       {"add_qkv_bias", false},
+                       {"fp32_residual_connection", false},
+                       {"qk_layernorm", false},
+                       {"rotary_percent", 1.0},
+                       {"gated_linear_unit", false}};
+  section.update(pasted);
+  GptConfig gpt;
+  ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
+  ASSERT_EQ(gpt.ignored.size(), pasted.size());
+  EXPECT_NE(std::find(gpt.ignored.begin(), gpt.ignored.end(),
+                      "model.add_qkv_bias: ignored: linear_qkv has a bias exactly when "
+                      "add_bias_linear is true (true here)"),
+            gpt.ignored.end());
+  EXPECT_NE(std::find(gpt.ignored.begin(), gpt.ignored.end(),
+                      "model.qk_layernorm: false is what mpusim computes: query and key layer "
+                      "norms are not modelled yet"),
+            gpt.ignored.end());
+  // Values that would change the model are refused, each with its reason.
+  const auto refused = [&](const char* key, const json& value) {
+    json bad = Minimal();
+    bad[key] = value;
+    return Refusal(bad);
+  };
+  EXPECT_EQ(refused("qk_layernorm", true),
+            "model.qk_layernorm: boolean true: query and key layer norms are not modelled yet; "
+            "only false is accepted");
+  EXPECT_EQ(refused("rotary_percent", 0.5),
+            "model.rotary_percent: number 0.5: rotary embeddings turn every channel of a head; "
+            "only 1.0 is accepted");
+  EXPECT_NE(refused("gated_linear_unit", true).find("\"swiglu\" is Megatron's gated_linear_unit"),
+            std::string::npos);
+  json swiglu = Minimal();
+  swiglu["activation"] = "swiglu";
+  swiglu["gated_linear_unit"] = true;
+  EXPECT_EQ(Refusal(swiglu), "accepted");
+  json qkv_alone = Minimal();
+  qkv_alone["add_bias_linear"] = false;
+  qkv_alone["add_qkv_bias"] = true;
+  EXPECT_EQ(Refusal(qkv_alone),
+            "model.add_qkv_bias: true with add_bias_linear false (a qkv bias alone) is not "
+            "modelled yet; set add_bias_linear true or add_qkv_bias false");
+}
+
+// Every unknown key of a file in one line, each with where it belongs or what was meant.
+TEST(GptConfig, UnknownKeysAreReportedAtOnceWithWhereTheyBelong) {
+  const auto refusal = [](const json& document) {
+    Config config;
+    const Status status = ParseConfig(document, &config);
+    return status.ok() ? std::string("accepted") : status.Message();
+  };
+  json model = Minimal();
+  model["seq_length"] = 16;
+  model["sequence_parallel"] = true;
+  model["bias_gelu_fusion"] = true;
+  const json document = {{"parallel", {{"world_size", 1}}},
+                         {"model", model},
+                         {"run", {{"seq_length", 16}, {"lr", 1e-4}}},
+                         {"optimizer", {{"lr", 1e-4}, {"beta1", 0.9}}}};
+  EXPECT_EQ(refusal(document),
+            "5 unknown keys: model.bias_gelu_fusion; model.seq_length (it belongs in "
+            "run.seq_length); model.sequence_parallel (it belongs in parallel.sequence_parallel); "
+            "run.lr (it belongs in optimizer.lr); optimizer.beta1 (did you mean 'adam_beta1'?)");
+  // One unknown key keeps the one-key form; a swapped pair of letters is a slip.
+  EXPECT_EQ(refusal({{"parallel", {{"world_size", 1}}}, {"modle", Minimal()}}),
+            "modle: unknown top-level key; did you mean 'model'?");
+  json untyped = Minimal();
+  untyped.erase("type");
+  EXPECT_EQ(refusal({{"parallel", {{"world_size", 1}}}, {"model", untyped}}),
+            "model: has the GPT key \"hidden_size\" but no \"type\": add \"type\": \"gpt\" (a "
+            "model without it is a layer chain: vocab_size, make_vocab_size_divisible_by, "
+            "layers)");
 }
 
 TEST(GptConfig, LayoutChecks) {

@@ -43,8 +43,11 @@ TEST(OptimizerConfig, RefusalsNameTheField) {
   EXPECT_EQ(Refusal(json::object()),
             "optimizer.lr: is required (the peak learning rate, e.g. "
             "\"lr\": 1e-3)");
-  EXPECT_EQ(Refusal(json{{"lr", 1}, {"optimizer", "adamw"}}),
-            "optimizer.optimizer: must be \"adam\" or \"sgd\", got string \"adamw\"");
+  EXPECT_EQ(Refusal(json{{"lr", 1}, {"optimizer", "lamb"}}),
+            "optimizer.optimizer: must be \"adam\" (AdamW; \"adamw\" is accepted too) or "
+            "\"sgd\", got string \"lamb\"");
+  // Megatron's "adam" is AdamW; either name is taken.
+  EXPECT_EQ(Refusal(json{{"lr", 1}, {"optimizer", "adamw"}}), "accepted");
   EXPECT_EQ(Refusal(json{{"lr", 0.1}, {"min_lr", 0.2}}), "optimizer.min_lr: 0.2 is above lr 0.1");
   EXPECT_EQ(Refusal(json{{"lr", 1}, {"lr_decay_iters", 3}, {"lr_warmup_iters", 3}}),
             "optimizer.lr_decay_iters: 3 must exceed lr_warmup_iters 3");
