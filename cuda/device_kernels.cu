@@ -24,6 +24,7 @@
 
 #include "core/half.h"
 #include "core/ops/activation.h"
+#include "core/ops/norm.h"
 #include "core/philox.h"
 #include "cuda/cuda_check.h"
 
@@ -44,8 +45,6 @@ __device__ inline int64_t GridStride() { return static_cast<int64_t>(gridDim.x) 
 
 __device__ inline float Exp(float x) { return expf(x); }
 __device__ inline double Exp(double x) { return exp(x); }
-__device__ inline float Sqrt(float x) { return sqrtf(x); }  // IEEE-rounded (no fast math)
-__device__ inline double Sqrt(double x) { return sqrt(x); }
 
 // Loads and stores are the op functors' (core/ops/element.h): a stored element widened
 // exactly to its compute type, and a compute-type value rounded once to its storage type.
@@ -173,15 +172,16 @@ __global__ void NormForwardKernel(const T* x, const T* weight, const T* bias, in
       squares += centered * centered;
     }
     const C var = BlockReduce(squares, buf, SumOp()) / count;
-    const C r = C(1) / Sqrt(var + eps);
+    const C r = ops::NormRstd(var, eps);
     if (threadIdx.x == 0) {
       if (mean != nullptr) mean[i] = m;
       rstd[i] = r;
     }
     T* out = y + i * cols;
     for (int64_t j = threadIdx.x; j < cols; j += kBlock) {
-      const C v = ((Load(row[j]) - m) * r) * Load(weight[j]);
-      out[j] = Store<T>(bias != nullptr ? v + Load(bias[j]) : v);
+      const C xhat = ops::Normalize(Load(row[j]), m, r);
+      out[j] = Store<T>(bias != nullptr ? ops::NormOutput(xhat, Load(weight[j]), Load(bias[j]))
+                                        : ops::NormOutput(xhat, Load(weight[j])));
     }
   }
 }
@@ -197,10 +197,10 @@ __global__ void NormColumnsKernel(const T* x, const ComputeOf<T>* mean, const Co
     C db = 0;
     for (int64_t i = 0; i < rows; ++i) {
       const C m = mean != nullptr ? mean[i] : C(0);
-      const C xhat = (Load(x[i * cols + j]) - m) * rstd[i];
+      const C xhat = ops::Normalize(Load(x[i * cols + j]), m, rstd[i]);
       const C g = Load(dy[i * cols + j]);
-      dw += g * xhat;
-      db += g;
+      dw += ops::NormWeightGrad(g, xhat);
+      db += ops::NormBiasGrad(g);
     }
     dweight[j] = Store<A>(Load(dweight[j]) + dw);
     if (dbias != nullptr) dbias[j] = Store<A>(Load(dbias[j]) + db);
@@ -222,8 +222,8 @@ __global__ void NormRowsBackwardKernel(const T* x, const T* weight, const Comput
     C sum_g = 0;
     C sum_gx = 0;
     for (int64_t j = threadIdx.x; j < cols; j += kBlock) {
-      const C xhat = (Load(x_row[j]) - m) * r;
-      const C g = Load(dy_row[j]) * Load(weight[j]);
+      const C xhat = ops::Normalize(Load(x_row[j]), m, r);
+      const C g = ops::NormXhatGrad(Load(dy_row[j]), Load(weight[j]));
       sum_g += g;
       sum_gx += g * xhat;
     }
@@ -233,9 +233,9 @@ __global__ void NormRowsBackwardKernel(const T* x, const T* weight, const Comput
     const C mean_gx = sum_gx / count;
     T* dx_row = dx + i * cols;
     for (int64_t j = threadIdx.x; j < cols; j += kBlock) {
-      const C xhat = (Load(x_row[j]) - m) * r;
-      const C g = Load(dy_row[j]) * Load(weight[j]);
-      dx_row[j] = Store<T>(r * (g - mean_g - xhat * mean_gx));
+      const C xhat = ops::Normalize(Load(x_row[j]), m, r);
+      const C g = ops::NormXhatGrad(Load(dy_row[j]), Load(weight[j]));
+      dx_row[j] = Store<T>(ops::NormInputGrad(g, xhat, r, mean_g, mean_gx));
     }
   }
 }

@@ -37,6 +37,7 @@
 #include "core/arg_checks.h"
 #include "core/half.h"
 #include "core/ops/dropout.h"
+#include "core/ops/norm.h"
 #include "core/philox.h"
 
 namespace mpusim {
@@ -536,14 +537,14 @@ void EigenKernels::NormForward(const Tensor& x, const Tensor& weight, const Tens
       const auto row = xs.row(i).array();
       const T m = mu != nullptr ? row.sum() / count : static_cast<T>(0);
       const T var = (row - m).square().sum() / count;
-      const T r = static_cast<T>(1) / std::sqrt(var + static_cast<T>(eps));
+      const T r = ops::NormRstd(var, static_cast<T>(eps));
       if (mu != nullptr) mu[i] = m;
       rs[i] = r;
       if (bias != nullptr) {
         const auto b = Eigen::Map<const RowVector<T>>(bias->data_as<T>(), h).array();
-        ys.row(i).array() = (row - m) * r * w + b;
+        ys.row(i).array() = ops::NormOutput(ops::Normalize(row, m, r), w, b);
       } else {
-        ys.row(i).array() = (row - m) * r * w;
+        ys.row(i).array() = ops::NormOutput(ops::Normalize(row, m, r), w);
       }
     }
   });
@@ -584,14 +585,15 @@ void EigenKernels::NormBackward(const Tensor& x, const Tensor& weight, const Ten
     for (int64_t i = 0; i < Rows(x); ++i) {
       const T m = mu != nullptr ? mu[i] : static_cast<T>(0);
       const T r = rs[i];
-      const auto xhat = (xs.row(i).array() - m) * r;
-      const auto g = dys.row(i).array() * w;
+      const auto dy_row = dys.row(i).array();
+      const auto xhat = ops::Normalize(xs.row(i).array(), m, r);
+      const auto g = ops::NormXhatGrad(dy_row, w);
       const T mean_g = mu != nullptr ? g.sum() / count : static_cast<T>(0);
       const T mean_gx = (g * xhat).sum() / count;
       // Everything that reads dy comes before the row of dx is written (dx may be dy).
-      dw_sum += dys.row(i).array() * xhat;
-      if (dbias != nullptr) db_sum += dys.row(i).array();
-      dxs.row(i).array() = r * (g - mean_g - xhat * mean_gx);
+      dw_sum += ops::NormWeightGrad(dy_row, xhat);
+      if (dbias != nullptr) db_sum += ops::NormBiasGrad(dy_row);
+      dxs.row(i).array() = ops::NormInputGrad(g, xhat, r, mean_g, mean_gx);
     }
     ArrayOf<T>(dweight) += dw_sum.transpose();
     if (dbias != nullptr) ArrayOf<T>(*dbias) += db_sum.transpose();
