@@ -1,11 +1,12 @@
 // Device kernels of the GPU backend, behind plain host-callable launchers.
 //
-// What it is: one launcher per CUDA kernel (device_kernels.cu), instantiated for the storage
-// types T = double, float, BFloat16 and Float16 (core/half.h). Each takes raw device
-// pointers, sizes and the stream, enqueues the kernel and checks cudaGetLastError. Every
-// formula is written in the same order as the CPU reference (sim/eigen_kernels.cc) and the
-// .cu is compiled with --fmad=false, so elementwise results round exactly like the CPU
-// where the math functions agree.
+// What it is: one launcher per CUDA kernel (device_kernels.cu; the row reductions in
+// device_reduce_kernels.cu), instantiated for the storage types T = double, float, BFloat16
+// and Float16 (core/half.h). Each takes raw device pointers, sizes and the stream, enqueues
+// the kernel and checks cudaGetLastError. Every formula is written in the same order as the
+// CPU reference (sim/eigen_kernels.cc, sim/eigen_reduce_kernels.cc) and the .cu files are
+// compiled with --fmad=false, so elementwise results round exactly like the CPU where the
+// math functions agree.
 //
 // Dtypes (core/kernels.h): a kernel computes in C = ComputeOf<T> (double for double, float
 // otherwise). It widens each loaded element to C exactly (ToFloat), evaluates the float32
