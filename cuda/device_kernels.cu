@@ -1,13 +1,11 @@
-// CUDA kernels of the GPU backend (see device_kernels.h).
+// CUDA kernels of the GPU backend (see device_kernels.h): the elementwise ops, copies, RoPE,
+// embedding and the optimizer. The row reductions (the norms, the causal softmax, the cross
+// entropy's pieces) are in device_reduce_kernels.cu; what both files share is in
+// device_common.cuh.
 //
 // Plain, readable kernels: elementwise ops are grid-stride loops over int64 indices (any
-// size, at most kMaxBlocks blocks); row reductions (RowMax, cross entropy, the norms, the
-// causal softmax) use one block of kBlock threads per row with a shared-memory tree, which
-// fixes the summation order for a given row length (so repeated runs give identical bits).
-// A row kernel reads everything its reductions need before the BlockReduce barrier and then
-// writes only the elements each thread itself reads afterwards, which is what lets its
-// output be its input (in place). Correctness and determinism over speed: cuBLAS does
-// the heavy lifting (GEMMs), these kernels move O(elements) data.
+// size, at most kMaxBlocks blocks). Correctness and determinism over speed: cuBLAS does the
+// heavy lifting (GEMMs), these kernels move O(elements) data.
 //
 // One body per op, templated on the storage type: loads go through ops::Load (exact
 // widening), stores through ops::Store<T> (one rounding), both the identity for
@@ -26,61 +24,10 @@
 #include "core/ops/activation.h"
 #include "core/philox.h"
 #include "cuda/cuda_check.h"
+#include "cuda/device_common.cuh"
 
 namespace mpusim::cuda {
 namespace {
-
-constexpr int kBlock = 256;          // threads per block (a power of two: BlockReduce)
-constexpr int64_t kMaxBlocks = 65535;  // grid-stride loops cover the rest
-
-unsigned GridFor(int64_t n) {
-  return static_cast<unsigned>(std::min<int64_t>((n + kBlock - 1) / kBlock, kMaxBlocks));
-}
-
-__device__ inline int64_t FirstIndex() {
-  return static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x;
-}
-__device__ inline int64_t GridStride() { return static_cast<int64_t>(gridDim.x) * kBlock; }
-
-__device__ inline float Exp(float x) { return expf(x); }
-__device__ inline double Exp(double x) { return exp(x); }
-__device__ inline float Sqrt(float x) { return sqrtf(x); }  // IEEE-rounded (no fast math)
-__device__ inline double Sqrt(double x) { return sqrt(x); }
-
-// Loads and stores are the op functors' (core/ops/element.h): a stored element widened
-// exactly to its compute type, and a compute-type value rounded once to its storage type.
-using ops::Load;
-using ops::Store;
-
-struct SumOp {
-  template <typename T>
-  __device__ T operator()(T a, T b) const {
-    return a + b;
-  }
-};
-struct MaxOp {
-  template <typename T>
-  __device__ T operator()(T a, T b) const {
-    return b > a ? b : a;
-  }
-};
-
-// Reduces one value per thread of the block; every thread gets the result. `buf` has kBlock
-// elements. Must be reached by all threads of the block.
-template <typename T, typename Op>
-__device__ T BlockReduce(T value, T* buf, Op op) {
-  buf[threadIdx.x] = value;
-  __syncthreads();
-  for (int stride = kBlock / 2; stride > 0; stride /= 2) {
-    if (static_cast<int>(threadIdx.x) < stride) {
-      buf[threadIdx.x] = op(buf[threadIdx.x], buf[threadIdx.x + stride]);
-    }
-    __syncthreads();
-  }
-  const T result = buf[0];
-  __syncthreads();  // buf may be reused right after
-  return result;
-}
 
 // --- elementwise ----------------------------------------------------------------------
 
@@ -150,146 +97,7 @@ __global__ void DropoutAtKernel(const T* x, T* y, int64_t n, ops::Dropout op, In
   }
 }
 
-// --- normalization --------------------------------------------------------------------
-
-template <typename T>
-__global__ void NormForwardKernel(const T* x, const T* weight, const T* bias, int64_t rows,
-                                  int64_t cols, ComputeOf<T> eps, T* y, ComputeOf<T>* mean,
-                                  ComputeOf<T>* rstd) {
-  using C = ComputeOf<T>;
-  __shared__ C buf[kBlock];
-  const C count = static_cast<C>(cols);
-  for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
-    const T* row = x + i * cols;
-    C m = 0;
-    if (mean != nullptr) {
-      C sum = 0;
-      for (int64_t j = threadIdx.x; j < cols; j += kBlock) sum += Load(row[j]);
-      m = BlockReduce(sum, buf, SumOp()) / count;
-    }
-    C squares = 0;
-    for (int64_t j = threadIdx.x; j < cols; j += kBlock) {
-      const C centered = Load(row[j]) - m;
-      squares += centered * centered;
-    }
-    const C var = BlockReduce(squares, buf, SumOp()) / count;
-    const C r = C(1) / Sqrt(var + eps);
-    if (threadIdx.x == 0) {
-      if (mean != nullptr) mean[i] = m;
-      rstd[i] = r;
-    }
-    T* out = y + i * cols;
-    for (int64_t j = threadIdx.x; j < cols; j += kBlock) {
-      const C v = ((Load(row[j]) - m) * r) * Load(weight[j]);
-      out[j] = Store<T>(bias != nullptr ? v + Load(bias[j]) : v);
-    }
-  }
-}
-
-// dweight[j] (dbias[j]) += the column sum of dy * xhat (dy), rows in order.
-template <typename T, typename A>
-__global__ void NormColumnsKernel(const T* x, const ComputeOf<T>* mean, const ComputeOf<T>* rstd,
-                                  const T* dy, int64_t rows, int64_t cols, A* dweight,
-                                  A* dbias) {
-  using C = ComputeOf<T>;
-  for (int64_t j = FirstIndex(); j < cols; j += GridStride()) {
-    C dw = 0;
-    C db = 0;
-    for (int64_t i = 0; i < rows; ++i) {
-      const C m = mean != nullptr ? mean[i] : C(0);
-      const C xhat = (Load(x[i * cols + j]) - m) * rstd[i];
-      const C g = Load(dy[i * cols + j]);
-      dw += g * xhat;
-      db += g;
-    }
-    dweight[j] = Store<A>(Load(dweight[j]) + dw);
-    if (dbias != nullptr) dbias[j] = Store<A>(Load(dbias[j]) + db);
-  }
-}
-
-template <typename T>
-__global__ void NormRowsBackwardKernel(const T* x, const T* weight, const ComputeOf<T>* mean,
-                                       const ComputeOf<T>* rstd, const T* dy, int64_t rows,
-                                       int64_t cols, T* dx) {
-  using C = ComputeOf<T>;
-  __shared__ C buf[kBlock];
-  const C count = static_cast<C>(cols);
-  for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
-    const T* x_row = x + i * cols;
-    const T* dy_row = dy + i * cols;
-    const C m = mean != nullptr ? mean[i] : C(0);
-    const C r = rstd[i];
-    C sum_g = 0;
-    C sum_gx = 0;
-    for (int64_t j = threadIdx.x; j < cols; j += kBlock) {
-      const C xhat = (Load(x_row[j]) - m) * r;
-      const C g = Load(dy_row[j]) * Load(weight[j]);
-      sum_g += g;
-      sum_gx += g * xhat;
-    }
-    sum_g = BlockReduce(sum_g, buf, SumOp());
-    sum_gx = BlockReduce(sum_gx, buf, SumOp());
-    const C mean_g = mean != nullptr ? sum_g / count : C(0);
-    const C mean_gx = sum_gx / count;
-    T* dx_row = dx + i * cols;
-    for (int64_t j = threadIdx.x; j < cols; j += kBlock) {
-      const C xhat = (Load(x_row[j]) - m) * r;
-      const C g = Load(dy_row[j]) * Load(weight[j]);
-      dx_row[j] = Store<T>(r * (g - mean_g - xhat * mean_gx));
-    }
-  }
-}
-
-// --- attention ------------------------------------------------------------------------
-
-template <typename T>
-__global__ void CausalSoftmaxForwardKernel(const T* scores, int64_t rows, int64_t seq,
-                                           ComputeOf<T> scale, ComputeOf<T> lowest, T* probs) {
-  using C = ComputeOf<T>;
-  __shared__ C buf[kBlock];
-  for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
-    const T* row = scores + i * seq;
-    const int64_t visible = i % seq + 1;  // keys 0..q
-    C m = lowest;
-    for (int64_t k = threadIdx.x; k < visible; k += kBlock) {
-      m = MaxOp()(m, scale * Load(row[k]));
-    }
-    m = BlockReduce(m, buf, MaxOp());
-    C sum = 0;
-    for (int64_t k = threadIdx.x; k < visible; k += kBlock) {
-      sum += Exp(scale * Load(row[k]) - m);
-    }
-    sum = BlockReduce(sum, buf, SumOp());
-    T* out = probs + i * seq;
-    for (int64_t k = threadIdx.x; k < seq; k += kBlock) {
-      // T{} is +0 for every storage type: masked keys are exactly zero.
-      out[k] = k < visible ? Store<T>(Exp(scale * Load(row[k]) - m) / sum) : T{};
-    }
-  }
-}
-
-template <typename T>
-__global__ void CausalSoftmaxBackwardKernel(const T* probs, const T* dprobs, int64_t rows,
-                                            int64_t seq, ComputeOf<T> scale, T* dscores) {
-  using C = ComputeOf<T>;
-  __shared__ C buf[kBlock];
-  for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
-    const T* p = probs + i * seq;
-    const T* dp = dprobs + i * seq;
-    const int64_t visible = i % seq + 1;
-    C dot = 0;
-    for (int64_t k = threadIdx.x; k < visible; k += kBlock) {
-      dot += Load(p[k]) * Load(dp[k]);
-    }
-    dot = BlockReduce(dot, buf, SumOp());
-    T* out = dscores + i * seq;
-    for (int64_t k = threadIdx.x; k < seq; k += kBlock) {
-      out[k] = k < visible
-                   ? Store<T>(scale * (Load(p[k]) * (Load(dp[k]) - dot)))
-                   : T{};
-    }
-  }
-}
+// --- attention: RoPE ------------------------------------------------------------------
 
 template <typename T>
 __global__ void RopeKernel(const T* x, int64_t rows, int64_t d, int64_t seq, double base,
@@ -429,68 +237,6 @@ EmbeddingScratch LayOutEmbeddingScratch(void* base, int64_t num_ids, int64_t voc
   return s;
 }
 
-// --- cross entropy --------------------------------------------------------------------
-
-template <typename T>
-__global__ void RowMaxKernel(const T* logits, int64_t rows, int64_t cols, ComputeOf<T> lowest,
-                             ComputeOf<T>* row_max) {
-  using C = ComputeOf<T>;
-  __shared__ C buf[kBlock];
-  for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
-    const T* row = logits + i * cols;
-    C m = lowest;
-    for (int64_t j = threadIdx.x; j < cols; j += kBlock) m = MaxOp()(m, Load(row[j]));
-    m = BlockReduce(m, buf, MaxOp());
-    if (threadIdx.x == 0) row_max[i] = m;
-  }
-}
-
-template <typename T>
-__global__ void CrossEntropyPartialsKernel(const T* logits, const ComputeOf<T>* row_max,
-                                           const int64_t* labels, int64_t rows, int64_t cols,
-                                           int64_t vocab_start, ComputeOf<T>* sum_exp,
-                                           ComputeOf<T>* sum_z, ComputeOf<T>* target_z) {
-  using C = ComputeOf<T>;
-  __shared__ C buf[kBlock];
-  for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
-    const T* row = logits + i * cols;
-    const C m = row_max[i];
-    C se = 0;
-    C sz = 0;
-    for (int64_t j = threadIdx.x; j < cols; j += kBlock) {
-      const C z = Load(row[j]) - m;
-      se += Exp(z);
-      sz += z;
-    }
-    se = BlockReduce(se, buf, SumOp());
-    sz = BlockReduce(sz, buf, SumOp());
-    if (threadIdx.x == 0) {
-      sum_exp[i] = se;
-      sum_z[i] = sz;
-      const int64_t col = labels[i] - vocab_start;
-      target_z[i] = col >= 0 && col < cols ? Load(row[col]) - m : C(0);
-    }
-  }
-}
-
-template <typename T>
-__global__ void CrossEntropyBackwardKernel(const T* logits, const ComputeOf<T>* row_max,
-                                           const ComputeOf<T>* sum_exp, const int64_t* labels,
-                                           int64_t rows, int64_t cols, int64_t vocab_start,
-                                           ComputeOf<T> on_value, ComputeOf<T> off_value,
-                                           const ComputeOf<T>* row_scale, T* grad) {
-  using C = ComputeOf<T>;
-  const int64_t n = rows * cols;
-  for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
-    // Each thread reads and writes only element e, so grad may be logits.
-    const int64_t i = e / cols;
-    const int64_t j = e % cols;
-    const C q = j == labels[i] - vocab_start ? on_value : off_value;
-    grad[e] =
-        Store<T>(row_scale[i] * (Exp(Load(logits[e]) - row_max[i]) / sum_exp[i] - q));
-  }
-}
-
 // --- optimizer ------------------------------------------------------------------------
 
 template <typename G, typename M, typename P>
@@ -607,53 +353,6 @@ void LaunchDropoutAt(const T* x, T* y, int64_t n, ops::Dropout op, IndexMap map,
 }
 
 template <typename T>
-void LaunchNormForward(const T* x, const T* weight, const T* bias, int64_t rows, int64_t cols,
-                       ComputeOf<T> eps, T* y, ComputeOf<T>* mean, ComputeOf<T>* rstd,
-                       cudaStream_t stream) {
-  if (rows <= 0 || cols <= 0) return;
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, kMaxBlocks));
-  NormForwardKernel<T><<<grid, kBlock, 0, stream>>>(x, weight, bias, rows, cols, eps, y, mean,
-                                                    rstd);
-  MPUSIM_CUDA_CHECK(cudaGetLastError());
-}
-
-template <typename T, typename A>
-void LaunchNormBackward(const T* x, const T* weight, const ComputeOf<T>* mean,
-                        const ComputeOf<T>* rstd, const T* dy, int64_t rows, int64_t cols, T* dx,
-                        A* dweight, A* dbias, cudaStream_t stream) {
-  if (rows <= 0 || cols <= 0) return;
-  // Columns first: they read dy, which the row pass may overwrite (dx may be dy).
-  NormColumnsKernel<T, A><<<GridFor(cols), kBlock, 0, stream>>>(x, mean, rstd, dy, rows, cols,
-                                                                dweight, dbias);
-  MPUSIM_CUDA_CHECK(cudaGetLastError());
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, kMaxBlocks));
-  NormRowsBackwardKernel<T><<<grid, kBlock, 0, stream>>>(x, weight, mean, rstd, dy, rows, cols,
-                                                         dx);
-  MPUSIM_CUDA_CHECK(cudaGetLastError());
-}
-
-template <typename T>
-void LaunchCausalSoftmaxForward(const T* scores, int64_t rows, int64_t seq, ComputeOf<T> scale,
-                                T* probs, cudaStream_t stream) {
-  if (rows <= 0 || seq <= 0) return;
-  const ComputeOf<T> lowest = -static_cast<ComputeOf<T>>(INFINITY);
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, kMaxBlocks));
-  CausalSoftmaxForwardKernel<T><<<grid, kBlock, 0, stream>>>(scores, rows, seq, scale, lowest,
-                                                             probs);
-  MPUSIM_CUDA_CHECK(cudaGetLastError());
-}
-
-template <typename T>
-void LaunchCausalSoftmaxBackward(const T* probs, const T* dprobs, int64_t rows, int64_t seq,
-                                 ComputeOf<T> scale, T* dscores, cudaStream_t stream) {
-  if (rows <= 0 || seq <= 0) return;
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, kMaxBlocks));
-  CausalSoftmaxBackwardKernel<T><<<grid, kBlock, 0, stream>>>(probs, dprobs, rows, seq, scale,
-                                                              dscores);
-  MPUSIM_CUDA_CHECK(cudaGetLastError());
-}
-
-template <typename T>
 void LaunchRope(const T* x, int64_t rows, int64_t d, int64_t seq, double base, bool inverse,
                 T* y, cudaStream_t stream) {
   const int64_t n = rows * (d / 2);
@@ -703,42 +402,6 @@ void LaunchEmbeddingBackward(const T* dy, const int64_t* ids, int64_t num_ids, i
   MPUSIM_CUDA_CHECK(cudaGetLastError());
 }
 
-template <typename T>
-void LaunchRowMax(const T* logits, int64_t rows, int64_t cols, ComputeOf<T>* row_max,
-                  cudaStream_t stream) {
-  if (rows <= 0) return;
-  const ComputeOf<T> lowest = -static_cast<ComputeOf<T>>(INFINITY);
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, kMaxBlocks));
-  RowMaxKernel<T><<<grid, kBlock, 0, stream>>>(logits, rows, cols, lowest, row_max);
-  MPUSIM_CUDA_CHECK(cudaGetLastError());
-}
-
-template <typename T>
-void LaunchCrossEntropyPartials(const T* logits, const ComputeOf<T>* row_max,
-                                const int64_t* labels, int64_t rows, int64_t cols,
-                                int64_t vocab_start, ComputeOf<T>* sum_exp, ComputeOf<T>* sum_z,
-                                ComputeOf<T>* target_z, cudaStream_t stream) {
-  if (rows <= 0) return;
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, kMaxBlocks));
-  CrossEntropyPartialsKernel<T><<<grid, kBlock, 0, stream>>>(
-      logits, row_max, labels, rows, cols, vocab_start, sum_exp, sum_z, target_z);
-  MPUSIM_CUDA_CHECK(cudaGetLastError());
-}
-
-template <typename T>
-void LaunchCrossEntropyBackward(const T* logits, const ComputeOf<T>* row_max,
-                                const ComputeOf<T>* sum_exp, const int64_t* labels, int64_t rows,
-                                int64_t cols, int64_t vocab_start, ComputeOf<T> on_value,
-                                ComputeOf<T> off_value, const ComputeOf<T>* row_scale, T* grad,
-                                cudaStream_t stream) {
-  const int64_t n = rows * cols;
-  if (n <= 0) return;
-  CrossEntropyBackwardKernel<T><<<GridFor(n), kBlock, 0, stream>>>(
-      logits, row_max, sum_exp, labels, rows, cols, vocab_start, on_value, off_value, row_scale,
-      grad);
-  MPUSIM_CUDA_CHECK(cudaGetLastError());
-}
-
 template <typename G, typename M, typename P>
 void LaunchOptimizerStep(const OptimizerUpdate& update, const G* grad, M* master, M* state1,
                          M* state2, P* param, int64_t n, cudaStream_t stream) {
@@ -756,43 +419,27 @@ void LaunchSumOfSquares(const T* x, int64_t n, double* out, cudaStream_t stream)
 }
 
 // Every storage type, with C = ComputeOf<T>.
-#define MPUSIM_INSTANTIATE_LAUNCHERS(T, C)                                                     \
-  template void LaunchScale<T>(T*, int64_t, C, cudaStream_t);                                  \
-  template void LaunchAddRowVector<T>(const T*, T*, int64_t, int64_t, cudaStream_t);           \
-  template void LaunchActivationForward<T>(Activation, const T*, T*, int64_t, int64_t,         \
-                                          cudaStream_t);                                       \
-  template void LaunchActivationBackward<T>(Activation, const T*, const T*, T*, int64_t,       \
-                                           int64_t, cudaStream_t);                             \
-  template void LaunchDropout<T>(const T*, T*, int64_t, ops::Dropout, uint64_t,                \
-                                 cudaStream_t);                                                \
-  template void LaunchDropoutAt<T>(const T*, T*, int64_t, ops::Dropout, IndexMap,              \
-                                   cudaStream_t);                                              \
-  template void LaunchNormForward<T>(const T*, const T*, const T*, int64_t, int64_t, C, T*,    \
-                                     C*, C*, cudaStream_t);                                    \
-  template void LaunchCausalSoftmaxForward<T>(const T*, int64_t, int64_t, C, T*,               \
-                                              cudaStream_t);                                   \
-  template void LaunchCausalSoftmaxBackward<T>(const T*, const T*, int64_t, int64_t, C, T*,    \
-                                               cudaStream_t);                                  \
-  template void LaunchRope<T>(const T*, int64_t, int64_t, int64_t, double, bool, T*,           \
-                              cudaStream_t);                                                   \
-  template void LaunchEmbeddingForward<T>(const T*, const int64_t*, int64_t, int64_t, int64_t, \
-                                          int64_t, T*, cudaStream_t);                          \
-  template void LaunchRowMax<T>(const T*, int64_t, int64_t, C*, cudaStream_t);                 \
-  template void LaunchCrossEntropyPartials<T>(const T*, const C*, const int64_t*, int64_t,     \
-                                              int64_t, int64_t, C*, C*, C*, cudaStream_t);     \
-  template void LaunchCrossEntropyBackward<T>(const T*, const C*, const C*, const int64_t*,    \
-                                              int64_t, int64_t, int64_t, C, C, const C*, T*,   \
-                                              cudaStream_t);
+#define MPUSIM_INSTANTIATE_LAUNCHERS(T, C)                                                       \
+  template void LaunchScale<T>(T*, int64_t, C, cudaStream_t);                                    \
+  template void LaunchAddRowVector<T>(const T*, T*, int64_t, int64_t, cudaStream_t);             \
+  template void LaunchActivationForward<T>(Activation, const T*, T*, int64_t, int64_t,           \
+                                           cudaStream_t);                                        \
+  template void LaunchActivationBackward<T>(Activation, const T*, const T*, T*, int64_t,         \
+                                            int64_t, cudaStream_t);                              \
+  template void LaunchDropout<T>(const T*, T*, int64_t, ops::Dropout, uint64_t, cudaStream_t);   \
+  template void LaunchDropoutAt<T>(const T*, T*, int64_t, ops::Dropout, IndexMap, cudaStream_t); \
+  template void LaunchRope<T>(const T*, int64_t, int64_t, int64_t, double, bool, T*,             \
+                              cudaStream_t);                                                     \
+  template void LaunchEmbeddingForward<T>(const T*, const int64_t*, int64_t, int64_t, int64_t,   \
+                                          int64_t, T*, cudaStream_t);
 
 // The accumulating launchers, for inputs of storage type T into an accumulator of type A
 // (T itself, or the compute type C of a 16-bit T).
-#define MPUSIM_INSTANTIATE_ACCUMULATORS(T, A, C)                                                 \
-  template void LaunchAxpy<T, A>(const T*, A*, int64_t, C, cudaStream_t);                        \
-  template void LaunchSumRows<T, A>(const T*, int64_t, int64_t, double, A*, cudaStream_t);       \
-  template void LaunchEmbeddingBackward<T, A>(const T*, const int64_t*, int64_t, int64_t,        \
-                                              int64_t, int64_t, A*, void*, cudaStream_t);        \
-  template void LaunchNormBackward<T, A>(const T*, const T*, const C*, const C*, const T*,       \
-                                         int64_t, int64_t, T*, A*, A*, cudaStream_t);
+#define MPUSIM_INSTANTIATE_ACCUMULATORS(T, A, C)                                           \
+  template void LaunchAxpy<T, A>(const T*, A*, int64_t, C, cudaStream_t);                  \
+  template void LaunchSumRows<T, A>(const T*, int64_t, int64_t, double, A*, cudaStream_t); \
+  template void LaunchEmbeddingBackward<T, A>(const T*, const int64_t*, int64_t, int64_t,  \
+                                              int64_t, int64_t, A*, void*, cudaStream_t);
 
 template void LaunchStridedCopy<uint16_t>(const uint16_t*, uint16_t*, const StridedCopyPlan&,
                                           cudaStream_t);
@@ -800,16 +447,8 @@ template void LaunchStridedCopy<uint32_t>(const uint32_t*, uint32_t*, const Stri
                                           cudaStream_t);
 template void LaunchStridedCopy<uint64_t>(const uint64_t*, uint64_t*, const StridedCopyPlan&,
                                           cudaStream_t);
-MPUSIM_INSTANTIATE_LAUNCHERS(double, double)
-MPUSIM_INSTANTIATE_LAUNCHERS(float, float)
-MPUSIM_INSTANTIATE_LAUNCHERS(BFloat16, float)
-MPUSIM_INSTANTIATE_LAUNCHERS(Float16, float)
-MPUSIM_INSTANTIATE_ACCUMULATORS(double, double, double)
-MPUSIM_INSTANTIATE_ACCUMULATORS(float, float, float)
-MPUSIM_INSTANTIATE_ACCUMULATORS(BFloat16, BFloat16, float)
-MPUSIM_INSTANTIATE_ACCUMULATORS(BFloat16, float, float)
-MPUSIM_INSTANTIATE_ACCUMULATORS(Float16, Float16, float)
-MPUSIM_INSTANTIATE_ACCUMULATORS(Float16, float, float)
+MPUSIM_FOR_EACH_STORAGE(MPUSIM_INSTANTIATE_LAUNCHERS)
+MPUSIM_FOR_EACH_ACCUMULATOR(MPUSIM_INSTANTIATE_ACCUMULATORS)
 
 // The optimizer: gradient type G and master type M (float or double), parameter type P.
 #define MPUSIM_INSTANTIATE_OPTIMIZER(G, M, P)                                                   \

@@ -1,11 +1,12 @@
 // Device kernels of the GPU backend, behind plain host-callable launchers.
 //
-// What it is: one launcher per CUDA kernel (device_kernels.cu), instantiated for the storage
-// types T = double, float, BFloat16 and Float16 (core/half.h). Each takes raw device
-// pointers, sizes and the stream, enqueues the kernel and checks cudaGetLastError. Every
-// formula is written in the same order as the CPU reference (sim/eigen_kernels.cc) and the
-// .cu is compiled with --fmad=false, so elementwise results round exactly like the CPU
-// where the math functions agree.
+// What it is: one launcher per CUDA kernel (device_kernels.cu; the row reductions in
+// device_reduce_kernels.cu), instantiated for the storage types T = double, float, BFloat16
+// and Float16 (core/half.h). Each takes raw device pointers, sizes and the stream, enqueues
+// the kernel and checks cudaGetLastError. Every formula is written in the same order as the
+// CPU reference (sim/eigen_kernels.cc, sim/eigen_reduce_kernels.cc) and the .cu files are
+// compiled with --fmad=false, so elementwise results round exactly like the CPU where the
+// math functions agree.
 //
 // Dtypes (core/kernels.h): a kernel computes in C = ComputeOf<T> (double for double, float
 // otherwise). It widens each loaded element to C exactly (ToFloat), evaluates the float32
@@ -96,7 +97,8 @@ template <typename T>
 void LaunchDropoutAt(const T* x, T* y, int64_t n, ops::Dropout op, IndexMap map,
                      cudaStream_t stream);
 
-// Both norms, one block per row of x [rows, cols]. LayerNorm when mean is given:
+// Both norms, one block per row of x [rows, cols]; the pointwise parts (r, xhat, y) are
+// core/ops/norm.h's functors, which the CPU runs too. LayerNorm when mean is given:
 //   m = sum x / cols, var = sum (x - m)^2 / cols, r = 1 / sqrt(var + eps),
 //   y = round(((x - m) * r) * weight + bias);
 // RMSNorm when mean is null: m = 0 and no bias (bias is null). mean (if given) and rstd
@@ -107,7 +109,8 @@ void LaunchNormForward(const T* x, const T* weight, const T* bias, int64_t rows,
                        cudaStream_t stream);
 
 // Both norms' backward (mean null: RMSNorm, and dbias is null too), with
-// xhat = (x - m) * r and g = dy * weight. Two kernels, in this order:
+// xhat = (x - m) * r and g = dy * weight (core/ops/norm.h's functors, as every pointwise part
+// of dx, dweight and dbias). Two kernels, in this order:
 //   columns  one thread per column sums dy * xhat (and dy) over the rows in row order and
 //            adds the sum to dweight (dbias) once: dweight[j] = round(dweight[j] + sum);
 //   rows     one block per row: dx = round(r * (g - mean(g) - xhat * mean(g * xhat))),

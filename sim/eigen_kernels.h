@@ -86,7 +86,7 @@ class EigenKernels final : public Kernels {
   // --- normalization (y may be x, dx may be dy) ---------------------------------------
   // Row statistics are sums in the compute dtype divided by h; dweight and dbias get the
   // column sums over the rows (in row order) added once, so a 16-bit accumulator rounds
-  // once per call.
+  // once per call. The pointwise parts are core/ops/norm.h's functors, on whole rows.
   void DoLayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
                           Tensor& y, Tensor& mean, Tensor& rstd) override;
   void DoLayerNormBackward(const Tensor& x, const Tensor& weight, const Tensor& mean,

@@ -99,4 +99,30 @@ inline ::testing::AssertionResult TensorsNear(const std::string& name,
                                        << " mismatch (max abs " << max_abs << "):" << first;
 }
 
+// |actual[e] - expected[e]| <= bound[e] for every element (NaN never passes). On failure the
+// first 8 elements out of bounds; on success the worst error in units of its bound.
+inline ::testing::AssertionResult WithinBounds(const std::string& name,
+                                               const std::vector<double>& actual,
+                                               const std::vector<double>& expected,
+                                               const std::vector<double>& bound) {
+  if (actual.size() != expected.size() || bound.size() != expected.size()) {
+    return ::testing::AssertionFailure() << name << ": " << actual.size() << " elements, expected "
+                                         << expected.size() << " (" << bound.size() << " bounds)";
+  }
+  int64_t bad = 0;
+  double worst = 0;  // the largest error in units of its bound
+  std::string first;
+  for (size_t e = 0; e < actual.size(); ++e) {
+    const double error = std::fabs(actual[e] - expected[e]);
+    if (!(error <= bound[e]) && bad++ < 8) {
+      first += fmt::format("\n  [{}] {} vs {} (error {:.3g}, bound {:.3g})", e, actual[e],
+                           expected[e], error, bound[e]);
+    }
+    if (bound[e] > 0) worst = std::max(worst, error / bound[e]);
+  }
+  if (bad == 0) return ::testing::AssertionSuccess() << name << ": worst " << worst << " of bound";
+  return ::testing::AssertionFailure() << name << ": " << bad << " of " << actual.size()
+                                       << " out of bounds:" << first;
+}
+
 }  // namespace mpusim

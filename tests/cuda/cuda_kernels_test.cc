@@ -18,9 +18,10 @@
 // bitwise. GEMMs on non-integer data get the K-dependent float32 bound plus one 16-bit ulp
 // (the float32 results may fall on either side of a 16-bit rounding boundary).
 //
-// The model kernels (norms, BatchedGemm, causal softmax, Rope, SwiGLU, StridedCopy,
-// DropoutAt; last part of the file): one typed suite over all four dtypes, with the
-// tolerances explained there.
+// The model kernels (BatchedGemm, causal softmax, Rope, StridedCopy, DropoutAt; last part of
+// the file): one typed suite over all four dtypes, with the tolerances explained there. The
+// activations and the norms are in the op tables of tests/ops, which every backend runs
+// (tests/cuda/*_ops_test.cc here).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -1195,7 +1196,7 @@ TYPED_TEST(CudaKernelsHalfTest, CrossEntropyBackwardIncludingInPlace) {
                std::invalid_argument);
 }
 
-// --- the model kernels (norms, attention, SwiGLU, strided copies), every dtype ----------
+// --- the model kernels (attention, strided copies), every dtype -----------------------
 //
 // One typed suite over float64, float32, bfloat16 and float16, each result against
 // EigenKernels on the same stored inputs. Copies (StridedCopy), masks (DropoutAt) and
@@ -1227,14 +1228,6 @@ template <typename T>
   for (double v : cpu) max_abs = std::max(max_abs, std::fabs(v));
   return TensorsNear(name, gpu, cpu, ModelRtol<T>() * max_abs, ModelRtol<T>());
 }
-// Results in the compute dtype (statistics, float32 accumulators of 16-bit inputs).
-template <typename T>
-::testing::AssertionResult ComputeMatchesCpu(const std::string& name,
-                                             const std::vector<double>& gpu,
-                                             const std::vector<double>& cpu) {
-  return MatchesCpu<std::conditional_t<std::is_same_v<T, double>, double, float>>(name, gpu, cpu);
-}
-
 template <typename T>
 std::vector<DType> AccumulatorDTypes() {
   if constexpr (kIsHalf<T>) {
@@ -1248,99 +1241,6 @@ template <typename T>
 class CudaKernelsModelTest : public CudaKernelsTest<T> {};
 using AllDTypes = ::testing::Types<double, float, BFloat16, Float16>;
 TYPED_TEST_SUITE(CudaKernelsModelTest, AllDTypes);
-
-// Row lengths below, at and far above one block (256 threads), and more rows than grid
-// blocks (65535), so the block-stride loops wrap.
-const std::pair<int64_t, int64_t> kRowShapes[] = {{6, 37}, {3, 3000}, {70000, 4}};
-
-TYPED_TEST(CudaKernelsModelTest, NormsForwardBackward) {
-  using T = TypeParam;
-  const DType dt = kDType<T>;
-  const DType stats = ComputeDType(dt);
-  CudaKernels& gpu = *this->gpu_;
-  EigenKernels& cpu = this->cpu_;
-  for (const auto& [n, h] : kRowShapes) {
-    for (bool layer_norm : {true, false}) {
-      SCOPED_TRACE(fmt::format("{} {} x {}", layer_norm ? "LayerNorm" : "RMSNorm", n, h));
-      const std::vector<double> xv = Reals(300, n * h), wv = Reals(301, h), bv = Reals(302, h),
-                                dyv = Reals(303, n * h);
-      std::vector<double> shifted = xv;  // a mean far from zero
-      for (double& v : shifted) v = 3 * v + 1;
-      const double eps = 1e-5;
-      Tensor cpu_y = this->Host({n, h}, std::vector<double>(static_cast<size_t>(n * h), 0.0));
-      Tensor cpu_mean = Tensor::HostZeros({n}, stats), cpu_rstd = Tensor::HostZeros({n}, stats);
-      Tensor gpu_y = gpu.Zeros({n, h}, dt);
-      Tensor gpu_mean = gpu.Zeros({n}, stats), gpu_rstd = gpu.Zeros({n}, stats);
-      const Tensor cpu_x = this->Host({n, h}, shifted), gpu_x = this->Dev({n, h}, shifted);
-      const Tensor cpu_w = this->Host({h}, wv), gpu_w = this->Dev({h}, wv);
-      if (layer_norm) {
-        cpu.LayerNormForward(cpu_x, cpu_w, this->Host({h}, bv), eps, cpu_y, cpu_mean, cpu_rstd);
-        gpu.LayerNormForward(gpu_x, gpu_w, this->Dev({h}, bv), eps, gpu_y, gpu_mean, gpu_rstd);
-        EXPECT_TRUE(ComputeMatchesCpu<T>("mean", this->Values(gpu_mean), ValuesOf(cpu_mean)));
-      } else {
-        cpu.RMSNormForward(cpu_x, cpu_w, eps, cpu_y, cpu_rstd);
-        gpu.RMSNormForward(gpu_x, gpu_w, eps, gpu_y, gpu_rstd);
-      }
-      ASSERT_GT(Norm(ValuesOf(cpu_y)), 0);
-      EXPECT_TRUE(MatchesCpu<T>("y", this->Values(gpu_y), ValuesOf(cpu_y)));
-      EXPECT_TRUE(ComputeMatchesCpu<T>("rstd", this->Values(gpu_rstd), ValuesOf(cpu_rstd)));
-      Tensor in_place = this->Dev({n, h}, shifted);
-      if (layer_norm) {
-        gpu.LayerNormForward(in_place, gpu_w, this->Dev({h}, bv), eps, in_place, gpu_mean,
-                             gpu_rstd);
-      } else {
-        gpu.RMSNormForward(in_place, gpu_w, eps, in_place, gpu_rstd);
-      }
-      EXPECT_TRUE(SameBits("y in place", this->Back(in_place), this->Back(gpu_y)));
-
-      // Backward from the CPU's statistics on both sides.
-      const Tensor gpu_stats_mean = gpu.ToDevice(cpu_mean), gpu_stats_rstd = gpu.ToDevice(cpu_rstd);
-      for (DType acc : AccumulatorDTypes<T>()) {
-        SCOPED_TRACE(fmt::format("accumulators {}", DTypeName(acc)));
-        const std::vector<double> dw0 = Reals(304, h), db0 = Reals(305, h);
-        Tensor cpu_dx = this->Host({n, h}, std::vector<double>(static_cast<size_t>(n * h), 0.0));
-        Tensor cpu_dw = this->Host({h}, dw0, acc), cpu_db = this->Host({h}, db0, acc);
-        Tensor gpu_dx = gpu.Zeros({n, h}, dt);
-        Tensor gpu_dw = this->Dev({h}, dw0, acc), gpu_db = this->Dev({h}, db0, acc);
-        const Tensor cpu_dy = this->Host({n, h}, dyv), gpu_dy = this->Dev({n, h}, dyv);
-        if (layer_norm) {
-          cpu.LayerNormBackward(cpu_x, cpu_w, cpu_mean, cpu_rstd, cpu_dy, cpu_dx, cpu_dw, cpu_db);
-          gpu.LayerNormBackward(gpu_x, gpu_w, gpu_stats_mean, gpu_stats_rstd, gpu_dy, gpu_dx,
-                                gpu_dw, gpu_db);
-        } else {
-          cpu.RMSNormBackward(cpu_x, cpu_w, cpu_rstd, cpu_dy, cpu_dx, cpu_dw);
-          gpu.RMSNormBackward(gpu_x, gpu_w, gpu_stats_rstd, gpu_dy, gpu_dx, gpu_dw);
-        }
-        ASSERT_GT(Norm(ValuesOf(cpu_dx)), 0);
-        EXPECT_TRUE(MatchesCpu<T>("dx", this->Values(gpu_dx), ValuesOf(cpu_dx)));
-        // The column sums run in row order on both sides.
-        if (acc == dt) {
-          EXPECT_TRUE(MatchesCpu<T>("dweight", this->Values(gpu_dw), ValuesOf(cpu_dw)));
-          EXPECT_TRUE(MatchesCpu<T>("dbias", this->Values(gpu_db), ValuesOf(cpu_db)));
-        } else {
-          EXPECT_TRUE(ComputeMatchesCpu<T>("dweight", this->Values(gpu_dw), ValuesOf(cpu_dw)));
-          EXPECT_TRUE(ComputeMatchesCpu<T>("dbias", this->Values(gpu_db), ValuesOf(cpu_db)));
-        }
-        // dx in place over dy: the column pass still sees the original dy.
-        Tensor dx_in_place = this->Dev({n, h}, dyv);
-        Tensor gpu_dw2 = this->Dev({h}, dw0, acc), gpu_db2 = this->Dev({h}, db0, acc);
-        if (layer_norm) {
-          gpu.LayerNormBackward(gpu_x, gpu_w, gpu_stats_mean, gpu_stats_rstd, dx_in_place,
-                                dx_in_place, gpu_dw2, gpu_db2);
-        } else {
-          gpu.RMSNormBackward(gpu_x, gpu_w, gpu_stats_rstd, dx_in_place, dx_in_place, gpu_dw2);
-        }
-        EXPECT_TRUE(SameBits("dx in place", this->Back(dx_in_place), this->Back(gpu_dx)));
-        EXPECT_TRUE(SameBits("dweight in place", this->Back(gpu_dw2), this->Back(gpu_dw)));
-      }
-    }
-  }
-  Tensor y = gpu.Zeros({2, 3}, dt), rstd = gpu.Zeros({2}, stats);
-  Tensor host_rstd = Tensor::HostZeros({2}, stats);
-  EXPECT_THROW(gpu.RMSNormForward(this->Dev({2, 3}, Ints(1, 6)), this->Dev({3}, Ints(2, 3)), 1e-5,
-                                  y, host_rstd),
-               std::invalid_argument);
-}
 
 // Integer inputs: every product and sum is exact in every dtype (|c| <= 2 * 20 * 4 + 3 * 2 <
 // 256, exact even in bfloat16), so cuBLAS and the CPU agree bit for bit.

@@ -85,25 +85,11 @@ inline ::testing::AssertionResult Near(const std::string& name, DType dt,
                                        const std::vector<double>& actual,
                                        const std::vector<double>& expected,
                                        const std::vector<double>& scale) {
-  if (actual.size() != expected.size()) {
-    return ::testing::AssertionFailure() << name << ": " << actual.size() << " elements, expected "
-                                         << expected.size();
+  std::vector<double> bound(expected.size());
+  for (size_t e = 0; e < expected.size() && e < scale.size(); ++e) {
+    bound[e] = RelTol(dt) * (std::fabs(expected[e]) + scale[e]) + AbsTol(dt);
   }
-  int64_t bad = 0;
-  double worst = 0;  // the largest error in units of its bound
-  std::string first;
-  for (size_t e = 0; e < actual.size(); ++e) {
-    const double bound = RelTol(dt) * (std::fabs(expected[e]) + scale[e]) + AbsTol(dt);
-    const double error = std::fabs(actual[e] - expected[e]);
-    if (!(error <= bound) && bad++ < 8) {
-      first += fmt::format("\n  [{}] {} vs {} (error {:.3g}, bound {:.3g})", e, actual[e],
-                           expected[e], error, bound);
-    }
-    if (bound > 0) worst = std::max(worst, error / bound);
-  }
-  if (bad == 0) return ::testing::AssertionSuccess() << name << ": worst " << worst << " of bound";
-  return ::testing::AssertionFailure() << name << " (" << DTypeName(dt) << "): " << bad << " of "
-                                       << actual.size() << " out of bounds:" << first;
+  return WithinBounds(fmt::format("{} ({})", name, DTypeName(dt)), actual, expected, bound);
 }
 
 // Runs every row's forward and backward on `k` in dtype `dt` (inputs from -6 to 6, zero and

@@ -13,10 +13,11 @@
 // bounds separately (gamma_K = K * 2^-24 for sums of K terms). Half an ulp, not one, so a
 // truncating or twice-rounding kernel fails.
 //
-// The model kernels (norms, BatchedGemm, causal softmax, Rope, SwiGLU, StridedCopy,
-// DropoutAt; last part of the file): one typed suite over all four dtypes against naive
-// float64 loops on the stored inputs, with the tolerances explained there, plus the norm
-// backward formulas against finite differences.
+// The model kernels (BatchedGemm, causal softmax, Rope, StridedCopy, DropoutAt; last part of
+// the file): one typed suite over all four dtypes against naive float64 loops on the stored
+// inputs, with the tolerances explained there, plus the norm backward formulas against
+// finite differences. The activations and the norms are in the op tables of tests/ops, which
+// every backend runs.
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -1114,7 +1115,7 @@ TYPED_TEST(EigenKernelsHalfTest, CrossEntropyPiecesWithFloat32Statistics) {
   EXPECT_EQ(Bits(in_place), Bits(grad));
 }
 
-// --- the model kernels (norms, attention, SwiGLU, strided copies), every dtype ----------
+// --- the model kernels (attention, strided copies), every dtype -----------------------
 //
 // One typed suite over float64, float32, bfloat16 and float16. Inputs are Philox reals
 // stored in the dtype (Make rounds each once); the reference is a naive float64 loop over
@@ -1169,80 +1170,6 @@ std::vector<DType> AccumulatorDTypes() {
   }
 }
 
-// Row statistics and output of LayerNorm (center) or RMSNorm (no center, no bias) on x
-// [n, h], and for each y the magnitude (|x| + |mean|) rstd |w| + |b| of its terms.
-struct NormForwardReference {
-  std::vector<double> y, y_scale, mean, rstd;
-};
-NormForwardReference NaiveNormForward(const std::vector<double>& x, const std::vector<double>& w,
-                                      const std::vector<double>* b, int64_t n, int64_t h,
-                                      double eps, bool center) {
-  NormForwardReference ref;
-  for (int64_t i = 0; i < n; ++i) {
-    const auto at = [&](int64_t j) { return x[static_cast<size_t>(i * h + j)]; };
-    double mean = 0;
-    if (center) {
-      for (int64_t j = 0; j < h; ++j) mean += at(j);
-      mean /= static_cast<double>(h);
-    }
-    double var = 0;
-    for (int64_t j = 0; j < h; ++j) var += (at(j) - mean) * (at(j) - mean);
-    var /= static_cast<double>(h);
-    const double rstd = 1 / std::sqrt(var + eps);
-    ref.mean.push_back(mean);
-    ref.rstd.push_back(rstd);
-    for (int64_t j = 0; j < h; ++j) {
-      const double wj = w[static_cast<size_t>(j)];
-      const double bj = b != nullptr ? (*b)[static_cast<size_t>(j)] : 0.0;
-      ref.y.push_back((at(j) - mean) * rstd * wj + bj);
-      ref.y_scale.push_back((std::fabs(at(j)) + std::fabs(mean)) * rstd * std::fabs(wj) +
-                            std::fabs(bj));
-    }
-  }
-  return ref;
-}
-
-// The analytic norm backward (mean empty: RMSNorm) with the statistics as given, and the
-// magnitudes of the terms of each result.
-struct NormBackwardReference {
-  std::vector<double> dx, dx_scale, dw, dw_scale, db, db_scale;
-};
-NormBackwardReference NaiveNormBackward(const std::vector<double>& x, const std::vector<double>& w,
-                                        const std::vector<double>& mean,
-                                        const std::vector<double>& rstd,
-                                        const std::vector<double>& dy, int64_t n, int64_t h) {
-  NormBackwardReference ref;
-  ref.dw.assign(static_cast<size_t>(h), 0.0);
-  ref.dw_scale = ref.db = ref.db_scale = ref.dw;
-  const double count = static_cast<double>(h);
-  for (int64_t i = 0; i < n; ++i) {
-    const size_t row = static_cast<size_t>(i * h);
-    const double m = mean.empty() ? 0.0 : mean[static_cast<size_t>(i)];
-    const double r = rstd[static_cast<size_t>(i)];
-    std::vector<double> xhat(static_cast<size_t>(h)), g(static_cast<size_t>(h));
-    double mean_g = 0, mean_gx = 0, mean_abs_g = 0, mean_abs_gx = 0;
-    for (size_t j = 0; j < static_cast<size_t>(h); ++j) {
-      xhat[j] = (x[row + j] - m) * r;
-      g[j] = dy[row + j] * w[j];
-      mean_g += g[j] / count;
-      mean_gx += g[j] * xhat[j] / count;
-      mean_abs_g += std::fabs(g[j]) / count;
-      mean_abs_gx += std::fabs(g[j] * xhat[j]) / count;
-    }
-    if (mean.empty()) mean_g = mean_abs_g = 0;
-    for (size_t j = 0; j < static_cast<size_t>(h); ++j) {
-      ref.dx.push_back(r * (g[j] - mean_g - xhat[j] * mean_gx));
-      ref.dx_scale.push_back(r * (std::fabs(g[j]) + mean_abs_g +
-                                  (std::fabs(x[row + j]) + std::fabs(m)) * r * mean_abs_gx));
-      ref.dw[j] += dy[row + j] * xhat[j];
-      ref.dw_scale[j] += std::fabs(dy[row + j]) * (std::fabs(x[row + j]) + std::fabs(m)) * r;
-      ref.db[j] += dy[row + j];
-      ref.db_scale[j] += std::fabs(dy[row + j]);
-    }
-  }
-  return ref;
-}
-
 template <typename T>
 class EigenKernelsModelTest : public ::testing::Test {
  protected:
@@ -1250,166 +1177,6 @@ class EigenKernelsModelTest : public ::testing::Test {
 };
 using AllDTypes = ::testing::Types<double, float, BFloat16, Float16>;
 TYPED_TEST_SUITE(EigenKernelsModelTest, AllDTypes);
-
-// An odd row length (no vector width divides it), a mean far from zero.
-constexpr int64_t kNormRows = 6, kNormCols = 37;
-
-TYPED_TEST(EigenKernelsModelTest, LayerNormForward) {
-  using T = TypeParam;
-  constexpr DType dt = kDType<T>;
-  const DType stats = ComputeDType(dt);
-  const int64_t n = kNormRows, h = kNormCols;
-  const Tensor x = Make<T>({2, 3, h}, Reals(100, n * h, -3, 5));
-  const Tensor w = Make<T>({h}, Reals(101, h, 0.5, 1.5));
-  const Tensor b = Make<T>({h}, Reals(102, h, -1, 1));
-  const double eps = 1e-5;
-  const std::vector<double> bv = ValuesOf(b);
-  const NormForwardReference ref = NaiveNormForward(ValuesOf(x), ValuesOf(w), &bv, n, h, eps, true);
-  ASSERT_GT(Norm(ref.y), 0);
-
-  Tensor y = this->k_.Zeros({n, h}, dt);
-  Tensor mean = this->k_.Zeros({n}, stats);
-  Tensor rstd = this->k_.Zeros({n}, stats);
-  this->k_.LayerNormForward(x, w, b, eps, y, mean, rstd);
-  EXPECT_TRUE(OpNear<T>("layernorm y", ValuesOf(y), ref.y, ref.y_scale));
-  // mean: h additions of |x| <= 5 each; rstd: relative.
-  EXPECT_TRUE(ComputeNear<T>("layernorm mean", ValuesOf(mean), ref.mean,
-                             std::vector<double>(static_cast<size_t>(n), 5.0)));
-  EXPECT_TRUE(ComputeNear<T>("layernorm rstd", ValuesOf(rstd), ref.rstd, ref.rstd));
-
-  // In place (y = x) stores the same bits.
-  Tensor in_place = Make<T>({n, h}, ValuesOf(x));
-  this->k_.LayerNormForward(in_place, w, b, eps, in_place, mean, rstd);
-  EXPECT_EQ(ValuesOf(in_place), ValuesOf(y));
-
-  Tensor wrong_stats =
-      this->k_.Zeros({n}, dt == DType::kFloat64 ? DType::kFloat32 : DType::kFloat64);
-  EXPECT_THROW(this->k_.LayerNormForward(x, w, b, eps, y, wrong_stats, rstd),
-               std::invalid_argument);
-  EXPECT_THROW(this->k_.LayerNormForward(x, Make<T>({h - 1}, Reals(1, h - 1)), b, eps, y, mean,
-                                         rstd),
-               std::invalid_argument);
-  EXPECT_THROW(this->k_.LayerNormForward(x, w, b, -1.0, y, mean, rstd), std::invalid_argument);
-  Tensor short_rstd = this->k_.Zeros({n - 1}, stats);
-  EXPECT_THROW(this->k_.LayerNormForward(x, w, b, eps, y, mean, short_rstd),
-               std::invalid_argument);
-}
-
-TYPED_TEST(EigenKernelsModelTest, LayerNormBackwardAccumulates) {
-  using T = TypeParam;
-  constexpr DType dt = kDType<T>;
-  const DType stats = ComputeDType(dt);
-  const int64_t n = kNormRows, h = kNormCols;
-  const Tensor x = Make<T>({n, h}, Reals(110, n * h, -3, 5));
-  const Tensor w = Make<T>({h}, Reals(111, h, 0.5, 1.5));
-  const Tensor b = Make<T>({h}, Reals(112, h, -1, 1));
-  const Tensor dy = Make<T>({n, h}, Reals(113, n * h, -2, 2));
-  // The statistics as the forward produced them; the backward takes them as given.
-  Tensor y = this->k_.Zeros({n, h}, dt);
-  Tensor mean = this->k_.Zeros({n}, stats);
-  Tensor rstd = this->k_.Zeros({n}, stats);
-  this->k_.LayerNormForward(x, w, b, 1e-5, y, mean, rstd);
-  const NormBackwardReference ref = NaiveNormBackward(ValuesOf(x), ValuesOf(w), ValuesOf(mean),
-                                                      ValuesOf(rstd), ValuesOf(dy), n, h);
-  ASSERT_GT(Norm(ref.dx), 0);
-
-  for (DType acc : AccumulatorDTypes<T>()) {
-    SCOPED_TRACE(fmt::format("accumulators {}", DTypeName(acc)));
-    const std::vector<double> dw0 = Reals(114, h, -1, 1), db0 = Reals(115, h, -1, 1);
-    Tensor dweight = MakeOf(acc, {h}, dw0);
-    Tensor dbias = MakeOf(acc, {h}, db0);
-    std::vector<double> dw = ValuesOf(dweight), db = ValuesOf(dbias);
-    std::vector<double> dw_scale = Abs(dw), db_scale = Abs(db);
-    for (size_t j = 0; j < dw.size(); ++j) {
-      dw[j] += ref.dw[j];
-      db[j] += ref.db[j];
-      dw_scale[j] += ref.dw_scale[j];
-      db_scale[j] += ref.db_scale[j];
-    }
-    Tensor dx = this->k_.Zeros({n, h}, dt);
-    this->k_.LayerNormBackward(x, w, mean, rstd, dy, dx, dweight, dbias);
-    EXPECT_TRUE(OpNear<T>("layernorm dx", ValuesOf(dx), ref.dx, ref.dx_scale));
-    if (acc == dt) {
-      EXPECT_TRUE(OpNear<T>("layernorm dweight", ValuesOf(dweight), dw, dw_scale));
-      EXPECT_TRUE(OpNear<T>("layernorm dbias", ValuesOf(dbias), db, db_scale));
-    } else {
-      EXPECT_TRUE(ComputeNear<T>("layernorm dweight", ValuesOf(dweight), dw, dw_scale));
-      EXPECT_TRUE(ComputeNear<T>("layernorm dbias", ValuesOf(dbias), db, db_scale));
-    }
-
-    // In place (dx = dy): the same dx, and the accumulators still see the original dy.
-    Tensor dw2 = MakeOf(acc, {h}, dw0);
-    Tensor db2 = MakeOf(acc, {h}, db0);
-    Tensor in_place = Make<T>({n, h}, ValuesOf(dy));
-    this->k_.LayerNormBackward(x, w, mean, rstd, in_place, in_place, dw2, db2);
-    EXPECT_EQ(ValuesOf(in_place), ValuesOf(dx));
-    EXPECT_EQ(ValuesOf(dw2), ValuesOf(dweight));
-    EXPECT_EQ(ValuesOf(db2), ValuesOf(dbias));
-  }
-
-  Tensor dx = this->k_.Zeros({n, h}, dt);
-  Tensor dw64 = this->k_.Zeros({h}, dt == DType::kFloat64 ? DType::kFloat32 : DType::kFloat64);
-  Tensor db = this->k_.Zeros({h}, dt);
-  EXPECT_THROW(this->k_.LayerNormBackward(x, w, mean, rstd, dy, dx, dw64, db),
-               std::invalid_argument);
-  Tensor dw = this->k_.Zeros({h}, dt);
-  EXPECT_THROW(this->k_.LayerNormBackward(x, w, mean, rstd, dy, dx, dw, dw),
-               std::invalid_argument);  // dweight and dbias share storage
-  EXPECT_THROW(this->k_.LayerNormBackward(x, w, mean, rstd, dy, dx, dw, y),
-               std::invalid_argument);  // dbias is [n, h]
-}
-
-TYPED_TEST(EigenKernelsModelTest, RMSNormForwardBackward) {
-  using T = TypeParam;
-  constexpr DType dt = kDType<T>;
-  const DType stats = ComputeDType(dt);
-  const int64_t n = kNormRows, h = kNormCols;
-  const Tensor x = Make<T>({n, h}, Reals(120, n * h, -3, 5));
-  const Tensor w = Make<T>({h}, Reals(121, h, 0.5, 1.5));
-  const double eps = 1e-6;
-  const NormForwardReference fwd =
-      NaiveNormForward(ValuesOf(x), ValuesOf(w), nullptr, n, h, eps, false);
-  ASSERT_GT(Norm(fwd.y), 0);
-  Tensor y = this->k_.Zeros({n, h}, dt);
-  Tensor rstd = this->k_.Zeros({n}, stats);
-  this->k_.RMSNormForward(x, w, eps, y, rstd);
-  EXPECT_TRUE(OpNear<T>("rmsnorm y", ValuesOf(y), fwd.y, fwd.y_scale));
-  EXPECT_TRUE(ComputeNear<T>("rmsnorm rstd", ValuesOf(rstd), fwd.rstd, fwd.rstd));
-  Tensor in_place = Make<T>({n, h}, ValuesOf(x));
-  this->k_.RMSNormForward(in_place, w, eps, in_place, rstd);
-  EXPECT_EQ(ValuesOf(in_place), ValuesOf(y));
-
-  const Tensor dy = Make<T>({n, h}, Reals(122, n * h, -2, 2));
-  const NormBackwardReference ref =
-      NaiveNormBackward(ValuesOf(x), ValuesOf(w), {}, ValuesOf(rstd), ValuesOf(dy), n, h);
-  ASSERT_GT(Norm(ref.dx), 0);
-  for (DType acc : AccumulatorDTypes<T>()) {
-    SCOPED_TRACE(fmt::format("accumulator {}", DTypeName(acc)));
-    const std::vector<double> dw0 = Reals(123, h, -1, 1);
-    Tensor dweight = MakeOf(acc, {h}, dw0);
-    std::vector<double> dw = ValuesOf(dweight), dw_scale = Abs(dw);
-    for (size_t j = 0; j < dw.size(); ++j) {
-      dw[j] += ref.dw[j];
-      dw_scale[j] += ref.dw_scale[j];
-    }
-    Tensor dx = this->k_.Zeros({n, h}, dt);
-    this->k_.RMSNormBackward(x, w, rstd, dy, dx, dweight);
-    EXPECT_TRUE(OpNear<T>("rmsnorm dx", ValuesOf(dx), ref.dx, ref.dx_scale));
-    if (acc == dt) {
-      EXPECT_TRUE(OpNear<T>("rmsnorm dweight", ValuesOf(dweight), dw, dw_scale));
-    } else {
-      EXPECT_TRUE(ComputeNear<T>("rmsnorm dweight", ValuesOf(dweight), dw, dw_scale));
-    }
-    Tensor dw2 = MakeOf(acc, {h}, dw0);
-    Tensor dx_in_place = Make<T>({n, h}, ValuesOf(dy));
-    this->k_.RMSNormBackward(x, w, rstd, dx_in_place, dx_in_place, dw2);
-    EXPECT_EQ(ValuesOf(dx_in_place), ValuesOf(dx));
-    EXPECT_EQ(ValuesOf(dw2), ValuesOf(dweight));
-  }
-  Tensor no_cols = this->k_.Zeros({n, 0}, dt);
-  EXPECT_THROW(this->k_.RMSNormForward(no_cols, this->k_.Zeros({0}, dt), eps, no_cols, rstd),
-               std::invalid_argument);
-}
 
 // The analytic backward formulas themselves, against central differences of the float64
 // forward: L = sum_ij c_ij y_ij has dL/dx = the backward with dy = c. Step 1e-6: the

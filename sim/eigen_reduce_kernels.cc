@@ -1,0 +1,266 @@
+// EigenKernels' row reductions (see eigen_kernels.h): LayerNorm and RMSNorm forward and
+// backward (their pointwise math is core/ops/norm.h's), the causal softmax, and the pieces of
+// the vocab-parallel cross entropy. Each walks the rows: it takes a row's reductions (Eigen's
+// sums and maxima) before it writes the row, so an output may be its input, and the norms'
+// column sums run over the rows in row order. 16-bit tensors are staged through float32
+// (sim/eigen_views.h); the rest of EigenKernels is in eigen_kernels.cc.
+#include "sim/eigen_kernels.h"
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include <Eigen/Core>
+
+#include "core/ops/norm.h"
+#include "sim/eigen_views.h"
+
+namespace mpusim {
+namespace {
+
+// Column of `label` in a shard starting at vocab_start with `cols` columns, or -1.
+int64_t LocalColumn(int64_t label, int64_t vocab_start, int64_t cols) {
+  const int64_t col = label - vocab_start;
+  return col >= 0 && col < cols ? col : -1;
+}
+
+}  // namespace
+
+// --- normalization --------------------------------------------------------------------
+
+void EigenKernels::DoLayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                                      double eps, Tensor& y, Tensor& mean, Tensor& rstd) {
+  NormForward(x, weight, &bias, eps, y, &mean, rstd);
+}
+
+void EigenKernels::DoRMSNormForward(const Tensor& x, const Tensor& weight, double eps, Tensor& y,
+                                    Tensor& rstd) {
+  NormForward(x, weight, nullptr, eps, y, nullptr, rstd);
+}
+
+void EigenKernels::DoLayerNormBackward(const Tensor& x, const Tensor& weight, const Tensor& mean,
+                                       const Tensor& rstd, const Tensor& dy, Tensor& dx,
+                                       Tensor& dweight, Tensor& dbias) {
+  NormBackward(x, weight, &mean, rstd, dy, dx, dweight, &dbias);
+}
+
+void EigenKernels::DoRMSNormBackward(const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                                     const Tensor& dy, Tensor& dx, Tensor& dweight) {
+  NormBackward(x, weight, nullptr, rstd, dy, dx, dweight, nullptr);
+}
+
+void EigenKernels::NormForward(const Tensor& x, const Tensor& weight, const Tensor* bias,
+                               double eps, Tensor& y, Tensor* mean, Tensor& rstd) {
+  if (IsHalf(x.dtype())) {
+    // The statistics are float32 already; y is computed in place on x's float32 copy.
+    Tensor xf = Widened(x, *cache_);
+    const Tensor wf = Widened(weight, *cache_);
+    const Tensor bf = bias != nullptr ? Widened(*bias, *cache_) : Tensor();
+    NormForward(xf, wf, bias != nullptr ? &bf : nullptr, eps, xf, mean, rstd);
+    StoreRounded(xf, y);
+    return;
+  }
+  Dispatch(x.dtype(), [&]<typename T>() {
+    const int64_t h = Cols(x);
+    const T count = static_cast<T>(h);
+    const auto xs = MatrixOf<T>(x);
+    auto ys = MatrixOf<T>(y);
+    const auto w = Eigen::Map<const RowVector<T>>(weight.data_as<T>(), h).array();
+    T* mu = mean != nullptr ? mean->data_as<T>() : nullptr;
+    T* rs = rstd.data_as<T>();
+    for (int64_t i = 0; i < Rows(x); ++i) {
+      // Statistics first, then the row is written (y may be x).
+      const auto row = xs.row(i).array();
+      const T m = mu != nullptr ? row.sum() / count : static_cast<T>(0);
+      const T var = (row - m).square().sum() / count;
+      const T r = ops::NormRstd(var, static_cast<T>(eps));
+      if (mu != nullptr) mu[i] = m;
+      rs[i] = r;
+      if (bias != nullptr) {
+        const auto b = Eigen::Map<const RowVector<T>>(bias->data_as<T>(), h).array();
+        ys.row(i).array() = ops::NormOutput(ops::Normalize(row, m, r), w, b);
+      } else {
+        ys.row(i).array() = ops::NormOutput(ops::Normalize(row, m, r), w);
+      }
+    }
+  });
+}
+
+void EigenKernels::NormBackward(const Tensor& x, const Tensor& weight, const Tensor* mean,
+                                const Tensor& rstd, const Tensor& dy, Tensor& dx,
+                                Tensor& dweight, Tensor* dbias) {
+  if (IsHalf(x.dtype())) {
+    // dx in place on dy's float32 copy; float32 accumulators are used as they are, 16-bit
+    // ones widened and rounded once after the column sums were added.
+    Tensor dyf = Widened(dy, *cache_);
+    const bool narrow = dweight.dtype() != DType::kFloat32;
+    Tensor dwf = narrow ? Widened(dweight, *cache_) : dweight;
+    Tensor dbf;
+    if (dbias != nullptr) dbf = narrow ? Widened(*dbias, *cache_) : *dbias;
+    NormBackward(Widened(x, *cache_), Widened(weight, *cache_), mean, rstd, dyf, dyf, dwf,
+                 dbias != nullptr ? &dbf : nullptr);
+    StoreRounded(dyf, dx);
+    if (narrow) {
+      StoreRounded(dwf, dweight);
+      if (dbias != nullptr) StoreRounded(dbf, *dbias);
+    }
+    return;
+  }
+  Dispatch(x.dtype(), [&]<typename T>() {
+    const int64_t h = Cols(x);
+    const T count = static_cast<T>(h);
+    const auto xs = MatrixOf<T>(x);
+    const auto dys = MatrixOf<T>(dy);
+    auto dxs = MatrixOf<T>(dx);
+    const auto w = Eigen::Map<const RowVector<T>>(weight.data_as<T>(), h).array();
+    const T* mu = mean != nullptr ? mean->data_as<T>() : nullptr;
+    const T* rs = rstd.data_as<T>();
+    // Column sums over the rows, in row order, added to the accumulators at the end.
+    Eigen::Array<T, 1, Eigen::Dynamic> dw_sum = Eigen::Array<T, 1, Eigen::Dynamic>::Zero(h);
+    Eigen::Array<T, 1, Eigen::Dynamic> db_sum = Eigen::Array<T, 1, Eigen::Dynamic>::Zero(h);
+    for (int64_t i = 0; i < Rows(x); ++i) {
+      const T m = mu != nullptr ? mu[i] : static_cast<T>(0);
+      const T r = rs[i];
+      const auto dy_row = dys.row(i).array();
+      const auto xhat = ops::Normalize(xs.row(i).array(), m, r);
+      const auto g = ops::NormXhatGrad(dy_row, w);
+      const T mean_g = mu != nullptr ? g.sum() / count : static_cast<T>(0);
+      const T mean_gx = (g * xhat).sum() / count;
+      // Everything that reads dy comes before the row of dx is written (dx may be dy).
+      dw_sum += ops::NormWeightGrad(dy_row, xhat);
+      if (dbias != nullptr) db_sum += ops::NormBiasGrad(dy_row);
+      dxs.row(i).array() = ops::NormInputGrad(g, xhat, r, mean_g, mean_gx);
+    }
+    ArrayOf<T>(dweight) += dw_sum.transpose();
+    if (dbias != nullptr) ArrayOf<T>(*dbias) += db_sum.transpose();
+  });
+}
+
+// --- attention: the causal softmax ----------------------------------------------------
+
+void EigenKernels::DoCausalSoftmaxForward(const Tensor& scores, int64_t seq, double scale,
+                                          Tensor& probs) {
+  if (IsHalf(scores.dtype())) {
+    Tensor sf = Widened(scores, *cache_);
+    DoCausalSoftmaxForward(sf, seq, scale, sf);
+    StoreRounded(sf, probs);
+    return;
+  }
+  Dispatch(scores.dtype(), [&]<typename T>() {
+    const auto ss = MatrixOf<T>(scores);
+    auto ps = MatrixOf<T>(probs);
+    const T c = static_cast<T>(scale);
+    for (int64_t r = 0; r < Rows(scores); ++r) {
+      // Keys 0..q are visible to query position q; the max and the sum are taken first,
+      // then the row is written (probs may be scores).
+      const int64_t visible = r % seq + 1;
+      const auto z = ss.row(r).head(visible).array() * c;
+      const T m = z.maxCoeff();
+      const T sum = (z - m).exp().sum();
+      ps.row(r).head(visible).array() = (z - m).exp() / sum;
+      ps.row(r).tail(seq - visible).setZero();
+    }
+  });
+}
+
+void EigenKernels::DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, int64_t seq,
+                                           double scale, Tensor& dscores) {
+  if (IsHalf(probs.dtype())) {
+    Tensor dpf = Widened(dprobs, *cache_);
+    DoCausalSoftmaxBackward(Widened(probs, *cache_), dpf, seq, scale, dpf);
+    StoreRounded(dpf, dscores);
+    return;
+  }
+  Dispatch(probs.dtype(), [&]<typename T>() {
+    const auto ps = MatrixOf<T>(probs);
+    const auto dps = MatrixOf<T>(dprobs);
+    auto ds = MatrixOf<T>(dscores);
+    const T c = static_cast<T>(scale);
+    for (int64_t r = 0; r < Rows(probs); ++r) {
+      const int64_t visible = r % seq + 1;
+      const auto p = ps.row(r).head(visible).array();
+      const auto dp = dps.row(r).head(visible).array();
+      const T dot = (p * dp).sum();  // before the row is written (dscores may alias)
+      ds.row(r).head(visible).array() = c * (p * (dp - dot));
+      ds.row(r).tail(seq - visible).setZero();
+    }
+  });
+}
+
+// --- vocab-parallel cross entropy -----------------------------------------------------
+
+void EigenKernels::DoRowMax(const Tensor& logits, Tensor& row_max) {
+  if (IsHalf(logits.dtype())) {
+    DoRowMax(Widened(logits, *cache_), row_max);  // row_max is float32
+    return;
+  }
+  Dispatch(logits.dtype(), [&]<typename T>() {
+    auto out = ArrayOf<T>(row_max);
+    if (Cols(logits) == 0) {
+      out.setConstant(-std::numeric_limits<T>::infinity());
+    } else if (Rows(logits) > 0) {
+      out = MatrixOf<T>(logits).rowwise().maxCoeff().array();
+    }
+  });
+}
+
+void EigenKernels::DoCrossEntropyPartials(const Tensor& logits, const Tensor& row_max,
+                                          const Tensor& labels, int64_t vocab_start,
+                                          Tensor& sum_exp, Tensor& sum_z, Tensor& target_z) {
+  const int64_t rows = Rows(logits);
+  const int64_t cols = Cols(logits);
+  if (IsHalf(logits.dtype())) {
+    // The statistics are float32 already.
+    DoCrossEntropyPartials(Widened(logits, *cache_), row_max, labels, vocab_start, sum_exp, sum_z, target_z);
+    return;
+  }
+  Dispatch(logits.dtype(), [&]<typename T>() {
+    const auto l = MatrixOf<T>(logits);
+    const auto m = ArrayOf<T>(row_max);
+    auto se = ArrayOf<T>(sum_exp);
+    auto sz = ArrayOf<T>(sum_z);
+    auto tz = ArrayOf<T>(target_z);
+    for (int64_t i = 0; i < rows; ++i) {
+      const auto z = l.row(i).array() - m[i];
+      se[i] = z.exp().sum();
+      sz[i] = z.sum();
+      const int64_t col = LocalColumn(IdsOf(labels)[i], vocab_start, cols);
+      tz[i] = col >= 0 ? l(i, col) - m[i] : static_cast<T>(0);
+    }
+  });
+}
+
+void EigenKernels::DoCrossEntropyBackward(const Tensor& logits, const Tensor& row_max,
+                                          const Tensor& sum_exp, const Tensor& labels,
+                                          int64_t vocab_start, double on_value, double off_value,
+                                          const Tensor& row_scale, Tensor& grad) {
+  const int64_t rows = Rows(logits);
+  const int64_t cols = Cols(logits);
+  if (IsHalf(logits.dtype())) {
+    // Widening reads all of logits before grad (which may be logits) is written; the float32
+    // code then runs in place on the copy.
+    Tensor lf = Widened(logits, *cache_);
+    DoCrossEntropyBackward(lf, row_max, sum_exp, labels, vocab_start, on_value, off_value,
+                           row_scale, lf);
+    StoreRounded(lf, grad);
+    return;
+  }
+  Dispatch(logits.dtype(), [&]<typename T>() {
+    const auto l = MatrixOf<T>(logits);
+    const auto m = ArrayOf<T>(row_max);
+    const auto se = ArrayOf<T>(sum_exp);
+    const auto scale = ArrayOf<T>(row_scale);
+    auto g = MatrixOf<T>(grad);
+    const T on = static_cast<T>(on_value);
+    const T off = static_cast<T>(off_value);
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t col = LocalColumn(IdsOf(labels)[i], vocab_start, cols);
+      // Read the label's logit before the row is overwritten (grad may be logits).
+      const T z_label = col >= 0 ? l(i, col) - m[i] : static_cast<T>(0);
+      g.row(i).array() = scale[i] * ((l.row(i).array() - m[i]).exp() / se[i] - off);
+      if (col >= 0) g(i, col) = scale[i] * (std::exp(z_label) / se[i] - on);
+    }
+  });
+}
+
+}  // namespace mpusim
