@@ -230,7 +230,9 @@ void PrintLayoutText(const Topology& topology, const LayoutReportOptions& option
     if (!layers.ok()) {
       out << fmt::format("): not possible: {}\n", layers.status().Message());
     } else {
-      out << (s.vp ? fmt::format(", {} model chunks per pipeline rank", *s.vp) : "") << "):\n";
+      out << (s.vp ? fmt::format(", {} model chunks per pipeline rank", *s.vp) : "")
+          << "; numbered from 1 as Megatron's layer_number: layer n is decoder.layers.<n-1> "
+             "in the state dict and in mpusim explain):\n";
       for (size_t r = 0; r < layers->size(); ++r) {
         out << fmt::format("  pp rank {}:", r);
         for (const auto& chunk : (*layers)[r]) out << fmt::format(" [{}]", fmt::join(chunk, ", "));

@@ -233,6 +233,17 @@ Status ParseConfig(const nlohmann::json& document, Config* out) {
     return Status::Error("parallel", "is required, e.g. {\"parallel\": {\"world_size\": 16, "
                                      "\"tensor_model_parallel_size\": 2}}");
   }
+  // One source of truth for a GPT's layer count: model.num_layers (parallel.num_layers, the
+  // layout's assignment, may repeat it but not contradict it).
+  if (config.gpt) {
+    const std::optional<int64_t>& given = config.parallel.num_layers;
+    if (given && *given != config.gpt->num_layers) {
+      return Status::Error("parallel.num_layers",
+                           fmt::format("{} disagrees with model.num_layers {}; a GPT config's "
+                                       "layers are model.num_layers: drop parallel.num_layers",
+                                       *given, config.gpt->num_layers));
+    }
+  }
   MPUSIM_RETURN_IF_ERROR(ResolveStorageDType(config.parallel, config.run ? &*config.run : nullptr));
   if (config.run) MPUSIM_RETURN_IF_ERROR(ResolveGlobalBatch(config.parallel, &*config.run));
   *out = std::move(config);

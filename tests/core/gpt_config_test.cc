@@ -215,6 +215,21 @@ TEST(GptConfig, UnknownKeysAreReportedAtOnceWithWhereTheyBelong) {
             "layers)");
 }
 
+// A GPT's layer count has one source, model.num_layers: parallel.num_layers may repeat it,
+// and one that disagrees is refused (it used to be taken silently).
+TEST(GptConfig, LayerCountHasOneSource) {
+  Config config;
+  ASSERT_TRUE(ParseConfig({{"parallel", {{"world_size", 1}, {"num_layers", 2}}},
+                           {"model", Minimal()}},
+                          &config)
+                  .ok());
+  const Status conflict = ParseConfig(
+      {{"parallel", {{"world_size", 1}, {"num_layers", 16}}}, {"model", Minimal()}}, &config);
+  EXPECT_EQ(conflict.Message(),
+            "parallel.num_layers: 16 disagrees with model.num_layers 2; a GPT config's layers "
+            "are model.num_layers: drop parallel.num_layers");
+}
+
 TEST(GptConfig, LayoutChecks) {
   GptConfig gpt;
   json section = Minimal();
