@@ -5,6 +5,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cmath>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <ostream>
@@ -408,20 +409,33 @@ void PrintScheduleSvg(const PipelineSchedule& s, double kForward, double kBackwa
                       std::ostream& out) {
   const ScheduleTiming t = TimeSchedule(s, kForward, kBackward);
   const int64_t p = s.pipeline_model_parallel_size;
-  constexpr double kUnit = 28, kRow = 34, kLeft = 70, kTop = 44;
-  const double width = kLeft + t.makespan * kUnit + 20;
-  const double height = kTop + static_cast<double>(p) * kRow + 40;
-  out << fmt::format(
-      "<svg{} width=\"{:.0f}\" height=\"{:.0f}\" font-family=\"sans-serif\" "
-      "font-size=\"11\">\n",
-      // Inside an HTML page the svg element needs no namespace (and the page no URL).
-      standalone ? " xmlns=\"http://www.w3.org/2000/svg\"" : "", width, height);
-  out << fmt::format(
-      "<text x=\"{}\" y=\"18\" font-size=\"13\">{}: p {}{}, M {}; forward {:g}, backward {:g} "
-      "units; bubble {:.3f} of the ranks' time</text>\n",
-      kLeft, s.interleaved ? "interleaved 1F1B" : "1F1B", p,
+  constexpr double kUnit = 28, kRow = 34, kLeft = 78, kTop = 44;
+  const std::string title = fmt::format(
+      "{}: p {}{}, M {}; forward {:g}, backward {:g} units; bubble {:.3f} of the ranks' time",
+      s.interleaved ? "interleaved 1F1B" : "1F1B", p,
       s.interleaved ? fmt::format(", v {}", s.num_model_chunks) : "", s.num_microbatches, kForward,
       kBackward, t.BubbleFraction());
+  const std::string legend[] = {
+      "F<chunk>.<micro-batch> forward (light), B backward (dark); colour: micro-batch; grey: idle "
+      "(the bubble)",
+      "lines: activations sent on (solid), gradients sent back (dashed); peak: most "
+      "micro-batches in flight"};
+  // Sized to the drawing and to its text (about 0.6 em per character), with a viewBox so that
+  // a page can scale it to its width instead of scrolling or clipping.
+  const auto text_width = [](const std::string& text, double font) {
+    return 0.6 * font * static_cast<double>(text.size());
+  };
+  const double width = std::max({kLeft + t.makespan * kUnit + 20, 8 + text_width(title, 13) + 20,
+                                 8 + text_width(legend[0], 11) + 20,
+                                 8 + text_width(legend[1], 11) + 20});
+  const double axis = kTop + static_cast<double>(p) * kRow + 4;
+  const double height = axis + 62;
+  out << fmt::format(
+      "<svg{} viewBox=\"0 0 {:.0f} {:.0f}\" width=\"{:.0f}\" height=\"{:.0f}\" "
+      "style=\"max-width:100%;height:auto\" font-family=\"sans-serif\" font-size=\"11\">\n",
+      // Inside an HTML page the svg element needs no namespace (and the page no URL).
+      standalone ? " xmlns=\"http://www.w3.org/2000/svg\"" : "", width, height, width, height);
+  out << fmt::format("<text x=\"8\" y=\"18\" font-size=\"13\">{}</text>\n", HtmlEscape(title));
   // The executor's transfers (core/pipeline): action i posts step i's receive and step
   // i - 1's sends, so step i's send is in action i + 1.
   const PipelinePlan plan = PlanPipelineTransfers(s);
@@ -452,7 +466,7 @@ void PrintScheduleSvg(const PipelineSchedule& s, double kForward, double kBackwa
   for (int64_t r = 0; r < p; ++r) {
     const double y = kTop + static_cast<double>(r) * kRow;
     out << fmt::format(
-        "<text x=\"8\" y=\"{:.0f}\">rank {}</text><text x=\"8\" y=\"{:.0f}\" "
+        "<text x=\"8\" y=\"{:.0f}\">pp rank {}</text><text x=\"8\" y=\"{:.0f}\" "
         "font-size=\"9\" fill=\"#555\">peak {}</text>\n<rect x=\"{}\" y=\"{:.0f}\" "
         "width=\"{:.0f}\" height=\"{:.0f}\" fill=\"#eeeeee\"/>\n",
         y + kRow / 2 - 1, r, y + kRow / 2 + 9, ScheduleTiming::PeakInFlight(s, r), kLeft, y,
@@ -461,8 +475,8 @@ void PrintScheduleSvg(const PipelineSchedule& s, double kForward, double kBackwa
     for (size_t i = 0; i < steps.size(); ++i) {
       const ScheduleStep& step = steps[i];
       const bool forward = step.pass == Pass::kForward;
-      const double hue = 360.0 * static_cast<double>(step.microbatch) /
-                         static_cast<double>(std::max<int64_t>(s.num_microbatches, 1));
+      // Neighbouring micro-batches a golden angle apart on the colour wheel.
+      const double hue = std::fmod(137.508 * static_cast<double>(step.microbatch), 360.0);
       const double light = 45.0 + 20.0 * static_cast<double>(step.model_chunk) /
                                       static_cast<double>(s.num_model_chunks);
       const double x = kLeft + t.start[static_cast<size_t>(r)][i] * kUnit;
@@ -496,19 +510,33 @@ void PrintScheduleSvg(const PipelineSchedule& s, double kForward, double kBackwa
         const double y0 = kTop + static_cast<double>(r) * kRow + (down ? kRow - 8 : 2);
         const double y1 = kTop + static_cast<double>(transfer.peer) * kRow + (down ? 2 : kRow - 8);
         out << fmt::format(
-            "<line x1=\"{:.1f}\" y1=\"{:.0f}\" x2=\"{:.1f}\" y2=\"{:.0f}\" stroke=\"#333\" "
-            "stroke-opacity=\"0.45\"{}/>\n",
+            "<line class=\"message\" x1=\"{:.1f}\" y1=\"{:.0f}\" x2=\"{:.1f}\" y2=\"{:.0f}\" "
+            "stroke=\"#333\" stroke-opacity=\"0.45\"{}/>\n",
             kLeft + t.end[static_cast<size_t>(r)][i] * kUnit, y0,
             kLeft + t.start[static_cast<size_t>(transfer.peer)][*j] * kUnit, y1,
             transfer.kind == Transfer::Kind::kGradient ? " stroke-dasharray=\"3,2\"" : "");
       }
     }
   }
-  out << fmt::format(
-      "<text x=\"{}\" y=\"{:.0f}\">F&lt;chunk&gt;.&lt;micro-batch&gt; forward, B backward; "
-      "colour: micro-batch; grey: idle (the bubble); lines: activations sent on (solid), "
-      "gradients sent back (dashed); peak: most micro-batches in flight</text>\n</svg>\n",
-      kLeft, height - 12);
+  // The time axis, in the units of forward and backward: about ten ticks at a round step.
+  const double raw = std::max(t.makespan / 10.0, 1e-9);
+  const double magnitude = std::pow(10.0, std::floor(std::log10(raw)));
+  const double tick = raw <= magnitude ? magnitude
+                      : raw <= 2 * magnitude ? 2 * magnitude
+                      : raw <= 5 * magnitude ? 5 * magnitude
+                                             : 10 * magnitude;
+  out << fmt::format("<line x1=\"{}\" y1=\"{:.0f}\" x2=\"{:.1f}\" y2=\"{:.0f}\" stroke=\"#555\"/>\n",
+                     kLeft, axis, kLeft + t.makespan * kUnit, axis);
+  for (double at = 0; at <= t.makespan + 1e-9; at += tick) {
+    out << fmt::format(
+        "<line x1=\"{0:.1f}\" y1=\"{1:.0f}\" x2=\"{0:.1f}\" y2=\"{2:.0f}\" stroke=\"#555\"/>"
+        "<text x=\"{0:.1f}\" y=\"{3:.0f}\" text-anchor=\"middle\" font-size=\"9\">{4:g}</text>\n",
+        kLeft + at * kUnit, axis, axis + 4, axis + 14, at);
+  }
+  out << fmt::format("<text x=\"8\" y=\"{:.0f}\" font-size=\"9\" fill=\"#555\">time (units)</text>\n",
+                     axis + 14);
+  out << fmt::format("<text x=\"8\" y=\"{:.0f}\">{}</text>\n<text x=\"8\" y=\"{:.0f}\">{}</text>\n</svg>\n",
+                     height - 24, HtmlEscape(legend[0]), height - 10, HtmlEscape(legend[1]));
 }
 
 void PrintLayoutHtml(const Topology& topology, const LayoutReportOptions& options,
@@ -538,11 +566,11 @@ void PrintLayoutHtml(const Topology& topology, const LayoutReportOptions& option
                      HtmlEscape(options.source), topology.world_size(), topology.sizes().tp,
                      topology.sizes().pp, topology.sizes().cp, topology.sizes().dp)
       << fmt::format(
-             "<p>{} nodes of {} GPUs, rank r on node r / {}. Choose a group kind to "
+             "<p>{} node{} of {} GPUs, rank r on node r / {}. Choose a group kind to "
              "colour its groups; click a GPU for its coordinates and every group it "
              "belongs to (its group of the chosen kind is outlined in red). A link "
              "ending in #kind=pp&amp;rank=5 opens with that choice.</p>\n",
-             (topology.world_size() + c.gpus_per_node - 1) / c.gpus_per_node, c.gpus_per_node,
+             NumNodes(topology), NumNodes(topology) == 1 ? "" : "s", c.gpus_per_node,
              c.gpus_per_node)
       << warnings << "<div class=\"controls\">group kind: <select id=\"kind\"></select></div>\n"
       << "<div id=\"grid\"></div>\n<pre id=\"info\">click a GPU</pre>\n";

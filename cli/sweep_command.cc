@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -166,9 +167,22 @@ class SweepCommand final : public Command {
     // Final losses agree between layouts that pad the vocabulary alike (the padded logits
     // take part in the softmax, so another padding is another model).
     std::map<int64_t, std::pair<double, double>> losses;  // padded vocab -> (min, max)
+    // Progress: each layout's row as soon as it is done, and on a terminal a line on stderr
+    // saying which layout runs and how long the sweep has taken (rewritten in place).
+    const bool terminal = isatty(STDERR_FILENO) == 1;
+    const auto started = std::chrono::steady_clock::now();
     for (size_t i = 0; i < layouts.size(); ++i) {
+      if (terminal) {
+        const double elapsed =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+        err << fmt::format("\r  running layout {} of {} ({}), {:.0f} s so far\x1b[K", i + 1,
+                           layouts.size(), layouts[i].Name(), elapsed)
+            << std::flush;
+      }
       const std::optional<bool> passed =
           RunLayout(i, layouts[i], base, dir, exe, out, err, &losses);
+      if (terminal) err << "\r\x1b[K" << std::flush;
+      out << std::flush;
       if (!passed) return kExitUsage;
       if (!*passed) ++failures;
     }

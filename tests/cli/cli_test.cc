@@ -360,7 +360,7 @@ TEST(ScheduleCommand, BadInput) {
                 .find("; recv activation c0.m1 from 0; send activation c0.m1 to 2 (async)"),
             std::string::npos)
       << svg.out.substr(title, 200);
-  const std::regex line_re("<line x1=\"([0-9.]+)\" y1=\"[0-9.]+\" x2=\"([0-9.]+)\"");
+  const std::regex line_re("<line class=\"message\" x1=\"([0-9.]+)\" y1=\"[0-9.]+\" x2=\"([0-9.]+)\"");
   size_t lines = 0;
   for (auto it = std::sregex_iterator(svg.out.begin(), svg.out.end(), line_re);
        it != std::sregex_iterator(); ++it, ++lines) {
@@ -445,7 +445,7 @@ TEST(LayoutPage, SelfContainedWithTheReportsGroups) {
   // pp 4: the schedule's picture below the GPUs (8 micro-batches, 2 per stage, without a run
   // section), as `mpusim schedule --format svg` draws it but without the SVG namespace URL.
   EXPECT_NE(page.out.find("<h2>pipeline schedule, 8 micro-batches"), std::string::npos);
-  EXPECT_NE(page.out.find("<svg width="), std::string::npos);
+  EXPECT_NE(page.out.find("<svg viewBox="), std::string::npos);
   const Result flat = Mpusim({"layout", "--world-size", "4", "--tp", "2", "--format", "html"});
   ASSERT_EQ(flat.code, 0) << flat.err;
   EXPECT_EQ(flat.out.find("<svg"), std::string::npos);

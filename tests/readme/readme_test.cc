@@ -156,4 +156,51 @@ TEST(ReadmeTranscripts, EveryCommandPrintsWhatTheReadmeShows) {
                            transcripts.size(), skipped);
 }
 
+// docs/labs.md's commands run as written: every code span that is a command (`build/cli/mpusim
+// ...`, or under `mpirun -n N --oversubscribe`) exits 0 when run from a scratch directory with
+// the repository's sample configs, so that files the labs write (layout.html, pipeline.json)
+// land there. A bare `mpusim ...` is refused: the labs say build/cli/mpusim, which needs no
+// PATH. A span on a line with `<!-- labs test: skip, why -->` is not run (minutes of work);
+// one on a line with `<!-- labs test: exits N -->` must exit N (a refusal the lab shows).
+TEST(LabCommands, EveryCommandRunsAsWritten) {
+  namespace fs = std::filesystem;
+  const std::vector<std::string> lines =
+      ReadLines(std::string(MPUSIM_SOURCE_DIR) + "/docs/labs.md");
+  ASSERT_FALSE(lines.empty());
+  static const std::regex span(R"(`((mpirun -n \d+ --oversubscribe )?(build/cli/)?mpusim [^`]+)`)");
+  const fs::path scratch = fs::temp_directory_path() / fmt::format("mpusim_labs.{}", ::getpid());
+  fs::remove_all(scratch);
+  fs::create_directories(scratch);
+  fs::create_directory_symlink(fs::path(MPUSIM_SOURCE_DIR) / "sample_configs",
+                               scratch / "sample_configs");
+  int run = 0, skipped = 0;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    for (auto it = std::sregex_iterator(lines[i].begin(), lines[i].end(), span);
+         it != std::sregex_iterator(); ++it) {
+      const std::string command = (*it)[1];
+      SCOPED_TRACE(fmt::format("docs/labs.md:{}: {}", i + 1, command));
+      EXPECT_TRUE((*it)[3].matched) << "write build/cli/mpusim: mpusim is not on PATH";
+      if (lines[i].find("<!-- labs test: skip") != std::string::npos) {
+        ++skipped;
+        continue;
+      }
+      const std::string line = fmt::format(
+          "cd {} && OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 {} > log.txt 2>&1",
+          scratch.string(), ShellCommand(command));
+      // A command the lab shows failing says so: `<!-- labs test: exits N -->`.
+      static const std::regex exits(R"(<!-- labs test: exits (\d+) -->)");
+      std::smatch expected;
+      const int want = std::regex_search(lines[i], expected, exits) ? std::stoi(expected[1]) : 0;
+      const int status = std::system(line.c_str());
+      std::ifstream log(scratch / "log.txt");
+      const std::string text(std::istreambuf_iterator<char>(log), {});
+      EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == want) << text.substr(0, 2000);
+      ++run;
+    }
+  }
+  EXPECT_GE(run, 15);
+  fs::remove_all(scratch);
+  std::cout << fmt::format("{} lab commands run, {} marked skip\n", run, skipped);
+}
+
 }  // namespace
