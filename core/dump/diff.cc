@@ -443,6 +443,19 @@ std::string DiffText(const DiffResult& r) {
     }
   }
   out += fmt::format("{} passed, {} failed\n", r.passed, r.failed);
+  // Shapes that differ are not rounding: the two runs computed other tensors.
+  const auto reshaped = std::count_if(r.tensors.begin(), r.tensors.end(), [](const TensorDiff& d) {
+    return d.problem.starts_with("shape ");
+  });
+  if (reshaped > 0) {
+    out += fmt::format(
+        "{} tensor{} in shape, so the two runs did not compute the same tensors: "
+        "activations are [seq_length, samples per micro-batch (micro_batch_size x data-parallel "
+        "size), width] and parameters follow the model; diff runs of one model with the same "
+        "seq_length and samples per micro-batch (dp 2 with micro_batch_size 1 against dp 1 "
+        "with micro_batch_size 2)\n",
+        reshaped, reshaped == 1 ? " differs" : "s differ");
+  }
   // Where to start looking: A's manifest lists a run's tensors in the order it produced them.
   for (const TensorDiff& d : r.tensors) {
     if (d.pass) continue;

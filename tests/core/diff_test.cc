@@ -599,6 +599,11 @@ TEST_F(DiffTest, ShapeMismatchFails) {
   EXPECT_FALSE(d.pass);
   EXPECT_FALSE(d.compared);
   EXPECT_EQ(d.problem, "shape [4, 6] in A but [6, 4] in B");
+  // The report says why shapes differ and what to diff instead.
+  EXPECT_NE(DiffText(Diff("a", "b")).find("1 tensor differs in shape, so the two runs did not "
+                                          "compute the same tensors"),
+            std::string::npos)
+      << DiffText(Diff("a", "b"));
 }
 
 TEST_F(DiffTest, BadOverridesAreErrors) {
