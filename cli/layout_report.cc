@@ -375,6 +375,10 @@ function choose(r) {
                (ranks.length > 32 ? ranks.slice(0, 32).join(', ') + ', ... (' + ranks.length + ' ranks)'
                                   : ranks.join(', ')) + ']');
   }
+  // With a pipeline, the schedule below marks the GPU's stage (its pp rank's row).
+  const stages = document.querySelectorAll('rect.stage');
+  stages.forEach(e => e.classList.toggle('mine', Number(e.dataset.pp) === c[5]));
+  if (stages.length > 0) lines.push('its stage: pp rank ' + c[5] + ', outlined in the schedule below');
   document.getElementById('info').textContent = lines.join('\n');
 }
 select.addEventListener('change', paint);
@@ -398,6 +402,7 @@ h1 { font-size: 18px; margin: 0 0 8px; }
        font: 11px monospace; cursor: pointer; }
 .gpu.peer { border: 2px solid #c00; }
 .gpu.chosen { outline: 3px solid #000; }
+rect.stage.mine { stroke: #c00; stroke-width: 3; }
 #info { white-space: pre-wrap; font: 12px monospace; background: #f6f6f6; padding: 8px;
         min-height: 3em; }
 .warning { color: #a40; }
@@ -467,9 +472,9 @@ void PrintScheduleSvg(const PipelineSchedule& s, double kForward, double kBackwa
     const double y = kTop + static_cast<double>(r) * kRow;
     out << fmt::format(
         "<text x=\"8\" y=\"{:.0f}\">pp rank {}</text><text x=\"8\" y=\"{:.0f}\" "
-        "font-size=\"9\" fill=\"#555\">peak {}</text>\n<rect x=\"{}\" y=\"{:.0f}\" "
-        "width=\"{:.0f}\" height=\"{:.0f}\" fill=\"#eeeeee\"/>\n",
-        y + kRow / 2 - 1, r, y + kRow / 2 + 9, ScheduleTiming::PeakInFlight(s, r), kLeft, y,
+        "font-size=\"9\" fill=\"#555\">peak {}</text>\n<rect class=\"stage\" data-pp=\"{}\" "
+        "x=\"{}\" y=\"{:.0f}\" width=\"{:.0f}\" height=\"{:.0f}\" fill=\"#eeeeee\"/>\n",
+        y + kRow / 2 - 1, r, y + kRow / 2 + 9, ScheduleTiming::PeakInFlight(s, r), r, kLeft, y,
         t.makespan * kUnit, kRow - 6);
     const auto& steps = s.per_rank[static_cast<size_t>(r)];
     for (size_t i = 0; i < steps.size(); ++i) {

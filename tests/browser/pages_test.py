@@ -114,6 +114,14 @@ def click_check(config, page, clicks):
         for other in expected:
             if f"\n{other} group " not in "\n" + info:
                 fail(f"{config.name}: the text for g{rank} does not list its {other} group")
+        # With a pipeline the schedule outlines the clicked GPU's stage: its pp rank's row.
+        stages = driver.execute_script(
+            "return Array.from(document.querySelectorAll('rect.stage.mine'), e => e.dataset.pp)")
+        pp = json.loads(driver.find_element(By.ID, "layout").get_attribute("textContent"))[
+            "coordinates"][rank][5]
+        has_schedule = driver.execute_script("return document.querySelectorAll('rect.stage').length") > 0
+        if has_schedule and stages != [str(pp)]:
+            fail(f"{config.name}: clicking g{rank} (pp {pp}) outlines the schedule rows {stages}")
         # Another kind, without clicking again: the outline follows the menu.
         for other, ranks in expected.items():
             if other != kind:
