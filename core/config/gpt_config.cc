@@ -23,8 +23,8 @@ using nlohmann::json;
 
 // TransformerConfig fields (megatron/core/transformer/transformer_config.py) a pasted
 // Megatron config carries that do not change what mpusim computes, with why; `refused_unless`
-// the only value mpusim computes ("" = any value). add_qkv_bias and gated_linear_unit depend
-// on other keys and are judged in ParseGptSection.
+// the only value mpusim computes ("" = any value). gated_linear_unit depends on activation
+// and is judged in ParseGptSection.
 struct TransformerField {
   std::string_view name;
   std::string_view refused_unless;  // JSON text of the only accepted value, or "" for any
@@ -60,25 +60,9 @@ const TransformerField* FindTransformerField(std::string_view key) {
   return nullptr;
 }
 
-// add_qkv_bias and gated_linear_unit, once add_bias_linear and activation are known: a note
-// when they agree with what mpusim computes, else the error naming what to set instead.
+// gated_linear_unit, once activation is known: a note when it agrees with what mpusim
+// computes, else the error naming what to set instead.
 Status JudgeDependentFields(const json& section, GptConfig* gpt) {
-  if (section.contains("add_qkv_bias")) {
-    const json& v = section["add_qkv_bias"];
-    if (!v.is_boolean()) {
-      return Status::Error("model.add_qkv_bias", fmt::format("must be true or false, got {}",
-                                                             DescribeJson(v)));
-    }
-    if (v.get<bool>() && !gpt->add_bias_linear) {
-      return Status::Error("model.add_qkv_bias",
-                           "true with add_bias_linear false (a qkv bias alone) is not modelled "
-                           "yet; set add_bias_linear true or add_qkv_bias false");
-    }
-    gpt->ignored.push_back(
-        fmt::format("model.add_qkv_bias: ignored: linear_qkv has a bias exactly when "
-                    "add_bias_linear is true ({} here)",
-                    gpt->add_bias_linear));
-  }
   if (section.contains("gated_linear_unit")) {
     const json& v = section["gated_linear_unit"];
     if (!v.is_boolean()) {
@@ -105,8 +89,8 @@ const std::vector<std::string_view>& GptKeys() {
   static const std::vector<std::string_view> keys = {
       "type", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
       "kv_channels", "num_query_groups", "normalization", "layernorm_epsilon", "activation",
-      "add_bias_linear", "hidden_dropout", "attention_dropout", "position_embedding_type",
-      "rotary_base", "max_position_embeddings", "share_embeddings_and_output_weights",
+      "add_bias_linear", "add_qkv_bias", "hidden_dropout", "attention_dropout",
+      "position_embedding_type", "rotary_base", "max_position_embeddings", "share_embeddings_and_output_weights",
       "init_method_std", "vocab_size", "make_vocab_size_divisible_by", "label_smoothing",
       "dropout_mode"};
   return keys;
@@ -152,8 +136,7 @@ int64_t GptConfig::PaddedVocabSize(int64_t tensor_model_parallel_size) const {
 const std::vector<std::string_view>& GptConfigKeys() { return GptKeys(); }
 
 bool IsAcceptedTransformerField(std::string_view key) {
-  return key == "add_qkv_bias" || key == "gated_linear_unit" ||
-         FindTransformerField(key) != nullptr;
+  return key == "gated_linear_unit" || FindTransformerField(key) != nullptr;
 }
 
 bool IsGptSection(const json& section) {
@@ -169,7 +152,7 @@ Status ParseGptSection(const json& section, GptConfig* out) {
   std::optional<int64_t> ffn, kv, groups;
   for (const auto& [key, value] : section.items()) {
     const std::string where = prefix + "." + key;
-    if (key == "add_qkv_bias" || key == "gated_linear_unit") continue;  // JudgeDependentFields
+    if (key == "gated_linear_unit") continue;  // JudgeDependentFields
     if (const TransformerField* field = FindTransformerField(key)) {
       if (!field->refused_unless.empty() &&
           value != json::parse(field->refused_unless, nullptr, false)) {
@@ -211,6 +194,8 @@ Status ParseGptSection(const json& section, GptConfig* out) {
       MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, ActivationNames(), &gpt.activation));
     } else if (key == "add_bias_linear") {
       MPUSIM_RETURN_IF_ERROR(ParseBool(value, where, &gpt.add_bias_linear));
+    } else if (key == "add_qkv_bias") {
+      MPUSIM_RETURN_IF_ERROR(ParseBool(value, where, &gpt.add_qkv_bias));
     } else if (key == "hidden_dropout") {
       MPUSIM_RETURN_IF_ERROR(ParseFraction(value, where, &gpt.hidden_dropout));
     } else if (key == "attention_dropout") {
@@ -336,7 +321,9 @@ std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_voc
     const std::string layer = fmt::format("decoder.layers.{}", i);
     norm(layer + ".input_layernorm");
     add(layer + ".self_attention.linear_qkv.weight", {gpt.QkvRows(), h}, normal, 0);
-    if (gpt.add_bias_linear) add(layer + ".self_attention.linear_qkv.bias", {gpt.QkvRows()}, zeros, 0);
+    if (gpt.add_bias_linear || gpt.add_qkv_bias) {
+      add(layer + ".self_attention.linear_qkv.bias", {gpt.QkvRows()}, zeros, 0);
+    }
     add(layer + ".self_attention.linear_proj.weight", {h, attn_width}, scaled, 1);
     if (gpt.add_bias_linear) add(layer + ".self_attention.linear_proj.bias", {h}, zeros, -1, 1, true);
     norm(layer + ".pre_mlp_layernorm");

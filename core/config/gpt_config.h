@@ -14,6 +14,7 @@
 //     "activation": "gelu",              or another of core/ops/activation.h's names; a gated
 //                                        one (swiglu) gives fc1 2 * ffn_hidden_size rows
 //     "add_bias_linear": true,
+//     "add_qkv_bias": false,             linear_qkv's bias alone (with add_bias_linear false)
 //     "hidden_dropout": 0.1, "attention_dropout": 0.1,
 //     "position_embedding_type": "learned_absolute",   or "rope"
 //     "rotary_base": 10000,
@@ -67,6 +68,7 @@ struct GptConfig {
   double layernorm_epsilon = 1e-5;
   Activation activation = Activation::kGelu;
   bool add_bias_linear = true;
+  bool add_qkv_bias = false;  // linear_qkv has a bias with add_bias_linear or add_qkv_bias
   double hidden_dropout = 0.1;
   double attention_dropout = 0.1;
   PositionEmbedding position_embedding_type = PositionEmbedding::kLearnedAbsolute;

@@ -150,11 +150,8 @@ TEST(GptConfig, PastedTransformerConfigFieldsAtTheirDefaultsGiveNotes) {
   section.update(pasted);
   GptConfig gpt;
   ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
-  ASSERT_EQ(gpt.ignored.size(), pasted.size());
-  EXPECT_NE(std::find(gpt.ignored.begin(), gpt.ignored.end(),
-                      "model.add_qkv_bias: ignored: linear_qkv has a bias exactly when "
-                      "add_bias_linear is true (true here)"),
-            gpt.ignored.end());
+  ASSERT_EQ(gpt.ignored.size(), pasted.size() - 1);  // add_qkv_bias is a key of its own
+
   EXPECT_NE(std::find(gpt.ignored.begin(), gpt.ignored.end(),
                       "model.qk_layernorm: false is what mpusim computes: query and key layer "
                       "norms are not modelled yet"),
@@ -177,12 +174,27 @@ TEST(GptConfig, PastedTransformerConfigFieldsAtTheirDefaultsGiveNotes) {
   swiglu["activation"] = "swiglu";
   swiglu["gated_linear_unit"] = true;
   EXPECT_EQ(Refusal(swiglu), "accepted");
-  json qkv_alone = Minimal();
-  qkv_alone["add_bias_linear"] = false;
-  qkv_alone["add_qkv_bias"] = true;
-  EXPECT_EQ(Refusal(qkv_alone),
-            "model.add_qkv_bias: true with add_bias_linear false (a qkv bias alone) is not "
-            "modelled yet; set add_bias_linear true or add_qkv_bias false");
+}
+
+// add_qkv_bias: linear_qkv's bias without the other linear biases (Qwen's choice).
+TEST(GptConfig, QkvBiasAlone) {
+  json section = Minimal();
+  section["add_bias_linear"] = false;
+  section["add_qkv_bias"] = true;
+  GptConfig gpt;
+  ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
+  EXPECT_TRUE(gpt.add_qkv_bias);
+  std::vector<std::string> biases;
+  for (const GptParameter& p : GptParameters(gpt, 1024, /*sequence_parallel=*/false)) {
+    if (p.name.ends_with("bias")) biases.push_back(p.name);
+  }
+  EXPECT_EQ(biases, (std::vector<std::string>{
+                        "decoder.layers.0.input_layernorm.bias",
+                        "decoder.layers.0.self_attention.linear_qkv.bias",
+                        "decoder.layers.0.pre_mlp_layernorm.bias",
+                        "decoder.layers.1.input_layernorm.bias",
+                        "decoder.layers.1.self_attention.linear_qkv.bias",
+                        "decoder.layers.1.pre_mlp_layernorm.bias", "decoder.final_layernorm.bias"}));
 }
 
 // Every unknown key of a file in one line, each with where it belongs or what was meant.

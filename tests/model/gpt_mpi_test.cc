@@ -453,6 +453,17 @@ TEST(GptMpi, GroupedQueryAttentionLlamaStyle) {
   }
 }
 
+// add_qkv_bias (Qwen's choice): linear_qkv's bias alone, split with its rows over tp.
+TEST(GptMpi, QkvBiasAloneQwenStyle) {
+  json qwen = Llama(8, 4);
+  qwen["add_qkv_bias"] = true;
+  for (const int64_t t : TensorParallelSizes()) {
+    if (t > 4) continue;  // 4 query groups
+    SCOPED_TRACE(fmt::format("tp {}", t));
+    RunChecked(Document(qwen, t, t > 1, "float32"));
+  }
+}
+
 // Megatron's squared_relu (relu(x)^2, core/ops/activation.h) on every tp size, with sequence
 // parallelism where tp > 1, in float64, and on the widest layout in float32 and bfloat16.
 TEST(GptMpi, SquaredReluOnEveryLayout) {

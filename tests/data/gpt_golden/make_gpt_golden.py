@@ -48,16 +48,17 @@ CONFIG_A = {
 }
 
 # Config B: RMSNorm, swiglu, rope, grouped-query attention (4 heads, 2 groups) with
-# kv_channels 8 != hidden/heads, untied output layer, no linear biases, label smoothing, two
-# micro-batches, tp 2 (vocabulary 29 padded to a multiple of 4 * 2 = 32), d = 2.
+# kv_channels 8 != hidden/heads, untied output layer, no linear biases but linear_qkv's
+# (add_qkv_bias, as Qwen models have), label smoothing, two micro-batches, tp 2 (vocabulary
+# 29 padded to a multiple of 4 * 2 = 32), d = 2.
 CONFIG_B = {
     "parallel": {"world_size": 4, "tensor_model_parallel_size": 2},
     "model": {
         "type": "gpt", "num_layers": 2, "hidden_size": 16, "num_attention_heads": 4,
         "num_query_groups": 2, "kv_channels": 8, "ffn_hidden_size": 24,
         "normalization": "RMSNorm", "layernorm_epsilon": 1e-6, "activation": "swiglu",
-        "add_bias_linear": False, "hidden_dropout": 0.0, "attention_dropout": 0.0,
-        "position_embedding_type": "rope", "rotary_base": 10000,
+        "add_bias_linear": False, "add_qkv_bias": True, "hidden_dropout": 0.0,
+        "attention_dropout": 0.0, "position_embedding_type": "rope", "rotary_base": 10000,
         "share_embeddings_and_output_weights": False, "vocab_size": 29,
         "make_vocab_size_divisible_by": 4, "label_smoothing": 0.1,
     },
@@ -86,6 +87,8 @@ class Sizes:
         self.layernorm = m.get("normalization", "LayerNorm") == "LayerNorm"
         self.swiglu = m.get("activation", "gelu") == "swiglu"
         self.bias = m.get("add_bias_linear", True)
+        # linear_qkv has a bias with add_bias_linear or add_qkv_bias (TransformerConfig).
+        self.qkv_bias = self.bias or m.get("add_qkv_bias", False)
         self.rope = m.get("position_embedding_type", "learned_absolute") == "rope"
         self.rotary_base = float(m.get("rotary_base", 10000))
         self.tied = m.get("share_embeddings_and_output_weights", True)
@@ -118,7 +121,7 @@ def make_parameters(z):
         p = f"decoder.layers.{i}"
         norm(p + ".input_layernorm")
         weight(p + ".self_attention.linear_qkv.weight", qkv_rows, z.h)
-        if z.bias:
+        if z.qkv_bias:
             bias(p + ".self_attention.linear_qkv.bias", qkv_rows)
         weight(p + ".self_attention.linear_proj.weight", z.h, z.a * z.dk)
         if z.bias:
