@@ -136,22 +136,11 @@ Status ConfigOptions::Attribute(const Status& status, std::string* source) const
       return Status::Error(it->second, status.what());
     }
   }
-  if (!flag_of_key_.empty() && !path_.empty() && FileAloneIsValid()) {
+  if (!flag_of_key_.empty() && !path_.empty() && ConfigFileIsValid(path_)) {
     *source = "command line";
     return Status::Error(FlagsText(), status.Message());
   }
   return status;
-}
-
-bool ConfigOptions::FileAloneIsValid() const {
-  StatusOr<nlohmann::json> document = ReadJsonFile(path_);
-  if (!document.ok()) return false;
-  Config config;
-  if (!ParseConfig(*document, &config).ok()) return false;
-  StatusOr<Topology> topology = Topology::Create(config.parallel);
-  if (!topology.ok()) return false;
-  if (!config.has_model() || !config.run) return true;
-  return BuildModel(config, *topology, RankCoordinates{}).ok();
 }
 
 std::string ConfigOptions::FlagsText() const {

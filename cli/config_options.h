@@ -45,9 +45,6 @@ class ConfigOptions {
   const std::string& path() const { return path_; }
 
  private:
-  // The file without the flags parses, lays out and builds its model (when it has a model
-  // and a run section).
-  bool FileAloneIsValid() const;
   // The flags given, as typed: "--tp 3 --pp 2".
   std::string FlagsText() const;
 

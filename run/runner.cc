@@ -90,7 +90,6 @@ class RankRun {
   // the overrides as typed when the file alone is a valid layout and model (they broke it);
   // else the file.
   int ConfigError(const Status& status) const;
-  bool FileAloneIsValid() const;
   std::string OverridesText() const;  // " --tp 3 --dtype bfloat16", as typed
   int Preflight(const Topology& topology);  // plan_, warnings_: refuse what would not fit
   int MakeBackend();      // backend_, and its device memory against plan_
@@ -188,20 +187,10 @@ int RankRun::ConfigError(const Status& status) const {
   for (const RunOptions::Override& o : options_.overrides) {
     if (status.where() == o.key) return Usage("command line", o.flag + ": " + status.Message());
   }
-  if (!options_.overrides.empty() && FileAloneIsValid()) {
+  if (!options_.overrides.empty() && ConfigFileIsValid(options_.config_path)) {
     return Usage("command line", OverridesText().substr(1) + ": " + status.Message());
   }
   return Usage(options_.config_path, status.Message());
-}
-
-bool RankRun::FileAloneIsValid() const {
-  StatusOr<nlohmann::json> document = ReadJsonFile(options_.config_path);
-  Config config;
-  if (!document.ok() || !ParseConfig(*document, &config).ok()) return false;
-  if (!config.has_model() || !config.run) return false;
-  StatusOr<Topology> topology = Topology::Create(config.parallel);
-  return topology.ok() &&
-         BuildModel(config, *topology, topology->Coordinates(topology->first_rank())).ok();
 }
 
 std::string RankRun::OverridesText() const {

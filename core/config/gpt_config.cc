@@ -24,16 +24,10 @@ using nlohmann::json;
 // TransformerConfig fields (megatron/core/transformer/transformer_config.py) a pasted
 // Megatron config carries that do not change what mpusim computes, with why; `refused_unless`
 // the only value mpusim computes ("" = any value). gated_linear_unit depends on activation
-// and is judged in ParseGptSection.
-struct TransformerField {
-  std::string_view name;
-  std::string_view refused_unless;  // JSON text of the only accepted value, or "" for any
-  std::string_view why;
-};
-
+// and is judged in ParseGptSection (json_fields.h AcceptedField).
 constexpr std::string_view kFusion =
     "a fused kernel computing the same values; mpusim's kernels are unfused";
-constexpr TransformerField kTransformerFields[] = {
+constexpr AcceptedField kTransformerFields[] = {
     {"apply_query_key_layer_scaling", "",
      "divides Q K^T by the layer number and the softmax multiplies it back: the same "
      "probabilities (a float16 overflow guard)"},
@@ -53,11 +47,8 @@ constexpr TransformerField kTransformerFields[] = {
     {"rotary_percent", "1.0", "rotary embeddings turn every channel of a head"},
 };
 
-const TransformerField* FindTransformerField(std::string_view key) {
-  for (const TransformerField& f : kTransformerFields) {
-    if (f.name == key) return &f;
-  }
-  return nullptr;
+const AcceptedField* FindTransformerField(std::string_view key) {
+  return FindAcceptedField(kTransformerFields, key);
 }
 
 // gated_linear_unit, once activation is known: a note when it agrees with what mpusim
@@ -153,16 +144,8 @@ Status ParseGptSection(const json& section, GptConfig* out) {
   for (const auto& [key, value] : section.items()) {
     const std::string where = prefix + "." + key;
     if (key == "gated_linear_unit") continue;  // JudgeDependentFields
-    if (const TransformerField* field = FindTransformerField(key)) {
-      if (!field->refused_unless.empty() &&
-          value != json::parse(field->refused_unless, nullptr, false)) {
-        return Status::Error(where, fmt::format("{}: {}; only {} is accepted", DescribeJson(value),
-                                                field->why, field->refused_unless));
-      }
-      gpt.ignored.push_back(field->refused_unless.empty()
-                                ? fmt::format("{}: ignored: {}", where, field->why)
-                                : fmt::format("{}: {} is what mpusim computes: {}", where,
-                                              value.dump(), field->why));
+    if (const AcceptedField* field = FindTransformerField(key)) {
+      MPUSIM_RETURN_IF_ERROR(JudgeAcceptedField(*field, value, where, &gpt.ignored));
       continue;
     }
     if (std::find(GptKeys().begin(), GptKeys().end(), key) == GptKeys().end()) {

@@ -79,6 +79,28 @@ Status ParsePositive(const nlohmann::json& value, const std::string& where, doub
   return {};
 }
 
+const AcceptedField* FindAcceptedField(std::span<const AcceptedField> fields,
+                                       std::string_view key) {
+  for (const AcceptedField& f : fields) {
+    if (f.name == key) return &f;
+  }
+  return nullptr;
+}
+
+Status JudgeAcceptedField(const AcceptedField& field, const nlohmann::json& value,
+                          const std::string& where, std::vector<std::string>* notes) {
+  if (field.refused_unless.empty()) {
+    notes->push_back(fmt::format("{}: ignored: {}", where, field.why));
+    return {};
+  }
+  if (value != nlohmann::json::parse(field.refused_unless, nullptr, false)) {
+    return Status::Error(where, fmt::format("{}: {}; only {} is accepted", DescribeJson(value),
+                                            field.why, field.refused_unless));
+  }
+  notes->push_back(fmt::format("{}: {} is what mpusim computes: {}", where, value.dump(), field.why));
+  return {};
+}
+
 Status UnknownKey(const std::string& where, std::string_view key,
                   const std::vector<std::string_view>& keys) {
   const std::string suggestion = SuggestKey(key, keys);

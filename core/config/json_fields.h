@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -35,6 +36,23 @@ Status ParseBool(const nlohmann::json& value, const std::string& where, bool* ou
 Status ParseFraction(const nlohmann::json& value, const std::string& where, double* out);
 // A finite number > 0 (epsilons, standard deviations, bases).
 Status ParsePositive(const nlohmann::json& value, const std::string& where, double* out);
+// A Megatron field a section accepts although it changes nothing mpusim computes (a fusion,
+// an overlap), with why; `refused_unless` the JSON text of the only value mpusim computes
+// ("" = any value is accepted).
+struct AcceptedField {
+  std::string_view name;
+  std::string_view refused_unless;
+  std::string_view why;
+};
+// The field of `fields` called `key`, or null.
+const AcceptedField* FindAcceptedField(std::span<const AcceptedField> fields,
+                                       std::string_view key);
+// `value` of `field` at `where`: refused, naming the value mpusim computes, or accepted with
+// one line for *notes ("<where>: ignored: why", or "<where>: false is what mpusim computes:
+// why" for a field with only one value accepted).
+Status JudgeAcceptedField(const AcceptedField& field, const nlohmann::json& value,
+                          const std::string& where, std::vector<std::string>* notes);
+
 // The error for a key not in `keys`: a suggestion when one is close, else the list.
 Status UnknownKey(const std::string& where, std::string_view key,
                   const std::vector<std::string_view>& keys);

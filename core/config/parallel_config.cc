@@ -111,18 +111,12 @@ std::string SuggestKey(std::string_view unknown, const std::vector<std::string_v
 namespace {
 
 // ModelParallelConfig fields (seed 003) that do not change the process groups or the math
-// mpusim models, with why; `refused_unless` the value mpusim can honour ("" = any value).
-struct IgnoredField {
-  std::string_view name;
-  std::string_view refused_unless;  // JSON text of the only accepted value, or "" for any
-  std::string_view why;
-};
-
+// mpusim models (json_fields.h AcceptedField).
 constexpr std::string_view kOverlap =
     "overlaps communication with computation, which changes timing, not results";
 constexpr std::string_view kCallable =
     "a Python callable set by the training loop; mpusim's run driver does its work";
-constexpr IgnoredField kIgnoredFields[] = {
+constexpr AcceptedField kIgnoredFields[] = {
     {"pipeline_model_parallel_comm_backend", "",
      "mpusim's point-to-point runs on MPI, or NCCL with --backend cuda"},
     {"tp_comm_bootstrap_backend", "", "mpusim bootstraps NCCL over MPI"},
@@ -177,11 +171,8 @@ constexpr IgnoredField kIgnoredFields[] = {
     {"cpu_offloading_double_buffering", "", "offloading moves tensors, not values"},
 };
 
-const IgnoredField* FindIgnored(std::string_view key) {
-  for (const IgnoredField& f : kIgnoredFields) {
-    if (f.name == key) return &f;
-  }
-  return nullptr;
+const AcceptedField* FindIgnored(std::string_view key) {
+  return FindAcceptedField(kIgnoredFields, key);
 }
 
 // One known key of the section: its value, checked, into `config`.
@@ -300,13 +291,8 @@ Status ParseParallelSection(const json& section, std::string_view path, Parallel
       return Status::Error(where, "is derived, not set: it is world_size divided by the other "
                                   "sizes of its rank generator");
     }
-    if (const IgnoredField* ignored = FindIgnored(key)) {
-      if (!ignored->refused_unless.empty() &&
-          value != json::parse(ignored->refused_unless, nullptr, false)) {
-        return Status::Error(where, fmt::format("{}: {}; only {} is accepted", DescribeJson(value),
-                                                ignored->why, ignored->refused_unless));
-      }
-      config.ignored.push_back(fmt::format("{}: ignored: {}", where, ignored->why));
+    if (const AcceptedField* ignored = FindIgnored(key)) {
+      MPUSIM_RETURN_IF_ERROR(JudgeAcceptedField(*ignored, value, where, &config.ignored));
       continue;
     }
     if (std::find(keys.begin(), keys.end(), key) == keys.end()) {

@@ -19,4 +19,14 @@ StatusOr<std::unique_ptr<Model>> BuildModel(const Config& config, const Topology
   return std::unique_ptr<Model>(std::move(chain).value());
 }
 
+bool ConfigFileIsValid(const std::string& path) {
+  StatusOr<nlohmann::json> document = ReadJsonFile(path);
+  Config config;
+  if (!document.ok() || !ParseConfig(*document, &config).ok()) return false;
+  StatusOr<Topology> topology = Topology::Create(config.parallel);
+  if (!topology.ok()) return false;
+  if (!config.has_model() || !config.run) return true;
+  return BuildModel(config, *topology, topology->Coordinates(topology->first_rank())).ok();
+}
+
 }  // namespace mpusim

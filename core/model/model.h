@@ -99,4 +99,9 @@ class Model : public StagedModel {
 StatusOr<std::unique_ptr<Model>> BuildModel(const Config& config, const Topology& topology,
                                             const RankCoordinates& coords);
 
+// Whether the config file at `path` by itself parses, lays out (Topology::Create) and, when it
+// has a model and a run section, builds its model on its first rank: what the command line's
+// overrides are blamed for when the file alone is valid and the file with them is not.
+bool ConfigFileIsValid(const std::string& path);
+
 }  // namespace mpusim

@@ -1560,6 +1560,12 @@ TEST(HostileInput, OutputFilesAreCheckedBeforeTheRun) {
             fmt::format("error: command line: --summary: '{}' is a directory; give a "
                         "file name\n",
                         tmp.string()));
+  EXPECT_EQ(Shell(run + " --trace /proc/mpusim_trace.json", &output), 2) << output;
+  EXPECT_EQ(output.rfind("error: command line: --trace: cannot write '/proc/mpusim_trace.json': "
+                         "the directory '/proc' takes no new file",
+                         0),
+            0u)
+      << output;
   // Both good: both written, and the directory holds nothing else (the probe is gone).
   EXPECT_EQ(Shell(run + " --summary " + (tmp / "s.json").string() + " --trace " +
                       (tmp / "t.json").string(),
