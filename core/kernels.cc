@@ -143,13 +143,36 @@ void CheckSpan(const KernelArgs& args, std::string_view name, const Tensor& t, i
 
 Tensor Kernels::Zeros(const Shape& shape, DType dtype) {
   CheckDims(backend_, "Zeros", shape);
-  return DoZeros(shape, dtype);
+  return Counted(DoZeros(shape, dtype));
 }
 
 Tensor Kernels::Empty(const Shape& shape, DType dtype) {
   CheckDims(backend_, "Empty", shape);
-  return DoEmpty(shape, dtype);
+  return Counted(DoEmpty(shape, dtype));
 }
+
+Tensor Kernels::Counted(Tensor t) {
+  const auto bytes = static_cast<int64_t>(t.bytes());
+  if (bytes == 0) return t;
+  const int64_t live = bytes_->live.fetch_add(bytes) + bytes;
+  int64_t peak = bytes_->peak.load();
+  while (live > peak && !bytes_->peak.compare_exchange_weak(peak, live)) {
+  }
+  void* data = t.data();
+  // The deleter holds the backend's tensor (its storage returns to the backend when the last
+  // handle of the counted one goes) and the counter (which may outlive these kernels).
+  std::shared_ptr<void> storage(data, [counter = bytes_, held = t, bytes](void*) mutable {
+    counter->live.fetch_sub(bytes);
+    held = Tensor();
+  });
+  return Tensor(t.shape(), t.dtype(), t.device(), std::move(storage));
+}
+
+Kernels::TensorBytes Kernels::tensor_bytes() const {
+  return {bytes_->live.load(), bytes_->peak.load()};
+}
+
+void Kernels::ResetPeakTensorBytes() { bytes_->peak.store(bytes_->live.load()); }
 
 Tensor Kernels::ToDevice(const Tensor& host) {
   KernelArgs(backend_, device_, "ToDevice", KernelDTypes::kAny).Add("host", host, Device::kHost);
@@ -448,18 +471,20 @@ void Kernels::CausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, i
   DoCausalSoftmaxBackward(probs, dprobs, seq, scale, dscores);
 }
 
-void Kernels::Rope(const Tensor& x, int64_t seq, double base, bool inverse, Tensor& y) {
+void Kernels::Rope(const Tensor& x, int64_t seq, double base, int64_t dim, bool inverse,
+                   Tensor& y) {
   KernelArgs args(backend_, device_, "Rope");
   args.Add("x", x).Add("y", y);
   CheckPositions(args, "x", x, seq);
-  args.Require(Cols(x) % 2 == 0,
-               fmt::format("x {} must have an even number of columns (rotated pairs)",
-                           ShapeString(x.shape())));
+  args.Require(dim >= 2 && dim % 2 == 0 && dim <= Cols(x),
+               fmt::format("dim = {} must be even, >= 2 and at most the {} columns of x {} "
+                           "(rotated pairs)",
+                           dim, Cols(x), ShapeString(x.shape())));
   CheckMatrix(args, "y", y, Rows(x), Cols(x), "the 2-D shape of x");
   args.Require(std::isfinite(base) && base > 0, fmt::format("base = {} must be > 0", base));
   SameOrDisjoint(args, "y", y, "x", x);
   if (x.numel() == 0) return;
-  DoRope(x, seq, base, inverse, y);
+  DoRope(x, seq, base, dim, inverse, y);
 }
 
 void Kernels::EmbeddingForward(const Tensor& weight, const Tensor& ids, int64_t vocab_start,

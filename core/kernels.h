@@ -32,7 +32,9 @@
 // (core/model) that saved what it needs.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "core/dropout.h"
@@ -62,6 +64,15 @@ class Kernels {
   Tensor Zeros(const Shape& shape, DType dtype);
   // Uninitialised storage, for outputs a kernel or collective overwrites completely.
   Tensor Empty(const Shape& shape, DType dtype);
+  // Bytes of the tensors Zeros and Empty made that are alive now, and the most alive at once
+  // since ResetPeakTensorBytes (views share their tensor's bytes; copies to the host and
+  // ToDevice are not counted): what a step of the model really holds, measured.
+  struct TensorBytes {
+    int64_t live = 0;
+    int64_t peak = 0;
+  };
+  TensorBytes tensor_bytes() const;
+  void ResetPeakTensorBytes();
   Tensor ToDevice(const Tensor& host);   // host -> backend (copy)
   Tensor ToHost(const Tensor& tensor);   // backend -> host (copy)
   void Copy(const Tensor& src, Tensor& dst);  // same numel
@@ -150,12 +161,14 @@ class Kernels {
   // for k > q. dscores may be probs or dprobs.
   void CausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, int64_t seq,
                              double scale, Tensor& dscores);
-  // Rotary embedding of x [rows, d] (2-D view, d even), position p = r % seq: for i < d/2,
-  // theta = p * base^(-2i/d) in float64, c = cos theta, s = sin theta (rounded to the
-  // compute dtype), and
-  //   y[i] = x[i] c - x[i + d/2] s,  y[i + d/2] = x[i + d/2] c + x[i] s;
-  // inverse = true applies the transpose (the backward): s -> -s. y may be x.
-  void Rope(const Tensor& x, int64_t seq, double base, bool inverse, Tensor& y);
+  // Rotary embedding of the first `dim` columns of x [rows, d] (2-D view; dim even, 2 <= dim
+  // <= d; Megatron's rotary_percent < 1 turns fewer than d), position p = r % seq: for
+  // i < dim/2, theta = p * base^(-2i/dim) in float64, c = cos theta, s = sin theta (rounded
+  // to the compute dtype), and
+  //   y[i] = x[i] c - x[i + dim/2] s,  y[i + dim/2] = x[i + dim/2] c + x[i] s;
+  // columns >= dim pass through. inverse = true applies the transpose (the backward):
+  // s -> -s. y may be x.
+  void Rope(const Tensor& x, int64_t seq, double base, int64_t dim, bool inverse, Tensor& y);
 
   // --- embedding ----------------------------------------------------------------------
   // ids and labels below are int64 tensors on this backend's device, of any shape with one
@@ -245,7 +258,8 @@ class Kernels {
                                       Tensor& probs) = 0;
   virtual void DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, int64_t seq,
                                        double scale, Tensor& dscores) = 0;
-  virtual void DoRope(const Tensor& x, int64_t seq, double base, bool inverse, Tensor& y) = 0;
+  virtual void DoRope(const Tensor& x, int64_t seq, double base, int64_t dim, bool inverse,
+                      Tensor& y) = 0;
   virtual void DoEmbeddingForward(const Tensor& weight, const Tensor& ids, int64_t vocab_start,
                                   int64_t vocab_end, Tensor& out) = 0;
   virtual void DoEmbeddingBackward(const Tensor& dy, const Tensor& ids, int64_t vocab_start,
@@ -263,8 +277,16 @@ class Kernels {
   virtual void DoSumOfSquares(const Tensor& x, Tensor& out) = 0;
 
  private:
+  // Wraps a new tensor's storage so that its bytes count while it is alive.
+  Tensor Counted(Tensor t);
+  struct ByteCounter {
+    std::atomic<int64_t> live{0};
+    std::atomic<int64_t> peak{0};
+  };
+
   const char* backend_;
   Device device_;
+  std::shared_ptr<ByteCounter> bytes_ = std::make_shared<ByteCounter>();
 };
 
 }  // namespace mpusim

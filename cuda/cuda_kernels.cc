@@ -472,9 +472,11 @@ void CudaKernels::DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dpr
   });
 }
 
-void CudaKernels::DoRope(const Tensor& x, int64_t seq, double base, bool inverse, Tensor& y) {
+void CudaKernels::DoRope(const Tensor& x, int64_t seq, double base, int64_t dim, bool inverse,
+                         Tensor& y) {
   DispatchStorage(x.dtype(), [&]<typename T>() {
-    LaunchRope<T>(x.data_as<T>(), Rows(x), Cols(x), seq, base, inverse, y.data_as<T>(), stream_);
+    LaunchRope<T>(x.data_as<T>(), Rows(x), Cols(x), dim, seq, base, inverse, y.data_as<T>(),
+                  stream_);
   });
 }
 

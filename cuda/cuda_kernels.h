@@ -111,7 +111,8 @@ class CudaKernels final : public Kernels {
                               Tensor& probs) override;
   void DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, int64_t seq,
                                double scale, Tensor& dscores) override;
-  void DoRope(const Tensor& x, int64_t seq, double base, bool inverse, Tensor& y) override;
+  void DoRope(const Tensor& x, int64_t seq, double base, int64_t dim, bool inverse,
+              Tensor& y) override;
 
   // --- embedding ----------------------------------------------------------------------
   void DoEmbeddingForward(const Tensor& weight, const Tensor& ids, int64_t vocab_start,

@@ -100,16 +100,16 @@ __global__ void DropoutAtKernel(const T* x, T* y, int64_t n, ops::Dropout op, In
 // --- attention: RoPE ------------------------------------------------------------------
 
 template <typename T>
-__global__ void RopeKernel(const T* x, int64_t rows, int64_t d, int64_t seq, double base,
-                           bool inverse, T* y) {
+__global__ void RopeKernel(const T* x, int64_t rows, int64_t d, int64_t dim, int64_t seq,
+                           double base, bool inverse, T* y) {
   using C = ComputeOf<T>;
-  const int64_t half = d / 2;
+  const int64_t half = dim / 2;
   const int64_t n = rows * half;
   for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
     const int64_t r = e / half;
     const int64_t i = e % half;
     // The angle in double, as on the CPU; cos and sin rounded once to C.
-    const double inv_freq = pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(d));
+    const double inv_freq = pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(dim));
     const double theta = static_cast<double>(r % seq) * inv_freq;
     const double sine = sin(theta);
     const C c = static_cast<C>(cos(theta));
@@ -119,6 +119,17 @@ __global__ void RopeKernel(const T* x, int64_t rows, int64_t d, int64_t seq, dou
     const C hi = Load(x[r * d + half + i]);
     y[r * d + i] = Store<T>(lo * c - hi * s);
     y[r * d + half + i] = Store<T>(hi * c + lo * s);
+  }
+}
+
+// The channels past dim pass through (rotary_percent < 1), when y is not x.
+template <typename T>
+__global__ void CopyTailKernel(const T* x, int64_t rows, int64_t d, int64_t dim, T* y) {
+  const int64_t tail = d - dim;
+  const int64_t n = rows * tail;
+  for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
+    const int64_t at = (e / tail) * d + dim + e % tail;
+    y[at] = x[at];
   }
 }
 
@@ -353,12 +364,16 @@ void LaunchDropoutAt(const T* x, T* y, int64_t n, ops::Dropout op, IndexMap map,
 }
 
 template <typename T>
-void LaunchRope(const T* x, int64_t rows, int64_t d, int64_t seq, double base, bool inverse,
-                T* y, cudaStream_t stream) {
-  const int64_t n = rows * (d / 2);
+void LaunchRope(const T* x, int64_t rows, int64_t d, int64_t dim, int64_t seq, double base,
+                bool inverse, T* y, cudaStream_t stream) {
+  const int64_t n = rows * (dim / 2);
   if (n <= 0) return;
-  RopeKernel<T><<<GridFor(n), kBlock, 0, stream>>>(x, rows, d, seq, base, inverse, y);
+  RopeKernel<T><<<GridFor(n), kBlock, 0, stream>>>(x, rows, d, dim, seq, base, inverse, y);
   MPUSIM_CUDA_CHECK(cudaGetLastError());
+  if (dim < d && x != y) {
+    CopyTailKernel<T><<<GridFor(rows * (d - dim)), kBlock, 0, stream>>>(x, rows, d, dim, y);
+    MPUSIM_CUDA_CHECK(cudaGetLastError());
+  }
 }
 
 template <typename U>
@@ -428,7 +443,7 @@ void LaunchSumOfSquares(const T* x, int64_t n, double* out, cudaStream_t stream)
                                             int64_t, cudaStream_t);                              \
   template void LaunchDropout<T>(const T*, T*, int64_t, ops::Dropout, uint64_t, cudaStream_t);   \
   template void LaunchDropoutAt<T>(const T*, T*, int64_t, ops::Dropout, IndexMap, cudaStream_t); \
-  template void LaunchRope<T>(const T*, int64_t, int64_t, int64_t, double, bool, T*,             \
+  template void LaunchRope<T>(const T*, int64_t, int64_t, int64_t, int64_t, double, bool, T*,    \
                               cudaStream_t);                                                     \
   template void LaunchEmbeddingForward<T>(const T*, const int64_t*, int64_t, int64_t, int64_t,   \
                                           int64_t, T*, cudaStream_t);

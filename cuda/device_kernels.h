@@ -135,13 +135,13 @@ template <typename T>
 void LaunchCausalSoftmaxBackward(const T* probs, const T* dprobs, int64_t rows, int64_t seq,
                                  ComputeOf<T> scale, T* dscores, cudaStream_t stream);
 
-// One thread per rotated pair (row r, i < d/2) of x [rows, d]: theta = (r % seq) *
-// base^(-2i/d) in double, c = cos theta and s = +-sin theta (- when inverse) rounded to
-// ComputeOf<T>, y[i] = round(x[i] c - x[i + d/2] s), y[i + d/2] = round(x[i + d/2] c +
-// x[i] s). y may be x.
+// One thread per rotated pair (row r, i < dim/2) of x [rows, d]: theta = (r % seq) *
+// base^(-2i/dim) in double, c = cos theta and s = +-sin theta (- when inverse) rounded to
+// ComputeOf<T>, y[i] = round(x[i] c - x[i + dim/2] s), y[i + dim/2] = round(x[i + dim/2] c +
+// x[i] s); columns >= dim copied when y is not x. y may be x.
 template <typename T>
-void LaunchRope(const T* x, int64_t rows, int64_t d, int64_t seq, double base, bool inverse,
-                T* y, cudaStream_t stream);
+void LaunchRope(const T* x, int64_t rows, int64_t d, int64_t dim, int64_t seq, double base,
+                bool inverse, T* y, cudaStream_t stream);
 
 // The dimensions of a StridedCopyPlan: Kernels::kMaxCopyDims (cuda_kernels.cc asserts it).
 constexpr int kCopyPlanDims = 6;

@@ -58,6 +58,7 @@ using gpt_reference::NormBackward;
 using gpt_reference::NormForward;
 using gpt_reference::NormParams;
 using gpt_reference::NormStash;
+using gpt_reference::QkNormParams;
 using gpt_reference::Param;
 using gpt_reference::Vec;
 
@@ -77,6 +78,7 @@ struct LayerParams {
   NormParams input_layernorm;
   Param qkv_weight, qkv_bias;    // [(a+2g)*dk, h], [(a+2g)*dk]
   Param proj_weight, proj_bias;  // [h, a*dk], [h]
+  QkNormParams qk_norm;          // [dk] each; qk_layernorm only
   NormParams pre_mlp_layernorm;
   Param fc1_weight, fc1_bias;  // [f1, h], [f1]
   Param fc2_weight, fc2_bias;  // [h, F], [h]
@@ -135,6 +137,8 @@ Status InitParameters(const GptConfig& gpt, const Dims& d,
     lp.qkv_bias = get(prefix + ".self_attention.linear_qkv.bias");
     lp.proj_weight = get(prefix + ".self_attention.linear_proj.weight");
     lp.proj_bias = get(prefix + ".self_attention.linear_proj.bias");
+    lp.qk_norm = {norm(prefix + ".self_attention.q_layernorm"),
+                  norm(prefix + ".self_attention.k_layernorm")};
     lp.pre_mlp_layernorm = norm(prefix + ".pre_mlp_layernorm");
     lp.fc1_weight = get(prefix + ".mlp.linear_fc1.weight");
     lp.fc1_bias = get(prefix + ".mlp.linear_fc1.bias");
@@ -287,8 +291,9 @@ void SliceRun::MicroBatch(int64_t m, const std::vector<int64_t>& all_tokens,
     Record(record, prefix + ".input_layernorm.output", Kind::kHidden, st.ln1_out);
     const Mat qkv = Linear(st.ln1_out, p.qkv_weight, p.qkv_bias);
     Record(record, prefix + ".self_attention.linear_qkv.output", Kind::kHidden, qkv);
-    st.context = AttentionForward(
-        d, gpt, qkv, prefix + ".self_attention.core_attention.attention_dropout", m, &st.attention);
+    st.context = AttentionForward(d, gpt, qkv, p.qk_norm,
+                                  prefix + ".self_attention.core_attention.attention_dropout", m,
+                                  &st.attention);
     Record(record, prefix + ".self_attention.core_attention.probs", Kind::kProbs,
            Stack(st.attention.probs, d.s));
     Record(record, prefix + ".self_attention.core_attention.output", Kind::kHidden, st.context);
@@ -359,7 +364,7 @@ void SliceRun::MicroBatch(int64_t m, const std::vector<int64_t>& all_tokens,
     const Mat dcontext = LinearBackward(dproj, st.context, p.proj_weight, p.proj_bias);
     Record(record, prefix + ".self_attention.core_attention.output_grad", Kind::kHidden, dcontext);
     std::vector<Mat> dprobs;
-    const Mat dqkv = AttentionBackward(d, gpt, dcontext, st.attention, &dprobs);
+    const Mat dqkv = AttentionBackward(d, gpt, dcontext, st.attention, p.qk_norm, &dprobs);
     Record(record, prefix + ".self_attention.core_attention.probs_grad", Kind::kProbs,
            Stack(dprobs, d.s));
     Record(record, prefix + ".self_attention.linear_qkv.output_grad", Kind::kHidden, dqkv);
@@ -464,8 +469,11 @@ Status CheckGptReferenceConfig(const GptConfig& gpt, const ParallelConfig& paral
                          fmt::format("num_attention_heads {} is not divisible by {}",
                                      gpt.num_attention_heads, gpt.num_query_groups));
   }
-  if (gpt.position_embedding_type == PositionEmbedding::kRope && gpt.kv_channels % 2 != 0) {
-    return Status::Error("model.kv_channels", "rope needs an even kv_channels");
+  if (gpt.position_embedding_type == PositionEmbedding::kRope &&
+      (gpt.RotaryDim() < 2 || gpt.RotaryDim() % 2 != 0 || gpt.rotary_percent > 1.0)) {
+    return Status::Error("model.rotary_percent",
+                         "rope needs an even number of turned channels, at least 2, at most "
+                         "kv_channels");
   }
   if (gpt.has_position_embeddings() && gpt.max_position_embeddings < run.seq_length) {
     return Status::Error("model.max_position_embeddings",
@@ -547,6 +555,7 @@ StatusOr<GptReferenceResult> RunGptReference(const GptConfig& gpt_in,
   d.g = gpt.num_query_groups;
   d.r = d.a / d.g;
   d.dk = gpt.kv_channels;
+  d.rd = gpt.RotaryDim();
   d.F = gpt.ffn_hidden_size;
   d.f1 = gpt.Fc1Rows();
   d.V = gpt.vocab_size;

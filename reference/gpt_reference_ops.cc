@@ -171,16 +171,17 @@ void AddHead(const Dims& d, const Mat& head, int64_t j, int64_t col, Mat* x) {
   for (int64_t i = 0; i < d.s; ++i) x->block(i * d.n + j, col, 1, d.dk) += head.row(i);
 }
 
-// Non-interleaved RoPE (Megatron's rotate_half) of an [s, dk] head: row i is position i;
-// channel c < dk/2 pairs with c + dk/2 and turns by theta = i * base^(-2c/dk):
-//   y[c] = x[c] cos - x[c + dk/2] sin,  y[c + dk/2] = x[c + dk/2] cos + x[c] sin.
+// Non-interleaved RoPE (Megatron's rotate_half) of an [s, dk] head on its first rd channels
+// (rd = int(dk * rotary_percent); the others pass through): row i is position i; channel
+// c < rd/2 pairs with c + rd/2 and turns by theta = i * base^(-2c/rd):
+//   y[c] = x[c] cos - x[c + rd/2] sin,  y[c + rd/2] = x[c + rd/2] cos + x[c] sin.
 // sign -1 turns the other way: the transpose, for the backward.
 void Rope(const Dims& d, double base, double sign, Mat* x) {
-  const int64_t half = d.dk / 2;
+  const int64_t half = d.rd / 2;
   for (int64_t i = 0; i < d.s; ++i) {
     for (int64_t c = 0; c < half; ++c) {
       const double theta = static_cast<double>(i) * std::pow(base, -2.0 * static_cast<double>(c) /
-                                                                       static_cast<double>(d.dk));
+                                                                       static_cast<double>(d.rd));
       const double cs = std::cos(theta), sn = sign * std::sin(theta);
       const double lo = (*x)(i, c), hi = (*x)(i, c + half);
       (*x)(i, c) = lo * cs - hi * sn;
@@ -192,13 +193,17 @@ void Rope(const Dims& d, double base, double sign, Mat* x) {
 }  // namespace
 
 // context[i, j, hd*dk + c] = sum_ki dropout(softmax_ki(q_i . k_ki / sqrt(dk), ki <= i)) v_ki.
-Mat AttentionForward(const Dims& d, const GptConfig& gpt, const Mat& qkv, const std::string& site,
-                     int64_t m, AttentionStash* st) {
+Mat AttentionForward(const Dims& d, const GptConfig& gpt, const Mat& qkv,
+                     const QkNormParams& qk_norm, const std::string& site, int64_t m,
+                     AttentionStash* st) {
+  const bool norm = qk_norm.defined();
   const bool rope = gpt.position_embedding_type == PositionEmbedding::kRope;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d.dk));
   st->q.assign(static_cast<size_t>(d.n * d.a), Mat());
   st->k.assign(static_cast<size_t>(d.n * d.g), Mat());
   st->v.assign(static_cast<size_t>(d.n * d.g), Mat());
+  st->q_norm.assign(norm ? static_cast<size_t>(d.n * d.a) : 0, NormStash());
+  st->k_norm.assign(norm ? static_cast<size_t>(d.n * d.g) : 0, NormStash());
   st->probs.assign(static_cast<size_t>(d.n * d.a), Mat());
   st->keep.assign(static_cast<size_t>(d.n * d.a), Mat());
   Mat context(d.s * d.n, d.a * d.dk);
@@ -207,6 +212,10 @@ Mat AttentionForward(const Dims& d, const GptConfig& gpt, const Mat& qkv, const 
       const auto kv = static_cast<size_t>(j * d.g + grp);
       st->k[kv] = GatherHead(d, qkv, j, KeyColumn(d, grp));
       st->v[kv] = GatherHead(d, qkv, j, ValueColumn(d, grp));
+      if (norm) {
+        st->k[kv] = NormForward(gpt.normalization, gpt.layernorm_epsilon, st->k[kv], qk_norm.k,
+                                &st->k_norm[kv]);
+      }
       if (rope) Rope(d, gpt.rotary_base, 1.0, &st->k[kv]);
     }
     for (int64_t hd = 0; hd < d.a; ++hd) {
@@ -214,6 +223,9 @@ Mat AttentionForward(const Dims& d, const GptConfig& gpt, const Mat& qkv, const 
       const auto kv = static_cast<size_t>(j * d.g + hd / d.r);
       Mat& q = st->q[qh];
       q = GatherHead(d, qkv, j, QueryColumn(d, hd));
+      if (norm) {
+        q = NormForward(gpt.normalization, gpt.layernorm_epsilon, q, qk_norm.q, &st->q_norm[qh]);
+      }
       if (rope) Rope(d, gpt.rotary_base, 1.0, &q);
       const Mat scores = (q * st->k[kv].transpose()) * scale;
       Mat& probs = st->probs[qh];
@@ -239,10 +251,12 @@ Mat AttentionForward(const Dims& d, const GptConfig& gpt, const Mat& qkv, const 
 // Backward of AttentionForward, per (sample, head), with Pd = probs * keep:
 //   dPd = dctx v^T;  dv += Pd^T dctx;  dprobs = dPd * keep;
 //   dscores = probs * (dprobs - rowsum(dprobs * probs)) / sqrt(dk);
-//   dq = dscores k;  dk += dscores^T q;  then RoPE's transpose on dq and dk.
+//   dq = dscores k;  dk += dscores^T q;  then RoPE's transpose on dq and dk, then the q/k
+//   norms' backward.
 // Returns d qkv [s*n, (a+2g)*dk]; `dprobs` gets the [n*a] matrices d loss / d probs.
 Mat AttentionBackward(const Dims& d, const GptConfig& gpt, const Mat& dcontext,
-                      const AttentionStash& st, std::vector<Mat>* dprobs) {
+                      const AttentionStash& st, QkNormParams& qk_norm, std::vector<Mat>* dprobs) {
+  const bool norm = qk_norm.defined();
   const bool rope = gpt.position_embedding_type == PositionEmbedding::kRope;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d.dk));
   Mat dqkv = Mat::Zero(d.s * d.n, d.qkv);
@@ -265,11 +279,16 @@ Mat AttentionBackward(const Dims& d, const GptConfig& gpt, const Mat& dcontext,
       Mat dq = dscores * st.k[kv];
       dk[static_cast<size_t>(grp)].noalias() += dscores.transpose() * st.q[qh];
       if (rope) Rope(d, gpt.rotary_base, -1.0, &dq);
+      if (norm) dq = NormBackward(gpt.normalization, dq, st.q_norm[qh], qk_norm.q);
       AddHead(d, dq, j, QueryColumn(d, hd), &dqkv);
     }
     for (int64_t grp = 0; grp < d.g; ++grp) {
       Mat& dkey = dk[static_cast<size_t>(grp)];
       if (rope) Rope(d, gpt.rotary_base, -1.0, &dkey);
+      if (norm) {
+        dkey = NormBackward(gpt.normalization, dkey,
+                            st.k_norm[static_cast<size_t>(j * d.g + grp)], qk_norm.k);
+      }
       AddHead(d, dkey, j, KeyColumn(d, grp), &dqkv);
       AddHead(d, dv[static_cast<size_t>(grp)], j, ValueColumn(d, grp), &dqkv);
     }

@@ -38,6 +38,7 @@ struct Dims {
   int64_t n = 0, sample_begin = 0;  // this slice
   int64_t h = 0, a = 0, g = 0, r = 0, dk = 0, F = 0, f1 = 0, V = 0, Vp = 0, L = 0;
   int64_t qkv = 0;  // (a + 2g) * dk
+  int64_t rd = 0;   // channels of a head RoPE turns: int(dk * rotary_percent)
   // dropout_mode "rng_tracker" (core/dropout.h): masks depend on who draws them, so the
   // layout enters: t, sequence parallelism, b samples per dp rank, and each site's draw.
   bool tracker = false;
@@ -78,6 +79,13 @@ struct NormParams {
   Param bias;  // LayerNorm only
 };
 
+// q_layernorm and k_layernorm (qk_layernorm): the model's normalization over a head's dk
+// channels, shared by the heads; undefined without qk_layernorm.
+struct QkNormParams {
+  NormParams q, k;
+  bool defined() const { return q.weight.defined(); }
+};
+
 // ---- ops ----------------------------------------------------------------------------------
 
 // y = x W^T (+ b).
@@ -106,18 +114,23 @@ Mat HiddenKeep(const Dims& d, const std::string& site, int64_t m, double p, int6
 // ---- attention ----------------------------------------------------------------------------
 
 struct AttentionStash {
-  std::vector<Mat> q;      // [n*a] (index j*a + hd): rotated query heads [s, dk]
-  std::vector<Mat> k, v;   // [n*g] (index j*g + grp): rotated key heads, value heads [s, dk]
+  std::vector<Mat> q;      // [n*a] (index j*a + hd): normalised, rotated query heads [s, dk]
+  std::vector<Mat> k, v;   // [n*g] (index j*g + grp): normalised, rotated key heads, value
+                           // heads [s, dk]
+  std::vector<NormStash> q_norm, k_norm;  // qk_layernorm only, indexed as q and k
   std::vector<Mat> probs;  // [n*a]: softmax [s, s], exactly 0 above the diagonal
   std::vector<Mat> keep;   // [n*a]: attention dropout scales [s, s]
 };
 
 // context[i, j, hd*dk + c] = sum_ki dropout(softmax_ki(q_i . k_ki / sqrt(dk), ki <= i)) v_ki,
-// the dropout masks of `site` in micro-batch m.
-Mat AttentionForward(const Dims& d, const GptConfig& gpt, const Mat& qkv, const std::string& site,
-                     int64_t m, AttentionStash* st);
-// Returns d qkv [s*n, (a+2g)*dk]; `dprobs` gets the [n*a] matrices d loss / d probs.
+// the dropout masks of `site` in micro-batch m; q and k each head's slice of qkv, normalised
+// by `qk_norm` when defined, then turned by RoPE.
+Mat AttentionForward(const Dims& d, const GptConfig& gpt, const Mat& qkv,
+                     const QkNormParams& qk_norm, const std::string& site, int64_t m,
+                     AttentionStash* st);
+// Returns d qkv [s*n, (a+2g)*dk]; `dprobs` gets the [n*a] matrices d loss / d probs; the q/k
+// norms' gradients add into their accumulators.
 Mat AttentionBackward(const Dims& d, const GptConfig& gpt, const Mat& dcontext,
-                      const AttentionStash& st, std::vector<Mat>* dprobs);
+                      const AttentionStash& st, QkNormParams& qk_norm, std::vector<Mat>* dprobs);
 
 }  // namespace mpusim::gpt_reference

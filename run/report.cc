@@ -127,6 +127,30 @@ void RunReport::PrintParameterMemory(const SimulationResult& result) {
                       result.parameter_split);
 }
 
+// Each rank's tensors as its kernels counted them (SimulationResult::tensor_bytes), ranks with
+// the same numbers on one line: what the step's activations cost, measured, beside the
+// preflight's estimate below.
+void RunReport::PrintTensorBytes(const SimulationResult& result) {
+  const std::vector<SimulationResult::TensorBytes>& all = result.tensor_bytes;
+  if (all.empty()) return;
+  out_ << "\ntensors per rank, as the kernels allocate them (held: before the step; "
+          "activations: what the step adds at its peak):\n";
+  const auto format = [](int64_t bytes) { return FormatBytes(static_cast<uint64_t>(bytes)); };
+  for (size_t first = 0; first < all.size();) {
+    size_t last = first;
+    while (last + 1 < all.size() && all[last + 1].held == all[first].held &&
+           all[last + 1].peak == all[first].peak) {
+      ++last;
+    }
+    const std::string ranks = first == last ? fmt::format("rank {}", first)
+                                            : fmt::format("ranks {}-{}", first, last);
+    out_ << fmt::format("  {:<12} held {:>10}   peak {:>10}   activations {:>10}\n", ranks,
+                        format(all[first].held), format(all[first].peak),
+                        format(all[first].peak - all[first].held));
+    first = last + 1;
+  }
+}
+
 Status RunReport::WriteSummary(const SimulationResult& result, int code) {
   nlohmann::ordered_json j;
   j["schema_version"] = 1;
@@ -144,6 +168,11 @@ Status RunReport::WriteSummary(const SimulationResult& result, int code) {
     iterations.push_back(it);
   }
   j["iterations"] = iterations;
+  nlohmann::ordered_json tensors = nlohmann::ordered_json::array();
+  for (const SimulationResult::TensorBytes& t : result.tensor_bytes) {
+    tensors.push_back({{"held", t.held}, {"peak", t.peak}, {"activations", t.peak - t.held}});
+  }
+  j["tensor_bytes"] = tensors;  // per world rank, in bytes
   if (options_.check) {
     int64_t failed = 0;
     double parameter_error = 0;  // the largest normalized error of a parameter

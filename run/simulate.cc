@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cinttypes>
+#include <cstdio>
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -211,13 +213,18 @@ StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions&
   model.InitializeParameters(ctx);
   const bool want_records = options.check || options.keep_records;
   std::unique_ptr<Optimizer> optimizer;
+  if (config.optimizer) optimizer = MakeOptimizer(config, ctx, model.TrainableParameters(), &result);
+  // The tensors held before the first step (parameters, main_grad, optimizer state), and the
+  // most alive at once while the steps run: the difference is the step's activations and the
+  // gradients in flight.
+  const int64_t held = kernels.tensor_bytes().live;
+  kernels.ResetPeakTensorBytes();
   if (!config.optimizer) {
     TimedSteps(options, kernels, &result, [&](bool last) {
       RunStep(model, *executor, ctx, 0, last && want_records, /*reduce_dp=*/true);
     });
   } else {
     // Training: run.train_iters iterations, each a step and an optimizer update.
-    optimizer = MakeOptimizer(config, ctx, model.TrainableParameters(), &result);
     const std::vector<TrainedIteration> rows =
         Train(model, *executor, *optimizer, ctx, *config.optimizer, config.run->train_iters,
               want_records, [] { watched::Barrier(MPI_COMM_WORLD, WorldLabel()); });
@@ -230,6 +237,11 @@ StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions&
   result.has_loss = model.has_loss();
   result.loss = result.has_loss ? model.loss() : 0.0;
   result.peak_stashes = executor->peak_live_stashes();
+  for (const std::string& text :
+       AllGatherStrings(fmt::format("{} {}", held, kernels.tensor_bytes().peak))) {
+    SimulationResult::TensorBytes& bytes = result.tensor_bytes.emplace_back();
+    std::sscanf(text.c_str(), "%" SCNd64 " %" SCNd64, &bytes.held, &bytes.peak);
+  }
   result.timeline = GatherTimeline(executor->step_spans(), executor->schedule_end(), result.trace,
                                    options.timeline_comms, ctx.coords.pp, result.step_start);
   if (!want_records) return result;

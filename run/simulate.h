@@ -34,6 +34,13 @@ struct SimulationResult {
   int64_t parameter_bytes_rank = 0;   // this rank's trainable parameter shards
   int64_t parameter_bytes_model = 0;  // the whole model's parameters
   int64_t peak_stashes = 0;  // the most (chunk, micro-batch) stashes live at once
+  // Every world rank's tensors, counted by its kernels (Kernels::tensor_bytes): those held
+  // before the first step (parameters, main_grad, optimizer state) and the most alive at
+  // once during the steps; peak - held is the activations and gradients in flight.
+  struct TensorBytes {
+    int64_t held = 0, peak = 0;
+  };
+  std::vector<TensorBytes> tensor_bytes;
   // A training run: one row per iteration (the loss of the iteration's data before its
   // update, the gradient norm before clipping, the learning rate, the wall time).
   struct Iteration {

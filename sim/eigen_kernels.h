@@ -102,8 +102,9 @@ class EigenKernels final : public Kernels {
                               Tensor& probs) override;
   void DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, int64_t seq,
                                double scale, Tensor& dscores) override;
-  // The cos/sin table [seq, d/2] is computed once per call.
-  void DoRope(const Tensor& x, int64_t seq, double base, bool inverse, Tensor& y) override;
+  // The cos/sin table [seq, dim/2] is computed once per call.
+  void DoRope(const Tensor& x, int64_t seq, double base, int64_t dim, bool inverse,
+              Tensor& y) override;
 
   // --- embedding (weight / dweight hold rows [vocab_start, vocab_end)) ----------------
   void DoEmbeddingForward(const Tensor& weight, const Tensor& ids, int64_t vocab_start,

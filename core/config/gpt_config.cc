@@ -43,8 +43,6 @@ constexpr AcceptedField kTransformerFields[] = {
      "the residual is the norm's input (pre-norm, Megatron-Core's default); the post-norm "
      "residual is not modelled"},
     {"fp32_residual_connection", "false", "the residual stream is kept in run.dtype"},
-    {"qk_layernorm", "false", "query and key layer norms are not modelled yet"},
-    {"rotary_percent", "1.0", "rotary embeddings turn every channel of a head"},
 };
 
 const AcceptedField* FindTransformerField(std::string_view key) {
@@ -81,7 +79,8 @@ const std::vector<std::string_view>& GptKeys() {
       "type", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
       "kv_channels", "num_query_groups", "normalization", "layernorm_epsilon", "activation",
       "add_bias_linear", "add_qkv_bias", "hidden_dropout", "attention_dropout",
-      "position_embedding_type", "rotary_base", "max_position_embeddings", "share_embeddings_and_output_weights",
+      "position_embedding_type", "rotary_base", "rotary_percent", "qk_layernorm",
+      "max_position_embeddings", "share_embeddings_and_output_weights",
       "init_method_std", "vocab_size", "make_vocab_size_divisible_by", "label_smoothing",
       "dropout_mode"};
   return keys;
@@ -188,6 +187,15 @@ Status ParseGptSection(const json& section, GptConfig* out) {
           ParseChoice(value, where, kPositionEmbeddings, &gpt.position_embedding_type));
     } else if (key == "rotary_base") {
       MPUSIM_RETURN_IF_ERROR(ParsePositive(value, where, &gpt.rotary_base));
+    } else if (key == "rotary_percent") {
+      MPUSIM_RETURN_IF_ERROR(ParsePositive(value, where, &gpt.rotary_percent));
+      if (gpt.rotary_percent > 1.0) {
+        return Status::Error(where, fmt::format("must be in (0, 1] (the share of each head's "
+                                                "channels RoPE turns), got {}",
+                                                DescribeJson(value)));
+      }
+    } else if (key == "qk_layernorm") {
+      MPUSIM_RETURN_IF_ERROR(ParseBool(value, where, &gpt.qk_layernorm));
     } else if (key == "max_position_embeddings") {
       MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &gpt.max_position_embeddings));
     } else if (key == "share_embeddings_and_output_weights") {
@@ -232,6 +240,18 @@ Status ParseGptSection(const json& section, GptConfig* out) {
                          fmt::format("rope rotates pairs of channels, so kv_channels must be even, "
                                      "got {}",
                                      gpt.kv_channels));
+  }
+  if (gpt.position_embedding_type == PositionEmbedding::kRope && gpt.rotary_percent < 1.0 &&
+      (gpt.RotaryDim() < 2 || gpt.RotaryDim() % 2 != 0)) {
+    return Status::Error(prefix + ".rotary_percent",
+                         fmt::format("{} of kv_channels {} turns int({} * {}) = {} channels; "
+                                     "rope rotates pairs, so that must be even and at least 2",
+                                     gpt.rotary_percent, gpt.kv_channels, gpt.kv_channels,
+                                     gpt.rotary_percent, gpt.RotaryDim()));
+  }
+  if (gpt.position_embedding_type != PositionEmbedding::kRope && section.contains("rotary_percent")) {
+    gpt.ignored.push_back(
+        "model.rotary_percent: ignored: position_embedding_type is not \"rope\"");
   }
   if (gpt.label_smoothing > 0 && gpt.vocab_size < 2) {
     return Status::Error(prefix + ".label_smoothing", "needs a vocab_size of at least 2");
@@ -306,6 +326,17 @@ std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_voc
     add(layer + ".self_attention.linear_qkv.weight", {gpt.QkvRows(), h}, normal, 0);
     if (gpt.add_bias_linear || gpt.add_qkv_bias) {
       add(layer + ".self_attention.linear_qkv.bias", {gpt.QkvRows()}, zeros, 0);
+    }
+    if (gpt.qk_layernorm) {
+      // Megatron's q_layernorm / k_layernorm: the model's normalization over kv_channels,
+      // one set shared by every head; each tp rank sums its own heads' gradient.
+      for (const char* which : {".self_attention.q_layernorm", ".self_attention.k_layernorm"}) {
+        const std::string prefix = layer + which;
+        params.push_back(GptParameter{prefix + ".weight", {gpt.kv_channels}, ones, -1, 1, true});
+        if (gpt.normalization == Normalization::kLayerNorm) {
+          params.push_back(GptParameter{prefix + ".bias", {gpt.kv_channels}, zeros, -1, 1, true});
+        }
+      }
     }
     add(layer + ".self_attention.linear_proj.weight", {h, attn_width}, scaled, 1);
     if (gpt.add_bias_linear) add(layer + ".self_attention.linear_proj.bias", {h}, zeros, -1, 1, true);

@@ -18,6 +18,11 @@
 //     "hidden_dropout": 0.1, "attention_dropout": 0.1,
 //     "position_embedding_type": "learned_absolute",   or "rope"
 //     "rotary_base": 10000,
+//     "rotary_percent": 1.0,             the share of each head's channels RoPE turns (rope):
+//                                        the first int(kv_channels * rotary_percent), even
+//     "qk_layernorm": false,             the model's normalization on each query and key head
+//                                        (q_layernorm, k_layernorm: [kv_channels], shared by
+//                                        the heads, gradient all-reduced over tp)
 //     "max_position_embeddings": 512,    default run.seq_length (learned_absolute only)
 //     "share_embeddings_and_output_weights": true,
 //     "init_method_std": 0.02,
@@ -73,6 +78,8 @@ struct GptConfig {
   double attention_dropout = 0.1;
   PositionEmbedding position_embedding_type = PositionEmbedding::kLearnedAbsolute;
   double rotary_base = 10000.0;
+  double rotary_percent = 1.0;  // (0, 1]: RoPE turns the first RotaryDim() channels of a head
+  bool qk_layernorm = false;
   int64_t max_position_embeddings = 0;  // 0: run.seq_length (resolved by CheckGptLayout)
   bool share_embeddings_and_output_weights = true;
   double init_method_std = 0.02;
@@ -90,6 +97,10 @@ struct GptConfig {
   int64_t QkvRows() const { return (num_attention_heads + 2 * num_query_groups) * kv_channels; }
   // Rows of fc1: ffn_hidden_size, or 2 * ffn_hidden_size for a gated activation (swiglu).
   int64_t Fc1Rows() const { return IsGated(activation) ? 2 * ffn_hidden_size : ffn_hidden_size; }
+  // Channels of a head RoPE turns: Megatron's int(kv_channels * rotary_percent).
+  int64_t RotaryDim() const {
+    return static_cast<int64_t>(static_cast<double>(kv_channels) * rotary_percent);
+  }
   bool has_position_embeddings() const {
     return position_embedding_type == PositionEmbedding::kLearnedAbsolute;
   }
@@ -123,14 +134,17 @@ struct GptParameter {
   InitSpec init;        // normal(std) weights, kZeros biases, kOnes normalization weights
   int tp_dim = -1;      // split over tp along this dim (-1: replicated)
   int64_t tp_stride = 1;  // Megatron's stride (2 for swiglu's fc1: [gate; up] per rank)
-  // Replicated over tp but fed by the sequence-split stream under sequence parallelism, so
-  // its gradient is all-reduced over tp (Megatron's `sequence_parallel` attribute).
-  bool sequence_parallel = false;
+  // Replicated over tp, each rank's gradient a partial sum, so all-reduced over tp: fed by
+  // the sequence-split stream under sequence parallelism (Megatron's `sequence_parallel`
+  // attribute), or a query/key layer norm, which each rank applies to its own heads
+  // (finalize_model_grads all-reduces those whenever tp > 1).
+  bool allreduce_grad_over_tp = false;
 };
 
 // Every parameter in state-dict order: embedding, then each layer, then final norm and output
 // layer (absent when shared with the word embeddings). `padded_vocab_size` is the layout's
-// Vp; `sequence_parallel` marks the norm weights and the row-parallel biases.
+// Vp; `sequence_parallel` marks the norm weights and the row-parallel biases (the q/k layer
+// norms are marked whatever it is).
 std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_vocab_size,
                                         bool sequence_parallel);
 

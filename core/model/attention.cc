@@ -19,10 +19,20 @@ SelfAttention::SelfAttention(const GptConfig& gpt, std::string prefix, Parameter
       g_l_(gpt.num_query_groups / t),
       rope_(gpt.position_embedding_type == PositionEmbedding::kRope),
       rotary_base_(gpt.rotary_base),
+      rotary_dim_(gpt.RotaryDim()),
       dropout_(gpt.attention_dropout),
       qkv_(&params.Get(prefix_ + ".linear_qkv.weight"), params.Find(prefix_ + ".linear_qkv.bias")),
       proj_(&params.Get(prefix_ + ".linear_proj.weight")),
-      proj_bias_(params.Find(prefix_ + ".linear_proj.bias")) {}
+      proj_bias_(params.Find(prefix_ + ".linear_proj.bias")) {
+  if (gpt.qk_layernorm) {
+    const auto norm = [&](const std::string& name) {
+      return Norm(gpt.normalization, gpt.layernorm_epsilon, &params.Get(name + ".weight"),
+                  params.Find(name + ".bias"));
+    };
+    q_norm_ = norm(prefix_ + ".q_layernorm");
+    k_norm_ = norm(prefix_ + ".k_layernorm");
+  }
+}
 
 // Where this rank's probabilities [b, a_l, s, s] sit in the full [B, a, s, s].
 GlobalIndexMap SelfAttention::ProbsMap(const StreamShape& sh) const {
@@ -89,9 +99,14 @@ Tensor SelfAttention::CoreForward(const ModuleContext& ctx, const Tensor& qkv,
                 {gl * s * dk, s * dk, dk, 1});
   k.StridedCopy(qkv, (r + 1) * dk, {b, gl, s, dk}, {w, (r + 2) * dk, b * w, 1}, core->v, 0,
                 {gl * s * dk, s * dk, dk, 1});
+  if (q_norm_) {
+    // Megatron's get_query_key_value_tensors: the norms before RoPE, over each head's dk.
+    core->q = q_norm_->Forward(ctx, core->q, &core->q_norm);
+    core->k = k_norm_->Forward(ctx, core->k, &core->k_norm);
+  }
   if (rope_) {
-    k.Rope(core->q, s, rotary_base_, false, core->q);
-    k.Rope(core->k, s, rotary_base_, false, core->k);
+    k.Rope(core->q, s, rotary_base_, rotary_dim_, false, core->q);
+    k.Rope(core->k, s, rotary_base_, rotary_dim_, false, core->k);
   }
   // scores = q k^T / sqrt(dk): one GEMM per (sample, group) over its r*s query rows.
   Tensor scores = k.Empty({b * gl, r * s, s}, dtype);
@@ -155,8 +170,12 @@ Tensor SelfAttention::CoreBackward(const ModuleContext& ctx, const Tensor& dout,
   Tensor dq2 = dq.Reshaped({b * gl * r * s, dk});
   Tensor dk2 = dkey.Reshaped({b * gl * s, dk});
   if (rope_) {
-    k.Rope(dq2, s, rotary_base_, true, dq2);
-    k.Rope(dk2, s, rotary_base_, true, dk2);
+    k.Rope(dq2, s, rotary_base_, rotary_dim_, true, dq2);
+    k.Rope(dk2, s, rotary_base_, rotary_dim_, true, dk2);
+  }
+  if (q_norm_) {
+    dq2 = q_norm_->Backward(ctx, dq2, core.q_norm);
+    dk2 = k_norm_->Backward(ctx, dk2, core.k_norm);
   }
   Tensor dqkv = k.Empty({s * b, w}, dtype);
   k.StridedCopy(dq2, 0, {b, gl, r, s, dk}, {gl * r * s * dk, r * s * dk, s * dk, dk, 1}, dqkv, 0,

@@ -5,7 +5,9 @@
 // kv_channels, a_l = a / t and g_l = g / t on this rank):
 //   qkv      [s*b, (a_l + 2 g_l) dk]   per query group: its r query heads, then its key head,
 //                                      then its value head (Megatron's row order)
-//   q        [b, g_l, r, s, dk]        contiguous copies; RoPE applied
+//   q        [b, g_l, r, s, dk]        contiguous copies; with qk_layernorm each head row
+//                                      normalised over dk (q_layernorm, k_layernorm), then
+//                                      RoPE on its first RotaryDim() channels
 //   k, v     [b, g_l, s, dk]           one key/value head per group: grouped-query attention
 //                                      is a batched GEMM per (sample, group) over r*s rows,
 //                                      so no head is repeated in memory
@@ -21,6 +23,7 @@
 #include <string>
 
 #include "core/config/gpt_config.h"
+#include "core/model/layer_norm.h"
 #include "core/model/linear.h"
 
 namespace mpusim {
@@ -31,7 +34,8 @@ class SelfAttention {
   SelfAttention(const GptConfig& gpt, std::string prefix, ParameterSet& params, int64_t t);
 
   struct CoreStash {
-    Tensor q, k, v;        // after RoPE
+    Tensor q, k, v;        // after the q/k norms and RoPE
+    Norm::Stash q_norm, k_norm;  // qk_layernorm only
     Tensor probs;          // [b*a_l*s, s] before dropout
     Tensor probs_dropped;  // after dropout (probs itself when attention_dropout is 0)
   };
@@ -56,6 +60,8 @@ class SelfAttention {
   int64_t a_, g_, r_, dk_, a_l_, g_l_;
   bool rope_;
   double rotary_base_;
+  int64_t rotary_dim_;
+  std::optional<Norm> q_norm_, k_norm_;  // qk_layernorm
   double dropout_;
   ColumnParallelLinear qkv_;
   RowParallelLinear proj_;

@@ -164,7 +164,7 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
                                                          : post;
     if (!mine) continue;
     Parameter& added = model->params_.Add(p.name, p.shape, p.init, p.tp_dim, p.tp_stride,
-                                          p.sequence_parallel, t, coords.tp);
+                                          p.allreduce_grad_over_tp, t, coords.tp);
     added.embedding_group = p.name == kWord && tied && sizes.pp > 1;
     added.shared = added.embedding_group && !pre;
   }

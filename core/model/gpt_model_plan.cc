@@ -19,11 +19,17 @@ std::string GptModel::Describe() const {
       "heads of {} channels in {} query groups, ffn_hidden_size {} ({})\n",
       gpt.num_layers, gpt.hidden_size, gpt.num_attention_heads, gpt.kv_channels,
       gpt.num_query_groups, gpt.ffn_hidden_size, ActivationName(gpt.activation));
+  const bool partial_rope =
+      gpt.position_embedding_type == PositionEmbedding::kRope && gpt.RotaryDim() < gpt.kv_channels;
   out += fmt::format(
-      "  {}, {} position embeddings, bias {}, dropout hidden {} attention {} ({}), embeddings "
-      "{}\n",
-      NormalizationName(gpt.normalization), PositionEmbeddingName(gpt.position_embedding_type),
-      gpt.add_bias_linear, gpt.hidden_dropout, gpt.attention_dropout,
+      "  {}{}, {} position embeddings{}, bias {}{}, dropout hidden {} attention {} ({}), "
+      "embeddings {}\n",
+      NormalizationName(gpt.normalization),
+      gpt.qk_layernorm ? " (and on each query and key head)" : "",
+      PositionEmbeddingName(gpt.position_embedding_type),
+      partial_rope ? fmt::format(" on {} of {} channels", gpt.RotaryDim(), gpt.kv_channels) : "",
+      gpt.add_bias_linear, !gpt.add_bias_linear && gpt.add_qkv_bias ? " (linear_qkv's alone)" : "",
+      gpt.hidden_dropout, gpt.attention_dropout,
       gpt.dropout_mode == DropoutMode::kRngTracker
           ? "masks from each rank's RNG tracker streams, as Megatron draws them"
           : "masks drawn per global element",
@@ -148,7 +154,12 @@ void GptModel::ExplainStage(std::ostream& out) const {
     } else if (p->name == "embedding.word_embeddings.weight" && t > 1) {
       note = fmt::format("; rank r holds vocabulary rows [{} r, {} (r + 1))", local[0], local[0]);
     }
-    if (p->sequence_parallel) note += "; gradient all-reduced over tp (sequence parallel)";
+    if (p->allreduce_grad_over_tp) {
+      note += (p->name.find(".q_layernorm.") != std::string::npos ||
+                   p->name.find(".k_layernorm.") != std::string::npos)
+                  ? "; gradient all-reduced over tp (each rank normalised its own heads)"
+                  : "; gradient all-reduced over tp (sequence parallel)";
+    }
     if (p->embedding_group) {
       note +=
           "; tied: the first and the last stage each hold it, gradient all-reduced over "
@@ -191,8 +202,11 @@ MemoryPlan GptModel::PlanMemory(const MemoryPlanOptions& options) const {
   // copies, the attention probabilities before and after dropout, fc1 and the activation.
   const PlanBytes L = static_cast<PlanBytes>(gpt.num_layers);
   const PlanBytes stream = PlanElements({stream_rows, h});
+  // With qk_layernorm the norms' inputs too: one more copy of the query and key heads.
+  const int64_t qk_norm_local =
+      gpt.qk_layernorm ? (heads_local + gpt.num_query_groups / t) * gpt.kv_channels : 0;
   const PlanBytes per_layer = SaturatingAdd(
-      SaturatingAdd(SaturatingMul(stream, 6), PlanElements({rows, 2 * qkv_local})),
+      SaturatingAdd(SaturatingMul(stream, 6), PlanElements({rows, 2 * qkv_local + qk_norm_local})),
       SaturatingAdd(PlanElements({2 * b * heads_local, s, s}),
                     PlanElements({rows, attn_local + fc1_local + ffn_local + 2 * h})));
   plan.AddElements("activations: every layer's stash of one micro-batch",

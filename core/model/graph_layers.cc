@@ -246,7 +246,7 @@ class RowParallelLinearLayer : public LinearLayer<RowParallelLinearLayer, RowPar
     slot.owns_weight = true;
     if (c.bias) {
       slot.bias = g.AddParameter(c.name + ".bias", {out}, TpSplitPlan{}, c, true);
-      slot.bias->sequence_parallel = g.sequence_parallel;
+      slot.bias->allreduce_grad_over_tp = g.sequence_parallel;
     }
     if (g.sequence_parallel) {
       MPUSIM_RETURN_IF_ERROR(p.RequireSequenceDivisible());

@@ -4,8 +4,8 @@
 // ShardSpec (Megatron's tensor-parallel split and stride), its initialisation (core/init.h:
 // layout-invariant master values), its local value in the storage dtype and its main_grad in
 // the compute dtype, and the flags the gradient finalisation reads (core/train
-// FinalizeModelGrads: the tp all-reduce of parameters marked sequence_parallel, replicated
-// but each rank saw only its sequence shard; the data-parallel all-reduce; embd for a tied
+// FinalizeModelGrads: the tp all-reduce of replicated parameters of which each rank saw
+// only its sequence shard or its heads; the data-parallel all-reduce; embd for a tied
 // embedding). What it is not: the finalisation or an optimizer (core/train).
 #pragma once
 
@@ -27,7 +27,10 @@ struct Parameter {
   Shape full_shape;
   ShardSpec shard;   // this rank's piece
   InitSpec init;
-  bool sequence_parallel = false;  // gradient all-reduced over tp (core/train FinalizeModelGrads)
+  // Gradient all-reduced over tp (core/train FinalizeModelGrads): each tp rank summed only
+  // its share, its sequence shard (Megatron's `sequence_parallel` attribute) or its heads (a
+  // query/key layer norm).
+  bool allreduce_grad_over_tp = false;
   bool embedding_group = false;    // a tied word embedding held by the first and the last
                                    // pipeline stage: gradient all-reduced over embd
   bool shared = false;             // the last stage's copy of it (Megatron's `shared`): left
@@ -41,7 +44,7 @@ class ParameterSet {
   // Adds a parameter split over `tp_size` ranks along `tp_dim` (-1: replicated) with
   // Megatron's `stride`; this rank is `tp_rank`.
   Parameter& Add(std::string name, Shape full_shape, InitSpec init, int tp_dim, int64_t stride,
-                 bool sequence_parallel, int64_t tp_size, int64_t tp_rank);
+                 bool allreduce_grad_over_tp, int64_t tp_size, int64_t tp_rank);
   // The parameter called `name`; throws std::out_of_range naming it when there is none.
   Parameter& Get(std::string_view name);
   // The parameter called `name`, or nullptr (optional biases).

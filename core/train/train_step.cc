@@ -12,7 +12,7 @@ void FinalizeModelGrads(const std::vector<Parameter*>& params, RankContext& ctx,
   Communicator& tp = ctx.tp();
   Communicator* dp = reduce_dp ? &ctx.dp_cp() : nullptr;
   for (Parameter* p : params) {
-    if (p->sequence_parallel && tp.Size() > 1) tp.AllReduce(p->grad, ReduceOp::kSum);
+    if (p->allreduce_grad_over_tp && tp.Size() > 1) tp.AllReduce(p->grad, ReduceOp::kSum);
     if (dp != nullptr && dp->Size() > 1) dp->AllReduce(p->grad, ReduceOp::kSum);
   }
   Communicator* embd = ctx.embd();

@@ -150,11 +150,15 @@ TEST(GptConfig, PastedTransformerConfigFieldsAtTheirDefaultsGiveNotes) {
   section.update(pasted);
   GptConfig gpt;
   ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
-  ASSERT_EQ(gpt.ignored.size(), pasted.size() - 1);  // add_qkv_bias is a key of its own
-
+  // add_qkv_bias, qk_layernorm and rotary_percent are keys of their own; rotary_percent gets
+  // a note of its own on a model without rope.
+  ASSERT_EQ(gpt.ignored.size(), pasted.size() - 2);
   EXPECT_NE(std::find(gpt.ignored.begin(), gpt.ignored.end(),
-                      "model.qk_layernorm: false is what mpusim computes: query and key layer "
-                      "norms are not modelled yet"),
+                      "model.rotary_percent: ignored: position_embedding_type is not \"rope\""),
+            gpt.ignored.end());
+  EXPECT_NE(std::find(gpt.ignored.begin(), gpt.ignored.end(),
+                      "model.fp32_residual_connection: false is what mpusim computes: the "
+                      "residual stream is kept in run.dtype"),
             gpt.ignored.end());
   // Values that would change the model are refused, each with its reason.
   const auto refused = [&](const char* key, const json& value) {
@@ -162,18 +166,69 @@ TEST(GptConfig, PastedTransformerConfigFieldsAtTheirDefaultsGiveNotes) {
     bad[key] = value;
     return Refusal(bad);
   };
-  EXPECT_EQ(refused("qk_layernorm", true),
-            "model.qk_layernorm: boolean true: query and key layer norms are not modelled yet; "
-            "only false is accepted");
-  EXPECT_EQ(refused("rotary_percent", 0.5),
-            "model.rotary_percent: number 0.5: rotary embeddings turn every channel of a head; "
-            "only 1.0 is accepted");
+  EXPECT_EQ(refused("fp32_residual_connection", true),
+            "model.fp32_residual_connection: boolean true: the residual stream is kept in "
+            "run.dtype; only false is accepted");
   EXPECT_NE(refused("gated_linear_unit", true).find("\"swiglu\" is Megatron's gated_linear_unit"),
             std::string::npos);
   json swiglu = Minimal();
   swiglu["activation"] = "swiglu";
   swiglu["gated_linear_unit"] = true;
   EXPECT_EQ(Refusal(swiglu), "accepted");
+}
+
+// qk_layernorm: q_layernorm and k_layernorm after linear_qkv, [kv_channels] each, the
+// model's normalization (a bias with LayerNorm), gradient all-reduced over tp with or
+// without sequence parallelism; rotary_percent: int(kv_channels * p) channels turned, even.
+TEST(GptConfig, QkLayerNormAndRotaryPercent) {
+  json section = Minimal();
+  section["kv_channels"] = 12;
+  section["qk_layernorm"] = true;
+  section["position_embedding_type"] = "rope";
+  section["rotary_percent"] = 0.5;
+  GptConfig gpt;
+  ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
+  EXPECT_TRUE(gpt.qk_layernorm);
+  EXPECT_EQ(gpt.RotaryDim(), 6);
+  EXPECT_TRUE(gpt.ignored.empty());
+  const std::vector<GptParameter> params = GptParameters(gpt, 1024, /*sequence_parallel=*/false);
+  std::vector<std::string> names;
+  for (const GptParameter& p : params) {
+    if (p.name.find("_layernorm") == std::string::npos || !p.name.starts_with("decoder.layers.0.")) {
+      continue;
+    }
+    names.push_back(p.name);
+    if (p.name.find("self_attention") != std::string::npos) {
+      EXPECT_EQ(p.shape, (Shape{12})) << p.name;
+      EXPECT_EQ(p.tp_dim, -1) << p.name;
+      EXPECT_TRUE(p.allreduce_grad_over_tp) << p.name;
+    } else {
+      EXPECT_FALSE(p.allreduce_grad_over_tp) << p.name;
+    }
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{
+                       "decoder.layers.0.input_layernorm.weight",
+                       "decoder.layers.0.input_layernorm.bias",
+                       "decoder.layers.0.self_attention.q_layernorm.weight",
+                       "decoder.layers.0.self_attention.q_layernorm.bias",
+                       "decoder.layers.0.self_attention.k_layernorm.weight",
+                       "decoder.layers.0.self_attention.k_layernorm.bias",
+                       "decoder.layers.0.pre_mlp_layernorm.weight",
+                       "decoder.layers.0.pre_mlp_layernorm.bias"}));
+
+  const auto refusal = [&](const json& percent) {
+    json bad = section;
+    bad["rotary_percent"] = percent;
+    return Refusal(bad);
+  };
+  EXPECT_EQ(refusal(0.25),  // int(12 * 0.25) = 3 channels: no pairs
+            "model.rotary_percent: 0.25 of kv_channels 12 turns int(12 * 0.25) = 3 channels; "
+            "rope rotates pairs, so that must be even and at least 2");
+  EXPECT_EQ(refusal(1.5),
+            "model.rotary_percent: must be in (0, 1] (the share of each head's channels RoPE "
+            "turns), got number 1.5");
+  EXPECT_EQ(refusal(0.0).rfind("model.rotary_percent: ", 0), 0u);
+  EXPECT_EQ(refusal(0.34), "accepted");  // int(4.08) = 4
 }
 
 // add_qkv_bias: linear_qkv's bias without the other linear biases (Qwen's choice).
@@ -327,11 +382,11 @@ TEST(GptConfig, ParametersFollowMegatronStateDict) {
   const GptParameter proj = find("decoder.layers.0.self_attention.linear_proj.weight");
   EXPECT_EQ(proj.tp_dim, 1);
   EXPECT_DOUBLE_EQ(proj.init.std, 0.02 / std::sqrt(2.0));
-  EXPECT_TRUE(find("decoder.layers.0.self_attention.linear_proj.bias").sequence_parallel);
-  EXPECT_FALSE(find("decoder.layers.0.self_attention.linear_qkv.bias").sequence_parallel);
-  EXPECT_TRUE(find("decoder.final_layernorm.weight").sequence_parallel);
+  EXPECT_TRUE(find("decoder.layers.0.self_attention.linear_proj.bias").allreduce_grad_over_tp);
+  EXPECT_FALSE(find("decoder.layers.0.self_attention.linear_qkv.bias").allreduce_grad_over_tp);
+  EXPECT_TRUE(find("decoder.final_layernorm.weight").allreduce_grad_over_tp);
   EXPECT_EQ(find("decoder.final_layernorm.weight").init.method, InitMethod::kOnes);
-  EXPECT_FALSE(GptParameters(gpt, 1024, false)[2].sequence_parallel);
+  EXPECT_FALSE(GptParameters(gpt, 1024, false)[2].allreduce_grad_over_tp);
 }
 
 }  // namespace

@@ -1344,17 +1344,20 @@ TYPED_TEST(CudaKernelsModelTest, Rope) {
   CudaKernels& gpu = *this->gpu_;
   const int64_t seq = 7, rows = 4 * seq, d = 64;
   const std::vector<double> xv = Reals(330, rows * d);
-  for (bool inverse : {false, true}) {
-    SCOPED_TRACE(fmt::format("inverse {}", inverse));
-    Tensor cpu_y = this->Host({rows, d}, std::vector<double>(static_cast<size_t>(rows * d)));
-    this->cpu_.Rope(this->Host({rows, d}, xv), seq, 10000.0, inverse, cpu_y);
-    Tensor gpu_y = gpu.Zeros({rows, d}, dt);
-    gpu.Rope(this->Dev({rows, d}, xv), seq, 10000.0, inverse, gpu_y);
-    // cos and sin of the same double angle from two libraries, rounded to the compute dtype.
-    EXPECT_TRUE(MatchesCpu<T>("rope", this->Values(gpu_y), ValuesOf(cpu_y)));
-    Tensor in_place = this->Dev({rows, d}, xv);
-    gpu.Rope(in_place, seq, 10000.0, inverse, in_place);
-    EXPECT_TRUE(SameBits("rope in place", this->Back(in_place), this->Back(gpu_y)));
+  // dim 24 of 64: rotary_percent 0.375, the other 40 columns copied.
+  for (const int64_t dim : {d, int64_t{24}}) {
+    for (bool inverse : {false, true}) {
+      SCOPED_TRACE(fmt::format("dim {} inverse {}", dim, inverse));
+      Tensor cpu_y = this->Host({rows, d}, std::vector<double>(static_cast<size_t>(rows * d)));
+      this->cpu_.Rope(this->Host({rows, d}, xv), seq, 10000.0, dim, inverse, cpu_y);
+      Tensor gpu_y = gpu.Zeros({rows, d}, dt);
+      gpu.Rope(this->Dev({rows, d}, xv), seq, 10000.0, dim, inverse, gpu_y);
+      // cos and sin of the same double angle from two libraries, rounded to the compute dtype.
+      EXPECT_TRUE(MatchesCpu<T>("rope", this->Values(gpu_y), ValuesOf(cpu_y)));
+      Tensor in_place = this->Dev({rows, d}, xv);
+      gpu.Rope(in_place, seq, 10000.0, dim, inverse, in_place);
+      EXPECT_TRUE(SameBits("rope in place", this->Back(in_place), this->Back(gpu_y)));
+    }
   }
 }
 

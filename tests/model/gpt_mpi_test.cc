@@ -464,6 +464,38 @@ TEST(GptMpi, QkvBiasAloneQwenStyle) {
   }
 }
 
+// qk_layernorm (q_layernorm and k_layernorm over each head, as OLMo 2 and Qwen 3 have them)
+// with rope on half of each head's channels (rotary_percent 0.5, 4 of 8 channels), both
+// norms, on every tp size with and without sequence parallelism: each tp rank normalises its
+// own heads, so the norms' gradients are all-reduced over tp either way.
+TEST(GptMpi, QkLayerNormAndPartialRotary) {
+  for (const char* norm : {"RMSNorm", "LayerNorm"}) {
+    json model = Llama(8, 4);
+    model["normalization"] = norm;
+    model["qk_layernorm"] = true;
+    model["kv_channels"] = 8;  // 4 turned channels: two frequencies
+    model["rotary_percent"] = 0.5;
+    for (const int64_t t : TensorParallelSizes()) {
+      if (t > 4) continue;  // 4 query groups
+      for (const bool sp : {false, true}) {
+        if (sp && t == 1) continue;
+        SCOPED_TRACE(fmt::format("{}, tp {}, sequence parallel {}", norm, t, sp));
+        RunChecked(Document(model, t, sp, "float64"));
+      }
+    }
+  }
+  // Selective recomputation reruns the norms with core attention; float32 and bfloat16.
+  json model = Llama(8, 4);
+  model["qk_layernorm"] = true;
+  model["kv_channels"] = 8;
+  model["rotary_percent"] = 0.5;
+  const int64_t t = std::min<int64_t>(TensorParallelSizes().back(), 4);
+  for (const char* dtype : {"float32", "bfloat16"}) {
+    SCOPED_TRACE(fmt::format("{}, tp {}, selective recomputation", dtype, t));
+    RunChecked(Document(model, t, t > 1, dtype, "selective"));
+  }
+}
+
 // Megatron's squared_relu (relu(x)^2, core/ops/activation.h) on every tp size, with sequence
 // parallelism where tp > 1, in float64, and on the widest layout in float32 and bfloat16.
 TEST(GptMpi, SquaredReluOnEveryLayout) {

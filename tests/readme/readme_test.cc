@@ -161,7 +161,9 @@ TEST(ReadmeTranscripts, EveryCommandPrintsWhatTheReadmeShows) {
 // the repository's sample configs, so that files the labs write (layout.html, pipeline.json)
 // land there. A bare `mpusim ...` is refused: the labs say build/cli/mpusim, which needs no
 // PATH. A span on a line with `<!-- labs test: skip, why -->` is not run (minutes of work);
-// one on a line with `<!-- labs test: exits N -->` must exit N (a refusal the lab shows).
+// one on a line with `<!-- labs test: exits N -->` must exit N (a refusal the lab shows);
+// one on a line with `<!-- labs test: prints "TEXT" -->` must print TEXT (a number the lab
+// quotes from the output).
 TEST(LabCommands, EveryCommandRunsAsWritten) {
   namespace fs = std::filesystem;
   const std::vector<std::string> lines =
@@ -195,6 +197,11 @@ TEST(LabCommands, EveryCommandRunsAsWritten) {
       std::ifstream log(scratch / "log.txt");
       const std::string text(std::istreambuf_iterator<char>(log), {});
       EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == want) << text.substr(0, 2000);
+      static const std::regex prints(R"re(<!-- labs test: prints "([^"]+)" -->)re");
+      if (std::regex_search(lines[i], expected, prints)) {
+        EXPECT_NE(text.find(expected[1].str()), std::string::npos)
+            << "the lab quotes \"" << expected[1] << "\" from this output:\n" << text;
+      }
       ++run;
     }
   }

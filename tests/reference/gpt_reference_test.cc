@@ -794,7 +794,7 @@ TEST(GptReferenceTest, LaterTokensDoNotChangeEarlierPositions) {
 
 // ---- 5. the PyTorch golden ------------------------------------------------------------------
 
-// tests/data/gpt_golden/gpt_golden_<a|b>.safetensors: parameters, tokens and labels, the loss
+// tests/data/gpt_golden/gpt_golden_<a|b|c>.safetensors: parameters, tokens and labels, the loss
 // and every parameter gradient from torch autograd (see make_gpt_golden.py and its README).
 void CheckGolden(const std::string& file) {
   const std::string path = std::string(MPUSIM_TEST_DATA_DIR) + "/gpt_golden/" + file;
@@ -867,6 +867,10 @@ TEST(GptReferenceTest, MatchesTorchGoldenLayerNormGeluLearnedTiedPadded) {
 
 TEST(GptReferenceTest, MatchesTorchGoldenRmsNormSwigluRopeGqaUntiedSmoothed) {
   CheckGolden("gpt_golden_b.safetensors");
+}
+
+TEST(GptReferenceTest, MatchesTorchGoldenQkLayerNormPartialRopeGqa) {
+  CheckGolden("gpt_golden_c.safetensors");
 }
 
 }  // namespace

@@ -430,6 +430,37 @@ TYPED_TEST(EigenKernelsTest, IdsAreInt64WithOneElementPerRow) {
       std::invalid_argument);
 }
 
+// Kernels::tensor_bytes counts what Zeros and Empty made while it lives (a view or a copy of
+// the handle adds nothing), and the peak since ResetPeakTensorBytes; the storage still goes
+// back to the backend's cache when the last handle goes.
+TEST(EigenKernelsTensorBytes, CountsLiveTensorsAndThePeak) {
+  EigenKernels k;
+  EXPECT_EQ(k.tensor_bytes().live, 0);
+  EXPECT_EQ(k.tensor_bytes().peak, 0);
+  Tensor held = k.Zeros({10}, DType::kFloat64);  // 80 bytes
+  k.ResetPeakTensorBytes();
+  EXPECT_EQ(k.tensor_bytes().peak, 80);
+  {
+    Tensor a = k.Empty({4, 8}, DType::kFloat32);  // 128 bytes
+    const Tensor view = a.Reshaped({32});
+    const Tensor handle = a;
+    EXPECT_EQ(k.tensor_bytes().live, 208);
+    a = Tensor();  // the view and the other handle keep it alive
+    EXPECT_EQ(k.tensor_bytes().live, 208);
+    Tensor b = k.Zeros({2}, DType::kBFloat16);  // 4 bytes
+    EXPECT_EQ(k.tensor_bytes().live, 212);
+    EXPECT_EQ(ValuesOf(b), (std::vector<double>{0.0, 0.0}));
+  }
+  EXPECT_EQ(k.tensor_bytes().live, 80);
+  EXPECT_EQ(k.tensor_bytes().peak, 212);
+  k.ResetPeakTensorBytes();
+  EXPECT_EQ(k.tensor_bytes().peak, 80);
+  const Tensor empty = k.Empty({0, 3}, DType::kFloat32);
+  EXPECT_EQ(k.tensor_bytes().live, 80);
+  held = Tensor();
+  EXPECT_EQ(k.tensor_bytes().live, 0);
+}
+
 // int64 tensors move through the memory operations bit for bit; every kernel that computes
 // refuses them.
 TEST(EigenKernelsInt64Test, MemoryOpsMoveIdsAndArithmeticRefusesThem) {
@@ -1410,17 +1441,18 @@ TYPED_TEST(EigenKernelsModelTest, CausalSoftmaxBackward) {
                std::invalid_argument);
 }
 
-// Rotary embedding in float64: theta = p / base^(2i/d), cos and sin unrounded; `scale` gets
-// the magnitudes |x c| + |x' s| of each result's terms.
-std::vector<double> NaiveRope(const std::vector<double>& x, int64_t rows, int64_t d, int64_t seq,
-                              double base, bool inverse, std::vector<double>* scale) {
-  std::vector<double> y(x.size());
+// Rotary embedding of the first `dim` of d columns in float64: theta = p / base^(2i/dim), cos
+// and sin unrounded, the other columns copied; `scale` gets the magnitudes |x c| + |x' s| of
+// each result's terms.
+std::vector<double> NaiveRope(const std::vector<double>& x, int64_t rows, int64_t d, int64_t dim,
+                              int64_t seq, double base, bool inverse, std::vector<double>* scale) {
+  std::vector<double> y = x;
   scale->assign(x.size(), 0.0);
-  const int64_t half = d / 2;
+  const int64_t half = dim / 2;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t i = 0; i < half; ++i) {
       const double theta = static_cast<double>(r % seq) /
-                           std::pow(base, static_cast<double>(2 * i) / static_cast<double>(d));
+                           std::pow(base, static_cast<double>(2 * i) / static_cast<double>(dim));
       const double c = std::cos(theta);
       const double s = inverse ? -std::sin(theta) : std::sin(theta);
       const size_t lo = static_cast<size_t>(r * d + i), hi = lo + static_cast<size_t>(half);
@@ -1439,16 +1471,24 @@ TYPED_TEST(EigenKernelsModelTest, RopeForwardInverseInPlace) {
   const int64_t seq = 5, rows = 3 * seq, d = 8;
   const Tensor x = Make<T>({3, seq, d}, Reals(170, rows * d));
   const std::vector<double> xv = ValuesOf(x);
-  for (double base : {10000.0, 3.0}) {
+  // dim 4 of 8: rotary_percent 0.5; the last 4 columns of every row pass through unchanged.
+  for (const auto& [base, dim] : {std::pair{10000.0, d}, {3.0, d}, {10000.0, d / 2}}) {
     for (bool inverse : {false, true}) {
-      SCOPED_TRACE(fmt::format("base {} inverse {}", base, inverse));
+      SCOPED_TRACE(fmt::format("base {} dim {} inverse {}", base, dim, inverse));
       std::vector<double> scale;
-      const std::vector<double> expected = NaiveRope(xv, rows, d, seq, base, inverse, &scale);
+      const std::vector<double> expected =
+          NaiveRope(xv, rows, d, dim, seq, base, inverse, &scale);
       Tensor y = this->k_.Zeros({rows, d}, dt);
-      this->k_.Rope(x, seq, base, inverse, y);
+      this->k_.Rope(x, seq, base, dim, inverse, y);
       const std::vector<double> yv = ValuesOf(y);
       EXPECT_TRUE(OpNear<T>("rope", yv, expected, scale));
       EXPECT_NE(yv, xv);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t j = dim; j < d; ++j) {
+          const size_t e = static_cast<size_t>(r * d + j);
+          EXPECT_EQ(yv[e], xv[e]) << "passed-through row " << r << " col " << j;
+        }
+      }
       // Position 0 (rows 0, seq, 2 seq) is not rotated: cos 0 = 1, sin 0 = 0 exactly.
       for (int64_t r = 0; r < rows; r += seq) {
         for (int64_t j = 0; j < d; ++j) {
@@ -1457,27 +1497,30 @@ TYPED_TEST(EigenKernelsModelTest, RopeForwardInverseInPlace) {
         }
       }
       Tensor in_place = Make<T>({rows, d}, xv);
-      this->k_.Rope(in_place, seq, base, inverse, in_place);
+      this->k_.Rope(in_place, seq, base, dim, inverse, in_place);
       EXPECT_EQ(ValuesOf(in_place), yv);
     }
     // The inverse undoes the forward (a rotation and its transpose): up to the roundings of
     // the stored intermediate and result, two for 16-bit dtypes.
     Tensor round_trip = Make<T>({rows, d}, xv);
-    this->k_.Rope(round_trip, seq, base, false, round_trip);
-    this->k_.Rope(round_trip, seq, base, true, round_trip);
+    this->k_.Rope(round_trip, seq, base, dim, false, round_trip);
+    this->k_.Rope(round_trip, seq, base, dim, true, round_trip);
     double max_abs = 0;
     for (double v : xv) max_abs = std::max(max_abs, std::fabs(v));
     double tol = 4 * kArith<T> * max_abs;
     if constexpr (kIsHalf<T>) tol += 2 * UlpAt<T>(max_abs);
-    EXPECT_TRUE(TensorsNear(fmt::format("inverse(forward(x)) base {}", base),
+    EXPECT_TRUE(TensorsNear(fmt::format("inverse(forward(x)) base {} dim {}", base, dim),
                             ValuesOf(round_trip), xv, tol));
   }
   Tensor odd = this->k_.Zeros({rows, d - 1}, dt);
-  EXPECT_THROW(this->k_.Rope(odd, seq, 10000, false, odd), std::invalid_argument);
+  EXPECT_THROW(this->k_.Rope(odd, seq, 10000, d - 1, false, odd), std::invalid_argument);
   Tensor y = this->k_.Zeros({rows, d}, dt);
   // seq = 4 does not divide the 15 rows.
-  EXPECT_THROW(this->k_.Rope(x, 4, 10000, false, y), std::invalid_argument);
-  EXPECT_THROW(this->k_.Rope(x, seq, 0.0, false, y), std::invalid_argument);
+  EXPECT_THROW(this->k_.Rope(x, 4, 10000, d, false, y), std::invalid_argument);
+  EXPECT_THROW(this->k_.Rope(x, seq, 0.0, d, false, y), std::invalid_argument);
+  for (const int64_t dim : {int64_t{0}, int64_t{3}, d + 2}) {
+    EXPECT_THROW(this->k_.Rope(x, seq, 10000, dim, false, y), std::invalid_argument) << dim;
+  }
 }
 
 // StridedCopy moves bits: compared exactly, in every dtype.

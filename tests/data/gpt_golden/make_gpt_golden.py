@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """The PyTorch golden of the float64 GPT reference (reference/gpt_reference.h).
 
-Builds two tiny Megatron-Core GPTModels (local layer spec) in torch float64, written from the
+Builds three tiny Megatron-Core GPTModels (local layer spec) in torch float64, written from the
 model's math and Megatron's semantics (not from the C++ reference), runs them forward on
 random tokens with random parameters, lets autograd compute every parameter gradient, and
 writes one safetensors file per config:
@@ -66,6 +66,24 @@ CONFIG_B = {
             "num_microbatches": 2},
 }
 
+# Config C: LayerNorm with query and key layer norms (qk_layernorm: q_layernorm and
+# k_layernorm over each head's kv_channels, with biases), rope on half of each head's channels
+# (rotary_percent 0.5: 4 of 8), grouped-query attention, gelu, tied embeddings, biases, tp 2.
+CONFIG_C = {
+    "parallel": {"world_size": 4, "tensor_model_parallel_size": 2},
+    "model": {
+        "type": "gpt", "num_layers": 2, "hidden_size": 16, "num_attention_heads": 4,
+        "num_query_groups": 2, "kv_channels": 8, "ffn_hidden_size": 32,
+        "normalization": "LayerNorm", "layernorm_epsilon": 1e-5, "activation": "gelu",
+        "add_bias_linear": True, "qk_layernorm": True, "hidden_dropout": 0.0,
+        "attention_dropout": 0.0, "position_embedding_type": "rope", "rotary_base": 10000,
+        "rotary_percent": 0.5, "share_embeddings_and_output_weights": True, "vocab_size": 29,
+        "make_vocab_size_divisible_by": 4, "label_smoothing": 0.0,
+    },
+    "run": {"seed": 13, "dtype": "float64", "seq_length": 6, "micro_batch_size": 2,
+            "num_microbatches": 2},
+}
+
 
 class Sizes:
     def __init__(self, doc):
@@ -91,6 +109,9 @@ class Sizes:
         self.qkv_bias = self.bias or m.get("add_qkv_bias", False)
         self.rope = m.get("position_embedding_type", "learned_absolute") == "rope"
         self.rotary_base = float(m.get("rotary_base", 10000))
+        # RotaryEmbedding: dim = int(kv_channels * rotary_percent) when rotary_percent < 1.
+        self.rot_dim = int(self.dk * m.get("rotary_percent", 1.0))
+        self.qk_layernorm = m.get("qk_layernorm", False)
         self.tied = m.get("share_embeddings_and_output_weights", True)
         self.eps = m.get("layernorm_epsilon", 1e-5)
         self.label_smoothing = m.get("label_smoothing", 0.0)
@@ -107,10 +128,10 @@ def make_parameters(z):
     def bias(name, n):
         params[name] = torch.randn(n, dtype=torch.float64) * 0.1
 
-    def norm(prefix):
-        params[prefix + ".weight"] = 1 + torch.randn(z.h, dtype=torch.float64) * 0.1
+    def norm(prefix, width=z.h):
+        params[prefix + ".weight"] = 1 + torch.randn(width, dtype=torch.float64) * 0.1
         if z.layernorm:
-            bias(prefix + ".bias", z.h)
+            bias(prefix + ".bias", width)
 
     weight("embedding.word_embeddings.weight", z.Vp, z.h)
     if not z.rope:
@@ -123,6 +144,9 @@ def make_parameters(z):
         weight(p + ".self_attention.linear_qkv.weight", qkv_rows, z.h)
         if z.qkv_bias:
             bias(p + ".self_attention.linear_qkv.bias", qkv_rows)
+        if z.qk_layernorm:  # SelfAttention's q_layernorm, k_layernorm: over kv_channels
+            norm(p + ".self_attention.q_layernorm", z.dk)
+            norm(p + ".self_attention.k_layernorm", z.dk)
         weight(p + ".self_attention.linear_proj.weight", z.h, z.a * z.dk)
         if z.bias:
             bias(p + ".self_attention.linear_proj.bias", z.h)
@@ -140,20 +164,26 @@ def make_parameters(z):
 
 
 def normalize(z, x, prefix, P):
+    """The model's normalization over the last dim of x (h, or kv_channels for q/k)."""
     if z.layernorm:
-        return F.layer_norm(x, (z.h,), P[prefix + ".weight"], P[prefix + ".bias"], z.eps)
+        return F.layer_norm(x, (x.shape[-1],), P[prefix + ".weight"], P[prefix + ".bias"],
+                            z.eps)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + z.eps) * P[prefix + ".weight"]
 
 
 def apply_rope(z, t):
-    """Megatron's apply_rotary_pos_emb (non-interleaved): t * cos + rotate_half(t) * sin,
-    rotate_half(t) = cat(-t2, t1), frequencies base^(-2c/dk) repeated for both halves.
+    """Megatron's apply_rotary_pos_emb (non-interleaved) on the first rot_dim channels:
+    t * cos + rotate_half(t) * sin, rotate_half(t) = cat(-t2, t1), frequencies
+    base^(-2c/rot_dim) repeated for both halves; the other channels pass through.
     t: [s, B, heads, dk]."""
-    inv_freq = 1.0 / (z.rotary_base ** (torch.arange(0, z.dk, 2, dtype=torch.float64) / z.dk))
+    d = z.rot_dim
+    inv_freq = 1.0 / (z.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     freqs = torch.outer(torch.arange(z.s, dtype=torch.float64), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
-    t1, t2 = torch.chunk(t, 2, dim=-1)
-    return t * emb.cos() + torch.cat([-t2, t1], dim=-1) * emb.sin()
+    t_rot, t_pass = t[..., :d], t[..., d:]
+    t1, t2 = torch.chunk(t_rot, 2, dim=-1)
+    rotated = t_rot * emb.cos() + torch.cat([-t2, t1], dim=-1) * emb.sin()
+    return torch.cat([rotated, t_pass], dim=-1)
 
 
 def microbatch_loss_sum(z, P, tokens, labels):
@@ -174,6 +204,9 @@ def microbatch_loss_sum(z, P, tokens, labels):
         q = qkv[:, :, :, :r, :].reshape(z.s, z.B, z.a, z.dk)
         k = qkv[:, :, :, r, :]
         v = qkv[:, :, :, r + 1, :]
+        if z.qk_layernorm:  # get_query_key_value_tensors: the norms, then RoPE in forward
+            q = normalize(z, q, p + ".self_attention.q_layernorm", P)
+            k = normalize(z, k, p + ".self_attention.k_layernorm", P)
         if z.rope:
             q = apply_rope(z, q)
             k = apply_rope(z, k)
@@ -248,6 +281,7 @@ def main():
     torch.use_deterministic_algorithms(True)
     make(CONFIG_A, 1, os.path.join(HERE, "gpt_golden_a.safetensors"))
     make(CONFIG_B, 2, os.path.join(HERE, "gpt_golden_b.safetensors"))
+    make(CONFIG_C, 3, os.path.join(HERE, "gpt_golden_c.safetensors"))
     return 0
 
 
