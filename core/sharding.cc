@@ -34,6 +34,11 @@ ShardSpec& ShardSpec::Split(ShardAxis axis, int dim, int64_t shards, int64_t ind
   return *this;
 }
 
+ShardSpec& ShardSpec::SplitLoadBalanced(ShardAxis axis, int dim, int64_t shards, int64_t index) {
+  if (shards != 1) placements.push_back({axis, dim, shards, index, 1, true});
+  return *this;
+}
+
 const Placement* ShardSpec::Find(ShardAxis axis) const {
   for (const Placement& p : placements) {
     if (p.axis == axis) return &p;
@@ -53,7 +58,8 @@ bool SameLayout(const ShardSpec& a, const ShardSpec& b) {
   for (size_t i = 0; i < a.placements.size(); ++i) {
     const Placement& x = a.placements[i];
     const Placement& y = b.placements[i];
-    if (x.axis != y.axis || x.dim != y.dim || x.shards != y.shards || x.stride != y.stride) {
+    if (x.axis != y.axis || x.dim != y.dim || x.shards != y.shards || x.stride != y.stride ||
+        x.load_balanced != y.load_balanced) {
       return false;
     }
   }
@@ -67,6 +73,7 @@ std::string LayoutString(const ShardSpec& spec) {
     if (!out.empty()) out += "; ";
     out += fmt::format("{}: dim {}, {} shards", ShardAxisName(p.axis), p.dim, p.shards);
     if (p.stride != 1) out += fmt::format(", stride {}", p.stride);
+    if (p.load_balanced) out += ", load-balanced";
   }
   return out;
 }
@@ -106,7 +113,20 @@ std::string ShardSpecError(const ShardSpec& spec, const Shape& full) {
     if (p.index < 0 || p.index >= p.shards) {
       return fmt::format("{}: index {} is outside [0, {})", where, p.index, p.shards);
     }
+    if (p.load_balanced && p.stride != 1) {
+      return fmt::format("{}: a load-balanced placement has stride 1, got {}", where, p.stride);
+    }
     int64_t& size = level[static_cast<size_t>(p.dim)];
+    if (p.load_balanced) {
+      int64_t chunks = 0;
+      if (__builtin_mul_overflow(p.shards, int64_t{2}, &chunks) || size % chunks != 0) {
+        return fmt::format("{}: dimension {} of {} (size {} here) is not divisible by 2 * "
+                           "shards {} (load-balanced)",
+                           where, p.dim, ShapeString(full), size, p.shards);
+      }
+      size /= p.shards;
+      continue;
+    }
     int64_t chunks = 0;
     if (__builtin_mul_overflow(p.shards, p.stride, &chunks) || size % chunks != 0) {
       return fmt::format(
@@ -127,18 +147,19 @@ std::vector<std::pair<int64_t, int64_t>> HeldRuns(const ShardSpec& spec, int dim
   std::vector<std::pair<int64_t, int64_t>> runs;
   if (size > 0) runs.emplace_back(0, size);
   // Outwards, as GlobalIndex maps an index: each run is cut at the placement's chunks, and
-  // each piece moves to its chunk's place in the outer index space (pieces stay in order).
+  // each piece moves to its chunk's place in the outer index space (pieces stay in order: a
+  // load-balanced piece's second chunk lies after its first).
   for (auto it = spec.placements.rbegin(); it != spec.placements.rend(); ++it) {
     const Placement& p = *it;
     if (p.dim != dim) continue;
     const int64_t outer = size * p.shards;
-    const int64_t chunk = outer / (p.shards * p.stride);
+    const int64_t chunk = p.ChunkSize(outer);
     std::vector<std::pair<int64_t, int64_t>> mapped;
     for (const auto& [begin, end] : runs) {
       for (int64_t a = begin; a < end;) {
         const int64_t block = a / chunk;
         const int64_t b = std::min(end, (block + 1) * chunk);
-        const int64_t base = (block * p.shards + p.index) * chunk;
+        const int64_t base = p.GlobalChunk(block) * chunk;
         const int64_t first = base + a % chunk, last = first + (b - a);
         if (!mapped.empty() && mapped.back().second == first) {
           mapped.back().second = last;

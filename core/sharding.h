@@ -24,6 +24,13 @@
 // Example: F = 8, shards = 2, stride = 2, so c = 2; piece 0 holds global [0 1 4 5],
 // piece 1 holds [2 3 6 7].
 //
+// A load-balanced placement (context parallelism's split of the sequence, Megatron's) cuts
+// the dimension into 2 * shards chunks of c = F / (2 * shards) and piece r holds chunks r and
+// 2 * shards - 1 - r, so that under a causal mask every piece has the same work (stride 1):
+//       k = l / c (0 or 1), o = l % c
+//       global = (k == 0 ? index : 2 * shards - 1 - index) * c + o
+// Example: F = 8, shards = 2, so c = 2; piece 0 holds [0 1 6 7], piece 1 holds [2 3 4 5].
+//
 // Several placements may split the same dimension: each later one splits the piece the
 // earlier ones left (a sequence split over cp, then over tp). The mapping applies them from
 // the innermost back out. A spec with no placements is a full, replicated tensor.
@@ -55,6 +62,16 @@ struct Placement {
   int64_t shards = 1;
   int64_t index = 0;
   int64_t stride = 1;
+  bool load_balanced = false;  // chunks index and 2 * shards - 1 - index (above); stride 1
+
+  // The size of the chunks a dimension of `outer` elements is cut into, and the global chunk
+  // number of this piece's k-th chunk.
+  int64_t ChunkSize(int64_t outer) const {
+    return outer / (load_balanced ? 2 * shards : shards * stride);
+  }
+  int64_t GlobalChunk(int64_t k) const {
+    return load_balanced ? (k == 0 ? index : 2 * shards - 1 - index) : k * shards + index;
+  }
 
   bool operator==(const Placement&) const = default;
 };
@@ -66,6 +83,8 @@ struct ShardSpec {
   // Appends a placement; a 1-shard split changes nothing and is left out, so that every
   // layout of a tensor has one spelling. Returns *this for chaining.
   ShardSpec& Split(ShardAxis axis, int dim, int64_t shards, int64_t index, int64_t stride = 1);
+  // The same with a load-balanced placement (context parallelism's sequence split).
+  ShardSpec& SplitLoadBalanced(ShardAxis axis, int dim, int64_t shards, int64_t index);
   // The placement over `axis`, or nullptr.
   const Placement* Find(ShardAxis axis) const;
   Placement* Find(ShardAxis axis);
@@ -96,8 +115,8 @@ inline int64_t GlobalIndex(const ShardSpec& spec, int dim, int64_t full, int64_t
     const Placement& p = *it;
     if (p.dim != dim) continue;
     const int64_t outer = size * p.shards;
-    const int64_t chunk = outer / (p.shards * p.stride);
-    local = (local / chunk * p.shards + p.index) * chunk + local % chunk;
+    const int64_t chunk = p.ChunkSize(outer);
+    local = p.GlobalChunk(local / chunk) * chunk + local % chunk;
     size = outer;
   }
   return local;

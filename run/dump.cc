@@ -35,6 +35,7 @@ std::string ShardMetadataJson(const TensorRecord& r) {
     placement["shards"] = p.shards;
     placement["index"] = p.index;
     placement["stride"] = p.stride;
+    if (p.load_balanced) placement["load_balanced"] = true;
     j["placements"].push_back(std::move(placement));
   }
   if (r.partial_sum) j["partial_sum"] = true;

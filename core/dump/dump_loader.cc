@@ -275,8 +275,8 @@ struct ShardMetadata {
   bool partial_sum = false;
 };
 
-// {"full_shape": [...], "placements": [{"axis", "dim", "shards", "index", "stride"}, ...]
-// [, "partial_sum": true]}, placements outermost first (core/sharding.h). Unknown keys are
+// {"full_shape": [...], "placements": [{"axis", "dim", "shards", "index", "stride"
+// [, "load_balanced": true]}, ...] [, "partial_sum": true]}, placements outermost first (core/sharding.h). Unknown keys are
 // refused: a key this reader does not know could change where the values belong.
 StatusOr<ShardMetadata> ParseShardMetadata(const std::string& text) {
   StatusOr<Json> parsed = ParseJson(text);
@@ -314,10 +314,18 @@ StatusOr<ShardMetadata> ParseShardMetadata(const std::string& text) {
       return Status::Error("", fmt::format("{} must be an object, got {}", where, Brief(p)));
     }
     for (const auto& [key, unused] : p.items()) {
-      if (kPlacementKeys.count(key) == 0) {
-        return Status::Error("", fmt::format("{}: unknown key '{}'; allowed: {}", where, key,
-                                             fmt::join(kPlacementKeys, ", ")));
+      if (kPlacementKeys.count(key) == 0 && key != "load_balanced") {
+        return Status::Error("", fmt::format("{}: unknown key '{}'; allowed: {}, load_balanced",
+                                             where, key, fmt::join(kPlacementKeys, ", ")));
       }
+    }
+    bool load_balanced = false;
+    if (p.contains("load_balanced")) {
+      if (!p["load_balanced"].is_boolean()) {
+        return Status::Error("", fmt::format("{}.load_balanced must be true or false, got {}",
+                                             where, Brief(p["load_balanced"])));
+      }
+      load_balanced = p["load_balanced"].get<bool>();
     }
     for (const std::string& key : kPlacementKeys) {
       if (!p.contains(key)) {
@@ -343,7 +351,7 @@ StatusOr<ShardMetadata> ParseShardMetadata(const std::string& text) {
       return Status::Error("", fmt::format("{}.dim {} is outside [0, {})", where, values[0], ndim));
     }
     m.spec.placements.push_back(
-        {*axis, static_cast<int>(values[0]), values[1], values[2], values[3]});
+        {*axis, static_cast<int>(values[0]), values[1], values[2], values[3], load_balanced});
   }
   if (j.contains("partial_sum")) {
     if (!j["partial_sum"].is_boolean()) {

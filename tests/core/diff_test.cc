@@ -74,6 +74,7 @@ std::string SpecJson(const Shape& full_shape, const ShardSpec& s, bool partial_s
                                {"shards", p.shards},
                                {"index", p.index},
                                {"stride", p.stride}});
+    if (p.load_balanced) j["placements"].back()["load_balanced"] = true;
   }
   if (partial_sum) j["partial_sum"] = true;
   return j.dump();
@@ -869,6 +870,12 @@ TEST_F(DiffTest, ShardMetadataIsChecked) {
                  "placements[0]: unknown key 'sharding'");
   ExpectContains(with_w_metadata(placement(R"("axis":"tp","dim":0,"shards":2,"index":1)")),
                  "placements[0]: missing key 'stride'");
+  ExpectContains(with_w_metadata(placement(R"("axis":"cp","dim":0,"shards":2,"index":1,"stride":1,)"
+                                           R"("load_balanced":1)")),
+                 "placements[0].load_balanced must be true or false, got 1");
+  ExpectContains(with_w_metadata(placement(R"("axis":"cp","dim":0,"shards":4,"index":1,"stride":1,)"
+                                           R"("load_balanced":true)")),
+                 "is not divisible by 2 * shards 4 (load-balanced)");
   ExpectContains(
       with_w_metadata(placement(R"("axis":"tp","dim":0,"shards":2,"index":1,"stride":1.0)")),
       "placements[0].stride must be an integer");
@@ -1000,6 +1007,39 @@ TEST_F(DiffTest, NestedPlacementsOnOneDimensionReassemble) {
   swapped.Write(root_ / "swapped");
   const DiffResult w = Diff("swapped", "b");
   EXPECT_FALSE(Find(w, "x").pass);
+}
+
+// Context parallelism's load-balanced sequence split (cp rank r holds chunks r and
+// 2 cp - 1 - r), with sequence parallelism's tp split inside each cp piece: the pieces
+// reassemble into the full tensor; read as a plain contiguous cp split they do not.
+TEST_F(DiffTest, LoadBalancedContextParallelSplitReassembles) {
+  const Tensor x = Ramp({8, 2, 4});
+  auto balanced = [](int64_t tp_rank, int64_t cp_rank) {
+    ShardSpec s;
+    s.SplitLoadBalanced(ShardAxis::kCp, 0, 2, cp_rank).Split(ShardAxis::kTp, 0, 2, tp_rank);
+    return s;
+  };
+  // cp 0 holds rows 0 1 6 7: its tp 1 piece rows 6 7.
+  EXPECT_EQ(GlobalIndex(balanced(1, 0), 0, 8, 0), 6);
+  DumpBuilder a(2, 2);  // "dp" here stands for the cp rank
+  a.AddAll("x", x, DType::kFloat64, balanced);
+  a.Write(root_ / "a");
+  DumpBuilder b(1, 1);
+  b.Replicated("x", x, DType::kFloat64);
+  b.Write(root_ / "b");
+  const DiffResult r = Diff("a", "b");
+  EXPECT_TRUE(Find(r, "x").pass) << Find(r, "x").problem;
+  EXPECT_EQ(Find(r, "x").max_abs, 0.0);
+
+  DumpBuilder plain(2, 2);
+  plain.AddAll("x", x, DType::kFloat64, balanced);
+  for (int64_t rank = 0; rank < 4; ++rank) {
+    ShardSpec s;
+    s.Split(ShardAxis::kCp, 0, 2, rank / 2).Split(ShardAxis::kTp, 0, 2, rank % 2);
+    plain.file(rank).metadata["x"] = SpecJson(x.shape(), s, false);
+  }
+  plain.Write(root_ / "plain");
+  EXPECT_FALSE(Find(Diff("plain", "b"), "x").pass);
 }
 
 // A zero-size dimension: nothing to compare, nothing to allocate, even when another

@@ -65,6 +65,55 @@ TEST(HeldRuns, EqualsGlobalIndexOverEveryLocalIndex) {
   EXPECT_EQ(checked, (1 + 2 + 3 + 4) * 3 * (1 + 2 + 3) * 3);
 }
 
+// Context parallelism's load-balanced split (Megatron's): piece r holds chunks r and
+// 2 cp - 1 - r of 2 cp; the pieces tile the dimension; with sequence parallelism inside it
+// (tp splits each cp piece) the runs still equal GlobalIndex's.
+TEST(LoadBalancedPlacement, HoldsChunksRAndTheirMirror) {
+  ShardSpec cp0, cp1;
+  cp0.SplitLoadBalanced(ShardAxis::kCp, 0, 2, 0);
+  cp1.SplitLoadBalanced(ShardAxis::kCp, 0, 2, 1);
+  EXPECT_EQ(HeldRuns(cp0, 0, 8), (Runs{{0, 2}, {6, 8}}));
+  EXPECT_EQ(HeldRuns(cp1, 0, 8), (Runs{{2, 6}}));
+  std::vector<int64_t> order;
+  for (int64_t l = 0; l < 4; ++l) order.push_back(GlobalIndex(cp0, 0, 8, l));
+  EXPECT_EQ(order, (std::vector<int64_t>{0, 1, 6, 7}));
+  EXPECT_EQ(LayoutString(cp0), "cp: dim 0, 2 shards, load-balanced");
+  ShardSpec strided;
+  strided.Split(ShardAxis::kCp, 0, 2, 0, 2);  // the stride rule: chunks 0 and 2, not 0 and 3
+  EXPECT_FALSE(SameLayout(cp0, strided));
+  EXPECT_EQ(HeldRuns(strided, 0, 8), (Runs{{0, 2}, {4, 6}}));
+
+  for (int64_t cp = 1; cp <= 4; ++cp) {
+    for (int64_t t = 1; t <= 4; t *= 2) {
+      const int64_t full = 2 * cp * t * 3;
+      std::vector<int> seen(static_cast<size_t>(full), 0);
+      for (int64_t r = 0; r < cp; ++r) {
+        for (int64_t j = 0; j < t; ++j) {
+          ShardSpec spec;
+          spec.Split(ShardAxis::kDp, 1, 2, 1);
+          spec.SplitLoadBalanced(ShardAxis::kCp, 0, cp, r);
+          spec.Split(ShardAxis::kTp, 0, t, j);
+          SCOPED_TRACE(::testing::Message() << "cp " << cp << " r " << r << " t " << t << " j " << j);
+          EXPECT_EQ(ShardSpecError(spec, {full, 4}), "");
+          EXPECT_EQ(HeldRuns(spec, 0, full), ByEveryIndex(spec, 0, full));
+          for (const auto& [begin, end] : HeldRuns(spec, 0, full)) {
+            for (int64_t g = begin; g < end; ++g) ++seen[static_cast<size_t>(g)];
+          }
+        }
+      }
+      EXPECT_EQ(seen, std::vector<int>(static_cast<size_t>(full), 1)) << "cp " << cp << " t " << t;
+    }
+  }
+  ShardSpec odd;
+  odd.SplitLoadBalanced(ShardAxis::kCp, 0, 2, 0);
+  EXPECT_EQ(ShardSpecError(odd, {6}),
+            "placement 0 (cp): dimension 0 of [6] (size 6 here) is not divisible by 2 * shards 2 "
+            "(load-balanced)");
+  odd.placements[0].stride = 2;
+  EXPECT_EQ(ShardSpecError(odd, {8}),
+            "placement 0 (cp): a load-balanced placement has stride 1, got 2");
+}
+
 TEST(HeldRuns, AnswersForDimensionsOfBillions) {
   ShardSpec replicated;
   EXPECT_EQ(HeldRuns(replicated, 0, 2147483647), (Runs{{0, 2147483647}}));
