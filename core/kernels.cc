@@ -158,14 +158,18 @@ Tensor Kernels::Counted(Tensor t) {
   int64_t peak = bytes_->peak.load();
   while (live > peak && !bytes_->peak.compare_exchange_weak(peak, live)) {
   }
+  Shape shape = t.shape();
+  const DType dtype = t.dtype();
+  const Device device = t.device();
   void* data = t.data();
   // The deleter holds the backend's tensor (its storage returns to the backend when the last
   // handle of the counted one goes) and the counter (which may outlive these kernels).
-  std::shared_ptr<void> storage(data, [counter = bytes_, held = t, bytes](void*) mutable {
-    counter->live.fetch_sub(bytes);
-    held = Tensor();
-  });
-  return Tensor(t.shape(), t.dtype(), t.device(), std::move(storage));
+  std::shared_ptr<void> storage(data,
+                                [counter = bytes_, held = std::move(t), bytes](void*) mutable {
+                                  counter->live.fetch_sub(bytes);
+                                  held = Tensor();
+                                });
+  return Tensor(std::move(shape), dtype, device, std::move(storage));
 }
 
 Kernels::TensorBytes Kernels::tensor_bytes() const {
