@@ -43,6 +43,8 @@ constexpr AcceptedField kTransformerFields[] = {
      "the residual is the norm's input (pre-norm, Megatron-Core's default); the post-norm "
      "residual is not modelled"},
     {"fp32_residual_connection", "false", "the residual stream is kept in run.dtype"},
+    {"rotary_interleaved", "false",
+     "RoPE pairs channel c with c + d/2 (rotate_half); interleaved pairs are not modelled"},
 };
 
 const AcceptedField* FindTransformerField(std::string_view key) {

@@ -146,6 +146,7 @@ TEST(GptConfig, PastedTransformerConfigFieldsAtTheirDefaultsGiveNotes) {
                        {"fp32_residual_connection", false},
                        {"qk_layernorm", false},
                        {"rotary_percent", 1.0},
+                       {"rotary_interleaved", false},
                        {"gated_linear_unit", false}};
   section.update(pasted);
   GptConfig gpt;
@@ -166,6 +167,9 @@ TEST(GptConfig, PastedTransformerConfigFieldsAtTheirDefaultsGiveNotes) {
     bad[key] = value;
     return Refusal(bad);
   };
+  EXPECT_EQ(refused("rotary_interleaved", true),
+            "model.rotary_interleaved: boolean true: RoPE pairs channel c with c + d/2 "
+            "(rotate_half); interleaved pairs are not modelled; only false is accepted");
   EXPECT_EQ(refused("fp32_residual_connection", true),
             "model.fp32_residual_connection: boolean true: the residual stream is kept in "
             "run.dtype; only false is accepted");
