@@ -118,7 +118,7 @@ class KernelArgs {
                          std::string_view because) {
     Allocated(name, t, device_);
     if (t.dtype() != DType::kInt64) {
-      Fail(fmt::format("{} is {} but must be int64 (token ids)", name, DTypeName(t.dtype())));
+      Fail(fmt::format("{} is {} but must be int64 (token ids, labels, positions)", name, DTypeName(t.dtype())));
     }
     Numel(name, t, numel, because);
     return *this;

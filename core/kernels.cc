@@ -49,10 +49,26 @@ void Disjoint(const KernelArgs& args, std::string_view a_name, const Tensor& a,
 }
 
 // Rows of `seq` positions: seq >= 1 divides the rows of t.
-void CheckPositions(const KernelArgs& args, std::string_view name, const Tensor& t, int64_t seq) {
-  if (seq < 1 || Rows(t) % seq != 0) {
-    args.Fail(fmt::format("seq = {} must be >= 1 and divide the {} rows of {} {}", seq, Rows(t),
-                          name, ShapeString(t.shape())));
+// The query positions of `t`'s rows: an int64 tensor [sq], sq >= 1 dividing the rows (row r
+// is position q_pos[r % sq]).
+void CheckQueryPositions(KernelArgs& args, std::string_view name, const Tensor& t,
+                         std::string_view pos_name, const Tensor& q_pos) {
+  args.AddIndices(pos_name, q_pos, q_pos.numel(), "");
+  if (q_pos.shape().size() != 1 || q_pos.numel() < 1 || Rows(t) % q_pos.numel() != 0) {
+    args.Fail(fmt::format("{} {} must be 1-D with at least one position, dividing the {} rows "
+                          "of {} {}",
+                          pos_name, ShapeString(q_pos.shape()), Rows(t), name,
+                          ShapeString(t.shape())));
+  }
+}
+
+// Query and key positions of a scores-shaped [rows, kv] tensor: q_pos as above, k_pos [kv].
+void CheckAttentionPositions(KernelArgs& args, std::string_view name, const Tensor& t,
+                             const Tensor& q_pos, const Tensor& k_pos) {
+  CheckQueryPositions(args, name, t, "q_pos", q_pos);
+  args.AddIndices("k_pos", k_pos, Cols(t), "one per column (key) of scores");
+  if (k_pos.shape().size() != 1) {
+    args.Fail(fmt::format("k_pos {} must be 1-D", ShapeString(k_pos.shape())));
   }
 }
 
@@ -447,39 +463,38 @@ void Kernels::RMSNormBackward(const Tensor& x, const Tensor& weight, const Tenso
   DoRMSNormBackward(x, weight, rstd, dy, dx, dweight);
 }
 
-void Kernels::CausalSoftmaxForward(const Tensor& scores, int64_t seq, double scale,
-                                   Tensor& probs) {
+void Kernels::CausalSoftmaxForward(const Tensor& scores, const Tensor& q_pos,
+                                   const Tensor& k_pos, double scale, Tensor& probs) {
   KernelArgs args(backend_, device_, "CausalSoftmaxForward");
   args.Add("scores", scores).Add("probs", probs);
-  CheckPositions(args, "scores", scores, seq);
-  CheckMatrix(args, "scores", scores, Rows(scores), seq, "one column per key position");
-  CheckMatrix(args, "probs", probs, Rows(scores), seq, "the 2-D shape of scores");
+  CheckAttentionPositions(args, "scores", scores, q_pos, k_pos);
+  CheckMatrix(args, "probs", probs, Rows(scores), Cols(scores), "the 2-D shape of scores");
   args.Require(std::isfinite(scale), fmt::format("scale = {} is not finite", scale));
   SameOrDisjoint(args, "probs", probs, "scores", scores);
   if (scores.numel() == 0) return;
-  DoCausalSoftmaxForward(scores, seq, scale, probs);
+  DoCausalSoftmaxForward(scores, q_pos, k_pos, scale, probs);
 }
 
-void Kernels::CausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, int64_t seq,
-                                    double scale, Tensor& dscores) {
+void Kernels::CausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs,
+                                    const Tensor& q_pos, const Tensor& k_pos, double scale,
+                                    Tensor& dscores) {
   KernelArgs args(backend_, device_, "CausalSoftmaxBackward");
   args.Add("probs", probs).Add("dprobs", dprobs).Add("dscores", dscores);
-  CheckPositions(args, "probs", probs, seq);
-  CheckMatrix(args, "probs", probs, Rows(probs), seq, "one column per key position");
-  CheckMatrix(args, "dprobs", dprobs, Rows(probs), seq, "the 2-D shape of probs");
-  CheckMatrix(args, "dscores", dscores, Rows(probs), seq, "the 2-D shape of probs");
+  CheckAttentionPositions(args, "probs", probs, q_pos, k_pos);
+  CheckMatrix(args, "dprobs", dprobs, Rows(probs), Cols(probs), "the 2-D shape of probs");
+  CheckMatrix(args, "dscores", dscores, Rows(probs), Cols(probs), "the 2-D shape of probs");
   args.Require(std::isfinite(scale), fmt::format("scale = {} is not finite", scale));
   SameOrDisjoint(args, "dscores", dscores, "probs", probs);
   SameOrDisjoint(args, "dscores", dscores, "dprobs", dprobs);
   if (probs.numel() == 0) return;
-  DoCausalSoftmaxBackward(probs, dprobs, seq, scale, dscores);
+  DoCausalSoftmaxBackward(probs, dprobs, q_pos, k_pos, scale, dscores);
 }
 
-void Kernels::Rope(const Tensor& x, int64_t seq, double base, int64_t dim, bool inverse,
+void Kernels::Rope(const Tensor& x, const Tensor& pos, double base, int64_t dim, bool inverse,
                    Tensor& y) {
   KernelArgs args(backend_, device_, "Rope");
   args.Add("x", x).Add("y", y);
-  CheckPositions(args, "x", x, seq);
+  CheckQueryPositions(args, "x", x, "pos", pos);
   args.Require(dim >= 2 && dim % 2 == 0 && dim <= Cols(x),
                fmt::format("dim = {} must be even, >= 2 and at most the {} columns of x {} "
                            "(rotated pairs)",
@@ -488,7 +503,7 @@ void Kernels::Rope(const Tensor& x, int64_t seq, double base, int64_t dim, bool 
   args.Require(std::isfinite(base) && base > 0, fmt::format("base = {} must be > 0", base));
   SameOrDisjoint(args, "y", y, "x", x);
   if (x.numel() == 0) return;
-  DoRope(x, seq, base, dim, inverse, y);
+  DoRope(x, pos, base, dim, inverse, y);
 }
 
 void Kernels::EmbeddingForward(const Tensor& weight, const Tensor& ids, int64_t vocab_start,

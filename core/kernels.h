@@ -150,25 +150,35 @@ class Kernels {
   void RMSNormBackward(const Tensor& x, const Tensor& weight, const Tensor& rstd,
                        const Tensor& dy, Tensor& dx, Tensor& dweight);
 
-  // --- attention (rows of `seq` consecutive positions: row r is position r % seq) -----
-  // Causal softmax of scores [rows, seq] (2-D view, seq divides rows): for q = r % seq,
-  //   probs[r, k] = exp(scale s[r, k] - m) / sum_{k' <= q} exp(scale s[r, k'] - m), k <= q,
-  // with m = max_{k <= q} scale s[r, k], and probs[r, k] = 0 for k > q. Computed in the
-  // compute dtype (Megatron's attention_softmax_in_fp32), stored in scores' dtype. probs
-  // may be scores.
-  void CausalSoftmaxForward(const Tensor& scores, int64_t seq, double scale, Tensor& probs);
-  // dscores[r, k] = scale * probs[r, k] * (dprobs[r, k] - sum_{k' <= q} probs dprobs), and 0
-  // for k > q. dscores may be probs or dprobs.
-  void CausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, int64_t seq,
-                             double scale, Tensor& dscores);
+  // --- attention: positions -------------------------------------------------------------
+  // Each row of a query tensor is one query position and each column of scores one key
+  // position, given as int64 tensors on this backend's device: q_pos [sq] (row r is query
+  // position q_pos[r % sq]; sq divides the rows) and k_pos [kv] (column j is key position
+  // k_pos[j]). Without context parallelism both are 0, 1, ..., s - 1; with it they are the
+  // rank's load-balanced chunks (core/sharding.h) and, for gathered keys, every cp rank's.
+  // Key j is visible to row r when k_pos[j] <= q_pos[r % sq] (causal).
+  //
+  // Causal softmax of scores [rows, kv] (2-D view): over the visible keys V(r),
+  //   probs[r, j] = exp(scale s[r, j] - m) / sum_{j' in V(r)} exp(scale s[r, j'] - m),
+  // with m = max_{j in V(r)} scale s[r, j], and probs[r, j] = +0 for j not in V(r) (a row
+  // that sees no key is all zero). Computed in the compute dtype (Megatron's
+  // attention_softmax_in_fp32), stored in scores' dtype. probs may be scores.
+  void CausalSoftmaxForward(const Tensor& scores, const Tensor& q_pos, const Tensor& k_pos,
+                            double scale, Tensor& probs);
+  // dscores[r, j] = scale * probs[r, j] * (dprobs[r, j] - sum_{j' in V(r)} probs dprobs) for
+  // j in V(r), +0 otherwise. dscores may be probs or dprobs.
+  void CausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, const Tensor& q_pos,
+                             const Tensor& k_pos, double scale, Tensor& dscores);
   // Rotary embedding of the first `dim` columns of x [rows, d] (2-D view; dim even, 2 <= dim
-  // <= d; Megatron's rotary_percent < 1 turns fewer than d), position p = r % seq: for
+  // <= d; Megatron's rotary_percent < 1 turns fewer than d), position p = pos[r % sq] (pos:
+  // int64 [sq], sq divides the rows): for
   // i < dim/2, theta = p * base^(-2i/dim) in float64, c = cos theta, s = sin theta (rounded
   // to the compute dtype), and
   //   y[i] = x[i] c - x[i + dim/2] s,  y[i + dim/2] = x[i + dim/2] c + x[i] s;
   // columns >= dim pass through. inverse = true applies the transpose (the backward):
   // s -> -s. y may be x.
-  void Rope(const Tensor& x, int64_t seq, double base, int64_t dim, bool inverse, Tensor& y);
+  void Rope(const Tensor& x, const Tensor& pos, double base, int64_t dim, bool inverse,
+            Tensor& y);
 
   // --- embedding ----------------------------------------------------------------------
   // ids and labels below are int64 tensors on this backend's device, of any shape with one
@@ -254,12 +264,14 @@ class Kernels {
                                 Tensor& rstd) = 0;
   virtual void DoRMSNormBackward(const Tensor& x, const Tensor& weight, const Tensor& rstd,
                                  const Tensor& dy, Tensor& dx, Tensor& dweight) = 0;
-  virtual void DoCausalSoftmaxForward(const Tensor& scores, int64_t seq, double scale,
+  virtual void DoCausalSoftmaxForward(const Tensor& scores, const Tensor& q_pos,
+                                      const Tensor& k_pos, double scale,
                                       Tensor& probs) = 0;
-  virtual void DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, int64_t seq,
+  virtual void DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs,
+                                       const Tensor& q_pos, const Tensor& k_pos,
                                        double scale, Tensor& dscores) = 0;
-  virtual void DoRope(const Tensor& x, int64_t seq, double base, int64_t dim, bool inverse,
-                      Tensor& y) = 0;
+  virtual void DoRope(const Tensor& x, const Tensor& pos, double base, int64_t dim,
+                      bool inverse, Tensor& y) = 0;
   virtual void DoEmbeddingForward(const Tensor& weight, const Tensor& ids, int64_t vocab_start,
                                   int64_t vocab_end, Tensor& out) = 0;
   virtual void DoEmbeddingBackward(const Tensor& dy, const Tensor& ids, int64_t vocab_start,

@@ -455,28 +455,32 @@ void CudaKernels::DoRMSNormBackward(const Tensor& x, const Tensor& weight, const
 
 // --- attention ------------------------------------------------------------------------
 
-void CudaKernels::DoCausalSoftmaxForward(const Tensor& scores, int64_t seq, double scale,
-                                         Tensor& probs) {
+void CudaKernels::DoCausalSoftmaxForward(const Tensor& scores, const Tensor& q_pos,
+                                         const Tensor& k_pos, double scale, Tensor& probs) {
   DispatchStorage(scores.dtype(), [&]<typename T>() {
-    LaunchCausalSoftmaxForward<T>(scores.data_as<T>(), Rows(scores), seq,
+    LaunchCausalSoftmaxForward<T>(scores.data_as<T>(), q_pos.data_as<int64_t>(), q_pos.numel(),
+                                  k_pos.data_as<int64_t>(), Rows(scores), Cols(scores),
                                   static_cast<ComputeOf<T>>(scale), probs.data_as<T>(), stream_);
   });
 }
 
-void CudaKernels::DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, int64_t seq,
-                                          double scale, Tensor& dscores) {
+void CudaKernels::DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs,
+                                          const Tensor& q_pos, const Tensor& k_pos, double scale,
+                                          Tensor& dscores) {
   DispatchStorage(probs.dtype(), [&]<typename T>() {
-    LaunchCausalSoftmaxBackward<T>(probs.data_as<T>(), dprobs.data_as<T>(), Rows(probs), seq,
+    LaunchCausalSoftmaxBackward<T>(probs.data_as<T>(), dprobs.data_as<T>(),
+                                   q_pos.data_as<int64_t>(), q_pos.numel(),
+                                   k_pos.data_as<int64_t>(), Rows(probs), Cols(probs),
                                    static_cast<ComputeOf<T>>(scale), dscores.data_as<T>(),
                                    stream_);
   });
 }
 
-void CudaKernels::DoRope(const Tensor& x, int64_t seq, double base, int64_t dim, bool inverse,
-                         Tensor& y) {
+void CudaKernels::DoRope(const Tensor& x, const Tensor& pos, double base, int64_t dim,
+                         bool inverse, Tensor& y) {
   DispatchStorage(x.dtype(), [&]<typename T>() {
-    LaunchRope<T>(x.data_as<T>(), Rows(x), Cols(x), dim, seq, base, inverse, y.data_as<T>(),
-                  stream_);
+    LaunchRope<T>(x.data_as<T>(), Rows(x), Cols(x), dim, pos.data_as<int64_t>(), pos.numel(),
+                  base, inverse, y.data_as<T>(), stream_);
   });
 }
 

@@ -107,11 +107,11 @@ class CudaKernels final : public Kernels {
                          const Tensor& dy, Tensor& dx, Tensor& dweight) override;
 
   // --- attention (probs may be scores, dscores may be probs or dprobs, y may be x) ------
-  void DoCausalSoftmaxForward(const Tensor& scores, int64_t seq, double scale,
-                              Tensor& probs) override;
-  void DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, int64_t seq,
-                               double scale, Tensor& dscores) override;
-  void DoRope(const Tensor& x, int64_t seq, double base, int64_t dim, bool inverse,
+  void DoCausalSoftmaxForward(const Tensor& scores, const Tensor& q_pos, const Tensor& k_pos,
+                              double scale, Tensor& probs) override;
+  void DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, const Tensor& q_pos,
+                               const Tensor& k_pos, double scale, Tensor& dscores) override;
+  void DoRope(const Tensor& x, const Tensor& pos, double base, int64_t dim, bool inverse,
               Tensor& y) override;
 
   // --- embedding ----------------------------------------------------------------------

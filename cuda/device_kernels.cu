@@ -100,8 +100,8 @@ __global__ void DropoutAtKernel(const T* x, T* y, int64_t n, ops::Dropout op, In
 // --- attention: RoPE ------------------------------------------------------------------
 
 template <typename T>
-__global__ void RopeKernel(const T* x, int64_t rows, int64_t d, int64_t dim, int64_t seq,
-                           double base, bool inverse, T* y) {
+__global__ void RopeKernel(const T* x, int64_t rows, int64_t d, int64_t dim, const int64_t* pos,
+                           int64_t sq, double base, bool inverse, T* y) {
   using C = ComputeOf<T>;
   const int64_t half = dim / 2;
   const int64_t n = rows * half;
@@ -110,7 +110,7 @@ __global__ void RopeKernel(const T* x, int64_t rows, int64_t d, int64_t dim, int
     const int64_t i = e % half;
     // The angle in double, as on the CPU; cos and sin rounded once to C.
     const double inv_freq = pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(dim));
-    const double theta = static_cast<double>(r % seq) * inv_freq;
+    const double theta = static_cast<double>(pos[r % sq]) * inv_freq;
     const double sine = sin(theta);
     const C c = static_cast<C>(cos(theta));
     const C s = static_cast<C>(inverse ? -sine : sine);
@@ -364,11 +364,11 @@ void LaunchDropoutAt(const T* x, T* y, int64_t n, ops::Dropout op, IndexMap map,
 }
 
 template <typename T>
-void LaunchRope(const T* x, int64_t rows, int64_t d, int64_t dim, int64_t seq, double base,
-                bool inverse, T* y, cudaStream_t stream) {
+void LaunchRope(const T* x, int64_t rows, int64_t d, int64_t dim, const int64_t* pos,
+                int64_t sq, double base, bool inverse, T* y, cudaStream_t stream) {
   const int64_t n = rows * (dim / 2);
   if (n <= 0) return;
-  RopeKernel<T><<<GridFor(n), kBlock, 0, stream>>>(x, rows, d, dim, seq, base, inverse, y);
+  RopeKernel<T><<<GridFor(n), kBlock, 0, stream>>>(x, rows, d, dim, pos, sq, base, inverse, y);
   MPUSIM_CUDA_CHECK(cudaGetLastError());
   if (dim < d && x != y) {
     CopyTailKernel<T><<<GridFor(rows * (d - dim)), kBlock, 0, stream>>>(x, rows, d, dim, y);
@@ -443,7 +443,8 @@ void LaunchSumOfSquares(const T* x, int64_t n, double* out, cudaStream_t stream)
                                             int64_t, cudaStream_t);                              \
   template void LaunchDropout<T>(const T*, T*, int64_t, ops::Dropout, uint64_t, cudaStream_t);   \
   template void LaunchDropoutAt<T>(const T*, T*, int64_t, ops::Dropout, IndexMap, cudaStream_t); \
-  template void LaunchRope<T>(const T*, int64_t, int64_t, int64_t, int64_t, double, bool, T*,    \
+  template void LaunchRope<T>(const T*, int64_t, int64_t, int64_t, const int64_t*, int64_t,      \
+                              double, bool, T*,                                                  \
                               cudaStream_t);                                                     \
   template void LaunchEmbeddingForward<T>(const T*, const int64_t*, int64_t, int64_t, int64_t,   \
                                           int64_t, T*, cudaStream_t);

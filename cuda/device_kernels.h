@@ -122,26 +122,29 @@ void LaunchNormBackward(const T* x, const T* weight, const ComputeOf<T>* mean,
                         const ComputeOf<T>* rstd, const T* dy, int64_t rows, int64_t cols, T* dx,
                         A* dweight, A* dbias, cudaStream_t stream);
 
-// One block per row of scores [rows, seq], query position q = row % seq, z = scale * s:
-// probs = round(exp(z - m) / sum_{k <= q} exp(z_k - m)) for k <= q (m the max over k <= q),
-// and +0 for k > q. probs may be scores.
+// One block per row of scores [rows, kv], query position q = q_pos[row % sq], key k visible
+// when k_pos[k] <= q, z = scale * s: probs = round(exp(z - m) / sum_visible exp(z_k - m)) for
+// visible k (m the max over them), +0 for the others (a row that sees none is all +0). probs
+// may be scores. The positions are int64 device arrays.
 template <typename T>
-void LaunchCausalSoftmaxForward(const T* scores, int64_t rows, int64_t seq, ComputeOf<T> scale,
-                                T* probs, cudaStream_t stream);
+void LaunchCausalSoftmaxForward(const T* scores, const int64_t* q_pos, int64_t sq,
+                                const int64_t* k_pos, int64_t rows, int64_t kv,
+                                ComputeOf<T> scale, T* probs, cudaStream_t stream);
 
-// One block per row: dscores = round(scale * (p * (dp - sum_{k <= q} p dp))) for k <= q, +0
-// for k > q. dscores may be probs or dprobs.
+// One block per row: dscores = round(scale * (p * (dp - sum_visible p dp))) for visible k, +0
+// for the others. dscores may be probs or dprobs.
 template <typename T>
-void LaunchCausalSoftmaxBackward(const T* probs, const T* dprobs, int64_t rows, int64_t seq,
+void LaunchCausalSoftmaxBackward(const T* probs, const T* dprobs, const int64_t* q_pos,
+                                 int64_t sq, const int64_t* k_pos, int64_t rows, int64_t kv,
                                  ComputeOf<T> scale, T* dscores, cudaStream_t stream);
 
-// One thread per rotated pair (row r, i < dim/2) of x [rows, d]: theta = (r % seq) *
+// One thread per rotated pair (row r, i < dim/2) of x [rows, d]: theta = pos[r % sq] *
 // base^(-2i/dim) in double, c = cos theta and s = +-sin theta (- when inverse) rounded to
 // ComputeOf<T>, y[i] = round(x[i] c - x[i + dim/2] s), y[i + dim/2] = round(x[i + dim/2] c +
 // x[i] s); columns >= dim copied when y is not x. y may be x.
 template <typename T>
-void LaunchRope(const T* x, int64_t rows, int64_t d, int64_t dim, int64_t seq, double base,
-                bool inverse, T* y, cudaStream_t stream);
+void LaunchRope(const T* x, int64_t rows, int64_t d, int64_t dim, const int64_t* pos,
+                int64_t sq, double base, bool inverse, T* y, cudaStream_t stream);
 
 // The dimensions of a StridedCopyPlan: Kernels::kMaxCopyDims (cuda_kernels.cc asserts it).
 constexpr int kCopyPlanDims = 6;

@@ -127,51 +127,53 @@ __global__ void NormRowsBackwardKernel(const T* x, const T* weight, const Comput
 
 // --- attention: the causal softmax ----------------------------------------------------
 
+// Key k is visible to row i when k_pos[k] <= q_pos[i % sq] (core/kernels.h).
 template <typename T>
-__global__ void CausalSoftmaxForwardKernel(const T* scores, int64_t rows, int64_t seq,
+__global__ void CausalSoftmaxForwardKernel(const T* scores, const int64_t* q_pos, int64_t sq,
+                                           const int64_t* k_pos, int64_t rows, int64_t kv,
                                            ComputeOf<T> scale, ComputeOf<T> lowest, T* probs) {
   using C = ComputeOf<T>;
   __shared__ C buf[kBlock];
   for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
-    const T* row = scores + i * seq;
-    const int64_t visible = i % seq + 1;  // keys 0..q
+    const T* row = scores + i * kv;
+    const int64_t q = q_pos[i % sq];
     C m = lowest;
-    for (int64_t k = threadIdx.x; k < visible; k += kBlock) {
-      m = MaxOp()(m, scale * Load(row[k]));
+    for (int64_t k = threadIdx.x; k < kv; k += kBlock) {
+      if (k_pos[k] <= q) m = MaxOp()(m, scale * Load(row[k]));
     }
     m = BlockReduce(m, buf, MaxOp());
     C sum = 0;
-    for (int64_t k = threadIdx.x; k < visible; k += kBlock) {
-      sum += Exp(scale * Load(row[k]) - m);
+    for (int64_t k = threadIdx.x; k < kv; k += kBlock) {
+      if (k_pos[k] <= q) sum += Exp(scale * Load(row[k]) - m);
     }
     sum = BlockReduce(sum, buf, SumOp());
-    T* out = probs + i * seq;
-    for (int64_t k = threadIdx.x; k < seq; k += kBlock) {
-      // T{} is +0 for every storage type: masked keys are exactly zero.
-      out[k] = k < visible ? Store<T>(Exp(scale * Load(row[k]) - m) / sum) : T{};
+    T* out = probs + i * kv;
+    for (int64_t k = threadIdx.x; k < kv; k += kBlock) {
+      // T{} is +0 for every storage type: masked keys are exactly zero, and so is a row that
+      // sees no key (its sum is 0, and no exponential is taken).
+      out[k] = k_pos[k] <= q ? Store<T>(Exp(scale * Load(row[k]) - m) / sum) : T{};
     }
   }
 }
 
 template <typename T>
-__global__ void CausalSoftmaxBackwardKernel(const T* probs, const T* dprobs, int64_t rows,
-                                            int64_t seq, ComputeOf<T> scale, T* dscores) {
+__global__ void CausalSoftmaxBackwardKernel(const T* probs, const T* dprobs, const int64_t* q_pos,
+                                            int64_t sq, const int64_t* k_pos, int64_t rows,
+                                            int64_t kv, ComputeOf<T> scale, T* dscores) {
   using C = ComputeOf<T>;
   __shared__ C buf[kBlock];
   for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
-    const T* p = probs + i * seq;
-    const T* dp = dprobs + i * seq;
-    const int64_t visible = i % seq + 1;
+    const T* p = probs + i * kv;
+    const T* dp = dprobs + i * kv;
+    const int64_t q = q_pos[i % sq];
     C dot = 0;
-    for (int64_t k = threadIdx.x; k < visible; k += kBlock) {
-      dot += Load(p[k]) * Load(dp[k]);
+    for (int64_t k = threadIdx.x; k < kv; k += kBlock) {
+      if (k_pos[k] <= q) dot += Load(p[k]) * Load(dp[k]);
     }
     dot = BlockReduce(dot, buf, SumOp());
-    T* out = dscores + i * seq;
-    for (int64_t k = threadIdx.x; k < seq; k += kBlock) {
-      out[k] = k < visible
-                   ? Store<T>(scale * (Load(p[k]) * (Load(dp[k]) - dot)))
-                   : T{};
+    T* out = dscores + i * kv;
+    for (int64_t k = threadIdx.x; k < kv; k += kBlock) {
+      out[k] = k_pos[k] <= q ? Store<T>(scale * (Load(p[k]) * (Load(dp[k]) - dot))) : T{};
     }
   }
 }
@@ -269,23 +271,25 @@ void LaunchNormBackward(const T* x, const T* weight, const ComputeOf<T>* mean,
 }
 
 template <typename T>
-void LaunchCausalSoftmaxForward(const T* scores, int64_t rows, int64_t seq, ComputeOf<T> scale,
-                                T* probs, cudaStream_t stream) {
-  if (rows <= 0 || seq <= 0) return;
+void LaunchCausalSoftmaxForward(const T* scores, const int64_t* q_pos, int64_t sq,
+                                const int64_t* k_pos, int64_t rows, int64_t kv,
+                                ComputeOf<T> scale, T* probs, cudaStream_t stream) {
+  if (rows <= 0 || kv <= 0) return;
   const ComputeOf<T> lowest = -static_cast<ComputeOf<T>>(INFINITY);
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, kMaxBlocks));
-  CausalSoftmaxForwardKernel<T><<<grid, kBlock, 0, stream>>>(scores, rows, seq, scale, lowest,
-                                                             probs);
+  CausalSoftmaxForwardKernel<T><<<grid, kBlock, 0, stream>>>(scores, q_pos, sq, k_pos, rows, kv,
+                                                             scale, lowest, probs);
   MPUSIM_CUDA_CHECK(cudaGetLastError());
 }
 
 template <typename T>
-void LaunchCausalSoftmaxBackward(const T* probs, const T* dprobs, int64_t rows, int64_t seq,
+void LaunchCausalSoftmaxBackward(const T* probs, const T* dprobs, const int64_t* q_pos,
+                                 int64_t sq, const int64_t* k_pos, int64_t rows, int64_t kv,
                                  ComputeOf<T> scale, T* dscores, cudaStream_t stream) {
-  if (rows <= 0 || seq <= 0) return;
+  if (rows <= 0 || kv <= 0) return;
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, kMaxBlocks));
-  CausalSoftmaxBackwardKernel<T><<<grid, kBlock, 0, stream>>>(probs, dprobs, rows, seq, scale,
-                                                              dscores);
+  CausalSoftmaxBackwardKernel<T><<<grid, kBlock, 0, stream>>>(probs, dprobs, q_pos, sq, k_pos,
+                                                              rows, kv, scale, dscores);
   MPUSIM_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -330,9 +334,11 @@ void LaunchCrossEntropyBackward(const T* logits, const ComputeOf<T>* row_max,
 #define MPUSIM_INSTANTIATE_ROW_LAUNCHERS(T, C)                                               \
   template void LaunchNormForward<T>(const T*, const T*, const T*, int64_t, int64_t, C, T*,  \
                                      C*, C*, cudaStream_t);                                  \
-  template void LaunchCausalSoftmaxForward<T>(const T*, int64_t, int64_t, C, T*,             \
+  template void LaunchCausalSoftmaxForward<T>(const T*, const int64_t*, int64_t,             \
+                                              const int64_t*, int64_t, int64_t, C, T*,       \
                                               cudaStream_t);                                 \
-  template void LaunchCausalSoftmaxBackward<T>(const T*, const T*, int64_t, int64_t, C, T*,  \
+  template void LaunchCausalSoftmaxBackward<T>(const T*, const T*, const int64_t*, int64_t,  \
+                                               const int64_t*, int64_t, int64_t, C, T*,      \
                                                cudaStream_t);                                \
   template void LaunchRowMax<T>(const T*, int64_t, int64_t, C*, cudaStream_t);               \
   template void LaunchCrossEntropyPartials<T>(const T*, const C*, const int64_t*, int64_t,   \

@@ -416,26 +416,29 @@ void EigenKernels::DoDropoutAt(const Tensor& x, double p, uint64_t key, uint64_t
 
 // --- attention: RoPE ------------------------------------------------------------------
 
-void EigenKernels::DoRope(const Tensor& x, int64_t seq, double base, int64_t dim, bool inverse,
-                          Tensor& y) {
+void EigenKernels::DoRope(const Tensor& x, const Tensor& pos, double base, int64_t dim,
+                          bool inverse, Tensor& y) {
   if (IsHalf(x.dtype())) {
     Tensor xf = Widened(x, *cache_);
-    DoRope(xf, seq, base, dim, inverse, xf);
+    DoRope(xf, pos, base, dim, inverse, xf);
     StoreRounded(xf, y);
     return;
   }
   Dispatch(x.dtype(), [&]<typename T>() {
     const int64_t d = Cols(x);
     const int64_t half = dim / 2;
-    // cos and sin of theta = p * base^(-2i/dim), evaluated in float64 and rounded once to T;
-    // the inverse rotation is the same table with sin negated (exact).
+    // cos and sin of theta = p * base^(-2i/dim) for each of the sq positions p = pos[l],
+    // evaluated in float64 and rounded once to T; the inverse rotation is the same table with
+    // sin negated (exact).
+    const int64_t seq = pos.numel();
+    const int64_t* position = IdsOf(pos);
     std::vector<T> cos_table(static_cast<size_t>(seq * half));
     std::vector<T> sin_table(static_cast<size_t>(seq * half));
     for (int64_t p = 0; p < seq; ++p) {
       for (int64_t i = 0; i < half; ++i) {
         const double inv_freq =
             std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(dim));
-        const double theta = static_cast<double>(p) * inv_freq;
+        const double theta = static_cast<double>(position[p]) * inv_freq;
         const double sine = std::sin(theta);
         cos_table[static_cast<size_t>(p * half + i)] = static_cast<T>(std::cos(theta));
         sin_table[static_cast<size_t>(p * half + i)] = static_cast<T>(inverse ? -sine : sine);

@@ -6,6 +6,7 @@
 // (sim/eigen_views.h); the rest of EigenKernels is in eigen_kernels.cc.
 #include "sim/eigen_kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -138,51 +139,115 @@ void EigenKernels::NormBackward(const Tensor& x, const Tensor& weight, const Ten
 
 // --- attention: the causal softmax ----------------------------------------------------
 
-void EigenKernels::DoCausalSoftmaxForward(const Tensor& scores, int64_t seq, double scale,
-                                          Tensor& probs) {
+namespace {
+
+// The keys a query position sees (core/kernels.h): a prefix of the columns when the key
+// positions ascend (no context parallelism, or keys in global order), else a mask.
+class VisibleKeys {
+ public:
+  VisibleKeys(const Tensor& q_pos, const Tensor& k_pos)
+      : q_(IdsOf(q_pos)), k_(IdsOf(k_pos)), sq_(q_pos.numel()), kv_(k_pos.numel()),
+        ascending_(std::is_sorted(k_, k_ + kv_)) {}
+  int64_t query(int64_t row) const { return q_[row % sq_]; }
+  // With ascending keys: how many leading columns row `row` sees; -1 when it is a mask.
+  int64_t Prefix(int64_t row) const {
+    return ascending_ ? std::upper_bound(k_, k_ + kv_, query(row)) - k_ : -1;
+  }
+  bool Sees(int64_t q, int64_t column) const { return k_[column] <= q; }
+  int64_t columns() const { return kv_; }
+
+ private:
+  const int64_t* q_;
+  const int64_t* k_;
+  int64_t sq_, kv_;
+  bool ascending_;
+};
+
+}  // namespace
+
+void EigenKernels::DoCausalSoftmaxForward(const Tensor& scores, const Tensor& q_pos,
+                                          const Tensor& k_pos, double scale, Tensor& probs) {
   if (IsHalf(scores.dtype())) {
     Tensor sf = Widened(scores, *cache_);
-    DoCausalSoftmaxForward(sf, seq, scale, sf);
+    DoCausalSoftmaxForward(sf, q_pos, k_pos, scale, sf);
     StoreRounded(sf, probs);
     return;
   }
+  const VisibleKeys keys(q_pos, k_pos);
+  const int64_t kv = keys.columns();
   Dispatch(scores.dtype(), [&]<typename T>() {
     const auto ss = MatrixOf<T>(scores);
     auto ps = MatrixOf<T>(probs);
     const T c = static_cast<T>(scale);
     for (int64_t r = 0; r < Rows(scores); ++r) {
-      // Keys 0..q are visible to query position q; the max and the sum are taken first,
-      // then the row is written (probs may be scores).
-      const int64_t visible = r % seq + 1;
-      const auto z = ss.row(r).head(visible).array() * c;
-      const T m = z.maxCoeff();
-      const T sum = (z - m).exp().sum();
-      ps.row(r).head(visible).array() = (z - m).exp() / sum;
-      ps.row(r).tail(seq - visible).setZero();
+      // The max and the sum are taken first, then the row is written (probs may be scores).
+      const int64_t visible = keys.Prefix(r);
+      if (visible >= 0) {
+        if (visible == 0) {
+          ps.row(r).setZero();
+          continue;
+        }
+        const auto z = ss.row(r).head(visible).array() * c;
+        const T m = z.maxCoeff();
+        const T sum = (z - m).exp().sum();
+        ps.row(r).head(visible).array() = (z - m).exp() / sum;
+        ps.row(r).tail(kv - visible).setZero();
+        continue;
+      }
+      const int64_t q = keys.query(r);
+      T m = -std::numeric_limits<T>::infinity();
+      bool any = false;
+      for (int64_t j = 0; j < kv; ++j) {
+        if (keys.Sees(q, j)) {
+          m = any ? std::max(m, ss(r, j) * c) : ss(r, j) * c;
+          any = true;
+        }
+      }
+      T sum = 0;
+      for (int64_t j = 0; j < kv; ++j) {
+        if (keys.Sees(q, j)) sum += std::exp(ss(r, j) * c - m);
+      }
+      for (int64_t j = 0; j < kv; ++j) {
+        ps(r, j) = any && keys.Sees(q, j) ? std::exp(ss(r, j) * c - m) / sum : T(0);
+      }
     }
   });
 }
 
-void EigenKernels::DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, int64_t seq,
+void EigenKernels::DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs,
+                                           const Tensor& q_pos, const Tensor& k_pos,
                                            double scale, Tensor& dscores) {
   if (IsHalf(probs.dtype())) {
     Tensor dpf = Widened(dprobs, *cache_);
-    DoCausalSoftmaxBackward(Widened(probs, *cache_), dpf, seq, scale, dpf);
+    DoCausalSoftmaxBackward(Widened(probs, *cache_), dpf, q_pos, k_pos, scale, dpf);
     StoreRounded(dpf, dscores);
     return;
   }
+  const VisibleKeys keys(q_pos, k_pos);
+  const int64_t kv = keys.columns();
   Dispatch(probs.dtype(), [&]<typename T>() {
     const auto ps = MatrixOf<T>(probs);
     const auto dps = MatrixOf<T>(dprobs);
     auto ds = MatrixOf<T>(dscores);
     const T c = static_cast<T>(scale);
     for (int64_t r = 0; r < Rows(probs); ++r) {
-      const int64_t visible = r % seq + 1;
-      const auto p = ps.row(r).head(visible).array();
-      const auto dp = dps.row(r).head(visible).array();
-      const T dot = (p * dp).sum();  // before the row is written (dscores may alias)
-      ds.row(r).head(visible).array() = c * (p * (dp - dot));
-      ds.row(r).tail(seq - visible).setZero();
+      const int64_t visible = keys.Prefix(r);
+      if (visible >= 0) {
+        const auto p = ps.row(r).head(visible).array();
+        const auto dp = dps.row(r).head(visible).array();
+        const T dot = (p * dp).sum();  // before the row is written (dscores may alias)
+        ds.row(r).head(visible).array() = c * (p * (dp - dot));
+        ds.row(r).tail(kv - visible).setZero();
+        continue;
+      }
+      const int64_t q = keys.query(r);
+      T dot = 0;
+      for (int64_t j = 0; j < kv; ++j) {
+        if (keys.Sees(q, j)) dot += ps(r, j) * dps(r, j);
+      }
+      for (int64_t j = 0; j < kv; ++j) {
+        ds(r, j) = keys.Sees(q, j) ? c * (ps(r, j) * (dps(r, j) - dot)) : T(0);
+      }
     }
   });
 }

@@ -105,8 +105,8 @@ Tensor SelfAttention::CoreForward(const ModuleContext& ctx, const Tensor& qkv,
     core->k = k_norm_->Forward(ctx, core->k, &core->k_norm);
   }
   if (rope_) {
-    k.Rope(core->q, s, rotary_base_, rotary_dim_, false, core->q);
-    k.Rope(core->k, s, rotary_base_, rotary_dim_, false, core->k);
+    k.Rope(core->q, ctx.positions, rotary_base_, rotary_dim_, false, core->q);
+    k.Rope(core->k, ctx.positions, rotary_base_, rotary_dim_, false, core->k);
   }
   // scores = q k^T / sqrt(dk): one GEMM per (sample, group) over its r*s query rows.
   Tensor scores = k.Empty({b * gl, r * s, s}, dtype);
@@ -114,7 +114,8 @@ Tensor SelfAttention::CoreForward(const ModuleContext& ctx, const Tensor& qkv,
                 core->q.Reshaped({b * gl, r * s, dk}), core->k.Reshaped({b * gl, s, dk}), 0.0,
                 scores);
   core->probs = k.Empty({b * al * s, s}, dtype);
-  k.CausalSoftmaxForward(scores.Reshaped({b * al * s, s}), s, 1.0, core->probs);
+  k.CausalSoftmaxForward(scores.Reshaped({b * al * s, s}), ctx.positions, ctx.positions, 1.0,
+                         core->probs);
   ctx.Record(prefix_ + ".core_attention.probs", core->probs.Reshaped({b, al, s, s}),
              {sh.B, a_, s, s}, sh.HeadSpec(ctx.dp_size));
   core->probs_dropped =
@@ -159,7 +160,7 @@ Tensor SelfAttention::CoreBackward(const ModuleContext& ctx, const Tensor& dout,
   ctx.Record(prefix_ + ".core_attention.probs_grad", dprobs_flat.Reshaped({b, al, s, s}),
              {sh.B, a_, s, s}, sh.HeadSpec(ctx.dp_size));
   Tensor dscores = k.Empty({b * al * s, s}, dtype);
-  k.CausalSoftmaxBackward(core.probs, dprobs_flat, s, 1.0, dscores);
+  k.CausalSoftmaxBackward(core.probs, dprobs_flat, ctx.positions, ctx.positions, 1.0, dscores);
   // scores = c q k^T:  dq = c dscores k,  dk = c dscores^T q
   const double c = 1.0 / std::sqrt(static_cast<double>(dk));
   const Tensor ds = dscores.Reshaped({b * gl, r * s, s});
@@ -170,8 +171,8 @@ Tensor SelfAttention::CoreBackward(const ModuleContext& ctx, const Tensor& dout,
   Tensor dq2 = dq.Reshaped({b * gl * r * s, dk});
   Tensor dk2 = dkey.Reshaped({b * gl * s, dk});
   if (rope_) {
-    k.Rope(dq2, s, rotary_base_, rotary_dim_, true, dq2);
-    k.Rope(dk2, s, rotary_base_, rotary_dim_, true, dk2);
+    k.Rope(dq2, ctx.positions, rotary_base_, rotary_dim_, true, dq2);
+    k.Rope(dk2, ctx.positions, rotary_base_, rotary_dim_, true, dk2);
   }
   if (q_norm_) {
     dq2 = q_norm_->Backward(ctx, dq2, core.q_norm);

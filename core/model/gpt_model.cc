@@ -195,7 +195,12 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
   return model;
 }
 
-void GptModel::InitializeParameters(Kernels& k) { params_.Initialize(k, run_.seed, run_.dtype); }
+void GptModel::InitializeParameters(Kernels& k) {
+  params_.Initialize(k, run_.seed, run_.dtype);
+  Tensor positions = Tensor::HostEmpty({shape_.s}, DType::kInt64);
+  for (int64_t i = 0; i < shape_.s; ++i) positions.data_as<int64_t>()[i] = i;
+  positions_ = k.ToDevice(positions);
+}
 
 GptModel::Batch GptModel::MakeBatch(Kernels& k, int64_t microbatch) const {
   const StreamShape& sh = shape_;
@@ -274,7 +279,9 @@ ModuleContext GptModel::Context(RankContext& ctx, int64_t microbatch, const Stas
                                 std::vector<TensorRecord>* records) const {
   const DropoutDraw draw{run_.seed, iteration_, microbatch, tracker_ ? &*tracker_ : nullptr,
                          stash.draws};
-  return ModuleContext{*ctx.kernels, ctx.tp(), *ctx.trace, shape_, d_, draw, fuse_wgrad_, records};
+  ModuleContext module{*ctx.kernels, ctx.tp(), *ctx.trace, shape_, d_, draw, fuse_wgrad_, records};
+  module.positions = positions_;
+  return module;
 }
 
 double GptModel::HeadForward(const ModuleContext& ctx, const Tensor& x, Stash* stash) const {

@@ -150,6 +150,7 @@ class GptModel final : public Model {
   int64_t padded_vocab_ = 0;
   bool fuse_wgrad_ = false;
   ParameterSet params_;
+  Tensor positions_;  // int64 [s] on the device: 0, 1, ..., s - 1 (ModuleContext::positions)
   Parameter* word_ = nullptr;
   Parameter* position_ = nullptr;
   std::vector<GptChunk> chunks_;

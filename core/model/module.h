@@ -108,6 +108,10 @@ struct ModuleContext {
   DropoutDraw draw;
   bool fuse_wgrad = false;                      // gradient_accumulation_fusion
   std::vector<TensorRecord>* records = nullptr;  // null: this pass records nothing
+  // int64 [s] on the device: the sequence position of each of this rank's query rows, and
+  // of each key its attention sees (core/kernels.h); 0, 1, ..., s - 1 without context
+  // parallelism. Undefined for a model without attention.
+  Tensor positions = Tensor();
   // Set: a recomputation in this pass appends its span (chunk `chunk`, the draw's
   // micro-batch) here, for the timeline.
   std::vector<StepSpan>* recompute_spans = nullptr;

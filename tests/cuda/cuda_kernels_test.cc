@@ -1295,45 +1295,75 @@ TYPED_TEST(CudaKernelsModelTest, BatchedGemmIsExactOnIntegers) {
                std::invalid_argument);
 }
 
+// Positions 0..n-1, and context-parallel rank 0's of 2 over a sequence of 2n (chunks of n/2:
+// positions [0, n/2) and [3n/2, 2n)) with every rank's keys gathered in rank order.
+std::vector<int64_t> Arange(int64_t begin, int64_t end) {
+  std::vector<int64_t> v;
+  for (int64_t i = begin; i < end; ++i) v.push_back(i);
+  return v;
+}
+
 TYPED_TEST(CudaKernelsModelTest, CausalSoftmaxForwardBackward) {
   using T = TypeParam;
   const DType dt = kDType<T>;
   CudaKernels& gpu = *this->gpu_;
-  // (rows, seq): small; rows wider than a block; more rows than grid blocks.
-  for (const auto& [rows, seq] :
-       {std::pair<int64_t, int64_t>{18, 9}, {600, 300}, {70000, 5}}) {
-    SCOPED_TRACE(fmt::format("{} rows, seq {}", rows, seq));
+  struct Case {
+    int64_t rows;
+    std::vector<int64_t> q, k;
+  };
+  std::vector<Case> cases;
+  // (rows, seq) without cp: small; rows wider than a block; more rows than grid blocks.
+  for (const auto& [rows, seq] : {std::pair<int64_t, int64_t>{18, 9}, {600, 300}, {70000, 5}}) {
+    cases.push_back({rows, Arange(0, seq), Arange(0, seq)});
+  }
+  // cp rank 0 of 2 over s = 600 (chunks of 150), keys of both ranks gathered in rank order.
+  std::vector<int64_t> q = Arange(0, 150), k;
+  for (int64_t p : Arange(450, 600)) q.push_back(p);
+  k = q;
+  for (int64_t p : Arange(150, 450)) k.push_back(p);
+  cases.push_back({600, q, k});
+  // A ring step: keys after some queries, whose rows see none.
+  cases.push_back({40, Arange(0, 20), Arange(10, 30)});
+  for (const Case& c : cases) {
+    const int64_t rows = c.rows, kv = static_cast<int64_t>(c.k.size());
+    SCOPED_TRACE(fmt::format("{} rows, {} query positions, {} keys", rows, c.q.size(), kv));
+    const Tensor cpu_q = Ids(c.q), cpu_k = Ids(c.k);
+    const Tensor gpu_q = this->DevIds(c.q), gpu_k = this->DevIds(c.k);
     const double scale = 0.35;
-    std::vector<double> sv = Reals(320, rows * seq);
+    std::vector<double> sv = Reals(320, rows * kv);
     for (double& v : sv) v *= 6;
-    const std::vector<double> dpv = Reals(321, rows * seq);
-    Tensor cpu_p = this->Host({rows, seq}, std::vector<double>(static_cast<size_t>(rows * seq)));
-    this->cpu_.CausalSoftmaxForward(this->Host({rows, seq}, sv), seq, scale, cpu_p);
-    Tensor gpu_p = this->Dev({rows, seq}, std::vector<double>(static_cast<size_t>(rows * seq), 7));
-    gpu.CausalSoftmaxForward(this->Dev({rows, seq}, sv), seq, scale, gpu_p);
+    const std::vector<double> dpv = Reals(321, rows * kv);
+    Tensor cpu_p = this->Host({rows, kv}, std::vector<double>(static_cast<size_t>(rows * kv)));
+    this->cpu_.CausalSoftmaxForward(this->Host({rows, kv}, sv), cpu_q, cpu_k, scale, cpu_p);
+    Tensor gpu_p = this->Dev({rows, kv}, std::vector<double>(static_cast<size_t>(rows * kv), 7));
+    gpu.CausalSoftmaxForward(this->Dev({rows, kv}, sv), gpu_q, gpu_k, scale, gpu_p);
     const std::vector<double> pv = this->Values(gpu_p);
     EXPECT_TRUE(MatchesCpu<T>("probs", pv, ValuesOf(cpu_p)));
     int64_t masked_nonzero = 0;
     for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t k = r % seq + 1; k < seq; ++k) {
-        masked_nonzero += pv[static_cast<size_t>(r * seq + k)] != 0.0;
+      const int64_t query = c.q[static_cast<size_t>(r) % c.q.size()];
+      for (int64_t j = 0; j < kv; ++j) {
+        if (c.k[static_cast<size_t>(j)] > query) {
+          masked_nonzero += pv[static_cast<size_t>(r * kv + j)] != 0.0;
+        }
       }
     }
     EXPECT_EQ(masked_nonzero, 0);
-    Tensor in_place = this->Dev({rows, seq}, sv);
-    gpu.CausalSoftmaxForward(in_place, seq, scale, in_place);
+    Tensor in_place = this->Dev({rows, kv}, sv);
+    gpu.CausalSoftmaxForward(in_place, gpu_q, gpu_k, scale, in_place);
     EXPECT_TRUE(SameBits("probs in place", this->Back(in_place), this->Back(gpu_p)));
 
     // Backward from the CPU's probabilities on both sides.
-    Tensor cpu_ds = this->Host({rows, seq}, std::vector<double>(static_cast<size_t>(rows * seq)));
-    this->cpu_.CausalSoftmaxBackward(cpu_p, this->Host({rows, seq}, dpv), seq, scale, cpu_ds);
+    Tensor cpu_ds = this->Host({rows, kv}, std::vector<double>(static_cast<size_t>(rows * kv)));
+    this->cpu_.CausalSoftmaxBackward(cpu_p, this->Host({rows, kv}, dpv), cpu_q, cpu_k, scale,
+                                     cpu_ds);
     const Tensor probs = gpu.ToDevice(cpu_p);
-    Tensor gpu_ds = gpu.Zeros({rows, seq}, dt);
-    gpu.CausalSoftmaxBackward(probs, this->Dev({rows, seq}, dpv), seq, scale, gpu_ds);
+    Tensor gpu_ds = gpu.Zeros({rows, kv}, dt);
+    gpu.CausalSoftmaxBackward(probs, this->Dev({rows, kv}, dpv), gpu_q, gpu_k, scale, gpu_ds);
     ASSERT_GT(Norm(ValuesOf(cpu_ds)), 0);
     EXPECT_TRUE(MatchesCpu<T>("dscores", this->Values(gpu_ds), ValuesOf(cpu_ds)));
-    Tensor ds_in_place = this->Dev({rows, seq}, dpv);
-    gpu.CausalSoftmaxBackward(probs, ds_in_place, seq, scale, ds_in_place);
+    Tensor ds_in_place = this->Dev({rows, kv}, dpv);
+    gpu.CausalSoftmaxBackward(probs, ds_in_place, gpu_q, gpu_k, scale, ds_in_place);
     EXPECT_TRUE(SameBits("dscores in place", this->Back(ds_in_place), this->Back(gpu_ds)));
   }
 }
@@ -1344,19 +1374,26 @@ TYPED_TEST(CudaKernelsModelTest, Rope) {
   CudaKernels& gpu = *this->gpu_;
   const int64_t seq = 7, rows = 4 * seq, d = 64;
   const std::vector<double> xv = Reals(330, rows * d);
-  // dim 24 of 64: rotary_percent 0.375, the other 40 columns copied.
-  for (const int64_t dim : {d, int64_t{24}}) {
-    for (bool inverse : {false, true}) {
-      SCOPED_TRACE(fmt::format("dim {} inverse {}", dim, inverse));
-      Tensor cpu_y = this->Host({rows, d}, std::vector<double>(static_cast<size_t>(rows * d)));
-      this->cpu_.Rope(this->Host({rows, d}, xv), seq, 10000.0, dim, inverse, cpu_y);
-      Tensor gpu_y = gpu.Zeros({rows, d}, dt);
-      gpu.Rope(this->Dev({rows, d}, xv), seq, 10000.0, dim, inverse, gpu_y);
-      // cos and sin of the same double angle from two libraries, rounded to the compute dtype.
-      EXPECT_TRUE(MatchesCpu<T>("rope", this->Values(gpu_y), ValuesOf(cpu_y)));
-      Tensor in_place = this->Dev({rows, d}, xv);
-      gpu.Rope(in_place, seq, 10000.0, dim, inverse, in_place);
-      EXPECT_TRUE(SameBits("rope in place", this->Back(in_place), this->Back(gpu_y)));
+  // Positions 0..6 and a context-parallel rank's; dim 24 of 64: rotary_percent 0.375, the
+  // other 40 columns copied.
+  for (const std::vector<int64_t>& positions :
+       {Arange(0, seq), std::vector<int64_t>{0, 1, 12, 13, 2, 27, 26}}) {
+    for (const int64_t dim : {d, int64_t{24}}) {
+      for (bool inverse : {false, true}) {
+        SCOPED_TRACE(fmt::format("positions from {}, dim {} inverse {}", positions[2], dim,
+                                 inverse));
+        const Tensor cpu_pos = Ids(positions), gpu_pos = this->DevIds(positions);
+        Tensor cpu_y = this->Host({rows, d}, std::vector<double>(static_cast<size_t>(rows * d)));
+        this->cpu_.Rope(this->Host({rows, d}, xv), cpu_pos, 10000.0, dim, inverse, cpu_y);
+        Tensor gpu_y = gpu.Zeros({rows, d}, dt);
+        gpu.Rope(this->Dev({rows, d}, xv), gpu_pos, 10000.0, dim, inverse, gpu_y);
+        // cos and sin of the same double angle from two libraries, rounded to the compute
+        // dtype.
+        EXPECT_TRUE(MatchesCpu<T>("rope", this->Values(gpu_y), ValuesOf(cpu_y)));
+        Tensor in_place = this->Dev({rows, d}, xv);
+        gpu.Rope(in_place, gpu_pos, 10000.0, dim, inverse, in_place);
+        EXPECT_TRUE(SameBits("rope in place", this->Back(in_place), this->Back(gpu_y)));
+      }
     }
   }
 }

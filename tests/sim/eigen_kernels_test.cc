@@ -29,6 +29,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <tuple>
 #include <vector>
 
 #include <fmt/format.h>
@@ -1334,22 +1335,47 @@ TYPED_TEST(EigenKernelsModelTest, BatchedGemm) {
   EXPECT_THROW(this->k_.BatchedGemm(false, false, 1, a, b, 0, c64), std::invalid_argument);
 }
 
-// scores [heads * seq, seq] for 2 heads: row r is query position r % seq.
-constexpr int64_t kSeq = 9, kHeads = 2;
+// scores [heads * sq, kv] for 2 heads: row r is query position q_pos[r % sq], column j key
+// position k_pos[j], visible when k_pos[j] <= q_pos.
+constexpr int64_t kHeads = 2;
 
-// Causal softmax of one row set in float64.
-std::vector<double> NaiveCausalSoftmax(const std::vector<double>& s, int64_t rows, int64_t seq,
-                                       double scale) {
+struct AttentionPositions {
+  const char* name;
+  std::vector<int64_t> q, k;
+};
+
+// Without context parallelism (keys ascending: each row sees a prefix); cp rank 0 of 2 over
+// s = 12 (chunks of 3: it holds positions 0-2 and 9-11) with every rank's keys gathered in
+// rank order (a mask); and a ring step whose keys all lie after some of the queries (rows that
+// see no key at all).
+std::vector<AttentionPositions> PositionCases() {
+  std::vector<int64_t> arange(9);
+  for (int64_t i = 0; i < 9; ++i) arange[static_cast<size_t>(i)] = i;
+  return {{"no cp", arange, arange},
+          {"cp rank 0 of 2, keys gathered", {0, 1, 2, 9, 10, 11}, {0, 1, 2, 9, 10, 11, 3, 4, 5, 6, 7, 8}},
+          {"ring step", {3, 4, 5, 6, 7, 8}, {9, 10, 11, 0, 1, 2}}};
+}
+
+bool Sees(const AttentionPositions& c, int64_t r, int64_t j) {
+  return c.k[static_cast<size_t>(j)] <= c.q[static_cast<size_t>(r) % c.q.size()];
+}
+
+// The causal softmax of every row in float64.
+std::vector<double> NaiveCausalSoftmax(const std::vector<double>& s, int64_t rows,
+                                       const AttentionPositions& c, double scale) {
+  const auto kv = static_cast<int64_t>(c.k.size());
   std::vector<double> p(s.size(), 0.0);
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t q = r % seq;
-    const auto at = [&](int64_t k) { return s[static_cast<size_t>(r * seq + k)]; };
-    double m = -1e300;
-    for (int64_t k = 0; k <= q; ++k) m = std::max(m, scale * at(k));
-    double sum = 0;
-    for (int64_t k = 0; k <= q; ++k) sum += std::exp(scale * at(k) - m);
-    for (int64_t k = 0; k <= q; ++k) {
-      p[static_cast<size_t>(r * seq + k)] = std::exp(scale * at(k) - m) / sum;
+    const auto at = [&](int64_t j) { return s[static_cast<size_t>(r * kv + j)]; };
+    double m = -1e300, sum = 0;
+    for (int64_t j = 0; j < kv; ++j) {
+      if (Sees(c, r, j)) m = std::max(m, scale * at(j));
+    }
+    for (int64_t j = 0; j < kv; ++j) {
+      if (Sees(c, r, j)) sum += std::exp(scale * at(j) - m);
+    }
+    for (int64_t j = 0; j < kv; ++j) {
+      if (Sees(c, r, j)) p[static_cast<size_t>(r * kv + j)] = std::exp(scale * at(j) - m) / sum;
     }
   }
   return p;
@@ -1358,100 +1384,127 @@ std::vector<double> NaiveCausalSoftmax(const std::vector<double>& s, int64_t row
 TYPED_TEST(EigenKernelsModelTest, CausalSoftmaxForward) {
   using T = TypeParam;
   constexpr DType dt = kDType<T>;
-  const int64_t rows = kHeads * kSeq;
   const double scale = 0.35;
-  const Tensor scores = Make<T>({kHeads, kSeq, kSeq}, Reals(150, rows * kSeq, -6, 6));
-  const std::vector<double> expected = NaiveCausalSoftmax(ValuesOf(scores), rows, kSeq, scale);
-  Tensor probs = Make<T>({rows, kSeq}, std::vector<double>(rows * kSeq, 7.0));  // overwritten
-  this->k_.CausalSoftmaxForward(scores, kSeq, scale, probs);
-  const std::vector<double> pv = ValuesOf(probs);
-  // exp(z - m) with |z|, |m| <= 2.1: relative errors of a few ulp of the compute dtype.
-  EXPECT_TRUE(OpNear<T>("causal softmax", pv, expected, expected));
-  for (int64_t r = 0; r < rows; ++r) {
-    double row_sum = 0;
-    for (int64_t k = 0; k < kSeq; ++k) {
-      const double p = pv[static_cast<size_t>(r * kSeq + k)];
-      if (k > r % kSeq) {
-        EXPECT_EQ(p, 0.0) << "masked (" << r << ", " << k << ")";
-        EXPECT_FALSE(std::signbit(p)) << "masked (" << r << ", " << k << ") is -0";
+  for (const AttentionPositions& c : PositionCases()) {
+    SCOPED_TRACE(c.name);
+    const auto sq = static_cast<int64_t>(c.q.size()), kv = static_cast<int64_t>(c.k.size());
+    const int64_t rows = kHeads * sq;
+    const Tensor q_pos = Ids(c.q), k_pos = Ids(c.k);
+    const Tensor scores = Make<T>({kHeads, sq, kv}, Reals(150, rows * kv, -6, 6));
+    const std::vector<double> expected = NaiveCausalSoftmax(ValuesOf(scores), rows, c, scale);
+    // Overwritten.
+    Tensor probs = Make<T>({rows, kv}, std::vector<double>(static_cast<size_t>(rows * kv), 7.0));
+    this->k_.CausalSoftmaxForward(scores, q_pos, k_pos, scale, probs);
+    const std::vector<double> pv = ValuesOf(probs);
+    // exp(z - m) with |z|, |m| <= 2.1: relative errors of a few ulp of the compute dtype.
+    EXPECT_TRUE(OpNear<T>("causal softmax", pv, expected, expected));
+    for (int64_t r = 0; r < rows; ++r) {
+      double row_sum = 0;
+      bool sees_any = false;
+      for (int64_t j = 0; j < kv; ++j) {
+        const double p = pv[static_cast<size_t>(r * kv + j)];
+        if (!Sees(c, r, j)) {
+          EXPECT_EQ(p, 0.0) << "masked (" << r << ", " << j << ")";
+          EXPECT_FALSE(std::signbit(p)) << "masked (" << r << ", " << j << ") is -0";
+        }
+        sees_any = sees_any || Sees(c, r, j);
+        row_sum += p;
       }
-      row_sum += p;
+      // kv 16-bit roundings of at most half an ulp of 1 each; a row that sees no key is 0.
+      const double tol =
+          kIsHalf<T> ? static_cast<double>(kv) * 0.5 * UlpAt<BFloat16>(1.0) : 10 * kArith<T>;
+      EXPECT_NEAR(row_sum, sees_any ? 1.0 : 0.0, tol) << "row " << r;
     }
-    // kSeq 16-bit roundings of at most half an ulp of 1 each.
-    const double tol = kIsHalf<T> ? kSeq * 0.5 * UlpAt<BFloat16>(1.0) : 10 * kArith<T>;
-    EXPECT_NEAR(row_sum, 1.0, tol) << "row " << r;
-  }
-  Tensor in_place = Make<T>({rows, kSeq}, ValuesOf(scores));
-  this->k_.CausalSoftmaxForward(in_place, kSeq, scale, in_place);
-  EXPECT_EQ(ValuesOf(in_place), pv);
+    Tensor in_place = Make<T>({rows, kv}, ValuesOf(scores));
+    this->k_.CausalSoftmaxForward(in_place, q_pos, k_pos, scale, in_place);
+    EXPECT_EQ(ValuesOf(in_place), pv);
 
-  EXPECT_THROW(this->k_.CausalSoftmaxForward(scores, kSeq - 1, scale, probs),
-               std::invalid_argument);  // seq must be the column count (and divide the rows)
-  Tensor odd_rows = this->k_.Zeros({rows - 1, kSeq}, dt);
-  EXPECT_THROW(this->k_.CausalSoftmaxForward(odd_rows, kSeq, scale, odd_rows),
-               std::invalid_argument);  // seq does not divide the rows
-  Tensor wrong = this->k_.Zeros({rows, kSeq + 1}, dt);
-  EXPECT_THROW(this->k_.CausalSoftmaxForward(scores, kSeq, scale, wrong), std::invalid_argument);
+    // k_pos must have one position per column, q_pos divide the rows.
+    EXPECT_THROW(this->k_.CausalSoftmaxForward(scores, q_pos, Ids({0, 1}), scale, probs),
+                 std::invalid_argument);
+    Tensor odd_rows = this->k_.Zeros({rows - 1, kv}, dt);
+    EXPECT_THROW(this->k_.CausalSoftmaxForward(odd_rows, q_pos, k_pos, scale, odd_rows),
+                 std::invalid_argument);
+    Tensor wrong = this->k_.Zeros({rows, kv + 1}, dt);
+    EXPECT_THROW(this->k_.CausalSoftmaxForward(scores, q_pos, k_pos, scale, wrong),
+                 std::invalid_argument);
+    EXPECT_THROW(this->k_.CausalSoftmaxForward(scores,
+                                               Make<T>({sq}, std::vector<double>(c.q.size())),
+                                               k_pos, scale, probs),
+                 std::invalid_argument);  // positions are int64
+  }
 }
 
 TYPED_TEST(EigenKernelsModelTest, CausalSoftmaxBackward) {
   using T = TypeParam;
   constexpr DType dt = kDType<T>;
-  const int64_t rows = kHeads * kSeq;
   const double scale = 0.35;
-  Tensor probs = this->k_.Zeros({rows, kSeq}, dt);
-  this->k_.CausalSoftmaxForward(Make<T>({rows, kSeq}, Reals(160, rows * kSeq, -6, 6)), kSeq,
-                                1.0, probs);
-  // dprobs is nonzero at masked positions too: they must not leak into the result.
-  const Tensor dprobs = Make<T>({rows, kSeq}, Reals(161, rows * kSeq, -2, 2));
-  const std::vector<double> p = ValuesOf(probs), dp = ValuesOf(dprobs);
-  std::vector<double> expected(p.size(), 0.0), bound(p.size(), 0.0);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t q = r % kSeq;
-    const size_t row = static_cast<size_t>(r * kSeq);
-    double dot = 0, abs_dot = 0;
-    for (size_t k = 0; k <= static_cast<size_t>(q); ++k) {
-      dot += p[row + k] * dp[row + k];
-      abs_dot += std::fabs(p[row + k] * dp[row + k]);
+  for (const AttentionPositions& c : PositionCases()) {
+    SCOPED_TRACE(c.name);
+    const auto sq = static_cast<int64_t>(c.q.size()), kv = static_cast<int64_t>(c.k.size());
+    const int64_t rows = kHeads * sq;
+    const Tensor q_pos = Ids(c.q), k_pos = Ids(c.k);
+    Tensor probs = this->k_.Zeros({rows, kv}, dt);
+    this->k_.CausalSoftmaxForward(Make<T>({rows, kv}, Reals(160, rows * kv, -6, 6)), q_pos,
+                                  k_pos, 1.0, probs);
+    // dprobs is nonzero at masked positions too: they must not leak into the result.
+    const Tensor dprobs = Make<T>({rows, kv}, Reals(161, rows * kv, -2, 2));
+    const std::vector<double> p = ValuesOf(probs), dp = ValuesOf(dprobs);
+    std::vector<double> expected(p.size(), 0.0), bound(p.size(), 0.0);
+    for (int64_t r = 0; r < rows; ++r) {
+      const size_t row = static_cast<size_t>(r * kv);
+      double dot = 0, abs_dot = 0;
+      for (int64_t j = 0; j < kv; ++j) {
+        if (!Sees(c, r, j)) continue;
+        dot += p[row + static_cast<size_t>(j)] * dp[row + static_cast<size_t>(j)];
+        abs_dot += std::fabs(p[row + static_cast<size_t>(j)] * dp[row + static_cast<size_t>(j)]);
+      }
+      for (int64_t j = 0; j < kv; ++j) {
+        if (!Sees(c, r, j)) continue;
+        const size_t e = row + static_cast<size_t>(j);
+        expected[e] = scale * p[e] * (dp[e] - dot);
+        bound[e] = scale * p[e] * (std::fabs(dp[e]) + abs_dot);
+      }
     }
-    for (size_t k = 0; k <= static_cast<size_t>(q); ++k) {
-      expected[row + k] = scale * p[row + k] * (dp[row + k] - dot);
-      bound[row + k] = scale * p[row + k] * (std::fabs(dp[row + k]) + abs_dot);
+    ASSERT_GT(Norm(expected), 0);
+    Tensor dscores = this->k_.Zeros({rows, kv}, dt);
+    this->k_.CausalSoftmaxBackward(probs, dprobs, q_pos, k_pos, scale, dscores);
+    const std::vector<double> ds = ValuesOf(dscores);
+    EXPECT_TRUE(OpNear<T>("causal softmax backward", ds, expected, bound));
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < kv; ++j) {
+        if (!Sees(c, r, j)) {
+          EXPECT_EQ(ds[static_cast<size_t>(r * kv + j)], 0.0) << "masked (" << r << ", " << j << ")";
+        }
+      }
     }
+    // In place over either input.
+    Tensor over_dprobs = Make<T>({rows, kv}, dp);
+    this->k_.CausalSoftmaxBackward(probs, over_dprobs, q_pos, k_pos, scale, over_dprobs);
+    EXPECT_EQ(ValuesOf(over_dprobs), ds);
+    Tensor over_probs = Make<T>({rows, kv}, p);
+    this->k_.CausalSoftmaxBackward(over_probs, dprobs, q_pos, k_pos, scale, over_probs);
+    EXPECT_EQ(ValuesOf(over_probs), ds);
+    Tensor short_dprobs = this->k_.Zeros({rows - sq, kv}, dt);
+    EXPECT_THROW(
+        this->k_.CausalSoftmaxBackward(probs, short_dprobs, q_pos, k_pos, scale, dscores),
+        std::invalid_argument);
   }
-  ASSERT_GT(Norm(expected), 0);
-  Tensor dscores = this->k_.Zeros({rows, kSeq}, dt);
-  this->k_.CausalSoftmaxBackward(probs, dprobs, kSeq, scale, dscores);
-  const std::vector<double> ds = ValuesOf(dscores);
-  EXPECT_TRUE(OpNear<T>("causal softmax backward", ds, expected, bound));
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t k = r % kSeq + 1; k < kSeq; ++k) {
-      EXPECT_EQ(ds[static_cast<size_t>(r * kSeq + k)], 0.0) << "masked (" << r << ", " << k << ")";
-    }
-  }
-  // In place over either input.
-  Tensor over_dprobs = Make<T>({rows, kSeq}, dp);
-  this->k_.CausalSoftmaxBackward(probs, over_dprobs, kSeq, scale, over_dprobs);
-  EXPECT_EQ(ValuesOf(over_dprobs), ds);
-  Tensor over_probs = Make<T>({rows, kSeq}, p);
-  this->k_.CausalSoftmaxBackward(over_probs, dprobs, kSeq, scale, over_probs);
-  EXPECT_EQ(ValuesOf(over_probs), ds);
-  Tensor short_dprobs = this->k_.Zeros({rows - kSeq, kSeq}, dt);
-  EXPECT_THROW(this->k_.CausalSoftmaxBackward(probs, short_dprobs, kSeq, scale, dscores),
-               std::invalid_argument);
 }
 
-// Rotary embedding of the first `dim` of d columns in float64: theta = p / base^(2i/dim), cos
-// and sin unrounded, the other columns copied; `scale` gets the magnitudes |x c| + |x' s| of
-// each result's terms.
+// Rotary embedding of the first `dim` of d columns in float64: theta = p / base^(2i/dim) for
+// row r's position p = pos[r % pos.size()], cos and sin unrounded, the other columns copied;
+// `scale` gets the magnitudes |x c| + |x' s| of each result's terms.
 std::vector<double> NaiveRope(const std::vector<double>& x, int64_t rows, int64_t d, int64_t dim,
-                              int64_t seq, double base, bool inverse, std::vector<double>* scale) {
+                              const std::vector<int64_t>& pos, double base, bool inverse,
+                              std::vector<double>* scale) {
+  const auto seq = static_cast<int64_t>(pos.size());
   std::vector<double> y = x;
   scale->assign(x.size(), 0.0);
   const int64_t half = dim / 2;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t i = 0; i < half; ++i) {
-      const double theta = static_cast<double>(r % seq) /
+      const double theta = static_cast<double>(pos[static_cast<size_t>(r % seq)]) /
                            std::pow(base, static_cast<double>(2 * i) / static_cast<double>(dim));
       const double c = std::cos(theta);
       const double s = inverse ? -std::sin(theta) : std::sin(theta);
@@ -1471,15 +1524,20 @@ TYPED_TEST(EigenKernelsModelTest, RopeForwardInverseInPlace) {
   const int64_t seq = 5, rows = 3 * seq, d = 8;
   const Tensor x = Make<T>({3, seq, d}, Reals(170, rows * d));
   const std::vector<double> xv = ValuesOf(x);
+  // Positions 0..4, and a context-parallel rank's (not ascending, not contiguous).
+  const std::vector<std::vector<int64_t>> position_sets = {{0, 1, 2, 3, 4}, {0, 7, 8, 15, 2}};
   // dim 4 of 8: rotary_percent 0.5; the last 4 columns of every row pass through unchanged.
-  for (const auto& [base, dim] : {std::pair{10000.0, d}, {3.0, d}, {10000.0, d / 2}}) {
+  for (const auto& [base, dim, set] :
+       {std::tuple{10000.0, d, 0}, {3.0, d, 0}, {10000.0, d / 2, 0}, {10000.0, d, 1}}) {
+    const std::vector<int64_t>& positions = position_sets[static_cast<size_t>(set)];
+    const Tensor pos = Ids(positions);
     for (bool inverse : {false, true}) {
-      SCOPED_TRACE(fmt::format("base {} dim {} inverse {}", base, dim, inverse));
+      SCOPED_TRACE(fmt::format("base {} dim {} positions {} inverse {}", base, dim, set, inverse));
       std::vector<double> scale;
       const std::vector<double> expected =
-          NaiveRope(xv, rows, d, dim, seq, base, inverse, &scale);
+          NaiveRope(xv, rows, d, dim, positions, base, inverse, &scale);
       Tensor y = this->k_.Zeros({rows, d}, dt);
-      this->k_.Rope(x, seq, base, dim, inverse, y);
+      this->k_.Rope(x, pos, base, dim, inverse, y);
       const std::vector<double> yv = ValuesOf(y);
       EXPECT_TRUE(OpNear<T>("rope", yv, expected, scale));
       EXPECT_NE(yv, xv);
@@ -1497,14 +1555,14 @@ TYPED_TEST(EigenKernelsModelTest, RopeForwardInverseInPlace) {
         }
       }
       Tensor in_place = Make<T>({rows, d}, xv);
-      this->k_.Rope(in_place, seq, base, dim, inverse, in_place);
+      this->k_.Rope(in_place, pos, base, dim, inverse, in_place);
       EXPECT_EQ(ValuesOf(in_place), yv);
     }
     // The inverse undoes the forward (a rotation and its transpose): up to the roundings of
     // the stored intermediate and result, two for 16-bit dtypes.
     Tensor round_trip = Make<T>({rows, d}, xv);
-    this->k_.Rope(round_trip, seq, base, dim, false, round_trip);
-    this->k_.Rope(round_trip, seq, base, dim, true, round_trip);
+    this->k_.Rope(round_trip, pos, base, dim, false, round_trip);
+    this->k_.Rope(round_trip, pos, base, dim, true, round_trip);
     double max_abs = 0;
     for (double v : xv) max_abs = std::max(max_abs, std::fabs(v));
     double tol = 4 * kArith<T> * max_abs;
@@ -1512,14 +1570,15 @@ TYPED_TEST(EigenKernelsModelTest, RopeForwardInverseInPlace) {
     EXPECT_TRUE(TensorsNear(fmt::format("inverse(forward(x)) base {} dim {}", base, dim),
                             ValuesOf(round_trip), xv, tol));
   }
+  const Tensor pos = Ids(position_sets[0]);
   Tensor odd = this->k_.Zeros({rows, d - 1}, dt);
-  EXPECT_THROW(this->k_.Rope(odd, seq, 10000, d - 1, false, odd), std::invalid_argument);
+  EXPECT_THROW(this->k_.Rope(odd, pos, 10000, d - 1, false, odd), std::invalid_argument);
   Tensor y = this->k_.Zeros({rows, d}, dt);
-  // seq = 4 does not divide the 15 rows.
-  EXPECT_THROW(this->k_.Rope(x, 4, 10000, d, false, y), std::invalid_argument);
-  EXPECT_THROW(this->k_.Rope(x, seq, 0.0, d, false, y), std::invalid_argument);
+  // 4 positions do not divide the 15 rows.
+  EXPECT_THROW(this->k_.Rope(x, Ids({0, 1, 2, 3}), 10000, d, false, y), std::invalid_argument);
+  EXPECT_THROW(this->k_.Rope(x, pos, 0.0, d, false, y), std::invalid_argument);
   for (const int64_t dim : {int64_t{0}, int64_t{3}, d + 2}) {
-    EXPECT_THROW(this->k_.Rope(x, seq, 10000, dim, false, y), std::invalid_argument) << dim;
+    EXPECT_THROW(this->k_.Rope(x, pos, 10000, dim, false, y), std::invalid_argument) << dim;
   }
 }
 
