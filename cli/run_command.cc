@@ -32,6 +32,7 @@ constexpr OverrideFlag kOverrides[] = {
     {"--pp", "parallel.pipeline_model_parallel_size", "override pipeline_model_parallel_size"},
     {"--vp", "parallel.virtual_pipeline_model_parallel_size",
      "override virtual_pipeline_model_parallel_size"},
+    {"--cp", "parallel.context_parallel_size", "override context_parallel_size"},
     {"--dtype", "run.dtype", "override run.dtype: float64, float32, bfloat16 or float16"},
     {"--seed", "run.seed", "override run.seed"},
     {"--micro-batch-size", "run.micro_batch_size", "override run.micro_batch_size"},
@@ -43,7 +44,7 @@ class RunCommand : public Command {
  public:
   explicit RunCommand(CLI::App* parent) {
     app_ = parent->add_subcommand(
-        "run", "Run a config's model (a layer chain or a GPT; tp, sp, pp, vp, dp, the "
+        "run", "Run a config's model (a layer chain or a GPT; tp, sp, cp, pp, vp, dp, the "
                "distributed optimizer, training) on MPI ranks (one rank = one GPU) and check "
                "every tensor against the float64 reference");
     app_->footer(

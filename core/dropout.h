@@ -43,6 +43,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -68,6 +69,14 @@ struct GlobalIndexMap {
     return ops::MapIndex(base, dims.data(), strides.data(), flat_local);
   }
 };
+
+// A local tensor placed in its full tensor piece by piece: its elements [offset, offset +
+// the product of map.dims) sit where `map` says.
+struct IndexPiece {
+  int64_t offset = 0;
+  GlobalIndexMap map;
+};
+using IndexPieces = std::vector<IndexPiece>;
 
 // The map of a local [s_local, b, w] activation whose full tensor is [s_full, B, w_full]:
 // this rank holds sequence positions from seq_offset, samples from batch_offset and columns

@@ -24,6 +24,7 @@ struct RankGroups {
   std::unique_ptr<Communicator> tp;     // tensor model-parallel
   std::unique_ptr<Communicator> dp;     // data-parallel (the loss average)
   std::unique_ptr<Communicator> dp_cp;  // data x context parallel (gradient reduction)
+  std::unique_ptr<Communicator> cp;     // context parallel (attention's keys and values)
   std::unique_ptr<Communicator> pp;     // pipeline stages (point-to-point between them)
   std::unique_ptr<Communicator> embd;   // first and last stage (tied embeddings); null on
                                         // the stages between
@@ -36,7 +37,7 @@ struct RankGroups {
   // The kinds above, in Megatron's names, for backends' MakeGroups: those of the
   // distributed optimizer with `distributed_optimizer` (and `instances` of it).
   static std::vector<std::string> Kinds(bool distributed_optimizer = false, int64_t instances = 1) {
-    std::vector<std::string> kinds = {"tp", "dp", "dp_cp", "pp", "embd"};
+    std::vector<std::string> kinds = {"tp", "dp", "dp_cp", "cp", "pp", "embd"};
     if (distributed_optimizer) {
       kinds.insert(kinds.end(), {"dp_cp_partial", "intra_dist_opt"});
       if (instances > 1) kinds.emplace_back("inter_dist_opt");
@@ -53,6 +54,7 @@ struct RankGroups {
     groups.tp = take("tp");
     groups.dp = take("dp");
     groups.dp_cp = take("dp_cp");
+    groups.cp = take("cp");
     groups.pp = take("pp");
     groups.embd = take("embd");
     groups.dp_cp_partial = take("dp_cp_partial");
@@ -74,6 +76,7 @@ struct RankContext {
   Communicator& tp() const { return Required(groups.tp, "tp"); }
   Communicator& dp() const { return Required(groups.dp, "dp"); }
   Communicator& dp_cp() const { return Required(groups.dp_cp, "dp_cp"); }
+  Communicator& cp() const { return Required(groups.cp, "cp"); }
   Communicator& pp() const { return Required(groups.pp, "pp"); }
   Communicator* embd() const { return groups.embd.get(); }
   int64_t tp_size() const { return topology->sizes().tp; }

@@ -62,8 +62,9 @@ void RunReport::PrintLayout(const Topology& topology, const SimulationResult& re
   out_ << fmt::format("backend: {}\n", backend_description_);
   out_ << fmt::format(
       "layout: tensor_model_parallel_size {}, data_parallel_size {}, "
-      "sequence_parallel {}{}\n",
+      "sequence_parallel {}{}{}\n",
       s.tp, s.dp, config_.parallel.sequence_parallel,
+      s.cp > 1 ? fmt::format(", context_parallel_size {}", s.cp) : std::string(),
       s.pp > 1 ? fmt::format(", pipeline_model_parallel_size {}{}", s.pp,
                              s.vp ? fmt::format(", virtual_pipeline_model_"
                                                 "parallel_size {}",
@@ -71,6 +72,7 @@ void RunReport::PrintLayout(const Topology& topology, const SimulationResult& re
                                   : std::string())
                : std::string());
   std::vector<const char*> kinds = {"tp", "dp"};
+  if (s.cp > 1) kinds.insert(kinds.end(), {"cp", "dp_cp"});
   if (s.pp > 1) kinds.push_back("pp");
   if (config_.optimizer && config_.optimizer->use_distributed_optimizer) {
     kinds.push_back("dp_cp_partial");
@@ -89,6 +91,21 @@ void RunReport::PrintLayout(const Topology& topology, const SimulationResult& re
                       "num_microbatches {}{}\n",
                       run.seq_length, run.micro_batch_size, run.micro_batch_size * s.dp,
                       run.num_microbatches, RecomputeNote(run.recompute));
+  if (s.cp > 1) {
+    // Megatron's load-balanced split: cp rank r holds chunks r and 2 cp - 1 - r.
+    const int64_t c = run.seq_length / (2 * s.cp);
+    std::vector<std::string> held;
+    for (int64_t r = 0; r < s.cp; ++r) {
+      const int64_t second = 2 * s.cp - 1 - r;
+      held.push_back(fmt::format("{}: {}-{} and {}-{}", r, r * c, r * c + c - 1, second * c,
+                                 second * c + c - 1));
+    }
+    out_ << fmt::format("context parallel: cp_comm_type \"{}\"; the sequence in {} chunks of {} "
+                        "positions, cp rank r holding chunks r and {} - r (positions by cp "
+                        "rank: {})\n",
+                        config_.gpt ? CpCommTypeName(config_.gpt->cp_comm_type) : "none",
+                        2 * s.cp, c, 2 * s.cp - 1, fmt::join(held, "; "));
+  }
   if (s.pp > 1) {
     StatusOr<PipelineSchedule> schedule = BuildPipelineSchedule(
         s.pp, s.vp, run.num_microbatches, config_.parallel.microbatch_group_size_per_vp_stage);

@@ -84,7 +84,7 @@ const std::vector<std::string_view>& GptKeys() {
       "position_embedding_type", "rotary_base", "rotary_percent", "qk_layernorm",
       "max_position_embeddings", "share_embeddings_and_output_weights",
       "init_method_std", "vocab_size", "make_vocab_size_divisible_by", "label_smoothing",
-      "dropout_mode"};
+      "dropout_mode", "cp_comm_type"};
   return keys;
 }
 
@@ -111,6 +111,7 @@ Status ParseChoice(const json& value, const std::string& where,
 const std::vector<std::string_view> kNormalizations = {"LayerNorm", "RMSNorm"};
 const std::vector<std::string_view> kPositionEmbeddings = {"learned_absolute", "rope"};
 const std::vector<std::string_view> kDropoutModes = {"global", "rng_tracker"};
+const std::vector<std::string_view> kCpCommTypes = {"p2p", "all_gather", "a2a", "a2a+p2p"};
 
 }  // namespace
 
@@ -119,6 +120,7 @@ const char* PositionEmbeddingName(PositionEmbedding p) {
   return kPositionEmbeddings[static_cast<size_t>(p)].data();
 }
 const char* DropoutModeName(DropoutMode m) { return kDropoutModes[static_cast<size_t>(m)].data(); }
+const char* CpCommTypeName(CpCommType c) { return kCpCommTypes[static_cast<size_t>(c)].data(); }
 
 int64_t GptConfig::PaddedVocabSize(int64_t tensor_model_parallel_size) const {
   const int64_t multiple = make_vocab_size_divisible_by * tensor_model_parallel_size;
@@ -212,6 +214,8 @@ Status ParseGptSection(const json& section, GptConfig* out) {
       MPUSIM_RETURN_IF_ERROR(ParseFraction(value, where, &gpt.label_smoothing));
     } else if (key == "dropout_mode") {
       MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, kDropoutModes, &gpt.dropout_mode));
+    } else if (key == "cp_comm_type") {
+      MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, kCpCommTypes, &gpt.cp_comm_type));
     }
   }
   for (const char* required : {"num_layers", "hidden_size", "num_attention_heads", "vocab_size"}) {
@@ -284,14 +288,42 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
                          fmt::format("{} is shorter than run.seq_length {}",
                                      gpt->max_position_embeddings, run.seq_length));
   }
-  for (const auto& [field, value] :
-       {std::pair<const char*, int64_t>{"context_parallel_size", parallel.context_parallel_size},
-        {"expert_model_parallel_size", parallel.expert_model_parallel_size}}) {
-    if (value != 1) {
-      return Status::Error(fmt::format("parallel.{}", field),
-                           fmt::format("must be 1 for a GPT run today, got {} (context and "
-                                       "expert parallel GPT runs are not built yet)",
-                                       value));
+  if (parallel.expert_model_parallel_size != 1) {
+    return Status::Error("parallel.expert_model_parallel_size",
+                         fmt::format("must be 1 for a GPT run today, got {} (expert parallel GPT "
+                                     "runs are not built yet)",
+                                     parallel.expert_model_parallel_size));
+  }
+  const int64_t cp = parallel.context_parallel_size;
+  if (cp > 1) {
+    if (gpt->cp_comm_type != CpCommType::kAllGather) {
+      return Status::Error(
+          "model.cp_comm_type",
+          fmt::format("\"{}\" is not built yet; with context_parallel_size {} set \"all_gather\" "
+                      "(Megatron's default is \"p2p\"; every cp_comm_type computes the same "
+                      "attention)",
+                      CpCommTypeName(gpt->cp_comm_type), cp));
+    }
+    if (run.seq_length % (2 * cp) != 0) {
+      return Status::Error("run.seq_length",
+                           fmt::format("{} is not divisible by 2 * context_parallel_size = {} "
+                                       "(each cp rank holds two of 2 * cp equal chunks)",
+                                       run.seq_length, 2 * cp));
+    }
+    if (parallel.sequence_parallel && (run.seq_length / cp) % t != 0) {
+      return Status::Error("run.seq_length",
+                           fmt::format("{} / context_parallel_size {} = {} is not divisible by "
+                                       "tensor_model_parallel_size {} (sequence_parallel splits "
+                                       "each cp rank's tokens over tp)",
+                                       run.seq_length, cp, run.seq_length / cp, t));
+    }
+    if (gpt->dropout_mode == DropoutMode::kRngTracker &&
+        (gpt->hidden_dropout > 0 || gpt->attention_dropout > 0)) {
+      return Status::Error("model.dropout_mode",
+                           fmt::format("\"rng_tracker\" with dropout is not built yet for "
+                                       "context_parallel_size {}; use \"global\" or set "
+                                       "hidden_dropout and attention_dropout to 0",
+                                       cp));
     }
   }
   return {};

@@ -30,6 +30,10 @@
 //     "make_vocab_size_divisible_by": 128,
 //     "label_smoothing": 0.0,            of the vocab-parallel cross entropy
 //     "dropout_mode": "global"           or "rng_tracker" (Megatron's); see core/dropout.h
+//     "cp_comm_type": "p2p"              how context parallelism's attention meets the other
+//                                        ranks' keys and values: "all_gather" (runs today),
+//                                        "p2p", "a2a", "a2a+p2p" (Megatron's names; read only
+//                                        when context_parallel_size > 1)
 //   }
 // }
 //
@@ -62,6 +66,15 @@ enum class DropoutMode : uint8_t {
   kRngTracker,  // Megatron's: per-rank streams of its RNG tracker, local indices (core/dropout.h)
 };
 
+// Megatron's cp_comm_type: how attention under context parallelism reaches the keys and values
+// of the other cp ranks' sequence chunks.
+enum class CpCommType : uint8_t {
+  kP2p,        // K/V passed around the cp ring, partial results merged by log-sum-exp
+  kAllGather,  // K/V all-gathered over cp, dK/dV reduce-scattered back
+  kA2a,        // heads exchanged with all-to-all (Ulysses)
+  kA2aP2p,     // a2a inside hierarchical_context_parallel_sizes' first level, p2p across
+};
+
 struct GptConfig {
   int64_t num_layers = 0;
   int64_t hidden_size = 0;
@@ -87,6 +100,7 @@ struct GptConfig {
   int64_t make_vocab_size_divisible_by = 128;
   double label_smoothing = 0.0;
   DropoutMode dropout_mode = DropoutMode::kGlobal;
+  CpCommType cp_comm_type = CpCommType::kP2p;  // Megatron's default
   // TransformerConfig fields given that change nothing mpusim computes, one line each
   // ("model.bias_dropout_fusion: ignored: why"), printed as notes.
   std::vector<std::string> ignored;
@@ -109,6 +123,7 @@ struct GptConfig {
 const char* NormalizationName(Normalization n);            // "LayerNorm", "RMSNorm"
 const char* PositionEmbeddingName(PositionEmbedding p);    // "learned_absolute", "rope"
 const char* DropoutModeName(DropoutMode m);                // "global", "rng_tracker"
+const char* CpCommTypeName(CpCommType c);  // "p2p", "all_gather", "a2a", "a2a+p2p"
 
 // The keys of a GPT `model` section: its own, and the TransformerConfig fields it accepts
 // with a note (or refuses unless at the value mpusim computes).

@@ -16,6 +16,11 @@
 //            attention dropout at site <layer>.self_attention.core_attention.attention_dropout
 //   context  probs v -> [b, a_l, s, dk] -> [s*b, a_l dk]
 //   output   linear_proj: [s_l*b, h] (bias left to the caller's bias-dropout-add)
+// Context parallelism (cp_comm_type "all_gather"): s above is this cp rank's s_cp = s / cp
+// tokens for the queries, and the keys and values of all s positions are all-gathered over cp
+// after RoPE (each rank turns its own at their global positions) and put in sequence order;
+// query row i sees key j when position(j) <= position(i). Their gradients go back by
+// reduce-scatter. Probabilities are [b, a_l, s_cp, s].
 // Selective recomputation keeps only qkv and reruns core attention in backward.
 #pragma once
 
@@ -34,7 +39,8 @@ class SelfAttention {
   SelfAttention(const GptConfig& gpt, std::string prefix, ParameterSet& params, int64_t t);
 
   struct CoreStash {
-    Tensor q, k, v;        // after the q/k norms and RoPE
+    Tensor q;              // after the q/k norms and RoPE
+    Tensor k, v;           // the same, of every position: gathered over cp when cp > 1
     Norm::Stash q_norm, k_norm;  // qk_layernorm only
     Tensor probs;          // [b*a_l*s, s] before dropout
     Tensor probs_dropped;  // after dropout (probs itself when attention_dropout is 0)
@@ -54,7 +60,7 @@ class SelfAttention {
  private:
   Tensor CoreForward(const ModuleContext& ctx, const Tensor& qkv, CoreStash* core) const;
   Tensor CoreBackward(const ModuleContext& ctx, const Tensor& dcontext, const CoreStash& core) const;
-  GlobalIndexMap ProbsMap(const StreamShape& sh) const;
+  IndexPieces ProbsMap(const StreamShape& sh) const;
 
   std::string prefix_;
   int64_t a_, g_, r_, dk_, a_l_, g_l_;

@@ -123,6 +123,8 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
   sh.dp_rank = coords.dp;
   sh.t = t;
   sh.tp_rank = coords.tp;
+  sh.cp = sizes.cp;
+  sh.cp_rank = coords.cp;
   // Megatron turns sequence parallelism off when tp = 1.
   sh.sequence_parallel = config.parallel.sequence_parallel && t > 1;
 
@@ -197,21 +199,31 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
 
 void GptModel::InitializeParameters(Kernels& k) {
   params_.Initialize(k, run_.seed, run_.dtype);
-  Tensor positions = Tensor::HostEmpty({shape_.s}, DType::kInt64);
-  for (int64_t i = 0; i < shape_.s; ++i) positions.data_as<int64_t>()[i] = i;
+  const int64_t s_cp = shape_.s_cp();
+  Tensor positions = Tensor::HostEmpty({s_cp}, DType::kInt64);
+  for (int64_t i = 0; i < s_cp; ++i) positions.data_as<int64_t>()[i] = shape_.Position(i);
   positions_ = k.ToDevice(positions);
+  if (shape_.cp == 1) {
+    key_positions_ = positions_;
+    return;
+  }
+  Tensor keys = Tensor::HostEmpty({shape_.s}, DType::kInt64);
+  for (int64_t i = 0; i < shape_.s; ++i) keys.data_as<int64_t>()[i] = i;
+  key_positions_ = k.ToDevice(keys);
 }
 
 GptModel::Batch GptModel::MakeBatch(Kernels& k, int64_t microbatch) const {
   const StreamShape& sh = shape_;
-  Tensor tokens = Tensor::HostEmpty({sh.s, sh.b}, DType::kInt64);
-  Tensor labels = Tensor::HostEmpty({sh.s, sh.b}, DType::kInt64);
-  Tensor positions = Tensor::HostEmpty({sh.s, sh.b}, DType::kInt64);
+  const int64_t s_cp = sh.s_cp();
+  Tensor tokens = Tensor::HostEmpty({s_cp, sh.b}, DType::kInt64);
+  Tensor labels = Tensor::HostEmpty({s_cp, sh.b}, DType::kInt64);
+  Tensor positions = Tensor::HostEmpty({s_cp, sh.b}, DType::kInt64);
   const std::string text = fmt::format("text.mb{}", microbatch);
-  for (int64_t i = 0; i < sh.s; ++i) {
+  for (int64_t l = 0; l < s_cp; ++l) {
+    const int64_t i = sh.Position(l);  // Megatron's get_batch_on_this_cp_rank
     for (int64_t j = 0; j < sh.b; ++j) {
       const int64_t gs = sh.dp_rank * sh.b + j;
-      const int64_t row = i * sh.b + j;
+      const int64_t row = l * sh.b + j;
       tokens.data_as<int64_t>()[row] =
           TokenAt(run_.seed, text, gs * (sh.s + 1) + i, gpt_.vocab_size);
       labels.data_as<int64_t>()[row] =
@@ -230,7 +242,7 @@ Tensor GptModel::EmbeddingForward(const ModuleContext& ctx, const Batch& batch,
                                   Stash* stash) const {
   Kernels& k = ctx.k;
   const StreamShape& sh = shape_;
-  const int64_t rows = sh.s * sh.b, h = gpt_.hidden_size;
+  const int64_t rows = sh.s_cp() * sh.b, h = gpt_.hidden_size;
   Tensor embeddings = WordEmbeddings().Forward(ctx, batch.tokens);
   if (position_ != nullptr) {
     Tensor positions = k.Empty({rows, h}, run_.dtype);
@@ -281,6 +293,16 @@ ModuleContext GptModel::Context(RankContext& ctx, int64_t microbatch, const Stas
                          stash.draws};
   ModuleContext module{*ctx.kernels, ctx.tp(), *ctx.trace, shape_, d_, draw, fuse_wgrad_, records};
   module.positions = positions_;
+  module.key_positions = key_positions_;
+  if (shape_.cp > 1) {
+    module.cp = &ctx.cp();
+    if (module.cp->Rank() != shape_.cp_rank || module.cp->Size() != shape_.cp) {
+      throw std::logic_error(fmt::format("GptModel: the cp group has this rank at {} of {}, the "
+                                         "layout at {} of {}",
+                                         module.cp->Rank(), module.cp->Size(), shape_.cp_rank,
+                                         shape_.cp));
+    }
+  }
   return module;
 }
 
@@ -295,7 +317,7 @@ double GptModel::HeadForward(const ModuleContext& ctx, const Tensor& x, Stash* s
   ctx.Record("output_layer.output", logits, {sh.s, sh.B, padded_vocab_}, sh.ColumnSpec(d_, 1));
   const Tensor losses = VocabParallelCrossEntropyForward(
       k, ctx.tp, logits, stash->batch.labels, padded_vocab_, gpt_.label_smoothing, &stash->loss);
-  ctx.Record("loss.per_token", losses.Reshaped({sh.s, sh.b}), {sh.s, sh.B}, sh.BatchSpec(1, d_));
+  ctx.Record("loss.per_token", losses.Reshaped({sh.s_cp(), sh.b}), {sh.s, sh.B}, sh.TokenSpec(d_));
   const Tensor host = k.ToHost(losses);
   double sum = 0;
   for (int64_t i = 0; i < host.numel(); ++i) sum += HostValue(host, i);
@@ -306,14 +328,14 @@ Tensor GptModel::HeadBackward(const ModuleContext& ctx, Stash& stash) const {
   Kernels& k = ctx.k;
   const StreamShape& sh = shape_;
   ctx.trace.SetSite("output_layer");
-  const int64_t rows = sh.s * sh.b;
+  const int64_t rows = sh.s_cp() * sh.b;
   const DType stats = ComputeDType(run_.dtype);
   Tensor dloss_host = Tensor::HostEmpty({rows}, stats);
   const double scale = 1.0 / static_cast<double>(run_.num_microbatches * sh.s * sh.B);
   for (int64_t i = 0; i < rows; ++i) SetHostValue(dloss_host, i, scale);
   const Tensor dloss = k.ToDevice(dloss_host);
-  ctx.Record("loss.per_token_grad", dloss.Reshaped({sh.s, sh.b}), {sh.s, sh.B},
-             sh.BatchSpec(1, d_));
+  ctx.Record("loss.per_token_grad", dloss.Reshaped({sh.s_cp(), sh.b}), {sh.s, sh.B},
+             sh.TokenSpec(d_));
   const Tensor dlogits =
       VocabParallelCrossEntropyBackward(k, stash.loss, stash.batch.labels, padded_vocab_,
                                         gpt_.label_smoothing, sh.tp_rank, dloss);
@@ -419,7 +441,7 @@ void GptModel::EndStep(RankContext& ctx) {
   }
   if (record_) {
     const Batch batch = MakeBatch(k, iteration_ * M + M - 1);
-    const ShardSpec batch_split = shape_.BatchSpec(1, d_);
+    const ShardSpec batch_split = shape_.TokenSpec(d_);
     // Recorded as float64 [s, b], as dumps and the check hold them.
     for (const auto* ids : {&batch.tokens, &batch.labels}) {
       recorded_.push_back({ids == &batch.tokens ? "tokens" : "labels",
@@ -427,14 +449,15 @@ void GptModel::EndStep(RankContext& ctx) {
                            batch_split, false});
     }
   }
-  // The reported loss: mean over every token of every micro-batch on every dp rank; the
-  // last pipeline stage computed it, the others add 0.
+  // The reported loss: mean over every token of every micro-batch on every dp and cp rank;
+  // the last pipeline stage computed it, the others add 0.
   Tensor total = Tensor::HostEmpty({1}, DType::kFloat64);
   total.data_as<double>()[0] = loss_sum_;
   Tensor device_total = k.ToDevice(total);
   ctx.trace->SetSite("loss");
   if (ctx.pp().Size() > 1) ctx.pp().AllReduce(device_total, ReduceOp::kSum);
-  if (d_ > 1) ctx.dp().AllReduce(device_total, ReduceOp::kSum);
+  Communicator& data = shape_.cp > 1 ? ctx.dp_cp() : ctx.dp();
+  if (data.Size() > 1) data.AllReduce(device_total, ReduceOp::kSum);
   loss_ = HostValue(k.ToHost(device_total), 0) / static_cast<double>(M * shape_.s * shape_.B);
   if (!record_) return;
   Tensor loss = Tensor::HostEmpty({1}, DType::kFloat64);

@@ -1,15 +1,19 @@
 // Megatron-Core's GPTModel on one rank: embedding, transformer layers, final norm, output
 // layer and vocab-parallel cross entropy, forward and backward over micro-batches, with
-// tensor, sequence and data parallelism (docs/simulator.md, "The GPT model").
+// tensor, sequence, context and data parallelism (docs/simulator.md, "The GPT model").
 //
-// Shape legend (module.h): tokens and labels [s, b] (this dp rank's samples, full sequence);
-// the residual stream [s_l*b, h]; logits [s*b, Vp/t].
+// Shape legend (module.h): tokens and labels [s_cp, b] (this dp rank's samples, this cp rank's
+// positions: the whole sequence when cp = 1); the residual stream [s_l*b, h]; logits
+// [s_cp*b, Vp/t].
 //
 // Data: micro-batch m draws a text of s + 1 tokens per global sample gs from the stream
 // "text.mb<m>" (core/init.h TokenAt, index gs * (s + 1) + i); tokens are its first s, labels
 // its last s (the next tokens), as Megatron's GPT dataset does. Every rank draws its own
 // samples (no broadcast_data: the draw is a pure function of global indices).
-// Loss: mean per-token loss over all tokens of all micro-batches and dp ranks, so each
+// Context parallelism: cp rank r takes the tokens, labels and position ids of chunks r and
+// 2 cp - 1 - r of the sequence cut into 2 cp (Megatron's get_batch_on_this_cp_rank); RoPE
+// turns each token by its global position and attention gathers the keys (attention.h).
+// Loss: mean per-token loss over all tokens of all micro-batches and dp and cp ranks, so each
 // token's loss gradient is 1 / (M * s * B).
 //
 // Chunks: a rank holds one or more model chunks (Megatron's virtual pipeline stages), each a
@@ -110,8 +114,8 @@ class GptModel final : public Model {
   GptModel() = default;
   // One micro-batch's ids, int64 on the device, made once and read by the kernels there.
   struct Batch {
-    Tensor tokens, labels;  // [s, b], index i * b + j
-    Tensor positions;       // [s, b]: i
+    Tensor tokens, labels;  // [s_cp, b], index l * b + j, at positions Position(l)
+    Tensor positions;       // [s_cp, b]: Position(l)
   };
   // Activations of one (chunk, micro-batch) between its forward and its backward.
   struct Stash : StepStash {
@@ -150,7 +154,8 @@ class GptModel final : public Model {
   int64_t padded_vocab_ = 0;
   bool fuse_wgrad_ = false;
   ParameterSet params_;
-  Tensor positions_;  // int64 [s] on the device: 0, 1, ..., s - 1 (ModuleContext::positions)
+  Tensor positions_;      // int64 [s_cp] on the device: this rank's token positions
+  Tensor key_positions_;  // int64 [s]: 0, 1, ..., s - 1 (ModuleContext::key_positions)
   Parameter* word_ = nullptr;
   Parameter* position_ = nullptr;
   std::vector<GptChunk> chunks_;

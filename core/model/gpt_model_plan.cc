@@ -115,6 +115,23 @@ void GptModel::ExplainStage(std::ostream& out) const {
         "tensor_model_parallel_size {}, sequence_parallel {}: a split parameter "
         "is cut into {} slices and rank r of a tp group holds slice r\n",
         t, shape_.sequence_parallel, t);
+    if (shape_.cp > 1) {
+      // Which sequence positions each cp rank's tokens are (module.h StreamShape::Position).
+      const int64_t c = shape_.s / (2 * shape_.cp);
+      out << fmt::format(
+          "context_parallel_size {} (cp_comm_type \"{}\"): the {} positions in {} chunks of {}; "
+          "cp rank r holds chunks r and {} - r, and every parameter whole (its gradient "
+          "reduced over dp x cp)\n",
+          shape_.cp, CpCommTypeName(gpt.cp_comm_type), shape_.s, 2 * shape_.cp, c,
+          2 * shape_.cp - 1);
+      StreamShape sh = shape_;
+      for (sh.cp_rank = 0; sh.cp_rank < sh.cp; ++sh.cp_rank) {
+        out << fmt::format("  cp rank {}: positions {}-{} and {}-{}; attention all-gathers the "
+                           "keys and values of the other {} chunks\n",
+                           sh.cp_rank, sh.Position(0), sh.Position(c - 1), sh.Position(c),
+                           sh.Position(2 * c - 1), 2 * sh.cp - 2);
+      }
+    }
   }
   if (pp > 1) {
     std::vector<std::string> chunks;
@@ -182,7 +199,8 @@ MemoryPlan GptModel::PlanMemory(const MemoryPlanOptions& options) const {
   const DType compute = ComputeDType(storage);
   const int64_t t = std::max<int64_t>(1, shape_.t);
   const int64_t s = run.seq_length, b = run.micro_batch_size;
-  const int64_t rows = s * b;
+  const int64_t s_cp = shape_.s_cp();  // this cp rank's tokens (s when cp = 1)
+  const int64_t rows = s_cp * b;
   const int64_t stream_rows = shape_.sequence_parallel ? rows / t : rows;
   const int64_t h = gpt.hidden_size, heads_local = gpt.num_attention_heads / t;
   const int64_t qkv_local = gpt.QkvRows() / t, fc1_local = gpt.Fc1Rows() / t;
@@ -205,9 +223,13 @@ MemoryPlan GptModel::PlanMemory(const MemoryPlanOptions& options) const {
   // With qk_layernorm the norms' inputs too: one more copy of the query and key heads.
   const int64_t qk_norm_local =
       gpt.qk_layernorm ? (heads_local + gpt.num_query_groups / t) * gpt.kv_channels : 0;
+  // Under context parallelism also the keys and values of every position, gathered over cp.
+  const int64_t gathered_kv =
+      shape_.cp > 1 ? 2 * b * (gpt.num_query_groups / t) * s * gpt.kv_channels : 0;
   const PlanBytes per_layer = SaturatingAdd(
       SaturatingAdd(SaturatingMul(stream, 6), PlanElements({rows, 2 * qkv_local + qk_norm_local})),
-      SaturatingAdd(PlanElements({2 * b * heads_local, s, s}),
+      SaturatingAdd(SaturatingAdd(PlanElements({2 * b * heads_local, s_cp, s}),
+                                  PlanElements({gathered_kv})),
                     PlanElements({rows, attn_local + fc1_local + ffn_local + 2 * h})));
   plan.AddElements("activations: every layer's stash of one micro-batch",
                    SaturatingMul(per_layer, L), storage);
@@ -220,11 +242,11 @@ MemoryPlan GptModel::PlanMemory(const MemoryPlanOptions& options) const {
                      SaturatingMul(full_parameters, 2), DType::kFloat64, true);
     const int64_t attn = gpt.num_attention_heads * gpt.kv_channels;
     const PlanBytes ref_layer = SaturatingAdd(
-        PlanElements({rows, 6 * h + gpt.QkvRows() + attn + gpt.Fc1Rows() + 2 * gpt.ffn_hidden_size}),
+        PlanElements({s * b, 6 * h + gpt.QkvRows() + attn + gpt.Fc1Rows() + 2 * gpt.ffn_hidden_size}),
         PlanElements({2 * b * gpt.num_attention_heads, s, s}));
     plan.AddElements(
         "reference: activations and their gradients (float64, this rank's samples)",
-        SaturatingMul(SaturatingAdd(SaturatingMul(ref_layer, L), PlanElements({rows, 2 * vp})), 2),
+        SaturatingMul(SaturatingAdd(SaturatingMul(ref_layer, L), PlanElements({s * b, 2 * vp})), 2),
         DType::kFloat64, true);
   }
   return plan;

@@ -14,6 +14,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -37,37 +38,72 @@ struct StreamShape {
   int64_t t = 1;        // tensor-parallel size
   int64_t tp_rank = 0;
   bool sequence_parallel = false;
+  // Context parallelism (Megatron's load-balanced split): the sequence is cut into 2 * cp
+  // chunks of s / (2 cp) positions and this rank holds chunks cp_rank and 2 cp - 1 - cp_rank,
+  // in that order, as its s_cp() tokens.
+  int64_t cp = 1;
+  int64_t cp_rank = 0;
 
-  int64_t s_local() const { return sequence_parallel ? s / t : s; }
-  int64_t seq_offset() const { return sequence_parallel ? tp_rank * (s / t) : 0; }
+  int64_t s_cp() const { return s / cp; }
+  int64_t s_local() const { return sequence_parallel ? s_cp() / t : s_cp(); }
   int64_t stream_rows() const { return s_local() * b; }
-  // Where this rank's [s_l, b, w] stream elements sit in the full [s, B, w] tensor.
-  GlobalIndexMap StreamMap(int64_t w) const {
-    return ActivationIndexMap(s_local(), b, w, seq_offset(), dp_rank * b, 0, B, w);
+  // The global sequence position of this cp rank's token l (0 <= l < s_cp()).
+  int64_t Position(int64_t l) const {
+    if (cp == 1) return l;
+    const int64_t c = s / (2 * cp);
+    return l < c ? cp_rank * c + l : (2 * cp - 1 - cp_rank) * c + (l - c);
+  }
+  // Where this rank's [s_l, b, w] stream elements sit in the full [s, B, w] tensor: one piece
+  // per run of consecutive positions (two when a sequence-parallel piece straddles this cp
+  // rank's two chunks).
+  IndexPieces StreamMap(int64_t w) const {
+    const int64_t first = sequence_parallel ? tp_rank * s_local() : 0;
+    const int64_t end = first + s_local();
+    const int64_t cut = cp == 1 ? end : s / (2 * cp);  // this rank's second chunk starts here
+    IndexPieces pieces;
+    for (int64_t l = first; l < end;) {
+      const int64_t next = l < cut ? std::min(cut, end) : end;
+      pieces.push_back({(l - first) * b * w,
+                        ActivationIndexMap(next - l, b, w, Position(l), dp_rank * b, 0, B, w)});
+      l = next;
+    }
+    return pieces;
   }
   // Shard spec of a tensor whose dimension `batch_dim` holds the global samples, split over
-  // the dp ranks (tokens, labels, per-token losses: [s, B]).
+  // the dp ranks.
   ShardSpec BatchSpec(int batch_dim, int64_t dp_size) const {
     ShardSpec spec;
     spec.Split(ShardAxis::kDp, batch_dim, dp_size, dp_rank);
     return spec;
   }
-  // Shard spec of a stream tensor [s, B, w]: batch split over dp, sequence split under SP.
+  // Shard spec of a per-token tensor [s, B] (tokens, labels, per-token losses): samples split
+  // over dp, the sequence over cp.
+  ShardSpec TokenSpec(int64_t dp_size) const { return CpSplit(BatchSpec(1, dp_size), 0); }
+  // Shard spec of a stream tensor [s, B, w]: batch split over dp, the sequence over cp and,
+  // inside each cp rank's tokens, over tp under SP.
   ShardSpec StreamSpec(int64_t dp_size) const {
-    return sequence_parallel ? TpSplit(BatchSpec(1, dp_size), 0, 1) : BatchSpec(1, dp_size);
+    return sequence_parallel ? TpSplit(TokenSpec(dp_size), 0, 1) : TokenSpec(dp_size);
   }
-  // Shard spec of a column-parallel output [s, B, w] (full sequence, columns split over tp
-  // with Megatron's `stride`).
+  // Shard spec of a column-parallel output [s, B, w] (this cp rank's tokens, columns split
+  // over tp with Megatron's `stride`).
   ShardSpec ColumnSpec(int64_t dp_size, int64_t stride) const {
-    return TpSplit(BatchSpec(1, dp_size), 2, stride);
+    return TpSplit(TokenSpec(dp_size), 2, stride);
   }
-  // Shard spec of per-head attention tensors [B, a, s, s]: samples split over dp, heads over tp.
-  ShardSpec HeadSpec(int64_t dp_size) const { return TpSplit(BatchSpec(0, dp_size), 1, 1); }
+  // Shard spec of per-head attention tensors [B, a, s, s]: samples split over dp, heads over
+  // tp, query positions over cp (every key position on every rank).
+  ShardSpec HeadSpec(int64_t dp_size) const {
+    return TpSplit(CpSplit(BatchSpec(0, dp_size), 2), 1, 1);
+  }
 
  private:
   // `spec` also split over the tp ranks along `dim` (nothing to split when t = 1).
   ShardSpec TpSplit(ShardSpec spec, int dim, int64_t stride) const {
     spec.Split(ShardAxis::kTp, dim, t, tp_rank, stride);
+    return spec;
+  }
+  // `spec` also split over the cp ranks along the sequence dim `dim`, load-balanced.
+  ShardSpec CpSplit(ShardSpec spec, int dim) const {
+    spec.SplitLoadBalanced(ShardAxis::kCp, dim, cp, cp_rank);
     return spec;
   }
 };
@@ -108,10 +144,15 @@ struct ModuleContext {
   DropoutDraw draw;
   bool fuse_wgrad = false;                      // gradient_accumulation_fusion
   std::vector<TensorRecord>* records = nullptr;  // null: this pass records nothing
-  // int64 [s] on the device: the sequence position of each of this rank's query rows, and
-  // of each key its attention sees (core/kernels.h); 0, 1, ..., s - 1 without context
-  // parallelism. Undefined for a model without attention.
+  // int64 [s_cp] on the device: the sequence position of each of this rank's tokens (its
+  // query rows, and the keys it computes); 0, 1, ..., s - 1 without context parallelism.
+  // Undefined for a model without attention.
   Tensor positions = Tensor();
+  // int64 [s] on the device: the position of each key attention sees once the cp ranks'
+  // keys are gathered (0, 1, ..., s - 1: positions itself when cp = 1).
+  Tensor key_positions = Tensor();
+  // The context-parallel group (cp_comm_type "all_gather"); null when cp = 1.
+  Communicator* cp = nullptr;
   // Set: a recomputation in this pass appends its span (chunk `chunk`, the draw's
   // micro-batch) here, for the timeline.
   std::vector<StepSpan>* recompute_spans = nullptr;
@@ -134,9 +175,9 @@ struct ModuleContext {
 };
 
 // Inverted dropout of `x` at `site` (p may be 0: a copy), with this rank's elements placed by
-// `map` in the site's full tensor. Its backward is the same call on the gradient.
+// `pieces` in the site's full tensor. Its backward is the same call on the gradient.
 inline Tensor DropoutAtSite(const ModuleContext& ctx, const std::string& site, double p,
-                            const GlobalIndexMap& map, const Tensor& x) {
+                            const IndexPieces& pieces, const Tensor& x) {
   Tensor y = ctx.k.Empty(x.shape(), x.dtype());
   if (p == 0.0) {
     ctx.k.Copy(x, y);
@@ -152,8 +193,16 @@ inline Tensor DropoutAtSite(const ModuleContext& ctx, const std::string& site, d
                   draw, 0, y);
     return y;
   }
-  ctx.k.DropoutAt(x, p, ctx.draw.seed, DropoutStream(site, ctx.draw.iteration, ctx.draw.microbatch),
-                  map, y);
+  const uint64_t stream = DropoutStream(site, ctx.draw.iteration, ctx.draw.microbatch);
+  if (pieces.size() == 1 && pieces.front().offset == 0) {
+    ctx.k.DropoutAt(x, p, ctx.draw.seed, stream, pieces.front().map, y);
+    return y;
+  }
+  for (const IndexPiece& piece : pieces) {
+    const int64_t n = piece.map.dims[0] * piece.map.dims[1] * piece.map.dims[2];
+    Tensor y_piece = y.FlatSlice(piece.offset, n);
+    ctx.k.DropoutAt(x.FlatSlice(piece.offset, n), p, ctx.draw.seed, stream, piece.map, y_piece);
+  }
   return y;
 }
 

@@ -1237,6 +1237,34 @@ TEST(DiffCommand, TwoGptLayoutsCompareEqualWithDropoutOn) {
   EXPECT_EQ(padded.code, 1) << padded.out;
 }
 
+// Context parallelism: a cp 2 x tp 2 dump (each rank's sequence positions in two chunks, a
+// load-balanced placement, the tp split of sequence parallelism inside it) and a one-rank
+// dump of the same model in float64 reassemble to the same tensors.
+TEST(DiffCommand, ContextParallelDumpDiffsCleanAgainstOneRank) {
+  const std::filesystem::path tmp = std::filesystem::temp_directory_path();
+  const std::string tag = std::to_string(::getpid());
+  const std::filesystem::path a = tmp / ("mpusim_cp_diff_a." + tag);
+  const std::filesystem::path b = tmp / ("mpusim_cp_diff_b." + tag);
+  for (const auto& dir : {a, b}) std::filesystem::remove_all(dir);
+  const std::string sample = Sample("gpt_context_parallel_cp2_t2_n4.json");
+  std::string output;
+  ASSERT_EQ(run_tests::Shell(run_tests::Mpiexec(4) + MPUSIM_BINARY + " run " + sample +
+                                 " --dtype float64 --dump " + a.string(),
+                             &output),
+            0)
+      << output;
+  ASSERT_EQ(run_tests::Shell(run_tests::Mpiexec(1) + MPUSIM_BINARY + " run " + sample +
+                                 " --dtype float64 --world-size 1 --tp 1 --cp 1 --dump " +
+                                 b.string(),
+                             &output),
+            0)
+      << output;
+  const Result same = Mpusim({"diff", a.string(), b.string(), "--atol", "1e-12", "--rtol", "0"});
+  EXPECT_EQ(same.code, 0) << same.out << same.err;
+  EXPECT_NE(same.out.find("79 passed, 0 failed"), std::string::npos) << same.out;
+  for (const auto& dir : {a, b}) std::filesystem::remove_all(dir);
+}
+
 // Training spreads two correct float32 runs of different layouts apart by more than the fixed
 // float32 tolerance (Adam divides by the root of tiny second moments): a 4-layer GPT trained
 // 3 iterations on 1 rank and on tp 2 x pp 2 with sequence parallelism. Both pass their checks

@@ -337,9 +337,36 @@ TEST(GptConfig, LayoutChecks) {
   EXPECT_TRUE(CheckGptLayout(parallel, run, &copy).ok());
   parallel.pipeline_model_parallel_size = 1;
   parallel.context_parallel_size = 2;
+  copy = gpt;
   EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
-            "parallel.context_parallel_size: must be 1 for a GPT run today, got 2 (context and "
-            "expert parallel GPT runs are not built yet)");
+            "model.cp_comm_type: \"p2p\" is not built yet; with context_parallel_size 2 set "
+            "\"all_gather\" (Megatron's default is \"p2p\"; every cp_comm_type computes the same "
+            "attention)");
+  copy.cp_comm_type = CpCommType::kAllGather;
+  EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
+            "run.seq_length: 7 is not divisible by 2 * context_parallel_size = 4 (each cp rank "
+            "holds two of 2 * cp equal chunks)");
+  run.seq_length = 12;
+  parallel.sequence_parallel = true;
+  parallel.tensor_model_parallel_size = 4;
+  copy.num_query_groups = 4;
+  copy.max_position_embeddings = 0;
+  EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
+            "run.seq_length: 12 / context_parallel_size 2 = 6 is not divisible by "
+            "tensor_model_parallel_size 4 (sequence_parallel splits each cp rank's tokens over tp)");
+  parallel.sequence_parallel = false;
+  copy.dropout_mode = DropoutMode::kRngTracker;
+  EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
+            "model.dropout_mode: \"rng_tracker\" with dropout is not built yet for "
+            "context_parallel_size 2; use \"global\" or set hidden_dropout and attention_dropout "
+            "to 0");
+  copy.hidden_dropout = copy.attention_dropout = 0;
+  EXPECT_TRUE(CheckGptLayout(parallel, run, &copy).ok());
+  parallel.context_parallel_size = 1;
+  parallel.expert_model_parallel_size = 2;
+  EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
+            "parallel.expert_model_parallel_size: must be 1 for a GPT run today, got 2 (expert "
+            "parallel GPT runs are not built yet)");
 }
 
 TEST(GptConfig, ParametersFollowMegatronStateDict) {

@@ -1,7 +1,9 @@
 // HeldRuns (core/sharding.h): the runs of global indices a shard holds, computed from its
 // placements, against GlobalIndex over every local index, for every split of small sizes
 // (one and two placements on a dimension, strides, another dimension's placement between),
-// and at sizes where visiting every index would take seconds.
+// and at sizes where visiting every index would take seconds. Also the stream shape of a
+// context-parallel rank (core/model/module.h): its positions, dropout pieces and record spec.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -9,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/model/module.h"
 #include "core/sharding.h"
 
 namespace mpusim {
@@ -127,6 +130,82 @@ TEST(HeldRuns, AnswersForDimensionsOfBillions) {
             (Runs{{3 * (int64_t{1} << 30), 4 * (int64_t{1} << 30)},
                   {7 * (int64_t{1} << 30), 8 * (int64_t{1} << 30)},
                   {11 * (int64_t{1} << 30), 12 * (int64_t{1} << 30)}}));
+}
+
+}  // namespace
+}  // namespace mpusim
+
+namespace mpusim {
+namespace {
+
+// The full-tensor index of local element e of a [s_l, b, w] stream, as the record's shard
+// spec places it.
+int64_t SpecIndex(const ShardSpec& spec, const Shape& full, int64_t e) {
+  const Shape local = LocalShape(spec, full);
+  int64_t flat = 0, stride = 1;
+  for (size_t dim = local.size(); dim-- > 0;) {
+    const int64_t l = e % local[dim];
+    e /= local[dim];
+    flat += GlobalIndex(spec, static_cast<int>(dim), full[dim], l) * stride;
+    stride *= full[dim];
+  }
+  return flat;
+}
+
+// Context parallelism: a rank's token positions, its dropout pieces (two when a sequence-
+// parallel piece straddles its two chunks: tp 3) and its records' load-balanced spec all
+// place every stream element at the same full index.
+TEST(StreamShapeContextParallel, PositionsAndDropoutPiecesFollowTheRecordSpec) {
+  for (const int64_t cp : {1, 2, 4}) {
+    for (const int64_t t : {1, 2, 3}) {
+      for (const bool sp : {false, true}) {
+        StreamShape sh;
+        sh.s = 2 * cp * 3 * t;
+        sh.b = 2;
+        sh.B = 4;
+        sh.dp_rank = 1;
+        sh.t = t;
+        sh.sequence_parallel = sp;
+        sh.cp = cp;
+        const int64_t w = 5;
+        const Shape full = {sh.s, sh.B, w};
+        int64_t straddles = 0;
+        for (sh.cp_rank = 0; sh.cp_rank < cp; ++sh.cp_rank) {
+          // Positions: chunks cp_rank and 2 cp - 1 - cp_rank, in that order.
+          const int64_t c = sh.s / (2 * cp);
+          for (int64_t l = 0; l < sh.s_cp(); ++l) {
+            const int64_t chunk = l < c ? sh.cp_rank : 2 * cp - 1 - sh.cp_rank;
+            ASSERT_EQ(sh.Position(l), chunk * c + l % c) << "cp " << cp << " l " << l;
+          }
+          for (sh.tp_rank = 0; sh.tp_rank < t; ++sh.tp_rank) {
+            SCOPED_TRACE(fmt::format("cp {} rank {}, tp {} rank {}, sp {}", cp, sh.cp_rank, t,
+                                     sh.tp_rank, sp));
+            const ShardSpec spec = sh.StreamSpec(2);
+            const IndexPieces pieces = sh.StreamMap(w);
+            // Without a sequence-parallel split the rank's rows are its two chunks: 2 pieces.
+            if (!sp || t == 1) {
+              EXPECT_EQ(pieces.size(), cp == 1 ? 1u : 2u);
+            }
+            if (sp && t > 1 && pieces.size() > 1) ++straddles;
+            int64_t covered = 0;
+            for (const IndexPiece& piece : pieces) {
+              ASSERT_EQ(piece.offset, covered);
+              const int64_t n = piece.map.dims[0] * piece.map.dims[1] * piece.map.dims[2];
+              for (int64_t e = 0; e < n; ++e) {
+                ASSERT_EQ(piece.map.At(e), SpecIndex(spec, full, piece.offset + e))
+                    << "element " << piece.offset + e;
+              }
+              covered += n;
+            }
+            EXPECT_EQ(covered, sh.stream_rows() * w);
+          }
+        }
+        // Under sequence parallelism only tp 3 cuts a tp piece (2 c / 3 rows) across the
+        // rank's two chunks.
+        EXPECT_EQ(straddles > 0, cp > 1 && sp && t == 3) << "cp " << cp << " tp " << t;
+      }
+    }
+  }
 }
 
 }  // namespace

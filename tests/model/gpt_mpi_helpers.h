@@ -1,0 +1,124 @@
+// What the GPT MPI suites share (gpt_mpi_test.cc, gpt_cp_mpi_test.cc): configs of small GPT
+// models on the world's ranks, and a run checked tensor by tensor against the float64
+// reference.
+#pragma once
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
+
+#include "core/config/config.h"
+#include "run/runner.h"
+#include "sim/cpu_backend.h"
+#include "tests/mpi/world.h"
+
+namespace mpusim::gpt_mpi {
+
+using nlohmann::json;
+
+inline Config MakeConfig(const json& document) {
+  Config config;
+  const Status status = ParseConfig(document, &config);
+  EXPECT_TRUE(status.ok()) << status.Message() << "\n" << document.dump();
+  return config;
+}
+
+inline StatusOr<run::SimulationResult> Simulate(const json& document, bool check = true) {
+  CpuBackend backend;
+  return run::Simulate(MakeConfig(document), {check, 1, /*keep_records=*/true}, backend);
+}
+
+// Runs `document` and expects every tensor to match the reference; prints the worst margin.
+inline run::SimulationResult RunChecked(const json& document) {
+  StatusOr<run::SimulationResult> result = Simulate(document);
+  EXPECT_TRUE(result.ok()) << result.status().Message();
+  if (!result.ok()) return {};
+  EXPECT_FALSE(result->check.tensors.empty());
+  double worst = 0;
+  std::string worst_name;
+  for (const run::TensorCheck& c : result->check.tensors) {
+    EXPECT_TRUE(c.ok()) << c.name << ": " << c.mismatches << " of " << c.count
+                        << " elements off, max abs " << c.max_abs << ", normalized "
+                        << c.normalized << ", allowed " << c.allowed << ", worst " << c.worst_index
+                        << " " << c.worst_actual << " vs " << c.worst_expected
+                        << (c.missing ? " (not in the reference)" : "")
+                        << (c.not_produced ? " (not recorded by the run)" : "") << "\n"
+                        << document.dump();
+    if (c.used > worst) {
+      worst = c.used;
+      worst_name = c.name;
+    }
+  }
+  if (WorldRank() == 0) {
+    fmt::print("  {} tensors, worst error {:.3f} of its allowance ({}); loss {:.12g} vs "
+               "reference {:.12g}\n",
+               result->check.tensors.size(), worst, worst_name, result->loss,
+               result->check.reference_loss);
+  }
+  const double relative = document["run"]["dtype"] == "float64" ? 1e-12 : 1e-2;
+  EXPECT_NEAR(result->loss, result->check.reference_loss,
+              relative * std::fabs(result->check.reference_loss));
+  return std::move(result).value();
+}
+
+// Samples per micro-batch over all dp ranks: 8, or the world size past 8 ranks.
+inline int64_t Samples() { return std::max<int64_t>(8, WorldSize()); }
+
+inline json Gpt(int64_t heads, int64_t groups) {
+  return {{"type", "gpt"},          {"num_layers", 2},       {"hidden_size", 32},
+          {"num_attention_heads", heads}, {"num_query_groups", groups},
+          {"ffn_hidden_size", 64},  {"vocab_size", 64},      {"make_vocab_size_divisible_by", 1}};
+}
+
+inline json Llama(int64_t heads, int64_t groups) {
+  json model = Gpt(heads, groups);
+  model["normalization"] = "RMSNorm";
+  model["activation"] = "swiglu";
+  model["position_embedding_type"] = "rope";
+  model["share_embeddings_and_output_weights"] = false;
+  model["add_bias_linear"] = false;
+  model["label_smoothing"] = 0.1;
+  model["vocab_size"] = 50;  // padded, differently at each tp size
+  model["make_vocab_size_divisible_by"] = 8;
+  return model;
+}
+
+inline json Document(const json& model, int64_t tp, bool sequence_parallel, const char* dtype,
+              const char* recompute = nullptr) {
+  // A global batch of 8 samples per micro-batch on every layout (16 on 16 ranks), so that
+  // every layout trains on the same data.
+  const int64_t dp = WorldSize() / tp;
+  json run = {{"seed", 7},
+              {"dtype", dtype},
+              {"seq_length", 8},
+              {"micro_batch_size", Samples() / dp},
+              {"num_microbatches", 2}};
+  if (recompute != nullptr) run["recompute_granularity"] = recompute;
+  return {{"parallel",
+           {{"world_size", WorldSize()},
+            {"tensor_model_parallel_size", tp},
+            {"sequence_parallel", sequence_parallel}}},
+          {"model", model},
+          {"run", run}};
+}
+
+// A training run of `document`: 4 iterations of Adam (with warm-up and clipping) or SGD
+// (cosine decay, clipping, weight decay).
+inline json Training(json document, const char* optimizer) {
+  document["run"]["train_iters"] = 4;
+  if (std::string(optimizer) == "adam") {
+    document["optimizer"] = {
+        {"optimizer", "adam"}, {"lr", 1e-3}, {"lr_warmup_iters", 1}, {"clip_grad", 1.0}};
+  } else {
+    document["optimizer"] = {{"optimizer", "sgd"}, {"lr", 0.5},        {"lr_decay_style", "cosine"},
+                             {"min_lr", 0.05},     {"clip_grad", 0.5}, {"weight_decay", 0.1}};
+  }
+  return document;
+}
+
+}  // namespace mpusim::gpt_mpi
