@@ -1,7 +1,8 @@
 // `mpusim sweep CONFIG --world-size N`: every valid layout of one GPT model on N ranks, each
 // run with mpiexec and checked against the float64 reference, in one table.
 //
-// What it is: the layouts are every tp x pp (x vp 2) x dp factorisation of N, with and
+// What it is: the layouts are every tp x cp x pp (x vp 2) x dp factorisation of N (cp > 1 for
+// the GPT only, run with cp_comm_type "all_gather" unless the config names one), with and
 // without sequence parallelism, with and without the distributed optimizer (a training config
 // with dp > 1), that the model can be split into (BuildModel: the model's own layout checks, the
 // planner's layer assignment and schedule); each runs as `mpiexec -n N mpusim run` on a copy
@@ -53,9 +54,11 @@ struct Layout {
   int64_t tp = 1, pp = 1, vp = 0, dp = 1;
   bool sp = false;
   bool dist_opt = false;  // optimizer.use_distributed_optimizer
+  int64_t cp = 1;
   std::string Name() const {
-    return fmt::format("tp {} pp {}{} dp {}{}{}", tp, pp, vp > 0 ? fmt::format(" vp {}", vp) : "",
-                       dp, sp ? " sp" : "", dist_opt ? " dist-opt" : "");
+    return fmt::format("tp {}{} pp {}{} dp {}{}{}", tp, cp > 1 ? fmt::format(" cp {}", cp) : "",
+                       pp, vp > 0 ? fmt::format(" vp {}", vp) : "", dp, sp ? " sp" : "",
+                       dist_opt ? " dist-opt" : "");
   }
 };
 
@@ -142,7 +145,7 @@ class SweepCommand final : public Command {
     base["run"].erase("global_batch_size");
     std::vector<Layout> layouts;
     std::vector<std::string> skipped;
-    ListLayouts(base, config.optimizer.has_value(), &layouts, &skipped);
+    ListLayouts(base, config.optimizer.has_value(), config.gpt.has_value(), &layouts, &skipped);
     if (layouts.empty()) {
       return ReportError(err, config_path_,
                          fmt::format("no layout of {} ranks can run this model (e.g. {})",
@@ -219,6 +222,13 @@ class SweepCommand final : public Command {
                             {"tensor_model_parallel_size", l.tp},
                             {"pipeline_model_parallel_size", l.pp},
                             {"sequence_parallel", l.sp}};
+    if (l.cp > 1) {
+      document["parallel"]["context_parallel_size"] = l.cp;
+      // The cp_comm_type that runs today, unless the config chose one.
+      if (!document["model"].contains("cp_comm_type")) {
+        document["model"]["cp_comm_type"] = "all_gather";
+      }
+    }
     if (l.vp > 0) document["parallel"]["virtual_pipeline_model_parallel_size"] = l.vp;
     if (document.contains("optimizer")) {
       document["optimizer"]["use_distributed_optimizer"] = l.dist_opt;
@@ -227,34 +237,38 @@ class SweepCommand final : public Command {
     return document;
   }
 
-  // Every tp x pp (x vp 2) x dp layout of world_size_ ranks, with and without sequence
-  // parallelism and the distributed optimizer (with `has_optimizer` and dp > 1): those the
-  // model accepts into `layouts`, the others into `skipped` with the reason.
-  void ListLayouts(const json& base, bool has_optimizer, std::vector<Layout>* layouts_out,
-                   std::vector<std::string>* skipped_out) const {
+  // Every tp x cp x pp (x vp 2) x dp layout of world_size_ ranks (cp > 1 with `gpt` only),
+  // with and without sequence parallelism and the distributed optimizer (with
+  // `has_optimizer` and dp x cp > 1): those the model accepts into `layouts`, the others into
+  // `skipped` with the reason.
+  void ListLayouts(const json& base, bool has_optimizer, bool gpt,
+                   std::vector<Layout>* layouts_out, std::vector<std::string>* skipped_out) const {
     std::vector<Layout>& layouts = *layouts_out;
     std::vector<std::string>& skipped = *skipped_out;
     for (int64_t tp = 1; tp <= world_size_; ++tp) {
       if (world_size_ % tp != 0) continue;
-      for (int64_t pp = 1; pp <= world_size_ / tp; ++pp) {
-        if ((world_size_ / tp) % pp != 0) continue;
-        for (int64_t vp : {int64_t{0}, int64_t{2}}) {
-          if (vp > 0 && pp == 1) continue;
-          for (const auto& [sp, dist_opt] : {std::pair{false, false}, std::pair{false, true},
-                                             std::pair{true, false}, std::pair{true, true}}) {
-            if (sp && tp == 1) continue;
-            // The distributed optimizer shards over dp, and needs an optimizer.
-            if (dist_opt && (!has_optimizer || world_size_ / (tp * pp) == 1)) continue;
-            Layout l{tp, pp, vp, world_size_ / (tp * pp), sp, dist_opt};
-            const std::string problem =
-                samples_ % l.dp != 0
-                    ? fmt::format("{} samples per micro-batch do not split over dp {}", samples_,
-                                  l.dp)
-                    : LayoutProblem(Document(base, l));
-            if (problem.empty()) {
-              layouts.push_back(l);
-            } else {
-              skipped.push_back(fmt::format("{}: {}", l.Name(), problem));
+      for (int64_t cp = 1; cp <= (gpt ? world_size_ / tp : 1); ++cp) {
+        if ((world_size_ / tp) % cp != 0) continue;
+        for (int64_t pp = 1; pp <= world_size_ / (tp * cp); ++pp) {
+          if ((world_size_ / (tp * cp)) % pp != 0) continue;
+          for (int64_t vp : {int64_t{0}, int64_t{2}}) {
+            if (vp > 0 && pp == 1) continue;
+            for (const auto& [sp, dist_opt] : {std::pair{false, false}, std::pair{false, true},
+                                               std::pair{true, false}, std::pair{true, true}}) {
+              if (sp && tp == 1) continue;
+              // The distributed optimizer shards over dp x cp, and needs an optimizer.
+              if (dist_opt && (!has_optimizer || world_size_ / (tp * pp) == 1)) continue;
+              Layout l{tp, pp, vp, world_size_ / (tp * cp * pp), sp, dist_opt, cp};
+              const std::string problem =
+                  samples_ % l.dp != 0
+                      ? fmt::format("{} samples per micro-batch do not split over dp {}", samples_,
+                                    l.dp)
+                      : LayoutProblem(Document(base, l));
+              if (problem.empty()) {
+                layouts.push_back(l);
+              } else {
+                skipped.push_back(fmt::format("{}: {}", l.Name(), problem));
+              }
             }
           }
         }

@@ -1061,15 +1061,16 @@ TEST(SweepCommand, EveryLayoutOfTwoRanksPasses) {
                             Sample("gpt_train_adam_p2_t2_n4.json") + " --world-size 2";
   std::string out;
   EXPECT_EQ(Shell(sweep + " --train-iters 2", &out), 0) << out;
-  for (const char* line : {"on 2 ranks: 5 layouts (1 skipped), 4 micro-batches of 2 samples",
+  for (const char* line : {"on 2 ranks: 7 layouts (1 skipped), 4 micro-batches of 2 samples",
                            "skipped tp 1 pp 2 vp 2 dp 1: num_layers: must be divisible by",
                            "  tp 1 pp 1 dp 2 ", "  tp 1 pp 1 dp 2 dist-opt ", "  tp 1 pp 2 dp 1 ",
-                           "  tp 2 pp 1 dp 1 sp ", "5 of 5 layouts pass; final losses agree to"}) {
+                           "  tp 1 cp 2 pp 1 dp 1 ", "  tp 1 cp 2 pp 1 dp 1 dist-opt ",
+                           "  tp 2 pp 1 dp 1 sp ", "7 of 7 layouts pass; final losses agree to"}) {
     EXPECT_NE(out.find(line), std::string::npos) << line << "\n" << out;
   }
   EXPECT_EQ(Shell(sweep + " --mpiexec /bin/false", &out), 1) << out;
   EXPECT_NE(out.find("FAIL: mpusim run exited 1"), std::string::npos) << out;
-  EXPECT_NE(out.find("0 of 5 layouts pass"), std::string::npos) << out;
+  EXPECT_NE(out.find("0 of 7 layouts pass"), std::string::npos) << out;
   // A layer chain: its layouts too, pipelines included (the 7 layers fill 2 stages), each
   // trained and checked; its dropout masks follow the layout, which the table says.
   std::string chain;
