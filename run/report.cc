@@ -254,7 +254,9 @@ Status RunReport::WriteTrace(const Topology& topology, const SimulationResult& r
                         {"args", {{"name", fmt::format("node {}", node)}}}});
     }
     const std::string rank_name =
-        fmt::format("rank {} (tp {}, pp {}, dp {})", rank, c.tp, c.pp, c.dp);
+        topology.sizes().cp > 1
+            ? fmt::format("rank {} (tp {}, cp {}, pp {}, dp {})", rank, c.tp, c.cp, c.pp, c.dp)
+            : fmt::format("rank {} (tp {}, pp {}, dp {})", rank, c.tp, c.pp, c.dp);
     const int64_t steps = rank, collectives = world + rank, p2p = 2 * world + rank;
     for (const auto& [tid, name, order] :
          {std::tuple{steps, rank_name, 3 * rank},
