@@ -92,23 +92,34 @@ MaskDraw TrackerDraw(const Dims& d, const std::string& site, int64_t m, int64_t 
           static_cast<uint64_t>(local_index)};
 }
 
+// Context parallelism: the index of position i among the s / cp tokens of the cp rank that
+// holds it (Megatron's split: cp rank r holds chunks r and 2 cp - 1 - r of 2 cp, in that
+// order); i itself when cp = 1.
+int64_t CpLocal(const Dims& d, int64_t i) {
+  if (d.cp == 1) return i;
+  const int64_t c = d.s / (2 * d.cp);
+  return i / c < d.cp ? i % c : c + i % c;
+}
+
 // Element (i, gs, c) of an [s, B, w] site. Global mode: full flat index (i*B + gs)*w + c.
 // Tracker mode: the rank holding it (the sequence shard's tp rank under sequence parallelism,
-// any tp rank otherwise: their default streams agree) and its index in that rank's
-// [s_local, b, w] tensor.
+// any tp rank otherwise: their default streams agree; any cp rank: they draw alike) and its
+// index in that rank's [s_local, b, w] tensor.
 MaskDraw HiddenDraw(const Dims& d, const std::string& site, int64_t m, int64_t i, int64_t gs,
                     int64_t c, int64_t w) {
   if (!d.tracker) {
     return {d.seed, DropoutStream(site, d.iteration, m),
             static_cast<uint64_t>((i * d.B + gs) * w + c)};
   }
+  const int64_t s_cp = d.s / d.cp;
   const ref::LocalElement at =
-      ref::LocalActivationElement(i, gs, c, d.sp ? d.s / d.t : d.s, d.b, w);
+      ref::LocalActivationElement(CpLocal(d, i), gs, c, d.sp ? s_cp / d.t : s_cp, d.b, w);
   return TrackerDraw(d, site, m, at.seq_rank, at.dp_rank, at.index);
 }
 
 // Element (gs, hd, e) of the [B, a, s*s] attention site. Global mode: ((gs*a + hd)*s*s + e.
-// Tracker mode: head hd lives on tp rank hd / (a/t), at local [b, a/t, s*s] index.
+// Tracker mode: head hd lives on tp rank hd / (a/t), and query row e / s on the cp rank
+// holding it, at local [b, a/t, s / cp, s] index.
 MaskDraw ProbsDraw(const Dims& d, const std::string& site, int64_t m, int64_t gs, int64_t hd,
                    int64_t e) {
   if (!d.tracker) {
@@ -116,8 +127,11 @@ MaskDraw ProbsDraw(const Dims& d, const std::string& site, int64_t m, int64_t gs
             static_cast<uint64_t>((gs * d.a + hd) * d.s * d.s + e)};
   }
   const int64_t heads_local = d.a / d.t;
-  return TrackerDraw(d, site, m, hd / heads_local, gs / d.b,
-                     ((gs % d.b) * heads_local + hd % heads_local) * d.s * d.s + e);
+  const int64_t s_cp = d.s / d.cp;
+  return TrackerDraw(
+      d, site, m, hd / heads_local, gs / d.b,
+      (((gs % d.b) * heads_local + hd % heads_local) * s_cp + CpLocal(d, e / d.s)) * d.s +
+          e % d.s);
 }
 
 }  // namespace

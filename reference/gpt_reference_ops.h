@@ -40,10 +40,12 @@ struct Dims {
   int64_t qkv = 0;  // (a + 2g) * dk
   int64_t rd = 0;   // channels of a head RoPE turns: int(dk * rotary_percent)
   // dropout_mode "rng_tracker" (core/dropout.h): masks depend on who draws them, so the
-  // layout enters: t, sequence parallelism, b samples per dp rank, and each site's draw.
+  // layout enters: t, sequence parallelism, b samples per dp rank, cp (whose ranks draw from
+  // the same streams as Megatron's, on the tokens each holds), and each site's draw.
   bool tracker = false;
   int64_t t = 1, b = 1;
   bool sp = false;
+  int64_t cp = 1;
   struct SiteDraw {
     bool model_parallel = false;  // "model-parallel-rng", else "default"
     int64_t pp = 0;               // the pipeline rank that draws it (its key)

@@ -317,14 +317,6 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
                                        "each cp rank's tokens over tp)",
                                        run.seq_length, cp, run.seq_length / cp, t));
     }
-    if (gpt->dropout_mode == DropoutMode::kRngTracker &&
-        (gpt->hidden_dropout > 0 || gpt->attention_dropout > 0)) {
-      return Status::Error("model.dropout_mode",
-                           fmt::format("\"rng_tracker\" with dropout is not built yet for "
-                                       "context_parallel_size {}; use \"global\" or set "
-                                       "hidden_dropout and attention_dropout to 0",
-                                       cp));
-    }
   }
   return {};
 }

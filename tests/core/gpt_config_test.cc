@@ -355,12 +355,6 @@ TEST(GptConfig, LayoutChecks) {
             "run.seq_length: 12 / context_parallel_size 2 = 6 is not divisible by "
             "tensor_model_parallel_size 4 (sequence_parallel splits each cp rank's tokens over tp)");
   parallel.sequence_parallel = false;
-  copy.dropout_mode = DropoutMode::kRngTracker;
-  EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
-            "model.dropout_mode: \"rng_tracker\" with dropout is not built yet for "
-            "context_parallel_size 2; use \"global\" or set hidden_dropout and attention_dropout "
-            "to 0");
-  copy.hidden_dropout = copy.attention_dropout = 0;
   EXPECT_TRUE(CheckGptLayout(parallel, run, &copy).ok());
   parallel.context_parallel_size = 1;
   parallel.expert_model_parallel_size = 2;

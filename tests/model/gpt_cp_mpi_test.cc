@@ -3,7 +3,8 @@
 // parallelism, learned position embeddings and RoPE with grouped-query attention, dropout on
 // (masks drawn per global element, so every layout computes the same numbers); with a
 // pipeline, and training with the distributed optimizer sharded over dp x cp. Each layout's
-// loss equals the cp = 1 layout's with the same data-parallel split.
+// loss equals the cp = 1 layout's with the same data-parallel split. Megatron's
+// rng_tracker dropout on cp layouts matches the reference drawing the same masks.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -109,6 +110,28 @@ TEST(GptContextParallel, BFloat16WithSelectiveRecomputation) {
   if (WorldRank() == 0) fmt::print("  bfloat16 cp 2 tp {}:", tp);
   json document = CpDocument(Llama(8, 4), 2, tp, 1, tp > 1, "bfloat16");
   document["run"]["recompute_granularity"] = "selective";
+  RunChecked(document);
+}
+
+// dropout_mode "rng_tracker": each rank draws from its tracker with local indices, and cp
+// ranks share Megatron's streams (the seeds hold the tp, pp and dp ranks only), so the masks
+// follow the layout. Every cp layout matches the reference drawing the same masks; with a
+// pipeline and training too.
+TEST(GptContextParallel, RngTrackerDropoutMatchesTheReference) {
+  if (WorldSize() < 2) GTEST_SKIP() << "needs cp 2";
+  json model = Gpt(8, 8);
+  model["dropout_mode"] = "rng_tracker";
+  for (const Layout& l : Layouts()) {
+    if (l.cp == 1) continue;
+    SCOPED_TRACE(fmt::format("cp {} tp {} sequence_parallel {}", l.cp, l.tp, l.sp));
+    if (WorldRank() == 0) fmt::print("  rng_tracker cp {} tp {} sp {}:", l.cp, l.tp, l.sp);
+    RunChecked(CpDocument(model, l.cp, l.tp, 1, l.sp, "float64"));
+  }
+  if (WorldSize() < 4) return;
+  model["num_layers"] = 4;
+  if (WorldRank() == 0) fmt::print("  rng_tracker cp 2 pp 2, 2 Adam iterations:");
+  json document = Training(CpDocument(model, 2, 1, 2, false, "float64"), "adam");
+  document["run"]["train_iters"] = 2;
   RunChecked(document);
 }
 
