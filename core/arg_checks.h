@@ -116,11 +116,18 @@ class KernelArgs {
   // exactly `numel` elements (one per row of the data it indexes).
   KernelArgs& AddIndices(std::string_view name, const Tensor& t, int64_t numel,
                          std::string_view because) {
+    AddInt64(name, t);
+    Numel(name, t, numel, because);
+    return *this;
+  }
+  // An int64 tensor of any size on this kernel's device (positions whose count the caller
+  // checks against the shapes).
+  KernelArgs& AddInt64(std::string_view name, const Tensor& t) {
     Allocated(name, t, device_);
     if (t.dtype() != DType::kInt64) {
-      Fail(fmt::format("{} is {} but must be int64 (token ids, labels, positions)", name, DTypeName(t.dtype())));
+      Fail(fmt::format("{} is {} but must be int64 (token ids, labels, positions)", name,
+                       DTypeName(t.dtype())));
     }
-    Numel(name, t, numel, because);
     return *this;
   }
   // `t` has exactly `numel` elements.

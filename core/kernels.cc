@@ -53,7 +53,7 @@ void Disjoint(const KernelArgs& args, std::string_view a_name, const Tensor& a,
 // is position q_pos[r % sq]).
 void CheckQueryPositions(KernelArgs& args, std::string_view name, const Tensor& t,
                          std::string_view pos_name, const Tensor& q_pos) {
-  args.AddIndices(pos_name, q_pos, q_pos.numel(), "");
+  args.AddInt64(pos_name, q_pos);
   if (q_pos.shape().size() != 1 || q_pos.numel() < 1 || Rows(t) % q_pos.numel() != 0) {
     args.Fail(fmt::format("{} {} must be 1-D with at least one position, dividing the {} rows "
                           "of {} {}",

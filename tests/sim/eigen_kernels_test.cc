@@ -1361,6 +1361,17 @@ bool Sees(const AttentionPositions& c, int64_t r, int64_t j) {
 }
 
 // The causal softmax of every row in float64.
+// `call` throws std::invalid_argument whose message holds `expected`.
+template <typename Call>
+void ExpectRefused(Call&& call, const std::string& expected) {
+  try {
+    call();
+    ADD_FAILURE() << "not refused; expected: " << expected;
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+  }
+}
+
 std::vector<double> NaiveCausalSoftmax(const std::vector<double>& s, int64_t rows,
                                        const AttentionPositions& c, double scale) {
   const auto kv = static_cast<int64_t>(c.k.size());
@@ -1433,6 +1444,27 @@ TYPED_TEST(EigenKernelsModelTest, CausalSoftmaxForward) {
                                                k_pos, scale, probs),
                  std::invalid_argument);  // positions are int64
   }
+  // Each refusal names the positions and what is allowed.
+  const Tensor scores = this->k_.Zeros({4, 2}, dt);
+  Tensor probs = this->k_.Zeros({4, 2}, dt);
+  Tensor q2 = Tensor::HostEmpty({2, 1}, DType::kInt64);  // 2-D
+  q2.data_as<int64_t>()[0] = 0;
+  q2.data_as<int64_t>()[1] = 1;
+  ExpectRefused([&] { this->k_.CausalSoftmaxForward(scores, q2, Ids({0, 1}), 1.0, probs); },
+                "q_pos [2, 1] must be 1-D with at least one position, dividing the 4 rows of "
+                "scores [4, 2]");
+  Tensor k2 = Tensor::HostEmpty({1, 2}, DType::kInt64);
+  k2.data_as<int64_t>()[0] = 0;
+  k2.data_as<int64_t>()[1] = 1;
+  ExpectRefused([&] { this->k_.CausalSoftmaxForward(scores, Ids({0, 1}), k2, 1.0, probs); },
+                "k_pos [1, 2] must be 1-D");
+  ExpectRefused([&] { this->k_.CausalSoftmaxForward(scores, Ids({}), Ids({0, 1}), 1.0, probs); },
+                "q_pos [0] must be 1-D with at least one position");
+  ExpectRefused(
+      [&] {
+        this->k_.CausalSoftmaxForward(scores, Make<T>({2}, {0, 1}), Ids({0, 1}), 1.0, probs);
+      },
+      "q_pos is " + std::string(DTypeName(dt)) + " but must be int64");
 }
 
 TYPED_TEST(EigenKernelsModelTest, CausalSoftmaxBackward) {
@@ -1580,6 +1612,8 @@ TYPED_TEST(EigenKernelsModelTest, RopeForwardInverseInPlace) {
   for (const int64_t dim : {int64_t{0}, int64_t{3}, d + 2}) {
     EXPECT_THROW(this->k_.Rope(x, pos, 10000, dim, false, y), std::invalid_argument) << dim;
   }
+  ExpectRefused([&] { this->k_.Rope(x, Make<T>({5}, {0, 1, 2, 3, 4}), 10000, d, false, y); },
+                "pos is " + std::string(DTypeName(dt)) + " but must be int64");
 }
 
 // StridedCopy moves bits: compared exactly, in every dtype.
