@@ -81,7 +81,7 @@ std::string RangesText(const std::vector<std::pair<int64_t, int64_t>>& ranges) {
 // The map as text (every parameter, or what `rank` holds) or JSON.
 // `rank` -1: every rank.
 void PrintShardingMap(const std::vector<MappedParameter>& params, const Topology& topology,
-                      int64_t rank, bool json_format, std::ostream& out) {
+                      int64_t rank, bool json_format, std::ostream& out, int64_t seq_length) {
   const int64_t t = topology.sizes().tp;
   const int64_t pp = topology.sizes().pp;
   std::optional<RankCoordinates> only;
@@ -90,6 +90,20 @@ void PrintShardingMap(const std::vector<MappedParameter>& params, const Topology
                                 {"world_size", topology.world_size()},
                                 {"tensor_model_parallel_size", t},
                                 {"pipeline_model_parallel_size", pp}};
+  const int64_t cp = topology.sizes().cp;
+  doc["context_parallel_size"] = cp;
+  if (cp > 1) {
+    // Megatron's load-balanced split: cp rank r holds chunks r and 2 cp - 1 - r of 2 cp.
+    const int64_t c = seq_length / (2 * cp);
+    nlohmann::ordered_json held = nlohmann::ordered_json::array();
+    for (int64_t r = 0; r < cp; ++r) {
+      const int64_t second = 2 * cp - 1 - r;
+      held.push_back({{"cp_rank", r},
+                      {"ranges", {{r * c, r * c + c}, {second * c, second * c + c}}}});
+    }
+    doc["seq_length"] = seq_length;
+    doc["sequence_positions"] = held;
+  }
   if (only) {
     doc["rank"] = rank;
     doc["coordinates"] = {{"tp", only->tp}, {"pp", only->pp}, {"dp", only->dp}, {"cp", only->cp}};
@@ -192,9 +206,12 @@ class ExplainCommand : public Command {
     // How weights are sliced does not depend on the data: without a run section, explain
     // uses the shortest sequence and the fewest micro-batches every split and schedule accept.
     Config with_run = layout->config;
+    const bool run_given = with_run.run.has_value();
     if (!with_run.run) {
       RunConfig run;
-      run.seq_length = topology->sizes().tp * topology->sizes().cp;
+      // The shortest sequence the layout splits: 2 cp chunks, each cut over tp under sequence
+      // parallelism.
+      run.seq_length = 2 * topology->sizes().tp * topology->sizes().cp;
       run.num_microbatches =
           with_run.parallel.microbatch_group_size_per_vp_stage.value_or(topology->sizes().pp);
       with_run.run = run;
@@ -215,8 +232,14 @@ class ExplainCommand : public Command {
     if (!model.ok()) {
       return ReportError(err, source, config_.Attribute(model.status(), &source).Message());
     }
+    if (!run_given && topology->sizes().cp > 1) {
+      text << fmt::format("(no run section: the positions below are those of a sequence of {} "
+                          "tokens, the shortest this layout splits)\n",
+                          with_run.run->seq_length);
+    }
     (*model)->Explain(text);
-    PrintShardingMap((*model)->ShardingMap(), *topology, rank, json_, json_ ? out : text);
+    PrintShardingMap((*model)->ShardingMap(), *topology, rank, json_, json_ ? out : text,
+                     with_run.run->seq_length);
     return kExitOk;
   }
 

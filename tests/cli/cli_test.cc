@@ -1238,6 +1238,24 @@ TEST(DiffCommand, TwoGptLayoutsCompareEqualWithDropoutOn) {
   EXPECT_EQ(padded.code, 1) << padded.out;
 }
 
+// explain's JSON says which positions each cp rank holds (Megatron's load-balanced split).
+TEST(ExplainCommand, ContextParallelPositionsInTheJson) {
+  const Result r = Mpusim({"explain", Sample("gpt_context_parallel_cp2_t2_n4.json"), "--format",
+                           "json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json doc = json::parse(r.out);
+  EXPECT_EQ(doc["context_parallel_size"], 2);
+  EXPECT_EQ(doc["seq_length"], 32);
+  EXPECT_EQ(doc["sequence_positions"],
+            json::parse(R"([{"cp_rank": 0, "ranges": [[0, 8], [24, 32]]},
+                            {"cp_rank": 1, "ranges": [[8, 16], [16, 24]]}])"));
+  const Result four = Mpusim({"explain", Sample("gpt_context_parallel_cp2_t2_n4.json"), "--cp",
+                              "4", "--tp", "1", "--format", "json"});
+  ASSERT_EQ(four.code, 0) << four.err;
+  EXPECT_EQ(json::parse(four.out)["sequence_positions"][1]["ranges"],
+            json::parse("[[4, 8], [24, 28]]"));
+}
+
 // Context parallelism: a cp 2 x tp 2 dump (each rank's sequence positions in two chunks, a
 // load-balanced placement, the tp split of sequence parallelism inside it) and a one-rank
 // dump of the same model in float64 reassemble to the same tensors.
