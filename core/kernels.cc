@@ -464,30 +464,78 @@ void Kernels::RMSNormBackward(const Tensor& x, const Tensor& weight, const Tenso
 }
 
 void Kernels::CausalSoftmaxForward(const Tensor& scores, const Tensor& q_pos,
-                                   const Tensor& k_pos, double scale, Tensor& probs) {
+                                   const Tensor& k_pos, double scale, Tensor& probs,
+                                   Tensor* lse) {
   KernelArgs args(backend_, device_, "CausalSoftmaxForward");
   args.Add("scores", scores).Add("probs", probs);
+  if (lse != nullptr) args.AddCompute("lse", *lse);
   CheckAttentionPositions(args, "scores", scores, q_pos, k_pos);
   CheckMatrix(args, "probs", probs, Rows(scores), Cols(scores), "the 2-D shape of scores");
+  if (lse != nullptr) args.Numel("lse", *lse, Rows(scores), "one per row of scores");
   args.Require(std::isfinite(scale), fmt::format("scale = {} is not finite", scale));
   SameOrDisjoint(args, "probs", probs, "scores", scores);
+  if (lse != nullptr) {
+    Disjoint(args, "lse", *lse, "scores", scores);
+    Disjoint(args, "lse", *lse, "probs", probs);
+  }
   if (scores.numel() == 0) return;
-  DoCausalSoftmaxForward(scores, q_pos, k_pos, scale, probs);
+  DoCausalSoftmaxForward(scores, q_pos, k_pos, scale, probs, lse);
+}
+
+void Kernels::CausalSoftmaxFromLse(const Tensor& scores, const Tensor& lse, const Tensor& q_pos,
+                                   const Tensor& k_pos, double scale, Tensor& probs) {
+  KernelArgs args(backend_, device_, "CausalSoftmaxFromLse");
+  args.Add("scores", scores).Add("probs", probs).AddCompute("lse", lse);
+  CheckAttentionPositions(args, "scores", scores, q_pos, k_pos);
+  CheckMatrix(args, "probs", probs, Rows(scores), Cols(scores), "the 2-D shape of scores");
+  args.Numel("lse", lse, Rows(scores), "one per row of scores");
+  args.Require(std::isfinite(scale), fmt::format("scale = {} is not finite", scale));
+  SameOrDisjoint(args, "probs", probs, "scores", scores);
+  Disjoint(args, "probs", probs, "lse", lse);
+  if (scores.numel() == 0) return;
+  DoCausalSoftmaxFromLse(scores, lse, q_pos, k_pos, scale, probs);
 }
 
 void Kernels::CausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs,
                                     const Tensor& q_pos, const Tensor& k_pos, double scale,
-                                    Tensor& dscores) {
+                                    Tensor& dscores, const Tensor* row_dot) {
   KernelArgs args(backend_, device_, "CausalSoftmaxBackward");
   args.Add("probs", probs).Add("dprobs", dprobs).Add("dscores", dscores);
+  if (row_dot != nullptr) args.AddCompute("row_dot", *row_dot);
   CheckAttentionPositions(args, "probs", probs, q_pos, k_pos);
   CheckMatrix(args, "dprobs", dprobs, Rows(probs), Cols(probs), "the 2-D shape of probs");
   CheckMatrix(args, "dscores", dscores, Rows(probs), Cols(probs), "the 2-D shape of probs");
+  if (row_dot != nullptr) args.Numel("row_dot", *row_dot, Rows(probs), "one per row of probs");
   args.Require(std::isfinite(scale), fmt::format("scale = {} is not finite", scale));
   SameOrDisjoint(args, "dscores", dscores, "probs", probs);
   SameOrDisjoint(args, "dscores", dscores, "dprobs", dprobs);
+  if (row_dot != nullptr) Disjoint(args, "dscores", dscores, "row_dot", *row_dot);
   if (probs.numel() == 0) return;
-  DoCausalSoftmaxBackward(probs, dprobs, q_pos, k_pos, scale, dscores);
+  DoCausalSoftmaxBackward(probs, dprobs, q_pos, k_pos, scale, dscores, row_dot);
+}
+
+void Kernels::RowDot(const Tensor& a, const Tensor& b, Tensor& out) {
+  KernelArgs args(backend_, device_, "RowDot");
+  args.Add("a", a).Add("b", b).AddCompute("out", out);
+  CheckMatrix(args, "b", b, Rows(a), Cols(a), "the 2-D shape of a");
+  args.Numel("out", out, Rows(a), "one per row of a");
+  Disjoint(args, "out", out, "a", a);
+  Disjoint(args, "out", out, "b", b);
+  if (out.numel() == 0) return;
+  DoRowDot(a, b, out);
+}
+
+void Kernels::LseMerge(Tensor& out, Tensor& lse, const Tensor& part, const Tensor& part_lse) {
+  KernelArgs args(backend_, device_, "LseMerge");
+  args.Add("out", out).Add("part", part).AddCompute("lse", lse).AddCompute("part_lse", part_lse);
+  CheckMatrix(args, "part", part, Rows(out), Cols(out), "the 2-D shape of out");
+  args.Numel("lse", lse, Rows(out), "one per row of out");
+  args.Numel("part_lse", part_lse, Rows(out), "one per row of out");
+  Disjoint(args, "out", out, "part", part);
+  Disjoint(args, "lse", lse, "part_lse", part_lse);
+  Disjoint(args, "out", out, "lse", lse);
+  if (out.numel() == 0) return;
+  DoLseMerge(out, lse, part, part_lse);
 }
 
 void Kernels::Rope(const Tensor& x, const Tensor& pos, double base, int64_t dim, bool inverse,

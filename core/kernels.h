@@ -163,12 +163,34 @@ class Kernels {
   // with m = max_{j in V(r)} scale s[r, j], and probs[r, j] = +0 for j not in V(r) (a row
   // that sees no key is all zero). Computed in the compute dtype (Megatron's
   // attention_softmax_in_fp32), stored in scores' dtype. probs may be scores.
+  // With `lse` ([rows], the compute dtype) also each row's log-sum-exp over its visible keys,
+  //   lse[r] = log sum_{j in V(r)} exp(scale s[r, j]) = m + log(sum), -inf for a row that
+  //   sees no key,
+  // by which context parallelism's p2p ring merges the softmaxes of its key blocks.
   void CausalSoftmaxForward(const Tensor& scores, const Tensor& q_pos, const Tensor& k_pos,
-                            double scale, Tensor& probs);
-  // dscores[r, j] = scale * probs[r, j] * (dprobs[r, j] - sum_{j' in V(r)} probs dprobs) for
-  // j in V(r), +0 otherwise. dscores may be probs or dprobs.
+                            double scale, Tensor& probs, Tensor* lse = nullptr);
+  // The probabilities of one block of a row's keys given the row's log-sum-exp over all of
+  // them (lse [rows], the compute dtype): probs[r, j] = exp(scale s[r, j] - lse[r]) for j in
+  // V(r), +0 otherwise and for a row whose lse is -inf. probs may be scores.
+  void CausalSoftmaxFromLse(const Tensor& scores, const Tensor& lse, const Tensor& q_pos,
+                            const Tensor& k_pos, double scale, Tensor& probs);
+  // dscores[r, j] = scale * probs[r, j] * (dprobs[r, j] - dot_r) for j in V(r), +0
+  // otherwise, with dot_r = sum_{j' in V(r)} probs dprobs, or row_dot[r] when given
+  // ([rows], the compute dtype: the sum over all of a row's keys when probs and dprobs hold
+  // one block of them; the p2p ring passes rowsum(dO * O)). dscores may be probs or dprobs.
   void CausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, const Tensor& q_pos,
-                             const Tensor& k_pos, double scale, Tensor& dscores);
+                             const Tensor& k_pos, double scale, Tensor& dscores,
+                             const Tensor* row_dot = nullptr);
+  // out[r] = sum_c a[r, c] b[r, c] for a and b [rows, cols] (2-D views, one dtype), summed
+  // in the compute dtype into out [rows] (the compute dtype).
+  void RowDot(const Tensor& a, const Tensor& b, Tensor& out);
+  // Merges a block's attention output into a running one by their log-sum-exps (out, part
+  // [rows, d] 2-D views of one dtype; lse, part_lse [rows] in its compute dtype): per row,
+  //   n = log(exp(lse) + exp(part_lse)),  out = out exp(lse - n) + part exp(part_lse - n),
+  //   lse = n,
+  // in the compute dtype (out stored rounded). A part whose lse is -inf (its row saw no key
+  // of the block) leaves the row as it is; a running lse of -inf takes the part whole.
+  void LseMerge(Tensor& out, Tensor& lse, const Tensor& part, const Tensor& part_lse);
   // Rotary embedding of the first `dim` columns of x [rows, d] (2-D view; dim even, 2 <= dim
   // <= d; Megatron's rotary_percent < 1 turns fewer than d), position p = pos[r % sq] (pos:
   // int64 [sq], sq divides the rows): for
@@ -265,11 +287,18 @@ class Kernels {
   virtual void DoRMSNormBackward(const Tensor& x, const Tensor& weight, const Tensor& rstd,
                                  const Tensor& dy, Tensor& dx, Tensor& dweight) = 0;
   virtual void DoCausalSoftmaxForward(const Tensor& scores, const Tensor& q_pos,
-                                      const Tensor& k_pos, double scale,
+                                      const Tensor& k_pos, double scale, Tensor& probs,
+                                      Tensor* lse) = 0;
+  virtual void DoCausalSoftmaxFromLse(const Tensor& scores, const Tensor& lse,
+                                      const Tensor& q_pos, const Tensor& k_pos, double scale,
                                       Tensor& probs) = 0;
   virtual void DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs,
                                        const Tensor& q_pos, const Tensor& k_pos,
-                                       double scale, Tensor& dscores) = 0;
+                                       double scale, Tensor& dscores,
+                                       const Tensor* row_dot) = 0;
+  virtual void DoRowDot(const Tensor& a, const Tensor& b, Tensor& out) = 0;
+  virtual void DoLseMerge(Tensor& out, Tensor& lse, const Tensor& part,
+                          const Tensor& part_lse) = 0;
   virtual void DoRope(const Tensor& x, const Tensor& pos, double base, int64_t dim,
                       bool inverse, Tensor& y) = 0;
   virtual void DoEmbeddingForward(const Tensor& weight, const Tensor& ids, int64_t vocab_start,

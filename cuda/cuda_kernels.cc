@@ -456,23 +456,56 @@ void CudaKernels::DoRMSNormBackward(const Tensor& x, const Tensor& weight, const
 // --- attention ------------------------------------------------------------------------
 
 void CudaKernels::DoCausalSoftmaxForward(const Tensor& scores, const Tensor& q_pos,
-                                         const Tensor& k_pos, double scale, Tensor& probs) {
+                                         const Tensor& k_pos, double scale, Tensor& probs,
+                                         Tensor* lse) {
   DispatchStorage(scores.dtype(), [&]<typename T>() {
+    using C = ComputeOf<T>;
     LaunchCausalSoftmaxForward<T>(scores.data_as<T>(), q_pos.data_as<int64_t>(), q_pos.numel(),
                                   k_pos.data_as<int64_t>(), Rows(scores), Cols(scores),
-                                  static_cast<ComputeOf<T>>(scale), probs.data_as<T>(), stream_);
+                                  static_cast<C>(scale), probs.data_as<T>(),
+                                  lse != nullptr ? lse->data_as<C>() : nullptr, stream_);
+  });
+}
+
+void CudaKernels::DoCausalSoftmaxFromLse(const Tensor& scores, const Tensor& lse,
+                                         const Tensor& q_pos, const Tensor& k_pos, double scale,
+                                         Tensor& probs) {
+  DispatchStorage(scores.dtype(), [&]<typename T>() {
+    using C = ComputeOf<T>;
+    LaunchCausalSoftmaxFromLse<T>(scores.data_as<T>(), lse.data_as<C>(),
+                                  q_pos.data_as<int64_t>(), q_pos.numel(),
+                                  k_pos.data_as<int64_t>(), Rows(scores), Cols(scores),
+                                  static_cast<C>(scale), probs.data_as<T>(), stream_);
   });
 }
 
 void CudaKernels::DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs,
                                           const Tensor& q_pos, const Tensor& k_pos, double scale,
-                                          Tensor& dscores) {
+                                          Tensor& dscores, const Tensor* row_dot) {
   DispatchStorage(probs.dtype(), [&]<typename T>() {
+    using C = ComputeOf<T>;
     LaunchCausalSoftmaxBackward<T>(probs.data_as<T>(), dprobs.data_as<T>(),
                                    q_pos.data_as<int64_t>(), q_pos.numel(),
                                    k_pos.data_as<int64_t>(), Rows(probs), Cols(probs),
-                                   static_cast<ComputeOf<T>>(scale), dscores.data_as<T>(),
-                                   stream_);
+                                   static_cast<C>(scale),
+                                   row_dot != nullptr ? row_dot->data_as<C>() : nullptr,
+                                   dscores.data_as<T>(), stream_);
+  });
+}
+
+void CudaKernels::DoRowDot(const Tensor& a, const Tensor& b, Tensor& out) {
+  DispatchStorage(a.dtype(), [&]<typename T>() {
+    LaunchRowDot<T>(a.data_as<T>(), b.data_as<T>(), Rows(a), Cols(a),
+                    out.data_as<ComputeOf<T>>(), stream_);
+  });
+}
+
+void CudaKernels::DoLseMerge(Tensor& out, Tensor& lse, const Tensor& part,
+                             const Tensor& part_lse) {
+  DispatchStorage(out.dtype(), [&]<typename T>() {
+    using C = ComputeOf<T>;
+    LaunchLseMerge<T>(out.data_as<T>(), lse.data_as<C>(), part.data_as<T>(),
+                      part_lse.data_as<C>(), Rows(out), Cols(out), stream_);
   });
 }
 

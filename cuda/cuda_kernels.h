@@ -108,9 +108,14 @@ class CudaKernels final : public Kernels {
 
   // --- attention (probs may be scores, dscores may be probs or dprobs, y may be x) ------
   void DoCausalSoftmaxForward(const Tensor& scores, const Tensor& q_pos, const Tensor& k_pos,
-                              double scale, Tensor& probs) override;
+                              double scale, Tensor& probs, Tensor* lse) override;
+  void DoCausalSoftmaxFromLse(const Tensor& scores, const Tensor& lse, const Tensor& q_pos,
+                              const Tensor& k_pos, double scale, Tensor& probs) override;
   void DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, const Tensor& q_pos,
-                               const Tensor& k_pos, double scale, Tensor& dscores) override;
+                               const Tensor& k_pos, double scale, Tensor& dscores,
+                               const Tensor* row_dot) override;
+  void DoRowDot(const Tensor& a, const Tensor& b, Tensor& out) override;
+  void DoLseMerge(Tensor& out, Tensor& lse, const Tensor& part, const Tensor& part_lse) override;
   void DoRope(const Tensor& x, const Tensor& pos, double base, int64_t dim, bool inverse,
               Tensor& y) override;
 

@@ -126,17 +126,40 @@ void LaunchNormBackward(const T* x, const T* weight, const ComputeOf<T>* mean,
 // when k_pos[k] <= q, z = scale * s: probs = round(exp(z - m) / sum_visible exp(z_k - m)) for
 // visible k (m the max over them), +0 for the others (a row that sees none is all +0). probs
 // may be scores. The positions are int64 device arrays.
+// With lse non-null also lse[row] = m + log(sum), -inf for a row that sees no key.
 template <typename T>
 void LaunchCausalSoftmaxForward(const T* scores, const int64_t* q_pos, int64_t sq,
                                 const int64_t* k_pos, int64_t rows, int64_t kv,
+                                ComputeOf<T> scale, T* probs, ComputeOf<T>* lse,
+                                cudaStream_t stream);
+
+// One thread per element of scores [rows, kv]: probs = round(exp(scale * s - lse[row])) for
+// visible k, +0 for the others and for a row whose lse is -inf. probs may be scores.
+template <typename T>
+void LaunchCausalSoftmaxFromLse(const T* scores, const ComputeOf<T>* lse, const int64_t* q_pos,
+                                int64_t sq, const int64_t* k_pos, int64_t rows, int64_t kv,
                                 ComputeOf<T> scale, T* probs, cudaStream_t stream);
 
-// One block per row: dscores = round(scale * (p * (dp - sum_visible p dp))) for visible k, +0
-// for the others. dscores may be probs or dprobs.
+// One block per row: dscores = round(scale * (p * (dp - dot))) for visible k, +0 for the
+// others, dot = sum_visible p dp, or row_dot[row] when row_dot is non-null. dscores may be
+// probs or dprobs.
 template <typename T>
 void LaunchCausalSoftmaxBackward(const T* probs, const T* dprobs, const int64_t* q_pos,
                                  int64_t sq, const int64_t* k_pos, int64_t rows, int64_t kv,
-                                 ComputeOf<T> scale, T* dscores, cudaStream_t stream);
+                                 ComputeOf<T> scale, const ComputeOf<T>* row_dot, T* dscores,
+                                 cudaStream_t stream);
+
+// One block per row of a, b [rows, cols]: out[row] = sum_c a b in ComputeOf<T>.
+template <typename T>
+void LaunchRowDot(const T* a, const T* b, int64_t rows, int64_t cols, ComputeOf<T>* out,
+                  cudaStream_t stream);
+
+// One block per row of out, part [rows, d] (core/kernels.h LseMerge): n = log(exp(lse) +
+// exp(part_lse)) taken around their max, out = round(out exp(lse - n) + part exp(part_lse -
+// n)), lse = n; a part_lse of -inf leaves the row, a lse of -inf takes the part.
+template <typename T>
+void LaunchLseMerge(T* out, ComputeOf<T>* lse, const T* part, const ComputeOf<T>* part_lse,
+                    int64_t rows, int64_t d, cudaStream_t stream);
 
 // One thread per rotated pair (row r, i < dim/2) of x [rows, d]: theta = pos[r % sq] *
 // base^(-2i/dim) in double, c = cos theta and s = +-sin theta (- when inverse) rounded to

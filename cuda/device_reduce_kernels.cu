@@ -26,6 +26,8 @@ namespace {
 
 __device__ inline float Exp(float x) { return expf(x); }
 __device__ inline double Exp(double x) { return exp(x); }
+__device__ inline float Log(float x) { return logf(x); }
+__device__ inline double Log(double x) { return log(x); }
 
 struct MaxOp {
   template <typename T>
@@ -131,7 +133,8 @@ __global__ void NormRowsBackwardKernel(const T* x, const T* weight, const Comput
 template <typename T>
 __global__ void CausalSoftmaxForwardKernel(const T* scores, const int64_t* q_pos, int64_t sq,
                                            const int64_t* k_pos, int64_t rows, int64_t kv,
-                                           ComputeOf<T> scale, ComputeOf<T> lowest, T* probs) {
+                                           ComputeOf<T> scale, ComputeOf<T> lowest, T* probs,
+                                           ComputeOf<T>* lse) {
   using C = ComputeOf<T>;
   __shared__ C buf[kBlock];
   for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
@@ -153,13 +156,32 @@ __global__ void CausalSoftmaxForwardKernel(const T* scores, const int64_t* q_pos
       // sees no key (its sum is 0, and no exponential is taken).
       out[k] = k_pos[k] <= q ? Store<T>(Exp(scale * Load(row[k]) - m) / sum) : T{};
     }
+    // A row that sees no key has m = -inf and sum = 0: its lse is -inf (m), without a log.
+    if (lse != nullptr && threadIdx.x == 0) lse[i] = sum > 0 ? m + Log(sum) : m;
+  }
+}
+
+template <typename T>
+__global__ void CausalSoftmaxFromLseKernel(const T* scores, const ComputeOf<T>* lse,
+                                           const int64_t* q_pos, int64_t sq,
+                                           const int64_t* k_pos, int64_t rows, int64_t kv,
+                                           ComputeOf<T> scale, ComputeOf<T> none, T* probs) {
+  using C = ComputeOf<T>;
+  const int64_t n = rows * kv;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = e / kv, k = e % kv;
+    const C l = lse[i];
+    probs[e] = l != none && k_pos[k] <= q_pos[i % sq] ? Store<T>(Exp(scale * Load(scores[e]) - l))
+                                                      : T{};
   }
 }
 
 template <typename T>
 __global__ void CausalSoftmaxBackwardKernel(const T* probs, const T* dprobs, const int64_t* q_pos,
                                             int64_t sq, const int64_t* k_pos, int64_t rows,
-                                            int64_t kv, ComputeOf<T> scale, T* dscores) {
+                                            int64_t kv, ComputeOf<T> scale,
+                                            const ComputeOf<T>* row_dot, T* dscores) {
   using C = ComputeOf<T>;
   __shared__ C buf[kBlock];
   for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
@@ -167,14 +189,60 @@ __global__ void CausalSoftmaxBackwardKernel(const T* probs, const T* dprobs, con
     const T* dp = dprobs + i * kv;
     const int64_t q = q_pos[i % sq];
     C dot = 0;
-    for (int64_t k = threadIdx.x; k < kv; k += kBlock) {
-      if (k_pos[k] <= q) dot += Load(p[k]) * Load(dp[k]);
+    if (row_dot == nullptr) {
+      for (int64_t k = threadIdx.x; k < kv; k += kBlock) {
+        if (k_pos[k] <= q) dot += Load(p[k]) * Load(dp[k]);
+      }
     }
+    // Every thread of the block reaches the barrier either way.
     dot = BlockReduce(dot, buf, SumOp());
+    if (row_dot != nullptr) dot = row_dot[i];
     T* out = dscores + i * kv;
     for (int64_t k = threadIdx.x; k < kv; k += kBlock) {
       out[k] = k_pos[k] <= q ? Store<T>(scale * (Load(p[k]) * (Load(dp[k]) - dot))) : T{};
     }
+  }
+}
+
+// --- context parallelism's ring: row dots and the log-sum-exp merge ------------------
+
+template <typename T>
+__global__ void RowDotKernel(const T* a, const T* b, int64_t rows, int64_t cols,
+                             ComputeOf<T>* out) {
+  using C = ComputeOf<T>;
+  __shared__ C buf[kBlock];
+  for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
+    C sum = 0;
+    for (int64_t j = threadIdx.x; j < cols; j += kBlock) {
+      sum += Load(a[i * cols + j]) * Load(b[i * cols + j]);
+    }
+    sum = BlockReduce(sum, buf, SumOp());
+    if (threadIdx.x == 0) out[i] = sum;
+  }
+}
+
+template <typename T>
+__global__ void LseMergeKernel(T* out, ComputeOf<T>* lse, const T* part,
+                               const ComputeOf<T>* part_lse, int64_t rows, int64_t d,
+                               ComputeOf<T> none) {
+  using C = ComputeOf<T>;
+  for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
+    const C l = lse[i], pl = part_lse[i];
+    if (pl == none) continue;  // the block showed this row no key
+    C keep = 0, take = 1, n = pl;
+    if (l != none) {
+      const C hi = l > pl ? l : pl;
+      n = hi + Log(Exp(l - hi) + Exp(pl - hi));
+      keep = Exp(l - n);
+      take = Exp(pl - n);
+    }
+    for (int64_t j = threadIdx.x; j < d; j += kBlock) {
+      const C o = l == none ? C(0) : Load(out[i * d + j]);
+      out[i * d + j] = Store<T>(o * keep + Load(part[i * d + j]) * take);
+    }
+    // Every thread has read lse[i] before the block's first thread writes it.
+    __syncthreads();
+    if (threadIdx.x == 0) lse[i] = n;
   }
 }
 
@@ -273,23 +341,56 @@ void LaunchNormBackward(const T* x, const T* weight, const ComputeOf<T>* mean,
 template <typename T>
 void LaunchCausalSoftmaxForward(const T* scores, const int64_t* q_pos, int64_t sq,
                                 const int64_t* k_pos, int64_t rows, int64_t kv,
-                                ComputeOf<T> scale, T* probs, cudaStream_t stream) {
+                                ComputeOf<T> scale, T* probs, ComputeOf<T>* lse,
+                                cudaStream_t stream) {
   if (rows <= 0 || kv <= 0) return;
   const ComputeOf<T> lowest = -static_cast<ComputeOf<T>>(INFINITY);
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, kMaxBlocks));
   CausalSoftmaxForwardKernel<T><<<grid, kBlock, 0, stream>>>(scores, q_pos, sq, k_pos, rows, kv,
-                                                             scale, lowest, probs);
+                                                             scale, lowest, probs, lse);
+  MPUSIM_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+void LaunchCausalSoftmaxFromLse(const T* scores, const ComputeOf<T>* lse, const int64_t* q_pos,
+                                int64_t sq, const int64_t* k_pos, int64_t rows, int64_t kv,
+                                ComputeOf<T> scale, T* probs, cudaStream_t stream) {
+  const int64_t n = rows * kv;
+  if (n <= 0) return;
+  const ComputeOf<T> none = -static_cast<ComputeOf<T>>(INFINITY);
+  CausalSoftmaxFromLseKernel<T><<<GridFor(n), kBlock, 0, stream>>>(scores, lse, q_pos, sq, k_pos,
+                                                                  rows, kv, scale, none, probs);
   MPUSIM_CUDA_CHECK(cudaGetLastError());
 }
 
 template <typename T>
 void LaunchCausalSoftmaxBackward(const T* probs, const T* dprobs, const int64_t* q_pos,
                                  int64_t sq, const int64_t* k_pos, int64_t rows, int64_t kv,
-                                 ComputeOf<T> scale, T* dscores, cudaStream_t stream) {
+                                 ComputeOf<T> scale, const ComputeOf<T>* row_dot, T* dscores,
+                                 cudaStream_t stream) {
   if (rows <= 0 || kv <= 0) return;
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, kMaxBlocks));
   CausalSoftmaxBackwardKernel<T><<<grid, kBlock, 0, stream>>>(probs, dprobs, q_pos, sq, k_pos,
-                                                              rows, kv, scale, dscores);
+                                                              rows, kv, scale, row_dot, dscores);
+  MPUSIM_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+void LaunchRowDot(const T* a, const T* b, int64_t rows, int64_t cols, ComputeOf<T>* out,
+                  cudaStream_t stream) {
+  if (rows <= 0) return;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, kMaxBlocks));
+  RowDotKernel<T><<<grid, kBlock, 0, stream>>>(a, b, rows, cols, out);
+  MPUSIM_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+void LaunchLseMerge(T* out, ComputeOf<T>* lse, const T* part, const ComputeOf<T>* part_lse,
+                    int64_t rows, int64_t d, cudaStream_t stream) {
+  if (rows <= 0 || d <= 0) return;
+  const ComputeOf<T> none = -static_cast<ComputeOf<T>>(INFINITY);
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, kMaxBlocks));
+  LseMergeKernel<T><<<grid, kBlock, 0, stream>>>(out, lse, part, part_lse, rows, d, none);
   MPUSIM_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -335,11 +436,17 @@ void LaunchCrossEntropyBackward(const T* logits, const ComputeOf<T>* row_max,
   template void LaunchNormForward<T>(const T*, const T*, const T*, int64_t, int64_t, C, T*,  \
                                      C*, C*, cudaStream_t);                                  \
   template void LaunchCausalSoftmaxForward<T>(const T*, const int64_t*, int64_t,             \
+                                              const int64_t*, int64_t, int64_t, C, T*, C*,   \
+                                              cudaStream_t);                                 \
+  template void LaunchCausalSoftmaxFromLse<T>(const T*, const C*, const int64_t*, int64_t,   \
                                               const int64_t*, int64_t, int64_t, C, T*,       \
                                               cudaStream_t);                                 \
   template void LaunchCausalSoftmaxBackward<T>(const T*, const T*, const int64_t*, int64_t,  \
-                                               const int64_t*, int64_t, int64_t, C, T*,      \
-                                               cudaStream_t);                                \
+                                               const int64_t*, int64_t, int64_t, C,          \
+                                               const C*, T*, cudaStream_t);                  \
+  template void LaunchRowDot<T>(const T*, const T*, int64_t, int64_t, C*, cudaStream_t);     \
+  template void LaunchLseMerge<T>(T*, C*, const T*, const C*, int64_t, int64_t,              \
+                                  cudaStream_t);                                             \
   template void LaunchRowMax<T>(const T*, int64_t, int64_t, C*, cudaStream_t);               \
   template void LaunchCrossEntropyPartials<T>(const T*, const C*, const int64_t*, int64_t,   \
                                               int64_t, int64_t, C*, C*, C*, cudaStream_t);   \

@@ -166,10 +166,11 @@ class VisibleKeys {
 }  // namespace
 
 void EigenKernels::DoCausalSoftmaxForward(const Tensor& scores, const Tensor& q_pos,
-                                          const Tensor& k_pos, double scale, Tensor& probs) {
+                                          const Tensor& k_pos, double scale, Tensor& probs,
+                                          Tensor* lse) {
   if (IsHalf(scores.dtype())) {
     Tensor sf = Widened(scores, *cache_);
-    DoCausalSoftmaxForward(sf, q_pos, k_pos, scale, sf);
+    DoCausalSoftmaxForward(sf, q_pos, k_pos, scale, sf, lse);  // lse is float32
     StoreRounded(sf, probs);
     return;
   }
@@ -178,13 +179,16 @@ void EigenKernels::DoCausalSoftmaxForward(const Tensor& scores, const Tensor& q_
   Dispatch(scores.dtype(), [&]<typename T>() {
     const auto ss = MatrixOf<T>(scores);
     auto ps = MatrixOf<T>(probs);
+    T* ls = lse != nullptr ? lse->data_as<T>() : nullptr;
     const T c = static_cast<T>(scale);
+    constexpr T kNone = -std::numeric_limits<T>::infinity();
     for (int64_t r = 0; r < Rows(scores); ++r) {
       // The max and the sum are taken first, then the row is written (probs may be scores).
       const int64_t visible = keys.Prefix(r);
       if (visible >= 0) {
         if (visible == 0) {
           ps.row(r).setZero();
+          if (ls != nullptr) ls[r] = kNone;
           continue;
         }
         const auto z = ss.row(r).head(visible).array() * c;
@@ -192,10 +196,11 @@ void EigenKernels::DoCausalSoftmaxForward(const Tensor& scores, const Tensor& q_
         const T sum = (z - m).exp().sum();
         ps.row(r).head(visible).array() = (z - m).exp() / sum;
         ps.row(r).tail(kv - visible).setZero();
+        if (ls != nullptr) ls[r] = m + std::log(sum);
         continue;
       }
       const int64_t q = keys.query(r);
-      T m = -std::numeric_limits<T>::infinity();
+      T m = kNone;
       bool any = false;
       for (int64_t j = 0; j < kv; ++j) {
         if (keys.Sees(q, j)) {
@@ -210,16 +215,45 @@ void EigenKernels::DoCausalSoftmaxForward(const Tensor& scores, const Tensor& q_
       for (int64_t j = 0; j < kv; ++j) {
         ps(r, j) = any && keys.Sees(q, j) ? std::exp(ss(r, j) * c - m) / sum : T(0);
       }
+      if (ls != nullptr) ls[r] = any ? m + std::log(sum) : kNone;
+    }
+  });
+}
+
+void EigenKernels::DoCausalSoftmaxFromLse(const Tensor& scores, const Tensor& lse,
+                                          const Tensor& q_pos, const Tensor& k_pos,
+                                          double scale, Tensor& probs) {
+  if (IsHalf(scores.dtype())) {
+    Tensor sf = Widened(scores, *cache_);
+    DoCausalSoftmaxFromLse(sf, lse, q_pos, k_pos, scale, sf);
+    StoreRounded(sf, probs);
+    return;
+  }
+  const VisibleKeys keys(q_pos, k_pos);
+  const int64_t kv = keys.columns();
+  Dispatch(scores.dtype(), [&]<typename T>() {
+    const auto ss = MatrixOf<T>(scores);
+    auto ps = MatrixOf<T>(probs);
+    const T* ls = lse.data_as<T>();
+    const T c = static_cast<T>(scale);
+    for (int64_t r = 0; r < Rows(scores); ++r) {
+      const int64_t q = keys.query(r);
+      const T l = ls[r];
+      const bool seen = l != -std::numeric_limits<T>::infinity();
+      for (int64_t j = 0; j < kv; ++j) {
+        ps(r, j) = seen && keys.Sees(q, j) ? std::exp(ss(r, j) * c - l) : T(0);
+      }
     }
   });
 }
 
 void EigenKernels::DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs,
                                            const Tensor& q_pos, const Tensor& k_pos,
-                                           double scale, Tensor& dscores) {
+                                           double scale, Tensor& dscores,
+                                           const Tensor* row_dot) {
   if (IsHalf(probs.dtype())) {
     Tensor dpf = Widened(dprobs, *cache_);
-    DoCausalSoftmaxBackward(Widened(probs, *cache_), dpf, q_pos, k_pos, scale, dpf);
+    DoCausalSoftmaxBackward(Widened(probs, *cache_), dpf, q_pos, k_pos, scale, dpf, row_dot);
     StoreRounded(dpf, dscores);
     return;
   }
@@ -229,25 +263,74 @@ void EigenKernels::DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dp
     const auto ps = MatrixOf<T>(probs);
     const auto dps = MatrixOf<T>(dprobs);
     auto ds = MatrixOf<T>(dscores);
+    const T* given = row_dot != nullptr ? row_dot->data_as<T>() : nullptr;
     const T c = static_cast<T>(scale);
     for (int64_t r = 0; r < Rows(probs); ++r) {
       const int64_t visible = keys.Prefix(r);
       if (visible >= 0) {
         const auto p = ps.row(r).head(visible).array();
         const auto dp = dps.row(r).head(visible).array();
-        const T dot = (p * dp).sum();  // before the row is written (dscores may alias)
+        // Before the row is written (dscores may alias).
+        const T dot = given != nullptr ? given[r] : (p * dp).sum();
         ds.row(r).head(visible).array() = c * (p * (dp - dot));
         ds.row(r).tail(kv - visible).setZero();
         continue;
       }
       const int64_t q = keys.query(r);
       T dot = 0;
-      for (int64_t j = 0; j < kv; ++j) {
-        if (keys.Sees(q, j)) dot += ps(r, j) * dps(r, j);
+      if (given != nullptr) {
+        dot = given[r];
+      } else {
+        for (int64_t j = 0; j < kv; ++j) {
+          if (keys.Sees(q, j)) dot += ps(r, j) * dps(r, j);
+        }
       }
       for (int64_t j = 0; j < kv; ++j) {
         ds(r, j) = keys.Sees(q, j) ? c * (ps(r, j) * (dps(r, j) - dot)) : T(0);
       }
+    }
+  });
+}
+
+void EigenKernels::DoRowDot(const Tensor& a, const Tensor& b, Tensor& out) {
+  if (IsHalf(a.dtype())) {
+    DoRowDot(Widened(a, *cache_), Widened(b, *cache_), out);  // out is float32
+    return;
+  }
+  Dispatch(a.dtype(), [&]<typename T>() {
+    const auto as = MatrixOf<T>(a);
+    const auto bs = MatrixOf<T>(b);
+    T* o = out.data_as<T>();
+    for (int64_t r = 0; r < Rows(a); ++r) o[r] = (as.row(r).array() * bs.row(r).array()).sum();
+  });
+}
+
+void EigenKernels::DoLseMerge(Tensor& out, Tensor& lse, const Tensor& part,
+                              const Tensor& part_lse) {
+  if (IsHalf(out.dtype())) {
+    Tensor of = Widened(out, *cache_);
+    DoLseMerge(of, lse, Widened(part, *cache_), part_lse);
+    StoreRounded(of, out);
+    return;
+  }
+  Dispatch(out.dtype(), [&]<typename T>() {
+    auto os = MatrixOf<T>(out);
+    const auto parts = MatrixOf<T>(part);
+    T* l = lse.data_as<T>();
+    const T* pl = part_lse.data_as<T>();
+    constexpr T kNone = -std::numeric_limits<T>::infinity();
+    for (int64_t r = 0; r < Rows(out); ++r) {
+      if (pl[r] == kNone) continue;  // the block showed this row no key
+      if (l[r] == kNone) {
+        os.row(r) = parts.row(r);
+        l[r] = pl[r];
+        continue;
+      }
+      const T hi = std::max(l[r], pl[r]);
+      const T n = hi + std::log(std::exp(l[r] - hi) + std::exp(pl[r] - hi));
+      os.row(r).array() =
+          os.row(r).array() * std::exp(l[r] - n) + parts.row(r).array() * std::exp(pl[r] - n);
+      l[r] = n;
     }
   });
 }

@@ -1368,6 +1368,86 @@ TYPED_TEST(CudaKernelsModelTest, CausalSoftmaxForwardBackward) {
   }
 }
 
+// Context parallelism's p2p ring kernels against the CPU's on the same inputs: the softmax's
+// log-sum-exp, a block's share of the full softmax from it, the backward with a given row
+// dot, RowDot and LseMerge (rows of a ring step that see no key of the block included).
+TYPED_TEST(CudaKernelsModelTest, RingKernelsMatchTheCpu) {
+  using T = TypeParam;
+  const DType dt = kDType<T>;
+  const DType ct = ComputeDType(dt);
+  CudaKernels& gpu = *this->gpu_;
+  // A ring step (rows 0-9 of each head see no key), and the cp rank 0 of 2 case above.
+  std::vector<int64_t> q = Arange(0, 150);
+  for (int64_t p : Arange(450, 600)) q.push_back(p);
+  struct Case {
+    int64_t rows;
+    std::vector<int64_t> q, k;
+  };
+  for (const Case& c : {Case{40, Arange(0, 20), Arange(10, 30)}, Case{600, q, Arange(150, 450)}}) {
+    const int64_t rows = c.rows, kv = static_cast<int64_t>(c.k.size()), d = 5;
+    SCOPED_TRACE(fmt::format("{} rows, {} keys", rows, kv));
+    const Tensor cpu_q = Ids(c.q), cpu_k = Ids(c.k);
+    const Tensor gpu_q = this->DevIds(c.q), gpu_k = this->DevIds(c.k);
+    const double scale = 0.35;
+    std::vector<double> sv = Reals(340, rows * kv);
+    for (double& v : sv) v *= 6;
+    // The softmax with its lse.
+    Tensor cpu_p = this->cpu_.Zeros({rows, kv}, dt), cpu_lse = this->cpu_.Zeros({rows}, ct);
+    this->cpu_.CausalSoftmaxForward(this->Host({rows, kv}, sv), cpu_q, cpu_k, scale, cpu_p,
+                                    &cpu_lse);
+    Tensor gpu_p = gpu.Zeros({rows, kv}, dt), gpu_lse = gpu.Zeros({rows}, ct);
+    gpu.CausalSoftmaxForward(this->Dev({rows, kv}, sv), gpu_q, gpu_k, scale, gpu_p, &gpu_lse);
+    EXPECT_TRUE(MatchesCpu<T>("probs", this->Values(gpu_p), ValuesOf(cpu_p)));
+    const std::vector<double> gl = this->Values(gpu_lse), cl = ValuesOf(cpu_lse);
+    int64_t unseen = 0;
+    for (size_t r = 0; r < cl.size(); ++r) {
+      if (std::isinf(cl[r])) {
+        ++unseen;
+        EXPECT_EQ(gl[r], cl[r]) << "row " << r;
+      } else {
+        EXPECT_NEAR(gl[r], cl[r], 1e-5 * (1 + std::fabs(cl[r]))) << "row " << r;
+      }
+    }
+    EXPECT_EQ(unseen > 0, rows == 40);  // the ring step's early rows see no key
+    // A block's share from a larger lse (as if the row had more keys elsewhere).
+    std::vector<double> bigger = cl;
+    for (double& l : bigger) l = std::isinf(l) ? l : l + 0.5;
+    Tensor cpu_share = this->cpu_.Zeros({rows, kv}, dt), gpu_share = gpu.Zeros({rows, kv}, dt);
+    this->cpu_.CausalSoftmaxFromLse(this->Host({rows, kv}, sv), MakeOf(ct, {rows}, bigger),
+                                    cpu_q, cpu_k, scale, cpu_share);
+    gpu.CausalSoftmaxFromLse(this->Dev({rows, kv}, sv), this->Dev({rows}, bigger, ct), gpu_q,
+                             gpu_k, scale, gpu_share);
+    EXPECT_TRUE(MatchesCpu<T>("share", this->Values(gpu_share), ValuesOf(cpu_share)));
+    // The backward with a given row dot, and RowDot itself.
+    const std::vector<double> dpv = Reals(341, rows * kv);
+    Tensor cpu_dot = this->cpu_.Zeros({rows}, ct), gpu_dot = gpu.Zeros({rows}, ct);
+    this->cpu_.RowDot(cpu_p, this->Host({rows, kv}, dpv), cpu_dot);
+    gpu.RowDot(gpu.ToDevice(cpu_p), this->Dev({rows, kv}, dpv), gpu_dot);
+    EXPECT_TRUE(TensorsNear("row dot", this->Values(gpu_dot), ValuesOf(cpu_dot), 1e-5, 1e-5));
+    std::vector<double> dots = ValuesOf(cpu_dot);
+    for (double& v : dots) v += 0.25;  // not the block's own sum
+    Tensor cpu_ds = this->cpu_.Zeros({rows, kv}, dt), gpu_ds = gpu.Zeros({rows, kv}, dt);
+    const Tensor cpu_dots = MakeOf(ct, {rows}, dots);
+    this->cpu_.CausalSoftmaxBackward(cpu_p, this->Host({rows, kv}, dpv), cpu_q, cpu_k, scale,
+                                     cpu_ds, &cpu_dots);
+    const Tensor gpu_dots = this->Dev({rows}, dots, ct);
+    gpu.CausalSoftmaxBackward(gpu.ToDevice(cpu_p), this->Dev({rows, kv}, dpv), gpu_q, gpu_k,
+                              scale, gpu_ds, &gpu_dots);
+    EXPECT_TRUE(MatchesCpu<T>("dscores with a row dot", this->Values(gpu_ds), ValuesOf(cpu_ds)));
+    // LseMerge of a part into a running output, rows with either lse -inf included.
+    const std::vector<double> ov = Reals(342, rows * d), pv = Reals(343, rows * d);
+    std::vector<double> run_lse = Reals(344, rows), part_lse = Reals(345, rows);
+    run_lse[0] = -INFINITY;
+    part_lse[1] = -INFINITY;
+    Tensor cpu_out = this->Host({rows, d}, ov), cpu_l = MakeOf(ct, {rows}, run_lse);
+    this->cpu_.LseMerge(cpu_out, cpu_l, this->Host({rows, d}, pv), MakeOf(ct, {rows}, part_lse));
+    Tensor gpu_out = this->Dev({rows, d}, ov), gpu_l = this->Dev({rows}, run_lse, ct);
+    gpu.LseMerge(gpu_out, gpu_l, this->Dev({rows, d}, pv), this->Dev({rows}, part_lse, ct));
+    EXPECT_TRUE(MatchesCpu<T>("merged output", this->Values(gpu_out), ValuesOf(cpu_out)));
+    EXPECT_TRUE(TensorsNear("merged lse", this->Values(gpu_l), ValuesOf(cpu_l), 1e-5, 1e-5));
+  }
+}
+
 TYPED_TEST(CudaKernelsModelTest, Rope) {
   using T = TypeParam;
   const DType dt = kDType<T>;

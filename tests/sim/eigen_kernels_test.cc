@@ -1360,7 +1360,6 @@ bool Sees(const AttentionPositions& c, int64_t r, int64_t j) {
   return c.k[static_cast<size_t>(j)] <= c.q[static_cast<size_t>(r) % c.q.size()];
 }
 
-// The causal softmax of every row in float64.
 // `call` throws std::invalid_argument whose message holds `expected`.
 template <typename Call>
 void ExpectRefused(Call&& call, const std::string& expected) {
@@ -1372,6 +1371,7 @@ void ExpectRefused(Call&& call, const std::string& expected) {
   }
 }
 
+// The causal softmax of every row in float64.
 std::vector<double> NaiveCausalSoftmax(const std::vector<double>& s, int64_t rows,
                                        const AttentionPositions& c, double scale) {
   const auto kv = static_cast<int64_t>(c.k.size());
@@ -1527,6 +1527,188 @@ TYPED_TEST(EigenKernelsModelTest, CausalSoftmaxBackward) {
 // Rotary embedding of the first `dim` of d columns in float64: theta = p / base^(2i/dim) for
 // row r's position p = pos[r % pos.size()], cos and sin unrounded, the other columns copied;
 // `scale` gets the magnitudes |x c| + |x' s| of each result's terms.
+// Context parallelism's p2p ring: a row's keys come in blocks. Each block's softmax with its
+// log-sum-exp (CausalSoftmaxForward with lse), merged by LseMerge, gives the attention output
+// and the log-sum-exp of all the keys; CausalSoftmaxFromLse gives a block's share of the full
+// softmax; CausalSoftmaxBackward with the full row's RowDot gives the full backward's
+// columns of the block. Against float64 loops, for every position case, the keys in two
+// blocks (rows of the ring step see no key of the first).
+TYPED_TEST(EigenKernelsModelTest, RingBlocksMergeToTheFullSoftmax) {
+  using T = TypeParam;
+  constexpr DType dt = kDType<T>;
+  const DType ct = ComputeDType(dt);
+  const double scale = 0.35;
+  const int64_t d = 3;  // channels of the values
+  for (const AttentionPositions& c : PositionCases()) {
+    SCOPED_TRACE(c.name);
+    const auto sq = static_cast<int64_t>(c.q.size()), kv = static_cast<int64_t>(c.k.size());
+    const int64_t rows = kHeads * sq, half = kv / 2;
+    // Scores as stored (rounded to T), so that the float64 truths see what the kernels see.
+    const std::vector<double> sv = ValuesOf(Make<T>({rows * kv}, Reals(170, rows * kv, -6, 6)));
+    const std::vector<double> vv = Reals(171, kv * d, -1, 1);
+    const std::vector<double> dpv = Reals(172, rows * kv, -2, 2);
+    const std::vector<double> full = NaiveCausalSoftmax(sv, rows, c, scale);
+    // float64 truths: each row's lse over all its keys (-inf when none), out = P V, and the
+    // backward's row dot sum_j P dP.
+    std::vector<double> lse(static_cast<size_t>(rows), -INFINITY);
+    std::vector<double> out(static_cast<size_t>(rows * d), 0.0);
+    std::vector<double> dot(static_cast<size_t>(rows), 0.0);
+    for (int64_t r = 0; r < rows; ++r) {
+      double m = -INFINITY;
+      for (int64_t j = 0; j < kv; ++j) {
+        if (Sees(c, r, j)) m = std::max(m, scale * sv[static_cast<size_t>(r * kv + j)]);
+      }
+      double sum = 0;
+      for (int64_t j = 0; j < kv; ++j) {
+        if (!Sees(c, r, j)) continue;
+        const auto e = static_cast<size_t>(r * kv + j);
+        sum += std::exp(scale * sv[e] - m);
+        dot[static_cast<size_t>(r)] += full[e] * dpv[e];
+        for (int64_t x = 0; x < d; ++x) {
+          out[static_cast<size_t>(r * d + x)] += full[e] * vv[static_cast<size_t>(j * d + x)];
+        }
+      }
+      if (sum > 0) lse[static_cast<size_t>(r)] = m + std::log(sum);
+    }
+    // The blocks: columns [0, half) and [half, kv) of scores, dprobs and the full softmax.
+    const auto columns = [&](const std::vector<double>& v, int64_t begin, int64_t end) {
+      std::vector<double> block;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t j = begin; j < end; ++j) block.push_back(v[static_cast<size_t>(r * kv + j)]);
+      }
+      return block;
+    };
+    Tensor merged = this->k_.Zeros({rows, d}, dt);
+    // Each block's stored partial output and lse, for the merge's own formula.
+    std::vector<std::pair<std::vector<double>, std::vector<double>>> parts;
+    // The running output starts empty: every row's lse -inf.
+    Tensor merged_lse = MakeOf(ct, {rows}, std::vector<double>(static_cast<size_t>(rows), -INFINITY));
+    for (const auto& [begin, end] : {std::pair<int64_t, int64_t>{0, half}, {half, kv}}) {
+      const int64_t w = end - begin;
+      const AttentionPositions block_case{
+          c.name, c.q, std::vector<int64_t>(c.k.begin() + begin, c.k.begin() + end)};
+      const Tensor k_pos = Ids(block_case.k), q_pos = Ids(c.q);
+      const Tensor scores = Make<T>({rows, w}, columns(sv, begin, end));
+      // The block's own softmax and lse.
+      Tensor probs = this->k_.Zeros({rows, w}, dt);
+      Tensor block_lse = this->k_.Zeros({rows}, ct);
+      this->k_.CausalSoftmaxForward(scores, q_pos, k_pos, scale, probs, &block_lse);
+      const std::vector<double> pb = ValuesOf(probs), lb = ValuesOf(block_lse);
+      const std::vector<double> stored = ValuesOf(scores);
+      EXPECT_TRUE(OpNear<T>("block softmax", pb,
+                            NaiveCausalSoftmax(ValuesOf(scores), rows, block_case, scale), pb));
+      for (int64_t r = 0; r < rows; ++r) {
+        double m = -INFINITY, sum = 0;
+        const auto at = [&](int64_t j) { return stored[static_cast<size_t>(r * w + j)]; };
+        for (int64_t j = 0; j < w; ++j) {
+          if (Sees(block_case, r, j)) m = std::max(m, scale * at(j));
+        }
+        for (int64_t j = 0; j < w; ++j) {
+          if (Sees(block_case, r, j)) sum += std::exp(scale * at(j) - m);
+        }
+        const double want = sum > 0 ? m + std::log(sum) : -INFINITY;
+        if (std::isinf(want)) {
+          EXPECT_EQ(lb[static_cast<size_t>(r)], want) << "row " << r << " sees no key of the block";
+        } else {
+          EXPECT_NEAR(lb[static_cast<size_t>(r)], want, 4 * kArith<T> * (1 + std::fabs(want)))
+              << "row " << r;
+        }
+      }
+      // The block's partial output P_b V_b, in float64 from the stored probabilities.
+      std::vector<double> part(static_cast<size_t>(rows * d), 0.0);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t j = 0; j < w; ++j) {
+          for (int64_t x = 0; x < d; ++x) {
+            part[static_cast<size_t>(r * d + x)] +=
+                pb[static_cast<size_t>(r * w + j)] * vv[static_cast<size_t>((begin + j) * d + x)];
+          }
+        }
+      }
+      const Tensor part_stored = Make<T>({rows, d}, part);
+      parts.push_back({ValuesOf(part_stored), lb});
+      this->k_.LseMerge(merged, merged_lse, part_stored, block_lse);
+      // The full softmax's share in this block, from the full lse.
+      Tensor full_lse = MakeOf(ct, {rows}, lse);
+      Tensor share = this->k_.Zeros({rows, w}, dt);
+      this->k_.CausalSoftmaxFromLse(scores, full_lse, q_pos, k_pos, scale, share);
+      const std::vector<double> want_share = columns(full, begin, end);
+      EXPECT_TRUE(OpNear<T>("share of the full softmax", ValuesOf(share), want_share, want_share));
+      // The full backward's columns of this block, with the full row dot.
+      const Tensor p_full = Make<T>({rows, w}, want_share);
+      const Tensor dprobs = Make<T>({rows, w}, columns(dpv, begin, end));
+      Tensor row_dot = MakeOf(ct, {rows}, dot);
+      Tensor dscores = this->k_.Zeros({rows, w}, dt);
+      this->k_.CausalSoftmaxBackward(p_full, dprobs, q_pos, k_pos, scale, dscores, &row_dot);
+      const std::vector<double> pf = ValuesOf(p_full), dp = ValuesOf(dprobs);
+      std::vector<double> want_ds(pf.size(), 0.0), bound(pf.size(), 0.0);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t j = 0; j < w; ++j) {
+          if (!Sees(block_case, r, j)) continue;
+          const auto e = static_cast<size_t>(r * w + j);
+          want_ds[e] = scale * pf[e] * (dp[e] - dot[static_cast<size_t>(r)]);
+          bound[e] = scale * pf[e] * (std::fabs(dp[e]) + std::fabs(dot[static_cast<size_t>(r)]));
+        }
+      }
+      EXPECT_TRUE(OpNear<T>("block backward with the row dot", ValuesOf(dscores), want_ds, bound));
+    }
+    // Merged over both blocks: LseMerge's formula on the stored parts (one rounding), and in
+    // float32 and float64 the full attention output itself.
+    const std::vector<double> mo = ValuesOf(merged), ml = ValuesOf(merged_lse);
+    std::vector<double> formula(out.size(), 0.0), magnitude(out.size(), 0.0);
+    for (int64_t r = 0; r < rows; ++r) {
+      const double la = parts[0].second[static_cast<size_t>(r)];
+      const double lb = parts[1].second[static_cast<size_t>(r)];
+      const double n = std::isinf(la) && std::isinf(lb) ? -INFINITY
+                       : std::isinf(la)                 ? lb
+                       : std::isinf(lb)                 ? la
+                                        : std::max(la, lb) + std::log(std::exp(la - std::max(la, lb)) +
+                                                                      std::exp(lb - std::max(la, lb)));
+      for (int64_t x = 0; x < d; ++x) {
+        const auto e = static_cast<size_t>(r * d + x);
+        const double a_part = std::isinf(la) ? 0.0 : parts[0].first[e] * std::exp(la - n);
+        const double b_part = std::isinf(lb) ? 0.0 : parts[1].first[e] * std::exp(lb - n);
+        formula[e] = a_part + b_part;
+        magnitude[e] = std::fabs(a_part) + std::fabs(b_part);
+      }
+    }
+    EXPECT_TRUE(OpNear<T>("merged output (the formula)", mo, formula, magnitude));
+    if constexpr (!kIsHalf<T>) {
+      std::vector<double> out_scale(out.size(), 1.0);
+      EXPECT_TRUE(OpNear<T>("merged output (the full attention)", mo, out, out_scale));
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const double want = lse[static_cast<size_t>(r)];
+      if (std::isinf(want)) {
+        EXPECT_EQ(ml[static_cast<size_t>(r)], want) << "row " << r;
+        for (int64_t x = 0; x < d; ++x) EXPECT_EQ(mo[static_cast<size_t>(r * d + x)], 0.0);
+      } else {
+        EXPECT_NEAR(ml[static_cast<size_t>(r)], want, 8 * kArith<T> * (1 + std::fabs(want)))
+            << "row " << r;
+      }
+    }
+    // RowDot of the full softmax and dprobs: the row dots above.
+    const Tensor a = Make<T>({rows, kv}, full), b = Make<T>({rows, kv}, dpv);
+    const std::vector<double> av = ValuesOf(a), bv = ValuesOf(b);  // as stored
+    std::vector<double> want_dot(dot.size(), 0.0), dot_scale(dot.size(), 0.0);
+    for (size_t e = 0; e < av.size(); ++e) {
+      want_dot[e / static_cast<size_t>(kv)] += av[e] * bv[e];
+      dot_scale[e / static_cast<size_t>(kv)] += std::fabs(av[e] * bv[e]);
+    }
+    Tensor dots = this->k_.Zeros({rows}, ct);
+    this->k_.RowDot(a, b, dots);
+    EXPECT_TRUE(ComputeNear<T>("row dot", ValuesOf(dots), want_dot, dot_scale));
+  }
+  // Refusals: lse in the storage dtype of 16-bit scores, or of the wrong length.
+  const Tensor scores = this->k_.Zeros({4, 2}, dt);
+  Tensor probs = this->k_.Zeros({4, 2}, dt);
+  Tensor short_lse = this->k_.Zeros({3}, ct);
+  ExpectRefused(
+      [&] { this->k_.CausalSoftmaxForward(scores, Ids({0, 1}), Ids({0, 1}), 1.0, probs, &short_lse); },
+      "lse [3] has 3 elements, expected 4 (one per row of scores)");
+  Tensor out = this->k_.Zeros({4, 2}, dt), lse4 = this->k_.Zeros({4}, ct);
+  ExpectRefused([&] { this->k_.LseMerge(out, lse4, out, lse4); }, "out shares storage with part");
+}
+
 std::vector<double> NaiveRope(const std::vector<double>& x, int64_t rows, int64_t d, int64_t dim,
                               const std::vector<int64_t>& pos, double base, bool inverse,
                               std::vector<double>* scale) {
