@@ -106,6 +106,7 @@ class CommTrace {
   void SetPhase(Phase phase) { phase_ = phase; }
   Phase phase() const { return phase_; }
   void SetSite(std::string site) { site_ = std::move(site); }
+  const std::string& site() const { return site_; }
   // Appends a record that begins now; returns its handle for End.
   size_t Record(CommOpKind op, const std::string& group, int64_t bytes, int peer = -1) {
     records_.push_back(CommRecord{op, group, site_, bytes, phase_, peer, MonotonicSeconds(), 0.0});

@@ -296,12 +296,12 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
   }
   const int64_t cp = parallel.context_parallel_size;
   if (cp > 1) {
-    if (gpt->cp_comm_type != CpCommType::kAllGather) {
+    if (gpt->cp_comm_type != CpCommType::kAllGather && gpt->cp_comm_type != CpCommType::kP2p) {
       return Status::Error(
           "model.cp_comm_type",
-          fmt::format("\"{}\" is not built yet; with context_parallel_size {} set \"all_gather\" "
-                      "(Megatron's default is \"p2p\"; every cp_comm_type computes the same "
-                      "attention)",
+          fmt::format("\"{}\" is not built yet; with context_parallel_size {} set \"p2p\" "
+                      "(Megatron's default) or \"all_gather\" (every cp_comm_type computes the "
+                      "same attention)",
                       CpCommTypeName(gpt->cp_comm_type), cp));
     }
     if (run.seq_length % (2 * cp) != 0) {

@@ -18,6 +18,7 @@ SelfAttention::SelfAttention(const GptConfig& gpt, std::string prefix, Parameter
       a_l_(gpt.num_attention_heads / t),
       g_l_(gpt.num_query_groups / t),
       rope_(gpt.position_embedding_type == PositionEmbedding::kRope),
+      ring_(gpt.cp_comm_type == CpCommType::kP2p),
       rotary_base_(gpt.rotary_base),
       rotary_dim_(gpt.RotaryDim()),
       dropout_(gpt.attention_dropout),
@@ -165,6 +166,11 @@ Tensor SelfAttention::CoreForward(const ModuleContext& ctx, const Tensor& qkv,
     k.Rope(core->q, ctx.positions, rotary_base_, rotary_dim_, false, core->q);
     k.Rope(core->k, ctx.positions, rotary_base_, rotary_dim_, false, core->k);
   }
+  if (sh.cp > 1 && ring_) {
+    const Tensor context = RingForward(ctx, core);
+    if (ctx.recording()) RecordRingProbs(ctx, *core, nullptr);
+    return ContextToColumns(ctx, context, al, dk);
+  }
   if (sh.cp > 1) {
     core->k = GatherSequence(ctx, core->k, b * gl, dk);
     core->v = GatherSequence(ctx, core->v, b * gl, dk);
@@ -186,11 +192,18 @@ Tensor SelfAttention::CoreForward(const ModuleContext& ctx, const Tensor& qkv,
   Tensor context = k.Empty({b * gl, r * s, dk}, dtype);
   k.BatchedGemm(false, false, 1.0, core->probs_dropped.Reshaped({b * gl, r * s, sk}),
                 core->v.Reshaped({b * gl, sk, dk}), 0.0, context);
-  // [b, a_l, s, dk] -> [s, b, a_l * dk]
-  Tensor out = k.Empty({s * b, al * dk}, dtype);
-  k.StridedCopy(context, 0, {b, al, s, dk}, {al * s * dk, s * dk, dk, 1}, out, 0,
-                {al * dk, dk, b * al * dk, 1});
-  ctx.Record(prefix_ + ".core_attention.output", out, {sk, sh.B, a_ * dk},
+  return ContextToColumns(ctx, context, al, dk);
+}
+
+// The context [b, a_l, s_cp, dk] as core attention's output [s_cp * b, a_l * dk], recorded.
+Tensor SelfAttention::ContextToColumns(const ModuleContext& ctx, const Tensor& context,
+                                       int64_t al, int64_t dk) const {
+  const StreamShape& sh = ctx.shape;
+  const int64_t s = sh.s_cp(), b = sh.b;
+  Tensor out = ctx.k.Empty({s * b, al * dk}, context.dtype());
+  ctx.k.StridedCopy(context, 0, {b, al, s, dk}, {al * s * dk, s * dk, dk, 1}, out, 0,
+                    {al * dk, dk, b * al * dk, 1});
+  ctx.Record(prefix_ + ".core_attention.output", out, {sh.s, sh.B, a_ * dk},
              sh.ColumnSpec(ctx.dp_size, 1));
   return out;
 }
@@ -200,13 +213,18 @@ Tensor SelfAttention::CoreBackward(const ModuleContext& ctx, const Tensor& dout,
   Kernels& k = ctx.k;
   const StreamShape& sh = ctx.shape;
   const int64_t s = sh.s_cp(), sk = sh.s, b = sh.b, dk = dk_, r = r_, gl = g_l_, al = a_l_;
-  const int64_t w = (al + 2 * gl) * dk;
   const DType dtype = dout.dtype();
   ctx.Record(prefix_ + ".core_attention.output_grad", dout, {sk, sh.B, a_ * dk},
              sh.ColumnSpec(ctx.dp_size, 1));
   Tensor dcontext = k.Empty({b * gl, r * s, dk}, dtype);
   k.StridedCopy(dout, 0, {b, al, s, dk}, {al * dk, dk, b * al * dk, 1}, dcontext, 0,
                 {al * s * dk, s * dk, dk, 1});
+  if (core.ring) {
+    if (ctx.recording()) RecordRingProbs(ctx, core, &dcontext);
+    Tensor dq, dkey, dv;
+    RingBackward(ctx, dcontext, core, &dq, &dkey, &dv);
+    return QkvGrad(ctx, core, dq.Reshaped({b * gl * r * s, dk}), dkey, dv);
+  }
   // context = P_d v:  dP_d = dcontext v^T,  dv = P_d^T dcontext (summed over the group's heads)
   Tensor dprobs = k.Empty({b * gl, r * s, sk}, dtype);
   k.BatchedGemm(false, true, 1.0, dcontext, core.v.Reshaped({b * gl, sk, dk}), 0.0, dprobs);
@@ -230,12 +248,24 @@ Tensor SelfAttention::CoreBackward(const ModuleContext& ctx, const Tensor& dout,
   k.BatchedGemm(false, false, c, ds, core.k.Reshaped({b * gl, sk, dk}), 0.0, dq);
   Tensor dkey = k.Empty({b * gl, sk, dk}, dtype);
   k.BatchedGemm(true, false, c, ds, core.q.Reshaped({b * gl, r * s, dk}), 0.0, dkey);
-  Tensor dq2 = dq.Reshaped({b * gl * r * s, dk});
   Tensor dk2 = dkey.Reshaped({b * gl * sk, dk});
   if (sh.cp > 1) {
     dk2 = ReduceScatterSequence(ctx, dk2, b * gl, dk);
     dv = ReduceScatterSequence(ctx, dv.Reshaped({b * gl * sk, dk}), b * gl, dk);
   }
+  return QkvGrad(ctx, core, dq.Reshaped({b * gl * r * s, dk}), dk2,
+                 dv.Reshaped({b * gl * s, dk}));
+}
+
+// The gradients of this rank's q [b*g_l*r*s_cp, dk], k and v [b*g_l*s_cp, dk] after RoPE and
+// the q/k norms, back through them into the fused projection's gradient [s_cp*b, w].
+Tensor SelfAttention::QkvGrad(const ModuleContext& ctx, const CoreStash& core, Tensor dq2,
+                              Tensor dk2, const Tensor& dv) const {
+  Kernels& k = ctx.k;
+  const StreamShape& sh = ctx.shape;
+  const int64_t s = sh.s_cp(), b = sh.b, dk = dk_, r = r_, gl = g_l_, al = a_l_;
+  const int64_t w = (al + 2 * gl) * dk;
+  const DType dtype = dq2.dtype();
   if (rope_) {
     k.Rope(dq2, ctx.positions, rotary_base_, rotary_dim_, true, dq2);
     k.Rope(dk2, ctx.positions, rotary_base_, rotary_dim_, true, dk2);
@@ -252,6 +282,274 @@ Tensor SelfAttention::CoreBackward(const ModuleContext& ctx, const Tensor& dout,
   k.StridedCopy(dv.Reshaped({b * gl * s, dk}), 0, {b, gl, s, dk}, {gl * s * dk, s * dk, dk, 1},
                 dqkv, (r + 1) * dk, {w, (r + 2) * dk, b * w, 1});
   return dqkv;
+}
+
+
+// --- cp_comm_type "p2p": the ring ------------------------------------------------------
+//
+// Rank me of the cp ring holds chunks Chunk(me, 0) = me and Chunk(me, 1) = 2 cp - 1 - me of
+// c positions. Step i (0 <= i < cp) computes with the keys and values of rank (me - i) mod cp
+// while passing them on to me + 1 and receiving the next block from me - 1 (Megatron's
+// AttnFuncWithCPAndKVP2P). In a step, each pair of a query chunk and a key chunk is one
+// c x c block: skipped when every key comes after every query, else its softmax over its
+// keys, with its log-sum-exp, times its values, merged into the query chunk's running output
+// (LseMerge). Attention dropout is drawn per global element of [B, a, s, s] (BlockMap), on
+// the block's own probabilities: the merge scales them to the row's, so the masks are the
+// all_gather run's. The backward runs the ring again from each row's final log-sum-exp; the
+// gradients of a block's keys and values travel with it and reach their owner after cp steps.
+
+namespace {
+
+int64_t Chunk(int64_t cp, int64_t rank, int64_t half) {
+  return half == 0 ? rank : 2 * cp - 1 - rank;
+}
+
+// A [bg * c, dk] chunk (k or v: which = 0 or 1; chunk half h) of a ring block laid out as
+// [2 (k, v), 2 (chunk), bg, c, dk], as a view [bg, c, dk].
+Tensor BlockPart(const Tensor& block, int64_t which, int64_t half, int64_t bg, int64_t c,
+                 int64_t dk) {
+  const int64_t n = bg * c * dk;
+  return block.FlatSlice((which * 2 + half) * n, n).Reshaped({bg, c, dk});
+}
+
+}  // namespace
+
+// The same block's place in the [b, a_l, s_cp, s] probabilities the rank would hold with
+// its keys gathered (query half q_half of its tokens, keys of chunk k_chunk): the local
+// indices of dropout_mode "rng_tracker", so a ring run draws the all_gather run's masks.
+IndexPieces SelfAttention::LocalBlockMap(const StreamShape& sh, int64_t q_half,
+                                         int64_t k_chunk) const {
+  const int64_t s = sh.s, s_cp = sh.s_cp(), c = s_cp / 2;
+  IndexPieces pieces;
+  for (int64_t j = 0; j < sh.b; ++j) {
+    GlobalIndexMap map;
+    map.base = ((j * a_l_) * s_cp + q_half * c) * s + k_chunk * c;
+    map.dims = {a_l_, c, c};
+    map.strides = {s_cp * s, s, 1};
+    pieces.push_back({j * a_l_ * c * c, map});
+  }
+  return pieces;
+}
+
+IndexPieces SelfAttention::BlockMap(const StreamShape& sh, int64_t q_chunk,
+                                    int64_t k_chunk) const {
+  const int64_t s = sh.s, c = s / (2 * sh.cp);
+  IndexPieces pieces;
+  for (int64_t j = 0; j < sh.b; ++j) {
+    GlobalIndexMap map;
+    map.base = (((sh.dp_rank * sh.b + j) * a_ + sh.tp_rank * a_l_) * s + q_chunk * c) * s +
+               k_chunk * c;
+    map.dims = {a_l_, c, c};
+    map.strides = {s * s, s, 1};
+    pieces.push_back({j * a_l_ * c * c, map});
+  }
+  return pieces;
+}
+
+Tensor SelfAttention::RingForward(const ModuleContext& ctx, CoreStash* core) const {
+  Kernels& k = ctx.k;
+  const StreamShape& sh = ctx.shape;
+  const int64_t cp = sh.cp, me = sh.cp_rank, s_cp = sh.s_cp(), c = s_cp / 2;
+  const int64_t dk = dk_, r = r_, bg = sh.b * g_l_, rows = bg * r * c;
+  const DType dtype = core->q.dtype(), ct = ComputeDType(dtype);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
+  const std::string site = prefix_ + ".core_attention.attention_dropout";
+  RingStash ring;
+  Tensor none = Tensor::HostEmpty({rows}, ct);  // a running log-sum-exp before any key
+  for (int64_t i = 0; i < rows; ++i) SetHostValue(none, i, -INFINITY);
+  for (int64_t h = 0; h < 2; ++h) {
+    // Query chunk h of every (sample, group, head): rows [h c, (h + 1) c) of its s_cp.
+    ring.q[h] = k.Empty({bg, r * c, dk}, dtype);
+    k.StridedCopy(core->q, h * c * dk, {bg * r, c * dk}, {s_cp * dk, 1}, ring.q[h], 0,
+                  {c * dk, 1});
+    ring.out[h] = k.Zeros({rows, dk}, dtype);
+    ring.lse[h] = k.ToDevice(none);
+  }
+  ring.kv = k.Empty({4 * bg * c, dk}, dtype);
+  for (int64_t which = 0; which < 2; ++which) {
+    for (int64_t h = 0; h < 2; ++h) {
+      Tensor part = BlockPart(ring.kv, which, h, bg, c, dk);
+      k.StridedCopy(which == 0 ? core->k : core->v, h * c * dk, {bg, c * dk}, {s_cp * dk, 1},
+                    part, 0, {c * dk, 1});
+    }
+  }
+  const int next = static_cast<int>((me + 1) % cp), prev = static_cast<int>((me + cp - 1) % cp);
+  Tensor block = ring.kv;
+  for (int64_t step = 0; step < cp; ++step) {
+    const int64_t src = (me - step + cp) % cp;
+    std::unique_ptr<PendingP2P> pending;
+    Tensor incoming;
+    if (step + 1 < cp) {  // pass the block on while computing with it
+      incoming = k.Empty(block.shape(), dtype);
+      pending = ctx.cp->PostSendRecv({{P2POp::Kind::kSend, block, next, 0},
+                                      {P2POp::Kind::kRecv, incoming, prev, 0}});
+    }
+    for (int64_t qh = 0; qh < 2; ++qh) {
+      for (int64_t kh = 0; kh < 2; ++kh) {
+        const int64_t q_chunk = Chunk(cp, me, qh), k_chunk = Chunk(cp, src, kh);
+        if (k_chunk > q_chunk) continue;  // every key after every query
+        Tensor scores = k.Empty({bg, r * c, c}, dtype);
+        k.BatchedGemm(false, true, scale, ring.q[qh], BlockPart(block, 0, kh, bg, c, dk), 0.0,
+                      scores);
+        Tensor probs = k.Empty({rows, c}, dtype);
+        Tensor lse = k.Empty({rows}, ct);
+        k.CausalSoftmaxForward(scores.Reshaped({rows, c}), ctx.key_positions.FlatSlice(q_chunk * c, c),
+                               ctx.key_positions.FlatSlice(k_chunk * c, c), 1.0, probs, &lse);
+        const IndexPieces local = LocalBlockMap(sh, qh, k_chunk);
+        const Tensor dropped =
+            dropout_ > 0
+                ? DropoutAtSite(ctx, site, dropout_, BlockMap(sh, q_chunk, k_chunk), probs, &local)
+                : probs;
+        Tensor part = k.Empty({bg, r * c, dk}, dtype);
+        k.BatchedGemm(false, false, 1.0, dropped.Reshaped({bg, r * c, c}),
+                      BlockPart(block, 1, kh, bg, c, dk), 0.0, part);
+        k.LseMerge(ring.out[qh], ring.lse[qh], part.Reshaped({rows, dk}), lse);
+      }
+    }
+    if (pending) {
+      pending->Wait();
+      block = incoming;
+    }
+  }
+  // The context [bg, r * s_cp, dk]: each query chunk's output back at its rows.
+  Tensor context = k.Empty({bg * r * s_cp, dk}, dtype);
+  for (int64_t h = 0; h < 2; ++h) {
+    k.StridedCopy(ring.out[h], 0, {bg * r, c * dk}, {c * dk, 1}, context, h * c * dk,
+                  {s_cp * dk, 1});
+  }
+  core->ring = std::move(ring);
+  return context.Reshaped({bg, r * s_cp, dk});
+}
+
+void SelfAttention::RingBackward(const ModuleContext& ctx, const Tensor& dcontext,
+                                 const CoreStash& core, Tensor* dq_out, Tensor* dk_out,
+                                 Tensor* dv_out) const {
+  Kernels& k = ctx.k;
+  const StreamShape& sh = ctx.shape;
+  const RingStash& ring = *core.ring;
+  const int64_t cp = sh.cp, me = sh.cp_rank, s_cp = sh.s_cp(), c = s_cp / 2;
+  const int64_t dk = dk_, r = r_, bg = sh.b * g_l_, rows = bg * r * c;
+  const DType dtype = dcontext.dtype(), ct = ComputeDType(dtype);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
+  const std::string site = prefix_ + ".core_attention.attention_dropout";
+  Tensor dout[2], dq[2], row_dot[2];
+  for (int64_t h = 0; h < 2; ++h) {
+    dout[h] = k.Empty({bg, r * c, dk}, dtype);
+    k.StridedCopy(dcontext, h * c * dk, {bg * r, c * dk}, {s_cp * dk, 1}, dout[h], 0,
+                  {c * dk, 1});
+    // rowsum(dO * O): the softmax backward's row term over all of a row's keys.
+    row_dot[h] = k.Empty({rows}, ct);
+    k.RowDot(dout[h].Reshaped({rows, dk}), ring.out[h], row_dot[h]);
+    dq[h] = k.Zeros({bg, r * c, dk}, dtype);
+  }
+  const int next = static_cast<int>((me + 1) % cp), prev = static_cast<int>((me + cp - 1) % cp);
+  Tensor block = ring.kv;
+  Tensor dblock = k.Zeros(block.shape(), dtype);  // the gradients travelling with the block
+  for (int64_t step = 0; step < cp; ++step) {
+    const int64_t src = (me - step + cp) % cp;
+    std::unique_ptr<PendingP2P> pending;
+    Tensor incoming;
+    if (step + 1 < cp) {
+      incoming = k.Empty(block.shape(), dtype);
+      pending = ctx.cp->PostSendRecv({{P2POp::Kind::kSend, block, next, 1},
+                                      {P2POp::Kind::kRecv, incoming, prev, 1}});
+    }
+    for (int64_t qh = 0; qh < 2; ++qh) {
+      for (int64_t kh = 0; kh < 2; ++kh) {
+        const int64_t q_chunk = Chunk(cp, me, qh), k_chunk = Chunk(cp, src, kh);
+        if (k_chunk > q_chunk) continue;
+        const Tensor key = BlockPart(block, 0, kh, bg, c, dk);
+        const Tensor value = BlockPart(block, 1, kh, bg, c, dk);
+        Tensor dkey = BlockPart(dblock, 0, kh, bg, c, dk);
+        Tensor dvalue = BlockPart(dblock, 1, kh, bg, c, dk);
+        const Tensor q_pos = ctx.key_positions.FlatSlice(q_chunk * c, c);
+        const Tensor k_pos = ctx.key_positions.FlatSlice(k_chunk * c, c);
+        Tensor probs = k.Empty({bg, r * c, c}, dtype);
+        k.BatchedGemm(false, true, scale, ring.q[qh], key, 0.0, probs);
+        Tensor probs2 = probs.Reshaped({rows, c});
+        k.CausalSoftmaxFromLse(probs2, ring.lse[qh], q_pos, k_pos, 1.0, probs2);
+        const IndexPieces map = BlockMap(sh, q_chunk, k_chunk);
+        const IndexPieces local = LocalBlockMap(sh, qh, k_chunk);
+        const Tensor dropped =
+            dropout_ > 0 ? DropoutAtSite(ctx, site, dropout_, map, probs2, &local) : probs2;
+        // out = P_d v:  dv += P_d^T dout,  dP_d = dout v^T
+        k.BatchedGemm(true, false, 1.0, dropped.Reshaped({bg, r * c, c}), dout[qh], 1.0, dvalue);
+        Tensor dprobs = k.Empty({bg, r * c, c}, dtype);
+        k.BatchedGemm(false, true, 1.0, dout[qh], value, 0.0, dprobs);
+        Tensor dprobs2 = dprobs.Reshaped({rows, c});
+        if (dropout_ > 0) dprobs2 = DropoutAtSite(ctx, site, dropout_, map, dprobs2, &local);
+        Tensor dscores = k.Empty({rows, c}, dtype);
+        k.CausalSoftmaxBackward(probs2, dprobs2, q_pos, k_pos, 1.0, dscores, &row_dot[qh]);
+        // scores = c q k^T:  dq += c dscores k,  dk += c dscores^T q
+        const Tensor ds = dscores.Reshaped({bg, r * c, c});
+        k.BatchedGemm(false, false, scale, ds, key, 1.0, dq[qh]);
+        k.BatchedGemm(true, false, scale, ds, ring.q[qh], 1.0, dkey);
+      }
+    }
+    // The block's gradients go on with it; after the last step they reach its owner.
+    Tensor dincoming = k.Empty(block.shape(), dtype);
+    ctx.cp->BatchSendRecv({{P2POp::Kind::kSend, dblock, next, 2},
+                           {P2POp::Kind::kRecv, dincoming, prev, 2}});
+    dblock = dincoming;
+    if (pending) {
+      pending->Wait();
+      block = incoming;
+    }
+  }
+  // dblock now holds this rank's own keys' and values' gradients, in chunks.
+  *dq_out = k.Empty({bg * r * s_cp, dk}, dtype);
+  *dk_out = k.Empty({bg * s_cp, dk}, dtype);
+  *dv_out = k.Empty({bg * s_cp, dk}, dtype);
+  for (int64_t h = 0; h < 2; ++h) {
+    k.StridedCopy(dq[h], 0, {bg * r, c * dk}, {c * dk, 1}, *dq_out, h * c * dk, {s_cp * dk, 1});
+    k.StridedCopy(BlockPart(dblock, 0, h, bg, c, dk), 0, {bg, c * dk}, {c * dk, 1}, *dk_out,
+                  h * c * dk, {s_cp * dk, 1});
+    k.StridedCopy(BlockPart(dblock, 1, h, bg, c, dk), 0, {bg, c * dk}, {c * dk, 1}, *dv_out,
+                  h * c * dk, {s_cp * dk, 1});
+  }
+}
+
+// The records of a ring run: its probabilities [b, a_l, s_cp, s] from each row's final
+// log-sum-exp on the keys of every position, and (with `dcontext`, in the backward) their
+// gradient, the keys and values gathered over cp for the records only (named so in the trace).
+void SelfAttention::RecordRingProbs(const ModuleContext& ctx, const CoreStash& core,
+                                    const Tensor* dcontext) const {
+  Kernels& k = ctx.k;
+  const StreamShape& sh = ctx.shape;
+  const RingStash& ring = *core.ring;
+  const int64_t s = sh.s, s_cp = sh.s_cp(), c = s_cp / 2, b = sh.b;
+  const int64_t dk = dk_, r = r_, gl = g_l_, al = a_l_, bg = b * gl;
+  const DType dtype = core.q.dtype();
+  const std::string layer_site = ctx.trace.site();
+  ctx.trace.SetSite(layer_site + " (gathered for records)");
+  const Tensor& local = dcontext == nullptr ? core.k : core.v;
+  const Tensor gathered = GatherSequence(ctx, local, bg, dk);
+  ctx.trace.SetSite(layer_site);
+  // Each row's log-sum-exp in the row order of [b, a_l, s_cp]: the halves interleaved.
+  Tensor lse = k.Empty({bg * r * s_cp}, ring.lse[0].dtype());
+  for (int64_t h = 0; h < 2; ++h) {
+    k.StridedCopy(ring.lse[h], 0, {bg * r, c}, {c, 1}, lse, h * c, {s_cp, 1});
+  }
+  if (dcontext == nullptr) {
+    Tensor probs = k.Empty({bg, r * s_cp, s}, dtype);
+    k.BatchedGemm(false, true, 1.0 / std::sqrt(static_cast<double>(dk)), core.q.Reshaped({bg, r * s_cp, dk}),
+                  gathered.Reshaped({bg, s, dk}), 0.0, probs);
+    Tensor p2 = probs.Reshaped({b * al * s_cp, s});
+    k.CausalSoftmaxFromLse(p2, lse, ctx.positions, ctx.key_positions, 1.0, p2);
+    ctx.Record(prefix_ + ".core_attention.probs", p2.Reshaped({b, al, s_cp, s}), {sh.B, a_, s, s},
+               sh.HeadSpec(ctx.dp_size));
+    return;
+  }
+  // dP = dropout(dout v^T) over every key.
+  Tensor dprobs = k.Empty({bg, r * s_cp, s}, dtype);
+  k.BatchedGemm(false, true, 1.0, *dcontext, gathered.Reshaped({bg, s, dk}), 0.0, dprobs);
+  Tensor dp2 = dprobs.Reshaped({b * al * s_cp, s});
+  if (dropout_ > 0) {
+    dp2 = DropoutAtSite(ctx, prefix_ + ".core_attention.attention_dropout", dropout_,
+                        ProbsMap(sh), dp2);
+  }
+  ctx.Record(prefix_ + ".core_attention.probs_grad", dp2.Reshaped({b, al, s_cp, s}),
+             {sh.B, a_, s, s}, sh.HeadSpec(ctx.dp_size));
 }
 
 }  // namespace mpusim

@@ -38,12 +38,23 @@ class SelfAttention {
   // `prefix` is "decoder.layers.<i>.self_attention".
   SelfAttention(const GptConfig& gpt, std::string prefix, ParameterSet& params, int64_t t);
 
+  // cp_comm_type "p2p": what the backward ring needs (attention.cc RingForward). Per query
+  // half h (this rank's chunk h, c = s / (2 cp) positions): the queries [b*g_l, r*c, dk],
+  // the merged output [b*g_l*r*c, dk] and its log-sum-exp over every key [b*g_l*r*c]
+  // (compute dtype); this rank's keys and values in chunks, [2 (k, v), 2 (chunk), b*g_l, c,
+  // dk], what the ring passes.
+  struct RingStash {
+    Tensor q[2], out[2], lse[2];
+    Tensor kv;
+  };
   struct CoreStash {
     Tensor q;              // after the q/k norms and RoPE
-    Tensor k, v;           // the same, of every position: gathered over cp when cp > 1
+    Tensor k, v;           // the same, of every position: gathered over cp ("all_gather");
+                           // this rank's ("p2p")
     Norm::Stash q_norm, k_norm;  // qk_layernorm only
-    Tensor probs;          // [b*a_l*s, s] before dropout
+    Tensor probs;          // [b*a_l*s, s] before dropout (not kept by the ring)
     Tensor probs_dropped;  // after dropout (probs itself when attention_dropout is 0)
+    std::optional<RingStash> ring;  // cp_comm_type "p2p"
   };
   struct Stash {
     ColumnParallelLinear::Stash qkv_in;
@@ -61,10 +72,32 @@ class SelfAttention {
   Tensor CoreForward(const ModuleContext& ctx, const Tensor& qkv, CoreStash* core) const;
   Tensor CoreBackward(const ModuleContext& ctx, const Tensor& dcontext, const CoreStash& core) const;
   IndexPieces ProbsMap(const StreamShape& sh) const;
+  // cp_comm_type "p2p": core attention with the keys and values passed around the cp ring,
+  // a block of c queries by c keys at a time, merged by log-sum-exp. RingForward returns
+  // the context [b*g_l, r*s_cp, dk]; RingBackward takes its gradient and returns dq (same
+  // shape) and this rank's dk, dv [b*g_l*s_cp, dk].
+  Tensor RingForward(const ModuleContext& ctx, CoreStash* core) const;
+  void RingBackward(const ModuleContext& ctx, const Tensor& dcontext, const CoreStash& core,
+                    Tensor* dq, Tensor* dk, Tensor* dv) const;
+  // Where the probabilities of this rank's query chunk `q_chunk` and key chunk `k_chunk`
+  // ([b, a_l, c, c]) sit in the full [B, a, s, s]: one piece per sample.
+  IndexPieces BlockMap(const StreamShape& sh, int64_t q_chunk, int64_t k_chunk) const;
+  IndexPieces LocalBlockMap(const StreamShape& sh, int64_t q_half, int64_t k_chunk) const;
+  // The context [b, a_l, s_cp, dk] as core attention's output [s_cp*b, a_l*dk], recorded.
+  Tensor ContextToColumns(const ModuleContext& ctx, const Tensor& context, int64_t al,
+                          int64_t dk) const;
+  // dq [b*g_l*r*s_cp, dk], dk and dv [b*g_l*s_cp, dk] of this rank's tokens (after RoPE and
+  // the q/k norms) back through them into the fused projection's gradient [s_cp*b, w].
+  Tensor QkvGrad(const ModuleContext& ctx, const CoreStash& core, Tensor dq, Tensor dk,
+                 const Tensor& dv) const;
+  // The probabilities and their gradient of every key, for the records of a ring run
+  // (computed only when the pass records, on keys and values gathered for it).
+  void RecordRingProbs(const ModuleContext& ctx, const CoreStash& core, const Tensor* dcontext) const;
 
   std::string prefix_;
   int64_t a_, g_, r_, dk_, a_l_, g_l_;
   bool rope_;
+  bool ring_;  // cp_comm_type "p2p" (with context_parallel_size > 1)
   double rotary_base_;
   int64_t rotary_dim_;
   std::optional<Norm> q_norm_, k_norm_;  // qk_layernorm

@@ -175,33 +175,42 @@ struct ModuleContext {
 };
 
 // Inverted dropout of `x` at `site` (p may be 0: a copy), with this rank's elements placed by
-// `pieces` in the site's full tensor. Its backward is the same call on the gradient.
+// `pieces` in the site's full tensor. Under dropout_mode "rng_tracker" an element's index is
+// its local one: its flat index in `x`, or where `local` places it in the rank's whole local
+// tensor when `x` is a part of it (a ring step's block of the probabilities). Its backward
+// is the same call on the gradient.
 inline Tensor DropoutAtSite(const ModuleContext& ctx, const std::string& site, double p,
-                            const IndexPieces& pieces, const Tensor& x) {
+                            const IndexPieces& pieces, const Tensor& x,
+                            const IndexPieces* local = nullptr) {
   Tensor y = ctx.k.Empty(x.shape(), x.dtype());
   if (p == 0.0) {
     ctx.k.Copy(x, y);
     return y;
   }
+  uint64_t key = ctx.draw.seed;
+  uint64_t stream = DropoutStream(site, ctx.draw.iteration, ctx.draw.microbatch);
+  const IndexPieces* maps = &pieces;
   if (const TrackerDraws* tracker = ctx.draw.tracker) {
     // Megatron's tracker: this rank's stream, the local element index.
     const TrackerDraws::Site& at = tracker->sites.at(site);
     const int64_t first =
         at.model_parallel ? ctx.draw.first.model_parallel_draws : ctx.draw.first.default_draws;
-    const auto draw = static_cast<uint64_t>(first + at.position);
-    ctx.k.Dropout(x, p, at.model_parallel ? tracker->model_parallel_key : tracker->default_key,
-                  draw, 0, y);
+    key = at.model_parallel ? tracker->model_parallel_key : tracker->default_key;
+    stream = static_cast<uint64_t>(first + at.position);
+    if (local == nullptr) {
+      ctx.k.Dropout(x, p, key, stream, 0, y);
+      return y;
+    }
+    maps = local;
+  }
+  if (maps->size() == 1 && maps->front().offset == 0) {
+    ctx.k.DropoutAt(x, p, key, stream, maps->front().map, y);
     return y;
   }
-  const uint64_t stream = DropoutStream(site, ctx.draw.iteration, ctx.draw.microbatch);
-  if (pieces.size() == 1 && pieces.front().offset == 0) {
-    ctx.k.DropoutAt(x, p, ctx.draw.seed, stream, pieces.front().map, y);
-    return y;
-  }
-  for (const IndexPiece& piece : pieces) {
+  for (const IndexPiece& piece : *maps) {
     const int64_t n = piece.map.dims[0] * piece.map.dims[1] * piece.map.dims[2];
     Tensor y_piece = y.FlatSlice(piece.offset, n);
-    ctx.k.DropoutAt(x.FlatSlice(piece.offset, n), p, ctx.draw.seed, stream, piece.map, y_piece);
+    ctx.k.DropoutAt(x.FlatSlice(piece.offset, n), p, key, stream, piece.map, y_piece);
   }
   return y;
 }

@@ -339,9 +339,13 @@ TEST(GptConfig, LayoutChecks) {
   parallel.context_parallel_size = 2;
   copy = gpt;
   EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
-            "model.cp_comm_type: \"p2p\" is not built yet; with context_parallel_size 2 set "
-            "\"all_gather\" (Megatron's default is \"p2p\"; every cp_comm_type computes the same "
-            "attention)");
+            "run.seq_length: 7 is not divisible by 2 * context_parallel_size = 4 (each cp rank "
+            "holds two of 2 * cp equal chunks)");
+  copy.cp_comm_type = CpCommType::kA2a;
+  EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
+            "model.cp_comm_type: \"a2a\" is not built yet; with context_parallel_size 2 set "
+            "\"p2p\" (Megatron's default) or \"all_gather\" (every cp_comm_type computes the "
+            "same attention)");
   copy.cp_comm_type = CpCommType::kAllGather;
   EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
             "run.seq_length: 7 is not divisible by 2 * context_parallel_size = 4 (each cp rank "

@@ -10,6 +10,8 @@
 
 #include <cmath>
 #include <map>
+#include <string>
+#include <utility>
 #include <nlohmann/json.hpp>
 #include <vector>
 
@@ -26,11 +28,11 @@ using namespace gpt_mpi;
 // world; 16 tokens (2 cp chunks of 16 / (2 cp) each on every cp rank), the global batch of
 // every other layout of the suite.
 json CpDocument(const json& model, int64_t cp, int64_t tp, int64_t pp, bool sp,
-                const char* dtype) {
+                const char* dtype, const char* comm = "all_gather") {
   json document = Document(model, tp, sp, dtype);
   document["parallel"]["context_parallel_size"] = cp;
   document["parallel"]["pipeline_model_parallel_size"] = pp;
-  document["model"]["cp_comm_type"] = "all_gather";
+  document["model"]["cp_comm_type"] = comm;
   document["run"]["seq_length"] = 16;
   document["run"]["micro_batch_size"] = Samples() / (WorldSize() / (cp * tp * pp));
   return document;
@@ -62,12 +64,19 @@ TEST(GptContextParallel, EveryLayoutMatchesTheReferenceAndCpOne) {
     const json model = std::string(kind) == "gpt" ? Gpt(8, 8) : Llama(8, 4);
     std::map<int64_t, double> cp_one;  // by tp (the Llama vocabulary pads per tp size)
     for (const Layout& l : Layouts()) {
-      SCOPED_TRACE(fmt::format("{}: cp {} tp {} sequence_parallel {}", kind, l.cp, l.tp, l.sp));
-      if (WorldRank() == 0) fmt::print("  {} cp {} tp {} sp {}:", kind, l.cp, l.tp, l.sp);
-      const double loss = RunChecked(CpDocument(model, l.cp, l.tp, 1, l.sp, "float64")).loss;
-      if (l.cp == 1) cp_one.try_emplace(l.tp, loss);
-      ASSERT_EQ(cp_one.count(l.tp), 1u);
-      EXPECT_NEAR(loss, cp_one.at(l.tp), 1e-12 * cp_one.at(l.tp));
+      for (const char* comm : {"all_gather", "p2p"}) {
+        if (l.cp == 1 && std::string(comm) == "p2p") continue;  // read only with cp > 1
+        SCOPED_TRACE(fmt::format("{}: cp {} ({}) tp {} sequence_parallel {}", kind, l.cp, comm,
+                                 l.tp, l.sp));
+        if (WorldRank() == 0) {
+          fmt::print("  {} cp {} {} tp {} sp {}:", kind, l.cp, comm, l.tp, l.sp);
+        }
+        const double loss =
+            RunChecked(CpDocument(model, l.cp, l.tp, 1, l.sp, "float64", comm)).loss;
+        if (l.cp == 1) cp_one.try_emplace(l.tp, loss);
+        ASSERT_EQ(cp_one.count(l.tp), 1u);
+        EXPECT_NEAR(loss, cp_one.at(l.tp), 1e-12 * cp_one.at(l.tp));
+      }
     }
   }
 }
@@ -81,10 +90,11 @@ TEST(GptContextParallel, PipelineAndDistributedOptimizerTrainAsCpOne) {
   json model = Llama(8, 4);
   model["num_layers"] = 4;
   std::vector<std::vector<double>> curves;
-  for (int64_t cp : {1, 2}) {
-    SCOPED_TRACE(fmt::format("cp {}", cp));
-    if (WorldRank() == 0) fmt::print("  cp {} pp 2, distributed optimizer:", cp);
-    json document = Training(CpDocument(model, cp, 1, 2, false, "float64"), "adam");
+  for (const auto& [cp, comm] : {std::pair<int64_t, const char*>{1, "all_gather"},
+                                 {2, "all_gather"}, {2, "p2p"}}) {
+    SCOPED_TRACE(fmt::format("cp {} {}", cp, comm));
+    if (WorldRank() == 0) fmt::print("  cp {} {} pp 2, distributed optimizer:", cp, comm);
+    json document = Training(CpDocument(model, cp, 1, 2, false, "float64", comm), "adam");
     document["run"]["train_iters"] = 3;
     document["run"]["num_microbatches"] = 4;
     document["optimizer"]["use_distributed_optimizer"] = true;
@@ -98,19 +108,25 @@ TEST(GptContextParallel, PipelineAndDistributedOptimizerTrainAsCpOne) {
     }
     curves.push_back(curve);
   }
-  for (size_t i = 0; i < curves[1].size(); ++i) {
-    EXPECT_NEAR(curves[1][i], curves[0][i], 1e-12 * std::fabs(curves[0][i])) << "value " << i;
+  for (size_t c = 1; c < curves.size(); ++c) {
+    for (size_t i = 0; i < curves[c].size(); ++i) {
+      EXPECT_NEAR(curves[c][i], curves[0][i], 1e-12 * std::fabs(curves[0][i]))
+          << "layout " << c << " value " << i;
+    }
   }
 }
 
-// 16-bit storage with selective recomputation (core attention rerun with the gathered keys).
+// 16-bit storage with selective recomputation (core attention rerun: the keys gathered
+// again, or the ring run again).
 TEST(GptContextParallel, BFloat16WithSelectiveRecomputation) {
   if (WorldSize() < 2) GTEST_SKIP() << "needs cp 2";
   const int64_t tp = WorldSize() >= 4 ? 2 : 1;
-  if (WorldRank() == 0) fmt::print("  bfloat16 cp 2 tp {}:", tp);
-  json document = CpDocument(Llama(8, 4), 2, tp, 1, tp > 1, "bfloat16");
-  document["run"]["recompute_granularity"] = "selective";
-  RunChecked(document);
+  for (const char* comm : {"all_gather", "p2p"}) {
+    if (WorldRank() == 0) fmt::print("  bfloat16 cp 2 {} tp {}:", comm, tp);
+    json document = CpDocument(Llama(8, 4), 2, tp, 1, tp > 1, "bfloat16", comm);
+    document["run"]["recompute_granularity"] = "selective";
+    RunChecked(document);
+  }
 }
 
 // dropout_mode "rng_tracker": each rank draws from its tracker with local indices, and cp
@@ -123,9 +139,13 @@ TEST(GptContextParallel, RngTrackerDropoutMatchesTheReference) {
   model["dropout_mode"] = "rng_tracker";
   for (const Layout& l : Layouts()) {
     if (l.cp == 1) continue;
-    SCOPED_TRACE(fmt::format("cp {} tp {} sequence_parallel {}", l.cp, l.tp, l.sp));
-    if (WorldRank() == 0) fmt::print("  rng_tracker cp {} tp {} sp {}:", l.cp, l.tp, l.sp);
-    RunChecked(CpDocument(model, l.cp, l.tp, 1, l.sp, "float64"));
+    for (const char* comm : {"all_gather", "p2p"}) {
+      SCOPED_TRACE(fmt::format("cp {} {} tp {} sequence_parallel {}", l.cp, comm, l.tp, l.sp));
+      if (WorldRank() == 0) {
+        fmt::print("  rng_tracker cp {} {} tp {} sp {}:", l.cp, comm, l.tp, l.sp);
+      }
+      RunChecked(CpDocument(model, l.cp, l.tp, 1, l.sp, "float64", comm));
+    }
   }
   if (WorldSize() < 4) return;
   model["num_layers"] = 4;
@@ -138,13 +158,13 @@ TEST(GptContextParallel, RngTrackerDropoutMatchesTheReference) {
 TEST(GptContextParallel, RefusalsNameTheField) {
   if (WorldSize() < 2) GTEST_SKIP() << "needs cp 2";
   json document = CpDocument(Gpt(8, 8), 2, 1, 1, false, "float64");
-  document["model"]["cp_comm_type"] = "p2p";
+  document["model"]["cp_comm_type"] = "a2a";
   StatusOr<run::SimulationResult> result = Simulate(document);
   ASSERT_FALSE(result.ok());
   EXPECT_EQ(result.status().Message(),
-            "model.cp_comm_type: \"p2p\" is not built yet; with context_parallel_size 2 set "
-            "\"all_gather\" (Megatron's default is \"p2p\"; every cp_comm_type computes the same "
-            "attention)");
+            "model.cp_comm_type: \"a2a\" is not built yet; with context_parallel_size 2 set "
+            "\"p2p\" (Megatron's default) or \"all_gather\" (every cp_comm_type computes the "
+            "same attention)");
   document["model"]["cp_comm_type"] = "all_gather";
   document["run"]["seq_length"] = 10;
   result = Simulate(document);
