@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <ostream>
 #include <string>
+#include <vector>
 
 #include "cli/cli.h"
 #include "cli/commands.h"
@@ -24,8 +25,9 @@ struct OverrideFlag {
   const char* flag;
   const char* key;
   const char* help;
+  std::vector<std::string> choices = {};  // a string value, one of these; empty: an integer
 };
-constexpr OverrideFlag kOverrides[] = {
+const OverrideFlag kOverrides[] = {
     {"--world-size", "parallel.world_size",
      "override parallel.world_size (the ranks mpirun starts)"},
     {"--tp", "parallel.tensor_model_parallel_size", "override tensor_model_parallel_size"},
@@ -33,7 +35,11 @@ constexpr OverrideFlag kOverrides[] = {
     {"--vp", "parallel.virtual_pipeline_model_parallel_size",
      "override virtual_pipeline_model_parallel_size"},
     {"--cp", "parallel.context_parallel_size", "override context_parallel_size"},
-    {"--dtype", "run.dtype", "override run.dtype: float64, float32, bfloat16 or float16"},
+    {"--cp-comm-type", "model.cp_comm_type",
+     "override model.cp_comm_type (context parallelism): p2p, all_gather, a2a or a2a+p2p",
+     {"p2p", "all_gather", "a2a", "a2a+p2p"}},
+    {"--dtype", "run.dtype", "override run.dtype: float64, float32, bfloat16 or float16",
+     {"float64", "float32", "bfloat16", "float16"}},
     {"--seed", "run.seed", "override run.seed"},
     {"--micro-batch-size", "run.micro_batch_size", "override run.micro_batch_size"},
     {"--train-iters", "run.train_iters", "override run.train_iters"},
@@ -72,17 +78,17 @@ class RunCommand : public Command {
         ->type_name("FILE");
     // Overrides of the file's keys, for trying a layout or a precision without editing it.
     for (const OverrideFlag& o : kOverrides) {
-      const bool is_dtype = std::string(o.key) == "run.dtype";
+      const bool is_text = !o.choices.empty();
       app_->add_option_function<std::string>(
               o.flag,
-              [this, o, is_dtype](const std::string& value) {
+              [this, o, is_text](const std::string& value) {
                 options_.overrides.push_back(
-                    {o.flag, o.key, is_dtype ? "\"" + value + "\"" : value});
+                    {o.flag, o.key, is_text ? "\"" + value + "\"" : value});
               },
               o.help)
-          ->type_name(is_dtype ? "TEXT" : "INT")
-          ->check(is_dtype
-                      ? CLI::Validator(CLI::IsMember({"float64", "float32", "bfloat16", "float16"}))
+          ->type_name(is_text ? "TEXT" : "INT")
+          ->check(is_text
+                      ? CLI::Validator(CLI::IsMember(o.choices))
                       : CLI::Validator(
                             [](const std::string& text) {
                               const bool digits =

@@ -2,7 +2,7 @@
 // run with mpiexec and checked against the float64 reference, in one table.
 //
 // What it is: the layouts are every tp x cp x pp (x vp 2) x dp factorisation of N (cp > 1 for
-// the GPT only, run with cp_comm_type "all_gather" unless the config names one), with and
+// the GPT only, with the config's cp_comm_type), with and
 // without sequence parallelism, with and without the distributed optimizer (a training config
 // with dp > 1), that the model can be split into (BuildModel: the model's own layout checks, the
 // planner's layer assignment and schedule); each runs as `mpiexec -n N mpusim run` on a copy
@@ -222,13 +222,7 @@ class SweepCommand final : public Command {
                             {"tensor_model_parallel_size", l.tp},
                             {"pipeline_model_parallel_size", l.pp},
                             {"sequence_parallel", l.sp}};
-    if (l.cp > 1) {
-      document["parallel"]["context_parallel_size"] = l.cp;
-      // The cp_comm_type that runs today, unless the config chose one.
-      if (!document["model"].contains("cp_comm_type")) {
-        document["model"]["cp_comm_type"] = "all_gather";
-      }
-    }
+    if (l.cp > 1) document["parallel"]["context_parallel_size"] = l.cp;
     if (l.vp > 0) document["parallel"]["virtual_pipeline_model_parallel_size"] = l.vp;
     if (document.contains("optimizer")) {
       document["optimizer"]["use_distributed_optimizer"] = l.dist_opt;

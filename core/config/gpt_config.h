@@ -31,9 +31,10 @@
 //     "label_smoothing": 0.0,            of the vocab-parallel cross entropy
 //     "dropout_mode": "global"           or "rng_tracker" (Megatron's); see core/dropout.h
 //     "cp_comm_type": "p2p"              how context parallelism's attention meets the other
-//                                        ranks' keys and values: "all_gather" (runs today),
-//                                        "p2p", "a2a", "a2a+p2p" (Megatron's names; read only
-//                                        when context_parallel_size > 1)
+//                                        ranks' keys and values: "p2p" (the ring) or
+//                                        "all_gather"; "a2a", "a2a+p2p" refused until built
+//                                        (Megatron's names; read only when
+//                                        context_parallel_size > 1)
 //   }
 // }
 //

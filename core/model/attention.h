@@ -20,7 +20,9 @@
 // tokens for the queries, and the keys and values of all s positions are all-gathered over cp
 // after RoPE (each rank turns its own at their global positions) and put in sequence order;
 // query row i sees key j when position(j) <= position(i). Their gradients go back by
-// reduce-scatter. Probabilities are [b, a_l, s_cp, s].
+// reduce-scatter. Probabilities are [b, a_l, s_cp, s]. cp_comm_type "p2p" passes the keys
+// and values around the cp ring instead and merges blocks by log-sum-exp (attention.cc,
+// RingForward); the probabilities are never whole.
 // Selective recomputation keeps only qkv and reruns core attention in backward.
 #pragma once
 
