@@ -393,7 +393,8 @@ Tensor SelfAttention::RingForward(const ModuleContext& ctx, CoreStash* core) con
                       scores);
         Tensor probs = k.Empty({rows, c}, dtype);
         Tensor lse = k.Empty({rows}, ct);
-        k.CausalSoftmaxForward(scores.Reshaped({rows, c}), ctx.key_positions.FlatSlice(q_chunk * c, c),
+        k.CausalSoftmaxForward(scores.Reshaped({rows, c}),
+                               ctx.key_positions.FlatSlice(q_chunk * c, c),
                                ctx.key_positions.FlatSlice(k_chunk * c, c), 1.0, probs, &lse);
         const IndexPieces local = LocalBlockMap(sh, qh, k_chunk);
         const Tensor dropped =
@@ -532,8 +533,8 @@ void SelfAttention::RecordRingProbs(const ModuleContext& ctx, const CoreStash& c
   }
   if (dcontext == nullptr) {
     Tensor probs = k.Empty({bg, r * s_cp, s}, dtype);
-    k.BatchedGemm(false, true, 1.0 / std::sqrt(static_cast<double>(dk)), core.q.Reshaped({bg, r * s_cp, dk}),
-                  gathered.Reshaped({bg, s, dk}), 0.0, probs);
+    k.BatchedGemm(false, true, 1.0 / std::sqrt(static_cast<double>(dk)),
+                  core.q.Reshaped({bg, r * s_cp, dk}), gathered.Reshaped({bg, s, dk}), 0.0, probs);
     Tensor p2 = probs.Reshaped({b * al * s_cp, s});
     k.CausalSoftmaxFromLse(p2, lse, ctx.positions, ctx.key_positions, 1.0, p2);
     ctx.Record(prefix_ + ".core_attention.probs", p2.Reshaped({b, al, s_cp, s}), {sh.B, a_, s, s},
