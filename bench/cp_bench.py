@@ -6,13 +6,16 @@ The model (bench/configs/gpt_attention_s8192_n1.json): one layer at s = 8192, b 
 attention: its scores, softmax and the two GEMMs around them grow with s^2, the rest with s.
 Contenders, run in turn (round-robin) and quoted as medians over rounds, each
 `mpusim run CONFIG --no-check --repeat N` (its median step):
-  cp = 1 on 1 rank; cp = 2 on 2 ranks with cp_comm_type "all_gather" (each rank computes
-  the attention of its 4096 queries, chunks r and 3 - r, against all 8192 keys).
-Each cp = 2 run also writes its last step's trace (`--trace`); the time rank 0 spends in the
-cp group's collectives (the keys' and values' all-gather, their gradients' reduce-scatter)
-over its step is the share the exchange takes.
-What it is not: a test; nor the p2p ring (not built yet), which would also skip the fully
-masked quarter of each rank's scores. Needs a Release build; run with /usr/bin/python3.
+  cp = 1 on 1 rank; cp = 2 on 2 ranks with each cp_comm_type:
+  "all_gather"  each rank computes the attention of its 4096 queries, chunks r and 3 - r,
+                against all 8192 keys (half of those scores are masked);
+  "p2p"         the ring: blocks of 2048 queries by 2048 keys, the 3 of 8 whose keys all
+                follow their queries skipped, merged by log-sum-exp;
+  "a2a"         Ulysses: every position of 2 of the 4 heads after an all-to-all.
+Each cp = 2 run also writes its last step's trace (`--trace`); the time rank 0 is blocked on
+the cp group (its collectives, and the waits of the ring's sends and receives, as the union
+of those intervals) over its step is the share the exchange takes.
+What it is not: a test. Needs a Release build; run with /usr/bin/python3.
 
 Usage: /usr/bin/python3 bench/cp_bench.py [--rounds 3] [--repeat 2] [--seq 8192]
 """
@@ -37,10 +40,13 @@ def main():
     with open(os.path.join(benchlib.ROOT, "bench/configs/gpt_attention_s8192_n1.json")) as f:
         base = json.load(f)
     base["run"]["seq_length"] = args.seq
-    cp2 = json.loads(json.dumps(base))
-    cp2["parallel"] = {"world_size": 2, "context_parallel_size": 2}
-    cp1_path, cp2_path = benchlib.temp_config(base), benchlib.temp_config(cp2)
-    trace = cp2_path + ".trace.json"
+    paths = {"cp=1, 1 rank": (1, benchlib.temp_config(base))}
+    for comm in ("all_gather", "p2p", "a2a"):
+        cp2 = json.loads(json.dumps(base))
+        cp2["parallel"] = {"world_size": 2, "context_parallel_size": 2}
+        cp2["model"]["cp_comm_type"] = comm
+        paths[f"cp=2 {comm}, 2 ranks"] = (2, benchlib.temp_config(cp2))
+    trace = paths["cp=1, 1 rank"][1] + ".trace.json"
 
     def run(ranks, config):
         def measure():
@@ -54,12 +60,12 @@ def main():
             return result
         return measure
 
-    contenders = {"cp=1, 1 rank": run(1, cp1_path), "cp=2 all_gather, 2 ranks": run(2, cp2_path)}
+    contenders = {name: run(ranks, path) for name, (ranks, path) in paths.items()}
     print(f"{args.rounds} rounds, contenders in turn, {args.repeat} steps per run, s = {args.seq}")
     try:
         results = benchlib.round_robin(contenders, args.rounds)
     finally:
-        for path in (cp1_path, cp2_path, trace):
+        for path in [p for _, p in paths.values()] + [trace]:
             if os.path.exists(path):
                 os.unlink(path)
     t1 = benchlib.median(results["cp=1, 1 rank"]["step"])
@@ -70,12 +76,13 @@ def main():
         share = (f"{100 * benchlib.median(r['cp_share']):.1f}%" if "cp_share" in r else "-")
         rounds = " ".join(f"{v:.3f}" for v in r["step"])
         print(f"{name:<26} {value:>9.3f} {t1 / value:>8.2f}x {share:>15}  ({rounds})")
-    print("cp collectives: rank 0's time in the cp group's all-gathers and reduce-scatters over "
+    print("cp collectives: rank 0's time blocked on the cp group (collectives, ring waits) over "
           "its last step (from the trace)")
 
 
 def cp_share(path):
-    """Rank 0's time in cp-group collectives over its step span, from a Chrome trace."""
+    """Rank 0's time blocked on the cp group over its step span, from a Chrome trace: the
+    union of its cp collectives and its cp send/receive waits."""
     with open(path) as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
@@ -83,10 +90,17 @@ def cp_share(path):
     tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
               if e.get("ph") == "M" and e.get("name") == "thread_name"}
     steps = {k for k, name in tracks.items() if name.startswith("rank 0 (")}
-    collectives = {k for k, name in tracks.items() if name == "rank 0 collectives"}
+    blocked = {k for k, name in tracks.items()
+               if name in ("rank 0 collectives", "rank 0 send/recv waits")}
     spans = [e for e in events if e.get("ph") == "X" and (e["pid"], e["tid"]) in steps]
-    comm = sum(e["dur"] for e in events if e.get("ph") == "X"
-               and (e["pid"], e["tid"]) in collectives and e["args"].get("group") == "cp")
+    intervals = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X"
+                       and (e["pid"], e["tid"]) in blocked and e["args"].get("group") == "cp")
+    comm, reach = 0.0, float("-inf")
+    for lo, hi in intervals:  # the union's length: overlapping waits count once
+        lo = max(lo, reach)
+        if hi > lo:
+            comm += hi - lo
+        reach = max(reach, hi)
     begin = min(e["ts"] for e in spans)
     end = max(e["ts"] + e["dur"] for e in spans)
     return comm / (end - begin)

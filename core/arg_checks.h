@@ -193,6 +193,20 @@ class CollectiveArgs {
   }
   // in/out of an all-gather or reduce-scatter: same dtype, no overlap, and
   // big.numel() == size * small.numel().
+  // in/out of an all-to-all: same dtype and element count, a multiple of size, no overlap.
+  void Exchanged(const Tensor& in, const Tensor& out, int size) const {
+    Buffer("in", in);
+    Buffer("out", out);
+    if (in.dtype() != out.dtype()) {
+      Fail(fmt::format("in is {} but out is {}", DTypeName(in.dtype()), DTypeName(out.dtype())));
+    }
+    if (in.numel() != out.numel() || in.numel() % size != 0) {
+      Fail(fmt::format("in {} and out {} must have the same element count, a multiple of the "
+                       "group size {}",
+                       ShapeString(in.shape()), ShapeString(out.shape()), size));
+    }
+    if (in.numel() > 0 && Overlap(in, out)) Fail("in and out overlap");
+  }
   void Chunked(const Tensor& in, const Tensor& out, const Tensor& small, const Tensor& big,
                int size) const {
     Buffer("in", in);

@@ -13,6 +13,7 @@ const char* CommOpName(CommOpKind op) {
     case CommOpKind::kAllReduceMax: return "all-reduce(max)";
     case CommOpKind::kAllGather: return "all-gather";
     case CommOpKind::kReduceScatter: return "reduce-scatter";
+    case CommOpKind::kAllToAll: return "all-to-all";
     case CommOpKind::kBroadcast: return "broadcast";
     case CommOpKind::kSend:
       return "send";

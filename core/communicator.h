@@ -54,6 +54,10 @@ class Communicator {
   virtual void AllGather(const Tensor& in, Tensor& out) = 0;
   // `in` holds Size() equal flat chunks; out = the sum over ranks of chunk Rank().
   virtual void ReduceScatter(const Tensor& in, Tensor& out) = 0;
+  // `in` and `out` hold Size() equal flat chunks: chunk j of `in` goes to rank j, and chunk j
+  // of `out` is what rank j sent this rank (MPI_Alltoall; Megatron's all_to_all with equal
+  // splits).
+  virtual void AllToAll(const Tensor& in, Tensor& out) = 0;
   // In place; `root` is a rank inside this group.
   virtual void Broadcast(Tensor& buffer, int root) = 0;
   // Posts every message of `ops`; the returned handle completes them (sends: the buffer may
@@ -75,6 +79,7 @@ enum class CommOpKind : uint8_t {
   kAllReduceMax,
   kAllGather,
   kReduceScatter,
+  kAllToAll,
   kBroadcast,
   kSend,
   kRecv
@@ -161,6 +166,11 @@ class TracedCommunicator : public Communicator {
   void ReduceScatter(const Tensor& in, Tensor& out) override {
     const auto handle = Note(CommOpKind::kReduceScatter, in.bytes());
     inner_->ReduceScatter(in, out);
+    End(handle);
+  }
+  void AllToAll(const Tensor& in, Tensor& out) override {
+    const auto handle = Note(CommOpKind::kAllToAll, in.bytes());
+    inner_->AllToAll(in, out);
     End(handle);
   }
   void Broadcast(Tensor& buffer, int root) override {

@@ -61,6 +61,16 @@ void HostStagedCommunicator::ReduceScatter(const Tensor& in, Tensor& out) {
   kernels_.CopyFromHost(host_out, out);
 }
 
+void HostStagedCommunicator::AllToAll(const Tensor& in, Tensor& out) {
+  CheckDevice("AllToAll", "in", in);
+  CheckDevice("AllToAll", "out", out);
+  CheckDisjoint("AllToAll", in, out);
+  const Tensor host_in = kernels_.ToHost(in);
+  Tensor host_out = Tensor::HostEmpty(out.shape(), out.dtype());
+  group_->AllToAll(host_in, host_out);  // checks the sizes and dtypes
+  kernels_.CopyFromHost(host_out, out);
+}
+
 void HostStagedCommunicator::Broadcast(Tensor& buffer, int root) {
   CheckDevice("Broadcast", "buffer", buffer);
   Tensor host = kernels_.ToHost(buffer);

@@ -34,6 +34,7 @@ class HostStagedCommunicator final : public Communicator {
   void AllReduce(Tensor& buffer, ReduceOp op) override;
   void AllGather(const Tensor& in, Tensor& out) override;
   void ReduceScatter(const Tensor& in, Tensor& out) override;
+  void AllToAll(const Tensor& in, Tensor& out) override;
   void Broadcast(Tensor& buffer, int root) override;
   // Sends are copied to the host first; receives land on the host and are copied back by
   // Wait.

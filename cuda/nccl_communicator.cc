@@ -145,6 +145,26 @@ void NcclCommunicator::ReduceScatter(const Tensor& in, Tensor& out) {
   Wait("ReduceScatter");
 }
 
+// NCCL has no equal-split all-to-all before 2.28: one send and one receive per peer (this
+// rank included) in one group, as torch.distributed.all_to_all_single does.
+void NcclCommunicator::AllToAll(const Tensor& in, Tensor& out) {
+  CollectiveArgs("NcclCommunicator", Device::kCuda, "AllToAll").Exchanged(in, out, size_);
+  if (in.numel() == 0) return;
+  const auto count = static_cast<size_t>(in.numel() / size_);
+  const size_t chunk_bytes = count * DTypeSize(in.dtype());
+  const ncclDataType_t type = NcclType(in.dtype());
+  const auto* send = static_cast<const std::byte*>(in.data());
+  auto* recv = static_cast<std::byte*>(out.data());
+  MPUSIM_NCCL_CHECK(ncclGroupStart());
+  for (int peer = 0; peer < size_; ++peer) {
+    const auto at = static_cast<size_t>(peer) * chunk_bytes;
+    MPUSIM_NCCL_CHECK(ncclSend(send + at, count, type, peer, comm_, stream_));
+    MPUSIM_NCCL_CHECK(ncclRecv(recv + at, count, type, peer, comm_, stream_));
+  }
+  MPUSIM_NCCL_CHECK(ncclGroupEnd());
+  Wait("AllToAll");
+}
+
 void NcclCommunicator::Broadcast(Tensor& buffer, int root) {
   CheckBuffer("Broadcast", "buffer", buffer);
   if (root < 0 || root >= size_) {

@@ -53,6 +53,7 @@ class NcclCommunicator final : public Communicator {
   // in.numel() == Size() * out.numel(); `in` and `out` must not overlap.
   void ReduceScatter(const Tensor& in, Tensor& out) override;
   // In place from group rank `root`.
+  void AllToAll(const Tensor& in, Tensor& out) override;
   void Broadcast(Tensor& buffer, int root) override;
   // One NCCL group (ncclGroupStart, an ncclSend or ncclRecv per message, ncclGroupEnd), then
   // the wait. NCCL does not report a receive of the wrong length; the model's steps make

@@ -181,6 +181,13 @@ void MpiCommunicator::ReduceScatter(const Tensor& in, Tensor& out) {
                               MpiOp(in.dtype(), ReduceOp::kSum), comm_, label_);
 }
 
+void MpiCommunicator::AllToAll(const Tensor& in, Tensor& out) {
+  CollectiveArgs("MpiCommunicator", Device::kHost, "AllToAll").Exchanged(in, out, size_);
+  const int count = MpiCount("AllToAll", in.numel()) / size_;
+  const MPI_Datatype type = MpiType(in.dtype());
+  watched::Alltoall(in.data(), count, type, out.data(), count, type, comm_, label_);
+}
+
 void MpiCommunicator::Broadcast(Tensor& buffer, int root) {
   CheckBuffer("Broadcast", "buffer", buffer);
   if (root < 0 || root >= size_) {

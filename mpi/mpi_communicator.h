@@ -79,6 +79,7 @@ class MpiCommunicator final : public Communicator {
   // in.numel() == Size() * out.numel(); out = sum over ranks of chunk Rank() of `in`.
   void ReduceScatter(const Tensor& in, Tensor& out) override;
   // In place from group rank `root`.
+  void AllToAll(const Tensor& in, Tensor& out) override;
   void Broadcast(Tensor& buffer, int root) override;
 
   // Point-to-point with blocking semantics: Send returns once `buffer` may be reused, Recv

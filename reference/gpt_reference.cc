@@ -497,6 +497,7 @@ Status PlanTrackerDraws(const GptConfig& gpt, const ParallelConfig& parallel, co
   d.b = run.micro_batch_size;
   d.sp = parallel.sequence_parallel && t > 1;
   d.cp = parallel.context_parallel_size;
+  d.cp_heads = d.cp > 1 && gpt.cp_comm_type == CpCommType::kA2a;
   // Each pipeline rank draws from its own tracker in the order it runs its forwards
   // (reference/tracker_draws.h).
   const int64_t p = parallel.pipeline_model_parallel_size;

@@ -119,7 +119,8 @@ MaskDraw HiddenDraw(const Dims& d, const std::string& site, int64_t m, int64_t i
 
 // Element (gs, hd, e) of the [B, a, s*s] attention site. Global mode: ((gs*a + hd)*s*s + e.
 // Tracker mode: head hd lives on tp rank hd / (a/t), and query row e / s on the cp rank
-// holding it, at local [b, a/t, s / cp, s] index.
+// holding it, at local [b, a/t, s / cp, s] index; under cp_comm_type "a2a" on the cp rank
+// holding the head, at local [b, a/(t cp), s, s] index.
 MaskDraw ProbsDraw(const Dims& d, const std::string& site, int64_t m, int64_t gs, int64_t hd,
                    int64_t e) {
   if (!d.tracker) {
@@ -127,6 +128,11 @@ MaskDraw ProbsDraw(const Dims& d, const std::string& site, int64_t m, int64_t gs
             static_cast<uint64_t>((gs * d.a + hd) * d.s * d.s + e)};
   }
   const int64_t heads_local = d.a / d.t;
+  if (d.cp_heads) {
+    const int64_t hc = heads_local / d.cp;
+    return TrackerDraw(d, site, m, hd / heads_local, gs / d.b,
+                       ((gs % d.b) * hc + hd % hc) * d.s * d.s + e);
+  }
   const int64_t s_cp = d.s / d.cp;
   return TrackerDraw(
       d, site, m, hd / heads_local, gs / d.b,

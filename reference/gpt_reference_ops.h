@@ -46,6 +46,9 @@ struct Dims {
   int64_t t = 1, b = 1;
   bool sp = false;
   int64_t cp = 1;
+  // cp_comm_type "a2a": each cp rank holds 1/cp of its tp rank's heads for every query,
+  // rather than its query positions for every head.
+  bool cp_heads = false;
   struct SiteDraw {
     bool model_parallel = false;  // "model-parallel-rng", else "default"
     int64_t pp = 0;               // the pipeline rank that draws it (its key)

@@ -296,13 +296,22 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
   }
   const int64_t cp = parallel.context_parallel_size;
   if (cp > 1) {
-    if (gpt->cp_comm_type != CpCommType::kAllGather && gpt->cp_comm_type != CpCommType::kP2p) {
+    if (gpt->cp_comm_type == CpCommType::kA2aP2p) {
       return Status::Error(
           "model.cp_comm_type",
-          fmt::format("\"{}\" is not built yet; with context_parallel_size {} set \"p2p\" "
-                      "(Megatron's default) or \"all_gather\" (every cp_comm_type computes the "
-                      "same attention)",
-                      CpCommTypeName(gpt->cp_comm_type), cp));
+          fmt::format("\"a2a+p2p\" is not built yet; with context_parallel_size {} set \"p2p\" "
+                      "(Megatron's default), \"all_gather\" or \"a2a\" (every cp_comm_type "
+                      "computes the same attention)",
+                      cp));
+    }
+    if (gpt->cp_comm_type == CpCommType::kA2a && gpt->num_query_groups % (t * cp) != 0) {
+      return Status::Error(
+          "model.cp_comm_type",
+          fmt::format("\"a2a\" gives each cp rank 1/cp of its tp rank's heads, so "
+                      "num_query_groups {} must be divisible by tensor_model_parallel_size * "
+                      "context_parallel_size = {}; set \"p2p\" or \"all_gather\", or another "
+                      "layout",
+                      gpt->num_query_groups, t * cp));
     }
     if (run.seq_length % (2 * cp) != 0) {
       return Status::Error("run.seq_length",

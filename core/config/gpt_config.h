@@ -31,10 +31,11 @@
 //     "label_smoothing": 0.0,            of the vocab-parallel cross entropy
 //     "dropout_mode": "global"           or "rng_tracker" (Megatron's); see core/dropout.h
 //     "cp_comm_type": "p2p"              how context parallelism's attention meets the other
-//                                        ranks' keys and values: "p2p" (the ring) or
-//                                        "all_gather"; "a2a", "a2a+p2p" refused until built
-//                                        (Megatron's names; read only when
-//                                        context_parallel_size > 1)
+//                                        ranks' keys and values: "p2p" (the ring),
+//                                        "all_gather" or "a2a" (Ulysses: heads for
+//                                        sequence, num_query_groups divisible by tp * cp);
+//                                        "a2a+p2p" refused until built (Megatron's names;
+//                                        read only when context_parallel_size > 1)
 //   }
 // }
 //

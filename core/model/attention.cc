@@ -19,6 +19,7 @@ SelfAttention::SelfAttention(const GptConfig& gpt, std::string prefix, Parameter
       g_l_(gpt.num_query_groups / t),
       rope_(gpt.position_embedding_type == PositionEmbedding::kRope),
       ring_(gpt.cp_comm_type == CpCommType::kP2p),
+      cp_heads_(gpt.cp_comm_type == CpCommType::kA2a),
       rotary_base_(gpt.rotary_base),
       rotary_dim_(gpt.RotaryDim()),
       dropout_(gpt.attention_dropout),
@@ -36,13 +37,15 @@ SelfAttention::SelfAttention(const GptConfig& gpt, std::string prefix, Parameter
 }
 
 // Where this rank's probabilities [b, a_l, s_cp, s] sit in the full [B, a, s, s]: one piece
-// without context parallelism, else one per sample, its query rows in the rank's two chunks.
+// without context parallelism or under "a2a" ([b, a_l / cp, s, s]), else one per sample, its
+// query rows in the rank's two chunks.
 IndexPieces SelfAttention::ProbsMap(const StreamShape& sh) const {
   const int64_t s = sh.s;
-  if (sh.cp == 1) {
+  if (sh.cp == 1 || cp_heads_) {
+    const int64_t heads = a_l_ / sh.cp;
     GlobalIndexMap map;
-    map.base = (sh.dp_rank * sh.b * a_ + sh.tp_rank * a_l_) * s * s;
-    map.dims = {sh.b, a_l_, s * s};
+    map.base = (sh.dp_rank * sh.b * a_ + sh.tp_rank * a_l_ + sh.cp_rank * heads) * s * s;
+    map.dims = {sh.b, heads, s * s};
     map.strides = {a_ * s * s, s * s, 1};
     return {{0, map}};
   }
@@ -60,41 +63,77 @@ IndexPieces SelfAttention::ProbsMap(const StreamShape& sh) const {
 
 namespace {
 
-// Context parallelism: every cp rank's x [bg * s_cp, dk] (bg rows of its s_cp tokens each),
-// gathered over cp and put in sequence order: [bg * s, dk].
-Tensor GatherSequence(const ModuleContext& ctx, const Tensor& x, int64_t bg, int64_t dk) {
-  Kernels& k = ctx.k;
-  const StreamShape& sh = ctx.shape;
+// Context parallelism moves tensors between rank order, [cp, rows, s_cp, dk] (for each cp
+// rank its rows of its s_cp tokens: chunks r and 2 cp - 1 - r), and sequence order
+// [rows, s, dk]. ToSequence copies the first into the second, FromSequence back.
+void ReorderSequence(Kernels& k, const StreamShape& sh, const Tensor& from, Tensor& to,
+                     int64_t rows, int64_t dk, bool to_sequence) {
   const int64_t cp = sh.cp, s_cp = sh.s_cp(), c = s_cp / 2, s = sh.s;
-  Tensor gathered = k.Empty({cp * bg * s_cp, dk}, x.dtype());
-  ctx.cp->AllGather(x, gathered);
-  Tensor out = k.Empty({bg * s, dk}, x.dtype());
   for (int64_t r = 0; r < cp; ++r) {
     for (int64_t half = 0; half < 2; ++half) {
-      const int64_t chunk = half == 0 ? r : 2 * cp - 1 - r;
-      k.StridedCopy(gathered, (r * bg * s_cp + half * c) * dk, {bg, c * dk}, {s_cp * dk, 1}, out,
-                    chunk * c * dk, {s * dk, 1});
+      const int64_t ranked = (r * rows * s_cp + half * c) * dk;
+      const int64_t ordered = (half == 0 ? r : 2 * cp - 1 - r) * c * dk;
+      if (to_sequence) {
+        k.StridedCopy(from, ranked, {rows, c * dk}, {s_cp * dk, 1}, to, ordered, {s * dk, 1});
+      } else {
+        k.StridedCopy(from, ordered, {rows, c * dk}, {s * dk, 1}, to, ranked, {s_cp * dk, 1});
+      }
     }
   }
+}
+
+// cp_comm_type "all_gather": every cp rank's x [bg * s_cp, dk] (bg rows of its s_cp tokens
+// each), gathered over cp and put in sequence order: [bg * s, dk].
+Tensor GatherSequence(const ModuleContext& ctx, const Tensor& x, int64_t bg, int64_t dk) {
+  const StreamShape& sh = ctx.shape;
+  Tensor gathered = ctx.k.Empty({sh.cp * bg * sh.s_cp(), dk}, x.dtype());
+  ctx.cp->AllGather(x, gathered);
+  Tensor out = ctx.k.Empty({bg * sh.s, dk}, x.dtype());
+  ReorderSequence(ctx.k, sh, gathered, out, bg, dk, true);
   return out;
 }
 
 // GatherSequence's backward: the gradient of every position [bg * s, dk] back to each cp
 // rank's tokens, summed over the ranks: [bg * s_cp, dk].
 Tensor ReduceScatterSequence(const ModuleContext& ctx, const Tensor& dy, int64_t bg, int64_t dk) {
-  Kernels& k = ctx.k;
   const StreamShape& sh = ctx.shape;
-  const int64_t cp = sh.cp, s_cp = sh.s_cp(), c = s_cp / 2, s = sh.s;
-  Tensor by_rank = k.Empty({cp * bg * s_cp, dk}, dy.dtype());
-  for (int64_t r = 0; r < cp; ++r) {
-    for (int64_t half = 0; half < 2; ++half) {
-      const int64_t chunk = half == 0 ? r : 2 * cp - 1 - r;
-      k.StridedCopy(dy, chunk * c * dk, {bg, c * dk}, {s * dk, 1}, by_rank,
-                    (r * bg * s_cp + half * c) * dk, {s_cp * dk, 1});
-    }
-  }
-  Tensor out = k.Empty({bg * s_cp, dk}, dy.dtype());
+  Tensor by_rank = ctx.k.Empty({sh.cp * bg * sh.s_cp(), dk}, dy.dtype());
+  ReorderSequence(ctx.k, sh, dy, by_rank, bg, dk, false);
+  Tensor out = ctx.k.Empty({bg * sh.s_cp(), dk}, dy.dtype());
   ctx.cp->ReduceScatter(by_rank, out);
+  return out;
+}
+
+// cp_comm_type "a2a" (Ulysses): this rank's tokens of `heads` heads, x [b, heads, s_cp, dk],
+// become every position of 1/cp of the heads, [b, heads / cp, s, dk] in sequence order: cp
+// rank j is sent heads [j hc, (j + 1) hc) (hc = heads / cp) of this rank's tokens.
+Tensor HeadsForSequence(const ModuleContext& ctx, const Tensor& x, int64_t b, int64_t heads,
+                        int64_t dk) {
+  const StreamShape& sh = ctx.shape;
+  const int64_t cp = sh.cp, hc = heads / cp, piece = hc * sh.s_cp() * dk;
+  Tensor send = ctx.k.Empty({cp * b * piece}, x.dtype());  // [cp, b, hc, s_cp, dk]
+  ctx.k.StridedCopy(x, 0, {cp, b, piece}, {piece, cp * piece, 1}, send, 0,
+                    {b * piece, piece, 1});
+  Tensor received = ctx.k.Empty({cp * b * piece}, x.dtype());  // [cp, b, hc, s_cp, dk]
+  ctx.cp->AllToAll(send, received);
+  Tensor out = ctx.k.Empty({b * hc * sh.s, dk}, x.dtype());
+  ReorderSequence(ctx.k, sh, received, out, b * hc, dk, true);
+  return out;
+}
+
+// HeadsForSequence's inverse (and its backward): y [b, heads / cp, s, dk] -> [b, heads,
+// s_cp, dk], each cp rank's tokens back to it.
+Tensor SequenceForHeads(const ModuleContext& ctx, const Tensor& y, int64_t b, int64_t heads,
+                        int64_t dk) {
+  const StreamShape& sh = ctx.shape;
+  const int64_t cp = sh.cp, hc = heads / cp, piece = hc * sh.s_cp() * dk;
+  Tensor send = ctx.k.Empty({cp * b * piece}, y.dtype());  // [cp, b, hc, s_cp, dk]
+  ReorderSequence(ctx.k, sh, y, send, b * hc, dk, false);
+  Tensor received = ctx.k.Empty({cp * b * piece}, y.dtype());
+  ctx.cp->AllToAll(send, received);
+  Tensor out = ctx.k.Empty({b * heads * sh.s_cp(), dk}, y.dtype());
+  ctx.k.StridedCopy(received, 0, {cp, b, piece}, {b * piece, piece, 1}, out, 0,
+                    {piece, cp * piece, 1});
   return out;
 }
 
@@ -143,9 +182,9 @@ Tensor SelfAttention::CoreForward(const ModuleContext& ctx, const Tensor& qkv,
                                   CoreStash* core) const {
   Kernels& k = ctx.k;
   const StreamShape& sh = ctx.shape;
-  // s: this rank's tokens (queries); sk: the keys attention sees.
-  const int64_t s = sh.s_cp(), sk = sh.s, b = sh.b, dk = dk_, r = r_, gl = g_l_, al = a_l_;
-  const int64_t w = (al + 2 * gl) * dk;  // qkv row width
+  const int64_t b = sh.b, dk = dk_, r = r_, w = (a_l_ + 2 * g_l_) * dk;  // qkv row width
+  // This rank's tokens and heads: the projection's, until "a2a" exchanges them.
+  int64_t s = sh.s_cp(), gl = g_l_, al = a_l_;
   const DType dtype = qkv.dtype();
   // Split the fused projection into contiguous per-head tensors.
   core->q = k.Empty({b * gl * r * s, dk}, dtype);
@@ -171,20 +210,30 @@ Tensor SelfAttention::CoreForward(const ModuleContext& ctx, const Tensor& qkv,
     if (ctx.recording()) RecordRingProbs(ctx, *core, nullptr);
     return ContextToColumns(ctx, context, al, dk);
   }
-  if (sh.cp > 1) {
+  // s: the queries; sk: the keys attention sees.
+  const int64_t sk = sh.s;
+  const bool heads = sh.cp > 1 && cp_heads_;
+  if (heads) {
+    // Ulysses: every position of 1/cp of the heads; the queries in sequence order too.
+    core->q = HeadsForSequence(ctx, core->q, b, al, dk);
+    core->k = HeadsForSequence(ctx, core->k, b, gl, dk);
+    core->v = HeadsForSequence(ctx, core->v, b, gl, dk);
+    s = sk, gl /= sh.cp, al /= sh.cp;
+  } else if (sh.cp > 1) {
     core->k = GatherSequence(ctx, core->k, b * gl, dk);
     core->v = GatherSequence(ctx, core->v, b * gl, dk);
   }
+  const Tensor& q_pos = heads ? ctx.key_positions : ctx.positions;
   // scores = q k^T / sqrt(dk): one GEMM per (sample, group) over its r*s query rows.
   Tensor scores = k.Empty({b * gl, r * s, sk}, dtype);
   k.BatchedGemm(false, true, 1.0 / std::sqrt(static_cast<double>(dk)),
                 core->q.Reshaped({b * gl, r * s, dk}), core->k.Reshaped({b * gl, sk, dk}), 0.0,
                 scores);
   core->probs = k.Empty({b * al * s, sk}, dtype);
-  k.CausalSoftmaxForward(scores.Reshaped({b * al * s, sk}), ctx.positions, ctx.key_positions,
-                         1.0, core->probs);
+  k.CausalSoftmaxForward(scores.Reshaped({b * al * s, sk}), q_pos, ctx.key_positions, 1.0,
+                         core->probs);
   ctx.Record(prefix_ + ".core_attention.probs", core->probs.Reshaped({b, al, s, sk}),
-             {sh.B, a_, sk, sk}, sh.HeadSpec(ctx.dp_size));
+             {sh.B, a_, sk, sk}, ProbsSpec(ctx));
   core->probs_dropped =
       dropout_ > 0 ? DropoutAtSite(ctx, prefix_ + ".core_attention.attention_dropout", dropout_,
                                    ProbsMap(sh), core->probs)
@@ -192,7 +241,12 @@ Tensor SelfAttention::CoreForward(const ModuleContext& ctx, const Tensor& qkv,
   Tensor context = k.Empty({b * gl, r * s, dk}, dtype);
   k.BatchedGemm(false, false, 1.0, core->probs_dropped.Reshaped({b * gl, r * s, sk}),
                 core->v.Reshaped({b * gl, sk, dk}), 0.0, context);
-  return ContextToColumns(ctx, context, al, dk);
+  if (heads) context = SequenceForHeads(ctx, context, b, a_l_, dk);
+  return ContextToColumns(ctx, context, a_l_, dk);
+}
+
+ShardSpec SelfAttention::ProbsSpec(const ModuleContext& ctx) const {
+  return cp_heads_ ? ctx.shape.CpHeadSpec(ctx.dp_size) : ctx.shape.HeadSpec(ctx.dp_size);
 }
 
 // The context [b, a_l, s_cp, dk] as core attention's output [s_cp * b, a_l * dk], recorded.
@@ -212,7 +266,8 @@ Tensor SelfAttention::CoreBackward(const ModuleContext& ctx, const Tensor& dout,
                                    const CoreStash& core) const {
   Kernels& k = ctx.k;
   const StreamShape& sh = ctx.shape;
-  const int64_t s = sh.s_cp(), sk = sh.s, b = sh.b, dk = dk_, r = r_, gl = g_l_, al = a_l_;
+  const int64_t sk = sh.s, b = sh.b, dk = dk_, r = r_;
+  int64_t s = sh.s_cp(), gl = g_l_, al = a_l_;
   const DType dtype = dout.dtype();
   ctx.Record(prefix_ + ".core_attention.output_grad", dout, {sk, sh.B, a_ * dk},
              sh.ColumnSpec(ctx.dp_size, 1));
@@ -225,6 +280,12 @@ Tensor SelfAttention::CoreBackward(const ModuleContext& ctx, const Tensor& dout,
     RingBackward(ctx, dcontext, core, &dq, &dkey, &dv);
     return QkvGrad(ctx, core, dq.Reshaped({b * gl * r * s, dk}), dkey, dv);
   }
+  const bool heads = sh.cp > 1 && cp_heads_;
+  if (heads) {
+    s = sk, gl /= sh.cp, al /= sh.cp;
+    dcontext = HeadsForSequence(ctx, dcontext, b, a_l_, dk).Reshaped({b * gl, r * s, dk});
+  }
+  const Tensor& q_pos = heads ? ctx.key_positions : ctx.positions;
   // context = P_d v:  dP_d = dcontext v^T,  dv = P_d^T dcontext (summed over the group's heads)
   Tensor dprobs = k.Empty({b * gl, r * s, sk}, dtype);
   k.BatchedGemm(false, true, 1.0, dcontext, core.v.Reshaped({b * gl, sk, dk}), 0.0, dprobs);
@@ -237,10 +298,9 @@ Tensor SelfAttention::CoreBackward(const ModuleContext& ctx, const Tensor& dout,
                                 ProbsMap(sh), dprobs_flat);
   }
   ctx.Record(prefix_ + ".core_attention.probs_grad", dprobs_flat.Reshaped({b, al, s, sk}),
-             {sh.B, a_, sk, sk}, sh.HeadSpec(ctx.dp_size));
+             {sh.B, a_, sk, sk}, ProbsSpec(ctx));
   Tensor dscores = k.Empty({b * al * s, sk}, dtype);
-  k.CausalSoftmaxBackward(core.probs, dprobs_flat, ctx.positions, ctx.key_positions, 1.0,
-                          dscores);
+  k.CausalSoftmaxBackward(core.probs, dprobs_flat, q_pos, ctx.key_positions, 1.0, dscores);
   // scores = c q k^T:  dq = c dscores k,  dk = c dscores^T q
   const double c = 1.0 / std::sqrt(static_cast<double>(dk));
   const Tensor ds = dscores.Reshaped({b * gl, r * s, sk});
@@ -249,12 +309,17 @@ Tensor SelfAttention::CoreBackward(const ModuleContext& ctx, const Tensor& dout,
   Tensor dkey = k.Empty({b * gl, sk, dk}, dtype);
   k.BatchedGemm(true, false, c, ds, core.q.Reshaped({b * gl, r * s, dk}), 0.0, dkey);
   Tensor dk2 = dkey.Reshaped({b * gl * sk, dk});
-  if (sh.cp > 1) {
+  if (heads) {
+    dq = SequenceForHeads(ctx, dq, b, a_l_, dk);
+    dk2 = SequenceForHeads(ctx, dk2, b, g_l_, dk);
+    dv = SequenceForHeads(ctx, dv, b, g_l_, dk);
+  } else if (sh.cp > 1) {
     dk2 = ReduceScatterSequence(ctx, dk2, b * gl, dk);
     dv = ReduceScatterSequence(ctx, dv.Reshaped({b * gl * sk, dk}), b * gl, dk);
   }
-  return QkvGrad(ctx, core, dq.Reshaped({b * gl * r * s, dk}), dk2,
-                 dv.Reshaped({b * gl * s, dk}));
+  const int64_t tokens = sh.s_cp();
+  return QkvGrad(ctx, core, dq.Reshaped({b * g_l_ * r * tokens, dk}), dk2,
+                 dv.Reshaped({b * g_l_ * tokens, dk}));
 }
 
 // The gradients of this rank's q [b*g_l*r*s_cp, dk], k and v [b*g_l*s_cp, dk] after RoPE and

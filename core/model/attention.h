@@ -22,7 +22,10 @@
 // query row i sees key j when position(j) <= position(i). Their gradients go back by
 // reduce-scatter. Probabilities are [b, a_l, s_cp, s]. cp_comm_type "p2p" passes the keys
 // and values around the cp ring instead and merges blocks by log-sum-exp (attention.cc,
-// RingForward); the probabilities are never whole.
+// RingForward); the probabilities are never whole. cp_comm_type "a2a" (Ulysses) exchanges
+// heads for sequence: after RoPE an all-to-all over cp gives each cp rank every position of
+// 1/cp of its heads (q [b, g_l/cp, r, s, dk], k and v [b, g_l/cp, s, dk], probabilities
+// [b, a_l/cp, s, s]), and a second one gives the context back to the tokens' ranks.
 // Selective recomputation keeps only qkv and reruns core attention in backward.
 #pragma once
 
@@ -50,9 +53,9 @@ class SelfAttention {
     Tensor kv;
   };
   struct CoreStash {
-    Tensor q;              // after the q/k norms and RoPE
+    Tensor q;              // after the q/k norms and RoPE (1/cp of the heads: "a2a")
     Tensor k, v;           // the same, of every position: gathered over cp ("all_gather");
-                           // this rank's ("p2p")
+                           // this rank's ("p2p"); 1/cp of the heads ("a2a")
     Norm::Stash q_norm, k_norm;  // qk_layernorm only
     Tensor probs;          // [b*a_l*s, s] before dropout (not kept by the ring)
     Tensor probs_dropped;  // after dropout (probs itself when attention_dropout is 0)
@@ -74,6 +77,7 @@ class SelfAttention {
   Tensor CoreForward(const ModuleContext& ctx, const Tensor& qkv, CoreStash* core) const;
   Tensor CoreBackward(const ModuleContext& ctx, const Tensor& dcontext, const CoreStash& core) const;
   IndexPieces ProbsMap(const StreamShape& sh) const;
+  ShardSpec ProbsSpec(const ModuleContext& ctx) const;  // of the probabilities [B, a, s, s]
   // cp_comm_type "p2p": core attention with the keys and values passed around the cp ring,
   // a block of c queries by c keys at a time, merged by log-sum-exp. RingForward returns
   // the context [b*g_l, r*s_cp, dk]; RingBackward takes its gradient and returns dq (same
@@ -99,7 +103,8 @@ class SelfAttention {
   std::string prefix_;
   int64_t a_, g_, r_, dk_, a_l_, g_l_;
   bool rope_;
-  bool ring_;  // cp_comm_type "p2p" (with context_parallel_size > 1)
+  bool ring_;      // cp_comm_type "p2p" (with context_parallel_size > 1)
+  bool cp_heads_;  // cp_comm_type "a2a" (with context_parallel_size > 1)
   double rotary_base_;
   int64_t rotary_dim_;
   std::optional<Norm> q_norm_, k_norm_;  // qk_layernorm

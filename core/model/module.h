@@ -94,6 +94,13 @@ struct StreamShape {
   ShardSpec HeadSpec(int64_t dp_size) const {
     return TpSplit(CpSplit(BatchSpec(0, dp_size), 2), 1, 1);
   }
+  // The same under cp_comm_type "a2a" (Ulysses): heads split over tp, then each tp rank's
+  // heads over cp; every query and key position on every rank.
+  ShardSpec CpHeadSpec(int64_t dp_size) const {
+    ShardSpec spec = TpSplit(BatchSpec(0, dp_size), 1, 1);
+    spec.Split(ShardAxis::kCp, 1, cp, cp_rank);
+    return spec;
+  }
 
  private:
   // `spec` also split over the tp ranks along `dim` (nothing to split when t = 1).
@@ -151,7 +158,7 @@ struct ModuleContext {
   // int64 [s] on the device: the position of each key attention sees once the cp ranks'
   // keys are gathered (0, 1, ..., s - 1: positions itself when cp = 1).
   Tensor key_positions = Tensor();
-  // The context-parallel group (cp_comm_type "all_gather"); null when cp = 1.
+  // The context-parallel group; null when cp = 1.
   Communicator* cp = nullptr;
   // Set: a recomputation in this pass appends its span (chunk `chunk`, the draw's
   // micro-batch) here, for the timeline.

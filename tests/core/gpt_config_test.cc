@@ -341,11 +341,11 @@ TEST(GptConfig, LayoutChecks) {
   EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
             "run.seq_length: 7 is not divisible by 2 * context_parallel_size = 4 (each cp rank "
             "holds two of 2 * cp equal chunks)");
-  copy.cp_comm_type = CpCommType::kA2a;
+  copy.cp_comm_type = CpCommType::kA2aP2p;
   EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
-            "model.cp_comm_type: \"a2a\" is not built yet; with context_parallel_size 2 set "
-            "\"p2p\" (Megatron's default) or \"all_gather\" (every cp_comm_type computes the "
-            "same attention)");
+            "model.cp_comm_type: \"a2a+p2p\" is not built yet; with context_parallel_size 2 set "
+            "\"p2p\" (Megatron's default), \"all_gather\" or \"a2a\" (every cp_comm_type "
+            "computes the same attention)");
   copy.cp_comm_type = CpCommType::kAllGather;
   EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
             "run.seq_length: 7 is not divisible by 2 * context_parallel_size = 4 (each cp rank "
@@ -360,6 +360,15 @@ TEST(GptConfig, LayoutChecks) {
             "tensor_model_parallel_size 4 (sequence_parallel splits each cp rank's tokens over tp)");
   parallel.sequence_parallel = false;
   EXPECT_TRUE(CheckGptLayout(parallel, run, &copy).ok());
+  copy.cp_comm_type = CpCommType::kA2a;  // 4 query groups over tp 4 x cp 2
+  EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
+            "model.cp_comm_type: \"a2a\" gives each cp rank 1/cp of its tp rank's heads, so "
+            "num_query_groups 4 must be divisible by tensor_model_parallel_size * "
+            "context_parallel_size = 8; set \"p2p\" or \"all_gather\", or another layout");
+  parallel.tensor_model_parallel_size = 2;
+  EXPECT_TRUE(CheckGptLayout(parallel, run, &copy).ok());
+  copy.cp_comm_type = CpCommType::kAllGather;
+  parallel.tensor_model_parallel_size = 4;
   parallel.context_parallel_size = 1;
   parallel.expert_model_parallel_size = 2;
   EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),

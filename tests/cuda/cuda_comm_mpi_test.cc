@@ -98,6 +98,16 @@ void CheckCollectives(Kernels& kernels, Communicator& comm, DType dtype) {
   comm.ReduceScatter(ToDevice(kernels, dtype, chunks), part);
   EXPECT_EQ(Values(kernels, part), scattered) << "reduce-scatter";
 
+  // Chunk j of rank r holds r + 10 j + e and goes to rank j: this rank's chunk j is rank j's
+  // chunk Rank(), j + 10 rank + e.
+  std::vector<double> swapped;
+  for (int j = 0; j < size; ++j) {
+    for (int e = 0; e < n; ++e) swapped.push_back(j + 10 * rank + e);
+  }
+  Tensor exchanged = kernels.Empty({size * n}, dtype);
+  comm.AllToAll(ToDevice(kernels, dtype, chunks), exchanged);
+  EXPECT_EQ(Values(kernels, exchanged), swapped) << "all-to-all";
+
   const int root = size - 1;
   std::vector<double> from_root(count);
   for (int e = 0; e < n; ++e) {

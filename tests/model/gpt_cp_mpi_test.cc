@@ -1,5 +1,5 @@
-// Context parallelism (cp_comm_type "all_gather") on K MPI ranks against the float64 GPT
-// reference: every cp x tp x dp layout the world allows, with and without sequence
+// Context parallelism (cp_comm_type "all_gather", "p2p" and "a2a") on K MPI ranks against
+// the float64 GPT reference: every cp x tp x dp layout the world allows, with and without sequence
 // parallelism, learned position embeddings and RoPE with grouped-query attention, dropout on
 // (masks drawn per global element, so every layout computes the same numbers); with a
 // pipeline, and training with the distributed optimizer sharded over dp x cp. Each layout's
@@ -43,6 +43,14 @@ struct Layout {
   bool sp;
 };
 
+// The cp_comm_types a layout runs: all of them with cp > 1 ("a2a" where the query groups
+// divide over tp x cp), "all_gather" alone (the one read) with cp = 1.
+std::vector<const char*> Comms(int64_t cp, int64_t tp, int64_t groups) {
+  if (cp == 1) return {"all_gather"};
+  if (groups % (tp * cp) != 0) return {"all_gather", "p2p"};
+  return {"all_gather", "p2p", "a2a"};
+}
+
 // Every cp in {1, 2, 4} and tp in {1, 2, 4} whose product divides the world.
 std::vector<Layout> Layouts() {
   std::vector<Layout> layouts;
@@ -61,11 +69,11 @@ std::vector<Layout> Layouts() {
 TEST(GptContextParallel, EveryLayoutMatchesTheReferenceAndCpOne) {
   for (const char* kind : {"gpt", "llama"}) {
     // Llama-style: RoPE at each token's global position, 4 query groups.
-    const json model = std::string(kind) == "gpt" ? Gpt(8, 8) : Llama(8, 4);
+    const bool gpt = std::string(kind) == "gpt";
+    const json model = gpt ? Gpt(8, 8) : Llama(8, 4);
     std::map<int64_t, double> cp_one;  // by tp (the Llama vocabulary pads per tp size)
     for (const Layout& l : Layouts()) {
-      for (const char* comm : {"all_gather", "p2p"}) {
-        if (l.cp == 1 && std::string(comm) == "p2p") continue;  // read only with cp > 1
+      for (const char* comm : Comms(l.cp, l.tp, gpt ? 8 : 4)) {
         SCOPED_TRACE(fmt::format("{}: cp {} ({}) tp {} sequence_parallel {}", kind, l.cp, comm,
                                  l.tp, l.sp));
         if (WorldRank() == 0) {
@@ -91,7 +99,7 @@ TEST(GptContextParallel, PipelineAndDistributedOptimizerTrainAsCpOne) {
   model["num_layers"] = 4;
   std::vector<std::vector<double>> curves;
   for (const auto& [cp, comm] : {std::pair<int64_t, const char*>{1, "all_gather"},
-                                 {2, "all_gather"}, {2, "p2p"}}) {
+                                 {2, "all_gather"}, {2, "p2p"}, {2, "a2a"}}) {
     SCOPED_TRACE(fmt::format("cp {} {}", cp, comm));
     if (WorldRank() == 0) fmt::print("  cp {} {} pp 2, distributed optimizer:", cp, comm);
     json document = Training(CpDocument(model, cp, 1, 2, false, "float64", comm), "adam");
@@ -117,11 +125,11 @@ TEST(GptContextParallel, PipelineAndDistributedOptimizerTrainAsCpOne) {
 }
 
 // 16-bit storage with selective recomputation (core attention rerun: the keys gathered
-// again, or the ring run again).
+// again, the ring run again, or the heads exchanged again).
 TEST(GptContextParallel, BFloat16WithSelectiveRecomputation) {
   if (WorldSize() < 2) GTEST_SKIP() << "needs cp 2";
   const int64_t tp = WorldSize() >= 4 ? 2 : 1;
-  for (const char* comm : {"all_gather", "p2p"}) {
+  for (const char* comm : {"all_gather", "p2p", "a2a"}) {
     if (WorldRank() == 0) fmt::print("  bfloat16 cp 2 {} tp {}:", comm, tp);
     json document = CpDocument(Llama(8, 4), 2, tp, 1, tp > 1, "bfloat16", comm);
     document["run"]["recompute_granularity"] = "selective";
@@ -139,7 +147,7 @@ TEST(GptContextParallel, RngTrackerDropoutMatchesTheReference) {
   model["dropout_mode"] = "rng_tracker";
   for (const Layout& l : Layouts()) {
     if (l.cp == 1) continue;
-    for (const char* comm : {"all_gather", "p2p"}) {
+    for (const char* comm : Comms(l.cp, l.tp, 8)) {
       SCOPED_TRACE(fmt::format("cp {} {} tp {} sequence_parallel {}", l.cp, comm, l.tp, l.sp));
       if (WorldRank() == 0) {
         fmt::print("  rng_tracker cp {} {} tp {} sp {}:", l.cp, comm, l.tp, l.sp);
@@ -150,21 +158,31 @@ TEST(GptContextParallel, RngTrackerDropoutMatchesTheReference) {
   if (WorldSize() < 4) return;
   model["num_layers"] = 4;
   if (WorldRank() == 0) fmt::print("  rng_tracker cp 2 pp 2, 2 Adam iterations:");
-  json document = Training(CpDocument(model, 2, 1, 2, false, "float64"), "adam");
-  document["run"]["train_iters"] = 2;
-  RunChecked(document);
+  for (const char* comm : {"all_gather", "a2a"}) {
+    json document = Training(CpDocument(model, 2, 1, 2, false, "float64", comm), "adam");
+    document["run"]["train_iters"] = 2;
+    RunChecked(document);
+  }
 }
 
 TEST(GptContextParallel, RefusalsNameTheField) {
   if (WorldSize() < 2) GTEST_SKIP() << "needs cp 2";
   json document = CpDocument(Gpt(8, 8), 2, 1, 1, false, "float64");
-  document["model"]["cp_comm_type"] = "a2a";
+  document["model"]["cp_comm_type"] = "a2a+p2p";
   StatusOr<run::SimulationResult> result = Simulate(document);
   ASSERT_FALSE(result.ok());
   EXPECT_EQ(result.status().Message(),
-            "model.cp_comm_type: \"a2a\" is not built yet; with context_parallel_size 2 set "
-            "\"p2p\" (Megatron's default) or \"all_gather\" (every cp_comm_type computes the "
-            "same attention)");
+            "model.cp_comm_type: \"a2a+p2p\" is not built yet; with context_parallel_size 2 set "
+            "\"p2p\" (Megatron's default), \"all_gather\" or \"a2a\" (every cp_comm_type "
+            "computes the same attention)");
+  document["model"]["cp_comm_type"] = "a2a";
+  document["model"]["num_query_groups"] = 1;
+  result = Simulate(document);
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().Message(),
+            "model.cp_comm_type: \"a2a\" gives each cp rank 1/cp of its tp rank's heads, so "
+            "num_query_groups 1 must be divisible by tensor_model_parallel_size * "
+            "context_parallel_size = 2; set \"p2p\" or \"all_gather\", or another layout");
   document["model"]["cp_comm_type"] = "all_gather";
   document["run"]["seq_length"] = 10;
   result = Simulate(document);

@@ -128,6 +128,33 @@ TYPED_TEST(MpiCommunicatorTest, ReduceScatterSumsOwnChunk) {
   EXPECT_THROW(this->world_->ReduceScatter(in, wrong), std::invalid_argument);
 }
 
+// Rank q sends 100 q + 10 j + e as element e of chunk j to rank j: this rank's chunk j is then
+// 100 j + 10 r + e. Any chunk landing at another rank or place breaks a digit.
+TYPED_TEST(MpiCommunicatorTest, AllToAllSwapsChunksInRankOrder) {
+  using T = TypeParam;
+  const int64_t n = 3;
+  const int k = this->size_, r = this->rank_;
+  const Tensor in = Fill<T>(k * n, [&](int64_t f) {
+    return 100.0 * r + 10.0 * static_cast<double>(f / n) + static_cast<double>(f % n);
+  });
+  Tensor out = Tensor::HostZeros({k, n}, kDType<T>);
+  this->world_->AllToAll(in, out);
+  EXPECT_EQ(ValuesOf(out), Expected(k * n, [&](int64_t f) {
+              return 100.0 * static_cast<double>(f / n) + 10.0 * r + static_cast<double>(f % n);
+            }));
+  Tensor wrong = Tensor::HostZeros({k * n + k}, kDType<T>);
+  EXPECT_THROW(this->world_->AllToAll(in, wrong), std::invalid_argument);
+  Tensor other =
+      Tensor::HostZeros({k, n}, kDType<T> == DType::kFloat32 ? DType::kFloat64 : DType::kFloat32);
+  EXPECT_THROW(this->world_->AllToAll(in, other), std::invalid_argument);
+  if (k > 1) {
+    const Tensor odd = Tensor::HostZeros({k * n + 1}, kDType<T>);
+    Tensor odd_out = Tensor::HostZeros({k * n + 1}, kDType<T>);
+    EXPECT_THROW(this->world_->AllToAll(odd, odd_out), std::invalid_argument);
+  }
+  EXPECT_THROW(this->world_->AllToAll(out.Reshaped({k * n}), out), std::invalid_argument);
+}
+
 TYPED_TEST(MpiCommunicatorTest, BroadcastFromEveryRoot) {
   using T = TypeParam;
   const int64_t n = 9;
