@@ -654,6 +654,21 @@ TEST(RunCommand, WorldSizeMismatchAndBadInput) {
   EXPECT_EQ(Shell(Mpiexec(1) + MPUSIM_BINARY + " run " + Sample("lab_t2_p4_n16.json"), &output),
             2);
   EXPECT_NE(output.find("model: is required by mpusim run"), std::string::npos) << output;
+  // --cp-comm-type takes Megatron's four names; a layout "a2a" cannot split is refused with
+  // the reason, before any rank starts.
+  const std::string cp = Sample("gpt_context_parallel_cp2_t2_n4.json");
+  Result flag = Mpusim({"run", cp, "--cp-comm-type", "bogus"});
+  EXPECT_EQ(flag.code, 2);
+  EXPECT_EQ(flag.out, "");
+  EXPECT_EQ(flag.err, "error: command line: --cp-comm-type: bogus not in "
+                      "{p2p,all_gather,a2a,a2a+p2p} (run 'mpusim --help' for usage)\n");
+  flag = Mpusim({"run", cp, "--cp-comm-type", "a2a", "--tp", "4", "--world-size", "8"});
+  EXPECT_EQ(flag.code, 2);
+  EXPECT_EQ(flag.out, "");
+  EXPECT_NE(flag.err.find("num_query_groups 4 must be divisible by tensor_model_parallel_size * "
+                          "context_parallel_size = 8"),
+            std::string::npos)
+      << flag.err;
   // explain names itself, from a file or from flags alone, with one line and nothing on stdout.
   for (const std::vector<std::string>& args :
        {std::vector<std::string>{"explain", Sample("lab_t2_p4_n16.json")},

@@ -1707,6 +1707,25 @@ TYPED_TEST(EigenKernelsModelTest, RingBlocksMergeToTheFullSoftmax) {
       "lse [3] has 3 elements, expected 4 (one per row of scores)");
   Tensor out = this->k_.Zeros({4, 2}, dt), lse4 = this->k_.Zeros({4}, ct);
   ExpectRefused([&] { this->k_.LseMerge(out, lse4, out, lse4); }, "out shares storage with part");
+  ExpectRefused(
+      [&] { this->k_.CausalSoftmaxFromLse(scores, short_lse, Ids({0, 1}), Ids({0, 1}), 1.0, probs); },
+      "lse [3] has 3 elements, expected 4 (one per row of scores)");
+  Tensor flat = this->k_.Zeros({8}, dt);
+  ExpectRefused(
+      [&] { this->k_.CausalSoftmaxFromLse(scores, lse4, Ids({0, 1}), Ids({0, 1}), 1.0, flat); },
+      "probs [8] must be 4 x 2 (the 2-D shape of scores)");
+  Tensor dscores = this->k_.Zeros({4, 2}, dt);
+  ExpectRefused(
+      [&] {
+        this->k_.CausalSoftmaxBackward(probs, scores, Ids({0, 1}), Ids({0, 1}), 1.0, dscores,
+                                       &short_lse);
+      },
+      "row_dot [3] has 3 elements, expected 4 (one per row of probs)");
+  ExpectRefused([&] { this->k_.RowDot(scores, probs, short_lse); },
+                "out [3] has 3 elements, expected 4 (one per row of a)");
+  const Tensor wide = this->k_.Zeros({4, 3}, dt);
+  ExpectRefused([&] { this->k_.RowDot(scores, wide, lse4); },
+                "b [4, 3] must be 4 x 2 (the 2-D shape of a)");
 }
 
 std::vector<double> NaiveRope(const std::vector<double>& x, int64_t rows, int64_t d, int64_t dim,
