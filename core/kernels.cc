@@ -554,6 +554,21 @@ void Kernels::Rope(const Tensor& x, const Tensor& pos, double base, int64_t dim,
   DoRope(x, pos, base, dim, inverse, y);
 }
 
+void Kernels::TopK(const Tensor& scores, int64_t k, Tensor& values, Tensor& indices) {
+  KernelArgs args(backend_, device_, "TopK");
+  args.Add("scores", scores).Add("values", values).AddInt64("indices", indices);
+  args.Require(k >= 1 && k <= Cols(scores),
+               fmt::format("k = {} must be in [1, {}] (the columns of scores {})", k,
+                           Cols(scores), ShapeString(scores.shape())));
+  CheckMatrix(args, "values", values, Rows(scores), k, "rows of scores by k");
+  args.Numel("indices", indices, Rows(scores) * k, "rows of scores times k");
+  Disjoint(args, "values", values, "scores", scores);
+  Disjoint(args, "indices", indices, "scores", scores);
+  Disjoint(args, "indices", indices, "values", values);
+  if (scores.numel() == 0) return;
+  DoTopK(scores, k, values, indices);
+}
+
 void Kernels::EmbeddingForward(const Tensor& weight, const Tensor& ids, int64_t vocab_start,
                                int64_t vocab_end, Tensor& out) {
   KernelArgs args(backend_, device_, "EmbeddingForward");

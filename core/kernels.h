@@ -25,9 +25,9 @@
 // The operations, by section below: memory (Zeros, Empty, ToDevice, ToHost, Copy, SetZero,
 // CopyBlock, StridedCopy); dense algebra (Gemm, BatchedGemm, AddRowVector, SumRows, Axpy,
 // Scale); elementwise (the activations, Dropout, DropoutAt); normalization (LayerNorm,
-// RMSNorm); attention (CausalSoftmax, Rope); embedding; vocab-parallel cross entropy; the
-// optimizer (OptimizerStep, SumOfSquares), so that training never copies weights or
-// gradients off the device.
+// RMSNorm); attention (CausalSoftmax, Rope); routing (TopK); embedding; vocab-parallel
+// cross entropy; the optimizer (OptimizerStep, SumOfSquares), so that training never copies
+// weights or gradients off the device.
 // What it is not: a graph or autograd -- every backward is its own call, made by the layer
 // (core/model) that saved what it needs.
 #pragma once
@@ -202,6 +202,14 @@ class Kernels {
   void Rope(const Tensor& x, const Tensor& pos, double base, int64_t dim, bool inverse,
             Tensor& y);
 
+  // --- routing (mixture of experts) ---------------------------------------------------
+  // Per row r of scores [rows, n] (2-D view), its k largest entries in descending order:
+  // values [rows, k] (scores' dtype, the stored bits) and their columns indices [rows, k]
+  // (int64), 1 <= k <= n. Equal scores keep the lower column first (a documented,
+  // deterministic tie rule: the router's choice never depends on the backend), and NaN ranks
+  // above every number, as torch.topk's does.
+  void TopK(const Tensor& scores, int64_t k, Tensor& values, Tensor& indices);
+
   // --- embedding ----------------------------------------------------------------------
   // ids and labels below are int64 tensors on this backend's device, of any shape with one
   // element per row (flat index i <-> row i); they are read where they are, never copied to
@@ -301,6 +309,7 @@ class Kernels {
                           const Tensor& part_lse) = 0;
   virtual void DoRope(const Tensor& x, const Tensor& pos, double base, int64_t dim,
                       bool inverse, Tensor& y) = 0;
+  virtual void DoTopK(const Tensor& scores, int64_t k, Tensor& values, Tensor& indices) = 0;
   virtual void DoEmbeddingForward(const Tensor& weight, const Tensor& ids, int64_t vocab_start,
                                   int64_t vocab_end, Tensor& out) = 0;
   virtual void DoEmbeddingBackward(const Tensor& dy, const Tensor& ids, int64_t vocab_start,

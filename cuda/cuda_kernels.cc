@@ -544,6 +544,13 @@ void CudaKernels::DoEmbeddingBackward(const Tensor& dy, const Tensor& ids, int64
 // Logits (and grad) have a storage type T; the statistics are ComputeOf<T> (the base class
 // checked that they have the compute dtype of the logits).
 
+void CudaKernels::DoTopK(const Tensor& scores, int64_t k, Tensor& values, Tensor& indices) {
+  DispatchStorage(scores.dtype(), [&]<typename T>() {
+    LaunchTopK<T>(scores.data_as<T>(), Rows(scores), Cols(scores), k, values.data_as<T>(),
+                  indices.data_as<int64_t>(), stream_);
+  });
+}
+
 void CudaKernels::DoRowMax(const Tensor& logits, Tensor& row_max) {
   DispatchStorage(logits.dtype(), [&]<typename T>() {
     LaunchRowMax<T>(logits.data_as<T>(), Rows(logits), Cols(logits),

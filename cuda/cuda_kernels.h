@@ -115,6 +115,7 @@ class CudaKernels final : public Kernels {
                                const Tensor& k_pos, double scale, Tensor& dscores,
                                const Tensor* row_dot) override;
   void DoRowDot(const Tensor& a, const Tensor& b, Tensor& out) override;
+  void DoTopK(const Tensor& scores, int64_t k, Tensor& values, Tensor& indices) override;
   void DoLseMerge(Tensor& out, Tensor& lse, const Tensor& part, const Tensor& part_lse) override;
   void DoRope(const Tensor& x, const Tensor& pos, double base, int64_t dim, bool inverse,
               Tensor& y) override;

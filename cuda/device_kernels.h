@@ -214,6 +214,12 @@ void LaunchEmbeddingBackward(const T* dy, const int64_t* ids, int64_t num_ids, i
                              int64_t vocab_start, int64_t vocab_end, A* dweight, void* scratch,
                              cudaStream_t stream);
 
+// Per row of scores [rows, n], its k largest in core/ops/routing.h's order: values [rows, k]
+// (the stored bits) and indices [rows, k]. One thread per row, k selection passes.
+template <typename T>
+void LaunchTopK(const T* scores, int64_t rows, int64_t n, int64_t k, T* values,
+                int64_t* indices, cudaStream_t stream);
+
 // row_max[i] = max_j logits[i, j] (-inf for a row with no columns). One block per row.
 template <typename T>
 void LaunchRowMax(const T* logits, int64_t rows, int64_t cols, ComputeOf<T>* row_max,

@@ -18,6 +18,7 @@
 
 #include "core/half.h"
 #include "core/ops/norm.h"
+#include "core/ops/routing.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_common.cuh"
 
@@ -262,6 +263,29 @@ __global__ void RowMaxKernel(const T* logits, int64_t rows, int64_t cols, Comput
   }
 }
 
+// One thread per row: pass j picks the best column ranking after pass j - 1's pick (the
+// order is strict and total, so k passes give the first k columns in order).
+template <typename T>
+__global__ void TopKKernel(const T* scores, int64_t rows, int64_t n, int64_t k, T* values,
+                           int64_t* indices) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  const T* row = scores + r * n;
+  int64_t prev = -1;
+  for (int64_t j = 0; j < k; ++j) {
+    int64_t best = -1;
+    for (int64_t c = 0; c < n; ++c) {
+      const auto sc = Load(row[c]);
+      // c must rank after the previous pick, and before the best so far.
+      if (prev >= 0 && !ops::RanksBefore(Load(row[prev]), prev, sc, c)) continue;
+      if (best < 0 || ops::RanksBefore(sc, c, Load(row[best]), best)) best = c;
+    }
+    indices[r * k + j] = best;
+    values[r * k + j] = row[best];
+    prev = best;
+  }
+}
+
 template <typename T>
 __global__ void CrossEntropyPartialsKernel(const T* logits, const ComputeOf<T>* row_max,
                                            const int64_t* labels, int64_t rows, int64_t cols,
@@ -405,6 +429,16 @@ void LaunchRowMax(const T* logits, int64_t rows, int64_t cols, ComputeOf<T>* row
 }
 
 template <typename T>
+void LaunchTopK(const T* scores, int64_t rows, int64_t n, int64_t k, T* values,
+                int64_t* indices, cudaStream_t stream) {
+  if (rows <= 0) return;
+  constexpr int64_t kThreads = 128;
+  const auto grid = static_cast<unsigned>((rows + kThreads - 1) / kThreads);
+  TopKKernel<T><<<grid, kThreads, 0, stream>>>(scores, rows, n, k, values, indices);
+  MPUSIM_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
 void LaunchCrossEntropyPartials(const T* logits, const ComputeOf<T>* row_max,
                                 const int64_t* labels, int64_t rows, int64_t cols,
                                 int64_t vocab_start, ComputeOf<T>* sum_exp, ComputeOf<T>* sum_z,
@@ -448,6 +482,7 @@ void LaunchCrossEntropyBackward(const T* logits, const ComputeOf<T>* row_max,
   template void LaunchLseMerge<T>(T*, C*, const T*, const C*, int64_t, int64_t,              \
                                   cudaStream_t);                                             \
   template void LaunchRowMax<T>(const T*, int64_t, int64_t, C*, cudaStream_t);               \
+  template void LaunchTopK<T>(const T*, int64_t, int64_t, int64_t, T*, int64_t*, cudaStream_t); \
   template void LaunchCrossEntropyPartials<T>(const T*, const C*, const int64_t*, int64_t,   \
                                               int64_t, int64_t, C*, C*, C*, cudaStream_t);   \
   template void LaunchCrossEntropyBackward<T>(const T*, const C*, const C*, const int64_t*,  \

@@ -107,6 +107,7 @@ class EigenKernels final : public Kernels {
                                const Tensor& k_pos, double scale, Tensor& dscores,
                                const Tensor* row_dot) override;
   void DoRowDot(const Tensor& a, const Tensor& b, Tensor& out) override;
+  void DoTopK(const Tensor& scores, int64_t k, Tensor& values, Tensor& indices) override;
   void DoLseMerge(Tensor& out, Tensor& lse, const Tensor& part, const Tensor& part_lse) override;
   // The cos/sin table [sq, dim/2] is computed once per call.
   void DoRope(const Tensor& x, const Tensor& pos, double base, int64_t dim, bool inverse,

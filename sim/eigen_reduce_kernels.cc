@@ -10,10 +10,12 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include <Eigen/Core>
 
 #include "core/ops/norm.h"
+#include "core/ops/routing.h"
 #include "sim/eigen_views.h"
 
 namespace mpusim {
@@ -348,6 +350,30 @@ void EigenKernels::DoRowMax(const Tensor& logits, Tensor& row_max) {
       out.setConstant(-std::numeric_limits<T>::infinity());
     } else if (Rows(logits) > 0) {
       out = MatrixOf<T>(logits).rowwise().maxCoeff().array();
+    }
+  });
+}
+
+// Per row: the columns ordered by ops::RanksBefore, the first k kept (a partial sort of
+// column numbers; the values are the stored elements, copied).
+void EigenKernels::DoTopK(const Tensor& scores, int64_t k, Tensor& values, Tensor& indices) {
+  const int64_t rows = Rows(scores), n = Cols(scores);
+  DispatchStorage(scores.dtype(), [&]<typename T>() {
+    const T* s = scores.data_as<T>();
+    T* v = values.data_as<T>();
+    int64_t* idx = indices.data_as<int64_t>();
+    std::vector<int64_t> order(static_cast<size_t>(n));
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* row = s + r * n;
+      for (int64_t j = 0; j < n; ++j) order[static_cast<size_t>(j)] = j;
+      std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                        [&](int64_t a, int64_t b) {
+                          return ops::RanksBefore(ops::Load(row[a]), a, ops::Load(row[b]), b);
+                        });
+      for (int64_t j = 0; j < k; ++j) {
+        idx[r * k + j] = order[static_cast<size_t>(j)];
+        v[r * k + j] = row[order[static_cast<size_t>(j)]];
+      }
     }
   });
 }

@@ -1448,6 +1448,38 @@ TYPED_TEST(CudaKernelsModelTest, RingKernelsMatchTheCpu) {
   }
 }
 
+// TopK: the same picks as the CPU, bit for bit (the order is a comparison, no arithmetic),
+// on rows with ties everywhere, a NaN and infinities, for k = 1, 2 and every column.
+TYPED_TEST(CudaKernelsModelTest, TopKMatchesTheCpu) {
+  using T = TypeParam;
+  const DType dt = kDType<T>;
+  CudaKernels& gpu = *this->gpu_;
+  const int64_t rows = 300, n = 64;
+  std::vector<double> v = Ints(350, rows * n, -3, 3);
+  v[5] = std::numeric_limits<double>::quiet_NaN();
+  v[n + 7] = std::numeric_limits<double>::infinity();
+  v[2 * n + 9] = -std::numeric_limits<double>::infinity();
+  for (int64_t k : {int64_t{1}, int64_t{2}, n}) {
+    SCOPED_TRACE(fmt::format("k {}", k));
+    Tensor cpu_v = this->cpu_.Zeros({rows, k}, dt), cpu_i = this->cpu_.Zeros({rows, k}, DType::kInt64);
+    this->cpu_.TopK(this->Host({rows, n}, v), k, cpu_v, cpu_i);
+    Tensor gpu_v = gpu.Zeros({rows, k}, dt), gpu_i = gpu.Zeros({rows, k}, DType::kInt64);
+    gpu.TopK(this->Dev({rows, n}, v), k, gpu_v, gpu_i);
+    const Tensor host_i = gpu.ToHost(gpu_i);
+    EXPECT_EQ(std::vector<int64_t>(host_i.data_as<int64_t>(), host_i.data_as<int64_t>() + rows * k),
+              std::vector<int64_t>(cpu_i.data_as<int64_t>(), cpu_i.data_as<int64_t>() + rows * k));
+    const std::vector<double> gv = this->Values(gpu_v), cv = ValuesOf(cpu_v);
+    ASSERT_EQ(gv.size(), cv.size());
+    for (size_t e = 0; e < cv.size(); ++e) {
+      if (std::isnan(cv[e])) {
+        EXPECT_TRUE(std::isnan(gv[e])) << e;
+      } else {
+        EXPECT_EQ(gv[e], cv[e]) << e;
+      }
+    }
+  }
+}
+
 TYPED_TEST(CudaKernelsModelTest, Rope) {
   using T = TypeParam;
   const DType dt = kDType<T>;

@@ -1728,6 +1728,63 @@ TYPED_TEST(EigenKernelsModelTest, RingBlocksMergeToTheFullSoftmax) {
                 "b [4, 3] must be 4 x 2 (the 2-D shape of a)");
 }
 
+// TopK against a sort by (score descending, column ascending), NaN first: hand-picked rows
+// with ties, infinities and NaN, then many small integer scores (ties everywhere), exact in
+// every dtype.
+TYPED_TEST(EigenKernelsModelTest, TopKRanksScoresWithTheTieRule) {
+  using T = TypeParam;
+  const DType dt = kDType<T>;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  const auto run = [&](int64_t rows, int64_t n, int64_t k, const std::vector<double>& v) {
+    Tensor values = this->k_.Zeros({rows, k}, dt);
+    Tensor indices = this->k_.Zeros({rows, k}, DType::kInt64);
+    this->k_.TopK(Make<T>({rows, n}, v), k, values, indices);
+    return std::pair{ValuesOf(values),
+                     std::vector<int64_t>(indices.data_as<int64_t>(),
+                                          indices.data_as<int64_t>() + rows * k)};
+  };
+  const auto [v3, i3] = run(3, 6, 3, {1, 3, 3, 2, 5, 0,  //
+                                      nan, -1, 7, nan, 7, 7,  //
+                                      -inf, -2, -2, -2, -3, inf});
+  EXPECT_EQ(i3, (std::vector<int64_t>{4, 1, 2, 0, 3, 2, 5, 1, 2}));
+  EXPECT_EQ(v3[0], 5);
+  EXPECT_EQ(v3[1], 3);
+  EXPECT_TRUE(std::isnan(v3[3]) && std::isnan(v3[4]));
+  EXPECT_EQ(v3[5], 7);
+  EXPECT_EQ(v3[6], inf);
+  // Every k of many rows of scores in {-2, ..., 2}.
+  const int64_t rows = 23, n = 11;
+  const std::vector<double> v = Ints(60, rows * n, -2, 2);
+  for (int64_t k = 1; k <= n; ++k) {
+    const auto [got_v, got_i] = run(rows, n, k, v);
+    for (int64_t r = 0; r < rows; ++r) {
+      std::vector<int64_t> order(static_cast<size_t>(n));
+      for (int64_t j = 0; j < n; ++j) order[static_cast<size_t>(j)] = j;
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+        return v[static_cast<size_t>(r * n + a)] > v[static_cast<size_t>(r * n + b)];
+      });
+      for (int64_t j = 0; j < k; ++j) {
+        const auto at = static_cast<size_t>(r * k + j);
+        ASSERT_EQ(got_i[at], order[static_cast<size_t>(j)]) << "k " << k << " row " << r;
+        ASSERT_EQ(got_v[at], v[static_cast<size_t>(r * n + got_i[at])]);
+      }
+    }
+  }
+  // Refusals: k out of range, indices not int64, values of the wrong shape.
+  const Tensor scores = Make<T>({2, 3}, Ints(61, 6));
+  Tensor values = this->k_.Zeros({2, 2}, dt), indices = this->k_.Zeros({2, 2}, DType::kInt64);
+  ExpectRefused([&] { this->k_.TopK(scores, 0, values, indices); },
+                "k = 0 must be in [1, 3] (the columns of scores [2, 3])");
+  ExpectRefused([&] { this->k_.TopK(scores, 4, values, indices); },
+                "k = 4 must be in [1, 3]");
+  Tensor float_indices = this->k_.Zeros({2, 2}, dt);
+  ExpectRefused([&] { this->k_.TopK(scores, 2, values, float_indices); },
+                "indices is " + std::string(DTypeName(dt)) + " but must be int64");
+  ExpectRefused([&] { this->k_.TopK(scores, 1, values, indices); },
+                "values [2, 2] must be 2 x 1 (rows of scores by k)");
+}
+
 std::vector<double> NaiveRope(const std::vector<double>& x, int64_t rows, int64_t d, int64_t dim,
                               const std::vector<int64_t>& pos, double base, bool inverse,
                               std::vector<double>* scale) {
