@@ -369,6 +369,42 @@ int64_t Chunk(int64_t cp, int64_t rank, int64_t half) {
   return half == 0 ? rank : 2 * cp - 1 - rank;
 }
 
+// The ring's cp steps on this rank: step i computes `body(src, block)` with the block of
+// rank src = (me - i) mod cp while that block is passed on to me + 1 and the next one
+// received from me - 1 (messages tagged `tag`); the last step passes nothing on.
+template <typename Body>
+void RunRing(const ModuleContext& ctx, Tensor block, int tag, Body&& body) {
+  const int64_t cp = ctx.shape.cp, me = ctx.shape.cp_rank;
+  const int next = static_cast<int>((me + 1) % cp), prev = static_cast<int>((me + cp - 1) % cp);
+  for (int64_t step = 0; step < cp; ++step) {
+    std::unique_ptr<PendingP2P> pending;
+    Tensor incoming;
+    if (step + 1 < cp) {  // pass the block on while computing with it
+      incoming = ctx.k.Empty(block.shape(), block.dtype());
+      pending = ctx.cp->PostSendRecv({{P2POp::Kind::kSend, block, next, tag},
+                                      {P2POp::Kind::kRecv, incoming, prev, tag}});
+    }
+    body((me - step + cp) % cp, block);
+    if (pending) {
+      pending->Wait();
+      block = incoming;
+    }
+  }
+}
+
+// The c x c blocks of a step with rank src's keys that some query of this rank sees: each of
+// this rank's query halves qh against each of src's key halves kh, skipped when every key
+// comes after every query. `fn(qh, kh, q_chunk, k_chunk)`.
+template <typename Fn>
+void ForEachVisibleBlock(int64_t cp, int64_t me, int64_t src, Fn&& fn) {
+  for (int64_t qh = 0; qh < 2; ++qh) {
+    for (int64_t kh = 0; kh < 2; ++kh) {
+      const int64_t q_chunk = Chunk(cp, me, qh), k_chunk = Chunk(cp, src, kh);
+      if (k_chunk <= q_chunk) fn(qh, kh, q_chunk, k_chunk);
+    }
+  }
+}
+
 // A [bg * c, dk] chunk (k or v: which = 0 or 1; chunk half h) of a ring block laid out as
 // [2 (k, v), 2 (chunk), bg, c, dk], as a view [bg, c, dk].
 Tensor BlockPart(const Tensor& block, int64_t which, int64_t half, int64_t bg, int64_t c,
@@ -438,45 +474,27 @@ Tensor SelfAttention::RingForward(const ModuleContext& ctx, CoreStash* core) con
                     part, 0, {c * dk, 1});
     }
   }
-  const int next = static_cast<int>((me + 1) % cp), prev = static_cast<int>((me + cp - 1) % cp);
-  Tensor block = ring.kv;
-  for (int64_t step = 0; step < cp; ++step) {
-    const int64_t src = (me - step + cp) % cp;
-    std::unique_ptr<PendingP2P> pending;
-    Tensor incoming;
-    if (step + 1 < cp) {  // pass the block on while computing with it
-      incoming = k.Empty(block.shape(), dtype);
-      pending = ctx.cp->PostSendRecv({{P2POp::Kind::kSend, block, next, 0},
-                                      {P2POp::Kind::kRecv, incoming, prev, 0}});
-    }
-    for (int64_t qh = 0; qh < 2; ++qh) {
-      for (int64_t kh = 0; kh < 2; ++kh) {
-        const int64_t q_chunk = Chunk(cp, me, qh), k_chunk = Chunk(cp, src, kh);
-        if (k_chunk > q_chunk) continue;  // every key after every query
-        Tensor scores = k.Empty({bg, r * c, c}, dtype);
-        k.BatchedGemm(false, true, scale, ring.q[qh], BlockPart(block, 0, kh, bg, c, dk), 0.0,
-                      scores);
-        Tensor probs = k.Empty({rows, c}, dtype);
-        Tensor lse = k.Empty({rows}, ct);
-        k.CausalSoftmaxForward(scores.Reshaped({rows, c}),
-                               ctx.key_positions.FlatSlice(q_chunk * c, c),
-                               ctx.key_positions.FlatSlice(k_chunk * c, c), 1.0, probs, &lse);
-        const IndexPieces local = LocalBlockMap(sh, qh, k_chunk);
-        const Tensor dropped =
-            dropout_ > 0
-                ? DropoutAtSite(ctx, site, dropout_, BlockMap(sh, q_chunk, k_chunk), probs, &local)
-                : probs;
-        Tensor part = k.Empty({bg, r * c, dk}, dtype);
-        k.BatchedGemm(false, false, 1.0, dropped.Reshaped({bg, r * c, c}),
-                      BlockPart(block, 1, kh, bg, c, dk), 0.0, part);
-        k.LseMerge(ring.out[qh], ring.lse[qh], part.Reshaped({rows, dk}), lse);
-      }
-    }
-    if (pending) {
-      pending->Wait();
-      block = incoming;
-    }
-  }
+  RunRing(ctx, ring.kv, 0, [&](int64_t src, const Tensor& block) {
+    ForEachVisibleBlock(cp, me, src, [&](int64_t qh, int64_t kh, int64_t q_chunk, int64_t k_chunk) {
+      Tensor scores = k.Empty({bg, r * c, c}, dtype);
+      k.BatchedGemm(false, true, scale, ring.q[qh], BlockPart(block, 0, kh, bg, c, dk), 0.0,
+                    scores);
+      Tensor probs = k.Empty({rows, c}, dtype);
+      Tensor lse = k.Empty({rows}, ct);
+      k.CausalSoftmaxForward(scores.Reshaped({rows, c}),
+                             ctx.key_positions.FlatSlice(q_chunk * c, c),
+                             ctx.key_positions.FlatSlice(k_chunk * c, c), 1.0, probs, &lse);
+      const IndexPieces local = LocalBlockMap(sh, qh, k_chunk);
+      const Tensor dropped =
+          dropout_ > 0
+              ? DropoutAtSite(ctx, site, dropout_, BlockMap(sh, q_chunk, k_chunk), probs, &local)
+              : probs;
+      Tensor part = k.Empty({bg, r * c, dk}, dtype);
+      k.BatchedGemm(false, false, 1.0, dropped.Reshaped({bg, r * c, c}),
+                    BlockPart(block, 1, kh, bg, c, dk), 0.0, part);
+      k.LseMerge(ring.out[qh], ring.lse[qh], part.Reshaped({rows, dk}), lse);
+    });
+  });
   // The context [bg, r * s_cp, dk]: each query chunk's output back at its rows.
   Tensor context = k.Empty({bg * r * s_cp, dk}, dtype);
   for (int64_t h = 0; h < 2; ++h) {
@@ -509,59 +527,42 @@ void SelfAttention::RingBackward(const ModuleContext& ctx, const Tensor& dcontex
     dq[h] = k.Zeros({bg, r * c, dk}, dtype);
   }
   const int next = static_cast<int>((me + 1) % cp), prev = static_cast<int>((me + cp - 1) % cp);
-  Tensor block = ring.kv;
-  Tensor dblock = k.Zeros(block.shape(), dtype);  // the gradients travelling with the block
-  for (int64_t step = 0; step < cp; ++step) {
-    const int64_t src = (me - step + cp) % cp;
-    std::unique_ptr<PendingP2P> pending;
-    Tensor incoming;
-    if (step + 1 < cp) {
-      incoming = k.Empty(block.shape(), dtype);
-      pending = ctx.cp->PostSendRecv({{P2POp::Kind::kSend, block, next, 1},
-                                      {P2POp::Kind::kRecv, incoming, prev, 1}});
-    }
-    for (int64_t qh = 0; qh < 2; ++qh) {
-      for (int64_t kh = 0; kh < 2; ++kh) {
-        const int64_t q_chunk = Chunk(cp, me, qh), k_chunk = Chunk(cp, src, kh);
-        if (k_chunk > q_chunk) continue;
-        const Tensor key = BlockPart(block, 0, kh, bg, c, dk);
-        const Tensor value = BlockPart(block, 1, kh, bg, c, dk);
-        Tensor dkey = BlockPart(dblock, 0, kh, bg, c, dk);
-        Tensor dvalue = BlockPart(dblock, 1, kh, bg, c, dk);
-        const Tensor q_pos = ctx.key_positions.FlatSlice(q_chunk * c, c);
-        const Tensor k_pos = ctx.key_positions.FlatSlice(k_chunk * c, c);
-        Tensor probs = k.Empty({bg, r * c, c}, dtype);
-        k.BatchedGemm(false, true, scale, ring.q[qh], key, 0.0, probs);
-        Tensor probs2 = probs.Reshaped({rows, c});
-        k.CausalSoftmaxFromLse(probs2, ring.lse[qh], q_pos, k_pos, 1.0, probs2);
-        const IndexPieces map = BlockMap(sh, q_chunk, k_chunk);
-        const IndexPieces local = LocalBlockMap(sh, qh, k_chunk);
-        const Tensor dropped =
-            dropout_ > 0 ? DropoutAtSite(ctx, site, dropout_, map, probs2, &local) : probs2;
-        // out = P_d v:  dv += P_d^T dout,  dP_d = dout v^T
-        k.BatchedGemm(true, false, 1.0, dropped.Reshaped({bg, r * c, c}), dout[qh], 1.0, dvalue);
-        Tensor dprobs = k.Empty({bg, r * c, c}, dtype);
-        k.BatchedGemm(false, true, 1.0, dout[qh], value, 0.0, dprobs);
-        Tensor dprobs2 = dprobs.Reshaped({rows, c});
-        if (dropout_ > 0) dprobs2 = DropoutAtSite(ctx, site, dropout_, map, dprobs2, &local);
-        Tensor dscores = k.Empty({rows, c}, dtype);
-        k.CausalSoftmaxBackward(probs2, dprobs2, q_pos, k_pos, 1.0, dscores, &row_dot[qh]);
-        // scores = c q k^T:  dq += c dscores k,  dk += c dscores^T q
-        const Tensor ds = dscores.Reshaped({bg, r * c, c});
-        k.BatchedGemm(false, false, scale, ds, key, 1.0, dq[qh]);
-        k.BatchedGemm(true, false, scale, ds, ring.q[qh], 1.0, dkey);
-      }
-    }
+  Tensor dblock = k.Zeros(ring.kv.shape(), dtype);  // the gradients travelling with the block
+  RunRing(ctx, ring.kv, 1, [&](int64_t src, const Tensor& block) {
+    ForEachVisibleBlock(cp, me, src, [&](int64_t qh, int64_t kh, int64_t q_chunk, int64_t k_chunk) {
+      const Tensor key = BlockPart(block, 0, kh, bg, c, dk);
+      const Tensor value = BlockPart(block, 1, kh, bg, c, dk);
+      Tensor dkey = BlockPart(dblock, 0, kh, bg, c, dk);
+      Tensor dvalue = BlockPart(dblock, 1, kh, bg, c, dk);
+      const Tensor q_pos = ctx.key_positions.FlatSlice(q_chunk * c, c);
+      const Tensor k_pos = ctx.key_positions.FlatSlice(k_chunk * c, c);
+      Tensor probs = k.Empty({bg, r * c, c}, dtype);
+      k.BatchedGemm(false, true, scale, ring.q[qh], key, 0.0, probs);
+      Tensor probs2 = probs.Reshaped({rows, c});
+      k.CausalSoftmaxFromLse(probs2, ring.lse[qh], q_pos, k_pos, 1.0, probs2);
+      const IndexPieces map = BlockMap(sh, q_chunk, k_chunk);
+      const IndexPieces local = LocalBlockMap(sh, qh, k_chunk);
+      const Tensor dropped =
+          dropout_ > 0 ? DropoutAtSite(ctx, site, dropout_, map, probs2, &local) : probs2;
+      // out = P_d v:  dv += P_d^T dout,  dP_d = dout v^T
+      k.BatchedGemm(true, false, 1.0, dropped.Reshaped({bg, r * c, c}), dout[qh], 1.0, dvalue);
+      Tensor dprobs = k.Empty({bg, r * c, c}, dtype);
+      k.BatchedGemm(false, true, 1.0, dout[qh], value, 0.0, dprobs);
+      Tensor dprobs2 = dprobs.Reshaped({rows, c});
+      if (dropout_ > 0) dprobs2 = DropoutAtSite(ctx, site, dropout_, map, dprobs2, &local);
+      Tensor dscores = k.Empty({rows, c}, dtype);
+      k.CausalSoftmaxBackward(probs2, dprobs2, q_pos, k_pos, 1.0, dscores, &row_dot[qh]);
+      // scores = c q k^T:  dq += c dscores k,  dk += c dscores^T q
+      const Tensor ds = dscores.Reshaped({bg, r * c, c});
+      k.BatchedGemm(false, false, scale, ds, key, 1.0, dq[qh]);
+      k.BatchedGemm(true, false, scale, ds, ring.q[qh], 1.0, dkey);
+    });
     // The block's gradients go on with it; after the last step they reach its owner.
     Tensor dincoming = k.Empty(block.shape(), dtype);
-    ctx.cp->BatchSendRecv({{P2POp::Kind::kSend, dblock, next, 2},
-                           {P2POp::Kind::kRecv, dincoming, prev, 2}});
+    ctx.cp->BatchSendRecv(
+        {{P2POp::Kind::kSend, dblock, next, 2}, {P2POp::Kind::kRecv, dincoming, prev, 2}});
     dblock = dincoming;
-    if (pending) {
-      pending->Wait();
-      block = incoming;
-    }
-  }
+  });
   // dblock now holds this rank's own keys' and values' gradients, in chunks.
   *dq_out = k.Empty({bg * r * s_cp, dk}, dtype);
   *dk_out = k.Empty({bg * s_cp, dk}, dtype);
