@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string_view>
+#include <variant>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -84,7 +85,13 @@ const std::vector<std::string_view>& GptKeys() {
       "position_embedding_type", "rotary_base", "rotary_percent", "qk_layernorm",
       "max_position_embeddings", "share_embeddings_and_output_weights",
       "init_method_std", "vocab_size", "make_vocab_size_divisible_by", "label_smoothing",
-      "dropout_mode", "cp_comm_type"};
+      "dropout_mode", "cp_comm_type",
+      // Mixture of experts (MoeConfig).
+      "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
+      "moe_router_pre_softmax", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+      "moe_z_loss_coeff", "moe_token_dispatcher_type", "moe_expert_capacity_factor",
+      "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
+      "moe_shared_expert_intermediate_size", "moe_grouped_gemm"};
   return keys;
 }
 
@@ -112,6 +119,92 @@ const std::vector<std::string_view> kNormalizations = {"LayerNorm", "RMSNorm"};
 const std::vector<std::string_view> kPositionEmbeddings = {"learned_absolute", "rope"};
 const std::vector<std::string_view> kDropoutModes = {"global", "rng_tracker"};
 const std::vector<std::string_view> kCpCommTypes = {"p2p", "all_gather", "a2a", "a2a+p2p"};
+const std::vector<std::string_view> kMoeLoadBalancing = {"aux_loss", "seq_aux_loss", "none"};
+const std::vector<std::string_view> kMoeDispatchers = {"allgather", "alltoall"};
+const std::vector<std::string_view> kMoeDropPolicies = {"probs", "position"};
+
+// A finite number >= 0 (a loss coefficient).
+Status ParseCoefficient(const json& value, const std::string& where, double* out) {
+  if (value.is_number() && !value.is_boolean() && std::isfinite(value.get<double>()) &&
+      value.get<double>() >= 0) {
+    *out = value.get<double>();
+    return {};
+  }
+  return Status::Error(where, fmt::format("must be a number >= 0, got {}", DescribeJson(value)));
+}
+
+// moe_layer_freq: an integer N >= 1 (layer i is an MoE layer when i % N == 0) or a list of
+// 0/1, one per layer (Megatron's pattern). The pattern is resolved once num_layers is known.
+Status ParseMoeLayerFreq(const json& value, const std::string& where,
+                         std::variant<int64_t, std::vector<bool>>* out) {
+  if (value.is_array()) {
+    std::vector<bool> pattern;
+    for (const json& entry : value) {
+      if (!entry.is_number_integer() || (entry.get<int64_t>() != 0 && entry.get<int64_t>() != 1)) {
+        return Status::Error(where, fmt::format("a list must hold only 0 (dense) and 1 (MoE), "
+                                                "got {}",
+                                                DescribeJson(entry)));
+      }
+      pattern.push_back(entry.get<int64_t>() == 1);
+    }
+    *out = pattern;
+    return {};
+  }
+  int64_t every = 0;
+  if (!ParseInt(value, where, 1, &every).ok()) {
+    return Status::Error(where, fmt::format("must be an integer >= 1 (every N-th layer is an MoE "
+                                            "layer) or a list of 0/1 per layer, got {}",
+                                            DescribeJson(value)));
+  }
+  *out = every;
+  return {};
+}
+
+// The moe_* keys once the section is read: defaults resolved against the model, the pattern
+// checked against num_layers, and keys that need num_moe_experts refused or noted without it.
+Status ResolveMoe(const json& section, const std::optional<int64_t>& moe_ffn,
+                  const std::variant<int64_t, std::vector<bool>>& freq, GptConfig* gpt) {
+  MoeConfig& moe = gpt->moe;
+  if (!moe.enabled()) {
+    if (moe_ffn) {
+      return Status::Error("model.moe_ffn_hidden_size",
+                           "is set but num_moe_experts is not; set num_moe_experts or remove "
+                           "moe_ffn_hidden_size");
+    }
+    for (const auto& [key, value] : section.items()) {
+      if (key.rfind("moe_", 0) == 0) {
+        gpt->ignored.push_back(
+            fmt::format("model.{}: ignored: the model has no experts (num_moe_experts)", key));
+      }
+    }
+    moe = MoeConfig{};
+    return {};
+  }
+  if (moe.router_topk > moe.num_experts) {
+    return Status::Error("model.moe_router_topk",
+                         fmt::format("{} is more than the num_moe_experts {} a token can be "
+                                     "routed to",
+                                     moe.router_topk, moe.num_experts));
+  }
+  moe.ffn_hidden_size = moe_ffn.value_or(gpt->ffn_hidden_size);
+  if (const auto* every = std::get_if<int64_t>(&freq)) {
+    moe.layers.clear();
+    for (int64_t i = 0; i < gpt->num_layers; ++i) moe.layers.push_back(i % *every == 0);
+  } else {
+    moe.layers = std::get<std::vector<bool>>(freq);
+    if (static_cast<int64_t>(moe.layers.size()) != gpt->num_layers) {
+      return Status::Error("model.moe_layer_freq",
+                           fmt::format("the list has {} entries but the model has num_layers {}; "
+                                       "give one 0 (dense) or 1 (MoE) per layer",
+                                       moe.layers.size(), gpt->num_layers));
+    }
+  }
+  if (moe.pad_expert_input_to_capacity && !moe.expert_capacity_factor) {
+    return Status::Error("model.moe_pad_expert_input_to_capacity",
+                         "needs moe_expert_capacity_factor (the capacity to pad to)");
+  }
+  return {};
+}
 
 }  // namespace
 
@@ -143,7 +236,8 @@ Status ParseGptSection(const json& section, GptConfig* out) {
     return Status::Error(prefix, fmt::format("must be a JSON object, got {}", DescribeJson(section)));
   }
   GptConfig gpt;
-  std::optional<int64_t> ffn, kv, groups;
+  std::optional<int64_t> ffn, kv, groups, moe_ffn, moe_experts, shared;
+  std::variant<int64_t, std::vector<bool>> moe_freq = int64_t{1};
   for (const auto& [key, value] : section.items()) {
     const std::string where = prefix + "." + key;
     if (key == "gated_linear_unit") continue;  // JudgeDependentFields
@@ -216,6 +310,44 @@ Status ParseGptSection(const json& section, GptConfig* out) {
       MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, kDropoutModes, &gpt.dropout_mode));
     } else if (key == "cp_comm_type") {
       MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, kCpCommTypes, &gpt.cp_comm_type));
+    } else if (key == "num_moe_experts") {
+      MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &moe_experts));
+      gpt.moe.num_experts = moe_experts.value_or(0);
+    } else if (key == "moe_router_topk") {
+      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &gpt.moe.router_topk));
+    } else if (key == "moe_ffn_hidden_size") {
+      MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &moe_ffn));
+    } else if (key == "moe_layer_freq") {
+      MPUSIM_RETURN_IF_ERROR(ParseMoeLayerFreq(value, where, &moe_freq));
+    } else if (key == "moe_router_pre_softmax") {
+      MPUSIM_RETURN_IF_ERROR(ParseBool(value, where, &gpt.moe.router_pre_softmax));
+    } else if (key == "moe_router_load_balancing_type") {
+      MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, kMoeLoadBalancing, &gpt.moe.load_balancing));
+    } else if (key == "moe_aux_loss_coeff") {
+      MPUSIM_RETURN_IF_ERROR(ParseCoefficient(value, where, &gpt.moe.aux_loss_coeff));
+    } else if (key == "moe_z_loss_coeff") {
+      if (!value.is_null()) {
+        double coeff = 0;
+        MPUSIM_RETURN_IF_ERROR(ParseCoefficient(value, where, &coeff));
+        gpt.moe.z_loss_coeff = coeff;
+      }
+    } else if (key == "moe_token_dispatcher_type") {
+      MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, kMoeDispatchers, &gpt.moe.token_dispatcher));
+    } else if (key == "moe_expert_capacity_factor") {
+      if (!value.is_null()) {
+        double factor = 0;
+        MPUSIM_RETURN_IF_ERROR(ParsePositive(value, where, &factor));
+        gpt.moe.expert_capacity_factor = factor;
+      }
+    } else if (key == "moe_token_drop_policy") {
+      MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, kMoeDropPolicies, &gpt.moe.token_drop_policy));
+    } else if (key == "moe_pad_expert_input_to_capacity") {
+      MPUSIM_RETURN_IF_ERROR(ParseBool(value, where, &gpt.moe.pad_expert_input_to_capacity));
+    } else if (key == "moe_shared_expert_intermediate_size") {
+      MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &shared));
+      gpt.moe.shared_expert_intermediate_size = shared;
+    } else if (key == "moe_grouped_gemm") {
+      MPUSIM_RETURN_IF_ERROR(ParseBool(value, where, &gpt.moe.grouped_gemm));
     }
   }
   for (const char* required : {"num_layers", "hidden_size", "num_attention_heads", "vocab_size"}) {
@@ -262,6 +394,7 @@ Status ParseGptSection(const json& section, GptConfig* out) {
   if (gpt.label_smoothing > 0 && gpt.vocab_size < 2) {
     return Status::Error(prefix + ".label_smoothing", "needs a vocab_size of at least 2");
   }
+  MPUSIM_RETURN_IF_ERROR(ResolveMoe(section, moe_ffn, moe_freq, &gpt));
   *out = gpt;
   return {};
 }
@@ -287,6 +420,12 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
     return Status::Error("model.max_position_embeddings",
                          fmt::format("{} is shorter than run.seq_length {}",
                                      gpt->max_position_embeddings, run.seq_length));
+  }
+  if (gpt->moe.enabled()) {
+    return Status::Error("model.num_moe_experts",
+                         fmt::format("{} experts: mixture-of-experts GPT runs are not built yet "
+                                     "(the moe_* keys are read and checked)",
+                                     gpt->moe.num_experts));
   }
   if (parallel.expert_model_parallel_size != 1) {
     return Status::Error("parallel.expert_model_parallel_size",

@@ -45,6 +45,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -77,6 +78,33 @@ enum class CpCommType : uint8_t {
   kA2aP2p,     // a2a inside hierarchical_context_parallel_sizes' first level, p2p across
 };
 
+// Mixture of experts (Megatron's moe_* TransformerConfig fields, model section). Parsed and
+// checked; a GPT run with num_moe_experts is refused until the MoE layer is built.
+enum class MoeLoadBalancing : uint8_t { kAuxLoss, kSeqAuxLoss, kNone };
+enum class MoeDispatcher : uint8_t { kAllGather, kAllToAll };
+enum class MoeDropPolicy : uint8_t { kProbs, kPosition };
+
+struct MoeConfig {
+  int64_t num_experts = 0;  // num_moe_experts; 0: a dense model
+  int64_t router_topk = 2;
+  int64_t ffn_hidden_size = 0;  // moe_ffn_hidden_size, resolved: the model's ffn_hidden_size
+  // moe_layer_freq resolved to one entry per layer (true: an MoE layer): an integer N makes
+  // layer i an MoE layer when i % N == 0, a list of 0/1 gives the pattern itself.
+  std::vector<bool> layers;
+  bool router_pre_softmax = false;
+  MoeLoadBalancing load_balancing = MoeLoadBalancing::kAuxLoss;
+  double aux_loss_coeff = 0.0;
+  std::optional<double> z_loss_coeff;
+  MoeDispatcher token_dispatcher = MoeDispatcher::kAllGather;
+  std::optional<double> expert_capacity_factor;  // none: dropless
+  MoeDropPolicy token_drop_policy = MoeDropPolicy::kProbs;
+  bool pad_expert_input_to_capacity = false;
+  std::optional<int64_t> shared_expert_intermediate_size;
+  bool grouped_gemm = false;
+
+  bool enabled() const { return num_experts > 0; }
+};
+
 struct GptConfig {
   int64_t num_layers = 0;
   int64_t hidden_size = 0;
@@ -103,6 +131,7 @@ struct GptConfig {
   double label_smoothing = 0.0;
   DropoutMode dropout_mode = DropoutMode::kGlobal;
   CpCommType cp_comm_type = CpCommType::kP2p;  // Megatron's default
+  MoeConfig moe;
   // TransformerConfig fields given that change nothing mpusim computes, one line each
   // ("model.bias_dropout_fusion: ignored: why"), printed as notes.
   std::vector<std::string> ignored;

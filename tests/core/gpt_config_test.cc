@@ -376,6 +376,102 @@ TEST(GptConfig, LayoutChecks) {
             "parallel GPT runs are not built yet)");
 }
 
+// Megatron's moe_* fields: read with their defaults, the layer pattern resolved from an
+// integer or a list, each bad value refused naming its key, the keys noted as ignored on a
+// dense model; a GPT run with experts is refused until the MoE layer is built.
+TEST(GptConfig, MoeKeysAreReadAndChecked) {
+  json section = Minimal();
+  section["num_layers"] = 4;
+  section["num_moe_experts"] = 8;
+  GptConfig gpt;
+  ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
+  EXPECT_TRUE(gpt.moe.enabled());
+  EXPECT_EQ(gpt.moe.router_topk, 2);
+  EXPECT_EQ(gpt.moe.ffn_hidden_size, gpt.ffn_hidden_size);
+  EXPECT_EQ(gpt.moe.layers, std::vector<bool>(4, true));
+  EXPECT_EQ(gpt.moe.load_balancing, MoeLoadBalancing::kAuxLoss);
+  EXPECT_EQ(gpt.moe.token_dispatcher, MoeDispatcher::kAllGather);
+  EXPECT_FALSE(gpt.moe.expert_capacity_factor.has_value());
+  EXPECT_FALSE(gpt.moe.z_loss_coeff.has_value());
+
+  section["moe_router_topk"] = 3;
+  section["moe_ffn_hidden_size"] = 48;
+  section["moe_layer_freq"] = 2;
+  section["moe_router_pre_softmax"] = true;
+  section["moe_router_load_balancing_type"] = "seq_aux_loss";
+  section["moe_aux_loss_coeff"] = 0.01;
+  section["moe_z_loss_coeff"] = 0.001;
+  section["moe_token_dispatcher_type"] = "alltoall";
+  section["moe_expert_capacity_factor"] = 1.25;
+  section["moe_token_drop_policy"] = "position";
+  section["moe_pad_expert_input_to_capacity"] = true;
+  section["moe_shared_expert_intermediate_size"] = 96;
+  section["moe_grouped_gemm"] = true;
+  ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
+  EXPECT_EQ(gpt.moe.router_topk, 3);
+  EXPECT_EQ(gpt.moe.ffn_hidden_size, 48);
+  EXPECT_EQ(gpt.moe.layers, (std::vector<bool>{true, false, true, false}));
+  EXPECT_TRUE(gpt.moe.router_pre_softmax);
+  EXPECT_EQ(gpt.moe.load_balancing, MoeLoadBalancing::kSeqAuxLoss);
+  EXPECT_EQ(gpt.moe.aux_loss_coeff, 0.01);
+  EXPECT_EQ(gpt.moe.z_loss_coeff, 0.001);
+  EXPECT_EQ(gpt.moe.token_dispatcher, MoeDispatcher::kAllToAll);
+  EXPECT_EQ(gpt.moe.expert_capacity_factor, 1.25);
+  EXPECT_EQ(gpt.moe.token_drop_policy, MoeDropPolicy::kPosition);
+  EXPECT_TRUE(gpt.moe.pad_expert_input_to_capacity);
+  EXPECT_EQ(gpt.moe.shared_expert_intermediate_size, 96);
+  EXPECT_TRUE(gpt.moe.grouped_gemm);
+  section["moe_layer_freq"] = json::array({0, 1, 1, 0});
+  ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
+  EXPECT_EQ(gpt.moe.layers, (std::vector<bool>{false, true, true, false}));
+
+  const auto refusal = [&](const char* key, const json& value) {
+    json bad = section;
+    bad[key] = value;
+    GptConfig unused;
+    return ParseGptSection(bad, &unused).Message();
+  };
+  EXPECT_EQ(refusal("moe_router_topk", 9),
+            "model.moe_router_topk: 9 is more than the num_moe_experts 8 a token can be routed to");
+  EXPECT_EQ(refusal("moe_layer_freq", json::array({1, 0})),
+            "model.moe_layer_freq: the list has 2 entries but the model has num_layers 4; give "
+            "one 0 (dense) or 1 (MoE) per layer");
+  EXPECT_EQ(refusal("moe_layer_freq", json::array({1, 2, 1, 0})),
+            "model.moe_layer_freq: a list must hold only 0 (dense) and 1 (MoE), got number 2");
+  EXPECT_EQ(refusal("moe_layer_freq", 0),
+            "model.moe_layer_freq: must be an integer >= 1 (every N-th layer is an MoE layer) or "
+            "a list of 0/1 per layer, got number 0");
+  EXPECT_EQ(refusal("moe_token_dispatcher_type", "flex"),
+            "model.moe_token_dispatcher_type: must be \"allgather\" or \"alltoall\", got "
+            "string \"flex\"");
+  EXPECT_EQ(refusal("moe_aux_loss_coeff", -1), "model.moe_aux_loss_coeff: must be a number >= 0, "
+                                               "got number -1");
+  EXPECT_EQ(refusal("moe_expert_capacity_factor", nullptr),
+            "model.moe_pad_expert_input_to_capacity: needs moe_expert_capacity_factor (the "
+            "capacity to pad to)");
+  EXPECT_EQ(refusal("num_moe_experts", nullptr),
+            "model.moe_ffn_hidden_size: is set but num_moe_experts is not; set num_moe_experts "
+            "or remove moe_ffn_hidden_size");
+
+  // A dense model notes the other moe_* keys as ignored.
+  json dense = Minimal();
+  dense["moe_router_topk"] = 4;
+  GptConfig plain;
+  ASSERT_TRUE(ParseGptSection(dense, &plain).ok());
+  EXPECT_FALSE(plain.moe.enabled());
+  EXPECT_EQ(plain.ignored,
+            std::vector<std::string>{
+                "model.moe_router_topk: ignored: the model has no experts (num_moe_experts)"});
+
+  ParallelConfig parallel;
+  parallel.world_size = 1;
+  RunConfig run;
+  run.seq_length = 8;
+  EXPECT_EQ(CheckGptLayout(parallel, run, &gpt).Message(),
+            "model.num_moe_experts: 8 experts: mixture-of-experts GPT runs are not built yet (the "
+            "moe_* keys are read and checked)");
+}
+
 TEST(GptConfig, ParametersFollowMegatronStateDict) {
   GptConfig gpt;
   json section = Minimal();
