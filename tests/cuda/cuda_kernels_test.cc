@@ -425,7 +425,8 @@ TYPED_TEST(CudaKernelsTest, DropoutIsBitIdenticalToTheCpu) {
   using T = TypeParam;
   CudaKernels& gpu = *this->gpu_;
   const std::vector<double> xv = Reals(50, 200);  // non-integer: the division is compared too
-  for (double p : {0.25, 0.5, 0.9}) {
+  // The last p is element 5's own draw: kept (u >= p) on both, or the boundary differs.
+  for (double p : {0.25, 0.5, 0.9, UniformAt(1234, 3, 77 + 5)}) {
     SCOPED_TRACE(fmt::format("p = {}", p));
     Tensor cpu_y = Tensor::HostZeros({10, 20}, kDType<T>);
     this->cpu_.Dropout(this->Host({10, 20}, xv), p, 1234, 3, 77, cpu_y);

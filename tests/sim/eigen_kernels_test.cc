@@ -308,6 +308,12 @@ TYPED_TEST(EigenKernelsTest, DropoutMatchesMaskAndWorksInPlace) {
   EXPECT_TRUE(TensorsNear("dropout p=1", ValuesOf(copy), std::vector<double>(200, 0.0)));
   EXPECT_THROW(this->k_.Dropout(copy, 1.5, 1, 1, 0, copy), std::invalid_argument);
   EXPECT_THROW(this->k_.Dropout(copy, -0.1, 1, 1, 0, copy), std::invalid_argument);
+  // The boundary: an element whose uniform equals p exactly is kept (u >= p), so with p set
+  // to element 5's own draw, element 5 survives.
+  const double u5 = UniformAt(1234, 3, 77 + 5);
+  Tensor edge = this->k_.Zeros({10, 20}, kDType<T>);
+  this->k_.Dropout(Make<T>({10, 20}, xv), u5, 1234, 3, 77, edge);
+  EXPECT_NE(ValuesOf(edge)[5], 0.0) << "u == p must keep the element (u = " << u5 << ")";
 }
 
 TYPED_TEST(EigenKernelsTest, DropoutKeepRateAndScale) {
