@@ -37,6 +37,7 @@
 #include "core/init.h"
 #include "core/schedule.h"
 #include "reference/gpt_reference_ops.h"
+#include "reference/moe_reference.h"
 #include "reference/ops.h"
 #include "reference/tracker_draws.h"
 
@@ -54,6 +55,11 @@ using gpt_reference::Linear;
 using gpt_reference::LinearBackward;
 using gpt_reference::Mat;
 using gpt_reference::MatMap;
+using gpt_reference::MoeForward;
+using gpt_reference::MoeBackward;
+using gpt_reference::MoeLayout;
+using gpt_reference::MoeParams;
+using gpt_reference::MoeStash;
 using gpt_reference::NormBackward;
 using gpt_reference::NormForward;
 using gpt_reference::NormParams;
@@ -82,6 +88,7 @@ struct LayerParams {
   NormParams pre_mlp_layernorm;
   Param fc1_weight, fc1_bias;  // [f1, h], [f1]
   Param fc2_weight, fc2_bias;  // [h, F], [h]
+  MoeParams moe;               // an MoE layer (moe_layer_freq) instead of the MLP
 };
 
 struct ModelParams {
@@ -144,6 +151,19 @@ Status InitParameters(const GptConfig& gpt, const Dims& d,
     lp.fc1_bias = get(prefix + ".mlp.linear_fc1.bias");
     lp.fc2_weight = get(prefix + ".mlp.linear_fc2.weight");
     lp.fc2_bias = get(prefix + ".mlp.linear_fc2.bias");
+    if (gpt.moe.enabled() && gpt.moe.layers[static_cast<size_t>(i)]) {
+      lp.moe.router = get(prefix + ".mlp.router.weight");
+      for (int64_t e = 0; e < gpt.moe.num_experts; ++e) {
+        lp.moe.fc1.push_back(get(gpt.moe.grouped_gemm
+                                     ? fmt::format("{}.mlp.experts.linear_fc1.weight{}", prefix, e)
+                                     : fmt::format("{}.mlp.experts.local_experts.{}.linear_fc1.weight", prefix, e)));
+        lp.moe.fc2.push_back(get(gpt.moe.grouped_gemm
+                                     ? fmt::format("{}.mlp.experts.linear_fc2.weight{}", prefix, e)
+                                     : fmt::format("{}.mlp.experts.local_experts.{}.linear_fc2.weight", prefix, e)));
+      }
+      lp.moe.shared_fc1 = get(prefix + ".mlp.shared_experts.linear_fc1.weight");
+      lp.moe.shared_fc2 = get(prefix + ".mlp.shared_experts.linear_fc2.weight");
+    }
     p->layers.push_back(lp);
   }
   p->final_layernorm = norm("decoder.final_layernorm");
@@ -164,6 +184,7 @@ struct LayerStash {
   Mat ln2_out;   // [s*n, h]
   Mat fc1;       // [s*n, f1] with bias
   Mat act;       // [s*n, F]
+  MoeStash moe;  // an MoE layer's
   Mat keep_mlp;  // [s*n, h] mlp_bda dropout
 };
 
@@ -180,6 +201,8 @@ struct SliceRun {
   std::vector<std::string> order;  // recorded activations, forward order
   std::map<std::string, GptReferenceTensor> recorded;
   double loss_sum = 0.0;  // this slice's per-token losses, all micro-batches
+  double moe_aux = 0.0;   // the MoE layers' auxiliary objective, all micro-batches
+  MoeLayout moe_layout;
 
   void Record(bool record, const std::string& name, Kind kind, const Mat& value) {
     if (!record) return;
@@ -308,6 +331,13 @@ void SliceRun::MicroBatch(int64_t m, const std::vector<int64_t>& all_tokens,
     st.ln2_out =
         NormForward(gpt.normalization, gpt.layernorm_epsilon, x, p.pre_mlp_layernorm, &st.ln2);
     Record(record, prefix + ".pre_mlp_layernorm.output", Kind::kHidden, st.ln2_out);
+    if (p.moe.defined()) {
+      const Mat y = MoeForward(d, gpt, moe_layout, st.ln2_out, p.moe, &st.moe, &moe_aux);
+      st.keep_mlp = HiddenKeep(d, prefix + ".mlp_bda", m, gpt.hidden_dropout, d.h);
+      x += y.cwiseProduct(st.keep_mlp);
+      Record(record, prefix + ".mlp_bda.output", Kind::kHidden, x);
+      continue;
+    }
     st.fc1 = Linear(st.ln2_out, p.fc1_weight, p.fc1_bias);
     Record(record, prefix + ".mlp.linear_fc1.output", Kind::kHidden, st.fc1);
     st.act.resize(rows, d.F);
@@ -347,13 +377,18 @@ void SliceRun::MicroBatch(int64_t m, const std::vector<int64_t>& all_tokens,
     LayerParams& p = params.layers[static_cast<size_t>(l)];
     const LayerStash& st = stash[static_cast<size_t>(l)];
     Record(record, prefix + ".mlp_bda.output_grad", Kind::kHidden, dx);
-    const Mat dfc2 = dx.cwiseProduct(st.keep_mlp);  // also d(fc2 + b)
-    Record(record, prefix + ".mlp.linear_fc2.output_grad", Kind::kHidden, dfc2);
-    const Mat dact = LinearBackward(dfc2, st.act, p.fc2_weight, p.fc2_bias);
-    Mat dfc1(rows, d.f1);
-    ref::ActivationBackward(gpt.activation, dact, st.fc1, dfc1);
-    Record(record, prefix + ".mlp.linear_fc1.output_grad", Kind::kHidden, dfc1);
-    const Mat dln2 = LinearBackward(dfc1, st.ln2_out, p.fc1_weight, p.fc1_bias);
+    Mat dln2;
+    if (p.moe.defined()) {
+      dln2 = MoeBackward(d, gpt, dx.cwiseProduct(st.keep_mlp), st.moe, p.moe);
+    } else {
+      const Mat dfc2 = dx.cwiseProduct(st.keep_mlp);  // also d(fc2 + b)
+      Record(record, prefix + ".mlp.linear_fc2.output_grad", Kind::kHidden, dfc2);
+      const Mat dact = LinearBackward(dfc2, st.act, p.fc2_weight, p.fc2_bias);
+      Mat dfc1(rows, d.f1);
+      ref::ActivationBackward(gpt.activation, dact, st.fc1, dfc1);
+      Record(record, prefix + ".mlp.linear_fc1.output_grad", Kind::kHidden, dfc1);
+      dln2 = LinearBackward(dfc1, st.ln2_out, p.fc1_weight, p.fc1_bias);
+    }
     Record(record, prefix + ".pre_mlp_layernorm.output_grad", Kind::kHidden, dln2);
     // The residual stream's gradient adds: the skip path plus the norm's.
     dx += NormBackward(gpt.normalization, dln2, st.ln2, p.pre_mlp_layernorm);
@@ -580,7 +615,18 @@ StatusOr<GptReferenceResult> RunGptReference(const GptConfig& gpt_in,
   ModelParams params;
   MPUSIM_RETURN_IF_ERROR(InitParameters(gpt, d, options.parameter_overrides, &params));
 
-  SliceRun slice{gpt, d, params, {}, {}, 0.0};
+  SliceRun slice{gpt, d, params, {}, {}, 0.0, 0.0, {}};
+  if (gpt.moe.enabled()) {
+    // Routers see whole dp ranks' tokens: the slice must hold whole dp ranks.
+    const int64_t b = run.micro_batch_size;
+    if (d.sample_begin % b != 0 || d.n % b != 0) {
+      return Status::Error("reference slice",
+                           fmt::format("samples [{}, {}) are not whole data-parallel ranks of {} "
+                                       "samples (an MoE model's routers need them)",
+                                       d.sample_begin, sample_end, b));
+    }
+    slice.moe_layout = {b, t, parallel.context_parallel_size, parallel.sequence_parallel && t > 1};
+  }
   for (int64_t m = 0; m < d.M; ++m) {
     GptReferenceTokens drawn;
     if (options.tokens.empty() || options.labels.empty()) {
@@ -595,6 +641,7 @@ StatusOr<GptReferenceResult> RunGptReference(const GptConfig& gpt_in,
   result.sample_begin = d.sample_begin;
   result.sample_end = sample_end;
   result.loss = slice.loss_sum / static_cast<double>(d.M * d.s * d.B);
+  result.moe_aux_objective = slice.moe_aux;
   auto take = [&](const std::string& name) {
     auto it = slice.recorded.find(name);
     if (it != slice.recorded.end()) result.tensors.push_back(std::move(it->second));

@@ -101,6 +101,9 @@ struct GptReferenceResult {
   int64_t sample_begin = 0;
   int64_t sample_end = 0;
   double loss = 0.0;  // this slice's share of the loss (the loss for the whole batch)
+  // Mixture of experts: the slice's share of the auxiliary objective (load-balancing and z
+  // losses, scaled as their gradients are; reference/moe_reference.h), all micro-batches.
+  double moe_aux_objective = 0.0;
 
   // The tensor named `name`, or nullptr.
   const GptReferenceTensor* Find(std::string_view name) const;

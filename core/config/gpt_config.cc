@@ -199,6 +199,11 @@ Status ResolveMoe(const json& section, const std::optional<int64_t>& moe_ffn,
                                        moe.layers.size(), gpt->num_layers));
     }
   }
+  if (gpt->add_bias_linear) {
+    return Status::Error("model.add_bias_linear",
+                         "must be false with num_moe_experts (mpusim's experts have no biases; "
+                         "Megatron allows them only with expert_tensor_parallel_size 1)");
+  }
   if (moe.pad_expert_input_to_capacity && !moe.expert_capacity_factor) {
     return Status::Error("model.moe_pad_expert_input_to_capacity",
                          "needs moe_expert_capacity_factor (the capacity to pad to)");
@@ -424,7 +429,8 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
   if (gpt->moe.enabled()) {
     return Status::Error("model.num_moe_experts",
                          fmt::format("{} experts: mixture-of-experts GPT runs are not built yet "
-                                     "(the moe_* keys are read and checked)",
+                                     "(the moe_* keys are read and checked, and the float64 "
+                                     "reference computes the model)",
                                      gpt->moe.num_experts));
   }
   if (parallel.expert_model_parallel_size != 1) {
@@ -515,6 +521,29 @@ std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_voc
     add(layer + ".self_attention.linear_proj.weight", {h, attn_width}, scaled, 1);
     if (gpt.add_bias_linear) add(layer + ".self_attention.linear_proj.bias", {h}, zeros, -1, 1, true);
     norm(layer + ".pre_mlp_layernorm");
+    if (gpt.moe.enabled() && gpt.moe.layers[static_cast<size_t>(i)]) {
+      // MoELayer: the router (replicated; fed by the sequence-split stream under sequence
+      // parallelism), the experts under their global numbers (SequentialMLP's
+      // local_experts.<e>, or the grouped GEMM's linear_fc1.weight<e>), the shared expert.
+      add(layer + ".mlp.router.weight", {gpt.moe.num_experts, h}, normal, -1, 1, true);
+      const int64_t f = gpt.moe.ffn_hidden_size, f1 = IsGated(gpt.activation) ? 2 * f : f;
+      for (int64_t e = 0; e < gpt.moe.num_experts; ++e) {
+        const std::string fc1 = gpt.moe.grouped_gemm
+                                    ? fmt::format("{}.mlp.experts.linear_fc1.weight{}", layer, e)
+                                    : fmt::format("{}.mlp.experts.local_experts.{}.linear_fc1.weight", layer, e);
+        const std::string fc2 = gpt.moe.grouped_gemm
+                                    ? fmt::format("{}.mlp.experts.linear_fc2.weight{}", layer, e)
+                                    : fmt::format("{}.mlp.experts.local_experts.{}.linear_fc2.weight", layer, e);
+        add(fc1, {f1, h}, normal, 0, stride_fc1);
+        add(fc2, {h, f}, scaled, 1);
+      }
+      if (const auto shared = gpt.moe.shared_expert_intermediate_size) {
+        const int64_t s1 = IsGated(gpt.activation) ? 2 * *shared : *shared;
+        add(layer + ".mlp.shared_experts.linear_fc1.weight", {s1, h}, normal, 0, stride_fc1);
+        add(layer + ".mlp.shared_experts.linear_fc2.weight", {h, *shared}, scaled, 1);
+      }
+      continue;
+    }
     add(layer + ".mlp.linear_fc1.weight", {gpt.Fc1Rows(), h}, normal, 0, stride_fc1);
     if (gpt.add_bias_linear) add(layer + ".mlp.linear_fc1.bias", {gpt.Fc1Rows()}, zeros, 0, stride_fc1);
     add(layer + ".mlp.linear_fc2.weight", {h, gpt.ffn_hidden_size}, scaled, 1);

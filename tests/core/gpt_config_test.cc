@@ -382,6 +382,7 @@ TEST(GptConfig, LayoutChecks) {
 TEST(GptConfig, MoeKeysAreReadAndChecked) {
   json section = Minimal();
   section["num_layers"] = 4;
+  section["add_bias_linear"] = false;
   section["num_moe_experts"] = 8;
   GptConfig gpt;
   ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
@@ -469,7 +470,14 @@ TEST(GptConfig, MoeKeysAreReadAndChecked) {
   run.seq_length = 8;
   EXPECT_EQ(CheckGptLayout(parallel, run, &gpt).Message(),
             "model.num_moe_experts: 8 experts: mixture-of-experts GPT runs are not built yet (the "
-            "moe_* keys are read and checked)");
+            "moe_* keys are read and checked, and the float64 reference computes the model)");
+  // Megatron allows expert biases only with expert_tensor_parallel_size 1; mpusim has none.
+  json biased = section;
+  biased["add_bias_linear"] = true;
+  GptConfig unused;
+  EXPECT_EQ(ParseGptSection(biased, &unused).Message(),
+            "model.add_bias_linear: must be false with num_moe_experts (mpusim's experts have no "
+            "biases; Megatron allows them only with expert_tensor_parallel_size 1)");
 }
 
 TEST(GptConfig, ParametersFollowMegatronStateDict) {

@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """The PyTorch golden of the float64 GPT reference (reference/gpt_reference.h).
 
-Builds three tiny Megatron-Core GPTModels (local layer spec) in torch float64, written from the
+Builds five tiny Megatron-Core GPTModels (local layer spec) in torch float64, written from the
 model's math and Megatron's semantics (not from the C++ reference), runs them forward on
 random tokens with random parameters, lets autograd compute every parameter gradient, and
 writes one safetensors file per config:
@@ -84,6 +84,52 @@ CONFIG_C = {
             "num_microbatches": 2},
 }
 
+# Config D: mixture of experts (Megatron-Core's MoELayer, local spec: SequentialMLP experts,
+# TopKRouter, allgather dispatcher). Layers 0 and 2 of 3 are MoE layers (moe_layer_freq 2), 4
+# experts of moe_ffn_hidden_size 12 with swiglu, top-2 routing with softmax after top-k, a
+# capacity factor of 1 dropping by probability (12 tokens per dp rank and micro-batch, so 6
+# per expert), the load-balancing loss and the z-loss, a shared expert, d = 2, tp 1.
+CONFIG_D = {
+    "parallel": {"world_size": 2, "tensor_model_parallel_size": 1},
+    "model": {
+        "type": "gpt", "num_layers": 3, "hidden_size": 16, "num_attention_heads": 4,
+        "ffn_hidden_size": 24, "normalization": "RMSNorm", "layernorm_epsilon": 1e-6,
+        "activation": "swiglu", "add_bias_linear": False, "hidden_dropout": 0.0,
+        "attention_dropout": 0.0, "position_embedding_type": "rope", "rotary_base": 10000,
+        "share_embeddings_and_output_weights": False, "vocab_size": 29,
+        "make_vocab_size_divisible_by": 4, "label_smoothing": 0.0,
+        "num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 12,
+        "moe_layer_freq": 2, "moe_router_pre_softmax": False,
+        "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.01,
+        "moe_z_loss_coeff": 0.001, "moe_expert_capacity_factor": 1.0,
+        "moe_token_drop_policy": "probs", "moe_shared_expert_intermediate_size": 8,
+    },
+    "run": {"seed": 14, "dtype": "float64", "seq_length": 6, "micro_batch_size": 2,
+            "num_microbatches": 2},
+}
+
+# Config E: the other router and drop choices: softmax before top-k (moe_router_pre_softmax),
+# top-1 of 3 experts, capacity 1.5 dropping by position, gelu, the grouped GEMM's parameter
+# names (moe_grouped_gemm), no shared expert, every layer an MoE layer, d = 2, three
+# micro-batches.
+CONFIG_E = {
+    "parallel": {"world_size": 2, "tensor_model_parallel_size": 1},
+    "model": {
+        "type": "gpt", "num_layers": 2, "hidden_size": 16, "num_attention_heads": 4,
+        "ffn_hidden_size": 24, "normalization": "LayerNorm", "layernorm_epsilon": 1e-5,
+        "activation": "gelu", "add_bias_linear": False, "hidden_dropout": 0.0,
+        "attention_dropout": 0.0, "position_embedding_type": "learned_absolute",
+        "share_embeddings_and_output_weights": True, "vocab_size": 29,
+        "make_vocab_size_divisible_by": 4, "label_smoothing": 0.0,
+        "num_moe_experts": 3, "moe_router_topk": 1, "moe_ffn_hidden_size": 20,
+        "moe_router_pre_softmax": True, "moe_aux_loss_coeff": 0.02,
+        "moe_expert_capacity_factor": 1.5, "moe_token_drop_policy": "position",
+        "moe_grouped_gemm": True,
+    },
+    "run": {"seed": 15, "dtype": "float64", "seq_length": 6, "micro_batch_size": 2,
+            "num_microbatches": 3},
+}
+
 
 class Sizes:
     def __init__(self, doc):
@@ -115,6 +161,33 @@ class Sizes:
         self.tied = m.get("share_embeddings_and_output_weights", True)
         self.eps = m.get("layernorm_epsilon", 1e-5)
         self.label_smoothing = m.get("label_smoothing", 0.0)
+        self.b = r["micro_batch_size"]
+        self.d = p["world_size"] // tp  # no pipeline or context parallelism in these configs
+        # Mixture of experts (TransformerConfig's moe_* fields and their defaults).
+        self.E = m.get("num_moe_experts") or 0
+        self.topk = m.get("moe_router_topk", 2)
+        self.moe_ffn = m.get("moe_ffn_hidden_size") or self.ffn
+        freq = m.get("moe_layer_freq", 1)
+        self.moe_layers = ([i % freq == 0 for i in range(self.L)] if isinstance(freq, int)
+                           else [bool(v) for v in freq])
+        if not self.E:
+            self.moe_layers = [False] * self.L
+        self.pre_softmax = m.get("moe_router_pre_softmax", False)
+        self.aux_coeff = (m.get("moe_aux_loss_coeff", 0.0)
+                          if m.get("moe_router_load_balancing_type", "aux_loss") == "aux_loss"
+                          else 0.0)
+        self.z_coeff = m.get("moe_z_loss_coeff") or 0.0
+        self.capacity_factor = m.get("moe_expert_capacity_factor")
+        self.drop_policy = m.get("moe_token_drop_policy", "probs")
+        self.shared_ffn = m.get("moe_shared_expert_intermediate_size")
+        self.grouped = m.get("moe_grouped_gemm", False)
+
+    def expert(self, p, e, fc):
+        """An expert's weight name: SequentialMLP's local_experts.<e>.linear_fc<n>.weight, or
+        with moe_grouped_gemm the grouped GEMM's linear_fc<n>.weight<e> (global numbers)."""
+        if self.grouped:
+            return f"{p}.mlp.experts.linear_fc{fc}.weight{e}"
+        return f"{p}.mlp.experts.local_experts.{e}.linear_fc{fc}.weight"
 
 
 def make_parameters(z):
@@ -151,6 +224,19 @@ def make_parameters(z):
         if z.bias:
             bias(p + ".self_attention.linear_proj.bias", z.h)
         norm(p + ".pre_mlp_layernorm")
+        if z.moe_layers[i]:
+            # MoELayer: router.weight [E, h]; SequentialMLP's local_experts.<e> (global expert
+            # numbers: one expert-parallel rank here); SharedExpertMLP's linear_fc1/fc2.
+            weight(p + ".mlp.router.weight", z.E, z.h)
+            expert_fc1 = 2 * z.moe_ffn if z.swiglu else z.moe_ffn
+            for e in range(z.E):
+                weight(z.expert(p, e, 1), expert_fc1, z.h)
+                weight(z.expert(p, e, 2), z.h, z.moe_ffn)
+            if z.shared_ffn:
+                shared_fc1 = 2 * z.shared_ffn if z.swiglu else z.shared_ffn
+                weight(p + ".mlp.shared_experts.linear_fc1.weight", shared_fc1, z.h)
+                weight(p + ".mlp.shared_experts.linear_fc2.weight", z.h, z.shared_ffn)
+            continue
         weight(p + ".mlp.linear_fc1.weight", fc1_rows, z.h)
         if z.bias:
             bias(p + ".mlp.linear_fc1.bias", fc1_rows)
@@ -186,8 +272,86 @@ def apply_rope(z, t):
     return torch.cat([rotated, t_pass], dim=-1)
 
 
-def microbatch_loss_sum(z, P, tokens, labels):
-    """Sum of the token losses of one micro-batch; tokens, labels: [s, B] int64."""
+def mlp(z, x, w1, w2, scale=None):
+    """Megatron's MLP without biases: fc2(act(fc1(x)) * scale), the per-token scale (an
+    expert's routing probability) applied after the activation, as MLP.forward's
+    per_token_scale."""
+    fc1 = F.linear(x, w1)
+    if z.swiglu:
+        gate, up = torch.chunk(fc1, 2, dim=-1)
+        act = F.silu(gate) * up
+    else:
+        act = F.gelu(fc1)  # exact (erf) GELU
+    if scale is not None:
+        act = act * scale.unsqueeze(-1)
+    return F.linear(act, w2)
+
+
+def ranked(values, k):
+    """The k largest of each row, descending, equal values by the lower column (mpusim's tie
+    rule, Kernels::TopK): (values, columns)."""
+    order = torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
+    return torch.gather(values, -1, order), order
+
+
+def moe_layer(z, P, p, h2):
+    """Megatron-Core's MoELayer on the pre-MLP norm's output h2 [s, B, h], per data-parallel
+    rank (its b samples; tp = cp = 1 here, so the router sees them all at once). Returns the
+    layer's output [s, B, h] and the micro-batch's auxiliary objective: the load-balancing and
+    z losses summed over the dp ranks (their gradients reach the router as Megatron's
+    MoEAuxLossAutoScaler sends them; the caller scales them by 1 / (M d))."""
+    out = torch.zeros_like(h2)
+    aux = h2.new_zeros(())
+    for dp in range(z.d):
+        # Megatron's tokens [s, b, h] -> [s*b, h]: row i*b + j is position i of sample j.
+        xs = h2[:, dp * z.b:(dp + 1) * z.b, :].reshape(-1, z.h)
+        T = xs.shape[0]
+        logits = F.linear(xs, P[p + ".mlp.router.weight"])  # [T, E]
+        if z.z_coeff:  # z_loss_func: mean over the tokens of logsumexp^2 (coeff / tp_cp)
+            aux = aux + z.z_coeff * torch.logsumexp(logits, -1).pow(2).mean()
+        if z.pre_softmax:
+            top_p, top_e = ranked(torch.softmax(logits, -1), z.topk)
+        else:
+            top_logits, top_e = ranked(logits, z.topk)
+            top_p = torch.softmax(top_logits, -1)
+        probs = torch.zeros_like(logits).scatter(1, top_e, top_p)  # [T, E], 0 unrouted
+        routed = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_e, True)
+        if z.capacity_factor is not None:
+            # apply_router_token_dropping: capacity = ceil(T k / E * factor) per expert; when it
+            # is below T, each expert keeps the capacity tokens with the largest routing
+            # probability ("probs"; 0 for a token not routed to it) or the earliest routed
+            # ("position"), equal values by the lower token index.
+            capacity = math.ceil(T * z.topk / z.E * z.capacity_factor)
+            if capacity < T:
+                key = probs if z.drop_policy == "probs" else routed.to(probs.dtype)
+                keep_rows = ranked(key.detach().t(), capacity)[1]  # [E, capacity]
+                kept = torch.zeros_like(routed).t().scatter(1, keep_rows, True).t()
+                routed = routed & kept
+                probs = probs * routed
+        if z.aux_coeff:
+            # switch_load_balancing_loss_func on the softmax of all logits, with the top-k
+            # counts (before any dropping) of the tokens of the tp x cp group: this dp rank's.
+            scores = torch.softmax(logits, -1)
+            counts = torch.zeros_like(logits).scatter(1, ranked(scores, z.topk)[1], 1.0).sum(0)
+            aux = aux + (scores.sum(0) * counts.detach()).sum() * (
+                z.E * z.aux_coeff / (z.topk * T * T))
+        y = torch.zeros_like(xs)
+        for e in range(z.E):
+            rows = routed[:, e].nonzero().squeeze(-1)  # this expert's tokens, in order
+            if rows.numel() == 0:
+                continue
+            y = y.index_add(0, rows, mlp(z, xs[rows], P[z.expert(p, e, 1)], P[z.expert(p, e, 2)],
+                                         probs[rows, e]))
+        if z.shared_ffn:
+            y = y + mlp(z, xs, P[p + ".mlp.shared_experts.linear_fc1.weight"],
+                        P[p + ".mlp.shared_experts.linear_fc2.weight"])
+        out[:, dp * z.b:(dp + 1) * z.b, :] = y.reshape(z.s, z.b, z.h)
+    return out, aux
+
+
+def microbatch_loss_sum(z, P, tokens, labels, aux_terms=None):
+    """Sum of the token losses of one micro-batch; tokens, labels: [s, B] int64. An MoE
+    model appends each MoE layer's auxiliary objective (moe_layer) to aux_terms."""
     r = z.a // z.g
     x = F.embedding(tokens, P["embedding.word_embeddings.weight"])  # [s, B, h]
     if not z.rope:
@@ -218,6 +382,11 @@ def microbatch_loss_sum(z, P, tokens, labels):
         x = x + F.linear(context, get(".self_attention.linear_proj.weight"),
                          get(".self_attention.linear_proj.bias"))
         h2 = normalize(z, x, p + ".pre_mlp_layernorm", P)
+        if z.moe_layers[i]:
+            moe_out, aux = moe_layer(z, P, p, h2)
+            aux_terms.append(aux)
+            x = x + moe_out
+            continue
         fc1 = F.linear(h2, get(".mlp.linear_fc1.weight"), get(".mlp.linear_fc1.bias"))
         if z.swiglu:
             gate, up = torch.chunk(fc1, 2, dim=-1)
@@ -262,13 +431,20 @@ def make(doc, torch_seed, path):
     labels = torch.randint(0, z.V, (z.M, z.s, z.B))
     for t in P.values():
         t.requires_grad_(True)
-    loss = sum(microbatch_loss_sum(z, P, tokens[m], labels[m]) for m in range(z.M))
+    aux_terms = []
+    loss = sum(microbatch_loss_sum(z, P, tokens[m], labels[m], aux_terms) for m in range(z.M))
     loss = loss / (z.M * z.s * z.B)
-    loss.backward()
+    # MoE: the auxiliary losses add gradients, scaled as Megatron's schedule sets
+    # MoEAuxLossAutoScaler (cp / M) and the data-parallel average (1 / (d cp)) leave them:
+    # 1 / (M d) of each dp rank's and micro-batch's; the reported loss stays the LM loss.
+    aux = sum(aux_terms) / (z.M * z.d) if aux_terms else loss.new_zeros(())
+    (loss + aux).backward()
     tensors = [(name, t) for name, t in P.items()]
     tensors += [(name + ".grad", t.grad) for name, t in P.items()]
     tensors += [("tokens", tokens.to(torch.float64)), ("labels", labels.to(torch.float64)),
                 ("loss", loss.detach().reshape(1))]
+    if aux_terms:
+        tensors.append(("moe_aux_objective", aux.detach().reshape(1)))
     metadata = {"config": json.dumps(doc, sort_keys=True),
                 "generator": "tests/data/gpt_golden/make_gpt_golden.py",
                 "torch": torch.__version__}
@@ -282,6 +458,8 @@ def main():
     make(CONFIG_A, 1, os.path.join(HERE, "gpt_golden_a.safetensors"))
     make(CONFIG_B, 2, os.path.join(HERE, "gpt_golden_b.safetensors"))
     make(CONFIG_C, 3, os.path.join(HERE, "gpt_golden_c.safetensors"))
+    make(CONFIG_D, 4, os.path.join(HERE, "gpt_golden_d.safetensors"))
+    make(CONFIG_E, 5, os.path.join(HERE, "gpt_golden_e.safetensors"))
     return 0
 
 

@@ -1,0 +1,297 @@
+// The reference's mixture-of-experts layer (see moe_reference.h).
+#include "reference/moe_reference.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+namespace mpusim::gpt_reference {
+namespace {
+
+// The columns of `v` ordered by value, largest first, equal values by the lower column; the
+// first k of them.
+std::vector<int64_t> FirstK(const std::vector<double>& v, int64_t k) {
+  std::vector<int64_t> order(v.size());
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return v[static_cast<size_t>(a)] > v[static_cast<size_t>(b)];
+  });
+  order.resize(static_cast<size_t>(k));
+  return order;
+}
+
+std::vector<double> RowOf(const Mat& m, int64_t r) {
+  std::vector<double> v(static_cast<size_t>(m.cols()));
+  for (int64_t c = 0; c < m.cols(); ++c) v[static_cast<size_t>(c)] = m(r, c);
+  return v;
+}
+
+// The router groups of the slice's dp rank q: its cp ranks' positions (chunks c and
+// 2 cp - 1 - c), each cut into t pieces under sequence parallelism; rows position-major.
+std::vector<std::vector<int64_t>> RouterGroups(const Dims& d, const MoeLayout& l, int64_t q) {
+  std::vector<std::vector<int64_t>> groups;
+  for (int64_t c = 0; c < l.cp; ++c) {
+    std::vector<int64_t> positions;
+    if (l.cp == 1) {
+      for (int64_t i = 0; i < d.s; ++i) positions.push_back(i);
+    } else {
+      const int64_t cs = d.s / (2 * l.cp);
+      for (int64_t chunk : {c, 2 * l.cp - 1 - c}) {
+        for (int64_t i = 0; i < cs; ++i) positions.push_back(chunk * cs + i);
+      }
+    }
+    const int64_t pieces = l.sp ? l.t : 1;
+    const int64_t per = static_cast<int64_t>(positions.size()) / pieces;
+    for (int64_t piece = 0; piece < pieces; ++piece) {
+      std::vector<int64_t> rows;
+      for (int64_t i = piece * per; i < (piece + 1) * per; ++i) {
+        for (int64_t j = 0; j < l.b; ++j) {
+          rows.push_back(positions[static_cast<size_t>(i)] * d.n + q * l.b + j);
+        }
+      }
+      groups.push_back(std::move(rows));
+    }
+  }
+  return groups;
+}
+
+Mat Gather(const Mat& x, const std::vector<int64_t>& rows) {
+  Mat out(static_cast<int64_t>(rows.size()), x.cols());
+  for (size_t i = 0; i < rows.size(); ++i) out.row(static_cast<int64_t>(i)) = x.row(rows[i]);
+  return out;
+}
+
+// fc2(act(fc1(x)) * scale) without biases; keeps fc1 and act (before the scale).
+Mat Mlp(Activation act, const Mat& x, const Param& w1, const Param& w2, const Vec* scale,
+        Mat* fc1_out, Mat* act_out) {
+  *fc1_out = Linear(x, w1, Param{});
+  act_out->resize(x.rows(), w2.value.cols());
+  ref::ActivationForward(act, *fc1_out, *act_out);
+  if (scale == nullptr) return Linear(*act_out, w2, Param{});
+  return Linear(act_out->array().colwise() * scale->array(), w2, Param{});
+}
+
+// The backward of Mlp: dx, and with `scale` d(scale) per row into *dscale.
+Mat MlpBackward(Activation act, const Mat& dy, const Mat& x, const Mat& fc1, const Mat& a,
+                Param& w1, Param& w2, const Vec* scale, Vec* dscale) {
+  Param no_bias;
+  Mat scaled = a;
+  if (scale != nullptr) scaled = a.array().colwise() * scale->array();
+  Mat du = LinearBackward(dy, scaled, w2, no_bias);  // d(act * scale)
+  if (scale != nullptr) {
+    *dscale = (a.array() * du.array()).rowwise().sum();
+    du = du.array().colwise() * scale->array();
+  }
+  Mat dfc1(fc1.rows(), fc1.cols());
+  ref::ActivationBackward(act, du, fc1, dfc1);
+  return LinearBackward(dfc1, x, w1, no_bias);
+}
+
+}  // namespace
+
+Mat MoeForward(const Dims& d, const GptConfig& gpt, const MoeLayout& layout, const Mat& x,
+               const MoeParams& p, MoeStash* stash, double* aux_objective) {
+  const MoeConfig& moe = gpt.moe;
+  const int64_t E = moe.num_experts, k = moe.router_topk;
+  const double per_dp = 1.0 / static_cast<double>(d.M * (d.B / layout.b));  // 1 / (M d)
+  MoeStash& st = *stash;
+  st.x = x;
+  st.groups.clear();
+  st.experts.assign(static_cast<size_t>(E), {});
+  for (int64_t q = 0; q < d.n / layout.b; ++q) {
+    std::vector<std::vector<int64_t>> rows = RouterGroups(d, layout, q);
+    const size_t first = st.groups.size();
+    Vec counts = Vec::Zero(E);
+    for (std::vector<int64_t>& group_rows : rows) {
+      MoeStash::Group g;
+      g.rows = std::move(group_rows);
+      const auto T = static_cast<int64_t>(g.rows.size());
+      g.logits = Linear(Gather(x, g.rows), p.router, Param{});
+      g.scores.resize(T, E);
+      g.lse.resize(T);
+      for (int64_t t = 0; t < T; ++t) {
+        const double m = g.logits.row(t).maxCoeff();
+        const double sum = (g.logits.row(t).array() - m).exp().sum();
+        g.lse(t) = m + std::log(sum);
+        g.scores.row(t) = (g.logits.row(t).array() - g.lse(t)).exp();
+        // The load-balancing counts: the top-k of the softmax, before any dropping.
+        for (int64_t e : FirstK(RowOf(g.scores, t), k)) counts(e) += 1;
+        const std::vector<int64_t> chosen =
+            FirstK(RowOf(moe.router_pre_softmax ? g.scores : g.logits, t), k);
+        std::vector<double> probs(static_cast<size_t>(k));
+        if (moe.router_pre_softmax) {
+          for (int64_t s = 0; s < k; ++s) probs[static_cast<size_t>(s)] = g.scores(t, chosen[static_cast<size_t>(s)]);
+        } else {
+          double top = -INFINITY, total = 0;
+          for (int64_t e : chosen) top = std::max(top, g.logits(t, e));
+          for (int64_t s = 0; s < k; ++s) {
+            probs[static_cast<size_t>(s)] = std::exp(g.logits(t, chosen[static_cast<size_t>(s)]) - top);
+            total += probs[static_cast<size_t>(s)];
+          }
+          for (double& v : probs) v /= total;
+        }
+        g.chosen.push_back(chosen);
+        g.p.push_back(probs);
+        g.kept.emplace_back(static_cast<size_t>(k), true);
+      }
+      if (moe.expert_capacity_factor) {
+        const auto capacity = static_cast<int64_t>(
+            std::ceil(static_cast<double>(T * k) / static_cast<double>(E) * *moe.expert_capacity_factor));
+        if (capacity < T) {
+          for (int64_t e = 0; e < E; ++e) {
+            std::vector<double> key(static_cast<size_t>(T), 0.0);
+            for (int64_t t = 0; t < T; ++t) {
+              for (int64_t s = 0; s < k; ++s) {
+                if (g.chosen[static_cast<size_t>(t)][static_cast<size_t>(s)] != e) continue;
+                key[static_cast<size_t>(t)] = moe.token_drop_policy == MoeDropPolicy::kProbs
+                                                  ? g.p[static_cast<size_t>(t)][static_cast<size_t>(s)]
+                                                  : 1.0;
+              }
+            }
+            std::vector<bool> keep(static_cast<size_t>(T), false);
+            for (int64_t t : FirstK(key, capacity)) keep[static_cast<size_t>(t)] = true;
+            for (int64_t t = 0; t < T; ++t) {
+              for (int64_t s = 0; s < k; ++s) {
+                if (g.chosen[static_cast<size_t>(t)][static_cast<size_t>(s)] == e && !keep[static_cast<size_t>(t)]) {
+                  g.kept[static_cast<size_t>(t)][static_cast<size_t>(s)] = false;
+                }
+              }
+            }
+          }
+        }
+      }
+      if (moe.z_loss_coeff) {
+        const double coeff = *moe.z_loss_coeff / static_cast<double>(layout.t * layout.cp);
+        *aux_objective += per_dp * coeff * g.lse.array().square().mean();
+        g.z_scale = per_dp * coeff / static_cast<double>(T);
+      }
+      st.groups.push_back(std::move(g));
+    }
+    // The dp rank's load-balancing loss, from its tokens' softmax and the summed counts.
+    if (moe.load_balancing == MoeLoadBalancing::kAuxLoss && moe.aux_loss_coeff > 0) {
+      const auto T_dp = static_cast<double>(d.s * layout.b);
+      const Vec c = counts * (per_dp * moe.aux_loss_coeff * static_cast<double>(E) /
+                              (static_cast<double>(k) * T_dp * T_dp));
+      for (size_t gi = first; gi < st.groups.size(); ++gi) {
+        MoeStash::Group& g = st.groups[gi];
+        *aux_objective += (g.scores * c).sum();
+        g.aux_c = c;
+      }
+    }
+  }
+  // The experts, each on its kept tokens in slice-row order.
+  for (size_t gi = 0; gi < st.groups.size(); ++gi) {
+    const MoeStash::Group& g = st.groups[gi];
+    for (size_t t = 0; t < g.rows.size(); ++t) {
+      for (int64_t s = 0; s < k; ++s) {
+        if (!g.kept[t][static_cast<size_t>(s)]) continue;
+        MoeStash::Expert& ex = st.experts[static_cast<size_t>(g.chosen[t][static_cast<size_t>(s)])];
+        ex.rows.push_back(g.rows[t]);
+        ex.group.push_back(static_cast<int64_t>(gi));
+        ex.token.push_back(static_cast<int64_t>(t));
+        ex.slot.push_back(s);
+      }
+    }
+  }
+  Mat y = Mat::Zero(x.rows(), x.cols());
+  for (int64_t e = 0; e < E; ++e) {
+    MoeStash::Expert& ex = st.experts[static_cast<size_t>(e)];
+    if (ex.rows.empty()) continue;
+    // Sorted by slice row (the combine adds per token, so the order only fixes the stash).
+    std::vector<size_t> order(ex.rows.size());
+    std::iota(order.begin(), order.end(), size_t{0});
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return ex.rows[a] < ex.rows[b]; });
+    MoeStash::Expert sorted;
+    for (size_t i : order) {
+      sorted.rows.push_back(ex.rows[i]);
+      sorted.group.push_back(ex.group[i]);
+      sorted.token.push_back(ex.token[i]);
+      sorted.slot.push_back(ex.slot[i]);
+    }
+    ex = std::move(sorted);
+    Vec scale(static_cast<int64_t>(ex.rows.size()));
+    for (size_t i = 0; i < ex.rows.size(); ++i) {
+      const MoeStash::Group& g = st.groups[static_cast<size_t>(ex.group[i])];
+      scale(static_cast<int64_t>(i)) = g.p[static_cast<size_t>(ex.token[i])][static_cast<size_t>(ex.slot[i])];
+    }
+    const Mat out = Mlp(gpt.activation, Gather(x, ex.rows), p.fc1[static_cast<size_t>(e)],
+                        p.fc2[static_cast<size_t>(e)], &scale, &ex.fc1, &ex.act);
+    for (size_t i = 0; i < ex.rows.size(); ++i) y.row(ex.rows[i]) += out.row(static_cast<int64_t>(i));
+  }
+  if (p.shared_fc1.defined()) {
+    y += Mlp(gpt.activation, x, p.shared_fc1, p.shared_fc2, nullptr, &st.shared_fc1, &st.shared_act);
+  }
+  return y;
+}
+
+Mat MoeBackward(const Dims& d, const GptConfig& gpt, const Mat& dy, const MoeStash& st,
+                MoeParams& p) {
+  (void)d;
+  const MoeConfig& moe = gpt.moe;
+  const int64_t E = moe.num_experts, k = moe.router_topk;
+  Mat dx = Mat::Zero(dy.rows(), dy.cols());
+  if (p.shared_fc1.defined()) {
+    dx += MlpBackward(gpt.activation, dy, st.x, st.shared_fc1, st.shared_act, p.shared_fc1,
+                      p.shared_fc2, nullptr, nullptr);
+  }
+  // d p[group][token][slot] from the experts.
+  std::vector<std::vector<std::vector<double>>> dp(st.groups.size());
+  for (size_t gi = 0; gi < st.groups.size(); ++gi) {
+    dp[gi].assign(st.groups[gi].rows.size(), std::vector<double>(static_cast<size_t>(k), 0.0));
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    const MoeStash::Expert& ex = st.experts[static_cast<size_t>(e)];
+    if (ex.rows.empty()) continue;
+    Vec scale(static_cast<int64_t>(ex.rows.size()));
+    for (size_t i = 0; i < ex.rows.size(); ++i) {
+      scale(static_cast<int64_t>(i)) =
+          st.groups[static_cast<size_t>(ex.group[i])].p[static_cast<size_t>(ex.token[i])][static_cast<size_t>(ex.slot[i])];
+    }
+    Vec dscale;
+    const Mat dxe = MlpBackward(gpt.activation, Gather(dy, ex.rows), Gather(st.x, ex.rows), ex.fc1,
+                                ex.act, p.fc1[static_cast<size_t>(e)], p.fc2[static_cast<size_t>(e)],
+                                &scale, &dscale);
+    for (size_t i = 0; i < ex.rows.size(); ++i) {
+      dx.row(ex.rows[i]) += dxe.row(static_cast<int64_t>(i));
+      dp[static_cast<size_t>(ex.group[i])][static_cast<size_t>(ex.token[i])][static_cast<size_t>(ex.slot[i])] =
+          dscale(static_cast<int64_t>(i));
+    }
+  }
+  // The router: each token's probabilities, load-balancing and z terms into d logits.
+  for (size_t gi = 0; gi < st.groups.size(); ++gi) {
+    const MoeStash::Group& g = st.groups[gi];
+    const auto T = static_cast<int64_t>(g.rows.size());
+    Mat dz = Mat::Zero(T, E);
+    for (int64_t t = 0; t < T; ++t) {
+      const std::vector<int64_t>& chosen = g.chosen[static_cast<size_t>(t)];
+      const std::vector<double>& pt = g.p[static_cast<size_t>(t)];
+      const std::vector<double>& dpt = dp[gi][static_cast<size_t>(t)];
+      double dot = 0;
+      for (int64_t s = 0; s < k; ++s) dot += pt[static_cast<size_t>(s)] * dpt[static_cast<size_t>(s)];
+      if (moe.router_pre_softmax) {
+        // p = softmax(Z)[chosen]: dZ_j = sm_j (dp_j - sum_s p_s dp_s), dp 0 off the chosen.
+        for (int64_t j = 0; j < E; ++j) dz(t, j) -= g.scores(t, j) * dot;
+        for (int64_t s = 0; s < k; ++s) {
+          dz(t, chosen[static_cast<size_t>(s)]) += g.scores(t, chosen[static_cast<size_t>(s)]) * dpt[static_cast<size_t>(s)];
+        }
+      } else {
+        // p = softmax over the chosen logits.
+        for (int64_t s = 0; s < k; ++s) {
+          dz(t, chosen[static_cast<size_t>(s)]) += pt[static_cast<size_t>(s)] * (dpt[static_cast<size_t>(s)] - dot);
+        }
+      }
+      if (g.aux_c.size() == E) {
+        // d/dZ of sum_i c_i softmax(Z)_i = sm (c - sm . c).
+        const double mean_c = g.scores.row(t).dot(g.aux_c.transpose());
+        dz.row(t) += (g.scores.row(t).array() * (g.aux_c.transpose().array() - mean_c)).matrix();
+      }
+      if (g.z_scale != 0) dz.row(t) += 2 * g.z_scale * g.lse(t) * g.scores.row(t);
+    }
+    Param no_bias;
+    const Mat dxg = LinearBackward(dz, Gather(st.x, g.rows), p.router, no_bias);
+    for (int64_t t = 0; t < T; ++t) dx.row(g.rows[static_cast<size_t>(t)]) += dxg.row(t);
+  }
+  return dx;
+}
+
+}  // namespace mpusim::gpt_reference

@@ -1,0 +1,79 @@
+// The float64 reference's mixture-of-experts layer (gpt_reference.cc calls it in place of the
+// MLP on the layers moe_layer_freq makes MoE layers): Megatron-Core's MoELayer with the
+// TopKRouter, written from the model's math, forward and backward by hand.
+//
+// On the pre-MLP norm's output x [s*n, h] (row i*n + j: position i of slice sample j), per
+// data-parallel rank of the slice (its b samples) and, inside it, per router group (the
+// tokens one rank's router sees: the rank's cp chunks and, under sequence parallelism, its tp
+// piece of them; row order position-major as Megatron's [s_local, b, h] -> [s_local*b, h]):
+//   logits   Z = x W_router^T                                   [T, E]
+//   top-k    the k largest logits (or softmax(Z) with moe_router_pre_softmax), equal values
+//            by the lower expert (Kernels::TopK's rule); p = softmax over the k chosen
+//            logits (or the chosen entries of softmax(Z))
+//   capacity with moe_expert_capacity_factor: per group and expert, ceil(T k / E * factor)
+//            tokens; when that is below T, the expert keeps the tokens with the largest p (0
+//            for a token not routed to it; "probs") or the earliest routed ("position"),
+//            equal values by the lower token, and drops the others
+//   experts  y_t = sum over the experts e that kept t of fc2_e(act(fc1_e(x_t)) * p_te), plus
+//            the shared expert's fc2(act(fc1(x_t)))
+// The auxiliary objective, per micro-batch and dp rank, scaled 1 / (M d) (Megatron's
+// MoEAuxLossAutoScaler at cp / M after the 1 / (d cp) data-parallel average):
+//   load balancing  coeff E / (k T_dp^2) sum_i count_i sum_t softmax(Z_t)_i, count_i the
+//                   tokens of the dp rank whose top-k of softmax(Z) holds i (before dropping)
+//   z-loss          coeff_z / (tp cp) sum over its groups of mean_t logsumexp(Z_t)^2
+// They add gradients to the router only; the reported loss stays the LM loss.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/config/gpt_config.h"
+#include "reference/gpt_reference_ops.h"
+
+namespace mpusim::gpt_reference {
+
+struct MoeParams {
+  Param router;                 // [E, h]
+  std::vector<Param> fc1, fc2;  // per expert: [f1e, h], [h, fe]
+  Param shared_fc1, shared_fc2;  // moe_shared_expert_intermediate_size only
+  bool defined() const { return router.defined(); }
+};
+
+// How the slice's tokens meet the routers: b samples per dp rank; the tp x cp router groups
+// of a dp rank (tp only under sequence parallelism).
+struct MoeLayout {
+  int64_t b = 1, t = 1, cp = 1;
+  bool sp = false;
+};
+
+struct MoeStash {
+  struct Group {
+    std::vector<int64_t> rows;  // slice rows of its tokens, in the router's order
+    Mat logits, scores;         // [T, E]; scores = softmax(logits)
+    Vec lse;                    // [T]
+    std::vector<std::vector<int64_t>> chosen;  // [T][k] experts, in rank order
+    std::vector<std::vector<double>> p;        // [T][k] probabilities before dropping
+    std::vector<std::vector<bool>> kept;       // [T][k]
+    Vec aux_c;                  // [E] the load-balancing gradient's coefficients (scaled)
+    double z_scale = 0;         // d(z objective)/d(lse_t^2) per token (scaled)
+  };
+  std::vector<Group> groups;
+  Mat x;  // [rows, h]
+  struct Expert {
+    std::vector<int64_t> rows;   // slice rows it computes, ascending
+    std::vector<int64_t> group;  // and for each, its group and token and top-k slot
+    std::vector<int64_t> token, slot;
+    Mat fc1, act;  // [tokens, f1e], [tokens, fe] (before the probability)
+  };
+  std::vector<Expert> experts;
+  Mat shared_fc1, shared_act;
+};
+
+// y [rows, h]; adds the micro-batch's auxiliary objective (already scaled) to *aux_objective.
+Mat MoeForward(const Dims& d, const GptConfig& gpt, const MoeLayout& layout, const Mat& x,
+               const MoeParams& p, MoeStash* stash, double* aux_objective);
+// dx [rows, h] from dy; the parameter gradients add into their accumulators.
+Mat MoeBackward(const Dims& d, const GptConfig& gpt, const Mat& dy, const MoeStash& stash,
+                MoeParams& p);
+
+}  // namespace mpusim::gpt_reference
