@@ -426,18 +426,31 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
                          fmt::format("{} is shorter than run.seq_length {}",
                                      gpt->max_position_embeddings, run.seq_length));
   }
-  if (gpt->moe.enabled()) {
-    return Status::Error("model.num_moe_experts",
-                         fmt::format("{} experts: mixture-of-experts GPT runs are not built yet "
-                                     "(the moe_* keys are read and checked, and the float64 "
-                                     "reference computes the model)",
-                                     gpt->moe.num_experts));
-  }
   if (parallel.expert_model_parallel_size != 1) {
     return Status::Error("parallel.expert_model_parallel_size",
                          fmt::format("must be 1 for a GPT run today, got {} (expert parallel GPT "
-                                     "runs are not built yet)",
+                                     "runs are not built yet; with 1 every rank holds every "
+                                     "expert)",
                                      parallel.expert_model_parallel_size));
+  }
+  if (gpt->moe.enabled()) {
+    if (parallel.EffectiveExpertTensorParallelSize() != t) {
+      return Status::Error("parallel.expert_tensor_parallel_size",
+                           fmt::format("must equal tensor_model_parallel_size {} for a GPT run "
+                                       "today, got {}",
+                                       t, parallel.EffectiveExpertTensorParallelSize()));
+    }
+    if (t > 1 && !parallel.sequence_parallel) {
+      return Status::Error("parallel.sequence_parallel",
+                           fmt::format("must be true for a mixture-of-experts model with "
+                                       "tensor_model_parallel_size {} (Megatron's rule: each "
+                                       "tp rank's router sees its own sequence shard)",
+                                       t));
+    }
+    if (gpt->moe.load_balancing == MoeLoadBalancing::kSeqAuxLoss) {
+      return Status::Error("model.moe_router_load_balancing_type",
+                           "\"seq_aux_loss\" is not built yet; set \"aux_loss\" or \"none\"");
+    }
   }
   const int64_t cp = parallel.context_parallel_size;
   if (cp > 1) {
@@ -528,12 +541,8 @@ std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_voc
       add(layer + ".mlp.router.weight", {gpt.moe.num_experts, h}, normal, -1, 1, true);
       const int64_t f = gpt.moe.ffn_hidden_size, f1 = IsGated(gpt.activation) ? 2 * f : f;
       for (int64_t e = 0; e < gpt.moe.num_experts; ++e) {
-        const std::string fc1 = gpt.moe.grouped_gemm
-                                    ? fmt::format("{}.mlp.experts.linear_fc1.weight{}", layer, e)
-                                    : fmt::format("{}.mlp.experts.local_experts.{}.linear_fc1.weight", layer, e);
-        const std::string fc2 = gpt.moe.grouped_gemm
-                                    ? fmt::format("{}.mlp.experts.linear_fc2.weight{}", layer, e)
-                                    : fmt::format("{}.mlp.experts.local_experts.{}.linear_fc2.weight", layer, e);
+        const std::string fc1 = MoeExpertWeightName(gpt.moe, layer + ".mlp", e, 1);
+        const std::string fc2 = MoeExpertWeightName(gpt.moe, layer + ".mlp", e, 2);
         add(fc1, {f1, h}, normal, 0, stride_fc1);
         add(fc2, {h, f}, scaled, 1);
       }
@@ -554,6 +563,13 @@ std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_voc
     add("output_layer.weight", {padded_vocab_size, h}, normal, 0);
   }
   return params;
+}
+
+std::string MoeExpertWeightName(const MoeConfig& moe, const std::string& mlp_prefix, int64_t e,
+                                int fc) {
+  return moe.grouped_gemm ? fmt::format("{}.experts.linear_fc{}.weight{}", mlp_prefix, fc, e)
+                          : fmt::format("{}.experts.local_experts.{}.linear_fc{}.weight",
+                                        mlp_prefix, e, fc);
 }
 
 }  // namespace mpusim

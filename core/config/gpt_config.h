@@ -79,7 +79,7 @@ enum class CpCommType : uint8_t {
 };
 
 // Mixture of experts (Megatron's moe_* TransformerConfig fields, model section). Parsed and
-// checked; a GPT run with num_moe_experts is refused until the MoE layer is built.
+// checked; core/model/moe.h runs it (expert_model_parallel_size 1 only, for now).
 enum class MoeLoadBalancing : uint8_t { kAuxLoss, kSeqAuxLoss, kNone };
 enum class MoeDispatcher : uint8_t { kAllGather, kAllToAll };
 enum class MoeDropPolicy : uint8_t { kProbs, kPosition };
@@ -193,5 +193,12 @@ struct GptParameter {
 // norms are marked whatever it is).
 std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_vocab_size,
                                         bool sequence_parallel);
+
+// The state-dict name of expert `e`'s fc1 (`fc` 1) or fc2 (`fc` 2) weight in the MoE layer
+// `mlp_prefix` ("decoder.layers.<i>.mlp"): SequentialMLP's
+// "<mlp_prefix>.experts.local_experts.<e>.linear_fc1.weight", or with moe_grouped_gemm the
+// grouped GEMM's "<mlp_prefix>.experts.linear_fc1.weight<e>". `e` is the global expert number.
+std::string MoeExpertWeightName(const MoeConfig& moe, const std::string& mlp_prefix, int64_t e,
+                                int fc);
 
 }  // namespace mpusim

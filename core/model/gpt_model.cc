@@ -180,8 +180,7 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
     if (!schedule.ok()) return schedule.status();
   }
   for (int64_t i : held) {
-    model->layers_.try_emplace(i, gpt, fmt::format("decoder.layers.{}", i), params, t,
-                               model->run_.recompute);
+    model->layers_.try_emplace(i, gpt, i, params, t, model->run_);
   }
   if (post) {
     model->final_norm_.emplace(gpt.normalization, gpt.layernorm_epsilon,

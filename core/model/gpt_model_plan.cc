@@ -12,6 +12,37 @@
 
 namespace mpusim {
 
+namespace {
+
+// The mixture-of-experts line of Describe.
+std::string DescribeMoe(const GptConfig& gpt) {
+  const MoeConfig& moe = gpt.moe;
+  std::vector<int64_t> layers;
+  for (size_t i = 0; i < moe.layers.size(); ++i) {
+    if (moe.layers[i]) layers.push_back(static_cast<int64_t>(i));
+  }
+  std::string balance = "no load-balancing loss";
+  if (moe.load_balancing == MoeLoadBalancing::kAuxLoss) {
+    balance = fmt::format("load-balancing loss coeff {}", moe.aux_loss_coeff);
+  }
+  return fmt::format(
+      "  mixture of experts on layers {}: {} experts of ffn {}, top-{} {} softmax, {}, {}{}{}, "
+      "{} dispatcher\n",
+      fmt::join(layers, " "), moe.num_experts, moe.ffn_hidden_size, moe.router_topk,
+      moe.router_pre_softmax ? "before the" : "after the",
+      moe.expert_capacity_factor
+          ? fmt::format("capacity factor {} (drop by {})", *moe.expert_capacity_factor,
+                        moe.token_drop_policy == MoeDropPolicy::kProbs ? "probs" : "position")
+          : std::string("dropless"),
+      balance, moe.z_loss_coeff ? fmt::format(", z-loss coeff {}", *moe.z_loss_coeff) : "",
+      moe.shared_expert_intermediate_size
+          ? fmt::format(", shared expert of ffn {}", *moe.shared_expert_intermediate_size)
+          : "",
+      moe.token_dispatcher == MoeDispatcher::kAllGather ? "allgather" : "alltoall");
+}
+
+}  // namespace
+
 std::string GptModel::Describe() const {
   const GptConfig& gpt = gpt_;
   std::string out = fmt::format(
@@ -37,6 +68,7 @@ std::string GptModel::Describe() const {
                                               : "separate from the output layer");
   out += fmt::format("vocab_size {}, padded_vocab_size {}, label_smoothing {}\n", gpt.vocab_size,
                      padded_vocab_, gpt.label_smoothing);
+  if (gpt.moe.enabled()) out += DescribeMoe(gpt);
   return out;
 }
 
@@ -132,6 +164,16 @@ void GptModel::ExplainStage(std::ostream& out) const {
                            sh.Position(2 * c - 1), 2 * sh.cp - 2);
       }
     }
+  }
+  if (stage == 0 && gpt.moe.enabled()) {
+    out << fmt::format(
+        "mixture of experts, expert_model_parallel_size 1: every rank holds all {} experts of "
+        "each MoE layer, each expert split over tp as the dense MLP (expert tensor parallel "
+        "size {}); the router sees this rank's own tokens{}, the dispatcher gathers the tp "
+        "ranks' tokens, each rank computes its slice of every expert on them and a "
+        "reduce-scatter returns the sums; expert gradients reduce over dp{} as the dense ones\n",
+        gpt.moe.num_experts, t, shape_.sequence_parallel ? " (its sequence shard)" : "",
+        shape_.cp > 1 ? " x cp" : "");
   }
   if (pp > 1) {
     std::vector<std::string> chunks;
@@ -235,6 +277,19 @@ MemoryPlan GptModel::PlanMemory(const MemoryPlanOptions& options) const {
                    SaturatingMul(per_layer, L), storage);
   plan.AddElements("activation gradients in flight (one layer)", SaturatingMul(per_layer, 2),
                    storage);
+  if (gpt.moe.enabled()) {
+    // An MoE layer also keeps the router's logits, scores and choices and, for the tokens
+    // the tp group gathered, each routed copy's input, fc1 output and activation.
+    const MoeConfig& moe = gpt.moe;
+    const int64_t f = moe.ffn_hidden_size, f1 = IsGated(gpt.activation) ? 2 * f : f;
+    const PlanBytes moe_layer = SaturatingAdd(
+        PlanElements({rows * moe.router_topk, h + (f1 + 2 * f) / t}),
+        PlanElements({stream_rows, 3 * moe.num_experts + 2 * moe.router_topk}));
+    const auto moe_layers =
+        static_cast<PlanBytes>(std::count(moe.layers.begin(), moe.layers.end(), true));
+    plan.AddElements("activations: the MoE layers' routed tokens and router",
+                     SaturatingMul(moe_layer, moe_layers), storage);
+  }
   plan.Add("logits and their gradient", {2 * rows, vp / t}, storage);
   if (options.check) {
     // Every rank runs the float64 reference on its dp rank's b samples (run/gpt_check.h).

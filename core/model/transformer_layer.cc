@@ -1,6 +1,8 @@
 // Transformer layer (see transformer_layer.h).
 #include "core/model/transformer_layer.h"
 
+#include <fmt/format.h>
+
 #include <optional>
 
 namespace mpusim {
@@ -13,15 +15,20 @@ Norm MakeNorm(const GptConfig& gpt, const std::string& prefix, ParameterSet& par
 
 }  // namespace
 
-TransformerLayer::TransformerLayer(const GptConfig& gpt, std::string prefix, ParameterSet& params,
-                                   int64_t t, RunConfig::Recompute recompute)
-    : prefix_(std::move(prefix)),
+TransformerLayer::TransformerLayer(const GptConfig& gpt, int64_t layer, ParameterSet& params,
+                                   int64_t t, const RunConfig& run)
+    : prefix_(fmt::format("decoder.layers.{}", layer)),
       hidden_dropout_(gpt.hidden_dropout),
-      recompute_(recompute),
+      recompute_(run.recompute),
       input_norm_(MakeNorm(gpt, prefix_ + ".input_layernorm", params)),
       attention_(gpt, prefix_ + ".self_attention", params, t),
-      pre_mlp_norm_(MakeNorm(gpt, prefix_ + ".pre_mlp_layernorm", params)),
-      mlp_(gpt, prefix_ + ".mlp", params) {}
+      pre_mlp_norm_(MakeNorm(gpt, prefix_ + ".pre_mlp_layernorm", params)) {
+  if (gpt.moe.enabled() && gpt.moe.layers.at(static_cast<size_t>(layer))) {
+    moe_.emplace(gpt, prefix_ + ".mlp", params, run.num_microbatches);
+  } else {
+    mlp_.emplace(gpt, prefix_ + ".mlp", params);
+  }
+}
 
 void TransformerLayer::RecordStream(const ModuleContext& ctx, const std::string& name,
                                     const Tensor& t) const {
@@ -71,8 +78,8 @@ Tensor TransformerLayer::ForwardInner(const ModuleContext& ctx, const Tensor& x,
   RecordStream(ctx, ".self_attn_bda.output", x1);
   const Tensor ln2 = pre_mlp_norm_.Forward(ctx, x1, &in->norm2);
   RecordStream(ctx, ".pre_mlp_layernorm.output", ln2);
-  const Tensor mlp = mlp_.Forward(ctx, ln2, &in->mlp);
-  const Tensor y = BiasDropoutAdd(ctx, ".mlp_bda", mlp, mlp_.fc2_bias(), x1);
+  const Tensor mlp = mlp_ ? mlp_->Forward(ctx, ln2, &in->mlp) : moe_->Forward(ctx, ln2, &in->moe);
+  const Tensor y = BiasDropoutAdd(ctx, ".mlp_bda", mlp, mlp_ ? mlp_->fc2_bias() : nullptr, x1);
   RecordStream(ctx, ".mlp_bda.output", y);
   return y;
 }
@@ -102,8 +109,9 @@ Tensor TransformerLayer::Backward(const ModuleContext& ctx, const Tensor& dy, St
   }
   Inner& in = *stash.inner;
   RecordStream(ctx, ".mlp_bda.output_grad", dy);
-  const Tensor dmlp = BiasDropoutAddBackward(ctx, ".mlp_bda", dy, mlp_.fc2_bias());
-  const Tensor dln2 = mlp_.Backward(ctx, dmlp, in.mlp);
+  const Tensor dmlp =
+      BiasDropoutAddBackward(ctx, ".mlp_bda", dy, mlp_ ? mlp_->fc2_bias() : nullptr);
+  const Tensor dln2 = mlp_ ? mlp_->Backward(ctx, dmlp, in.mlp) : moe_->Backward(ctx, dmlp, in.moe);
   RecordStream(ctx, ".pre_mlp_layernorm.output_grad", dln2);
   // x1 feeds both the MLP branch and the residual.
   Tensor dx1 = pre_mlp_norm_.Backward(ctx, dln2, in.norm2);

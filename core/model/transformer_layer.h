@@ -16,21 +16,24 @@
 #include "core/model/attention.h"
 #include "core/model/layer_norm.h"
 #include "core/model/mlp.h"
+#include "core/model/moe.h"
 #include "core/config/model_config.h"
 
 namespace mpusim {
 
 class TransformerLayer {
  public:
-  // `prefix` is "decoder.layers.<i>".
-  TransformerLayer(const GptConfig& gpt, std::string prefix, ParameterSet& params, int64_t t,
-                   RunConfig::Recompute recompute);
+  // Layer `layer` (0-based; its prefix "decoder.layers.<layer>"): an MoE layer (moe.h) in
+  // place of the MLP where gpt.moe.layers says so.
+  TransformerLayer(const GptConfig& gpt, int64_t layer, ParameterSet& params, int64_t t,
+                   const RunConfig& run);
 
   struct Inner {
     Norm::Stash norm1;
     SelfAttention::Stash attention;
     Norm::Stash norm2;
     Mlp::Stash mlp;
+    MoeLayer::Stash moe;
   };
   struct Stash {
     Tensor input;                // [s_l*b, h]
@@ -55,7 +58,8 @@ class TransformerLayer {
   Norm input_norm_;
   SelfAttention attention_;
   Norm pre_mlp_norm_;
-  Mlp mlp_;
+  std::optional<Mlp> mlp_;     // a dense layer's
+  std::optional<MoeLayer> moe_;  // or an MoE layer's
 };
 
 }  // namespace mpusim

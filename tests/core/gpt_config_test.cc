@@ -373,7 +373,7 @@ TEST(GptConfig, LayoutChecks) {
   parallel.expert_model_parallel_size = 2;
   EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
             "parallel.expert_model_parallel_size: must be 1 for a GPT run today, got 2 (expert "
-            "parallel GPT runs are not built yet)");
+            "parallel GPT runs are not built yet; with 1 every rank holds every expert)");
 }
 
 // Megatron's moe_* fields: read with their defaults, the layer pattern resolved from an
@@ -468,9 +468,27 @@ TEST(GptConfig, MoeKeysAreReadAndChecked) {
   parallel.world_size = 1;
   RunConfig run;
   run.seq_length = 8;
+  // The layout checks of an MoE run: Megatron's sequence-parallel rule, the parts not built.
+  GptConfig moe = gpt;
+  moe.moe.load_balancing = MoeLoadBalancing::kAuxLoss;
+  EXPECT_TRUE(CheckGptLayout(parallel, run, &moe).ok());
   EXPECT_EQ(CheckGptLayout(parallel, run, &gpt).Message(),
-            "model.num_moe_experts: 8 experts: mixture-of-experts GPT runs are not built yet (the "
-            "moe_* keys are read and checked, and the float64 reference computes the model)");
+            "model.moe_router_load_balancing_type: \"seq_aux_loss\" is not built yet; set "
+            "\"aux_loss\" or \"none\"");
+  parallel.world_size = 2;
+  parallel.tensor_model_parallel_size = 2;
+  EXPECT_EQ(CheckGptLayout(parallel, run, &moe).Message(),
+            "parallel.sequence_parallel: must be true for a mixture-of-experts model with "
+            "tensor_model_parallel_size 2 (Megatron's rule: each tp rank's router sees its own "
+            "sequence shard)");
+  parallel.sequence_parallel = true;
+  EXPECT_TRUE(CheckGptLayout(parallel, run, &moe).ok());
+  parallel.expert_tensor_parallel_size = 1;
+  EXPECT_EQ(CheckGptLayout(parallel, run, &moe).Message(),
+            "parallel.expert_tensor_parallel_size: must equal tensor_model_parallel_size 2 for a "
+            "GPT run today, got 1");
+  parallel = ParallelConfig();
+  parallel.world_size = 1;
   // Megatron allows expert biases only with expert_tensor_parallel_size 1; mpusim has none.
   json biased = section;
   biased["add_bias_linear"] = true;
