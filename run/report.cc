@@ -62,9 +62,10 @@ void RunReport::PrintLayout(const Topology& topology, const SimulationResult& re
   out_ << fmt::format("backend: {}\n", backend_description_);
   out_ << fmt::format(
       "layout: tensor_model_parallel_size {}, data_parallel_size {}, "
-      "sequence_parallel {}{}{}\n",
+      "sequence_parallel {}{}{}{}\n",
       s.tp, s.dp, config_.parallel.sequence_parallel,
       s.cp > 1 ? fmt::format(", context_parallel_size {}", s.cp) : std::string(),
+      s.ep > 1 ? fmt::format(", expert_model_parallel_size {}", s.ep) : std::string(),
       s.pp > 1 ? fmt::format(", pipeline_model_parallel_size {}{}", s.pp,
                              s.vp ? fmt::format(", virtual_pipeline_model_"
                                                 "parallel_size {}",
@@ -74,6 +75,7 @@ void RunReport::PrintLayout(const Topology& topology, const SimulationResult& re
   std::vector<const char*> kinds = {"tp", "dp"};
   if (s.cp > 1) kinds.insert(kinds.end(), {"cp", "dp_cp"});
   if (s.pp > 1) kinds.push_back("pp");
+  if (s.ep > 1) kinds.insert(kinds.end(), {"ep", "tp_ep", "expt_dp"});
   if (config_.optimizer && config_.optimizer->use_distributed_optimizer) {
     kinds.push_back("dp_cp_partial");
     if (s.num_distributed_optimizer_instances > 1) kinds.push_back("inter_dist_opt");
@@ -147,6 +149,19 @@ void RunReport::PrintParameterMemory(const SimulationResult& result) {
 // Each rank's tensors as its kernels counted them (SimulationResult::tensor_bytes), ranks with
 // the same numbers on one line: what the step's activations cost, measured, beside the
 // preflight's estimate below.
+void RunReport::PrintStepNotes(const SimulationResult& result) {
+  if (result.step_notes.empty()) return;
+  out_ << "\nexperts: the tokens each rank's experts received in the last forward (the first "
+          "rank of each expert tensor-parallel group; its tp peers compute slices of the same):\n";
+  for (const std::string& text : result.step_notes) {
+    std::string::size_type begin = 0, end;
+    while ((end = text.find('\n', begin)) != std::string::npos) {
+      out_ << "  " << text.substr(begin, end - begin) << "\n";
+      begin = end + 1;
+    }
+  }
+}
+
 void RunReport::PrintTensorBytes(const SimulationResult& result) {
   const std::vector<SimulationResult::TensorBytes>& all = result.tensor_bytes;
   if (all.empty()) return;

@@ -50,6 +50,8 @@ class RunReport {
   // Collective over MPI_COMM_WORLD: peak RSS and PSS of the job next to the preflight's
   // per-rank estimate.
   void PrintTensorBytes(const SimulationResult& result);
+  // The models' step notes (SimulationResult::step_notes), when there are any.
+  void PrintStepNotes(const SimulationResult& result);
   void PrintMemory(PlanBytes preflight_bytes);
   // --summary FILE: the results as JSON (`code`: the run's exit code, 0 passed); --trace
   // FILE: the last step's trace (rank 0).

@@ -332,6 +332,7 @@ int RankRun::Report(const Topology& topology, SimulationResult& result, const Du
                         world_size_);
   }
   if (!result.parameter_split.empty()) report.PrintParameterMemory(result);
+  report.PrintStepNotes(result);
   report.PrintTensorBytes(result);
   report.PrintMemory(plan_.total);
   return output_code != kContinue ? output_code : code;

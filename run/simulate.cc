@@ -34,7 +34,8 @@ RankContext MakeRankContext(const Config& config, Backend& backend, const Topolo
   auto groups =
       backend.MakeGroups(topology, world_rank,
                          RankGroups::Kinds(distributed_optimizer,
-                                           topology.sizes().num_distributed_optimizer_instances));
+                                           topology.sizes().num_distributed_optimizer_instances,
+                                           topology.sizes().ep > 1));
   for (auto& [kind, comm] : groups) {
     comm = std::make_unique<TracedCommunicator>(std::move(comm), kind, trace);
   }
@@ -241,6 +242,13 @@ StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions&
        AllGatherStrings(fmt::format("{} {}", held, kernels.tensor_bytes().peak))) {
     SimulationResult::TensorBytes& bytes = result.tensor_bytes.emplace_back();
     std::sscanf(text.c_str(), "%" SCNd64 " %" SCNd64, &bytes.held, &bytes.peak);
+  }
+  {
+    std::string mine;
+    for (const std::string& line : model.StepNotes()) mine += line + "\n";
+    for (std::string& text : AllGatherStrings(mine)) {
+      if (!text.empty()) result.step_notes.push_back(std::move(text));
+    }
   }
   result.timeline = GatherTimeline(executor->step_spans(), executor->schedule_end(), result.trace,
                                    options.timeline_comms, ctx.coords.pp, result.step_start);

@@ -41,6 +41,8 @@ struct SimulationResult {
     int64_t held = 0, peak = 0;
   };
   std::vector<TensorBytes> tensor_bytes;
+  // Every world rank's Model::StepNotes, in rank order (the MoE layers' tokens per expert).
+  std::vector<std::string> step_notes;
   // A training run: one row per iteration (the loss of the iteration's data before its
   // update, the gradient norm before clipping, the learning rate, the wall time).
   struct Iteration {

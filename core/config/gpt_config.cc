@@ -426,14 +426,21 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
                          fmt::format("{} is shorter than run.seq_length {}",
                                      gpt->max_position_embeddings, run.seq_length));
   }
-  if (parallel.expert_model_parallel_size != 1) {
+  const int64_t ep = parallel.expert_model_parallel_size;
+  if (ep != 1 && !gpt->moe.enabled()) {
     return Status::Error("parallel.expert_model_parallel_size",
-                         fmt::format("must be 1 for a GPT run today, got {} (expert parallel GPT "
-                                     "runs are not built yet; with 1 every rank holds every "
-                                     "expert)",
-                                     parallel.expert_model_parallel_size));
+                         fmt::format("{} splits experts, but the model has none; set "
+                                     "num_moe_experts or expert_model_parallel_size 1",
+                                     ep));
   }
   if (gpt->moe.enabled()) {
+    if (gpt->moe.num_experts % ep != 0) {
+      return Status::Error("parallel.expert_model_parallel_size",
+                           fmt::format("num_moe_experts {} is not divisible by "
+                                       "expert_model_parallel_size {} (each ep rank holds "
+                                       "num_moe_experts / ep experts)",
+                                       gpt->moe.num_experts, ep));
+    }
     if (parallel.EffectiveExpertTensorParallelSize() != t) {
       return Status::Error("parallel.expert_tensor_parallel_size",
                            fmt::format("must equal tensor_model_parallel_size {} for a GPT run "
@@ -446,6 +453,13 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
                                        "tensor_model_parallel_size {} (Megatron's rule: each "
                                        "tp rank's router sees its own sequence shard)",
                                        t));
+    }
+    if (ep > 1 && gpt->moe.token_dispatcher == MoeDispatcher::kAllToAll) {
+      return Status::Error("model.moe_token_dispatcher_type",
+                           fmt::format("\"alltoall\" with expert_model_parallel_size {} is not "
+                                       "built yet; set \"allgather\" (the same numbers: only "
+                                       "the exchange differs)",
+                                       ep));
     }
     if (gpt->moe.load_balancing == MoeLoadBalancing::kSeqAuxLoss) {
       return Status::Error("model.moe_router_load_balancing_type",

@@ -108,6 +108,12 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
   model->gpt_ = *config.gpt;
   model->run_ = *config.run;
   MPUSIM_RETURN_IF_ERROR(CheckGptLayout(config.parallel, model->run_, &model->gpt_));
+  if (topology.sizes().ep > 1 && config.optimizer && config.optimizer->use_distributed_optimizer) {
+    return Status::Error("optimizer.use_distributed_optimizer",
+                         fmt::format("is not built yet with expert_model_parallel_size {} (the "
+                                     "experts' shards over expt_dp); set false",
+                                     topology.sizes().ep));
+  }
   if (topology.first_rank() != 0) {
     return Status::Error("parallel.rank_offset", "mpusim run needs rank_offset 0");
   }
@@ -159,14 +165,19 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
   // own copy of the word embeddings (Megatron's shared_embedding on the last stage): the
   // same master values, its gradient all-reduced with the first stage's over embd.
   constexpr std::string_view kWord = "embedding.word_embeddings.weight";
+  const ExpertPlacement experts{gpt.moe.num_experts, sizes.ep, coords.ep};
   for (const GptParameter& p : GptParameters(gpt, model->padded_vocab_, sh.sequence_parallel)) {
     const std::optional<int64_t> layer = LayerOf(p.name);
     const bool mine = layer                              ? held.count(*layer) != 0
                       : p.name.starts_with("embedding.") ? pre || (post && tied && p.name == kWord)
                                                          : post;
     if (!mine) continue;
+    // Expert parallelism: this ep rank's experts only.
+    const std::optional<int64_t> expert = ExpertOf(p.name);
+    if (expert && !experts.Holds(*expert)) continue;
     Parameter& added = model->params_.Add(p.name, p.shape, p.init, p.tp_dim, p.tp_stride,
                                           p.allreduce_grad_over_tp, t, coords.tp);
+    added.expert = expert.has_value() && sizes.ep > 1;
     added.embedding_group = p.name == kWord && tied && sizes.pp > 1;
     added.shared = added.embedding_group && !pre;
   }
@@ -180,7 +191,7 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
     if (!schedule.ok()) return schedule.status();
   }
   for (int64_t i : held) {
-    model->layers_.try_emplace(i, gpt, i, params, t, model->run_);
+    model->layers_.try_emplace(i, gpt, i, params, t, model->run_, experts);
   }
   if (post) {
     model->final_norm_.emplace(gpt.normalization, gpt.layernorm_epsilon,
@@ -194,6 +205,20 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
         MakeTrackerDraws(gpt, model->run_.seed, coords, sh.sequence_parallel, model->chunks_);
   }
   return model;
+}
+
+std::vector<std::string> GptModel::StepNotes() const {
+  // One line per MoE layer from the first rank of each expert tensor-parallel group (its
+  // tp peers compute slices of the same experts on the same tokens).
+  std::vector<std::string> notes;
+  if (coords_.etp != 0) return notes;
+  for (const auto& [layer, module] : layers_) {
+    const MoeLayer* moe = module.moe();
+    if (moe == nullptr || moe->received().empty()) continue;
+    notes.push_back(fmt::format("rank {} (ep rank {}) layer {}: {}", coords_.rank, coords_.ep,
+                                layer, moe->ReceivedNote()));
+  }
+  return notes;
 }
 
 void GptModel::InitializeParameters(Kernels& k) {
@@ -293,6 +318,12 @@ ModuleContext GptModel::Context(RankContext& ctx, int64_t microbatch, const Stas
   ModuleContext module{*ctx.kernels, ctx.tp(), *ctx.trace, shape_, d_, draw, fuse_wgrad_, records};
   module.positions = positions_;
   module.key_positions = key_positions_;
+  if (topology_->sizes().ep > 1) {
+    if (ctx.groups.tp_ep == nullptr) {
+      throw std::logic_error("GptModel: expert parallelism but no tp_ep group");
+    }
+    module.tp_ep = ctx.groups.tp_ep.get();
+  }
   if (shape_.cp > 1) {
     module.cp = &ctx.cp();
     if (module.cp->Rank() != shape_.cp_rank || module.cp->Size() != shape_.cp) {

@@ -103,6 +103,7 @@ class GptModel final : public Model {
   std::vector<std::string> Warnings() const override { return {}; }
   bool MasksDependOnLayout() const override;
   MemoryPlan PlanMemory(const MemoryPlanOptions& options) const override;
+  std::vector<std::string> StepNotes() const override;
 
   const std::vector<GptChunk>& chunks() const { return chunks_; }
   double loss() const override { return loss_; }  // after EndStep

@@ -74,8 +74,11 @@ std::string GptModel::Describe() const {
 
 std::string GptModel::ParameterSplitNote() const {
   const int64_t pp = topology_->sizes().pp;
-  return fmt::format("tp {} splits the weight matrices, norms and row-parallel biases stay whole{}",
+  const int64_t ep = topology_->sizes().ep;
+  return fmt::format("tp {} splits the weight matrices, norms and row-parallel biases stay "
+                     "whole{}{}",
                      topology_->sizes().tp,
+                     ep > 1 ? fmt::format("; ep {} splits the experts", ep) : std::string(),
                      pp > 1 ? fmt::format("; pp {} splits the layers, the first stage holds the "
                                           "embedding",
                                           pp)
@@ -166,14 +169,36 @@ void GptModel::ExplainStage(std::ostream& out) const {
     }
   }
   if (stage == 0 && gpt.moe.enabled()) {
-    out << fmt::format(
-        "mixture of experts, expert_model_parallel_size 1: every rank holds all {} experts of "
-        "each MoE layer, each expert split over tp as the dense MLP (expert tensor parallel "
-        "size {}); the router sees this rank's own tokens{}, the dispatcher gathers the tp "
-        "ranks' tokens, each rank computes its slice of every expert on them and a "
-        "reduce-scatter returns the sums; expert gradients reduce over dp{} as the dense ones\n",
-        gpt.moe.num_experts, t, shape_.sequence_parallel ? " (its sequence shard)" : "",
-        shape_.cp > 1 ? " x cp" : "");
+    const DerivedSizes& sizes = topology_->sizes();
+    if (sizes.ep == 1) {
+      out << fmt::format(
+          "mixture of experts, expert_model_parallel_size 1: every rank holds all {} experts "
+          "of each MoE layer, each expert split over tp as the dense MLP (expert tensor "
+          "parallel size {}); the router sees this rank's own tokens{}, the dispatcher "
+          "gathers the tp ranks' tokens, each rank computes its slice of every expert on them "
+          "and a reduce-scatter returns the sums; expert gradients reduce over dp{} as the "
+          "dense ones\n",
+          gpt.moe.num_experts, t, shape_.sequence_parallel ? " (its sequence shard)" : "",
+          shape_.cp > 1 ? " x cp" : "");
+    } else {
+      const int64_t per = gpt.moe.num_experts / sizes.ep;
+      out << fmt::format(
+          "mixture of experts, expert_model_parallel_size {}: ep rank r holds experts "
+          "[{} r, {} (r + 1)) of each MoE layer, each split over tp (expert tensor parallel "
+          "size {}); the router sees this rank's own tokens{}, the dispatcher all-gathers the "
+          "tokens of its tp_ep group (tp x ep ranks), each rank computes its experts' slices "
+          "on them and a reduce-scatter over tp_ep returns each rank its tokens' sums; expert "
+          "gradients reduce over expt_dp ({} rank{}), the dense ones over dp{}\n",
+          sizes.ep, per, per, sizes.etp, shape_.sequence_parallel ? " (its sequence shard)" : "",
+          sizes.edp, sizes.edp == 1 ? "" : "s", shape_.cp > 1 ? " x cp" : "");
+      const Topology& topo = *topology_;
+      for (int64_t r = 0; r < std::min<int64_t>(topo.world_size(), 64); ++r) {
+        const RankCoordinates c = topo.Coordinates(r);
+        if (c.pp != 0 || c.etp != 0) continue;
+        out << fmt::format("  rank {}: ep rank {}, experts {}-{}\n", r, c.ep, c.ep * per,
+                           c.ep * per + per - 1);
+      }
+    }
   }
   if (pp > 1) {
     std::vector<std::string> chunks;

@@ -91,6 +91,9 @@ class Model : public StagedModel {
   virtual bool MasksDependOnLayout() const = 0;
   // The tensors this rank will hold, counted before anything is allocated.
   virtual MemoryPlan PlanMemory(const MemoryPlanOptions& options) const = 0;
+  // Lines this rank adds to the run's report after its steps (an MoE model: the tokens its
+  // experts received in the last forward); none by default.
+  virtual std::vector<std::string> StepNotes() const { return {}; }
 };
 
 // Builds the model `config` describes ("model": a GPT or a layer chain) for the rank at

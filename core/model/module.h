@@ -160,6 +160,9 @@ struct ModuleContext {
   Tensor key_positions = Tensor();
   // The context-parallel group; null when cp = 1.
   Communicator* cp = nullptr;
+  // The expert tensor x expert-parallel group the MoE dispatcher exchanges tokens over;
+  // null when expert_model_parallel_size is 1 (the dispatcher then uses tp).
+  Communicator* tp_ep = nullptr;
   // Set: a recomputation in this pass appends its span (chunk `chunk`, the draw's
   // micro-batch) here, for the timeline.
   std::vector<StepSpan>* recompute_spans = nullptr;

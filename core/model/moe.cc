@@ -2,6 +2,7 @@
 #include "core/model/moe.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -82,16 +83,53 @@ class SiteSuffix {
   std::string site_;
 };
 
+// The group the dispatcher exchanges tokens over: tp_ep under expert parallelism, else tp
+// under sequence parallelism (whose ranks hold different tokens); null when no rank but this
+// one holds tokens this rank's experts need.
+Communicator* DispatchGroup(const ModuleContext& ctx) {
+  if (ctx.tp_ep != nullptr) return ctx.tp_ep->Size() > 1 ? ctx.tp_ep : nullptr;
+  return ctx.shape.sequence_parallel && ctx.tp.Size() > 1 ? &ctx.tp : nullptr;
+}
+
 }  // namespace
 
+std::optional<int64_t> ExpertOf(std::string_view name) {
+  for (std::string_view key : {".mlp.experts.local_experts.", ".mlp.experts.linear_fc1.weight",
+                               ".mlp.experts.linear_fc2.weight"}) {
+    const size_t at = name.find(key);
+    if (at == std::string_view::npos) continue;
+    size_t i = at + key.size();
+    if (i >= name.size() || name[i] < '0' || name[i] > '9') continue;
+    int64_t e = 0;
+    for (; i < name.size() && name[i] >= '0' && name[i] <= '9'; ++i) e = e * 10 + (name[i] - '0');
+    return e;
+  }
+  return std::nullopt;
+}
+
+std::string MoeLayer::ReceivedNote() const {
+  std::vector<std::string> parts;
+  for (size_t e = 0; e < received_.size(); ++e) {
+    int64_t total = 0;
+    for (int64_t n : received_[e]) total += n;
+    parts.push_back(received_[e].size() == 1
+                        ? fmt::format("expert {} <- {} tokens", experts_.first() + static_cast<int64_t>(e), total)
+                        : fmt::format("expert {} <- {} tokens (from the dispatch group's ranks: {})",
+                                      experts_.first() + static_cast<int64_t>(e), total,
+                                      fmt::join(received_[e], " ")));
+  }
+  return fmt::format("{}", fmt::join(parts, ", "));
+}
+
 MoeLayer::MoeLayer(const GptConfig& gpt, std::string prefix, ParameterSet& params,
-                   int64_t num_microbatches)
+                   int64_t num_microbatches, ExpertPlacement experts)
     : prefix_(std::move(prefix)),
       activation_(gpt.activation),
       moe_(gpt.moe),
       num_microbatches_(num_microbatches),
-      router_(&params.Get(prefix_ + ".router.weight")) {
-  for (int64_t e = 0; e < moe_.num_experts; ++e) {
+      router_(&params.Get(prefix_ + ".router.weight")),
+      experts_(experts.num_experts > 0 ? experts : ExpertPlacement{gpt.moe.num_experts, 1, 0}) {
+  for (int64_t e = experts_.first(); e < experts_.first() + experts_.count(); ++e) {
     fc1_.push_back(&params.Get(MoeExpertWeightName(moe_, prefix_, e, 1)));
     fc2_.push_back(&params.Get(MoeExpertWeightName(moe_, prefix_, e, 2)));
   }
@@ -164,17 +202,17 @@ void MoeLayer::Route(const ModuleContext& ctx, const Tensor& top_scores, Stash* 
     for (double lse : ValuesToHost(k, st->lse)) st->dlse.push_back(c * lse);
   }
 
-  // The allgather dispatcher: every tp rank's kept choices, then the permutation of the
-  // gathered tokens expert by expert, tokens ascending.
+  // The allgather dispatcher: the dispatch group's kept choices, then the permutation of the
+  // gathered tokens over this rank's experts, expert by expert, tokens ascending.
   std::vector<int64_t> route_all = route;
-  if (sh.sequence_parallel) {
+  if (Communicator* group = DispatchGroup(ctx)) {
     const SiteSuffix site(ctx.trace, "moe dispatch");
-    route_all = IntsToHost(k, AllGatherFirstDim(k, ctx.tp, IntsToDevice(k, route, {T, K})));
+    route_all = IntsToHost(k, AllGatherFirstDim(k, *group, IntsToDevice(k, route, {T, K})));
   }
   const int64_t T_all = static_cast<int64_t>(route_all.size()) / K;
   std::vector<int64_t> tokens, slots;
   st->offsets.assign(1, 0);
-  for (int64_t e = 0; e < E; ++e) {
+  for (int64_t e = experts_.first(); e < experts_.first() + experts_.count(); ++e) {
     for (int64_t i = 0; i < T_all * K; ++i) {
       if (route_all[static_cast<size_t>(i)] != e) continue;
       tokens.push_back(i / K);
@@ -183,13 +221,19 @@ void MoeLayer::Route(const ModuleContext& ctx, const Tensor& top_scores, Stash* 
     st->offsets.push_back(static_cast<int64_t>(tokens.size()));
   }
   const auto N = static_cast<int64_t>(tokens.size());
+  received_.assign(static_cast<size_t>(experts_.count()),
+                   std::vector<int64_t>(static_cast<size_t>(T_all / T), 0));
+  for (size_t e = 0; e + 1 < st->offsets.size(); ++e) {
+    for (int64_t i = st->offsets[e]; i < st->offsets[e + 1]; ++i) {
+      ++received_[e][static_cast<size_t>(tokens[static_cast<size_t>(i)] / T)];
+    }
+  }
   st->token_ids = IntsToDevice(k, tokens, {N});
   st->slot_ids = IntsToDevice(k, slots, {N});
 }
 
 Tensor MoeLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* st) const {
   Kernels& k = ctx.k;
-  const StreamShape& sh = ctx.shape;
   const int64_t T = x.rows(), h = x.cols(), E = moe_.num_experts, K = moe_.router_topk;
   const DType dtype = x.dtype();
   st->x = x;
@@ -221,9 +265,9 @@ Tensor MoeLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* st) c
 
   // Dispatch, the experts, combine.
   std::optional<SiteSuffix> site(std::in_place, ctx.trace, "moe dispatch");
-  const Tensor x_all = sh.sequence_parallel ? AllGatherFirstDim(k, ctx.tp, x) : x;
-  const Tensor probs_all =
-      sh.sequence_parallel ? AllGatherFirstDim(k, ctx.tp, st->probs) : st->probs;
+  Communicator* group = DispatchGroup(ctx);
+  const Tensor x_all = group != nullptr ? AllGatherFirstDim(k, *group, x) : x;
+  const Tensor probs_all = group != nullptr ? AllGatherFirstDim(k, *group, st->probs) : st->probs;
   const int64_t T_all = x_all.rows();
   const int64_t N = st->offsets.back();
   Tensor y_all = k.Zeros({T_all, h}, dtype);
@@ -235,7 +279,7 @@ Tensor MoeLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* st) c
                        st->p_perm);
     const int64_t f1 = fc1_.front()->value.rows(), f = fc2_.front()->value.cols();
     st->fc1_out = k.Empty({N, f1}, dtype);
-    for (int64_t e = 0; e < E; ++e) {
+    for (int64_t e = 0; e < experts_.count(); ++e) {
       const int64_t o = st->offsets[static_cast<size_t>(e)];
       const int64_t n = st->offsets[static_cast<size_t>(e) + 1] - o;
       if (n == 0) continue;
@@ -248,7 +292,7 @@ Tensor MoeLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* st) c
     Tensor scaled = k.Empty({N, f}, dtype);
     ScaleRows(k, st->p_perm, st->act, scaled);
     Tensor y_perm = k.Empty({N, h}, dtype);
-    for (int64_t e = 0; e < E; ++e) {
+    for (int64_t e = 0; e < experts_.count(); ++e) {
       const int64_t o = st->offsets[static_cast<size_t>(e)];
       const int64_t n = st->offsets[static_cast<size_t>(e) + 1] - o;
       if (n == 0) continue;
@@ -257,7 +301,7 @@ Tensor MoeLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* st) c
     }
     k.EmbeddingBackward(y_perm, st->token_ids, 0, T_all, y_all);  // scatter-add per token
   }
-  Tensor y = sh.sequence_parallel ? ReduceScatterFirstDim(k, ctx.tp, y_all) : y_all;
+  Tensor y = group != nullptr ? ReduceScatterFirstDim(k, *group, y_all) : y_all;
   site.reset();
 
   if (shared_fc1_) {
@@ -272,13 +316,13 @@ Tensor MoeLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* st) c
 
 Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stash& st) const {
   Kernels& k = ctx.k;
-  const StreamShape& sh = ctx.shape;
   const int64_t T = dy.rows(), h = dy.cols(), E = moe_.num_experts, K = moe_.router_topk;
   const DType dtype = dy.dtype();
 
   // The experts, on the gathered gradient.
   std::optional<SiteSuffix> site(std::in_place, ctx.trace, "moe dispatch");
-  const Tensor dy_all = sh.sequence_parallel ? AllGatherFirstDim(k, ctx.tp, dy) : dy;
+  Communicator* group = DispatchGroup(ctx);
+  const Tensor dy_all = group != nullptr ? AllGatherFirstDim(k, *group, dy) : dy;
   const int64_t T_all = dy_all.rows();
   const int64_t N = st.offsets.back();
   Tensor dx_all = k.Zeros({T_all, h}, dtype);
@@ -290,7 +334,7 @@ Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stas
     Tensor scaled = k.Empty({N, f}, dtype);
     ScaleRows(k, st.p_perm, st.act, scaled);
     Tensor dscaled = k.Empty({N, f}, dtype);
-    for (int64_t e = 0; e < E; ++e) {
+    for (int64_t e = 0; e < experts_.count(); ++e) {
       const int64_t o = st.offsets[static_cast<size_t>(e)];
       const int64_t n = st.offsets[static_cast<size_t>(e) + 1] - o;
       if (n == 0) continue;
@@ -313,7 +357,7 @@ Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stas
     Tensor dfc1 = k.Empty(st.fc1_out.shape(), dtype);
     k.ActivationBackward(activation_, st.fc1_out, dact, dfc1);
     Tensor dx_perm = k.Empty({N, h}, dtype);
-    for (int64_t e = 0; e < E; ++e) {
+    for (int64_t e = 0; e < experts_.count(); ++e) {
       const int64_t o = st.offsets[static_cast<size_t>(e)];
       const int64_t n = st.offsets[static_cast<size_t>(e) + 1] - o;
       if (n == 0) continue;
@@ -332,9 +376,9 @@ Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stas
     k.EmbeddingBackward(dp_perm.Reshaped({N, 1}), st.slot_ids, 0, T_all * K, dprobs_flat);
   }
   // The reduce-scatter sums the tp ranks' partial sums and returns each rank its tokens.
-  Tensor dx = sh.sequence_parallel ? ReduceScatterFirstDim(k, ctx.tp, dx_all) : dx_all;
+  Tensor dx = group != nullptr ? ReduceScatterFirstDim(k, *group, dx_all) : dx_all;
   const Tensor dprobs =
-      sh.sequence_parallel ? ReduceScatterFirstDim(k, ctx.tp, dprobs_all) : dprobs_all;
+      group != nullptr ? ReduceScatterFirstDim(k, *group, dprobs_all) : dprobs_all;
   site.reset();
 
   // The router: the probabilities' gradient, the load-balancing and z-loss terms.

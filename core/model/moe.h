@@ -1,12 +1,13 @@
 // Megatron-Core's MoELayer (local spec) in place of the MLP on the layers moe_layer_freq
 // picks: the TopKRouter, the allgather token dispatcher, SequentialMLP experts (or the
-// grouped GEMM's, the same math) and an optional shared expert. Expert parallelism is not
-// built yet: every rank holds every expert, split over tp as the dense MLP is (expert tensor
-// parallelism = tp), so the dispatcher's group tp_ep is the tp group.
+// grouped GEMM's, the same math) and an optional shared expert. Each expert is split over tp
+// as the dense MLP is (expert_tensor_parallel_size = tp); with expert_model_parallel_size ep
+// a rank holds E/ep of them (ExpertPlacement) and the dispatcher's group is tp_ep (etp x ep
+// ranks, ep carved out of dp x cp), else tp.
 //
-// Shape legend (module.h; T = s_l*b this rank's tokens, T_all = t*T the tp group's under
-// sequence parallelism (t = 1 otherwise), E experts, k = moe_router_topk, f = moe_ffn_hidden_size,
-// f1 = 2f (swiglu) or f):
+// Shape legend (module.h; T = s_l*b this rank's tokens, T_all = g*T the dispatch group's (g
+// its size: tp x ep, or tp under sequence parallelism, or 1), E experts, k =
+// moe_router_topk, f = moe_ffn_hidden_size, f1 = 2f (swiglu) or f):
 //   router    logits = x W_r^T                 [T, E]      (W_r replicated; its gradient
 //                                                           all-reduced over tp with the
 //                                                           sequence-parallel parameters)
@@ -17,13 +18,14 @@
 //   capacity  with moe_expert_capacity_factor: per expert ceil(T k / E * factor) of this
 //             rank's tokens when that is below T, kept by probability ("probs") or position,
 //             equal values by the lower token (the float64 reference's rule, on the host)
-//   dispatch  x, probs and the kept choices all-gathered over tp      [T_all, h], [T_all, k]
-//             permuted expert by expert, tokens ascending               x_perm [N, h]
+//   dispatch  x, probs and the kept choices all-gathered over the group [T_all, h], [T_all, k]
+//             permuted over this rank's experts, tokens ascending       x_perm [N, h]
 //   experts   per expert e on its n_e rows: fc1 [n_e, f1/t], act [n_e, f/t], times the
 //             token's probability (Megatron's per_token_scale), fc2 partial sums [n_e, h]
-//   combine   scatter-added back to tokens [T_all, h], reduce-scattered over tp to [T, h]
-//             (the one collective sums the tp ranks' partial sums and returns each its
-//             tokens); plus the shared expert's MLP (column/row-parallel, as the dense MLP)
+//   combine   scatter-added back to tokens [T_all, h], reduce-scattered over the group to
+//             [T, h] (the one collective sums the tp slices and the ep ranks' experts and
+//             returns each rank its tokens); plus the shared expert's MLP (column/row-parallel,
+//             as the dense MLP)
 // Auxiliary losses, their gradients only (the reported loss stays the LM loss), scaled
 // 1 / (M d) as Megatron's MoEAuxLossAutoScaler at cp / M leaves them after the 1 / (d cp)
 // data-parallel average:
@@ -34,6 +36,7 @@
 
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/config/gpt_config.h"
@@ -41,11 +44,27 @@
 
 namespace mpusim {
 
+// Which experts a rank holds: ep rank r of `ep` holds experts [r E/ep, (r + 1) E/ep)
+// (Megatron's local experts; E divisible by ep).
+struct ExpertPlacement {
+  int64_t num_experts = 0;
+  int64_t ep = 1;
+  int64_t ep_rank = 0;
+  int64_t first() const { return ep_rank * (num_experts / ep); }
+  int64_t count() const { return num_experts / ep; }
+  bool Holds(int64_t e) const { return e >= first() && e < first() + count(); }
+};
+
+// The expert number in an expert weight's name ("...mlp.experts.local_experts.<e>...." or
+// "...mlp.experts.linear_fc<1|2>.weight<e>"), or none for any other parameter.
+std::optional<int64_t> ExpertOf(std::string_view name);
+
 class MoeLayer {
  public:
   // `prefix` is "decoder.layers.<i>.mlp"; `num_microbatches` scales the auxiliary losses.
+  // `experts`: the ones this rank holds (all of them by default: no expert parallelism).
   MoeLayer(const GptConfig& gpt, std::string prefix, ParameterSet& params,
-           int64_t num_microbatches);
+           int64_t num_microbatches, ExpertPlacement experts = {});
   struct Stash {
     Tensor x;               // [T, h] the router's input
     Tensor scores, lse;     // [T, E] softmax of the logits, [T] their log-sum-exp
@@ -55,7 +74,8 @@ class MoeLayer {
     std::vector<double> dlse;     // [T] d(objective)/d(lse_t) of the z-loss (empty: none)
     Tensor token_ids, slot_ids;   // int64 [N]: each permuted row's token in [0, T_all) and
                                   // its entry token * k + slot of the gathered probs
-    std::vector<int64_t> offsets;  // [E + 1] expert e has permuted rows [offsets[e], offsets[e+1])
+    std::vector<int64_t> offsets;  // [local experts + 1]: local expert e has permuted rows
+                                   // [offsets[e], offsets[e + 1])
     Tensor x_perm, p_perm;   // [N, h], [N, 1]
     Tensor fc1_out, act;     // [N, f1/t], [N, f/t] (act before the probability)
     ColumnParallelLinear::Stash shared_fc1_in;
@@ -64,6 +84,12 @@ class MoeLayer {
   };
   Tensor Forward(const ModuleContext& ctx, const Tensor& x, Stash* stash) const;
   Tensor Backward(const ModuleContext& ctx, const Tensor& dy, const Stash& stash) const;
+  // The last forward's dispatch: for each of this rank's experts, the tokens it received
+  // from each rank of the dispatch group (group rank order); empty before a forward.
+  const std::vector<std::vector<int64_t>>& received() const { return received_; }
+  // received() as one line: "expert 2 <- 37 tokens (from the dispatch group's ranks: 10 9 9
+  // 9), expert 3 <- ...".
+  std::string ReceivedNote() const;
 
  private:
   // The per-token scaling of the experts' activations: out[r, :] = p[r] * a[r, :].
@@ -77,7 +103,9 @@ class MoeLayer {
   MoeConfig moe_;
   int64_t num_microbatches_;
   Parameter* router_;
-  std::vector<Parameter*> fc1_, fc2_;  // per expert, local shards [f1/t, h], [h, f/t]
+  ExpertPlacement experts_;
+  std::vector<Parameter*> fc1_, fc2_;  // per local expert, tp shards [f1/t, h], [h, f/t]
+  mutable std::vector<std::vector<int64_t>> received_;  // see received()
   std::optional<ColumnParallelLinear> shared_fc1_;
   std::optional<RowParallelLinear> shared_fc2_;
 };

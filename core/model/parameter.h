@@ -35,6 +35,10 @@ struct Parameter {
                                    // pipeline stage: gradient all-reduced over embd
   bool shared = false;             // the last stage's copy of it (Megatron's `shared`): left
                                    // out of the gradient norm, which counts the first's
+  bool expert = false;             // an expert's weight under expert parallelism: this rank's
+                                   // ep group holds the other experts, so its gradient
+                                   // reduces over expt_dp (not dp_cp) and its square sums
+                                   // over ep in the gradient norm
   Tensor value;  // local, storage dtype
   Tensor grad;   // local main_grad, compute dtype
 };

@@ -16,7 +16,8 @@ Norm MakeNorm(const GptConfig& gpt, const std::string& prefix, ParameterSet& par
 }  // namespace
 
 TransformerLayer::TransformerLayer(const GptConfig& gpt, int64_t layer, ParameterSet& params,
-                                   int64_t t, const RunConfig& run)
+                                   int64_t t, const RunConfig& run,
+                                   const ExpertPlacement& experts)
     : prefix_(fmt::format("decoder.layers.{}", layer)),
       hidden_dropout_(gpt.hidden_dropout),
       recompute_(run.recompute),
@@ -24,7 +25,7 @@ TransformerLayer::TransformerLayer(const GptConfig& gpt, int64_t layer, Paramete
       attention_(gpt, prefix_ + ".self_attention", params, t),
       pre_mlp_norm_(MakeNorm(gpt, prefix_ + ".pre_mlp_layernorm", params)) {
   if (gpt.moe.enabled() && gpt.moe.layers.at(static_cast<size_t>(layer))) {
-    moe_.emplace(gpt, prefix_ + ".mlp", params, run.num_microbatches);
+    moe_.emplace(gpt, prefix_ + ".mlp", params, run.num_microbatches, experts);
   } else {
     mlp_.emplace(gpt, prefix_ + ".mlp", params);
   }

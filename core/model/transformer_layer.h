@@ -26,7 +26,7 @@ class TransformerLayer {
   // Layer `layer` (0-based; its prefix "decoder.layers.<layer>"): an MoE layer (moe.h) in
   // place of the MLP where gpt.moe.layers says so.
   TransformerLayer(const GptConfig& gpt, int64_t layer, ParameterSet& params, int64_t t,
-                   const RunConfig& run);
+                   const RunConfig& run, const ExpertPlacement& experts = {});
 
   struct Inner {
     Norm::Stash norm1;
@@ -41,6 +41,8 @@ class TransformerLayer {
   };
   Tensor Forward(const ModuleContext& ctx, const Tensor& x, Stash* stash) const;
   Tensor Backward(const ModuleContext& ctx, const Tensor& dy, Stash& stash) const;
+  // The MoE layer, or null for a dense one.
+  const MoeLayer* moe() const { return moe_ ? &*moe_ : nullptr; }
 
  private:
   Tensor ForwardInner(const ModuleContext& ctx, const Tensor& x, Inner* inner) const;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <stdexcept>
 #include <string>
 
 #include "core/tensor.h"
@@ -90,21 +91,30 @@ Tensor Optimizer::OwnedGradient(const State& s) const {
   return grad_shard_.FlatSlice(s.offset + s.begin - shard_begin_, s.end - s.begin);
 }
 
-double Optimizer::GradNorm(Kernels& k, Communicator& tp, Communicator* pp, int64_t tp_rank,
-                           CommTrace& trace) const {
+double Optimizer::GradNorm(Kernels& k, Communicator& tp, Communicator* pp, Communicator* ep,
+                           int64_t tp_rank, CommTrace& trace) const {
   Tensor total = k.Zeros({1}, DType::kFloat64);
+  Tensor experts = k.Zeros({1}, DType::kFloat64);
+  bool any_expert = false;
   for (const State& s : states_) {
     const Parameter& p = *s.param;
     const bool tp_duplicate = p.shard.Find(ShardAxis::kTp) == nullptr && tp_rank != 0;
     if (tp_duplicate || p.shared) continue;
+    Tensor& sum = p.expert ? experts : total;
+    any_expert = any_expert || p.expert;
     if (distributed()) {
-      if (s.end > s.begin) k.SumOfSquares(OwnedGradient(s), total);
+      if (s.end > s.begin) k.SumOfSquares(OwnedGradient(s), sum);
     } else {
-      k.SumOfSquares(Flat(p.grad), total);
+      k.SumOfSquares(Flat(p.grad), sum);
     }
   }
   trace.SetPhase(Phase::kOther);
   trace.SetSite("optimizer (grad norm)");
+  if (ep != nullptr && ep->Size() > 1) {
+    if (distributed()) throw std::logic_error("GradNorm: experts with the distributed optimizer");
+    ep->AllReduce(experts, ReduceOp::kSum);
+  }
+  if (any_expert || (ep != nullptr && ep->Size() > 1)) k.Axpy(1.0, experts, total);
   if (distributed()) {
     if (groups_.stats->Size() > 1) groups_.stats->AllReduce(total, ReduceOp::kSum);
   } else {

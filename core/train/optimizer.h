@@ -75,9 +75,10 @@ class Optimizer {
   // The distributed optimizer's data-parallel reduction of the gradients (1. above); nothing
   // for the plain one, whose gradients FinalizeGrads all-reduced.
   void ReduceGradients(Kernels& k, CommTrace& trace);
-  // The global gradient norm (see above), before clipping.
-  double GradNorm(Kernels& k, Communicator& tp, Communicator* pp, int64_t tp_rank,
-                  CommTrace& trace) const;
+  // The global gradient norm (see above), before clipping. `ep` (expert parallelism; may be
+  // null): the experts' squares are summed over it first, each ep rank holding other experts.
+  double GradNorm(Kernels& k, Communicator& tp, Communicator* pp, Communicator* ep,
+                  int64_t tp_rank, CommTrace& trace) const;
   // Clips to clip_grad (when set) given the norm, then updates every parameter with `lr`.
   void Step(Kernels& k, double grad_norm, double lr, CommTrace& trace);
   int64_t steps() const { return steps_; }

@@ -2,6 +2,7 @@
 #include "core/train/train_step.h"
 
 #include <chrono>
+#include <stdexcept>
 
 namespace mpusim {
 
@@ -11,9 +12,14 @@ void FinalizeModelGrads(const std::vector<Parameter*>& params, RankContext& ctx,
   trace.SetSite("finalize_model_grads");
   Communicator& tp = ctx.tp();
   Communicator* dp = reduce_dp ? &ctx.dp_cp() : nullptr;
+  Communicator* expt_dp = reduce_dp ? ctx.groups.expt_dp.get() : nullptr;
   for (Parameter* p : params) {
     if (p->allreduce_grad_over_tp && tp.Size() > 1) tp.AllReduce(p->grad, ReduceOp::kSum);
-    if (dp != nullptr && dp->Size() > 1) dp->AllReduce(p->grad, ReduceOp::kSum);
+    Communicator* group = p->expert ? expt_dp : dp;
+    if (p->expert && reduce_dp && group == nullptr) {
+      throw std::logic_error("FinalizeModelGrads: an expert parameter but no expt_dp group");
+    }
+    if (group != nullptr && group->Size() > 1) group->AllReduce(p->grad, ReduceOp::kSum);
   }
   Communicator* embd = ctx.embd();
   for (Parameter* p : params) {
@@ -46,7 +52,8 @@ std::vector<TrainedIteration> Train(Model& model, PipelineExecutor& executor,
     RunStep(model, executor, ctx, it, record && it + 1 == iterations, !optimizer.distributed());
     const double loss = model.has_loss() ? model.loss() : 0.0;
     optimizer.ReduceGradients(k, trace);
-    const double norm = optimizer.GradNorm(k, ctx.tp(), pp, ctx.coords.tp, trace);
+    const double norm =
+        optimizer.GradNorm(k, ctx.tp(), pp, ctx.groups.ep.get(), ctx.coords.tp, trace);
     const double lr = LearningRate(config, it, iterations);
     optimizer.Step(k, norm, lr, trace);
     k.Synchronize();

@@ -372,8 +372,8 @@ TEST(GptConfig, LayoutChecks) {
   parallel.context_parallel_size = 1;
   parallel.expert_model_parallel_size = 2;
   EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
-            "parallel.expert_model_parallel_size: must be 1 for a GPT run today, got 2 (expert "
-            "parallel GPT runs are not built yet; with 1 every rank holds every expert)");
+            "parallel.expert_model_parallel_size: 2 splits experts, but the model has none; "
+            "set num_moe_experts or expert_model_parallel_size 1");
 }
 
 // Megatron's moe_* fields: read with their defaults, the layer pattern resolved from an

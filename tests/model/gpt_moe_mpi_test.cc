@@ -11,6 +11,7 @@
 #include <cmath>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -36,12 +37,12 @@ json Dropless() {
   return model;
 }
 
-// Three experts on the second layer only, top-1 of the softmax, capacity factor 1 (tokens
+// Four experts on the second layer only, top-1 of the softmax, capacity factor 1 (tokens
 // dropped by probability), the grouped GEMM's names, gelu.
 json Dropping() {
   json model = Gpt(8, 8);
   model["add_bias_linear"] = false;
-  model["num_moe_experts"] = 3;
+  model["num_moe_experts"] = 4;
   model["moe_router_topk"] = 1;
   model["moe_router_pre_softmax"] = true;
   model["moe_layer_freq"] = json::array({0, 1});
@@ -52,26 +53,43 @@ json Dropping() {
   return model;
 }
 
-json MoeDocument(const json& model, int64_t tp, int64_t cp, int64_t pp, const char* dtype) {
+// Every iteration's gradient norm equals the reference trainer's (float64).
+void ExpectReferenceNorms(const run::SimulationResult& result) {
+  ASSERT_EQ(result.iterations.size(), result.check.reference_iterations.size());
+  for (size_t i = 0; i < result.iterations.size(); ++i) {
+    const double ref = result.check.reference_iterations[i].grad_norm;
+    EXPECT_NEAR(result.iterations[i].grad_norm, ref, 1e-12 * ref) << "iteration " << i + 1;
+  }
+}
+
+json MoeDocument(const json& model, int64_t tp, int64_t cp, int64_t pp, const char* dtype,
+                 int64_t ep = 1) {
   json document = Document(model, tp, tp > 1, dtype);
   document["parallel"]["context_parallel_size"] = cp;
   document["parallel"]["pipeline_model_parallel_size"] = pp;
+  document["parallel"]["expert_model_parallel_size"] = ep;
   document["run"]["seq_length"] = 16;
   document["run"]["micro_batch_size"] = Samples() / (WorldSize() / (tp * cp * pp));
   return document;
 }
 
 struct Layout {
-  int64_t tp, cp, pp;
+  int64_t tp, cp, pp, ep;
 };
 
+// Every tp x cp x pp the world allows, and in each every ep in {1, 2, 4} that divides dp x cp
+// (expert parallelism is carved out of them).
 std::vector<Layout> Layouts() {
   std::vector<Layout> layouts;
   for (int64_t tp : {1, 2, 4}) {
     for (int64_t cp : {1, 2}) {
       for (int64_t pp : {1, 2}) {
         const int64_t mp = tp * cp * pp;
-        if (mp <= WorldSize() && WorldSize() % mp == 0) layouts.push_back({tp, cp, pp});
+        if (mp > WorldSize() || WorldSize() % mp != 0) continue;
+        const int64_t dp_cp = WorldSize() / (tp * pp);
+        for (int64_t ep : {1, 2, 4}) {
+          if (ep <= dp_cp && dp_cp % ep == 0) layouts.push_back({tp, cp, pp, ep});
+        }
       }
     }
   }
@@ -81,16 +99,21 @@ std::vector<Layout> Layouts() {
 TEST(GptMixtureOfExperts, EveryLayoutMatchesTheReference) {
   std::map<int64_t, double> first_loss;  // by tp (the Llama vocabulary pads per tp size)
   for (const Layout& l : Layouts()) {
-    SCOPED_TRACE(fmt::format("dropless tp {} cp {} pp {}", l.tp, l.cp, l.pp));
-    if (WorldRank() == 0) fmt::print("  dropless tp {} cp {} pp {}:", l.tp, l.cp, l.pp);
-    const double loss = RunChecked(MoeDocument(Dropless(), l.tp, l.cp, l.pp, "float64")).loss;
+    SCOPED_TRACE(fmt::format("dropless tp {} cp {} pp {} ep {}", l.tp, l.cp, l.pp, l.ep));
+    if (WorldRank() == 0) {
+      fmt::print("  dropless tp {} cp {} pp {} ep {}:", l.tp, l.cp, l.pp, l.ep);
+    }
+    const double loss =
+        RunChecked(MoeDocument(Dropless(), l.tp, l.cp, l.pp, "float64", l.ep)).loss;
     first_loss.try_emplace(l.tp, loss);
     EXPECT_NEAR(loss, first_loss.at(l.tp), 1e-12 * loss);
   }
   for (const Layout& l : Layouts()) {
-    SCOPED_TRACE(fmt::format("capacity 1 tp {} cp {} pp {}", l.tp, l.cp, l.pp));
-    if (WorldRank() == 0) fmt::print("  capacity 1 tp {} cp {} pp {}:", l.tp, l.cp, l.pp);
-    RunChecked(MoeDocument(Dropping(), l.tp, l.cp, l.pp, "float64"));
+    SCOPED_TRACE(fmt::format("capacity 1 tp {} cp {} pp {} ep {}", l.tp, l.cp, l.pp, l.ep));
+    if (WorldRank() == 0) {
+      fmt::print("  capacity 1 tp {} cp {} pp {} ep {}:", l.tp, l.cp, l.pp, l.ep);
+    }
+    RunChecked(MoeDocument(Dropping(), l.tp, l.cp, l.pp, "float64", l.ep));
   }
 }
 
@@ -107,6 +130,18 @@ TEST(GptMixtureOfExperts, TrainsWithTheDistributedOptimizer) {
     document["run"]["recompute_granularity"] = "full";
     const run::SimulationResult result = RunChecked(document);
     EXPECT_EQ(result.iterations.size(), 3u);
+    ExpectReferenceNorms(result);
+  }
+  // Expert parallelism with the plain optimizer: expert gradients reduce over expt_dp, and
+  // the gradient norm sums the experts' squares over ep (each ep rank holds others).
+  const int64_t ep = WorldSize() >= 4 ? 4 : 2;
+  for (const json& model : {Dropless(), Dropping()}) {
+    if (WorldRank() == 0) fmt::print("  ep {}, Adam:", ep);
+    json document = Training(MoeDocument(model, 1, 1, 1, "float64", ep), "adam");
+    document["run"]["train_iters"] = 3;
+    const run::SimulationResult result = RunChecked(document);
+    EXPECT_EQ(result.iterations.size(), 3u);
+    ExpectReferenceNorms(result);
   }
 }
 
@@ -121,6 +156,32 @@ TEST(GptMixtureOfExperts, Float32) {
   }
 }
 
+// The run's notes say how many tokens each rank's experts received: a dropless top-2 router
+// sends every token to two experts, so per layer the counts add up to 2 s B whatever the
+// layout.
+TEST(GptMixtureOfExperts, StepNotesCountEveryRoutedToken) {
+  const int64_t ep = WorldSize() >= 4 ? 4 : WorldSize() >= 2 ? 2 : 1;
+  const StatusOr<run::SimulationResult> result =
+      Simulate(MoeDocument(Dropless(), 1, 1, 1, "float64", ep), /*check=*/false);
+  ASSERT_TRUE(result.ok()) << result.status().Message();
+  std::map<int64_t, int64_t> per_layer;
+  const std::regex line(R"(layer (\d+): (.*))"), expert(R"(<- (\d+) tokens)");
+  int64_t lines = 0;
+  for (const std::string& text : result->step_notes) {
+    for (auto it = std::sregex_iterator(text.begin(), text.end(), line);
+         it != std::sregex_iterator(); ++it, ++lines) {
+      const std::string rest = (*it)[2];
+      for (auto e = std::sregex_iterator(rest.begin(), rest.end(), expert);
+           e != std::sregex_iterator(); ++e) {
+        per_layer[std::stoll((*it)[1])] += std::stoll((*e)[1]);
+      }
+    }
+  }
+  EXPECT_EQ(lines, 2 * WorldSize());  // one line per layer from every rank (tp 1)
+  ASSERT_EQ(per_layer.size(), 2u);
+  for (const auto& [layer, tokens] : per_layer) EXPECT_EQ(tokens, 2 * 16 * Samples()) << layer;
+}
+
 TEST(GptMixtureOfExperts, RefusalsNameTheField) {
   if (WorldSize() < 2) GTEST_SKIP() << "needs tp 2";
   json document = MoeDocument(Dropless(), 2, 1, 1, "float64");
@@ -131,6 +192,34 @@ TEST(GptMixtureOfExperts, RefusalsNameTheField) {
             "parallel.sequence_parallel: must be true for a mixture-of-experts model with "
             "tensor_model_parallel_size 2 (Megatron's rule: each tp rank's router sees its own "
             "sequence shard)");
+  document = MoeDocument(Dropless(), 2, 1, 1, "float64");
+  document = MoeDocument(Dropless(), 1, 1, 1, "float64", 2);
+  document["optimizer"] = {{"optimizer", "adam"}, {"lr", 1e-3}, {"use_distributed_optimizer", true}};
+  result = Simulate(document);
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().Message(),
+            "optimizer.use_distributed_optimizer: is not built yet with "
+            "expert_model_parallel_size 2 (the experts' shards over expt_dp); set false");
+  document = MoeDocument(Dropless(), 1, 1, 1, "float64", 2);
+  document["model"]["num_moe_experts"] = 3;
+  result = Simulate(document);
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().Message(),
+            "parallel.expert_model_parallel_size: num_moe_experts 3 is not divisible by "
+            "expert_model_parallel_size 2 (each ep rank holds num_moe_experts / ep experts)");
+  document = MoeDocument(Dropless(), 1, 1, 1, "float64", 2);
+  document["model"]["moe_token_dispatcher_type"] = "alltoall";
+  result = Simulate(document);
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().Message(),
+            "model.moe_token_dispatcher_type: \"alltoall\" with expert_model_parallel_size 2 is "
+            "not built yet; set \"allgather\" (the same numbers: only the exchange differs)");
+  document = MoeDocument(Llama(8, 4), 1, 1, 1, "float64", 2);
+  result = Simulate(document);
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().Message(),
+            "parallel.expert_model_parallel_size: 2 splits experts, but the model has none; set "
+            "num_moe_experts or expert_model_parallel_size 1");
   document = MoeDocument(Dropless(), 2, 1, 1, "float64");
   document["model"]["moe_router_load_balancing_type"] = "seq_aux_loss";
   result = Simulate(document);
