@@ -77,6 +77,20 @@ struct Layout {
   int64_t tp, cp, pp, ep;
 };
 
+// Under the sanitizers (about 5 times slower) the suites keep a representative subset:
+// every tp, cp and ep, but the pipeline and the dropping router on fewer layouts.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kSanitized = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
+#else
+constexpr bool kSanitized = false;
+#endif
+
 // Every tp x cp x pp the world allows, and in each every ep in {1, 2, 4} that divides dp x cp
 // (expert parallelism is carved out of them).
 std::vector<Layout> Layouts() {
@@ -99,6 +113,7 @@ std::vector<Layout> Layouts() {
 TEST(GptMixtureOfExperts, EveryLayoutMatchesTheReference) {
   std::map<int64_t, double> first_loss;  // by tp (the Llama vocabulary pads per tp size)
   for (const Layout& l : Layouts()) {
+    if (kSanitized && l.pp > 1 && l.ep > 1) continue;
     SCOPED_TRACE(fmt::format("dropless tp {} cp {} pp {} ep {}", l.tp, l.cp, l.pp, l.ep));
     if (WorldRank() == 0) {
       fmt::print("  dropless tp {} cp {} pp {} ep {}:", l.tp, l.cp, l.pp, l.ep);
@@ -109,6 +124,7 @@ TEST(GptMixtureOfExperts, EveryLayoutMatchesTheReference) {
     EXPECT_NEAR(loss, first_loss.at(l.tp), 1e-12 * loss);
   }
   for (const Layout& l : Layouts()) {
+    if (kSanitized && (l.pp > 1 || l.cp > 1)) continue;
     SCOPED_TRACE(fmt::format("capacity 1 tp {} cp {} pp {} ep {}", l.tp, l.cp, l.pp, l.ep));
     if (WorldRank() == 0) {
       fmt::print("  capacity 1 tp {} cp {} pp {} ep {}:", l.tp, l.cp, l.pp, l.ep);
