@@ -91,6 +91,23 @@ Communicator* DispatchGroup(const ModuleContext& ctx) {
   return ctx.shape.sequence_parallel && ctx.tp.Size() > 1 ? &ctx.tp : nullptr;
 }
 
+// The per-token scaling of the experts' activations: out[r, :] = p[r] * a[r, :], one batched
+// GEMM of n tiny (1 x 1) @ (1 x w) products.
+void ScaleRows(Kernels& k, const Tensor& p, const Tensor& a, Tensor& out) {
+  const int64_t n = a.rows(), w = a.cols();
+  Tensor out3 = out.Reshaped({n, 1, w});
+  k.BatchedGemm(false, false, 1.0, p.Reshaped({n, 1, 1}), a.Reshaped({n, 1, w}), 0.0, out3);
+}
+
+// Calls fn(e, first_row, rows) for each local expert e with permuted rows (offsets: Stash's).
+template <typename Fn>
+void ForEachExpert(const std::vector<int64_t>& offsets, Fn fn) {
+  for (size_t e = 0; e + 1 < offsets.size(); ++e) {
+    const int64_t n = offsets[e + 1] - offsets[e];
+    if (n > 0) fn(e, offsets[e], n);
+  }
+}
+
 }  // namespace
 
 std::optional<int64_t> ExpertOf(std::string_view name) {
@@ -137,13 +154,6 @@ MoeLayer::MoeLayer(const GptConfig& gpt, std::string prefix, ParameterSet& param
     shared_fc1_.emplace(&params.Get(prefix_ + ".shared_experts.linear_fc1.weight"), nullptr);
     shared_fc2_.emplace(&params.Get(prefix_ + ".shared_experts.linear_fc2.weight"));
   }
-}
-
-void MoeLayer::ScaleRows(Kernels& k, const Tensor& p, const Tensor& a, Tensor& out) const {
-  // out[r] = p[r] (1 x 1) @ a[r] (1 x w): one batched GEMM of n tiny products.
-  const int64_t n = a.rows(), w = a.cols();
-  Tensor out3 = out.Reshaped({n, 1, w});
-  k.BatchedGemm(false, false, 1.0, p.Reshaped({n, 1, 1}), a.Reshaped({n, 1, w}), 0.0, out3);
 }
 
 void MoeLayer::Route(const ModuleContext& ctx, const Tensor& top_scores, Stash* st) const {
@@ -279,26 +289,19 @@ Tensor MoeLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* st) c
                        st->p_perm);
     const int64_t f1 = fc1_.front()->value.rows(), f = fc2_.front()->value.cols();
     st->fc1_out = k.Empty({N, f1}, dtype);
-    for (int64_t e = 0; e < experts_.count(); ++e) {
-      const int64_t o = st->offsets[static_cast<size_t>(e)];
-      const int64_t n = st->offsets[static_cast<size_t>(e) + 1] - o;
-      if (n == 0) continue;
+    ForEachExpert(st->offsets, [&](size_t e, int64_t o, int64_t n) {
       Tensor out = Rows(st->fc1_out, o, n);
-      k.Gemm(false, true, 1.0, Rows(st->x_perm, o, n), fc1_[static_cast<size_t>(e)]->value, 0.0,
-             out);
-    }
+      k.Gemm(false, true, 1.0, Rows(st->x_perm, o, n), fc1_[e]->value, 0.0, out);
+    });
     st->act = k.Empty({N, f}, dtype);
     k.ActivationForward(activation_, st->fc1_out, st->act);
     Tensor scaled = k.Empty({N, f}, dtype);
     ScaleRows(k, st->p_perm, st->act, scaled);
     Tensor y_perm = k.Empty({N, h}, dtype);
-    for (int64_t e = 0; e < experts_.count(); ++e) {
-      const int64_t o = st->offsets[static_cast<size_t>(e)];
-      const int64_t n = st->offsets[static_cast<size_t>(e) + 1] - o;
-      if (n == 0) continue;
+    ForEachExpert(st->offsets, [&](size_t e, int64_t o, int64_t n) {
       Tensor out = Rows(y_perm, o, n);
-      k.Gemm(false, true, 1.0, Rows(scaled, o, n), fc2_[static_cast<size_t>(e)]->value, 0.0, out);
-    }
+      k.Gemm(false, true, 1.0, Rows(scaled, o, n), fc2_[e]->value, 0.0, out);
+    });
     k.EmbeddingBackward(y_perm, st->token_ids, 0, T_all, y_all);  // scatter-add per token
   }
   Tensor y = group != nullptr ? ReduceScatterFirstDim(k, *group, y_all) : y_all;
@@ -334,11 +337,8 @@ Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stas
     Tensor scaled = k.Empty({N, f}, dtype);
     ScaleRows(k, st.p_perm, st.act, scaled);
     Tensor dscaled = k.Empty({N, f}, dtype);
-    for (int64_t e = 0; e < experts_.count(); ++e) {
-      const int64_t o = st.offsets[static_cast<size_t>(e)];
-      const int64_t n = st.offsets[static_cast<size_t>(e) + 1] - o;
-      if (n == 0) continue;
-      Parameter& w2 = *fc2_[static_cast<size_t>(e)];
+    ForEachExpert(st.offsets, [&](size_t e, int64_t o, int64_t n) {
+      Parameter& w2 = *fc2_[e];
       const Tensor dy_e = Rows(dy_perm, o, n);
       Tensor out = Rows(dscaled, o, n);
       k.Gemm(false, false, 1.0, dy_e, w2.value, 0.0, out);
@@ -347,7 +347,7 @@ Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stas
         AccumulateGrad(k, w2, ctx.fuse_wgrad,
                        [&](Tensor& g, double beta) { k.Gemm(true, false, 1.0, dy_e, s_e, beta, g); });
       }
-    }
+    });
     // d p[r] = dscaled[r] . act[r]; d act = p dscaled.
     Tensor dp_perm = k.Empty({N, 1, 1}, dtype);
     k.BatchedGemm(false, true, 1.0, dscaled.Reshaped({N, 1, f}), st.act.Reshaped({N, 1, f}), 0.0,
@@ -357,11 +357,8 @@ Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stas
     Tensor dfc1 = k.Empty(st.fc1_out.shape(), dtype);
     k.ActivationBackward(activation_, st.fc1_out, dact, dfc1);
     Tensor dx_perm = k.Empty({N, h}, dtype);
-    for (int64_t e = 0; e < experts_.count(); ++e) {
-      const int64_t o = st.offsets[static_cast<size_t>(e)];
-      const int64_t n = st.offsets[static_cast<size_t>(e) + 1] - o;
-      if (n == 0) continue;
-      Parameter& w1 = *fc1_[static_cast<size_t>(e)];
+    ForEachExpert(st.offsets, [&](size_t e, int64_t o, int64_t n) {
+      Parameter& w1 = *fc1_[e];
       const Tensor d_e = Rows(dfc1, o, n);
       Tensor out = Rows(dx_perm, o, n);
       k.Gemm(false, false, 1.0, d_e, w1.value, 0.0, out);
@@ -370,7 +367,7 @@ Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stas
         AccumulateGrad(k, w1, ctx.fuse_wgrad,
                        [&](Tensor& g, double beta) { k.Gemm(true, false, 1.0, d_e, x_e, beta, g); });
       }
-    }
+    });
     k.EmbeddingBackward(dx_perm, st.token_ids, 0, T_all, dx_all);
     Tensor dprobs_flat = dprobs_all.Reshaped({T_all * K, 1});
     k.EmbeddingBackward(dp_perm.Reshaped({N, 1}), st.slot_ids, 0, T_all * K, dprobs_flat);

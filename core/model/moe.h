@@ -92,8 +92,6 @@ class MoeLayer {
   std::string ReceivedNote() const;
 
  private:
-  // The per-token scaling of the experts' activations: out[r, :] = p[r] * a[r, :].
-  void ScaleRows(Kernels& k, const Tensor& p, const Tensor& a, Tensor& out) const;
   // The host-side routing of one forward: counts, capacity, the gathered choices, the
   // permutation and the auxiliary gradients' coefficients.
   void Route(const ModuleContext& ctx, const Tensor& top_scores, Stash* st) const;
