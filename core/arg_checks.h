@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -206,6 +207,37 @@ class CollectiveArgs {
                        ShapeString(in.shape()), ShapeString(out.shape()), size));
     }
     if (in.numel() > 0 && Overlap(in, out)) Fail("in and out overlap");
+  }
+  // in/out of an uneven all-to-all: same dtype, `size` non-negative counts per side summing
+  // to the buffer's element count, no overlap.
+  void SplitExchanged(const Tensor& in, const std::vector<int64_t>& send_counts, const Tensor& out,
+                      const std::vector<int64_t>& recv_counts, int size) const {
+    Buffer("in", in);
+    Buffer("out", out);
+    if (in.dtype() != out.dtype()) {
+      Fail(fmt::format("in is {} but out is {}", DTypeName(in.dtype()), DTypeName(out.dtype())));
+    }
+    const auto check = [&](std::string_view name, const std::vector<int64_t>& counts,
+                           const Tensor& buffer) {
+      if (counts.size() != static_cast<size_t>(size)) {
+        Fail(fmt::format("{} has {} entries, not the group size {}", name, counts.size(), size));
+      }
+      int64_t total = 0;
+      for (int64_t c : counts) {
+        if (c < 0 || c > buffer.numel() - total) {
+          Fail(fmt::format("{} must be non-negative and sum to the {} elements of its buffer",
+                           name, buffer.numel()));
+        }
+        total += c;
+      }
+      if (total != buffer.numel()) {
+        Fail(fmt::format("{} sum to {}, but its buffer holds {} elements", name, total,
+                         buffer.numel()));
+      }
+    };
+    check("send_counts", send_counts, in);
+    check("recv_counts", recv_counts, out);
+    if (in.numel() > 0 && out.numel() > 0 && Overlap(in, out)) Fail("in and out overlap");
   }
   void Chunked(const Tensor& in, const Tensor& out, const Tensor& small, const Tensor& big,
                int size) const {

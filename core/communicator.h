@@ -58,6 +58,13 @@ class Communicator {
   // of `out` is what rank j sent this rank (MPI_Alltoall; Megatron's all_to_all with equal
   // splits).
   virtual void AllToAll(const Tensor& in, Tensor& out) = 0;
+  // The uneven all-to-all (MPI_Alltoallv; torch's all_to_all_single with split sizes): `in`
+  // holds Size() consecutive flat parts, part j (send_counts[j] elements) going to rank j;
+  // `out` holds Size() parts, part j (recv_counts[j] elements) what rank j sent this rank.
+  // recv_counts[j] must equal rank j's send_counts[Rank()]: the ranks agree on the counts
+  // beforehand (the MoE dispatcher all-gathers them), since no backend can check it cheaply.
+  virtual void AllToAllV(const Tensor& in, const std::vector<int64_t>& send_counts, Tensor& out,
+                         const std::vector<int64_t>& recv_counts) = 0;
   // In place; `root` is a rank inside this group.
   virtual void Broadcast(Tensor& buffer, int root) = 0;
   // Posts every message of `ops`; the returned handle completes them (sends: the buffer may
@@ -171,6 +178,12 @@ class TracedCommunicator : public Communicator {
   void AllToAll(const Tensor& in, Tensor& out) override {
     const auto handle = Note(CommOpKind::kAllToAll, in.bytes());
     inner_->AllToAll(in, out);
+    End(handle);
+  }
+  void AllToAllV(const Tensor& in, const std::vector<int64_t>& send_counts, Tensor& out,
+                 const std::vector<int64_t>& recv_counts) override {
+    const auto handle = Note(CommOpKind::kAllToAll, in.bytes());
+    inner_->AllToAllV(in, send_counts, out, recv_counts);
     End(handle);
   }
   void Broadcast(Tensor& buffer, int root) override {

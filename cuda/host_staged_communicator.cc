@@ -71,6 +71,17 @@ void HostStagedCommunicator::AllToAll(const Tensor& in, Tensor& out) {
   kernels_.CopyFromHost(host_out, out);
 }
 
+void HostStagedCommunicator::AllToAllV(const Tensor& in, const std::vector<int64_t>& send_counts,
+                                       Tensor& out, const std::vector<int64_t>& recv_counts) {
+  CheckDevice("AllToAllV", "in", in);
+  CheckDevice("AllToAllV", "out", out);
+  CheckDisjoint("AllToAllV", in, out);
+  const Tensor host_in = kernels_.ToHost(in);
+  Tensor host_out = Tensor::HostEmpty(out.shape(), out.dtype());
+  group_->AllToAllV(host_in, send_counts, host_out, recv_counts);  // checks the counts
+  kernels_.CopyFromHost(host_out, out);
+}
+
 void HostStagedCommunicator::Broadcast(Tensor& buffer, int root) {
   CheckDevice("Broadcast", "buffer", buffer);
   Tensor host = kernels_.ToHost(buffer);

@@ -35,6 +35,8 @@ class HostStagedCommunicator final : public Communicator {
   void AllGather(const Tensor& in, Tensor& out) override;
   void ReduceScatter(const Tensor& in, Tensor& out) override;
   void AllToAll(const Tensor& in, Tensor& out) override;
+  void AllToAllV(const Tensor& in, const std::vector<int64_t>& send_counts, Tensor& out,
+                 const std::vector<int64_t>& recv_counts) override;
   void Broadcast(Tensor& buffer, int root) override;
   // Sends are copied to the host first; receives land on the host and are copied back by
   // Wait.

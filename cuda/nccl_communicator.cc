@@ -165,6 +165,30 @@ void NcclCommunicator::AllToAll(const Tensor& in, Tensor& out) {
   Wait("AllToAll");
 }
 
+// One send and one receive per peer with a non-empty part, in one group (both sides skip an
+// empty part: the counts agree).
+void NcclCommunicator::AllToAllV(const Tensor& in, const std::vector<int64_t>& send_counts,
+                                 Tensor& out, const std::vector<int64_t>& recv_counts) {
+  CollectiveArgs("NcclCommunicator", Device::kCuda, "AllToAllV")
+      .SplitExchanged(in, send_counts, out, recv_counts, size_);
+  const size_t element = DTypeSize(in.dtype());
+  const ncclDataType_t type = NcclType(in.dtype());
+  const auto* send = static_cast<const std::byte*>(in.data());
+  auto* recv = static_cast<std::byte*>(out.data());
+  size_t send_at = 0, recv_at = 0;
+  MPUSIM_NCCL_CHECK(ncclGroupStart());
+  for (int peer = 0; peer < size_; ++peer) {
+    const auto s = static_cast<size_t>(send_counts[static_cast<size_t>(peer)]);
+    const auto r = static_cast<size_t>(recv_counts[static_cast<size_t>(peer)]);
+    if (s > 0) MPUSIM_NCCL_CHECK(ncclSend(send + send_at * element, s, type, peer, comm_, stream_));
+    if (r > 0) MPUSIM_NCCL_CHECK(ncclRecv(recv + recv_at * element, r, type, peer, comm_, stream_));
+    send_at += s;
+    recv_at += r;
+  }
+  MPUSIM_NCCL_CHECK(ncclGroupEnd());
+  Wait("AllToAllV");
+}
+
 void NcclCommunicator::Broadcast(Tensor& buffer, int root) {
   CheckBuffer("Broadcast", "buffer", buffer);
   if (root < 0 || root >= size_) {

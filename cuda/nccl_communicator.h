@@ -54,6 +54,8 @@ class NcclCommunicator final : public Communicator {
   void ReduceScatter(const Tensor& in, Tensor& out) override;
   // In place from group rank `root`.
   void AllToAll(const Tensor& in, Tensor& out) override;
+  void AllToAllV(const Tensor& in, const std::vector<int64_t>& send_counts, Tensor& out,
+                 const std::vector<int64_t>& recv_counts) override;
   void Broadcast(Tensor& buffer, int root) override;
   // One NCCL group (ncclGroupStart, an ncclSend or ncclRecv per message, ncclGroupEnd), then
   // the wait. NCCL does not report a receive of the wrong length; the model's steps make

@@ -1,12 +1,14 @@
 // MpiCommunicator and MakeGroupCommunicators (see mpi_communicator.h).
 #include "mpi/mpi_communicator.h"
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstddef>
 #include <limits>
 #include <stdexcept>
 #include <string_view>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -186,6 +188,23 @@ void MpiCommunicator::AllToAll(const Tensor& in, Tensor& out) {
   const int count = MpiCount("AllToAll", in.numel()) / size_;
   const MPI_Datatype type = MpiType(in.dtype());
   watched::Alltoall(in.data(), count, type, out.data(), count, type, comm_, label_);
+}
+
+void MpiCommunicator::AllToAllV(const Tensor& in, const std::vector<int64_t>& send_counts,
+                                Tensor& out, const std::vector<int64_t>& recv_counts) {
+  CollectiveArgs("MpiCommunicator", Device::kHost, "AllToAllV")
+      .SplitExchanged(in, send_counts, out, recv_counts, size_);
+  MpiCount("AllToAllV", std::max(in.numel(), out.numel()));  // every count and offset fits
+  std::vector<int> send(send_counts.begin(), send_counts.end());
+  std::vector<int> recv(recv_counts.begin(), recv_counts.end());
+  std::vector<int> send_at(send.size(), 0), recv_at(recv.size(), 0);
+  for (size_t j = 1; j < send.size(); ++j) {
+    send_at[j] = send_at[j - 1] + send[j - 1];
+    recv_at[j] = recv_at[j - 1] + recv[j - 1];
+  }
+  const MPI_Datatype type = MpiType(in.dtype());
+  watched::Alltoallv(in.data(), send.data(), send_at.data(), type, out.data(), recv.data(),
+                     recv_at.data(), type, comm_, label_);
 }
 
 void MpiCommunicator::Broadcast(Tensor& buffer, int root) {

@@ -80,6 +80,8 @@ class MpiCommunicator final : public Communicator {
   void ReduceScatter(const Tensor& in, Tensor& out) override;
   // In place from group rank `root`.
   void AllToAll(const Tensor& in, Tensor& out) override;
+  void AllToAllV(const Tensor& in, const std::vector<int64_t>& send_counts, Tensor& out,
+                 const std::vector<int64_t>& recv_counts) override;
   void Broadcast(Tensor& buffer, int root) override;
 
   // Point-to-point with blocking semantics: Send returns once `buffer` may be reused, Recv

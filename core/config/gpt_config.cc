@@ -454,13 +454,6 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
                                        "tp rank's router sees its own sequence shard)",
                                        t));
     }
-    if (ep > 1 && gpt->moe.token_dispatcher == MoeDispatcher::kAllToAll) {
-      return Status::Error("model.moe_token_dispatcher_type",
-                           fmt::format("\"alltoall\" with expert_model_parallel_size {} is not "
-                                       "built yet; set \"allgather\" (the same numbers: only "
-                                       "the exchange differs)",
-                                       ep));
-    }
     if (gpt->moe.load_balancing == MoeLoadBalancing::kSeqAuxLoss) {
       return Status::Error("model.moe_router_load_balancing_type",
                            "\"seq_aux_loss\" is not built yet; set \"aux_loss\" or \"none\"");

@@ -323,6 +323,10 @@ ModuleContext GptModel::Context(RankContext& ctx, int64_t microbatch, const Stas
       throw std::logic_error("GptModel: expert parallelism but no tp_ep group");
     }
     module.tp_ep = ctx.groups.tp_ep.get();
+    if (ctx.groups.ep == nullptr || ctx.groups.ep->Size() != topology_->sizes().ep) {
+      throw std::logic_error("GptModel: expert parallelism but no ep group of its size");
+    }
+    module.ep = ctx.groups.ep.get();
   }
   if (shape_.cp > 1) {
     module.cp = &ctx.cp();

@@ -182,14 +182,20 @@ void GptModel::ExplainStage(std::ostream& out) const {
           shape_.cp > 1 ? " x cp" : "");
     } else {
       const int64_t per = gpt.moe.num_experts / sizes.ep;
+      const bool a2a = gpt.moe.token_dispatcher == MoeDispatcher::kAllToAll;
       out << fmt::format(
           "mixture of experts, expert_model_parallel_size {}: ep rank r holds experts "
           "[{} r, {} (r + 1)) of each MoE layer, each split over tp (expert tensor parallel "
-          "size {}); the router sees this rank's own tokens{}, the dispatcher all-gathers the "
-          "tokens of its tp_ep group (tp x ep ranks), each rank computes its experts' slices "
-          "on them and a reduce-scatter over tp_ep returns each rank its tokens' sums; expert "
-          "gradients reduce over expt_dp ({} rank{}), the dense ones over dp{}\n",
+          "size {}); the router sees this rank's own tokens{}, {}; expert gradients reduce "
+          "over expt_dp ({} rank{}), the dense ones over dp{}\n",
           sizes.ep, per, per, sizes.etp, shape_.sequence_parallel ? " (its sequence shard)" : "",
+          a2a ? "the alltoall dispatcher sends each ep rank the rows routed to its experts "
+                "(an uneven all-to-all over ep, then the rows of the tp ranks gathered over "
+                "tp), each rank computes its experts' slices on them, and a reduce-scatter "
+                "over tp and the all-to-all back return each rank its rows' results"
+              : "the allgather dispatcher all-gathers the tokens of its tp_ep group (tp x ep "
+                "ranks), each rank computes its experts' slices on them and a reduce-scatter "
+                "over tp_ep returns each rank its tokens' sums",
           sizes.edp, sizes.edp == 1 ? "" : "s", shape_.cp > 1 ? " x cp" : "");
       const Topology& topo = *topology_;
       for (int64_t r = 0; r < std::min<int64_t>(topo.world_size(), 64); ++r) {

@@ -163,6 +163,9 @@ struct ModuleContext {
   // The expert tensor x expert-parallel group the MoE dispatcher exchanges tokens over;
   // null when expert_model_parallel_size is 1 (the dispatcher then uses tp).
   Communicator* tp_ep = nullptr;
+  // The expert-parallel group (the alltoall dispatcher's all-to-all); null when
+  // expert_model_parallel_size is 1.
+  Communicator* ep = nullptr;
   // Set: a recomputation in this pass appends its span (chunk `chunk`, the draw's
   // micro-batch) here, for the timeline.
   std::vector<StepSpan>* recompute_spans = nullptr;

@@ -99,6 +99,67 @@ void ScaleRows(Kernels& k, const Tensor& p, const Tensor& a, Tensor& out) {
   k.BatchedGemm(false, false, 1.0, p.Reshaped({n, 1, 1}), a.Reshaped({n, 1, w}), 0.0, out3);
 }
 
+// out[i, :] = src[ids[i], :] (ids: int64 [n] into src's rows); [0, w] when n = 0.
+Tensor GatherRows(Kernels& k, const Tensor& src, const Tensor& ids) {
+  Tensor out = k.Empty({ids.numel(), src.cols()}, src.dtype());
+  if (ids.numel() > 0) k.EmbeddingForward(src, ids, 0, src.rows(), out);
+  return out;
+}
+
+// into[ids[i], :] += rows[i, :], in increasing i.
+void ScatterAddRows(Kernels& k, const Tensor& rows, const Tensor& ids, Tensor& into) {
+  if (ids.numel() > 0) k.EmbeddingBackward(rows, ids, 0, into.rows(), into);
+}
+
+std::vector<int64_t> Times(const std::vector<int64_t>& rows, int64_t width) {
+  std::vector<int64_t> out;
+  for (int64_t r : rows) out.push_back(r * width);
+  return out;
+}
+
+// Whether the tp ranks hold different tokens (sequence parallelism), so the alltoall
+// dispatcher gathers them over tp after the all-to-all (Megatron's expt_tp exchange).
+bool TpExchanges(const ModuleContext& ctx) {
+  return ctx.shape.sequence_parallel && ctx.tp.Size() > 1;
+}
+
+// The alltoall dispatcher's way to the experts: rows in send order [N_send, w] -> the uneven
+// all-to-all over ep -> the all-gather over tp of each rank's rows padded to tp_pad
+// [t * tp_pad, w].
+Tensor AllToAllDispatch(const ModuleContext& ctx, const Tensor& rows,
+                        const MoeLayer::Stash& st) {
+  Kernels& k = ctx.k;
+  const int64_t w = rows.cols();
+  Tensor got = rows;
+  if (ctx.ep != nullptr) {
+    got = k.Empty({st.tp_rows, w}, rows.dtype());
+    ctx.ep->AllToAllV(rows, Times(st.ep_send, w), got, Times(st.ep_recv, w));
+  }
+  if (!TpExchanges(ctx)) return got;
+  Tensor padded = k.Zeros({st.tp_pad, w}, rows.dtype());
+  if (st.tp_rows > 0) {
+    Tensor head = Rows(padded, 0, st.tp_rows);
+    k.Copy(got, head);
+  }
+  return AllGatherFirstDim(k, ctx.tp, padded);
+}
+
+// And back: the experts' partial sums [t * tp_pad, w] -> the reduce-scatter over tp -> the
+// all-to-all back over ep -> [N_send, w] in send order.
+Tensor AllToAllCombine(const ModuleContext& ctx, const Tensor& partial,
+                       const MoeLayer::Stash& st) {
+  Kernels& k = ctx.k;
+  const int64_t w = partial.cols();
+  const Tensor mine = TpExchanges(ctx) ? ReduceScatterFirstDim(k, ctx.tp, partial) : partial;
+  const Tensor head = Rows(mine, 0, st.tp_rows);
+  if (ctx.ep == nullptr) return head;
+  int64_t n_send = 0;
+  for (int64_t n : st.ep_send) n_send += n;
+  Tensor back = k.Empty({n_send, w}, partial.dtype());
+  ctx.ep->AllToAllV(head, Times(st.ep_recv, w), back, Times(st.ep_send, w));
+  return back;
+}
+
 // Calls fn(e, first_row, rows) for each local expert e with permuted rows (offsets: Stash's).
 template <typename Fn>
 void ForEachExpert(const std::vector<int64_t>& offsets, Fn fn) {
@@ -135,7 +196,15 @@ std::string MoeLayer::ReceivedNote() const {
                                       experts_.first() + static_cast<int64_t>(e), total,
                                       fmt::join(received_[e], " ")));
   }
-  return fmt::format("{}", fmt::join(parts, ", "));
+  std::string note = fmt::format("{}", fmt::join(parts, ", "));
+  if (!sent_rows_.empty()) {
+    std::vector<int64_t> peers(sent_rows_.size()), bytes;
+    std::iota(peers.begin(), peers.end(), int64_t{0});
+    for (int64_t n : sent_rows_) bytes.push_back(n * row_bytes_);
+    note += fmt::format("; all-to-all to ep ranks {}: {} rows, {} bytes", fmt::join(peers, " "),
+                        fmt::join(sent_rows_, " "), fmt::join(bytes, " "));
+  }
+  return note;
 }
 
 MoeLayer::MoeLayer(const GptConfig& gpt, std::string prefix, ParameterSet& params,
@@ -212,6 +281,11 @@ void MoeLayer::Route(const ModuleContext& ctx, const Tensor& top_scores, Stash* 
     for (double lse : ValuesToHost(k, st->lse)) st->dlse.push_back(c * lse);
   }
 
+  if (moe_.token_dispatcher == MoeDispatcher::kAllToAll) {
+    RouteAllToAll(ctx, route, st);
+    return;
+  }
+  sent_rows_.clear();
   // The allgather dispatcher: the dispatch group's kept choices, then the permutation of the
   // gathered tokens over this rank's experts, expert by expert, tokens ascending.
   std::vector<int64_t> route_all = route;
@@ -240,6 +314,90 @@ void MoeLayer::Route(const ModuleContext& ctx, const Tensor& top_scores, Stash* 
   }
   st->token_ids = IntsToDevice(k, tokens, {N});
   st->slot_ids = IntsToDevice(k, slots, {N});
+}
+
+void MoeLayer::RouteAllToAll(const ModuleContext& ctx, const std::vector<int64_t>& route,
+                             Stash* st) const {
+  Kernels& k = ctx.k;
+  const int64_t T = st->x.rows(), E = moe_.num_experts, K = moe_.router_topk;
+  const int64_t P = ctx.ep != nullptr ? ctx.ep->Size() : 1, L = experts_.count();
+  const auto uE = static_cast<size_t>(E), uL = static_cast<size_t>(L);
+
+  // This rank's rows, expert by expert, tokens ascending; the rows for each ep rank.
+  std::vector<int64_t> tokens, slots, counts(uE, 0);
+  for (int64_t e = 0; e < E; ++e) {
+    for (int64_t i = 0; i < T * K; ++i) {
+      if (route[static_cast<size_t>(i)] != e) continue;
+      tokens.push_back(i / K);
+      slots.push_back(i);
+      ++counts[static_cast<size_t>(e)];
+    }
+  }
+  st->ep_send.assign(static_cast<size_t>(P), 0);
+  for (int64_t e = 0; e < E; ++e) {
+    st->ep_send[static_cast<size_t>(e / L)] += counts[static_cast<size_t>(e)];
+  }
+
+  // The split sizes: every ep rank's counts, so this rank knows what each sends its experts
+  // (from[p * L + l]: rows of local expert l from ep rank p, in the order they arrive).
+  std::vector<int64_t> table = counts;  // [P, E]
+  const SiteSuffix site(ctx.trace, "moe dispatch");
+  if (ctx.ep != nullptr) {
+    table = IntsToHost(k, AllGatherFirstDim(k, *ctx.ep, IntsToDevice(k, counts, {E})));
+  }
+  std::vector<int64_t> from(static_cast<size_t>(P) * uL);
+  st->ep_recv.assign(static_cast<size_t>(P), 0);
+  for (int64_t p = 0; p < P; ++p) {
+    for (int64_t l = 0; l < L; ++l) {
+      const int64_t n = table[static_cast<size_t>(p * E + experts_.first() + l)];
+      from[static_cast<size_t>(p * L + l)] = n;
+      st->ep_recv[static_cast<size_t>(p)] += n;
+    }
+  }
+  st->tp_rows = std::accumulate(st->ep_recv.begin(), st->ep_recv.end(), int64_t{0});
+
+  // The tp exchange: every tp rank's arrivals ([t, P, L]), each rank's rows padded to the most.
+  const int64_t t = TpExchanges(ctx) ? ctx.tp.Size() : 1;
+  std::vector<int64_t> all_from = from;
+  if (t > 1) {
+    all_from = IntsToHost(k, AllGatherFirstDim(k, ctx.tp, IntsToDevice(k, from, {P * L})));
+  }
+  const auto at = [&](int64_t q, int64_t p, int64_t l) {
+    return all_from[static_cast<size_t>((q * P + p) * L + l)];
+  };
+  st->tp_pad = 0;
+  for (int64_t q = 0; q < t; ++q) {
+    int64_t rows = 0;
+    for (int64_t i = 0; i < P * L; ++i) rows += all_from[static_cast<size_t>(q * P * L + i)];
+    st->tp_pad = std::max(st->tp_pad, rows);
+  }
+
+  // The experts' rows: local expert l, then tp rank q, then ep rank p, in arrival order.
+  // received_ counts them per rank of the dispatch group (tp_ep, tp fastest, as the
+  // allgather dispatcher reports them).
+  std::vector<int64_t> ids;
+  st->offsets.assign(1, 0);
+  received_.assign(uL, std::vector<int64_t>(static_cast<size_t>(t * P), 0));
+  for (int64_t l = 0; l < L; ++l) {
+    for (int64_t q = 0; q < t; ++q) {
+      int64_t first = q * st->tp_pad;  // (q, p, l)'s first row in q's block
+      for (int64_t p = 0; p < P; ++p) {
+        for (int64_t m = 0; m < l; ++m) first += at(q, p, m);
+        for (int64_t i = 0; i < at(q, p, l); ++i) ids.push_back(first + i);
+        received_[static_cast<size_t>(l)][static_cast<size_t>(p * t + q)] += at(q, p, l);
+        for (int64_t m = l; m < L; ++m) first += at(q, p, m);
+      }
+    }
+    st->offsets.push_back(static_cast<int64_t>(ids.size()));
+  }
+  const auto N = static_cast<int64_t>(ids.size());
+  st->token_ids = IntsToDevice(k, ids, {N});
+  st->slot_ids = st->token_ids;
+  st->send_tokens = IntsToDevice(k, tokens, {static_cast<int64_t>(tokens.size())});
+  st->send_slots = IntsToDevice(k, slots, {static_cast<int64_t>(slots.size())});
+  sent_rows_.clear();
+  if (ctx.ep != nullptr) sent_rows_ = st->ep_send;
+  row_bytes_ = (st->x.cols() + 1) * static_cast<int64_t>(DTypeSize(st->x.dtype()));
 }
 
 Tensor MoeLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* st) const {
@@ -274,19 +432,27 @@ Tensor MoeLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* st) c
   Route(ctx, top_scores, st);
 
   // Dispatch, the experts, combine.
+  // The rows the experts' permutation picks from: the dispatch group's tokens and
+  // probabilities (allgather), or the rows routed to this rank's experts (alltoall).
   std::optional<SiteSuffix> site(std::in_place, ctx.trace, "moe dispatch");
-  Communicator* group = DispatchGroup(ctx);
-  const Tensor x_all = group != nullptr ? AllGatherFirstDim(k, *group, x) : x;
-  const Tensor probs_all = group != nullptr ? AllGatherFirstDim(k, *group, st->probs) : st->probs;
-  const int64_t T_all = x_all.rows();
+  const bool a2a = moe_.token_dispatcher == MoeDispatcher::kAllToAll;
+  Communicator* group = a2a ? nullptr : DispatchGroup(ctx);
+  Tensor x_src, p_src;
+  if (a2a) {
+    x_src = AllToAllDispatch(ctx, GatherRows(k, x, st->send_tokens), *st);
+    p_src = AllToAllDispatch(ctx, GatherRows(k, st->probs.Reshaped({T * K, 1}), st->send_slots),
+                             *st);
+  } else {
+    x_src = group != nullptr ? AllGatherFirstDim(k, *group, x) : x;
+    const Tensor probs_all =
+        group != nullptr ? AllGatherFirstDim(k, *group, st->probs) : st->probs;
+    p_src = probs_all.Reshaped({probs_all.rows() * K, 1});
+  }
   const int64_t N = st->offsets.back();
-  Tensor y_all = k.Zeros({T_all, h}, dtype);
+  Tensor y_src = k.Zeros({x_src.rows(), h}, dtype);
   if (N > 0) {
-    st->x_perm = k.Empty({N, h}, dtype);
-    k.EmbeddingForward(x_all, st->token_ids, 0, T_all, st->x_perm);
-    st->p_perm = k.Empty({N, 1}, dtype);
-    k.EmbeddingForward(probs_all.Reshaped({T_all * K, 1}), st->slot_ids, 0, T_all * K,
-                       st->p_perm);
+    st->x_perm = GatherRows(k, x_src, st->token_ids);
+    st->p_perm = GatherRows(k, p_src, st->slot_ids);
     const int64_t f1 = fc1_.front()->value.rows(), f = fc2_.front()->value.cols();
     st->fc1_out = k.Empty({N, f1}, dtype);
     ForEachExpert(st->offsets, [&](size_t e, int64_t o, int64_t n) {
@@ -302,9 +468,15 @@ Tensor MoeLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* st) c
       Tensor out = Rows(y_perm, o, n);
       k.Gemm(false, true, 1.0, Rows(scaled, o, n), fc2_[e]->value, 0.0, out);
     });
-    k.EmbeddingBackward(y_perm, st->token_ids, 0, T_all, y_all);  // scatter-add per token
+    ScatterAddRows(k, y_perm, st->token_ids, y_src);  // per token (allgather) or row
   }
-  Tensor y = group != nullptr ? ReduceScatterFirstDim(k, *group, y_all) : y_all;
+  Tensor y;
+  if (a2a) {
+    y = k.Zeros({T, h}, dtype);
+    ScatterAddRows(k, AllToAllCombine(ctx, y_src, *st), st->send_tokens, y);
+  } else {
+    y = group != nullptr ? ReduceScatterFirstDim(k, *group, y_src) : y_src;
+  }
   site.reset();
 
   if (shared_fc1_) {
@@ -324,15 +496,16 @@ Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stas
 
   // The experts, on the gathered gradient.
   std::optional<SiteSuffix> site(std::in_place, ctx.trace, "moe dispatch");
-  Communicator* group = DispatchGroup(ctx);
-  const Tensor dy_all = group != nullptr ? AllGatherFirstDim(k, *group, dy) : dy;
-  const int64_t T_all = dy_all.rows();
+  const bool a2a = moe_.token_dispatcher == MoeDispatcher::kAllToAll;
+  Communicator* group = a2a ? nullptr : DispatchGroup(ctx);
+  const Tensor dy_src = a2a ? AllToAllDispatch(ctx, GatherRows(k, dy, st.send_tokens), st)
+                      : group != nullptr ? AllGatherFirstDim(k, *group, dy)
+                                         : dy;
   const int64_t N = st.offsets.back();
-  Tensor dx_all = k.Zeros({T_all, h}, dtype);
-  Tensor dprobs_all = k.Zeros({T_all, K}, dtype);
+  Tensor dx_src = k.Zeros({dy_src.rows(), h}, dtype);
+  Tensor dp_src = k.Zeros({a2a ? dy_src.rows() : dy_src.rows() * K, 1}, dtype);
   if (N > 0) {
-    Tensor dy_perm = k.Empty({N, h}, dtype);
-    k.EmbeddingForward(dy_all, st.token_ids, 0, T_all, dy_perm);
+    const Tensor dy_perm = GatherRows(k, dy_src, st.token_ids);
     const int64_t f = st.act.cols();
     Tensor scaled = k.Empty({N, f}, dtype);
     ScaleRows(k, st.p_perm, st.act, scaled);
@@ -368,14 +541,22 @@ Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stas
                        [&](Tensor& g, double beta) { k.Gemm(true, false, 1.0, d_e, x_e, beta, g); });
       }
     });
-    k.EmbeddingBackward(dx_perm, st.token_ids, 0, T_all, dx_all);
-    Tensor dprobs_flat = dprobs_all.Reshaped({T_all * K, 1});
-    k.EmbeddingBackward(dp_perm.Reshaped({N, 1}), st.slot_ids, 0, T_all * K, dprobs_flat);
+    ScatterAddRows(k, dx_perm, st.token_ids, dx_src);
+    ScatterAddRows(k, dp_perm.Reshaped({N, 1}), st.slot_ids, dp_src);
   }
-  // The reduce-scatter sums the tp ranks' partial sums and returns each rank its tokens.
-  Tensor dx = group != nullptr ? ReduceScatterFirstDim(k, *group, dx_all) : dx_all;
-  const Tensor dprobs =
-      group != nullptr ? ReduceScatterFirstDim(k, *group, dprobs_all) : dprobs_all;
+  // The way back sums the tp ranks' partial sums and returns each rank its tokens.
+  Tensor dx, dprobs;
+  if (a2a) {
+    dx = k.Zeros({T, h}, dtype);
+    ScatterAddRows(k, AllToAllCombine(ctx, dx_src, st), st.send_tokens, dx);
+    Tensor flat = k.Zeros({T * K, 1}, dtype);
+    ScatterAddRows(k, AllToAllCombine(ctx, dp_src, st), st.send_slots, flat);
+    dprobs = flat.Reshaped({T, K});
+  } else {
+    const Tensor dp_all = dp_src.Reshaped({dy_src.rows(), K});
+    dx = group != nullptr ? ReduceScatterFirstDim(k, *group, dx_src) : dx_src;
+    dprobs = group != nullptr ? ReduceScatterFirstDim(k, *group, dp_all) : dp_all;
+  }
   site.reset();
 
   // The router: the probabilities' gradient, the load-balancing and z-loss terms.

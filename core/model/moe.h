@@ -26,6 +26,18 @@
 //             [T, h] (the one collective sums the tp slices and the ep ranks' experts and
 //             returns each rank its tokens); plus the shared expert's MLP (column/row-parallel,
 //             as the dense MLP)
+// The alltoall dispatcher (Megatron's MoEAlltoAllTokenDispatcher) moves only the routed rows:
+//   permute   this rank's kept (token, slot) rows, expert by expert, tokens ascending
+//                                              x_send [N_send, h], p_send [N_send, 1]
+//   counts    every ep rank's per-expert counts, all-gathered over ep (the split sizes), and
+//             every tp rank's arrival counts, all-gathered over tp
+//   exchange  the uneven all-to-all over ep (rows to the ep rank holding their expert), then
+//             the all-gather over tp (expt_tp = tp), each tp rank's rows padded to the
+//             largest (Megatron gathers with uneven splits: the same rows, no padding)
+//                                              [t * R_pad, h]
+//   experts   as above, on the rows sorted by local expert, then tp rank, then ep rank
+//   combine   the reduce-scatter over tp (the slices' sums), the all-to-all back, then each
+//             rank scatter-adds its rows' results to their tokens [T, h]
 // Auxiliary losses, their gradients only (the reported loss stays the LM loss), scaled
 // 1 / (M d) as Megatron's MoEAuxLossAutoScaler at cp / M leaves them after the 1 / (d cp)
 // data-parallel average:
@@ -78,6 +90,12 @@ class MoeLayer {
                                    // [offsets[e], offsets[e + 1])
     Tensor x_perm, p_perm;   // [N, h], [N, 1]
     Tensor fc1_out, act;     // [N, f1/t], [N, f/t] (act before the probability)
+    // The alltoall dispatcher only (empty otherwise): this rank's rows in send order, their
+    // token in [0, T) and entry token * k + slot; the rows sent to and received from each ep
+    // rank; the rows after the all-to-all, and each tp rank's rows padded to tp_pad.
+    Tensor send_tokens, send_slots;
+    std::vector<int64_t> ep_send, ep_recv;
+    int64_t tp_rows = 0, tp_pad = 0;
     ColumnParallelLinear::Stash shared_fc1_in;
     Tensor shared_fc1_out;
     RowParallelLinear::Stash shared_fc2_in;
@@ -88,13 +106,18 @@ class MoeLayer {
   // from each rank of the dispatch group (group rank order); empty before a forward.
   const std::vector<std::vector<int64_t>>& received() const { return received_; }
   // received() as one line: "expert 2 <- 37 tokens (from the dispatch group's ranks: 10 9 9
-  // 9), expert 3 <- ...".
+  // 9), expert 3 <- ..."; with the alltoall dispatcher and ep > 1 followed by what the
+  // last forward's all-to-all sent each ep rank: "; all-to-all to ep ranks 0 1: 61 67 rows,
+  // 15860 17420 bytes" (a row: the token's hidden state and its probability).
   std::string ReceivedNote() const;
 
  private:
   // The host-side routing of one forward: counts, capacity, the gathered choices, the
   // permutation and the auxiliary gradients' coefficients.
   void Route(const ModuleContext& ctx, const Tensor& top_scores, Stash* st) const;
+  // Route's permutation for the alltoall dispatcher, from the kept choices `route`.
+  void RouteAllToAll(const ModuleContext& ctx, const std::vector<int64_t>& route,
+                     Stash* st) const;
 
   std::string prefix_;
   Activation activation_;
@@ -104,6 +127,8 @@ class MoeLayer {
   ExpertPlacement experts_;
   std::vector<Parameter*> fc1_, fc2_;  // per local expert, tp shards [f1/t, h], [h, f/t]
   mutable std::vector<std::vector<int64_t>> received_;  // see received()
+  mutable std::vector<int64_t> sent_rows_;  // the last forward's rows to each ep rank
+  mutable int64_t row_bytes_ = 0;           // bytes of one such row
   std::optional<ColumnParallelLinear> shared_fc1_;
   std::optional<RowParallelLinear> shared_fc2_;
 };

@@ -108,6 +108,19 @@ void CheckCollectives(Kernels& kernels, Communicator& comm, DType dtype) {
   comm.AllToAll(ToDevice(kernels, dtype, chunks), exchanged);
   EXPECT_EQ(Values(kernels, exchanged), swapped) << "all-to-all";
 
+  // Uneven parts: rank r sends rank j (r + j) % 3 elements r + 10 j + e (some parts empty).
+  std::vector<double> parts, received;
+  std::vector<int64_t> send_counts, recv_counts;
+  for (int j = 0; j < size; ++j) {
+    send_counts.push_back((rank + j) % 3);
+    recv_counts.push_back((j + rank) % 3);
+    for (int e = 0; e < (rank + j) % 3; ++e) parts.push_back(rank + 10 * j + e);
+    for (int e = 0; e < (j + rank) % 3; ++e) received.push_back(j + 10 * rank + e);
+  }
+  Tensor uneven = kernels.Empty({static_cast<int64_t>(received.size())}, dtype);
+  comm.AllToAllV(ToDevice(kernels, dtype, parts), send_counts, uneven, recv_counts);
+  EXPECT_EQ(Values(kernels, uneven), received) << "uneven all-to-all";
+
   const int root = size - 1;
   std::vector<double> from_root(count);
   for (int e = 0; e < n; ++e) {

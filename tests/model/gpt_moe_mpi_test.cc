@@ -12,6 +12,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <regex>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -133,6 +134,78 @@ TEST(GptMixtureOfExperts, EveryLayoutMatchesTheReference) {
   }
 }
 
+json AllToAll(json model) {
+  model["moe_token_dispatcher_type"] = "alltoall";
+  return model;
+}
+
+// The alltoall dispatcher (the uneven all-to-all over ep, then the exchange over tp) on every
+// layout, both routers: the same check, and the dropless losses of the allgather dispatcher.
+TEST(GptMixtureOfExperts, AllToAllDispatcherMatchesTheReference) {
+  std::map<int64_t, double> first_loss;
+  for (const Layout& l : Layouts()) {
+    if (kSanitized && (l.pp > 1 || l.cp > 1)) continue;
+    SCOPED_TRACE(fmt::format("alltoall tp {} cp {} pp {} ep {}", l.tp, l.cp, l.pp, l.ep));
+    if (WorldRank() == 0) fmt::print("  alltoall tp {} cp {} pp {} ep {}:", l.tp, l.cp, l.pp, l.ep);
+    const double loss =
+        RunChecked(MoeDocument(AllToAll(Dropless()), l.tp, l.cp, l.pp, "float64", l.ep)).loss;
+    const double allgather =
+        first_loss
+            .try_emplace(l.tp, Simulate(MoeDocument(Dropless(), l.tp, 1, 1, "float64"), false)
+                                   .value()
+                                   .loss)
+            .first->second;
+    EXPECT_NEAR(loss, allgather, 1e-12 * loss);
+    if (l.pp > 1) continue;
+    if (WorldRank() == 0) fmt::print("  alltoall capacity 1 tp {} cp {} ep {}:", l.tp, l.cp, l.ep);
+    RunChecked(MoeDocument(AllToAll(Dropping()), l.tp, l.cp, l.pp, "float64", l.ep));
+  }
+}
+
+// The two dispatchers route the same tokens: every expert receives the same tokens from the
+// same ranks. The alltoall one also says what it sent each ep rank: per layer, the rows of
+// all ranks add up to the routed tokens (2 s B), each (h + 1) float64 values.
+TEST(GptMixtureOfExperts, AllToAllSendsWhatTheExpertsReceive) {
+  const int64_t tp = WorldSize() >= 4 ? 2 : 1, ep = WorldSize() / tp;  // dp = ep
+  const auto notes = [&](const json& model) {
+    const StatusOr<run::SimulationResult> result =
+        Simulate(MoeDocument(model, tp, 1, 1, "float64", ep), /*check=*/false);
+    EXPECT_TRUE(result.ok()) << result.status().Message();
+    std::vector<std::string> lines;  // every rank's note, one line per layer
+    if (!result.ok()) return lines;
+    for (const std::string& note : result->step_notes) {
+      std::istringstream in(note);
+      for (std::string line; std::getline(in, line);) lines.push_back(line);
+    }
+    return lines;
+  };
+  const std::vector<std::string> gathered = notes(Dropless());
+  const std::vector<std::string> exchanged = notes(AllToAll(Dropless()));
+  ASSERT_EQ(gathered.size(), exchanged.size());
+  ASSERT_FALSE(gathered.empty());
+  const std::regex sent(
+      R"(layer (\d+): .*; all-to-all to ep ranks [\d ]+: ([\d ]+) rows, ([\d ]+) bytes)");
+  std::map<int64_t, int64_t> rows_per_layer;
+  for (size_t i = 0; i < gathered.size(); ++i) {
+    EXPECT_EQ(exchanged[i].substr(0, exchanged[i].find("; all-to-all")), gathered[i]);
+    if (ep == 1) continue;
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(exchanged[i], m, sent)) << exchanged[i];
+    std::istringstream rows(m[2].str()), bytes(m[3].str());
+    int64_t n = 0, b = 0;
+    while (rows >> n && bytes >> b) {
+      rows_per_layer[std::stoll(m[1])] += n;
+      EXPECT_EQ(b, n * (32 + 1) * 8) << exchanged[i];  // h = 32 and the probability
+    }
+  }
+  if (ep == 1) return;
+  // The notes come from tp rank 0 of each group, whose tokens are 1 / tp of them.
+  ASSERT_EQ(rows_per_layer.size(), 2u);
+  for (const auto& [layer, rows] : rows_per_layer) {
+    EXPECT_EQ(rows * tp, 2 * 16 * Samples()) << layer;
+  }
+}
+
 // Three Adam iterations with the distributed optimizer on a pipeline (with cp 2 where the
 // world allows), and full recomputation, which reruns the router and the experts.
 TEST(GptMixtureOfExperts, TrainsWithTheDistributedOptimizer) {
@@ -151,7 +224,7 @@ TEST(GptMixtureOfExperts, TrainsWithTheDistributedOptimizer) {
   // Expert parallelism with the plain optimizer: expert gradients reduce over expt_dp, and
   // the gradient norm sums the experts' squares over ep (each ep rank holds others).
   const int64_t ep = WorldSize() >= 4 ? 4 : 2;
-  for (const json& model : {Dropless(), Dropping()}) {
+  for (const json& model : {Dropless(), Dropping(), AllToAll(Dropless())}) {
     if (WorldRank() == 0) fmt::print("  ep {}, Adam:", ep);
     json document = Training(MoeDocument(model, 1, 1, 1, "float64", ep), "adam");
     document["run"]["train_iters"] = 3;
@@ -208,7 +281,6 @@ TEST(GptMixtureOfExperts, RefusalsNameTheField) {
             "parallel.sequence_parallel: must be true for a mixture-of-experts model with "
             "tensor_model_parallel_size 2 (Megatron's rule: each tp rank's router sees its own "
             "sequence shard)");
-  document = MoeDocument(Dropless(), 2, 1, 1, "float64");
   document = MoeDocument(Dropless(), 1, 1, 1, "float64", 2);
   document["optimizer"] = {{"optimizer", "adam"}, {"lr", 1e-3}, {"use_distributed_optimizer", true}};
   result = Simulate(document);
@@ -223,13 +295,6 @@ TEST(GptMixtureOfExperts, RefusalsNameTheField) {
   EXPECT_EQ(result.status().Message(),
             "parallel.expert_model_parallel_size: num_moe_experts 3 is not divisible by "
             "expert_model_parallel_size 2 (each ep rank holds num_moe_experts / ep experts)");
-  document = MoeDocument(Dropless(), 1, 1, 1, "float64", 2);
-  document["model"]["moe_token_dispatcher_type"] = "alltoall";
-  result = Simulate(document);
-  ASSERT_FALSE(result.ok());
-  EXPECT_EQ(result.status().Message(),
-            "model.moe_token_dispatcher_type: \"alltoall\" with expert_model_parallel_size 2 is "
-            "not built yet; set \"allgather\" (the same numbers: only the exchange differs)");
   document = MoeDocument(Llama(8, 4), 1, 1, 1, "float64", 2);
   result = Simulate(document);
   ASSERT_FALSE(result.ok());

@@ -198,6 +198,10 @@ class CompletingCommunicator final : public Communicator {
   void AllGather(const Tensor& in, Tensor& out) override { inner_->AllGather(in, out); }
   void ReduceScatter(const Tensor& in, Tensor& out) override { inner_->ReduceScatter(in, out); }
   void AllToAll(const Tensor& in, Tensor& out) override { inner_->AllToAll(in, out); }
+  void AllToAllV(const Tensor& in, const std::vector<int64_t>& send_counts, Tensor& out,
+                 const std::vector<int64_t>& recv_counts) override {
+    inner_->AllToAllV(in, send_counts, out, recv_counts);
+  }
   void Broadcast(Tensor& buffer, int root) override { inner_->Broadcast(buffer, root); }
   std::unique_ptr<PendingP2P> PostSendRecv(const std::vector<P2POp>& ops) override {
     std::unique_ptr<PendingP2P> pending = inner_->PostSendRecv(ops);

@@ -155,6 +155,41 @@ TYPED_TEST(MpiCommunicatorTest, AllToAllSwapsChunksInRankOrder) {
   EXPECT_THROW(this->world_->AllToAll(out.Reshaped({k * n}), out), std::invalid_argument);
 }
 
+// Rank q sends rank j a part of (q + j) % 3 elements (some empty), element e being
+// 100 q + 10 j + e: this rank's part j then holds (j + r) % 3 elements 100 j + 10 r + e.
+TYPED_TEST(MpiCommunicatorTest, AllToAllVSwapsUnevenPartsInRankOrder) {
+  using T = TypeParam;
+  const int k = this->size_, r = this->rank_;
+  std::vector<double> sent, expected;
+  std::vector<int64_t> send_counts, recv_counts;
+  for (int j = 0; j < k; ++j) {
+    send_counts.push_back((r + j) % 3);
+    for (int e = 0; e < (r + j) % 3; ++e) sent.push_back(100.0 * r + 10.0 * j + e);
+    recv_counts.push_back((j + r) % 3);
+    for (int e = 0; e < (j + r) % 3; ++e) expected.push_back(100.0 * j + 10.0 * r + e);
+  }
+  const auto n_in = static_cast<int64_t>(sent.size());
+  const Tensor in = Fill<T>(n_in, [&](int64_t f) { return sent[static_cast<size_t>(f)]; });
+  Tensor out = Tensor::HostZeros({static_cast<int64_t>(expected.size())}, kDType<T>);
+  this->world_->AllToAllV(in, send_counts, out, recv_counts);
+  EXPECT_EQ(ValuesOf(out), expected);
+
+  std::vector<int64_t> short_counts(send_counts.begin(), send_counts.end() - 1);
+  EXPECT_THROW(this->world_->AllToAllV(in, short_counts, out, recv_counts),
+               std::invalid_argument);
+  std::vector<int64_t> too_many = send_counts;
+  too_many.back() += 1;
+  EXPECT_THROW(this->world_->AllToAllV(in, too_many, out, recv_counts), std::invalid_argument);
+  std::vector<int64_t> negative = recv_counts;
+  negative.front() = -1;
+  if (k > 1) negative.back() += 1 + recv_counts.front();  // the sum still right
+  EXPECT_THROW(this->world_->AllToAllV(in, send_counts, out, negative), std::invalid_argument);
+  Tensor other = Tensor::HostZeros(
+      out.shape(), kDType<T> == DType::kFloat32 ? DType::kFloat64 : DType::kFloat32);
+  EXPECT_THROW(this->world_->AllToAllV(in, send_counts, other, recv_counts),
+               std::invalid_argument);
+}
+
 TYPED_TEST(MpiCommunicatorTest, BroadcastFromEveryRoot) {
   using T = TypeParam;
   const int64_t n = 9;
