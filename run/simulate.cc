@@ -129,6 +129,8 @@ std::unique_ptr<Optimizer> MakeOptimizer(const Config& config, RankContext& ctx,
   if (config.optimizer->use_distributed_optimizer) {
     dist_groups = {ctx.groups.dp_cp_partial.get(), ctx.groups.inter_dist_opt.get(),
                    ctx.groups.intra_dist_opt.get()};
+    // With expert parallelism the experts' buffer shards over expt_dp.
+    if (ctx.topology->sizes().ep > 1) dist_groups.expert_shard = ctx.groups.expt_dp.get();
   }
   auto optimizer = std::make_unique<Optimizer>(*config.optimizer, params, *ctx.kernels, dist_groups);
   SimulationResult::OptimizerShard& shard = result->optimizer;
@@ -137,8 +139,12 @@ std::unique_ptr<Optimizer> MakeOptimizer(const Config& config, RankContext& ctx,
   shard.begin = optimizer->shard_begin();
   shard.end = optimizer->shard_end();
   for (const Parameter* p : params) shard.parameters += p->value.numel();
-  shard.elements =
-      optimizer->distributed() ? optimizer->shard_end() - optimizer->shard_begin() : shard.parameters;
+  shard.expert_buffer = optimizer->padded_elements(1);
+  shard.expert_begin = optimizer->shard_begin(1);
+  shard.expert_end = optimizer->shard_end(1);
+  shard.elements = optimizer->distributed() ? optimizer->shard_end() - optimizer->shard_begin() +
+                                                  shard.expert_end - shard.expert_begin
+                                            : shard.parameters;
   shard.state_tensors = config.optimizer->kind == OptimizerConfig::Kind::kAdam ? 3 : 2;
   shard.element_bytes = static_cast<int64_t>(DTypeSize(ComputeDType(config.run->dtype)));
   return optimizer;

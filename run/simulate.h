@@ -56,7 +56,9 @@ struct SimulationResult {
   struct OptimizerShard {
     bool distributed = false;
     int64_t buffer = 0, begin = 0, end = 0;
-    int64_t elements = 0;    // owned
+    // The experts' flat buffer, sharded over expt_dp (expert parallelism; 0 0 0 otherwise).
+    int64_t expert_buffer = 0, expert_begin = 0, expert_end = 0;
+    int64_t elements = 0;    // owned, both buffers
     int64_t parameters = 0;  // this rank's parameter elements
     int state_tensors = 0;   // per element: master + m (+ v for adam)
     int64_t element_bytes = 0;

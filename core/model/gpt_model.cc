@@ -108,10 +108,12 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
   model->gpt_ = *config.gpt;
   model->run_ = *config.run;
   MPUSIM_RETURN_IF_ERROR(CheckGptLayout(config.parallel, model->run_, &model->gpt_));
-  if (topology.sizes().ep > 1 && config.optimizer && config.optimizer->use_distributed_optimizer) {
-    return Status::Error("optimizer.use_distributed_optimizer",
-                         fmt::format("is not built yet with expert_model_parallel_size {} (the "
-                                     "experts' shards over expt_dp); set false",
+  if (topology.sizes().ep > 1 && config.optimizer && config.optimizer->use_distributed_optimizer &&
+      config.parallel.num_distributed_optimizer_instances > 1) {
+    return Status::Error("parallel.num_distributed_optimizer_instances",
+                         fmt::format("{} with expert_model_parallel_size {} is not built yet (the "
+                                     "experts' partial shards over expt_dp_partial); set 1",
+                                     config.parallel.num_distributed_optimizer_instances,
                                      topology.sizes().ep));
   }
   if (topology.first_rank() != 0) {

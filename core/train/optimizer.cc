@@ -41,23 +41,36 @@ Optimizer::Optimizer(const OptimizerConfig& config, const std::vector<Parameter*
     s.numel = p->value.numel();
     states_.push_back(std::move(s));
   }
-  // The flat buffer: parameters in reverse order of registration.
-  int64_t total = 0;
+  // The flat buffers: parameters in reverse order of registration, the experts' apart when
+  // they shard over their own group.
+  const bool expert_buffer = groups_.shard != nullptr && groups_.expert_shard != nullptr;
+  std::vector<int64_t> totals(expert_buffer ? 2 : 1, 0);
   for (auto it = states_.rbegin(); it != states_.rend(); ++it) {
-    it->offset = total;
-    total += it->numel;
+    if (it->param->expert && groups_.shard != nullptr && !expert_buffer) {
+      throw std::logic_error("Optimizer: an expert parameter but no expert shard group");
+    }
+    it->buffer = expert_buffer && it->param->expert ? 1 : 0;
+    it->offset = totals[it->buffer];
+    totals[it->buffer] += it->numel;
   }
   if (distributed()) {
-    const int64_t D = groups_.shard->Size();
-    padded_ = (total + D - 1) / D * D;
-    shard_size_ = padded_ / D;
-    shard_begin_ = groups_.shard->Rank() * shard_size_;
+    for (size_t b = 0; b < totals.size(); ++b) {
+      Buffer buffer;
+      buffer.shard = b == 0 ? groups_.shard : groups_.expert_shard;
+      buffer.replicas = b == 0 ? groups_.replicas : nullptr;
+      const int64_t D = buffer.shard->Size();
+      buffer.padded = (totals[b] + D - 1) / D * D;
+      buffer.size = buffer.padded / D;
+      buffer.begin = buffer.shard->Rank() * buffer.size;
+      buffers_.push_back(buffer);
+    }
   }
   // Master weights (the owned elements widened exactly: Axpy into zeros) and zero states,
   // on the backend's device.
   for (State& s : states_) {
-    s.begin = distributed() ? std::clamp(shard_begin_ - s.offset, int64_t{0}, s.numel) : 0;
-    s.end = distributed() ? std::clamp(shard_end() - s.offset, int64_t{0}, s.numel) : s.numel;
+    const Buffer& b = Find(s.buffer);
+    s.begin = distributed() ? std::clamp(b.begin - s.offset, int64_t{0}, s.numel) : 0;
+    s.end = distributed() ? std::clamp(b.begin + b.size - s.offset, int64_t{0}, s.numel) : s.numel;
     const int64_t owned = s.end - s.begin;
     if (owned == 0) continue;
     s.master = k.Zeros({owned}, master_dtype_);
@@ -71,24 +84,29 @@ void Optimizer::ReduceGradients(Kernels& k, CommTrace& trace) {
   if (!distributed()) return;
   trace.SetPhase(Phase::kOther);
   trace.SetSite("distributed optimizer (gradients)");
-  Tensor flat = k.Zeros({padded_}, grad_dtype_);
-  for (const State& s : states_) {
-    Tensor place = flat.FlatSlice(s.offset, s.numel);
-    k.Copy(Flat(s.param->grad), place);
-  }
-  if (groups_.shard->Size() > 1) {
-    grad_shard_ = k.Zeros({shard_size_}, grad_dtype_);
-    groups_.shard->ReduceScatter(flat, grad_shard_);
-  } else {
-    grad_shard_ = flat;
-  }
-  if (groups_.replicas != nullptr && groups_.replicas->Size() > 1) {
-    groups_.replicas->AllReduce(grad_shard_, ReduceOp::kSum);
+  for (size_t b = 0; b < buffers_.size(); ++b) {
+    Buffer& buffer = buffers_[b];
+    Tensor flat = k.Zeros({buffer.padded}, grad_dtype_);
+    for (const State& s : states_) {
+      if (s.buffer != b) continue;
+      Tensor place = flat.FlatSlice(s.offset, s.numel);
+      k.Copy(Flat(s.param->grad), place);
+    }
+    if (buffer.shard->Size() > 1) {
+      buffer.grad_shard = k.Zeros({buffer.size}, grad_dtype_);
+      buffer.shard->ReduceScatter(flat, buffer.grad_shard);
+    } else {
+      buffer.grad_shard = flat;
+    }
+    if (buffer.replicas != nullptr && buffer.replicas->Size() > 1) {
+      buffer.replicas->AllReduce(buffer.grad_shard, ReduceOp::kSum);
+    }
   }
 }
 
 Tensor Optimizer::OwnedGradient(const State& s) const {
-  return grad_shard_.FlatSlice(s.offset + s.begin - shard_begin_, s.end - s.begin);
+  const Buffer& b = buffers_[s.buffer];
+  return b.grad_shard.FlatSlice(s.offset + s.begin - b.begin, s.end - s.begin);
 }
 
 double Optimizer::GradNorm(Kernels& k, Communicator& tp, Communicator* pp, Communicator* ep,
@@ -110,10 +128,8 @@ double Optimizer::GradNorm(Kernels& k, Communicator& tp, Communicator* pp, Commu
   }
   trace.SetPhase(Phase::kOther);
   trace.SetSite("optimizer (grad norm)");
-  if (ep != nullptr && ep->Size() > 1) {
-    if (distributed()) throw std::logic_error("GradNorm: experts with the distributed optimizer");
-    ep->AllReduce(experts, ReduceOp::kSum);
-  }
+  // The distributed optimizer's sum over intra_dist_opt already spans the ep ranks.
+  if (ep != nullptr && ep->Size() > 1 && !distributed()) ep->AllReduce(experts, ReduceOp::kSum);
   if (any_expert || (ep != nullptr && ep->Size() > 1)) k.Axpy(1.0, experts, total);
   if (distributed()) {
     if (groups_.stats->Size() > 1) groups_.stats->AllReduce(total, ReduceOp::kSum);
@@ -124,20 +140,22 @@ double Optimizer::GradNorm(Kernels& k, Communicator& tp, Communicator* pp, Commu
   return std::sqrt(HostValue(k.ToHost(total), 0));
 }
 
-Tensor Optimizer::GatherFlat(Kernels& k, DType dtype, Tensor State::*member) const {
-  Tensor shard = k.Zeros({shard_size_}, dtype);
+Tensor Optimizer::GatherFlat(Kernels& k, size_t b, DType dtype, Tensor State::*member) const {
+  const Buffer& buffer = buffers_[b];
+  Tensor shard = k.Zeros({buffer.size}, dtype);
   for (const State& s : states_) {
-    if (s.end == s.begin) continue;
-    Tensor place = shard.FlatSlice(s.offset + s.begin - shard_begin_, s.end - s.begin);
+    if (s.buffer != b || s.end == s.begin) continue;
+    Tensor place = shard.FlatSlice(s.offset + s.begin - buffer.begin, s.end - s.begin);
     k.Copy(s.*member, place);
   }
-  return GatherShard(k, shard);
+  return GatherShard(k, b, shard);
 }
 
-Tensor Optimizer::GatherShard(Kernels& k, const Tensor& shard) const {
-  if (groups_.shard->Size() == 1) return shard;
-  Tensor full = k.Zeros({padded_}, shard.dtype());
-  groups_.shard->AllGather(shard, full);
+Tensor Optimizer::GatherShard(Kernels& k, size_t b, const Tensor& shard) const {
+  const Buffer& buffer = buffers_[b];
+  if (buffer.shard->Size() == 1) return shard;
+  Tensor full = k.Zeros({buffer.padded}, shard.dtype());
+  buffer.shard->AllGather(shard, full);
   return full;
 }
 
@@ -161,10 +179,12 @@ void Optimizer::Step(Kernels& k, double grad_norm, double lr, CommTrace& trace) 
   update.momentum = config_.sgd_momentum;
   update.first_step = steps_ == 1;
   update.master_float64 = master_dtype_ == DType::kFloat64;
-  // The distributed optimizer's updated shard, in the parameters' storage dtype.
-  Tensor param_shard;
+  // The distributed optimizer's updated shards, in the parameters' storage dtype.
+  std::vector<Tensor> param_shards;
   if (distributed() && !states_.empty()) {
-    param_shard = k.Zeros({shard_size_}, states_.front().param->value.dtype());
+    for (const Buffer& b : buffers_) {
+      param_shards.push_back(k.Zeros({b.size}, states_.front().param->value.dtype()));
+    }
   }
   for (State& s : states_) {
     Parameter& p = *s.param;
@@ -173,7 +193,8 @@ void Optimizer::Step(Kernels& k, double grad_norm, double lr, CommTrace& trace) 
       if (s.end == s.begin) continue;
       Tensor g = OwnedGradient(s);
       if (clip != 1.0) k.Scale(clip, g);
-      Tensor out = param_shard.FlatSlice(s.offset + s.begin - shard_begin_, s.end - s.begin);
+      Tensor out = param_shards[s.buffer].FlatSlice(s.offset + s.begin - buffers_[s.buffer].begin,
+                                                    s.end - s.begin);
       k.OptimizerStep(update, g, s.master, s.m, s.v, out);
     } else {
       if (clip != 1.0) k.Scale(clip, p.grad);
@@ -188,16 +209,24 @@ void Optimizer::Step(Kernels& k, double grad_norm, double lr, CommTrace& trace) 
   // Every rank's updated shard, in the storage dtype, into every rank's parameters.
   trace.SetPhase(Phase::kOther);
   trace.SetSite("distributed optimizer (parameters)");
-  const Tensor flat = GatherShard(k, param_shard);
-  for (State& s : states_) s.param->value = CopyOfPart(k, flat, s.offset, s.param->value);
+  for (size_t b = 0; b < buffers_.size(); ++b) {
+    const Tensor flat = GatherShard(k, b, param_shards[b]);
+    for (State& s : states_) {
+      if (s.buffer == b) s.param->value = CopyOfPart(k, flat, s.offset, s.param->value);
+    }
+  }
 }
 
 void Optimizer::GatherGradients(Kernels& k, CommTrace& trace) {
   if (!distributed() || states_.empty()) return;
   trace.SetPhase(Phase::kOther);
   trace.SetSite("distributed optimizer (gather gradients for records)");
-  const Tensor flat = GatherShard(k, grad_shard_);
-  for (State& s : states_) s.param->grad = CopyOfPart(k, flat, s.offset, s.param->grad);
+  for (size_t b = 0; b < buffers_.size(); ++b) {
+    const Tensor flat = GatherShard(k, b, buffers_[b].grad_shard);
+    for (State& s : states_) {
+      if (s.buffer == b) s.param->grad = CopyOfPart(k, flat, s.offset, s.param->grad);
+    }
+  }
 }
 
 void Optimizer::RecordState(Kernels& k, CommTrace& trace, std::vector<TensorRecord>* records) {
@@ -211,13 +240,17 @@ void Optimizer::RecordState(Kernels& k, CommTrace& trace, std::vector<TensorReco
                                                          {".exp_avg_sq", &State::v}}
            : std::vector<std::pair<const char*, Member>>{{".momentum_buffer", &State::m}};
   for (const auto& [suffix, member] : kinds) {
-    Tensor flat;
-    if (distributed()) flat = GatherFlat(k, master_dtype_, member);
+    std::vector<Tensor> flat;
+    if (distributed()) {
+      for (size_t b = 0; b < buffers_.size(); ++b) {
+        flat.push_back(GatherFlat(k, b, master_dtype_, member));
+      }
+    }
     for (const State& s : states_) {
       const Parameter& p = *s.param;
       Tensor state;
       if (distributed()) {
-        state = flat.FlatSlice(s.offset, s.numel).Reshaped(p.value.shape());
+        state = flat[s.buffer].FlatSlice(s.offset, s.numel).Reshaped(p.value.shape());
       } else {
         state = k.Empty(p.value.shape(), master_dtype_);
         Tensor place = Flat(state);

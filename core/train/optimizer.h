@@ -39,6 +39,12 @@
 //      all-reduces them over intra_dist_opt (every rank of one instance: tp x pp x D);
 //   3. Step clips and updates the owned elements, then all-gathers the updated parameters
 //      (in their storage dtype) over dp_cp_partial into every rank's parameters.
+// With expert parallelism (ep > 1) the expert parameters (Parameter::expert) have a flat
+// buffer of their own, sharded the same way over expt_dp (the ranks holding the same
+// experts, as Megatron's expert grad buffers over the expert data-parallel group): 1. and 3.
+// run per buffer, each over its group, and the norm's sum over intra_dist_opt (the whole
+// instance: every tp, ep, dp and pp rank) counts each expert element once, at the rank of
+// its expt_dp group that owns it.
 // The layout of the flat buffer is mpusim's (Megatron also aligns each parameter's start and
 // splits large buffers into buckets); the arithmetic does not depend on it, and neither do
 // the gathered state tensors RecordState writes.
@@ -62,6 +68,7 @@ struct DistributedOptimizerGroups {
   Communicator* shard = nullptr;     // dp_cp_partial: reduce-scatter and all-gather
   Communicator* replicas = nullptr;  // inter_dist_opt; null with one instance
   Communicator* stats = nullptr;     // intra_dist_opt: the gradient norm's sum
+  Communicator* expert_shard = nullptr;  // expt_dp: the expert buffer's (null: no experts)
 };
 
 class Optimizer {
@@ -92,18 +99,31 @@ class Optimizer {
   // optimizer all-gathers its shards first.
   void RecordState(Kernels& k, CommTrace& trace, std::vector<TensorRecord>* records);
 
-  // The distributed optimizer's buffer: this rank's elements [begin, end) of its padded
-  // flat buffer of `padded` elements (0, 0, 0 for the plain optimizer).
-  int64_t shard_begin() const { return shard_begin_; }
-  int64_t shard_end() const { return shard_begin_ + shard_size_; }
-  int64_t padded_elements() const { return padded_; }
+  // The distributed optimizer's buffers (0: the dense parameters; 1: the experts', with
+  // expert parallelism): this rank's elements [begin, end) of the padded flat buffer of
+  // `padded` elements (0, 0, 0 for the plain optimizer or a buffer that does not exist).
+  int64_t shard_begin(size_t buffer = 0) const { return Find(buffer).begin; }
+  int64_t shard_end(size_t buffer = 0) const { return Find(buffer).begin + Find(buffer).size; }
+  int64_t padded_elements(size_t buffer = 0) const { return Find(buffer).padded; }
 
  private:
+  // One flat buffer of the distributed optimizer and its shard.
+  struct Buffer {
+    Communicator* shard = nullptr;     // the group its elements are sharded over
+    Communicator* replicas = nullptr;  // the other instances' same shard (may be null)
+    int64_t padded = 0, begin = 0, size = 0;
+    Tensor grad_shard;  // [size] the reduced gradients of the owned elements
+  };
+  const Buffer& Find(size_t buffer) const {
+    static const Buffer kNone;
+    return buffer < buffers_.size() ? buffers_[buffer] : kNone;
+  }
   struct State {
     Parameter* param = nullptr;
+    size_t buffer = 0;           // distributed: its flat buffer (1: an expert's)
     double weight_decay = 0;
     int64_t numel = 0;           // of the local (tensor-parallel) parameter
-    int64_t offset = 0;          // of element 0 in the flat buffer (distributed)
+    int64_t offset = 0;          // of element 0 in its flat buffer (distributed)
     int64_t begin = 0, end = 0;  // the owned elements of the flattened local parameter
     Tensor master, m, v;         // [end - begin] owned elements, master dtype, on the device;
                                  // v is adam's only; none when nothing is owned
@@ -111,11 +131,11 @@ class Optimizer {
   // The reduced gradients of a state's owned elements: its part of grad_shard_.
   Tensor OwnedGradient(const State& s) const;
   // Every rank's `member` tensors (owned elements, end to end in buffer order) all-gathered
-  // over the shard group: the flat buffer, in `dtype`.
-  Tensor GatherFlat(Kernels& k, DType dtype, Tensor State::*member) const;
-  // This rank's shard of a flat buffer all-gathered over the shard group (itself when the
+  // over the shard group: flat buffer `b`, in `dtype`.
+  Tensor GatherFlat(Kernels& k, size_t b, DType dtype, Tensor State::*member) const;
+  // This rank's shard of flat buffer `b` all-gathered over its shard group (itself when the
   // group has one rank).
-  Tensor GatherShard(Kernels& k, const Tensor& shard) const;
+  Tensor GatherShard(Kernels& k, size_t b, const Tensor& shard) const;
 
   OptimizerConfig config_;
   DistributedOptimizerGroups groups_;
@@ -123,8 +143,7 @@ class Optimizer {
   DType grad_dtype_ = DType::kFloat32;
   std::vector<State> states_;  // registration order
   int64_t steps_ = 0;
-  int64_t padded_ = 0, shard_begin_ = 0, shard_size_ = 0;
-  Tensor grad_shard_;  // distributed: [shard size] the reduced gradients of the owned elements
+  std::vector<Buffer> buffers_;  // distributed: the dense buffer, then the experts' if any
 };
 
 }  // namespace mpusim
