@@ -368,17 +368,20 @@ int RunReport::PrintTraining(const SimulationResult& result) {
   if (sh.distributed) {
     out_ << fmt::format(
         "  distributed optimizer: rank 0 keeps master weights and state for elements [{}, {}) of "
-        "its {}-element flat buffer ({:.2f} MiB, 1/{} of the plain optimizer's {:.2f} MiB), "
+        "its {}-element flat buffer{} ({:.2f} MiB, {} of the plain optimizer's {:.2f} MiB), "
         "gradients reduce-scattered and parameters all-gathered over dp_cp_partial{}\n",
-        sh.begin, sh.end, sh.buffer, state_mib,
-        sh.end > sh.begin ? sh.buffer / (sh.end - sh.begin) : 0,
+        sh.begin, sh.end, sh.buffer,
+        sh.expert_buffer > 0 ? fmt::format(" and [{}, {}) of its {}-element expert buffer",
+                                           sh.expert_begin, sh.expert_end, sh.expert_buffer)
+                             : std::string(),
+        state_mib,
+        sh.expert_buffer > 0
+            ? fmt::format("{:.3f}", static_cast<double>(sh.elements) /
+                                        static_cast<double>(std::max<int64_t>(sh.parameters, 1)))
+            : fmt::format("1/{}", sh.end > sh.begin ? sh.buffer / (sh.end - sh.begin) : 0),
         static_cast<double>(sh.parameters * sh.state_tensors * sh.element_bytes) /
             (1024.0 * 1024.0),
-        sh.expert_buffer > 0
-            ? fmt::format("; and elements [{}, {}) of its {}-element expert buffer, sharded "
-                          "over expt_dp (the MiB count both)",
-                          sh.expert_begin, sh.expert_end, sh.expert_buffer)
-            : std::string());
+        sh.expert_buffer > 0 ? " (the expert buffer's over expt_dp)" : "");
   } else {
     out_ << fmt::format(
         "  optimizer state on rank 0: master weights and {} for its {} parameter elements "
