@@ -2,7 +2,8 @@
 // run with mpiexec and checked against the float64 reference, in one table.
 //
 // What it is: the layouts are every tp x cp x pp (x vp 2) x dp factorisation of N (cp > 1 for
-// the GPT only, with the config's cp_comm_type), with and
+// the GPT only, with the config's cp_comm_type; for an MoE GPT also every ep dividing dp x cp
+// and the number of experts), with and
 // without sequence parallelism, with and without the distributed optimizer (a training config
 // with dp > 1), that the model can be split into (BuildModel: the model's own layout checks, the
 // planner's layer assignment and schedule); each runs as `mpiexec -n N mpusim run` on a copy
@@ -55,9 +56,11 @@ struct Layout {
   bool sp = false;
   bool dist_opt = false;  // optimizer.use_distributed_optimizer
   int64_t cp = 1;
+  int64_t ep = 1;  // expert_model_parallel_size, carved out of dp x cp
   std::string Name() const {
-    return fmt::format("tp {}{} pp {}{} dp {}{}{}", tp, cp > 1 ? fmt::format(" cp {}", cp) : "",
-                       pp, vp > 0 ? fmt::format(" vp {}", vp) : "", dp, sp ? " sp" : "",
+    return fmt::format("tp {}{} pp {}{} dp {}{}{}{}", tp, cp > 1 ? fmt::format(" cp {}", cp) : "",
+                       pp, vp > 0 ? fmt::format(" vp {}", vp) : "", dp,
+                       ep > 1 ? fmt::format(" ep {}", ep) : "", sp ? " sp" : "",
                        dist_opt ? " dist-opt" : "");
   }
 };
@@ -145,7 +148,9 @@ class SweepCommand final : public Command {
     base["run"].erase("global_batch_size");
     std::vector<Layout> layouts;
     std::vector<std::string> skipped;
-    ListLayouts(base, config.optimizer.has_value(), config.gpt.has_value(), &layouts, &skipped);
+    ListLayouts(base, config.optimizer.has_value(), config.gpt.has_value(),
+                config.gpt && config.gpt->moe.enabled() ? config.gpt->moe.num_experts : 0,
+                &layouts, &skipped);
     if (layouts.empty()) {
       return ReportError(err, config_path_,
                          fmt::format("no layout of {} ranks can run this model (e.g. {})",
@@ -157,8 +162,11 @@ class SweepCommand final : public Command {
         config_path_, world_size_, layouts.size(), skipped.size(), config.run->num_microbatches,
         samples_);
     for (const std::string& s : skipped) out << "  skipped " << s << '\n';
-    out << fmt::format("  {:<31} {:>14} {:>16} {:>12} {:>8} {:>10} {:>7}\n", "layout", "final loss",
-                       "max |loss-ref|", "param err", "check", "s/iter", "stashes");
+    // The layout column: 31 wide, or the longest name's width (ep, sp and dist-opt together).
+    for (const Layout& l : layouts) name_width_ = std::max(name_width_, l.Name().size());
+    out << fmt::format("  {:<{}} {:>14} {:>16} {:>12} {:>8} {:>10} {:>7}\n", "layout",
+                       name_width_, "final loss", "max |loss-ref|", "param err", "check",
+                       "s/iter", "stashes");
     out.flush();
     char self[4096] = {};
     const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
@@ -206,6 +214,12 @@ class SweepCommand final : public Command {
              "losses differ between layouts; each layout is checked against the reference "
              "drawing the same masks)\n";
     }
+    if (config.gpt && config.gpt->moe.enabled() && config.optimizer) {
+      out << "  (the MoE router's load-balancing counts and capacity are per data-parallel "
+             "rank, as in Megatron, so layouts with another dp x cp train a different model "
+             "after the first iteration; each is checked against the reference with its "
+             "split)\n";
+    }
     if (losses.size() > 1) {
       out << "  (layouts that pad the vocabulary differently train different models: the "
              "padded logits take part in the softmax; make vocab_size a multiple of "
@@ -223,6 +237,7 @@ class SweepCommand final : public Command {
                             {"pipeline_model_parallel_size", l.pp},
                             {"sequence_parallel", l.sp}};
     if (l.cp > 1) document["parallel"]["context_parallel_size"] = l.cp;
+    if (l.ep > 1) document["parallel"]["expert_model_parallel_size"] = l.ep;
     if (l.vp > 0) document["parallel"]["virtual_pipeline_model_parallel_size"] = l.vp;
     if (document.contains("optimizer")) {
       document["optimizer"]["use_distributed_optimizer"] = l.dist_opt;
@@ -233,9 +248,10 @@ class SweepCommand final : public Command {
 
   // Every tp x cp x pp (x vp 2) x dp layout of world_size_ ranks (cp > 1 with `gpt` only),
   // with and without sequence parallelism and the distributed optimizer (with
-  // `has_optimizer` and dp x cp > 1): those the model accepts into `layouts`, the others into
-  // `skipped` with the reason.
-  void ListLayouts(const json& base, bool has_optimizer, bool gpt,
+  // `has_optimizer` and dp x cp > 1), and for a model with `experts` every ep dividing dp x cp
+  // and the experts: those the model accepts into `layouts`, the others into `skipped` with
+  // the reason.
+  void ListLayouts(const json& base, bool has_optimizer, bool gpt, int64_t experts,
                    std::vector<Layout>* layouts_out, std::vector<std::string>* skipped_out) const {
     std::vector<Layout>& layouts = *layouts_out;
     std::vector<std::string>& skipped = *skipped_out;
@@ -252,16 +268,20 @@ class SweepCommand final : public Command {
               if (sp && tp == 1) continue;
               // The distributed optimizer shards over dp x cp, and needs an optimizer.
               if (dist_opt && (!has_optimizer || world_size_ / (tp * pp) == 1)) continue;
-              Layout l{tp, pp, vp, world_size_ / (tp * cp * pp), sp, dist_opt, cp};
-              const std::string problem =
-                  samples_ % l.dp != 0
-                      ? fmt::format("{} samples per micro-batch do not split over dp {}", samples_,
-                                    l.dp)
-                      : LayoutProblem(Document(base, l));
-              if (problem.empty()) {
-                layouts.push_back(l);
-              } else {
-                skipped.push_back(fmt::format("{}: {}", l.Name(), problem));
+              const int64_t dp_cp = world_size_ / (tp * pp);
+              for (int64_t ep = 1; ep <= (experts > 0 ? dp_cp : 1); ++ep) {
+                if (dp_cp % ep != 0 || (ep > 1 && experts % ep != 0)) continue;
+                Layout l{tp, pp, vp, world_size_ / (tp * cp * pp), sp, dist_opt, cp, ep};
+                const std::string problem =
+                    samples_ % l.dp != 0
+                        ? fmt::format("{} samples per micro-batch do not split over dp {}",
+                                      samples_, l.dp)
+                        : LayoutProblem(Document(base, l));
+                if (problem.empty()) {
+                  layouts.push_back(l);
+                } else {
+                  skipped.push_back(fmt::format("{}: {}", l.Name(), problem));
+                }
               }
             }
           }
@@ -298,7 +318,8 @@ class SweepCommand final : public Command {
       std::stringstream log;
       log << log_in.rdbuf();
       const std::string text = log.str();
-      out << fmt::format("  {:<31} FAIL: mpusim run exited {}: {}\n", l.Name(), code,
+      out << fmt::format("  {:<{}} FAIL: mpusim run exited {}: {}\n", l.Name(), name_width_,
+                         code,
                          text.substr(text.size() > 400 ? text.size() - 400 : 0));
       return false;
     }
@@ -320,7 +341,8 @@ class SweepCommand final : public Command {
     const bool passed = code == 0 && summary["passed"].get<bool>();
     const double seconds = summary["seconds_median"].get<double>();
     out << fmt::format(
-        "  {:<31} {:>14.10g} {:>16.3g} {:>12.3g} {:>8} {:>10.3f} {:>7}\n", l.Name(), loss,
+        "  {:<{}} {:>14.10g} {:>16.3g} {:>12.3g} {:>8} {:>10.3f} {:>7}\n", l.Name(), name_width_,
+        loss,
         deviation, summary["check"]["max_parameter_normalized_error"].get<double>(),
         passed ? "pass" : "FAIL", seconds, summary["peak_stashes_rank0"].get<int64_t>());
     out.flush();
@@ -328,6 +350,7 @@ class SweepCommand final : public Command {
   }
 
   CLI::App* app_ = nullptr;
+  size_t name_width_ = 31;
   std::string config_path_;
   int64_t world_size_ = 1;
   std::optional<int64_t> train_iters_;

@@ -1106,6 +1106,23 @@ TEST(SweepCommand, EveryLayoutOfTwoRanksPasses) {
       << no_run.err;
 }
 
+// An MoE GPT: the sweep adds every ep that divides dp x cp (and the experts) to each layout.
+TEST(SweepCommand, MoeLayoutsAddExpertParallelism) {
+  std::string out;
+  EXPECT_EQ(Shell(std::string(MPUSIM_BINARY) + " sweep " + Sample("gpt_moe_ep2_t2_sp_dp2_n4.json") +
+                      " --world-size 2",
+                  &out),
+            0)
+      << out;
+  for (const char* line : {"on 2 ranks: 6 layouts (2 skipped)", "  tp 1 pp 1 dp 2 ",
+                           "  tp 1 pp 1 dp 2 ep 2 ", "  tp 1 cp 2 pp 1 dp 1 ep 2 ",
+                           "skipped tp 2 pp 1 dp 1: parallel.sequence_parallel: must be true",
+                           "  tp 2 pp 1 dp 1 sp ", "6 of 6 layouts pass"}) {
+    EXPECT_NE(out.find(line), std::string::npos) << line << "\n" << out;
+  }
+  EXPECT_EQ(out.find("pp 2 dp 1 ep 2"), std::string::npos) << out;  // dp x cp 1: no ep
+}
+
 // A chain with an explicit copy_to_tensor_model_parallel_region before a ColumnParallelLinear
 // (which runs its own copy_to): at tp 2 its backward all-reduce doubles the gradients before
 // it, as Megatron's code would.
