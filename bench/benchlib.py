@@ -11,6 +11,7 @@ import os
 import re
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -133,6 +134,25 @@ def step_median(output):
     if not m:
         raise SystemExit("error: no 'median ... s' in the output:\n" + output[-2000:])
     return float(m.group(1))
+
+
+def mpusim_step(ranks, config, repeat, build="build"):
+    """A contender: `mpirun -n RANKS mpusim run CONFIG --no-check --repeat REPEAT`, returning
+    {"step": its median step in seconds}."""
+    program = mpusim(build)
+    return lambda: {"step": step_median(Measured(
+        mpirun(ranks) + [program, "run", config, "--no-check", "--repeat", str(repeat)]).out)}
+
+
+def torch_step(script, threads, repeat, python=None):
+    """A contender: the PyTorch script bench/SCRIPT with --threads THREADS --repeat REPEAT
+    (BLAS threads set alike), returning {"step": the median step it prints}."""
+    def run():
+        with blas_threads(threads):
+            m = Measured([python or sys.executable, os.path.join(ROOT, "bench", script),
+                          "--threads", str(threads), "--repeat", str(repeat)])
+        return {"step": step_median(m.out)}
+    return run
 
 
 def backend_line(output):

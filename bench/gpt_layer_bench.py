@@ -35,7 +35,7 @@ def main():
     args = parser.parse_args()
     if args.repeat < 2:
         parser.error("--repeat must be at least 2: mpusim run prints a median step only then")
-    mpusim = benchlib.mpusim()
+    benchlib.mpusim()  # exits with a message when the build is missing
     t1 = os.path.join(benchlib.ROOT, "bench/configs/gpt_layer_t1_n1.json")
     t2 = os.path.join(benchlib.ROOT, "bench/configs/gpt_layer_t2_n2.json")
     with open(t2) as f:
@@ -44,18 +44,10 @@ def main():
     t2_sp = benchlib.temp_config(sp_config)
 
     def run_mpusim(ranks, config):
-        return lambda: {"step": benchlib.step_median(benchlib.Measured(
-            benchlib.mpirun(ranks) + [mpusim, "run", config, "--no-check", "--repeat",
-                                      str(args.repeat)]).out)}
+        return benchlib.mpusim_step(ranks, config, args.repeat)
 
     def run_torch(threads):
-        def run():
-            with benchlib.blas_threads(threads):
-                m = benchlib.Measured([sys.executable, os.path.join(benchlib.ROOT,
-                                                                    "bench/gpt_layer_torch.py"),
-                                       "--threads", str(threads), "--repeat", str(args.repeat)])
-            return {"step": benchlib.step_median(m.out)}
-        return run
+        return benchlib.torch_step("gpt_layer_torch.py", threads, args.repeat)
 
     contenders = {
         "mpusim tp=1, 1 rank": (1, run_mpusim(1, t1)),

@@ -36,7 +36,7 @@ def main():
     args = parser.parse_args()
     if args.repeat < 2:
         parser.error("--repeat must be at least 2: mpusim run prints a median step only then")
-    mpusim = benchlib.mpusim()
+    benchlib.mpusim()  # exits with a message when the build is missing
     one = os.path.join(benchlib.ROOT, "bench/configs/gpt_moe_layer_n1.json")
     with open(one) as f:
         base = json.load(f)
@@ -48,18 +48,10 @@ def main():
         configs[dispatcher] = benchlib.temp_config(c)
 
     def run_mpusim(ranks, config):
-        return lambda: {"step": benchlib.step_median(benchlib.Measured(
-            benchlib.mpirun(ranks) + [mpusim, "run", config, "--no-check", "--repeat",
-                                      str(args.repeat)]).out)}
+        return benchlib.mpusim_step(ranks, config, args.repeat)
 
     def run_torch(threads):
-        def run():
-            with benchlib.blas_threads(threads):
-                m = benchlib.Measured([sys.executable, os.path.join(benchlib.ROOT,
-                                                                    "bench/moe_torch.py"),
-                                       "--threads", str(threads), "--repeat", str(args.repeat)])
-            return {"step": benchlib.step_median(m.out)}
-        return run
+        return benchlib.torch_step("moe_torch.py", threads, args.repeat)
 
     contenders = {
         "mpusim, 1 rank": (1, run_mpusim(1, one)),
