@@ -4,11 +4,13 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
 
 #include "core/model/gpt_model.h"
+#include "core/model/moe.h"
 
 namespace mpusim {
 
@@ -281,12 +283,17 @@ MemoryPlan GptModel::PlanMemory(const MemoryPlanOptions& options) const {
   const int64_t attn_local = heads_local * gpt.kv_channels;
   const int64_t vp = gpt.PaddedVocabSize(t);
   PlanBytes full_parameters = 0;
+  const DerivedSizes& sizes = topology_->sizes();
+  const ExpertPlacement experts{gpt.moe.num_experts, sizes.ep, coords_.ep};
   for (const GptParameter& p : GptParameters(gpt, vp, false)) {
+    full_parameters = SaturatingAdd(full_parameters, PlanElements(p.shape));
+    // With expert parallelism the rank holds its ep rank's experts only.
+    const std::optional<int64_t> expert = ExpertOf(p.name);
+    if (expert && sizes.ep > 1 && !experts.Holds(*expert)) continue;
     Shape local = p.shape;
     if (p.tp_dim >= 0) local[static_cast<size_t>(p.tp_dim)] /= t;
     plan.Add(p.name, local, storage);
     plan.Add(p.name + ".main_grad", local, compute);
-    full_parameters = SaturatingAdd(full_parameters, PlanElements(p.shape));
   }
   // One micro-batch's stash per layer (forward to backward), and about as much again for
   // the gradients in flight: stream tensors, the gathered GEMM inputs, qkv and its per-head

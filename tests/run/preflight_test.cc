@@ -1,9 +1,11 @@
 // The run's memory preflight split between the host and a backend's own device memory
 // (run/preflight.h): which items live where, and the device check's verdict and its line.
 #include <memory>
+#include <vector>
 #include <string>
 #include <utility>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "core/config/config.h"
@@ -105,6 +107,40 @@ TEST(DevicePreflight, TheReferenceAndTheCheckLiveOnTheHost) {
       // The executor's part does not depend on the check.
       EXPECT_EQ(plan.DeviceItems().total, PlanRankMemory(**model, 2, false).total);
     }
+  }
+}
+
+// With expert parallelism a rank plans its ep rank's experts only: ep 2 of 4 experts holds
+// two of them, and every expert of the model is on one of the ep ranks.
+TEST(DevicePreflight, AnEpRankPlansItsOwnExperts) {
+  const char* text = R"({
+    "parallel": {"world_size": 2, "expert_model_parallel_size": 2},
+    "model": {"type": "gpt", "num_layers": 1, "hidden_size": 32, "num_attention_heads": 4,
+              "vocab_size": 64, "add_bias_linear": false, "num_moe_experts": 4,
+              "moe_ffn_hidden_size": 16},
+    "run": {"seq_length": 8, "micro_batch_size": 1}})";
+  StatusOr<nlohmann::json> document = ParseJsonText(text);
+  ASSERT_TRUE(document.ok()) << document.status().Message();
+  Config config;
+  ASSERT_TRUE(ParseConfig(*document, &config).ok());
+  StatusOr<Topology> topology = Topology::Create(config.parallel);
+  ASSERT_TRUE(topology.ok()) << topology.status().Message();
+  for (int64_t rank : {0, 1}) {
+    StatusOr<std::unique_ptr<Model>> model =
+        BuildModel(config, *topology, topology->Coordinates(rank));
+    ASSERT_TRUE(model.ok()) << model.status().Message();
+    std::vector<std::string> experts;
+    for (const MemoryItem& item : PlanRankMemory(**model, 2, false).items) {
+      if (item.name.find(".mlp.experts.") != std::string::npos &&
+          item.name.ends_with("linear_fc1.weight")) {
+        experts.push_back(item.name);
+      }
+    }
+    const auto name = [](int64_t e) {
+      return fmt::format("decoder.layers.0.mlp.experts.local_experts.{}.linear_fc1.weight", e);
+    };
+    EXPECT_EQ(experts, (std::vector<std::string>{name(2 * rank), name(2 * rank + 1)}))
+        << "rank " << rank;
   }
 }
 
