@@ -325,8 +325,9 @@ ModuleContext GptModel::Context(RankContext& ctx, int64_t microbatch, const Stas
       throw std::logic_error("GptModel: expert parallelism but no tp_ep group");
     }
     module.tp_ep = ctx.groups.tp_ep.get();
-    if (ctx.groups.ep == nullptr || ctx.groups.ep->Size() != topology_->sizes().ep) {
-      throw std::logic_error("GptModel: expert parallelism but no ep group of its size");
+    if (ctx.groups.ep == nullptr || ctx.groups.ep->Size() != topology_->sizes().ep ||
+        ctx.groups.ep->Rank() != coords_.ep) {
+      throw std::logic_error("GptModel: the ep group does not place this rank at its ep rank");
     }
     module.ep = ctx.groups.ep.get();
   }

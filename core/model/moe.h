@@ -85,7 +85,9 @@ class MoeLayer {
     std::vector<double> aux;      // [E] d(objective)/d(scores_ti), the same for every t
     std::vector<double> dlse;     // [T] d(objective)/d(lse_t) of the z-loss (empty: none)
     Tensor token_ids, slot_ids;   // int64 [N]: each permuted row's token in [0, T_all) and
-                                  // its entry token * k + slot of the gathered probs
+                                  // its entry token * k + slot of the gathered probs (the
+                                  // alltoall dispatcher: both its row of the exchanged rows,
+                                  // [0, t * tp_pad))
     std::vector<int64_t> offsets;  // [local experts + 1]: local expert e has permuted rows
                                    // [offsets[e], offsets[e + 1])
     Tensor x_perm, p_perm;   // [N, h], [N, 1]

@@ -70,7 +70,8 @@ Optimizer::Optimizer(const OptimizerConfig& config, const std::vector<Parameter*
   for (State& s : states_) {
     const Buffer& b = Find(s.buffer);
     s.begin = distributed() ? std::clamp(b.begin - s.offset, int64_t{0}, s.numel) : 0;
-    s.end = distributed() ? std::clamp(b.begin + b.size - s.offset, int64_t{0}, s.numel) : s.numel;
+    s.end =
+        distributed() ? std::clamp(b.begin + b.size - s.offset, int64_t{0}, s.numel) : s.numel;
     const int64_t owned = s.end - s.begin;
     if (owned == 0) continue;
     s.master = k.Zeros({owned}, master_dtype_);

@@ -287,47 +287,45 @@ TEST(GptMixtureOfExperts, StepNotesCountEveryRoutedToken) {
   for (const auto& [layer, tokens] : per_layer) EXPECT_EQ(tokens, 2 * 16 * Samples()) << layer;
 }
 
+// A document the run refuses with exactly `message` (one line naming the field).
+void ExpectRefusal(const json& document, const std::string& message) {
+  const StatusOr<run::SimulationResult> result = Simulate(document);
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().Message(), message);
+}
+
 TEST(GptMixtureOfExperts, RefusalsNameTheField) {
   if (WorldSize() < 2) GTEST_SKIP() << "needs tp 2";
   json document = MoeDocument(Dropless(), 2, 1, 1, "float64");
   document["parallel"]["sequence_parallel"] = false;
-  StatusOr<run::SimulationResult> result = Simulate(document);
-  ASSERT_FALSE(result.ok());
-  EXPECT_EQ(result.status().Message(),
-            "parallel.sequence_parallel: must be true for a mixture-of-experts model with "
-            "tensor_model_parallel_size 2 (Megatron's rule: each tp rank's router sees its own "
-            "sequence shard)");
+  ExpectRefusal(document,
+                "parallel.sequence_parallel: must be true for a mixture-of-experts model with "
+                "tensor_model_parallel_size 2 (Megatron's rule: each tp rank's router sees its "
+                "own sequence shard)");
   if (WorldSize() >= 4) {  // 2 instances need an expert data-parallel size of 2
     document = MoeDocument(Dropless(), 1, 1, 1, "float64", 2);
     document["optimizer"] = {
         {"optimizer", "adam"}, {"lr", 1e-3}, {"use_distributed_optimizer", true}};
     document["parallel"]["num_distributed_optimizer_instances"] = 2;
-    result = Simulate(document);
-    ASSERT_FALSE(result.ok());
-    EXPECT_EQ(result.status().Message(),
-              "parallel.num_distributed_optimizer_instances: 2 with expert_model_parallel_size 2 "
-              "is not built yet (the experts' partial shards over expt_dp_partial); set 1");
+    ExpectRefusal(document,
+                  "parallel.num_distributed_optimizer_instances: 2 with "
+                  "expert_model_parallel_size 2 is not built yet (the experts' partial shards "
+                  "over expt_dp_partial); set 1");
   }
   document = MoeDocument(Dropless(), 1, 1, 1, "float64", 2);
   document["model"]["num_moe_experts"] = 3;
-  result = Simulate(document);
-  ASSERT_FALSE(result.ok());
-  EXPECT_EQ(result.status().Message(),
-            "parallel.expert_model_parallel_size: num_moe_experts 3 is not divisible by "
-            "expert_model_parallel_size 2 (each ep rank holds num_moe_experts / ep experts)");
+  ExpectRefusal(document,
+                "parallel.expert_model_parallel_size: num_moe_experts 3 is not divisible by "
+                "expert_model_parallel_size 2 (each ep rank holds num_moe_experts / ep experts)");
   document = MoeDocument(Llama(8, 4), 1, 1, 1, "float64", 2);
-  result = Simulate(document);
-  ASSERT_FALSE(result.ok());
-  EXPECT_EQ(result.status().Message(),
-            "parallel.expert_model_parallel_size: 2 splits experts, but the model has none; set "
-            "num_moe_experts or expert_model_parallel_size 1");
+  ExpectRefusal(document,
+                "parallel.expert_model_parallel_size: 2 splits experts, but the model has none; "
+                "set num_moe_experts or expert_model_parallel_size 1");
   document = MoeDocument(Dropless(), 2, 1, 1, "float64");
   document["model"]["moe_router_load_balancing_type"] = "seq_aux_loss";
-  result = Simulate(document);
-  ASSERT_FALSE(result.ok());
-  EXPECT_EQ(result.status().Message(),
-            "model.moe_router_load_balancing_type: \"seq_aux_loss\" is not built yet; set "
-            "\"aux_loss\" or \"none\"");
+  ExpectRefusal(document,
+                "model.moe_router_load_balancing_type: \"seq_aux_loss\" is not built yet; set "
+                "\"aux_loss\" or \"none\"");
 }
 
 }  // namespace
