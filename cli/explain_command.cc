@@ -39,12 +39,17 @@ std::vector<std::pair<int64_t, int64_t>> HeldRanges(const MappedParameter& p, in
   return HeldRuns(spec, p.tp_dim, full);
 }
 
-// The global ranks with these tp and pp coordinates.
-std::vector<int64_t> RanksAt(const Topology& topology, int64_t tp, int64_t pp) {
+// The global ranks holding piece `piece` of `p`: those at its stage with that tp coordinate
+// (etp for an expert weight split over expt_tp; any: -1) and, for an expert's weight under
+// expert parallelism, its ep rank.
+std::vector<int64_t> RanksAt(const Topology& topology, const MappedParameter& p, int64_t piece) {
   std::vector<int64_t> out;
   for (int64_t r = 0; r < topology.world_size(); ++r) {
     const RankCoordinates c = topology.Coordinates(r);
-    if (c.tp == tp && c.pp == pp) out.push_back(r);
+    const int64_t tp = p.over_etp ? c.etp : c.tp;
+    if (c.pp == p.pp_rank && (piece < 0 || tp == piece) && (p.ep_rank < 0 || c.ep == p.ep_rank)) {
+      out.push_back(r);
+    }
   }
   return out;
 }
@@ -92,6 +97,11 @@ void PrintShardingMap(const std::vector<MappedParameter>& params, const Topology
                                 {"pipeline_model_parallel_size", pp}};
   const int64_t cp = topology.sizes().cp;
   doc["context_parallel_size"] = cp;
+  const bool experts_apart = topology.sizes().experts_apart();
+  if (experts_apart) {
+    doc["expert_model_parallel_size"] = topology.sizes().ep;
+    doc["expert_tensor_parallel_size"] = topology.sizes().etp;
+  }
   if (cp > 1) {
     // Megatron's load-balanced split: cp rank r holds chunks r and 2 cp - 1 - r of 2 cp.
     const int64_t c = seq_length / (2 * cp);
@@ -107,45 +117,50 @@ void PrintShardingMap(const std::vector<MappedParameter>& params, const Topology
   if (only) {
     doc["rank"] = rank;
     doc["coordinates"] = {{"tp", only->tp}, {"pp", only->pp}, {"dp", only->dp}, {"cp", only->cp}};
+    if (experts_apart) {
+      doc["coordinates"]["ep"] = only->ep;
+      doc["coordinates"]["etp"] = only->etp;
+    }
   }
   nlohmann::ordered_json list = nlohmann::ordered_json::array();
   if (!json_format) {
-    out << (only ? fmt::format("\nsharding map of rank {} (tp rank {}, pp rank {}, dp rank {}): "
+    out << (only ? fmt::format("\nsharding map of rank {} (tp rank {}, pp rank {}, dp rank {}{}): "
                                "the index ranges of each master tensor it holds\n",
-                               rank, only->tp, only->pp, only->dp)
+                               rank, only->tp, only->pp, only->dp,
+                               experts_apart ? fmt::format(", ep rank {}, etp rank {}", only->ep,
+                                                           only->etp)
+                                             : std::string())
                  : std::string("\nsharding map: the index ranges of each master tensor that each "
                                "tp rank holds, and the global ranks holding them\n"));
   }
   for (const MappedParameter& p : params) {
-    if (only && p.pp_rank != only->pp) continue;
+    if (only && (p.pp_rank != only->pp || (p.ep_rank >= 0 && p.ep_rank != only->ep))) continue;
+    // The group splitting it: tp, or expt_tp for an expert weight split over etp ranks.
+    const int64_t pieces = p.over_etp ? topology.sizes().etp : t;
+    const char* over = p.over_etp ? "expt_tp" : "tp";
+    const char* piece_name = p.over_etp ? "etp" : "tp";
     nlohmann::ordered_json shards = nlohmann::ordered_json::array();
     const std::string where =
         pp > 1 ? fmt::format(", pp rank {} chunk {}", p.pp_rank, p.chunk) : std::string();
     if (!json_format) {
       out << fmt::format(
-          "  {} {} {}{}{}\n", p.name, ShapeString(p.full_shape),
-          p.tp_dim < 0
-              ? std::string("replicated")
-              : fmt::format("{} split over tp{}", DimName(p),
+          "  {} {} {}{}{}{}\n", p.name, ShapeString(p.full_shape),
+          p.tp_dim < 0 && p.ep_rank >= 0 ? std::string("whole")
+          : p.tp_dim < 0                  ? std::string("replicated")
+              : fmt::format("{} split over {}{}", DimName(p), over,
                             p.tp_stride > 1 ? fmt::format(" with stride {}", p.tp_stride) : ""),
-          where, p.note.empty() ? "" : "; " + p.note);
+          where,
+          p.ep_rank >= 0 ? fmt::format(", ep rank {}", p.ep_rank) : std::string(),
+          p.note.empty() ? "" : "; " + p.note);
     }
-    for (int64_t r = 0; r < (p.tp_dim < 0 ? 1 : t); ++r) {
-      if (only && p.tp_dim >= 0 && r != only->tp) continue;
-      const auto ranges = HeldRanges(p, t, r);
-      std::vector<int64_t> ranks;
-      if (p.tp_dim < 0) {
-        for (int64_t tp = 0; tp < t; ++tp) {
-          for (int64_t g : RanksAt(topology, tp, p.pp_rank)) ranks.push_back(g);
-        }
-        std::sort(ranks.begin(), ranks.end());
-      } else {
-        ranks = RanksAt(topology, r, p.pp_rank);
-      }
+    for (int64_t r = 0; r < (p.tp_dim < 0 ? 1 : pieces); ++r) {
+      if (only && p.tp_dim >= 0 && r != (p.over_etp ? only->etp : only->tp)) continue;
+      const auto ranges = HeldRanges(p, pieces, r);
+      const std::vector<int64_t> ranks = RanksAt(topology, p, p.tp_dim < 0 ? -1 : r);
       const std::string held_by =
           fmt::format("{} {}", ranks.size() == 1 ? "rank" : "ranks", RankList(ranks));
       if (!json_format && p.tp_dim >= 0) {
-        out << fmt::format("    tp {}: {} {}{}\n", r, DimName(p), RangesText(ranges),
+        out << fmt::format("    {} {}: {} {}{}\n", piece_name, r, DimName(p), RangesText(ranges),
                            only ? std::string() : "  " + held_by);
       } else if (!json_format) {
         out << (only ? std::string("    whole\n") : fmt::format("    whole on {}\n", held_by));
@@ -153,7 +168,8 @@ void PrintShardingMap(const std::vector<MappedParameter>& params, const Topology
       nlohmann::ordered_json ranges_json = nlohmann::ordered_json::array();
       for (const auto& [b, e] : ranges) ranges_json.push_back({b, e});
       nlohmann::ordered_json shard = {
-          {"tp_rank", p.tp_dim < 0 ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(r)},
+          {p.over_etp ? "etp_rank" : "tp_rank",
+           p.tp_dim < 0 ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(r)},
           {"ranges", ranges_json}};
       if (!only) shard["ranks"] = ranks;
       shards.push_back(shard);
@@ -161,12 +177,14 @@ void PrintShardingMap(const std::vector<MappedParameter>& params, const Topology
     nlohmann::ordered_json entry = {
         {"name", p.name},
         {"shape", p.full_shape},
-        {"split", p.tp_dim < 0
-                      ? nlohmann::ordered_json(nullptr)
-                      : nlohmann::ordered_json{{"dim", p.tp_dim}, {"stride", p.tp_stride}}},
+        {"split", p.tp_dim < 0 ? nlohmann::ordered_json(nullptr)
+                               : nlohmann::ordered_json{{"dim", p.tp_dim},
+                                                        {"stride", p.tp_stride},
+                                                        {"group", over}}},
         {"pp_rank", p.pp_rank},
         {"chunk", p.chunk},
         {"shards", shards}};
+    if (p.ep_rank >= 0) entry["ep_rank"] = p.ep_rank;
     if (!p.note.empty()) entry["note"] = p.note;
     list.push_back(entry);
   }

@@ -39,6 +39,8 @@ const OverrideFlag kOverrides[] = {
      "override model.cp_comm_type (context parallelism): p2p, all_gather, a2a or a2a+p2p",
      {"p2p", "all_gather", "a2a", "a2a+p2p"}},
     {"--ep", "parallel.expert_model_parallel_size", "override expert_model_parallel_size"},
+    {"--etp", "parallel.expert_tensor_parallel_size",
+     "override expert_tensor_parallel_size (default: tensor_model_parallel_size)"},
     {"--moe-token-dispatcher", "model.moe_token_dispatcher_type",
      "override model.moe_token_dispatcher_type (mixture of experts): allgather or alltoall",
      {"allgather", "alltoall"}},

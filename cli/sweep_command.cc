@@ -56,11 +56,14 @@ struct Layout {
   bool sp = false;
   bool dist_opt = false;  // optimizer.use_distributed_optimizer
   int64_t cp = 1;
-  int64_t ep = 1;  // expert_model_parallel_size, carved out of dp x cp
+  int64_t ep = 1;   // expert_model_parallel_size, carved out of dp x cp
+  int64_t etp = 0;  // expert_tensor_parallel_size; 0: tp's (the default)
   std::string Name() const {
-    return fmt::format("tp {}{} pp {}{} dp {}{}{}{}", tp, cp > 1 ? fmt::format(" cp {}", cp) : "",
-                       pp, vp > 0 ? fmt::format(" vp {}", vp) : "", dp,
-                       ep > 1 ? fmt::format(" ep {}", ep) : "", sp ? " sp" : "",
+    return fmt::format("tp {}{} pp {}{} dp {}{}{}{}{}", tp,
+                       cp > 1 ? fmt::format(" cp {}", cp) : "", pp,
+                       vp > 0 ? fmt::format(" vp {}", vp) : "", dp,
+                       ep > 1 ? fmt::format(" ep {}", ep) : "",
+                       etp > 0 ? fmt::format(" etp {}", etp) : "", sp ? " sp" : "",
                        dist_opt ? " dist-opt" : "");
   }
 };
@@ -238,6 +241,7 @@ class SweepCommand final : public Command {
                             {"sequence_parallel", l.sp}};
     if (l.cp > 1) document["parallel"]["context_parallel_size"] = l.cp;
     if (l.ep > 1) document["parallel"]["expert_model_parallel_size"] = l.ep;
+    if (l.etp > 0) document["parallel"]["expert_tensor_parallel_size"] = l.etp;
     if (l.vp > 0) document["parallel"]["virtual_pipeline_model_parallel_size"] = l.vp;
     if (document.contains("optimizer")) {
       document["optimizer"]["use_distributed_optimizer"] = l.dist_opt;
@@ -249,8 +253,8 @@ class SweepCommand final : public Command {
   // Every tp x cp x pp (x vp 2) x dp layout of world_size_ ranks (cp > 1 with `gpt` only),
   // with and without sequence parallelism and the distributed optimizer (with
   // `has_optimizer` and dp x cp > 1), and for a model with `experts` every ep dividing dp x cp
-  // and the experts: those the model accepts into `layouts`, the others into `skipped` with
-  // the reason.
+  // and the experts, each also with whole experts (etp 1) where tp > 1: those the model
+  // accepts into `layouts`, the others into `skipped` with the reason.
   void ListLayouts(const json& base, bool has_optimizer, bool gpt, int64_t experts,
                    std::vector<Layout>* layouts_out, std::vector<std::string>* skipped_out) const {
     std::vector<Layout>& layouts = *layouts_out;
@@ -271,16 +275,19 @@ class SweepCommand final : public Command {
               const int64_t dp_cp = world_size_ / (tp * pp);
               for (int64_t ep = 1; ep <= (experts > 0 ? dp_cp : 1); ++ep) {
                 if (dp_cp % ep != 0 || (ep > 1 && experts % ep != 0)) continue;
-                Layout l{tp, pp, vp, world_size_ / (tp * cp * pp), sp, dist_opt, cp, ep};
-                const std::string problem =
-                    samples_ % l.dp != 0
-                        ? fmt::format("{} samples per micro-batch do not split over dp {}",
-                                      samples_, l.dp)
-                        : LayoutProblem(Document(base, l));
-                if (problem.empty()) {
-                  layouts.push_back(l);
-                } else {
-                  skipped.push_back(fmt::format("{}: {}", l.Name(), problem));
+                for (int64_t etp : {int64_t{0}, int64_t{1}}) {
+                  if (etp == 1 && (experts == 0 || tp == 1)) continue;
+                  Layout l{tp, pp, vp, world_size_ / (tp * cp * pp), sp, dist_opt, cp, ep, etp};
+                  const std::string problem =
+                      samples_ % l.dp != 0
+                          ? fmt::format("{} samples per micro-batch do not split over dp {}",
+                                        samples_, l.dp)
+                          : LayoutProblem(Document(base, l));
+                  if (problem.empty()) {
+                    layouts.push_back(l);
+                  } else {
+                    skipped.push_back(fmt::format("{}: {}", l.Name(), problem));
+                  }
                 }
               }
             }

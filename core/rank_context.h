@@ -28,27 +28,33 @@ struct RankGroups {
   std::unique_ptr<Communicator> pp;     // pipeline stages (point-to-point between them)
   std::unique_ptr<Communicator> embd;   // first and last stage (tied embeddings); null on
                                         // the stages between
-  // Expert parallelism's (expert_model_parallel_size > 1; built only then): the expert
-  // model-parallel group, the expert tensor x expert group the MoE dispatcher exchanges tokens
-  // over, and the expert data-parallel group expert gradients reduce over.
+  // The expert groups (built only when the experts are laid out apart:
+  // DerivedSizes::experts_apart): the expert model-parallel group, the expert tensor-parallel
+  // group an expert's slices are split over, the expert tensor x expert group the MoE
+  // dispatcher exchanges tokens over, and the expert data-parallel group expert gradients
+  // reduce over.
   std::unique_ptr<Communicator> ep;
+  std::unique_ptr<Communicator> expt_tp;
   std::unique_ptr<Communicator> tp_ep;
   std::unique_ptr<Communicator> expt_dp;
   // The distributed optimizer's (core/train/optimizer.h); built only for it, and
   // inter_dist_opt only with num_distributed_optimizer_instances > 1.
   std::unique_ptr<Communicator> dp_cp_partial;   // dp within one instance
+  std::unique_ptr<Communicator> expt_dp_partial;  // expt_dp within one instance (the
+                                                  // experts laid out apart only)
   std::unique_ptr<Communicator> intra_dist_opt;  // every rank of one instance
   std::unique_ptr<Communicator> inter_dist_opt;  // the same position in every instance
 
   // The kinds above, in Megatron's names, for backends' MakeGroups: those of the
   // distributed optimizer with `distributed_optimizer` (and `instances` of it).
-  // `experts`: those of expert parallelism too.
+  // `experts`: the expert groups too.
   static std::vector<std::string> Kinds(bool distributed_optimizer = false, int64_t instances = 1,
                                         bool experts = false) {
     std::vector<std::string> kinds = {"tp", "dp", "dp_cp", "cp", "pp", "embd"};
-    if (experts) kinds.insert(kinds.end(), {"ep", "tp_ep", "expt_dp"});
+    if (experts) kinds.insert(kinds.end(), {"ep", "expt_tp", "tp_ep", "expt_dp"});
     if (distributed_optimizer) {
       kinds.insert(kinds.end(), {"dp_cp_partial", "intra_dist_opt"});
+      if (experts) kinds.emplace_back("expt_dp_partial");
       if (instances > 1) kinds.emplace_back("inter_dist_opt");
     }
     return kinds;
@@ -67,9 +73,11 @@ struct RankGroups {
     groups.pp = take("pp");
     groups.embd = take("embd");
     groups.ep = take("ep");
+    groups.expt_tp = take("expt_tp");
     groups.tp_ep = take("tp_ep");
     groups.expt_dp = take("expt_dp");
     groups.dp_cp_partial = take("dp_cp_partial");
+    groups.expt_dp_partial = take("expt_dp_partial");
     groups.intra_dist_opt = take("intra_dist_opt");
     groups.inter_dist_opt = take("inter_dist_opt");
     return groups;

@@ -17,12 +17,15 @@ std::string_view ShardAxisName(ShardAxis axis) {
       return "cp";
     case ShardAxis::kEp:
       return "ep";
+    case ShardAxis::kEtp:
+      return "etp";
   }
   return "?";
 }
 
 std::optional<ShardAxis> ParseShardAxis(std::string_view name) {
-  for (ShardAxis axis : {ShardAxis::kTp, ShardAxis::kDp, ShardAxis::kCp, ShardAxis::kEp}) {
+  for (ShardAxis axis :
+       {ShardAxis::kTp, ShardAxis::kDp, ShardAxis::kCp, ShardAxis::kEp, ShardAxis::kEtp}) {
     if (name == ShardAxisName(axis)) return axis;
   }
   return std::nullopt;

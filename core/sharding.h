@@ -5,8 +5,9 @@
 //
 //   axis     which group the split runs over: "tp" (tensor parallelism, and sequence
 //            parallelism, which splits the sequence over the tp group), "dp" (data
-//            parallelism: an activation's samples), "cp" (context parallelism) or "ep"
-//            (expert parallelism)
+//            parallelism: an activation's samples), "cp" (context parallelism), "ep"
+//            (expert parallelism) or "etp" (expert tensor parallelism: an expert weight's
+//            split over expt_tp, expert_tensor_parallel_size ranks)
 //   dim      the dimension it splits
 //   shards   how many pieces (the group's size); a spec never holds a 1-shard placement
 //   index    this rank's piece (its rank in that group)
@@ -51,9 +52,9 @@
 
 namespace mpusim {
 
-enum class ShardAxis : uint8_t { kTp, kDp, kCp, kEp };
+enum class ShardAxis : uint8_t { kTp, kDp, kCp, kEp, kEtp };
 
-std::string_view ShardAxisName(ShardAxis axis);  // "tp", "dp", "cp", "ep"
+std::string_view ShardAxisName(ShardAxis axis);  // "tp", "dp", "cp", "ep", "etp"
 std::optional<ShardAxis> ParseShardAxis(std::string_view name);
 
 struct Placement {

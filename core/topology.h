@@ -127,6 +127,10 @@ struct DerivedSizes {
   std::optional<int64_t> vp;
   int64_t num_distributed_optimizer_instances;
   int64_t model_size;  // tp * pp * cp
+  // Whether the experts are laid out by groups of their own: expert parallelism, or an
+  // expert tensor-parallel size other than tp (else the expert groups are the dense ones:
+  // expt_tp = tp, expt_dp = dp_cp, tp_ep = tp).
+  bool experts_apart() const { return ep > 1 || etp != tp; }
 };
 
 // A rank's coordinate on every axis of both generators.

@@ -62,10 +62,11 @@ void RunReport::PrintLayout(const Topology& topology, const SimulationResult& re
   out_ << fmt::format("backend: {}\n", backend_description_);
   out_ << fmt::format(
       "layout: tensor_model_parallel_size {}, data_parallel_size {}, "
-      "sequence_parallel {}{}{}{}\n",
+      "sequence_parallel {}{}{}{}{}\n",
       s.tp, s.dp, config_.parallel.sequence_parallel,
       s.cp > 1 ? fmt::format(", context_parallel_size {}", s.cp) : std::string(),
       s.ep > 1 ? fmt::format(", expert_model_parallel_size {}", s.ep) : std::string(),
+      s.etp != s.tp ? fmt::format(", expert_tensor_parallel_size {}", s.etp) : std::string(),
       s.pp > 1 ? fmt::format(", pipeline_model_parallel_size {}{}", s.pp,
                              s.vp ? fmt::format(", virtual_pipeline_model_"
                                                 "parallel_size {}",
@@ -75,9 +76,13 @@ void RunReport::PrintLayout(const Topology& topology, const SimulationResult& re
   std::vector<const char*> kinds = {"tp", "dp"};
   if (s.cp > 1) kinds.insert(kinds.end(), {"cp", "dp_cp"});
   if (s.pp > 1) kinds.push_back("pp");
-  if (s.ep > 1) kinds.insert(kinds.end(), {"ep", "tp_ep", "expt_dp"});
+  if (s.ep > 1) kinds.push_back("ep");
+  if (s.experts_apart()) kinds.insert(kinds.end(), {"expt_tp", "tp_ep", "expt_dp"});
   if (config_.optimizer && config_.optimizer->use_distributed_optimizer) {
     kinds.push_back("dp_cp_partial");
+    if (s.experts_apart() && s.num_distributed_optimizer_instances > 1) {
+      kinds.push_back("expt_dp_partial");
+    }
     if (s.num_distributed_optimizer_instances > 1) kinds.push_back("inter_dist_opt");
   }
   for (const char* kind : kinds) {
@@ -152,7 +157,7 @@ void RunReport::PrintParameterMemory(const SimulationResult& result) {
 void RunReport::PrintStepNotes(const SimulationResult& result) {
   if (result.step_notes.empty()) return;
   out_ << "\nexperts: the tokens each rank's experts received in the last forward (the first "
-          "rank of each expert tensor-parallel group; its tp peers compute slices of the same):\n";
+          "rank of each expert tensor-parallel group; its expt_tp peers compute slices of the same):\n";
   for (const std::string& text : result.step_notes) {
     std::string::size_type begin = 0, end;
     while ((end = text.find('\n', begin)) != std::string::npos) {
@@ -381,7 +386,11 @@ int RunReport::PrintTraining(const SimulationResult& result) {
             : fmt::format("1/{}", sh.end > sh.begin ? sh.buffer / (sh.end - sh.begin) : 0),
         static_cast<double>(sh.parameters * sh.state_tensors * sh.element_bytes) /
             (1024.0 * 1024.0),
-        sh.expert_buffer > 0 ? " (the expert buffer's over expt_dp)" : "");
+        sh.expert_buffer == 0 ? ""
+        : config_.parallel.num_distributed_optimizer_instances > 1
+            ? " (the expert buffer's over expt_dp_partial; both shards all-reduced over "
+              "inter_dist_opt)"
+            : " (the expert buffer's over expt_dp)");
   } else {
     out_ << fmt::format(
         "  optimizer state on rank 0: master weights and {} for its {} parameter elements "

@@ -35,7 +35,7 @@ RankContext MakeRankContext(const Config& config, Backend& backend, const Topolo
       backend.MakeGroups(topology, world_rank,
                          RankGroups::Kinds(distributed_optimizer,
                                            topology.sizes().num_distributed_optimizer_instances,
-                                           topology.sizes().ep > 1));
+                                           topology.sizes().experts_apart()));
   for (auto& [kind, comm] : groups) {
     comm = std::make_unique<TracedCommunicator>(std::move(comm), kind, trace);
   }
@@ -129,8 +129,10 @@ std::unique_ptr<Optimizer> MakeOptimizer(const Config& config, RankContext& ctx,
   if (config.optimizer->use_distributed_optimizer) {
     dist_groups = {ctx.groups.dp_cp_partial.get(), ctx.groups.inter_dist_opt.get(),
                    ctx.groups.intra_dist_opt.get()};
-    // With expert parallelism the experts' buffer shards over expt_dp.
-    if (ctx.topology->sizes().ep > 1) dist_groups.expert_shard = ctx.groups.expt_dp.get();
+    // With the experts laid out apart their buffer shards over expt_dp within the instance.
+    if (ctx.topology->sizes().experts_apart()) {
+      dist_groups.expert_shard = ctx.groups.expt_dp_partial.get();
+    }
   }
   auto optimizer = std::make_unique<Optimizer>(*config.optimizer, params, *ctx.kernels, dist_groups);
   SimulationResult::OptimizerShard& shard = result->optimizer;

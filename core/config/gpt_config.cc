@@ -441,11 +441,15 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
                                        "num_moe_experts / ep experts)",
                                        gpt->moe.num_experts, ep));
     }
-    if (parallel.EffectiveExpertTensorParallelSize() != t) {
-      return Status::Error("parallel.expert_tensor_parallel_size",
-                           fmt::format("must equal tensor_model_parallel_size {} for a GPT run "
-                                       "today, got {}",
-                                       t, parallel.EffectiveExpertTensorParallelSize()));
+    const int64_t etp = parallel.EffectiveExpertTensorParallelSize();
+    if (gpt->moe.ffn_hidden_size % etp != 0) {
+      return Status::Error("model.moe_ffn_hidden_size",
+                           fmt::format("{} is not divisible by expert_tensor_parallel_size {} "
+                                       "(each expert's fc1 and fc2 are split over expt_tp)",
+                                       gpt->moe.ffn_hidden_size, etp));
+    }
+    if (const auto shared = gpt->moe.shared_expert_intermediate_size; shared && *shared % t != 0) {
+      MPUSIM_RETURN_IF_ERROR(divisible("moe_shared_expert_intermediate_size", *shared));
     }
     if (t > 1 && !parallel.sequence_parallel) {
       return Status::Error("parallel.sequence_parallel",

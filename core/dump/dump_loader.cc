@@ -335,7 +335,7 @@ StatusOr<ShardMetadata> ParseShardMetadata(const std::string& text) {
     const std::optional<ShardAxis> axis =
         p["axis"].is_string() ? ParseShardAxis(p["axis"].get<std::string>()) : std::nullopt;
     if (!axis) {
-      return Status::Error("", fmt::format("{}.axis must be one of tp, dp, cp, ep, got {}", where,
+      return Status::Error("", fmt::format("{}.axis must be one of tp, dp, cp, ep, etp, got {}", where,
                                            Brief(p["axis"])));
     }
     int64_t values[4] = {0, 0, 0, 0};

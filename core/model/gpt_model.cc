@@ -108,14 +108,6 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
   model->gpt_ = *config.gpt;
   model->run_ = *config.run;
   MPUSIM_RETURN_IF_ERROR(CheckGptLayout(config.parallel, model->run_, &model->gpt_));
-  if (topology.sizes().ep > 1 && config.optimizer && config.optimizer->use_distributed_optimizer &&
-      config.parallel.num_distributed_optimizer_instances > 1) {
-    return Status::Error("parallel.num_distributed_optimizer_instances",
-                         fmt::format("{} with expert_model_parallel_size {} is not built yet (the "
-                                     "experts' partial shards over expt_dp_partial); set 1",
-                                     config.parallel.num_distributed_optimizer_instances,
-                                     topology.sizes().ep));
-  }
   if (topology.first_rank() != 0) {
     return Status::Error("parallel.rank_offset", "mpusim run needs rank_offset 0");
   }
@@ -177,9 +169,13 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
     // Expert parallelism: this ep rank's experts only.
     const std::optional<int64_t> expert = ExpertOf(p.name);
     if (expert && !experts.Holds(*expert)) continue;
-    Parameter& added = model->params_.Add(p.name, p.shape, p.init, p.tp_dim, p.tp_stride,
-                                          p.allreduce_grad_over_tp, t, coords.tp);
-    added.expert = expert.has_value() && sizes.ep > 1;
+    // An expert weight is split over expt_tp (etp ranks) where the dense weights are over tp.
+    const bool own_tp = expert.has_value() && sizes.etp != t;
+    Parameter& added = model->params_.Add(
+        p.name, p.shape, p.init, p.tp_dim, p.tp_stride, p.allreduce_grad_over_tp,
+        own_tp ? sizes.etp : t, own_tp ? coords.etp : coords.tp,
+        own_tp ? ShardAxis::kEtp : ShardAxis::kTp);
+    added.expert = expert.has_value() && sizes.experts_apart();
     added.embedding_group = p.name == kWord && tied && sizes.pp > 1;
     added.shared = added.embedding_group && !pre;
   }
@@ -211,7 +207,7 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
 
 std::vector<std::string> GptModel::StepNotes() const {
   // One line per MoE layer from the first rank of each expert tensor-parallel group (its
-  // tp peers compute slices of the same experts on the same tokens).
+  // expt_tp peers compute slices of the same experts on the same tokens).
   std::vector<std::string> notes;
   if (coords_.etp != 0) return notes;
   for (const auto& [layer, module] : layers_) {
@@ -320,12 +316,22 @@ ModuleContext GptModel::Context(RankContext& ctx, int64_t microbatch, const Stas
   ModuleContext module{*ctx.kernels, ctx.tp(), *ctx.trace, shape_, d_, draw, fuse_wgrad_, records};
   module.positions = positions_;
   module.key_positions = key_positions_;
-  if (topology_->sizes().ep > 1) {
-    if (ctx.groups.tp_ep == nullptr) {
-      throw std::logic_error("GptModel: expert parallelism but no tp_ep group");
+  const DerivedSizes& sizes = topology_->sizes();
+  if (sizes.experts_apart()) {
+    if (ctx.groups.tp_ep == nullptr || ctx.groups.tp_ep->Size() != sizes.etp * sizes.ep) {
+      throw std::logic_error("GptModel: the experts are laid out apart but the tp_ep group is "
+                             "missing or not etp x ep ranks");
     }
     module.tp_ep = ctx.groups.tp_ep.get();
-    if (ctx.groups.ep == nullptr || ctx.groups.ep->Size() != topology_->sizes().ep ||
+    if (ctx.groups.expt_tp == nullptr || ctx.groups.expt_tp->Size() != sizes.etp ||
+        ctx.groups.expt_tp->Rank() != coords_.etp) {
+      throw std::logic_error("GptModel: the expt_tp group does not place this rank at its etp "
+                             "rank");
+    }
+    module.expt_tp = ctx.groups.expt_tp.get();
+  }
+  if (sizes.ep > 1) {
+    if (ctx.groups.ep == nullptr || ctx.groups.ep->Size() != sizes.ep ||
         ctx.groups.ep->Rank() != coords_.ep) {
       throw std::logic_error("GptModel: the ep group does not place this rank at its ep rank");
     }

@@ -77,10 +77,14 @@ std::string GptModel::Describe() const {
 std::string GptModel::ParameterSplitNote() const {
   const int64_t pp = topology_->sizes().pp;
   const int64_t ep = topology_->sizes().ep;
+  const int64_t etp = topology_->sizes().etp;
   return fmt::format("tp {} splits the weight matrices, norms and row-parallel biases stay "
-                     "whole{}{}",
+                     "whole{}{}{}",
                      topology_->sizes().tp,
                      ep > 1 ? fmt::format("; ep {} splits the experts", ep) : std::string(),
+                     etp == topology_->sizes().tp ? std::string()
+                     : etp == 1 ? std::string("; each expert whole (etp 1)")
+                                : fmt::format("; etp {} splits each expert's weights", etp),
                      pp > 1 ? fmt::format("; pp {} splits the layers, the first stage holds the "
                                           "embedding",
                                           pp)
@@ -92,38 +96,61 @@ bool GptModel::MasksDependOnLayout() const {
          (gpt_.hidden_dropout > 0 || gpt_.attention_dropout > 0);
 }
 
-// Every stage's model, built from the same config (this one's when pp = 1).
+// Every stage's model, built from the same config (this one's when pp = 1), and under expert
+// parallelism every ep rank's, for its experts.
 std::vector<ParameterPlacement> GptModel::ShardingMap() const {
   std::vector<ParameterPlacement> mapped;
   const int64_t pp = topology_->sizes().pp;
-  for (int64_t stage = 0; stage < pp; ++stage) {
+  const int64_t ep = topology_->sizes().ep;
+  for (int64_t built_for = 0; built_for < pp * ep; ++built_for) {
+    const int64_t stage = built_for / ep, ep_rank = built_for % ep;
     RankCoordinates coords = coords_;
     coords.pp = stage;
+    coords.ep = ep_rank;
     StatusOr<std::unique_ptr<GptModel>> built = Build(config_, *topology_, coords);
     if (!built.ok()) throw std::logic_error("GptModel::ShardingMap: " + built.status().Message());
     const GptModel& model = **built;
     const std::vector<GptChunk>& chunks = model.chunks();
     for (const auto& p : model.params_.all()) {
+      const bool expert = ExpertOf(p->name).has_value();
+      if (!expert && ep_rank > 0) continue;
+      ParameterPlacement row;
       // The chunk holding it: its layer's, the embedding's first, the head's last.
-      int64_t chunk = 0;
       constexpr std::string_view kLayers = "decoder.layers.";
       if (p->name.starts_with(kLayers)) {
         const int64_t layer = std::stoll(p->name.substr(kLayers.size()));
         for (size_t c = 0; c < chunks.size(); ++c) {
           if (std::find(chunks[c].layers.begin(), chunks[c].layers.end(), layer) !=
               chunks[c].layers.end()) {
-            chunk = static_cast<int64_t>(c);
+            row.chunk = static_cast<int64_t>(c);
           }
         }
       } else if (!p->name.starts_with("embedding.") || p->shared) {
-        chunk = static_cast<int64_t>(chunks.size()) - 1;
+        row.chunk = static_cast<int64_t>(chunks.size()) - 1;
       }
-      const Placement* split = p->shard.Find(ShardAxis::kTp);
-      mapped.push_back({p->name, p->full_shape, split != nullptr ? split->dim : -1,
-                        split != nullptr ? split->stride : 1, stage, chunk,
-                        p->shared ? "the last stage's copy of the tied word embeddings, "
-                                    "gradient all-reduced over embd"
-                                  : ""});
+      const Placement* etp = p->shard.Find(ShardAxis::kEtp);
+      const Placement* split = etp != nullptr ? etp : p->shard.Find(ShardAxis::kTp);
+      row.name = p->name;
+      row.full_shape = p->full_shape;
+      row.tp_dim = split != nullptr ? split->dim : -1;
+      row.tp_stride = split != nullptr ? split->stride : 1;
+      row.over_etp = etp != nullptr;
+      row.ep_rank = expert && ep > 1 ? ep_rank : -1;
+      row.pp_rank = stage;
+      if (p->shared) {
+        row.note = "the last stage's copy of the tied word embeddings, gradient all-reduced "
+                   "over embd";
+      }
+      // Another ep rank's experts go after the same layer's experts listed so far.
+      auto at = mapped.end();
+      if (ep_rank > 0) {
+        const std::string experts = p->name.substr(0, p->name.find(".mlp.experts.")) +
+                                    ".mlp.experts.";
+        for (auto it = mapped.begin(); it != mapped.end(); ++it) {
+          if (it->pp_rank == stage && it->name.starts_with(experts)) at = it + 1;
+        }
+      }
+      mapped.insert(at, std::move(row));
     }
   }
   return mapped;
@@ -172,7 +199,7 @@ void GptModel::ExplainStage(std::ostream& out) const {
   }
   if (stage == 0 && gpt.moe.enabled()) {
     const DerivedSizes& sizes = topology_->sizes();
-    if (sizes.ep == 1) {
+    if (!sizes.experts_apart()) {
       out << fmt::format(
           "mixture of experts, expert_model_parallel_size 1: every rank holds all {} experts "
           "of each MoE layer, each expert split over tp as the dense MLP (expert tensor "
@@ -185,24 +212,44 @@ void GptModel::ExplainStage(std::ostream& out) const {
     } else {
       const int64_t per = gpt.moe.num_experts / sizes.ep;
       const bool a2a = gpt.moe.token_dispatcher == MoeDispatcher::kAllToAll;
+      const std::string held =
+          sizes.ep > 1 ? fmt::format("ep rank r holds experts [{} r, {} (r + 1)) of each MoE layer",
+                                     per, per)
+                       : fmt::format("every rank holds all {} experts of each MoE layer", per);
+      const std::string split =
+          sizes.etp > 1 ? fmt::format("each split over expt_tp ({} ranks{})", sizes.etp,
+                                      sizes.etp == t ? ", the tp group" : "")
+                        : std::string("each whole (expert_tensor_parallel_size 1)");
+      const std::string dispatch =
+          a2a ? fmt::format(
+                    "the alltoall dispatcher {}{}each rank computes its experts' slices on them, "
+                    "and {} return each rank its rows' results",
+                    sizes.ep > 1 ? "sends each ep rank the rows routed to its experts (an "
+                                   "uneven all-to-all over ep), "
+                                 : "",
+                    sizes.etp > 1 ? "gathers the rows of the expt_tp ranks over expt_tp, " : "",
+                    sizes.etp > 1 && sizes.ep > 1 ? "a reduce-scatter over expt_tp and the "
+                                                    "all-to-all back"
+                    : sizes.etp > 1               ? "a reduce-scatter over expt_tp"
+                                                  : "the all-to-all back")
+              : sizes.etp * sizes.ep > 1
+                  ? fmt::format("the allgather dispatcher all-gathers the tokens of its tp_ep "
+                                "group (etp {} x ep {} ranks), each rank computes its experts' "
+                                "slices on them and a reduce-scatter over tp_ep returns each "
+                                "rank its tokens' sums",
+                                sizes.etp, sizes.ep)
+                  : std::string("each rank computes the experts on its own tokens");
       out << fmt::format(
-          "mixture of experts, expert_model_parallel_size {}: ep rank r holds experts "
-          "[{} r, {} (r + 1)) of each MoE layer, each split over tp (expert tensor parallel "
-          "size {}); the router sees this rank's own tokens{}, {}; expert gradients reduce "
-          "over expt_dp ({} rank{}), the dense ones over dp{}\n",
-          sizes.ep, per, per, sizes.etp, shape_.sequence_parallel ? " (its sequence shard)" : "",
-          a2a ? "the alltoall dispatcher sends each ep rank the rows routed to its experts "
-                "(an uneven all-to-all over ep, then the rows of the tp ranks gathered over "
-                "tp), each rank computes its experts' slices on them, and a reduce-scatter "
-                "over tp and the all-to-all back return each rank its rows' results"
-              : "the allgather dispatcher all-gathers the tokens of its tp_ep group (tp x ep "
-                "ranks), each rank computes its experts' slices on them and a reduce-scatter "
-                "over tp_ep returns each rank its tokens' sums",
-          sizes.edp, sizes.edp == 1 ? "" : "s", shape_.cp > 1 ? " x cp" : "");
+          "mixture of experts, expert_model_parallel_size {}, expert_tensor_parallel_size {}: "
+          "{}, {}; the router sees this rank's own tokens{}, {}; expert gradients reduce over "
+          "expt_dp ({} rank{}), the dense ones over dp{}\n",
+          sizes.ep, sizes.etp, held, split,
+          shape_.sequence_parallel ? " (its sequence shard)" : "", dispatch, sizes.edp,
+          sizes.edp == 1 ? "" : "s", shape_.cp > 1 ? " x cp" : "");
       const Topology& topo = *topology_;
       for (int64_t r = 0; r < std::min<int64_t>(topo.world_size(), 64); ++r) {
         const RankCoordinates c = topo.Coordinates(r);
-        if (c.pp != 0 || c.etp != 0) continue;
+        if (sizes.ep == 1 || c.pp != 0 || c.etp != 0) continue;
         out << fmt::format("  rank {}: ep rank {}, experts {}-{}\n", r, c.ep, c.ep * per,
                            c.ep * per + per - 1);
       }
@@ -228,9 +275,16 @@ void GptModel::ExplainStage(std::ostream& out) const {
   const int64_t per_group = gpt.num_attention_heads / gpt.num_query_groups;
   for (const auto& p : params_.all()) {
     const Shape local = LocalShape(p->shard, p->full_shape);
-    std::string how = "replicated";
+    std::string how = ExpertOf(p->name) && topology_->sizes().etp == 1
+                          ? "whole (expert_tensor_parallel_size 1)"
+                          : "replicated";
     const Placement* split = p->shard.Find(ShardAxis::kTp);
-    if (split != nullptr) {
+    const Placement* etp = p->shard.Find(ShardAxis::kEtp);
+    if (etp != nullptr) {
+      how = fmt::format("split over expt_tp on dim {}{}: {} per rank", etp->dim,
+                        etp->stride > 1 ? fmt::format(" with stride {}", etp->stride) : "",
+                        ShapeString(local));
+    } else if (split != nullptr) {
       how = fmt::format("split on dim {}{}: {} per rank", split->dim,
                         split->stride > 1 ? fmt::format(" with stride {}", split->stride) : "",
                         ShapeString(local));
@@ -291,7 +345,7 @@ MemoryPlan GptModel::PlanMemory(const MemoryPlanOptions& options) const {
     const std::optional<int64_t> expert = ExpertOf(p.name);
     if (expert && sizes.ep > 1 && !experts.Holds(*expert)) continue;
     Shape local = p.shape;
-    if (p.tp_dim >= 0) local[static_cast<size_t>(p.tp_dim)] /= t;
+    if (p.tp_dim >= 0) local[static_cast<size_t>(p.tp_dim)] /= expert ? sizes.etp : t;
     plan.Add(p.name, local, storage);
     plan.Add(p.name + ".main_grad", local, compute);
   }

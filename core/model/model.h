@@ -37,6 +37,8 @@ struct ParameterPlacement {
   int64_t pp_rank = 0;
   int64_t chunk = 0;
   std::string note;  // e.g. "tied: ..." for a copy of a weight another stage owns
+  bool over_etp = false;  // split over expt_tp (etp ranks, by their etp coordinate), not tp
+  int64_t ep_rank = -1;   // an expert's weight: the ep rank holding it (-1: every ep rank)
 };
 
 // What the preflight counts (run/preflight.h).

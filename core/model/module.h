@@ -160,9 +160,13 @@ struct ModuleContext {
   Tensor key_positions = Tensor();
   // The context-parallel group; null when cp = 1.
   Communicator* cp = nullptr;
-  // The expert tensor x expert-parallel group the MoE dispatcher exchanges tokens over;
-  // null when expert_model_parallel_size is 1 (the dispatcher then uses tp).
+  // The expert tensor x expert-parallel group the MoE dispatcher exchanges tokens over, and
+  // the expert tensor-parallel group an expert's slices are split over (the alltoall
+  // dispatcher's gather); both null when the experts are laid out as the dense layers
+  // (expert_model_parallel_size 1 and expert_tensor_parallel_size = tp: the dispatcher then
+  // uses tp).
   Communicator* tp_ep = nullptr;
+  Communicator* expt_tp = nullptr;
   // The expert-parallel group (the alltoall dispatcher's all-to-all); null when
   // expert_model_parallel_size is 1.
   Communicator* ep = nullptr;

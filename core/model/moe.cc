@@ -83,9 +83,9 @@ class SiteSuffix {
   std::string site_;
 };
 
-// The group the dispatcher exchanges tokens over: tp_ep under expert parallelism, else tp
-// under sequence parallelism (whose ranks hold different tokens); null when no rank but this
-// one holds tokens this rank's experts need.
+// The group the dispatcher exchanges tokens over: tp_ep (etp x ep) when the experts are laid
+// out apart, else tp under sequence parallelism (whose ranks hold different tokens); null when
+// no rank but this one holds tokens this rank's experts need.
 Communicator* DispatchGroup(const ModuleContext& ctx) {
   if (ctx.tp_ep != nullptr) return ctx.tp_ep->Size() > 1 ? ctx.tp_ep : nullptr;
   return ctx.shape.sequence_parallel && ctx.tp.Size() > 1 ? &ctx.tp : nullptr;
@@ -117,10 +117,12 @@ std::vector<int64_t> Times(const std::vector<int64_t>& rows, int64_t width) {
   return out;
 }
 
-// Whether the tp ranks hold different tokens (sequence parallelism), so the alltoall
-// dispatcher gathers them over tp after the all-to-all (Megatron's expt_tp exchange).
-bool TpExchanges(const ModuleContext& ctx) {
-  return ctx.shape.sequence_parallel && ctx.tp.Size() > 1;
+// The group the alltoall dispatcher gathers the rows over after the all-to-all (Megatron's
+// expt_tp exchange): expt_tp, whose ranks hold different tokens (tp under sequence
+// parallelism when the experts are laid out as the dense layers); null when it is one rank.
+Communicator* ExpertTpGroup(const ModuleContext& ctx) {
+  if (ctx.expt_tp != nullptr) return ctx.expt_tp->Size() > 1 ? ctx.expt_tp : nullptr;
+  return ctx.shape.sequence_parallel && ctx.tp.Size() > 1 ? &ctx.tp : nullptr;
 }
 
 // The alltoall dispatcher's way to the experts: rows in send order [N_send, w] -> the uneven
@@ -135,13 +137,14 @@ Tensor AllToAllDispatch(const ModuleContext& ctx, const Tensor& rows,
     got = k.Empty({st.tp_rows, w}, rows.dtype());
     ctx.ep->AllToAllV(rows, Times(st.ep_send, w), got, Times(st.ep_recv, w));
   }
-  if (!TpExchanges(ctx)) return got;
+  Communicator* expt_tp = ExpertTpGroup(ctx);
+  if (expt_tp == nullptr) return got;
   Tensor padded = k.Zeros({st.tp_pad, w}, rows.dtype());
   if (st.tp_rows > 0) {
     Tensor head = Rows(padded, 0, st.tp_rows);
     k.Copy(got, head);
   }
-  return AllGatherFirstDim(k, ctx.tp, padded);
+  return AllGatherFirstDim(k, *expt_tp, padded);
 }
 
 // And back: the experts' partial sums [t * tp_pad, w] -> the reduce-scatter over tp -> the
@@ -150,7 +153,8 @@ Tensor AllToAllCombine(const ModuleContext& ctx, const Tensor& partial,
                        const MoeLayer::Stash& st) {
   Kernels& k = ctx.k;
   const int64_t w = partial.cols();
-  const Tensor mine = TpExchanges(ctx) ? ReduceScatterFirstDim(k, ctx.tp, partial) : partial;
+  Communicator* expt_tp = ExpertTpGroup(ctx);
+  const Tensor mine = expt_tp != nullptr ? ReduceScatterFirstDim(k, *expt_tp, partial) : partial;
   const Tensor head = Rows(mine, 0, st.tp_rows);
   if (ctx.ep == nullptr) return head;
   int64_t n_send = 0;
@@ -356,11 +360,13 @@ void MoeLayer::RouteAllToAll(const ModuleContext& ctx, const std::vector<int64_t
   }
   st->tp_rows = std::accumulate(st->ep_recv.begin(), st->ep_recv.end(), int64_t{0});
 
-  // The tp exchange: every tp rank's arrivals ([t, P, L]), each rank's rows padded to the most.
-  const int64_t t = TpExchanges(ctx) ? ctx.tp.Size() : 1;
+  // The expt_tp exchange: every etp rank's arrivals ([t, P, L]), each rank's rows padded to
+  // the most.
+  Communicator* expt_tp = ExpertTpGroup(ctx);
+  const int64_t t = expt_tp != nullptr ? expt_tp->Size() : 1;
   std::vector<int64_t> all_from = from;
   if (t > 1) {
-    all_from = IntsToHost(k, AllGatherFirstDim(k, ctx.tp, IntsToDevice(k, from, {P * L})));
+    all_from = IntsToHost(k, AllGatherFirstDim(k, *expt_tp, IntsToDevice(k, from, {P * L})));
   }
   const auto at = [&](int64_t q, int64_t p, int64_t l) {
     return all_from[static_cast<size_t>((q * P + p) * L + l)];
@@ -372,8 +378,8 @@ void MoeLayer::RouteAllToAll(const ModuleContext& ctx, const std::vector<int64_t
     st->tp_pad = std::max(st->tp_pad, rows);
   }
 
-  // The experts' rows: local expert l, then tp rank q, then ep rank p, in arrival order.
-  // received_ counts them per rank of the dispatch group (tp_ep, tp fastest, as the
+  // The experts' rows: local expert l, then etp rank q, then ep rank p, in arrival order.
+  // received_ counts them per rank of the dispatch group (tp_ep, etp fastest, as the
   // allgather dispatcher reports them).
   std::vector<int64_t> ids;
   st->offsets.assign(1, 0);

@@ -1,13 +1,15 @@
 // Megatron-Core's MoELayer (local spec) in place of the MLP on the layers moe_layer_freq
 // picks: the TopKRouter, the allgather token dispatcher, SequentialMLP experts (or the
-// grouped GEMM's, the same math) and an optional shared expert. Each expert is split over tp
-// as the dense MLP is (expert_tensor_parallel_size = tp); with expert_model_parallel_size ep
-// a rank holds E/ep of them (ExpertPlacement) and the dispatcher's group is tp_ep (etp x ep
-// ranks, ep carved out of dp x cp), else tp.
+// grouped GEMM's, the same math) and an optional shared expert. Each expert is split over
+// expt_tp, expert_tensor_parallel_size (etp) ranks: tp's own group by default, as the dense
+// MLP is; with expert_model_parallel_size ep a rank holds E/ep of them (ExpertPlacement). When
+// the experts are laid out apart (ep > 1 or etp != tp) the dispatcher's group is tp_ep (etp x
+// ep ranks, carved out of tp x dp x cp), else tp. Every rank's tokens are its own (sequence
+// parallelism is required with tp > 1), so any such group gathers distinct tokens.
 //
 // Shape legend (module.h; T = s_l*b this rank's tokens, T_all = g*T the dispatch group's (g
-// its size: tp x ep, or tp under sequence parallelism, or 1), E experts, k =
-// moe_router_topk, f = moe_ffn_hidden_size, f1 = 2f (swiglu) or f):
+// its size: etp x ep, or tp under sequence parallelism, or 1), E experts, k =
+// moe_router_topk, f = moe_ffn_hidden_size, f1 = 2f (swiglu) or f, t = etp):
 //   router    logits = x W_r^T                 [T, E]      (W_r replicated; its gradient
 //                                                           all-reduced over tp with the
 //                                                           sequence-parallel parameters)
@@ -30,20 +32,21 @@
 //   permute   this rank's kept (token, slot) rows, expert by expert, tokens ascending
 //                                              x_send [N_send, h], p_send [N_send, 1]
 //   counts    every ep rank's per-expert counts, all-gathered over ep (the split sizes), and
-//             every tp rank's arrival counts, all-gathered over tp
+//             every etp rank's arrival counts, all-gathered over expt_tp
 //   exchange  the uneven all-to-all over ep (rows to the ep rank holding their expert), then
-//             the all-gather over tp (expt_tp = tp), each tp rank's rows padded to the
-//             largest (Megatron gathers with uneven splits: the same rows, no padding)
+//             the all-gather over expt_tp, each etp rank's rows padded to the largest
+//             (Megatron gathers with uneven splits: the same rows, no padding)
 //                                              [t * R_pad, h]
-//   experts   as above, on the rows sorted by local expert, then tp rank, then ep rank
-//   combine   the reduce-scatter over tp (the slices' sums), the all-to-all back, then each
-//             rank scatter-adds its rows' results to their tokens [T, h]
+//   experts   as above, on the rows sorted by local expert, then etp rank, then ep rank
+//   combine   the reduce-scatter over expt_tp (the slices' sums), the all-to-all back, then
+//             each rank scatter-adds its rows' results to their tokens [T, h]
 // Auxiliary losses, their gradients only (the reported loss stays the LM loss), scaled
 // 1 / (M d) as Megatron's MoEAuxLossAutoScaler at cp / M leaves them after the 1 / (d cp)
 // data-parallel average:
 //   load balancing  coeff E / (k T_tot^2) sum_i count_i sum_t scores_ti, count_i the tokens
-//                   whose top-k of scores holds i, summed over tp and cp (T_tot = T t cp)
-//   z-loss          coeff_z / (t cp) mean_t lse_t^2
+//                   whose top-k of scores holds i, summed over tp and cp (T_tot = T tp cp;
+//                   the dense groups, whatever etp and ep are)
+//   z-loss          coeff_z / (tp cp) mean_t lse_t^2
 #pragma once
 
 #include <optional>
@@ -94,7 +97,7 @@ class MoeLayer {
     Tensor fc1_out, act;     // [N, f1/t], [N, f/t] (act before the probability)
     // The alltoall dispatcher only (empty otherwise): this rank's rows in send order, their
     // token in [0, T) and entry token * k + slot; the rows sent to and received from each ep
-    // rank; the rows after the all-to-all, and each tp rank's rows padded to tp_pad.
+    // rank; the rows after the all-to-all, and each etp rank's rows padded to tp_pad.
     Tensor send_tokens, send_slots;
     std::vector<int64_t> ep_send, ep_recv;
     int64_t tp_rows = 0, tp_pad = 0;
@@ -127,7 +130,7 @@ class MoeLayer {
   int64_t num_microbatches_;
   Parameter* router_;
   ExpertPlacement experts_;
-  std::vector<Parameter*> fc1_, fc2_;  // per local expert, tp shards [f1/t, h], [h, f/t]
+  std::vector<Parameter*> fc1_, fc2_;  // per local expert, etp shards [f1/t, h], [h, f/t]
   mutable std::vector<std::vector<int64_t>> received_;  // see received()
   mutable std::vector<int64_t> sent_rows_;  // the last forward's rows to each ep rank
   mutable int64_t row_bytes_ = 0;           // bytes of one such row

@@ -9,13 +9,13 @@ namespace mpusim {
 
 Parameter& ParameterSet::Add(std::string name, Shape full_shape, InitSpec init, int tp_dim,
                              int64_t stride, bool allreduce_grad_over_tp, int64_t tp_size,
-                             int64_t tp_rank) {
+                             int64_t tp_rank, ShardAxis axis) {
   auto p = std::make_unique<Parameter>();
   p->name = std::move(name);
   p->full_shape = std::move(full_shape);
   p->init = init;
   p->allreduce_grad_over_tp = allreduce_grad_over_tp && tp_size > 1;
-  if (tp_dim >= 0) p->shard.Split(ShardAxis::kTp, tp_dim, tp_size, tp_rank, stride);
+  if (tp_dim >= 0) p->shard.Split(axis, tp_dim, tp_size, tp_rank, stride);
   params_.push_back(std::move(p));
   return *params_.back();
 }

@@ -35,10 +35,10 @@ struct Parameter {
                                    // pipeline stage: gradient all-reduced over embd
   bool shared = false;             // the last stage's copy of it (Megatron's `shared`): left
                                    // out of the gradient norm, which counts the first's
-  bool expert = false;             // an expert's weight under expert parallelism: this rank's
-                                   // ep group holds the other experts, so its gradient
-                                   // reduces over expt_dp (not dp_cp) and its square sums
-                                   // over ep in the gradient norm
+  bool expert = false;             // an expert's weight laid out by the expert groups (expert
+                                   // parallelism, or expert_tensor_parallel_size other than
+                                   // tp): its gradient reduces over expt_dp (not dp_cp) and
+                                   // its square sums over tp_ep (etp x ep) in the norm
   Tensor value;  // local, storage dtype
   Tensor grad;   // local main_grad, compute dtype
 };
@@ -46,9 +46,11 @@ struct Parameter {
 class ParameterSet {
  public:
   // Adds a parameter split over `tp_size` ranks along `tp_dim` (-1: replicated) with
-  // Megatron's `stride`; this rank is `tp_rank`.
+  // Megatron's `stride`; this rank is `tp_rank`. `axis`: the group the split runs over (tp;
+  // etp for an expert weight whose expt_tp group is not tp).
   Parameter& Add(std::string name, Shape full_shape, InitSpec init, int tp_dim, int64_t stride,
-                 bool allreduce_grad_over_tp, int64_t tp_size, int64_t tp_rank);
+                 bool allreduce_grad_over_tp, int64_t tp_size, int64_t tp_rank,
+                 ShardAxis axis = ShardAxis::kTp);
   // The parameter called `name`; throws std::out_of_range naming it when there is none.
   Parameter& Get(std::string_view name);
   // The parameter called `name`, or nullptr (optional biases).

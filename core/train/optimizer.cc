@@ -57,7 +57,7 @@ Optimizer::Optimizer(const OptimizerConfig& config, const std::vector<Parameter*
     for (size_t b = 0; b < totals.size(); ++b) {
       Buffer buffer;
       buffer.shard = b == 0 ? groups_.shard : groups_.expert_shard;
-      buffer.replicas = b == 0 ? groups_.replicas : nullptr;
+      buffer.replicas = groups_.replicas;
       const int64_t D = buffer.shard->Size();
       buffer.padded = (totals[b] + D - 1) / D * D;
       buffer.size = buffer.padded / D;
@@ -110,17 +110,17 @@ Tensor Optimizer::OwnedGradient(const State& s) const {
   return b.grad_shard.FlatSlice(s.offset + s.begin - b.begin, s.end - s.begin);
 }
 
-double Optimizer::GradNorm(Kernels& k, Communicator& tp, Communicator* pp, Communicator* ep,
+double Optimizer::GradNorm(Kernels& k, Communicator& tp, Communicator* pp, Communicator* tp_ep,
                            int64_t tp_rank, CommTrace& trace) const {
   Tensor total = k.Zeros({1}, DType::kFloat64);
   Tensor experts = k.Zeros({1}, DType::kFloat64);
-  bool any_expert = false;
   for (const State& s : states_) {
     const Parameter& p = *s.param;
-    const bool tp_duplicate = p.shard.Find(ShardAxis::kTp) == nullptr && tp_rank != 0;
+    // A replicated dense parameter counts on tp rank 0; an expert weight is never replicated
+    // within its tp_ep group (split over etp, or etp = 1).
+    const bool tp_duplicate = !p.expert && p.shard.Find(ShardAxis::kTp) == nullptr && tp_rank != 0;
     if (tp_duplicate || p.shared) continue;
     Tensor& sum = p.expert ? experts : total;
-    any_expert = any_expert || p.expert;
     if (distributed()) {
       if (s.end > s.begin) k.SumOfSquares(OwnedGradient(s), sum);
     } else {
@@ -129,13 +129,17 @@ double Optimizer::GradNorm(Kernels& k, Communicator& tp, Communicator* pp, Commu
   }
   trace.SetPhase(Phase::kOther);
   trace.SetSite("optimizer (grad norm)");
-  // The distributed optimizer's sum over intra_dist_opt already spans the ep ranks.
-  if (ep != nullptr && ep->Size() > 1 && !distributed()) ep->AllReduce(experts, ReduceOp::kSum);
-  if (any_expert || (ep != nullptr && ep->Size() > 1)) k.Axpy(1.0, experts, total);
   if (distributed()) {
+    // The sum over intra_dist_opt spans every rank of the instance, so each owned element,
+    // dense or expert, counts once.
+    k.Axpy(1.0, experts, total);
     if (groups_.stats->Size() > 1) groups_.stats->AllReduce(total, ReduceOp::kSum);
   } else {
+    // The dense squares over tp, the experts' over tp_ep (every etp slice of every ep rank's
+    // experts), then both over pp.
     if (tp.Size() > 1) tp.AllReduce(total, ReduceOp::kSum);
+    if (tp_ep != nullptr && tp_ep->Size() > 1) tp_ep->AllReduce(experts, ReduceOp::kSum);
+    k.Axpy(1.0, experts, total);
     if (pp != nullptr && pp->Size() > 1) pp->AllReduce(total, ReduceOp::kSum);
   }
   return std::sqrt(HostValue(k.ToHost(total), 0));

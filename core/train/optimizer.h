@@ -39,12 +39,15 @@
 //      all-reduces them over intra_dist_opt (every rank of one instance: tp x pp x D);
 //   3. Step clips and updates the owned elements, then all-gathers the updated parameters
 //      (in their storage dtype) over dp_cp_partial into every rank's parameters.
-// With expert parallelism (ep > 1) the expert parameters (Parameter::expert) have a flat
-// buffer of their own, sharded the same way over expt_dp (the ranks holding the same
-// experts, as Megatron's expert grad buffers over the expert data-parallel group): 1. and 3.
-// run per buffer, each over its group, and the norm's sum over intra_dist_opt (the whole
-// instance: every tp, ep, dp and pp rank) counts each expert element once, at the rank of
-// its expt_dp group that owns it.
+// With the experts laid out apart (expert parallelism, or expert_tensor_parallel_size other
+// than tp) the expert parameters (Parameter::expert) have a flat buffer of their own, sharded
+// the same way over expt_dp_partial (the ranks of one instance holding the same expert
+// slices, as Megatron's expert grad buffers over the partial expert data-parallel group; all
+// of expt_dp with one instance): 1. and 3. run per buffer, each over its group, the owned
+// shards of both all-reduced over inter_dist_opt (whose ranks share their expert position
+// as well as their dense one), and the norm's sum over intra_dist_opt (the whole instance:
+// every tp, ep, dp and pp rank) counts each expert element once, at the rank of its
+// expt_dp_partial group that owns it.
 // The layout of the flat buffer is mpusim's (Megatron also aligns each parameter's start and
 // splits large buffers into buckets); the arithmetic does not depend on it, and neither do
 // the gathered state tensors RecordState writes.
@@ -68,7 +71,8 @@ struct DistributedOptimizerGroups {
   Communicator* shard = nullptr;     // dp_cp_partial: reduce-scatter and all-gather
   Communicator* replicas = nullptr;  // inter_dist_opt; null with one instance
   Communicator* stats = nullptr;     // intra_dist_opt: the gradient norm's sum
-  Communicator* expert_shard = nullptr;  // expt_dp: the expert buffer's (null: no experts)
+  Communicator* expert_shard = nullptr;  // expt_dp_partial: the expert buffer's (null: no
+                                         // experts laid out apart); it shares `replicas`
 };
 
 class Optimizer {
@@ -82,9 +86,10 @@ class Optimizer {
   // The distributed optimizer's data-parallel reduction of the gradients (1. above); nothing
   // for the plain one, whose gradients FinalizeGrads all-reduced.
   void ReduceGradients(Kernels& k, CommTrace& trace);
-  // The global gradient norm (see above), before clipping. `ep` (expert parallelism; may be
-  // null): the experts' squares are summed over it first, each ep rank holding other experts.
-  double GradNorm(Kernels& k, Communicator& tp, Communicator* pp, Communicator* ep,
+  // The global gradient norm (see above), before clipping. `tp_ep` (the experts laid out
+  // apart; may be null): the plain optimizer sums the experts' squares over it, each of its
+  // ranks holding other experts or other etp slices of them.
+  double GradNorm(Kernels& k, Communicator& tp, Communicator* pp, Communicator* tp_ep,
                   int64_t tp_rank, CommTrace& trace) const;
   // Clips to clip_grad (when set) given the norm, then updates every parameter with `lr`.
   void Step(Kernels& k, double grad_norm, double lr, CommTrace& trace);

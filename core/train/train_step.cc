@@ -53,7 +53,7 @@ std::vector<TrainedIteration> Train(Model& model, PipelineExecutor& executor,
     const double loss = model.has_loss() ? model.loss() : 0.0;
     optimizer.ReduceGradients(k, trace);
     const double norm =
-        optimizer.GradNorm(k, ctx.tp(), pp, ctx.groups.ep.get(), ctx.coords.tp, trace);
+        optimizer.GradNorm(k, ctx.tp(), pp, ctx.groups.tp_ep.get(), ctx.coords.tp, trace);
     const double lr = LearningRate(config, it, iterations);
     optimizer.Step(k, norm, lr, trace);
     k.Synchronize();

@@ -781,6 +781,54 @@ TEST(ExplainCommand, ShardingMapWithStridesRanksAndJson) {
   EXPECT_EQ(bad.out, "");
 }
 
+// The experts in the sharding map: every ep rank's experts, each on its ep rank's ranks, and
+// with expert_tensor_parallel_size other than tp split over expt_tp by the etp coordinate.
+// tp 1, etp 2, ep 2 on 4 ranks: rank = etp + 2 ep, so ep rank 1 is ranks 2 (etp 0) and 3.
+TEST(ExplainCommand, ExpertsMapToTheirEpRankAndEtpSlices) {
+  const std::string config = Sample("gpt_moe_ep2_t2_sp_dp2_n4.json");
+  const Result as_json =
+      Mpusim({"explain", config, "--tp", "1", "--etp", "2", "--format", "json"});
+  ASSERT_EQ(as_json.code, 0) << as_json.err;
+  const json map = json::parse(as_json.out);
+  EXPECT_EQ(map["expert_model_parallel_size"], 2);
+  EXPECT_EQ(map["expert_tensor_parallel_size"], 2);
+  std::map<std::string, json> by_name;
+  for (const json& p : map["parameters"]) by_name[p["name"].get<std::string>()] = p;
+  const json& fc1 = by_name["decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight"];
+  EXPECT_EQ(fc1["ep_rank"], 1);
+  EXPECT_EQ(fc1["split"], json::parse(R"({"dim": 0, "stride": 2, "group": "expt_tp"})"));
+  ASSERT_EQ(fc1["shards"].size(), 2u);
+  EXPECT_EQ(fc1["shards"][0]["etp_rank"], 0);
+  EXPECT_EQ(fc1["shards"][0]["ranges"], json::parse("[[0, 32], [64, 96]]"));
+  EXPECT_EQ(fc1["shards"][0]["ranks"], json::parse("[2]"));
+  EXPECT_EQ(fc1["shards"][1]["ranks"], json::parse("[3]"));
+  EXPECT_EQ(by_name["decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight"]["ep_rank"],
+            0);
+  // A dense weight stays on tp: one shard (tp 1), every rank.
+  const json& router = by_name["decoder.layers.0.mlp.router.weight"];
+  EXPECT_FALSE(router.contains("ep_rank"));
+  EXPECT_EQ(router["shards"][0]["ranks"], json::parse("[0, 1, 2, 3]"));
+  // Whole experts (etp 1) beside tp 2: expert 0 on the ranks of ep rank 0 only.
+  const Result whole = Mpusim({"explain", config, "--etp", "1"});
+  ASSERT_EQ(whole.code, 0) << whole.err;
+  EXPECT_NE(whole.out.find("  decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight "
+                           "[128, 64] whole, ep rank 0\n    whole on ranks 0, 2\n"),
+            std::string::npos)
+      << whole.out;
+  const Result one = Mpusim({"explain", config, "--tp", "1", "--etp", "2", "--rank", "3"});
+  ASSERT_EQ(one.code, 0) << one.err;
+  EXPECT_NE(one.out.find("sharding map of rank 3 (tp rank 0, pp rank 0, dp rank 3, ep rank 1, "
+                         "etp rank 1)"),
+            std::string::npos)
+      << one.out;
+  EXPECT_NE(one.out.find("local_experts.2.linear_fc1.weight [128, 64] rows split over expt_tp "
+                         "with stride 2, ep rank 1\n    etp 1: rows [32, 64) [96, 128)\n"),
+            std::string::npos)
+      << one.out;
+  const std::string map_of_3 = one.out.substr(one.out.find("sharding map of rank 3"));
+  EXPECT_EQ(map_of_3.find("local_experts.0.linear_fc1"), std::string::npos) << map_of_3;
+}
+
 TEST(ExplainCommand, GptParametersInStateDictNames) {
   const Result gpt = Mpusim({"explain", Sample("gpt_llama_style_gqa_t4_n4.json")});
   ASSERT_EQ(gpt.code, 0) << gpt.err;
@@ -1106,7 +1154,8 @@ TEST(SweepCommand, EveryLayoutOfTwoRanksPasses) {
       << no_run.err;
 }
 
-// An MoE GPT: the sweep adds every ep that divides dp x cp (and the experts) to each layout.
+// An MoE GPT: the sweep adds every ep that divides dp x cp (and the experts) to each layout,
+// and where tp > 1 the same with whole experts (etp 1).
 TEST(SweepCommand, MoeLayoutsAddExpertParallelism) {
   std::string out;
   EXPECT_EQ(Shell(std::string(MPUSIM_BINARY) + " sweep " + Sample("gpt_moe_ep2_t2_sp_dp2_n4.json") +
@@ -1114,10 +1163,11 @@ TEST(SweepCommand, MoeLayoutsAddExpertParallelism) {
                   &out),
             0)
       << out;
-  for (const char* line : {"on 2 ranks: 6 layouts (2 skipped)", "  tp 1 pp 1 dp 2 ",
+  for (const char* line : {"on 2 ranks: 7 layouts (3 skipped)", "  tp 1 pp 1 dp 2 ",
                            "  tp 1 pp 1 dp 2 ep 2 ", "  tp 1 cp 2 pp 1 dp 1 ep 2 ",
                            "skipped tp 2 pp 1 dp 1: parallel.sequence_parallel: must be true",
-                           "  tp 2 pp 1 dp 1 sp ", "6 of 6 layouts pass"}) {
+                           "  tp 2 pp 1 dp 1 sp ", "  tp 2 pp 1 dp 1 etp 1 sp ",
+                           "7 of 7 layouts pass"}) {
     EXPECT_NE(out.find(line), std::string::npos) << line << "\n" << out;
   }
   EXPECT_EQ(out.find("pp 2 dp 1 ep 2"), std::string::npos) << out;  // dp x cp 1: no ep

@@ -864,7 +864,7 @@ TEST_F(DiffTest, ShardMetadataIsChecked) {
       "placements[0].dim 2 is outside [0, 2)");
   ExpectContains(
       with_w_metadata(placement(R"("axis":"pp","dim":0,"shards":2,"index":1,"stride":1)")),
-      "placements[0].axis must be one of tp, dp, cp, ep, got \"pp\"");
+      "placements[0].axis must be one of tp, dp, cp, ep, etp, got \"pp\"");
   ExpectContains(with_w_metadata(placement(R"("axis":"tp","dim":0,"shards":2,"index":1,"stride":1,)"
                                            R"("sharding":"fancy")")),
                  "placements[0]: unknown key 'sharding'");

@@ -483,10 +483,20 @@ TEST(GptConfig, MoeKeysAreReadAndChecked) {
             "sequence shard)");
   parallel.sequence_parallel = true;
   EXPECT_TRUE(CheckGptLayout(parallel, run, &moe).ok());
+  // The experts split over expt_tp, the shared expert over tp.
   parallel.expert_tensor_parallel_size = 1;
-  EXPECT_EQ(CheckGptLayout(parallel, run, &moe).Message(),
-            "parallel.expert_tensor_parallel_size: must equal tensor_model_parallel_size 2 for a "
-            "GPT run today, got 1");
+  EXPECT_TRUE(CheckGptLayout(parallel, run, &moe).ok());
+  GptConfig odd = moe;
+  odd.moe.ffn_hidden_size = 6;
+  parallel.expert_tensor_parallel_size = 4;
+  EXPECT_EQ(CheckGptLayout(parallel, run, &odd).Message(),
+            "model.moe_ffn_hidden_size: 6 is not divisible by expert_tensor_parallel_size 4 "
+            "(each expert's fc1 and fc2 are split over expt_tp)");
+  parallel.expert_tensor_parallel_size = 2;
+  odd.moe.shared_expert_intermediate_size = 3;
+  EXPECT_EQ(CheckGptLayout(parallel, run, &odd).Message(),
+            "model.moe_shared_expert_intermediate_size: 3 is not divisible by "
+            "tensor_model_parallel_size 2");
   parallel = ParallelConfig();
   parallel.world_size = 1;
   // Megatron allows expert biases only with expert_tensor_parallel_size 1; mpusim has none.

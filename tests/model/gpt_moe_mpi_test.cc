@@ -1,10 +1,11 @@
 // Mixture-of-experts GPT models on K MPI ranks against the float64 reference: every tp
-// (with sequence parallelism) x cp x pp layout the world allows, dp filling it, for a
-// dropless router with a shared expert, the load-balancing loss and the z-loss, and for one
-// that drops tokens over capacity; training with the distributed optimizer. Every rank holds
-// every expert (expert_model_parallel_size 1). The router groups are each rank's own tokens,
-// so a layout is checked against the reference with its data-parallel split; a dropless
-// router's forward does not depend on it, so those layouts' losses all agree.
+// (with sequence parallelism) x cp x pp layout the world allows, dp filling it, with every
+// expert-parallel and expert tensor-parallel size that fits, for a dropless router with a
+// shared expert, the load-balancing loss and the z-loss, and for one that drops tokens over
+// capacity, under both token dispatchers; training with the plain and the distributed
+// optimizer. The router groups are each rank's own tokens, so a layout is checked against the
+// reference with its data-parallel split; a dropless router's forward does not depend on it,
+// so those layouts' losses all agree.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -63,19 +64,28 @@ void ExpectReferenceNorms(const run::SimulationResult& result) {
   }
 }
 
+// `etp` 0: expert_tensor_parallel_size left to its default, tp.
 json MoeDocument(const json& model, int64_t tp, int64_t cp, int64_t pp, const char* dtype,
-                 int64_t ep = 1) {
+                 int64_t ep = 1, int64_t etp = 0) {
   json document = Document(model, tp, tp > 1, dtype);
   document["parallel"]["context_parallel_size"] = cp;
   document["parallel"]["pipeline_model_parallel_size"] = pp;
   document["parallel"]["expert_model_parallel_size"] = ep;
+  if (etp > 0) document["parallel"]["expert_tensor_parallel_size"] = etp;
   document["run"]["seq_length"] = 16;
   document["run"]["micro_batch_size"] = Samples() / (WorldSize() / (tp * cp * pp));
   return document;
 }
 
 struct Layout {
-  int64_t tp, cp, pp, ep;
+  int64_t tp, cp, pp, ep, etp;
+  std::string Name() const {
+    return fmt::format("tp {} cp {} pp {} ep {}{}", tp, cp, pp, ep,
+                       etp != tp ? fmt::format(" etp {}", etp) : "");
+  }
+  json Document(const json& model, const char* dtype = "float64") const {
+    return MoeDocument(model, tp, cp, pp, dtype, ep, etp);
+  }
 };
 
 // Under the sanitizers (about 5 times slower) the suites keep a representative subset:
@@ -92,8 +102,9 @@ constexpr bool kSanitized = false;
 constexpr bool kSanitized = false;
 #endif
 
-// Every tp x cp x pp the world allows, and in each every ep in {1, 2, 4} that divides dp x cp
-// (expert parallelism is carved out of them).
+// Every tp x cp x pp the world allows, in each every ep in {1, 2, 4} that divides dp x cp
+// (expert parallelism is carved out of them), and for each the expert tensor-parallel sizes
+// etp in {1, 2, 4} with etp x ep x pp dividing the world (tp's own first).
 std::vector<Layout> Layouts() {
   std::vector<Layout> layouts;
   for (int64_t tp : {1, 2, 4}) {
@@ -103,7 +114,13 @@ std::vector<Layout> Layouts() {
         if (mp > WorldSize() || WorldSize() % mp != 0) continue;
         const int64_t dp_cp = WorldSize() / (tp * pp);
         for (int64_t ep : {1, 2, 4}) {
-          if (ep <= dp_cp && dp_cp % ep == 0) layouts.push_back({tp, cp, pp, ep});
+          if (ep > dp_cp || dp_cp % ep != 0) continue;
+          layouts.push_back({tp, cp, pp, ep, tp});
+          for (int64_t etp : {1, 2, 4}) {
+            if (etp != tp && WorldSize() % (etp * ep * pp) == 0) {
+              layouts.push_back({tp, cp, pp, ep, etp});
+            }
+          }
         }
       }
     }
@@ -114,23 +131,18 @@ std::vector<Layout> Layouts() {
 TEST(GptMixtureOfExperts, EveryLayoutMatchesTheReference) {
   std::map<int64_t, double> first_loss;  // by tp (the Llama vocabulary pads per tp size)
   for (const Layout& l : Layouts()) {
-    if (kSanitized && l.pp > 1 && l.ep > 1) continue;
-    SCOPED_TRACE(fmt::format("dropless tp {} cp {} pp {} ep {}", l.tp, l.cp, l.pp, l.ep));
-    if (WorldRank() == 0) {
-      fmt::print("  dropless tp {} cp {} pp {} ep {}:", l.tp, l.cp, l.pp, l.ep);
-    }
-    const double loss =
-        RunChecked(MoeDocument(Dropless(), l.tp, l.cp, l.pp, "float64", l.ep)).loss;
+    if (kSanitized && l.pp > 1 && (l.ep > 1 || l.etp != l.tp)) continue;
+    SCOPED_TRACE("dropless " + l.Name());
+    if (WorldRank() == 0) fmt::print("  dropless {}:", l.Name());
+    const double loss = RunChecked(l.Document(Dropless())).loss;
     first_loss.try_emplace(l.tp, loss);
     EXPECT_NEAR(loss, first_loss.at(l.tp), 1e-12 * loss);
   }
   for (const Layout& l : Layouts()) {
     if (kSanitized && (l.pp > 1 || l.cp > 1)) continue;
-    SCOPED_TRACE(fmt::format("capacity 1 tp {} cp {} pp {} ep {}", l.tp, l.cp, l.pp, l.ep));
-    if (WorldRank() == 0) {
-      fmt::print("  capacity 1 tp {} cp {} pp {} ep {}:", l.tp, l.cp, l.pp, l.ep);
-    }
-    RunChecked(MoeDocument(Dropping(), l.tp, l.cp, l.pp, "float64", l.ep));
+    SCOPED_TRACE("capacity 1 " + l.Name());
+    if (WorldRank() == 0) fmt::print("  capacity 1 {}:", l.Name());
+    RunChecked(l.Document(Dropping()));
   }
 }
 
@@ -145,10 +157,9 @@ TEST(GptMixtureOfExperts, AllToAllDispatcherMatchesTheReference) {
   std::map<int64_t, double> first_loss;
   for (const Layout& l : Layouts()) {
     if (kSanitized && (l.pp > 1 || l.cp > 1)) continue;
-    SCOPED_TRACE(fmt::format("alltoall tp {} cp {} pp {} ep {}", l.tp, l.cp, l.pp, l.ep));
-    if (WorldRank() == 0) fmt::print("  alltoall tp {} cp {} pp {} ep {}:", l.tp, l.cp, l.pp, l.ep);
-    const double loss =
-        RunChecked(MoeDocument(AllToAll(Dropless()), l.tp, l.cp, l.pp, "float64", l.ep)).loss;
+    SCOPED_TRACE("alltoall " + l.Name());
+    if (WorldRank() == 0) fmt::print("  alltoall {}:", l.Name());
+    const double loss = RunChecked(l.Document(AllToAll(Dropless()))).loss;
     const double allgather =
         first_loss
             .try_emplace(l.tp, Simulate(MoeDocument(Dropless(), l.tp, 1, 1, "float64"), false)
@@ -157,8 +168,8 @@ TEST(GptMixtureOfExperts, AllToAllDispatcherMatchesTheReference) {
             .first->second;
     EXPECT_NEAR(loss, allgather, 1e-12 * loss);
     if (l.pp > 1) continue;
-    if (WorldRank() == 0) fmt::print("  alltoall capacity 1 tp {} cp {} ep {}:", l.tp, l.cp, l.ep);
-    RunChecked(MoeDocument(AllToAll(Dropping()), l.tp, l.cp, l.pp, "float64", l.ep));
+    if (WorldRank() == 0) fmt::print("  alltoall capacity 1 {}:", l.Name());
+    RunChecked(l.Document(AllToAll(Dropping())));
   }
 }
 
@@ -248,6 +259,45 @@ TEST(GptMixtureOfExperts, TrainsWithTheDistributedOptimizer) {
     EXPECT_EQ(result.optimizer.expert_end - result.optimizer.expert_begin,
               result.optimizer.expert_buffer / edp);
   }
+  // expert_tensor_parallel_size other than tp: the experts' slices over etp ranks, their
+  // gradients over expt_dp (world / (etp ep)), their squares over tp_ep in the plain
+  // optimizer's norm. tp 2 with whole experts (etp 1) and tp 1 with experts split in 2.
+  for (const auto& [tp_e, etp] : {std::pair<int64_t, int64_t>{2, 1}, {1, 2}}) {
+    const int64_t ep_e = WorldSize() >= 4 ? 2 : 1;
+    for (const bool distributed : {false, true}) {
+      if (WorldRank() == 0) {
+        fmt::print("  tp {} etp {} ep {}, {} optimizer:", tp_e, etp, ep_e,
+                   distributed ? "distributed" : "plain");
+      }
+      json document = Training(MoeDocument(AllToAll(Dropless()), tp_e, 1, 1, "float64", ep_e, etp),
+                               "adam");
+      document["run"]["train_iters"] = 3;
+      document["optimizer"]["use_distributed_optimizer"] = distributed;
+      const run::SimulationResult result = RunChecked(document);
+      ExpectReferenceNorms(result);
+      if (distributed) {
+        const int64_t edp = WorldSize() / (etp * ep_e);
+        EXPECT_EQ(result.optimizer.expert_end - result.optimizer.expert_begin,
+                  result.optimizer.expert_buffer / edp);
+      }
+    }
+  }
+  // Two distributed-optimizer instances with ep 2: each instance shards the experts over its
+  // half of expt_dp (expt_dp_partial), and the owned shards are all-reduced over
+  // inter_dist_opt with the other instance's, as the dense ones.
+  if (WorldSize() < 4) return;  // 2 instances need an expert data-parallel size of 2
+  for (const json& model : {Dropless(), AllToAll(Dropping())}) {
+    if (WorldRank() == 0) fmt::print("  ep 2, 2 distributed-optimizer instances:");
+    json document = Training(MoeDocument(model, 1, 1, 1, "float64", 2), "adam");
+    document["run"]["train_iters"] = 3;
+    document["optimizer"]["use_distributed_optimizer"] = true;
+    document["parallel"]["num_distributed_optimizer_instances"] = 2;
+    const run::SimulationResult result = RunChecked(document);
+    ExpectReferenceNorms(result);
+    const int64_t intra_edp = WorldSize() / 2 / 2;
+    EXPECT_EQ(result.optimizer.expert_end - result.optimizer.expert_begin,
+              result.optimizer.expert_buffer / intra_edp);
+  }
 }
 
 // float32: the router's softmax and top-k in the model's dtype. (A 16-bit router is not
@@ -302,16 +352,6 @@ TEST(GptMixtureOfExperts, RefusalsNameTheField) {
                 "parallel.sequence_parallel: must be true for a mixture-of-experts model with "
                 "tensor_model_parallel_size 2 (Megatron's rule: each tp rank's router sees its "
                 "own sequence shard)");
-  if (WorldSize() >= 4) {  // 2 instances need an expert data-parallel size of 2
-    document = MoeDocument(Dropless(), 1, 1, 1, "float64", 2);
-    document["optimizer"] = {
-        {"optimizer", "adam"}, {"lr", 1e-3}, {"use_distributed_optimizer", true}};
-    document["parallel"]["num_distributed_optimizer_instances"] = 2;
-    ExpectRefusal(document,
-                  "parallel.num_distributed_optimizer_instances: 2 with "
-                  "expert_model_parallel_size 2 is not built yet (the experts' partial shards "
-                  "over expt_dp_partial); set 1");
-  }
   document = MoeDocument(Dropless(), 1, 1, 1, "float64", 2);
   document["model"]["num_moe_experts"] = 3;
   ExpectRefusal(document,
