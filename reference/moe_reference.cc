@@ -102,6 +102,7 @@ Mat MoeForward(const Dims& d, const GptConfig& gpt, const MoeLayout& layout, con
     std::vector<std::vector<int64_t>> rows = RouterGroups(d, layout, q);
     const size_t first = st.groups.size();
     Vec counts = Vec::Zero(E);
+    Mat sample_counts = Mat::Zero(layout.b, E);  // seq_aux_loss: per sample of the dp rank
     for (std::vector<int64_t>& group_rows : rows) {
       MoeStash::Group g;
       g.rows = std::move(group_rows);
@@ -115,7 +116,11 @@ Mat MoeForward(const Dims& d, const GptConfig& gpt, const MoeLayout& layout, con
         g.lse(t) = m + std::log(sum);
         g.scores.row(t) = (g.logits.row(t).array() - g.lse(t)).exp();
         // The load-balancing counts: the top-k of the softmax, before any dropping.
-        for (int64_t e : FirstK(RowOf(g.scores, t), k)) counts(e) += 1;
+        const int64_t sample = g.rows[static_cast<size_t>(t)] % d.n - q * layout.b;
+        for (int64_t e : FirstK(RowOf(g.scores, t), k)) {
+          counts(e) += 1;
+          sample_counts(sample, e) += 1;
+        }
         const std::vector<int64_t> chosen =
             FirstK(RowOf(moe.router_pre_softmax ? g.scores : g.logits, t), k);
         std::vector<double> probs(static_cast<size_t>(k));
@@ -167,15 +172,27 @@ Mat MoeForward(const Dims& d, const GptConfig& gpt, const MoeLayout& layout, con
       }
       st.groups.push_back(std::move(g));
     }
-    // The dp rank's load-balancing loss, from its tokens' softmax and the summed counts.
-    if (moe.load_balancing == MoeLoadBalancing::kAuxLoss && moe.aux_loss_coeff > 0) {
+    // The dp rank's load-balancing loss, from its tokens' softmax and the summed counts:
+    // over all its tokens (aux_loss), or per sample and averaged over them (seq_aux_loss).
+    const bool per_sequence = moe.load_balancing == MoeLoadBalancing::kSeqAuxLoss;
+    if ((moe.load_balancing == MoeLoadBalancing::kAuxLoss || per_sequence) &&
+        moe.aux_loss_coeff > 0) {
       const auto T_dp = static_cast<double>(d.s * layout.b);
-      const Vec c = counts * (per_dp * moe.aux_loss_coeff * static_cast<double>(E) /
-                              (static_cast<double>(k) * T_dp * T_dp));
+      const auto s = static_cast<double>(d.s);
+      const double scale =
+          per_dp * moe.aux_loss_coeff * static_cast<double>(E) /
+          (static_cast<double>(k) *
+           (per_sequence ? s * s * static_cast<double>(layout.b) : T_dp * T_dp));
       for (size_t gi = first; gi < st.groups.size(); ++gi) {
         MoeStash::Group& g = st.groups[gi];
-        *aux_objective += (g.scores * c).sum();
-        g.aux_c = c;
+        const auto T = static_cast<int64_t>(g.rows.size());
+        g.aux_c.resize(T, E);
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t sample = g.rows[static_cast<size_t>(t)] % d.n - q * layout.b;
+          const Vec c = per_sequence ? Vec(sample_counts.row(sample).transpose()) : counts;
+          g.aux_c.row(t) = scale * c.transpose();
+        }
+        *aux_objective += (g.scores.array() * g.aux_c.array()).sum();
       }
     }
   }
@@ -280,10 +297,10 @@ Mat MoeBackward(const Dims& d, const GptConfig& gpt, const Mat& dy, const MoeSta
           dz(t, chosen[static_cast<size_t>(s)]) += pt[static_cast<size_t>(s)] * (dpt[static_cast<size_t>(s)] - dot);
         }
       }
-      if (g.aux_c.size() == E) {
-        // d/dZ of sum_i c_i softmax(Z)_i = sm (c - sm . c).
-        const double mean_c = g.scores.row(t).dot(g.aux_c.transpose());
-        dz.row(t) += (g.scores.row(t).array() * (g.aux_c.transpose().array() - mean_c)).matrix();
+      if (g.aux_c.rows() == T) {
+        // d/dZ of sum_i c_i softmax(Z)_i = sm (c - sm . c), c this token's coefficients.
+        const double mean_c = g.scores.row(t).dot(g.aux_c.row(t));
+        dz.row(t) += (g.scores.row(t).array() * (g.aux_c.row(t).array() - mean_c)).matrix();
       }
       if (g.z_scale != 0) dz.row(t) += 2 * g.z_scale * g.lse(t) * g.scores.row(t);
     }

@@ -20,6 +20,8 @@
 // MoEAuxLossAutoScaler at cp / M after the 1 / (d cp) data-parallel average):
 //   load balancing  coeff E / (k T_dp^2) sum_i count_i sum_t softmax(Z_t)_i, count_i the
 //                   tokens of the dp rank whose top-k of softmax(Z) holds i (before dropping)
+//   seq_aux_loss    1 / b sum over the dp rank's samples n of coeff E / (k s^2) sum_i
+//                   count_ni sum_{t of n} softmax(Z_t)_i, count_ni over sample n's tokens
 //   z-loss          coeff_z / (tp cp) sum over its groups of mean_t logsumexp(Z_t)^2
 // They add gradients to the router only; the reported loss stays the LM loss.
 #pragma once
@@ -54,7 +56,8 @@ struct MoeStash {
     std::vector<std::vector<int64_t>> chosen;  // [T][k] experts, in rank order
     std::vector<std::vector<double>> p;        // [T][k] probabilities before dropping
     std::vector<std::vector<bool>> kept;       // [T][k]
-    Vec aux_c;                  // [E] the load-balancing gradient's coefficients (scaled)
+    Mat aux_c;                  // [T, E] the load-balancing gradient's coefficients per
+                                // token (scaled; empty: no load-balancing loss)
     double z_scale = 0;         // d(z objective)/d(lse_t^2) per token (scaled)
   };
   std::vector<Group> groups;

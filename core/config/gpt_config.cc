@@ -458,10 +458,6 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
                                        "tp rank's router sees its own sequence shard)",
                                        t));
     }
-    if (gpt->moe.load_balancing == MoeLoadBalancing::kSeqAuxLoss) {
-      return Status::Error("model.moe_router_load_balancing_type",
-                           "\"seq_aux_loss\" is not built yet; set \"aux_loss\" or \"none\"");
-    }
   }
   const int64_t cp = parallel.context_parallel_size;
   if (cp > 1) {

@@ -262,21 +262,39 @@ void MoeLayer::Route(const ModuleContext& ctx, const Tensor& top_scores, Stash* 
   const double per_dp = 1.0 / static_cast<double>(num_microbatches_ * ctx.dp_size);
   const int64_t tp_cp = (sh.sequence_parallel ? sh.t : 1) * sh.cp;
   st->aux.clear();
-  if (moe_.load_balancing == MoeLoadBalancing::kAuxLoss && moe_.aux_loss_coeff > 0) {
+  const bool per_sequence = moe_.load_balancing == MoeLoadBalancing::kSeqAuxLoss;
+  if ((moe_.load_balancing == MoeLoadBalancing::kAuxLoss || per_sequence) &&
+      moe_.aux_loss_coeff > 0) {
     // count_i: the tokens whose top-k of the softmax holds i (before dropping), summed over
-    // the router ranks of this dp rank (tp under sequence parallelism, and cp).
+    // the router ranks of this dp rank (tp under sequence parallelism, and cp); per sample
+    // (count_ni, sample n = t % b of token t, rows position-major) for seq_aux_loss.
+    const int64_t b = per_sequence ? sh.b : 1;
     const std::vector<int64_t> top = IntsToHost(k, top_scores);
-    std::vector<int64_t> counts(static_cast<size_t>(E), 0);
-    for (int64_t e : top) ++counts[static_cast<size_t>(e)];
-    Tensor summed = IntsToDevice(k, counts, {E});
+    std::vector<int64_t> counts(static_cast<size_t>(b * E), 0);
+    for (size_t i = 0; i < top.size(); ++i) {
+      const auto t = static_cast<int64_t>(i) / K;
+      ++counts[static_cast<size_t>((t % b) * E + top[i])];
+    }
+    Tensor summed = IntsToDevice(k, counts, {b * E});
     const SiteSuffix site(ctx.trace, "moe router");
     if (sh.sequence_parallel) ctx.tp.AllReduce(summed, ReduceOp::kSum);
     if (ctx.cp != nullptr) ctx.cp->AllReduce(summed, ReduceOp::kSum);
     counts = IntsToHost(k, summed);
-    const auto total = static_cast<double>(T * tp_cp);  // s * b
+    // aux_loss: coeff E / (k (s b)^2); seq_aux_loss: Megatron's per-sample loss averaged
+    // over the b samples, coeff E / (k s^2 b).
+    const auto s_all = static_cast<double>(T * tp_cp / sh.b);
     const double c = per_dp * moe_.aux_loss_coeff * static_cast<double>(E) /
-                     (static_cast<double>(K) * total * total);
-    for (int64_t count : counts) st->aux.push_back(c * static_cast<double>(count));
+                     (static_cast<double>(K) * s_all * s_all * static_cast<double>(sh.b) *
+                      (per_sequence ? 1.0 : static_cast<double>(sh.b)));
+    if (per_sequence) {
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t e = 0; e < E; ++e) {
+          st->aux.push_back(c * static_cast<double>(counts[static_cast<size_t>((t % b) * E + e)]));
+        }
+      }
+    } else {
+      for (int64_t count : counts) st->aux.push_back(c * static_cast<double>(count));
+    }
   }
   st->dlse.clear();
   if (moe_.z_loss_coeff) {
@@ -574,7 +592,11 @@ Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stas
   const WholeRowSoftmax over_experts = MakeWholeRowSoftmax(k, E);
   Tensor dlogits = k.Empty({T, E}, dtype);
   Tensor dscores = k.Zeros({T, E}, dtype);
-  if (!st.aux.empty()) k.AddRowVector(ValuesToDevice(k, st.aux, {E}, dtype), dscores);
+  if (static_cast<int64_t>(st.aux.size()) == E) {
+    k.AddRowVector(ValuesToDevice(k, st.aux, {E}, dtype), dscores);
+  } else if (!st.aux.empty()) {
+    k.Axpy(1.0, ValuesToDevice(k, st.aux, {T, E}, dtype), dscores);
+  }
   if (moe_.router_pre_softmax) {
     Tensor into = dscores.Reshaped({T * E, 1});
     k.EmbeddingBackward(dprobs.Reshaped({T * K, 1}), flat_ids, 0, T * E, into);

@@ -46,6 +46,8 @@
 //   load balancing  coeff E / (k T_tot^2) sum_i count_i sum_t scores_ti, count_i the tokens
 //                   whose top-k of scores holds i, summed over tp and cp (T_tot = T tp cp;
 //                   the dense groups, whatever etp and ep are)
+//   seq_aux_loss    per sample n of the b: coeff E / (k s^2) sum_i count_ni sum_{t of n}
+//                   scores_ti, averaged over the b samples (count_ni over its s positions)
 //   z-loss          coeff_z / (tp cp) mean_t lse_t^2
 #pragma once
 
@@ -85,7 +87,8 @@ class MoeLayer {
     Tensor scores, lse;     // [T, E] softmax of the logits, [T] their log-sum-exp
     Tensor probs;           // [T, k] routing probabilities (before dropping)
     std::vector<int64_t> chosen;  // [T * k] experts, per token in rank order
-    std::vector<double> aux;      // [E] d(objective)/d(scores_ti), the same for every t
+    std::vector<double> aux;      // d(objective)/d(scores_ti): [E], the same for every t
+                                  // (aux_loss), or [T, E] (seq_aux_loss: per sample)
     std::vector<double> dlse;     // [T] d(objective)/d(lse_t) of the z-loss (empty: none)
     Tensor token_ids, slot_ids;   // int64 [N]: each permuted row's token in [0, T_all) and
                                   // its entry token * k + slot of the gathered probs (the

@@ -898,5 +898,11 @@ TEST(GptReferenceTest, MatchesTorchGoldenMixtureOfExpertsPreSoftmaxPositionDrop)
   CheckGolden("gpt_golden_e.safetensors");
 }
 
+// The sequence-level load-balancing loss ("seq_aux_loss": per sample, averaged over the
+// micro-batch's), computed in torch as Megatron's router reshapes it (config F).
+TEST(GptReferenceTest, MatchesTorchGoldenMixtureOfExpertsSequenceAuxLoss) {
+  CheckGolden("gpt_golden_f.safetensors");
+}
+
 }  // namespace
 }  // namespace mpusim

@@ -130,6 +130,15 @@ CONFIG_E = {
             "num_microbatches": 3},
 }
 
+# Config F: config D's model with the sequence-level load-balancing loss ("seq_aux_loss",
+# coefficient 0.05): each sample's counts and softmax separately, averaged over the
+# micro-batch's 2 samples; no token dropped.
+CONFIG_F = json.loads(json.dumps(CONFIG_D))
+CONFIG_F["model"].update({"moe_router_load_balancing_type": "seq_aux_loss",
+                          "moe_aux_loss_coeff": 0.05, "moe_expert_capacity_factor": None})
+CONFIG_F["model"] = {k: v for k, v in CONFIG_F["model"].items() if v is not None}
+CONFIG_F["run"]["seed"] = 16
+
 
 class Sizes:
     def __init__(self, doc):
@@ -173,9 +182,10 @@ class Sizes:
         if not self.E:
             self.moe_layers = [False] * self.L
         self.pre_softmax = m.get("moe_router_pre_softmax", False)
+        balancing = m.get("moe_router_load_balancing_type", "aux_loss")
         self.aux_coeff = (m.get("moe_aux_loss_coeff", 0.0)
-                          if m.get("moe_router_load_balancing_type", "aux_loss") == "aux_loss"
-                          else 0.0)
+                          if balancing in ("aux_loss", "seq_aux_loss") else 0.0)
+        self.seq_aux = balancing == "seq_aux_loss"
         self.z_coeff = m.get("moe_z_loss_coeff") or 0.0
         self.capacity_factor = m.get("moe_expert_capacity_factor")
         self.drop_policy = m.get("moe_token_drop_policy", "probs")
@@ -332,9 +342,19 @@ def moe_layer(z, P, p, h2):
             # switch_load_balancing_loss_func on the softmax of all logits, with the top-k
             # counts (before any dropping) of the tokens of the tp x cp group: this dp rank's.
             scores = torch.softmax(logits, -1)
-            counts = torch.zeros_like(logits).scatter(1, ranked(scores, z.topk)[1], 1.0).sum(0)
-            aux = aux + (scores.sum(0) * counts.detach()).sum() * (
-                z.E * z.aux_coeff / (z.topk * T * T))
+            routing = torch.zeros_like(logits).scatter(1, ranked(scores, z.topk)[1], 1.0)
+            if z.seq_aux:
+                # Router._apply_seq_aux_loss: [s*b, E] viewed as [s, b*E], each sample's
+                # experts counted as experts of their own over its s tokens, the switch loss
+                # with s tokens, divided by b.
+                per_sample = scores.reshape(z.s, -1)
+                counts = routing.reshape(z.s, -1).sum(0)
+                aux = aux + (per_sample.sum(0) * counts.detach()).sum() * (
+                    z.E * z.aux_coeff / (z.topk * z.s * z.s)) / z.b
+            else:
+                counts = routing.sum(0)
+                aux = aux + (scores.sum(0) * counts.detach()).sum() * (
+                    z.E * z.aux_coeff / (z.topk * T * T))
         y = torch.zeros_like(xs)
         for e in range(z.E):
             rows = routed[:, e].nonzero().squeeze(-1)  # this expert's tokens, in order
@@ -460,6 +480,7 @@ def main():
     make(CONFIG_C, 3, os.path.join(HERE, "gpt_golden_c.safetensors"))
     make(CONFIG_D, 4, os.path.join(HERE, "gpt_golden_d.safetensors"))
     make(CONFIG_E, 5, os.path.join(HERE, "gpt_golden_e.safetensors"))
+    make(CONFIG_F, 6, os.path.join(HERE, "gpt_golden_f.safetensors"))
     return 0
 
 
