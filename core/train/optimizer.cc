@@ -118,7 +118,8 @@ double Optimizer::GradNorm(Kernels& k, Communicator& tp, Communicator* pp, Commu
     const Parameter& p = *s.param;
     // A replicated dense parameter counts on tp rank 0; an expert weight is never replicated
     // within its tp_ep group (split over etp, or etp = 1).
-    const bool tp_duplicate = !p.expert && p.shard.Find(ShardAxis::kTp) == nullptr && tp_rank != 0;
+    const bool tp_duplicate =
+        !p.expert && p.shard.Find(ShardAxis::kTp) == nullptr && tp_rank != 0;
     if (tp_duplicate || p.shared) continue;
     Tensor& sum = p.expert ? experts : total;
     if (distributed()) {
