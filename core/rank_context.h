@@ -25,6 +25,10 @@ struct RankGroups {
   std::unique_ptr<Communicator> dp;     // data-parallel (the loss average)
   std::unique_ptr<Communicator> dp_cp;  // data x context parallel (gradient reduction)
   std::unique_ptr<Communicator> cp;     // context parallel (attention's keys and values)
+  // hierarchical_context_parallel_sizes' two levels (cp_comm_type "a2a+p2p"; built only
+  // then): the heads' all-to-all and the ring.
+  std::unique_ptr<Communicator> hcp_L0;
+  std::unique_ptr<Communicator> hcp_L1;
   std::unique_ptr<Communicator> pp;     // pipeline stages (point-to-point between them)
   std::unique_ptr<Communicator> embd;   // first and last stage (tied embeddings); null on
                                         // the stages between
@@ -47,10 +51,11 @@ struct RankGroups {
 
   // The kinds above, in Megatron's names, for backends' MakeGroups: those of the
   // distributed optimizer with `distributed_optimizer` (and `instances` of it).
-  // `experts`: the expert groups too.
+  // `experts`: the expert groups too; `hierarchical_cp`: hcp_L0 and hcp_L1.
   static std::vector<std::string> Kinds(bool distributed_optimizer = false, int64_t instances = 1,
-                                        bool experts = false) {
+                                        bool experts = false, bool hierarchical_cp = false) {
     std::vector<std::string> kinds = {"tp", "dp", "dp_cp", "cp", "pp", "embd"};
+    if (hierarchical_cp) kinds.insert(kinds.end(), {"hcp_L0", "hcp_L1"});
     if (experts) kinds.insert(kinds.end(), {"ep", "expt_tp", "tp_ep", "expt_dp"});
     if (distributed_optimizer) {
       kinds.insert(kinds.end(), {"dp_cp_partial", "intra_dist_opt"});
@@ -70,6 +75,8 @@ struct RankGroups {
     groups.dp = take("dp");
     groups.dp_cp = take("dp_cp");
     groups.cp = take("cp");
+    groups.hcp_L0 = take("hcp_L0");
+    groups.hcp_L1 = take("hcp_L1");
     groups.pp = take("pp");
     groups.embd = take("embd");
     groups.ep = take("ep");

@@ -31,11 +31,13 @@ RankContext MakeRankContext(const Config& config, Backend& backend, const Topolo
   ctx.rng = RngTracker::ForRank(config.run->seed, ctx.coords.tp, ctx.coords.pp, ctx.coords.dp);
   const bool distributed_optimizer =
       config.optimizer.has_value() && config.optimizer->use_distributed_optimizer;
+  const bool hierarchical_cp = config.gpt && config.gpt->cp_comm_type == CpCommType::kA2aP2p &&
+                               topology.sizes().cp > 1;
   auto groups =
       backend.MakeGroups(topology, world_rank,
                          RankGroups::Kinds(distributed_optimizer,
                                            topology.sizes().num_distributed_optimizer_instances,
-                                           topology.sizes().experts_apart()));
+                                           topology.sizes().experts_apart(), hierarchical_cp));
   for (auto& [kind, comm] : groups) {
     comm = std::make_unique<TracedCommunicator>(std::move(comm), kind, trace);
   }

@@ -462,12 +462,30 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
   const int64_t cp = parallel.context_parallel_size;
   if (cp > 1) {
     if (gpt->cp_comm_type == CpCommType::kA2aP2p) {
-      return Status::Error(
-          "model.cp_comm_type",
-          fmt::format("\"a2a+p2p\" is not built yet; with context_parallel_size {} set \"p2p\" "
-                      "(Megatron's default), \"all_gather\" or \"a2a\" (every cp_comm_type "
-                      "computes the same attention)",
-                      cp));
+      const std::vector<int64_t>& hcp = parallel.hierarchical_context_parallel_sizes;
+      if (hcp.size() != 2) {
+        return Status::Error(
+            "model.cp_comm_type",
+            fmt::format("\"a2a+p2p\" needs parallel.hierarchical_context_parallel_sizes "
+                        "[a2a size, p2p size] (two levels multiplying to "
+                        "context_parallel_size {}), got {} level{}",
+                        cp, hcp.size(), hcp.size() == 1 ? "" : "s"));
+      }
+      if (gpt->num_query_groups % (t * hcp[0]) != 0) {
+        return Status::Error(
+            "model.cp_comm_type",
+            fmt::format("\"a2a+p2p\" gives each rank 1/{} of its tp rank's heads, so "
+                        "num_query_groups {} must be divisible by tensor_model_parallel_size * "
+                        "hierarchical_context_parallel_sizes[0] = {}",
+                        hcp[0], gpt->num_query_groups, t * hcp[0]));
+      }
+      if (gpt->dropout_mode == DropoutMode::kRngTracker && gpt->attention_dropout > 0) {
+        return Status::Error(
+            "model.dropout_mode",
+            "\"rng_tracker\" with attention_dropout and cp_comm_type \"a2a+p2p\" is not built "
+            "yet (its masks' local indices); set dropout_mode \"global\" or another "
+            "cp_comm_type");
+      }
     }
     if (gpt->cp_comm_type == CpCommType::kA2a && gpt->num_query_groups % (t * cp) != 0) {
       return Status::Error(

@@ -20,6 +20,7 @@ SelfAttention::SelfAttention(const GptConfig& gpt, std::string prefix, Parameter
       rope_(gpt.position_embedding_type == PositionEmbedding::kRope),
       ring_(gpt.cp_comm_type == CpCommType::kP2p),
       cp_heads_(gpt.cp_comm_type == CpCommType::kA2a),
+      hier_(gpt.cp_comm_type == CpCommType::kA2aP2p),
       rotary_base_(gpt.rotary_base),
       rotary_dim_(gpt.RotaryDim()),
       dropout_(gpt.attention_dropout),
@@ -137,6 +138,61 @@ Tensor SequenceForHeads(const ModuleContext& ctx, const Tensor& y, int64_t b, in
   return out;
 }
 
+// cp_comm_type "a2a+p2p": this rank's tokens of `heads` heads, x [b, heads, s_cp, w], become
+// the tokens of its level-0 group (hcp_L0: a ranks, cp ranks a l .. a l + a - 1) for 1/a of
+// the heads, [b, heads / a, 2 a c, w] (c = s / (2 cp)); level-0 rank j is sent heads
+// [j heads / a, (j + 1) heads / a). The rows are ring rank l's two super-chunks of a c
+// positions, l and 2 (cp / a) - 1 - l: the group's first chunks (rank j's at j c), then its
+// second chunks in the opposite rank order (rank j's at (2a - 1 - j) c), positions
+// ascending in both.
+Tensor ToRingHeads(const ModuleContext& ctx, const Tensor& x, int64_t b, int64_t heads,
+                   int64_t w) {
+  Communicator& group = *ctx.hcp_a2a;
+  const int64_t a = group.Size();
+  if (a == 1) return x;
+  Kernels& k = ctx.k;
+  const int64_t s_cp = ctx.shape.s_cp(), c = s_cp / 2, s_ring = a * s_cp, ha = heads / a;
+  const int64_t piece = ha * s_cp * w;
+  Tensor send = k.Empty({a * b * piece}, x.dtype());  // [a, b, ha, s_cp, w]
+  k.StridedCopy(x, 0, {a, b, piece}, {piece, a * piece, 1}, send, 0, {b * piece, piece, 1});
+  Tensor received = k.Empty({a * b * piece}, x.dtype());  // [a (from j), b, ha, s_cp, w]
+  group.AllToAll(send, received);
+  Tensor out = k.Empty({b * ha * s_ring, w}, x.dtype());
+  for (int64_t j = 0; j < a; ++j) {
+    for (int64_t half = 0; half < 2; ++half) {
+      const int64_t from = (j * b * ha * s_cp + half * c) * w;
+      const int64_t to = (half == 0 ? j * c : (2 * a - 1 - j) * c) * w;
+      k.StridedCopy(received, from, {b * ha, c * w}, {s_cp * w, 1}, out, to, {s_ring * w, 1});
+    }
+  }
+  return out;
+}
+
+// ToRingHeads' inverse (and its backward): y [b, heads / a, 2 a c, w] -> [b, heads, s_cp, w].
+Tensor FromRingHeads(const ModuleContext& ctx, const Tensor& y, int64_t b, int64_t heads,
+                     int64_t w) {
+  Communicator& group = *ctx.hcp_a2a;
+  const int64_t a = group.Size();
+  if (a == 1) return y;
+  Kernels& k = ctx.k;
+  const int64_t s_cp = ctx.shape.s_cp(), c = s_cp / 2, s_ring = a * s_cp, ha = heads / a;
+  const int64_t piece = ha * s_cp * w;
+  Tensor send = k.Empty({a * b * piece}, y.dtype());  // [a (to j), b, ha, s_cp, w]
+  for (int64_t j = 0; j < a; ++j) {
+    for (int64_t half = 0; half < 2; ++half) {
+      const int64_t to = (j * b * ha * s_cp + half * c) * w;
+      const int64_t from = (half == 0 ? j * c : (2 * a - 1 - j) * c) * w;
+      k.StridedCopy(y, from, {b * ha, c * w}, {s_ring * w, 1}, send, to, {s_cp * w, 1});
+    }
+  }
+  Tensor received = k.Empty({a * b * piece}, y.dtype());  // [a (from j), b, ha, s_cp, w]
+  group.AllToAll(send, received);
+  Tensor out = k.Empty({b * heads * s_cp, w}, y.dtype());
+  k.StridedCopy(received, 0, {a, b, piece}, {b * piece, piece, 1}, out, 0,
+                {piece, a * piece, 1});
+  return out;
+}
+
 }  // namespace
 
 Tensor SelfAttention::Forward(const ModuleContext& ctx, const Tensor& x, bool keep_core,
@@ -205,7 +261,7 @@ Tensor SelfAttention::CoreForward(const ModuleContext& ctx, const Tensor& qkv,
     k.Rope(core->q, ctx.positions, rotary_base_, rotary_dim_, false, core->q);
     k.Rope(core->k, ctx.positions, rotary_base_, rotary_dim_, false, core->k);
   }
-  if (sh.cp > 1 && ring_) {
+  if (sh.cp > 1 && (ring_ || hier_)) {
     const Tensor context = RingForward(ctx, core);
     if (ctx.recording()) RecordRingProbs(ctx, *core, nullptr);
     return ContextToColumns(ctx, context, al, dk);
@@ -369,20 +425,21 @@ int64_t Chunk(int64_t cp, int64_t rank, int64_t half) {
   return half == 0 ? rank : 2 * cp - 1 - rank;
 }
 
-// The ring's cp steps on this rank: step i computes `body(src, block)` with the block of
-// rank src = (me - i) mod cp while that block is passed on to me + 1 and the next one
-// received from me - 1 (messages tagged `tag`); the last step passes nothing on.
+// The ring's cp steps on this rank (cp, me: the ring's size and this rank's place): step i
+// computes `body(src, block)` with the block of rank src = (me - i) mod cp while that block
+// is passed on to me + 1 and the next one received from me - 1 (messages tagged `tag`); the
+// last step passes nothing on.
 template <typename Body>
-void RunRing(const ModuleContext& ctx, Tensor block, int tag, Body&& body) {
-  const int64_t cp = ctx.shape.cp, me = ctx.shape.cp_rank;
+void RunRing(Kernels& k, Communicator& ring, int64_t cp, int64_t me, Tensor block, int tag,
+             Body&& body) {
   const int next = static_cast<int>((me + 1) % cp), prev = static_cast<int>((me + cp - 1) % cp);
   for (int64_t step = 0; step < cp; ++step) {
     std::unique_ptr<PendingP2P> pending;
     Tensor incoming;
     if (step + 1 < cp) {  // pass the block on while computing with it
-      incoming = ctx.k.Empty(block.shape(), block.dtype());
-      pending = ctx.cp->PostSendRecv({{P2POp::Kind::kSend, block, next, tag},
-                                      {P2POp::Kind::kRecv, incoming, prev, tag}});
+      incoming = k.Empty(block.shape(), block.dtype());
+      pending = ring.PostSendRecv({{P2POp::Kind::kSend, block, next, tag},
+                                   {P2POp::Kind::kRecv, incoming, prev, tag}});
     }
     body((me - step + cp) % cp, block);
     if (pending) {
@@ -418,51 +475,77 @@ Tensor BlockPart(const Tensor& block, int64_t which, int64_t half, int64_t bg, i
 // The same block's place in the [b, a_l, s_cp, s] probabilities the rank would hold with
 // its keys gathered (query half q_half of its tokens, keys of chunk k_chunk): the local
 // indices of dropout_mode "rng_tracker", so a ring run draws the all_gather run's masks.
-IndexPieces SelfAttention::LocalBlockMap(const StreamShape& sh, int64_t q_half,
-                                         int64_t k_chunk) const {
-  const int64_t s = sh.s, s_cp = sh.s_cp(), c = s_cp / 2;
+IndexPieces SelfAttention::LocalBlockMap(const StreamShape& sh, const RingLayout& ring,
+                                         int64_t q_half, int64_t k_chunk) const {
+  const int64_t s = sh.s, c = ring.c, s_ring = 2 * c, al = ring.al;
   IndexPieces pieces;
   for (int64_t j = 0; j < sh.b; ++j) {
     GlobalIndexMap map;
-    map.base = ((j * a_l_) * s_cp + q_half * c) * s + k_chunk * c;
-    map.dims = {a_l_, c, c};
-    map.strides = {s_cp * s, s, 1};
-    pieces.push_back({j * a_l_ * c * c, map});
+    map.base = ((j * al) * s_ring + q_half * c) * s + k_chunk * c;
+    map.dims = {al, c, c};
+    map.strides = {s_ring * s, s, 1};
+    pieces.push_back({j * al * c * c, map});
   }
   return pieces;
 }
 
-IndexPieces SelfAttention::BlockMap(const StreamShape& sh, int64_t q_chunk,
-                                    int64_t k_chunk) const {
-  const int64_t s = sh.s, c = s / (2 * sh.cp);
+IndexPieces SelfAttention::BlockMap(const StreamShape& sh, const RingLayout& ring,
+                                    int64_t q_chunk, int64_t k_chunk) const {
+  const int64_t s = sh.s, c = ring.c, al = ring.al;
   IndexPieces pieces;
   for (int64_t j = 0; j < sh.b; ++j) {
     GlobalIndexMap map;
-    map.base = (((sh.dp_rank * sh.b + j) * a_ + sh.tp_rank * a_l_) * s + q_chunk * c) * s +
-               k_chunk * c;
-    map.dims = {a_l_, c, c};
+    map.base = (((sh.dp_rank * sh.b + j) * a_ + ring.head0) * s + q_chunk * c) * s + k_chunk * c;
+    map.dims = {al, c, c};
     map.strides = {s * s, s, 1};
-    pieces.push_back({j * a_l_ * c * c, map});
+    pieces.push_back({j * al * c * c, map});
   }
   return pieces;
+}
+
+SelfAttention::RingLayout SelfAttention::Ring(const ModuleContext& ctx) const {
+  const StreamShape& sh = ctx.shape;
+  RingLayout ring;
+  if (hier_) {
+    const int64_t a = ctx.hcp_a2a->Size();
+    ring.group = ctx.hcp_p2p;
+    ring.size = ctx.hcp_p2p->Size();
+    ring.rank = ctx.hcp_p2p->Rank();
+    ring.al = a_l_ / a;
+    ring.gl = g_l_ / a;
+    ring.head0 = sh.tp_rank * a_l_ + ctx.hcp_a2a->Rank() * ring.al;
+  } else {
+    ring.group = ctx.cp;
+    ring.size = sh.cp;
+    ring.rank = sh.cp_rank;
+    ring.al = a_l_;
+    ring.gl = g_l_;
+    ring.head0 = sh.tp_rank * a_l_;
+  }
+  ring.c = sh.s / (2 * ring.size);
+  return ring;
 }
 
 Tensor SelfAttention::RingForward(const ModuleContext& ctx, CoreStash* core) const {
   Kernels& k = ctx.k;
   const StreamShape& sh = ctx.shape;
-  const int64_t cp = sh.cp, me = sh.cp_rank, s_cp = sh.s_cp(), c = s_cp / 2;
-  const int64_t dk = dk_, r = r_, bg = sh.b * g_l_, rows = bg * r * c;
+  const RingLayout L = Ring(ctx);
+  const int64_t c = L.c, s_ring = 2 * c;
+  const int64_t dk = dk_, r = r_, bg = sh.b * L.gl, rows = bg * r * c;
   const DType dtype = core->q.dtype(), ct = ComputeDType(dtype);
   const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
   const std::string site = prefix_ + ".core_attention.attention_dropout";
+  // "a2a+p2p": the level-0 group's positions of 1/a of the heads; "p2p": this rank's own.
+  const Tensor q = hier_ ? ToRingHeads(ctx, core->q, sh.b, a_l_, dk) : core->q;
+  const Tensor key = hier_ ? ToRingHeads(ctx, core->k, sh.b, g_l_, dk) : core->k;
+  const Tensor value = hier_ ? ToRingHeads(ctx, core->v, sh.b, g_l_, dk) : core->v;
   RingStash ring;
   Tensor none = Tensor::HostEmpty({rows}, ct);  // a running log-sum-exp before any key
   for (int64_t i = 0; i < rows; ++i) SetHostValue(none, i, -INFINITY);
   for (int64_t h = 0; h < 2; ++h) {
-    // Query chunk h of every (sample, group, head): rows [h c, (h + 1) c) of its s_cp.
+    // Query chunk h of every (sample, group, head): rows [h c, (h + 1) c) of its s_ring.
     ring.q[h] = k.Empty({bg, r * c, dk}, dtype);
-    k.StridedCopy(core->q, h * c * dk, {bg * r, c * dk}, {s_cp * dk, 1}, ring.q[h], 0,
-                  {c * dk, 1});
+    k.StridedCopy(q, h * c * dk, {bg * r, c * dk}, {s_ring * dk, 1}, ring.q[h], 0, {c * dk, 1});
     ring.out[h] = k.Zeros({rows, dk}, dtype);
     ring.lse[h] = k.ToDevice(none);
   }
@@ -470,12 +553,13 @@ Tensor SelfAttention::RingForward(const ModuleContext& ctx, CoreStash* core) con
   for (int64_t which = 0; which < 2; ++which) {
     for (int64_t h = 0; h < 2; ++h) {
       Tensor part = BlockPart(ring.kv, which, h, bg, c, dk);
-      k.StridedCopy(which == 0 ? core->k : core->v, h * c * dk, {bg, c * dk}, {s_cp * dk, 1},
-                    part, 0, {c * dk, 1});
+      k.StridedCopy(which == 0 ? key : value, h * c * dk, {bg, c * dk}, {s_ring * dk, 1}, part,
+                    0, {c * dk, 1});
     }
   }
-  RunRing(ctx, ring.kv, 0, [&](int64_t src, const Tensor& block) {
-    ForEachVisibleBlock(cp, me, src, [&](int64_t qh, int64_t kh, int64_t q_chunk, int64_t k_chunk) {
+  RunRing(k, *L.group, L.size, L.rank, ring.kv, 0, [&](int64_t src, const Tensor& block) {
+    ForEachVisibleBlock(L.size, L.rank, src,
+                        [&](int64_t qh, int64_t kh, int64_t q_chunk, int64_t k_chunk) {
       Tensor scores = k.Empty({bg, r * c, c}, dtype);
       k.BatchedGemm(false, true, scale, ring.q[qh], BlockPart(block, 0, kh, bg, c, dk), 0.0,
                     scores);
@@ -484,42 +568,46 @@ Tensor SelfAttention::RingForward(const ModuleContext& ctx, CoreStash* core) con
       k.CausalSoftmaxForward(scores.Reshaped({rows, c}),
                              ctx.key_positions.FlatSlice(q_chunk * c, c),
                              ctx.key_positions.FlatSlice(k_chunk * c, c), 1.0, probs, &lse);
-      const IndexPieces local = LocalBlockMap(sh, qh, k_chunk);
+      const IndexPieces local = LocalBlockMap(sh, L, qh, k_chunk);
       const Tensor dropped =
-          dropout_ > 0
-              ? DropoutAtSite(ctx, site, dropout_, BlockMap(sh, q_chunk, k_chunk), probs, &local)
-              : probs;
+          dropout_ > 0 ? DropoutAtSite(ctx, site, dropout_, BlockMap(sh, L, q_chunk, k_chunk),
+                                       probs, &local)
+                       : probs;
       Tensor part = k.Empty({bg, r * c, dk}, dtype);
       k.BatchedGemm(false, false, 1.0, dropped.Reshaped({bg, r * c, c}),
                     BlockPart(block, 1, kh, bg, c, dk), 0.0, part);
       k.LseMerge(ring.out[qh], ring.lse[qh], part.Reshaped({rows, dk}), lse);
     });
   });
-  // The context [bg, r * s_cp, dk]: each query chunk's output back at its rows.
-  Tensor context = k.Empty({bg * r * s_cp, dk}, dtype);
+  // The context [bg, r * s_ring, dk]: each query chunk's output back at its rows, then (a2a+p2p)
+  // to this rank's tokens of all its heads.
+  Tensor context = k.Empty({bg * r * s_ring, dk}, dtype);
   for (int64_t h = 0; h < 2; ++h) {
     k.StridedCopy(ring.out[h], 0, {bg * r, c * dk}, {c * dk, 1}, context, h * c * dk,
-                  {s_cp * dk, 1});
+                  {s_ring * dk, 1});
   }
+  if (hier_) context = FromRingHeads(ctx, context, sh.b, a_l_, dk);
   core->ring = std::move(ring);
-  return context.Reshaped({bg, r * s_cp, dk});
+  return context.Reshaped({sh.b * g_l_, r * sh.s_cp(), dk});
 }
 
-void SelfAttention::RingBackward(const ModuleContext& ctx, const Tensor& dcontext,
+void SelfAttention::RingBackward(const ModuleContext& ctx, const Tensor& dcontext_in,
                                  const CoreStash& core, Tensor* dq_out, Tensor* dk_out,
                                  Tensor* dv_out) const {
   Kernels& k = ctx.k;
   const StreamShape& sh = ctx.shape;
   const RingStash& ring = *core.ring;
-  const int64_t cp = sh.cp, me = sh.cp_rank, s_cp = sh.s_cp(), c = s_cp / 2;
-  const int64_t dk = dk_, r = r_, bg = sh.b * g_l_, rows = bg * r * c;
-  const DType dtype = dcontext.dtype(), ct = ComputeDType(dtype);
+  const RingLayout L = Ring(ctx);
+  const int64_t cp = L.size, me = L.rank, c = L.c, s_ring = 2 * c;
+  const int64_t dk = dk_, r = r_, bg = sh.b * L.gl, rows = bg * r * c;
+  const DType dtype = dcontext_in.dtype(), ct = ComputeDType(dtype);
   const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
   const std::string site = prefix_ + ".core_attention.attention_dropout";
+  const Tensor dcontext = hier_ ? ToRingHeads(ctx, dcontext_in, sh.b, a_l_, dk) : dcontext_in;
   Tensor dout[2], dq[2], row_dot[2];
   for (int64_t h = 0; h < 2; ++h) {
     dout[h] = k.Empty({bg, r * c, dk}, dtype);
-    k.StridedCopy(dcontext, h * c * dk, {bg * r, c * dk}, {s_cp * dk, 1}, dout[h], 0,
+    k.StridedCopy(dcontext, h * c * dk, {bg * r, c * dk}, {s_ring * dk, 1}, dout[h], 0,
                   {c * dk, 1});
     // rowsum(dO * O): the softmax backward's row term over all of a row's keys.
     row_dot[h] = k.Empty({rows}, ct);
@@ -528,7 +616,7 @@ void SelfAttention::RingBackward(const ModuleContext& ctx, const Tensor& dcontex
   }
   const int next = static_cast<int>((me + 1) % cp), prev = static_cast<int>((me + cp - 1) % cp);
   Tensor dblock = k.Zeros(ring.kv.shape(), dtype);  // the gradients travelling with the block
-  RunRing(ctx, ring.kv, 1, [&](int64_t src, const Tensor& block) {
+  RunRing(k, *L.group, cp, me, ring.kv, 1, [&](int64_t src, const Tensor& block) {
     ForEachVisibleBlock(cp, me, src, [&](int64_t qh, int64_t kh, int64_t q_chunk, int64_t k_chunk) {
       const Tensor key = BlockPart(block, 0, kh, bg, c, dk);
       const Tensor value = BlockPart(block, 1, kh, bg, c, dk);
@@ -540,8 +628,8 @@ void SelfAttention::RingBackward(const ModuleContext& ctx, const Tensor& dcontex
       k.BatchedGemm(false, true, scale, ring.q[qh], key, 0.0, probs);
       Tensor probs2 = probs.Reshaped({rows, c});
       k.CausalSoftmaxFromLse(probs2, ring.lse[qh], q_pos, k_pos, 1.0, probs2);
-      const IndexPieces map = BlockMap(sh, q_chunk, k_chunk);
-      const IndexPieces local = LocalBlockMap(sh, qh, k_chunk);
+      const IndexPieces map = BlockMap(sh, L, q_chunk, k_chunk);
+      const IndexPieces local = LocalBlockMap(sh, L, qh, k_chunk);
       const Tensor dropped =
           dropout_ > 0 ? DropoutAtSite(ctx, site, dropout_, map, probs2, &local) : probs2;
       // out = P_d v:  dv += P_d^T dout,  dP_d = dout v^T
@@ -557,23 +645,30 @@ void SelfAttention::RingBackward(const ModuleContext& ctx, const Tensor& dcontex
       k.BatchedGemm(false, false, scale, ds, key, 1.0, dq[qh]);
       k.BatchedGemm(true, false, scale, ds, ring.q[qh], 1.0, dkey);
     });
-    // The block's gradients go on with it; after the last step they reach its owner.
+    // The block's gradients go on with it; after the last step they reach its owner (a ring
+    // of one rank keeps them).
+    if (cp == 1) return;
     Tensor dincoming = k.Empty(block.shape(), dtype);
-    ctx.cp->BatchSendRecv(
+    L.group->BatchSendRecv(
         {{P2POp::Kind::kSend, dblock, next, 2}, {P2POp::Kind::kRecv, dincoming, prev, 2}});
     dblock = dincoming;
   });
-  // dblock now holds this rank's own keys' and values' gradients, in chunks.
-  *dq_out = k.Empty({bg * r * s_cp, dk}, dtype);
-  *dk_out = k.Empty({bg * s_cp, dk}, dtype);
-  *dv_out = k.Empty({bg * s_cp, dk}, dtype);
+  // dblock now holds this rank's own keys' and values' gradients, in chunks; "a2a+p2p" sends
+  // each rank of the level-0 group its tokens' back.
+  Tensor dq_ring = k.Empty({bg * r * s_ring, dk}, dtype);
+  Tensor dk_ring = k.Empty({bg * s_ring, dk}, dtype);
+  Tensor dv_ring = k.Empty({bg * s_ring, dk}, dtype);
   for (int64_t h = 0; h < 2; ++h) {
-    k.StridedCopy(dq[h], 0, {bg * r, c * dk}, {c * dk, 1}, *dq_out, h * c * dk, {s_cp * dk, 1});
-    k.StridedCopy(BlockPart(dblock, 0, h, bg, c, dk), 0, {bg, c * dk}, {c * dk, 1}, *dk_out,
-                  h * c * dk, {s_cp * dk, 1});
-    k.StridedCopy(BlockPart(dblock, 1, h, bg, c, dk), 0, {bg, c * dk}, {c * dk, 1}, *dv_out,
-                  h * c * dk, {s_cp * dk, 1});
+    k.StridedCopy(dq[h], 0, {bg * r, c * dk}, {c * dk, 1}, dq_ring, h * c * dk,
+                  {s_ring * dk, 1});
+    k.StridedCopy(BlockPart(dblock, 0, h, bg, c, dk), 0, {bg, c * dk}, {c * dk, 1}, dk_ring,
+                  h * c * dk, {s_ring * dk, 1});
+    k.StridedCopy(BlockPart(dblock, 1, h, bg, c, dk), 0, {bg, c * dk}, {c * dk, 1}, dv_ring,
+                  h * c * dk, {s_ring * dk, 1});
   }
+  *dq_out = hier_ ? FromRingHeads(ctx, dq_ring, sh.b, a_l_, dk) : dq_ring;
+  *dk_out = hier_ ? FromRingHeads(ctx, dk_ring, sh.b, g_l_, dk) : dk_ring;
+  *dv_out = hier_ ? FromRingHeads(ctx, dv_ring, sh.b, g_l_, dk) : dv_ring;
 }
 
 // The records of a ring run: its probabilities [b, a_l, s_cp, s] from each row's final
@@ -584,19 +679,24 @@ void SelfAttention::RecordRingProbs(const ModuleContext& ctx, const CoreStash& c
   Kernels& k = ctx.k;
   const StreamShape& sh = ctx.shape;
   const RingStash& ring = *core.ring;
-  const int64_t s = sh.s, s_cp = sh.s_cp(), c = s_cp / 2, b = sh.b;
+  const int64_t s = sh.s, s_cp = sh.s_cp(), b = sh.b;
   const int64_t dk = dk_, r = r_, gl = g_l_, al = a_l_, bg = b * gl;
   const DType dtype = core.q.dtype();
   const std::string layer_site = ctx.trace.site();
   ctx.trace.SetSite(layer_site + " (gathered for records)");
   const Tensor& local = dcontext == nullptr ? core.k : core.v;
   const Tensor gathered = GatherSequence(ctx, local, bg, dk);
-  ctx.trace.SetSite(layer_site);
-  // Each row's log-sum-exp in the row order of [b, a_l, s_cp]: the halves interleaved.
-  Tensor lse = k.Empty({bg * r * s_cp}, ring.lse[0].dtype());
+  // Each row's log-sum-exp in the row order of [b, a_l, s_cp]: the halves interleaved (for
+  // "a2a+p2p" in the ring's rows, then back to this rank's tokens of all its heads).
+  const RingLayout L = Ring(ctx);
+  const int64_t s_ring = 2 * L.c, ring_bg = b * L.gl;
+  Tensor lse = k.Empty({ring_bg * r * s_ring}, ring.lse[0].dtype());
   for (int64_t h = 0; h < 2; ++h) {
-    k.StridedCopy(ring.lse[h], 0, {bg * r, c}, {c, 1}, lse, h * c, {s_cp, 1});
+    k.StridedCopy(ring.lse[h], 0, {ring_bg * r, L.c}, {L.c, 1}, lse, h * L.c, {s_ring, 1});
   }
+  if (hier_) lse = FromRingHeads(ctx, lse.Reshaped({ring_bg * r * s_ring, 1}), b, al, 1);
+  lse = lse.Reshaped({bg * r * s_cp});
+  ctx.trace.SetSite(layer_site);
   if (dcontext == nullptr) {
     Tensor probs = k.Empty({bg, r * s_cp, s}, dtype);
     k.BatchedGemm(false, true, 1.0 / std::sqrt(static_cast<double>(dk)),

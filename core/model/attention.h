@@ -26,6 +26,9 @@
 // heads for sequence: after RoPE an all-to-all over cp gives each cp rank every position of
 // 1/cp of its heads (q [b, g_l/cp, r, s, dk], k and v [b, g_l/cp, s, dk], probabilities
 // [b, a_l/cp, s, s]), and a second one gives the context back to the tokens' ranks.
+// cp_comm_type "a2a+p2p" (hierarchical_context_parallel_sizes [a, c]) does both: an
+// all-to-all over the a ranks of hcp_L0 gives each the group's positions (two super-chunks
+// of s / (2c)) of 1/a of the heads, and the "p2p" ring runs over the c ranks of hcp_L1.
 // Selective recomputation keeps only qkv and reruns core attention in backward.
 #pragma once
 
@@ -51,6 +54,17 @@ class SelfAttention {
   struct RingStash {
     Tensor q[2], out[2], lse[2];
     Tensor kv;
+  };
+  // The ring's geometry: "p2p" runs it over cp on this rank's two chunks and its heads;
+  // "a2a+p2p" over hcp level 1 on two super-chunks (its level-0 group's chunks, after the
+  // level-0 all-to-all of heads for positions) and 1/a of the heads (a: level 0's size).
+  // RingStash's c and b*g_l are then the ring's c and b*gl.
+  struct RingLayout {
+    Communicator* group = nullptr;  // the ring
+    int64_t size = 1, rank = 0;     // its ranks and this one's place
+    int64_t c = 0;                  // positions per chunk, s / (2 size); a rank holds two
+    int64_t al = 0, gl = 0;         // heads and query groups of the ring's tensors
+    int64_t head0 = 0;              // the first of those heads among the layer's a
   };
   struct CoreStash {
     Tensor q;              // after the q/k norms and RoPE (1/cp of the heads: "a2a")
@@ -85,10 +99,13 @@ class SelfAttention {
   Tensor RingForward(const ModuleContext& ctx, CoreStash* core) const;
   void RingBackward(const ModuleContext& ctx, const Tensor& dcontext, const CoreStash& core,
                     Tensor* dq, Tensor* dk, Tensor* dv) const;
-  // Where the probabilities of this rank's query chunk `q_chunk` and key chunk `k_chunk`
-  // ([b, a_l, c, c]) sit in the full [B, a, s, s]: one piece per sample.
-  IndexPieces BlockMap(const StreamShape& sh, int64_t q_chunk, int64_t k_chunk) const;
-  IndexPieces LocalBlockMap(const StreamShape& sh, int64_t q_half, int64_t k_chunk) const;
+  // Where the probabilities of the ring's query chunk `q_chunk` and key chunk `k_chunk`
+  // ([b, ring.al, c, c]) sit in the full [B, a, s, s]: one piece per sample.
+  IndexPieces BlockMap(const StreamShape& sh, const RingLayout& ring, int64_t q_chunk,
+                       int64_t k_chunk) const;
+  IndexPieces LocalBlockMap(const StreamShape& sh, const RingLayout& ring, int64_t q_half,
+                            int64_t k_chunk) const;
+  RingLayout Ring(const ModuleContext& ctx) const;
   // The context [b, a_l, s_cp, dk] as core attention's output [s_cp*b, a_l*dk], recorded.
   Tensor ContextToColumns(const ModuleContext& ctx, const Tensor& context, int64_t al,
                           int64_t dk) const;
@@ -105,6 +122,7 @@ class SelfAttention {
   bool rope_;
   bool ring_;      // cp_comm_type "p2p" (with context_parallel_size > 1)
   bool cp_heads_;  // cp_comm_type "a2a" (with context_parallel_size > 1)
+  bool hier_;      // cp_comm_type "a2a+p2p" (with context_parallel_size > 1)
   double rotary_base_;
   int64_t rotary_dim_;
   std::optional<Norm> q_norm_, k_norm_;  // qk_layernorm

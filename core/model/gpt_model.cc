@@ -345,6 +345,18 @@ ModuleContext GptModel::Context(RankContext& ctx, int64_t microbatch, const Stas
                                          module.cp->Rank(), module.cp->Size(), shape_.cp_rank,
                                          shape_.cp));
     }
+    if (gpt_.cp_comm_type == CpCommType::kA2aP2p) {
+      // Level 0 holds consecutive cp ranks: cp rank = level-0 rank + a * level-1 rank.
+      Communicator* a2a = ctx.groups.hcp_L0.get();
+      Communicator* p2p = ctx.groups.hcp_L1.get();
+      if (a2a == nullptr || p2p == nullptr || a2a->Size() * p2p->Size() != shape_.cp ||
+          a2a->Rank() + a2a->Size() * p2p->Rank() != shape_.cp_rank) {
+        throw std::logic_error("GptModel: a2a+p2p without hcp_L0 and hcp_L1 groups that place "
+                               "this rank at its cp rank");
+      }
+      module.hcp_a2a = a2a;
+      module.hcp_p2p = p2p;
+    }
   }
   return module;
 }

@@ -188,12 +188,44 @@ void GptModel::ExplainStage(std::ostream& out) const {
           "reduced over dp x cp)\n",
           shape_.cp, CpCommTypeName(gpt.cp_comm_type), shape_.s, 2 * shape_.cp, c,
           2 * shape_.cp - 1);
+      const std::vector<int64_t>& hcp = config_.parallel.hierarchical_context_parallel_sizes;
       StreamShape sh = shape_;
       for (sh.cp_rank = 0; sh.cp_rank < sh.cp; ++sh.cp_rank) {
-        out << fmt::format("  cp rank {}: positions {}-{} and {}-{}; attention all-gathers the "
-                           "keys and values of the other {} chunks\n",
-                           sh.cp_rank, sh.Position(0), sh.Position(c - 1), sh.Position(c),
-                           sh.Position(2 * c - 1), 2 * sh.cp - 2);
+        std::string how;
+        switch (gpt.cp_comm_type) {
+          case CpCommType::kAllGather:
+            how = fmt::format("attention all-gathers the keys and values of the other {} chunks",
+                              2 * sh.cp - 2);
+            break;
+          case CpCommType::kP2p:
+            how = fmt::format("the ring brings it the other {} ranks' keys and values, one "
+                              "step each",
+                              sh.cp - 1);
+            break;
+          case CpCommType::kA2a:
+            how = fmt::format("an all-to-all gives it every position of head block {} of {} "
+                              "(its tp rank's heads cut in {})",
+                              sh.cp_rank, sh.cp, sh.cp);
+            break;
+          case CpCommType::kA2aP2p: {
+            const int64_t a = hcp.size() == 2 ? hcp[0] : 1;
+            const int64_t l1 = sh.cp_rank / a, cs = sh.s / (2 * (sh.cp / a));
+            const int64_t second = 2 * (sh.cp / a) - 1 - l1;
+            const int64_t others = sh.cp / a - 1;
+            how = fmt::format("an all-to-all over its hcp_L0 group (cp ranks {}-{}) gives it "
+                              "positions {}-{} and {}-{} of head block {} of {}, and the ring "
+                              "over hcp_L1 brings {} keys and values",
+                              l1 * a, l1 * a + a - 1, l1 * cs, l1 * cs + cs - 1, second * cs,
+                              second * cs + cs - 1, sh.cp_rank % a, a,
+                              others == 0   ? std::string("no other group's")
+                              : others == 1 ? std::string("the other group's")
+                                            : fmt::format("the other {} groups'", others));
+            break;
+          }
+        }
+        out << fmt::format("  cp rank {}: positions {}-{} and {}-{}; {}\n", sh.cp_rank,
+                           sh.Position(0), sh.Position(c - 1), sh.Position(c),
+                           sh.Position(2 * c - 1), how);
       }
     }
   }

@@ -160,6 +160,10 @@ struct ModuleContext {
   Tensor key_positions = Tensor();
   // The context-parallel group; null when cp = 1.
   Communicator* cp = nullptr;
+  // cp_comm_type "a2a+p2p": the two levels of hierarchical_context_parallel_sizes, the heads'
+  // all-to-all (hcp_L0, consecutive cp ranks) and the ring (hcp_L1); null otherwise.
+  Communicator* hcp_a2a = nullptr;
+  Communicator* hcp_p2p = nullptr;
   // The expert tensor x expert-parallel group the MoE dispatcher exchanges tokens over, and
   // the expert tensor-parallel group an expert's slices are split over (the alltoall
   // dispatcher's gather); both null when the experts are laid out as the dense layers

@@ -343,9 +343,15 @@ TEST(GptConfig, LayoutChecks) {
             "holds two of 2 * cp equal chunks)");
   copy.cp_comm_type = CpCommType::kA2aP2p;
   EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
-            "model.cp_comm_type: \"a2a+p2p\" is not built yet; with context_parallel_size 2 set "
-            "\"p2p\" (Megatron's default), \"all_gather\" or \"a2a\" (every cp_comm_type "
-            "computes the same attention)");
+            "model.cp_comm_type: \"a2a+p2p\" needs parallel.hierarchical_context_parallel_sizes "
+            "[a2a size, p2p size] (two levels multiplying to context_parallel_size 2), got 0 "
+            "levels");
+  parallel.hierarchical_context_parallel_sizes = {2, 1};
+  EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
+            "model.cp_comm_type: \"a2a+p2p\" gives each rank 1/2 of its tp rank's heads, so "
+            "num_query_groups 2 must be divisible by tensor_model_parallel_size * "
+            "hierarchical_context_parallel_sizes[0] = 4");
+  parallel.hierarchical_context_parallel_sizes.clear();
   copy.cp_comm_type = CpCommType::kAllGather;
   EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
             "run.seq_length: 7 is not divisible by 2 * context_parallel_size = 4 (each cp rank "
