@@ -181,11 +181,24 @@ Status CheckKeys(const nlohmann::json& document) {
                                                               fmt::join(*u.section->keys, ", "))
                                                 : fmt::format("{}; {}", what, u.hint));
   }
+  // The first kListed keys, each cut to kShownChars: a generated file with thousands of
+  // stray keys still gets one readable line.
+  constexpr size_t kListed = 12;
+  constexpr size_t kShownChars = 80;
   std::vector<std::string> parts;
-  for (const Unknown& u : unknown) {
-    parts.push_back(u.hint.empty() ? u.path : fmt::format("{} ({})", u.path, u.hint));
+  for (size_t i = 0; i < std::min(unknown.size(), kListed); ++i) {
+    const Unknown& u = unknown[i];
+    const std::string path = u.path.size() <= kShownChars
+                                 ? u.path
+                                 : fmt::format("{}... ({} characters)",
+                                               u.path.substr(0, kShownChars), u.path.size());
+    parts.push_back(u.hint.empty() ? path : fmt::format("{} ({})", path, u.hint));
   }
-  return Status::Error("", fmt::format("{} unknown keys: {}", unknown.size(), fmt::join(parts, "; ")));
+  if (unknown.size() > kListed) {
+    parts.push_back(fmt::format("and {} more", unknown.size() - kListed));
+  }
+  return Status::Error("",
+                       fmt::format("{} unknown keys: {}", unknown.size(), fmt::join(parts, "; ")));
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <string>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "core/config/config.h"
@@ -284,6 +285,27 @@ TEST(GptConfig, UnknownKeysAreReportedAtOnceWithWhereTheyBelong) {
             "model: has the GPT key \"hidden_size\" but no \"type\": add \"type\": \"gpt\" (a "
             "model without it is a layer chain: vocab_size, make_vocab_size_divisible_by, "
             "layers)");
+}
+
+// A file with many stray keys gets one readable line: the first twelve, long names cut, and a
+// count of the rest. Long names are never measured against the known keys (the fuzzer found a
+// 64 KiB key taking seconds per comparison).
+TEST(GptConfig, ManyOrLongUnknownKeysStayOneShortLine) {
+  json document = {{"parallel", {{"world_size", 1}}}, {"model", Minimal()}};
+  document["model"][std::string(50000, 'k')] = 1;
+  for (int i = 0; i < 20; ++i) document["run"][fmt::format("stray_{:02}", i)] = i;
+  Config config;
+  const std::string message = ParseConfig(document, &config).Message();
+  EXPECT_TRUE(message.starts_with("21 unknown keys: model." + std::string(74, 'k') +
+                                  "... (50006 characters); run.stray_00; "))
+      << message;
+  EXPECT_TRUE(message.ends_with("; run.stray_10; and 9 more")) << message;
+  EXPECT_LT(message.size(), 400u) << message;
+  // Near names are still found, whatever their length.
+  const std::vector<std::string_view>& keys = ParallelConfigKeys();
+  EXPECT_EQ(SuggestKey("tensor_model_paralel_size", keys), "tensor_model_parallel_size");
+  EXPECT_EQ(SuggestKey("pipeline_model_parallel_size_of_this_model_here", keys), "");
+  EXPECT_EQ(SuggestKey(std::string(3000, 'x'), keys), "");
 }
 
 // A GPT's layer count has one source, model.num_layers: parallel.num_layers may repeat it,

@@ -4,11 +4,12 @@
 What it is: the one place the committed seeds come from, so each can be read as the case it
 stands for: valid inputs (the fuzzer mutates them into near-misses that reach deep checks)
 and hostile ones (numbers beyond double, deep nesting, duplicate keys, trailing content,
-control characters, NUL bytes, invalid UTF-8, sizes at and beyond int32/int64/uint64, bad
-safetensors lengths and offsets, manifests that disagree with their rank files). Every file
-is small except the deep-nesting ones (100000 levels, 200 KB each: the replay needs the
-file itself). With --mpusim it also regenerates the dumps made by the program itself
-(mpirun, 2 and 4 ranks) from the tiny configs among the fuzz_config seeds.
+control characters, NUL bytes, invalid UTF-8, sizes at and beyond int32/int64/uint64, keys
+of 15000 characters, bad safetensors lengths and offsets, manifests that disagree with their
+rank files). Every file is small except the deep-nesting ones (100000 levels, 200 KB each:
+the replay needs the file itself) and the long keys (60 KB). With --mpusim it also
+regenerates the dumps made by the program itself (mpirun, 2 and 4 ranks) from the tiny
+configs among the fuzz_config seeds.
 What it is not: a fuzzer, or the list of what must pass: fuzz_replay_<target> replays
 whatever is in the directories (tests/fuzz/README.md).
 
@@ -121,6 +122,11 @@ def config_seeds():
         "array_top_level.json": b"[]",
         "unknown_order_axis.json": b'{"parallel": {"world_size": 8, "order": "tp-xx-dp"}}',
         "order_repeated_axis.json": b'{"parallel": {"world_size": 8, "order": "tp-tp-dp-pp-cp"}}',
+        # Unknown keys of 15000 characters: the did-you-mean search once measured each
+        # against every known key, seconds per input (a fuzzer timeout).
+        "unknown_keys_15000_chars.json": dumps(
+            {"parallel": {"world_size": 1},
+             "model": {letter * 15_000: 1 for letter in "abcd"}}),
     }
 
 
