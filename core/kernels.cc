@@ -196,7 +196,7 @@ void Kernels::ResetPeakTensorBytes() { bytes_->peak.store(bytes_->live.load()); 
 
 Tensor Kernels::ToDevice(const Tensor& host) {
   KernelArgs(backend_, device_, "ToDevice", KernelDTypes::kAny).Add("host", host, Device::kHost);
-  return DoToDevice(host);
+  return Counted(DoToDevice(host));
 }
 
 Tensor Kernels::ToHost(const Tensor& tensor) {

@@ -64,9 +64,9 @@ class Kernels {
   Tensor Zeros(const Shape& shape, DType dtype);
   // Uninitialised storage, for outputs a kernel or collective overwrites completely.
   Tensor Empty(const Shape& shape, DType dtype);
-  // Bytes of the tensors Zeros and Empty made that are alive now, and the most alive at once
-  // since ResetPeakTensorBytes (views share their tensor's bytes; copies to the host and
-  // ToDevice are not counted): what a step of the model really holds, measured.
+  // Bytes of the tensors Zeros, Empty and ToDevice made that are alive now, and the most alive
+  // at once since ResetPeakTensorBytes (views share their tensor's bytes; copies to the host
+  // are not counted): what a step of the model really holds, measured.
   struct TensorBytes {
     int64_t live = 0;
     int64_t peak = 0;

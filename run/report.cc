@@ -207,7 +207,13 @@ Status RunReport::WriteSummary(const SimulationResult& result, int code) {
   j["iterations"] = iterations;
   nlohmann::ordered_json tensors = nlohmann::ordered_json::array();
   for (const SimulationResult::TensorBytes& t : result.tensor_bytes) {
-    tensors.push_back({{"held", t.held}, {"peak", t.peak}, {"activations", t.peak - t.held}});
+    tensors.push_back({{"held", t.held},
+                       {"peak", t.peak},
+                       {"activations", t.peak - t.held},
+                       {"parameters", t.parameters},
+                       {"main_grad", t.gradients},
+                       {"optimizer", t.optimizer},
+                       {"constants", t.other}});
   }
   j["tensor_bytes"] = tensors;  // per world rank, in bytes
   if (options_.check) {

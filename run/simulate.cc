@@ -221,7 +221,9 @@ StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions&
   StatusOr<PipelineExecutor> executor =
       PipelineExecutor::ForRank(config.parallel, config.run->num_microbatches, ctx.coords.pp);
   if (!executor.ok()) return executor.status();
+  const int64_t before_init = kernels.tensor_bytes().live;
   model.InitializeParameters(ctx);
+  const int64_t after_init = kernels.tensor_bytes().live;
   const bool want_records = options.check || options.keep_records;
   std::unique_ptr<Optimizer> optimizer;
   if (config.optimizer) optimizer = MakeOptimizer(config, ctx, model.TrainableParameters(), &result);
@@ -229,6 +231,11 @@ StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions&
   // most alive at once while the steps run: the difference is the step's activations and the
   // gradients in flight.
   const int64_t held = kernels.tensor_bytes().live;
+  int64_t parameter_bytes = 0, gradient_bytes = 0;
+  for (const Parameter* p : model.HeldParameters()) {
+    parameter_bytes += static_cast<int64_t>(p->value.bytes());
+    if (p->grad.defined()) gradient_bytes += static_cast<int64_t>(p->grad.bytes());
+  }
   kernels.ResetPeakTensorBytes();
   if (!config.optimizer) {
     TimedSteps(options, kernels, &result, [&](bool last) {
@@ -248,10 +255,14 @@ StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions&
   result.has_loss = model.has_loss();
   result.loss = result.has_loss ? model.loss() : 0.0;
   result.peak_stashes = executor->peak_live_stashes();
-  for (const std::string& text :
-       AllGatherStrings(fmt::format("{} {}", held, kernels.tensor_bytes().peak))) {
+  for (const std::string& text : AllGatherStrings(fmt::format(
+           "{} {} {} {} {} {}", held, kernels.tensor_bytes().peak, parameter_bytes, gradient_bytes,
+           held - after_init, after_init - before_init - parameter_bytes - gradient_bytes))) {
     SimulationResult::TensorBytes& bytes = result.tensor_bytes.emplace_back();
-    std::sscanf(text.c_str(), "%" SCNd64 " %" SCNd64, &bytes.held, &bytes.peak);
+    std::sscanf(text.c_str(),
+                "%" SCNd64 " %" SCNd64 " %" SCNd64 " %" SCNd64 " %" SCNd64 " %" SCNd64,
+                &bytes.held, &bytes.peak, &bytes.parameters, &bytes.gradients, &bytes.optimizer,
+                &bytes.other);
   }
   {
     std::string mine;

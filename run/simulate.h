@@ -37,8 +37,14 @@ struct SimulationResult {
   // Every world rank's tensors, counted by its kernels (Kernels::tensor_bytes): those held
   // before the first step (parameters, main_grad, optimizer state) and the most alive at
   // once during the steps; peak - held is the activations and gradients in flight.
+  // `held` measured apart (core/estimate/memory_estimate.h counts the first three from the
+  // config): the parameters' and main_grads' tensors as InitializeParameters allocated them
+  // (Model::HeldParameters), what the optimizer's construction added to the live bytes
+  // (master weights and states), and the rest of what InitializeParameters added (the
+  // model's constant tensors, such as the positions RoPE reads).
   struct TensorBytes {
     int64_t held = 0, peak = 0;
+    int64_t parameters = 0, gradients = 0, optimizer = 0, other = 0;
   };
   std::vector<TensorBytes> tensor_bytes;
   // Every world rank's Model::StepNotes, in rank order (the MoE layers' tokens per expert).

@@ -95,6 +95,8 @@ class GptModel final : public Model {
   Tensor BackwardStep(const StepCall& call, const Tensor& output_grad, StepStash& stash) override;
   void Records(RankContext& ctx, std::vector<TensorRecord>* records) const override;
   std::vector<Parameter*> TrainableParameters() const override { return params_.pointers(); }
+  std::vector<const Parameter*> HeldParameters() const override;
+  std::vector<HeldParameterShape> HeldParameterShapes() const override;
   bool has_loss() const override { return true; }
   std::string Describe() const override;
   std::vector<ParameterPlacement> ShardingMap() const override;

@@ -96,6 +96,22 @@ bool GptModel::MasksDependOnLayout() const {
          (gpt_.hidden_dropout > 0 || gpt_.attention_dropout > 0);
 }
 
+std::vector<const Parameter*> GptModel::HeldParameters() const {
+  std::vector<const Parameter*> out;
+  for (const auto& p : params_.all()) {
+    if (p->value.defined()) out.push_back(p.get());
+  }
+  return out;
+}
+
+std::vector<HeldParameterShape> GptModel::HeldParameterShapes() const {
+  std::vector<HeldParameterShape> out;
+  for (const auto& p : params_.all()) {
+    out.push_back({p->name, LocalShape(p->shard, p->full_shape), true, p->expert});
+  }
+  return out;
+}
+
 // Every stage's model, built from the same config (this one's when pp = 1), and under expert
 // parallelism every ep rank's, for its experts.
 std::vector<ParameterPlacement> GptModel::ShardingMap() const {

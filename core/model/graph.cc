@@ -64,15 +64,16 @@ void Graph::InitializeParameters(RankContext& ctx) {
   g.initial_rng = ctx.rng.GetStates();
   g.draws_per_iteration.clear();
   // This rank's layers; a parameter is held where its owner runs and where a tied user runs.
-  for (auto& p : g.parameters) p->held = g.PipelineRankOf(p->owner_stage) == g.pp_rank;
+  const std::vector<Impl::Holding> holdings = g.HoldingsOf(g.pp_rank);
+  for (size_t i = 0; i < g.parameters.size(); ++i) {
+    g.parameters[i]->held = holdings[i].held;
+    // The last stage's copy: left out of the gradient norm.
+    if (holdings[i].shared) g.parameters[i]->shared = true;
+  }
   for (const LayerSlot& slot : g.layers) {
     if (g.PipelineRankOf(slot.stage) != g.pp_rank) continue;
     if (!slot.rng_stream.empty()) {  // a Dropout layer
       g.draws_per_iteration[slot.rng_stream] += static_cast<uint64_t>(g.run.num_microbatches);
-    }
-    if (slot.weight != nullptr && !slot.weight->held) {
-      slot.weight->held = true;
-      slot.weight->shared = true;  // the last stage's copy: left out of the gradient norm
     }
   }
   for (auto& p : g.parameters) {
@@ -276,6 +277,26 @@ std::vector<Parameter*> Graph::TrainableParameters() const {
   std::vector<Parameter*> out;
   for (const auto& p : impl_->parameters) {
     if (p->held && !p->frozen) out.push_back(p.get());
+  }
+  return out;
+}
+
+std::vector<const Parameter*> Graph::HeldParameters() const {
+  std::vector<const Parameter*> out;
+  for (const auto& p : impl_->parameters) {
+    if (p->held) out.push_back(p.get());
+  }
+  return out;
+}
+
+std::vector<HeldParameterShape> Graph::HeldParameterShapes() const {
+  const Impl& g = *impl_;
+  const std::vector<Impl::Holding> holdings = g.HoldingsOf(coords_.pp);
+  std::vector<HeldParameterShape> out;
+  for (size_t i = 0; i < g.parameters.size(); ++i) {
+    if (!holdings[i].held) continue;
+    const ChainParameter& p = *g.parameters[i];
+    out.push_back({p.name, LocalShape(g.RankShard(p, coords_.tp), p.full_shape), !p.frozen, false});
   }
   return out;
 }

@@ -74,6 +74,8 @@ class Graph final : public Model {
   // The parameters with a main_grad (not frozen), in registration order: what the gradient
   // finalisation reduces and the optimizer updates.
   std::vector<Parameter*> TrainableParameters() const override;
+  std::vector<const Parameter*> HeldParameters() const override;
+  std::vector<HeldParameterShape> HeldParameterShapes() const override;
 
   // After a step: every tensor of the last micro-batch plus parameters and gradients.
   std::vector<TensorRecord> Records(RankContext& ctx) const;

@@ -201,6 +201,24 @@ struct Graph::Impl {
     parameters.push_back(std::move(p));
     return parameters.back().get();
   }
+  // Which parameters (by index) pipeline rank `rank` holds: those its layers own, and the
+  // weights its layers borrow (weight_from) from another rank's, whose copy is `shared`.
+  struct Holding {
+    bool held = false, shared = false;
+  };
+  std::vector<Holding> HoldingsOf(int64_t rank) const {
+    std::vector<Holding> holdings(parameters.size());
+    for (size_t i = 0; i < parameters.size(); ++i) {
+      holdings[i].held = PipelineRankOf(parameters[i]->owner_stage) == rank;
+    }
+    for (const LayerSlot& slot : layers) {
+      if (PipelineRankOf(slot.stage) != rank || slot.weight == nullptr) continue;
+      for (size_t i = 0; i < parameters.size(); ++i) {
+        if (parameters[i].get() == slot.weight && !holdings[i].held) holdings[i] = {true, true};
+      }
+    }
+    return holdings;
+  }
   ShardSpec RankShard(const ChainParameter& p, int64_t tp_rank) const {
     ShardSpec shard;
     if (p.split.dim >= 0) shard.Split(ShardAxis::kTp, p.split.dim, t, tp_rank, p.split.stride);

@@ -41,6 +41,16 @@ struct ParameterPlacement {
   int64_t ep_rank = -1;   // an expert's weight: the ep rank holding it (-1: every ep rank)
 };
 
+// A parameter this rank will hold, as the model is built (before InitializeParameters
+// allocates anything): what core/estimate counts.
+struct HeldParameterShape {
+  std::string name;
+  Shape local_shape;       // this rank's piece (its tp or etp split)
+  bool trainable = true;   // has a main_grad and optimizer state (not frozen)
+  bool expert = false;     // an expert's, laid out apart (Parameter::expert): the distributed
+                           // optimizer keeps it in the experts' buffer
+};
+
 // What the preflight counts (run/preflight.h).
 struct MemoryPlanOptions {
   int64_t world_size = 1;  // the ranks of the job (they share the reference's work)
@@ -68,6 +78,11 @@ class Model : public StagedModel {
   // The parameters with a gradient (not frozen), in registration order: what the gradient
   // finalisation reduces and the optimizer updates.
   virtual std::vector<Parameter*> TrainableParameters() const = 0;
+  // Every parameter this rank holds once InitializeParameters has run, frozen ones and a
+  // tied copy included, each once (empty before it runs): what `mpusim run` measures.
+  virtual std::vector<const Parameter*> HeldParameters() const = 0;
+  // The same parameters as the built model plans them, before anything is allocated.
+  virtual std::vector<HeldParameterShape> HeldParameterShapes() const = 0;
 
   // Whether the model ends in a loss (a chain may end in a hidden layer), and the last step's
   // loss: the mean over all tokens of all micro-batches and dp ranks.

@@ -437,7 +437,7 @@ TYPED_TEST(EigenKernelsTest, IdsAreInt64WithOneElementPerRow) {
       std::invalid_argument);
 }
 
-// Kernels::tensor_bytes counts what Zeros and Empty made while it lives (a view or a copy of
+// Kernels::tensor_bytes counts what Zeros, Empty and ToDevice made while it lives (a view or a copy of
 // the handle adds nothing), and the peak since ResetPeakTensorBytes; the storage still goes
 // back to the backend's cache when the last handle goes.
 TEST(EigenKernelsTensorBytes, CountsLiveTensorsAndThePeak) {
@@ -463,6 +463,15 @@ TEST(EigenKernelsTensorBytes, CountsLiveTensorsAndThePeak) {
   k.ResetPeakTensorBytes();
   EXPECT_EQ(k.tensor_bytes().peak, 80);
   const Tensor empty = k.Empty({0, 3}, DType::kFloat32);
+  EXPECT_EQ(k.tensor_bytes().live, 80);
+  {
+    // A copy to the device is the device's memory (a parameter's value is one); a copy to
+    // the host is not.
+    const Tensor device = k.ToDevice(Tensor::HostEmpty({5}, DType::kFloat32));  // 20 bytes
+    EXPECT_EQ(k.tensor_bytes().live, 100);
+    const Tensor host = k.ToHost(device);
+    EXPECT_EQ(k.tensor_bytes().live, 100);
+  }
   EXPECT_EQ(k.tensor_bytes().live, 80);
   held = Tensor();
   EXPECT_EQ(k.tensor_bytes().live, 0);

@@ -1,0 +1,88 @@
+#include "core/estimate/memory_estimate.h"
+
+#include <algorithm>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "core/model/model.h"
+
+namespace mpusim {
+namespace {
+
+// The elements of one distributed-optimizer buffer of `total` elements that rank
+// `rank_in_group` of a shard group of `group_size` ranks owns (core/train/optimizer.h).
+PlanBytes OwnedElements(PlanBytes total, int64_t group_size, int64_t rank_in_group) {
+  const auto d = static_cast<PlanBytes>(std::max<int64_t>(1, group_size));
+  const PlanBytes piece = (total + d - 1) / d;
+  const PlanBytes begin = SaturatingMul(piece, static_cast<PlanBytes>(rank_in_group));
+  if (begin >= total) return 0;
+  return std::min(piece, total - begin);
+}
+
+// Rank `rank`'s position in its group of the kind called `kind`: {group size, rank in group}.
+std::pair<int64_t, int64_t> GroupPosition(const Topology& topology, const char* kind,
+                                          int64_t rank) {
+  const std::optional<size_t> k = topology.FindKind(kind);
+  if (!k) return {1, 0};
+  const std::optional<GroupSlot> slot = topology.Locate(*k, rank);
+  if (!slot) return {1, 0};
+  return {topology.GroupSize(*k), slot->rank_in_group};
+}
+
+}  // namespace
+
+StatusOr<HeldMemory> EstimateHeldMemory(const Config& config, const Topology& topology,
+                                        int64_t rank) {
+  StatusOr<std::unique_ptr<Model>> built = BuildModel(config, topology, topology.Coordinates(rank));
+  if (!built.ok()) return built.status();
+  const DType storage = config.run ? config.run->dtype : DType::kFloat32;
+  const DType compute = ComputeDType(storage);
+  HeldMemory held;
+  PlanBytes dense = 0, experts = 0;  // elements of the two distributed-optimizer buffers
+  PlanBytes trainable = 0;
+  for (const HeldParameterShape& p : (*built)->HeldParameterShapes()) {
+    const PlanBytes elements = PlanElements(p.local_shape);
+    held.parameter_elements = SaturatingAdd(held.parameter_elements, elements);
+    if (!p.trainable) continue;
+    trainable = SaturatingAdd(trainable, elements);
+    (p.expert ? experts : dense) = SaturatingAdd(p.expert ? experts : dense, elements);
+  }
+  held.parameters = SaturatingMul(held.parameter_elements, DTypeSize(storage));
+  held.gradients = SaturatingMul(trainable, DTypeSize(compute));
+  if (!config.optimizer) return held;
+  const OptimizerConfig& optimizer = *config.optimizer;
+  if (!optimizer.use_distributed_optimizer) {
+    held.optimizer_elements = trainable;
+  } else {
+    const auto [d, r] = GroupPosition(topology, "dp_cp_partial", rank);
+    held.optimizer_elements = OwnedElements(dense, d, r);
+    if (experts > 0) {
+      const auto [de, re] = GroupPosition(topology, "expt_dp_partial", rank);
+      held.optimizer_elements =
+          SaturatingAdd(held.optimizer_elements, OwnedElements(experts, de, re));
+    }
+  }
+  const PlanBytes states = optimizer.kind == OptimizerConfig::Kind::kAdam ? 3 : 2;
+  held.optimizer =
+      SaturatingMul(SaturatingMul(held.optimizer_elements, states), DTypeSize(compute));
+  return held;
+}
+
+StatusOr<std::vector<StageHeldMemory>> EstimateStageHeldMemory(const Config& config,
+                                                               const Topology& topology) {
+  std::vector<StageHeldMemory> stages;
+  const int64_t pp = topology.sizes().pp;
+  for (int64_t rank = 0; rank < topology.world_size() && static_cast<int64_t>(stages.size()) < pp;
+       ++rank) {
+    const RankCoordinates coords = topology.Coordinates(rank);
+    if (coords.pp != static_cast<int64_t>(stages.size())) continue;
+    if (coords.tp != 0 || coords.cp != 0 || coords.dp != 0 || coords.ep != 0) continue;
+    StatusOr<HeldMemory> held = EstimateHeldMemory(config, topology, rank);
+    if (!held.ok()) return held.status();
+    stages.push_back({coords.pp, rank, *held});
+  }
+  return stages;
+}
+
+}  // namespace mpusim

@@ -1,0 +1,61 @@
+// What a rank holds before its first step, counted from the config alone: nothing is
+// allocated and nothing runs.
+//
+// What it is: for one rank of a layout (or each pipeline stage's busiest rank), the bytes of
+//   parameters  its parameter shards (the model built for the rank,
+//               Model::HeldParameterShapes: each parameter's local shape under its tensor- or
+//               expert-tensor-parallel split, frozen ones and a tied copy included), in the
+//               run's storage dtype;
+//   gradients   the trainable ones' main_grad, in the compute dtype (float32; float64 for a
+//               float64 run);
+//   optimizer   master weights and states in the compute dtype: 3 per element for Adam
+//               (master, exp_avg, exp_avg_sq), 2 for SGD (master, momentum buffer), for every
+//               element with the plain optimizer; with the distributed optimizer for the
+//               elements this rank owns: each flat buffer (dense; the experts' when they are
+//               laid out apart) padded to a multiple of D, its shard group's size
+//               (dp_cp_partial; expt_dp_partial), and cut into D equal pieces, of which group
+//               rank r owns the real (unpadded) elements of piece r.
+// These are exactly the tensors the executor allocates before its first step
+// (core/train/optimizer.h); `mpusim run` measures them per rank (run/simulate.h), and
+// tests/model/estimate_mpi_test.cc requires the two equal on every rank of every layout.
+// What it is not (yet): the model's constant tensors (the positions RoPE reads: bytes, which
+// the run reports as `other`), activations, communication buffers, the step time, or what a
+// GPU run adds (cuBLAS workspaces, NCCL buffers, the caching allocator's slack).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/config/config.h"
+#include "core/memory_plan.h"
+#include "core/status.h"
+#include "core/topology.h"
+
+namespace mpusim {
+
+struct HeldMemory {
+  PlanBytes parameters = 0;
+  PlanBytes gradients = 0;
+  PlanBytes optimizer = 0;
+  PlanBytes parameter_elements = 0;  // of this rank's shards
+  PlanBytes optimizer_elements = 0;  // whose master weights and states this rank keeps
+  PlanBytes total() const { return SaturatingAdd(SaturatingAdd(parameters, gradients), optimizer); }
+};
+
+// World rank `rank` of `topology` (which `config.parallel` laid out). Errors: the model's
+// own (it is built for the rank, as `mpusim run` builds it), naming the field.
+StatusOr<HeldMemory> EstimateHeldMemory(const Config& config, const Topology& topology,
+                                        int64_t rank);
+
+// One pipeline stage's busiest rank: the first rank of the stage (every other coordinate 0),
+// which holds as many parameters as any rank of the stage and owns the first, fullest piece
+// of each distributed-optimizer buffer.
+struct StageHeldMemory {
+  int64_t stage = 0;
+  int64_t rank = 0;
+  HeldMemory held;
+};
+StatusOr<std::vector<StageHeldMemory>> EstimateStageHeldMemory(const Config& config,
+                                                               const Topology& topology);
+
+}  // namespace mpusim

@@ -1,0 +1,191 @@
+// The memory estimate's held bytes (core/estimate/memory_estimate.h: parameters, main_grad,
+// optimizer state, counted from the config alone) against what the executor allocates, on
+// every rank: every sample config the world runs, and a sweep of GPT layouts (tp with and
+// without sequence parallelism, pp with vp, cp, ep with etp, recomputation, float32,
+// bfloat16 and float64, Adam and SGD, the plain and the distributed optimizer with one and
+// two instances). Parameters, gradients and optimizer state must be equal to the byte.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "core/estimate/memory_estimate.h"
+#include "core/topology.h"
+#include "tests/model/gpt_mpi_helpers.h"
+#include "tests/mpi/world.h"
+
+namespace mpusim {
+namespace {
+
+using nlohmann::json;
+using namespace gpt_mpi;
+
+// Runs `config` (no check, one step or one iteration) and compares each rank's measured held
+// bytes with the estimate for that rank; returns how many ranks were compared.
+int64_t ExpectEstimateEqualsMeasurement(const Config& config, const std::string& what) {
+  SCOPED_TRACE(what);
+  CpuBackend backend;
+  StatusOr<run::SimulationResult> result = run::Simulate(config, {false, 1, false}, backend);
+  EXPECT_TRUE(result.ok()) << result.status().Message();
+  if (!result.ok()) return 0;
+  StatusOr<Topology> topology = Topology::Create(config.parallel);
+  EXPECT_TRUE(topology.ok());
+  if (!topology.ok()) return 0;
+  EXPECT_EQ(result->tensor_bytes.size(), static_cast<size_t>(WorldSize()));
+  for (size_t rank = 0; rank < result->tensor_bytes.size(); ++rank) {
+    const run::SimulationResult::TensorBytes& measured = result->tensor_bytes[rank];
+    StatusOr<HeldMemory> estimate =
+        EstimateHeldMemory(config, *topology, static_cast<int64_t>(rank));
+    EXPECT_TRUE(estimate.ok()) << estimate.status().Message();
+    if (!estimate.ok()) return 0;
+    const auto bytes = [](PlanBytes b) { return static_cast<int64_t>(b); };
+    EXPECT_EQ(bytes(estimate->parameters), measured.parameters) << "rank " << rank;
+    EXPECT_EQ(bytes(estimate->gradients), measured.gradients) << "rank " << rank;
+    EXPECT_EQ(bytes(estimate->optimizer), measured.optimizer) << "rank " << rank;
+    // The rest of what the model allocated at initialisation: its constant tensors (the
+    // positions RoPE reads), a few hundred bytes at most here.
+    EXPECT_GE(measured.other, 0) << "rank " << rank;
+    EXPECT_LE(measured.other, 1024) << "rank " << rank;
+  }
+  if (WorldRank() == 0) {
+    const run::SimulationResult::TensorBytes& first = result->tensor_bytes.front();
+    fmt::print("  {}: rank 0 holds {} B parameters, {} B main_grad, {} B optimizer (equal to "
+               "the estimate on {} ranks) and {} B of constants\n",
+               what, first.parameters, first.gradients, first.optimizer, WorldSize(), first.other);
+  }
+  return WorldSize();
+}
+
+TEST(MemoryEstimate, EverySampleConfigHoldsWhatTheEstimateCounts) {
+  int64_t compared = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(MPUSIM_SAMPLE_CONFIG_DIR)) {
+    if (entry.path().extension() != ".json") continue;
+    StatusOr<Config> config = LoadConfigFile(entry.path().string());
+    ASSERT_TRUE(config.ok()) << entry.path() << ": " << config.status().Message();
+    if (!config->run || config->parallel.world_size != WorldSize()) continue;
+    config->run->train_iters = std::min<int64_t>(config->run->train_iters, 1);
+    compared += ExpectEstimateEqualsMeasurement(*config, entry.path().filename().string());
+  }
+  if (WorldRank() == 0) fmt::print("  {} rank runs compared\n", compared);
+}
+
+struct Case {
+  std::string name;
+  json document;
+};
+
+// GPT layouts of the world's ranks, each trained one iteration.
+std::vector<Case> Layouts() {
+  const int64_t w = WorldSize();
+  std::vector<Case> cases;
+  json dense = Llama(8, 4);
+  dense["num_layers"] = 4;
+  json moe = dense;
+  moe["num_moe_experts"] = 4;
+  moe["moe_router_topk"] = 2;
+  moe["moe_ffn_hidden_size"] = 16;
+  moe["moe_shared_expert_intermediate_size"] = 16;
+  // Sizes that no data-parallel size divides, so the distributed optimizer pads its buffer
+  // and the last rank owns fewer elements than the first.
+  json odd = Gpt(3, 3);
+  odd["hidden_size"] = 21;
+  odd["ffn_hidden_size"] = 43;
+  odd["vocab_size"] = 51;
+  struct Layout {
+    const char* model;
+    int64_t tp, pp, vp, cp, ep, etp;
+    bool sp;
+  };
+  const std::vector<Layout> layouts = {
+      {"dense", 1, 1, 1, 1, 1, 0, false}, {"dense", 2, 1, 1, 1, 1, 0, true},
+      {"dense", 4, 1, 1, 1, 1, 0, false}, {"dense", 1, 2, 1, 1, 1, 0, false},
+      {"dense", 2, 2, 2, 1, 1, 0, true},  {"dense", 1, 4, 1, 1, 1, 0, false},
+      {"dense", 1, 1, 1, 2, 1, 0, false}, {"dense", 2, 1, 1, 2, 1, 0, true},
+      {"moe", 1, 1, 1, 1, 2, 0, false},   {"moe", 2, 1, 1, 1, 2, 1, true},
+      {"moe", 1, 2, 1, 1, 2, 0, false},   {"moe", 2, 1, 1, 1, 1, 1, true},
+      {"moe", 1, 1, 1, 1, 4, 0, false},   {"odd", 1, 1, 1, 1, 1, 0, false},
+      {"odd", 1, 2, 1, 1, 1, 0, false},
+  };
+  for (const Layout& l : layouts) {
+    const int64_t model_ranks = l.tp * l.pp * l.cp;
+    if (model_ranks > w || w % model_ranks != 0) continue;
+    const int64_t dp = w / model_ranks;
+    if ((dp * l.cp) % l.ep != 0) continue;
+    if (l.etp > 0 && (l.etp * l.ep * l.pp > w || w % (l.etp * l.ep * l.pp) != 0)) continue;
+    // Each layout under four storage and optimizer settings (0 instances: the plain one).
+    struct Variant {
+      const char* dtype;
+      const char* optimizer;
+      int64_t instances;
+    };
+    for (const Variant& v : {Variant{"float32", "adam", 0}, Variant{"bfloat16", "adam", 1},
+                             Variant{"bfloat16", "sgd", dp % 2 == 0 ? 2 : 1},
+                             Variant{"float64", "sgd", 0}}) {
+      const std::string name = l.model;
+      json document =
+          Document(name == "moe" ? moe : name == "odd" ? odd : dense, l.tp, l.sp, v.dtype);
+      json& parallel = document["parallel"];
+      parallel["pipeline_model_parallel_size"] = l.pp;
+      if (l.vp > 1) parallel["virtual_pipeline_model_parallel_size"] = l.vp;
+      parallel["context_parallel_size"] = l.cp;
+      parallel["expert_model_parallel_size"] = l.ep;
+      if (l.etp > 0) parallel["expert_tensor_parallel_size"] = l.etp;
+      document["run"]["micro_batch_size"] = Samples() / dp;
+      document["run"]["seq_length"] = 8 * l.cp;
+      document["run"]["num_microbatches"] = 2 * l.pp;
+      if (l.tp == 2 && l.pp == 1 && l.cp == 1) document["run"]["recompute_granularity"] = "full";
+      document = Training(document, v.optimizer);
+      document["run"]["train_iters"] = 1;
+      if (v.instances > 0) {
+        document["optimizer"]["use_distributed_optimizer"] = true;
+        parallel["num_distributed_optimizer_instances"] = v.instances;
+      }
+      cases.push_back({fmt::format("{} tp {}{} pp {} vp {} cp {} ep {} etp {} {} {} {}", l.model,
+                                   l.tp, l.sp ? " sp" : "", l.pp, l.vp, l.cp, l.ep,
+                                   l.etp > 0 ? l.etp : l.tp, v.dtype, v.optimizer,
+                                   v.instances == 0 ? std::string("plain")
+                                                    : fmt::format("distributed x{}", v.instances)),
+                       document});
+    }
+  }
+  return cases;
+}
+
+TEST(MemoryEstimate, EveryLayoutHoldsWhatTheEstimateCounts) {
+  int64_t compared = 0;
+  for (const Case& c : Layouts()) {
+    Config config;
+    const Status status = ParseConfig(c.document, &config);
+    ASSERT_TRUE(status.ok()) << c.name << ": " << status.Message();
+    compared += ExpectEstimateEqualsMeasurement(config, c.name);
+  }
+  if (WorldRank() == 0) fmt::print("  {} rank runs compared\n", compared);
+}
+
+// The busiest rank of each stage: the first, which owns the fullest distributed-optimizer
+// pieces; no rank of the stage holds more.
+TEST(MemoryEstimate, EachStageNamesItsBusiestRank) {
+  for (const Case& c : Layouts()) {
+    SCOPED_TRACE(c.name);
+    Config config;
+    ASSERT_TRUE(ParseConfig(c.document, &config).ok());
+    StatusOr<Topology> topology = Topology::Create(config.parallel);
+    ASSERT_TRUE(topology.ok());
+    StatusOr<std::vector<StageHeldMemory>> stages = EstimateStageHeldMemory(config, *topology);
+    ASSERT_TRUE(stages.ok()) << stages.status().Message();
+    ASSERT_EQ(static_cast<int64_t>(stages->size()), topology->sizes().pp);
+    for (int64_t rank = 0; rank < topology->world_size(); ++rank) {
+      const int64_t pp = topology->Coordinates(rank).pp;
+      StatusOr<HeldMemory> held = EstimateHeldMemory(config, *topology, rank);
+      ASSERT_TRUE(held.ok());
+      EXPECT_LE(held->total(), (*stages)[static_cast<size_t>(pp)].held.total()) << "rank " << rank;
+      EXPECT_EQ(held->parameters, (*stages)[static_cast<size_t>(pp)].held.parameters);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace mpusim
