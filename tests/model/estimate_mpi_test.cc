@@ -121,12 +121,17 @@ std::vector<Case> Layouts() {
       const char* optimizer;
       int64_t instances;
     };
+    // Two instances where both the dp size and the expert dp size divide by 2.
+    const int64_t expt_dp = w / ((l.etp > 0 ? l.etp : l.tp) * l.ep * l.pp);
+    const bool halves = dp % 2 == 0 && (std::string(l.model) != "moe" || expt_dp % 2 == 0);
     for (const Variant& v : {Variant{"float32", "adam", 0}, Variant{"bfloat16", "adam", 1},
-                             Variant{"bfloat16", "sgd", dp % 2 == 0 ? 2 : 1},
+                             Variant{"bfloat16", "sgd", halves ? 2 : 1},
                              Variant{"float64", "sgd", 0}}) {
       const std::string name = l.model;
       json document =
           Document(name == "moe" ? moe : name == "odd" ? odd : dense, l.tp, l.sp, v.dtype);
+      document = Training(document, v.optimizer);
+      document["run"]["train_iters"] = 1;
       json& parallel = document["parallel"];
       parallel["pipeline_model_parallel_size"] = l.pp;
       if (l.vp > 1) parallel["virtual_pipeline_model_parallel_size"] = l.vp;
@@ -137,8 +142,6 @@ std::vector<Case> Layouts() {
       document["run"]["seq_length"] = 8 * l.cp;
       document["run"]["num_microbatches"] = 2 * l.pp;
       if (l.tp == 2 && l.pp == 1 && l.cp == 1) document["run"]["recompute_granularity"] = "full";
-      document = Training(document, v.optimizer);
-      document["run"]["train_iters"] = 1;
       if (v.instances > 0) {
         document["optimizer"]["use_distributed_optimizer"] = true;
         parallel["num_distributed_optimizer_instances"] = v.instances;
