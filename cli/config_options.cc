@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "core/config/parallel_config.h"
 #include "core/model/model.h"
 
 namespace mpusim::cli {
@@ -167,6 +168,32 @@ std::optional<ConfigOptions::Layout> ConfigOptions::ResolveLayout(std::ostream& 
   }
   for (const std::string& line : config->notes()) err << "note: " << line << '\n';
   return Layout{std::move(config).value(), std::move(topology).value()};
+}
+
+std::optional<ConfigOptions::Layout> ConfigOptions::ResolveModelLayout(std::ostream& err,
+                                                                      std::string_view command,
+                                                                      std::string_view why) {
+  std::optional<Layout> layout = ResolveLayout(err);
+  if (!layout || layout->config.has_model()) return layout;
+  std::string source;
+  const Status missing = Attribute(
+      Status::Error("model", fmt::format("is required by mpusim {} ({}; `mpusim layout` shows a "
+                                         "layout's groups)",
+                                         command, why)),
+      &source);
+  ReportError(err, source, missing.Message());
+  return std::nullopt;
+}
+
+bool FillMissingRun(Config* config, const Topology& topology) {
+  if (config->run) return true;
+  RunConfig run;
+  run.dtype = MegatronStorageDType(config->parallel).value_or(DType::kFloat32);
+  run.seq_length = 2 * topology.sizes().tp * topology.sizes().cp;
+  run.num_microbatches =
+      config->parallel.microbatch_group_size_per_vp_stage.value_or(topology.sizes().pp);
+  config->run = run;
+  return false;
 }
 
 }  // namespace mpusim::cli

@@ -9,6 +9,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include <CLI/CLI.hpp>
 
@@ -17,6 +18,12 @@
 #include "core/topology.h"
 
 namespace mpusim::cli {
+
+// For the commands that need a run section only to build the model (explain, estimate): when
+// `config` has none, gives it the shortest sequence the layout splits (2 cp chunks, each cut
+// over tp under sequence parallelism), the fewest micro-batches every schedule accepts, and
+// the dtype of parallel.bf16/fp16/params_dtype (else float32). Returns whether it had one.
+bool FillMissingRun(Config* config, const Topology& topology);
 
 class ConfigOptions {
  public:
@@ -41,6 +48,10 @@ class ConfigOptions {
     Topology topology;
   };
   std::optional<Layout> ResolveLayout(std::ostream& err);
+  // ResolveLayout for a command that reads the model: a config without one is refused with
+  // "model: is required by mpusim <command> (<why>; `mpusim layout` shows a layout's groups)".
+  std::optional<Layout> ResolveModelLayout(std::ostream& err, std::string_view command,
+                                           std::string_view why);
 
   const std::string& path() const { return path_; }
 

@@ -210,30 +210,14 @@ class ExplainCommand : public Command {
   CLI::App* app() override { return app_; }
 
   int Run(std::ostream& out, std::ostream& err) override {
-    std::optional<ConfigOptions::Layout> layout = config_.ResolveLayout(err);
+    std::optional<ConfigOptions::Layout> layout =
+        config_.ResolveModelLayout(err, "explain", "the sharding map is a model's");
     if (!layout) return kExitUsage;
     const Topology* topology = &layout->topology;
-    if (!layout->config.has_model()) {
-      std::string source;
-      const Status missing = config_.Attribute(
-          Status::Error("model", "is required by mpusim explain (the sharding map is a "
-                                 "model's; `mpusim layout` shows a layout's groups)"),
-          &source);
-      return ReportError(err, source, missing.Message());
-    }
     // How weights are sliced does not depend on the data: without a run section, explain
     // uses the shortest sequence and the fewest micro-batches every split and schedule accept.
     Config with_run = layout->config;
-    const bool run_given = with_run.run.has_value();
-    if (!with_run.run) {
-      RunConfig run;
-      // The shortest sequence the layout splits: 2 cp chunks, each cut over tp under sequence
-      // parallelism.
-      run.seq_length = 2 * topology->sizes().tp * topology->sizes().cp;
-      run.num_microbatches =
-          with_run.parallel.microbatch_group_size_per_vp_stage.value_or(topology->sizes().pp);
-      with_run.run = run;
-    }
+    const bool run_given = FillMissingRun(&with_run, *topology);
     const Config* config = &with_run;
     if (rank_option_->count() > 0 && !topology->HasRank(rank_)) {
       return ReportError(err, "command line",

@@ -17,15 +17,8 @@ namespace {
 // One storage dtype from Megatron's switches (parallel.bf16 / fp16 / params_dtype) and our
 // run.dtype: either may set it, and when both do they must agree.
 Status ResolveStorageDType(const ParallelConfig& parallel, RunConfig* run) {
-  std::optional<DType> megatron = parallel.params_dtype;
-  const char* field = "params_dtype";
-  if (parallel.bf16) {
-    megatron = DType::kBFloat16;
-    field = "bf16";
-  } else if (parallel.fp16) {
-    megatron = DType::kFloat16;
-    field = "fp16";
-  }
+  const std::optional<DType> megatron = MegatronStorageDType(parallel);
+  const char* field = parallel.bf16 ? "bf16" : parallel.fp16 ? "fp16" : "params_dtype";
   if (run == nullptr || !megatron) return {};
   if (!run->dtype_given) {
     run->dtype = *megatron;

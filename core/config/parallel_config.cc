@@ -42,6 +42,12 @@ bool CloseEnough(size_t distance, size_t a_size, size_t b_size) {
 
 }  // namespace
 
+std::optional<DType> MegatronStorageDType(const ParallelConfig& config) {
+  if (config.bf16) return DType::kBFloat16;
+  if (config.fp16) return DType::kFloat16;
+  return config.params_dtype;
+}
+
 const std::vector<std::string_view>& ParallelConfigKeys() {
   static const std::vector<std::string_view> kKeys = {
       "world_size",

@@ -74,6 +74,10 @@ bool IsAcceptedParallelField(std::string_view key);
 Status ParseParallelSection(const nlohmann::json& section, std::string_view path,
                             ParallelConfig* out);
 
+// The storage dtype Megatron's switches ask for (bf16, else fp16, else params_dtype), or
+// nullopt when none is set; ParseConfig makes run.dtype agree with it.
+std::optional<DType> MegatronStorageDType(const ParallelConfig& config);
+
 // Writes every key back (nulls for unset optionals), for `--format json` and tests.
 void ToJson(const ParallelConfig& config, nlohmann::json* out);
 

@@ -682,6 +682,71 @@ TEST(RunCommand, WorldSizeMismatchAndBadInput) {
   }
 }
 
+// GPT-3 175B on 1024 GPUs (tp 8, pp 16, dp 8; fp16, Adam): each stage's busiest rank holds
+// what Megatron's parameter shapes give in closed form. Per layer and tp rank: the qkv, proj,
+// fc1 and fc2 weights (12 h^2 / t), their split biases (3h + 4h) / t, and the replicated
+// proj and fc2 biases and two layer norms (6h); the first stage adds the word embeddings'
+// shard (V / t) and the learned positions (2048 x h), the last the final norm and the tied
+// copy of the word embeddings.
+TEST(EstimateCommand, Gpt3On1024GpusMatchesTheClosedForm) {
+  const Result r = Mpusim({"estimate", Sample("gpt3_175b_t8_p16_n1024.json"), "--format", "json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json doc = json::parse(r.out);
+  const uint64_t h = 12288, t = 8, layers = 6, vocab = 51200, positions = 2048, dp = 8;
+  const uint64_t layer = (12 * h * h + 7 * h) / t + 6 * h;
+  ASSERT_EQ(doc.at("stages").size(), 16u);
+  EXPECT_EQ(doc.at("dtype"), "float16");
+  EXPECT_EQ(doc.at("use_distributed_optimizer"), false);
+  for (const json& stage : doc.at("stages")) {
+    const uint64_t s = stage.at("stage");
+    uint64_t elements = layers * layer;
+    if (s == 0) elements += vocab * h / t + positions * h;
+    if (s == 15) elements += 2 * h + vocab * h / t;
+    EXPECT_EQ(stage.at("parameter_elements"), elements) << "stage " << s;
+    EXPECT_EQ(stage.at("rank"), s * 64) << "stage " << s;
+    const json& memory = stage.at("memory");
+    EXPECT_EQ(memory.at("parameters"), 2 * elements);
+    EXPECT_EQ(memory.at("gradients"), 4 * elements);
+    EXPECT_EQ(memory.at("optimizer"), 12 * elements);  // fp32 master, exp_avg, exp_avg_sq
+    EXPECT_EQ(memory.at("held"), 18 * elements);
+    // The distributed optimizer keeps the first of 8 equal pieces of the padded buffer.
+    EXPECT_EQ(stage.at("optimizer_if_distributed"), 12 * ((elements + dp - 1) / dp));
+  }
+  // The middle stages hold 6 layers of 1.36 billion parameters' shards: 24.4 GB.
+  EXPECT_EQ(doc.at("stages")[7].at("memory").at("held"), 18 * layers * layer);
+  // The text names the layout and the optimizer, and shows the other optimizer's total.
+  const Result text = Mpusim({"estimate", Sample("gpt3_175b_t8_p16_n1024.json"), "--pp", "8"});
+  ASSERT_EQ(text.code, 0) << text.err;
+  EXPECT_NE(text.out.find("Memory estimate: 1024 ranks (tp 8 · pp 8 · dp 16), parameters in "
+                          "float16 (no run section)\n"),
+            std::string::npos)
+      << text.out;
+  EXPECT_NE(text.out.find("plain optimizer (every dp rank keeps all of it)"), std::string::npos);
+  EXPECT_NE(text.out.find("| distributed optimizer held"), std::string::npos) << text.out;
+}
+
+// The distributed optimizer's column and the refusals: a layout without a model, and bad
+// flags, are one error line.
+TEST(EstimateCommand, DistributedOptimizerAndRefusals) {
+  const Result r = Mpusim({"estimate", Sample("gpt_sweep_l4_n8.json"), "--format", "json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json doc = json::parse(r.out);
+  ASSERT_EQ(doc.at("stages").size(), 2u);
+  EXPECT_EQ(doc.at("use_distributed_optimizer"), true);
+  for (const json& stage : doc.at("stages")) {  // dp 2: half the state, give or take padding
+    const uint64_t plain = stage.at("optimizer_if_plain");
+    EXPECT_EQ(stage.at("memory").at("optimizer"), 12 * ((plain / 12 + 1) / 2)) << stage;
+  }
+  ExpectUsageError(Mpusim({"estimate", Sample("lab_t2_p4_n16.json")}),
+                   "error: " + Sample("lab_t2_p4_n16.json") +
+                       ": model: is required by mpusim estimate (it counts the model's "
+                       "parameters; `mpusim layout` shows a layout's groups)");
+  ExpectUsageError(Mpusim({"estimate", Sample("gpt_sweep_l4_n8.json"), "--tp", "3"}),
+                   "error: command line: --tp 3: parallel.world_size: 8 is not divisible by "
+                   "tensor_model_parallel_size * pipeline_model_parallel_size * "
+                   "context_parallel_size = 3 * 2 * 1");
+}
+
 TEST(ExplainCommand, LabSlices) {
   const Result column = Mpusim({"explain", Sample("lab_column_parallel_t16_n16.json")});
   ASSERT_EQ(column.code, 0) << column.err;
