@@ -19,8 +19,8 @@
 // (core/train/optimizer.h); `mpusim run` measures them per rank (run/simulate.h), and
 // tests/model/estimate_mpi_test.cc requires the two equal on every rank of every layout.
 // What it is not (yet): the model's constant tensors (the positions RoPE reads: bytes, which
-// the run reports as `other`), activations, communication buffers, the step time, or what a
-// GPU run adds (cuBLAS workspaces, NCCL buffers, the caching allocator's slack).
+// `--summary` reports as `constants`), activations, communication buffers, the step time, or
+// what a GPU run adds (cuBLAS workspaces, NCCL buffers, the caching allocator's slack).
 #pragma once
 
 #include <cstdint>

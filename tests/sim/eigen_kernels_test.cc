@@ -437,9 +437,9 @@ TYPED_TEST(EigenKernelsTest, IdsAreInt64WithOneElementPerRow) {
       std::invalid_argument);
 }
 
-// Kernels::tensor_bytes counts what Zeros, Empty and ToDevice made while it lives (a view or a copy of
-// the handle adds nothing), and the peak since ResetPeakTensorBytes; the storage still goes
-// back to the backend's cache when the last handle goes.
+// Kernels::tensor_bytes counts what Zeros, Empty and ToDevice made while it lives (a view or
+// a copy of the handle adds nothing), and the peak since ResetPeakTensorBytes; the storage
+// still goes back to the backend's cache when the last handle goes.
 TEST(EigenKernelsTensorBytes, CountsLiveTensorsAndThePeak) {
   EigenKernels k;
   EXPECT_EQ(k.tensor_bytes().live, 0);
