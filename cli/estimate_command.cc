@@ -3,10 +3,13 @@
 // optimizer state, the last both with the plain and with the distributed optimizer. Nothing
 // is allocated, so a model of any size on any layout answers at once; `mpusim run --summary`
 // measures the same bytes, and the MemoryEstimate tests require them equal on every rank.
-// `--format json` gives the numbers in bytes for scripts.
+// With a run section (or --global-batch-size), also the step time on a GPU (--gpu), its
+// parts, the communication per group kind, model TFLOP/s per GPU and MFU
+// (core/estimate/time_estimate.h). `--format json` gives the numbers for scripts.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -18,6 +21,7 @@
 #include "cli/commands.h"
 #include "cli/config_options.h"
 #include "core/estimate/memory_estimate.h"
+#include "core/estimate/time_estimate.h"
 #include "core/topology.h"
 #include "run/preflight.h"
 
@@ -47,6 +51,13 @@ std::string LayoutText(const DerivedSizes& s) {
   return parts.empty() ? "one rank" : fmt::format("{}", fmt::join(parts, " · "));
 }
 
+// "1.23 s", "45.6 ms", "789 us".
+std::string Seconds(double s) {
+  if (s >= 1) return fmt::format("{:.3g} s", s);
+  if (s >= 1e-3) return fmt::format("{:.3g} ms", s * 1e3);
+  return fmt::format("{:.3g} us", s * 1e6);
+}
+
 // The estimate with the optimizer the other way (plain <-> distributed), for the comparison.
 Config WithDistributedOptimizer(Config config, bool distributed) {
   config.optimizer->use_distributed_optimizer = distributed;
@@ -64,12 +75,25 @@ class EstimateCommand : public Command {
         "  mpusim estimate sample_configs/gpt_train_adam_p2_t2_n4.json\n"
         "  mpusim estimate sample_configs/gpt3_175b_t8_p16_n1024.json --tp 4 --pp 32\n"
         "  mpusim estimate CONFIG --format json\n"
+        "  mpusim estimate sample_configs/gpt3_175b_t8_p16_n1024.json --global-batch-size 1536 \\\n"
+        "      --recompute full --gpu a100-80gb\n"
         "Counts parameters (storage dtype), main_grad and optimizer state (compute dtype) per\n"
-        "rank, exactly as `mpusim run` allocates them; activations, communication buffers and\n"
-        "step time are not estimated yet.");
+        "rank, exactly as `mpusim run` allocates them. With a run section or\n"
+        "--global-batch-size, also the step time on --gpu (a100-80gb, h100-80gb, h200, or a\n"
+        "JSON file of GPU fields), model TFLOP/s per GPU and MFU. Activations and\n"
+        "communication buffers are not estimated yet.");
     config_.Register(app_);
     app_->add_option("--format", format_, "text or json (default text)")
         ->check(CLI::IsMember({"text", "json"}));
+    app_->add_option("--gpu", gpu_,
+                     "a100-80gb, h100-80gb (default), h200, or a JSON file of GPU fields");
+    app_->add_option("--global-batch-size", global_batch_,
+                     "samples per iteration (sets the run section; needs no run section then)");
+    app_->add_option("--micro-batch-size", micro_batch_, "samples per micro-batch (default 1)");
+    app_->add_option("--seq-length", seq_length_,
+                     "tokens per sample (default the run's, else max_position_embeddings)");
+    app_->add_option("--recompute", recompute_, "none, full or selective")
+        ->check(CLI::IsMember({"none", "full", "selective"}));
   }
   CLI::App* app() override { return app_; }
 
@@ -80,8 +104,27 @@ class EstimateCommand : public Command {
     std::string source;
     Config config = layout->config;
     const Topology& topology = layout->topology;
+    StatusOr<GpuSpec> gpu = ResolveGpu();
+    if (!gpu.ok()) return ReportError(err, "command line", gpu.status().Message());
+    // The batch flags make (or change) the run section the step time needs.
+    const bool time_asked = config.run.has_value() || global_batch_;
+    if (Status s = ApplyRunFlags(&config, topology); !s.ok()) {
+      return ReportError(err, "command line", s.Message());
+    }
     // What a rank holds before its first step does not depend on the data.
     const bool run_given = FillMissingRun(&config, topology);
+    std::optional<TimeEstimate> time;
+    std::string time_missing =
+        "the config has no run section: give --global-batch-size (and --micro-batch-size, "
+        "--seq-length, --recompute)";
+    if (time_asked) {
+      StatusOr<TimeEstimate> t = EstimateStepTime(config, topology, *gpu);
+      if (t.ok()) {
+        time = *t;
+      } else {
+        time_missing = t.status().Message();
+      }
+    }
     StatusOr<std::vector<StageHeldMemory>> stages = EstimateStageHeldMemory(config, topology);
     if (!stages.ok()) {
       return ReportError(err, source, config_.Attribute(stages.status(), &source).Message());
@@ -98,14 +141,122 @@ class EstimateCommand : public Command {
       for (const StageHeldMemory& s : *other) other_optimizer.push_back(s.held.optimizer);
     }
     if (format_ == "json") {
-      PrintJson(config, topology, *stages, other_optimizer, out);
+      PrintJson(config, topology, *stages, other_optimizer, time, time_missing, out);
     } else {
       PrintText(config, topology, run_given, *stages, other_optimizer, out);
+      if (time) {
+        PrintTime(config, topology, *time, out);
+      } else {
+        out << "Step time: not estimated: " << time_missing << '\n';
+      }
     }
     return kExitOk;
   }
 
  private:
+  StatusOr<GpuSpec> ResolveGpu() const {
+    if (std::optional<GpuSpec> preset = FindGpuPreset(gpu_)) return *preset;
+    if (gpu_.size() < 5 || gpu_.substr(gpu_.size() - 5) != ".json") {
+      return Status::Error("--gpu", fmt::format("\"{}\" is neither one of {} nor a .json file",
+                                                gpu_, fmt::join(GpuPresetNames(), ", ")));
+    }
+    std::ifstream in(gpu_);
+    if (!in) return Status::Error("--gpu", fmt::format("cannot open {}", gpu_));
+    nlohmann::json doc = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (doc.is_discarded()) return Status::Error("--gpu", fmt::format("{} is not JSON", gpu_));
+    return ParseGpuSpec(doc, "--gpu " + gpu_);
+  }
+
+  // --global-batch-size and friends: the run section the step time reads.
+  Status ApplyRunFlags(Config* config, const Topology& topology) const {
+    if (!global_batch_ && !micro_batch_ && !seq_length_ && recompute_.empty()) return {};
+    if (!config->run && !global_batch_) {
+      return Status::Error("--global-batch-size",
+                           "is needed with --micro-batch-size, --seq-length or --recompute when "
+                           "the config has no run section");
+    }
+    RunConfig run;
+    if (config->run) {
+      run = *config->run;
+    } else {
+      run.dtype = MegatronStorageDType(config->parallel).value_or(DType::kFloat32);
+      run.seq_length = config->gpt ? config->gpt->max_position_embeddings : 0;
+    }
+    if (micro_batch_) run.micro_batch_size = *micro_batch_;
+    if (seq_length_) run.seq_length = *seq_length_;
+    if (run.seq_length < 1) return Status::Error("--seq-length", "is needed (>= 1)");
+    if (config->gpt && config->gpt->has_position_embeddings() &&
+        run.seq_length > config->gpt->max_position_embeddings) {
+      return Status::Error("--seq-length",
+                           fmt::format("{} is above the model's max_position_embeddings {}",
+                                       run.seq_length, config->gpt->max_position_embeddings));
+    }
+    if (run.micro_batch_size < 1) return Status::Error("--micro-batch-size", "must be >= 1");
+    if (global_batch_) {
+      const int64_t per = run.micro_batch_size * topology.sizes().dp;
+      if (*global_batch_ < 1 || *global_batch_ % per != 0) {
+        return Status::Error(
+            "--global-batch-size",
+            fmt::format("{} is not a positive multiple of micro_batch_size {} x "
+                        "data_parallel_size {} = {}",
+                        *global_batch_, run.micro_batch_size, topology.sizes().dp, per));
+      }
+      run.num_microbatches = *global_batch_ / per;
+      run.global_batch_size = *global_batch_;
+    }
+    if (recompute_ == "none") run.recompute = RunConfig::Recompute::kNone;
+    if (recompute_ == "full") run.recompute = RunConfig::Recompute::kFull;
+    if (recompute_ == "selective") run.recompute = RunConfig::Recompute::kSelective;
+    config->run = run;
+    return {};
+  }
+
+  static void PrintTime(const Config& config, const Topology& topology, const TimeEstimate& t,
+                        std::ostream& out) {
+    const RunConfig& run = *config.run;
+    const char* recompute = run.recompute == RunConfig::Recompute::kFull        ? "full"
+                            : run.recompute == RunConfig::Recompute::kSelective ? "selective"
+                                                                                : "none";
+    out << fmt::format(
+        "Step time on {}: global batch {} ({} micro-batches of {} x dp {}), sequence {}, "
+        "recompute {}\n",
+        t.gpu.name, t.global_batch_size, t.num_microbatches, run.micro_batch_size,
+        topology.sizes().dp, run.seq_length, recompute);
+    const double pipeline = t.compute_s + t.tp_comm_s + t.bubble_s;
+    out << fmt::format("  step time   {:>10}  = pipeline {} + dp {} + optimizer {}\n",
+                       Seconds(t.step_time_s), Seconds(pipeline), Seconds(t.dp_comm_s),
+                       Seconds(t.optimizer_s));
+    out << fmt::format("  pipeline    {:>10}  = compute {} + tp {} + bubble {} (busiest stage)\n",
+                       Seconds(pipeline), Seconds(t.compute_s), Seconds(t.tp_comm_s),
+                       Seconds(t.bubble_s));
+    out << fmt::format("  throughput  {:>10.1f}  model TFLOP/s per GPU, MFU {:.1f}% (model FLOPs "
+                       "{:.3g} per iteration, as Megatron counts them)\n",
+                       t.model_tflops_per_gpu, 100 * t.mfu, t.model_flops);
+    out << "  per micro-batch:";
+    for (const StageTime& s : t.stages) {
+      if (t.stages.size() > 4 && s.stage == 2) {
+        out << " ...";
+        continue;
+      }
+      if (t.stages.size() > 4 && s.stage > 2 && s.stage + 1 < static_cast<int64_t>(t.stages.size()))
+        continue;
+      out << fmt::format(" stage {} F {} B {};", s.stage, Seconds(s.forward_s),
+                         Seconds(s.backward_s));
+    }
+    out << '\n';
+    out << "  communication per iteration (busiest stage's rank):\n";
+    for (const CommTime& c : t.communication) {
+      out << fmt::format("    {:<3} {:<28} {:>7} x  {:>10} sent  {:>10}  {}\n", c.kind,
+                         c.operation, c.count,
+                         run::FormatBytes(static_cast<PlanBytes>(c.bytes)), Seconds(c.seconds),
+                         c.inter_node ? "across nodes" : "in a node");
+    }
+    out << fmt::format(
+        "  model: GEMMs at {:.0f}% of peak, memory-bound kernels at {:.0f}% of HBM bandwidth, "
+        "collectives at {:.0f}% of link bandwidth; no overlap of communication with compute\n",
+        100 * t.gpu.gemm_efficiency, 100 * t.gpu.memory_efficiency,
+        100 * t.gpu.collective_efficiency);
+  }
   void PrintText(const Config& config, const Topology& topology, bool run_given,
                  const std::vector<StageHeldMemory>& stages,
                  const std::vector<PlanBytes>& other_optimizer, std::ostream& out) const {
@@ -152,12 +303,14 @@ class EstimateCommand : public Command {
       out << '\n';
     }
     out << "Not estimated yet: activations at the schedule's peak, communication buffers, "
-           "what a GPU adds (cuBLAS workspaces, NCCL buffers, allocator slack), step time.\n";
+           "what a GPU adds (cuBLAS workspaces, NCCL buffers, allocator slack).\n";
   }
 
   static void PrintJson(const Config& config, const Topology& topology,
                         const std::vector<StageHeldMemory>& stages,
-                        const std::vector<PlanBytes>& other_optimizer, std::ostream& out) {
+                        const std::vector<PlanBytes>& other_optimizer,
+                        const std::optional<TimeEstimate>& time, const std::string& time_missing,
+                        std::ostream& out) {
     nlohmann::ordered_json doc;
     doc["world_size"] = topology.world_size();
     doc["dtype"] = std::string(DTypeName(config.run->dtype));
@@ -168,6 +321,39 @@ class EstimateCommand : public Command {
                            ? nlohmann::ordered_json("adam")
                            : nlohmann::ordered_json("sgd");
     doc["use_distributed_optimizer"] = distributed;
+    const auto number = [&](double v) {
+      return time ? nlohmann::ordered_json(v) : nlohmann::ordered_json(nullptr);
+    };
+    doc["step_time_s"] = number(time ? time->step_time_s : 0);
+    doc["model_tflops_per_gpu"] = number(time ? time->model_tflops_per_gpu : 0);
+    doc["mfu"] = number(time ? time->mfu : 0);
+    if (time) {
+      const TimeEstimate& t = *time;
+      doc["gpu"] = {{"name", t.gpu.name},
+                    {"peak_tflops_16bit", t.gpu.peak_flops_16bit / 1e12},
+                    {"gemm_efficiency", t.gpu.gemm_efficiency},
+                    {"memory_efficiency", t.gpu.memory_efficiency},
+                    {"collective_efficiency", t.gpu.collective_efficiency}};
+      doc["global_batch_size"] = t.global_batch_size;
+      doc["num_microbatches"] = t.num_microbatches;
+      doc["time"] = {{"compute_s", t.compute_s},     {"tp_comm_s", t.tp_comm_s},
+                     {"bubble_s", t.bubble_s},       {"dp_comm_s", t.dp_comm_s},
+                     {"optimizer_s", t.optimizer_s}};
+      doc["model_flops_per_iteration"] = t.model_flops;
+      doc["flops_per_rank"] = t.flops_per_rank;
+      nlohmann::ordered_json comm = nlohmann::ordered_json::array();
+      for (const CommTime& c : t.communication) {
+        comm.push_back({{"kind", c.kind},
+                        {"operation", c.operation},
+                        {"count", c.count},
+                        {"bytes", c.bytes},
+                        {"seconds", c.seconds},
+                        {"inter_node", c.inter_node}});
+      }
+      doc["communication"] = comm;
+    } else {
+      doc["step_time_not_estimated"] = time_missing;
+    }
     nlohmann::ordered_json list = nlohmann::ordered_json::array();
     for (size_t i = 0; i < stages.size(); ++i) {
       const StageHeldMemory& s = stages[i];
@@ -179,6 +365,12 @@ class EstimateCommand : public Command {
                          {"optimizer", Bytes(s.held.optimizer)},
                          {"held", Bytes(s.held.total())}};
       stage["parameter_elements"] = Bytes(s.held.parameter_elements);
+      if (time) {
+        const StageTime& st = time->stages[i];
+        stage["time"] = {{"forward_s", st.forward_s},
+                         {"backward_s", st.backward_s},
+                         {"flops", st.flops}};
+      }
       if (!other_optimizer.empty()) {
         stage[distributed ? "optimizer_if_plain" : "optimizer_if_distributed"] =
             Bytes(other_optimizer[i]);
@@ -186,13 +378,16 @@ class EstimateCommand : public Command {
       list.push_back(stage);
     }
     doc["stages"] = list;
-    doc["not_estimated"] = {"activations", "buffers", "peak", "step_time_s"};
+    doc["not_estimated"] = {"activations", "buffers", "peak"};
     out << doc.dump(1) << '\n';
   }
 
   CLI::App* app_ = nullptr;
   ConfigOptions config_;
   std::string format_ = "text";
+  std::string gpu_ = "h100-80gb";
+  std::optional<int64_t> global_batch_, micro_batch_, seq_length_;
+  std::string recompute_;
 };
 
 }  // namespace

@@ -271,8 +271,26 @@ ScheduleTiming TimeSchedule(const PipelineSchedule& schedule, double forward, do
   if (!(forward > 0) || !(backward > 0)) {
     throw std::invalid_argument("TimeSchedule: step costs must be positive");
   }
+  const auto stages = static_cast<size_t>(schedule.pipeline_model_parallel_size *
+                                          schedule.num_model_chunks);
+  return TimeSchedule(schedule, StageCosts{std::vector<double>(stages, forward),
+                                           std::vector<double>(stages, backward), 0.0});
+}
+
+ScheduleTiming TimeSchedule(const PipelineSchedule& schedule, const StageCosts& costs) {
   const int64_t p = schedule.pipeline_model_parallel_size;
   const int64_t stages = p * schedule.num_model_chunks;
+  const auto positive = [](const std::vector<double>& v) {
+    return std::all_of(v.begin(), v.end(), [](double x) { return x > 0; });
+  };
+  if (costs.forward.size() != static_cast<size_t>(stages) ||
+      costs.backward.size() != static_cast<size_t>(stages) || !positive(costs.forward) ||
+      !positive(costs.backward) || !(costs.transfer >= 0)) {
+    throw std::invalid_argument(
+        "TimeSchedule: one positive forward and backward cost per virtual stage, transfer >= 0");
+  }
+  // A dependency on another rank's step waits for its transfer as well.
+  const double transfer = p > 1 ? costs.transfer : 0.0;
   ScheduleTiming t;
   t.start.resize(static_cast<size_t>(p));
   t.end.resize(static_cast<size_t>(p));
@@ -298,13 +316,14 @@ ScheduleTiming TimeSchedule(const PipelineSchedule& schedule, double forward, do
         if (fwd && u > 0) {
           const double need = done[0][static_cast<size_t>(u - 1)][m];
           if (need < 0) break;
-          ready = std::max(ready, need);
+          ready = std::max(ready, need + transfer);
         } else if (!fwd && u + 1 < stages) {
           const double need = done[1][static_cast<size_t>(u + 1)][m];
           if (need < 0) break;
-          ready = std::max(ready, need);
+          ready = std::max(ready, need + transfer);
         }
-        const double finish = ready + (fwd ? forward : backward);
+        const double finish =
+            ready + (fwd ? costs.forward : costs.backward)[static_cast<size_t>(u)];
         t.start[static_cast<size_t>(r)].push_back(ready);
         t.end[static_cast<size_t>(r)].push_back(finish);
         done[fwd ? 0 : 1][static_cast<size_t>(u)][m] = finish;

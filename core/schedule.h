@@ -116,6 +116,20 @@ struct ScheduleTiming {
 // Requires forward, backward > 0 (std::invalid_argument otherwise).
 ScheduleTiming TimeSchedule(const PipelineSchedule& schedule, double forward, double backward);
 
+// The same replay with a cost per virtual stage u = chunk * p + rank (the stages of a real
+// model differ: the first holds the embedding, the last the output layer and the loss) and a
+// transfer time added to every dependency between two ranks (the p2p send of an activation
+// or its gradient; a dependency within a rank, p == 1, costs nothing). The step-time estimate
+// (core/estimate/time_estimate.h) replays Megatron's own schedule with it. Requires one
+// positive forward and backward cost per virtual stage and transfer >= 0
+// (std::invalid_argument otherwise).
+struct StageCosts {
+  std::vector<double> forward;   // [virtual stage]
+  std::vector<double> backward;  // [virtual stage]
+  double transfer = 0;
+};
+ScheduleTiming TimeSchedule(const PipelineSchedule& schedule, const StageCosts& costs);
+
 // Megatron's virtual-pipeline layer assignment, 1-based layer numbers:
 // result[pp_rank][chunk] = that chunk's layers, L / (p*v) consecutive ones. Virtual stage
 // s = chunk*p + pp_rank holds layers s*L/(p*v) + 1 .. (s+1)*L/(p*v), so the activations of

@@ -747,6 +747,133 @@ TEST(EstimateCommand, DistributedOptimizerAndRefusals) {
                    "context_parallel_size = 3 * 2 * 1");
 }
 
+// The step time of GPT-3 175B on 1024 A100s, against what can be counted by hand: Megatron's
+// closed form of the model FLOPs, the busiest stage's executed FLOPs (6 layers, each 4 x its
+// forward with full recomputation, plus the logits 3 x), its tp collectives, the gradient
+// all-reduce's bytes and time, and the step's parts adding up.
+TEST(EstimateCommand, StepTimeOfGpt3MatchesCountsByHand) {
+  const Result r = Mpusim({"estimate", Sample("gpt3_175b_t8_p16_n1024.json"),
+                           "--global-batch-size", "1536", "--recompute", "full", "--gpu",
+                           "a100-80gb", "--format", "json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json doc = json::parse(r.out);
+  const double B = 1536, s = 2048, l = 96, h = 12288, V = 51200, t = 8, layers = 6, M = 192;
+  EXPECT_EQ(doc.at("num_microbatches"), 192);
+  const double model_flops =
+      72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h));  // Megatron's count
+  EXPECT_NEAR(doc.at("model_flops_per_iteration").get<double>() / model_flops, 1, 1e-12);
+  const double step = doc.at("step_time_s");
+  EXPECT_NEAR(doc.at("mfu").get<double>(), model_flops / (step * 1024 * 312e12), 1e-12);
+  EXPECT_NEAR(doc.at("model_tflops_per_gpu").get<double>(), model_flops / (step * 1024 * 1e12),
+              1e-9);
+  const json& time = doc.at("time");
+  double parts = 0;
+  for (const char* part : {"compute_s", "tp_comm_s", "bubble_s", "dp_comm_s", "optimizer_s"}) {
+    EXPECT_GT(time.at(part).get<double>(), 0) << part;
+    parts += time.at(part).get<double>();
+  }
+  EXPECT_NEAR(parts / step, 1, 1e-12);
+  // The last stage is the busiest (the logits); per micro-batch and tp rank it executes
+  // 4 x (24 s h^2 + 4 s^2 h) / t per layer and 3 x 2 s h V / t for the output layer.
+  const double layer = 4 * (24 * s * h * h + 4 * s * s * h) / t, logits = 3 * 2 * s * h * V / t;
+  EXPECT_NEAR(doc.at("flops_per_rank").get<double>() / (M * (layers * layer + logits)), 1,
+              1e-12);
+  const json& last = doc.at("stages")[15];
+  EXPECT_NEAR(last.at("time").at("flops").get<double>() / (layers * layer + logits), 1, 1e-12);
+  // The bubble: about (p - 1) of the stages' steps, plus the p2p waits.
+  const json& first = doc.at("stages")[1].at("time");
+  const double one = first.at("forward_s").get<double>() + first.at("backward_s").get<double>();
+  EXPECT_GT(time.at("bubble_s").get<double>(), 15 * one * 0.9);
+  EXPECT_LT(time.at("bubble_s").get<double>(), 15 * one * 1.5);
+  // Communication: 6 all-reduces per layer per micro-batch (forward, backward, recomputed
+  // forward) inside a node; the fp32 gradients' ring all-reduce over 8 dp ranks across nodes.
+  ASSERT_EQ(doc.at("communication").size(), 3u);
+  const json& tp = doc.at("communication")[0];
+  EXPECT_EQ(tp.at("kind"), "tp");
+  EXPECT_EQ(tp.at("count"), 192 * 6 * 6);
+  EXPECT_EQ(tp.at("inter_node"), false);
+  const json& dp = doc.at("communication")[2];
+  EXPECT_EQ(dp.at("kind"), "dp");
+  EXPECT_EQ(dp.at("inter_node"), true);
+  const double grads = 4 * last.at("parameter_elements").get<double>();
+  EXPECT_NEAR(dp.at("bytes").get<double>() / (2 * grads * 7 / 8), 1, 1e-12);
+  EXPECT_NEAR(dp.at("seconds").get<double>(), 2 * grads * 7 / 8 / (25e9 * 0.8) + 14 * 10e-6,
+              1e-9);
+  // Text: the batch, the parts and the throughput.
+  const Result text = Mpusim({"estimate", Sample("gpt3_175b_t8_p16_n1024.json"),
+                              "--global-batch-size", "1536", "--recompute", "full", "--gpu",
+                              "a100-80gb"});
+  ASSERT_EQ(text.code, 0) << text.err;
+  EXPECT_NE(text.out.find("Step time on a100-80gb: global batch 1536 (192 micro-batches of 1 x "
+                          "dp 8), sequence 2048, recompute full\n"),
+            std::string::npos)
+      << text.out;
+  EXPECT_NE(text.out.find("model TFLOP/s per GPU, MFU"), std::string::npos) << text.out;
+  // A slower GPU file (half the GEMM efficiency) takes longer; an H200 is faster.
+  const std::string slow = WriteTemp("mpusim_estimate_slow_gpu.json",
+                                     R"({"base": "a100-80gb", "gemm_efficiency": 0.4})");
+  const Result half = Mpusim({"estimate", Sample("gpt3_175b_t8_p16_n1024.json"),
+                              "--global-batch-size", "1536", "--gpu", slow, "--format", "json"});
+  ASSERT_EQ(half.code, 0) << half.err;
+  const Result h200 = Mpusim({"estimate", Sample("gpt3_175b_t8_p16_n1024.json"),
+                              "--global-batch-size", "1536", "--gpu", "h200", "--format", "json"});
+  ASSERT_EQ(h200.code, 0) << h200.err;
+  const Result a100 = Mpusim({"estimate", Sample("gpt3_175b_t8_p16_n1024.json"),
+                              "--global-batch-size", "1536", "--gpu", "a100-80gb", "--format",
+                              "json"});
+  ASSERT_EQ(a100.code, 0) << a100.err;
+  const double a100_step = json::parse(a100.out).at("step_time_s");
+  EXPECT_GT(json::parse(half.out).at("step_time_s").get<double>(), 1.5 * a100_step);
+  EXPECT_LT(json::parse(h200.out).at("step_time_s").get<double>(), a100_step);
+  EXPECT_EQ(json::parse(half.out).at("gpu").at("name"), "custom");
+}
+
+// Without a run section the step time is not estimated (and says why); what it does not
+// model is named; bad GPU files and batch flags are one error line.
+TEST(EstimateCommand, StepTimeNotesAndRefusals) {
+  const Result none = Mpusim({"estimate", Sample("gpt3_175b_t8_p16_n1024.json")});
+  ASSERT_EQ(none.code, 0) << none.err;
+  EXPECT_NE(none.out.find("Step time: not estimated: the config has no run section: give "
+                          "--global-batch-size"),
+            std::string::npos)
+      << none.out;
+  const Result none_json =
+      Mpusim({"estimate", Sample("gpt3_175b_t8_p16_n1024.json"), "--format", "json"});
+  ASSERT_EQ(none_json.code, 0);
+  EXPECT_TRUE(json::parse(none_json.out).at("step_time_s").is_null());
+  const Result cp = Mpusim({"estimate", Sample("gpt_context_parallel_cp2_t2_n4.json")});
+  ASSERT_EQ(cp.code, 0) << cp.err;
+  EXPECT_NE(cp.out.find("Step time: not estimated: parallel.context_parallel_size: the "
+                        "step-time estimate does not model context parallelism yet\n"),
+            std::string::npos)
+      << cp.out;
+  const std::string gpt3 = Sample("gpt3_175b_t8_p16_n1024.json");
+  ExpectUsageError(Mpusim({"estimate", gpt3, "--gpu", "tpu"}),
+                   "error: command line: --gpu: \"tpu\" is neither one of a100-80gb, h100-80gb, "
+                   "h200 nor a .json file");
+  ExpectUsageError(Mpusim({"estimate", gpt3, "--global-batch-size", "1001"}),
+                   "error: command line: --global-batch-size: 1001 is not a positive multiple "
+                   "of micro_batch_size 1 x data_parallel_size 8 = 8");
+  ExpectUsageError(Mpusim({"estimate", gpt3, "--recompute", "full"}),
+                   "error: command line: --global-batch-size: is needed with "
+                   "--micro-batch-size, --seq-length or --recompute when the config has no run "
+                   "section");
+  const std::string typo =
+      WriteTemp("mpusim_estimate_typo_gpu.json", R"({"peak_tflops_16bt": 100})");
+  ExpectUsageError(Mpusim({"estimate", gpt3, "--gpu", typo}),
+                   "error: command line: --gpu " + typo +
+                       ".peak_tflops_16bt: unknown key (did you mean peak_tflops_16bit?); "
+                       "allowed: name, base, peak_tflops_16bit, peak_tflops_32bit, "
+                       "peak_tflops_64bit, hbm_gib, hbm_gbps, intra_node_gbps, inter_node_gbps, "
+                       "intra_node_latency_us, inter_node_latency_us, gemm_efficiency, "
+                       "memory_efficiency, collective_efficiency");
+  const std::string over =
+      WriteTemp("mpusim_estimate_over_gpu.json", R"({"gemm_efficiency": 1.5})");
+  ExpectUsageError(Mpusim({"estimate", gpt3, "--gpu", over}),
+                   "error: command line: --gpu " + over +
+                       ".gemm_efficiency: number 1.5 is above 1; an efficiency is in (0, 1]");
+}
+
 TEST(ExplainCommand, LabSlices) {
   const Result column = Mpusim({"explain", Sample("lab_column_parallel_t16_n16.json")});
   ASSERT_EQ(column.code, 0) << column.err;

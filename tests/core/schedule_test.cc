@@ -592,5 +592,31 @@ TEST(ScheduleTimingTest, InterleavedStepsWaitForTheirInputsAndShrinkTheBubble) {
   }
 }
 
+// Per-stage costs and transfers: one micro-batch runs the forwards down the pipeline and the
+// backwards up it, paying a transfer at each of the p - 1 boundaries both ways; with many
+// micro-batches the slowest stage sets the pace, (M - 1) of its steps plus one of everyone's.
+TEST(ScheduleTimingTest, StageCostsAndTransfersFollowTheCriticalPath) {
+  const std::vector<double> forward = {1.0, 2.0, 1.5, 0.5}, backward = {3.0, 4.0, 2.0, 1.0};
+  const double transfer = 0.25;
+  StatusOr<PipelineSchedule> one = BuildPipelineSchedule(4, std::nullopt, 1, std::nullopt);
+  ASSERT_TRUE(one.ok());
+  const ScheduleTiming single = TimeSchedule(*one, StageCosts{forward, backward, transfer});
+  EXPECT_DOUBLE_EQ(single.makespan, (1.0 + 2.0 + 1.5 + 0.5) + (3.0 + 4.0 + 2.0 + 1.0) +
+                                        2 * 3 * transfer);
+  // Equal costs and no transfer: the uniform overload's answer.
+  StatusOr<PipelineSchedule> many = BuildPipelineSchedule(4, std::nullopt, 8, std::nullopt);
+  ASSERT_TRUE(many.ok());
+  EXPECT_DOUBLE_EQ(TimeSchedule(*many, StageCosts{std::vector<double>(4, 1.0),
+                                                  std::vector<double>(4, 2.0), 0.0})
+                       .makespan,
+                   TimeSchedule(*many, 1.0, 2.0).makespan);
+  // A slow stage bounds the span from below: M of its steps, plus the others' fill and drain.
+  const ScheduleTiming slow = TimeSchedule(*many, StageCosts{forward, backward, 0.0});
+  EXPECT_GE(slow.makespan, 8 * (2.0 + 4.0) + 1.0 + 3.0);
+  EXPECT_LE(slow.makespan, 8 * (2.0 + 4.0) + 1.0 + 3.0 + 1.5 + 2.0 + 0.5 + 1.0 + 1e-9);
+  EXPECT_THROW(TimeSchedule(*many, StageCosts{forward, {1.0}, 0.0}), std::invalid_argument);
+  EXPECT_THROW(TimeSchedule(*many, StageCosts{forward, backward, -1.0}), std::invalid_argument);
+}
+
 }  // namespace
 }  // namespace mpusim

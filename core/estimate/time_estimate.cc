@@ -1,0 +1,475 @@
+#include "core/estimate/time_estimate.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
+
+#include "core/config/json_fields.h"
+#include "core/config/parallel_config.h"
+#include "core/estimate/memory_estimate.h"
+#include "core/schedule.h"
+#include "core/tensor.h"
+
+namespace mpusim {
+namespace {
+
+constexpr double kTera = 1e12;
+constexpr double kGiga = 1e9;
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+// Datasheet figures (dense, no sparsity) of the SXM parts; links per GPU and direction:
+// NVLink 3 (A100) 600 GB/s and NVLink 4 (H100, H200) 900 GB/s both ways, and one 200 Gb/s
+// (HDR, DGX A100) or 400 Gb/s (NDR, DGX H100/H200) network adapter per GPU.
+std::vector<GpuSpec> Presets() {
+  GpuSpec a100{"a100-80gb", 312 * kTera, 19.5 * kTera, 19.5 * kTera, 80 * kGiB,
+               2039 * kGiga, 300 * kGiga, 25 * kGiga, 5e-6, 10e-6};
+  GpuSpec h100{"h100-80gb", 989.4 * kTera, 66.9 * kTera, 66.9 * kTera, 80 * kGiB,
+               3350 * kGiga, 450 * kGiga, 50 * kGiga, 5e-6, 10e-6};
+  GpuSpec h200 = h100;
+  h200.name = "h200";
+  h200.hbm_bytes = 141 * kGiga;
+  h200.hbm_bandwidth = 4800 * kGiga;
+  return {a100, h100, h200};
+}
+
+// Per micro-batch costs of one piece of the model: FLOPs of its GEMMs, bytes its memory-bound
+// kernels move, and its tp collectives (count, bytes each).
+struct Cost {
+  double flops = 0;
+  double bytes = 0;
+  int64_t collectives = 0;
+  double collective_bytes = 0;  // each
+  Cost& operator+=(const Cost& o) {
+    flops += o.flops;
+    bytes += o.bytes;
+    collectives += o.collectives;
+    collective_bytes = std::max(collective_bytes, o.collective_bytes);
+    return *this;
+  }
+};
+// `n` of the same piece (layers of a stage).
+Cost Times(Cost c, int64_t n) {
+  c.flops *= static_cast<double>(n);
+  c.bytes *= static_cast<double>(n);
+  c.collectives *= n;
+  return c;
+}
+// A piece's backward: twice its forward's GEMM FLOPs (input and weight gradients) and bytes,
+// and one collective per forward collective (the all-reduce of a column-parallel input's
+// gradient answers the forward's row-parallel one).
+Cost Backward(Cost c) {
+  c.flops *= 2;
+  c.bytes *= 2;
+  return c;
+}
+
+// The sizes one rank works on for one micro-batch.
+struct Sizes {
+  double b, s, h, t;  // micro-batch, sequence, hidden, tp
+  double e;           // bytes per element of the storage dtype
+  bool sp;            // sequence parallelism: norms and dropouts on s / t tokens
+  double tokens() const { return b * s; }
+  double region_tokens() const { return sp ? b * s / t : b * s; }
+};
+
+// One transformer layer's forward, split in the part selective recomputation repeats (the
+// core attention: scores, softmax, dropout, context) and the rest.
+struct LayerCost {
+  Cost core_attention;
+  Cost rest;
+  Cost total() const {
+    Cost c = rest;
+    c += core_attention;
+    return c;
+  }
+};
+
+LayerCost LayerForward(const GptConfig& g, const Sizes& x) {
+  const double T = x.tokens(), Tn = x.region_tokens(), h = x.h, t = x.t, e = x.e;
+  const double heads = static_cast<double>(g.num_attention_heads) / t;
+  const double groups = static_cast<double>(g.num_query_groups) / t;
+  const double d = static_cast<double>(g.kv_channels);
+  const double fc1 = static_cast<double>(g.Fc1Rows()) / t;
+  const double ffn = static_cast<double>(g.ffn_hidden_size) / t;
+  const double mask_byte = 1;  // a dropout mask element
+  LayerCost c;
+  Cost& r = c.rest;
+  // norm 1 and 2: read and write the layer's activation.
+  r.bytes += 2 * (2 * Tn * h * e);
+  // QKV, projection, fc1, fc2.
+  r.flops += 2 * T * h * (heads + 2 * groups) * d;
+  r.flops += 2 * T * heads * d * h;
+  r.flops += 2 * T * h * fc1 + 2 * T * ffn * h;
+  if (g.position_embedding_type == PositionEmbedding::kRope) {
+    r.bytes += 2 * T * (heads + groups) * static_cast<double>(g.RotaryDim()) * e;
+  }
+  if (g.qk_layernorm) r.bytes += 2 * T * (heads + groups) * d * e;
+  // the activation function (bias fused): reads fc1's output, writes fc2's input.
+  r.bytes += T * (fc1 + ffn) * e;
+  // two bias-dropout-adds: read the branch and the residual, write the sum (and a mask).
+  const double dropout_mask = g.hidden_dropout > 0 ? mask_byte : 0;
+  r.bytes += 2 * Tn * h * (3 * e + dropout_mask);
+  // two tp collectives of the layer's activation (all-reduce, or reduce-scatter and
+  // all-gather with sequence parallelism).
+  if (x.t > 1) {
+    r.collectives = 2;
+    r.collective_bytes = T * h * e;
+  }
+  // core attention over the full s x s scores (no flash attention in mpusim's layer).
+  Cost& a = c.core_attention;
+  const double scores = x.b * heads * x.s * x.s;
+  a.flops += 2 * 2 * scores * d;
+  a.bytes += 2 * scores * e;  // fused scale-mask-softmax
+  if (g.attention_dropout > 0) a.bytes += scores * (2 * e + mask_byte);
+  return c;
+}
+
+// The first virtual stage's embedding (word and position lookups, their sum, dropout) and
+// the last one's final norm, output layer and cross entropy, forward.
+Cost EmbeddingForward(const GptConfig& g, const Sizes& x) {
+  Cost c;
+  const double T = x.tokens();
+  c.bytes += T * x.h * x.e * (g.has_position_embeddings() ? 4 : 2);
+  if (g.hidden_dropout > 0) c.bytes += T * x.h * (2 * x.e + 1);
+  if (x.t > 1) {  // the vocab-parallel lookup's all-reduce (reduce-scatter with sp)
+    c.collectives = 1;
+    c.collective_bytes = T * x.h * x.e;
+  }
+  return c;
+}
+Cost OutputForward(const Sizes& x, double padded_vocab) {
+  Cost c;
+  const double T = x.tokens(), v = padded_vocab / x.t;
+  c.bytes += 2 * x.region_tokens() * x.h * x.e;  // final norm
+  c.flops += 2 * T * x.h * v;                     // logits
+  c.bytes += T * v * (x.e + 4 + 4);               // cross entropy: read logits, float32 softmax
+  if (x.t > 1 && x.sp) {                          // all-gather of the final norm's output
+    c.collectives = 1;
+    c.collective_bytes = T * x.h * x.e;
+  }
+  return c;
+}
+
+double PeakFlops(const GpuSpec& gpu, DType dtype) {
+  switch (dtype) {
+    case DType::kFloat64:
+      return gpu.peak_flops_64bit;
+    case DType::kFloat32:
+      return gpu.peak_flops_32bit;
+    default:
+      return gpu.peak_flops_16bit;
+  }
+}
+
+// A ring collective over n ranks moving `bytes` per rank in `phases` passes (an all-reduce
+// is two: reduce-scatter and all-gather): phases * (n - 1) / n * bytes / bandwidth, plus a
+// latency per ring step.
+double RingSeconds(double bytes, int64_t n, int phases, double bandwidth, double latency) {
+  if (n <= 1) return 0;
+  const double steps = static_cast<double>(phases * (n - 1));
+  return steps / static_cast<double>(n) * bytes / bandwidth + steps * latency;
+}
+
+struct Link {
+  double bandwidth;
+  double latency;
+  bool inter_node;
+};
+Link LinkOf(const Topology& topology, const char* kind, const GpuSpec& gpu) {
+  const std::optional<size_t> k = topology.FindKind(kind);
+  const bool inter = k && topology.GroupSpansNodes(*k, 0);
+  const double bw = (inter ? gpu.inter_node_bandwidth : gpu.intra_node_bandwidth) *
+                    gpu.collective_efficiency;
+  return {bw, inter ? gpu.inter_node_latency_s : gpu.intra_node_latency_s, inter};
+}
+
+}  // namespace
+
+const std::vector<std::string>& GpuPresetNames() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> out;
+    for (const GpuSpec& g : Presets()) out.push_back(g.name);
+    return out;
+  }();
+  return names;
+}
+
+std::optional<GpuSpec> FindGpuPreset(std::string_view name) {
+  for (GpuSpec& g : Presets()) {
+    if (g.name == name) return g;
+  }
+  return std::nullopt;
+}
+
+StatusOr<GpuSpec> ParseGpuSpec(const nlohmann::json& doc, std::string_view where) {
+  const std::string at(where);
+  if (!doc.is_object()) return Status::Error(at, "must be a JSON object of GPU fields");
+  GpuSpec spec = *FindGpuPreset("h100-80gb");
+  if (doc.contains("base")) {
+    const nlohmann::json& base = doc["base"];
+    std::optional<GpuSpec> preset;
+    if (base.is_string()) preset = FindGpuPreset(base.get<std::string>());
+    if (!preset) {
+      return Status::Error(at + ".base", fmt::format("{} is not one of {}", DescribeJson(base),
+                                                     fmt::join(GpuPresetNames(), ", ")));
+    }
+    spec = *preset;
+  }
+  spec.name = "custom";
+  // key, field, unit the file gives it in.
+  struct Field {
+    std::string_view key;
+    double* field;
+    double unit;
+    bool fraction;  // an efficiency: (0, 1]
+  };
+  const std::vector<Field> fields = {
+      {"peak_tflops_16bit", &spec.peak_flops_16bit, kTera, false},
+      {"peak_tflops_32bit", &spec.peak_flops_32bit, kTera, false},
+      {"peak_tflops_64bit", &spec.peak_flops_64bit, kTera, false},
+      {"hbm_gib", &spec.hbm_bytes, kGiB, false},
+      {"hbm_gbps", &spec.hbm_bandwidth, kGiga, false},
+      {"intra_node_gbps", &spec.intra_node_bandwidth, kGiga, false},
+      {"inter_node_gbps", &spec.inter_node_bandwidth, kGiga, false},
+      {"intra_node_latency_us", &spec.intra_node_latency_s, 1e-6, false},
+      {"inter_node_latency_us", &spec.inter_node_latency_s, 1e-6, false},
+      {"gemm_efficiency", &spec.gemm_efficiency, 1, true},
+      {"memory_efficiency", &spec.memory_efficiency, 1, true},
+      {"collective_efficiency", &spec.collective_efficiency, 1, true},
+  };
+  std::vector<std::string_view> keys = {"name", "base"};
+  for (const Field& f : fields) keys.push_back(f.key);
+  for (auto item = doc.begin(); item != doc.end(); ++item) {
+    const std::string& key = item.key();
+    const nlohmann::json& value = item.value();
+    const std::string field_at = at + "." + key;
+    if (key == "base") continue;
+    if (key == "name") {
+      if (!value.is_string() || value.get<std::string>().empty() ||
+          value.get<std::string>().size() > 64) {
+        return Status::Error(field_at, "must be a string of 1 to 64 characters");
+      }
+      spec.name = value.get<std::string>();
+      continue;
+    }
+    const auto f = std::find_if(fields.begin(), fields.end(),
+                                [&](const Field& x) { return x.key == key; });
+    if (f == fields.end()) {
+      const std::string hint = SuggestKey(key, keys);
+      return Status::Error(field_at, fmt::format("unknown key{}; allowed: {}",
+                                                 hint.empty() ? "" : " (did you mean " + hint + "?)",
+                                                 fmt::join(keys, ", ")));
+    }
+    double v = 0;
+    if (Status s = ParsePositive(value, field_at, &v); !s.ok()) return s;
+    if (f->fraction && v > 1) {
+      return Status::Error(field_at, fmt::format("{} is above 1; an efficiency is in (0, 1]",
+                                                 DescribeJson(value)));
+    }
+    if (!f->fraction && v > 1e9) {
+      return Status::Error(field_at, fmt::format("{} is not a plausible figure (at most 1e9)",
+                                                 DescribeJson(value)));
+    }
+    *f->field = v * f->unit;
+  }
+  return spec;
+}
+
+double ModelFlopsPerIteration(const GptConfig& g, int64_t padded_vocab, int64_t seq_length,
+                              int64_t samples) {
+  const double h = static_cast<double>(g.hidden_size), s = static_cast<double>(seq_length);
+  const double d = static_cast<double>(g.kv_channels);
+  const double heads = static_cast<double>(g.num_attention_heads);
+  const double groups = static_cast<double>(g.num_query_groups);
+  // Forward GEMM FLOPs per token of one layer: QKV, projection, scores and context, MLP.
+  const double layer = 2 * h * (heads + 2 * groups) * d + 2 * heads * d * h +
+                       2 * 2 * s * heads * d +
+                       2 * h * static_cast<double>(g.Fc1Rows()) +
+                       2 * static_cast<double>(g.ffn_hidden_size) * h;
+  const double per_token =
+      static_cast<double>(g.num_layers) * layer + 2 * h * static_cast<double>(padded_vocab);
+  return 3 * per_token * s * static_cast<double>(samples);
+}
+
+StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& topology,
+                                        const GpuSpec& gpu) {
+  if (!config.gpt) {
+    return Status::Error("model", "the step-time estimate needs a GPT model (\"type\": \"gpt\"); "
+                                  "a lab chain has no time model");
+  }
+  if (!config.run) return Status::Error("run", "the step-time estimate needs a run section");
+  const GptConfig& g = *config.gpt;
+  const RunConfig& run = *config.run;
+  const DerivedSizes& sz = topology.sizes();
+  if (sz.cp > 1) {
+    return Status::Error("parallel.context_parallel_size",
+                         "the step-time estimate does not model context parallelism yet");
+  }
+  if (g.moe.enabled()) {
+    return Status::Error("model.num_moe_experts",
+                         "the step-time estimate does not model mixture-of-experts layers yet");
+  }
+  const DType dtype = run.dtype;
+  const double peak = PeakFlops(gpu, dtype) * gpu.gemm_efficiency;
+  const double hbm = gpu.hbm_bandwidth * gpu.memory_efficiency;
+  const Sizes x{static_cast<double>(run.micro_batch_size), static_cast<double>(run.seq_length),
+                static_cast<double>(g.hidden_size), static_cast<double>(sz.tp),
+                static_cast<double>(DTypeSize(dtype)), topology.config().sequence_parallel};
+  const Link tp_link = LinkOf(topology, "tp", gpu);
+  const Link pp_link = LinkOf(topology, "pp", gpu);
+  const Link dp_link = LinkOf(topology, "dp_cp", gpu);
+  const auto seconds = [&](const Cost& c) {
+    const double comm = static_cast<double>(c.collectives) *
+                        RingSeconds(c.collective_bytes, sz.tp, 2, tp_link.bandwidth,
+                                    tp_link.latency);
+    return std::pair<double, double>{c.flops / peak + c.bytes / hbm, comm};
+  };
+
+  // Each virtual stage's forward and backward (recomputation included) per micro-batch.
+  const int64_t p = sz.pp, v = sz.vp.value_or(1), stages = p * v;
+  const int64_t layers = g.num_layers / stages;
+  const double vocab = static_cast<double>(g.PaddedVocabSize(sz.tp));
+  const LayerCost layer = LayerForward(g, x);
+  Cost recompute;
+  if (run.recompute == RunConfig::Recompute::kFull) recompute = layer.total();
+  if (run.recompute == RunConfig::Recompute::kSelective) recompute = layer.core_attention;
+  StageCosts costs;
+  std::vector<double> compute_of(static_cast<size_t>(stages)), comm_of(compute_of);
+  std::vector<double> flops_of(compute_of);
+  for (int64_t u = 0; u < stages; ++u) {
+    Cost forward = Times(layer.total(), layers);
+    if (u == 0) forward += EmbeddingForward(g, x);
+    if (u == stages - 1) forward += OutputForward(x, vocab);
+    Cost backward = Backward(forward);
+    backward += Times(recompute, layers);
+    const auto [fc, fm] = seconds(forward);
+    const auto [bc, bm] = seconds(backward);
+    costs.forward.push_back(fc + fm);
+    costs.backward.push_back(bc + bm);
+    compute_of[static_cast<size_t>(u)] = fc + bc;
+    comm_of[static_cast<size_t>(u)] = fm + bm;
+    flops_of[static_cast<size_t>(u)] = forward.flops + backward.flops;
+  }
+  // The activation (or its gradient) a stage sends: [s, b, h], a tp rank's 1/t of it with
+  // sequence parallelism.
+  const double p2p_bytes = x.tokens() * x.h * x.e / (x.sp ? x.t : 1);
+  costs.transfer = p > 1 ? p2p_bytes / pp_link.bandwidth + pp_link.latency : 0;
+
+  StatusOr<PipelineSchedule> schedule = BuildPipelineSchedule(
+      p, sz.vp, run.num_microbatches, topology.config().microbatch_group_size_per_vp_stage);
+  if (!schedule.ok()) return schedule.status();
+  const ScheduleTiming timing = TimeSchedule(*schedule, costs);
+
+  TimeEstimate out;
+  out.gpu = gpu;
+  out.num_microbatches = run.num_microbatches;
+  out.global_batch_size = run.micro_batch_size * run.num_microbatches * sz.dp;
+  const auto m = static_cast<double>(run.num_microbatches);
+  for (int64_t r = 0; r < p; ++r) {
+    StageTime st;
+    st.stage = r;
+    for (int64_t c = 0; c < v; ++c) {
+      const auto u = static_cast<size_t>(c * p + r);
+      st.forward_s += costs.forward[u];
+      st.backward_s += costs.backward[u];
+      st.flops += flops_of[u];
+    }
+    out.stages.push_back(st);
+  }
+  // The busiest stage: the most work per micro-batch.
+  const auto busiest = static_cast<size_t>(
+      std::max_element(out.stages.begin(), out.stages.end(),
+                       [](const StageTime& a, const StageTime& b) {
+                         return a.forward_s + a.backward_s < b.forward_s + b.backward_s;
+                       }) -
+      out.stages.begin());
+  double compute = 0, tp = 0;
+  int64_t tp_count = 0;
+  double tp_bytes = 0;
+  for (int64_t c = 0; c < v; ++c) {
+    const auto u = static_cast<size_t>(c * p) + busiest;
+    compute += compute_of[u];
+    tp += comm_of[u];
+  }
+  if (sz.tp > 1) {
+    // Count the busiest stage's collectives: two per layer per pass, as seconds() did.
+    for (int64_t c = 0; c < v; ++c) {
+      const int64_t u = c * p + static_cast<int64_t>(busiest);
+      Cost forward = Times(layer.total(), layers);
+      if (u == 0) forward += EmbeddingForward(g, x);
+      if (u == stages - 1) forward += OutputForward(x, vocab);
+      const int64_t n = 2 * forward.collectives +
+                        static_cast<int64_t>(layers) * recompute.collectives;
+      tp_count += n;
+      tp_bytes += static_cast<double>(n) * x.tokens() * x.h * x.e;
+    }
+  }
+  out.compute_s = m * compute;
+  out.tp_comm_s = m * tp;
+  out.bubble_s = std::max(0.0, timing.makespan - out.compute_s - out.tp_comm_s);
+  out.flops_per_rank = m * out.stages[busiest].flops;
+  if (sz.tp > 1) {
+    out.communication.push_back({"tp", sz.tp > 1 && x.sp ? "reduce-scatter + all-gather"
+                                                         : "all-reduce",
+                                 static_cast<int64_t>(m) * tp_count,
+                                 m * tp_bytes * 2 * static_cast<double>(sz.tp - 1) /
+                                     static_cast<double>(sz.tp),
+                                 out.tp_comm_s, tp_link.inter_node});
+  }
+  if (p > 1) {
+    // Each micro-batch crosses each chunk boundary twice (activation, gradient).
+    const int64_t sends = 2 * v * run.num_microbatches;
+    out.communication.push_back({"pp", "send/recv", sends,
+                                 static_cast<double>(sends) * p2p_bytes,
+                                 static_cast<double>(sends) * costs.transfer,
+                                 pp_link.inter_node});
+  }
+
+  // Gradients over dp x cp after the last backward; the optimizer step over the owned part.
+  StatusOr<std::vector<StageHeldMemory>> held = EstimateStageHeldMemory(config, topology);
+  if (!held.ok()) return held.status();
+  const HeldMemory& mem = (*held)[busiest].held;
+  const double elements = static_cast<double>(mem.parameter_elements);
+  const double grad_bytes = elements * static_cast<double>(DTypeSize(ComputeDType(dtype)));
+  const int64_t d = topology.GroupSize(*topology.FindKind("dp_cp"));
+  const bool distributed = config.optimizer && config.optimizer->use_distributed_optimizer;
+  if (d > 1) {
+    double bytes = 0;
+    if (distributed) {
+      const double gathered = elements * x.e;
+      out.dp_comm_s = RingSeconds(grad_bytes, d, 1, dp_link.bandwidth, dp_link.latency) +
+                      RingSeconds(gathered, d, 1, dp_link.bandwidth, dp_link.latency);
+      bytes = (grad_bytes + gathered) * static_cast<double>(d - 1) / static_cast<double>(d);
+    } else {
+      out.dp_comm_s = RingSeconds(grad_bytes, d, 2, dp_link.bandwidth, dp_link.latency);
+      bytes = 2 * grad_bytes * static_cast<double>(d - 1) / static_cast<double>(d);
+    }
+    out.communication.push_back({"dp", distributed ? "reduce-scatter + all-gather"
+                                                   : "all-reduce",
+                                 distributed ? 2 : 1, bytes, out.dp_comm_s,
+                                 dp_link.inter_node});
+  }
+  // Per owned element: read main_grad, master and states, write master, states and the
+  // parameter; per held element: zero main_grad.
+  const double compute_bytes = static_cast<double>(DTypeSize(ComputeDType(dtype)));
+  if (config.optimizer) {
+    const bool adam = config.optimizer->kind == OptimizerConfig::Kind::kAdam;
+    const double states = adam ? 3 : 2;
+    out.optimizer_s = (static_cast<double>(mem.optimizer_elements) *
+                           ((1 + 2 * states) * compute_bytes + x.e) +
+                       elements * compute_bytes) /
+                      hbm;
+  }
+  out.step_time_s = timing.makespan + out.dp_comm_s + out.optimizer_s;
+  out.model_flops = ModelFlopsPerIteration(g, g.PaddedVocabSize(sz.tp), run.seq_length,
+                                           out.global_batch_size);
+  const double world = static_cast<double>(topology.world_size());
+  out.model_tflops_per_gpu = out.model_flops / out.step_time_s / world / kTera;
+  out.mfu = out.model_flops / out.step_time_s / world / PeakFlops(gpu, dtype);
+  return out;
+}
+
+}  // namespace mpusim

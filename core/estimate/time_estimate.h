@@ -1,0 +1,125 @@
+// How long one training iteration of a layout takes on a GPU cluster, and the model FLOP/s
+// and MFU that follow, from the config and a GPU description alone.
+//
+// The model, per micro-batch and pipeline stage (README "The time model" has the table):
+//   compute     every GEMM's FLOPs at gemm_efficiency of the GPU's dense peak for the run's
+//               dtype, plus every memory-bound kernel's bytes (norms, softmax, dropout, the
+//               activation function, bias-dropout-add, cross entropy) at memory_efficiency of
+//               the HBM bandwidth; backward = twice the forward's FLOPs and bytes, and full
+//               recomputation adds a layer's forward to its backward (selective: the core
+//               attention's);
+//   tp          the layer's collectives (two per forward, two per backward, two more per
+//               recomputed forward: all-reduces, or reduce-scatter + all-gather with sequence
+//               parallelism; the same bytes per rank), ring algorithm, not overlapped with
+//               compute (Megatron's default);
+//   pp          each activation and gradient p2p transfer delays the step that waits for it;
+//               the bubble comes from replaying Megatron's own 1F1B or interleaved schedule
+//               (core/schedule.h, TimeSchedule) with every virtual stage's costs;
+//   dp          the gradient all-reduce over dp x cp (with the distributed optimizer: reduce-
+//               scatter of the gradients and all-gather of the parameters) after the last
+//               backward, exposed (no overlap_grad_reduce);
+//   optimizer   the step's memory traffic over the elements the rank owns.
+// Step time = the replayed pipeline span + dp + optimizer. A collective's bandwidth is the
+// intra-node one when its group stays in a node, else the per-GPU inter-node one; each ring
+// step pays the link's latency.
+//
+// Model FLOPs are counted as Megatron's num_floating_point_operations counts them: 3 x the
+// forward GEMMs' FLOPs (QKV, attention scores and context over the full s x s, projection,
+// MLP, logits), no recomputation; model TFLOP/s per GPU = that / step time / world size, and
+// MFU = that / the GPU's peak for the run's dtype.
+//
+// What it does not model yet (EstimateStepTime refuses, naming the field): context
+// parallelism and mixture-of-experts layers; a lab chain model. What it leaves out: kernel
+// launch overheads, data loading, overlap of communication with compute, and the GPU's
+// clock under power limits.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "core/config/config.h"
+#include "core/status.h"
+#include "core/topology.h"
+
+namespace mpusim {
+
+// One GPU and its links. Rates in FLOP/s and bytes/s (per GPU, per direction for links).
+struct GpuSpec {
+  std::string name;
+  double peak_flops_16bit = 0;  // dense tensor-core bf16/fp16
+  double peak_flops_32bit = 0;  // float32 (no TF32: mpusim's float32 is float32)
+  double peak_flops_64bit = 0;
+  double hbm_bytes = 0;
+  double hbm_bandwidth = 0;
+  double intra_node_bandwidth = 0;  // NVLink
+  double inter_node_bandwidth = 0;  // the network, per GPU
+  double intra_node_latency_s = 0;  // per ring step
+  double inter_node_latency_s = 0;
+  // The efficiency constants (README "The time model" says where each comes from); the same
+  // for every model and layout.
+  double gemm_efficiency = 0.80;
+  double memory_efficiency = 0.80;
+  double collective_efficiency = 0.80;
+};
+
+// "a100-80gb", "h100-80gb", "h200".
+const std::vector<std::string>& GpuPresetNames();
+std::optional<GpuSpec> FindGpuPreset(std::string_view name);
+// A GPU description file: {"name": ..., "peak_tflops_16bit": ..., ...} (README lists the
+// keys; a missing key takes the value of the preset named by "base", default h100-80gb).
+// Errors name "<where>.<key>" and what is allowed.
+StatusOr<GpuSpec> ParseGpuSpec(const nlohmann::json& doc, std::string_view where);
+
+// A pipeline stage's costs per micro-batch: all of its model chunks together.
+struct StageTime {
+  int64_t stage = 0;
+  double forward_s = 0;
+  double backward_s = 0;  // recomputation included
+  double flops = 0;       // executed per micro-batch (recomputation included)
+};
+
+// One kind of communication of the busiest stage's rank over one iteration.
+struct CommTime {
+  std::string kind;  // "tp", "pp", "dp"
+  std::string operation;
+  int64_t count = 0;  // per iteration
+  double bytes = 0;   // per iteration, what this rank sends
+  double seconds = 0;
+  bool inter_node = false;
+};
+
+struct TimeEstimate {
+  GpuSpec gpu;
+  int64_t num_microbatches = 0;
+  int64_t global_batch_size = 0;
+  double step_time_s = 0;
+  // Parts of the step on the busiest stage: compute and tp are M x its per-micro-batch
+  // costs; bubble = pipeline span - compute - tp (idle time, p2p waits included).
+  double compute_s = 0;
+  double tp_comm_s = 0;
+  double bubble_s = 0;
+  double dp_comm_s = 0;
+  double optimizer_s = 0;
+  double flops_per_rank = 0;  // executed by the busiest stage's rank per iteration
+  double model_flops = 0;     // per iteration over all ranks, Megatron's count
+  double model_tflops_per_gpu = 0;
+  double mfu = 0;
+  std::vector<StageTime> stages;
+  std::vector<CommTime> communication;
+};
+
+// Needs a GPT model and a run section (seq_length, micro_batch_size, num_microbatches).
+// Errors name the field that makes the estimate impossible.
+StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& topology,
+                                        const GpuSpec& gpu);
+
+// Megatron's model FLOPs of one iteration of `samples` sequences (no recomputation).
+double ModelFlopsPerIteration(const GptConfig& gpt, int64_t padded_vocab, int64_t seq_length,
+                              int64_t samples);
+
+}  // namespace mpusim
