@@ -13,7 +13,7 @@
 namespace mpusim::cli {
 namespace {
 
-enum class FlagType { kInt, kString, kIntList };
+enum class FlagType { kInt, kString, kIntList, kBool };
 
 struct ParallelFlag {
   const char* flag;
@@ -43,6 +43,8 @@ constexpr ParallelFlag kParallelFlags[] = {
     {"--microbatch-group-size", "microbatch_group_size_per_vp_stage", FlagType::kInt,
      "microbatch_group_size_per_vp_stage (interleaved schedule; default: pp size)"},
     {"--num-layers", "num_layers", FlagType::kInt, "layers, for the virtual-pipeline assignment"},
+    {"--sequence-parallel", "sequence_parallel", FlagType::kBool,
+     "true or false: sequence parallelism (norms and dropouts on s / tp tokens)"},
 };
 
 std::string LongName(const char* flag) {
@@ -70,6 +72,7 @@ void ConfigOptions::Register(CLI::App* app) {
         ->group("Layout flags (set or override parallel keys)")
         ->type_name(f.type == FlagType::kInt       ? "INT"
                     : f.type == FlagType::kIntList ? "INT,INT,..."
+                    : f.type == FlagType::kBool    ? "BOOL"
                                                    : "TEXT");
   }
 }
@@ -89,6 +92,11 @@ StatusOr<Config> ConfigOptions::Resolve() {
     nlohmann::json value;
     if (f.type == FlagType::kString) {
       value = text;
+    } else if (f.type == FlagType::kBool) {
+      if (text != "true" && text != "false") {
+        return Status::Error(flag, fmt::format("must be true or false, got '{}'", text));
+      }
+      value = text == "true";
     } else if (f.type == FlagType::kInt) {
       StatusOr<int64_t> parsed = ParseInteger(text, flag);
       if (!parsed.ok()) return parsed.status();

@@ -3,9 +3,10 @@
 // optimizer state, the last both with the plain and with the distributed optimizer. Nothing
 // is allocated, so a model of any size on any layout answers at once; `mpusim run --summary`
 // measures the same bytes, and the MemoryEstimate tests require them equal on every rank.
-// With a run section (or --global-batch-size), also the step time on a GPU (--gpu), its
-// parts, the communication per group kind, model TFLOP/s per GPU and MFU
-// (core/estimate/time_estimate.h). `--format json` gives the numbers for scripts.
+// With a run section (or --global-batch-size), also the activations and buffers at the
+// schedule's peak and whether the peak fits the GPU (core/estimate/activation_estimate.h),
+// and the step time on a GPU (--gpu), its parts, the communication per group kind, model
+// TFLOP/s per GPU and MFU (core/estimate/time_estimate.h). `--format json` gives the numbers for scripts.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -20,6 +21,7 @@
 #include "cli/cli.h"
 #include "cli/commands.h"
 #include "cli/config_options.h"
+#include "core/estimate/activation_estimate.h"
 #include "core/estimate/memory_estimate.h"
 #include "core/estimate/time_estimate.h"
 #include "core/topology.h"
@@ -80,8 +82,8 @@ class EstimateCommand : public Command {
         "Counts parameters (storage dtype), main_grad and optimizer state (compute dtype) per\n"
         "rank, exactly as `mpusim run` allocates them. With a run section or\n"
         "--global-batch-size, also the step time on --gpu (a100-80gb, h100-80gb, h200, or a\n"
-        "JSON file of GPU fields), model TFLOP/s per GPU and MFU. Activations and\n"
-        "communication buffers are not estimated yet.");
+        "JSON file of GPU fields), model TFLOP/s per GPU and MFU, and the activations and\n"
+        "buffers at the schedule's peak as Korthikanti et al. 2022 count a GPU run's.");
     config_.Register(app_);
     app_->add_option("--format", format_, "text or json (default text)")
         ->check(CLI::IsMember({"text", "json"}));
@@ -113,11 +115,19 @@ class EstimateCommand : public Command {
     }
     // What a rank holds before its first step does not depend on the data.
     const bool run_given = FillMissingRun(&config, topology);
+    std::optional<std::vector<StageActivations>> activations;
     std::optional<TimeEstimate> time;
     std::string time_missing =
         "the config has no run section: give --global-batch-size (and --micro-batch-size, "
         "--seq-length, --recompute)";
+    std::string activations_missing = "the config has no run section";
     if (time_asked) {
+      StatusOr<std::vector<StageActivations>> a = EstimateStageActivations(config, topology);
+      if (a.ok()) {
+        activations = *a;
+      } else {
+        activations_missing = a.status().Message();
+      }
       StatusOr<TimeEstimate> t = EstimateStepTime(config, topology, *gpu);
       if (t.ok()) {
         time = *t;
@@ -141,9 +151,15 @@ class EstimateCommand : public Command {
       for (const StageHeldMemory& s : *other) other_optimizer.push_back(s.held.optimizer);
     }
     if (format_ == "json") {
-      PrintJson(config, topology, *stages, other_optimizer, time, time_missing, out);
+      PrintJson(config, topology, *stages, other_optimizer, activations, activations_missing,
+                *gpu, time, time_missing, out);
     } else {
       PrintText(config, topology, run_given, *stages, other_optimizer, out);
+      if (activations) {
+        PrintPeak(*stages, *activations, *gpu, out);
+      } else {
+        out << "Activations: not estimated: " << activations_missing << '\n';
+      }
       if (time) {
         PrintTime(config, topology, *time, out);
       } else {
@@ -209,6 +225,27 @@ class EstimateCommand : public Command {
     if (recompute_ == "selective") run.recompute = RunConfig::Recompute::kSelective;
     config->run = run;
     return {};
+  }
+
+  static void PrintPeak(const std::vector<StageHeldMemory>& stages,
+                        const std::vector<StageActivations>& activations, const GpuSpec& gpu,
+                        std::ostream& out) {
+    out << fmt::format("At the schedule's peak, by each stage's busiest rank, on {} ({}): "
+                       "Megatron's activations as Korthikanti et al. 2022 count them\n",
+                       gpu.name, run::FormatBytes(static_cast<PlanBytes>(gpu.hbm_bytes)));
+    out << fmt::format("  {:>5}  {:>7}  {:>12}  {:>12}  {:>12}  {}\n", "stage", "stashes",
+                       "activations", "buffers", "peak", "| fits");
+    for (size_t i = 0; i < stages.size(); ++i) {
+      const StageActivations& a = activations[i];
+      const PlanBytes peak =
+          SaturatingAdd(stages[i].held.total(), SaturatingAdd(a.activations, a.buffers));
+      const auto hbm = static_cast<PlanBytes>(gpu.hbm_bytes);
+      out << fmt::format("  {:>5}  {:>7}  {:>12}  {:>12}  {:>12}  | {}\n", a.stage,
+                         a.peak_stashes, run::FormatBytes(a.activations),
+                         run::FormatBytes(a.buffers), run::FormatBytes(peak),
+                         peak <= hbm ? fmt::format("yes, {} free", run::FormatBytes(hbm - peak))
+                                     : fmt::format("no, {} over", run::FormatBytes(peak - hbm)));
+    }
   }
 
   static void PrintTime(const Config& config, const Topology& topology, const TimeEstimate& t,
@@ -302,13 +339,15 @@ class EstimateCommand : public Command {
       }
       out << '\n';
     }
-    out << "Not estimated yet: activations at the schedule's peak, communication buffers, "
-           "what a GPU adds (cuBLAS workspaces, NCCL buffers, allocator slack).\n";
+    out << "Not counted: what a GPU run adds (cuBLAS workspaces, NCCL's own buffers, the "
+           "caching allocator's slack).\n";
   }
 
   static void PrintJson(const Config& config, const Topology& topology,
                         const std::vector<StageHeldMemory>& stages,
                         const std::vector<PlanBytes>& other_optimizer,
+                        const std::optional<std::vector<StageActivations>>& activations,
+                        const std::string& activations_missing, const GpuSpec& gpu,
                         const std::optional<TimeEstimate>& time, const std::string& time_missing,
                         std::ostream& out) {
     nlohmann::ordered_json doc;
@@ -354,6 +393,8 @@ class EstimateCommand : public Command {
     } else {
       doc["step_time_not_estimated"] = time_missing;
     }
+    doc["hbm_bytes"] = Bytes(static_cast<PlanBytes>(gpu.hbm_bytes));
+    if (!activations) doc["activations_not_estimated"] = activations_missing;
     nlohmann::ordered_json list = nlohmann::ordered_json::array();
     for (size_t i = 0; i < stages.size(); ++i) {
       const StageHeldMemory& s = stages[i];
@@ -364,6 +405,18 @@ class EstimateCommand : public Command {
                          {"gradients", Bytes(s.held.gradients)},
                          {"optimizer", Bytes(s.held.optimizer)},
                          {"held", Bytes(s.held.total())}};
+      if (activations) {
+        const StageActivations& a = (*activations)[i];
+        stage["memory"]["activations"] = Bytes(a.activations);
+        stage["memory"]["buffers"] = Bytes(a.buffers);
+        stage["memory"]["peak"] =
+            Bytes(SaturatingAdd(s.held.total(), SaturatingAdd(a.activations, a.buffers)));
+        stage["peak_stashes"] = a.peak_stashes;
+      } else {
+        stage["memory"]["activations"] = nullptr;
+        stage["memory"]["buffers"] = nullptr;
+        stage["memory"]["peak"] = nullptr;
+      }
       stage["parameter_elements"] = Bytes(s.held.parameter_elements);
       if (time) {
         const StageTime& st = time->stages[i];
@@ -378,7 +431,7 @@ class EstimateCommand : public Command {
       list.push_back(stage);
     }
     doc["stages"] = list;
-    doc["not_estimated"] = {"activations", "buffers", "peak"};
+    doc["not_counted"] = {"cublas_workspaces", "nccl_buffers", "allocator_slack"};
     out << doc.dump(1) << '\n';
   }
 

@@ -828,6 +828,60 @@ TEST(EstimateCommand, StepTimeOfGpt3MatchesCountsByHand) {
   EXPECT_EQ(json::parse(half.out).at("gpu").at("name"), "custom");
 }
 
+// The activations at the schedule's peak against Korthikanti et al. 2022's closed forms for
+// GPT-3 175B (t 8, p 16, 192 micro-batches: stage 0 keeps 16 stashes of 6 layers, plus the
+// embedding dropout's one-byte mask each): sbh (10 + 24/t + 5as/(ht)) per layer without
+// sequence parallelism, sbh (34 + 5as/h) / t with it, 34 sbh / t with selective
+// recomputation, 2 sbh (/ t with sp) with full recomputation.
+TEST(EstimateCommand, ActivationsMatchKorthikantiClosedForms) {
+  const double s = 2048, b = 1, h = 12288, a = 96, t = 8, sbh = s * b * h;
+  const auto stage0 = [&](std::vector<std::string> flags) {
+    std::vector<std::string> args = {"estimate", Sample("gpt3_175b_t8_p16_n1024.json"),
+                                     "--global-batch-size", "1536", "--format", "json"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    const Result r = Mpusim(args);
+    EXPECT_EQ(r.code, 0) << r.err;
+    return json::parse(r.out).at("stages")[0];
+  };
+  const auto expect = [&](const json& stage, double per_layer, double mask, const char* what) {
+    EXPECT_EQ(stage.at("peak_stashes"), 16) << what;
+    EXPECT_NEAR(stage.at("memory").at("activations").get<double>(), 16 * (6 * per_layer + mask),
+                0.5)
+        << what;
+    const json& m = stage.at("memory");
+    EXPECT_EQ(m.at("peak").get<double>(), m.at("held").get<double>() +
+                                              m.at("activations").get<double>() +
+                                              m.at("buffers").get<double>())
+        << what;
+  };
+  expect(stage0({}), sbh * (10 + 24 / t + 5 * a * s / (h * t)), sbh, "tp");
+  expect(stage0({"--sequence-parallel", "true"}), sbh * (34 + 5 * a * s / h) / t, sbh / t,
+         "tp + sp");
+  expect(stage0({"--sequence-parallel", "true", "--recompute", "selective"}), 34 * sbh / t,
+         sbh / t, "selective");
+  expect(stage0({"--recompute", "full"}), 2 * sbh, sbh, "full");
+  // Buffers: the p2p send and receive of one activation each way, and with sp the gathered
+  // layer input.
+  EXPECT_EQ(stage0({}).at("memory").at("buffers").get<double>(), 4 * sbh * 2);
+  EXPECT_EQ(stage0({"--sequence-parallel", "true"}).at("memory").at("buffers").get<double>(),
+            4 * sbh * 2 / t + sbh * 2);
+  // The interleaved schedule keeps more micro-batches' stashes of smaller chunks on stage 0.
+  const json interleaved = stage0({"--vp", "2", "--recompute", "full"});
+  EXPECT_GT(interleaved.at("peak_stashes").get<int>(), 16);
+  EXPECT_GT(interleaved.at("memory").at("activations").get<double>(), 16 * 6 * 2 * sbh);
+  // Without recomputation, micro-batches of 2 do not fit an 80 GiB GPU on this layout.
+  const Result text =
+      Mpusim({"estimate", Sample("gpt3_175b_t8_p16_n1024.json"), "--global-batch-size", "1536",
+              "--micro-batch-size", "2", "--gpu", "a100-80gb"});
+  ASSERT_EQ(text.code, 0) << text.err;
+  EXPECT_NE(text.out.find("  | no, "), std::string::npos) << text.out;
+  const Result full =
+      Mpusim({"estimate", Sample("gpt3_175b_t8_p16_n1024.json"), "--global-batch-size", "1536",
+              "--micro-batch-size", "2", "--gpu", "a100-80gb", "--recompute", "full"});
+  ASSERT_EQ(full.code, 0) << full.err;
+  EXPECT_EQ(full.out.find("  | no, "), std::string::npos) << full.out;
+}
+
 // Without a run section the step time is not estimated (and says why); what it does not
 // model is named; bad GPU files and batch flags are one error line.
 TEST(EstimateCommand, StepTimeNotesAndRefusals) {

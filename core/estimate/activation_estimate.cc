@@ -1,0 +1,94 @@
+#include "core/estimate/activation_estimate.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/schedule.h"
+#include "core/tensor.h"
+
+namespace mpusim {
+namespace {
+
+PlanBytes ToBytes(double bytes) { return static_cast<PlanBytes>(std::llround(bytes)); }
+
+}  // namespace
+
+StatusOr<std::vector<StageActivations>> EstimateStageActivations(const Config& config,
+                                                                 const Topology& topology) {
+  if (!config.gpt) {
+    return Status::Error("model", "the activation count needs a GPT model (\"type\": \"gpt\")");
+  }
+  if (!config.run) return Status::Error("run", "the activation count needs a run section");
+  const GptConfig& g = *config.gpt;
+  const RunConfig& run = *config.run;
+  const DerivedSizes& sz = topology.sizes();
+  if (sz.cp > 1) {
+    return Status::Error("parallel.context_parallel_size",
+                         "the activation count does not model context parallelism yet");
+  }
+  if (g.moe.enabled()) {
+    return Status::Error("model.num_moe_experts",
+                         "the activation count does not model mixture-of-experts layers yet");
+  }
+  const bool sp = topology.config().sequence_parallel;
+  const double e = static_cast<double>(DTypeSize(run.dtype));
+  const double t = static_cast<double>(sz.tp);
+  const double b = static_cast<double>(run.micro_batch_size);
+  const double s = static_cast<double>(run.seq_length);
+  const double T = s * b, h = static_cast<double>(g.hidden_size);
+  const double split_sp = sp ? t : 1;  // what sequence parallelism divides the whole parts by
+  const double m_h = g.hidden_dropout > 0 ? 1 : 0, m_a = g.attention_dropout > 0 ? 1 : 0;
+  const double d = static_cast<double>(g.kv_channels);
+  const double q = static_cast<double>(g.num_attention_heads) * d;
+  const double kv = static_cast<double>(g.num_query_groups) * d;
+  const double f1 = static_cast<double>(g.Fc1Rows()), f = static_cast<double>(g.ffn_hidden_size);
+  const double whole = T * h * (4 * e + 2 * m_h) / split_sp;
+  const double split = T * e * (q + 2 * kv + q + f1 + f) / t;
+  const double scores =
+      b * static_cast<double>(g.num_attention_heads) * s * s * (e + m_a * (e + 1)) / t;
+  double layer = whole + split + scores;
+  if (run.recompute == RunConfig::Recompute::kSelective) layer = whole + split;
+  if (run.recompute == RunConfig::Recompute::kFull) layer = T * h * e / split_sp;
+
+  const int64_t p = sz.pp, v = sz.vp.value_or(1), stages = p * v;
+  const double layers = static_cast<double>(g.num_layers / stages);
+  const double vocab = static_cast<double>(g.PaddedVocabSize(sz.tp));
+  StatusOr<PipelineSchedule> schedule = BuildPipelineSchedule(
+      p, sz.vp, run.num_microbatches, topology.config().microbatch_group_size_per_vp_stage);
+  if (!schedule.ok()) return schedule.status();
+  std::vector<StageActivations> out;
+  for (int64_t r = 0; r < p; ++r) {
+    // Each chunk's stash of one micro-batch.
+    std::vector<double> stash(static_cast<size_t>(v));
+    for (int64_t c = 0; c < v; ++c) {
+      const int64_t u = c * p + r;
+      double bytes = layers * layer;
+      if (u == 0) bytes += m_h * T * h / split_sp;  // the embedding dropout's mask
+      if (u == stages - 1) bytes += T * h * e / split_sp + 4 * T * vocab / t;
+      stash[static_cast<size_t>(c)] = bytes;
+    }
+    double live = 0, peak = 0;
+    int64_t alive = 0, peak_alive = 0;
+    for (const ScheduleStep& step : schedule->per_rank[static_cast<size_t>(r)]) {
+      const double bytes = stash[static_cast<size_t>(step.model_chunk)];
+      const bool forward = step.pass == Pass::kForward;
+      live += forward ? bytes : -bytes;
+      alive += forward ? 1 : -1;
+      if (live > peak) {
+        peak = live;
+        peak_alive = alive;
+      }
+    }
+    StageActivations a;
+    a.stage = r;
+    a.peak_stashes = peak_alive;
+    a.activations = ToBytes(peak);
+    double buffers = p > 1 ? 4 * T * h * e / split_sp : 0;
+    if (sp && sz.tp > 1) buffers += T * h * e;
+    a.buffers = ToBytes(buffers);
+    out.push_back(a);
+  }
+  return out;
+}
+
+}  // namespace mpusim

@@ -1,0 +1,57 @@
+// The activations a GPU run of Megatron keeps at its pipeline schedule's peak, per stage, by
+// the published count: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+// Transformer Models", arXiv 2205.05198, section 4), generalised to the config's dtype,
+// query groups, ffn size, gated activations and dropout, and walked through Megatron's own
+// schedule instead of assuming p micro-batches in flight.
+//
+// Per layer and micro-batch, in bytes, with e the storage dtype's size, m_h / m_a 1 when the
+// hidden / attention dropout is on (its mask is one byte per element), T = s * b tokens,
+// t the tp size and, under sequence parallelism, everything divided by t:
+//   kept whole by tp      T * h * (4e + 2 m_h)            norm 1 and 2 inputs, the QKV and
+//                                                          fc1 inputs, two dropout masks
+//   split over tp         T * e * (q + 2kv + q + f1 + f) / t   Q, K, V, the projection's input,
+//                                                          the activation's input and output
+//   attention scores      b * a * s^2 * (e + m_a * (e + 1)) / t   softmax output, and with
+//                                                          dropout its mask and output
+// where q = heads * kv_channels, kv = query_groups * kv_channels, f1 = fc1 rows (2 ffn when
+// gated), f = ffn. For the standard GPT (e = 2, dropout on, q = h, kv = h, f = 4h) this is
+// Korthikanti's sbh (10 + 24/t + 5as/(ht)), and sbh (34 + 5as/h) / t with sequence
+// parallelism. Selective recomputation drops the scores; full recomputation keeps only each
+// layer's input, T * h * e (/ t with sp). The first stage adds the embedding dropout's mask,
+// the last the final norm's input and the float32 logits of one micro-batch, 4 T V / t.
+// Each model chunk's stash is added when its forward runs and dropped when its backward does,
+// following Megatron's 1F1B or interleaved order (core/schedule.h); the peak is the largest
+// sum.
+//
+// Buffers, per stage: the pipeline's send and receive of one activation each way
+// (4 * T * h * e, / t with sp) and, under sequence parallelism, the all-gathered layer input
+// (T * h * e). What a GPU run adds on top (cuBLAS workspaces, NCCL's own buffers, the caching
+// allocator's slack) is not counted, and the text says so.
+//
+// This is a GPU run's count, not the CPU executor's: mpusim's executor keeps its own stash
+// (float32 by default, and the tensors its kernels need), which `mpusim run --summary`
+// measures as peak - held. Context parallelism and mixture-of-experts layers are refused.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/config/config.h"
+#include "core/memory_plan.h"
+#include "core/status.h"
+#include "core/topology.h"
+
+namespace mpusim {
+
+struct StageActivations {
+  int64_t stage = 0;
+  int64_t peak_stashes = 0;  // model-chunk stashes alive at the peak
+  PlanBytes activations = 0;
+  PlanBytes buffers = 0;
+};
+
+// Needs a GPT model and a run section; errors name the field the count cannot handle.
+StatusOr<std::vector<StageActivations>> EstimateStageActivations(const Config& config,
+                                                                 const Topology& topology);
+
+}  // namespace mpusim
