@@ -11,11 +11,17 @@ core/estimate/time_estimate.cc's, the same for every row (README "The time model
 Checks first that each row is self-consistent: the parameters the shape implies match the
 paper's column within 3%, and per-GPU x GPUs matches its aggregate within 1%.
 
+Then, for each row, `mpusim advise` on the same model, GPU count and batch, searching what
+the paper's runs could use (full recomputation, no sequence parallelism, no distributed
+optimizer; any tp, pp, vp and micro-batch size): the "advise" column is where the paper's
+(tp, pp) ranks among the distinct (tp, pp) pairs of the fitting layouts, fastest first, and
+"advise's pick" the first one. This part is reported, not required (--no-advise skips it).
+
 What it is not: a timing benchmark (the estimate takes milliseconds) or a fit. Exit code 1
 when a row is off by more than --tolerance (default 15%).
 
 Usage: python3 bench/narayanan_table1.py [--mpusim build/cli/mpusim] [--tolerance 15]
-           [--micro-batch-size 1] [--markdown FILE]
+           [--micro-batch-size 1] [--markdown FILE] [--no-advise]
 """
 import argparse
 import json
@@ -46,6 +52,25 @@ def config_of(row, table):
     }
 
 
+def advise_rank(mpusim, path, batch, gpu, paper):
+    """Where the paper's (tp, pp) ranks among advise's distinct (tp, pp), and the first."""
+    out = subprocess.run(
+        [mpusim, "advise", path, "--global-batch-size", str(batch), "--gpu", gpu,
+         "--recompute", "full", "--sequence-parallel", "false", "--distributed-optimizer",
+         "false", "--top", "1000", "--format", "json"], capture_output=True, text=True,
+        check=False)
+    if out.returncode != 0:
+        raise SystemExit(out.stderr)
+    pairs = []
+    for layout in json.loads(out.stdout)["layouts"]:
+        pair = (layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"])
+        if pair not in pairs:
+            pairs.append(pair)
+    rank = str(pairs.index(paper) + 1) if paper in pairs else ""
+    pick = f"tp {pairs[0][0]} pp {pairs[0][1]}" if pairs else "none fits"
+    return rank, pick
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mpusim", default=os.path.join(ROOT, "build", "cli", "mpusim"))
@@ -54,15 +79,17 @@ def main():
     ap.add_argument("--tolerance", type=float, default=15.0, help="percent")
     ap.add_argument("--micro-batch-size", type=int, default=1)
     ap.add_argument("--markdown", help="also write the table as Markdown to this file")
+    ap.add_argument("--no-advise", action="store_true", help="skip the advise ranks")
     args = ap.parse_args()
     with open(args.table) as f:
         table = json.load(f)
     s, vocab = table["seq_length"], table["vocab_size"]
     lines = ["| parameters | tp | pp | dp | GPUs | batch | paper TFLOP/s | predicted | error "
-             "| step time | bubble | tp comm | dp comm |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| step time | bubble | tp comm | dp comm | advise | advise's pick |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     worst = 0.0
     failed = False
+    in_top3 = 0
     with tempfile.TemporaryDirectory() as tmp:
         for row in table["rows"]:
             params_b, heads, h, layers, tp, pp, gpus, batch, reported, _, aggregate = row
@@ -89,14 +116,21 @@ def main():
             worst = max(worst, abs(error))
             failed |= abs(error) > args.tolerance
             t = est["time"]
+            rank, pick = "", ""
+            if not args.no_advise:
+                rank, pick = advise_rank(args.mpusim, path, batch, table["gpu"], (tp, pp))
+                in_top3 += rank != "" and int(rank) <= 3
             lines.append(
                 f"| {params_b}B | {tp} | {pp} | {gpus // (tp * pp)} | {gpus} | {batch} | "
                 f"{reported} | {predicted:.1f} | {error:+.1f}% | {step:.2f} s | "
                 f"{100 * t['bubble_s'] / step:.1f}% | {100 * t['tp_comm_s'] / step:.1f}% | "
-                f"{100 * t['dp_comm_s'] / step:.1f}% |")
+                f"{100 * t['dp_comm_s'] / step:.1f}% | {rank or '-'} | {pick} |")
     lines.append("")
     lines.append(f"Worst row: {worst:.1f}% off (tolerance {args.tolerance:g}%); micro-batch "
                  f"size {args.micro_batch_size}, full recomputation, {table['gpu']}.")
+    if not args.no_advise:
+        lines.append(f"The paper's (tp, pp) is among advise's first 3 in {in_top3} of "
+                     f"{len(table['rows'])} rows.")
     text = "\n".join(lines)
     print(text)
     if args.markdown:

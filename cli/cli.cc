@@ -30,6 +30,7 @@ int RunCli(const std::vector<std::string>& args, std::ostream& out, std::ostream
   commands.push_back(MakeDiffCommand(&app));
   commands.push_back(MakeSweepCommand(&app));
   commands.push_back(MakeEstimateCommand(&app));
+  commands.push_back(MakeAdviseCommand(&app));
 
   std::vector<std::string> reversed(args.rbegin(), args.rend());
   if (!reversed.empty()) reversed.pop_back();  // the program name

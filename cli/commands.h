@@ -23,6 +23,7 @@ std::unique_ptr<Command> MakeRunCommand(CLI::App* parent);
 std::unique_ptr<Command> MakeDiffCommand(CLI::App* parent);
 std::unique_ptr<Command> MakeSweepCommand(CLI::App* parent);
 std::unique_ptr<Command> MakeEstimateCommand(CLI::App* parent);
+std::unique_ptr<Command> MakeAdviseCommand(CLI::App* parent);
 
 // Prints "error: <source>: <where>: <what>" and returns kExitUsage.
 int ReportError(std::ostream& err, const std::string& source, const std::string& message);

@@ -179,8 +179,10 @@ struct Link {
   bool inter_node;
 };
 Link LinkOf(const Topology& topology, const char* kind, const GpuSpec& gpu) {
+  // The busiest rank's group may be any of them: a kind with a group across nodes runs at
+  // the network's rate (its ring waits for the slowest link).
   const std::optional<size_t> k = topology.FindKind(kind);
-  const bool inter = k && topology.GroupSpansNodes(*k, 0);
+  const bool inter = k && topology.NumGroupsSpanningNodes(*k) > 0;
   const double bw = (inter ? gpu.inter_node_bandwidth : gpu.intra_node_bandwidth) *
                     gpu.collective_efficiency;
   return {bw, inter ? gpu.inter_node_latency_s : gpu.intra_node_latency_s, inter};
@@ -295,7 +297,8 @@ double ModelFlopsPerIteration(const GptConfig& g, int64_t padded_vocab, int64_t 
 }
 
 StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& topology,
-                                        const GpuSpec& gpu) {
+                                        const GpuSpec& gpu,
+                                        const std::vector<StageHeldMemory>* held_given) {
   if (!config.gpt) {
     return Status::Error("model", "the step-time estimate needs a GPT model (\"type\": \"gpt\"); "
                                   "a lab chain has no time model");
@@ -429,9 +432,14 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   }
 
   // Gradients over dp x cp after the last backward; the optimizer step over the owned part.
-  StatusOr<std::vector<StageHeldMemory>> held = EstimateStageHeldMemory(config, topology);
-  if (!held.ok()) return held.status();
-  const HeldMemory& mem = (*held)[busiest].held;
+  std::vector<StageHeldMemory> counted;
+  if (held_given == nullptr) {
+    StatusOr<std::vector<StageHeldMemory>> held = EstimateStageHeldMemory(config, topology);
+    if (!held.ok()) return held.status();
+    counted = *std::move(held);
+    held_given = &counted;
+  }
+  const HeldMemory& mem = (*held_given)[busiest].held;
   const double elements = static_cast<double>(mem.parameter_elements);
   const double grad_bytes = elements * static_cast<double>(DTypeSize(ComputeDType(dtype)));
   const int64_t d = topology.GroupSize(*topology.FindKind("dp_cp"));

@@ -928,6 +928,89 @@ TEST(EstimateCommand, StepTimeNotesAndRefusals) {
                        ".gemm_efficiency: number 1.5 is above 1; an efficiency is in (0, 1]");
 }
 
+// advise on GPT-3 175B, 1024 A100s, a narrow search (micro-batches of 1, full recomputation,
+// no sp, no distributed optimizer, no interleaving): it evaluates exactly the (tp, pp) pairs
+// that divide the node, the heads, the GPUs and the layers and leave dp dividing the batch;
+// lists the fitting ones fastest first, each agreeing with `mpusim estimate` of that layout;
+// and the closest misses are over the GPU's memory.
+TEST(AdviseCommand, RanksFittingLayoutsAsEstimateJudgesThem) {
+  const std::vector<std::string> narrow = {
+      "advise", Sample("gpt3_175b_t8_p16_n1024.json"), "--global-batch-size", "1536", "--gpu",
+      "a100-80gb", "--micro-batch-sizes", "1", "--recompute", "full", "--sequence-parallel",
+      "false", "--distributed-optimizer", "false", "--no-virtual-pipeline", "--top", "1000",
+      "--format", "json"};
+  const Result r = Mpusim(narrow);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json doc = json::parse(r.out);
+  int64_t expected = 0;
+  for (int64_t tp : {1, 2, 4, 8}) {
+    for (int64_t pp = 1; pp <= 1024 / tp; ++pp) {
+      if ((1024 / tp) % pp == 0 && 96 % pp == 0 && 1536 % (1024 / (tp * pp)) == 0) ++expected;
+    }
+  }
+  EXPECT_EQ(doc.at("candidates"), expected);
+  const json& layouts = doc.at("layouts");
+  ASSERT_GE(layouts.size(), 3u);
+  EXPECT_EQ(doc.at("fitting"), layouts.size());
+  const double hbm = doc.at("hbm_bytes");
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    const json& l = layouts[i];
+    EXPECT_LE(l.at("peak_bytes").get<double>(), hbm);
+    if (i > 0) EXPECT_GE(l.at("step_time_s").get<double>(), layouts[i - 1].at("step_time_s"));
+    EXPECT_EQ(l.at("recompute_granularity"), "full");
+    EXPECT_EQ(l.at("data_parallel_size").get<int64_t>() *
+                  l.at("tensor_model_parallel_size").get<int64_t>() *
+                  l.at("pipeline_model_parallel_size").get<int64_t>(),
+              1024);
+  }
+  for (const json& miss : doc.at("closest_not_fitting")) {
+    EXPECT_GT(miss.at("peak_bytes").get<double>(), hbm);
+  }
+  // The first three, estimated one by one.
+  for (size_t i = 0; i < 3; ++i) {
+    const json& l = layouts[i];
+    const Result e = Mpusim(
+        {"estimate", Sample("gpt3_175b_t8_p16_n1024.json"), "--tp",
+         std::to_string(l.at("tensor_model_parallel_size").get<int64_t>()), "--pp",
+         std::to_string(l.at("pipeline_model_parallel_size").get<int64_t>()),
+         "--global-batch-size", "1536", "--recompute", "full", "--gpu", "a100-80gb", "--format",
+         "json"});
+    ASSERT_EQ(e.code, 0) << e.err;
+    const json est = json::parse(e.out);
+    EXPECT_DOUBLE_EQ(est.at("step_time_s").get<double>(), l.at("step_time_s").get<double>());
+    double peak = 0;
+    for (const json& stage : est.at("stages")) {
+      peak = std::max(peak, stage.at("memory").at("peak").get<double>());
+    }
+    EXPECT_EQ(peak, l.at("peak_bytes").get<double>()) << i;
+  }
+  // The text names the winner's reasons and the misses' excess.
+  std::vector<std::string> text_args(narrow.begin(), narrow.end() - 4);
+  const Result text = Mpusim(text_args);
+  ASSERT_EQ(text.code, 0) << text.err;
+  EXPECT_NE(text.out.find("Why #1 wins: "), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("Closest that do not fit:\n"), std::string::npos) << text.out;
+}
+
+TEST(AdviseCommand, Refusals) {
+  const std::string gpt3 = Sample("gpt3_175b_t8_p16_n1024.json");
+  ExpectUsageError(Mpusim({"advise", gpt3}),
+                   "error: command line: --global-batch-size: is needed (the config's run "
+                   "section has no global_batch_size)");
+  ExpectUsageError(Mpusim({"advise", gpt3, "--global-batch-size", "8", "--micro-batch-sizes",
+                           "1,x"}),
+                   "error: command line: --micro-batch-sizes: '1,x' is not a list of integers "
+                   "from 1 to 1048576");
+  ExpectUsageError(Mpusim({"advise", gpt3, "--global-batch-size", "8", "--recompute", "some"}),
+                   "error: command line: --recompute: 'some' is not a list of none, selective "
+                   "and full");
+  ExpectUsageError(Mpusim({"advise", Sample("gpt_moe_ep2_t2_sp_dp2_n4.json"),
+                           "--global-batch-size", "8"}),
+                   "error: " + Sample("gpt_moe_ep2_t2_sp_dp2_n4.json") +
+                       ": model.num_moe_experts: advise does not search mixture-of-experts "
+                       "layouts yet");
+}
+
 TEST(ExplainCommand, LabSlices) {
   const Result column = Mpusim({"explain", Sample("lab_column_parallel_t16_n16.json")});
   ASSERT_EQ(column.code, 0) << column.err;

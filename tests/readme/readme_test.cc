@@ -6,7 +6,7 @@
 //   - `mpusim` and `build/cli/mpusim` run the binary this build made; `mpirun -n N` runs it on
 //     N ranks (with --oversubscribe); commands run from the repository root.
 //   - A line `...` (indented or not) in the README stands for any number of output lines.
-//   - The planner's commands (layout, schedule, explain, estimate) must match exactly. The
+//   - The planner's commands (layout, schedule, explain, estimate, advise) must match exactly. The
 //     others (run, sweep, diff) print timings, memory and rounding-level errors that change
 //     from machine to machine: there every decimal number (with a point or an exponent) is
 //     masked and runs of spaces count as one, so the words, the names, the counts, the table
@@ -141,7 +141,7 @@ TEST(ReadmeTranscripts, EveryCommandPrintsWhatTheReadmeShows) {
   int skipped = 0;
   const std::vector<Transcript> transcripts = Transcripts(lines, &skipped);
   EXPECT_GE(transcripts.size(), 10u);
-  static const std::regex planner(R"(mpusim (layout|schedule|explain|estimate)\b)");
+  static const std::regex planner(R"(mpusim (layout|schedule|explain|estimate|advise)\b)");
   for (const Transcript& t : transcripts) {
     SCOPED_TRACE(fmt::format("README.md:{}: $ {}", t.line, t.command));
     std::vector<std::string> actual;

@@ -1,0 +1,343 @@
+// `mpusim advise`: every layout of the config's model on --world-size GPUs that fits the GPU's
+// memory, ranked by predicted throughput, with why the leaders win and why the closest
+// misses do not fit (core/estimate/advise.h). The config's own layout is ignored; its model,
+// dtype, optimizer, gpus_per_node and run section (sequence length) are read.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <charconv>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "cli/cli.h"
+#include "cli/commands.h"
+#include "core/config/config.h"
+#include "core/estimate/advise.h"
+#include "core/estimate/time_estimate.h"
+#include "run/preflight.h"
+
+namespace mpusim::cli {
+namespace {
+
+// "1,2,4" -> {1, 2, 4}; errors name the flag.
+StatusOr<std::vector<int64_t>> ParseIntList(const std::string& text, const std::string& flag) {
+  std::vector<int64_t> out;
+  size_t start = 0;
+  while (true) {
+    const size_t comma = text.find(',', start);
+    const std::string item = text.substr(start, comma - start);
+    int64_t value = 0;
+    const auto [ptr, ec] = std::from_chars(item.data(), item.data() + item.size(), value);
+    if (ec != std::errc() || ptr != item.data() + item.size() || value < 1 || value > 1 << 20) {
+      return Status::Error(flag, fmt::format("'{}' is not a list of integers from 1 to {}", text,
+                                             1 << 20));
+    }
+    out.push_back(value);
+    if (comma == std::string::npos) return out;
+    start = comma + 1;
+  }
+}
+
+// "true,false" -> {true, false}.
+StatusOr<std::vector<bool>> ParseBoolList(const std::string& text, const std::string& flag) {
+  std::vector<bool> out;
+  size_t start = 0;
+  while (true) {
+    const size_t comma = text.find(',', start);
+    const std::string item = text.substr(start, comma - start);
+    if (item != "true" && item != "false") {
+      return Status::Error(flag, fmt::format("'{}' is not a list of true and false", text));
+    }
+    out.push_back(item == "true");
+    if (comma == std::string::npos) return out;
+    start = comma + 1;
+  }
+}
+
+std::string Seconds(double s) { return fmt::format("{:.3g} s", s); }
+
+std::string LayoutName(const AdvisedLayout& l) {
+  std::string out = fmt::format("tp {} pp {}", l.tp, l.pp);
+  if (l.vp > 0) out += fmt::format(" vp {}", l.vp);
+  out += fmt::format(" dp {} mbs {}", l.dp, l.micro_batch_size);
+  return out;
+}
+
+std::string FeaturesText(const AdvisedLayout& l) {
+  std::vector<std::string> parts;
+  parts.push_back(fmt::format("recompute {}", RecomputeName(l.recompute)));
+  if (l.sequence_parallel) parts.push_back("sp");
+  if (l.distributed_optimizer) parts.push_back("dist-opt");
+  return fmt::format("{}", fmt::join(parts, ", "));
+}
+
+nlohmann::ordered_json Bytes(PlanBytes b) {
+  if (b < (PlanBytes{1} << 64)) return static_cast<uint64_t>(b);
+  return static_cast<double>(b);
+}
+
+class AdviseCommand : public Command {
+ public:
+  explicit AdviseCommand(CLI::App* parent) {
+    app_ = parent->add_subcommand(
+        "advise", "Rank every layout of a model on N GPUs that fits memory by predicted "
+                  "throughput");
+    app_->footer(
+        "Examples:\n"
+        "  mpusim advise sample_configs/gpt3_175b_t8_p16_n1024.json --global-batch-size 1536 \\\n"
+        "      --gpu a100-80gb\n"
+        "  mpusim advise CONFIG --world-size 64 --global-batch-size 512 --format json\n"
+        "Searches tp (up to the GPUs of a node), pp, vp, dp, the micro-batch size,\n"
+        "recomputation, sequence parallelism and the distributed optimizer; the config gives\n"
+        "the model, the dtype, the optimizer and gpus_per_node (its own layout is ignored).\n"
+        "Context and expert parallelism are not searched yet.");
+    app_->add_option("CONFIG", path_, "config file with a GPT model")->required();
+    app_->add_option("--world-size,-n", world_size_, "GPUs (default the config's world_size)");
+    app_->add_option("--global-batch-size", global_batch_,
+                     "samples per iteration (default the run section's global_batch_size)");
+    app_->add_option("--seq-length", seq_length_,
+                     "tokens per sample (default the run's, else max_position_embeddings)");
+    app_->add_option("--gpu", gpu_, "a100-80gb, h100-80gb (default), h200 or a JSON file");
+    app_->add_option("--micro-batch-sizes", micro_batches_, "candidates (default 1,2,4,8)");
+    app_->add_option("--recompute", recompute_,
+                     "candidates among none,selective,full (default all three)");
+    app_->add_option("--sequence-parallel", sequence_parallel_,
+                     "candidates among true,false (default both)");
+    app_->add_option("--distributed-optimizer", distributed_,
+                     "candidates among true,false (default both)");
+    app_->add_flag("--no-virtual-pipeline", no_vp_, "do not try the interleaved schedule");
+    app_->add_option("--max-tp", max_tp_, "largest tensor-parallel size (default gpus_per_node)");
+    app_->add_option("--top", top_, "layouts to show (default 10)")->check(CLI::Range(1, 1000));
+    app_->add_option("--format", format_, "text or json (default text)")
+        ->check(CLI::IsMember({"text", "json"}));
+  }
+  CLI::App* app() override { return app_; }
+
+  int Run(std::ostream& out, std::ostream& err) override {
+    StatusOr<nlohmann::json> read = ReadJsonFile(path_);
+    if (!read.ok()) return ReportError(err, path_, read.status().Message());
+    nlohmann::json doc = *read;
+    std::optional<int64_t> file_batch;
+    // The layout is what advise chooses: drop the file's, keep the rest.
+    if (doc.is_object() && doc.contains("parallel") && doc["parallel"].is_object()) {
+      nlohmann::json& par = doc["parallel"];
+      for (const char* key :
+           {"tensor_model_parallel_size", "pipeline_model_parallel_size",
+            "virtual_pipeline_model_parallel_size", "context_parallel_size",
+            "hierarchical_context_parallel_sizes", "expert_model_parallel_size",
+            "expert_tensor_parallel_size", "num_distributed_optimizer_instances",
+            "microbatch_group_size_per_vp_stage", "sequence_parallel", "num_layers"}) {
+        par.erase(key);
+      }
+      if (world_size_) par["world_size"] = *world_size_;
+    }
+    if (doc.is_object() && doc.contains("run") && doc["run"].is_object()) {
+      nlohmann::json& run = doc["run"];
+      if (run.contains("global_batch_size") && run["global_batch_size"].is_number_integer()) {
+        file_batch = run["global_batch_size"].get<int64_t>();
+      }
+      for (const char* key : {"global_batch_size", "num_microbatches", "micro_batch_size"}) {
+        run.erase(key);
+      }
+    }
+    Config config;
+    if (Status s = ParseConfig(doc, &config); !s.ok()) return ReportError(err, path_, s.Message());
+    AdviseOptions options;
+    options.world_size = config.parallel.world_size;
+    if (!global_batch_ && !file_batch) {
+      return ReportError(err, "command line",
+                         "--global-batch-size: is needed (the config's run section has no "
+                         "global_batch_size)");
+    }
+    options.global_batch_size = global_batch_ ? *global_batch_ : *file_batch;
+    if (seq_length_) {
+      if (!config.run) {
+        config.run = RunConfig{};
+        config.run->dtype = MegatronStorageDType(config.parallel).value_or(DType::kFloat32);
+      }
+      config.run->seq_length = *seq_length_;
+    }
+    options.max_tp = max_tp_;
+    options.virtual_pipeline = !no_vp_;
+    if (!micro_batches_.empty()) {
+      StatusOr<std::vector<int64_t>> v = ParseIntList(micro_batches_, "--micro-batch-sizes");
+      if (!v.ok()) return ReportError(err, "command line", v.status().Message());
+      options.micro_batch_sizes = *v;
+    }
+    if (!recompute_.empty()) {
+      options.recompute.clear();
+      size_t start = 0;
+      while (true) {
+        const size_t comma = recompute_.find(',', start);
+        const std::string item = recompute_.substr(start, comma - start);
+        if (item == "none") {
+          options.recompute.push_back(RunConfig::Recompute::kNone);
+        } else if (item == "selective") {
+          options.recompute.push_back(RunConfig::Recompute::kSelective);
+        } else if (item == "full") {
+          options.recompute.push_back(RunConfig::Recompute::kFull);
+        } else {
+          return ReportError(err, "command line",
+                             fmt::format("--recompute: '{}' is not a list of none, selective "
+                                         "and full",
+                                         recompute_));
+        }
+        if (comma == std::string::npos) break;
+        start = comma + 1;
+      }
+    }
+    if (!sequence_parallel_.empty()) {
+      StatusOr<std::vector<bool>> v = ParseBoolList(sequence_parallel_, "--sequence-parallel");
+      if (!v.ok()) return ReportError(err, "command line", v.status().Message());
+      options.sequence_parallel = *v;
+    }
+    if (!distributed_.empty()) {
+      StatusOr<std::vector<bool>> v = ParseBoolList(distributed_, "--distributed-optimizer");
+      if (!v.ok()) return ReportError(err, "command line", v.status().Message());
+      options.distributed_optimizer = *v;
+    }
+    StatusOr<GpuSpec> gpu = ResolveGpu();
+    if (!gpu.ok()) return ReportError(err, "command line", gpu.status().Message());
+    StatusOr<Advice> advice = Advise(config, *gpu, options);
+    if (!advice.ok()) return ReportError(err, path_, advice.status().Message());
+    if (format_ == "json") {
+      PrintJson(options, *gpu, *advice, out);
+    } else {
+      PrintText(options, *gpu, *advice, out);
+    }
+    return kExitOk;
+  }
+
+ private:
+  StatusOr<GpuSpec> ResolveGpu() const {
+    if (std::optional<GpuSpec> preset = FindGpuPreset(gpu_)) return *preset;
+    if (gpu_.size() < 5 || gpu_.substr(gpu_.size() - 5) != ".json") {
+      return Status::Error("--gpu", fmt::format("\"{}\" is neither one of {} nor a .json file",
+                                                gpu_, fmt::join(GpuPresetNames(), ", ")));
+    }
+    std::ifstream in(gpu_);
+    if (!in) return Status::Error("--gpu", fmt::format("cannot open {}", gpu_));
+    nlohmann::json doc = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (doc.is_discarded()) return Status::Error("--gpu", fmt::format("{} is not JSON", gpu_));
+    return ParseGpuSpec(doc, "--gpu " + gpu_);
+  }
+
+  void PrintText(const AdviseOptions& o, const GpuSpec& gpu, const Advice& a,
+                 std::ostream& out) const {
+    out << fmt::format(
+        "Layouts for {} GPUs ({}, {} each), global batch {}: {} evaluated, {} fit, {} do not\n",
+        o.world_size, gpu.name, run::FormatBytes(static_cast<PlanBytes>(gpu.hbm_bytes)),
+        o.global_batch_size, a.candidates, a.fit.size(), a.too_big.size());
+    if (a.fit.empty()) {
+      out << "No layout fits.\n";
+    } else {
+      out << fmt::format("  {:>3}  {:<28} {:<34} {:>7} {:>7} {:>6} {:>7} {:>7} {:>7} {:>10}\n",
+                         "#", "layout", "features", "step", "TFLOP/s", "MFU", "bubble", "tp",
+                         "dp", "headroom");
+      const size_t n = std::min(a.fit.size(), static_cast<size_t>(top_));
+      for (size_t i = 0; i < n; ++i) {
+        const AdvisedLayout& l = a.fit[i];
+        const double step = l.time.step_time_s;
+        out << fmt::format(
+            "  {:>3}  {:<28} {:<34} {:>7} {:>7.1f} {:>5.1f}% {:>6.1f}% {:>6.1f}% {:>6.1f}% {:>10}\n",
+            i + 1, LayoutName(l), FeaturesText(l), Seconds(step), l.time.model_tflops_per_gpu,
+            100 * l.time.mfu, 100 * l.time.bubble_s / step, 100 * l.time.tp_comm_s / step,
+            100 * l.time.dp_comm_s / step,
+            run::FormatBytes(static_cast<PlanBytes>(gpu.hbm_bytes) - l.peak));
+      }
+      const AdvisedLayout& best = a.fit.front();
+      out << fmt::format(
+          "Why #1 wins: {} of its {} step is compute; the bubble takes {:.1f}%, tp "
+          "collectives {:.1f}%, the gradient reduction {:.1f}%; its peak {} (stage {}) leaves "
+          "{} free.\n",
+          Seconds(best.time.compute_s), Seconds(best.time.step_time_s),
+          100 * best.time.bubble_s / best.time.step_time_s,
+          100 * best.time.tp_comm_s / best.time.step_time_s,
+          100 * best.time.dp_comm_s / best.time.step_time_s, run::FormatBytes(best.peak),
+          best.peak_stage, run::FormatBytes(static_cast<PlanBytes>(gpu.hbm_bytes) - best.peak));
+    }
+    if (!a.too_big.empty()) {
+      out << "Closest that do not fit:\n";
+      const size_t n = std::min<size_t>(a.too_big.size(), 3);
+      for (size_t i = 0; i < n; ++i) {
+        const AdvisedLayout& l = a.too_big[i];
+        out << fmt::format("  {}, {}: peak {} on stage {} ({} of activations) is {} over\n",
+                           LayoutName(l), FeaturesText(l), run::FormatBytes(l.peak), l.peak_stage,
+                           run::FormatBytes(l.activations),
+                           run::FormatBytes(l.peak - static_cast<PlanBytes>(gpu.hbm_bytes)));
+      }
+    }
+    out << "Not searched: context parallelism, expert parallelism. Time model and memory "
+           "count: `mpusim estimate` (README).\n";
+  }
+
+  void PrintJson(const AdviseOptions& o, const GpuSpec& gpu, const Advice& a,
+                 std::ostream& out) const {
+    nlohmann::ordered_json doc;
+    doc["world_size"] = o.world_size;
+    doc["global_batch_size"] = o.global_batch_size;
+    doc["gpu"] = gpu.name;
+    doc["hbm_bytes"] = Bytes(static_cast<PlanBytes>(gpu.hbm_bytes));
+    doc["candidates"] = a.candidates;
+    doc["fitting"] = a.fit.size();
+    const auto entry = [&](const AdvisedLayout& l) {
+      nlohmann::ordered_json j;
+      j["tensor_model_parallel_size"] = l.tp;
+      j["pipeline_model_parallel_size"] = l.pp;
+      j["virtual_pipeline_model_parallel_size"] =
+          l.vp > 0 ? nlohmann::ordered_json(l.vp) : nlohmann::ordered_json(nullptr);
+      j["context_parallel_size"] = 1;
+      j["expert_model_parallel_size"] = 1;
+      j["data_parallel_size"] = l.dp;
+      j["micro_batch_size"] = l.micro_batch_size;
+      j["recompute_granularity"] = l.recompute == RunConfig::Recompute::kNone
+                                       ? nlohmann::ordered_json(nullptr)
+                                       : nlohmann::ordered_json(RecomputeName(l.recompute));
+      j["sequence_parallel"] = l.sequence_parallel;
+      j["use_distributed_optimizer"] = l.distributed_optimizer;
+      j["model_tflops_per_gpu"] = l.time.model_tflops_per_gpu;
+      j["mfu"] = l.time.mfu;
+      j["step_time_s"] = l.time.step_time_s;
+      j["bubble_s"] = l.time.bubble_s;
+      j["tp_comm_s"] = l.time.tp_comm_s;
+      j["dp_comm_s"] = l.time.dp_comm_s;
+      j["peak_bytes"] = Bytes(l.peak);
+      j["peak_stage"] = l.peak_stage;
+      return j;
+    };
+    nlohmann::ordered_json layouts = nlohmann::ordered_json::array();
+    const size_t n = std::min(a.fit.size(), static_cast<size_t>(top_));
+    for (size_t i = 0; i < n; ++i) layouts.push_back(entry(a.fit[i]));
+    doc["layouts"] = layouts;
+    nlohmann::ordered_json misses = nlohmann::ordered_json::array();
+    for (size_t i = 0; i < std::min<size_t>(a.too_big.size(), 3); ++i) {
+      misses.push_back(entry(a.too_big[i]));
+    }
+    doc["closest_not_fitting"] = misses;
+    doc["not_searched"] = {"context_parallel_size", "expert_model_parallel_size"};
+    out << doc.dump(1) << '\n';
+  }
+
+  CLI::App* app_ = nullptr;
+  std::string path_;
+  std::optional<int64_t> world_size_, global_batch_, seq_length_;
+  int64_t max_tp_ = 0;
+  std::string gpu_ = "h100-80gb";
+  std::string micro_batches_, recompute_, sequence_parallel_, distributed_;
+  bool no_vp_ = false;
+  int top_ = 10;
+  std::string format_ = "text";
+};
+
+}  // namespace
+
+std::unique_ptr<Command> MakeAdviseCommand(CLI::App* parent) {
+  return std::make_unique<AdviseCommand>(parent);
+}
+
+}  // namespace mpusim::cli

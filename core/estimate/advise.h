@@ -1,0 +1,65 @@
+// Every layout of a model on N GPUs that the estimates can judge, ranked by predicted
+// throughput: `mpusim advise`.
+//
+// The search: tensor-parallel size t (a divisor of N, at most the GPUs of a node by default,
+// dividing the node's GPU count, the heads and the query groups), pipeline size p (dividing N / t and the layers), the
+// virtual pipeline size v (none, or 2.. such that p * v divides the layers, when p > 1 and the
+// micro-batches divide by p), dp = N / (t p), the micro-batch size (dividing global batch / dp),
+// recomputation, sequence parallelism (t > 1) and the distributed optimizer, each from the
+// lists the caller allows. Context parallelism and expert parallelism are not searched (the
+// time model does not cover them yet). Each candidate gets the memory estimate (held exactly;
+// activations and buffers by Korthikanti's count, core/estimate/activation_estimate.h) and
+// the step time (core/estimate/time_estimate.h); it fits when every stage's peak is at most
+// the GPU's memory. Fitting layouts are ranked by step time, the fastest first.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/config/config.h"
+#include "core/estimate/time_estimate.h"
+#include "core/memory_plan.h"
+#include "core/status.h"
+
+namespace mpusim {
+
+struct AdviseOptions {
+  int64_t world_size = 0;
+  int64_t global_batch_size = 0;
+  int64_t max_tp = 0;  // 0: the config's gpus_per_node
+  std::vector<int64_t> micro_batch_sizes = {1, 2, 4, 8};
+  std::vector<RunConfig::Recompute> recompute = {RunConfig::Recompute::kNone,
+                                                 RunConfig::Recompute::kSelective,
+                                                 RunConfig::Recompute::kFull};
+  std::vector<bool> sequence_parallel = {false, true};
+  std::vector<bool> distributed_optimizer = {false, true};
+  bool virtual_pipeline = true;
+};
+
+struct AdvisedLayout {
+  int64_t tp = 1, pp = 1, vp = 0, dp = 1;  // vp 0: not interleaved
+  int64_t micro_batch_size = 1;
+  RunConfig::Recompute recompute = RunConfig::Recompute::kNone;
+  bool sequence_parallel = false;
+  bool distributed_optimizer = false;
+  TimeEstimate time;
+  PlanBytes peak = 0;        // the largest stage peak
+  int64_t peak_stage = 0;    // where it is
+  PlanBytes activations = 0; // that stage's
+  bool fits = false;
+};
+
+struct Advice {
+  int64_t candidates = 0;          // layouts evaluated
+  std::vector<AdvisedLayout> fit;  // fastest first
+  std::vector<AdvisedLayout> too_big;  // smallest peak first
+};
+
+// `config` gives the model (a GPT), the dtype, the optimizer and gpus_per_node; its own
+// layout is ignored. Errors name what makes the search impossible.
+StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOptions& options);
+
+const char* RecomputeName(RunConfig::Recompute r);  // "none", "selective", "full"
+
+}  // namespace mpusim
