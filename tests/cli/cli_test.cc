@@ -956,7 +956,9 @@ TEST(AdviseCommand, RanksFittingLayoutsAsEstimateJudgesThem) {
   for (size_t i = 0; i < layouts.size(); ++i) {
     const json& l = layouts[i];
     EXPECT_LE(l.at("peak_bytes").get<double>(), hbm);
-    if (i > 0) EXPECT_GE(l.at("step_time_s").get<double>(), layouts[i - 1].at("step_time_s"));
+    if (i > 0) {
+      EXPECT_GE(l.at("step_time_s").get<double>(), layouts[i - 1].at("step_time_s"));
+    }
     EXPECT_EQ(l.at("recompute_granularity"), "full");
     EXPECT_EQ(l.at("data_parallel_size").get<int64_t>() *
                   l.at("tensor_model_parallel_size").get<int64_t>() *
