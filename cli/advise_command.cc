@@ -6,7 +6,6 @@
 #include <fmt/ranges.h>
 
 #include <charconv>
-#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -201,7 +200,7 @@ class AdviseCommand : public Command {
       if (!v.ok()) return ReportError(err, "command line", v.status().Message());
       options.distributed_optimizer = *v;
     }
-    StatusOr<GpuSpec> gpu = ResolveGpu();
+    StatusOr<GpuSpec> gpu = ResolveGpuSpec(gpu_);
     if (!gpu.ok()) return ReportError(err, "command line", gpu.status().Message());
     StatusOr<Advice> advice = Advise(config, *gpu, options);
     if (!advice.ok()) return ReportError(err, path_, advice.status().Message());
@@ -214,19 +213,6 @@ class AdviseCommand : public Command {
   }
 
  private:
-  StatusOr<GpuSpec> ResolveGpu() const {
-    if (std::optional<GpuSpec> preset = FindGpuPreset(gpu_)) return *preset;
-    if (gpu_.size() < 5 || gpu_.substr(gpu_.size() - 5) != ".json") {
-      return Status::Error("--gpu", fmt::format("\"{}\" is neither one of {} nor a .json file",
-                                                gpu_, fmt::join(GpuPresetNames(), ", ")));
-    }
-    std::ifstream in(gpu_);
-    if (!in) return Status::Error("--gpu", fmt::format("cannot open {}", gpu_));
-    nlohmann::json doc = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-    if (doc.is_discarded()) return Status::Error("--gpu", fmt::format("{} is not JSON", gpu_));
-    return ParseGpuSpec(doc, "--gpu " + gpu_);
-  }
-
   void PrintText(const AdviseOptions& o, const GpuSpec& gpu, const Advice& a,
                  std::ostream& out) const {
     out << fmt::format(

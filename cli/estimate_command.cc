@@ -10,7 +10,6 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -106,7 +105,7 @@ class EstimateCommand : public Command {
     std::string source;
     Config config = layout->config;
     const Topology& topology = layout->topology;
-    StatusOr<GpuSpec> gpu = ResolveGpu();
+    StatusOr<GpuSpec> gpu = ResolveGpuSpec(gpu_);
     if (!gpu.ok()) return ReportError(err, "command line", gpu.status().Message());
     // The batch flags make (or change) the run section the step time needs.
     const bool time_asked = config.run.has_value() || global_batch_;
@@ -170,19 +169,6 @@ class EstimateCommand : public Command {
   }
 
  private:
-  StatusOr<GpuSpec> ResolveGpu() const {
-    if (std::optional<GpuSpec> preset = FindGpuPreset(gpu_)) return *preset;
-    if (gpu_.size() < 5 || gpu_.substr(gpu_.size() - 5) != ".json") {
-      return Status::Error("--gpu", fmt::format("\"{}\" is neither one of {} nor a .json file",
-                                                gpu_, fmt::join(GpuPresetNames(), ", ")));
-    }
-    std::ifstream in(gpu_);
-    if (!in) return Status::Error("--gpu", fmt::format("cannot open {}", gpu_));
-    nlohmann::json doc = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-    if (doc.is_discarded()) return Status::Error("--gpu", fmt::format("{} is not JSON", gpu_));
-    return ParseGpuSpec(doc, "--gpu " + gpu_);
-  }
-
   // --global-batch-size and friends: the run section the step time reads.
   Status ApplyRunFlags(Config* config, const Topology& topology) const {
     if (!global_batch_ && !micro_batch_ && !seq_length_ && recompute_.empty()) return {};

@@ -1,12 +1,14 @@
 #include "core/estimate/time_estimate.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
 
+#include "core/config/config.h"
 #include "core/config/json_fields.h"
 #include "core/config/parallel_config.h"
 #include "core/estimate/memory_estimate.h"
@@ -278,6 +280,17 @@ StatusOr<GpuSpec> ParseGpuSpec(const nlohmann::json& doc, std::string_view where
     *f->field = v * f->unit;
   }
   return spec;
+}
+
+StatusOr<GpuSpec> ResolveGpuSpec(const std::string& name_or_file) {
+  if (std::optional<GpuSpec> preset = FindGpuPreset(name_or_file)) return *preset;
+  if (!name_or_file.ends_with(".json")) {
+    return Status::Error("--gpu", fmt::format("\"{}\" is neither one of {} nor a .json file",
+                                              name_or_file, fmt::join(GpuPresetNames(), ", ")));
+  }
+  StatusOr<nlohmann::json> doc = ReadJsonFile(name_or_file);
+  if (!doc.ok()) return Status::Error("--gpu " + name_or_file, doc.status().Message());
+  return ParseGpuSpec(*doc, "--gpu " + name_or_file);
 }
 
 double ModelFlopsPerIteration(const GptConfig& g, int64_t padded_vocab, int64_t seq_length,

@@ -75,6 +75,9 @@ std::optional<GpuSpec> FindGpuPreset(std::string_view name);
 // keys; a missing key takes the value of the preset named by "base", default h100-80gb).
 // Errors name "<where>.<key>" and what is allowed.
 StatusOr<GpuSpec> ParseGpuSpec(const nlohmann::json& doc, std::string_view where);
+// --gpu's argument: a preset's name, or a GPU description file ending in .json (read with
+// ReadJsonFile, parsed with ParseGpuSpec). Errors name "--gpu".
+StatusOr<GpuSpec> ResolveGpuSpec(const std::string& name_or_file);
 
 // A pipeline stage's costs per micro-batch: all of its model chunks together.
 struct StageTime {

@@ -921,6 +921,16 @@ TEST(EstimateCommand, StepTimeNotesAndRefusals) {
                        "peak_tflops_64bit, hbm_gib, hbm_gbps, intra_node_gbps, inter_node_gbps, "
                        "intra_node_latency_us, inter_node_latency_us, gemm_efficiency, "
                        "memory_efficiency, collective_efficiency");
+  // A GPU file that is not there, or not JSON: one line naming it (advise reads it alike).
+  const std::string garbled = WriteTemp("mpusim_estimate_garbled_gpu.json", "not json");
+  ExpectUsageError(Mpusim({"estimate", gpt3, "--gpu", garbled}),
+                   "error: command line: --gpu " + garbled +
+                       ": line 1, column 2: invalid JSON: syntax error while parsing value - "
+                       "invalid literal; last read: 'no'");
+  ExpectUsageError(Mpusim({"advise", gpt3, "--global-batch-size", "1536", "--gpu",
+                           "/nonexistent/gpu.json"}),
+                   "error: command line: --gpu /nonexistent/gpu.json: cannot open the file "
+                   "(does it exist and is it readable?)");
   const std::string over =
       WriteTemp("mpusim_estimate_over_gpu.json", R"({"gemm_efficiency": 1.5})");
   ExpectUsageError(Mpusim({"estimate", gpt3, "--gpu", over}),
