@@ -2,9 +2,11 @@
 // memory, ranked by predicted throughput, with why the leaders win and why the closest
 // misses do not fit (core/estimate/advise.h). The config's own layout is ignored; its model,
 // dtype, optimizer, gpus_per_node and run section (sequence length) are read.
+// Text, JSON (Megatron's names) or a self-contained HTML page of tables and bars.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <charconv>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -15,9 +17,11 @@
 
 #include "cli/cli.h"
 #include "cli/commands.h"
+#include "cli/estimate_report.h"
 #include "core/config/config.h"
 #include "core/estimate/advise.h"
 #include "core/estimate/time_estimate.h"
+#include "core/html.h"
 #include "run/preflight.h"
 
 namespace mpusim::cli {
@@ -75,9 +79,24 @@ std::string FeaturesText(const AdvisedLayout& l) {
   return fmt::format("{}", fmt::join(parts, ", "));
 }
 
-nlohmann::ordered_json Bytes(PlanBytes b) {
-  if (b < (PlanBytes{1} << 64)) return static_cast<uint64_t>(b);
-  return static_cast<double>(b);
+// "2.5 s of its 3.1 s step is compute; ...": what the winner spends its step on and the
+// memory it leaves.
+std::string WhyItWins(const AdvisedLayout& l, const GpuSpec& gpu) {
+  const TimeEstimate& t = l.time;
+  return fmt::format(
+      "{} of its {} step is compute; the bubble takes {:.1f}%, tp collectives {:.1f}%, the "
+      "gradient reduction {:.1f}%; its peak {} (stage {}) leaves {} free.",
+      Seconds(t.compute_s), Seconds(t.step_time_s), 100 * t.bubble_s / t.step_time_s,
+      100 * t.tp_comm_s / t.step_time_s, 100 * t.dp_comm_s / t.step_time_s,
+      run::FormatBytes(l.peak), l.peak_stage,
+      run::FormatBytes(static_cast<PlanBytes>(gpu.hbm_bytes) - l.peak));
+}
+
+// "peak 81 GiB on stage 0 (52 GiB of activations) is 1.0 GiB over".
+std::string WhyItMisses(const AdvisedLayout& l, const GpuSpec& gpu) {
+  return fmt::format("peak {} on stage {} ({} of activations) is {} over",
+                     run::FormatBytes(l.peak), l.peak_stage, run::FormatBytes(l.activations),
+                     run::FormatBytes(l.peak - static_cast<PlanBytes>(gpu.hbm_bytes)));
 }
 
 class AdviseCommand : public Command {
@@ -91,6 +110,7 @@ class AdviseCommand : public Command {
         "  mpusim advise sample_configs/gpt3_175b_t8_p16_n1024.json --global-batch-size 1536 \\\n"
         "      --gpu a100-80gb\n"
         "  mpusim advise CONFIG --world-size 64 --global-batch-size 512 --format json\n"
+        "  mpusim advise CONFIG --global-batch-size 512 --format html > advise.html\n"
         "Searches tp (up to the GPUs of a node), pp, vp, dp, the micro-batch size,\n"
         "recomputation, sequence parallelism and the distributed optimizer; the config gives\n"
         "the model, the dtype, the optimizer and gpus_per_node (its own layout is ignored).\n"
@@ -112,8 +132,9 @@ class AdviseCommand : public Command {
     app_->add_flag("--no-virtual-pipeline", no_vp_, "do not try the interleaved schedule");
     app_->add_option("--max-tp", max_tp_, "largest tensor-parallel size (default gpus_per_node)");
     app_->add_option("--top", top_, "layouts to show (default 10)")->check(CLI::Range(1, 1000));
-    app_->add_option("--format", format_, "text or json (default text)")
-        ->check(CLI::IsMember({"text", "json"}));
+    app_->add_option("--format", format_,
+                     "text, json or html (a self-contained page; default text)")
+        ->check(CLI::IsMember({"text", "json", "html"}));
   }
   CLI::App* app() override { return app_; }
 
@@ -205,7 +226,9 @@ class AdviseCommand : public Command {
     StatusOr<Advice> advice = Advise(config, *gpu, options);
     if (!advice.ok()) return ReportError(err, path_, advice.status().Message());
     if (format_ == "json") {
-      PrintJson(options, *gpu, *advice, out);
+      out << Json(options, *gpu, *advice).dump(1) << '\n';
+    } else if (format_ == "html") {
+      PrintHtml(options, *gpu, *advice, out);
     } else {
       PrintText(options, *gpu, *advice, out);
     }
@@ -236,39 +259,26 @@ class AdviseCommand : public Command {
             100 * l.time.dp_comm_s / step,
             run::FormatBytes(static_cast<PlanBytes>(gpu.hbm_bytes) - l.peak));
       }
-      const AdvisedLayout& best = a.fit.front();
-      out << fmt::format(
-          "Why #1 wins: {} of its {} step is compute; the bubble takes {:.1f}%, tp "
-          "collectives {:.1f}%, the gradient reduction {:.1f}%; its peak {} (stage {}) leaves "
-          "{} free.\n",
-          Seconds(best.time.compute_s), Seconds(best.time.step_time_s),
-          100 * best.time.bubble_s / best.time.step_time_s,
-          100 * best.time.tp_comm_s / best.time.step_time_s,
-          100 * best.time.dp_comm_s / best.time.step_time_s, run::FormatBytes(best.peak),
-          best.peak_stage, run::FormatBytes(static_cast<PlanBytes>(gpu.hbm_bytes) - best.peak));
+      out << "Why #1 wins: " << WhyItWins(a.fit.front(), gpu) << '\n';
     }
     if (!a.too_big.empty()) {
       out << "Closest that do not fit:\n";
       const size_t n = std::min<size_t>(a.too_big.size(), 3);
       for (size_t i = 0; i < n; ++i) {
         const AdvisedLayout& l = a.too_big[i];
-        out << fmt::format("  {}, {}: peak {} on stage {} ({} of activations) is {} over\n",
-                           LayoutName(l), FeaturesText(l), run::FormatBytes(l.peak), l.peak_stage,
-                           run::FormatBytes(l.activations),
-                           run::FormatBytes(l.peak - static_cast<PlanBytes>(gpu.hbm_bytes)));
+        out << fmt::format("  {}, {}: {}\n", LayoutName(l), FeaturesText(l), WhyItMisses(l, gpu));
       }
     }
     out << "Not searched: context parallelism, expert parallelism. Time model and memory "
            "count: `mpusim estimate` (README).\n";
   }
 
-  void PrintJson(const AdviseOptions& o, const GpuSpec& gpu, const Advice& a,
-                 std::ostream& out) const {
+  nlohmann::ordered_json Json(const AdviseOptions& o, const GpuSpec& gpu, const Advice& a) const {
     nlohmann::ordered_json doc;
     doc["world_size"] = o.world_size;
     doc["global_batch_size"] = o.global_batch_size;
     doc["gpu"] = gpu.name;
-    doc["hbm_bytes"] = Bytes(static_cast<PlanBytes>(gpu.hbm_bytes));
+    doc["hbm_bytes"] = JsonBytes(static_cast<PlanBytes>(gpu.hbm_bytes));
     doc["candidates"] = a.candidates;
     doc["fitting"] = a.fit.size();
     const auto entry = [&](const AdvisedLayout& l) {
@@ -292,7 +302,7 @@ class AdviseCommand : public Command {
       j["bubble_s"] = l.time.bubble_s;
       j["tp_comm_s"] = l.time.tp_comm_s;
       j["dp_comm_s"] = l.time.dp_comm_s;
-      j["peak_bytes"] = Bytes(l.peak);
+      j["peak_bytes"] = JsonBytes(l.peak);
       j["peak_stage"] = l.peak_stage;
       return j;
     };
@@ -306,14 +316,106 @@ class AdviseCommand : public Command {
     }
     doc["closest_not_fitting"] = misses;
     doc["not_searched"] = {"context_parallel_size", "expert_model_parallel_size"};
-    out << doc.dump(1) << '\n';
+    return doc;
+  }
+
+  // The page: the table of the text, a bar per layout of its step's parts and one of its
+  // peak memory against the GPU's, the closest misses, and Json() for scripts.
+  void PrintHtml(const AdviseOptions& o, const GpuSpec& gpu, const Advice& a,
+                 std::ostream& out) const {
+    const auto hbm = static_cast<PlanBytes>(gpu.hbm_bytes);
+    const std::string title =
+        fmt::format("mpusim advise: {} GPUs ({}, {} each), global batch {}", o.world_size,
+                    gpu.name, run::FormatBytes(hbm), o.global_batch_size);
+    out << "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>"
+        << HtmlEscape(title) << "</title>\n<style>\n"
+        << "body { font: 14px system-ui, sans-serif; margin: 16px; color: #222; }\n"
+        << "h1 { font-size: 18px; margin: 0 0 8px; }\n"
+        << kReportStyle << "</style>\n</head>\n<body>\n<h1>" << HtmlEscape(title) << "</h1>\n"
+        << fmt::format("<p>{} layouts evaluated of {}: {} fit, {} do not. Ranked by predicted "
+                       "step time, the fastest first.</p>\n",
+                       a.candidates, HtmlEscape(path_), a.fit.size(), a.too_big.size());
+    const size_t n = std::min(a.fit.size(), static_cast<size_t>(top_));
+    if (n == 0) out << "<p class=\"over\">No layout fits.</p>\n";
+    const auto label = [&](size_t i, const AdvisedLayout& l) {
+      return fmt::format("#{} {}", i + 1, LayoutName(l));
+    };
+    if (n > 0) {
+      out << "<table class=\"report\"><tr><th>#</th><th>layout</th><th>features</th>"
+             "<th>step</th><th>TFLOP/s</th><th>MFU</th><th>bubble</th><th>tp</th><th>dp</th>"
+             "<th>peak</th><th>headroom</th></tr>\n";
+      for (size_t i = 0; i < n; ++i) {
+        const AdvisedLayout& l = a.fit[i];
+        const double step = l.time.step_time_s;
+        out << fmt::format(
+            "<tr><td>{}</td><td class=\"name\">{}</td><td class=\"name\">{}</td><td>{}</td>"
+            "<td>{:.1f}</td><td>{:.1f}%</td><td>{:.1f}%</td><td>{:.1f}%</td><td>{:.1f}%</td>"
+            "<td>{}</td><td>{}</td></tr>\n",
+            i + 1, HtmlEscape(LayoutName(l)), HtmlEscape(FeaturesText(l)), Seconds(step),
+            l.time.model_tflops_per_gpu, 100 * l.time.mfu, 100 * l.time.bubble_s / step,
+            100 * l.time.tp_comm_s / step, 100 * l.time.dp_comm_s / step,
+            run::FormatBytes(l.peak), run::FormatBytes(hbm - l.peak));
+      }
+      out << "</table>\n<p>Why #1 wins: " << HtmlEscape(WhyItWins(a.fit.front(), gpu))
+          << "</p>\n<h2>where each step's time goes (the busiest stage's rank)</h2>\n";
+      const std::vector<std::string> names = {"compute", "tp collectives", "bubble",
+                                              "dp gradient reduction", "optimizer"};
+      std::vector<Bar> time_bars;
+      for (size_t i = 0; i < n; ++i) {
+        const TimeEstimate& t = a.fit[i].time;
+        Bar bar{label(i, a.fit[i]), {}};
+        const std::vector<double> parts = {t.compute_s, t.tp_comm_s, t.bubble_s, t.dp_comm_s,
+                                           t.optimizer_s};
+        for (size_t p = 0; p < parts.size(); ++p) {
+          bar.parts.push_back({parts[p], fmt::format("{} {}: {}", label(i, a.fit[i]), names[p],
+                                                     Seconds(parts[p]))});
+        }
+        time_bars.push_back(std::move(bar));
+      }
+      PrintBarsSvg(names, time_bars, 0, "", out);
+    }
+    // Memory: the peak stage of every layout shown, and of the closest misses.
+    std::vector<Bar> memory_bars;
+    const auto memory_bar = [&](const std::string& name, const AdvisedLayout& l) {
+      const PlanBytes rest = l.peak - l.activations;
+      return Bar{name,
+                 {{static_cast<double>(rest),
+                   fmt::format("{}: {} held, buffers included (stage {})", name,
+                               run::FormatBytes(rest), l.peak_stage)},
+                  {static_cast<double>(l.activations),
+                   fmt::format("{}: {} of activations", name, run::FormatBytes(l.activations))}}};
+    };
+    for (size_t i = 0; i < n; ++i) memory_bars.push_back(memory_bar(label(i, a.fit[i]), a.fit[i]));
+    const size_t misses = std::min<size_t>(a.too_big.size(), 3);
+    for (size_t i = 0; i < misses; ++i) {
+      memory_bars.push_back(memory_bar("miss: " + LayoutName(a.too_big[i]), a.too_big[i]));
+    }
+    if (!memory_bars.empty()) {
+      out << "<h2>peak memory (each layout's fullest stage)</h2>\n";
+      PrintBarsSvg({"held and buffers", "activations"}, memory_bars, static_cast<double>(hbm),
+                   fmt::format("{} of HBM", run::FormatBytes(hbm)), out);
+    }
+    if (misses > 0) {
+      out << "<h2>closest that do not fit</h2>\n<ul>\n";
+      for (size_t i = 0; i < misses; ++i) {
+        const AdvisedLayout& l = a.too_big[i];
+        out << "<li>" << HtmlEscape(LayoutName(l) + ", " + FeaturesText(l) + ": " +
+                                    WhyItMisses(l, gpu))
+            << "</li>\n";
+      }
+      out << "</ul>\n";
+    }
+    out << "<p class=\"note\">Not searched: context parallelism, expert parallelism. Time "
+           "model and memory count: <code>mpusim estimate</code> (README).</p>\n"
+        << "<script id=\"advice\" type=\"application/json\">"
+        << JsonForScript(Json(o, gpu, a).dump()) << "</script>\n</body>\n</html>\n";
   }
 
   CLI::App* app_ = nullptr;
   std::string path_;
   std::optional<int64_t> world_size_, global_batch_, seq_length_;
   int64_t max_tp_ = 0;
-  std::string gpu_ = "h100-80gb";
+  std::string gpu_ = kDefaultGpu;
   std::string micro_batches_, recompute_, sequence_parallel_, distributed_;
   bool no_vp_ = false;
   int top_ = 10;

@@ -5,12 +5,17 @@
 
 #include <nlohmann/json.hpp>
 #include <ostream>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "cli/cli.h"
 #include "cli/commands.h"
 #include "cli/config_options.h"
+#include "cli/estimate_report.h"
 #include "cli/layout_report.h"
+#include "core/estimate/time_estimate.h"
+#include "core/html.h"
 #include "core/topology.h"
 
 namespace mpusim::cli {
@@ -112,7 +117,26 @@ class LayoutCommand : public Command {
             pc.microbatch_group_size_per_vp_stage);
         if (built.ok()) schedule = std::move(built).value();
       }
-      PrintLayoutHtml(*topology, options, schedule ? &*schedule : nullptr, out);
+      // With a model, the page also shows `mpusim estimate`'s section: the memory of each
+      // stage and, with a run section, its peak and the step time on the default GPU.
+      std::string estimate;
+      if (layout->config.has_model()) {
+        Config config = layout->config;
+        const bool run_given = FillMissingRun(&config, *topology);
+        StatusOr<GpuSpec> gpu = ResolveGpuSpec(kDefaultGpu);
+        StatusOr<EstimateReport> report =
+            gpu.ok() ? MakeEstimateReport(config, *topology, *gpu, run_given, run_given)
+                     : StatusOr<EstimateReport>(gpu.status());
+        std::ostringstream section;
+        if (report.ok()) {
+          PrintEstimateHtmlSection(*report, *topology, section);
+        } else {
+          section << "<h2>memory and step time estimate</h2>\n<p class=\"note\">not estimated: "
+                  << HtmlEscape(report.status().Message()) << "</p>\n";
+        }
+        estimate = section.str();
+      }
+      PrintLayoutHtml(*topology, options, schedule ? &*schedule : nullptr, estimate, out);
     } else {
       PrintLayoutText(*topology, options, out);
     }

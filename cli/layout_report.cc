@@ -11,6 +11,7 @@
 #include <ostream>
 #include <sstream>
 
+#include "cli/estimate_report.h"
 #include "core/html.h"
 #include "core/pipeline/pipeline_plan.h"
 #include "core/schedule.h"
@@ -545,7 +546,8 @@ void PrintScheduleSvg(const PipelineSchedule& s, double kForward, double kBackwa
 }
 
 void PrintLayoutHtml(const Topology& topology, const LayoutReportOptions& options,
-                     const PipelineSchedule* schedule, std::ostream& out) {
+                     const PipelineSchedule* schedule, const std::string& estimate,
+                     std::ostream& out) {
   std::ostringstream layout_json;
   PrintLayoutJson(topology, options, layout_json);
   ordered_json data = ordered_json::parse(layout_json.str());  // kinds in Megatron's order
@@ -566,7 +568,7 @@ void PrintLayoutHtml(const Topology& topology, const LayoutReportOptions& option
   }
   out << "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
       << "<title>mpusim layout: " << HtmlEscape(options.source) << "</title>\n<style>" << kPageStyle
-      << "</style>\n</head>\n<body>\n"
+      << kReportStyle << "</style>\n</head>\n<body>\n"
       << fmt::format("<h1>mpusim layout of {}: {} ranks, tp {} pp {} cp {} dp {}</h1>\n",
                      HtmlEscape(options.source), topology.world_size(), topology.sizes().tp,
                      topology.sizes().pp, topology.sizes().cp, topology.sizes().dp)
@@ -587,6 +589,7 @@ void PrintLayoutHtml(const Topology& topology, const LayoutReportOptions& option
         schedule->num_microbatches);
     PrintScheduleSvg(*schedule, 1, 2, /*standalone=*/false, out);
   }
+  out << estimate;
   out << "<script id=\"layout\" type=\"application/json\">" << embedded << "</script>\n"
       << "<script>" << kPageScript << "</script>\n</body>\n</html>\n";
 }

@@ -46,9 +46,11 @@ void PrintLayoutPicture(const Topology& topology, std::ostream& out);
 // their GPUs; choosing a group kind colours its groups, clicking a GPU shows its coordinates
 // and every group it belongs to and outlines the ranks of its group of the chosen kind. The
 // node map's warnings are shown. The data is the JSON report plus every rank's coordinates.
-// With `schedule` (pp > 1), the page also shows the pipeline schedule's picture.
+// With `schedule` (pp > 1), the page also shows the pipeline schedule's picture, and then
+// `estimate` (HTML, cli/estimate_report.h's section; empty: none).
 void PrintLayoutHtml(const Topology& topology, const LayoutReportOptions& options,
-                     const PipelineSchedule* schedule, std::ostream& out);
+                     const PipelineSchedule* schedule, const std::string& estimate,
+                     std::ostream& out);
 
 // The schedule on an idealised machine (TimeSchedule with `forward` and `backward` time units)
 // as SVG: a row per pipeline rank, a box per step at its time, coloured by micro-batch,

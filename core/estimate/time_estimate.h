@@ -71,6 +71,8 @@ struct GpuSpec {
 // "a100-80gb", "h100-80gb", "h200".
 const std::vector<std::string>& GpuPresetNames();
 std::optional<GpuSpec> FindGpuPreset(std::string_view name);
+// The GPU the commands assume when none is named.
+inline constexpr const char* kDefaultGpu = "h100-80gb";
 // A GPU description file: {"name": ..., "peak_tflops_16bit": ..., ...} (README lists the
 // keys; a missing key takes the value of the preset named by "base", default h100-80gb).
 // Errors name "<where>.<key>" and what is allowed.

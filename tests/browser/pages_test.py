@@ -13,8 +13,10 @@ What it checks, on pages written by `mpusim layout CONFIG --format html`:
   - the 1024-rank GPT-3 page loads and answers a click (its times are printed).
 It checks that the layout page of a pipeline config draws its schedule, and that the timeline
 page of `mpusim run --trace FILE.html` draws a slice per trace event with a row per rank and
-zooms. It writes screenshots for the docs into OUT_DIR: the layout page, the schedule SVGs of
-1F1B and of the interleaved schedule, and the timeline page.
+zooms, and that the estimate page draws each stage's bar as long against the GPU's memory as
+its peak is. It writes screenshots for the docs into OUT_DIR: the layout page, the schedule
+SVGs of 1F1B and of the interleaved schedule, the timeline page, and the estimate and advise
+pages.
 
 Usage: pages_test.py MPUSIM MPIEXEC CHROMIUM CHROMEDRIVER SAMPLE_CONFIG_DIR OUT_DIR
 """
@@ -213,7 +215,46 @@ if not wider > 3 * width - 600:
     fail(f"trace page: zoom 4x draws {wider} px wide, 1x {width} px")
 print(f"ok: trace page: {drawn} slices drawn for {len(complete)} events, rows {rows[0]} ... "
       f"{rows[-1]}, {' '.join(shares)}; zoom 4x: {width:.0f} -> {wider:.0f} px")
-shots = ("layout_page.png", "schedule_1f1b.png", "schedule_interleaved.png", "trace_page.png")
+
+# The estimate's page (`mpusim estimate --format html`): each stage's bar, as the browser lays
+# it out, is as long against the GPU-memory line as the stage's peak is against the GPU's
+# memory in the JSON the page embeds.
+estimate_args = [str(gpt3), "--global-batch-size", "1536", "--gpu", "a100-80gb"]
+estimate_page = work / "estimate.html"
+estimate_page.write_text(mpusim_output("estimate", *estimate_args, "--format", "html"))
+report = json.loads(mpusim_output("estimate", *estimate_args, "--format", "json"))
+driver.set_window_size(1000, 900)
+driver.get(estimate_page.as_uri())
+memory_svg = driver.find_elements(By.TAG_NAME, "svg")[0]
+line = memory_svg.find_element(By.TAG_NAME, "line").rect
+rows = {}
+for rect in memory_svg.find_elements(By.TAG_NAME, "rect"):
+    box = rect.rect
+    rows.setdefault(round(box["y"]), []).append(box)
+starts = {min(b["x"] for b in boxes) for boxes in rows.values()}
+if len(rows) != len(report["stages"]) or len(starts) != 1:
+    fail(f"estimate page: {len(rows)} bars starting at {starts} for {len(report['stages'])} stages")
+else:
+    start = starts.pop()
+    worst = 0.0
+    for (y, boxes), stage in zip(sorted(rows.items()), report["stages"]):
+        drawn = sum(b["width"] for b in boxes) / (line["x"] + line["width"] / 2 - start)
+        wanted = stage["memory"]["peak"] / report["hbm_bytes"]
+        worst = max(worst, abs(drawn - wanted))
+    if worst > 0.005:
+        fail(f"estimate page: a bar's length against the memory line is {worst:.4f} off its peak")
+    else:
+        print(f"ok: estimate page: {len(rows)} stage bars drawn as long as their peaks against "
+              f"the GPU's memory (largest difference {worst:.4f} of it)")
+driver.save_screenshot(str(out / "estimate_page.png"))
+advise_page = work / "advise.html"
+advise_page.write_text(mpusim_output("advise", str(gpt3), "--global-batch-size", "1536", "--gpu",
+                                     "a100-80gb", "--top", "6", "--format", "html"))
+driver.set_window_size(1100, 800)
+driver.get(advise_page.as_uri())
+driver.save_screenshot(str(out / "advise_page.png"))
+shots = ("layout_page.png", "schedule_1f1b.png", "schedule_interleaved.png", "trace_page.png",
+         "estimate_page.png", "advise_page.png")
 for shot in shots:
     if (out / shot).stat().st_size == 0:
         fail(f"empty screenshot {shot}")

@@ -423,18 +423,54 @@ TEST(SampleConfigs, EveryOneLoadsAndPlans) {
 // The layout page: one self-contained HTML file (nothing fetched: no URL, no src or href
 // attribute) whose embedded data is the JSON report's groups plus every rank's coordinates;
 // the GPT-3 layout of 1024 ranks stays small.
+// The JSON a page embeds in <script id="ID" type="application/json">; null when absent.
+json EmbeddedJson(const std::string& page, const std::string& id) {
+  const std::string open = "<script id=\"" + id + "\" type=\"application/json\">";
+  const size_t begin = page.find(open);
+  if (begin == std::string::npos) return nullptr;
+  const size_t end = page.find("</script>", begin);
+  return json::parse(page.substr(begin + open.size(), end - begin - open.size()));
+}
+
+// A page fetches nothing: no links, sources or imports.
+void ExpectSelfContained(const std::string& page) {
+  EXPECT_EQ(page.rfind("<!DOCTYPE html>", 0), 0u);
+  for (const char* outside : {"http:", "https:", "src=", "href=", "@import", "url("}) {
+    EXPECT_EQ(page.find(outside), std::string::npos) << outside;
+  }
+}
+
+// Runs `args` with --format html and with --format json; the page must be self-contained and
+// embed exactly the JSON report as <script id="ID">. Returns the report (null on a failure)
+// and the page in `page`.
+json PageEmbedsItsJson(const std::vector<std::string>& args, const std::string& id,
+                       Result* page) {
+  std::vector<std::string> html_args = args, json_args = args;
+  html_args.insert(html_args.end(), {"--format", "html"});
+  json_args.insert(json_args.end(), {"--format", "json"});
+  *page = Mpusim(html_args);
+  const Result report = Mpusim(json_args);
+  EXPECT_EQ(page->code, 0) << page->err;
+  EXPECT_EQ(report.code, 0) << report.err;
+  if (page->code != 0 || report.code != 0) return nullptr;
+  ExpectSelfContained(page->out);
+  const json expected = json::parse(report.out);
+  EXPECT_EQ(EmbeddedJson(page->out, id), expected);
+  return expected;
+}
+
+size_t Count(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
 TEST(LayoutPage, SelfContainedWithTheReportsGroups) {
   const Result page = Mpusim({"layout", Sample("lab_t2_p4_n16.json"), "--format", "html"});
   ASSERT_EQ(page.code, 0) << page.err;
-  EXPECT_EQ(page.out.rfind("<!DOCTYPE html>", 0), 0u);
-  for (const char* outside : {"http:", "https:", "src=", "href=", "@import", "url("}) {
-    EXPECT_EQ(page.out.find(outside), std::string::npos) << outside;
-  }
-  const std::string open = "<script id=\"layout\" type=\"application/json\">";
-  const size_t begin = page.out.find(open);
-  ASSERT_NE(begin, std::string::npos);
-  const size_t end = page.out.find("</script>", begin);
-  const json data = json::parse(page.out.substr(begin + open.size(), end - begin - open.size()));
+  ExpectSelfContained(page.out);
+  const json data = EmbeddedJson(page.out, "layout");
+  ASSERT_TRUE(data.is_object());
   const Result report = Mpusim({"layout", Sample("lab_t2_p4_n16.json"), "--format", "json"});
   ASSERT_EQ(report.code, 0);
   EXPECT_EQ(data["groups"], json::parse(report.out)["groups"]);
@@ -1002,6 +1038,86 @@ TEST(AdviseCommand, RanksFittingLayoutsAsEstimateJudgesThem) {
   ASSERT_EQ(text.code, 0) << text.err;
   EXPECT_NE(text.out.find("Why #1 wins: "), std::string::npos) << text.out;
   EXPECT_NE(text.out.find("Closest that do not fit:\n"), std::string::npos) << text.out;
+}
+
+// The estimate's page: what --format json says, embedded for scripts, drawn as a bar and a
+// table row per stage against the GPU's memory, with the step time's parts and the
+// communication table; the layout page of a config with a model holds the same section.
+TEST(EstimateCommand, HtmlPageDrawsTheJsonReport) {
+  const std::vector<std::string> args = {"estimate", Sample("gpt3_175b_t8_p16_n1024.json"),
+                                         "--global-batch-size", "1536", "--gpu", "a100-80gb"};
+  Result page;
+  const json expected = PageEmbedsItsJson(args, "estimate", &page);
+  ASSERT_TRUE(expected.is_object());
+  // A labelled bar and a table row per stage, each row ending in whether its peak fits.
+  for (int64_t stage = 0; stage < 16; ++stage) {
+    EXPECT_NE(page.out.find(fmt::format(">stage {} (rank {})</text>", stage, 64 * stage)),
+              std::string::npos)
+        << stage;
+  }
+  EXPECT_EQ(Count(page.out, "free</td></tr>"), 16u);
+  EXPECT_NE(page.out.find("<title>80.0 GiB of HBM</title>"), std::string::npos);
+  EXPECT_NE(page.out.find(fmt::format("MFU {:.1f}%</h3>", 100 * expected.at("mfu").get<double>())),
+            std::string::npos);
+  EXPECT_EQ(Count(page.out, "<td class=\"name\">"), expected.at("communication").size());
+  // Micro-batches of 2 without recomputation do not fit: the rows say by how much, in red.
+  std::vector<std::string> over_args = args;
+  over_args.insert(over_args.end(), {"--micro-batch-size", "2", "--format", "html"});
+  const Result over = Mpusim(over_args);
+  ASSERT_EQ(over.code, 0) << over.err;
+  EXPECT_NE(over.out.find("<td class=\"over\">no, "), std::string::npos);
+  // A model far smaller than the GPU: the memory is named, not drawn, with the bars' share.
+  const Result layout =
+      Mpusim({"layout", Sample("gpt_train_adam_p2_t2_n4.json"), "--format", "html"});
+  ASSERT_EQ(layout.code, 0) << layout.err;
+  ExpectSelfContained(layout.out);
+  const Result small =
+      Mpusim({"estimate", Sample("gpt_train_adam_p2_t2_n4.json"), "--format", "json"});
+  ASSERT_EQ(small.code, 0) << small.err;
+  EXPECT_EQ(EmbeddedJson(layout.out, "estimate"), json::parse(small.out));
+  EXPECT_NE(layout.out.find("80.0 GiB of HBM (off the scale: the largest bar is "),
+            std::string::npos);
+  // What the estimate cannot count is said on the page; a config without a model has no
+  // estimate section.
+  const Result moe =
+      Mpusim({"layout", Sample("gpt_moe_ep2_t2_sp_dp2_n4.json"), "--format", "html"});
+  ASSERT_EQ(moe.code, 0) << moe.err;
+  EXPECT_NE(moe.out.find("step time: not estimated: model.num_moe_experts: "), std::string::npos);
+  const Result groups = Mpusim({"layout", Sample("lab_t2_p4_n16.json"), "--format", "html"});
+  ASSERT_EQ(groups.code, 0) << groups.err;
+  EXPECT_TRUE(EmbeddedJson(groups.out, "estimate").is_null());
+}
+
+// The advice page: the JSON report embedded, a table row, a time bar and a memory bar per
+// layout shown, and the closest misses with their excess.
+TEST(AdviseCommand, HtmlPageDrawsTheJsonReport) {
+  const std::vector<std::string> args = {
+      "advise", Sample("gpt3_175b_t8_p16_n1024.json"), "--global-batch-size", "1536", "--gpu",
+      "a100-80gb", "--top", "4"};
+  Result page;
+  const json expected = PageEmbedsItsJson(args, "advice", &page);
+  ASSERT_TRUE(expected.is_object());
+  ASSERT_EQ(expected.at("layouts").size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    const json& l = expected.at("layouts")[i];
+    std::string name = fmt::format("tp {} pp {}", l.at("tensor_model_parallel_size").get<int64_t>(),
+                                   l.at("pipeline_model_parallel_size").get<int64_t>());
+    if (!l.at("virtual_pipeline_model_parallel_size").is_null()) {
+      name += fmt::format(" vp {}", l.at("virtual_pipeline_model_parallel_size").get<int64_t>());
+    }
+    name += fmt::format(" dp {} mbs {}", l.at("data_parallel_size").get<int64_t>(),
+                        l.at("micro_batch_size").get<int64_t>());
+    EXPECT_NE(page.out.find(fmt::format("<tr><td>{}</td><td class=\"name\">{}</td>", i + 1, name)),
+              std::string::npos)
+        << name;
+    // Its time bar and its memory bar.
+    EXPECT_EQ(Count(page.out, fmt::format(">#{} {}</text>", i + 1, name)), 2u) << name;
+  }
+  const size_t misses = expected.at("closest_not_fitting").size();
+  EXPECT_EQ(misses, 3u);
+  EXPECT_EQ(Count(page.out, "<li>"), misses);
+  EXPECT_EQ(Count(page.out, " over</li>"), misses);
+  EXPECT_NE(page.out.find("<p>Why #1 wins: "), std::string::npos);
 }
 
 TEST(AdviseCommand, Refusals) {

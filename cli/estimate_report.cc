@@ -1,0 +1,497 @@
+// The estimate's report (see estimate_report.h).
+#include "cli/estimate_report.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <array>
+
+#include "core/html.h"
+#include "run/preflight.h"
+
+namespace mpusim::cli {
+namespace {
+
+// The estimate with the optimizer the other way (plain <-> distributed), for the comparison.
+Config WithDistributedOptimizer(Config config, bool distributed) {
+  config.optimizer->use_distributed_optimizer = distributed;
+  return config;
+}
+
+PlanBytes StagePeak(const EstimateReport& r, size_t i) {
+  const StageActivations& a = (*r.activations)[i];
+  return SaturatingAdd(r.stages[i].held.total(), SaturatingAdd(a.activations, a.buffers));
+}
+
+std::string FitsText(PlanBytes peak, PlanBytes hbm) {
+  return peak <= hbm ? fmt::format("yes, {} free", run::FormatBytes(hbm - peak))
+                     : fmt::format("no, {} over", run::FormatBytes(peak - hbm));
+}
+
+const char* RecomputeText(RunConfig::Recompute r) {
+  return r == RunConfig::Recompute::kFull        ? "full"
+         : r == RunConfig::Recompute::kSelective ? "selective"
+                                                 : "none";
+}
+
+std::string OptimizerText(const Config& config, const Topology& topology) {
+  if (!config.optimizer) return "no optimizer section: main_grad only, no optimizer state";
+  const bool adam = config.optimizer->kind == OptimizerConfig::Kind::kAdam;
+  const int64_t instances = topology.sizes().num_distributed_optimizer_instances;
+  return fmt::format(
+      "main_grad and {} ({}) in {}, {}", adam ? "Adam" : "SGD",
+      adam ? "master weights, exp_avg, exp_avg_sq" : "master weights, momentum",
+      DTypeName(ComputeDType(config.run->dtype)),
+      config.optimizer->use_distributed_optimizer
+          ? fmt::format("distributed optimizer ({} instance{})", instances,
+                        instances == 1 ? "" : "s")
+          : std::string("plain optimizer (every dp rank keeps all of it)"));
+}
+
+void PrintPeakText(const EstimateReport& r, std::ostream& out) {
+  const auto hbm = static_cast<PlanBytes>(r.gpu.hbm_bytes);
+  out << fmt::format("At the schedule's peak, by each stage's busiest rank, on {} ({}): "
+                     "Megatron's activations as Korthikanti et al. 2022 count them\n",
+                     r.gpu.name, run::FormatBytes(hbm));
+  out << fmt::format("  {:>5}  {:>7}  {:>12}  {:>12}  {:>12}  {}\n", "stage", "stashes",
+                     "activations", "buffers", "peak", "| fits");
+  for (size_t i = 0; i < r.stages.size(); ++i) {
+    const StageActivations& a = (*r.activations)[i];
+    const PlanBytes peak = StagePeak(r, i);
+    out << fmt::format("  {:>5}  {:>7}  {:>12}  {:>12}  {:>12}  | {}\n", a.stage, a.peak_stashes,
+                       run::FormatBytes(a.activations), run::FormatBytes(a.buffers),
+                       run::FormatBytes(peak), FitsText(peak, hbm));
+  }
+}
+
+void PrintTimeText(const Config& config, const Topology& topology, const TimeEstimate& t,
+                   std::ostream& out) {
+  const RunConfig& run = *config.run;
+  out << fmt::format(
+      "Step time on {}: global batch {} ({} micro-batches of {} x dp {}), sequence {}, "
+      "recompute {}\n",
+      t.gpu.name, t.global_batch_size, t.num_microbatches, run.micro_batch_size,
+      topology.sizes().dp, run.seq_length, RecomputeText(run.recompute));
+  const double pipeline = t.compute_s + t.tp_comm_s + t.bubble_s;
+  out << fmt::format("  step time   {:>10}  = pipeline {} + dp {} + optimizer {}\n",
+                     SecondsText(t.step_time_s), SecondsText(pipeline), SecondsText(t.dp_comm_s),
+                     SecondsText(t.optimizer_s));
+  out << fmt::format("  pipeline    {:>10}  = compute {} + tp {} + bubble {} (busiest stage)\n",
+                     SecondsText(pipeline), SecondsText(t.compute_s), SecondsText(t.tp_comm_s),
+                     SecondsText(t.bubble_s));
+  out << fmt::format("  throughput  {:>10.1f}  model TFLOP/s per GPU, MFU {:.1f}% (model FLOPs "
+                     "{:.3g} per iteration, as Megatron counts them)\n",
+                     t.model_tflops_per_gpu, 100 * t.mfu, t.model_flops);
+  out << "  per micro-batch:";
+  for (const StageTime& s : t.stages) {
+    if (t.stages.size() > 4 && s.stage == 2) {
+      out << " ...";
+      continue;
+    }
+    if (t.stages.size() > 4 && s.stage > 2 && s.stage + 1 < static_cast<int64_t>(t.stages.size())) {
+      continue;
+    }
+    out << fmt::format(" stage {} F {} B {};", s.stage, SecondsText(s.forward_s),
+                       SecondsText(s.backward_s));
+  }
+  out << '\n';
+  out << "  communication per iteration (busiest stage's rank):\n";
+  for (const CommTime& c : t.communication) {
+    out << fmt::format("    {:<3} {:<28} {:>7} x  {:>10} sent  {:>10}  {}\n", c.kind, c.operation,
+                       c.count, run::FormatBytes(static_cast<PlanBytes>(c.bytes)),
+                       SecondsText(c.seconds), c.inter_node ? "across nodes" : "in a node");
+  }
+  out << fmt::format(
+      "  model: GEMMs at {:.0f}% of peak, memory-bound kernels at {:.0f}% of HBM bandwidth, "
+      "collectives at {:.0f}% of link bandwidth; no overlap of communication with compute\n",
+      100 * t.gpu.gemm_efficiency, 100 * t.gpu.memory_efficiency,
+      100 * t.gpu.collective_efficiency);
+}
+
+// The palette of the bars' parts, in turn.
+constexpr std::array<const char*, 6> kColours = {"#4e79a7", "#f28e2b", "#76b7b2",
+                                                 "#e15759", "#59a14f", "#b07aa1"};
+
+std::string Td(const std::string& text) { return "<td>" + HtmlEscape(text) + "</td>"; }
+
+}  // namespace
+
+const char* const kReportStyle = R"CSS(
+table.report { border-collapse: collapse; margin: 6px 0 12px; font: 12px monospace; }
+table.report th, table.report td { border: 1px solid #ccc; padding: 2px 8px; text-align: right;
+                                   white-space: nowrap; }
+table.report th { background: #f0f0f0; }
+table.report td.name { text-align: left; }
+.over { color: #c00; font-weight: bold; }
+.legend span { display: inline-block; margin-right: 12px; font-size: 12px; }
+.legend i { display: inline-block; width: 10px; height: 10px; margin-right: 4px; }
+.note { color: #555; font-size: 12px; }
+)CSS";
+
+std::string LayoutText(const DerivedSizes& s) {
+  std::vector<std::string> parts;
+  const auto add = [&](const char* name, int64_t size) {
+    if (size > 1) parts.push_back(fmt::format("{} {}", name, size));
+  };
+  add("tp", s.tp);
+  add("pp", s.pp);
+  if (s.vp) add("vp", *s.vp);
+  add("cp", s.cp);
+  add("dp", s.dp);
+  add("ep", s.ep);
+  if (s.etp != s.tp) parts.push_back(fmt::format("etp {}", s.etp));
+  return parts.empty() ? "one rank" : fmt::format("{}", fmt::join(parts, " · "));
+}
+
+std::string SecondsText(double s) {
+  if (s >= 1) return fmt::format("{:.3g} s", s);
+  if (s >= 1e-3) return fmt::format("{:.3g} ms", s * 1e3);
+  return fmt::format("{:.3g} us", s * 1e6);
+}
+
+nlohmann::ordered_json JsonBytes(PlanBytes bytes) {
+  if (bytes < (PlanBytes{1} << 64)) return static_cast<uint64_t>(bytes);
+  return static_cast<double>(bytes);
+}
+
+StatusOr<EstimateReport> MakeEstimateReport(Config config, const Topology& topology,
+                                            const GpuSpec& gpu, bool run_given, bool time_asked) {
+  EstimateReport r;
+  r.run_given = run_given;
+  r.gpu = gpu;
+  r.time_missing =
+      "the config has no run section: give --global-batch-size (and --micro-batch-size, "
+      "--seq-length, --recompute)";
+  r.activations_missing = "the config has no run section";
+  if (time_asked) {
+    StatusOr<std::vector<StageActivations>> a = EstimateStageActivations(config, topology);
+    if (a.ok()) {
+      r.activations = *a;
+    } else {
+      r.activations_missing = a.status().Message();
+    }
+    StatusOr<TimeEstimate> t = EstimateStepTime(config, topology, gpu);
+    if (t.ok()) {
+      r.time = *t;
+    } else {
+      r.time_missing = t.status().Message();
+    }
+  }
+  StatusOr<std::vector<StageHeldMemory>> stages = EstimateStageHeldMemory(config, topology);
+  if (!stages.ok()) return stages.status();
+  r.stages = *stages;
+  if (config.optimizer) {
+    StatusOr<std::vector<StageHeldMemory>> other = EstimateStageHeldMemory(
+        WithDistributedOptimizer(config, !config.optimizer->use_distributed_optimizer),
+        topology);
+    if (!other.ok()) return other.status();
+    for (const StageHeldMemory& s : *other) r.other_optimizer.push_back(s.held.optimizer);
+  }
+  r.config = std::move(config);
+  return r;
+}
+
+void PrintEstimateText(const EstimateReport& r, const Topology& topology, std::ostream& out) {
+  const Config& config = r.config;
+  out << fmt::format("Memory estimate: {} ranks ({}), parameters in {}{}\n",
+                     topology.world_size(), LayoutText(topology.sizes()),
+                     DTypeName(config.run->dtype), r.run_given ? "" : " (no run section)");
+  out << OptimizerText(config, topology) << '\n';
+  out << "Held before the first step, by each pipeline stage's busiest rank:\n";
+  const bool compare = !r.other_optimizer.empty();
+  const std::string other_name = config.optimizer && config.optimizer->use_distributed_optimizer
+                                     ? "plain optimizer"
+                                     : "distributed optimizer";
+  out << fmt::format("  {:>5}  {:>5}  {:>12}  {:>12}  {:>12}  {:>12}", "stage", "rank",
+                     "parameters", "gradients", "optimizer", "held");
+  if (compare) out << fmt::format("  | {} held", other_name);
+  out << '\n';
+  for (size_t i = 0; i < r.stages.size(); ++i) {
+    const StageHeldMemory& s = r.stages[i];
+    out << fmt::format("  {:>5}  {:>5}  {:>12}  {:>12}  {:>12}  {:>12}", s.stage, s.rank,
+                       run::FormatBytes(s.held.parameters), run::FormatBytes(s.held.gradients),
+                       run::FormatBytes(s.held.optimizer), run::FormatBytes(s.held.total()));
+    if (compare) {
+      const PlanBytes other_total =
+          SaturatingAdd(SaturatingAdd(s.held.parameters, s.held.gradients), r.other_optimizer[i]);
+      out << fmt::format("  | {} (optimizer {})", run::FormatBytes(other_total),
+                         run::FormatBytes(r.other_optimizer[i]));
+    }
+    out << '\n';
+  }
+  out << "Not counted: what a GPU run adds (cuBLAS workspaces, NCCL's own buffers, the "
+         "caching allocator's slack).\n";
+  if (r.activations) {
+    PrintPeakText(r, out);
+  } else {
+    out << "Activations: not estimated: " << r.activations_missing << '\n';
+  }
+  if (r.time) {
+    PrintTimeText(config, topology, *r.time, out);
+  } else {
+    out << "Step time: not estimated: " << r.time_missing << '\n';
+  }
+}
+
+nlohmann::ordered_json EstimateJson(const EstimateReport& r, const Topology& topology) {
+  const Config& config = r.config;
+  const std::optional<TimeEstimate>& time = r.time;
+  nlohmann::ordered_json doc;
+  doc["world_size"] = topology.world_size();
+  doc["dtype"] = std::string(DTypeName(config.run->dtype));
+  doc["main_grad_dtype"] = std::string(DTypeName(ComputeDType(config.run->dtype)));
+  const bool distributed = config.optimizer && config.optimizer->use_distributed_optimizer;
+  doc["optimizer"] = !config.optimizer ? nlohmann::ordered_json(nullptr)
+                     : config.optimizer->kind == OptimizerConfig::Kind::kAdam
+                         ? nlohmann::ordered_json("adam")
+                         : nlohmann::ordered_json("sgd");
+  doc["use_distributed_optimizer"] = distributed;
+  const auto number = [&](double v) {
+    return time ? nlohmann::ordered_json(v) : nlohmann::ordered_json(nullptr);
+  };
+  doc["step_time_s"] = number(time ? time->step_time_s : 0);
+  doc["model_tflops_per_gpu"] = number(time ? time->model_tflops_per_gpu : 0);
+  doc["mfu"] = number(time ? time->mfu : 0);
+  if (time) {
+    const TimeEstimate& t = *time;
+    doc["gpu"] = {{"name", t.gpu.name},
+                  {"peak_tflops_16bit", t.gpu.peak_flops_16bit / 1e12},
+                  {"gemm_efficiency", t.gpu.gemm_efficiency},
+                  {"memory_efficiency", t.gpu.memory_efficiency},
+                  {"collective_efficiency", t.gpu.collective_efficiency}};
+    doc["global_batch_size"] = t.global_batch_size;
+    doc["num_microbatches"] = t.num_microbatches;
+    doc["time"] = {{"compute_s", t.compute_s},
+                   {"tp_comm_s", t.tp_comm_s},
+                   {"bubble_s", t.bubble_s},
+                   {"dp_comm_s", t.dp_comm_s},
+                   {"optimizer_s", t.optimizer_s}};
+    doc["model_flops_per_iteration"] = t.model_flops;
+    doc["flops_per_rank"] = t.flops_per_rank;
+    nlohmann::ordered_json comm = nlohmann::ordered_json::array();
+    for (const CommTime& c : t.communication) {
+      comm.push_back({{"kind", c.kind},
+                      {"operation", c.operation},
+                      {"count", c.count},
+                      {"bytes", c.bytes},
+                      {"seconds", c.seconds},
+                      {"inter_node", c.inter_node}});
+    }
+    doc["communication"] = comm;
+  } else {
+    doc["step_time_not_estimated"] = r.time_missing;
+  }
+  doc["hbm_bytes"] = JsonBytes(static_cast<PlanBytes>(r.gpu.hbm_bytes));
+  if (!r.activations) doc["activations_not_estimated"] = r.activations_missing;
+  nlohmann::ordered_json list = nlohmann::ordered_json::array();
+  for (size_t i = 0; i < r.stages.size(); ++i) {
+    const StageHeldMemory& s = r.stages[i];
+    nlohmann::ordered_json stage;
+    stage["stage"] = s.stage;
+    stage["rank"] = s.rank;
+    stage["memory"] = {{"parameters", JsonBytes(s.held.parameters)},
+                       {"gradients", JsonBytes(s.held.gradients)},
+                       {"optimizer", JsonBytes(s.held.optimizer)},
+                       {"held", JsonBytes(s.held.total())}};
+    if (r.activations) {
+      const StageActivations& a = (*r.activations)[i];
+      stage["memory"]["activations"] = JsonBytes(a.activations);
+      stage["memory"]["buffers"] = JsonBytes(a.buffers);
+      stage["memory"]["peak"] = JsonBytes(StagePeak(r, i));
+      stage["peak_stashes"] = a.peak_stashes;
+    } else {
+      stage["memory"]["activations"] = nullptr;
+      stage["memory"]["buffers"] = nullptr;
+      stage["memory"]["peak"] = nullptr;
+    }
+    stage["parameter_elements"] = JsonBytes(s.held.parameter_elements);
+    if (time) {
+      const StageTime& st = time->stages[i];
+      stage["time"] = {
+          {"forward_s", st.forward_s}, {"backward_s", st.backward_s}, {"flops", st.flops}};
+    }
+    if (!r.other_optimizer.empty()) {
+      stage[distributed ? "optimizer_if_plain" : "optimizer_if_distributed"] =
+          JsonBytes(r.other_optimizer[i]);
+    }
+    list.push_back(stage);
+  }
+  doc["stages"] = list;
+  doc["not_counted"] = {"cublas_workspaces", "nccl_buffers", "allocator_slack"};
+  return doc;
+}
+
+void PrintBarsSvg(const std::vector<std::string>& names, const std::vector<Bar>& bars,
+                  double limit, const std::string& limit_name, std::ostream& out) {
+  out << "<div class=\"legend\">";
+  for (size_t i = 0; i < names.size(); ++i) {
+    out << fmt::format("<span><i style=\"background:{}\"></i>{}</span>",
+                       kColours[i % kColours.size()], HtmlEscape(names[i]));
+  }
+  double largest = 0;
+  for (const Bar& bar : bars) {
+    double total = 0;
+    for (const BarPart& p : bar.parts) total += p.value;
+    largest = std::max(largest, total);
+  }
+  // A limit far beyond the bars would squeeze them to nothing: it is then named, not drawn.
+  const bool draw_limit = limit > 0 && limit <= 2 * largest;
+  if (draw_limit) {
+    out << fmt::format("<span><i style=\"background:#c00\"></i>{}</span>", HtmlEscape(limit_name));
+  } else if (limit > 0) {
+    out << fmt::format("<span>{} (off the scale: the largest bar is {:.2g}% of it)</span>",
+                       HtmlEscape(limit_name), 100 * largest / limit);
+  }
+  out << "</div>\n";
+  const double scale = std::max(draw_limit ? limit : 0, largest);
+  // Labels in 11 px monospace take about 7 px a character.
+  size_t label_chars = 20;
+  for (const Bar& bar : bars) label_chars = std::max(label_chars, bar.label.size());
+  const double kLabel = 7 * static_cast<double>(label_chars) + 10;
+  constexpr double kWidth = 600, kRow = 22;
+  const double height = kRow * static_cast<double>(bars.size()) + 6;
+  out << fmt::format("<svg viewBox=\"0 0 {} {}\" width=\"{}\" height=\"{}\" "
+                     "font-family=\"monospace\" font-size=\"11\">\n",
+                     kLabel + kWidth + 10, height, kLabel + kWidth + 10, height);
+  for (size_t row = 0; row < bars.size(); ++row) {
+    const Bar& bar = bars[row];
+    const double y = kRow * static_cast<double>(row) + 3;
+    out << fmt::format("<text x=\"0\" y=\"{}\">{}</text>\n", y + 14, HtmlEscape(bar.label));
+    double x = kLabel;
+    for (size_t i = 0; i < bar.parts.size(); ++i) {
+      const double w = scale > 0 ? kWidth * bar.parts[i].value / scale : 0;
+      if (w > 0) {
+        out << fmt::format("<rect x=\"{:.2f}\" y=\"{}\" width=\"{:.2f}\" height=\"{}\" "
+                           "fill=\"{}\"><title>{}</title></rect>\n",
+                           x, y, w, kRow - 6, kColours[i % kColours.size()],
+                           HtmlEscape(bar.parts[i].tooltip));
+      }
+      x += w;
+    }
+  }
+  if (draw_limit) {
+    const double x = kLabel + kWidth * limit / scale;
+    out << fmt::format("<line x1=\"{:.2f}\" y1=\"0\" x2=\"{:.2f}\" y2=\"{}\" stroke=\"#c00\" "
+                       "stroke-width=\"2\"><title>{}</title></line>\n",
+                       x, x, height, HtmlEscape(limit_name));
+  }
+  out << "</svg>\n";
+}
+
+void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
+                              std::ostream& out) {
+  const Config& config = r.config;
+  const auto hbm = static_cast<PlanBytes>(r.gpu.hbm_bytes);
+  out << fmt::format("<h2>memory and step time estimate on {} (mpusim estimate)</h2>\n",
+                     HtmlEscape(r.gpu.name));
+  out << fmt::format("<p>{} ranks ({}), parameters in {}{}; {}.</p>\n", topology.world_size(),
+                     HtmlEscape(LayoutText(topology.sizes())), DTypeName(config.run->dtype),
+                     r.run_given ? "" : " (no run section)",
+                     HtmlEscape(OptimizerText(config, topology)));
+  // Memory: a bar per stage, what its busiest rank holds at the peak.
+  const std::vector<std::string> memory_names = {"parameters", "gradients", "optimizer",
+                                                 "activations", "buffers"};
+  std::vector<Bar> bars;
+  for (size_t i = 0; i < r.stages.size(); ++i) {
+    const HeldMemory& h = r.stages[i].held;
+    std::vector<PlanBytes> parts = {h.parameters, h.gradients, h.optimizer};
+    if (r.activations) {
+      parts.push_back((*r.activations)[i].activations);
+      parts.push_back((*r.activations)[i].buffers);
+    }
+    Bar bar{fmt::format("stage {} (rank {})", r.stages[i].stage, r.stages[i].rank), {}};
+    for (size_t p = 0; p < parts.size(); ++p) {
+      bar.parts.push_back({static_cast<double>(parts[p]),
+                           fmt::format("stage {} {}: {}", r.stages[i].stage, memory_names[p],
+                                       run::FormatBytes(parts[p]))});
+    }
+    bars.push_back(std::move(bar));
+  }
+  out << (r.activations ? "<h3>memory at the schedule's peak, by each stage's busiest rank</h3>\n"
+                        : "<h3>memory held before the first step, by each stage's busiest "
+                          "rank</h3>\n");
+  PrintBarsSvg(memory_names, bars, static_cast<double>(hbm),
+               fmt::format("{} of HBM", run::FormatBytes(hbm)), out);
+  out << "<table class=\"report\"><tr><th>stage</th><th>rank</th><th>parameters</th>"
+         "<th>gradients</th><th>optimizer</th><th>held</th>";
+  if (r.activations) out << "<th>stashes</th><th>activations</th><th>buffers</th><th>peak</th><th>fits</th>";
+  out << "</tr>\n";
+  for (size_t i = 0; i < r.stages.size(); ++i) {
+    const StageHeldMemory& s = r.stages[i];
+    out << "<tr>" << Td(std::to_string(s.stage)) << Td(std::to_string(s.rank))
+        << Td(run::FormatBytes(s.held.parameters)) << Td(run::FormatBytes(s.held.gradients))
+        << Td(run::FormatBytes(s.held.optimizer)) << Td(run::FormatBytes(s.held.total()));
+    if (r.activations) {
+      const StageActivations& a = (*r.activations)[i];
+      const PlanBytes peak = StagePeak(r, i);
+      out << Td(std::to_string(a.peak_stashes)) << Td(run::FormatBytes(a.activations))
+          << Td(run::FormatBytes(a.buffers)) << Td(run::FormatBytes(peak))
+          << (peak <= hbm ? "<td>" : "<td class=\"over\">") << HtmlEscape(FitsText(peak, hbm))
+          << "</td>";
+    }
+    out << "</tr>\n";
+  }
+  out << "</table>\n";
+  if (!r.activations) {
+    out << "<p class=\"note\">activations: not estimated: " << HtmlEscape(r.activations_missing)
+        << "</p>\n";
+  }
+  out << "<p class=\"note\">Activations are Megatron's on a GPU as Korthikanti et al. 2022 "
+         "count them, walked through the pipeline schedule. Not counted: what a GPU run adds "
+         "(cuBLAS workspaces, NCCL's own buffers, the caching allocator's slack).</p>\n";
+  if (r.time) {
+    const TimeEstimate& t = *r.time;
+    const RunConfig& run = *config.run;
+    out << fmt::format(
+        "<h3>step time {}: {:.1f} model TFLOP/s per GPU, MFU {:.1f}%</h3>\n<p>global batch {} "
+        "({} micro-batches of {} x dp {}), sequence {}, recompute {}; the busiest stage's "
+        "rank.</p>\n",
+        SecondsText(t.step_time_s), t.model_tflops_per_gpu, 100 * t.mfu, t.global_batch_size,
+        t.num_microbatches, run.micro_batch_size, topology.sizes().dp, run.seq_length,
+        RecomputeText(run.recompute));
+    const std::vector<std::string> time_names = {"compute", "tp collectives", "bubble",
+                                                 "dp gradient reduction", "optimizer"};
+    const std::vector<double> parts = {t.compute_s, t.tp_comm_s, t.bubble_s, t.dp_comm_s,
+                                       t.optimizer_s};
+    Bar bar{"one iteration", {}};
+    for (size_t p = 0; p < parts.size(); ++p) {
+      bar.parts.push_back({parts[p], fmt::format("{}: {}", time_names[p], SecondsText(parts[p]))});
+    }
+    PrintBarsSvg(time_names, {bar}, 0, "", out);
+    out << "<table class=\"report\"><tr><th>group</th><th>operation</th><th>count</th>"
+           "<th>sent</th><th>time</th><th>link</th></tr>\n";
+    for (const CommTime& c : t.communication) {
+      out << "<tr>" << Td(c.kind) << "<td class=\"name\">" << HtmlEscape(c.operation) << "</td>"
+          << Td(std::to_string(c.count)) << Td(run::FormatBytes(static_cast<PlanBytes>(c.bytes)))
+          << Td(SecondsText(c.seconds)) << Td(c.inter_node ? "across nodes" : "in a node")
+          << "</tr>\n";
+    }
+    out << "</table>\n";
+    out << fmt::format(
+        "<p class=\"note\">GEMMs at {:.0f}% of peak, memory-bound kernels at {:.0f}% of HBM "
+        "bandwidth, collectives at {:.0f}% of link bandwidth; no overlap of communication "
+        "with compute.</p>\n",
+        100 * t.gpu.gemm_efficiency, 100 * t.gpu.memory_efficiency,
+        100 * t.gpu.collective_efficiency);
+  } else {
+    out << "<p class=\"note\">step time: not estimated: " << HtmlEscape(r.time_missing)
+        << "</p>\n";
+  }
+  out << "<script id=\"estimate\" type=\"application/json\">"
+      << JsonForScript(EstimateJson(r, topology).dump()) << "</script>\n";
+}
+
+void PrintEstimateHtml(const EstimateReport& r, const Topology& topology,
+                       const std::string& source, std::ostream& out) {
+  out << "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+      << "<title>mpusim estimate: " << HtmlEscape(source) << "</title>\n<style>\n"
+      << "body { font: 14px system-ui, sans-serif; margin: 16px; color: #222; }\n"
+      << "h1 { font-size: 18px; margin: 0 0 8px; }\n"
+      << kReportStyle << "</style>\n</head>\n<body>\n"
+      << "<h1>mpusim estimate of " << HtmlEscape(source) << "</h1>\n";
+  PrintEstimateHtmlSection(r, topology, out);
+  out << "</body>\n</html>\n";
+}
+
+}  // namespace mpusim::cli

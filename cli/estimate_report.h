@@ -1,0 +1,80 @@
+// What `mpusim estimate` finds for a config on a layout, and its three renderings: text, JSON
+// (the schema in the README) and an HTML section, which the estimate's own page and the
+// layout page (`mpusim layout --format html`) both show. Everything here formats what
+// core/estimate counts; `mpusim advise`'s page draws its bars with the same helpers.
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "core/config/config.h"
+#include "core/estimate/activation_estimate.h"
+#include "core/estimate/memory_estimate.h"
+#include "core/estimate/time_estimate.h"
+#include "core/status.h"
+#include "core/topology.h"
+
+namespace mpusim::cli {
+
+struct EstimateReport {
+  Config config;           // with the run section the estimate used
+  bool run_given = false;  // the config or the flags gave that run section
+  GpuSpec gpu;
+  std::vector<StageHeldMemory> stages;
+  std::vector<PlanBytes> other_optimizer;  // the optimizer the other way; empty: no optimizer
+  std::optional<std::vector<StageActivations>> activations;
+  std::string activations_missing;  // why not, when activations is empty
+  std::optional<TimeEstimate> time;
+  std::string time_missing;  // why not, when time is empty
+};
+
+// Counts `config` (its run section already set, FillMissingRun) on `topology`: the held
+// memory always, the activations and the step time on `gpu` when `time_asked` (a run section
+// was given). Errors are the held-memory count's, naming a config field.
+StatusOr<EstimateReport> MakeEstimateReport(Config config, const Topology& topology,
+                                            const GpuSpec& gpu, bool run_given, bool time_asked);
+
+void PrintEstimateText(const EstimateReport& report, const Topology& topology,
+                       std::ostream& out);
+nlohmann::ordered_json EstimateJson(const EstimateReport& report, const Topology& topology);
+// The estimate as a part of an HTML page (no <html>, no style of its own: it uses
+// kReportStyle's classes): a bar per stage of what its busiest rank holds at the peak against
+// the GPU's memory, the step time's parts, the communication table, and EstimateJson in
+// <script id="estimate" type="application/json"> for scripts.
+void PrintEstimateHtmlSection(const EstimateReport& report, const Topology& topology,
+                              std::ostream& out);
+// A self-contained page holding PrintEstimateHtmlSection.
+void PrintEstimateHtml(const EstimateReport& report, const Topology& topology,
+                       const std::string& source, std::ostream& out);
+
+// The CSS of the report sections (bars, tables, legend), for the pages that hold them.
+extern const char* const kReportStyle;
+
+// One horizontal bar made of coloured parts, with its label and a tooltip per part.
+struct BarPart {
+  double value = 0;
+  std::string tooltip;
+};
+struct Bar {
+  std::string label;
+  std::vector<BarPart> parts;  // in the order of the legend's names
+};
+// Bars as an inline SVG, all on one scale, parts coloured in turn from one palette, with a
+// legend of `names` above them. A `limit` > 0 (the GPU's memory) up to twice the largest
+// bar is drawn as a red line named `limit_name` and the scale reaches it; a larger one is
+// only named in the legend, with the largest bar's share of it.
+void PrintBarsSvg(const std::vector<std::string>& names, const std::vector<Bar>& bars,
+                  double limit, const std::string& limit_name, std::ostream& out);
+
+// "tp 2 · pp 2 · dp 2": the axes of the layout larger than 1 (all 1: "one rank").
+std::string LayoutText(const DerivedSizes& sizes);
+// "1.23 s", "45.6 ms", "789 us".
+std::string SecondsText(double seconds);
+// A byte count for JSON: exact below 2^64 (every count here is far below; the counts
+// saturate at 2^100, core/memory_plan.h).
+nlohmann::ordered_json JsonBytes(PlanBytes bytes);
+
+}  // namespace mpusim::cli
