@@ -4,6 +4,8 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <limits>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
@@ -180,14 +182,32 @@ struct Link {
   double latency;
   bool inter_node;
 };
-Link LinkOf(const Topology& topology, const char* kind, const GpuSpec& gpu) {
-  // The busiest rank's group may be any of them: a kind with a group across nodes runs at
-  // the network's rate (its ring waits for the slowest link).
+// The fewest members a group of `kind` has on one of its nodes (group 0, which holds the
+// first rank; 1 when it stays on one node while others do not).
+int64_t FewestPerNode(const Topology& topology, size_t kind) {
+  if (!topology.GroupSpansNodes(kind, 0)) return 1;
+  std::map<int64_t, int64_t> per_node;
+  for (const int64_t rank : topology.Group(kind, 0)) ++per_node[topology.NodeOf(rank)];
+  int64_t fewest = std::numeric_limits<int64_t>::max();
+  for (const auto& [node, n] : per_node) fewest = std::min(fewest, n);
+  return fewest;
+}
+
+// A kind's link for the busiest rank, whose group may be any of them: with a group across
+// nodes, the network's. A ring collective (`ring`) whose group has g members on each node
+// uses g of the node's adapters (one per GPU): every group of the kind runs at once, so the
+// node's adapters are shared out g per group, and the ring's bytes between two nodes are
+// split over g channels, as NCCL's rings are; a point-to-point send uses one.
+Link LinkOf(const Topology& topology, const char* kind, const GpuSpec& gpu, bool ring) {
   const std::optional<size_t> k = topology.FindKind(kind);
   const bool inter = k && topology.NumGroupsSpanningNodes(*k) > 0;
-  const double bw = (inter ? gpu.inter_node_bandwidth : gpu.intra_node_bandwidth) *
-                    gpu.collective_efficiency;
-  return {bw, inter ? gpu.inter_node_latency_s : gpu.intra_node_latency_s, inter};
+  if (!inter) {
+    return {gpu.intra_node_bandwidth * gpu.collective_efficiency, gpu.intra_node_latency_s,
+            false};
+  }
+  const auto rails = static_cast<double>(ring ? FewestPerNode(topology, *k) : 1);
+  const double bw = std::min(rails * gpu.inter_node_bandwidth, gpu.intra_node_bandwidth);
+  return {bw * gpu.collective_efficiency, gpu.inter_node_latency_s, true};
 }
 
 }  // namespace
@@ -334,9 +354,9 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   const Sizes x{static_cast<double>(run.micro_batch_size), static_cast<double>(run.seq_length),
                 static_cast<double>(g.hidden_size), static_cast<double>(sz.tp),
                 static_cast<double>(DTypeSize(dtype)), topology.config().sequence_parallel};
-  const Link tp_link = LinkOf(topology, "tp", gpu);
-  const Link pp_link = LinkOf(topology, "pp", gpu);
-  const Link dp_link = LinkOf(topology, "dp_cp", gpu);
+  const Link tp_link = LinkOf(topology, "tp", gpu, true);
+  const Link pp_link = LinkOf(topology, "pp", gpu, false);
+  const Link dp_link = LinkOf(topology, "dp_cp", gpu, true);
   const auto seconds = [&](const Cost& c) {
     const double comm = static_cast<double>(c.collectives) *
                         RingSeconds(c.collective_bytes, sz.tp, 2, tp_link.bandwidth,

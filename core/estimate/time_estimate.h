@@ -20,8 +20,10 @@
 //               backward, exposed (no overlap_grad_reduce);
 //   optimizer   the step's memory traffic over the elements the rank owns.
 // Step time = the replayed pipeline span + dp + optimizer. A collective's bandwidth is the
-// intra-node one when its group stays in a node, else the per-GPU inter-node one; each ring
-// step pays the link's latency.
+// intra-node one when its group stays in a node. Across nodes a ring collective whose group
+// has g members on each node gets g x the per-GPU inter-node bandwidth (at most the intra-
+// node one): all groups of a kind run at once and share a node's adapters, one per GPU; a
+// p2p send gets one adapter's. Each ring step pays the link's latency.
 //
 // Model FLOPs are counted as Megatron's num_floating_point_operations counts them: 3 x the
 // forward GEMMs' FLOPs (QKV, attention scores and context over the full s x s, projection,

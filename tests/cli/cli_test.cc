@@ -835,6 +835,24 @@ TEST(EstimateCommand, StepTimeOfGpt3MatchesCountsByHand) {
   EXPECT_NEAR(dp.at("bytes").get<double>() / (2 * grads * 7 / 8), 1, 1e-12);
   EXPECT_NEAR(dp.at("seconds").get<double>(), 2 * grads * 7 / 8 / (25e9 * 0.8) + 14 * 10e-6,
               1e-9);
+  // At tp 2 each dp group of 32 has 4 ranks on each of its 8 nodes: the node's 8 adapters
+  // are shared by its two groups, 4 each, up to the NVLink rate (a GPU file's 50 GB/s).
+  const std::string narrow_nvlink = WriteTemp("mpusim_estimate_narrow_nvlink.json",
+                                              R"({"base": "a100-80gb", "intra_node_gbps": 50})");
+  for (const auto& [gpu, bandwidth] :
+       std::vector<std::pair<std::string, double>>{{"a100-80gb", 4 * 25e9}, {narrow_nvlink, 50e9}}) {
+    const Result tp2 = Mpusim({"estimate", Sample("gpt3_175b_t8_p16_n1024.json"), "--tp", "2",
+                               "--global-batch-size", "1536", "--recompute", "full", "--gpu", gpu,
+                               "--format", "json"});
+    ASSERT_EQ(tp2.code, 0) << tp2.err;
+    const json tp2_doc = json::parse(tp2.out);
+    const json& dp32 = tp2_doc.at("communication").back();
+    ASSERT_EQ(dp32.at("kind"), "dp");
+    const double grads32 = 4 * tp2_doc.at("stages").back().at("parameter_elements").get<double>();
+    EXPECT_NEAR(dp32.at("seconds").get<double>(),
+                2 * grads32 * 31 / 32 / (bandwidth * 0.8) + 62 * 10e-6, 1e-9)
+        << gpu;
+  }
   // Text: the batch, the parts and the throughput.
   const Result text = Mpusim({"estimate", Sample("gpt3_175b_t8_p16_n1024.json"),
                               "--global-batch-size", "1536", "--recompute", "full", "--gpu",
