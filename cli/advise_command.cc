@@ -17,6 +17,7 @@
 
 #include "cli/cli.h"
 #include "cli/commands.h"
+#include "cli/config_options.h"
 #include "cli/estimate_report.h"
 #include "core/config/config.h"
 #include "core/estimate/advise.h"
@@ -30,10 +31,7 @@ namespace {
 // "1,2,4" -> {1, 2, 4}; errors name the flag.
 StatusOr<std::vector<int64_t>> ParseIntList(const std::string& text, const std::string& flag) {
   std::vector<int64_t> out;
-  size_t start = 0;
-  while (true) {
-    const size_t comma = text.find(',', start);
-    const std::string item = text.substr(start, comma - start);
+  for (const std::string& item : SplitCommaList(text)) {
     int64_t value = 0;
     const auto [ptr, ec] = std::from_chars(item.data(), item.data() + item.size(), value);
     if (ec != std::errc() || ptr != item.data() + item.size() || value < 1 || value > 1 << 20) {
@@ -41,25 +39,20 @@ StatusOr<std::vector<int64_t>> ParseIntList(const std::string& text, const std::
                                              1 << 20));
     }
     out.push_back(value);
-    if (comma == std::string::npos) return out;
-    start = comma + 1;
   }
+  return out;
 }
 
 // "true,false" -> {true, false}.
 StatusOr<std::vector<bool>> ParseBoolList(const std::string& text, const std::string& flag) {
   std::vector<bool> out;
-  size_t start = 0;
-  while (true) {
-    const size_t comma = text.find(',', start);
-    const std::string item = text.substr(start, comma - start);
+  for (const std::string& item : SplitCommaList(text)) {
     if (item != "true" && item != "false") {
       return Status::Error(flag, fmt::format("'{}' is not a list of true and false", text));
     }
     out.push_back(item == "true");
-    if (comma == std::string::npos) return out;
-    start = comma + 1;
   }
+  return out;
 }
 
 std::string Seconds(double s) { return fmt::format("{:.3g} s", s); }
@@ -191,10 +184,7 @@ class AdviseCommand : public Command {
     }
     if (!recompute_.empty()) {
       options.recompute.clear();
-      size_t start = 0;
-      while (true) {
-        const size_t comma = recompute_.find(',', start);
-        const std::string item = recompute_.substr(start, comma - start);
+      for (const std::string& item : SplitCommaList(recompute_)) {
         if (item == "none") {
           options.recompute.push_back(RunConfig::Recompute::kNone);
         } else if (item == "selective") {
@@ -207,8 +197,6 @@ class AdviseCommand : public Command {
                                          "and full",
                                          recompute_));
         }
-        if (comma == std::string::npos) break;
-        start = comma + 1;
       }
     }
     if (!sequence_parallel_.empty()) {

@@ -103,14 +103,10 @@ StatusOr<Config> ConfigOptions::Resolve() {
       value = *parsed;
     } else {
       value = nlohmann::json::array();
-      size_t start = 0;
-      while (true) {
-        const size_t comma = text.find(',', start);
-        StatusOr<int64_t> parsed = ParseInteger(text.substr(start, comma - start), flag);
+      for (const std::string& item : SplitCommaList(text)) {
+        StatusOr<int64_t> parsed = ParseInteger(item, flag);
         if (!parsed.ok()) return parsed.status();
         value.push_back(*parsed);
-        if (comma == std::string::npos) break;
-        start = comma + 1;
       }
     }
     flag_of_key_[f.key] = flag;
@@ -191,6 +187,17 @@ std::optional<ConfigOptions::Layout> ConfigOptions::ResolveModelLayout(std::ostr
       &source);
   ReportError(err, source, missing.Message());
   return std::nullopt;
+}
+
+std::vector<std::string> SplitCommaList(const std::string& text) {
+  std::vector<std::string> items;
+  size_t start = 0;
+  while (true) {
+    const size_t comma = text.find(',', start);
+    items.push_back(text.substr(start, comma - start));
+    if (comma == std::string::npos) return items;
+    start = comma + 1;
+  }
 }
 
 bool FillMissingRun(Config* config, const Topology& topology) {

@@ -9,6 +9,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <vector>
 #include <string_view>
 
 #include <CLI/CLI.hpp>
@@ -24,6 +25,10 @@ namespace mpusim::cli {
 // over tp under sequence parallelism), the fewest micro-batches every schedule accepts, and
 // the dtype of parallel.bf16/fp16/params_dtype (else float32). Returns whether it had one.
 bool FillMissingRun(Config* config, const Topology& topology);
+
+// "1,2,,4" -> {"1", "2", "", "4"}: the items of a comma-separated flag value, empty ones
+// kept so that the caller refuses them.
+std::vector<std::string> SplitCommaList(const std::string& text);
 
 class ConfigOptions {
  public:

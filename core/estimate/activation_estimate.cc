@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/estimate/estimable.h"
 #include "core/schedule.h"
 #include "core/tensor.h"
 
@@ -15,21 +16,10 @@ PlanBytes ToBytes(double bytes) { return static_cast<PlanBytes>(std::llround(byt
 
 StatusOr<std::vector<StageActivations>> EstimateStageActivations(const Config& config,
                                                                  const Topology& topology) {
-  if (!config.gpt) {
-    return Status::Error("model", "the activation count needs a GPT model (\"type\": \"gpt\")");
-  }
-  if (!config.run) return Status::Error("run", "the activation count needs a run section");
+  if (Status s = CheckEstimable(config, topology, "the activation count"); !s.ok()) return s;
   const GptConfig& g = *config.gpt;
   const RunConfig& run = *config.run;
   const DerivedSizes& sz = topology.sizes();
-  if (sz.cp > 1) {
-    return Status::Error("parallel.context_parallel_size",
-                         "the activation count does not model context parallelism yet");
-  }
-  if (g.moe.enabled()) {
-    return Status::Error("model.num_moe_experts",
-                         "the activation count does not model mixture-of-experts layers yet");
-  }
   const bool sp = topology.config().sequence_parallel;
   const double e = static_cast<double>(DTypeSize(run.dtype));
   const double t = static_cast<double>(sz.tp);

@@ -13,6 +13,7 @@
 #include "core/config/config.h"
 #include "core/config/json_fields.h"
 #include "core/config/parallel_config.h"
+#include "core/estimate/estimable.h"
 #include "core/estimate/memory_estimate.h"
 #include "core/schedule.h"
 #include "core/tensor.h"
@@ -332,22 +333,10 @@ double ModelFlopsPerIteration(const GptConfig& g, int64_t padded_vocab, int64_t 
 StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& topology,
                                         const GpuSpec& gpu,
                                         const std::vector<StageHeldMemory>* held_given) {
-  if (!config.gpt) {
-    return Status::Error("model", "the step-time estimate needs a GPT model (\"type\": \"gpt\"); "
-                                  "a lab chain has no time model");
-  }
-  if (!config.run) return Status::Error("run", "the step-time estimate needs a run section");
+  if (Status s = CheckEstimable(config, topology, "the step-time estimate"); !s.ok()) return s;
   const GptConfig& g = *config.gpt;
   const RunConfig& run = *config.run;
   const DerivedSizes& sz = topology.sizes();
-  if (sz.cp > 1) {
-    return Status::Error("parallel.context_parallel_size",
-                         "the step-time estimate does not model context parallelism yet");
-  }
-  if (g.moe.enabled()) {
-    return Status::Error("model.num_moe_experts",
-                         "the step-time estimate does not model mixture-of-experts layers yet");
-  }
   const DType dtype = run.dtype;
   const double peak = PeakFlops(gpu, dtype) * gpu.gemm_efficiency;
   const double hbm = gpu.hbm_bandwidth * gpu.memory_efficiency;

@@ -1147,6 +1147,10 @@ TEST(AdviseCommand, Refusals) {
                            "1,x"}),
                    "error: command line: --micro-batch-sizes: '1,x' is not a list of integers "
                    "from 1 to 1048576");
+  ExpectUsageError(Mpusim({"advise", gpt3, "--global-batch-size", "8",
+                           "--distributed-optimizer", "true,"}),
+                   "error: command line: --distributed-optimizer: 'true,' is not a list of true "
+                   "and false");
   ExpectUsageError(Mpusim({"advise", gpt3, "--global-batch-size", "8", "--recompute", "some"}),
                    "error: command line: --recompute: 'some' is not a list of none, selective "
                    "and full");
