@@ -16,7 +16,10 @@ PlanBytes ToBytes(double bytes) { return static_cast<PlanBytes>(std::llround(byt
 
 StatusOr<std::vector<StageActivations>> EstimateStageActivations(const Config& config,
                                                                  const Topology& topology) {
-  if (Status s = CheckEstimable(config, topology, "the activation count"); !s.ok()) return s;
+  if (Status s = CheckEstimable(config, topology, "the activation count", /*with_cp=*/true);
+      !s.ok()) {
+    return s;
+  }
   const GptConfig& g = *config.gpt;
   const RunConfig& run = *config.run;
   const DerivedSizes& sz = topology.sizes();
@@ -25,7 +28,8 @@ StatusOr<std::vector<StageActivations>> EstimateStageActivations(const Config& c
   const double t = static_cast<double>(sz.tp);
   const double b = static_cast<double>(run.micro_batch_size);
   const double s = static_cast<double>(run.seq_length);
-  const double T = s * b, h = static_cast<double>(g.hidden_size);
+  const double cp = static_cast<double>(sz.cp);
+  const double T = s * b / cp, h = static_cast<double>(g.hidden_size);  // this rank's tokens
   const double split_sp = sp ? t : 1;  // what sequence parallelism divides the whole parts by
   const double m_h = g.hidden_dropout > 0 ? 1 : 0, m_a = g.attention_dropout > 0 ? 1 : 0;
   const double d = static_cast<double>(g.kv_channels);
@@ -34,9 +38,18 @@ StatusOr<std::vector<StageActivations>> EstimateStageActivations(const Config& c
   const double f1 = static_cast<double>(g.Fc1Rows()), f = static_cast<double>(g.ffn_hidden_size);
   const double whole = T * h * (4 * e + 2 * m_h) / split_sp;
   const double split = T * e * (q + 2 * kv + q + f1 + f) / t;
-  const double scores =
-      b * static_cast<double>(g.num_attention_heads) * s * s * (e + m_a * (e + 1)) / t;
-  double layer = whole + split + scores;
+  const double a = static_cast<double>(g.num_attention_heads);
+  // The probabilities of this rank's queries against every key (all_gather; a2a: every query
+  // of 1/cp of the heads: as many); the ring (p2p, a2a+p2p) keeps none, but the log-sum-exp
+  // of each query row, in float32.
+  const bool ring = sz.cp > 1 && (g.cp_comm_type == CpCommType::kP2p ||
+                                  g.cp_comm_type == CpCommType::kA2aP2p);
+  const double scores = ring ? 4 * b * a * (s / cp) / t
+                             : b * a * (s / cp) * s * (e + m_a * (e + 1)) / t;
+  // all_gather also keeps the keys and values of every position.
+  const double gathered =
+      sz.cp > 1 && g.cp_comm_type == CpCommType::kAllGather ? 2 * b * s * kv * e / t : 0;
+  double layer = whole + split + scores + gathered;
   if (run.recompute == RunConfig::Recompute::kSelective) layer = whole + split;
   if (run.recompute == RunConfig::Recompute::kFull) layer = T * h * e / split_sp;
 
@@ -69,14 +82,14 @@ StatusOr<std::vector<StageActivations>> EstimateStageActivations(const Config& c
         peak_alive = alive;
       }
     }
-    StageActivations a;
-    a.stage = r;
-    a.peak_stashes = peak_alive;
-    a.activations = ToBytes(peak);
+    StageActivations act;
+    act.stage = r;
+    act.peak_stashes = peak_alive;
+    act.activations = ToBytes(peak);
     double buffers = p > 1 ? 4 * T * h * e / split_sp : 0;
     if (sp && sz.tp > 1) buffers += T * h * e;
-    a.buffers = ToBytes(buffers);
-    out.push_back(a);
+    act.buffers = ToBytes(buffers);
+    out.push_back(act);
   }
   return out;
 }

@@ -28,9 +28,16 @@
 // (T * h * e). What a GPU run adds on top (cuBLAS workspaces, NCCL's own buffers, the caching
 // allocator's slack) is not counted, and the text says so.
 //
+// Context parallelism (cp ranks) gives each rank s / cp tokens: every term above is divided
+// by cp. The probabilities are of this rank's queries against every key under cp_comm_type
+// "all_gather" (which also keeps the gathered keys and values of all s positions,
+// 2 b s kv e / t) and of every query of 1/cp of the heads under "a2a": b a s^2 (...) / (t cp)
+// either way. The ring ("p2p", Megatron's default, and "a2a+p2p") keeps no probabilities but
+// each query row's log-sum-exp in float32, 4 b a (s / cp) / t, as mpusim's layer does.
+//
 // This is a GPU run's count, not the CPU executor's: mpusim's executor keeps its own stash
 // (float32 by default, and the tensors its kernels need), which `mpusim run --summary`
-// measures as peak - held. Context parallelism and mixture-of-experts layers are refused.
+// measures as peak - held. Mixture-of-experts layers are refused.
 #pragma once
 
 #include <cstdint>

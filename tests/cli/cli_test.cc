@@ -923,6 +923,25 @@ TEST(EstimateCommand, ActivationsMatchKorthikantiClosedForms) {
   const json interleaved = stage0({"--vp", "2", "--recompute", "full"});
   EXPECT_GT(interleaved.at("peak_stashes").get<int>(), 16);
   EXPECT_GT(interleaved.at("memory").at("activations").get<double>(), 16 * 6 * 2 * sbh);
+  // Context parallelism 2 halves each rank's tokens. all_gather also keeps the keys and
+  // values of every position (2 sbh e / t); a2a keeps the same probabilities (every query of
+  // half the heads); the ring (p2p, Megatron's default) keeps none, but a float32
+  // log-sum-exp per query row and head.
+  const double per_layer = sbh * (10 + 24 / t + 5 * a * s / (h * t));
+  const double probabilities = sbh * 5 * a * s / (h * t);
+  const json gpt3 = json::parse(std::ifstream(Sample("gpt3_175b_t8_p16_n1024.json")));
+  for (const auto& [type, layer] : std::vector<std::pair<std::string, double>>{
+           {"all_gather", per_layer / 2 + 2 * sbh * 2 / t},
+           {"a2a", per_layer / 2},
+           {"p2p", (per_layer - probabilities) / 2 + 4 * b * a * (s / 2) / t}}) {
+    json cp = gpt3;
+    cp["model"]["cp_comm_type"] = type;
+    const std::string path = WriteTemp("mpusim_estimate_cp_" + type + ".json", cp.dump());
+    const Result r = Mpusim({"estimate", path, "--cp", "2", "--global-batch-size", "1536",
+                             "--format", "json"});
+    ASSERT_EQ(r.code, 0) << r.err;
+    expect(json::parse(r.out).at("stages")[0], layer, sbh / 2, type.c_str());
+  }
   // Without recomputation, micro-batches of 2 do not fit an 80 GiB GPU on this layout.
   const Result text =
       Mpusim({"estimate", Sample("gpt3_175b_t8_p16_n1024.json"), "--global-batch-size", "1536",
