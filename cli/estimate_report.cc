@@ -73,12 +73,13 @@ void PrintTimeText(const Config& config, const Topology& topology, const TimeEst
       "recompute {}\n",
       t.gpu.name, t.global_batch_size, t.num_microbatches, run.micro_batch_size,
       topology.sizes().dp, run.seq_length, RecomputeText(run.recompute));
-  const double pipeline = t.compute_s + t.tp_comm_s + t.bubble_s;
+  const double pipeline = t.compute_s + t.tp_comm_s + t.cp_comm_s + t.bubble_s;
   out << fmt::format("  step time   {:>10}  = pipeline {} + dp {} + optimizer {}\n",
                      SecondsText(t.step_time_s), SecondsText(pipeline), SecondsText(t.dp_comm_s),
                      SecondsText(t.optimizer_s));
-  out << fmt::format("  pipeline    {:>10}  = compute {} + tp {} + bubble {} (busiest stage)\n",
+  out << fmt::format("  pipeline    {:>10}  = compute {} + tp {}{} + bubble {} (busiest stage)\n",
                      SecondsText(pipeline), SecondsText(t.compute_s), SecondsText(t.tp_comm_s),
+                     topology.sizes().cp > 1 ? " + cp " + SecondsText(t.cp_comm_s) : "",
                      SecondsText(t.bubble_s));
   out << fmt::format("  throughput  {:>10.1f}  model TFLOP/s per GPU, MFU {:.1f}% (model FLOPs "
                      "{:.3g} per iteration, as Megatron counts them)\n",
@@ -102,11 +103,14 @@ void PrintTimeText(const Config& config, const Topology& topology, const TimeEst
                        c.count, run::FormatBytes(static_cast<PlanBytes>(c.bytes)),
                        SecondsText(c.seconds), c.inter_node ? "across nodes" : "in a node");
   }
+  const bool ring = topology.sizes().cp > 1 && config.gpt &&
+                    config.gpt->cp_comm_type == CpCommType::kP2p;
   out << fmt::format(
       "  model: GEMMs at {:.0f}% of peak, memory-bound kernels at {:.0f}% of HBM bandwidth, "
-      "collectives at {:.0f}% of link bandwidth; no overlap of communication with compute\n",
+      "collectives at {:.0f}% of link bandwidth; no overlap of communication with compute{}\n",
       100 * t.gpu.gemm_efficiency, 100 * t.gpu.memory_efficiency,
-      100 * t.gpu.collective_efficiency);
+      100 * t.gpu.collective_efficiency,
+      ring ? " but the cp ring's sends with its attention" : "");
 }
 
 // The palette of the bars' parts, in turn.
@@ -264,6 +268,7 @@ nlohmann::ordered_json EstimateJson(const EstimateReport& r, const Topology& top
     doc["num_microbatches"] = t.num_microbatches;
     doc["time"] = {{"compute_s", t.compute_s},
                    {"tp_comm_s", t.tp_comm_s},
+                   {"cp_comm_s", t.cp_comm_s},
                    {"bubble_s", t.bubble_s},
                    {"dp_comm_s", t.dp_comm_s},
                    {"optimizer_s", t.optimizer_s}};
@@ -450,10 +455,14 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
         SecondsText(t.step_time_s), t.model_tflops_per_gpu, 100 * t.mfu, t.global_batch_size,
         t.num_microbatches, run.micro_batch_size, topology.sizes().dp, run.seq_length,
         RecomputeText(run.recompute));
-    const std::vector<std::string> time_names = {"compute", "tp collectives", "bubble",
-                                                 "dp gradient reduction", "optimizer"};
-    const std::vector<double> parts = {t.compute_s, t.tp_comm_s, t.bubble_s, t.dp_comm_s,
-                                       t.optimizer_s};
+    std::vector<std::string> time_names = {"compute", "tp collectives", "bubble",
+                                           "dp gradient reduction", "optimizer"};
+    std::vector<double> parts = {t.compute_s, t.tp_comm_s, t.bubble_s, t.dp_comm_s,
+                                 t.optimizer_s};
+    if (topology.sizes().cp > 1) {
+      time_names.push_back("cp exchanges");
+      parts.push_back(t.cp_comm_s);
+    }
     Bar bar{"one iteration", {}};
     for (size_t p = 0; p < parts.size(); ++p) {
       bar.parts.push_back({parts[p], fmt::format("{}: {}", time_names[p], SecondsText(parts[p]))});

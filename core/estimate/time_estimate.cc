@@ -76,8 +76,9 @@ struct Sizes {
   double b, s, h, t;  // micro-batch, sequence, hidden, tp
   double e;           // bytes per element of the storage dtype
   bool sp;            // sequence parallelism: norms and dropouts on s / t tokens
-  double tokens() const { return b * s; }
-  double region_tokens() const { return sp ? b * s / t : b * s; }
+  double cp = 1;      // context parallelism: this rank has s / cp of each sequence's tokens
+  double tokens() const { return b * s / cp; }
+  double region_tokens() const { return sp ? tokens() / t : tokens(); }
 };
 
 // One transformer layer's forward, split in the part selective recomputation repeats (the
@@ -123,9 +124,11 @@ LayerCost LayerForward(const GptConfig& g, const Sizes& x) {
     r.collectives = 2;
     r.collective_bytes = T * h * e;
   }
-  // core attention over the full s x s scores (no flash attention in mpusim's layer).
+  // core attention over the full s x s scores (no flash attention in mpusim's layer); under
+  // context parallelism this rank's queries against every key (a2a: every query of 1/cp of
+  // the heads, as many).
   Cost& a = c.core_attention;
-  const double scores = x.b * heads * x.s * x.s;
+  const double scores = x.b * heads * (x.s / x.cp) * x.s;
   a.flops += 2 * 2 * scores * d;
   a.bytes += 2 * scores * e;  // fused scale-mask-softmax
   if (g.attention_dropout > 0) a.bytes += scores * (2 * e + mask_byte);
@@ -209,6 +212,60 @@ Link LinkOf(const Topology& topology, const char* kind, const GpuSpec& gpu, bool
   const auto rails = static_cast<double>(ring ? FewestPerNode(topology, *k) : 1);
   const double bw = std::min(rails * gpu.inter_node_bandwidth, gpu.intra_node_bandwidth);
   return {bw * gpu.collective_efficiency, gpu.inter_node_latency_s, true};
+}
+
+// Context parallelism's exchange in one layer's core attention, per micro-batch: seconds
+// of the forward and of the backward that the step waits for, and what a rank sends.
+struct CpExchange {
+  double forward_s = 0, backward_s = 0;
+  int64_t forward_count = 0, backward_count = 0;
+  double forward_bytes = 0, backward_bytes = 0;
+  const char* operation = "";
+};
+// `core_s`: the core attention's forward seconds (the ring overlaps its sends with it, the
+// backward's with twice it).
+CpExchange CpExchangeOf(const GptConfig& g, const Sizes& x, int64_t cp, const Link& link,
+                        double core_s) {
+  CpExchange out;
+  if (cp <= 1) return out;
+  const double n = static_cast<double>(cp);
+  const double T = x.tokens(), d = static_cast<double>(g.kv_channels);
+  const double heads = static_cast<double>(g.num_attention_heads) / x.t;
+  const double groups = static_cast<double>(g.num_query_groups) / x.t;
+  const double kv = 2 * T * groups * d * x.e;  // this rank's keys and values
+  switch (g.cp_comm_type) {
+    case CpCommType::kAllGather:
+      // All-gather the keys and values of every position; reduce-scatter their gradients.
+      out.operation = "all-gather, reduce-scatter";
+      out.forward_s = out.backward_s = RingSeconds(kv * n, cp, 1, link.bandwidth, link.latency);
+      out.forward_count = out.backward_count = 1;
+      out.forward_bytes = out.backward_bytes = kv * (n - 1);
+      break;
+    case CpCommType::kA2a: {
+      // Four all-to-alls each way: q, k, v in, the context out.
+      out.operation = "all-to-all";
+      const double local = T * d * x.e * (2 * heads + 2 * groups);
+      out.forward_s = out.backward_s =
+          local * (n - 1) / n / link.bandwidth + 4 * (n - 1) * link.latency;
+      out.forward_count = out.backward_count = 4;
+      out.forward_bytes = out.backward_bytes = local * (n - 1) / n;
+      break;
+    }
+    default: {
+      // The ring: cp - 1 sends of this rank's keys and values forward, of them and their
+      // gradients backward, overlapped with the blocks' attention.
+      out.operation = "ring send/recv";
+      const double send = kv / link.bandwidth + link.latency;
+      out.forward_s = std::max(0.0, (n - 1) * send - core_s);
+      out.backward_s = std::max(0.0, 2 * (n - 1) * send - 2 * core_s);
+      out.forward_count = cp - 1;
+      out.backward_count = 2 * (cp - 1);
+      out.forward_bytes = (n - 1) * kv;
+      out.backward_bytes = 2 * (n - 1) * kv;
+      break;
+    }
+  }
+  return out;
 }
 
 }  // namespace
@@ -333,19 +390,30 @@ double ModelFlopsPerIteration(const GptConfig& g, int64_t padded_vocab, int64_t 
 StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& topology,
                                         const GpuSpec& gpu,
                                         const std::vector<StageHeldMemory>* held_given) {
-  if (Status s = CheckEstimable(config, topology, "the step-time estimate"); !s.ok()) return s;
+  if (Status s = CheckEstimable(config, topology, "the step-time estimate", /*with_cp=*/true);
+      !s.ok()) {
+    return s;
+  }
   const GptConfig& g = *config.gpt;
   const RunConfig& run = *config.run;
   const DerivedSizes& sz = topology.sizes();
+  if (sz.cp > 1 && g.cp_comm_type == CpCommType::kA2aP2p) {
+    return Status::Error("model.cp_comm_type",
+                         "the step-time estimate does not model \"a2a+p2p\" (hierarchical "
+                         "context parallelism) yet; p2p, all_gather and a2a it does");
+  }
   const DType dtype = run.dtype;
   const double peak = PeakFlops(gpu, dtype) * gpu.gemm_efficiency;
   const double hbm = gpu.hbm_bandwidth * gpu.memory_efficiency;
   const Sizes x{static_cast<double>(run.micro_batch_size), static_cast<double>(run.seq_length),
                 static_cast<double>(g.hidden_size), static_cast<double>(sz.tp),
-                static_cast<double>(DTypeSize(dtype)), topology.config().sequence_parallel};
+                static_cast<double>(DTypeSize(dtype)), topology.config().sequence_parallel,
+                static_cast<double>(sz.cp)};
   const Link tp_link = LinkOf(topology, "tp", gpu, true);
   const Link pp_link = LinkOf(topology, "pp", gpu, false);
   const Link dp_link = LinkOf(topology, "dp_cp", gpu, true);
+  // The ring's sends go to one neighbour; the collectives share the node's adapters.
+  const Link cp_link = LinkOf(topology, "cp", gpu, g.cp_comm_type != CpCommType::kP2p);
   const auto seconds = [&](const Cost& c) {
     const double comm = static_cast<double>(c.collectives) *
                         RingSeconds(c.collective_bytes, sz.tp, 2, tp_link.bandwidth,
@@ -361,9 +429,15 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   Cost recompute;
   if (run.recompute == RunConfig::Recompute::kFull) recompute = layer.total();
   if (run.recompute == RunConfig::Recompute::kSelective) recompute = layer.core_attention;
+  const auto [core_compute, core_comm] = seconds(layer.core_attention);
+  const CpExchange cp = CpExchangeOf(g, x, sz.cp, cp_link, core_compute + core_comm);
+  // Recomputation (full, or selective's core attention) repeats the forward's exchange.
+  const bool recomputes = run.recompute != RunConfig::Recompute::kNone;
+  const double cp_forward = cp.forward_s;
+  const double cp_backward = cp.backward_s + (recomputes ? cp.forward_s : 0);
   StageCosts costs;
   std::vector<double> compute_of(static_cast<size_t>(stages)), comm_of(compute_of);
-  std::vector<double> flops_of(compute_of);
+  std::vector<double> flops_of(compute_of), cp_of(compute_of);
   for (int64_t u = 0; u < stages; ++u) {
     Cost forward = Times(layer.total(), layers);
     if (u == 0) forward += EmbeddingForward(g, x);
@@ -372,10 +446,12 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     backward += Times(recompute, layers);
     const auto [fc, fm] = seconds(forward);
     const auto [bc, bm] = seconds(backward);
-    costs.forward.push_back(fc + fm);
-    costs.backward.push_back(bc + bm);
+    const auto n = static_cast<double>(layers);
+    costs.forward.push_back(fc + fm + n * cp_forward);
+    costs.backward.push_back(bc + bm + n * cp_backward);
     compute_of[static_cast<size_t>(u)] = fc + bc;
     comm_of[static_cast<size_t>(u)] = fm + bm;
+    cp_of[static_cast<size_t>(u)] = n * (cp_forward + cp_backward);
     flops_of[static_cast<size_t>(u)] = forward.flops + backward.flops;
   }
   // The activation (or its gradient) a stage sends: [s, b, h], a tp rank's 1/t of it with
@@ -411,13 +487,14 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
                          return a.forward_s + a.backward_s < b.forward_s + b.backward_s;
                        }) -
       out.stages.begin());
-  double compute = 0, tp = 0;
+  double compute = 0, tp = 0, cp_s = 0;
   int64_t tp_count = 0;
   double tp_bytes = 0;
   for (int64_t c = 0; c < v; ++c) {
     const auto u = static_cast<size_t>(c * p) + busiest;
     compute += compute_of[u];
     tp += comm_of[u];
+    cp_s += cp_of[u];
   }
   if (sz.tp > 1) {
     // Count the busiest stage's collectives: two per layer per pass, as seconds() did.
@@ -434,7 +511,9 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   }
   out.compute_s = m * compute;
   out.tp_comm_s = m * tp;
-  out.bubble_s = std::max(0.0, timing.makespan - out.compute_s - out.tp_comm_s);
+  out.cp_comm_s = m * cp_s;
+  out.bubble_s =
+      std::max(0.0, timing.makespan - out.compute_s - out.tp_comm_s - out.cp_comm_s);
   out.flops_per_rank = m * out.stages[busiest].flops;
   if (sz.tp > 1) {
     out.communication.push_back({"tp", sz.tp > 1 && x.sp ? "reduce-scatter + all-gather"
@@ -443,6 +522,18 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
                                  m * tp_bytes * 2 * static_cast<double>(sz.tp - 1) /
                                      static_cast<double>(sz.tp),
                                  out.tp_comm_s, tp_link.inter_node});
+  }
+  if (sz.cp > 1) {
+    // Every layer of the busiest stage's chunks, each micro-batch: forward, backward and the
+    // recomputed forward.
+    const int64_t per_layer = cp.forward_count + cp.backward_count +
+                              (recomputes ? cp.forward_count : 0);
+    const double per_layer_bytes = cp.forward_bytes + cp.backward_bytes +
+                                   (recomputes ? cp.forward_bytes : 0);
+    const int64_t n = v * layers * run.num_microbatches;
+    out.communication.push_back({"cp", cp.operation, n * per_layer,
+                                 static_cast<double>(n) * per_layer_bytes, out.cp_comm_s,
+                                 cp_link.inter_node});
   }
   if (p > 1) {
     // Each micro-batch crosses each chunk boundary twice (activation, gradient).

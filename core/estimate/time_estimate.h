@@ -12,6 +12,13 @@
 //               recomputed forward: all-reduces, or reduce-scatter + all-gather with sequence
 //               parallelism; the same bytes per rank), ring algorithm, not overlapped with
 //               compute (Megatron's default);
+//   cp          each rank computes s / cp tokens (its queries against every key); per layer
+//               and pass, cp_comm_type "all_gather" all-gathers the keys and values forward
+//               and reduce-scatters their gradients backward, "a2a" makes four all-to-alls
+//               each way (q, k, v, the context), both not overlapped; the ring ("p2p") sends
+//               its keys and values cp - 1 times forward and them and their gradients
+//               backward, overlapped with the core attention (only what exceeds it counts);
+//               recomputation repeats the forward's; "a2a+p2p" is refused;
 //   pp          each activation and gradient p2p transfer delays the step that waits for it;
 //               the bubble comes from replaying Megatron's own 1F1B or interleaved schedule
 //               (core/schedule.h, TimeSchedule) with every virtual stage's costs;
@@ -93,7 +100,7 @@ struct StageTime {
 
 // One kind of communication of the busiest stage's rank over one iteration.
 struct CommTime {
-  std::string kind;  // "tp", "pp", "dp"
+  std::string kind;  // "tp", "cp", "pp", "dp"
   std::string operation;
   int64_t count = 0;  // per iteration
   double bytes = 0;   // per iteration, what this rank sends
@@ -106,10 +113,11 @@ struct TimeEstimate {
   int64_t num_microbatches = 0;
   int64_t global_batch_size = 0;
   double step_time_s = 0;
-  // Parts of the step on the busiest stage: compute and tp are M x its per-micro-batch
-  // costs; bubble = pipeline span - compute - tp (idle time, p2p waits included).
+  // Parts of the step on the busiest stage: compute, tp and cp are M x its per-micro-batch
+  // costs; bubble = pipeline span - compute - tp - cp (idle time, p2p waits included).
   double compute_s = 0;
   double tp_comm_s = 0;
+  double cp_comm_s = 0;  // what the step waits for of context parallelism's exchanges
   double bubble_s = 0;
   double dp_comm_s = 0;
   double optimizer_s = 0;

@@ -882,6 +882,65 @@ TEST(EstimateCommand, StepTimeOfGpt3MatchesCountsByHand) {
   EXPECT_EQ(json::parse(half.out).at("gpu").at("name"), "custom");
 }
 
+// Context parallelism 2 on GPT-3 175B (tp 8, pp 16, dp 4: 384 micro-batches of 1024 tokens
+// per rank, full recomputation): the same FLOPs per rank per iteration as cp 1 (half the
+// tokens, twice the micro-batches), and per layer and micro-batch the exchange of each
+// cp_comm_type forward, backward and in the recomputed forward, over the cp pairs (ranks r
+// and r + 8: across nodes, one GPU of each pair per node, 25 GB/s at 80%, 10 us a step).
+TEST(EstimateCommand, StepTimeUnderContextParallelism) {
+  const json gpt3 = json::parse(std::ifstream(Sample("gpt3_175b_t8_p16_n1024.json")));
+  const auto estimate = [&](const std::string& type, const char* cp) {
+    json config = gpt3;
+    config["model"]["cp_comm_type"] = type;
+    const std::string path = WriteTemp("mpusim_time_cp_" + type + ".json", config.dump());
+    const Result r = Mpusim({"estimate", path, "--cp", cp, "--global-batch-size", "1536",
+                             "--recompute", "full", "--gpu", "a100-80gb", "--format", "json"});
+    EXPECT_EQ(r.code, 0) << r.err;
+    return r.code == 0 ? json::parse(r.out) : json();
+  };
+  const json cp1 = estimate("p2p", "1");
+  const double kv = 2 * 1024 * (96 / 8) * 128 * 2;  // a rank's keys and values of a layer
+  const double bw = 25e9 * 0.8, latency = 10e-6;
+  const int64_t layer_steps = 384 * 6;  // micro-batches x the busiest stage's layers
+  for (const std::string type : {"all_gather", "a2a", "p2p"}) {
+    SCOPED_TRACE(type);
+    const json doc = estimate(type, "2");
+    ASSERT_TRUE(doc.is_object());
+    EXPECT_NEAR(doc.at("flops_per_rank").get<double>() / cp1.at("flops_per_rank").get<double>(),
+                1, 1e-12);
+    const json& comm = doc.at("communication");
+    const auto it = std::find_if(comm.begin(), comm.end(),
+                                 [](const json& c) { return c.at("kind") == "cp"; });
+    ASSERT_NE(it, comm.end());
+    EXPECT_EQ(it->at("inter_node"), true);
+    const double seconds = it->at("seconds").get<double>();
+    EXPECT_EQ(seconds, doc.at("time").at("cp_comm_s").get<double>());
+    if (type == "all_gather") {
+      // An all-gather forward (twice, with the recomputation) and a reduce-scatter backward.
+      EXPECT_EQ(it->at("count"), layer_steps * 3);
+      EXPECT_NEAR(it->at("bytes").get<double>(), layer_steps * 3 * kv, 1);
+      EXPECT_NEAR(seconds, layer_steps * 3 * (kv / bw + latency), 1e-9);
+    } else if (type == "a2a") {
+      // Four all-to-alls (q, k, v, context: 2 x 12 heads and 2 x 12 groups of 128) each pass.
+      const double local = 1024 * 128 * 2 * (2 * 12 + 2 * 12);
+      EXPECT_EQ(it->at("count"), layer_steps * 12);
+      EXPECT_NEAR(it->at("bytes").get<double>(), layer_steps * 3 * local / 2, 1);
+      EXPECT_NEAR(seconds, layer_steps * 3 * (local / 2 / bw + 4 * latency), 1e-9);
+    } else {
+      // One send forward (twice), two backward, each partly hidden behind the attention.
+      EXPECT_EQ(it->at("count"), layer_steps * 4);
+      EXPECT_NEAR(it->at("bytes").get<double>(), layer_steps * 4 * kv, 1);
+      EXPECT_GT(seconds, 0);
+      EXPECT_LT(seconds, layer_steps * 4 * (kv / bw + latency));
+    }
+    const json& t = doc.at("time");
+    EXPECT_NEAR(t.at("compute_s").get<double>() + t.at("tp_comm_s").get<double>() +
+                    t.at("cp_comm_s").get<double>() + t.at("bubble_s").get<double>() +
+                    t.at("dp_comm_s").get<double>() + t.at("optimizer_s").get<double>(),
+                doc.at("step_time_s").get<double>(), 1e-9);
+  }
+}
+
 // The activations at the schedule's peak against Korthikanti et al. 2022's closed forms for
 // GPT-3 175B (t 8, p 16, 192 micro-batches: stage 0 keeps 16 stashes of 6 layers, plus the
 // embedding dropout's one-byte mask each): sbh (10 + 24/t + 5as/(ht)) per layer without
@@ -968,10 +1027,15 @@ TEST(EstimateCommand, StepTimeNotesAndRefusals) {
       Mpusim({"estimate", Sample("gpt3_175b_t8_p16_n1024.json"), "--format", "json"});
   ASSERT_EQ(none_json.code, 0);
   EXPECT_TRUE(json::parse(none_json.out).at("step_time_s").is_null());
-  const Result cp = Mpusim({"estimate", Sample("gpt_context_parallel_cp2_t2_n4.json")});
+  json hierarchical = json::parse(std::ifstream(Sample("gpt3_175b_t8_p16_n1024.json")));
+  hierarchical["model"]["cp_comm_type"] = "a2a+p2p";
+  const Result cp = Mpusim({"estimate",
+                            WriteTemp("mpusim_estimate_hcp.json", hierarchical.dump()), "--cp",
+                            "4", "--hcp", "2,2", "--global-batch-size", "1536"});
   ASSERT_EQ(cp.code, 0) << cp.err;
-  EXPECT_NE(cp.out.find("Step time: not estimated: parallel.context_parallel_size: the "
-                        "step-time estimate does not model context parallelism yet\n"),
+  EXPECT_NE(cp.out.find("Step time: not estimated: model.cp_comm_type: the step-time estimate "
+                        "does not model \"a2a+p2p\" (hierarchical context parallelism) yet; "
+                        "p2p, all_gather and a2a it does\n"),
             std::string::npos)
       << cp.out;
   const std::string gpt3 = Sample("gpt3_175b_t8_p16_n1024.json");
