@@ -16,10 +16,7 @@ PlanBytes ToBytes(double bytes) { return static_cast<PlanBytes>(std::llround(byt
 
 StatusOr<std::vector<StageActivations>> EstimateStageActivations(const Config& config,
                                                                  const Topology& topology) {
-  if (Status s = CheckEstimable(config, topology, "the activation count", /*with_cp=*/true);
-      !s.ok()) {
-    return s;
-  }
+  if (Status s = CheckEstimable(config, "the activation count"); !s.ok()) return s;
   const GptConfig& g = *config.gpt;
   const RunConfig& run = *config.run;
   const DerivedSizes& sz = topology.sizes();

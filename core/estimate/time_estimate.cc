@@ -390,10 +390,7 @@ double ModelFlopsPerIteration(const GptConfig& g, int64_t padded_vocab, int64_t 
 StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& topology,
                                         const GpuSpec& gpu,
                                         const std::vector<StageHeldMemory>* held_given) {
-  if (Status s = CheckEstimable(config, topology, "the step-time estimate", /*with_cp=*/true);
-      !s.ok()) {
-    return s;
-  }
+  if (Status s = CheckEstimable(config, "the step-time estimate"); !s.ok()) return s;
   const GptConfig& g = *config.gpt;
   const RunConfig& run = *config.run;
   const DerivedSizes& sz = topology.sizes();
