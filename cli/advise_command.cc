@@ -315,12 +315,8 @@ class AdviseCommand : public Command {
     const std::string title =
         fmt::format("mpusim advise: {} GPUs ({}, {} each), global batch {}", o.world_size,
                     gpu.name, run::FormatBytes(hbm), o.global_batch_size);
-    out << "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>"
-        << HtmlEscape(title) << "</title>\n<style>\n"
-        << "body { font: 14px system-ui, sans-serif; margin: 16px; color: #222; }\n"
-        << "h1 { font-size: 18px; margin: 0 0 8px; }\n"
-        << kReportStyle << "</style>\n</head>\n<body>\n<h1>" << HtmlEscape(title) << "</h1>\n"
-        << fmt::format("<p>{} layouts evaluated of {}: {} fit, {} do not. Ranked by predicted "
+    PrintReportPageStart(title, out);
+    out << fmt::format("<p>{} layouts evaluated of {}: {} fit, {} do not. Ranked by predicted "
                        "step time, the fastest first.</p>\n",
                        a.candidates, HtmlEscape(path_), a.fit.size(), a.too_big.size());
     const size_t n = std::min(a.fit.size(), static_cast<size_t>(top_));
@@ -346,21 +342,12 @@ class AdviseCommand : public Command {
       }
       out << "</table>\n<p>Why #1 wins: " << HtmlEscape(WhyItWins(a.fit.front(), gpu))
           << "</p>\n<h2>where each step's time goes (the busiest stage's rank)</h2>\n";
-      const std::vector<std::string> names = {"compute", "tp collectives", "bubble",
-                                              "dp gradient reduction", "optimizer"};
+      // Advise does not search cp: no cp part.
       std::vector<Bar> time_bars;
       for (size_t i = 0; i < n; ++i) {
-        const TimeEstimate& t = a.fit[i].time;
-        Bar bar{label(i, a.fit[i]), {}};
-        const std::vector<double> parts = {t.compute_s, t.tp_comm_s, t.bubble_s, t.dp_comm_s,
-                                           t.optimizer_s};
-        for (size_t p = 0; p < parts.size(); ++p) {
-          bar.parts.push_back({parts[p], fmt::format("{} {}: {}", label(i, a.fit[i]), names[p],
-                                                     Seconds(parts[p]))});
-        }
-        time_bars.push_back(std::move(bar));
+        time_bars.push_back(TimeBar(label(i, a.fit[i]), a.fit[i].time, false));
       }
-      PrintBarsSvg(names, time_bars, 0, "", out);
+      PrintBarsSvg(TimePartNames(false), time_bars, 0, "", out);
     }
     // Memory: the peak stage of every layout shown, and of the closest misses.
     std::vector<Bar> memory_bars;
@@ -396,7 +383,8 @@ class AdviseCommand : public Command {
     out << "<p class=\"note\">Not searched: context parallelism, expert parallelism. Time "
            "model and memory count: <code>mpusim estimate</code> (README).</p>\n"
         << "<script id=\"advice\" type=\"application/json\">"
-        << JsonForScript(Json(o, gpu, a).dump()) << "</script>\n</body>\n</html>\n";
+        << JsonForScript(Json(o, gpu, a).dump()) << "</script>\n";
+    PrintReportPageEnd(out);
   }
 
   CLI::App* app_ = nullptr;

@@ -455,19 +455,8 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
         SecondsText(t.step_time_s), t.model_tflops_per_gpu, 100 * t.mfu, t.global_batch_size,
         t.num_microbatches, run.micro_batch_size, topology.sizes().dp, run.seq_length,
         RecomputeText(run.recompute));
-    std::vector<std::string> time_names = {"compute", "tp collectives", "bubble",
-                                           "dp gradient reduction", "optimizer"};
-    std::vector<double> parts = {t.compute_s, t.tp_comm_s, t.bubble_s, t.dp_comm_s,
-                                 t.optimizer_s};
-    if (topology.sizes().cp > 1) {
-      time_names.push_back("cp exchanges");
-      parts.push_back(t.cp_comm_s);
-    }
-    Bar bar{"one iteration", {}};
-    for (size_t p = 0; p < parts.size(); ++p) {
-      bar.parts.push_back({parts[p], fmt::format("{}: {}", time_names[p], SecondsText(parts[p]))});
-    }
-    PrintBarsSvg(time_names, {bar}, 0, "", out);
+    const bool cp = topology.sizes().cp > 1;
+    PrintBarsSvg(TimePartNames(cp), {TimeBar("one iteration", t, cp)}, 0, "", out);
     out << "<table class=\"report\"><tr><th>group</th><th>operation</th><th>count</th>"
            "<th>sent</th><th>time</th><th>link</th></tr>\n";
     for (const CommTime& c : t.communication) {
@@ -491,16 +480,39 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
       << JsonForScript(EstimateJson(r, topology).dump()) << "</script>\n";
 }
 
-void PrintEstimateHtml(const EstimateReport& r, const Topology& topology,
-                       const std::string& source, std::ostream& out) {
-  out << "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
-      << "<title>mpusim estimate: " << HtmlEscape(source) << "</title>\n<style>\n"
+std::vector<std::string> TimePartNames(bool cp) {
+  std::vector<std::string> names = {"compute", "tp collectives", "bubble",
+                                    "dp gradient reduction", "optimizer"};
+  if (cp) names.push_back("cp exchanges");
+  return names;
+}
+
+Bar TimeBar(const std::string& label, const TimeEstimate& t, bool cp) {
+  std::vector<double> parts = {t.compute_s, t.tp_comm_s, t.bubble_s, t.dp_comm_s, t.optimizer_s};
+  if (cp) parts.push_back(t.cp_comm_s);
+  const std::vector<std::string> names = TimePartNames(cp);
+  Bar bar{label, {}};
+  for (size_t p = 0; p < parts.size(); ++p) {
+    bar.parts.push_back({parts[p], fmt::format("{} {}: {}", label, names[p], SecondsText(parts[p]))});
+  }
+  return bar;
+}
+
+void PrintReportPageStart(const std::string& title, std::ostream& out) {
+  out << "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>"
+      << HtmlEscape(title) << "</title>\n<style>\n"
       << "body { font: 14px system-ui, sans-serif; margin: 16px; color: #222; }\n"
       << "h1 { font-size: 18px; margin: 0 0 8px; }\n"
-      << kReportStyle << "</style>\n</head>\n<body>\n"
-      << "<h1>mpusim estimate of " << HtmlEscape(source) << "</h1>\n";
+      << kReportStyle << "</style>\n</head>\n<body>\n<h1>" << HtmlEscape(title) << "</h1>\n";
+}
+
+void PrintReportPageEnd(std::ostream& out) { out << "</body>\n</html>\n"; }
+
+void PrintEstimateHtml(const EstimateReport& r, const Topology& topology,
+                       const std::string& source, std::ostream& out) {
+  PrintReportPageStart("mpusim estimate of " + source, out);
   PrintEstimateHtmlSection(r, topology, out);
-  out << "</body>\n</html>\n";
+  PrintReportPageEnd(out);
 }
 
 }  // namespace mpusim::cli

@@ -46,7 +46,7 @@ nlohmann::ordered_json EstimateJson(const EstimateReport& report, const Topology
 // <script id="estimate" type="application/json"> for scripts.
 void PrintEstimateHtmlSection(const EstimateReport& report, const Topology& topology,
                               std::ostream& out);
-// A self-contained page holding PrintEstimateHtmlSection.
+// A self-contained page (PrintReportPageStart) holding PrintEstimateHtmlSection.
 void PrintEstimateHtml(const EstimateReport& report, const Topology& topology,
                        const std::string& source, std::ostream& out);
 
@@ -62,6 +62,16 @@ struct Bar {
   std::string label;
   std::vector<BarPart> parts;  // in the order of the legend's names
 };
+// The parts of a step's time as bars draw them: compute, tp collectives, bubble, dp gradient
+// reduction, optimizer, and with `cp` context parallelism's exchanges.
+std::vector<std::string> TimePartNames(bool cp);
+Bar TimeBar(const std::string& label, const TimeEstimate& time, bool cp);
+
+// A self-contained report page's head (inline style: the body's and kReportStyle) up to its
+// <h1>`title`</h1>, and its end.
+void PrintReportPageStart(const std::string& title, std::ostream& out);
+void PrintReportPageEnd(std::ostream& out);
+
 // Bars as an inline SVG, all on one scale, parts coloured in turn from one palette, with a
 // legend of `names` above them. A `limit` > 0 (the GPU's memory) up to twice the largest
 // bar is drawn as a red line named `limit_name` and the scale reaches it; a larger one is

@@ -123,10 +123,8 @@ class LayoutCommand : public Command {
       if (layout->config.has_model()) {
         Config config = layout->config;
         const bool run_given = FillMissingRun(&config, *topology);
-        StatusOr<GpuSpec> gpu = ResolveGpuSpec(kDefaultGpu);
-        StatusOr<EstimateReport> report =
-            gpu.ok() ? MakeEstimateReport(config, *topology, *gpu, run_given, run_given)
-                     : StatusOr<EstimateReport>(gpu.status());
+        StatusOr<EstimateReport> report = MakeEstimateReport(
+            config, *topology, FindGpuPreset(kDefaultGpu).value(), run_given, run_given);
         std::ostringstream section;
         if (report.ok()) {
           PrintEstimateHtmlSection(*report, *topology, section);

@@ -1184,6 +1184,15 @@ TEST(EstimateCommand, HtmlPageDrawsTheJsonReport) {
       Mpusim({"layout", Sample("gpt_moe_ep2_t2_sp_dp2_n4.json"), "--format", "html"});
   ASSERT_EQ(moe.code, 0) << moe.err;
   EXPECT_NE(moe.out.find("step time: not estimated: model.num_moe_experts: "), std::string::npos);
+  // A layout the model cannot take (8 heads over tp 3) still draws its groups, and says why
+  // there is no estimate.
+  const Result odd = Mpusim({"layout", Sample("gpt_tiny_t2_sp_dp2_n4.json"), "--tp", "3",
+                             "--world-size", "6", "--format", "html"});
+  ASSERT_EQ(odd.code, 0) << odd.err;
+  EXPECT_TRUE(EmbeddedJson(odd.out, "layout").is_object());
+  EXPECT_NE(odd.out.find("<p class=\"note\">not estimated: model.num_attention_heads: 8 is not "
+                         "divisible by tensor_model_parallel_size 3</p>"),
+            std::string::npos);
   const Result groups = Mpusim({"layout", Sample("lab_t2_p4_n16.json"), "--format", "html"});
   ASSERT_EQ(groups.code, 0) << groups.err;
   EXPECT_TRUE(EmbeddedJson(groups.out, "estimate").is_null());
