@@ -37,7 +37,8 @@
 //
 // This is a GPU run's count, not the CPU executor's: mpusim's executor keeps its own stash
 // (float32 by default, and the tensors its kernels need), which `mpusim run --summary`
-// measures as peak - held. Mixture-of-experts layers are refused.
+// measures as peak - held, and executor_activations.h counts. Mixture-of-experts layers are
+// refused.
 #pragma once
 
 #include <cstdint>

@@ -1,0 +1,53 @@
+// The activations mpusim's own executor holds at its schedule's peak, per stage, counted from
+// the config: what `mpusim run --summary` measures on each rank as peak - held (the tensors
+// alive at once during the step, less the parameters, main_grad and optimizer state held
+// before it). The test (tests/model/estimate_mpi_test.cc) requires this count within 5% of
+// the measurement on every GPT sample config and a sweep of layouts.
+//
+// It differs from activation_estimate.h's count of a GPU run of Megatron in what is kept,
+// not in how the schedule keeps it:
+//   - the stash of a (chunk, micro-batch) mirrors the executor's Stash structs
+//     (core/model/gpt_model.h, transformer_layer.h, attention.h, mlp.h, layer_norm.h,
+//     linear.h): per layer the norms' statistics (compute dtype), the normalised inputs of
+//     linear_qkv and linear_fc1, the fused qkv output and its per-head copies of q, k and v
+//     (a second copy of q and k after qk_layernorm), the probabilities before and after
+//     dropout, the context, the residual x1, fc1's output and the activation's, and every
+//     layer's input; no dropout masks (the executor redraws them from their global indices,
+//     core/dropout.h). A post-process chunk adds the final norm's input and output, the
+//     logits [s*b, Vp/t] in the storage dtype and the cross entropy's row statistics; a
+//     pre-process chunk the embedding's output before dropout; both the micro-batch's
+//     tokens, labels and positions (int64).
+//   - Full recomputation keeps each layer's input; selective drops the core attention's
+//     tensors (q, k, v copies, probabilities).
+//   - Working memory: the backward step of a chunk holds, besides the stashes alive, the
+//     gradients of its first layer in flight: at the largest of the points where they peak
+//     (the attention's fused qkv gradient while the probabilities' gradients are alive, fc1's
+//     weight gradient, the output layer's), with that layer's recomputed tensors under
+//     recomputation.
+// Mixture-of-experts layers are refused (CheckEstimable).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/config/config.h"
+#include "core/memory_plan.h"
+#include "core/status.h"
+#include "core/topology.h"
+
+namespace mpusim {
+
+struct ExecutorActivations {
+  int64_t stage = 0;
+  int64_t peak_stashes = 0;  // (chunk, micro-batch) stashes alive at the peak
+  PlanBytes stashes = 0;     // their bytes
+  PlanBytes working = 0;     // the backward step's own tensors at that moment
+  PlanBytes peak() const { return stashes + working; }
+};
+
+// One entry per pipeline stage (the same for every rank of the stage); errors name the field
+// the count cannot handle.
+StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(const Config& config,
+                                                                       const Topology& topology);
+
+}  // namespace mpusim
