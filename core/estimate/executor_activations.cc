@@ -5,6 +5,8 @@
 #include <initializer_list>
 
 #include "core/estimate/estimable.h"
+#include "core/estimate/memory_estimate.h"
+#include "core/pipeline/pipeline_plan.h"
 #include "core/schedule.h"
 #include "core/tensor.h"
 
@@ -77,18 +79,37 @@ StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(const Con
   const auto weight_grad = [&](double out, double in) { return fused ? 0.0 : out * in * e; };
   // The keys' and values' gradients as core attention makes them: every position's under
   // all_gather (then reduce-scattered to this rank's: both alive), else this rank's.
-  const double dkey = gathered ? b * gl * s * dk * e + kv : kv;
+  // "a2a" exchanges each back to this rank's tokens: dk's new copy beside the old.
+  const bool heads = sz.cp > 1 && g.cp_comm_type == CpCommType::kA2a;
+  const double dkey = gathered ? b * gl * s * dk * e + kv : heads ? 2 * kv : kv;
   const double dvalue = kv;
   double attention_point;
   if (ring) {
-    // After the ring: dout, the row dot products, dq, the travelling block's gradients, and
-    // the gradients in this rank's order, then the fused qkv gradient.
-    attention_point = 2 * q /*dcontext, its copy*/ + q /*dout*/ + R * al * c + q /*dq*/ +
-                      2 * kv /*dblock*/ + q + 2 * kv /*in order*/ + qkv;
+    // The ring's backward (attention.cc RingBackward): d context and its copy ("a2a+p2p":
+    // and its exchange to the ring's heads), each query half's d out, row dot products and
+    // dq, the gradients travelling with the block; then per step the block received next,
+    // and per block its probabilities, their gradient, the scores' gradient (and with
+    // dropout the dropped copies of both), or at the step's end the gradients passed on;
+    // at the end dq, dk, dv in this rank's order ("a2a+p2p": exchanged back, one at a
+    // time); last the fused qkv gradient.
+    const std::vector<int64_t>& levels = topology.config().hierarchical_context_parallel_sizes;
+    const bool hier = g.cp_comm_type == CpCommType::kA2aP2p;
+    const double ring_size = hier && !levels.empty() ? cp / static_cast<double>(levels[0]) : cp;
+    const double chunk = s / (2 * ring_size);  // positions per ring chunk
+    const double block = R * al / 2 * chunk * e;  // one query half's block of probabilities
+    const double base = 2 * q + (hier ? q : 0) + q + R * al * c + q + 2 * kv;
+    const double incoming = ring_size > 1 ? 2 * kv : 0;
+    const double in_order = base + q + 2 * kv;
+    attention_point = Max({base + incoming + (attention_dropout ? 5 : 3) * block,
+                           base + 2 * incoming, in_order,
+                           hier ? Max({in_order + 3 * q, in_order + q + 4 * kv}) : 0,
+                           2 * q + q + 2 * kv + qkv});
   } else {
-    attention_point = 2 * q /*dcontext, its copy*/ + probs /*dprobs*/ + dvalue +
-                      (attention_dropout ? probs : 0) + probs /*dscores*/ + q /*dq*/ + dkey +
-                      (qk_norm ? q + kv : 0) + qkv;
+    const double gradients = 2 * q /*dcontext, its copy*/ + probs /*dprobs*/ + dvalue +
+                             (attention_dropout ? probs : 0) + probs /*dscores*/ + q /*dq*/;
+    attention_point = gradients + dkey + (qk_norm ? q + kv : 0) + qkv;
+    // "a2a": dq's exchange (send, receive and result buffers) before dk's.
+    if (heads) attention_point = std::max(attention_point, gradients + kv + 3 * q);
   }
   attention_point += dmlp + stream /*dln2*/ + stream /*dx1*/ + dattn;
   // fc2's and fc1's weight gradients (with sp each GEMM's gathered input), qkv's and proj's.
@@ -98,11 +119,13 @@ StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(const Con
   const double after_core = dmlp + stream + stream + dattn + q /*dcontext*/;
   const double qkv_point = after_core + qkv + full + (sp ? full : 0) + weight_grad(al * dk + 2 * gl * dk, h);
   const double proj_point = dmlp + 2 * stream + dattn + (sp ? full : 0) + q + weight_grad(h, al * dk);
-  // Recomputation rebuilds the layer's tensors (full) or its core attention's (selective).
-  const double rebuilt = full_recompute ? inner : selective ? core : 0;
+  // Recomputation rebuilds the layer's tensors (full: before its backward starts) or its
+  // core attention's (selective: after linear_proj's backward, kept until the layer's ends).
+  const double rebuilt_layer = full_recompute ? inner : 0;
+  const double rebuilt_core = full_recompute ? inner : selective ? core : 0;
   const double layer_working =
-      stream /*dy*/ + rebuilt +
-      Max({attention_point, fc2_point, fc1_point, qkv_point, proj_point});
+      stream /*dy*/ + Max({rebuilt_layer + Max({fc2_point, fc1_point, proj_point}),
+                           rebuilt_core + Max({attention_point, qkv_point})});
   // The head's backward: d loss per token, d logits, the output layer's input gradient
   // (with sp its gathered input) and weight gradient.
   const double head_working =
@@ -113,6 +136,12 @@ StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(const Con
   StatusOr<PipelineSchedule> schedule = BuildPipelineSchedule(
       p, sz.vp, run.num_microbatches, topology.config().microbatch_group_size_per_vp_stage);
   if (!schedule.ok()) return schedule.status();
+  // The pipeline's transfers as the executor's MPI walk makes them (core/pipeline/
+  // pipeline_walk.h): a receive's buffer from when its batch is posted until its step takes
+  // it, every send's tensor until the walk's end (its request holds it).
+  const PipelinePlan plan = p > 1 ? PlanPipelineTransfers(*schedule) : PipelinePlan{};
+  StatusOr<std::vector<StageHeldMemory>> held = EstimateStageHeldMemory(config, topology);
+  if (!held.ok()) return held.status();
   std::vector<ExecutorActivations> out;
   for (int64_t r = 0; r < p; ++r) {
     std::vector<double> stash(static_cast<size_t>(v)), working(static_cast<size_t>(v));
@@ -129,31 +158,66 @@ StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(const Con
         bytes += stream + norm_stats + stream + R * vocab * e + 2 * R * c;
       }
       stash[static_cast<size_t>(chunk)] = bytes;
+      // Under full recomputation every layer rebuilds as much, so the chunk's second layer
+      // peaks highest: the walk still holds the gradient it received for the first.
+      const double received = full_recompute && !post && p > 1 && layers > 1 ? stream : 0;
       working[static_cast<size_t>(chunk)] =
-          layers > 0 ? std::max(layer_working, post ? head_working : 0) : head_working;
-    }
-    double live = 0, peak = 0, peak_stashes_bytes = 0;
-    int64_t alive = 0, peak_alive = 0;
-    for (const ScheduleStep& step : schedule->per_rank[static_cast<size_t>(r)]) {
-      const auto chunk = static_cast<size_t>(step.model_chunk);
-      if (step.pass == Pass::kForward) {
-        live += stash[chunk];
-        ++alive;
-        continue;
-      }
-      if (live + working[chunk] > peak) {
-        peak = live + working[chunk];
-        peak_stashes_bytes = live;
-        peak_alive = alive;
-      }
-      live -= stash[chunk];
-      --alive;
+          layers > 0 ? std::max(layer_working + received, post ? head_working : 0)
+                     : head_working;
     }
     ExecutorActivations act;
     act.stage = r;
-    act.peak_stashes = peak_alive;
-    act.stashes = ToBytes(peak_stashes_bytes);
-    act.working = ToBytes(peak - peak_stashes_bytes);
+    double stashes = 0, transfers = 0, best = -1;
+    int64_t alive = 0;
+    const auto step = [&](const ScheduleStep& st) {
+      const auto chunk = static_cast<size_t>(st.model_chunk);
+      const int64_t u = st.model_chunk * p + r;
+      if (st.pass == Pass::kForward) {
+        if (u > 0 && p > 1) transfers -= stream;  // the received input joins the stash
+        stashes += stash[chunk];
+        ++alive;
+        return;
+      }
+      if (u < stages - 1 && p > 1) transfers -= stream;  // the received gradient: its dy
+      if (stashes + working[chunk] + transfers > best) {
+        best = stashes + working[chunk] + transfers;
+        act.peak_stashes = alive;
+        act.stashes = ToBytes(stashes);
+        act.working = ToBytes(working[chunk]);
+        act.transfers = ToBytes(transfers);
+      }
+      stashes -= stash[chunk];
+      --alive;
+    };
+    if (p == 1) {
+      for (const ScheduleStep& st : schedule->per_rank[0]) step(st);
+    } else {
+      for (const PlanAction& action : plan[static_cast<size_t>(r)]) {
+        for (const Transfer& transfer : action.batch) {
+          (void)transfer;
+          transfers += stream;  // a receive's buffer, or a sent tensor kept until the end
+        }
+        if (action.step) step(*action.step);
+      }
+    }
+    // The optimizer's step, once every stash is gone: each update makes a new parameter
+    // tensor; the distributed optimizer also gathers the main_grads into a flat buffer
+    // (compute dtype, padded to its D pieces), reduce-scatters it to this rank's piece, and
+    // all-gathers the updated pieces in the storage dtype.
+    if (config.optimizer) {
+      const HeldMemory& mine = (*held)[static_cast<size_t>(r)].held;
+      const double largest = static_cast<double>(mine.largest_parameter_elements) * e;
+      double step_bytes = largest;
+      if (config.optimizer->use_distributed_optimizer) {
+        const double d = static_cast<double>(mine.dense_shards);
+        const double padded =
+            std::ceil(static_cast<double>(mine.dense_elements) / d) * d, piece = padded / d;
+        const double scatter = padded * c + (d > 1 ? piece * c : 0);
+        const double gather = piece * c + piece * e + (d > 1 ? padded * e : 0) + largest;
+        step_bytes = std::max(scatter, gather);
+      }
+      act.optimizer_step = ToBytes(step_bytes);
+    }
     out.push_back(act);
   }
   return out;

@@ -27,6 +27,7 @@
 // Mixture-of-experts layers are refused (CheckEstimable).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -42,7 +43,10 @@ struct ExecutorActivations {
   int64_t peak_stashes = 0;  // (chunk, micro-batch) stashes alive at the peak
   PlanBytes stashes = 0;     // their bytes
   PlanBytes working = 0;     // the backward step's own tensors at that moment
-  PlanBytes peak() const { return stashes + working; }
+  PlanBytes transfers = 0;   // the pipeline's received and sent tensors alive then
+  PlanBytes optimizer_step = 0;  // the optimizer step's own tensors, after the schedule
+  PlanBytes schedule_peak() const { return stashes + working + transfers; }
+  PlanBytes peak() const { return std::max(schedule_peak(), optimizer_step); }
 };
 
 // One entry per pipeline stage (the same for every rank of the stage); errors name the field

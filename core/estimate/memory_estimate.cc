@@ -45,17 +45,21 @@ StatusOr<HeldMemory> EstimateHeldMemory(const Config& config, const Topology& to
     const PlanBytes elements = PlanElements(p.local_shape);
     held.parameter_elements = SaturatingAdd(held.parameter_elements, elements);
     if (!p.trainable) continue;
+    held.largest_parameter_elements = std::max(held.largest_parameter_elements, elements);
     trainable = SaturatingAdd(trainable, elements);
     (p.expert ? experts : dense) = SaturatingAdd(p.expert ? experts : dense, elements);
   }
   held.parameters = SaturatingMul(held.parameter_elements, DTypeSize(storage));
   held.gradients = SaturatingMul(trainable, DTypeSize(compute));
+  held.dense_elements = dense;
+  held.expert_elements = experts;
   if (!config.optimizer) return held;
   const OptimizerConfig& optimizer = *config.optimizer;
   if (!optimizer.use_distributed_optimizer) {
     held.optimizer_elements = trainable;
   } else {
     const auto [d, r] = GroupPosition(topology, "dp_cp_partial", rank);
+    held.dense_shards = d;
     held.optimizer_elements = OwnedElements(dense, d, r);
     if (experts > 0) {
       const auto [de, re] = GroupPosition(topology, "expt_dp_partial", rank);
