@@ -65,6 +65,25 @@ void PrintPeakText(const EstimateReport& r, std::ostream& out) {
   }
 }
 
+void PrintExecutorText(const EstimateReport& r, std::ostream& out) {
+  out << fmt::format("What `mpusim run --no-check` of this config keeps on the CPU executor, in "
+                     "{}: its own stashes at its peak, the backward's working set, the "
+                     "pipeline's transfers, the optimizer's gradient piece carried between "
+                     "iterations, or the optimizer step if larger (`run --summary` measures "
+                     "that as activations, peak - held)\n",
+                     DTypeName(r.config.run->dtype));
+  out << fmt::format("  {:>5}  {:>7}  {:>12}  {:>12}  {:>12}  {:>12}  {:>14}  {:>12}\n",
+                     "stage", "stashes", "stash bytes", "working", "transfers", "carried",
+                     "optimizer step", "activations");
+  for (const ExecutorActivations& a : *r.executor) {
+    out << fmt::format("  {:>5}  {:>7}  {:>12}  {:>12}  {:>12}  {:>12}  {:>14}  {:>12}\n",
+                       a.stage, a.peak_stashes, run::FormatBytes(a.stashes),
+                       run::FormatBytes(a.working), run::FormatBytes(a.transfers),
+                       run::FormatBytes(a.carried), run::FormatBytes(a.optimizer_step),
+                       run::FormatBytes(a.peak()));
+  }
+}
+
 void PrintTimeText(const Config& config, const Topology& topology, const TimeEstimate& t,
                    std::ostream& out) {
   const RunConfig& run = *config.run;
@@ -175,6 +194,8 @@ StatusOr<EstimateReport> MakeEstimateReport(Config config, const Topology& topol
     } else {
       r.activations_missing = a.status().Message();
     }
+    StatusOr<std::vector<ExecutorActivations>> e = EstimateExecutorActivations(config, topology);
+    if (e.ok()) r.executor = *e;
     StatusOr<TimeEstimate> t = EstimateStepTime(config, topology, gpu);
     if (t.ok()) {
       r.time = *t;
@@ -228,6 +249,7 @@ void PrintEstimateText(const EstimateReport& r, const Topology& topology, std::o
          "caching allocator's slack).\n";
   if (r.activations) {
     PrintPeakText(r, out);
+    if (r.executor) PrintExecutorText(r, out);
   } else {
     out << "Activations: not estimated: " << r.activations_missing << '\n';
   }
@@ -309,6 +331,18 @@ nlohmann::ordered_json EstimateJson(const EstimateReport& r, const Topology& top
       stage["memory"]["activations"] = nullptr;
       stage["memory"]["buffers"] = nullptr;
       stage["memory"]["peak"] = nullptr;
+    }
+    if (r.executor) {
+      const ExecutorActivations& a = (*r.executor)[i];
+      stage["executor"] = {{"peak_stashes", a.peak_stashes},
+                           {"stashes", JsonBytes(a.stashes)},
+                           {"working", JsonBytes(a.working)},
+                           {"transfers", JsonBytes(a.transfers)},
+                           {"carried", JsonBytes(a.carried)},
+                           {"optimizer_step", JsonBytes(a.optimizer_step)},
+                           {"activations", JsonBytes(a.peak())}};
+    } else {
+      stage["executor"] = nullptr;
     }
     stage["parameter_elements"] = JsonBytes(s.held.parameter_elements);
     if (time) {
@@ -445,6 +479,26 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
   out << "<p class=\"note\">Activations are Megatron's on a GPU as Korthikanti et al. 2022 "
          "count them, walked through the pipeline schedule. Not counted: what a GPU run adds "
          "(cuBLAS workspaces, NCCL's own buffers, the caching allocator's slack).</p>\n";
+  if (r.executor) {
+    out << fmt::format("<h3>what <code>mpusim run</code> keeps on the CPU executor, in {}</h3>\n",
+                       DTypeName(config.run->dtype));
+    out << "<table class=\"report\"><tr><th>stage</th><th>stashes</th><th>stash bytes</th>"
+           "<th>working</th><th>transfers</th><th>carried</th><th>optimizer step</th>"
+           "<th>activations</th></tr>\n";
+    for (const ExecutorActivations& a : *r.executor) {
+      out << "<tr>" << Td(std::to_string(a.stage)) << Td(std::to_string(a.peak_stashes))
+          << Td(run::FormatBytes(a.stashes)) << Td(run::FormatBytes(a.working))
+          << Td(run::FormatBytes(a.transfers)) << Td(run::FormatBytes(a.carried))
+          << Td(run::FormatBytes(a.optimizer_step))
+          << Td(run::FormatBytes(a.peak())) << "</tr>\n";
+    }
+    out << "</table>\n<p class=\"note\">The executor's own stash (float32 statistics, per-head "
+           "copies, no dropout masks) walked through the same schedule, with the backward's "
+           "working set, the pipeline's received and in-flight tensors, the distributed "
+           "optimizer's gradient piece kept between iterations, or the optimizer step if "
+           "larger: what <code>mpusim run --no-check --summary</code> measures as activations (peak - "
+           "held).</p>\n";
+  }
   if (r.time) {
     const TimeEstimate& t = *r.time;
     const RunConfig& run = *config.run;

@@ -12,6 +12,7 @@
 
 #include "core/config/config.h"
 #include "core/estimate/activation_estimate.h"
+#include "core/estimate/executor_activations.h"
 #include "core/estimate/memory_estimate.h"
 #include "core/estimate/time_estimate.h"
 #include "core/status.h"
@@ -27,6 +28,8 @@ struct EstimateReport {
   std::vector<PlanBytes> other_optimizer;  // the optimizer the other way; empty: no optimizer
   std::optional<std::vector<StageActivations>> activations;
   std::string activations_missing;  // why not, when activations is empty
+  // What `mpusim run` of this config would hold on the CPU executor (with the activations).
+  std::optional<std::vector<ExecutorActivations>> executor;
   std::optional<TimeEstimate> time;
   std::string time_missing;  // why not, when time is empty
 };

@@ -212,9 +212,12 @@ StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(const Con
         const double d = static_cast<double>(mine.dense_shards);
         const double padded =
             std::ceil(static_cast<double>(mine.dense_elements) / d) * d, piece = padded / d;
-        const double scatter = padded * c + (d > 1 ? piece * c : 0);
+        // The piece (all of the buffer when d is 1) stays until the next step replaces it.
+        const double carried = run.train_iters > 1 ? piece * c : 0;
+        const double scatter = padded * c + (d > 1 ? piece * c : 0) + carried;
         const double gather = piece * c + piece * e + (d > 1 ? padded * e : 0) + largest;
         step_bytes = std::max(scatter, gather);
+        act.carried = ToBytes(carried);
       }
       act.optimizer_step = ToBytes(step_bytes);
     }

@@ -45,7 +45,10 @@ struct ExecutorActivations {
   PlanBytes working = 0;     // the backward step's own tensors at that moment
   PlanBytes transfers = 0;   // the pipeline's received and sent tensors alive then
   PlanBytes optimizer_step = 0;  // the optimizer step's own tensors, after the schedule
-  PlanBytes schedule_peak() const { return stashes + working + transfers; }
+  // From the second training iteration on: the distributed optimizer's gradient piece,
+  // kept from the last step until the next reduce-scatter replaces it.
+  PlanBytes carried = 0;
+  PlanBytes schedule_peak() const { return stashes + working + transfers + carried; }
   PlanBytes peak() const { return std::max(schedule_peak(), optimizer_step); }
 };
 
