@@ -48,7 +48,8 @@ class EstimateCommand : public Command {
         "rank, exactly as `mpusim run` allocates them. With a run section or\n"
         "--global-batch-size, also the step time on --gpu (a100-80gb, h100-80gb, h200, or a\n"
         "JSON file of GPU fields), model TFLOP/s per GPU and MFU, and the activations and\n"
-        "buffers at the schedule's peak as Korthikanti et al. 2022 count a GPU run's.");
+        "buffers at the schedule's peak as Korthikanti et al. 2022 count a GPU run's, and\n"
+        "the activations `mpusim run --no-check` keeps on the CPU executor.");
     config_.Register(app_);
     app_->add_option("--format", format_,
                      "text, json or html (a self-contained page; default text)")
@@ -62,6 +63,9 @@ class EstimateCommand : public Command {
                      "tokens per sample (default the run's, else max_position_embeddings)");
     app_->add_option("--recompute", recompute_, "none, full or selective")
         ->check(CLI::IsMember({"none", "full", "selective"}));
+    app_->add_option("--train-iters", train_iters_,
+                     "training iterations of the run the executor count is for (from the "
+                     "second on, the distributed optimizer's gradient piece stays)");
   }
   CLI::App* app() override { return app_; }
 
@@ -100,11 +104,13 @@ class EstimateCommand : public Command {
  private:
   // --global-batch-size and friends: the run section the step time reads.
   Status ApplyRunFlags(Config* config, const Topology& topology) const {
-    if (!global_batch_ && !micro_batch_ && !seq_length_ && recompute_.empty()) return {};
+    if (!global_batch_ && !micro_batch_ && !seq_length_ && recompute_.empty() && !train_iters_) {
+      return {};
+    }
     if (!config->run && !global_batch_) {
       return Status::Error("--global-batch-size",
-                           "is needed with --micro-batch-size, --seq-length or --recompute when "
-                           "the config has no run section");
+                           "is needed with --micro-batch-size, --seq-length, --recompute or "
+                           "--train-iters when the config has no run section");
     }
     RunConfig run;
     if (config->run) {
@@ -123,6 +129,10 @@ class EstimateCommand : public Command {
                                        run.seq_length, config->gpt->max_position_embeddings));
     }
     if (run.micro_batch_size < 1) return Status::Error("--micro-batch-size", "must be >= 1");
+    if (train_iters_) {
+      if (*train_iters_ < 1) return Status::Error("--train-iters", "must be >= 1");
+      run.train_iters = *train_iters_;
+    }
     if (global_batch_) {
       const int64_t per = run.micro_batch_size * topology.sizes().dp;
       if (*global_batch_ < 1 || *global_batch_ % per != 0) {
@@ -146,7 +156,7 @@ class EstimateCommand : public Command {
   ConfigOptions config_;
   std::string format_ = "text";
   std::string gpu_ = kDefaultGpu;
-  std::optional<int64_t> global_batch_, micro_batch_, seq_length_;
+  std::optional<int64_t> global_batch_, micro_batch_, seq_length_, train_iters_;
   std::string recompute_;
 };
 

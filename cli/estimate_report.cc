@@ -66,11 +66,8 @@ void PrintPeakText(const EstimateReport& r, std::ostream& out) {
 }
 
 void PrintExecutorText(const EstimateReport& r, std::ostream& out) {
-  out << fmt::format("What `mpusim run --no-check` of this config keeps on the CPU executor, in "
-                     "{}: its own stashes at its peak, the backward's working set, the "
-                     "pipeline's transfers, the optimizer's gradient piece carried between "
-                     "iterations, or the optimizer step if larger (`run --summary` measures "
-                     "that as activations, peak - held)\n",
+  out << fmt::format("What `mpusim run --no-check` keeps on the CPU executor, in {}: its "
+                     "activations as `--summary` measures them (peak - held)\n",
                      DTypeName(r.config.run->dtype));
   out << fmt::format("  {:>5}  {:>7}  {:>12}  {:>12}  {:>12}  {:>12}  {:>14}  {:>12}\n",
                      "stage", "stashes", "stash bytes", "working", "transfers", "carried",

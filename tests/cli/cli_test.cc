@@ -1016,6 +1016,50 @@ TEST(EstimateCommand, ActivationsMatchKorthikantiClosedForms) {
 
 // Without a run section the step time is not estimated (and says why); what it does not
 // model is named; bad GPU files and batch flags are one error line.
+// The executor's count in the JSON: its parts add up to its activations (the schedule's
+// peak, or the optimizer step when larger), the distributed optimizer's gradient piece is
+// carried only from a second iteration on, and the text shows the same bytes. That the count
+// equals what `mpusim run` measures is MemoryEstimate.* (mpi_tests).
+TEST(EstimateCommand, ExecutorCountAddsUpAndCarriesTheGradientPiece) {
+  const std::string sweep = Sample("gpt_sweep_l4_n8.json");  // distributed optimizer, dp 2
+  const auto executor = [&](const char* iterations) {
+    const Result r = Mpusim({"estimate", sweep, "--format", "json", "--train-iters", iterations});
+    EXPECT_EQ(r.code, 0) << r.err;
+    return json::parse(r.out).at("stages");
+  };
+  const json one = executor("1"), two = executor("2");
+  ASSERT_EQ(one.size(), 2u);
+  for (size_t i = 0; i < one.size(); ++i) {
+    SCOPED_TRACE(i);
+    const json& a = one[i].at("executor");
+    const json& b = two[i].at("executor");
+    const auto schedule = [](const json& x) {
+      return x.at("stashes").get<uint64_t>() + x.at("working").get<uint64_t>() +
+             x.at("transfers").get<uint64_t>() + x.at("carried").get<uint64_t>();
+    };
+    EXPECT_EQ(a.at("activations").get<uint64_t>(),
+              std::max(schedule(a), a.at("optimizer_step").get<uint64_t>()));
+    EXPECT_EQ(a.at("carried"), 0);
+    EXPECT_GT(b.at("carried").get<uint64_t>(), 0u);
+    // The piece: the rank's half (dp 2) of the main_grads' elements, padded, in float32.
+    const uint64_t elements = one[i].at("memory").at("gradients").get<uint64_t>() / 4;
+    EXPECT_EQ(b.at("carried").get<uint64_t>(), (elements + 1) / 2 * 4);
+    EXPECT_EQ(b.at("activations").get<uint64_t>(),
+              a.at("activations").get<uint64_t>() + b.at("carried").get<uint64_t>());
+    EXPECT_EQ(b.at("stashes"), a.at("stashes"));
+  }
+  const Result text = Mpusim({"estimate", sweep});
+  ASSERT_EQ(text.code, 0) << text.err;
+  EXPECT_NE(text.out.find("What `mpusim run --no-check` keeps on the CPU executor, in float32"),
+            std::string::npos)
+      << text.out;
+  // A config the count cannot handle (mixture of experts) has no executor entry.
+  const Result moe =
+      Mpusim({"estimate", Sample("gpt_moe_ep2_t2_sp_dp2_n4.json"), "--format", "json"});
+  ASSERT_EQ(moe.code, 0) << moe.err;
+  EXPECT_TRUE(json::parse(moe.out).at("stages").at(0).at("executor").is_null());
+}
+
 TEST(EstimateCommand, StepTimeNotesAndRefusals) {
   const Result none = Mpusim({"estimate", Sample("gpt3_175b_t8_p16_n1024.json")});
   ASSERT_EQ(none.code, 0) << none.err;
@@ -1047,8 +1091,10 @@ TEST(EstimateCommand, StepTimeNotesAndRefusals) {
                    "of micro_batch_size 1 x data_parallel_size 8 = 8");
   ExpectUsageError(Mpusim({"estimate", gpt3, "--recompute", "full"}),
                    "error: command line: --global-batch-size: is needed with "
-                   "--micro-batch-size, --seq-length or --recompute when the config has no run "
-                   "section");
+                   "--micro-batch-size, --seq-length, --recompute or --train-iters when the "
+                   "config has no run section");
+  ExpectUsageError(Mpusim({"estimate", Sample("gpt_sweep_l4_n8.json"), "--train-iters", "0"}),
+                   "error: command line: --train-iters: must be >= 1");
   const std::string typo =
       WriteTemp("mpusim_estimate_typo_gpu.json", R"({"peak_tflops_16bt": 100})");
   ExpectUsageError(Mpusim({"estimate", gpt3, "--gpu", typo}),
