@@ -489,12 +489,12 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
           << Td(run::FormatBytes(a.optimizer_step))
           << Td(run::FormatBytes(a.peak())) << "</tr>\n";
     }
-    out << "</table>\n<p class=\"note\">The executor's own stash (float32 statistics, per-head "
-           "copies, no dropout masks) walked through the same schedule, with the backward's "
-           "working set, the pipeline's received and in-flight tensors, the distributed "
-           "optimizer's gradient piece kept between iterations, or the optimizer step if "
-           "larger: what <code>mpusim run --no-check --summary</code> measures as activations (peak - "
-           "held).</p>\n";
+    out << "</table>\n<p class=\"note\">The executor's own stash (norm statistics in the "
+           "compute dtype, per-head copies, no dropout masks) walked through the same "
+           "schedule, with the backward's working set, the pipeline's received and in-flight "
+           "tensors, the distributed optimizer's gradient piece kept between iterations, or "
+           "the optimizer step if larger: what <code>mpusim run --no-check --summary</code> "
+           "measures as activations (peak - held).</p>\n";
   }
   if (r.time) {
     const TimeEstimate& t = *r.time;

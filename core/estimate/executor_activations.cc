@@ -103,7 +103,7 @@ StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(const Con
     attention_point = Max({base + incoming + (attention_dropout ? 5 : 3) * block,
                            base + 2 * incoming, in_order,
                            hier ? Max({in_order + 3 * q, in_order + q + 4 * kv}) : 0,
-                           2 * q + q + 2 * kv + qkv});
+                           2 * q + q + 2 * kv + (qk_norm ? q + kv : 0) + qkv});
   } else {
     const double gradients = 2 * q /*dcontext, its copy*/ + probs /*dprobs*/ + dvalue +
                              (attention_dropout ? probs : 0) + probs /*dscores*/ + q /*dq*/;
@@ -117,8 +117,10 @@ StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(const Con
   const double fc1_point =
       dmlp + R * f * e + R * f1 * e + full + (sp ? full : 0) + weight_grad(f1, h);
   const double after_core = dmlp + stream + stream + dattn + q /*dcontext*/;
-  const double qkv_point = after_core + qkv + full + (sp ? full : 0) + weight_grad(al * dk + 2 * gl * dk, h);
-  const double proj_point = dmlp + 2 * stream + dattn + (sp ? full : 0) + q + weight_grad(h, al * dk);
+  const double qkv_point =
+      after_core + qkv + full + (sp ? full : 0) + weight_grad((al + 2 * gl) * dk, h);
+  const double proj_point =
+      dmlp + 2 * stream + dattn + (sp ? full : 0) + q + weight_grad(h, al * dk);
   // Recomputation rebuilds the layer's tensors (full: before its backward starts) or its
   // core attention's (selective: after linear_proj's backward, kept until the layer's ends).
   const double rebuilt_layer = full_recompute ? inner : 0;
@@ -193,10 +195,8 @@ StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(const Con
       for (const ScheduleStep& st : schedule->per_rank[0]) step(st);
     } else {
       for (const PlanAction& action : plan[static_cast<size_t>(r)]) {
-        for (const Transfer& transfer : action.batch) {
-          (void)transfer;
-          transfers += stream;  // a receive's buffer, or a sent tensor kept until the end
-        }
+        // Each a receive's buffer, or a sent tensor kept until the end.
+        transfers += stream * static_cast<double>(action.batch.size());
         if (action.step) step(*action.step);
       }
     }
