@@ -21,10 +21,18 @@
 //     tensors (q, k, v copies, probabilities).
 //   - Working memory: the backward step of a chunk holds, besides the stashes alive, the
 //     gradients of its first layer in flight: at the largest of the points where they peak
-//     (the attention's fused qkv gradient while the probabilities' gradients are alive, fc1's
-//     weight gradient, the output layer's), with that layer's recomputed tensors under
-//     recomputation.
-// Mixture-of-experts layers are refused (CheckEstimable).
+//     (the attention's fused qkv gradient while the probabilities' gradients are alive, the
+//     ring's blocks, fc1's weight gradient, the output layer's), with that layer's recomputed
+//     tensors under recomputation.
+//   - Transfers: the pipeline plan (core/pipeline/pipeline_plan.h) replayed as the MPI walk
+//     runs it: a received tensor until its step takes it, a sent one until the walk ends.
+//   - Carried: from the second training iteration, the distributed optimizer's gradient
+//     piece of the last step.
+//   - The optimizer step, after the schedule, when it holds more: the flat gradient buffer
+//     and its piece, the updated piece and the gathered parameters, one new parameter.
+// What it leaves out: the tensors the check records (run without --no-check), and the
+// forward's own temporaries (never the peak in the tested layouts). Mixture-of-experts
+// layers are refused (CheckEstimable).
 #pragma once
 
 #include <algorithm>

@@ -72,7 +72,8 @@ int64_t ExpectEstimateEqualsMeasurement(const Config& config, const std::string&
           << "rank " << rank << ": counted " << static_cast<int64_t>(counted.peak())
           << " B (stashes " << static_cast<int64_t>(counted.stashes) << ", working "
           << static_cast<int64_t>(counted.working) << ", transfers "
-          << static_cast<int64_t>(counted.transfers) << "; optimizer step "
+          << static_cast<int64_t>(counted.transfers) << ", carried "
+          << static_cast<int64_t>(counted.carried) << "; optimizer step "
           << static_cast<int64_t>(counted.optimizer_step) << "), measured " << activations
           << " B";
       if (std::abs(error) > std::abs(worst)) worst = error;
