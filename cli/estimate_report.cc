@@ -184,6 +184,9 @@ StatusOr<EstimateReport> MakeEstimateReport(Config config, const Topology& topol
       "the config has no run section: give --global-batch-size (and --micro-batch-size, "
       "--seq-length, --recompute)";
   r.activations_missing = "the config has no run section";
+  StatusOr<std::vector<StageHeldMemory>> stages = EstimateStageHeldMemory(config, topology);
+  if (!stages.ok()) return stages.status();
+  r.stages = *stages;
   if (time_asked) {
     StatusOr<std::vector<StageActivations>> a = EstimateStageActivations(config, topology);
     if (a.ok()) {
@@ -191,7 +194,8 @@ StatusOr<EstimateReport> MakeEstimateReport(Config config, const Topology& topol
     } else {
       r.activations_missing = a.status().Message();
     }
-    StatusOr<std::vector<ExecutorActivations>> e = EstimateExecutorActivations(config, topology);
+    StatusOr<std::vector<ExecutorActivations>> e =
+        EstimateExecutorActivations(config, topology, r.stages);
     if (e.ok()) r.executor = *e;
     StatusOr<TimeEstimate> t = EstimateStepTime(config, topology, gpu);
     if (t.ok()) {
@@ -200,9 +204,6 @@ StatusOr<EstimateReport> MakeEstimateReport(Config config, const Topology& topol
       r.time_missing = t.status().Message();
     }
   }
-  StatusOr<std::vector<StageHeldMemory>> stages = EstimateStageHeldMemory(config, topology);
-  if (!stages.ok()) return stages.status();
-  r.stages = *stages;
   if (config.optimizer) {
     StatusOr<std::vector<StageHeldMemory>> other = EstimateStageHeldMemory(
         WithDistributedOptimizer(config, !config.optimizer->use_distributed_optimizer),

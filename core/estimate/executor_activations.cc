@@ -5,7 +5,6 @@
 #include <initializer_list>
 
 #include "core/estimate/estimable.h"
-#include "core/estimate/memory_estimate.h"
 #include "core/pipeline/pipeline_plan.h"
 #include "core/schedule.h"
 #include "core/tensor.h"
@@ -19,8 +18,8 @@ double Max(std::initializer_list<double> values) { return std::max(values); }
 
 }  // namespace
 
-StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(const Config& config,
-                                                                       const Topology& topology) {
+StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(
+    const Config& config, const Topology& topology, const std::vector<StageHeldMemory>& held) {
   if (Status s = CheckEstimable(config, "the executor's activation count"); !s.ok()) return s;
   const GptConfig& g = *config.gpt;
   const RunConfig& run = *config.run;
@@ -142,8 +141,6 @@ StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(const Con
   // pipeline_walk.h): a receive's buffer from when its batch is posted until its step takes
   // it, every send's tensor until the walk's end (its request holds it).
   const PipelinePlan plan = p > 1 ? PlanPipelineTransfers(*schedule) : PipelinePlan{};
-  StatusOr<std::vector<StageHeldMemory>> held = EstimateStageHeldMemory(config, topology);
-  if (!held.ok()) return held.status();
   std::vector<ExecutorActivations> out;
   for (int64_t r = 0; r < p; ++r) {
     std::vector<double> stash(static_cast<size_t>(v)), working(static_cast<size_t>(v));
@@ -205,7 +202,7 @@ StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(const Con
     // (compute dtype, padded to its D pieces), reduce-scatters it to this rank's piece, and
     // all-gathers the updated pieces in the storage dtype.
     if (config.optimizer) {
-      const HeldMemory& mine = (*held)[static_cast<size_t>(r)].held;
+      const HeldMemory& mine = held.at(static_cast<size_t>(r)).held;
       const double largest = static_cast<double>(mine.largest_parameter_elements) * e;
       double step_bytes = largest;
       if (config.optimizer->use_distributed_optimizer) {

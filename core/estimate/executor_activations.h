@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "core/config/config.h"
+#include "core/estimate/memory_estimate.h"
 #include "core/memory_plan.h"
 #include "core/status.h"
 #include "core/topology.h"
@@ -60,9 +61,10 @@ struct ExecutorActivations {
   PlanBytes peak() const { return std::max(schedule_peak(), optimizer_step); }
 };
 
-// One entry per pipeline stage (the same for every rank of the stage); errors name the field
-// the count cannot handle.
-StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(const Config& config,
-                                                                       const Topology& topology);
+// One entry per pipeline stage (the same for every rank of the stage); `held`: the stages'
+// held memory (EstimateStageHeldMemory), which sizes the optimizer step. Errors name the
+// field the count cannot handle.
+StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(
+    const Config& config, const Topology& topology, const std::vector<StageHeldMemory>& held);
 
 }  // namespace mpusim

@@ -52,7 +52,6 @@ StatusOr<HeldMemory> EstimateHeldMemory(const Config& config, const Topology& to
   held.parameters = SaturatingMul(held.parameter_elements, DTypeSize(storage));
   held.gradients = SaturatingMul(trainable, DTypeSize(compute));
   held.dense_elements = dense;
-  held.expert_elements = experts;
   if (!config.optimizer) return held;
   const OptimizerConfig& optimizer = *config.optimizer;
   if (!optimizer.use_distributed_optimizer) {

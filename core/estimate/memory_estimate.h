@@ -40,9 +40,8 @@ struct HeldMemory {
   PlanBytes parameter_elements = 0;  // of this rank's shards
   PlanBytes optimizer_elements = 0;  // whose master weights and states this rank keeps
   // What the optimizer's step allocates is sized by these: the trainable elements of the
-  // dense and the experts' buffers, and the largest parameter shard (each update makes a
-  // new one).
-  PlanBytes dense_elements = 0, expert_elements = 0;
+  // dense buffer, and the largest parameter shard (each update makes a new one).
+  PlanBytes dense_elements = 0;
   PlanBytes largest_parameter_elements = 0;
   int64_t dense_shards = 1;  // the distributed optimizer's dense buffer is cut in this many
   PlanBytes total() const { return SaturatingAdd(SaturatingAdd(parameters, gradients), optimizer); }

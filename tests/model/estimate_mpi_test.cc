@@ -28,8 +28,9 @@ namespace {
 using nlohmann::json;
 using namespace gpt_mpi;
 
-// Runs `config` (no check, one step or one iteration) and compares each rank's measured held
-// bytes with the estimate for that rank; returns how many ranks were compared.
+// Runs `config` (no check) and compares each rank's measured held bytes with the estimate for
+// that rank, and for a dense GPT its activations with the executor count; returns how many
+// ranks were compared.
 int64_t ExpectEstimateEqualsMeasurement(const Config& config, const std::string& what) {
   SCOPED_TRACE(what);
   CpuBackend backend;
@@ -57,8 +58,11 @@ int64_t ExpectEstimateEqualsMeasurement(const Config& config, const std::string&
   }
   if (config.gpt && !config.gpt->moe.enabled()) {
     // The activations: the executor's count against each rank's measured peak - held.
+    StatusOr<std::vector<StageHeldMemory>> held = EstimateStageHeldMemory(config, *topology);
+    EXPECT_TRUE(held.ok()) << held.status().Message();
+    if (!held.ok()) return 0;
     StatusOr<std::vector<ExecutorActivations>> stages =
-        EstimateExecutorActivations(config, *topology);
+        EstimateExecutorActivations(config, *topology, *held);
     EXPECT_TRUE(stages.ok()) << stages.status().Message();
     if (!stages.ok()) return 0;
     double worst = 0;
