@@ -65,6 +65,13 @@ void PrintPeakText(const EstimateReport& r, std::ostream& out) {
   }
 }
 
+// The executor count's assumption for mixture-of-experts layers, whose stash follows the
+// router (core/estimate/executor_activations.h).
+constexpr const char* kMoeRoutingNote =
+    "MoE layers are counted for balanced routing: each expert gets T k / E of each rank's "
+    "T tokens (at most its capacity); exact with expert_model_parallel_size 1 and no "
+    "capacity factor, where every rank gets every choice of its dispatch group.";
+
 void PrintExecutorText(const EstimateReport& r, std::ostream& out) {
   out << fmt::format("What `mpusim run --no-check` keeps on the CPU executor, in {}: its "
                      "activations as `--summary` measures them (peak - held)\n",
@@ -79,6 +86,7 @@ void PrintExecutorText(const EstimateReport& r, std::ostream& out) {
                        run::FormatBytes(a.carried), run::FormatBytes(a.optimizer_step),
                        run::FormatBytes(a.peak()));
   }
+  if (r.config.gpt && r.config.gpt->moe.enabled()) out << kMoeRoutingNote << '\n';
 }
 
 void PrintTimeText(const Config& config, const Topology& topology, const TimeEstimate& t,
@@ -247,10 +255,10 @@ void PrintEstimateText(const EstimateReport& r, const Topology& topology, std::o
          "caching allocator's slack).\n";
   if (r.activations) {
     PrintPeakText(r, out);
-    if (r.executor) PrintExecutorText(r, out);
   } else {
     out << "Activations: not estimated: " << r.activations_missing << '\n';
   }
+  if (r.executor) PrintExecutorText(r, out);
   if (r.time) {
     PrintTimeText(config, topology, *r.time, out);
   } else {
@@ -496,6 +504,9 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
            "tensors, the distributed optimizer's gradient piece kept between iterations, or "
            "the optimizer step if larger: what <code>mpusim run --no-check --summary</code> "
            "measures as activations (peak - held).</p>\n";
+    if (config.gpt && config.gpt->moe.enabled()) {
+      out << "<p class=\"note\">" << HtmlEscape(kMoeRoutingNote) << "</p>\n";
+    }
   }
   if (r.time) {
     const TimeEstimate& t = *r.time;

@@ -20,7 +20,7 @@ double Max(std::initializer_list<double> values) { return std::max(values); }
 
 StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(
     const Config& config, const Topology& topology, const std::vector<StageHeldMemory>& held) {
-  if (Status s = CheckEstimable(config, "the executor's activation count"); !s.ok()) return s;
+  if (Status s = CheckEstimable(config, "the executor's activation count", true); !s.ok()) return s;
   const GptConfig& g = *config.gpt;
   const RunConfig& run = *config.run;
   const DerivedSizes& sz = topology.sizes();
@@ -69,9 +69,11 @@ StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(
   }
   const bool selective = run.recompute == RunConfig::Recompute::kSelective;
   const bool full_recompute = run.recompute == RunConfig::Recompute::kFull;
-  const double inner = norm_stats + stream + qkv + (selective ? 0 : core) + q /*context*/ +
-                       stream /*x1*/ + norm_stats + stream /*ln2*/ + R * f1 * e + R * f * e;
-  const double layer = full_recompute ? 0 : inner;
+  // Everything but the MLP's own tensors (fc1's output and the activation's, or an MoE
+  // layer's below).
+  const double inner_base = norm_stats + stream + qkv + (selective ? 0 : core) +
+                            q /*context*/ + stream /*x1*/ + norm_stats + stream /*ln2*/;
+  const double inner = inner_base + R * f1 * e + R * f * e;
 
   // --- working memory: the first layer's backward ---
   const double dmlp = hidden_dropout ? stream : 0, dattn = dmlp;
@@ -122,18 +124,85 @@ StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(
       dmlp + 2 * stream + dattn + (sp ? full : 0) + q + weight_grad(h, al * dk);
   // Recomputation rebuilds the layer's tensors (full: before its backward starts) or its
   // core attention's (selective: after linear_proj's backward, kept until the layer's ends).
-  const double rebuilt_layer = full_recompute ? inner : 0;
-  const double rebuilt_core = full_recompute ? inner : selective ? core : 0;
-  const double layer_working =
-      stream /*dy*/ + Max({rebuilt_layer + Max({fc2_point, fc1_point, proj_point}),
-                           rebuilt_core + Max({attention_point, qkv_point})});
+  // `layer_inner`: the layer's stash; `mlp_point`: the most its MLP's backward holds.
+  const auto working_of = [&](double layer_inner, double mlp_point) {
+    const double rebuilt_layer = full_recompute ? layer_inner : 0;
+    const double rebuilt_core = full_recompute ? layer_inner : selective ? core : 0;
+    return stream /*dy*/ + Max({rebuilt_layer + Max({mlp_point, proj_point}),
+                                rebuilt_core + Max({attention_point, qkv_point})});
+  };
+  const double dense_working = working_of(inner, std::max(fc2_point, fc1_point));
+
+  // --- a mixture-of-experts layer in place of the MLP (core/model/moe.h) ---
+  // Its stash and backward depend on where the router sends the tokens; the count assumes
+  // balanced routing: each (source rank, expert) pair gets T k / E of the choices, at most
+  // the capacity ceil(T k / E factor) when that is below T. Exact for every layout whose
+  // routing cannot be uneven on a rank: ep 1 without a capacity (every rank then holds every
+  // expert and gets every choice of its dispatch group).
+  double moe_inner = 0, moe_working = 0;
+  if (g.moe.enabled()) {
+    const MoeConfig& moe = g.moe;
+    const double T = Rs;  // the router's tokens: this rank's rows of the stream
+    const double E = static_cast<double>(moe.num_experts);
+    const double K = static_cast<double>(moe.router_topk);
+    const double ep = static_cast<double>(sz.ep), L = E / ep;
+    const double te = static_cast<double>(sz.etp);
+    const double fm = static_cast<double>(moe.ffn_hidden_size) / te;
+    const double fm1 = IsGated(g.activation) ? 2 * fm : fm;
+    const bool a2a = moe.token_dispatcher == MoeDispatcher::kAllToAll;
+    // The allgather dispatcher's group, the alltoall dispatcher's gather after the exchange.
+    const double group = sz.experts_apart() ? te * ep : sp ? t : 1;
+    const double gather = sz.experts_apart() ? te : sp ? t : 1;
+    double kept = T * K / E;
+    if (moe.expert_capacity_factor) {
+      const double capacity = std::ceil(T * K / E * *moe.expert_capacity_factor);
+      if (capacity < T) kept = std::min(kept, capacity);
+    }
+    const double sent = E * kept;        // alltoall: this rank's rows, in send order
+    const double arrived = ep * L * kept;  // alltoall: its experts' rows after the exchange
+    // The experts' rows (N), and those of the gradient they gather from and scatter into.
+    const double N = a2a ? gather * arrived : group * L * kept;
+    const double src = a2a ? (gather > 1 ? gather * arrived : ep > 1 ? arrived : sent)
+                           : group * T;
+    const double ids = a2a ? 8 * N + 2 * 8 * sent : 2 * 8 * N;
+    const double fs = moe.shared_expert_intermediate_size
+                          ? static_cast<double>(*moe.shared_expert_intermediate_size) / t
+                          : 0;
+    const double fs1 = IsGated(g.activation) ? 2 * fs : fs;
+    // Router: the scores, their log-sum-exp, the chosen probabilities; the permutation's
+    // ids; the experts' rows, probabilities, fc1 output and activation; the shared expert's
+    // fc1 output and activation.
+    const double moe_stash = T * E * e + T * c + T * K * e + ids +
+                             N * (h * e + e + fm1 * e + fm * e) + R * (fs1 + fs) * e;
+    moe_inner = inner_base + moe_stash;
+    // The backward (MoeLayer::Backward): the gathered gradient (allgather without a group:
+    // the gradient itself), the scatter targets of dx and d probs, then per expert fc2's and
+    // fc1's gradients; after the experts the way back (dx, d probs), the router's gradients
+    // and the shared expert's, all kept to the layer's end.
+    const double dy_src = a2a || group > 1 ? src * h * e : 0;
+    const double base = dmlp + dy_src + src * h * e + (a2a ? src : group * T * K) * e;
+    const double fc2_moe = base + N * h * e + 2 * N * fm * e + weight_grad(h, fm);
+    const double fc1_moe = base + N * h * e + 3 * N * fm * e + N * e + N * fm1 * e + N * h * e +
+                           weight_grad(fm1, h);
+    const double back = a2a ? T * h * e + T * K * e : group > 1 ? T * h * e + T * K * e : 0;
+    const bool z_loss = moe.z_loss_coeff.has_value();
+    const double router = base + back + 8 * T * K + 2 * T * E * e +
+                          (moe.router_pre_softmax ? 0 : T * K * e) + (z_loss ? T * E * e : 0) +
+                          T * h * e;
+    const double shared_fc2 = (sp ? full : 0) + R * fs * e + weight_grad(h, fs);
+    const double shared_fc1 = R * fs * e + R * fs1 * e + full + (sp ? full : 0) +
+                              weight_grad(fs1, h);
+    const double shared = fs > 0 ? router + std::max(shared_fc2, shared_fc1) : 0;
+    moe_working = working_of(moe_inner, Max({fc2_moe, fc1_moe, router + weight_grad(E, h),
+                                             shared}));
+  }
   // The head's backward: d loss per token, d logits, the output layer's input gradient
   // (with sp its gathered input) and weight gradient.
   const double head_working =
       R * c + R * vocab * e + full + (sp ? full : 0) + weight_grad(vocab, h);
 
   const int64_t p = sz.pp, v = sz.vp.value_or(1), stages = p * v;
-  const double layers = static_cast<double>(g.num_layers / stages);
+  const int64_t layers = g.num_layers / stages;
   StatusOr<PipelineSchedule> schedule = BuildPipelineSchedule(
       p, sz.vp, run.num_microbatches, topology.config().microbatch_group_size_per_vp_stage);
   if (!schedule.ok()) return schedule.status();
@@ -147,8 +216,14 @@ StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(
     for (int64_t chunk = 0; chunk < v; ++chunk) {
       const int64_t u = chunk * p + r;
       const bool pre = u == 0, post = u == stages - 1;
-      // Every layer's input (the chunk's own input included) and stash.
-      double bytes = layers * (stream + layer);
+      // Every layer's input (the chunk's own input included) and stash; the most a layer's
+      // backward holds.
+      double bytes = 0, layer_working = 0;
+      for (int64_t i = u * layers; i < (u + 1) * layers; ++i) {
+        const bool is_moe = g.moe.enabled() && g.moe.layers[static_cast<size_t>(i)];
+        bytes += stream + (full_recompute ? 0 : is_moe ? moe_inner : inner);
+        layer_working = std::max(layer_working, is_moe ? moe_working : dense_working);
+      }
       if (pre || post) bytes += 3 * R * 8;  // tokens, labels, positions
       if (pre && hidden_dropout) bytes += stream;  // the embedding before its dropout
       if (post) {
@@ -198,21 +273,46 @@ StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(
       }
     }
     // The optimizer's step, once every stash is gone: each update makes a new parameter
-    // tensor; the distributed optimizer also gathers the main_grads into a flat buffer
-    // (compute dtype, padded to its D pieces), reduce-scatters it to this rank's piece, and
-    // all-gathers the updated pieces in the storage dtype.
+    // tensor; the distributed optimizer also gathers the main_grads of each buffer (the
+    // dense one, then the experts') into a flat buffer (compute dtype, padded to its D
+    // pieces), reduce-scatters it to this rank's piece, and after the update all-gathers
+    // each buffer's updated pieces in the storage dtype.
     if (config.optimizer) {
       const HeldMemory& mine = held.at(static_cast<size_t>(r)).held;
       const double largest = static_cast<double>(mine.largest_parameter_elements) * e;
       double step_bytes = largest;
       if (config.optimizer->use_distributed_optimizer) {
-        const double d = static_cast<double>(mine.dense_shards);
-        const double padded =
-            std::ceil(static_cast<double>(mine.dense_elements) / d) * d, piece = padded / d;
-        // The piece (all of the buffer when d is 1) stays until the next step replaces it.
-        const double carried = run.train_iters > 1 ? piece * c : 0;
-        const double scatter = padded * c + (d > 1 ? piece * c : 0) + carried;
-        const double gather = piece * c + piece * e + (d > 1 ? padded * e : 0) + largest;
+        struct Buffer {
+          double padded, piece, d;
+        };
+        std::vector<Buffer> buffers;
+        for (const auto& [elements, shards] :
+             {std::pair{mine.dense_elements, mine.dense_shards},
+              std::pair{mine.expert_elements, mine.expert_shards}}) {
+          if (elements == 0 && !buffers.empty()) continue;
+          const double d = static_cast<double>(shards);
+          const double padded = std::ceil(static_cast<double>(elements) / d) * d;
+          buffers.push_back({padded, padded / d, d});
+        }
+        // Each piece (all of the buffer when d is 1) stays until the next step replaces it:
+        // a buffer's flat gradients and new piece are made beside the new pieces of the
+        // buffers before it and the last step's of it and those after it.
+        const bool carries = run.train_iters > 1;
+        double last = 0, pieces = 0;
+        for (const Buffer& buffer : buffers) {
+          last += carries ? buffer.piece * c : 0;
+          pieces += buffer.piece;
+        }
+        double scatter = 0, done = 0, all_gathered = 0;
+        for (const Buffer& buffer : buffers) {
+          const double piece = buffer.d > 1 ? buffer.piece * c : 0;  // a new one
+          scatter = std::max(scatter, done + last + buffer.padded * c + piece);
+          done += buffer.piece * c;
+          last -= carries ? buffer.piece * c : 0;
+          all_gathered = std::max(all_gathered, buffer.d > 1 ? buffer.padded * e : 0);
+        }
+        const double carried = carries ? done : 0;
+        const double gather = pieces * c + pieces * e + all_gathered + largest;
         step_bytes = std::max(scatter, gather);
         act.carried = ToBytes(carried);
       }

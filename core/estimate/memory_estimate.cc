@@ -52,6 +52,7 @@ StatusOr<HeldMemory> EstimateHeldMemory(const Config& config, const Topology& to
   held.parameters = SaturatingMul(held.parameter_elements, DTypeSize(storage));
   held.gradients = SaturatingMul(trainable, DTypeSize(compute));
   held.dense_elements = dense;
+  held.expert_elements = experts;
   if (!config.optimizer) return held;
   const OptimizerConfig& optimizer = *config.optimizer;
   if (!optimizer.use_distributed_optimizer) {
@@ -62,6 +63,7 @@ StatusOr<HeldMemory> EstimateHeldMemory(const Config& config, const Topology& to
     held.optimizer_elements = OwnedElements(dense, d, r);
     if (experts > 0) {
       const auto [de, re] = GroupPosition(topology, "expt_dp_partial", rank);
+      held.expert_shards = de;
       held.optimizer_elements =
           SaturatingAdd(held.optimizer_elements, OwnedElements(experts, de, re));
     }

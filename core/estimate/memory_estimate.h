@@ -40,10 +40,15 @@ struct HeldMemory {
   PlanBytes parameter_elements = 0;  // of this rank's shards
   PlanBytes optimizer_elements = 0;  // whose master weights and states this rank keeps
   // What the optimizer's step allocates is sized by these: the trainable elements of the
-  // dense buffer, and the largest parameter shard (each update makes a new one).
+  // dense buffer and of the experts' (mixture of experts), and the largest parameter shard
+  // (each update makes a new one).
   PlanBytes dense_elements = 0;
+  PlanBytes expert_elements = 0;
   PlanBytes largest_parameter_elements = 0;
-  int64_t dense_shards = 1;  // the distributed optimizer's dense buffer is cut in this many
+  // The distributed optimizer's dense buffer is cut in this many pieces (over dp x cp), the
+  // experts' in expert_shards (over expt_dp).
+  int64_t dense_shards = 1;
+  int64_t expert_shards = 1;
   PlanBytes total() const { return SaturatingAdd(SaturatingAdd(parameters, gradients), optimizer); }
 };
 

@@ -1053,11 +1053,24 @@ TEST(EstimateCommand, ExecutorCountAddsUpAndCarriesTheGradientPiece) {
   EXPECT_NE(text.out.find("What `mpusim run --no-check` keeps on the CPU executor, in float32"),
             std::string::npos)
       << text.out;
-  // A config the count cannot handle (mixture of experts) has no executor entry.
+  // Mixture of experts: the executor count (for balanced routing, which the text says) where
+  // Megatron's count names what it does not model; a lab chain has neither.
   const Result moe =
       Mpusim({"estimate", Sample("gpt_moe_ep2_t2_sp_dp2_n4.json"), "--format", "json"});
   ASSERT_EQ(moe.code, 0) << moe.err;
-  EXPECT_TRUE(json::parse(moe.out).at("stages").at(0).at("executor").is_null());
+  const json moe_doc = json::parse(moe.out);
+  EXPECT_GT(moe_doc.at("stages").at(0).at("executor").at("stashes").get<uint64_t>(), 0u);
+  EXPECT_TRUE(moe_doc.at("stages").at(0).at("memory").at("activations").is_null());
+  EXPECT_NE(moe_doc.at("activations_not_estimated").get<std::string>().find("num_moe_experts"),
+            std::string::npos);
+  const Result moe_text = Mpusim({"estimate", Sample("gpt_moe_ep2_t2_sp_dp2_n4.json")});
+  ASSERT_EQ(moe_text.code, 0) << moe_text.err;
+  EXPECT_NE(moe_text.out.find("MoE layers are counted for balanced routing"), std::string::npos)
+      << moe_text.out;
+  const Result chain =
+      Mpusim({"estimate", Sample("lab_mlp_lm_t4_dp2_n8.json"), "--format", "json"});
+  ASSERT_EQ(chain.code, 0) << chain.err;
+  EXPECT_TRUE(json::parse(chain.out).at("stages").at(0).at("executor").is_null());
 }
 
 TEST(EstimateCommand, StepTimeNotesAndRefusals) {
