@@ -85,8 +85,8 @@ def main():
         table = json.load(f)
     s, vocab = table["seq_length"], table["vocab_size"]
     lines = ["| parameters | tp | pp | dp | GPUs | batch | paper TFLOP/s | predicted | error "
-             "| step time | bubble | tp comm | dp comm | advise | advise's pick |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| step time | bubble | tp comm | pp sends | dp comm | advise | advise's pick |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     worst = 0.0
     failed = False
     in_top3 = 0
@@ -124,7 +124,8 @@ def main():
                 f"| {params_b}B | {tp} | {pp} | {gpus // (tp * pp)} | {gpus} | {batch} | "
                 f"{reported} | {predicted:.1f} | {error:+.1f}% | {step:.2f} s | "
                 f"{100 * t['bubble_s'] / step:.1f}% | {100 * t['tp_comm_s'] / step:.1f}% | "
-                f"{100 * t['dp_comm_s'] / step:.1f}% | {rank or '-'} | {pick} |")
+                f"{100 * t['pp_comm_s'] / step:.1f}% | {100 * t['dp_comm_s'] / step:.1f}% | "
+                f"{rank or '-'} | {pick} |")
     lines.append("")
     lines.append(f"Worst row: {worst:.1f}% off (tolerance {args.tolerance:g}%); micro-batch "
                  f"size {args.micro_batch_size}, full recomputation, {table['gpu']}.")

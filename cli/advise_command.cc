@@ -77,10 +77,12 @@ std::string FeaturesText(const AdvisedLayout& l) {
 std::string WhyItWins(const AdvisedLayout& l, const GpuSpec& gpu) {
   const TimeEstimate& t = l.time;
   return fmt::format(
-      "{} of its {} step is compute; the bubble takes {:.1f}%, tp collectives {:.1f}%, the "
-      "gradient reduction {:.1f}%; its peak {} (stage {}) leaves {} free.",
+      "{} of its {} step is compute; the bubble takes {:.1f}%, tp collectives {:.1f}%, "
+      "pipeline sends {:.1f}%, the gradient reduction {:.1f}%; its peak {} (stage {}) leaves "
+      "{} free.",
       Seconds(t.compute_s), Seconds(t.step_time_s), 100 * t.bubble_s / t.step_time_s,
-      100 * t.tp_comm_s / t.step_time_s, 100 * t.dp_comm_s / t.step_time_s,
+      100 * t.tp_comm_s / t.step_time_s, 100 * t.pp_comm_s / t.step_time_s,
+      100 * t.dp_comm_s / t.step_time_s,
       run::FormatBytes(l.peak), l.peak_stage,
       run::FormatBytes(static_cast<PlanBytes>(gpu.hbm_bytes) - l.peak));
 }
@@ -233,18 +235,20 @@ class AdviseCommand : public Command {
     if (a.fit.empty()) {
       out << "No layout fits.\n";
     } else {
-      out << fmt::format("  {:>3}  {:<28} {:<34} {:>7} {:>7} {:>6} {:>7} {:>7} {:>7} {:>10}\n",
-                         "#", "layout", "features", "step", "TFLOP/s", "MFU", "bubble", "tp",
-                         "dp", "headroom");
+      out << fmt::format(
+          "  {:>3}  {:<28} {:<34} {:>7} {:>7} {:>6} {:>7} {:>7} {:>7} {:>7} {:>10}\n", "#",
+          "layout", "features", "step", "TFLOP/s", "MFU", "bubble", "tp", "pp", "dp",
+          "headroom");
       const size_t n = std::min(a.fit.size(), static_cast<size_t>(top_));
       for (size_t i = 0; i < n; ++i) {
         const AdvisedLayout& l = a.fit[i];
         const double step = l.time.step_time_s;
         out << fmt::format(
-            "  {:>3}  {:<28} {:<34} {:>7} {:>7.1f} {:>5.1f}% {:>6.1f}% {:>6.1f}% {:>6.1f}% {:>10}\n",
+            "  {:>3}  {:<28} {:<34} {:>7} {:>7.1f} {:>5.1f}% {:>6.1f}% {:>6.1f}% {:>6.1f}% "
+            "{:>6.1f}% {:>10}\n",
             i + 1, LayoutName(l), FeaturesText(l), Seconds(step), l.time.model_tflops_per_gpu,
             100 * l.time.mfu, 100 * l.time.bubble_s / step, 100 * l.time.tp_comm_s / step,
-            100 * l.time.dp_comm_s / step,
+            100 * l.time.pp_comm_s / step, 100 * l.time.dp_comm_s / step,
             run::FormatBytes(static_cast<PlanBytes>(gpu.hbm_bytes) - l.peak));
       }
       out << "Why #1 wins: " << WhyItWins(a.fit.front(), gpu) << '\n';
@@ -289,6 +293,7 @@ class AdviseCommand : public Command {
       j["step_time_s"] = l.time.step_time_s;
       j["bubble_s"] = l.time.bubble_s;
       j["tp_comm_s"] = l.time.tp_comm_s;
+      j["pp_comm_s"] = l.time.pp_comm_s;
       j["dp_comm_s"] = l.time.dp_comm_s;
       j["peak_bytes"] = JsonBytes(l.peak);
       j["peak_stage"] = l.peak_stage;
@@ -326,18 +331,19 @@ class AdviseCommand : public Command {
     };
     if (n > 0) {
       out << "<table class=\"report\"><tr><th>#</th><th>layout</th><th>features</th>"
-             "<th>step</th><th>TFLOP/s</th><th>MFU</th><th>bubble</th><th>tp</th><th>dp</th>"
-             "<th>peak</th><th>headroom</th></tr>\n";
+             "<th>step</th><th>TFLOP/s</th><th>MFU</th><th>bubble</th><th>tp</th><th>pp</th>"
+             "<th>dp</th><th>peak</th><th>headroom</th></tr>\n";
       for (size_t i = 0; i < n; ++i) {
         const AdvisedLayout& l = a.fit[i];
         const double step = l.time.step_time_s;
         out << fmt::format(
             "<tr><td>{}</td><td class=\"name\">{}</td><td class=\"name\">{}</td><td>{}</td>"
             "<td>{:.1f}</td><td>{:.1f}%</td><td>{:.1f}%</td><td>{:.1f}%</td><td>{:.1f}%</td>"
-            "<td>{}</td><td>{}</td></tr>\n",
+            "<td>{:.1f}%</td><td>{}</td><td>{}</td></tr>\n",
             i + 1, HtmlEscape(LayoutName(l)), HtmlEscape(FeaturesText(l)), Seconds(step),
             l.time.model_tflops_per_gpu, 100 * l.time.mfu, 100 * l.time.bubble_s / step,
-            100 * l.time.tp_comm_s / step, 100 * l.time.dp_comm_s / step,
+            100 * l.time.tp_comm_s / step, 100 * l.time.pp_comm_s / step,
+            100 * l.time.dp_comm_s / step,
             run::FormatBytes(l.peak), run::FormatBytes(hbm - l.peak));
       }
       out << "</table>\n<p>Why #1 wins: " << HtmlEscape(WhyItWins(a.fit.front(), gpu))

@@ -97,13 +97,14 @@ void PrintTimeText(const Config& config, const Topology& topology, const TimeEst
       "recompute {}\n",
       t.gpu.name, t.global_batch_size, t.num_microbatches, run.micro_batch_size,
       topology.sizes().dp, run.seq_length, RecomputeText(run.recompute));
-  const double pipeline = t.compute_s + t.tp_comm_s + t.cp_comm_s + t.bubble_s;
+  const double pipeline = t.compute_s + t.tp_comm_s + t.cp_comm_s + t.pp_comm_s + t.bubble_s;
   out << fmt::format("  step time   {:>10}  = pipeline {} + dp {} + optimizer {}\n",
                      SecondsText(t.step_time_s), SecondsText(pipeline), SecondsText(t.dp_comm_s),
                      SecondsText(t.optimizer_s));
-  out << fmt::format("  pipeline    {:>10}  = compute {} + tp {}{} + bubble {} (busiest stage)\n",
+  out << fmt::format("  pipeline    {:>10}  = compute {} + tp {}{}{} + bubble {} (busiest stage)\n",
                      SecondsText(pipeline), SecondsText(t.compute_s), SecondsText(t.tp_comm_s),
                      topology.sizes().cp > 1 ? " + cp " + SecondsText(t.cp_comm_s) : "",
+                     topology.sizes().pp > 1 ? " + pp sends " + SecondsText(t.pp_comm_s) : "",
                      SecondsText(t.bubble_s));
   out << fmt::format("  throughput  {:>10.1f}  model TFLOP/s per GPU, MFU {:.1f}% (model FLOPs "
                      "{:.3g} per iteration, as Megatron counts them)\n",
@@ -297,6 +298,7 @@ nlohmann::ordered_json EstimateJson(const EstimateReport& r, const Topology& top
     doc["time"] = {{"compute_s", t.compute_s},
                    {"tp_comm_s", t.tp_comm_s},
                    {"cp_comm_s", t.cp_comm_s},
+                   {"pp_comm_s", t.pp_comm_s},
                    {"bubble_s", t.bubble_s},
                    {"dp_comm_s", t.dp_comm_s},
                    {"optimizer_s", t.optimizer_s}};
@@ -544,14 +546,15 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
 }
 
 std::vector<std::string> TimePartNames(bool cp) {
-  std::vector<std::string> names = {"compute", "tp collectives", "bubble",
+  std::vector<std::string> names = {"compute", "tp collectives", "pp sends", "bubble",
                                     "dp gradient reduction", "optimizer"};
   if (cp) names.push_back("cp exchanges");
   return names;
 }
 
 Bar TimeBar(const std::string& label, const TimeEstimate& t, bool cp) {
-  std::vector<double> parts = {t.compute_s, t.tp_comm_s, t.bubble_s, t.dp_comm_s, t.optimizer_s};
+  std::vector<double> parts = {t.compute_s, t.tp_comm_s, t.pp_comm_s, t.bubble_s,
+                               t.dp_comm_s, t.optimizer_s};
   if (cp) parts.push_back(t.cp_comm_s);
   const std::vector<std::string> names = TimePartNames(cp);
   Bar bar{label, {}};

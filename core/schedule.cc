@@ -324,11 +324,16 @@ ScheduleTiming TimeSchedule(const PipelineSchedule& schedule, const StageCosts& 
         }
         const double finish =
             ready + (fwd ? costs.forward : costs.backward)[static_cast<size_t>(u)];
+        // A blocking send of the output (the activation onward, the gradient back) keeps
+        // this rank until it has gone.
+        const bool sends = fwd ? u + 1 < stages : u > 0;
+        const double free =
+            finish + (costs.blocking_sends && sends && transfer > 0 ? transfer : 0.0);
         t.start[static_cast<size_t>(r)].push_back(ready);
         t.end[static_cast<size_t>(r)].push_back(finish);
         done[fwd ? 0 : 1][static_cast<size_t>(u)][m] = finish;
-        clock[static_cast<size_t>(r)] = finish;
-        t.makespan = std::max(t.makespan, finish);
+        clock[static_cast<size_t>(r)] = free;
+        t.makespan = std::max(t.makespan, free);
         ++i;
         --remaining;
         progressed = true;

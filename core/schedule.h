@@ -127,6 +127,10 @@ struct StageCosts {
   std::vector<double> forward;   // [virtual stage]
   std::vector<double> backward;  // [virtual stage]
   double transfer = 0;
+  // Megatron's sends block (p2p_communication.py waits on every batch_isend_irecv unless
+  // overlap_p2p_comm): a step whose output goes to another rank holds its own rank for the
+  // transfer too, before its next step can start. False: sends overlap the next step.
+  bool blocking_sends = false;
 };
 ScheduleTiming TimeSchedule(const PipelineSchedule& schedule, const StageCosts& costs);
 

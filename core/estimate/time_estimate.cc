@@ -455,6 +455,7 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   // sequence parallelism.
   const double p2p_bytes = x.tokens() * x.h * x.e / (x.sp ? x.t : 1);
   costs.transfer = p > 1 ? p2p_bytes / pp_link.bandwidth + pp_link.latency : 0;
+  costs.blocking_sends = true;
 
   StatusOr<PipelineSchedule> schedule = BuildPipelineSchedule(
       p, sz.vp, run.num_microbatches, topology.config().microbatch_group_size_per_vp_stage);
@@ -506,11 +507,19 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
       tp_bytes += static_cast<double>(n) * x.tokens() * x.h * x.e;
     }
   }
+  // The busiest stage's sends per micro-batch: each chunk's activation onward (but the
+  // last virtual stage's) and its gradient back (but the first's).
+  int64_t sends = 0;
+  for (int64_t c = 0; c < v; ++c) {
+    const int64_t u = c * p + static_cast<int64_t>(busiest);
+    sends += (u + 1 < stages ? 1 : 0) + (u > 0 ? 1 : 0);
+  }
   out.compute_s = m * compute;
   out.tp_comm_s = m * tp;
   out.cp_comm_s = m * cp_s;
-  out.bubble_s =
-      std::max(0.0, timing.makespan - out.compute_s - out.tp_comm_s - out.cp_comm_s);
+  out.pp_comm_s = p > 1 ? m * static_cast<double>(sends) * costs.transfer : 0;
+  out.bubble_s = std::max(0.0, timing.makespan - out.compute_s - out.tp_comm_s -
+                                   out.cp_comm_s - out.pp_comm_s);
   out.flops_per_rank = m * out.stages[busiest].flops;
   if (sz.tp > 1) {
     out.communication.push_back({"tp", sz.tp > 1 && x.sp ? "reduce-scatter + all-gather"
@@ -533,12 +542,10 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
                                  cp_link.inter_node});
   }
   if (p > 1) {
-    // Each micro-batch crosses each chunk boundary twice (activation, gradient).
-    const int64_t sends = 2 * v * run.num_microbatches;
-    out.communication.push_back({"pp", "send/recv", sends,
-                                 static_cast<double>(sends) * p2p_bytes,
-                                 static_cast<double>(sends) * costs.transfer,
-                                 pp_link.inter_node});
+    // The busiest stage's own sends (each a blocking wait), per micro-batch as counted above.
+    const int64_t sent = sends * run.num_microbatches;
+    out.communication.push_back({"pp", "send/recv", sent, static_cast<double>(sent) * p2p_bytes,
+                                 out.pp_comm_s, pp_link.inter_node});
   }
 
   // Gradients over dp x cp after the last backward; the optimizer step over the owned part.

@@ -114,10 +114,13 @@ struct TimeEstimate {
   int64_t global_batch_size = 0;
   double step_time_s = 0;
   // Parts of the step on the busiest stage: compute, tp and cp are M x its per-micro-batch
-  // costs; bubble = pipeline span - compute - tp - cp (idle time, p2p waits included).
+  // costs; pp its blocking sends (Megatron waits for each send: every step whose output
+  // goes to another rank holds its rank for the transfer); bubble = pipeline span - compute
+  // - tp - cp - pp (idle time, waits for receives included).
   double compute_s = 0;
   double tp_comm_s = 0;
   double cp_comm_s = 0;  // what the step waits for of context parallelism's exchanges
+  double pp_comm_s = 0;
   double bubble_s = 0;
   double dp_comm_s = 0;
   double optimizer_s = 0;

@@ -804,7 +804,8 @@ TEST(EstimateCommand, StepTimeOfGpt3MatchesCountsByHand) {
               1e-9);
   const json& time = doc.at("time");
   double parts = 0;
-  for (const char* part : {"compute_s", "tp_comm_s", "bubble_s", "dp_comm_s", "optimizer_s"}) {
+  for (const char* part :
+       {"compute_s", "tp_comm_s", "pp_comm_s", "bubble_s", "dp_comm_s", "optimizer_s"}) {
     EXPECT_GT(time.at(part).get<double>(), 0) << part;
     parts += time.at(part).get<double>();
   }
@@ -816,7 +817,11 @@ TEST(EstimateCommand, StepTimeOfGpt3MatchesCountsByHand) {
               1e-12);
   const json& last = doc.at("stages")[15];
   EXPECT_NEAR(last.at("time").at("flops").get<double>() / (layers * layer + logits), 1, 1e-12);
-  // The bubble: about (p - 1) of the stages' steps, plus the p2p waits.
+  // The last stage's blocking sends (Megatron waits for each): one gradient back per
+  // micro-batch, [s, b, h] in fp16 over one network adapter.
+  EXPECT_NEAR(time.at("pp_comm_s").get<double>(), M * (s * h * 2 / (25e9 * 0.8) + 10e-6),
+              1e-9);
+  // The bubble: about (p - 1) of the stages' steps, plus the waits for receives.
   const json& first = doc.at("stages")[1].at("time");
   const double one = first.at("forward_s").get<double>() + first.at("backward_s").get<double>();
   EXPECT_GT(time.at("bubble_s").get<double>(), 15 * one * 0.9);
@@ -935,7 +940,8 @@ TEST(EstimateCommand, StepTimeUnderContextParallelism) {
     }
     const json& t = doc.at("time");
     EXPECT_NEAR(t.at("compute_s").get<double>() + t.at("tp_comm_s").get<double>() +
-                    t.at("cp_comm_s").get<double>() + t.at("bubble_s").get<double>() +
+                    t.at("cp_comm_s").get<double>() + t.at("pp_comm_s").get<double>() +
+                    t.at("bubble_s").get<double>() +
                     t.at("dp_comm_s").get<double>() + t.at("optimizer_s").get<double>(),
                 doc.at("step_time_s").get<double>(), 1e-9);
   }

@@ -618,5 +618,26 @@ TEST(ScheduleTimingTest, StageCostsAndTransfersFollowTheCriticalPath) {
   EXPECT_THROW(TimeSchedule(*many, StageCosts{forward, backward, -1.0}), std::invalid_argument);
 }
 
+// Blocking sends, as Megatron's p2p waits for them: 1F1B on 2 ranks, 2 micro-batches, every
+// step 1, transfers 0.5. Rank 0 runs F0 F1 B0 B1, rank 1 F0 B0 F1 B1. Overlapped sends:
+// rank 1's B1 ends at 5.5, rank 0's B1 runs [6, 7]. Blocking: rank 0 is free after F0 at
+// 1.5, F1 runs [1.5, 2.5]; rank 1 runs F0 [1.5, 2.5], B0 [2.5, 3.5] and is free at 4, F1
+// [4, 5], B1 [5, 6]; rank 0's B1 waits for it: [6.5, 7.5].
+TEST(ScheduleTimingTest, BlockingSendsHoldTheSender) {
+  StatusOr<PipelineSchedule> s = BuildPipelineSchedule(2, std::nullopt, 2, std::nullopt);
+  ASSERT_TRUE(s.ok());
+  StageCosts costs{{1.0, 1.0}, {1.0, 1.0}, 0.5};
+  EXPECT_DOUBLE_EQ(TimeSchedule(*s, costs).makespan, 7.0);
+  costs.blocking_sends = true;
+  const ScheduleTiming blocking = TimeSchedule(*s, costs);
+  EXPECT_DOUBLE_EQ(blocking.makespan, 7.5);
+  EXPECT_DOUBLE_EQ(blocking.start[0][1], 1.5);  // rank 0's F1, after F0's send
+  EXPECT_DOUBLE_EQ(blocking.start[1][2], 4.0);  // rank 1's F1, after B0's send
+  // One rank: nothing crosses, nothing blocks.
+  StatusOr<PipelineSchedule> alone = BuildPipelineSchedule(1, std::nullopt, 2, std::nullopt);
+  ASSERT_TRUE(alone.ok());
+  EXPECT_DOUBLE_EQ(TimeSchedule(*alone, StageCosts{{1.0}, {1.0}, 0.5, true}).makespan, 4.0);
+}
+
 }  // namespace
 }  // namespace mpusim
