@@ -19,9 +19,11 @@
 //               its keys and values cp - 1 times forward and them and their gradients
 //               backward, overlapped with the core attention (only what exceeds it counts);
 //               recomputation repeats the forward's; "a2a+p2p" is refused;
-//   pp          each activation and gradient p2p transfer delays the step that waits for it;
-//               the bubble comes from replaying Megatron's own 1F1B or interleaved schedule
-//               (core/schedule.h, TimeSchedule) with every virtual stage's costs;
+//   pp          each activation and gradient p2p transfer delays the step that waits for it
+//               and holds the rank that sends it (Megatron waits for its sends unless
+//               overlap_p2p_comm); the bubble comes from replaying Megatron's own 1F1B or
+//               interleaved schedule (core/schedule.h, TimeSchedule) with every virtual
+//               stage's costs;
 //   dp          the gradient all-reduce over dp x cp (with the distributed optimizer: reduce-
 //               scatter of the gradients and all-gather of the parameters) after the last
 //               backward, exposed (no overlap_grad_reduce);
