@@ -179,12 +179,14 @@ StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(
     // the gradient itself), the scatter targets of dx and d probs, then per expert fc2's and
     // fc1's gradients; after the experts the way back (dx, d probs), the router's gradients
     // and the shared expert's, all kept to the layer's end.
-    const double dy_src = a2a || group > 1 ? src * h * e : 0;
+    // New tensors for the gathered gradient and the way back (else views of dy and dx_src).
+    const bool exchanged = a2a || group > 1;
+    const double dy_src = exchanged ? src * h * e : 0;
     const double base = dmlp + dy_src + src * h * e + (a2a ? src : group * T * K) * e;
     const double fc2_moe = base + N * h * e + 2 * N * fm * e + weight_grad(h, fm);
     const double fc1_moe = base + N * h * e + 3 * N * fm * e + N * e + N * fm1 * e + N * h * e +
                            weight_grad(fm1, h);
-    const double back = a2a ? T * h * e + T * K * e : group > 1 ? T * h * e + T * K * e : 0;
+    const double back = exchanged ? T * (h + K) * e : 0;  // dx, d probs
     const bool z_loss = moe.z_loss_coeff.has_value();
     const double router = base + back + 8 * T * K + 2 * T * E * e +
                           (moe.router_pre_softmax ? 0 : T * K * e) + (z_loss ? T * E * e : 0) +

@@ -1192,6 +1192,9 @@ TEST(AdviseCommand, RanksFittingLayoutsAsEstimateJudgesThem) {
     ASSERT_EQ(e.code, 0) << e.err;
     const json est = json::parse(e.out);
     EXPECT_DOUBLE_EQ(est.at("step_time_s").get<double>(), l.at("step_time_s").get<double>());
+    for (const char* part : {"bubble_s", "tp_comm_s", "pp_comm_s", "dp_comm_s"}) {
+      EXPECT_DOUBLE_EQ(est.at("time").at(part).get<double>(), l.at(part).get<double>()) << part;
+    }
     double peak = 0;
     for (const json& stage : est.at("stages")) {
       peak = std::max(peak, stage.at("memory").at("peak").get<double>());

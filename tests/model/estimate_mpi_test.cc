@@ -30,8 +30,8 @@ using nlohmann::json;
 using namespace gpt_mpi;
 
 // Runs `config` (no check) and compares each rank's measured held bytes with the estimate for
-// that rank, and for a dense GPT its activations with the executor count; returns how many
-// ranks were compared.
+// that rank, and for a GPT its activations with the executor count; returns how many ranks
+// were compared.
 int64_t ExpectEstimateEqualsMeasurement(const Config& config, const std::string& what) {
   SCOPED_TRACE(what);
   CpuBackend backend;
