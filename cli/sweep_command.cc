@@ -352,8 +352,32 @@ class SweepCommand final : public Command {
         loss,
         deviation, summary["check"]["max_parameter_normalized_error"].get<double>(),
         passed ? "pass" : "FAIL", seconds, summary["peak_stashes_rank0"].get<int64_t>());
+    if (!passed) PrintFailures(log_file, out);
     out.flush();
     return passed;
+  }
+
+  // Below a failed layout's row: the lines of its run's output that say what failed (a check's
+  // FAIL, an error), at most kShown of them, so that a sweep's FAIL carries its reason.
+  static void PrintFailures(const std::string& log_file, std::ostream& out) {
+    constexpr int kShown = 6;
+    std::ifstream log(log_file);
+    std::string line;
+    int shown = 0, more = 0;
+    while (std::getline(log, line)) {
+      if (line.find("FAIL") == std::string::npos && line.find("error") == std::string::npos) {
+        continue;
+      }
+      if (shown == kShown) {
+        ++more;
+        continue;
+      }
+      const size_t begin = line.find_first_not_of(' ');
+      out << "      " << EscapeControl(line.substr(begin == std::string::npos ? 0 : begin))
+          << '\n';
+      ++shown;
+    }
+    if (more > 0) out << fmt::format("      ({} more such lines)\n", more);
   }
 
   CLI::App* app_ = nullptr;

@@ -1865,6 +1865,29 @@ TEST(RunCommand, WarnsBeforeTheCheckFails) {
   EXPECT_EQ(output.find("warning:"), std::string::npos) << output;
 }
 
+// A layout whose check fails: the sweep's row says FAIL and, under it, the run's failing check
+// lines say which tensors and by how much; the exit code is 1.
+TEST(SweepCommand, AFailedLayoutShowsItsFailingChecks) {
+  std::string out;
+  EXPECT_EQ(Shell(std::string(MPUSIM_BINARY) + " sweep " + CopyToChainConfig(2) +
+                      " --world-size 2",
+                  &out),
+            1)
+      << out;
+  const size_t row = out.find("  tp 2 pp 1 dp 1 ");
+  ASSERT_NE(row, std::string::npos) << out;
+  const size_t next = out.find('\n', row);
+  EXPECT_NE(out.substr(row, next - row).find(" FAIL "), std::string::npos) << out;
+  // The five failing tensors of WarnsBeforeTheCheckFails, each on its own indented line.
+  for (const char* name : {"fc0.input_grad", "fc0.output_grad", "fc0.weight_grad",
+                           "fc0.bias_grad", "copy.input_grad"}) {
+    const size_t line = out.find(std::string("\n      ") + name, next - 1);
+    EXPECT_NE(line, std::string::npos) << name << "\n" << out;
+    EXPECT_NE(out.find("FAIL (", line), std::string::npos) << out;
+  }
+  EXPECT_NE(out.find("2 of 3 layouts pass"), std::string::npos) << out;
+}
+
 // A chain that starts from a partial sum (every rank holds input / t): the input gradient is
 // the full gradient on every rank, so the tp 2 dump reassembles into the tp 1 run's tensors.
 TEST(RunCommand, PartialSumChainDumpDiffsEqualToOneRank) {
