@@ -13,9 +13,9 @@ paper's column within 3%, and per-GPU x GPUs matches its aggregate within 1%.
 
 Then, for each row, `mpusim advise` on the same model, GPU count and batch, searching what
 the paper's runs could use (full recomputation, no sequence parallelism, no distributed
-optimizer; any tp, pp, vp and micro-batch size): the "advise" column is where the paper's
-(tp, pp) ranks among the distinct (tp, pp) pairs of the fitting layouts, fastest first, and
-"advise's pick" the first one. This part is reported, not required (--no-advise skips it).
+optimizer, no context parallelism; any tp, pp, vp and micro-batch size): the "advise" column
+is where the paper's (tp, pp) ranks among the distinct (tp, pp) pairs of the fitting layouts,
+fastest first, and "advise's pick" the first one. This part is reported, not required (--no-advise skips it).
 
 What it is not: a timing benchmark (the estimate takes milliseconds) or a fit. Exit code 1
 when a row is off by more than --tolerance (default 15%).
@@ -57,8 +57,8 @@ def advise_rank(mpusim, path, batch, gpu, paper):
     out = subprocess.run(
         [mpusim, "advise", path, "--global-batch-size", str(batch), "--gpu", gpu,
          "--recompute", "full", "--sequence-parallel", "false", "--distributed-optimizer",
-         "false", "--top", "1000", "--format", "json"], capture_output=True, text=True,
-        check=False)
+         "false", "--max-cp", "1", "--top", "1000", "--format", "json"], capture_output=True,
+        text=True, check=False)
     if out.returncode != 0:
         raise SystemExit(out.stderr)
     pairs = []

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cstddef>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -58,7 +59,9 @@ StatusOr<std::vector<bool>> ParseBoolList(const std::string& text, const std::st
 std::string Seconds(double s) { return fmt::format("{:.3g} s", s); }
 
 std::string LayoutName(const AdvisedLayout& l) {
-  std::string out = fmt::format("tp {} pp {}", l.tp, l.pp);
+  std::string out = fmt::format("tp {}", l.tp);
+  if (l.cp > 1) out += fmt::format(" cp {}", l.cp);
+  out += fmt::format(" pp {}", l.pp);
   if (l.vp > 0) out += fmt::format(" vp {}", l.vp);
   out += fmt::format(" dp {} mbs {}", l.dp, l.micro_batch_size);
   return out;
@@ -77,14 +80,22 @@ std::string FeaturesText(const AdvisedLayout& l) {
 std::string WhyItWins(const AdvisedLayout& l, const GpuSpec& gpu) {
   const TimeEstimate& t = l.time;
   return fmt::format(
-      "{} of its {} step is compute; the bubble takes {:.1f}%, tp collectives {:.1f}%, "
+      "{} of its {} step is compute; the bubble takes {:.1f}%, tp collectives {:.1f}%{}, "
       "pipeline sends {:.1f}%, the gradient reduction {:.1f}%; its peak {} (stage {}) leaves "
       "{} free.",
       Seconds(t.compute_s), Seconds(t.step_time_s), 100 * t.bubble_s / t.step_time_s,
-      100 * t.tp_comm_s / t.step_time_s, 100 * t.pp_comm_s / t.step_time_s,
-      100 * t.dp_comm_s / t.step_time_s,
+      100 * t.tp_comm_s / t.step_time_s,
+      l.cp > 1 ? fmt::format(", cp exchanges {:.1f}%", 100 * t.cp_comm_s / t.step_time_s)
+               : std::string(),
+      100 * t.pp_comm_s / t.step_time_s, 100 * t.dp_comm_s / t.step_time_s,
       run::FormatBytes(l.peak), l.peak_stage,
       run::FormatBytes(static_cast<PlanBytes>(gpu.hbm_bytes) - l.peak));
+}
+
+// Whether any of the first `n` fitting layouts uses context parallelism: the tables' cp column.
+bool ShowsCp(const Advice& a, size_t n) {
+  return std::any_of(a.fit.begin(), a.fit.begin() + static_cast<std::ptrdiff_t>(n),
+                     [](const AdvisedLayout& l) { return l.cp > 1; });
 }
 
 // "peak 81 GiB on stage 0 (52 GiB of activations) is 1.0 GiB over".
@@ -106,10 +117,10 @@ class AdviseCommand : public Command {
         "      --gpu a100-80gb\n"
         "  mpusim advise CONFIG --world-size 64 --global-batch-size 512 --format json\n"
         "  mpusim advise CONFIG --global-batch-size 512 --format html > advise.html\n"
-        "Searches tp (up to the GPUs of a node), pp, vp, dp, the micro-batch size,\n"
+        "Searches tp (up to the GPUs of a node), cp, pp, vp, dp, the micro-batch size,\n"
         "recomputation, sequence parallelism and the distributed optimizer; the config gives\n"
-        "the model, the dtype, the optimizer and gpus_per_node (its own layout is ignored).\n"
-        "Context and expert parallelism are not searched yet.");
+        "the model, the dtype, the optimizer, gpus_per_node and cp_comm_type (its own layout\n"
+        "is ignored). Expert parallelism is not searched yet.");
     app_->add_option("CONFIG", path_, "config file with a GPT model")->required();
     app_->add_option("--world-size,-n", world_size_, "GPUs (default the config's world_size)");
     app_->add_option("--global-batch-size", global_batch_,
@@ -126,6 +137,10 @@ class AdviseCommand : public Command {
                      "candidates among true,false (default both)");
     app_->add_flag("--no-virtual-pipeline", no_vp_, "do not try the interleaved schedule");
     app_->add_option("--max-tp", max_tp_, "largest tensor-parallel size (default gpus_per_node)");
+    app_->add_option("--max-cp", max_cp_,
+                     "largest context-parallel size (default: any that splits the sequence; 1: "
+                     "none)")
+        ->check(CLI::Range(1, 1 << 20));
     app_->add_option("--top", top_, "layouts to show (default 10)")->check(CLI::Range(1, 1000));
     app_->add_option("--format", format_,
                      "text, json or html (a self-contained page; default text)")
@@ -178,6 +193,7 @@ class AdviseCommand : public Command {
       config.run->seq_length = *seq_length_;
     }
     options.max_tp = max_tp_;
+    options.max_cp = max_cp_;
     options.virtual_pipeline = !no_vp_;
     if (!micro_batches_.empty()) {
       StatusOr<std::vector<int64_t>> v = ParseIntList(micro_batches_, "--micro-batch-sizes");
@@ -235,19 +251,23 @@ class AdviseCommand : public Command {
     if (a.fit.empty()) {
       out << "No layout fits.\n";
     } else {
-      out << fmt::format(
-          "  {:>3}  {:<28} {:<34} {:>7} {:>7} {:>6} {:>7} {:>7} {:>7} {:>7} {:>10}\n", "#",
-          "layout", "features", "step", "TFLOP/s", "MFU", "bubble", "tp", "pp", "dp",
-          "headroom");
       const size_t n = std::min(a.fit.size(), static_cast<size_t>(top_));
+      const bool cp = ShowsCp(a, n);
+      size_t width = 28;
+      for (size_t i = 0; i < n; ++i) width = std::max(width, LayoutName(a.fit[i]).size());
+      out << fmt::format(
+          "  {:>3}  {:<{}} {:<34} {:>7} {:>7} {:>6} {:>7} {:>7}{} {:>7} {:>7} {:>10}\n", "#",
+          "layout", width, "features", "step", "TFLOP/s", "MFU", "bubble", "tp",
+          cp ? fmt::format(" {:>7}", "cp") : std::string(), "pp", "dp", "headroom");
       for (size_t i = 0; i < n; ++i) {
         const AdvisedLayout& l = a.fit[i];
         const double step = l.time.step_time_s;
         out << fmt::format(
-            "  {:>3}  {:<28} {:<34} {:>7} {:>7.1f} {:>5.1f}% {:>6.1f}% {:>6.1f}% {:>6.1f}% "
+            "  {:>3}  {:<{}} {:<34} {:>7} {:>7.1f} {:>5.1f}% {:>6.1f}% {:>6.1f}%{} {:>6.1f}% "
             "{:>6.1f}% {:>10}\n",
-            i + 1, LayoutName(l), FeaturesText(l), Seconds(step), l.time.model_tflops_per_gpu,
+            i + 1, LayoutName(l), width, FeaturesText(l), Seconds(step), l.time.model_tflops_per_gpu,
             100 * l.time.mfu, 100 * l.time.bubble_s / step, 100 * l.time.tp_comm_s / step,
+            cp ? fmt::format(" {:>6.1f}%", 100 * l.time.cp_comm_s / step) : std::string(),
             100 * l.time.pp_comm_s / step, 100 * l.time.dp_comm_s / step,
             run::FormatBytes(static_cast<PlanBytes>(gpu.hbm_bytes) - l.peak));
       }
@@ -261,8 +281,8 @@ class AdviseCommand : public Command {
         out << fmt::format("  {}, {}: {}\n", LayoutName(l), FeaturesText(l), WhyItMisses(l, gpu));
       }
     }
-    out << "Not searched: context parallelism, expert parallelism. Time model and memory "
-           "count: `mpusim estimate` (README).\n";
+    out << "Not searched: expert parallelism. Time model and memory count: `mpusim estimate` "
+           "(README).\n";
   }
 
   nlohmann::ordered_json Json(const AdviseOptions& o, const GpuSpec& gpu, const Advice& a) const {
@@ -279,7 +299,7 @@ class AdviseCommand : public Command {
       j["pipeline_model_parallel_size"] = l.pp;
       j["virtual_pipeline_model_parallel_size"] =
           l.vp > 0 ? nlohmann::ordered_json(l.vp) : nlohmann::ordered_json(nullptr);
-      j["context_parallel_size"] = 1;
+      j["context_parallel_size"] = l.cp;
       j["expert_model_parallel_size"] = 1;
       j["data_parallel_size"] = l.dp;
       j["micro_batch_size"] = l.micro_batch_size;
@@ -293,6 +313,7 @@ class AdviseCommand : public Command {
       j["step_time_s"] = l.time.step_time_s;
       j["bubble_s"] = l.time.bubble_s;
       j["tp_comm_s"] = l.time.tp_comm_s;
+      j["cp_comm_s"] = l.time.cp_comm_s;
       j["pp_comm_s"] = l.time.pp_comm_s;
       j["dp_comm_s"] = l.time.dp_comm_s;
       j["peak_bytes"] = JsonBytes(l.peak);
@@ -308,7 +329,7 @@ class AdviseCommand : public Command {
       misses.push_back(entry(a.too_big[i]));
     }
     doc["closest_not_fitting"] = misses;
-    doc["not_searched"] = {"context_parallel_size", "expert_model_parallel_size"};
+    doc["not_searched"] = {"expert_model_parallel_size"};
     return doc;
   }
 
@@ -329,31 +350,34 @@ class AdviseCommand : public Command {
     const auto label = [&](size_t i, const AdvisedLayout& l) {
       return fmt::format("#{} {}", i + 1, LayoutName(l));
     };
+    const bool cp = ShowsCp(a, n);
     if (n > 0) {
       out << "<table class=\"report\"><tr><th>#</th><th>layout</th><th>features</th>"
-             "<th>step</th><th>TFLOP/s</th><th>MFU</th><th>bubble</th><th>tp</th><th>pp</th>"
-             "<th>dp</th><th>peak</th><th>headroom</th></tr>\n";
+             "<th>step</th><th>TFLOP/s</th><th>MFU</th><th>bubble</th><th>tp</th>"
+          << (cp ? "<th>cp</th>" : "") << "<th>pp</th><th>dp</th><th>peak</th><th>headroom</th>"
+          << "</tr>\n";
       for (size_t i = 0; i < n; ++i) {
         const AdvisedLayout& l = a.fit[i];
         const double step = l.time.step_time_s;
         out << fmt::format(
             "<tr><td>{}</td><td class=\"name\">{}</td><td class=\"name\">{}</td><td>{}</td>"
-            "<td>{:.1f}</td><td>{:.1f}%</td><td>{:.1f}%</td><td>{:.1f}%</td><td>{:.1f}%</td>"
+            "<td>{:.1f}</td><td>{:.1f}%</td><td>{:.1f}%</td><td>{:.1f}%</td>{}<td>{:.1f}%</td>"
             "<td>{:.1f}%</td><td>{}</td><td>{}</td></tr>\n",
             i + 1, HtmlEscape(LayoutName(l)), HtmlEscape(FeaturesText(l)), Seconds(step),
             l.time.model_tflops_per_gpu, 100 * l.time.mfu, 100 * l.time.bubble_s / step,
-            100 * l.time.tp_comm_s / step, 100 * l.time.pp_comm_s / step,
+            100 * l.time.tp_comm_s / step,
+            cp ? fmt::format("<td>{:.1f}%</td>", 100 * l.time.cp_comm_s / step) : std::string(),
+            100 * l.time.pp_comm_s / step,
             100 * l.time.dp_comm_s / step,
             run::FormatBytes(l.peak), run::FormatBytes(hbm - l.peak));
       }
       out << "</table>\n<p>Why #1 wins: " << HtmlEscape(WhyItWins(a.fit.front(), gpu))
           << "</p>\n<h2>where each step's time goes (the busiest stage's rank)</h2>\n";
-      // Advise does not search cp: no cp part.
       std::vector<Bar> time_bars;
       for (size_t i = 0; i < n; ++i) {
-        time_bars.push_back(TimeBar(label(i, a.fit[i]), a.fit[i].time, false));
+        time_bars.push_back(TimeBar(label(i, a.fit[i]), a.fit[i].time, cp));
       }
-      PrintBarsSvg(TimePartNames(false), time_bars, 0, "", out);
+      PrintBarsSvg(TimePartNames(cp), time_bars, 0, "", out);
     }
     // Memory: the peak stage of every layout shown, and of the closest misses.
     std::vector<Bar> memory_bars;
@@ -386,8 +410,8 @@ class AdviseCommand : public Command {
       }
       out << "</ul>\n";
     }
-    out << "<p class=\"note\">Not searched: context parallelism, expert parallelism. Time "
-           "model and memory count: <code>mpusim estimate</code> (README).</p>\n"
+    out << "<p class=\"note\">Not searched: expert parallelism. Time model and memory count: "
+           "<code>mpusim estimate</code> (README).</p>\n"
         << "<script id=\"advice\" type=\"application/json\">"
         << JsonForScript(Json(o, gpu, a).dump()) << "</script>\n";
     PrintReportPageEnd(out);
@@ -396,7 +420,7 @@ class AdviseCommand : public Command {
   CLI::App* app_ = nullptr;
   std::string path_;
   std::optional<int64_t> world_size_, global_batch_, seq_length_;
-  int64_t max_tp_ = 0;
+  int64_t max_tp_ = 0, max_cp_ = 0;
   std::string gpu_ = kDefaultGpu;
   std::string micro_batches_, recompute_, sequence_parallel_, distributed_;
   bool no_vp_ = false;

@@ -138,9 +138,10 @@ void PrintTimeText(const Config& config, const Topology& topology, const TimeEst
       ring ? " but the cp ring's sends with its attention" : "");
 }
 
-// The palette of the bars' parts, in turn.
-constexpr std::array<const char*, 6> kColours = {"#4e79a7", "#f28e2b", "#76b7b2",
-                                                 "#e15759", "#59a14f", "#b07aa1"};
+// The palette of the bars' parts, in turn: as many as a bar has parts (the step time's seven
+// with cp), so that no two parts of one bar share a colour.
+constexpr std::array<const char*, 7> kColours = {"#4e79a7", "#f28e2b", "#76b7b2", "#e15759",
+                                                 "#59a14f", "#b07aa1", "#edc948"};
 
 std::string Td(const std::string& text) { return "<td>" + HtmlEscape(text) + "</td>"; }
 

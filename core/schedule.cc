@@ -294,10 +294,19 @@ ScheduleTiming TimeSchedule(const PipelineSchedule& schedule, const StageCosts& 
   ScheduleTiming t;
   t.start.resize(static_cast<size_t>(p));
   t.end.resize(static_cast<size_t>(p));
-  // done[pass][virtual stage][microbatch]: when that step ended (< 0: not yet).
+  for (int64_t r = 0; r < p; ++r) {
+    const size_t n = schedule.per_rank[static_cast<size_t>(r)].size();
+    t.start[static_cast<size_t>(r)].reserve(n);
+    t.end[static_cast<size_t>(r)].reserve(n);
+  }
+  // done[(pass * stages + virtual stage) * M + microbatch]: when that step ended (< 0: not
+  // yet).
   const auto M = static_cast<size_t>(schedule.num_microbatches);
-  std::vector<std::vector<std::vector<double>>> done(
-      2, std::vector<std::vector<double>>(static_cast<size_t>(stages), std::vector<double>(M, -1)));
+  const auto S = static_cast<size_t>(stages);
+  std::vector<double> done(2 * S * M, -1);
+  const auto at = [&](size_t pass, int64_t u, size_t m) -> double& {
+    return done[(pass * S + static_cast<size_t>(u)) * M + m];
+  };
   std::vector<size_t> next(static_cast<size_t>(p), 0);
   std::vector<double> clock(static_cast<size_t>(p), 0.0);
   size_t remaining = 0;
@@ -314,11 +323,11 @@ ScheduleTiming TimeSchedule(const PipelineSchedule& schedule, const StageCosts& 
         const auto m = static_cast<size_t>(step.microbatch);
         double ready = clock[static_cast<size_t>(r)];
         if (fwd && u > 0) {
-          const double need = done[0][static_cast<size_t>(u - 1)][m];
+          const double need = at(0, u - 1, m);
           if (need < 0) break;
           ready = std::max(ready, need + transfer);
         } else if (!fwd && u + 1 < stages) {
-          const double need = done[1][static_cast<size_t>(u + 1)][m];
+          const double need = at(1, u + 1, m);
           if (need < 0) break;
           ready = std::max(ready, need + transfer);
         }
@@ -331,7 +340,7 @@ ScheduleTiming TimeSchedule(const PipelineSchedule& schedule, const StageCosts& 
             finish + (costs.blocking_sends && sends && transfer > 0 ? transfer : 0.0);
         t.start[static_cast<size_t>(r)].push_back(ready);
         t.end[static_cast<size_t>(r)].push_back(finish);
-        done[fwd ? 0 : 1][static_cast<size_t>(u)][m] = finish;
+        at(fwd ? 0 : 1, u, m) = finish;
         clock[static_cast<size_t>(r)] = free;
         t.makespan = std::max(t.makespan, free);
         ++i;

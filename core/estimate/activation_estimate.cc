@@ -14,8 +14,8 @@ PlanBytes ToBytes(double bytes) { return static_cast<PlanBytes>(std::llround(byt
 
 }  // namespace
 
-StatusOr<std::vector<StageActivations>> EstimateStageActivations(const Config& config,
-                                                                 const Topology& topology) {
+StatusOr<std::vector<StageActivations>> EstimateStageActivations(
+    const Config& config, const Topology& topology, const PipelineSchedule* schedule_given) {
   if (Status s = CheckEstimable(config, "the activation count"); !s.ok()) return s;
   const GptConfig& g = *config.gpt;
   const RunConfig& run = *config.run;
@@ -53,9 +53,10 @@ StatusOr<std::vector<StageActivations>> EstimateStageActivations(const Config& c
   const int64_t p = sz.pp, v = sz.vp.value_or(1), stages = p * v;
   const double layers = static_cast<double>(g.num_layers / stages);
   const double vocab = static_cast<double>(g.PaddedVocabSize(sz.tp));
-  StatusOr<PipelineSchedule> schedule = BuildPipelineSchedule(
-      p, sz.vp, run.num_microbatches, topology.config().microbatch_group_size_per_vp_stage);
-  if (!schedule.ok()) return schedule.status();
+  std::optional<PipelineSchedule> built;
+  StatusOr<const PipelineSchedule*> found = RunSchedule(topology, run, schedule_given, &built);
+  if (!found.ok()) return found.status();
+  const PipelineSchedule* schedule = *found;
   std::vector<StageActivations> out;
   for (int64_t r = 0; r < p; ++r) {
     // Each chunk's stash of one micro-batch.

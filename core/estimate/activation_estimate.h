@@ -46,6 +46,7 @@
 
 #include "core/config/config.h"
 #include "core/memory_plan.h"
+#include "core/schedule.h"
 #include "core/status.h"
 #include "core/topology.h"
 
@@ -59,7 +60,9 @@ struct StageActivations {
 };
 
 // Needs a GPT model and a run section; errors name the field the count cannot handle.
-StatusOr<std::vector<StageActivations>> EstimateStageActivations(const Config& config,
-                                                                 const Topology& topology);
+// `schedule`: the run's BuildPipelineSchedule, when the caller has it already (advise reuses
+// it across the candidates that share pp, vp and the micro-batch count); else it is built here.
+StatusOr<std::vector<StageActivations>> EstimateStageActivations(
+    const Config& config, const Topology& topology, const PipelineSchedule* schedule = nullptr);
 
 }  // namespace mpusim

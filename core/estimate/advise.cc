@@ -1,7 +1,12 @@
 #include "core/estimate/advise.h"
 
 #include <algorithm>
+#include <atomic>
+#include <exception>
+#include <functional>
 #include <map>
+#include <mutex>
+#include <thread>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -9,6 +14,7 @@
 #include "core/config/gpt_config.h"
 #include "core/estimate/activation_estimate.h"
 #include "core/estimate/memory_estimate.h"
+#include "core/schedule.h"
 #include "core/topology.h"
 
 namespace mpusim {
@@ -20,6 +26,32 @@ std::vector<int64_t> Divisors(int64_t n) {
     if (n % d == 0) out.push_back(d);
   }
   return out;
+}
+
+// Calls f(0) .. f(n - 1) on up to one thread per core, each index once; an exception from any
+// call is rethrown here after every thread has stopped.
+void ParallelFor(size_t n, const std::function<void(size_t)>& f) {
+  const size_t threads =
+      std::min<size_t>(n, std::max<size_t>(1, std::thread::hardware_concurrency()));
+  std::atomic<size_t> next{0};
+  std::exception_ptr failure;
+  std::mutex failure_mutex;
+  const auto work = [&] {
+    for (size_t i = next++; i < n; i = next++) {
+      try {
+        f(i);
+      } catch (...) {
+        const std::lock_guard<std::mutex> lock(failure_mutex);
+        if (!failure) failure = std::current_exception();
+        next = n;
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+  if (failure) std::rethrow_exception(failure);
 }
 
 }  // namespace
@@ -56,84 +88,118 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
                                          "model no max_position_embeddings");
   }
   Advice advice;
-  // Held memory depends on (tp, pp, vp, distributed optimizer) only: counted once each.
-  std::map<std::tuple<int64_t, int64_t, int64_t, bool>, std::vector<StageHeldMemory>> held;
+  // The config of one candidate: `config` with the layout, the batch split and recomputation;
+  // nullopt when the model refuses the layout.
+  const auto configure = [&](const AdvisedLayout& l) -> std::optional<Config> {
+    Config c = config;
+    ParallelConfig& par = c.parallel;
+    par.world_size = n;
+    par.tensor_model_parallel_size = l.tp;
+    par.pipeline_model_parallel_size = l.pp;
+    par.virtual_pipeline_model_parallel_size =
+        l.vp > 0 ? std::optional<int64_t>(l.vp) : std::nullopt;
+    par.context_parallel_size = l.cp;
+    par.hierarchical_context_parallel_sizes.clear();
+    par.expert_model_parallel_size = 1;
+    par.expert_tensor_parallel_size.reset();
+    par.num_distributed_optimizer_instances = 1;
+    par.microbatch_group_size_per_vp_stage.reset();
+    par.num_layers = model.num_layers;
+    par.sequence_parallel = l.sequence_parallel;
+    RunConfig run = base_run;
+    run.micro_batch_size = l.micro_batch_size;
+    run.num_microbatches = batch / (l.micro_batch_size * l.dp);
+    run.global_batch_size = batch;
+    run.recompute = l.recompute;
+    c.run = run;
+    if (c.optimizer) c.optimizer->use_distributed_optimizer = l.distributed_optimizer;
+    if (!CheckGptLayout(c.parallel, *c.run, &*c.gpt).ok()) return std::nullopt;
+    return c;
+  };
+  // Counted once each: the topology of (tp, cp, pp, vp, sp), and held memory, which depends on
+  // (tp, cp, pp, vp, distributed optimizer) only (cp through the distributed optimizer's shards
+  // over dp x cp).
+  using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, bool>;
+  std::map<Key, std::optional<Topology>> topologies;
+  std::map<Key, std::optional<std::vector<StageHeldMemory>>> held;
+  const auto topology_of = [&](const Config& c, const AdvisedLayout& l) -> const Topology* {
+    auto [it, added] =
+        topologies.try_emplace(Key{l.tp, l.cp, l.pp, l.vp, l.sequence_parallel}, std::nullopt);
+    if (added) {
+      StatusOr<Topology> t = Topology::Create(c.parallel);
+      if (t.ok()) it->second = *std::move(t);
+    }
+    return it->second ? &*it->second : nullptr;
+  };
+  std::map<std::tuple<int64_t, int64_t, int64_t>, std::optional<PipelineSchedule>> schedules;
+  const auto schedule_of = [&](const AdvisedLayout& l) -> const PipelineSchedule* {
+    const int64_t m = batch / (l.micro_batch_size * l.dp);
+    auto [it, added] = schedules.try_emplace({l.pp, l.vp, m}, std::nullopt);
+    if (added) {
+      StatusOr<PipelineSchedule> s = BuildPipelineSchedule(
+          l.pp, l.vp > 0 ? std::optional<int64_t>(l.vp) : std::nullopt, m, std::nullopt);
+      if (s.ok()) it->second = *std::move(s);
+    }
+    return it->second ? &*it->second : nullptr;
+  };
+  const auto held_of = [&](const Config& c, const Topology& t,
+                           const AdvisedLayout& l) -> const std::vector<StageHeldMemory>* {
+    auto [it, added] =
+        held.try_emplace(Key{l.tp, l.cp, l.pp, l.vp, l.distributed_optimizer}, std::nullopt);
+    if (added) {
+      StatusOr<std::vector<StageHeldMemory>> h = EstimateStageHeldMemory(c, t);
+      if (h.ok()) it->second = *std::move(h);
+    }
+    return it->second ? &*it->second : nullptr;
+  };
+  // First every candidate, with the topology, held memory and schedule it shares with others;
+  // then each one's activations, peak and (when it fits) step time, on every core: those are
+  // pure functions of the candidate and what it shares, which is no longer changed.
+  struct Candidate {
+    AdvisedLayout layout;
+    const Topology* topology;
+    const std::vector<StageHeldMemory>* held;
+    const PipelineSchedule* schedule;
+  };
+  std::vector<Candidate> candidates;
   for (int64_t tp : Divisors(n)) {
     // Within a node, tp divides the node (a group never straddles two).
     if (tp > max_tp || (tp <= config.parallel.gpus_per_node &&
                         config.parallel.gpus_per_node % tp != 0)) {
       continue;
     }
-    for (int64_t pp : Divisors(n / tp)) {
-      if (model.num_layers % pp != 0) continue;
-      const int64_t dp = n / (tp * pp);
-      std::vector<int64_t> vps = {0};
-      if (options.virtual_pipeline && pp > 1) {
-        for (int64_t v = 2; v <= model.num_layers / pp; ++v) {
-          if (model.num_layers % (pp * v) == 0) vps.push_back(v);
+    for (int64_t cp : Divisors(n / tp)) {
+      if (options.max_cp > 0 && cp > options.max_cp) continue;
+      for (int64_t pp : Divisors(n / (tp * cp))) {
+        if (model.num_layers % pp != 0) continue;
+        const int64_t dp = n / (tp * cp * pp);
+        std::vector<int64_t> vps = {0};
+        if (options.virtual_pipeline && pp > 1) {
+          for (int64_t v = 2; v <= model.num_layers / pp; ++v) {
+            if (model.num_layers % (pp * v) == 0) vps.push_back(v);
+          }
         }
-      }
-      for (int64_t vp : vps) {
-        for (bool sp : options.sequence_parallel) {
-          if (sp && tp == 1) continue;
-          for (bool distributed : options.distributed_optimizer) {
-            if (distributed && !config.optimizer) continue;
-            for (int64_t mbs : options.micro_batch_sizes) {
-              if (batch % (mbs * dp) != 0) continue;
-              const int64_t m = batch / (mbs * dp);
-              if (vp > 0 && m % pp != 0) continue;  // Megatron's interleaved rule
-              for (RunConfig::Recompute recompute : options.recompute) {
-                Config c = config;
-                ParallelConfig& par = c.parallel;
-                par.world_size = n;
-                par.tensor_model_parallel_size = tp;
-                par.pipeline_model_parallel_size = pp;
-                par.virtual_pipeline_model_parallel_size =
-                    vp > 0 ? std::optional<int64_t>(vp) : std::nullopt;
-                par.context_parallel_size = 1;
-                par.hierarchical_context_parallel_sizes.clear();
-                par.expert_model_parallel_size = 1;
-                par.expert_tensor_parallel_size.reset();
-                par.num_distributed_optimizer_instances = 1;
-                par.microbatch_group_size_per_vp_stage.reset();
-                par.num_layers = model.num_layers;
-                par.sequence_parallel = sp;
-                RunConfig run = base_run;
-                run.micro_batch_size = mbs;
-                run.num_microbatches = m;
-                run.global_batch_size = batch;
-                run.recompute = recompute;
-                c.run = run;
-                if (c.optimizer) c.optimizer->use_distributed_optimizer = distributed;
-                if (!CheckGptLayout(par, run, &*c.gpt).ok()) continue;
-                StatusOr<Topology> topology = Topology::Create(par);
-                if (!topology.ok()) continue;
-                const auto key = std::make_tuple(tp, pp, vp, distributed);
-                auto it = held.find(key);
-                if (it == held.end()) {
-                  StatusOr<std::vector<StageHeldMemory>> h =
-                      EstimateStageHeldMemory(c, *topology);
-                  if (!h.ok()) continue;
-                  it = held.emplace(key, *h).first;
+        for (int64_t vp : vps) {
+          for (bool sp : options.sequence_parallel) {
+            if (sp && tp == 1) continue;
+            for (bool distributed : options.distributed_optimizer) {
+              if (distributed && !config.optimizer) continue;
+              for (int64_t mbs : options.micro_batch_sizes) {
+                if (batch % (mbs * dp) != 0) continue;
+                const int64_t m = batch / (mbs * dp);
+                if (vp > 0 && m % pp != 0) continue;  // Megatron's interleaved rule
+                for (RunConfig::Recompute recompute : options.recompute) {
+                  const AdvisedLayout layout{tp,  pp,  vp,        dp,          cp,
+                                             mbs, recompute, sp, distributed, {}};
+                  const std::optional<Config> c = configure(layout);
+                  if (!c) continue;
+                  const Topology* topology = topology_of(*c, layout);
+                  if (topology == nullptr) continue;
+                  const std::vector<StageHeldMemory>* h = held_of(*c, *topology, layout);
+                  const PipelineSchedule* schedule = schedule_of(layout);
+                  if (h == nullptr || schedule == nullptr) continue;
+                  candidates.push_back({layout, topology, h, schedule});
                 }
-                StatusOr<std::vector<StageActivations>> acts =
-                    EstimateStageActivations(c, *topology);
-                StatusOr<TimeEstimate> time = EstimateStepTime(c, *topology, gpu, &it->second);
-                if (!acts.ok() || !time.ok()) continue;
-                AdvisedLayout layout{tp, pp, vp, dp, mbs, recompute, sp, distributed, *time};
-                for (size_t s = 0; s < acts->size(); ++s) {
-                  const StageActivations& a = (*acts)[s];
-                  const PlanBytes peak = SaturatingAdd(
-                      it->second[s].held.total(), SaturatingAdd(a.activations, a.buffers));
-                  if (peak > layout.peak) {
-                    layout.peak = peak;
-                    layout.peak_stage = static_cast<int64_t>(s);
-                    layout.activations = a.activations;
-                  }
-                }
-                layout.fits = layout.peak <= static_cast<PlanBytes>(gpu.hbm_bytes);
-                ++advice.candidates;
-                (layout.fits ? advice.fit : advice.too_big).push_back(std::move(layout));
               }
             }
           }
@@ -141,12 +207,54 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
       }
     }
   }
+  std::vector<std::optional<AdvisedLayout>> evaluated(candidates.size());
+  ParallelFor(candidates.size(), [&](size_t i) {
+    const Candidate& k = candidates[i];
+    AdvisedLayout layout = k.layout;
+    const Config c = *configure(layout);
+    StatusOr<std::vector<StageActivations>> acts =
+        EstimateStageActivations(c, *k.topology, k.schedule);
+    if (!acts.ok()) return;
+    for (size_t s = 0; s < acts->size(); ++s) {
+      const StageActivations& a = (*acts)[s];
+      const PlanBytes peak =
+          SaturatingAdd((*k.held)[s].held.total(), SaturatingAdd(a.activations, a.buffers));
+      if (peak > layout.peak) {
+        layout.peak = peak;
+        layout.peak_stage = static_cast<int64_t>(s);
+        layout.activations = a.activations;
+      }
+    }
+    layout.fits = layout.peak <= static_cast<PlanBytes>(gpu.hbm_bytes);
+    // The step time of those that fit; of the others, only the closest few's (below).
+    if (layout.fits) {
+      StatusOr<TimeEstimate> time = EstimateStepTime(c, *k.topology, gpu, k.held, k.schedule);
+      if (!time.ok()) return;
+      layout.time = *std::move(time);
+    }
+    evaluated[i] = std::move(layout);
+  });
+  for (std::optional<AdvisedLayout>& layout : evaluated) {
+    if (!layout) continue;
+    ++advice.candidates;
+    (layout->fits ? advice.fit : advice.too_big).push_back(*std::move(layout));
+  }
   std::stable_sort(advice.fit.begin(), advice.fit.end(),
                    [](const AdvisedLayout& a, const AdvisedLayout& b) {
                      return a.time.step_time_s < b.time.step_time_s;
                    });
   std::stable_sort(advice.too_big.begin(), advice.too_big.end(),
                    [](const AdvisedLayout& a, const AdvisedLayout& b) { return a.peak < b.peak; });
+  const size_t timed = std::min(advice.too_big.size(), options.timed_misses);
+  for (size_t i = 0; i < timed; ++i) {
+    AdvisedLayout& l = advice.too_big[i];
+    // Each was configured, its topology made and its held memory counted above.
+    const Config c = *configure(l);
+    const Topology* topology = topology_of(c, l);
+    StatusOr<TimeEstimate> time =
+        EstimateStepTime(c, *topology, gpu, held_of(c, *topology, l), schedule_of(l));
+    if (time.ok()) l.time = *std::move(time);
+  }
   return advice;
 }
 

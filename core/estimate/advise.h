@@ -2,15 +2,18 @@
 // throughput: `mpusim advise`.
 //
 // The search: tensor-parallel size t (a divisor of N, at most the GPUs of a node by default,
-// dividing the node's GPU count, the heads and the query groups), pipeline size p (dividing N / t and the layers), the
-// virtual pipeline size v (none, or 2.. such that p * v divides the layers, when p > 1 and the
-// micro-batches divide by p), dp = N / (t p), the micro-batch size (dividing global batch / dp),
-// recomputation, sequence parallelism (t > 1) and the distributed optimizer, each from the
-// lists the caller allows. Context parallelism and expert parallelism are not searched (the
-// time model does not cover them yet). Each candidate gets the memory estimate (held exactly;
-// activations and buffers by Korthikanti's count, core/estimate/activation_estimate.h) and
-// the step time (core/estimate/time_estimate.h); it fits when every stage's peak is at most
-// the GPU's memory. Fitting layouts are ranked by step time, the fastest first.
+// dividing the node's GPU count, the heads and the query groups), context-parallel size c
+// (dividing N / t, at most max_cp, 2c dividing the sequence; the model's cp_comm_type),
+// pipeline size p (dividing N / (t c) and the layers), the virtual pipeline size v (none, or
+// 2.. such that p * v divides the layers, when p > 1 and the micro-batches divide by p),
+// dp = N / (t c p), the micro-batch size (dividing global batch / dp), recomputation, sequence
+// parallelism (t > 1) and the distributed optimizer, each from the lists the caller allows.
+// Expert parallelism is not searched (the time model does not cover mixture-of-experts
+// layers yet). Each candidate gets the memory estimate (held exactly; activations and buffers
+// by Korthikanti's count, core/estimate/activation_estimate.h); it fits when every stage's peak
+// is at most the GPU's memory. Those that fit get the step time
+// (core/estimate/time_estimate.h) and are ranked by it, the fastest first; those that do not
+// are ranked by peak, the closest first, and only the first few get a step time.
 #pragma once
 
 #include <cstdint>
@@ -28,6 +31,7 @@ struct AdviseOptions {
   int64_t world_size = 0;
   int64_t global_batch_size = 0;
   int64_t max_tp = 0;  // 0: the config's gpus_per_node
+  int64_t max_cp = 0;  // 0: no limit; 1: no context parallelism
   std::vector<int64_t> micro_batch_sizes = {1, 2, 4, 8};
   std::vector<RunConfig::Recompute> recompute = {RunConfig::Recompute::kNone,
                                                  RunConfig::Recompute::kSelective,
@@ -35,15 +39,17 @@ struct AdviseOptions {
   std::vector<bool> sequence_parallel = {false, true};
   std::vector<bool> distributed_optimizer = {false, true};
   bool virtual_pipeline = true;
+  size_t timed_misses = 3;  // how many of the closest layouts that do not fit get a step time
 };
 
 struct AdvisedLayout {
   int64_t tp = 1, pp = 1, vp = 0, dp = 1;  // vp 0: not interleaved
+  int64_t cp = 1;
   int64_t micro_batch_size = 1;
   RunConfig::Recompute recompute = RunConfig::Recompute::kNone;
   bool sequence_parallel = false;
   bool distributed_optimizer = false;
-  TimeEstimate time;
+  TimeEstimate time;          // of a layout that fits, and of the first timed_misses that do not
   PlanBytes peak = 0;        // the largest stage peak
   int64_t peak_stage = 0;    // where it is
   PlanBytes activations = 0; // that stage's

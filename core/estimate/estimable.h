@@ -6,10 +6,13 @@
 
 #include <fmt/format.h>
 
+#include <optional>
 #include <string_view>
 
 #include "core/config/config.h"
+#include "core/schedule.h"
 #include "core/status.h"
+#include "core/topology.h"
 
 namespace mpusim {
 
@@ -29,6 +32,21 @@ inline Status CheckEstimable(const Config& config, std::string_view what,
                          fmt::format("{} does not model mixture-of-experts layers yet", what));
   }
   return {};
+}
+
+// The run's pipeline schedule: `given` when the caller has it already (advise shares one among
+// the candidates of the same pp, vp and micro-batch count), else built into `*built`.
+inline StatusOr<const PipelineSchedule*> RunSchedule(const Topology& topology,
+                                                     const RunConfig& run,
+                                                     const PipelineSchedule* given,
+                                                     std::optional<PipelineSchedule>* built) {
+  if (given != nullptr) return given;
+  StatusOr<PipelineSchedule> schedule =
+      BuildPipelineSchedule(topology.sizes().pp, topology.sizes().vp, run.num_microbatches,
+                            topology.config().microbatch_group_size_per_vp_stage);
+  if (!schedule.ok()) return schedule.status();
+  *built = *std::move(schedule);
+  return &**built;
 }
 
 }  // namespace mpusim

@@ -205,9 +205,10 @@ StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(
 
   const int64_t p = sz.pp, v = sz.vp.value_or(1), stages = p * v;
   const int64_t layers = g.num_layers / stages;
-  StatusOr<PipelineSchedule> schedule = BuildPipelineSchedule(
-      p, sz.vp, run.num_microbatches, topology.config().microbatch_group_size_per_vp_stage);
-  if (!schedule.ok()) return schedule.status();
+  std::optional<PipelineSchedule> built;
+  StatusOr<const PipelineSchedule*> found = RunSchedule(topology, run, nullptr, &built);
+  if (!found.ok()) return found.status();
+  const PipelineSchedule* schedule = *found;
   // The pipeline's transfers as the executor's MPI walk makes them (core/pipeline/
   // pipeline_walk.h): a receive's buffer from when its batch is posted until its step takes
   // it, every send's tensor until the walk's end (its request holds it).

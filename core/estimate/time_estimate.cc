@@ -389,7 +389,8 @@ double ModelFlopsPerIteration(const GptConfig& g, int64_t padded_vocab, int64_t 
 
 StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& topology,
                                         const GpuSpec& gpu,
-                                        const std::vector<StageHeldMemory>* held_given) {
+                                        const std::vector<StageHeldMemory>* held_given,
+                                        const PipelineSchedule* schedule_given) {
   if (Status s = CheckEstimable(config, "the step-time estimate"); !s.ok()) return s;
   const GptConfig& g = *config.gpt;
   const RunConfig& run = *config.run;
@@ -457,10 +458,10 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   costs.transfer = p > 1 ? p2p_bytes / pp_link.bandwidth + pp_link.latency : 0;
   costs.blocking_sends = true;
 
-  StatusOr<PipelineSchedule> schedule = BuildPipelineSchedule(
-      p, sz.vp, run.num_microbatches, topology.config().microbatch_group_size_per_vp_stage);
+  std::optional<PipelineSchedule> built;
+  StatusOr<const PipelineSchedule*> schedule = RunSchedule(topology, run, schedule_given, &built);
   if (!schedule.ok()) return schedule.status();
-  const ScheduleTiming timing = TimeSchedule(*schedule, costs);
+  const ScheduleTiming timing = TimeSchedule(**schedule, costs);
 
   TimeEstimate out;
   out.gpu = gpu;

@@ -55,6 +55,7 @@
 
 #include "core/config/config.h"
 #include "core/estimate/memory_estimate.h"
+#include "core/schedule.h"
 #include "core/status.h"
 #include "core/topology.h"
 
@@ -137,10 +138,12 @@ struct TimeEstimate {
 // Needs a GPT model and a run section (seq_length, micro_batch_size, num_microbatches).
 // Errors name the field that makes the estimate impossible.
 // `held`: EstimateStageHeldMemory(config, topology), when the caller has it already (advise
-// reuses it across the candidates that share a layout); else it is counted here.
+// reuses it across the candidates that share a layout); else it is counted here. `schedule`:
+// the run's BuildPipelineSchedule, likewise.
 StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& topology,
                                         const GpuSpec& gpu,
-                                        const std::vector<StageHeldMemory>* held = nullptr);
+                                        const std::vector<StageHeldMemory>* held = nullptr,
+                                        const PipelineSchedule* schedule = nullptr);
 
 // Megatron's model FLOPs of one iteration of `samples` sequences (no recomputation).
 double ModelFlopsPerIteration(const GptConfig& gpt, int64_t padded_vocab, int64_t seq_length,

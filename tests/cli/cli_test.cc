@@ -1141,65 +1141,88 @@ TEST(EstimateCommand, StepTimeNotesAndRefusals) {
 }
 
 // advise on GPT-3 175B, 1024 A100s, a narrow search (micro-batches of 1, full recomputation,
-// no sp, no distributed optimizer, no interleaving): it evaluates exactly the (tp, pp) pairs
-// that divide the node, the heads, the GPUs and the layers and leave dp dividing the batch;
-// lists the fitting ones fastest first, each agreeing with `mpusim estimate` of that layout;
-// and the closest misses are over the GPU's memory.
+// no sp, no distributed optimizer, no interleaving), without and with context parallelism: it
+// evaluates exactly the (tp, cp, pp) that divide the node, the heads, the GPUs and the layers
+// and leave dp dividing the batch; lists the fitting ones fastest first, each agreeing with
+// `mpusim estimate` of that layout; and the closest misses are over the GPU's memory.
 TEST(AdviseCommand, RanksFittingLayoutsAsEstimateJudgesThem) {
-  const std::vector<std::string> narrow = {
+  std::vector<std::string> narrow = {
       "advise", Sample("gpt3_175b_t8_p16_n1024.json"), "--global-batch-size", "1536", "--gpu",
       "a100-80gb", "--micro-batch-sizes", "1", "--recompute", "full", "--sequence-parallel",
       "false", "--distributed-optimizer", "false", "--no-virtual-pipeline", "--top", "1000",
       "--format", "json"};
-  const Result r = Mpusim(narrow);
-  ASSERT_EQ(r.code, 0) << r.err;
-  const json doc = json::parse(r.out);
-  int64_t expected = 0;
-  for (int64_t tp : {1, 2, 4, 8}) {
-    for (int64_t pp = 1; pp <= 1024 / tp; ++pp) {
-      if ((1024 / tp) % pp == 0 && 96 % pp == 0 && 1536 % (1024 / (tp * pp)) == 0) ++expected;
+  for (const int64_t max_cp : {1, 8}) {
+    std::vector<std::string> args = narrow;
+    args.insert(args.end(), {"--max-cp", std::to_string(max_cp)});
+    const Result r = Mpusim(args);
+    ASSERT_EQ(r.code, 0) << r.err;
+    const json doc = json::parse(r.out);
+    int64_t expected = 0;
+    for (int64_t tp : {1, 2, 4, 8}) {
+      for (int64_t cp = 1; cp <= max_cp; cp *= 2) {  // 2 cp divides the sequence, 2048
+        for (int64_t pp = 1; pp <= 1024 / (tp * cp); ++pp) {
+          const int64_t dp = 1024 / (tp * cp * pp);
+          if ((1024 / (tp * cp)) % pp == 0 && 96 % pp == 0 && 1536 % dp == 0) ++expected;
+        }
+      }
     }
-  }
-  EXPECT_EQ(doc.at("candidates"), expected);
-  const json& layouts = doc.at("layouts");
-  ASSERT_GE(layouts.size(), 3u);
-  EXPECT_EQ(doc.at("fitting"), layouts.size());
-  const double hbm = doc.at("hbm_bytes");
-  for (size_t i = 0; i < layouts.size(); ++i) {
-    const json& l = layouts[i];
-    EXPECT_LE(l.at("peak_bytes").get<double>(), hbm);
-    if (i > 0) {
-      EXPECT_GE(l.at("step_time_s").get<double>(), layouts[i - 1].at("step_time_s"));
+    EXPECT_EQ(doc.at("candidates"), expected) << max_cp;
+    const json& layouts = doc.at("layouts");
+    ASSERT_GE(layouts.size(), 3u);
+    EXPECT_EQ(doc.at("fitting"), layouts.size());
+    const double hbm = doc.at("hbm_bytes");
+    int64_t with_cp = 0;
+    for (size_t i = 0; i < layouts.size(); ++i) {
+      const json& l = layouts[i];
+      EXPECT_LE(l.at("peak_bytes").get<double>(), hbm);
+      if (i > 0) {
+        EXPECT_GE(l.at("step_time_s").get<double>(), layouts[i - 1].at("step_time_s"));
+      }
+      EXPECT_EQ(l.at("recompute_granularity"), "full");
+      const int64_t cp = l.at("context_parallel_size").get<int64_t>();
+      EXPECT_LE(cp, max_cp);
+      with_cp += cp > 1 ? 1 : 0;
+      EXPECT_EQ(l.at("data_parallel_size").get<int64_t>() *
+                    l.at("tensor_model_parallel_size").get<int64_t>() * cp *
+                    l.at("pipeline_model_parallel_size").get<int64_t>(),
+                1024);
+      // The ring's exchanges may hide behind the attention entirely; without cp there are none.
+      if (cp == 1) EXPECT_EQ(l.at("cp_comm_s").get<double>(), 0) << i;
     }
-    EXPECT_EQ(l.at("recompute_granularity"), "full");
-    EXPECT_EQ(l.at("data_parallel_size").get<int64_t>() *
-                  l.at("tensor_model_parallel_size").get<int64_t>() *
-                  l.at("pipeline_model_parallel_size").get<int64_t>(),
-              1024);
-  }
-  for (const json& miss : doc.at("closest_not_fitting")) {
-    EXPECT_GT(miss.at("peak_bytes").get<double>(), hbm);
-  }
-  // The first three, estimated one by one.
-  for (size_t i = 0; i < 3; ++i) {
-    const json& l = layouts[i];
-    const Result e = Mpusim(
-        {"estimate", Sample("gpt3_175b_t8_p16_n1024.json"), "--tp",
-         std::to_string(l.at("tensor_model_parallel_size").get<int64_t>()), "--pp",
-         std::to_string(l.at("pipeline_model_parallel_size").get<int64_t>()),
-         "--global-batch-size", "1536", "--recompute", "full", "--gpu", "a100-80gb", "--format",
-         "json"});
-    ASSERT_EQ(e.code, 0) << e.err;
-    const json est = json::parse(e.out);
-    EXPECT_DOUBLE_EQ(est.at("step_time_s").get<double>(), l.at("step_time_s").get<double>());
-    for (const char* part : {"bubble_s", "tp_comm_s", "pp_comm_s", "dp_comm_s"}) {
-      EXPECT_DOUBLE_EQ(est.at("time").at(part).get<double>(), l.at(part).get<double>()) << part;
+    if (max_cp > 1) EXPECT_GT(with_cp, 0);
+    for (const json& miss : doc.at("closest_not_fitting")) {
+      EXPECT_GT(miss.at("peak_bytes").get<double>(), hbm);
+      EXPECT_GT(miss.at("step_time_s").get<double>(), 0);  // the closest misses are timed
     }
-    double peak = 0;
-    for (const json& stage : est.at("stages")) {
-      peak = std::max(peak, stage.at("memory").at("peak").get<double>());
+    // The first three, and the first with cp > 1, estimated one by one.
+    std::vector<size_t> checked = {0, 1, 2};
+    for (size_t i = 3; i < layouts.size() && max_cp > 1; ++i) {
+      if (layouts[i].at("context_parallel_size").get<int64_t>() > 1) {
+        checked.push_back(i);
+        break;
+      }
     }
-    EXPECT_EQ(peak, l.at("peak_bytes").get<double>()) << i;
+    for (const size_t i : checked) {
+      const json& l = layouts[i];
+      const Result e = Mpusim(
+          {"estimate", Sample("gpt3_175b_t8_p16_n1024.json"), "--tp",
+           std::to_string(l.at("tensor_model_parallel_size").get<int64_t>()), "--cp",
+           std::to_string(l.at("context_parallel_size").get<int64_t>()), "--pp",
+           std::to_string(l.at("pipeline_model_parallel_size").get<int64_t>()),
+           "--global-batch-size", "1536", "--recompute", "full", "--gpu", "a100-80gb",
+           "--format", "json"});
+      ASSERT_EQ(e.code, 0) << e.err;
+      const json est = json::parse(e.out);
+      EXPECT_DOUBLE_EQ(est.at("step_time_s").get<double>(), l.at("step_time_s").get<double>());
+      for (const char* part : {"bubble_s", "tp_comm_s", "cp_comm_s", "pp_comm_s", "dp_comm_s"}) {
+        EXPECT_DOUBLE_EQ(est.at("time").at(part).get<double>(), l.at(part).get<double>()) << part;
+      }
+      double peak = 0;
+      for (const json& stage : est.at("stages")) {
+        peak = std::max(peak, stage.at("memory").at("peak").get<double>());
+      }
+      EXPECT_EQ(peak, l.at("peak_bytes").get<double>()) << i;
+    }
   }
   // The text names the winner's reasons and the misses' excess.
   std::vector<std::string> text_args(narrow.begin(), narrow.end() - 4);
@@ -1278,8 +1301,11 @@ TEST(AdviseCommand, HtmlPageDrawsTheJsonReport) {
   ASSERT_EQ(expected.at("layouts").size(), 4u);
   for (size_t i = 0; i < 4; ++i) {
     const json& l = expected.at("layouts")[i];
-    std::string name = fmt::format("tp {} pp {}", l.at("tensor_model_parallel_size").get<int64_t>(),
-                                   l.at("pipeline_model_parallel_size").get<int64_t>());
+    std::string name = fmt::format("tp {}", l.at("tensor_model_parallel_size").get<int64_t>());
+    if (l.at("context_parallel_size").get<int64_t>() > 1) {
+      name += fmt::format(" cp {}", l.at("context_parallel_size").get<int64_t>());
+    }
+    name += fmt::format(" pp {}", l.at("pipeline_model_parallel_size").get<int64_t>());
     if (!l.at("virtual_pipeline_model_parallel_size").is_null()) {
       name += fmt::format(" vp {}", l.at("virtual_pipeline_model_parallel_size").get<int64_t>());
     }
@@ -1291,6 +1317,9 @@ TEST(AdviseCommand, HtmlPageDrawsTheJsonReport) {
     // Its time bar and its memory bar.
     EXPECT_EQ(Count(page.out, fmt::format(">#{} {}</text>", i + 1, name)), 2u) << name;
   }
+  // Context parallelism among the layouts shown: its column and its part of each time bar.
+  EXPECT_GT(expected.at("layouts")[0].at("context_parallel_size").get<int64_t>(), 1);
+  EXPECT_NE(page.out.find("<th>tp</th><th>cp</th><th>pp</th>"), std::string::npos);
   const size_t misses = expected.at("closest_not_fitting").size();
   EXPECT_EQ(misses, 3u);
   EXPECT_EQ(Count(page.out, "<li>"), misses);
