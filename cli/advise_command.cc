@@ -375,9 +375,9 @@ class AdviseCommand : public Command {
           << "</p>\n<h2>where each step's time goes (the busiest stage's rank)</h2>\n";
       std::vector<Bar> time_bars;
       for (size_t i = 0; i < n; ++i) {
-        time_bars.push_back(TimeBar(label(i, a.fit[i]), a.fit[i].time, cp));
+        time_bars.push_back(TimeBar(label(i, a.fit[i]), a.fit[i].time, cp, false));
       }
-      PrintBarsSvg(TimePartNames(cp), time_bars, 0, "", out);
+      PrintBarsSvg(TimePartNames(cp, false), time_bars, 0, "", out);
     }
     // Memory: the peak stage of every layout shown, and of the closest misses.
     std::vector<Bar> memory_bars;

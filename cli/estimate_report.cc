@@ -97,15 +97,18 @@ void PrintTimeText(const Config& config, const Topology& topology, const TimeEst
       "recompute {}\n",
       t.gpu.name, t.global_batch_size, t.num_microbatches, run.micro_batch_size,
       topology.sizes().dp, run.seq_length, RecomputeText(run.recompute));
-  const double pipeline = t.compute_s + t.tp_comm_s + t.cp_comm_s + t.pp_comm_s + t.bubble_s;
+  const double pipeline =
+      t.compute_s + t.tp_comm_s + t.cp_comm_s + t.ep_comm_s + t.pp_comm_s + t.bubble_s;
   out << fmt::format("  step time   {:>10}  = pipeline {} + dp {} + optimizer {}\n",
                      SecondsText(t.step_time_s), SecondsText(pipeline), SecondsText(t.dp_comm_s),
                      SecondsText(t.optimizer_s));
-  out << fmt::format("  pipeline    {:>10}  = compute {} + tp {}{}{} + bubble {} (busiest stage)\n",
-                     SecondsText(pipeline), SecondsText(t.compute_s), SecondsText(t.tp_comm_s),
-                     topology.sizes().cp > 1 ? " + cp " + SecondsText(t.cp_comm_s) : "",
-                     topology.sizes().pp > 1 ? " + pp sends " + SecondsText(t.pp_comm_s) : "",
-                     SecondsText(t.bubble_s));
+  out << fmt::format(
+      "  pipeline    {:>10}  = compute {} + tp {}{}{}{} + bubble {} (busiest stage)\n",
+      SecondsText(pipeline), SecondsText(t.compute_s), SecondsText(t.tp_comm_s),
+      topology.sizes().cp > 1 ? " + cp " + SecondsText(t.cp_comm_s) : "",
+      config.gpt && config.gpt->moe.enabled() ? " + ep " + SecondsText(t.ep_comm_s) : "",
+      topology.sizes().pp > 1 ? " + pp sends " + SecondsText(t.pp_comm_s) : "",
+      SecondsText(t.bubble_s));
   out << fmt::format("  throughput  {:>10.1f}  model TFLOP/s per GPU, MFU {:.1f}% (model FLOPs "
                      "{:.3g} per iteration, as Megatron counts them)\n",
                      t.model_tflops_per_gpu, 100 * t.mfu, t.model_flops);
@@ -138,10 +141,10 @@ void PrintTimeText(const Config& config, const Topology& topology, const TimeEst
       ring ? " but the cp ring's sends with its attention" : "");
 }
 
-// The palette of the bars' parts, in turn: as many as a bar has parts (the step time's seven
-// with cp), so that no two parts of one bar share a colour.
-constexpr std::array<const char*, 7> kColours = {"#4e79a7", "#f28e2b", "#76b7b2", "#e15759",
-                                                 "#59a14f", "#b07aa1", "#edc948"};
+// The palette of the bars' parts, in turn: as many as a bar has parts (the step time's eight
+// with cp and ep), so that no two parts of one bar share a colour.
+constexpr std::array<const char*, 8> kColours = {"#4e79a7", "#f28e2b", "#76b7b2", "#e15759",
+                                                 "#59a14f", "#b07aa1", "#edc948", "#ff9da7"};
 
 std::string Td(const std::string& text) { return "<td>" + HtmlEscape(text) + "</td>"; }
 
@@ -299,6 +302,7 @@ nlohmann::ordered_json EstimateJson(const EstimateReport& r, const Topology& top
     doc["time"] = {{"compute_s", t.compute_s},
                    {"tp_comm_s", t.tp_comm_s},
                    {"cp_comm_s", t.cp_comm_s},
+                   {"ep_comm_s", t.ep_comm_s},
                    {"pp_comm_s", t.pp_comm_s},
                    {"bubble_s", t.bubble_s},
                    {"dp_comm_s", t.dp_comm_s},
@@ -354,6 +358,7 @@ nlohmann::ordered_json EstimateJson(const EstimateReport& r, const Topology& top
       stage["executor"] = nullptr;
     }
     stage["parameter_elements"] = JsonBytes(s.held.parameter_elements);
+    stage["expert_elements"] = JsonBytes(s.held.expert_elements);
     if (time) {
       const StageTime& st = time->stages[i];
       stage["time"] = {
@@ -522,7 +527,8 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
         t.num_microbatches, run.micro_batch_size, topology.sizes().dp, run.seq_length,
         RecomputeText(run.recompute));
     const bool cp = topology.sizes().cp > 1;
-    PrintBarsSvg(TimePartNames(cp), {TimeBar("one iteration", t, cp)}, 0, "", out);
+    const bool ep = config.gpt && config.gpt->moe.enabled();
+    PrintBarsSvg(TimePartNames(cp, ep), {TimeBar("one iteration", t, cp, ep)}, 0, "", out);
     out << "<table class=\"report\"><tr><th>group</th><th>operation</th><th>count</th>"
            "<th>sent</th><th>time</th><th>link</th></tr>\n";
     for (const CommTime& c : t.communication) {
@@ -546,18 +552,20 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
       << JsonForScript(EstimateJson(r, topology).dump()) << "</script>\n";
 }
 
-std::vector<std::string> TimePartNames(bool cp) {
+std::vector<std::string> TimePartNames(bool cp, bool ep) {
   std::vector<std::string> names = {"compute", "tp collectives", "pp sends", "bubble",
                                     "dp gradient reduction", "optimizer"};
   if (cp) names.push_back("cp exchanges");
+  if (ep) names.push_back("ep token exchanges");
   return names;
 }
 
-Bar TimeBar(const std::string& label, const TimeEstimate& t, bool cp) {
+Bar TimeBar(const std::string& label, const TimeEstimate& t, bool cp, bool ep) {
   std::vector<double> parts = {t.compute_s, t.tp_comm_s, t.pp_comm_s, t.bubble_s,
                                t.dp_comm_s, t.optimizer_s};
   if (cp) parts.push_back(t.cp_comm_s);
-  const std::vector<std::string> names = TimePartNames(cp);
+  if (ep) parts.push_back(t.ep_comm_s);
+  const std::vector<std::string> names = TimePartNames(cp, ep);
   Bar bar{label, {}};
   for (size_t p = 0; p < parts.size(); ++p) {
     bar.parts.push_back({parts[p], fmt::format("{} {}: {}", label, names[p], SecondsText(parts[p]))});

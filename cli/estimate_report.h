@@ -65,10 +65,11 @@ struct Bar {
   std::string label;
   std::vector<BarPart> parts;  // in the order of the legend's names
 };
-// The parts of a step's time as bars draw them: compute, tp collectives, bubble, dp gradient
-// reduction, optimizer, and with `cp` context parallelism's exchanges.
-std::vector<std::string> TimePartNames(bool cp);
-Bar TimeBar(const std::string& label, const TimeEstimate& time, bool cp);
+// The parts of a step's time as bars draw them: compute, tp collectives, pp sends, bubble, dp
+// gradient reduction, optimizer, with `cp` context parallelism's exchanges and with `ep` the
+// mixture-of-experts layers' token exchanges.
+std::vector<std::string> TimePartNames(bool cp, bool ep);
+Bar TimeBar(const std::string& label, const TimeEstimate& time, bool cp, bool ep);
 
 // A self-contained report page's head (inline style: the body's and kReportStyle) up to its
 // <h1>`title`</h1>, and its end.

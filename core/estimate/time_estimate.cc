@@ -93,35 +93,46 @@ struct LayerCost {
   }
 };
 
+// A dense MLP's forward on a tp rank: fc1, the activation function (bias fused: reads fc1's
+// output, writes fc2's input), fc2, and its tp collective of the layer's activation.
+Cost MlpForward(const Sizes& x, double fc1_rows, double ffn) {
+  const double T = x.tokens();
+  const double fc1 = fc1_rows / x.t, f = ffn / x.t;
+  Cost c;
+  c.flops = 2 * T * x.h * fc1 + 2 * T * f * x.h;
+  c.bytes = T * (fc1 + f) * x.e;
+  if (x.t > 1) {
+    c.collectives = 1;
+    c.collective_bytes = T * x.h * x.e;
+  }
+  return c;
+}
+
+// One transformer layer's forward without its MLP (MlpForward or MoeForward adds it).
 LayerCost LayerForward(const GptConfig& g, const Sizes& x) {
   const double T = x.tokens(), Tn = x.region_tokens(), h = x.h, t = x.t, e = x.e;
   const double heads = static_cast<double>(g.num_attention_heads) / t;
   const double groups = static_cast<double>(g.num_query_groups) / t;
   const double d = static_cast<double>(g.kv_channels);
-  const double fc1 = static_cast<double>(g.Fc1Rows()) / t;
-  const double ffn = static_cast<double>(g.ffn_hidden_size) / t;
   const double mask_byte = 1;  // a dropout mask element
   LayerCost c;
   Cost& r = c.rest;
   // norm 1 and 2: read and write the layer's activation.
   r.bytes += 2 * (2 * Tn * h * e);
-  // QKV, projection, fc1, fc2.
+  // QKV and projection.
   r.flops += 2 * T * h * (heads + 2 * groups) * d;
   r.flops += 2 * T * heads * d * h;
-  r.flops += 2 * T * h * fc1 + 2 * T * ffn * h;
   if (g.position_embedding_type == PositionEmbedding::kRope) {
     r.bytes += 2 * T * (heads + groups) * static_cast<double>(g.RotaryDim()) * e;
   }
   if (g.qk_layernorm) r.bytes += 2 * T * (heads + groups) * d * e;
-  // the activation function (bias fused): reads fc1's output, writes fc2's input.
-  r.bytes += T * (fc1 + ffn) * e;
   // two bias-dropout-adds: read the branch and the residual, write the sum (and a mask).
   const double dropout_mask = g.hidden_dropout > 0 ? mask_byte : 0;
   r.bytes += 2 * Tn * h * (3 * e + dropout_mask);
-  // two tp collectives of the layer's activation (all-reduce, or reduce-scatter and
-  // all-gather with sequence parallelism).
+  // the attention's tp collective of the layer's activation (all-reduce, or reduce-scatter
+  // and all-gather with sequence parallelism).
   if (x.t > 1) {
-    r.collectives = 2;
+    r.collectives = 1;
     r.collective_bytes = T * h * e;
   }
   // core attention over the full s x s scores (no flash attention in mpusim's layer); under
@@ -268,6 +279,92 @@ CpExchange CpExchangeOf(const GptConfig& g, const Sizes& x, int64_t cp, const Li
   return out;
 }
 
+// A mixture-of-experts layer in place of the MLP, per micro-batch and rank, for balanced
+// routing (every expert gets as many of the choices; capped at the capacity): the router,
+// the permutation, the experts' GEMMs, the shared expert, and the token exchange over ep.
+struct MoeCost {
+  Cost compute;          // GEMMs, memory-bound kernels and the shared expert's tp collective
+  double exchange_s = 0;  // the dispatcher's exchanges of one pass (the backward's mirror them)
+  int64_t exchanges = 0;  // collectives per pass
+  double exchange_bytes = 0;  // what this rank sends per pass
+  const char* operation = "";
+  bool inter_node = false;
+};
+
+// `ep`, `etp`, `tp_ep`: the links of those groups for this layout (core/topology.h's kinds).
+struct MoeLinks {
+  Link ep, etp, tp_ep;
+};
+
+MoeCost MoeForward(const GptConfig& g, const Sizes& x, const DerivedSizes& sz,
+                   const MoeLinks& links) {
+  const MoeConfig& moe = g.moe;
+  const double Tn = x.region_tokens(), h = x.h, e = x.e;
+  const double E = static_cast<double>(moe.num_experts);
+  const double k = static_cast<double>(moe.router_topk);
+  const double f = static_cast<double>(moe.ffn_hidden_size);
+  const double f1 = IsGated(g.activation) ? 2 * f : f;
+  const double ep = static_cast<double>(sz.ep), etp = static_cast<double>(sz.etp);
+  // The share of the choices the experts compute: balanced routing keeps all of them unless
+  // the capacity factor is below 1; padding to the capacity computes the capacity.
+  double kept = 1;
+  if (moe.expert_capacity_factor) {
+    kept = moe.pad_expert_input_to_capacity ? *moe.expert_capacity_factor
+                                            : std::min(1.0, *moe.expert_capacity_factor);
+  }
+  // This rank's tokens (its 1/t of the sequence with sp) choose k experts each; an expert's
+  // rows reach its etp ranks, each computing 1/etp of its columns: per rank, Tn k kept rows
+  // of whole experts' work.
+  const double rows = Tn * k * kept;
+  MoeCost out;
+  Cost& c = out.compute;
+  c.flops += 2 * Tn * h * E;                 // the router's logits
+  c.bytes += Tn * E * 4 * 3;                 // softmax and top-k over float32 scores
+  c.flops += 2 * rows * h * (f1 + f);        // fc1 and fc2 of every expert
+  c.bytes += rows * (f1 + f) * e;            // the activation function
+  c.bytes += 2 * (Tn * h * e + rows * h * e);  // permute and unpermute: read one, write the other
+  if (moe.shared_expert_intermediate_size) {
+    const double fs = static_cast<double>(*moe.shared_expert_intermediate_size);
+    c += MlpForward(x, IsGated(g.activation) ? 2 * fs : fs, fs);
+  }
+  if (moe.token_dispatcher == MoeDispatcher::kAllToAll) {
+    // Each rank's rows to their experts' ep ranks and back: two all-to-alls over ep; with
+    // etp > 1 the received rows are all-gathered over expt_tp and the outputs
+    // reduce-scattered back.
+    out.operation = "all-to-all";
+    if (sz.ep > 1) {
+      const double sent = rows * h * e * (ep - 1) / ep;
+      out.exchange_s += 2 * (sent / links.ep.bandwidth + links.ep.latency);
+      out.exchanges += 2;
+      out.exchange_bytes += 2 * sent;
+      out.inter_node = links.ep.inter_node;
+    }
+    if (sz.etp > 1) {
+      const double gathered = rows * etp * h * e;
+      out.exchange_s +=
+          2 * RingSeconds(gathered, sz.etp, 1, links.etp.bandwidth, links.etp.latency);
+      out.exchanges += 2;
+      out.exchange_bytes += 2 * gathered * (etp - 1) / etp;
+      out.inter_node = out.inter_node || links.etp.inter_node;
+    }
+  } else {
+    // Every rank's tokens all-gathered over etp x ep (tp_ep), each rank's experts' outputs
+    // reduce-scattered back.
+    out.operation = "all-gather + reduce-scatter";
+    const int64_t group = sz.etp * sz.ep;
+    if (group > 1) {
+      const double gathered = Tn * h * e * static_cast<double>(group);
+      out.exchange_s =
+          2 * RingSeconds(gathered, group, 1, links.tp_ep.bandwidth, links.tp_ep.latency);
+      out.exchanges = 2;
+      out.exchange_bytes =
+          2 * gathered * static_cast<double>(group - 1) / static_cast<double>(group);
+      out.inter_node = links.tp_ep.inter_node;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 const std::vector<std::string>& GpuPresetNames() {
@@ -377,13 +474,27 @@ double ModelFlopsPerIteration(const GptConfig& g, int64_t padded_vocab, int64_t 
   const double d = static_cast<double>(g.kv_channels);
   const double heads = static_cast<double>(g.num_attention_heads);
   const double groups = static_cast<double>(g.num_query_groups);
-  // Forward GEMM FLOPs per token of one layer: QKV, projection, scores and context, MLP.
-  const double layer = 2 * h * (heads + 2 * groups) * d + 2 * heads * d * h +
-                       2 * 2 * s * heads * d +
-                       2 * h * static_cast<double>(g.Fc1Rows()) +
-                       2 * static_cast<double>(g.ffn_hidden_size) * h;
-  const double per_token =
-      static_cast<double>(g.num_layers) * layer + 2 * h * static_cast<double>(padded_vocab);
+  // Forward GEMM FLOPs per token of one layer: QKV, projection, scores and context, and the
+  // MLP; an MoE layer's MLP is its top-k experts' and the shared expert's (the router's
+  // logits are not counted, as Megatron's count leaves them out).
+  const double attention =
+      2 * h * (heads + 2 * groups) * d + 2 * heads * d * h + 2 * 2 * s * heads * d;
+  const auto mlp = [&](double ffn) {
+    return 2 * h * (IsGated(g.activation) ? 2 : 1) * ffn + 2 * ffn * h;
+  };
+  double per_token = 2 * h * static_cast<double>(padded_vocab);
+  for (int64_t i = 0; i < g.num_layers; ++i) {
+    per_token += attention;
+    if (g.moe.enabled() && g.moe.layers[static_cast<size_t>(i)]) {
+      per_token += static_cast<double>(g.moe.router_topk) *
+                   mlp(static_cast<double>(g.moe.ffn_hidden_size));
+      if (g.moe.shared_expert_intermediate_size) {
+        per_token += mlp(static_cast<double>(*g.moe.shared_expert_intermediate_size));
+      }
+    } else {
+      per_token += mlp(static_cast<double>(g.ffn_hidden_size));
+    }
+  }
   return 3 * per_token * s * static_cast<double>(samples);
 }
 
@@ -391,7 +502,7 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
                                         const GpuSpec& gpu,
                                         const std::vector<StageHeldMemory>* held_given,
                                         const PipelineSchedule* schedule_given) {
-  if (Status s = CheckEstimable(config, "the step-time estimate"); !s.ok()) return s;
+  if (Status s = CheckEstimable(config, "the step-time estimate", true); !s.ok()) return s;
   const GptConfig& g = *config.gpt;
   const RunConfig& run = *config.run;
   const DerivedSizes& sz = topology.sizes();
@@ -424,33 +535,63 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   const int64_t layers = g.num_layers / stages;
   const double vocab = static_cast<double>(g.PaddedVocabSize(sz.tp));
   const LayerCost layer = LayerForward(g, x);
-  Cost recompute;
-  if (run.recompute == RunConfig::Recompute::kFull) recompute = layer.total();
-  if (run.recompute == RunConfig::Recompute::kSelective) recompute = layer.core_attention;
+  // A dense layer's forward, and an MoE layer's (its exchange over ep apart).
+  Cost dense = layer.total();
+  dense += MlpForward(x, static_cast<double>(g.Fc1Rows()), static_cast<double>(g.ffn_hidden_size));
+  MoeCost moe;
+  Cost sparse = layer.total();
+  if (g.moe.enabled()) {
+    moe = MoeForward(g, x, sz,
+                     {LinkOf(topology, "ep", gpu, false), LinkOf(topology, "expt_tp", gpu, true),
+                      LinkOf(topology, "tp_ep", gpu, true)});
+    sparse += moe.compute;
+  }
   const auto [core_compute, core_comm] = seconds(layer.core_attention);
   const CpExchange cp = CpExchangeOf(g, x, sz.cp, cp_link, core_compute + core_comm);
   // Recomputation (full, or selective's core attention) repeats the forward's exchange.
   const bool recomputes = run.recompute != RunConfig::Recompute::kNone;
   const double cp_forward = cp.forward_s;
   const double cp_backward = cp.backward_s + (recomputes ? cp.forward_s : 0);
+  // The MoE exchanges: the backward mirrors the forward's, full recomputation repeats them.
+  const bool full = run.recompute == RunConfig::Recompute::kFull;
+  const double ep_forward = moe.exchange_s;
+  const double ep_backward = moe.exchange_s * (full ? 2 : 1);
   StageCosts costs;
   std::vector<double> compute_of(static_cast<size_t>(stages)), comm_of(compute_of);
-  std::vector<double> flops_of(compute_of), cp_of(compute_of);
+  std::vector<double> flops_of(compute_of), cp_of(compute_of), ep_of(compute_of);
+  std::vector<Cost> forward_of(static_cast<size_t>(stages)), recompute_of(forward_of);
+  std::vector<int64_t> moe_layers_of(static_cast<size_t>(stages));
   for (int64_t u = 0; u < stages; ++u) {
-    Cost forward = Times(layer.total(), layers);
+    // Virtual stage u holds layers [u L / S, (u + 1) L / S), each dense or MoE.
+    int64_t n_moe = 0;
+    for (int64_t i = u * layers; i < (u + 1) * layers && g.moe.enabled(); ++i) {
+      n_moe += g.moe.layers[static_cast<size_t>(i)] ? 1 : 0;
+    }
+    Cost forward = Times(dense, layers - n_moe);
+    forward += Times(sparse, n_moe);
+    Cost recompute;
+    if (full) recompute = forward;
+    if (run.recompute == RunConfig::Recompute::kSelective) {
+      recompute = Times(layer.core_attention, layers);
+    }
     if (u == 0) forward += EmbeddingForward(g, x);
     if (u == stages - 1) forward += OutputForward(x, vocab);
     Cost backward = Backward(forward);
-    backward += Times(recompute, layers);
+    backward += recompute;
     const auto [fc, fm] = seconds(forward);
     const auto [bc, bm] = seconds(backward);
-    const auto n = static_cast<double>(layers);
-    costs.forward.push_back(fc + fm + n * cp_forward);
-    costs.backward.push_back(bc + bm + n * cp_backward);
-    compute_of[static_cast<size_t>(u)] = fc + bc;
-    comm_of[static_cast<size_t>(u)] = fm + bm;
-    cp_of[static_cast<size_t>(u)] = n * (cp_forward + cp_backward);
-    flops_of[static_cast<size_t>(u)] = forward.flops + backward.flops;
+    const auto n = static_cast<double>(layers), n_ep = static_cast<double>(n_moe);
+    costs.forward.push_back(fc + fm + n * cp_forward + n_ep * ep_forward);
+    costs.backward.push_back(bc + bm + n * cp_backward + n_ep * ep_backward);
+    const auto at = static_cast<size_t>(u);
+    compute_of[at] = fc + bc;
+    comm_of[at] = fm + bm;
+    cp_of[at] = n * (cp_forward + cp_backward);
+    ep_of[at] = n_ep * (ep_forward + ep_backward);
+    flops_of[at] = forward.flops + backward.flops;
+    forward_of[at] = forward;
+    recompute_of[at] = recompute;
+    moe_layers_of[at] = n_moe;
   }
   // The activation (or its gradient) a stage sends: [s, b, h], a tp rank's 1/t of it with
   // sequence parallelism.
@@ -486,24 +627,20 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
                          return a.forward_s + a.backward_s < b.forward_s + b.backward_s;
                        }) -
       out.stages.begin());
-  double compute = 0, tp = 0, cp_s = 0;
-  int64_t tp_count = 0;
+  double compute = 0, tp = 0, cp_s = 0, ep_s = 0;
+  int64_t tp_count = 0, moe_layers = 0;
   double tp_bytes = 0;
   for (int64_t c = 0; c < v; ++c) {
     const auto u = static_cast<size_t>(c * p) + busiest;
     compute += compute_of[u];
     tp += comm_of[u];
     cp_s += cp_of[u];
-  }
-  if (sz.tp > 1) {
-    // Count the busiest stage's collectives: two per layer per pass, as seconds() did.
-    for (int64_t c = 0; c < v; ++c) {
-      const int64_t u = c * p + static_cast<int64_t>(busiest);
-      Cost forward = Times(layer.total(), layers);
-      if (u == 0) forward += EmbeddingForward(g, x);
-      if (u == stages - 1) forward += OutputForward(x, vocab);
-      const int64_t n = 2 * forward.collectives +
-                        static_cast<int64_t>(layers) * recompute.collectives;
+    ep_s += ep_of[u];
+    moe_layers += moe_layers_of[u];
+    // The busiest stage's tp collectives, as seconds() counted them: the forward's and the
+    // backward's answers, and the recomputed ones.
+    if (sz.tp > 1) {
+      const int64_t n = 2 * forward_of[u].collectives + recompute_of[u].collectives;
       tp_count += n;
       tp_bytes += static_cast<double>(n) * x.tokens() * x.h * x.e;
     }
@@ -518,9 +655,10 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   out.compute_s = m * compute;
   out.tp_comm_s = m * tp;
   out.cp_comm_s = m * cp_s;
+  out.ep_comm_s = m * ep_s;
   out.pp_comm_s = p > 1 ? m * static_cast<double>(sends) * costs.transfer : 0;
   out.bubble_s = std::max(0.0, timing.makespan - out.compute_s - out.tp_comm_s -
-                                   out.cp_comm_s - out.pp_comm_s);
+                                   out.cp_comm_s - out.ep_comm_s - out.pp_comm_s);
   out.flops_per_rank = m * out.stages[busiest].flops;
   if (sz.tp > 1) {
     out.communication.push_back({"tp", sz.tp > 1 && x.sp ? "reduce-scatter + all-gather"
@@ -542,6 +680,15 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
                                  static_cast<double>(n) * per_layer_bytes, out.cp_comm_s,
                                  cp_link.inter_node});
   }
+  if (moe_layers > 0 && moe.exchanges > 0) {
+    // Every MoE layer of the busiest stage's chunks, each micro-batch: forward, backward and
+    // the recomputed forward.
+    const int64_t passes = full ? 3 : 2;
+    const int64_t n = moe_layers * run.num_microbatches * passes;
+    out.communication.push_back({"ep", moe.operation, n * moe.exchanges,
+                                 static_cast<double>(n) * moe.exchange_bytes, out.ep_comm_s,
+                                 moe.inter_node});
+  }
   if (p > 1) {
     // The busiest stage's own sends (each a blocking wait), per micro-batch as counted above.
     const int64_t sent = sends * run.num_microbatches;
@@ -559,25 +706,32 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   }
   const HeldMemory& mem = (*held_given)[busiest].held;
   const double elements = static_cast<double>(mem.parameter_elements);
-  const double grad_bytes = elements * static_cast<double>(DTypeSize(ComputeDType(dtype)));
-  const int64_t d = topology.GroupSize(*topology.FindKind("dp_cp"));
   const bool distributed = config.optimizer && config.optimizer->use_distributed_optimizer;
-  if (d > 1) {
-    double bytes = 0;
+  // The dense parameters' gradients over dp x cp; the experts' over expt_dp, one after the
+  // other.
+  const auto reduce = [&](double held, const char* kind, const Link& link) {
+    const int64_t d = topology.GroupSize(*topology.FindKind(kind));
+    if (d <= 1 || held <= 0) return;
+    const double grad_bytes = held * static_cast<double>(DTypeSize(ComputeDType(dtype)));
+    const double share = static_cast<double>(d - 1) / static_cast<double>(d);
+    double spent = 0, bytes = 0;
     if (distributed) {
-      const double gathered = elements * x.e;
-      out.dp_comm_s = RingSeconds(grad_bytes, d, 1, dp_link.bandwidth, dp_link.latency) +
-                      RingSeconds(gathered, d, 1, dp_link.bandwidth, dp_link.latency);
-      bytes = (grad_bytes + gathered) * static_cast<double>(d - 1) / static_cast<double>(d);
+      const double gathered = held * x.e;
+      spent = RingSeconds(grad_bytes, d, 1, link.bandwidth, link.latency) +
+              RingSeconds(gathered, d, 1, link.bandwidth, link.latency);
+      bytes = (grad_bytes + gathered) * share;
     } else {
-      out.dp_comm_s = RingSeconds(grad_bytes, d, 2, dp_link.bandwidth, dp_link.latency);
-      bytes = 2 * grad_bytes * static_cast<double>(d - 1) / static_cast<double>(d);
+      spent = RingSeconds(grad_bytes, d, 2, link.bandwidth, link.latency);
+      bytes = 2 * grad_bytes * share;
     }
-    out.communication.push_back({"dp", distributed ? "reduce-scatter + all-gather"
-                                                   : "all-reduce",
-                                 distributed ? 2 : 1, bytes, out.dp_comm_s,
-                                 dp_link.inter_node});
-  }
+    out.dp_comm_s += spent;
+    out.communication.push_back({std::string(kind) == "dp_cp" ? "dp" : kind,
+                                 distributed ? "reduce-scatter + all-gather" : "all-reduce",
+                                 distributed ? 2 : 1, bytes, spent, link.inter_node});
+  };
+  const double experts = static_cast<double>(mem.expert_elements);
+  reduce(elements - experts, "dp_cp", dp_link);
+  if (experts > 0) reduce(experts, "expt_dp", LinkOf(topology, "expt_dp", gpu, true));
   // Per owned element: read main_grad, master and states, write master, states and the
   // parameter; per held element: zero main_grad.
   const double compute_bytes = static_cast<double>(DTypeSize(ComputeDType(dtype)));

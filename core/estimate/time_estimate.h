@@ -19,6 +19,16 @@
 //               its keys and values cp - 1 times forward and them and their gradients
 //               backward, overlapped with the core attention (only what exceeds it counts);
 //               recomputation repeats the forward's; "a2a+p2p" is refused;
+//   moe         an MoE layer in place of the MLP, for balanced routing (each rank's tokens
+//               choose k experts each, every expert gets as many choices; a capacity factor
+//               below 1 keeps that share, padding to the capacity computes it): the router's
+//               logits and top-k, the experts' fc1 and fc2 on the rank's T k rows of whole
+//               experts' work (etp splits an expert's columns over the rows gathered from its
+//               etp ranks), the permutation's copies, the shared expert as a dense MLP; the
+//               dispatcher's exchanges per layer and pass, not overlapped: "alltoall" two
+//               all-to-alls over ep (each rank's rows that go to other ep ranks) and with
+//               etp > 1 an all-gather and a reduce-scatter over expt_tp, "allgather" an
+//               all-gather and a reduce-scatter over etp x ep; full recomputation repeats them;
 //   pp          each activation and gradient p2p transfer delays the step that waits for it
 //               and holds the rank that sends it (Megatron waits for its sends unless
 //               overlap_p2p_comm); the bubble comes from replaying Megatron's own 1F1B or
@@ -26,7 +36,8 @@
 //               stage's costs;
 //   dp          the gradient all-reduce over dp x cp (with the distributed optimizer: reduce-
 //               scatter of the gradients and all-gather of the parameters) after the last
-//               backward, exposed (no overlap_grad_reduce);
+//               backward, exposed (no overlap_grad_reduce); the experts' parameters over
+//               expt_dp after it;
 //   optimizer   the step's memory traffic over the elements the rank owns.
 // Step time = the replayed pipeline span + dp + optimizer. A collective's bandwidth is the
 // intra-node one when its group stays in a node. Across nodes a ring collective whose group
@@ -36,13 +47,14 @@
 //
 // Model FLOPs are counted as Megatron's num_floating_point_operations counts them: 3 x the
 // forward GEMMs' FLOPs (QKV, attention scores and context over the full s x s, projection,
-// MLP, logits), no recomputation; model TFLOP/s per GPU = that / step time / world size, and
-// MFU = that / the GPU's peak for the run's dtype.
+// MLP or an MoE layer's top-k experts and shared expert, logits), no recomputation; model
+// TFLOP/s per GPU = that / step time / world size, and MFU = that / the GPU's peak for the
+// run's dtype.
 //
-// What it does not model yet (EstimateStepTime refuses, naming the field): context
-// parallelism and mixture-of-experts layers; a lab chain model. What it leaves out: kernel
-// launch overheads, data loading, overlap of communication with compute, and the GPU's
-// clock under power limits.
+// What it does not model (EstimateStepTime refuses, naming the field): "a2a+p2p"
+// hierarchical context parallelism; a lab chain model. What it leaves out: kernel launch
+// overheads, data loading, overlap of communication with compute, uneven routing, and the
+// GPU's clock under power limits.
 #pragma once
 
 #include <cstdint>
@@ -103,7 +115,7 @@ struct StageTime {
 
 // One kind of communication of the busiest stage's rank over one iteration.
 struct CommTime {
-  std::string kind;  // "tp", "cp", "pp", "dp"
+  std::string kind;  // "tp", "cp", "ep", "pp", "dp", "expt_dp"
   std::string operation;
   int64_t count = 0;  // per iteration
   double bytes = 0;   // per iteration, what this rank sends
@@ -116,13 +128,14 @@ struct TimeEstimate {
   int64_t num_microbatches = 0;
   int64_t global_batch_size = 0;
   double step_time_s = 0;
-  // Parts of the step on the busiest stage: compute, tp and cp are M x its per-micro-batch
-  // costs; pp its blocking sends (Megatron waits for each send: every step whose output
-  // goes to another rank holds its rank for the transfer); bubble = pipeline span - compute
-  // - tp - cp - pp (idle time, waits for receives included).
+  // Parts of the step on the busiest stage: compute, tp, cp and ep are M x its
+  // per-micro-batch costs; pp its blocking sends (Megatron waits for each send: every step
+  // whose output goes to another rank holds its rank for the transfer); bubble = pipeline
+  // span - compute - tp - cp - ep - pp (idle time, waits for receives included).
   double compute_s = 0;
   double tp_comm_s = 0;
   double cp_comm_s = 0;  // what the step waits for of context parallelism's exchanges
+  double ep_comm_s = 0;  // mixture-of-experts layers' token exchanges (the dispatcher's)
   double pp_comm_s = 0;
   double bubble_s = 0;
   double dp_comm_s = 0;

@@ -887,6 +887,124 @@ TEST(EstimateCommand, StepTimeOfGpt3MatchesCountsByHand) {
   EXPECT_EQ(json::parse(half.out).at("gpu").at("name"), "custom");
 }
 
+// Mixture-of-experts layers in the step time, against counts by hand: a Mixtral-like model
+// (8 layers of 8 experts of 14336, top 2, SwiGLU, grouped queries) on 64 H100s, tp 2 with
+// sequence parallelism, ep 4 of whole experts (etp 1), dp 32, 8 micro-batches of 4096 tokens,
+// the alltoall dispatcher, the distributed optimizer. Per micro-batch a rank routes its 2048
+// tokens to 2 experts each (balanced: 4096 rows of whole-expert work); the model FLOPs count
+// the top-2 experts per token as Megatron does; each MoE layer makes two all-to-alls per pass
+// over ep 4 (ranks 4n..4n+3, one node); the dense gradients reduce over dp 32 and the experts'
+// over expt_dp 16 apart. Then the allgather dispatcher gathers over tp_ep instead.
+TEST(EstimateCommand, StepTimeOfMoeLayersMatchesCountsByHand) {
+  const json config = {
+      {"parallel",
+       {{"world_size", 64}, {"tensor_model_parallel_size", 2}, {"sequence_parallel", true},
+        {"expert_model_parallel_size", 4}, {"expert_tensor_parallel_size", 1}}},
+      {"model",
+       {{"type", "gpt"}, {"num_layers", 8}, {"hidden_size", 4096}, {"num_attention_heads", 32},
+        {"num_query_groups", 8}, {"ffn_hidden_size", 14336}, {"normalization", "RMSNorm"},
+        {"activation", "swiglu"}, {"position_embedding_type", "rope"},
+        {"add_bias_linear", false}, {"hidden_dropout", 0.0}, {"attention_dropout", 0.0},
+        {"vocab_size", 32000}, {"num_moe_experts", 8}, {"moe_router_topk", 2},
+        {"moe_token_dispatcher_type", "alltoall"}}},
+      {"run",
+       {{"dtype", "bfloat16"}, {"seq_length", 4096}, {"micro_batch_size", 1},
+        {"global_batch_size", 256}}},
+      {"optimizer", {{"optimizer", "adam"}, {"lr", 1e-4}, {"use_distributed_optimizer", true}}}};
+  const auto estimate = [&](const json& c, const std::string& name) {
+    const std::string path = WriteTemp("mpusim_time_moe_" + name + ".json", c.dump());
+    const Result r = Mpusim({"estimate", path, "--gpu", "h100-80gb", "--format", "json"});
+    EXPECT_EQ(r.code, 0) << r.err;
+    return r.code == 0 ? json::parse(r.out) : json();
+  };
+  const json doc = estimate(config, "a2a");
+  ASSERT_TRUE(doc.is_object());
+  const double B = 256, s = 4096, L = 8, h = 4096, d = 128, heads = 32, groups = 8, f = 14336,
+               V = 32000, E = 8, k = 2, M = 8, t = 2, Tn = s / t, e = 2;
+  EXPECT_EQ(doc.at("num_microbatches"), 8);
+  // Megatron's model FLOPs: attention, the top-2 experts' SwiGLU MLPs, the logits.
+  const double attention = 2 * h * (heads + 2 * groups) * d + 2 * heads * d * h +
+                           2 * 2 * s * heads * d;
+  const double model_flops = 3 * B * s * (L * (attention + k * 6 * h * f) + 2 * h * V);
+  EXPECT_NEAR(doc.at("model_flops_per_iteration").get<double>() / model_flops, 1, 1e-12);
+  // A rank's executed FLOPs: its tp half of the attention, the router on its 2048 tokens, the
+  // experts on 4096 rows, the logits' half; each 3 x (no recomputation).
+  const double rank_layer = (2 * s * h * (heads + 2 * groups) * d + 2 * s * heads * d * h +
+                             2 * 2 * s * s * heads * d) / t +
+                            2 * Tn * h * E + 2 * Tn * k * h * 3 * f;
+  const double rank_flops = M * 3 * (L * rank_layer + 2 * s * h * V / t);
+  EXPECT_NEAR(doc.at("flops_per_rank").get<double>() / rank_flops, 1, 1e-12);
+  // The all-to-alls: per layer, micro-batch and pass, two of the 3/4 of the rows that leave
+  // the rank, over NVLink (450 GB/s at 80%, 5 us).
+  const json& time = doc.at("time");
+  const double sent = Tn * k * h * e * 3 / 4;
+  const double a2a = sent / (450e9 * 0.8) + 5e-6;
+  EXPECT_NEAR(time.at("ep_comm_s").get<double>() / (M * L * 2 * 2 * a2a), 1, 1e-12);
+  const json* ep = nullptr;
+  const json* dp = nullptr;
+  const json* expt_dp = nullptr;
+  for (const json& c : doc.at("communication")) {
+    if (c.at("kind") == "ep") ep = &c;
+    if (c.at("kind") == "dp") dp = &c;
+    if (c.at("kind") == "expt_dp") expt_dp = &c;
+  }
+  ASSERT_NE(ep, nullptr);
+  EXPECT_EQ(ep->at("operation"), "all-to-all");
+  EXPECT_EQ(ep->at("count"), 8 * 8 * 2 * 2);
+  EXPECT_NEAR(ep->at("bytes").get<double>() / (M * L * 2 * 2 * sent), 1, 1e-12);
+  EXPECT_EQ(ep->at("inter_node"), false);
+  // The gradients: the dense ones over dp 32 (4 ranks of a group on each of its 8 nodes: 4
+  // adapters of 50 GB/s), the experts' over expt_dp 16 (2 on each node: 2 adapters); each a
+  // reduce-scatter of float32 gradients and an all-gather of bfloat16 parameters.
+  ASSERT_NE(dp, nullptr);
+  ASSERT_NE(expt_dp, nullptr);
+  const json& stage = doc.at("stages")[0];
+  const double experts = stage.at("expert_elements");
+  EXPECT_EQ(experts, L * (E / 4) * 3 * f * h);  // 2 whole experts per layer
+  const double dense = stage.at("parameter_elements").get<double>() - experts;
+  const auto ring = [](double bytes, double n, double bandwidth, double latency) {
+    return (n - 1) / n * bytes / bandwidth + (n - 1) * latency;
+  };
+  EXPECT_NEAR(dp->at("seconds").get<double>(),
+              ring(4 * dense, 32, 4 * 50e9 * 0.8, 10e-6) +
+                  ring(2 * dense, 32, 4 * 50e9 * 0.8, 10e-6),
+              1e-9);
+  EXPECT_NEAR(expt_dp->at("seconds").get<double>(),
+              ring(4 * experts, 16, 2 * 50e9 * 0.8, 10e-6) +
+                  ring(2 * experts, 16, 2 * 50e9 * 0.8, 10e-6),
+              1e-9);
+  EXPECT_NEAR(time.at("dp_comm_s").get<double>(),
+              dp->at("seconds").get<double>() + expt_dp->at("seconds").get<double>(), 1e-12);
+  double parts = 0;
+  for (const char* part : {"compute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_comm_s",
+                           "bubble_s", "dp_comm_s", "optimizer_s"}) {
+    parts += time.at(part).get<double>();
+  }
+  EXPECT_NEAR(parts / doc.at("step_time_s").get<double>(), 1, 1e-12);
+  // The allgather dispatcher: per layer and pass an all-gather of the 2048 tokens of each of
+  // the 4 ranks of tp_ep (etp 1 x ep 4) and a reduce-scatter back, the same compute.
+  json gather = config;
+  gather["model"]["moe_token_dispatcher_type"] = "allgather";
+  const json g = estimate(gather, "allgather");
+  ASSERT_TRUE(g.is_object());
+  const double collective = ring(Tn * h * e * 4, 4, 450e9 * 0.8, 5e-6);
+  EXPECT_NEAR(g.at("time").at("ep_comm_s").get<double>() / (M * L * 2 * 2 * collective), 1,
+              1e-12);
+  EXPECT_NEAR(g.at("flops_per_rank").get<double>() / rank_flops, 1, 1e-12);
+  // Full recomputation repeats the forward's exchanges in the backward.
+  json recompute = config;
+  recompute["run"]["recompute_granularity"] = "full";
+  const json full = estimate(recompute, "full");
+  ASSERT_TRUE(full.is_object());
+  EXPECT_NEAR(full.at("time").at("ep_comm_s").get<double>() / (M * L * 3 * 2 * a2a), 1, 1e-12);
+  // The text shows the exchange as a part of the pipeline.
+  const Result text = Mpusim({"estimate", WriteTemp("mpusim_time_moe_text.json", config.dump()),
+                              "--gpu", "h100-80gb"});
+  ASSERT_EQ(text.code, 0) << text.err;
+  EXPECT_NE(text.out.find(" + ep "), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("    ep  all-to-all "), std::string::npos) << text.out;
+}
+
 // Context parallelism 2 on GPT-3 175B (tp 8, pp 16, dp 4: 384 micro-batches of 1024 tokens
 // per rank, full recomputation): the same FLOPs per rank per iteration as cp 1 (half the
 // tokens, twice the micro-batches), and per layer and micro-batch the exchange of each
@@ -1187,9 +1305,13 @@ TEST(AdviseCommand, RanksFittingLayoutsAsEstimateJudgesThem) {
                     l.at("pipeline_model_parallel_size").get<int64_t>(),
                 1024);
       // The ring's exchanges may hide behind the attention entirely; without cp there are none.
-      if (cp == 1) EXPECT_EQ(l.at("cp_comm_s").get<double>(), 0) << i;
+      if (cp == 1) {
+        EXPECT_EQ(l.at("cp_comm_s").get<double>(), 0) << i;
+      }
     }
-    if (max_cp > 1) EXPECT_GT(with_cp, 0);
+    if (max_cp > 1) {
+      EXPECT_GT(with_cp, 0);
+    }
     for (const json& miss : doc.at("closest_not_fitting")) {
       EXPECT_GT(miss.at("peak_bytes").get<double>(), hbm);
       EXPECT_GT(miss.at("step_time_s").get<double>(), 0);  // the closest misses are timed
@@ -1274,7 +1396,9 @@ TEST(EstimateCommand, HtmlPageDrawsTheJsonReport) {
   const Result moe =
       Mpusim({"layout", Sample("gpt_moe_ep2_t2_sp_dp2_n4.json"), "--format", "html"});
   ASSERT_EQ(moe.code, 0) << moe.err;
-  EXPECT_NE(moe.out.find("step time: not estimated: model.num_moe_experts: "), std::string::npos);
+  EXPECT_NE(moe.out.find("activations: not estimated: model.num_moe_experts: "),
+            std::string::npos);
+  EXPECT_NE(moe.out.find("ep token exchanges"), std::string::npos);  // its step time's part
   // A layout the model cannot take (8 heads over tp 3) still draws its groups, and says why
   // there is no estimate.
   const Result odd = Mpusim({"layout", Sample("gpt_tiny_t2_sp_dp2_n4.json"), "--tp", "3",
