@@ -63,7 +63,9 @@ std::string LayoutName(const AdvisedLayout& l) {
   if (l.cp > 1) out += fmt::format(" cp {}", l.cp);
   out += fmt::format(" pp {}", l.pp);
   if (l.vp > 0) out += fmt::format(" vp {}", l.vp);
-  out += fmt::format(" dp {} mbs {}", l.dp, l.micro_batch_size);
+  out += fmt::format(" dp {}", l.dp);
+  if (l.ep > 1) out += fmt::format(" ep {}", l.ep);
+  out += fmt::format(" mbs {}", l.micro_batch_size);
   return out;
 }
 
@@ -85,8 +87,13 @@ std::string WhyItWins(const AdvisedLayout& l, const GpuSpec& gpu) {
       "{} free.",
       Seconds(t.compute_s), Seconds(t.step_time_s), 100 * t.bubble_s / t.step_time_s,
       100 * t.tp_comm_s / t.step_time_s,
-      l.cp > 1 ? fmt::format(", cp exchanges {:.1f}%", 100 * t.cp_comm_s / t.step_time_s)
-               : std::string(),
+      fmt::format("{}{}",
+                  l.cp > 1 ? fmt::format(", cp exchanges {:.1f}%",
+                                         100 * t.cp_comm_s / t.step_time_s)
+                           : std::string(),
+                  t.ep_comm_s > 0 ? fmt::format(", the experts' token exchanges {:.1f}%",
+                                                100 * t.ep_comm_s / t.step_time_s)
+                                  : std::string()),
       100 * t.pp_comm_s / t.step_time_s, 100 * t.dp_comm_s / t.step_time_s,
       run::FormatBytes(l.peak), l.peak_stage,
       run::FormatBytes(static_cast<PlanBytes>(gpu.hbm_bytes) - l.peak));
@@ -96,6 +103,11 @@ std::string WhyItWins(const AdvisedLayout& l, const GpuSpec& gpu) {
 bool ShowsCp(const Advice& a, size_t n) {
   return std::any_of(a.fit.begin(), a.fit.begin() + static_cast<std::ptrdiff_t>(n),
                      [](const AdvisedLayout& l) { return l.cp > 1; });
+}
+// Whether any of them exchanges tokens for mixture-of-experts layers: the ep column.
+bool ShowsEp(const Advice& a, size_t n) {
+  return std::any_of(a.fit.begin(), a.fit.begin() + static_cast<std::ptrdiff_t>(n),
+                     [](const AdvisedLayout& l) { return l.time.ep_comm_s > 0; });
 }
 
 // "peak 81 GiB on stage 0 (52 GiB of activations) is 1.0 GiB over".
@@ -120,7 +132,7 @@ class AdviseCommand : public Command {
         "Searches tp (up to the GPUs of a node), cp, pp, vp, dp, the micro-batch size,\n"
         "recomputation, sequence parallelism and the distributed optimizer; the config gives\n"
         "the model, the dtype, the optimizer, gpus_per_node and cp_comm_type (its own layout\n"
-        "is ignored). Expert parallelism is not searched yet.");
+        "is ignored); for a mixture-of-experts model also ep (etp is tp).");
     app_->add_option("CONFIG", path_, "config file with a GPT model")->required();
     app_->add_option("--world-size,-n", world_size_, "GPUs (default the config's world_size)");
     app_->add_option("--global-batch-size", global_batch_,
@@ -229,6 +241,7 @@ class AdviseCommand : public Command {
     }
     StatusOr<GpuSpec> gpu = ResolveGpuSpec(gpu_);
     if (!gpu.ok()) return ReportError(err, "command line", gpu.status().Message());
+    moe_ = config.gpt && config.gpt->moe.enabled();
     StatusOr<Advice> advice = Advise(config, *gpu, options);
     if (!advice.ok()) return ReportError(err, path_, advice.status().Message());
     if (format_ == "json") {
@@ -252,22 +265,24 @@ class AdviseCommand : public Command {
       out << "No layout fits.\n";
     } else {
       const size_t n = std::min(a.fit.size(), static_cast<size_t>(top_));
-      const bool cp = ShowsCp(a, n);
+      const bool cp = ShowsCp(a, n), ep = ShowsEp(a, n);
       size_t width = 28;
       for (size_t i = 0; i < n; ++i) width = std::max(width, LayoutName(a.fit[i]).size());
       out << fmt::format(
-          "  {:>3}  {:<{}} {:<34} {:>7} {:>7} {:>6} {:>7} {:>7}{} {:>7} {:>7} {:>10}\n", "#",
+          "  {:>3}  {:<{}} {:<34} {:>7} {:>7} {:>6} {:>7} {:>7}{}{} {:>7} {:>7} {:>10}\n", "#",
           "layout", width, "features", "step", "TFLOP/s", "MFU", "bubble", "tp",
-          cp ? fmt::format(" {:>7}", "cp") : std::string(), "pp", "dp", "headroom");
+          cp ? fmt::format(" {:>7}", "cp") : std::string(),
+          ep ? fmt::format(" {:>7}", "ep") : std::string(), "pp", "dp", "headroom");
       for (size_t i = 0; i < n; ++i) {
         const AdvisedLayout& l = a.fit[i];
         const double step = l.time.step_time_s;
         out << fmt::format(
-            "  {:>3}  {:<{}} {:<34} {:>7} {:>7.1f} {:>5.1f}% {:>6.1f}% {:>6.1f}%{} {:>6.1f}% "
+            "  {:>3}  {:<{}} {:<34} {:>7} {:>7.1f} {:>5.1f}% {:>6.1f}% {:>6.1f}%{}{} {:>6.1f}% "
             "{:>6.1f}% {:>10}\n",
             i + 1, LayoutName(l), width, FeaturesText(l), Seconds(step), l.time.model_tflops_per_gpu,
             100 * l.time.mfu, 100 * l.time.bubble_s / step, 100 * l.time.tp_comm_s / step,
             cp ? fmt::format(" {:>6.1f}%", 100 * l.time.cp_comm_s / step) : std::string(),
+            ep ? fmt::format(" {:>6.1f}%", 100 * l.time.ep_comm_s / step) : std::string(),
             100 * l.time.pp_comm_s / step, 100 * l.time.dp_comm_s / step,
             run::FormatBytes(static_cast<PlanBytes>(gpu.hbm_bytes) - l.peak));
       }
@@ -281,8 +296,7 @@ class AdviseCommand : public Command {
         out << fmt::format("  {}, {}: {}\n", LayoutName(l), FeaturesText(l), WhyItMisses(l, gpu));
       }
     }
-    out << "Not searched: expert parallelism. Time model and memory count: `mpusim estimate` "
-           "(README).\n";
+    out << NotSearchedText() << "Time model and memory count: `mpusim estimate` (README).\n";
   }
 
   nlohmann::ordered_json Json(const AdviseOptions& o, const GpuSpec& gpu, const Advice& a) const {
@@ -300,7 +314,7 @@ class AdviseCommand : public Command {
       j["virtual_pipeline_model_parallel_size"] =
           l.vp > 0 ? nlohmann::ordered_json(l.vp) : nlohmann::ordered_json(nullptr);
       j["context_parallel_size"] = l.cp;
-      j["expert_model_parallel_size"] = 1;
+      j["expert_model_parallel_size"] = l.ep;
       j["data_parallel_size"] = l.dp;
       j["micro_batch_size"] = l.micro_batch_size;
       j["recompute_granularity"] = l.recompute == RunConfig::Recompute::kNone
@@ -314,6 +328,7 @@ class AdviseCommand : public Command {
       j["bubble_s"] = l.time.bubble_s;
       j["tp_comm_s"] = l.time.tp_comm_s;
       j["cp_comm_s"] = l.time.cp_comm_s;
+      j["ep_comm_s"] = l.time.ep_comm_s;
       j["pp_comm_s"] = l.time.pp_comm_s;
       j["dp_comm_s"] = l.time.dp_comm_s;
       j["peak_bytes"] = JsonBytes(l.peak);
@@ -329,7 +344,8 @@ class AdviseCommand : public Command {
       misses.push_back(entry(a.too_big[i]));
     }
     doc["closest_not_fitting"] = misses;
-    doc["not_searched"] = {"expert_model_parallel_size"};
+    doc["not_searched"] = moe_ ? nlohmann::ordered_json({"expert_tensor_parallel_size"})
+                               : nlohmann::ordered_json::array();
     return doc;
   }
 
@@ -350,23 +366,24 @@ class AdviseCommand : public Command {
     const auto label = [&](size_t i, const AdvisedLayout& l) {
       return fmt::format("#{} {}", i + 1, LayoutName(l));
     };
-    const bool cp = ShowsCp(a, n);
+    const bool cp = ShowsCp(a, n), ep = ShowsEp(a, n);
     if (n > 0) {
       out << "<table class=\"report\"><tr><th>#</th><th>layout</th><th>features</th>"
              "<th>step</th><th>TFLOP/s</th><th>MFU</th><th>bubble</th><th>tp</th>"
-          << (cp ? "<th>cp</th>" : "") << "<th>pp</th><th>dp</th><th>peak</th><th>headroom</th>"
-          << "</tr>\n";
+          << (cp ? "<th>cp</th>" : "") << (ep ? "<th>ep</th>" : "")
+          << "<th>pp</th><th>dp</th><th>peak</th><th>headroom</th></tr>\n";
       for (size_t i = 0; i < n; ++i) {
         const AdvisedLayout& l = a.fit[i];
         const double step = l.time.step_time_s;
         out << fmt::format(
             "<tr><td>{}</td><td class=\"name\">{}</td><td class=\"name\">{}</td><td>{}</td>"
-            "<td>{:.1f}</td><td>{:.1f}%</td><td>{:.1f}%</td><td>{:.1f}%</td>{}<td>{:.1f}%</td>"
+            "<td>{:.1f}</td><td>{:.1f}%</td><td>{:.1f}%</td><td>{:.1f}%</td>{}{}<td>{:.1f}%</td>"
             "<td>{:.1f}%</td><td>{}</td><td>{}</td></tr>\n",
             i + 1, HtmlEscape(LayoutName(l)), HtmlEscape(FeaturesText(l)), Seconds(step),
             l.time.model_tflops_per_gpu, 100 * l.time.mfu, 100 * l.time.bubble_s / step,
             100 * l.time.tp_comm_s / step,
             cp ? fmt::format("<td>{:.1f}%</td>", 100 * l.time.cp_comm_s / step) : std::string(),
+            ep ? fmt::format("<td>{:.1f}%</td>", 100 * l.time.ep_comm_s / step) : std::string(),
             100 * l.time.pp_comm_s / step,
             100 * l.time.dp_comm_s / step,
             run::FormatBytes(l.peak), run::FormatBytes(hbm - l.peak));
@@ -375,9 +392,9 @@ class AdviseCommand : public Command {
           << "</p>\n<h2>where each step's time goes (the busiest stage's rank)</h2>\n";
       std::vector<Bar> time_bars;
       for (size_t i = 0; i < n; ++i) {
-        time_bars.push_back(TimeBar(label(i, a.fit[i]), a.fit[i].time, cp, false));
+        time_bars.push_back(TimeBar(label(i, a.fit[i]), a.fit[i].time, cp, ep));
       }
-      PrintBarsSvg(TimePartNames(cp, false), time_bars, 0, "", out);
+      PrintBarsSvg(TimePartNames(cp, ep), time_bars, 0, "", out);
     }
     // Memory: the peak stage of every layout shown, and of the closest misses.
     std::vector<Bar> memory_bars;
@@ -410,14 +427,22 @@ class AdviseCommand : public Command {
       }
       out << "</ul>\n";
     }
-    out << "<p class=\"note\">Not searched: expert parallelism. Time model and memory count: "
-           "<code>mpusim estimate</code> (README).</p>\n"
+    out << "<p class=\"note\">" << HtmlEscape(NotSearchedText())
+        << "Time model and memory count: <code>mpusim estimate</code> (README).</p>\n"
         << "<script id=\"advice\" type=\"application/json\">"
         << JsonForScript(Json(o, gpu, a).dump()) << "</script>\n";
     PrintReportPageEnd(out);
   }
 
+  // What the search leaves out, for the notes under the tables.
+  std::string NotSearchedText() const {
+    return moe_ ? "Not searched: the experts' own tensor parallelism (etp is tp, Megatron's "
+                  "default). "
+                : "";
+  }
+
   CLI::App* app_ = nullptr;
+  bool moe_ = false;  // the model has mixture-of-experts layers
   std::string path_;
   std::optional<int64_t> world_size_, global_batch_, seq_length_;
   int64_t max_tp_ = 0, max_cp_ = 0;

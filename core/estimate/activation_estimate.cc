@@ -16,7 +16,7 @@ PlanBytes ToBytes(double bytes) { return static_cast<PlanBytes>(std::llround(byt
 
 StatusOr<std::vector<StageActivations>> EstimateStageActivations(
     const Config& config, const Topology& topology, const PipelineSchedule* schedule_given) {
-  if (Status s = CheckEstimable(config, "the activation count"); !s.ok()) return s;
+  if (Status s = CheckEstimable(config, "the activation count", true); !s.ok()) return s;
   const GptConfig& g = *config.gpt;
   const RunConfig& run = *config.run;
   const DerivedSizes& sz = topology.sizes();
@@ -49,9 +49,40 @@ StatusOr<std::vector<StageActivations>> EstimateStageActivations(
   double layer = whole + split + scores + gathered;
   if (run.recompute == RunConfig::Recompute::kSelective) layer = whole + split;
   if (run.recompute == RunConfig::Recompute::kFull) layer = T * h * e / split_sp;
+  // A mixture-of-experts layer: the attention's part, and in place of the MLP's activation
+  // input and output the router's, the permutation's and the experts' tensors (header).
+  double moe_layer = layer;
+  if (g.moe.enabled()) {
+    const MoeConfig& moe = g.moe;
+    const double Tn = T / split_sp;  // this rank's tokens (sp: required with tp > 1)
+    const double E = static_cast<double>(moe.num_experts);
+    const double k = static_cast<double>(moe.router_topk);
+    const double fm = static_cast<double>(moe.ffn_hidden_size);
+    const double fm1 = IsGated(g.activation) ? 2 * fm : fm;
+    const double etp = static_cast<double>(sz.etp);
+    double kept = 1;
+    if (moe.expert_capacity_factor) {
+      kept = moe.pad_expert_input_to_capacity ? *moe.expert_capacity_factor
+                                              : std::min(1.0, *moe.expert_capacity_factor);
+    }
+    const double rows = Tn * k * kept;  // this rank's tokens' rows, sent and returned
+    const double n = rows * etp;        // the rows this rank's experts compute
+    const double router = Tn * E * (4 + 1) + Tn * k * 4;
+    const double experts = n * h * e + n * (fm1 + fm) / etp * e;
+    const double combine = rows * (8 + h * e + 4);
+    double shared = 0;
+    if (moe.shared_expert_intermediate_size) {
+      const double fs = static_cast<double>(*moe.shared_expert_intermediate_size);
+      shared = T * e * ((IsGated(g.activation) ? 2 * fs : fs) + fs) / t;
+    }
+    const double attention_split = T * e * (q + 2 * kv + q) / t;
+    moe_layer = whole + attention_split + scores + gathered + router + experts + combine + shared;
+    if (run.recompute == RunConfig::Recompute::kSelective) moe_layer -= scores + gathered;
+    if (run.recompute == RunConfig::Recompute::kFull) moe_layer = T * h * e / split_sp;
+  }
 
   const int64_t p = sz.pp, v = sz.vp.value_or(1), stages = p * v;
-  const double layers = static_cast<double>(g.num_layers / stages);
+  const int64_t per_stage = g.num_layers / stages;
   const double vocab = static_cast<double>(g.PaddedVocabSize(sz.tp));
   std::optional<PipelineSchedule> built;
   StatusOr<const PipelineSchedule*> found = RunSchedule(topology, run, schedule_given, &built);
@@ -63,7 +94,12 @@ StatusOr<std::vector<StageActivations>> EstimateStageActivations(
     std::vector<double> stash(static_cast<size_t>(v));
     for (int64_t c = 0; c < v; ++c) {
       const int64_t u = c * p + r;
-      double bytes = layers * layer;
+      int64_t moe_layers = 0;
+      for (int64_t i = u * per_stage; i < (u + 1) * per_stage && g.moe.enabled(); ++i) {
+        moe_layers += g.moe.layers[static_cast<size_t>(i)] ? 1 : 0;
+      }
+      double bytes = static_cast<double>(per_stage - moe_layers) * layer +
+                     static_cast<double>(moe_layers) * moe_layer;
       if (u == 0) bytes += m_h * T * h / split_sp;  // the embedding dropout's mask
       if (u == stages - 1) bytes += T * h * e / split_sp + 4 * T * vocab / t;
       stash[static_cast<size_t>(c)] = bytes;

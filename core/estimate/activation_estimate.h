@@ -37,8 +37,25 @@
 //
 // This is a GPU run's count, not the CPU executor's: mpusim's executor keeps its own stash
 // (float32 by default, and the tensors its kernels need), which `mpusim run --summary`
-// measures as peak - held, and executor_activations.h counts. Mixture-of-experts layers are
-// refused.
+// measures as peak - held, and executor_activations.h counts.
+//
+// A mixture-of-experts layer keeps the attention's part above (the whole part, the split
+// Q, K, V and projection input, the scores) and, in place of the MLP's activation input and
+// output, what Megatron's MoE layer saves for its backward, for balanced routing (each expert
+// gets as many of the choices; a capacity factor below 1 keeps that share of them, padding to
+// the capacity keeps the capacity), with Tn this rank's tokens (T / t with sp, which MoE needs
+// when t > 1), E experts, top k, kept rows r = Tn k and n = r etp rows for the rank's experts
+// (gathered over its etp ranks), f_m the experts' ffn size (f1_m its fc1 rows):
+//   router                Tn E (4 + 1) + Tn k 4          float32 scores and the routing map
+//                                                          per expert, float32 chosen probs
+//   experts               n h e + n (f1_m + f_m) e / etp  the permuted input rows, fc1's
+//                                                          output and the activation's
+//   combine               r (8 + h e + 4)                  the permutation's int64 ids, the
+//                                                          returned rows and their float32
+//                                                          probabilities for the weighted sum
+//   shared expert         T e (f1_s + f_s) / t            as a dense MLP's split part
+// Selective recomputation drops the scores; full keeps the layer's input, as for a dense
+// layer. The dispatchers' communication buffers are not counted.
 #pragma once
 
 #include <cstdint>

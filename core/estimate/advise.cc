@@ -28,6 +28,16 @@ std::vector<int64_t> Divisors(int64_t n) {
   return out;
 }
 
+// Every (a, b) of the two lists, a's order first.
+template <typename A, typename B>
+std::vector<std::pair<A, B>> Pairs(const std::vector<A>& as, const std::vector<B>& bs) {
+  std::vector<std::pair<A, B>> out;
+  for (const A& a : as) {
+    for (const B& b : bs) out.emplace_back(a, b);
+  }
+  return out;
+}
+
 // Calls f(0) .. f(n - 1) on up to one thread per core, each index once; an exception from any
 // call is rethrown here after every thread has stopped.
 void ParallelFor(size_t n, const std::function<void(size_t)>& f) {
@@ -69,10 +79,6 @@ const char* RecomputeName(RunConfig::Recompute r) {
 
 StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOptions& options) {
   if (!config.gpt) return Status::Error("model", "advise needs a GPT model (\"type\": \"gpt\")");
-  if (config.gpt->moe.enabled()) {
-    return Status::Error("model.num_moe_experts",
-                         "advise does not search mixture-of-experts layouts yet");
-  }
   const int64_t n = options.world_size, batch = options.global_batch_size;
   if (n < 1) return Status::Error("--world-size", "must be >= 1");
   if (batch < 1) return Status::Error("--global-batch-size", "must be >= 1");
@@ -100,7 +106,7 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
         l.vp > 0 ? std::optional<int64_t>(l.vp) : std::nullopt;
     par.context_parallel_size = l.cp;
     par.hierarchical_context_parallel_sizes.clear();
-    par.expert_model_parallel_size = 1;
+    par.expert_model_parallel_size = l.ep;
     par.expert_tensor_parallel_size.reset();
     par.num_distributed_optimizer_instances = 1;
     par.microbatch_group_size_per_vp_stage.reset();
@@ -116,15 +122,16 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
     if (!CheckGptLayout(c.parallel, *c.run, &*c.gpt).ok()) return std::nullopt;
     return c;
   };
-  // Counted once each: the topology of (tp, cp, pp, vp, sp), and held memory, which depends on
-  // (tp, cp, pp, vp, distributed optimizer) only (cp through the distributed optimizer's shards
-  // over dp x cp).
-  using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, bool>;
+  // Counted once each: the topology of (tp, cp, ep, pp, vp, sp), and held memory, which depends
+  // on (tp, cp, ep, pp, vp, distributed optimizer) only (cp through the distributed optimizer's
+  // shards over dp x cp).
+  using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, bool>;
   std::map<Key, std::optional<Topology>> topologies;
   std::map<Key, std::optional<std::vector<StageHeldMemory>>> held;
   const auto topology_of = [&](const Config& c, const AdvisedLayout& l) -> const Topology* {
     auto [it, added] =
-        topologies.try_emplace(Key{l.tp, l.cp, l.pp, l.vp, l.sequence_parallel}, std::nullopt);
+        topologies.try_emplace(Key{l.tp, l.cp, l.ep, l.pp, l.vp, l.sequence_parallel},
+                               std::nullopt);
     if (added) {
       StatusOr<Topology> t = Topology::Create(c.parallel);
       if (t.ok()) it->second = *std::move(t);
@@ -145,7 +152,8 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
   const auto held_of = [&](const Config& c, const Topology& t,
                            const AdvisedLayout& l) -> const std::vector<StageHeldMemory>* {
     auto [it, added] =
-        held.try_emplace(Key{l.tp, l.cp, l.pp, l.vp, l.distributed_optimizer}, std::nullopt);
+        held.try_emplace(Key{l.tp, l.cp, l.ep, l.pp, l.vp, l.distributed_optimizer},
+                         std::nullopt);
     if (added) {
       StatusOr<std::vector<StageHeldMemory>> h = EstimateStageHeldMemory(c, t);
       if (h.ok()) it->second = *std::move(h);
@@ -173,6 +181,11 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
       for (int64_t pp : Divisors(n / (tp * cp))) {
         if (model.num_layers % pp != 0) continue;
         const int64_t dp = n / (tp * cp * pp);
+        // Expert parallelism from dp x cp: every ep dividing it and the experts.
+        std::vector<int64_t> eps = {1};
+        for (int64_t ep = 2; ep <= dp * cp && model.moe.enabled(); ++ep) {
+          if ((dp * cp) % ep == 0 && model.moe.num_experts % ep == 0) eps.push_back(ep);
+        }
         std::vector<int64_t> vps = {0};
         if (options.virtual_pipeline && pp > 1) {
           for (int64_t v = 2; v <= model.num_layers / pp; ++v) {
@@ -188,8 +201,8 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
                 if (batch % (mbs * dp) != 0) continue;
                 const int64_t m = batch / (mbs * dp);
                 if (vp > 0 && m % pp != 0) continue;  // Megatron's interleaved rule
-                for (RunConfig::Recompute recompute : options.recompute) {
-                  const AdvisedLayout layout{tp,  pp,  vp,        dp,          cp,
+                for (const auto& [ep, recompute] : Pairs(eps, options.recompute)) {
+                  const AdvisedLayout layout{tp,  pp,        vp, dp,          cp, ep,
                                              mbs, recompute, sp, distributed, {}};
                   const std::optional<Config> c = configure(layout);
                   if (!c) continue;

@@ -8,10 +8,11 @@
 // 2.. such that p * v divides the layers, when p > 1 and the micro-batches divide by p),
 // dp = N / (t c p), the micro-batch size (dividing global batch / dp), recomputation, sequence
 // parallelism (t > 1) and the distributed optimizer, each from the lists the caller allows.
-// Expert parallelism is not searched (the time model does not cover mixture-of-experts
-// layers yet). Each candidate gets the memory estimate (held exactly; activations and buffers
-// by Korthikanti's count, core/estimate/activation_estimate.h); it fits when every stage's peak
-// is at most the GPU's memory. Those that fit get the step time
+// For a mixture-of-experts model also ep (dividing dp x cp and the experts; the experts'
+// tensor parallelism is Megatron's default, tp). Each candidate gets the memory estimate
+// (held exactly; activations and buffers by Korthikanti's count,
+// core/estimate/activation_estimate.h); it fits when every stage's peak is at most the GPU's
+// memory. Those that fit get the step time
 // (core/estimate/time_estimate.h) and are ranked by it, the fastest first; those that do not
 // are ranked by peak, the closest first, and only the first few get a step time.
 #pragma once
@@ -45,6 +46,7 @@ struct AdviseOptions {
 struct AdvisedLayout {
   int64_t tp = 1, pp = 1, vp = 0, dp = 1;  // vp 0: not interleaved
   int64_t cp = 1;
+  int64_t ep = 1;  // expert parallelism, of a mixture-of-experts model
   int64_t micro_batch_size = 1;
   RunConfig::Recompute recompute = RunConfig::Recompute::kNone;
   bool sequence_parallel = false;

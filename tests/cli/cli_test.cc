@@ -1005,6 +1005,46 @@ TEST(EstimateCommand, StepTimeOfMoeLayersMatchesCountsByHand) {
   EXPECT_NE(text.out.find("    ep  all-to-all "), std::string::npos) << text.out;
 }
 
+// Megatron's activation count of mixture-of-experts layers, against the dense count: a GPT
+// whose MoE layers have 2 experts of the dense ffn size and top-1 routing keeps, per MoE layer,
+// what the dense layer keeps plus the router's (float32 scores and routing map per expert,
+// float32 chosen probabilities), the experts' permuted input rows and the combine's (int64
+// ids, the returned rows, float32 probabilities); full recomputation keeps the layer inputs
+// alike. moe_layer_freq [1, 0] makes one of the two layers MoE: half the difference.
+TEST(EstimateCommand, MegatronActivationsOfMoeLayers) {
+  const json dense = {
+      {"parallel", {{"world_size", 1}}},
+      {"model",
+       {{"type", "gpt"}, {"num_layers", 2}, {"hidden_size", 64}, {"num_attention_heads", 4},
+        {"ffn_hidden_size", 128}, {"add_bias_linear", false}, {"vocab_size", 256}}},
+      {"run",
+       {{"dtype", "bfloat16"}, {"seq_length", 32}, {"micro_batch_size", 2},
+        {"num_microbatches", 1}}}};
+  const auto activations = [](const json& config, const std::string& name) {
+    const std::string path = WriteTemp("mpusim_moe_acts_" + name + ".json", config.dump());
+    const Result r = Mpusim({"estimate", path, "--format", "json"});
+    EXPECT_EQ(r.code, 0) << r.err;
+    if (r.code != 0) return -1.0;
+    const json doc = json::parse(r.out);
+    EXPECT_TRUE(doc.at("stages")[0].at("memory").at("activations").is_number()) << doc;
+    return doc.at("stages")[0].at("memory").at("activations").get<double>();
+  };
+  json moe = dense;
+  moe["model"]["num_moe_experts"] = 2;
+  moe["model"]["moe_router_topk"] = 1;
+  const double T = 64, h = 64, e = 2, E = 2, k = 1, rows = T * k;
+  const double per_layer = T * E * (4 + 1) + T * k * 4 + rows * h * e + rows * (8 + h * e + 4);
+  const double base = activations(dense, "dense");
+  EXPECT_EQ(activations(moe, "moe") - base, 2 * per_layer);
+  json half = moe;
+  half["model"]["moe_layer_freq"] = {1, 0};
+  EXPECT_EQ(activations(half, "half") - base, per_layer);
+  json full_dense = dense, full_moe = moe;
+  full_dense["run"]["recompute_granularity"] = "full";
+  full_moe["run"]["recompute_granularity"] = "full";
+  EXPECT_EQ(activations(full_moe, "full_moe"), activations(full_dense, "full_dense"));
+}
+
 // Context parallelism 2 on GPT-3 175B (tp 8, pp 16, dp 4: 384 micro-batches of 1024 tokens
 // per rank, full recomputation): the same FLOPs per rank per iteration as cp 1 (half the
 // tokens, twice the micro-batches), and per layer and micro-batch the exchange of each
@@ -1177,16 +1217,15 @@ TEST(EstimateCommand, ExecutorCountAddsUpAndCarriesTheGradientPiece) {
   EXPECT_NE(text.out.find("What `mpusim run --no-check` keeps on the CPU executor, in float32"),
             std::string::npos)
       << text.out;
-  // Mixture of experts: the executor count (for balanced routing, which the text says) where
-  // Megatron's count names what it does not model; a lab chain has neither.
+  // Mixture of experts: the executor count and Megatron's, both for balanced routing, which the
+  // text says; a lab chain has neither.
   const Result moe =
       Mpusim({"estimate", Sample("gpt_moe_ep2_t2_sp_dp2_n4.json"), "--format", "json"});
   ASSERT_EQ(moe.code, 0) << moe.err;
   const json moe_doc = json::parse(moe.out);
   EXPECT_GT(moe_doc.at("stages").at(0).at("executor").at("stashes").get<uint64_t>(), 0u);
-  EXPECT_TRUE(moe_doc.at("stages").at(0).at("memory").at("activations").is_null());
-  EXPECT_NE(moe_doc.at("activations_not_estimated").get<std::string>().find("num_moe_experts"),
-            std::string::npos);
+  EXPECT_GT(moe_doc.at("stages").at(0).at("memory").at("activations").get<uint64_t>(), 0u);
+  EXPECT_FALSE(moe_doc.contains("activations_not_estimated"));
   const Result moe_text = Mpusim({"estimate", Sample("gpt_moe_ep2_t2_sp_dp2_n4.json")});
   ASSERT_EQ(moe_text.code, 0) << moe_text.err;
   EXPECT_NE(moe_text.out.find("MoE layers are counted for balanced routing"), std::string::npos)
@@ -1391,14 +1430,13 @@ TEST(EstimateCommand, HtmlPageDrawsTheJsonReport) {
   EXPECT_EQ(EmbeddedJson(layout.out, "estimate"), json::parse(small.out));
   EXPECT_NE(layout.out.find("80.0 GiB of HBM (off the scale: the largest bar is "),
             std::string::npos);
-  // What the estimate cannot count is said on the page; a config without a model has no
-  // estimate section.
+  // An MoE model's page: its step time has the experts' exchanges as a part; a config without
+  // a model has no estimate section.
   const Result moe =
       Mpusim({"layout", Sample("gpt_moe_ep2_t2_sp_dp2_n4.json"), "--format", "html"});
   ASSERT_EQ(moe.code, 0) << moe.err;
-  EXPECT_NE(moe.out.find("activations: not estimated: model.num_moe_experts: "),
-            std::string::npos);
-  EXPECT_NE(moe.out.find("ep token exchanges"), std::string::npos);  // its step time's part
+  EXPECT_EQ(moe.out.find("not estimated"), std::string::npos);
+  EXPECT_NE(moe.out.find("ep token exchanges"), std::string::npos);
   // A layout the model cannot take (8 heads over tp 3) still draws its groups, and says why
   // there is no estimate.
   const Result odd = Mpusim({"layout", Sample("gpt_tiny_t2_sp_dp2_n4.json"), "--tp", "3",
@@ -1411,6 +1449,77 @@ TEST(EstimateCommand, HtmlPageDrawsTheJsonReport) {
   const Result groups = Mpusim({"layout", Sample("lab_t2_p4_n16.json"), "--format", "html"});
   ASSERT_EQ(groups.code, 0) << groups.err;
   EXPECT_TRUE(EmbeddedJson(groups.out, "estimate").is_null());
+}
+
+// advise on a mixture-of-experts model (8 layers of 8 experts, top 2, on 64 H100s; a narrow
+// search: micro-batches of 1, full recomputation, the distributed optimizer, no cp, no
+// interleaving) adds every ep that divides dp and the experts: it evaluates exactly the
+// layouts an independent count expects (tp > 1 only with sequence parallelism, as Megatron
+// requires for MoE), and its first three and its first with ep > 1 agree with `mpusim
+// estimate` of that layout, the experts' exchanges included.
+TEST(AdviseCommand, SearchesExpertParallelismOfAnMoeModel) {
+  const json config = {
+      {"parallel", {{"world_size", 64}}},
+      {"model",
+       {{"type", "gpt"}, {"num_layers", 8}, {"hidden_size", 4096}, {"num_attention_heads", 32},
+        {"num_query_groups", 8}, {"ffn_hidden_size", 14336}, {"normalization", "RMSNorm"},
+        {"activation", "swiglu"}, {"position_embedding_type", "rope"},
+        {"add_bias_linear", false}, {"vocab_size", 32000}, {"num_moe_experts", 8},
+        {"moe_router_topk", 2}, {"moe_token_dispatcher_type", "alltoall"}}},
+      {"run", {{"dtype", "bfloat16"}, {"seq_length", 4096}, {"micro_batch_size", 1}}},
+      {"optimizer", {{"optimizer", "adam"}, {"lr", 1e-4}, {"use_distributed_optimizer", true}}}};
+  const std::string path = WriteTemp("mpusim_advise_moe.json", config.dump());
+  const Result r = Mpusim({"advise", path, "--global-batch-size", "256", "--gpu", "h100-80gb",
+                           "--micro-batch-sizes", "1", "--recompute", "full",
+                           "--distributed-optimizer", "true", "--no-virtual-pipeline",
+                           "--max-cp", "1", "--top", "1000", "--format", "json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json doc = json::parse(r.out);
+  int64_t expected = 0;
+  for (int64_t tp : {1, 2, 4, 8}) {
+    for (int64_t pp = 1; pp <= 64 / tp; ++pp) {
+      const int64_t dp = 64 / (tp * pp);
+      if ((64 / tp) % pp != 0 || 8 % pp != 0 || 256 % dp != 0) continue;
+      for (int64_t ep = 1; ep <= dp; ++ep) expected += dp % ep == 0 && 8 % ep == 0 ? 1 : 0;
+    }
+  }
+  EXPECT_EQ(doc.at("candidates"), expected);
+  EXPECT_EQ(doc.at("not_searched"), json({"expert_tensor_parallel_size"}));
+  const json& layouts = doc.at("layouts");
+  ASSERT_GE(layouts.size(), 3u);
+  std::vector<size_t> checked = {0, 1, 2};
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    const json& l = layouts[i];
+    const int64_t ep = l.at("expert_model_parallel_size"), dp = l.at("data_parallel_size");
+    EXPECT_EQ(dp % ep, 0);
+    EXPECT_EQ(8 % ep, 0);
+    EXPECT_EQ(l.at("sequence_parallel"), l.at("tensor_model_parallel_size").get<int64_t>() > 1);
+    if (ep > 1 && checked.size() == 3 && i >= 3) checked.push_back(i);
+  }
+  ASSERT_EQ(checked.size(), 4u) << "no layout with ep > 1 among those that fit";
+  for (const size_t i : checked) {
+    const json& l = layouts[i];
+    const Result e = Mpusim(
+        {"estimate", path, "--tp",
+         std::to_string(l.at("tensor_model_parallel_size").get<int64_t>()), "--pp",
+         std::to_string(l.at("pipeline_model_parallel_size").get<int64_t>()), "--ep",
+         std::to_string(l.at("expert_model_parallel_size").get<int64_t>()),
+         "--sequence-parallel", l.at("sequence_parallel").get<bool>() ? "true" : "false",
+         "--global-batch-size", "256", "--recompute", "full", "--gpu", "h100-80gb", "--format",
+         "json"});
+    ASSERT_EQ(e.code, 0) << e.err;
+    const json est = json::parse(e.out);
+    EXPECT_DOUBLE_EQ(est.at("step_time_s").get<double>(), l.at("step_time_s").get<double>()) << i;
+    for (const char* part : {"bubble_s", "tp_comm_s", "ep_comm_s", "pp_comm_s", "dp_comm_s"}) {
+      EXPECT_DOUBLE_EQ(est.at("time").at(part).get<double>(), l.at(part).get<double>()) << part;
+    }
+    double peak = 0;
+    for (const json& stage : est.at("stages")) {
+      peak = std::max(peak, stage.at("memory").at("peak").get<double>());
+    }
+    EXPECT_EQ(peak, l.at("peak_bytes").get<double>()) << i;
+  }
+  EXPECT_GT(layouts[checked[3]].at("ep_comm_s").get<double>(), 0);
 }
 
 // The advice page: the JSON report embedded, a table row, a time bar and a memory bar per
@@ -1467,11 +1576,14 @@ TEST(AdviseCommand, Refusals) {
   ExpectUsageError(Mpusim({"advise", gpt3, "--global-batch-size", "8", "--recompute", "some"}),
                    "error: command line: --recompute: 'some' is not a list of none, selective "
                    "and full");
-  ExpectUsageError(Mpusim({"advise", Sample("gpt_moe_ep2_t2_sp_dp2_n4.json"),
-                           "--global-batch-size", "8"}),
-                   "error: " + Sample("gpt_moe_ep2_t2_sp_dp2_n4.json") +
-                       ": model.num_moe_experts: advise does not search mixture-of-experts "
-                       "layouts yet");
+  // A layer chain has no GPT to lay out.
+  ExpectUsageError(Mpusim({"advise", Sample("lab_mlp_lm_t4_dp2_n8.json"), "--global-batch-size",
+                           "8"}),
+                   "error: " + Sample("lab_mlp_lm_t4_dp2_n8.json") +
+                       ": model: advise needs a GPT model (\"type\": \"gpt\")");
+  ExpectUsageError(Mpusim({"advise", gpt3, "--global-batch-size", "8", "--max-cp", "0"}),
+                   "error: command line: --max-cp: Value 0 not in range 1 to 1048576 (run "
+                   "'mpusim --help' for usage)");
 }
 
 TEST(ExplainCommand, LabSlices) {
