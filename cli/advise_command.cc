@@ -279,8 +279,8 @@ class AdviseCommand : public Command {
         out << fmt::format(
             "  {:>3}  {:<{}} {:<34} {:>7} {:>7.1f} {:>5.1f}% {:>6.1f}% {:>6.1f}%{}{} {:>6.1f}% "
             "{:>6.1f}% {:>10}\n",
-            i + 1, LayoutName(l), width, FeaturesText(l), Seconds(step), l.time.model_tflops_per_gpu,
-            100 * l.time.mfu, 100 * l.time.bubble_s / step, 100 * l.time.tp_comm_s / step,
+            i + 1, LayoutName(l), width, FeaturesText(l), Seconds(step),
+            l.time.model_tflops_per_gpu, 100 * l.time.mfu, 100 * l.time.bubble_s / step, 100 * l.time.tp_comm_s / step,
             cp ? fmt::format(" {:>6.1f}%", 100 * l.time.cp_comm_s / step) : std::string(),
             ep ? fmt::format(" {:>6.1f}%", 100 * l.time.ep_comm_s / step) : std::string(),
             100 * l.time.pp_comm_s / step, 100 * l.time.dp_comm_s / step,

@@ -29,6 +29,7 @@
 //               all-to-alls over ep (each rank's rows that go to other ep ranks) and with
 //               etp > 1 an all-gather and a reduce-scatter over expt_tp, "allgather" an
 //               all-gather and a reduce-scatter over etp x ep; full recomputation repeats them;
+//               an MoE layer's only tp collective is its attention's (and a shared expert's);
 //   pp          each activation and gradient p2p transfer delays the step that waits for it
 //               and holds the rank that sends it (Megatron waits for its sends unless
 //               overlap_p2p_comm); the bubble comes from replaying Megatron's own 1F1B or
