@@ -20,7 +20,7 @@ double Max(std::initializer_list<double> values) { return std::max(values); }
 
 StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(
     const Config& config, const Topology& topology, const std::vector<StageHeldMemory>& held) {
-  if (Status s = CheckEstimable(config, "the executor's activation count", true); !s.ok()) return s;
+  if (Status s = CheckEstimable(config, "the executor's activation count"); !s.ok()) return s;
   const GptConfig& g = *config.gpt;
   const RunConfig& run = *config.run;
   const DerivedSizes& sz = topology.sizes();

@@ -502,7 +502,7 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
                                         const GpuSpec& gpu,
                                         const std::vector<StageHeldMemory>* held_given,
                                         const PipelineSchedule* schedule_given) {
-  if (Status s = CheckEstimable(config, "the step-time estimate", true); !s.ok()) return s;
+  if (Status s = CheckEstimable(config, "the step-time estimate"); !s.ok()) return s;
   const GptConfig& g = *config.gpt;
   const RunConfig& run = *config.run;
   const DerivedSizes& sz = topology.sizes();

@@ -1297,6 +1297,22 @@ TEST(EstimateCommand, StepTimeNotesAndRefusals) {
                        ".gemm_efficiency: number 1.5 is above 1; an efficiency is in (0, 1]");
 }
 
+// advise's layout `l` (its #`i`) against `mpusim estimate --format json` of the same layout:
+// the step time and each of its parts to the last bit, and the fullest stage's peak.
+void ExpectAdvisedAsEstimated(const json& l, const json& est, size_t i) {
+  EXPECT_DOUBLE_EQ(est.at("step_time_s").get<double>(), l.at("step_time_s").get<double>()) << i;
+  for (const char* part :
+       {"bubble_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_comm_s", "dp_comm_s"}) {
+    EXPECT_DOUBLE_EQ(est.at("time").at(part).get<double>(), l.at(part).get<double>())
+        << part << " of #" << i;
+  }
+  double peak = 0;
+  for (const json& stage : est.at("stages")) {
+    peak = std::max(peak, stage.at("memory").at("peak").get<double>());
+  }
+  EXPECT_EQ(peak, l.at("peak_bytes").get<double>()) << i;
+}
+
 // advise on GPT-3 175B, 1024 A100s, a narrow search (micro-batches of 1, full recomputation,
 // no sp, no distributed optimizer, no interleaving), without and with context parallelism: it
 // evaluates exactly the (tp, cp, pp) that divide the node, the heads, the GPUs and the layers
@@ -1373,16 +1389,7 @@ TEST(AdviseCommand, RanksFittingLayoutsAsEstimateJudgesThem) {
            "--global-batch-size", "1536", "--recompute", "full", "--gpu", "a100-80gb",
            "--format", "json"});
       ASSERT_EQ(e.code, 0) << e.err;
-      const json est = json::parse(e.out);
-      EXPECT_DOUBLE_EQ(est.at("step_time_s").get<double>(), l.at("step_time_s").get<double>());
-      for (const char* part : {"bubble_s", "tp_comm_s", "cp_comm_s", "pp_comm_s", "dp_comm_s"}) {
-        EXPECT_DOUBLE_EQ(est.at("time").at(part).get<double>(), l.at(part).get<double>()) << part;
-      }
-      double peak = 0;
-      for (const json& stage : est.at("stages")) {
-        peak = std::max(peak, stage.at("memory").at("peak").get<double>());
-      }
-      EXPECT_EQ(peak, l.at("peak_bytes").get<double>()) << i;
+      ExpectAdvisedAsEstimated(l, json::parse(e.out), i);
     }
   }
   // The text names the winner's reasons and the misses' excess.
@@ -1508,16 +1515,7 @@ TEST(AdviseCommand, SearchesExpertParallelismOfAnMoeModel) {
          "--global-batch-size", "256", "--recompute", "full", "--gpu", "h100-80gb", "--format",
          "json"});
     ASSERT_EQ(e.code, 0) << e.err;
-    const json est = json::parse(e.out);
-    EXPECT_DOUBLE_EQ(est.at("step_time_s").get<double>(), l.at("step_time_s").get<double>()) << i;
-    for (const char* part : {"bubble_s", "tp_comm_s", "ep_comm_s", "pp_comm_s", "dp_comm_s"}) {
-      EXPECT_DOUBLE_EQ(est.at("time").at(part).get<double>(), l.at(part).get<double>()) << part;
-    }
-    double peak = 0;
-    for (const json& stage : est.at("stages")) {
-      peak = std::max(peak, stage.at("memory").at("peak").get<double>());
-    }
-    EXPECT_EQ(peak, l.at("peak_bytes").get<double>()) << i;
+    ExpectAdvisedAsEstimated(l, json::parse(e.out), i);
   }
   EXPECT_GT(layouts[checked[3]].at("ep_comm_s").get<double>(), 0);
 }
