@@ -185,3 +185,26 @@ def temp_config(config):
 def load(path):
     with open(os.path.join(ROOT, path)) as f:
         return json.load(f)
+
+
+KERNELS = re.compile(r"\((\w+) kernels([^)]*)\)")
+
+
+def kernels_of(output):
+    """(kernel set, how it was chosen) from a `mpusim run` backend line."""
+    m = KERNELS.search(backend_line(output))
+    return (m.group(1), m.group(2).lstrip(", ")) if m else ("?", "")
+
+
+def pin_kernels(build="build"):
+    """Pins every contender (mpusim and PyTorch alike) to one OpenBLAS kernel set: the
+    user's OPENBLAS_CORETYPE, else the one mpusim runs with on this CPU (sim/blas_kernels.h:
+    the best the CPU supports), read off a one-rank run. Returns its name for the report."""
+    if ENV.get("OPENBLAS_CORETYPE"):
+        return ENV["OPENBLAS_CORETYPE"] + " (OPENBLAS_CORETYPE)"
+    out = Measured(mpirun(1) + [mpusim(build), "run",
+                                os.path.join(ROOT, "sample_configs/lab_parallel_embedding_t2_n2.json"),
+                                "--world-size", "1", "--tp", "1", "--no-check"]).out
+    name, _ = kernels_of(out)
+    ENV["OPENBLAS_CORETYPE"] = name
+    return name

@@ -37,6 +37,8 @@ def main():
     if args.repeat < 2:
         parser.error("--repeat must be at least 2: mpusim run prints a median step only then")
     mpusim = benchlib.mpusim()
+    # One kernel set for every contender, named in the report (benchlib.pin_kernels).
+    print(f"OpenBLAS kernels, every contender: {benchlib.pin_kernels()}")
     with open(os.path.join(benchlib.ROOT, "bench/configs/gpt_attention_s8192_n1.json")) as f:
         base = json.load(f)
     base["run"]["seq_length"] = args.seq

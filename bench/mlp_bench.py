@@ -40,6 +40,8 @@ def main():
     parser.add_argument("--dtypes", action="store_true")
     args = parser.parse_args()
     mpusim = benchlib.mpusim()
+    # One kernel set for every contender, named in the report (benchlib.pin_kernels).
+    print(f"OpenBLAS kernels, every contender: {benchlib.pin_kernels()}")
     t1_config = os.path.join(benchlib.ROOT, "bench/configs/mlp_t1_n1.json")
     t2_config = os.path.join(benchlib.ROOT, "bench/configs/mlp_t2_n2.json")
     info = {}

@@ -37,6 +37,8 @@ def main():
     if args.repeat < 2:
         parser.error("--repeat must be at least 2: mpusim run prints a median step only then")
     benchlib.mpusim()  # exits with a message when the build is missing
+    # One kernel set for every contender, named in the report (benchlib.pin_kernels).
+    print(f"OpenBLAS kernels, every contender: {benchlib.pin_kernels()}")
     one = os.path.join(benchlib.ROOT, "bench/configs/gpt_moe_layer_n1.json")
     with open(one) as f:
         base = json.load(f)

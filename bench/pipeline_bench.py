@@ -41,6 +41,8 @@ def main():
     if args.repeat < 2:
         parser.error("--repeat must be at least 2: mpusim run prints a median step only then")
     mpusim = benchlib.mpusim()
+    # One kernel set for every contender, named in the report (benchlib.pin_kernels).
+    print(f"OpenBLAS kernels, every contender: {benchlib.pin_kernels()}")
     p1 = os.path.join(benchlib.ROOT, "bench/configs/gpt_pipeline_p1_n1.json")
     with open(p1) as f:
         base = json.load(f)

@@ -32,6 +32,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     mpusim = benchlib.mpusim()
+    # One kernel set for every contender, named in the report (benchlib.pin_kernels).
+    print(f"OpenBLAS kernels, every contender: {benchlib.pin_kernels()}")
     floor = os.path.join(benchlib.ROOT, "build", "bench", "mpi_startup")
     if not os.access(floor, os.X_OK):
         raise SystemExit(f"error: {floor} missing; build it: cmake --build build --target mpi_startup")

@@ -6,8 +6,11 @@
 
 #include "cli/cli.h"
 #include "core/status.h"
+#include "sim/blas_kernels.h"
 
 int main(int argc, char** argv) {
+  // Before anything else: it may re-execute the program with the best BLAS kernels.
+  mpusim::PinBestBlasKernels(argv);
   try {
     std::vector<std::string> args(argv, argv + argc);
     return mpusim::cli::RunCli(args, std::cout, std::cerr);

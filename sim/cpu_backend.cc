@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "mpi/mpi_communicator.h"
+#include "sim/blas_kernels.h"
 
 #if defined(MPUSIM_HAVE_OPENBLAS)
 extern "C" char* openblas_get_config(void);
@@ -25,8 +26,12 @@ std::string CpuBackend::Describe() const {
   std::string config = openblas_get_config();
   const size_t second_space = config.find(' ', config.find(' ') + 1);
   if (second_space != std::string::npos) config.resize(second_space);
-  return fmt::format("{}, GEMMs through {} ({} kernels, {} thread per rank)", eigen, config,
-                     openblas_get_corename(), openblas_get_num_threads());
+  // The kernels, and how they were chosen when that was not OpenBLAS's own best guess
+  // (sim/blas_kernels.h).
+  const std::string note = BlasKernelsNote();
+  return fmt::format("{}, GEMMs through {} ({} kernels{}), {} thread per rank", eigen, config,
+                     openblas_get_corename(), note.empty() ? "" : ", " + note,
+                     openblas_get_num_threads());
 #else
   return eigen + " (its own GEMMs; OpenBLAS was not found at build time)";
 #endif

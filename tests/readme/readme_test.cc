@@ -94,15 +94,16 @@ std::string RunShell(const std::string& command) {
 }
 
 // Decimal numbers (those with a point or an exponent: times, sizes in MiB, errors, losses)
-// and the CPU OpenBLAS picked its kernels for ("(Haswell kernels") masked and runs of spaces
+// and the kernels OpenBLAS runs with, and why ("(Haswell kernels)", "(SkylakeX kernels,
+// pinned by mpusim: ...)": sim/blas_kernels.h), masked, and runs of spaces
 // made one, for the commands with machine-dependent output; counts (tensors passed and
 // failed, bytes, elements, ranks) stay exact.
 std::string Masked(const std::string& line) {
   static const std::regex number(R"([-+]?(\d+\.\d*|\.\d+|\d+(?=[eE]))([eE][-+]?\d+)?)");
-  static const std::regex kernels(R"(\(\w+ kernels)");
+  static const std::regex kernels(R"(\(\w+ kernels[^)]*\))");
   static const std::regex spaces(R"( +)");
   return std::regex_replace(
-      std::regex_replace(std::regex_replace(line, number, "#"), kernels, "(# kernels"), spaces,
+      std::regex_replace(std::regex_replace(line, number, "#"), kernels, "(# kernels)"), spaces,
       " ");
 }
 
