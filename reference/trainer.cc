@@ -66,9 +66,11 @@ double ReferenceTrainer::Step(std::map<std::string, Tensor*>& grads, int64_t k) 
     std::vector<double>& m = m_[name];
     std::vector<double>& dm = dm_[name];
     std::vector<double>& bound = bounds_[name];
+    std::vector<double>& gm = gm_[name];
     m.resize(n, 0.0);
     dm.resize(n, 0.0);
     bound.resize(n, 0.0);
+    gm.resize(n, 0.0);
     double* wv = w.data_as<double>();
     const double* gv = g->data_as<double>();
     // The gradient's error bound, through the clipping (whose coefficient carries the norm's
@@ -79,17 +81,33 @@ double ReferenceTrainer::Step(std::map<std::string, Tensor*>& grads, int64_t k) 
       return (atol_ + ntol_ * g_max / clip + rtol_ * std::fabs(gv[i]) / clip) * clip +
              ntol_ * std::fabs(gv[i]);
     };
+    // The gradient's error per unit of drift (see trainer.h): none at the first step, whose
+    // parameters are the initial ones; its scale after, and |g_i| more through the clipping.
+    auto drift_gain = [&](size_t i) {
+      if (steps_ == 1) return 0.0;
+      return g_max + (clip < 1.0 ? std::fabs(gv[i]) : 0.0);
+    };
     if (config_.kind == OptimizerConfig::Kind::kAdam) {
       std::vector<double>& v = v_[name];
       std::vector<double>& dv = dv_[name];
+      std::vector<double>& gv1 = gv1_[name];
+      std::vector<double>& gv2 = gv2_[name];
       v.resize(n, 0.0);
       dv.resize(n, 0.0);
+      gv1.resize(n, 0.0);
+      gv2.resize(n, 0.0);
       for (size_t i = 0; i < n; ++i) {
         const double d = delta(i);
+        const double s = drift_gain(i);
         m[i] = b1 * m[i] + (1 - b1) * gv[i];
         v[i] = b2 * v[i] + (1 - b2) * gv[i] * gv[i];
         dm[i] = b1 * dm[i] + (1 - b1) * d;
         dv[i] = b2 * dv[i] + (1 - b2) * (2 * std::fabs(gv[i]) * d + d * d);
+        // m and v are linear in g and g^2: a drift error adds to them as a rounding one does,
+        // its cross term with the rounding error (2 d s rho) kept in the linear gain.
+        gm[i] = b1 * gm[i] + (1 - b1) * s;
+        gv1[i] = b2 * gv1[i] + (1 - b2) * 2 * (std::fabs(gv[i]) + d) * s;
+        gv2[i] = b2 * gv2[i] + (1 - b2) * s * s;
         const double m_hat = m[i] / (1 - std::pow(b1, t));
         const double v_hat = v[i] / (1 - std::pow(b2, t));
         const double dm_hat = dm[i] / (1 - std::pow(b1, t));
@@ -109,6 +127,7 @@ double ReferenceTrainer::Step(std::map<std::string, Tensor*>& grads, int64_t k) 
         const double d = gv[i] + wd * wv[i];
         m[i] = steps_ == 1 ? d : config_.sgd_momentum * m[i] + d;
         dm[i] = (steps_ == 1 ? 0.0 : config_.sgd_momentum * dm[i]) + delta(i) + wd * bound[i];
+        gm[i] = (steps_ == 1 ? 0.0 : config_.sgd_momentum * gm[i]) + drift_gain(i);
         wv[i] -= lr * m[i];
         bound[i] += lr * dm[i];
       }
@@ -121,8 +140,21 @@ std::vector<ReferenceTrainer::StateTensor> ReferenceTrainer::State() const {
   std::vector<StateTensor> out;
   const bool adam = config_.kind == OptimizerConfig::Kind::kAdam;
   for (const auto& [name, m] : m_) {
-    out.push_back({name + (adam ? ".exp_avg" : ".momentum_buffer"), name, m, dm_.at(name)});
-    if (adam) out.push_back({name + ".exp_avg_sq", name, v_.at(name), dv_.at(name)});
+    out.push_back({name + (adam ? ".exp_avg" : ".momentum_buffer"), name, m, dm_.at(name),
+                   gm_.at(name), {}});
+    if (adam) {
+      out.push_back({name + ".exp_avg_sq", name, v_.at(name), dv_.at(name), gv1_.at(name),
+                     gv2_.at(name)});
+    }
+  }
+  return out;
+}
+
+std::vector<double> ReferenceTrainer::StateTensor::BoundsAt(double rho) const {
+  std::vector<double> out = bounds;
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (i < drift_gain.size()) out[i] += rho * drift_gain[i];
+    if (i < drift_gain2.size()) out[i] += rho * rho * drift_gain2[i];
   }
   return out;
 }

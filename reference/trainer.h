@@ -18,6 +18,19 @@
 // step is lr * min(first-order error of m_hat / (sqrt(v_hat) + eps), 2 K_t), K_t the
 // largest |update| Adam can make at step t ((1 - b1) / sqrt(1 - b2) * sum (b1/sqrt(b2))^j *
 // sqrt(1 - b2^t) / (1 - b1^t), 1 at t = 1).
+// Drift. From the second iteration on, a run's gradients are computed from parameters that
+// already differ from the reference's, so each also carries the error those parameters pass
+// on. The check measures that error only after the last step (the parameters' largest
+// relative error summed over the parameters, times the safety factor: rho, run/check.h
+// TrainingDrift) and, to first order, a gradient computed from parameters off by rho is off
+// by rho times its scale (every product adds its factors' relative errors); clipping adds
+// rho * |g_i| through its coefficient. Parameter errors only accumulate over the steps (an
+// error in w reaches later updates only through that second-order gradient change), so the
+// last rho bounds every earlier iteration's. The trainer therefore carries, per state element,
+// the gains of rho alongside the rounding bounds: m's error grows by rho * G_m, v's by
+// rho * G_v1 + rho^2 * G_v2 (d(g^2) = 2 g dg + dg^2), with G summed like m and v themselves
+// over the iterations after the first (StateTensor::drift_gain, drift_gain2); the check adds
+// them once rho is known (StateTensor::BoundsAt).
 // What it is not: the executor's optimizer (core/train): it shares no code with it; its
 // target cannot link executor code.
 #pragma once
@@ -65,6 +78,10 @@ class ReferenceTrainer {
     std::string name;
     std::string parameter;
     std::vector<double> values, bounds;
+    // The error a drift rho of the parameters adds: rho * drift_gain + rho^2 * drift_gain2.
+    std::vector<double> drift_gain, drift_gain2;
+    // Each element's bound for a measured drift rho (>= 0).
+    std::vector<double> BoundsAt(double rho) const;
   };
   std::vector<StateTensor> State() const;
 
@@ -75,6 +92,8 @@ class ReferenceTrainer {
   std::map<std::string, std::vector<double>> m_, v_;
   // Error propagation: of m (or the SGD buffer), of v, and the bound on each element.
   std::map<std::string, std::vector<double>> dm_, dv_, bounds_;
+  // The drift gains of m (or the SGD buffer) and of v (linear and quadratic); see above.
+  std::map<std::string, std::vector<double>> gm_, gv1_, gv2_;
   double atol_ = 0, ntol_ = 0, rtol_ = 0;
   int64_t steps_ = 0;
   double last_lr_ = 0;

@@ -425,32 +425,41 @@ void MatchRecords(DType storage, const std::vector<TensorRecord>& records, Compa
   }
 }
 
-// Whole tensors: each rank its own shard. After training, the parameters and optimizer state
-// first, with the error bounds training carries; the last iteration's activations and
+// Whole tensors: each rank its own shard. After training, the parameters first, with the
+// error bounds training carries; then the optimizer state, its bounds grown by the drift the
+// parameters' measured error adds (reference/trainer.h); the last iteration's activations and
 // gradients were computed from those parameters, so they are then allowed the parameters'
 // measured error too (TrainingDrift, collective).
 void CompareWholeTensors(const ReferenceTrainer* trainer, const HostFetch& fetch,
                          Comparison* c) {
   const std::vector<ReferenceTensor>& refs = *c->refs;
   const size_t n = refs.size();
-  for (const bool trained : {true, false}) {
-    for (size_t i = 0; i < n; ++i) {
-      const auto bound = c->bounds.find(refs[i].name);
-      if (refs[i].layout != Layout::kWhole || c->mine[i] == nullptr ||
-          trained != (bound != c->bounds.end())) {
-        continue;
-      }
-      const Tensor host = fetch(*c->mine[i]);
-      CompareWhole(*c->mine[i], host, refs[i].value, c->tolerances[i],
-                   bound != c->bounds.end() ? bound->second : nullptr, &c->stats[i]);
-    }
-    if (trained && trainer != nullptr) {
+  enum class Phase { kParameters, kState, kRest };
+  auto phase_of = [&](const std::string& name) {
+    if (c->bounds.count(name) == 0) return Phase::kRest;
+    return trainer != nullptr && trainer->parameters().count(name) != 0 ? Phase::kParameters
+                                                                         : Phase::kState;
+  };
+  for (const Phase phase : {Phase::kParameters, Phase::kState, Phase::kRest}) {
+    if (phase == Phase::kState && trainer != nullptr) {
       std::vector<std::string> names;
       for (const ReferenceTensor& t : refs) names.push_back(t.name);
       const double drift = TrainingDrift(names, c->scales, c->stats, trainer->parameters());
+      // c->bounds points at these vectors: they now hold the bounds at the measured drift.
+      for (ReferenceTrainer::StateTensor& st : c->state) st.bounds = st.BoundsAt(drift);
       for (size_t i = 0; i < n; ++i) {
         if (c->bounds.count(refs[i].name) == 0) c->tolerances[i].atol += drift * c->scales[i];
       }
+    }
+    for (size_t i = 0; i < n; ++i) {
+      if (refs[i].layout != Layout::kWhole || c->mine[i] == nullptr ||
+          phase_of(refs[i].name) != phase) {
+        continue;
+      }
+      const auto bound = c->bounds.find(refs[i].name);
+      const Tensor host = fetch(*c->mine[i]);
+      CompareWhole(*c->mine[i], host, refs[i].value, c->tolerances[i],
+                   bound != c->bounds.end() ? bound->second : nullptr, &c->stats[i]);
     }
   }
 }

@@ -48,7 +48,8 @@ struct TensorCheck {
   // The absolute part of the allowance, `allowed` being the relative one: every element was
   // allowed |a - e| <= budget_atol + allowed * |e|. It is allowed * scale, plus after
   // training the parameters' drift (TrainingDrift) or, for a trained parameter or optimizer
-  // state, the largest of its elements' training bounds (a summary that covers each). A dump
+  // state, the largest of its elements' training bounds (the state's grown by that drift: a
+  // summary that covers each). A dump
   // records both as the tensor's error budget (manifest "budget"), and `mpusim diff` allows
   // two dumps with budgets the sum of theirs (core/dump/diff.h).
   double budget_atol = 0;
@@ -88,9 +89,10 @@ struct CheckResult {
   std::string memory;
 };
 
-// After training, what the last iteration's activations and gradients inherit from the trained
-// parameters on top of their own rounding, relative to their scale: the parameters' measured
-// errors (stats[i].max_abs of the tensors in `names` that are `parameters`, the largest over
+// After training, what the last iteration's activations and gradients (and, through every
+// iteration's gradients, the optimizer state: reference/trainer.h "Drift") inherit from the
+// trained parameters on top of their own rounding, relative to their scale: the parameters'
+// measured errors (stats[i].max_abs of the tensors in `names` that are `parameters`, the largest over
 // the ranks) over their scales, summed (to first order every product adds its factors'
 // relative errors), times kToleranceSafety. Collective over MPI_COMM_WORLD.
 double TrainingDrift(const std::vector<std::string>& names, const std::vector<double>& scales,

@@ -146,10 +146,10 @@ StatusOr<GptReferenceResult> RunGptReferenceSlice(const Config& config, const Gp
 }
 
 // A training run: the optimizer state after the last step appended to the reference's
-// tensors; returns the error bounds its gradients carry, by state tensor.
-std::map<std::string, std::vector<double>> AddGptOptimizerState(const ReferenceTrainer& trainer,
-                                                                GptReferenceResult* ref) {
-  std::map<std::string, std::vector<double>> state_bounds;
+// tensors; returns the state tensors (their error bounds and drift gains) by name.
+std::map<std::string, ReferenceTrainer::StateTensor> AddGptOptimizerState(
+    const ReferenceTrainer& trainer, GptReferenceResult* ref) {
+  std::map<std::string, ReferenceTrainer::StateTensor> state;
   for (ReferenceTrainer::StateTensor& st : trainer.State()) {
     const Tensor& parameter = trainer.parameters().at(st.parameter);
     GptReferenceTensor t;
@@ -157,10 +157,12 @@ std::map<std::string, std::vector<double>> AddGptOptimizerState(const ReferenceT
     t.full_shape = parameter.shape();
     t.value = Tensor::HostEmpty(parameter.shape(), DType::kFloat64);
     std::memcpy(t.value.data(), st.values.data(), t.value.bytes());
-    state_bounds[st.name] = std::move(st.bounds);
+    st.values.clear();  // the reference tensor holds them now
     ref->tensors.push_back(std::move(t));
+    std::string name = st.name;
+    state.emplace(std::move(name), std::move(st));
   }
-  return state_bounds;
+  return state;
 }
 
 // The tensors in the reference's order, and this rank's records of each. Run-only names must
@@ -224,39 +226,49 @@ struct GptCompareContext {
   const std::vector<double>* scale = nullptr;
   Tolerance tolerance{0, 0, 0};
   const ReferenceTrainer* trainer = nullptr;  // a training run
-  const std::map<std::string, std::vector<double>>* state_bounds = nullptr;
+  const std::map<std::string, ReferenceTrainer::StateTensor>* state = nullptr;
   const GptReferenceOptions* options = nullptr;
 };
 
-// Pass 2: compare. After training, the parameters and optimizer state first, with the error
-// bounds training carries; the last iteration's activations and gradients were computed from
-// those parameters, so they are then allowed the parameters' measured error too, relative to
-// their scale (the sum over the parameters of max|a - e| / max|e|, times the tolerance's
-// safety factor: to first order every product adds its factors' relative errors; collective).
+// Pass 2: compare. After training, the parameters first, with the error bounds training
+// carries; then the optimizer state, with its bounds and the drift the parameters' measured
+// error adds to them (reference/trainer.h); last the final iteration's activations and
+// gradients, which were computed from those parameters, so they are allowed the parameters'
+// measured error too, relative to their scale (TrainingDrift: the sum over the parameters of
+// max|a - e| / max|e|, times the tolerance's safety factor: to first order every product adds
+// its factors' relative errors; collective).
 void CompareGptTensors(const GptCompareContext& ctx, const HostFetch& fetch,
                        std::vector<ErrorStats>* stats, std::vector<double>* budget_atol) {
   const std::vector<double>& scale = *ctx.scale;
   const size_t T = ctx.slots->names.size();
   const ReferenceTrainer* trainer = ctx.trainer;
+  enum class Phase { kParameters, kState, kRest };
+  auto phase_of = [&](const std::string& name) {
+    if (trainer != nullptr && trainer->error_bounds().count(name) != 0) return Phase::kParameters;
+    if (ctx.state != nullptr && ctx.state->count(name) != 0) return Phase::kState;
+    return Phase::kRest;
+  };
   double drift = 0;
-  for (const bool trained : {true, false}) {
+  std::map<std::string, std::vector<double>> state_bounds;  // at the measured drift
+  for (const Phase phase : {Phase::kParameters, Phase::kState, Phase::kRest}) {
+    if (phase == Phase::kState && trainer != nullptr) {
+      drift = TrainingDrift(ctx.slots->names, scale, *stats, trainer->parameters());
+      for (const auto& [name, st] : *ctx.state) state_bounds[name] = st.BoundsAt(drift);
+    }
     for (size_t i = 0; i < T; ++i) {
       const GptReferenceTensor& rt = ctx.ref->tensors[i];
+      if (phase_of(rt.name) != phase) continue;
       const double* e = rt.value.data_as<double>();
       // Token ids are exact data: compared for equality.
       const bool exact = rt.name == "tokens" || rt.name == "labels";
       Tolerance tol = exact ? Tolerance{0, 0, 0} : ctx.tolerance.ForScale(scale[i]);
-      // A trained parameter: each element's allowance also holds the error its gradients'
-      // tolerance carries through the optimizer steps (reference/trainer.h).
-      const std::vector<double>* bounds = nullptr;
-      if (trainer != nullptr) {
-        const auto it = trainer->error_bounds().find(rt.name);
-        if (it != trainer->error_bounds().end()) bounds = &it->second;
-        const auto state = ctx.state_bounds->find(rt.name);
-        if (state != ctx.state_bounds->end()) bounds = &state->second;
-      }
-      if (trained != (bounds != nullptr)) continue;
-      if (!exact) tol.atol += drift * scale[i];
+      // A trained parameter or optimizer state: each element's allowance also holds the
+      // error its gradients' tolerance carries through the optimizer steps.
+      const std::vector<double>* bounds =
+          phase == Phase::kParameters ? &trainer->error_bounds().at(rt.name)
+          : phase == Phase::kState    ? &state_bounds.at(rt.name)
+                                      : nullptr;
+      if (phase == Phase::kRest && !exact) tol.atol += drift * scale[i];
       (*budget_atol)[i] = tol.atol + (bounds != nullptr && !bounds->empty()
                                           ? *std::max_element(bounds->begin(), bounds->end())
                                           : 0.0);
@@ -276,9 +288,6 @@ void CompareGptTensors(const GptCompareContext& ctx, const HostFetch& fetch,
           (*stats)[i].Add(map.FullIndex(l), HostValue(host, l), expected, element_tol);
         }
       }
-    }
-    if (trained && trainer != nullptr) {
-      drift = TrainingDrift(ctx.slots->names, scale, *stats, trainer->parameters());
     }
   }
 }
@@ -472,15 +481,15 @@ StatusOr<CheckResult> CheckGptAgainstReference(const Config& config, const GptCo
                            &reference_iterations);
   if (!reference.ok()) return reference.status();
   GptReferenceResult& ref = *reference;
-  std::map<std::string, std::vector<double>> state_bounds;
-  if (trainer) state_bounds = AddGptOptimizerState(*trainer, &ref);
+  std::map<std::string, ReferenceTrainer::StateTensor> state;
+  if (trainer) state = AddGptOptimizerState(*trainer, &ref);
 
   const GptSlots slots = MatchGptRecords(ref, records);
   const std::vector<double> scale = GptScales(ref, slots, options);
   std::vector<ErrorStats> stats(slots.names.size());
   std::vector<double> budget_atol(slots.names.size(), 0.0);  // TensorCheck::budget_atol
   const GptCompareContext ctx{&ref,      &slots, &scale, tolerance, trainer ? &*trainer : nullptr,
-                              &state_bounds, &options};
+                              &state, &options};
   CompareGptTensors(ctx, fetch, &stats, &budget_atol);
 
   CheckResult result;

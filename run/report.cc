@@ -221,14 +221,20 @@ Status RunReport::WriteSummary(const SimulationResult& result, int code) {
     double parameter_error = 0;  // the largest normalized error of a parameter
     const std::set<std::string> parameters(result.parameter_names.begin(),
                                            result.parameter_names.end());
+    // The worst margin: the largest share of its allowance any element used (<= 1 passes), so
+    // that a margin shrinking on another machine is seen before it fails.
+    const TensorCheck* worst = nullptr;
     for (const TensorCheck& c : result.check.tensors) {
       if (!c.ok()) ++failed;
       if (parameters.count(c.name) != 0) parameter_error = std::max(parameter_error, c.normalized);
+      if (worst == nullptr || c.used > worst->used) worst = &c;
     }
     j["check"] = {{"tensors", result.check.tensors.size()},
                   {"failed", failed},
                   {"reference_loss", result.check.reference_loss},
-                  {"max_parameter_normalized_error", parameter_error}};
+                  {"max_parameter_normalized_error", parameter_error},
+                  {"max_used", worst != nullptr ? worst->used : 0.0},
+                  {"max_used_tensor", worst != nullptr ? worst->name : ""}};
   }
   std::vector<double> sorted = result.seconds;
   std::sort(sorted.begin(), sorted.end());

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <regex>
 #include <sstream>
@@ -16,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/cli.h"
+#include "sim/blas_kernels.h"
 #include "core/init.h"
 #include "core/dump/safetensors.h"
 
@@ -2291,16 +2293,63 @@ TEST(DiffCommand, ContextParallelDumpDiffsCleanAgainstOneRank) {
   for (const auto& dir : {a, b}) std::filesystem::remove_all(dir);
 }
 
+// OpenBLAS's x86-64 kernel sets this CPU runs, from SSE3 up to its best (sim/blas_kernels.h):
+// each sums a GEMM in another order, so a check whose verdict depends on the machine shows
+// here. The ASan build runs the best set only: its numerics are the release build's.
+std::vector<std::string> KernelSetsOfThisCpu() {
+  const std::string best = mpusim::BestBlasKernelsForCpu();
+  if (best.empty()) return {""};  // not x86-64: OpenBLAS's own choice
+#if defined(__SANITIZE_ADDRESS__)
+  return {best};
+#else
+  std::vector<std::string> sets;
+  for (const char* set : {"Prescott", "Haswell", "SkylakeX", "Cooperlake"}) {
+    sets.push_back(set);
+    if (best == set) return sets;
+  }
+  if (best != "Prescott") sets = {"Prescott", best};  // Sandybridge, Nehalem or Core2
+  else sets = {"Prescott"};
+  return sets;
+#endif
+}
+
+// On a CPU that OpenBLAS does not know it falls back to its SSE3 kernels; mpusim then pins
+// the best set the CPU supports (sim/blas_kernels.h) and its run header says so. This CPU is
+// known, so the test hook makes OPENBLAS_CORETYPE=Prescott stand for that fallback; a pinned
+// set that fails the start-up GEMM check goes back to OpenBLAS's choice; a user's own
+// OPENBLAS_CORETYPE is kept.
+TEST(RunCommand, PinsTheBestBlasKernelsOverOpenBlasFallback) {
+  const std::string best = mpusim::BestBlasKernelsForCpu();
+  if (best.empty() || best == "Prescott") GTEST_SKIP() << "no kernel set above SSE3 here";
+  const std::string run = run_tests::Mpiexec(2) + MPUSIM_BINARY + " run " +
+                          Sample("lab_parallel_embedding_t2_n2.json") + " --no-check";
+  const std::string fallback = "MPUSIM_OPENBLAS_PRETEND_CHOICE=1 OPENBLAS_CORETYPE=Prescott ";
+  std::string output;
+  ASSERT_EQ(run_tests::Shell(fallback + run, &output), 0) << output;
+  EXPECT_NE(output.find("(" + best + " kernels, pinned by mpusim: OpenBLAS chose Prescott for "
+                        "this CPU)"),
+            std::string::npos)
+      << output;
+  ASSERT_EQ(run_tests::Shell(fallback + "MPUSIM_OPENBLAS_PRETEND_WRONG=1 " + run, &output), 0)
+      << output;
+  EXPECT_NE(output.find("(Prescott kernels, OpenBLAS's choice: the " + best +
+                        " kernels failed the start-up GEMM check)"),
+            std::string::npos)
+      << output;
+  ASSERT_EQ(run_tests::Shell("OPENBLAS_CORETYPE=Prescott " + run, &output), 0) << output;
+  EXPECT_NE(output.find("(Prescott kernels, set by OPENBLAS_CORETYPE)"), std::string::npos)
+      << output;
+}
+
 // Training spreads two correct float32 runs of different layouts apart by more than the fixed
 // float32 tolerance (Adam divides by the root of tiny second moments): a 4-layer GPT trained
-// 3 iterations on 1 rank and on tp 2 x pp 2 with sequence parallelism. Both pass their checks
-// and dump their error budgets, and diff allows each pair the sum of the two.
-TEST(DiffCommand, TrainedFloat32LayoutsDiffCleanWithinTheirBudgets) {
+// 3 iterations on 1 rank and on tp 2 x pp 2 with sequence parallelism. Under every kernel set
+// of this CPU both pass their checks (the optimizer state's allowance grows with the drift of
+// the parameters its gradients came from: reference/trainer.h) and dump their error budgets,
+// and diff allows each pair the sum of the two. Each run's worst margin is printed.
+TEST(DiffCommand, TrainedFloat32LayoutsDiffCleanUnderEveryKernelSet) {
   const std::filesystem::path tmp = std::filesystem::temp_directory_path();
   const std::string tag = std::to_string(::getpid());
-  const std::filesystem::path a = tmp / ("mpusim_trained_a." + tag);
-  const std::filesystem::path b = tmp / ("mpusim_trained_b." + tag);
-  for (const auto& dir : {a, b}) std::filesystem::remove_all(dir);
   json config = json::parse(std::ifstream(Sample("gpt_train_adam_p2_t2_n4.json")));
   config["model"]["num_layers"] = 4;
   config["run"]["train_iters"] = 3;
@@ -2310,27 +2359,51 @@ TEST(DiffCommand, TrainedFloat32LayoutsDiffCleanWithinTheirBudgets) {
   const std::string layout = WriteTemp("mpusim_trained_t2p2." + tag + ".json", config.dump());
   config["parallel"] = {{"world_size", 1}};
   const std::string one = WriteTemp("mpusim_trained_n1." + tag + ".json", config.dump());
-  std::string output;
-  ASSERT_EQ(run_tests::Shell(run_tests::Mpiexec(4) + MPUSIM_BINARY + " run " + layout +
-                                 " --dump " + a.string(),
-                             &output),
-            0)
-      << output;
-  ASSERT_EQ(run_tests::Shell(run_tests::Mpiexec(1) + MPUSIM_BINARY + " run " + one + " --dump " +
-                                 b.string(),
-                             &output),
-            0)
-      << output;
-  const Result within = Mpusim({"diff", a.string(), b.string()});
-  EXPECT_EQ(within.code, 0) << within.out << within.err;
-  EXPECT_NE(within.out.find("299 of 299 tensors carry error budgets in both dumps"),
-            std::string::npos)
-      << within.out;
-  EXPECT_NE(within.out.find("299 passed, 0 failed"), std::string::npos) << within.out;
-  // The fixed float32 policy, given explicitly, fails some of them: what diff did before.
-  const Result fixed = Mpusim({"diff", a.string(), b.string(), "--atol", "1e-5", "--rtol", "1e-4"});
-  EXPECT_EQ(fixed.code, 1) << fixed.out;
-  for (const auto& dir : {a, b}) std::filesystem::remove_all(dir);
+  // The summary's worst margin: the largest share of its allowance an element used.
+  auto margin = [](const std::filesystem::path& summary) {
+    const json s = json::parse(std::ifstream(summary));
+    return fmt::format("{:.3f} ({})", s["check"]["max_used"].get<double>(),
+                       s["check"]["max_used_tensor"].get<std::string>());
+  };
+  for (const std::string& kernels : KernelSetsOfThisCpu()) {
+    SCOPED_TRACE("OPENBLAS_CORETYPE=" + kernels);
+    const std::string env = kernels.empty() ? "" : "OPENBLAS_CORETYPE=" + kernels + " ";
+    const std::filesystem::path a = tmp / ("mpusim_trained_a." + tag + kernels);
+    const std::filesystem::path b = tmp / ("mpusim_trained_b." + tag + kernels);
+    const std::filesystem::path sa = tmp / ("mpusim_trained_a." + tag + kernels + ".json");
+    const std::filesystem::path sb = tmp / ("mpusim_trained_b." + tag + kernels + ".json");
+    for (const auto& dir : {a, b}) std::filesystem::remove_all(dir);
+    std::string output;
+    ASSERT_EQ(run_tests::Shell(env + run_tests::Mpiexec(4) + MPUSIM_BINARY + " run " + layout +
+                                   " --dump " + a.string() + " --summary " + sa.string(),
+                               &output),
+              0)
+        << output;
+    if (!kernels.empty()) {  // the header says which kernels ran, and why
+      EXPECT_NE(output.find("(" + kernels + " kernels, set by OPENBLAS_CORETYPE)"),
+                std::string::npos)
+          << output;
+    }
+    ASSERT_EQ(run_tests::Shell(env + run_tests::Mpiexec(1) + MPUSIM_BINARY + " run " + one +
+                                   " --dump " + b.string() + " --summary " + sb.string(),
+                               &output),
+              0)
+        << output;
+    const Result within = Mpusim({"diff", a.string(), b.string()});
+    EXPECT_EQ(within.code, 0) << within.out << within.err;
+    EXPECT_NE(within.out.find("299 of 299 tensors carry error budgets in both dumps"),
+              std::string::npos)
+        << within.out;
+    EXPECT_NE(within.out.find("299 passed, 0 failed"), std::string::npos) << within.out;
+    // The fixed float32 policy, given explicitly, fails some of them: what diff did before.
+    const Result fixed =
+        Mpusim({"diff", a.string(), b.string(), "--atol", "1e-5", "--rtol", "1e-4"});
+    EXPECT_EQ(fixed.code, 1) << fixed.out;
+    std::cout << fmt::format("[ kernels  ] {:<10} worst margin: tp 2 pp 2 sp {}, 1 rank {}\n",
+                             kernels.empty() ? "default" : kernels, margin(sa), margin(sb));
+    for (const auto& dir : {a, b}) std::filesystem::remove_all(dir);
+    for (const auto& file : {sa, sb}) std::filesystem::remove(file);
+  }
 }
 
 // Two layouts of the lab model (tp 2 on 2 ranks, tp 1 on 1 rank) dumped by the real binary
