@@ -15,6 +15,22 @@ int ReportError(std::ostream& err, const std::string& source, const std::string&
   return kExitUsage;
 }
 
+std::string ShellQuote(const std::string& text) {
+  const bool bare = !text.empty() && text.find_first_not_of(
+                                         "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                         "0123456789_-+=/.,:@%") == std::string::npos;
+  if (bare) return text;
+  std::string out = "'";
+  for (char c : text) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+std::string ShellCommandLine(const std::vector<std::string>& args) {
+  std::string line;
+  for (const std::string& arg : args) line += (line.empty() ? "" : " ") + ShellQuote(arg);
+  return line;
+}
+
 int RunCli(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
   CLI::App app{"mpusim: Megatron-style model parallelism without a GPU cluster.\n"
                "Plans Megatron-Core's process groups and pipeline schedules, and runs the\n"
@@ -26,7 +42,7 @@ int RunCli(const std::vector<std::string>& args, std::ostream& out, std::ostream
   commands.push_back(MakeLayoutCommand(&app));
   commands.push_back(MakeScheduleCommand(&app));
   commands.push_back(MakeExplainCommand(&app));
-  commands.push_back(MakeRunCommand(&app));
+  commands.push_back(MakeRunCommand(&app, ShellCommandLine(args)));
   commands.push_back(MakeDiffCommand(&app));
   commands.push_back(MakeSweepCommand(&app));
   commands.push_back(MakeEstimateCommand(&app));

@@ -23,4 +23,11 @@ inline constexpr int kExitInternalError = 4;
 // warnings to `err`.
 int RunCli(const std::vector<std::string>& args, std::ostream& out, std::ostream& err);
 
+// `text` as one POSIX shell word: bare when it holds only characters no shell treats
+// specially, else in single quotes (a ' inside as '\'').
+std::string ShellQuote(const std::string& text);
+
+// `args` as a line a shell would split back into them: what a dump and a summary record.
+std::string ShellCommandLine(const std::vector<std::string>& args);
+
 }  // namespace mpusim::cli

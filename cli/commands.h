@@ -3,6 +3,7 @@
 
 #include <iosfwd>
 #include <memory>
+#include <string>
 
 #include <CLI/CLI.hpp>
 
@@ -19,7 +20,8 @@ class Command {
 std::unique_ptr<Command> MakeLayoutCommand(CLI::App* parent);
 std::unique_ptr<Command> MakeScheduleCommand(CLI::App* parent);
 std::unique_ptr<Command> MakeExplainCommand(CLI::App* parent);
-std::unique_ptr<Command> MakeRunCommand(CLI::App* parent);
+// `command_line`: the whole command line, shell-quoted, which the run records.
+std::unique_ptr<Command> MakeRunCommand(CLI::App* parent, std::string command_line);
 std::unique_ptr<Command> MakeDiffCommand(CLI::App* parent);
 std::unique_ptr<Command> MakeSweepCommand(CLI::App* parent);
 std::unique_ptr<Command> MakeEstimateCommand(CLI::App* parent);

@@ -25,8 +25,12 @@ class DiffCommand : public Command {
         "on either side and of either run's storage dtype picks the defaults:\n"
         "float64 atol 1e-12 rtol 1e-9; float32 atol 1e-5 rtol 1e-4;\n"
         "float16 ntol 2^-8 rtol 2^-8; bfloat16 ntol 2^-5 rtol 2^-5 (atol 0 for both).\n"
+        "The two runs' configs are compared first, key by key: the differences are listed\n"
+        "before the tensors; dumps of different models (model keys that change the tensors'\n"
+        "names or shapes, such as model.hidden_size) are refused.\n"
         "Exit codes: 0 every tensor passes, 1 a tensor fails (values, shape, only in one\n"
-        "side, replicated copies that disagree), 2 unreadable input or bad options.\n"
+        "side, replicated copies that disagree), 2 unreadable input, bad options or dumps of\n"
+        "different models.\n"
         "Examples:\n"
         "  mpusim diff /tmp/t4 /tmp/t1\n"
         "  mpusim diff /tmp/t4 /tmp/t1 --tensors fc1.weight_grad,fc2.output --format json");
@@ -57,6 +61,10 @@ class DiffCommand : public Command {
     if (rtol_option_->count() > 0) options.rtol = rtol_;
     options.tensors = tensors_;
     StatusOr<DiffResult> result = DiffDumps(*a, *b, options);
+    if (!result.ok() && result.status().where() == "config") {
+      // Dumps of different models: one line naming the first model key that differs.
+      return ReportError(err, dir_a_ + " vs " + dir_b_, result.status().what());
+    }
     if (!result.ok()) {
       // DiffDumps names the option's field: "tensors", "atol", "ntol" or "rtol".
       return ReportError(err, "command line",

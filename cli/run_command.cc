@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <ostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cli/cli.h"
@@ -54,7 +55,8 @@ const OverrideFlag kOverrides[] = {
 
 class RunCommand : public Command {
  public:
-  explicit RunCommand(CLI::App* parent) {
+  RunCommand(CLI::App* parent, std::string command_line) {
+    options_.command_line = std::move(command_line);
     app_ = parent->add_subcommand(
         "run", "Run a config's model (a layer chain or a GPT; tp, sp, cp, pp, vp, dp, the "
                "distributed optimizer, training) on MPI ranks (one rank = one GPU) and check "
@@ -166,8 +168,8 @@ class RunCommand : public Command {
 
 }  // namespace
 
-std::unique_ptr<Command> MakeRunCommand(CLI::App* parent) {
-  return std::make_unique<RunCommand>(parent);
+std::unique_ptr<Command> MakeRunCommand(CLI::App* parent, std::string command_line) {
+  return std::make_unique<RunCommand>(parent, std::move(command_line));
 }
 
 }  // namespace mpusim::cli

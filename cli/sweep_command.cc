@@ -68,12 +68,6 @@ struct Layout {
   }
 };
 
-std::string ShellQuote(const std::string& text) {
-  std::string out = "'";
-  for (char c : text) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return out + "'";
-}
-
 // Why `document` cannot run, or "".
 std::string LayoutProblem(const json& document) {
   Config config;

@@ -211,8 +211,11 @@ Status WriteDump(const DumpTarget& target, const RankCoordinates& coords,
     nlohmann::ordered_json manifest;
     manifest["schema_version"] = kDumpSchemaVersion;
     manifest["run_id"] = target.run_id;
-    StatusOr<nlohmann::json> raw = ReadJsonFile(target.config_path);
-    manifest["config"] = raw.ok() ? *raw : nlohmann::json(nullptr);
+    // What ran, not just the file: the config after the command line's overrides, and the
+    // command line itself, so the dump says how it was made (mpusim diff compares them).
+    manifest["config"] = target.config;
+    manifest["config_file"] = target.config_path;
+    manifest["command_line"] = target.command_line;
     manifest["world_size"] = world_size;
     manifest["backend"] = target.backend;
     manifest["dtype"] = DTypeName(target.dtype);
@@ -228,7 +231,10 @@ Status WriteDump(const DumpTarget& target, const RankCoordinates& coords,
     for (int r = 0; r < world_size; ++r) files.push_back(fmt::format("rank{:05d}.safetensors", r));
     manifest["files"] = files;
     const Status status =
-        WriteFileAtomically((temp / "manifest.json").string(), manifest.dump(1) + "\n");
+        WriteFileAtomically(
+        (temp / "manifest.json").string(),
+        // Arguments need not be UTF-8 (a directory's name); JSON text must be.
+        manifest.dump(1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + "\n");
     if (!status.ok()) finished = status.Message();
     // An earlier dump at DIR steps aside first (rename cannot replace a non-empty
     // directory), then the new one takes its name, then the old one is removed.

@@ -21,7 +21,9 @@ namespace mpusim::run {
 
 struct DumpTarget {
   std::string dir;
-  std::string config_path;  // copied into the manifest
+  std::string config_path;     // the file given, in the manifest as "config_file"
+  nlohmann::json config;       // the effective config (EffectiveConfigJson): "config"
+  std::string command_line;    // shell-quoted: "command_line"
   std::string backend;      // Backend::name()
   DType dtype = DType::kFloat32;
   std::string run_id;  // 32 hex digits, set by PrepareDump; in the manifest and every rank file

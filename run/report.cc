@@ -192,6 +192,9 @@ Status RunReport::WriteSummary(const SimulationResult& result, int code) {
   nlohmann::ordered_json j;
   j["schema_version"] = 1;
   j["config"] = options_.config_path;
+  // What ran: the config after the command line's overrides, and the command line.
+  j["effective_config"] = effective_config_;
+  j["command_line"] = options_.command_line;
   j["loss"] = result.loss;
   j["padded_vocab_size"] = result.padded_vocab_size;
   j["passed"] = code == 0;
@@ -258,7 +261,10 @@ Status RunReport::WriteSummary(const SimulationResult& result, int code) {
         {{"pp_rank", t.pp_rank}, {"schedule_end", t.schedule_end}, {"steps", steps}});
   }
   if (!result.timeline.empty()) j["timeline"] = timeline;
-  return WriteFileAtomically(options_.summary_path, j.dump(1) + "\n");
+  // Paths and arguments need not be UTF-8; JSON text must be.
+  return WriteFileAtomically(
+      options_.summary_path,
+      j.dump(1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + "\n");
 }
 
 // --trace FILE: the last step as Chrome trace events (the format chrome://tracing, Perfetto

@@ -23,11 +23,14 @@ namespace mpusim::run {
 
 class RunReport {
  public:
-  RunReport(std::ostream& out, const RunOptions& options, const Config& config, int world_rank,
-            int world_size, std::string backend_name, std::string backend_description)
+  // `effective_config`: `config` as JSON (EffectiveConfigJson), for the summary.
+  RunReport(std::ostream& out, const RunOptions& options, const Config& config,
+            const nlohmann::json& effective_config, int world_rank, int world_size,
+            std::string backend_name, std::string backend_description)
       : out_(out),
         options_(options),
         config_(config),
+        effective_config_(effective_config),
         world_rank_(world_rank),
         world_size_(world_size),
         backend_name_(std::move(backend_name)),
@@ -64,6 +67,7 @@ class RunReport {
   std::ostream& out_;
   const RunOptions& options_;
   const Config& config_;
+  const nlohmann::json& effective_config_;
   int world_rank_;
   int world_size_;
   std::string backend_name_;

@@ -104,6 +104,7 @@ class RankRun {
   int world_rank_;
   int world_size_;
   Config config_;
+  nlohmann::json effective_config_;    // config_ as JSON, for the dump and the summary
   MemoryPlan plan_;                    // this rank's preflight plan
   std::vector<std::string> warnings_;  // the model's plan-time warnings (Model::Warnings)
   std::unique_ptr<Backend> backend_;
@@ -142,7 +143,8 @@ int RankRun::Run() {
   }
   if (const int code = CheckWorldSize(); code != kContinue) return code;
   if (const int code = Preflight(*topology); code != kContinue) return code;
-  DumpTarget dump{options_.dump_dir, options_.config_path, "", config_.run->dtype, ""};
+  DumpTarget dump{options_.dump_dir, options_.config_path, effective_config_,
+                  options_.command_line, "", config_.run->dtype, ""};
   if (!options_.dump_dir.empty()) {
     const Status ready = PrepareDump(&dump);
     if (!ready.ok()) return Usage("command line", ready.Message());
@@ -172,6 +174,7 @@ int RankRun::LoadConfig() {
   if (const Status parsed = ParseConfig(*document, &config_); !parsed.ok()) {
     return ConfigError(parsed);
   }
+  effective_config_ = EffectiveConfigJson(*document, config_);
   if (world_rank_ == 0) {
     for (const std::string& line : config_.notes()) err_ << "note: " << line << '\n';
   }
@@ -286,8 +289,8 @@ int RankRun::MakeBackend() {
 }
 
 int RankRun::Report(const Topology& topology, SimulationResult& result, const DumpTarget& dump) {
-  RunReport report(out_, options_, config_, world_rank_, world_size_, backend_->name(),
-                   backend_->Describe());
+  RunReport report(out_, options_, config_, effective_config_, world_rank_, world_size_,
+                   backend_->name(), backend_->Describe());
   report.PrintLayout(topology, result);
   // Megatron's own t-fold gradients (docs/simulator.md, "Warnings"): the run computes them as
   // Megatron does, and says here, before the check fails on them, why.

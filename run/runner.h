@@ -25,6 +25,9 @@ namespace mpusim::run {
 
 struct RunOptions {
   std::string config_path;
+  // The command line as typed, shell-quoted (cli/cli.h ShellCommandLine); the dump and the
+  // summary record it.
+  std::string command_line;
   std::string dump_dir;  // empty: no dump
   std::string summary_path;  // empty: none; else rank 0 writes the run's results as JSON
   std::string trace_path;    // empty: none; else rank 0 writes the last step's Chrome trace

@@ -256,6 +256,16 @@ Status ParseConfig(const nlohmann::json& document, Config* out) {
   return {};
 }
 
+nlohmann::json EffectiveConfigJson(const nlohmann::json& document, const Config& config) {
+  nlohmann::json out = document;
+  nlohmann::json parallel;
+  ToJson(config.parallel, &parallel);
+  // update(), not assignment: the parallel echo leaves out the Megatron fields it ignores.
+  out["parallel"].update(parallel);
+  if (config.run) ToJson(*config.run, &out["run"]);
+  return out;
+}
+
 StatusOr<nlohmann::json> ParseJsonText(std::string_view text) {
   return ParseStrictJson<nlohmann::json>(text);
 }

@@ -54,6 +54,13 @@ StatusOr<nlohmann::json> ParseJsonText(std::string_view text);
 // caller prefixes it.
 StatusOr<nlohmann::json> ReadJsonFile(const std::string& path);
 
+// The effective config of a run, as JSON: `document` (the file with every command-line
+// override applied, which ParseConfig turned into `config`) with its `parallel` and `run`
+// sections written back from `config` (their defaults and resolved values included;
+// Megatron's fields that change nothing stay as given). Other sections stay as written.
+// ParseConfig accepts it and gives the same run: what a dump and a run's summary record.
+nlohmann::json EffectiveConfigJson(const nlohmann::json& document, const Config& config);
+
 // ReadJsonFile + ParseConfig.
 StatusOr<Config> LoadConfigFile(const std::string& path);
 

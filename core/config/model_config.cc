@@ -594,4 +594,24 @@ Status ParseRunSection(const json& section, RunConfig* out) {
   return {};
 }
 
+void ToJson(const RunConfig& run, json* out) {
+  json j = json::object();
+  j["seed"] = run.seed;
+  j["dtype"] = std::string(DTypeName(run.dtype));
+  j["seq_length"] = run.seq_length;
+  j["micro_batch_size"] = run.micro_batch_size;
+  if (run.global_batch_size) {
+    j["global_batch_size"] = *run.global_batch_size;
+  } else {
+    j["num_microbatches"] = run.num_microbatches;
+  }
+  j["train_iters"] = run.train_iters;
+  switch (run.recompute) {
+    case RunConfig::Recompute::kNone: j["recompute_granularity"] = nullptr; break;
+    case RunConfig::Recompute::kFull: j["recompute_granularity"] = "full"; break;
+    case RunConfig::Recompute::kSelective: j["recompute_granularity"] = "selective"; break;
+  }
+  *out = std::move(j);
+}
+
 }  // namespace mpusim

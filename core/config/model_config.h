@@ -144,4 +144,10 @@ struct RunConfig {
 Status ParseModelSection(const nlohmann::json& section, ModelConfig* out);
 Status ParseRunSection(const nlohmann::json& section, RunConfig* out);
 
+// Writes the run section back with every key resolved (defaults included), so a dump says
+// which seed and dtype it ran with even when the file left them out. A given
+// global_batch_size is written instead of num_microbatches (which ParseConfig derives from it
+// for the layout), so the echo parses again under another layout.
+void ToJson(const RunConfig& run, nlohmann::json* out);
+
 }  // namespace mpusim

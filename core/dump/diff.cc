@@ -297,6 +297,67 @@ std::string ToleranceText(const Tolerance& t) {
   return fmt::format("atol {:g} rtol {:g}", t.atol, t.rtol);
 }
 
+// A config value for a one-line report: control characters escaped, at most `width`
+// characters.
+std::string Fit(std::string text, size_t width) {
+  text = EscapeControl(text);
+  if (text.size() <= width) return text;
+  return width < 4 ? text.substr(0, width) : text.substr(0, width - 3) + "...";
+}
+
+std::string ShortValue(const ConfigDifference& d, bool a_side) {
+  return Fit(a_side ? ConfigValueText(d.a, d.in_a) : ConfigValueText(d.b, d.in_b), 24);
+}
+
+// The text report's config lines, after the A and B lines: what the runs differ in, before
+// any tensor is compared. Each line fits in 100 columns.
+std::string ConfigText(const DiffResult& r) {
+  if (!r.a.has_config || !r.b.has_config) {
+    return fmt::format("config: not compared: {} manifest records none\n",
+                       !r.a.has_config && !r.b.has_config ? "neither"
+                       : !r.a.has_config                  ? "A's"
+                                                          : "B's");
+  }
+  std::string out;
+  for (const auto& [label, side] : {std::pair{"A", &r.a}, std::pair{"B", &r.b}}) {
+    if (!side->command_line) {
+      out += fmt::format("config: {}'s dump predates recorded command lines: its config may miss "
+                         "their overrides\n",
+                         label);
+    }
+  }
+  if (r.config.empty()) return out + "config: the same in both runs\n";
+  constexpr size_t kShown = 12;
+  std::vector<std::string> expected;  // the classes after which tensors differ, in order
+  for (size_t i = 0; i < r.config.size(); ++i) {
+    const ConfigDifference& d = r.config[i];
+    const std::string change = ConfigChangeName(d.change);
+    if (ExpectsDifferences(d.change) &&
+        std::find(expected.begin(), expected.end(), change) == expected.end()) {
+      expected.push_back(change);
+    }
+    if (i >= kShown) continue;
+    // The key first (Megatron's longest is 45 characters), then the values share the rest.
+    const std::string key = Fit(d.key, 48);
+    // 100 columns less "config: ", ": ", " vs ", " (", ")" and the key and class.
+    const size_t room = 100 - 17 - key.size() - change.size();
+    std::string va = EscapeControl(ConfigValueText(d.a, d.in_a));
+    std::string vb = EscapeControl(ConfigValueText(d.b, d.in_b));
+    const size_t half = room / 2;
+    va = Fit(va, std::max(half, room - std::min(vb.size(), room - half)));
+    vb = Fit(vb, room - va.size());
+    out += fmt::format("config: {}: {} vs {} ({})\n", key, va, vb, change);
+  }
+  if (r.config.size() > kShown) {
+    out += fmt::format("config: and {} more differences (--format json lists every one)\n",
+                       r.config.size() - kShown);
+  }
+  if (!expected.empty()) {
+    out += fmt::format("the runs differ in {}, expect differences\n", fmt::join(expected, ", "));
+  }
+  return out;
+}
+
 constexpr DType kAllDTypes[] = {DType::kFloat64, DType::kFloat32, DType::kFloat16,
                                 DType::kBFloat16};
 
@@ -388,8 +449,30 @@ StatusOr<DiffResult> DiffDumps(const Dump& a, const Dump& b, const DiffOptions& 
     }
   }
   DiffResult result;
+  // The configs first: tensors of different models are refused, not compared.
+  if (a.config() && b.config()) {
+    result.config = CompareConfigs(*a.config(), *b.config());
+    const auto model = std::find_if(result.config.begin(), result.config.end(),
+                                    [](const ConfigDifference& d) {
+                                      return d.change == ConfigChange::kModel;
+                                    });
+    if (model != result.config.end()) {
+      const auto more =
+          std::count_if(model + 1, result.config.end(),
+                        [](const ConfigDifference& d) { return d.change == ConfigChange::kModel; });
+      return Status::Error(
+          "config", fmt::format("{}: {} vs {}: the dumps hold different models (their tensors "
+                                "differ in name or shape{}); diff compares runs of one model",
+                                model->key, ShortValue(*model, true), ShortValue(*model, false),
+                                more > 0 ? fmt::format("; {} more model key{} differ{}", more,
+                                                       more == 1 ? "" : "s",
+                                                       more == 1 ? "s" : "")
+                                         : ""));
+    }
+  }
   auto summary = [](const Dump& dump) {
-    return DumpSummary{dump.dir(), dump.backend(), dump.world_size(), dump.tp_size(),
+    return DumpSummary{dump.dir(),        dump.backend(),   dump.config().has_value(),
+                       dump.command_line(), dump.world_size(), dump.tp_size(),
                        static_cast<int64_t>(dump.tensors().size())};
   };
   result.a = summary(a);
@@ -408,7 +491,7 @@ std::string DiffText(const DiffResult& r) {
                        d.backend.empty() ? "" : d.backend + ", ", d.world_size,
                        d.world_size == 1 ? "" : "s", d.tp_size, d.tensors);
   };
-  std::string out = side("A", r.a) + side("B (expected)", r.b);
+  std::string out = side("A", r.a) + side("B (expected)", r.b) + ConfigText(r);
   std::vector<std::string> policies;
   for (const auto& [dtype, tol] : r.policy) {
     policies.push_back(fmt::format("{} {}", DTypeName(dtype), ToleranceText(tol)));
@@ -479,6 +562,22 @@ std::string DiffJson(const DiffResult& r) {
   j["schema_version"] = 1;
   j["a"] = r.a.dir;
   j["b"] = r.b.dir;
+  Json differences = Json::array();
+  for (const ConfigDifference& d : r.config) {
+    differences.push_back({{"key", d.key},
+                           {"a", d.a},
+                           {"b", d.b},
+                           {"in_a", d.in_a},
+                           {"in_b", d.in_b},
+                           {"change", ConfigChangeName(d.change)}});
+  }
+  const auto command_line = [](const DumpSummary& s) {
+    return s.command_line ? Json(*s.command_line) : Json();
+  };
+  j["config"] = {{"compared", r.a.has_config && r.b.has_config},
+                 {"command_line_a", command_line(r.a)},
+                 {"command_line_b", command_line(r.b)},
+                 {"differences", std::move(differences)}};
   j["tolerance"] = {{"rule", "|a - b| <= atol + ntol * max|b| + rtol * |b|, both finite"}};
   for (const auto& [dtype, tol] : r.policy) {
     j["tolerance"][std::string(DTypeName(dtype))] = ToleranceJson(tol);

@@ -56,6 +56,7 @@
 #include <vector>
 
 #include "core/dump/compare.h"
+#include "core/dump/config_diff.h"
 #include "core/sharding.h"
 #include "core/status.h"
 #include "core/tensor.h"
@@ -99,6 +100,12 @@ class Dump {
   int64_t tp_size() const { return tp_size_; }  // distinct tp_rank values of the rank files
   // The model's vocab_size (manifest "config"), when the dump's config has one.
   const std::optional<int64_t>& vocab_size() const { return vocab_size_; }
+  // The run's effective config (manifest "config", flattened), when the manifest has one.
+  const std::optional<FlatConfig>& config() const { return config_; }
+  // The command line that made the dump (manifest "command_line"), when the manifest says.
+  // A manifest without one predates it, and its "config" is the config file as read,
+  // without the command line's overrides.
+  const std::optional<std::string>& command_line() const { return command_line_; }
   const std::vector<DumpTensor>& tensors() const { return tensors_; }  // manifest order
   const DumpTensor* Find(std::string_view name) const;
 
@@ -114,6 +121,8 @@ class Dump {
   int64_t world_size_ = 0;
   int64_t tp_size_ = 0;
   std::optional<int64_t> vocab_size_;
+  std::optional<FlatConfig> config_;
+  std::optional<std::string> command_line_;
   std::vector<DumpTensor> tensors_;
 };
 
@@ -164,6 +173,8 @@ struct TensorDiff {
 struct DumpSummary {
   std::string dir;
   std::string backend;  // "" when the manifest does not say
+  bool has_config = false;                  // the manifest records a config
+  std::optional<std::string> command_line;  // the run's, when the manifest says
   int64_t world_size = 0;
   int64_t tp_size = 0;
   int64_t tensors = 0;
@@ -171,6 +182,9 @@ struct DumpSummary {
 
 struct DiffResult {
   DumpSummary a, b;
+  // Where both dumps record a config: how they differ (config_diff.h), in key order. Never a
+  // model difference: DiffDumps refuses those.
+  std::vector<ConfigDifference> config;
   // The effective policy per precision, most precise first.
   std::vector<std::pair<DType, Tolerance>> policy;
   std::vector<TensorDiff> tensors;         // A's manifest order, then tensors only in B
@@ -178,14 +192,20 @@ struct DiffResult {
   int64_t failed = 0;
 };
 
-// Errors (the dumps themselves are already valid): where "tensors" for a requested name in
-// neither dump (the message lists the available names); "atol"/"rtol" for a negative or
-// non-finite override.
+// Compares the two configs first (config_diff.h). Errors (the dumps themselves are already
+// valid): where "config" when the configs differ in the model (the message names the first
+// such key and both values: the tensors of different models are not compared); "tensors"
+// for a requested name in neither dump (the message lists the available names);
+// "atol"/"rtol" for a negative or non-finite override.
 StatusOr<DiffResult> DiffDumps(const Dump& a, const Dump& b, const DiffOptions& options);
 
 // Renderings for `mpusim diff --format text|json`.
 std::string DiffText(const DiffResult& result);
-// {"schema_version": 1, "a", "b", "tolerance": {"rule", "float64": {"atol", "ntol", "rtol"},
+// {"schema_version": 1, "a", "b",
+//  "config": {"compared": both dumps record a config, "command_line_a", "command_line_b"
+//   (null when a manifest does not say), "differences": [{"key", "a", "b", "in_a", "in_b",
+//   "change"}]},
+//  "tolerance": {"rule", "float64": {"atol", "ntol", "rtol"},
 //  "float32": ..., "float16": ..., "bfloat16": ...},
 //  "tensors": [...], "passed", "failed"}; non-finite values are the strings "nan", "inf",
 // "-inf" (JSON has no such numbers); statistics are null for a tensor not compared.

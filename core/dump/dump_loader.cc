@@ -93,6 +93,8 @@ struct Manifest {
   std::string backend;
   std::optional<DType> storage;  // "dtype": the run's storage dtype
   std::string run_id;            // "" for dumps written before run ids
+  std::optional<FlatConfig> config;         // "config": the run's effective config
+  std::optional<std::string> command_line;  // "command_line"; absent before it was written
   std::vector<ManifestTensor> tensors;
   std::vector<std::string> files;
 };
@@ -164,9 +166,11 @@ StatusOr<ManifestTensor> ParseManifestTensor(const Json& t, const std::string& w
 }
 
 // Required keys are checked strictly. "dtype" (the run's storage dtype) is optional and, when
-// present, picks the tolerance (see diff.h). Other top-level keys (config, anything a later
-// writer adds to describe the run) are descriptive: no value read here depends on them, and
-// schema_version guards changes of meaning.
+// present, picks the tolerance (see diff.h). "config" (an object, or null when an old writer
+// could not read the file), "config_file" and "command_line" (strings) are optional: dumps
+// written before them stay readable; diff compares the configs before the tensors. Other
+// top-level keys (anything a later writer adds to describe the run) are descriptive: no value
+// read here depends on them, and schema_version guards changes of meaning.
 StatusOr<Manifest> ParseManifest(const Json& j) {
   if (!j.is_object()) return Status::Error("", "must be a JSON object");
   for (const char* key : {"schema_version", "world_size", "tensors", "files"}) {
@@ -204,6 +208,20 @@ StatusOr<Manifest> ParseManifest(const Json& j) {
     if (!storage.ok()) return Status::Error("dtype", storage.status().what());
     m.storage = *storage;
   }
+  if (j.contains("config")) {
+    if (!j["config"].is_object() && !j["config"].is_null()) {
+      return Status::Error("config", fmt::format("must be an object (the run's config) or null, "
+                                                 "got {}",
+                                                 Brief(j["config"])));
+    }
+    if (j["config"].is_object()) m.config = FlattenConfig(j["config"]);
+  }
+  for (const char* key : {"config_file", "command_line"}) {
+    if (j.contains(key) && !j[key].is_string()) {
+      return Status::Error(key, fmt::format("must be a string, got {}", Brief(j[key])));
+    }
+  }
+  if (j.contains("command_line")) m.command_line = j["command_line"].get<std::string>();
   const Json& files = j["files"];
   if (!files.is_array() || static_cast<int64_t>(files.size()) != m.world_size) {
     return Status::Error("files",
@@ -602,6 +620,8 @@ StatusOr<Dump> LoadDump(const std::string& dir) {
   Dump dump;
   dump.dir_ = dir;
   dump.vocab_size_ = ConfigVocabSize(*json);
+  dump.config_ = std::move(manifest->config);
+  dump.command_line_ = std::move(manifest->command_line);
   dump.backend_ = manifest->backend;
   dump.storage_ = manifest->storage;
   dump.world_size_ = manifest->world_size;

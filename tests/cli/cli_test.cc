@@ -11,6 +11,7 @@
 #include <map>
 #include <regex>
 #include <sstream>
+#include <tuple>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -2481,6 +2482,75 @@ TEST(DiffCommand, TwoLayoutsOfOneModelCompareEqual) {
   const Result bogus = Mpusim({"diff", a.string(), b.string(), "--tensors", "bogus"});
   EXPECT_EQ(bogus.code, 2);
   EXPECT_NE(bogus.err.find("'bogus'"), std::string::npos) << bogus.err;
+}
+
+// A dump says how it was made: the manifest and the summary record the effective config
+// (after the command line's overrides) and the command line. diff of two runs that differ by
+// seed says so in its first lines; dumps of different models are refused in one line.
+TEST(DiffCommand, DumpsRecordHowTheyWereMadeAndDiffSaysWhatDiffers) {
+  const std::filesystem::path tmp = std::filesystem::temp_directory_path();
+  const std::string tag = std::to_string(::getpid());
+  const std::filesystem::path a = tmp / ("mpusim_made_a." + tag);
+  const std::filesystem::path b = tmp / ("mpusim_made_b." + tag);
+  const std::filesystem::path c = tmp / ("mpusim_made_c." + tag);
+  const std::filesystem::path summary = tmp / ("mpusim_made_b." + tag + ".summary.json");
+  for (const auto& dir : {a, b, c}) std::filesystem::remove_all(dir);
+  const std::string sample = Sample("lab_parallel_embedding_t2_n2.json");
+  json narrow = json::parse(std::ifstream(sample));  // another model: 32 wide, not 64
+  narrow["model"]["layers"][0]["embedding_dim"] = 32;
+  narrow["model"]["layers"][1]["input_size"] = 32;
+  narrow["model"]["layers"][2]["output_size"] = 32;
+  const std::string narrow_file = WriteTemp("mpusim_made_narrow." + tag + ".json", narrow.dump());
+  const std::string one_rank = " --world-size 1 --tp 1";
+  std::string output;
+  for (const auto& [dir, extra, config] :
+       {std::tuple{a, std::string(), sample},
+        std::tuple{b, " --seed 99 --summary " + summary.string(), sample},
+        std::tuple{c, std::string(), narrow_file}}) {
+    ASSERT_EQ(run_tests::Shell(run_tests::Mpiexec(1) + MPUSIM_BINARY + " run " + config +
+                                   one_rank + extra + " --dump " + dir.string(),
+                               &output),
+              0)
+        << output;
+  }
+  // The file says seed 7 and tp 2; the run had seed 99 and tp 1, and the dump says so.
+  const json manifest = json::parse(std::ifstream(b / "manifest.json"));
+  EXPECT_EQ(manifest["config"]["run"]["seed"], 99);
+  EXPECT_EQ(manifest["config"]["parallel"]["tensor_model_parallel_size"], 1);
+  EXPECT_EQ(manifest["config"]["parallel"]["world_size"], 1);
+  EXPECT_EQ(manifest["config"]["description"], json::parse(std::ifstream(sample))["description"]);
+  EXPECT_EQ(manifest["config_file"], sample);
+  const std::string command = manifest["command_line"].get<std::string>();
+  EXPECT_NE(command.find(" run " + sample + " --world-size 1 --tp 1 --seed 99 --summary "),
+            std::string::npos)
+      << command;
+  const json summary_json = json::parse(std::ifstream(summary));
+  EXPECT_EQ(summary_json["effective_config"], manifest["config"]);
+  EXPECT_EQ(summary_json["command_line"], command);
+
+  const Result seeds = Mpusim({"diff", a.string(), b.string()});
+  EXPECT_EQ(seeds.code, 1) << seeds.out << seeds.err;  // other weights: the values differ
+  std::istringstream lines(seeds.out);
+  std::vector<std::string> head(4);
+  for (std::string& line : head) std::getline(lines, line);
+  EXPECT_EQ(head[2], "config: run.seed: 7 vs 99 (seed)") << seeds.out;
+  EXPECT_EQ(head[3], "the runs differ in seed, expect differences") << seeds.out;
+  for (const std::string& line : head) EXPECT_LE(line.size(), 100u) << line;
+  const Result seeds_json = Mpusim({"diff", a.string(), b.string(), "--format", "json"});
+  const json report = json::parse(seeds_json.out);
+  EXPECT_EQ(report["config"]["differences"],
+            json::parse(R"([{"key": "run.seed", "a": 7, "b": 99, "in_a": true, "in_b": true,
+                             "change": "seed"}])"));
+  EXPECT_EQ(report["config"]["command_line_b"], command);
+
+  const Result models = Mpusim({"diff", a.string(), c.string()});
+  ExpectUsageError(models,
+                   "error: " + a.string() + " vs " + c.string() +
+                       ": model.layers[0].embedding_dim: 64 vs 32: the dumps hold different "
+                       "models (their tensors differ in name or shape; 2 more model keys "
+                       "differ); diff compares runs of one model");
+  for (const auto& dir : {a, b, c}) std::filesystem::remove_all(dir);
+  std::filesystem::remove(summary);
 }
 
 }  // namespace diff_tests

@@ -19,6 +19,8 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "core/dump/safetensors.h"
@@ -1074,6 +1076,151 @@ TEST_F(DiffTest, TextReportHasTheTableAndSummary) {
   ExpectContains(text, "FAIL (1 of 3 elements out of tolerance; worst [1]: 2.5 vs 1)");
   ExpectContains(text, "float32 atol 1e-05 rtol 0.0001");
   ExpectContains(text, "1 passed, 1 failed\n");
+}
+
+// ---- The configs: compared key by key before the tensors (core/dump/config_diff.h). ----
+
+// Two effective configs of one small GPT (what `mpusim run` writes into a manifest).
+Json GptConfigJson() {
+  return Json::parse(R"({
+    "description": "tiny",
+    "parallel": {"world_size": 2, "tensor_model_parallel_size": 1,
+                 "pipeline_model_parallel_size": 1, "context_parallel_size": 1, "bf16": false},
+    "model": {"type": "gpt", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
+              "vocab_size": 100, "init_method_std": 0.02},
+    "run": {"seed": 1234, "dtype": "float32", "seq_length": 8, "micro_batch_size": 2,
+            "num_microbatches": 1, "train_iters": 1, "recompute_granularity": null}})");
+}
+
+std::vector<std::pair<std::string, std::string>> Changes(const Json& a, const Json& b) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const ConfigDifference& d : CompareConfigs(FlattenConfig(a), FlattenConfig(b))) {
+    out.emplace_back(d.key, ConfigChangeName(d.change));
+  }
+  return out;
+}
+using Changed = std::vector<std::pair<std::string, std::string>>;
+
+TEST(ConfigDiff, EachKeyIsClassifiedByWhatItDoesToTheTensors) {
+  const Json a = GptConfigJson();
+  EXPECT_EQ(Changes(a, a), Changed{});
+  Json b = a;
+  b["description"] = "other words";  // free text: not compared
+  b["run"]["seed"] = 99;
+  b["run"]["train_iters"] = 3;
+  b["run"]["dtype"] = "bfloat16";
+  b["parallel"]["bf16"] = true;
+  b["parallel"]["tensor_model_parallel_size"] = 2;
+  b["model"]["init_method_std"] = 0.01;
+  b["model"]["cp_comm_type"] = "a2a";  // set on one side only: how cp is done
+  b["optimizer"] = {{"lr", 0.1}};
+  EXPECT_EQ(Changes(a, b), (Changed{{"model.cp_comm_type", "layout"},
+                                    {"model.init_method_std", "options"},
+                                    {"optimizer.lr", "training"},
+                                    {"parallel.bf16", "dtype"},
+                                    {"parallel.tensor_model_parallel_size", "layout"},
+                                    {"run.dtype", "dtype"},
+                                    {"run.seed", "seed"},
+                                    {"run.train_iters", "iterations"}}));
+}
+
+TEST(ConfigDiff, ModelShapeKeysMeanDifferentModelsOnlyWhenBothSetThem) {
+  const Json a = GptConfigJson();
+  Json b = a;
+  b["model"]["hidden_size"] = 32;
+  EXPECT_EQ(Changes(a, b), (Changed{{"model.hidden_size", "model"}}));
+  // ffn_hidden_size defaults to 4 * hidden_size: 256 may be what A ran with.
+  Json c = a;
+  c["model"]["ffn_hidden_size"] = 256;
+  EXPECT_EQ(Changes(a, c), (Changed{{"model.ffn_hidden_size", "options"}}));
+  Json d = c;
+  d["model"]["ffn_hidden_size"] = 128;
+  EXPECT_EQ(Changes(c, d), (Changed{{"model.ffn_hidden_size", "model"}}));
+  // A chain against a GPT, and chains of different lengths.
+  const Json chain = {{"model", {{"layers", Json::array({{{"name", "fc1"}, {"p", 0.1}}})}}}};
+  Json longer = chain;
+  longer["model"]["layers"].push_back({{"name", "fc2"}});
+  EXPECT_EQ(Changes(chain, longer), (Changed{{"model.layers[1].name", "model"}}));
+  Json dropout = chain;
+  dropout["model"]["layers"][0]["p"] = 0.2;
+  EXPECT_EQ(Changes(chain, dropout), (Changed{{"model.layers[0].p", "options"}}));
+  Json gpt = chain;
+  gpt["model"]["type"] = "gpt";
+  EXPECT_EQ(Changes(chain, gpt), (Changed{{"model.type", "model"}}));
+}
+
+// dp 2 with micro_batch_size 1 sees the samples dp 1 with micro_batch_size 2 does; a bigger
+// micro-batch on the same layout does not.
+TEST(ConfigDiff, BatchKeysAreLayoutWhenTheSamplesAgree) {
+  const Json a = GptConfigJson();  // 2 ranks, dp 2, micro_batch_size 2: 4 per micro-batch
+  Json b = a;
+  b["parallel"]["world_size"] = 1;
+  b["run"]["micro_batch_size"] = 4;
+  EXPECT_EQ(Changes(a, b), (Changed{{"parallel.world_size", "layout"},
+                                    {"run.micro_batch_size", "layout"}}));
+  Json c = a;
+  c["run"]["micro_batch_size"] = 4;
+  EXPECT_EQ(Changes(a, c), (Changed{{"run.micro_batch_size", "data"}}));
+  Json hostile = a;  // untrusted values never divide by zero or overflow
+  hostile["parallel"]["tensor_model_parallel_size"] = Json(uint64_t{1} << 63);
+  hostile["run"]["micro_batch_size"] = "4";
+  EXPECT_EQ(Changes(a, hostile), (Changed{{"parallel.tensor_model_parallel_size", "layout"},
+                                          {"run.micro_batch_size", "data"}}));
+}
+
+TEST_F(DiffTest, ConfigDifferencesComeFirstAndDifferentModelsAreRefused) {
+  for (const char* name : {"a", "b", "c", "old"}) {
+    DumpBuilder d = GoodDump();
+    Json config = GptConfigJson();
+    if (std::string(name) == "b") config["run"]["seed"] = 99;
+    if (std::string(name) == "c") config["model"]["num_layers"] = 4;
+    d.manifest()["config"] = config;
+    if (std::string(name) != "old") d.manifest()["command_line"] = "mpusim run x.json";
+    d.Write(root_ / name);
+  }
+  const DiffResult seed = Diff("a", "b");
+  ASSERT_EQ(seed.config.size(), 1u);
+  EXPECT_EQ(seed.config[0].key, "run.seed");
+  const std::string text = DiffText(seed);
+  const std::string head = fmt::format("A: {} (cpu, 2 ranks, tp 2, 2 tensors)\n"
+                                       "B (expected): {} (cpu, 2 ranks, tp 2, 2 tensors)\n"
+                                       "config: run.seed: 1234 vs 99 (seed)\n"
+                                       "the runs differ in seed, expect differences\n",
+                                       Path("a"), Path("b"));
+  EXPECT_EQ(text.substr(0, head.size()), head);
+  const Json json = Json::parse(DiffJson(seed));
+  EXPECT_EQ(json["config"]["differences"][0],
+            Json::parse(R"({"key": "run.seed", "a": 1234, "b": 99, "in_a": true, "in_b": true,
+                            "change": "seed"})"));
+  EXPECT_EQ(json["config"]["command_line_a"], "mpusim run x.json");
+  ExpectContains(DiffText(Diff("a", "a")), "config: the same in both runs\n");
+  ExpectContains(DiffText(Diff("old", "a")),
+                 "config: A's dump predates recorded command lines: its config may miss their "
+                 "overrides\n");
+
+  const StatusOr<DiffResult> models = DiffDumps(Load("a"), Load("c"), {});
+  ASSERT_FALSE(models.ok());
+  EXPECT_EQ(models.status().Message(),
+            "config: model.num_layers: 2 vs 4: the dumps hold different models (their tensors "
+            "differ in name or shape); diff compares runs of one model");
+
+  // Without a config on one side there is nothing to compare, and the report says so.
+  DumpBuilder none = GoodDump();
+  none.Write(root_ / "none");
+  ExpectContains(DiffText(Diff("none", "a")), "config: not compared: A's manifest records none\n");
+}
+
+TEST_F(DiffTest, ConfigAndCommandLineFieldsAreChecked) {
+  for (const auto& [key, value, message] :
+       {std::tuple{"config", Json(3),
+                   "config: must be an object (the run's config) or null, got 3"},
+        std::tuple{"config", Json("x"), "config: must be an object"},
+        std::tuple{"command_line", Json::array({"mpusim"}), "command_line: must be a string"},
+        std::tuple{"config_file", Json(1), "config_file: must be a string, got 1"}}) {
+    DumpBuilder b = GoodDump();
+    b.manifest()[key] = value;
+    ExpectContains(LoadError(b), message);
+  }
 }
 
 }  // namespace

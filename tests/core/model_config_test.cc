@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "core/config/config.h"
 #include "core/config/model_config.h"
 
 namespace mpusim {
@@ -615,6 +616,32 @@ TEST(RunConfig, Errors) {
             "run.recompute_granularity: must be \"full\", \"selective\" or null, got string \"Full\"");
   EXPECT_EQ(RunRefusal({{"seq_length", 8}, {"recompute_granularity", true}}),
             "run.recompute_granularity: must be \"full\", \"selective\" or null, got boolean true");
+}
+
+// The effective config a dump records: defaults written in (the file gives no seed, so the
+// echo says 1234), the file's other keys kept, and it parses back to the same run.
+TEST(RunConfig, EffectiveConfigWritesDefaultsAndParsesBack) {
+  const json document = {
+      {"description", "x"},
+      {"parallel", {{"world_size", 2}, {"tensor_model_parallel_size", 2}, {"bf16", true}}},
+      {"model", {{"vocab_size", 8}, {"layers", {{{"name", "e"}, {"type", "VocabParallelEmbedding"},
+                                                  {"embedding_dim", 4}}}}}},
+      {"run", {{"seq_length", 4}, {"global_batch_size", 6}, {"micro_batch_size", 3}}}};
+  Config config;
+  ASSERT_TRUE(ParseConfig(document, &config).ok());
+  const json effective = EffectiveConfigJson(document, config);
+  EXPECT_EQ(effective["run"]["seed"], 1234);
+  EXPECT_EQ(effective["run"]["dtype"], "bfloat16");  // from parallel.bf16
+  EXPECT_EQ(effective["run"]["global_batch_size"], 6);
+  EXPECT_FALSE(effective["run"].contains("num_microbatches"));  // derived from the batch
+  EXPECT_EQ(effective["parallel"]["pipeline_model_parallel_size"], 1);
+  EXPECT_EQ(effective["description"], "x");
+  EXPECT_EQ(effective["model"], document["model"]);
+  Config again;
+  ASSERT_TRUE(ParseConfig(effective, &again).ok()) << ParseConfig(effective, &again).Message();
+  EXPECT_EQ(EffectiveConfigJson(effective, again), effective);
+  EXPECT_EQ(again.run->num_microbatches, 2);
+  EXPECT_EQ(again.run->dtype, DType::kBFloat16);
 }
 
 }  // namespace

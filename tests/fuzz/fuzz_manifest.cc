@@ -6,7 +6,8 @@
 // the matching manifest (tests/fuzz/corpus/fuzz_manifest/valid_tp2.json) gets past the
 // manifest into the cross-checks: file list, rank metadata, full shapes and dtypes against
 // the rank files, coverage. A dump that loads is then reassembled tensor by tensor and
-// diffed against itself, and both renderings are produced. Any input may be refused with a
+// diffed against itself, and both renderings are produced; its recorded config, if any, is
+// also compared with a fixed one (core/dump/config_diff.h). Any input may be refused with a
 // Status; a crash, a sanitizer report, a hang or an uncaught exception is a finding.
 //
 // The rank files (tp = 2, one data-parallel rank), one tensor per kind of layout:
@@ -106,5 +107,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!diff.ok()) return 0;
   mpusim::DiffText(*diff);
   mpusim::DiffJson(*diff);
+  // Against itself the config has no differences; against a fixed one every key of the
+  // input is classified and rendered (hostile values, keys and nesting included).
+  if (dump->config()) {
+    static const mpusim::FlatConfig reference = mpusim::FlattenConfig(nlohmann::ordered_json::parse(
+        R"({"parallel": {"world_size": 2, "tensor_model_parallel_size": 2},
+            "model": {"type": "gpt", "num_layers": 2, "hidden_size": 64, "vocab_size": 100},
+            "run": {"seed": 1234, "micro_batch_size": 2, "global_batch_size": 8}})"));
+    mpusim::DiffResult config_only = *diff;
+    config_only.config = mpusim::CompareConfigs(*dump->config(), reference);
+    mpusim::DiffText(config_only);
+    mpusim::DiffJson(config_only);
+  }
   return 0;
 }

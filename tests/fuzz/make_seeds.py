@@ -245,6 +245,16 @@ VALID_MANIFEST = {
 }
 
 
+# An effective config as `mpusim run` records it (core/config/config.h EffectiveConfigJson).
+RECORDED_CONFIG = {
+    "parallel": {"world_size": 2, "tensor_model_parallel_size": 2, "bf16": False},
+    "model": {"type": "gpt", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
+              "vocab_size": 100, "moe_layer_freq": [1, 0]},
+    "run": {"seed": 99, "dtype": "float32", "seq_length": 8, "micro_batch_size": 2,
+            "num_microbatches": 1, "train_iters": 1, "recompute_granularity": None},
+}
+
+
 def manifest(**changes):
     m = json.loads(json.dumps(VALID_MANIFEST))
     m.update(changes)
@@ -278,6 +288,12 @@ def manifest_seeds():
             + tensors[1:]),
         "dtype_mismatch.json": manifest(
             tensors=[{"name": "w", "full_shape": [4, 2], "dtype": "float16"}] + tensors[1:]),
+        # What the run recorded (config and command line): compared key by key by diff.
+        "valid_tp2_config.json": manifest(config=RECORDED_CONFIG, config_file="c.json",
+                                          command_line="mpusim run c.json --seed 99"),
+        "config_not_object.json": manifest(config=[1, 2]),
+        "config_null.json": manifest(config=None),
+        "command_line_not_string.json": manifest(command_line=["mpusim", "run"]),
         "schema_version_1.json": manifest(schema_version=1),
         "schema_version_3.json": manifest(schema_version=3),
         "world_size_int64_max.json": manifest(world_size=INT64_MAX),

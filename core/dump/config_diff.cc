@@ -1,0 +1,220 @@
+// Comparison of two runs' configs (see config_diff.h).
+#include "core/dump/config_diff.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string_view>
+#include <utility>
+
+namespace mpusim {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+void Flatten(const Json& value, const std::string& key, FlatConfig* out) {
+  const bool has_containers =
+      value.is_array() && std::any_of(value.begin(), value.end(), [](const Json& v) {
+        return v.is_object() || v.is_array();
+      });
+  if (value.is_object() && !value.empty()) {
+    for (const auto& [name, child] : value.items()) {
+      Flatten(child, key.empty() ? name : key + "." + name, out);
+    }
+  } else if (has_containers) {
+    for (size_t i = 0; i < value.size(); ++i) Flatten(value[i], fmt::format("{}[{}]", key, i), out);
+  } else {
+    (*out)[key] = value;
+  }
+}
+
+// GPT keys and a chain's keys whose difference changes the names or shapes of the tensors.
+constexpr std::array<std::string_view, 21> kModelShapeKeys = {
+    "type",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "kv_channels",
+    "num_query_groups",
+    "vocab_size",
+    "normalization",
+    "activation",  // a gated one doubles fc1's rows
+    "add_bias_linear",
+    "add_qkv_bias",
+    "qk_layernorm",
+    "position_embedding_type",  // learned_absolute has a position embedding, rope not
+    "max_position_embeddings",
+    "share_embeddings_and_output_weights",  // output_layer.weight exists or not
+    "num_moe_experts",
+    "moe_ffn_hidden_size",
+    "moe_layer_freq",
+    "moe_shared_expert_intermediate_size",
+    "moe_grouped_gemm",  // experts.linear_fc1.weight<e> instead of local_experts.<e>...
+};
+// Keys of a chain's layer (model.layers[i].<key>) that change tensor names or shapes.
+constexpr std::array<std::string_view, 8> kLayerShapeKeys = {
+    "name",        "type", "input_size", "output_size", "embedding_dim",
+    "bias",        "weight_from", "skip_weight_param_allocation",
+};
+// MoE routing changes how many rows each expert's activations hold.
+constexpr std::string_view kRouterTopk = "moe_router_topk";
+
+template <size_t N>
+bool Contains(const std::array<std::string_view, N>& keys, std::string_view key) {
+  return std::find(keys.begin(), keys.end(), key) != keys.end();
+}
+
+// A positive integer of a flattened config, or `fallback` when the key is absent or null;
+// nullopt for anything else (the config is untrusted).
+std::optional<int64_t> PositiveInt(const FlatConfig& config, const std::string& key,
+                                   int64_t fallback) {
+  const auto it = config.find(key);
+  if (it == config.end() || it->second.is_null()) return fallback;
+  const Json& v = it->second;
+  if (v.is_number_unsigned() && v.get<uint64_t>() > 0 &&
+      v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+    return static_cast<int64_t>(v.get<uint64_t>());
+  }
+  if (v.is_number_integer() && !v.is_number_unsigned() && v.get<int64_t>() > 0) {
+    return v.get<int64_t>();
+  }
+  return std::nullopt;
+}
+
+// Samples per micro-batch (micro_batch_size x data-parallel size) and per iteration of a
+// run, when its config says them plainly; nullopt otherwise.
+std::optional<std::pair<int64_t, int64_t>> Samples(const FlatConfig& config) {
+  const auto world = PositiveInt(config, "parallel.world_size", 1);
+  const auto tp = PositiveInt(config, "parallel.tensor_model_parallel_size", 1);
+  const auto pp = PositiveInt(config, "parallel.pipeline_model_parallel_size", 1);
+  const auto cp = PositiveInt(config, "parallel.context_parallel_size", 1);
+  const auto mbs = PositiveInt(config, "run.micro_batch_size", 1);
+  const auto microbatches = PositiveInt(config, "run.num_microbatches", 1);
+  const auto global = PositiveInt(config, "run.global_batch_size", 0);
+  if (!world || !tp || !pp || !cp || !mbs || !microbatches || !global) return std::nullopt;
+  int64_t model_parallel = 0;
+  int64_t per_microbatch = 0;
+  int64_t per_iteration = 0;
+  if (__builtin_mul_overflow(*tp, *pp, &model_parallel) ||
+      __builtin_mul_overflow(model_parallel, *cp, &model_parallel) ||
+      *world % model_parallel != 0 ||
+      __builtin_mul_overflow(*mbs, *world / model_parallel, &per_microbatch) ||
+      __builtin_mul_overflow(per_microbatch, *microbatches, &per_iteration)) {
+    return std::nullopt;
+  }
+  // A global batch, when given, is the samples per iteration (num_microbatches follows).
+  return std::pair{per_microbatch, *global > 0 ? *global : per_iteration};
+}
+
+ConfigChange Classify(const std::string& key, bool in_a, bool in_b, const FlatConfig& a,
+                      const FlatConfig& b) {
+  const size_t dot = key.find('.');
+  const std::string_view section = std::string_view(key).substr(0, dot);
+  const std::string_view rest =
+      dot == std::string::npos ? std::string_view() : std::string_view(key).substr(dot + 1);
+  const bool both = in_a && in_b;
+  if (section == "parallel") {
+    return rest == "fp16" || rest == "bf16" || rest == "params_dtype" ? ConfigChange::kDType
+                                                                      : ConfigChange::kLayout;
+  }
+  if (section == "run") {
+    if (rest == "seed") return ConfigChange::kSeed;
+    if (rest == "dtype") return ConfigChange::kDType;
+    if (rest == "train_iters") return ConfigChange::kIterations;
+    if (rest == "recompute_granularity") return ConfigChange::kLayout;
+    if (rest == "micro_batch_size" || rest == "num_microbatches" || rest == "global_batch_size") {
+      // dp 2 with micro_batch_size 1 sees the samples dp 1 with micro_batch_size 2 does.
+      const auto samples_a = Samples(a);
+      return samples_a && samples_a == Samples(b) ? ConfigChange::kLayout : ConfigChange::kData;
+    }
+    return ConfigChange::kData;
+  }
+  if (section == "optimizer") return ConfigChange::kTraining;
+  if (section != "model") return ConfigChange::kOptions;
+  if (rest == "cp_comm_type" || rest == "moe_token_dispatcher_type") return ConfigChange::kLayout;
+  if (rest == "type") return ConfigChange::kModel;  // a GPT against a chain (which has none)
+  if (rest.starts_with("layers[")) {
+    // A layer one side lacks: the chains differ in length.
+    const std::string layer(key.substr(0, key.find(']') + 1));
+    if (a.count(layer + ".name") == 0 || b.count(layer + ".name") == 0) {
+      return ConfigChange::kModel;
+    }
+    const std::string_view option = rest.substr(rest.rfind('.') + 1);
+    return both && Contains(kLayerShapeKeys, option) ? ConfigChange::kModel
+                                                     : ConfigChange::kOptions;
+  }
+  return both && (Contains(kModelShapeKeys, rest) || rest == kRouterTopk) ? ConfigChange::kModel
+                                                                          : ConfigChange::kOptions;
+}
+
+}  // namespace
+
+FlatConfig FlattenConfig(const Json& config) {
+  FlatConfig out;
+  if (config.is_object()) Flatten(config, "", &out);
+  return out;
+}
+
+const char* ConfigChangeName(ConfigChange change) {
+  switch (change) {
+    case ConfigChange::kModel: return "model";
+    case ConfigChange::kLayout: return "layout";
+    case ConfigChange::kDType: return "dtype";
+    case ConfigChange::kSeed: return "seed";
+    case ConfigChange::kData: return "data";
+    case ConfigChange::kIterations: return "iterations";
+    case ConfigChange::kTraining: return "training";
+    case ConfigChange::kOptions: return "options";
+  }
+  return "options";
+}
+
+bool ExpectsDifferences(ConfigChange change) {
+  return change != ConfigChange::kModel && change != ConfigChange::kLayout &&
+         change != ConfigChange::kDType;
+}
+
+std::vector<ConfigDifference> CompareConfigs(const FlatConfig& a, const FlatConfig& b) {
+  std::vector<ConfigDifference> out;
+  const auto add = [&](const std::string& key, const Json* va, const Json* vb) {
+    if (key == "description" || key.starts_with("description.")) return;  // free text
+    if (va != nullptr && vb != nullptr && *va == *vb) return;
+    ConfigDifference d;
+    d.key = key;
+    d.in_a = va != nullptr;
+    d.in_b = vb != nullptr;
+    if (d.in_a) d.a = *va;
+    if (d.in_b) d.b = *vb;
+    d.change = Classify(key, d.in_a, d.in_b, a, b);
+    out.push_back(std::move(d));
+  };
+  // A merge of the two sorted maps: every key of either, once, in order.
+  auto ia = a.begin();
+  auto ib = b.begin();
+  while (ia != a.end() || ib != b.end()) {
+    if (ib == b.end() || (ia != a.end() && ia->first < ib->first)) {
+      add(ia->first, &ia->second, nullptr);
+      ++ia;
+    } else if (ia == a.end() || ib->first < ia->first) {
+      add(ib->first, nullptr, &ib->second);
+      ++ib;
+    } else {
+      add(ia->first, &ia->second, &ib->second);
+      ++ia;
+      ++ib;
+    }
+  }
+  return out;
+}
+
+std::string ConfigValueText(const Json& value, bool set) {
+  if (!set) return "(not set)";
+  return value.dump(-1, ' ', false, Json::error_handler_t::replace);
+}
+
+}  // namespace mpusim
