@@ -19,6 +19,7 @@
 #include "cli/cli.h"
 #include "cli/commands.h"
 #include "cli/config_options.h"
+#include "cli/layout_report.h"
 #include "core/model/model.h"
 #include "core/topology.h"
 
@@ -39,34 +40,86 @@ std::vector<std::pair<int64_t, int64_t>> HeldRanges(const MappedParameter& p, in
   return HeldRuns(spec, p.tp_dim, full);
 }
 
-// The global ranks holding piece `piece` of `p`: those at its stage with that tp coordinate
-// (etp for an expert weight split over expt_tp; any: -1) and, for an expert's weight under
-// expert parallelism, its ep rank.
-std::vector<int64_t> RanksAt(const Topology& topology, const MappedParameter& p, int64_t piece) {
-  std::vector<int64_t> out;
-  for (int64_t r = 0; r < topology.world_size(); ++r) {
-    const RankCoordinates c = topology.Coordinates(r);
-    const int64_t tp = p.over_etp ? c.etp : c.tp;
-    if (c.pp == p.pp_rank && (piece < 0 || tp == piece) && (p.ep_rank < 0 || c.ep == p.ep_rank)) {
-      out.push_back(r);
+// The global ranks holding piece `piece` of `p` (-1: any), in increasing order, found from
+// the rank formula instead of a scan of the world: those at its stage with that tp
+// coordinate (etp for an expert weight split over expt_tp) and, for an expert's weight under
+// expert parallelism, its ep rank; every other axis is free. An expert weight is split over
+// etp whenever it has an ep rank (experts laid out apart), so one generator holds every
+// fixed coordinate. O(1) to count, O(axes) per rank to walk.
+class RanksAt {
+ public:
+  RanksAt(const Topology& topology, const MappedParameter& p, int64_t piece) {
+    const bool expert = p.over_etp || p.ep_rank >= 0;
+    const RankGenerator& gen = expert ? topology.expert() : topology.dense();
+    base_ = gen.rank_offset() + p.pp_rank * gen.Stride(Axis::kPp);
+    if (piece >= 0) base_ += piece * gen.Stride(Axis::kTp);
+    if (p.ep_rank >= 0) base_ += p.ep_rank * gen.Stride(Axis::kEp);
+    for (Axis axis : gen.order()) {  // fastest first: ascending strides
+      const bool fixed = axis == Axis::kPp || (axis == Axis::kTp && piece >= 0) ||
+                         (axis == Axis::kEp && p.ep_rank >= 0);
+      if (!fixed && gen.Size(axis) > 1) free_.push_back({gen.Stride(axis), gen.Size(axis)});
     }
   }
-  return out;
-}
-
-// "0, 2, 4-7": runs of consecutive ranks joined; past 12 entries, "... (N ranks)".
-std::string RankList(const std::vector<int64_t>& ranks) {
-  std::vector<std::string> parts;
-  for (size_t i = 0; i < ranks.size();) {
-    size_t j = i;
-    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
-    parts.push_back(j == i ? fmt::format("{}", ranks[i])
-                           : fmt::format("{}{}{}", ranks[i], j == i + 1 ? ", " : "-", ranks[j]));
-    i = j + 1;
+  int64_t count() const {
+    int64_t n = 1;
+    for (const Free& f : free_) n *= f.size;
+    return n;
   }
+  // Calls visit(rank) in increasing order until it returns false.
+  template <typename Visit>
+  void ForEach(Visit visit) const {
+    std::vector<int64_t> digit(free_.size(), 0);
+    for (int64_t rank = base_;;) {
+      if (!visit(rank)) return;
+      size_t i = 0;  // the mixed-radix increment: carry into slower axes
+      for (; i < free_.size() && ++digit[i] == free_[i].size; ++i) {
+        rank -= (free_[i].size - 1) * free_[i].stride;
+        digit[i] = 0;
+      }
+      if (i == free_.size()) return;
+      rank += free_[i].stride;
+    }
+  }
+  std::vector<int64_t> All() const {
+    std::vector<int64_t> out;
+    ForEach([&](int64_t r) {
+      out.push_back(r);
+      return true;
+    });
+    return out;
+  }
+
+ private:
+  struct Free {
+    int64_t stride, size;
+  };
+  int64_t base_ = 0;
+  std::vector<Free> free_;
+};
+
+// "0, 2, 4-7": runs of consecutive ranks joined; past 12 entries, "... (N ranks)". Walks no
+// further than the 13th run.
+std::string RankList(const RanksAt& ranks) {
+  std::vector<std::string> parts;
+  int64_t first = -1, last = -1;
+  const auto close_run = [&] {
+    parts.push_back(first == last ? fmt::format("{}", first)
+                                  : fmt::format("{}{}{}", first, last == first + 1 ? ", " : "-",
+                                                last));
+  };
+  ranks.ForEach([&](int64_t r) {
+    if (first >= 0 && r == last + 1) {
+      last = r;
+      return true;
+    }
+    if (first >= 0) close_run();
+    first = last = r;
+    return parts.size() <= 12;
+  });
+  if (parts.size() <= 12) close_run();
   if (parts.size() > 12) {
     parts.resize(12);
-    return fmt::format("{}, ... ({} ranks)", fmt::join(parts, ", "), ranks.size());
+    return fmt::format("{}, ... ({} ranks)", fmt::join(parts, ", "), ranks.count());
   }
   return fmt::format("{}", fmt::join(parts, ", "));
 }
@@ -105,8 +158,9 @@ void PrintShardingMap(const std::vector<MappedParameter>& params, const Topology
   if (cp > 1) {
     // Megatron's load-balanced split: cp rank r holds chunks r and 2 cp - 1 - r of 2 cp.
     const int64_t c = seq_length / (2 * cp);
+    // One rank's map holds its own cp rank's positions only (O(1) at any cp).
     nlohmann::ordered_json held = nlohmann::ordered_json::array();
-    for (int64_t r = 0; r < cp; ++r) {
+    for (int64_t r = only ? only->cp : 0; r < (only ? only->cp + 1 : cp); ++r) {
       const int64_t second = 2 * cp - 1 - r;
       held.push_back({{"cp_rank", r},
                       {"ranges", {{r * c, r * c + c}, {second * c, second * c + c}}}});
@@ -153,25 +207,29 @@ void PrintShardingMap(const std::vector<MappedParameter>& params, const Topology
           p.ep_rank >= 0 ? fmt::format(", ep rank {}", p.ep_rank) : std::string(),
           p.note.empty() ? "" : "; " + p.note);
     }
-    for (int64_t r = 0; r < (p.tp_dim < 0 ? 1 : pieces); ++r) {
-      if (only && p.tp_dim >= 0 && r != (p.over_etp ? only->etp : only->tp)) continue;
+    // One rank's query visits its own piece only, so it costs O(1) per parameter at any tp.
+    const int64_t own = only && p.tp_dim >= 0 ? (p.over_etp ? only->etp : only->tp) : 0;
+    const int64_t end = p.tp_dim < 0 ? 1 : only ? own + 1 : pieces;
+    for (int64_t r = own; r < end; ++r) {
       const auto ranges = HeldRanges(p, pieces, r);
-      const std::vector<int64_t> ranks = RanksAt(topology, p, p.tp_dim < 0 ? -1 : r);
+      const RanksAt ranks(topology, p, p.tp_dim < 0 ? -1 : r);
       const std::string held_by =
-          fmt::format("{} {}", ranks.size() == 1 ? "rank" : "ranks", RankList(ranks));
+          only ? std::string()
+               : fmt::format("{} {}", ranks.count() == 1 ? "rank" : "ranks", RankList(ranks));
       if (!json_format && p.tp_dim >= 0) {
         out << fmt::format("    {} {}: {} {}{}\n", piece_name, r, DimName(p), RangesText(ranges),
                            only ? std::string() : "  " + held_by);
       } else if (!json_format) {
         out << (only ? std::string("    whole\n") : fmt::format("    whole on {}\n", held_by));
       }
+      if (!json_format) continue;  // the text needs no tree (2^20 pieces would take a GiB)
       nlohmann::ordered_json ranges_json = nlohmann::ordered_json::array();
       for (const auto& [b, e] : ranges) ranges_json.push_back({b, e});
       nlohmann::ordered_json shard = {
           {p.over_etp ? "etp_rank" : "tp_rank",
            p.tp_dim < 0 ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(r)},
           {"ranges", ranges_json}};
-      if (!only) shard["ranks"] = ranks;
+      if (!only) shard["ranks"] = ranks.All();
       shards.push_back(shard);
     }
     nlohmann::ordered_json entry = {
@@ -183,10 +241,10 @@ void PrintShardingMap(const std::vector<MappedParameter>& params, const Topology
                                                         {"group", over}}},
         {"pp_rank", p.pp_rank},
         {"chunk", p.chunk},
-        {"shards", shards}};
+        {"shards", std::move(shards)}};
     if (p.ep_rank >= 0) entry["ep_rank"] = p.ep_rank;
     if (!p.note.empty()) entry["note"] = p.note;
-    list.push_back(entry);
+    if (json_format) list.push_back(std::move(entry));
   }
   doc["parameters"] = list;
   if (json_format) out << doc.dump(1) << '\n';
@@ -225,6 +283,16 @@ class ExplainCommand : public Command {
                                      topology->world_size() - 1));
     }
     const int64_t rank = rank_option_->count() > 0 ? rank_ : -1;
+    // The whole map lists every piece of every weight with its ranks: time and output in
+    // proportion to the world, so it stops where layout's listings do; one rank's map visits
+    // its own pieces only and works at any size.
+    if (rank < 0 && topology->world_size() > kMaxListedRanks) {
+      return ReportError(err, config_.path().empty() ? "command line" : config_.path(),
+                         fmt::format("parallel.world_size: {} ranks is more than the {} a whole "
+                                     "sharding map covers; query one rank with --rank R, which "
+                                     "works at any size",
+                                     topology->world_size(), kMaxListedRanks));
+    }
     json_ = format_ == "json";
     // The text goes to `out` unless only the JSON map is wanted.
     std::ostringstream discard;

@@ -206,7 +206,14 @@ void GptModel::ExplainStage(std::ostream& out) const {
           2 * shape_.cp - 1);
       const std::vector<int64_t>& hcp = config_.parallel.hierarchical_context_parallel_sizes;
       StreamShape sh = shape_;
+      // Past 64 cp ranks the first three and the last are shown: the lines follow one
+      // pattern, and a listing of every cp rank would grow with cp (up to 2^29).
+      constexpr int64_t kListedCp = 64;
       for (sh.cp_rank = 0; sh.cp_rank < sh.cp; ++sh.cp_rank) {
+        if (sh.cp > kListedCp && sh.cp_rank == 3) {
+          out << fmt::format("  ... cp ranks 3 to {} likewise\n", sh.cp - 2);
+          sh.cp_rank = sh.cp - 1;
+        }
         std::string how;
         switch (gpt.cp_comm_type) {
           case CpCommType::kAllGather:

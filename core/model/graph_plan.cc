@@ -81,13 +81,28 @@ void Graph::Explain(std::ostream& out) const {
   out << fmt::format("tensor_model_parallel_size {}: each weight below is cut into {} slices; "
                      "rank r of a tp group holds slice r\n",
                      t, t);
-  // Shapes on every tp rank (equal, but listed as the lab does).
+  // Shapes on every tp rank (equal, but listed as the lab does). Past kListed slices only the
+  // first three and the last are planned and shown, so a tp of any size costs O(1) plans.
+  constexpr int64_t kListed = 64;
+  std::vector<int64_t> listed;
+  for (int64_t r = 0; r < (t <= kListed ? t : 3); ++r) listed.push_back(r);
+  if (t > kListed) listed.push_back(t - 1);
   std::vector<std::vector<PlannedLayer>> per_rank;
-  for (int64_t r = 0; r < t; ++r) {
+  for (int64_t r : listed) {
     RankCoordinates coords;
     coords.tp = r;
     per_rank.push_back(Plan(coords));
   }
+  // "A0= [4, 1], A1= [4, 1], A2= [4, 1], ..., A99= [4, 1]": one entry per listed slice, "..."
+  // where the list skips.
+  const auto join_slices = [&](const auto& slice_text) {
+    std::vector<std::string> slices;
+    for (size_t k = 0; k < listed.size(); ++k) {
+      if (k > 0 && listed[k] != listed[k - 1] + 1) slices.push_back("...");
+      slices.push_back(slice_text(listed[k], per_rank[k]));
+    }
+    return fmt::format("{}", fmt::join(slices, ", "));
+  };
   for (size_t i = 0; i < per_rank[0].size(); ++i) {
     const PlannedLayer& layer = per_rank[0][i];
     out << fmt::format(
@@ -117,13 +132,11 @@ void Graph::Explain(std::ostream& out) const {
       out << fmt::format("  {} {} {}\n", param.name, ShapeString(param.full_shape), how);
       if (param.tp_dim < 0) continue;
       if (!(linear && matrix)) {
-        std::vector<std::string> slices;
-        for (int64_t r = 0; r < t; ++r) {
-          slices.push_back(fmt::format(
-              "{}{}= {}", param.name.substr(param.name.find('.') + 1), r,
-              ShapeString(per_rank[static_cast<size_t>(r)][i].parameters[p].local_shape)));
-        }
-        out << fmt::format("    {}\n", fmt::join(slices, ", "));
+        out << fmt::format("    {}\n", join_slices([&](int64_t r, const auto& plan) {
+                             return fmt::format("{}{}= {}",
+                                                param.name.substr(param.name.find('.') + 1), r,
+                                                ShapeString(plan[i].parameters[p].local_shape));
+                           }));
         continue;
       }
       // The lab writes Y = X A with A = W^T ([in, out]); a column-parallel layer cuts A's
@@ -131,12 +144,11 @@ void Graph::Explain(std::ostream& out) const {
       out << fmt::format("    Y = X A + b with A = weight^T {}, sliced {}:\n",
                          ShapeString({param.full_shape[1], param.full_shape[0]}),
                          param.tp_dim == 0 ? "column-wise" : "row-wise");
-      std::vector<std::string> slices;
-      for (int64_t r = 0; r < t; ++r) {
-        const Shape& local = per_rank[static_cast<size_t>(r)][i].parameters[p].local_shape;
-        slices.push_back(fmt::format("A{}= {}", r, ShapeString({local[1], local[0]})));
-      }
-      out << fmt::format("    A = [\n    {}\n    ]\n", fmt::join(slices, ", "));
+      out << fmt::format("    A = [\n    {}\n    ]\n",
+                         join_slices([&](int64_t r, const auto& plan) {
+                           const Shape& local = plan[i].parameters[p].local_shape;
+                           return fmt::format("A{}= {}", r, ShapeString({local[1], local[0]}));
+                         }));
     }
   }
   // Region mappings that give t-fold gradients as Megatron's code does (docs/simulator.md,

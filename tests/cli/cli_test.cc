@@ -14,6 +14,7 @@
 #include <tuple>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -2640,6 +2641,100 @@ TEST(HostileInput, HugeSizesAreRefusedUpFront) {
   if (layers.code == 0) {  // the assignment is reported as impossible, not listed
     EXPECT_NE(layers.out.find("at most 1048576 layers"), std::string::npos) << layers.out;
   }
+}
+
+// ASan reserves terabytes of address space for its shadow memory up front, so an address-space
+// cap would kill every sanitized run at its start; there only the deadline applies.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kAddressSanitizer = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kAddressSanitizer = true;
+#else
+constexpr bool kAddressSanitizer = false;
+#endif
+#else
+constexpr bool kAddressSanitizer = false;
+#endif
+
+// The real binary on `args` in a child with at most 2 GiB of address space and 10 s of wall
+// time (SIGKILL after: exit 137); stdout and stderr apart.
+Result Bounded(const std::vector<std::string>& args) {
+  static int calls = 0;
+  const std::string base = (std::filesystem::temp_directory_path() /
+                            fmt::format("mpusim_bounded.{}.{}", ::getpid(), ++calls))
+                               .string();
+  std::string command = fmt::format("{}exec timeout -s KILL 10 {}",
+                                    kAddressSanitizer ? "" : "ulimit -v 2097152 && ",
+                                    MPUSIM_BINARY);
+  for (const std::string& arg : args) command += " '" + arg + "'";
+  const int raw = std::system(
+      ("(" + command + ") > " + base + ".out 2> " + base + ".err").c_str());
+  const auto slurp = [](const std::string& path) {
+    std::ifstream in(path);
+    std::string text(std::istreambuf_iterator<char>(in), {});
+    std::filesystem::remove(path);
+    return text;
+  };
+  return {WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, slurp(base + ".out"), slurp(base + ".err")};
+}
+
+// Configs that are valid but absurdly large: every command ends within 10 s under 2 GiB,
+// with its answer (exit 0) or one line naming the size and the limit (exit 2). Before the
+// fix, explain on the tp 2^30 chain planned every tp rank and grew to 24 GB.
+TEST(HostileInput, EveryCommandIsBoundedOnAbsurdSizes) {
+  const std::string tp30 = WriteTemp(
+      "mpusim_hostile_tp30.json",
+      R"({"parallel": {"world_size": 1073741824, "tensor_model_parallel_size": 1073741824},)"
+      R"( "model": {"layers": [{"name": "fc", "type": "ColumnParallelLinear",)"
+      R"( "input_size": 1073741824, "output_size": 1073741824}]}})");
+  struct Case {
+    std::vector<std::string> args;
+    std::string refusal;  // "" : exit 0
+  };
+  const std::string listing = "1073741824 ranks is more than the 1048576";
+  const std::vector<Case> cases = {
+      {{"layout", tp30}, listing},
+      {{"layout", tp30, "--format", "json"}, listing},
+      {{"layout", tp30, "--format", "picture"}, listing},
+      {{"layout", tp30, "--format", "html"}, listing},
+      {{"layout", tp30, "--rank", "1073741823"}, ""},
+      {{"layout", tp30, "--rank", "5", "--format", "json"}, ""},
+      {{"explain", tp30}, "sharding map covers; query one rank with --rank R"},
+      {{"explain", tp30, "--format", "json"}, "sharding map covers; query one rank with --rank"},
+      {{"explain", tp30, "--rank", "1073741823"}, ""},
+      {{"explain", tp30, "--rank", "5", "--format", "json"}, ""},
+      {{"schedule", tp30, "-m", "4"}, ""},
+      {{"schedule", tp30, "-m", "4", "--format", "svg"}, ""},
+      {{"estimate", tp30}, ""},
+      {{"estimate", tp30, "--format", "json"}, ""},
+      {{"estimate", tp30, "--format", "html"}, ""},
+      {{"advise", tp30, "--global-batch-size", "1"}, "advise needs a GPT model"},
+      {{"sweep", tp30, "--world-size", "2"}, "run: is required by mpusim sweep"},
+      {{"run", tp30}, "run: is required by mpusim run"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(fmt::format("{}", fmt::join(c.args, " ")));
+    const Result r = Bounded(c.args);
+    if (c.refusal.empty()) {
+      EXPECT_EQ(r.code, 0) << r.err;
+      EXPECT_NE(r.out, "");
+    } else {
+      ExpectOneLineRefusal(r, c.refusal);
+    }
+  }
+  // One rank's sharding map: its slice by the formula, no list of other ranks.
+  const Result one = Bounded({"explain", tp30, "--rank", "1073741823"});
+  EXPECT_NE(one.out.find("A0= [1073741824, 1], A1= [1073741824, 1], A2= [1073741824, 1], ..., "
+                         "A1073741823= [1073741824, 1]"),
+            std::string::npos)
+      << one.out;
+  EXPECT_NE(one.out.find("    tp 1073741823: rows [1073741823, 1073741824)\n"), std::string::npos)
+      << one.out;
+  const Result as_json = Bounded({"explain", tp30, "--rank", "5", "--format", "json"});
+  ASSERT_EQ(as_json.code, 0) << as_json.err;
+  EXPECT_EQ(json::parse(as_json.out)["parameters"][0]["shards"],
+            json::parse(R"([{"tp_rank": 5, "ranges": [[5, 6]]}])"));
 }
 
 TEST(HostileInput, RunPreflightRefusesWhatCannotFit) {
