@@ -65,7 +65,9 @@ class RunCommand : public Command {
         "Launch with one MPI rank per GPU of the config's world_size, e.g.\n"
         "  mpirun -n 8 --oversubscribe mpusim run sample_configs/lab_mlp_lm_t4_dp2_n8.json\n"
         "Exit codes: 0 every tensor matches the reference, 1 a mismatch, 2 bad input, 3 out of "
-        "memory, 4 an internal error.");
+        "memory, 4 an internal error,\n130 / 143 interrupted by SIGINT / SIGTERM (every rank "
+        "stops at the next safe point and nothing is written;\nOpen MPI's mpirun exits 1 when "
+        "it is itself interrupted).");
     app_->add_option("CONFIG", options_.config_path, "config file with parallel, model, run")
         ->required();
     app_->add_option("--dump", options_.dump_dir,

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <ostream>
 #include <sstream>
 
@@ -19,6 +20,7 @@
 #include "core/model/model.h"
 #include "core/topology.h"
 #include "mpi/agree.h"
+#include "mpi/interrupt.h"
 #include "mpi/mpi_check.h"
 #include "mpi/watchdog.h"
 #include "run/dump.h"
@@ -33,6 +35,7 @@ constexpr int kExitCheckFailed = 1;
 constexpr int kExitUsage = 2;
 constexpr int kExitOutOfMemory = 3;
 constexpr int kExitInternalError = 4;
+constexpr int kExitInterrupted = 128;  // and up: 128 + the signal (mpi/interrupt.h)
 
 // "" when `path` (a --trace or --summary FILE, written by rank 0 after the run) can be
 // written: it is not a directory, and its directory exists and takes a new file (the file is
@@ -157,6 +160,19 @@ int RankRun::Run() {
                 !options_.trace_path.empty()},
                *backend_);
   if (!result.ok()) return Usage(options_.config_path, result.status().Message());
+  // The last safe point before anything is written: the reference check may have run long.
+  if (!result->interrupt) {
+    if (const Interrupt late = AgreeOnInterrupt()) {
+      result->interrupt = late;
+      result->interrupted_where = options_.check ? "after the reference check" : "after the run";
+    }
+  }
+  if (result->interrupt) {
+    err_ << InterruptLine(result->interrupt, result->interrupted_where,
+                          "no dump, trace or summary written")
+         << '\n';
+    return InterruptExitCode(result->interrupt);
+  }
   return Report(*topology, *result, dump);
 }
 
@@ -352,6 +368,9 @@ int RunSimulation(const RunOptions& options, std::ostream& out, std::ostream& er
   MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
   MPI_Comm_size(MPI_COMM_WORLD, &world_size);
   int code = kExitOk;
+  // SIGINT and SIGTERM are recorded from here on and acted on at the run's safe points.
+  std::optional<InterruptHandlers> interrupt_handlers;
+  interrupt_handlers.emplace();
   try {
     // Before the first communication: the watchdog's timeout and its test hook (MPUSIM_FAULT,
     // mpi/watchdog.h); a malformed hook is bad input, reported once.
@@ -379,6 +398,20 @@ int RunSimulation(const RunOptions& options, std::ostream& out, std::ostream& er
              kExitInternalError);
   }
   code = AgreeOnWorst(code);
+  // A signal after the last safe point (while the report and the outputs were written, each
+  // of them whole) still ends the run with its exit code, never 0 or 1.
+  if (code < kExitInterrupted) {
+    if (const Interrupt late = AgreeOnInterrupt()) {
+      if (world_rank == 0) {
+        err << InterruptLine(late, "at the end of the run", "what it wrote is whole") << '\n';
+      }
+      code = InterruptExitCode(late);
+    }
+  }
+  // Once every rank has its code, a signal ends the process: when the first rank exits
+  // non-zero mpirun sends SIGTERM to the rest, and one still finalising would otherwise ignore
+  // it until mpirun kills it 1 s later.
+  interrupt_handlers.reset();
   if (initialized == 0) FinalizeWatched();
   return code;
 }

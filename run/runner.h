@@ -5,7 +5,9 @@
 // What it is: the driver: MPI start-up, the config and the world size, the preflight
 // (run/preflight.h), the backend (the CPU backend or a plugin, through a factory), the run
 // (run/simulate.h), the report rank 0 prints (run/report.h) and the dump. Exit codes: 0 all
-// checks passed, 1 a check failed, 2 bad input, 3 out of memory, 4 an internal error.
+// checks passed, 1 a check failed, 2 bad input, 3 out of memory, 4 an internal error, 130 / 143
+// interrupted by SIGINT / SIGTERM (mpi/interrupt.h: every rank stops at the next safe point,
+// rank 0 prints one line, nothing is written).
 // What it is not: the layer logic (core/model), the reference (reference/) or a backend.
 #pragma once
 
@@ -53,7 +55,8 @@ struct RunOptions {
 using BackendFactory = std::function<BackendOrStatus(const RunOptions&)>;
 
 // Initialises MPI if needed (finalises it if it did), runs, and returns the exit code every
-// rank agrees on: 0 all checks passed, 1 a check failed, 2 bad input. Only rank 0 prints.
+// rank agrees on: 0 all checks passed, 1 a check failed, 2 bad input, 128 + the signal when
+// interrupted. Only rank 0 prints. SIGINT and SIGTERM are handled while it runs.
 int RunSimulation(const RunOptions& options, std::ostream& out, std::ostream& err,
                   const BackendFactory& factory);
 

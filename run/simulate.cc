@@ -15,6 +15,7 @@
 #include "core/train/optimizer.h"
 #include "core/train/train_step.h"
 #include "mpi/agree.h"
+#include "mpi/interrupt.h"
 #include "mpi/mpi_check.h"
 #include "mpi/watchdog.h"
 
@@ -47,22 +48,39 @@ RankContext MakeRankContext(const Config& config, Backend& backend, const Topolo
 
 namespace {
 
-// Runs `step` options.repeat times between barriers, timing each: a step ends when the
+// A safe point: every rank asks whether any rank got SIGINT or SIGTERM (one all-reduce, which
+// also fences the step's timing as a barrier would: no rank leaves it before all arrived).
+// True when one did; result->interrupt then says which, and where every rank stopped.
+bool StopsAt(SimulationResult* result, const char* before_after, const char* what,
+             int64_t number, int64_t count) {
+  const Interrupt agreed = AgreeOnInterrupt();
+  if (!agreed) return false;
+  result->interrupt = agreed;
+  result->interrupted_where = count == 1 ? fmt::format("{} the {}", before_after, what)
+                                         : fmt::format("{} {} {} of {}", before_after, what,
+                                                       number, count);
+  return true;
+}
+
+// Runs `step` options.repeat times between safe points, timing each: a step ends when the
 // backend's last kernel has (Kernels::Synchronize: a GPU's kernels outlive their launch).
+// False when an interrupt stopped it.
 template <typename Step>
-void TimedSteps(const SimulateOptions& options, Kernels& k, SimulationResult* result,
+bool TimedSteps(const SimulateOptions& options, Kernels& k, SimulationResult* result,
                 Step&& step) {
   for (int i = 0; i < options.repeat; ++i) {
     result->trace.Clear();
-    watched::Barrier(MPI_COMM_WORLD, WorldLabel());
+    if (StopsAt(result, "before", "step", i + 1, options.repeat)) return false;
     const auto start = std::chrono::steady_clock::now();
     result->step_start = std::chrono::duration<double>(start.time_since_epoch()).count();
     step(i + 1 == options.repeat);
     k.Synchronize();
-    watched::Barrier(MPI_COMM_WORLD, WorldLabel());
+    const bool stop = StopsAt(result, "after", "step", i + 1, options.repeat);
     result->seconds.push_back(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    if (stop) return false;
   }
+  return true;
 }
 
 // Every rank's step spans of the model's last step, in seconds from the step's start. On one
@@ -238,19 +256,26 @@ StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions&
   }
   kernels.ResetPeakTensorBytes();
   if (!config.optimizer) {
-    TimedSteps(options, kernels, &result, [&](bool last) {
-      RunStep(model, *executor, ctx, 0, last && want_records, /*reduce_dp=*/true);
-    });
+    if (!TimedSteps(options, kernels, &result, [&](bool last) {
+          RunStep(model, *executor, ctx, 0, last && want_records, /*reduce_dp=*/true);
+        })) {
+      return result;
+    }
   } else {
     // Training: run.train_iters iterations, each a step and an optimizer update.
+    const int64_t iterations = config.run->train_iters;
     const std::vector<TrainedIteration> rows =
-        Train(model, *executor, *optimizer, ctx, *config.optimizer, config.run->train_iters,
-              want_records, [] { watched::Barrier(MPI_COMM_WORLD, WorldLabel()); });
+        Train(model, *executor, *optimizer, ctx, *config.optimizer, iterations, want_records,
+              [&](int64_t iteration, bool done) {
+                return StopsAt(&result, done ? "after" : "before", "iteration", iteration,
+                               iterations);
+              });
     for (const TrainedIteration& row : rows) {
       result.seconds.push_back(row.seconds);
       result.iterations.push_back({row.iteration, row.loss, row.grad_norm, row.lr, row.seconds});
       result.step_start = row.start;
     }
+    if (result.interrupt) return result;
   }
   result.has_loss = model.has_loss();
   result.loss = result.has_loss ? model.loss() : 0.0;

@@ -14,11 +14,17 @@
 #include "core/model/model.h"
 #include "core/rank_context.h"
 #include "core/status.h"
+#include "mpi/interrupt.h"
 #include "run/check.h"
 
 namespace mpusim::run {
 
 struct SimulationResult {
+  // Set when every rank stopped early at a safe point for a signal (mpi/interrupt.h): which
+  // rank got which, and where they stopped ("after iteration 3 of 10"). Only `coords`,
+  // `seconds` and `iterations` (those done) are filled in then.
+  Interrupt interrupt;
+  std::string interrupted_where;
   RankCoordinates coords;             // this rank's place in the layout
   // This rank's tensors (on the backend's device), kept only when asked for (a dump).
   std::vector<TensorRecord> records;
@@ -95,6 +101,9 @@ struct SimulateOptions {
 
 // Runs `config` on MPI_COMM_WORLD (collective: every rank calls it with the same config;
 // the world size must equal parallel.world_size). Bad configs give a Status on every rank.
+// Safe points (every rank asks AgreeOnInterrupt, mpi/interrupt.h): before and after every
+// step (--repeat) or training iteration; an interrupt there ends it early on every rank, with
+// `interrupt` set, before the reference check and the records.
 StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions& options,
                                     Backend& backend);
 

@@ -40,14 +40,14 @@ void RunStep(Model& model, PipelineExecutor& executor, RankContext& ctx, int64_t
 std::vector<TrainedIteration> Train(Model& model, PipelineExecutor& executor,
                                     Optimizer& optimizer, RankContext& ctx,
                                     const OptimizerConfig& config, int64_t iterations,
-                                    bool record, const std::function<void()>& fence) {
+                                    bool record, const TrainFence& fence) {
   Kernels& k = *ctx.kernels;
   CommTrace& trace = *ctx.trace;
   Communicator* pp = ctx.pp().Size() > 1 ? &ctx.pp() : nullptr;
   std::vector<TrainedIteration> rows;
   for (int64_t it = 0; it < iterations; ++it) {
     trace.Clear();
-    fence();
+    if (fence(it + 1, false)) break;
     const auto start = std::chrono::steady_clock::now();
     RunStep(model, executor, ctx, it, record && it + 1 == iterations, !optimizer.distributed());
     const double loss = model.has_loss() ? model.loss() : 0.0;
@@ -57,11 +57,12 @@ std::vector<TrainedIteration> Train(Model& model, PipelineExecutor& executor,
     const double lr = LearningRate(config, it, iterations);
     optimizer.Step(k, norm, lr, trace);
     k.Synchronize();
-    fence();
+    const bool stop = fence(it + 1, true);
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     rows.push_back({it + 1, loss, norm, lr, seconds,
                     std::chrono::duration<double>(start.time_since_epoch()).count()});
+    if (stop) break;
   }
   return rows;
 }

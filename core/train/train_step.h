@@ -45,13 +45,18 @@ struct TrainedIteration {
   double start = 0;       // when it started (steady_clock, seconds)
 };
 
+// What Train calls before (done false) and after (done true) iteration `iteration` (from 1):
+// the run driver's synchronisation of every rank, which is also a safe point; true stops the
+// loop there (an interrupt every rank agreed on), so every rank must return the same.
+using TrainFence = std::function<bool(int64_t iteration, bool done)>;
+
 // `iterations` training iterations of `model` (its TrainableParameters are `optimizer`'s):
-// each clears the trace, calls `fence` (the run driver's barrier over every rank), runs a
-// step (recording the last iteration's when `record`) and the optimizer's update, waits for
-// the device, and calls `fence` again.
+// each clears the trace, calls `fence`, runs a step (recording the last iteration's when
+// `record`) and the optimizer's update, waits for the device, and calls `fence` again. Returns
+// the iterations done, fewer than `iterations` when a fence stopped the loop.
 std::vector<TrainedIteration> Train(Model& model, PipelineExecutor& executor,
                                     Optimizer& optimizer, RankContext& ctx,
                                     const OptimizerConfig& config, int64_t iterations,
-                                    bool record, const std::function<void()>& fence);
+                                    bool record, const TrainFence& fence);
 
 }  // namespace mpusim

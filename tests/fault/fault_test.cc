@@ -21,7 +21,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
+#include <regex>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -71,9 +73,14 @@ std::vector<int> TaggedProcesses(const std::string& tag) {
   return pids;
 }
 
+// Called with the output so far (after each read), the job's tag and mpiexec's pid: lets a test
+// act on the job once a line shows where it is (send a signal).
+using Watch = std::function<void(const std::string& output, const std::string& tag, pid_t)>;
+
 // Runs `argv` with MPUSIM_FAULT=`fault` (unset when empty) and a tag of its own in the
 // environment, collecting its output until it ends or kHardLimitS passes.
-Job RunJob(const std::vector<std::string>& argv, const std::string& fault) {
+Job RunJob(const std::vector<std::string>& argv, const std::string& fault,
+           const Watch& watch = {}) {
   static int jobs = 0;
   const std::string tag_value = fmt::format("{}.{}", ::getpid(), ++jobs);
   // As it appears in /proc/PID/environ, NUL-terminated so that job 1 does not match job 10.
@@ -136,6 +143,7 @@ Job RunJob(const std::vector<std::string>& argv, const std::string& fault) {
                 std::string::npos) {
           job.after_fault_s = Since(start);  // the fault's time, for now
         }
+        if (watch) watch(job.output, tag, child);
       }
     } else if (!exited && ::waitpid(child, &status, WNOHANG) == child) {
       exited = true;
@@ -336,6 +344,152 @@ TEST(FaultTest, MalformedFaultAndTimeoutAreBadInput) {
                  "");
     EXPECT_EQ(job.exit_code, 2) << bad << ": " << job.output;
     EXPECT_TRUE(Contains(job.output, "--timeout")) << job.output;
+  }
+}
+
+// Interrupts (mpi/interrupt.h). A rank stops itself (MPUSIM_FAULT) inside the first training
+// iteration, which proves the job is past its set-up; once the rank is seen stopped, the test
+// sends the signal (to that rank, or to mpiexec) and lets the rank continue. Every run writes
+// --dump, --trace and --summary into a directory of its own that must stay empty.
+
+// The process of the job tagged `tag` that is world rank `rank` (Open MPI gives every rank
+// OMPI_COMM_WORLD_RANK); -1 if there is none.
+pid_t RankProcess(const std::string& tag, int rank) {
+  const std::string mark = fmt::format("OMPI_COMM_WORLD_RANK={}", rank) + std::string(1, '\0');
+  for (int pid : TaggedProcesses(tag)) {
+    std::ifstream in(fmt::format("/proc/{}/environ", pid), std::ios::binary);
+    const std::string environ((std::istreambuf_iterator<char>(in)), {});
+    if (environ.find(std::string(1, '\0') + mark) != std::string::npos) return pid;
+  }
+  return -1;
+}
+
+// Whether `pid` is stopped (state T in /proc/PID/stat), waiting up to `seconds` for it: the
+// fault line comes just before the rank's raise(SIGSTOP), and a SIGCONT sent before that
+// would be lost.
+bool WaitUntilStopped(pid_t pid, double seconds) {
+  const Clock::time_point start = Clock::now();
+  do {
+    std::ifstream in(fmt::format("/proc/{}/stat", pid));
+    const std::string stat((std::istreambuf_iterator<char>(in)), {});
+    const size_t paren = stat.rfind(')');
+    if (paren != std::string::npos && paren + 2 < stat.size() && stat[paren + 2] == 'T') {
+      return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  } while (Since(start) < seconds);
+  return false;
+}
+
+struct InterruptedJob {
+  Job job;
+  double after_signal_s = -1;  // from the signal to the end of the job; -1: never sent
+  std::vector<std::string> left;  // what the job left in its output directory
+};
+
+// `ranks` ranks under mpiexec (0: one process without it) train for a million iterations;
+// the faulty rank (2, or 0 alone) stops before its third all-reduce (inside iteration 1) and
+// gets `signal`, or mpiexec gets it when `to_mpiexec`.
+InterruptedJob RunInterrupted(int ranks, int signal, bool to_mpiexec) {
+  const fs::path dir =
+      fs::temp_directory_path() / fmt::format("mpusim-interrupt-test-{}", ::getpid());
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  std::vector<std::string> argv = ranks > 0 ? Mpiexec(ranks) : std::vector<std::string>{};
+  for (const std::string& a : std::vector<std::string>{
+           MPUSIM_BINARY, "run", std::string(MPUSIM_SAMPLE_CONFIG_DIR) +
+           "/lab_train_mlp_lm_t2_dp2_n4.json", "--train-iters", "1000000", "--timeout", "60",
+           "--dump", (dir / "dump").string(), "--trace", (dir / "trace.json").string(),
+           "--summary", (dir / "summary.json").string()}) {
+    argv.push_back(a);
+  }
+  if (ranks == 0) {
+    for (const char* a : {"--world-size", "1", "--tp", "1"}) argv.push_back(a);
+  }
+  const int faulty = ranks == 0 ? 0 : 2;
+  InterruptedJob result;
+  Clock::time_point signalled;
+  bool acted = false;
+  const Clock::time_point start = Clock::now();
+  result.job = RunJob(
+      argv, fmt::format("rank={},op=allreduce,call=3,action=stop", faulty),
+      [&](const std::string& output, const std::string& tag, pid_t mpiexec) {
+        if (acted || output.find("mpusim: MPUSIM_FAULT: rank") == std::string::npos) return;
+        acted = true;  // once; without a signal the job runs on and the test fails
+        const pid_t rank = ranks == 0 ? mpiexec : RankProcess(tag, faulty);
+        if (rank < 0 || !WaitUntilStopped(rank, 10)) return;
+        signalled = Clock::now();
+        ::kill(to_mpiexec ? mpiexec : rank, signal);
+        ::kill(rank, SIGCONT);
+      });
+  if (signalled != Clock::time_point()) {
+    result.after_signal_s = result.job.total_s - std::chrono::duration<double>(
+                                                     signalled - start).count();
+    std::printf("[ timing   ] %.2f s from the signal to the end\n", result.after_signal_s);
+  }
+  for (const fs::directory_entry& entry : fs::directory_iterator(dir)) {
+    result.left.push_back(entry.path().filename().string());
+  }
+  fs::remove_all(dir);
+  return result;
+}
+
+int Count(const std::string& text, const std::string& part) {
+  int n = 0;
+  for (size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + 1)) ++n;
+  return n;
+}
+
+// SIGINT or SIGTERM to one rank of four, or to one process without mpirun: every rank stops
+// after the iteration it is in, one line says so, the job exits 128 + the signal (mpirun
+// passes the ranks' code on), and nothing is written.
+TEST(FaultTest, InterruptedRankStopsEveryRankWithTheSignalsExitCode) {
+  for (const int ranks : {4, 0}) {
+    for (const int signal : {SIGINT, SIGTERM}) {
+      SCOPED_TRACE(fmt::format("{} to {}", signal == SIGINT ? "SIGINT" : "SIGTERM",
+                               ranks == 0 ? "a run without mpirun" : "rank 2 of 4"));
+      const InterruptedJob run = RunInterrupted(ranks, signal, /*to_mpiexec=*/false);
+      const Job& job = run.job;
+      ExpectEndedCleanly(job, "mpusim: MPUSIM_FAULT: rank ");
+      EXPECT_EQ(job.exit_code, 128 + signal) << job.output;
+      EXPECT_EQ(Count(job.output, "mpusim: interrupted:"), 1) << job.output;
+      EXPECT_TRUE(Contains(
+          job.output,
+          fmt::format("mpusim: interrupted: rank {} got {}; every rank stopped {} of 1000000; no "
+                      "dump, trace or summary written; exit code {}\n",
+                      ranks == 0 ? 0 : 2, signal == SIGINT ? "SIGINT" : "SIGTERM",
+                      // Alone, a rank has no tp or dp all-reduce: its third is the safe point's.
+                      ranks == 0 ? "before iteration 2" : "after iteration 1", 128 + signal)))
+          << job.output;
+      EXPECT_GE(run.after_signal_s, 0) << "the test never sent the signal:\n" << job.output;
+      EXPECT_LT(run.after_signal_s, kAbortSlackS) << job.output;
+      EXPECT_EQ(run.left, std::vector<std::string>()) << "an interrupted run wrote these";
+    }
+  }
+}
+
+// Ctrl-C or kill to mpirun itself: Open MPI's mpirun sends SIGTERM to every rank and exits 1,
+// whatever the ranks return (its code, not mpusim's). The ranks still stop at a safe point,
+// say why in one line, and write nothing.
+TEST(FaultTest, InterruptedMpirunExitsOneButTheRanksSayWhy) {
+  for (const int signal : {SIGINT, SIGTERM}) {
+    SCOPED_TRACE(signal == SIGINT ? "SIGINT to mpiexec" : "SIGTERM to mpiexec");
+    const InterruptedJob run = RunInterrupted(4, signal, /*to_mpiexec=*/true);
+    const Job& job = run.job;
+    ExpectEndedCleanly(job, "mpusim: MPUSIM_FAULT: rank 2 ");
+    EXPECT_EQ(job.exit_code, 1) << job.output;
+    EXPECT_EQ(Count(job.output, "mpusim: interrupted:"), 1) << job.output;
+    // mpirun's SIGTERMs reach the ranks one by one: which rank names itself, and whether the
+    // safe point is before or after an iteration, depends on when they arrive.
+    EXPECT_TRUE(std::regex_search(
+        job.output,
+        std::regex("mpusim: interrupted: rank [0-3] got SIGTERM from mpirun; every rank stopped "
+                   "(before|after) iteration [0-9]+ of 1000000; no dump, trace or summary "
+                   "written; exit code 143 \\(mpirun, itself interrupted, exits 1\\)\n")))
+        << job.output;
+    EXPECT_GE(run.after_signal_s, 0) << "the test never sent the signal:\n" << job.output;
+    EXPECT_LT(run.after_signal_s, kAbortSlackS) << job.output;
+    EXPECT_EQ(run.left, std::vector<std::string>()) << "an interrupted run wrote these";
   }
 }
 
