@@ -20,6 +20,7 @@
 
 #include "cli/cli.h"
 #include "sim/blas_kernels.h"
+#include "tests/sanitizers.h"
 #include "core/init.h"
 #include "core/dump/safetensors.h"
 
@@ -2301,18 +2302,14 @@ TEST(DiffCommand, ContextParallelDumpDiffsCleanAgainstOneRank) {
 std::vector<std::string> KernelSetsOfThisCpu() {
   const std::string best = mpusim::BestBlasKernelsForCpu();
   if (best.empty()) return {""};  // not x86-64: OpenBLAS's own choice
-#if defined(__SANITIZE_ADDRESS__)
-  return {best};
-#else
+  if (mpusim::testing::kAddressSanitizer) return {best};
   std::vector<std::string> sets;
   for (const char* set : {"Prescott", "Haswell", "SkylakeX", "Cooperlake"}) {
     sets.push_back(set);
     if (best == set) return sets;
   }
-  if (best != "Prescott") sets = {"Prescott", best};  // Sandybridge, Nehalem or Core2
-  else sets = {"Prescott"};
-  return sets;
-#endif
+  if (best == "Prescott") return {"Prescott"};
+  return {"Prescott", best};  // Sandybridge, Nehalem or Core2
 }
 
 // On a CPU that OpenBLAS does not know it falls back to its SSE3 kernels; mpusim then pins
@@ -2645,17 +2642,7 @@ TEST(HostileInput, HugeSizesAreRefusedUpFront) {
 
 // ASan reserves terabytes of address space for its shadow memory up front, so an address-space
 // cap would kill every sanitized run at its start; there only the deadline applies.
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kAddressSanitizer = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kAddressSanitizer = true;
-#else
-constexpr bool kAddressSanitizer = false;
-#endif
-#else
-constexpr bool kAddressSanitizer = false;
-#endif
+using mpusim::testing::kAddressSanitizer;
 
 // The real binary on `args` in a child with at most 2 GiB of address space and 10 s of wall
 // time (SIGKILL after: exit 137); stdout and stderr apart.

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "tests/model/gpt_mpi_helpers.h"
+#include "tests/sanitizers.h"
 #include "tests/mpi/world.h"
 
 namespace mpusim {
@@ -91,17 +92,7 @@ struct Layout {
 // Under the sanitizers (about 5 times slower) the suites keep a representative subset:
 // every tp, cp and ep, but the pipeline, the dropping router and etp other than tp on fewer
 // layouts.
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kSanitized = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kSanitized = true;
-#else
-constexpr bool kSanitized = false;
-#endif
-#else
-constexpr bool kSanitized = false;
-#endif
+constexpr bool kSanitized = mpusim::testing::kAddressSanitizer;
 
 // Every tp x cp x pp the world allows, in each every ep in {1, 2, 4} that divides dp x cp
 // (expert parallelism is carved out of them), and for each the expert tensor-parallel sizes
