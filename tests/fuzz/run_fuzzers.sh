@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # tests/fuzz/run_fuzzers.sh: run every fuzz target for a fixed time from the committed corpus.
 #
-# What it is: the fuzzing step of CI (.ci/run) and the command to fuzz by hand. Each target
-# starts from its committed seeds (read only) and writes what it discovers into a scratch
-# corpus under OUT_DIR, never into tests/fuzz/corpus/. Per target it prints the executions,
+# What it is: the fuzzing step of CI (.ci/run) and the command to fuzz by hand. The targets
+# run side by side; each starts from its committed seeds (read only) and writes what it
+# discovers into a scratch corpus under OUT_DIR, never into tests/fuzz/corpus/. Per target it prints the executions,
 # exec/s, new units and peak RSS that libFuzzer reports (-print_final_stats=1). Exit code 0
 # when no target reported a finding; 1 otherwise, after printing each finding's report and
 # where its reproducer was saved (copy it into tests/fuzz/findings/ to keep it).
@@ -30,24 +30,39 @@ declare -A seeds=(
   [fuzz_manifest]="${corpus}/fuzz_manifest"
 )
 
-findings=0
-for target in fuzz_config fuzz_safetensors fuzz_manifest; do
+targets=(fuzz_config fuzz_safetensors fuzz_manifest)
+for target in "${targets[@]}"; do
   binary="${build_dir}/tests/fuzz/${target}"
   if [[ ! -x "${binary}" ]]; then
     echo "[fuzz] error: ${binary} is not built;" \
          "run cmake --preset fuzz && cmake --build --preset fuzz" >&2
     exit 2
   fi
+done
+
+# The targets fuzz side by side, each for SECONDS: the step takes SECONDS of wall time, not
+# three times that (each target gets the cores' share; libFuzzer is single-threaded).
+declare -A pids
+for target in "${targets[@]}"; do
+  binary="${build_dir}/tests/fuzz/${target}"
   work="${out_dir}/${target}"
   rm -rf "${work}"
   mkdir -p "${work}/corpus" "${work}/artifacts"
-  log="${work}/fuzz.log"
   echo "[fuzz] ${target}: ${seconds} s from ${seeds[${target}]}"
-  status=0
   # shellcheck disable=SC2086  # the seed list is split on purpose
   "${binary}" -max_total_time="${seconds}" -max_len=65536 -timeout=10 -rss_limit_mb=2048 \
     -malloc_limit_mb=1024 -print_final_stats=1 -artifact_prefix="${work}/artifacts/" \
-    "${work}/corpus" ${seeds[${target}]} >"${log}" 2>&1 || status=$?
+    "${work}/corpus" ${seeds[${target}]} >"${work}/fuzz.log" 2>&1 &
+  pids[${target}]=$!
+done
+
+findings=0
+for target in "${targets[@]}"; do
+  binary="${build_dir}/tests/fuzz/${target}"
+  work="${out_dir}/${target}"
+  log="${work}/fuzz.log"
+  status=0
+  wait "${pids[${target}]}" || status=$?
   stat() { sed -n "s/^stat::$1: *//p" "${log}" | tail -n 1; }
   echo "[fuzz] ${target}: $(stat number_of_executed_units) executions," \
        "$(stat average_exec_per_sec) exec/s, $(stat new_units_added) new units," \
