@@ -182,6 +182,14 @@ class Topology {
   // How many groups of this kind span nodes: O(number of groups) time for direct kinds,
   // O(world size) otherwise; O(group size) memory.
   int64_t NumGroupsSpanningNodes(size_t kind) const;
+  // Whether NumGroupsSpanningNodes(kind) > 0: O(axes) for direct kinds (a closed form, see
+  // topology.cc), NumGroupsSpanningNodes otherwise.
+  bool AnyGroupSpansNodes(size_t kind) const;
+  // The fewest members group 0 of a kind has on one of the nodes it touches; 1 when it
+  // stays on one node. O(axes) for a direct kind whose axes of size > 1 are consecutive in
+  // the order; O(nodes group 0 touches) time and O(1) memory for other direct kinds;
+  // O(group size) for derived kinds.
+  int64_t FewestGroupMembersOnANode(size_t kind) const;
 
  private:
   Topology(ParallelConfig config, DerivedSizes sizes, RankGenerator dense, RankGenerator expert,

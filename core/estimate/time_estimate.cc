@@ -4,8 +4,6 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
-#include <limits>
-#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
@@ -197,17 +195,6 @@ struct Link {
   double latency;
   bool inter_node;
 };
-// The fewest members a group of `kind` has on one of its nodes (group 0, which holds the
-// first rank; 1 when it stays on one node while others do not).
-int64_t FewestPerNode(const Topology& topology, size_t kind) {
-  if (!topology.GroupSpansNodes(kind, 0)) return 1;
-  std::map<int64_t, int64_t> per_node;
-  for (const int64_t rank : topology.Group(kind, 0)) ++per_node[topology.NodeOf(rank)];
-  int64_t fewest = std::numeric_limits<int64_t>::max();
-  for (const auto& [node, n] : per_node) fewest = std::min(fewest, n);
-  return fewest;
-}
-
 // A kind's link for the busiest rank, whose group may be any of them: with a group across
 // nodes, the network's. A ring collective (`ring`) whose group has g members on each node
 // uses g of the node's adapters (one per GPU): every group of the kind runs at once, so the
@@ -215,12 +202,14 @@ int64_t FewestPerNode(const Topology& topology, size_t kind) {
 // split over g channels, as NCCL's rings are; a point-to-point send uses one.
 Link LinkOf(const Topology& topology, const char* kind, const GpuSpec& gpu, bool ring) {
   const std::optional<size_t> k = topology.FindKind(kind);
-  const bool inter = k && topology.NumGroupsSpanningNodes(*k) > 0;
+  // O(axes) whatever the world size (all kinds here are direct); the fewest-members query
+  // walks nodes only when a custom order puts another axis between the kind's axes.
+  const bool inter = k && topology.AnyGroupSpansNodes(*k);
   if (!inter) {
     return {gpu.intra_node_bandwidth * gpu.collective_efficiency, gpu.intra_node_latency_s,
             false};
   }
-  const auto rails = static_cast<double>(ring ? FewestPerNode(topology, *k) : 1);
+  const auto rails = static_cast<double>(ring ? topology.FewestGroupMembersOnANode(*k) : 1);
   const double bw = std::min(rails * gpu.inter_node_bandwidth, gpu.intra_node_bandwidth);
   return {bw * gpu.collective_efficiency, gpu.inter_node_latency_s, true};
 }

@@ -5,6 +5,7 @@
 // digit). The reference below buckets ranks by that definition; the planner computes
 // strides and offsets. They must agree group for group and rank for rank.
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <numeric>
 
@@ -284,6 +285,68 @@ TEST(TopologyProperties, DistributedOptimizerAndHierarchicalKinds) {
       }
     }
   }
+}
+
+// The closed forms of AnyGroupSpansNodes and FewestGroupMembersOnANode (which the time
+// estimate uses, O(axes) instead of O(groups) or O(group size)) against the brute force
+// they replace, over every factorisation (dense and expert) of n <= 24, several orders,
+// node sizes that divide the world and ones that do not, and two rank offsets.
+void CheckNodeQueries(const Topology& topology, const std::string& label) {
+  for (size_t kind = 0; kind < topology.kinds().size(); ++kind) {
+    SCOPED_TRACE(label + " kind " + topology.kinds()[kind].name);
+    ASSERT_EQ(topology.AnyGroupSpansNodes(kind), topology.NumGroupsSpanningNodes(kind) > 0);
+    int64_t fewest = 1;
+    if (topology.GroupSpansNodes(kind, 0)) {
+      std::map<int64_t, int64_t> per_node;
+      for (const int64_t rank : topology.Group(kind, 0)) ++per_node[topology.NodeOf(rank)];
+      fewest = std::numeric_limits<int64_t>::max();
+      for (const auto& [node, count] : per_node) fewest = std::min(fewest, count);
+    }
+    ASSERT_EQ(topology.FewestGroupMembersOnANode(kind), fewest);
+  }
+}
+
+TEST(TopologyProperties, NodeQueriesMatchBruteForce) {
+  int64_t checked = 0;
+  const std::vector<std::string> orders = {"tp-cp-ep-dp-pp", "tp-pp-dp-cp", "pp-dp-cp-tp",
+                                           "dp-tp-cp-pp", "cp-dp-tp-pp"};
+  for (int64_t n = 1; n <= 24; ++n) {
+    for (const std::string& order : orders) {
+      for (int64_t t : Divisors(n)) {
+        for (int64_t c : Divisors(n / t)) {
+          for (int64_t p : Divisors(n / (t * c))) {
+            for (int64_t etp : Divisors(n / p)) {
+              for (int64_t e : Divisors(n / (p * etp))) {
+                for (int64_t gpus_per_node : {1, 2, 3, 4, 6, 8, 64}) {
+                  for (int64_t offset : {0, 5}) {
+                    ParallelConfig config;
+                    config.world_size = n;
+                    config.gpus_per_node = gpus_per_node;
+                    config.tensor_model_parallel_size = t;
+                    config.context_parallel_size = c;
+                    config.pipeline_model_parallel_size = p;
+                    config.expert_tensor_parallel_size = etp;
+                    config.expert_model_parallel_size = e;
+                    config.rank_offset = offset;
+                    config.order = order;
+                    StatusOr<Topology> topology = Topology::Create(config);
+                    if (!topology.ok()) continue;  // orders refused with cp > 1 and pp > 1
+                    CheckNodeQueries(*topology,
+                                     fmt::format("n={} {} t={} c={} p={} etp={} ep={} G={} o={}",
+                                                 n, order, t, c, p, etp, e, gpus_per_node,
+                                                 offset));
+                    if (HasFatalFailure()) return;
+                    ++checked;
+                  }
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 134708);
 }
 
 }  // namespace
