@@ -21,11 +21,15 @@ namespace mpusim {
 namespace {
 
 std::vector<int64_t> Divisors(int64_t n) {
-  std::vector<int64_t> out;
-  for (int64_t d = 1; d <= n; ++d) {
-    if (n % d == 0) out.push_back(d);
+  // Divisors pair up as d and n / d with d <= sqrt(n): O(sqrt n) trials, ascending order.
+  std::vector<int64_t> small, large;
+  for (int64_t d = 1; d <= n / d; ++d) {
+    if (n % d != 0) continue;
+    small.push_back(d);
+    if (d != n / d) large.push_back(n / d);
   }
-  return out;
+  small.insert(small.end(), large.rbegin(), large.rend());
+  return small;
 }
 
 // Every (a, b) of the two lists, a's order first.
