@@ -124,6 +124,9 @@ std::string RankList(const RanksAt& ranks) {
   return fmt::format("{}", fmt::join(parts, ", "));
 }
 
+// The most shards (a parameter's piece on one tp or etp rank) the whole map's JSON lists.
+constexpr int64_t kMaxJsonShards = int64_t{1} << 16;
+
 std::string DimName(const MappedParameter& p) {
   if (p.tp_dim < 0) return "";
   if (p.full_shape.size() == 1) return "elements";
@@ -302,13 +305,30 @@ class ExplainCommand : public Command {
     if (!model.ok()) {
       return ReportError(err, source, config_.Attribute(model.status(), &source).Message());
     }
+    // The JSON map is one tree, about 1 KB of memory per shard while it is built: its
+    // whole-world form stops at kMaxJsonShards pieces (2^20 ranks at tp 2^20 would be 2^21
+    // shards, over 2 GiB); the text streams and covers every world up to kMaxListedRanks.
+    const std::vector<MappedParameter> sharding_map = (*model)->ShardingMap();
+    if (json_ && rank < 0) {
+      int64_t shards = 0;
+      for (const MappedParameter& p : sharding_map) {
+        shards += p.tp_dim < 0 ? 1 : p.over_etp ? topology->sizes().etp : topology->sizes().tp;
+      }
+      if (shards > kMaxJsonShards) {
+        return ReportError(err, config_.path().empty() ? "command line" : config_.path(),
+                           fmt::format("--format json: the sharding map has {} shards, more than "
+                                       "the {} its JSON lists; use the text format, or query one "
+                                       "rank with --rank R",
+                                       shards, kMaxJsonShards));
+      }
+    }
     if (!run_given && topology->sizes().cp > 1) {
       text << fmt::format("(no run section: the positions below are those of a sequence of {} "
                           "tokens, the shortest this layout splits)\n",
                           with_run.run->seq_length);
     }
     (*model)->Explain(text);
-    PrintShardingMap((*model)->ShardingMap(), *topology, rank, json_, json_ ? out : text,
+    PrintShardingMap(sharding_map, *topology, rank, json_, json_ ? out : text,
                      with_run.run->seq_length);
     return kExitOk;
   }
