@@ -2678,6 +2678,33 @@ TEST(HostileInput, EveryCommandIsBoundedOnAbsurdSizes) {
       R"({"parallel": {"world_size": 1073741824, "tensor_model_parallel_size": 1073741824},)"
       R"( "model": {"layers": [{"name": "fc", "type": "ColumnParallelLinear",)"
       R"( "input_size": 1073741824, "output_size": 1073741824}]}})");
+  // GPT layouts whose step-time link model once listed a group of 2^30 ranks (estimate out
+  // of memory) or visited each of 2^29 groups (past 10 s), and whose advise tried every
+  // number up to 2^30 as a divisor; a tp 2^20 world whose JSON sharding map (2^21 shards
+  // and more) outgrew 2 GiB.
+  const std::string gpt_tp30 = WriteTemp(
+      "mpusim_hostile_gpt_tp30.json",
+      R"({"parallel": {"world_size": 1073741824, "tensor_model_parallel_size": 1073741824},)"
+      R"( "model": {"type": "gpt", "num_layers": 1, "hidden_size": 1073741824,)"
+      R"( "num_attention_heads": 1073741824, "ffn_hidden_size": 1073741824,)"
+      R"( "max_position_embeddings": 8, "vocab_size": 1073741824}})");
+  const std::string gpt_cp29 = WriteTemp(
+      "mpusim_hostile_gpt_cp29.json",
+      R"({"parallel": {"world_size": 536870912, "context_parallel_size": 536870912},)"
+      R"( "model": {"type": "gpt", "num_layers": 1, "hidden_size": 64, "num_attention_heads": 8,)"
+      R"( "ffn_hidden_size": 128, "position_embedding_type": "rope", "vocab_size": 256}})");
+  const std::string gpt_tp20 = WriteTemp(
+      "mpusim_hostile_gpt_tp20.json",
+      R"({"parallel": {"world_size": 1048576, "tensor_model_parallel_size": 1048576},)"
+      R"( "model": {"type": "gpt", "num_layers": 1, "hidden_size": 1048576,)"
+      R"( "num_attention_heads": 1048576, "ffn_hidden_size": 1048576, "vocab_size": 1048576}})");
+  const std::vector<std::string> tp30_batch = {"--global-batch-size", "4", "--seq-length", "8"};
+  const std::vector<std::string> cp29_batch = {"--global-batch-size", "4", "--seq-length",
+                                               "1073741824"};
+  const auto with = [](std::vector<std::string> head, const std::vector<std::string>& tail) {
+    head.insert(head.end(), tail.begin(), tail.end());
+    return head;
+  };
   struct Case {
     std::vector<std::string> args;
     std::string refusal;  // "" : exit 0
@@ -2702,6 +2729,13 @@ TEST(HostileInput, EveryCommandIsBoundedOnAbsurdSizes) {
       {{"advise", tp30, "--global-batch-size", "1"}, "advise needs a GPT model"},
       {{"sweep", tp30, "--world-size", "2"}, "run: is required by mpusim sweep"},
       {{"run", tp30}, "run: is required by mpusim run"},
+      {with({"estimate", gpt_tp30}, tp30_batch), ""},
+      {with({"estimate", gpt_tp30, "--format", "json"}, tp30_batch), ""},
+      {with({"advise", gpt_tp30}, tp30_batch), ""},
+      {with({"estimate", gpt_cp29}, cp29_batch), ""},
+      {with({"estimate", gpt_cp29, "--format", "json"}, cp29_batch), ""},
+      {with({"advise", gpt_cp29}, cp29_batch), ""},
+      {{"explain", gpt_tp20, "--format", "json"}, "shards, more than the 65536 its JSON lists"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(fmt::format("{}", fmt::join(c.args, " ")));
