@@ -6,6 +6,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <thread>
 #include <optional>
 #include <tuple>
@@ -185,15 +186,16 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
       for (int64_t pp : Divisors(n / (tp * cp))) {
         if (model.num_layers % pp != 0) continue;
         const int64_t dp = n / (tp * cp * pp);
-        // Expert parallelism from dp x cp: every ep dividing it and the experts.
-        std::vector<int64_t> eps = {1};
-        for (int64_t ep = 2; ep <= dp * cp && model.moe.enabled(); ++ep) {
-          if ((dp * cp) % ep == 0 && model.moe.num_experts % ep == 0) eps.push_back(ep);
-        }
+        // Expert parallelism from dp x cp: every ep dividing it and the experts, that is
+        // every divisor of their gcd (O(sqrt) trials, not one per number up to dp x cp).
+        const std::vector<int64_t> eps =
+            model.moe.enabled() ? Divisors(std::gcd(dp * cp, model.moe.num_experts))
+                                : std::vector<int64_t>{1};
+        // Virtual stages: every v >= 2 dividing the layers of a stage.
         std::vector<int64_t> vps = {0};
         if (options.virtual_pipeline && pp > 1) {
-          for (int64_t v = 2; v <= model.num_layers / pp; ++v) {
-            if (model.num_layers % (pp * v) == 0) vps.push_back(v);
+          for (int64_t v : Divisors(model.num_layers / pp)) {
+            if (v >= 2) vps.push_back(v);
           }
         }
         for (int64_t vp : vps) {
