@@ -153,17 +153,33 @@ class LayoutCommand : public Command {
     std::optional<ConfigOptions::Layout> base = config_.ResolveLayout(err);
     if (!base) return kExitUsage;
     const int64_t n = base->topology.world_size();
+    // Each row counts the tp groups that leave a node, O(n / tp) for some orders and node
+    // sizes: past kMaxListedRanks, as the whole listings, the sweep is refused up front.
+    if (n > kMaxListedRanks) {
+      return ReportError(err, config_.path().empty() ? "command line" : config_.path(),
+                         fmt::format("parallel.world_size: {} ranks is more than the {} --sweep "
+                                     "covers; sweep a smaller world (--world-size N)",
+                                     n, kMaxListedRanks));
+    }
     struct Row {
       int64_t tp, pp, cp, dp, tp_spanning;
     };
     std::vector<Row> rows;
     int64_t refused = 0;
-    for (int64_t tp = 1; tp <= n; ++tp) {
-      if (n % tp != 0) continue;
-      for (int64_t pp = 1; pp <= n / tp; ++pp) {
-        if ((n / tp) % pp != 0) continue;
-        for (int64_t cp = 1; cp <= n / (tp * pp); ++cp) {
-          if ((n / (tp * pp)) % cp != 0) continue;
+    // Divisors in O(sqrt n), ascending: the rows come in order of tp, pp, cp.
+    const auto divisors = [](int64_t m) {
+      std::vector<int64_t> low, high;
+      for (int64_t d = 1; d * d <= m; ++d) {
+        if (m % d != 0) continue;
+        low.push_back(d);
+        if (d != m / d) high.push_back(m / d);
+      }
+      low.insert(low.end(), high.rbegin(), high.rend());
+      return low;
+    };
+    for (const int64_t tp : divisors(n)) {
+      for (const int64_t pp : divisors(n / tp)) {
+        for (const int64_t cp : divisors(n / (tp * pp))) {
           ParallelConfig c = base->config.parallel;
           c.tensor_model_parallel_size = tp;
           c.pipeline_model_parallel_size = pp;
@@ -177,8 +193,12 @@ class LayoutCommand : public Command {
             ++refused;
             continue;
           }
-          rows.push_back(
-              {tp, pp, cp, n / (tp * pp * cp), t->NumGroupsSpanningNodes(*t->FindKind("tp"))});
+          // AnyGroupSpansNodes is O(axes): most rows (every one whose tp groups fit their
+          // nodes) skip the count.
+          const size_t tp_kind = *t->FindKind("tp");
+          rows.push_back({tp, pp, cp, n / (tp * pp * cp),
+                          t->AnyGroupSpansNodes(tp_kind) ? t->NumGroupsSpanningNodes(tp_kind)
+                                                         : 0});
         }
       }
     }

@@ -2715,6 +2715,8 @@ TEST(HostileInput, EveryCommandIsBoundedOnAbsurdSizes) {
       {{"layout", tp30, "--format", "json"}, listing},
       {{"layout", tp30, "--format", "picture"}, listing},
       {{"layout", tp30, "--format", "html"}, listing},
+      {{"layout", tp30, "--sweep"}, "is more than the 1048576 --sweep covers"},
+      {{"layout", tp30, "--sweep", "--format", "json"}, "is more than the 1048576 --sweep covers"},
       {{"layout", tp30, "--rank", "1073741823"}, ""},
       {{"layout", tp30, "--rank", "5", "--format", "json"}, ""},
       {{"explain", tp30}, "sharding map covers; query one rank with --rank R"},
