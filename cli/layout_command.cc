@@ -166,20 +166,10 @@ class LayoutCommand : public Command {
     };
     std::vector<Row> rows;
     int64_t refused = 0;
-    // Divisors in O(sqrt n), ascending: the rows come in order of tp, pp, cp.
-    const auto divisors = [](int64_t m) {
-      std::vector<int64_t> low, high;
-      for (int64_t d = 1; d * d <= m; ++d) {
-        if (m % d != 0) continue;
-        low.push_back(d);
-        if (d != m / d) high.push_back(m / d);
-      }
-      low.insert(low.end(), high.rbegin(), high.rend());
-      return low;
-    };
-    for (const int64_t tp : divisors(n)) {
-      for (const int64_t pp : divisors(n / tp)) {
-        for (const int64_t cp : divisors(n / (tp * pp))) {
+    // Ascending divisors: the rows come in order of tp, pp, cp.
+    for (const int64_t tp : DivisorsOf(n)) {
+      for (const int64_t pp : DivisorsOf(n / tp)) {
+        for (const int64_t cp : DivisorsOf(n / (tp * pp))) {
           ParallelConfig c = base->config.parallel;
           c.tensor_model_parallel_size = tp;
           c.pipeline_model_parallel_size = pp;

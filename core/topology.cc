@@ -651,6 +651,17 @@ bool Topology::GroupSpansNodes(size_t kind_index, int64_t group_index) const {
   return false;
 }
 
+std::vector<int64_t> DivisorsOf(int64_t n) {
+  std::vector<int64_t> small, large;
+  for (int64_t d = 1; d <= n / d; ++d) {
+    if (n % d != 0) continue;
+    small.push_back(d);
+    if (d != n / d) large.push_back(n / d);
+  }
+  small.insert(small.end(), large.rbegin(), large.rend());
+  return small;
+}
+
 int64_t Topology::NumGroupsSpanningNodes(size_t kind_index) const {
   int64_t spanning = 0;
   const int64_t groups = NumGroups(kind_index);

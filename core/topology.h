@@ -142,6 +142,10 @@ struct RankCoordinates {
   int64_t etp = 0, ep = 0, edp = 0;        // expert generator (its pp equals the dense pp)
 };
 
+// The divisors of n >= 1, ascending, in O(sqrt n) trials (d and n / d pair up): the sizes a
+// parallel dimension of n ranks can take. Used by `layout --sweep` and `advise`.
+std::vector<int64_t> DivisorsOf(int64_t n);
+
 class Topology {
  public:
   // Validates the cross-field rules Megatron enforces and builds the planner. Errors name

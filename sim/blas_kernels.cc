@@ -33,6 +33,13 @@ constexpr const char* kPinFailed = "MPUSIM_OPENBLAS_PIN_FAILED";  // the set tha
 constexpr const char* kPretendChoice = "MPUSIM_OPENBLAS_PRETEND_CHOICE";  // test hooks
 constexpr const char* kPretendWrong = "MPUSIM_OPENBLAS_PRETEND_WRONG";
 
+// OpenBLAS's core names compare without case (OPENBLAS_CORETYPE=haswell names Haswell).
+std::string Lower(std::string_view name) {
+  std::string out(name);
+  for (char& c : out) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+  return out;
+}
+
 // OpenBLAS's x86-64 kernel sets (its core names) ranked by the instructions they use, so that
 // "below the best one the CPU runs" is a comparison: 6 AVX-512 with bf16, 5 AVX-512, 4 AVX2
 // with FMA (Zen runs the Haswell kernels), 3 AVX (and AMD's FMA4 families), 2 SSE4, 1 SSSE3,
@@ -50,22 +57,13 @@ int KernelLevel(std::string_view name) {
       {"bobcat", 1},         {"prescott", 0},    {"katmai", 0},     {"coppermine", 0},
       {"northwood", 0},      {"banias", 0},      {"opteron", 0},    {"opteron(sse3)", 0},
   }};
-  std::string lower(name);
-  for (char& c : lower) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+  const std::string lower = Lower(name);
   for (const Entry& e : kLevels) {
     if (e.name == lower) return e.level;
   }
   return -1;
 }
 
-bool SameName(std::string_view a, std::string_view b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    auto lower = [](char c) { return c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c; };
-    if (lower(a[i]) != lower(b[i])) return false;
-  }
-  return true;
-}
 
 std::string Env(const char* name) {
   const char* value = std::getenv(name);
@@ -174,7 +172,7 @@ std::string BlasKernelsNote() {
 #if defined(MPUSIM_HAVE_OPENBLAS)
   const std::string current = openblas_get_corename();
   const std::string chose = Env(kChose), failed = Env(kPinFailed), pinned = Env(kCoreType);
-  if (!chose.empty() && SameName(pinned, current)) {
+  if (!chose.empty() && Lower(pinned) == Lower(current)) {
     return fmt::format("pinned by mpusim: OpenBLAS chose {} for this CPU", chose);
   }
   if (!failed.empty()) {

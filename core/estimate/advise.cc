@@ -21,18 +21,6 @@
 namespace mpusim {
 namespace {
 
-std::vector<int64_t> Divisors(int64_t n) {
-  // Divisors pair up as d and n / d with d <= sqrt(n): O(sqrt n) trials, ascending order.
-  std::vector<int64_t> small, large;
-  for (int64_t d = 1; d <= n / d; ++d) {
-    if (n % d != 0) continue;
-    small.push_back(d);
-    if (d != n / d) large.push_back(n / d);
-  }
-  small.insert(small.end(), large.rbegin(), large.rend());
-  return small;
-}
-
 // Every (a, b) of the two lists, a's order first.
 template <typename A, typename B>
 std::vector<std::pair<A, B>> Pairs(const std::vector<A>& as, const std::vector<B>& bs) {
@@ -175,26 +163,26 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
     const PipelineSchedule* schedule;
   };
   std::vector<Candidate> candidates;
-  for (int64_t tp : Divisors(n)) {
+  for (int64_t tp : DivisorsOf(n)) {
     // Within a node, tp divides the node (a group never straddles two).
     if (tp > max_tp || (tp <= config.parallel.gpus_per_node &&
                         config.parallel.gpus_per_node % tp != 0)) {
       continue;
     }
-    for (int64_t cp : Divisors(n / tp)) {
+    for (int64_t cp : DivisorsOf(n / tp)) {
       if (options.max_cp > 0 && cp > options.max_cp) continue;
-      for (int64_t pp : Divisors(n / (tp * cp))) {
+      for (int64_t pp : DivisorsOf(n / (tp * cp))) {
         if (model.num_layers % pp != 0) continue;
         const int64_t dp = n / (tp * cp * pp);
         // Expert parallelism from dp x cp: every ep dividing it and the experts, that is
         // every divisor of their gcd (O(sqrt) trials, not one per number up to dp x cp).
         const std::vector<int64_t> eps =
-            model.moe.enabled() ? Divisors(std::gcd(dp * cp, model.moe.num_experts))
+            model.moe.enabled() ? DivisorsOf(std::gcd(dp * cp, model.moe.num_experts))
                                 : std::vector<int64_t>{1};
         // Virtual stages: every v >= 2 dividing the layers of a stage.
         std::vector<int64_t> vps = {0};
         if (options.virtual_pipeline && pp > 1) {
-          for (int64_t v : Divisors(model.num_layers / pp)) {
+          for (int64_t v : DivisorsOf(model.num_layers / pp)) {
             if (v >= 2) vps.push_back(v);
           }
         }
