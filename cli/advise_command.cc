@@ -406,7 +406,7 @@ class AdviseCommand : public Command {
                     gpu.name, run::FormatBytes(hbm), o.global_batch_size);
     PrintReportPageStart(title, out);
     out << fmt::format("<p>{} layouts evaluated of {}: {} fit, {} do not. Ranked by predicted "
-                       "step time, the fastest first.</p>\n",
+                       "step time, the fastest first; near-ties (within 0.1%) by headroom.</p>\n",
                        a.candidates, HtmlEscape(path_), a.fit.size(), a.too_big.size());
     const size_t n = std::min(a.fit.size(), static_cast<size_t>(top_));
     if (n == 0) out << "<p class=\"over\">No layout fits.</p>\n";

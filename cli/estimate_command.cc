@@ -4,7 +4,8 @@
 // is allocated, so a model of any size on any layout answers at once; `mpusim run --summary`
 // measures the same bytes, and the MemoryEstimate tests require them equal on every rank.
 // With a run section (or --global-batch-size), also the activations and buffers at the
-// schedule's peak and whether the peak fits the GPU (core/estimate/activation_estimate.h),
+// schedule's peak (core/estimate/activation_estimate.h) and whether it fits the GPU with the
+// memory reserve a GPU run adds (core/estimate/memory_reserve.h; --reserve-gib replaces it),
 // and the step time on a GPU (--gpu), its parts, the communication per group kind, model
 // TFLOP/s per GPU and MFU (core/estimate/time_estimate.h). `--format json` gives the numbers
 // for scripts, `--format html` a page of bars and tables (cli/estimate_report.h renders all
