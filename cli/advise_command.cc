@@ -376,7 +376,13 @@ class AdviseCommand : public Command {
       for (const StepPart& p : StepParts(l.time)) j[p.key] = p.seconds;
       j["peak_bytes"] = JsonBytes(l.peak);
       j["reserved_bytes"] = JsonBytes(l.reserved);
-      j["headroom_bytes"] = HeadroomBytes(l, gpu);
+      // An exact integer: what is free, or minus the excess of a miss.
+      const auto hbm = static_cast<PlanBytes>(gpu.hbm_bytes);
+      const PlanBytes over = l.needed() > hbm ? l.needed() - hbm : 0;
+      j["headroom_bytes"] = over == 0 ? JsonBytes(hbm - l.needed())
+                            : over < (PlanBytes{1} << 62)
+                                ? nlohmann::ordered_json(-static_cast<int64_t>(over))
+                                : nlohmann::ordered_json(-static_cast<double>(over));
       j["peak_stage"] = l.peak_stage;
       if (l.fits) j["tie_run"] = l.tie_run;
       return j;
