@@ -31,7 +31,8 @@
 //                  charged.
 // `mpusim estimate --reserve-gib X` and `mpusim advise --reserve-gib X` replace the sum with
 // X GiB on every rank.
-// What it is not: a measurement. TE's userbuffers (tp_comm_overlap), CUDA graphs' pools,
+// What it is not: a measurement (no GPU has checked it; the context predates CUDA's lazy
+// loading and may be high, the NCCL channels may be low on H100s). TE's userbuffers (tp_comm_overlap), CUDA graphs' pools,
 // NCCL's small per-communicator structures and the MoE dispatchers' buffers are not in it.
 #pragma once
 
@@ -58,7 +59,8 @@ inline constexpr PlanBytes kNcclSimpleBuffer = PlanBytes{1} << 22;
 inline constexpr PlanBytes kNcclLlBuffer = 8 * 512 * 8 * 16;
 inline constexpr PlanBytes kNcclLl128Buffer = 120 * 640 * 8 * 8;
 // NCCL picks the channels by topology (at most NCCL_MAX_NCHANNELS); 16 is what it reports
-// for 8 Hopper GPUs of a node ("16 coll channels", NVIDIA/nccl issue #892).
+// for the 8 H800s of a node ("16 coll channels", NVIDIA/nccl issue #892); H100s, with more
+// NVLinks, may get up to 32.
 inline constexpr int64_t kNcclChannels = 16;
 inline constexpr double kFragmentation = 0.15;
 
