@@ -21,6 +21,8 @@ std::vector<std::string> NcclCommunicators(const Config& config, const Topology&
   const auto add = [&](const char* kind) {
     if (InGroupOfSeveral(topology, kind, rank)) kinds.emplace_back(kind);
   };
+  // The default group: Megatron's initialize.py synchronises it with barriers.
+  if (topology.world_size() > 1) kinds.emplace_back("world");
   add("tp");
   add("cp");
   add("pp");

@@ -74,8 +74,10 @@ struct MemoryReserve {
   PlanBytes total = 0;
 };
 
-// The group kinds (the planner's names) whose NCCL communicator world rank `rank` uses in a
-// training step: tp (the layers' collectives), cp (the attention's exchanges), pp (the
+// The group kinds (the planner's names, and "world") whose NCCL communicator world rank
+// `rank` uses in a
+// training step: world (the default group, which megatron/training/initialize.py's barriers
+// use), tp (the layers' collectives), cp (the attention's exchanges), pp (the
 // p2p sends), dp_cp (the gradients, distributed_data_parallel.py), the gradient-norm group
 // (mp with the plain optimizer, intra_dist_opt with the distributed one: optimizer.py and
 // distrib_optimizer.py get_grad_stats_parallel_group), embd when the rank is in it and the

@@ -97,7 +97,7 @@ void ExpectReserveByHand(const json& est, bool hopper,
 }
 
 // GPT-3 175B as the sample lays it out (tp 8, pp 16, dp 8, plain Adam, tied embeddings): every
-// stage uses tp, pp, dp_cp and the gradient-norm group mp; the first and the last stage also
+// stage uses the world group, tp, pp, dp_cp and the gradient-norm group mp; the first and the last stage also
 // the embedding group. On an A100 the cuBLAS workspaces are the pre-Hopper sizes, on an H100
 // the Hopper ones; with the distributed optimizer the norm group is the whole instance.
 TEST(MemoryReserve, PartsCountedByHand) {
@@ -105,7 +105,7 @@ TEST(MemoryReserve, PartsCountedByHand) {
     const json est = MpusimJson({"estimate", Sample("gpt3_175b_t8_p16_n1024.json"),
                                  "--global-batch-size", "1536", "--recompute", "full", "--gpu",
                                  hopper ? "h100-80gb" : "a100-80gb", "--format", "json"});
-    std::vector<std::vector<std::string>> communicators(16, {"tp", "pp", "dp_cp", "mp"});
+    std::vector<std::vector<std::string>> communicators(16, {"world", "tp", "pp", "dp_cp", "mp"});
     communicators.front().push_back("embd");
     communicators.back().push_back("embd");
     ExpectReserveByHand(est, hopper, communicators);
@@ -117,12 +117,12 @@ TEST(MemoryReserve, PartsCountedByHand) {
   const std::string dist_path = WriteTemp("mpusim_gpt3_dist_opt.json", config.dump());
   const json dist = MpusimJson({"estimate", dist_path, "--pp", "1", "--global-batch-size",
                                 "1024", "--recompute", "full", "--format", "json"});
-  ExpectReserveByHand(dist, true, {{"tp", "dp_cp", "intra_dist_opt"}});
+  ExpectReserveByHand(dist, true, {{"world", "tp", "dp_cp", "intra_dist_opt"}});
   // The allgather dispatcher's MoE sample (tp 2 with sp, ep 2, dp 2, no optimizer section):
-  // tp, the dense gradients' dp_cp and the dispatcher's tp_ep; expt_dp has one rank.
+  // world, tp, the dense gradients' dp_cp and the dispatcher's tp_ep; expt_dp has one rank.
   const json moe = MpusimJson(
       {"estimate", Sample("gpt_moe_ep2_t2_sp_dp2_n4.json"), "--format", "json"});
-  ExpectReserveByHand(moe, true, {{"tp", "dp_cp", "tp_ep"}});
+  ExpectReserveByHand(moe, true, {{"world", "tp", "dp_cp", "tp_ep"}});
 }
 
 // --reserve-gib replaces the reserve on every stage, and the fit is decided to the byte: the
