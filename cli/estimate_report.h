@@ -72,8 +72,8 @@ struct Bar {
   std::vector<BarPart> parts;  // in the order of the legend's names
 };
 // The parts of a step's time as bars draw them: compute, recompute, tp collectives, pp sends,
-// bubble, dp gradient reduction, optimizer, with `cp` context parallelism's exchanges and with `ep` the
-// mixture-of-experts layers' token exchanges.
+// bubble, dp gradient reduction, optimizer, with `cp` context parallelism's exchanges and with
+// `ep` the mixture-of-experts layers' token exchanges.
 std::vector<std::string> TimePartNames(bool cp, bool ep);
 Bar TimeBar(const std::string& label, const TimeEstimate& time, bool cp, bool ep);
 

@@ -32,8 +32,9 @@
 // `mpusim estimate --reserve-gib X` and `mpusim advise --reserve-gib X` replace the sum with
 // X GiB on every rank.
 // What it is not: a measurement (no GPU has checked it; the context predates CUDA's lazy
-// loading and may be high, the NCCL channels may be low on H100s). TE's userbuffers (tp_comm_overlap), CUDA graphs' pools,
-// NCCL's small per-communicator structures and the MoE dispatchers' buffers are not in it.
+// loading and may be high, the NCCL channels may be low on H100s). TE's userbuffers
+// (tp_comm_overlap), CUDA graphs' pools, NCCL's small per-communicator structures and the MoE
+// dispatchers' buffers are not in it.
 #pragma once
 
 #include <cstdint>

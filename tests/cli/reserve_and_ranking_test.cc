@@ -97,8 +97,8 @@ void ExpectReserveByHand(const json& est, bool hopper,
 }
 
 // GPT-3 175B as the sample lays it out (tp 8, pp 16, dp 8, plain Adam, tied embeddings): every
-// stage uses the world group, tp, pp, dp_cp and the gradient-norm group mp; the first and the last stage also
-// the embedding group. On an A100 the cuBLAS workspaces are the pre-Hopper sizes, on an H100
+// stage uses the world group, tp, pp, dp_cp and the gradient-norm group mp; the first and the
+// last stage also the embedding group. On an A100 the cuBLAS workspaces are the pre-Hopper sizes, on an H100
 // the Hopper ones; with the distributed optimizer the norm group is the whole instance.
 TEST(MemoryReserve, PartsCountedByHand) {
   for (const bool hopper : {false, true}) {
@@ -308,7 +308,8 @@ TEST(AdviseExplanations, PartsAddUpToTheStepTime) {
                                  "a100-80gb", "--format", "json"});
     double sum = 0;
     for (const char* p : parts) sum += est.at("time").at(p).get<double>();
-    EXPECT_NEAR(sum, est.at("step_time_s").get<double>(), 1e-9 * est.at("step_time_s").get<double>());
+    const double step = est.at("step_time_s");
+    EXPECT_NEAR(sum, step, 1e-9 * step);
     compute[r] = est.at("time").at("compute_s");
     recompute[r] = est.at("time").at("recompute_s");
     EXPECT_EQ(est.at("not_modelled"), doc.at("not_modelled")) << r;
