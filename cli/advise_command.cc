@@ -113,7 +113,8 @@ std::string WhyItWins(const Advice& a, const GpuSpec& gpu) {
   const TimeEstimate& t = l.time;
   std::vector<std::string> rest;
   for (const StepPart& p : StepParts(t)) {
-    if (std::string_view(p.key) == "compute_s" || p.seconds <= 0) continue;
+    // Parts that round to 0.0% say nothing; the JSON has them all.
+    if (std::string_view(p.key) == "compute_s" || p.seconds < 0.0005 * t.step_time_s) continue;
     rest.push_back(fmt::format("{} {:.1f}%", p.text, 100 * p.seconds / t.step_time_s));
   }
   std::string out = fmt::format(
