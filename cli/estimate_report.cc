@@ -565,6 +565,15 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
          "count them, walked through the pipeline schedule. The reserve is what a GPU run adds "
          "(README \"The memory reserve\"): the CUDA context, cuBLAS workspaces, NCCL's buffers "
          "per communicator and the caching allocator's fragmentation, or --reserve-gib.</p>\n";
+  if (!r.reserves.empty() && !r.reserves.front().given) {
+    out << fmt::format(
+        "<p class=\"note\">Reserve per rank: CUDA context {}, cuBLAS workspaces {}, NCCL "
+        "buffers {} per communicator, allocator fragmentation {:.0f}% of the activations and "
+        "buffers.</p>\n",
+        run::FormatBytes(kCudaContextBytes), run::FormatBytes(r.reserves.front().cublas_workspaces),
+        run::FormatBytes(kNcclChannels * (kNcclSimpleBuffer + kNcclLlBuffer + kNcclLl128Buffer)),
+        100 * kFragmentation);
+  }
   if (r.executor) {
     out << fmt::format("<h3>what <code>mpusim run</code> keeps on the CPU executor, in {}</h3>\n",
                        DTypeName(config.run->dtype));
