@@ -14,6 +14,7 @@
 #include <optional>
 #include <ostream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cli/cli.h"
@@ -22,6 +23,8 @@
 #include "cli/estimate_report.h"
 #include "core/config/config.h"
 #include "core/estimate/advise.h"
+#include "core/estimate/memory_reserve.h"
+#include "core/estimate/not_modelled.h"
 #include "core/estimate/time_estimate.h"
 #include "core/html.h"
 #include "run/preflight.h"
@@ -77,26 +80,56 @@ std::string FeaturesText(const AdvisedLayout& l) {
   return fmt::format("{}", fmt::join(parts, ", "));
 }
 
-// "2.5 s of its 3.1 s step is compute; ...": what the winner spends its step on and the
-// memory it leaves.
-std::string WhyItWins(const AdvisedLayout& l, const GpuSpec& gpu) {
+// What the GPU keeps free of a layout's neediest stage: HBM - peak - reserve (negative: over).
+double HeadroomBytes(const AdvisedLayout& l, const GpuSpec& gpu) {
+  const auto hbm = static_cast<PlanBytes>(gpu.hbm_bytes);
+  return l.needed() <= hbm ? static_cast<double>(hbm - l.needed())
+                           : -static_cast<double>(l.needed() - hbm);
+}
+
+// One part of a step, as the JSON names it and the text says it.
+struct StepPart {
+  const char* key;
+  const char* text;
+  double seconds;
+};
+// Every part of a layout's step; they add up to its step time.
+std::vector<StepPart> StepParts(const TimeEstimate& t) {
+  return {{"compute_s", "compute", t.compute_s},
+          {"recompute_s", "recomputation", t.recompute_s},
+          {"tp_comm_s", "tp collectives", t.tp_comm_s},
+          {"cp_comm_s", "cp exchanges", t.cp_comm_s},
+          {"ep_comm_s", "the experts' token exchanges", t.ep_comm_s},
+          {"pp_comm_s", "pipeline sends", t.pp_comm_s},
+          {"bubble_s", "the bubble", t.bubble_s},
+          {"dp_comm_s", "the gradient reduction", t.dp_comm_s},
+          {"optimizer_s", "the optimizer step", t.optimizer_s}};
+}
+
+// "2.5 s of its 3.1 s step is compute; ...": what the winner spends its step on, the memory
+// it leaves and, when others tie with it, why it is first among them.
+std::string WhyItWins(const Advice& a, const GpuSpec& gpu) {
+  const AdvisedLayout& l = a.fit.front();
   const TimeEstimate& t = l.time;
-  return fmt::format(
-      "{} of its {} step is compute; the bubble takes {:.1f}%, tp collectives {:.1f}%{}, "
-      "pipeline sends {:.1f}%, the gradient reduction {:.1f}%; its peak {} (stage {}) leaves "
-      "{} free.",
-      Seconds(t.compute_s), Seconds(t.step_time_s), 100 * t.bubble_s / t.step_time_s,
-      100 * t.tp_comm_s / t.step_time_s,
-      fmt::format("{}{}",
-                  l.cp > 1 ? fmt::format(", cp exchanges {:.1f}%",
-                                         100 * t.cp_comm_s / t.step_time_s)
-                           : std::string(),
-                  t.ep_comm_s > 0 ? fmt::format(", the experts' token exchanges {:.1f}%",
-                                                100 * t.ep_comm_s / t.step_time_s)
-                                  : std::string()),
-      100 * t.pp_comm_s / t.step_time_s, 100 * t.dp_comm_s / t.step_time_s,
-      run::FormatBytes(l.peak), l.peak_stage,
-      run::FormatBytes(static_cast<PlanBytes>(gpu.hbm_bytes) - l.peak));
+  std::vector<std::string> rest;
+  for (const StepPart& p : StepParts(t)) {
+    // Parts that round to 0.0% say nothing; the JSON has them all.
+    if (std::string_view(p.key) == "compute_s" || p.seconds < 0.0005 * t.step_time_s) continue;
+    rest.push_back(fmt::format("{} {:.1f}%", p.text, 100 * p.seconds / t.step_time_s));
+  }
+  std::string out = fmt::format(
+      "{} of its {} step is compute{}{}; its peak {} + reserve {} (stage {}) leaves {} free.",
+      Seconds(t.compute_s), Seconds(t.step_time_s), rest.empty() ? "" : "; ",
+      fmt::join(rest, ", "), run::FormatBytes(l.peak), run::FormatBytes(l.reserved),
+      l.peak_stage, run::FormatBytes(static_cast<PlanBytes>(HeadroomBytes(l, gpu))));
+  size_t ties = 1;
+  while (ties < a.fit.size() && a.fit[ties].tie_run == l.tie_run) ++ties;
+  if (ties > 1) {
+    out += fmt::format(" #1 to #{} are within {:.1f}% of the fastest of them; of those it "
+                       "leaves the most memory free.",
+                       ties, 100 * kNearTie);
+  }
+  return out;
 }
 
 // Whether any of the first `n` fitting layouts uses context parallelism: the tables' cp column.
@@ -110,11 +143,12 @@ bool ShowsEp(const Advice& a, size_t n) {
                      [](const AdvisedLayout& l) { return l.time.ep_comm_s > 0; });
 }
 
-// "peak 81 GiB on stage 0 (52 GiB of activations) is 1.0 GiB over".
+// "peak 81 GiB + reserve 2.0 GiB on stage 0 (52 GiB of activations) is 3.0 GiB over".
 std::string WhyItMisses(const AdvisedLayout& l, const GpuSpec& gpu) {
-  return fmt::format("peak {} on stage {} ({} of activations) is {} over",
-                     run::FormatBytes(l.peak), l.peak_stage, run::FormatBytes(l.activations),
-                     run::FormatBytes(l.peak - static_cast<PlanBytes>(gpu.hbm_bytes)));
+  return fmt::format("peak {} + reserve {} on stage {} ({} of activations) is {} over",
+                     run::FormatBytes(l.peak), run::FormatBytes(l.reserved), l.peak_stage,
+                     run::FormatBytes(l.activations),
+                     run::FormatBytes(l.needed() - static_cast<PlanBytes>(gpu.hbm_bytes)));
 }
 
 class AdviseCommand : public Command {
@@ -153,6 +187,9 @@ class AdviseCommand : public Command {
                      "largest context-parallel size (default: any that splits the sequence; 1: "
                      "none)")
         ->check(CLI::Range(1, 1 << 20));
+    app_->add_option("--reserve-gib", reserve_gib_,
+                     "GiB each rank keeps beyond the count, in place of the computed reserve "
+                     "(CUDA context, cuBLAS workspaces, NCCL buffers, fragmentation)");
     app_->add_option("--top", top_, "layouts to show (default 10)")->check(CLI::Range(1, 1000));
     app_->add_option("--format", format_,
                      "text, json or html (a self-contained page; default text)")
@@ -239,8 +276,14 @@ class AdviseCommand : public Command {
       if (!v.ok()) return ReportError(err, "command line", v.status().Message());
       options.distributed_optimizer = *v;
     }
+    if (reserve_gib_) {
+      StatusOr<PlanBytes> bytes = ReserveGibToBytes(*reserve_gib_);
+      if (!bytes.ok()) return ReportError(err, "command line", bytes.status().Message());
+      options.reserve_bytes = *bytes;
+    }
     StatusOr<GpuSpec> gpu = ResolveGpuSpec(gpu_);
     if (!gpu.ok()) return ReportError(err, "command line", gpu.status().Message());
+    not_modelled_ = NotModelled(config);
     moe_ = config.gpt && config.gpt->moe.enabled();
     StatusOr<Advice> advice = Advise(config, *gpu, options);
     if (!advice.ok()) return ReportError(err, path_, advice.status().Message());
@@ -284,9 +327,9 @@ class AdviseCommand : public Command {
             cp ? fmt::format(" {:>6.1f}%", 100 * l.time.cp_comm_s / step) : std::string(),
             ep ? fmt::format(" {:>6.1f}%", 100 * l.time.ep_comm_s / step) : std::string(),
             100 * l.time.pp_comm_s / step, 100 * l.time.dp_comm_s / step,
-            run::FormatBytes(static_cast<PlanBytes>(gpu.hbm_bytes) - l.peak));
+            run::FormatBytes(static_cast<PlanBytes>(HeadroomBytes(l, gpu))));
       }
-      out << "Why #1 wins: " << WhyItWins(a.fit.front(), gpu) << '\n';
+      out << "Why #1 wins: " << WhyItWins(a, gpu) << '\n';
     }
     if (!a.too_big.empty()) {
       out << "Closest that do not fit:\n";
@@ -296,7 +339,9 @@ class AdviseCommand : public Command {
         out << fmt::format("  {}, {}: {}\n", LayoutName(l), FeaturesText(l), WhyItMisses(l, gpu));
       }
     }
-    out << NotSearchedText() << "Time model and memory count: `mpusim estimate` (README).\n";
+    out << ReserveText(o) << NotSearchedText()
+        << "Time model and memory count: `mpusim estimate` (README).\n";
+    out << fmt::format("Not modelled: {}.\n", fmt::join(not_modelled_, "; "));
   }
 
   nlohmann::ordered_json Json(const AdviseOptions& o, const GpuSpec& gpu, const Advice& a) const {
@@ -305,6 +350,9 @@ class AdviseCommand : public Command {
     doc["global_batch_size"] = o.global_batch_size;
     doc["gpu"] = gpu.name;
     doc["hbm_bytes"] = JsonBytes(static_cast<PlanBytes>(gpu.hbm_bytes));
+    doc["reserve_gib"] = reserve_gib_ ? nlohmann::ordered_json(*reserve_gib_)
+                                      : nlohmann::ordered_json(nullptr);
+    doc["near_tie_fraction"] = kNearTie;
     doc["candidates"] = a.candidates;
     doc["fitting"] = a.fit.size();
     const auto entry = [&](const AdvisedLayout& l) {
@@ -325,14 +373,19 @@ class AdviseCommand : public Command {
       j["model_tflops_per_gpu"] = l.time.model_tflops_per_gpu;
       j["mfu"] = l.time.mfu;
       j["step_time_s"] = l.time.step_time_s;
-      j["bubble_s"] = l.time.bubble_s;
-      j["tp_comm_s"] = l.time.tp_comm_s;
-      j["cp_comm_s"] = l.time.cp_comm_s;
-      j["ep_comm_s"] = l.time.ep_comm_s;
-      j["pp_comm_s"] = l.time.pp_comm_s;
-      j["dp_comm_s"] = l.time.dp_comm_s;
+      // The parts of the step, which add up to step_time_s.
+      for (const StepPart& p : StepParts(l.time)) j[p.key] = p.seconds;
       j["peak_bytes"] = JsonBytes(l.peak);
+      j["reserved_bytes"] = JsonBytes(l.reserved);
+      // An exact integer: what is free, or minus the excess of a miss.
+      const auto hbm = static_cast<PlanBytes>(gpu.hbm_bytes);
+      const PlanBytes over = l.needed() > hbm ? l.needed() - hbm : 0;
+      j["headroom_bytes"] = over == 0 ? JsonBytes(hbm - l.needed())
+                            : over < (PlanBytes{1} << 62)
+                                ? nlohmann::ordered_json(-static_cast<int64_t>(over))
+                                : nlohmann::ordered_json(-static_cast<double>(over));
       j["peak_stage"] = l.peak_stage;
+      if (l.fits) j["tie_run"] = l.tie_run;
       return j;
     };
     nlohmann::ordered_json layouts = nlohmann::ordered_json::array();
@@ -346,6 +399,7 @@ class AdviseCommand : public Command {
     doc["closest_not_fitting"] = misses;
     doc["not_searched"] = moe_ ? nlohmann::ordered_json({"expert_tensor_parallel_size"})
                                : nlohmann::ordered_json::array();
+    doc["not_modelled"] = not_modelled_;
     return doc;
   }
 
@@ -359,7 +413,7 @@ class AdviseCommand : public Command {
                     gpu.name, run::FormatBytes(hbm), o.global_batch_size);
     PrintReportPageStart(title, out);
     out << fmt::format("<p>{} layouts evaluated of {}: {} fit, {} do not. Ranked by predicted "
-                       "step time, the fastest first.</p>\n",
+                       "step time, the fastest first; near-ties (within 0.1%) by headroom.</p>\n",
                        a.candidates, HtmlEscape(path_), a.fit.size(), a.too_big.size());
     const size_t n = std::min(a.fit.size(), static_cast<size_t>(top_));
     if (n == 0) out << "<p class=\"over\">No layout fits.</p>\n";
@@ -386,9 +440,9 @@ class AdviseCommand : public Command {
             ep ? fmt::format("<td>{:.1f}%</td>", 100 * l.time.ep_comm_s / step) : std::string(),
             100 * l.time.pp_comm_s / step,
             100 * l.time.dp_comm_s / step,
-            run::FormatBytes(l.peak), run::FormatBytes(hbm - l.peak));
+            run::FormatBytes(l.peak), run::FormatBytes(hbm - l.needed()));
       }
-      out << "</table>\n<p>Why #1 wins: " << HtmlEscape(WhyItWins(a.fit.front(), gpu))
+      out << "</table>\n<p>Why #1 wins: " << HtmlEscape(WhyItWins(a, gpu))
           << "</p>\n<h2>where each step's time goes (the busiest stage's rank)</h2>\n";
       std::vector<Bar> time_bars;
       for (size_t i = 0; i < n; ++i) {
@@ -405,7 +459,9 @@ class AdviseCommand : public Command {
                    fmt::format("{}: {} held, buffers included (stage {})", name,
                                run::FormatBytes(rest), l.peak_stage)},
                   {static_cast<double>(l.activations),
-                   fmt::format("{}: {} of activations", name, run::FormatBytes(l.activations))}}};
+                   fmt::format("{}: {} of activations", name, run::FormatBytes(l.activations))},
+                  {static_cast<double>(l.reserved),
+                   fmt::format("{}: {} of reserve", name, run::FormatBytes(l.reserved))}}};
     };
     for (size_t i = 0; i < n; ++i) memory_bars.push_back(memory_bar(label(i, a.fit[i]), a.fit[i]));
     const size_t misses = std::min<size_t>(a.too_big.size(), 3);
@@ -414,7 +470,8 @@ class AdviseCommand : public Command {
     }
     if (!memory_bars.empty()) {
       out << "<h2>peak memory (each layout's fullest stage)</h2>\n";
-      PrintBarsSvg({"held and buffers", "activations"}, memory_bars, static_cast<double>(hbm),
+      PrintBarsSvg({"held and buffers", "activations", "reserve"}, memory_bars,
+                   static_cast<double>(hbm),
                    fmt::format("{} of HBM", run::FormatBytes(hbm)), out);
     }
     if (misses > 0) {
@@ -427,11 +484,25 @@ class AdviseCommand : public Command {
       }
       out << "</ul>\n";
     }
-    out << "<p class=\"note\">" << HtmlEscape(NotSearchedText())
+    out << "<p class=\"note\">" << HtmlEscape(ReserveText(o) + NotSearchedText())
         << "Time model and memory count: <code>mpusim estimate</code> (README).</p>\n"
+        << "<p class=\"note\">Not modelled: "
+        << HtmlEscape(fmt::format("{}", fmt::join(not_modelled_, "; "))) << ".</p>\n"
         << "<script id=\"advice\" type=\"application/json\">"
         << JsonForScript(Json(o, gpu, a).dump()) << "</script>\n";
     PrintReportPageEnd(out);
+  }
+
+  // How the fit was judged, for the notes under the tables.
+  std::string ReserveText(const AdviseOptions& o) const {
+    if (o.reserve_bytes) {
+      return fmt::format("Fits: peak + a reserve of {} per rank (--reserve-gib); step times "
+                         "within 0.1% are ranked by headroom. ",
+                         run::FormatBytes(*o.reserve_bytes));
+    }
+    return "Fits: peak + the reserve of each stage's busiest rank (CUDA context, cuBLAS "
+           "workspaces, NCCL buffers, fragmentation: README \"The memory reserve\"); step "
+           "times within 0.1% are ranked by headroom. ";
   }
 
   // What the search leaves out, for the notes under the tables.
@@ -443,6 +514,8 @@ class AdviseCommand : public Command {
 
   CLI::App* app_ = nullptr;
   bool moe_ = false;  // the model has mixture-of-experts layers
+  std::vector<std::string> not_modelled_;
+  std::optional<double> reserve_gib_;
   std::string path_;
   std::optional<int64_t> world_size_, global_batch_, seq_length_;
   int64_t max_tp_ = 0, max_cp_ = 0;

@@ -4,7 +4,8 @@
 // is allocated, so a model of any size on any layout answers at once; `mpusim run --summary`
 // measures the same bytes, and the MemoryEstimate tests require them equal on every rank.
 // With a run section (or --global-batch-size), also the activations and buffers at the
-// schedule's peak and whether the peak fits the GPU (core/estimate/activation_estimate.h),
+// schedule's peak (core/estimate/activation_estimate.h) and whether it fits the GPU with the
+// memory reserve a GPU run adds (core/estimate/memory_reserve.h; --reserve-gib replaces it),
 // and the step time on a GPU (--gpu), its parts, the communication per group kind, model
 // TFLOP/s per GPU and MFU (core/estimate/time_estimate.h). `--format json` gives the numbers
 // for scripts, `--format html` a page of bars and tables (cli/estimate_report.h renders all
@@ -23,6 +24,7 @@
 #include "cli/commands.h"
 #include "cli/config_options.h"
 #include "cli/estimate_report.h"
+#include "core/estimate/memory_reserve.h"
 #include "core/estimate/time_estimate.h"
 #include "core/topology.h"
 #include "run/preflight.h"
@@ -66,6 +68,9 @@ class EstimateCommand : public Command {
     app_->add_option("--train-iters", train_iters_,
                      "training iterations of the run the executor count is for (from the "
                      "second on, the distributed optimizer's gradient piece stays)");
+    app_->add_option("--reserve-gib", reserve_gib_,
+                     "GiB each rank keeps beyond the count, in place of the computed reserve "
+                     "(CUDA context, cuBLAS workspaces, NCCL buffers, fragmentation)");
   }
   CLI::App* app() override { return app_; }
 
@@ -85,8 +90,14 @@ class EstimateCommand : public Command {
     }
     // What a rank holds before its first step does not depend on the data.
     const bool run_given = FillMissingRun(&config, topology);
+    std::optional<PlanBytes> reserve;
+    if (reserve_gib_) {
+      StatusOr<PlanBytes> bytes = ReserveGibToBytes(*reserve_gib_);
+      if (!bytes.ok()) return ReportError(err, "command line", bytes.status().Message());
+      reserve = *bytes;
+    }
     StatusOr<EstimateReport> report =
-        MakeEstimateReport(config, topology, *gpu, run_given, time_asked);
+        MakeEstimateReport(config, topology, *gpu, run_given, time_asked, reserve);
     if (!report.ok()) {
       return ReportError(err, source, config_.Attribute(report.status(), &source).Message());
     }
@@ -157,6 +168,7 @@ class EstimateCommand : public Command {
   std::string format_ = "text";
   std::string gpu_ = kDefaultGpu;
   std::optional<int64_t> global_batch_, micro_batch_, seq_length_, train_iters_;
+  std::optional<double> reserve_gib_;
   std::string recompute_;
 };
 

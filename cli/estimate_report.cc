@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <array>
 
+#include "core/estimate/not_modelled.h"
 #include "core/html.h"
 #include "run/preflight.h"
 
@@ -49,19 +50,50 @@ std::string OptimizerText(const Config& config, const Topology& topology) {
           : std::string("plain optimizer (every dp rank keeps all of it)"));
 }
 
+// A stage's peak and the reserve on top: what must fit the GPU's memory.
+PlanBytes StageNeeds(const EstimateReport& r, size_t i) {
+  return SaturatingAdd(StagePeak(r, i), r.reserves[i].total);
+}
+
 void PrintPeakText(const EstimateReport& r, std::ostream& out) {
   const auto hbm = static_cast<PlanBytes>(r.gpu.hbm_bytes);
   out << fmt::format("At the schedule's peak, by each stage's busiest rank, on {} ({}): "
-                     "Megatron's activations as Korthikanti et al. 2022 count them\n",
+                     "Megatron's activations as Korthikanti et al. 2022 count them, and the "
+                     "reserve for what a GPU run adds\n",
                      r.gpu.name, run::FormatBytes(hbm));
-  out << fmt::format("  {:>5}  {:>7}  {:>12}  {:>12}  {:>12}  {}\n", "stage", "stashes",
-                     "activations", "buffers", "peak", "| fits");
+  out << fmt::format("  {:>5}  {:>7}  {:>12}  {:>12}  {:>12}  {:>12}  {}\n", "stage", "stashes",
+                     "activations", "buffers", "peak", "reserve", "| fits (peak + reserve)");
   for (size_t i = 0; i < r.stages.size(); ++i) {
     const StageActivations& a = (*r.activations)[i];
-    const PlanBytes peak = StagePeak(r, i);
-    out << fmt::format("  {:>5}  {:>7}  {:>12}  {:>12}  {:>12}  | {}\n", a.stage, a.peak_stashes,
-                       run::FormatBytes(a.activations), run::FormatBytes(a.buffers),
-                       run::FormatBytes(peak), FitsText(peak, hbm));
+    out << fmt::format("  {:>5}  {:>7}  {:>12}  {:>12}  {:>12}  {:>12}  | {}\n", a.stage,
+                       a.peak_stashes, run::FormatBytes(a.activations),
+                       run::FormatBytes(a.buffers), run::FormatBytes(StagePeak(r, i)),
+                       run::FormatBytes(r.reserves[i].total), FitsText(StageNeeds(r, i), hbm));
+  }
+  if (!r.reserves.empty() && r.reserves.front().given) {
+    out << fmt::format("Reserve: {} on every rank, given by --reserve-gib in place of the "
+                       "computed one\n",
+                       run::FormatBytes(r.reserves.front().total));
+    return;
+  }
+  out << fmt::format(
+      "Reserve (README \"The memory reserve\"): CUDA context {}, cuBLAS workspaces {}, NCCL "
+      "buffers {} per communicator the rank uses, allocator fragmentation {:.0f}% of the "
+      "activations and buffers\n",
+      run::FormatBytes(kCudaContextBytes),
+      run::FormatBytes(r.reserves.empty() ? 0 : r.reserves.front().cublas_workspaces),
+      run::FormatBytes(kNcclChannels * (kNcclSimpleBuffer + kNcclLlBuffer + kNcclLl128Buffer)),
+      100 * kFragmentation);
+  out << fmt::format("  {:>5}  {:>12}  {:>13}  {:>12}  {}\n", "stage", "NCCL buffers",
+                     "fragmentation", "reserve", "NCCL communicators");
+  for (size_t i = 0; i < r.stages.size(); ++i) {
+    const MemoryReserve& m = r.reserves[i];
+    out << fmt::format("  {:>5}  {:>12}  {:>13}  {:>12}  {}\n", r.stages[i].stage,
+                       run::FormatBytes(m.nccl_buffers), run::FormatBytes(m.fragmentation),
+                       run::FormatBytes(m.total),
+                       m.communicators.empty() ? std::string("none")
+                                               : fmt::format("{}", fmt::join(m.communicators,
+                                                                             ", ")));
   }
 }
 
@@ -97,14 +129,17 @@ void PrintTimeText(const Config& config, const Topology& topology, const TimeEst
       "recompute {}\n",
       t.gpu.name, t.global_batch_size, t.num_microbatches, run.micro_batch_size,
       topology.sizes().dp, run.seq_length, RecomputeText(run.recompute));
-  const double pipeline =
-      t.compute_s + t.tp_comm_s + t.cp_comm_s + t.ep_comm_s + t.pp_comm_s + t.bubble_s;
+  const double pipeline = t.compute_s + t.recompute_s + t.tp_comm_s + t.cp_comm_s +
+                          t.ep_comm_s + t.pp_comm_s + t.bubble_s;
   out << fmt::format("  step time   {:>10}  = pipeline {} + dp {} + optimizer {}\n",
                      SecondsText(t.step_time_s), SecondsText(pipeline), SecondsText(t.dp_comm_s),
                      SecondsText(t.optimizer_s));
   out << fmt::format(
-      "  pipeline    {:>10}  = compute {} + tp {}{}{}{} + bubble {} (busiest stage)\n",
-      SecondsText(pipeline), SecondsText(t.compute_s), SecondsText(t.tp_comm_s),
+      "  pipeline    {:>10}  = compute {}{} + tp {}{}{}{} + bubble {} (busiest stage)\n",
+      SecondsText(pipeline), SecondsText(t.compute_s),
+      run.recompute != RunConfig::Recompute::kNone ? " + recompute " + SecondsText(t.recompute_s)
+                                                   : "",
+      SecondsText(t.tp_comm_s),
       topology.sizes().cp > 1 ? " + cp " + SecondsText(t.cp_comm_s) : "",
       config.gpt && config.gpt->moe.enabled() ? " + ep " + SecondsText(t.ep_comm_s) : "",
       topology.sizes().pp > 1 ? " + pp sends " + SecondsText(t.pp_comm_s) : "",
@@ -141,10 +176,11 @@ void PrintTimeText(const Config& config, const Topology& topology, const TimeEst
       ring ? " but the cp ring's sends with its attention" : "");
 }
 
-// The palette of the bars' parts, in turn: as many as a bar has parts (the step time's eight
+// The palette of the bars' parts, in turn: as many as a bar has parts (the step time's nine
 // with cp and ep), so that no two parts of one bar share a colour.
-constexpr std::array<const char*, 8> kColours = {"#4e79a7", "#f28e2b", "#76b7b2", "#e15759",
-                                                 "#59a14f", "#b07aa1", "#edc948", "#ff9da7"};
+constexpr std::array<const char*, 9> kColours = {"#4e79a7", "#f28e2b", "#76b7b2",
+                                                 "#e15759", "#59a14f", "#b07aa1",
+                                                 "#edc948", "#ff9da7", "#9c755f"};
 
 std::string Td(const std::string& text) { return "<td>" + HtmlEscape(text) + "</td>"; }
 
@@ -189,7 +225,8 @@ nlohmann::ordered_json JsonBytes(PlanBytes bytes) {
 }
 
 StatusOr<EstimateReport> MakeEstimateReport(Config config, const Topology& topology,
-                                            const GpuSpec& gpu, bool run_given, bool time_asked) {
+                                            const GpuSpec& gpu, bool run_given, bool time_asked,
+                                            std::optional<PlanBytes> reserve_bytes) {
   EstimateReport r;
   r.run_given = run_given;
   r.gpu = gpu;
@@ -206,6 +243,13 @@ StatusOr<EstimateReport> MakeEstimateReport(Config config, const Topology& topol
       r.activations = *a;
     } else {
       r.activations_missing = a.status().Message();
+    }
+    for (size_t i = 0; r.activations && i < r.stages.size(); ++i) {
+      const StageActivations& stage = (*r.activations)[i];
+      r.reserves.push_back(reserve_bytes ? GivenReserve(*reserve_bytes)
+                                         : EstimateMemoryReserve(
+                                               config, topology, gpu, r.stages[i].rank,
+                                               SaturatingAdd(stage.activations, stage.buffers)));
     }
     StatusOr<std::vector<ExecutorActivations>> e =
         EstimateExecutorActivations(config, topology, r.stages);
@@ -256,8 +300,11 @@ void PrintEstimateText(const EstimateReport& r, const Topology& topology, std::o
     }
     out << '\n';
   }
-  out << "Not counted: what a GPU run adds (cuBLAS workspaces, NCCL's own buffers, the "
-         "caching allocator's slack).\n";
+  if (!r.activations) {
+    out << "Not counted: what a GPU run adds (the reserve: the CUDA context, cuBLAS "
+           "workspaces, NCCL's buffers, the caching allocator's fragmentation), counted with "
+           "the activations.\n";
+  }
   if (r.activations) {
     PrintPeakText(r, out);
   } else {
@@ -269,6 +316,7 @@ void PrintEstimateText(const EstimateReport& r, const Topology& topology, std::o
   } else {
     out << "Step time: not estimated: " << r.time_missing << '\n';
   }
+  out << fmt::format("Not modelled: {}.\n", fmt::join(NotModelled(config), "; "));
 }
 
 nlohmann::ordered_json EstimateJson(const EstimateReport& r, const Topology& topology) {
@@ -300,6 +348,7 @@ nlohmann::ordered_json EstimateJson(const EstimateReport& r, const Topology& top
     doc["global_batch_size"] = t.global_batch_size;
     doc["num_microbatches"] = t.num_microbatches;
     doc["time"] = {{"compute_s", t.compute_s},
+                   {"recompute_s", t.recompute_s},
                    {"tp_comm_s", t.tp_comm_s},
                    {"cp_comm_s", t.cp_comm_s},
                    {"ep_comm_s", t.ep_comm_s},
@@ -340,10 +389,24 @@ nlohmann::ordered_json EstimateJson(const EstimateReport& r, const Topology& top
       stage["memory"]["buffers"] = JsonBytes(a.buffers);
       stage["memory"]["peak"] = JsonBytes(StagePeak(r, i));
       stage["peak_stashes"] = a.peak_stashes;
+      const MemoryReserve& m = r.reserves[i];
+      stage["reserved_bytes"] = JsonBytes(m.total);
+      if (m.given) {
+        stage["reserve"] = {{"given", true}};
+      } else {
+        stage["reserve"] = {{"given", false},
+                            {"cuda_context_bytes", JsonBytes(m.cuda_context)},
+                            {"cublas_workspaces_bytes", JsonBytes(m.cublas_workspaces)},
+                            {"nccl_buffers_bytes", JsonBytes(m.nccl_buffers)},
+                            {"nccl_communicators", m.communicators},
+                            {"fragmentation_bytes", JsonBytes(m.fragmentation)}};
+      }
+      stage["fits"] = StageNeeds(r, i) <= static_cast<PlanBytes>(r.gpu.hbm_bytes);
     } else {
       stage["memory"]["activations"] = nullptr;
       stage["memory"]["buffers"] = nullptr;
       stage["memory"]["peak"] = nullptr;
+      stage["reserved_bytes"] = nullptr;
     }
     if (r.executor) {
       const ExecutorActivations& a = (*r.executor)[i];
@@ -371,7 +434,7 @@ nlohmann::ordered_json EstimateJson(const EstimateReport& r, const Topology& top
     list.push_back(stage);
   }
   doc["stages"] = list;
-  doc["not_counted"] = {"cublas_workspaces", "nccl_buffers", "allocator_slack"};
+  doc["not_modelled"] = NotModelled(config);
   return doc;
 }
 
@@ -444,7 +507,7 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
                      HtmlEscape(OptimizerText(config, topology)));
   // Memory: a bar per stage, what its busiest rank holds at the peak.
   const std::vector<std::string> memory_names = {"parameters", "gradients", "optimizer",
-                                                 "activations", "buffers"};
+                                                 "activations", "buffers", "reserve"};
   std::vector<Bar> bars;
   for (size_t i = 0; i < r.stages.size(); ++i) {
     const HeldMemory& h = r.stages[i].held;
@@ -452,6 +515,7 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
     if (r.activations) {
       parts.push_back((*r.activations)[i].activations);
       parts.push_back((*r.activations)[i].buffers);
+      parts.push_back(r.reserves[i].total);
     }
     Bar bar{fmt::format("stage {} (rank {})", r.stages[i].stage, r.stages[i].rank), {}};
     for (size_t p = 0; p < parts.size(); ++p) {
@@ -468,7 +532,10 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
                fmt::format("{} of HBM", run::FormatBytes(hbm)), out);
   out << "<table class=\"report\"><tr><th>stage</th><th>rank</th><th>parameters</th>"
          "<th>gradients</th><th>optimizer</th><th>held</th>";
-  if (r.activations) out << "<th>stashes</th><th>activations</th><th>buffers</th><th>peak</th><th>fits</th>";
+  if (r.activations) {
+    out << "<th>stashes</th><th>activations</th><th>buffers</th><th>peak</th><th>reserve</th>"
+           "<th>NCCL communicators</th><th>fits (peak + reserve)</th>";
+  }
   out << "</tr>\n";
   for (size_t i = 0; i < r.stages.size(); ++i) {
     const StageHeldMemory& s = r.stages[i];
@@ -477,11 +544,15 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
         << Td(run::FormatBytes(s.held.optimizer)) << Td(run::FormatBytes(s.held.total()));
     if (r.activations) {
       const StageActivations& a = (*r.activations)[i];
-      const PlanBytes peak = StagePeak(r, i);
+      const MemoryReserve& m = r.reserves[i];
+      const PlanBytes needs = StageNeeds(r, i);
       out << Td(std::to_string(a.peak_stashes)) << Td(run::FormatBytes(a.activations))
-          << Td(run::FormatBytes(a.buffers)) << Td(run::FormatBytes(peak))
-          << (peak <= hbm ? "<td>" : "<td class=\"over\">") << HtmlEscape(FitsText(peak, hbm))
-          << "</td>";
+          << Td(run::FormatBytes(a.buffers)) << Td(run::FormatBytes(StagePeak(r, i)))
+          << Td(run::FormatBytes(m.total))
+          << Td(m.given ? std::string("(--reserve-gib)")
+                        : fmt::format("{}", fmt::join(m.communicators, ", ")))
+          << (needs <= hbm ? "<td>" : "<td class=\"over\">")
+          << HtmlEscape(FitsText(needs, hbm)) << "</td>";
     }
     out << "</tr>\n";
   }
@@ -491,8 +562,18 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
         << "</p>\n";
   }
   out << "<p class=\"note\">Activations are Megatron's on a GPU as Korthikanti et al. 2022 "
-         "count them, walked through the pipeline schedule. Not counted: what a GPU run adds "
-         "(cuBLAS workspaces, NCCL's own buffers, the caching allocator's slack).</p>\n";
+         "count them, walked through the pipeline schedule. The reserve is what a GPU run adds "
+         "(README \"The memory reserve\"): the CUDA context, cuBLAS workspaces, NCCL's buffers "
+         "per communicator and the caching allocator's fragmentation, or --reserve-gib.</p>\n";
+  if (!r.reserves.empty() && !r.reserves.front().given) {
+    out << fmt::format(
+        "<p class=\"note\">Reserve per rank: CUDA context {}, cuBLAS workspaces {}, NCCL "
+        "buffers {} per communicator, allocator fragmentation {:.0f}% of the activations and "
+        "buffers.</p>\n",
+        run::FormatBytes(kCudaContextBytes), run::FormatBytes(r.reserves.front().cublas_workspaces),
+        run::FormatBytes(kNcclChannels * (kNcclSimpleBuffer + kNcclLlBuffer + kNcclLl128Buffer)),
+        100 * kFragmentation);
+  }
   if (r.executor) {
     out << fmt::format("<h3>what <code>mpusim run</code> keeps on the CPU executor, in {}</h3>\n",
                        DTypeName(config.run->dtype));
@@ -548,21 +629,23 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
     out << "<p class=\"note\">step time: not estimated: " << HtmlEscape(r.time_missing)
         << "</p>\n";
   }
+  out << "<p class=\"note\">Not modelled: "
+      << HtmlEscape(fmt::format("{}", fmt::join(NotModelled(config), "; "))) << ".</p>\n";
   out << "<script id=\"estimate\" type=\"application/json\">"
       << JsonForScript(EstimateJson(r, topology).dump()) << "</script>\n";
 }
 
 std::vector<std::string> TimePartNames(bool cp, bool ep) {
-  std::vector<std::string> names = {"compute", "tp collectives", "pp sends", "bubble",
-                                    "dp gradient reduction", "optimizer"};
+  std::vector<std::string> names = {"compute", "recompute", "tp collectives", "pp sends",
+                                    "bubble", "dp gradient reduction", "optimizer"};
   if (cp) names.push_back("cp exchanges");
   if (ep) names.push_back("ep token exchanges");
   return names;
 }
 
 Bar TimeBar(const std::string& label, const TimeEstimate& t, bool cp, bool ep) {
-  std::vector<double> parts = {t.compute_s, t.tp_comm_s, t.pp_comm_s, t.bubble_s,
-                               t.dp_comm_s, t.optimizer_s};
+  std::vector<double> parts = {t.compute_s, t.recompute_s, t.tp_comm_s, t.pp_comm_s,
+                               t.bubble_s,  t.dp_comm_s,   t.optimizer_s};
   if (cp) parts.push_back(t.cp_comm_s);
   if (ep) parts.push_back(t.ep_comm_s);
   const std::vector<std::string> names = TimePartNames(cp, ep);

@@ -14,6 +14,7 @@
 #include "core/estimate/activation_estimate.h"
 #include "core/estimate/executor_activations.h"
 #include "core/estimate/memory_estimate.h"
+#include "core/estimate/memory_reserve.h"
 #include "core/estimate/time_estimate.h"
 #include "core/status.h"
 #include "core/topology.h"
@@ -32,13 +33,18 @@ struct EstimateReport {
   std::optional<std::vector<ExecutorActivations>> executor;
   std::optional<TimeEstimate> time;
   std::string time_missing;  // why not, when time is empty
+  // Each stage's busiest rank's memory reserve (core/estimate/memory_reserve.h), with the
+  // activations: a stage fits when its peak + reserve is at most the GPU's memory.
+  std::vector<MemoryReserve> reserves;
 };
 
 // Counts `config` (its run section already set, FillMissingRun) on `topology`: the held
-// memory always, the activations and the step time on `gpu` when `time_asked` (a run section
-// was given). Errors are the held-memory count's, naming a config field.
+// memory always, the activations, the reserve and the step time on `gpu` when `time_asked`
+// (a run section was given). `reserve_bytes` replaces every stage's computed reserve
+// (--reserve-gib). Errors are the held-memory count's, naming a config field.
 StatusOr<EstimateReport> MakeEstimateReport(Config config, const Topology& topology,
-                                            const GpuSpec& gpu, bool run_given, bool time_asked);
+                                            const GpuSpec& gpu, bool run_given, bool time_asked,
+                                            std::optional<PlanBytes> reserve_bytes = {});
 
 void PrintEstimateText(const EstimateReport& report, const Topology& topology,
                        std::ostream& out);
@@ -65,9 +71,9 @@ struct Bar {
   std::string label;
   std::vector<BarPart> parts;  // in the order of the legend's names
 };
-// The parts of a step's time as bars draw them: compute, tp collectives, pp sends, bubble, dp
-// gradient reduction, optimizer, with `cp` context parallelism's exchanges and with `ep` the
-// mixture-of-experts layers' token exchanges.
+// The parts of a step's time as bars draw them: compute, recompute, tp collectives, pp sends,
+// bubble, dp gradient reduction, optimizer, with `cp` context parallelism's exchanges and with
+// `ep` the mixture-of-experts layers' token exchanges.
 std::vector<std::string> TimePartNames(bool cp, bool ep);
 Bar TimeBar(const std::string& label, const TimeEstimate& time, bool cp, bool ep);
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <exception>
 #include <functional>
 #include <map>
@@ -15,6 +16,7 @@
 #include "core/config/gpt_config.h"
 #include "core/estimate/activation_estimate.h"
 #include "core/estimate/memory_estimate.h"
+#include "core/estimate/memory_reserve.h"
 #include "core/schedule.h"
 #include "core/topology.h"
 
@@ -222,17 +224,23 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
     StatusOr<std::vector<StageActivations>> acts =
         EstimateStageActivations(c, *k.topology, k.schedule);
     if (!acts.ok()) return;
+    // The stage that needs the most, its peak and the reserve of its busiest rank together.
     for (size_t s = 0; s < acts->size(); ++s) {
       const StageActivations& a = (*acts)[s];
-      const PlanBytes peak =
-          SaturatingAdd((*k.held)[s].held.total(), SaturatingAdd(a.activations, a.buffers));
-      if (peak > layout.peak) {
+      const PlanBytes transient = SaturatingAdd(a.activations, a.buffers);
+      const PlanBytes peak = SaturatingAdd((*k.held)[s].held.total(), transient);
+      const PlanBytes reserved =
+          options.reserve_bytes
+              ? *options.reserve_bytes
+              : EstimateMemoryReserve(c, *k.topology, gpu, (*k.held)[s].rank, transient).total;
+      if (s == 0 || SaturatingAdd(peak, reserved) > layout.needed()) {
         layout.peak = peak;
+        layout.reserved = reserved;
         layout.peak_stage = static_cast<int64_t>(s);
         layout.activations = a.activations;
       }
     }
-    layout.fits = layout.peak <= static_cast<PlanBytes>(gpu.hbm_bytes);
+    layout.fits = layout.needed() <= static_cast<PlanBytes>(gpu.hbm_bytes);
     // The step time of those that fit; of the others, only the closest few's (below).
     if (layout.fits) {
       StatusOr<TimeEstimate> time = EstimateStepTime(c, *k.topology, gpu, k.held, k.schedule);
@@ -250,8 +258,28 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
                    [](const AdvisedLayout& a, const AdvisedLayout& b) {
                      return a.time.step_time_s < b.time.step_time_s;
                    });
+  // Near-ties (advise.h): runs of step times within kNearTie of the run's fastest, each
+  // ranked by headroom; the stable sorts keep the search's order last.
+  const auto hbm = static_cast<PlanBytes>(gpu.hbm_bytes);
+  int64_t run = 0;
+  for (size_t begin = 0; begin < advice.fit.size(); ++run) {
+    const double limit = advice.fit[begin].time.step_time_s * (1 + kNearTie);
+    size_t end = begin + 1;
+    while (end < advice.fit.size() && advice.fit[end].time.step_time_s <= limit) ++end;
+    const auto first = advice.fit.begin() + static_cast<std::ptrdiff_t>(begin);
+    const auto last = advice.fit.begin() + static_cast<std::ptrdiff_t>(end);
+    std::stable_sort(first, last, [&](const AdvisedLayout& a, const AdvisedLayout& b) {
+      const PlanBytes free_a = hbm - a.needed(), free_b = hbm - b.needed();
+      if (free_a != free_b) return free_a > free_b;
+      return a.time.step_time_s < b.time.step_time_s;
+    });
+    for (auto it = first; it != last; ++it) it->tie_run = run;
+    begin = end;
+  }
   std::stable_sort(advice.too_big.begin(), advice.too_big.end(),
-                   [](const AdvisedLayout& a, const AdvisedLayout& b) { return a.peak < b.peak; });
+                   [](const AdvisedLayout& a, const AdvisedLayout& b) {
+                     return a.needed() < b.needed();
+                   });
   const size_t timed = std::min(advice.too_big.size(), options.timed_misses);
   for (size_t i = 0; i < timed; ++i) {
     AdvisedLayout& l = advice.too_big[i];

@@ -11,13 +11,25 @@
 // For a mixture-of-experts model also ep (dividing dp x cp and the experts; the experts'
 // tensor parallelism is Megatron's default, tp). Each candidate gets the memory estimate
 // (held exactly; activations and buffers by Korthikanti's count,
-// core/estimate/activation_estimate.h); it fits when every stage's peak is at most the GPU's
-// memory. Those that fit get the step time
-// (core/estimate/time_estimate.h) and are ranked by it, the fastest first; those that do not
-// are ranked by peak, the closest first, and only the first few get a step time.
+// core/estimate/activation_estimate.h) and the memory reserve (core/estimate/memory_reserve.h,
+// or options.reserve_bytes on every rank); it fits when every stage's peak + reserve is at
+// most the GPU's memory. Those that fit get the step time (core/estimate/time_estimate.h) and
+// are ranked by it, the fastest first, with near-ties ranked by headroom (below); those that
+// do not are ranked by peak + reserve, the closest first, and only the first few get a step
+// time.
+//
+// Near-ties: after sorting by step time, the list is cut into runs. A run starts at the
+// fastest layout not yet placed, time t0, and holds every following layout whose step time is
+// at most t0 x (1 + kNearTie); the next run starts at the first layout beyond it. Inside a
+// run, layouts are ordered by headroom (HBM - peak - reserve of the stage that needs the
+// most), the most first, then by step time, then by the order the search tries them (tp,
+// cp, pp, vp ascending, then sequence parallelism, the distributed optimizer, the micro-batch
+// size, ep and recomputation, each in the order of its list). The order is total and the
+// same on every run of the program.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,7 +53,12 @@ struct AdviseOptions {
   std::vector<bool> distributed_optimizer = {false, true};
   bool virtual_pipeline = true;
   size_t timed_misses = 3;  // how many of the closest layouts that do not fit get a step time
+  // Replaces the computed memory reserve of every rank (--reserve-gib); nullopt: computed.
+  std::optional<PlanBytes> reserve_bytes;
 };
+
+// Step times within this fraction of a run's fastest are near-ties, ranked by headroom.
+inline constexpr double kNearTie = 0.001;
 
 struct AdvisedLayout {
   int64_t tp = 1, pp = 1, vp = 0, dp = 1;  // vp 0: not interleaved
@@ -52,10 +69,14 @@ struct AdvisedLayout {
   bool sequence_parallel = false;
   bool distributed_optimizer = false;
   TimeEstimate time;          // of a layout that fits, and of the first timed_misses that do not
-  PlanBytes peak = 0;        // the largest stage peak
-  int64_t peak_stage = 0;    // where it is
-  PlanBytes activations = 0; // that stage's
+  // The stage that needs the most memory, peak + reserve: its peak, reserve and activations.
+  PlanBytes peak = 0;
+  int64_t peak_stage = 0;
+  PlanBytes activations = 0;
+  PlanBytes reserved = 0;
   bool fits = false;
+  int64_t tie_run = 0;  // the near-tie run it is ranked in (0 first), of a layout that fits
+  PlanBytes needed() const { return SaturatingAdd(peak, reserved); }
 };
 
 struct Advice {

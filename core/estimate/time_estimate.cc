@@ -29,6 +29,7 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 std::vector<GpuSpec> Presets() {
   GpuSpec a100{"a100-80gb", 312 * kTera, 19.5 * kTera, 19.5 * kTera, 80 * kGiB,
                2039 * kGiga, 300 * kGiga, 25 * kGiga, 5e-6, 10e-6};
+  a100.compute_capability = 8.0;
   GpuSpec h100{"h100-80gb", 989.4 * kTera, 66.9 * kTera, 66.9 * kTera, 80 * kGiB,
                3350 * kGiga, 450 * kGiga, 50 * kGiga, 5e-6, 10e-6};
   GpuSpec h200 = h100;
@@ -407,6 +408,7 @@ StatusOr<GpuSpec> ParseGpuSpec(const nlohmann::json& doc, std::string_view where
       {"gemm_efficiency", &spec.gemm_efficiency, 1, true},
       {"memory_efficiency", &spec.memory_efficiency, 1, true},
       {"collective_efficiency", &spec.collective_efficiency, 1, true},
+      {"compute_capability", &spec.compute_capability, 1, false},
   };
   std::vector<std::string_view> keys = {"name", "base"};
   for (const Field& f : fields) keys.push_back(f.key);
@@ -548,6 +550,7 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   StageCosts costs;
   std::vector<double> compute_of(static_cast<size_t>(stages)), comm_of(compute_of);
   std::vector<double> flops_of(compute_of), cp_of(compute_of), ep_of(compute_of);
+  std::vector<double> recompute_s_of(compute_of);  // the recomputed forwards' compute
   std::vector<Cost> forward_of(static_cast<size_t>(stages)), recompute_of(forward_of);
   std::vector<int64_t> moe_layers_of(static_cast<size_t>(stages));
   for (int64_t u = 0; u < stages; ++u) {
@@ -573,7 +576,8 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     costs.forward.push_back(fc + fm + n * cp_forward + n_ep * ep_forward);
     costs.backward.push_back(bc + bm + n * cp_backward + n_ep * ep_backward);
     const auto at = static_cast<size_t>(u);
-    compute_of[at] = fc + bc;
+    recompute_s_of[at] = seconds(recompute).first;
+    compute_of[at] = fc + bc - recompute_s_of[at];
     comm_of[at] = fm + bm;
     cp_of[at] = n * (cp_forward + cp_backward);
     ep_of[at] = n_ep * (ep_forward + ep_backward);
@@ -616,12 +620,13 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
                          return a.forward_s + a.backward_s < b.forward_s + b.backward_s;
                        }) -
       out.stages.begin());
-  double compute = 0, tp = 0, cp_s = 0, ep_s = 0;
+  double compute = 0, recomputed = 0, tp = 0, cp_s = 0, ep_s = 0;
   int64_t tp_count = 0, moe_layers = 0;
   double tp_bytes = 0;
   for (int64_t c = 0; c < v; ++c) {
     const auto u = static_cast<size_t>(c * p) + busiest;
     compute += compute_of[u];
+    recomputed += recompute_s_of[u];
     tp += comm_of[u];
     cp_s += cp_of[u];
     ep_s += ep_of[u];
@@ -642,12 +647,13 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     sends += (u + 1 < stages ? 1 : 0) + (u > 0 ? 1 : 0);
   }
   out.compute_s = m * compute;
+  out.recompute_s = m * recomputed;
   out.tp_comm_s = m * tp;
   out.cp_comm_s = m * cp_s;
   out.ep_comm_s = m * ep_s;
   out.pp_comm_s = p > 1 ? m * static_cast<double>(sends) * costs.transfer : 0;
-  out.bubble_s = std::max(0.0, timing.makespan - out.compute_s - out.tp_comm_s -
-                                   out.cp_comm_s - out.ep_comm_s - out.pp_comm_s);
+  out.bubble_s = std::max(0.0, timing.makespan - out.compute_s - out.recompute_s -
+                                   out.tp_comm_s - out.cp_comm_s - out.ep_comm_s - out.pp_comm_s);
   out.flops_per_rank = m * out.stages[busiest].flops;
   if (sz.tp > 1) {
     out.communication.push_back({"tp", sz.tp > 1 && x.sp ? "reduce-scatter + all-gather"

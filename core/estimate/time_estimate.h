@@ -7,7 +7,7 @@
 //               activation function, bias-dropout-add, cross entropy) at memory_efficiency of
 //               the HBM bandwidth; backward = twice the forward's FLOPs and bytes, and full
 //               recomputation adds a layer's forward to its backward (selective: the core
-//               attention's);
+//               attention's), reported apart as recompute (TimeEstimate::recompute_s);
 //   tp          the layer's collectives (two per forward, two per backward, two more per
 //               recomputed forward: all-reduces, or reduce-scatter + all-gather with sequence
 //               parallelism; the same bytes per rank), ring algorithm, not overlapped with
@@ -91,6 +91,9 @@ struct GpuSpec {
   double gemm_efficiency = 0.80;
   double memory_efficiency = 0.80;
   double collective_efficiency = 0.80;
+  // CUDA compute capability (8.0 A100, 9.0 H100/H200): the cuBLAS workspaces PyTorch and
+  // TransformerEngine allocate depend on it (core/estimate/memory_reserve.h).
+  double compute_capability = 9.0;
 };
 
 // "a100-80gb", "h100-80gb", "h200".
@@ -132,8 +135,11 @@ struct TimeEstimate {
   // Parts of the step on the busiest stage: compute, tp, cp and ep are M x its
   // per-micro-batch costs; pp its blocking sends (Megatron waits for each send: every step
   // whose output goes to another rank holds its rank for the transfer); bubble = pipeline
-  // span - compute - tp - cp - ep - pp (idle time, waits for receives included).
+  // span - compute - recompute - tp - cp - ep - pp (idle time, waits for receives included).
   double compute_s = 0;
+  // The busiest stage's recomputation (full: each layer's forward again; selective: its core
+  // attention), M x per micro-batch; apart from compute_s, whose GEMMs and kernels it repeats.
+  double recompute_s = 0;
   double tp_comm_s = 0;
   double cp_comm_s = 0;  // what the step waits for of context parallelism's exchanges
   double ep_comm_s = 0;  // mixture-of-experts layers' token exchanges (the dispatcher's)

@@ -809,8 +809,8 @@ TEST(EstimateCommand, StepTimeOfGpt3MatchesCountsByHand) {
               1e-9);
   const json& time = doc.at("time");
   double parts = 0;
-  for (const char* part :
-       {"compute_s", "tp_comm_s", "pp_comm_s", "bubble_s", "dp_comm_s", "optimizer_s"}) {
+  for (const char* part : {"compute_s", "recompute_s", "tp_comm_s", "pp_comm_s", "bubble_s",
+                           "dp_comm_s", "optimizer_s"}) {
     EXPECT_GT(time.at(part).get<double>(), 0) << part;
     parts += time.at(part).get<double>();
   }
@@ -1102,7 +1102,8 @@ TEST(EstimateCommand, StepTimeUnderContextParallelism) {
       EXPECT_LT(seconds, layer_steps * 4 * (kv / bw + latency));
     }
     const json& t = doc.at("time");
-    EXPECT_NEAR(t.at("compute_s").get<double>() + t.at("tp_comm_s").get<double>() +
+    EXPECT_NEAR(t.at("compute_s").get<double>() + t.at("recompute_s").get<double>() +
+                    t.at("tp_comm_s").get<double>() +
                     t.at("cp_comm_s").get<double>() + t.at("pp_comm_s").get<double>() +
                     t.at("bubble_s").get<double>() +
                     t.at("dp_comm_s").get<double>() + t.at("optimizer_s").get<double>(),
@@ -1284,7 +1285,7 @@ TEST(EstimateCommand, StepTimeNotesAndRefusals) {
                        "allowed: name, base, peak_tflops_16bit, peak_tflops_32bit, "
                        "peak_tflops_64bit, hbm_gib, hbm_gbps, intra_node_gbps, inter_node_gbps, "
                        "intra_node_latency_us, inter_node_latency_us, gemm_efficiency, "
-                       "memory_efficiency, collective_efficiency");
+                       "memory_efficiency, collective_efficiency, compute_capability");
   // A GPU file that is not there, or not JSON: one line naming it (advise reads it alike).
   const std::string garbled = WriteTemp("mpusim_estimate_garbled_gpu.json", "not json");
   ExpectUsageError(Mpusim({"estimate", gpt3, "--gpu", garbled}),
@@ -1306,16 +1307,19 @@ TEST(EstimateCommand, StepTimeNotesAndRefusals) {
 // the step time and each of its parts to the last bit, and the fullest stage's peak.
 void ExpectAdvisedAsEstimated(const json& l, const json& est, size_t i) {
   EXPECT_DOUBLE_EQ(est.at("step_time_s").get<double>(), l.at("step_time_s").get<double>()) << i;
-  for (const char* part :
-       {"bubble_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_comm_s", "dp_comm_s"}) {
+  for (const char* part : {"compute_s", "recompute_s", "bubble_s", "tp_comm_s", "cp_comm_s",
+                           "ep_comm_s", "pp_comm_s", "dp_comm_s", "optimizer_s"}) {
     EXPECT_DOUBLE_EQ(est.at("time").at(part).get<double>(), l.at(part).get<double>())
         << part << " of #" << i;
   }
-  double peak = 0;
+  // advise reports the stage that needs the most: peak + reserve.
+  double needed = 0, peak = 0, reserved = 0;
   for (const json& stage : est.at("stages")) {
-    peak = std::max(peak, stage.at("memory").at("peak").get<double>());
+    const double p = stage.at("memory").at("peak"), r = stage.at("reserved_bytes");
+    if (p + r > needed) needed = p + r, peak = p, reserved = r;
   }
   EXPECT_EQ(peak, l.at("peak_bytes").get<double>()) << i;
+  EXPECT_EQ(reserved, l.at("reserved_bytes").get<double>()) << i;
 }
 
 // advise on GPT-3 175B, 1024 A100s, a narrow search (micro-batches of 1, full recomputation,
@@ -1352,9 +1356,12 @@ TEST(AdviseCommand, RanksFittingLayoutsAsEstimateJudgesThem) {
     int64_t with_cp = 0;
     for (size_t i = 0; i < layouts.size(); ++i) {
       const json& l = layouts[i];
-      EXPECT_LE(l.at("peak_bytes").get<double>(), hbm);
-      if (i > 0) {
-        EXPECT_GE(l.at("step_time_s").get<double>(), layouts[i - 1].at("step_time_s"));
+      EXPECT_LE(l.at("peak_bytes").get<double>() + l.at("reserved_bytes").get<double>(), hbm);
+      // Fastest first, but near-ties (one tie_run) by headroom.
+      if (i > 0 && l.at("tie_run") != layouts[i - 1].at("tie_run")) {
+        EXPECT_GT(l.at("step_time_s").get<double>(), layouts[i - 1].at("step_time_s"));
+      } else if (i > 0) {
+        EXPECT_LE(l.at("headroom_bytes").get<double>(), layouts[i - 1].at("headroom_bytes"));
       }
       EXPECT_EQ(l.at("recompute_granularity"), "full");
       const int64_t cp = l.at("context_parallel_size").get<int64_t>();
@@ -1373,7 +1380,8 @@ TEST(AdviseCommand, RanksFittingLayoutsAsEstimateJudgesThem) {
       EXPECT_GT(with_cp, 0);
     }
     for (const json& miss : doc.at("closest_not_fitting")) {
-      EXPECT_GT(miss.at("peak_bytes").get<double>(), hbm);
+      EXPECT_GT(miss.at("peak_bytes").get<double>() + miss.at("reserved_bytes").get<double>(),
+                hbm);
       EXPECT_GT(miss.at("step_time_s").get<double>(), 0);  // the closest misses are timed
     }
     // The first three, and the first with cp > 1, estimated one by one.
@@ -1420,7 +1428,13 @@ TEST(EstimateCommand, HtmlPageDrawsTheJsonReport) {
               std::string::npos)
         << stage;
   }
-  EXPECT_EQ(Count(page.out, "free</td></tr>"), 16u);
+  // Each row ends in whether its peak and reserve fit, as the JSON says.
+  size_t fitting = 0;
+  for (const json& stage : expected.at("stages")) {
+    if (stage.at("fits").get<bool>()) ++fitting;
+  }
+  EXPECT_EQ(Count(page.out, "free</td></tr>"), fitting);
+  EXPECT_EQ(Count(page.out, "over</td></tr>"), 16 - fitting);
   EXPECT_NE(page.out.find("<title>80.0 GiB of HBM</title>"), std::string::npos);
   EXPECT_NE(page.out.find(fmt::format("MFU {:.1f}%</h3>", 100 * expected.at("mfu").get<double>())),
             std::string::npos);

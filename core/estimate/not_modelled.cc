@@ -1,0 +1,23 @@
+#include "core/estimate/not_modelled.h"
+
+namespace mpusim {
+
+std::vector<std::string> NotModelled(const Config& config) {
+  std::vector<std::string> items = {
+      "kernel launch overheads and host-side gaps between kernels",
+      "data loading",
+      "overlap of communication with compute (every collective is exposed; only the cp "
+      "ring's sends hide behind its attention)",
+      "GEMM efficiency by shape (every GEMM runs at gemm_efficiency of peak)",
+      "the GPU's clock under power limits",
+      "memory outside the reserve: TransformerEngine's userbuffers (tp_comm_overlap), CUDA "
+      "graphs' pools, NCCL's per-communicator structures besides its buffers",
+  };
+  if (config.gpt && config.gpt->moe.enabled()) {
+    items.push_back("uneven expert routing (balanced routing assumed) and the dispatchers' "
+                    "communication buffers");
+  }
+  return items;
+}
+
+}  // namespace mpusim
