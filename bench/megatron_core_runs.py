@@ -21,18 +21,19 @@ Settings the binary does not know yet (attention_backend, fp8, fp8_recipe, overl
 overlap_param_gather, ... are being added) are dropped with a warning: by default the script
 reads the binary's "unknown key" error, drops those keys and retries (--omit-unknown KEY,...
 drops them up front; --strict refuses instead). A row whose GPU preset the binary lacks
-(b200 before it is added) is listed as not run. The table marks each row's dropped keys.
+(b200 before it is added) is listed as not run. The table names the dropped keys (one line
+when they are the same for every row).
 
 The published model TFLOP/s/GPU is shown beside `flop ratio` = published TFLOP/s /
 (published tokens/s x Megatron's model FLOPs per token as mpusim counts them): near 1 when the
 publisher counts FLOPs as Megatron does, and a check on the transcription of the row.
 
-What it is not: a fit, or a pass/fail test yet (exit 0 unless --tolerance is given; 2 when a
-row cannot be run at all). Takes seconds without advise; advise's 1024-GPU search takes longest.
+What it is not: a fit, or a pass/fail test yet (exit 0 unless --tolerance is given; 2 when mpusim
+refuses a row for any reason but a missing GPU preset). Takes seconds without advise; advise's 1024-GPU search takes longest.
 
 Usage: python3 bench/megatron_core_runs.py [--mpusim build/cli/mpusim] [--markdown FILE]
            [--no-advise] [--omit-unknown KEY,...] [--strict] [--tolerance PERCENT]
-           [--only NAME]
+           [--only NAME] [--write-configs DIR]
 """
 import argparse
 import json
@@ -77,8 +78,8 @@ def config_of(row, table):
                  "use_distributed_optimizer": row["use_distributed_optimizer"],
                  "overlap_grad_reduce": row["overlap_grad_reduce"],
                  "overlap_param_gather": row["overlap_param_gather"]}
-    return {"description": f"{row['name']} on {row['gpus']} {row['gpu']} "
-                           f"({table['sources'][row['source']]['release']})",
+    return {"description": f"{row['name']} ({row['release']}) on {row['gpus']} {row['gpu']}: "
+                           f"{table['sources'][row['source']]['url']}",
             "parallel": parallel, "model": model, "run": run, "optimizer": optimizer}
 
 
@@ -88,15 +89,19 @@ def drop(config, keys):
         config.get(section, {}).pop(name, None)
 
 
-def run_mpusim(mpusim, argv_tail, config, path, omitted, strict):
+def run_mpusim(mpusim, argv_tail, config, path, omitted, strict, timeout=None):
     """Runs mpusim on the config, dropping unknown keys (recorded in `omitted`) unless strict.
     Returns (parsed JSON or None, error text)."""
     for _ in range(8):
         drop(config, omitted)
         with open(path, "w") as f:
             json.dump(config, f)
-        out = subprocess.run([mpusim] + argv_tail(path), capture_output=True, text=True,
-                             check=False)
+        try:
+            out = subprocess.run([mpusim] + argv_tail(path), capture_output=True, text=True,
+                                 check=False, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None, f"timed out after {timeout:g} s"
+
         if out.returncode == 0:
             return json.loads(out.stdout), ""
         unknown = [f"{s}.{k}" for line in out.stderr.splitlines() if "unknown key" in line
@@ -140,6 +145,8 @@ def main():
                     help="percent; exit 1 when a row is off by more (default: report only)")
     ap.add_argument("--advise-timeout", type=float, default=600, help="seconds per advise")
     ap.add_argument("--only", help="run only the rows whose name contains this")
+    ap.add_argument("--write-configs", metavar="DIR",
+                    help="also keep each row's config (as run, unknown keys dropped) in DIR")
     args = ap.parse_args()
     with open(args.table) as f:
         table = json.load(f)
@@ -149,12 +156,8 @@ def main():
             print(f"error: --omit-unknown: '{key}' is not section.key with section one of "
                   f"{', '.join(SECTIONS)}", file=sys.stderr)
             return 2
-    lines = ["| run | GPU | GPUs | tp·pp·cp·vp·ep | GBS·mbs·seq | precision | published tok/s/GPU "
-             "| predicted | error | step | compute | bubble | tp | cp | ep | pp | dp "
-             "| pub. TFLOP/s | flop ratio | dropped keys | advise #1 | #1 / published |",
-             "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:"
-             "|---:|---:|---|---|---:|"]
-    worst, failed, not_run, over_115 = 0.0, False, [], []
+    rows = []  # (cells before the dropped keys, dropped keys, cells after)
+    worst, failed, broken, not_run, over_115 = 0.0, False, False, [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i, row in enumerate(table["rows"]):
             if args.only and args.only not in row["name"]:
@@ -167,9 +170,16 @@ def main():
                                         "--global-batch-size", str(row["global_batch_size"]),
                                         "--format", "json"],
                 config, path, omitted, args.strict)
-            label = f"{row['name']} ({row.get('release', row['source'])})"
+            label = f"{row['name']} ({row['release']})"
+            if args.write_configs:
+                os.makedirs(args.write_configs, exist_ok=True)
+                with open(os.path.join(args.write_configs, f"row_{i}.json"), "w") as f:
+                    json.dump(config, f, indent=1)
             if est is None:
                 not_run.append(f"{label} on {row['gpu']}: {err.splitlines()[-1] if err else ''}")
+                # A GPU preset this binary lacks (b200 before it is added) is expected; any
+                # other refusal is a broken row.
+                broken |= "--gpu" not in err
                 continue
             step = est["step_time_s"]
             if step is None:
@@ -193,7 +203,7 @@ def main():
                                             str(row["global_batch_size"]), "--top", "1",
                                             "--format", "json"],
                     config_of(row, table), os.path.join(tmp, f"advise_{i}.json"),
-                    list(omitted), args.strict)
+                    list(omitted), args.strict, args.advise_timeout)
                 if adv is None:
                     pick = f"failed: {aerr.splitlines()[-1] if aerr else ''}"
                 elif not adv["layouts"]:
@@ -207,17 +217,28 @@ def main():
             vp = row["vp"] if row["vp"] > 1 else "-"
             precision = f"fp8 {row['fp8_recipe']}" if row.get("fp8") else "bf16"
             split = f" ({row['layers_for_split']} layers)" if "layers_for_split" in row else ""
-            lines.append(
-                f"| {row['name']}{split} ({row.get('release', '24.07')}) | {row['gpu']} | "
+            rows.append((
+                f"| {row['name']}{split} ({row['release']}) | {row['gpu']} | "
                 f"{row['gpus']} | {row['tp']}·{row['pp']}·{row['cp']}·{vp}·{row['ep']} | "
                 f"{row['global_batch_size']}·{row['micro_batch_size']}·{row['seq_length']} | "
                 f"{precision} | {published} | {predicted:.0f} | {error:+.1f}% | {step:.2f} s | "
                 f"{part('compute_s')} | {part('bubble_s')} | {part('tp_comm_s')} | "
                 f"{part('cp_comm_s')} | {part('ep_comm_s')} | {part('pp_comm_s')} | "
                 f"{part('dp_comm_s')} | {row['published_model_tflops_per_gpu']} | "
-                f"{flop_ratio:.2f} | {', '.join(k.split('.', 1)[1] for k in omitted) or '-'} | "
-                f"{pick} | {ratio} |")
+                f"{flop_ratio:.2f} | ",
+                ", ".join(k.split(".", 1)[1] for k in omitted) or "-", f"{pick} | {ratio} |"))
+    # The dropped keys get a column only when they differ between rows; else one line.
+    same = len({d for _, d, _ in rows}) <= 1
+    lines = ["| run | GPU | GPUs | tp·pp·cp·vp·ep | GBS·mbs·seq | precision | published tok/s/GPU "
+             "| predicted | error | step | compute | bubble | tp | cp | ep | pp | dp "
+             "| pub. TFLOP/s | flop ratio | " + ("" if same else "dropped keys | ") +
+             "advise #1 | #1 / published |",
+             "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:"
+             "|---:|---:|" + ("" if same else "---|") + "---|---:|"]
+    lines += [a + ("" if same else d + " | ") + b for a, d, b in rows]
     lines.append("")
+    if same and rows and rows[0][1] != "-":
+        lines.append(f"Dropped from every row (unknown to this mpusim): {rows[0][1]}.")
     lines.append(f"Worst row: {worst:.1f}% off"
                  + (f" (tolerance {args.tolerance:g}%)" if args.tolerance is not None else
                     " (report only: no tolerance yet)") + ".")
@@ -233,7 +254,7 @@ def main():
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(text + "\n")
-    return 1 if failed else 0
+    return 2 if broken else 1 if failed else 0
 
 
 if __name__ == "__main__":
