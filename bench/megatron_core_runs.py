@@ -9,7 +9,8 @@ and compares throughput, which needs no FLOP-counting convention:
   tokens/s/GPU = GBS x seq_length / step time / GPUs,
 against the published tokens/s/GPU; error = predicted / published - 1. The parts of the
 busiest stage's step (compute, bubble, tp / cp / ep / pp / dp communication) say where a
-large error comes from. Nothing is fitted per row: the GPU presets and efficiency constants
+large error comes from; `peak` is the largest stage's memory peak, marked "over" when it
+exceeds the GPU's memory (less the binary's reserve, if it counts one): a published run fit. Nothing is fitted per row: the GPU presets and efficiency constants
 are core/estimate's, the same for every row.
 
 Then `mpusim advise` on the same model, GPU count, batch and sequence (its full default
@@ -194,6 +195,11 @@ def main():
             flops_per_token = est["model_flops_per_iteration"] / tokens
             flop_ratio = row["published_model_tflops_per_gpu"] * 1e12 / (published * flops_per_token)
             t = est["time"]
+            # The busiest stage's peak against the GPU's memory (less any reserve the binary
+            # counts): a published run fits, so "over" points at the memory count.
+            peak = max(st["memory"]["peak"] for st in est["stages"])
+            room = est["hbm_bytes"] - (est.get("reserved_bytes") or 0)
+            peak_cell = f"{peak / 2**30:.1f} GiB" + (" over" if peak > room else "")
             part = lambda k: f"{100 * t.get(k, 0.0) / step:.1f}%"
             pick, ratio = "-", "-"
             if not args.no_advise:
@@ -224,16 +230,16 @@ def main():
                 f"{precision} | {published} | {predicted:.0f} | {error:+.1f}% | {step:.2f} s | "
                 f"{part('compute_s')} | {part('bubble_s')} | {part('tp_comm_s')} | "
                 f"{part('cp_comm_s')} | {part('ep_comm_s')} | {part('pp_comm_s')} | "
-                f"{part('dp_comm_s')} | {row['published_model_tflops_per_gpu']} | "
+                f"{part('dp_comm_s')} | {peak_cell} | {row['published_model_tflops_per_gpu']} | "
                 f"{flop_ratio:.2f} | ",
                 ", ".join(k.split(".", 1)[1] for k in omitted) or "-", f"{pick} | {ratio} |"))
     # The dropped keys get a column only when they differ between rows; else one line.
     same = len({d for _, d, _ in rows}) <= 1
     lines = ["| run | GPU | GPUs | tp·pp·cp·vp·ep | GBS·mbs·seq | precision | published tok/s/GPU "
-             "| predicted | error | step | compute | bubble | tp | cp | ep | pp | dp "
+             "| predicted | error | step | compute | bubble | tp | cp | ep | pp | dp | peak "
              "| pub. TFLOP/s | flop ratio | " + ("" if same else "dropped keys | ") +
              "advise #1 | #1 / published |",
-             "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:"
+             "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:"
              "|---:|---:|" + ("" if same else "---|") + "---|---:|"]
     lines += [a + ("" if same else d + " | ") + b for a, d, b in rows]
     lines.append("")
