@@ -144,7 +144,9 @@ def main():
                     help="refuse a row whose config has keys the binary does not know")
     ap.add_argument("--tolerance", type=float,
                     help="percent; exit 1 when a row is off by more (default: report only)")
-    ap.add_argument("--advise-timeout", type=float, default=600, help="seconds per advise")
+    ap.add_argument("--advise-timeout", type=float, default=1800,
+                    help="seconds per advise (default 1800: Qwen3 235B on 256 GPUs takes "
+                         "about 13 minutes on 2 busy cores)")
     ap.add_argument("--only", help="run only the rows whose name contains this")
     ap.add_argument("--write-configs", metavar="DIR",
                     help="also keep each row's config (as run, unknown keys dropped) in DIR")
