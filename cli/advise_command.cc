@@ -74,6 +74,9 @@ std::string FeaturesText(const AdvisedLayout& l) {
   parts.push_back(fmt::format("recompute {}", RecomputeName(l.recompute)));
   if (l.sequence_parallel) parts.push_back("sp");
   if (l.distributed_optimizer) parts.push_back("dist-opt");
+  if (l.tp_comm_overlap) parts.push_back("tp-overlap");
+  if (l.overlap_grad_reduce) parts.push_back("grad-overlap");
+  if (l.overlap_param_gather) parts.push_back("param-overlap");
   return fmt::format("{}", fmt::join(parts, ", "));
 }
 
@@ -148,6 +151,18 @@ class AdviseCommand : public Command {
     app_->add_option("--distributed-optimizer", distributed_,
                      "candidates among true,false (default both)");
     app_->add_flag("--no-virtual-pipeline", no_vp_, "do not try the interleaved schedule");
+    app_->add_option("--overlap-grad-reduce", overlap_grad_reduce_,
+                     "true or false: optimizer.overlap_grad_reduce for every layout (default "
+                     "the config's)")
+        ->check(CLI::IsMember({"true", "false"}));
+    app_->add_option("--overlap-param-gather", overlap_param_gather_,
+                     "true or false: optimizer.overlap_param_gather for every layout with the "
+                     "distributed optimizer (needs overlap_grad_reduce; default the config's)")
+        ->check(CLI::IsMember({"true", "false"}));
+    app_->add_option("--tp-comm-overlap", tp_comm_overlap_,
+                     "true or false: parallel.tp_comm_overlap for every layout with sequence "
+                     "parallelism (default the config's)")
+        ->check(CLI::IsMember({"true", "false"}));
     app_->add_option("--max-tp", max_tp_, "largest tensor-parallel size (default gpus_per_node)");
     app_->add_option("--max-cp", max_cp_,
                      "largest context-parallel size (default: any that splits the sequence; 1: "
@@ -165,9 +180,18 @@ class AdviseCommand : public Command {
     if (!read.ok()) return ReportError(err, path_, read.status().Message());
     nlohmann::json doc = *read;
     std::optional<int64_t> file_batch;
+    bool file_tp_overlap = false;
     // The layout is what advise chooses: drop the file's, keep the rest.
     if (doc.is_object() && doc.contains("parallel") && doc["parallel"].is_object()) {
       nlohmann::json& par = doc["parallel"];
+      // tp_comm_overlap needs sequence parallelism, which advise chooses: applied per layout.
+      if (par.contains("tp_comm_overlap")) {
+        if (!par["tp_comm_overlap"].is_boolean()) {
+          return ReportError(err, path_, "parallel.tp_comm_overlap: must be true or false");
+        }
+        file_tp_overlap = par["tp_comm_overlap"].get<bool>();
+        par.erase("tp_comm_overlap");
+      }
       for (const char* key :
            {"tensor_model_parallel_size", "pipeline_model_parallel_size",
             "virtual_pipeline_model_parallel_size", "context_parallel_size",
@@ -207,6 +231,28 @@ class AdviseCommand : public Command {
     options.max_tp = max_tp_;
     options.max_cp = max_cp_;
     options.virtual_pipeline = !no_vp_;
+    // Overlap: the flags, else the config's keys; each applies where Megatron allows it.
+    options.overlap_grad_reduce = overlap_grad_reduce_.empty()
+                                      ? config.optimizer && config.optimizer->overlap_grad_reduce
+                                      : overlap_grad_reduce_ == "true";
+    options.overlap_param_gather =
+        overlap_param_gather_.empty()
+            ? config.optimizer && config.optimizer->overlap_param_gather
+            : overlap_param_gather_ == "true";
+    options.tp_comm_overlap =
+        tp_comm_overlap_.empty() ? file_tp_overlap : tp_comm_overlap_ == "true";
+    if (options.overlap_param_gather && !options.overlap_grad_reduce) {
+      return ReportError(err, "command line",
+                         "--overlap-param-gather: needs overlap_grad_reduce true (Megatron: "
+                         "\"Must use --overlap-param-gather with --overlap-grad-reduce\")");
+    }
+    if ((options.overlap_grad_reduce || options.overlap_param_gather) && !config.optimizer) {
+      return ReportError(err, "command line",
+                         fmt::format("--overlap-{}: needs an optimizer section in the config "
+                                     "(the gradient reduction it overlaps is the training's)",
+                                     options.overlap_grad_reduce ? "grad-reduce"
+                                                                 : "param-gather"));
+    }
     if (!micro_batches_.empty()) {
       StatusOr<std::vector<int64_t>> v = ParseIntList(micro_batches_, "--micro-batch-sizes");
       if (!v.ok()) return ReportError(err, "command line", v.status().Message());
@@ -322,15 +368,20 @@ class AdviseCommand : public Command {
                                        : nlohmann::ordered_json(RecomputeName(l.recompute));
       j["sequence_parallel"] = l.sequence_parallel;
       j["use_distributed_optimizer"] = l.distributed_optimizer;
+      j["tp_comm_overlap"] = l.tp_comm_overlap;
+      j["overlap_grad_reduce"] = l.overlap_grad_reduce;
+      j["overlap_param_gather"] = l.overlap_param_gather;
       j["model_tflops_per_gpu"] = l.time.model_tflops_per_gpu;
       j["mfu"] = l.time.mfu;
       j["step_time_s"] = l.time.step_time_s;
       j["bubble_s"] = l.time.bubble_s;
       j["tp_comm_s"] = l.time.tp_comm_s;
+      j["tp_comm_hidden_s"] = l.time.tp_comm_hidden_s;
       j["cp_comm_s"] = l.time.cp_comm_s;
       j["ep_comm_s"] = l.time.ep_comm_s;
       j["pp_comm_s"] = l.time.pp_comm_s;
       j["dp_comm_s"] = l.time.dp_comm_s;
+      j["dp_comm_hidden_s"] = l.time.dp_comm_hidden_s;
       j["peak_bytes"] = JsonBytes(l.peak);
       j["peak_stage"] = l.peak_stage;
       return j;
@@ -448,6 +499,7 @@ class AdviseCommand : public Command {
   int64_t max_tp_ = 0, max_cp_ = 0;
   std::string gpu_ = kDefaultGpu;
   std::string micro_batches_, recompute_, sequence_parallel_, distributed_;
+  std::string overlap_grad_reduce_, overlap_param_gather_, tp_comm_overlap_;
   bool no_vp_ = false;
   int top_ = 10;
   std::string format_ = "text";

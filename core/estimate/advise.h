@@ -40,6 +40,13 @@ struct AdviseOptions {
   std::vector<bool> sequence_parallel = {false, true};
   std::vector<bool> distributed_optimizer = {false, true};
   bool virtual_pipeline = true;
+  // Megatron's overlap options, each on for every candidate that allows it (not searched:
+  // overlap never makes a step slower in the time model): overlap_grad_reduce everywhere,
+  // overlap_param_gather with the distributed optimizer, tp_comm_overlap with sequence
+  // parallelism.
+  bool overlap_grad_reduce = false;
+  bool overlap_param_gather = false;
+  bool tp_comm_overlap = false;
   size_t timed_misses = 3;  // how many of the closest layouts that do not fit get a step time
 };
 
@@ -52,6 +59,10 @@ struct AdvisedLayout {
   bool sequence_parallel = false;
   bool distributed_optimizer = false;
   TimeEstimate time;          // of a layout that fits, and of the first timed_misses that do not
+  // The overlap options the candidate runs with (AdviseOptions, where allowed).
+  bool overlap_grad_reduce = false;
+  bool overlap_param_gather = false;
+  bool tp_comm_overlap = false;
   PlanBytes peak = 0;        // the largest stage peak
   int64_t peak_stage = 0;    // where it is
   PlanBytes activations = 0; // that stage's

@@ -120,8 +120,9 @@ struct CommTime {
   std::string operation;
   int64_t count = 0;  // per iteration
   double bytes = 0;   // per iteration, what this rank sends
-  double seconds = 0;
+  double seconds = 0;   // what the step waits for (exposed)
   bool inter_node = false;
+  double hidden_s = 0;  // what runs beside compute (tp_comm_overlap, overlap_grad_reduce, ...)
 };
 
 struct TimeEstimate {
@@ -133,13 +134,19 @@ struct TimeEstimate {
   // per-micro-batch costs; pp its blocking sends (Megatron waits for each send: every step
   // whose output goes to another rank holds its rank for the transfer); bubble = pipeline
   // span - compute - tp - cp - ep - pp (idle time, waits for receives included).
+  // With overlap (tp_comm_overlap, overlap_grad_reduce, overlap_param_gather) each kind's
+  // *_comm_s is its exposed part, the one that adds to the step, and *_comm_hidden_s what
+  // runs beside compute; the total traffic's time is their sum.
   double compute_s = 0;
   double tp_comm_s = 0;
+  double tp_comm_hidden_s = 0;
   double cp_comm_s = 0;  // what the step waits for of context parallelism's exchanges
   double ep_comm_s = 0;  // mixture-of-experts layers' token exchanges (the dispatcher's)
   double pp_comm_s = 0;
   double bubble_s = 0;
-  double dp_comm_s = 0;
+  double dp_comm_s = 0;          // gradient reduction and parameter gather, exposed
+  double dp_comm_hidden_s = 0;   // of the busiest stage's, what overlap hides
+  int64_t dp_buckets = 1;        // gradient buckets of pipeline rank 0's first chunk
   double optimizer_s = 0;
   double flops_per_rank = 0;  // executed by the busiest stage's rank per iteration
   double model_flops = 0;     // per iteration over all ranks, Megatron's count
