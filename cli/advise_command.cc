@@ -85,11 +85,14 @@ std::string FeaturesText(const AdvisedLayout& l) {
 std::string WhyItWins(const AdvisedLayout& l, const GpuSpec& gpu) {
   const TimeEstimate& t = l.time;
   return fmt::format(
-      "{} of its {} step is compute; the bubble takes {:.1f}%, tp collectives {:.1f}%{}, "
-      "pipeline sends {:.1f}%, the gradient reduction {:.1f}%; its peak {} (stage {}) leaves "
+      "{} of its {} step is compute; the bubble takes {:.1f}%, tp collectives {:.1f}%{}{}, "
+      "pipeline sends {:.1f}%, the gradient reduction {:.1f}%{}; its peak {} (stage {}) leaves "
       "{} free.",
       Seconds(t.compute_s), Seconds(t.step_time_s), 100 * t.bubble_s / t.step_time_s,
       100 * t.tp_comm_s / t.step_time_s,
+      // With overlap: what the exposed shares leave out.
+      t.tp_comm_hidden_s > 0 ? fmt::format(" (and {} hidden)", Seconds(t.tp_comm_hidden_s))
+                             : std::string(),
       fmt::format("{}{}",
                   l.cp > 1 ? fmt::format(", cp exchanges {:.1f}%",
                                          100 * t.cp_comm_s / t.step_time_s)
@@ -98,6 +101,8 @@ std::string WhyItWins(const AdvisedLayout& l, const GpuSpec& gpu) {
                                                 100 * t.ep_comm_s / t.step_time_s)
                                   : std::string()),
       100 * t.pp_comm_s / t.step_time_s, 100 * t.dp_comm_s / t.step_time_s,
+      t.dp_comm_hidden_s > 0 ? fmt::format(" (and {} hidden)", Seconds(t.dp_comm_hidden_s))
+                             : std::string(),
       run::FormatBytes(l.peak), l.peak_stage,
       run::FormatBytes(static_cast<PlanBytes>(gpu.hbm_bytes) - l.peak));
 }
@@ -312,20 +317,21 @@ class AdviseCommand : public Command {
     } else {
       const size_t n = std::min(a.fit.size(), static_cast<size_t>(top_));
       const bool cp = ShowsCp(a, n), ep = ShowsEp(a, n);
-      size_t width = 28;
+      size_t width = 28, features = 34;
       for (size_t i = 0; i < n; ++i) width = std::max(width, LayoutName(a.fit[i]).size());
+      for (size_t i = 0; i < n; ++i) features = std::max(features, FeaturesText(a.fit[i]).size());
       out << fmt::format(
-          "  {:>3}  {:<{}} {:<34} {:>7} {:>7} {:>6} {:>7} {:>7}{}{} {:>7} {:>7} {:>10}\n", "#",
-          "layout", width, "features", "step", "TFLOP/s", "MFU", "bubble", "tp",
+          "  {:>3}  {:<{}} {:<{}} {:>7} {:>7} {:>6} {:>7} {:>7}{}{} {:>7} {:>7} {:>10}\n", "#",
+          "layout", width, "features", features, "step", "TFLOP/s", "MFU", "bubble", "tp",
           cp ? fmt::format(" {:>7}", "cp") : std::string(),
           ep ? fmt::format(" {:>7}", "ep") : std::string(), "pp", "dp", "headroom");
       for (size_t i = 0; i < n; ++i) {
         const AdvisedLayout& l = a.fit[i];
         const double step = l.time.step_time_s;
         out << fmt::format(
-            "  {:>3}  {:<{}} {:<34} {:>7} {:>7.1f} {:>5.1f}% {:>6.1f}% {:>6.1f}%{}{} {:>6.1f}% "
+            "  {:>3}  {:<{}} {:<{}} {:>7} {:>7.1f} {:>5.1f}% {:>6.1f}% {:>6.1f}%{}{} {:>6.1f}% "
             "{:>6.1f}% {:>10}\n",
-            i + 1, LayoutName(l), width, FeaturesText(l), Seconds(step),
+            i + 1, LayoutName(l), width, FeaturesText(l), features, Seconds(step),
             l.time.model_tflops_per_gpu, 100 * l.time.mfu, 100 * l.time.bubble_s / step, 100 * l.time.tp_comm_s / step,
             cp ? fmt::format(" {:>6.1f}%", 100 * l.time.cp_comm_s / step) : std::string(),
             ep ? fmt::format(" {:>6.1f}%", 100 * l.time.ep_comm_s / step) : std::string(),

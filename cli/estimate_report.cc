@@ -172,7 +172,8 @@ void PrintTimeText(const Config& config, const Topology& topology, const TimeEst
                        c.operation, c.count, run::FormatBytes(static_cast<PlanBytes>(c.bytes)),
                        SecondsText(c.seconds),
                        AnyOverlap(config)
-                           ? fmt::format("exposed {:>10} hidden  ", SecondsText(c.hidden_s))
+                           ? fmt::format("exposed {:>10} hidden  ",
+                                         c.hidden_s > 0 ? SecondsText(c.hidden_s) : "-")
                            : "",
                        c.inter_node ? "across nodes" : "in a node");
   }
