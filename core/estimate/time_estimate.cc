@@ -731,8 +731,10 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
                               config.optimizer->overlap_param_gather;
   const auto buckets_of = [&](int64_t pp_rank, int64_t chunk) -> int64_t {
     if (!overlap_reduce || pp_rank != 0 || chunk != 0) return 1;
-    const double elements =
-        static_cast<double>((*held_given)[0].held.parameter_elements) / static_cast<double>(v);
+    // The trainable elements (Megatron buckets those with a gradient), the experts' with them.
+    const HeldMemory& first = (*held_given)[0].held;
+    const double elements = static_cast<double>(first.dense_elements + first.expert_elements) /
+                            static_cast<double>(v);
     const auto size = static_cast<double>(config.optimizer->BucketSize(sz.dp * sz.cp));
     return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(elements / size)));
   };

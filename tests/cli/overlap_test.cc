@@ -103,7 +103,7 @@ TEST(Overlap, GradReduceHidesBucketsBehindTheLastBackward) {
     EXPECT_EQ(plain.time.dp_comm_hidden_s, 0);
     const auto bucket = static_cast<int64_t>(std::ceil(N / 4));
     doc["optimizer"]["overlap_grad_reduce"] = true;
-    doc["optimizer"]["bucket_size"] = bucket;
+    doc["optimizer"]["bucket_size"] = static_cast<int64_t>(bucket);
     const Estimated overlapped = Estimate(doc, gpu);
     const double nb = std::ceil(N / static_cast<double>(bucket));
     ASSERT_EQ(nb, 4);
@@ -151,6 +151,34 @@ TEST(Overlap, DefaultBucketSizeIsMegatrons) {
   EXPECT_EQ(p.time.dp_buckets, static_cast<int64_t>(std::ceil(N0 / 2 / 1e6)));
   ExpectPartsAddUp(p.time);
   EXPECT_GT(p.time.dp_comm_hidden_s, 0);
+}
+
+// Megatron buckets only pipeline rank 0's first chunk; every other chunk is one bucket, ready
+// when the chunk's last backward ends. On a link so slow that each chunk's reduction outlasts
+// the rest of the backward, rank 0's second chunk then reduces from its last backward's end
+// and its first chunk's buckets are all ready by the time the link frees: the exposed time
+// cannot depend on the bucket size (it would if the other chunks were cut in buckets too),
+// and the link must be busy at least C0 after chunk 1's reduction can start.
+TEST(Overlap, OnlyPipelineRankZerosFirstChunkIsBucketed) {
+  GpuSpec slow = H100();
+  slow.intra_node_bandwidth /= 1000;
+  json doc = BaseConfig(8, 1, 2);
+  doc["parallel"]["virtual_pipeline_model_parallel_size"] = 2;
+  doc["optimizer"]["overlap_grad_reduce"] = true;
+  std::vector<double> exposed;
+  for (const double bucket : {2e5, 1e6, 4e6}) {
+    doc["optimizer"]["bucket_size"] = static_cast<int64_t>(bucket);
+    const Estimated e = Estimate(doc, slow);
+    const double N0 = static_cast<double>(e.held[0].held.parameter_elements);
+    EXPECT_EQ(e.time.dp_buckets, static_cast<int64_t>(std::ceil(N0 / 2 / bucket)));
+    const double C0 = Ring(N0 * 4, 4, 2, slow);  // dp 4 in the node
+    EXPECT_GT(C0 / 2, e.time.stages[0].backward_s);  // the slow regime
+    exposed.push_back(e.time.dp_comm_s);
+    ExpectPartsAddUp(e.time);
+  }
+  EXPECT_GT(exposed[0], 0);
+  EXPECT_NEAR(exposed[1] / exposed[0], 1, 1e-12);
+  EXPECT_NEAR(exposed[2] / exposed[0], 1, 1e-12);
 }
 
 // overlap_param_gather with the distributed optimizer: the reduce-scatter of the gradients
