@@ -767,14 +767,15 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
       for (int64_t c = 0; c < v; ++c) {
         const auto u = static_cast<size_t>(c * p + r);
         const double forward = costs.forward[u];
-        double wait = 0;
-        if (v == 1 || (r == 0 && c == 0)) {
-          wait = PipelinedExposed(gather, forward, static_cast<double>(buckets_of(r, c)));
-          done = first_start[static_cast<size_t>(c)] + wait;
-        } else {
+        const double pipelined =
+            PipelinedExposed(gather, forward, static_cast<double>(buckets_of(r, c)));
+        double wait = pipelined;
+        if (v > 1) {
+          // Aligned: the rank's gathers run one after another from their launches; rank 0's
+          // first chunk (launched at 0, its first forward at 0) hides bucket by bucket.
           const double launch = c < 2 ? 0.0 : first_start[static_cast<size_t>(c - 1)];
           done = std::max(done, launch) + gather;
-          wait = std::max(0.0, done - first_start[static_cast<size_t>(c)]);
+          if (r != 0 || c != 0) wait = std::max(0.0, done - first_start[static_cast<size_t>(c)]);
         }
         costs.first_forward_wait[u] = wait;
       }

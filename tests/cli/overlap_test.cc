@@ -5,6 +5,8 @@
 // numbers; the parts must add up to the step, and the refusals name the field.
 #include <algorithm>
 #include <cmath>
+#include <optional>
+#include <stdexcept>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -16,6 +18,7 @@
 #include "core/config/config.h"
 #include "core/estimate/memory_estimate.h"
 #include "core/estimate/time_estimate.h"
+#include "core/schedule.h"
 #include "core/topology.h"
 
 namespace mpusim {
@@ -279,6 +282,25 @@ TEST(Overlap, PartsAddUpOnAnInterleavedPipeline) {
                   plain.time.tp_comm_s,
               1, 1e-12);
   EXPECT_LE(overlapped.time.dp_comm_s, plain.time.dp_comm_s);
+}
+
+// The replay's first-forward waits (where overlap_param_gather's exposed gathers go): each
+// virtual stage's first forward starts that much later, once.
+TEST(Overlap, FirstForwardWaitsDelayOnlyTheFirstForward) {
+  StatusOr<PipelineSchedule> one = BuildPipelineSchedule(1, std::nullopt, 2, std::nullopt);
+  ASSERT_TRUE(one.ok());
+  // F B F B at 1 and 2 each, the first forward 0.5 later.
+  EXPECT_DOUBLE_EQ(TimeSchedule(*one, StageCosts{{1.0}, {2.0}, 0.0, false, {0.5}}).makespan, 6.5);
+  StatusOr<PipelineSchedule> two = BuildPipelineSchedule(2, std::nullopt, 1, std::nullopt);
+  ASSERT_TRUE(two.ok());
+  // F0 [0, 1], F1 waits 0.5: [1.5, 2.5], B1 [2.5, 3.5], B0 [3.5, 4.5].
+  EXPECT_DOUBLE_EQ(
+      TimeSchedule(*two, StageCosts{{1.0, 1.0}, {1.0, 1.0}, 0.0, false, {0.0, 0.5}}).makespan,
+      4.5);
+  EXPECT_THROW(TimeSchedule(*two, StageCosts{{1.0, 1.0}, {1.0, 1.0}, 0.0, false, {0.5}}),
+               std::invalid_argument);
+  EXPECT_THROW(TimeSchedule(*two, StageCosts{{1.0, 1.0}, {1.0, 1.0}, 0.0, false, {0.0, -1.0}}),
+               std::invalid_argument);
 }
 
 struct Result {
