@@ -625,10 +625,10 @@ Bar TimeBar(const std::string& label, const TimeEstimate& t, bool cp, bool ep) {
   for (size_t p = 0; p < parts.size(); ++p) {
     // The bar draws what adds to the step; the tooltip names what overlap hides beside it.
     const double hidden = p == 1 ? t.tp_comm_hidden_s : p == 4 ? t.dp_comm_hidden_s : 0;
-    bar.parts.push_back({parts[p], fmt::format("{} {}: {}{}", label, names[p], SecondsText(parts[p]),
-                                               hidden > 0 ? fmt::format(" exposed, {} hidden",
-                                                                        SecondsText(hidden))
-                                                          : "")});
+    const std::string note =
+        hidden > 0 ? fmt::format(" exposed, {} hidden", SecondsText(hidden)) : "";
+    bar.parts.push_back(
+        {parts[p], fmt::format("{} {}: {}{}", label, names[p], SecondsText(parts[p]), note)});
   }
   return bar;
 }

@@ -6,8 +6,9 @@
 //   gpus_per_node     for the node map (default 8)
 //   num_layers        only for the virtual-pipeline layer assignment (optional)
 // and the ModelParallelConfig fields microbatch_group_size_per_vp_stage (schedules),
-// sequence_parallel, tp_comm_overlap (the step-time estimate), gradient_accumulation_fusion, fp16, bf16 and params_dtype (the
-// simulator; config.h resolves the last three against run.dtype).
+// sequence_parallel, gradient_accumulation_fusion, fp16, bf16 and params_dtype (the
+// simulator; config.h resolves the last three against run.dtype), and tp_comm_overlap (the
+// step-time estimate).
 //
 // Parsing is strict: unknown keys (with a suggestion), wrong JSON types and out-of-range
 // values are refused with a Status naming the JSON path. Cross-field rules (divisibility,

@@ -692,7 +692,8 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     const double experts = static_cast<double>(held.expert_elements);
     const double dense_elements = static_cast<double>(held.parameter_elements) - experts;
     for (const auto& [elements, kind, link] :
-         {std::tuple{dense_elements, "dp_cp", dp_link}, std::tuple{experts, "expt_dp", expt_dp_link}}) {
+         {std::tuple{dense_elements, "dp_cp", dp_link},
+          std::tuple{experts, "expt_dp", expt_dp_link}}) {
       const int64_t d = topology.GroupSize(*topology.FindKind(kind));
       if (d <= 1 || elements <= 0) continue;
       const double grad_bytes = elements * static_cast<double>(DTypeSize(ComputeDType(dtype)));
