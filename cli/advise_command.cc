@@ -21,6 +21,7 @@
 #include "cli/config_options.h"
 #include "cli/estimate_report.h"
 #include "core/config/config.h"
+#include "core/config/json_fields.h"
 #include "core/estimate/advise.h"
 #include "core/estimate/time_estimate.h"
 #include "core/html.h"
@@ -192,7 +193,9 @@ class AdviseCommand : public Command {
       // tp_comm_overlap needs sequence parallelism, which advise chooses: applied per layout.
       if (par.contains("tp_comm_overlap")) {
         if (!par["tp_comm_overlap"].is_boolean()) {
-          return ReportError(err, path_, "parallel.tp_comm_overlap: must be true or false");
+          return ReportError(err, path_,
+                             "parallel.tp_comm_overlap: must be true or false, got " +
+                                 DescribeJson(par["tp_comm_overlap"]));
         }
         file_tp_overlap = par["tp_comm_overlap"].get<bool>();
         par.erase("tp_comm_overlap");
