@@ -22,6 +22,7 @@
 #include "cli/config_options.h"
 #include "cli/estimate_report.h"
 #include "core/config/config.h"
+#include "core/config/json_fields.h"
 #include "core/estimate/advise.h"
 #include "core/estimate/memory_reserve.h"
 #include "core/estimate/not_modelled.h"
@@ -77,6 +78,9 @@ std::string FeaturesText(const AdvisedLayout& l) {
   parts.push_back(fmt::format("recompute {}", RecomputeName(l.recompute)));
   if (l.sequence_parallel) parts.push_back("sp");
   if (l.distributed_optimizer) parts.push_back("dist-opt");
+  if (l.tp_comm_overlap) parts.push_back("tp-overlap");
+  if (l.overlap_grad_reduce) parts.push_back("grad-overlap");
+  if (l.overlap_param_gather) parts.push_back("param-overlap");
   return fmt::format("{}", fmt::join(parts, ", "));
 }
 
@@ -115,7 +119,13 @@ std::string WhyItWins(const Advice& a, const GpuSpec& gpu) {
   for (const StepPart& p : StepParts(t)) {
     // Parts that round to 0.0% say nothing; the JSON has them all.
     if (std::string_view(p.key) == "compute_s" || p.seconds < 0.0005 * t.step_time_s) continue;
-    rest.push_back(fmt::format("{} {:.1f}%", p.text, 100 * p.seconds / t.step_time_s));
+    // With overlap: what the exposed share leaves out.
+    const double hidden = std::string_view(p.key) == "tp_comm_s"   ? t.tp_comm_hidden_s
+                          : std::string_view(p.key) == "dp_comm_s" ? t.dp_comm_hidden_s
+                                                                   : 0;
+    rest.push_back(fmt::format("{} {:.1f}%{}", p.text, 100 * p.seconds / t.step_time_s,
+                               hidden > 0 ? fmt::format(" (and {} hidden)", Seconds(hidden))
+                                          : std::string()));
   }
   std::string out = fmt::format(
       "{} of its {} step is compute{}{}; its peak {} + reserve {} (stage {}) leaves {} free.",
@@ -182,6 +192,18 @@ class AdviseCommand : public Command {
     app_->add_option("--distributed-optimizer", distributed_,
                      "candidates among true,false (default both)");
     app_->add_flag("--no-virtual-pipeline", no_vp_, "do not try the interleaved schedule");
+    app_->add_option("--overlap-grad-reduce", overlap_grad_reduce_,
+                     "true or false: optimizer.overlap_grad_reduce for every layout (default "
+                     "the config's)")
+        ->check(CLI::IsMember({"true", "false"}));
+    app_->add_option("--overlap-param-gather", overlap_param_gather_,
+                     "true or false: optimizer.overlap_param_gather for every layout with the "
+                     "distributed optimizer (needs overlap_grad_reduce; default the config's)")
+        ->check(CLI::IsMember({"true", "false"}));
+    app_->add_option("--tp-comm-overlap", tp_comm_overlap_,
+                     "true or false: parallel.tp_comm_overlap for every layout with sequence "
+                     "parallelism (default the config's)")
+        ->check(CLI::IsMember({"true", "false"}));
     app_->add_option("--max-tp", max_tp_, "largest tensor-parallel size (default gpus_per_node)");
     app_->add_option("--max-cp", max_cp_,
                      "largest context-parallel size (default: any that splits the sequence; 1: "
@@ -202,9 +224,20 @@ class AdviseCommand : public Command {
     if (!read.ok()) return ReportError(err, path_, read.status().Message());
     nlohmann::json doc = *read;
     std::optional<int64_t> file_batch;
+    bool file_tp_overlap = false;
     // The layout is what advise chooses: drop the file's, keep the rest.
     if (doc.is_object() && doc.contains("parallel") && doc["parallel"].is_object()) {
       nlohmann::json& par = doc["parallel"];
+      // tp_comm_overlap needs sequence parallelism, which advise chooses: applied per layout.
+      if (par.contains("tp_comm_overlap")) {
+        if (!par["tp_comm_overlap"].is_boolean()) {
+          return ReportError(err, path_,
+                             "parallel.tp_comm_overlap: must be true or false, got " +
+                                 DescribeJson(par["tp_comm_overlap"]));
+        }
+        file_tp_overlap = par["tp_comm_overlap"].get<bool>();
+        par.erase("tp_comm_overlap");
+      }
       for (const char* key :
            {"tensor_model_parallel_size", "pipeline_model_parallel_size",
             "virtual_pipeline_model_parallel_size", "context_parallel_size",
@@ -244,6 +277,28 @@ class AdviseCommand : public Command {
     options.max_tp = max_tp_;
     options.max_cp = max_cp_;
     options.virtual_pipeline = !no_vp_;
+    // Overlap: the flags, else the config's keys; each applies where Megatron allows it.
+    options.overlap_grad_reduce = overlap_grad_reduce_.empty()
+                                      ? config.optimizer && config.optimizer->overlap_grad_reduce
+                                      : overlap_grad_reduce_ == "true";
+    options.overlap_param_gather =
+        overlap_param_gather_.empty()
+            ? config.optimizer && config.optimizer->overlap_param_gather
+            : overlap_param_gather_ == "true";
+    options.tp_comm_overlap =
+        tp_comm_overlap_.empty() ? file_tp_overlap : tp_comm_overlap_ == "true";
+    if (options.overlap_param_gather && !options.overlap_grad_reduce) {
+      return ReportError(err, "command line",
+                         "--overlap-param-gather: needs overlap_grad_reduce true (Megatron: "
+                         "\"Must use --overlap-param-gather with --overlap-grad-reduce\")");
+    }
+    if ((options.overlap_grad_reduce || options.overlap_param_gather) && !config.optimizer) {
+      return ReportError(err, "command line",
+                         fmt::format("--overlap-{}: needs an optimizer section in the config "
+                                     "(the gradient reduction it overlaps is the training's)",
+                                     options.overlap_grad_reduce ? "grad-reduce"
+                                                                 : "param-gather"));
+    }
     if (!micro_batches_.empty()) {
       StatusOr<std::vector<int64_t>> v = ParseIntList(micro_batches_, "--micro-batch-sizes");
       if (!v.ok()) return ReportError(err, "command line", v.status().Message());
@@ -309,20 +364,21 @@ class AdviseCommand : public Command {
     } else {
       const size_t n = std::min(a.fit.size(), static_cast<size_t>(top_));
       const bool cp = ShowsCp(a, n), ep = ShowsEp(a, n);
-      size_t width = 28;
+      size_t width = 28, features = 34;
       for (size_t i = 0; i < n; ++i) width = std::max(width, LayoutName(a.fit[i]).size());
+      for (size_t i = 0; i < n; ++i) features = std::max(features, FeaturesText(a.fit[i]).size());
       out << fmt::format(
-          "  {:>3}  {:<{}} {:<34} {:>7} {:>7} {:>6} {:>7} {:>7}{}{} {:>7} {:>7} {:>10}\n", "#",
-          "layout", width, "features", "step", "TFLOP/s", "MFU", "bubble", "tp",
+          "  {:>3}  {:<{}} {:<{}} {:>7} {:>7} {:>6} {:>7} {:>7}{}{} {:>7} {:>7} {:>10}\n", "#",
+          "layout", width, "features", features, "step", "TFLOP/s", "MFU", "bubble", "tp",
           cp ? fmt::format(" {:>7}", "cp") : std::string(),
           ep ? fmt::format(" {:>7}", "ep") : std::string(), "pp", "dp", "headroom");
       for (size_t i = 0; i < n; ++i) {
         const AdvisedLayout& l = a.fit[i];
         const double step = l.time.step_time_s;
         out << fmt::format(
-            "  {:>3}  {:<{}} {:<34} {:>7} {:>7.1f} {:>5.1f}% {:>6.1f}% {:>6.1f}%{}{} {:>6.1f}% "
+            "  {:>3}  {:<{}} {:<{}} {:>7} {:>7.1f} {:>5.1f}% {:>6.1f}% {:>6.1f}%{}{} {:>6.1f}% "
             "{:>6.1f}% {:>10}\n",
-            i + 1, LayoutName(l), width, FeaturesText(l), Seconds(step),
+            i + 1, LayoutName(l), width, FeaturesText(l), features, Seconds(step),
             l.time.model_tflops_per_gpu, 100 * l.time.mfu, 100 * l.time.bubble_s / step, 100 * l.time.tp_comm_s / step,
             cp ? fmt::format(" {:>6.1f}%", 100 * l.time.cp_comm_s / step) : std::string(),
             ep ? fmt::format(" {:>6.1f}%", 100 * l.time.ep_comm_s / step) : std::string(),
@@ -370,11 +426,16 @@ class AdviseCommand : public Command {
                                        : nlohmann::ordered_json(RecomputeName(l.recompute));
       j["sequence_parallel"] = l.sequence_parallel;
       j["use_distributed_optimizer"] = l.distributed_optimizer;
+      j["tp_comm_overlap"] = l.tp_comm_overlap;
+      j["overlap_grad_reduce"] = l.overlap_grad_reduce;
+      j["overlap_param_gather"] = l.overlap_param_gather;
       j["model_tflops_per_gpu"] = l.time.model_tflops_per_gpu;
       j["mfu"] = l.time.mfu;
       j["step_time_s"] = l.time.step_time_s;
       // The parts of the step, which add up to step_time_s.
       for (const StepPart& p : StepParts(l.time)) j[p.key] = p.seconds;
+      j["tp_comm_hidden_s"] = l.time.tp_comm_hidden_s;
+      j["dp_comm_hidden_s"] = l.time.dp_comm_hidden_s;
       j["peak_bytes"] = JsonBytes(l.peak);
       j["reserved_bytes"] = JsonBytes(l.reserved);
       // An exact integer: what is free, or minus the excess of a miss.
@@ -521,6 +582,7 @@ class AdviseCommand : public Command {
   int64_t max_tp_ = 0, max_cp_ = 0;
   std::string gpu_ = kDefaultGpu;
   std::string micro_batches_, recompute_, sequence_parallel_, distributed_;
+  std::string overlap_grad_reduce_, overlap_param_gather_, tp_comm_overlap_;
   bool no_vp_ = false;
   int top_ = 10;
   std::string format_ = "text";

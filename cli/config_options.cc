@@ -17,9 +17,10 @@ enum class FlagType { kInt, kString, kIntList, kBool };
 
 struct ParallelFlag {
   const char* flag;
-  const char* key;  // the `parallel` key it sets
+  const char* key;  // the key it sets, in `section`
   FlagType type;
   const char* help;
+  const char* section = "parallel";  // or "optimizer" (which the config must have)
 };
 
 // The one table of quick flags.
@@ -45,6 +46,17 @@ constexpr ParallelFlag kParallelFlags[] = {
     {"--num-layers", "num_layers", FlagType::kInt, "layers, for the virtual-pipeline assignment"},
     {"--sequence-parallel", "sequence_parallel", FlagType::kBool,
      "true or false: sequence parallelism (norms and dropouts on s / tp tokens)"},
+    {"--tp-comm-overlap", "tp_comm_overlap", FlagType::kBool,
+     "true or false: TE's overlap of the tp collectives with the GEMMs (timing only; needs "
+     "--sequence-parallel true)"},
+    {"--overlap-grad-reduce", "overlap_grad_reduce", FlagType::kBool,
+     "true or false: optimizer.overlap_grad_reduce, the bucketed gradient reduction overlapped "
+     "with the backward (timing only)",
+     "optimizer"},
+    {"--overlap-param-gather", "overlap_param_gather", FlagType::kBool,
+     "true or false: optimizer.overlap_param_gather, the distributed optimizer's parameter "
+     "all-gather overlapped with the forward (timing only)",
+     "optimizer"},
 };
 
 std::string LongName(const char* flag) {
@@ -69,7 +81,9 @@ void ConfigOptions::Register(CLI::App* app) {
   for (const ParallelFlag& f : kParallelFlags) {
     std::string& slot = values_[f.key];
     app->add_option(f.flag, slot, f.help)
-        ->group("Layout flags (set or override parallel keys)")
+        ->group(std::string_view(f.section) == "parallel"
+                    ? "Layout flags (set or override parallel keys)"
+                    : "Optimizer flags (set or override optimizer keys)")
         ->type_name(f.type == FlagType::kInt       ? "INT"
                     : f.type == FlagType::kIntList ? "INT,INT,..."
                     : f.type == FlagType::kBool    ? "BOOL"
@@ -110,11 +124,17 @@ StatusOr<Config> ConfigOptions::Resolve() {
       }
     }
     flag_of_key_[f.key] = flag;
-    // Flags override the file. A file whose "parallel" is not an object is reported by
+    const std::string section = f.section;
+    if (section != "parallel" &&
+        !(document.is_object() && document.contains(section) && document[section].is_object())) {
+      return Status::Error(flag, fmt::format("needs a config with an \"{}\" section (it sets "
+                                             "{}.{})",
+                                             section, section, f.key));
+    }
+    // Flags override the file. A file whose section is not an object is reported by
     // ParseConfig below, so only merge into a well-formed one.
-    if (document.is_object() && document.contains("parallel") &&
-        document["parallel"].is_object()) {
-      document["parallel"][f.key] = value;
+    if (document.is_object() && document.contains(section) && document[section].is_object()) {
+      document[section][f.key] = value;
     }
   }
   if (path_.empty() && flag_of_key_.count("world_size") == 0) {
@@ -133,9 +153,9 @@ Status ConfigOptions::Attribute(const Status& status, std::string* source) const
     *source = "command line";
     return status;
   }
-  constexpr std::string_view kPrefix = "parallel.";
-  if (where.rfind(kPrefix, 0) == 0) {
-    const std::string key = where.substr(kPrefix.size(), where.find('[') - kPrefix.size());
+  for (const std::string_view prefix : {"parallel.", "optimizer."}) {
+    if (where.rfind(prefix, 0) != 0) continue;
+    const std::string key = where.substr(prefix.size(), where.find('[') - prefix.size());
     if (auto it = flag_of_key_.find(key); it != flag_of_key_.end()) {
       *source = "command line";
       return Status::Error(it->second, status.what());

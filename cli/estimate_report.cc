@@ -17,7 +17,45 @@ namespace {
 // The estimate with the optimizer the other way (plain <-> distributed), for the comparison.
 Config WithDistributedOptimizer(Config config, bool distributed) {
   config.optimizer->use_distributed_optimizer = distributed;
+  // Megatron's overlap_param_gather exists only with the distributed optimizer.
+  if (!distributed) config.optimizer->overlap_param_gather = false;
   return config;
+}
+
+// Which of Megatron's overlap options the estimate ran with.
+bool TpOverlap(const Config& config) { return config.parallel.tp_comm_overlap; }
+bool GradOverlap(const Config& config) {
+  return config.optimizer && config.optimizer->overlap_grad_reduce;
+}
+bool AnyOverlap(const Config& config) { return TpOverlap(config) || GradOverlap(config); }
+// "12.3 ms exposed (45.6 ms hidden)" for a part that overlap hides, else "12.3 ms".
+std::string ExposedText(double exposed, double hidden, bool overlapped) {
+  return overlapped ? fmt::format("{} exposed ({} hidden)", SecondsText(exposed),
+                                  SecondsText(hidden))
+                    : SecondsText(exposed);
+}
+// The model line's words on overlap: what runs beside compute.
+std::string OverlapText(const Config& config, const TimeEstimate& t, bool ring) {
+  std::vector<std::string> parts;
+  if (TpOverlap(config)) {
+    parts.push_back("tp collectives with their GEMMs (tp_comm_overlap, TE's userbuffers)");
+  }
+  if (GradOverlap(config)) {
+    parts.push_back(fmt::format("the gradient reduction with the last backward ({} bucket{} on "
+                                "pipeline rank 0's first chunk)",
+                                t.dp_buckets, t.dp_buckets == 1 ? "" : "s"));
+  }
+  if (config.optimizer && config.optimizer->overlap_param_gather) {
+    parts.push_back("the parameter all-gather with the next forward");
+  }
+  if (ring) parts.push_back("the cp ring's sends with its attention");
+  if (parts.empty()) return "no overlap of communication with compute";
+  if (parts.size() == 1 && ring) {
+    return "no overlap of communication with compute but the cp ring's sends with its attention";
+  }
+  return fmt::format("overlapped: {}; the slowdown of the GEMMs they share the GPU with is not "
+                     "modelled",
+                     fmt::join(parts, ", "));
 }
 
 PlanBytes StagePeak(const EstimateReport& r, size_t i) {
@@ -132,14 +170,15 @@ void PrintTimeText(const Config& config, const Topology& topology, const TimeEst
   const double pipeline = t.compute_s + t.recompute_s + t.tp_comm_s + t.cp_comm_s +
                           t.ep_comm_s + t.pp_comm_s + t.bubble_s;
   out << fmt::format("  step time   {:>10}  = pipeline {} + dp {} + optimizer {}\n",
-                     SecondsText(t.step_time_s), SecondsText(pipeline), SecondsText(t.dp_comm_s),
+                     SecondsText(t.step_time_s), SecondsText(pipeline),
+                     ExposedText(t.dp_comm_s, t.dp_comm_hidden_s, GradOverlap(config)),
                      SecondsText(t.optimizer_s));
   out << fmt::format(
       "  pipeline    {:>10}  = compute {}{} + tp {}{}{}{} + bubble {} (busiest stage)\n",
       SecondsText(pipeline), SecondsText(t.compute_s),
       run.recompute != RunConfig::Recompute::kNone ? " + recompute " + SecondsText(t.recompute_s)
                                                    : "",
-      SecondsText(t.tp_comm_s),
+      ExposedText(t.tp_comm_s, t.tp_comm_hidden_s, TpOverlap(config)),
       topology.sizes().cp > 1 ? " + cp " + SecondsText(t.cp_comm_s) : "",
       config.gpt && config.gpt->moe.enabled() ? " + ep " + SecondsText(t.ep_comm_s) : "",
       topology.sizes().pp > 1 ? " + pp sends " + SecondsText(t.pp_comm_s) : "",
@@ -162,18 +201,23 @@ void PrintTimeText(const Config& config, const Topology& topology, const TimeEst
   out << '\n';
   out << "  communication per iteration (busiest stage's rank):\n";
   for (const CommTime& c : t.communication) {
-    out << fmt::format("    {:<3} {:<28} {:>7} x  {:>10} sent  {:>10}  {}\n", c.kind, c.operation,
-                       c.count, run::FormatBytes(static_cast<PlanBytes>(c.bytes)),
-                       SecondsText(c.seconds), c.inter_node ? "across nodes" : "in a node");
+    // With overlap, each row's exposed seconds and its hidden ones.
+    out << fmt::format("    {:<3} {:<28} {:>7} x  {:>10} sent  {:>10}  {}{}\n", c.kind,
+                       c.operation, c.count, run::FormatBytes(static_cast<PlanBytes>(c.bytes)),
+                       SecondsText(c.seconds),
+                       AnyOverlap(config)
+                           ? fmt::format("exposed {:>10} hidden  ",
+                                         c.hidden_s > 0 ? SecondsText(c.hidden_s) : "-")
+                           : "",
+                       c.inter_node ? "across nodes" : "in a node");
   }
   const bool ring = topology.sizes().cp > 1 && config.gpt &&
                     config.gpt->cp_comm_type == CpCommType::kP2p;
   out << fmt::format(
       "  model: GEMMs at {:.0f}% of peak, memory-bound kernels at {:.0f}% of HBM bandwidth, "
-      "collectives at {:.0f}% of link bandwidth; no overlap of communication with compute{}\n",
+      "collectives at {:.0f}% of link bandwidth; {}\n",
       100 * t.gpu.gemm_efficiency, 100 * t.gpu.memory_efficiency,
-      100 * t.gpu.collective_efficiency,
-      ring ? " but the cp ring's sends with its attention" : "");
+      100 * t.gpu.collective_efficiency, OverlapText(config, t, ring));
 }
 
 // The palette of the bars' parts, in turn: as many as a bar has parts (the step time's nine
@@ -350,12 +394,19 @@ nlohmann::ordered_json EstimateJson(const EstimateReport& r, const Topology& top
     doc["time"] = {{"compute_s", t.compute_s},
                    {"recompute_s", t.recompute_s},
                    {"tp_comm_s", t.tp_comm_s},
+                   {"tp_comm_hidden_s", t.tp_comm_hidden_s},
                    {"cp_comm_s", t.cp_comm_s},
                    {"ep_comm_s", t.ep_comm_s},
                    {"pp_comm_s", t.pp_comm_s},
                    {"bubble_s", t.bubble_s},
                    {"dp_comm_s", t.dp_comm_s},
+                   {"dp_comm_hidden_s", t.dp_comm_hidden_s},
                    {"optimizer_s", t.optimizer_s}};
+    doc["overlap"] = {{"tp_comm_overlap", TpOverlap(config)},
+                      {"overlap_grad_reduce", GradOverlap(config)},
+                      {"overlap_param_gather",
+                       config.optimizer && config.optimizer->overlap_param_gather},
+                      {"grad_buckets", t.dp_buckets}};
     doc["model_flops_per_iteration"] = t.model_flops;
     doc["flops_per_rank"] = t.flops_per_rank;
     nlohmann::ordered_json comm = nlohmann::ordered_json::array();
@@ -365,6 +416,7 @@ nlohmann::ordered_json EstimateJson(const EstimateReport& r, const Topology& top
                       {"count", c.count},
                       {"bytes", c.bytes},
                       {"seconds", c.seconds},
+                      {"hidden_seconds", c.hidden_s},
                       {"inter_node", c.inter_node}});
     }
     doc["communication"] = comm;
@@ -611,20 +663,22 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
     const bool ep = config.gpt && config.gpt->moe.enabled();
     PrintBarsSvg(TimePartNames(cp, ep), {TimeBar("one iteration", t, cp, ep)}, 0, "", out);
     out << "<table class=\"report\"><tr><th>group</th><th>operation</th><th>count</th>"
-           "<th>sent</th><th>time</th><th>link</th></tr>\n";
+           "<th>sent</th><th>time (exposed)</th><th>hidden</th><th>link</th></tr>\n";
     for (const CommTime& c : t.communication) {
       out << "<tr>" << Td(c.kind) << "<td class=\"name\">" << HtmlEscape(c.operation) << "</td>"
           << Td(std::to_string(c.count)) << Td(run::FormatBytes(static_cast<PlanBytes>(c.bytes)))
-          << Td(SecondsText(c.seconds)) << Td(c.inter_node ? "across nodes" : "in a node")
-          << "</tr>\n";
+          << Td(SecondsText(c.seconds)) << Td(SecondsText(c.hidden_s))
+          << Td(c.inter_node ? "across nodes" : "in a node") << "</tr>\n";
     }
     out << "</table>\n";
     out << fmt::format(
         "<p class=\"note\">GEMMs at {:.0f}% of peak, memory-bound kernels at {:.0f}% of HBM "
-        "bandwidth, collectives at {:.0f}% of link bandwidth; no overlap of communication "
-        "with compute.</p>\n",
+        "bandwidth, collectives at {:.0f}% of link bandwidth; {}.</p>\n",
         100 * t.gpu.gemm_efficiency, 100 * t.gpu.memory_efficiency,
-        100 * t.gpu.collective_efficiency);
+        100 * t.gpu.collective_efficiency,
+        HtmlEscape(OverlapText(config, t,
+                               topology.sizes().cp > 1 && config.gpt &&
+                                   config.gpt->cp_comm_type == CpCommType::kP2p)));
   } else {
     out << "<p class=\"note\">step time: not estimated: " << HtmlEscape(r.time_missing)
         << "</p>\n";
@@ -651,7 +705,12 @@ Bar TimeBar(const std::string& label, const TimeEstimate& t, bool cp, bool ep) {
   const std::vector<std::string> names = TimePartNames(cp, ep);
   Bar bar{label, {}};
   for (size_t p = 0; p < parts.size(); ++p) {
-    bar.parts.push_back({parts[p], fmt::format("{} {}: {}", label, names[p], SecondsText(parts[p]))});
+    // The bar draws what adds to the step; the tooltip names what overlap hides beside it.
+    const double hidden = p == 1 ? t.tp_comm_hidden_s : p == 4 ? t.dp_comm_hidden_s : 0;
+    const std::string note =
+        hidden > 0 ? fmt::format(" exposed, {} hidden", SecondsText(hidden)) : "";
+    bar.parts.push_back(
+        {parts[p], fmt::format("{} {}: {}{}", label, names[p], SecondsText(parts[p]), note)});
   }
   return bar;
 }

@@ -285,9 +285,14 @@ ScheduleTiming TimeSchedule(const PipelineSchedule& schedule, const StageCosts& 
   };
   if (costs.forward.size() != static_cast<size_t>(stages) ||
       costs.backward.size() != static_cast<size_t>(stages) || !positive(costs.forward) ||
-      !positive(costs.backward) || !(costs.transfer >= 0)) {
+      !positive(costs.backward) || !(costs.transfer >= 0) ||
+      !(costs.first_forward_wait.empty() ||
+        (costs.first_forward_wait.size() == static_cast<size_t>(stages) &&
+         std::all_of(costs.first_forward_wait.begin(), costs.first_forward_wait.end(),
+                     [](double x) { return x >= 0; })))) {
     throw std::invalid_argument(
-        "TimeSchedule: one positive forward and backward cost per virtual stage, transfer >= 0");
+        "TimeSchedule: one positive forward and backward cost per virtual stage, transfer >= 0, "
+        "first_forward_wait empty or one value >= 0 per virtual stage");
   }
   // A dependency on another rank's step waits for its transfer as well.
   const double transfer = p > 1 ? costs.transfer : 0.0;
@@ -330,6 +335,9 @@ ScheduleTiming TimeSchedule(const PipelineSchedule& schedule, const StageCosts& 
           const double need = at(1, u + 1, m);
           if (need < 0) break;
           ready = std::max(ready, need + transfer);
+        }
+        if (fwd && m == 0 && !costs.first_forward_wait.empty()) {
+          ready += costs.first_forward_wait[static_cast<size_t>(u)];
         }
         const double finish =
             ready + (fwd ? costs.forward : costs.backward)[static_cast<size_t>(u)];

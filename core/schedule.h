@@ -131,6 +131,10 @@ struct StageCosts {
   // overlap_p2p_comm): a step whose output goes to another rank holds its own rank for the
   // transfer too, before its next step can start. False: sends overlap the next step.
   bool blocking_sends = false;
+  // [virtual stage], or empty (none): seconds the first forward of that virtual stage (its
+  // first micro-batch) waits before it starts, on top of its inputs (the exposed part of the
+  // parameter all-gather that Megatron's overlap_param_gather runs before it).
+  std::vector<double> first_forward_wait = {};
 };
 ScheduleTiming TimeSchedule(const PipelineSchedule& schedule, const StageCosts& costs);
 

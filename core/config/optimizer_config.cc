@@ -43,7 +43,10 @@ const std::vector<std::string_view>& OptimizerConfigKeys() {
                                                       "adam_eps",
                                                       "sgd_momentum",
                                                       "clip_grad",
-                                                      "use_distributed_optimizer"};
+                                                      "use_distributed_optimizer",
+                                                      "overlap_grad_reduce",
+                                                      "overlap_param_gather",
+                                                      "bucket_size"};
   return kKeys;
 }
 
@@ -103,7 +106,24 @@ Status ParseOptimizerSection(const nlohmann::json& section, OptimizerConfig* out
       MPUSIM_RETURN_IF_ERROR(ParseNonNegative(value, where, &c.clip_grad));
     } else if (key == "use_distributed_optimizer") {
       MPUSIM_RETURN_IF_ERROR(ParseBool(value, where, &c.use_distributed_optimizer));
+    } else if (key == "overlap_grad_reduce") {
+      MPUSIM_RETURN_IF_ERROR(ParseBool(value, where, &c.overlap_grad_reduce));
+    } else if (key == "overlap_param_gather") {
+      MPUSIM_RETURN_IF_ERROR(ParseBool(value, where, &c.overlap_param_gather));
+    } else if (key == "bucket_size") {
+      MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &c.bucket_size));
     }
+  }
+  // Megatron's own checks (megatron/training/arguments.py, validate_args).
+  if (c.overlap_param_gather && !c.use_distributed_optimizer) {
+    return Status::Error(prefix + ".overlap_param_gather",
+                         "needs use_distributed_optimizer true (the all-gather it overlaps is "
+                         "the distributed optimizer's; Megatron refuses it too)");
+  }
+  if (c.overlap_param_gather && !c.overlap_grad_reduce) {
+    return Status::Error(prefix + ".overlap_param_gather",
+                         "needs overlap_grad_reduce true (Megatron: \"Must use "
+                         "--overlap-param-gather with --overlap-grad-reduce\")");
   }
   if (!section.contains("lr")) {
     return Status::Error(prefix + ".lr", "is required (the peak learning rate, e.g. \"lr\": 1e-3)");

@@ -18,6 +18,24 @@
 //                                distributed-optimizer instance (parallel.
 //                                num_distributed_optimizer_instances): gradients
 //                                reduce-scattered, parameters all-gathered (core/train/optimizer.h)
+//     "overlap_grad_reduce": false,
+//                                Megatron's DistributedDataParallelConfig field (megatron/core/
+//                                distributed/distributed_data_parallel_config.py): reduce the
+//                                gradients bucket by bucket while the last micro-batch's backward
+//                                still runs. Timing only: `mpusim run` computes the same values;
+//                                the step-time estimate hides what the backward covers
+//                                (core/estimate/time_estimate.h)
+//     "overlap_param_gather": false,
+//                                the distributed optimizer's parameter all-gather overlapped with
+//                                the next iteration's forward, bucket by bucket. Megatron refuses
+//                                it without use_distributed_optimizer and without
+//                                overlap_grad_reduce (megatron/training/arguments.py); so does
+//                                mpusim, naming this field
+//     "bucket_size": null        parameters per gradient bucket when overlap_grad_reduce is on;
+//                                null: Megatron's default max(40000000, 1000000 x dp_cp size)
+//                                (megatron/training/training.py resolve_ddp_bucket_size);
+//                                Megatron buckets only the first model chunk of pipeline rank 0
+//                                (the others are one bucket each)
 //   }
 //
 // Learning rate of iteration k (0-based: the k-th optimizer step), as Megatron's scheduler
@@ -31,6 +49,7 @@
 //                           min_lr + c * (lr - min_lr)
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <nlohmann/json_fwd.hpp>
 #include <optional>
@@ -57,6 +76,15 @@ struct OptimizerConfig {
   double sgd_momentum = 0.9;
   double clip_grad = 1.0;
   bool use_distributed_optimizer = false;
+  // Megatron's DistributedDataParallelConfig overlap fields: timing, not values.
+  bool overlap_grad_reduce = false;
+  bool overlap_param_gather = false;
+  std::optional<int64_t> bucket_size;  // parameters; null: BucketSize's default
+  // The parameters per gradient bucket Megatron uses on a dp x cp group of `dp_cp_size`:
+  // bucket_size, else max(40000000, 1000000 x dp_cp_size).
+  int64_t BucketSize(int64_t dp_cp_size) const {
+    return bucket_size.value_or(std::max<int64_t>(40000000, 1000000 * dp_cp_size));
+  }
 };
 
 // The keys of the `optimizer` section.

@@ -65,6 +65,7 @@ const std::vector<std::string_view>& ParallelConfigKeys() {
       "microbatch_group_size_per_vp_stage",
       "num_layers",
       "sequence_parallel",
+      "tp_comm_overlap",
       "gradient_accumulation_fusion",
       "fp16",
       "bf16",
@@ -152,7 +153,6 @@ constexpr AcceptedField kIgnoredFields[] = {
      "recomputation is run.recompute_granularity, for every micro-batch"},
     {"async_tensor_model_parallel_allreduce", "", kOverlap},
     {"use_te_rng_tracker", "false", "dropout masks come from model.dropout_mode"},
-    {"tp_comm_overlap", "", kOverlap},
     {"tp_comm_bulk_wgrad", "", kOverlap},
     {"tp_comm_bulk_dgrad", "", kOverlap},
     {"tp_comm_overlap_ag", "", kOverlap},
@@ -239,7 +239,7 @@ Status ParseParallelOption(const std::string& key, const json& value, const std:
   } else if (key == "num_layers") {
     MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &config->num_layers));
   } else if (key == "sequence_parallel" || key == "gradient_accumulation_fusion" || key == "fp16" ||
-             key == "bf16") {
+             key == "bf16" || key == "tp_comm_overlap") {
     if (!value.is_boolean()) {
       return Status::Error(where,
                            fmt::format("must be true or false, got {}", DescribeJson(value)));
@@ -247,6 +247,7 @@ Status ParseParallelOption(const std::string& key, const json& value, const std:
     bool* flag = key == "sequence_parallel"              ? &config->sequence_parallel
                  : key == "gradient_accumulation_fusion" ? &config->gradient_accumulation_fusion
                  : key == "fp16"                         ? &config->fp16
+                 : key == "tp_comm_overlap"              ? &config->tp_comm_overlap
                                                          : &config->bf16;
     *flag = value.get<bool>();
   } else if (key == "params_dtype") {
@@ -318,6 +319,18 @@ Status ParseParallelSection(const json& section, std::string_view path, Parallel
     MPUSIM_RETURN_IF_ERROR(ParseParallelOption(key, value, where, &config));
   }
   MPUSIM_RETURN_IF_ERROR(CheckPrecision(config, prefix));
+  // Megatron's check (megatron/training/arguments.py): "Tensor parallel communication/GEMM
+  // overlap can happen only when sequence parallelism is enabled"; Megatron turns sequence
+  // parallelism off at tp 1, so tp 1 fails the same check.
+  if (config.tp_comm_overlap &&
+      (!config.sequence_parallel || config.tensor_model_parallel_size < 2)) {
+    return Status::Error(prefix + ".tp_comm_overlap",
+                         fmt::format("needs sequence_parallel true and "
+                                     "tensor_model_parallel_size > 1 (TE overlaps the sequence-"
+                                     "parallel all-gathers and reduce-scatters), got "
+                                     "sequence_parallel {} at tensor_model_parallel_size {}",
+                                     config.sequence_parallel, config.tensor_model_parallel_size));
+  }
   if (!section.contains("world_size")) {
     return Status::Error(prefix + ".world_size",
                          "is required (the number of ranks, e.g. \"world_size\": 16)");
@@ -346,6 +359,7 @@ void ToJson(const ParallelConfig& c, json* out) {
   j["microbatch_group_size_per_vp_stage"] = optional(c.microbatch_group_size_per_vp_stage);
   j["num_layers"] = optional(c.num_layers);
   j["sequence_parallel"] = c.sequence_parallel;
+  j["tp_comm_overlap"] = c.tp_comm_overlap;
   j["gradient_accumulation_fusion"] = c.gradient_accumulation_fusion;
   j["fp16"] = c.fp16;
   j["bf16"] = c.bf16;

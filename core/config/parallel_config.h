@@ -7,7 +7,8 @@
 //   num_layers        only for the virtual-pipeline layer assignment (optional)
 // and the ModelParallelConfig fields microbatch_group_size_per_vp_stage (schedules),
 // sequence_parallel, gradient_accumulation_fusion, fp16, bf16 and params_dtype (the
-// simulator; config.h resolves the last three against run.dtype).
+// simulator; config.h resolves the last three against run.dtype), and tp_comm_overlap (the
+// step-time estimate).
 //
 // Parsing is strict: unknown keys (with a suggestion), wrong JSON types and out-of-range
 // values are refused with a Status naming the JSON path. Cross-field rules (divisibility,
@@ -48,6 +49,11 @@ struct ParallelConfig {
   std::optional<int64_t> num_layers;
   // ModelParallelConfig fields read by the simulator (mpusim run); the planner ignores them.
   bool sequence_parallel = false;
+  // ModelParallelConfig.tp_comm_overlap (megatron/core/model_parallel_config.py): Transformer
+  // Engine's userbuffers pipeline the tp all-gathers and reduce-scatters with the GEMMs next
+  // to them. Timing only (the step-time estimate hides what the GEMMs cover); Megatron
+  // requires sequence parallelism for it (megatron/training/arguments.py), hence tp > 1.
+  bool tp_comm_overlap = false;
   // Weight-gradient GEMMs accumulate straight into the float32 main_grad instead of writing
   // weight.grad in the parameter dtype and adding it (Megatron's fused wgrad kernel).
   bool gradient_accumulation_fusion = false;

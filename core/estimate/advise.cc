@@ -107,13 +107,18 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
     par.microbatch_group_size_per_vp_stage.reset();
     par.num_layers = model.num_layers;
     par.sequence_parallel = l.sequence_parallel;
+    par.tp_comm_overlap = l.tp_comm_overlap;
     RunConfig run = base_run;
     run.micro_batch_size = l.micro_batch_size;
     run.num_microbatches = batch / (l.micro_batch_size * l.dp);
     run.global_batch_size = batch;
     run.recompute = l.recompute;
     c.run = run;
-    if (c.optimizer) c.optimizer->use_distributed_optimizer = l.distributed_optimizer;
+    if (c.optimizer) {
+      c.optimizer->use_distributed_optimizer = l.distributed_optimizer;
+      c.optimizer->overlap_grad_reduce = l.overlap_grad_reduce;
+      c.optimizer->overlap_param_gather = l.overlap_param_gather;
+    }
     if (!CheckGptLayout(c.parallel, *c.run, &*c.gpt).ok()) return std::nullopt;
     return c;
   };
@@ -198,8 +203,13 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
                 const int64_t m = batch / (mbs * dp);
                 if (vp > 0 && m % pp != 0) continue;  // Megatron's interleaved rule
                 for (const auto& [ep, recompute] : Pairs(eps, options.recompute)) {
-                  const AdvisedLayout layout{tp,  pp,        vp, dp,          cp, ep,
-                                             mbs, recompute, sp, distributed, {}};
+                  AdvisedLayout layout{tp,  pp,        vp, dp,          cp, ep,
+                                       mbs, recompute, sp, distributed, {}};
+                  // The overlap options wherever Megatron allows them.
+                  layout.overlap_grad_reduce = options.overlap_grad_reduce && config.optimizer;
+                  layout.overlap_param_gather = options.overlap_param_gather &&
+                                                layout.overlap_grad_reduce && distributed;
+                  layout.tp_comm_overlap = options.tp_comm_overlap && sp && tp > 1;
                   const std::optional<Config> c = configure(layout);
                   if (!c) continue;
                   const Topology* topology = topology_of(*c, layout);

@@ -52,6 +52,13 @@ struct AdviseOptions {
   std::vector<bool> sequence_parallel = {false, true};
   std::vector<bool> distributed_optimizer = {false, true};
   bool virtual_pipeline = true;
+  // Megatron's overlap options, each on for every candidate that allows it (not searched:
+  // overlap never makes a step slower in the time model): overlap_grad_reduce everywhere,
+  // overlap_param_gather with the distributed optimizer, tp_comm_overlap with sequence
+  // parallelism.
+  bool overlap_grad_reduce = false;
+  bool overlap_param_gather = false;
+  bool tp_comm_overlap = false;
   size_t timed_misses = 3;  // how many of the closest layouts that do not fit get a step time
   // Replaces the computed memory reserve of every rank (--reserve-gib); nullopt: computed.
   std::optional<PlanBytes> reserve_bytes;
@@ -69,6 +76,10 @@ struct AdvisedLayout {
   bool sequence_parallel = false;
   bool distributed_optimizer = false;
   TimeEstimate time;          // of a layout that fits, and of the first timed_misses that do not
+  // The overlap options the candidate runs with (AdviseOptions, where allowed).
+  bool overlap_grad_reduce = false;
+  bool overlap_param_gather = false;
+  bool tp_comm_overlap = false;
   // The stage that needs the most memory, peak + reserve: its peak, reserve and activations.
   PlanBytes peak = 0;
   int64_t peak_stage = 0;

@@ -6,8 +6,10 @@ std::vector<std::string> NotModelled(const Config& config) {
   std::vector<std::string> items = {
       "kernel launch overheads and host-side gaps between kernels",
       "data loading",
-      "overlap of communication with compute (every collective is exposed; only the cp "
-      "ring's sends hide behind its attention)",
+      "overlap of communication with compute beyond tp_comm_overlap, overlap_grad_reduce, "
+      "overlap_param_gather and the cp ring's sends (the pipeline's sends and the experts' "
+      "exchanges are exposed), and the slowdown of the compute that overlapped communication "
+      "shares the GPU with",
       "GEMM efficiency by shape (every GEMM runs at gemm_efficiency of peak)",
       "the GPU's clock under power limits",
       "memory outside the reserve: TransformerEngine's userbuffers (tp_comm_overlap), CUDA "

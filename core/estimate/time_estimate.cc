@@ -4,8 +4,10 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cmath>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "core/config/config.h"
@@ -355,6 +357,77 @@ MoeCost MoeForward(const GptConfig& g, const Sizes& x, const DerivedSizes& sz,
   return out;
 }
 
+// What of `comm` seconds of communication stays exposed when it is cut into `n` equal chunks
+// pipelined with `compute` seconds of work, chunk i's transfer beside chunk i-1's work (or
+// the reverse): with c = comm / n and g = compute / n the pair takes c + (n - 1) max(c, g) + g,
+// i.e. compute + max(comm / n, comm - (n - 1) / n * compute). Exposed: one chunk's transfer
+// (the pipeline's fill) when the work covers the rest, else what exceeds the work. n = 1: all
+// of it. Used for tp_comm_overlap's chunked collectives, overlap_grad_reduce's buckets
+// (ready one by one during the last backward) and overlap_param_gather's (needed one by one
+// by the forward).
+double PipelinedExposed(double comm, double compute, double n) {
+  if (comm <= 0) return 0;
+  return std::max(comm / n, comm - (n - 1) / n * compute);
+}
+// A collective that runs whole beside a GEMM (TE's "bulk" overlap): only what exceeds it.
+double BulkExposed(double comm, double compute) { return std::max(0.0, comm - compute); }
+
+// tp_comm_overlap: the seconds of one layer's tp collectives that Transformer Engine's
+// userbuffers hide behind the GEMMs next to them, per pass. TE's defaults
+// (transformer_engine/pytorch/module/base.py, initialize_ub):
+//   forward:  qkv_fprop and fc1_fprop all-gather their input by "ring_exchange" in tp chunks
+//             pipelined with the QKV / fc1 GEMM; proj_fprop and fc2_fprop reduce-scatter their
+//             output by "pipeline" in 4 chunks (num_splits 4) with the projection / fc2 GEMM;
+//   backward: proj_dgrad and fc2_dgrad all-gather the output gradient by "ring_exchange" (tp
+//             chunks) with the dgrad GEMM (as long as the forward GEMM); qkv_wgrad and
+//             fc1_wgrad reduce-scatter the input gradient in "bulk" beside the wgrad GEMM.
+// mpusim counts a layer's tp traffic as an all-gather and a reduce-scatter of [s, b, h] per
+// block (attention, MLP) and pass; each is paired as above. An MoE layer's only overlapped
+// collectives are its attention's (the experts' exchanges and a shared expert's tp collective
+// stay exposed), as are the embedding's and the output layer's (not TE layers in Megatron).
+struct TpOverlap {
+  double dense_forward = 0, dense_backward = 0;  // hidden seconds per dense layer and pass
+  double moe_forward = 0, moe_backward = 0;      // per MoE layer (its attention's)
+};
+TpOverlap TpOverlapOf(const GptConfig& g, const Sizes& x, const Link& link, double peak) {
+  const double T = x.tokens(), h = x.h, t = x.t;
+  const double heads = static_cast<double>(g.num_attention_heads) / t;
+  const double groups = static_cast<double>(g.num_query_groups) / t;
+  const double d = static_cast<double>(g.kv_channels);
+  const double fc1 = static_cast<double>(g.Fc1Rows()) / t;
+  const double f = static_cast<double>(g.ffn_hidden_size) / t;
+  // One all-gather or reduce-scatter of the layer's activation over tp.
+  const double a = RingSeconds(T * h * x.e, static_cast<int64_t>(t), 1, link.bandwidth,
+                               link.latency);
+  const double qkv = 2 * T * h * (heads + 2 * groups) * d / peak;
+  const double proj = 2 * T * heads * d * h / peak;
+  const double up = 2 * T * h * fc1 / peak, down = 2 * T * f * h / peak;
+  constexpr double kPipelineSplits = 4;  // TE's num_splits for the "pipeline" method
+  const auto hidden_pipelined = [&](double gemm, double n) {
+    return a - PipelinedExposed(a, gemm, n);
+  };
+  const auto hidden_bulk = [&](double gemm) { return a - BulkExposed(a, gemm); };
+  TpOverlap o;
+  const double attention_forward =
+      hidden_pipelined(qkv, t) + hidden_pipelined(proj, kPipelineSplits);
+  const double attention_backward = hidden_pipelined(proj, t) + hidden_bulk(qkv);
+  o.moe_forward = attention_forward;
+  o.moe_backward = attention_backward;
+  o.dense_forward = attention_forward + hidden_pipelined(up, t) +
+                    hidden_pipelined(down, kPipelineSplits);
+  o.dense_backward = attention_backward + hidden_pipelined(down, t) + hidden_bulk(up);
+  return o;
+}
+
+// One stage's gradient reduction and parameter gather (the busiest rank of the stage), per
+// group kind (dp_cp for the dense parameters, expt_dp for the experts').
+struct DpPart {
+  std::string kind;  // "dp" or "expt_dp"
+  double reduce_s = 0, gather_s = 0;  // the gather: the distributed optimizer's only
+  double reduce_bytes = 0, gather_bytes = 0;
+  bool inter_node = false;
+};
+
 }  // namespace
 
 const std::vector<std::string>& GpuPresetNames() {
@@ -547,10 +620,14 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   const bool full = run.recompute == RunConfig::Recompute::kFull;
   const double ep_forward = moe.exchange_s;
   const double ep_backward = moe.exchange_s * (full ? 2 : 1);
+  // tp_comm_overlap: what TE's userbuffers hide of each layer's tp collectives.
+  const bool tp_overlap = config.parallel.tp_comm_overlap && sz.tp > 1 && x.sp;
+  const TpOverlap tpo = tp_overlap ? TpOverlapOf(g, x, tp_link, peak) : TpOverlap{};
   StageCosts costs;
   std::vector<double> compute_of(static_cast<size_t>(stages)), comm_of(compute_of);
   std::vector<double> flops_of(compute_of), cp_of(compute_of), ep_of(compute_of);
   std::vector<double> recompute_s_of(compute_of);  // the recomputed forwards' compute
+  std::vector<double> tp_hidden_of(compute_of);
   std::vector<Cost> forward_of(static_cast<size_t>(stages)), recompute_of(forward_of);
   std::vector<int64_t> moe_layers_of(static_cast<size_t>(stages));
   for (int64_t u = 0; u < stages; ++u) {
@@ -573,12 +650,17 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     const auto [fc, fm] = seconds(forward);
     const auto [bc, bm] = seconds(backward);
     const auto n = static_cast<double>(layers), n_ep = static_cast<double>(n_moe);
-    costs.forward.push_back(fc + fm + n * cp_forward + n_ep * ep_forward);
-    costs.backward.push_back(bc + bm + n * cp_backward + n_ep * ep_backward);
+    // The hidden tp seconds: every layer's forward, backward and (full) recomputed forward.
+    const double hidden_forward = (n - n_ep) * tpo.dense_forward + n_ep * tpo.moe_forward;
+    const double hidden_backward = (n - n_ep) * tpo.dense_backward + n_ep * tpo.moe_backward +
+                                   (full ? hidden_forward : 0);
+    costs.forward.push_back(fc + fm - hidden_forward + n * cp_forward + n_ep * ep_forward);
+    costs.backward.push_back(bc + bm - hidden_backward + n * cp_backward + n_ep * ep_backward);
     const auto at = static_cast<size_t>(u);
     recompute_s_of[at] = seconds(recompute).first;
     compute_of[at] = fc + bc - recompute_s_of[at];
-    comm_of[at] = fm + bm;
+    comm_of[at] = fm + bm - hidden_forward - hidden_backward;
+    tp_hidden_of[at] = hidden_forward + hidden_backward;
     cp_of[at] = n * (cp_forward + cp_backward);
     ep_of[at] = n_ep * (ep_forward + ep_backward);
     flops_of[at] = forward.flops + backward.flops;
@@ -595,7 +677,151 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   std::optional<PipelineSchedule> built;
   StatusOr<const PipelineSchedule*> schedule = RunSchedule(topology, run, schedule_given, &built);
   if (!schedule.ok()) return schedule.status();
+  // The replay without parameter gathers in it: the pipeline span the parts below add up to.
   const ScheduleTiming timing = TimeSchedule(**schedule, costs);
+
+  // Each stage's gradient reduction and parameter gather: the dense parameters' over dp x cp,
+  // the experts' over expt_dp (one after the other).
+  std::vector<StageHeldMemory> counted;
+  if (held_given == nullptr) {
+    StatusOr<std::vector<StageHeldMemory>> held = EstimateStageHeldMemory(config, topology);
+    if (!held.ok()) return held.status();
+    counted = *std::move(held);
+    held_given = &counted;
+  }
+  const bool distributed = config.optimizer && config.optimizer->use_distributed_optimizer;
+  const Link expt_dp_link = LinkOf(topology, "expt_dp", gpu, true);
+  const auto dp_parts = [&](const HeldMemory& held) {
+    std::vector<DpPart> parts;
+    const double experts = static_cast<double>(held.expert_elements);
+    const double dense_elements = static_cast<double>(held.parameter_elements) - experts;
+    for (const auto& [elements, kind, link] :
+         {std::tuple{dense_elements, "dp_cp", dp_link},
+          std::tuple{experts, "expt_dp", expt_dp_link}}) {
+      const int64_t d = topology.GroupSize(*topology.FindKind(kind));
+      if (d <= 1 || elements <= 0) continue;
+      const double grad_bytes = elements * static_cast<double>(DTypeSize(ComputeDType(dtype)));
+      const double share = static_cast<double>(d - 1) / static_cast<double>(d);
+      DpPart part;
+      part.kind = std::string(kind) == "dp_cp" ? "dp" : kind;
+      part.inter_node = link.inter_node;
+      if (distributed) {
+        const double gathered = elements * x.e;
+        part.reduce_s = RingSeconds(grad_bytes, d, 1, link.bandwidth, link.latency);
+        part.gather_s = RingSeconds(gathered, d, 1, link.bandwidth, link.latency);
+        part.reduce_bytes = grad_bytes * share;
+        part.gather_bytes = gathered * share;
+      } else {
+        part.reduce_s = RingSeconds(grad_bytes, d, 2, link.bandwidth, link.latency);
+        part.reduce_bytes = 2 * grad_bytes * share;
+      }
+      parts.push_back(part);
+    }
+    return parts;
+  };
+  const auto total = [](const std::vector<DpPart>& parts, double DpPart::*member) {
+    double sum = 0;
+    for (const DpPart& part : parts) sum += part.*member;
+    return sum;
+  };
+  std::vector<std::vector<DpPart>> dp_of;
+  for (const StageHeldMemory& stage : *held_given) dp_of.push_back(dp_parts(stage.held));
+  // overlap_grad_reduce / overlap_param_gather (Megatron's DDP, megatron/core/distributed/):
+  // buckets of bucket_size parameters (default max(40M, 1M x dp_cp)) on the first model chunk
+  // of pipeline rank 0 only, one bucket per other chunk (training.py get_model: "Bucketing is
+  // disabled for non-first chunks ... or for non-zero pipeline-parallel ranks"). A stage's
+  // parameters are split evenly over its chunks.
+  const bool overlap_reduce = config.optimizer && config.optimizer->overlap_grad_reduce;
+  const bool overlap_gather = overlap_reduce && distributed &&
+                              config.optimizer->overlap_param_gather;
+  const auto buckets_of = [&](int64_t pp_rank, int64_t chunk) -> int64_t {
+    if (!overlap_reduce || pp_rank != 0 || chunk != 0) return 1;
+    // The trainable elements (Megatron buckets those with a gradient), the experts' with them.
+    const HeldMemory& first = (*held_given)[0].held;
+    const double elements = static_cast<double>(first.dense_elements + first.expert_elements) /
+                            static_cast<double>(v);
+    const auto size = static_cast<double>(config.optimizer->BucketSize(sz.dp * sz.cp));
+    return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(elements / size)));
+  };
+  // overlap_param_gather: each chunk's first forward waits for the exposed part of its
+  // gather. Without the interleaved schedule each stage starts its gather at its first
+  // forward (Megatron's pre-hook; align_param_gather is off there): the bucketed chunk hides
+  // all but PipelinedExposed behind its forward, a one-bucket chunk waits for all of it. With
+  // it, Megatron aligns the launches (align_param_gather, on by default in
+  // megatron/training/arguments.py): chunks 0 and 1 start at the step's start, chunk c >= 2
+  // when chunk c - 1's first forward starts (schedules.py), one after the other on the rank;
+  // a chunk waits for what is left when its first forward would start.
+  double gather_exposed = 0;
+  ScheduleTiming gathered_timing;
+  const ScheduleTiming* replay = &timing;
+  if (overlap_gather) {
+    costs.first_forward_wait.assign(static_cast<size_t>(stages), 0.0);
+    for (int64_t r = 0; r < p; ++r) {
+      const double gather =
+          total(dp_of[static_cast<size_t>(r)], &DpPart::gather_s) / static_cast<double>(v);
+      // The first forward's start of each chunk in the replay without gathers.
+      std::vector<double> first_start(static_cast<size_t>(v), 0.0);
+      const auto& steps = (*schedule)->per_rank[static_cast<size_t>(r)];
+      for (size_t i = 0; i < steps.size(); ++i) {
+        if (steps[i].pass == Pass::kForward && steps[i].microbatch == 0) {
+          first_start[static_cast<size_t>(steps[i].model_chunk)] =
+              timing.start[static_cast<size_t>(r)][i];
+        }
+      }
+      double done = 0;
+      for (int64_t c = 0; c < v; ++c) {
+        const auto u = static_cast<size_t>(c * p + r);
+        const double forward = costs.forward[u];
+        const double pipelined =
+            PipelinedExposed(gather, forward, static_cast<double>(buckets_of(r, c)));
+        double wait = pipelined;
+        if (v > 1) {
+          // Aligned: the rank's gathers run one after another from their launches; rank 0's
+          // first chunk (launched at 0, its first forward at 0) hides bucket by bucket.
+          const double launch = c < 2 ? 0.0 : first_start[static_cast<size_t>(c - 1)];
+          done = std::max(done, launch) + gather;
+          if (r != 0 || c != 0) wait = std::max(0.0, done - first_start[static_cast<size_t>(c)]);
+        }
+        costs.first_forward_wait[u] = wait;
+      }
+    }
+    gathered_timing = TimeSchedule(**schedule, costs);
+    gather_exposed = gathered_timing.makespan - timing.makespan;
+    replay = &gathered_timing;
+  }
+  // overlap_grad_reduce: on each rank, a chunk's buckets become ready one by one during its
+  // last backward (evenly), a one-bucket chunk's when that backward ends; the rank's reductions
+  // run one after the other; the step waits for the last rank's last reduction.
+  double reduce_exposed = 0;
+  if (overlap_reduce) {
+    double end = replay->makespan;
+    for (int64_t r = 0; r < p; ++r) {
+      const auto& steps = (*schedule)->per_rank[static_cast<size_t>(r)];
+      const auto& starts = replay->start[static_cast<size_t>(r)];
+      const auto& ends = replay->end[static_cast<size_t>(r)];
+      const double reduce =
+          total(dp_of[static_cast<size_t>(r)], &DpPart::reduce_s) / static_cast<double>(v);
+      std::vector<std::pair<double, double>> ready;  // (when, seconds)
+      for (int64_t c = 0; c < v; ++c) {
+        size_t last = 0;
+        for (size_t i = 0; i < steps.size(); ++i) {
+          if (steps[i].pass == Pass::kBackward && steps[i].model_chunk == c) last = i;
+        }
+        const int64_t buckets = buckets_of(r, c);
+        const auto nb = static_cast<double>(buckets);
+        for (int64_t k = 1; k <= buckets; ++k) {
+          ready.emplace_back(
+              starts[last] + static_cast<double>(k) / nb * (ends[last] - starts[last]),
+              reduce / nb);
+        }
+      }
+      std::sort(ready.begin(), ready.end());
+      double clock = 0;
+      for (const auto& [when, span] : ready) clock = std::max(clock, when) + span;
+      end = std::max(end, clock);
+    }
+    reduce_exposed = end - replay->makespan;
+  }
 
   TimeEstimate out;
   out.gpu = gpu;
@@ -620,7 +846,7 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
                          return a.forward_s + a.backward_s < b.forward_s + b.backward_s;
                        }) -
       out.stages.begin());
-  double compute = 0, recomputed = 0, tp = 0, cp_s = 0, ep_s = 0;
+  double compute = 0, recomputed = 0, tp = 0, tp_hidden = 0, cp_s = 0, ep_s = 0;
   int64_t tp_count = 0, moe_layers = 0;
   double tp_bytes = 0;
   for (int64_t c = 0; c < v; ++c) {
@@ -628,6 +854,7 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     compute += compute_of[u];
     recomputed += recompute_s_of[u];
     tp += comm_of[u];
+    tp_hidden += tp_hidden_of[u];
     cp_s += cp_of[u];
     ep_s += ep_of[u];
     moe_layers += moe_layers_of[u];
@@ -649,6 +876,7 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   out.compute_s = m * compute;
   out.recompute_s = m * recomputed;
   out.tp_comm_s = m * tp;
+  out.tp_comm_hidden_s = m * tp_hidden;
   out.cp_comm_s = m * cp_s;
   out.ep_comm_s = m * ep_s;
   out.pp_comm_s = p > 1 ? m * static_cast<double>(sends) * costs.transfer : 0;
@@ -662,6 +890,7 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
                                  m * tp_bytes * 2 * static_cast<double>(sz.tp - 1) /
                                      static_cast<double>(sz.tp),
                                  out.tp_comm_s, tp_link.inter_node});
+    out.communication.back().hidden_s = out.tp_comm_hidden_s;
   }
   if (sz.cp > 1) {
     // Every layer of the busiest stage's chunks, each micro-batch: forward, backward and the
@@ -691,42 +920,44 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
                                  out.pp_comm_s, pp_link.inter_node});
   }
 
-  // Gradients over dp x cp after the last backward; the optimizer step over the owned part.
-  std::vector<StageHeldMemory> counted;
-  if (held_given == nullptr) {
-    StatusOr<std::vector<StageHeldMemory>> held = EstimateStageHeldMemory(config, topology);
-    if (!held.ok()) return held.status();
-    counted = *std::move(held);
-    held_given = &counted;
-  }
+  // Gradients over dp x cp after the last backward (or overlapped with it), the parameters'
+  // all-gather after the step (or overlapped with the next forward); the optimizer step over
+  // the owned part. The busiest stage's communication rows; what adds to the step: without
+  // overlap all of its gradient reduction and gather, with it the exposed parts found above.
   const HeldMemory& mem = (*held_given)[busiest].held;
   const double elements = static_cast<double>(mem.parameter_elements);
-  const bool distributed = config.optimizer && config.optimizer->use_distributed_optimizer;
-  // The dense parameters' gradients over dp x cp; the experts' over expt_dp, one after the
-  // other.
-  const auto reduce = [&](double held, const char* kind, const Link& link) {
-    const int64_t d = topology.GroupSize(*topology.FindKind(kind));
-    if (d <= 1 || held <= 0) return;
-    const double grad_bytes = held * static_cast<double>(DTypeSize(ComputeDType(dtype)));
-    const double share = static_cast<double>(d - 1) / static_cast<double>(d);
-    double spent = 0, bytes = 0;
-    if (distributed) {
-      const double gathered = held * x.e;
-      spent = RingSeconds(grad_bytes, d, 1, link.bandwidth, link.latency) +
-              RingSeconds(gathered, d, 1, link.bandwidth, link.latency);
-      bytes = (grad_bytes + gathered) * share;
-    } else {
-      spent = RingSeconds(grad_bytes, d, 2, link.bandwidth, link.latency);
-      bytes = 2 * grad_bytes * share;
+  const std::vector<DpPart>& busiest_dp = dp_of[busiest];
+  const double reduce_s = total(busiest_dp, &DpPart::reduce_s);
+  const double gather_s = total(busiest_dp, &DpPart::gather_s);
+  const double reduce_shown = overlap_reduce ? reduce_exposed : reduce_s;
+  const double gather_shown = overlap_gather ? gather_exposed : gather_s;
+  out.dp_buckets = buckets_of(0, 0);
+  for (const DpPart& part : busiest_dp) {
+    // A kind's share of the exposed seconds: its share of the busiest stage's seconds.
+    const double reduce_exposed_part = reduce_s > 0 ? reduce_shown * part.reduce_s / reduce_s : 0;
+    const double gather_exposed_part = gather_s > 0 ? gather_shown * part.gather_s / gather_s : 0;
+    if (!overlap_reduce) {
+      out.communication.push_back(
+          {part.kind, distributed ? "reduce-scatter + all-gather" : "all-reduce",
+           distributed ? 2 : 1, part.reduce_bytes + part.gather_bytes,
+           part.reduce_s + part.gather_s, part.inter_node});
+      continue;
     }
-    out.dp_comm_s += spent;
-    out.communication.push_back({std::string(kind) == "dp_cp" ? "dp" : kind,
-                                 distributed ? "reduce-scatter + all-gather" : "all-reduce",
-                                 distributed ? 2 : 1, bytes, spent, link.inter_node});
-  };
-  const double experts = static_cast<double>(mem.expert_elements);
-  reduce(elements - experts, "dp_cp", dp_link);
-  if (experts > 0) reduce(experts, "expt_dp", LinkOf(topology, "expt_dp", gpu, true));
+    // With overlap the reduction and the gather are shown apart: they hide behind different
+    // work.
+    CommTime reduce_row{part.kind, distributed ? "reduce-scatter" : "all-reduce", 1,
+                        part.reduce_bytes, reduce_exposed_part, part.inter_node};
+    reduce_row.hidden_s = std::max(0.0, part.reduce_s - reduce_exposed_part);
+    out.communication.push_back(reduce_row);
+    if (distributed) {
+      CommTime gather_row{part.kind, "all-gather", 1, part.gather_bytes, gather_exposed_part,
+                          part.inter_node};
+      gather_row.hidden_s = std::max(0.0, part.gather_s - gather_exposed_part);
+      out.communication.push_back(gather_row);
+    }
+  }
+  out.dp_comm_s = reduce_shown + gather_shown;
+  out.dp_comm_hidden_s = std::max(0.0, reduce_s + gather_s - out.dp_comm_s);
   // Per owned element: read main_grad, master and states, write master, states and the
   // parameter; per held element: zero main_grad.
   const double compute_bytes = static_cast<double>(DTypeSize(ComputeDType(dtype)));

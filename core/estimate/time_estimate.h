@@ -11,7 +11,11 @@
 //   tp          the layer's collectives (two per forward, two per backward, two more per
 //               recomputed forward: all-reduces, or reduce-scatter + all-gather with sequence
 //               parallelism; the same bytes per rank), ring algorithm, not overlapped with
-//               compute (Megatron's default);
+//               compute (Megatron's default); with parallel.tp_comm_overlap each all-gather or
+//               reduce-scatter beside the GEMM Transformer Engine's userbuffers pair it with
+//               (TpOverlapOf in time_estimate.cc: QKV/fc1 forward and the projection's/fc2's
+//               dgrad in tp chunks, the projection/fc2 forward in 4, the QKV's/fc1's wgrad in
+//               bulk), only its exposed part in the step;
 //   cp          each rank computes s / cp tokens (its queries against every key); per layer
 //               and pass, cp_comm_type "all_gather" all-gathers the keys and values forward
 //               and reduce-scatters their gradients backward, "a2a" makes four all-to-alls
@@ -37,9 +41,18 @@
 //               stage's costs;
 //   dp          the gradient all-reduce over dp x cp (with the distributed optimizer: reduce-
 //               scatter of the gradients and all-gather of the parameters) after the last
-//               backward, exposed (no overlap_grad_reduce); the experts' parameters over
-//               expt_dp after it;
+//               backward, exposed; the experts' parameters over expt_dp after it. With
+//               optimizer.overlap_grad_reduce the reductions run bucket by bucket during each
+//               chunk's last backward (bucket_size parameters on pipeline rank 0's first chunk,
+//               one bucket per other chunk, as Megatron's DDP), one after another per rank;
+//               with overlap_param_gather each chunk's first forward waits for the exposed part
+//               of its all-gather (aligned launches with the interleaved schedule) and the
+//               schedule is replayed with those waits;
 //   optimizer   the step's memory traffic over the elements the rank owns.
+// Overlapped transfers follow one rule: comm cut in n chunks pipelined with compute leaves
+// max(comm / n, comm - (n - 1) / n * compute) exposed (PipelinedExposed); *_comm_s is the
+// exposed part, *_comm_hidden_s the rest. Not modelled: the slowdown of the compute that
+// overlapped communication shares the GPU with (SMs and memory bandwidth).
 // Step time = the replayed pipeline span + dp + optimizer. A collective's bandwidth is the
 // intra-node one when its group stays in a node. Across nodes a ring collective whose group
 // has g members on each node gets g x the per-GPU inter-node bandwidth (at most the intra-
@@ -54,8 +67,8 @@
 //
 // What it does not model (EstimateStepTime refuses, naming the field): "a2a+p2p"
 // hierarchical context parallelism; a lab chain model. What it leaves out: kernel launch
-// overheads, data loading, overlap of communication with compute, uneven routing, and the
-// GPU's clock under power limits.
+// overheads, data loading, overlap of communication with compute beyond the three overlap
+// options and the cp ring, uneven routing, and the GPU's clock under power limits.
 #pragma once
 
 #include <cstdint>
@@ -123,8 +136,9 @@ struct CommTime {
   std::string operation;
   int64_t count = 0;  // per iteration
   double bytes = 0;   // per iteration, what this rank sends
-  double seconds = 0;
+  double seconds = 0;   // what the step waits for (exposed)
   bool inter_node = false;
+  double hidden_s = 0;  // what runs beside compute (tp_comm_overlap, overlap_grad_reduce, ...)
 };
 
 struct TimeEstimate {
@@ -136,16 +150,22 @@ struct TimeEstimate {
   // per-micro-batch costs; pp its blocking sends (Megatron waits for each send: every step
   // whose output goes to another rank holds its rank for the transfer); bubble = pipeline
   // span - compute - recompute - tp - cp - ep - pp (idle time, waits for receives included).
+  // With overlap (tp_comm_overlap, overlap_grad_reduce, overlap_param_gather) each kind's
+  // *_comm_s is its exposed part, the one that adds to the step, and *_comm_hidden_s what
+  // runs beside compute; the total traffic's time is their sum.
   double compute_s = 0;
   // The busiest stage's recomputation (full: each layer's forward again; selective: its core
   // attention), M x per micro-batch; apart from compute_s, whose GEMMs and kernels it repeats.
   double recompute_s = 0;
   double tp_comm_s = 0;
+  double tp_comm_hidden_s = 0;
   double cp_comm_s = 0;  // what the step waits for of context parallelism's exchanges
   double ep_comm_s = 0;  // mixture-of-experts layers' token exchanges (the dispatcher's)
   double pp_comm_s = 0;
   double bubble_s = 0;
-  double dp_comm_s = 0;
+  double dp_comm_s = 0;          // gradient reduction and parameter gather, exposed
+  double dp_comm_hidden_s = 0;   // of the busiest stage's, what overlap hides
+  int64_t dp_buckets = 1;        // gradient buckets of pipeline rank 0's first chunk
   double optimizer_s = 0;
   double flops_per_rank = 0;  // executed by the busiest stage's rank per iteration
   double model_flops = 0;     // per iteration over all ranks, Megatron's count

@@ -64,7 +64,7 @@ TEST(ParallelConfig, ModelParallelConfigFieldsAreAcceptedOrRefusedWithAReason) {
   Config config;
   ASSERT_TRUE(ParseConfig(json{{"parallel",
                                 {{"world_size", 8},
-                                 {"tp_comm_overlap", true},
+                                 {"tp_comm_overlap_ag", true},
                                  {"deallocate_pipeline_outputs", true},
                                  {"timers", nullptr},
                                  {"variable_seq_lengths", false}}}},
@@ -75,7 +75,7 @@ TEST(ParallelConfig, ModelParallelConfigFieldsAreAcceptedOrRefusedWithAReason) {
             "parallel.deallocate_pipeline_outputs: ignored: frees pipeline outputs early: memory, "
             "not values");
   EXPECT_EQ(config.parallel.ignored[2],
-            "parallel.tp_comm_overlap: ignored: overlaps communication with computation, which "
+            "parallel.tp_comm_overlap_ag: ignored: overlaps communication with computation, which "
             "changes timing, not results");
   EXPECT_EQ(Refusal({{"world_size", 8}, {"moe_extended_tp", true}}),
             "parallel.moe_extended_tp: boolean true: the extended expert tensor parallelism is not "
