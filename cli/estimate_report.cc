@@ -54,6 +54,7 @@ void PrintPeakText(const EstimateReport& r, std::ostream& out) {
   out << fmt::format("At the schedule's peak, by each stage's busiest rank, on {} ({}): "
                      "Megatron's activations as Korthikanti et al. 2022 count them\n",
                      r.gpu.name, run::FormatBytes(hbm));
+  if (r.attention) out << "  with " << AttentionText(*r.attention) << '\n';
   out << fmt::format("  {:>5}  {:>7}  {:>12}  {:>12}  {:>12}  {}\n", "stage", "stashes",
                      "activations", "buffers", "peak", "| fits");
   for (size_t i = 0; i < r.stages.size(); ++i) {
@@ -74,7 +75,8 @@ constexpr const char* kMoeRoutingNote =
 
 void PrintExecutorText(const EstimateReport& r, std::ostream& out) {
   out << fmt::format("What `mpusim run --no-check` keeps on the CPU executor, in {}: its "
-                     "activations as `--summary` measures them (peak - held)\n",
+                     "activations as `--summary` measures them (peak - held); its attention "
+                     "keeps the probabilities whatever attention_backend says\n",
                      DTypeName(r.config.run->dtype));
   out << fmt::format("  {:>5}  {:>7}  {:>12}  {:>12}  {:>12}  {:>12}  {:>14}  {:>12}\n",
                      "stage", "stashes", "stash bytes", "working", "transfers", "carried",
@@ -88,6 +90,8 @@ void PrintExecutorText(const EstimateReport& r, std::ostream& out) {
   }
   if (r.config.gpt && r.config.gpt->moe.enabled()) out << kMoeRoutingNote << '\n';
 }
+
+std::string AttentionTimeText(const TimeEstimate& t);
 
 void PrintTimeText(const Config& config, const Topology& topology, const TimeEstimate& t,
                    std::ostream& out) {
@@ -139,6 +143,22 @@ void PrintTimeText(const Config& config, const Topology& topology, const TimeEst
       100 * t.gpu.gemm_efficiency, 100 * t.gpu.memory_efficiency,
       100 * t.gpu.collective_efficiency,
       ring ? " but the cp ring's sends with its attention" : "");
+  out << "  attention: " << AttentionTimeText(t) << '\n';
+}
+
+// How the step time counts the core attention.
+std::string AttentionTimeText(const TimeEstimate& t) {
+  if (!t.attention.fused()) {
+    return fmt::format("\"{}\", the full s x s scores at the GEMMs' efficiency and softmax "
+                       "and dropout through memory",
+                       AttentionBackendName(t.attention.backend));
+  }
+  return fmt::format("\"{}\", one kernel at up to {:.0f}% of peak forward and {:.0f}% "
+                     "backward (less on short blocks), the causal mask's blocks skipped, the "
+                     "probabilities recomputed in the backward",
+                     AttentionBackendName(t.attention.backend),
+                     100 * t.gpu.attention_efficiency_forward,
+                     100 * t.gpu.attention_efficiency_backward);
 }
 
 // The palette of the bars' parts, in turn: as many as a bar has parts (the step time's eight
@@ -149,6 +169,15 @@ constexpr std::array<const char*, 8> kColours = {"#4e79a7", "#f28e2b", "#76b7b2"
 std::string Td(const std::string& text) { return "<td>" + HtmlEscape(text) + "</td>"; }
 
 }  // namespace
+
+std::string AttentionText(const ResolvedAttention& a) {
+  return fmt::format("attention_backend \"{}\" ({}): {}", AttentionBackendName(a.backend),
+                     a.reason,
+                     a.fused() ? "keeps each query row's float32 log-sum-exp, not the s x s "
+                                 "probabilities"
+                               : "keeps the s x s probabilities (softmax output; with "
+                                 "attention dropout its mask and output)");
+}
 
 const char* const kReportStyle = R"CSS(
 table.report { border-collapse: collapse; margin: 6px 0 12px; font: 12px monospace; }
@@ -200,8 +229,17 @@ StatusOr<EstimateReport> MakeEstimateReport(Config config, const Topology& topol
   StatusOr<std::vector<StageHeldMemory>> stages = EstimateStageHeldMemory(config, topology);
   if (!stages.ok()) return stages.status();
   r.stages = *stages;
+  if (time_asked && config.gpt) {
+    // Which attention runs is the config's, the dtype's and the GPU's: a backend that cannot
+    // run there ("flash" in float32) is the config's error, not a missing estimate.
+    StatusOr<ResolvedAttention> attention = ResolveAttentionBackend(
+        *config.gpt, config.run->dtype, gpu.compute_capability, topology.sizes().cp);
+    if (!attention.ok()) return attention.status();
+    r.attention = *attention;
+  }
   if (time_asked) {
-    StatusOr<std::vector<StageActivations>> a = EstimateStageActivations(config, topology);
+    StatusOr<std::vector<StageActivations>> a =
+        EstimateStageActivations(config, topology, r.attention.value_or(ResolvedAttention{}));
     if (a.ok()) {
       r.activations = *a;
     } else {
@@ -323,6 +361,11 @@ nlohmann::ordered_json EstimateJson(const EstimateReport& r, const Topology& top
     doc["step_time_not_estimated"] = r.time_missing;
   }
   doc["hbm_bytes"] = JsonBytes(static_cast<PlanBytes>(r.gpu.hbm_bytes));
+  if (r.attention) {
+    doc["attention_backend"] = AttentionBackendName(r.attention->backend);
+    doc["attention_backend_requested"] = AttentionBackendName(r.attention->requested);
+    doc["attention_backend_reason"] = r.attention->reason;
+  }
   if (!r.activations) doc["activations_not_estimated"] = r.activations_missing;
   nlohmann::ordered_json list = nlohmann::ordered_json::array();
   for (size_t i = 0; i < r.stages.size(); ++i) {
@@ -493,6 +536,10 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
   out << "<p class=\"note\">Activations are Megatron's on a GPU as Korthikanti et al. 2022 "
          "count them, walked through the pipeline schedule. Not counted: what a GPU run adds "
          "(cuBLAS workspaces, NCCL's own buffers, the caching allocator's slack).</p>\n";
+  if (r.attention) {
+    out << "<p class=\"note\">Counted with " << HtmlEscape(AttentionText(*r.attention))
+        << ".</p>\n";
+  }
   if (r.executor) {
     out << fmt::format("<h3>what <code>mpusim run</code> keeps on the CPU executor, in {}</h3>\n",
                        DTypeName(config.run->dtype));
@@ -541,9 +588,9 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
     out << fmt::format(
         "<p class=\"note\">GEMMs at {:.0f}% of peak, memory-bound kernels at {:.0f}% of HBM "
         "bandwidth, collectives at {:.0f}% of link bandwidth; no overlap of communication "
-        "with compute.</p>\n",
+        "with compute; attention: {}.</p>\n",
         100 * t.gpu.gemm_efficiency, 100 * t.gpu.memory_efficiency,
-        100 * t.gpu.collective_efficiency);
+        100 * t.gpu.collective_efficiency, HtmlEscape(AttentionTimeText(t)));
   } else {
     out << "<p class=\"note\">step time: not estimated: " << HtmlEscape(r.time_missing)
         << "</p>\n";

@@ -32,7 +32,14 @@ struct EstimateReport {
   std::optional<std::vector<ExecutorActivations>> executor;
   std::optional<TimeEstimate> time;
   std::string time_missing;  // why not, when time is empty
+  // The attention the activations and the step time count (with a run section).
+  std::optional<ResolvedAttention> attention;
 };
+
+// "attention_backend \"fused\" (auto, bfloat16 on ...): keeps each query row's float32
+// log-sum-exp, not the s x s probabilities": which attention an estimate counts, and what
+// that keeps.
+std::string AttentionText(const ResolvedAttention& attention);
 
 // Counts `config` (its run section already set, FillMissingRun) on `topology`: the held
 // memory always, the activations and the step time on `gpu` when `time_asked` (a run section

@@ -67,6 +67,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "core/config/config.h"
+#include "core/estimate/attention_backend.h"
 #include "core/estimate/memory_estimate.h"
 #include "core/schedule.h"
 #include "core/status.h"
@@ -91,6 +92,15 @@ struct GpuSpec {
   double gemm_efficiency = 0.80;
   double memory_efficiency = 0.80;
   double collective_efficiency = 0.80;
+  // Major * 10 + minor (80: A100, 90: H100 and H200): which attention "auto" resolves to
+  // (attention_backend.h).
+  int compute_capability = 90;
+  // Flash / fused attention's forward and backward FLOP/s on long sequences, as fractions of
+  // the 16-bit peak (the backward's FLOPs counted as FlashAttention's benchmarks count them,
+  // 2.5 x the forward's: the recomputed QK^T and four GEMMs). A kernel over L keys per query
+  // tile runs at efficiency * L / (L + L_half) (README "The time model" cites both).
+  double attention_efficiency_forward = 0.60;
+  double attention_efficiency_backward = 0.53;
 };
 
 // "a100-80gb", "h100-80gb", "h200".
@@ -147,6 +157,7 @@ struct TimeEstimate {
   double mfu = 0;
   std::vector<StageTime> stages;
   std::vector<CommTime> communication;
+  ResolvedAttention attention;  // the attention kernel counted (attention_backend.h)
 };
 
 // Needs a GPT model and a run section (seq_length, micro_batch_size, num_microbatches).
