@@ -261,6 +261,7 @@ class AdviseCommand : public Command {
         "Layouts for {} GPUs ({}, {} each), global batch {}: {} evaluated, {} fit, {} do not\n",
         o.world_size, gpu.name, run::FormatBytes(static_cast<PlanBytes>(gpu.hbm_bytes)),
         o.global_batch_size, a.candidates, a.fit.size(), a.too_big.size());
+    out << "Counted with " << AttentionText(a.attention) << '\n';
     if (a.fit.empty()) {
       out << "No layout fits.\n";
     } else {
@@ -305,6 +306,8 @@ class AdviseCommand : public Command {
     doc["global_batch_size"] = o.global_batch_size;
     doc["gpu"] = gpu.name;
     doc["hbm_bytes"] = JsonBytes(static_cast<PlanBytes>(gpu.hbm_bytes));
+    doc["attention_backend"] = AttentionBackendName(a.attention.backend);
+    doc["attention_backend_requested"] = AttentionBackendName(a.attention.requested);
     doc["candidates"] = a.candidates;
     doc["fitting"] = a.fit.size();
     const auto entry = [&](const AdvisedLayout& l) {
@@ -361,6 +364,8 @@ class AdviseCommand : public Command {
     out << fmt::format("<p>{} layouts evaluated of {}: {} fit, {} do not. Ranked by predicted "
                        "step time, the fastest first.</p>\n",
                        a.candidates, HtmlEscape(path_), a.fit.size(), a.too_big.size());
+    out << "<p class=\"note\">Counted with " << HtmlEscape(AttentionText(a.attention))
+        << ".</p>\n";
     const size_t n = std::min(a.fit.size(), static_cast<size_t>(top_));
     if (n == 0) out << "<p class=\"over\">No layout fits.</p>\n";
     const auto label = [&](size_t i, const AdvisedLayout& l) {

@@ -48,8 +48,9 @@ class EstimateCommand : public Command {
         "rank, exactly as `mpusim run` allocates them. With a run section or\n"
         "--global-batch-size, also the step time on --gpu (a100-80gb, h100-80gb, h200, or a\n"
         "JSON file of GPU fields), model TFLOP/s per GPU and MFU, and the activations and\n"
-        "buffers at the schedule's peak as Korthikanti et al. 2022 count a GPU run's, and\n"
-        "the activations `mpusim run --no-check` keeps on the CPU executor.");
+        "buffers at the schedule's peak as Korthikanti et al. 2022 count a GPU run's (with\n"
+        "model.attention_backend, \"auto\" resolved for the dtype and the GPU), and the\n"
+        "activations `mpusim run --no-check` keeps on the CPU executor.");
     config_.Register(app_);
     app_->add_option("--format", format_,
                      "text, json or html (a self-contained page; default text)")
