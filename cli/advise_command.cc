@@ -153,6 +153,10 @@ class AdviseCommand : public Command {
                      "largest context-parallel size (default: any that splits the sequence; 1: "
                      "none)")
         ->check(CLI::Range(1, 1 << 20));
+    app_->add_option("--attention-backend", attention_backend_,
+                     "override model.attention_backend: flash, fused, unfused, local or auto")
+        ->check(CLI::IsMember(std::vector<std::string>(AttentionBackendNames().begin(),
+                                                       AttentionBackendNames().end())));
     app_->add_option("--top", top_, "layouts to show (default 10)")->check(CLI::Range(1, 1000));
     app_->add_option("--format", format_,
                      "text, json or html (a self-contained page; default text)")
@@ -189,6 +193,7 @@ class AdviseCommand : public Command {
     }
     Config config;
     if (Status s = ParseConfig(doc, &config); !s.ok()) return ReportError(err, path_, s.Message());
+    SetAttentionBackend(attention_backend_, &config);
     AdviseOptions options;
     options.world_size = config.parallel.world_size;
     if (!global_batch_ && !file_batch) {
@@ -243,6 +248,11 @@ class AdviseCommand : public Command {
     if (!gpu.ok()) return ReportError(err, "command line", gpu.status().Message());
     moe_ = config.gpt && config.gpt->moe.enabled();
     StatusOr<Advice> advice = Advise(config, *gpu, options);
+    if (FromAttentionFlag(attention_backend_, advice.status())) {
+      return ReportError(err, "command line",
+                         "--attention-backend " + attention_backend_ + ": " +
+                             advice.status().what());
+    }
     if (!advice.ok()) return ReportError(err, path_, advice.status().Message());
     if (format_ == "json") {
       out << Json(options, *gpu, *advice).dump(1) << '\n';
@@ -453,6 +463,7 @@ class AdviseCommand : public Command {
   int64_t max_tp_ = 0, max_cp_ = 0;
   std::string gpu_ = kDefaultGpu;
   std::string micro_batches_, recompute_, sequence_parallel_, distributed_;
+  std::string attention_backend_;  // empty: the config's
   bool no_vp_ = false;
   int top_ = 10;
   std::string format_ = "text";

@@ -64,6 +64,10 @@ class EstimateCommand : public Command {
                      "tokens per sample (default the run's, else max_position_embeddings)");
     app_->add_option("--recompute", recompute_, "none, full or selective")
         ->check(CLI::IsMember({"none", "full", "selective"}));
+    app_->add_option("--attention-backend", attention_backend_,
+                     "override model.attention_backend: flash, fused, unfused, local or auto")
+        ->check(CLI::IsMember(std::vector<std::string>(AttentionBackendNames().begin(),
+                                                       AttentionBackendNames().end())));
     app_->add_option("--train-iters", train_iters_,
                      "training iterations of the run the executor count is for (from the "
                      "second on, the distributed optimizer's gradient piece stays)");
@@ -77,6 +81,7 @@ class EstimateCommand : public Command {
     std::string source;
     Config config = layout->config;
     const Topology& topology = layout->topology;
+    SetAttentionBackend(attention_backend_, &config);
     StatusOr<GpuSpec> gpu = ResolveGpuSpec(gpu_);
     if (!gpu.ok()) return ReportError(err, "command line", gpu.status().Message());
     // The batch flags make (or change) the run section the step time needs.
@@ -88,6 +93,11 @@ class EstimateCommand : public Command {
     const bool run_given = FillMissingRun(&config, topology);
     StatusOr<EstimateReport> report =
         MakeEstimateReport(config, topology, *gpu, run_given, time_asked);
+    if (FromAttentionFlag(attention_backend_, report.status())) {
+      return ReportError(err, "command line",
+                         "--attention-backend " + attention_backend_ + ": " +
+                             report.status().what());
+    }
     if (!report.ok()) {
       return ReportError(err, source, config_.Attribute(report.status(), &source).Message());
     }
@@ -157,6 +167,7 @@ class EstimateCommand : public Command {
   ConfigOptions config_;
   std::string format_ = "text";
   std::string gpu_ = kDefaultGpu;
+  std::string attention_backend_;  // empty: the config's
   std::optional<int64_t> global_batch_, micro_batch_, seq_length_, train_iters_;
   std::string recompute_;
 };

@@ -179,6 +179,19 @@ std::string AttentionText(const ResolvedAttention& a) {
                                  "attention dropout its mask and output)");
 }
 
+void SetAttentionBackend(const std::string& name, Config* config) {
+  if (name.empty() || !config->gpt) return;
+  const std::vector<std::string_view>& names = AttentionBackendNames();
+  const auto it = std::find(names.begin(), names.end(), name);
+  if (it != names.end()) {
+    config->gpt->attention_backend = static_cast<AttentionBackend>(it - names.begin());
+  }
+}
+
+bool FromAttentionFlag(const std::string& name, const Status& status) {
+  return !name.empty() && !status.ok() && status.where() == "model.attention_backend";
+}
+
 const char* const kReportStyle = R"CSS(
 table.report { border-collapse: collapse; margin: 6px 0 12px; font: 12px monospace; }
 table.report th, table.report td { border: 1px solid #ccc; padding: 2px 8px; text-align: right;

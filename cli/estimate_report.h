@@ -41,6 +41,13 @@ struct EstimateReport {
 // that keeps.
 std::string AttentionText(const ResolvedAttention& attention);
 
+// --attention-backend NAME (estimate, advise; CLI checks NAME is one of
+// AttentionBackendNames()): sets model.attention_backend of a GPT config; empty: the
+// config's.
+void SetAttentionBackend(const std::string& name, Config* config);
+// An error the flag caused ("flash" in float32) names it: "--attention-backend flash: ...".
+bool FromAttentionFlag(const std::string& name, const Status& status);
+
 // Counts `config` (its run section already set, FillMissingRun) on `topology`: the held
 // memory always, the activations and the step time on `gpu` when `time_asked` (a run section
 // was given). Errors are the held-memory count's, naming a config field.

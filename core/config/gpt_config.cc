@@ -224,6 +224,7 @@ const char* CpCommTypeName(CpCommType c) { return kCpCommTypes[static_cast<size_
 const char* AttentionBackendName(AttentionBackend b) {
   return kAttentionBackends[static_cast<size_t>(b)].data();
 }
+const std::vector<std::string_view>& AttentionBackendNames() { return kAttentionBackends; }
 
 int64_t GptConfig::PaddedVocabSize(int64_t tensor_model_parallel_size) const {
   const int64_t multiple = make_vocab_size_divisible_by * tensor_model_parallel_size;

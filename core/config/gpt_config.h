@@ -171,6 +171,8 @@ const char* PositionEmbeddingName(PositionEmbedding p);    // "learned_absolute"
 const char* DropoutModeName(DropoutMode m);                // "global", "rng_tracker"
 const char* CpCommTypeName(CpCommType c);  // "p2p", "all_gather", "a2a", "a2a+p2p"
 const char* AttentionBackendName(AttentionBackend b);  // "flash", ..., "auto"
+// Every AttentionBackend's name, in enum order (for flags that take one).
+const std::vector<std::string_view>& AttentionBackendNames();
 
 // The keys of a GPT `model` section: its own, and the TransformerConfig fields it accepts
 // with a note (or refuses unless at the value mpusim computes).

@@ -44,11 +44,11 @@ StatusOr<ResolvedAttention> ResolveAttentionBackend(const GptConfig& gpt, DType 
                         AttentionBackendName(gpt.attention_backend), on));
       }
       out.backend = gpt.attention_backend;
-      out.reason = "as the config asks";
+      out.reason = "as asked";
       break;
     default:
       out.backend = gpt.attention_backend;
-      out.reason = "as the config asks";
+      out.reason = "as asked";
       break;
   }
   if (!out.fused() && cp > 1) {

@@ -50,7 +50,7 @@ struct ResolvedAttention {
   AttentionBackend requested = AttentionBackend::kAuto;  // the config's
   AttentionBackend backend = AttentionBackend::kUnfused;  // what runs: never kAuto
   // Why, one phrase: "auto, bfloat16 on compute capability 9.0: TransformerEngine prefers
-  // cuDNN's fused attention on Hopper and newer", or "as the config asks".
+  // cuDNN's fused attention on Hopper and newer", or "as asked" (config or flag).
   std::string reason;
   // True for "flash" and "fused": no s x s tensor is kept or written.
   bool fused() const {

@@ -189,7 +189,22 @@ TEST(AttentionBackend, BadValuesAreRefusedNamingTheField) {
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("model.attention_backend: \"fused\" needs bfloat16"), std::string::npos)
       << r.err;
+  // --attention-backend sets it from the command line, and its errors name the flag.
+  r = Mpusim({"estimate", WriteTemp("f32.json", Gpt("float32", "").dump()), "--attention-backend",
+              "flash"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "error: command line: --attention-backend flash: \"flash\" needs bfloat16 or "
+                   "float16 on a GPU of compute capability 8.0 or newer (TransformerEngine's "
+                   "get_attention_backend); this run is float32 on compute capability 9.0: use "
+                   "\"unfused\", \"local\" or \"auto\"\n");
   const std::string ok = WriteTemp("ok.json", Gpt("bfloat16", "").dump());
+  const Result flag = Mpusim({"estimate", ok, "--attention-backend", "unfused", "--format",
+                              "json"});
+  ASSERT_EQ(flag.code, 0) << flag.err;
+  const json by_flag = json::parse(flag.out);
+  const json by_file = Estimate(Gpt("bfloat16", "unfused"), "by_file", "h100-80gb");
+  EXPECT_EQ(by_flag.at("attention_backend"), "unfused");
+  EXPECT_EQ(by_flag.at("stages"), by_file.at("stages"));
   const std::string cc = WriteTemp("cc.json", R"({"compute_capability": 8.5})");
   r = Mpusim({"estimate", ok, "--gpu", cc});
   EXPECT_EQ(r.code, 2);
