@@ -30,9 +30,10 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 // (HDR, DGX A100) or 400 Gb/s (NDR, DGX H100/H200) network adapter per GPU.
 // Compute capability: 8.0 (A100), 9.0 (H100, H200). Attention efficiencies (README "The time
 // model"): the A100 runs FlashAttention 2 ("auto" there), whose paper (Dao 2023, arXiv
-// 2307.08691) reaches up to 73% of the peak forward; its backward at 16k positions runs at
-// 322 / 370 of its forward in FlashAttention-3's Figures 5 and 6 (Shah et al. 2024, arXiv
-// 2407.08608, head dim 128, H100), so 0.73 x 0.87 = 0.63. H100 and H200 run cuDNN's fused
+// 2307.08691) reaches 50-73% of the peak (its abstract), the upper end on long sequences
+// forward; its backward at 16k positions runs at 322 / 370 of its forward in
+// FlashAttention-3's Figures 5 and 6 (Shah et al. 2024, arXiv 2407.08608, head dim 128,
+// H100), so 0.73 x 0.87 = 0.63. H100 and H200 run cuDNN's fused
 // attention ("auto" there), measured in the same figures at 497 (512 positions) to 595
 // (16k) TFLOP/s forward and 305 to 516 backward: the curve e L / (L + L_half) through both
 // ends has e = 599 / 989.4 = 0.605 forward, 528 / 989.4 = 0.534 backward.
