@@ -347,7 +347,10 @@ nlohmann::ordered_json EstimateJson(const EstimateReport& r, const Topology& top
                   {"peak_tflops_16bit", t.gpu.peak_flops_16bit / 1e12},
                   {"gemm_efficiency", t.gpu.gemm_efficiency},
                   {"memory_efficiency", t.gpu.memory_efficiency},
-                  {"collective_efficiency", t.gpu.collective_efficiency}};
+                  {"collective_efficiency", t.gpu.collective_efficiency},
+                  {"compute_capability", t.gpu.compute_capability},
+                  {"attention_efficiency_forward", t.gpu.attention_efficiency_forward},
+                  {"attention_efficiency_backward", t.gpu.attention_efficiency_backward}};
     doc["global_batch_size"] = t.global_batch_size;
     doc["num_microbatches"] = t.num_microbatches;
     doc["time"] = {{"compute_s", t.compute_s},

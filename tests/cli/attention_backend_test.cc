@@ -157,6 +157,18 @@ TEST(AttentionBackend, AutoResolvesPerGpuAndDtype) {
                           "says"),
             std::string::npos)
       << text.out;
+  // So does the HTML page, and the JSON its script reads has the GPU's figures.
+  const Result html = Mpusim({"estimate", WriteTemp("auto_html.json", Gpt("bfloat16", "").dump()),
+                              "--gpu", "a100-80gb", "--format", "html"});
+  ASSERT_EQ(html.code, 0) << html.err;
+  EXPECT_NE(html.out.find("Counted with attention_backend &quot;flash&quot; (auto, bfloat16 on "
+                          "compute capability 8.0"),
+            std::string::npos)
+      << html.out.substr(0, 3000);
+  const json a100 = Estimate(Gpt("bfloat16", ""), "a100", "a100-80gb");
+  EXPECT_EQ(a100.at("gpu").at("compute_capability"), 80);
+  EXPECT_EQ(a100.at("gpu").at("attention_efficiency_forward"), 0.73);
+  EXPECT_EQ(a100.at("gpu").at("attention_efficiency_backward"), 0.63);
   // advise counts the same.
   const Result advise = Mpusim({"advise", WriteTemp("advise.json", Gpt("bfloat16", "").dump()),
                                 "--global-batch-size", "8", "--gpu", "a100-80gb", "--format",
