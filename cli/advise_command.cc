@@ -249,9 +249,9 @@ class AdviseCommand : public Command {
     moe_ = config.gpt && config.gpt->moe.enabled();
     StatusOr<Advice> advice = Advise(config, *gpu, options);
     if (FromAttentionFlag(attention_backend_, advice.status())) {
-      return ReportError(err, "command line",
-                         "--attention-backend " + attention_backend_ + ": " +
-                             advice.status().what());
+      return ReportError(
+          err, "command line",
+          "--attention-backend " + attention_backend_ + ": " + advice.status().what());
     }
     if (!advice.ok()) return ReportError(err, path_, advice.status().Message());
     if (format_ == "json") {
@@ -374,8 +374,7 @@ class AdviseCommand : public Command {
     out << fmt::format("<p>{} layouts evaluated of {}: {} fit, {} do not. Ranked by predicted "
                        "step time, the fastest first.</p>\n",
                        a.candidates, HtmlEscape(path_), a.fit.size(), a.too_big.size());
-    out << "<p class=\"note\">Counted with " << HtmlEscape(AttentionText(a.attention))
-        << ".</p>\n";
+    out << "<p class=\"note\">Counted with " << HtmlEscape(AttentionText(a.attention)) << ".</p>\n";
     const size_t n = std::min(a.fit.size(), static_cast<size_t>(top_));
     if (n == 0) out << "<p class=\"over\">No layout fits.</p>\n";
     const auto label = [&](size_t i, const AdvisedLayout& l) {

@@ -94,9 +94,9 @@ class EstimateCommand : public Command {
     StatusOr<EstimateReport> report =
         MakeEstimateReport(config, topology, *gpu, run_given, time_asked);
     if (FromAttentionFlag(attention_backend_, report.status())) {
-      return ReportError(err, "command line",
-                         "--attention-backend " + attention_backend_ + ": " +
-                             report.status().what());
+      return ReportError(
+          err, "command line",
+          "--attention-backend " + attention_backend_ + ": " + report.status().what());
     }
     if (!report.ok()) {
       return ReportError(err, source, config_.Attribute(report.status(), &source).Message());

@@ -74,10 +74,11 @@ constexpr const char* kMoeRoutingNote =
     "capacity factor, where every rank gets every choice of its dispatch group.";
 
 void PrintExecutorText(const EstimateReport& r, std::ostream& out) {
-  out << fmt::format("What `mpusim run --no-check` keeps on the CPU executor, in {}: its "
-                     "activations as `--summary` measures them (peak - held); its attention "
-                     "keeps the probabilities whatever attention_backend says\n",
-                     DTypeName(r.config.run->dtype));
+  out << fmt::format(
+      "What `mpusim run --no-check` keeps on the CPU executor, in {}: its "
+      "activations as `--summary` measures them (peak - held); its attention "
+      "keeps the probabilities whatever attention_backend says\n",
+      DTypeName(r.config.run->dtype));
   out << fmt::format("  {:>5}  {:>7}  {:>12}  {:>12}  {:>12}  {:>12}  {:>14}  {:>12}\n",
                      "stage", "stashes", "stash bytes", "working", "transfers", "carried",
                      "optimizer step", "activations");
@@ -149,16 +150,17 @@ void PrintTimeText(const Config& config, const Topology& topology, const TimeEst
 // How the step time counts the core attention.
 std::string AttentionTimeText(const TimeEstimate& t) {
   if (!t.attention.fused()) {
-    return fmt::format("\"{}\", the full s x s scores at the GEMMs' efficiency and softmax "
-                       "and dropout through memory",
-                       AttentionBackendName(t.attention.backend));
+    return fmt::format(
+        "\"{}\", the full s x s scores at the GEMMs' efficiency and softmax "
+        "and dropout through memory",
+        AttentionBackendName(t.attention.backend));
   }
-  return fmt::format("\"{}\", one kernel at up to {:.0f}% of peak forward and {:.0f}% "
-                     "backward (less on short blocks), the causal mask's blocks skipped, the "
-                     "probabilities recomputed in the backward",
-                     AttentionBackendName(t.attention.backend),
-                     100 * t.gpu.attention_efficiency_forward,
-                     100 * t.gpu.attention_efficiency_backward);
+  return fmt::format(
+      "\"{}\", one kernel at up to {:.0f}% of peak forward and {:.0f}% "
+      "backward (less on short blocks), the causal mask's blocks skipped, the "
+      "probabilities recomputed in the backward",
+      AttentionBackendName(t.attention.backend), 100 * t.gpu.attention_efficiency_forward,
+      100 * t.gpu.attention_efficiency_backward);
 }
 
 // The palette of the bars' parts, in turn: as many as a bar has parts (the step time's eight
@@ -171,8 +173,7 @@ std::string Td(const std::string& text) { return "<td>" + HtmlEscape(text) + "</
 }  // namespace
 
 std::string AttentionText(const ResolvedAttention& a) {
-  return fmt::format("attention_backend \"{}\" ({}): {}", AttentionBackendName(a.backend),
-                     a.reason,
+  return fmt::format("attention_backend \"{}\" ({}): {}", AttentionBackendName(a.backend), a.reason,
                      a.fused() ? "keeps each query row's float32 log-sum-exp, not the s x s "
                                  "probabilities"
                                : "keeps the s x s probabilities (softmax output; with "

@@ -43,9 +43,8 @@ StatusOr<std::vector<StageActivations>> EstimateStageActivations(
   // keeps that log-sum-exp whatever the cp_comm_type.
   const bool ring = sz.cp > 1 && (g.cp_comm_type == CpCommType::kP2p ||
                                   g.cp_comm_type == CpCommType::kA2aP2p);
-  const double scores = ring || attention.fused()
-                            ? 4 * b * a * (s / cp) / t
-                            : b * a * (s / cp) * s * (e + m_a * (e + 1)) / t;
+  const double scores = ring || attention.fused() ? 4 * b * a * (s / cp) / t
+                                                  : b * a * (s / cp) * s * (e + m_a * (e + 1)) / t;
   // all_gather also keeps the keys and values of every position.
   const double gathered =
       sz.cp > 1 && g.cp_comm_type == CpCommType::kAllGather ? 2 * b * s * kv * e / t : 0;

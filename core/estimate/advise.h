@@ -11,8 +11,8 @@
 // For a mixture-of-experts model also ep (dividing dp x cp and the experts; the experts'
 // tensor parallelism is Megatron's default, tp). Each candidate gets the memory estimate
 // (held exactly; activations and buffers by Korthikanti's count with the attention backend
-// the dtype and the GPU resolve, core/estimate/activation_estimate.h); it fits when every stage's peak is at most the GPU's
-// memory. Those that fit get the step time
+// the dtype and the GPU resolve, core/estimate/activation_estimate.h); it fits when every stage's
+// peak is at most the GPU's memory. Those that fit get the step time
 // (core/estimate/time_estimate.h) and are ranked by it, the fastest first; those that do not
 // are ranked by peak, the closest first, and only the first few get a step time.
 #pragma once

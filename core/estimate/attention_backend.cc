@@ -15,19 +15,21 @@ StatusOr<ResolvedAttention> ResolveAttentionBackend(const GptConfig& gpt, DType 
   out.requested = gpt.attention_backend;
   const bool half = dtype == DType::kBFloat16 || dtype == DType::kFloat16;
   const bool capable = half && compute_capability >= 80;
-  const std::string on = fmt::format("{} on compute capability {}", DTypeName(dtype),
-                                     Capability(compute_capability));
+  const std::string on =
+      fmt::format("{} on compute capability {}", DTypeName(dtype), Capability(compute_capability));
   const std::string automatic = fmt::format("auto, {}: ", on);
   switch (gpt.attention_backend) {
     case AttentionBackend::kAuto:
       if (!capable) {
         out.backend = AttentionBackend::kUnfused;
-        out.reason = automatic + "TransformerEngine's flash and fused attention need bfloat16 "
-                                 "or float16 and compute capability 8.0+";
+        out.reason = automatic +
+                     "TransformerEngine's flash and fused attention need bfloat16 "
+                     "or float16 and compute capability 8.0+";
       } else if (compute_capability >= 90) {
         out.backend = AttentionBackend::kFused;
-        out.reason = automatic + "TransformerEngine prefers cuDNN's fused attention on Hopper "
-                                 "and newer";
+        out.reason = automatic +
+                     "TransformerEngine prefers cuDNN's fused attention on Hopper "
+                     "and newer";
       } else {
         out.backend = AttentionBackend::kFlash;
         out.reason = automatic + "TransformerEngine prefers FlashAttention below Hopper";
@@ -52,8 +54,9 @@ StatusOr<ResolvedAttention> ResolveAttentionBackend(const GptConfig& gpt, DType 
       break;
   }
   if (!out.fused() && cp > 1) {
-    out.reason += "; Megatron-Core runs context parallelism with flash or fused attention "
-                  "only, so this counts mpusim's own context-parallel attention";
+    out.reason +=
+        "; Megatron-Core runs context parallelism with flash or fused attention "
+        "only, so this counts mpusim's own context-parallel attention";
   }
   return out;
 }

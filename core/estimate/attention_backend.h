@@ -47,7 +47,7 @@
 namespace mpusim {
 
 struct ResolvedAttention {
-  AttentionBackend requested = AttentionBackend::kAuto;  // the config's
+  AttentionBackend requested = AttentionBackend::kAuto;   // the config's
   AttentionBackend backend = AttentionBackend::kUnfused;  // what runs: never kAuto
   // Why, one phrase: "auto, bfloat16 on compute capability 9.0: TransformerEngine prefers
   // cuDNN's fused attention on Hopper and newer", or "as asked" (config or flag).

@@ -33,10 +33,10 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 // 2307.08691) reaches 50-73% of the peak (its abstract), the upper end on long sequences
 // forward; its backward at 16k positions runs at 322 / 370 of its forward in
 // FlashAttention-3's Figures 5 and 6 (Shah et al. 2024, arXiv 2407.08608, head dim 128,
-// H100), so 0.73 x 0.87 = 0.63. H100 and H200 run cuDNN's fused
-// attention ("auto" there), measured in the same figures at 497 (512 positions) to 595
-// (16k) TFLOP/s forward and 305 to 516 backward: the curve e L / (L + L_half) through both
-// ends has e = 599 / 989.4 = 0.605 forward, 528 / 989.4 = 0.534 backward.
+// H100), so 0.73 x 0.87 = 0.63. H100 and H200 run cuDNN's fused attention ("auto" there),
+// measured in the same figures at 497 (512 positions) to 595 (16k) TFLOP/s forward and 305
+// to 516 backward: the curve e L / (L + L_half) through both ends has e = 599 / 989.4 = 0.605
+// forward, 528 / 989.4 = 0.534 backward.
 std::vector<GpuSpec> Presets() {
   GpuSpec a100{"a100-80gb", 312 * kTera, 19.5 * kTera, 19.5 * kTera, 80 * kGiB,
                2039 * kGiga, 300 * kGiga, 25 * kGiga, 5e-6, 10e-6};
@@ -217,11 +217,11 @@ LayerCost LayerForward(const GptConfig& g, const Sizes& x, const AttentionKernel
   // skipped. A kernel's efficiency follows the keys each query tile visits.
   const auto seconds_at = [&](double flops, double keys) {
     return std::pair<double, double>{
-        flops / (kernels.peak * AttentionEfficiency(kernels.forward_efficiency,
-                                                    kAttentionHalfKeysForward, keys)),
+        flops / (kernels.peak *
+                 AttentionEfficiency(kernels.forward_efficiency, kAttentionHalfKeysForward, keys)),
         kFusedBackwardFlops * flops /
-            (kernels.peak * AttentionEfficiency(kernels.backward_efficiency,
-                                                kAttentionHalfKeysBackward, keys))};
+            (kernels.peak *
+             AttentionEfficiency(kernels.backward_efficiency, kAttentionHalfKeysBackward, keys))};
   };
   const double per_score = 2 * 2 * x.b * heads * d;  // FLOPs of one query-key pair, QK^T and PV
   double forward_flops = 0, forward_s = 0, backward_s = 0;
@@ -538,8 +538,7 @@ StatusOr<GpuSpec> ParseGpuSpec(const nlohmann::json& doc, std::string_view where
     }
     if (key == "compute_capability") {
       // Major * 10 + minor, as TransformerEngine's sm80, sm90, sm100 name them.
-      if (!value.is_number_integer() || value.get<int64_t>() < 10 ||
-          value.get<int64_t>() > 199) {
+      if (!value.is_number_integer() || value.get<int64_t>() < 10 || value.get<int64_t>() > 199) {
         return Status::Error(field_at, fmt::format("must be an integer from 10 to 199, major * "
                                                    "10 + minor (80: A100, 90: H100), got {}",
                                                    DescribeJson(value)));
@@ -671,8 +670,8 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   // A ring step's attention: the fused kernel's block, or 1/cp of the materialised attention
   // (its backward twice that).
   const auto [core_compute, core_comm] = seconds(layer.core_attention);
-  const double step_forward = kernels.fused ? layer.ring_step_forward_s
-                                            : (core_compute + core_comm) / x.cp;
+  const double step_forward =
+      kernels.fused ? layer.ring_step_forward_s : (core_compute + core_comm) / x.cp;
   const double step_backward = kernels.fused ? layer.ring_step_backward_s : 2 * step_forward;
   const CpExchange cp = CpExchangeOf(g, x, sz.cp, cp_link, step_forward, step_backward);
   // Recomputation (full, or selective's core attention) repeats the forward's exchange.

@@ -3,6 +3,8 @@
 // (the activations' probabilities, the executed FLOPs of the core attention and its seconds),
 // "auto" resolves per GPU and dtype as TransformerEngine does, the cp ring's sends hide only
 // behind one ring step's small block, and bad values are refused naming the field.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -10,11 +12,8 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
-
-#include <fmt/format.h>
-#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "cli/cli.h"
 
@@ -47,22 +46,25 @@ std::string WriteTemp(const std::string& name, const std::string& text) {
 json Gpt(const std::string& dtype, const std::string& backend) {
   json config = {
       {"parallel",
-       {{"world_size", 4}, {"tensor_model_parallel_size", 2},
-        {"pipeline_model_parallel_size", 2}}},
+       {{"world_size", 4}, {"tensor_model_parallel_size", 2}, {"pipeline_model_parallel_size", 2}}},
       {"model",
-       {{"type", "gpt"}, {"num_layers", 4}, {"hidden_size", 1024}, {"num_attention_heads", 16},
-        {"vocab_size", 32000}, {"hidden_dropout", 0.1}, {"attention_dropout", 0.1}}},
+       {{"type", "gpt"},
+        {"num_layers", 4},
+        {"hidden_size", 1024},
+        {"num_attention_heads", 16},
+        {"vocab_size", 32000},
+        {"hidden_dropout", 0.1},
+        {"attention_dropout", 0.1}}},
       {"run",
-       {{"dtype", dtype}, {"seq_length", 2048}, {"micro_batch_size", 2},
-        {"global_batch_size", 8}}},
+       {{"dtype", dtype}, {"seq_length", 2048}, {"micro_batch_size", 2}, {"global_batch_size", 8}}},
       {"optimizer", {{"optimizer", "adam"}, {"lr", 1e-4}}}};
   if (!backend.empty()) config["model"]["attention_backend"] = backend;
   return config;
 }
 
 json Estimate(const json& config, const std::string& name, const std::string& gpu) {
-  const Result r = Mpusim({"estimate", WriteTemp(name + ".json", config.dump()), "--gpu", gpu,
-                           "--format", "json"});
+  const Result r = Mpusim(
+      {"estimate", WriteTemp(name + ".json", config.dump()), "--gpu", gpu, "--format", "json"});
   EXPECT_EQ(r.code, 0) << r.err;
   return r.code == 0 ? json::parse(r.out) : json();
 }
@@ -124,7 +126,8 @@ TEST(AttentionBackend, FlashAndUnfusedDifferByTheScoresTerms) {
 // fused attention for 16-bit dtypes on compute capability 9.0 (H100, H200), FlashAttention on
 // 8.x (A100), unfused for float32 or an older GPU (a GPU file's compute_capability).
 TEST(AttentionBackend, AutoResolvesPerGpuAndDtype) {
-  const std::string turing = WriteTemp("turing.json", R"({"base": "h100-80gb", "compute_capability": 75})");
+  const std::string turing =
+      WriteTemp("turing.json", R"({"base": "h100-80gb", "compute_capability": 75})");
   struct Case {
     const char* dtype;
     std::string gpu;
@@ -144,8 +147,8 @@ TEST(AttentionBackend, AutoResolvesPerGpuAndDtype) {
     EXPECT_EQ(doc.at("attention_backend_requested"), "auto");
   }
   // The text names what it counts, and why.
-  const Result text = Mpusim({"estimate", WriteTemp("auto.json", Gpt("bfloat16", "").dump()),
-                              "--gpu", "h100-80gb"});
+  const Result text = Mpusim(
+      {"estimate", WriteTemp("auto.json", Gpt("bfloat16", "").dump()), "--gpu", "h100-80gb"});
   ASSERT_EQ(text.code, 0) << text.err;
   EXPECT_NE(text.out.find("  with attention_backend \"fused\" (auto, bfloat16 on compute "
                           "capability 9.0: TransformerEngine prefers cuDNN's fused attention on "
@@ -170,9 +173,9 @@ TEST(AttentionBackend, AutoResolvesPerGpuAndDtype) {
   EXPECT_EQ(a100.at("gpu").at("attention_efficiency_forward"), 0.73);
   EXPECT_EQ(a100.at("gpu").at("attention_efficiency_backward"), 0.63);
   // advise counts the same.
-  const Result advise = Mpusim({"advise", WriteTemp("advise.json", Gpt("bfloat16", "").dump()),
-                                "--global-batch-size", "8", "--gpu", "a100-80gb", "--format",
-                                "json"});
+  const Result advise =
+      Mpusim({"advise", WriteTemp("advise.json", Gpt("bfloat16", "").dump()), "--global-batch-size",
+              "8", "--gpu", "a100-80gb", "--format", "json"});
   ASSERT_EQ(advise.code, 0) << advise.err;
   EXPECT_EQ(json::parse(advise.out).at("attention_backend"), "flash");
 }
@@ -205,13 +208,14 @@ TEST(AttentionBackend, BadValuesAreRefusedNamingTheField) {
   r = Mpusim({"estimate", WriteTemp("f32.json", Gpt("float32", "").dump()), "--attention-backend",
               "flash"});
   EXPECT_EQ(r.code, 2);
-  EXPECT_EQ(r.err, "error: command line: --attention-backend flash: \"flash\" needs bfloat16 or "
-                   "float16 on a GPU of compute capability 8.0 or newer (TransformerEngine's "
-                   "get_attention_backend); this run is float32 on compute capability 9.0: use "
-                   "\"unfused\", \"local\" or \"auto\"\n");
+  EXPECT_EQ(r.err,
+            "error: command line: --attention-backend flash: \"flash\" needs bfloat16 or "
+            "float16 on a GPU of compute capability 8.0 or newer (TransformerEngine's "
+            "get_attention_backend); this run is float32 on compute capability 9.0: use "
+            "\"unfused\", \"local\" or \"auto\"\n");
   const std::string ok = WriteTemp("ok.json", Gpt("bfloat16", "").dump());
-  const Result flag = Mpusim({"estimate", ok, "--attention-backend", "unfused", "--format",
-                              "json"});
+  const Result flag =
+      Mpusim({"estimate", ok, "--attention-backend", "unfused", "--format", "json"});
   ASSERT_EQ(flag.code, 0) << flag.err;
   const json by_flag = json::parse(flag.out);
   const json by_file = Estimate(Gpt("bfloat16", "unfused"), "by_file", "h100-80gb");
@@ -238,17 +242,26 @@ TEST(AttentionBackend, BadValuesAreRefusedNamingTheField) {
 // x 2 bytes over NVLink) is exposed by what it takes beyond its step's block, forward, and
 // the two sends (keys and values, their gradients) beyond the block's backward.
 TEST(AttentionBackend, TheCpRingHidesItsSendsOnlyBehindOneBlock) {
-  const json config = {
-      {"parallel", {{"world_size", 8}, {"context_parallel_size", 8}}},
-      {"model",
-       {{"type", "gpt"}, {"num_layers", 2}, {"hidden_size", 4096}, {"num_attention_heads", 32},
-        {"num_query_groups", 8}, {"ffn_hidden_size", 14336}, {"activation", "swiglu"},
-        {"normalization", "RMSNorm"}, {"position_embedding_type", "rope"},
-        {"add_bias_linear", false}, {"hidden_dropout", 0.0}, {"attention_dropout", 0.0},
-        {"vocab_size", 32000}}},
-      {"run",
-       {{"dtype", "bfloat16"}, {"seq_length", 4096}, {"micro_batch_size", 1},
-        {"global_batch_size", 1}}}};
+  const json config = {{"parallel", {{"world_size", 8}, {"context_parallel_size", 8}}},
+                       {"model",
+                        {{"type", "gpt"},
+                         {"num_layers", 2},
+                         {"hidden_size", 4096},
+                         {"num_attention_heads", 32},
+                         {"num_query_groups", 8},
+                         {"ffn_hidden_size", 14336},
+                         {"activation", "swiglu"},
+                         {"normalization", "RMSNorm"},
+                         {"position_embedding_type", "rope"},
+                         {"add_bias_linear", false},
+                         {"hidden_dropout", 0.0},
+                         {"attention_dropout", 0.0},
+                         {"vocab_size", 32000}}},
+                       {"run",
+                        {{"dtype", "bfloat16"},
+                         {"seq_length", 4096},
+                         {"micro_batch_size", 1},
+                         {"global_batch_size", 1}}}};
   const json doc = Estimate(config, "ring", "h100-80gb");
   ASSERT_TRUE(doc.is_object());
   EXPECT_EQ(doc.at("attention_backend"), "fused");
@@ -258,8 +271,8 @@ TEST(AttentionBackend, TheCpRingHidesItsSendsOnlyBehindOneBlock) {
   const double forward = step / (kPeak * kForward * c / (c + kHalfForward));
   const double backward = 2.5 * step / (kPeak * kBackward * c / (c + kHalfBackward));
   const double send = 2 * (s / cp) * groups * d * e / (450e9 * 0.8) + 5e-6;
-  const double exposed = (cp - 1) * (std::max(0.0, send - forward) +
-                                     std::max(0.0, 2 * send - backward));
+  const double exposed =
+      (cp - 1) * (std::max(0.0, send - forward) + std::max(0.0, 2 * send - backward));
   ASSERT_GT(exposed, 0);  // the case is one where the small blocks do not hide the sends
   EXPECT_NEAR(doc.at("time").at("cp_comm_s").get<double>(), layers * exposed, 1e-12);
   // Materialised attention is not what Megatron runs under cp; the estimate says so.
