@@ -122,6 +122,35 @@ TEST(AttentionBackend, FlashAndUnfusedDifferByTheScoresTerms) {
               M * layers * (unfused_s - flash_s), 1e-9 * unfused_s);
 }
 
+// Under context parallelism 2, flash attention keeps the float32 log-sum-exp of each of a
+// rank's s / 2 query rows with every cp_comm_type; materialised attention keeps the
+// probabilities of those rows against every key under all_gather (and of every row of half
+// the heads under a2a: as many), the log-sum-exp under the ring. all_gather's gathered keys
+// and values are kept either way.
+TEST(AttentionBackend, ContextParallelKeepsTheLogSumExpWithEveryCommType) {
+  const double b = 2, s = 2048, a = 16, t = 2, e = 2, cp = 2, layers = 2;
+  for (const std::string type : {"all_gather", "a2a", "p2p"}) {
+    SCOPED_TRACE(type);
+    const auto with = [&](const std::string& backend) {
+      json config = Gpt("bfloat16", backend);
+      config["parallel"]["world_size"] = 8;
+      config["parallel"]["context_parallel_size"] = 2;
+      config["model"]["cp_comm_type"] = type;
+      return Estimate(config, "cp_" + type + "_" + backend, "h100-80gb");
+    };
+    const json flash = with("flash"), unfused = with("unfused");
+    ASSERT_TRUE(flash.is_object() && unfused.is_object());
+    const json& f = flash.at("stages")[0];
+    const json& u = unfused.at("stages")[0];
+    const double stashes = f.at("peak_stashes");
+    const double lse = 4 * b * a * (s / cp) / t;
+    const double probabilities = b * a * (s / cp) * s * (e + 1 + e) / t;
+    EXPECT_NEAR(u.at("memory").at("activations").get<double>() -
+                    f.at("memory").at("activations").get<double>(),
+                type == "p2p" ? 0 : stashes * layers * (probabilities - lse), 1);
+  }
+}
+
 // "auto" (Megatron's default) resolves as TransformerEngine's get_attention_backend: cuDNN's
 // fused attention for 16-bit dtypes on compute capability 9.0 (H100, H200), FlashAttention on
 // 8.x (A100), unfused for float32 or an older GPU (a GPU file's compute_capability).
