@@ -131,8 +131,9 @@ class AdviseCommand : public Command {
         "  mpusim advise CONFIG --global-batch-size 512 --format html > advise.html\n"
         "Searches tp (up to the GPUs of a node), cp, pp, vp, dp, the micro-batch size,\n"
         "recomputation, sequence parallelism and the distributed optimizer; the config gives\n"
-        "the model, the dtype, the optimizer, gpus_per_node and cp_comm_type (its own layout\n"
-        "is ignored); for a mixture-of-experts model also ep (etp is tp).");
+        "the model, the dtype, the optimizer, gpus_per_node, cp_comm_type and\n"
+        "attention_backend (its own layout is ignored); for a mixture-of-experts model also\n"
+        "ep (etp is tp).");
     app_->add_option("CONFIG", path_, "config file with a GPT model")->required();
     app_->add_option("--world-size,-n", world_size_, "GPUs (default the config's world_size)");
     app_->add_option("--global-batch-size", global_batch_,
