@@ -152,6 +152,7 @@ struct AttentionKernels {
   bool fused = false;
   double peak = 0;  // FLOP/s of the dtype
   double forward_efficiency = 0, backward_efficiency = 0;
+  double hbm = 0;  // bytes/s the ring's merges of partial results move at
 };
 // A flash kernel's efficiency over `keys` keys per query tile: the plateau times
 // keys / (keys + L_half), the curve through cuDNN's measured 512- and 16k-position points
@@ -236,8 +237,18 @@ LayerCost LayerForward(const GptConfig& g, const Sizes& x, const AttentionKernel
     const auto [diagonal_f, diagonal_b] = seconds_at(diagonal, 2 * chunk * CausalShare(2 * chunk));
     const auto [step_f, step_b] = seconds_at(step, chunk);
     forward_flops = diagonal + (x.cp - 1) * step;
-    forward_s = diagonal_f + (x.cp - 1) * step_f;
-    backward_s = diagonal_b + (x.cp - 1) * step_b;
+    // Merging the steps' partial results (TransformerEngine's AttnFuncWithCPAndKVP2P,
+    // context_parallel.py) is memory-bound, after the ring or on a side stream: forward, each
+    // of the cp steps' outputs read and folded into a float32 output by its log-sum-exp
+    // ("fwd output correction: out in torch.float32"), then cast back; backward, each step's
+    // dq added into dq and the received key and value gradients into dk, dv (read, read,
+    // write). On the rank whose every step is full (cp rank cp - 1).
+    const double q_elements = x.tokens() * heads * d;
+    const double kv_elements = 2 * x.tokens() * static_cast<double>(g.num_query_groups) / x.t * d;
+    const double merge_forward = x.cp * q_elements * (x.e + 8) + q_elements * (4 + x.e);
+    const double merge_backward = x.cp * 3 * (q_elements + kv_elements) * x.e;
+    forward_s = diagonal_f + (x.cp - 1) * step_f + merge_forward / kernels.hbm;
+    backward_s = diagonal_b + (x.cp - 1) * step_b + merge_backward / kernels.hbm;
     c.ring_step_forward_s = step_f;
     c.ring_step_backward_s = step_b;
   } else {
@@ -632,7 +643,8 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   if (!attention.ok()) return attention.status();
   const AttentionKernels kernels{attention->fused(), PeakFlops(gpu, dtype),
                                  gpu.attention_efficiency_forward,
-                                 gpu.attention_efficiency_backward};
+                                 gpu.attention_efficiency_backward,
+                                 gpu.hbm_bandwidth * gpu.memory_efficiency};
   const double peak = PeakFlops(gpu, dtype) * gpu.gemm_efficiency;
   const double hbm = gpu.hbm_bandwidth * gpu.memory_efficiency;
   const Sizes x{static_cast<double>(run.micro_batch_size), static_cast<double>(run.seq_length),

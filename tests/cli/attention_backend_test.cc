@@ -269,7 +269,8 @@ TEST(AttentionBackend, BadValuesAreRefusedNamingTheField) {
 // c = 256 keys by 2c queries, which run at the curve's efficiency for 256 keys, not the whole
 // sequence's; each of the cp - 1 sends of a rank's keys and values (2 x 512 x 8 groups x 128
 // x 2 bytes over NVLink) is exposed by what it takes beyond its step's block, forward, and
-// the two sends (keys and values, their gradients) beyond the block's backward.
+// the two sends (keys and values, their gradients) beyond the block's backward; the ring's
+// kernels and its merges of partial results cost what all_gather's one kernel does not.
 TEST(AttentionBackend, TheCpRingHidesItsSendsOnlyBehindOneBlock) {
   const json config = {{"parallel", {{"world_size", 8}, {"context_parallel_size", 8}}},
                        {"model",
@@ -304,6 +305,30 @@ TEST(AttentionBackend, TheCpRingHidesItsSendsOnlyBehindOneBlock) {
       (cp - 1) * (std::max(0.0, send - forward) + std::max(0.0, 2 * send - backward));
   ASSERT_GT(exposed, 0);  // the case is one where the small blocks do not hide the sends
   EXPECT_NEAR(doc.at("time").at("cp_comm_s").get<double>(), layers * exposed, 1e-12);
+  // The ring's kernels against all_gather's one kernel over the rank's 512 queries and every
+  // key (the GEMMs are the same): the diagonal step, causal over 512 x 512 (5 of 8 half
+  // tiles), and 7 half blocks at 256 keys, forward and backward; plus merging the steps'
+  // partial results through memory: forward, 8 outputs read (2 bytes) into a float32 output
+  // (read and write) and the cast back (4 + 2), backward, 8 times dq and dk, dv added (read,
+  // read, write, 2 bytes each).
+  json gather = config;
+  gather["model"]["cp_comm_type"] = "all_gather";
+  const json all_gather = Estimate(gather, "ring_vs_gather", "h100-80gb");
+  ASSERT_TRUE(all_gather.is_object());
+  const auto kernel = [&](double flops, double keys) {
+    return flops / (kPeak * kForward * keys / (keys + kHalfForward)) +
+           2.5 * flops / (kPeak * kBackward * keys / (keys + kHalfBackward));
+  };
+  const double per_score = 2 * 2 * heads * d, T = s / cp;
+  const double diagonal = per_score * 4 * c * c * 5 / 8;
+  const double merges = (cp * T * heads * d * (e + 8) + T * heads * d * (4 + e)) / kHbm +
+                        cp * 3 * (T * heads * d + 2 * T * groups * d) * e / kHbm;
+  const double ring = kernel(diagonal, 2 * c * 5 / 8) + (cp - 1) * kernel(step, c) + merges;
+  const double gathered = kernel(per_score * T * s * 33 / 64, s * 33 / 64);
+  EXPECT_NEAR(doc.at("time").at("compute_s").get<double>() -
+                  all_gather.at("time").at("compute_s").get<double>(),
+              layers * (ring - gathered), 1e-12);
+  EXPECT_EQ(doc.at("flops_per_rank"), all_gather.at("flops_per_rank"));
   // Materialised attention is not what Megatron runs under cp; the estimate says so.
   json unfused = config;
   unfused["model"]["attention_backend"] = "unfused";
