@@ -30,7 +30,9 @@
 //               backward, each send overlapped with one ring step's attention only (flash:
 //               a half block of c = s / (2 cp) keys by 2c queries at the efficiency of c
 //               keys; materialised: 1/cp of the core attention), what a send takes beyond
-//               its step exposed; recomputation repeats the forward's; "a2a+p2p" is refused;
+//               its step exposed, and flash's merges of the steps' partial results
+//               (memory-bound) counted as compute; recomputation repeats the forward's;
+//               "a2a+p2p" is refused;
 //   moe         an MoE layer in place of the MLP, for balanced routing (each rank's tokens
 //               choose k experts each, every expert gets as many choices; a capacity factor
 //               below 1 keeps that share, padding to the capacity computes it): the router's
