@@ -5,7 +5,10 @@ For each row of bench/configs/narayanan_table1.json (model, tp, pp, GPUs, batch 
 paper measured on Selene's A100s), it writes the config, runs
   mpusim estimate CONFIG --gpu a100-80gb --global-batch-size B --recompute full --format json
 and turns the predicted step time into the paper's own measure: teraFLOP/s per GPU with the
-recomputation counted, 96 B s l h^2 (1 + s / 6h + V / 16 l h) / step time / GPUs. Nothing is
+recomputation counted, 96 B s l h^2 (1 + s / 6h + V / 16 l h) / step time / GPUs (the full
+s x s attention, as the paper counts; Megatron's count halves it since 2025). The runs
+materialised the attention probabilities: the table's "attention_backend" ("unfused") is
+the model's. Nothing is
 fitted per row: the GPU's datasheet figures and the three efficiency constants are
 core/estimate/time_estimate.cc's, the same for every row (README "The time model").
 Checks first that each row is self-consistent: the parameters the shape implies match the
@@ -47,7 +50,8 @@ def config_of(row, table):
                      "num_layers": layers, "fp16": True},
         "model": {"type": "gpt", "num_layers": layers, "hidden_size": hidden,
                   "num_attention_heads": heads, "vocab_size": table["vocab_size"],
-                  "max_position_embeddings": table["seq_length"]},
+                  "max_position_embeddings": table["seq_length"],
+                  "attention_backend": table["attention_backend"]},
         "optimizer": {"optimizer": "adam", "lr": 1e-4},
     }
 

@@ -175,8 +175,9 @@ class AdviseCommand : public Command {
         "  mpusim advise CONFIG --global-batch-size 512 --format html > advise.html\n"
         "Searches tp (up to the GPUs of a node), cp, pp, vp, dp, the micro-batch size,\n"
         "recomputation, sequence parallelism and the distributed optimizer; the config gives\n"
-        "the model, the dtype, the optimizer, gpus_per_node and cp_comm_type (its own layout\n"
-        "is ignored); for a mixture-of-experts model also ep (etp is tp).");
+        "the model, the dtype, the optimizer, gpus_per_node, cp_comm_type and\n"
+        "attention_backend (its own layout is ignored); for a mixture-of-experts model also\n"
+        "ep (etp is tp).");
     app_->add_option("CONFIG", path_, "config file with a GPT model")->required();
     app_->add_option("--world-size,-n", world_size_, "GPUs (default the config's world_size)");
     app_->add_option("--global-batch-size", global_batch_,
@@ -212,6 +213,10 @@ class AdviseCommand : public Command {
     app_->add_option("--reserve-gib", reserve_gib_,
                      "GiB each rank keeps beyond the count, in place of the computed reserve "
                      "(CUDA context, cuBLAS workspaces, NCCL buffers, fragmentation)");
+    app_->add_option("--attention-backend", attention_backend_,
+                     "override model.attention_backend: flash, fused, unfused, local or auto")
+        ->check(CLI::IsMember(std::vector<std::string>(AttentionBackendNames().begin(),
+                                                       AttentionBackendNames().end())));
     app_->add_option("--top", top_, "layouts to show (default 10)")->check(CLI::Range(1, 1000));
     app_->add_option("--format", format_,
                      "text, json or html (a self-contained page; default text)")
@@ -259,6 +264,7 @@ class AdviseCommand : public Command {
     }
     Config config;
     if (Status s = ParseConfig(doc, &config); !s.ok()) return ReportError(err, path_, s.Message());
+    SetAttentionBackend(attention_backend_, &config);
     AdviseOptions options;
     options.world_size = config.parallel.world_size;
     if (!global_batch_ && !file_batch) {
@@ -341,6 +347,11 @@ class AdviseCommand : public Command {
     not_modelled_ = NotModelled(config);
     moe_ = config.gpt && config.gpt->moe.enabled();
     StatusOr<Advice> advice = Advise(config, *gpu, options);
+    if (FromAttentionFlag(attention_backend_, advice.status())) {
+      return ReportError(
+          err, "command line",
+          "--attention-backend " + attention_backend_ + ": " + advice.status().what());
+    }
     if (!advice.ok()) return ReportError(err, path_, advice.status().Message());
     if (format_ == "json") {
       out << Json(options, *gpu, *advice).dump(1) << '\n';
@@ -359,6 +370,7 @@ class AdviseCommand : public Command {
         "Layouts for {} GPUs ({}, {} each), global batch {}: {} evaluated, {} fit, {} do not\n",
         o.world_size, gpu.name, run::FormatBytes(static_cast<PlanBytes>(gpu.hbm_bytes)),
         o.global_batch_size, a.candidates, a.fit.size(), a.too_big.size());
+    out << "Counted with " << AttentionText(a.attention) << '\n';
     if (a.fit.empty()) {
       out << "No layout fits.\n";
     } else {
@@ -409,6 +421,8 @@ class AdviseCommand : public Command {
     doc["reserve_gib"] = reserve_gib_ ? nlohmann::ordered_json(*reserve_gib_)
                                       : nlohmann::ordered_json(nullptr);
     doc["near_tie_fraction"] = kNearTie;
+    doc["attention_backend"] = AttentionBackendName(a.attention.backend);
+    doc["attention_backend_requested"] = AttentionBackendName(a.attention.requested);
     doc["candidates"] = a.candidates;
     doc["fitting"] = a.fit.size();
     const auto entry = [&](const AdvisedLayout& l) {
@@ -476,6 +490,7 @@ class AdviseCommand : public Command {
     out << fmt::format("<p>{} layouts evaluated of {}: {} fit, {} do not. Ranked by predicted "
                        "step time, the fastest first; near-ties (within 0.1%) by headroom.</p>\n",
                        a.candidates, HtmlEscape(path_), a.fit.size(), a.too_big.size());
+    out << "<p class=\"note\">Counted with " << HtmlEscape(AttentionText(a.attention)) << ".</p>\n";
     const size_t n = std::min(a.fit.size(), static_cast<size_t>(top_));
     if (n == 0) out << "<p class=\"over\">No layout fits.</p>\n";
     const auto label = [&](size_t i, const AdvisedLayout& l) {
@@ -583,6 +598,7 @@ class AdviseCommand : public Command {
   std::string gpu_ = kDefaultGpu;
   std::string micro_batches_, recompute_, sequence_parallel_, distributed_;
   std::string overlap_grad_reduce_, overlap_param_gather_, tp_comm_overlap_;
+  std::string attention_backend_;  // empty: the config's
   bool no_vp_ = false;
   int top_ = 10;
   std::string format_ = "text";

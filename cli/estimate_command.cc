@@ -50,8 +50,9 @@ class EstimateCommand : public Command {
         "rank, exactly as `mpusim run` allocates them. With a run section or\n"
         "--global-batch-size, also the step time on --gpu (a100-80gb, h100-80gb, h200, or a\n"
         "JSON file of GPU fields), model TFLOP/s per GPU and MFU, and the activations and\n"
-        "buffers at the schedule's peak as Korthikanti et al. 2022 count a GPU run's, and\n"
-        "the activations `mpusim run --no-check` keeps on the CPU executor.");
+        "buffers at the schedule's peak as Korthikanti et al. 2022 count a GPU run's (with\n"
+        "model.attention_backend, \"auto\" resolved for the dtype and the GPU), and the\n"
+        "activations `mpusim run --no-check` keeps on the CPU executor.");
     config_.Register(app_);
     app_->add_option("--format", format_,
                      "text, json or html (a self-contained page; default text)")
@@ -65,6 +66,10 @@ class EstimateCommand : public Command {
                      "tokens per sample (default the run's, else max_position_embeddings)");
     app_->add_option("--recompute", recompute_, "none, full or selective")
         ->check(CLI::IsMember({"none", "full", "selective"}));
+    app_->add_option("--attention-backend", attention_backend_,
+                     "override model.attention_backend: flash, fused, unfused, local or auto")
+        ->check(CLI::IsMember(std::vector<std::string>(AttentionBackendNames().begin(),
+                                                       AttentionBackendNames().end())));
     app_->add_option("--train-iters", train_iters_,
                      "training iterations of the run the executor count is for (from the "
                      "second on, the distributed optimizer's gradient piece stays)");
@@ -81,6 +86,7 @@ class EstimateCommand : public Command {
     std::string source;
     Config config = layout->config;
     const Topology& topology = layout->topology;
+    SetAttentionBackend(attention_backend_, &config);
     StatusOr<GpuSpec> gpu = ResolveGpuSpec(gpu_);
     if (!gpu.ok()) return ReportError(err, "command line", gpu.status().Message());
     // The batch flags make (or change) the run section the step time needs.
@@ -98,6 +104,11 @@ class EstimateCommand : public Command {
     }
     StatusOr<EstimateReport> report =
         MakeEstimateReport(config, topology, *gpu, run_given, time_asked, reserve);
+    if (FromAttentionFlag(attention_backend_, report.status())) {
+      return ReportError(
+          err, "command line",
+          "--attention-backend " + attention_backend_ + ": " + report.status().what());
+    }
     if (!report.ok()) {
       return ReportError(err, source, config_.Attribute(report.status(), &source).Message());
     }
@@ -167,6 +178,7 @@ class EstimateCommand : public Command {
   ConfigOptions config_;
   std::string format_ = "text";
   std::string gpu_ = kDefaultGpu;
+  std::string attention_backend_;  // empty: the config's
   std::optional<int64_t> global_batch_, micro_batch_, seq_length_, train_iters_;
   std::optional<double> reserve_gib_;
   std::string recompute_;

@@ -99,6 +99,7 @@ void PrintPeakText(const EstimateReport& r, std::ostream& out) {
                      "Megatron's activations as Korthikanti et al. 2022 count them, and the "
                      "reserve for what a GPU run adds\n",
                      r.gpu.name, run::FormatBytes(hbm));
+  if (r.attention) out << "  with " << AttentionText(*r.attention) << '\n';
   out << fmt::format("  {:>5}  {:>7}  {:>12}  {:>12}  {:>12}  {:>12}  {}\n", "stage", "stashes",
                      "activations", "buffers", "peak", "reserve", "| fits (peak + reserve)");
   for (size_t i = 0; i < r.stages.size(); ++i) {
@@ -143,9 +144,11 @@ constexpr const char* kMoeRoutingNote =
     "capacity factor, where every rank gets every choice of its dispatch group.";
 
 void PrintExecutorText(const EstimateReport& r, std::ostream& out) {
-  out << fmt::format("What `mpusim run --no-check` keeps on the CPU executor, in {}: its "
-                     "activations as `--summary` measures them (peak - held)\n",
-                     DTypeName(r.config.run->dtype));
+  out << fmt::format(
+      "What `mpusim run --no-check` keeps on the CPU executor, in {}: its "
+      "activations as `--summary` measures them (peak - held); its attention "
+      "keeps the probabilities whatever attention_backend says\n",
+      DTypeName(r.config.run->dtype));
   out << fmt::format("  {:>5}  {:>7}  {:>12}  {:>12}  {:>12}  {:>12}  {:>14}  {:>12}\n",
                      "stage", "stashes", "stash bytes", "working", "transfers", "carried",
                      "optimizer step", "activations");
@@ -158,6 +161,8 @@ void PrintExecutorText(const EstimateReport& r, std::ostream& out) {
   }
   if (r.config.gpt && r.config.gpt->moe.enabled()) out << kMoeRoutingNote << '\n';
 }
+
+std::string AttentionTimeText(const TimeEstimate& t);
 
 void PrintTimeText(const Config& config, const Topology& topology, const TimeEstimate& t,
                    std::ostream& out) {
@@ -218,6 +223,23 @@ void PrintTimeText(const Config& config, const Topology& topology, const TimeEst
       "collectives at {:.0f}% of link bandwidth; {}\n",
       100 * t.gpu.gemm_efficiency, 100 * t.gpu.memory_efficiency,
       100 * t.gpu.collective_efficiency, OverlapText(config, t, ring));
+  out << "  attention: " << AttentionTimeText(t) << '\n';
+}
+
+// How the step time counts the core attention.
+std::string AttentionTimeText(const TimeEstimate& t) {
+  if (!t.attention.fused()) {
+    return fmt::format(
+        "\"{}\", the full s x s scores at the GEMMs' efficiency and softmax "
+        "and dropout through memory",
+        AttentionBackendName(t.attention.backend));
+  }
+  return fmt::format(
+      "\"{}\", one kernel at up to {:.0f}% of peak forward and {:.0f}% "
+      "backward (less on short blocks), the causal mask's blocks skipped, the "
+      "probabilities recomputed in the backward",
+      AttentionBackendName(t.attention.backend), 100 * t.gpu.attention_efficiency_forward,
+      100 * t.gpu.attention_efficiency_backward);
 }
 
 // The palette of the bars' parts, in turn: as many as a bar has parts (the step time's nine
@@ -229,6 +251,27 @@ constexpr std::array<const char*, 9> kColours = {"#4e79a7", "#f28e2b", "#76b7b2"
 std::string Td(const std::string& text) { return "<td>" + HtmlEscape(text) + "</td>"; }
 
 }  // namespace
+
+std::string AttentionText(const ResolvedAttention& a) {
+  return fmt::format("attention_backend \"{}\" ({}): {}", AttentionBackendName(a.backend), a.reason,
+                     a.fused() ? "keeps each query row's float32 log-sum-exp, not the s x s "
+                                 "probabilities"
+                               : "keeps the s x s probabilities (softmax output; with "
+                                 "attention dropout its mask and output)");
+}
+
+void SetAttentionBackend(const std::string& name, Config* config) {
+  if (name.empty() || !config->gpt) return;
+  const std::vector<std::string_view>& names = AttentionBackendNames();
+  const auto it = std::find(names.begin(), names.end(), name);
+  if (it != names.end()) {
+    config->gpt->attention_backend = static_cast<AttentionBackend>(it - names.begin());
+  }
+}
+
+bool FromAttentionFlag(const std::string& name, const Status& status) {
+  return !name.empty() && !status.ok() && status.where() == "model.attention_backend";
+}
 
 const char* const kReportStyle = R"CSS(
 table.report { border-collapse: collapse; margin: 6px 0 12px; font: 12px monospace; }
@@ -281,8 +324,17 @@ StatusOr<EstimateReport> MakeEstimateReport(Config config, const Topology& topol
   StatusOr<std::vector<StageHeldMemory>> stages = EstimateStageHeldMemory(config, topology);
   if (!stages.ok()) return stages.status();
   r.stages = *stages;
+  if (time_asked && config.gpt) {
+    // Which attention runs is the config's, the dtype's and the GPU's: a backend that cannot
+    // run there ("flash" in float32) is the config's error, not a missing estimate.
+    StatusOr<ResolvedAttention> attention = ResolveAttentionBackend(
+        *config.gpt, config.run->dtype, gpu.compute_capability, topology.sizes().cp);
+    if (!attention.ok()) return attention.status();
+    r.attention = *attention;
+  }
   if (time_asked) {
-    StatusOr<std::vector<StageActivations>> a = EstimateStageActivations(config, topology);
+    StatusOr<std::vector<StageActivations>> a =
+        EstimateStageActivations(config, topology, r.attention.value_or(ResolvedAttention{}));
     if (a.ok()) {
       r.activations = *a;
     } else {
@@ -388,7 +440,10 @@ nlohmann::ordered_json EstimateJson(const EstimateReport& r, const Topology& top
                   {"peak_tflops_16bit", t.gpu.peak_flops_16bit / 1e12},
                   {"gemm_efficiency", t.gpu.gemm_efficiency},
                   {"memory_efficiency", t.gpu.memory_efficiency},
-                  {"collective_efficiency", t.gpu.collective_efficiency}};
+                  {"collective_efficiency", t.gpu.collective_efficiency},
+                  {"compute_capability", t.gpu.compute_capability},
+                  {"attention_efficiency_forward", t.gpu.attention_efficiency_forward},
+                  {"attention_efficiency_backward", t.gpu.attention_efficiency_backward}};
     doc["global_batch_size"] = t.global_batch_size;
     doc["num_microbatches"] = t.num_microbatches;
     doc["time"] = {{"compute_s", t.compute_s},
@@ -424,6 +479,11 @@ nlohmann::ordered_json EstimateJson(const EstimateReport& r, const Topology& top
     doc["step_time_not_estimated"] = r.time_missing;
   }
   doc["hbm_bytes"] = JsonBytes(static_cast<PlanBytes>(r.gpu.hbm_bytes));
+  if (r.attention) {
+    doc["attention_backend"] = AttentionBackendName(r.attention->backend);
+    doc["attention_backend_requested"] = AttentionBackendName(r.attention->requested);
+    doc["attention_backend_reason"] = r.attention->reason;
+  }
   if (!r.activations) doc["activations_not_estimated"] = r.activations_missing;
   nlohmann::ordered_json list = nlohmann::ordered_json::array();
   for (size_t i = 0; i < r.stages.size(); ++i) {
@@ -626,6 +686,10 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
         run::FormatBytes(kNcclChannels * (kNcclSimpleBuffer + kNcclLlBuffer + kNcclLl128Buffer)),
         100 * kFragmentation);
   }
+  if (r.attention) {
+    out << "<p class=\"note\">Counted with " << HtmlEscape(AttentionText(*r.attention))
+        << ".</p>\n";
+  }
   if (r.executor) {
     out << fmt::format("<h3>what <code>mpusim run</code> keeps on the CPU executor, in {}</h3>\n",
                        DTypeName(config.run->dtype));
@@ -673,12 +737,13 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
     out << "</table>\n";
     out << fmt::format(
         "<p class=\"note\">GEMMs at {:.0f}% of peak, memory-bound kernels at {:.0f}% of HBM "
-        "bandwidth, collectives at {:.0f}% of link bandwidth; {}.</p>\n",
+        "bandwidth, collectives at {:.0f}% of link bandwidth; {}; attention: {}.</p>\n",
         100 * t.gpu.gemm_efficiency, 100 * t.gpu.memory_efficiency,
         100 * t.gpu.collective_efficiency,
         HtmlEscape(OverlapText(config, t,
                                topology.sizes().cp > 1 && config.gpt &&
-                                   config.gpt->cp_comm_type == CpCommType::kP2p)));
+                                   config.gpt->cp_comm_type == CpCommType::kP2p)),
+        HtmlEscape(AttentionTimeText(t)));
   } else {
     out << "<p class=\"note\">step time: not estimated: " << HtmlEscape(r.time_missing)
         << "</p>\n";

@@ -36,7 +36,21 @@ struct EstimateReport {
   // Each stage's busiest rank's memory reserve (core/estimate/memory_reserve.h), with the
   // activations: a stage fits when its peak + reserve is at most the GPU's memory.
   std::vector<MemoryReserve> reserves;
+  // The attention the activations and the step time count (with a run section).
+  std::optional<ResolvedAttention> attention;
 };
+
+// "attention_backend \"fused\" (auto, bfloat16 on ...): keeps each query row's float32
+// log-sum-exp, not the s x s probabilities": which attention an estimate counts, and what
+// that keeps.
+std::string AttentionText(const ResolvedAttention& attention);
+
+// --attention-backend NAME (estimate, advise; CLI checks NAME is one of
+// AttentionBackendNames()): sets model.attention_backend of a GPT config; empty: the
+// config's.
+void SetAttentionBackend(const std::string& name, Config* config);
+// An error the flag caused ("flash" in float32) names it: "--attention-backend flash: ...".
+bool FromAttentionFlag(const std::string& name, const Status& status);
 
 // Counts `config` (its run section already set, FillMissingRun) on `topology`: the held
 // memory always, the activations, the reserve and the step time on `gpu` when `time_asked`

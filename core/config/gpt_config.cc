@@ -85,7 +85,7 @@ const std::vector<std::string_view>& GptKeys() {
       "position_embedding_type", "rotary_base", "rotary_percent", "qk_layernorm",
       "max_position_embeddings", "share_embeddings_and_output_weights",
       "init_method_std", "vocab_size", "make_vocab_size_divisible_by", "label_smoothing",
-      "dropout_mode", "cp_comm_type",
+      "dropout_mode", "cp_comm_type", "attention_backend",
       // Mixture of experts (MoeConfig).
       "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
       "moe_router_pre_softmax", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
@@ -119,6 +119,8 @@ const std::vector<std::string_view> kNormalizations = {"LayerNorm", "RMSNorm"};
 const std::vector<std::string_view> kPositionEmbeddings = {"learned_absolute", "rope"};
 const std::vector<std::string_view> kDropoutModes = {"global", "rng_tracker"};
 const std::vector<std::string_view> kCpCommTypes = {"p2p", "all_gather", "a2a", "a2a+p2p"};
+const std::vector<std::string_view> kAttentionBackends = {"flash", "fused", "unfused", "local",
+                                                          "auto"};
 const std::vector<std::string_view> kMoeLoadBalancing = {"aux_loss", "seq_aux_loss", "none"};
 const std::vector<std::string_view> kMoeDispatchers = {"allgather", "alltoall"};
 const std::vector<std::string_view> kMoeDropPolicies = {"probs", "position"};
@@ -219,6 +221,10 @@ const char* PositionEmbeddingName(PositionEmbedding p) {
 }
 const char* DropoutModeName(DropoutMode m) { return kDropoutModes[static_cast<size_t>(m)].data(); }
 const char* CpCommTypeName(CpCommType c) { return kCpCommTypes[static_cast<size_t>(c)].data(); }
+const char* AttentionBackendName(AttentionBackend b) {
+  return kAttentionBackends[static_cast<size_t>(b)].data();
+}
+const std::vector<std::string_view>& AttentionBackendNames() { return kAttentionBackends; }
 
 int64_t GptConfig::PaddedVocabSize(int64_t tensor_model_parallel_size) const {
   const int64_t multiple = make_vocab_size_divisible_by * tensor_model_parallel_size;
@@ -315,6 +321,9 @@ Status ParseGptSection(const json& section, GptConfig* out) {
       MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, kDropoutModes, &gpt.dropout_mode));
     } else if (key == "cp_comm_type") {
       MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, kCpCommTypes, &gpt.cp_comm_type));
+    } else if (key == "attention_backend") {
+      MPUSIM_RETURN_IF_ERROR(
+          ParseChoice(value, where, kAttentionBackends, &gpt.attention_backend));
     } else if (key == "num_moe_experts") {
       MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &moe_experts));
       gpt.moe.num_experts = moe_experts.value_or(0);

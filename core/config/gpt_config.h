@@ -36,6 +36,13 @@
 //                                        sequence, num_query_groups divisible by tp * cp);
 //                                        "a2a+p2p" refused until built (Megatron's names;
 //                                        read only when context_parallel_size > 1)
+//     "attention_backend": "auto"        Megatron's TransformerConfig.attention_backend
+//                                        (AttnBackend, megatron/core/transformer/enums.py):
+//                                        "flash", "fused", "unfused", "local" or "auto". The
+//                                        CPU executor computes the same math whatever it is
+//                                        (its attention keeps the probabilities); the
+//                                        estimate counts the backend's memory and time
+//                                        (core/estimate/attention_backend.h resolves "auto")
 //   }
 // }
 //
@@ -77,6 +84,13 @@ enum class CpCommType : uint8_t {
   kA2a,        // heads exchanged with all-to-all (Ulysses)
   kA2aP2p,     // a2a inside hierarchical_context_parallel_sizes' first level, p2p across
 };
+
+// Megatron's AttnBackend (megatron/core/transformer/enums.py), in its order. "local" is
+// Megatron's own DotProductAttention, "unfused" TransformerEngine's
+// UnfusedDotProductAttention (both materialise the s x s probabilities), "flash"
+// FlashAttention and "fused" cuDNN's fused attention through TransformerEngine (neither does),
+// "auto" lets TransformerEngine choose (core/estimate/attention_backend.h).
+enum class AttentionBackend : uint8_t { kFlash, kFused, kUnfused, kLocal, kAuto };
 
 // Mixture of experts (Megatron's moe_* TransformerConfig fields, model section). Parsed and
 // checked; core/model/moe.h runs it (expert_model_parallel_size 1 only, for now).
@@ -131,6 +145,7 @@ struct GptConfig {
   double label_smoothing = 0.0;
   DropoutMode dropout_mode = DropoutMode::kGlobal;
   CpCommType cp_comm_type = CpCommType::kP2p;  // Megatron's default
+  AttentionBackend attention_backend = AttentionBackend::kAuto;  // Megatron's default
   MoeConfig moe;
   // TransformerConfig fields given that change nothing mpusim computes, one line each
   // ("model.bias_dropout_fusion: ignored: why"), printed as notes.
@@ -155,6 +170,9 @@ const char* NormalizationName(Normalization n);            // "LayerNorm", "RMSN
 const char* PositionEmbeddingName(PositionEmbedding p);    // "learned_absolute", "rope"
 const char* DropoutModeName(DropoutMode m);                // "global", "rng_tracker"
 const char* CpCommTypeName(CpCommType c);  // "p2p", "all_gather", "a2a", "a2a+p2p"
+const char* AttentionBackendName(AttentionBackend b);  // "flash", ..., "auto"
+// Every AttentionBackend's name, in enum order (for flags that take one).
+const std::vector<std::string_view>& AttentionBackendNames();
 
 // The keys of a GPT `model` section: its own, and the TransformerConfig fields it accepts
 // with a note (or refuses unless at the value mpusim computes).

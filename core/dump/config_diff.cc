@@ -136,7 +136,12 @@ ConfigChange Classify(const std::string& key, bool in_a, bool in_b, const FlatCo
   }
   if (section == "optimizer") return ConfigChange::kTraining;
   if (section != "model") return ConfigChange::kOptions;
-  if (rest == "cp_comm_type" || rest == "moe_token_dispatcher_type") return ConfigChange::kLayout;
+  // How the same math is laid out or run (attention_backend: the executor computes the same
+  // attention whatever it says).
+  if (rest == "cp_comm_type" || rest == "moe_token_dispatcher_type" ||
+      rest == "attention_backend") {
+    return ConfigChange::kLayout;
+  }
   if (rest == "type") return ConfigChange::kModel;  // a GPT against a chain (which has none)
   if (rest.starts_with("layers[")) {
     // A layer one side lacks: the chains differ in length.

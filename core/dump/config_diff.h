@@ -19,8 +19,10 @@
 //              layers it borrows from), when both configs set the key. A key one config
 //              leaves to its default is "options": the default may be the other's value
 //              (ffn_hidden_size is 4 * hidden_size unless given).
-//   layout     parallel.* but the precision switches, model.cp_comm_type and
-//              model.moe_token_dispatcher_type, run.recompute_granularity, and the batch keys
+//   layout     parallel.* but the precision switches, model.cp_comm_type,
+//              model.moe_token_dispatcher_type and model.attention_backend (the executor
+//              computes the same attention whatever it says), run.recompute_granularity, and
+//              the batch keys
 //              (run.micro_batch_size, num_microbatches, global_batch_size) when both runs
 //              still see the same samples per micro-batch (micro_batch_size x dp) and per
 //              iteration: diff reassembles tensors across layouts.

@@ -15,7 +15,8 @@ PlanBytes ToBytes(double bytes) { return static_cast<PlanBytes>(std::llround(byt
 }  // namespace
 
 StatusOr<std::vector<StageActivations>> EstimateStageActivations(
-    const Config& config, const Topology& topology, const PipelineSchedule* schedule_given) {
+    const Config& config, const Topology& topology, const ResolvedAttention& attention,
+    const PipelineSchedule* schedule_given) {
   if (Status s = CheckEstimable(config, "the activation count"); !s.ok()) return s;
   const GptConfig& g = *config.gpt;
   const RunConfig& run = *config.run;
@@ -36,13 +37,14 @@ StatusOr<std::vector<StageActivations>> EstimateStageActivations(
   const double whole = T * h * (4 * e + 2 * m_h) / split_sp;
   const double split = T * e * (q + 2 * kv + q + f1 + f) / t;
   const double a = static_cast<double>(g.num_attention_heads);
-  // The probabilities of this rank's queries against every key (all_gather; a2a: every query
-  // of 1/cp of the heads: as many); the ring (p2p, a2a+p2p) keeps none, but the log-sum-exp
-  // of each query row, in float32.
+  // Materialised attention: the probabilities of this rank's queries against every key
+  // (all_gather; a2a: every query of 1/cp of the heads: as many); the ring (p2p, a2a+p2p)
+  // keeps none, but the log-sum-exp of each query row, in float32. Flash / fused attention
+  // keeps that log-sum-exp whatever the cp_comm_type.
   const bool ring = sz.cp > 1 && (g.cp_comm_type == CpCommType::kP2p ||
                                   g.cp_comm_type == CpCommType::kA2aP2p);
-  const double scores = ring ? 4 * b * a * (s / cp) / t
-                             : b * a * (s / cp) * s * (e + m_a * (e + 1)) / t;
+  const double scores = ring || attention.fused() ? 4 * b * a * (s / cp) / t
+                                                  : b * a * (s / cp) * s * (e + m_a * (e + 1)) / t;
   // all_gather also keeps the keys and values of every position.
   const double gathered =
       sz.cp > 1 && g.cp_comm_type == CpCommType::kAllGather ? 2 * b * s * kv * e / t : 0;

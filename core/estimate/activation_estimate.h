@@ -13,10 +13,21 @@
 //                                                          the activation's input and output
 //   attention scores      b * a * s^2 * (e + m_a * (e + 1)) / t   softmax output, and with
 //                                                          dropout its mask and output
+//                                                          (materialised attention: the
+//                                                          "unfused" and "local" backends)
+//   or the log-sum-exp    4 * b * a * s / t               flash / fused attention (the
+//                                                          "flash" and "fused" backends,
+//                                                          attention_backend.h): float32 per
+//                                                          query row and head; Q, K, V and
+//                                                          the output are the split terms;
+//                                                          no dropout mask (the kernel
+//                                                          regenerates it from its seed)
 // where q = heads * kv_channels, kv = query_groups * kv_channels, f1 = fc1 rows (2 ffn when
 // gated), f = ffn. For the standard GPT (e = 2, dropout on, q = h, kv = h, f = 4h) this is
 // Korthikanti's sbh (10 + 24/t + 5as/(ht)), and sbh (34 + 5as/h) / t with sequence
-// parallelism. Selective recomputation drops the scores; full recomputation keeps only each
+// parallelism (materialised attention; "auto" resolves to it only for float32 or a GPU
+// before compute capability 8.0, attention_backend.h). Selective recomputation drops the
+// scores (or the log-sum-exp); full recomputation keeps only each
 // layer's input, T * h * e (/ t with sp). The first stage adds the embedding dropout's mask,
 // the last the final norm's input and the float32 logits of one micro-batch, 4 T V / t.
 // Each model chunk's stash is added when its forward runs and dropped when its backward does,
@@ -29,11 +40,14 @@
 // allocator's slack) is not counted, and the text says so.
 //
 // Context parallelism (cp ranks) gives each rank s / cp tokens: every term above is divided
-// by cp. The probabilities are of this rank's queries against every key under cp_comm_type
-// "all_gather" (which also keeps the gathered keys and values of all s positions,
-// 2 b s kv e / t) and of every query of 1/cp of the heads under "a2a": b a s^2 (...) / (t cp)
-// either way. The ring ("p2p", Megatron's default, and "a2a+p2p") keeps no probabilities but
-// each query row's log-sum-exp in float32, 4 b a (s / cp) / t, as mpusim's layer does.
+// by cp. With materialised attention the probabilities are of this rank's queries against
+// every key under cp_comm_type "all_gather" (which also keeps the gathered keys and values of
+// all s positions, 2 b s kv e / t) and of every query of 1/cp of the heads under "a2a":
+// b a s^2 (...) / (t cp) either way; the ring ("p2p", Megatron's default, and "a2a+p2p") keeps
+// no probabilities but each query row's log-sum-exp in float32, 4 b a (s / cp) / t, as
+// mpusim's layer does. With flash / fused attention every cp_comm_type keeps that
+// log-sum-exp (a2a: every row of 1/cp of the heads, as many) and all_gather its gathered keys
+// and values.
 //
 // This is a GPU run's count, not the CPU executor's: mpusim's executor keeps its own stash
 // (float32 by default, and the tensors its kernels need), which `mpusim run --summary`
@@ -62,6 +76,7 @@
 #include <vector>
 
 #include "core/config/config.h"
+#include "core/estimate/attention_backend.h"
 #include "core/memory_plan.h"
 #include "core/schedule.h"
 #include "core/status.h"
@@ -79,7 +94,9 @@ struct StageActivations {
 // Needs a GPT model and a run section; errors name the field the count cannot handle.
 // `schedule`: the run's BuildPipelineSchedule, when the caller has it already (advise reuses
 // it across the candidates that share pp, vp and the micro-batch count); else it is built here.
+// `attention`: ResolveAttentionBackend's answer for the GPU (which attention is counted).
 StatusOr<std::vector<StageActivations>> EstimateStageActivations(
-    const Config& config, const Topology& topology, const PipelineSchedule* schedule = nullptr);
+    const Config& config, const Topology& topology, const ResolvedAttention& attention,
+    const PipelineSchedule* schedule = nullptr);
 
 }  // namespace mpusim

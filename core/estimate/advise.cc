@@ -89,6 +89,11 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
                                          "model no max_position_embeddings");
   }
   Advice advice;
+  // The attention every candidate counts (the dtype and the GPU decide it, not the layout).
+  StatusOr<ResolvedAttention> attention =
+      ResolveAttentionBackend(model, base_run.dtype, gpu.compute_capability, 1);
+  if (!attention.ok()) return attention.status();
+  advice.attention = *attention;
   // The config of one candidate: `config` with the layout, the batch split and recomputation;
   // nullopt when the model refuses the layout.
   const auto configure = [&](const AdvisedLayout& l) -> std::optional<Config> {
@@ -232,7 +237,7 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
     AdvisedLayout layout = k.layout;
     const Config c = *configure(layout);
     StatusOr<std::vector<StageActivations>> acts =
-        EstimateStageActivations(c, *k.topology, k.schedule);
+        EstimateStageActivations(c, *k.topology, advice.attention, k.schedule);
     if (!acts.ok()) return;
     // The stage that needs the most, its peak and the reserve of its busiest rank together.
     for (size_t s = 0; s < acts->size(); ++s) {

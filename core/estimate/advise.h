@@ -10,9 +10,9 @@
 // parallelism (t > 1) and the distributed optimizer, each from the lists the caller allows.
 // For a mixture-of-experts model also ep (dividing dp x cp and the experts; the experts'
 // tensor parallelism is Megatron's default, tp). Each candidate gets the memory estimate
-// (held exactly; activations and buffers by Korthikanti's count,
-// core/estimate/activation_estimate.h) and the memory reserve (core/estimate/memory_reserve.h,
-// or options.reserve_bytes on every rank); it fits when every stage's peak + reserve is at
+// (held exactly; activations and buffers by Korthikanti's count with the attention backend
+// the dtype and the GPU resolve, core/estimate/activation_estimate.h) and the memory reserve
+// (core/estimate/memory_reserve.h, or options.reserve_bytes on every rank); it fits when every stage's peak + reserve is at
 // most the GPU's memory. Those that fit get the step time (core/estimate/time_estimate.h) and
 // are ranked by it, the fastest first, with near-ties ranked by headroom (below); those that
 // do not are ranked by peak + reserve, the closest first, and only the first few get a step
@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "core/config/config.h"
+#include "core/estimate/attention_backend.h"
 #include "core/estimate/time_estimate.h"
 #include "core/memory_plan.h"
 #include "core/status.h"
@@ -91,6 +92,7 @@ struct AdvisedLayout {
 };
 
 struct Advice {
+  ResolvedAttention attention;     // what every candidate counts (attention_backend.h)
   int64_t candidates = 0;          // layouts evaluated
   std::vector<AdvisedLayout> fit;  // fastest first
   std::vector<AdvisedLayout> too_big;  // smallest peak first

@@ -47,7 +47,7 @@ MemoryReserve EstimateMemoryReserve(const Config& config, const Topology& topolo
                                     const GpuSpec& gpu, int64_t rank, PlanBytes transient) {
   MemoryReserve r;
   r.cuda_context = kCudaContextBytes;
-  const bool hopper = gpu.compute_capability >= 9.0;
+  const bool hopper = gpu.compute_capability >= 90;
   const PlanBytes te = hopper ? kTeCublasWorkspaceSm90 : kTeCublasWorkspaceOlder;
   const bool grouped = config.gpt && config.gpt->moe.enabled() && config.gpt->moe.grouped_gemm;
   r.cublas_workspaces = (hopper ? kTorchCublasWorkspaceSm90 : kTorchCublasWorkspaceOlder) +

@@ -28,12 +28,26 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 // Datasheet figures (dense, no sparsity) of the SXM parts; links per GPU and direction:
 // NVLink 3 (A100) 600 GB/s and NVLink 4 (H100, H200) 900 GB/s both ways, and one 200 Gb/s
 // (HDR, DGX A100) or 400 Gb/s (NDR, DGX H100/H200) network adapter per GPU.
+// Compute capability: 8.0 (A100), 9.0 (H100, H200). Attention efficiencies (README "The time
+// model"): the A100 runs FlashAttention 2 ("auto" there), whose paper (Dao 2023, arXiv
+// 2307.08691) reaches 50-73% of the peak (its abstract), the upper end on long sequences
+// forward; its backward at 16k positions runs at 322 / 370 of its forward in
+// FlashAttention-3's Figures 5 and 6 (Shah et al. 2024, arXiv 2407.08608, head dim 128,
+// H100), so 0.73 x 0.87 = 0.63. H100 and H200 run cuDNN's fused attention ("auto" there),
+// measured in the same figures at 497 (512 positions) to 595 (16k) TFLOP/s forward and 305
+// to 516 backward: the curve e L / (L + L_half) through both ends has e = 599 / 989.4 = 0.605
+// forward, 528 / 989.4 = 0.534 backward.
 std::vector<GpuSpec> Presets() {
   GpuSpec a100{"a100-80gb", 312 * kTera, 19.5 * kTera, 19.5 * kTera, 80 * kGiB,
                2039 * kGiga, 300 * kGiga, 25 * kGiga, 5e-6, 10e-6};
-  a100.compute_capability = 8.0;
+  a100.compute_capability = 80;
+  a100.attention_efficiency_forward = 0.73;
+  a100.attention_efficiency_backward = 0.63;
   GpuSpec h100{"h100-80gb", 989.4 * kTera, 66.9 * kTera, 66.9 * kTera, 80 * kGiB,
                3350 * kGiga, 450 * kGiga, 50 * kGiga, 5e-6, 10e-6};
+  h100.compute_capability = 90;
+  h100.attention_efficiency_forward = 0.605;
+  h100.attention_efficiency_backward = 0.534;
   GpuSpec h200 = h100;
   h200.name = "h200";
   h200.hbm_bytes = 141 * kGiga;
@@ -43,14 +57,22 @@ std::vector<GpuSpec> Presets() {
 
 // Per micro-batch costs of one piece of the model: FLOPs of its GEMMs, bytes its memory-bound
 // kernels move, and its tp collectives (count, bytes each).
+// Flash / fused attention runs at its own efficiency: its seconds and FLOPs apart, with those
+// of its backward (which Backward() turns into the pass's own).
 struct Cost {
   double flops = 0;
   double bytes = 0;
   int64_t collectives = 0;
   double collective_bytes = 0;  // each
+  double fused_s = 0, fused_flops = 0;
+  double fused_backward_s = 0, fused_backward_flops = 0;
   Cost& operator+=(const Cost& o) {
     flops += o.flops;
     bytes += o.bytes;
+    fused_s += o.fused_s;
+    fused_flops += o.fused_flops;
+    fused_backward_s += o.fused_backward_s;
+    fused_backward_flops += o.fused_backward_flops;
     collectives += o.collectives;
     collective_bytes = std::max(collective_bytes, o.collective_bytes);
     return *this;
@@ -61,14 +83,27 @@ Cost Times(Cost c, int64_t n) {
   c.flops *= static_cast<double>(n);
   c.bytes *= static_cast<double>(n);
   c.collectives *= n;
+  c.fused_s *= static_cast<double>(n);
+  c.fused_flops *= static_cast<double>(n);
+  c.fused_backward_s *= static_cast<double>(n);
+  c.fused_backward_flops *= static_cast<double>(n);
   return c;
 }
 // A piece's backward: twice its forward's GEMM FLOPs (input and weight gradients) and bytes,
 // and one collective per forward collective (the all-reduce of a column-parallel input's
-// gradient answers the forward's row-parallel one).
+// gradient answers the forward's row-parallel one). Flash / fused attention's backward is its
+// own kernel (LayerForward).
 Cost Backward(Cost c) {
   c.flops *= 2;
   c.bytes *= 2;
+  c.fused_s = c.fused_backward_s;
+  c.fused_flops = c.fused_backward_flops;
+  c.fused_backward_s = c.fused_backward_flops = 0;
+  return c;
+}
+// A forward repeated in the backward (recomputation): its own backward is not repeated.
+Cost Recomputed(Cost c) {
+  c.fused_backward_s = c.fused_backward_flops = 0;
   return c;
 }
 
@@ -87,6 +122,9 @@ struct Sizes {
 struct LayerCost {
   Cost core_attention;
   Cost rest;
+  // Flash / fused attention under the cp ring: one ring step's kernel seconds, forward and
+  // backward (what a step's sends can hide behind).
+  double ring_step_forward_s = 0, ring_step_backward_s = 0;
   Cost total() const {
     Cost c = rest;
     c += core_attention;
@@ -109,8 +147,36 @@ Cost MlpForward(const Sizes& x, double fc1_rows, double ffn) {
   return c;
 }
 
+// Flash / fused attention kernels (attention_backend.h) on this GPU and dtype.
+struct AttentionKernels {
+  bool fused = false;
+  double peak = 0;  // FLOP/s of the dtype
+  double forward_efficiency = 0, backward_efficiency = 0;
+  double hbm = 0;  // bytes/s the ring's merges of partial results move at
+};
+// A flash kernel's efficiency over `keys` keys per query tile: the plateau times
+// keys / (keys + L_half), the curve through cuDNN's measured 512- and 16k-position points
+// in FlashAttention-3's Figures 5 and 6 (forward 497 and 595 TFLOP/s: L_half 105 keys;
+// backward 305 and 516: L_half 374). Small blocks (a cp rank's) run below the plateau.
+constexpr double kAttentionHalfKeysForward = 105;
+constexpr double kAttentionHalfKeysBackward = 374;
+double AttentionEfficiency(double plateau, double half_keys, double keys) {
+  return plateau * keys / (keys + half_keys);
+}
+// Flash kernels tile the s x s scores in 128 x 128 blocks (FlashAttention 2 and 3, cuDNN:
+// 128-row query tiles for head dims up to 128) and under a causal mask skip the blocks above
+// the diagonal: of n x n blocks they compute n (n + 1) / 2.
+constexpr double kAttentionTile = 128;
+double CausalShare(double positions) {
+  const double n = std::max(1.0, std::ceil(positions / kAttentionTile));
+  return (n + 1) / (2 * n);
+}
+// The backward recomputes the probabilities (QK^T) and runs four GEMMs (dV, dP, dQ, dK):
+// 5 GEMMs of the forward's 2, FlashAttention's own count.
+constexpr double kFusedBackwardFlops = 2.5;
+
 // One transformer layer's forward without its MLP (MlpForward or MoeForward adds it).
-LayerCost LayerForward(const GptConfig& g, const Sizes& x) {
+LayerCost LayerForward(const GptConfig& g, const Sizes& x, const AttentionKernels& kernels) {
   const double T = x.tokens(), Tn = x.region_tokens(), h = x.h, t = x.t, e = x.e;
   const double heads = static_cast<double>(g.num_attention_heads) / t;
   const double groups = static_cast<double>(g.num_query_groups) / t;
@@ -136,14 +202,65 @@ LayerCost LayerForward(const GptConfig& g, const Sizes& x) {
     r.collectives = 1;
     r.collective_bytes = T * h * e;
   }
-  // core attention over the full s x s scores (no flash attention in mpusim's layer); under
-  // context parallelism this rank's queries against every key (a2a: every query of 1/cp of
-  // the heads, as many).
+  // core attention; under context parallelism this rank's queries against every key (a2a:
+  // every query of 1/cp of the heads, as many).
   Cost& a = c.core_attention;
   const double scores = x.b * heads * (x.s / x.cp) * x.s;
-  a.flops += 2 * 2 * scores * d;
-  a.bytes += 2 * scores * e;  // fused scale-mask-softmax
-  if (g.attention_dropout > 0) a.bytes += scores * (2 * e + mask_byte);
+  if (!kernels.fused) {
+    // Materialised ("unfused", "local"): the full s x s scores whatever the mask, then
+    // scale-mask-softmax and dropout over them in memory.
+    a.flops += 2 * 2 * scores * d;
+    a.bytes += 2 * scores * e;  // fused scale-mask-softmax
+    if (g.attention_dropout > 0) a.bytes += scores * (2 * e + mask_byte);
+    return c;
+  }
+  // Flash / fused: one kernel, nothing s x s in memory, the blocks above the causal diagonal
+  // skipped. A kernel's efficiency follows the keys each query tile visits.
+  const auto seconds_at = [&](double flops, double keys) {
+    return std::pair<double, double>{
+        flops / (kernels.peak *
+                 AttentionEfficiency(kernels.forward_efficiency, kAttentionHalfKeysForward, keys)),
+        kFusedBackwardFlops * flops /
+            (kernels.peak *
+             AttentionEfficiency(kernels.backward_efficiency, kAttentionHalfKeysBackward, keys))};
+  };
+  const double per_score = 2 * 2 * x.b * heads * d;  // FLOPs of one query-key pair, QK^T and PV
+  double forward_flops = 0, forward_s = 0, backward_s = 0;
+  if (x.cp > 1 && g.cp_comm_type == CpCommType::kP2p) {
+    // The ring (Megatron's load-balanced chunks: a rank's s / cp queries are chunks r and
+    // 2 cp - 1 - r of c = s / (2 cp) positions): step 0 its own keys, causal over 2c x 2c;
+    // each of the cp - 1 other steps a half block, 2c x c (the half a causal mask keeps),
+    // with c keys per query tile on the ranks that get the first half of the keys.
+    const double chunk = x.s / (2 * x.cp);
+    const double diagonal = per_score * 4 * chunk * chunk * CausalShare(2 * chunk);
+    const double step = per_score * 2 * chunk * chunk;
+    const auto [diagonal_f, diagonal_b] = seconds_at(diagonal, 2 * chunk * CausalShare(2 * chunk));
+    const auto [step_f, step_b] = seconds_at(step, chunk);
+    forward_flops = diagonal + (x.cp - 1) * step;
+    // Merging the steps' partial results (TransformerEngine's AttnFuncWithCPAndKVP2P,
+    // context_parallel.py) is memory-bound, after the ring or on a side stream: forward, each
+    // of the cp steps' outputs read and folded into a float32 output by its log-sum-exp
+    // ("fwd output correction: out in torch.float32"), then cast back; backward, each step's
+    // dq added into dq and the received key and value gradients into dk, dv (read, read,
+    // write). On the rank whose every step is full (cp rank cp - 1).
+    const double q_elements = x.tokens() * heads * d;
+    const double kv_elements = 2 * x.tokens() * static_cast<double>(g.num_query_groups) / x.t * d;
+    const double merge_forward = x.cp * q_elements * (x.e + 8) + q_elements * (4 + x.e);
+    const double merge_backward = x.cp * 3 * (q_elements + kv_elements) * x.e;
+    forward_s = diagonal_f + (x.cp - 1) * step_f + merge_forward / kernels.hbm;
+    backward_s = diagonal_b + (x.cp - 1) * step_b + merge_backward / kernels.hbm;
+    c.ring_step_forward_s = step_f;
+    c.ring_step_backward_s = step_b;
+  } else {
+    // One kernel over this rank's queries and every key (all_gather), or every query of 1/cp
+    // of the heads (a2a): each query tile visits on average a causal share of the s keys.
+    forward_flops = per_score * (x.s / x.cp) * x.s * CausalShare(x.s);
+    std::tie(forward_s, backward_s) = seconds_at(forward_flops, x.s * CausalShare(x.s));
+  }
+  a.fused_flops = forward_flops;
+  a.fused_s = forward_s;
+  a.fused_backward_flops = kFusedBackwardFlops * forward_flops;
+  a.fused_backward_s = backward_s;
   return c;
 }
 
@@ -225,10 +342,11 @@ struct CpExchange {
   double forward_bytes = 0, backward_bytes = 0;
   const char* operation = "";
 };
-// `core_s`: the core attention's forward seconds (the ring overlaps its sends with it, the
-// backward's with twice it).
+// `step_forward_s`, `step_backward_s`: one ring step's attention seconds, forward and
+// backward, behind which that step's sends run (a step's send waits for nothing else, but
+// the next step needs it).
 CpExchange CpExchangeOf(const GptConfig& g, const Sizes& x, int64_t cp, const Link& link,
-                        double core_s) {
+                        double step_forward_s, double step_backward_s) {
   CpExchange out;
   if (cp <= 1) return out;
   const double n = static_cast<double>(cp);
@@ -256,11 +374,12 @@ CpExchange CpExchangeOf(const GptConfig& g, const Sizes& x, int64_t cp, const Li
     }
     default: {
       // The ring: cp - 1 sends of this rank's keys and values forward, of them and their
-      // gradients backward, overlapped with the blocks' attention.
+      // gradients backward, each overlapped with one step's block of attention: what a send
+      // takes beyond its step's kernel is exposed.
       out.operation = "ring send/recv";
       const double send = kv / link.bandwidth + link.latency;
-      out.forward_s = std::max(0.0, (n - 1) * send - core_s);
-      out.backward_s = std::max(0.0, 2 * (n - 1) * send - 2 * core_s);
+      out.forward_s = (n - 1) * std::max(0.0, send - step_forward_s);
+      out.backward_s = (n - 1) * std::max(0.0, 2 * send - step_backward_s);
       out.forward_count = cp - 1;
       out.backward_count = 2 * (cp - 1);
       out.forward_bytes = (n - 1) * kv;
@@ -481,9 +600,10 @@ StatusOr<GpuSpec> ParseGpuSpec(const nlohmann::json& doc, std::string_view where
       {"gemm_efficiency", &spec.gemm_efficiency, 1, true},
       {"memory_efficiency", &spec.memory_efficiency, 1, true},
       {"collective_efficiency", &spec.collective_efficiency, 1, true},
-      {"compute_capability", &spec.compute_capability, 1, false},
+      {"attention_efficiency_forward", &spec.attention_efficiency_forward, 1, true},
+      {"attention_efficiency_backward", &spec.attention_efficiency_backward, 1, true},
   };
-  std::vector<std::string_view> keys = {"name", "base"};
+  std::vector<std::string_view> keys = {"name", "base", "compute_capability"};
   for (const Field& f : fields) keys.push_back(f.key);
   for (auto item = doc.begin(); item != doc.end(); ++item) {
     const std::string& key = item.key();
@@ -496,6 +616,16 @@ StatusOr<GpuSpec> ParseGpuSpec(const nlohmann::json& doc, std::string_view where
         return Status::Error(field_at, "must be a string of 1 to 64 characters");
       }
       spec.name = value.get<std::string>();
+      continue;
+    }
+    if (key == "compute_capability") {
+      // Major * 10 + minor, as TransformerEngine's sm80, sm90, sm100 name them.
+      if (!value.is_number_integer() || value.get<int64_t>() < 10 || value.get<int64_t>() > 199) {
+        return Status::Error(field_at, fmt::format("must be an integer from 10 to 199, major * "
+                                                   "10 + minor (80: A100, 90: H100), got {}",
+                                                   DescribeJson(value)));
+      }
+      spec.compute_capability = static_cast<int>(value.get<int64_t>());
       continue;
     }
     const auto f = std::find_if(fields.begin(), fields.end(),
@@ -540,9 +670,12 @@ double ModelFlopsPerIteration(const GptConfig& g, int64_t padded_vocab, int64_t 
   const double groups = static_cast<double>(g.num_query_groups);
   // Forward GEMM FLOPs per token of one layer: QKV, projection, scores and context, and the
   // MLP; an MoE layer's MLP is its top-k experts' and the shared expert's (the router's
-  // logits are not counted, as Megatron's count leaves them out).
+  // logits are not counted, as Megatron's count leaves them out). The scores and context
+  // count half of s x s: "causal mask (only half of the mask is non-zero)", as
+  // num_floating_point_operations (megatron/training/training.py) has since 2025-03-06
+  // (commit 8873b55d6a); before, it counted the full s x s, as Narayanan et al. 2021 do.
   const double attention =
-      2 * h * (heads + 2 * groups) * d + 2 * heads * d * h + 2 * 2 * s * heads * d;
+      2 * h * (heads + 2 * groups) * d + 2 * heads * d * h + 2 * 2 * s * heads * d / 2;
   const auto mlp = [&](double ffn) {
     return 2 * h * (IsGated(g.activation) ? 2 : 1) * ffn + 2 * ffn * h;
   };
@@ -576,6 +709,13 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
                          "context parallelism) yet; p2p, all_gather and a2a it does");
   }
   const DType dtype = run.dtype;
+  StatusOr<ResolvedAttention> attention =
+      ResolveAttentionBackend(g, dtype, gpu.compute_capability, sz.cp);
+  if (!attention.ok()) return attention.status();
+  const AttentionKernels kernels{attention->fused(), PeakFlops(gpu, dtype),
+                                 gpu.attention_efficiency_forward,
+                                 gpu.attention_efficiency_backward,
+                                 gpu.hbm_bandwidth * gpu.memory_efficiency};
   const double peak = PeakFlops(gpu, dtype) * gpu.gemm_efficiency;
   const double hbm = gpu.hbm_bandwidth * gpu.memory_efficiency;
   const Sizes x{static_cast<double>(run.micro_batch_size), static_cast<double>(run.seq_length),
@@ -591,14 +731,14 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     const double comm = static_cast<double>(c.collectives) *
                         RingSeconds(c.collective_bytes, sz.tp, 2, tp_link.bandwidth,
                                     tp_link.latency);
-    return std::pair<double, double>{c.flops / peak + c.bytes / hbm, comm};
+    return std::pair<double, double>{c.flops / peak + c.bytes / hbm + c.fused_s, comm};
   };
 
   // Each virtual stage's forward and backward (recomputation included) per micro-batch.
   const int64_t p = sz.pp, v = sz.vp.value_or(1), stages = p * v;
   const int64_t layers = g.num_layers / stages;
   const double vocab = static_cast<double>(g.PaddedVocabSize(sz.tp));
-  const LayerCost layer = LayerForward(g, x);
+  const LayerCost layer = LayerForward(g, x, kernels);
   // A dense layer's forward, and an MoE layer's (its exchange over ep apart).
   Cost dense = layer.total();
   dense += MlpForward(x, static_cast<double>(g.Fc1Rows()), static_cast<double>(g.ffn_hidden_size));
@@ -610,8 +750,13 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
                       LinkOf(topology, "tp_ep", gpu, true)});
     sparse += moe.compute;
   }
+  // A ring step's attention: the fused kernel's block, or 1/cp of the materialised attention
+  // (its backward twice that).
   const auto [core_compute, core_comm] = seconds(layer.core_attention);
-  const CpExchange cp = CpExchangeOf(g, x, sz.cp, cp_link, core_compute + core_comm);
+  const double step_forward =
+      kernels.fused ? layer.ring_step_forward_s : (core_compute + core_comm) / x.cp;
+  const double step_backward = kernels.fused ? layer.ring_step_backward_s : 2 * step_forward;
+  const CpExchange cp = CpExchangeOf(g, x, sz.cp, cp_link, step_forward, step_backward);
   // Recomputation (full, or selective's core attention) repeats the forward's exchange.
   const bool recomputes = run.recompute != RunConfig::Recompute::kNone;
   const double cp_forward = cp.forward_s;
@@ -639,9 +784,9 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     Cost forward = Times(dense, layers - n_moe);
     forward += Times(sparse, n_moe);
     Cost recompute;
-    if (full) recompute = forward;
+    if (full) recompute = Recomputed(forward);
     if (run.recompute == RunConfig::Recompute::kSelective) {
-      recompute = Times(layer.core_attention, layers);
+      recompute = Times(Recomputed(layer.core_attention), layers);
     }
     if (u == 0) forward += EmbeddingForward(g, x);
     if (u == stages - 1) forward += OutputForward(x, vocab);
@@ -663,7 +808,7 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     tp_hidden_of[at] = hidden_forward + hidden_backward;
     cp_of[at] = n * (cp_forward + cp_backward);
     ep_of[at] = n_ep * (ep_forward + ep_backward);
-    flops_of[at] = forward.flops + backward.flops;
+    flops_of[at] = forward.flops + backward.flops + forward.fused_flops + backward.fused_flops;
     forward_of[at] = forward;
     recompute_of[at] = recompute;
     moe_layers_of[at] = n_moe;
@@ -825,6 +970,7 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
 
   TimeEstimate out;
   out.gpu = gpu;
+  out.attention = *attention;
   out.num_microbatches = run.num_microbatches;
   out.global_batch_size = run.micro_batch_size * run.num_microbatches * sz.dp;
   const auto m = static_cast<double>(run.num_microbatches);

@@ -8,6 +8,16 @@
 //               the HBM bandwidth; backward = twice the forward's FLOPs and bytes, and full
 //               recomputation adds a layer's forward to its backward (selective: the core
 //               attention's), reported apart as recompute (TimeEstimate::recompute_s);
+//   attention   by the backend attention_backend.h resolves: materialised ("unfused",
+//               "local") computes the full s x s scores and context as GEMMs and moves the
+//               softmax's and dropout's s x s bytes, as above; flash / fused ("flash",
+//               "fused") runs one kernel that moves nothing s x s, skips the 128 x 128 tiles
+//               above the causal diagonal (of n x n tiles, n (n + 1) / 2: n = 16 at 2048
+//               positions, 17/32 of the scores), and whose backward recomputes QK^T (2.5 x the
+//               forward's FLOPs); each at the GPU's attention_efficiency_forward / _backward
+//               times L / (L + L_half), L the keys a query tile visits (L_half 105 forward, 374
+//               backward: the curve through cuDNN's measured 512- and 16k-position points,
+//               time_estimate.cc), so small blocks run slower;
 //   tp          the layer's collectives (two per forward, two per backward, two more per
 //               recomputed forward: all-reduces, or reduce-scatter + all-gather with sequence
 //               parallelism; the same bytes per rank), ring algorithm, not overlapped with
@@ -21,8 +31,12 @@
 //               and reduce-scatters their gradients backward, "a2a" makes four all-to-alls
 //               each way (q, k, v, the context), both not overlapped; the ring ("p2p") sends
 //               its keys and values cp - 1 times forward and them and their gradients
-//               backward, overlapped with the core attention (only what exceeds it counts);
-//               recomputation repeats the forward's; "a2a+p2p" is refused;
+//               backward, each send overlapped with one ring step's attention only (flash:
+//               a half block of c = s / (2 cp) keys by 2c queries at the efficiency of c
+//               keys; materialised: 1/cp of the core attention), what a send takes beyond
+//               its step exposed, and flash's merges of the steps' partial results
+//               (memory-bound) counted as compute; recomputation repeats the forward's;
+//               "a2a+p2p" is refused;
 //   moe         an MoE layer in place of the MLP, for balanced routing (each rank's tokens
 //               choose k experts each, every expert gets as many choices; a capacity factor
 //               below 1 keeps that share, padding to the capacity computes it): the router's
@@ -60,10 +74,11 @@
 // p2p send gets one adapter's. Each ring step pays the link's latency.
 //
 // Model FLOPs are counted as Megatron's num_floating_point_operations counts them: 3 x the
-// forward GEMMs' FLOPs (QKV, attention scores and context over the full s x s, projection,
-// MLP or an MoE layer's top-k experts and shared expert, logits), no recomputation; model
-// TFLOP/s per GPU = that / step time / world size, and MFU = that / the GPU's peak for the
-// run's dtype.
+// forward GEMMs' FLOPs (QKV, attention scores and context over half of s x s for the causal
+// mask, as its count does since 2025-03, projection, MLP or an MoE layer's top-k experts and
+// shared expert, logits), no recomputation (nor flash attention's recomputed QK^T, which
+// flops_per_rank counts); model TFLOP/s per GPU = that / step time / world size, and MFU =
+// that / the GPU's peak for the run's dtype.
 //
 // What it does not model (EstimateStepTime refuses, naming the field): "a2a+p2p"
 // hierarchical context parallelism; a lab chain model. What it leaves out: kernel launch
@@ -80,6 +95,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "core/config/config.h"
+#include "core/estimate/attention_backend.h"
 #include "core/estimate/memory_estimate.h"
 #include "core/schedule.h"
 #include "core/status.h"
@@ -104,9 +120,16 @@ struct GpuSpec {
   double gemm_efficiency = 0.80;
   double memory_efficiency = 0.80;
   double collective_efficiency = 0.80;
-  // CUDA compute capability (8.0 A100, 9.0 H100/H200): the cuBLAS workspaces PyTorch and
-  // TransformerEngine allocate depend on it (core/estimate/memory_reserve.h).
-  double compute_capability = 9.0;
+  // Major * 10 + minor (80: A100, 90: H100 and H200): which attention "auto" resolves to
+  // (attention_backend.h) and the cuBLAS workspaces PyTorch and TransformerEngine allocate
+  // (core/estimate/memory_reserve.h).
+  int compute_capability = 90;
+  // Flash / fused attention's forward and backward FLOP/s on long sequences, as fractions of
+  // the 16-bit peak (the backward's FLOPs counted as FlashAttention's benchmarks count them,
+  // 2.5 x the forward's: the recomputed QK^T and four GEMMs). A kernel over L keys per query
+  // tile runs at efficiency * L / (L + L_half) (README "The time model" cites both).
+  double attention_efficiency_forward = 0.60;
+  double attention_efficiency_backward = 0.53;
 };
 
 // "a100-80gb", "h100-80gb", "h200".
@@ -173,6 +196,7 @@ struct TimeEstimate {
   double mfu = 0;
   std::vector<StageTime> stages;
   std::vector<CommTime> communication;
+  ResolvedAttention attention;  // the attention kernel counted (attention_backend.h)
 };
 
 // Needs a GPT model and a run section (seq_length, micro_batch_size, num_microbatches).

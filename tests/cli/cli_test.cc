@@ -789,9 +789,12 @@ TEST(EstimateCommand, DistributedOptimizerAndRefusals) {
 }
 
 // The step time of GPT-3 175B on 1024 A100s, against what can be counted by hand: Megatron's
-// closed form of the model FLOPs, the busiest stage's executed FLOPs (6 layers, each 4 x its
-// forward with full recomputation, plus the logits 3 x), its tp collectives, the gradient
-// all-reduce's bytes and time, and the step's parts adding up.
+// closed form of the model FLOPs (its count since 2025 halves the core attention for the
+// causal mask), the busiest stage's executed FLOPs (6 layers, each GEMM 4 x its forward with
+// full recomputation; fp16 on the A100 runs flash attention, whose kernel computes the 17 of
+// 32 half-blocks a causal mask keeps of 16 x 16 tiles of 128, forward, recomputed forward and
+// a backward of 2.5 x; plus the logits 3 x), its tp collectives, the gradient all-reduce's
+// bytes and time, and the step's parts adding up.
 TEST(EstimateCommand, StepTimeOfGpt3MatchesCountsByHand) {
   const Result r = Mpusim({"estimate", Sample("gpt3_175b_t8_p16_n1024.json"),
                            "--global-batch-size", "1536", "--recompute", "full", "--gpu",
@@ -801,7 +804,7 @@ TEST(EstimateCommand, StepTimeOfGpt3MatchesCountsByHand) {
   const double B = 1536, s = 2048, l = 96, h = 12288, V = 51200, t = 8, layers = 6, M = 192;
   EXPECT_EQ(doc.at("num_microbatches"), 192);
   const double model_flops =
-      72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h));  // Megatron's count
+      72 * B * s * l * h * h * (1 + s / (12 * h) + V / (12 * l * h));  // Megatron's count
   EXPECT_NEAR(doc.at("model_flops_per_iteration").get<double>() / model_flops, 1, 1e-12);
   const double step = doc.at("step_time_s");
   EXPECT_NEAR(doc.at("mfu").get<double>(), model_flops / (step * 1024 * 312e12), 1e-12);
@@ -816,8 +819,11 @@ TEST(EstimateCommand, StepTimeOfGpt3MatchesCountsByHand) {
   }
   EXPECT_NEAR(parts / step, 1, 1e-12);
   // The last stage is the busiest (the logits); per micro-batch and tp rank it executes
-  // 4 x (24 s h^2 + 4 s^2 h) / t per layer and 3 x 2 s h V / t for the output layer.
-  const double layer = 4 * (24 * s * h * h + 4 * s * s * h) / t, logits = 3 * 2 * s * h * V / t;
+  // (4 x 24 s h^2 + 4.5 x 4 s^2 h x 17/32) / t per layer and 3 x 2 s h V / t for the output
+  // layer.
+  const double tiles = s / 128, causal = (tiles + 1) / (2 * tiles);
+  const double layer = (4 * 24 * s * h * h + 4.5 * 4 * s * s * h * causal) / t,
+               logits = 3 * 2 * s * h * V / t;
   EXPECT_NEAR(doc.at("flops_per_rank").get<double>() / (M * (layers * layer + logits)), 1,
               1e-12);
   const json& last = doc.at("stages")[15];
@@ -927,17 +933,20 @@ TEST(EstimateCommand, StepTimeOfMoeLayersMatchesCountsByHand) {
   const double B = 256, s = 4096, L = 8, h = 4096, d = 128, heads = 32, groups = 8, f = 14336,
                V = 32000, E = 8, k = 2, M = 8, t = 2, Tn = s / t, e = 2;
   EXPECT_EQ(doc.at("num_microbatches"), 8);
-  // Megatron's model FLOPs: attention, the top-2 experts' SwiGLU MLPs, the logits.
+  // Megatron's model FLOPs: attention (its core half of s x s: the causal mask), the top-2
+  // experts' SwiGLU MLPs, the logits.
   const double attention = 2 * h * (heads + 2 * groups) * d + 2 * heads * d * h +
-                           2 * 2 * s * heads * d;
+                           2 * 2 * s * heads * d / 2;
   const double model_flops = 3 * B * s * (L * (attention + k * 6 * h * f) + 2 * h * V);
   EXPECT_NEAR(doc.at("model_flops_per_iteration").get<double>() / model_flops, 1, 1e-12);
-  // A rank's executed FLOPs: its tp half of the attention, the router on its 2048 tokens, the
-  // experts on 4096 rows, the logits' half; each 3 x (no recomputation).
-  const double rank_layer = (2 * s * h * (heads + 2 * groups) * d + 2 * s * heads * d * h +
-                             2 * 2 * s * s * heads * d) / t +
+  // A rank's executed FLOPs: its tp half of the attention's GEMMs, the router on its 2048
+  // tokens, the experts on 4096 rows, the logits' half, each 3 x (no recomputation); bf16 on
+  // the H100 runs cuDNN's fused attention: the 33 of 64 half-blocks a causal mask keeps of
+  // 32 x 32 tiles of 128, forward and a backward of 2.5 x.
+  const double rank_layer = (2 * s * h * (heads + 2 * groups) * d + 2 * s * heads * d * h) / t +
                             2 * Tn * h * E + 2 * Tn * k * h * 3 * f;
-  const double rank_flops = M * 3 * (L * rank_layer + 2 * s * h * V / t);
+  const double core = 2 * 2 * s * s * heads * d / t * 33 / 64;
+  const double rank_flops = M * (3 * (L * rank_layer + 2 * s * h * V / t) + 3.5 * L * core);
   EXPECT_NEAR(doc.at("flops_per_rank").get<double>() / rank_flops, 1, 1e-12);
   // The all-to-alls: per layer, micro-batch and pass, two of the 3/4 of the rows that leave
   // the rank, over NVLink (450 GB/s at 80%, 5 us).
@@ -1115,12 +1124,17 @@ TEST(EstimateCommand, StepTimeUnderContextParallelism) {
 // GPT-3 175B (t 8, p 16, 192 micro-batches: stage 0 keeps 16 stashes of 6 layers, plus the
 // embedding dropout's one-byte mask each): sbh (10 + 24/t + 5as/(ht)) per layer without
 // sequence parallelism, sbh (34 + 5as/h) / t with it, 34 sbh / t with selective
-// recomputation, 2 sbh (/ t with sp) with full recomputation.
+// recomputation, 2 sbh (/ t with sp) with full recomputation. Korthikanti's attention keeps
+// the s x s probabilities: attention_backend "unfused" (tests/cli/attention_backend_test.cc
+// counts flash).
 TEST(EstimateCommand, ActivationsMatchKorthikantiClosedForms) {
   const double s = 2048, b = 1, h = 12288, a = 96, t = 8, sbh = s * b * h;
+  json gpt3 = json::parse(std::ifstream(Sample("gpt3_175b_t8_p16_n1024.json")));
+  gpt3["model"]["attention_backend"] = "unfused";
+  const std::string unfused = WriteTemp("mpusim_estimate_unfused.json", gpt3.dump());
   const auto stage0 = [&](std::vector<std::string> flags) {
-    std::vector<std::string> args = {"estimate", Sample("gpt3_175b_t8_p16_n1024.json"),
-                                     "--global-batch-size", "1536", "--format", "json"};
+    std::vector<std::string> args = {"estimate", unfused, "--global-batch-size", "1536",
+                                     "--format", "json"};
     args.insert(args.end(), flags.begin(), flags.end());
     const Result r = Mpusim(args);
     EXPECT_EQ(r.code, 0) << r.err;
@@ -1158,7 +1172,6 @@ TEST(EstimateCommand, ActivationsMatchKorthikantiClosedForms) {
   // log-sum-exp per query row and head.
   const double per_layer = sbh * (10 + 24 / t + 5 * a * s / (h * t));
   const double probabilities = sbh * 5 * a * s / (h * t);
-  const json gpt3 = json::parse(std::ifstream(Sample("gpt3_175b_t8_p16_n1024.json")));
   for (const auto& [type, layer] : std::vector<std::pair<std::string, double>>{
            {"all_gather", per_layer / 2 + 2 * sbh * 2 / t},
            {"a2a", per_layer / 2},
@@ -1282,10 +1295,12 @@ TEST(EstimateCommand, StepTimeNotesAndRefusals) {
   ExpectUsageError(Mpusim({"estimate", gpt3, "--gpu", typo}),
                    "error: command line: --gpu " + typo +
                        ".peak_tflops_16bt: unknown key (did you mean peak_tflops_16bit?); "
-                       "allowed: name, base, peak_tflops_16bit, peak_tflops_32bit, "
-                       "peak_tflops_64bit, hbm_gib, hbm_gbps, intra_node_gbps, inter_node_gbps, "
-                       "intra_node_latency_us, inter_node_latency_us, gemm_efficiency, "
-                       "memory_efficiency, collective_efficiency, compute_capability");
+                       "allowed: name, base, compute_capability, peak_tflops_16bit, "
+                       "peak_tflops_32bit, peak_tflops_64bit, hbm_gib, hbm_gbps, "
+                       "intra_node_gbps, inter_node_gbps, intra_node_latency_us, "
+                       "inter_node_latency_us, gemm_efficiency, memory_efficiency, "
+                       "collective_efficiency, attention_efficiency_forward, "
+                       "attention_efficiency_backward");
   // A GPU file that is not there, or not JSON: one line naming it (advise reads it alike).
   const std::string garbled = WriteTemp("mpusim_estimate_garbled_gpu.json", "not json");
   ExpectUsageError(Mpusim({"estimate", gpt3, "--gpu", garbled}),

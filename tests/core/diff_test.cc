@@ -1113,8 +1113,10 @@ TEST(ConfigDiff, EachKeyIsClassifiedByWhatItDoesToTheTensors) {
   b["parallel"]["tensor_model_parallel_size"] = 2;
   b["model"]["init_method_std"] = 0.01;
   b["model"]["cp_comm_type"] = "a2a";  // set on one side only: how cp is done
+  b["model"]["attention_backend"] = "flash";  // the same math on the executor
   b["optimizer"] = {{"lr", 0.1}};
-  EXPECT_EQ(Changes(a, b), (Changed{{"model.cp_comm_type", "layout"},
+  EXPECT_EQ(Changes(a, b), (Changed{{"model.attention_backend", "layout"},
+                                    {"model.cp_comm_type", "layout"},
                                     {"model.init_method_std", "options"},
                                     {"optimizer.lr", "training"},
                                     {"parallel.bf16", "dtype"},
