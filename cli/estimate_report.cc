@@ -134,11 +134,20 @@ void PrintTimeText(const Config& config, const Topology& topology, const TimeEst
   const bool ring = topology.sizes().cp > 1 && config.gpt &&
                     config.gpt->cp_comm_type == CpCommType::kP2p;
   out << fmt::format(
-      "  model: GEMMs at {:.0f}% of peak, memory-bound kernels at {:.0f}% of HBM bandwidth, "
+      "  model: GEMMs by their shapes at {:.1f}% of peak (ceiling {:.0f}%), the core "
+      "attention's at {:.0f}%, memory-bound kernels at {:.0f}% of HBM bandwidth, "
       "collectives at {:.0f}% of link bandwidth; no overlap of communication with compute{}\n",
-      100 * t.gpu.gemm_efficiency, 100 * t.gpu.memory_efficiency,
-      100 * t.gpu.collective_efficiency,
+      100 * t.gemm_efficiency_achieved, 100 * t.gpu.gemm_efficiency, 100 * t.gpu.gemm_efficiency,
+      100 * t.gpu.memory_efficiency, 100 * t.gpu.collective_efficiency,
       ring ? " but the cp ring's sends with its attention" : "");
+  if (config.gpt && config.gpt->fp8) {
+    out << fmt::format(
+        "  fp8 ({}, recipe {}): the linear layers' GEMMs at the fp8 peak (ceiling {:.0f}%) with "
+        "their cast-transposes; router, logits and core attention at the 16-bit peak; MFU "
+        "against the 16-bit peak\n",
+        Fp8FormatName(*config.gpt->fp8), Fp8RecipeName(config.gpt->fp8_recipe),
+        100 * t.gpu.gemm_efficiency_8bit);
+  }
 }
 
 // The palette of the bars' parts, in turn: as many as a bar has parts (the step time's eight
@@ -294,7 +303,12 @@ nlohmann::ordered_json EstimateJson(const EstimateReport& r, const Topology& top
     const TimeEstimate& t = *time;
     doc["gpu"] = {{"name", t.gpu.name},
                   {"peak_tflops_16bit", t.gpu.peak_flops_16bit / 1e12},
+                  {"peak_tflops_8bit", t.gpu.peak_flops_8bit / 1e12},
+                  {"sm_count", t.gpu.sm_count},
+                  {"compute_capability", t.gpu.compute_capability},
                   {"gemm_efficiency", t.gpu.gemm_efficiency},
+                  {"gemm_efficiency_8bit", t.gpu.gemm_efficiency_8bit},
+                  {"gemm_efficiency_achieved", t.gemm_efficiency_achieved},
                   {"memory_efficiency", t.gpu.memory_efficiency},
                   {"collective_efficiency", t.gpu.collective_efficiency}};
     doc["global_batch_size"] = t.global_batch_size;
@@ -539,10 +553,12 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
     }
     out << "</table>\n";
     out << fmt::format(
-        "<p class=\"note\">GEMMs at {:.0f}% of peak, memory-bound kernels at {:.0f}% of HBM "
+        "<p class=\"note\">GEMMs by their shapes at {:.1f}% of peak (ceiling {:.0f}%), "
+        "memory-bound kernels at {:.0f}% of HBM "
         "bandwidth, collectives at {:.0f}% of link bandwidth; no overlap of communication "
         "with compute.</p>\n",
-        100 * t.gpu.gemm_efficiency, 100 * t.gpu.memory_efficiency,
+        100 * t.gemm_efficiency_achieved, 100 * t.gpu.gemm_efficiency,
+        100 * t.gpu.memory_efficiency,
         100 * t.gpu.collective_efficiency);
   } else {
     out << "<p class=\"note\">step time: not estimated: " << HtmlEscape(r.time_missing)

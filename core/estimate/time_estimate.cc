@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cmath>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
@@ -24,46 +25,107 @@ constexpr double kGiga = 1e9;
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
 // Datasheet figures (dense, no sparsity) of the SXM parts; links per GPU and direction:
-// NVLink 3 (A100) 600 GB/s and NVLink 4 (H100, H200) 900 GB/s both ways, and one 200 Gb/s
-// (HDR, DGX A100) or 400 Gb/s (NDR, DGX H100/H200) network adapter per GPU.
+// NVLink 3 (A100) 600 GB/s, NVLink 4 (H100, H200) 900 GB/s, the H800's export NVLink 400
+// GB/s and NVLink 5 (B200) 1.8 TB/s, all both ways; one 200 Gb/s (HDR, DGX A100) or 400
+// Gb/s (NDR, DGX H100/H200/B200) network adapter per GPU. The GEMM ceilings are the MAMF
+// table's (ml-engineering compute/accelerator/README.md) over the dense peak: A100 271.2 /
+// 312, H100 794.5 / 989 (H200 "the same"; the H800 is H100 silicon), B200 1745 / 2250 bf16;
+// fp8 H100 1402.6 / 1979, H200 1453.4 / 1979, B200 3432.5 / 4500. README "The time model"
+// cites each figure.
 std::vector<GpuSpec> Presets() {
   GpuSpec a100{"a100-80gb", 312 * kTera, 19.5 * kTera, 19.5 * kTera, 80 * kGiB,
                2039 * kGiga, 300 * kGiga, 25 * kGiga, 5e-6, 10e-6};
+  a100.peak_flops_8bit = 0;  // no fp8 tensor cores
+  a100.sm_count = 108;
+  a100.compute_capability = 80;
+  a100.gemm_efficiency = 271.2 / 312;
+  a100.gemm_efficiency_8bit = 0;
   GpuSpec h100{"h100-80gb", 989.4 * kTera, 66.9 * kTera, 66.9 * kTera, 80 * kGiB,
                3350 * kGiga, 450 * kGiga, 50 * kGiga, 5e-6, 10e-6};
+  h100.peak_flops_8bit = 1978.9 * kTera;
+  h100.sm_count = 132;
+  h100.compute_capability = 90;
+  h100.gemm_efficiency = 794.5 / 989.4;
+  h100.gemm_efficiency_8bit = 1402.6 / 1978.9;
   GpuSpec h200 = h100;
   h200.name = "h200";
   h200.hbm_bytes = 141 * kGiga;
   h200.hbm_bandwidth = 4800 * kGiga;
-  return {a100, h100, h200};
+  h200.gemm_efficiency_8bit = 1453.4 / 1978.9;
+  GpuSpec h800 = h100;
+  h800.name = "h800";
+  h800.intra_node_bandwidth = 200 * kGiga;
+  GpuSpec b200{"b200", 2250 * kTera, 80 * kTera, 40 * kTera, 180 * kGiga,
+               8000 * kGiga, 900 * kGiga, 50 * kGiga, 5e-6, 10e-6};
+  b200.peak_flops_8bit = 4500 * kTera;
+  b200.sm_count = 148;
+  b200.compute_capability = 100;
+  b200.gemm_efficiency = 1745.0 / 2250;
+  b200.gemm_efficiency_8bit = 3432.5 / 4500;
+  return {a100, h100, h200, h800, b200};
 }
 
-// Per micro-batch costs of one piece of the model: FLOPs of its GEMMs, bytes its memory-bound
-// kernels move, and its tp collectives (count, bytes each).
+// One GEMM of a piece, `times` over (layers of a stage).
+struct Gemm {
+  GemmShape shape;
+  double times = 1;
+};
+
+// Per micro-batch costs of one piece of the model: its GEMMs, each by its shape; FLOPs of
+// the core attention's GEMMs (at the flat gemm_efficiency); bytes its memory-bound kernels
+// move (fp8's cast-transposes apart); and its tp collectives (count, bytes each).
 struct Cost {
-  double flops = 0;
+  std::vector<Gemm> gemms;
+  double flops = 0;  // the core attention's scores and context
   double bytes = 0;
+  double quantize_bytes = 0;  // fp8: the cast-transposes of the GEMMs' inputs
   int64_t collectives = 0;
   double collective_bytes = 0;  // each
   Cost& operator+=(const Cost& o) {
+    gemms.insert(gemms.end(), o.gemms.begin(), o.gemms.end());
     flops += o.flops;
     bytes += o.bytes;
+    quantize_bytes += o.quantize_bytes;
     collectives += o.collectives;
     collective_bytes = std::max(collective_bytes, o.collective_bytes);
     return *this;
   }
+  double TotalFlops() const {
+    double f = flops;
+    for (const Gemm& g : gemms) f += g.shape.Flops() * g.times;
+    return f;
+  }
+  // A linear layer's GEMM: y[m, n] = x[m, k] W[k, n]; with fp8 its input's cast-transpose
+  // (read 2 bytes, write the row- and column-wise 1-byte copies).
+  void Linear(double m, double n, double k, bool fp8, double count = 1, double times = 1) {
+    gemms.push_back({{m, n, k, count, fp8}, times});
+    if (fp8) quantize_bytes += 4 * m * k * count * times;
+  }
 };
 // `n` of the same piece (layers of a stage).
 Cost Times(Cost c, int64_t n) {
+  for (Gemm& g : c.gemms) g.times *= static_cast<double>(n);
   c.flops *= static_cast<double>(n);
   c.bytes *= static_cast<double>(n);
+  c.quantize_bytes *= static_cast<double>(n);
   c.collectives *= n;
   return c;
 }
-// A piece's backward: twice its forward's GEMM FLOPs (input and weight gradients) and bytes,
-// and one collective per forward collective (the all-reduce of a column-parallel input's
-// gradient answers the forward's row-parallel one).
+// A piece's backward: each GEMM C = A B gives two, dA = dC B^T [m, k] over n and dB = A^T dC
+// [k, n] over m (a linear layer's dgrad and wgrad), with fp8 after the cast-transpose of dC;
+// the core attention's FLOPs and the bytes twice the forward's; one collective per forward
+// collective (the all-reduce of a column-parallel input's gradient answers the forward's
+// row-parallel one).
 Cost Backward(Cost c) {
+  std::vector<Gemm> backward;
+  c.quantize_bytes = 0;
+  for (const Gemm& g : c.gemms) {
+    const GemmShape& s = g.shape;
+    backward.push_back({{s.m, s.k, s.n, s.count, s.fp8}, g.times});
+    backward.push_back({{s.k, s.n, s.m, s.count, s.fp8}, g.times});
+    if (s.fp8) c.quantize_bytes += 4 * s.m * s.n * s.count * g.times;
+  }
+  c.gemms = std::move(backward);
   c.flops *= 2;
   c.bytes *= 2;
   return c;
@@ -75,6 +137,7 @@ struct Sizes {
   double e;           // bytes per element of the storage dtype
   bool sp;            // sequence parallelism: norms and dropouts on s / t tokens
   double cp = 1;      // context parallelism: this rank has s / cp of each sequence's tokens
+  bool fp8 = false;   // model.fp8: the linear layers' GEMMs in fp8 (Transformer Engine)
   double tokens() const { return b * s / cp; }
   double region_tokens() const { return sp ? tokens() / t : tokens(); }
 };
@@ -97,7 +160,8 @@ Cost MlpForward(const Sizes& x, double fc1_rows, double ffn) {
   const double T = x.tokens();
   const double fc1 = fc1_rows / x.t, f = ffn / x.t;
   Cost c;
-  c.flops = 2 * T * x.h * fc1 + 2 * T * f * x.h;
+  c.Linear(T, fc1, x.h, x.fp8);  // fc1: [T, h] x [h, fc1 / t]
+  c.Linear(T, x.h, f, x.fp8);    // fc2: [T, f / t] x [f / t, h]
   c.bytes = T * (fc1 + f) * x.e;
   if (x.t > 1) {
     c.collectives = 1;
@@ -118,8 +182,8 @@ LayerCost LayerForward(const GptConfig& g, const Sizes& x) {
   // norm 1 and 2: read and write the layer's activation.
   r.bytes += 2 * (2 * Tn * h * e);
   // QKV and projection.
-  r.flops += 2 * T * h * (heads + 2 * groups) * d;
-  r.flops += 2 * T * heads * d * h;
+  r.Linear(T, (heads + 2 * groups) * d, h, x.fp8);
+  r.Linear(T, h, heads * d, x.fp8);
   if (g.position_embedding_type == PositionEmbedding::kRope) {
     r.bytes += 2 * T * (heads + groups) * static_cast<double>(g.RotaryDim()) * e;
   }
@@ -161,7 +225,7 @@ Cost OutputForward(const Sizes& x, double padded_vocab) {
   Cost c;
   const double T = x.tokens(), v = padded_vocab / x.t;
   c.bytes += 2 * x.region_tokens() * x.h * x.e;  // final norm
-  c.flops += 2 * T * x.h * v;                     // logits
+  c.Linear(T, v, x.h, false);  // logits: tensor_parallel.ColumnParallelLinear, never fp8
   c.bytes += T * v * (x.e + 4 + 4);               // cross entropy: read logits, float32 softmax
   if (x.t > 1 && x.sp) {                          // all-gather of the final norm's output
     c.collectives = 1;
@@ -307,9 +371,15 @@ MoeCost MoeForward(const GptConfig& g, const Sizes& x, const DerivedSizes& sz,
   const double rows = Tn * k * kept;
   MoeCost out;
   Cost& c = out.compute;
-  c.flops += 2 * Tn * h * E;                 // the router's logits
-  c.bytes += Tn * E * 4 * 3;                 // softmax and top-k over float32 scores
-  c.flops += 2 * rows * h * (f1 + f);        // fc1 and fc2 of every expert
+  c.Linear(Tn, E, h, false);  // the router's logits (a plain torch GEMM, never fp8)
+  c.bytes += Tn * E * 4 * 3;  // softmax and top-k over float32 scores
+  // fc1 and fc2 of each local expert on its rows (the etp ranks' rows gathered, 1/etp of
+  // the columns): one grouped launch with moe_grouped_gemm, else one GEMM per expert
+  // (SequentialMLP).
+  const double local = E / ep, per_expert = rows * etp / local;
+  const double grouped = moe.grouped_gemm ? local : 1, launches = moe.grouped_gemm ? 1 : local;
+  c.Linear(per_expert, f1 / etp, h, x.fp8, grouped, launches);
+  c.Linear(per_expert, h, f / etp, x.fp8, grouped, launches);
   c.bytes += rows * (f1 + f) * e;            // the activation function
   c.bytes += 2 * (Tn * h * e + rows * h * e);  // permute and unpermute: read one, write the other
   if (moe.shared_expert_intermediate_size) {
@@ -356,6 +426,61 @@ MoeCost MoeForward(const GptConfig& g, const Sizes& x, const DerivedSizes& sz,
 
 }  // namespace
 
+double GemmSeconds(const GpuSpec& gpu, const GemmShape& shape, double element_bytes, double peak) {
+  if (shape.m <= 0 || shape.n <= 0 || shape.k <= 0 || shape.count <= 0) return 0;
+  const double rate = shape.fp8 ? gpu.peak_flops_8bit * gpu.gemm_efficiency_8bit
+                                : peak * gpu.gemm_efficiency;
+  const auto sms = static_cast<double>(std::max<int64_t>(1, gpu.sm_count));
+  // Tile and wave quantization: a wave computes one tile per SM; the partial last wave takes
+  // as long as a full one. The tile with the least padded work is cuBLAS's pick.
+  double padded = 0;
+  for (const GemmTile& tile : kGemmTiles) {
+    const auto tm = static_cast<double>(tile.rows), tn = static_cast<double>(tile.cols);
+    const double tiles = shape.count * std::ceil(shape.m / tm) * std::ceil(shape.n / tn);
+    const double work = std::ceil(tiles / sms) * sms * tm * tn;
+    if (padded == 0 || work < padded) padded = work;
+  }
+  const double compute = 2 * padded * shape.k / rate;
+  // The roofline: A and B read once, C written once, at the streaming kernels' HBM rate.
+  const double in_bytes = shape.fp8 ? 1 : element_bytes, out_bytes = shape.fp8 ? 2 : element_bytes;
+  const double bytes =
+      shape.count * (in_bytes * (shape.m * shape.k + shape.k * shape.n) + out_bytes * shape.m * shape.n);
+  const double memory = bytes / (gpu.hbm_bandwidth * gpu.memory_efficiency);
+  return std::max(compute, memory);
+}
+
+double GemmEfficiency(const GpuSpec& gpu, const GemmShape& shape, double element_bytes,
+                      double peak) {
+  const double seconds = GemmSeconds(gpu, shape, element_bytes, peak);
+  if (seconds <= 0) return 0;
+  return shape.Flops() / seconds / (shape.fp8 ? gpu.peak_flops_8bit : peak);
+}
+
+Status CheckFp8OnGpu(const GptConfig& gpt, const GpuSpec& gpu) {
+  if (!gpt.fp8) return {};
+  const char* recipe = Fp8RecipeName(gpt.fp8_recipe);
+  if (gpu.peak_flops_8bit <= 0 || gpu.compute_capability < 89) {
+    return Status::Error("model.fp8",
+                         fmt::format("\"{}\" needs fp8 tensor cores (compute capability 89 or "
+                                     "above and a peak_tflops_8bit); {} has compute capability {}",
+                                     Fp8FormatName(*gpt.fp8), gpu.name, gpu.compute_capability));
+  }
+  int needs = 89;
+  if (gpt.fp8_recipe == Fp8Recipe::kBlockwise) needs = 90;
+  if (gpt.fp8_recipe == Fp8Recipe::kMxfp8) needs = 100;
+  if (gpu.compute_capability < needs ||
+      (gpt.fp8_recipe == Fp8Recipe::kMxfp8 && gpu.compute_capability >= 120)) {
+    return Status::Error(
+        "model.fp8_recipe",
+        fmt::format("\"{}\" runs on compute capability {}{} (Transformer Engine's "
+                    "check_recipe_support); {} has {}; \"delayed\" or \"tensorwise\" run from 89, "
+                    "\"blockwise\" from 90",
+                    recipe, needs, gpt.fp8_recipe == Fp8Recipe::kMxfp8 ? " to 119 (Blackwell)" : " or above",
+                    gpu.name, gpu.compute_capability));
+  }
+  return {};
+}
+
 const std::vector<std::string>& GpuPresetNames() {
   static const std::vector<std::string> names = [] {
     std::vector<std::string> out;
@@ -398,6 +523,7 @@ StatusOr<GpuSpec> ParseGpuSpec(const nlohmann::json& doc, std::string_view where
       {"peak_tflops_16bit", &spec.peak_flops_16bit, kTera, false},
       {"peak_tflops_32bit", &spec.peak_flops_32bit, kTera, false},
       {"peak_tflops_64bit", &spec.peak_flops_64bit, kTera, false},
+      {"peak_tflops_8bit", &spec.peak_flops_8bit, kTera, false},
       {"hbm_gib", &spec.hbm_bytes, kGiB, false},
       {"hbm_gbps", &spec.hbm_bandwidth, kGiga, false},
       {"intra_node_gbps", &spec.intra_node_bandwidth, kGiga, false},
@@ -405,11 +531,14 @@ StatusOr<GpuSpec> ParseGpuSpec(const nlohmann::json& doc, std::string_view where
       {"intra_node_latency_us", &spec.intra_node_latency_s, 1e-6, false},
       {"inter_node_latency_us", &spec.inter_node_latency_s, 1e-6, false},
       {"gemm_efficiency", &spec.gemm_efficiency, 1, true},
+      {"gemm_efficiency_8bit", &spec.gemm_efficiency_8bit, 1, true},
       {"memory_efficiency", &spec.memory_efficiency, 1, true},
       {"collective_efficiency", &spec.collective_efficiency, 1, true},
   };
   std::vector<std::string_view> keys = {"name", "base"};
   for (const Field& f : fields) keys.push_back(f.key);
+  keys.push_back("sm_count");
+  keys.push_back("compute_capability");
   for (auto item = doc.begin(); item != doc.end(); ++item) {
     const std::string& key = item.key();
     const nlohmann::json& value = item.value();
@@ -421,6 +550,23 @@ StatusOr<GpuSpec> ParseGpuSpec(const nlohmann::json& doc, std::string_view where
         return Status::Error(field_at, "must be a string of 1 to 64 characters");
       }
       spec.name = value.get<std::string>();
+      continue;
+    }
+    // Whole numbers: the SMs the GEMM curve's waves fill, and major x 10 + minor.
+    if (key == "sm_count" || key == "compute_capability") {
+      const bool sms = key == "sm_count";
+      const int64_t low = sms ? 1 : 10, high = sms ? 100000 : 999;
+      if (!value.is_number_integer() || value.get<int64_t>() < low || value.get<int64_t>() > high) {
+        return Status::Error(field_at,
+                             fmt::format("must be a whole number from {} to {}{}, got {}", low, high,
+                                         sms ? "" : " (major x 10 + minor: 80 A100, 90 H100, 100 B200)",
+                                         DescribeJson(value)));
+      }
+      if (sms) {
+        spec.sm_count = value.get<int64_t>();
+      } else {
+        spec.compute_capability = static_cast<int>(value.get<int64_t>());
+      }
       continue;
     }
     const auto f = std::find_if(fields.begin(), fields.end(),
@@ -501,12 +647,21 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
                          "context parallelism) yet; p2p, all_gather and a2a it does");
   }
   const DType dtype = run.dtype;
-  const double peak = PeakFlops(gpu, dtype) * gpu.gemm_efficiency;
+  if (g.fp8) {
+    if (dtype != DType::kBFloat16 && dtype != DType::kFloat16) {
+      return Status::Error("model.fp8", fmt::format("needs bf16 or fp16 (Transformer Engine's fp8 "
+                                                    "runs inside mixed precision); the run is {}",
+                                                    DTypeName(dtype)));
+    }
+    MPUSIM_RETURN_IF_ERROR(CheckFp8OnGpu(g, gpu));
+  }
+  const double dense_peak = PeakFlops(gpu, dtype);
+  const double peak = dense_peak * gpu.gemm_efficiency;
   const double hbm = gpu.hbm_bandwidth * gpu.memory_efficiency;
   const Sizes x{static_cast<double>(run.micro_batch_size), static_cast<double>(run.seq_length),
                 static_cast<double>(g.hidden_size), static_cast<double>(sz.tp),
                 static_cast<double>(DTypeSize(dtype)), topology.config().sequence_parallel,
-                static_cast<double>(sz.cp)};
+                static_cast<double>(sz.cp), g.fp8.has_value()};
   const Link tp_link = LinkOf(topology, "tp", gpu, true);
   const Link pp_link = LinkOf(topology, "pp", gpu, false);
   const Link dp_link = LinkOf(topology, "dp_cp", gpu, true);
@@ -516,7 +671,10 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     const double comm = static_cast<double>(c.collectives) *
                         RingSeconds(c.collective_bytes, sz.tp, 2, tp_link.bandwidth,
                                     tp_link.latency);
-    return std::pair<double, double>{c.flops / peak + c.bytes / hbm, comm};
+    double gemm = 0;
+    for (const Gemm& m : c.gemms) gemm += m.times * GemmSeconds(gpu, m.shape, x.e, dense_peak);
+    return std::pair<double, double>{gemm + c.flops / peak + (c.bytes + c.quantize_bytes) / hbm,
+                                     comm};
   };
 
   // Each virtual stage's forward and backward (recomputation included) per micro-batch.
@@ -548,6 +706,7 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   StageCosts costs;
   std::vector<double> compute_of(static_cast<size_t>(stages)), comm_of(compute_of);
   std::vector<double> flops_of(compute_of), cp_of(compute_of), ep_of(compute_of);
+  std::vector<double> gemm_flops_of(compute_of), gemm_peak_s_of(compute_of);
   std::vector<Cost> forward_of(static_cast<size_t>(stages)), recompute_of(forward_of);
   std::vector<int64_t> moe_layers_of(static_cast<size_t>(stages));
   for (int64_t u = 0; u < stages; ++u) {
@@ -577,7 +736,14 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     comm_of[at] = fm + bm;
     cp_of[at] = n * (cp_forward + cp_backward);
     ep_of[at] = n_ep * (ep_forward + ep_backward);
-    flops_of[at] = forward.flops + backward.flops;
+    flops_of[at] = forward.TotalFlops() + backward.TotalFlops();
+    for (const Cost* c : {&forward, &backward}) {
+      for (const Gemm& m : c->gemms) {
+        gemm_flops_of[at] += m.times * m.shape.Flops();
+        gemm_peak_s_of[at] += m.times * GemmSeconds(gpu, m.shape, x.e, dense_peak) *
+                              (m.shape.fp8 ? gpu.peak_flops_8bit : dense_peak);
+      }
+    }
     forward_of[at] = forward;
     recompute_of[at] = recompute;
     moe_layers_of[at] = n_moe;
@@ -616,12 +782,14 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
                          return a.forward_s + a.backward_s < b.forward_s + b.backward_s;
                        }) -
       out.stages.begin());
-  double compute = 0, tp = 0, cp_s = 0, ep_s = 0;
+  double compute = 0, tp = 0, cp_s = 0, ep_s = 0, gemm_flops = 0, gemm_peak_s = 0;
   int64_t tp_count = 0, moe_layers = 0;
   double tp_bytes = 0;
   for (int64_t c = 0; c < v; ++c) {
     const auto u = static_cast<size_t>(c * p) + busiest;
     compute += compute_of[u];
+    gemm_flops += gemm_flops_of[u];
+    gemm_peak_s += gemm_peak_s_of[u];
     tp += comm_of[u];
     cp_s += cp_of[u];
     ep_s += ep_of[u];
@@ -642,6 +810,7 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     sends += (u + 1 < stages ? 1 : 0) + (u > 0 ? 1 : 0);
   }
   out.compute_s = m * compute;
+  out.gemm_efficiency_achieved = gemm_peak_s > 0 ? gemm_flops / gemm_peak_s : 0;
   out.tp_comm_s = m * tp;
   out.cp_comm_s = m * cp_s;
   out.ep_comm_s = m * ep_s;
@@ -732,6 +901,10 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
                        elements * compute_bytes) /
                       hbm;
   }
+  // fp8: each weight's cast-transpose once per iteration (Transformer Engine caches the fp8
+  // weights over the micro-batches after the first: Megatron's is_first_microbatch), an
+  // upper bound that counts every held element as a linear weight.
+  if (g.fp8) out.optimizer_s += elements * 4 / hbm;
   out.step_time_s = timing.makespan + out.dp_comm_s + out.optimizer_s;
   out.model_flops = ModelFlopsPerIteration(g, g.PaddedVocabSize(sz.tp), run.seq_length,
                                            out.global_batch_size);
