@@ -456,8 +456,13 @@ double GemmEfficiency(const GpuSpec& gpu, const GemmShape& shape, double element
   return shape.Flops() / seconds / (shape.fp8 ? gpu.peak_flops_8bit : peak);
 }
 
-Status CheckFp8OnGpu(const GptConfig& gpt, const GpuSpec& gpu) {
+Status CheckFp8OnGpu(const GptConfig& gpt, DType dtype, const GpuSpec& gpu) {
   if (!gpt.fp8) return {};
+  if (dtype != DType::kBFloat16 && dtype != DType::kFloat16) {
+    return Status::Error("model.fp8", fmt::format("needs bf16 or fp16 (Transformer Engine's fp8 "
+                                                  "runs inside mixed precision); the run is {}",
+                                                  DTypeName(dtype)));
+  }
   const char* recipe = Fp8RecipeName(gpt.fp8_recipe);
   if (gpu.peak_flops_8bit <= 0 || gpu.compute_capability < 89) {
     return Status::Error("model.fp8",
@@ -647,14 +652,7 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
                          "context parallelism) yet; p2p, all_gather and a2a it does");
   }
   const DType dtype = run.dtype;
-  if (g.fp8) {
-    if (dtype != DType::kBFloat16 && dtype != DType::kFloat16) {
-      return Status::Error("model.fp8", fmt::format("needs bf16 or fp16 (Transformer Engine's fp8 "
-                                                    "runs inside mixed precision); the run is {}",
-                                                    DTypeName(dtype)));
-    }
-    MPUSIM_RETURN_IF_ERROR(CheckFp8OnGpu(g, gpu));
-  }
+  MPUSIM_RETURN_IF_ERROR(CheckFp8OnGpu(g, dtype, gpu));
   const double dense_peak = PeakFlops(gpu, dtype);
   const double peak = dense_peak * gpu.gemm_efficiency;
   const double hbm = gpu.hbm_bandwidth * gpu.memory_efficiency;

@@ -165,11 +165,11 @@ StatusOr<GpuSpec> ParseGpuSpec(const nlohmann::json& doc, std::string_view where
 // --gpu's argument: a preset's name, or a GPU description file ending in .json (read with
 // ReadJsonFile, parsed with ParseGpuSpec). Errors name "--gpu".
 StatusOr<GpuSpec> ResolveGpuSpec(const std::string& name_or_file);
-// model.fp8 and model.fp8_recipe against the GPU, as Transformer Engine checks them
-// (transformer_engine/pytorch/quantization.py): delayed and tensorwise need compute
-// capability 89 or above, blockwise 90, mxfp8 100 (Blackwell; not 120); and a GPU with an
-// fp8 peak. Errors name the field.
-Status CheckFp8OnGpu(const GptConfig& gpt, const GpuSpec& gpu);
+// model.fp8 and model.fp8_recipe against the run's dtype and the GPU, as Transformer Engine
+// checks them (transformer_engine/pytorch/quantization.py): a bf16 or fp16 run; delayed and
+// tensorwise need compute capability 89 or above, blockwise 90, mxfp8 100 (Blackwell; not
+// 120); and a GPU with an fp8 peak. Errors name the field.
+Status CheckFp8OnGpu(const GptConfig& gpt, DType dtype, const GpuSpec& gpu);
 
 // A pipeline stage's costs per micro-batch: all of its model chunks together.
 struct StageTime {

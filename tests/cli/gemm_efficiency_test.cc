@@ -2,10 +2,13 @@
 // its shape, the presets' figures, fp8, and the refusals. Expected values are computed here
 // from the documented formula (tile and wave quantization with the 256 x 128 tile over the
 // SMs, the HBM roofline, the MAMF ceiling), not copied from the program's output.
+#include <sys/wait.h>
+
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -254,6 +257,49 @@ TEST(GemmCurve, Fp8RunsTheLinearGemmsFasterAndIsRefusedWhereTeRefusesIt) {
                    "error: command line: --gpu " + gpu +
                        ".compute_capability: must be a whole number from 10 to 999 (major x 10 + "
                        "minor: 80 A100, 90 H100, 100 B200), got number 9.5");
+}
+
+// fp8 keeps the inputs Transformer Engine's linears save in one byte: per layer the QKV and
+// fc1 inputs (T h each), the projection's (T q) and fc2's (T f), at tp 1 without recomputation
+// 7 T h bytes fewer than bf16's two (h = q, f = 4h); blockwise adds its float32 scale per 128.
+TEST(GemmCurve, Fp8KeepsTheLinearsSavedInputsInOneByte) {
+  const auto activations = [](const std::string& extra, const std::string& name) {
+    const std::string path = WriteTemp(name, SmallModel(1, extra).dump());
+    const Result r = Mpusim({"estimate", path, "--format", "json"});
+    EXPECT_EQ(r.code, 0) << r.err;
+    return json::parse(r.out).at("stages")[0].at("memory").at("activations").get<double>();
+  };
+  const double T = 2048, h = 2048, layers = 4;
+  const double bf16 = activations("", "mpusim_gemm_act_bf16.json");
+  const double fp8 = activations(R"(, "fp8": "hybrid")", "mpusim_gemm_act_fp8.json");
+  const double block =
+      activations(R"(, "fp8": "e4m3", "fp8_recipe": "blockwise")", "mpusim_gemm_act_block.json");
+  ASSERT_GT(bf16, 0);
+  EXPECT_EQ(bf16 - fp8, layers * 7 * T * h);
+  EXPECT_EQ(block - fp8, layers * 7 * T * h * 4 / 128);
+}
+
+TEST(GemmCurve, AdviseAndRunRefuseFp8WhereItCannotRun) {
+  json config = SmallModel(1, R"(, "fp8": "e4m3")");
+  const std::string path = WriteTemp("mpusim_gemm_fp8_run.json", config.dump());
+  ExpectUsageError(Mpusim({"advise", path, "--global-batch-size", "8", "--gpu", "a100-80gb"}),
+                   "error: " + path +
+                       ": model.fp8: \"e4m3\" needs fp8 tensor cores (compute capability 89 or "
+                       "above and a peak_tflops_8bit); a100-80gb has compute capability 80");
+  // The executor computes in run.dtype: run refuses fp8 before any work, one line, exit 2.
+  const std::string log =
+      (std::filesystem::temp_directory_path() / "mpusim_gemm_fp8_run.log").string();
+  const std::string command = std::string("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ") +
+                              MPUSIM_MPIEXEC + " -n 1 --oversubscribe " + MPUSIM_BINARY + " run " +
+                              path + " > " + log + " 2>&1";
+  const int raw = std::system(command.c_str());
+  EXPECT_EQ(WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, 2);
+  std::ifstream in(log);
+  const std::string output((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_NE(output.find("error: " + path + ": model.fp8: \"e4m3\" is for mpusim estimate and "
+                        "advise only; mpusim run computes in run.dtype (set fp8 to null)"),
+            std::string::npos)
+      << output;
 }
 
 }  // namespace
