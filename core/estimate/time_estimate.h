@@ -27,7 +27,9 @@
 //               below 1 keeps that share, padding to the capacity computes it): the router's
 //               logits and top-k, the experts' fc1 and fc2 on the rank's T k rows of whole
 //               experts' work (etp splits an expert's columns over the rows gathered from its
-//               etp ranks), the permutation's copies, the shared expert as a dense MLP; the
+//               etp ranks) as E / ep GEMMs of (rows x etp) / (E / ep) rows each, one
+//               grouped launch with moe_grouped_gemm, else one launch per expert
+//               (SequentialMLP), the permutation's copies, the shared expert as a dense MLP; the
 //               dispatcher's exchanges per layer and pass, not overlapped: "alltoall" two
 //               all-to-alls over ep (each rank's rows that go to other ep ranks) and with
 //               etp > 1 an all-gather and a reduce-scatter over expt_tp, "allgather" an

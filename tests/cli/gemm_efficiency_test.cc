@@ -11,6 +11,7 @@
 #include <iterator>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -277,6 +278,43 @@ TEST(GemmCurve, Fp8KeepsTheLinearsSavedInputsInOneByte) {
   ASSERT_GT(bf16, 0);
   EXPECT_EQ(bf16 - fp8, layers * 7 * T * h);
   EXPECT_EQ(block - fp8, layers * 7 * T * h * 4 / 128);
+}
+
+// Experts' GEMMs on rows per expert = the rank's kept rows / local experts: 4096 tokens top 2
+// on ep 2 of 8 experts give 4 local experts of 2048 rows; moe_grouped_gemm launches them as
+// one grouped GEMM (waves over all experts' tiles), SequentialMLP one GEMM per expert. The
+// step's compute differs by exactly the two pricings of those shapes, summed here by hand.
+TEST(GemmCurve, ExpertGemmsPricedPerExpertGroupedOrNot) {
+  const auto compute = [](bool grouped) {
+    const json config = {
+        {"parallel",
+         {{"world_size", 8}, {"expert_model_parallel_size", 2}, {"bf16", true}}},
+        {"model",
+         {{"type", "gpt"}, {"num_layers", 2}, {"hidden_size", 4096}, {"num_attention_heads", 32},
+          {"num_query_groups", 8}, {"ffn_hidden_size", 14336}, {"activation", "swiglu"},
+          {"vocab_size", 32768}, {"position_embedding_type", "rope"}, {"add_bias_linear", false},
+          {"num_moe_experts", 8}, {"moe_router_topk", 2},
+          {"moe_token_dispatcher_type", "alltoall"}, {"moe_grouped_gemm", grouped}}},
+        {"run", {{"seq_length", 4096}, {"micro_batch_size", 1}, {"num_microbatches", 1}}}};
+    const std::string path =
+        WriteTemp(std::string("mpusim_gemm_moe_") + (grouped ? "g" : "s") + ".json", config.dump());
+    const Result r = Mpusim({"estimate", path, "--format", "json"});
+    EXPECT_EQ(r.code, 0) << r.err;
+    return json::parse(r.out).at("time").at("compute_s").get<double>();
+  };
+  const GpuSpec g = Preset("h100-80gb");
+  const double rows = 4096.0 * 2 / 4, h = 4096, f = 14336, layers = 2;
+  double expected = 0;
+  for (const auto& [m, n, k] : std::vector<std::tuple<double, double, double>>{
+           {rows, 2 * f, h}, {rows, h, f}}) {
+    // forward, dgrad [m, k] over n, wgrad [k, n] over m
+    for (const auto& [a, b, c] : std::vector<std::tuple<double, double, double>>{
+             {m, n, k}, {m, k, n}, {k, n, m}}) {
+      expected += layers * (4 * HandSeconds(g, a, b, c) - HandSeconds(g, a, b, c, 4));
+    }
+  }
+  ASSERT_GT(expected, 0);
+  EXPECT_NEAR((compute(false) - compute(true)) / expected, 1, 1e-9);
 }
 
 TEST(GemmCurve, AdviseAndRunRefuseFp8WhereItCannotRun) {
