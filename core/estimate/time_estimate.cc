@@ -665,12 +665,18 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   const Link dp_link = LinkOf(topology, "dp_cp", gpu, true);
   // The ring's sends go to one neighbour; the collectives share the node's adapters.
   const Link cp_link = LinkOf(topology, "cp", gpu, g.cp_comm_type != CpCommType::kP2p);
-  const auto seconds = [&](const Cost& c) {
+  // `peak_s`: adds each shaped GEMM's seconds x its own peak (the achieved fraction's
+  // denominator), when given.
+  const auto seconds = [&](const Cost& c, double* peak_s = nullptr) {
     const double comm = static_cast<double>(c.collectives) *
                         RingSeconds(c.collective_bytes, sz.tp, 2, tp_link.bandwidth,
                                     tp_link.latency);
     double gemm = 0;
-    for (const Gemm& m : c.gemms) gemm += m.times * GemmSeconds(gpu, m.shape, x.e, dense_peak);
+    for (const Gemm& m : c.gemms) {
+      const double one = m.times * GemmSeconds(gpu, m.shape, x.e, dense_peak);
+      gemm += one;
+      if (peak_s) *peak_s += one * (m.shape.fp8 ? gpu.peak_flops_8bit : dense_peak);
+    }
     return std::pair<double, double>{gemm + c.flops / peak + (c.bytes + c.quantize_bytes) / hbm,
                                      comm};
   };
@@ -724,23 +730,19 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     if (u == stages - 1) forward += OutputForward(x, vocab);
     Cost backward = Backward(forward);
     backward += recompute;
-    const auto [fc, fm] = seconds(forward);
-    const auto [bc, bm] = seconds(backward);
+    const auto at = static_cast<size_t>(u);
+    const auto [fc, fm] = seconds(forward, &gemm_peak_s_of[at]);
+    const auto [bc, bm] = seconds(backward, &gemm_peak_s_of[at]);
     const auto n = static_cast<double>(layers), n_ep = static_cast<double>(n_moe);
     costs.forward.push_back(fc + fm + n * cp_forward + n_ep * ep_forward);
     costs.backward.push_back(bc + bm + n * cp_backward + n_ep * ep_backward);
-    const auto at = static_cast<size_t>(u);
     compute_of[at] = fc + bc;
     comm_of[at] = fm + bm;
     cp_of[at] = n * (cp_forward + cp_backward);
     ep_of[at] = n_ep * (ep_forward + ep_backward);
     flops_of[at] = forward.TotalFlops() + backward.TotalFlops();
     for (const Cost* c : {&forward, &backward}) {
-      for (const Gemm& m : c->gemms) {
-        gemm_flops_of[at] += m.times * m.shape.Flops();
-        gemm_peak_s_of[at] += m.times * GemmSeconds(gpu, m.shape, x.e, dense_peak) *
-                              (m.shape.fp8 ? gpu.peak_flops_8bit : dense_peak);
-      }
+      for (const Gemm& m : c->gemms) gemm_flops_of[at] += m.times * m.shape.Flops();
     }
     forward_of[at] = forward;
     recompute_of[at] = recompute;
