@@ -80,8 +80,9 @@
 // (Megatron's output_layer is tensor_parallel.ColumnParallelLinear, not TE) and the core
 // attention stay at the 16-bit peak. Each linear's input, and in the backward its output
 // gradient, passes one cast-transpose kernel (read 2 bytes, write 1-byte row- and column-wise
-// copies: 4 bytes an element); each weight one per micro-batch. MFU stays quoted against the
-// 16-bit dense peak (Megatron's and NeMo's convention), whatever fp8 does.
+// copies: 4 bytes an element); each weight one per iteration (TE caches fp8 weights after
+// the first micro-batch). MFU stays quoted against the 16-bit dense peak whatever fp8 does,
+// so a model's fp8 and bf16 runs compare on one scale (Megatron logs model TFLOP/s per GPU).
 //
 // What it does not model (EstimateStepTime refuses, naming the field): "a2a+p2p"
 // hierarchical context parallelism; a lab chain model. What it leaves out: kernel launch
