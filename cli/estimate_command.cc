@@ -48,9 +48,8 @@ class EstimateCommand : public Command {
         "rank, exactly as `mpusim run` allocates them. With a run section or\n"
         "--global-batch-size, also the step time on --gpu (a100-80gb, h100-80gb, h200, h800,\n"
         "b200, or a JSON file of GPU fields), model TFLOP/s per GPU and MFU, and the\n"
-        "activations and\n"
-        "buffers at the schedule's peak as Korthikanti et al. 2022 count a GPU run's, and\n"
-        "the activations `mpusim run --no-check` keeps on the CPU executor.");
+        "activations and buffers at the schedule's peak as Korthikanti et al. 2022 count a\n"
+        "GPU run's, and the activations `mpusim run --no-check` keeps on the CPU executor.");
     config_.Register(app_);
     app_->add_option("--format", format_,
                      "text, json or html (a self-contained page; default text)")
