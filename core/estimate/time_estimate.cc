@@ -470,6 +470,11 @@ Status CheckFp8OnGpu(const GptConfig& gpt, DType dtype, const GpuSpec& gpu) {
                                      "above and a peak_tflops_8bit); {} has compute capability {}",
                                      Fp8FormatName(*gpt.fp8), gpu.name, gpu.compute_capability));
   }
+  if (gpu.gemm_efficiency_8bit <= 0) {
+    return Status::Error("model.fp8", fmt::format("{} has no fp8 GEMM ceiling: its GPU file needs "
+                                                  "gemm_efficiency_8bit (the fp8 MAMF / peak)",
+                                                  gpu.name));
+  }
   int needs = 89;
   if (gpt.fp8_recipe == Fp8Recipe::kBlockwise) needs = 90;
   if (gpt.fp8_recipe == Fp8Recipe::kMxfp8) needs = 100;

@@ -253,6 +253,13 @@ TEST(GemmCurve, Fp8RunsTheLinearGemmsFasterAndIsRefusedWhereTeRefusesIt) {
   ExpectNotTimed(Mpusim({"estimate", f32}),
                    "model.fp8: needs bf16 or fp16 (Transformer Engine's fp8 runs inside "
                        "mixed precision); the run is float32");
+  // An A100 file given an fp8 peak and compute capability but no fp8 ceiling.
+  const std::string ada = WriteTemp(
+      "mpusim_gemm_ada.json",
+      R"({"name": "ada", "base": "a100-80gb", "peak_tflops_8bit": 600, "compute_capability": 89})");
+  ExpectNotTimed(Mpusim({"estimate", fp8, "--gpu", ada}),
+                 "model.fp8: ada has no fp8 GEMM ceiling: its GPU file needs gemm_efficiency_8bit "
+                 "(the fp8 MAMF / peak)");
   const std::string gpu = WriteTemp("mpusim_gemm_cc.json", R"({"compute_capability": 9.5})");
   ExpectUsageError(Mpusim({"estimate", bf16, "--gpu", gpu}),
                    "error: command line: --gpu " + gpu +
