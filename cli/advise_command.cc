@@ -184,7 +184,7 @@ class AdviseCommand : public Command {
                      "samples per iteration (default the run section's global_batch_size)");
     app_->add_option("--seq-length", seq_length_,
                      "tokens per sample (default the run's, else max_position_embeddings)");
-    app_->add_option("--gpu", gpu_, "a100-80gb, h100-80gb (default), h200 or a JSON file");
+    app_->add_option("--gpu", gpu_, "a100-80gb, h100-80gb (default), h200, h800, b200 or a JSON file");
     app_->add_option("--micro-batch-sizes", micro_batches_, "candidates (default 1,2,4,8)");
     app_->add_option("--recompute", recompute_,
                      "candidates among none,selective,full (default all three)");

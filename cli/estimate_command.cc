@@ -48,17 +48,17 @@ class EstimateCommand : public Command {
         "      --recompute full --gpu a100-80gb\n"
         "Counts parameters (storage dtype), main_grad and optimizer state (compute dtype) per\n"
         "rank, exactly as `mpusim run` allocates them. With a run section or\n"
-        "--global-batch-size, also the step time on --gpu (a100-80gb, h100-80gb, h200, or a\n"
-        "JSON file of GPU fields), model TFLOP/s per GPU and MFU, and the activations and\n"
-        "buffers at the schedule's peak as Korthikanti et al. 2022 count a GPU run's (with\n"
-        "model.attention_backend, \"auto\" resolved for the dtype and the GPU), and the\n"
-        "activations `mpusim run --no-check` keeps on the CPU executor.");
+        "--global-batch-size, also the step time on --gpu (a100-80gb, h100-80gb, h200, h800,\n"
+        "b200, or a JSON file of GPU fields), model TFLOP/s per GPU and MFU, and the\n"
+        "activations and buffers at the schedule's peak as Korthikanti et al. 2022 count a\n"
+        "GPU run's (with model.attention_backend, \"auto\" resolved for the dtype and the GPU),\n"
+        "and the activations `mpusim run --no-check` keeps on the CPU executor.");
     config_.Register(app_);
     app_->add_option("--format", format_,
                      "text, json or html (a self-contained page; default text)")
         ->check(CLI::IsMember({"text", "json", "html"}));
     app_->add_option("--gpu", gpu_,
-                     "a100-80gb, h100-80gb (default), h200, or a JSON file of GPU fields");
+                     "a100-80gb, h100-80gb (default), h200, h800, b200, or a JSON file of GPU fields");
     app_->add_option("--global-batch-size", global_batch_,
                      "samples per iteration (sets the run section; needs no run section then)");
     app_->add_option("--micro-batch-size", micro_batch_, "samples per micro-batch (default 1)");

@@ -219,11 +219,20 @@ void PrintTimeText(const Config& config, const Topology& topology, const TimeEst
   const bool ring = topology.sizes().cp > 1 && config.gpt &&
                     config.gpt->cp_comm_type == CpCommType::kP2p;
   out << fmt::format(
-      "  model: GEMMs at {:.0f}% of peak, memory-bound kernels at {:.0f}% of HBM bandwidth, "
-      "collectives at {:.0f}% of link bandwidth; {}\n",
-      100 * t.gpu.gemm_efficiency, 100 * t.gpu.memory_efficiency,
-      100 * t.gpu.collective_efficiency, OverlapText(config, t, ring));
+      "  model: GEMMs by their shapes at {:.1f}% of peak (ceiling {:.0f}%), memory-bound "
+      "kernels at {:.0f}% of HBM bandwidth, collectives at {:.0f}% of link bandwidth; {}\n",
+      100 * t.gemm_efficiency_achieved, 100 * t.gpu.gemm_efficiency,
+      100 * t.gpu.memory_efficiency, 100 * t.gpu.collective_efficiency,
+      OverlapText(config, t, ring));
   out << "  attention: " << AttentionTimeText(t) << '\n';
+  if (config.gpt && config.gpt->fp8) {
+    out << fmt::format(
+        "  fp8 ({}, recipe {}): the linear layers' GEMMs at the fp8 peak (ceiling {:.0f}%) with "
+        "their cast-transposes; router, logits and core attention at the 16-bit peak; MFU "
+        "against the 16-bit peak\n",
+        Fp8FormatName(*config.gpt->fp8), Fp8RecipeName(config.gpt->fp8_recipe),
+        100 * t.gpu.gemm_efficiency_8bit);
+  }
 }
 
 // How the step time counts the core attention.
@@ -438,10 +447,14 @@ nlohmann::ordered_json EstimateJson(const EstimateReport& r, const Topology& top
     const TimeEstimate& t = *time;
     doc["gpu"] = {{"name", t.gpu.name},
                   {"peak_tflops_16bit", t.gpu.peak_flops_16bit / 1e12},
+                  {"peak_tflops_8bit", t.gpu.peak_flops_8bit / 1e12},
+                  {"sm_count", t.gpu.sm_count},
+                  {"compute_capability", t.gpu.compute_capability},
                   {"gemm_efficiency", t.gpu.gemm_efficiency},
+                  {"gemm_efficiency_8bit", t.gpu.gemm_efficiency_8bit},
+                  {"gemm_efficiency_achieved", t.gemm_efficiency_achieved},
                   {"memory_efficiency", t.gpu.memory_efficiency},
                   {"collective_efficiency", t.gpu.collective_efficiency},
-                  {"compute_capability", t.gpu.compute_capability},
                   {"attention_efficiency_forward", t.gpu.attention_efficiency_forward},
                   {"attention_efficiency_backward", t.gpu.attention_efficiency_backward}};
     doc["global_batch_size"] = t.global_batch_size;
@@ -736,10 +749,11 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
     }
     out << "</table>\n";
     out << fmt::format(
-        "<p class=\"note\">GEMMs at {:.0f}% of peak, memory-bound kernels at {:.0f}% of HBM "
-        "bandwidth, collectives at {:.0f}% of link bandwidth; {}; attention: {}.</p>\n",
-        100 * t.gpu.gemm_efficiency, 100 * t.gpu.memory_efficiency,
-        100 * t.gpu.collective_efficiency,
+        "<p class=\"note\">GEMMs by their shapes at {:.1f}% of peak (ceiling {:.0f}%), "
+        "memory-bound kernels at {:.0f}% of HBM bandwidth, collectives at {:.0f}% of link "
+        "bandwidth; {}; attention: {}.</p>\n",
+        100 * t.gemm_efficiency_achieved, 100 * t.gpu.gemm_efficiency,
+        100 * t.gpu.memory_efficiency, 100 * t.gpu.collective_efficiency,
         HtmlEscape(OverlapText(config, t,
                                topology.sizes().cp > 1 && config.gpt &&
                                    config.gpt->cp_comm_type == CpCommType::kP2p)),

@@ -199,6 +199,12 @@ int RankRun::LoadConfig() {
     return Usage(source, fmt::format("{}: is required by mpusim run (see docs/simulator.md)",
                                      has_model ? "run" : "model"));
   }
+  // The executor computes in the run's dtype: fp8 is for the estimate and advise alone.
+  if (config_.gpt && config_.gpt->fp8) {
+    return Usage(source, fmt::format("model.fp8: \"{}\" is for mpusim estimate and advise only; "
+                                     "mpusim run computes in run.dtype (set fp8 to null)",
+                                     Fp8FormatName(*config_.gpt->fp8)));
+  }
   return kContinue;
 }
 

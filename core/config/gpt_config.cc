@@ -85,7 +85,7 @@ const std::vector<std::string_view>& GptKeys() {
       "position_embedding_type", "rotary_base", "rotary_percent", "qk_layernorm",
       "max_position_embeddings", "share_embeddings_and_output_weights",
       "init_method_std", "vocab_size", "make_vocab_size_divisible_by", "label_smoothing",
-      "dropout_mode", "cp_comm_type", "attention_backend",
+      "dropout_mode", "cp_comm_type", "attention_backend", "fp8", "fp8_recipe",
       // Mixture of experts (MoeConfig).
       "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
       "moe_router_pre_softmax", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
@@ -121,6 +121,8 @@ const std::vector<std::string_view> kDropoutModes = {"global", "rng_tracker"};
 const std::vector<std::string_view> kCpCommTypes = {"p2p", "all_gather", "a2a", "a2a+p2p"};
 const std::vector<std::string_view> kAttentionBackends = {"flash", "fused", "unfused", "local",
                                                           "auto"};
+const std::vector<std::string_view> kFp8Formats = {"e4m3", "hybrid"};
+const std::vector<std::string_view> kFp8Recipes = {"delayed", "tensorwise", "blockwise", "mxfp8"};
 const std::vector<std::string_view> kMoeLoadBalancing = {"aux_loss", "seq_aux_loss", "none"};
 const std::vector<std::string_view> kMoeDispatchers = {"allgather", "alltoall"};
 const std::vector<std::string_view> kMoeDropPolicies = {"probs", "position"};
@@ -225,6 +227,8 @@ const char* AttentionBackendName(AttentionBackend b) {
   return kAttentionBackends[static_cast<size_t>(b)].data();
 }
 const std::vector<std::string_view>& AttentionBackendNames() { return kAttentionBackends; }
+const char* Fp8FormatName(Fp8Format f) { return kFp8Formats[static_cast<size_t>(f)].data(); }
+const char* Fp8RecipeName(Fp8Recipe r) { return kFp8Recipes[static_cast<size_t>(r)].data(); }
 
 int64_t GptConfig::PaddedVocabSize(int64_t tensor_model_parallel_size) const {
   const int64_t multiple = make_vocab_size_divisible_by * tensor_model_parallel_size;
@@ -324,6 +328,15 @@ Status ParseGptSection(const json& section, GptConfig* out) {
     } else if (key == "attention_backend") {
       MPUSIM_RETURN_IF_ERROR(
           ParseChoice(value, where, kAttentionBackends, &gpt.attention_backend));
+    } else if (key == "fp8") {
+      // null: Megatron's default (no fp8).
+      if (!value.is_null()) {
+        Fp8Format f{};
+        MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, kFp8Formats, &f));
+        gpt.fp8 = f;
+      }
+    } else if (key == "fp8_recipe") {
+      MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, kFp8Recipes, &gpt.fp8_recipe));
     } else if (key == "num_moe_experts") {
       MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &moe_experts));
       gpt.moe.num_experts = moe_experts.value_or(0);
@@ -404,6 +417,9 @@ Status ParseGptSection(const json& section, GptConfig* out) {
   if (gpt.position_embedding_type != PositionEmbedding::kRope && section.contains("rotary_percent")) {
     gpt.ignored.push_back(
         "model.rotary_percent: ignored: position_embedding_type is not \"rope\"");
+  }
+  if (!gpt.fp8 && section.contains("fp8_recipe")) {
+    gpt.ignored.push_back("model.fp8_recipe: ignored: fp8 is null");
   }
   if (gpt.label_smoothing > 0 && gpt.vocab_size < 2) {
     return Status::Error(prefix + ".label_smoothing", "needs a vocab_size of at least 2");

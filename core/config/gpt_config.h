@@ -43,6 +43,13 @@
 //                                        (its attention keeps the probabilities); the
 //                                        estimate counts the backend's memory and time
 //                                        (core/estimate/attention_backend.h resolves "auto")
+//     "fp8": null,                       Transformer Engine's fp8 for the linear layers:
+//                                        "e4m3" (every fp8 tensor e4m3) or "hybrid" (output
+//                                        gradients e5m2); TransformerConfig.fp8 (Megatron's
+//                                        --fp8-format); estimate and advise only
+//     "fp8_recipe": "delayed"            "delayed", "tensorwise", "blockwise" or "mxfp8"
+//                                        (Megatron's names and default; "custom" refused);
+//                                        read only with fp8
 //   }
 // }
 //
@@ -94,6 +101,10 @@ enum class AttentionBackend : uint8_t { kFlash, kFused, kUnfused, kLocal, kAuto 
 
 // Mixture of experts (Megatron's moe_* TransformerConfig fields, model section). Parsed and
 // checked; core/model/moe.h runs it (expert_model_parallel_size 1 only, for now).
+// TransformerConfig.fp8 and fp8_recipe (megatron/core/transformer/transformer_config.py).
+enum class Fp8Format : uint8_t { kE4m3, kHybrid };
+enum class Fp8Recipe : uint8_t { kDelayed, kTensorwise, kBlockwise, kMxfp8 };
+
 enum class MoeLoadBalancing : uint8_t { kAuxLoss, kSeqAuxLoss, kNone };
 enum class MoeDispatcher : uint8_t { kAllGather, kAllToAll };
 enum class MoeDropPolicy : uint8_t { kProbs, kPosition };
@@ -146,6 +157,8 @@ struct GptConfig {
   DropoutMode dropout_mode = DropoutMode::kGlobal;
   CpCommType cp_comm_type = CpCommType::kP2p;  // Megatron's default
   AttentionBackend attention_backend = AttentionBackend::kAuto;  // Megatron's default
+  std::optional<Fp8Format> fp8;                // none: the linear layers in the run's dtype
+  Fp8Recipe fp8_recipe = Fp8Recipe::kDelayed;  // Megatron's default
   MoeConfig moe;
   // TransformerConfig fields given that change nothing mpusim computes, one line each
   // ("model.bias_dropout_fusion: ignored: why"), printed as notes.
@@ -173,6 +186,8 @@ const char* CpCommTypeName(CpCommType c);  // "p2p", "all_gather", "a2a", "a2a+p
 const char* AttentionBackendName(AttentionBackend b);  // "flash", ..., "auto"
 // Every AttentionBackend's name, in enum order (for flags that take one).
 const std::vector<std::string_view>& AttentionBackendNames();
+const char* Fp8FormatName(Fp8Format f);    // "e4m3", "hybrid"
+const char* Fp8RecipeName(Fp8Recipe r);    // "delayed", "tensorwise", "blockwise", "mxfp8"
 
 // The keys of a GPT `model` section: its own, and the TransformerConfig fields it accepts
 // with a note (or refuses unless at the value mpusim computes).

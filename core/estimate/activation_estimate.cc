@@ -12,6 +12,16 @@ namespace {
 
 PlanBytes ToBytes(double bytes) { return static_cast<PlanBytes>(std::llround(bytes)); }
 
+// Bytes per element of a linear layer's saved input: the run's dtype, or with fp8 one byte
+// plus the recipe's scales (blockwise: a float32 per 1 x 128 block; mxfp8: an E8M0 byte per
+// 32 elements; delayed and tensorwise: one scale per tensor).
+double Fp8SavedBytes(const GptConfig& g, double e) {
+  if (!g.fp8) return e;
+  if (g.fp8_recipe == Fp8Recipe::kBlockwise) return 1 + 4.0 / 128;
+  if (g.fp8_recipe == Fp8Recipe::kMxfp8) return 1 + 1.0 / 32;
+  return 1;
+}
+
 }  // namespace
 
 StatusOr<std::vector<StageActivations>> EstimateStageActivations(
@@ -34,8 +44,11 @@ StatusOr<std::vector<StageActivations>> EstimateStageActivations(
   const double q = static_cast<double>(g.num_attention_heads) * d;
   const double kv = static_cast<double>(g.num_query_groups) * d;
   const double f1 = static_cast<double>(g.Fc1Rows()), f = static_cast<double>(g.ffn_hidden_size);
-  const double whole = T * h * (4 * e + 2 * m_h) / split_sp;
-  const double split = T * e * (q + 2 * kv + q + f1 + f) / t;
+  // fp8 (model.fp8): Transformer Engine's linears save their inputs quantized (header): the
+  // QKV and fc1 inputs, the projection's and fc2's, x one byte and the recipe's scales.
+  const double x = Fp8SavedBytes(g, e);
+  const double whole = T * h * (2 * e + 2 * x + 2 * m_h) / split_sp;
+  const double split = T * (e * (q + 2 * kv + f1) + x * (q + f)) / t;
   const double a = static_cast<double>(g.num_attention_heads);
   // Materialised attention: the probabilities of this rank's queries against every key
   // (all_gather; a2a: every query of 1/cp of the heads: as many); the ring (p2p, a2a+p2p)
@@ -70,12 +83,12 @@ StatusOr<std::vector<StageActivations>> EstimateStageActivations(
     const double rows = Tn * k * kept;  // this rank's tokens' rows, sent and returned
     const double n = rows * etp;        // the rows this rank's experts compute
     const double router = Tn * E * (4 + 1) + Tn * k * 4;
-    const double experts = n * h * e + n * (fm1 + fm) / etp * e;
+    const double experts = n * h * x + n * (fm1 * e + fm * x) / etp;
     const double combine = rows * (8 + h * e + 4);
     double shared = 0;
     if (moe.shared_expert_intermediate_size) {
       const double fs = static_cast<double>(*moe.shared_expert_intermediate_size);
-      shared = T * e * ((IsGated(g.activation) ? 2 * fs : fs) + fs) / t;
+      shared = T * ((IsGated(g.activation) ? 2 * fs : fs) * e + fs * x) / t;
     }
     const double attention_split = T * e * (q + 2 * kv + q) / t;
     moe_layer = whole + attention_split + scores + gathered + router + experts + combine + shared;

@@ -49,6 +49,16 @@
 // log-sum-exp (a2a: every row of 1/cp of the heads, as many) and all_gather its gathered keys
 // and values.
 //
+// fp8 (model.fp8): Transformer Engine's linear layers save their inputs for the weight
+// gradient quantized, column-wise only (transformer_engine/pytorch/module/linear.py
+// `saved_inputmat`, layernorm_linear.py `ln_out_to_save`, GroupedLinear likewise): the QKV
+// and fc1 inputs (norm outputs), the projection's input and fc2's (the activation's output),
+// the experts' permuted rows and their fc2 input, and a shared expert's fc2 input each take
+// x = 1 byte an element, plus the recipe's scales (blockwise 4 / 128, mxfp8 1 / 32, delayed
+// and tensorwise none), in place of e: whole T h (2e + 2x + 2 m_h), split
+// T (e (q + 2kv + f1) + x (q + f)) / t. Q, K, V (the core attention's), fc1's output (the
+// activation's input) and the norms' inputs stay in the run's dtype.
+//
 // This is a GPU run's count, not the CPU executor's: mpusim's executor keeps its own stash
 // (float32 by default, and the tensors its kernels need), which `mpusim run --summary`
 // measures as peak - held, and executor_activations.h counts.

@@ -88,6 +88,8 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
     return Status::Error("--seq-length", "is needed: the config has no run section and the "
                                          "model no max_position_embeddings");
   }
+  // fp8 on a GPU or dtype that cannot run it: one refusal, not every layout "not timed".
+  MPUSIM_RETURN_IF_ERROR(CheckFp8OnGpu(model, base_run.dtype, gpu));
   Advice advice;
   // The attention every candidate counts (the dtype and the GPU decide it, not the layout).
   StatusOr<ResolvedAttention> attention =

@@ -26,62 +26,113 @@ constexpr double kGiga = 1e9;
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
 // Datasheet figures (dense, no sparsity) of the SXM parts; links per GPU and direction:
-// NVLink 3 (A100) 600 GB/s and NVLink 4 (H100, H200) 900 GB/s both ways, and one 200 Gb/s
-// (HDR, DGX A100) or 400 Gb/s (NDR, DGX H100/H200) network adapter per GPU.
-// Compute capability: 8.0 (A100), 9.0 (H100, H200). Attention efficiencies (README "The time
-// model"): the A100 runs FlashAttention 2 ("auto" there), whose paper (Dao 2023, arXiv
+// NVLink 3 (A100) 600 GB/s, NVLink 4 (H100, H200) 900 GB/s, the H800's export NVLink 400
+// GB/s and NVLink 5 (B200) 1.8 TB/s, all both ways; one 200 Gb/s (HDR, DGX A100) or 400
+// Gb/s (NDR, DGX H100/H200/B200) network adapter per GPU. The GEMM ceilings are the MAMF
+// table's (ml-engineering compute/accelerator/README.md) over the dense peak: A100 271.2 /
+// 312, H100 794.5 / 989 (H200 "the same"; the H800 is H100 silicon), B200 1745 / 2250 bf16;
+// fp8 H100 1402.6 / 1979, H200 1453.4 / 1979, B200 3432.5 / 4500. README "The time model"
+// cites each figure.
+// Attention efficiencies (README "The time model"): the A100 runs FlashAttention 2 ("auto" there), whose paper (Dao 2023, arXiv
 // 2307.08691) reaches 50-73% of the peak (its abstract), the upper end on long sequences
 // forward; its backward at 16k positions runs at 322 / 370 of its forward in
 // FlashAttention-3's Figures 5 and 6 (Shah et al. 2024, arXiv 2407.08608, head dim 128,
 // H100), so 0.73 x 0.87 = 0.63. H100 and H200 run cuDNN's fused attention ("auto" there),
 // measured in the same figures at 497 (512 positions) to 595 (16k) TFLOP/s forward and 305
 // to 516 backward: the curve e L / (L + L_half) through both ends has e = 599 / 989.4 = 0.605
-// forward, 528 / 989.4 = 0.534 backward.
+// forward, 528 / 989.4 = 0.534 backward. The H200 and H800 are H100 silicon; the B200 keeps
+// the H100's fractions of its own peak (no published measurement of its fused attention is
+// used yet).
 std::vector<GpuSpec> Presets() {
   GpuSpec a100{"a100-80gb", 312 * kTera, 19.5 * kTera, 19.5 * kTera, 80 * kGiB,
                2039 * kGiga, 300 * kGiga, 25 * kGiga, 5e-6, 10e-6};
+  a100.peak_flops_8bit = 0;  // no fp8 tensor cores
+  a100.sm_count = 108;
   a100.compute_capability = 80;
   a100.attention_efficiency_forward = 0.73;
   a100.attention_efficiency_backward = 0.63;
+  a100.gemm_efficiency = 271.2 / 312;
+  a100.gemm_efficiency_8bit = 0;
   GpuSpec h100{"h100-80gb", 989.4 * kTera, 66.9 * kTera, 66.9 * kTera, 80 * kGiB,
                3350 * kGiga, 450 * kGiga, 50 * kGiga, 5e-6, 10e-6};
+  h100.peak_flops_8bit = 1978.9 * kTera;
+  h100.sm_count = 132;
   h100.compute_capability = 90;
   h100.attention_efficiency_forward = 0.605;
   h100.attention_efficiency_backward = 0.534;
+  h100.gemm_efficiency = 794.5 / 989.4;
+  h100.gemm_efficiency_8bit = 1402.6 / 1978.9;
   GpuSpec h200 = h100;
   h200.name = "h200";
   h200.hbm_bytes = 141 * kGiga;
   h200.hbm_bandwidth = 4800 * kGiga;
-  return {a100, h100, h200};
+  h200.gemm_efficiency_8bit = 1453.4 / 1978.9;
+  GpuSpec h800 = h100;
+  h800.name = "h800";
+  h800.intra_node_bandwidth = 200 * kGiga;
+  GpuSpec b200{"b200", 2250 * kTera, 80 * kTera, 40 * kTera, 180 * kGiga,
+               8000 * kGiga, 900 * kGiga, 50 * kGiga, 5e-6, 10e-6};
+  b200.peak_flops_8bit = 4500 * kTera;
+  b200.sm_count = 148;
+  b200.compute_capability = 100;
+  b200.gemm_efficiency = 1745.0 / 2250;
+  b200.gemm_efficiency_8bit = 3432.5 / 4500;
+  b200.attention_efficiency_forward = h100.attention_efficiency_forward;
+  b200.attention_efficiency_backward = h100.attention_efficiency_backward;
+  return {a100, h100, h200, h800, b200};
 }
 
-// Per micro-batch costs of one piece of the model: FLOPs of its GEMMs, bytes its memory-bound
-// kernels move, and its tp collectives (count, bytes each).
+// One GEMM of a piece, `times` over (layers of a stage).
+struct Gemm {
+  GemmShape shape;
+  double times = 1;
+};
+
+// Per micro-batch costs of one piece of the model: its GEMMs, each by its shape; FLOPs of
+// the core attention's GEMMs (at the flat gemm_efficiency); bytes its memory-bound kernels
+// move (fp8's cast-transposes apart); and its tp collectives (count, bytes each).
 // Flash / fused attention runs at its own efficiency: its seconds and FLOPs apart, with those
 // of its backward (which Backward() turns into the pass's own).
 struct Cost {
-  double flops = 0;
+  std::vector<Gemm> gemms;
+  double flops = 0;  // the core attention's scores and context
   double bytes = 0;
+  double quantize_bytes = 0;  // fp8: the cast-transposes of the GEMMs' inputs
   int64_t collectives = 0;
   double collective_bytes = 0;  // each
   double fused_s = 0, fused_flops = 0;
   double fused_backward_s = 0, fused_backward_flops = 0;
   Cost& operator+=(const Cost& o) {
+    gemms.insert(gemms.end(), o.gemms.begin(), o.gemms.end());
     flops += o.flops;
     bytes += o.bytes;
     fused_s += o.fused_s;
     fused_flops += o.fused_flops;
     fused_backward_s += o.fused_backward_s;
     fused_backward_flops += o.fused_backward_flops;
+    quantize_bytes += o.quantize_bytes;
     collectives += o.collectives;
     collective_bytes = std::max(collective_bytes, o.collective_bytes);
     return *this;
   }
+  double TotalFlops() const {
+    double f = flops + fused_flops;
+    for (const Gemm& g : gemms) f += g.shape.Flops() * g.times;
+    return f;
+  }
+  // A linear layer's GEMM: y[m, n] = x[m, k] W[k, n]; with fp8 its input's cast-transpose
+  // (read 2 bytes, write the row- and column-wise 1-byte copies).
+  void Linear(double m, double n, double k, bool fp8, double count = 1, double times = 1) {
+    gemms.push_back({{m, n, k, count, fp8}, times});
+    if (fp8) quantize_bytes += 4 * m * k * count * times;
+  }
 };
 // `n` of the same piece (layers of a stage).
 Cost Times(Cost c, int64_t n) {
+  for (Gemm& g : c.gemms) g.times *= static_cast<double>(n);
   c.flops *= static_cast<double>(n);
   c.bytes *= static_cast<double>(n);
+  c.quantize_bytes *= static_cast<double>(n);
   c.collectives *= n;
   c.fused_s *= static_cast<double>(n);
   c.fused_flops *= static_cast<double>(n);
@@ -89,11 +140,22 @@ Cost Times(Cost c, int64_t n) {
   c.fused_backward_flops *= static_cast<double>(n);
   return c;
 }
-// A piece's backward: twice its forward's GEMM FLOPs (input and weight gradients) and bytes,
-// and one collective per forward collective (the all-reduce of a column-parallel input's
-// gradient answers the forward's row-parallel one). Flash / fused attention's backward is its
-// own kernel (LayerForward).
+// A piece's backward: each GEMM C = A B gives two, dA = dC B^T [m, k] over n and dB = A^T dC
+// [k, n] over m (a linear layer's dgrad and wgrad), with fp8 after the cast-transpose of dC;
+// the core attention's FLOPs and the bytes twice the forward's; one collective per forward
+// collective (the all-reduce of a column-parallel input's gradient answers the forward's
+// row-parallel one). Flash / fused
+// attention's backward is its own kernel (LayerForward).
 Cost Backward(Cost c) {
+  std::vector<Gemm> backward;
+  c.quantize_bytes = 0;
+  for (const Gemm& g : c.gemms) {
+    const GemmShape& s = g.shape;
+    backward.push_back({{s.m, s.k, s.n, s.count, s.fp8}, g.times});
+    backward.push_back({{s.k, s.n, s.m, s.count, s.fp8}, g.times});
+    if (s.fp8) c.quantize_bytes += 4 * s.m * s.n * s.count * g.times;
+  }
+  c.gemms = std::move(backward);
   c.flops *= 2;
   c.bytes *= 2;
   c.fused_s = c.fused_backward_s;
@@ -113,6 +175,7 @@ struct Sizes {
   double e;           // bytes per element of the storage dtype
   bool sp;            // sequence parallelism: norms and dropouts on s / t tokens
   double cp = 1;      // context parallelism: this rank has s / cp of each sequence's tokens
+  bool fp8 = false;   // model.fp8: the linear layers' GEMMs in fp8 (Transformer Engine)
   double tokens() const { return b * s / cp; }
   double region_tokens() const { return sp ? tokens() / t : tokens(); }
 };
@@ -138,7 +201,8 @@ Cost MlpForward(const Sizes& x, double fc1_rows, double ffn) {
   const double T = x.tokens();
   const double fc1 = fc1_rows / x.t, f = ffn / x.t;
   Cost c;
-  c.flops = 2 * T * x.h * fc1 + 2 * T * f * x.h;
+  c.Linear(T, fc1, x.h, x.fp8);  // fc1: [T, h] x [h, fc1 / t]
+  c.Linear(T, x.h, f, x.fp8);    // fc2: [T, f / t] x [f / t, h]
   c.bytes = T * (fc1 + f) * x.e;
   if (x.t > 1) {
     c.collectives = 1;
@@ -187,8 +251,8 @@ LayerCost LayerForward(const GptConfig& g, const Sizes& x, const AttentionKernel
   // norm 1 and 2: read and write the layer's activation.
   r.bytes += 2 * (2 * Tn * h * e);
   // QKV and projection.
-  r.flops += 2 * T * h * (heads + 2 * groups) * d;
-  r.flops += 2 * T * heads * d * h;
+  r.Linear(T, (heads + 2 * groups) * d, h, x.fp8);
+  r.Linear(T, h, heads * d, x.fp8);
   if (g.position_embedding_type == PositionEmbedding::kRope) {
     r.bytes += 2 * T * (heads + groups) * static_cast<double>(g.RotaryDim()) * e;
   }
@@ -281,7 +345,7 @@ Cost OutputForward(const Sizes& x, double padded_vocab) {
   Cost c;
   const double T = x.tokens(), v = padded_vocab / x.t;
   c.bytes += 2 * x.region_tokens() * x.h * x.e;  // final norm
-  c.flops += 2 * T * x.h * v;                     // logits
+  c.Linear(T, v, x.h, false);  // logits: tensor_parallel.ColumnParallelLinear, never fp8
   c.bytes += T * v * (x.e + 4 + 4);               // cross entropy: read logits, float32 softmax
   if (x.t > 1 && x.sp) {                          // all-gather of the final norm's output
     c.collectives = 1;
@@ -429,9 +493,15 @@ MoeCost MoeForward(const GptConfig& g, const Sizes& x, const DerivedSizes& sz,
   const double rows = Tn * k * kept;
   MoeCost out;
   Cost& c = out.compute;
-  c.flops += 2 * Tn * h * E;                 // the router's logits
-  c.bytes += Tn * E * 4 * 3;                 // softmax and top-k over float32 scores
-  c.flops += 2 * rows * h * (f1 + f);        // fc1 and fc2 of every expert
+  c.Linear(Tn, E, h, false);  // the router's logits (a plain torch GEMM, never fp8)
+  c.bytes += Tn * E * 4 * 3;  // softmax and top-k over float32 scores
+  // fc1 and fc2 of each local expert on its rows (the etp ranks' rows gathered, 1/etp of
+  // the columns): one grouped launch with moe_grouped_gemm, else one GEMM per expert
+  // (SequentialMLP).
+  const double local = E / ep, per_expert = rows * etp / local;
+  const double grouped = moe.grouped_gemm ? local : 1, launches = moe.grouped_gemm ? 1 : local;
+  c.Linear(per_expert, f1 / etp, h, x.fp8, grouped, launches);
+  c.Linear(per_expert, h, f / etp, x.fp8, grouped, launches);
   c.bytes += rows * (f1 + f) * e;            // the activation function
   c.bytes += 2 * (Tn * h * e + rows * h * e);  // permute and unpermute: read one, write the other
   if (moe.shared_expert_intermediate_size) {
@@ -508,7 +578,8 @@ struct TpOverlap {
   double dense_forward = 0, dense_backward = 0;  // hidden seconds per dense layer and pass
   double moe_forward = 0, moe_backward = 0;      // per MoE layer (its attention's)
 };
-TpOverlap TpOverlapOf(const GptConfig& g, const Sizes& x, const Link& link, double peak) {
+TpOverlap TpOverlapOf(const GptConfig& g, const Sizes& x, const Link& link, const GpuSpec& gpu,
+                      double dense_peak) {
   const double T = x.tokens(), h = x.h, t = x.t;
   const double heads = static_cast<double>(g.num_attention_heads) / t;
   const double groups = static_cast<double>(g.num_query_groups) / t;
@@ -518,23 +589,32 @@ TpOverlap TpOverlapOf(const GptConfig& g, const Sizes& x, const Link& link, doub
   // One all-gather or reduce-scatter of the layer's activation over tp.
   const double a = RingSeconds(T * h * x.e, static_cast<int64_t>(t), 1, link.bandwidth,
                                link.latency);
-  const double qkv = 2 * T * h * (heads + 2 * groups) * d / peak;
-  const double proj = 2 * T * heads * d * h / peak;
-  const double up = 2 * T * h * fc1 / peak, down = 2 * T * f * h / peak;
-  constexpr double kPipelineSplits = 4;  // TE's num_splits for the "pipeline" method
-  const auto hidden_pipelined = [&](double gemm, double n) {
-    return a - PipelinedExposed(a, gemm, n);
+  // The GEMMs each collective runs beside, priced by their shapes as the step prices them
+  // (GemmSeconds): C[m, n] = A[m, k] B[k, n].
+  const auto gemm = [&](double m, double n, double k) {
+    return GemmSeconds(gpu, {m, n, k, 1, x.fp8}, x.e, dense_peak);
   };
-  const auto hidden_bulk = [&](double gemm) { return a - BulkExposed(a, gemm); };
+  const double qkv_rows = (heads + 2 * groups) * d;
+  const double qkv = gemm(T, qkv_rows, h), proj = gemm(T, h, heads * d);
+  const double up = gemm(T, fc1, h), down = gemm(T, h, f);
+  // The backward's: the projection's and fc2's dgrad (dA = dC B^T), QKV's and fc1's wgrad
+  // (dB = A^T dC).
+  const double proj_dgrad = gemm(T, heads * d, h), down_dgrad = gemm(T, f, h);
+  const double qkv_wgrad = gemm(h, qkv_rows, T), up_wgrad = gemm(h, fc1, T);
+  constexpr double kPipelineSplits = 4;  // TE's num_splits for the "pipeline" method
+  const auto hidden_pipelined = [&](double gemm_s, double n) {
+    return a - PipelinedExposed(a, gemm_s, n);
+  };
+  const auto hidden_bulk = [&](double gemm_s) { return a - BulkExposed(a, gemm_s); };
   TpOverlap o;
   const double attention_forward =
       hidden_pipelined(qkv, t) + hidden_pipelined(proj, kPipelineSplits);
-  const double attention_backward = hidden_pipelined(proj, t) + hidden_bulk(qkv);
+  const double attention_backward = hidden_pipelined(proj_dgrad, t) + hidden_bulk(qkv_wgrad);
   o.moe_forward = attention_forward;
   o.moe_backward = attention_backward;
   o.dense_forward = attention_forward + hidden_pipelined(up, t) +
                     hidden_pipelined(down, kPipelineSplits);
-  o.dense_backward = attention_backward + hidden_pipelined(down, t) + hidden_bulk(up);
+  o.dense_backward = attention_backward + hidden_pipelined(down_dgrad, t) + hidden_bulk(up_wgrad);
   return o;
 }
 
@@ -548,6 +628,71 @@ struct DpPart {
 };
 
 }  // namespace
+
+double GemmSeconds(const GpuSpec& gpu, const GemmShape& shape, double element_bytes, double peak) {
+  if (shape.m <= 0 || shape.n <= 0 || shape.k <= 0 || shape.count <= 0) return 0;
+  const double rate = shape.fp8 ? gpu.peak_flops_8bit * gpu.gemm_efficiency_8bit
+                                : peak * gpu.gemm_efficiency;
+  const auto sms = static_cast<double>(std::max<int64_t>(1, gpu.sm_count));
+  // Tile and wave quantization: a wave computes one tile per SM; the partial last wave takes
+  // as long as a full one. The tile with the least padded work is cuBLAS's pick.
+  double padded = 0;
+  for (const GemmTile& tile : kGemmTiles) {
+    const auto tm = static_cast<double>(tile.rows), tn = static_cast<double>(tile.cols);
+    const double tiles = shape.count * std::ceil(shape.m / tm) * std::ceil(shape.n / tn);
+    const double work = std::ceil(tiles / sms) * sms * tm * tn;
+    if (padded == 0 || work < padded) padded = work;
+  }
+  const double compute = 2 * padded * shape.k / rate;
+  // The roofline: A and B read once, C written once, at the streaming kernels' HBM rate.
+  const double in_bytes = shape.fp8 ? 1 : element_bytes, out_bytes = shape.fp8 ? 2 : element_bytes;
+  const double bytes =
+      shape.count * (in_bytes * (shape.m * shape.k + shape.k * shape.n) + out_bytes * shape.m * shape.n);
+  const double memory = bytes / (gpu.hbm_bandwidth * gpu.memory_efficiency);
+  return std::max(compute, memory);
+}
+
+double GemmEfficiency(const GpuSpec& gpu, const GemmShape& shape, double element_bytes,
+                      double peak) {
+  const double seconds = GemmSeconds(gpu, shape, element_bytes, peak);
+  if (seconds <= 0) return 0;
+  return shape.Flops() / seconds / (shape.fp8 ? gpu.peak_flops_8bit : peak);
+}
+
+Status CheckFp8OnGpu(const GptConfig& gpt, DType dtype, const GpuSpec& gpu) {
+  if (!gpt.fp8) return {};
+  if (dtype != DType::kBFloat16 && dtype != DType::kFloat16) {
+    return Status::Error("model.fp8", fmt::format("needs bf16 or fp16 (Transformer Engine's fp8 "
+                                                  "runs inside mixed precision); the run is {}",
+                                                  DTypeName(dtype)));
+  }
+  const char* recipe = Fp8RecipeName(gpt.fp8_recipe);
+  if (gpu.peak_flops_8bit <= 0 || gpu.compute_capability < 89) {
+    return Status::Error("model.fp8",
+                         fmt::format("\"{}\" needs fp8 tensor cores (compute capability 89 or "
+                                     "above and a peak_tflops_8bit); {} has compute capability {}",
+                                     Fp8FormatName(*gpt.fp8), gpu.name, gpu.compute_capability));
+  }
+  if (gpu.gemm_efficiency_8bit <= 0) {
+    return Status::Error("model.fp8", fmt::format("{} has no fp8 GEMM ceiling: its GPU file needs "
+                                                  "gemm_efficiency_8bit (the fp8 MAMF / peak)",
+                                                  gpu.name));
+  }
+  int needs = 89;
+  if (gpt.fp8_recipe == Fp8Recipe::kBlockwise) needs = 90;
+  if (gpt.fp8_recipe == Fp8Recipe::kMxfp8) needs = 100;
+  if (gpu.compute_capability < needs ||
+      (gpt.fp8_recipe == Fp8Recipe::kMxfp8 && gpu.compute_capability >= 120)) {
+    return Status::Error(
+        "model.fp8_recipe",
+        fmt::format("\"{}\" runs on compute capability {}{} (Transformer Engine's "
+                    "check_recipe_support); {} has {}; \"delayed\" or \"tensorwise\" run from 89, "
+                    "\"blockwise\" from 90",
+                    recipe, needs, gpt.fp8_recipe == Fp8Recipe::kMxfp8 ? " to 119 (Blackwell)" : " or above",
+                    gpu.name, gpu.compute_capability));
+  }
+  return {};
+}
 
 const std::vector<std::string>& GpuPresetNames() {
   static const std::vector<std::string> names = [] {
@@ -591,6 +736,7 @@ StatusOr<GpuSpec> ParseGpuSpec(const nlohmann::json& doc, std::string_view where
       {"peak_tflops_16bit", &spec.peak_flops_16bit, kTera, false},
       {"peak_tflops_32bit", &spec.peak_flops_32bit, kTera, false},
       {"peak_tflops_64bit", &spec.peak_flops_64bit, kTera, false},
+      {"peak_tflops_8bit", &spec.peak_flops_8bit, kTera, false},
       {"hbm_gib", &spec.hbm_bytes, kGiB, false},
       {"hbm_gbps", &spec.hbm_bandwidth, kGiga, false},
       {"intra_node_gbps", &spec.intra_node_bandwidth, kGiga, false},
@@ -598,6 +744,7 @@ StatusOr<GpuSpec> ParseGpuSpec(const nlohmann::json& doc, std::string_view where
       {"intra_node_latency_us", &spec.intra_node_latency_s, 1e-6, false},
       {"inter_node_latency_us", &spec.inter_node_latency_s, 1e-6, false},
       {"gemm_efficiency", &spec.gemm_efficiency, 1, true},
+      {"gemm_efficiency_8bit", &spec.gemm_efficiency_8bit, 1, true},
       {"memory_efficiency", &spec.memory_efficiency, 1, true},
       {"collective_efficiency", &spec.collective_efficiency, 1, true},
       {"attention_efficiency_forward", &spec.attention_efficiency_forward, 1, true},
@@ -605,6 +752,7 @@ StatusOr<GpuSpec> ParseGpuSpec(const nlohmann::json& doc, std::string_view where
   };
   std::vector<std::string_view> keys = {"name", "base", "compute_capability"};
   for (const Field& f : fields) keys.push_back(f.key);
+  keys.push_back("sm_count");
   for (auto item = doc.begin(); item != doc.end(); ++item) {
     const std::string& key = item.key();
     const nlohmann::json& value = item.value();
@@ -618,14 +766,21 @@ StatusOr<GpuSpec> ParseGpuSpec(const nlohmann::json& doc, std::string_view where
       spec.name = value.get<std::string>();
       continue;
     }
-    if (key == "compute_capability") {
-      // Major * 10 + minor, as TransformerEngine's sm80, sm90, sm100 name them.
-      if (!value.is_number_integer() || value.get<int64_t>() < 10 || value.get<int64_t>() > 199) {
-        return Status::Error(field_at, fmt::format("must be an integer from 10 to 199, major * "
-                                                   "10 + minor (80: A100, 90: H100), got {}",
-                                                   DescribeJson(value)));
+    // Whole numbers: the SMs the GEMM curve's waves fill, and major x 10 + minor.
+    if (key == "sm_count" || key == "compute_capability") {
+      const bool sms = key == "sm_count";
+      const int64_t low = sms ? 1 : 10, high = sms ? 100000 : 999;
+      if (!value.is_number_integer() || value.get<int64_t>() < low || value.get<int64_t>() > high) {
+        return Status::Error(field_at,
+                             fmt::format("must be a whole number from {} to {}{}, got {}", low, high,
+                                         sms ? "" : " (major x 10 + minor: 80 A100, 90 H100, 100 B200)",
+                                         DescribeJson(value)));
       }
-      spec.compute_capability = static_cast<int>(value.get<int64_t>());
+      if (sms) {
+        spec.sm_count = value.get<int64_t>();
+      } else {
+        spec.compute_capability = static_cast<int>(value.get<int64_t>());
+      }
       continue;
     }
     const auto f = std::find_if(fields.begin(), fields.end(),
@@ -709,6 +864,7 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
                          "context parallelism) yet; p2p, all_gather and a2a it does");
   }
   const DType dtype = run.dtype;
+  MPUSIM_RETURN_IF_ERROR(CheckFp8OnGpu(g, dtype, gpu));
   StatusOr<ResolvedAttention> attention =
       ResolveAttentionBackend(g, dtype, gpu.compute_capability, sz.cp);
   if (!attention.ok()) return attention.status();
@@ -716,22 +872,32 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
                                  gpu.attention_efficiency_forward,
                                  gpu.attention_efficiency_backward,
                                  gpu.hbm_bandwidth * gpu.memory_efficiency};
-  const double peak = PeakFlops(gpu, dtype) * gpu.gemm_efficiency;
+  const double dense_peak = PeakFlops(gpu, dtype);
+  const double peak = dense_peak * gpu.gemm_efficiency;
   const double hbm = gpu.hbm_bandwidth * gpu.memory_efficiency;
   const Sizes x{static_cast<double>(run.micro_batch_size), static_cast<double>(run.seq_length),
                 static_cast<double>(g.hidden_size), static_cast<double>(sz.tp),
                 static_cast<double>(DTypeSize(dtype)), topology.config().sequence_parallel,
-                static_cast<double>(sz.cp)};
+                static_cast<double>(sz.cp), g.fp8.has_value()};
   const Link tp_link = LinkOf(topology, "tp", gpu, true);
   const Link pp_link = LinkOf(topology, "pp", gpu, false);
   const Link dp_link = LinkOf(topology, "dp_cp", gpu, true);
   // The ring's sends go to one neighbour; the collectives share the node's adapters.
   const Link cp_link = LinkOf(topology, "cp", gpu, g.cp_comm_type != CpCommType::kP2p);
-  const auto seconds = [&](const Cost& c) {
+  // `peak_s`: adds each shaped GEMM's seconds x its own peak (the achieved fraction's
+  // denominator), when given.
+  const auto seconds = [&](const Cost& c, double* peak_s = nullptr) {
     const double comm = static_cast<double>(c.collectives) *
                         RingSeconds(c.collective_bytes, sz.tp, 2, tp_link.bandwidth,
                                     tp_link.latency);
-    return std::pair<double, double>{c.flops / peak + c.bytes / hbm + c.fused_s, comm};
+    double gemm = 0;
+    for (const Gemm& m : c.gemms) {
+      const double one = m.times * GemmSeconds(gpu, m.shape, x.e, dense_peak);
+      gemm += one;
+      if (peak_s) *peak_s += one * (m.shape.fp8 ? gpu.peak_flops_8bit : dense_peak);
+    }
+    return std::pair<double, double>{gemm + c.flops / peak + (c.bytes + c.quantize_bytes) / hbm + c.fused_s,
+                                     comm};
   };
 
   // Each virtual stage's forward and backward (recomputation included) per micro-batch.
@@ -767,12 +933,13 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   const double ep_backward = moe.exchange_s * (full ? 2 : 1);
   // tp_comm_overlap: what TE's userbuffers hide of each layer's tp collectives.
   const bool tp_overlap = config.parallel.tp_comm_overlap && sz.tp > 1 && x.sp;
-  const TpOverlap tpo = tp_overlap ? TpOverlapOf(g, x, tp_link, peak) : TpOverlap{};
+  const TpOverlap tpo = tp_overlap ? TpOverlapOf(g, x, tp_link, gpu, dense_peak) : TpOverlap{};
   StageCosts costs;
   std::vector<double> compute_of(static_cast<size_t>(stages)), comm_of(compute_of);
   std::vector<double> flops_of(compute_of), cp_of(compute_of), ep_of(compute_of);
   std::vector<double> recompute_s_of(compute_of);  // the recomputed forwards' compute
   std::vector<double> tp_hidden_of(compute_of);
+  std::vector<double> gemm_flops_of(compute_of), gemm_peak_s_of(compute_of);
   std::vector<Cost> forward_of(static_cast<size_t>(stages)), recompute_of(forward_of);
   std::vector<int64_t> moe_layers_of(static_cast<size_t>(stages));
   for (int64_t u = 0; u < stages; ++u) {
@@ -792,8 +959,9 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     if (u == stages - 1) forward += OutputForward(x, vocab);
     Cost backward = Backward(forward);
     backward += recompute;
-    const auto [fc, fm] = seconds(forward);
-    const auto [bc, bm] = seconds(backward);
+    const auto at = static_cast<size_t>(u);
+    const auto [fc, fm] = seconds(forward, &gemm_peak_s_of[at]);
+    const auto [bc, bm] = seconds(backward, &gemm_peak_s_of[at]);
     const auto n = static_cast<double>(layers), n_ep = static_cast<double>(n_moe);
     // The hidden tp seconds: every layer's forward, backward and (full) recomputed forward.
     const double hidden_forward = (n - n_ep) * tpo.dense_forward + n_ep * tpo.moe_forward;
@@ -801,14 +969,16 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
                                    (full ? hidden_forward : 0);
     costs.forward.push_back(fc + fm - hidden_forward + n * cp_forward + n_ep * ep_forward);
     costs.backward.push_back(bc + bm - hidden_backward + n * cp_backward + n_ep * ep_backward);
-    const auto at = static_cast<size_t>(u);
     recompute_s_of[at] = seconds(recompute).first;
     compute_of[at] = fc + bc - recompute_s_of[at];
     comm_of[at] = fm + bm - hidden_forward - hidden_backward;
     tp_hidden_of[at] = hidden_forward + hidden_backward;
     cp_of[at] = n * (cp_forward + cp_backward);
     ep_of[at] = n_ep * (ep_forward + ep_backward);
-    flops_of[at] = forward.flops + backward.flops + forward.fused_flops + backward.fused_flops;
+    flops_of[at] = forward.TotalFlops() + backward.TotalFlops();
+    for (const Cost* c : {&forward, &backward}) {
+      for (const Gemm& m : c->gemms) gemm_flops_of[at] += m.times * m.shape.Flops();
+    }
     forward_of[at] = forward;
     recompute_of[at] = recompute;
     moe_layers_of[at] = n_moe;
@@ -993,12 +1163,15 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
                        }) -
       out.stages.begin());
   double compute = 0, recomputed = 0, tp = 0, tp_hidden = 0, cp_s = 0, ep_s = 0;
+  double gemm_flops = 0, gemm_peak_s = 0;
   int64_t tp_count = 0, moe_layers = 0;
   double tp_bytes = 0;
   for (int64_t c = 0; c < v; ++c) {
     const auto u = static_cast<size_t>(c * p) + busiest;
     compute += compute_of[u];
     recomputed += recompute_s_of[u];
+    gemm_flops += gemm_flops_of[u];
+    gemm_peak_s += gemm_peak_s_of[u];
     tp += comm_of[u];
     tp_hidden += tp_hidden_of[u];
     cp_s += cp_of[u];
@@ -1021,6 +1194,7 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   }
   out.compute_s = m * compute;
   out.recompute_s = m * recomputed;
+  out.gemm_efficiency_achieved = gemm_peak_s > 0 ? gemm_flops / gemm_peak_s : 0;
   out.tp_comm_s = m * tp;
   out.tp_comm_hidden_s = m * tp_hidden;
   out.cp_comm_s = m * cp_s;
@@ -1115,6 +1289,10 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
                        elements * compute_bytes) /
                       hbm;
   }
+  // fp8: each weight's cast-transpose once per iteration (Transformer Engine caches the fp8
+  // weights over the micro-batches after the first: Megatron's is_first_microbatch), an
+  // upper bound that counts every held element as a linear weight.
+  if (g.fp8) out.optimizer_s += elements * 4 / hbm;
   out.step_time_s = timing.makespan + out.dp_comm_s + out.optimizer_s;
   out.model_flops = ModelFlopsPerIteration(g, g.PaddedVocabSize(sz.tp), run.seq_length,
                                            out.global_batch_size);

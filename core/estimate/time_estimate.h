@@ -2,12 +2,16 @@
 // and MFU that follow, from the config and a GPU description alone.
 //
 // The model, per micro-batch and pipeline stage (README "The time model" has the table):
-//   compute     every GEMM's FLOPs at gemm_efficiency of the GPU's dense peak for the run's
-//               dtype, plus every memory-bound kernel's bytes (norms, softmax, dropout, the
-//               activation function, bias-dropout-add, cross entropy) at memory_efficiency of
-//               the HBM bandwidth; backward = twice the forward's FLOPs and bytes, and full
-//               recomputation adds a layer's forward to its backward (selective: the core
-//               attention's), reported apart as recompute (TimeEstimate::recompute_s);
+//   compute     every linear GEMM priced by its own shape (GemmSeconds below: QKV, projection,
+//               fc1, fc2, logits, router, the experts' fc1 and fc2 as one grouped launch of
+//               rows-per-expert GEMMs, the shared expert; backward: each GEMM's dgrad and
+//               wgrad by their shapes), materialised attention's scores and context at the flat
+//               gemm_efficiency x the dense peak (flash / fused: below), plus every memory-bound kernel's bytes
+//               (norms, softmax, dropout, the activation function, bias-dropout-add, cross
+//               entropy, fp8's quantize kernels) at memory_efficiency of the HBM bandwidth;
+//               backward = twice the forward's bytes, and full recomputation adds a layer's
+//               forward to its backward (selective: the core attention's), reported apart as
+//               recompute (TimeEstimate::recompute_s);
 //   attention   by the backend attention_backend.h resolves: materialised ("unfused",
 //               "local") computes the full s x s scores and context as GEMMs and moves the
 //               softmax's and dropout's s x s bytes, as above; flash / fused ("flash",
@@ -42,7 +46,9 @@
 //               below 1 keeps that share, padding to the capacity computes it): the router's
 //               logits and top-k, the experts' fc1 and fc2 on the rank's T k rows of whole
 //               experts' work (etp splits an expert's columns over the rows gathered from its
-//               etp ranks), the permutation's copies, the shared expert as a dense MLP; the
+//               etp ranks) as E / ep GEMMs of (rows x etp) / (E / ep) rows each, one
+//               grouped launch with moe_grouped_gemm, else one launch per expert
+//               (SequentialMLP), the permutation's copies, the shared expert as a dense MLP; the
 //               dispatcher's exchanges per layer and pass, not overlapped: "alltoall" two
 //               all-to-alls over ep (each rank's rows that go to other ep ranks) and with
 //               etp > 1 an all-gather and a reduce-scatter over expt_tp, "allgather" an
@@ -80,6 +86,33 @@
 // flops_per_rank counts); model TFLOP/s per GPU = that / step time / world size, and MFU =
 // that / the GPU's peak for the run's dtype.
 //
+// The GEMM curve (GemmSeconds): a GEMM C[m, n] = A[m, k] B[k, n] (`count` of them in one
+// grouped launch) takes
+//   max(compute, memory),
+//   compute = waves x sm_count x 2 tm tn k / (ceiling x peak),
+//             waves = ceil(count ceil(m / tm) ceil(n / tn) / sm_count), (tm, tn) the
+//             orientation of kGemmTiles with the fewer waves x tile area; every SM
+//             computes one output tile per wave, the last wave partly
+//             idle (tile and wave quantization, NVIDIA's "Matrix Multiplication Background
+//             User's Guide" sections 3.1 and 3.2);
+//   memory  = (in_bytes (m k + k n) + out_bytes m n) x count / (memory_efficiency x HBM)
+//             (the guide's arithmetic-intensity roofline, section 2);
+// ceiling x peak is the "maximum achievable matmul FLOPS" (MAMF) measured for the GPU and
+// dtype (Stas Bekman, ml-engineering, compute/accelerator/README.md): gemm_efficiency for
+// bf16/fp16, gemm_efficiency_8bit for fp8. Large GEMMs reach the ceiling; small ones pay
+// their partial wave and, below the ridge point, HBM. Its efficiency = 2 m n k count /
+// (seconds x peak).
+//
+// fp8 (model.fp8, Transformer Engine's recipes): the linear layers' GEMMs (QKV, projection,
+// fc1, fc2, experts, shared expert) run at peak_flops_8bit x gemm_efficiency_8bit with 1-byte
+// inputs and 2-byte outputs, forward, dgrad and wgrad; the router, the logits
+// (Megatron's output_layer is tensor_parallel.ColumnParallelLinear, not TE) and the core
+// attention stay at the 16-bit peak. Each linear's input, and in the backward its output
+// gradient, passes one cast-transpose kernel (read 2 bytes, write 1-byte row- and column-wise
+// copies: 4 bytes an element); each weight one per iteration (TE caches fp8 weights after
+// the first micro-batch). MFU stays quoted against the 16-bit dense peak whatever fp8 does,
+// so a model's fp8 and bf16 runs compare on one scale (Megatron logs model TFLOP/s per GPU).
+//
 // What it does not model (EstimateStepTime refuses, naming the field): "a2a+p2p"
 // hierarchical context parallelism; a lab chain model. What it leaves out: kernel launch
 // overheads, data loading, overlap of communication with compute beyond the three overlap
@@ -115,13 +148,17 @@ struct GpuSpec {
   double inter_node_bandwidth = 0;  // the network, per GPU
   double intra_node_latency_s = 0;  // per ring step
   double inter_node_latency_s = 0;
+  double peak_flops_8bit = 0;  // dense tensor-core fp8; 0: none (A100)
+  int64_t sm_count = 132;      // streaming multiprocessors: the waves of the GEMM curve
   // The efficiency constants (README "The time model" says where each comes from); the same
-  // for every model and layout.
+  // for every model and layout. gemm_efficiency and gemm_efficiency_8bit are the GEMM curve's
+  // ceilings: the MAMF measured for the GPU over its dense bf16 and fp8 peaks.
   double gemm_efficiency = 0.80;
+  double gemm_efficiency_8bit = 0.70;
   double memory_efficiency = 0.80;
   double collective_efficiency = 0.80;
-  // Major * 10 + minor (80: A100, 90: H100 and H200): which attention "auto" resolves to
-  // (attention_backend.h) and the cuBLAS workspaces PyTorch and TransformerEngine allocate
+  // Major * 10 + minor (80: A100, 90: H100, H200 and H800, 100: B200): which attention
+  // "auto" resolves to (attention_backend.h), which fp8 recipes run, and the cuBLAS workspaces PyTorch and TransformerEngine allocate
   // (core/estimate/memory_reserve.h).
   int compute_capability = 90;
   // Flash / fused attention's forward and backward FLOP/s on long sequences, as fractions of
@@ -132,7 +169,33 @@ struct GpuSpec {
   double attention_efficiency_backward = 0.53;
 };
 
-// "a100-80gb", "h100-80gb", "h200".
+// The output tiles the GEMM curve chooses from (rows x columns of C): the 256 x 128 tile of
+// NVIDIA's Matrix Multiplication Background guide (section 2.3, cuBLAS's largest and most
+// efficient; section 3.2 quantizes waves with it), in either orientation. Smaller tiles that
+// cuBLAS may pick for small GEMMs are not modelled (a small GEMM is priced as this tile
+// runs it: pessimistic where a smaller tile would fill the waves better).
+struct GemmTile {
+  int64_t rows, cols;
+};
+inline constexpr GemmTile kGemmTiles[] = {{256, 128}, {128, 256}};
+
+// One GEMM C[m, n] = A[m, k] B[k, n]; `count` independent ones of this shape in one launch
+// (a grouped GEMM of experts, a batched one of heads). `fp8`: Transformer Engine's fp8 GEMM
+// (1-byte inputs, 2-byte output) at the fp8 peak; else the run's dtype.
+struct GemmShape {
+  double m = 0, n = 0, k = 0;
+  double count = 1;
+  bool fp8 = false;
+  double Flops() const { return 2 * m * n * k * count; }
+};
+// Seconds of `shape` on `gpu` (the curve in the header comment); `element_bytes` the run's
+// dtype size (ignored for fp8), `peak` the run's dtype's dense peak.
+double GemmSeconds(const GpuSpec& gpu, const GemmShape& shape, double element_bytes, double peak);
+// Achieved fraction of `peak` (fp8: of the fp8 peak).
+double GemmEfficiency(const GpuSpec& gpu, const GemmShape& shape, double element_bytes,
+                      double peak);
+
+// "a100-80gb", "h100-80gb", "h200", "h800", "b200".
 const std::vector<std::string>& GpuPresetNames();
 std::optional<GpuSpec> FindGpuPreset(std::string_view name);
 // The GPU the commands assume when none is named.
@@ -144,6 +207,11 @@ StatusOr<GpuSpec> ParseGpuSpec(const nlohmann::json& doc, std::string_view where
 // --gpu's argument: a preset's name, or a GPU description file ending in .json (read with
 // ReadJsonFile, parsed with ParseGpuSpec). Errors name "--gpu".
 StatusOr<GpuSpec> ResolveGpuSpec(const std::string& name_or_file);
+// model.fp8 and model.fp8_recipe against the run's dtype and the GPU, as Transformer Engine
+// checks them (transformer_engine/pytorch/quantization.py): a bf16 or fp16 run; delayed and
+// tensorwise need compute capability 89 or above, blockwise 90, mxfp8 100 (Blackwell; not
+// 120); and a GPU with an fp8 peak. Errors name the field.
+Status CheckFp8OnGpu(const GptConfig& gpt, DType dtype, const GpuSpec& gpu);
 
 // A pipeline stage's costs per micro-batch: all of its model chunks together.
 struct StageTime {
@@ -190,6 +258,9 @@ struct TimeEstimate {
   double dp_comm_hidden_s = 0;   // of the busiest stage's, what overlap hides
   int64_t dp_buckets = 1;        // gradient buckets of pipeline rank 0's first chunk
   double optimizer_s = 0;
+  // The busiest stage's shape-priced GEMMs (all but the core attention's): their FLOPs over
+  // the seconds each takes x its own peak (fp8 GEMMs the fp8 peak): the achieved fraction.
+  double gemm_efficiency_achieved = 0;
   double flops_per_rank = 0;  // executed by the busiest stage's rank per iteration
   double model_flops = 0;     // per iteration over all ranks, Megatron's count
   double model_tflops_per_gpu = 0;

@@ -70,7 +70,9 @@ json Estimate(const json& config, const std::string& name, const std::string& gp
 }
 
 // The H100 preset's figures (core/estimate/time_estimate.cc, README "The time model").
-constexpr double kPeak = 989.4e12, kGemm = 0.8, kHbm = 3350e9 * 0.8;
+// kGemm: the GEMM curve's ceiling, the MAMF over the peak, at which materialised attention's
+// scores and context run.
+constexpr double kPeak = 989.4e12, kGemm = 794.5 / 989.4, kHbm = 3350e9 * 0.8;
 constexpr double kForward = 0.605, kBackward = 0.534, kHalfForward = 105, kHalfBackward = 374;
 
 // Flash against unfused on the same layout, bfloat16 on an H100: the activations differ by
@@ -108,7 +110,7 @@ TEST(AttentionBackend, FlashAndUnfusedDifferByTheScoresTerms) {
   EXPECT_NEAR(unfused.at("flops_per_rank").get<double>() - flash.at("flops_per_rank").get<double>(),
               M * layers * (3 * full - 3.5 * full * causal), 1e-6 * full);
   EXPECT_EQ(unfused.at("model_flops_per_iteration"), flash.at("model_flops_per_iteration"));
-  // Seconds: unfused, the GEMMs at 80% and the scale-mask-softmax (read, write) and dropout
+  // Seconds: unfused, the GEMMs at the ceiling and the scale-mask-softmax (read, write) and dropout
   // (read, write, mask) through memory, backward twice; flash, one kernel over an average of
   // s x 17/32 keys per query tile at the measured curve.
   const double scores = b * (a / t) * s * s;
@@ -254,8 +256,8 @@ TEST(AttentionBackend, BadValuesAreRefusedNamingTheField) {
   r = Mpusim({"estimate", ok, "--gpu", cc});
   EXPECT_EQ(r.code, 2);
   EXPECT_EQ(r.err, "error: command line: --gpu " + cc +
-                       ".compute_capability: must be an integer from 10 to 199, major * 10 + "
-                       "minor (80: A100, 90: H100), got number 8.5\n");
+                       ".compute_capability: must be a whole number from 10 to 999 (major x 10 "
+                       "+ minor: 80 A100, 90 H100, 100 B200), got number 8.5\n");
   const std::string eff = WriteTemp("eff.json", R"({"attention_efficiency_backward": 1.2})");
   r = Mpusim({"estimate", ok, "--gpu", eff});
   EXPECT_EQ(r.code, 2);

@@ -1280,7 +1280,7 @@ TEST(EstimateCommand, StepTimeNotesAndRefusals) {
   const std::string gpt3 = Sample("gpt3_175b_t8_p16_n1024.json");
   ExpectUsageError(Mpusim({"estimate", gpt3, "--gpu", "tpu"}),
                    "error: command line: --gpu: \"tpu\" is neither one of a100-80gb, h100-80gb, "
-                   "h200 nor a .json file");
+                   "h200, h800, b200 nor a .json file");
   ExpectUsageError(Mpusim({"estimate", gpt3, "--global-batch-size", "1001"}),
                    "error: command line: --global-batch-size: 1001 is not a positive multiple "
                    "of micro_batch_size 1 x data_parallel_size 8 = 8");
@@ -1296,11 +1296,11 @@ TEST(EstimateCommand, StepTimeNotesAndRefusals) {
                    "error: command line: --gpu " + typo +
                        ".peak_tflops_16bt: unknown key (did you mean peak_tflops_16bit?); "
                        "allowed: name, base, compute_capability, peak_tflops_16bit, "
-                       "peak_tflops_32bit, peak_tflops_64bit, hbm_gib, hbm_gbps, "
-                       "intra_node_gbps, inter_node_gbps, intra_node_latency_us, "
-                       "inter_node_latency_us, gemm_efficiency, memory_efficiency, "
-                       "collective_efficiency, attention_efficiency_forward, "
-                       "attention_efficiency_backward");
+                       "peak_tflops_32bit, peak_tflops_64bit, peak_tflops_8bit, hbm_gib, "
+                       "hbm_gbps, intra_node_gbps, inter_node_gbps, intra_node_latency_us, "
+                       "inter_node_latency_us, gemm_efficiency, gemm_efficiency_8bit, "
+                       "memory_efficiency, collective_efficiency, attention_efficiency_forward, "
+                       "attention_efficiency_backward, sm_count");
   // A GPU file that is not there, or not JSON: one line naming it (advise reads it alike).
   const std::string garbled = WriteTemp("mpusim_estimate_garbled_gpu.json", "not json");
   ExpectUsageError(Mpusim({"estimate", gpt3, "--gpu", garbled}),

@@ -225,7 +225,8 @@ TEST(Overlap, ParamGatherHidesBehindTheFirstForward) {
 // reduce-scatter of [s, b, h] (a = (t-1)/t x bytes / bw + (t-1) latency) beside the GEMM TE
 // pairs it with: forward QKV and fc1 (ring exchange, t chunks), projection and fc2 (pipeline,
 // 4 chunks); backward the projection's and fc2's dgrad (ring exchange), the QKV's and fc1's
-// wgrad (bulk: only what exceeds the GEMM). Full recomputation repeats the forward's.
+// wgrad (bulk: only what exceeds the GEMM), each GEMM priced by its shape. Full recomputation
+// repeats the forward's.
 TEST(Overlap, TpCommOverlapHidesCollectivesBehindTheirGemms) {
   const GpuSpec gpu = H100();
   for (const char* recompute : {"none", "full"}) {
@@ -239,13 +240,30 @@ TEST(Overlap, TpCommOverlapHidesCollectivesBehindTheirGemms) {
     const Estimated overlapped = Estimate(doc, gpu);
     const double t = 2, T = 4096, h = 1024, heads = 16 / t, d = 64, f = 4096 / t, L = 4, M = 4;
     const double a = Ring(T * h * 2, t, 1, gpu);
-    const double peak = gpu.peak_flops_16bit * gpu.gemm_efficiency;
-    const double qkv = 2 * T * h * 3 * heads * d / peak, proj = 2 * T * heads * d * h / peak;
-    const double fc1 = 2 * T * h * f / peak, fc2 = 2 * T * f * h / peak;
+    // Each GEMM C[m, n] = A[m, k] B[k, n] by the README's curve: whole waves of 256 x 128
+    // tiles (either orientation, the fewer padded) over the SMs at the ceiling, or the HBM
+    // roofline when that is longer.
+    const auto gemm = [&](double m, double n, double k) {
+      double padded = 0;
+      for (const auto& [tm, tn] : {std::pair{256.0, 128.0}, std::pair{128.0, 256.0}}) {
+        const double tiles = std::ceil(m / tm) * std::ceil(n / tn);
+        const double sms = static_cast<double>(gpu.sm_count);
+        const double work = std::ceil(tiles / sms) * sms * tm * tn;
+        if (padded == 0 || work < padded) padded = work;
+      }
+      const double compute = 2 * padded * k / (gpu.peak_flops_16bit * gpu.gemm_efficiency);
+      const double memory = 2 * (m * k + k * n + m * n) / (gpu.hbm_bandwidth * 0.8);
+      return std::max(compute, memory);
+    };
+    const double qkv = gemm(T, 3 * heads * d, h), proj = gemm(T, h, heads * d);
+    const double fc1 = gemm(T, f, h), fc2 = gemm(T, h, f);
+    // The backward's partners: the projection's and fc2's dgrad, QKV's and fc1's wgrad.
+    const double proj_dgrad = gemm(T, heads * d, h), fc2_dgrad = gemm(T, f, h);
+    const double qkv_wgrad = gemm(h, 3 * heads * d, T), fc1_wgrad = gemm(h, f, T);
     const double forward = (a - Exposed(a, qkv, t)) + (a - Exposed(a, proj, 4)) +
                            (a - Exposed(a, fc1, t)) + (a - Exposed(a, fc2, 4));
-    const double backward = (a - Exposed(a, proj, t)) + (a - std::max(0.0, a - qkv)) +
-                            (a - Exposed(a, fc2, t)) + (a - std::max(0.0, a - fc1));
+    const double backward = (a - Exposed(a, proj_dgrad, t)) + (a - std::max(0.0, a - qkv_wgrad)) +
+                            (a - Exposed(a, fc2_dgrad, t)) + (a - std::max(0.0, a - fc1_wgrad));
     const double recomputed = std::string(recompute) == "full" ? forward : 0;
     const double hidden = M * L * (forward + backward + recomputed);
     ASSERT_GT(hidden, 0);
