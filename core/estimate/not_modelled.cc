@@ -10,14 +10,21 @@ std::vector<std::string> NotModelled(const Config& config) {
       "overlap_param_gather and the cp ring's sends (the pipeline's sends and the experts' "
       "exchanges are exposed), and the slowdown of the compute that overlapped communication "
       "shares the GPU with",
-      "GEMM efficiency by shape (every GEMM runs at gemm_efficiency of peak)",
+      "GEMM tiles other than 256 x 128, split-K and stream-K (small GEMMs are priced "
+      "pessimistically)",
       "the GPU's clock under power limits",
       "memory outside the reserve: TransformerEngine's userbuffers (tp_comm_overlap), CUDA "
       "graphs' pools, NCCL's per-communicator structures besides its buffers",
   };
+  if (config.gpt && config.gpt->fp8) {
+    items.push_back("fp8 weights (fp8_param), fp8 attention, first_last_layers_bf16 and the "
+                    "delayed recipe's amax reductions");
+  }
   if (config.gpt && config.gpt->moe.enabled()) {
     items.push_back("uneven expert routing (balanced routing assumed) and the dispatchers' "
                     "communication buffers");
+    items.push_back("overlap of the experts' token exchanges with compute "
+                    "(overlap_moe_expert_parallel_comm, DeepEP / HybridEP dispatchers)");
   }
   return items;
 }

@@ -466,9 +466,14 @@ struct MoeCost {
   bool inter_node = false;
 };
 
-// `ep`, `etp`, `tp_ep`: the links of those groups for this layout (core/topology.h's kinds).
+// `ep`, `etp`, `tp_ep`: the links of those groups for this layout (core/topology.h's kinds);
+// `ep_intra` NVLink's, which the all-to-all's peers on the rank's own node use, and
+// `ep_per_node` how many of an ep group's ranks share a node (all of them when the group stays
+// in one).
 struct MoeLinks {
   Link ep, etp, tp_ep;
+  Link ep_intra;
+  double ep_per_node = 1;
 };
 
 MoeCost MoeForward(const GptConfig& g, const Sizes& x, const DerivedSizes& sz,
@@ -514,8 +519,17 @@ MoeCost MoeForward(const GptConfig& g, const Sizes& x, const DerivedSizes& sz,
     // reduce-scattered back.
     out.operation = "all-to-all";
     if (sz.ep > 1) {
+      // The rows for the ep - 1 other ranks: those on the rank's own node (g - 1 of them, g
+      // the group's ranks per node) go over NVLink, the others over the rank's network adapter,
+      // both at once (NCCL's all-to-all posts every peer's send together).
       const double sent = rows * h * e * (ep - 1) / ep;
-      out.exchange_s += 2 * (sent / links.ep.bandwidth + links.ep.latency);
+      const double g_node = std::min(ep, links.ep_per_node);
+      const double intra = rows * h * e * (g_node - 1) / ep, inter = sent - intra;
+      const double seconds = links.ep.inter_node
+                                 ? std::max(intra / links.ep_intra.bandwidth,
+                                            inter / links.ep.bandwidth)
+                                 : sent / links.ep.bandwidth;
+      out.exchange_s += 2 * (seconds + links.ep.latency);
       out.exchanges += 2;
       out.exchange_bytes += 2 * sent;
       out.inter_node = links.ep.inter_node;
@@ -911,9 +925,15 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   MoeCost moe;
   Cost sparse = layer.total();
   if (g.moe.enabled()) {
-    moe = MoeForward(g, x, sz,
-                     {LinkOf(topology, "ep", gpu, false), LinkOf(topology, "expt_tp", gpu, true),
-                      LinkOf(topology, "tp_ep", gpu, true)});
+    const std::optional<size_t> ep_kind = topology.FindKind("ep");
+    const Link ep_link = LinkOf(topology, "ep", gpu, false);
+    moe = MoeForward(
+        g, x, sz,
+        {ep_link, LinkOf(topology, "expt_tp", gpu, true), LinkOf(topology, "tp_ep", gpu, true),
+         {gpu.intra_node_bandwidth * gpu.collective_efficiency, gpu.intra_node_latency_s, false},
+         ep_link.inter_node && ep_kind
+             ? static_cast<double>(topology.FewestGroupMembersOnANode(*ep_kind))
+             : static_cast<double>(sz.ep)});
     sparse += moe.compute;
   }
   // A ring step's attention: the fused kernel's block, or 1/cp of the materialised attention

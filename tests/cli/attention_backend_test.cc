@@ -16,31 +16,16 @@
 #include <sstream>
 
 #include "cli/cli.h"
+#include "tests/cli/cli_test_util.h"
 
 namespace mpusim::cli {
 namespace {
 
+using mpusim::cli::test_util::Result;
+using mpusim::cli::test_util::Mpusim;
+using mpusim::cli::test_util::WriteTemp;
+
 using nlohmann::json;
-
-struct Result {
-  int code;
-  std::string out;
-  std::string err;
-};
-
-Result Mpusim(std::vector<std::string> args) {
-  args.insert(args.begin(), "mpusim");
-  std::ostringstream out, err;
-  const int code = RunCli(args, out, err);
-  return {code, out.str(), err.str()};
-}
-
-std::string WriteTemp(const std::string& name, const std::string& text) {
-  const std::filesystem::path path =
-      std::filesystem::temp_directory_path() / fmt::format("mpusim_attn.{}.{}", ::getpid(), name);
-  std::ofstream(path) << text;
-  return path.string();
-}
 
 // A GPT of 4 layers (tp 2, pp 2: 2 layers a stage) on 2048 positions, dropout on, Adam.
 json Gpt(const std::string& dtype, const std::string& backend) {

@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/cli.h"
+#include "tests/cli/cli_test_util.h"
 #include "sim/blas_kernels.h"
 #include "tests/sanitizers.h"
 #include "core/init.h"
@@ -27,41 +28,16 @@
 namespace mpusim::cli {
 namespace {
 
+using mpusim::cli::test_util::Result;
+using mpusim::cli::test_util::Mpusim;
+using mpusim::cli::test_util::Sample;
+using mpusim::cli::test_util::WriteTemp;
+using mpusim::cli::test_util::ExpectUsageError;
+
 using nlohmann::json;
-
-struct Result {
-  int code;
-  std::string out;
-  std::string err;
-};
-
-Result Mpusim(std::vector<std::string> args) {
-  args.insert(args.begin(), "mpusim");
-  std::ostringstream out, err;
-  const int code = RunCli(args, out, err);
-  return {code, out.str(), err.str()};
-}
-
-std::string Sample(const std::string& name) {
-  return std::string(MPUSIM_SAMPLE_CONFIG_DIR) + "/" + name;
-}
 
 std::string Golden(const std::string& relative) {
   return std::string(MPUSIM_TEST_DATA_DIR) + "/golden/" + relative;
-}
-
-// Writes a temporary config file and returns its path.
-std::string WriteTemp(const std::string& name, const std::string& text) {
-  const std::filesystem::path path = std::filesystem::temp_directory_path() / name;
-  std::ofstream(path) << text;
-  return path.string();
-}
-
-// Bad input: exactly one line on stderr starting with "error: ", exit 2, empty stdout.
-void ExpectUsageError(const Result& r, const std::string& expected_line) {
-  EXPECT_EQ(r.code, 2);
-  EXPECT_EQ(r.out, "");
-  EXPECT_EQ(r.err, expected_line + "\n");
 }
 
 TEST(LayoutCommand, MpuLabOutput) {

@@ -18,33 +18,19 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/cli.h"
+#include "tests/cli/cli_test_util.h"
 #include "core/estimate/time_estimate.h"
 
 namespace mpusim {
 namespace {
 
+using mpusim::cli::test_util::Result;
+using mpusim::cli::test_util::Mpusim;
+using mpusim::cli::test_util::WriteTemp;
+using mpusim::cli::test_util::ExpectUsageError;
+
 using nlohmann::json;
 
-struct Result {
-  int code;
-  std::string out, err;
-};
-Result Mpusim(std::vector<std::string> args) {
-  args.insert(args.begin(), "mpusim");
-  std::ostringstream out, err;
-  const int code = cli::RunCli(args, out, err);
-  return {code, out.str(), err.str()};
-}
-std::string WriteTemp(const std::string& name, const std::string& text) {
-  const std::filesystem::path path = std::filesystem::temp_directory_path() / name;
-  std::ofstream(path) << text;
-  return path.string();
-}
-void ExpectUsageError(const Result& r, const std::string& expected_line) {
-  EXPECT_EQ(r.code, 2);
-  EXPECT_EQ(r.out, "");
-  EXPECT_EQ(r.err, expected_line + "\n");
-}
 // What the time model cannot price: the memory estimate stands, the step time names the field.
 void ExpectNotTimed(const Result& r, const std::string& line) {
   EXPECT_EQ(r.code, 0) << r.err;

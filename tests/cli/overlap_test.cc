@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/cli.h"
+#include "tests/cli/cli_test_util.h"
 #include "core/config/config.h"
 #include "core/estimate/memory_estimate.h"
 #include "core/estimate/time_estimate.h"
@@ -23,6 +24,10 @@
 
 namespace mpusim {
 namespace {
+
+using mpusim::cli::test_util::Result;
+using mpusim::cli::test_util::Mpusim;
+using mpusim::cli::test_util::Sample;
 
 using nlohmann::json;
 
@@ -319,20 +324,6 @@ TEST(Overlap, FirstForwardWaitsDelayOnlyTheFirstForward) {
                std::invalid_argument);
   EXPECT_THROW(TimeSchedule(*two, StageCosts{{1.0, 1.0}, {1.0, 1.0}, 0.0, false, {0.0, -1.0}}),
                std::invalid_argument);
-}
-
-struct Result {
-  int code;
-  std::string out, err;
-};
-Result Mpusim(std::vector<std::string> args) {
-  args.insert(args.begin(), "mpusim");
-  std::ostringstream out, err;
-  const int code = cli::RunCli(args, out, err);
-  return {code, out.str(), err.str()};
-}
-std::string Sample(const std::string& name) {
-  return std::string(MPUSIM_SAMPLE_CONFIG_DIR) + "/" + name;
 }
 
 // Megatron's constraints, refused in one line naming the field (exit 2, nothing on stdout).

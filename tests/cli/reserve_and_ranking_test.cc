@@ -17,39 +17,22 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/cli.h"
+#include "tests/cli/cli_test_util.h"
 
 namespace mpusim::cli {
 namespace {
 
+using mpusim::cli::test_util::Result;
+using mpusim::cli::test_util::Mpusim;
+using mpusim::cli::test_util::Sample;
+using mpusim::cli::test_util::WriteTemp;
+
 using nlohmann::json;
-
-struct Result {
-  int code;
-  std::string out;
-  std::string err;
-};
-
-Result Mpusim(std::vector<std::string> args) {
-  args.insert(args.begin(), "mpusim");
-  std::ostringstream out, err;
-  const int code = RunCli(args, out, err);
-  return {code, out.str(), err.str()};
-}
 
 json MpusimJson(const std::vector<std::string>& args) {
   const Result r = Mpusim(args);
   EXPECT_EQ(r.code, 0) << r.err;
   return json::parse(r.out);
-}
-
-std::string Sample(const std::string& name) {
-  return std::string(MPUSIM_SAMPLE_CONFIG_DIR) + "/" + name;
-}
-
-std::string WriteTemp(const std::string& name, const std::string& text) {
-  const std::filesystem::path path = std::filesystem::temp_directory_path() / name;
-  std::ofstream(path) << text;
-  return path.string();
 }
 
 // The documented constants (README "The memory reserve"), written out again here.
