@@ -930,6 +930,22 @@ TEST(EstimateCommand, StepTimeOfMoeLayersMatchesCountsByHand) {
   const double sent = Tn * k * h * e * 3 / 4;
   const double a2a = sent / (450e9 * 0.8) + 5e-6;
   EXPECT_NEAR(time.at("ep_comm_s").get<double>() / (M * L * 2 * 2 * a2a), 1, 1e-12);
+  // ep 16 (16 experts) spans two nodes, 8 of its ranks on each (the experts' grid has etp 1,
+  // so an ep group is 16 consecutive ranks): of the 15/16 of the rows that leave a rank, the
+  // 7/16 for its own node's ranks go over NVLink and the 8/16 for the other node's over its
+  // network adapter (50 GB/s at 80%, 10 us), at once; the slower sets the time.
+  {
+    json wide = config;
+    wide["parallel"]["expert_model_parallel_size"] = 16;
+    wide["model"]["num_moe_experts"] = 16;
+    const json w = estimate(wide, "a2a_wide");
+    ASSERT_TRUE(w.is_object());
+    const double rows = Tn * k * h * e;
+    const double wide_a2a =
+        std::max(rows * 7 / 16 / (450e9 * 0.8), rows * 8 / 16 / (50e9 * 0.8)) + 10e-6;
+    EXPECT_NEAR(w.at("time").at("ep_comm_s").get<double>() / (M * L * 2 * 2 * wide_a2a), 1,
+                1e-12);
+  }
   const json* ep = nullptr;
   const json* dp = nullptr;
   const json* expt_dp = nullptr;
