@@ -50,7 +50,9 @@
 //               grouped launch with moe_grouped_gemm, else one launch per expert
 //               (SequentialMLP), the permutation's copies, the shared expert as a dense MLP; the
 //               dispatcher's exchanges per layer and pass, not overlapped: "alltoall" two
-//               all-to-alls over ep (each rank's rows that go to other ep ranks) and with
+//               all-to-alls over ep (each rank's rows that go to other ep ranks: those for
+//               its own node's ep ranks over NVLink, the rest over its network adapter, at
+//               once, the slower setting the time) and with
 //               etp > 1 an all-gather and a reduce-scatter over expt_tp, "allgather" an
 //               all-gather and a reduce-scatter over etp x ep; full recomputation repeats them;
 //               an MoE layer's only tp collective is its attention's (and a shared expert's);
