@@ -96,17 +96,18 @@ struct StepPart {
   const char* key;
   const char* text;
   double seconds;
+  double hidden = 0;  // what overlap hides beside it (not in the step)
 };
 // Every part of a layout's step; they add up to its step time.
 std::vector<StepPart> StepParts(const TimeEstimate& t) {
   return {{"compute_s", "compute", t.compute_s},
           {"recompute_s", "recomputation", t.recompute_s},
-          {"tp_comm_s", "tp collectives", t.tp_comm_s},
+          {"tp_comm_s", "tp collectives", t.tp_comm_s, t.tp_comm_hidden_s},
           {"cp_comm_s", "cp exchanges", t.cp_comm_s},
           {"ep_comm_s", "the experts' token exchanges", t.ep_comm_s},
           {"pp_comm_s", "pipeline sends", t.pp_comm_s},
           {"bubble_s", "the bubble", t.bubble_s},
-          {"dp_comm_s", "the gradient reduction", t.dp_comm_s},
+          {"dp_comm_s", "the gradient reduction", t.dp_comm_s, t.dp_comm_hidden_s},
           {"optimizer_s", "the optimizer step", t.optimizer_s}};
 }
 
@@ -120,12 +121,9 @@ std::string WhyItWins(const Advice& a, const GpuSpec& gpu) {
     // Parts that round to 0.0% say nothing; the JSON has them all.
     if (std::string_view(p.key) == "compute_s" || p.seconds < 0.0005 * t.step_time_s) continue;
     // With overlap: what the exposed share leaves out.
-    const double hidden = std::string_view(p.key) == "tp_comm_s"   ? t.tp_comm_hidden_s
-                          : std::string_view(p.key) == "dp_comm_s" ? t.dp_comm_hidden_s
-                                                                   : 0;
     rest.push_back(fmt::format("{} {:.1f}%{}", p.text, 100 * p.seconds / t.step_time_s,
-                               hidden > 0 ? fmt::format(" (and {} hidden)", Seconds(hidden))
-                                          : std::string()));
+                               p.hidden > 0 ? fmt::format(" (and {} hidden)", Seconds(p.hidden))
+                                            : std::string()));
   }
   std::string out = fmt::format(
       "{} of its {} step is compute{}{}; its peak {} + reserve {} (stage {}) leaves {} free.",
@@ -184,7 +182,8 @@ class AdviseCommand : public Command {
                      "samples per iteration (default the run section's global_batch_size)");
     app_->add_option("--seq-length", seq_length_,
                      "tokens per sample (default the run's, else max_position_embeddings)");
-    app_->add_option("--gpu", gpu_, "a100-80gb, h100-80gb (default), h200, h800, b200 or a JSON file");
+    app_->add_option("--gpu", gpu_,
+                     "a100-80gb, h100-80gb (default), h200, h800, b200 or a JSON file");
     app_->add_option("--micro-batch-sizes", micro_batches_, "candidates (default 1,2,4,8)");
     app_->add_option("--recompute", recompute_,
                      "candidates among none,selective,full (default all three)");
@@ -391,7 +390,8 @@ class AdviseCommand : public Command {
             "  {:>3}  {:<{}} {:<{}} {:>7} {:>7.1f} {:>5.1f}% {:>6.1f}% {:>6.1f}%{}{} {:>6.1f}% "
             "{:>6.1f}% {:>10}\n",
             i + 1, LayoutName(l), width, FeaturesText(l), features, Seconds(step),
-            l.time.model_tflops_per_gpu, 100 * l.time.mfu, 100 * l.time.bubble_s / step, 100 * l.time.tp_comm_s / step,
+            l.time.model_tflops_per_gpu, 100 * l.time.mfu, 100 * l.time.bubble_s / step,
+            100 * l.time.tp_comm_s / step,
             cp ? fmt::format(" {:>6.1f}%", 100 * l.time.cp_comm_s / step) : std::string(),
             ep ? fmt::format(" {:>6.1f}%", 100 * l.time.ep_comm_s / step) : std::string(),
             100 * l.time.pp_comm_s / step, 100 * l.time.dp_comm_s / step,

@@ -121,7 +121,7 @@ void PrintPeakText(const EstimateReport& r, std::ostream& out) {
       "activations and buffers\n",
       run::FormatBytes(kCudaContextBytes),
       run::FormatBytes(r.reserves.empty() ? 0 : r.reserves.front().cublas_workspaces),
-      run::FormatBytes(kNcclChannels * (kNcclSimpleBuffer + kNcclLlBuffer + kNcclLl128Buffer)),
+      run::FormatBytes(kNcclBytesPerCommunicator),
       100 * kFragmentation);
   out << fmt::format("  {:>5}  {:>12}  {:>13}  {:>12}  {}\n", "stage", "NCCL buffers",
                      "fragmentation", "reserve", "NCCL communicators");
@@ -696,7 +696,7 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
         "buffers {} per communicator, allocator fragmentation {:.0f}% of the activations and "
         "buffers.</p>\n",
         run::FormatBytes(kCudaContextBytes), run::FormatBytes(r.reserves.front().cublas_workspaces),
-        run::FormatBytes(kNcclChannels * (kNcclSimpleBuffer + kNcclLlBuffer + kNcclLl128Buffer)),
+        run::FormatBytes(kNcclBytesPerCommunicator),
         100 * kFragmentation);
   }
   if (r.attention) {

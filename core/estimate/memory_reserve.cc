@@ -53,8 +53,7 @@ MemoryReserve EstimateMemoryReserve(const Config& config, const Topology& topolo
   r.cublas_workspaces = (hopper ? kTorchCublasWorkspaceSm90 : kTorchCublasWorkspaceOlder) +
                         te * (1 + (grouped ? kTeGroupedGemmStreams : 0));
   r.communicators = NcclCommunicators(config, topology, rank);
-  r.nccl_buffers = static_cast<PlanBytes>(r.communicators.size()) * kNcclChannels *
-                   (kNcclSimpleBuffer + kNcclLlBuffer + kNcclLl128Buffer);
+  r.nccl_buffers = static_cast<PlanBytes>(r.communicators.size()) * kNcclBytesPerCommunicator;
   // Rounded down to a byte: the fraction of a count below 2^100 (core/memory_plan.h).
   r.fragmentation = static_cast<PlanBytes>(std::floor(static_cast<double>(transient) *
                                                       kFragmentation));

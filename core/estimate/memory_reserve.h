@@ -63,6 +63,9 @@ inline constexpr PlanBytes kNcclLl128Buffer = 120 * 640 * 8 * 8;
 // for the 8 H800s of a node ("16 coll channels", NVIDIA/nccl issue #892); H100s, with more
 // NVLinks, may get up to 32.
 inline constexpr int64_t kNcclChannels = 16;
+// One communicator's buffers: every channel holds one connection's of the three protocols.
+inline constexpr PlanBytes kNcclBytesPerCommunicator =
+    kNcclChannels * (kNcclSimpleBuffer + kNcclLlBuffer + kNcclLl128Buffer);
 inline constexpr double kFragmentation = 0.15;
 
 struct MemoryReserve {

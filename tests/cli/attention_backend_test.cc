@@ -23,6 +23,7 @@ namespace {
 
 using mpusim::cli::test_util::Result;
 using mpusim::cli::test_util::Mpusim;
+using mpusim::cli::test_util::ExpectUsageError;
 using mpusim::cli::test_util::WriteTemp;
 
 using nlohmann::json;
@@ -202,11 +203,9 @@ TEST(AttentionBackend, AutoResolvesPerGpuAndDtype) {
 TEST(AttentionBackend, BadValuesAreRefusedNamingTheField) {
   const std::string typo = WriteTemp("typo.json", Gpt("bfloat16", "flashy").dump());
   Result r = Mpusim({"estimate", typo});
-  EXPECT_EQ(r.code, 2);
-  EXPECT_EQ(r.out, "");
-  EXPECT_EQ(r.err, "error: " + typo +
-                       ": model.attention_backend: must be \"flash\", \"fused\", \"unfused\", "
-                       "\"local\" or \"auto\", got string \"flashy\"\n");
+  ExpectUsageError(r, "error: " + typo +
+                          ": model.attention_backend: must be \"flash\", \"fused\", \"unfused\", "
+                          "\"local\" or \"auto\", got string \"flashy\"");
   const std::string float32 = WriteTemp("flash32.json", Gpt("float32", "fused").dump());
   r = Mpusim({"estimate", float32});
   EXPECT_EQ(r.code, 2);
@@ -239,10 +238,9 @@ TEST(AttentionBackend, BadValuesAreRefusedNamingTheField) {
   EXPECT_EQ(by_flag.at("stages"), by_file.at("stages"));
   const std::string cc = WriteTemp("cc.json", R"({"compute_capability": 8.5})");
   r = Mpusim({"estimate", ok, "--gpu", cc});
-  EXPECT_EQ(r.code, 2);
-  EXPECT_EQ(r.err, "error: command line: --gpu " + cc +
-                       ".compute_capability: must be a whole number from 10 to 999 (major x 10 "
-                       "+ minor: 80 A100, 90 H100, 100 B200), got number 8.5\n");
+  ExpectUsageError(r, "error: command line: --gpu " + cc +
+                          ".compute_capability: must be a whole number from 10 to 999 (major x 10 "
+                          "+ minor: 80 A100, 90 H100, 100 B200), got number 8.5");
   const std::string eff = WriteTemp("eff.json", R"({"attention_efficiency_backward": 1.2})");
   r = Mpusim({"estimate", ok, "--gpu", eff});
   EXPECT_EQ(r.code, 2);
