@@ -79,6 +79,7 @@ std::string FeaturesText(const AdvisedLayout& l) {
   if (l.sequence_parallel) parts.push_back("sp");
   if (l.distributed_optimizer) parts.push_back("dist-opt");
   if (l.tp_comm_overlap) parts.push_back("tp-overlap");
+  if (l.overlap_moe_expert_parallel_comm) parts.push_back("ep-overlap");
   if (l.overlap_grad_reduce) parts.push_back("grad-overlap");
   if (l.overlap_param_gather) parts.push_back("param-overlap");
   return fmt::format("{}", fmt::join(parts, ", "));
@@ -104,7 +105,7 @@ std::vector<StepPart> StepParts(const TimeEstimate& t) {
           {"recompute_s", "recomputation", t.recompute_s},
           {"tp_comm_s", "tp collectives", t.tp_comm_s, t.tp_comm_hidden_s},
           {"cp_comm_s", "cp exchanges", t.cp_comm_s},
-          {"ep_comm_s", "the experts' token exchanges", t.ep_comm_s},
+          {"ep_comm_s", "the experts' token exchanges", t.ep_comm_s, t.ep_comm_hidden_s},
           {"pp_comm_s", "pipeline sends", t.pp_comm_s},
           {"bubble_s", "the bubble", t.bubble_s},
           {"dp_comm_s", "the gradient reduction", t.dp_comm_s, t.dp_comm_hidden_s},
@@ -204,6 +205,11 @@ class AdviseCommand : public Command {
                      "true or false: parallel.tp_comm_overlap for every layout with sequence "
                      "parallelism (default the config's)")
         ->check(CLI::IsMember({"true", "false"}));
+    app_->add_option("--overlap-moe-expert-parallel-comm", moe_overlap_,
+                     "true or false: parallel.overlap_moe_expert_parallel_comm for every layout "
+                     "Megatron allows it on (ep > 1, no pipelining or interleaved, no full "
+                     "recomputation, alltoall dispatcher; default the config's)")
+        ->check(CLI::IsMember({"true", "false"}));
     app_->add_option("--max-tp", max_tp_, "largest tensor-parallel size (default gpus_per_node)");
     app_->add_option("--max-cp", max_cp_,
                      "largest context-parallel size (default: any that splits the sequence; 1: "
@@ -228,19 +234,25 @@ class AdviseCommand : public Command {
     if (!read.ok()) return ReportError(err, path_, read.status().Message());
     nlohmann::json doc = *read;
     std::optional<int64_t> file_batch;
-    bool file_tp_overlap = false;
+    bool file_tp_overlap = false, file_moe_overlap = false, file_delay_wgrad = false;
     // The layout is what advise chooses: drop the file's, keep the rest.
     if (doc.is_object() && doc.contains("parallel") && doc["parallel"].is_object()) {
       nlohmann::json& par = doc["parallel"];
-      // tp_comm_overlap needs sequence parallelism, which advise chooses: applied per layout.
-      if (par.contains("tp_comm_overlap")) {
-        if (!par["tp_comm_overlap"].is_boolean()) {
+      // tp_comm_overlap needs sequence parallelism, overlap_moe_expert_parallel_comm (and
+      // delay_wgrad_compute with it) expert parallelism, which advise chooses: applied per
+      // layout.
+      for (const auto& [key, flag] :
+           {std::pair<const char*, bool*>{"tp_comm_overlap", &file_tp_overlap},
+            {"overlap_moe_expert_parallel_comm", &file_moe_overlap},
+            {"delay_wgrad_compute", &file_delay_wgrad}}) {
+        if (!par.contains(key)) continue;
+        if (!par[key].is_boolean()) {
           return ReportError(err, path_,
-                             "parallel.tp_comm_overlap: must be true or false, got " +
-                                 DescribeJson(par["tp_comm_overlap"]));
+                             fmt::format("parallel.{}: must be true or false, got {}", key,
+                                         DescribeJson(par[key])));
         }
-        file_tp_overlap = par["tp_comm_overlap"].get<bool>();
-        par.erase("tp_comm_overlap");
+        *flag = par[key].get<bool>();
+        par.erase(key);
       }
       for (const char* key :
            {"tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -292,6 +304,14 @@ class AdviseCommand : public Command {
             : overlap_param_gather_ == "true";
     options.tp_comm_overlap =
         tp_comm_overlap_.empty() ? file_tp_overlap : tp_comm_overlap_ == "true";
+    options.overlap_moe_expert_parallel_comm =
+        moe_overlap_.empty() ? file_moe_overlap : moe_overlap_ == "true";
+    options.delay_wgrad_compute = file_delay_wgrad;
+    if (options.delay_wgrad_compute && !options.overlap_moe_expert_parallel_comm) {
+      return ReportError(err, path_,
+                         "parallel.delay_wgrad_compute: needs overlap_moe_expert_parallel_comm "
+                         "true (Megatron's rule)");
+    }
     if (options.overlap_param_gather && !options.overlap_grad_reduce) {
       return ReportError(err, "command line",
                          "--overlap-param-gather: needs overlap_grad_reduce true (Megatron: "
@@ -343,7 +363,10 @@ class AdviseCommand : public Command {
     }
     StatusOr<GpuSpec> gpu = ResolveGpuSpec(gpu_);
     if (!gpu.ok()) return ReportError(err, "command line", gpu.status().Message());
-    not_modelled_ = NotModelled(config);
+    // What the candidates ran with: the file's overlap keys were taken off its layout.
+    Config modelled = config;
+    modelled.parallel.overlap_moe_expert_parallel_comm = options.overlap_moe_expert_parallel_comm;
+    not_modelled_ = NotModelled(modelled);
     moe_ = config.gpt && config.gpt->moe.enabled();
     StatusOr<Advice> advice = Advise(config, *gpu, options);
     if (FromAttentionFlag(attention_backend_, advice.status())) {
@@ -441,6 +464,8 @@ class AdviseCommand : public Command {
       j["sequence_parallel"] = l.sequence_parallel;
       j["use_distributed_optimizer"] = l.distributed_optimizer;
       j["tp_comm_overlap"] = l.tp_comm_overlap;
+      j["overlap_moe_expert_parallel_comm"] = l.overlap_moe_expert_parallel_comm;
+      j["delay_wgrad_compute"] = l.delay_wgrad_compute;
       j["overlap_grad_reduce"] = l.overlap_grad_reduce;
       j["overlap_param_gather"] = l.overlap_param_gather;
       j["model_tflops_per_gpu"] = l.time.model_tflops_per_gpu;
@@ -450,6 +475,7 @@ class AdviseCommand : public Command {
       for (const StepPart& p : StepParts(l.time)) j[p.key] = p.seconds;
       j["tp_comm_hidden_s"] = l.time.tp_comm_hidden_s;
       j["dp_comm_hidden_s"] = l.time.dp_comm_hidden_s;
+      j["ep_comm_hidden_s"] = l.time.ep_comm_hidden_s;
       j["peak_bytes"] = JsonBytes(l.peak);
       j["reserved_bytes"] = JsonBytes(l.reserved);
       // An exact integer: what is free, or minus the excess of a miss.
@@ -597,7 +623,7 @@ class AdviseCommand : public Command {
   int64_t max_tp_ = 0, max_cp_ = 0;
   std::string gpu_ = kDefaultGpu;
   std::string micro_batches_, recompute_, sequence_parallel_, distributed_;
-  std::string overlap_grad_reduce_, overlap_param_gather_, tp_comm_overlap_;
+  std::string overlap_grad_reduce_, overlap_param_gather_, tp_comm_overlap_, moe_overlap_;
   std::string attention_backend_;  // empty: the config's
   bool no_vp_ = false;
   int top_ = 10;

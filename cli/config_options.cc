@@ -49,6 +49,12 @@ constexpr ParallelFlag kParallelFlags[] = {
     {"--tp-comm-overlap", "tp_comm_overlap", FlagType::kBool,
      "true or false: TE's overlap of the tp collectives with the GEMMs (timing only; needs "
      "--sequence-parallel true)"},
+    {"--overlap-moe-expert-parallel-comm", "overlap_moe_expert_parallel_comm", FlagType::kBool,
+     "true or false: Megatron's combined 1F1B schedule, the experts' all-to-alls hidden behind "
+     "another micro-batch's compute (timing only; needs --ep > 1)"},
+    {"--delay-wgrad-compute", "delay_wgrad_compute", FlagType::kBool,
+     "true or false: the experts' weight gradients after their backward all-to-all starts "
+     "(timing only; needs --overlap-moe-expert-parallel-comm true)"},
     {"--overlap-grad-reduce", "overlap_grad_reduce", FlagType::kBool,
      "true or false: optimizer.overlap_grad_reduce, the bucketed gradient reduction overlapped "
      "with the backward (timing only)",

@@ -27,7 +27,10 @@ bool TpOverlap(const Config& config) { return config.parallel.tp_comm_overlap; }
 bool GradOverlap(const Config& config) {
   return config.optimizer && config.optimizer->overlap_grad_reduce;
 }
-bool AnyOverlap(const Config& config) { return TpOverlap(config) || GradOverlap(config); }
+bool EpOverlap(const Config& config) { return config.parallel.overlap_moe_expert_parallel_comm; }
+bool AnyOverlap(const Config& config) {
+  return TpOverlap(config) || GradOverlap(config) || EpOverlap(config);
+}
 // "12.3 ms exposed (45.6 ms hidden)" for a part that overlap hides, else "12.3 ms".
 std::string ExposedText(double exposed, double hidden, bool overlapped) {
   return overlapped ? fmt::format("{} exposed ({} hidden)", SecondsText(exposed),
@@ -47,6 +50,15 @@ std::string OverlapText(const Config& config, const TimeEstimate& t, bool ring) 
   }
   if (config.optimizer && config.optimizer->overlap_param_gather) {
     parts.push_back("the parameter all-gather with the next forward");
+  }
+  if (EpOverlap(config)) {
+    parts.push_back(fmt::format("the experts' all-to-alls with another micro-batch's compute "
+                                "(overlap_moe_expert_parallel_comm: Megatron's combined 1F1B, "
+                                "one more warmup forward{})",
+                                config.parallel.delay_wgrad_compute
+                                    ? "; delay_wgrad_compute: the experts' weight gradients "
+                                      "after their backward all-to-all starts"
+                                    : ""));
   }
   if (ring) parts.push_back("the cp ring's sends with its attention");
   if (parts.empty()) return "no overlap of communication with compute";
@@ -185,7 +197,9 @@ void PrintTimeText(const Config& config, const Topology& topology, const TimeEst
                                                    : "",
       ExposedText(t.tp_comm_s, t.tp_comm_hidden_s, TpOverlap(config)),
       topology.sizes().cp > 1 ? " + cp " + SecondsText(t.cp_comm_s) : "",
-      config.gpt && config.gpt->moe.enabled() ? " + ep " + SecondsText(t.ep_comm_s) : "",
+      config.gpt && config.gpt->moe.enabled()
+          ? " + ep " + ExposedText(t.ep_comm_s, t.ep_comm_hidden_s, EpOverlap(config))
+          : "",
       topology.sizes().pp > 1 ? " + pp sends " + SecondsText(t.pp_comm_s) : "",
       SecondsText(t.bubble_s));
   out << fmt::format("  throughput  {:>10.1f}  model TFLOP/s per GPU, MFU {:.1f}% (model FLOPs "
@@ -465,6 +479,7 @@ nlohmann::ordered_json EstimateJson(const EstimateReport& r, const Topology& top
                    {"tp_comm_hidden_s", t.tp_comm_hidden_s},
                    {"cp_comm_s", t.cp_comm_s},
                    {"ep_comm_s", t.ep_comm_s},
+                   {"ep_comm_hidden_s", t.ep_comm_hidden_s},
                    {"pp_comm_s", t.pp_comm_s},
                    {"bubble_s", t.bubble_s},
                    {"dp_comm_s", t.dp_comm_s},
@@ -474,6 +489,8 @@ nlohmann::ordered_json EstimateJson(const EstimateReport& r, const Topology& top
                       {"overlap_grad_reduce", GradOverlap(config)},
                       {"overlap_param_gather",
                        config.optimizer && config.optimizer->overlap_param_gather},
+                      {"overlap_moe_expert_parallel_comm", EpOverlap(config)},
+                      {"delay_wgrad_compute", config.parallel.delay_wgrad_compute},
                       {"grad_buckets", t.dp_buckets}};
     doc["model_flops_per_iteration"] = t.model_flops;
     doc["flops_per_rank"] = t.flops_per_rank;
@@ -785,7 +802,10 @@ Bar TimeBar(const std::string& label, const TimeEstimate& t, bool cp, bool ep) {
   Bar bar{label, {}};
   for (size_t p = 0; p < parts.size(); ++p) {
     // The bar draws what adds to the step; the tooltip names what overlap hides beside it.
-    const double hidden = p == 1 ? t.tp_comm_hidden_s : p == 4 ? t.dp_comm_hidden_s : 0;
+    const double hidden = names[p] == "tp collectives"          ? t.tp_comm_hidden_s
+                          : names[p] == "dp gradient reduction"   ? t.dp_comm_hidden_s
+                          : names[p] == "ep token exchanges"      ? t.ep_comm_hidden_s
+                                                                  : 0;
     const std::string note =
         hidden > 0 ? fmt::format(" exposed, {} hidden", SecondsText(hidden)) : "";
     bar.parts.push_back(

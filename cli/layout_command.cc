@@ -114,7 +114,7 @@ class LayoutCommand : public Command {
         StatusOr<PipelineSchedule> built = BuildPipelineSchedule(
             pc.pipeline_model_parallel_size, pc.virtual_pipeline_model_parallel_size,
             full.run ? full.run->num_microbatches : 2 * pc.pipeline_model_parallel_size,
-            pc.microbatch_group_size_per_vp_stage);
+            pc.microbatch_group_size_per_vp_stage, pc.overlap_moe_expert_parallel_comm);
         if (built.ok()) schedule = std::move(built).value();
       }
       // With a model, the page also shows `mpusim estimate`'s section: the memory of each

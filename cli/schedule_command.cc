@@ -64,7 +64,7 @@ class ScheduleCommand : public Command {
     }
     StatusOr<PipelineSchedule> schedule = BuildPipelineSchedule(
         c.pipeline_model_parallel_size, c.virtual_pipeline_model_parallel_size, *microbatches_,
-        c.microbatch_group_size_per_vp_stage);
+        c.microbatch_group_size_per_vp_stage, c.overlap_moe_expert_parallel_comm);
     if (!schedule.ok()) {
       Status status = schedule.status();
       if (status.where() == "num_microbatches") {

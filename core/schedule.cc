@@ -98,23 +98,40 @@ int64_t PipelineSchedule::NumWarmup(int64_t pp_rank) const {
                             Str(pipeline_model_parallel_size) + ")");
   }
   const int64_t stages_after = pipeline_model_parallel_size - pp_rank - 1;
+  // The combined 1F1B schedule runs one more forward first, so that the forward and the
+  // backward of each steady pair belong to different micro-batches (schedules.py
+  // get_pp_rank_microbatches; combined_1f1b.py without pipelining: F0, then B0 with F1, ...).
+  const int64_t extra = combined_1f1b ? 1 : 0;
   if (!interleaved) {
-    return std::min(stages_after, num_microbatches);
+    return std::min(stages_after + extra, num_microbatches);
   }
   // The first loss needs the first group pushed through all v chunks ((v-1)*N forwards here
   // before its last chunk starts), and its gradient then takes 2*(p-r-1) steps to travel
   // down to rank p-1 and back, during which this rank keeps running forwards.
-  const int64_t warmup =
-      stages_after * 2 + (num_model_chunks - 1) * microbatch_group_size_per_vp_stage;
+  const int64_t warmup = stages_after * 2 +
+                         (num_model_chunks - 1) * microbatch_group_size_per_vp_stage + extra;
   return std::min(warmup, num_microbatches * num_model_chunks);
+}
+
+bool PipelineSchedule::CombinedPairAt(int64_t pp_rank, size_t i) const {
+  if (!combined_1f1b) return false;
+  const auto warmup = static_cast<size_t>(NumWarmup(pp_rank));
+  const auto total = static_cast<size_t>(num_microbatches * num_model_chunks);
+  return i >= warmup && (i - warmup) % 2 == 0 && i + 1 < warmup + 2 * (total - warmup);
 }
 
 StatusOr<PipelineSchedule> BuildPipelineSchedule(
     int64_t pipeline_model_parallel_size,
     std::optional<int64_t> virtual_pipeline_model_parallel_size, int64_t num_microbatches,
-    std::optional<int64_t> microbatch_group_size_per_vp_stage) {
+    std::optional<int64_t> microbatch_group_size_per_vp_stage, bool combined_1f1b) {
   const int64_t pp_size = pipeline_model_parallel_size;
   MPUSIM_RETURN_IF_ERROR(RequirePositive("pipeline_model_parallel_size", pp_size));
+  if (combined_1f1b && pp_size > 1 && !virtual_pipeline_model_parallel_size.has_value()) {
+    return Status::Error("virtual_pipeline_model_parallel_size",
+                         "is needed by the combined 1F1B schedule "
+                         "(overlap_moe_expert_parallel_comm) with pipeline_model_parallel_size " +
+                             Str(pp_size));
+  }
   if (virtual_pipeline_model_parallel_size.has_value()) {
     MPUSIM_RETURN_IF_ERROR(RequirePositive("virtual_pipeline_model_parallel_size",
                                            *virtual_pipeline_model_parallel_size));
@@ -142,6 +159,7 @@ StatusOr<PipelineSchedule> BuildPipelineSchedule(
   schedule.num_microbatches = num_microbatches;
   schedule.microbatch_group_size_per_vp_stage =
       microbatch_group_size_per_vp_stage.value_or(pp_size);
+  schedule.combined_1f1b = combined_1f1b;
 
   if (!schedule.interleaved) {
     // Megatron would accept and ignore it; we refuse so a typo'd config cannot look tuned.
@@ -283,6 +301,15 @@ ScheduleTiming TimeSchedule(const PipelineSchedule& schedule, const StageCosts& 
   const auto positive = [](const std::vector<double>& v) {
     return std::all_of(v.begin(), v.end(), [](double x) { return x > 0; });
   };
+  if (!costs.combined_saving.empty() &&
+      (!schedule.combined_1f1b ||
+       costs.combined_saving.size() != static_cast<size_t>(stages * stages) ||
+       !std::all_of(costs.combined_saving.begin(), costs.combined_saving.end(),
+                    [](double x) { return x >= 0; }))) {
+    throw std::invalid_argument(
+        "TimeSchedule: combined_saving needs a combined 1F1B schedule and one value >= 0 per "
+        "pair of virtual stages");
+  }
   if (costs.forward.size() != static_cast<size_t>(stages) ||
       costs.backward.size() != static_cast<size_t>(stages) || !positive(costs.forward) ||
       !positive(costs.backward) || !(costs.transfer >= 0) ||
@@ -322,37 +349,53 @@ ScheduleTiming TimeSchedule(const PipelineSchedule& schedule, const StageCosts& 
       const auto& steps = schedule.per_rank[static_cast<size_t>(r)];
       auto& i = next[static_cast<size_t>(r)];
       while (i < steps.size()) {
-        const ScheduleStep& step = steps[i];
-        const bool fwd = step.pass == Pass::kForward;
-        const int64_t u = step.model_chunk * p + r;
-        const auto m = static_cast<size_t>(step.microbatch);
+        // A step, or a steady pair of the combined schedule: a forward with the backward after
+        // it.
+        const bool pair = !costs.combined_saving.empty() && schedule.CombinedPairAt(r, i);
         double ready = clock[static_cast<size_t>(r)];
-        if (fwd && u > 0) {
-          const double need = at(0, u - 1, m);
-          if (need < 0) break;
-          ready = std::max(ready, need + transfer);
-        } else if (!fwd && u + 1 < stages) {
-          const double need = at(1, u + 1, m);
-          if (need < 0) break;
-          ready = std::max(ready, need + transfer);
+        double span = 0, sends = 0;
+        bool waiting = false;
+        for (size_t j = i; j < i + (pair ? 2 : 1); ++j) {
+          const ScheduleStep& step = steps[j];
+          const bool forward = step.pass == Pass::kForward;
+          const int64_t u = step.model_chunk * p + r;
+          const auto m = static_cast<size_t>(step.microbatch);
+          if (forward && u > 0) {
+            const double need = at(0, u - 1, m);
+            if (need < 0) waiting = true;
+            ready = std::max(ready, need + transfer);
+          } else if (!forward && u + 1 < stages) {
+            const double need = at(1, u + 1, m);
+            if (need < 0) waiting = true;
+            ready = std::max(ready, need + transfer);
+          }
+          if (forward && m == 0 && !costs.first_forward_wait.empty()) {
+            ready += costs.first_forward_wait[static_cast<size_t>(u)];
+          }
+          span += (forward ? costs.forward : costs.backward)[static_cast<size_t>(u)];
+          // A blocking send of the output (the activation onward, the gradient back) keeps
+          // this rank until it has gone.
+          if (forward ? u + 1 < stages : u > 0) sends += 1;
         }
-        if (fwd && m == 0 && !costs.first_forward_wait.empty()) {
-          ready += costs.first_forward_wait[static_cast<size_t>(u)];
+        if (waiting) break;
+        if (pair) {
+          const int64_t f = steps[i].model_chunk * p + r, b = steps[i + 1].model_chunk * p + r;
+          span -= costs.combined_saving[static_cast<size_t>(f * stages + b)];
         }
-        const double finish =
-            ready + (fwd ? costs.forward : costs.backward)[static_cast<size_t>(u)];
-        // A blocking send of the output (the activation onward, the gradient back) keeps
-        // this rank until it has gone.
-        const bool sends = fwd ? u + 1 < stages : u > 0;
+        const double finish = ready + span;
         const double free =
-            finish + (costs.blocking_sends && sends && transfer > 0 ? transfer : 0.0);
-        t.start[static_cast<size_t>(r)].push_back(ready);
-        t.end[static_cast<size_t>(r)].push_back(finish);
-        at(fwd ? 0 : 1, u, m) = finish;
+            finish + (costs.blocking_sends && transfer > 0 ? sends * transfer : 0.0);
+        for (size_t j = i; j < i + (pair ? 2 : 1); ++j) {
+          const ScheduleStep& step = steps[j];
+          t.start[static_cast<size_t>(r)].push_back(ready);
+          t.end[static_cast<size_t>(r)].push_back(finish);
+          at(step.pass == Pass::kForward ? 0 : 1, step.model_chunk * p + r,
+             static_cast<size_t>(step.microbatch)) = finish;
+          --remaining;
+        }
         clock[static_cast<size_t>(r)] = free;
         t.makespan = std::max(t.makespan, free);
-        ++i;
-        --remaining;
+        i += pair ? 2 : 1;
         progressed = true;
       }
     }

@@ -65,6 +65,9 @@ struct PipelineSchedule {
   int64_t num_microbatches;
   // Effective N: the given value, else p (Megatron's default; unused when not interleaved).
   int64_t microbatch_group_size_per_vp_stage;
+  // Megatron's combined 1F1B (overlap_moe_expert_parallel_comm): one more warmup forward on
+  // every rank, and each steady forward runs beside the backward that follows it.
+  bool combined_1f1b = false;
   // Forward order of (microbatch_id, model_chunk_id), the same on every pp rank
   // (Megatron's schedule table). Size M*v.
   std::vector<std::pair<int64_t, int64_t>> forward_table;
@@ -76,6 +79,10 @@ struct PipelineSchedule {
   // min(NumWarmup + 1, M*v) forwards. Requires 0 <= pp_rank < p (std::out_of_range otherwise:
   // a bad rank here is a caller bug, not bad user input).
   int64_t NumWarmup(int64_t pp_rank) const;
+  // With combined_1f1b: whether steps i and i + 1 of pp_rank are one of its steady phase's
+  // (forward, backward) pairs, which Megatron runs together (warmup forwards and cooldown
+  // backwards run alone). False without combined_1f1b.
+  bool CombinedPairAt(int64_t pp_rank, size_t i) const;
 };
 
 // The schedule lists every step of every rank, and the layer assignment every layer; these
@@ -87,11 +94,12 @@ inline constexpr int64_t kMaxAssignedLayers = int64_t{1} << 20;
 // Builds every rank's schedule. Refuses, naming the field and what is allowed:
 //   more than kMaxScheduleSteps steps in all (pp * 2 * M * v);
 //   sizes below 1; v given with p == 1; N given without v (it only shapes the interleaved
-//   schedule); for interleaved, N outside [p, M] and 0 < M % N < p.
+//   schedule); for interleaved, N outside [p, M] and 0 < M % N < p; combined_1f1b (Megatron's
+//   overlap_moe_expert_parallel_comm: one more warmup forward per rank) with p > 1 and no v.
 StatusOr<PipelineSchedule> BuildPipelineSchedule(
     int64_t pipeline_model_parallel_size,
     std::optional<int64_t> virtual_pipeline_model_parallel_size, int64_t num_microbatches,
-    std::optional<int64_t> microbatch_group_size_per_vp_stage);
+    std::optional<int64_t> microbatch_group_size_per_vp_stage, bool combined_1f1b = false);
 
 // pp_rank's steps joined by single spaces, e.g. "F0.0 F0.1 F1.0 B1.0 ...". Requires
 // 0 <= pp_rank < p (std::out_of_range otherwise).
@@ -135,6 +143,12 @@ struct StageCosts {
   // first micro-batch) waits before it starts, on top of its inputs (the exposed part of the
   // parameter all-gather that Megatron's overlap_param_gather runs before it).
   std::vector<double> first_forward_wait = {};
+  // With a combined 1F1B schedule (PipelineSchedule::combined_1f1b), or empty: the seconds
+  // saved when the forward of virtual stage f runs beside the backward of virtual stage b that
+  // follows it on the rank, [f * stages + b] (their all-to-alls hidden behind each other's
+  // compute). Such a pair starts when both can and both end at its start + forward + backward
+  // - saving.
+  std::vector<double> combined_saving = {};
 };
 ScheduleTiming TimeSchedule(const PipelineSchedule& schedule, const StageCosts& costs);
 

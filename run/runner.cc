@@ -205,6 +205,13 @@ int RankRun::LoadConfig() {
                                      "mpusim run computes in run.dtype (set fp8 to null)",
                                      Fp8FormatName(*config_.gpt->fp8)));
   }
+  // The executor runs Megatron's plain 1F1B order; the combined one only changes timing and
+  // how many micro-batches are in flight, which estimate and advise price.
+  if (config_.parallel.overlap_moe_expert_parallel_comm) {
+    return Usage(source, "parallel.overlap_moe_expert_parallel_comm: true is for mpusim estimate "
+                         "and advise only; mpusim run runs the plain 1F1B schedule, with the "
+                         "same values (set it false)");
+  }
   return kContinue;
 }
 

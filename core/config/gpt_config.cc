@@ -484,6 +484,27 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
                                        t));
     }
   }
+  // Megatron's checks of the combined 1F1B schedule that need the model and the run
+  // (TransformerConfig.__post_init__, in its order; the layout's are the parallel section's).
+  if (parallel.overlap_moe_expert_parallel_comm) {
+    const std::string field = "parallel.overlap_moe_expert_parallel_comm";
+    if (!gpt->moe.enabled()) {
+      return Status::Error(field, "needs a mixture-of-experts model (num_moe_experts)");
+    }
+    if (gpt->moe.token_dispatcher != MoeDispatcher::kAllToAll) {
+      return Status::Error(field, "needs model.moe_token_dispatcher_type \"alltoall\" (Megatron "
+                                  "also takes \"flex\"), got \"allgather\"");
+    }
+    if (run.recompute == RunConfig::Recompute::kFull) {
+      return Status::Error(field, "cannot run with run.recompute_granularity \"full\" "
+                                  "(Megatron's rule); use null or \"selective\"");
+    }
+    if (run.dtype != DType::kBFloat16 && run.dtype != DType::kFloat16) {
+      return Status::Error(field, fmt::format("needs a bfloat16 or float16 run (Megatron's "
+                                              "rule), got run.dtype {}",
+                                              DTypeName(run.dtype)));
+    }
+  }
   const int64_t cp = parallel.context_parallel_size;
   if (cp > 1) {
     if (gpt->cp_comm_type == CpCommType::kA2aP2p) {

@@ -66,6 +66,8 @@ const std::vector<std::string_view>& ParallelConfigKeys() {
       "num_layers",
       "sequence_parallel",
       "tp_comm_overlap",
+      "overlap_moe_expert_parallel_comm",
+      "delay_wgrad_compute",
       "gradient_accumulation_fusion",
       "fp16",
       "bf16",
@@ -166,8 +168,6 @@ constexpr AcceptedField kIgnoredFields[] = {
     {"tp_comm_overlap_disable_fc1", "", kOverlap},
     {"cross_entropy_loss_fusion", "", "a fused kernel of the same loss; mpusim's is unfused"},
     {"cross_entropy_fusion_impl", "", "a fused kernel of the same loss; mpusim's is unfused"},
-    {"overlap_moe_expert_parallel_comm", "", kOverlap},
-    {"delay_wgrad_compute", "", kOverlap},
     {"pipeline_dtype", "", "point-to-point tensors travel in run.dtype, the parameters' dtype"},
     {"variable_seq_lengths", "false", "every micro-batch has run.seq_length tokens"},
     {"overlap_p2p_comm", "", kOverlap},
@@ -239,7 +239,8 @@ Status ParseParallelOption(const std::string& key, const json& value, const std:
   } else if (key == "num_layers") {
     MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &config->num_layers));
   } else if (key == "sequence_parallel" || key == "gradient_accumulation_fusion" || key == "fp16" ||
-             key == "bf16" || key == "tp_comm_overlap") {
+             key == "bf16" || key == "tp_comm_overlap" ||
+             key == "overlap_moe_expert_parallel_comm" || key == "delay_wgrad_compute") {
     if (!value.is_boolean()) {
       return Status::Error(where,
                            fmt::format("must be true or false, got {}", DescribeJson(value)));
@@ -248,6 +249,9 @@ Status ParseParallelOption(const std::string& key, const json& value, const std:
                  : key == "gradient_accumulation_fusion" ? &config->gradient_accumulation_fusion
                  : key == "fp16"                         ? &config->fp16
                  : key == "tp_comm_overlap"              ? &config->tp_comm_overlap
+                 : key == "overlap_moe_expert_parallel_comm"
+                     ? &config->overlap_moe_expert_parallel_comm
+                 : key == "delay_wgrad_compute" ? &config->delay_wgrad_compute
                                                          : &config->bf16;
     *flag = value.get<bool>();
   } else if (key == "params_dtype") {
@@ -331,6 +335,28 @@ Status ParseParallelSection(const json& section, std::string_view path, Parallel
                                      "sequence_parallel {} at tensor_model_parallel_size {}",
                                      config.sequence_parallel, config.tensor_model_parallel_size));
   }
+  // Megatron's checks of the combined 1F1B schedule (TransformerConfig.__post_init__) that
+  // need only this section, in its order; the model's and the run's are CheckGptLayout's.
+  if (config.overlap_moe_expert_parallel_comm) {
+    if (config.pipeline_model_parallel_size > 1 &&
+        !config.virtual_pipeline_model_parallel_size) {
+      return Status::Error(prefix + ".overlap_moe_expert_parallel_comm",
+                           fmt::format("needs virtual_pipeline_model_parallel_size with "
+                                       "pipeline_model_parallel_size {} (Megatron runs the "
+                                       "combined 1F1B schedule without pipelining or "
+                                       "interleaved)",
+                                       config.pipeline_model_parallel_size));
+    }
+    if (config.expert_model_parallel_size < 2) {
+      return Status::Error(prefix + ".overlap_moe_expert_parallel_comm",
+                           "needs expert_model_parallel_size > 1 (it overlaps the experts' "
+                           "all-to-alls with another micro-batch's compute), got 1");
+    }
+  }
+  if (config.delay_wgrad_compute && !config.overlap_moe_expert_parallel_comm) {
+    return Status::Error(prefix + ".delay_wgrad_compute",
+                         "needs overlap_moe_expert_parallel_comm true (Megatron's rule)");
+  }
   if (!section.contains("world_size")) {
     return Status::Error(prefix + ".world_size",
                          "is required (the number of ranks, e.g. \"world_size\": 16)");
@@ -360,6 +386,8 @@ void ToJson(const ParallelConfig& c, json* out) {
   j["num_layers"] = optional(c.num_layers);
   j["sequence_parallel"] = c.sequence_parallel;
   j["tp_comm_overlap"] = c.tp_comm_overlap;
+  j["overlap_moe_expert_parallel_comm"] = c.overlap_moe_expert_parallel_comm;
+  j["delay_wgrad_compute"] = c.delay_wgrad_compute;
   j["gradient_accumulation_fusion"] = c.gradient_accumulation_fusion;
   j["fp16"] = c.fp16;
   j["bf16"] = c.bf16;

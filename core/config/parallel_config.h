@@ -7,8 +7,8 @@
 //   num_layers        only for the virtual-pipeline layer assignment (optional)
 // and the ModelParallelConfig fields microbatch_group_size_per_vp_stage (schedules),
 // sequence_parallel, gradient_accumulation_fusion, fp16, bf16 and params_dtype (the
-// simulator; config.h resolves the last three against run.dtype), and tp_comm_overlap (the
-// step-time estimate).
+// simulator; config.h resolves the last three against run.dtype), and tp_comm_overlap,
+// overlap_moe_expert_parallel_comm and delay_wgrad_compute (the step-time estimate).
 //
 // Parsing is strict: unknown keys (with a suggestion), wrong JSON types and out-of-range
 // values are refused with a Status naming the JSON path. Cross-field rules (divisibility,
@@ -54,6 +54,14 @@ struct ParallelConfig {
   // to them. Timing only (the step-time estimate hides what the GEMMs cover); Megatron
   // requires sequence parallelism for it (megatron/training/arguments.py), hence tp > 1.
   bool tp_comm_overlap = false;
+  // ModelParallelConfig.overlap_moe_expert_parallel_comm: Megatron's combined 1F1B schedule
+  // (pipeline_parallel/combined_1f1b.py) runs one micro-batch's forward beside another's
+  // backward, layer by layer, so each one's expert all-to-alls hide behind the other's compute
+  // (one more warmup forward per rank). delay_wgrad_compute runs the experts' weight gradients
+  // after their backward all-to-all has started. Timing and the micro-batches in flight; the
+  // values are the same (mpusim run refuses it: its executor runs the plain schedule).
+  bool overlap_moe_expert_parallel_comm = false;
+  bool delay_wgrad_compute = false;
   // Weight-gradient GEMMs accumulate straight into the float32 main_grad instead of writing
   // weight.grad in the parameter dtype and adding it (Megatron's fused wgrad kernel).
   bool gradient_accumulation_fusion = false;

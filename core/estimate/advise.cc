@@ -115,6 +115,8 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
     par.num_layers = model.num_layers;
     par.sequence_parallel = l.sequence_parallel;
     par.tp_comm_overlap = l.tp_comm_overlap;
+    par.overlap_moe_expert_parallel_comm = l.overlap_moe_expert_parallel_comm;
+    par.delay_wgrad_compute = l.delay_wgrad_compute;
     RunConfig run = base_run;
     run.micro_batch_size = l.micro_batch_size;
     run.num_microbatches = batch / (l.micro_batch_size * l.dp);
@@ -145,13 +147,16 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
     }
     return it->second ? &*it->second : nullptr;
   };
-  std::map<std::tuple<int64_t, int64_t, int64_t>, std::optional<PipelineSchedule>> schedules;
+  std::map<std::tuple<int64_t, int64_t, int64_t, bool>, std::optional<PipelineSchedule>>
+      schedules;
   const auto schedule_of = [&](const AdvisedLayout& l) -> const PipelineSchedule* {
     const int64_t m = batch / (l.micro_batch_size * l.dp);
-    auto [it, added] = schedules.try_emplace({l.pp, l.vp, m}, std::nullopt);
+    const bool combined = l.overlap_moe_expert_parallel_comm;
+    auto [it, added] = schedules.try_emplace({l.pp, l.vp, m, combined}, std::nullopt);
     if (added) {
       StatusOr<PipelineSchedule> s = BuildPipelineSchedule(
-          l.pp, l.vp > 0 ? std::optional<int64_t>(l.vp) : std::nullopt, m, std::nullopt);
+          l.pp, l.vp > 0 ? std::optional<int64_t>(l.vp) : std::nullopt, m, std::nullopt,
+          combined);
       if (s.ok()) it->second = *std::move(s);
     }
     return it->second ? &*it->second : nullptr;
@@ -217,6 +222,13 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
                   layout.overlap_param_gather = options.overlap_param_gather &&
                                                 layout.overlap_grad_reduce && distributed;
                   layout.tp_comm_overlap = options.tp_comm_overlap && sp && tp > 1;
+                  layout.overlap_moe_expert_parallel_comm =
+                      options.overlap_moe_expert_parallel_comm && ep > 1 &&
+                      (pp == 1 || vp > 0) && recompute != RunConfig::Recompute::kFull &&
+                      model.moe.token_dispatcher == MoeDispatcher::kAllToAll &&
+                      (base_run.dtype == DType::kBFloat16 || base_run.dtype == DType::kFloat16);
+                  layout.delay_wgrad_compute =
+                      layout.overlap_moe_expert_parallel_comm && options.delay_wgrad_compute;
                   const std::optional<Config> c = configure(layout);
                   if (!c) continue;
                   const Topology* topology = topology_of(*c, layout);

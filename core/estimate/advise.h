@@ -60,6 +60,11 @@ struct AdviseOptions {
   bool overlap_grad_reduce = false;
   bool overlap_param_gather = false;
   bool tp_comm_overlap = false;
+  // overlap_moe_expert_parallel_comm (with delay_wgrad_compute when asked) on every candidate
+  // Megatron allows it on: ep > 1, no pipelining or the interleaved schedule, no full
+  // recomputation, the alltoall dispatcher.
+  bool overlap_moe_expert_parallel_comm = false;
+  bool delay_wgrad_compute = false;
   size_t timed_misses = 3;  // how many of the closest layouts that do not fit get a step time
   // Replaces the computed memory reserve of every rank (--reserve-gib); nullopt: computed.
   std::optional<PlanBytes> reserve_bytes;
@@ -81,6 +86,8 @@ struct AdvisedLayout {
   bool overlap_grad_reduce = false;
   bool overlap_param_gather = false;
   bool tp_comm_overlap = false;
+  bool overlap_moe_expert_parallel_comm = false;
+  bool delay_wgrad_compute = false;
   // The stage that needs the most memory, peak + reserve: its peak, reserve and activations.
   PlanBytes peak = 0;
   int64_t peak_stage = 0;

@@ -36,7 +36,8 @@ inline StatusOr<const PipelineSchedule*> RunSchedule(const Topology& topology,
   if (given != nullptr) return given;
   StatusOr<PipelineSchedule> schedule =
       BuildPipelineSchedule(topology.sizes().pp, topology.sizes().vp, run.num_microbatches,
-                            topology.config().microbatch_group_size_per_vp_stage);
+                            topology.config().microbatch_group_size_per_vp_stage,
+                            topology.config().overlap_moe_expert_parallel_comm);
   if (!schedule.ok()) return schedule.status();
   *built = *std::move(schedule);
   return &**built;

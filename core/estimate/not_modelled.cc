@@ -3,13 +3,19 @@
 namespace mpusim {
 
 std::vector<std::string> NotModelled(const Config& config) {
+  const bool ep_overlap = config.parallel.overlap_moe_expert_parallel_comm;
   std::vector<std::string> items = {
       "kernel launch overheads and host-side gaps between kernels",
       "data loading",
-      "overlap of communication with compute beyond tp_comm_overlap, overlap_grad_reduce, "
-      "overlap_param_gather and the cp ring's sends (the pipeline's sends and the experts' "
-      "exchanges are exposed), and the slowdown of the compute that overlapped communication "
-      "shares the GPU with",
+      ep_overlap
+          ? "overlap of communication with compute beyond tp_comm_overlap, overlap_grad_reduce, "
+            "overlap_param_gather, overlap_moe_expert_parallel_comm and the cp ring's sends (the "
+            "pipeline's sends are exposed), and the slowdown of the compute that overlapped "
+            "communication shares the GPU with"
+          : "overlap of communication with compute beyond tp_comm_overlap, overlap_grad_reduce, "
+            "overlap_param_gather and the cp ring's sends (the pipeline's sends and the experts' "
+            "exchanges are exposed), and the slowdown of the compute that overlapped "
+            "communication shares the GPU with",
       "GEMM tiles other than 256 x 128, split-K and stream-K (small GEMMs are priced "
       "pessimistically)",
       "the GPU's clock under power limits",
@@ -23,8 +29,10 @@ std::vector<std::string> NotModelled(const Config& config) {
   if (config.gpt && config.gpt->moe.enabled()) {
     items.push_back("uneven expert routing (balanced routing assumed) and the dispatchers' "
                     "communication buffers");
-    items.push_back("overlap of the experts' token exchanges with compute "
-                    "(overlap_moe_expert_parallel_comm, DeepEP / HybridEP dispatchers)");
+    items.push_back(ep_overlap ? "the DeepEP / HybridEP (flex) dispatchers"
+                               : "overlap of the experts' token exchanges with compute "
+                                 "(overlap_moe_expert_parallel_comm, DeepEP / HybridEP "
+                                 "dispatchers)");
   }
   return items;
 }

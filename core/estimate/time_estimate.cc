@@ -163,6 +163,16 @@ Cost Backward(Cost c) {
   c.fused_backward_s = c.fused_backward_flops = 0;
   return c;
 }
+// Backward(c) in its two halves: the data gradients (every GEMM's dA, the memory-bound
+// kernels, the collectives, the fused attention's backward) and the weight gradients (every
+// GEMM's dB), which Megatron's delay_wgrad_compute runs apart.
+std::pair<Cost, Cost> BackwardSplit(const Cost& c) {
+  Cost dgrad = Backward(c), wgrad;
+  std::vector<Gemm> both = std::move(dgrad.gemms);
+  dgrad.gemms.clear();
+  for (size_t i = 0; i < both.size(); ++i) (i % 2 == 0 ? dgrad : wgrad).gemms.push_back(both[i]);
+  return {dgrad, wgrad};
+}
 // A forward repeated in the backward (recomputation): its own backward is not repeated.
 Cost Recomputed(Cost c) {
   c.fused_backward_s = c.fused_backward_flops = 0;
@@ -459,6 +469,8 @@ CpExchange CpExchangeOf(const GptConfig& g, const Sizes& x, int64_t cp, const Li
 // the permutation, the experts' GEMMs, the shared expert, and the token exchange over ep.
 struct MoeCost {
   Cost compute;          // GEMMs, memory-bound kernels and the shared expert's tp collective
+  Cost router;           // of `compute`: the router (Megatron's pre-dispatch part)
+  Cost experts;          // of `compute`: the rest (the experts, permutation, shared expert)
   double exchange_s = 0;  // the dispatcher's exchanges of one pass (the backward's mirror them)
   int64_t exchanges = 0;  // collectives per pass
   double exchange_bytes = 0;  // what this rank sends per pass
@@ -497,9 +509,9 @@ MoeCost MoeForward(const GptConfig& g, const Sizes& x, const DerivedSizes& sz,
   // of whole experts' work.
   const double rows = Tn * k * kept;
   MoeCost out;
-  Cost& c = out.compute;
-  c.Linear(Tn, E, h, false);  // the router's logits (a plain torch GEMM, never fp8)
-  c.bytes += Tn * E * 4 * 3;  // softmax and top-k over float32 scores
+  out.router.Linear(Tn, E, h, false);  // the router's logits (a plain torch GEMM, never fp8)
+  out.router.bytes += Tn * E * 4 * 3;  // softmax and top-k over float32 scores
+  Cost& c = out.experts;
   // fc1 and fc2 of each local expert on its rows (the etp ranks' rows gathered, 1/etp of
   // the columns): one grouped launch with moe_grouped_gemm, else one GEMM per expert
   // (SequentialMLP).
@@ -513,6 +525,8 @@ MoeCost MoeForward(const GptConfig& g, const Sizes& x, const DerivedSizes& sz,
     const double fs = static_cast<double>(*moe.shared_expert_intermediate_size);
     c += MlpForward(x, IsGated(g.activation) ? 2 * fs : fs, fs);
   }
+  out.compute = out.router;
+  out.compute += out.experts;
   if (moe.token_dispatcher == MoeDispatcher::kAllToAll) {
     // Each rank's rows to their experts' ep ranks and back: two all-to-alls over ep; with
     // etp > 1 the received rows are all-gathered over expt_tp and the outputs
@@ -574,6 +588,7 @@ double PipelinedExposed(double comm, double compute, double n) {
 }
 // A collective that runs whole beside a GEMM (TE's "bulk" overlap): only what exceeds it.
 double BulkExposed(double comm, double compute) { return std::max(0.0, comm - compute); }
+
 
 // tp_comm_overlap: the seconds of one layer's tp collectives that Transformer Engine's
 // userbuffers hide behind the GEMMs next to them, per pass. TE's defaults
@@ -642,6 +657,19 @@ struct DpPart {
 };
 
 }  // namespace
+
+double CombinedSeconds(const CombinedLayer& l, bool delay_wgrad_compute) {
+  const double combine_bwd = l.combine_bwd, attn_fwd = l.attn_fwd;
+  const double dgrad = std::max(attn_fwd, combine_bwd) + l.mlp_dgrad;
+  const double wgrad = dgrad + l.mlp_wgrad;
+  const double dispatch_fwd = std::max(combine_bwd, attn_fwd) + l.dispatch_fwd;
+  const double dispatch_bwd =
+      std::max(dispatch_fwd, delay_wgrad_compute ? dgrad : wgrad) + l.dispatch_bwd;
+  const double mlp_fwd = std::max(wgrad, dispatch_fwd) + l.mlp_fwd;
+  const double combine_fwd = std::max(dispatch_bwd, mlp_fwd) + l.combine_fwd;
+  const double attn_bwd = std::max(mlp_fwd, dispatch_bwd) + l.attn_bwd;
+  return std::max(combine_fwd, attn_bwd);
+}
 
 double GemmSeconds(const GpuSpec& gpu, const GemmShape& shape, double element_bytes, double peak) {
   if (shape.m <= 0 || shape.n <= 0 || shape.k <= 0 || shape.count <= 0) return 0;
@@ -954,6 +982,34 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   // tp_comm_overlap: what TE's userbuffers hide of each layer's tp collectives.
   const bool tp_overlap = config.parallel.tp_comm_overlap && sz.tp > 1 && x.sp;
   const TpOverlap tpo = tp_overlap ? TpOverlapOf(g, x, tp_link, gpu, dense_peak) : TpOverlap{};
+  // overlap_moe_expert_parallel_comm: what an MoE layer saves when its forward runs beside
+  // another micro-batch's backward (CombinedSeconds), split as the stage's costs count it.
+  const bool combined = config.parallel.overlap_moe_expert_parallel_comm && g.moe.enabled() &&
+                        sz.ep > 1 && !full;
+  double combined_saving = 0;
+  if (combined) {
+    Cost attention_side = layer.total();
+    attention_side += moe.router;
+    Cost attention_backward = Backward(attention_side);
+    if (run.recompute == RunConfig::Recompute::kSelective) {
+      attention_backward += Recomputed(layer.core_attention);
+    }
+    const auto [dgrad, wgrad] = BackwardSplit(moe.experts);
+    const auto total = [&](const Cost& c) {
+      const auto [compute, comm] = seconds(c);
+      return compute + comm;
+    };
+    CombinedLayer l;
+    l.attn_fwd = std::max(0.0, total(attention_side) - tpo.moe_forward);
+    l.attn_bwd = std::max(0.0, total(attention_backward) - tpo.moe_backward);
+    l.mlp_fwd = total(moe.experts);
+    l.mlp_dgrad = total(dgrad);
+    l.mlp_wgrad = total(wgrad);
+    l.dispatch_fwd = l.combine_fwd = ep_forward / 2;
+    l.dispatch_bwd = l.combine_bwd = ep_backward / 2;
+    combined_saving = std::max(0.0, l.Forward() + l.Backward() -
+                                        CombinedSeconds(l, config.parallel.delay_wgrad_compute));
+  }
   StageCosts costs;
   std::vector<double> compute_of(static_cast<size_t>(stages)), comm_of(compute_of);
   std::vector<double> flops_of(compute_of), cp_of(compute_of), ep_of(compute_of);
@@ -1012,6 +1068,20 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   std::optional<PipelineSchedule> built;
   StatusOr<const PipelineSchedule*> schedule = RunSchedule(topology, run, schedule_given, &built);
   if (!schedule.ok()) return schedule.status();
+  // The combined 1F1B schedule's pairs: a forward's MoE layers beside the backward's, layer
+  // by layer (Megatron pairs layer i of the forward chunk with layer n - 1 - i of the
+  // backward one; a pair of an MoE and a dense layer is counted as saving nothing).
+  if (combined && (*schedule)->combined_1f1b) {
+    costs.combined_saving.assign(static_cast<size_t>(stages * stages), 0.0);
+    for (int64_t f = 0; f < stages; ++f) {
+      for (int64_t b = 0; b < stages; ++b) {
+        costs.combined_saving[static_cast<size_t>(f * stages + b)] =
+            static_cast<double>(std::min(moe_layers_of[static_cast<size_t>(f)],
+                                         moe_layers_of[static_cast<size_t>(b)])) *
+            combined_saving;
+      }
+    }
+  }
   // The replay without parameter gathers in it: the pipeline span the parts below add up to.
   const ScheduleTiming timing = TimeSchedule(**schedule, costs);
 
@@ -1219,6 +1289,18 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   out.tp_comm_hidden_s = m * tp_hidden;
   out.cp_comm_s = m * cp_s;
   out.ep_comm_s = m * ep_s;
+  // What the combined pairs hid of the busiest rank's exchanges: each pair's saving.
+  if (!costs.combined_saving.empty()) {
+    const auto& steps = (*schedule)->per_rank[busiest];
+    for (size_t i = 0; i + 1 < steps.size(); ++i) {
+      if (!(*schedule)->CombinedPairAt(static_cast<int64_t>(busiest), i)) continue;
+      const int64_t f = steps[i].model_chunk * p + static_cast<int64_t>(busiest);
+      const int64_t b = steps[i + 1].model_chunk * p + static_cast<int64_t>(busiest);
+      out.ep_comm_hidden_s += costs.combined_saving[static_cast<size_t>(f * stages + b)];
+      ++i;
+    }
+    out.ep_comm_s -= out.ep_comm_hidden_s;
+  }
   out.pp_comm_s = p > 1 ? m * static_cast<double>(sends) * costs.transfer : 0;
   out.bubble_s = std::max(0.0, timing.makespan - out.compute_s - out.recompute_s -
                                    out.tp_comm_s - out.cp_comm_s - out.ep_comm_s - out.pp_comm_s);
@@ -1252,6 +1334,7 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     out.communication.push_back({"ep", moe.operation, n * moe.exchanges,
                                  static_cast<double>(n) * moe.exchange_bytes, out.ep_comm_s,
                                  moe.inter_node});
+    out.communication.back().hidden_s = out.ep_comm_hidden_s;
   }
   if (p > 1) {
     // The busiest stage's own sends (each a blocking wait), per micro-batch as counted above.

@@ -56,6 +56,11 @@
 //               etp > 1 an all-gather and a reduce-scatter over expt_tp, "allgather" an
 //               all-gather and a reduce-scatter over etp x ep; full recomputation repeats them;
 //               an MoE layer's only tp collective is its attention's (and a shared expert's);
+//               with parallel.overlap_moe_expert_parallel_comm Megatron's combined 1F1B runs
+//               each steady forward beside the backward after it (one more warmup forward per
+//               rank, core/schedule.h), an MoE layer of one beside one of the other on two
+//               streams (CombinedSeconds below), so each one's all-to-alls hide behind the
+//               other's compute;
 //   pp          each activation and gradient p2p transfer delays the step that waits for it
 //               and holds the rank that sends it (Megatron waits for its sends unless
 //               overlap_p2p_comm); the bubble comes from replaying Megatron's own 1F1B or
@@ -215,6 +220,29 @@ StatusOr<GpuSpec> ResolveGpuSpec(const std::string& name_or_file);
 // 120); and a GPU with an fp8 peak. Errors name the field.
 Status CheckFp8OnGpu(const GptConfig& gpt, DType dtype, const GpuSpec& gpu);
 
+// overlap_moe_expert_parallel_comm: one MoE layer's forward of one micro-batch beside its
+// backward of another, as Megatron's TransformerLayerSchedulePlan.run issues them on two
+// streams (megatron/core/models/common/model_chunk_schedule_plan.py):
+//   comm stream:    combine_bwd | dispatch_fwd -> dispatch_bwd       | combine_fwd
+//   compute stream: attn_fwd    | mlp_bwd -> mlp_bwd_dw -> mlp_fwd   | attn_bwd
+// each starting when its stream is free and its input exists: mlp_bwd (the data gradients,
+// `mlp_dgrad`) after combine_bwd, dispatch_fwd after attn_fwd (the router's choices),
+// dispatch_bwd after mlp_bwd's data gradients with delay_wgrad_compute, else after its weight
+// gradients (`mlp_wgrad`) too, mlp_fwd after dispatch_fwd, combine_fwd after mlp_fwd,
+// attn_bwd after dispatch_bwd. The pair takes until both streams are done. "attn" is the
+// layer's pre-dispatch part (norms, attention, router, the tp collectives beside them), "mlp"
+// the experts (permutation and shared expert included); each exchange is one all-to-all (and
+// with etp > 1 its gather or scatter over expt_tp).
+struct CombinedLayer {
+  double attn_fwd = 0, mlp_fwd = 0, dispatch_fwd = 0, combine_fwd = 0;
+  double attn_bwd = 0, mlp_dgrad = 0, mlp_wgrad = 0, dispatch_bwd = 0, combine_bwd = 0;
+  double Forward() const { return attn_fwd + mlp_fwd + dispatch_fwd + combine_fwd; }
+  double Backward() const {
+    return attn_bwd + mlp_dgrad + mlp_wgrad + dispatch_bwd + combine_bwd;
+  }
+};
+double CombinedSeconds(const CombinedLayer& layer, bool delay_wgrad_compute);
+
 // A pipeline stage's costs per micro-batch: all of its model chunks together.
 struct StageTime {
   int64_t stage = 0;
@@ -243,7 +271,8 @@ struct TimeEstimate {
   // per-micro-batch costs; pp its blocking sends (Megatron waits for each send: every step
   // whose output goes to another rank holds its rank for the transfer); bubble = pipeline
   // span - compute - recompute - tp - cp - ep - pp (idle time, waits for receives included).
-  // With overlap (tp_comm_overlap, overlap_grad_reduce, overlap_param_gather) each kind's
+  // With overlap (tp_comm_overlap, overlap_grad_reduce, overlap_param_gather,
+  // overlap_moe_expert_parallel_comm) each kind's
   // *_comm_s is its exposed part, the one that adds to the step, and *_comm_hidden_s what
   // runs beside compute; the total traffic's time is their sum.
   double compute_s = 0;
@@ -254,6 +283,8 @@ struct TimeEstimate {
   double tp_comm_hidden_s = 0;
   double cp_comm_s = 0;  // what the step waits for of context parallelism's exchanges
   double ep_comm_s = 0;  // mixture-of-experts layers' token exchanges (the dispatcher's)
+  // What overlap_moe_expert_parallel_comm's combined pairs hide of them.
+  double ep_comm_hidden_s = 0;
   double pp_comm_s = 0;
   double bubble_s = 0;
   double dp_comm_s = 0;          // gradient reduction and parameter gather, exposed
