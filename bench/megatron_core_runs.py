@@ -71,6 +71,9 @@ def config_of(row, table):
         parallel["expert_model_parallel_size"] = row["ep"]
     if "etp" in row:
         parallel["expert_tensor_parallel_size"] = row["etp"]
+    for key in ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute"):
+        if row.get(key):
+            parallel[key] = True
     run = {"dtype": "bfloat16", "seq_length": row["seq_length"],
            "micro_batch_size": row["micro_batch_size"]}
     if row["recompute"]:

@@ -560,7 +560,9 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
 }
 
 std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_vocab_size,
-                                        bool sequence_parallel) {
+                                        bool sequence_parallel,
+                                        const std::function<bool(int64_t)>& keep_layer,
+                                        const std::function<bool(int64_t)>& keep_expert) {
   const int64_t h = gpt.hidden_size;
   const InitSpec normal{InitMethod::kNormal, gpt.init_method_std};
   // Megatron's scaled_init_method_normal: the projections into the residual stream.
@@ -585,6 +587,7 @@ std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_voc
   const int64_t stride_fc1 = IsGated(gpt.activation) ? 2 : 1;
   const int64_t attn_width = gpt.num_attention_heads * gpt.kv_channels;
   for (int64_t i = 0; i < gpt.num_layers; ++i) {
+    if (keep_layer && !keep_layer(i)) continue;
     const std::string layer = fmt::format("decoder.layers.{}", i);
     norm(layer + ".input_layernorm");
     add(layer + ".self_attention.linear_qkv.weight", {gpt.QkvRows(), h}, normal, 0);
@@ -612,6 +615,7 @@ std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_voc
       add(layer + ".mlp.router.weight", {gpt.moe.num_experts, h}, normal, -1, 1, true);
       const int64_t f = gpt.moe.ffn_hidden_size, f1 = IsGated(gpt.activation) ? 2 * f : f;
       for (int64_t e = 0; e < gpt.moe.num_experts; ++e) {
+        if (keep_expert && !keep_expert(e)) continue;
         const std::string fc1 = MoeExpertWeightName(gpt.moe, layer + ".mlp", e, 1);
         const std::string fc2 = MoeExpertWeightName(gpt.moe, layer + ".mlp", e, 2);
         add(fc1, {f1, h}, normal, 0, stride_fc1);

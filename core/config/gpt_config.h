@@ -59,6 +59,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -224,8 +225,13 @@ struct GptParameter {
 // layer (absent when shared with the word embeddings). `padded_vocab_size` is the layout's
 // Vp; `sequence_parallel` marks the norm weights and the row-parallel biases (the q/k layer
 // norms are marked whatever it is).
-std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_vocab_size,
-                                        bool sequence_parallel);
+// `keep_layer` / `keep_expert`, when given, leave out the layers and experts they refuse (a
+// rank's own model lists only its stages' layers and its ep rank's experts, without naming
+// the others').
+std::vector<GptParameter> GptParameters(
+    const GptConfig& gpt, int64_t padded_vocab_size, bool sequence_parallel,
+    const std::function<bool(int64_t)>& keep_layer = {},
+    const std::function<bool(int64_t)>& keep_expert = {});
 
 // The state-dict name of expert `e`'s fc1 (`fc` 1) or fc2 (`fc` 2) weight in the MoE layer
 // `mlp_prefix` ("decoder.layers.<i>.mlp"): SequentialMLP's

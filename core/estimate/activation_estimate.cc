@@ -121,9 +121,28 @@ StatusOr<std::vector<StageActivations>> EstimateStageActivations(
     }
     double live = 0, peak = 0;
     int64_t alive = 0, peak_alive = 0;
-    for (const ScheduleStep& step : schedule->per_rank[static_cast<size_t>(r)]) {
-      const double bytes = stash[static_cast<size_t>(step.model_chunk)];
-      const bool forward = step.pass == Pass::kForward;
+    const auto& steps = schedule->per_rank[static_cast<size_t>(r)];
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const double bytes = stash[static_cast<size_t>(steps[i].model_chunk)];
+      if (schedule->CombinedPairAt(r, i)) {
+        // A combined 1F1B pair (overlap_moe_expert_parallel_comm) runs the forward's layer j
+        // beside the backward's layer n - 1 - j, so the forward's stash grows a layer at a
+        // time as the backward's is freed a layer at a time (PyTorch frees a node's saved
+        // tensors when its backward has run): with per-layer stashes lf and lb over n layers,
+        // the most held is live + max(n lf - (n - 1) lb, lf). Both micro-batches are partly
+        // alive then.
+        const double freed = stash[static_cast<size_t>(steps[i + 1].model_chunk)];
+        const double n = static_cast<double>(std::max<int64_t>(per_stage, 1));
+        const double during = live + std::max(bytes - freed + freed / n, bytes / n);
+        if (during > peak) {
+          peak = during;
+          peak_alive = alive + 1;
+        }
+        live += bytes - freed;
+        ++i;
+        continue;
+      }
+      const bool forward = steps[i].pass == Pass::kForward;
       live += forward ? bytes : -bytes;
       alive += forward ? 1 : -1;
       if (live > peak) {

@@ -32,7 +32,10 @@
 // the last the final norm's input and the float32 logits of one micro-batch, 4 T V / t.
 // Each model chunk's stash is added when its forward runs and dropped when its backward does,
 // following Megatron's 1F1B or interleaved order (core/schedule.h); the peak is the largest
-// sum.
+// sum. Under the combined 1F1B (overlap_moe_expert_parallel_comm) a steady pair runs the
+// forward's layers beside the backward's in reverse, so the forward's stash grows a layer at a
+// time as the backward's shrinks: the pair holds at most live + max(n lf - (n - 1) lb, lf)
+// (per-layer stashes lf, lb over n layers).
 //
 // Buffers, per stage: the pipeline's send and receive of one activation each way
 // (4 * T * h * e, / t with sp) and, under sequence parallelism, the all-gathered layer input

@@ -136,7 +136,14 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
   // shards over dp x cp).
   using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, bool>;
   std::map<Key, std::optional<Topology>> topologies;
-  std::map<Key, std::optional<std::vector<StageHeldMemory>>> held;
+  // Held memory is counted after the enumeration, once per key, on every core (it builds
+  // each stage's busiest rank's model, the search's costliest part for a large MoE model).
+  struct HeldSlot {
+    std::optional<Config> config;
+    const Topology* topology = nullptr;
+    std::optional<std::vector<StageHeldMemory>> value;
+  };
+  std::map<Key, HeldSlot> held;
   const auto topology_of = [&](const Config& c, const AdvisedLayout& l) -> const Topology* {
     auto [it, added] =
         topologies.try_emplace(Key{l.tp, l.cp, l.ep, l.pp, l.vp, l.sequence_parallel},
@@ -161,16 +168,15 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
     }
     return it->second ? &*it->second : nullptr;
   };
-  const auto held_of = [&](const Config& c, const Topology& t,
-                           const AdvisedLayout& l) -> const std::vector<StageHeldMemory>* {
+  const auto held_slot = [&](const Config& c, const Topology& t,
+                             const AdvisedLayout& l) -> HeldSlot* {
     auto [it, added] =
-        held.try_emplace(Key{l.tp, l.cp, l.ep, l.pp, l.vp, l.distributed_optimizer},
-                         std::nullopt);
+        held.try_emplace(Key{l.tp, l.cp, l.ep, l.pp, l.vp, l.distributed_optimizer});
     if (added) {
-      StatusOr<std::vector<StageHeldMemory>> h = EstimateStageHeldMemory(c, t);
-      if (h.ok()) it->second = *std::move(h);
+      it->second.config = c;
+      it->second.topology = &t;
     }
-    return it->second ? &*it->second : nullptr;
+    return &it->second;
   };
   // First every candidate, with the topology, held memory and schedule it shares with others;
   // then each one's activations, peak and (when it fits) step time, on every core: those are
@@ -178,7 +184,8 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
   struct Candidate {
     AdvisedLayout layout;
     const Topology* topology;
-    const std::vector<StageHeldMemory>* held;
+    HeldSlot* slot;
+    const std::vector<StageHeldMemory>* held;  // the slot's, once counted
     const PipelineSchedule* schedule;
   };
   std::vector<Candidate> candidates;
@@ -233,10 +240,10 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
                   if (!c) continue;
                   const Topology* topology = topology_of(*c, layout);
                   if (topology == nullptr) continue;
-                  const std::vector<StageHeldMemory>* h = held_of(*c, *topology, layout);
+                  HeldSlot* slot = held_slot(*c, *topology, layout);
                   const PipelineSchedule* schedule = schedule_of(layout);
-                  if (h == nullptr || schedule == nullptr) continue;
-                  candidates.push_back({layout, topology, h, schedule});
+                  if (schedule == nullptr) continue;
+                  candidates.push_back({layout, topology, slot, nullptr, schedule});
                 }
               }
             }
@@ -245,6 +252,19 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
       }
     }
   }
+  std::vector<HeldSlot*> slots;
+  for (auto& [key, slot] : held) slots.push_back(&slot);
+  ParallelFor(slots.size(), [&](size_t i) {
+    HeldSlot& slot = *slots[i];
+    StatusOr<std::vector<StageHeldMemory>> h =
+        EstimateStageHeldMemory(*slot.config, *slot.topology);
+    if (h.ok()) slot.value = *std::move(h);
+  });
+  std::erase_if(candidates, [](Candidate& k) {
+    if (!k.slot->value) return true;
+    k.held = &*k.slot->value;
+    return false;
+  });
   std::vector<std::optional<AdvisedLayout>> evaluated(candidates.size());
   ParallelFor(candidates.size(), [&](size_t i) {
     const Candidate& k = candidates[i];
@@ -315,8 +335,9 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
     // Each was configured, its topology made and its held memory counted above.
     const Config c = *configure(l);
     const Topology* topology = topology_of(c, l);
+    const HeldSlot* slot = held_slot(c, *topology, l);
     StatusOr<TimeEstimate> time =
-        EstimateStepTime(c, *topology, gpu, held_of(c, *topology, l), schedule_of(l));
+        EstimateStepTime(c, *topology, gpu, &*slot->value, schedule_of(l));
     if (time.ok()) l.time = *std::move(time);
   }
   return advice;

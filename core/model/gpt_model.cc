@@ -160,7 +160,10 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
   // same master values, its gradient all-reduced with the first stage's over embd.
   constexpr std::string_view kWord = "embedding.word_embeddings.weight";
   const ExpertPlacement experts{gpt.moe.num_experts, sizes.ep, coords.ep};
-  for (const GptParameter& p : GptParameters(gpt, model->padded_vocab_, sh.sequence_parallel)) {
+  for (const GptParameter& p :
+       GptParameters(gpt, model->padded_vocab_, sh.sequence_parallel,
+                     [&](int64_t layer) { return held.count(layer) != 0; },
+                     [&](int64_t expert) { return experts.Holds(expert); })) {
     const std::optional<int64_t> layer = LayerOf(p.name);
     const bool mine = layer                              ? held.count(*layer) != 0
                       : p.name.starts_with("embedding.") ? pre || (post && tied && p.name == kWord)

@@ -16,15 +16,14 @@ Parameter& ParameterSet::Add(std::string name, Shape full_shape, InitSpec init, 
   p->init = init;
   p->allreduce_grad_over_tp = allreduce_grad_over_tp && tp_size > 1;
   if (tp_dim >= 0) p->shard.Split(axis, tp_dim, tp_size, tp_rank, stride);
+  by_name_.try_emplace(p->name, p.get());
   params_.push_back(std::move(p));
   return *params_.back();
 }
 
 Parameter* ParameterSet::Find(std::string_view name) {
-  for (auto& p : params_) {
-    if (p->name == name) return p.get();
-  }
-  return nullptr;
+  const auto it = by_name_.find(name);
+  return it == by_name_.end() ? nullptr : it->second;
 }
 
 Parameter& ParameterSet::Get(std::string_view name) {
