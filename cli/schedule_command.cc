@@ -104,6 +104,10 @@ class ScheduleCommand : public Command {
       out << fmt::format("1F1B: pipeline_model_parallel_size {}, num_microbatches {}\n", p,
                          s.num_microbatches);
     }
+    if (s.combined_1f1b) {
+      out << "combined 1F1B (overlap_moe_expert_parallel_comm): one more warmup forward per "
+             "rank; each steady forward runs beside the backward after it\n";
+    }
     std::vector<int64_t> microbatches;
     std::vector<int64_t> chunks;
     for (const auto& [microbatch, chunk] : s.forward_table) {
@@ -156,6 +160,7 @@ class ScheduleCommand : public Command {
     nlohmann::ordered_json j;
     j["schema_version"] = 1;
     j["schedule"] = s.interleaved ? "interleaved_1f1b" : "1f1b";
+    j["combined_1f1b"] = s.combined_1f1b;
     j["pipeline_model_parallel_size"] = s.pipeline_model_parallel_size;
     j["virtual_pipeline_model_parallel_size"] =
         s.interleaved ? nlohmann::ordered_json(s.num_model_chunks) : nlohmann::ordered_json();
