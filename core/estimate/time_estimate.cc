@@ -525,6 +525,13 @@ MoeCost MoeForward(const GptConfig& g, const Sizes& x, const DerivedSizes& sz,
     const double fs = static_cast<double>(*moe.shared_expert_intermediate_size);
     c += MlpForward(x, IsGated(g.activation) ? 2 * fs : fs, fs);
   }
+  // The alltoall dispatcher's second permutation (token_dispatcher.py dispatch_postprocess
+  // and combine_preprocess, sort_chunks_by_idxs): with more than one local expert the rows
+  // received are sorted by local expert after the exchange and back before the return (read
+  // and write each).
+  if (moe.token_dispatcher == MoeDispatcher::kAllToAll && local > 1) {
+    c.bytes += 2 * 2 * rows * etp * h * e;
+  }
   out.compute = out.router;
   out.compute += out.experts;
   if (moe.token_dispatcher == MoeDispatcher::kAllToAll) {

@@ -48,8 +48,10 @@
 //               experts' work (etp splits an expert's columns over the rows gathered from its
 //               etp ranks) as E / ep GEMMs of (rows x etp) / (E / ep) rows each, one
 //               grouped launch with moe_grouped_gemm, else one launch per expert
-//               (SequentialMLP), the permutation's copies, the shared expert as a dense MLP; the
-//               dispatcher's exchanges per layer and pass, not overlapped: "alltoall" two
+//               (SequentialMLP), the permutation's copies (alltoall with local experts > 1:
+//               the received rows sorted by expert and back too), the shared expert as a
+//               dense MLP; the dispatcher's exchanges per layer and pass, not overlapped
+//               (but see overlap_moe_expert_parallel_comm below): "alltoall" two
 //               all-to-alls over ep (each rank's rows that go to other ep ranks: those for
 //               its own node's ep ranks over NVLink, the rest over its network adapter, at
 //               once, the slower setting the time) and with
