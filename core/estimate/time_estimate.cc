@@ -596,7 +596,6 @@ double PipelinedExposed(double comm, double compute, double n) {
 // A collective that runs whole beside a GEMM (TE's "bulk" overlap): only what exceeds it.
 double BulkExposed(double comm, double compute) { return std::max(0.0, comm - compute); }
 
-
 // tp_comm_overlap: the seconds of one layer's tp collectives that Transformer Engine's
 // userbuffers hide behind the GEMMs next to them, per pass. TE's defaults
 // (transformer_engine/pytorch/module/base.py, initialize_ub):
