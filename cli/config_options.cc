@@ -13,18 +13,8 @@
 namespace mpusim::cli {
 namespace {
 
-enum class FlagType { kInt, kString, kIntList, kBool };
-
-struct ParallelFlag {
-  const char* flag;
-  const char* key;  // the key it sets, in `section`
-  FlagType type;
-  const char* help;
-  const char* section = "parallel";  // or "optimizer" (which the config must have)
-};
-
 // The one table of quick flags.
-constexpr ParallelFlag kParallelFlags[] = {
+constexpr ConfigFlag kConfigFlags[] = {
     {"--world-size,-n", "world_size", FlagType::kInt, "number of ranks (GPUs)"},
     {"--tp", "tensor_model_parallel_size", FlagType::kInt, "tensor-parallel size"},
     {"--pp", "pipeline_model_parallel_size", FlagType::kInt, "pipeline-parallel size"},
@@ -55,6 +45,9 @@ constexpr ParallelFlag kParallelFlags[] = {
     {"--delay-wgrad-compute", "delay_wgrad_compute", FlagType::kBool,
      "true or false: the experts' weight gradients after their backward all-to-all starts "
      "(timing only; needs --overlap-moe-expert-parallel-comm true)"},
+    {"--distributed-optimizer", "use_distributed_optimizer", FlagType::kBool,
+     "true or false: optimizer.use_distributed_optimizer, the optimizer state sharded over dp",
+     "optimizer"},
     {"--overlap-grad-reduce", "overlap_grad_reduce", FlagType::kBool,
      "true or false: optimizer.overlap_grad_reduce, the bucketed gradient reduction overlapped "
      "with the backward (timing only)",
@@ -64,11 +57,6 @@ constexpr ParallelFlag kParallelFlags[] = {
      "all-gather overlapped with the forward (timing only)",
      "optimizer"},
 };
-
-std::string LongName(const char* flag) {
-  std::string name(flag);
-  return name.substr(0, name.find(','));
-}
 
 StatusOr<int64_t> ParseInteger(const std::string& text, const std::string& flag) {
   int64_t value = 0;
@@ -82,18 +70,59 @@ StatusOr<int64_t> ParseInteger(const std::string& text, const std::string& flag)
 
 }  // namespace
 
+std::span<const ConfigFlag> ConfigFlags() { return kConfigFlags; }
+
+std::string LongName(const char* flag) {
+  std::string name(flag);
+  return name.substr(0, name.find(','));
+}
+
+StatusOr<nlohmann::json> FlagValue(const ConfigFlag& f, const std::string& text) {
+  const std::string flag = LongName(f.flag);
+  switch (f.type) {
+    case FlagType::kString:
+      return nlohmann::json(text);
+    case FlagType::kBool:
+      if (text != "true" && text != "false") {
+        return Status::Error(flag, fmt::format("must be true or false, got '{}'", text));
+      }
+      return nlohmann::json(text == "true");
+    case FlagType::kInt: {
+      StatusOr<int64_t> parsed = ParseInteger(text, flag);
+      if (!parsed.ok()) return parsed.status();
+      return nlohmann::json(*parsed);
+    }
+    case FlagType::kIntList: {
+      nlohmann::json value = nlohmann::json::array();
+      for (const std::string& item : SplitCommaList(text)) {
+        StatusOr<int64_t> parsed = ParseInteger(item, flag);
+        if (!parsed.ok()) return parsed.status();
+        value.push_back(*parsed);
+      }
+      return value;
+    }
+  }
+  return Status::Error(flag, "unknown flag type");
+}
+
+std::string FlagGroup(const ConfigFlag& f) {
+  return std::string_view(f.section) == "parallel"
+             ? "Layout flags (set or override parallel keys)"
+             : "Optimizer flags (set or override optimizer keys)";
+}
+
+std::string FlagTypeName(const ConfigFlag& f) {
+  return f.type == FlagType::kInt       ? "INT"
+         : f.type == FlagType::kIntList ? "INT,INT,..."
+         : f.type == FlagType::kBool    ? "BOOL"
+                                        : "TEXT";
+}
+
 void ConfigOptions::Register(CLI::App* app) {
   app->add_option("CONFIG", path_, "config file (JSON with a \"parallel\" section)");
-  for (const ParallelFlag& f : kParallelFlags) {
+  for (const ConfigFlag& f : kConfigFlags) {
     std::string& slot = values_[f.key];
-    app->add_option(f.flag, slot, f.help)
-        ->group(std::string_view(f.section) == "parallel"
-                    ? "Layout flags (set or override parallel keys)"
-                    : "Optimizer flags (set or override optimizer keys)")
-        ->type_name(f.type == FlagType::kInt       ? "INT"
-                    : f.type == FlagType::kIntList ? "INT,INT,..."
-                    : f.type == FlagType::kBool    ? "BOOL"
-                                                   : "TEXT");
+    app->add_option(f.flag, slot, f.help)->group(FlagGroup(f))->type_name(FlagTypeName(f));
   }
 }
 
@@ -105,30 +134,13 @@ StatusOr<Config> ConfigOptions::Resolve() {
     document = std::move(read).value();
   }
   flag_of_key_.clear();
-  for (const ParallelFlag& f : kParallelFlags) {
+  for (const ConfigFlag& f : kConfigFlags) {
     const std::string& text = values_.at(f.key);
     if (text.empty()) continue;
     const std::string flag = LongName(f.flag);
-    nlohmann::json value;
-    if (f.type == FlagType::kString) {
-      value = text;
-    } else if (f.type == FlagType::kBool) {
-      if (text != "true" && text != "false") {
-        return Status::Error(flag, fmt::format("must be true or false, got '{}'", text));
-      }
-      value = text == "true";
-    } else if (f.type == FlagType::kInt) {
-      StatusOr<int64_t> parsed = ParseInteger(text, flag);
-      if (!parsed.ok()) return parsed.status();
-      value = *parsed;
-    } else {
-      value = nlohmann::json::array();
-      for (const std::string& item : SplitCommaList(text)) {
-        StatusOr<int64_t> parsed = ParseInteger(item, flag);
-        if (!parsed.ok()) return parsed.status();
-        value.push_back(*parsed);
-      }
-    }
+    StatusOr<nlohmann::json> parsed = FlagValue(f, text);
+    if (!parsed.ok()) return parsed.status();
+    const nlohmann::json value = *std::move(parsed);
     flag_of_key_[f.key] = flag;
     const std::string section = f.section;
     if (section != "parallel" &&
@@ -176,7 +188,7 @@ Status ConfigOptions::Attribute(const Status& status, std::string* source) const
 
 std::string ConfigOptions::FlagsText() const {
   std::string text;
-  for (const ParallelFlag& f : kParallelFlags) {
+  for (const ConfigFlag& f : kConfigFlags) {
     const std::string& value = values_.at(f.key);
     if (value.empty()) continue;
     text += fmt::format("{}{} {}", text.empty() ? "" : " ", LongName(f.flag), value);

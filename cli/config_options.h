@@ -1,24 +1,48 @@
 // Options shared by the subcommands that read a parallel layout: a CONFIG file and/or quick
 // flags (`--tp 2 --pp 4 --world-size 16`) that set or override `parallel` keys.
 //
-// One table (kParallelFlags in config_options.cc) maps each flag to its JSON key, so the
-// help text, the parser and the error messages cannot drift apart.
+// One table (kConfigFlags in config_options.cc, ConfigFlags below) maps each flag to its JSON
+// key, so the help text, the parser and the error messages cannot drift apart, and `mpusim
+// run` takes the same flags.
 #pragma once
 
 #include <iosfwd>
 #include <map>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include "core/config/config.h"
 #include "core/status.h"
 #include "core/topology.h"
 
 namespace mpusim::cli {
+
+// The one table of quick flags (kConfigFlags in config_options.cc): each sets a key of the
+// `parallel` or `optimizer` section. The commands that read a layout (ConfigOptions below)
+// and `mpusim run` (its overrides) take every one of them under the same name.
+enum class FlagType { kInt, kString, kIntList, kBool };
+struct ConfigFlag {
+  const char* flag;  // "--world-size,-n": the long name, then any short one
+  const char* key;   // the key it sets, in `section`
+  FlagType type;
+  const char* help;
+  const char* section = "parallel";  // or "optimizer" (which the config must have)
+};
+std::span<const ConfigFlag> ConfigFlags();
+// "--world-size" of "--world-size,-n".
+std::string LongName(const char* flag);
+// The JSON value `text` gives `f`'s key, or an error naming the flag ("--tp: must be an
+// integer, got 'x'").
+StatusOr<nlohmann::json> FlagValue(const ConfigFlag& f, const std::string& text);
+// The --help group and value name of a flag.
+std::string FlagGroup(const ConfigFlag& f);
+std::string FlagTypeName(const ConfigFlag& f);
 
 // For the commands that need a run section only to build the model (explain, estimate): when
 // `config` has none, gives it the shortest sequence the layout splits (2 cp chunks, each cut

@@ -9,6 +9,7 @@
 
 #include "cli/cli.h"
 #include "cli/commands.h"
+#include "cli/config_options.h"
 #include "run/backend_plugin.h"
 #include "run/preflight.h"
 #include "run/runner.h"
@@ -28,20 +29,12 @@ struct OverrideFlag {
   const char* help;
   std::vector<std::string> choices = {};  // a string value, one of these; empty: an integer
 };
+// The model's and the run's keys `run` overrides; the layout's and the optimizer's are the
+// quick flags every layout command takes (cli/config_options.h ConfigFlags).
 const OverrideFlag kOverrides[] = {
-    {"--world-size", "parallel.world_size",
-     "override parallel.world_size (the ranks mpirun starts)"},
-    {"--tp", "parallel.tensor_model_parallel_size", "override tensor_model_parallel_size"},
-    {"--pp", "parallel.pipeline_model_parallel_size", "override pipeline_model_parallel_size"},
-    {"--vp", "parallel.virtual_pipeline_model_parallel_size",
-     "override virtual_pipeline_model_parallel_size"},
-    {"--cp", "parallel.context_parallel_size", "override context_parallel_size"},
     {"--cp-comm-type", "model.cp_comm_type",
      "override model.cp_comm_type (context parallelism): p2p, all_gather, a2a or a2a+p2p",
      {"p2p", "all_gather", "a2a", "a2a+p2p"}},
-    {"--ep", "parallel.expert_model_parallel_size", "override expert_model_parallel_size"},
-    {"--etp", "parallel.expert_tensor_parallel_size",
-     "override expert_tensor_parallel_size (default: tensor_model_parallel_size)"},
     {"--moe-token-dispatcher", "model.moe_token_dispatcher_type",
      "override model.moe_token_dispatcher_type (mixture of experts): allgather or alltoall",
      {"allgather", "alltoall"}},
@@ -93,7 +86,7 @@ class RunCommand : public Command {
               o.flag,
               [this, o, is_text](const std::string& value) {
                 options_.overrides.push_back(
-                    {o.flag, o.key, is_text ? "\"" + value + "\"" : value});
+                    {o.flag, o.key, is_text ? "\"" + value + "\"" : value, value});
               },
               o.help)
           ->type_name(is_text ? "TEXT" : "INT")
@@ -109,14 +102,37 @@ class RunCommand : public Command {
                             },
                             ""));
     }
+    for (const ConfigFlag& f : ConfigFlags()) {
+      const std::string flag = LongName(f.flag);
+      const std::string key = std::string(f.section) + "." + f.key;
+      app_->add_option_function<std::string>(
+              f.flag,
+              [this, f, flag, key](const std::string& value) {
+                options_.overrides.push_back({flag, key, FlagValue(f, value)->dump(), value});
+              },
+              f.help)
+          ->group(FlagGroup(f))
+          ->type_name(FlagTypeName(f))
+          ->check(CLI::Validator(
+              [f](const std::string& text) {
+                const StatusOr<nlohmann::json> value = FlagValue(f, text);
+                return value.ok() ? std::string() : value.status().what();
+              },
+              ""));
+    }
+    // Short spellings of --sequence-parallel true / false.
     app_->add_flag_callback(
         "--sp",
-        [this] { options_.overrides.push_back({"--sp", "parallel.sequence_parallel", "true"}); },
-        "override parallel.sequence_parallel: true");
+        [this] {
+          options_.overrides.push_back({"--sp", "parallel.sequence_parallel", "true", ""});
+        },
+        "--sequence-parallel true");
     app_->add_flag_callback(
         "--no-sp",
-        [this] { options_.overrides.push_back({"--no-sp", "parallel.sequence_parallel", "false"}); },
-        "override parallel.sequence_parallel: false");
+        [this] {
+          options_.overrides.push_back({"--no-sp", "parallel.sequence_parallel", "false", ""});
+        },
+        "--sequence-parallel false");
     app_->add_option("--backend", options_.backend,
                      "cpu (Eigen/OpenBLAS + MPI) or cuda (CUDA/cuBLAS + NCCL, loaded from the "
                      "plugin libmpusim_backend_cuda.so next to the program); default cpu")

@@ -107,7 +107,7 @@ class SweepCommand final : public Command {
         "Each layout runs as `mpiexec -n N --oversubscribe mpusim run`. Exit codes: 0 "
         "every layout passes, 1 one fails or cannot run, 2 bad input.");
     app_->add_option("CONFIG", config_path_, "a config with a model and a run section")->required();
-    app_->add_option("--world-size", world_size_, "ranks of every layout")
+    app_->add_option("--world-size,-n", world_size_, "ranks of every layout")
         ->required()
         ->check(CLI::Range(1, 64));
     app_->add_option("--train-iters", train_iters_,

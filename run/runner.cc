@@ -183,7 +183,14 @@ int RankRun::LoadConfig() {
   if (!document.ok()) return Usage(source, document.status().Message());
   for (const RunOptions::Override& o : options_.overrides) {
     const size_t dot = o.key.find('.');
-    nlohmann::json& section = (*document)[o.key.substr(0, dot)];
+    const std::string name = o.key.substr(0, dot);
+    // The optimizer's keys need the file's optimizer (what the other commands say too).
+    if (name == "optimizer" && !(document->contains(name) && (*document)[name].is_object())) {
+      return Usage("command line",
+                   fmt::format("{}: needs a config with an \"optimizer\" section (it sets {})",
+                               o.flag, o.key));
+    }
+    nlohmann::json& section = (*document)[name];
     if (!section.is_object()) section = nlohmann::json::object();
     section[o.key.substr(dot + 1)] = nlohmann::json::parse(o.value, nullptr, false);
   }
@@ -228,13 +235,7 @@ int RankRun::ConfigError(const Status& status) const {
 std::string RankRun::OverridesText() const {
   std::string text;
   for (const RunOptions::Override& o : options_.overrides) {
-    const bool quoted = o.value.size() >= 2 && o.value.front() == '"';
-    if (o.value == "true" || o.value == "false") {  // a flag: --sp, --no-sp
-      text += " " + o.flag;
-      continue;
-    }
-    text += fmt::format(" {} {}", o.flag,
-                        quoted ? o.value.substr(1, o.value.size() - 2) : o.value);
+    text += o.typed.empty() ? " " + o.flag : fmt::format(" {} {}", o.flag, o.typed);
   }
   return text;
 }

@@ -33,9 +33,10 @@ struct RunOptions {
   std::string dump_dir;  // empty: no dump
   std::string summary_path;  // empty: none; else rank 0 writes the run's results as JSON
   std::string trace_path;    // empty: none; else rank 0 writes the last step's Chrome trace
-  // Config keys set on the command line over the file's: (flag, "section.key", JSON text).
+  // Config keys set on the command line over the file's: (flag, "section.key", JSON text,
+  // the value as typed; empty for a bare flag such as --sp).
   struct Override {
-    std::string flag, key, value;
+    std::string flag, key, value, typed;
   };
   std::vector<Override> overrides;
   bool check = true;     // compare with the float64 reference

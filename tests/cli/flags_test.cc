@@ -1,0 +1,99 @@
+// One table of quick flags (cli/config_options.h ConfigFlags) for every command that reads a
+// layout and for `mpusim run`: the same names everywhere, the same values, the same errors.
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "cli/config_options.h"
+#include "tests/cli/cli_test_util.h"
+
+namespace mpusim::cli {
+namespace {
+
+using test_util::ExpectUsageError;
+using test_util::Mpusim;
+using test_util::Result;
+using test_util::Sample;
+
+// Every flag of the table is in the help of every command that takes a layout, `run`
+// included, under one name.
+TEST(ConfigFlagsTest, EveryLayoutCommandTakesEveryFlag) {
+  for (const char* command : {"layout", "estimate", "explain", "schedule", "run"}) {
+    const Result help = Mpusim({command, "--help"});
+    EXPECT_EQ(help.code, 0) << command;
+    for (const ConfigFlag& f : ConfigFlags()) {
+      EXPECT_NE(help.out.find(LongName(f.flag) + " "), std::string::npos)
+          << command << " lacks " << LongName(f.flag);
+    }
+    EXPECT_NE(help.out.find("-n,--world-size"), std::string::npos) << command;
+  }
+  EXPECT_NE(Mpusim({"sweep", "--help"}).out.find("-n,--world-size"), std::string::npos);
+  EXPECT_NE(Mpusim({"advise", "--help"}).out.find("-n,--world-size"), std::string::npos);
+}
+
+// estimate takes --distributed-optimizer (advise searches it; estimate sets it).
+TEST(ConfigFlagsTest, EstimateTakesTheDistributedOptimizer) {
+  const std::string config = Sample("gpt3_175b_t8_p16_n1024.json");
+  const Result plain = Mpusim({"estimate", config, "--distributed-optimizer", "false"});
+  const Result sharded = Mpusim({"estimate", config, "--distributed-optimizer", "true"});
+  ASSERT_EQ(plain.code, 0) << plain.err;
+  ASSERT_EQ(sharded.code, 0) << sharded.err;
+  EXPECT_NE(plain.out.find("plain optimizer"), std::string::npos);
+  EXPECT_NE(sharded.out.find("distributed optimizer"), std::string::npos);
+  ExpectUsageError(Mpusim({"estimate", config, "--distributed-optimizer", "yes"}),
+                   "error: command line: --distributed-optimizer: must be true or false, got "
+                   "'yes'");
+}
+
+int Shell(const std::string& command, std::string* output) {
+  const std::string log = (std::filesystem::temp_directory_path() /
+                           fmt::format("mpusim_flags.{}.log", ::getpid()))
+                              .string();
+  const std::string env = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ";
+  const int raw = std::system((env + command + " > " + log + " 2>&1").c_str());
+  std::ifstream in(log);
+  *output = std::string(std::istreambuf_iterator<char>(in), {});
+  return WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+}
+
+// run takes the table's flags as overrides: --sequence-parallel false is --no-sp, -n is
+// --world-size, an optimizer flag needs the file's optimizer section, a bad value names the
+// flag.
+TEST(ConfigFlagsTest, RunTakesTheSameFlags) {
+  const std::string run = fmt::format("{} -n 4 --oversubscribe {} run ", MPUSIM_MPIEXEC,
+                                      MPUSIM_BINARY);
+  const std::string lab = Sample("lab_sequence_parallel_t4_n4.json");
+  const auto activations = [](const std::string& output) {
+    const size_t at = output.find("activations   ");
+    return at == std::string::npos ? std::string() : output.substr(at, 30);
+  };
+  std::string no_sp, flag;
+  ASSERT_EQ(Shell(run + lab + " --no-sp", &no_sp), 0) << no_sp;
+  ASSERT_EQ(Shell(run + lab + " --sequence-parallel false -n 4", &flag), 0) << flag;
+  EXPECT_NE(activations(no_sp), "");
+  EXPECT_EQ(activations(flag), activations(no_sp));
+  std::string with_sp;
+  ASSERT_EQ(Shell(run + lab + " --sequence-parallel true", &with_sp), 0) << with_sp;
+  EXPECT_NE(activations(with_sp), activations(no_sp));
+
+  std::string output;
+  EXPECT_EQ(Shell(run + lab + " --overlap-grad-reduce true", &output), 2);
+  EXPECT_EQ(output.rfind("error: command line: --overlap-grad-reduce: needs a config with an "
+                         "\"optimizer\" section (it sets optimizer.overlap_grad_reduce)\n",
+                         0),
+            0u)
+      << output;
+  EXPECT_EQ(Shell(run + lab + " --hcp 2,x", &output), 2);
+  EXPECT_NE(output.find("--hcp: must be an integer, got 'x'"), std::string::npos) << output;
+}
+
+}  // namespace
+}  // namespace mpusim::cli
