@@ -370,9 +370,12 @@ StatusOr<EstimateReport> MakeEstimateReport(Config config, const Topology& topol
                                                config, topology, gpu, r.stages[i].rank,
                                                SaturatingAdd(stage.activations, stage.buffers)));
     }
-    StatusOr<std::vector<ExecutorActivations>> e =
-        EstimateExecutorActivations(config, topology, r.stages);
-    if (e.ok()) r.executor = *e;
+    // `mpusim run` refuses the combined 1F1B schedule: no executor to mirror.
+    if (!config.parallel.overlap_moe_expert_parallel_comm) {
+      StatusOr<std::vector<ExecutorActivations>> e =
+          EstimateExecutorActivations(config, topology, r.stages);
+      if (e.ok()) r.executor = *e;
+    }
     StatusOr<TimeEstimate> t = EstimateStepTime(config, topology, gpu);
     if (t.ok()) {
       r.time = *t;

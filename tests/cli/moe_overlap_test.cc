@@ -202,6 +202,9 @@ TEST(MoeOverlap, OneMoreMicroBatchInFlight) {
       return j.at("stages").at(0).at("memory").at("activations").get<double>();
     };
     EXPECT_EQ(stashes(combined), stashes(plain) + 1) << name;
+    // No executor count: mpusim run refuses the combined schedule.
+    EXPECT_FALSE(plain.at("stages").at(0).at("executor").is_null()) << name;
+    EXPECT_TRUE(combined.at("stages").at(0).at("executor").is_null()) << name;
     EXPECT_GT(activations(combined), activations(plain)) << name;
     if (pp == 1) {
       EXPECT_NEAR(activations(combined) / activations(plain), 1 + 1.0 / 8, 1e-6) << name;
