@@ -138,6 +138,7 @@
 
 #include "core/config/config.h"
 #include "core/estimate/attention_backend.h"
+#include "core/estimate/gpu_spec.h"
 #include "core/estimate/memory_estimate.h"
 #include "core/schedule.h"
 #include "core/status.h"
@@ -145,38 +146,6 @@
 
 namespace mpusim {
 
-// One GPU and its links. Rates in FLOP/s and bytes/s (per GPU, per direction for links).
-struct GpuSpec {
-  std::string name;
-  double peak_flops_16bit = 0;  // dense tensor-core bf16/fp16
-  double peak_flops_32bit = 0;  // float32 (no TF32: mpusim's float32 is float32)
-  double peak_flops_64bit = 0;
-  double hbm_bytes = 0;
-  double hbm_bandwidth = 0;
-  double intra_node_bandwidth = 0;  // NVLink
-  double inter_node_bandwidth = 0;  // the network, per GPU
-  double intra_node_latency_s = 0;  // per ring step
-  double inter_node_latency_s = 0;
-  double peak_flops_8bit = 0;  // dense tensor-core fp8; 0: none (A100)
-  int64_t sm_count = 132;      // streaming multiprocessors: the waves of the GEMM curve
-  // The efficiency constants (README "The time model" says where each comes from); the same
-  // for every model and layout. gemm_efficiency and gemm_efficiency_8bit are the GEMM curve's
-  // ceilings: the MAMF measured for the GPU over its dense bf16 and fp8 peaks.
-  double gemm_efficiency = 0.80;
-  double gemm_efficiency_8bit = 0.70;
-  double memory_efficiency = 0.80;
-  double collective_efficiency = 0.80;
-  // Major * 10 + minor (80: A100, 90: H100, H200 and H800, 100: B200): which attention
-  // "auto" resolves to (attention_backend.h), which fp8 recipes run, and the cuBLAS workspaces PyTorch and TransformerEngine allocate
-  // (core/estimate/memory_reserve.h).
-  int compute_capability = 90;
-  // Flash / fused attention's forward and backward FLOP/s on long sequences, as fractions of
-  // the 16-bit peak (the backward's FLOPs counted as FlashAttention's benchmarks count them,
-  // 2.5 x the forward's: the recomputed QK^T and four GEMMs). A kernel over L keys per query
-  // tile runs at efficiency * L / (L + L_half) (README "The time model" cites both).
-  double attention_efficiency_forward = 0.60;
-  double attention_efficiency_backward = 0.53;
-};
 
 // The output tiles the GEMM curve chooses from (rows x columns of C): the 256 x 128 tile of
 // NVIDIA's Matrix Multiplication Background guide (section 2.3, cuBLAS's largest and most
@@ -203,24 +172,6 @@ double GemmSeconds(const GpuSpec& gpu, const GemmShape& shape, double element_by
 // Achieved fraction of `peak` (fp8: of the fp8 peak).
 double GemmEfficiency(const GpuSpec& gpu, const GemmShape& shape, double element_bytes,
                       double peak);
-
-// "a100-80gb", "h100-80gb", "h200", "h800", "b200".
-const std::vector<std::string>& GpuPresetNames();
-std::optional<GpuSpec> FindGpuPreset(std::string_view name);
-// The GPU the commands assume when none is named.
-inline constexpr const char* kDefaultGpu = "h100-80gb";
-// A GPU description file: {"name": ..., "peak_tflops_16bit": ..., ...} (README lists the
-// keys; a missing key takes the value of the preset named by "base", default h100-80gb).
-// Errors name "<where>.<key>" and what is allowed.
-StatusOr<GpuSpec> ParseGpuSpec(const nlohmann::json& doc, std::string_view where);
-// --gpu's argument: a preset's name, or a GPU description file ending in .json (read with
-// ReadJsonFile, parsed with ParseGpuSpec). Errors name "--gpu".
-StatusOr<GpuSpec> ResolveGpuSpec(const std::string& name_or_file);
-// model.fp8 and model.fp8_recipe against the run's dtype and the GPU, as Transformer Engine
-// checks them (transformer_engine/pytorch/quantization.py): a bf16 or fp16 run; delayed and
-// tensorwise need compute capability 89 or above, blockwise 90, mxfp8 100 (Blackwell; not
-// 120); and a GPU with an fp8 peak. Errors name the field.
-Status CheckFp8OnGpu(const GptConfig& gpt, DType dtype, const GpuSpec& gpu);
 
 // overlap_moe_expert_parallel_comm: one MoE layer's forward of one micro-batch beside its
 // backward of another, as Megatron's TransformerLayerSchedulePlan.run issues them on two
@@ -274,9 +225,9 @@ struct TimeEstimate {
   // whose output goes to another rank holds its rank for the transfer); bubble = pipeline
   // span - compute - recompute - tp - cp - ep - pp (idle time, waits for receives included).
   // With overlap (tp_comm_overlap, overlap_grad_reduce, overlap_param_gather,
-  // overlap_moe_expert_parallel_comm) each kind's
-  // *_comm_s is its exposed part, the one that adds to the step, and *_comm_hidden_s what
-  // runs beside compute; the total traffic's time is their sum.
+  // overlap_moe_expert_parallel_comm) each kind's *_comm_s is its exposed part, the one that
+  // adds to the step, and *_comm_hidden_s what runs beside compute; the total traffic's time
+  // is their sum.
   double compute_s = 0;
   // The busiest stage's recomputation (full: each layer's forward again; selective: its core
   // attention), M x per micro-batch; apart from compute_s, whose GEMMs and kernels it repeats.

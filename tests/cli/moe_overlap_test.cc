@@ -79,7 +79,8 @@ TEST(MoeOverlap, ScheduleRunsOneMoreWarmupForward) {
       }
     }
   }
-  StatusOr<PipelineSchedule> refused = BuildPipelineSchedule(2, std::nullopt, 4, std::nullopt, true);
+  StatusOr<PipelineSchedule> refused =
+      BuildPipelineSchedule(2, std::nullopt, 4, std::nullopt, true);
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().Message(),
             "virtual_pipeline_model_parallel_size: is needed by the combined 1F1B schedule "
