@@ -501,24 +501,8 @@ TEST(Binary, HelpAndExitCodes) {
 
 namespace run_tests {
 
-int Shell(const std::string& command, std::string* output = nullptr) {
-  // Unique per process and call: ctest runs tests of this binary in parallel.
-  static int calls = 0;
-  const std::string log = (std::filesystem::temp_directory_path() /
-                           fmt::format("mpusim_cli_run.{}.{}.log", ::getpid(), ++calls))
-                              .string();
-  const std::string env = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ";
-  const int raw = std::system((env + command + " > " + log + " 2>&1").c_str());
-  if (output != nullptr) {
-    std::ifstream in(log);
-    *output = std::string(std::istreambuf_iterator<char>(in), {});
-  }
-  return WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-}
-
-std::string Mpiexec(int ranks) {
-  return fmt::format("{} -n {} --oversubscribe ", MPUSIM_MPIEXEC, ranks);
-}
+using test_util::Mpiexec;
+using test_util::Shell;
 
 // The complete ("X") events of one trace thread must nest (each inside the open one or after
 // it ends): Perfetto and chrome://tracing draw overlapping ones wrongly or drop them. Returns

@@ -1,12 +1,18 @@
 // What the cli_tests files share: running the CLI in-process and the shape of a usage error.
 #pragma once
 
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "cli/cli.h"
@@ -44,6 +50,28 @@ inline void ExpectUsageError(const Result& r, const std::string& expected_line) 
   EXPECT_EQ(r.code, 2);
   EXPECT_EQ(r.out, "");
   EXPECT_EQ(r.err, expected_line + "\n");
+}
+
+// Runs `command` in a shell with Open MPI allowed as root, its stdout and stderr together into
+// `*output` (when given); the exit status, -1 when it did not exit.
+inline int Shell(const std::string& command, std::string* output = nullptr) {
+  // Unique per process and call: ctest runs tests of one binary in parallel.
+  static int calls = 0;
+  const std::string log = (std::filesystem::temp_directory_path() /
+                           fmt::format("mpusim_cli_run.{}.{}.log", ::getpid(), ++calls))
+                              .string();
+  const std::string env = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ";
+  const int raw = std::system((env + command + " > " + log + " 2>&1").c_str());
+  if (output != nullptr) {
+    std::ifstream in(log);
+    *output = std::string(std::istreambuf_iterator<char>(in), {});
+  }
+  return WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+}
+
+// "mpiexec -n RANKS --oversubscribe " (the test build's MPIEXEC).
+inline std::string Mpiexec(int ranks) {
+  return fmt::format("{} -n {} --oversubscribe ", MPUSIM_MPIEXEC, ranks);
 }
 
 }  // namespace mpusim::cli::test_util

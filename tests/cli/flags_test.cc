@@ -1,11 +1,5 @@
 // One table of quick flags (cli/config_options.h ConfigFlags) for every command that reads a
 // layout and for `mpusim run`: the same names everywhere, the same values, the same errors.
-#include <sys/wait.h>
-
-#include <cstdlib>
-#include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <string>
 #include <vector>
 
@@ -19,9 +13,11 @@ namespace mpusim::cli {
 namespace {
 
 using test_util::ExpectUsageError;
+using test_util::Mpiexec;
 using test_util::Mpusim;
 using test_util::Result;
 using test_util::Sample;
+using test_util::Shell;
 
 // Every flag of the table is in the help of every command that takes a layout, `run`
 // included, under one name.
@@ -53,23 +49,11 @@ TEST(ConfigFlagsTest, EstimateTakesTheDistributedOptimizer) {
                    "'yes'");
 }
 
-int Shell(const std::string& command, std::string* output) {
-  const std::string log = (std::filesystem::temp_directory_path() /
-                           fmt::format("mpusim_flags.{}.log", ::getpid()))
-                              .string();
-  const std::string env = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ";
-  const int raw = std::system((env + command + " > " + log + " 2>&1").c_str());
-  std::ifstream in(log);
-  *output = std::string(std::istreambuf_iterator<char>(in), {});
-  return WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-}
-
 // run takes the table's flags as overrides: --sequence-parallel false is --no-sp, -n is
 // --world-size, an optimizer flag needs the file's optimizer section, a bad value names the
 // flag.
 TEST(ConfigFlagsTest, RunTakesTheSameFlags) {
-  const std::string run = fmt::format("{} -n 4 --oversubscribe {} run ", MPUSIM_MPIEXEC,
-                                      MPUSIM_BINARY);
+  const std::string run = Mpiexec(4) + MPUSIM_BINARY + " run ";
   const std::string lab = Sample("lab_sequence_parallel_t4_n4.json");
   const auto activations = [](const std::string& output) {
     const size_t at = output.find("activations   ");

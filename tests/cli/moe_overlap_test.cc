@@ -134,6 +134,9 @@ json MoeConfig(int64_t pp, std::optional<int64_t> vp) {
           {"run", {{"seq_length", 4096}, {"micro_batch_size", 1}, {"num_microbatches", 8}}}};
 }
 
+// Without pipelining, and interleaved (pp 2, vp 2): the two schedules the option runs with.
+const std::pair<int64_t, std::optional<int64_t>> kLayouts[] = {{1, std::nullopt}, {2, 2}};
+
 json EstimateJson(const json& config, const std::string& name) {
   const std::string path = WriteTemp("mpusim_moe_overlap_" + name + ".json", config.dump());
   const Result r = Mpusim({"estimate", path, "--gpu", "h100-80gb", "--format", "json"});
@@ -142,8 +145,7 @@ json EstimateJson(const json& config, const std::string& name) {
 }
 
 TEST(MoeOverlap, EstimateHidesExchangesAndPartsAddUp) {
-  for (const auto& [pp, vp] : {std::pair<int64_t, std::optional<int64_t>>{1, std::nullopt},
-                               {2, 2}}) {
+  for (const auto& [pp, vp] : kLayouts) {
     json config = MoeConfig(pp, vp);
     const std::string name = "pp" + std::to_string(pp);
     const json plain = EstimateJson(config, name + "_plain");
@@ -189,8 +191,7 @@ TEST(MoeOverlap, EstimateHidesExchangesAndPartsAddUp) {
 // the pair's forward stash grows a layer at a time as the backward's shrinks, so the peak is
 // one micro-batch's stash and one layer's of another (n = 8 layers), not two stashes.
 TEST(MoeOverlap, OneMoreMicroBatchInFlight) {
-  for (const auto& [pp, vp] : {std::pair<int64_t, std::optional<int64_t>>{1, std::nullopt},
-                               {2, 2}}) {
+  for (const auto& [pp, vp] : kLayouts) {
     json config = MoeConfig(pp, vp);
     const std::string name = "stash_pp" + std::to_string(pp);
     const json plain = EstimateJson(config, name + "_plain");
