@@ -11,6 +11,7 @@
 // What it is not: a test of the numbers (tests/cli, tests/mpi) or of a real hardware fault.
 #include <poll.h>
 #include <signal.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -419,7 +420,17 @@ InterruptedJob RunInterrupted(int ranks, int signal, bool to_mpiexec) {
         const pid_t rank = ranks == 0 ? mpiexec : RankProcess(tag, faulty);
         if (rank < 0 || !WaitUntilStopped(rank, 10)) return;
         signalled = Clock::now();
-        ::kill(to_mpiexec ? mpiexec : rank, signal);
+        if (to_mpiexec) {
+          ::kill(mpiexec, signal);
+        } else {
+          // To the rank's main thread, not the process: a process-directed signal to a stopped
+          // process stays queued until SIGCONT, and then whichever of its threads wakes first
+          // (Open MPI's and OpenBLAS's threads block nothing) runs the handler, possibly after
+          // the main thread has passed the next safe point. A thread-directed one is handled by
+          // the main thread as it resumes, before the safe point, so the verdict is the same on
+          // every machine. (A user's kill still stops the run, one safe point later at worst.)
+          ::syscall(SYS_tgkill, rank, rank, signal);
+        }
         ::kill(rank, SIGCONT);
       });
   if (signalled != Clock::time_point()) {
