@@ -254,13 +254,19 @@ class AdviseCommand : public Command {
         *flag = par[key].get<bool>();
         par.erase(key);
       }
-      for (const char* key :
-           {"tensor_model_parallel_size", "pipeline_model_parallel_size",
-            "virtual_pipeline_model_parallel_size", "context_parallel_size",
-            "hierarchical_context_parallel_sizes", "expert_model_parallel_size",
-            "expert_tensor_parallel_size", "num_distributed_optimizer_instances",
-            "microbatch_group_size_per_vp_stage", "sequence_parallel", "num_layers"}) {
-        par.erase(key);
+      using P = ParallelConfig;
+      for (const std::string_view key :
+           {ParallelKey(&P::tensor_model_parallel_size),
+            ParallelKey(&P::pipeline_model_parallel_size),
+            ParallelKey(&P::virtual_pipeline_model_parallel_size),
+            ParallelKey(&P::context_parallel_size),
+            ParallelKey(&P::hierarchical_context_parallel_sizes),
+            ParallelKey(&P::expert_model_parallel_size),
+            ParallelKey(&P::expert_tensor_parallel_size),
+            ParallelKey(&P::num_distributed_optimizer_instances),
+            ParallelKey(&P::microbatch_group_size_per_vp_stage),
+            ParallelKey(&P::sequence_parallel), ParallelKey(&P::num_layers)}) {
+        par.erase(std::string(key));
       }
       if (world_size_) par["world_size"] = *world_size_;
     }
@@ -269,8 +275,10 @@ class AdviseCommand : public Command {
       if (run.contains("global_batch_size") && run["global_batch_size"].is_number_integer()) {
         file_batch = run["global_batch_size"].get<int64_t>();
       }
-      for (const char* key : {"global_batch_size", "num_microbatches", "micro_batch_size"}) {
-        run.erase(key);
+      for (const std::string_view key :
+           {RunKey(&RunConfig::global_batch_size), RunKey(&RunConfig::num_microbatches),
+            RunKey(&RunConfig::micro_batch_size)}) {
+        run.erase(std::string(key));
       }
     }
     Config config;
@@ -449,19 +457,21 @@ class AdviseCommand : public Command {
     doc["candidates"] = a.candidates;
     doc["fitting"] = a.fit.size();
     const auto entry = [&](const AdvisedLayout& l) {
+      using P = ParallelConfig;
+      const auto key = [](std::string_view k) { return std::string(k); };
       nlohmann::ordered_json j;
-      j["tensor_model_parallel_size"] = l.tp;
-      j["pipeline_model_parallel_size"] = l.pp;
-      j["virtual_pipeline_model_parallel_size"] =
+      j[key(ParallelKey(&P::tensor_model_parallel_size))] = l.tp;
+      j[key(ParallelKey(&P::pipeline_model_parallel_size))] = l.pp;
+      j[key(ParallelKey(&P::virtual_pipeline_model_parallel_size))] =
           l.vp > 0 ? nlohmann::ordered_json(l.vp) : nlohmann::ordered_json(nullptr);
-      j["context_parallel_size"] = l.cp;
-      j["expert_model_parallel_size"] = l.ep;
+      j[key(ParallelKey(&P::context_parallel_size))] = l.cp;
+      j[key(ParallelKey(&P::expert_model_parallel_size))] = l.ep;
       j["data_parallel_size"] = l.dp;
-      j["micro_batch_size"] = l.micro_batch_size;
+      j[key(RunKey(&RunConfig::micro_batch_size))] = l.micro_batch_size;
       j["recompute_granularity"] = l.recompute == RunConfig::Recompute::kNone
                                        ? nlohmann::ordered_json(nullptr)
                                        : nlohmann::ordered_json(RecomputeName(l.recompute));
-      j["sequence_parallel"] = l.sequence_parallel;
+      j[key(ParallelKey(&P::sequence_parallel))] = l.sequence_parallel;
       j["use_distributed_optimizer"] = l.distributed_optimizer;
       j["tp_comm_overlap"] = l.tp_comm_overlap;
       j["overlap_moe_expert_parallel_comm"] = l.overlap_moe_expert_parallel_comm;

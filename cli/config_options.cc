@@ -7,56 +7,56 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "core/config/optimizer_config.h"
 #include "core/config/parallel_config.h"
 #include "core/model/model.h"
 
 namespace mpusim::cli {
 namespace {
 
-// The one table of quick flags.
-constexpr ConfigFlag kConfigFlags[] = {
-    {"--world-size,-n", "world_size", FlagType::kInt, "number of ranks (GPUs)"},
-    {"--tp", "tensor_model_parallel_size", FlagType::kInt, "tensor-parallel size"},
-    {"--pp", "pipeline_model_parallel_size", FlagType::kInt, "pipeline-parallel size"},
-    {"--vp", "virtual_pipeline_model_parallel_size", FlagType::kInt,
-     "virtual pipeline size (model chunks per pipeline rank)"},
-    {"--cp", "context_parallel_size", FlagType::kInt, "context-parallel size"},
-    {"--hcp", "hierarchical_context_parallel_sizes", FlagType::kIntList,
-     "hierarchical context-parallel sizes, e.g. 2,2"},
-    {"--ep", "expert_model_parallel_size", FlagType::kInt, "expert-parallel size"},
-    {"--etp", "expert_tensor_parallel_size", FlagType::kInt,
-     "expert tensor-parallel size (default: --tp)"},
-    {"--dist-opt-instances", "num_distributed_optimizer_instances", FlagType::kInt,
-     "number of distributed-optimizer instances"},
-    {"--order", "order", FlagType::kString, "rank order of the axes (default tp-cp-ep-dp-pp)"},
-    {"--rank-offset", "rank_offset", FlagType::kInt, "first global rank of the layout"},
-    {"--gpus-per-node", "gpus_per_node", FlagType::kInt, "GPUs per node for the node map"},
-    {"--microbatch-group-size", "microbatch_group_size_per_vp_stage", FlagType::kInt,
-     "microbatch_group_size_per_vp_stage (interleaved schedule; default: pp size)"},
-    {"--num-layers", "num_layers", FlagType::kInt, "layers, for the virtual-pipeline assignment"},
-    {"--sequence-parallel", "sequence_parallel", FlagType::kBool,
-     "true or false: sequence parallelism (norms and dropouts on s / tp tokens)"},
-    {"--tp-comm-overlap", "tp_comm_overlap", FlagType::kBool,
-     "true or false: TE's overlap of the tp collectives with the GEMMs (timing only; needs "
-     "--sequence-parallel true)"},
-    {"--overlap-moe-expert-parallel-comm", "overlap_moe_expert_parallel_comm", FlagType::kBool,
-     "true or false: Megatron's combined 1F1B schedule, the experts' all-to-alls hidden behind "
-     "another micro-batch's compute (timing only; needs --ep > 1)"},
-    {"--delay-wgrad-compute", "delay_wgrad_compute", FlagType::kBool,
-     "true or false: the experts' weight gradients after their backward all-to-all starts "
-     "(timing only; needs --overlap-moe-expert-parallel-comm true)"},
-    {"--distributed-optimizer", "use_distributed_optimizer", FlagType::kBool,
-     "true or false: optimizer.use_distributed_optimizer, the optimizer state sharded over dp",
-     "optimizer"},
-    {"--overlap-grad-reduce", "overlap_grad_reduce", FlagType::kBool,
-     "true or false: optimizer.overlap_grad_reduce, the bucketed gradient reduction overlapped "
-     "with the backward (timing only)",
-     "optimizer"},
-    {"--overlap-param-gather", "overlap_param_gather", FlagType::kBool,
-     "true or false: optimizer.overlap_param_gather, the distributed optimizer's parameter "
-     "all-gather overlapped with the forward (timing only)",
-     "optimizer"},
-};
+// The quick flags: every key of the parallel and optimizer tables that declares one
+// (core/config/field_table.h), in the tables' order.
+template <typename Section>
+void AddFlags(std::span<const Field<Section>> fields, const char* section,
+              std::vector<ConfigFlag>* flags) {
+  for (const Field<Section>& f : fields) {
+    if (f.flag.empty()) continue;
+    ConfigFlag flag;
+    flag.flag = std::string(f.flag);
+    flag.key = std::string(f.key);
+    flag.section = section;
+    switch (f.kind()) {
+      case FieldKind::kInt:
+        flag.type = FlagType::kInt;
+        break;
+      case FieldKind::kBool:
+        flag.type = FlagType::kBool;
+        break;
+      case FieldKind::kIntList:
+        flag.type = FlagType::kIntList;
+        break;
+      case FieldKind::kText:
+      case FieldKind::kNumber:
+        flag.type = FlagType::kString;
+        break;
+    }
+    const std::string where =
+        std::string_view(section) == "parallel" ? "" : fmt::format("{}.{}, ", section, f.key);
+    flag.help = fmt::format("{}{}{}", flag.type == FlagType::kBool ? "true or false: " : "",
+                            where, f.help);
+    flags->push_back(std::move(flag));
+  }
+}
+
+const std::vector<ConfigFlag>& AllConfigFlags() {
+  static const std::vector<ConfigFlag> kFlags = [] {
+    std::vector<ConfigFlag> flags;
+    AddFlags(ParallelFields(), "parallel", &flags);
+    AddFlags(OptimizerFields(), "optimizer", &flags);
+    return flags;
+  }();
+  return kFlags;
+}
 
 StatusOr<int64_t> ParseInteger(const std::string& text, const std::string& flag) {
   int64_t value = 0;
@@ -70,12 +70,9 @@ StatusOr<int64_t> ParseInteger(const std::string& text, const std::string& flag)
 
 }  // namespace
 
-std::span<const ConfigFlag> ConfigFlags() { return kConfigFlags; }
+std::span<const ConfigFlag> ConfigFlags() { return AllConfigFlags(); }
 
-std::string LongName(const char* flag) {
-  std::string name(flag);
-  return name.substr(0, name.find(','));
-}
+std::string LongName(const std::string& flag) { return flag.substr(0, flag.find(',')); }
 
 StatusOr<nlohmann::json> FlagValue(const ConfigFlag& f, const std::string& text) {
   const std::string flag = LongName(f.flag);
@@ -120,7 +117,7 @@ std::string FlagTypeName(const ConfigFlag& f) {
 
 void ConfigOptions::Register(CLI::App* app) {
   app->add_option("CONFIG", path_, "config file (JSON with a \"parallel\" section)");
-  for (const ConfigFlag& f : kConfigFlags) {
+  for (const ConfigFlag& f : ConfigFlags()) {
     std::string& slot = values_[f.key];
     app->add_option(f.flag, slot, f.help)->group(FlagGroup(f))->type_name(FlagTypeName(f));
   }
@@ -134,7 +131,7 @@ StatusOr<Config> ConfigOptions::Resolve() {
     document = std::move(read).value();
   }
   flag_of_key_.clear();
-  for (const ConfigFlag& f : kConfigFlags) {
+  for (const ConfigFlag& f : ConfigFlags()) {
     const std::string& text = values_.at(f.key);
     if (text.empty()) continue;
     const std::string flag = LongName(f.flag);
@@ -155,7 +152,7 @@ StatusOr<Config> ConfigOptions::Resolve() {
       document[section][f.key] = value;
     }
   }
-  if (path_.empty() && flag_of_key_.count("world_size") == 0) {
+  if (path_.empty() && flag_of_key_.count(std::string(ParallelKey(&ParallelConfig::world_size))) == 0) {
     return Status::Error("CONFIG", "give a config file, or --world-size with quick flags (e.g. "
                                    "mpusim layout --world-size 16 --tp 2 --pp 4)");
   }
@@ -188,7 +185,7 @@ Status ConfigOptions::Attribute(const Status& status, std::string* source) const
 
 std::string ConfigOptions::FlagsText() const {
   std::string text;
-  for (const ConfigFlag& f : kConfigFlags) {
+  for (const ConfigFlag& f : ConfigFlags()) {
     const std::string& value = values_.at(f.key);
     if (value.empty()) continue;
     text += fmt::format("{}{} {}", text.empty() ? "" : " ", LongName(f.flag), value);

@@ -23,20 +23,21 @@
 
 namespace mpusim::cli {
 
-// The one table of quick flags (kConfigFlags in config_options.cc): each sets a key of the
-// `parallel` or `optimizer` section. The commands that read a layout (ConfigOptions below)
-// and `mpusim run` (its overrides) take every one of them under the same name.
+// The quick flags: each sets a key of the `parallel` or `optimizer` section, derived from the
+// key's declaration (core/config/field_table.h: every field that names a flag). The commands
+// that read a layout (ConfigOptions below) and `mpusim run` (its overrides) take every one of
+// them under the same name.
 enum class FlagType { kInt, kString, kIntList, kBool };
 struct ConfigFlag {
-  const char* flag;  // "--world-size,-n": the long name, then any short one
-  const char* key;   // the key it sets, in `section`
-  FlagType type;
-  const char* help;
-  const char* section = "parallel";  // or "optimizer" (which the config must have)
+  std::string flag;  // "--world-size,-n": the long name, then any short one
+  std::string key;   // the key it sets, in `section`
+  FlagType type = FlagType::kInt;
+  std::string help;
+  std::string section = "parallel";  // or "optimizer" (which the config must have)
 };
 std::span<const ConfigFlag> ConfigFlags();
 // "--world-size" of "--world-size,-n".
-std::string LongName(const char* flag);
+std::string LongName(const std::string& flag);
 // The JSON value `text` gives `f`'s key, or an error naming the flag ("--tp: must be an
 // integer, got 'x'").
 StatusOr<nlohmann::json> FlagValue(const ConfigFlag& f, const std::string& text);

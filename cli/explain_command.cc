@@ -149,10 +149,10 @@ void PrintShardingMap(const std::vector<MappedParameter>& params, const Topology
   if (rank >= 0) only = topology.Coordinates(rank);
   nlohmann::ordered_json doc = {{"schema_version", 1},
                                 {"world_size", topology.world_size()},
-                                {"tensor_model_parallel_size", t},
+                                {ParallelKey(&ParallelConfig::tensor_model_parallel_size), t},
                                 {"pipeline_model_parallel_size", pp}};
   const int64_t cp = topology.sizes().cp;
-  doc["context_parallel_size"] = cp;
+  doc[std::string(ParallelKey(&ParallelConfig::context_parallel_size))] = cp;
   const bool experts_apart = topology.sizes().experts_apart();
   if (experts_apart) {
     doc["expert_model_parallel_size"] = topology.sizes().ep;

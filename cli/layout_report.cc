@@ -164,10 +164,10 @@ void PrintLayoutText(const Topology& topology, const LayoutReportOptions& option
                           const std::string& note = "") {
     out << fmt::format("  {:<38}{:>6}{}\n", key, value, note.empty() ? "" : "   " + note);
   };
-  row("tensor_model_parallel_size", std::to_string(s.tp));
+  row(ParallelKey(&ParallelConfig::tensor_model_parallel_size), std::to_string(s.tp));
   row("pipeline_model_parallel_size", std::to_string(s.pp));
   row("virtual_pipeline_model_parallel_size", OptionalText(s.vp));
-  row("context_parallel_size", std::to_string(s.cp));
+  row(ParallelKey(&ParallelConfig::context_parallel_size), std::to_string(s.cp));
   row("data_parallel_size", std::to_string(s.dp),
       fmt::format("derived: {} / (tp {} * pp {} * cp {})", n, s.tp, s.pp, s.cp));
   row("expert_model_parallel_size", std::to_string(s.ep));

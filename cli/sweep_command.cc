@@ -229,18 +229,20 @@ class SweepCommand final : public Command {
   // `base` with the parallel section of layout `l`.
   json Document(const json& base, const Layout& l) const {
     json document = base;
-    document["parallel"] = {{"world_size", world_size_},
-                            {"tensor_model_parallel_size", l.tp},
-                            {"pipeline_model_parallel_size", l.pp},
-                            {"sequence_parallel", l.sp}};
-    if (l.cp > 1) document["parallel"]["context_parallel_size"] = l.cp;
+    using P = ParallelConfig;
+    const auto key = [](std::string_view k) { return std::string(k); };
+    document["parallel"] = {{key(ParallelKey(&P::world_size)), world_size_},
+                            {key(ParallelKey(&P::tensor_model_parallel_size)), l.tp},
+                            {key(ParallelKey(&P::pipeline_model_parallel_size)), l.pp},
+                            {key(ParallelKey(&P::sequence_parallel)), l.sp}};
+    if (l.cp > 1) document["parallel"][key(ParallelKey(&P::context_parallel_size))] = l.cp;
     if (l.ep > 1) document["parallel"]["expert_model_parallel_size"] = l.ep;
     if (l.etp > 0) document["parallel"]["expert_tensor_parallel_size"] = l.etp;
     if (l.vp > 0) document["parallel"]["virtual_pipeline_model_parallel_size"] = l.vp;
     if (document.contains("optimizer")) {
       document["optimizer"]["use_distributed_optimizer"] = l.dist_opt;
     }
-    if (l.dp > 0 && samples_ % l.dp == 0) document["run"]["micro_batch_size"] = samples_ / l.dp;
+    if (l.dp > 0 && samples_ % l.dp == 0) document["run"][key(RunKey(&RunConfig::micro_batch_size))] = samples_ / l.dp;
     return document;
   }
 

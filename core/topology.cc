@@ -240,8 +240,10 @@ StatusOr<RankGenerator> DenseGenerator(const ParallelConfig& config,
   dense_sizes[Index(Axis::kPp)] = sizes.pp;
   StatusOr<std::vector<Axis>> dense_order = CompleteOrder(
       config, listed, dense_sizes,
-      {"tensor_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
-       "data_parallel_size", "pipeline_model_parallel_size"},
+      {ParallelKey(&ParallelConfig::tensor_model_parallel_size),
+       ParallelKey(&ParallelConfig::context_parallel_size),
+       ParallelKey(&ParallelConfig::expert_model_parallel_size), "data_parallel_size",
+       ParallelKey(&ParallelConfig::pipeline_model_parallel_size)},
       "dense");
   if (!dense_order.ok()) return dense_order.status();
   return RankGenerator(dense_sizes, *dense_order, config.rank_offset);
@@ -272,8 +274,10 @@ StatusOr<RankGenerator> ExpertGenerator(const ParallelConfig& config,
   expert_sizes[Index(Axis::kPp)] = p;
   StatusOr<std::vector<Axis>> expert_order = CompleteOrder(
       config, listed, expert_sizes,
-      {"expert_tensor_parallel_size", "context_parallel_size", "expert_model_parallel_size",
-       "expert_data_parallel_size", "pipeline_model_parallel_size"},
+      {ParallelKey(&ParallelConfig::expert_tensor_parallel_size),
+       ParallelKey(&ParallelConfig::context_parallel_size),
+       ParallelKey(&ParallelConfig::expert_model_parallel_size), "expert_data_parallel_size",
+       ParallelKey(&ParallelConfig::pipeline_model_parallel_size)},
       "expert");
   if (!expert_order.ok()) return expert_order.status();
   sizes->ep = e;

@@ -1,5 +1,6 @@
 // Strict JSON value readers (see json_fields.h).
 #include "core/config/json_fields.h"
+#include "core/config/field_table.h"
 
 #include "core/config/parallel_config.h"
 
@@ -76,6 +77,33 @@ Status ParsePositive(const nlohmann::json& value, const std::string& where, doub
     return Status::Error(where, fmt::format("must be a number > 0, got {}", DescribeJson(value)));
   }
   *out = value.get<double>();
+  return {};
+}
+
+Status ParseNonNegative(const nlohmann::json& value, const std::string& where, double* out) {
+  if (!value.is_number() || value.is_boolean() || !std::isfinite(value.get<double>()) ||
+      value.get<double>() < 0) {
+    return Status::Error(where,
+                         fmt::format("must be a finite number >= 0, got {}", DescribeJson(value)));
+  }
+  *out = value.get<double>();
+  return {};
+}
+
+Status ParseIntList(const nlohmann::json& value, const std::string& where, int64_t min_value,
+                    std::vector<int64_t>* out) {
+  out->clear();
+  if (value.is_null()) return {};
+  if (!value.is_array() || value.empty()) {
+    return Status::Error(where, fmt::format("must be null or a non-empty list of integers >= {} "
+                                            "(e.g. [2, 4]), got {}",
+                                            min_value, DescribeJson(value)));
+  }
+  for (size_t i = 0; i < value.size(); ++i) {
+    int64_t item = 0;
+    MPUSIM_RETURN_IF_ERROR(ParseInt(value[i], fmt::format("{}[{}]", where, i), min_value, &item));
+    out->push_back(item);
+  }
   return {};
 }
 

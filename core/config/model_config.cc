@@ -16,6 +16,7 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include "core/config/field_table.h"
 #include "core/config/json_fields.h"
 #include "core/config/parallel_config.h"
 
@@ -465,18 +466,113 @@ const std::vector<std::string_view>& ModelConfigKeys() {
   return kKeys;
 }
 
-const std::vector<std::string_view>& RunConfigKeys() {
-  static const std::vector<std::string_view> kKeys = {"seed",
-                                                      "dtype",
-                                                      "seq_length",
-                                                      "micro_batch_size",
-                                                      "num_microbatches",
-                                                      "recompute_granularity",
-                                                      "train_iters",
-                                                      "global_batch_size"};
-  return kKeys;
+namespace {
+
+using RunField = Field<RunConfig>;
+
+const char* RecomputeText(RunConfig::Recompute r) {
+  return r == RunConfig::Recompute::kFull ? "full" : "selective";
 }
 
+// The section's keys, in documentation order.
+constexpr RunField kRunFields[] = {
+    {.key = "seed",
+     .target = Codec<RunConfig>{
+         FieldKind::kInt,
+         [](const json& value, const std::string& where, RunConfig* run) {
+           // The full uint64 range: seeds are Philox keys, not sizes.
+           if (!value.is_number_integer()) {
+             return Status::Error(
+                 where, fmt::format("must be an integer >= 0, got {}", DescribeJson(value)));
+           }
+           if (!value.is_number_unsigned() && value.get<int64_t>() < 0) {
+             return Status::Error(
+                 where, fmt::format("must be an integer >= 0, got {}", value.get<int64_t>()));
+           }
+           run->seed = value.get<uint64_t>();
+           return Status();
+         },
+         [](const RunConfig& run) { return json(run.seed); }},
+     .help = "the seed of the initial values, the data and the dropout masks",
+     .flag = "--seed",
+     .effect = FieldEffect::kSeed},
+    {.key = "dtype",
+     .target = Codec<RunConfig>{
+         FieldKind::kText,
+         [](const json& value, const std::string& where, RunConfig* run) {
+           run->dtype_given = true;
+           const std::optional<DType> dtype =
+               value.is_string() ? DTypeFromName(value.get<std::string>()) : std::nullopt;
+           if (!dtype || !IsFloat(*dtype)) {  // int64 is a storage dtype for ids, not a run's
+             return Status::Error(where, fmt::format("must be \"float32\", \"float64\", "
+                                                     "\"bfloat16\" or \"float16\", got {}",
+                                                     DescribeJson(value)));
+           }
+           run->dtype = *dtype;
+           return Status();
+         },
+         [](const RunConfig& run) { return json(std::string(DTypeName(run.dtype))); }},
+     .help = "storage dtype: float64, float32, bfloat16 or float16",
+     .flag = "--dtype",
+     .effect = FieldEffect::kPrecision},
+    {"seq_length", &RunConfig::seq_length, "tokens per sample", "--seq-length"},
+    {.key = "micro_batch_size",
+     .target = &RunConfig::micro_batch_size,
+     .help = "samples per micro-batch",
+     .flag = "--micro-batch-size",
+     .effect = FieldEffect::kBatch},
+    {.key = "num_microbatches",
+     .target = &RunConfig::num_microbatches,
+     .help = "micro-batches per iteration (gradients accumulate over them)",
+     .flag = "--num-microbatches",
+     .given = &RunConfig::num_microbatches_given,
+     .effect = FieldEffect::kBatch},
+    {.key = "recompute_granularity",
+     .target = Codec<RunConfig>{
+         FieldKind::kText,
+         [](const json& value, const std::string& where, RunConfig* run) {
+           if (value.is_null()) {
+             run->recompute = RunConfig::Recompute::kNone;
+           } else if (value == "full") {
+             run->recompute = RunConfig::Recompute::kFull;
+           } else if (value == "selective") {
+             run->recompute = RunConfig::Recompute::kSelective;
+           } else {
+             return Status::Error(where, fmt::format("must be \"full\", \"selective\" or null, "
+                                                     "got {}",
+                                                     DescribeJson(value)));
+           }
+           return Status();
+         },
+         [](const RunConfig& run) {
+           return run.recompute == RunConfig::Recompute::kNone
+                      ? json(nullptr)
+                      : json(RecomputeText(run.recompute));
+         }},
+     .help = "null, full (each layer's forward again in the backward) or selective (core "
+             "attention)",
+     .flag = "--recompute",
+     .effect = FieldEffect::kLayout},
+    {.key = "train_iters",
+     .target = &RunConfig::train_iters,
+     .help = "optimizer steps",
+     .flag = "--train-iters",
+     .effect = FieldEffect::kIterations},
+    {.key = "global_batch_size",
+     .target = &RunConfig::global_batch_size,
+     .help = "samples per iteration over all dp ranks (sets num_microbatches per layout)",
+     .flag = "--global-batch-size",
+     .effect = FieldEffect::kBatch},
+};
+
+}  // namespace
+
+std::span<const Field<RunConfig>> RunFields() { return kRunFields; }
+
+const std::vector<std::string_view>& RunConfigKeys() {
+  static const std::vector<std::string_view> kKeys = KeysOf(RunFields());
+  return kKeys;
+}
 
 const char* LayerTypeName(LayerType type) { return InfoOf(type).name.data(); }
 
@@ -535,56 +631,9 @@ Status ParseRunSection(const json& section, RunConfig* out) {
   RunConfig run;
   for (const auto& [key, value] : section.items()) {
     const std::string where = prefix + "." + key;
-    if (std::find(RunConfigKeys().begin(), RunConfigKeys().end(), key) == RunConfigKeys().end()) {
-      return UnknownKey(where, key, RunConfigKeys());
-    }
-    if (key == "seed") {
-      // The full uint64 range: seeds are Philox keys, not sizes.
-      if (!value.is_number_integer()) {
-        return Status::Error(where,
-                             fmt::format("must be an integer >= 0, got {}", DescribeJson(value)));
-      }
-      if (!value.is_number_unsigned() && value.get<int64_t>() < 0) {
-        return Status::Error(where,
-                             fmt::format("must be an integer >= 0, got {}", value.get<int64_t>()));
-      }
-      run.seed = value.get<uint64_t>();
-    } else if (key == "dtype") {
-      run.dtype_given = true;
-      const std::optional<DType> dtype =
-          value.is_string() ? DTypeFromName(value.get<std::string>()) : std::nullopt;
-      if (dtype && IsFloat(*dtype)) {  // int64 is a storage dtype for ids, not a run's
-        run.dtype = *dtype;
-      } else {
-        return Status::Error(where, fmt::format("must be \"float32\", \"float64\", \"bfloat16\" "
-                                                "or \"float16\", got {}",
-                                                DescribeJson(value)));
-      }
-    } else if (key == "seq_length") {
-      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &run.seq_length));
-    } else if (key == "micro_batch_size") {
-      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &run.micro_batch_size));
-    } else if (key == "num_microbatches") {
-      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &run.num_microbatches));
-      run.num_microbatches_given = true;
-    } else if (key == "global_batch_size") {
-      int64_t gbs = 0;
-      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &gbs));
-      run.global_batch_size = gbs;
-    } else if (key == "train_iters") {
-      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &run.train_iters));
-    } else if (key == "recompute_granularity") {
-      if (value.is_null()) {
-        run.recompute = RunConfig::Recompute::kNone;
-      } else if (value == "full") {
-        run.recompute = RunConfig::Recompute::kFull;
-      } else if (value == "selective") {
-        run.recompute = RunConfig::Recompute::kSelective;
-      } else {
-        return Status::Error(
-            where, fmt::format("must be \"full\", \"selective\" or null, got {}", DescribeJson(value)));
-      }
-    }
+    const RunField* field = FindField(RunFields(), key);
+    if (field == nullptr) return UnknownKey(where, key, RunConfigKeys());
+    MPUSIM_RETURN_IF_ERROR(field->Parse(value, where, &run));
   }
   if (!section.contains("seq_length")) {
     return Status::Error(prefix + ".seq_length",
@@ -595,22 +644,10 @@ Status ParseRunSection(const json& section, RunConfig* out) {
 }
 
 void ToJson(const RunConfig& run, json* out) {
-  json j = json::object();
-  j["seed"] = run.seed;
-  j["dtype"] = std::string(DTypeName(run.dtype));
-  j["seq_length"] = run.seq_length;
-  j["micro_batch_size"] = run.micro_batch_size;
-  if (run.global_batch_size) {
-    j["global_batch_size"] = *run.global_batch_size;
-  } else {
-    j["num_microbatches"] = run.num_microbatches;
-  }
-  j["train_iters"] = run.train_iters;
-  switch (run.recompute) {
-    case RunConfig::Recompute::kNone: j["recompute_granularity"] = nullptr; break;
-    case RunConfig::Recompute::kFull: j["recompute_granularity"] = "full"; break;
-    case RunConfig::Recompute::kSelective: j["recompute_granularity"] = "selective"; break;
-  }
+  json j = EchoFields(RunFields(), run);
+  // One of the two: a given global batch stands for num_microbatches in every layout.
+  j.erase(std::string(run.global_batch_size ? RunKey(&RunConfig::num_microbatches)
+                                            : RunKey(&RunConfig::global_batch_size)));
   *out = std::move(j);
 }
 

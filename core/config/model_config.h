@@ -1,7 +1,7 @@
 // The `model` and `run` sections of a config: the layer graph and how to run it.
 //
 // {
-//   "parallel": {..., "sequence_parallel": false, "gradient_accumulation_fusion": false},
+//   "parallel": {...},                          parallel_config.h
 //   "model": {
 //     "vocab_size": 64,                         tokens and labels are drawn from [0, vocab_size)
 //     "make_vocab_size_divisible_by": 128,      Megatron's padding: padded_vocab_size is
@@ -19,8 +19,8 @@
 //       {"name": "loss", "type": "VocabParallelCrossEntropy", "label_smoothing": 0.1}
 //     ]
 //   },
-//   "run": {"seed": 1234, "dtype": "float32", "seq_length": 8, "micro_batch_size": 2,
-//           "num_microbatches": 1, "recompute_granularity": null}
+//   "run": {...}                                RunFields() below: seed, dtype, the sequence,
+//                                               the batch, recomputation, iterations
 // }
 //
 // Layer types are Megatron's class or function names. Options are Megatron's names; sizes
@@ -32,12 +32,14 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "core/config/field_table.h"
 #include "core/init.h"
 #include "core/status.h"
 #include "core/tensor.h"
@@ -62,9 +64,8 @@ enum class LayerType : uint8_t {
 };
 
 // The spelling used in configs ("ColumnParallelLinear", "copy_to_tensor_model_parallel_region").
-// The keys of a layer-chain `model` section and of the `run` section.
+// The keys of a layer-chain `model` section.
 const std::vector<std::string_view>& ModelConfigKeys();
-const std::vector<std::string_view>& RunConfigKeys();
 
 const char* LayerTypeName(LayerType type);
 
@@ -139,6 +140,15 @@ struct RunConfig {
   enum class Recompute : uint8_t { kNone, kFull, kSelective };
   Recompute recompute = Recompute::kNone;
 };
+
+// The keys of the `run` section, each declared once (core/config/field_table.h); RunKey names
+// the key a member holds (RunKey(&RunConfig::micro_batch_size)).
+std::span<const Field<RunConfig>> RunFields();
+const std::vector<std::string_view>& RunConfigKeys();
+template <typename T>
+std::string_view RunKey(T RunConfig::*member) {
+  return KeyOf(RunFields(), member);
+}
 
 // Parse one section each; errors name the JSON path ("model.layers[2].input_size").
 Status ParseModelSection(const nlohmann::json& section, ModelConfig* out);

@@ -11,42 +11,98 @@
 #include <string_view>
 #include <vector>
 
+#include "core/config/field_table.h"
 #include "core/config/json_fields.h"
 
 namespace mpusim {
 
 namespace {
 
-// A finite number >= 0.
-Status ParseNonNegative(const nlohmann::json& value, const std::string& where, double* out) {
-  if (!value.is_number() || value.is_boolean() || !std::isfinite(value.get<double>()) ||
-      value.get<double>() < 0) {
-    return Status::Error(where,
-                         fmt::format("must be a finite number >= 0, got {}", DescribeJson(value)));
-  }
-  *out = value.get<double>();
-  return {};
-}
+using nlohmann::json;
+using OptimizerField = Field<OptimizerConfig>;
+
+// The section's keys, in documentation order.
+constexpr OptimizerField kFields[] = {
+    {"optimizer",
+     Codec<OptimizerConfig>{
+         FieldKind::kText,
+         [](const json& value, const std::string& where, OptimizerConfig* c) {
+           if (value == "adam" || value == "adamw") {  // Megatron's "adam" is AdamW
+             c->kind = OptimizerConfig::Kind::kAdam;
+           } else if (value == "sgd") {
+             c->kind = OptimizerConfig::Kind::kSgd;
+           } else {
+             return Status::Error(where, fmt::format("must be \"adam\" (AdamW; \"adamw\" is "
+                                                     "accepted too) or \"sgd\", got {}",
+                                                     DescribeJson(value)));
+           }
+           return Status();
+         },
+         [](const OptimizerConfig& c) {
+           return json(c.kind == OptimizerConfig::Kind::kAdam ? "adam" : "sgd");
+         }},
+     "adam (AdamW) or sgd"},
+    {"lr", &OptimizerConfig::lr, "the peak learning rate"},
+    {"min_lr", &OptimizerConfig::min_lr, "the learning rate the decay ends at", {}, 1,
+     NumberRule::kNonNegative},
+    {"lr_decay_style",
+     Codec<OptimizerConfig>{
+         FieldKind::kText,
+         [](const json& value, const std::string& where, OptimizerConfig* c) {
+           if (value == "constant") {
+             c->lr_decay_style = OptimizerConfig::DecayStyle::kConstant;
+           } else if (value == "linear") {
+             c->lr_decay_style = OptimizerConfig::DecayStyle::kLinear;
+           } else if (value == "cosine") {
+             c->lr_decay_style = OptimizerConfig::DecayStyle::kCosine;
+           } else {
+             return Status::Error(where, fmt::format("must be \"constant\", \"linear\" or "
+                                                     "\"cosine\", got {}",
+                                                     DescribeJson(value)));
+           }
+           return Status();
+         },
+         [](const OptimizerConfig& c) {
+           return json(c.lr_decay_style == OptimizerConfig::DecayStyle::kConstant ? "constant"
+                       : c.lr_decay_style == OptimizerConfig::DecayStyle::kLinear ? "linear"
+                                                                                   : "cosine");
+         }},
+     "constant, linear or cosine"},
+    {"lr_warmup_iters", &OptimizerConfig::lr_warmup_iters,
+     "iterations of linear warmup from 0 to lr", {}, 0},
+    {"lr_decay_iters", &OptimizerConfig::lr_decay_iters,
+     "iterations the decay spans (default run.train_iters)"},
+    {"weight_decay", &OptimizerConfig::weight_decay, "decoupled weight decay (AdamW)", {}, 1,
+     NumberRule::kNonNegative},
+    {"adam_beta1", &OptimizerConfig::adam_beta1, "Adam's first-moment decay", {}, 1,
+     NumberRule::kFraction},
+    {"adam_beta2", &OptimizerConfig::adam_beta2, "Adam's second-moment decay", {}, 1,
+     NumberRule::kFraction},
+    {"adam_eps", &OptimizerConfig::adam_eps, "Adam's epsilon"},
+    {"sgd_momentum", &OptimizerConfig::sgd_momentum, "SGD's momentum", {}, 1,
+     NumberRule::kFraction},
+    {"clip_grad", &OptimizerConfig::clip_grad,
+     "the global gradient norm's limit; 0 turns clipping off", {}, 1,
+     NumberRule::kNonNegative},
+    {"use_distributed_optimizer", &OptimizerConfig::use_distributed_optimizer,
+     "the optimizer state sharded over dp", "--distributed-optimizer"},
+    {"overlap_grad_reduce", &OptimizerConfig::overlap_grad_reduce,
+     "the bucketed gradient reduction overlapped with the backward (timing only)",
+     "--overlap-grad-reduce"},
+    {"overlap_param_gather", &OptimizerConfig::overlap_param_gather,
+     "the distributed optimizer's parameter all-gather overlapped with the forward (timing "
+     "only)",
+     "--overlap-param-gather"},
+    {"bucket_size", &OptimizerConfig::bucket_size,
+     "parameters per gradient bucket when overlap_grad_reduce is on"},
+};
 
 }  // namespace
 
+std::span<const Field<OptimizerConfig>> OptimizerFields() { return kFields; }
+
 const std::vector<std::string_view>& OptimizerConfigKeys() {
-  static const std::vector<std::string_view> kKeys = {"optimizer",
-                                                      "lr",
-                                                      "min_lr",
-                                                      "lr_decay_style",
-                                                      "lr_warmup_iters",
-                                                      "lr_decay_iters",
-                                                      "weight_decay",
-                                                      "adam_beta1",
-                                                      "adam_beta2",
-                                                      "adam_eps",
-                                                      "sgd_momentum",
-                                                      "clip_grad",
-                                                      "use_distributed_optimizer",
-                                                      "overlap_grad_reduce",
-                                                      "overlap_param_gather",
-                                                      "bucket_size"};
+  static const std::vector<std::string_view> kKeys = KeysOf(OptimizerFields());
   return kKeys;
 }
 
@@ -56,63 +112,12 @@ Status ParseOptimizerSection(const nlohmann::json& section, OptimizerConfig* out
     return Status::Error(prefix,
                          fmt::format("must be a JSON object, got {}", DescribeJson(section)));
   }
-  const std::vector<std::string_view>& kKeys = OptimizerConfigKeys();
   OptimizerConfig c;
   for (const auto& [key, value] : section.items()) {
     const std::string where = prefix + "." + key;
-    if (std::find(kKeys.begin(), kKeys.end(), key) == kKeys.end()) {
-      return UnknownKey(where, key, kKeys);
-    }
-    if (key == "optimizer") {
-      if (value == "adam" || value == "adamw") {  // Megatron's "adam" is AdamW
-        c.kind = OptimizerConfig::Kind::kAdam;
-      } else if (value == "sgd") {
-        c.kind = OptimizerConfig::Kind::kSgd;
-      } else {
-        return Status::Error(
-            where, fmt::format("must be \"adam\" (AdamW; \"adamw\" is accepted too) or \"sgd\", got {}", DescribeJson(value)));
-      }
-    } else if (key == "lr") {
-      MPUSIM_RETURN_IF_ERROR(ParsePositive(value, where, &c.lr));
-    } else if (key == "min_lr") {
-      MPUSIM_RETURN_IF_ERROR(ParseNonNegative(value, where, &c.min_lr));
-    } else if (key == "lr_decay_style") {
-      if (value == "constant") {
-        c.lr_decay_style = OptimizerConfig::DecayStyle::kConstant;
-      } else if (value == "linear") {
-        c.lr_decay_style = OptimizerConfig::DecayStyle::kLinear;
-      } else if (value == "cosine") {
-        c.lr_decay_style = OptimizerConfig::DecayStyle::kCosine;
-      } else {
-        return Status::Error(where, fmt::format("must be \"constant\", \"linear\" or \"cosine\", "
-                                                "got {}",
-                                                DescribeJson(value)));
-      }
-    } else if (key == "lr_warmup_iters") {
-      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 0, &c.lr_warmup_iters));
-    } else if (key == "lr_decay_iters") {
-      MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &c.lr_decay_iters));
-    } else if (key == "weight_decay") {
-      MPUSIM_RETURN_IF_ERROR(ParseNonNegative(value, where, &c.weight_decay));
-    } else if (key == "adam_beta1") {
-      MPUSIM_RETURN_IF_ERROR(ParseFraction(value, where, &c.adam_beta1));
-    } else if (key == "adam_beta2") {
-      MPUSIM_RETURN_IF_ERROR(ParseFraction(value, where, &c.adam_beta2));
-    } else if (key == "adam_eps") {
-      MPUSIM_RETURN_IF_ERROR(ParsePositive(value, where, &c.adam_eps));
-    } else if (key == "sgd_momentum") {
-      MPUSIM_RETURN_IF_ERROR(ParseFraction(value, where, &c.sgd_momentum));
-    } else if (key == "clip_grad") {
-      MPUSIM_RETURN_IF_ERROR(ParseNonNegative(value, where, &c.clip_grad));
-    } else if (key == "use_distributed_optimizer") {
-      MPUSIM_RETURN_IF_ERROR(ParseBool(value, where, &c.use_distributed_optimizer));
-    } else if (key == "overlap_grad_reduce") {
-      MPUSIM_RETURN_IF_ERROR(ParseBool(value, where, &c.overlap_grad_reduce));
-    } else if (key == "overlap_param_gather") {
-      MPUSIM_RETURN_IF_ERROR(ParseBool(value, where, &c.overlap_param_gather));
-    } else if (key == "bucket_size") {
-      MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &c.bucket_size));
-    }
+    const OptimizerField* field = FindField(OptimizerFields(), key);
+    if (field == nullptr) return UnknownKey(where, key, OptimizerConfigKeys());
+    MPUSIM_RETURN_IF_ERROR(field->Parse(value, where, &c));
   }
   // Megatron's own checks (megatron/training/arguments.py, validate_args).
   if (c.overlap_param_gather && !c.use_distributed_optimizer) {

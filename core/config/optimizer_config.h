@@ -53,9 +53,11 @@
 #include <cstdint>
 #include <nlohmann/json_fwd.hpp>
 #include <optional>
+#include <span>
 #include <string_view>
 #include <vector>
 
+#include "core/config/field_table.h"
 #include "core/status.h"
 
 namespace mpusim {
@@ -87,8 +89,13 @@ struct OptimizerConfig {
   }
 };
 
-// The keys of the `optimizer` section.
+// The keys of the `optimizer` section, each declared once (core/config/field_table.h).
+std::span<const Field<OptimizerConfig>> OptimizerFields();
 const std::vector<std::string_view>& OptimizerConfigKeys();
+template <typename T>
+std::string_view OptimizerKey(T OptimizerConfig::*member) {
+  return KeyOf(OptimizerFields(), member);
+}
 
 Status ParseOptimizerSection(const nlohmann::json& section, OptimizerConfig* out);
 

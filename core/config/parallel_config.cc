@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "core/config/field_table.h"
 #include "core/config/json_fields.h"
 
 namespace mpusim {
@@ -48,31 +49,108 @@ std::optional<DType> MegatronStorageDType(const ParallelConfig& config) {
   return config.params_dtype;
 }
 
+namespace {
+
+using ParallelField = Field<ParallelConfig>;
+
+// The section's keys, in documentation order.
+constexpr ParallelField kFields[] = {
+    {"world_size", &ParallelConfig::world_size, "number of ranks (GPUs) the layout covers",
+     "--world-size,-n"},
+    {"gpus_per_node", &ParallelConfig::gpus_per_node, "GPUs per node for the node map (default 8)",
+     "--gpus-per-node"},
+    {"tensor_model_parallel_size", &ParallelConfig::tensor_model_parallel_size,
+     "tensor-parallel size", "--tp"},
+    {"pipeline_model_parallel_size", &ParallelConfig::pipeline_model_parallel_size,
+     "pipeline-parallel size", "--pp"},
+    {"virtual_pipeline_model_parallel_size",
+     &ParallelConfig::virtual_pipeline_model_parallel_size,
+     "virtual pipeline size (model chunks per pipeline rank)", "--vp"},
+    {"context_parallel_size", &ParallelConfig::context_parallel_size, "context-parallel size",
+     "--cp"},
+    {"hierarchical_context_parallel_sizes", &ParallelConfig::hierarchical_context_parallel_sizes,
+     "hierarchical context-parallel sizes, e.g. 2,2", "--hcp"},
+    {"expert_model_parallel_size", &ParallelConfig::expert_model_parallel_size,
+     "expert-parallel size", "--ep"},
+    {"expert_tensor_parallel_size", &ParallelConfig::expert_tensor_parallel_size,
+     "expert tensor-parallel size (default: --tp)", "--etp"},
+    {"num_distributed_optimizer_instances", &ParallelConfig::num_distributed_optimizer_instances,
+     "number of distributed-optimizer instances", "--dist-opt-instances"},
+    {"order",
+     Codec<ParallelConfig>{
+         FieldKind::kText,
+         [](const json& value, const std::string& where, ParallelConfig* c) {
+           if (!value.is_string()) {
+             return Status::Error(where, fmt::format("must be a string such as \"tp-cp-ep-dp-pp\", "
+                                                     "got {}",
+                                                     DescribeJson(value)));
+           }
+           c->order = value.get<std::string>();
+           return Status();
+         },
+         [](const ParallelConfig& c) { return json(c.order); }},
+     "rank order of the axes (default tp-cp-ep-dp-pp)", "--order"},
+    {"rank_offset", &ParallelConfig::rank_offset, "first global rank of the layout",
+     "--rank-offset", 0},
+    {"microbatch_group_size_per_vp_stage", &ParallelConfig::microbatch_group_size_per_vp_stage,
+     "microbatch_group_size_per_vp_stage (interleaved schedule; default: pp size)",
+     "--microbatch-group-size"},
+    {"num_layers", &ParallelConfig::num_layers, "layers, for the virtual-pipeline assignment",
+     "--num-layers"},
+    {"sequence_parallel", &ParallelConfig::sequence_parallel,
+     "sequence parallelism (norms and dropouts on s / tp tokens)", "--sequence-parallel"},
+    {"tp_comm_overlap", &ParallelConfig::tp_comm_overlap,
+     "TE's overlap of the tp collectives with the GEMMs (timing only; needs "
+     "--sequence-parallel true)",
+     "--tp-comm-overlap"},
+    {"overlap_moe_expert_parallel_comm", &ParallelConfig::overlap_moe_expert_parallel_comm,
+     "Megatron's combined 1F1B schedule, the experts' all-to-alls hidden behind another "
+     "micro-batch's compute (timing only; needs --ep > 1)",
+     "--overlap-moe-expert-parallel-comm"},
+    {"delay_wgrad_compute", &ParallelConfig::delay_wgrad_compute,
+     "the experts' weight gradients after their backward all-to-all starts (timing only; needs "
+     "--overlap-moe-expert-parallel-comm true)",
+     "--delay-wgrad-compute"},
+    {"gradient_accumulation_fusion", &ParallelConfig::gradient_accumulation_fusion,
+     "weight-gradient GEMMs accumulate straight into the float32 main_grad"},
+    {.key = "fp16",
+     .target = &ParallelConfig::fp16,
+     .help = "parameters, activations and gradients in float16",
+     .effect = FieldEffect::kPrecision},
+    {.key = "bf16",
+     .target = &ParallelConfig::bf16,
+     .help = "parameters, activations and gradients in bfloat16",
+     .effect = FieldEffect::kPrecision},
+    {.key = "params_dtype",
+     .target = Codec<ParallelConfig>{
+         FieldKind::kText,
+         [](const json& value, const std::string& where, ParallelConfig* c) {
+           c->params_dtype.reset();
+           if (value.is_null()) return Status();
+           std::string name = value.is_string() ? value.get<std::string>() : std::string();
+           if (name.starts_with("torch.")) name = name.substr(6);
+           c->params_dtype = DTypeFromName(name);
+           if (!c->params_dtype || !IsFloat(*c->params_dtype) ||
+               *c->params_dtype == DType::kFloat64) {
+             return Status::Error(where, fmt::format("must be \"float32\", \"bfloat16\", "
+                                                     "\"float16\" or null, got {}",
+                                                     DescribeJson(value)));
+           }
+           return Status();
+         },
+         [](const ParallelConfig& c) {
+           return c.params_dtype ? json(std::string(DTypeName(*c.params_dtype))) : json(nullptr);
+         }},
+     .help = "the parameters' storage dtype (float32, bfloat16 or float16)",
+     .effect = FieldEffect::kPrecision},
+};
+
+}  // namespace
+
+std::span<const Field<ParallelConfig>> ParallelFields() { return kFields; }
+
 const std::vector<std::string_view>& ParallelConfigKeys() {
-  static const std::vector<std::string_view> kKeys = {
-      "world_size",
-      "gpus_per_node",
-      "tensor_model_parallel_size",
-      "pipeline_model_parallel_size",
-      "virtual_pipeline_model_parallel_size",
-      "context_parallel_size",
-      "hierarchical_context_parallel_sizes",
-      "expert_model_parallel_size",
-      "expert_tensor_parallel_size",
-      "num_distributed_optimizer_instances",
-      "order",
-      "rank_offset",
-      "microbatch_group_size_per_vp_stage",
-      "num_layers",
-      "sequence_parallel",
-      "tp_comm_overlap",
-      "overlap_moe_expert_parallel_comm",
-      "delay_wgrad_compute",
-      "gradient_accumulation_fusion",
-      "fp16",
-      "bf16",
-      "params_dtype",
-  };
+  static const std::vector<std::string_view> kKeys = KeysOf(ParallelFields());
   return kKeys;
 }
 
@@ -189,87 +267,6 @@ const AcceptedField* FindIgnored(std::string_view key) {
   return FindAcceptedField(kIgnoredFields, key);
 }
 
-// One known key of the section: its value, checked, into `config`.
-Status ParseParallelOption(const std::string& key, const json& value, const std::string& where,
-                           ParallelConfig* config) {
-  if (key == "world_size") {
-    MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &config->world_size));
-  } else if (key == "gpus_per_node") {
-    MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &config->gpus_per_node));
-  } else if (key == "tensor_model_parallel_size") {
-    MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &config->tensor_model_parallel_size));
-  } else if (key == "pipeline_model_parallel_size") {
-    MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &config->pipeline_model_parallel_size));
-  } else if (key == "virtual_pipeline_model_parallel_size") {
-    MPUSIM_RETURN_IF_ERROR(
-        ParseOptionalInt(value, where, 1, &config->virtual_pipeline_model_parallel_size));
-  } else if (key == "context_parallel_size") {
-    MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &config->context_parallel_size));
-  } else if (key == "hierarchical_context_parallel_sizes") {
-    config->hierarchical_context_parallel_sizes.clear();
-    if (value.is_null()) return {};
-    if (!value.is_array() || value.empty()) {
-      return Status::Error(where, fmt::format("must be null or a non-empty list of integers "
-                                              ">= 1 (e.g. [2, 4]), got {}",
-                                              DescribeJson(value)));
-    }
-    for (size_t i = 0; i < value.size(); ++i) {
-      int64_t level_size = 0;
-      MPUSIM_RETURN_IF_ERROR(ParseInt(value[i], fmt::format("{}[{}]", where, i), 1, &level_size));
-      config->hierarchical_context_parallel_sizes.push_back(level_size);
-    }
-  } else if (key == "expert_model_parallel_size") {
-    MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &config->expert_model_parallel_size));
-  } else if (key == "expert_tensor_parallel_size") {
-    MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &config->expert_tensor_parallel_size));
-  } else if (key == "num_distributed_optimizer_instances") {
-    MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &config->num_distributed_optimizer_instances));
-  } else if (key == "order") {
-    if (!value.is_string()) {
-      return Status::Error(where, fmt::format("must be a string such as \"tp-cp-ep-dp-pp\", "
-                                              "got {}",
-                                              DescribeJson(value)));
-    }
-    config->order = value.get<std::string>();
-  } else if (key == "rank_offset") {
-    MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 0, &config->rank_offset));
-  } else if (key == "microbatch_group_size_per_vp_stage") {
-    MPUSIM_RETURN_IF_ERROR(
-        ParseOptionalInt(value, where, 1, &config->microbatch_group_size_per_vp_stage));
-  } else if (key == "num_layers") {
-    MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &config->num_layers));
-  } else if (key == "sequence_parallel" || key == "gradient_accumulation_fusion" || key == "fp16" ||
-             key == "bf16" || key == "tp_comm_overlap" ||
-             key == "overlap_moe_expert_parallel_comm" || key == "delay_wgrad_compute") {
-    if (!value.is_boolean()) {
-      return Status::Error(where,
-                           fmt::format("must be true or false, got {}", DescribeJson(value)));
-    }
-    bool* flag = key == "sequence_parallel"              ? &config->sequence_parallel
-                 : key == "gradient_accumulation_fusion" ? &config->gradient_accumulation_fusion
-                 : key == "fp16"                         ? &config->fp16
-                 : key == "tp_comm_overlap"              ? &config->tp_comm_overlap
-                 : key == "overlap_moe_expert_parallel_comm"
-                     ? &config->overlap_moe_expert_parallel_comm
-                 : key == "delay_wgrad_compute" ? &config->delay_wgrad_compute
-                                                         : &config->bf16;
-    *flag = value.get<bool>();
-  } else if (key == "params_dtype") {
-    config->params_dtype.reset();
-    if (value.is_null()) return {};
-    std::string name = value.is_string() ? value.get<std::string>() : std::string();
-    if (name.starts_with("torch.")) name = name.substr(6);
-    config->params_dtype = DTypeFromName(name);
-    if (!config->params_dtype || !IsFloat(*config->params_dtype) ||
-        *config->params_dtype == DType::kFloat64) {
-      return Status::Error(where, fmt::format("must be \"float32\", \"bfloat16\", \"float16\" "
-                                              "or null, got {}",
-                                              DescribeJson(value)));
-    }
-  }
-  return {};
-}
-
 // fp16, bf16 and params_dtype agree.
 Status CheckPrecision(const ParallelConfig& config, const std::string& prefix) {
   if (config.fp16 && config.bf16) {
@@ -303,7 +300,6 @@ Status ParseParallelSection(const json& section, std::string_view path, Parallel
     return Status::Error(prefix, fmt::format("must be a JSON object, got {}", DescribeJson(section)));
   }
   ParallelConfig config;
-  const auto& keys = ParallelConfigKeys();
   for (const auto& [key, value] : section.items()) {
     const std::string where = prefix + "." + key;
     if (key == "data_parallel_size" || key == "expert_data_parallel_size") {
@@ -314,13 +310,9 @@ Status ParseParallelSection(const json& section, std::string_view path, Parallel
       MPUSIM_RETURN_IF_ERROR(JudgeAcceptedField(*ignored, value, where, &config.ignored));
       continue;
     }
-    if (std::find(keys.begin(), keys.end(), key) == keys.end()) {
-      const std::string suggestion = SuggestKey(key, keys);
-      return Status::Error(where, suggestion.empty()
-                                      ? fmt::format("unknown key; allowed: {}", fmt::join(keys, ", "))
-                                      : fmt::format("unknown key; did you mean '{}'?", suggestion));
-    }
-    MPUSIM_RETURN_IF_ERROR(ParseParallelOption(key, value, where, &config));
+    const ParallelField* field = FindField(ParallelFields(), key);
+    if (field == nullptr) return UnknownKey(where, key, ParallelConfigKeys());
+    MPUSIM_RETURN_IF_ERROR(field->Parse(value, where, &config));
   }
   MPUSIM_RETURN_IF_ERROR(CheckPrecision(config, prefix));
   // Megatron's check (megatron/training/arguments.py): "Tensor parallel communication/GEMM
@@ -365,34 +357,6 @@ Status ParseParallelSection(const json& section, std::string_view path, Parallel
   return {};
 }
 
-void ToJson(const ParallelConfig& c, json* out) {
-  auto optional = [](const std::optional<int64_t>& v) { return v ? json(*v) : json(nullptr); };
-  json j = json::object();
-  j["world_size"] = c.world_size;
-  j["gpus_per_node"] = c.gpus_per_node;
-  j["tensor_model_parallel_size"] = c.tensor_model_parallel_size;
-  j["pipeline_model_parallel_size"] = c.pipeline_model_parallel_size;
-  j["virtual_pipeline_model_parallel_size"] = optional(c.virtual_pipeline_model_parallel_size);
-  j["context_parallel_size"] = c.context_parallel_size;
-  j["hierarchical_context_parallel_sizes"] =
-      c.hierarchical_context_parallel_sizes.empty() ? json(nullptr)
-                                                    : json(c.hierarchical_context_parallel_sizes);
-  j["expert_model_parallel_size"] = c.expert_model_parallel_size;
-  j["expert_tensor_parallel_size"] = optional(c.expert_tensor_parallel_size);
-  j["num_distributed_optimizer_instances"] = c.num_distributed_optimizer_instances;
-  j["order"] = c.order;
-  j["rank_offset"] = c.rank_offset;
-  j["microbatch_group_size_per_vp_stage"] = optional(c.microbatch_group_size_per_vp_stage);
-  j["num_layers"] = optional(c.num_layers);
-  j["sequence_parallel"] = c.sequence_parallel;
-  j["tp_comm_overlap"] = c.tp_comm_overlap;
-  j["overlap_moe_expert_parallel_comm"] = c.overlap_moe_expert_parallel_comm;
-  j["delay_wgrad_compute"] = c.delay_wgrad_compute;
-  j["gradient_accumulation_fusion"] = c.gradient_accumulation_fusion;
-  j["fp16"] = c.fp16;
-  j["bf16"] = c.bf16;
-  j["params_dtype"] = c.params_dtype ? json(std::string(DTypeName(*c.params_dtype))) : json(nullptr);
-  *out = std::move(j);
-}
+void ToJson(const ParallelConfig& c, json* out) { *out = EchoFields(ParallelFields(), c); }
 
 }  // namespace mpusim

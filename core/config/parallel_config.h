@@ -18,12 +18,14 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "core/config/field_table.h"
 #include "core/status.h"
 #include "core/tensor.h"
 
@@ -77,8 +79,15 @@ struct ParallelConfig {
   }
 };
 
-// The keys ParseParallelSection accepts, in documentation order.
+// The section's keys, each declared once (core/config/field_table.h): name, member, type,
+// range, meaning and flag. ParallelConfigKeys lists them in documentation order; ParallelKey
+// names the key a member holds (ParallelKey(&ParallelConfig::context_parallel_size)).
+std::span<const Field<ParallelConfig>> ParallelFields();
 const std::vector<std::string_view>& ParallelConfigKeys();
+template <typename T>
+std::string_view ParallelKey(T ParallelConfig::*member) {
+  return KeyOf(ParallelFields(), member);
+}
 // ModelParallelConfig fields accepted with a note (or refused unless at mpusim's value), and
 // the derived sizes refused with their own message.
 bool IsAcceptedParallelField(std::string_view key);

@@ -11,6 +11,9 @@
 #include <string_view>
 #include <utility>
 
+#include "core/config/model_config.h"
+#include "core/config/parallel_config.h"
+
 namespace mpusim {
 namespace {
 
@@ -89,13 +92,19 @@ std::optional<int64_t> PositiveInt(const FlatConfig& config, const std::string& 
 // Samples per micro-batch (micro_batch_size x data-parallel size) and per iteration of a
 // run, when its config says them plainly; nullopt otherwise.
 std::optional<std::pair<int64_t, int64_t>> Samples(const FlatConfig& config) {
-  const auto world = PositiveInt(config, "parallel.world_size", 1);
-  const auto tp = PositiveInt(config, "parallel.tensor_model_parallel_size", 1);
-  const auto pp = PositiveInt(config, "parallel.pipeline_model_parallel_size", 1);
-  const auto cp = PositiveInt(config, "parallel.context_parallel_size", 1);
-  const auto mbs = PositiveInt(config, "run.micro_batch_size", 1);
-  const auto microbatches = PositiveInt(config, "run.num_microbatches", 1);
-  const auto global = PositiveInt(config, "run.global_batch_size", 0);
+  const auto parallel = [&](auto member, int64_t fallback) {
+    return PositiveInt(config, fmt::format("parallel.{}", ParallelKey(member)), fallback);
+  };
+  const auto run = [&](auto member, int64_t fallback) {
+    return PositiveInt(config, fmt::format("run.{}", RunKey(member)), fallback);
+  };
+  const auto world = parallel(&ParallelConfig::world_size, 1);
+  const auto tp = parallel(&ParallelConfig::tensor_model_parallel_size, 1);
+  const auto pp = parallel(&ParallelConfig::pipeline_model_parallel_size, 1);
+  const auto cp = parallel(&ParallelConfig::context_parallel_size, 1);
+  const auto mbs = run(&RunConfig::micro_batch_size, 1);
+  const auto microbatches = run(&RunConfig::num_microbatches, 1);
+  const auto global = run(&RunConfig::global_batch_size, 0);
   if (!world || !tp || !pp || !cp || !mbs || !microbatches || !global) return std::nullopt;
   int64_t model_parallel = 0;
   int64_t per_microbatch = 0;
@@ -118,19 +127,30 @@ ConfigChange Classify(const std::string& key, bool in_a, bool in_b, const FlatCo
   const std::string_view rest =
       dot == std::string::npos ? std::string_view() : std::string_view(key).substr(dot + 1);
   const bool both = in_a && in_b;
+  // What the key's declaration says a change of it changes (core/config/field_table.h).
+  FieldEffect effect = FieldEffect::kSection;
   if (section == "parallel") {
-    return rest == "fp16" || rest == "bf16" || rest == "params_dtype" ? ConfigChange::kDType
-                                                                      : ConfigChange::kLayout;
+    if (const auto* f = FindField(ParallelFields(), rest)) effect = f->effect;
+    return effect == FieldEffect::kPrecision ? ConfigChange::kDType : ConfigChange::kLayout;
   }
   if (section == "run") {
-    if (rest == "seed") return ConfigChange::kSeed;
-    if (rest == "dtype") return ConfigChange::kDType;
-    if (rest == "train_iters") return ConfigChange::kIterations;
-    if (rest == "recompute_granularity") return ConfigChange::kLayout;
-    if (rest == "micro_batch_size" || rest == "num_microbatches" || rest == "global_batch_size") {
-      // dp 2 with micro_batch_size 1 sees the samples dp 1 with micro_batch_size 2 does.
-      const auto samples_a = Samples(a);
-      return samples_a && samples_a == Samples(b) ? ConfigChange::kLayout : ConfigChange::kData;
+    if (const auto* f = FindField(RunFields(), rest)) effect = f->effect;
+    switch (effect) {
+      case FieldEffect::kSeed:
+        return ConfigChange::kSeed;
+      case FieldEffect::kPrecision:
+        return ConfigChange::kDType;
+      case FieldEffect::kIterations:
+        return ConfigChange::kIterations;
+      case FieldEffect::kLayout:
+        return ConfigChange::kLayout;
+      case FieldEffect::kBatch: {
+        // dp 2 with micro_batch_size 1 sees the samples dp 1 with micro_batch_size 2 does.
+        const auto samples_a = Samples(a);
+        return samples_a && samples_a == Samples(b) ? ConfigChange::kLayout : ConfigChange::kData;
+      }
+      case FieldEffect::kSection:
+        break;
     }
     return ConfigChange::kData;
   }
