@@ -6,6 +6,11 @@
 #include <cmath>
 #include <optional>
 
+#include "core/context_parallel/a2a.h"
+#include "core/context_parallel/all_gather.h"
+#include "core/context_parallel/hierarchical.h"
+#include "core/context_parallel/ring.h"
+
 namespace mpusim {
 
 SelfAttention::SelfAttention(const GptConfig& gpt, std::string prefix, ParameterSet& params,
@@ -62,138 +67,6 @@ IndexPieces SelfAttention::ProbsMap(const StreamShape& sh) const {
   return pieces;
 }
 
-namespace {
-
-// Context parallelism moves tensors between rank order, [cp, rows, s_cp, dk] (for each cp
-// rank its rows of its s_cp tokens: chunks r and 2 cp - 1 - r), and sequence order
-// [rows, s, dk]. ToSequence copies the first into the second, FromSequence back.
-void ReorderSequence(Kernels& k, const StreamShape& sh, const Tensor& from, Tensor& to,
-                     int64_t rows, int64_t dk, bool to_sequence) {
-  const int64_t cp = sh.cp, s_cp = sh.s_cp(), c = s_cp / 2, s = sh.s;
-  for (int64_t r = 0; r < cp; ++r) {
-    for (int64_t half = 0; half < 2; ++half) {
-      const int64_t ranked = (r * rows * s_cp + half * c) * dk;
-      const int64_t ordered = (half == 0 ? r : 2 * cp - 1 - r) * c * dk;
-      if (to_sequence) {
-        k.StridedCopy(from, ranked, {rows, c * dk}, {s_cp * dk, 1}, to, ordered, {s * dk, 1});
-      } else {
-        k.StridedCopy(from, ordered, {rows, c * dk}, {s * dk, 1}, to, ranked, {s_cp * dk, 1});
-      }
-    }
-  }
-}
-
-// cp_comm_type "all_gather": every cp rank's x [bg * s_cp, dk] (bg rows of its s_cp tokens
-// each), gathered over cp and put in sequence order: [bg * s, dk].
-Tensor GatherSequence(const ModuleContext& ctx, const Tensor& x, int64_t bg, int64_t dk) {
-  const StreamShape& sh = ctx.shape;
-  Tensor gathered = ctx.k.Empty({sh.cp * bg * sh.s_cp(), dk}, x.dtype());
-  ctx.cp->AllGather(x, gathered);
-  Tensor out = ctx.k.Empty({bg * sh.s, dk}, x.dtype());
-  ReorderSequence(ctx.k, sh, gathered, out, bg, dk, true);
-  return out;
-}
-
-// GatherSequence's backward: the gradient of every position [bg * s, dk] back to each cp
-// rank's tokens, summed over the ranks: [bg * s_cp, dk].
-Tensor ReduceScatterSequence(const ModuleContext& ctx, const Tensor& dy, int64_t bg, int64_t dk) {
-  const StreamShape& sh = ctx.shape;
-  Tensor by_rank = ctx.k.Empty({sh.cp * bg * sh.s_cp(), dk}, dy.dtype());
-  ReorderSequence(ctx.k, sh, dy, by_rank, bg, dk, false);
-  Tensor out = ctx.k.Empty({bg * sh.s_cp(), dk}, dy.dtype());
-  ctx.cp->ReduceScatter(by_rank, out);
-  return out;
-}
-
-// cp_comm_type "a2a" (Ulysses): this rank's tokens of `heads` heads, x [b, heads, s_cp, dk],
-// become every position of 1/cp of the heads, [b, heads / cp, s, dk] in sequence order: cp
-// rank j is sent heads [j hc, (j + 1) hc) (hc = heads / cp) of this rank's tokens.
-Tensor HeadsForSequence(const ModuleContext& ctx, const Tensor& x, int64_t b, int64_t heads,
-                        int64_t dk) {
-  const StreamShape& sh = ctx.shape;
-  const int64_t cp = sh.cp, hc = heads / cp, piece = hc * sh.s_cp() * dk;
-  Tensor send = ctx.k.Empty({cp * b * piece}, x.dtype());  // [cp, b, hc, s_cp, dk]
-  ctx.k.StridedCopy(x, 0, {cp, b, piece}, {piece, cp * piece, 1}, send, 0,
-                    {b * piece, piece, 1});
-  Tensor received = ctx.k.Empty({cp * b * piece}, x.dtype());  // [cp, b, hc, s_cp, dk]
-  ctx.cp->AllToAll(send, received);
-  Tensor out = ctx.k.Empty({b * hc * sh.s, dk}, x.dtype());
-  ReorderSequence(ctx.k, sh, received, out, b * hc, dk, true);
-  return out;
-}
-
-// HeadsForSequence's inverse (and its backward): y [b, heads / cp, s, dk] -> [b, heads,
-// s_cp, dk], each cp rank's tokens back to it.
-Tensor SequenceForHeads(const ModuleContext& ctx, const Tensor& y, int64_t b, int64_t heads,
-                        int64_t dk) {
-  const StreamShape& sh = ctx.shape;
-  const int64_t cp = sh.cp, hc = heads / cp, piece = hc * sh.s_cp() * dk;
-  Tensor send = ctx.k.Empty({cp * b * piece}, y.dtype());  // [cp, b, hc, s_cp, dk]
-  ReorderSequence(ctx.k, sh, y, send, b * hc, dk, false);
-  Tensor received = ctx.k.Empty({cp * b * piece}, y.dtype());
-  ctx.cp->AllToAll(send, received);
-  Tensor out = ctx.k.Empty({b * heads * sh.s_cp(), dk}, y.dtype());
-  ctx.k.StridedCopy(received, 0, {cp, b, piece}, {b * piece, piece, 1}, out, 0,
-                    {piece, cp * piece, 1});
-  return out;
-}
-
-// cp_comm_type "a2a+p2p": this rank's tokens of `heads` heads, x [b, heads, s_cp, w], become
-// the tokens of its level-0 group (hcp_L0: a ranks, cp ranks a l .. a l + a - 1) for 1/a of
-// the heads, [b, heads / a, 2 a c, w] (c = s / (2 cp)); level-0 rank j is sent heads
-// [j heads / a, (j + 1) heads / a). The rows are ring rank l's two super-chunks of a c
-// positions, l and 2 (cp / a) - 1 - l: the group's first chunks (rank j's at j c), then its
-// second chunks in the opposite rank order (rank j's at (2a - 1 - j) c), positions
-// ascending in both.
-Tensor ToRingHeads(const ModuleContext& ctx, const Tensor& x, int64_t b, int64_t heads,
-                   int64_t w) {
-  Communicator& group = *ctx.hcp_a2a;
-  const int64_t a = group.Size();
-  if (a == 1) return x;
-  Kernels& k = ctx.k;
-  const int64_t s_cp = ctx.shape.s_cp(), c = s_cp / 2, s_ring = a * s_cp, ha = heads / a;
-  const int64_t piece = ha * s_cp * w;
-  Tensor send = k.Empty({a * b * piece}, x.dtype());  // [a, b, ha, s_cp, w]
-  k.StridedCopy(x, 0, {a, b, piece}, {piece, a * piece, 1}, send, 0, {b * piece, piece, 1});
-  Tensor received = k.Empty({a * b * piece}, x.dtype());  // [a (from j), b, ha, s_cp, w]
-  group.AllToAll(send, received);
-  Tensor out = k.Empty({b * ha * s_ring, w}, x.dtype());
-  for (int64_t j = 0; j < a; ++j) {
-    for (int64_t half = 0; half < 2; ++half) {
-      const int64_t from = (j * b * ha * s_cp + half * c) * w;
-      const int64_t to = (half == 0 ? j * c : (2 * a - 1 - j) * c) * w;
-      k.StridedCopy(received, from, {b * ha, c * w}, {s_cp * w, 1}, out, to, {s_ring * w, 1});
-    }
-  }
-  return out;
-}
-
-// ToRingHeads' inverse (and its backward): y [b, heads / a, 2 a c, w] -> [b, heads, s_cp, w].
-Tensor FromRingHeads(const ModuleContext& ctx, const Tensor& y, int64_t b, int64_t heads,
-                     int64_t w) {
-  Communicator& group = *ctx.hcp_a2a;
-  const int64_t a = group.Size();
-  if (a == 1) return y;
-  Kernels& k = ctx.k;
-  const int64_t s_cp = ctx.shape.s_cp(), c = s_cp / 2, s_ring = a * s_cp, ha = heads / a;
-  const int64_t piece = ha * s_cp * w;
-  Tensor send = k.Empty({a * b * piece}, y.dtype());  // [a (to j), b, ha, s_cp, w]
-  for (int64_t j = 0; j < a; ++j) {
-    for (int64_t half = 0; half < 2; ++half) {
-      const int64_t to = (j * b * ha * s_cp + half * c) * w;
-      const int64_t from = (half == 0 ? j * c : (2 * a - 1 - j) * c) * w;
-      k.StridedCopy(y, from, {b * ha, c * w}, {s_ring * w, 1}, send, to, {s_cp * w, 1});
-    }
-  }
-  Tensor received = k.Empty({a * b * piece}, y.dtype());  // [a (from j), b, ha, s_cp, w]
-  group.AllToAll(send, received);
-  Tensor out = k.Empty({b * heads * s_cp, w}, y.dtype());
-  k.StridedCopy(received, 0, {a, b, piece}, {b * piece, piece, 1}, out, 0,
-                {piece, a * piece, 1});
-  return out;
-}
-
-}  // namespace
 
 Tensor SelfAttention::Forward(const ModuleContext& ctx, const Tensor& x, bool keep_core,
                               Stash* stash) const {
@@ -271,13 +144,13 @@ Tensor SelfAttention::CoreForward(const ModuleContext& ctx, const Tensor& qkv,
   const bool heads = sh.cp > 1 && cp_heads_;
   if (heads) {
     // Ulysses: every position of 1/cp of the heads; the queries in sequence order too.
-    core->q = HeadsForSequence(ctx, core->q, b, al, dk);
-    core->k = HeadsForSequence(ctx, core->k, b, gl, dk);
-    core->v = HeadsForSequence(ctx, core->v, b, gl, dk);
+    core->q = HeadsForSequence(k, *ctx.cp, sh.s, core->q, b, al, dk);
+    core->k = HeadsForSequence(k, *ctx.cp, sh.s, core->k, b, gl, dk);
+    core->v = HeadsForSequence(k, *ctx.cp, sh.s, core->v, b, gl, dk);
     s = sk, gl /= sh.cp, al /= sh.cp;
   } else if (sh.cp > 1) {
-    core->k = GatherSequence(ctx, core->k, b * gl, dk);
-    core->v = GatherSequence(ctx, core->v, b * gl, dk);
+    core->k = GatherSequence(k, *ctx.cp, sh.s, core->k, b * gl, dk);
+    core->v = GatherSequence(k, *ctx.cp, sh.s, core->v, b * gl, dk);
   }
   const Tensor& q_pos = heads ? ctx.key_positions : ctx.positions;
   // scores = q k^T / sqrt(dk): one GEMM per (sample, group) over its r*s query rows.
@@ -297,7 +170,7 @@ Tensor SelfAttention::CoreForward(const ModuleContext& ctx, const Tensor& qkv,
   Tensor context = k.Empty({b * gl, r * s, dk}, dtype);
   k.BatchedGemm(false, false, 1.0, core->probs_dropped.Reshaped({b * gl, r * s, sk}),
                 core->v.Reshaped({b * gl, sk, dk}), 0.0, context);
-  if (heads) context = SequenceForHeads(ctx, context, b, a_l_, dk);
+  if (heads) context = SequenceForHeads(k, *ctx.cp, sh.s, context, b, a_l_, dk);
   return ContextToColumns(ctx, context, a_l_, dk);
 }
 
@@ -339,7 +212,8 @@ Tensor SelfAttention::CoreBackward(const ModuleContext& ctx, const Tensor& dout,
   const bool heads = sh.cp > 1 && cp_heads_;
   if (heads) {
     s = sk, gl /= sh.cp, al /= sh.cp;
-    dcontext = HeadsForSequence(ctx, dcontext, b, a_l_, dk).Reshaped({b * gl, r * s, dk});
+    dcontext =
+        HeadsForSequence(k, *ctx.cp, sh.s, dcontext, b, a_l_, dk).Reshaped({b * gl, r * s, dk});
   }
   const Tensor& q_pos = heads ? ctx.key_positions : ctx.positions;
   // context = P_d v:  dP_d = dcontext v^T,  dv = P_d^T dcontext (summed over the group's heads)
@@ -366,12 +240,12 @@ Tensor SelfAttention::CoreBackward(const ModuleContext& ctx, const Tensor& dout,
   k.BatchedGemm(true, false, c, ds, core.q.Reshaped({b * gl, r * s, dk}), 0.0, dkey);
   Tensor dk2 = dkey.Reshaped({b * gl * sk, dk});
   if (heads) {
-    dq = SequenceForHeads(ctx, dq, b, a_l_, dk);
-    dk2 = SequenceForHeads(ctx, dk2, b, g_l_, dk);
-    dv = SequenceForHeads(ctx, dv, b, g_l_, dk);
+    dq = SequenceForHeads(k, *ctx.cp, sh.s, dq, b, a_l_, dk);
+    dk2 = SequenceForHeads(k, *ctx.cp, sh.s, dk2, b, g_l_, dk);
+    dv = SequenceForHeads(k, *ctx.cp, sh.s, dv, b, g_l_, dk);
   } else if (sh.cp > 1) {
-    dk2 = ReduceScatterSequence(ctx, dk2, b * gl, dk);
-    dv = ReduceScatterSequence(ctx, dv.Reshaped({b * gl * sk, dk}), b * gl, dk);
+    dk2 = ReduceScatterSequence(k, *ctx.cp, sh.s, dk2, b * gl, dk);
+    dv = ReduceScatterSequence(k, *ctx.cp, sh.s, dv.Reshaped({b * gl * sk, dk}), b * gl, dk);
   }
   const int64_t tokens = sh.s_cp();
   return QkvGrad(ctx, core, dq.Reshaped({b * g_l_ * r * tokens, dk}), dk2,
@@ -405,69 +279,27 @@ Tensor SelfAttention::QkvGrad(const ModuleContext& ctx, const CoreStash& core, T
   return dqkv;
 }
 
-
-// --- cp_comm_type "p2p": the ring ------------------------------------------------------
+// --- cp_comm_type "p2p": attention on the ring ------------------------------------------
 //
-// Rank me of the cp ring holds chunks Chunk(me, 0) = me and Chunk(me, 1) = 2 cp - 1 - me of
-// c positions. Step i (0 <= i < cp) computes with the keys and values of rank (me - i) mod cp
-// while passing them on to me + 1 and receiving the next block from me - 1 (Megatron's
-// AttnFuncWithCPAndKVP2P). In a step, each pair of a query chunk and a key chunk is one
-// c x c block: skipped when every key comes after every query, else its softmax over its
-// keys, with its log-sum-exp, times its values, merged into the query chunk's running output
-// (LseMerge). Attention dropout is drawn per global element of [B, a, s, s] (BlockMap), on
-// the block's own probabilities: the merge scales them to the row's, so the masks are the
-// all_gather run's. The backward runs the ring again from each row's final log-sum-exp; the
-// gradients of a block's keys and values travel with it and reach their owner after cp steps.
+// The ring (core/context_parallel/ring.h, Megatron's AttnFuncWithCPAndKVP2P) passes the keys
+// and values around; in a step, each c x c block of a query chunk and a key chunk that some
+// query sees is its softmax over its keys, with its log-sum-exp, times its values, merged into
+// the query chunk's running output (LseMerge). Attention dropout is drawn per global element
+// of [B, a, s, s] (BlockMap), on the block's own probabilities: the merge scales them to the
+// row's, so the masks are the all_gather run's. The backward runs the ring again from each
+// row's final log-sum-exp; the gradients of a block's keys and values travel with it and reach
+// their owner after cp steps.
 
 namespace {
 
-int64_t Chunk(int64_t cp, int64_t rank, int64_t half) {
-  return half == 0 ? rank : 2 * cp - 1 - rank;
+// "a2a+p2p" (hier): this rank's tokens of `heads` heads to the ring's rows over hcp level 0
+// (core/context_parallel/hierarchical.h), and back; "p2p": x itself.
+Tensor ToRing(const ModuleContext& ctx, bool hier, const Tensor& x, int64_t heads, int64_t w) {
+  return hier ? ToRingHeads(ctx.k, *ctx.hcp_a2a, ctx.shape.s_cp(), x, ctx.shape.b, heads, w) : x;
 }
-
-// The ring's cp steps on this rank (cp, me: the ring's size and this rank's place): step i
-// computes `body(src, block)` with the block of rank src = (me - i) mod cp while that block
-// is passed on to me + 1 and the next one received from me - 1 (messages tagged `tag`); the
-// last step passes nothing on.
-template <typename Body>
-void RunRing(Kernels& k, Communicator& ring, int64_t cp, int64_t me, Tensor block, int tag,
-             Body&& body) {
-  const int next = static_cast<int>((me + 1) % cp), prev = static_cast<int>((me + cp - 1) % cp);
-  for (int64_t step = 0; step < cp; ++step) {
-    std::unique_ptr<PendingP2P> pending;
-    Tensor incoming;
-    if (step + 1 < cp) {  // pass the block on while computing with it
-      incoming = k.Empty(block.shape(), block.dtype());
-      pending = ring.PostSendRecv({{P2POp::Kind::kSend, block, next, tag},
-                                   {P2POp::Kind::kRecv, incoming, prev, tag}});
-    }
-    body((me - step + cp) % cp, block);
-    if (pending) {
-      pending->Wait();
-      block = incoming;
-    }
-  }
-}
-
-// The c x c blocks of a step with rank src's keys that some query of this rank sees: each of
-// this rank's query halves qh against each of src's key halves kh, skipped when every key
-// comes after every query. `fn(qh, kh, q_chunk, k_chunk)`.
-template <typename Fn>
-void ForEachVisibleBlock(int64_t cp, int64_t me, int64_t src, Fn&& fn) {
-  for (int64_t qh = 0; qh < 2; ++qh) {
-    for (int64_t kh = 0; kh < 2; ++kh) {
-      const int64_t q_chunk = Chunk(cp, me, qh), k_chunk = Chunk(cp, src, kh);
-      if (k_chunk <= q_chunk) fn(qh, kh, q_chunk, k_chunk);
-    }
-  }
-}
-
-// A [bg * c, dk] chunk (k or v: which = 0 or 1; chunk half h) of a ring block laid out as
-// [2 (k, v), 2 (chunk), bg, c, dk], as a view [bg, c, dk].
-Tensor BlockPart(const Tensor& block, int64_t which, int64_t half, int64_t bg, int64_t c,
-                 int64_t dk) {
-  const int64_t n = bg * c * dk;
-  return block.FlatSlice((which * 2 + half) * n, n).Reshaped({bg, c, dk});
+Tensor FromRing(const ModuleContext& ctx, bool hier, const Tensor& y, int64_t heads, int64_t w) {
+  return hier ? FromRingHeads(ctx.k, *ctx.hcp_a2a, ctx.shape.s_cp(), y, ctx.shape.b, heads, w)
+              : y;
 }
 
 }  // namespace
@@ -536,9 +368,9 @@ Tensor SelfAttention::RingForward(const ModuleContext& ctx, CoreStash* core) con
   const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
   const std::string site = prefix_ + ".core_attention.attention_dropout";
   // "a2a+p2p": the level-0 group's positions of 1/a of the heads; "p2p": this rank's own.
-  const Tensor q = hier_ ? ToRingHeads(ctx, core->q, sh.b, a_l_, dk) : core->q;
-  const Tensor key = hier_ ? ToRingHeads(ctx, core->k, sh.b, g_l_, dk) : core->k;
-  const Tensor value = hier_ ? ToRingHeads(ctx, core->v, sh.b, g_l_, dk) : core->v;
+  const Tensor q = ToRing(ctx, hier_, core->q, a_l_, dk);
+  const Tensor key = ToRing(ctx, hier_, core->k, g_l_, dk);
+  const Tensor value = ToRing(ctx, hier_, core->v, g_l_, dk);
   RingStash ring;
   Tensor none = Tensor::HostEmpty({rows}, ct);  // a running log-sum-exp before any key
   for (int64_t i = 0; i < rows; ++i) SetHostValue(none, i, -INFINITY);
@@ -586,7 +418,7 @@ Tensor SelfAttention::RingForward(const ModuleContext& ctx, CoreStash* core) con
     k.StridedCopy(ring.out[h], 0, {bg * r, c * dk}, {c * dk, 1}, context, h * c * dk,
                   {s_ring * dk, 1});
   }
-  if (hier_) context = FromRingHeads(ctx, context, sh.b, a_l_, dk);
+  context = FromRing(ctx, hier_, context, a_l_, dk);
   core->ring = std::move(ring);
   return context.Reshaped({sh.b * g_l_, r * sh.s_cp(), dk});
 }
@@ -603,7 +435,7 @@ void SelfAttention::RingBackward(const ModuleContext& ctx, const Tensor& dcontex
   const DType dtype = dcontext_in.dtype(), ct = ComputeDType(dtype);
   const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
   const std::string site = prefix_ + ".core_attention.attention_dropout";
-  const Tensor dcontext = hier_ ? ToRingHeads(ctx, dcontext_in, sh.b, a_l_, dk) : dcontext_in;
+  const Tensor dcontext = ToRing(ctx, hier_, dcontext_in, a_l_, dk);
   Tensor dout[2], dq[2], row_dot[2];
   for (int64_t h = 0; h < 2; ++h) {
     dout[h] = k.Empty({bg, r * c, dk}, dtype);
@@ -614,7 +446,6 @@ void SelfAttention::RingBackward(const ModuleContext& ctx, const Tensor& dcontex
     k.RowDot(dout[h].Reshaped({rows, dk}), ring.out[h], row_dot[h]);
     dq[h] = k.Zeros({bg, r * c, dk}, dtype);
   }
-  const int next = static_cast<int>((me + 1) % cp), prev = static_cast<int>((me + cp - 1) % cp);
   Tensor dblock = k.Zeros(ring.kv.shape(), dtype);  // the gradients travelling with the block
   RunRing(k, *L.group, cp, me, ring.kv, 1, [&](int64_t src, const Tensor& block) {
     ForEachVisibleBlock(cp, me, src, [&](int64_t qh, int64_t kh, int64_t q_chunk, int64_t k_chunk) {
@@ -645,13 +476,8 @@ void SelfAttention::RingBackward(const ModuleContext& ctx, const Tensor& dcontex
       k.BatchedGemm(false, false, scale, ds, key, 1.0, dq[qh]);
       k.BatchedGemm(true, false, scale, ds, ring.q[qh], 1.0, dkey);
     });
-    // The block's gradients go on with it; after the last step they reach its owner (a ring
-    // of one rank keeps them).
-    if (cp == 1) return;
-    Tensor dincoming = k.Empty(block.shape(), dtype);
-    L.group->BatchSendRecv(
-        {{P2POp::Kind::kSend, dblock, next, 2}, {P2POp::Kind::kRecv, dincoming, prev, 2}});
-    dblock = dincoming;
+    // The block's gradients go on with it; after the last step they reach its owner.
+    dblock = PassOn(k, *L.group, cp, me, dblock, 2);
   });
   // dblock now holds this rank's own keys' and values' gradients, in chunks; "a2a+p2p" sends
   // each rank of the level-0 group its tokens' back.
@@ -666,9 +492,9 @@ void SelfAttention::RingBackward(const ModuleContext& ctx, const Tensor& dcontex
     k.StridedCopy(BlockPart(dblock, 1, h, bg, c, dk), 0, {bg, c * dk}, {c * dk, 1}, dv_ring,
                   h * c * dk, {s_ring * dk, 1});
   }
-  *dq_out = hier_ ? FromRingHeads(ctx, dq_ring, sh.b, a_l_, dk) : dq_ring;
-  *dk_out = hier_ ? FromRingHeads(ctx, dk_ring, sh.b, g_l_, dk) : dk_ring;
-  *dv_out = hier_ ? FromRingHeads(ctx, dv_ring, sh.b, g_l_, dk) : dv_ring;
+  *dq_out = FromRing(ctx, hier_, dq_ring, a_l_, dk);
+  *dk_out = FromRing(ctx, hier_, dk_ring, g_l_, dk);
+  *dv_out = FromRing(ctx, hier_, dv_ring, g_l_, dk);
 }
 
 // The records of a ring run: its probabilities [b, a_l, s_cp, s] from each row's final
@@ -685,7 +511,7 @@ void SelfAttention::RecordRingProbs(const ModuleContext& ctx, const CoreStash& c
   const std::string layer_site = ctx.trace.site();
   ctx.trace.SetSite(layer_site + " (gathered for records)");
   const Tensor& local = dcontext == nullptr ? core.k : core.v;
-  const Tensor gathered = GatherSequence(ctx, local, bg, dk);
+  const Tensor gathered = GatherSequence(k, *ctx.cp, sh.s, local, bg, dk);
   // Each row's log-sum-exp in the row order of [b, a_l, s_cp]: the halves interleaved (for
   // "a2a+p2p" in the ring's rows, then back to this rank's tokens of all its heads).
   const RingLayout L = Ring(ctx);
@@ -694,7 +520,7 @@ void SelfAttention::RecordRingProbs(const ModuleContext& ctx, const CoreStash& c
   for (int64_t h = 0; h < 2; ++h) {
     k.StridedCopy(ring.lse[h], 0, {ring_bg * r, L.c}, {L.c, 1}, lse, h * L.c, {s_ring, 1});
   }
-  if (hier_) lse = FromRingHeads(ctx, lse.Reshaped({ring_bg * r * s_ring, 1}), b, al, 1);
+  lse = FromRing(ctx, hier_, lse.Reshaped({ring_bg * r * s_ring, 1}), al, 1);
   lse = lse.Reshaped({bg * r * s_cp});
   ctx.trace.SetSite(layer_site);
   if (dcontext == nullptr) {

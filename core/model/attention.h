@@ -29,6 +29,9 @@
 // cp_comm_type "a2a+p2p" (hierarchical_context_parallel_sizes [a, c]) does both: an
 // all-to-all over the a ranks of hcp_L0 gives each the group's positions (two super-chunks
 // of s / (2c)) of 1/a of the heads, and the "p2p" ring runs over the c ranks of hcp_L1.
+// The exchanges themselves are core/context_parallel/'s (all_gather.h, a2a.h, ring.h,
+// hierarchical.h, on the load-balanced split of sequence_order.h); this module keeps the
+// attention math around them.
 // Selective recomputation keeps only qkv and reruns core attention in backward.
 #pragma once
 

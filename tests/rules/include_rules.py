@@ -12,7 +12,7 @@ The allowed lists are the link graph of the CMake targets, which the configure c
 mpusim_forbid_links (the top-level CMakeLists.txt): a folder includes only headers of the
 folders and libraries its target links. core/ is split like its targets: mpusim_core (every
 file of core/ outside the executor's folders, core/ops/ included) and the executor's
-core/tensor_parallel, core/pipeline, core/model and core/train. It is not a test of the
+core/tensor_parallel, core/context_parallel, core/pipeline, core/model and core/train. It is not a test of the
 compiler's view (a header found through another target's include path still has to be on
 the list); it is the architecture you can read.
 
@@ -29,7 +29,8 @@ SCANNED = ("core", "sim", "cuda", "mpi", "reference", "run", "cli")
 EXTENSIONS = (".h", ".hh", ".hpp", ".cc", ".cpp", ".cxx", ".cu", ".cuh", ".inc", ".inl", ".ipp")
 # Folders a project include starts with (those not scanned are never allowed below).
 PROJECT = SCANNED + ("tests", "bench", "tools")
-EXECUTOR = ("core/tensor_parallel", "core/pipeline", "core/model", "core/train")
+EXECUTOR = ("core/tensor_parallel", "core/context_parallel", "core/pipeline", "core/model",
+            "core/train")
 # core/ folders with targets of their own beside mpusim_core: the executor's, and
 # core/estimate (mpusim_estimate, which builds models to count their parameters).
 CORE_PARTS = EXECUTOR + ("core/estimate",)
@@ -39,7 +40,10 @@ BACKEND_LIBS = ("MPI", "Eigen", "BLAS", "CUDA")
 # and fmt (which every target links through mpusim_core). The link graph:
 #   mpusim_core             nlohmann_json, fmt
 #   mpusim_tensor_parallel  mpusim_core            mpusim_pipeline  mpusim_core
-#   mpusim_model            tensor_parallel, pipeline           mpusim_train  mpusim_model
+#   mpusim_context_parallel mpusim_core
+#   mpusim_model            tensor_parallel, pipeline; context_parallel privately (no header
+#                           of core/model names it, so what links model does not see it)
+#   mpusim_train            mpusim_model
 #   mpusim_mpi              mpusim_core, MPI
 #   mpusim_sim              mpusim_core, mpusim_mpi, Eigen/BLAS
 #   mpusim_cuda             mpusim_core, mpusim_mpi, CUDA, cuBLAS, NCCL
@@ -49,8 +53,9 @@ BACKEND_LIBS = ("MPI", "Eigen", "BLAS", "CUDA")
 ALLOWED = {
     "core": {"core"},
     "core/tensor_parallel": {"core"},
+    "core/context_parallel": {"core"},
     "core/pipeline": {"core"},
-    "core/model": {"core", "core/tensor_parallel", "core/pipeline"},
+    "core/model": {"core", "core/tensor_parallel", "core/context_parallel", "core/pipeline"},
     "core/train": {"core", "core/tensor_parallel", "core/pipeline", "core/model"},
     "core/estimate": {"core", "core/tensor_parallel", "core/pipeline", "core/model"},
     "mpi": {"core", "MPI"},
@@ -154,13 +159,13 @@ def Reason(src, what):
         return (f"core/ is backend-free and below everything else: it includes nothing of "
                 f"{what}/ (DESIGN.md: core/ includes no MPI, Eigen or CUDA)")
     if src == "core" and what in EXECUTOR:
-        return ("mpusim_core links none of the executor (core/tensor_parallel, core/pipeline, "
-                "core/model, core/train): the reference links mpusim_core, so executor code "
-                "stays out of it (" + DESIGN_REFERENCE + ")")
+        return ("mpusim_core links none of the executor (core/tensor_parallel, "
+                "core/context_parallel, core/pipeline, core/model, core/train): the reference "
+                "links mpusim_core, so executor code stays out of it (" + DESIGN_REFERENCE + ")")
     if in_core and what in EXECUTOR:
         return (f"the executor's layers include only what their target links: {src} does not "
-                f"link {what} (core/*/CMakeLists.txt: tensor_parallel and pipeline link "
-                f"mpusim_core, model links those two, train links model)")
+                f"link {what} (core/*/CMakeLists.txt: tensor_parallel, context_parallel and "
+                f"pipeline link mpusim_core, model links those three, train links model)")
     if src == "reference" and (what in EXECUTOR or what in ("sim", "cuda", "run", "CUDA")):
         return DESIGN_REFERENCE
     if src == "reference" and what in ("mpi", "MPI"):
@@ -434,6 +439,14 @@ SELF_TEST = [
      "core/tensor_parallel/ may not include core/train/"),
     ("core/model/w.h", '#include "core/train/optimizer.h"\n',
      "core/model/ may not include core/train/"),
+    ("core/context_parallel/x.h", '#include "core/model/module.h"\n',
+     "core/context_parallel/ may not include core/model/: the executor's layers"),
+    ("core/context_parallel/y.cc", '#include "core/tensor_parallel/mappings.h"\n',
+     "core/context_parallel/ may not include core/tensor_parallel/"),
+    ("core/train/z.cc", '#include "core/context_parallel/ring.h"\n',
+     "core/train/ may not include core/context_parallel/"),
+    ("core/u.h", '#include "core/context_parallel/a2a.h"\n',
+     "core/ may not include core/context_parallel/: mpusim_core links none of the executor"),
     # reference/
     ("reference/a.cc", '#include "core/tensor_parallel/mappings.h"\n',
      "reference/ may not include core/tensor_parallel/: DESIGN.md: reference/ cannot link"),
@@ -443,6 +456,8 @@ SELF_TEST = [
      "reference/ may not include core/pipeline/"),
     ("reference/d.cc", '#include "core/train/optimizer.h"\n',
      "reference/ may not include core/train/"),
+    ("reference/i.cc", '#include "core/context_parallel/all_gather.h"\n',
+     "reference/ may not include core/context_parallel/: DESIGN.md: reference/ cannot link"),
     ("reference/e.cc", '#include "sim/eigen_kernels.h"\n', "reference/ may not include sim/"),
     ("reference/f.cc", '#include "cuda/cuda_kernels.h"\n', "reference/ may not include cuda/"),
     ("reference/g.cc", '#include "run/check.h"\n', "reference/ may not include run/"),
@@ -475,7 +490,10 @@ SELF_TEST = [
      '#include <nlohmann/json.hpp>\n#include "core/tensor.h"\n#include "core/ops/gelu.h"\n'
      "#if defined(__CUDACC__)\n#define MPUSIM_HD __host__ __device__\n#endif\n#endif\n", None),
     ("core/model/ok.cc", '#include "core/tensor_parallel/mappings.h"\n'
-     '#include "core/pipeline/pipeline_walk.h"\n#include "core/model/linear.h"\n', None),
+     '#include "core/pipeline/pipeline_walk.h"\n#include "core/model/linear.h"\n'
+     '#include "core/context_parallel/ring.h"\n', None),
+    ("core/context_parallel/ok.cc", '#include "core/kernels.h"\n#include "core/communicator.h"\n'
+     '#include "core/context_parallel/sequence_order.h"\n', None),
     ("core/train/ok.cc", '#include "core/model/parameter.h"\n', None),
     ("reference/ok.cc", '#include "core/init.h"\n#include "core/philox.h"\n#include <Eigen/Dense>\n'
      '#include "reference/trainer.h"\n', None),
