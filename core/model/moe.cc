@@ -10,23 +10,12 @@
 #include <optional>
 #include <string>
 
+#include "core/expert_parallel/permute.h"
+#include "core/expert_parallel/token_dispatcher.h"
 #include "core/model/accumulate_grad.h"
-#include "core/tensor_parallel/mappings.h"
 
 namespace mpusim {
 namespace {
-
-Tensor IntsToDevice(Kernels& k, const std::vector<int64_t>& v, Shape shape) {
-  Tensor host = Tensor::HostEmpty(std::move(shape), DType::kInt64);
-  std::copy(v.begin(), v.end(), host.data_as<int64_t>());
-  return k.ToDevice(host);
-}
-
-std::vector<int64_t> IntsToHost(Kernels& k, const Tensor& t) {
-  const Tensor host = k.ToHost(t);
-  const int64_t* p = host.data_as<int64_t>();
-  return std::vector<int64_t>(p, p + host.numel());
-}
 
 Tensor ValuesToDevice(Kernels& k, const std::vector<double>& v, Shape shape, DType dtype) {
   Tensor host = Tensor::HostEmpty(std::move(shape), dtype);
@@ -39,11 +28,6 @@ std::vector<double> ValuesToHost(Kernels& k, const Tensor& t) {
   std::vector<double> v(static_cast<size_t>(host.numel()));
   for (int64_t i = 0; i < host.numel(); ++i) v[static_cast<size_t>(i)] = HostValue(host, i);
   return v;
-}
-
-// Rows [r0, r0 + n) of a 2-D tensor, as a view.
-Tensor Rows(const Tensor& m, int64_t r0, int64_t n) {
-  return m.FlatSlice(r0 * m.cols(), n * m.cols()).Reshaped({n, m.cols()});
 }
 
 // A softmax over all n columns of each row, as the causal softmax of a query that sees every
@@ -83,14 +67,6 @@ class SiteSuffix {
   std::string site_;
 };
 
-// The group the dispatcher exchanges tokens over: tp_ep (etp x ep) when the experts are laid
-// out apart, else tp under sequence parallelism (whose ranks hold different tokens); null when
-// no rank but this one holds tokens this rank's experts need.
-Communicator* DispatchGroup(const ModuleContext& ctx) {
-  if (ctx.tp_ep != nullptr) return ctx.tp_ep->Size() > 1 ? ctx.tp_ep : nullptr;
-  return ctx.shape.sequence_parallel && ctx.tp.Size() > 1 ? &ctx.tp : nullptr;
-}
-
 // The per-token scaling of the experts' activations: out[r, :] = p[r] * a[r, :], one batched
 // GEMM of n tiny (1 x 1) @ (1 x w) products.
 void ScaleRows(Kernels& k, const Tensor& p, const Tensor& a, Tensor& out) {
@@ -99,72 +75,14 @@ void ScaleRows(Kernels& k, const Tensor& p, const Tensor& a, Tensor& out) {
   k.BatchedGemm(false, false, 1.0, p.Reshaped({n, 1, 1}), a.Reshaped({n, 1, w}), 0.0, out3);
 }
 
-// out[i, :] = src[ids[i], :] (ids: int64 [n] into src's rows); [0, w] when n = 0.
-Tensor GatherRows(Kernels& k, const Tensor& src, const Tensor& ids) {
-  Tensor out = k.Empty({ids.numel(), src.cols()}, src.dtype());
-  if (ids.numel() > 0) k.EmbeddingForward(src, ids, 0, src.rows(), out);
-  return out;
+// The layer's dispatcher on this rank's groups.
+TokenDispatcher Dispatcher(const ModuleContext& ctx, MoeDispatcher kind) {
+  return TokenDispatcher(kind, ChooseDispatchGroups(ctx.tp, ctx.shape.sequence_parallel,
+                                                    ctx.tp_ep, ctx.expt_tp, ctx.ep));
 }
 
-// into[ids[i], :] += rows[i, :], in increasing i.
-void ScatterAddRows(Kernels& k, const Tensor& rows, const Tensor& ids, Tensor& into) {
-  if (ids.numel() > 0) k.EmbeddingBackward(rows, ids, 0, into.rows(), into);
-}
-
-std::vector<int64_t> Times(const std::vector<int64_t>& rows, int64_t width) {
-  std::vector<int64_t> out;
-  for (int64_t r : rows) out.push_back(r * width);
-  return out;
-}
-
-// The group the alltoall dispatcher gathers the rows over after the all-to-all (Megatron's
-// expt_tp exchange): expt_tp, whose ranks hold different tokens (tp under sequence
-// parallelism when the experts are laid out as the dense layers); null when it is one rank.
-Communicator* ExpertTpGroup(const ModuleContext& ctx) {
-  if (ctx.expt_tp != nullptr) return ctx.expt_tp->Size() > 1 ? ctx.expt_tp : nullptr;
-  return ctx.shape.sequence_parallel && ctx.tp.Size() > 1 ? &ctx.tp : nullptr;
-}
-
-// The alltoall dispatcher's way to the experts: rows in send order [N_send, w] -> the uneven
-// all-to-all over ep -> the all-gather over tp of each rank's rows padded to tp_pad
-// [t * tp_pad, w].
-Tensor AllToAllDispatch(const ModuleContext& ctx, const Tensor& rows,
-                        const MoeLayer::Stash& st) {
-  Kernels& k = ctx.k;
-  const int64_t w = rows.cols();
-  Tensor got = rows;
-  if (ctx.ep != nullptr) {
-    got = k.Empty({st.tp_rows, w}, rows.dtype());
-    ctx.ep->AllToAllV(rows, Times(st.ep_send, w), got, Times(st.ep_recv, w));
-  }
-  Communicator* expt_tp = ExpertTpGroup(ctx);
-  if (expt_tp == nullptr) return got;
-  Tensor padded = k.Zeros({st.tp_pad, w}, rows.dtype());
-  if (st.tp_rows > 0) {
-    Tensor head = Rows(padded, 0, st.tp_rows);
-    k.Copy(got, head);
-  }
-  return AllGatherFirstDim(k, *expt_tp, padded);
-}
-
-// And back: the experts' partial sums [t * tp_pad, w] -> the reduce-scatter over tp -> the
-// all-to-all back over ep -> [N_send, w] in send order.
-Tensor AllToAllCombine(const ModuleContext& ctx, const Tensor& partial,
-                       const MoeLayer::Stash& st) {
-  Kernels& k = ctx.k;
-  const int64_t w = partial.cols();
-  Communicator* expt_tp = ExpertTpGroup(ctx);
-  const Tensor mine = expt_tp != nullptr ? ReduceScatterFirstDim(k, *expt_tp, partial) : partial;
-  const Tensor head = Rows(mine, 0, st.tp_rows);
-  if (ctx.ep == nullptr) return head;
-  int64_t n_send = 0;
-  for (int64_t n : st.ep_send) n_send += n;
-  Tensor back = k.Empty({n_send, w}, partial.dtype());
-  ctx.ep->AllToAllV(head, Times(st.ep_recv, w), back, Times(st.ep_send, w));
-  return back;
-}
-
-// Calls fn(e, first_row, rows) for each local expert e with permuted rows (offsets: Stash's).
+// Calls fn(e, first_row, rows) for each local expert e with permuted rows (offsets: the
+// route's).
 template <typename Fn>
 void ForEachExpert(const std::vector<int64_t>& offsets, Fn fn) {
   for (size_t e = 0; e + 1 < offsets.size(); ++e) {
@@ -174,20 +92,6 @@ void ForEachExpert(const std::vector<int64_t>& offsets, Fn fn) {
 }
 
 }  // namespace
-
-std::optional<int64_t> ExpertOf(std::string_view name) {
-  for (std::string_view key : {".mlp.experts.local_experts.", ".mlp.experts.linear_fc1.weight",
-                               ".mlp.experts.linear_fc2.weight"}) {
-    const size_t at = name.find(key);
-    if (at == std::string_view::npos) continue;
-    size_t i = at + key.size();
-    if (i >= name.size() || name[i] < '0' || name[i] > '9') continue;
-    int64_t e = 0;
-    for (; i < name.size() && name[i] >= '0' && name[i] <= '9'; ++i) e = e * 10 + (name[i] - '0');
-    return e;
-  }
-  return std::nullopt;
-}
 
 std::string MoeLayer::ReceivedNote() const {
   std::vector<std::string> parts;
@@ -303,125 +207,16 @@ void MoeLayer::Route(const ModuleContext& ctx, const Tensor& top_scores, Stash* 
     for (double lse : ValuesToHost(k, st->lse)) st->dlse.push_back(c * lse);
   }
 
-  if (moe_.token_dispatcher == MoeDispatcher::kAllToAll) {
-    RouteAllToAll(ctx, route, st);
-    return;
-  }
-  sent_rows_.clear();
-  // The allgather dispatcher: the dispatch group's kept choices, then the permutation of the
-  // gathered tokens over this rank's experts, expert by expert, tokens ascending.
-  std::vector<int64_t> route_all = route;
-  if (Communicator* group = DispatchGroup(ctx)) {
+  // The dispatcher's permutation of the kept choices over this rank's experts.
+  const TokenDispatcher dispatcher = Dispatcher(ctx, moe_.token_dispatcher);
+  {
     const SiteSuffix site(ctx.trace, "moe dispatch");
-    route_all = IntsToHost(k, AllGatherFirstDim(k, *group, IntsToDevice(k, route, {T, K})));
+    dispatcher.Route(k, route, T, E, K, experts_, &st->route, &received_);
   }
-  const int64_t T_all = static_cast<int64_t>(route_all.size()) / K;
-  std::vector<int64_t> tokens, slots;
-  st->offsets.assign(1, 0);
-  for (int64_t e = experts_.first(); e < experts_.first() + experts_.count(); ++e) {
-    for (int64_t i = 0; i < T_all * K; ++i) {
-      if (route_all[static_cast<size_t>(i)] != e) continue;
-      tokens.push_back(i / K);
-      slots.push_back(i);
-    }
-    st->offsets.push_back(static_cast<int64_t>(tokens.size()));
+  sent_rows_ = dispatcher.SentRows(st->route);
+  if (!sent_rows_.empty()) {
+    row_bytes_ = (st->x.cols() + 1) * static_cast<int64_t>(DTypeSize(st->x.dtype()));
   }
-  const auto N = static_cast<int64_t>(tokens.size());
-  received_.assign(static_cast<size_t>(experts_.count()),
-                   std::vector<int64_t>(static_cast<size_t>(T_all / T), 0));
-  for (size_t e = 0; e + 1 < st->offsets.size(); ++e) {
-    for (int64_t i = st->offsets[e]; i < st->offsets[e + 1]; ++i) {
-      ++received_[e][static_cast<size_t>(tokens[static_cast<size_t>(i)] / T)];
-    }
-  }
-  st->token_ids = IntsToDevice(k, tokens, {N});
-  st->slot_ids = IntsToDevice(k, slots, {N});
-}
-
-void MoeLayer::RouteAllToAll(const ModuleContext& ctx, const std::vector<int64_t>& route,
-                             Stash* st) const {
-  Kernels& k = ctx.k;
-  const int64_t T = st->x.rows(), E = moe_.num_experts, K = moe_.router_topk;
-  const int64_t P = ctx.ep != nullptr ? ctx.ep->Size() : 1, L = experts_.count();
-  const auto uE = static_cast<size_t>(E), uL = static_cast<size_t>(L);
-
-  // This rank's rows, expert by expert, tokens ascending; the rows for each ep rank.
-  std::vector<int64_t> tokens, slots, counts(uE, 0);
-  for (int64_t e = 0; e < E; ++e) {
-    for (int64_t i = 0; i < T * K; ++i) {
-      if (route[static_cast<size_t>(i)] != e) continue;
-      tokens.push_back(i / K);
-      slots.push_back(i);
-      ++counts[static_cast<size_t>(e)];
-    }
-  }
-  st->ep_send.assign(static_cast<size_t>(P), 0);
-  for (int64_t e = 0; e < E; ++e) {
-    st->ep_send[static_cast<size_t>(e / L)] += counts[static_cast<size_t>(e)];
-  }
-
-  // The split sizes: every ep rank's counts, so this rank knows what each sends its experts
-  // (from[p * L + l]: rows of local expert l from ep rank p, in the order they arrive).
-  std::vector<int64_t> table = counts;  // [P, E]
-  const SiteSuffix site(ctx.trace, "moe dispatch");
-  if (ctx.ep != nullptr) {
-    table = IntsToHost(k, AllGatherFirstDim(k, *ctx.ep, IntsToDevice(k, counts, {E})));
-  }
-  std::vector<int64_t> from(static_cast<size_t>(P) * uL);
-  st->ep_recv.assign(static_cast<size_t>(P), 0);
-  for (int64_t p = 0; p < P; ++p) {
-    for (int64_t l = 0; l < L; ++l) {
-      const int64_t n = table[static_cast<size_t>(p * E + experts_.first() + l)];
-      from[static_cast<size_t>(p * L + l)] = n;
-      st->ep_recv[static_cast<size_t>(p)] += n;
-    }
-  }
-  st->tp_rows = std::accumulate(st->ep_recv.begin(), st->ep_recv.end(), int64_t{0});
-
-  // The expt_tp exchange: every etp rank's arrivals ([t, P, L]), each rank's rows padded to
-  // the most.
-  Communicator* expt_tp = ExpertTpGroup(ctx);
-  const int64_t t = expt_tp != nullptr ? expt_tp->Size() : 1;
-  std::vector<int64_t> all_from = from;
-  if (t > 1) {
-    all_from = IntsToHost(k, AllGatherFirstDim(k, *expt_tp, IntsToDevice(k, from, {P * L})));
-  }
-  const auto at = [&](int64_t q, int64_t p, int64_t l) {
-    return all_from[static_cast<size_t>((q * P + p) * L + l)];
-  };
-  st->tp_pad = 0;
-  for (int64_t q = 0; q < t; ++q) {
-    int64_t rows = 0;
-    for (int64_t i = 0; i < P * L; ++i) rows += all_from[static_cast<size_t>(q * P * L + i)];
-    st->tp_pad = std::max(st->tp_pad, rows);
-  }
-
-  // The experts' rows: local expert l, then etp rank q, then ep rank p, in arrival order.
-  // received_ counts them per rank of the dispatch group (tp_ep, etp fastest, as the
-  // allgather dispatcher reports them).
-  std::vector<int64_t> ids;
-  st->offsets.assign(1, 0);
-  received_.assign(uL, std::vector<int64_t>(static_cast<size_t>(t * P), 0));
-  for (int64_t l = 0; l < L; ++l) {
-    for (int64_t q = 0; q < t; ++q) {
-      int64_t first = q * st->tp_pad;  // (q, p, l)'s first row in q's block
-      for (int64_t p = 0; p < P; ++p) {
-        for (int64_t m = 0; m < l; ++m) first += at(q, p, m);
-        for (int64_t i = 0; i < at(q, p, l); ++i) ids.push_back(first + i);
-        received_[static_cast<size_t>(l)][static_cast<size_t>(p * t + q)] += at(q, p, l);
-        for (int64_t m = l; m < L; ++m) first += at(q, p, m);
-      }
-    }
-    st->offsets.push_back(static_cast<int64_t>(ids.size()));
-  }
-  const auto N = static_cast<int64_t>(ids.size());
-  st->token_ids = IntsToDevice(k, ids, {N});
-  st->slot_ids = st->token_ids;
-  st->send_tokens = IntsToDevice(k, tokens, {static_cast<int64_t>(tokens.size())});
-  st->send_slots = IntsToDevice(k, slots, {static_cast<int64_t>(slots.size())});
-  sent_rows_.clear();
-  if (ctx.ep != nullptr) sent_rows_ = st->ep_send;
-  row_bytes_ = (st->x.cols() + 1) * static_cast<int64_t>(DTypeSize(st->x.dtype()));
 }
 
 Tensor MoeLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* st) const {
@@ -459,27 +254,18 @@ Tensor MoeLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* st) c
   // The rows the experts' permutation picks from: the dispatch group's tokens and
   // probabilities (allgather), or the rows routed to this rank's experts (alltoall).
   std::optional<SiteSuffix> site(std::in_place, ctx.trace, "moe dispatch");
-  const bool a2a = moe_.token_dispatcher == MoeDispatcher::kAllToAll;
-  Communicator* group = a2a ? nullptr : DispatchGroup(ctx);
-  Tensor x_src, p_src;
-  if (a2a) {
-    x_src = AllToAllDispatch(ctx, GatherRows(k, x, st->send_tokens), *st);
-    p_src = AllToAllDispatch(ctx, GatherRows(k, st->probs.Reshaped({T * K, 1}), st->send_slots),
-                             *st);
-  } else {
-    x_src = group != nullptr ? AllGatherFirstDim(k, *group, x) : x;
-    const Tensor probs_all =
-        group != nullptr ? AllGatherFirstDim(k, *group, st->probs) : st->probs;
-    p_src = probs_all.Reshaped({probs_all.rows() * K, 1});
-  }
-  const int64_t N = st->offsets.back();
+  const TokenDispatcher dispatcher = Dispatcher(ctx, moe_.token_dispatcher);
+  const TokenRoute& route = st->route;
+  const Tensor x_src = dispatcher.DispatchTokens(k, x, route);
+  const Tensor p_src = dispatcher.DispatchProbs(k, st->probs, route);
+  const int64_t N = route.offsets.back();
   Tensor y_src = k.Zeros({x_src.rows(), h}, dtype);
   if (N > 0) {
-    st->x_perm = GatherRows(k, x_src, st->token_ids);
-    st->p_perm = GatherRows(k, p_src, st->slot_ids);
+    st->x_perm = GatherRows(k, x_src, route.token_ids);
+    st->p_perm = GatherRows(k, p_src, route.slot_ids);
     const int64_t f1 = fc1_.front()->value.rows(), f = fc2_.front()->value.cols();
     st->fc1_out = k.Empty({N, f1}, dtype);
-    ForEachExpert(st->offsets, [&](size_t e, int64_t o, int64_t n) {
+    ForEachExpert(route.offsets, [&](size_t e, int64_t o, int64_t n) {
       Tensor out = Rows(st->fc1_out, o, n);
       k.Gemm(false, true, 1.0, Rows(st->x_perm, o, n), fc1_[e]->value, 0.0, out);
     });
@@ -488,19 +274,13 @@ Tensor MoeLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* st) c
     Tensor scaled = k.Empty({N, f}, dtype);
     ScaleRows(k, st->p_perm, st->act, scaled);
     Tensor y_perm = k.Empty({N, h}, dtype);
-    ForEachExpert(st->offsets, [&](size_t e, int64_t o, int64_t n) {
+    ForEachExpert(route.offsets, [&](size_t e, int64_t o, int64_t n) {
       Tensor out = Rows(y_perm, o, n);
       k.Gemm(false, true, 1.0, Rows(scaled, o, n), fc2_[e]->value, 0.0, out);
     });
-    ScatterAddRows(k, y_perm, st->token_ids, y_src);  // per token (allgather) or row
+    ScatterAddRows(k, y_perm, route.token_ids, y_src);  // per token (allgather) or row
   }
-  Tensor y;
-  if (a2a) {
-    y = k.Zeros({T, h}, dtype);
-    ScatterAddRows(k, AllToAllCombine(ctx, y_src, *st), st->send_tokens, y);
-  } else {
-    y = group != nullptr ? ReduceScatterFirstDim(k, *group, y_src) : y_src;
-  }
+  Tensor y = dispatcher.CombineTokens(k, y_src, T, route);
   site.reset();
 
   if (shared_fc1_) {
@@ -520,21 +300,19 @@ Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stas
 
   // The experts, on the gathered gradient.
   std::optional<SiteSuffix> site(std::in_place, ctx.trace, "moe dispatch");
-  const bool a2a = moe_.token_dispatcher == MoeDispatcher::kAllToAll;
-  Communicator* group = a2a ? nullptr : DispatchGroup(ctx);
-  const Tensor dy_src = a2a ? AllToAllDispatch(ctx, GatherRows(k, dy, st.send_tokens), st)
-                      : group != nullptr ? AllGatherFirstDim(k, *group, dy)
-                                         : dy;
-  const int64_t N = st.offsets.back();
+  const TokenDispatcher dispatcher = Dispatcher(ctx, moe_.token_dispatcher);
+  const TokenRoute& route = st.route;
+  const Tensor dy_src = dispatcher.DispatchTokens(k, dy, route);
+  const int64_t N = route.offsets.back();
   Tensor dx_src = k.Zeros({dy_src.rows(), h}, dtype);
-  Tensor dp_src = k.Zeros({a2a ? dy_src.rows() : dy_src.rows() * K, 1}, dtype);
+  Tensor dp_src = k.Zeros({dispatcher.ProbRows(dy_src.rows(), K), 1}, dtype);
   if (N > 0) {
-    const Tensor dy_perm = GatherRows(k, dy_src, st.token_ids);
+    const Tensor dy_perm = GatherRows(k, dy_src, route.token_ids);
     const int64_t f = st.act.cols();
     Tensor scaled = k.Empty({N, f}, dtype);
     ScaleRows(k, st.p_perm, st.act, scaled);
     Tensor dscaled = k.Empty({N, f}, dtype);
-    ForEachExpert(st.offsets, [&](size_t e, int64_t o, int64_t n) {
+    ForEachExpert(route.offsets, [&](size_t e, int64_t o, int64_t n) {
       Parameter& w2 = *fc2_[e];
       const Tensor dy_e = Rows(dy_perm, o, n);
       Tensor out = Rows(dscaled, o, n);
@@ -554,7 +332,7 @@ Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stas
     Tensor dfc1 = k.Empty(st.fc1_out.shape(), dtype);
     k.ActivationBackward(activation_, st.fc1_out, dact, dfc1);
     Tensor dx_perm = k.Empty({N, h}, dtype);
-    ForEachExpert(st.offsets, [&](size_t e, int64_t o, int64_t n) {
+    ForEachExpert(route.offsets, [&](size_t e, int64_t o, int64_t n) {
       Parameter& w1 = *fc1_[e];
       const Tensor d_e = Rows(dfc1, o, n);
       Tensor out = Rows(dx_perm, o, n);
@@ -565,22 +343,12 @@ Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stas
                        [&](Tensor& g, double beta) { k.Gemm(true, false, 1.0, d_e, x_e, beta, g); });
       }
     });
-    ScatterAddRows(k, dx_perm, st.token_ids, dx_src);
-    ScatterAddRows(k, dp_perm.Reshaped({N, 1}), st.slot_ids, dp_src);
+    ScatterAddRows(k, dx_perm, route.token_ids, dx_src);
+    ScatterAddRows(k, dp_perm.Reshaped({N, 1}), route.slot_ids, dp_src);
   }
   // The way back sums the tp ranks' partial sums and returns each rank its tokens.
-  Tensor dx, dprobs;
-  if (a2a) {
-    dx = k.Zeros({T, h}, dtype);
-    ScatterAddRows(k, AllToAllCombine(ctx, dx_src, st), st.send_tokens, dx);
-    Tensor flat = k.Zeros({T * K, 1}, dtype);
-    ScatterAddRows(k, AllToAllCombine(ctx, dp_src, st), st.send_slots, flat);
-    dprobs = flat.Reshaped({T, K});
-  } else {
-    const Tensor dp_all = dp_src.Reshaped({dy_src.rows(), K});
-    dx = group != nullptr ? ReduceScatterFirstDim(k, *group, dx_src) : dx_src;
-    dprobs = group != nullptr ? ReduceScatterFirstDim(k, *group, dp_all) : dp_all;
-  }
+  Tensor dx = dispatcher.CombineTokens(k, dx_src, T, route);
+  const Tensor dprobs = dispatcher.CombineProbs(k, dp_src, T, K, route);
   site.reset();
 
   // The router: the probabilities' gradient, the load-balancing and z-loss terms.

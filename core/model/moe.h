@@ -29,17 +29,10 @@
 //             returns each rank its tokens); plus the shared expert's MLP (column/row-parallel,
 //             as the dense MLP)
 // The alltoall dispatcher (Megatron's MoEAlltoAllTokenDispatcher) moves only the routed rows:
-//   permute   this rank's kept (token, slot) rows, expert by expert, tokens ascending
-//                                              x_send [N_send, h], p_send [N_send, 1]
-//   counts    every ep rank's per-expert counts, all-gathered over ep (the split sizes), and
-//             every etp rank's arrival counts, all-gathered over expt_tp
-//   exchange  the uneven all-to-all over ep (rows to the ep rank holding their expert), then
-//             the all-gather over expt_tp, each etp rank's rows padded to the largest
-//             (Megatron gathers with uneven splits: the same rows, no padding)
-//                                              [t * R_pad, h]
-//   experts   as above, on the rows sorted by local expert, then etp rank, then ep rank
-//   combine   the reduce-scatter over expt_tp (the slices' sums), the all-to-all back, then
-//             each rank scatter-adds its rows' results to their tokens [T, h]
+// an uneven all-to-all over ep, then an all-gather over expt_tp, and back; the experts run
+// as above on the rows it delivers. Dispatch and combine, of both dispatchers, and which
+// experts a rank holds are core/expert_parallel/'s (token_dispatcher.h, expert_placement.h);
+// this module keeps the router, the capacity, the auxiliary losses and the experts' math.
 // Auxiliary losses, their gradients only (the reported loss stays the LM loss), scaled
 // 1 / (M d) as Megatron's MoEAuxLossAutoScaler at cp / M leaves them after the 1 / (d cp)
 // data-parallel average:
@@ -53,28 +46,14 @@
 
 #include <optional>
 #include <string>
-#include <string_view>
 #include <vector>
 
 #include "core/config/gpt_config.h"
+#include "core/expert_parallel/expert_placement.h"
+#include "core/expert_parallel/token_dispatcher.h"
 #include "core/model/linear.h"
 
 namespace mpusim {
-
-// Which experts a rank holds: ep rank r of `ep` holds experts [r E/ep, (r + 1) E/ep)
-// (Megatron's local experts; E divisible by ep).
-struct ExpertPlacement {
-  int64_t num_experts = 0;
-  int64_t ep = 1;
-  int64_t ep_rank = 0;
-  int64_t first() const { return ep_rank * (num_experts / ep); }
-  int64_t count() const { return num_experts / ep; }
-  bool Holds(int64_t e) const { return e >= first() && e < first() + count(); }
-};
-
-// The expert number in an expert weight's name ("...mlp.experts.local_experts.<e>...." or
-// "...mlp.experts.linear_fc<1|2>.weight<e>"), or none for any other parameter.
-std::optional<int64_t> ExpertOf(std::string_view name);
 
 class MoeLayer {
  public:
@@ -90,20 +69,9 @@ class MoeLayer {
     std::vector<double> aux;      // d(objective)/d(scores_ti): [E], the same for every t
                                   // (aux_loss), or [T, E] (seq_aux_loss: per sample)
     std::vector<double> dlse;     // [T] d(objective)/d(lse_t) of the z-loss (empty: none)
-    Tensor token_ids, slot_ids;   // int64 [N]: each permuted row's token in [0, T_all) and
-                                  // its entry token * k + slot of the gathered probs (the
-                                  // alltoall dispatcher: both its row of the exchanged rows,
-                                  // [0, t * tp_pad))
-    std::vector<int64_t> offsets;  // [local experts + 1]: local expert e has permuted rows
-                                   // [offsets[e], offsets[e + 1])
+    TokenRoute route;        // the dispatcher's permutation: N rows over the local experts
     Tensor x_perm, p_perm;   // [N, h], [N, 1]
     Tensor fc1_out, act;     // [N, f1/t], [N, f/t] (act before the probability)
-    // The alltoall dispatcher only (empty otherwise): this rank's rows in send order, their
-    // token in [0, T) and entry token * k + slot; the rows sent to and received from each ep
-    // rank; the rows after the all-to-all, and each etp rank's rows padded to tp_pad.
-    Tensor send_tokens, send_slots;
-    std::vector<int64_t> ep_send, ep_recv;
-    int64_t tp_rows = 0, tp_pad = 0;
     ColumnParallelLinear::Stash shared_fc1_in;
     Tensor shared_fc1_out;
     RowParallelLinear::Stash shared_fc2_in;
@@ -120,12 +88,9 @@ class MoeLayer {
   std::string ReceivedNote() const;
 
  private:
-  // The host-side routing of one forward: counts, capacity, the gathered choices, the
-  // permutation and the auxiliary gradients' coefficients.
+  // The host-side routing of one forward: counts, capacity, the auxiliary gradients'
+  // coefficients, then the dispatcher's permutation.
   void Route(const ModuleContext& ctx, const Tensor& top_scores, Stash* st) const;
-  // Route's permutation for the alltoall dispatcher, from the kept choices `route`.
-  void RouteAllToAll(const ModuleContext& ctx, const std::vector<int64_t>& route,
-                     Stash* st) const;
 
   std::string prefix_;
   Activation activation_;

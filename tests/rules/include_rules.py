@@ -12,7 +12,8 @@ The allowed lists are the link graph of the CMake targets, which the configure c
 mpusim_forbid_links (the top-level CMakeLists.txt): a folder includes only headers of the
 folders and libraries its target links. core/ is split like its targets: mpusim_core (every
 file of core/ outside the executor's folders, core/ops/ included) and the executor's
-core/tensor_parallel, core/context_parallel, core/pipeline, core/model and core/train. It is not a test of the
+core/tensor_parallel, core/context_parallel, core/expert_parallel, core/pipeline, core/model
+and core/train. It is not a test of the
 compiler's view (a header found through another target's include path still has to be on
 the list); it is the architecture you can read.
 
@@ -29,8 +30,8 @@ SCANNED = ("core", "sim", "cuda", "mpi", "reference", "run", "cli")
 EXTENSIONS = (".h", ".hh", ".hpp", ".cc", ".cpp", ".cxx", ".cu", ".cuh", ".inc", ".inl", ".ipp")
 # Folders a project include starts with (those not scanned are never allowed below).
 PROJECT = SCANNED + ("tests", "bench", "tools")
-EXECUTOR = ("core/tensor_parallel", "core/context_parallel", "core/pipeline", "core/model",
-            "core/train")
+EXECUTOR = ("core/tensor_parallel", "core/context_parallel", "core/expert_parallel",
+            "core/pipeline", "core/model", "core/train")
 # core/ folders with targets of their own beside mpusim_core: the executor's, and
 # core/estimate (mpusim_estimate, which builds models to count their parameters).
 CORE_PARTS = EXECUTOR + ("core/estimate",)
@@ -41,8 +42,10 @@ BACKEND_LIBS = ("MPI", "Eigen", "BLAS", "CUDA")
 #   mpusim_core             nlohmann_json, fmt
 #   mpusim_tensor_parallel  mpusim_core            mpusim_pipeline  mpusim_core
 #   mpusim_context_parallel mpusim_core
-#   mpusim_model            tensor_parallel, pipeline; context_parallel privately (no header
-#                           of core/model names it, so what links model does not see it)
+#   mpusim_expert_parallel  mpusim_core; tensor_parallel privately (its headers name none)
+#   mpusim_model            tensor_parallel, expert_parallel, pipeline; context_parallel
+#                           privately (no header of core/model names it, so what links model
+#                           does not see it)
 #   mpusim_train            mpusim_model
 #   mpusim_mpi              mpusim_core, MPI
 #   mpusim_sim              mpusim_core, mpusim_mpi, Eigen/BLAS
@@ -54,10 +57,14 @@ ALLOWED = {
     "core": {"core"},
     "core/tensor_parallel": {"core"},
     "core/context_parallel": {"core"},
+    "core/expert_parallel": {"core", "core/tensor_parallel"},
     "core/pipeline": {"core"},
-    "core/model": {"core", "core/tensor_parallel", "core/context_parallel", "core/pipeline"},
-    "core/train": {"core", "core/tensor_parallel", "core/pipeline", "core/model"},
-    "core/estimate": {"core", "core/tensor_parallel", "core/pipeline", "core/model"},
+    "core/model": {"core", "core/tensor_parallel", "core/context_parallel",
+                   "core/expert_parallel", "core/pipeline"},
+    "core/train": {"core", "core/tensor_parallel", "core/expert_parallel", "core/pipeline",
+                   "core/model"},
+    "core/estimate": {"core", "core/tensor_parallel", "core/expert_parallel", "core/pipeline",
+                      "core/model"},
     "mpi": {"core", "MPI"},
     "sim": {"core", "mpi", "MPI", "Eigen", "BLAS"},
     "cuda": {"core", "mpi", "MPI", "CUDA"},
@@ -160,12 +167,14 @@ def Reason(src, what):
                 f"{what}/ (DESIGN.md: core/ includes no MPI, Eigen or CUDA)")
     if src == "core" and what in EXECUTOR:
         return ("mpusim_core links none of the executor (core/tensor_parallel, "
-                "core/context_parallel, core/pipeline, core/model, core/train): the reference "
-                "links mpusim_core, so executor code stays out of it (" + DESIGN_REFERENCE + ")")
+                "core/context_parallel, core/expert_parallel, core/pipeline, core/model, "
+                "core/train): the reference links mpusim_core, so executor code stays out of "
+                "it (" + DESIGN_REFERENCE + ")")
     if in_core and what in EXECUTOR:
         return (f"the executor's layers include only what their target links: {src} does not "
                 f"link {what} (core/*/CMakeLists.txt: tensor_parallel, context_parallel and "
-                f"pipeline link mpusim_core, model links those three, train links model)")
+                f"pipeline link mpusim_core, expert_parallel links tensor_parallel, model "
+                f"links those four, train links model)")
     if src == "reference" and (what in EXECUTOR or what in ("sim", "cuda", "run", "CUDA")):
         return DESIGN_REFERENCE
     if src == "reference" and what in ("mpi", "MPI"):
@@ -447,6 +456,14 @@ SELF_TEST = [
      "core/train/ may not include core/context_parallel/"),
     ("core/u.h", '#include "core/context_parallel/a2a.h"\n',
      "core/ may not include core/context_parallel/: mpusim_core links none of the executor"),
+    ("core/expert_parallel/x.h", '#include "core/model/moe.h"\n',
+     "core/expert_parallel/ may not include core/model/: the executor's layers"),
+    ("core/expert_parallel/y.cc", '#include "core/context_parallel/ring.h"\n',
+     "core/expert_parallel/ may not include core/context_parallel/"),
+    ("core/tensor_parallel/w.h", '#include "core/expert_parallel/permute.h"\n',
+     "core/tensor_parallel/ may not include core/expert_parallel/"),
+    ("core/v.h", '#include "core/expert_parallel/expert_placement.h"\n',
+     "core/ may not include core/expert_parallel/: mpusim_core links none of the executor"),
     # reference/
     ("reference/a.cc", '#include "core/tensor_parallel/mappings.h"\n',
      "reference/ may not include core/tensor_parallel/: DESIGN.md: reference/ cannot link"),
@@ -458,6 +475,8 @@ SELF_TEST = [
      "reference/ may not include core/train/"),
     ("reference/i.cc", '#include "core/context_parallel/all_gather.h"\n',
      "reference/ may not include core/context_parallel/: DESIGN.md: reference/ cannot link"),
+    ("reference/j.cc", '#include "core/expert_parallel/token_dispatcher.h"\n',
+     "reference/ may not include core/expert_parallel/: DESIGN.md: reference/ cannot link"),
     ("reference/e.cc", '#include "sim/eigen_kernels.h"\n', "reference/ may not include sim/"),
     ("reference/f.cc", '#include "cuda/cuda_kernels.h"\n', "reference/ may not include cuda/"),
     ("reference/g.cc", '#include "run/check.h"\n', "reference/ may not include run/"),
@@ -494,6 +513,9 @@ SELF_TEST = [
      '#include "core/context_parallel/ring.h"\n', None),
     ("core/context_parallel/ok.cc", '#include "core/kernels.h"\n#include "core/communicator.h"\n'
      '#include "core/context_parallel/sequence_order.h"\n', None),
+    ("core/expert_parallel/ok.cc", '#include "core/tensor_parallel/mappings.h"\n'
+     '#include "core/expert_parallel/permute.h"\n#include "core/config/gpt_config.h"\n', None),
+    ("core/train/ok2.cc", '#include "core/expert_parallel/expert_placement.h"\n', None),
     ("core/train/ok.cc", '#include "core/model/parameter.h"\n', None),
     ("reference/ok.cc", '#include "core/init.h"\n#include "core/philox.h"\n#include <Eigen/Dense>\n'
      '#include "reference/trainer.h"\n', None),
