@@ -67,6 +67,9 @@ constexpr AxisMask MaskOf(std::initializer_list<Axis> axes) {
   for (Axis a : axes) m = static_cast<AxisMask>(m | (1u << static_cast<unsigned>(a)));
   return m;
 }
+constexpr bool InMask(AxisMask mask, Axis axis) {
+  return (mask >> static_cast<unsigned>(axis)) & 1u;
+}
 
 // Where a rank sits inside the groups of one kind.
 struct GroupSlot {
@@ -187,7 +190,7 @@ class Topology {
   // O(world size) otherwise; O(group size) memory.
   int64_t NumGroupsSpanningNodes(size_t kind) const;
   // Whether NumGroupsSpanningNodes(kind) > 0: O(axes) for direct kinds (a closed form, see
-  // topology.cc), NumGroupsSpanningNodes otherwise.
+  // topology_nodes.cc), NumGroupsSpanningNodes otherwise.
   bool AnyGroupSpansNodes(size_t kind) const;
   // The fewest members group 0 of a kind has on one of the nodes it touches; 1 when it
   // stays on one node. O(axes) for a direct kind whose axes of size > 1 are consecutive in
