@@ -22,6 +22,7 @@
 
 #include "core/half.h"
 #include "core/ops/activation.h"
+#include "core/ops/rope.h"
 #include "core/philox.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_common.cuh"
@@ -108,17 +109,13 @@ __global__ void RopeKernel(const T* x, int64_t rows, int64_t d, int64_t dim, con
   for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
     const int64_t r = e / half;
     const int64_t i = e % half;
-    // The angle in double, as on the CPU; cos and sin rounded once to C.
-    const double inv_freq = pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(dim));
-    const double theta = static_cast<double>(pos[r % sq]) * inv_freq;
-    const double sine = sin(theta);
-    const C c = static_cast<C>(cos(theta));
-    const C s = static_cast<C>(inverse ? -sine : sine);
-    // This thread alone reads and writes the pair: y may be x.
-    const C lo = Load(x[r * d + i]);
-    const C hi = Load(x[r * d + half + i]);
-    y[r * d + i] = Store<T>(lo * c - hi * s);
-    y[r * d + half + i] = Store<T>(hi * c + lo * s);
+    // The CPU's angle and rotation (core/ops/rope.h). This thread alone reads and writes
+    // the pair: y may be x.
+    const ops::RopeAngle<C> a = ops::RopeAngleAt<C>(pos[r % sq], i, dim, base, inverse);
+    C lo, hi;
+    ops::RopeRotate(Load(x[r * d + i]), Load(x[r * d + half + i]), a, lo, hi);
+    y[r * d + i] = Store<T>(lo);
+    y[r * d + half + i] = Store<T>(hi);
   }
 }
 

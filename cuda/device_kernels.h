@@ -214,7 +214,7 @@ void LaunchEmbeddingBackward(const T* dy, const int64_t* ids, int64_t num_ids, i
                              int64_t vocab_start, int64_t vocab_end, A* dweight, void* scratch,
                              cudaStream_t stream);
 
-// Per row of scores [rows, n], its k largest in core/ops/routing.h's order: values [rows, k]
+// Per row of scores [rows, n], its k largest in core/ops/topk.h's order: values [rows, k]
 // (the stored bits) and indices [rows, k]. One thread per row, k selection passes.
 template <typename T>
 void LaunchTopK(const T* scores, int64_t rows, int64_t n, int64_t k, T* values,

@@ -17,18 +17,15 @@
 #include <cstdint>
 
 #include "core/half.h"
+#include "core/ops/cross_entropy.h"
 #include "core/ops/norm.h"
-#include "core/ops/routing.h"
+#include "core/ops/softmax.h"
+#include "core/ops/topk.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_common.cuh"
 
 namespace mpusim::cuda {
 namespace {
-
-__device__ inline float Exp(float x) { return expf(x); }
-__device__ inline double Exp(double x) { return exp(x); }
-__device__ inline float Log(float x) { return logf(x); }
-__device__ inline double Log(double x) { return log(x); }
 
 struct MaxOp {
   template <typename T>
@@ -143,22 +140,26 @@ __global__ void CausalSoftmaxForwardKernel(const T* scores, const int64_t* q_pos
     const int64_t q = q_pos[i % sq];
     C m = lowest;
     for (int64_t k = threadIdx.x; k < kv; k += kBlock) {
-      if (k_pos[k] <= q) m = MaxOp()(m, scale * Load(row[k]));
+      if (ops::KeyVisible(k_pos[k], q)) m = MaxOp()(m, ops::SoftmaxLogit(Load(row[k]), scale));
     }
     m = BlockReduce(m, buf, MaxOp());
     C sum = 0;
     for (int64_t k = threadIdx.x; k < kv; k += kBlock) {
-      if (k_pos[k] <= q) sum += Exp(scale * Load(row[k]) - m);
+      if (ops::KeyVisible(k_pos[k], q)) {
+        sum += ops::SoftmaxExp(ops::SoftmaxLogit(Load(row[k]), scale), m);
+      }
     }
     sum = BlockReduce(sum, buf, SumOp());
     T* out = probs + i * kv;
     for (int64_t k = threadIdx.x; k < kv; k += kBlock) {
       // T{} is +0 for every storage type: masked keys are exactly zero, and so is a row that
       // sees no key (its sum is 0, and no exponential is taken).
-      out[k] = k_pos[k] <= q ? Store<T>(Exp(scale * Load(row[k]) - m) / sum) : T{};
+      out[k] = ops::KeyVisible(k_pos[k], q)
+                   ? Store<T>(ops::SoftmaxProb(ops::SoftmaxLogit(Load(row[k]), scale), m, sum))
+                   : T{};
     }
     // A row that sees no key has m = -inf and sum = 0: its lse is -inf (m), without a log.
-    if (lse != nullptr && threadIdx.x == 0) lse[i] = sum > 0 ? m + Log(sum) : m;
+    if (lse != nullptr && threadIdx.x == 0) lse[i] = sum > 0 ? ops::SoftmaxLse(m, sum) : m;
   }
 }
 
@@ -173,8 +174,9 @@ __global__ void CausalSoftmaxFromLseKernel(const T* scores, const ComputeOf<T>* 
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t i = e / kv, k = e % kv;
     const C l = lse[i];
-    probs[e] = l != none && k_pos[k] <= q_pos[i % sq] ? Store<T>(Exp(scale * Load(scores[e]) - l))
-                                                      : T{};
+    probs[e] = l != none && ops::KeyVisible(k_pos[k], q_pos[i % sq])
+                   ? Store<T>(ops::SoftmaxExp(ops::SoftmaxLogit(Load(scores[e]), scale), l))
+                   : T{};
   }
 }
 
@@ -192,7 +194,7 @@ __global__ void CausalSoftmaxBackwardKernel(const T* probs, const T* dprobs, con
     C dot = 0;
     if (row_dot == nullptr) {
       for (int64_t k = threadIdx.x; k < kv; k += kBlock) {
-        if (k_pos[k] <= q) dot += Load(p[k]) * Load(dp[k]);
+        if (ops::KeyVisible(k_pos[k], q)) dot += Load(p[k]) * Load(dp[k]);
       }
     }
     // Every thread of the block reaches the barrier either way.
@@ -200,7 +202,9 @@ __global__ void CausalSoftmaxBackwardKernel(const T* probs, const T* dprobs, con
     if (row_dot != nullptr) dot = row_dot[i];
     T* out = dscores + i * kv;
     for (int64_t k = threadIdx.x; k < kv; k += kBlock) {
-      out[k] = k_pos[k] <= q ? Store<T>(scale * (Load(p[k]) * (Load(dp[k]) - dot))) : T{};
+      out[k] = ops::KeyVisible(k_pos[k], q)
+                   ? Store<T>(ops::SoftmaxGrad(Load(p[k]), Load(dp[k]), dot, scale))
+                   : T{};
     }
   }
 }
@@ -230,20 +234,16 @@ __global__ void LseMergeKernel(T* out, ComputeOf<T>* lse, const T* part,
   for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
     const C l = lse[i], pl = part_lse[i];
     if (pl == none) continue;  // the block showed this row no key
-    C keep = 0, take = 1, n = pl;
-    if (l != none) {
-      const C hi = l > pl ? l : pl;
-      n = hi + Log(Exp(l - hi) + Exp(pl - hi));
-      keep = Exp(l - n);
-      take = Exp(pl - n);
-    }
+    // A running lse of -inf takes the part whole: 0 * 0 + part * 1.
+    const ops::LseMergeWeights<C> w =
+        l != none ? ops::LseMergeOf(l, pl) : ops::LseMergeWeights<C>{pl, C(0), C(1)};
     for (int64_t j = threadIdx.x; j < d; j += kBlock) {
       const C o = l == none ? C(0) : Load(out[i * d + j]);
-      out[i * d + j] = Store<T>(o * keep + Load(part[i * d + j]) * take);
+      out[i * d + j] = Store<T>(ops::LseMerged(o, Load(part[i * d + j]), w));
     }
     // Every thread has read lse[i] before the block's first thread writes it.
     __syncthreads();
-    if (threadIdx.x == 0) lse[i] = n;
+    if (threadIdx.x == 0) lse[i] = w.lse;
   }
 }
 
@@ -263,27 +263,13 @@ __global__ void RowMaxKernel(const T* logits, int64_t rows, int64_t cols, Comput
   }
 }
 
-// One thread per row: pass j picks the best column ranking after pass j - 1's pick (the
-// order is strict and total, so k passes give the first k columns in order).
+// One thread per row: ops::TopKRow, the CPU's selection too.
 template <typename T>
 __global__ void TopKKernel(const T* scores, int64_t rows, int64_t n, int64_t k, T* values,
                            int64_t* indices) {
   const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r >= rows) return;
-  const T* row = scores + r * n;
-  int64_t prev = -1;
-  for (int64_t j = 0; j < k; ++j) {
-    int64_t best = -1;
-    for (int64_t c = 0; c < n; ++c) {
-      const auto sc = Load(row[c]);
-      // c must rank after the previous pick, and before the best so far.
-      if (prev >= 0 && !ops::RanksBefore(Load(row[prev]), prev, sc, c)) continue;
-      if (best < 0 || ops::RanksBefore(sc, c, Load(row[best]), best)) best = c;
-    }
-    indices[r * k + j] = best;
-    values[r * k + j] = row[best];
-    prev = best;
-  }
+  ops::TopKRow(scores + r * n, n, k, values + r * k, indices + r * k);
 }
 
 template <typename T>
@@ -299,8 +285,8 @@ __global__ void CrossEntropyPartialsKernel(const T* logits, const ComputeOf<T>* 
     C se = 0;
     C sz = 0;
     for (int64_t j = threadIdx.x; j < cols; j += kBlock) {
-      const C z = Load(row[j]) - m;
-      se += Exp(z);
+      const C z = ops::ShiftedLogit(Load(row[j]), m);
+      se += ops::CrossEntropyExp<C>(z);
       sz += z;
     }
     se = BlockReduce(se, buf, SumOp());
@@ -308,8 +294,8 @@ __global__ void CrossEntropyPartialsKernel(const T* logits, const ComputeOf<T>* 
     if (threadIdx.x == 0) {
       sum_exp[i] = se;
       sum_z[i] = sz;
-      const int64_t col = labels[i] - vocab_start;
-      target_z[i] = col >= 0 && col < cols ? Load(row[col]) - m : C(0);
+      const int64_t col = ops::LabelColumn(labels[i], vocab_start, cols);
+      target_z[i] = col >= 0 ? ops::ShiftedLogit(Load(row[col]), m) : C(0);
     }
   }
 }
@@ -326,9 +312,9 @@ __global__ void CrossEntropyBackwardKernel(const T* logits, const ComputeOf<T>* 
     // Each thread reads and writes only element e, so grad may be logits.
     const int64_t i = e / cols;
     const int64_t j = e % cols;
-    const C q = j == labels[i] - vocab_start ? on_value : off_value;
-    grad[e] =
-        Store<T>(row_scale[i] * (Exp(Load(logits[e]) - row_max[i]) / sum_exp[i] - q));
+    const C q = j == ops::LabelColumn(labels[i], vocab_start, cols) ? on_value : off_value;
+    grad[e] = Store<T>(ops::CrossEntropyGrad(ops::ShiftedLogit(Load(logits[e]), row_max[i]),
+                                             sum_exp[i], q, row_scale[i]));
   }
 }
 

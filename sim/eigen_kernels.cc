@@ -31,6 +31,7 @@
 #include "core/arg_checks.h"
 #include "core/half.h"
 #include "core/ops/dropout.h"
+#include "core/ops/rope.h"
 #include "core/philox.h"
 #include "sim/eigen_views.h"
 
@@ -283,29 +284,6 @@ void EigenKernels::DoScale(double alpha, Tensor& x) {
 
 // --- elementwise ----------------------------------------------------------------------
 
-// The op functors (core/ops) on blocks of elements: their formulas with Eigen's vectorised
-// array functions (erf a rational approximation within a few ulp for float, std::erf for
-// double; exp likewise), over blocks of at most kOpBlock elements held on the stack. Loads
-// widen and stores round once (ops::Load, ops::Store), so every storage type runs the same
-// code, with no float32 copies of 16-bit tensors.
-struct BlockMath {
-  static constexpr int kOpBlock = 256;
-  template <typename C>
-  using Value = Eigen::Array<C, Eigen::Dynamic, 1, Eigen::ColMajor, kOpBlock, 1>;
-  template <typename E>
-  static auto Exp(const E& x) {
-    return x.exp();
-  }
-  template <typename E>
-  static auto Erf(const E& x) {
-    return x.erf();
-  }
-  template <typename W, typename A, typename B>
-  static auto Select(const W& where, const A& a, const B& b) {
-    return where.select(a, b);
-  }
-};
-
 template <typename T>
 BlockMath::Value<ops::ComputeOf<T>> LoadBlock(const T* p, int64_t n) {
   BlockMath::Value<ops::ComputeOf<T>> v(n);
@@ -427,34 +405,23 @@ void EigenKernels::DoRope(const Tensor& x, const Tensor& pos, double base, int64
   Dispatch(x.dtype(), [&]<typename T>() {
     const int64_t d = Cols(x);
     const int64_t half = dim / 2;
-    // cos and sin of theta = p * base^(-2i/dim) for each of the sq positions p = pos[l],
-    // evaluated in float64 and rounded once to T; the inverse rotation is the same table with
-    // sin negated (exact).
+    // The angles of the sq positions p = pos[l] (ops::RopeAngleAt), one table for every row.
     const int64_t seq = pos.numel();
     const int64_t* position = IdsOf(pos);
-    std::vector<T> cos_table(static_cast<size_t>(seq * half));
-    std::vector<T> sin_table(static_cast<size_t>(seq * half));
+    std::vector<ops::RopeAngle<T>> angles(static_cast<size_t>(seq * half));
     for (int64_t p = 0; p < seq; ++p) {
       for (int64_t i = 0; i < half; ++i) {
-        const double inv_freq =
-            std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(dim));
-        const double theta = static_cast<double>(position[p]) * inv_freq;
-        const double sine = std::sin(theta);
-        cos_table[static_cast<size_t>(p * half + i)] = static_cast<T>(std::cos(theta));
-        sin_table[static_cast<size_t>(p * half + i)] = static_cast<T>(inverse ? -sine : sine);
+        angles[static_cast<size_t>(p * half + i)] =
+            ops::RopeAngleAt<T>(position[p], i, dim, base, inverse);
       }
     }
     const T* xs = x.data_as<T>();
     T* ys = y.data_as<T>();
     for (int64_t r = 0; r < Rows(x); ++r) {
-      const T* c = cos_table.data() + (r % seq) * half;
-      const T* s = sin_table.data() + (r % seq) * half;
+      const ops::RopeAngle<T>* a = angles.data() + (r % seq) * half;
       for (int64_t i = 0; i < half; ++i) {
-        // Both elements of the pair are read before either is written (y may be x).
-        const T lo = xs[r * d + i];
-        const T hi = xs[r * d + half + i];
-        ys[r * d + i] = lo * c[i] - hi * s[i];
-        ys[r * d + half + i] = hi * c[i] + lo * s[i];
+        ops::RopeRotate(xs[r * d + i], xs[r * d + half + i], a[i], ys[r * d + i],
+                        ys[r * d + half + i]);
       }
       // The channels past dim pass through (rotary_percent < 1).
       if (ys != xs) std::copy(xs + r * d + dim, xs + (r + 1) * d, ys + r * d + dim);

@@ -14,20 +14,13 @@
 
 #include <Eigen/Core>
 
+#include "core/ops/cross_entropy.h"
 #include "core/ops/norm.h"
-#include "core/ops/routing.h"
+#include "core/ops/softmax.h"
+#include "core/ops/topk.h"
 #include "sim/eigen_views.h"
 
 namespace mpusim {
-namespace {
-
-// Column of `label` in a shard starting at vocab_start with `cols` columns, or -1.
-int64_t LocalColumn(int64_t label, int64_t vocab_start, int64_t cols) {
-  const int64_t col = label - vocab_start;
-  return col >= 0 && col < cols ? col : -1;
-}
-
-}  // namespace
 
 // --- normalization --------------------------------------------------------------------
 
@@ -155,7 +148,7 @@ class VisibleKeys {
   int64_t Prefix(int64_t row) const {
     return ascending_ ? std::upper_bound(k_, k_ + kv_, query(row)) - k_ : -1;
   }
-  bool Sees(int64_t q, int64_t column) const { return k_[column] <= q; }
+  bool Sees(int64_t q, int64_t column) const { return ops::KeyVisible(k_[column], q); }
   int64_t columns() const { return kv_; }
 
  private:
@@ -193,12 +186,13 @@ void EigenKernels::DoCausalSoftmaxForward(const Tensor& scores, const Tensor& q_
           if (ls != nullptr) ls[r] = kNone;
           continue;
         }
-        const auto z = ss.row(r).head(visible).array() * c;
+        const auto s = ss.row(r).head(visible).array();
+        const auto z = ops::SoftmaxLogit(s, c);
         const T m = z.maxCoeff();
-        const T sum = (z - m).exp().sum();
-        ps.row(r).head(visible).array() = (z - m).exp() / sum;
+        const T sum = ops::SoftmaxExp<T, BlockMath>(z, m).sum();
+        ps.row(r).head(visible).array() = ops::SoftmaxProb<T, BlockMath>(z, m, sum);
         ps.row(r).tail(kv - visible).setZero();
-        if (ls != nullptr) ls[r] = m + std::log(sum);
+        if (ls != nullptr) ls[r] = ops::SoftmaxLse(m, sum);
         continue;
       }
       const int64_t q = keys.query(r);
@@ -206,18 +200,20 @@ void EigenKernels::DoCausalSoftmaxForward(const Tensor& scores, const Tensor& q_
       bool any = false;
       for (int64_t j = 0; j < kv; ++j) {
         if (keys.Sees(q, j)) {
-          m = any ? std::max(m, ss(r, j) * c) : ss(r, j) * c;
+          const T z = ops::SoftmaxLogit(ss(r, j), c);
+          m = any ? std::max(m, z) : z;
           any = true;
         }
       }
       T sum = 0;
       for (int64_t j = 0; j < kv; ++j) {
-        if (keys.Sees(q, j)) sum += std::exp(ss(r, j) * c - m);
+        if (keys.Sees(q, j)) sum += ops::SoftmaxExp(ops::SoftmaxLogit(ss(r, j), c), m);
       }
       for (int64_t j = 0; j < kv; ++j) {
-        ps(r, j) = any && keys.Sees(q, j) ? std::exp(ss(r, j) * c - m) / sum : T(0);
+        ps(r, j) = any && keys.Sees(q, j) ? ops::SoftmaxProb(ops::SoftmaxLogit(ss(r, j), c), m, sum)
+                                          : T(0);
       }
-      if (ls != nullptr) ls[r] = any ? m + std::log(sum) : kNone;
+      if (ls != nullptr) ls[r] = any ? ops::SoftmaxLse(m, sum) : kNone;
     }
   });
 }
@@ -243,7 +239,8 @@ void EigenKernels::DoCausalSoftmaxFromLse(const Tensor& scores, const Tensor& ls
       const T l = ls[r];
       const bool seen = l != -std::numeric_limits<T>::infinity();
       for (int64_t j = 0; j < kv; ++j) {
-        ps(r, j) = seen && keys.Sees(q, j) ? std::exp(ss(r, j) * c - l) : T(0);
+        ps(r, j) = seen && keys.Sees(q, j) ? ops::SoftmaxExp(ops::SoftmaxLogit(ss(r, j), c), l)
+                                           : T(0);
       }
     }
   });
@@ -274,7 +271,7 @@ void EigenKernels::DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dp
         const auto dp = dps.row(r).head(visible).array();
         // Before the row is written (dscores may alias).
         const T dot = given != nullptr ? given[r] : (p * dp).sum();
-        ds.row(r).head(visible).array() = c * (p * (dp - dot));
+        ds.row(r).head(visible).array() = ops::SoftmaxGrad(p, dp, dot, c);
         ds.row(r).tail(kv - visible).setZero();
         continue;
       }
@@ -288,7 +285,7 @@ void EigenKernels::DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dp
         }
       }
       for (int64_t j = 0; j < kv; ++j) {
-        ds(r, j) = keys.Sees(q, j) ? c * (ps(r, j) * (dps(r, j) - dot)) : T(0);
+        ds(r, j) = keys.Sees(q, j) ? ops::SoftmaxGrad(ps(r, j), dps(r, j), dot, c) : T(0);
       }
     }
   });
@@ -328,11 +325,9 @@ void EigenKernels::DoLseMerge(Tensor& out, Tensor& lse, const Tensor& part,
         l[r] = pl[r];
         continue;
       }
-      const T hi = std::max(l[r], pl[r]);
-      const T n = hi + std::log(std::exp(l[r] - hi) + std::exp(pl[r] - hi));
-      os.row(r).array() =
-          os.row(r).array() * std::exp(l[r] - n) + parts.row(r).array() * std::exp(pl[r] - n);
-      l[r] = n;
+      const ops::LseMergeWeights<T> w = ops::LseMergeOf(l[r], pl[r]);
+      os.row(r).array() = ops::LseMerged(os.row(r).array(), parts.row(r).array(), w);
+      l[r] = w.lse;
     }
   });
 }
@@ -354,27 +349,14 @@ void EigenKernels::DoRowMax(const Tensor& logits, Tensor& row_max) {
   });
 }
 
-// Per row: the columns ordered by ops::RanksBefore, the first k kept (a partial sort of
-// column numbers; the values are the stored elements, copied).
+// Per row: ops::TopKRow, the GPU's selection too (the values are the stored elements).
 void EigenKernels::DoTopK(const Tensor& scores, int64_t k, Tensor& values, Tensor& indices) {
   const int64_t rows = Rows(scores), n = Cols(scores);
   DispatchStorage(scores.dtype(), [&]<typename T>() {
     const T* s = scores.data_as<T>();
     T* v = values.data_as<T>();
     int64_t* idx = indices.data_as<int64_t>();
-    std::vector<int64_t> order(static_cast<size_t>(n));
-    for (int64_t r = 0; r < rows; ++r) {
-      const T* row = s + r * n;
-      for (int64_t j = 0; j < n; ++j) order[static_cast<size_t>(j)] = j;
-      std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                        [&](int64_t a, int64_t b) {
-                          return ops::RanksBefore(ops::Load(row[a]), a, ops::Load(row[b]), b);
-                        });
-      for (int64_t j = 0; j < k; ++j) {
-        idx[r * k + j] = order[static_cast<size_t>(j)];
-        v[r * k + j] = row[order[static_cast<size_t>(j)]];
-      }
-    }
+    for (int64_t r = 0; r < rows; ++r) ops::TopKRow(s + r * n, n, k, v + r * k, idx + r * k);
   });
 }
 
@@ -395,11 +377,12 @@ void EigenKernels::DoCrossEntropyPartials(const Tensor& logits, const Tensor& ro
     auto sz = ArrayOf<T>(sum_z);
     auto tz = ArrayOf<T>(target_z);
     for (int64_t i = 0; i < rows; ++i) {
-      const auto z = l.row(i).array() - m[i];
-      se[i] = z.exp().sum();
+      const auto row = l.row(i).array();
+      const auto z = ops::ShiftedLogit(row, m[i]);
+      se[i] = ops::CrossEntropyExp<T, BlockMath>(z).sum();
       sz[i] = z.sum();
-      const int64_t col = LocalColumn(IdsOf(labels)[i], vocab_start, cols);
-      tz[i] = col >= 0 ? l(i, col) - m[i] : static_cast<T>(0);
+      const int64_t col = ops::LabelColumn(IdsOf(labels)[i], vocab_start, cols);
+      tz[i] = col >= 0 ? ops::ShiftedLogit(l(i, col), m[i]) : static_cast<T>(0);
     }
   });
 }
@@ -428,11 +411,13 @@ void EigenKernels::DoCrossEntropyBackward(const Tensor& logits, const Tensor& ro
     const T on = static_cast<T>(on_value);
     const T off = static_cast<T>(off_value);
     for (int64_t i = 0; i < rows; ++i) {
-      const int64_t col = LocalColumn(IdsOf(labels)[i], vocab_start, cols);
+      const int64_t col = ops::LabelColumn(IdsOf(labels)[i], vocab_start, cols);
       // Read the label's logit before the row is overwritten (grad may be logits).
-      const T z_label = col >= 0 ? l(i, col) - m[i] : static_cast<T>(0);
-      g.row(i).array() = scale[i] * ((l.row(i).array() - m[i]).exp() / se[i] - off);
-      if (col >= 0) g(i, col) = scale[i] * (std::exp(z_label) / se[i] - on);
+      const T z_label = col >= 0 ? ops::ShiftedLogit(l(i, col), m[i]) : static_cast<T>(0);
+      const auto row = l.row(i).array();
+      g.row(i).array() =
+          ops::CrossEntropyGrad<T, BlockMath>(ops::ShiftedLogit(row, m[i]), se[i], off, scale[i]);
+      if (col >= 0) g(i, col) = ops::CrossEntropyGrad(z_label, se[i], on, scale[i]);
     }
   });
 }

@@ -1,6 +1,7 @@
 // What EigenKernels' two source files share (eigen_kernels.cc: memory, dense algebra, the
 // elementwise ops, RoPE, embedding, the optimizer; eigen_reduce_kernels.cc: the row
-// reductions): row-major Eigen views of host tensors, the int64 ids, and the 16-bit staging.
+// reductions): row-major Eigen views of host tensors, the int64 ids, the 16-bit staging, and
+// the math (BlockMath) that runs core/ops' functors on blocks and rows of elements.
 // Private to sim/.
 //
 // bfloat16 and float16 (core/kernels.h: compute in float32, round each stored element
@@ -91,5 +92,29 @@ inline void StoreRounded(const Tensor& src, Tensor& dst) {
 
 // The int64 ids (or labels) of a host tensor, flat: element i belongs to row i.
 inline const int64_t* IdsOf(const Tensor& ids) { return ids.data_as<int64_t>(); }
+
+// The op functors (core/ops) on blocks of elements: their formulas with Eigen's vectorised
+// array functions (erf a rational approximation within a few ulp for float, std::erf for
+// double; exp likewise), over blocks of at most kOpBlock elements held on the stack (the
+// elementwise ops, whose loads widen and stores round once, ops::Load and ops::Store, so that
+// every storage type runs the same code with no float32 copies of 16-bit tensors), or on a
+// row's array expression (the row reductions). Erf needs <unsupported/Eigen/SpecialFunctions>.
+struct BlockMath {
+  static constexpr int kOpBlock = 256;
+  template <typename C>
+  using Value = Eigen::Array<C, Eigen::Dynamic, 1, Eigen::ColMajor, kOpBlock, 1>;
+  template <typename E>
+  static auto Exp(const E& x) {
+    return x.exp();
+  }
+  template <typename E>
+  static auto Erf(const E& x) {
+    return x.erf();
+  }
+  template <typename W, typename A, typename B>
+  static auto Select(const W& where, const A& a, const B& b) {
+    return where.select(a, b);
+  }
+};
 
 }  // namespace mpusim

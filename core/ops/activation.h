@@ -25,7 +25,7 @@
 #include <string_view>
 #include <vector>
 
-#include "core/ops/element.h"  // ComputeOf, Load, Store, MPUSIM_HD
+#include "core/ops/element.h"  // ComputeOf, Load, Store, ScalarMath, MPUSIM_HD
 
 namespace mpusim {
 
@@ -33,25 +33,6 @@ enum class Activation : uint8_t { kGelu, kSwiglu, kSquaredRelu };
 inline constexpr int kActivationCount = 3;  // the values above
 
 namespace ops {
-
-// The math the functors are written in, for a value V of compute type C: here one element,
-// with libm on the host and CUDA's math library on the device (both within an ulp or two;
-// the backends may differ in the last bits). The CPU backend passes a math whose V is a
-// block of elements and whose functions are Eigen's vectorised array functions
-// (sim/eigen_kernels.cc), so that one formula serves an element and a block.
-struct ScalarMath {
-  template <typename C>
-  using Value = C;
-  MPUSIM_HD static float Exp(float x) { return expf(x); }
-  MPUSIM_HD static double Exp(double x) { return exp(x); }
-  MPUSIM_HD static float Erf(float x) { return erff(x); }
-  MPUSIM_HD static double Erf(double x) { return erf(x); }
-  // where ? a : b
-  template <typename C>
-  MPUSIM_HD static C Select(bool where, C a, C b) {
-    return where ? a : b;
-  }
-};
 
 // An activation is f and f' of (C, M, V): MPUSIM_HD static V F(const V& x), Grad likewise.
 #define MPUSIM_OP_VALUE \
