@@ -25,7 +25,7 @@
 
 namespace mpusim {
 
-// kOnes: normalization weights (Megatron's LayerNorm/RMSNorm start at weight 1); not a
+// kOnes: normalization weights (Megatron's norms start at weight 1); not a
 // choice in chain configs.
 enum class InitMethod : uint8_t { kXavierNormal, kNormal, kZeros, kOnes };
 

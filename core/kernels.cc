@@ -422,45 +422,39 @@ void Kernels::DropoutAt(const Tensor& x, double p, uint64_t key, uint64_t stream
   DoDropoutAt(x, p, key, stream, map, y);
 }
 
-void Kernels::LayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias,
-                               double eps, Tensor& y, Tensor& mean, Tensor& rstd) {
-  KernelArgs args(backend_, device_, "LayerNormForward");
-  args.Add("x", x).Add("weight", weight).Add("bias", bias).Add("y", y);
-  args.AddCompute("mean", mean).AddCompute("rstd", rstd);
-  CheckNormForward(args, x, weight, &bias, eps, y, &mean, rstd);
+void Kernels::NormForward(Normalization norm, const Tensor& x, const Tensor& weight,
+                          const Tensor* bias, double eps, Tensor& y, Tensor* mean,
+                          Tensor& rstd) {
+  KernelArgs args(backend_, device_, "NormForward");
+  const bool centered = IsCentered(norm);
+  args.Require((bias != nullptr) == centered && (mean != nullptr) == centered,
+               fmt::format("{} takes {}", NormalizationName(norm),
+                           centered ? "a bias and a mean" : "no bias and no mean"));
+  args.Add("x", x).Add("weight", weight);
+  if (bias != nullptr) args.Add("bias", *bias);
+  args.Add("y", y);
+  if (mean != nullptr) args.AddCompute("mean", *mean);
+  args.AddCompute("rstd", rstd);
+  CheckNormForward(args, x, weight, bias, eps, y, mean, rstd);
   if (x.numel() == 0) return;
-  DoLayerNormForward(x, weight, bias, eps, y, mean, rstd);
+  DoNormForward(x, weight, bias, eps, y, mean, rstd);
 }
 
-void Kernels::LayerNormBackward(const Tensor& x, const Tensor& weight, const Tensor& mean,
-                                const Tensor& rstd, const Tensor& dy, Tensor& dx,
-                                Tensor& dweight, Tensor& dbias) {
-  KernelArgs args(backend_, device_, "LayerNormBackward");
+void Kernels::NormBackward(Normalization norm, const Tensor& x, const Tensor& weight,
+                           const Tensor* mean, const Tensor& rstd, const Tensor& dy, Tensor& dx,
+                           Tensor& dweight, Tensor* dbias) {
+  KernelArgs args(backend_, device_, "NormBackward");
+  const bool centered = IsCentered(norm);
+  args.Require((mean != nullptr) == centered && (dbias != nullptr) == centered,
+               fmt::format("{} takes {}", NormalizationName(norm),
+                           centered ? "a mean and a dbias" : "no mean and no dbias"));
   args.Add("x", x).Add("weight", weight).Add("dy", dy).Add("dx", dx);
-  args.AddCompute("mean", mean).AddCompute("rstd", rstd);
-  args.AddAccumulator("dweight", dweight).AddAccumulator("dbias", dbias);
-  CheckNormBackward(args, x, weight, &mean, rstd, dy, dx, dweight, &dbias);
-  if (x.numel() == 0) return;
-  DoLayerNormBackward(x, weight, mean, rstd, dy, dx, dweight, dbias);
-}
-
-void Kernels::RMSNormForward(const Tensor& x, const Tensor& weight, double eps, Tensor& y,
-                             Tensor& rstd) {
-  KernelArgs args(backend_, device_, "RMSNormForward");
-  args.Add("x", x).Add("weight", weight).Add("y", y).AddCompute("rstd", rstd);
-  CheckNormForward(args, x, weight, nullptr, eps, y, nullptr, rstd);
-  if (x.numel() == 0) return;
-  DoRMSNormForward(x, weight, eps, y, rstd);
-}
-
-void Kernels::RMSNormBackward(const Tensor& x, const Tensor& weight, const Tensor& rstd,
-                              const Tensor& dy, Tensor& dx, Tensor& dweight) {
-  KernelArgs args(backend_, device_, "RMSNormBackward");
-  args.Add("x", x).Add("weight", weight).Add("dy", dy).Add("dx", dx);
+  if (mean != nullptr) args.AddCompute("mean", *mean);
   args.AddCompute("rstd", rstd).AddAccumulator("dweight", dweight);
-  CheckNormBackward(args, x, weight, nullptr, rstd, dy, dx, dweight, nullptr);
+  if (dbias != nullptr) args.AddAccumulator("dbias", *dbias);
+  CheckNormBackward(args, x, weight, mean, rstd, dy, dx, dweight, dbias);
   if (x.numel() == 0) return;
-  DoRMSNormBackward(x, weight, rstd, dy, dx, dweight);
+  DoNormBackward(x, weight, mean, rstd, dy, dx, dweight, dbias);
 }
 
 void Kernels::CausalSoftmaxForward(const Tensor& scores, const Tensor& q_pos,

@@ -14,7 +14,7 @@
 // CUBLAS_COMPUTE_32F and PyTorch's elementwise kernels do it. All tensors of a call share
 // one dtype, with two exceptions:
 //   accumulators   Gemm's and BatchedGemm's c, SumRows' out, Axpy's y, EmbeddingBackward's
-//                  dweight and the norm backwards' dweight and dbias may instead have the
+//                  dweight and NormBackward's dweight and dbias may instead have the
 //                  compute dtype of the inputs (a bfloat16 product accumulated straight
 //                  into a float32 main_grad);
 //   statistics     the cross-entropy pieces' row_max, sum_exp, sum_z, target_z and
@@ -24,8 +24,8 @@
 //
 // The operations, by section below: memory (Zeros, Empty, ToDevice, ToHost, Copy, SetZero,
 // CopyBlock, StridedCopy); dense algebra (Gemm, BatchedGemm, AddRowVector, SumRows, Axpy,
-// Scale); elementwise (the activations, Dropout, DropoutAt); normalization (LayerNorm,
-// RMSNorm); attention (CausalSoftmax, Rope); routing (TopK); embedding; vocab-parallel
+// Scale); elementwise (the activations, Dropout, DropoutAt); normalization (the norms of
+// core/ops/norm.h); attention (CausalSoftmax, Rope); routing (TopK); embedding; vocab-parallel
 // cross entropy; the optimizer (OptimizerStep, SumOfSquares), so that training never copies
 // weights or gradients off the device.
 // What it is not: a graph or autograd -- every backward is its own call, made by the layer
@@ -39,6 +39,7 @@
 
 #include "core/dropout.h"
 #include "core/ops/activation.h"
+#include "core/ops/norm.h"
 #include "core/optimizer_update.h"
 #include "core/tensor.h"
 
@@ -129,26 +130,23 @@ class Kernels {
                  const GlobalIndexMap& map, Tensor& y);
 
   // --- normalization over the last dimension (x [n, h] 2-D view, h >= 1) --------------
-  // mean_i = (1/h) sum_j x_ij, var_i = (1/h) sum_j (x_ij - mean_i)^2 (biased),
-  // rstd_i = 1 / sqrt(var_i + eps), y_ij = (x_ij - mean_i) * rstd_i * weight_j + bias_j.
-  // weight and bias [h] have x's dtype; mean and rstd [n] its compute dtype. y may be x.
-  void LayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
-                        Tensor& y, Tensor& mean, Tensor& rstd);
-  // With xhat = (x - mean) * rstd and g = dy * weight (per row):
-  //   dx = rstd * (g - mean_j(g) - xhat * mean_j(g * xhat)),
-  //   dweight += sum_i dy * xhat,  dbias += sum_i dy.
-  // dweight and dbias are accumulators (main_grad) of one dtype: x's or its compute dtype.
-  // dx may be dy.
-  void LayerNormBackward(const Tensor& x, const Tensor& weight, const Tensor& mean,
-                         const Tensor& rstd, const Tensor& dy, Tensor& dx, Tensor& dweight,
-                         Tensor& dbias);
-  // rstd_i = 1 / sqrt((1/h) sum_j x_ij^2 + eps), y = x * rstd * weight.
-  void RMSNormForward(const Tensor& x, const Tensor& weight, double eps, Tensor& y,
-                      Tensor& rstd);
-  // xhat = x * rstd, g = dy * weight: dx = rstd * (g - xhat * mean_j(g * xhat)),
-  // dweight += sum_i dy * xhat (an accumulator, as above). y may be x, dx may be dy.
-  void RMSNormBackward(const Tensor& x, const Tensor& weight, const Tensor& rstd,
-                       const Tensor& dy, Tensor& dx, Tensor& dweight);
+  // The norm `norm` (core/ops/norm.h) of each row i: with m_i = (1/h) sum_j x_ij for a
+  // centered norm (IsCentered) and m_i = 0 otherwise,
+  //   rstd_i = 1 / sqrt((1/h) sum_j (x_ij - m_i)^2 + eps) (biased),
+  //   y_ij = (x_ij - m_i) * rstd_i * weight_j (+ bias_j when centered).
+  // A centered norm takes bias [h] and mean [n] (receiving m), the other neither (both
+  // null). weight and bias have x's dtype; mean and rstd [n] its compute dtype. y may be x.
+  void NormForward(Normalization norm, const Tensor& x, const Tensor& weight, const Tensor* bias,
+                   double eps, Tensor& y, Tensor* mean, Tensor& rstd);
+  // With xhat = (x - m) * rstd (m = mean as the forward stored it, or 0) and
+  // g = dy * weight (per row):
+  //   dx = rstd * (g - mean_j(g) - xhat * mean_j(g * xhat))   (mean_j(g) only when centered),
+  //   dweight += sum_i dy * xhat,  dbias += sum_i dy           (dbias only when centered).
+  // mean and dbias are given iff the norm is centered. dweight and dbias are accumulators
+  // (main_grad) of one dtype: x's or its compute dtype. dx may be dy.
+  void NormBackward(Normalization norm, const Tensor& x, const Tensor& weight, const Tensor* mean,
+                    const Tensor& rstd, const Tensor& dy, Tensor& dx, Tensor& dweight,
+                    Tensor* dbias);
 
   // --- attention: positions -------------------------------------------------------------
   // Each row of a query tensor is one query position and each column of scores one key
@@ -285,15 +283,13 @@ class Kernels {
                          Tensor& y) = 0;
   virtual void DoDropoutAt(const Tensor& x, double p, uint64_t key, uint64_t stream,
                            const GlobalIndexMap& map, Tensor& y) = 0;
-  virtual void DoLayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias,
-                                  double eps, Tensor& y, Tensor& mean, Tensor& rstd) = 0;
-  virtual void DoLayerNormBackward(const Tensor& x, const Tensor& weight, const Tensor& mean,
-                                   const Tensor& rstd, const Tensor& dy, Tensor& dx,
-                                   Tensor& dweight, Tensor& dbias) = 0;
-  virtual void DoRMSNormForward(const Tensor& x, const Tensor& weight, double eps, Tensor& y,
-                                Tensor& rstd) = 0;
-  virtual void DoRMSNormBackward(const Tensor& x, const Tensor& weight, const Tensor& rstd,
-                                 const Tensor& dy, Tensor& dx, Tensor& dweight) = 0;
+  // The norms: bias, mean and dbias are null exactly when the norm is not centered, which is
+  // all a backend needs to know of it (core/ops/norm.h's functors do the rest).
+  virtual void DoNormForward(const Tensor& x, const Tensor& weight, const Tensor* bias,
+                             double eps, Tensor& y, Tensor* mean, Tensor& rstd) = 0;
+  virtual void DoNormBackward(const Tensor& x, const Tensor& weight, const Tensor* mean,
+                              const Tensor& rstd, const Tensor& dy, Tensor& dx, Tensor& dweight,
+                              Tensor* dbias) = 0;
   virtual void DoCausalSoftmaxForward(const Tensor& scores, const Tensor& q_pos,
                                       const Tensor& k_pos, double scale, Tensor& probs,
                                       Tensor* lse) = 0;

@@ -410,46 +410,30 @@ void CudaKernels::DoDropoutAt(const Tensor& x, double p, uint64_t key, uint64_t 
 // --- normalization --------------------------------------------------------------------
 // x, weight, bias, y, dy and dx have the storage type T; mean and rstd are ComputeOf<T>;
 // dweight and dbias share the accumulator type A (the base class checked all of it). A null
-// mean selects RMSNorm in the launchers.
+// mean (with bias and dbias) selects the uncentered norm in the launchers.
 
-void CudaKernels::DoLayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias,
-                                     double eps, Tensor& y, Tensor& mean, Tensor& rstd) {
+void CudaKernels::DoNormForward(const Tensor& x, const Tensor& weight, const Tensor* bias,
+                                double eps, Tensor& y, Tensor* mean, Tensor& rstd) {
   DispatchStorage(x.dtype(), [&]<typename T>() {
     using C = ComputeOf<T>;
-    LaunchNormForward<T>(x.data_as<T>(), weight.data_as<T>(), bias.data_as<T>(), Rows(x),
-                         Cols(x), static_cast<C>(eps), y.data_as<T>(), mean.data_as<C>(),
-                         rstd.data_as<C>(), stream_);
-  });
-}
-
-void CudaKernels::DoRMSNormForward(const Tensor& x, const Tensor& weight, double eps, Tensor& y,
-                                   Tensor& rstd) {
-  DispatchStorage(x.dtype(), [&]<typename T>() {
-    using C = ComputeOf<T>;
-    LaunchNormForward<T>(x.data_as<T>(), weight.data_as<T>(), nullptr, Rows(x), Cols(x),
-                         static_cast<C>(eps), y.data_as<T>(), nullptr, rstd.data_as<C>(),
+    LaunchNormForward<T>(x.data_as<T>(), weight.data_as<T>(),
+                         bias != nullptr ? bias->data_as<T>() : nullptr, Rows(x), Cols(x),
+                         static_cast<C>(eps), y.data_as<T>(),
+                         mean != nullptr ? mean->data_as<C>() : nullptr, rstd.data_as<C>(),
                          stream_);
   });
 }
 
-void CudaKernels::DoLayerNormBackward(const Tensor& x, const Tensor& weight, const Tensor& mean,
-                                      const Tensor& rstd, const Tensor& dy, Tensor& dx,
-                                      Tensor& dweight, Tensor& dbias) {
+void CudaKernels::DoNormBackward(const Tensor& x, const Tensor& weight, const Tensor* mean,
+                                 const Tensor& rstd, const Tensor& dy, Tensor& dx,
+                                 Tensor& dweight, Tensor* dbias) {
   DispatchAccumulator(x.dtype(), dweight.dtype(), [&]<typename T, typename A>() {
     using C = ComputeOf<T>;
-    LaunchNormBackward<T, A>(x.data_as<T>(), weight.data_as<T>(), mean.data_as<C>(),
-                             rstd.data_as<C>(), dy.data_as<T>(), Rows(x), Cols(x),
-                             dx.data_as<T>(), dweight.data_as<A>(), dbias.data_as<A>(), stream_);
-  });
-}
-
-void CudaKernels::DoRMSNormBackward(const Tensor& x, const Tensor& weight, const Tensor& rstd,
-                                    const Tensor& dy, Tensor& dx, Tensor& dweight) {
-  DispatchAccumulator(x.dtype(), dweight.dtype(), [&]<typename T, typename A>() {
-    using C = ComputeOf<T>;
-    LaunchNormBackward<T, A>(x.data_as<T>(), weight.data_as<T>(), nullptr, rstd.data_as<C>(),
+    LaunchNormBackward<T, A>(x.data_as<T>(), weight.data_as<T>(),
+                             mean != nullptr ? mean->data_as<C>() : nullptr, rstd.data_as<C>(),
                              dy.data_as<T>(), Rows(x), Cols(x), dx.data_as<T>(),
-                             dweight.data_as<A>(), nullptr, stream_);
+                             dweight.data_as<A>(),
+                             dbias != nullptr ? dbias->data_as<A>() : nullptr, stream_);
   });
 }
 

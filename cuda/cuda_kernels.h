@@ -96,15 +96,11 @@ class CudaKernels final : public Kernels {
                    const GlobalIndexMap& map, Tensor& y) override;
 
   // --- normalization (y may be x, dx may be dy) ---------------------------------------
-  void DoLayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
-                          Tensor& y, Tensor& mean, Tensor& rstd) override;
-  void DoLayerNormBackward(const Tensor& x, const Tensor& weight, const Tensor& mean,
-                           const Tensor& rstd, const Tensor& dy, Tensor& dx, Tensor& dweight,
-                           Tensor& dbias) override;
-  void DoRMSNormForward(const Tensor& x, const Tensor& weight, double eps, Tensor& y,
-                        Tensor& rstd) override;
-  void DoRMSNormBackward(const Tensor& x, const Tensor& weight, const Tensor& rstd,
-                         const Tensor& dy, Tensor& dx, Tensor& dweight) override;
+  void DoNormForward(const Tensor& x, const Tensor& weight, const Tensor* bias, double eps,
+                     Tensor& y, Tensor* mean, Tensor& rstd) override;
+  void DoNormBackward(const Tensor& x, const Tensor& weight, const Tensor* mean,
+                      const Tensor& rstd, const Tensor& dy, Tensor& dx, Tensor& dweight,
+                      Tensor* dbias) override;
 
   // --- attention (probs may be scores, dscores may be probs or dprobs, y may be x) ------
   void DoCausalSoftmaxForward(const Tensor& scores, const Tensor& q_pos, const Tensor& k_pos,

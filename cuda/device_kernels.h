@@ -98,23 +98,23 @@ void LaunchDropoutAt(const T* x, T* y, int64_t n, ops::Dropout op, IndexMap map,
                      cudaStream_t stream);
 
 // Both norms, one block per row of x [rows, cols]; the pointwise parts (r, xhat, y) are
-// core/ops/norm.h's functors, which the CPU runs too. LayerNorm when mean is given:
+// core/ops/norm.h's functors, which the CPU runs too. A centered norm when mean is given:
 //   m = sum x / cols, var = sum (x - m)^2 / cols, r = 1 / sqrt(var + eps),
 //   y = round(((x - m) * r) * weight + bias);
-// RMSNorm when mean is null: m = 0 and no bias (bias is null). mean (if given) and rstd
-// receive m and r; y may be x.
+// the uncentered one when mean is null: m = 0 and no bias (bias is null). mean (if given)
+// and rstd receive m and r; y may be x.
 template <typename T>
 void LaunchNormForward(const T* x, const T* weight, const T* bias, int64_t rows, int64_t cols,
                        ComputeOf<T> eps, T* y, ComputeOf<T>* mean, ComputeOf<T>* rstd,
                        cudaStream_t stream);
 
-// Both norms' backward (mean null: RMSNorm, and dbias is null too), with
+// Both norms' backward (mean null: the uncentered one, and dbias is null too), with
 // xhat = (x - m) * r and g = dy * weight (core/ops/norm.h's functors, as every pointwise part
 // of dx, dweight and dbias). Two kernels, in this order:
 //   columns  one thread per column sums dy * xhat (and dy) over the rows in row order and
 //            adds the sum to dweight (dbias) once: dweight[j] = round(dweight[j] + sum);
 //   rows     one block per row: dx = round(r * (g - mean(g) - xhat * mean(g * xhat))),
-//            mean(g) = 0 for RMSNorm.
+//            mean(g) = 0 for the uncentered norm.
 // The column pass reads dy before the row pass overwrites it, so dx may be dy. A is T or
 // ComputeOf<T>.
 template <typename T, typename A>

@@ -1,6 +1,7 @@
-// The GPU backend's row reductions (see device_kernels.h): LayerNorm and RMSNorm forward and
-// backward (their pointwise math is core/ops/norm.h's), the causal softmax, and the pieces of
-// the vocab-parallel cross entropy; the rest of the kernels are in device_kernels.cu.
+// The GPU backend's row reductions (see device_kernels.h): the norms forward and backward
+// (their pointwise math is core/ops/norm.h's), the causal softmax (core/ops/softmax.h), and the
+// pieces of the vocab-parallel cross entropy (core/ops/cross_entropy.h); the rest of the
+// kernels are in device_kernels.cu.
 //
 // A row kernel runs one block of kBlock threads per row and reduces with a shared-memory tree
 // (BlockReduce, device_common.cuh), which fixes the summation order for a given row length

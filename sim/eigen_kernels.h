@@ -87,15 +87,12 @@ class EigenKernels final : public Kernels {
   // Row statistics are sums in the compute dtype divided by h; dweight and dbias get the
   // column sums over the rows (in row order) added once, so a 16-bit accumulator rounds
   // once per call. The pointwise parts are core/ops/norm.h's functors, on whole rows.
-  void DoLayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
-                          Tensor& y, Tensor& mean, Tensor& rstd) override;
-  void DoLayerNormBackward(const Tensor& x, const Tensor& weight, const Tensor& mean,
-                           const Tensor& rstd, const Tensor& dy, Tensor& dx, Tensor& dweight,
-                           Tensor& dbias) override;
-  void DoRMSNormForward(const Tensor& x, const Tensor& weight, double eps, Tensor& y,
-                        Tensor& rstd) override;
-  void DoRMSNormBackward(const Tensor& x, const Tensor& weight, const Tensor& rstd,
-                         const Tensor& dy, Tensor& dx, Tensor& dweight) override;
+  // One body for every norm: mean (and bias, dbias) null for one that is not centered.
+  void DoNormForward(const Tensor& x, const Tensor& weight, const Tensor* bias, double eps,
+                     Tensor& y, Tensor* mean, Tensor& rstd) override;
+  void DoNormBackward(const Tensor& x, const Tensor& weight, const Tensor* mean,
+                      const Tensor& rstd, const Tensor& dy, Tensor& dx, Tensor& dweight,
+                      Tensor* dbias) override;
 
   // --- attention (probs may be scores, dscores may be probs or dprobs, y may be x) ------
   // Keys ascending (without context parallelism): each row's visible keys are a prefix.
@@ -134,13 +131,6 @@ class EigenKernels final : public Kernels {
   void DoSumOfSquares(const Tensor& x, Tensor& out) override;
 
  private:
-  // One body for both norms: LayerNorm with mean (and bias / dbias), RMSNorm with mean,
-  // bias and dbias null (no centering, no shift).
-  void NormForward(const Tensor& x, const Tensor& weight, const Tensor* bias, double eps,
-                   Tensor& y, Tensor* mean, Tensor& rstd);
-  void NormBackward(const Tensor& x, const Tensor& weight, const Tensor* mean, const Tensor& rstd,
-                    const Tensor& dy, Tensor& dx, Tensor& dweight, Tensor* dbias);
-
   // Storage of every tensor these kernels make (activations, temporaries), reused by size.
   std::shared_ptr<HostBlockCache> cache_ = HostBlockCache::Create();
 };

@@ -1,8 +1,8 @@
-// EigenKernels' row reductions (see eigen_kernels.h): LayerNorm and RMSNorm forward and
-// backward (their pointwise math is core/ops/norm.h's), the causal softmax, and the pieces of
-// the vocab-parallel cross entropy. Each walks the rows: it takes a row's reductions (Eigen's
-// sums and maxima) before it writes the row, so an output may be its input, and the norms'
-// column sums run over the rows in row order. 16-bit tensors are staged through float32
+// EigenKernels' row reductions (see eigen_kernels.h): the norms forward and backward (their
+// pointwise math is core/ops/norm.h's), the causal softmax (core/ops/softmax.h), and the pieces
+// of the vocab-parallel cross entropy (core/ops/cross_entropy.h). Each walks the rows: it
+// takes a row's reductions (Eigen's sums and maxima) before it writes the row, so an output
+// may be its input, and the norms' column sums run over the rows in row order. 16-bit tensors are staged through float32
 // (sim/eigen_views.h); the rest of EigenKernels is in eigen_kernels.cc.
 #include "sim/eigen_kernels.h"
 
@@ -24,35 +24,14 @@ namespace mpusim {
 
 // --- normalization --------------------------------------------------------------------
 
-void EigenKernels::DoLayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias,
-                                      double eps, Tensor& y, Tensor& mean, Tensor& rstd) {
-  NormForward(x, weight, &bias, eps, y, &mean, rstd);
-}
-
-void EigenKernels::DoRMSNormForward(const Tensor& x, const Tensor& weight, double eps, Tensor& y,
-                                    Tensor& rstd) {
-  NormForward(x, weight, nullptr, eps, y, nullptr, rstd);
-}
-
-void EigenKernels::DoLayerNormBackward(const Tensor& x, const Tensor& weight, const Tensor& mean,
-                                       const Tensor& rstd, const Tensor& dy, Tensor& dx,
-                                       Tensor& dweight, Tensor& dbias) {
-  NormBackward(x, weight, &mean, rstd, dy, dx, dweight, &dbias);
-}
-
-void EigenKernels::DoRMSNormBackward(const Tensor& x, const Tensor& weight, const Tensor& rstd,
-                                     const Tensor& dy, Tensor& dx, Tensor& dweight) {
-  NormBackward(x, weight, nullptr, rstd, dy, dx, dweight, nullptr);
-}
-
-void EigenKernels::NormForward(const Tensor& x, const Tensor& weight, const Tensor* bias,
+void EigenKernels::DoNormForward(const Tensor& x, const Tensor& weight, const Tensor* bias,
                                double eps, Tensor& y, Tensor* mean, Tensor& rstd) {
   if (IsHalf(x.dtype())) {
     // The statistics are float32 already; y is computed in place on x's float32 copy.
     Tensor xf = Widened(x, *cache_);
     const Tensor wf = Widened(weight, *cache_);
     const Tensor bf = bias != nullptr ? Widened(*bias, *cache_) : Tensor();
-    NormForward(xf, wf, bias != nullptr ? &bf : nullptr, eps, xf, mean, rstd);
+    DoNormForward(xf, wf, bias != nullptr ? &bf : nullptr, eps, xf, mean, rstd);
     StoreRounded(xf, y);
     return;
   }
@@ -82,9 +61,9 @@ void EigenKernels::NormForward(const Tensor& x, const Tensor& weight, const Tens
   });
 }
 
-void EigenKernels::NormBackward(const Tensor& x, const Tensor& weight, const Tensor* mean,
-                                const Tensor& rstd, const Tensor& dy, Tensor& dx,
-                                Tensor& dweight, Tensor* dbias) {
+void EigenKernels::DoNormBackward(const Tensor& x, const Tensor& weight, const Tensor* mean,
+                                  const Tensor& rstd, const Tensor& dy, Tensor& dx,
+                                  Tensor& dweight, Tensor* dbias) {
   if (IsHalf(x.dtype())) {
     // dx in place on dy's float32 copy; float32 accumulators are used as they are, 16-bit
     // ones widened and rounded once after the column sums were added.
@@ -93,8 +72,8 @@ void EigenKernels::NormBackward(const Tensor& x, const Tensor& weight, const Ten
     Tensor dwf = narrow ? Widened(dweight, *cache_) : dweight;
     Tensor dbf;
     if (dbias != nullptr) dbf = narrow ? Widened(*dbias, *cache_) : *dbias;
-    NormBackward(Widened(x, *cache_), Widened(weight, *cache_), mean, rstd, dyf, dyf, dwf,
-                 dbias != nullptr ? &dbf : nullptr);
+    DoNormBackward(Widened(x, *cache_), Widened(weight, *cache_), mean, rstd, dyf, dyf, dwf,
+                   dbias != nullptr ? &dbf : nullptr);
     StoreRounded(dyf, dx);
     if (narrow) {
       StoreRounded(dwf, dweight);

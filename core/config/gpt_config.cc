@@ -115,7 +115,6 @@ Status ParseChoice(const json& value, const std::string& where,
   return Status::Error(where, fmt::format("must be {}, got {}", allowed, DescribeJson(value)));
 }
 
-const std::vector<std::string_view> kNormalizations = {"LayerNorm", "RMSNorm"};
 const std::vector<std::string_view> kPositionEmbeddings = {"learned_absolute", "rope"};
 const std::vector<std::string_view> kDropoutModes = {"global", "rng_tracker"};
 const std::vector<std::string_view> kCpCommTypes = {"p2p", "all_gather", "a2a", "a2a+p2p"};
@@ -217,7 +216,6 @@ Status ResolveMoe(const json& section, const std::optional<int64_t>& moe_ffn,
 
 }  // namespace
 
-const char* NormalizationName(Normalization n) { return kNormalizations[static_cast<size_t>(n)].data(); }
 const char* PositionEmbeddingName(PositionEmbedding p) {
   return kPositionEmbeddings[static_cast<size_t>(p)].data();
 }
@@ -282,7 +280,7 @@ Status ParseGptSection(const json& section, GptConfig* out) {
     } else if (key == "num_query_groups") {
       MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &groups));
     } else if (key == "normalization") {
-      MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, kNormalizations, &gpt.normalization));
+      MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, NormalizationNames(), &gpt.normalization));
     } else if (key == "layernorm_epsilon") {
       MPUSIM_RETURN_IF_ERROR(ParsePositive(value, where, &gpt.layernorm_epsilon));
     } else if (key == "activation") {
@@ -578,7 +576,7 @@ std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_voc
   };
   const auto norm = [&](const std::string& prefix) {
     add(prefix + ".weight", {h}, ones, -1, 1, true);
-    if (gpt.normalization == Normalization::kLayerNorm) add(prefix + ".bias", {h}, zeros, -1, 1, true);
+    if (IsCentered(gpt.normalization)) add(prefix + ".bias", {h}, zeros, -1, 1, true);
   };
   add("embedding.word_embeddings.weight", {padded_vocab_size, h}, normal, 0);
   if (gpt.has_position_embeddings()) {
@@ -600,7 +598,7 @@ std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_voc
       for (const char* which : {".self_attention.q_layernorm", ".self_attention.k_layernorm"}) {
         const std::string prefix = layer + which;
         params.push_back(GptParameter{prefix + ".weight", {gpt.kv_channels}, ones, -1, 1, true});
-        if (gpt.normalization == Normalization::kLayerNorm) {
+        if (IsCentered(gpt.normalization)) {
           params.push_back(GptParameter{prefix + ".bias", {gpt.kv_channels}, zeros, -1, 1, true});
         }
       }

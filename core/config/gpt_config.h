@@ -68,6 +68,7 @@
 
 #include "core/init.h"
 #include "core/ops/activation.h"  // Activation, ActivationName, IsGated
+#include "core/ops/norm.h"        // Normalization, NormalizationName, IsCentered
 #include "core/status.h"
 #include "core/tensor.h"
 
@@ -76,7 +77,6 @@ namespace mpusim {
 struct ParallelConfig;
 struct RunConfig;
 
-enum class Normalization : uint8_t { kLayerNorm, kRMSNorm };
 enum class PositionEmbedding : uint8_t { kLearnedAbsolute, kRope };
 // How dropout masks are drawn (core/dropout.h).
 enum class DropoutMode : uint8_t {
@@ -180,7 +180,6 @@ struct GptConfig {
   }
 };
 
-const char* NormalizationName(Normalization n);            // "LayerNorm", "RMSNorm"
 const char* PositionEmbeddingName(PositionEmbedding p);    // "learned_absolute", "rope"
 const char* DropoutModeName(DropoutMode m);                // "global", "rng_tracker"
 const char* CpCommTypeName(CpCommType c);  // "p2p", "all_gather", "a2a", "a2a+p2p"

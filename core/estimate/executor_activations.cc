@@ -39,7 +39,7 @@ StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(
   const double f1 = static_cast<double>(g.Fc1Rows()) / t;
   const double f = static_cast<double>(g.ffn_hidden_size) / t;
   const double vocab = static_cast<double>(g.PaddedVocabSize(sz.tp)) / t;
-  const double stats = g.normalization == Normalization::kLayerNorm ? 2 : 1;  // mean, rstd
+  const double stats = IsCentered(g.normalization) ? 2 : 1;  // mean and rstd, or rstd
   const bool hidden_dropout = g.hidden_dropout > 0, attention_dropout = g.attention_dropout > 0;
   const bool qk_norm = g.qk_layernorm;
   const bool ring = sz.cp > 1 && (g.cp_comm_type == CpCommType::kP2p ||

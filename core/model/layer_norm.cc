@@ -1,4 +1,4 @@
-// LayerNorm / RMSNorm (see layer_norm.h).
+// The norms of the residual stream (see layer_norm.h).
 #include "core/model/layer_norm.h"
 
 namespace mpusim {
@@ -9,24 +9,19 @@ Tensor Norm::Forward(const ModuleContext& ctx, const Tensor& x, Stash* stash) co
   stash->input = x;
   stash->rstd = k.Empty({x.rows()}, stats);
   Tensor y = k.Empty(x.shape(), x.dtype());
-  if (kind_ == Normalization::kLayerNorm) {
-    stash->mean = k.Empty({x.rows()}, stats);
-    k.LayerNormForward(x, weight_->value, bias_->value, eps_, y, stash->mean, stash->rstd);
-  } else {
-    k.RMSNormForward(x, weight_->value, eps_, y, stash->rstd);
-  }
+  const bool centered = IsCentered(kind_);
+  if (centered) stash->mean = k.Empty({x.rows()}, stats);
+  k.NormForward(kind_, x, weight_->value, centered ? &bias_->value : nullptr, eps_, y,
+                centered ? &stash->mean : nullptr, stash->rstd);
   return y;
 }
 
 Tensor Norm::Backward(const ModuleContext& ctx, const Tensor& dy, const Stash& stash) const {
   Kernels& k = ctx.k;
   Tensor dx = k.Empty(dy.shape(), dy.dtype());
-  if (kind_ == Normalization::kLayerNorm) {
-    k.LayerNormBackward(stash.input, weight_->value, stash.mean, stash.rstd, dy, dx, weight_->grad,
-                        bias_->grad);
-  } else {
-    k.RMSNormBackward(stash.input, weight_->value, stash.rstd, dy, dx, weight_->grad);
-  }
+  const bool centered = IsCentered(kind_);
+  k.NormBackward(kind_, stash.input, weight_->value, centered ? &stash.mean : nullptr,
+                 stash.rstd, dy, dx, weight_->grad, centered ? &bias_->grad : nullptr);
   return dx;
 }
 

@@ -17,12 +17,12 @@ namespace mpusim {
 
 class Norm {
  public:
-  // `bias` is null for RMSNorm.
+  // `bias` is null for a norm that is not centered (core/ops/norm.h).
   Norm(Normalization kind, double eps, Parameter* weight, Parameter* bias)
       : kind_(kind), eps_(eps), weight_(weight), bias_(bias) {}
   struct Stash {
     Tensor input;  // [R_l, h]
-    Tensor mean;   // [R_l] compute dtype (LayerNorm)
+    Tensor mean;   // [R_l] compute dtype (a centered norm)
     Tensor rstd;   // [R_l] compute dtype
   };
   Tensor Forward(const ModuleContext& ctx, const Tensor& x, Stash* stash) const;

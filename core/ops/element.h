@@ -33,7 +33,7 @@ MPUSIM_HD inline S Store(ComputeOf<S> v) {
 // with libm on the host and CUDA's math library on the device (both within an ulp or two;
 // the backends may differ in the last bits). The CPU backend passes a math whose V is a
 // block of elements and whose functions are Eigen's vectorised array functions
-// (sim/eigen_kernels.cc), so that one formula serves an element and a block.
+// (BlockMath, sim/eigen_views.h), so that one formula serves an element and a block.
 struct ScalarMath {
   template <typename C>
   using Value = C;

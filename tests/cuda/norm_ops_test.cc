@@ -38,7 +38,8 @@ TEST(CudaNormOps, HostStatisticsAreRefused) {
   const Tensor w = k.ToDevice(MakeOf(DType::kFloat32, {3}, {1, 2, 3}));
   Tensor y = k.Zeros({2, 3}, DType::kFloat32);
   Tensor host_rstd = Tensor::HostZeros({2}, DType::kFloat32);
-  EXPECT_THROW(k.RMSNormForward(x, w, 1e-5, y, host_rstd), std::invalid_argument);
+  EXPECT_THROW(k.NormForward(Normalization::kRMSNorm, x, w, nullptr, 1e-5, y, nullptr, host_rstd),
+               std::invalid_argument);
 }
 
 }  // namespace

@@ -36,8 +36,8 @@
 
 #include <fmt/format.h>
 
-#include "core/config/gpt_config.h"  // Normalization, NormalizationName
 #include "core/kernels.h"
+#include "core/ops/norm.h"  // Normalization, NormalizationName, IsCentered
 #include "core/philox.h"
 #include "core/tensor.h"
 #include "tests/kernel_test_util.h"
@@ -186,23 +186,31 @@ inline Backward ReferenceBackward(const std::vector<double>& x, const std::vecto
   return ref;
 }
 
-// The row's forward and backward on a backend (b and db unused for RMSNorm).
+// Every norm of core/ops/norm.h has a row, which says the same of its centering.
+inline void CheckEveryNormHasARow() {
+  for (int i = 0; i < kNormalizationCount; ++i) {
+    const auto kind = static_cast<Normalization>(i);
+    int found = 0;
+    for (const Row& row : Rows()) {
+      if (row.kind != kind) continue;
+      ++found;
+      EXPECT_EQ(row.centered, IsCentered(kind)) << NormalizationName(kind);
+    }
+    EXPECT_EQ(found, 1) << NormalizationName(kind) << " needs one row in tests/ops/norm_ops.h";
+  }
+}
+
+// The row's forward and backward on a backend (b, mean and db unused when not centered).
 inline void RunForward(Kernels& k, const Row& row, const Tensor& x, const Tensor& w,
                        const Tensor& b, double eps, Tensor& y, Tensor& mean, Tensor& rstd) {
-  if (row.centered) {
-    k.LayerNormForward(x, w, b, eps, y, mean, rstd);
-  } else {
-    k.RMSNormForward(x, w, eps, y, rstd);
-  }
+  k.NormForward(row.kind, x, w, row.centered ? &b : nullptr, eps, y,
+                row.centered ? &mean : nullptr, rstd);
 }
 inline void RunBackward(Kernels& k, const Row& row, const Tensor& x, const Tensor& w,
                         const Tensor& mean, const Tensor& rstd, const Tensor& dy, Tensor& dx,
                         Tensor& dw, Tensor& db) {
-  if (row.centered) {
-    k.LayerNormBackward(x, w, mean, rstd, dy, dx, dw, db);
-  } else {
-    k.RMSNormBackward(x, w, rstd, dy, dx, dw);
-  }
+  k.NormBackward(row.kind, x, w, row.centered ? &mean : nullptr, rstd, dy, dx, dw,
+                 row.centered ? &db : nullptr);
 }
 
 // The accumulator dtypes of a dtype's dweight and dbias: its own, and float32 for 16-bit.
@@ -287,33 +295,54 @@ inline void CheckArgumentRules(Kernels& k, DType dt) {
   const std::string name(DTypeName(dt));
   Tensor y = k.Zeros({n, h}, dt);
   Tensor mean = k.Zeros({n}, stats), rstd = k.Zeros({n}, stats);
+  constexpr Normalization kCentered = Normalization::kLayerNorm;
+  constexpr Normalization kUncentered = Normalization::kRMSNorm;
   Tensor wrong_stats = k.Zeros({n}, other);
-  EXPECT_THROW(k.LayerNormForward(x, w, b, eps, y, wrong_stats, rstd), std::invalid_argument)
+  EXPECT_THROW(k.NormForward(kCentered, x, w, &b, eps, y, &wrong_stats, rstd),
+               std::invalid_argument)
       << name << ": statistics not in the compute dtype";
-  EXPECT_THROW(k.LayerNormForward(x, k.Zeros({h - 1}, dt), b, eps, y, mean, rstd),
+  EXPECT_THROW(k.NormForward(kCentered, x, k.Zeros({h - 1}, dt), &b, eps, y, &mean, rstd),
                std::invalid_argument)
       << name << ": a weight of h - 1";
-  EXPECT_THROW(k.LayerNormForward(x, w, b, -1.0, y, mean, rstd), std::invalid_argument)
+  EXPECT_THROW(k.NormForward(kCentered, x, w, &b, -1.0, y, &mean, rstd), std::invalid_argument)
       << name << ": eps < 0";
+  EXPECT_THROW(k.NormForward(kCentered, x, w, nullptr, eps, y, &mean, rstd),
+               std::invalid_argument)
+      << name << ": a centered norm without a bias";
+  EXPECT_THROW(k.NormForward(kUncentered, x, w, nullptr, eps, y, &mean, rstd),
+               std::invalid_argument)
+      << name << ": an uncentered norm with a mean";
   Tensor short_rstd = k.Zeros({n - 1}, stats);
-  EXPECT_THROW(k.RMSNormForward(x, w, eps, y, short_rstd), std::invalid_argument)
+  EXPECT_THROW(k.NormForward(kUncentered, x, w, nullptr, eps, y, nullptr, short_rstd),
+               std::invalid_argument)
       << name << ": rstd of n - 1";
   Tensor no_cols = k.Zeros({n, 0}, dt);
-  EXPECT_THROW(k.RMSNormForward(no_cols, k.Zeros({0}, dt), eps, no_cols, rstd),
-               std::invalid_argument)
+  EXPECT_THROW(
+      k.NormForward(kUncentered, no_cols, k.Zeros({0}, dt), nullptr, eps, no_cols, nullptr, rstd),
+      std::invalid_argument)
       << name << ": no columns";
 
-  k.LayerNormForward(x, w, b, eps, y, mean, rstd);
+  k.NormForward(kCentered, x, w, &b, eps, y, &mean, rstd);
   Tensor dx = k.Zeros({n, h}, dt), dw = k.Zeros({h}, dt), db = k.Zeros({h}, dt);
   Tensor dw_other = k.Zeros({h}, other);
-  EXPECT_THROW(k.LayerNormBackward(x, w, mean, rstd, y, dx, dw_other, db), std::invalid_argument)
+  EXPECT_THROW(k.NormBackward(kCentered, x, w, &mean, rstd, y, dx, dw_other, &db),
+               std::invalid_argument)
       << name << ": an accumulator in neither dtype";
-  EXPECT_THROW(k.LayerNormBackward(x, w, mean, rstd, y, dx, dw, dw), std::invalid_argument)
+  EXPECT_THROW(k.NormBackward(kCentered, x, w, &mean, rstd, y, dx, dw, &dw),
+               std::invalid_argument)
       << name << ": dweight and dbias share storage";
   Tensor wide = k.Zeros({n, h}, dt);
-  EXPECT_THROW(k.LayerNormBackward(x, w, mean, rstd, y, dx, dw, wide), std::invalid_argument)
+  EXPECT_THROW(k.NormBackward(kCentered, x, w, &mean, rstd, y, dx, dw, &wide),
+               std::invalid_argument)
       << name << ": dbias [n, h]";
-  EXPECT_THROW(k.RMSNormBackward(x, w, rstd, y, dx, dw_other), std::invalid_argument)
+  EXPECT_THROW(k.NormBackward(kCentered, x, w, &mean, rstd, y, dx, dw, nullptr),
+               std::invalid_argument)
+      << name << ": a centered norm without a dbias";
+  EXPECT_THROW(k.NormBackward(kUncentered, x, w, nullptr, rstd, y, dx, dw, &db),
+               std::invalid_argument)
+      << name << ": an uncentered norm with a dbias";
+  EXPECT_THROW(k.NormBackward(kUncentered, x, w, nullptr, rstd, y, dx, dw_other, nullptr),
+               std::invalid_argument)
       << name << ": an accumulator in neither dtype";
 }
 

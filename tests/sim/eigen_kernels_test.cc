@@ -1243,12 +1243,10 @@ TEST(EigenKernelsModelFloat64, NormBackwardsMatchFiniteDifferences) {
       Tensor y = k.Zeros({n, h}, DType::kFloat64);
       Tensor mean = k.Zeros({n}, DType::kFloat64);
       Tensor rstd = k.Zeros({n}, DType::kFloat64);
-      if (layer_norm) {
-        k.LayerNormForward(Make<double>({n, h}, x), Make<double>({h}, w), Make<double>({h}, b),
-                           eps, y, mean, rstd);
-      } else {
-        k.RMSNormForward(Make<double>({n, h}, x), Make<double>({h}, w), eps, y, rstd);
-      }
+      const Tensor bias = Make<double>({h}, b);
+      k.NormForward(layer_norm ? Normalization::kLayerNorm : Normalization::kRMSNorm,
+                    Make<double>({n, h}, x), Make<double>({h}, w), layer_norm ? &bias : nullptr,
+                    eps, y, layer_norm ? &mean : nullptr, rstd);
       double l = 0;
       const std::vector<double> yv = ValuesOf(y);
       for (size_t e = 0; e < yv.size(); ++e) l += cv[e] * yv[e];
@@ -1279,13 +1277,14 @@ TEST(EigenKernelsModelFloat64, NormBackwardsMatchFiniteDifferences) {
     const Tensor c = Make<double>({n, h}, cv);
     if (layer_norm) {
       Tensor db = k.Zeros({h}, DType::kFloat64);
-      k.LayerNormForward(x, w, Make<double>({h}, bv), eps, y, mean, rstd);
-      k.LayerNormBackward(x, w, mean, rstd, c, dx, dw, db);
+      const Tensor b = Make<double>({h}, bv);
+      k.NormForward(Normalization::kLayerNorm, x, w, &b, eps, y, &mean, rstd);
+      k.NormBackward(Normalization::kLayerNorm, x, w, &mean, rstd, c, dx, dw, &db);
       EXPECT_TRUE(TensorsNear("dbias vs finite differences", ValuesOf(db), central(2), 1e-6,
                               1e-6));
     } else {
-      k.RMSNormForward(x, w, eps, y, rstd);
-      k.RMSNormBackward(x, w, rstd, c, dx, dw);
+      k.NormForward(Normalization::kRMSNorm, x, w, nullptr, eps, y, nullptr, rstd);
+      k.NormBackward(Normalization::kRMSNorm, x, w, nullptr, rstd, c, dx, dw, nullptr);
     }
     EXPECT_TRUE(TensorsNear("dx vs finite differences", ValuesOf(dx), fd_dx, 1e-6, 1e-6));
     EXPECT_TRUE(TensorsNear("dweight vs finite differences", ValuesOf(dw), fd_dw, 1e-6, 1e-6));

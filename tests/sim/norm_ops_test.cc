@@ -9,6 +9,8 @@
 namespace mpusim {
 namespace {
 
+TEST(NormOps, EveryNormHasARow) { norm_ops::CheckEveryNormHasARow(); }
+
 TEST(NormOps, EigenEveryDtype) {
   EigenKernels k;
   for (DType dt : {DType::kFloat64, DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
