@@ -1,5 +1,5 @@
 // CudaKernels: the GPU backend's Kernels, on CUDA device memory with cuBLAS and the kernels
-// of device_kernels.cu.
+// of cuda/kernels/ (device_kernels.h).
 //
 // What it is: every Kernels operation (core/kernels.h) for float64, float32, bfloat16 and
 // float16 tensors, with int64 ids and labels, on the current CUDA device, with the semantics

@@ -1,8 +1,6 @@
-// What the GPU backend's two kernel files share (device_kernels.cu: the elementwise ops,
-// copies, RoPE, embedding, the optimizer; device_reduce_kernels.cu: the row reductions): the
-// launch shape, the loads and stores, the block-wide reduction, and the storage and
-// accumulator types every launcher is instantiated for. CUDA code: only the .cu files
-// include it.
+// What the GPU backend's kernel files (cuda/kernels/<op>.cu, one op each) share: the launch
+// shape, the loads and stores, the block-wide reductions, and the storage and accumulator
+// types every launcher is instantiated for. CUDA code: only the .cu files include it.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -36,6 +34,12 @@ struct SumOp {
   template <typename T>
   __device__ T operator()(T a, T b) const {
     return a + b;
+  }
+};
+struct MaxOp {
+  template <typename T>
+  __device__ T operator()(T a, T b) const {
+    return b > a ? b : a;
   }
 };
 

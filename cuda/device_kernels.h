@@ -1,7 +1,8 @@
 // Device kernels of the GPU backend, behind plain host-callable launchers.
 //
-// What it is: one launcher per CUDA kernel (device_kernels.cu; the row reductions in
-// device_reduce_kernels.cu), instantiated for the storage types T = double, float, BFloat16
+// What it is: one launcher per CUDA kernel (in cuda/kernels/<op>.cu, one file per op:
+// algebra, activation, dropout, norm, softmax, rope, topk, embedding, cross_entropy,
+// optimizer, strided_copy), instantiated for the storage types T = double, float, BFloat16
 // and Float16 (core/half.h). Each takes raw device pointers, sizes and the stream, enqueues
 // the kernel and checks cudaGetLastError. Every formula is written in the same order as the
 // CPU reference (sim/eigen_kernels.cc, sim/eigen_reduce_kernels.cc) and the .cu files are

@@ -1,0 +1,76 @@
+// The GPU backend's optimizer: core/optimizer_update.h's element update (the CPU's too), one
+// thread per element, and the gradient norm's sum of squares in a fixed order.
+//
+// One op per file (STYLE.md): its kernels, behind the launchers that device_kernels.h
+// declares, instantiated for every storage type. What the kernel files share (the launch
+// shape, loads and stores, BlockReduce, the instantiation lists) is cuda/device_common.cuh.
+#include "cuda/device_kernels.h"
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/optimizer_update.h"
+#include "cuda/cuda_check.h"
+#include "cuda/device_common.cuh"
+
+namespace mpusim::cuda {
+namespace {
+
+template <typename G, typename M, typename P>
+__global__ void OptimizerStepKernel(OptimizerUpdate update, const G* grad, M* master, M* state1,
+                                    M* state2, P* param, int64_t n) {
+  for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
+    update.Apply(grad, master, state1, state2, param, e);
+  }
+}
+
+template <typename T>
+__global__ void SumOfSquaresKernel(const T* x, int64_t n, double* out) {
+  __shared__ double buf[kBlock];
+  double sum = 0;
+  for (int64_t e = threadIdx.x; e < n; e += kBlock) {
+    const double value = static_cast<double>(x[e]);
+    sum += value * value;
+  }
+  const double total = BlockReduce(sum, buf, [](double a, double b) { return a + b; });
+  if (threadIdx.x == 0) out[0] += total;
+}
+
+}  // namespace
+
+template <typename G, typename M, typename P>
+void LaunchOptimizerStep(const OptimizerUpdate& update, const G* grad, M* master, M* state1,
+                         M* state2, P* param, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  OptimizerStepKernel<G, M, P><<<GridFor(n), kBlock, 0, stream>>>(update, grad, master, state1,
+                                                                   state2, param, n);
+  MPUSIM_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+void LaunchSumOfSquares(const T* x, int64_t n, double* out, cudaStream_t stream) {
+  if (n <= 0) return;
+  SumOfSquaresKernel<T><<<1, kBlock, 0, stream>>>(x, n, out);
+  MPUSIM_CUDA_CHECK(cudaGetLastError());
+}
+
+// The optimizer: gradient type G and master type M (float or double), parameter type P.
+#define MPUSIM_INSTANTIATE_OPTIMIZER(G, M, P)                                                   \
+  template void LaunchOptimizerStep<G, M, P>(const OptimizerUpdate&, const G*, M*, M*, M*, P*, \
+                                             int64_t, cudaStream_t);
+#define MPUSIM_INSTANTIATE_OPTIMIZER_PARAMS(G, M)  \
+  MPUSIM_INSTANTIATE_OPTIMIZER(G, M, double)       \
+  MPUSIM_INSTANTIATE_OPTIMIZER(G, M, float)        \
+  MPUSIM_INSTANTIATE_OPTIMIZER(G, M, BFloat16)     \
+  MPUSIM_INSTANTIATE_OPTIMIZER(G, M, Float16)
+MPUSIM_INSTANTIATE_OPTIMIZER_PARAMS(float, float)
+MPUSIM_INSTANTIATE_OPTIMIZER_PARAMS(float, double)
+MPUSIM_INSTANTIATE_OPTIMIZER_PARAMS(double, float)
+MPUSIM_INSTANTIATE_OPTIMIZER_PARAMS(double, double)
+template void LaunchSumOfSquares<float>(const float*, int64_t, double*, cudaStream_t);
+template void LaunchSumOfSquares<double>(const double*, int64_t, double*, cudaStream_t);
+#undef MPUSIM_INSTANTIATE_OPTIMIZER_PARAMS
+#undef MPUSIM_INSTANTIATE_OPTIMIZER
+
+}  // namespace mpusim::cuda
