@@ -41,7 +41,7 @@ void AddFlags(std::span<const Field<Section>> fields, const char* section,
         break;
     }
     const std::string where =
-        std::string_view(section) == "parallel" ? "" : fmt::format("{}.{}, ", section, f.key);
+        std::string_view(section) == "parallel" ? "" : fmt::format("{}.{}: ", section, f.key);
     flag.help = fmt::format("{}{}{}", flag.type == FlagType::kBool ? "true or false: " : "",
                             where, f.help);
     flags->push_back(std::move(flag));
@@ -53,6 +53,15 @@ const std::vector<ConfigFlag>& AllConfigFlags() {
     std::vector<ConfigFlag> flags;
     AddFlags(ParallelFields(), "parallel", &flags);
     AddFlags(OptimizerFields(), "optimizer", &flags);
+    return flags;
+  }();
+  return kFlags;
+}
+
+const std::vector<ConfigFlag>& AllRunFlags() {
+  static const std::vector<ConfigFlag> kFlags = [] {
+    std::vector<ConfigFlag> flags;
+    AddFlags(RunFields(), "run", &flags);
     return flags;
   }();
   return kFlags;
@@ -71,6 +80,7 @@ StatusOr<int64_t> ParseInteger(const std::string& text, const std::string& flag)
 }  // namespace
 
 std::span<const ConfigFlag> ConfigFlags() { return AllConfigFlags(); }
+std::span<const ConfigFlag> RunFlags() { return AllRunFlags(); }
 
 std::string LongName(const std::string& flag) { return flag.substr(0, flag.find(',')); }
 
@@ -78,7 +88,8 @@ StatusOr<nlohmann::json> FlagValue(const ConfigFlag& f, const std::string& text)
   const std::string flag = LongName(f.flag);
   switch (f.type) {
     case FlagType::kString:
-      return nlohmann::json(text);
+      // "none" (or "null") is the key's null: --recompute none.
+      return text == "none" || text == "null" ? nlohmann::json(nullptr) : nlohmann::json(text);
     case FlagType::kBool:
       if (text != "true" && text != "false") {
         return Status::Error(flag, fmt::format("must be true or false, got '{}'", text));
@@ -103,9 +114,10 @@ StatusOr<nlohmann::json> FlagValue(const ConfigFlag& f, const std::string& text)
 }
 
 std::string FlagGroup(const ConfigFlag& f) {
-  return std::string_view(f.section) == "parallel"
-             ? "Layout flags (set or override parallel keys)"
-             : "Optimizer flags (set or override optimizer keys)";
+  const std::string_view section = f.section;
+  return section == "parallel" ? "Layout flags (set or override parallel keys)"
+         : section == "run"    ? "Run flags (set or override run keys)"
+                               : "Optimizer flags (set or override optimizer keys)";
 }
 
 std::string FlagTypeName(const ConfigFlag& f) {
@@ -152,7 +164,8 @@ StatusOr<Config> ConfigOptions::Resolve() {
       document[section][f.key] = value;
     }
   }
-  if (path_.empty() && flag_of_key_.count(std::string(ParallelKey(&ParallelConfig::world_size))) == 0) {
+  const std::string world_size(ParallelKey(&ParallelConfig::world_size));
+  if (path_.empty() && flag_of_key_.count(world_size) == 0) {
     return Status::Error("CONFIG", "give a config file, or --world-size with quick flags (e.g. "
                                    "mpusim layout --world-size 16 --tp 2 --pp 4)");
   }

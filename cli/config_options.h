@@ -36,6 +36,10 @@ struct ConfigFlag {
   std::string section = "parallel";  // or "optimizer" (which the config must have)
 };
 std::span<const ConfigFlag> ConfigFlags();
+// The `run` section's flags (--seq-length, --micro-batch-size, --recompute, ...), from its
+// table the same way: `mpusim run` takes them as overrides. (estimate and advise take flags of
+// these names with their own defaults: a batch to price, a search.)
+std::span<const ConfigFlag> RunFlags();
 // "--world-size" of "--world-size,-n".
 std::string LongName(const std::string& flag);
 // The JSON value `text` gives `f`'s key, or an error naming the flag ("--tp: must be an

@@ -29,8 +29,8 @@ struct OverrideFlag {
   const char* help;
   std::vector<std::string> choices = {};  // a string value, one of these; empty: an integer
 };
-// The model's and the run's keys `run` overrides; the layout's and the optimizer's are the
-// quick flags every layout command takes (cli/config_options.h ConfigFlags).
+// The model's keys `run` overrides; the layout's, the optimizer's and the run's are their
+// tables' flags (cli/config_options.h ConfigFlags, RunFlags).
 const OverrideFlag kOverrides[] = {
     {"--cp-comm-type", "model.cp_comm_type",
      "override model.cp_comm_type (context parallelism): p2p, all_gather, a2a or a2a+p2p",
@@ -38,12 +38,6 @@ const OverrideFlag kOverrides[] = {
     {"--moe-token-dispatcher", "model.moe_token_dispatcher_type",
      "override model.moe_token_dispatcher_type (mixture of experts): allgather or alltoall",
      {"allgather", "alltoall"}},
-    {"--dtype", "run.dtype", "override run.dtype: float64, float32, bfloat16 or float16",
-     {"float64", "float32", "bfloat16", "float16"}},
-    {"--seed", "run.seed", "override run.seed"},
-    {"--micro-batch-size", "run.micro_batch_size", "override run.micro_batch_size"},
-    {"--train-iters", "run.train_iters", "override run.train_iters"},
-    {"--num-microbatches", "run.num_microbatches", "override run.num_microbatches"},
 };
 
 class RunCommand : public Command {
@@ -102,7 +96,9 @@ class RunCommand : public Command {
                             },
                             ""));
     }
-    for (const ConfigFlag& f : ConfigFlags()) {
+    std::vector<ConfigFlag> flags(ConfigFlags().begin(), ConfigFlags().end());
+    flags.insert(flags.end(), RunFlags().begin(), RunFlags().end());
+    for (const ConfigFlag& f : flags) {
       const std::string flag = LongName(f.flag);
       const std::string key = std::string(f.section) + "." + f.key;
       app_->add_option_function<std::string>(

@@ -31,6 +31,13 @@ TEST(ConfigFlagsTest, EveryLayoutCommandTakesEveryFlag) {
     }
     EXPECT_NE(help.out.find("-n,--world-size"), std::string::npos) << command;
   }
+  // run also takes the run section's flags, from the same declarations.
+  const Result run_help = Mpusim({"run", "--help"});
+  for (const ConfigFlag& f : RunFlags()) {
+    EXPECT_NE(run_help.out.find(LongName(f.flag) + " "), std::string::npos)
+        << "run lacks " << LongName(f.flag);
+  }
+  EXPECT_GE(RunFlags().size(), 8u);
   EXPECT_NE(Mpusim({"sweep", "--help"}).out.find("-n,--world-size"), std::string::npos);
   EXPECT_NE(Mpusim({"advise", "--help"}).out.find("-n,--world-size"), std::string::npos);
 }
@@ -77,6 +84,20 @@ TEST(ConfigFlagsTest, RunTakesTheSameFlags) {
       << output;
   EXPECT_EQ(Shell(run + lab + " --hcp 2,x", &output), 2);
   EXPECT_NE(output.find("--hcp: must be an integer, got 'x'"), std::string::npos) << output;
+  // The run section's flags: the key's own rule, named by the flag.
+  EXPECT_EQ(Shell(run + lab + " --seq-length 0", &output), 2);
+  EXPECT_NE(output.find("error: command line: --seq-length: run.seq_length: must be an integer "
+                        ">= 1, got 0"),
+            std::string::npos)
+      << output;
+  EXPECT_EQ(Shell(run + lab + " --dtype float8", &output), 2);
+  EXPECT_NE(output.find("error: command line: --dtype: run.dtype: must be \"float32\", "
+                        "\"float64\", \"bfloat16\" or \"float16\", got string \"float8\""),
+            std::string::npos)
+      << output;
+  // --recompute none is the key's null; a chain takes it (it recomputes nothing anyway).
+  std::string none;
+  ASSERT_EQ(Shell(run + lab + " --recompute none --seed 7", &none), 0) << none;
 }
 
 }  // namespace
