@@ -75,6 +75,9 @@ struct Field {
   NumberRule number_rule = NumberRule::kPositive;  // numbers
   bool Section::*given = nullptr;  // set when the key is in the section (not defaulted)
   FieldEffect effect = FieldEffect::kSection;
+  // Non-empty: the key has no default, and this says what to give ("the number of ranks, e.g.
+  // \"world_size\": 16"); CheckRequired refuses a section without it.
+  std::string_view required = {};
 
   FieldKind kind() const {
     switch (target.index()) {
@@ -170,6 +173,19 @@ nlohmann::json Field<Section>::Echo(const Section& section) const {
     nlohmann::json operator()(double Section::*m) const { return section.*m; }
   };
   return std::visit(Visitor{section}, target);
+}
+
+// The first required key of `fields` that `section` lacks: "<prefix>.<key>: is required
+// (<what to give>)".
+template <typename Section>
+Status CheckRequired(std::span<const Field<Section>> fields, const nlohmann::json& section,
+                     std::string_view prefix) {
+  for (const Field<Section>& f : fields) {
+    if (f.required.empty() || section.contains(f.key)) continue;
+    return Status::Error(std::string(prefix) + "." + std::string(f.key),
+                         "is required (" + std::string(f.required) + ")");
+  }
+  return {};
 }
 
 // The table's keys, in its (documentation) order.

@@ -515,7 +515,11 @@ constexpr RunField kRunFields[] = {
      .help = "storage dtype: float64, float32, bfloat16 or float16",
      .flag = "--dtype",
      .effect = FieldEffect::kPrecision},
-    {"seq_length", &RunConfig::seq_length, "tokens per sample", "--seq-length"},
+    {.key = "seq_length",
+     .target = &RunConfig::seq_length,
+     .help = "tokens per sample",
+     .flag = "--seq-length",
+     .required = "tokens per sample, e.g. \"seq_length\": 8"},
     {.key = "micro_batch_size",
      .target = &RunConfig::micro_batch_size,
      .help = "samples per micro-batch",
@@ -635,10 +639,7 @@ Status ParseRunSection(const json& section, RunConfig* out) {
     if (field == nullptr) return UnknownKey(where, key, RunConfigKeys());
     MPUSIM_RETURN_IF_ERROR(field->Parse(value, where, &run));
   }
-  if (!section.contains("seq_length")) {
-    return Status::Error(prefix + ".seq_length",
-                         "is required (tokens per sample, e.g. \"seq_length\": 8)");
-  }
+  MPUSIM_RETURN_IF_ERROR(CheckRequired(RunFields(), section, prefix));
   *out = run;
   return {};
 }

@@ -42,7 +42,10 @@ constexpr OptimizerField kFields[] = {
            return json(c.kind == OptimizerConfig::Kind::kAdam ? "adam" : "sgd");
          }},
      "adam (AdamW) or sgd"},
-    {"lr", &OptimizerConfig::lr, "the peak learning rate"},
+    {.key = "lr",
+     .target = &OptimizerConfig::lr,
+     .help = "the peak learning rate",
+     .required = "the peak learning rate, e.g. \"lr\": 1e-3"},
     {"min_lr", &OptimizerConfig::min_lr, "the learning rate the decay ends at", {}, 1,
      NumberRule::kNonNegative},
     {"lr_decay_style",
@@ -130,9 +133,7 @@ Status ParseOptimizerSection(const nlohmann::json& section, OptimizerConfig* out
                          "needs overlap_grad_reduce true (Megatron: \"Must use "
                          "--overlap-param-gather with --overlap-grad-reduce\")");
   }
-  if (!section.contains("lr")) {
-    return Status::Error(prefix + ".lr", "is required (the peak learning rate, e.g. \"lr\": 1e-3)");
-  }
+  MPUSIM_RETURN_IF_ERROR(CheckRequired(OptimizerFields(), section, prefix));
   if (c.min_lr > c.lr) {
     return Status::Error(prefix + ".min_lr", fmt::format("{} is above lr {}", c.min_lr, c.lr));
   }

@@ -55,8 +55,11 @@ using ParallelField = Field<ParallelConfig>;
 
 // The section's keys, in documentation order.
 constexpr ParallelField kFields[] = {
-    {"world_size", &ParallelConfig::world_size, "number of ranks (GPUs) the layout covers",
-     "--world-size,-n"},
+    {.key = "world_size",
+     .target = &ParallelConfig::world_size,
+     .help = "number of ranks (GPUs) the layout covers",
+     .flag = "--world-size,-n",
+     .required = "the number of ranks, e.g. \"world_size\": 16"},
     {"gpus_per_node", &ParallelConfig::gpus_per_node, "GPUs per node for the node map (default 8)",
      "--gpus-per-node"},
     {"tensor_model_parallel_size", &ParallelConfig::tensor_model_parallel_size,
@@ -349,10 +352,7 @@ Status ParseParallelSection(const json& section, std::string_view path, Parallel
     return Status::Error(prefix + ".delay_wgrad_compute",
                          "needs overlap_moe_expert_parallel_comm true (Megatron's rule)");
   }
-  if (!section.contains("world_size")) {
-    return Status::Error(prefix + ".world_size",
-                         "is required (the number of ranks, e.g. \"world_size\": 16)");
-  }
+  MPUSIM_RETURN_IF_ERROR(CheckRequired(ParallelFields(), section, prefix));
   *out = std::move(config);
   return {};
 }

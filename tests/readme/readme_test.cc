@@ -24,8 +24,11 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include "core/config/parallel_config.h"
 
 namespace {
 
@@ -155,6 +158,31 @@ TEST(ReadmeTranscripts, EveryCommandPrintsWhatTheReadmeShows) {
   }
   std::cout << fmt::format("{} README commands run and compared, {} blocks marked skip\n",
                            transcripts.size(), skipped);
+}
+
+// The README's `parallel` key table is the section's field table: every key, in the table's
+// order, with its default (the echo of a default section; "required" for a key without
+// one). A key added to the table without a row, or a default changed in one place only,
+// fails here.
+TEST(ReadmeKeyTables, TheParallelTableIsTheFieldTable) {
+  const std::vector<std::string> lines = ReadLines(std::string(MPUSIM_SOURCE_DIR) + "/README.md");
+  size_t at = 0;
+  while (at < lines.size() && lines[at].rfind("| `parallel` key | default |", 0) != 0) ++at;
+  ASSERT_LT(at, lines.size()) << "README.md has no `parallel` key table";
+  std::vector<std::pair<std::string, std::string>> rows;  // key, default's first word
+  for (size_t i = at + 2; i < lines.size() && lines[i].rfind("| `", 0) == 0; ++i) {
+    static const std::regex row(R"(^\| `([a-z0-9_]+)` \| `?([^ |`]+))");
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(lines[i], m, row)) << "README.md:" << i + 1 << ": " << lines[i];
+    rows.emplace_back(m[1], m[2]);
+  }
+  const mpusim::ParallelConfig defaults;
+  std::vector<std::pair<std::string, std::string>> expected;
+  for (const auto& f : mpusim::ParallelFields()) {
+    expected.emplace_back(std::string(f.key),
+                          f.required.empty() ? f.Echo(defaults).dump() : "required");
+  }
+  EXPECT_EQ(rows, expected);
 }
 
 // docs/labs.md's commands run as written: every code span that is a command (`build/cli/mpusim
