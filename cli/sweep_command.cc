@@ -39,6 +39,7 @@
 #include "core/config/config.h"
 #include "core/config/gpt_config.h"
 #include "core/dump/safetensors.h"
+#include "core/layout_space.h"
 #include "core/model/model.h"
 #include "core/schedule.h"
 #include "core/topology.h"
@@ -50,23 +51,6 @@ using nlohmann::json;
 
 constexpr int kExitOk = 0;
 constexpr int kExitFailed = 1;
-
-struct Layout {
-  int64_t tp = 1, pp = 1, vp = 0, dp = 1;
-  bool sp = false;
-  bool dist_opt = false;  // optimizer.use_distributed_optimizer
-  int64_t cp = 1;
-  int64_t ep = 1;   // expert_model_parallel_size, carved out of dp x cp
-  int64_t etp = 0;  // expert_tensor_parallel_size; 0: tp's (the default)
-  std::string Name() const {
-    return fmt::format("tp {}{} pp {}{} dp {}{}{}{}{}", tp,
-                       cp > 1 ? fmt::format(" cp {}", cp) : "", pp,
-                       vp > 0 ? fmt::format(" vp {}", vp) : "", dp,
-                       ep > 1 ? fmt::format(" ep {}", ep) : "",
-                       etp > 0 ? fmt::format(" etp {}", etp) : "", sp ? " sp" : "",
-                       dist_opt ? " dist-opt" : "");
-  }
-};
 
 // Why `document` cannot run, or "".
 std::string LayoutProblem(const json& document) {
@@ -226,69 +210,40 @@ class SweepCommand final : public Command {
   }
 
  private:
-  // `base` with the parallel section of layout `l`.
-  json Document(const json& base, const Layout& l) const {
+  // `base` with layout `l` written in (its parallel section, the distributed optimizer, and
+  // the micro-batch size that keeps B samples per micro-batch where dp divides B).
+  json Document(const json& base, Layout l) const {
     json document = base;
-    using P = ParallelConfig;
-    const auto key = [](std::string_view k) { return std::string(k); };
-    document["parallel"] = {{key(ParallelKey(&P::world_size)), world_size_},
-                            {key(ParallelKey(&P::tensor_model_parallel_size)), l.tp},
-                            {key(ParallelKey(&P::pipeline_model_parallel_size)), l.pp},
-                            {key(ParallelKey(&P::sequence_parallel)), l.sp}};
-    if (l.cp > 1) document["parallel"][key(ParallelKey(&P::context_parallel_size))] = l.cp;
-    if (l.ep > 1) document["parallel"]["expert_model_parallel_size"] = l.ep;
-    if (l.etp > 0) document["parallel"]["expert_tensor_parallel_size"] = l.etp;
-    if (l.vp > 0) document["parallel"]["virtual_pipeline_model_parallel_size"] = l.vp;
-    if (document.contains("optimizer")) {
-      document["optimizer"]["use_distributed_optimizer"] = l.dist_opt;
-    }
-    if (l.dp > 0 && samples_ % l.dp == 0) document["run"][key(RunKey(&RunConfig::micro_batch_size))] = samples_ / l.dp;
+    l.micro_batch_size = l.dp > 0 && samples_ % l.dp == 0 ? samples_ / l.dp : 0;
+    WriteLayout(l, world_size_, &document);
     return document;
   }
 
-  // Every tp x cp x pp (x vp 2) x dp layout of world_size_ ranks (cp > 1 with `gpt` only),
-  // with and without sequence parallelism and the distributed optimizer (with
-  // `has_optimizer` and dp x cp > 1), and for a model with `experts` every ep dividing dp x cp
-  // and the experts, each also with whole experts (etp 1) where tp > 1: those the model
-  // accepts into `layouts`, the others into `skipped` with the reason.
+  // The layout space (core/layout_space.h) of world_size_ ranks as the sweep searches it:
+  // every tp x cp x pp (x vp 2) x dp (cp > 1 with `gpt` only), with and without sequence
+  // parallelism and the distributed optimizer (with `has_optimizer` and dp x cp > 1), and for
+  // a model with `experts` every ep dividing dp x cp and the experts, each also with whole
+  // experts (etp 1) where tp > 1: those the model accepts into `layouts`, the others into
+  // `skipped` with the reason.
   void ListLayouts(const json& base, bool has_optimizer, bool gpt, int64_t experts,
                    std::vector<Layout>* layouts_out, std::vector<std::string>* skipped_out) const {
-    std::vector<Layout>& layouts = *layouts_out;
-    std::vector<std::string>& skipped = *skipped_out;
-    for (int64_t tp = 1; tp <= world_size_; ++tp) {
-      if (world_size_ % tp != 0) continue;
-      for (int64_t cp = 1; cp <= (gpt ? world_size_ / tp : 1); ++cp) {
-        if ((world_size_ / tp) % cp != 0) continue;
-        for (int64_t pp = 1; pp <= world_size_ / (tp * cp); ++pp) {
-          if ((world_size_ / (tp * cp)) % pp != 0) continue;
-          for (int64_t vp : {int64_t{0}, int64_t{2}}) {
-            if (vp > 0 && pp == 1) continue;
-            for (const auto& [sp, dist_opt] : {std::pair{false, false}, std::pair{false, true},
-                                               std::pair{true, false}, std::pair{true, true}}) {
-              if (sp && tp == 1) continue;
-              // The distributed optimizer shards over dp x cp, and needs an optimizer.
-              if (dist_opt && (!has_optimizer || world_size_ / (tp * pp) == 1)) continue;
-              const int64_t dp_cp = world_size_ / (tp * pp);
-              for (int64_t ep = 1; ep <= (experts > 0 ? dp_cp : 1); ++ep) {
-                if (dp_cp % ep != 0 || (ep > 1 && experts % ep != 0)) continue;
-                for (int64_t etp : {int64_t{0}, int64_t{1}}) {
-                  if (etp == 1 && (experts == 0 || tp == 1)) continue;
-                  Layout l{tp, pp, vp, world_size_ / (tp * cp * pp), sp, dist_opt, cp, ep, etp};
-                  const std::string problem =
-                      samples_ % l.dp != 0
-                          ? fmt::format("{} samples per micro-batch do not split over dp {}",
-                                        samples_, l.dp)
-                          : LayoutProblem(Document(base, l));
-                  if (problem.empty()) {
-                    layouts.push_back(l);
-                  } else {
-                    skipped.push_back(fmt::format("{}: {}", l.Name(), problem));
-                  }
-                }
-              }
-            }
-          }
-        }
+    LayoutSpace space;
+    space.world_size = world_size_;
+    space.max_cp = gpt ? 0 : 1;
+    space.virtual_pipeline = LayoutSpace::VirtualPipeline::kTwo;
+    space.has_optimizer = has_optimizer;
+    space.distributed_optimizer_needs_sharding = true;
+    space.num_experts = experts;
+    space.whole_experts = true;
+    for (const Layout& l : EnumerateLayouts(space)) {
+      const std::string problem =
+          samples_ % l.dp != 0
+              ? fmt::format("{} samples per micro-batch do not split over dp {}", samples_, l.dp)
+              : LayoutProblem(Document(base, l));
+      if (problem.empty()) {
+        layouts_out->push_back(l);
+      } else {
+        skipped_out->push_back(fmt::format("{}: {}", l.Name(), problem));
       }
     }
   }
