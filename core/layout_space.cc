@@ -53,6 +53,7 @@ bool DistributedOptimizerAllowed(const LayoutSpace& space, const Layout& l) {
 // With the micro-batch axis: mbs divides global batch / dp, and the interleaved schedule needs
 // a number of micro-batches that pp divides (Megatron's rule).
 bool MicroBatchAllowed(const LayoutSpace& space, const Layout& l) {
+  if (l.micro_batch_size < 1) return false;
   if (space.global_batch_size % (l.micro_batch_size * l.dp) != 0) return false;
   const int64_t m = space.global_batch_size / (l.micro_batch_size * l.dp);
   return l.vp == 0 || m % l.pp == 0;
@@ -104,7 +105,7 @@ std::vector<Layout> EnumerateLayouts(const LayoutSpace& space) {
               if (distributed && !DistributedOptimizerAllowed(space, l)) continue;
               for (int64_t mbs : mbs_list) {
                 l.micro_batch_size = mbs;
-                if (mbs > 0 && !MicroBatchAllowed(space, l)) continue;
+                if (space.global_batch_size > 0 && !MicroBatchAllowed(space, l)) continue;
                 for (int64_t ep : eps) {
                   l.ep = ep;
                   for (const std::optional<RunConfig::Recompute>& recompute : recomputes) {

@@ -7,7 +7,6 @@
 #include <functional>
 #include <map>
 #include <mutex>
-#include <numeric>
 #include <thread>
 #include <optional>
 #include <tuple>
@@ -17,21 +16,12 @@
 #include "core/estimate/activation_estimate.h"
 #include "core/estimate/memory_estimate.h"
 #include "core/estimate/memory_reserve.h"
+#include "core/layout_space.h"
 #include "core/schedule.h"
 #include "core/topology.h"
 
 namespace mpusim {
 namespace {
-
-// Every (a, b) of the two lists, a's order first.
-template <typename A, typename B>
-std::vector<std::pair<A, B>> Pairs(const std::vector<A>& as, const std::vector<B>& bs) {
-  std::vector<std::pair<A, B>> out;
-  for (const A& a : as) {
-    for (const B& b : bs) out.emplace_back(a, b);
-  }
-  return out;
-}
 
 // Calls f(0) .. f(n - 1) on up to one thread per core, each index once; an exception from any
 // call is rethrown here after every thread has stopped.
@@ -189,68 +179,53 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
     const PipelineSchedule* schedule;
   };
   std::vector<Candidate> candidates;
-  for (int64_t tp : DivisorsOf(n)) {
-    // Within a node, tp divides the node (a group never straddles two).
-    if (tp > max_tp || (tp <= config.parallel.gpus_per_node &&
-                        config.parallel.gpus_per_node % tp != 0)) {
-      continue;
-    }
-    for (int64_t cp : DivisorsOf(n / tp)) {
-      if (options.max_cp > 0 && cp > options.max_cp) continue;
-      for (int64_t pp : DivisorsOf(n / (tp * cp))) {
-        if (model.num_layers % pp != 0) continue;
-        const int64_t dp = n / (tp * cp * pp);
-        // Expert parallelism from dp x cp: every ep dividing it and the experts, that is
-        // every divisor of their gcd (O(sqrt) trials, not one per number up to dp x cp).
-        const std::vector<int64_t> eps =
-            model.moe.enabled() ? DivisorsOf(std::gcd(dp * cp, model.moe.num_experts))
-                                : std::vector<int64_t>{1};
-        // Virtual stages: every v >= 2 dividing the layers of a stage.
-        std::vector<int64_t> vps = {0};
-        if (options.virtual_pipeline && pp > 1) {
-          for (int64_t v : DivisorsOf(model.num_layers / pp)) {
-            if (v >= 2) vps.push_back(v);
-          }
-        }
-        for (int64_t vp : vps) {
-          for (bool sp : options.sequence_parallel) {
-            if (sp && tp == 1) continue;
-            for (bool distributed : options.distributed_optimizer) {
-              if (distributed && !config.optimizer) continue;
-              for (int64_t mbs : options.micro_batch_sizes) {
-                if (batch % (mbs * dp) != 0) continue;
-                const int64_t m = batch / (mbs * dp);
-                if (vp > 0 && m % pp != 0) continue;  // Megatron's interleaved rule
-                for (const auto& [ep, recompute] : Pairs(eps, options.recompute)) {
-                  AdvisedLayout layout{tp,  pp,        vp, dp,          cp, ep,
-                                       mbs, recompute, sp, distributed, {}};
-                  // The overlap options wherever Megatron allows them.
-                  layout.overlap_grad_reduce = options.overlap_grad_reduce && config.optimizer;
-                  layout.overlap_param_gather = options.overlap_param_gather &&
-                                                layout.overlap_grad_reduce && distributed;
-                  layout.tp_comm_overlap = options.tp_comm_overlap && sp && tp > 1;
-                  layout.overlap_moe_expert_parallel_comm =
-                      options.overlap_moe_expert_parallel_comm && ep > 1 &&
-                      (pp == 1 || vp > 0) && recompute != RunConfig::Recompute::kFull &&
-                      model.moe.token_dispatcher == MoeDispatcher::kAllToAll &&
-                      (base_run.dtype == DType::kBFloat16 || base_run.dtype == DType::kFloat16);
-                  layout.delay_wgrad_compute =
-                      layout.overlap_moe_expert_parallel_comm && options.delay_wgrad_compute;
-                  const std::optional<Config> c = configure(layout);
-                  if (!c) continue;
-                  const Topology* topology = topology_of(*c, layout);
-                  if (topology == nullptr) continue;
-                  HeldSlot* slot = held_slot(*c, *topology, layout);
-                  const PipelineSchedule* schedule = schedule_of(layout);
-                  if (schedule == nullptr) continue;
-                  candidates.push_back({layout, topology, slot, nullptr, schedule});
-                }
-              }
-            }
-          }
-        }
-      }
-    }
+  // The layouts advise searches (core/layout_space.h), in the space's order: tp, cp, pp, vp,
+  // sequence parallelism, the distributed optimizer, the micro-batch size, ep, recomputation.
+  LayoutSpace space;
+  space.world_size = n;
+  space.max_tp = max_tp;
+  space.gpus_per_node = config.parallel.gpus_per_node;
+  space.max_cp = options.max_cp;
+  space.num_layers = model.num_layers;
+  space.virtual_pipeline = options.virtual_pipeline
+                               ? LayoutSpace::VirtualPipeline::kDividingStageLayers
+                               : LayoutSpace::VirtualPipeline::kNone;
+  space.sequence_parallel = options.sequence_parallel;
+  space.distributed_optimizer = options.distributed_optimizer;
+  space.has_optimizer = config.optimizer.has_value();
+  space.global_batch_size = batch;
+  space.micro_batch_sizes = options.micro_batch_sizes;
+  space.num_experts = model.moe.enabled() ? model.moe.num_experts : 0;
+  space.recompute = options.recompute;
+  // An empty recompute list searches nothing (in the space it would mean "not searched").
+  const std::vector<Layout> layouts =
+      options.recompute.empty() ? std::vector<Layout>{} : EnumerateLayouts(space);
+  for (const Layout& l : layouts) {
+    const int64_t tp = l.tp, pp = l.pp, vp = l.vp, ep = l.ep;
+    const bool sp = l.sequence_parallel, distributed = l.distributed_optimizer;
+    const RunConfig::Recompute recompute = *l.recompute;
+    AdvisedLayout layout{tp, pp, vp, l.dp, l.cp, ep, l.micro_batch_size, recompute, sp,
+                         distributed, {}};
+    // The overlap options wherever Megatron allows them.
+    layout.overlap_grad_reduce = options.overlap_grad_reduce && config.optimizer;
+    layout.overlap_param_gather =
+        options.overlap_param_gather && layout.overlap_grad_reduce && distributed;
+    layout.tp_comm_overlap = options.tp_comm_overlap && sp && tp > 1;
+    layout.overlap_moe_expert_parallel_comm =
+        options.overlap_moe_expert_parallel_comm && ep > 1 && (pp == 1 || vp > 0) &&
+        recompute != RunConfig::Recompute::kFull &&
+        model.moe.token_dispatcher == MoeDispatcher::kAllToAll &&
+        (base_run.dtype == DType::kBFloat16 || base_run.dtype == DType::kFloat16);
+    layout.delay_wgrad_compute =
+        layout.overlap_moe_expert_parallel_comm && options.delay_wgrad_compute;
+    const std::optional<Config> c = configure(layout);
+    if (!c) continue;
+    const Topology* topology = topology_of(*c, layout);
+    if (topology == nullptr) continue;
+    HeldSlot* slot = held_slot(*c, *topology, layout);
+    const PipelineSchedule* schedule = schedule_of(layout);
+    if (schedule == nullptr) continue;
+    candidates.push_back({layout, topology, slot, nullptr, schedule});
   }
   std::vector<HeldSlot*> slots;
   for (auto& [key, slot] : held) slots.push_back(&slot);

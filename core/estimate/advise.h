@@ -1,7 +1,8 @@
 // Every layout of a model on N GPUs that the estimates can judge, ranked by predicted
 // throughput: `mpusim advise`.
 //
-// The search: tensor-parallel size t (a divisor of N, at most the GPUs of a node by default,
+// The search, in the layout space (core/layout_space.h) with advise's candidates and caps:
+// tensor-parallel size t (a divisor of N, at most the GPUs of a node by default,
 // dividing the node's GPU count, the heads and the query groups), context-parallel size c
 // (dividing N / t, at most max_cp, 2c dividing the sequence; the model's cp_comm_type),
 // pipeline size p (dividing N / (t c) and the layers), the virtual pipeline size v (none, or
