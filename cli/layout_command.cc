@@ -4,9 +4,11 @@
 #include <fmt/ranges.h>
 
 #include <nlohmann/json.hpp>
+#include <algorithm>
 #include <ostream>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cli/cli.h"
@@ -16,6 +18,7 @@
 #include "cli/layout_report.h"
 #include "core/estimate/time_estimate.h"
 #include "core/html.h"
+#include "core/layout_space.h"
 #include "core/topology.h"
 
 namespace mpusim::cli {
@@ -166,31 +169,37 @@ class LayoutCommand : public Command {
     };
     std::vector<Row> rows;
     int64_t refused = 0;
-    // Ascending divisors: the rows come in order of tp, pp, cp.
-    for (const int64_t tp : DivisorsOf(n)) {
-      for (const int64_t pp : DivisorsOf(n / tp)) {
-        for (const int64_t cp : DivisorsOf(n / (tp * pp))) {
-          ParallelConfig c = base->config.parallel;
-          c.tensor_model_parallel_size = tp;
-          c.pipeline_model_parallel_size = pp;
-          c.context_parallel_size = cp;
-          c.expert_tensor_parallel_size = std::nullopt;
-          c.virtual_pipeline_model_parallel_size = std::nullopt;
-          c.microbatch_group_size_per_vp_stage = std::nullopt;
-          c.hierarchical_context_parallel_sizes.clear();
-          StatusOr<Topology> t = Topology::Create(c);
-          if (!t.ok()) {
-            ++refused;
-            continue;
-          }
-          // AnyGroupSpansNodes is O(axes): most rows (every one whose tp groups fit their
-          // nodes) skip the count.
-          const size_t tp_kind = *t->FindKind("tp");
-          rows.push_back({tp, pp, cp, n / (tp * pp * cp),
-                          t->AnyGroupSpansNodes(tp_kind) ? t->NumGroupsSpanningNodes(tp_kind)
-                                                         : 0});
-        }
+    // The layout space's tp x cp x pp points (core/layout_space.h; no sequence parallelism,
+    // distributed optimizer, experts or interleaving: the planner's view), each judged by
+    // Topology with the config's other keys, in order of tp, pp, cp.
+    LayoutSpace space;
+    space.world_size = n;
+    space.sequence_parallel = {false};
+    space.distributed_optimizer = {false};
+    std::vector<mpusim::Layout> layouts = EnumerateLayouts(space);
+    std::sort(layouts.begin(), layouts.end(),
+              [](const mpusim::Layout& a, const mpusim::Layout& b) {
+                return std::tie(a.tp, a.pp, a.cp) < std::tie(b.tp, b.pp, b.cp);
+              });
+    for (const mpusim::Layout& l : layouts) {
+      ParallelConfig c = base->config.parallel;
+      c.tensor_model_parallel_size = l.tp;
+      c.pipeline_model_parallel_size = l.pp;
+      c.context_parallel_size = l.cp;
+      c.expert_tensor_parallel_size = std::nullopt;
+      c.virtual_pipeline_model_parallel_size = std::nullopt;
+      c.microbatch_group_size_per_vp_stage = std::nullopt;
+      c.hierarchical_context_parallel_sizes.clear();
+      StatusOr<Topology> t = Topology::Create(c);
+      if (!t.ok()) {
+        ++refused;
+        continue;
       }
+      // AnyGroupSpansNodes is O(axes): most rows (every one whose tp groups fit their nodes)
+      // skip the count.
+      const size_t tp_kind = *t->FindKind("tp");
+      rows.push_back({l.tp, l.pp, l.cp, l.dp,
+                      t->AnyGroupSpansNodes(tp_kind) ? t->NumGroupsSpanningNodes(tp_kind) : 0});
     }
     if (format_ == "json") {
       nlohmann::ordered_json j = {
