@@ -21,13 +21,13 @@
 //               forward's FLOPs); each at the GPU's attention_efficiency_forward / _backward
 //               times L / (L + L_half), L the keys a query tile visits (L_half 105 forward, 374
 //               backward: the curve through cuDNN's measured 512- and 16k-position points,
-//               time_estimate.cc), so small blocks run slower;
+//               layer_cost.cc), so small blocks run slower;
 //   tp          the layer's collectives (two per forward, two per backward, two more per
 //               recomputed forward: all-reduces, or reduce-scatter + all-gather with sequence
 //               parallelism; the same bytes per rank), ring algorithm, not overlapped with
 //               compute (Megatron's default); with parallel.tp_comm_overlap each all-gather or
 //               reduce-scatter beside the GEMM Transformer Engine's userbuffers pair it with
-//               (TpOverlapOf in time_estimate.cc: QKV/fc1 forward and the projection's/fc2's
+//               (TpOverlapOf in comm_overlap.cc: QKV/fc1 forward and the projection's/fc2's
 //               dgrad in tp chunks, the projection/fc2 forward in 4, the QKV's/fc1's wgrad in
 //               bulk), only its exposed part in the step;
 //   cp          each rank computes s / cp tokens (its queries against every key); per layer
