@@ -1,7 +1,8 @@
 // What `mpusim estimate` finds for a config on a layout, and its three renderings: text, JSON
 // (the schema in the README) and an HTML section, which the estimate's own page and the
 // layout page (`mpusim layout --format html`) both show. Everything here formats what
-// core/estimate counts; `mpusim advise`'s page draws its bars with the same helpers.
+// core/estimate counts (estimate_report.cc; the renderings estimate_text.cc, estimate_json.cc,
+// estimate_html.cc); `mpusim advise`'s page draws its bars with the same page kit (report_page.h).
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -10,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/report_page.h"  // the page kit, which the estimate's HTML uses
 #include "core/config/config.h"
 #include "core/estimate/activation_estimate.h"
 #include "core/estimate/executor_activations.h"
@@ -73,35 +75,11 @@ void PrintEstimateHtmlSection(const EstimateReport& report, const Topology& topo
 void PrintEstimateHtml(const EstimateReport& report, const Topology& topology,
                        const std::string& source, std::ostream& out);
 
-// The CSS of the report sections (bars, tables, legend), for the pages that hold them.
-extern const char* const kReportStyle;
-
-// One horizontal bar made of coloured parts, with its label and a tooltip per part.
-struct BarPart {
-  double value = 0;
-  std::string tooltip;
-};
-struct Bar {
-  std::string label;
-  std::vector<BarPart> parts;  // in the order of the legend's names
-};
 // The parts of a step's time as bars draw them: compute, recompute, tp collectives, pp sends,
 // bubble, dp gradient reduction, optimizer, with `cp` context parallelism's exchanges and with
 // `ep` the mixture-of-experts layers' token exchanges.
 std::vector<std::string> TimePartNames(bool cp, bool ep);
 Bar TimeBar(const std::string& label, const TimeEstimate& time, bool cp, bool ep);
-
-// A self-contained report page's head (inline style: the body's and kReportStyle) up to its
-// <h1>`title`</h1>, and its end.
-void PrintReportPageStart(const std::string& title, std::ostream& out);
-void PrintReportPageEnd(std::ostream& out);
-
-// Bars as an inline SVG, all on one scale, parts coloured in turn from one palette, with a
-// legend of `names` above them. A `limit` > 0 (the GPU's memory) up to twice the largest
-// bar is drawn as a red line named `limit_name` and the scale reaches it; a larger one is
-// only named in the legend, with the largest bar's share of it.
-void PrintBarsSvg(const std::vector<std::string>& names, const std::vector<Bar>& bars,
-                  double limit, const std::string& limit_name, std::ostream& out);
 
 // "tp 2 · pp 2 · dp 2": the axes of the layout larger than 1 (all 1: "one rank").
 std::string LayoutText(const DerivedSizes& sizes);
