@@ -1,6 +1,7 @@
 // Rendering of a planned layout: text (in the style of the Megatron MPU lab), JSON
-// (schema_version 1) and a node-by-GPU picture, plus one rank's coordinates and groups.
-// Everything here only formats what core/topology computes.
+// (schema_version 1), a node-by-GPU picture and an HTML page, plus one rank's coordinates and
+// groups. Everything here only formats what core/topology computes (layout_report.cc: text,
+// picture, rank; layout_json.cc; layout_html.cc; the schedule's SVG is schedule_svg.h).
 #pragma once
 
 #include <cstdint>
@@ -8,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/schedule_svg.h"  // PrintScheduleSvg, which the page draws with
 #include "core/schedule.h"
 #include "core/topology.h"
 
@@ -33,6 +35,8 @@ inline constexpr int64_t kMaxListedRanks = int64_t{1} << 20;
 std::vector<std::string> NodeWarnings(const Topology& topology);
 // The same for the groups of one rank only (O(axes)), for worlds of any size.
 std::vector<std::string> RankNodeWarnings(const Topology& topology, int64_t rank);
+// The nodes the layout's ranks occupy (rank r on node r / gpus_per_node).
+int64_t NumNodes(const Topology& topology);
 
 void PrintLayoutText(const Topology& topology, const LayoutReportOptions& options,
                      std::ostream& out);
@@ -51,13 +55,6 @@ void PrintLayoutPicture(const Topology& topology, std::ostream& out);
 void PrintLayoutHtml(const Topology& topology, const LayoutReportOptions& options,
                      const PipelineSchedule* schedule, const std::string& estimate,
                      std::ostream& out);
-
-// The schedule on an idealised machine (TimeSchedule with `forward` and `backward` time units)
-// as SVG: a row per pipeline rank, a box per step at its time, coloured by micro-batch,
-// lighter for later chunks, a tooltip naming each box; the gaps are the bubble. `standalone`:
-// a file of its own (with the SVG namespace), else an element inside an HTML page.
-void PrintScheduleSvg(const PipelineSchedule& schedule, double forward, double backward,
-                      bool standalone, std::ostream& out);
 
 void PrintRankText(const Topology& topology, int64_t rank, const LayoutReportOptions& options,
                    std::ostream& out);
