@@ -25,24 +25,10 @@ void AddFlags(std::span<const Field<Section>> fields, const char* section,
     flag.flag = std::string(f.flag);
     flag.key = std::string(f.key);
     flag.section = section;
-    switch (f.kind()) {
-      case FieldKind::kInt:
-        flag.type = FlagType::kInt;
-        break;
-      case FieldKind::kBool:
-        flag.type = FlagType::kBool;
-        break;
-      case FieldKind::kIntList:
-        flag.type = FlagType::kIntList;
-        break;
-      case FieldKind::kText:
-      case FieldKind::kNumber:
-        flag.type = FlagType::kString;
-        break;
-    }
+    flag.type = f.kind();
     const std::string where =
         std::string_view(section) == "parallel" ? "" : fmt::format("{}.{}: ", section, f.key);
-    flag.help = fmt::format("{}{}{}", flag.type == FlagType::kBool ? "true or false: " : "",
+    flag.help = fmt::format("{}{}{}", flag.type == FieldKind::kBool ? "true or false: " : "",
                             where, f.help);
     flags->push_back(std::move(flag));
   }
@@ -87,20 +73,20 @@ std::string LongName(const std::string& flag) { return flag.substr(0, flag.find(
 StatusOr<nlohmann::json> FlagValue(const ConfigFlag& f, const std::string& text) {
   const std::string flag = LongName(f.flag);
   switch (f.type) {
-    case FlagType::kString:
+    case FieldKind::kText:
       // "none" (or "null") is the key's null: --recompute none.
       return text == "none" || text == "null" ? nlohmann::json(nullptr) : nlohmann::json(text);
-    case FlagType::kBool:
+    case FieldKind::kBool:
       if (text != "true" && text != "false") {
         return Status::Error(flag, fmt::format("must be true or false, got '{}'", text));
       }
       return nlohmann::json(text == "true");
-    case FlagType::kInt: {
+    case FieldKind::kInt: {
       StatusOr<int64_t> parsed = ParseInteger(text, flag);
       if (!parsed.ok()) return parsed.status();
       return nlohmann::json(*parsed);
     }
-    case FlagType::kIntList: {
+    case FieldKind::kIntList: {
       nlohmann::json value = nlohmann::json::array();
       for (const std::string& item : SplitCommaList(text)) {
         StatusOr<int64_t> parsed = ParseInteger(item, flag);
@@ -108,6 +94,15 @@ StatusOr<nlohmann::json> FlagValue(const ConfigFlag& f, const std::string& text)
         value.push_back(*parsed);
       }
       return value;
+    }
+    case FieldKind::kNumber: {
+      double value = 0;
+      const char* end = text.data() + text.size();
+      const auto [ptr, ec] = std::from_chars(text.data(), end, value);
+      if (ec != std::errc() || ptr != end) {
+        return Status::Error(flag, fmt::format("must be a number, got '{}'", text));
+      }
+      return nlohmann::json(value);
     }
   }
   return Status::Error(flag, "unknown flag type");
@@ -121,10 +116,11 @@ std::string FlagGroup(const ConfigFlag& f) {
 }
 
 std::string FlagTypeName(const ConfigFlag& f) {
-  return f.type == FlagType::kInt       ? "INT"
-         : f.type == FlagType::kIntList ? "INT,INT,..."
-         : f.type == FlagType::kBool    ? "BOOL"
-                                        : "TEXT";
+  return f.type == FieldKind::kInt       ? "INT"
+         : f.type == FieldKind::kIntList ? "INT,INT,..."
+         : f.type == FieldKind::kBool    ? "BOOL"
+         : f.type == FieldKind::kNumber  ? "NUMBER"
+                                         : "TEXT";
 }
 
 void ConfigOptions::Register(CLI::App* app) {

@@ -27,11 +27,10 @@ namespace mpusim::cli {
 // key's declaration (core/config/field_table.h: every field that names a flag). The commands
 // that read a layout (ConfigOptions below) and `mpusim run` (its overrides) take every one of
 // them under the same name.
-enum class FlagType { kInt, kString, kIntList, kBool };
 struct ConfigFlag {
   std::string flag;  // "--world-size,-n": the long name, then any short one
   std::string key;   // the key it sets, in `section`
-  FlagType type = FlagType::kInt;
+  FieldKind type = FieldKind::kInt;  // what its text is read as: the key's kind
   std::string help;
   std::string section = "parallel";  // or "optimizer" (which the config must have)
 };

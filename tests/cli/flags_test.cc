@@ -42,6 +42,22 @@ TEST(ConfigFlagsTest, EveryLayoutCommandTakesEveryFlag) {
   EXPECT_NE(Mpusim({"advise", "--help"}).out.find("-n,--world-size"), std::string::npos);
 }
 
+// A flag's text is read as its key's kind; a number key's flag gives a JSON number (none has
+// a flag yet: this keeps one from arriving as a string).
+TEST(ConfigFlagsTest, FlagTextIsReadAsTheKeysKind) {
+  ConfigFlag number;
+  number.flag = "--lr";
+  number.type = FieldKind::kNumber;
+  ASSERT_TRUE(FlagValue(number, "1.5e-3").ok());
+  EXPECT_EQ(*FlagValue(number, "1.5e-3"), nlohmann::json(1.5e-3));
+  EXPECT_EQ(FlagValue(number, "x").status().Message(), "--lr: must be a number, got 'x'");
+  ConfigFlag text;
+  text.flag = "--recompute";
+  text.type = FieldKind::kText;
+  EXPECT_EQ(*FlagValue(text, "none"), nlohmann::json(nullptr));
+  EXPECT_EQ(*FlagValue(text, "full"), nlohmann::json("full"));
+}
+
 // estimate takes --distributed-optimizer (advise searches it; estimate sets it).
 TEST(ConfigFlagsTest, EstimateTakesTheDistributedOptimizer) {
   const std::string config = Sample("gpt3_175b_t8_p16_n1024.json");
