@@ -1,9 +1,9 @@
 // Options shared by the subcommands that read a parallel layout: a CONFIG file and/or quick
 // flags (`--tp 2 --pp 4 --world-size 16`) that set or override `parallel` keys.
 //
-// One table (kConfigFlags in config_options.cc, ConfigFlags below) maps each flag to its JSON
-// key, so the help text, the parser and the error messages cannot drift apart, and `mpusim
-// run` takes the same flags.
+// Each flag comes from its key's declaration (core/config/field_table.h; ConfigFlags and
+// RunFlags below), so the help text, the parser and the error messages cannot drift apart, and
+// `mpusim run` takes the same flags.
 #pragma once
 
 #include <iosfwd>
