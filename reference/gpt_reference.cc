@@ -195,15 +195,16 @@ struct SliceRun {
   const Dims& d;
   ModelParams& params;
   std::vector<std::string> order;  // recorded activations, forward order
-  std::map<std::string, GptReferenceTensor> recorded;
+  std::map<std::string, ReferenceTensor> recorded;
   double loss_sum = 0.0;  // this slice's per-token losses, all micro-batches
   double moe_aux = 0.0;   // the MoE layers' auxiliary objective, all micro-batches
   MoeLayout moe_layout;
 
   void Record(bool record, const std::string& name, Kind kind, const Mat& value) {
     if (!record) return;
-    GptReferenceTensor t;
+    ReferenceTensor t;
     t.name = name;
+    t.layout = ReferenceTensor::Layout::kSamples;
     switch (kind) {
       case Kind::kHidden:
         t.full_shape = {d.s, d.B, value.cols()};
@@ -438,11 +439,27 @@ extern "C" void openblas_set_num_threads(int num_threads);
 
 }  // namespace
 
-const GptReferenceTensor* GptReferenceResult::Find(std::string_view name) const {
-  for (const GptReferenceTensor& t : tensors) {
-    if (t.name == name) return &t;
-  }
-  return nullptr;
+ErrorBudget GptErrorBudget(const GptConfig& gpt, const RunConfig& run, int64_t t, int64_t d,
+                           int64_t padded_vocab) {
+  const double L = static_cast<double>(gpt.num_layers);
+  const double s = static_cast<double>(run.seq_length);
+  const double tokens = static_cast<double>(run.num_microbatches * run.seq_length *
+                                            run.micro_batch_size * d);
+  // Roundings: a stored value carries at most u of relative error, but most of a layer's
+  // stored values (qkv, scores, probabilities, context, fc1, activation) feed the residual
+  // stream through GEMMs that average their errors; calibrated as 4 independent roundings
+  // per layer, forward and backward (bench/tolerance_margins.py's rule: the largest error on
+  // every test layout stays under a fifth of its allowance). Terms: the reductions of the
+  // layer's GEMMs and norms, forward and backward.
+  const double per_layer_terms =
+      static_cast<double>(gpt.hidden_size) * 4 +
+      static_cast<double>(gpt.num_attention_heads * gpt.kv_channels) * 2 + s * 2 +
+      static_cast<double>(gpt.ffn_hidden_size) * 2;
+  ErrorBudget budget;
+  budget.roundings = 4 * (L + 2);
+  budget.terms = per_layer_terms * (L + 1) + static_cast<double>(padded_vocab) * 2 + tokens +
+                 static_cast<double>(t + d);
+  return budget;
 }
 
 int64_t GptReferenceSamples(const ParallelConfig& parallel, const RunConfig& run) {
@@ -567,9 +584,9 @@ Status PlanTrackerDraws(const GptConfig& gpt, const ParallelConfig& parallel, co
 
 }  // namespace
 
-StatusOr<GptReferenceResult> RunGptReference(const GptConfig& gpt_in,
-                                             const ParallelConfig& parallel, const RunConfig& run,
-                                             const GptReferenceOptions& options) {
+StatusOr<ReferenceResult> RunGptReference(const GptConfig& gpt_in,
+                                          const ParallelConfig& parallel, const RunConfig& run,
+                                          const GptReferenceOptions& options) {
 #if defined(MPUSIM_HAVE_OPENBLAS)
   openblas_set_num_threads(1);
 #endif
@@ -598,13 +615,13 @@ StatusOr<GptReferenceResult> RunGptReference(const GptConfig& gpt_in,
   if (gpt.dropout_mode == DropoutMode::kRngTracker) {
     MPUSIM_RETURN_IF_ERROR(PlanTrackerDraws(gpt, parallel, run, &d));
   }
-  const int64_t sample_end = options.sample_end < 0 ? d.B : options.sample_end;
-  if (options.sample_begin < 0 || options.sample_begin > sample_end || sample_end > d.B) {
+  const int64_t sample_end = options.slice.end < 0 ? d.B : options.slice.end;
+  if (options.slice.begin < 0 || options.slice.begin > sample_end || sample_end > d.B) {
     return Status::Error("reference slice", fmt::format("samples [{}, {}) are not inside [0, {})",
-                                                        options.sample_begin, sample_end, d.B));
+                                                        options.slice.begin, sample_end, d.B));
   }
-  d.sample_begin = options.sample_begin;
-  d.n = sample_end - options.sample_begin;
+  d.sample_begin = options.slice.begin;
+  d.n = sample_end - options.slice.begin;
   MPUSIM_RETURN_IF_ERROR(CheckTokenLists(options.tokens, "tokens", d));
   MPUSIM_RETURN_IF_ERROR(CheckTokenLists(options.labels, "labels", d));
 
@@ -633,14 +650,21 @@ StatusOr<GptReferenceResult> RunGptReference(const GptConfig& gpt_in,
                      options.labels.empty() ? drawn.labels : options.labels[um], m + 1 == d.M);
   }
 
-  GptReferenceResult result;
-  result.sample_begin = d.sample_begin;
-  result.sample_end = sample_end;
+  ReferenceResult result;
+  result.units = d.B;
+  result.slice_begin = d.sample_begin;
+  result.slice_end = sample_end;
+  result.has_loss = true;
   result.loss = slice.loss_sum / static_cast<double>(d.M * d.s * d.B);
   result.moe_aux_objective = slice.moe_aux;
+  // Every tensor but the token ids is charged the budget of the model's longest path.
+  const ErrorBudget budget =
+      GptErrorBudget(gpt, run, t, d.B / run.micro_batch_size, d.Vp);
   auto take = [&](const std::string& name) {
     auto it = slice.recorded.find(name);
-    if (it != slice.recorded.end()) result.tensors.push_back(std::move(it->second));
+    if (it == slice.recorded.end()) return;
+    if (name != "tokens" && name != "labels") it->second.budget = budget;
+    result.tensors.push_back(std::move(it->second));
   };
   take("tokens");
   take("labels");
@@ -648,14 +672,24 @@ StatusOr<GptReferenceResult> RunGptReference(const GptConfig& gpt_in,
     take(name);
     take(name + "_grad");
   }
+  const auto whole = [&](std::string name, const Shape& shape, const Tensor& value, bool partial) {
+    ReferenceTensor w;
+    w.name = std::move(name);
+    w.full_shape = shape;
+    w.partial = partial;
+    w.value = value;
+    w.budget = budget;
+    result.tensors.push_back(std::move(w));
+    return &result.tensors.back();
+  };
   for (const GptParameter& gp : params.list) {
     const Param& p = params.by_name.at(gp.name);
-    result.tensors.push_back({gp.name, gp.shape, -1, false, p.value});
-    result.tensors.push_back({gp.name + ".grad", gp.shape, -1, true, p.grad});
+    whole(gp.name, gp.shape, p.value, false)->parameter = true;
+    whole(gp.name + ".grad", gp.shape, p.grad, true)->gradient_of = gp.name;
   }
   Tensor loss = NewTensor({1});
   loss.data_as<double>()[0] = result.loss;
-  result.tensors.push_back({"loss", {1}, -1, true, loss});
+  whole("loss", {1}, loss, true);
   return result;
 }
 

@@ -6,7 +6,7 @@
 // every micro-batch m = 0..M-1 of the global micro-batch [s, B = b*d], forward then backward
 // with hand-written gradients, and sums the parameter gradients over micro-batches. Attention
 // mixes the positions of a sample, so the work splits by samples, not token rows: a call
-// computes the global samples [sample_begin, sample_end) of every micro-batch; a call with the
+// computes the global samples [slice.begin, slice.end) of every micro-batch; a call with the
 // default slice is the whole reference.
 // What it is not: a second executor. It shares no op code with core/model or
 // core/tensor_parallel (its CMake target cannot link them); only the definitions of the
@@ -27,7 +27,7 @@
 // The loss is the mean token loss over all M*s*B tokens.
 //
 // Tensors in the result (float64, host), s = seq_length, B = global batch, n = slice samples:
-//   activations of the LAST micro-batch, this slice's samples (batch_dim >= 0):
+//   activations of the LAST micro-batch, this slice's samples (Layout::kSamples):
 //     tokens, labels                                    [s, B]      ids as doubles
 //     embedding.output                                  [s, B, h]   after embedding dropout
 //     decoder.layers.<i>.input_layernorm.output          [s, B, h]
@@ -43,11 +43,11 @@
 //     decoder.final_layernorm.output                    [s, B, h]
 //     output_layer.output                               [s, B, Vp]  logits
 //     loss.per_token                                    [s, B]
-//   and after each of these but tokens/labels, "<name>_grad": d loss / d that tensor. The
-//   value of a batch_dim >= 0 tensor is full_shape with the batch dimension cut to n.
+//   and after each of these but tokens/labels, "<name>_grad": d loss / d that tensor. These
+//   are Layout::kSamples tensors: the value is full_shape with dimension batch_dim cut to n.
 //   probs_grad is the derivative with respect to every element of probs, above the diagonal
 //   too (there probs are the constant 0, so the softmax's backward drops it).
-//   whole tensors (batch_dim -1), in GptParameters order:
+//   whole tensors (Layout::kWhole), in GptParameters order:
 //     <parameter>        the parameter (master values, or the override)
 //     <parameter>.grad   partial: this slice's share of its gradient, summed over micro-batches
 //                        (a tied word embedding gets its lookup's and the output layer's)
@@ -66,13 +66,13 @@
 #include "core/config/parallel_config.h"
 #include "core/status.h"
 #include "core/tensor.h"
+#include "reference/reference.h"
 
 namespace mpusim {
 
 struct GptReferenceOptions {
-  // Global samples [sample_begin, sample_end) of each micro-batch; sample_end -1: to B.
-  int64_t sample_begin = 0;
-  int64_t sample_end = -1;
+  // Global samples [slice.begin, slice.end) of each micro-batch; end -1: to B.
+  ReferenceSlice slice;
   // Training iteration k: its micro-batch m reads the data stream "text.mb<k*M + m>" and
   // draws dropout from DropoutStream(site, k, m) (rng_tracker: after k iterations' draws).
   int64_t iteration = 0;
@@ -86,28 +86,12 @@ struct GptReferenceOptions {
   std::vector<std::vector<int64_t>> labels;
 };
 
-struct GptReferenceTensor {
-  std::string name;
-  Shape full_shape;
-  // -1: `value` is the whole tensor. Otherwise `value` holds the slice's samples along this
-  // dimension (full_shape with that dimension n = sample_end - sample_begin).
-  int batch_dim = -1;
-  bool partial = false;  // a whole tensor that is this slice's share of a sum over samples
-  Tensor value;          // host float64
-};
-
-struct GptReferenceResult {
-  std::vector<GptReferenceTensor> tensors;  // in the order listed above
-  int64_t sample_begin = 0;
-  int64_t sample_end = 0;
-  double loss = 0.0;  // this slice's share of the loss (the loss for the whole batch)
-  // Mixture of experts: the slice's share of the auxiliary objective (load-balancing and z
-  // losses, scaled as their gradients are; reference/moe_reference.h), all micro-batches.
-  double moe_aux_objective = 0.0;
-
-  // The tensor named `name`, or nullptr.
-  const GptReferenceTensor* Find(std::string_view name) const;
-};
+// The error budget every tensor of a GPT run is charged but the token ids (core/dump/compare.h):
+// the stored values and sums on the longest path through the model, forward and backward (a
+// conservative bound for the tensors nearer the input or the loss). t: the tensor-parallel
+// size, d: the data-parallel size.
+ErrorBudget GptErrorBudget(const GptConfig& gpt, const RunConfig& run, int64_t t, int64_t d,
+                           int64_t padded_vocab);
 
 // B = micro_batch_size * d, d = world_size / (tp * pp * cp): the global samples of one
 // micro-batch.
@@ -126,8 +110,8 @@ GptReferenceTokens DrawGptReferenceTokens(const GptConfig& gpt, const ParallelCo
 // (max_position_embeddings 0 means seq_length). Anything the reference cannot give a meaning
 // to (a bad slice, a bad override or token list, a layout that does not divide world_size)
 // is a Status error, never a crash. GEMMs run on one BLAS thread (each MPI rank is one core).
-StatusOr<GptReferenceResult> RunGptReference(const GptConfig& gpt, const ParallelConfig& parallel,
-                                             const RunConfig& run,
-                                             const GptReferenceOptions& options = {});
+StatusOr<ReferenceResult> RunGptReference(const GptConfig& gpt, const ParallelConfig& parallel,
+                                          const RunConfig& run,
+                                          const GptReferenceOptions& options = {});
 
 }  // namespace mpusim

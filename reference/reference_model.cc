@@ -496,9 +496,17 @@ std::vector<ReferenceTensor> InRecordOrder(const Plan& plan, SliceRun& run) {
     if (it != run.recorded.end()) out.push_back(std::move(it->second));
   };
   auto whole = [&](const std::string& name, const Tensor& value, bool partial,
-                   ErrorBudget budget) {
+                   ErrorBudget budget, std::string gradient_of) {
     if (!value.defined()) return;
-    out.push_back({name, value.shape(), ReferenceTensor::Layout::kWhole, partial, value, budget});
+    ReferenceTensor t;
+    t.name = name;
+    t.full_shape = value.shape();
+    t.partial = partial;
+    t.value = value;
+    t.budget = budget;
+    t.parameter = !partial && gradient_of.empty();
+    t.gradient_of = std::move(gradient_of);
+    out.push_back(std::move(t));
   };
   take("tokens");
   take("labels");
@@ -508,18 +516,19 @@ std::vector<ReferenceTensor> InRecordOrder(const Plan& plan, SliceRun& run) {
     take(name + ".input_grad");
     take(name + ".output");
     take(name + ".output_grad");
-    whole(name + ".weight", run.params->weight[k], false, kStored);
+    // Trained: the weight owners' weights and the biases; the gradients say whose they are.
+    whole(name + ".weight", run.params->weight[k], false, kStored, "");
     whole(name + ".weight_grad", run.params->weight_grad[k], true,
-          GradientSum(run.weight_grad_budget[k], sizes));
-    whole(name + ".bias", run.params->bias[k], false, kStored);
+          GradientSum(run.weight_grad_budget[k], sizes), name + ".weight");
+    whole(name + ".bias", run.params->bias[k], false, kStored, "");
     whole(name + ".bias_grad", run.params->bias_grad[k], true,
-          GradientSum(run.bias_grad_budget[k], sizes));
+          GradientSum(run.bias_grad_budget[k], sizes), name + ".bias");
   }
   if (plan.has_loss) {
     Tensor loss = NewTensor({1});
     loss.data_as<double>()[0] =
         run.loss_sum / static_cast<double>(sizes.num_micro * sizes.seq * sizes.batch);
-    whole("loss", loss, true, run.loss_budget + kFunction);
+    whole("loss", loss, true, run.loss_budget + kFunction, "");
   }
   return out;
 }
@@ -529,13 +538,6 @@ extern "C" void openblas_set_num_threads(int num_threads);
 #endif
 
 }  // namespace
-
-const ReferenceTensor* ReferenceResult::Find(std::string_view name) const {
-  for (const ReferenceTensor& t : tensors) {
-    if (t.name == name) return &t;
-  }
-  return nullptr;
-}
 
 StatusOr<std::vector<ReferenceParameter>> ReferenceParameters(const ParallelConfig& parallel,
                                                               const ModelConfig& model,
@@ -567,15 +569,15 @@ StatusOr<ReferenceResult> RunReferenceWithOverrides(
   Plan plan;
   MPUSIM_RETURN_IF_ERROR(BuildPlan(parallel, model, run, &plan));
   const int64_t rows = plan.sizes.seq * plan.sizes.batch;
-  const int64_t row_end = slice.row_end < 0 ? rows : slice.row_end;
-  if (slice.row_begin < 0 || slice.row_begin > row_end || row_end > rows) {
+  const int64_t row_end = slice.end < 0 ? rows : slice.end;
+  if (slice.begin < 0 || slice.begin > row_end || row_end > rows) {
     return Status::Error("reference slice", fmt::format("rows [{}, {}) are not inside [0, {})",
-                                                        slice.row_begin, row_end, rows));
+                                                        slice.begin, row_end, rows));
   }
   Parameters params;
   MPUSIM_RETURN_IF_ERROR(InitParameters(plan, parameter_overrides, &params));
 
-  SliceRun slice_run(plan, slice.row_begin, row_end, &params);
+  SliceRun slice_run(plan, slice.begin, row_end, &params);
   if (iteration < 0) {
     return Status::Error("reference iteration", fmt::format("is {}, not >= 0", iteration));
   }
@@ -583,9 +585,9 @@ StatusOr<ReferenceResult> RunReferenceWithOverrides(
   for (int64_t m = 0; m < M; ++m) slice_run.MicroBatch(iteration * M + m, m + 1 == M);
 
   ReferenceResult result;
-  result.rows = rows;
-  result.row_begin = slice.row_begin;
-  result.row_end = row_end;
+  result.units = rows;
+  result.slice_begin = slice.begin;
+  result.slice_end = row_end;
   result.tensors = InRecordOrder(plan, slice_run);
   if (plan.has_loss) {
     result.has_loss = true;

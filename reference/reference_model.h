@@ -18,13 +18,13 @@
 // layout makes (an all-reduce over t ranks).
 //
 // Tensors in the result, in the order the executor records them (float64, host):
-//   rows of the last micro-batch (ReferenceTensor::kRows, value [row_end - row_begin, width]):
+//   rows of the last micro-batch (Layout::kRows, value [slice rows, width]):
 //     tokens, labels            full [s, B]          token ids as doubles
 //     <layer>.input             full [s, B, h_in]    not for embeddings
 //     <layer>.input_grad        like .input
 //     <layer>.output            full [s, B, h_out]   the loss layer: per-token loss [s, B]
 //     <layer>.output_grad       like .output         the loss layer: 1/(M*s*B) per token
-//   whole tensors (ReferenceTensor::kWhole):
+//   whole tensors (Layout::kWhole):
 //     <layer>.weight            [out, in] or [num_embeddings, embedding_dim]  weight owners
 //     <layer>.weight_grad       same            this slice's share; not when frozen
 //     <layer>.bias, .bias_grad  [out]           linear layers with `bias` (skip_bias_add too)
@@ -54,47 +54,13 @@
 #include <string_view>
 #include <vector>
 
-#include "core/dump/compare.h"
-#include "core/init.h"
 #include "core/config/model_config.h"
 #include "core/config/parallel_config.h"
 #include "core/status.h"
 #include "core/tensor.h"
+#include "reference/reference.h"
 
 namespace mpusim {
-
-// Rows [row_begin, row_end) of each micro-batch's s*B token rows; row_end -1: to the end.
-struct ReferenceSlice {
-  int64_t row_begin = 0;
-  int64_t row_end = -1;
-};
-
-struct ReferenceTensor {
-  enum class Layout : uint8_t {
-    kRows,   // value: this slice's rows of the [s*B, width] view of full_shape
-    kWhole,  // value: the whole tensor, of full_shape
-  };
-  std::string name;
-  Shape full_shape;
-  Layout layout = Layout::kWhole;
-  bool partial = false;  // kWhole: this slice's share of a sum over all rows (gradients, loss)
-  Tensor value;          // host float64
-  ErrorBudget budget;
-  // Elements per row of the [s*B, width] view (kRows).
-  int64_t width() const { return full_shape.size() > 2 ? full_shape[2] : 1; }
-};
-
-struct ReferenceResult {
-  std::vector<ReferenceTensor> tensors;  // the names above, in record order
-  int64_t rows = 0;                      // s*B: token rows of one micro-batch
-  int64_t row_begin = 0;                 // this slice
-  int64_t row_end = 0;
-  bool has_loss = false;
-  double loss = 0.0;  // this slice's share of the mean token loss (the loss for a whole run)
-
-  // The tensor named `name`, or nullptr.
-  const ReferenceTensor* Find(std::string_view name) const;
-};
 
 // Runs the whole model on `slice` of the global batch. The config is expected to be validated
 // by the executor; anything the reference cannot give a meaning to is a Status error naming
@@ -108,13 +74,7 @@ StatusOr<ReferenceResult> RunReference(const ParallelConfig& parallel, const Mod
 int64_t ReferenceRows(const ParallelConfig& parallel, const RunConfig& run);
 
 // The master weights the reference starts from (every owner's "<layer>.weight"; biases start
-// at zero and are not listed): name, full shape and init, so that a caller can generate them
-// once for several slices (run/check.h splits the generation over the ranks).
-struct ReferenceParameter {
-  std::string name;
-  Shape shape;
-  InitSpec init;
-};
+// at zero and are not listed).
 StatusOr<std::vector<ReferenceParameter>> ReferenceParameters(const ParallelConfig& parallel,
                                                               const ModelConfig& model,
                                                               const RunConfig& run);

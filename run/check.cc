@@ -1,5 +1,5 @@
-// The check against the float64 reference, one reference per job (see check.h). The row
-// tensors' exchange is in row_exchange.h.
+// The check against the float64 reference, one reference per job (see check.h). The
+// reference is computed in job_reference.cc, the row tensors' exchange is in row_exchange.h.
 #include "run/check.h"
 
 #include <fmt/format.h>
@@ -22,25 +22,14 @@
 #include "mpi/agree.h"
 #include "mpi/mpi_check.h"
 #include "mpi/watchdog.h"
-#include "reference/reference_model.h"
+#include "reference/reference.h"
 #include "reference/trainer.h"
-#include "run/gpt_check.h"
 #include "run/row_exchange.h"
 
 namespace mpusim::run {
 namespace {
 
 using Layout = ReferenceTensor::Layout;
-
-// MPI counts are int: large buffers go in pieces.
-void AllReduceSum(double* data, int64_t n) {
-  constexpr int64_t kPiece = int64_t{1} << 30;
-  for (int64_t at = 0; at < n; at += kPiece) {
-    const int count = static_cast<int>(std::min(kPiece, n - at));
-    watched::Allreduce(MPI_IN_PLACE, data + at, count, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD,
-                       WorldLabel());
-  }
-}
 
 double MaxAbs(const Tensor& host64) {
   double scale = 0;
@@ -49,30 +38,83 @@ double MaxAbs(const Tensor& host64) {
   return scale;
 }
 
-// A local record compared with a whole reference tensor, element by element.
-// `bounds`, when given, adds an absolute allowance per element (row-major in the full tensor):
-// the error a trained parameter's gradients carry through the optimizer (reference/trainer.h).
-void CompareWhole(const TensorRecord& record, const Tensor& host, const Tensor& expected,
-                  const Tolerance& tol, const std::vector<double>* bounds, ErrorStats* stats) {
-  const Shape& local = host.shape();
-  const Shape& full = record.full_shape;
-  const size_t dims = full.size();
-  std::vector<int64_t> index(dims, 0);
-  const double* want = expected.data_as<double>();
-  ForEachValue(host.dtype(), host.data(), host.numel(), [&](int64_t, double actual) {
-    int64_t flat = 0;
-    for (size_t k = 0; k < dims; ++k) {
-      flat = flat * full[k] + GlobalIndex(record.shard, static_cast<int>(k), full[k], index[k]);
+// Where a record's local elements sit in a whole or a sample-sliced reference tensor: for
+// local flat index l, the flat index into the reference's value, or -1 when the element is
+// outside the reference's slice (a record of samples this rank's slice lacks: never for a
+// correct layout).
+class ElementMap {
+ public:
+  ElementMap(const TensorRecord& record, const ReferenceTensor& ref, int64_t slice_begin,
+             int64_t slice_end)
+      : record_(record), local_(LocalShape(record.shard, record.full_shape)) {
+    ref_shape_ = record.full_shape;
+    if (ref.layout == Layout::kSamples) {
+      batch_dim_ = ref.batch_dim;
+      ref_shape_[static_cast<size_t>(batch_dim_)] = slice_end - slice_begin;
+      slice_begin_ = slice_begin;
     }
-    stats->Add(flat, actual, want[flat],
-               bounds != nullptr
-                   ? Tolerance{tol.atol + (*bounds)[static_cast<size_t>(flat)], tol.rtol, 0}
+  }
+  int64_t RefIndex(int64_t local_flat) const {
+    int64_t flat = 0, ref_stride = 1;
+    int64_t rest = local_flat;
+    for (size_t dim = local_.size(); dim-- > 0;) {
+      const int64_t l = rest % local_[dim];
+      rest /= local_[dim];
+      int64_t g = GlobalIndex(record_.shard, static_cast<int>(dim), record_.full_shape[dim], l);
+      if (static_cast<int>(dim) == batch_dim_) {
+        g -= slice_begin_;
+        if (g < 0 || g >= ref_shape_[dim]) return -1;
+      }
+      flat += g * ref_stride;
+      ref_stride *= ref_shape_[dim];
+    }
+    return flat;
+  }
+  // The flat index of the element in the full tensor (for the worst-element report).
+  int64_t FullIndex(int64_t local_flat) const {
+    int64_t flat = 0, stride = 1, rest = local_flat;
+    for (size_t dim = local_.size(); dim-- > 0;) {
+      const int64_t l = rest % local_[dim];
+      rest /= local_[dim];
+      flat += GlobalIndex(record_.shard, static_cast<int>(dim), record_.full_shape[dim], l) *
+              stride;
+      stride *= record_.full_shape[dim];
+    }
+    return flat;
+  }
+
+ private:
+  const TensorRecord& record_;
+  Shape local_;
+  Shape ref_shape_;
+  int batch_dim_ = -1;
+  int64_t slice_begin_ = 0;
+};
+
+// A local record compared with a whole or sample-sliced reference tensor, element by element.
+// `bounds`, when given, adds an absolute allowance per element (row-major in the reference
+// value): the error a trained parameter's gradients carry through the optimizer
+// (reference/trainer.h).
+void CompareLocal(const TensorRecord& record, const Tensor& host, const ReferenceTensor& ref,
+                  const ReferenceResult& reference, const Tolerance& tol,
+                  const std::vector<double>* bounds, ErrorStats* stats) {
+  const ElementMap map(record, ref, reference.slice_begin, reference.slice_end);
+  const double* want = ref.value.data_as<double>();
+  const auto compare = [&](int64_t l, double actual) {
+    const int64_t k = map.RefIndex(l);
+    // An element outside this rank's slice cannot be judged here: it counts as a mismatch
+    // (a record placed on the wrong samples is a bug).
+    const double expected = k >= 0 ? want[k] : std::numeric_limits<double>::quiet_NaN();
+    stats->Add(map.FullIndex(l), actual, expected,
+               bounds != nullptr && k >= 0
+                   ? Tolerance{tol.atol + (*bounds)[static_cast<size_t>(k)], tol.rtol, 0}
                    : tol);
-    for (size_t k = dims; k-- > 0;) {
-      if (++index[k] < local[k]) break;
-      index[k] = 0;
-    }
-  });
+  };
+  if (host.dtype() == DType::kInt64) {  // token ids
+    for (int64_t l = 0; l < host.numel(); ++l) compare(l, HostValue(host, l));
+  } else {
+    ForEachValue(host.dtype(), host.data(), host.numel(), compare);
+  }
 }
 
 // The names of records that no reference tensor matches, on any rank (sorted, the same on
@@ -89,86 +131,6 @@ std::vector<std::string> RunOnlyNames(const std::vector<std::string>& mine) {
     }
   }
   return {names.begin(), names.end()};
-}
-
-// The reference's master weights, generated once for the whole job instead of once per slice:
-// the weights lie back to back in one buffer, rank k fills its 1/K of the buffer's elements
-// (whichever weights they belong to), and one MPI_Allgatherv gives every rank all of them
-// (each slice multiplies by whole weights). The tensors are views into the buffer. Past int
-// counts (2^31 elements), every rank generates everything itself.
-StatusOr<std::map<std::string, Tensor>> SharedMasterWeights(const Config& config, int world_rank,
-                                                            int world_size) {
-  StatusOr<std::vector<ReferenceParameter>> parameters =
-      ReferenceParameters(config.parallel, *config.model, *config.run);
-  if (!parameters.ok()) return parameters.status();
-  std::vector<int64_t> offsets;
-  int64_t total = 0;
-  for (const ReferenceParameter& p : *parameters) {
-    offsets.push_back(total);
-    total += NumElements(p.shape);
-  }
-  const std::shared_ptr<double[]> buffer(new double[static_cast<size_t>(total)]);
-  double* data = buffer.get();
-  const auto view = [&](int64_t offset, Shape shape) {  // shares ownership of the buffer
-    return Tensor(std::move(shape), DType::kFloat64, Device::kHost,
-                  std::shared_ptr<void>(buffer, data + offset));
-  };
-  const bool shared = total <= INT_MAX;
-  const RowPartition share(total, shared ? world_size : 1);
-  const int64_t mine_begin = shared ? share.Begin(world_rank) : 0;
-  const int64_t mine_end = shared ? share.End(world_rank) : total;
-  for (size_t w = 0; w < parameters->size(); ++w) {
-    const ReferenceParameter& p = (*parameters)[w];
-    const int64_t begin = std::max(mine_begin, offsets[w]);
-    const int64_t end = std::min(mine_end, offsets[w] + NumElements(p.shape));
-    if (begin >= end) continue;
-    Tensor part = view(begin, {end - begin});
-    FillFlatRange(config.run->seed, p.name, p.init, p.shape, begin - offsets[w], part);
-  }
-  if (shared) {
-    std::vector<int> counts(static_cast<size_t>(world_size)), displs(counts.size());
-    for (int k = 0; k < world_size; ++k) {
-      counts[static_cast<size_t>(k)] = static_cast<int>(share.End(k) - share.Begin(k));
-      displs[static_cast<size_t>(k)] = static_cast<int>(share.Begin(k));
-    }
-    watched::Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, data, counts.data(), displs.data(),
-                        MPI_DOUBLE, MPI_COMM_WORLD, WorldLabel());
-  }
-  std::map<std::string, Tensor> weights;
-  for (size_t w = 0; w < parameters->size(); ++w) {
-    weights.emplace((*parameters)[w].name, view(offsets[w], (*parameters)[w].shape));
-  }
-  return weights;
-}
-
-// Sums the slices' shares (gradients, the loss) over the ranks: small tensors packed together
-// into one MPI_Allreduce of at most kExchangeBytes, large ones each on their own.
-void SumShares(std::vector<ReferenceTensor>& refs) {
-  constexpr int64_t kPackDoubles = kExchangeBytes / 8;
-  std::vector<double> pack;
-  std::vector<ReferenceTensor*> packed;
-  const auto flush = [&]() {
-    AllReduceSum(pack.data(), static_cast<int64_t>(pack.size()));
-    size_t at = 0;
-    for (ReferenceTensor* t : packed) {
-      std::memcpy(t->value.data(), pack.data() + at, t->value.bytes());
-      at += static_cast<size_t>(t->value.numel());
-    }
-    pack.clear();
-    packed.clear();
-  };
-  for (ReferenceTensor& t : refs) {
-    if (t.layout != Layout::kWhole || !t.partial) continue;
-    const int64_t n = t.value.numel();
-    if (n > kPackDoubles) {
-      AllReduceSum(t.value.data_as<double>(), n);
-      continue;
-    }
-    if (static_cast<int64_t>(pack.size()) + n > kPackDoubles) flush();
-    pack.insert(pack.end(), t.value.data_as<double>(), t.value.data_as<double>() + n);
-    packed.push_back(&t);
-  }
-  if (!packed.empty()) flush();
 }
 
 bool ShardMetadataEqual(const TensorRecord& a, const TensorRecord& b) {
@@ -257,66 +219,31 @@ std::vector<TensorCheck> ReduceOverRanks(const std::vector<ReferenceTensor>& ref
   return checks;
 }
 
-// The memory figures of CheckResult, reduced over ranks.
-void MeasureMemory(const ReferenceResult& reference, const std::vector<TensorRecord>& records,
-                   CheckResult* result) {
-  std::vector<const Tensor*> whole, rows;
+// The memory figures of CheckResult, reduced over ranks. Every group of ranks computes the
+// whole reference once (ReferenceSplit), so the whole reference is the whole tensors and one
+// group's slices.
+void MeasureMemory(const JobReference& job, const std::vector<TensorRecord>& records,
+                   int world_size, CheckResult* result) {
+  const ReferenceResult& reference = job.result;
+  std::vector<const Tensor*> whole, sliced;
   for (const ReferenceTensor& t : reference.tensors) {
-    (t.layout == Layout::kWhole ? whole : rows).push_back(&t.value);
+    (t.layout == Layout::kWhole ? whole : sliced).push_back(&t.value);
   }
   std::vector<const Tensor*> own;
   for (const TensorRecord& r : records) own.push_back(&r.tensor);
   const int64_t whole_bytes = DistinctBytes(whole);
-  long long maxima[3] = {reference.row_end - reference.row_begin,
-                         whole_bytes + DistinctBytes(rows), DistinctBytes(own)};
-  long long row_bytes = DistinctBytes(rows);
+  long long maxima[3] = {
+      (reference.slice_end - reference.slice_begin) * job.reference->RowsPerUnit(),
+      whole_bytes + DistinctBytes(sliced), DistinctBytes(own)};
+  long long sliced_bytes = DistinctBytes(sliced);
   watched::Allreduce(MPI_IN_PLACE, maxima, 3, MPI_LONG_LONG, MPI_MAX, MPI_COMM_WORLD, WorldLabel());
-  watched::Allreduce(MPI_IN_PLACE, &row_bytes, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD,
+  watched::Allreduce(MPI_IN_PLACE, &sliced_bytes, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD,
                      WorldLabel());
+  const int64_t groups = world_size / std::max(job.split.group_size, 1);
   result->reference_rows_max = maxima[0];
   result->reference_bytes_max = maxima[1];
   result->record_bytes_max = maxima[2];
-  result->reference_bytes_whole = whole_bytes + row_bytes;
-}
-
-// One optimizer step of the reference on its full (summed) gradients, iteration k: the
-// parameters are the whole, non-partial tensors, their gradients "<parameter>_grad" (frozen
-// parameters have none and stay). Afterwards the result's parameters hold the updated values
-// and its gradients the clipped ones, as the executor's records do.
-// The gradients' error, which the trainer carries into its error bounds, is taken as the
-// largest tolerance of any gradient tensor in the run's storage dtype.
-void TrainReference(ReferenceResult& reference, int64_t k, DType storage, ReferenceTrainer& trainer,
-                    std::vector<CheckResult::Iteration>* iterations) {
-  std::map<std::string, Tensor*> grads;
-  std::map<std::string, Tensor> parameters;
-  double gradient_tolerance = 0;
-  CheckResult::Iteration row;
-  for (ReferenceTensor& t : reference.tensors) {
-    if (t.layout != Layout::kWhole) continue;
-    if (t.name == "loss") {
-      row.loss = t.value.data_as<double>()[0];
-    } else if (!t.partial) {
-      parameters[t.name] = t.value;
-    }
-  }
-  for (ReferenceTensor& t : reference.tensors) {
-    if (t.layout != Layout::kWhole || !t.partial || !t.name.ends_with("_grad")) continue;
-    const std::string parameter = t.name.substr(0, t.name.size() - 5);
-    if (parameters.count(parameter) == 0) continue;
-    grads[parameter] = &t.value;
-    gradient_tolerance = std::max(gradient_tolerance, ToleranceFor(t.budget, storage).rtol);
-  }
-  if (!trainer.has_parameters()) trainer.SetParameters(parameters);
-  trainer.SetGradientTolerance(0, gradient_tolerance, gradient_tolerance);
-  row.grad_norm = trainer.Step(grads, k);
-  row.lr = trainer.last_lr();
-  iterations->push_back(row);
-  for (ReferenceTensor& t : reference.tensors) {
-    const auto it = trainer.parameters().find(t.name);
-    if (it != trainer.parameters().end() && t.layout == Layout::kWhole && !t.partial) {
-      t.value = it->second;
-    }
-  }
+  result->reference_bytes_whole = whole_bytes + sliced_bytes / std::max<int64_t>(groups, 1);
 }
 
 // What this rank knows of each reference tensor i (refs[i]) while it compares: its scale and
@@ -330,49 +257,12 @@ struct Comparison {
   std::vector<double> scales;  // max |e| over all ranks
   std::vector<Tolerance> tolerances;
   std::vector<const TensorRecord*> mine;  // this rank's record, nullptr when none fits
-  std::vector<int> flags;                 // 2i: missing (wrong shape), 2i + 1: produced
+  // Further records of the same name and shape on this rank (whole and sample tensors).
+  std::vector<std::vector<const TensorRecord*>> more;
+  std::vector<int> flags;  // 2i: missing (wrong shape), 2i + 1: produced
   std::vector<ErrorStats> stats;
-  std::map<std::string, const TensorRecord*> unmatched;  // records no reference tensor names
+  std::vector<std::string> unmatched;  // names of records no reference tensor has
 };
-
-// The reference for this rank's slice of the token rows, the slices' shares of gradients and
-// of the loss summed over the ranks. A training run: the reference trains the whole model
-// too, iteration by iteration, each on the parameters the last one left (reference/trainer.h);
-// the result is the last iteration's, with the parameters after its update. A reference that
-// fails on any rank is a Status on every rank.
-StatusOr<ReferenceResult> RunReferenceSlice(const Config& config, const RowPartition& partition,
-                                            int world_rank, int world_size,
-                                            std::optional<ReferenceTrainer>* trainer,
-                                            std::vector<CheckResult::Iteration>* iterations) {
-  const ReferenceSlice slice{partition.Begin(world_rank), partition.End(world_rank)};
-  StatusOr<std::map<std::string, Tensor>> weights =
-      SharedMasterWeights(config, world_rank, world_size);
-  const int64_t iteration_count = config.optimizer ? config.run->train_iters : 1;
-  if (config.optimizer) trainer->emplace(*config.optimizer, config.run->train_iters);
-  StatusOr<ReferenceResult> reference = Status::Error("reference model", "not run");
-  for (int64_t k = 0; k < iteration_count; ++k) {
-    if (k == 0) {
-      reference = weights.ok() ? RunReferenceWithOverrides(config.parallel, *config.model,
-                                                           *config.run, *weights, slice, 0)
-                               : StatusOr<ReferenceResult>(weights.status());
-      weights = std::map<std::string, Tensor>();  // the reference holds what it needs
-    } else {
-      reference = RunReferenceWithOverrides(config.parallel, *config.model, *config.run,
-                                            (*trainer)->parameters(), slice, k);
-    }
-    int failed = reference.ok() ? 0 : 1;
-    watched::Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD, WorldLabel());
-    if (failed != 0) {
-      return reference.ok() ? Status::Error("reference model", "failed on another rank")
-                            : Status::Error("reference model", reference.status().Message());
-    }
-    // Whole tensors: the slices' shares of gradients and of the loss add up.
-    SumShares(reference->tensors);
-    if (!*trainer) break;
-    TrainReference(*reference, k, config.run->dtype, **trainer, iterations);
-  }
-  return reference;
-}
 
 // A training run: the trained tensors' error bounds, and the optimizer state appended to the
 // reference's tensors, with the tolerance of its parameter's gradient and the error that
@@ -380,17 +270,20 @@ StatusOr<ReferenceResult> RunReferenceSlice(const Config& config, const RowParti
 void AddOptimizerState(const ReferenceTrainer& trainer, ReferenceResult& reference,
                        Comparison* c) {
   for (const auto& [name, b] : trainer.error_bounds()) c->bounds[name] = &b;
+  std::map<std::string, ErrorBudget> gradient_budget;
+  for (const ReferenceTensor& t : reference.tensors) {
+    if (!t.gradient_of.empty()) gradient_budget[t.gradient_of] = t.budget;
+  }
   c->state = trainer.State();
-  for (const ReferenceTrainer::StateTensor& st : c->state) {
+  for (ReferenceTrainer::StateTensor& st : c->state) {
     const Tensor& parameter = trainer.parameters().at(st.parameter);
-    const ReferenceTensor* grad = reference.Find(st.parameter + "_grad");
-    ReferenceTensor t{st.name,
-                      parameter.shape(),
-                      Layout::kWhole,
-                      false,
-                      Tensor::HostEmpty(parameter.shape(), DType::kFloat64),
-                      grad != nullptr ? grad->budget : ErrorBudget{}};
+    ReferenceTensor t;
+    t.name = st.name;
+    t.full_shape = parameter.shape();
+    t.value = Tensor::HostEmpty(parameter.shape(), DType::kFloat64);
+    t.budget = gradient_budget[st.parameter];
     std::memcpy(t.value.data(), st.values.data(), t.value.bytes());
+    st.values.clear();  // the reference tensor holds them now
     reference.tensors.push_back(std::move(t));
     c->bounds[st.name] = &st.bounds;
   }
@@ -406,32 +299,39 @@ void MatchRecords(DType storage, const std::vector<TensorRecord>& records, Compa
   watched::Allreduce(MPI_IN_PLACE, c->scales.data(), static_cast<int>(n), MPI_DOUBLE, MPI_MAX,
                      MPI_COMM_WORLD, WorldLabel());
 
-  for (const TensorRecord& r : records) c->unmatched[r.name] = &r;
+  std::multimap<std::string, const TensorRecord*> by_name;
+  for (const TensorRecord& r : records) by_name.emplace(r.name, &r);
   c->stats.resize(n);
   c->flags.assign(2 * n, 0);
   c->tolerances.resize(n);
   c->mine.assign(n, nullptr);
+  c->more.assign(n, {});
   for (size_t i = 0; i < n; ++i) {
     c->tolerances[i] = ToleranceFor(refs[i].budget, storage).ForScale(c->scales[i]);
-    const auto it = c->unmatched.find(refs[i].name);
-    if (it == c->unmatched.end()) continue;
+    const auto [first, last] = by_name.equal_range(refs[i].name);
+    if (first == last) continue;
     c->flags[2 * i + 1] = 1;
-    if (it->second->full_shape != refs[i].full_shape) {
-      c->flags[2 * i] = 1;
-    } else {
-      c->mine[i] = it->second;
+    for (auto it = first; it != last; ++it) {
+      if (it->second->full_shape != refs[i].full_shape) {
+        c->flags[2 * i] = 1;
+      } else if (c->mine[i] == nullptr) {
+        c->mine[i] = it->second;
+      } else {
+        c->more[i].push_back(it->second);
+      }
     }
-    c->unmatched.erase(it);
+    by_name.erase(first, last);
   }
+  for (const auto& [name, record] : by_name) c->unmatched.push_back(name);
 }
 
-// Whole tensors: each rank its own shard. After training, the parameters first, with the
+// Whole and sample tensors: each rank its own shards. After training, the parameters first, with the
 // error bounds training carries; then the optimizer state, its bounds grown by the drift the
 // parameters' measured error adds (reference/trainer.h); the last iteration's activations and
 // gradients were computed from those parameters, so they are then allowed the parameters'
 // measured error too (TrainingDrift, collective).
-void CompareWholeTensors(const ReferenceTrainer* trainer, const HostFetch& fetch,
-                         Comparison* c) {
+void CompareLocalTensors(const JobReference& job, const HostFetch& fetch, Comparison* c) {
+  const ReferenceTrainer* trainer = job.trainer ? &*job.trainer : nullptr;
   const std::vector<ReferenceTensor>& refs = *c->refs;
   const size_t n = refs.size();
   enum class Phase { kParameters, kState, kRest };
@@ -448,18 +348,25 @@ void CompareWholeTensors(const ReferenceTrainer* trainer, const HostFetch& fetch
       // c->bounds points at these vectors: they now hold the bounds at the measured drift.
       for (ReferenceTrainer::StateTensor& st : c->state) st.bounds = st.BoundsAt(drift);
       for (size_t i = 0; i < n; ++i) {
-        if (c->bounds.count(refs[i].name) == 0) c->tolerances[i].atol += drift * c->scales[i];
+        const bool exact = refs[i].budget.roundings == 0 && refs[i].budget.terms == 0;
+        if (c->bounds.count(refs[i].name) == 0 && !exact) {
+          c->tolerances[i].atol += drift * c->scales[i];
+        }
       }
     }
     for (size_t i = 0; i < n; ++i) {
-      if (refs[i].layout != Layout::kWhole || c->mine[i] == nullptr ||
+      if (refs[i].layout == Layout::kRows || c->mine[i] == nullptr ||
           phase_of(refs[i].name) != phase) {
         continue;
       }
       const auto bound = c->bounds.find(refs[i].name);
-      const Tensor host = fetch(*c->mine[i]);
-      CompareWhole(*c->mine[i], host, refs[i].value, c->tolerances[i],
-                   bound != c->bounds.end() ? bound->second : nullptr, &c->stats[i]);
+      std::vector<const TensorRecord*> records{c->mine[i]};
+      records.insert(records.end(), c->more[i].begin(), c->more[i].end());
+      for (const TensorRecord* record : records) {
+        const Tensor host = fetch(*record);
+        CompareLocal(*record, host, refs[i], job.result, c->tolerances[i],
+                     bound != c->bounds.end() ? bound->second : nullptr, &c->stats[i]);
+      }
     }
   }
 }
@@ -516,8 +423,9 @@ class RowAgreement {
 // exchange while their largest sizes add up to at most kExchangeBytes (a small model's
 // tensors all go in one), so that a job on many ranks makes few collectives. Every rank
 // makes the same exchanges, from the agreed sizes.
-void CompareRowTensors(const Config& config, const RowPartition& partition, int world_size,
-                       int64_t row_begin, const HostFetch& fetch, Comparison* c) {
+void CompareRowTensors(const Config& config, const JobReference& job, int world_size,
+                       const HostFetch& fetch, Comparison* c) {
+  const RowPartition partition(job.result.units, world_size);
   const std::vector<ReferenceTensor>& refs = *c->refs;
   const std::vector<const TensorRecord*>& mine = c->mine;
   const size_t n = refs.size();
@@ -525,7 +433,7 @@ void CompareRowTensors(const Config& config, const RowPartition& partition, int 
   std::vector<RowTarget> targets(n);
   for (size_t i = 0; i < n; ++i) targets[i] = {&refs[i], c->tolerances[i], &c->stats[i]};
   RowExchange exchange(partition, world_size, config.parallel.tensor_model_parallel_size,
-                       row_begin, std::move(targets));
+                       job.result.slice_begin, std::move(targets));
   std::map<size_t, Tensor> hosts;  // host copies of the tensors with parts still to send
   std::vector<std::pair<size_t, int64_t>> group;  // (tensor, part)
   int64_t group_bytes = 0;
@@ -582,15 +490,12 @@ void CompareRowTensors(const Config& config, const RowPartition& partition, int 
 // The CheckResult, the same on every rank: the statistics reduced over the ranks, the
 // reference's loss and iterations, the memory figures, and the records the reference does
 // not know on any rank (collective: the run-only names, the statistics, the memory).
-CheckResult BuildResult(const Config& config, const ReferenceResult& reference,
-                        const std::vector<TensorRecord>& records,
-                        std::vector<CheckResult::Iteration> reference_iterations, int world_rank,
-                        int world_size, Comparison& c) {
+CheckResult BuildResult(const Config& config, JobReference& job,
+                        const std::vector<TensorRecord>& records, int world_rank, int world_size,
+                        Comparison& c) {
   const std::vector<ReferenceTensor>& refs = *c.refs;
   const size_t n = refs.size();
-  std::vector<std::string> unknown;
-  for (const auto& [name, record] : c.unmatched) unknown.push_back(name);
-  const std::vector<std::string> run_only = RunOnlyNames(unknown);
+  const std::vector<std::string> run_only = RunOnlyNames(c.unmatched);
 
   std::vector<double> budget_atol(n);  // TensorCheck::budget_atol
   for (size_t i = 0; i < n; ++i) {
@@ -602,19 +507,18 @@ CheckResult BuildResult(const Config& config, const ReferenceResult& reference,
   CheckResult result;
   result.tensors = ReduceOverRanks(refs, c.scales, c.stats, budget_atol, c.flags,
                                    config.run->dtype, world_rank);
-  if (const ReferenceTensor* loss = reference.Find("loss")) {
+  if (const ReferenceTensor* loss = job.result.Find("loss")) {
     result.has_loss = true;
     result.reference_loss = loss->value.data_as<double>()[0];
   }
-  result.reference_iterations = std::move(reference_iterations);
-  MeasureMemory(reference, records, &result);
+  result.reference_iterations = std::move(job.iterations);
+  MeasureMemory(job, records, world_size, &result);
   result.header = fmt::format(
-      "check against the float64 reference ({} storage; computed once, split over {} ranks by "
-      "token rows):\n"
+      "check against the float64 reference ({} storage; {}):\n"
       "  pass when |a - e| <= allowed * (max|e| + |e|); allowed = {:g} * sqrt(roundings * u^2 + "
-      "terms * u_c^2) grows with the tensor's reduction lengths (README \"Checks and "
-      "tolerances\")\n",
-      DTypeName(config.run->dtype), world_size, kToleranceSafety);
+      "terms * u_c^2) {} (README \"Checks and tolerances\")\n",
+      DTypeName(config.run->dtype), job.reference->SplitText(world_size), kToleranceSafety,
+      job.reference->BudgetText());
   result.memory = fmt::format(
       "reference memory: {:.1f} MiB on the largest rank ({} token rows), {:.1f} MiB for the "
       "whole reference; the largest rank's own tensors: {:.1f} MiB\n",
@@ -665,39 +569,31 @@ double TrainingDrift(const std::vector<std::string>& names, const std::vector<do
 }
 
 
-StatusOr<CheckResult> CheckAgainstReference(const Config& config,
-                                            const std::vector<TensorRecord>& records,
-                                            const HostFetch& fetch) {
+StatusOr<CheckResult> CheckRun(const Config& config, const RankCoordinates& coords,
+                               const std::vector<TensorRecord>& records, const HostFetch& fetch) {
   int world_rank = 0, world_size = 1;
   MPUSIM_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
   MPUSIM_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world_size));
-  const RowPartition partition(ReferenceRows(config.parallel, *config.run), world_size);
   // A training run: the tensors compared are the last iteration's, with the parameters after
   // its update and the optimizer state.
-  std::optional<ReferenceTrainer> trainer;
-  std::vector<CheckResult::Iteration> reference_iterations;
-  StatusOr<ReferenceResult> reference = RunReferenceSlice(config, partition, world_rank,
-                                                          world_size, &trainer,
-                                                          &reference_iterations);
-  if (!reference.ok()) return reference.status();
+  StatusOr<JobReference> job = ComputeJobReference(config, coords);
+  if (!job.ok()) return job.status();
   Comparison c;
-  c.refs = &reference->tensors;
-  if (trainer) AddOptimizerState(*trainer, *reference, &c);
+  c.refs = &job->result.tensors;
+  if (job->trainer) AddOptimizerState(*job->trainer, job->result, &c);
   MatchRecords(config.run->dtype, records, &c);
-  CompareWholeTensors(trainer ? &*trainer : nullptr, fetch, &c);
-  CompareRowTensors(config, partition, world_size, reference->row_begin, fetch, &c);
-  return BuildResult(config, *reference, records, std::move(reference_iterations), world_rank,
-                     world_size, c);
-}
-
-StatusOr<CheckResult> CheckRun(const Config& config, const Topology& topology,
-                               const RankCoordinates& coords,
-                               const std::vector<TensorRecord>& records, const HostFetch& fetch) {
-  if (!config.gpt) return CheckAgainstReference(config, records, fetch);
-  // The GPT as the executor resolved it for the layout (GptModel::Build did the same).
-  GptConfig gpt = *config.gpt;
-  MPUSIM_RETURN_IF_ERROR(CheckGptLayout(config.parallel, *config.run, &gpt));
-  return CheckGptAgainstReference(config, gpt, topology, coords, records, fetch);
+  CompareLocalTensors(*job, fetch, &c);
+  // Every rank holds the same list of tensors, so all take this branch or none.
+  const bool rows = std::any_of(c.refs->begin(), c.refs->end(), [](const ReferenceTensor& t) {
+    return t.layout == Layout::kRows;
+  });
+  if (rows) {
+    if (job->split.group_size != world_size) {
+      throw std::logic_error("a reference with row tensors must split its rows over every rank");
+    }
+    CompareRowTensors(config, *job, world_size, fetch, &c);
+  }
+  return BuildResult(config, *job, records, world_rank, world_size, c);
 }
 
 }  // namespace mpusim::run

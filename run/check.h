@@ -1,15 +1,17 @@
-// The check of `mpusim run` against the float64 reference, with one reference per job.
+// The check of `mpusim run` against the float64 reference, one check for every model.
 //
-// What it is: rank k of K computes the reference for its slice of the token rows (rows
-// [k*R/K, (k+1)*R/K) of every micro-batch, R = s*B; reference/reference_model.h), so the job
-// computes the reference once, split K ways, and no rank holds more than its share of the
-// reference's activations. Then, tensor by tensor:
-//   row tensors (activations, tokens, labels, per-token losses): every rank sends the rows of
-//     its shard to the ranks whose slices hold them, and each rank compares what it receives
-//     with its slice; tensors share exchanges (one MPI_Alltoallv each) of at most
-//     kExchangeBytes per rank, so a small model's check is one exchange at any rank count;
-//   whole tensors (parameters, gradients, the loss): the gradient and loss shares of the
-//     slices are summed (MPI_Allreduce), and each rank compares its own shard.
+// What it is: the job computes the model's reference once (run/job_reference.h), each rank
+// its slice of it as the reference splits the batch (reference/reference.h: the layer chain
+// by token rows over every rank, the GPT by samples over the data-parallel ranks). Then,
+// tensor by tensor, by how the reference tensor covers its full tensor:
+//   whole tensors (parameters, gradients, the loss, the optimizer state): each rank compares
+//     its own shard;
+//   sample tensors (the GPT's activations): each rank compares its own shard, whose samples
+//     its slice holds;
+//   row tensors (the chain's activations, tokens, labels, per-token losses): every rank sends
+//     the rows of its shard to the ranks whose slices hold them, and each rank compares what
+//     it receives with its slice; tensors share exchanges (one MPI_Alltoallv each) of at most
+//     kExchangeBytes per rank, so a small model's check is one exchange at any rank count.
 // The statistics are then reduced over all ranks. Every element of every recorded tensor is
 // compared, on whichever rank holds it (replicas included: a tp-replicated activation is
 // compared once per copy), under the tolerance its error budget gives (core/dump/compare.h).
@@ -27,6 +29,7 @@
 #include "core/model/record.h"
 #include "core/topology.h"
 #include "core/status.h"
+#include "run/job_reference.h"
 
 namespace mpusim::run {
 
@@ -74,9 +77,7 @@ struct CheckResult {
   double reference_loss = 0;
   // A training run: the reference's loss, gradient norm and learning rate per iteration
   // (the last iteration's loss is reference_loss).
-  struct Iteration {
-    double loss = 0, grad_norm = 0, lr = 0;
-  };
+  using Iteration = ReferenceIteration;
   std::vector<Iteration> reference_iterations;
   // Memory, in bytes of distinct storage (aliases counted once), over all ranks:
   int64_t reference_rows_max = 0;     // the most token rows one rank's slice holds
@@ -103,16 +104,9 @@ double TrainingDrift(const std::vector<std::string>& names, const std::vector<do
 using HostFetch = std::function<Tensor(const TensorRecord&)>;
 
 // Collective over MPI_COMM_WORLD: every rank calls it with its own records of one run of
-// `config`. A reference that cannot run is a Status on every rank.
-StatusOr<CheckResult> CheckAgainstReference(const Config& config,
-                                            const std::vector<TensorRecord>& records,
-                                            const HostFetch& fetch);
-
-// Collective over MPI_COMM_WORLD: the check of any model against the float64 reference of
-// the model `config` describes (the layer chain's, CheckAgainstReference, or the GPT's,
-// run/gpt_check.h), with `records` taken from the rank at `coords` after a run.
-StatusOr<CheckResult> CheckRun(const Config& config, const Topology& topology,
-                               const RankCoordinates& coords,
+// `config`, taken from the rank at `coords`. A reference that cannot run is a Status on every
+// rank.
+StatusOr<CheckResult> CheckRun(const Config& config, const RankCoordinates& coords,
                                const std::vector<TensorRecord>& records, const HostFetch& fetch);
 
 // "[i, j, k]": the multi-index of `flat` in `shape` (a TensorCheck's worst_index).

@@ -439,7 +439,7 @@ MemoryPlan GptModel::PlanMemory(const MemoryPlanOptions& options) const {
   }
   plan.Add("logits and their gradient", {2 * rows, vp / t}, storage);
   if (options.check) {
-    // Every rank runs the float64 reference on its dp rank's b samples (run/gpt_check.h).
+    // Every rank runs the float64 reference on its dp rank's b samples (run/check.h).
     plan.AddElements("reference: parameters and gradients (float64, full)",
                      SaturatingMul(full_parameters, 2), DType::kFloat64, true);
     const int64_t attn = gpt.num_attention_heads * gpt.kv_channels;

@@ -893,7 +893,7 @@ TEST(GraphVsReference, MissingAndUnknownTensorsFail) {
     records.push_back(std::move(record));
   }
   StatusOr<run::CheckResult> checked =
-      run::CheckAgainstReference(config, records, [](const TensorRecord& t) { return t.tensor; });
+      run::CheckRun(config, r->coords, records, [](const TensorRecord& t) { return t.tensor; });
   ASSERT_TRUE(checked.ok()) << checked.status().Message();
   std::map<std::string, const run::TensorCheck*> by_name;
   for (const run::TensorCheck& c : checked->tensors) by_name[c.name] = &c;

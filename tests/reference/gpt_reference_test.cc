@@ -115,20 +115,20 @@ GptSetup ConfigTwo(double dropout = 0.1, int64_t num_micro = 2) {
 
 // ---- result access --------------------------------------------------------------------------
 
-GptReferenceResult MustRun(const GptSetup& x, const GptReferenceOptions& options = {}) {
-  StatusOr<GptReferenceResult> result = RunGptReference(x.gpt, x.parallel, x.run, options);
+ReferenceResult MustRun(const GptSetup& x, const GptReferenceOptions& options = {}) {
+  StatusOr<ReferenceResult> result = RunGptReference(x.gpt, x.parallel, x.run, options);
   EXPECT_TRUE(result.ok()) << result.status().Message();
-  return result.ok() ? std::move(result).value() : GptReferenceResult{};
+  return result.ok() ? std::move(result).value() : ReferenceResult{};
 }
 
-const GptReferenceTensor& Get(const GptReferenceResult& result, const std::string& name) {
-  static const GptReferenceTensor kMissing;
-  const GptReferenceTensor* t = result.Find(name);
+const ReferenceTensor& Get(const ReferenceResult& result, const std::string& name) {
+  static const ReferenceTensor kMissing;
+  const ReferenceTensor* t = result.Find(name);
   EXPECT_NE(t, nullptr) << "no tensor " << name;
   return t == nullptr ? kMissing : *t;
 }
 
-std::vector<double> Values(const GptReferenceResult& result, const std::string& name) {
+std::vector<double> Values(const ReferenceResult& result, const std::string& name) {
   const Tensor& t = Get(result, name).value;
   if (!t.defined()) return {};
   return std::vector<double>(t.data_as<double>(), t.data_as<double>() + t.numel());
@@ -194,10 +194,10 @@ std::map<std::string, Tensor> PerturbedOverrides(const GptSetup& x) {
 }
 
 // The whole-tensor parameter names of a result, in order.
-std::vector<std::string> ParameterNames(const GptReferenceResult& r) {
+std::vector<std::string> ParameterNames(const ReferenceResult& r) {
   std::vector<std::string> names;
-  for (const GptReferenceTensor& t : r.tensors) {
-    if (t.batch_dim < 0 && !t.partial) names.push_back(t.name);
+  for (const ReferenceTensor& t : r.tensors) {
+    if (t.parameter) names.push_back(t.name);
   }
   return names;
 }
@@ -207,7 +207,7 @@ std::vector<std::string> ParameterNames(const GptReferenceResult& r) {
 // d loss / d param[flat] by the fourth-order central difference
 // (-L(+2h) + 8 L(+h) - 8 L(-h) + L(-2h)) / 12h.
 double FiniteDifference(const GptSetup& x, GptReferenceOptions options,
-                        const GptReferenceResult& base, const std::string& param, int64_t flat) {
+                        const ReferenceResult& base, const std::string& param, int64_t flat) {
   constexpr double kStep = 5e-4;
   const Tensor& value = Get(base, param).value;
   const double weights[4] = {-1.0, 8.0, -8.0, 1.0};
@@ -227,7 +227,7 @@ double FiniteDifference(const GptSetup& x, GptReferenceOptions options,
 void CheckGradientsByFiniteDifferences(const GptSetup& x) {
   GptReferenceOptions options;
   options.parameter_overrides = PerturbedOverrides(x);
-  const GptReferenceResult base = MustRun(x, options);
+  const ReferenceResult base = MustRun(x, options);
   const std::vector<std::string> params = ParameterNames(base);
   ASSERT_FALSE(params.empty());
   double worst_rel = 0.0;
@@ -273,7 +273,7 @@ struct Rows {
   std::vector<double> v;
   double operator()(int64_t r, int64_t c) const { return v[static_cast<size_t>(r * cols + c)]; }
 };
-Rows AsRows(const GptReferenceResult& result, const std::string& name) {
+Rows AsRows(const ReferenceResult& result, const std::string& name) {
   const Tensor& t = Get(result, name).value;
   Rows out;
   out.cols = t.cols();
@@ -326,7 +326,7 @@ void CheckChainRule(const GptSetup& x) {
   const double p = x.gpt.hidden_dropout;
   GptReferenceOptions options;
   options.parameter_overrides = PerturbedOverrides(x);
-  const GptReferenceResult r = MustRun(x, options);
+  const ReferenceResult r = MustRun(x, options);
   const int64_t s = x.run.seq_length, B = GptReferenceSamples(x.parallel, x.run);
   const int64_t h = x.gpt.hidden_size, a = x.gpt.num_attention_heads, dk = x.gpt.kv_channels;
   const int64_t groups = x.gpt.num_query_groups, heads_per_group = a / groups;
@@ -473,22 +473,22 @@ TEST(GptReferenceTest, ActivationGradientsFollowTheChainRuleRmsNormSwigluRopeGqa
 // the whole run's samples, gradient and loss shares add up, parameters are the same.
 TEST(GptReferenceTest, SlicesOfTheSamplesAddUpToTheWholeRun) {
   const GptSetup x = ConfigTwo(0.1, 3);
-  const GptReferenceResult whole = MustRun(x);
+  const ReferenceResult whole = MustRun(x);
   const std::vector<std::pair<int64_t, int64_t>> slices = {{0, 1}, {1, 1}, {1, 3}, {3, 4}};
-  std::vector<GptReferenceResult> parts;
+  std::vector<ReferenceResult> parts;
   for (const auto& [begin, end] : slices) {
     GptReferenceOptions options;
-    options.sample_begin = begin;
-    options.sample_end = end;
+    options.slice.begin = begin;
+    options.slice.end = end;
     parts.push_back(MustRun(x, options));
-    EXPECT_EQ(parts.back().sample_begin, begin);
-    EXPECT_EQ(parts.back().sample_end, end);
+    EXPECT_EQ(parts.back().slice_begin, begin);
+    EXPECT_EQ(parts.back().slice_end, end);
   }
   double loss = 0;
-  for (const GptReferenceResult& part : parts) loss += part.loss;
+  for (const ReferenceResult& part : parts) loss += part.loss;
   EXPECT_NEAR(loss, whole.loss, 1e-14);
   ASSERT_GT(whole.tensors.size(), 50u);
-  for (const GptReferenceTensor& expected : whole.tensors) {
+  for (const ReferenceTensor& expected : whole.tensors) {
     SCOPED_TRACE(expected.name);
     const std::vector<double> all = Values(whole, expected.name);
     // Biases start at zero (Megatron's initialisation); everything else must be non-trivial.
@@ -497,12 +497,13 @@ TEST(GptReferenceTest, SlicesOfTheSamplesAddUpToTheWholeRun) {
     }
     std::vector<double> joined(all.size(), 0.0);
     for (size_t k = 0; k < parts.size(); ++k) {
-      const GptReferenceTensor& t = Get(parts[k], expected.name);
+      const ReferenceTensor& t = Get(parts[k], expected.name);
       ASSERT_EQ(t.full_shape, expected.full_shape);
+      ASSERT_EQ(t.layout, expected.layout);
       ASSERT_EQ(t.batch_dim, expected.batch_dim);
       ASSERT_EQ(t.partial, expected.partial);
       const std::vector<double> values = Values(parts[k], expected.name);
-      if (expected.batch_dim < 0) {
+      if (expected.layout == ReferenceTensor::Layout::kWhole) {
         EXPECT_EQ(t.value.shape(), expected.full_shape);
         if (!expected.partial) {
           EXPECT_EQ(values, all);
@@ -539,20 +540,20 @@ TEST(GptReferenceTest, SlicesOfTheSamplesAddUpToTheWholeRun) {
 TEST(GptReferenceTest, BadSlicesOverridesAndTokensAreErrors) {
   const GptSetup x = ConfigOne(0.1, 2);
   const auto fails = [&](const GptReferenceOptions& options, const std::string& where) {
-    StatusOr<GptReferenceResult> result = RunGptReference(x.gpt, x.parallel, x.run, options);
+    StatusOr<ReferenceResult> result = RunGptReference(x.gpt, x.parallel, x.run, options);
     ASSERT_FALSE(result.ok());
     EXPECT_NE(result.status().Message().find(where), std::string::npos)
         << result.status().Message();
   };
   GptReferenceOptions options;
-  options.sample_begin = 3;
-  options.sample_end = 2;
+  options.slice.begin = 3;
+  options.slice.end = 2;
   fails(options, "slice");
-  options.sample_begin = 0;
-  options.sample_end = 5;  // B = 4
+  options.slice.begin = 0;
+  options.slice.end = 5;  // B = 4
   fails(options, "slice");
   options = {};
-  options.sample_begin = -1;
+  options.slice.begin = -1;
   fails(options, "slice");
   options = {};
   options.parameter_overrides["decoder.layers.7.mlp.linear_fc1.weight"] = FromValues({1}, {0.0});
@@ -577,7 +578,7 @@ TEST(GptReferenceTest, BadSlicesOverridesAndTokensAreErrors) {
   ParallelConfig odd = x.parallel;
   odd.tensor_model_parallel_size = 2;
   odd.world_size = 3;
-  StatusOr<GptReferenceResult> result = RunGptReference(x.gpt, odd, x.run, {});
+  StatusOr<ReferenceResult> result = RunGptReference(x.gpt, odd, x.run, {});
   ASSERT_FALSE(result.ok());
   EXPECT_EQ(result.status().where(), "parallel.world_size");
 }
@@ -588,7 +589,7 @@ TEST(GptReferenceTest, BadSlicesOverridesAndTokensAreErrors) {
 // are the next tokens. Parameters are the master values (norm weights 1, biases 0).
 TEST(GptReferenceTest, TokensAndParametersAreTheDrawnInputs) {
   const GptSetup x = ConfigOne(0.1, 2);
-  const GptReferenceResult r = MustRun(x);
+  const ReferenceResult r = MustRun(x);
   const int64_t s = 4, B = 4, V = 11;
   const std::vector<double> tokens = Values(r, "tokens"), labels = Values(r, "labels");
   ASSERT_EQ(tokens.size(), static_cast<size_t>(s * B));
@@ -625,7 +626,7 @@ TEST(GptReferenceTest, TokensAndParametersAreTheDrawnInputs) {
   // An override is used as it is, not copied.
   GptReferenceOptions options;
   options.parameter_overrides = PerturbedOverrides(x);
-  const GptReferenceResult given = MustRun(x, options);
+  const ReferenceResult given = MustRun(x, options);
   for (const auto& [name, tensor] : options.parameter_overrides) {
     EXPECT_EQ(Get(given, name).value.data(), tensor.data()) << name;
   }
@@ -639,10 +640,10 @@ TEST(GptReferenceTest, DropoutMasksAreGlobalPureFunctions) {
   const double p = 0.3, scale = 1.0 / 0.7;
   const int64_t s = 4, B = 4, h = 8, a = 2, dk = 4, m = 1, sb = 1, n = 2;
   GptReferenceOptions options;
-  options.sample_begin = sb;
-  options.sample_end = sb + n;
+  options.slice.begin = sb;
+  options.slice.end = sb + n;
   options.parameter_overrides = PerturbedOverrides(x);
-  const GptReferenceResult r = MustRun(x, options);
+  const ReferenceResult r = MustRun(x, options);
   const auto keep = [&](const std::string& site, int64_t flat) {
     return UniformAt(1234, DropoutStream(site, 0, m), static_cast<uint64_t>(flat)) >= p ? scale
                                                                                         : 0.0;
@@ -730,10 +731,10 @@ TEST(GptReferenceTest, LayoutsWithTheSamePaddedVocabularyAgree) {
   one.parallel.world_size = 2;
   two.parallel.sequence_parallel = true;
   ASSERT_EQ(one.gpt.PaddedVocabSize(1), two.gpt.PaddedVocabSize(2));
-  const GptReferenceResult a = MustRun(one), b = MustRun(two);
+  const ReferenceResult a = MustRun(one), b = MustRun(two);
   ASSERT_EQ(a.tensors.size(), b.tensors.size());
   EXPECT_EQ(a.loss, b.loss);
-  for (const GptReferenceTensor& t : a.tensors) {
+  for (const ReferenceTensor& t : a.tensors) {
     EXPECT_EQ(Values(a, t.name), Values(b, t.name)) << t.name;
   }
   // A different data-parallel size is a different global batch.
@@ -756,10 +757,10 @@ TEST(GptReferenceTest, LaterTokensDoNotChangeEarlierPositions) {
     after = before;
     int64_t& last = after.tokens[0][static_cast<size_t>((s - 1) * B + changed)];
     last = (last + 5) % x.gpt.vocab_size;
-    const GptReferenceResult r0 = MustRun(x, before), r1 = MustRun(x, after);
+    const ReferenceResult r0 = MustRun(x, before), r1 = MustRun(x, after);
     int compared = 0;
-    for (const GptReferenceTensor& t : r0.tensors) {
-      if (t.batch_dim < 0 || t.name.ends_with("_grad")) continue;  // gradients see the future
+    for (const ReferenceTensor& t : r0.tensors) {
+      if (t.layout != ReferenceTensor::Layout::kSamples || t.name.ends_with("_grad")) continue;  // gradients see the future
       SCOPED_TRACE(t.name);
       const std::vector<double> v0 = Values(r0, t.name), v1 = Values(r1, t.name);
       // [s, B, w] (batch_dim 1) or [B, a, s, s] (batch_dim 0, the query position is dim 2).
@@ -839,7 +840,7 @@ void CheckGolden(const std::string& file) {
     golden_params.insert(name);
     options.parameter_overrides[name] = tensor;
   }
-  const GptReferenceResult r = MustRun({gpt, config.parallel, *config.run}, options);
+  const ReferenceResult r = MustRun({gpt, config.parallel, *config.run}, options);
   const std::vector<std::string> names = ParameterNames(r);
   EXPECT_EQ(std::set<std::string>(names.begin(), names.end()), golden_params);
 

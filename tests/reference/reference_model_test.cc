@@ -671,14 +671,14 @@ TEST(ReferenceModelTest, SlicesOfTheBatchAddUpToTheWholeRun) {
   model.layers.insert(model.layers.begin() + 3, Dropout("drop", 0.25));
   const RunConfig run = RunOf(4, 2, 3);  // s*B = 16 rows, 3 micro-batches
   const ReferenceResult whole = MustRun(parallel, model, run);
-  ASSERT_EQ(whole.rows, 16);
+  ASSERT_EQ(whole.units, 16);
   const std::vector<std::pair<int64_t, int64_t>> slices = {{0, 5}, {5, 5}, {5, 11}, {11, 16}};
   std::vector<ReferenceResult> parts;
   for (const auto& [begin, end] : slices) {
     StatusOr<ReferenceResult> part = RunReference(parallel, model, run, {begin, end});
     ASSERT_TRUE(part.ok()) << part.status().Message();
-    EXPECT_EQ(part->row_begin, begin);
-    EXPECT_EQ(part->row_end, end);
+    EXPECT_EQ(part->slice_begin, begin);
+    EXPECT_EQ(part->slice_end, end);
     parts.push_back(std::move(part).value());
   }
   double loss = 0;
@@ -696,7 +696,7 @@ TEST(ReferenceModelTest, SlicesOfTheBatchAddUpToTheWholeRun) {
       EXPECT_EQ(t->budget.terms, expected.budget.terms);
       const std::vector<double> values = Values(part, expected.name);
       if (expected.layout == ReferenceTensor::Layout::kRows) {
-        EXPECT_EQ(t->value.rows(), part.row_end - part.row_begin);
+        EXPECT_EQ(t->value.rows(), part.slice_end - part.slice_begin);
         joined.insert(joined.end(), values.begin(), values.end());
       } else if (expected.partial) {
         if (joined.empty()) joined.assign(values.size(), 0.0);

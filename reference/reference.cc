@@ -1,0 +1,121 @@
+// BuildReference: the layer chain's and the GPT's references behind one contract (see
+// reference.h).
+#include "reference/reference.h"
+
+#include <fmt/format.h>
+
+#include <utility>
+
+#include "reference/gpt_reference.h"
+#include "reference/reference_model.h"
+
+namespace mpusim {
+namespace {
+
+const std::map<std::string, Tensor>& OverridesOf(const ReferenceRequest& request) {
+  static const std::map<std::string, Tensor> kNone;
+  return request.parameter_overrides != nullptr ? *request.parameter_overrides : kNone;
+}
+
+// The layer chain: token rows, split evenly over every rank of the job.
+class ChainReference final : public Reference {
+ public:
+  explicit ChainReference(const Config& config)
+      : parallel_(config.parallel), model_(*config.model), run_(*config.run) {}
+
+  int64_t Units() const override { return ReferenceRows(parallel_, run_); }
+  std::string_view UnitName() const override { return "token rows"; }
+  int64_t RowsPerUnit() const override { return 1; }
+  ReferenceSplit SplitFor(const RankCoordinates&, int world_rank, int world_size) const override {
+    const auto edge = [&](int k) {
+      return static_cast<int64_t>(static_cast<__int128>(k) * Units() / world_size);
+    };
+    return {{edge(world_rank), edge(world_rank + 1)}, 0, world_rank, world_size};
+  }
+  StatusOr<std::vector<ReferenceParameter>> Parameters() const override {
+    return ReferenceParameters(parallel_, model_, run_);
+  }
+  StatusOr<ReferenceResult> Run(const ReferenceRequest& request) const override {
+    return RunReferenceWithOverrides(parallel_, model_, run_, OverridesOf(request), request.slice,
+                                     request.iteration);
+  }
+  std::string SplitText(int world_size) const override {
+    return fmt::format("computed once, split over {} ranks by token rows", world_size);
+  }
+  std::string_view BudgetText() const override {
+    return "grows with the tensor's reduction lengths";
+  }
+
+ private:
+  ParallelConfig parallel_;
+  ModelConfig model_;
+  RunConfig run_;
+};
+
+// The GPT: samples; the ranks of one tensor-, context- and pipeline-parallel coordinate split
+// them by their data-parallel rank (each computes the b samples its own records hold).
+class GptReference final : public Reference {
+ public:
+  GptReference(const Config& config, GptConfig gpt)
+      : parallel_(config.parallel), run_(*config.run), gpt_(std::move(gpt)) {}
+
+  int64_t Units() const override { return GptReferenceSamples(parallel_, run_); }
+  std::string_view UnitName() const override { return "samples"; }
+  int64_t RowsPerUnit() const override { return run_.seq_length; }
+  ReferenceSplit SplitFor(const RankCoordinates& coords, int, int) const override {
+    const int64_t b = run_.micro_batch_size;
+    const int64_t tp = parallel_.tensor_model_parallel_size;
+    const int64_t cp = parallel_.context_parallel_size;
+    return {{coords.dp * b, coords.dp * b + b},
+            static_cast<int>((coords.pp * cp + coords.cp) * tp + coords.tp),
+            static_cast<int>(coords.dp),
+            static_cast<int>(Units() / b)};
+  }
+  StatusOr<std::vector<ReferenceParameter>> Parameters() const override {
+    std::vector<ReferenceParameter> out;
+    for (const GptParameter& p :
+         GptParameters(gpt_, gpt_.PaddedVocabSize(parallel_.tensor_model_parallel_size), false)) {
+      out.push_back({p.name, p.shape, p.init});
+    }
+    return out;
+  }
+  StatusOr<ReferenceResult> Run(const ReferenceRequest& request) const override {
+    GptReferenceOptions options;
+    options.slice = request.slice;
+    options.iteration = request.iteration;
+    options.parameter_overrides = OverridesOf(request);
+    return RunGptReference(gpt_, parallel_, run_, options);
+  }
+  std::string SplitText(int) const override {
+    return "each rank computes its data-parallel rank's samples";
+  }
+  std::string_view BudgetText() const override { return "for the model's longest path"; }
+
+ private:
+  ParallelConfig parallel_;
+  RunConfig run_;
+  GptConfig gpt_;
+};
+
+}  // namespace
+
+const ReferenceTensor* ReferenceResult::Find(std::string_view name) const {
+  for (const ReferenceTensor& t : tensors) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+StatusOr<std::unique_ptr<Reference>> BuildReference(const Config& config) {
+  if (!config.run) return Status::Error("run", "the reference needs a run section");
+  if (config.gpt) {
+    // The GPT as the executor resolves it for the layout (GptModel::Build does the same).
+    GptConfig gpt = *config.gpt;
+    MPUSIM_RETURN_IF_ERROR(CheckGptLayout(config.parallel, *config.run, &gpt));
+    return std::unique_ptr<Reference>(std::make_unique<GptReference>(config, std::move(gpt)));
+  }
+  if (!config.model) return Status::Error("model", "the reference needs a model section");
+  return std::unique_ptr<Reference>(std::make_unique<ChainReference>(config));
+}
+
+}  // namespace mpusim
