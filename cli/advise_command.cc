@@ -23,6 +23,7 @@
 #include "cli/estimate_report.h"
 #include "core/config/config.h"
 #include "core/config/json_fields.h"
+#include "core/config/model_facts.h"
 #include "core/estimate/advise.h"
 #include "core/estimate/memory_reserve.h"
 #include "core/estimate/not_modelled.h"
@@ -375,7 +376,7 @@ class AdviseCommand : public Command {
     Config modelled = config;
     modelled.parallel.overlap_moe_expert_parallel_comm = options.overlap_moe_expert_parallel_comm;
     not_modelled_ = NotModelled(modelled);
-    moe_ = config.gpt && config.gpt->moe.enabled();
+    moe_ = FactsOf(config).moe.enabled();
     StatusOr<Advice> advice = Advise(config, *gpu, options);
     if (FromAttentionFlag(attention_backend_, advice.status())) {
       return ReportError(

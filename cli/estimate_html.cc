@@ -11,6 +11,7 @@
 
 #include "cli/estimate_parts.h"
 #include "cli/estimate_report.h"
+#include "core/config/model_facts.h"
 #include "core/estimate/not_modelled.h"
 #include "core/html.h"
 #include "run/preflight.h"
@@ -124,7 +125,7 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
            "tensors, the distributed optimizer's gradient piece kept between iterations, or "
            "the optimizer step if larger: what <code>mpusim run --no-check --summary</code> "
            "measures as activations (peak - held).</p>\n";
-    if (config.gpt && config.gpt->moe.enabled()) {
+    if (FactsOf(config).moe.enabled()) {
       out << "<p class=\"note\">" << HtmlEscape(kMoeRoutingNote) << "</p>\n";
     }
   }
@@ -139,7 +140,7 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
         t.num_microbatches, run.micro_batch_size, topology.sizes().dp, run.seq_length,
         RecomputeText(run.recompute));
     const bool cp = topology.sizes().cp > 1;
-    const bool ep = config.gpt && config.gpt->moe.enabled();
+    const bool ep = FactsOf(config).moe.enabled();
     PrintBarsSvg(TimePartNames(cp, ep), {TimeBar("one iteration", t, cp, ep)}, 0, "", out);
     out << "<table class=\"report\"><tr><th>group</th><th>operation</th><th>count</th>"
            "<th>sent</th><th>time (exposed)</th><th>hidden</th><th>link</th></tr>\n";
@@ -157,8 +158,8 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
         100 * t.gemm_efficiency_achieved, 100 * t.gpu.gemm_efficiency,
         100 * t.gpu.memory_efficiency, 100 * t.gpu.collective_efficiency,
         HtmlEscape(OverlapText(config, t,
-                               topology.sizes().cp > 1 && config.gpt &&
-                                   config.gpt->cp_comm_type == CpCommType::kP2p)),
+                               topology.sizes().cp > 1 &&
+                                   FactsOf(config).cp_comm_type == CpCommType::kP2p)),
         HtmlEscape(AttentionTimeText(t)));
   } else {
     out << "<p class=\"note\">step time: not estimated: " << HtmlEscape(r.time_missing)

@@ -9,6 +9,7 @@
 
 #include "cli/estimate_parts.h"
 #include "cli/estimate_report.h"
+#include "core/config/model_facts.h"
 #include "core/estimate/not_modelled.h"
 #include "run/preflight.h"
 
@@ -74,12 +75,13 @@ void PrintExecutorText(const EstimateReport& r, std::ostream& out) {
                        run::FormatBytes(a.carried), run::FormatBytes(a.optimizer_step),
                        run::FormatBytes(a.peak()));
   }
-  if (r.config.gpt && r.config.gpt->moe.enabled()) out << kMoeRoutingNote << '\n';
+  if (FactsOf(r.config).moe.enabled()) out << kMoeRoutingNote << '\n';
 }
 
 void PrintTimeText(const Config& config, const Topology& topology, const TimeEstimate& t,
                    std::ostream& out) {
   const RunConfig& run = *config.run;
+  const ModelFacts facts = FactsOf(config);
   out << fmt::format(
       "Step time on {}: global batch {} ({} micro-batches of {} x dp {}), sequence {}, "
       "recompute {}\n",
@@ -98,7 +100,7 @@ void PrintTimeText(const Config& config, const Topology& topology, const TimeEst
                                                    : "",
       ExposedText(t.tp_comm_s, t.tp_comm_hidden_s, TpOverlap(config)),
       topology.sizes().cp > 1 ? " + cp " + SecondsText(t.cp_comm_s) : "",
-      config.gpt && config.gpt->moe.enabled()
+      facts.moe.enabled()
           ? " + ep " + ExposedText(t.ep_comm_s, t.ep_comm_hidden_s, EpOverlap(config))
           : "",
       topology.sizes().pp > 1 ? " + pp sends " + SecondsText(t.pp_comm_s) : "",
@@ -131,8 +133,7 @@ void PrintTimeText(const Config& config, const Topology& topology, const TimeEst
                            : "",
                        c.inter_node ? "across nodes" : "in a node");
   }
-  const bool ring = topology.sizes().cp > 1 && config.gpt &&
-                    config.gpt->cp_comm_type == CpCommType::kP2p;
+  const bool ring = topology.sizes().cp > 1 && facts.cp_comm_type == CpCommType::kP2p;
   out << fmt::format(
       "  model: GEMMs by their shapes at {:.1f}% of peak (ceiling {:.0f}%), memory-bound "
       "kernels at {:.0f}% of HBM bandwidth, collectives at {:.0f}% of link bandwidth; {}\n",
@@ -140,12 +141,12 @@ void PrintTimeText(const Config& config, const Topology& topology, const TimeEst
       100 * t.gpu.memory_efficiency, 100 * t.gpu.collective_efficiency,
       OverlapText(config, t, ring));
   out << "  attention: " << AttentionTimeText(t) << '\n';
-  if (config.gpt && config.gpt->fp8) {
+  if (facts.fp8) {
     out << fmt::format(
         "  fp8 ({}, recipe {}): the linear layers' GEMMs at the fp8 peak (ceiling {:.0f}%) with "
         "their cast-transposes; router, logits and core attention at the 16-bit peak; MFU "
         "against the 16-bit peak\n",
-        Fp8FormatName(*config.gpt->fp8), Fp8RecipeName(config.gpt->fp8_recipe),
+        Fp8FormatName(*facts.fp8), Fp8RecipeName(facts.fp8_recipe),
         100 * t.gpu.gemm_efficiency_8bit);
   }
 }

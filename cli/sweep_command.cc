@@ -38,6 +38,7 @@
 #include "cli/commands.h"
 #include "core/config/config.h"
 #include "core/config/gpt_config.h"
+#include "core/config/model_facts.h"
 #include "core/dump/safetensors.h"
 #include "core/layout_space.h"
 #include "core/model/model.h"
@@ -129,9 +130,9 @@ class SweepCommand final : public Command {
     base["run"].erase("global_batch_size");
     std::vector<Layout> layouts;
     std::vector<std::string> skipped;
-    ListLayouts(base, config.optimizer.has_value(), config.gpt.has_value(),
-                config.gpt && config.gpt->moe.enabled() ? config.gpt->moe.num_experts : 0,
-                &layouts, &skipped);
+    const ModelFacts facts = FactsOf(config);
+    ListLayouts(base, config.optimizer.has_value(), facts.has_attention(),
+                facts.moe.enabled() ? facts.moe.num_experts : 0, &layouts, &skipped);
     if (layouts.empty()) {
       return ReportError(err, config_path_,
                          fmt::format("no layout of {} ranks can run this model (e.g. {})",
@@ -195,7 +196,7 @@ class SweepCommand final : public Command {
              "losses differ between layouts; each layout is checked against the reference "
              "drawing the same masks)\n";
     }
-    if (config.gpt && config.gpt->moe.enabled() && config.optimizer) {
+    if (facts.moe.enabled() && config.optimizer) {
       out << "  (the MoE router's load-balancing counts and capacity are per data-parallel "
              "rank, as in Megatron, so layouts with another dp x cp train a different model "
              "after the first iteration; each is checked against the reference with its "
@@ -220,16 +221,17 @@ class SweepCommand final : public Command {
   }
 
   // The layout space (core/layout_space.h) of world_size_ ranks as the sweep searches it:
-  // every tp x cp x pp (x vp 2) x dp (cp > 1 with `gpt` only), with and without sequence
+  // every tp x cp x pp (x vp 2) x dp (cp > 1 only for a model `has_attention`: a sequence for
+  // context parallelism to split), with and without sequence
   // parallelism and the distributed optimizer (with `has_optimizer` and dp x cp > 1), and for
   // a model with `experts` every ep dividing dp x cp and the experts, each also with whole
   // experts (etp 1) where tp > 1: those the model accepts into `layouts`, the others into
   // `skipped` with the reason.
-  void ListLayouts(const json& base, bool has_optimizer, bool gpt, int64_t experts,
+  void ListLayouts(const json& base, bool has_optimizer, bool has_attention, int64_t experts,
                    std::vector<Layout>* layouts_out, std::vector<std::string>* skipped_out) const {
     LayoutSpace space;
     space.world_size = world_size_;
-    space.max_cp = gpt ? 0 : 1;
+    space.max_cp = has_attention ? 0 : 1;
     space.virtual_pipeline = LayoutSpace::VirtualPipeline::kTwo;
     space.has_optimizer = has_optimizer;
     space.distributed_optimizer_needs_sharding = true;

@@ -10,9 +10,11 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <tuple>
 
+#include "core/config/model_facts.h"
 #include "core/dump/safetensors.h"
 #include "core/schedule.h"
 #include "mpi/watchdog.h"
@@ -101,6 +103,7 @@ void RunReport::PrintLayout(const Topology& topology, const SimulationResult& re
   if (s.cp > 1) {
     // Megatron's load-balanced split: cp rank r holds chunks r and 2 cp - 1 - r.
     const int64_t c = run.seq_length / (2 * s.cp);
+    const std::optional<CpCommType> cp_comm_type = FactsOf(config_).cp_comm_type;
     std::vector<std::string> held;
     for (int64_t r = 0; r < s.cp; ++r) {
       const int64_t second = 2 * s.cp - 1 - r;
@@ -110,7 +113,7 @@ void RunReport::PrintLayout(const Topology& topology, const SimulationResult& re
     out_ << fmt::format("context parallel: cp_comm_type \"{}\"; the sequence in {} chunks of {} "
                         "positions, cp rank r holding chunks r and {} - r (positions by cp "
                         "rank: {})\n",
-                        config_.gpt ? CpCommTypeName(config_.gpt->cp_comm_type) : "none",
+                        cp_comm_type ? CpCommTypeName(*cp_comm_type) : "none",
                         2 * s.cp, c, 2 * s.cp - 1, fmt::join(held, "; "));
   }
   if (s.pp > 1) {

@@ -17,6 +17,7 @@
 #include <sstream>
 
 #include "core/config/config.h"
+#include "core/config/model_facts.h"
 #include "core/model/model.h"
 #include "core/topology.h"
 #include "mpi/agree.h"
@@ -207,10 +208,10 @@ int RankRun::LoadConfig() {
                                      has_model ? "run" : "model"));
   }
   // The executor computes in the run's dtype: fp8 is for the estimate and advise alone.
-  if (config_.gpt && config_.gpt->fp8) {
+  if (const std::optional<Fp8Format> fp8 = FactsOf(config_).fp8) {
     return Usage(source, fmt::format("model.fp8: \"{}\" is for mpusim estimate and advise only; "
                                      "mpusim run computes in run.dtype (set fp8 to null)",
-                                     Fp8FormatName(*config_.gpt->fp8)));
+                                     Fp8FormatName(*fp8)));
   }
   // The executor runs Megatron's plain 1F1B order; the combined one only changes timing and
   // how many micro-batches are in flight, which estimate and advise price.

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "core/config/model_facts.h"
 #include "core/pipeline/executor.h"
 #include "core/train/optimizer.h"
 #include "core/train/train_step.h"
@@ -32,8 +33,8 @@ RankContext MakeRankContext(const Config& config, Backend& backend, const Topolo
   ctx.rng = RngTracker::ForRank(config.run->seed, ctx.coords.tp, ctx.coords.pp, ctx.coords.dp);
   const bool distributed_optimizer =
       config.optimizer.has_value() && config.optimizer->use_distributed_optimizer;
-  const bool hierarchical_cp = config.gpt && config.gpt->cp_comm_type == CpCommType::kA2aP2p &&
-                               topology.sizes().cp > 1;
+  const bool hierarchical_cp =
+      FactsOf(config).cp_comm_type == CpCommType::kA2aP2p && topology.sizes().cp > 1;
   auto groups =
       backend.MakeGroups(topology, world_rank,
                          RankGroups::Kinds(distributed_optimizer,

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <optional>
 
+#include "core/config/model_facts.h"
+
 namespace mpusim {
 namespace {
 
@@ -29,10 +31,10 @@ std::vector<std::string> NcclCommunicators(const Config& config, const Topology&
   add("dp_cp");
   const bool distributed = config.optimizer && config.optimizer->use_distributed_optimizer;
   if (config.optimizer) add(distributed ? "intra_dist_opt" : "mp");
-  const bool tied = config.gpt && config.gpt->share_embeddings_and_output_weights;
-  if (tied) add("embd");
-  if (config.gpt && config.gpt->moe.enabled()) {
-    if (config.gpt->moe.token_dispatcher == MoeDispatcher::kAllToAll) {
+  const ModelFacts facts = FactsOf(config);
+  if (facts.tied_embeddings) add("embd");
+  if (facts.moe.enabled()) {
+    if (facts.moe.token_dispatcher == MoeDispatcher::kAllToAll) {
       add("ep");
       add("expt_tp");
     } else {
@@ -49,7 +51,8 @@ MemoryReserve EstimateMemoryReserve(const Config& config, const Topology& topolo
   r.cuda_context = kCudaContextBytes;
   const bool hopper = gpu.compute_capability >= 90;
   const PlanBytes te = hopper ? kTeCublasWorkspaceSm90 : kTeCublasWorkspaceOlder;
-  const bool grouped = config.gpt && config.gpt->moe.enabled() && config.gpt->moe.grouped_gemm;
+  const MoeConfig& moe = FactsOf(config).moe;
+  const bool grouped = moe.enabled() && moe.grouped_gemm;
   r.cublas_workspaces = (hopper ? kTorchCublasWorkspaceSm90 : kTorchCublasWorkspaceOlder) +
                         te * (1 + (grouped ? kTeGroupedGemmStreams : 0));
   r.communicators = NcclCommunicators(config, topology, rank);

@@ -1,5 +1,7 @@
 #include "core/estimate/not_modelled.h"
 
+#include "core/config/model_facts.h"
+
 namespace mpusim {
 
 std::vector<std::string> NotModelled(const Config& config) {
@@ -22,11 +24,12 @@ std::vector<std::string> NotModelled(const Config& config) {
       "memory outside the reserve: TransformerEngine's userbuffers (tp_comm_overlap), CUDA "
       "graphs' pools, NCCL's per-communicator structures besides its buffers",
   };
-  if (config.gpt && config.gpt->fp8) {
+  const ModelFacts facts = FactsOf(config);
+  if (facts.fp8) {
     items.push_back("fp8 weights (fp8_param), fp8 attention, first_last_layers_bf16 and the "
                     "delayed recipe's amax reductions");
   }
-  if (config.gpt && config.gpt->moe.enabled()) {
+  if (facts.moe.enabled()) {
     items.push_back("uneven expert routing (balanced routing assumed) and the dispatchers' "
                     "communication buffers");
     items.push_back(ep_overlap ? "the DeepEP / HybridEP (flex) dispatchers"
