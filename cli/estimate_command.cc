@@ -24,6 +24,7 @@
 #include "cli/commands.h"
 #include "cli/config_options.h"
 #include "cli/estimate_report.h"
+#include "core/estimate/estimable.h"
 #include "core/estimate/memory_reserve.h"
 #include "core/estimate/time_estimate.h"
 #include "core/topology.h"
@@ -134,21 +135,23 @@ class EstimateCommand : public Command {
                            "is needed with --micro-batch-size, --seq-length, --recompute or "
                            "--train-iters when the config has no run section");
     }
+    // The GPT model's position table gives the default sequence and bounds it (a chain: none).
+    const GptConfig* const model = EstimatedModel(*config);
     RunConfig run;
     if (config->run) {
       run = *config->run;
     } else {
       run.dtype = MegatronStorageDType(config->parallel).value_or(DType::kFloat32);
-      run.seq_length = config->gpt ? config->gpt->max_position_embeddings : 0;
+      run.seq_length = model != nullptr ? model->max_position_embeddings : 0;
     }
     if (micro_batch_) run.micro_batch_size = *micro_batch_;
     if (seq_length_) run.seq_length = *seq_length_;
     if (run.seq_length < 1) return Status::Error("--seq-length", "is needed (>= 1)");
-    if (config->gpt && config->gpt->has_position_embeddings() &&
-        run.seq_length > config->gpt->max_position_embeddings) {
+    if (model != nullptr && model->has_position_embeddings() &&
+        run.seq_length > model->max_position_embeddings) {
       return Status::Error("--seq-length",
                            fmt::format("{} is above the model's max_position_embeddings {}",
-                                       run.seq_length, config->gpt->max_position_embeddings));
+                                       run.seq_length, model->max_position_embeddings));
     }
     if (run.micro_batch_size < 1) return Status::Error("--micro-batch-size", "must be >= 1");
     if (train_iters_) {

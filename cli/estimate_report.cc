@@ -10,6 +10,7 @@
 #include <algorithm>
 
 #include "cli/estimate_parts.h"
+#include "core/estimate/estimable.h"
 #include "run/preflight.h"
 
 namespace mpusim::cli {
@@ -131,11 +132,12 @@ std::string AttentionText(const ResolvedAttention& a) {
 }
 
 void SetAttentionBackend(const std::string& name, Config* config) {
-  if (name.empty() || !config->gpt) return;
+  GptConfig* const model = EstimatedModel(config);
+  if (name.empty() || model == nullptr) return;
   const std::vector<std::string_view>& names = AttentionBackendNames();
   const auto it = std::find(names.begin(), names.end(), name);
   if (it != names.end()) {
-    config->gpt->attention_backend = static_cast<AttentionBackend>(it - names.begin());
+    model->attention_backend = static_cast<AttentionBackend>(it - names.begin());
   }
 }
 
@@ -182,11 +184,11 @@ StatusOr<EstimateReport> MakeEstimateReport(Config config, const Topology& topol
   StatusOr<std::vector<StageHeldMemory>> stages = EstimateStageHeldMemory(config, topology);
   if (!stages.ok()) return stages.status();
   r.stages = *stages;
-  if (time_asked && config.gpt) {
+  if (const GptConfig* model = EstimatedModel(config); time_asked && model != nullptr) {
     // Which attention runs is the config's, the dtype's and the GPU's: a backend that cannot
     // run there ("flash" in float32) is the config's error, not a missing estimate.
     StatusOr<ResolvedAttention> attention = ResolveAttentionBackend(
-        *config.gpt, config.run->dtype, gpu.compute_capability, topology.sizes().cp);
+        *model, config.run->dtype, gpu.compute_capability, topology.sizes().cp);
     if (!attention.ok()) return attention.status();
     r.attention = *attention;
   }

@@ -27,8 +27,9 @@ double Fp8SavedBytes(const GptConfig& g, double e) {
 StatusOr<std::vector<StageActivations>> EstimateStageActivations(
     const Config& config, const Topology& topology, const ResolvedAttention& attention,
     const PipelineSchedule* schedule_given) {
-  if (Status s = CheckEstimable(config, "the activation count"); !s.ok()) return s;
-  const GptConfig& g = *config.gpt;
+  const StatusOr<const GptConfig*> model = EstimableModel(config, "the activation count");
+  if (!model.ok()) return model.status();
+  const GptConfig& g = **model;
   const RunConfig& run = *config.run;
   const DerivedSizes& sz = topology.sizes();
   const bool sp = topology.config().sequence_parallel;

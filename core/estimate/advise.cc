@@ -14,6 +14,7 @@
 
 #include "core/config/gpt_config.h"
 #include "core/estimate/activation_estimate.h"
+#include "core/estimate/estimable.h"
 #include "core/estimate/memory_estimate.h"
 #include "core/estimate/memory_reserve.h"
 #include "core/layout_space.h"
@@ -63,11 +64,12 @@ const char* RecomputeName(RunConfig::Recompute r) {
 }
 
 StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOptions& options) {
-  if (!config.gpt) return Status::Error("model", "advise needs a GPT model (\"type\": \"gpt\")");
+  const GptConfig* const gpt = EstimatedModel(config);
+  if (gpt == nullptr) return Status::Error("model", "advise needs a GPT model (\"type\": \"gpt\")");
+  const GptConfig& model = *gpt;
   const int64_t n = options.world_size, batch = options.global_batch_size;
   if (n < 1) return Status::Error("--world-size", "must be >= 1");
   if (batch < 1) return Status::Error("--global-batch-size", "must be >= 1");
-  const GptConfig& model = *config.gpt;
   const int64_t max_tp = options.max_tp > 0 ? options.max_tp : config.parallel.gpus_per_node;
   RunConfig base_run = config.run.value_or(RunConfig{});
   if (!config.run) {
@@ -118,7 +120,7 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
       c.optimizer->overlap_grad_reduce = l.overlap_grad_reduce;
       c.optimizer->overlap_param_gather = l.overlap_param_gather;
     }
-    if (!CheckGptLayout(c.parallel, *c.run, &*c.gpt).ok()) return std::nullopt;
+    if (!CheckGptLayout(c.parallel, *c.run, EstimatedModel(&c)).ok()) return std::nullopt;
     return c;
   };
   // Counted once each: the topology of (tp, cp, ep, pp, vp, sp), and held memory, which depends

@@ -1,6 +1,9 @@
 // What the activation counts and the step-time model cover (core/estimate/activation_estimate.h,
 // executor_activations.h, time_estimate.h): a GPT model with a run section (mixture-of-experts
-// layers included). One check, so that all refuse alike.
+// layers included). One check, so that all refuse alike; and the one place in core/estimate
+// that takes the GptConfig out of a Config (EstimatedModel), since what the estimate counts is
+// that model's shapes. What any model answers (experts, fp8, cp_comm_type) is read with
+// FactsOf (core/config/model_facts.h) instead.
 #pragma once
 
 #include <fmt/format.h>
@@ -15,16 +18,30 @@
 
 namespace mpusim {
 
-// `what` names the estimate in the error ("the step-time estimate"); the error names the
-// field it cannot handle.
-inline Status CheckEstimable(const Config& config, std::string_view what) {
-  if (!config.gpt) {
+// The GPT model the estimate counts, or nullptr when `config` holds a layer chain (which has
+// none of the shapes the estimate counts).
+inline const GptConfig* EstimatedModel(const Config& config) {
+  return config.gpt ? &*config.gpt : nullptr;
+}
+inline GptConfig* EstimatedModel(Config* config) {
+  return config->gpt ? &*config->gpt : nullptr;
+}
+
+// The model to count, when `config` is estimable. `what` names the estimate in the error ("the
+// step-time estimate"); the error names the field it cannot handle.
+inline StatusOr<const GptConfig*> EstimableModel(const Config& config, std::string_view what) {
+  const GptConfig* model = EstimatedModel(config);
+  if (model == nullptr) {
     return Status::Error("model", fmt::format("{} needs a GPT model (\"type\": \"gpt\"); a lab "
                                               "chain has none",
                                               what));
   }
   if (!config.run) return Status::Error("run", fmt::format("{} needs a run section", what));
-  return {};
+  return model;
+}
+// EstimableModel's check alone.
+inline Status CheckEstimable(const Config& config, std::string_view what) {
+  return EstimableModel(config, what).status();
 }
 
 // The run's pipeline schedule: `given` when the caller has it already (advise shares one among

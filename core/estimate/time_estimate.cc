@@ -51,8 +51,9 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
                                         const GpuSpec& gpu,
                                         const std::vector<StageHeldMemory>* held_given,
                                         const PipelineSchedule* schedule_given) {
-  if (Status s = CheckEstimable(config, "the step-time estimate"); !s.ok()) return s;
-  const GptConfig& g = *config.gpt;
+  const StatusOr<const GptConfig*> model = EstimableModel(config, "the step-time estimate");
+  if (!model.ok()) return model.status();
+  const GptConfig& g = **model;
   const RunConfig& run = *config.run;
   const DerivedSizes& sz = topology.sizes();
   if (sz.cp > 1 && g.cp_comm_type == CpCommType::kA2aP2p) {
