@@ -244,14 +244,9 @@ std::vector<std::string> SplitCommaList(const std::string& text) {
   }
 }
 
-bool FillMissingRun(Config* config, const Topology& topology) {
+bool FillMissingRun(Config* config) {
   if (config->run) return true;
-  RunConfig run;
-  run.dtype = MegatronStorageDType(config->parallel).value_or(DType::kFloat32);
-  run.seq_length = 2 * topology.sizes().tp * topology.sizes().cp;
-  run.num_microbatches =
-      config->parallel.microbatch_group_size_per_vp_stage.value_or(topology.sizes().pp);
-  config->run = run;
+  config->run = DefaultRun(*config);
   return false;
 }
 

@@ -48,11 +48,10 @@ StatusOr<nlohmann::json> FlagValue(const ConfigFlag& f, const std::string& text)
 std::string FlagGroup(const ConfigFlag& f);
 std::string FlagTypeName(const ConfigFlag& f);
 
-// For the commands that need a run section only to build the model (explain, estimate): when
-// `config` has none, gives it the shortest sequence the layout splits (2 cp chunks, each cut
-// over tp under sequence parallelism), the fewest micro-batches every schedule accepts, and
-// the dtype of parallel.bf16/fp16/params_dtype (else float32). Returns whether it had one.
-bool FillMissingRun(Config* config, const Topology& topology);
+// For the commands that need a run section only to build the model (layout, explain,
+// estimate): when `config` has none, gives it DefaultRun's (core/config/config.h). Returns
+// whether it had one.
+bool FillMissingRun(Config* config);
 
 // "1,2,,4" -> {"1", "2", "", "4"}: the items of a comma-separated flag value, empty ones
 // kept so that the caller refuses them.

@@ -96,7 +96,7 @@ class EstimateCommand : public Command {
       return ReportError(err, "command line", s.Message());
     }
     // What a rank holds before its first step does not depend on the data.
-    const bool run_given = FillMissingRun(&config, topology);
+    const bool run_given = FillMissingRun(&config);
     std::optional<PlanBytes> reserve;
     if (reserve_gib_) {
       StatusOr<PlanBytes> bytes = ReserveGibToBytes(*reserve_gib_);
@@ -137,13 +137,13 @@ class EstimateCommand : public Command {
     }
     // The GPT model's position table gives the default sequence and bounds it (a chain: none).
     const GptConfig* const model = EstimatedModel(*config);
-    RunConfig run;
-    if (config->run) {
-      run = *config->run;
-    } else {
-      run.dtype = MegatronStorageDType(config->parallel).value_or(DType::kFloat32);
-      run.seq_length = model != nullptr ? model->max_position_embeddings : 0;
+    // Timing needs the real sequence: without a run section, the one the model's positions
+    // are sized for (DefaultRun).
+    if (!config->run && !seq_length_ && (model == nullptr || model->max_position_embeddings < 1)) {
+      return Status::Error("--seq-length", "is needed: the config has no run section and the "
+                                           "model no max_position_embeddings");
     }
+    RunConfig run = config->run ? *config->run : DefaultRun(*config);
     if (micro_batch_) run.micro_batch_size = *micro_batch_;
     if (seq_length_) run.seq_length = *seq_length_;
     if (run.seq_length < 1) return Status::Error("--seq-length", "is needed (>= 1)");

@@ -278,7 +278,7 @@ class ExplainCommand : public Command {
     // How weights are sliced does not depend on the data: without a run section, explain
     // uses the shortest sequence and the fewest micro-batches every split and schedule accept.
     Config with_run = layout->config;
-    const bool run_given = FillMissingRun(&with_run, *topology);
+    const bool run_given = FillMissingRun(&with_run);
     const Config* config = &with_run;
     if (rank_option_->count() > 0 && !topology->HasRank(rank_)) {
       return ReportError(err, "command line",

@@ -125,7 +125,7 @@ class LayoutCommand : public Command {
       std::string estimate;
       if (layout->config.has_model()) {
         Config config = layout->config;
-        const bool run_given = FillMissingRun(&config, *topology);
+        const bool run_given = FillMissingRun(&config);
         StatusOr<EstimateReport> report = MakeEstimateReport(
             config, *topology, FindGpuPreset(kDefaultGpu).value(), run_given, run_given);
         std::ostringstream section;

@@ -151,10 +151,16 @@ StatusOr<JobReference> ComputeJobReference(const Config& config, const RankCoord
   if (!built.ok()) return built.status();
   job.reference = std::move(built).value();
   job.split = job.reference->SplitFor(coords, world_rank, world_size);
-  // The ranks whose slices partition the batch sum their shares.
-  MPI_Comm group = watched::CommSplit(MPI_COMM_WORLD, job.split.group, job.split.index,
-                                      WorldLabel());
-  const CommLabel group_label = LabelOf(group, "reference slices");
+  // The ranks whose slices partition the batch sum their shares (every rank's, when one
+  // group holds them all: no communicator to make).
+  const bool whole_world = job.split.group_size == world_size;
+  MPI_Comm group = whole_world ? MPI_COMM_WORLD
+                               : watched::CommSplit(MPI_COMM_WORLD, job.split.group,
+                                                    job.split.index, WorldLabel());
+  const CommLabel group_label = whole_world ? WorldLabel() : LabelOf(group, "reference slices");
+  const auto free_group = [&] {
+    if (!whole_world) MPI_Comm_free(&group);
+  };
 
   StatusOr<std::map<std::string, Tensor>> master =
       SharedMasterParameters(*job.reference, config.run->seed, world_rank, world_size);
@@ -172,7 +178,7 @@ StatusOr<JobReference> ComputeJobReference(const Config& config, const RankCoord
     int failed = result.ok() ? 0 : 1;
     watched::Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD, WorldLabel());
     if (failed != 0) {
-      MPI_Comm_free(&group);
+      free_group();
       return result.ok() ? Status::Error("reference model", "failed on another rank")
                          : Status::Error("reference model", result.status().Message());
     }
@@ -180,7 +186,7 @@ StatusOr<JobReference> ComputeJobReference(const Config& config, const RankCoord
     if (!job.trainer) break;
     TrainReference(*result, k, config.run->dtype, *job.trainer, &job.iterations);
   }
-  MPI_Comm_free(&group);
+  free_group();
   job.result = std::move(result).value();
   return job;
 }

@@ -196,6 +196,19 @@ Status CheckKeys(const nlohmann::json& document) {
 
 }  // namespace
 
+RunConfig DefaultRun(const Config& config) {
+  const ParallelConfig& parallel = config.parallel;
+  RunConfig run;
+  run.dtype = MegatronStorageDType(parallel).value_or(DType::kFloat32);
+  run.seq_length = config.gpt && config.gpt->max_position_embeddings > 0
+                       ? config.gpt->max_position_embeddings
+                       : 2 * std::max<int64_t>(parallel.tensor_model_parallel_size, 1) *
+                             std::max<int64_t>(parallel.context_parallel_size, 1);
+  run.num_microbatches = parallel.microbatch_group_size_per_vp_stage.value_or(
+      std::max<int64_t>(parallel.pipeline_model_parallel_size, 1));
+  return run;
+}
+
 Status ParseConfig(const nlohmann::json& document, Config* out) {
   if (!document.is_object()) {
     return Status::Error("", fmt::format("the config must be a JSON object with a \"parallel\" "

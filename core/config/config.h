@@ -44,6 +44,15 @@ struct Config {
   }
 };
 
+// The run section a command assumes when the config has none (layout, explain, estimate and
+// advise; `mpusim run` needs one), the one defaulter of them all: the storage dtype of
+// parallel.bf16/fp16/params_dtype (else float32); the sequence the model's positions are
+// sized for, a GPT's max_position_embeddings when it has one (Megatron sizes the position
+// table for the longest sequence), else the shortest sequence the layout splits (2 cp chunks,
+// each cut over tp under sequence parallelism: 2 * tp * cp); and the fewest micro-batches
+// every schedule accepts (microbatch_group_size_per_vp_stage, else pp).
+RunConfig DefaultRun(const Config& config);
+
 // Parses a whole config document. Errors name the JSON path ("parallel.order").
 Status ParseConfig(const nlohmann::json& document, Config* out);
 

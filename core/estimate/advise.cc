@@ -71,15 +71,13 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
   if (n < 1) return Status::Error("--world-size", "must be >= 1");
   if (batch < 1) return Status::Error("--global-batch-size", "must be >= 1");
   const int64_t max_tp = options.max_tp > 0 ? options.max_tp : config.parallel.gpus_per_node;
-  RunConfig base_run = config.run.value_or(RunConfig{});
-  if (!config.run) {
-    base_run.dtype = MegatronStorageDType(config.parallel).value_or(DType::kFloat32);
-    base_run.seq_length = model.max_position_embeddings;
-  }
-  if (base_run.seq_length < 1) {
+  // Timing needs the real sequence: without a run section, the one the model's positions
+  // are sized for (DefaultRun).
+  if (!config.run && model.max_position_embeddings < 1) {
     return Status::Error("--seq-length", "is needed: the config has no run section and the "
                                          "model no max_position_embeddings");
   }
+  const RunConfig base_run = config.run ? *config.run : DefaultRun(config);
   // fp8 on a GPU or dtype that cannot run it: one refusal, not every layout "not timed".
   MPUSIM_RETURN_IF_ERROR(CheckFp8OnGpu(model, base_run.dtype, gpu));
   Advice advice;

@@ -56,5 +56,29 @@ TEST(ModelFacts, AGptAnswersItsFields) {
   EXPECT_TRUE(defaults.tied_embeddings);
 }
 
+// DefaultRun (core/config/config.h), the one run section a command assumes: a GPT's sequence
+// is the one its positions are sized for; the chain's, and a GPT's without a position table
+// size, the shortest every split of the layout divides.
+TEST(DefaultRun, IsTheModelsSequenceElseTheShortestTheLayoutSplits) {
+  Config config;
+  config.parallel.tensor_model_parallel_size = 2;
+  config.parallel.context_parallel_size = 3;
+  config.parallel.pipeline_model_parallel_size = 4;
+  config.parallel.bf16 = true;
+  config.model = ModelConfig{};
+  RunConfig run = DefaultRun(config);
+  EXPECT_EQ(run.seq_length, 12);
+  EXPECT_EQ(run.num_microbatches, 4);
+  EXPECT_EQ(run.dtype, DType::kBFloat16);
+  config.model.reset();
+  config.gpt = GptConfig{};
+  config.gpt->max_position_embeddings = 0;  // follows the run's sequence: unknown here
+  EXPECT_EQ(DefaultRun(config).seq_length, 12);
+  config.gpt->max_position_embeddings = 4096;
+  EXPECT_EQ(DefaultRun(config).seq_length, 4096);
+  config.parallel.microbatch_group_size_per_vp_stage = 6;
+  EXPECT_EQ(DefaultRun(config).num_microbatches, 6);
+}
+
 }  // namespace
 }  // namespace mpusim
