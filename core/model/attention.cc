@@ -83,6 +83,54 @@ Tensor SelfAttention::Forward(const ModuleContext& ctx, const Tensor& x, bool ke
   return out;
 }
 
+// What Forward and CoreForward leave in the stash (q, k, v, probs are this rank's: with
+// context parallelism its s_cp query rows, "a2a" 1/cp of its heads at every position, as many
+// elements).
+StashPlan SelfAttention::PlanStash(const GptConfig& gpt, const StreamShape& shape, DType dtype,
+                                   bool keep_core) {
+  const auto d = [](int64_t v) { return static_cast<double>(v); };
+  const double t = d(shape.t), dk = d(gpt.kv_channels), h = d(gpt.hidden_size);
+  const double R = d(shape.s_cp() * shape.b);  // this rank's query rows (tokens)
+  const double al = d(gpt.num_attention_heads) / t, gl = d(gpt.num_query_groups) / t;
+  const bool cp = shape.cp > 1;
+  const bool ring = cp && (gpt.cp_comm_type == CpCommType::kP2p ||
+                           gpt.cp_comm_type == CpCommType::kA2aP2p);
+  const bool gathered = cp && gpt.cp_comm_type == CpCommType::kAllGather;
+  StashPlan plan;
+  plan.Add("qkv_in.input", {d(shape.stream_rows()), h}, dtype);  // the input norm's output
+  plan.Add("qkv", {R, (al + 2 * gl) * dk}, dtype);
+  if (keep_core) {
+    StashPlan core;
+    core.Add("q", {R * al, dk}, dtype);
+    // "all_gather": the keys and values of every position.
+    const double kv_rows = gathered ? d(shape.b) * gl * d(shape.s) : R * gl;
+    core.Add("k", {kv_rows, dk}, dtype);
+    core.Add("v", {kv_rows, dk}, dtype);
+    if (gpt.qk_layernorm) {
+      // The norms' inputs, q and k before them (q and k above are their outputs).
+      core.Add("q_norm.input", {R * al, dk}, dtype);
+      core.Add("q_norm", Norm::PlanStash(gpt.normalization, R * al, dtype));
+      core.Add("k_norm.input", {R * gl, dk}, dtype);
+      core.Add("k_norm", Norm::PlanStash(gpt.normalization, R * gl, dtype));
+    }
+    if (ring) {
+      // RingStash: both query halves, their merged output and log-sum-exp, and this rank's
+      // keys and values in the chunks the ring passes.
+      core.Add("ring.q", {R * al, dk}, dtype);
+      core.Add("ring.out", {R * al, dk}, dtype);
+      core.Add("ring.lse", {R * al}, ComputeDType(dtype));
+      core.Add("ring.kv", {2 * R * gl, dk}, dtype);
+    } else {
+      core.Add("probs", {R * al, d(shape.s)}, dtype);
+      // Without attention dropout probs_dropped is probs itself.
+      if (gpt.attention_dropout > 0) core.Add("probs_dropped", {R * al, d(shape.s)}, dtype);
+    }
+    plan.Add("core", core);
+  }
+  plan.Add("proj_in.input", {R, al * dk}, dtype);  // the context, core attention's output
+  return plan;
+}
+
 Tensor SelfAttention::Backward(const ModuleContext& ctx, const Tensor& dy, Stash& stash) const {
   const StreamShape& sh = ctx.shape;
   ctx.Record(prefix_ + ".linear_proj.output_grad", dy, {sh.s, sh.B, dy.cols()},

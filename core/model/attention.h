@@ -41,6 +41,7 @@
 #include "core/config/gpt_config.h"
 #include "core/model/layer_norm.h"
 #include "core/model/linear.h"
+#include "core/model/stash_plan.h"
 
 namespace mpusim {
 
@@ -84,6 +85,10 @@ class SelfAttention {
     std::optional<CoreStash> core;  // empty while recomputation has dropped it
     RowParallelLinear::Stash proj_in;
   };
+  // The declared stash (stash_plan.h) on a rank of `shape`, in `dtype` storage; `keep_core`
+  // false: selective recomputation (no CoreStash until the backward).
+  static StashPlan PlanStash(const GptConfig& gpt, const StreamShape& shape, DType dtype,
+                             bool keep_core);
   // x: the normalised stream [s_l*b, h] -> linear_proj output [s_l*b, h] (no bias).
   Tensor Forward(const ModuleContext& ctx, const Tensor& x, bool keep_core, Stash* stash) const;
   Tensor Backward(const ModuleContext& ctx, const Tensor& dy, Stash& stash) const;

@@ -42,6 +42,7 @@
 #include "core/model/model.h"
 #include "core/model/parameter.h"
 #include "core/model/record.h"
+#include "core/model/stash_plan.h"
 #include "core/pipeline/step_span.h"
 #include "core/model/transformer_layer.h"
 #include "core/rank_context.h"
@@ -107,6 +108,13 @@ class GptModel final : public Model {
   MemoryPlan PlanMemory(const MemoryPlanOptions& options) const override;
   std::vector<std::string> StepNotes() const override;
 
+  // The declared stash (stash_plan.h) of one (chunk, micro-batch) on a rank of `shape`, in
+  // `dtype` storage: `layers[i]` is the declared stash of chunk.layers[i]
+  // (TransformerLayer::PlanStash). A count of the executor's activations sums it
+  // (core/estimate/executor_activations.h).
+  static StashPlan PlanStash(const GptConfig& gpt, const StreamShape& shape, DType dtype,
+                             const GptChunk& chunk, const std::vector<StashPlan>& layers);
+
   const std::vector<GptChunk>& chunks() const { return chunks_; }
   double loss() const override { return loss_; }  // after EndStep
   int64_t padded_vocab_size() const override { return padded_vocab_; }
@@ -123,7 +131,7 @@ class GptModel final : public Model {
   // Activations of one (chunk, micro-batch) between its forward and its backward.
   struct Stash : StepStash {
     Batch batch;          // pre_process or post_process chunks
-    Tensor embedding_in;  // [s*b, h] before the sequence split (position embeddings added)
+    Tensor embedding_in;  // [s_l*b, h] before the dropout (the output itself without one)
     std::vector<TransformerLayer::Stash> layers;
     Norm::Stash final_norm;
     ColumnParallelLinear::Stash output_layer;

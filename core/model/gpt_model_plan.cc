@@ -373,6 +373,33 @@ void GptModel::ExplainStage(std::ostream& out) const {
   }
 }
 
+StashPlan GptModel::PlanStash(const GptConfig& gpt, const StreamShape& shape, DType dtype,
+                              const GptChunk& chunk, const std::vector<StashPlan>& layers) {
+  const auto d = [](int64_t v) { return static_cast<double>(v); };
+  const double R = d(shape.s_cp() * shape.b), Rs = d(shape.stream_rows());
+  const double h = d(gpt.hidden_size);
+  StashPlan plan;
+  if (chunk.pre_process || chunk.post_process) {
+    for (const char* ids : {"batch.tokens", "batch.labels", "batch.positions"}) {
+      plan.Add(ids, {d(shape.s_cp()), d(shape.b)}, DType::kInt64);
+    }
+  }
+  // Without dropout the embedding's output is the first layer's input.
+  if (chunk.pre_process && gpt.hidden_dropout > 0) plan.Add("embedding_in", {Rs, h}, dtype);
+  for (size_t i = 0; i < layers.size(); ++i) plan.Add(fmt::format("layers.{}", i), layers[i]);
+  if (chunk.post_process) {
+    // final_norm.input: the last layer's output (or the chunk's input); output_layer.input:
+    // the final norm's output.
+    plan.Add("final_norm.input", {Rs, h}, dtype);
+    plan.Add("final_norm", Norm::PlanStash(gpt.normalization, Rs, dtype));
+    plan.Add("output_layer.input", {Rs, h}, dtype);
+    plan.Add("loss.logits", {R, d(gpt.PaddedVocabSize(shape.t)) / d(shape.t)}, dtype);
+    plan.Add("loss.row_max", {R}, ComputeDType(dtype));
+    plan.Add("loss.sum_exp", {R}, ComputeDType(dtype));
+  }
+  return plan;
+}
+
 // One rank of a tp x dp layout holds the same sizes as every other (a pipeline stage is
 // counted as if it held the whole model: the plan is an upper bound per rank).
 MemoryPlan GptModel::PlanMemory(const MemoryPlanOptions& options) const {

@@ -16,6 +16,13 @@ Tensor Norm::Forward(const ModuleContext& ctx, const Tensor& x, Stash* stash) co
   return y;
 }
 
+StashPlan Norm::PlanStash(Normalization kind, double rows, DType dtype) {
+  StashPlan plan;
+  if (IsCentered(kind)) plan.Add("mean", {rows}, ComputeDType(dtype));
+  plan.Add("rstd", {rows}, ComputeDType(dtype));
+  return plan;
+}
+
 Tensor Norm::Backward(const ModuleContext& ctx, const Tensor& dy, const Stash& stash) const {
   Kernels& k = ctx.k;
   Tensor dx = k.Empty(dy.shape(), dy.dtype());

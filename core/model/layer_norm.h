@@ -12,6 +12,7 @@
 #include "core/config/gpt_config.h"
 #include "core/model/module.h"
 #include "core/model/parameter.h"
+#include "core/model/stash_plan.h"
 
 namespace mpusim {
 
@@ -25,6 +26,9 @@ class Norm {
     Tensor mean;   // [R_l] compute dtype (a centered norm)
     Tensor rstd;   // [R_l] compute dtype
   };
+  // The declared stash (stash_plan.h) of a norm over `rows` rows of `dtype` storage: mean (a
+  // centered norm) and rstd. The input is the caller's tensor, counted where it is made.
+  static StashPlan PlanStash(Normalization kind, double rows, DType dtype);
   Tensor Forward(const ModuleContext& ctx, const Tensor& x, Stash* stash) const;
   Tensor Backward(const ModuleContext& ctx, const Tensor& dy, const Stash& stash) const;
 

@@ -38,6 +38,7 @@ class ColumnParallelLinear {
   // output's columns.
   ColumnParallelLinear(Parameter* weight, Parameter* bias, bool gather_output = false)
       : weight_(weight), bias_(bias), gather_output_(gather_output) {}
+  // Its input is the caller's tensor: the caller's declared stash counts it (stash_plan.h).
   struct Stash {
     Tensor input;  // [R_l, in] as given (the sequence shard under SP)
   };
@@ -57,6 +58,7 @@ class RowParallelLinear {
   explicit RowParallelLinear(Parameter* weight, Parameter* bias = nullptr,
                              bool input_is_parallel = true)
       : weight_(weight), bias_(bias), input_is_parallel_(input_is_parallel) {}
+  // Its input is the caller's tensor: the caller's declared stash counts it (stash_plan.h).
   struct Stash {
     Tensor input;  // [R, in/t]
   };

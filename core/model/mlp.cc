@@ -27,6 +27,16 @@ Tensor Mlp::Forward(const ModuleContext& ctx, const Tensor& x, Stash* stash) con
   return out;
 }
 
+StashPlan Mlp::PlanStash(const GptConfig& gpt, const StreamShape& shape, DType dtype) {
+  const auto d = [](int64_t v) { return static_cast<double>(v); };
+  const double R = d(shape.s_cp() * shape.b), t = d(shape.t);
+  StashPlan plan;
+  plan.Add("fc1_in.input", {d(shape.stream_rows()), d(gpt.hidden_size)}, dtype);  // the norm's
+  plan.Add("fc1_out", {R, d(gpt.Fc1Rows()) / t}, dtype);
+  plan.Add("fc2_in.input", {R, d(gpt.ffn_hidden_size) / t}, dtype);  // the activation
+  return plan;
+}
+
 Tensor Mlp::Backward(const ModuleContext& ctx, const Tensor& dy, const Stash& stash) const {
   Kernels& k = ctx.k;
   const StreamShape& sh = ctx.shape;

@@ -11,6 +11,7 @@
 
 #include "core/config/gpt_config.h"
 #include "core/model/linear.h"
+#include "core/model/stash_plan.h"
 
 namespace mpusim {
 
@@ -23,6 +24,8 @@ class Mlp {
     Tensor fc1_out;  // pre-activation
     RowParallelLinear::Stash fc2_in;
   };
+  // The declared stash (stash_plan.h) on a rank of `shape`, in `dtype` storage.
+  static StashPlan PlanStash(const GptConfig& gpt, const StreamShape& shape, DType dtype);
   Tensor Forward(const ModuleContext& ctx, const Tensor& x, Stash* stash) const;
   Tensor Backward(const ModuleContext& ctx, const Tensor& dy, const Stash& stash) const;
   Parameter* fc2_bias() const { return fc2_bias_; }

@@ -293,6 +293,38 @@ Tensor MoeLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* st) c
   return y;
 }
 
+StashPlan MoeLayer::PlanStash(const GptConfig& gpt, const StreamShape& shape, DType dtype,
+                              int64_t etp, double rows, double sent) {
+  const auto d = [](int64_t v) { return static_cast<double>(v); };
+  const MoeConfig& moe = gpt.moe;
+  const double T = d(shape.stream_rows()), R = d(shape.s_cp() * shape.b);
+  const double E = d(moe.num_experts), K = d(moe.router_topk), h = d(gpt.hidden_size);
+  const double f = d(moe.ffn_hidden_size) / d(etp), f1 = IsGated(gpt.activation) ? 2 * f : f;
+  StashPlan plan;
+  plan.Add("x", {T, h}, dtype);  // the norm's output (shared_fc1_in.input is the same)
+  plan.Add("scores", {T, E}, dtype);
+  plan.Add("lse", {T}, ComputeDType(dtype));
+  plan.Add("probs", {T, K}, dtype);
+  plan.Add("route.token_ids", {rows}, DType::kInt64);
+  if (moe.token_dispatcher == MoeDispatcher::kAllToAll) {
+    // slot_ids is token_ids.
+    plan.Add("route.send_tokens", {sent}, DType::kInt64);
+    plan.Add("route.send_slots", {sent}, DType::kInt64);
+  } else {
+    plan.Add("route.slot_ids", {rows}, DType::kInt64);
+  }
+  plan.Add("x_perm", {rows, h}, dtype);
+  plan.Add("p_perm", {rows, 1}, dtype);
+  plan.Add("fc1_out", {rows, f1}, dtype);
+  plan.Add("act", {rows, f}, dtype);
+  if (moe.shared_expert_intermediate_size) {
+    const double fs = d(*moe.shared_expert_intermediate_size) / d(shape.t);
+    plan.Add("shared_fc1_out", {R, IsGated(gpt.activation) ? 2 * fs : fs}, dtype);
+    plan.Add("shared_fc2_in.input", {R, fs}, dtype);  // the shared expert's activation
+  }
+  return plan;
+}
+
 Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stash& st) const {
   Kernels& k = ctx.k;
   const int64_t T = dy.rows(), h = dy.cols(), E = moe_.num_experts, K = moe_.router_topk;

@@ -52,6 +52,7 @@
 #include "core/expert_parallel/expert_placement.h"
 #include "core/expert_parallel/token_dispatcher.h"
 #include "core/model/linear.h"
+#include "core/model/stash_plan.h"
 
 namespace mpusim {
 
@@ -76,6 +77,12 @@ class MoeLayer {
     Tensor shared_fc1_out;
     RowParallelLinear::Stash shared_fc2_in;
   };
+  // The declared stash (stash_plan.h) on a rank of `shape`, in `dtype` storage, the experts
+  // split over `etp` ranks: `rows` (N) permuted rows and, for the alltoall dispatcher, `sent`
+  // rows in send order. The router decides both; a count passes their expectation. The host
+  // vectors (chosen, aux, dlse, the route's offsets) are not the backend's tensors.
+  static StashPlan PlanStash(const GptConfig& gpt, const StreamShape& shape, DType dtype,
+                             int64_t etp, double rows, double sent);
   Tensor Forward(const ModuleContext& ctx, const Tensor& x, Stash* stash) const;
   Tensor Backward(const ModuleContext& ctx, const Tensor& dy, const Stash& stash) const;
   // The last forward's dispatch: for each of this rank's experts, the tokens it received

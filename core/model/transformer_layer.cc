@@ -93,6 +93,27 @@ Tensor TransformerLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stas
   return y;
 }
 
+StashPlan TransformerLayer::PlanStash(const GptConfig& gpt, const StreamShape& shape, DType dtype,
+                                      RunConfig::Recompute recompute, const StashPlan* moe) {
+  const double Rs = static_cast<double>(shape.stream_rows());
+  const double h = static_cast<double>(gpt.hidden_size);
+  StashPlan plan;
+  plan.Add("input", {Rs, h}, dtype);
+  if (recompute == RunConfig::Recompute::kFull) return plan;  // Inner: rebuilt in backward
+  // norm1.input is the layer's input; norm2.input is x1, kept here alone.
+  plan.Add("inner.norm1", Norm::PlanStash(gpt.normalization, Rs, dtype));
+  const bool keep_core = recompute != RunConfig::Recompute::kSelective;
+  plan.Add("inner.attention", SelfAttention::PlanStash(gpt, shape, dtype, keep_core));
+  plan.Add("inner.norm2.input", {Rs, h}, dtype);
+  plan.Add("inner.norm2", Norm::PlanStash(gpt.normalization, Rs, dtype));
+  if (moe != nullptr) {
+    plan.Add("inner.moe", *moe);
+  } else {
+    plan.Add("inner.mlp", Mlp::PlanStash(gpt, shape, dtype));
+  }
+  return plan;
+}
+
 Tensor TransformerLayer::Backward(const ModuleContext& ctx, const Tensor& dy, Stash& stash) const {
   Kernels& k = ctx.k;
   if (!stash.inner) {

@@ -17,6 +17,7 @@
 #include "core/model/layer_norm.h"
 #include "core/model/mlp.h"
 #include "core/model/moe.h"
+#include "core/model/stash_plan.h"
 #include "core/config/model_config.h"
 
 namespace mpusim {
@@ -39,6 +40,11 @@ class TransformerLayer {
     Tensor input;                // [s_l*b, h]
     std::optional<Inner> inner;  // empty under full recomputation until backward
   };
+  // The declared stash (stash_plan.h) on a rank of `shape`, in `dtype` storage, under
+  // `recompute`; `moe`: the MoE layer's declared stash (MoeLayer::PlanStash, its rows the
+  // router's) in place of the MLP's, null for a dense layer.
+  static StashPlan PlanStash(const GptConfig& gpt, const StreamShape& shape, DType dtype,
+                             RunConfig::Recompute recompute, const StashPlan* moe = nullptr);
   Tensor Forward(const ModuleContext& ctx, const Tensor& x, Stash* stash) const;
   Tensor Backward(const ModuleContext& ctx, const Tensor& dy, Stash& stash) const;
   // The MoE layer, or null for a dense one.
