@@ -1,10 +1,16 @@
 #include "core/estimate/executor_activations.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <initializer_list>
+#include <string_view>
 
 #include "core/estimate/estimable.h"
+#include "core/model/gpt_model.h"
+#include "core/model/moe.h"
+#include "core/model/transformer_layer.h"
 #include "core/pipeline/pipeline_plan.h"
 #include "core/schedule.h"
 #include "core/tensor.h"
@@ -16,7 +22,110 @@ PlanBytes ToBytes(double bytes) { return static_cast<PlanBytes>(std::llround(byt
 
 double Max(std::initializer_list<double> values) { return std::max(values); }
 
+// The bytes of the tensors of `plan` whose names start with `prefix`, in declaration order.
+double Bytes(const StashPlan& plan, std::string_view prefix) {
+  double sum = 0;
+  for (const StashTensor& tensor : plan.tensors()) {
+    if (tensor.name.starts_with(prefix)) sum += tensor.bytes();
+  }
+  return sum;
+}
+
+// An MoE layer's stash and backward depend on where the router sends the tokens; the count
+// assumes balanced routing: each (source rank, expert) pair gets T k / E of the choices, at
+// most the capacity ceil(T k / E factor) when that is below T. Exact for every layout whose
+// routing cannot be uneven on a rank: ep 1 without a capacity (every rank then holds every
+// expert and gets every choice of its dispatch group).
+struct BalancedRoute {
+  double group = 1;    // the allgather dispatcher's group
+  double gather = 1;   // the alltoall dispatcher's gather after the exchange
+  double kept = 0;     // the choices of one (source rank, expert) pair
+  double sent = 0;     // alltoall: this rank's rows, in send order
+  double arrived = 0;  // alltoall: its experts' rows after the exchange
+  double rows = 0;     // the experts' rows (N)
+  double src = 0;      // the rows of the gradient they gather from and scatter into
+};
+
+// `T`: the router's tokens, this rank's rows of the stream.
+BalancedRoute Balance(const GptConfig& g, const DerivedSizes& sz, bool sp, double T) {
+  const MoeConfig& moe = g.moe;
+  const double E = static_cast<double>(moe.num_experts);
+  const double K = static_cast<double>(moe.router_topk);
+  const double ep = static_cast<double>(sz.ep), L = E / ep;
+  const double te = static_cast<double>(sz.etp), t = static_cast<double>(sz.tp);
+  const bool a2a = moe.token_dispatcher == MoeDispatcher::kAllToAll;
+  BalancedRoute r;
+  r.group = sz.experts_apart() ? te * ep : sp ? t : 1;
+  r.gather = sz.experts_apart() ? te : sp ? t : 1;
+  r.kept = T * K / E;
+  if (moe.expert_capacity_factor) {
+    const double capacity = std::ceil(T * K / E * *moe.expert_capacity_factor);
+    if (capacity < T) r.kept = std::min(r.kept, capacity);
+  }
+  r.sent = E * r.kept;
+  r.arrived = ep * L * r.kept;
+  r.rows = a2a ? r.gather * r.arrived : r.group * L * r.kept;
+  r.src = a2a ? (r.gather > 1 ? r.gather * r.arrived : ep > 1 ? r.arrived : r.sent) : r.group * T;
+  return r;
+}
+
+// What the count reads of the modules' declared stashes (core/model/stash_plan.h).
+struct Declared {
+  StreamShape shape;
+  BalancedRoute route;               // MoE only
+  StashPlan moe;                     // an MoE layer's MoeLayer stash, balanced
+  StashPlan dense_layer, moe_layer;  // a layer's stash as the schedule keeps it
+};
+
+Declared Declare(const Config& config, const Topology& topology) {
+  const GptConfig& g = *config.gpt;
+  const RunConfig& run = *config.run;
+  const DerivedSizes& sz = topology.sizes();
+  Declared d;
+  d.shape = StreamShape{.s = run.seq_length,
+                        .b = run.micro_batch_size,
+                        .t = sz.tp,
+                        .sequence_parallel = topology.config().sequence_parallel && sz.tp > 1,
+                        .cp = sz.cp};
+  if (g.moe.enabled()) {
+    d.route = Balance(g, sz, d.shape.sequence_parallel, static_cast<double>(d.shape.stream_rows()));
+    const bool a2a = g.moe.token_dispatcher == MoeDispatcher::kAllToAll;
+    d.moe =
+        MoeLayer::PlanStash(g, d.shape, run.dtype, sz.etp, d.route.rows, a2a ? d.route.sent : 0);
+  }
+  d.dense_layer = TransformerLayer::PlanStash(g, d.shape, run.dtype, run.recompute);
+  d.moe_layer = TransformerLayer::PlanStash(g, d.shape, run.dtype, run.recompute, &d.moe);
+  return d;
+}
+
+// The declared stash of one (chunk, micro-batch) of virtual pipeline stage `u`: every
+// layer's input (the chunk's own included) and stash.
+StashPlan ChunkStash(const Config& config, const Topology& topology, const Declared& declared,
+                     int64_t u) {
+  const GptConfig& g = *config.gpt;
+  const int64_t stages = topology.sizes().pp * topology.sizes().vp.value_or(1);
+  const int64_t layers = g.num_layers / stages;
+  GptChunk chunk{.layers = {}, .pre_process = u == 0, .post_process = u == stages - 1};
+  std::vector<StashPlan> plans;
+  for (int64_t i = u * layers; i < (u + 1) * layers; ++i) {
+    const bool is_moe = g.moe.enabled() && g.moe.layers[static_cast<size_t>(i)];
+    chunk.layers.push_back(i);
+    plans.push_back(is_moe ? declared.moe_layer : declared.dense_layer);
+  }
+  return GptModel::PlanStash(g, declared.shape, config.run->dtype, chunk, plans);
+}
+
 }  // namespace
+
+StatusOr<StashPlan> ExecutorStash(const Config& config, const Topology& topology, int64_t u) {
+  if (Status s = CheckEstimable(config, "the executor's activation count"); !s.ok()) return s;
+  const int64_t stages = topology.sizes().pp * topology.sizes().vp.value_or(1);
+  if (u < 0 || u >= stages) {
+    return Status::Error(
+        "parallel", fmt::format("no virtual pipeline stage {} (the layout has {})", u, stages));
+  }
+  return ChunkStash(config, topology, Declare(config, topology), u);
+}
 
 StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(
     const Config& config, const Topology& topology, const std::vector<StageHeldMemory>& held) {
@@ -39,41 +148,32 @@ StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(
   const double f1 = static_cast<double>(g.Fc1Rows()) / t;
   const double f = static_cast<double>(g.ffn_hidden_size) / t;
   const double vocab = static_cast<double>(g.PaddedVocabSize(sz.tp)) / t;
-  const double stats = IsCentered(g.normalization) ? 2 : 1;  // mean and rstd, or rstd
   const bool hidden_dropout = g.hidden_dropout > 0, attention_dropout = g.attention_dropout > 0;
   const bool qk_norm = g.qk_layernorm;
   const bool ring = sz.cp > 1 && (g.cp_comm_type == CpCommType::kP2p ||
                                   g.cp_comm_type == CpCommType::kA2aP2p);
   const bool gathered = sz.cp > 1 && g.cp_comm_type == CpCommType::kAllGather;
 
-  const double stream = Rs * h * e;          // a residual-stream tensor
-  const double full = R * h * e;             // the same with every row (gathered under sp)
-  const double q = R * al * dk * e;          // this rank's queries (and the context)
-  const double kv = R * gl * dk * e;         // its keys, or its values
+  const double stream = Rs * h * e;   // a residual-stream tensor
+  const double full = R * h * e;      // the same with every row (gathered under sp)
+  const double q = R * al * dk * e;   // this rank's queries (and the context)
+  const double kv = R * gl * dk * e;  // its keys, or its values
   const double qkv = R * (al + 2 * gl) * dk * e;
-  const double probs = R * al * s * e;       // its queries' scores over every key
-  const double norm_stats = stats * Rs * c;  // a norm's statistics over the stream
+  const double probs = R * al * s * e;  // its queries' scores over every key
 
-  // --- the stash of one layer, its input apart ---
-  // Core attention: the per-head copies (after qk_layernorm, the norms' outputs too, their
-  // inputs kept by the norms' stashes with their statistics over each head's dk).
-  double core = q + 2 * kv;
-  if (qk_norm) core += q + kv + stats * R * (al + gl) * c;
-  if (gathered) core += 2 * (b * gl * s * dk * e - kv);  // every position's keys and values
-  if (ring) {
-    // The ring's own copy of the queries, the merged output, the log-sum-exp per query row
-    // (compute dtype) and the block of keys and values it passes on.
-    core += q + q + R * al * c + 2 * kv;
-  } else {
-    core += attention_dropout ? 2 * probs : probs;
-  }
+  // --- the stash of one layer: the modules' declarations (core/model/stash_plan.h) ---
+  const Declared declared = Declare(config, topology);
+  const StreamShape& shape = declared.shape;
   const bool selective = run.recompute == RunConfig::Recompute::kSelective;
   const bool full_recompute = run.recompute == RunConfig::Recompute::kFull;
-  // Everything but the MLP's own tensors (fc1's output and the activation's, or an MoE
-  // layer's below).
-  const double inner_base = norm_stats + stream + qkv + (selective ? 0 : core) +
-                            q /*context*/ + stream /*x1*/ + norm_stats + stream /*ln2*/;
-  const double inner = inner_base + R * f1 * e + R * f * e;
+  // Core attention's stash (rebuilt by selective recomputation in the backward).
+  const double core = Bytes(SelfAttention::PlanStash(g, shape, run.dtype, true), "core.");
+  // A layer's stash but its input, as kept (or, under full recomputation, as rebuilt).
+  const RunConfig::Recompute kept = full_recompute ? RunConfig::Recompute::kNone : run.recompute;
+  const auto inner_of = [&](const StashPlan* moe) {
+    return Bytes(TransformerLayer::PlanStash(g, shape, run.dtype, kept, moe), "inner.");
+  };
+  const double inner = inner_of(nullptr);
 
   // --- working memory: the first layer's backward ---
   const double dmlp = hidden_dropout ? stream : 0, dattn = dmlp;
@@ -134,47 +234,24 @@ StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(
   const double dense_working = working_of(inner, std::max(fc2_point, fc1_point));
 
   // --- a mixture-of-experts layer in place of the MLP (core/model/moe.h) ---
-  // Its stash and backward depend on where the router sends the tokens; the count assumes
-  // balanced routing: each (source rank, expert) pair gets T k / E of the choices, at most
-  // the capacity ceil(T k / E factor) when that is below T. Exact for every layout whose
-  // routing cannot be uneven on a rank: ep 1 without a capacity (every rank then holds every
-  // expert and gets every choice of its dispatch group).
+  // Its stash and backward with the rows of balanced routing (BalancedRoute).
   double moe_inner = 0, moe_working = 0;
   if (g.moe.enabled()) {
     const MoeConfig& moe = g.moe;
     const double T = Rs;  // the router's tokens: this rank's rows of the stream
     const double E = static_cast<double>(moe.num_experts);
     const double K = static_cast<double>(moe.router_topk);
-    const double ep = static_cast<double>(sz.ep), L = E / ep;
     const double te = static_cast<double>(sz.etp);
     const double fm = static_cast<double>(moe.ffn_hidden_size) / te;
     const double fm1 = IsGated(g.activation) ? 2 * fm : fm;
     const bool a2a = moe.token_dispatcher == MoeDispatcher::kAllToAll;
-    // The allgather dispatcher's group, the alltoall dispatcher's gather after the exchange.
-    const double group = sz.experts_apart() ? te * ep : sp ? t : 1;
-    const double gather = sz.experts_apart() ? te : sp ? t : 1;
-    double kept = T * K / E;
-    if (moe.expert_capacity_factor) {
-      const double capacity = std::ceil(T * K / E * *moe.expert_capacity_factor);
-      if (capacity < T) kept = std::min(kept, capacity);
-    }
-    const double sent = E * kept;        // alltoall: this rank's rows, in send order
-    const double arrived = ep * L * kept;  // alltoall: its experts' rows after the exchange
-    // The experts' rows (N), and those of the gradient they gather from and scatter into.
-    const double N = a2a ? gather * arrived : group * L * kept;
-    const double src = a2a ? (gather > 1 ? gather * arrived : ep > 1 ? arrived : sent)
-                           : group * T;
-    const double ids = a2a ? 8 * N + 2 * 8 * sent : 2 * 8 * N;
+    const double group = declared.route.group;
+    const double N = declared.route.rows, src = declared.route.src;
     const double fs = moe.shared_expert_intermediate_size
                           ? static_cast<double>(*moe.shared_expert_intermediate_size) / t
                           : 0;
     const double fs1 = IsGated(g.activation) ? 2 * fs : fs;
-    // Router: the scores, their log-sum-exp, the chosen probabilities; the permutation's
-    // ids; the experts' rows, probabilities, fc1 output and activation; the shared expert's
-    // fc1 output and activation.
-    const double moe_stash = T * E * e + T * c + T * K * e + ids +
-                             N * (h * e + e + fm1 * e + fm * e) + R * (fs1 + fs) * e;
-    moe_inner = inner_base + moe_stash;
+    moe_inner = inner_of(&declared.moe);
     // The backward (MoeLayer::Backward): the gathered gradient (allgather without a group:
     // the gradient itself), the scatter targets of dx and d probs, then per expert fc2's and
     // fc1's gradients; after the experts the way back (dx, d probs), the router's gradients
@@ -218,23 +295,14 @@ StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(
     std::vector<double> stash(static_cast<size_t>(v)), working(static_cast<size_t>(v));
     for (int64_t chunk = 0; chunk < v; ++chunk) {
       const int64_t u = chunk * p + r;
-      const bool pre = u == 0, post = u == stages - 1;
-      // Every layer's input (the chunk's own input included) and stash; the most a layer's
-      // backward holds.
-      double bytes = 0, layer_working = 0;
+      const bool post = u == stages - 1;
+      // The chunk's declared stash; the most a layer's backward holds.
+      stash[static_cast<size_t>(chunk)] = ChunkStash(config, topology, declared, u).bytes();
+      double layer_working = 0;
       for (int64_t i = u * layers; i < (u + 1) * layers; ++i) {
         const bool is_moe = g.moe.enabled() && g.moe.layers[static_cast<size_t>(i)];
-        bytes += stream + (full_recompute ? 0 : is_moe ? moe_inner : inner);
         layer_working = std::max(layer_working, is_moe ? moe_working : dense_working);
       }
-      if (pre || post) bytes += 3 * R * 8;  // tokens, labels, positions
-      if (pre && hidden_dropout) bytes += stream;  // the embedding before its dropout
-      if (post) {
-        // The last layer's output, the final norm's statistics and output, the logits and
-        // the cross entropy's row maximum and sum.
-        bytes += stream + norm_stats + stream + R * vocab * e + 2 * R * c;
-      }
-      stash[static_cast<size_t>(chunk)] = bytes;
       // Under full recomputation every layer rebuilds as much, so the chunk's second layer
       // peaks highest: the walk still holds the gradient it received for the first.
       const double received = full_recompute && !post && p > 1 && layers > 1 ? stream : 0;

@@ -7,17 +7,16 @@
 //
 // It differs from activation_estimate.h's count of a GPU run of Megatron in what is kept,
 // not in how the schedule keeps it:
-//   - the stash of a (chunk, micro-batch) mirrors the executor's Stash structs
-//     (core/model/gpt_model.h, transformer_layer.h, attention.h, mlp.h, layer_norm.h,
-//     linear.h): per layer the norms' statistics (compute dtype), the normalised inputs of
-//     linear_qkv and linear_fc1, the fused qkv output and its per-head copies of q, k and v
-//     (a second copy of q and k after qk_layernorm), the probabilities before and after
-//     dropout, the context, the residual x1, fc1's output and the activation's, and every
-//     layer's input; no dropout masks (the executor redraws them from their global indices,
-//     core/dropout.h). A post-process chunk adds the final norm's input and output, the
-//     logits [s*b, Vp/t] in the storage dtype and the cross entropy's row statistics; a
-//     pre-process chunk the embedding's output before dropout; both the micro-batch's
-//     tokens, labels and positions (int64).
+//   - the stash of a (chunk, micro-batch) is the one its modules declare next to their Stash
+//     structs (core/model/stash_plan.h; GptModel::PlanStash of the chunk, with each layer's
+//     TransformerLayer::PlanStash): per layer the norms' statistics, the normalised inputs of
+//     linear_qkv and linear_fc1, the fused qkv output and its per-head copies, the
+//     probabilities, the context, the residual x1, fc1's output and the activation's, and
+//     every layer's input; no dropout masks (the executor redraws them from their global
+//     indices, core/dropout.h). A post-process chunk adds the final norm's input and output,
+//     the logits and the cross entropy's row statistics; a pre-process chunk the embedding's
+//     output before dropout; both the micro-batch's tokens, labels and positions.
+//     tests/model/stash_plan_mpi_test.cc holds that declaration to what a real forward keeps.
 //   - Full recomputation keeps each layer's input; selective drops the core attention's
 //     tensors (q, k, v copies, probabilities).
 //   - Working memory: the backward step of a chunk holds, besides the stashes alive, the
@@ -31,10 +30,11 @@
 //     piece of the last step.
 //   - The optimizer step, after the schedule, when it holds more: the flat gradient buffer
 //     and its piece, the updated piece and the gathered parameters, one new parameter.
-//   - A mixture-of-experts layer (core/model/moe.h) keeps, in place of the MLP's tensors,
-//     the router's scores, log-sum-exp and chosen probabilities, the permutation's int64
-//     ids, the experts' rows of x, their probabilities, fc1 output and activation, and the
-//     shared expert's fc1 output and activation; its backward holds the gathered gradient,
+//   - A mixture-of-experts layer keeps, in place of the MLP's tensors, what MoeLayer::PlanStash
+//     declares (core/model/moe.h: the router's scores, log-sum-exp and chosen probabilities,
+//     the permutation's int64 ids, the experts' rows of x, their probabilities, fc1 output and
+//     activation, the shared expert's fc1 output and activation), with the rows of balanced
+//     routing below; its backward holds the gathered gradient,
 //     the scatter targets of dx and d probs, each expert's gradients, then the way back, the
 //     router's gradients and the shared expert's. The experts' rows depend on the routing:
 //     the count assumes it balanced (each expert T k / E of each source rank's T tokens, at
@@ -51,6 +51,7 @@
 #include "core/config/config.h"
 #include "core/estimate/memory_estimate.h"
 #include "core/memory_plan.h"
+#include "core/model/stash_plan.h"
 #include "core/status.h"
 #include "core/topology.h"
 
@@ -75,5 +76,10 @@ struct ExecutorActivations {
 // field the count cannot handle.
 StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(
     const Config& config, const Topology& topology, const std::vector<StageHeldMemory>& held);
+
+// The declared stash (core/model/stash_plan.h) of one (chunk, micro-batch) of virtual pipeline
+// stage `u` (model chunk u / pp of pipeline rank u % pp) that the count sums: an MoE layer's
+// rows those of balanced routing. An error for a stage the layout does not have.
+StatusOr<StashPlan> ExecutorStash(const Config& config, const Topology& topology, int64_t u);
 
 }  // namespace mpusim
