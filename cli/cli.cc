@@ -43,6 +43,7 @@ int RunCli(const std::vector<std::string>& args, std::ostream& out, std::ostream
   commands.push_back(MakeScheduleCommand(&app));
   commands.push_back(MakeExplainCommand(&app));
   commands.push_back(MakeRunCommand(&app, ShellCommandLine(args)));
+  commands.push_back(MakeReferenceCommand(&app, ShellCommandLine(args)));
   commands.push_back(MakeDiffCommand(&app));
   commands.push_back(MakeSweepCommand(&app));
   commands.push_back(MakeEstimateCommand(&app));

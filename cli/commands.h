@@ -22,6 +22,7 @@ std::unique_ptr<Command> MakeScheduleCommand(CLI::App* parent);
 std::unique_ptr<Command> MakeExplainCommand(CLI::App* parent);
 // `command_line`: the whole command line, shell-quoted, which the run records.
 std::unique_ptr<Command> MakeRunCommand(CLI::App* parent, std::string command_line);
+std::unique_ptr<Command> MakeReferenceCommand(CLI::App* parent, std::string command_line);
 std::unique_ptr<Command> MakeDiffCommand(CLI::App* parent);
 std::unique_ptr<Command> MakeSweepCommand(CLI::App* parent);
 std::unique_ptr<Command> MakeEstimateCommand(CLI::App* parent);

@@ -42,8 +42,34 @@ const OverrideFlag kOverrides[] = {
 
 class RunCommand : public Command {
  public:
-  RunCommand(CLI::App* parent, std::string command_line) {
+  // `store`: the `reference` command (compute and store the float64 reference alone).
+  RunCommand(CLI::App* parent, std::string command_line, bool store) {
     options_.command_line = std::move(command_line);
+    if (store) {
+      app_ = parent->add_subcommand(
+          "reference", "Compute the float64 reference of a config's model once, on MPI ranks "
+                       "(split as mpusim run splits it), and store it in a folder: mpusim run "
+                       "--reference and mpusim sweep then check against it instead of computing "
+                       "it again");
+      app_->footer(
+          "Launch like mpusim run, e.g.\n"
+          "  mpirun -n 8 --oversubscribe mpusim reference sample_configs/gpt_sweep_l4_n8.json "
+          "--out ref/\n"
+          "  mpirun -n 8 --oversubscribe mpusim run sample_configs/gpt_sweep_l4_n8.json "
+          "--reference ref/\n"
+          "A stored reference serves every run of the same model, data and iterations whose "
+          "layout gives the same values (the padded vocabulary, an MoE model's routing groups, "
+          "per-rank dropout masks); another is refused in one line naming the first difference.");
+      app_->add_option("CONFIG", options_.config_path, "config file with parallel, model, run")
+          ->required();
+      app_->add_option("--out", options_.store_reference_dir,
+                       "the folder to store it in (made if missing; must be empty)")
+          ->type_name("DIR")
+          ->required();
+      AddOverrideFlags();
+      AddLimits();
+      return;
+    }
     app_ = parent->add_subcommand(
         "run", "Run a config's model (a layer chain or a GPT; tp, sp, cp, pp, vp, dp, the "
                "distributed optimizer, training) on MPI ranks (one rank = one GPU) and check "
@@ -62,6 +88,11 @@ class RunCommand : public Command {
         ->type_name("DIR");
     app_->add_flag_callback("--no-check", [this] { options_.check = false; },
                             "skip the float64 reference check");
+    app_->add_option("--reference", options_.reference_dir,
+                     "check against the float64 reference stored in DIR by mpusim reference "
+                     "instead of computing it (same verdict and numbers; a reference of another "
+                     "model, data or layout is refused)")
+        ->type_name("DIR");
     app_->add_option("--summary", options_.summary_path,
                      "write the results to FILE as JSON (loss, iterations, the check's counts "
                      "and largest parameter error, time, peak stashes, the last step's timeline): "
@@ -73,7 +104,30 @@ class RunCommand : public Command {
                      "forward/backward step and per collective or send/receive; a FILE "
                      "ending in .html is a self-contained page drawing them, for offline use")
         ->type_name("FILE");
-    // Overrides of the file's keys, for trying a layout or a precision without editing it.
+    AddOverrideFlags();
+    app_->add_option("--backend", options_.backend,
+                     "cpu (Eigen/OpenBLAS + MPI) or cuda (CUDA/cuBLAS + NCCL, loaded from the "
+                     "plugin libmpusim_backend_cuda.so next to the program); default cpu")
+        ->check(CLI::IsMember({"cpu", "cuda"}));
+    app_->add_option("--comm", options_.comm,
+                     "cuda backend collectives: nccl (one GPU per rank) or mpi (host-staged, "
+                     "several ranks may share a GPU); default nccl")
+        ->check(CLI::IsMember({"nccl", "mpi"}));
+    app_->add_option("--repeat", options_.repeat,
+                     "run the step N times, each from zero gradients, and print the median time "
+                     "(benchmarks)")
+        ->check(CLI::Range(1, 1000));
+    AddLimits();
+  }
+  CLI::App* app() override { return app_; }
+  int Run(std::ostream& out, std::ostream& err) override {
+    if (!max_memory_.empty()) options_.max_memory_bytes = *run::ParseByteSize(max_memory_);
+    return run::RunSimulation(options_, out, err, MakeBackend);
+  }
+
+ private:
+  // Overrides of the file's keys, for trying a layout or a precision without editing it.
+  void AddOverrideFlags() {
     for (const OverrideFlag& o : kOverrides) {
       const bool is_text = !o.choices.empty();
       app_->add_option_function<std::string>(
@@ -129,18 +183,9 @@ class RunCommand : public Command {
           options_.overrides.push_back({"--no-sp", "parallel.sequence_parallel", "false", ""});
         },
         "--sequence-parallel false");
-    app_->add_option("--backend", options_.backend,
-                     "cpu (Eigen/OpenBLAS + MPI) or cuda (CUDA/cuBLAS + NCCL, loaded from the "
-                     "plugin libmpusim_backend_cuda.so next to the program); default cpu")
-        ->check(CLI::IsMember({"cpu", "cuda"}));
-    app_->add_option("--comm", options_.comm,
-                     "cuda backend collectives: nccl (one GPU per rank) or mpi (host-staged, "
-                     "several ranks may share a GPU); default nccl")
-        ->check(CLI::IsMember({"nccl", "mpi"}));
-    app_->add_option("--repeat", options_.repeat,
-                     "run the step N times, each from zero gradients, and print the median time "
-                     "(benchmarks)")
-        ->check(CLI::Range(1, 1000));
+  }
+  // --timeout and --max-memory.
+  void AddLimits() {
     app_->add_option("--timeout", options_.timeout_s,
                      "seconds one collective or send/receive may wait for the other ranks before "
                      "the job is aborted with a line naming the rank, the call and the group (a "
@@ -168,13 +213,7 @@ class RunCommand : public Command {
             },
             "SIZE"));
   }
-  CLI::App* app() override { return app_; }
-  int Run(std::ostream& out, std::ostream& err) override {
-    if (!max_memory_.empty()) options_.max_memory_bytes = *run::ParseByteSize(max_memory_);
-    return run::RunSimulation(options_, out, err, MakeBackend);
-  }
 
- private:
   CLI::App* app_ = nullptr;
   run::RunOptions options_;
   std::string max_memory_;
@@ -183,7 +222,11 @@ class RunCommand : public Command {
 }  // namespace
 
 std::unique_ptr<Command> MakeRunCommand(CLI::App* parent, std::string command_line) {
-  return std::make_unique<RunCommand>(parent, std::move(command_line));
+  return std::make_unique<RunCommand>(parent, std::move(command_line), false);
+}
+
+std::unique_ptr<Command> MakeReferenceCommand(CLI::App* parent, std::string command_line) {
+  return std::make_unique<RunCommand>(parent, std::move(command_line), true);
 }
 
 }  // namespace mpusim::cli

@@ -6,6 +6,7 @@
 
 #include <utility>
 
+#include "core/config/field_table.h"
 #include "reference/gpt_reference.h"
 #include "reference/reference_model.h"
 
@@ -44,6 +45,11 @@ class ChainReference final : public Reference {
   }
   std::string_view BudgetText() const override {
     return "grows with the tensor's reduction lengths";
+  }
+  // The token rows, the padded vocabulary (tp) and the dropout masks, which the chain draws
+  // per rank: conservatively, the whole layout.
+  nlohmann::json LayoutIdentity() const override {
+    return {{"token_rows", Units()}, {"parallel", EchoFields(ParallelFields(), parallel_)}};
   }
 
  private:
@@ -90,6 +96,23 @@ class GptReference final : public Reference {
     return "each rank computes its data-parallel rank's samples";
   }
   std::string_view BudgetText() const override { return "for the model's longest path"; }
+  // The samples of a micro-batch and the padded vocabulary; an MoE model's routing groups
+  // (each data-parallel rank's b samples, cut over tp and cp); with dropout_mode "rng_tracker"
+  // the masks each rank draws: the whole layout.
+  nlohmann::json LayoutIdentity() const override {
+    const int64_t tp = parallel_.tensor_model_parallel_size;
+    nlohmann::json id = {{"samples", Units()}, {"padded_vocab_size", gpt_.PaddedVocabSize(tp)}};
+    if (gpt_.moe.enabled()) {
+      id["moe_routing"] = {{"micro_batch_size", run_.micro_batch_size},
+                           {"tensor_model_parallel_size", tp},
+                           {"context_parallel_size", parallel_.context_parallel_size},
+                           {"sequence_parallel", parallel_.sequence_parallel && tp > 1}};
+    }
+    if (gpt_.dropout_mode == DropoutMode::kRngTracker) {
+      id["parallel"] = EchoFields(ParallelFields(), parallel_);
+    }
+    return id;
+  }
 
  private:
   ParallelConfig parallel_;

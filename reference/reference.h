@@ -29,6 +29,8 @@
 #include <string_view>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "core/config/config.h"
 #include "core/dump/compare.h"
 #include "core/init.h"
@@ -132,6 +134,12 @@ class Reference {
   // the budgets ("grows with the tensor's reduction lengths").
   virtual std::string SplitText(int world_size) const = 0;
   virtual std::string_view BudgetText() const = 0;
+  // What of the layout the reference's values depend on (the data per micro-batch, the padded
+  // vocabulary, a layout's dropout masks or routing groups): two runs whose model, data and
+  // training agree and whose LayoutIdentity is equal have the same reference values, so one
+  // stored reference serves both (run/stored_reference.h). Tolerances are not values: they
+  // are each run's own.
+  virtual nlohmann::json LayoutIdentity() const = 0;
 };
 
 // The reference of the model `config` describes (its model section resolved for the layout,

@@ -25,6 +25,7 @@
 #include "reference/reference.h"
 #include "reference/trainer.h"
 #include "run/row_exchange.h"
+#include "run/stored_reference.h"
 
 namespace mpusim::run {
 namespace {
@@ -517,7 +518,12 @@ CheckResult BuildResult(const Config& config, JobReference& job,
       "check against the float64 reference ({} storage; {}):\n"
       "  pass when |a - e| <= allowed * (max|e| + |e|); allowed = {:g} * sqrt(roundings * u^2 + "
       "terms * u_c^2) {} (README \"Checks and tolerances\")\n",
-      DTypeName(config.run->dtype), job.reference->SplitText(world_size), kToleranceSafety,
+      DTypeName(config.run->dtype),
+      job.stored_dir.empty()
+          ? job.reference->SplitText(world_size)
+          : fmt::format("read from the stored reference {}, each rank its {}", job.stored_dir,
+                        job.reference->UnitName()),
+      kToleranceSafety,
       job.reference->BudgetText());
   result.memory = fmt::format(
       "reference memory: {:.1f} MiB on the largest rank ({} token rows), {:.1f} MiB for the "
@@ -570,13 +576,25 @@ double TrainingDrift(const std::vector<std::string>& names, const std::vector<do
 
 
 StatusOr<CheckResult> CheckRun(const Config& config, const RankCoordinates& coords,
-                               const std::vector<TensorRecord>& records, const HostFetch& fetch) {
+                               const std::vector<TensorRecord>& records, const HostFetch& fetch,
+                               const ReferenceSource& source) {
   int world_rank = 0, world_size = 1;
   MPUSIM_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
   MPUSIM_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world_size));
   // A training run: the tensors compared are the last iteration's, with the parameters after
   // its update and the optimizer state.
-  StatusOr<JobReference> job = ComputeJobReference(config, coords);
+  StatusOr<JobReference> job = source.stored_dir.empty()
+                                   ? ComputeJobReference(config, coords)
+                                   : LoadJobReference(config, coords, source.identity,
+                                                      source.stored_dir);
+  if (!source.stored_dir.empty()) {
+    // Each rank reads its own part: the first rank that could not fails them all.
+    const std::vector<std::string> problems =
+        AllGatherStrings(job.ok() ? std::string() : job.status().Message());
+    for (const std::string& problem : problems) {
+      if (!problem.empty()) return Status::Error("reference", problem);
+    }
+  }
   if (!job.ok()) return job.status();
   Comparison c;
   c.refs = &job->result.tensors;

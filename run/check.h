@@ -24,6 +24,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "core/dump/compare.h"
 #include "core/config/config.h"
 #include "core/model/record.h"
@@ -106,8 +108,16 @@ using HostFetch = std::function<Tensor(const TensorRecord&)>;
 // Collective over MPI_COMM_WORLD: every rank calls it with its own records of one run of
 // `config`, taken from the rank at `coords`. A reference that cannot run is a Status on every
 // rank.
+// Where the check's reference comes from: computed by the job (stored_dir empty), or read from
+// the stored reference in stored_dir (run/stored_reference.h), which must have `identity`.
+struct ReferenceSource {
+  std::string stored_dir;
+  nlohmann::json identity;
+};
+
 StatusOr<CheckResult> CheckRun(const Config& config, const RankCoordinates& coords,
-                               const std::vector<TensorRecord>& records, const HostFetch& fetch);
+                               const std::vector<TensorRecord>& records, const HostFetch& fetch,
+                               const ReferenceSource& source = {});
 
 // "[i, j, k]": the multi-index of `flat` in `shape` (a TensorCheck's worst_index).
 std::string IndexString(const Shape& shape, int64_t flat);

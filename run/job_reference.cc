@@ -109,11 +109,8 @@ void SumShares(std::vector<ReferenceTensor>& tensors, MPI_Comm comm, const CommL
   if (!packed.empty()) flush();
 }
 
-// One optimizer step of the reference on its full (summed) gradients, iteration k.
-// Afterwards the result's parameters hold the updated values and its gradients the clipped
-// ones, as the executor's records do. The gradients' error, which the trainer carries into
-// its error bounds, is taken as the largest tolerance of any gradient in the run's storage
-// dtype.
+}  // namespace
+
 void TrainReference(ReferenceResult& reference, int64_t k, DType storage,
                     ReferenceTrainer& trainer, std::vector<ReferenceIteration>* iterations) {
   std::map<std::string, Tensor> parameters;
@@ -140,9 +137,8 @@ void TrainReference(ReferenceResult& reference, int64_t k, DType storage,
   }
 }
 
-}  // namespace
-
-StatusOr<JobReference> ComputeJobReference(const Config& config, const RankCoordinates& coords) {
+StatusOr<JobReference> ComputeJobReference(const Config& config, const RankCoordinates& coords,
+                                           const BeforeStep& before_step) {
   int world_rank = 0, world_size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
   MPI_Comm_size(MPI_COMM_WORLD, &world_size);
@@ -183,6 +179,15 @@ StatusOr<JobReference> ComputeJobReference(const Config& config, const RankCoord
                          : Status::Error("reference model", result.status().Message());
     }
     SumShares(result->tensors, group, group_label);
+    if (before_step) {
+      const Status kept = before_step(k, *result);
+      int bad = kept.ok() ? 0 : 1;
+      watched::Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD, WorldLabel());
+      if (bad != 0) {
+        free_group();
+        return kept.ok() ? Status::Error("reference", "failed on another rank") : kept;
+      }
+    }
     if (!job.trainer) break;
     TrainReference(*result, k, config.run->dtype, *job.trainer, &job.iterations);
   }

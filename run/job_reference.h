@@ -6,8 +6,10 @@
 // (reference/trainer.h).
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "core/config/config.h"
@@ -33,10 +35,26 @@ struct JobReference {
   // the loss, gradient norm and learning rate of every iteration.
   std::optional<ReferenceTrainer> trainer;
   std::vector<ReferenceIteration> iterations;
+  // Read from a stored reference (run/stored_reference.h) in this folder; empty: computed.
+  std::string stored_dir;
 };
 
+// Called with iteration k's result (shares summed) before its optimizer step: what a stored
+// reference keeps of each iteration (run/stored_reference.h).
+using BeforeStep = std::function<Status(int64_t k, const ReferenceResult& result)>;
+
 // Collective over MPI_COMM_WORLD. A reference that cannot run, on any rank, is a Status on
-// every rank.
-StatusOr<JobReference> ComputeJobReference(const Config& config, const RankCoordinates& coords);
+// every rank; so is a `before_step` that fails on any rank.
+StatusOr<JobReference> ComputeJobReference(const Config& config, const RankCoordinates& coords,
+                                           const BeforeStep& before_step = nullptr);
+
+// One optimizer step of the reference on iteration k's full (summed) gradients, the
+// reference's `parameter` tensors and their `gradient_of` tensors in `result`: the first step
+// takes the parameters from it. Afterwards `result`'s parameters hold the updated values and
+// its gradients the clipped ones, as the executor's records do. The gradients' error, which
+// the trainer carries into its error bounds, is the largest tolerance of any gradient in the
+// run's storage dtype.
+void TrainReference(ReferenceResult& result, int64_t k, DType storage, ReferenceTrainer& trainer,
+                    std::vector<ReferenceIteration>* iterations);
 
 }  // namespace mpusim::run

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -27,6 +28,7 @@
 #include "run/dump.h"
 #include "run/preflight.h"
 #include "run/report.h"
+#include "run/stored_reference.h"
 
 namespace mpusim::run {
 namespace {
@@ -98,6 +100,7 @@ class RankRun {
   int Preflight(const Topology& topology);  // plan_, warnings_: refuse what would not fit
   int MakeBackend();      // backend_, and its device memory against plan_
   int Report(const Topology& topology, SimulationResult& result, const DumpTarget& dump);
+  int StoreReference(const Topology& topology);  // `mpusim reference`
   std::string PreflightError(const MemoryPlan& plan) const;
 
   const RunOptions& options_;
@@ -146,6 +149,7 @@ int RankRun::Run() {
     return ConfigError(model.status());
   }
   if (const int code = CheckWorldSize(); code != kContinue) return code;
+  if (!options_.store_reference_dir.empty()) return StoreReference(*topology);
   if (const int code = Preflight(*topology); code != kContinue) return code;
   DumpTarget dump{options_.dump_dir, options_.config_path, effective_config_,
                   options_.command_line, "", config_.run->dtype, ""};
@@ -155,10 +159,17 @@ int RankRun::Run() {
   }
   if (const int code = CheckOutputFiles(); code != kContinue) return code;
   if (const int code = MakeBackend(); code != kContinue) return code;
+  ReferenceSource reference;
+  if (!options_.reference_dir.empty()) {
+    if (!options_.check) return Usage("command line", "--reference: is what the check reads (drop --no-check)");
+    StatusOr<nlohmann::json> identity = ReferenceIdentity(effective_config_, config_);
+    if (!identity.ok()) return ConfigError(identity.status());
+    reference = {options_.reference_dir, *identity};
+  }
   StatusOr<SimulationResult> result =
       Simulate(config_,
                {options_.check, options_.repeat, !options_.dump_dir.empty(),
-                !options_.trace_path.empty()},
+                !options_.trace_path.empty(), reference},
                *backend_);
   if (!result.ok()) return Usage(options_.config_path, result.status().Message());
   // The last safe point before anything is written: the reference check may have run long.
@@ -175,6 +186,27 @@ int RankRun::Run() {
     return InterruptExitCode(result->interrupt);
   }
   return Report(*topology, *result, dump);
+}
+
+int RankRun::StoreReference(const Topology& topology) {
+  StatusOr<nlohmann::json> identity = ReferenceIdentity(effective_config_, config_);
+  if (!identity.ok()) return ConfigError(identity.status());
+  const auto start = std::chrono::steady_clock::now();
+  StatusOr<int64_t> bytes = StoreJobReference(config_, topology.Coordinates(world_rank_),
+                                              *identity, options_.store_reference_dir);
+  if (!bytes.ok()) return Usage(options_.config_path, bytes.status().Message());
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  out_ << fmt::format(
+      "mpusim reference: {} on {} rank{}: the float64 reference ({} iteration{}) computed in "
+      "{:.1f} s and stored in {} ({}); check a run against it with mpusim run {} --reference "
+      "{}\n",
+      options_.config_path, world_size_, world_size_ == 1 ? "" : "s",
+      config_.optimizer ? config_.run->train_iters : 1,
+      config_.optimizer && config_.run->train_iters != 1 ? "s" : "", seconds,
+      options_.store_reference_dir, FormatBytes(static_cast<unsigned __int128>(*bytes)),
+      options_.config_path, options_.store_reference_dir);
+  return 0;
 }
 
 int RankRun::LoadConfig() {

@@ -40,6 +40,12 @@ struct RunOptions {
   };
   std::vector<Override> overrides;
   bool check = true;     // compare with the float64 reference
+  // Check against the stored reference in this folder instead of computing it (--reference;
+  // run/stored_reference.h).
+  std::string reference_dir;
+  // `mpusim reference --out DIR`: compute the reference alone and store it in this folder;
+  // the model is not run.
+  std::string store_reference_dir;
   int repeat = 1;        // run the step this many times and report timings (benchmarks)
   std::string backend = "cpu";  // "cpu" or a plugin's name ("cuda")
   std::string comm = "nccl";    // cuda backend: "nccl" or "mpi" (host-staged)

@@ -319,7 +319,7 @@ StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions&
     const HostFetch fetch = [&](const TensorRecord& r) {
       return r.tensor.device() == Device::kHost ? r.tensor : kernels.ToHost(r.tensor);
     };
-    StatusOr<CheckResult> checked = CheckRun(config, ctx.coords, records, fetch);
+    StatusOr<CheckResult> checked = CheckRun(config, ctx.coords, records, fetch, options.reference);
     if (!checked.ok()) return checked.status();
     result.check = std::move(checked).value();
   }

@@ -97,6 +97,7 @@ struct SimulateOptions {
   int repeat = 1;             // run the step this many times (benchmarks)
   bool keep_records = false;  // return the records (for a dump)
   bool timeline_comms = false;  // gather every rank's timed collectives too (--trace)
+  ReferenceSource reference = {};  // the check's reference: computed, or a stored one
 };
 
 // Runs `config` on MPI_COMM_WORLD (collective: every rank calls it with the same config;
