@@ -11,8 +11,10 @@
 // micro_batch_size * dp samples per micro-batch (micro_batch_size B / dp for the layout), so
 // every layout trains on the same data (micro-batch m's samples 0..B-1 of its stream). The table
 // gives each layout's final loss, the largest deviation of its loss curve from the reference's, the
-// largest normalized error of a final parameter, the check's verdict, the median time per iteration
-// and rank 0's peak of live stashes. Exit 0 when every layout passes, 1 when one fails or cannot
+// largest normalized error of a final parameter, the check's verdict, the median time per iteration,
+// rank 0's peak of live stashes and the stored reference it was checked against: each distinct
+// reference (the layouts whose values agree share one, run/stored_reference.h) is computed once,
+// by `mpusim reference`, and every layout's run reads it (`mpusim run --reference`). Exit 0 when every layout passes, 1 when one fails or cannot
 // run, 2 for bad input. What it is not: a benchmark (the layouts share this machine's cores).
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -44,6 +46,7 @@
 #include "core/model/model.h"
 #include "core/schedule.h"
 #include "core/topology.h"
+#include "run/stored_reference.h"
 
 namespace mpusim::cli {
 namespace {
@@ -99,6 +102,9 @@ class SweepCommand final : public Command {
                      "override run.train_iters (with an optimizer section)")
         ->check(CLI::Range(1, 100000));
     app_->add_option("--mpiexec", mpiexec_, "the MPI launcher; default " MPUSIM_MPIEXEC);
+    app_->add_flag_callback("--no-check", [this] { check_ = false; },
+                            "run every layout without the float64 check: how long the layouts "
+                            "themselves take (bench/sweep_reference.sh compares the two)");
   }
   CLI::App* app() override { return app_; }
 
@@ -146,9 +152,9 @@ class SweepCommand final : public Command {
     for (const std::string& s : skipped) out << "  skipped " << s << '\n';
     // The layout column: 31 wide, or the longest name's width (ep, sp and dist-opt together).
     for (const Layout& l : layouts) name_width_ = std::max(name_width_, l.Name().size());
-    out << fmt::format("  {:<{}} {:>14} {:>16} {:>12} {:>8} {:>10} {:>7}\n", "layout",
+    out << fmt::format("  {:<{}} {:>14} {:>16} {:>12} {:>8} {:>10} {:>7} {:>4}\n", "layout",
                        name_width_, "final loss", "max |loss-ref|", "param err", "check",
-                       "s/iter", "stashes");
+                       "s/iter", "stashes", "ref");
     out.flush();
     char self[4096] = {};
     const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
@@ -188,9 +194,20 @@ class SweepCommand final : public Command {
                                             range.second - range.first, padded));
     }
     out << fmt::format(
-        "{} of {} layouts pass; final losses agree to {}\n",
-        layouts.size() - static_cast<size_t>(failures), layouts.size(),
+        "{} of {} layouts {}; final losses agree to {}\n",
+        layouts.size() - static_cast<size_t>(failures), layouts.size(), check_ ? "pass" : "ran",
         agreement.empty() ? std::string("-") : fmt::format("{}", fmt::join(agreement, ", ")));
+    const double took =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    if (check_) {
+      out << fmt::format(
+          "  references: {} computed and stored ({:.1f} s in all), each layout checked against "
+          "the one of its model, data and values (column ref; mpusim reference, mpusim run "
+          "--reference); the sweep took {:.1f} s\n",
+          labels_.size(), reference_seconds_, took);
+    } else {
+      out << fmt::format("  (--no-check: no layout was checked; the sweep took {:.1f} s)\n", took);
+    }
     if (MasksDependOnLayout(Document(base, layouts.front()))) {
       out << "  (the dropout masks come from each rank's RNG tracker, as Megatron's do, so the "
              "losses differ between layouts; each layout is checked against the reference "
@@ -256,7 +273,7 @@ class SweepCommand final : public Command {
   std::optional<bool> RunLayout(size_t i, const Layout& l, const json& base,
                                 const std::filesystem::path& dir, const std::string& exe,
                                 std::ostream& out, std::ostream& err,
-                                std::map<int64_t, std::pair<double, double>>* losses) const {
+                                std::map<int64_t, std::pair<double, double>>* losses) {
     const std::string config_file = (dir / fmt::format("layout{}.json", i)).string();
     const std::string summary_file = (dir / fmt::format("layout{}.summary.json", i)).string();
     const std::string log_file = (dir / fmt::format("layout{}.log", i)).string();
@@ -264,10 +281,15 @@ class SweepCommand final : public Command {
       ReportError(err, config_file, s.Message());
       return std::nullopt;
     }
-    const std::string command =
-        fmt::format("{} -n {} --oversubscribe {} run {} --summary {} > {} 2>&1",
-                    ShellQuote(mpiexec_), world_size_, ShellQuote(exe), ShellQuote(config_file),
-                    ShellQuote(summary_file), ShellQuote(log_file));
+    const std::string reference =
+        check_ ? StoredReference(Document(base, l), config_file, dir, exe) : "";
+    const std::string command = fmt::format(
+        "{} -n {} --oversubscribe {} run {} --summary {}{} > {} 2>&1", ShellQuote(mpiexec_),
+        world_size_, ShellQuote(exe), ShellQuote(config_file), ShellQuote(summary_file),
+        !check_             ? std::string(" --no-check")
+        : reference.empty() ? std::string()
+                            : " --reference " + ShellQuote(reference),
+        ShellQuote(log_file));
     const int status = std::system(command.c_str());
     const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
     std::ifstream summary_in(summary_file);
@@ -300,14 +322,49 @@ class SweepCommand final : public Command {
     range->second = {std::min(range->second.first, loss), std::max(range->second.second, loss)};
     const bool passed = code == 0 && summary["passed"].get<bool>();
     const double seconds = summary["seconds_median"].get<double>();
+    const auto label = labels_.find(reference);
+    const bool checked = summary.contains("check");
     out << fmt::format(
-        "  {:<{}} {:>14.10g} {:>16.3g} {:>12.3g} {:>8} {:>10.3f} {:>7}\n", l.Name(), name_width_,
-        loss,
-        deviation, summary["check"]["max_parameter_normalized_error"].get<double>(),
-        passed ? "pass" : "FAIL", seconds, summary["peak_stashes_rank0"].get<int64_t>());
+        "  {:<{}} {:>14.10g} {:>16} {:>12} {:>8} {:>10.3f} {:>7} {:>4}\n", l.Name(), name_width_,
+        loss, checked ? fmt::format("{:.3g}", deviation) : "-",
+        checked ? fmt::format("{:.3g}",
+                              summary["check"]["max_parameter_normalized_error"].get<double>())
+                : "-",
+        !passed ? "FAIL" : checked ? "pass" : "ran", seconds,
+        summary["peak_stashes_rank0"].get<int64_t>(),
+        label != labels_.end() ? label->second : "-");
     if (!passed) PrintFailures(log_file, out);
     out.flush();
     return passed;
+  }
+
+  // The stored reference layout `document` (written to `config_file`) is checked against: the
+  // one of the same identity (run/stored_reference.h) if an earlier layout made it, else a new
+  // one computed now with `mpusim reference` into `dir`. "" when it cannot be made (the layout's
+  // run then computes its own, and says why it cannot run if it cannot).
+  std::string StoredReference(const json& document, const std::string& config_file,
+                              const std::filesystem::path& dir, const std::string& exe) {
+    Config config;
+    if (!ParseConfig(document, &config).ok() || !config.run) return "";
+    const StatusOr<json> identity =
+        run::ReferenceIdentity(EffectiveConfigJson(document, config), config);
+    if (!identity.ok()) return "";
+    const std::string key = identity->dump();
+    if (const auto it = references_.find(key); it != references_.end()) return it->second;
+    const std::string label = fmt::format("r{}", references_.size() + 1);
+    const std::string folder = (dir / ("reference." + label)).string();
+    const auto start = std::chrono::steady_clock::now();
+    const std::string command = fmt::format(
+        "{} -n {} --oversubscribe {} reference {} --out {} > {} 2>&1", ShellQuote(mpiexec_),
+        world_size_, ShellQuote(exe), ShellQuote(config_file), ShellQuote(folder),
+        ShellQuote(folder + ".log"));
+    const int status = std::system(command.c_str());
+    reference_seconds_ +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const bool made = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    references_[key] = made ? folder : "";
+    if (made) labels_[folder] = label;
+    return references_[key];
   }
 
   // Below a failed layout's row: the lines of its run's output that say what failed (a check's
@@ -340,6 +397,11 @@ class SweepCommand final : public Command {
   std::optional<int64_t> train_iters_;
   int64_t samples_ = 1;  // B: samples per micro-batch over all dp ranks
   std::string mpiexec_ = MPUSIM_MPIEXEC;
+  // The stored references: identity -> folder ("" when it could not be made), folder -> label.
+  std::map<std::string, std::string> references_;
+  std::map<std::string, std::string> labels_;
+  double reference_seconds_ = 0;
+  bool check_ = true;
 };
 
 }  // namespace

@@ -110,8 +110,16 @@ StatusOr<json> ReferenceIdentity(const json& effective_config, const Config& con
   StatusOr<std::unique_ptr<Reference>> reference = BuildReference(config);
   if (!reference.ok()) return reference.status();
   const RunConfig& run = *config.run;
+  // The optimizer's keys that only lay out or schedule the same update (the distributed
+  // optimizer, overlaps, buckets) do not change a value.
+  json optimizer = effective_config.value("optimizer", json());
+  if (optimizer.is_object()) {
+    for (const auto& field : OptimizerFields()) {
+      if (field.effect == FieldEffect::kLayout) optimizer.erase(std::string(field.key));
+    }
+  }
   json identity = {{"model", effective_config.value("model", json())},
-                   {"optimizer", effective_config.value("optimizer", json())},
+                   {"optimizer", optimizer},
                    {"run",
                     {{"seed", run.seed},
                      {"seq_length", run.seq_length},

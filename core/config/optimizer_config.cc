@@ -87,17 +87,20 @@ constexpr OptimizerField kFields[] = {
     {"clip_grad", &OptimizerConfig::clip_grad,
      "the global gradient norm's limit; 0 turns clipping off", {}, 1,
      NumberRule::kNonNegative},
+    // How the same update is laid out and scheduled over the ranks (FieldEffect::kLayout).
     {"use_distributed_optimizer", &OptimizerConfig::use_distributed_optimizer,
-     "the optimizer state sharded over dp", "--distributed-optimizer"},
+     "the optimizer state sharded over dp", "--distributed-optimizer", 1,
+     NumberRule::kPositive, nullptr, FieldEffect::kLayout},
     {"overlap_grad_reduce", &OptimizerConfig::overlap_grad_reduce,
      "the bucketed gradient reduction overlapped with the backward (timing only)",
-     "--overlap-grad-reduce"},
+     "--overlap-grad-reduce", 1, NumberRule::kPositive, nullptr, FieldEffect::kLayout},
     {"overlap_param_gather", &OptimizerConfig::overlap_param_gather,
      "the distributed optimizer's parameter all-gather overlapped with the forward (timing "
      "only)",
-     "--overlap-param-gather"},
+     "--overlap-param-gather", 1, NumberRule::kPositive, nullptr, FieldEffect::kLayout},
     {"bucket_size", &OptimizerConfig::bucket_size,
-     "parameters per gradient bucket when overlap_grad_reduce is on"},
+     "parameters per gradient bucket when overlap_grad_reduce is on", {}, 1,
+     NumberRule::kPositive, nullptr, FieldEffect::kLayout},
 };
 
 }  // namespace

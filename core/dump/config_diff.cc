@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "core/config/model_config.h"
+#include "core/config/optimizer_config.h"
 #include "core/config/parallel_config.h"
 
 namespace mpusim {
@@ -154,7 +155,12 @@ ConfigChange Classify(const std::string& key, bool in_a, bool in_b, const FlatCo
     }
     return ConfigChange::kData;
   }
-  if (section == "optimizer") return ConfigChange::kTraining;
+  if (section == "optimizer") {
+    // The distributed optimizer, overlaps and buckets lay out the same update.
+    const auto* f = FindField(OptimizerFields(), rest);
+    return f != nullptr && f->effect == FieldEffect::kLayout ? ConfigChange::kLayout
+                                                              : ConfigChange::kTraining;
+  }
   if (section != "model") return ConfigChange::kOptions;
   // How the same math is laid out or run (attention_backend: the executor computes the same
   // attention whatever it says).
