@@ -50,6 +50,7 @@ enum class FieldEffect : uint8_t {
   kIterations,  // how many steps
   kBatch,       // samples per micro-batch or iteration: a layout change when each iteration
                 // still sees the same samples, else other data
+  kShape,       // the tensors' names or shapes: another model
 };
 
 // A field that is not a plain member: how it is read and echoed.
@@ -78,8 +79,12 @@ struct Field {
   // Non-empty: the key has no default, and this says what to give ("the number of ranks, e.g.
   // \"world_size\": 16"); CheckRequired refuses a section without it.
   std::string_view required = {};
+  // Non-empty: the default of an absent key is no value of its own but resolved from other
+  // keys once the section is read ("4 * hidden_size"); the documentation shows this instead
+  // of the echo of a default section.
+  std::string_view absent = {};
 
-  FieldKind kind() const {
+  constexpr FieldKind kind() const {
     switch (target.index()) {
       case 0:
       case 1:
@@ -176,16 +181,57 @@ nlohmann::json Field<Section>::Echo(const Section& section) const {
 }
 
 // The first required key of `fields` that `section` lacks: "<prefix>.<key>: is required
-// (<what to give>)".
+// (<what to give>)", or "is required<context> (<what to give>)" (context: ` for "type": "gpt"`).
 template <typename Section>
 Status CheckRequired(std::span<const Field<Section>> fields, const nlohmann::json& section,
-                     std::string_view prefix) {
+                     std::string_view prefix, std::string_view context = {}) {
   for (const Field<Section>& f : fields) {
     if (f.required.empty() || section.contains(f.key)) continue;
     return Status::Error(std::string(prefix) + "." + std::string(f.key),
-                         "is required (" + std::string(f.required) + ")");
+                         "is required" + std::string(context) + " (" + std::string(f.required) +
+                             ")");
   }
   return {};
+}
+
+// The member at the end of a path of member pointers: MemberAt<&GptConfig::moe,
+// &MoeConfig::router_topk>(gpt) is gpt.moe.router_topk.
+template <auto kFirst, auto... kRest, typename Object>
+constexpr auto& MemberAt(Object& object) {
+  if constexpr (sizeof...(kRest) == 0) {
+    return object.*kFirst;
+  } else {
+    return MemberAt<kRest...>(object.*kFirst);
+  }
+}
+
+template <typename MemberPointer>
+struct MemberPointerTraits;
+template <typename Class, typename Member>
+struct MemberPointerTraits<Member Class::*> {
+  using ClassType = Class;
+  using MemberType = Member;
+};
+
+// A plain member `kInner` of the struct `kOuter` a section holds, read and echoed as a field of
+// the section itself, with the reader of a plain field (its minimum or number rule): the
+// model section's "moe_router_topk" is GptConfig::moe's router_topk.
+template <auto kOuter, auto kInner, int64_t kMinValue = 1,
+          NumberRule kRule = NumberRule::kPositive>
+constexpr auto InnerMember() {
+  using Section = typename MemberPointerTraits<decltype(kOuter)>::ClassType;
+  using Inner = typename MemberPointerTraits<decltype(kOuter)>::MemberType;
+  using InnerField = Field<Inner>;
+  return Codec<Section>{
+      InnerField{.key = {}, .target = kInner, .help = {}}.kind(),
+      [](const nlohmann::json& value, const std::string& where, Section* section) {
+        const InnerField field{
+            .key = {}, .target = kInner, .help = {}, .min_value = kMinValue, .number_rule = kRule};
+        return field.Parse(value, where, &(section->*kOuter));
+      },
+      [](const Section& section) {
+        return InnerField{.key = {}, .target = kInner, .help = {}}.Echo(section.*kOuter);
+      }};
 }
 
 // The table's keys, in its (documentation) order.

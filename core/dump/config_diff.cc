@@ -151,6 +151,7 @@ ConfigChange Classify(const std::string& key, bool in_a, bool in_b, const FlatCo
         return samples_a && samples_a == Samples(b) ? ConfigChange::kLayout : ConfigChange::kData;
       }
       case FieldEffect::kSection:
+      case FieldEffect::kShape:
         break;
     }
     return ConfigChange::kData;
