@@ -1,11 +1,12 @@
-// The GPT model section (see gpt_config.h).
+// The GPT model section (see gpt_config.h): reading it through its field table (gpt_fields.cc),
+// then Megatron's post-parse defaults and the rules between keys, the checks against the
+// layout, and the parameter list.
 //
 // Defaults are TransformerConfig's (megatron/core/transformer/transformer_config.py) and
 // GPTModel's; the parameter list follows GPTModel's state dict with the local layer spec
 // (get_gpt_layer_local_spec: separate input_layernorm / pre_mlp_layernorm modules).
 #include "core/config/gpt_config.h"
 
-#include <algorithm>
 #include <cmath>
 #include <string_view>
 #include <variant>
@@ -77,99 +78,12 @@ Status JudgeDependentFields(const json& section, GptConfig* gpt) {
   return {};
 }
 
-const std::vector<std::string_view>& GptKeys() {
-  static const std::vector<std::string_view> keys = {
-      "type", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-      "kv_channels", "num_query_groups", "normalization", "layernorm_epsilon", "activation",
-      "add_bias_linear", "add_qkv_bias", "hidden_dropout", "attention_dropout",
-      "position_embedding_type", "rotary_base", "rotary_percent", "qk_layernorm",
-      "max_position_embeddings", "share_embeddings_and_output_weights",
-      "init_method_std", "vocab_size", "make_vocab_size_divisible_by", "label_smoothing",
-      "dropout_mode", "cp_comm_type", "attention_backend", "fp8", "fp8_recipe",
-      // Mixture of experts (MoeConfig).
-      "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
-      "moe_router_pre_softmax", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
-      "moe_z_loss_coeff", "moe_token_dispatcher_type", "moe_expert_capacity_factor",
-      "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
-      "moe_shared_expert_intermediate_size", "moe_grouped_gemm"};
-  return keys;
-}
-
-// One of `names` (the enum's spellings, in enum order).
-template <typename Enum>
-Status ParseChoice(const json& value, const std::string& where,
-                   const std::vector<std::string_view>& names, Enum* out) {
-  if (value.is_string()) {
-    const std::string text = value.get<std::string>();
-    for (size_t i = 0; i < names.size(); ++i) {
-      if (text == names[i]) {
-        *out = static_cast<Enum>(i);
-        return {};
-      }
-    }
-  }
-  std::string allowed;
-  for (size_t i = 0; i < names.size(); ++i) {
-    allowed += fmt::format("{}\"{}\"", i == 0 ? "" : i + 1 == names.size() ? " or " : ", ", names[i]);
-  }
-  return Status::Error(where, fmt::format("must be {}, got {}", allowed, DescribeJson(value)));
-}
-
-const std::vector<std::string_view> kPositionEmbeddings = {"learned_absolute", "rope"};
-const std::vector<std::string_view> kDropoutModes = {"global", "rng_tracker"};
-const std::vector<std::string_view> kCpCommTypes = {"p2p", "all_gather", "a2a", "a2a+p2p"};
-const std::vector<std::string_view> kAttentionBackends = {"flash", "fused", "unfused", "local",
-                                                          "auto"};
-const std::vector<std::string_view> kFp8Formats = {"e4m3", "hybrid"};
-const std::vector<std::string_view> kFp8Recipes = {"delayed", "tensorwise", "blockwise", "mxfp8"};
-const std::vector<std::string_view> kMoeLoadBalancing = {"aux_loss", "seq_aux_loss", "none"};
-const std::vector<std::string_view> kMoeDispatchers = {"allgather", "alltoall"};
-const std::vector<std::string_view> kMoeDropPolicies = {"probs", "position"};
-
-// A finite number >= 0 (a loss coefficient).
-Status ParseCoefficient(const json& value, const std::string& where, double* out) {
-  if (value.is_number() && !value.is_boolean() && std::isfinite(value.get<double>()) &&
-      value.get<double>() >= 0) {
-    *out = value.get<double>();
-    return {};
-  }
-  return Status::Error(where, fmt::format("must be a number >= 0, got {}", DescribeJson(value)));
-}
-
-// moe_layer_freq: an integer N >= 1 (layer i is an MoE layer when i % N == 0) or a list of
-// 0/1, one per layer (Megatron's pattern). The pattern is resolved once num_layers is known.
-Status ParseMoeLayerFreq(const json& value, const std::string& where,
-                         std::variant<int64_t, std::vector<bool>>* out) {
-  if (value.is_array()) {
-    std::vector<bool> pattern;
-    for (const json& entry : value) {
-      if (!entry.is_number_integer() || (entry.get<int64_t>() != 0 && entry.get<int64_t>() != 1)) {
-        return Status::Error(where, fmt::format("a list must hold only 0 (dense) and 1 (MoE), "
-                                                "got {}",
-                                                DescribeJson(entry)));
-      }
-      pattern.push_back(entry.get<int64_t>() == 1);
-    }
-    *out = pattern;
-    return {};
-  }
-  int64_t every = 0;
-  if (!ParseInt(value, where, 1, &every).ok()) {
-    return Status::Error(where, fmt::format("must be an integer >= 1 (every N-th layer is an MoE "
-                                            "layer) or a list of 0/1 per layer, got {}",
-                                            DescribeJson(value)));
-  }
-  *out = every;
-  return {};
-}
-
 // The moe_* keys once the section is read: defaults resolved against the model, the pattern
 // checked against num_layers, and keys that need num_moe_experts refused or noted without it.
-Status ResolveMoe(const json& section, const std::optional<int64_t>& moe_ffn,
-                  const std::variant<int64_t, std::vector<bool>>& freq, GptConfig* gpt) {
+Status ResolveMoe(const json& section, GptConfig* gpt) {
   MoeConfig& moe = gpt->moe;
   if (!moe.enabled()) {
-    if (moe_ffn) {
+    if (moe.ffn_hidden_size != 0) {
       return Status::Error("model.moe_ffn_hidden_size",
                            "is set but num_moe_experts is not; set num_moe_experts or remove "
                            "moe_ffn_hidden_size");
@@ -189,12 +103,12 @@ Status ResolveMoe(const json& section, const std::optional<int64_t>& moe_ffn,
                                      "routed to",
                                      moe.router_topk, moe.num_experts));
   }
-  moe.ffn_hidden_size = moe_ffn.value_or(gpt->ffn_hidden_size);
-  if (const auto* every = std::get_if<int64_t>(&freq)) {
+  if (moe.ffn_hidden_size == 0) moe.ffn_hidden_size = gpt->ffn_hidden_size;
+  if (const auto* every = std::get_if<int64_t>(&moe.layer_freq)) {
     moe.layers.clear();
     for (int64_t i = 0; i < gpt->num_layers; ++i) moe.layers.push_back(i % *every == 0);
   } else {
-    moe.layers = std::get<std::vector<bool>>(freq);
+    moe.layers = std::get<std::vector<bool>>(moe.layer_freq);
     if (static_cast<int64_t>(moe.layers.size()) != gpt->num_layers) {
       return Status::Error("model.moe_layer_freq",
                            fmt::format("the list has {} entries but the model has num_layers {}; "
@@ -216,24 +130,10 @@ Status ResolveMoe(const json& section, const std::optional<int64_t>& moe_ffn,
 
 }  // namespace
 
-const char* PositionEmbeddingName(PositionEmbedding p) {
-  return kPositionEmbeddings[static_cast<size_t>(p)].data();
-}
-const char* DropoutModeName(DropoutMode m) { return kDropoutModes[static_cast<size_t>(m)].data(); }
-const char* CpCommTypeName(CpCommType c) { return kCpCommTypes[static_cast<size_t>(c)].data(); }
-const char* AttentionBackendName(AttentionBackend b) {
-  return kAttentionBackends[static_cast<size_t>(b)].data();
-}
-const std::vector<std::string_view>& AttentionBackendNames() { return kAttentionBackends; }
-const char* Fp8FormatName(Fp8Format f) { return kFp8Formats[static_cast<size_t>(f)].data(); }
-const char* Fp8RecipeName(Fp8Recipe r) { return kFp8Recipes[static_cast<size_t>(r)].data(); }
-
 int64_t GptConfig::PaddedVocabSize(int64_t tensor_model_parallel_size) const {
   const int64_t multiple = make_vocab_size_divisible_by * tensor_model_parallel_size;
   return (vocab_size + multiple - 1) / multiple * multiple;
 }
-
-const std::vector<std::string_view>& GptConfigKeys() { return GptKeys(); }
 
 bool IsAcceptedTransformerField(std::string_view key) {
   return key == "gated_linear_unit" || FindTransformerField(key) != nullptr;
@@ -249,8 +149,6 @@ Status ParseGptSection(const json& section, GptConfig* out) {
     return Status::Error(prefix, fmt::format("must be a JSON object, got {}", DescribeJson(section)));
   }
   GptConfig gpt;
-  std::optional<int64_t> ffn, kv, groups, moe_ffn, moe_experts, shared;
-  std::variant<int64_t, std::vector<bool>> moe_freq = int64_t{1};
   for (const auto& [key, value] : section.items()) {
     const std::string where = prefix + "." + key;
     if (key == "gated_linear_unit") continue;  // JudgeDependentFields
@@ -258,140 +156,23 @@ Status ParseGptSection(const json& section, GptConfig* out) {
       MPUSIM_RETURN_IF_ERROR(JudgeAcceptedField(*field, value, where, &gpt.ignored));
       continue;
     }
-    if (std::find(GptKeys().begin(), GptKeys().end(), key) == GptKeys().end()) {
-      return UnknownKey(where, key, GptKeys());
-    }
-    if (key == "type") {
-      if (value != "gpt") {
-        return Status::Error(where, fmt::format("must be \"gpt\" (a layer chain has no \"type\", "
-                                                "only \"layers\"), got {}",
-                                                DescribeJson(value)));
-      }
-    } else if (key == "num_layers") {
-      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &gpt.num_layers));
-    } else if (key == "hidden_size") {
-      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &gpt.hidden_size));
-    } else if (key == "num_attention_heads") {
-      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &gpt.num_attention_heads));
-    } else if (key == "ffn_hidden_size") {
-      MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &ffn));
-    } else if (key == "kv_channels") {
-      MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &kv));
-    } else if (key == "num_query_groups") {
-      MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &groups));
-    } else if (key == "normalization") {
-      MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, NormalizationNames(), &gpt.normalization));
-    } else if (key == "layernorm_epsilon") {
-      MPUSIM_RETURN_IF_ERROR(ParsePositive(value, where, &gpt.layernorm_epsilon));
-    } else if (key == "activation") {
-      MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, ActivationNames(), &gpt.activation));
-    } else if (key == "add_bias_linear") {
-      MPUSIM_RETURN_IF_ERROR(ParseBool(value, where, &gpt.add_bias_linear));
-    } else if (key == "add_qkv_bias") {
-      MPUSIM_RETURN_IF_ERROR(ParseBool(value, where, &gpt.add_qkv_bias));
-    } else if (key == "hidden_dropout") {
-      MPUSIM_RETURN_IF_ERROR(ParseFraction(value, where, &gpt.hidden_dropout));
-    } else if (key == "attention_dropout") {
-      MPUSIM_RETURN_IF_ERROR(ParseFraction(value, where, &gpt.attention_dropout));
-    } else if (key == "position_embedding_type") {
-      MPUSIM_RETURN_IF_ERROR(
-          ParseChoice(value, where, kPositionEmbeddings, &gpt.position_embedding_type));
-    } else if (key == "rotary_base") {
-      MPUSIM_RETURN_IF_ERROR(ParsePositive(value, where, &gpt.rotary_base));
-    } else if (key == "rotary_percent") {
-      MPUSIM_RETURN_IF_ERROR(ParsePositive(value, where, &gpt.rotary_percent));
-      if (gpt.rotary_percent > 1.0) {
-        return Status::Error(where, fmt::format("must be in (0, 1] (the share of each head's "
-                                                "channels RoPE turns), got {}",
-                                                DescribeJson(value)));
-      }
-    } else if (key == "qk_layernorm") {
-      MPUSIM_RETURN_IF_ERROR(ParseBool(value, where, &gpt.qk_layernorm));
-    } else if (key == "max_position_embeddings") {
-      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &gpt.max_position_embeddings));
-    } else if (key == "share_embeddings_and_output_weights") {
-      MPUSIM_RETURN_IF_ERROR(ParseBool(value, where, &gpt.share_embeddings_and_output_weights));
-    } else if (key == "init_method_std") {
-      MPUSIM_RETURN_IF_ERROR(ParsePositive(value, where, &gpt.init_method_std));
-    } else if (key == "vocab_size") {
-      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &gpt.vocab_size));
-    } else if (key == "make_vocab_size_divisible_by") {
-      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &gpt.make_vocab_size_divisible_by));
-    } else if (key == "label_smoothing") {
-      MPUSIM_RETURN_IF_ERROR(ParseFraction(value, where, &gpt.label_smoothing));
-    } else if (key == "dropout_mode") {
-      MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, kDropoutModes, &gpt.dropout_mode));
-    } else if (key == "cp_comm_type") {
-      MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, kCpCommTypes, &gpt.cp_comm_type));
-    } else if (key == "attention_backend") {
-      MPUSIM_RETURN_IF_ERROR(
-          ParseChoice(value, where, kAttentionBackends, &gpt.attention_backend));
-    } else if (key == "fp8") {
-      // null: Megatron's default (no fp8).
-      if (!value.is_null()) {
-        Fp8Format f{};
-        MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, kFp8Formats, &f));
-        gpt.fp8 = f;
-      }
-    } else if (key == "fp8_recipe") {
-      MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, kFp8Recipes, &gpt.fp8_recipe));
-    } else if (key == "num_moe_experts") {
-      MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &moe_experts));
-      gpt.moe.num_experts = moe_experts.value_or(0);
-    } else if (key == "moe_router_topk") {
-      MPUSIM_RETURN_IF_ERROR(ParseInt(value, where, 1, &gpt.moe.router_topk));
-    } else if (key == "moe_ffn_hidden_size") {
-      MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &moe_ffn));
-    } else if (key == "moe_layer_freq") {
-      MPUSIM_RETURN_IF_ERROR(ParseMoeLayerFreq(value, where, &moe_freq));
-    } else if (key == "moe_router_pre_softmax") {
-      MPUSIM_RETURN_IF_ERROR(ParseBool(value, where, &gpt.moe.router_pre_softmax));
-    } else if (key == "moe_router_load_balancing_type") {
-      MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, kMoeLoadBalancing, &gpt.moe.load_balancing));
-    } else if (key == "moe_aux_loss_coeff") {
-      MPUSIM_RETURN_IF_ERROR(ParseCoefficient(value, where, &gpt.moe.aux_loss_coeff));
-    } else if (key == "moe_z_loss_coeff") {
-      if (!value.is_null()) {
-        double coeff = 0;
-        MPUSIM_RETURN_IF_ERROR(ParseCoefficient(value, where, &coeff));
-        gpt.moe.z_loss_coeff = coeff;
-      }
-    } else if (key == "moe_token_dispatcher_type") {
-      MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, kMoeDispatchers, &gpt.moe.token_dispatcher));
-    } else if (key == "moe_expert_capacity_factor") {
-      if (!value.is_null()) {
-        double factor = 0;
-        MPUSIM_RETURN_IF_ERROR(ParsePositive(value, where, &factor));
-        gpt.moe.expert_capacity_factor = factor;
-      }
-    } else if (key == "moe_token_drop_policy") {
-      MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, kMoeDropPolicies, &gpt.moe.token_drop_policy));
-    } else if (key == "moe_pad_expert_input_to_capacity") {
-      MPUSIM_RETURN_IF_ERROR(ParseBool(value, where, &gpt.moe.pad_expert_input_to_capacity));
-    } else if (key == "moe_shared_expert_intermediate_size") {
-      MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &shared));
-      gpt.moe.shared_expert_intermediate_size = shared;
-    } else if (key == "moe_grouped_gemm") {
-      MPUSIM_RETURN_IF_ERROR(ParseBool(value, where, &gpt.moe.grouped_gemm));
-    }
+    const Field<GptConfig>* field = FindField(GptFields(), key);
+    if (field == nullptr) return UnknownKey(where, key, GptConfigKeys());
+    MPUSIM_RETURN_IF_ERROR(field->Parse(value, where, &gpt));
   }
-  for (const char* required : {"num_layers", "hidden_size", "num_attention_heads", "vocab_size"}) {
-    if (!section.contains(required)) {
-      return Status::Error(fmt::format("{}.{}", prefix, required),
-                           "is required for \"type\": \"gpt\" (an integer >= 1)");
-    }
-  }
+  MPUSIM_RETURN_IF_ERROR(CheckRequired(GptFields(), section, prefix, " for \"type\": \"gpt\""));
   MPUSIM_RETURN_IF_ERROR(JudgeDependentFields(section, &gpt));
-  // TransformerConfig.__post_init__'s defaults.
-  gpt.ffn_hidden_size = ffn.value_or(4 * gpt.hidden_size);
-  if (!kv && gpt.hidden_size % gpt.num_attention_heads != 0) {
+  // TransformerConfig.__post_init__'s defaults (the table leaves 0 for an absent or null
+  // size).
+  if (gpt.ffn_hidden_size == 0) gpt.ffn_hidden_size = 4 * gpt.hidden_size;
+  if (gpt.kv_channels == 0 && gpt.hidden_size % gpt.num_attention_heads != 0) {
     return Status::Error(prefix + ".num_attention_heads",
                          fmt::format("hidden_size {} is not divisible by num_attention_heads {}; "
                                      "set kv_channels or choose a divisor",
                                      gpt.hidden_size, gpt.num_attention_heads));
   }
-  gpt.kv_channels = kv.value_or(gpt.hidden_size / gpt.num_attention_heads);
-  gpt.num_query_groups = groups.value_or(gpt.num_attention_heads);
+  if (gpt.kv_channels == 0) gpt.kv_channels = gpt.hidden_size / gpt.num_attention_heads;
+  if (gpt.num_query_groups == 0) gpt.num_query_groups = gpt.num_attention_heads;
   if (gpt.num_attention_heads % gpt.num_query_groups != 0) {
     return Status::Error(prefix + ".num_query_groups",
                          fmt::format("num_attention_heads {} is not divisible by "
@@ -422,7 +203,7 @@ Status ParseGptSection(const json& section, GptConfig* out) {
   if (gpt.label_smoothing > 0 && gpt.vocab_size < 2) {
     return Status::Error(prefix + ".label_smoothing", "needs a vocab_size of at least 2");
   }
-  MPUSIM_RETURN_IF_ERROR(ResolveMoe(section, moe_ffn, moe_freq, &gpt));
+  MPUSIM_RETURN_IF_ERROR(ResolveMoe(section, &gpt));
   *out = gpt;
   return {};
 }

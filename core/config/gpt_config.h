@@ -2,70 +2,31 @@
 // TransformerConfig's names and defaults.
 //
 // {
-//   "model": {
-//     "type": "gpt",
-//     "num_layers": 2, "hidden_size": 64, "num_attention_heads": 8,   required
-//     "ffn_hidden_size": 256,            default 4 * hidden_size
-//     "kv_channels": 8,                  default hidden_size / num_attention_heads
-//     "num_query_groups": 8,             default num_attention_heads (grouped-query attention
-//                                        when smaller; must divide num_attention_heads)
-//     "normalization": "LayerNorm",      or "RMSNorm"
-//     "layernorm_epsilon": 1e-5,
-//     "activation": "gelu",              or another of core/ops/activation.h's names; a gated
-//                                        one (swiglu) gives fc1 2 * ffn_hidden_size rows
-//     "add_bias_linear": true,
-//     "add_qkv_bias": false,             linear_qkv's bias alone (with add_bias_linear false)
-//     "hidden_dropout": 0.1, "attention_dropout": 0.1,
-//     "position_embedding_type": "learned_absolute",   or "rope"
-//     "rotary_base": 10000,
-//     "rotary_percent": 1.0,             the share of each head's channels RoPE turns (rope):
-//                                        the first int(kv_channels * rotary_percent), even
-//     "qk_layernorm": false,             the model's normalization on each query and key head
-//                                        (q_layernorm, k_layernorm: [kv_channels], shared by
-//                                        the heads, gradient all-reduced over tp)
-//     "max_position_embeddings": 512,    default run.seq_length (learned_absolute only)
-//     "share_embeddings_and_output_weights": true,
-//     "init_method_std": 0.02,
-//     "vocab_size": 1000,                required
-//     "make_vocab_size_divisible_by": 128,
-//     "label_smoothing": 0.0,            of the vocab-parallel cross entropy
-//     "dropout_mode": "global"           or "rng_tracker" (Megatron's); see core/dropout.h
-//     "cp_comm_type": "p2p"              how context parallelism's attention meets the other
-//                                        ranks' keys and values: "p2p" (the ring),
-//                                        "all_gather" or "a2a" (Ulysses: heads for
-//                                        sequence, num_query_groups divisible by tp * cp);
-//                                        "a2a+p2p" refused until built (Megatron's names;
-//                                        read only when context_parallel_size > 1)
-//     "attention_backend": "auto"        Megatron's TransformerConfig.attention_backend
-//                                        (AttnBackend, megatron/core/transformer/enums.py):
-//                                        "flash", "fused", "unfused", "local" or "auto". The
-//                                        CPU executor computes the same math whatever it is
-//                                        (its attention keeps the probabilities); the
-//                                        estimate counts the backend's memory and time
-//                                        (core/estimate/attention_backend.h resolves "auto")
-//     "fp8": null,                       Transformer Engine's fp8 for the linear layers:
-//                                        "e4m3" (every fp8 tensor e4m3) or "hybrid" (output
-//                                        gradients e5m2); TransformerConfig.fp8 (Megatron's
-//                                        --fp8-format); estimate and advise only
-//     "fp8_recipe": "delayed"            "delayed", "tensorwise", "blockwise" or "mxfp8"
-//                                        (Megatron's names and default; "custom" refused);
-//                                        read only with fp8
-//   }
+//   "model": {"type": "gpt", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
+//             "vocab_size": 1000, ...}
 // }
 //
-// Unknown keys are refused with a suggestion. ParseGptSection checks each value on its own;
-// CheckGptLayout checks what needs the layout and the run section (divisibility by the
-// tensor-parallel size, sequence lengths), naming the field and what is allowed.
+// Its keys are declared once, in GptFields() (gpt_fields.cc): name, how each is read, default,
+// meaning; the README's `model` key table is that table. Unknown keys are refused with a
+// suggestion. ParseGptSection reads each value through the table, then resolves the defaults
+// that depend on other keys (ffn_hidden_size 4 * hidden_size, kv_channels hidden_size /
+// num_attention_heads, ...) and checks the rules between keys; CheckGptLayout checks what
+// needs the layout and the run section (divisibility by the tensor-parallel size, sequence
+// lengths), naming the field and what is allowed.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <span>
 #include <string>
+#include <string_view>
+#include <variant>
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "core/config/field_table.h"
 #include "core/init.h"
 #include "core/ops/activation.h"  // Activation, ActivationName, IsGated
 #include "core/ops/norm.h"        // Normalization, NormalizationName, IsCentered
@@ -113,9 +74,12 @@ enum class MoeDropPolicy : uint8_t { kProbs, kPosition };
 struct MoeConfig {
   int64_t num_experts = 0;  // num_moe_experts; 0: a dense model
   int64_t router_topk = 2;
-  int64_t ffn_hidden_size = 0;  // moe_ffn_hidden_size, resolved: the model's ffn_hidden_size
-  // moe_layer_freq resolved to one entry per layer (true: an MoE layer): an integer N makes
-  // layer i an MoE layer when i % N == 0, a list of 0/1 gives the pattern itself.
+  // moe_ffn_hidden_size, resolved: the model's ffn_hidden_size unless given (0 until then)
+  int64_t ffn_hidden_size = 0;
+  // moe_layer_freq as given: an integer N makes layer i an MoE layer when i % N == 0, a list
+  // of 0/1 gives the pattern itself.
+  std::variant<int64_t, std::vector<bool>> layer_freq = int64_t{1};
+  // moe_layer_freq resolved to one entry per layer (true: an MoE layer).
   std::vector<bool> layers;
   bool router_pre_softmax = false;
   MoeLoadBalancing load_balancing = MoeLoadBalancing::kAuxLoss;
@@ -189,9 +153,15 @@ const std::vector<std::string_view>& AttentionBackendNames();
 const char* Fp8FormatName(Fp8Format f);    // "e4m3", "hybrid"
 const char* Fp8RecipeName(Fp8Recipe r);    // "delayed", "tensorwise", "blockwise", "mxfp8"
 
-// The keys of a GPT `model` section: its own, and the TransformerConfig fields it accepts
-// with a note (or refuses unless at the value mpusim computes).
+// The keys of a GPT `model` section, each declared once (gpt_fields.cc), in documentation
+// order. The integer sizes Megatron resolves from other keys (ffn_hidden_size, kv_channels,
+// num_query_groups, num_moe_experts, moe_ffn_hidden_size) are read as 0 when null or absent,
+// and resolved by ParseGptSection.
+std::span<const Field<GptConfig>> GptFields();
+// Their names, in that order.
 const std::vector<std::string_view>& GptConfigKeys();
+// The TransformerConfig fields a GPT section accepts with a note (or refuses unless at the
+// value mpusim computes).
 bool IsAcceptedTransformerField(std::string_view key);
 
 // True when the `model` section has a "type" key: the GPT kind (a chain has none).

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "core/config/gpt_config.h"
 #include "core/config/model_config.h"
 #include "core/config/optimizer_config.h"
 #include "core/config/parallel_config.h"
@@ -53,6 +54,23 @@ TEST(FieldTableTest, EveryFieldParsesItsOwnEcho) {
                               &run)
                   .ok());
   ExpectEchoParsesBack(RunFields(), run);
+  // The GPT section, every nested and nullable kind set (the moe_* keys live in
+  // GptConfig::moe, the resolved sizes echo as what they resolved to).
+  GptConfig gpt;
+  ASSERT_TRUE(ParseGptSection(json::parse(R"({"type": "gpt", "num_layers": 3,
+      "hidden_size": 64, "num_attention_heads": 8, "num_query_groups": 4, "vocab_size": 100,
+      "normalization": "RMSNorm", "activation": "swiglu", "add_bias_linear": false,
+      "position_embedding_type": "rope", "rotary_percent": 0.5, "max_position_embeddings": 32,
+      "dropout_mode": "rng_tracker", "cp_comm_type": "a2a", "attention_backend": "flash",
+      "fp8": "hybrid", "fp8_recipe": "mxfp8", "num_moe_experts": 4, "moe_router_topk": 1,
+      "moe_layer_freq": [1, 0, 1], "moe_router_load_balancing_type": "seq_aux_loss",
+      "moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001, "moe_expert_capacity_factor": 1.5,
+      "moe_token_dispatcher_type": "alltoall", "moe_token_drop_policy": "position",
+      "moe_pad_expert_input_to_capacity": true, "moe_shared_expert_intermediate_size": 32,
+      "moe_grouped_gemm": true})"),
+                              &gpt)
+                  .ok());
+  ExpectEchoParsesBack(GptFields(), gpt);
 }
 
 // A key, and a flag, is declared by one field of one table.
@@ -76,6 +94,7 @@ TEST(FieldTableTest, KeysAndFlagsAreDeclaredOnce) {
   check(ParallelFields());
   check(OptimizerFields());
   check(RunFields());
+  check(GptFields());
   EXPECT_TRUE(flags.count("--tp") && flags.count("-n") && flags.count("--micro-batch-size"));
 }
 

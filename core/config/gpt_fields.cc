@@ -1,0 +1,434 @@
+// The GPT model section's field table (see gpt_config.h): each key of `"model": {"type":
+// "gpt", ...}` declared once, with TransformerConfig's name and default, how it is read, its
+// one-line meaning and what a change of it changes. ParseGptSection (gpt_config.cc) reads
+// through it, GptConfigKeys() lists it, `mpusim diff` classifies by it and the README's
+// `model` key table is checked against it (tests/readme).
+//
+// Values a key may be given as that are no plain member: an enum spelled as strings
+// (Choice), a size whose default is resolved from other keys once the section is read
+// (ResolvedSize: 0 until then, echoed as null), a nullable number or enum, and the moe_* keys,
+// which live in GptConfig::moe (InnerMember, or a path of members).
+#include "core/config/gpt_config.h"
+
+#include <cmath>
+#include <string_view>
+#include <variant>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "core/config/field_table.h"
+#include "core/config/json_fields.h"
+
+namespace mpusim {
+namespace {
+
+using nlohmann::json;
+using GptField = Field<GptConfig>;
+
+const std::vector<std::string_view>& PositionEmbeddingNames() {
+  static const std::vector<std::string_view> kNames = {"learned_absolute", "rope"};
+  return kNames;
+}
+const std::vector<std::string_view>& DropoutModeNames() {
+  static const std::vector<std::string_view> kNames = {"global", "rng_tracker"};
+  return kNames;
+}
+const std::vector<std::string_view>& CpCommTypeNames() {
+  static const std::vector<std::string_view> kNames = {"p2p", "all_gather", "a2a", "a2a+p2p"};
+  return kNames;
+}
+const std::vector<std::string_view>& Fp8FormatNames() {
+  static const std::vector<std::string_view> kNames = {"e4m3", "hybrid"};
+  return kNames;
+}
+const std::vector<std::string_view>& Fp8RecipeNames() {
+  static const std::vector<std::string_view> kNames = {"delayed", "tensorwise", "blockwise",
+                                                       "mxfp8"};
+  return kNames;
+}
+const std::vector<std::string_view>& MoeLoadBalancingNames() {
+  static const std::vector<std::string_view> kNames = {"aux_loss", "seq_aux_loss", "none"};
+  return kNames;
+}
+const std::vector<std::string_view>& MoeDispatcherNames() {
+  static const std::vector<std::string_view> kNames = {"allgather", "alltoall"};
+  return kNames;
+}
+const std::vector<std::string_view>& MoeDropPolicyNames() {
+  static const std::vector<std::string_view> kNames = {"probs", "position"};
+  return kNames;
+}
+
+// One of `names` (the enum's spellings, in enum order).
+template <typename Enum>
+Status ParseChoice(const json& value, const std::string& where,
+                   const std::vector<std::string_view>& names, Enum* out) {
+  if (value.is_string()) {
+    const std::string text = value.get<std::string>();
+    for (size_t i = 0; i < names.size(); ++i) {
+      if (text == names[i]) {
+        *out = static_cast<Enum>(i);
+        return {};
+      }
+    }
+  }
+  std::string allowed;
+  for (size_t i = 0; i < names.size(); ++i) {
+    const char* separator = i == 0 ? "" : i + 1 == names.size() ? " or " : ", ";
+    allowed += fmt::format("{}\"{}\"", separator, names[i]);
+  }
+  return Status::Error(where, fmt::format("must be {}, got {}", allowed, DescribeJson(value)));
+}
+
+// A finite number >= 0 (a loss coefficient).
+Status ParseCoefficient(const json& value, const std::string& where, double* out) {
+  if (value.is_number() && !value.is_boolean() && std::isfinite(value.get<double>()) &&
+      value.get<double>() >= 0) {
+    *out = value.get<double>();
+    return {};
+  }
+  return Status::Error(where, fmt::format("must be a number >= 0, got {}", DescribeJson(value)));
+}
+
+// An enum member (at the member path kPath) spelled as one of kNames().
+template <auto kNames, auto... kPath>
+constexpr Codec<GptConfig> Choice() {
+  return {FieldKind::kText,
+          [](const json& value, const std::string& where, GptConfig* gpt) {
+            return ParseChoice(value, where, kNames(), &MemberAt<kPath...>(*gpt));
+          },
+          [](const GptConfig& gpt) {
+            return json(kNames()[static_cast<size_t>(MemberAt<kPath...>(gpt))]);
+          }};
+}
+
+// An optional enum: null (Megatron's None, the default) or one of kNames().
+template <auto kNames, auto... kPath>
+constexpr Codec<GptConfig> NullableChoice() {
+  return {FieldKind::kText,
+          [](const json& value, const std::string& where, GptConfig* gpt) {
+            auto& member = MemberAt<kPath...>(*gpt);
+            if (value.is_null()) {
+              member.reset();
+              return Status();
+            }
+            typename std::remove_reference_t<decltype(member)>::value_type choice{};
+            MPUSIM_RETURN_IF_ERROR(ParseChoice(value, where, kNames(), &choice));
+            member = choice;
+            return Status();
+          },
+          [](const GptConfig& gpt) {
+            const auto& member = MemberAt<kPath...>(gpt);
+            return member ? json(kNames()[static_cast<size_t>(*member)]) : json(nullptr);
+          }};
+}
+
+// A size Megatron defaults to None and resolves from other keys once the section is read
+// (TransformerConfig.__post_init__): null or absent leaves 0 here for ParseGptSection to
+// resolve, and the echo writes an unresolved 0 as null.
+template <auto... kPath>
+constexpr Codec<GptConfig> ResolvedSize() {
+  return {FieldKind::kInt,
+          [](const json& value, const std::string& where, GptConfig* gpt) {
+            std::optional<int64_t> size;
+            MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 1, &size));
+            MemberAt<kPath...>(*gpt) = size.value_or(0);
+            return Status();
+          },
+          [](const GptConfig& gpt) {
+            const int64_t size = MemberAt<kPath...>(gpt);
+            return size == 0 ? json(nullptr) : json(size);
+          }};
+}
+
+// A loss coefficient (a finite number >= 0).
+template <auto... kPath>
+constexpr Codec<GptConfig> Coefficient() {
+  return {FieldKind::kNumber,
+          [](const json& value, const std::string& where, GptConfig* gpt) {
+            return ParseCoefficient(value, where, &MemberAt<kPath...>(*gpt));
+          },
+          [](const GptConfig& gpt) { return json(MemberAt<kPath...>(gpt)); }};
+}
+
+// null (Megatron's None, the default) or a number `kParse` reads.
+template <auto kParse, auto... kPath>
+constexpr Codec<GptConfig> NullableNumber() {
+  return {FieldKind::kNumber,
+          [](const json& value, const std::string& where, GptConfig* gpt) {
+            std::optional<double>& member = MemberAt<kPath...>(*gpt);
+            if (value.is_null()) {
+              member.reset();
+              return Status();
+            }
+            double number = 0;
+            MPUSIM_RETURN_IF_ERROR(kParse(value, where, &number));
+            member = number;
+            return Status();
+          },
+          [](const GptConfig& gpt) {
+            const std::optional<double>& member = MemberAt<kPath...>(gpt);
+            return member ? json(*member) : json(nullptr);
+          }};
+}
+
+// moe_layer_freq: an integer N >= 1 (layer i is an MoE layer when i % N == 0) or a list of
+// 0/1, one per layer (Megatron's pattern). The pattern is resolved once num_layers is known.
+Status ParseMoeLayerFreq(const json& value, const std::string& where, GptConfig* gpt) {
+  std::variant<int64_t, std::vector<bool>>& out = gpt->moe.layer_freq;
+  if (value.is_array()) {
+    std::vector<bool> pattern;
+    for (const json& entry : value) {
+      if (!entry.is_number_integer() || (entry.get<int64_t>() != 0 && entry.get<int64_t>() != 1)) {
+        return Status::Error(where, fmt::format("a list must hold only 0 (dense) and 1 (MoE), "
+                                                "got {}",
+                                                DescribeJson(entry)));
+      }
+      pattern.push_back(entry.get<int64_t>() == 1);
+    }
+    out = pattern;
+    return {};
+  }
+  int64_t every = 0;
+  if (!ParseInt(value, where, 1, &every).ok()) {
+    return Status::Error(where, fmt::format("must be an integer >= 1 (every N-th layer is an MoE "
+                                            "layer) or a list of 0/1 per layer, got {}",
+                                            DescribeJson(value)));
+  }
+  out = every;
+  return {};
+}
+
+json EchoMoeLayerFreq(const GptConfig& gpt) {
+  const std::variant<int64_t, std::vector<bool>>& freq = gpt.moe.layer_freq;
+  if (const auto* every = std::get_if<int64_t>(&freq)) return *every;
+  json pattern = json::array();
+  for (bool moe : std::get<std::vector<bool>>(freq)) pattern.push_back(moe ? 1 : 0);
+  return pattern;
+}
+
+constexpr std::string_view kRequired = "an integer >= 1";
+constexpr FieldEffect kShape = FieldEffect::kShape;
+
+// The section's keys, in documentation order (the README's table and the unknown-key error's
+// list follow it). `effect`: kShape when a change renames or reshapes tensors (another model),
+// kLayout when the same math is laid out or run differently, else the section's default
+// (options).
+constexpr GptField kFields[] = {
+    {.key = "type",
+     .target = Codec<GptConfig>{FieldKind::kText,
+                                [](const json& value, const std::string& where, GptConfig*) {
+                                  if (value != "gpt") {
+                                    return Status::Error(
+                                        where, fmt::format("must be \"gpt\" (a layer chain has no "
+                                                           "\"type\", only \"layers\"), got {}",
+                                                           DescribeJson(value)));
+                                  }
+                                  return Status();
+                                },
+                                [](const GptConfig&) { return json("gpt"); }},
+     .help = "the GPT model (Megatron-Core GPTModel); a model without it is a layer chain",
+     .effect = kShape},
+    {.key = "num_layers",
+     .target = &GptConfig::num_layers,
+     .help = "transformer layers",
+     .effect = kShape,
+     .required = kRequired},
+    {.key = "hidden_size",
+     .target = &GptConfig::hidden_size,
+     .help = "h, the width of the residual stream",
+     .effect = kShape,
+     .required = kRequired},
+    {.key = "num_attention_heads",
+     .target = &GptConfig::num_attention_heads,
+     .help = "query heads",
+     .effect = kShape,
+     .required = kRequired},
+    {.key = "ffn_hidden_size",
+     .target = ResolvedSize<&GptConfig::ffn_hidden_size>(),
+     .help = "the MLP's hidden width",
+     .effect = kShape,
+     .absent = "4 * hidden_size"},
+    {.key = "kv_channels",
+     .target = ResolvedSize<&GptConfig::kv_channels>(),
+     .help = "channels per head",
+     .effect = kShape,
+     .absent = "hidden_size / num_attention_heads"},
+    {.key = "num_query_groups",
+     .target = ResolvedSize<&GptConfig::num_query_groups>(),
+     .help = "key/value heads; fewer than the query heads is grouped-query attention (must "
+             "divide num_attention_heads)",
+     .effect = kShape,
+     .absent = "num_attention_heads"},
+    {.key = "normalization",
+     .target = Choice<&NormalizationNames, &GptConfig::normalization>(),
+     .help = "\"LayerNorm\" or \"RMSNorm\"",
+     .effect = kShape},
+    {"layernorm_epsilon", &GptConfig::layernorm_epsilon, "the norms' epsilon"},
+    {.key = "activation",
+     .target = Choice<&ActivationNames, &GptConfig::activation>(),
+     .help = "the MLP's activation: \"gelu\", \"swiglu\" (gated: fc1 has 2 * ffn_hidden_size "
+             "rows) or \"squared_relu\" (relu(x)^2)",
+     .effect = kShape},
+    {.key = "add_bias_linear",
+     .target = &GptConfig::add_bias_linear,
+     .help = "biases in every linear layer",
+     .effect = kShape},
+    {.key = "add_qkv_bias",
+     .target = &GptConfig::add_qkv_bias,
+     .help = "a bias in linear_qkv even without add_bias_linear (Qwen's)",
+     .effect = kShape},
+    {"hidden_dropout", &GptConfig::hidden_dropout, "dropout after attention and the MLP", {}, 1,
+     NumberRule::kFraction},
+    {"attention_dropout", &GptConfig::attention_dropout, "dropout on the attention probabilities",
+     {}, 1, NumberRule::kFraction},
+    {.key = "position_embedding_type",
+     .target = Choice<&PositionEmbeddingNames, &GptConfig::position_embedding_type>(),
+     .help = "\"learned_absolute\" (a position embedding table) or \"rope\"",
+     .effect = kShape},
+    {"rotary_base", &GptConfig::rotary_base, "RoPE's base"},
+    {"rotary_percent",
+     Codec<GptConfig>{FieldKind::kNumber,
+                      [](const json& value, const std::string& where, GptConfig* gpt) {
+                        MPUSIM_RETURN_IF_ERROR(ParsePositive(value, where, &gpt->rotary_percent));
+                        if (gpt->rotary_percent > 1.0) {
+                          return Status::Error(
+                              where, fmt::format("must be in (0, 1] (the share of each head's "
+                                                 "channels RoPE turns), got {}",
+                                                 DescribeJson(value)));
+                        }
+                        return Status();
+                      },
+                      [](const GptConfig& gpt) { return json(gpt.rotary_percent); }},
+     "the share of each head's channels RoPE turns: the first int(kv_channels * "
+     "rotary_percent), even"},
+    {.key = "qk_layernorm",
+     .target = &GptConfig::qk_layernorm,
+     .help = "the model's normalization on each query and key head ([kv_channels], shared by "
+             "the heads)",
+     .effect = kShape},
+    {.key = "max_position_embeddings",
+     .target = &GptConfig::max_position_embeddings,
+     .help = "rows of the position embedding table (learned_absolute)",
+     .effect = kShape,
+     .absent = "run.seq_length"},
+    {.key = "share_embeddings_and_output_weights",
+     .target = &GptConfig::share_embeddings_and_output_weights,
+     .help = "the output layer tied to the word embeddings",
+     .effect = kShape},
+    {"init_method_std", &GptConfig::init_method_std, "the standard deviation of the weights' "
+     "normal init"},
+    {.key = "vocab_size",
+     .target = &GptConfig::vocab_size,
+     .help = "the tokenizer's vocabulary",
+     .effect = kShape,
+     .required = kRequired},
+    {"make_vocab_size_divisible_by", &GptConfig::make_vocab_size_divisible_by,
+     "the vocabulary is padded to a multiple of this times tensor_model_parallel_size"},
+    {"label_smoothing", &GptConfig::label_smoothing, "of the vocab-parallel cross entropy", {},
+     1, NumberRule::kFraction},
+    {"dropout_mode", Choice<&DropoutModeNames, &GptConfig::dropout_mode>(),
+     "how dropout masks are drawn: \"global\" (layout-independent) or \"rng_tracker\" "
+     "(Megatron's per-rank streams; core/dropout.h)"},
+    {.key = "cp_comm_type",
+     .target = Choice<&CpCommTypeNames, &GptConfig::cp_comm_type>(),
+     .help = "how attention under context parallelism meets the other ranks' keys and values: "
+             "\"p2p\" (the ring), \"all_gather\" or \"a2a\" (Ulysses); \"a2a+p2p\" refused",
+     .effect = FieldEffect::kLayout},
+    {.key = "attention_backend",
+     .target = Choice<&AttentionBackendNames, &GptConfig::attention_backend>(),
+     .help = "Megatron's AttnBackend: \"flash\", \"fused\", \"unfused\", \"local\" or \"auto\" "
+             "(the estimate's memory and time; the executor's math is the same)",
+     .effect = FieldEffect::kLayout},
+    {"fp8", NullableChoice<&Fp8FormatNames, &GptConfig::fp8>(),
+     "Transformer Engine's fp8 for the linear layers: \"e4m3\" or \"hybrid\" (estimate and "
+     "advise only)"},
+    {"fp8_recipe", Choice<&Fp8RecipeNames, &GptConfig::fp8_recipe>(),
+     "\"delayed\", \"tensorwise\", \"blockwise\" or \"mxfp8\" (read only with fp8)"},
+    // Mixture of experts (MoeConfig).
+    {.key = "num_moe_experts",
+     .target = ResolvedSize<&GptConfig::moe, &MoeConfig::num_experts>(),
+     .help = "experts per MoE layer; null: a dense model",
+     .effect = kShape},
+    {.key = "moe_router_topk",
+     .target = InnerMember<&GptConfig::moe, &MoeConfig::router_topk>(),
+     .help = "experts each token is routed to",
+     .effect = kShape},
+    {.key = "moe_ffn_hidden_size",
+     .target = ResolvedSize<&GptConfig::moe, &MoeConfig::ffn_hidden_size>(),
+     .help = "each expert's hidden width",
+     .effect = kShape,
+     .absent = "ffn_hidden_size"},
+    {.key = "moe_layer_freq",
+     .target = Codec<GptConfig>{FieldKind::kText,
+                                [](const json& value, const std::string& where, GptConfig* gpt) {
+                                  return ParseMoeLayerFreq(value, where, gpt);
+                                },
+                                &EchoMoeLayerFreq},
+     .help = "an integer N (layer i is an MoE layer when i % N == 0) or a list of 0/1 per layer",
+     .effect = kShape},
+    {"moe_router_pre_softmax", InnerMember<&GptConfig::moe, &MoeConfig::router_pre_softmax>(),
+     "softmax before the top-k (else over the chosen k)"},
+    {"moe_router_load_balancing_type",
+     Choice<&MoeLoadBalancingNames, &GptConfig::moe, &MoeConfig::load_balancing>(),
+     "\"aux_loss\", \"seq_aux_loss\" or \"none\""},
+    {"moe_aux_loss_coeff", Coefficient<&GptConfig::moe, &MoeConfig::aux_loss_coeff>(),
+     "the load-balancing loss's coefficient"},
+    {"moe_z_loss_coeff",
+     NullableNumber<&ParseCoefficient, &GptConfig::moe, &MoeConfig::z_loss_coeff>(),
+     "the router z-loss's coefficient; null: none"},
+    {.key = "moe_token_dispatcher_type",
+     .target = Choice<&MoeDispatcherNames, &GptConfig::moe, &MoeConfig::token_dispatcher>(),
+     .help = "\"allgather\" or \"alltoall\"",
+     .effect = FieldEffect::kLayout},
+    {"moe_expert_capacity_factor",
+     NullableNumber<&ParsePositive, &GptConfig::moe, &MoeConfig::expert_capacity_factor>(),
+     "tokens an expert takes, as a multiple of its even share; null: dropless"},
+    {"moe_token_drop_policy",
+     Choice<&MoeDropPolicyNames, &GptConfig::moe, &MoeConfig::token_drop_policy>(),
+     "which tokens over capacity are dropped: \"probs\" (the lowest) or \"position\" (the "
+     "last)"},
+    {"moe_pad_expert_input_to_capacity",
+     InnerMember<&GptConfig::moe, &MoeConfig::pad_expert_input_to_capacity>(),
+     "pad each expert's tokens to the capacity (needs moe_expert_capacity_factor)"},
+    {.key = "moe_shared_expert_intermediate_size",
+     .target = InnerMember<&GptConfig::moe, &MoeConfig::shared_expert_intermediate_size>(),
+     .help = "the shared expert's hidden width; null: none",
+     .effect = kShape},
+    {.key = "moe_grouped_gemm",
+     .target = InnerMember<&GptConfig::moe, &MoeConfig::grouped_gemm>(),
+     .help = "the experts as one grouped GEMM (weights experts.linear_fc1.weight<e>)",
+     .effect = kShape},
+};
+
+}  // namespace
+
+std::span<const Field<GptConfig>> GptFields() { return kFields; }
+
+const std::vector<std::string_view>& GptConfigKeys() {
+  static const std::vector<std::string_view> kKeys = KeysOf(GptFields());
+  return kKeys;
+}
+
+const char* PositionEmbeddingName(PositionEmbedding p) {
+  return PositionEmbeddingNames()[static_cast<size_t>(p)].data();
+}
+const char* DropoutModeName(DropoutMode m) {
+  return DropoutModeNames()[static_cast<size_t>(m)].data();
+}
+const char* CpCommTypeName(CpCommType c) {
+  return CpCommTypeNames()[static_cast<size_t>(c)].data();
+}
+const char* AttentionBackendName(AttentionBackend b) {
+  return AttentionBackendNames()[static_cast<size_t>(b)].data();
+}
+const std::vector<std::string_view>& AttentionBackendNames() {
+  static const std::vector<std::string_view> kNames = {"flash", "fused", "unfused", "local",
+                                                       "auto"};
+  return kNames;
+}
+const char* Fp8FormatName(Fp8Format f) { return Fp8FormatNames()[static_cast<size_t>(f)].data(); }
+const char* Fp8RecipeName(Fp8Recipe r) { return Fp8RecipeNames()[static_cast<size_t>(r)].data(); }
+
+}  // namespace mpusim
