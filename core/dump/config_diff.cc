@@ -11,6 +11,7 @@
 #include <string_view>
 #include <utility>
 
+#include "core/config/gpt_config.h"
 #include "core/config/model_config.h"
 #include "core/config/optimizer_config.h"
 #include "core/config/parallel_config.h"
@@ -36,38 +37,11 @@ void Flatten(const Json& value, const std::string& key, FlatConfig* out) {
   }
 }
 
-// GPT keys and a chain's keys whose difference changes the names or shapes of the tensors.
-constexpr std::array<std::string_view, 21> kModelShapeKeys = {
-    "type",
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "kv_channels",
-    "num_query_groups",
-    "vocab_size",
-    "normalization",
-    "activation",  // a gated one doubles fc1's rows
-    "add_bias_linear",
-    "add_qkv_bias",
-    "qk_layernorm",
-    "position_embedding_type",  // learned_absolute has a position embedding, rope not
-    "max_position_embeddings",
-    "share_embeddings_and_output_weights",  // output_layer.weight exists or not
-    "num_moe_experts",
-    "moe_ffn_hidden_size",
-    "moe_layer_freq",
-    "moe_shared_expert_intermediate_size",
-    "moe_grouped_gemm",  // experts.linear_fc1.weight<e> instead of local_experts.<e>...
-};
 // Keys of a chain's layer (model.layers[i].<key>) that change tensor names or shapes.
 constexpr std::array<std::string_view, 8> kLayerShapeKeys = {
     "name",        "type", "input_size", "output_size", "embedding_dim",
     "bias",        "weight_from", "skip_weight_param_allocation",
 };
-// MoE routing changes how many rows each expert's activations hold.
-constexpr std::string_view kRouterTopk = "moe_router_topk";
-
 template <size_t N>
 bool Contains(const std::array<std::string_view, N>& keys, std::string_view key) {
   return std::find(keys.begin(), keys.end(), key) != keys.end();
@@ -163,12 +137,6 @@ ConfigChange Classify(const std::string& key, bool in_a, bool in_b, const FlatCo
                                                               : ConfigChange::kTraining;
   }
   if (section != "model") return ConfigChange::kOptions;
-  // How the same math is laid out or run (attention_backend: the executor computes the same
-  // attention whatever it says).
-  if (rest == "cp_comm_type" || rest == "moe_token_dispatcher_type" ||
-      rest == "attention_backend") {
-    return ConfigChange::kLayout;
-  }
   if (rest == "type") return ConfigChange::kModel;  // a GPT against a chain (which has none)
   if (rest.starts_with("layers[")) {
     // A layer one side lacks: the chains differ in length.
@@ -180,8 +148,13 @@ ConfigChange Classify(const std::string& key, bool in_a, bool in_b, const FlatCo
     return both && Contains(kLayerShapeKeys, option) ? ConfigChange::kModel
                                                      : ConfigChange::kOptions;
   }
-  return both && (Contains(kModelShapeKeys, rest) || rest == kRouterTopk) ? ConfigChange::kModel
-                                                                          : ConfigChange::kOptions;
+  // A GPT key (a chain's vocab_size and make_vocab_size_divisible_by are the GPT's too): its
+  // declared effect. kShape renames or reshapes tensors (moe_router_topk: how many rows each
+  // expert's activations hold), kLayout lays out or runs the same math (attention_backend:
+  // the executor computes the same attention whatever it says).
+  if (const auto* f = FindField(GptFields(), rest)) effect = f->effect;
+  if (effect == FieldEffect::kLayout) return ConfigChange::kLayout;
+  return both && effect == FieldEffect::kShape ? ConfigChange::kModel : ConfigChange::kOptions;
 }
 
 }  // namespace
