@@ -15,6 +15,7 @@
 //     work) is preceded by `<!-- transcript: skip, <why> -->`, which the rendered README hides.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -28,6 +29,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "core/config/gpt_config.h"
 #include "core/config/parallel_config.h"
 
 namespace {
@@ -183,6 +185,47 @@ TEST(ReadmeKeyTables, TheParallelTableIsTheFieldTable) {
                           f.required.empty() ? f.Echo(defaults).dump() : "required");
   }
   EXPECT_EQ(rows, expected);
+}
+
+// The README's GPT `model` key table is the GPT section's field table (core/config/
+// gpt_fields.cc): every key, in the table's order, with its default: the echo of a default
+// section, what an absent key resolves to (the field's `absent`, "4 * hidden_size") or
+// "required". A default cell may go on after it in words ("null (dropless)").
+TEST(ReadmeKeyTables, TheGptTableIsTheFieldTable) {
+  const std::vector<std::string> lines = ReadLines(std::string(MPUSIM_SOURCE_DIR) + "/README.md");
+  size_t at = 0;
+  while (at < lines.size() && lines[at].rfind("| `model` key (GPT) | default |", 0) != 0) ++at;
+  ASSERT_LT(at, lines.size()) << "README.md has no `model` key (GPT) table";
+  std::vector<std::string> keys;
+  std::vector<std::string> defaults;  // the default cell, without backticks
+  for (size_t i = at + 2; i < lines.size() && lines[i].rfind("| `", 0) == 0; ++i) {
+    static const std::regex row(R"(^\| `([a-z0-9_]+)` \| ([^|]*[^| ]) \|)");
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(lines[i], m, row)) << "README.md:" << i + 1 << ": " << lines[i];
+    keys.push_back(m[1]);
+    defaults.push_back(std::regex_replace(m[2].str(), std::regex("`"), ""));
+  }
+  const mpusim::GptConfig section;
+  std::vector<std::string> expected_keys;
+  std::vector<std::string> expected_defaults;
+  for (const auto& f : mpusim::GptFields()) {
+    expected_keys.emplace_back(f.key);
+    expected_defaults.push_back(!f.required.empty() ? "required"
+                                : !f.absent.empty() ? std::string(f.absent)
+                                                    : f.Echo(section).dump());
+  }
+  for (size_t i = 0; i < std::max(keys.size(), expected_keys.size()); ++i) {
+    ASSERT_EQ(i < keys.size() ? keys[i] : "(no row)",
+              i < expected_keys.size() ? expected_keys[i] : "(no field)")
+        << "row " << i + 1 << " of README.md's `model` key (GPT) table";
+  }
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const std::string& shown = defaults[i];
+    const std::string& expected = expected_defaults[i];
+    EXPECT_TRUE(shown == expected || shown.rfind(expected + " ", 0) == 0)
+        << "README.md's `model` key (GPT) table: " << keys[i] << " defaults to '" << shown
+        << "', the field table to '" << expected << "'";
+  }
 }
 
 // docs/labs.md's commands run as written: every code span that is a command (`build/cli/mpusim
