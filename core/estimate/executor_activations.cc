@@ -4,14 +4,11 @@
 
 #include <algorithm>
 #include <cmath>
-#include <initializer_list>
-#include <string_view>
+#include <optional>
+#include <utility>
 
 #include "core/estimate/estimable.h"
-#include "core/model/gpt_model.h"
-#include "core/model/moe.h"
-#include "core/model/transformer_layer.h"
-#include "core/pipeline/pipeline_plan.h"
+#include "core/model/activation_plan.h"
 #include "core/schedule.h"
 #include "core/tensor.h"
 
@@ -19,101 +16,6 @@ namespace mpusim {
 namespace {
 
 PlanBytes ToBytes(double bytes) { return static_cast<PlanBytes>(std::llround(bytes)); }
-
-double Max(std::initializer_list<double> values) { return std::max(values); }
-
-// The bytes of the tensors of `plan` whose names start with `prefix`, in declaration order.
-double Bytes(const StashPlan& plan, std::string_view prefix) {
-  double sum = 0;
-  for (const StashTensor& tensor : plan.tensors()) {
-    if (tensor.name.starts_with(prefix)) sum += tensor.bytes();
-  }
-  return sum;
-}
-
-// An MoE layer's stash and backward depend on where the router sends the tokens; the count
-// assumes balanced routing: each (source rank, expert) pair gets T k / E of the choices, at
-// most the capacity ceil(T k / E factor) when that is below T. Exact for every layout whose
-// routing cannot be uneven on a rank: ep 1 without a capacity (every rank then holds every
-// expert and gets every choice of its dispatch group).
-struct BalancedRoute {
-  double group = 1;    // the allgather dispatcher's group
-  double gather = 1;   // the alltoall dispatcher's gather after the exchange
-  double kept = 0;     // the choices of one (source rank, expert) pair
-  double sent = 0;     // alltoall: this rank's rows, in send order
-  double arrived = 0;  // alltoall: its experts' rows after the exchange
-  double rows = 0;     // the experts' rows (N)
-  double src = 0;      // the rows of the gradient they gather from and scatter into
-};
-
-// `T`: the router's tokens, this rank's rows of the stream.
-BalancedRoute Balance(const GptConfig& g, const DerivedSizes& sz, bool sp, double T) {
-  const MoeConfig& moe = g.moe;
-  const double E = static_cast<double>(moe.num_experts);
-  const double K = static_cast<double>(moe.router_topk);
-  const double ep = static_cast<double>(sz.ep), L = E / ep;
-  const double te = static_cast<double>(sz.etp), t = static_cast<double>(sz.tp);
-  const bool a2a = moe.token_dispatcher == MoeDispatcher::kAllToAll;
-  BalancedRoute r;
-  r.group = sz.experts_apart() ? te * ep : sp ? t : 1;
-  r.gather = sz.experts_apart() ? te : sp ? t : 1;
-  r.kept = T * K / E;
-  if (moe.expert_capacity_factor) {
-    const double capacity = std::ceil(T * K / E * *moe.expert_capacity_factor);
-    if (capacity < T) r.kept = std::min(r.kept, capacity);
-  }
-  r.sent = E * r.kept;
-  r.arrived = ep * L * r.kept;
-  r.rows = a2a ? r.gather * r.arrived : r.group * L * r.kept;
-  r.src = a2a ? (r.gather > 1 ? r.gather * r.arrived : ep > 1 ? r.arrived : r.sent) : r.group * T;
-  return r;
-}
-
-// What the count reads of the modules' declared stashes (core/model/stash_plan.h).
-struct Declared {
-  StreamShape shape;
-  BalancedRoute route;               // MoE only
-  StashPlan moe;                     // an MoE layer's MoeLayer stash, balanced
-  StashPlan dense_layer, moe_layer;  // a layer's stash as the schedule keeps it
-};
-
-Declared Declare(const Config& config, const Topology& topology) {
-  const GptConfig& g = *config.gpt;
-  const RunConfig& run = *config.run;
-  const DerivedSizes& sz = topology.sizes();
-  Declared d;
-  d.shape = StreamShape{.s = run.seq_length,
-                        .b = run.micro_batch_size,
-                        .t = sz.tp,
-                        .sequence_parallel = topology.config().sequence_parallel && sz.tp > 1,
-                        .cp = sz.cp};
-  if (g.moe.enabled()) {
-    d.route = Balance(g, sz, d.shape.sequence_parallel, static_cast<double>(d.shape.stream_rows()));
-    const bool a2a = g.moe.token_dispatcher == MoeDispatcher::kAllToAll;
-    d.moe =
-        MoeLayer::PlanStash(g, d.shape, run.dtype, sz.etp, d.route.rows, a2a ? d.route.sent : 0);
-  }
-  d.dense_layer = TransformerLayer::PlanStash(g, d.shape, run.dtype, run.recompute);
-  d.moe_layer = TransformerLayer::PlanStash(g, d.shape, run.dtype, run.recompute, &d.moe);
-  return d;
-}
-
-// The declared stash of one (chunk, micro-batch) of virtual pipeline stage `u`: every
-// layer's input (the chunk's own included) and stash.
-StashPlan ChunkStash(const Config& config, const Topology& topology, const Declared& declared,
-                     int64_t u) {
-  const GptConfig& g = *config.gpt;
-  const int64_t stages = topology.sizes().pp * topology.sizes().vp.value_or(1);
-  const int64_t layers = g.num_layers / stages;
-  GptChunk chunk{.layers = {}, .pre_process = u == 0, .post_process = u == stages - 1};
-  std::vector<StashPlan> plans;
-  for (int64_t i = u * layers; i < (u + 1) * layers; ++i) {
-    const bool is_moe = g.moe.enabled() && g.moe.layers[static_cast<size_t>(i)];
-    chunk.layers.push_back(i);
-    plans.push_back(is_moe ? declared.moe_layer : declared.dense_layer);
-  }
-  return GptModel::PlanStash(g, declared.shape, config.run->dtype, chunk, plans);
-}
 
 }  // namespace
 
@@ -124,225 +26,33 @@ StatusOr<StashPlan> ExecutorStash(const Config& config, const Topology& topology
     return Status::Error(
         "parallel", fmt::format("no virtual pipeline stage {} (the layout has {})", u, stages));
   }
-  return ChunkStash(config, topology, Declare(config, topology), u);
+  return DeclaredChunkStash(config, topology,
+                            DeclareStashes(config, topology, MoeRouting::kBalanced), u);
 }
 
 StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(
     const Config& config, const Topology& topology, const std::vector<StageHeldMemory>& held) {
   if (Status s = CheckEstimable(config, "the executor's activation count"); !s.ok()) return s;
-  const GptConfig& g = *config.gpt;
   const RunConfig& run = *config.run;
-  const DerivedSizes& sz = topology.sizes();
-  const bool sp = topology.config().sequence_parallel && sz.tp > 1;
-  const bool fused = topology.config().gradient_accumulation_fusion;
   const double e = static_cast<double>(DTypeSize(run.dtype));
   const double c = static_cast<double>(DTypeSize(ComputeDType(run.dtype)));
-  const double t = static_cast<double>(sz.tp), cp = static_cast<double>(sz.cp);
-  const double b = static_cast<double>(run.micro_batch_size);
-  const double s = static_cast<double>(run.seq_length);
-  const double R = s / cp * b;        // this rank's tokens (rows of the full-width tensors)
-  const double Rs = sp ? R / t : R;   // rows of the residual stream
-  const double h = static_cast<double>(g.hidden_size), dk = static_cast<double>(g.kv_channels);
-  const double al = static_cast<double>(g.num_attention_heads) / t;
-  const double gl = static_cast<double>(g.num_query_groups) / t;
-  const double f1 = static_cast<double>(g.Fc1Rows()) / t;
-  const double f = static_cast<double>(g.ffn_hidden_size) / t;
-  const double vocab = static_cast<double>(g.PaddedVocabSize(sz.tp)) / t;
-  const bool hidden_dropout = g.hidden_dropout > 0, attention_dropout = g.attention_dropout > 0;
-  const bool qk_norm = g.qk_layernorm;
-  const bool ring = sz.cp > 1 && (g.cp_comm_type == CpCommType::kP2p ||
-                                  g.cp_comm_type == CpCommType::kA2aP2p);
-  const bool gathered = sz.cp > 1 && g.cp_comm_type == CpCommType::kAllGather;
-
-  const double stream = Rs * h * e;   // a residual-stream tensor
-  const double full = R * h * e;      // the same with every row (gathered under sp)
-  const double q = R * al * dk * e;   // this rank's queries (and the context)
-  const double kv = R * gl * dk * e;  // its keys, or its values
-  const double qkv = R * (al + 2 * gl) * dk * e;
-  const double probs = R * al * s * e;  // its queries' scores over every key
-
-  // --- the stash of one layer: the modules' declarations (core/model/stash_plan.h) ---
-  const Declared declared = Declare(config, topology);
-  const StreamShape& shape = declared.shape;
-  const bool selective = run.recompute == RunConfig::Recompute::kSelective;
-  const bool full_recompute = run.recompute == RunConfig::Recompute::kFull;
-  // Core attention's stash (rebuilt by selective recomputation in the backward).
-  const double core = Bytes(SelfAttention::PlanStash(g, shape, run.dtype, true), "core.");
-  // A layer's stash but its input, as kept (or, under full recomputation, as rebuilt).
-  const RunConfig::Recompute kept = full_recompute ? RunConfig::Recompute::kNone : run.recompute;
-  const auto inner_of = [&](const StashPlan* moe) {
-    return Bytes(TransformerLayer::PlanStash(g, shape, run.dtype, kept, moe), "inner.");
-  };
-  const double inner = inner_of(nullptr);
-
-  // --- working memory: the first layer's backward ---
-  const double dmlp = hidden_dropout ? stream : 0, dattn = dmlp;
-  const auto weight_grad = [&](double out, double in) { return fused ? 0.0 : out * in * e; };
-  // The keys' and values' gradients as core attention makes them: every position's under
-  // all_gather (then reduce-scattered to this rank's: both alive), else this rank's.
-  // "a2a" exchanges each back to this rank's tokens: dk's new copy beside the old.
-  const bool heads = sz.cp > 1 && g.cp_comm_type == CpCommType::kA2a;
-  const double dkey = gathered ? b * gl * s * dk * e + kv : heads ? 2 * kv : kv;
-  const double dvalue = kv;
-  double attention_point;
-  if (ring) {
-    // The ring's backward (attention.cc RingBackward): d context and its copy ("a2a+p2p":
-    // and its exchange to the ring's heads), each query half's d out, row dot products and
-    // dq, the gradients travelling with the block; then per step the block received next,
-    // and per block its probabilities, their gradient, the scores' gradient (and with
-    // dropout the dropped copies of both), or at the step's end the gradients passed on;
-    // at the end dq, dk, dv in this rank's order ("a2a+p2p": exchanged back, one at a
-    // time); last the fused qkv gradient.
-    const std::vector<int64_t>& levels = topology.config().hierarchical_context_parallel_sizes;
-    const bool hier = g.cp_comm_type == CpCommType::kA2aP2p;
-    const double ring_size = hier && !levels.empty() ? cp / static_cast<double>(levels[0]) : cp;
-    const double chunk = s / (2 * ring_size);  // positions per ring chunk
-    const double block = R * al / 2 * chunk * e;  // one query half's block of probabilities
-    const double base = 2 * q + (hier ? q : 0) + q + R * al * c + q + 2 * kv;
-    const double incoming = ring_size > 1 ? 2 * kv : 0;
-    const double in_order = base + q + 2 * kv;
-    attention_point = Max({base + incoming + (attention_dropout ? 5 : 3) * block,
-                           base + 2 * incoming, in_order,
-                           hier ? Max({in_order + 3 * q, in_order + q + 4 * kv}) : 0,
-                           2 * q + q + 2 * kv + (qk_norm ? q + kv : 0) + qkv});
-  } else {
-    const double gradients = 2 * q /*dcontext, its copy*/ + probs /*dprobs*/ + dvalue +
-                             (attention_dropout ? probs : 0) + probs /*dscores*/ + q /*dq*/;
-    attention_point = gradients + dkey + (qk_norm ? q + kv : 0) + qkv;
-    // "a2a": dq's exchange (send, receive and result buffers) before dk's.
-    if (heads) attention_point = std::max(attention_point, gradients + kv + 3 * q);
-  }
-  attention_point += dmlp + stream /*dln2*/ + stream /*dx1*/ + dattn;
-  // fc2's and fc1's weight gradients (with sp each GEMM's gathered input), qkv's and proj's.
-  const double fc2_point = dmlp + (sp ? full : 0) + R * f * e + weight_grad(h, f);
-  const double fc1_point =
-      dmlp + R * f * e + R * f1 * e + full + (sp ? full : 0) + weight_grad(f1, h);
-  const double after_core = dmlp + stream + stream + dattn + q /*dcontext*/;
-  const double qkv_point =
-      after_core + qkv + full + (sp ? full : 0) + weight_grad((al + 2 * gl) * dk, h);
-  const double proj_point =
-      dmlp + 2 * stream + dattn + (sp ? full : 0) + q + weight_grad(h, al * dk);
-  // Recomputation rebuilds the layer's tensors (full: before its backward starts) or its
-  // core attention's (selective: after linear_proj's backward, kept until the layer's ends).
-  // `layer_inner`: the layer's stash; `mlp_point`: the most its MLP's backward holds.
-  const auto working_of = [&](double layer_inner, double mlp_point) {
-    const double rebuilt_layer = full_recompute ? layer_inner : 0;
-    const double rebuilt_core = full_recompute ? layer_inner : selective ? core : 0;
-    return stream /*dy*/ + Max({rebuilt_layer + Max({mlp_point, proj_point}),
-                                rebuilt_core + Max({attention_point, qkv_point})});
-  };
-  const double dense_working = working_of(inner, std::max(fc2_point, fc1_point));
-
-  // --- a mixture-of-experts layer in place of the MLP (core/model/moe.h) ---
-  // Its stash and backward with the rows of balanced routing (BalancedRoute).
-  double moe_inner = 0, moe_working = 0;
-  if (g.moe.enabled()) {
-    const MoeConfig& moe = g.moe;
-    const double T = Rs;  // the router's tokens: this rank's rows of the stream
-    const double E = static_cast<double>(moe.num_experts);
-    const double K = static_cast<double>(moe.router_topk);
-    const double te = static_cast<double>(sz.etp);
-    const double fm = static_cast<double>(moe.ffn_hidden_size) / te;
-    const double fm1 = IsGated(g.activation) ? 2 * fm : fm;
-    const bool a2a = moe.token_dispatcher == MoeDispatcher::kAllToAll;
-    const double group = declared.route.group;
-    const double N = declared.route.rows, src = declared.route.src;
-    const double fs = moe.shared_expert_intermediate_size
-                          ? static_cast<double>(*moe.shared_expert_intermediate_size) / t
-                          : 0;
-    const double fs1 = IsGated(g.activation) ? 2 * fs : fs;
-    moe_inner = inner_of(&declared.moe);
-    // The backward (MoeLayer::Backward): the gathered gradient (allgather without a group:
-    // the gradient itself), the scatter targets of dx and d probs, then per expert fc2's and
-    // fc1's gradients; after the experts the way back (dx, d probs), the router's gradients
-    // and the shared expert's, all kept to the layer's end.
-    // New tensors for the gathered gradient and the way back (else views of dy and dx_src).
-    const bool exchanged = a2a || group > 1;
-    const double dy_src = exchanged ? src * h * e : 0;
-    const double base = dmlp + dy_src + src * h * e + (a2a ? src : group * T * K) * e;
-    const double fc2_moe = base + N * h * e + 2 * N * fm * e + weight_grad(h, fm);
-    const double fc1_moe = base + N * h * e + 3 * N * fm * e + N * e + N * fm1 * e + N * h * e +
-                           weight_grad(fm1, h);
-    const double back = exchanged ? T * (h + K) * e : 0;  // dx, d probs
-    const bool z_loss = moe.z_loss_coeff.has_value();
-    const double router = base + back + 8 * T * K + 2 * T * E * e +
-                          (moe.router_pre_softmax ? 0 : T * K * e) + (z_loss ? T * E * e : 0) +
-                          T * h * e;
-    const double shared_fc2 = (sp ? full : 0) + R * fs * e + weight_grad(h, fs);
-    const double shared_fc1 = R * fs * e + R * fs1 * e + full + (sp ? full : 0) +
-                              weight_grad(fs1, h);
-    const double shared = fs > 0 ? router + std::max(shared_fc2, shared_fc1) : 0;
-    moe_working = working_of(moe_inner, Max({fc2_moe, fc1_moe, router + weight_grad(E, h),
-                                             shared}));
-  }
-  // The head's backward: d loss per token, d logits, the output layer's input gradient
-  // (with sp its gathered input) and weight gradient.
-  const double head_working =
-      R * c + R * vocab * e + full + (sp ? full : 0) + weight_grad(vocab, h);
-
-  const int64_t p = sz.pp, v = sz.vp.value_or(1), stages = p * v;
-  const int64_t layers = g.num_layers / stages;
   std::optional<PipelineSchedule> built;
   StatusOr<const PipelineSchedule*> found = RunSchedule(topology, run, nullptr, &built);
   if (!found.ok()) return found.status();
-  const PipelineSchedule* schedule = *found;
-  // The pipeline's transfers as the executor's MPI walk makes them (core/pipeline/
-  // pipeline_walk.h): a receive's buffer from when its batch is posted until its step takes
-  // it, every send's tensor until the walk's end (its request holds it).
-  const PipelinePlan plan = p > 1 ? PlanPipelineTransfers(*schedule) : PipelinePlan{};
+  // The schedule's peak: the declared stashes in flight, the backward's working set and the
+  // pipeline's transfers (core/model/activation_plan.h), MoE rows those of balanced routing.
+  StatusOr<std::vector<ScheduleActivations>> planned =
+      PlanScheduleActivations(config, topology, MoeRouting::kBalanced, *found);
+  if (!planned.ok()) return planned.status();
   std::vector<ExecutorActivations> out;
-  for (int64_t r = 0; r < p; ++r) {
-    std::vector<double> stash(static_cast<size_t>(v)), working(static_cast<size_t>(v));
-    for (int64_t chunk = 0; chunk < v; ++chunk) {
-      const int64_t u = chunk * p + r;
-      const bool post = u == stages - 1;
-      // The chunk's declared stash; the most a layer's backward holds.
-      stash[static_cast<size_t>(chunk)] = ChunkStash(config, topology, declared, u).bytes();
-      double layer_working = 0;
-      for (int64_t i = u * layers; i < (u + 1) * layers; ++i) {
-        const bool is_moe = g.moe.enabled() && g.moe.layers[static_cast<size_t>(i)];
-        layer_working = std::max(layer_working, is_moe ? moe_working : dense_working);
-      }
-      // Under full recomputation every layer rebuilds as much, so the chunk's second layer
-      // peaks highest: the walk still holds the gradient it received for the first.
-      const double received = full_recompute && !post && p > 1 && layers > 1 ? stream : 0;
-      working[static_cast<size_t>(chunk)] =
-          layers > 0 ? std::max(layer_working + received, post ? head_working : 0)
-                     : head_working;
-    }
+  for (const ScheduleActivations& stage : *planned) {
+    const int64_t r = stage.stage;
     ExecutorActivations act;
     act.stage = r;
-    double stashes = 0, transfers = 0, best = -1;
-    int64_t alive = 0;
-    const auto step = [&](const ScheduleStep& st) {
-      const auto chunk = static_cast<size_t>(st.model_chunk);
-      const int64_t u = st.model_chunk * p + r;
-      if (st.pass == Pass::kForward) {
-        if (u > 0 && p > 1) transfers -= stream;  // the received input joins the stash
-        stashes += stash[chunk];
-        ++alive;
-        return;
-      }
-      if (u < stages - 1 && p > 1) transfers -= stream;  // the received gradient: its dy
-      if (stashes + working[chunk] + transfers > best) {
-        best = stashes + working[chunk] + transfers;
-        act.peak_stashes = alive;
-        act.stashes = ToBytes(stashes);
-        act.working = ToBytes(working[chunk]);
-        act.transfers = ToBytes(transfers);
-      }
-      stashes -= stash[chunk];
-      --alive;
-    };
-    if (p == 1) {
-      for (const ScheduleStep& st : schedule->per_rank[0]) step(st);
-    } else {
-      for (const PlanAction& action : plan[static_cast<size_t>(r)]) {
-        // Each a receive's buffer, or a sent tensor kept until the end.
-        transfers += stream * static_cast<double>(action.batch.size());
-        if (action.step) step(*action.step);
-      }
-    }
+    act.peak_stashes = stage.peak_stashes;
+    act.stashes = ToBytes(stage.stashes);
+    act.working = ToBytes(stage.working);
+    act.transfers = ToBytes(stage.transfers);
     // The optimizer's step, once every stash is gone: each update makes a new parameter
     // tensor; the distributed optimizer also gathers the main_grads of each buffer (the
     // dense one, then the experts') into a flat buffer (compute dtype, padded to its D

@@ -5,6 +5,10 @@
 // measurement on every GPT sample config and a sweep of layouts (within 5% where MoE routing
 // decides it).
 //
+// The stashes, working set and transfers are core/model/activation_plan.h's count (shared with
+// the run's memory preflight, which routes MoE tokens at their worst instead of balanced);
+// this adds the optimizer's buffers.
+//
 // It differs from activation_estimate.h's count of a GPU run of Megatron in what is kept,
 // not in how the schedule keeps it:
 //   - the stash of a (chunk, micro-batch) is the one its modules declare next to their Stash

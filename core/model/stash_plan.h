@@ -3,7 +3,9 @@
 // model's dims. Every module of the GPT declares its own next to its Stash struct (a static
 // PlanStash: layer_norm.h, attention.h, mlp.h, moe.h, transformer_layer.h, gpt_model.h), and
 // whoever counts activations sums the declaration instead of keeping a mirror of the structs:
-// the executor's activation count (core/estimate/executor_activations.h, `mpusim estimate`).
+// core/model/activation_plan.h walks a rank's schedule over them, for the executor's
+// activation count (core/estimate/executor_activations.h, `mpusim estimate`) and the run's
+// memory preflight (GptModel::PlanMemory, run/preflight.h).
 // tests/model/stash_plan_mpi_test.cc holds the declaration to what a real forward leaves
 // allocated.
 //
