@@ -34,6 +34,12 @@ void MemoryPlan::AddElements(std::string name, PlanBytes elements, DType dtype, 
   total = SaturatingAdd(total, bytes);
 }
 
+void MemoryPlan::AddBytes(std::string name, PlanBytes bytes, DType dtype, bool host) {
+  bytes = std::min(bytes, kPlanBytesCap);
+  items.push_back(MemoryItem{std::move(name), {}, dtype, bytes, host});
+  total = SaturatingAdd(total, bytes);
+}
+
 MemoryPlan MemoryPlan::Items(bool host) const {
   MemoryPlan part;
   for (const MemoryItem& item : items) {

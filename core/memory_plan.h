@@ -41,6 +41,9 @@ struct MemoryPlan {
   void Add(std::string name, Shape shape, DType dtype);
   // An aggregate of `elements` elements of `dtype`; `host`: in host memory whatever the backend.
   void AddElements(std::string name, PlanBytes elements, DType dtype, bool host = false);
+  // An aggregate of `bytes` bytes of tensors in `dtype` (a count summed over tensors of
+  // different shapes: core/model/activation_plan.h).
+  void AddBytes(std::string name, PlanBytes bytes, DType dtype, bool host = false);
   // The items with host set, or not: on a backend with device memory, the two sides of it.
   MemoryPlan HostItems() const { return Items(true); }
   MemoryPlan DeviceItems() const { return Items(false); }

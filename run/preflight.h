@@ -1,9 +1,12 @@
 // The resource preflight of `mpusim run`: how many bytes one rank will hold, computed from
 // the config before anything is allocated, and the refusal when that is over the limit.
 //
-// What it is: per-rank bytes of parameters, main_grad, the activations and saved tensors of
-// one micro-batch (the stash the backward pass needs), and, when the run is checked, the
-// float64 reference's share (full master weights and gradients, this rank's slice of the
+// What it is: per-rank bytes of parameters, main_grad, the activations (for a GPT: this
+// rank's pipeline schedule at its peak, the declared stashes of the (chunk, micro-batch) pairs
+// in flight, the backward step's working set and the pipeline's transfers, counted from the
+// same declarations as `mpusim estimate`'s executor count, core/model/activation_plan.h; an
+// MoE layer's rows the most its routing can give the rank; for the layer chain, each layer's
+// saved tensors, graph_plan.cc), and, when the run is checked, the float64 reference's share (full master weights and gradients, this rank's slice of the
 // token rows) and the check's exchange buffers. On the CPU all of it is host memory; with a
 // GPU backend the executor's items are checked against the GPU's free memory
 // (CheckDeviceMemory, once the backend exists) and only the reference's against the host's.
@@ -12,7 +15,9 @@
 // Each model counts its own tensors (Model::PlanMemory); the preflight judges the sum.
 // What it is not: an exact allocator trace. It counts each tensor the executor and the
 // reference keep, not the program's own footprint (libraries, MPI buffers: tens of MiB),
-// allocator slack or temporaries of a single kernel. `mpusim run` prints it next to the
+// allocator slack or temporaries of a single kernel, nor (yet) the optimizer's state and
+// step buffers. A GPT's activation count is at least what the run measures (peak - held,
+// equal for a dense model; PreflightActivations.* in the MPI tests). `mpusim run` prints it next to the
 // measured peak RSS, and the README's reliability section compares the two.
 #pragma once
 

@@ -4,11 +4,14 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 #include <ostream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "core/model/activation_plan.h"
 #include "core/model/gpt_model.h"
 #include "core/model/moe.h"
 
@@ -400,8 +403,8 @@ StashPlan GptModel::PlanStash(const GptConfig& gpt, const StreamShape& shape, DT
   return plan;
 }
 
-// One rank of a tp x dp layout holds the same sizes as every other (a pipeline stage is
-// counted as if it held the whole model: the plan is an upper bound per rank).
+// The parameters and main_grad of the whole model (a pipeline stage is counted as if it held
+// every layer: an upper bound per rank), this rank's activations at its schedule's peak.
 MemoryPlan GptModel::PlanMemory(const MemoryPlanOptions& options) const {
   MemoryPlan plan;
   const GptConfig& gpt = gpt_;
@@ -410,13 +413,8 @@ MemoryPlan GptModel::PlanMemory(const MemoryPlanOptions& options) const {
   const DType compute = ComputeDType(storage);
   const int64_t t = std::max<int64_t>(1, shape_.t);
   const int64_t s = run.seq_length, b = run.micro_batch_size;
-  const int64_t s_cp = shape_.s_cp();  // this cp rank's tokens (s when cp = 1)
-  const int64_t rows = s_cp * b;
-  const int64_t stream_rows = shape_.sequence_parallel ? rows / t : rows;
-  const int64_t h = gpt.hidden_size, heads_local = gpt.num_attention_heads / t;
-  const int64_t qkv_local = gpt.QkvRows() / t, fc1_local = gpt.Fc1Rows() / t;
-  const int64_t ffn_local = gpt.ffn_hidden_size / t;
-  const int64_t attn_local = heads_local * gpt.kv_channels;
+  const int64_t h = gpt.hidden_size;
+  const PlanBytes L = static_cast<PlanBytes>(gpt.num_layers);
   const int64_t vp = gpt.PaddedVocabSize(t);
   PlanBytes full_parameters = 0;
   const DerivedSizes& sizes = topology_->sizes();
@@ -431,40 +429,32 @@ MemoryPlan GptModel::PlanMemory(const MemoryPlanOptions& options) const {
     plan.Add(p.name, local, storage);
     plan.Add(p.name + ".main_grad", local, compute);
   }
-  // One micro-batch's stash per layer (forward to backward), and about as much again for
-  // the gradients in flight: stream tensors, the gathered GEMM inputs, qkv and its per-head
-  // copies, the attention probabilities before and after dropout, fc1 and the activation.
-  const PlanBytes L = static_cast<PlanBytes>(gpt.num_layers);
-  const PlanBytes stream = PlanElements({stream_rows, h});
-  // With qk_layernorm the norms' inputs too: one more copy of the query and key heads.
-  const int64_t qk_norm_local =
-      gpt.qk_layernorm ? (heads_local + gpt.num_query_groups / t) * gpt.kv_channels : 0;
-  // Under context parallelism also the keys and values of every position, gathered over cp.
-  const int64_t gathered_kv =
-      shape_.cp > 1 ? 2 * b * (gpt.num_query_groups / t) * s * gpt.kv_channels : 0;
-  const PlanBytes per_layer = SaturatingAdd(
-      SaturatingAdd(SaturatingMul(stream, 6), PlanElements({rows, 2 * qkv_local + qk_norm_local})),
-      SaturatingAdd(SaturatingAdd(PlanElements({2 * b * heads_local, s_cp, s}),
-                                  PlanElements({gathered_kv})),
-                    PlanElements({rows, attn_local + fc1_local + ffn_local + 2 * h})));
-  plan.AddElements("activations: every layer's stash of one micro-batch",
-                   SaturatingMul(per_layer, L), storage);
-  plan.AddElements("activation gradients in flight (one layer)", SaturatingMul(per_layer, 2),
-                   storage);
-  if (gpt.moe.enabled()) {
-    // An MoE layer also keeps the router's logits, scores and choices and, for the tokens
-    // the tp group gathered, each routed copy's input, fc1 output and activation.
-    const MoeConfig& moe = gpt.moe;
-    const int64_t f = moe.ffn_hidden_size, f1 = IsGated(gpt.activation) ? 2 * f : f;
-    const PlanBytes moe_layer = SaturatingAdd(
-        PlanElements({rows * moe.router_topk, h + (f1 + 2 * f) / t}),
-        PlanElements({stream_rows, 3 * moe.num_experts + 2 * moe.router_topk}));
-    const auto moe_layers =
-        static_cast<PlanBytes>(std::count(moe.layers.begin(), moe.layers.end(), true));
-    plan.AddElements("activations: the MoE layers' routed tokens and router",
-                     SaturatingMul(moe_layer, moe_layers), storage);
+  // The activations, from the modules' declared stashes (activation_plan.h, the same count
+  // as `mpusim estimate`'s executor count): this rank's pipeline schedule walked as the
+  // executor walks it, at its peak, the stashes of the (chunk, micro-batch) pairs in flight,
+  // the backward step's working set and the pipeline's transfers. The preflight refuses runs
+  // that cannot fit, so it must not under-count: an MoE layer's rows are the most its
+  // declaration can take (MoeRouting::kWorst: every token's choices on this rank's experts,
+  // at most their capacity), not the balanced expectation the estimate counts; for a dense
+  // model the two are the same bytes.
+  StatusOr<std::vector<ScheduleActivations>> planned =
+      PlanScheduleActivations(config_, *topology_, MoeRouting::kWorst);
+  if (!planned.ok()) throw std::logic_error("GptModel::PlanMemory: " + planned.status().Message());
+  const ScheduleActivations& mine = (*planned)[static_cast<size_t>(coords_.pp)];
+  // Whole bytes, capped as every count of the plan is (core/memory_plan.h).
+  const auto bytes = [](double count) {
+    const double cap = std::ldexp(1.0, 100);
+    return count >= cap ? kPlanBytesCap : static_cast<PlanBytes>(std::ceil(count));
+  };
+  plan.AddBytes(fmt::format("activations: the declared stashes of {} (chunk, micro-batch) "
+                            "pair{} in flight",
+                            mine.peak_stashes, mine.peak_stashes == 1 ? "" : "s"),
+                bytes(mine.stashes), storage);
+  plan.AddBytes("activations: the backward step's working set", bytes(mine.working), storage);
+  if (mine.transfers > 0) {
+    plan.AddBytes("activations: the pipeline's received and sent tensors", bytes(mine.transfers),
+                  storage);
   }
-  plan.Add("logits and their gradient", {2 * rows, vp / t}, storage);
   if (options.check) {
     // Every rank runs the float64 reference on its dp rank's b samples (run/check.h).
     plan.AddElements("reference: parameters and gradients (float64, full)",
