@@ -13,14 +13,18 @@
 
 #include <cmath>
 #include <filesystem>
+#include <memory>
+#include <stdexcept>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "core/estimate/executor_activations.h"
 #include "core/estimate/memory_estimate.h"
+#include "core/model/model.h"
 #include "core/topology.h"
 #include "tests/model/gpt_mpi_helpers.h"
+#include "run/preflight.h"
 #include "tests/mpi/world.h"
 
 namespace mpusim {
@@ -266,6 +270,88 @@ TEST(MemoryEstimate, EveryLayoutHoldsWhatTheEstimateCounts) {
     compared += ExpectEstimateEqualsMeasurement(config, c.name);
   }
   if (WorldRank() == 0) fmt::print("  {} rank runs compared\n", compared);
+}
+
+// The preflight's activations (GptModel::PlanMemory, run/preflight.h: the declared stashes
+// in flight, the backward's working set, the pipeline's transfers) against the run: at least
+// each rank's measured peak - held, and for a dense model equal to the executor count, to the
+// byte (both walk the same declarations, core/model/activation_plan.h). MoE layers: the
+// preflight takes the most rows the routing can give a rank, so it may only be above.
+// The runs have no optimizer: its step's buffers and the distributed optimizer's carried
+// piece (in the executor count, not in the preflight's activations) would add to the
+// measured peak - held; the preflight does not count the optimizer's memory at all.
+// The preflight's activation items for the rank at `coords` (the run's model, unchecked).
+PlanBytes PreflightActivations(const Config& config, const Topology& topology,
+                               const RankCoordinates& coords) {
+  StatusOr<std::unique_ptr<Model>> model = BuildModel(config, topology, coords);
+  if (!model.ok()) throw std::logic_error(model.status().Message());
+  PlanBytes sum = 0;
+  for (const MemoryItem& item : run::PlanRankMemory(**model, WorldSize(), false).items) {
+    if (item.name.starts_with("activations:")) sum += item.bytes;
+  }
+  return sum;
+}
+
+void ExpectPreflightBoundsMeasurement(Config config, const std::string& what) {
+  SCOPED_TRACE(what);
+  config.optimizer.reset();
+  config.run->train_iters = 1;
+  CpuBackend backend;
+  StatusOr<run::SimulationResult> result = run::Simulate(config, {false, 1, false}, backend);
+  ASSERT_TRUE(result.ok()) << result.status().Message();
+  StatusOr<Topology> topology = Topology::Create(config.parallel);
+  ASSERT_TRUE(topology.ok());
+  StatusOr<std::vector<StageHeldMemory>> held = EstimateStageHeldMemory(config, *topology);
+  ASSERT_TRUE(held.ok()) << held.status().Message();
+  StatusOr<std::vector<ExecutorActivations>> stages =
+      EstimateExecutorActivations(config, *topology, *held);
+  ASSERT_TRUE(stages.ok()) << stages.status().Message();
+  const bool dense = !config.gpt->moe.enabled();
+  double worst = 0;
+  for (size_t rank = 0; rank < result->tensor_bytes.size(); ++rank) {
+    const RankCoordinates coords = topology->Coordinates(static_cast<int64_t>(rank));
+    const PlanBytes preflight = PreflightActivations(config, *topology, coords);
+    const run::SimulationResult::TensorBytes& measured = result->tensor_bytes[rank];
+    const int64_t activations = measured.peak - measured.held;
+    const PlanBytes counted = (*stages)[static_cast<size_t>(coords.pp)].peak();
+    EXPECT_GE(static_cast<int64_t>(preflight), activations)
+        << "rank " << rank << ": the preflight counts " << static_cast<int64_t>(preflight)
+        << " B of activations, the run measured " << activations << " B";
+    if (dense) {
+      EXPECT_EQ(static_cast<int64_t>(preflight), static_cast<int64_t>(counted))
+          << "rank " << rank << ": the preflight and the executor count differ";
+    }
+    const double over = static_cast<double>(preflight) / static_cast<double>(activations) - 1;
+    worst = std::max(worst, over);
+  }
+  if (WorldRank() == 0) {
+    fmt::print("  {}: preflight activations {} B on rank 0, measured {} B; most over {:+.1f}%\n",
+               what, static_cast<int64_t>(PreflightActivations(config, *topology,
+                                                                topology->Coordinates(0))),
+               result->tensor_bytes[0].peak - result->tensor_bytes[0].held, 100 * worst);
+  }
+}
+
+TEST(PreflightActivations, EverySampleConfigFitsUnderThePreflight) {
+  for (const auto& entry : std::filesystem::directory_iterator(MPUSIM_SAMPLE_CONFIG_DIR)) {
+    if (entry.path().extension() != ".json") continue;
+    StatusOr<Config> config = LoadConfigFile(entry.path().string());
+    ASSERT_TRUE(config.ok()) << entry.path() << ": " << config.status().Message();
+    if (!config->run || !config->gpt || config->parallel.world_size != WorldSize()) continue;
+    ExpectPreflightBoundsMeasurement(*config, entry.path().filename().string());
+  }
+}
+
+// One variant of each layout of Layouts (pp with vp, each cp_comm_type, full and selective
+// recomputation, qk_layernorm, MoE with both dispatchers, ep and a capacity).
+TEST(PreflightActivations, EveryLayoutFitsUnderThePreflight) {
+  for (const Case& c : Layouts()) {
+    if (c.name.find("float32 adam plain") == std::string::npos) continue;
+    Config config;
+    const Status status = ParseConfig(c.document, &config);
+    ASSERT_TRUE(status.ok()) << c.name << ": " << status.Message();
+    ExpectPreflightBoundsMeasurement(config, c.name);
+  }
 }
 
 // The busiest rank of each stage: the first, which owns the fullest distributed-optimizer
