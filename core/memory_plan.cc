@@ -2,6 +2,7 @@
 #include "core/memory_plan.h"
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 
 namespace mpusim {
@@ -20,6 +21,12 @@ PlanBytes PlanElements(const Shape& shape) {
     n = SaturatingMul(n, static_cast<PlanBytes>(std::max<int64_t>(d, 0)));
   }
   return n;
+}
+
+PlanBytes PlanByteCount(double bytes) {
+  if (!(bytes > 0)) return 0;
+  if (bytes >= std::ldexp(1.0, 100)) return kPlanBytesCap;
+  return static_cast<PlanBytes>(std::ceil(bytes));
 }
 
 void MemoryPlan::Add(std::string name, Shape shape, DType dtype) {

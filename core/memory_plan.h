@@ -22,6 +22,9 @@ PlanBytes SaturatingMul(PlanBytes a, PlanBytes b);
 PlanBytes SaturatingAdd(PlanBytes a, PlanBytes b);
 // The elements of `shape` (negative dimensions count 0), saturated.
 PlanBytes PlanElements(const Shape& shape);
+// A byte count formed in doubles (a sum over tensors of fractional rows) as whole bytes,
+// rounded up and saturated.
+PlanBytes PlanByteCount(double bytes);
 
 struct MemoryItem {
   std::string name;  // "fc1.weight", "fc1.output_grad", "reference: master weights"

@@ -1,7 +1,9 @@
 // The resource preflight of `mpusim run`: how many bytes one rank will hold, computed from
 // the config before anything is allocated, and the refusal when that is over the limit.
 //
-// What it is: per-rank bytes of parameters, main_grad, the activations (for a GPT: this
+// What it is: per-rank bytes of parameters, main_grad, for a GPT the optimizer's state and
+// step buffers (core/model/optimizer_plan.h, as the estimate counts them), the activations
+// (for a GPT: this
 // rank's pipeline schedule at its peak, the declared stashes of the (chunk, micro-batch) pairs
 // in flight, the backward step's working set and the pipeline's transfers, counted from the
 // same declarations as `mpusim estimate`'s executor count, core/model/activation_plan.h; an
@@ -15,9 +17,9 @@
 // Each model counts its own tensors (Model::PlanMemory); the preflight judges the sum.
 // What it is not: an exact allocator trace. It counts each tensor the executor and the
 // reference keep, not the program's own footprint (libraries, MPI buffers: tens of MiB),
-// allocator slack or temporaries of a single kernel, nor (yet) the optimizer's state and
-// step buffers. A GPT's activation count is at least what the run measures (peak - held,
-// equal for a dense model; PreflightActivations.* in the MPI tests). `mpusim run` prints it next to the
+// allocator slack or temporaries of a single kernel (nor the layer chain's optimizer). A
+// GPT's activations and optimizer buffers are at least what the run measures (peak - held),
+// equal to it for a dense model (PreflightActivations.* in the MPI tests). `mpusim run` prints it next to the
 // measured peak RSS, and the README's reliability section compares the two.
 #pragma once
 

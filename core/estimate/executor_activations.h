@@ -7,7 +7,7 @@
 //
 // The stashes, working set and transfers are core/model/activation_plan.h's count (shared with
 // the run's memory preflight, which routes MoE tokens at their worst instead of balanced);
-// this adds the optimizer's buffers.
+// the optimizer's buffers are core/model/optimizer_plan.h's, which the preflight reads too.
 //
 // It differs from activation_estimate.h's count of a GPU run of Megatron in what is kept,
 // not in how the schedule keeps it:

@@ -106,6 +106,9 @@ class GptModel final : public Model {
   std::vector<std::string> Warnings() const override { return {}; }
   bool MasksDependOnLayout() const override;
   MemoryPlan PlanMemory(const MemoryPlanOptions& options) const override;
+  // PlanMemory's optimizer items (gpt_model_plan.cc).
+  void PlanOptimizerMemory(const OptimizerConfig& optimizer, double schedule_peak,
+                           MemoryPlan* plan) const;
   std::vector<std::string> StepNotes() const override;
 
   // The declared stash (stash_plan.h) of one (chunk, micro-batch) on a rank of `shape`, in

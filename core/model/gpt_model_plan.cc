@@ -14,6 +14,7 @@
 #include "core/model/activation_plan.h"
 #include "core/model/gpt_model.h"
 #include "core/model/moe.h"
+#include "core/model/optimizer_plan.h"
 
 namespace mpusim {
 
@@ -403,6 +404,54 @@ StashPlan GptModel::PlanStash(const GptConfig& gpt, const StreamShape& shape, DT
   return plan;
 }
 
+// The optimizer's state and step buffers of this rank's own parameters (optimizer_plan.h),
+// as `mpusim estimate` counts them: its state (master weights and moments, compute dtype),
+// with the distributed optimizer the first rank's piece of each buffer, the fullest; the
+// gradient piece carried from the last step (alive through the schedule); and what the step
+// allocates after the schedule beyond `schedule_peak` (the activations' peak), so the items
+// add up to the larger of the two, as the run's peak does.
+void GptModel::PlanOptimizerMemory(const OptimizerConfig& optimizer, double schedule_peak,
+                                   MemoryPlan* plan) const {
+  const DType storage = run_.dtype, compute = ComputeDType(storage);
+  OptimizerShards shards;
+  for (const HeldParameterShape& p : HeldParameterShapes()) {
+    if (!p.trainable) continue;
+    const PlanBytes elements = PlanElements(p.local_shape);
+    shards.largest_parameter_elements = std::max(shards.largest_parameter_elements, elements);
+    PlanBytes& buffer = p.expert ? shards.expert_elements : shards.dense_elements;
+    buffer = SaturatingAdd(buffer, elements);
+  }
+  PlanBytes owned = SaturatingAdd(shards.dense_elements, shards.expert_elements);
+  if (optimizer.use_distributed_optimizer) {
+    const auto group = [&](const char* kind) {
+      const std::optional<size_t> k = topology_->FindKind(kind);
+      return k ? topology_->GroupSize(*k) : int64_t{1};
+    };
+    shards.dense_shards = group("dp_cp_partial");
+    shards.expert_shards = group("expt_dp_partial");
+    const auto piece = [](PlanBytes total, int64_t d) {
+      const auto n = static_cast<PlanBytes>(std::max<int64_t>(1, d));
+      return (total + n - 1) / n;
+    };
+    owned = SaturatingAdd(piece(shards.dense_elements, shards.dense_shards),
+                          piece(shards.expert_elements, shards.expert_shards));
+  }
+  const PlanBytes states = optimizer.kind == OptimizerConfig::Kind::kAdam ? 3 : 2;
+  plan->AddElements(fmt::format("optimizer: state ({} per trained element)", states),
+                    SaturatingMul(owned, states), compute);
+  const OptimizerStepBytes step =
+      PlanOptimizerStep(optimizer, storage, run_.train_iters, shards);
+  if (step.carried > 0) {
+    plan->AddBytes("optimizer: the gradient piece carried from the last step",
+                   PlanByteCount(step.carried), compute);
+  }
+  const double beyond = step.step - (schedule_peak + step.carried);
+  if (beyond > 0) {
+    plan->AddBytes("optimizer: the step's buffers beyond the activations' peak",
+                   PlanByteCount(beyond), storage);
+  }
+}
+
 // The parameters and main_grad of the whole model (a pipeline stage is counted as if it held
 // every layer: an upper bound per rank), this rank's activations at its schedule's peak.
 MemoryPlan GptModel::PlanMemory(const MemoryPlanOptions& options) const {
@@ -441,11 +490,7 @@ MemoryPlan GptModel::PlanMemory(const MemoryPlanOptions& options) const {
       PlanScheduleActivations(config_, *topology_, MoeRouting::kWorst);
   if (!planned.ok()) throw std::logic_error("GptModel::PlanMemory: " + planned.status().Message());
   const ScheduleActivations& mine = (*planned)[static_cast<size_t>(coords_.pp)];
-  // Whole bytes, capped as every count of the plan is (core/memory_plan.h).
-  const auto bytes = [](double count) {
-    const double cap = std::ldexp(1.0, 100);
-    return count >= cap ? kPlanBytesCap : static_cast<PlanBytes>(std::ceil(count));
-  };
+  const auto bytes = PlanByteCount;
   plan.AddBytes(fmt::format("activations: the declared stashes of {} (chunk, micro-batch) "
                             "pair{} in flight",
                             mine.peak_stashes, mine.peak_stashes == 1 ? "" : "s"),
@@ -455,6 +500,7 @@ MemoryPlan GptModel::PlanMemory(const MemoryPlanOptions& options) const {
     plan.AddBytes("activations: the pipeline's received and sent tensors", bytes(mine.transfers),
                   storage);
   }
+  if (config_.optimizer) PlanOptimizerMemory(*config_.optimizer, mine.peak(), &plan);
   if (options.check) {
     // Every rank runs the float64 reference on its dp rank's b samples (run/check.h).
     plan.AddElements("reference: parameters and gradients (float64, full)",

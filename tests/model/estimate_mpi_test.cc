@@ -273,29 +273,32 @@ TEST(MemoryEstimate, EveryLayoutHoldsWhatTheEstimateCounts) {
 }
 
 // The preflight's activations (GptModel::PlanMemory, run/preflight.h: the declared stashes
-// in flight, the backward's working set, the pipeline's transfers) against the run: at least
-// each rank's measured peak - held, and for a dense model equal to the executor count, to the
-// byte (both walk the same declarations, core/model/activation_plan.h). MoE layers: the
-// preflight takes the most rows the routing can give a rank, so it may only be above.
-// The runs have no optimizer: its step's buffers and the distributed optimizer's carried
-// piece (in the executor count, not in the preflight's activations) would add to the
-// measured peak - held; the preflight does not count the optimizer's memory at all.
-// The preflight's activation items for the rank at `coords` (the run's model, unchecked).
+// in flight, the backward's working set, the pipeline's transfers) and the optimizer's
+// buffers (the gradient piece carried from the last step, the step's beyond the activations)
+// against the run: at least each rank's measured peak - held, and for a dense model equal to
+// the executor count, to the byte (both read core/model/activation_plan.h and
+// optimizer_plan.h). MoE layers: the preflight takes the most rows the routing can give a
+// rank, so it may only be above. The optimizer's state: at least what the rank holds.
+// The preflight's items for the rank at `coords` (the run's model, unchecked): the activations
+// and the optimizer's buffers, or with `state` the optimizer's state.
 PlanBytes PreflightActivations(const Config& config, const Topology& topology,
-                               const RankCoordinates& coords) {
+                               const RankCoordinates& coords, bool state = false) {
   StatusOr<std::unique_ptr<Model>> model = BuildModel(config, topology, coords);
   if (!model.ok()) throw std::logic_error(model.status().Message());
   PlanBytes sum = 0;
   for (const MemoryItem& item : run::PlanRankMemory(**model, WorldSize(), false).items) {
-    if (item.name.starts_with("activations:")) sum += item.bytes;
+    if (item.name.starts_with(state ? "optimizer: state" : "activations:") ||
+        (!state && item.name.starts_with("optimizer: the "))) {
+      sum += item.bytes;
+    }
   }
   return sum;
 }
 
 void ExpectPreflightBoundsMeasurement(Config config, const std::string& what) {
   SCOPED_TRACE(what);
-  config.optimizer.reset();
-  config.run->train_iters = 1;
+  // Two iterations at most: the second starts with what the first's optimizer kept.
+  config.run->train_iters = std::min<int64_t>(config.run->train_iters, 2);
   CpuBackend backend;
   StatusOr<run::SimulationResult> result = run::Simulate(config, {false, 1, false}, backend);
   ASSERT_TRUE(result.ok()) << result.status().Message();
@@ -317,6 +320,9 @@ void ExpectPreflightBoundsMeasurement(Config config, const std::string& what) {
     EXPECT_GE(static_cast<int64_t>(preflight), activations)
         << "rank " << rank << ": the preflight counts " << static_cast<int64_t>(preflight)
         << " B of activations, the run measured " << activations << " B";
+    EXPECT_GE(static_cast<int64_t>(PreflightActivations(config, *topology, coords, true)),
+              measured.optimizer)
+        << "rank " << rank << ": the optimizer's state";
     if (dense) {
       EXPECT_EQ(static_cast<int64_t>(preflight), static_cast<int64_t>(counted))
           << "rank " << rank << ": the preflight and the executor count differ";
@@ -342,11 +348,11 @@ TEST(PreflightActivations, EverySampleConfigFitsUnderThePreflight) {
   }
 }
 
-// One variant of each layout of Layouts (pp with vp, each cp_comm_type, full and selective
-// recomputation, qk_layernorm, MoE with both dispatchers, ep and a capacity).
+// Every layout of Layouts (pp with vp, each cp_comm_type, full and selective recomputation,
+// qk_layernorm, MoE with both dispatchers, ep and a capacity; Adam and SGD, the plain and the
+// distributed optimizer).
 TEST(PreflightActivations, EveryLayoutFitsUnderThePreflight) {
   for (const Case& c : Layouts()) {
-    if (c.name.find("float32 adam plain") == std::string::npos) continue;
     Config config;
     const Status status = ParseConfig(c.document, &config);
     ASSERT_TRUE(status.ok()) << c.name << ": " << status.Message();

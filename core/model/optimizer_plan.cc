@@ -1,0 +1,58 @@
+// The optimizer's own tensors on a rank (see optimizer_plan.h).
+#include "core/model/optimizer_plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+#include <vector>
+
+namespace mpusim {
+
+// The step, once every stash is gone: each update makes a new parameter tensor; the
+// distributed optimizer also gathers the main_grads of each buffer (the dense one, then the
+// experts') into a flat buffer (compute dtype, padded to its D pieces), reduce-scatters it to
+// this rank's piece, and after the update all-gathers each buffer's updated pieces in the
+// storage dtype.
+OptimizerStepBytes PlanOptimizerStep(const OptimizerConfig& optimizer, DType storage,
+                                     int64_t train_iters, const OptimizerShards& mine) {
+  const double e = static_cast<double>(DTypeSize(storage));
+  const double c = static_cast<double>(DTypeSize(ComputeDType(storage)));
+  const double largest = static_cast<double>(mine.largest_parameter_elements) * e;
+  OptimizerStepBytes out;
+  out.step = largest;
+  if (!optimizer.use_distributed_optimizer) return out;
+  struct Buffer {
+    double padded, piece, d;
+  };
+  std::vector<Buffer> buffers;
+  for (const auto& [elements, shards] : {std::pair{mine.dense_elements, mine.dense_shards},
+                                         std::pair{mine.expert_elements, mine.expert_shards}}) {
+    if (elements == 0 && !buffers.empty()) continue;
+    const double d = static_cast<double>(shards);
+    const double padded = std::ceil(static_cast<double>(elements) / d) * d;
+    buffers.push_back({padded, padded / d, d});
+  }
+  // Each piece (all of the buffer when d is 1) stays until the next step replaces it: a
+  // buffer's flat gradients and new piece are made beside the new pieces of the buffers
+  // before it and the last step's of it and those after it.
+  const bool carries = train_iters > 1;
+  double last = 0, pieces = 0;
+  for (const Buffer& buffer : buffers) {
+    last += carries ? buffer.piece * c : 0;
+    pieces += buffer.piece;
+  }
+  double scatter = 0, done = 0, all_gathered = 0;
+  for (const Buffer& buffer : buffers) {
+    const double piece = buffer.d > 1 ? buffer.piece * c : 0;  // a new one
+    scatter = std::max(scatter, done + last + buffer.padded * c + piece);
+    done += buffer.piece * c;
+    last -= carries ? buffer.piece * c : 0;
+    all_gathered = std::max(all_gathered, buffer.d > 1 ? buffer.padded * e : 0);
+  }
+  const double gather = pieces * c + pieces * e + all_gathered + largest;
+  out.step = std::max(scatter, gather);
+  out.carried = carries ? done : 0;
+  return out;
+}
+
+}  // namespace mpusim

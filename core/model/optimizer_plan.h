@@ -1,0 +1,40 @@
+// The optimizer's own tensors on a rank, counted from the config: its state (each trainable
+// element's master weight and moments, or SGD's, in the compute dtype) and what its step
+// allocates (the distributed optimizer's flat gradient buffers, pieces and gathers; each
+// update's new parameter), read by the run's memory preflight (GptModel::PlanMemory) and
+// `mpusim estimate`'s executor count (core/estimate/executor_activations.h), so the two
+// cannot drift. What it is not: the parameters or their main_grad (counted beside it).
+#pragma once
+
+#include <cstdint>
+
+#include "core/config/optimizer_config.h"
+#include "core/memory_plan.h"
+#include "core/tensor.h"
+
+namespace mpusim {
+
+// What sizes them on one rank: the trainable elements of the dense buffer and of the
+// experts' (mixture of experts), the largest parameter shard, and the pieces the distributed
+// optimizer cuts each buffer into (over dp x cp, and over expt_dp).
+struct OptimizerShards {
+  PlanBytes dense_elements = 0;
+  PlanBytes expert_elements = 0;
+  PlanBytes largest_parameter_elements = 0;
+  int64_t dense_shards = 1;
+  int64_t expert_shards = 1;
+};
+
+struct OptimizerStepBytes {
+  // The step's own tensors, after the schedule, at their most.
+  double step = 0;
+  // From the second training iteration on: the distributed optimizer's gradient piece, kept
+  // from the last step until the next reduce-scatter replaces it (alive during the schedule).
+  double carried = 0;
+};
+
+// `storage`: the run's dtype; `train_iters`: the run's iterations.
+OptimizerStepBytes PlanOptimizerStep(const OptimizerConfig& optimizer, DType storage,
+                                     int64_t train_iters, const OptimizerShards& shards);
+
+}  // namespace mpusim
