@@ -41,10 +41,6 @@ ALLOWED_FILES = {
     # The contract, declared once: the estimate counts GPT models only, and this is where it
     # takes one (EstimatedModel, EstimableModel).
     "core/estimate/estimable.h": "the estimate's one accessor of the GPT model",
-    # TEMPORARY: being edited elsewhere; it should take its model from EstimableModel
-    # (estimable.h) as the activation count and the step time do, then drop this entry.
-    "core/estimate/executor_activations.cc": "`*config.gpt` after CheckEstimable; move to "
-                                             "EstimableModel (remove this entry with it)",
 }
 
 
