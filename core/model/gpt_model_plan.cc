@@ -478,6 +478,10 @@ MemoryPlan GptModel::PlanMemory(const MemoryPlanOptions& options) const {
     plan.Add(p.name, local, storage);
     plan.Add(p.name + ".main_grad", local, compute);
   }
+  // The constants InitializeParameters makes: this rank's token positions, and under context
+  // parallelism every key's.
+  plan.Add("constants: this rank's token positions", {shape_.s_cp()}, DType::kInt64);
+  if (shape_.cp > 1) plan.Add("constants: every key's position", {s}, DType::kInt64);
   // The activations, from the modules' declared stashes (activation_plan.h, the same count
   // as `mpusim estimate`'s executor count): this rank's pipeline schedule walked as the
   // executor walks it, at its peak, the stashes of the (chunk, micro-batch) pairs in flight,

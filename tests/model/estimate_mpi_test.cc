@@ -278,7 +278,9 @@ TEST(MemoryEstimate, EveryLayoutHoldsWhatTheEstimateCounts) {
 // against the run: at least each rank's measured peak - held, and for a dense model equal to
 // the executor count, to the byte (both read core/model/activation_plan.h and
 // optimizer_plan.h). MoE layers: the preflight takes the most rows the routing can give a
-// rank, so it may only be above. The optimizer's state: at least what the rank holds.
+// rank, so it may only be above. The optimizer's state: at least what the rank holds; the
+// whole plan: at least the rank's measured peak (parameters, main_grad, optimizer state and
+// the model's constants included).
 // The preflight's items for the rank at `coords` (the run's model, unchecked): the activations
 // and the optimizer's buffers, or with `state` the optimizer's state.
 PlanBytes PreflightActivations(const Config& config, const Topology& topology,
@@ -323,6 +325,12 @@ void ExpectPreflightBoundsMeasurement(Config config, const std::string& what) {
     EXPECT_GE(static_cast<int64_t>(PreflightActivations(config, *topology, coords, true)),
               measured.optimizer)
         << "rank " << rank << ": the optimizer's state";
+    // The whole plan (unchecked): at least every tensor the rank held at its peak.
+    StatusOr<std::unique_ptr<Model>> model = BuildModel(config, *topology, coords);
+    ASSERT_TRUE(model.ok()) << model.status().Message();
+    EXPECT_GE(static_cast<int64_t>(run::PlanRankMemory(**model, WorldSize(), false).total),
+              measured.peak)
+        << "rank " << rank << ": the preflight's total";
     if (dense) {
       EXPECT_EQ(static_cast<int64_t>(preflight), static_cast<int64_t>(counted))
           << "rank " << rank << ": the preflight and the executor count differ";
