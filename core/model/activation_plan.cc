@@ -257,8 +257,13 @@ StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
   const int64_t layers = g.num_layers / stages;
   std::optional<PipelineSchedule> built;
   if (schedule == nullptr) {
+    // Without a pipeline every micro-batch runs its forward and backward alone, so one
+    // micro-batch's walk has the peak of any number of them (and 2^31 micro-batches are not
+    // listed step by step).
+    const int64_t walked = p == 1 ? std::min<int64_t>(run.num_microbatches, 1)
+                                  : run.num_microbatches;
     StatusOr<PipelineSchedule> made =
-        BuildPipelineSchedule(p, sz.vp, run.num_microbatches,
+        BuildPipelineSchedule(p, sz.vp, walked,
                               topology.config().microbatch_group_size_per_vp_stage,
                               topology.config().overlap_moe_expert_parallel_comm);
     if (!made.ok()) return made.status();

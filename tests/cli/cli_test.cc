@@ -2799,6 +2799,16 @@ TEST(HostileInput, RunPreflightRefusesWhatCannotFit) {
       << output;
   EXPECT_EQ(Shell(Mpiexec(1) + MPUSIM_BINARY + " run " + lab + " --max-memory 12Q", &output), 2);
   EXPECT_NE(output.find("--max-memory"), std::string::npos) << output;
+  // The most micro-batches a run takes, without a pipeline: the preflight walks one
+  // micro-batch, not 2^31 of them (no internal error, no memory in proportion).
+  EXPECT_EQ(Shell(Mpiexec(1) + MPUSIM_BINARY + " run " +
+                      Sample("gpt_qk_norm_partial_rope_t2_n2.json") +
+                      " --tp 1 --world-size 1 --num-microbatches 2147483647 --max-memory 1M",
+                  &output),
+            2)
+      << output;
+  EXPECT_NE(output.find("more than the 1.0 MiB allowed (--max-memory)"), std::string::npos)
+      << output;
 }
 
 TEST(HostileInput, DumpsAreWholeOrAbsentAndNeverMixed) {
