@@ -103,10 +103,14 @@ class GptReference final : public Reference {
     const int64_t tp = parallel_.tensor_model_parallel_size;
     nlohmann::json id = {{"samples", Units()}, {"padded_vocab_size", gpt_.PaddedVocabSize(tp)}};
     if (gpt_.moe.enabled()) {
-      id["moe_routing"] = {{"micro_batch_size", run_.micro_batch_size},
-                           {"tensor_model_parallel_size", tp},
-                           {"context_parallel_size", parallel_.context_parallel_size},
-                           {"sequence_parallel", parallel_.sequence_parallel && tp > 1}};
+      const auto key = [](std::string_view k) { return std::string(k); };
+      id["moe_routing"] = {
+          {key(RunKey(&RunConfig::micro_batch_size)), run_.micro_batch_size},
+          {key(ParallelKey(&ParallelConfig::tensor_model_parallel_size)), tp},
+          {key(ParallelKey(&ParallelConfig::context_parallel_size)),
+           parallel_.context_parallel_size},
+          {key(ParallelKey(&ParallelConfig::sequence_parallel)),
+           parallel_.sequence_parallel && tp > 1}};
     }
     if (gpt_.dropout_mode == DropoutMode::kRngTracker) {
       id["parallel"] = EchoFields(ParallelFields(), parallel_);
