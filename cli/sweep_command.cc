@@ -277,12 +277,13 @@ class SweepCommand final : public Command {
     const std::string config_file = (dir / fmt::format("layout{}.json", i)).string();
     const std::string summary_file = (dir / fmt::format("layout{}.summary.json", i)).string();
     const std::string log_file = (dir / fmt::format("layout{}.log", i)).string();
-    if (const Status s = WriteFileAtomically(config_file, Document(base, l).dump(1)); !s.ok()) {
+    const json document = Document(base, l);
+    if (const Status s = WriteFileAtomically(config_file, document.dump(1)); !s.ok()) {
       ReportError(err, config_file, s.Message());
       return std::nullopt;
     }
     const std::string reference =
-        check_ ? StoredReference(Document(base, l), config_file, dir, exe) : "";
+        check_ ? StoredReference(document, config_file, dir, exe) : "";
     const std::string command = fmt::format(
         "{} -n {} --oversubscribe {} run {} --summary {}{} > {} 2>&1", ShellQuote(mpiexec_),
         world_size_, ShellQuote(exe), ShellQuote(config_file), ShellQuote(summary_file),

@@ -29,9 +29,12 @@ constexpr int kVersion = 1;
 
 const char* LayoutName(Layout layout) {
   switch (layout) {
-    case Layout::kWhole: return "whole";
-    case Layout::kRows: return "rows";
-    case Layout::kSamples: return "samples";
+    case Layout::kWhole:
+      return "whole";
+    case Layout::kRows:
+      return "rows";
+    case Layout::kSamples:
+      return "samples";
   }
   return "whole";
 }
@@ -48,8 +51,10 @@ std::string FirstDifference(const json& a, const json& b, const std::string& pat
     for (const auto& [k, v] : b.items()) keys.insert(k);
     for (const std::string& k : keys) {
       const std::string at = path.empty() ? k : path + "." + k;
-      if (!a.contains(k)) return fmt::format("{}: not in the stored reference, {} here", at, b[k].dump());
-      if (!b.contains(k)) return fmt::format("{}: {} in the stored reference, not here", at, a[k].dump());
+      if (!a.contains(k))
+        return fmt::format("{}: not in the stored reference, {} here", at, b[k].dump());
+      if (!b.contains(k))
+        return fmt::format("{}: {} in the stored reference, not here", at, a[k].dump());
       std::string d = FirstDifference(a[k], b[k], at);
       if (!d.empty()) return d;
     }
@@ -145,7 +150,8 @@ StatusOr<int64_t> StoreJobReference(const Config& config, const RankCoordinates&
     }
   }
   std::vector<std::string> lines;
-  if (GatherErrors(problem, &lines)) return Status::Error("--out", problem.empty() ? "failed on rank 0" : problem);
+  if (GatherErrors(problem, &lines))
+    return Status::Error("--out", problem.empty() ? "failed on rank 0" : problem);
 
   int64_t bytes = 0;
   const auto write = [&](const std::string& name, const SafetensorsFile& file) -> Status {
@@ -178,7 +184,8 @@ StatusOr<int64_t> StoreJobReference(const Config& config, const RankCoordinates&
   for (size_t j = 0; j < tensors.size(); ++j) {
     if (tensors[j].layout == Layout::kWhole) continue;
     for (size_t i = 0; i < j; ++i) {
-      if (tensors[i].layout == tensors[j].layout && tensors[i].value.data() == tensors[j].value.data() &&
+      if (tensors[i].layout == tensors[j].layout &&
+          tensors[i].value.data() == tensors[j].value.data() &&
           tensors[i].full_shape == tensors[j].full_shape && tensors[i].value.numel() > 0) {
         alias_of[j] = tensors[i].name;
         break;
@@ -229,7 +236,8 @@ StatusOr<int64_t> StoreJobReference(const Config& config, const RankCoordinates&
                            {"alias_of", alias_of[i]}});
     }
     manifest["tensors"] = described;
-    wrote = WriteFileAtomically((fs::path(dir) / "reference.json").string(), manifest.dump(1) + "\n");
+    wrote =
+        WriteFileAtomically((fs::path(dir) / "reference.json").string(), manifest.dump(1) + "\n");
   }
   if (GatherErrors(wrote.ok() ? "" : wrote.Message(), &lines)) {
     return Status::Error("--out", wrote.ok() ? "failed on rank 0" : wrote.Message());
@@ -244,7 +252,9 @@ StatusOr<JobReference> LoadJobReference(const Config& config, const RankCoordina
   MPI_Comm_size(MPI_COMM_WORLD, &world_size);
   const std::string manifest_path = (fs::path(dir) / "reference.json").string();
   StatusOr<json> manifest = ReadJsonFile(manifest_path);
-  if (!manifest.ok()) return Status::Error("--reference", fmt::format("{}: {}", manifest_path, manifest.status().Message()));
+  if (!manifest.ok())
+    return Status::Error("--reference",
+                         fmt::format("{}: {}", manifest_path, manifest.status().Message()));
   const json& m = *manifest;
   const auto bad = [&](const std::string& what) {
     return Status::Error("--reference", fmt::format("{}: {}", manifest_path, what));
@@ -252,11 +262,14 @@ StatusOr<JobReference> LoadJobReference(const Config& config, const RankCoordina
   if (!m.is_object() || m.value("format", "") != kFormat || m.value("version", 0) != kVersion ||
       !m.contains("identity") || !m["tensors"].is_array() || !m["slices"].is_array() ||
       !m["units"].is_number_integer() || !m["iterations"].is_number_integer()) {
-    return bad(fmt::format("is not a stored reference of version {} (format, version, identity, "
-                           "units, iterations, slices, tensors)", kVersion));
+    return bad(
+        fmt::format("is not a stored reference of version {} (format, version, identity, "
+                    "units, iterations, slices, tensors)",
+                    kVersion));
   }
   if (const std::string d = FirstDifference(m["identity"], identity, ""); !d.empty()) {
-    return Status::Error("--reference", fmt::format("{}: the stored reference is of another run: {}", dir, d));
+    return Status::Error("--reference",
+                         fmt::format("{}: the stored reference is of another run: {}", dir, d));
   }
   JobReference job;
   StatusOr<std::unique_ptr<Reference>> built = BuildReference(config);
@@ -281,7 +294,8 @@ StatusOr<JobReference> LoadJobReference(const Config& config, const RankCoordina
   ReferenceResult& result = *listed;
   const json& stored = m["tensors"];
   if (stored.size() != result.tensors.size()) {
-    return bad(fmt::format("lists {} tensors, the run's reference {}", stored.size(), result.tensors.size()));
+    return bad(fmt::format("lists {} tensors, the run's reference {}", stored.size(),
+                           result.tensors.size()));
   }
   result.slice_begin = job.split.slice.begin;
   result.slice_end = job.split.slice.end;
@@ -290,9 +304,9 @@ StatusOr<JobReference> LoadJobReference(const Config& config, const RankCoordina
   for (size_t i = 0; i < result.tensors.size(); ++i) {
     ReferenceTensor& t = result.tensors[i];
     const json& s = stored[i];
-    if (!s.is_object() || s.value("name", "") != t.name || s.value("layout", "") != LayoutName(t.layout) ||
-        !s["full_shape"].is_array() || s["full_shape"].get<Shape>() != t.full_shape ||
-        !s["alias_of"].is_string()) {
+    if (!s.is_object() || s.value("name", "") != t.name ||
+        s.value("layout", "") != LayoutName(t.layout) || !s["full_shape"].is_array() ||
+        s["full_shape"].get<Shape>() != t.full_shape || !s["alias_of"].is_string()) {
       return bad(fmt::format("tensor {} is not the run's {} ({}, {})", i, t.name,
                              LayoutName(t.layout), ShapeString(t.full_shape)));
     }
@@ -308,7 +322,8 @@ StatusOr<JobReference> LoadJobReference(const Config& config, const RankCoordina
     const std::string alias = s["alias_of"].get<std::string>();
     if (!alias.empty()) {
       const auto it = index.find(alias);
-      if (it == index.end() || it->second >= i) return bad(fmt::format("tensor {}: bad alias_of", t.name));
+      if (it == index.end() || it->second >= i)
+        return bad(fmt::format("tensor {}: bad alias_of", t.name));
       t.value = result.tensors[it->second].value;
       continue;
     }
@@ -330,7 +345,8 @@ StatusOr<JobReference> LoadJobReference(const Config& config, const RankCoordina
     const int64_t begin = e["begin"].get<int64_t>(), end = e["end"].get<int64_t>();
     const std::string file = e["file"].get<std::string>();
     if (begin < 0 || end > units || begin >= end || file.find('/') != std::string::npos) {
-      return bad(fmt::format("slice {}: units [{}, {}) are not inside [0, {})", file, begin, end, units));
+      return bad(
+          fmt::format("slice {}: units [{}, {}) are not inside [0, {})", file, begin, end, units));
     }
     const int64_t from = std::max(begin, result.slice_begin), to = std::min(end, result.slice_end);
     if (from >= to) continue;
@@ -354,7 +370,9 @@ StatusOr<JobReference> LoadJobReference(const Config& config, const RankCoordina
     }
     covered += to - from;
   }
-  if (covered != n) return bad(fmt::format("its slices do not cover units [{}, {})", result.slice_begin, result.slice_end));
+  if (covered != n)
+    return bad(fmt::format("its slices do not cover units [{}, {})", result.slice_begin,
+                           result.slice_end));
 
   // The iterations: each one's summed shares; after training, the trainer replayed on them.
   if (config.optimizer) job.trainer.emplace(*config.optimizer, config.run->train_iters);
