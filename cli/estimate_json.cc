@@ -17,7 +17,11 @@ nlohmann::ordered_json EstimateJson(const EstimateReport& r, const Topology& top
   nlohmann::ordered_json doc;
   doc["world_size"] = topology.world_size();
   doc["dtype"] = std::string(DTypeName(config.run->dtype));
-  doc["main_grad_dtype"] = std::string(DTypeName(ComputeDType(config.run->dtype)));
+  const OptimizerPrecision precision = PrecisionOf(config);
+  doc["main_grad_dtype"] = std::string(DTypeName(precision.main_grad));
+  doc["optimizer_dtypes"] = {{"master", std::string(DTypeName(precision.master))},
+                             {"exp_avg", std::string(DTypeName(precision.exp_avg))},
+                             {"exp_avg_sq", std::string(DTypeName(precision.exp_avg_sq))}};
   const bool distributed = config.optimizer && config.optimizer->use_distributed_optimizer;
   doc["optimizer"] = !config.optimizer ? nlohmann::ordered_json(nullptr)
                      : config.optimizer->kind == OptimizerConfig::Kind::kAdam
@@ -97,7 +101,8 @@ nlohmann::ordered_json EstimateJson(const EstimateReport& r, const Topology& top
     stage["memory"] = {{"parameters", JsonBytes(s.held.parameters)},
                        {"gradients", JsonBytes(s.held.gradients)},
                        {"optimizer", JsonBytes(s.held.optimizer)},
-                       {"held", JsonBytes(s.held.total())}};
+                       {"held", JsonBytes(s.held.total())},
+                       {"step_gradient_copies", JsonBytes(s.held.step_gradient_copies)}};
     if (r.activations) {
       const StageActivations& a = (*r.activations)[i];
       stage["memory"]["activations"] = JsonBytes(a.activations);

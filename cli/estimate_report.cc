@@ -75,7 +75,7 @@ std::string OverlapText(const Config& config, const TimeEstimate& t, bool ring) 
 
 PlanBytes StagePeak(const EstimateReport& r, size_t i) {
   const StageActivations& a = (*r.activations)[i];
-  return SaturatingAdd(r.stages[i].held.total(), SaturatingAdd(a.activations, a.buffers));
+  return r.stages[i].held.PeakWith(SaturatingAdd(a.activations, a.buffers));
 }
 
 std::string FitsText(PlanBytes peak, PlanBytes hbm) {
@@ -90,13 +90,25 @@ const char* RecomputeText(RunConfig::Recompute r) {
 }
 
 std::string OptimizerText(const Config& config, const Topology& topology) {
-  if (!config.optimizer) return "no optimizer section: main_grad only, no optimizer state";
+  const OptimizerPrecision precision = PrecisionOf(config);
+  if (!config.optimizer) {
+    return fmt::format("no optimizer section: main_grad ({}) only, no optimizer state",
+                       DTypeName(precision.main_grad));
+  }
   const bool adam = config.optimizer->kind == OptimizerConfig::Kind::kAdam;
   const int64_t instances = topology.sizes().num_distributed_optimizer_instances;
+  const bool one_dtype =
+      precision.exp_avg == precision.master && (!adam || precision.exp_avg_sq == precision.master);
+  const std::string states =
+      one_dtype ? std::string(DTypeName(precision.master))
+      : adam    ? fmt::format("{}, {}, {}", DTypeName(precision.master),
+                              DTypeName(precision.exp_avg), DTypeName(precision.exp_avg_sq))
+                : fmt::format("{}, {}", DTypeName(precision.master), DTypeName(precision.exp_avg));
   return fmt::format(
-      "main_grad and {} ({}) in {}, {}", adam ? "Adam" : "SGD",
-      adam ? "master weights, exp_avg, exp_avg_sq" : "master weights, momentum",
-      DTypeName(ComputeDType(config.run->dtype)),
+      "main_grad in {}{}, {} ({}) in {}, {}", DTypeName(precision.main_grad),
+      precision.grads_copied_for_step ? " (copied to float32 for the step)" : "",
+      adam ? "Adam" : "SGD",
+      adam ? "master weights, exp_avg, exp_avg_sq" : "master weights, momentum", states,
       config.optimizer->use_distributed_optimizer
           ? fmt::format("distributed optimizer ({} instance{})", instances,
                         instances == 1 ? "" : "s")

@@ -209,6 +209,13 @@ RunConfig DefaultRun(const Config& config) {
   return run;
 }
 
+OptimizerPrecision PrecisionOf(const Config& config) {
+  const DType storage = config.run
+                            ? config.run->dtype
+                            : MegatronStorageDType(config.parallel).value_or(DType::kFloat32);
+  return PrecisionOf(config.optimizer ? &*config.optimizer : nullptr, storage);
+}
+
 Status ParseConfig(const nlohmann::json& document, Config* out) {
   if (!document.is_object()) {
     return Status::Error("", fmt::format("the config must be a JSON object with a \"parallel\" "
@@ -265,6 +272,12 @@ Status ParseConfig(const nlohmann::json& document, Config* out) {
   }
   MPUSIM_RETURN_IF_ERROR(ResolveStorageDType(config.parallel, config.run ? &*config.run : nullptr));
   if (config.run) MPUSIM_RETURN_IF_ERROR(ResolveGlobalBatch(config.parallel, &*config.run));
+  if (config.optimizer) {
+    const DType storage = config.run
+                              ? config.run->dtype
+                              : MegatronStorageDType(config.parallel).value_or(DType::kFloat32);
+    MPUSIM_RETURN_IF_ERROR(CheckOptimizerPrecision(*config.optimizer, storage));
+  }
   *out = std::move(config);
   return {};
 }

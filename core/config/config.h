@@ -53,6 +53,10 @@ struct Config {
 // every schedule accepts (microbatch_group_size_per_vp_stage, else pp).
 RunConfig DefaultRun(const Config& config);
 
+// The dtypes of the gradient buffer and the optimizer's tensors of a config's run (PrecisionOf
+// in core/config/optimizer_config.h, with the run's storage dtype; float32 without a run).
+OptimizerPrecision PrecisionOf(const Config& config);
+
 // Parses a whole config document. Errors name the JSON path ("parallel.order").
 Status ParseConfig(const nlohmann::json& document, Config* out);
 

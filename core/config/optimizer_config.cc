@@ -21,6 +21,46 @@ namespace {
 using nlohmann::json;
 using OptimizerField = Field<OptimizerConfig>;
 
+// Megatron's names of the precision-aware optimizer's dtypes (megatron/training/arguments.py
+// map_dtype): "fp32", "bf16", "fp16". `kAllowed` lists the 16-bit ones a key takes.
+enum AllowedHalf : int { kBf16 = 1, kFp16 = 2 };
+
+std::string_view MegatronDTypeName(DType dtype) {
+  return dtype == DType::kBFloat16 ? "bf16" : dtype == DType::kFloat16 ? "fp16" : "fp32";
+}
+
+template <DType OptimizerConfig::*kMember, int kAllowed>
+Status ParseOptimizerDType(const json& value, const std::string& where, OptimizerConfig* c) {
+  std::string allowed = "\"fp32\"";
+  if (kAllowed & kBf16) allowed += (kAllowed & kFp16) ? ", \"bf16\"" : " or \"bf16\"";
+  if (kAllowed & kFp16) allowed += " or \"fp16\"";
+  const std::string name = value.is_string() ? value.get<std::string>() : std::string();
+  if (name == "fp32") {
+    c->*kMember = DType::kFloat32;
+  } else if (name == "bf16" && (kAllowed & kBf16)) {
+    c->*kMember = DType::kBFloat16;
+  } else if (name == "fp16" && (kAllowed & kFp16)) {
+    c->*kMember = DType::kFloat16;
+  } else if (name == "fp8") {
+    return Status::Error(where, fmt::format("\"fp8\" optimizer states are not built (mpusim "
+                                            "has no fp8 tensors); allowed: {}",
+                                            allowed));
+  } else {
+    return Status::Error(
+        where, fmt::format("must be {} (Megatron's names), got {}", allowed, DescribeJson(value)));
+  }
+  return Status();
+}
+
+template <DType OptimizerConfig::*kMember>
+json EchoOptimizerDType(const OptimizerConfig& c) {
+  return json(std::string(MegatronDTypeName(c.*kMember)));
+}
+
+template <DType OptimizerConfig::*kMember, int kAllowed>
+constexpr Codec<OptimizerConfig> kDTypeCodec{
+    FieldKind::kText, ParseOptimizerDType<kMember, kAllowed>, EchoOptimizerDType<kMember>};
+
 // The section's keys, in documentation order.
 constexpr OptimizerField kFields[] = {
     {"optimizer",
@@ -101,6 +141,37 @@ constexpr OptimizerField kFields[] = {
     {"bucket_size", &OptimizerConfig::bucket_size,
      "parameters per gradient bucket when overlap_grad_reduce is on", {}, 1,
      NumberRule::kPositive, nullptr, FieldEffect::kLayout},
+    // The dtypes of the gradient buffer and the optimizer's tensors (PrecisionOf).
+    {.key = "accumulate_allreduce_grads_in_fp32",
+     .target = &OptimizerConfig::accumulate_allreduce_grads_in_fp32,
+     .help = "main_grad accumulated and reduced in float32 (forced for bf16; off for fp16)",
+     .flag = "--accumulate-allreduce-grads-in-fp32",
+     .effect = FieldEffect::kPrecision},
+    {.key = "grad_reduce_in_bf16",
+     .target = &OptimizerConfig::grad_reduce_in_bf16,
+     .help = "a bf16 run's main_grad in bfloat16",
+     .flag = "--grad-reduce-in-bf16",
+     .effect = FieldEffect::kPrecision},
+    {.key = "use_precision_aware_optimizer",
+     .target = &OptimizerConfig::use_precision_aware_optimizer,
+     .help = "Transformer Engine's FusedAdam with the four dtypes below",
+     .effect = FieldEffect::kPrecision},
+    {.key = "main_grads_dtype",
+     .target = kDTypeCodec<&OptimizerConfig::main_grads_dtype, kBf16>,
+     .help = "fp32 or bf16: a bf16 run's main_grad (precision-aware optimizer)",
+     .effect = FieldEffect::kPrecision},
+    {.key = "main_params_dtype",
+     .target = kDTypeCodec<&OptimizerConfig::main_params_dtype, kFp16>,
+     .help = "fp32 or fp16: the master weights (precision-aware optimizer)",
+     .effect = FieldEffect::kPrecision},
+    {.key = "exp_avg_dtype",
+     .target = kDTypeCodec<&OptimizerConfig::exp_avg_dtype, kBf16 | kFp16>,
+     .help = "fp32, bf16 or fp16: Adam's first moment (precision-aware optimizer)",
+     .effect = FieldEffect::kPrecision},
+    {.key = "exp_avg_sq_dtype",
+     .target = kDTypeCodec<&OptimizerConfig::exp_avg_sq_dtype, kBf16 | kFp16>,
+     .help = "fp32, bf16 or fp16: Adam's second moment (precision-aware optimizer)",
+     .effect = FieldEffect::kPrecision},
 };
 
 }  // namespace
@@ -136,6 +207,30 @@ Status ParseOptimizerSection(const nlohmann::json& section, OptimizerConfig* out
                          "needs overlap_grad_reduce true (Megatron: \"Must use "
                          "--overlap-param-gather with --overlap-grad-reduce\")");
   }
+  if (c.use_precision_aware_optimizer && c.kind != OptimizerConfig::Kind::kAdam) {
+    return Status::Error(prefix + ".use_precision_aware_optimizer",
+                         "needs optimizer \"adam\" (Megatron: \"--use-precision-aware-optimizer "
+                         "only supported with adam\")");
+  }
+  if (c.use_precision_aware_optimizer && !c.use_distributed_optimizer) {
+    return Status::Error(prefix + ".use_precision_aware_optimizer",
+                         "needs use_distributed_optimizer true (Megatron: \"only supported with "
+                         "distributed optimizer\")");
+  }
+  if (!c.use_precision_aware_optimizer) {
+    for (const auto& [key, dtype] : {std::pair{"main_grads_dtype", c.main_grads_dtype},
+                                     {"main_params_dtype", c.main_params_dtype},
+                                     {"exp_avg_dtype", c.exp_avg_dtype},
+                                     {"exp_avg_sq_dtype", c.exp_avg_sq_dtype}}) {
+      if (dtype != DType::kFloat32) {
+        return Status::Error(prefix + "." + key,
+                             fmt::format("\"{}\" needs use_precision_aware_optimizer true "
+                                         "(Megatron: \"{} can only be fp32 when not using "
+                                         "precision-aware optimizer\")",
+                                         MegatronDTypeName(dtype), key));
+      }
+    }
+  }
   MPUSIM_RETURN_IF_ERROR(CheckRequired(OptimizerFields(), section, prefix));
   if (c.min_lr > c.lr) {
     return Status::Error(prefix + ".min_lr", fmt::format("{} is above lr {}", c.min_lr, c.lr));
@@ -147,6 +242,57 @@ Status ParseOptimizerSection(const nlohmann::json& section, OptimizerConfig* out
         fmt::format("{} must exceed lr_warmup_iters {}", *c.lr_decay_iters, c.lr_warmup_iters));
   }
   *out = c;
+  return {};
+}
+
+OptimizerPrecision PrecisionOf(const OptimizerConfig* optimizer, DType storage) {
+  const OptimizerConfig defaults;
+  const OptimizerConfig& c = optimizer != nullptr ? *optimizer : defaults;
+  if (storage == DType::kFloat64) {
+    return {DType::kFloat64, DType::kFloat64, DType::kFloat64, DType::kFloat64, false};
+  }
+  // megatron/training/arguments.py: for bf16, accumulate_allreduce_grads_in_fp32 is forced
+  // on unless grad_reduce_in_bf16 or main_grads_dtype bf16; for fp16 it stays as given.
+  bool in_fp32 = c.accumulate_allreduce_grads_in_fp32;
+  if (storage == DType::kBFloat16 && !c.grad_reduce_in_bf16 &&
+      c.main_grads_dtype == DType::kFloat32) {
+    in_fp32 = true;
+  }
+  OptimizerPrecision out;
+  // DistributedDataParallel: grad_dtype = float32 if grad_reduce_in_fp32 else param.dtype.
+  out.main_grad = in_fp32 ? DType::kFloat32 : storage;
+  out.master = c.main_params_dtype;
+  out.exp_avg = c.exp_avg_dtype;
+  out.exp_avg_sq = c.exp_avg_sq_dtype;
+  out.grads_copied_for_step = out.main_grad != DType::kFloat32 && !c.use_precision_aware_optimizer;
+  return out;
+}
+
+Status CheckOptimizerPrecision(const OptimizerConfig& c, DType storage) {
+  const std::string prefix = "optimizer.";
+  if (c.grad_reduce_in_bf16 && storage != DType::kBFloat16) {
+    return Status::Error(
+        prefix + "grad_reduce_in_bf16",
+        fmt::format("applies to bf16 runs only (this run stores {}); drop it", DTypeName(storage)));
+  }
+  if (c.main_grads_dtype == DType::kBFloat16 && storage != DType::kBFloat16) {
+    return Status::Error(
+        prefix + "main_grads_dtype",
+        fmt::format("\"bf16\" applies to bf16 runs only (this run stores {})", DTypeName(storage)));
+  }
+  if (storage == DType::kBFloat16 && c.accumulate_allreduce_grads_in_fp32 &&
+      c.main_grads_dtype != DType::kFloat32) {
+    return Status::Error(prefix + "main_grads_dtype",
+                         "must be \"fp32\" with accumulate_allreduce_grads_in_fp32 true "
+                         "(Megatron: \"--main-grads-dtype can only be fp32 when "
+                         "--accumulate-allreduce-grads-in-fp32 is set\")");
+  }
+  if (c.use_precision_aware_optimizer && storage == DType::kFloat64) {
+    return Status::Error(prefix + "use_precision_aware_optimizer",
+                         "a float64 run keeps every optimizer tensor in float64; the "
+                         "precision-aware optimizer needs run.dtype float32, bfloat16 or "
+                         "float16");
+  }
   return {};
 }
 

@@ -31,11 +31,29 @@
 //                                it without use_distributed_optimizer and without
 //                                overlap_grad_reduce (megatron/training/arguments.py); so does
 //                                mpusim, naming this field
-//     "bucket_size": null        parameters per gradient bucket when overlap_grad_reduce is on;
+//     "bucket_size": null,       parameters per gradient bucket when overlap_grad_reduce is on;
 //                                null: Megatron's default max(40000000, 1000000 x dp_cp size)
 //                                (megatron/training/training.py resolve_ddp_bucket_size);
 //                                Megatron buckets only the first model chunk of pipeline rank 0
 //                                (the others are one bucket each)
+//     "accumulate_allreduce_grads_in_fp32": false,
+//                                main_grad (the gradient buffer: the accumulation over
+//                                micro-batches and the data-parallel reduction) in float32
+//                                instead of the parameters' dtype. Megatron forces it on for
+//                                bf16 runs and leaves it off for fp16 runs, whose main_grad is
+//                                then float16 (PrecisionOf below)
+//     "grad_reduce_in_bf16": false,
+//                                a bf16 run keeps main_grad in bfloat16 (Megatron's
+//                                --grad-reduce-in-bf16: turns the forced float32 off)
+//     "use_precision_aware_optimizer": false,
+//                                Transformer Engine's FusedAdam with the dtypes below (Megatron
+//                                allows it with adam and use_distributed_optimizer only)
+//     "main_grads_dtype": "fp32",  "fp32" or "bf16" (a bf16 run's main_grad)
+//     "main_params_dtype": "fp32", "fp32" or "fp16": the master weights
+//     "exp_avg_dtype": "fp32",     "fp32", "bf16" or "fp16": Adam's first moment as stored
+//     "exp_avg_sq_dtype": "fp32"   the same for the second moment
+//                                (Megatron refuses these four off "fp32" without the
+//                                precision-aware optimizer)
 //   }
 //
 // Learning rate of iteration k (0-based: the k-th optimizer step), as Megatron's scheduler
@@ -59,6 +77,7 @@
 
 #include "core/config/field_table.h"
 #include "core/status.h"
+#include "core/tensor.h"
 
 namespace mpusim {
 
@@ -82,12 +101,42 @@ struct OptimizerConfig {
   bool overlap_grad_reduce = false;
   bool overlap_param_gather = false;
   std::optional<int64_t> bucket_size;  // parameters; null: BucketSize's default
+  // Megatron's mixed-precision switches (megatron/training/arguments.py,
+  // megatron/core/optimizer/optimizer_config.py); PrecisionOf resolves them.
+  bool accumulate_allreduce_grads_in_fp32 = false;
+  bool grad_reduce_in_bf16 = false;
+  bool use_precision_aware_optimizer = false;
+  DType main_grads_dtype = DType::kFloat32;
+  DType main_params_dtype = DType::kFloat32;
+  DType exp_avg_dtype = DType::kFloat32;
+  DType exp_avg_sq_dtype = DType::kFloat32;
   // The parameters per gradient bucket Megatron uses on a dp x cp group of `dp_cp_size`:
   // bucket_size, else max(40000000, 1000000 x dp_cp_size).
   int64_t BucketSize(int64_t dp_cp_size) const {
     return bucket_size.value_or(std::max<int64_t>(40000000, 1000000 * dp_cp_size));
   }
 };
+
+// The dtypes of a run's gradient buffer and optimizer tensors, as Megatron resolves them for
+// parameters stored in `storage` (megatron/training/arguments.py: bf16 forces
+// accumulate_allreduce_grads_in_fp32 unless grad_reduce_in_bf16 or a bfloat16
+// main_grads_dtype; DistributedDataParallel's grad_reduce_in_fp32 is that switch, and the
+// buffer is float32 with it, the parameters' dtype without). `optimizer` null: no optimizer
+// section, every key at its default. A float64 run (mpusim's own) keeps all of them in
+// float64.
+struct OptimizerPrecision {
+  DType main_grad;            // the gradient buffer: accumulated and reduced in this dtype
+  DType master;               // the master weights
+  DType exp_avg, exp_avg_sq;  // Adam's moments as stored (SGD's momentum: exp_avg)
+  // A 16-bit main_grad copied into float32 gradients of the master weights for the step
+  // (Megatron's _copy_model_grads_to_main_grads: main_param.grad = main_grad.float()); the
+  // precision-aware optimizer reads main_grad itself.
+  bool grads_copied_for_step = false;
+};
+OptimizerPrecision PrecisionOf(const OptimizerConfig* optimizer, DType storage);
+// Megatron's refusals of these switches for a run storing in `storage` (ParseConfig calls it
+// once every section is read); errors name "optimizer.<key>".
+Status CheckOptimizerPrecision(const OptimizerConfig& optimizer, DType storage);
 
 // The keys of the `optimizer` section, each declared once (core/config/field_table.h).
 std::span<const Field<OptimizerConfig>> OptimizerFields();

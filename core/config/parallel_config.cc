@@ -115,7 +115,7 @@ constexpr ParallelField kFields[] = {
      "--overlap-moe-expert-parallel-comm true)",
      "--delay-wgrad-compute"},
     {"gradient_accumulation_fusion", &ParallelConfig::gradient_accumulation_fusion,
-     "weight-gradient GEMMs accumulate straight into the float32 main_grad"},
+     "weight-gradient GEMMs accumulate straight into main_grad"},
     {.key = "fp16",
      .target = &ParallelConfig::fp16,
      .help = "parameters, activations and gradients in float16",

@@ -91,9 +91,18 @@ inline double PredictedError(const ErrorBudget& budget, DType storage) {
   return kToleranceSafety * std::sqrt(budget.roundings * us * us + budget.terms * uc * uc);
 }
 
+// float16's smallest exponent is -14: below 2^-14 its values are subnormal, spaced 2^-24
+// apart, so rounding one carries up to 2^-25 of absolute error whatever its size (gradients
+// of small losses live there). Added in quadrature over the budget's roundings, as the
+// relative errors are; bfloat16 and float32 have float32's range, where this is nil.
+inline double UnderflowError(const ErrorBudget& budget, DType storage) {
+  if (storage != DType::kFloat16) return 0.0;
+  return kToleranceSafety * std::sqrt(budget.roundings) * 0x1p-25;
+}
+
 inline Tolerance ToleranceFor(const ErrorBudget& budget, DType storage) {
   const double eps = PredictedError(budget, storage);
-  return {0.0, eps, eps};
+  return {UnderflowError(budget, storage), eps, eps};
 }
 
 // ---- the diff's fixed tolerances ----------------------------------------------------------

@@ -252,7 +252,7 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
     for (size_t s = 0; s < acts->size(); ++s) {
       const StageActivations& a = (*acts)[s];
       const PlanBytes transient = SaturatingAdd(a.activations, a.buffers);
-      const PlanBytes peak = SaturatingAdd((*k.held)[s].held.total(), transient);
+      const PlanBytes peak = (*k.held)[s].held.PeakWith(transient);
       const PlanBytes reserved =
           options.reserve_bytes
               ? *options.reserve_bytes

@@ -77,7 +77,7 @@ CpExchange CpExchangeOf(const GptConfig& g, const Sizes& x, int64_t cp, const Li
 }
 
 std::vector<DpPart> DpPartsOf(const HeldMemory& held, const Topology& topology,
-                              const Link& dp_link, const Link& expt_dp_link, DType dtype,
+                              const Link& dp_link, const Link& expt_dp_link, DType grad_dtype,
                               double element_bytes, bool distributed) {
   std::vector<DpPart> parts;
   const double experts = static_cast<double>(held.expert_elements);
@@ -87,7 +87,7 @@ std::vector<DpPart> DpPartsOf(const HeldMemory& held, const Topology& topology,
         std::tuple{experts, "expt_dp", expt_dp_link}}) {
     const int64_t d = topology.GroupSize(*topology.FindKind(kind));
     if (d <= 1 || elements <= 0) continue;
-    const double grad_bytes = elements * static_cast<double>(DTypeSize(ComputeDType(dtype)));
+    const double grad_bytes = elements * static_cast<double>(DTypeSize(grad_dtype));
     const double share = static_cast<double>(d - 1) / static_cast<double>(d);
     DpPart part;
     part.kind = std::string(kind) == "dp_cp" ? "dp" : kind;

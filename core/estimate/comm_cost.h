@@ -58,11 +58,12 @@ struct DpPart {
   bool inter_node = false;
 };
 // The parts of one stage whose busiest rank holds `held`: its dense parameters' gradients
-// over dp_cp (`dp_link`), its experts' over expt_dp (`expt_dp_link`), in the compute dtype of
-// `dtype`; with the distributed optimizer a reduce-scatter and an all-gather of the parameters
-// (`element_bytes` each), else an all-reduce. Groups of one rank and empty parts are left out.
+// over dp_cp (`dp_link`), its experts' over expt_dp (`expt_dp_link`), in `grad_dtype` (the
+// main_grad's: OptimizerPrecision); with the distributed optimizer a reduce-scatter and an
+// all-gather of the parameters (`element_bytes` each), else an all-reduce. Groups of one rank
+// and empty parts are left out.
 std::vector<DpPart> DpPartsOf(const HeldMemory& held, const Topology& topology,
-                              const Link& dp_link, const Link& expt_dp_link, DType dtype,
+                              const Link& dp_link, const Link& expt_dp_link, DType grad_dtype,
                               double element_bytes, bool distributed);
 
 }  // namespace mpusim::step_time

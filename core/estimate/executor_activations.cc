@@ -55,7 +55,7 @@ StatusOr<std::vector<ExecutorActivations>> EstimateExecutorActivations(
     if (config.optimizer) {
       const HeldMemory& mine = held.at(static_cast<size_t>(r)).held;
       const OptimizerStepBytes step = PlanOptimizerStep(
-          *config.optimizer, run.dtype, run.train_iters,
+          *config.optimizer, run.dtype, PrecisionOf(config), run.train_iters,
           {mine.dense_elements, mine.expert_elements, mine.largest_parameter_elements,
            mine.dense_shards, mine.expert_shards});
       act.carried = ToBytes(step.carried);

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "core/model/model.h"
+#include "core/model/optimizer_plan.h"
 
 namespace mpusim {
 namespace {
@@ -37,7 +38,6 @@ StatusOr<HeldMemory> EstimateHeldMemory(const Config& config, const Topology& to
   StatusOr<std::unique_ptr<Model>> built = BuildModel(config, topology, topology.Coordinates(rank));
   if (!built.ok()) return built.status();
   const DType storage = config.run ? config.run->dtype : DType::kFloat32;
-  const DType compute = ComputeDType(storage);
   HeldMemory held;
   PlanBytes dense = 0, experts = 0;  // elements of the two distributed-optimizer buffers
   PlanBytes trainable = 0;
@@ -50,7 +50,8 @@ StatusOr<HeldMemory> EstimateHeldMemory(const Config& config, const Topology& to
     (p.expert ? experts : dense) = SaturatingAdd(p.expert ? experts : dense, elements);
   }
   held.parameters = SaturatingMul(held.parameter_elements, DTypeSize(storage));
-  held.gradients = SaturatingMul(trainable, DTypeSize(compute));
+  const OptimizerPrecision precision = PrecisionOf(config);
+  held.gradients = SaturatingMul(trainable, DTypeSize(precision.main_grad));
   held.dense_elements = dense;
   held.expert_elements = experts;
   if (!config.optimizer) return held;
@@ -68,9 +69,11 @@ StatusOr<HeldMemory> EstimateHeldMemory(const Config& config, const Topology& to
           SaturatingAdd(held.optimizer_elements, OwnedElements(experts, de, re));
     }
   }
-  const PlanBytes states = optimizer.kind == OptimizerConfig::Kind::kAdam ? 3 : 2;
-  held.optimizer =
-      SaturatingMul(SaturatingMul(held.optimizer_elements, states), DTypeSize(compute));
+  held.optimizer = SaturatingMul(held.optimizer_elements,
+                                 static_cast<PlanBytes>(OptimizerStateBytes(optimizer, precision)));
+  if (precision.grads_copied_for_step) {
+    held.step_gradient_copies = SaturatingMul(held.optimizer_elements, PlanBytes{4});
+  }
   return held;
 }
 

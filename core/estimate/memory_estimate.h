@@ -6,10 +6,14 @@
 //               Model::HeldParameterShapes: each parameter's local shape under its tensor- or
 //               expert-tensor-parallel split, frozen ones and a tied copy included), in the
 //               run's storage dtype;
-//   gradients   the trainable ones' main_grad, in the compute dtype (float32; float64 for a
-//               float64 run);
-//   optimizer   master weights and states in the compute dtype: 3 per element for Adam
-//               (master, exp_avg, exp_avg_sq), 2 for SGD (master, momentum buffer), for every
+//   gradients   the trainable ones' main_grad, in its dtype as Megatron resolves it
+//               (OptimizerPrecision::main_grad: float32, or float16 for an fp16 run without
+//               accumulate_allreduce_grads_in_fp32, bfloat16 with grad_reduce_in_bf16;
+//               float64 for a float64 run);
+//   optimizer   master weights and states, each in its dtype (float32 unless the
+//               precision-aware optimizer says otherwise; float64 for a float64 run): 3 per
+//               element for Adam (master, exp_avg, exp_avg_sq), 2 for SGD (master, momentum
+//               buffer), for every
 //               element with the plain optimizer; with the distributed optimizer for the
 //               elements this rank owns: each flat buffer (dense; the experts' when they are
 //               laid out apart) padded to a multiple of D, its shard group's size
@@ -23,6 +27,7 @@
 // what a GPU run adds (cuBLAS workspaces, NCCL buffers, the caching allocator's slack).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -49,7 +54,16 @@ struct HeldMemory {
   // experts' in expert_shards (over expt_dp).
   int64_t dense_shards = 1;
   int64_t expert_shards = 1;
+  // A 16-bit main_grad's float32 copies, which Megatron's mixed-precision optimizers make for
+  // the step (main_param.grad = main_grad.float(), 4 bytes per owned element) and keep until
+  // the next iteration's zero_grad: the step's own peak above what is held.
+  PlanBytes step_gradient_copies = 0;
   PlanBytes total() const { return SaturatingAdd(SaturatingAdd(parameters, gradients), optimizer); }
+  // The rank's peak when the schedule's `transient` bytes (activations and buffers) come on
+  // top of what it holds: the larger of the schedule's and the step's.
+  PlanBytes PeakWith(PlanBytes transient) const {
+    return SaturatingAdd(total(), std::max(transient, step_gradient_copies));
+  }
 };
 
 // World rank `rank` of `topology` (which `config.parallel` laid out). Errors: the model's

@@ -22,6 +22,7 @@
 #include "core/estimate/layer_cost.h"
 #include "core/estimate/memory_estimate.h"
 #include "core/estimate/moe_cost.h"
+#include "core/model/optimizer_plan.h"
 #include "core/schedule.h"
 #include "core/tensor.h"
 
@@ -259,8 +260,8 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   };
   std::vector<std::vector<DpPart>> dp_of;
   for (const StageHeldMemory& stage : *held_given) {
-    dp_of.push_back(
-        DpPartsOf(stage.held, topology, dp_link, expt_dp_link, dtype, x.e, distributed));
+    dp_of.push_back(DpPartsOf(stage.held, topology, dp_link, expt_dp_link,
+                              PrecisionOf(config).main_grad, x.e, distributed));
   }
   // overlap_grad_reduce / overlap_param_gather (Megatron's DDP, megatron/core/distributed/):
   // buckets of bucket_size parameters (default max(40M, 1M x dp_cp)) on the first model chunk
@@ -446,14 +447,17 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   out.dp_comm_s = reduce_shown + gather_shown;
   out.dp_comm_hidden_s = std::max(0.0, reduce_s + gather_s - out.dp_comm_s);
   // Per owned element: read main_grad, master and states, write master, states and the
-  // parameter; per held element: zero main_grad.
-  const double compute_bytes = static_cast<double>(DTypeSize(ComputeDType(dtype)));
+  // parameter (and a 16-bit main_grad's float32 copy written and read); per held element:
+  // zero main_grad.
+  const OptimizerPrecision precision = PrecisionOf(config);
+  const double grad_bytes = static_cast<double>(DTypeSize(precision.main_grad));
   if (config.optimizer) {
-    const bool adam = config.optimizer->kind == OptimizerConfig::Kind::kAdam;
-    const double states = adam ? 3 : 2;
+    const double state_bytes =
+        static_cast<double>(OptimizerStateBytes(*config.optimizer, precision));
+    const double copy = precision.grads_copied_for_step ? 8.0 : 0.0;
     out.optimizer_s = (static_cast<double>(mem.optimizer_elements) *
-                           ((1 + 2 * states) * compute_bytes + x.e) +
-                       elements * compute_bytes) /
+                           (grad_bytes + copy + 2 * state_bytes + x.e) +
+                       elements * grad_bytes) /
                       hbm;
   }
   // fp8: each weight's cast-transpose once per iteration (Transformer Engine caches the fp8

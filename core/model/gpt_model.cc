@@ -223,7 +223,7 @@ std::vector<std::string> GptModel::StepNotes() const {
 }
 
 void GptModel::InitializeParameters(Kernels& k) {
-  params_.Initialize(k, run_.seed, run_.dtype);
+  params_.Initialize(k, run_.seed, run_.dtype, PrecisionOf(config_).main_grad);
   const int64_t s_cp = shape_.s_cp();
   Tensor positions = Tensor::HostEmpty({s_cp}, DType::kInt64);
   for (int64_t i = 0; i < s_cp; ++i) positions.data_as<int64_t>()[i] = shape_.Position(i);

@@ -436,14 +436,17 @@ void GptModel::PlanOptimizerMemory(const OptimizerConfig& optimizer, double sche
     owned = SaturatingAdd(piece(shards.dense_elements, shards.dense_shards),
                           piece(shards.expert_elements, shards.expert_shards));
   }
-  const PlanBytes states = optimizer.kind == OptimizerConfig::Kind::kAdam ? 3 : 2;
-  plan->AddElements(fmt::format("optimizer: state ({} per trained element)", states),
-                    SaturatingMul(owned, states), compute);
+  const OptimizerPrecision precision = PrecisionOf(config_);
+  const int64_t states = optimizer.kind == OptimizerConfig::Kind::kAdam ? 3 : 2;
+  plan->AddBytes(
+      fmt::format("optimizer: state ({} per trained element)", states),
+      SaturatingMul(owned, static_cast<PlanBytes>(OptimizerStateBytes(optimizer, precision))),
+      compute);
   const OptimizerStepBytes step =
-      PlanOptimizerStep(optimizer, storage, run_.train_iters, shards);
+      PlanOptimizerStep(optimizer, storage, precision, run_.train_iters, shards);
   if (step.carried > 0) {
     plan->AddBytes("optimizer: the gradient piece carried from the last step",
-                   PlanByteCount(step.carried), compute);
+                   PlanByteCount(step.carried), precision.main_grad);
   }
   const double beyond = step.step - (schedule_peak + step.carried);
   if (beyond > 0) {
@@ -459,7 +462,6 @@ MemoryPlan GptModel::PlanMemory(const MemoryPlanOptions& options) const {
   const GptConfig& gpt = gpt_;
   const RunConfig& run = run_;
   const DType storage = run.dtype;
-  const DType compute = ComputeDType(storage);
   const int64_t t = std::max<int64_t>(1, shape_.t);
   const int64_t s = run.seq_length, b = run.micro_batch_size;
   const int64_t h = gpt.hidden_size;
@@ -476,7 +478,7 @@ MemoryPlan GptModel::PlanMemory(const MemoryPlanOptions& options) const {
     Shape local = p.shape;
     if (p.tp_dim >= 0) local[static_cast<size_t>(p.tp_dim)] /= expert ? sizes.etp : t;
     plan.Add(p.name, local, storage);
-    plan.Add(p.name + ".main_grad", local, compute);
+    plan.Add(p.name + ".main_grad", local, PrecisionOf(config_).main_grad);
   }
   // The constants InitializeParameters makes: this rank's token positions, and under context
   // parallelism every key's.

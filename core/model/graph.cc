@@ -83,7 +83,7 @@ void Graph::InitializeParameters(RankContext& ctx) {
     Tensor host = Tensor::HostZeros(local, g.run.dtype);
     if (!p->zero_init) FillShard(g.run.seed, p->name, p->init, p->full_shape, p->shard, host);
     p->value = ctx.kernels->ToDevice(host);
-    if (!p->frozen) p->grad = ctx.kernels->Zeros(local, ComputeDType(g.run.dtype));
+    if (!p->frozen) p->grad = ctx.kernels->Zeros(local, g.grad_dtype);
   }
 }
 

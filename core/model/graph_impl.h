@@ -150,7 +150,8 @@ struct Graph::Impl {
   int64_t t = 1, d = 1;
   int64_t padded_vocab = 0;
   bool sequence_parallel = false;
-  bool fuse_wgrad = false;  // parallel.gradient_accumulation_fusion
+  bool fuse_wgrad = false;             // parallel.gradient_accumulation_fusion
+  DType grad_dtype = DType::kFloat32;  // main_grad (OptimizerPrecision)
   std::vector<LayerSlot> layers;
   std::vector<std::unique_ptr<ChainParameter>> parameters;
   bool needs_tokens = false, needs_labels = false;

@@ -170,6 +170,7 @@ MemoryPlan Graph::PlanMemory(const MemoryPlanOptions& options) const {
   const RunConfig& run = *config_.run;
   const DType storage = run.dtype;
   const DType compute = ComputeDType(storage);
+  const DType grad_dtype = PrecisionOf(config_).main_grad;
   const int64_t world_size = std::max<int64_t>(1, options.world_size);
   const int64_t tp = std::max<int64_t>(1, config_.parallel.tensor_model_parallel_size);
   const int64_t dp = std::max<int64_t>(1, world_size / tp);
@@ -189,7 +190,7 @@ MemoryPlan Graph::PlanMemory(const MemoryPlanOptions& options) const {
   for (const PlannedLayer& layer : Plan(coords_)) {
     for (const PlannedParameter& p : layer.parameters) {
       plan.Add(p.name, p.local_shape, storage);
-      plan.Add(p.name + ".main_grad", p.local_shape, compute);
+      plan.Add(p.name + ".main_grad", p.local_shape, grad_dtype);
       full_parameters = SaturatingAdd(full_parameters, PlanElements(p.full_shape));
     }
     if (layer.output_width > 0) {

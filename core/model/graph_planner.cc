@@ -206,6 +206,7 @@ StatusOr<std::unique_ptr<Graph>> Graph::Build(const Config& config, const Topolo
   impl->parallel = config.parallel;
   impl->model = *config.model;
   impl->run = *config.run;
+  impl->grad_dtype = PrecisionOf(config).main_grad;
   MPUSIM_RETURN_IF_ERROR(impl->Plan(topology));
   if (sizes.pp > 1) {
     StatusOr<PipelineSchedule> schedule = BuildPipelineSchedule(

@@ -8,18 +8,29 @@
 
 namespace mpusim {
 
+int64_t OptimizerStateBytes(const OptimizerConfig& optimizer, const OptimizerPrecision& precision) {
+  const size_t moments = optimizer.kind == OptimizerConfig::Kind::kAdam
+                             ? DTypeSize(precision.exp_avg) + DTypeSize(precision.exp_avg_sq)
+                             : DTypeSize(precision.exp_avg);
+  return static_cast<int64_t>(DTypeSize(precision.master) + moments);
+}
+
 // The step, once every stash is gone: each update makes a new parameter tensor; the
 // distributed optimizer also gathers the main_grads of each buffer (the dense one, then the
-// experts') into a flat buffer (compute dtype, padded to its D pieces), reduce-scatters it to
-// this rank's piece, and after the update all-gathers each buffer's updated pieces in the
-// storage dtype.
+// experts') into a flat buffer (main_grad dtype, padded to its D pieces), reduce-scatters it
+// to this rank's piece, and after the update all-gathers each buffer's updated pieces in the
+// storage dtype. A 16-bit main_grad is copied to float32 for the step (every trained element
+// for the plain optimizer, each piece for the distributed one), the copies alive until the
+// next iteration begins (core/train/optimizer.h).
 OptimizerStepBytes PlanOptimizerStep(const OptimizerConfig& optimizer, DType storage,
-                                     int64_t train_iters, const OptimizerShards& mine) {
+                                     const OptimizerPrecision& precision, int64_t train_iters,
+                                     const OptimizerShards& mine) {
   const double e = static_cast<double>(DTypeSize(storage));
-  const double c = static_cast<double>(DTypeSize(ComputeDType(storage)));
+  const double c = static_cast<double>(DTypeSize(precision.main_grad));
+  const double copy = precision.grads_copied_for_step ? 4.0 : 0.0;
   const double largest = static_cast<double>(mine.largest_parameter_elements) * e;
   OptimizerStepBytes out;
-  out.step = largest;
+  out.step = largest + copy * static_cast<double>(mine.dense_elements + mine.expert_elements);
   if (!optimizer.use_distributed_optimizer) return out;
   struct Buffer {
     double padded, piece, d;
@@ -49,7 +60,7 @@ OptimizerStepBytes PlanOptimizerStep(const OptimizerConfig& optimizer, DType sto
     last -= carries ? buffer.piece * c : 0;
     all_gathered = std::max(all_gathered, buffer.d > 1 ? buffer.padded * e : 0);
   }
-  const double gather = pieces * c + pieces * e + all_gathered + largest;
+  const double gather = pieces * c + pieces * copy + pieces * e + all_gathered + largest;
   out.step = std::max(scatter, gather);
   out.carried = carries ? done : 0;
   return out;

@@ -33,8 +33,14 @@ struct OptimizerStepBytes {
   double carried = 0;
 };
 
-// `storage`: the run's dtype; `train_iters`: the run's iterations.
+// `storage`: the run's dtype; `precision`: its gradient buffer's and optimizer's dtypes;
+// `train_iters`: the run's iterations.
 OptimizerStepBytes PlanOptimizerStep(const OptimizerConfig& optimizer, DType storage,
-                                     int64_t train_iters, const OptimizerShards& shards);
+                                     const OptimizerPrecision& precision, int64_t train_iters,
+                                     const OptimizerShards& shards);
+
+// Bytes of optimizer state per owned element: the master weight and Adam's two moments (or
+// SGD's momentum), each in its dtype (OptimizerPrecision).
+int64_t OptimizerStateBytes(const OptimizerConfig& optimizer, const OptimizerPrecision& precision);
 
 }  // namespace mpusim

@@ -38,13 +38,13 @@ std::vector<Parameter*> ParameterSet::pointers() const {
   return out;
 }
 
-void ParameterSet::Initialize(Kernels& k, uint64_t seed, DType dtype) {
+void ParameterSet::Initialize(Kernels& k, uint64_t seed, DType dtype, DType grad_dtype) {
   for (auto& p : params_) {
     const Shape local = LocalShape(p->shard, p->full_shape);
     Tensor host = Tensor::HostEmpty(local, dtype);
     FillShard(seed, p->name, p->init, p->full_shape, p->shard, host);
     p->value = k.ToDevice(host);
-    p->grad = k.Zeros(local, ComputeDType(dtype));
+    p->grad = k.Zeros(local, grad_dtype);
   }
 }
 

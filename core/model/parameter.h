@@ -41,7 +41,8 @@ struct Parameter {
                                    // tp): its gradient reduces over expt_dp (not dp_cp) and
                                    // its square sums over tp_ep (etp x ep) in the norm
   Tensor value;  // local, storage dtype
-  Tensor grad;   // local main_grad, compute dtype
+  Tensor grad;   // local main_grad: float32, or the storage dtype where Megatron keeps the
+                 // gradient buffer in it (fp16 by default; OptimizerPrecision)
 };
 
 class ParameterSet {
@@ -60,8 +61,9 @@ class ParameterSet {
   // The same list as pointers (what the optimizer takes).
   std::vector<Parameter*> pointers() const;
 
-  // Fills every local value with its master values (in `dtype`) and zeroes main_grad.
-  void Initialize(Kernels& k, uint64_t seed, DType dtype);
+  // Fills every local value with its master values (in `dtype`) and zeroes main_grad (in
+  // `grad_dtype`: OptimizerPrecision::main_grad, core/config/optimizer_config.h).
+  void Initialize(Kernels& k, uint64_t seed, DType dtype, DType grad_dtype);
   // main_grad = 0 (Megatron's zero_grad_buffer), before a step's first micro-batch.
   void ZeroGrads(Kernels& k);
 

@@ -16,10 +16,11 @@ namespace {
 // The whole of `t` as a flat tensor sharing its storage.
 Tensor Flat(const Tensor& t) { return t.Reshaped({t.numel()}); }
 
-// A new tensor shaped like `like` holding elements [offset, offset + like.numel()) of `flat`
-// (a new one: records of the step before may still hold the tensor it replaces).
+// A new tensor shaped like `like`, in `flat`'s dtype, holding elements
+// [offset, offset + like.numel()) of `flat` (a new one: records of the step before may still
+// hold the tensor it replaces).
 Tensor CopyOfPart(Kernels& k, const Tensor& flat, int64_t offset, const Tensor& like) {
-  Tensor out = k.Empty(like.shape(), like.dtype());
+  Tensor out = k.Empty(like.shape(), flat.dtype());
   Tensor place = Flat(out);
   k.Copy(flat.FlatSlice(offset, like.numel()), place);
   return out;
@@ -32,6 +33,7 @@ Optimizer::Optimizer(const OptimizerConfig& config, const std::vector<Parameter*
     : config_(config), groups_(groups) {
   master_dtype_ = params.empty() ? DType::kFloat32 : ComputeDType(params.front()->value.dtype());
   if (!params.empty()) grad_dtype_ = params.front()->grad.dtype();
+  copies_grads_ = DTypeSize(grad_dtype_) == 2;
   for (Parameter* p : params) {
     State s;
     s.param = p;
@@ -82,7 +84,28 @@ Optimizer::Optimizer(const OptimizerConfig& config, const std::vector<Parameter*
 }
 
 void Optimizer::ReduceGradients(Kernels& k, CommTrace& trace) {
-  if (!distributed()) return;
+  if (distributed()) ReduceShards(k, trace);
+  if (!copies_grads_) return;
+  // Exact widening (Axpy into zeros) of what the step reads.
+  if (distributed()) {
+    for (Buffer& b : buffers_) {
+      b.step_grad = k.Zeros({b.size}, DType::kFloat32);
+      k.Axpy(1.0, b.grad_shard, b.step_grad);
+    }
+  } else {
+    for (State& s : states_) {
+      s.step_grad = k.Zeros({s.numel}, DType::kFloat32);
+      k.Axpy(1.0, Flat(s.param->grad), s.step_grad);
+    }
+  }
+}
+
+void Optimizer::ZeroGrad() {
+  for (Buffer& b : buffers_) b.step_grad = Tensor();
+  for (State& s : states_) s.step_grad = Tensor();
+}
+
+void Optimizer::ReduceShards(Kernels& k, CommTrace& trace) {
   trace.SetPhase(Phase::kOther);
   trace.SetSite("distributed optimizer (gradients)");
   for (size_t b = 0; b < buffers_.size(); ++b) {
@@ -105,9 +128,11 @@ void Optimizer::ReduceGradients(Kernels& k, CommTrace& trace) {
   }
 }
 
-Tensor Optimizer::OwnedGradient(const State& s) const {
+Tensor Optimizer::StepGradient(const State& s) const {
+  if (!distributed()) return copies_grads_ ? s.step_grad : Flat(s.param->grad);
   const Buffer& b = buffers_[s.buffer];
-  return b.grad_shard.FlatSlice(s.offset + s.begin - b.begin, s.end - s.begin);
+  const Tensor& shard = copies_grads_ ? b.step_grad : b.grad_shard;
+  return shard.FlatSlice(s.offset + s.begin - b.begin, s.end - s.begin);
 }
 
 double Optimizer::GradNorm(Kernels& k, Communicator& tp, Communicator* pp, Communicator* tp_ep,
@@ -122,11 +147,7 @@ double Optimizer::GradNorm(Kernels& k, Communicator& tp, Communicator* pp, Commu
         !p.expert && p.shard.Find(ShardAxis::kTp) == nullptr && tp_rank != 0;
     if (tp_duplicate || p.shared) continue;
     Tensor& sum = p.expert ? experts : total;
-    if (distributed()) {
-      if (s.end > s.begin) k.SumOfSquares(OwnedGradient(s), sum);
-    } else {
-      k.SumOfSquares(Flat(p.grad), sum);
-    }
+    if (s.end > s.begin) k.SumOfSquares(StepGradient(s), sum);
   }
   trace.SetPhase(Phase::kOther);
   trace.SetSite("optimizer (grad norm)");
@@ -197,17 +218,18 @@ void Optimizer::Step(Kernels& k, double grad_norm, double lr, CommTrace& trace) 
     update.weight_decay = s.weight_decay;
     if (distributed()) {
       if (s.end == s.begin) continue;
-      Tensor g = OwnedGradient(s);
+      Tensor g = StepGradient(s);
       if (clip != 1.0) k.Scale(clip, g);
       Tensor out = param_shards[s.buffer].FlatSlice(s.offset + s.begin - buffers_[s.buffer].begin,
                                                     s.end - s.begin);
       k.OptimizerStep(update, g, s.master, s.m, s.v, out);
     } else {
-      if (clip != 1.0) k.Scale(clip, p.grad);
+      Tensor g = StepGradient(s);
+      if (clip != 1.0) k.Scale(clip, g);
       // A new tensor, as the model's records of this step may still hold the old one.
       Tensor value = k.Empty(p.value.shape(), p.value.dtype());
       Tensor out = Flat(value);
-      k.OptimizerStep(update, Flat(p.grad), s.master, s.m, s.v, out);
+      k.OptimizerStep(update, g, s.master, s.m, s.v, out);
       p.value = value;
     }
   }
@@ -224,11 +246,20 @@ void Optimizer::Step(Kernels& k, double grad_norm, double lr, CommTrace& trace) 
 }
 
 void Optimizer::GatherGradients(Kernels& k, CommTrace& trace) {
+  if (!distributed() && copies_grads_) {
+    for (State& s : states_) {
+      if (s.step_grad.defined()) s.param->grad = s.step_grad.Reshaped(s.param->value.shape());
+    }
+    return;
+  }
   if (!distributed() || states_.empty()) return;
   trace.SetPhase(Phase::kOther);
   trace.SetSite("distributed optimizer (gather gradients for records)");
   for (size_t b = 0; b < buffers_.size(); ++b) {
-    const Tensor flat = GatherShard(k, b, buffers_[b].grad_shard);
+    const Buffer& buffer = buffers_[b];
+    const Tensor& shard = copies_grads_ ? buffer.step_grad : buffer.grad_shard;
+    if (!shard.defined()) continue;
+    const Tensor flat = GatherShard(k, b, shard);
     for (State& s : states_) {
       if (s.buffer == b) s.param->grad = CopyOfPart(k, flat, s.offset, s.param->grad);
     }

@@ -51,8 +51,16 @@
 // The layout of the flat buffer is mpusim's (Megatron also aligns each parameter's start and
 // splits large buffers into buckets); the arithmetic does not depend on it, and neither do
 // the gathered state tensors RecordState writes.
-// What it is not: the loss scaler of float16 training, or Megatron's bucketed, aligned
-// buffer layout.
+// A 16-bit main_grad (fp16 runs by default, bf16 with grad_reduce_in_bf16: core/config/
+// optimizer_config.h PrecisionOf) is accumulated and reduced in that dtype; the step then
+// reads float32 copies of this rank's owned gradients, as Megatron's mixed-precision
+// optimizers copy them (_copy_model_grads_to_main_grads: main_param.grad =
+// main_grad.float()): the norm, the clipping (a float32 product) and the update use the
+// copies, which live, as Megatron's do, until the next iteration zeroes the gradients
+// (ZeroGrad). Widening is exact, so the copies change no value, only the memory.
+// What it is not: the loss scaler of float16 training, Transformer Engine's precision-aware
+// Adam (lower-precision master weights and moments: refused by `mpusim run`), or Megatron's
+// bucketed, aligned buffer layout.
 #pragma once
 
 #include <cstdint>
@@ -85,7 +93,11 @@ class Optimizer {
   bool distributed() const { return groups_.shard != nullptr; }
   // The distributed optimizer's data-parallel reduction of the gradients (1. above); nothing
   // for the plain one, whose gradients FinalizeGrads all-reduced.
+  // With a 16-bit main_grad, both then make the float32 copies the step reads.
   void ReduceGradients(Kernels& k, CommTrace& trace);
+  // The start of an iteration (Megatron's optimizer.zero_grad): the last step's float32
+  // gradient copies are released.
+  void ZeroGrad();
   // The global gradient norm (see above), before clipping. `tp_ep` (the experts laid out
   // apart; may be null): the plain optimizer sums the experts' squares over it, each of its
   // ranks holding other experts or other etp slices of them.
@@ -97,6 +109,8 @@ class Optimizer {
 
   // For records and dumps: the distributed optimizer all-gathers the reduced, clipped
   // gradient shards into every parameter's main_grad (the plain one holds them already).
+  // With a 16-bit main_grad the records get the clipped float32 copies instead (what
+  // Megatron's optimizer holds as main_param.grad), whole, in float32.
   void GatherGradients(Kernels& k, CommTrace& trace);
   // Appends the optimizer state of every parameter, whole, with the parameter's shape and
   // tensor-parallel shard, in the master dtype: "<name>.exp_avg" and "<name>.exp_avg_sq"
@@ -118,6 +132,7 @@ class Optimizer {
     Communicator* replicas = nullptr;  // the other instances' same shard (may be null)
     int64_t padded = 0, begin = 0, size = 0;
     Tensor grad_shard;  // [size] the reduced gradients of the owned elements
+    Tensor step_grad;   // [size] float32 copy of grad_shard (a 16-bit main_grad only)
   };
   const Buffer& Find(size_t buffer) const {
     static const Buffer kNone;
@@ -132,9 +147,13 @@ class Optimizer {
     int64_t begin = 0, end = 0;  // the owned elements of the flattened local parameter
     Tensor master, m, v;         // [end - begin] owned elements, master dtype, on the device;
                                  // v is adam's only; none when nothing is owned
+    Tensor step_grad;            // plain optimizer, 16-bit main_grad: float32 copy of it
   };
-  // The reduced gradients of a state's owned elements: its part of grad_shard_.
-  Tensor OwnedGradient(const State& s) const;
+  // The reduced gradients of a state's owned elements that the step reads: its part of
+  // grad_shard (distributed) or its main_grad (plain), or their float32 copies.
+  Tensor StepGradient(const State& s) const;
+  // The distributed optimizer's reduce-scatter (and all-reduce over the instances).
+  void ReduceShards(Kernels& k, CommTrace& trace);
   // Every rank's `member` tensors (owned elements, end to end in buffer order) all-gathered
   // over the shard group: flat buffer `b`, in `dtype`.
   Tensor GatherFlat(Kernels& k, size_t b, DType dtype, Tensor State::*member) const;
@@ -146,6 +165,7 @@ class Optimizer {
   DistributedOptimizerGroups groups_;
   DType master_dtype_;
   DType grad_dtype_ = DType::kFloat32;
+  bool copies_grads_ = false;  // a 16-bit main_grad: the step reads float32 copies
   std::vector<State> states_;  // registration order
   int64_t steps_ = 0;
   std::vector<Buffer> buffers_;  // distributed: the dense buffer, then the experts' if any

@@ -49,6 +49,7 @@ std::vector<TrainedIteration> Train(Model& model, PipelineExecutor& executor,
     trace.Clear();
     if (fence(it + 1, false)) break;
     const auto start = std::chrono::steady_clock::now();
+    optimizer.ZeroGrad();
     RunStep(model, executor, ctx, it, record && it + 1 == iterations, !optimizer.distributed());
     const double loss = model.has_loss() ? model.loss() : 0.0;
     optimizer.ReduceGradients(k, trace);

@@ -684,11 +684,12 @@ TEST(RunCommand, WorldSizeMismatchAndBadInput) {
 }
 
 // GPT-3 175B on 1024 GPUs (tp 8, pp 16, dp 8; fp16, Adam): each stage's busiest rank holds
-// what Megatron's parameter shapes give in closed form. Per layer and tp rank: the qkv, proj,
-// fc1 and fc2 weights (12 h^2 / t), their split biases (3h + 4h) / t, and the replicated
-// proj and fc2 biases and two layer norms (6h); the first stage adds the word embeddings'
-// shard (V / t) and the learned positions (2048 x h), the last the final norm and the tied
-// copy of the word embeddings.
+// what Megatron's parameter shapes give in closed form, in the 16 bytes per parameter of
+// mixed-precision Adam (ZeRO's 2 + 2 + 12: Megatron keeps an fp16 run's main_grad in fp16). Per
+// layer and tp rank: the qkv, proj, fc1 and fc2 weights (12 h^2 / t), their split biases (3h + 4h)
+// / t, and the replicated proj and fc2 biases and two layer norms (6h); the first stage adds the
+// word embeddings' shard (V / t) and the learned positions (2048 x h), the last the final norm and
+// the tied copy of the word embeddings.
 TEST(EstimateCommand, Gpt3On1024GpusMatchesTheClosedForm) {
   const Result r = Mpusim({"estimate", Sample("gpt3_175b_t8_p16_n1024.json"), "--format", "json"});
   ASSERT_EQ(r.code, 0) << r.err;
@@ -707,14 +708,49 @@ TEST(EstimateCommand, Gpt3On1024GpusMatchesTheClosedForm) {
     EXPECT_EQ(stage.at("rank"), s * 64) << "stage " << s;
     const json& memory = stage.at("memory");
     EXPECT_EQ(memory.at("parameters"), 2 * elements);
-    EXPECT_EQ(memory.at("gradients"), 4 * elements);
+    EXPECT_EQ(memory.at("gradients"), 2 * elements);   // fp16 main_grad
     EXPECT_EQ(memory.at("optimizer"), 12 * elements);  // fp32 master, exp_avg, exp_avg_sq
-    EXPECT_EQ(memory.at("held"), 18 * elements);
+    EXPECT_EQ(memory.at("held"), 16 * elements);
     // The distributed optimizer keeps the first of 8 equal pieces of the padded buffer.
     EXPECT_EQ(stage.at("optimizer_if_distributed"), 12 * ((elements + dp - 1) / dp));
   }
-  // The middle stages hold 6 layers of 1.36 billion parameters' shards: 24.4 GB.
-  EXPECT_EQ(doc.at("stages")[7].at("memory").at("held"), 18 * layers * layer);
+  // The middle stages hold 6 layers of 1.36 billion parameters' shards: 21.7 GB.
+  EXPECT_EQ(doc.at("stages")[7].at("memory").at("held"), 16 * layers * layer);
+  EXPECT_EQ(doc.at("main_grad_dtype"), "float16");
+  // accumulate_allreduce_grads_in_fp32: a float32 main_grad, 18 bytes per parameter.
+  const Result fp32 = Mpusim({"estimate", Sample("gpt3_175b_t8_p16_n1024.json"),
+                              "--accumulate-allreduce-grads-in-fp32", "true", "--format", "json"});
+  ASSERT_EQ(fp32.code, 0) << fp32.err;
+  const json fp32_doc = json::parse(fp32.out);
+  EXPECT_EQ(fp32_doc.at("main_grad_dtype"), "float32");
+  EXPECT_EQ(fp32_doc.at("stages")[7].at("memory").at("gradients"), 4 * layers * layer);
+  EXPECT_EQ(fp32_doc.at("stages")[7].at("memory").at("held"), 18 * layers * layer);
+  // The precision-aware optimizer's bf16 moments: 4 + 2 + 2 bytes of state per owned element
+  // (the first of 8 pieces), and main_grad read as it is (no float32 copies at the step).
+  json config;
+  std::ifstream(Sample("gpt3_175b_t8_p16_n1024.json")) >> config;
+  config["optimizer"]["use_distributed_optimizer"] = true;
+  config["optimizer"]["use_precision_aware_optimizer"] = true;
+  config["optimizer"]["exp_avg_dtype"] = "bf16";
+  config["optimizer"]["exp_avg_sq_dtype"] = "bf16";
+  const Result aware = Mpusim(
+      {"estimate", WriteTemp("mpusim_precision_aware.json", config.dump()), "--format", "json"});
+  ASSERT_EQ(aware.code, 0) << aware.err;
+  const json aware_doc = json::parse(aware.out);
+  EXPECT_EQ(aware_doc.at("optimizer_dtypes").at("exp_avg"), "bfloat16");
+  EXPECT_EQ(aware_doc.at("stages")[7].at("memory").at("optimizer"),
+            8 * ((layers * layer + dp - 1) / dp));
+  // mpusim run has no precision-aware Adam: one line, exit 2.
+  json small;
+  std::ifstream(Sample("gpt_fp16_dp2_n2.json")) >> small;
+  small["optimizer"]["use_distributed_optimizer"] = true;
+  small["optimizer"]["use_precision_aware_optimizer"] = true;
+  const std::string small_path = WriteTemp("mpusim_precision_aware_run.json", small.dump());
+  ExpectUsageError(Mpusim({"run", small_path}),
+                   "error: " + small_path +
+                       ": optimizer.use_precision_aware_optimizer: true is for mpusim estimate "
+                       "and advise only; mpusim run keeps float32 master weights and moments "
+                       "(set it false)");
   // The text names the layout and the optimizer, and shows the other optimizer's total.
   const Result text = Mpusim({"estimate", Sample("gpt3_175b_t8_p16_n1024.json"), "--pp", "8"});
   ASSERT_EQ(text.code, 0) << text.err;
@@ -798,7 +834,7 @@ TEST(EstimateCommand, StepTimeOfGpt3MatchesCountsByHand) {
   EXPECT_GT(time.at("bubble_s").get<double>(), 15 * one * 0.9);
   EXPECT_LT(time.at("bubble_s").get<double>(), 15 * one * 1.5);
   // Communication: 6 all-reduces per layer per micro-batch (forward, backward, recomputed
-  // forward) inside a node; the fp32 gradients' ring all-reduce over 8 dp ranks across nodes.
+  // forward) inside a node; the fp16 gradients' ring all-reduce over 8 dp ranks across nodes.
   ASSERT_EQ(doc.at("communication").size(), 3u);
   const json& tp = doc.at("communication")[0];
   EXPECT_EQ(tp.at("kind"), "tp");
@@ -807,7 +843,7 @@ TEST(EstimateCommand, StepTimeOfGpt3MatchesCountsByHand) {
   const json& dp = doc.at("communication")[2];
   EXPECT_EQ(dp.at("kind"), "dp");
   EXPECT_EQ(dp.at("inter_node"), true);
-  const double grads = 4 * last.at("parameter_elements").get<double>();
+  const double grads = 2 * last.at("parameter_elements").get<double>();
   EXPECT_NEAR(dp.at("bytes").get<double>() / (2 * grads * 7 / 8), 1, 1e-12);
   EXPECT_NEAR(dp.at("seconds").get<double>(), 2 * grads * 7 / 8 / (25e9 * 0.8) + 14 * 10e-6,
               1e-9);
@@ -824,7 +860,7 @@ TEST(EstimateCommand, StepTimeOfGpt3MatchesCountsByHand) {
     const json tp2_doc = json::parse(tp2.out);
     const json& dp32 = tp2_doc.at("communication").back();
     ASSERT_EQ(dp32.at("kind"), "dp");
-    const double grads32 = 4 * tp2_doc.at("stages").back().at("parameter_elements").get<double>();
+    const double grads32 = 2 * tp2_doc.at("stages").back().at("parameter_elements").get<double>();
     EXPECT_NEAR(dp32.at("seconds").get<double>(),
                 2 * grads32 * 31 / 32 / (bandwidth * 0.8) + 62 * 10e-6, 1e-9)
         << gpu;
@@ -1128,10 +1164,13 @@ TEST(EstimateCommand, ActivationsMatchKorthikantiClosedForms) {
     EXPECT_NEAR(stage.at("memory").at("activations").get<double>(), 16 * (6 * per_layer + mask),
                 0.5)
         << what;
+    // The peak: the schedule's (activations and buffers) or the step's (the fp16 main_grad's
+    // float32 copies), whichever is larger, on top of what is held.
     const json& m = stage.at("memory");
-    EXPECT_EQ(m.at("peak").get<double>(), m.at("held").get<double>() +
-                                              m.at("activations").get<double>() +
-                                              m.at("buffers").get<double>())
+    EXPECT_EQ(m.at("peak").get<double>(),
+              m.at("held").get<double>() +
+                  std::max(m.at("activations").get<double>() + m.at("buffers").get<double>(),
+                           m.at("step_gradient_copies").get<double>()))
         << what;
   };
   expect(stage0({}), sbh * (10 + 24 / t + 5 * a * s / (h * t)), sbh, "tp");

@@ -61,6 +61,98 @@ TEST(OptimizerConfig, RefusalsNameTheField) {
             0u);
 }
 
+// The gradient buffer's and optimizer's dtypes as megatron/training/arguments.py resolves
+// them: bf16 forces accumulate_allreduce_grads_in_fp32 (unless grad_reduce_in_bf16 or a bf16
+// main_grads_dtype), fp16 leaves it off, so an fp16 run's main_grad is float16.
+TEST(OptimizerPrecision, MainGradFollowsMegatronsRules) {
+  const auto main_grad = [](DType storage, const json& keys) {
+    json section = keys;
+    section["lr"] = 0.01;
+    OptimizerConfig c;
+    const Status s = ParseOptimizerSection(section, &c);
+    EXPECT_TRUE(s.ok()) << s.Message();
+    EXPECT_TRUE(CheckOptimizerPrecision(c, storage).ok());
+    return PrecisionOf(&c, storage).main_grad;
+  };
+  EXPECT_EQ(main_grad(DType::kFloat16, json::object()), DType::kFloat16);
+  EXPECT_EQ(main_grad(DType::kFloat16, {{"accumulate_allreduce_grads_in_fp32", true}}),
+            DType::kFloat32);
+  EXPECT_EQ(main_grad(DType::kBFloat16, json::object()), DType::kFloat32);
+  EXPECT_EQ(main_grad(DType::kBFloat16, {{"grad_reduce_in_bf16", true}}), DType::kBFloat16);
+  EXPECT_EQ(main_grad(DType::kBFloat16, {{"use_precision_aware_optimizer", true},
+                                         {"use_distributed_optimizer", true},
+                                         {"main_grads_dtype", "bf16"}}),
+            DType::kBFloat16);
+  EXPECT_EQ(main_grad(DType::kFloat32, json::object()), DType::kFloat32);
+  EXPECT_EQ(main_grad(DType::kFloat64, {{"accumulate_allreduce_grads_in_fp32", true}}),
+            DType::kFloat64);
+  // No optimizer section: every key at its default.
+  EXPECT_EQ(PrecisionOf(nullptr, DType::kFloat16).main_grad, DType::kFloat16);
+  EXPECT_TRUE(PrecisionOf(nullptr, DType::kFloat16).grads_copied_for_step);
+  EXPECT_FALSE(PrecisionOf(nullptr, DType::kBFloat16).grads_copied_for_step);
+  // The precision-aware optimizer's state dtypes, in Megatron's names.
+  OptimizerConfig c;
+  ASSERT_TRUE(ParseOptimizerSection(json{{"lr", 0.01},
+                                         {"use_distributed_optimizer", true},
+                                         {"use_precision_aware_optimizer", true},
+                                         {"main_params_dtype", "fp16"},
+                                         {"exp_avg_dtype", "bf16"},
+                                         {"exp_avg_sq_dtype", "fp16"}},
+                                    &c)
+                  .ok());
+  const OptimizerPrecision p = PrecisionOf(&c, DType::kBFloat16);
+  EXPECT_EQ(p.master, DType::kFloat16);
+  EXPECT_EQ(p.exp_avg, DType::kBFloat16);
+  EXPECT_EQ(p.exp_avg_sq, DType::kFloat16);
+  EXPECT_FALSE(p.grads_copied_for_step);
+}
+
+TEST(OptimizerPrecision, RefusalsAreMegatrons) {
+  EXPECT_NE(Refusal({{"lr", 0.01}, {"exp_avg_dtype", "bf16"}})
+                .find("optimizer.exp_avg_dtype: \"bf16\" needs use_precision_aware_optimizer"),
+            std::string::npos);
+  EXPECT_NE(Refusal({{"lr", 0.01}, {"use_precision_aware_optimizer", true}})
+                .find("needs use_distributed_optimizer true"),
+            std::string::npos);
+  EXPECT_NE(Refusal({{"lr", 0.01},
+                     {"optimizer", "sgd"},
+                     {"use_distributed_optimizer", true},
+                     {"use_precision_aware_optimizer", true}})
+                .find("needs optimizer \"adam\""),
+            std::string::npos);
+  EXPECT_NE(Refusal({{"lr", 0.01}, {"main_params_dtype", "bf16"}})
+                .find("optimizer.main_params_dtype: must be \"fp32\" or \"fp16\""),
+            std::string::npos);
+  EXPECT_NE(Refusal({{"lr", 0.01}, {"exp_avg_sq_dtype", "fp8"}}).find("not built"),
+            std::string::npos);
+  const auto checked = [](DType storage, const json& keys) {
+    json section = keys;
+    section["lr"] = 0.01;
+    OptimizerConfig c;
+    EXPECT_TRUE(ParseOptimizerSection(section, &c).ok());
+    const Status s = CheckOptimizerPrecision(c, storage);
+    return s.ok() ? std::string("accepted") : s.Message();
+  };
+  EXPECT_NE(checked(DType::kFloat16, {{"grad_reduce_in_bf16", true}})
+                .find("optimizer.grad_reduce_in_bf16: applies to bf16 runs only"),
+            std::string::npos);
+  EXPECT_NE(checked(DType::kBFloat16, {{"accumulate_allreduce_grads_in_fp32", true},
+                                       {"use_distributed_optimizer", true},
+                                       {"use_precision_aware_optimizer", true},
+                                       {"main_grads_dtype", "bf16"}})
+                .find("optimizer.main_grads_dtype: must be \"fp32\" with "
+                      "accumulate_allreduce_grads_in_fp32"),
+            std::string::npos);
+  // ParseConfig applies the check with the run's dtype.
+  Config config;
+  const Status s =
+      ParseConfig(json{{"parallel", {{"world_size", 1}}},
+                       {"run", {{"dtype", "float16"}, {"seq_length", 8}, {"micro_batch_size", 1}}},
+                       {"optimizer", {{"lr", 0.01}, {"grad_reduce_in_bf16", true}}}},
+                  &config);
+  EXPECT_NE(s.Message().find("optimizer.grad_reduce_in_bf16"), std::string::npos) << s.Message();
+}
+
 TEST(LearningRate, WarmupThenLinearCosineOrConstant) {
   OptimizerConfig c;
   c.lr = 1.0;

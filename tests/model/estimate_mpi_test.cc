@@ -2,9 +2,9 @@
 // optimizer state, counted from the config alone) against what the executor allocates, on
 // every rank: every sample config the world runs, and a sweep of GPT layouts (tp with and
 // without sequence parallelism, pp with vp, cp, ep with etp, recomputation, float32,
-// bfloat16 and float64, Adam and SGD, the plain and the distributed optimizer with one and
-// two instances). Parameters, gradients and optimizer state must be equal to the byte, and
-// so must the activations (each rank's measured peak - held) and the executor's count
+// bfloat16, float16 (float16 main_grad) and float64, Adam and SGD, the plain and the distributed
+// optimizer with one and two instances). Parameters, gradients and optimizer state must be equal to
+// the byte, and so must the activations (each rank's measured peak - held) and the executor's count
 // (core/estimate/executor_activations.h: stashes, the backward's working set, the
 // pipeline's transfers, the optimizer step's buffers) on every rank, except where the count
 // assumes balanced routing (mixture of experts with ep > 1 or a capacity): there within 5%.
@@ -158,6 +158,13 @@ std::vector<Case> Layouts() {
   odd["hidden_size"] = 21;
   odd["ffn_hidden_size"] = 43;
   odd["vocab_size"] = 51;
+  // Wide and short: the optimizer step's buffers (float16's float32 gradient copies above
+  // all) outgrow the activations, so the step is the peak the count must match.
+  json wide = Gpt(4, 4);
+  wide["num_layers"] = 1;
+  wide["hidden_size"] = 128;
+  wide["ffn_hidden_size"] = 512;
+  wide["vocab_size"] = 256;
   struct Layout {
     const char* model;
     int64_t tp, pp, vp, cp, ep, etp;
@@ -178,6 +185,8 @@ std::vector<Case> Layouts() {
       {"moe_capacity", 2, 1, 1, 1, 2, 0, true}, {"moe_capacity", 1, 1, 1, 1, 1, 0, false},
       {"odd", 1, 1, 1, 1, 1, 0, false},
       {"odd", 1, 2, 1, 1, 1, 0, false},
+      {"wide", 1, 1, 1, 1, 1, 0, false},
+      {"wide", 2, 1, 1, 1, 1, 0, true},
       // What the executor's activation count distinguishes: each cp_comm_type, selective and
       // full recomputation with a pipeline, the q/k norms, gradient accumulation fusion.
       {"dense", 1, 1, 1, 2, 1, 0, false, "all_gather"},
@@ -207,13 +216,19 @@ std::vector<Case> Layouts() {
     const std::string name = l.model;
     const bool is_moe = name.rfind("moe", 0) == 0;
     const bool halves = dp % 2 == 0 && (!is_moe || expt_dp % 2 == 0);
+    // float16 keeps Megatron's float16 main_grad and copies it to float32 for the step
+    // (core/train/optimizer.h): plain for dense models, distributed for MoE ones and the wide
+    // one at tp 2.
     for (const Variant& v : {Variant{"float32", "adam", 0}, Variant{"bfloat16", "adam", 1},
                              Variant{"bfloat16", "sgd", halves ? 2 : 1, 2},
-                             Variant{"float64", "sgd", 0}}) {
+                             Variant{"float64", "sgd", 0},
+                             Variant{"float16", "adam", is_moe || (name == "wide" && l.tp == 2),
+                                     2}}) {
       const json& model = name == "moe"            ? moe
                           : name == "moe_a2a"      ? moe_a2a
                           : name == "moe_capacity" ? moe_capacity
                           : name == "odd"          ? odd
+                          : name == "wide"         ? wide
                                                    : dense;
       json document = Document(model, l.tp, l.sp, v.dtype);
       document = Training(document, v.optimizer);

@@ -341,6 +341,40 @@ TEST(GptMpi, DistributedOptimizerTrainsAsThePlainOne) {
   RunChecked(document);
 }
 
+// float16 as Megatron runs it: main_grad (the gradient buffer: accumulated over the
+// micro-batches and all-reduced over dp) in float16 by default, float32 with
+// accumulate_allreduce_grads_in_fp32 (megatron/training/arguments.py forces that only for
+// bf16); the step reads float32 copies. Both train and pass the check (the 16-bit sums are in
+// the gradients' budgets), on the plain and the distributed optimizer, and each rank's
+// gradient bytes are 2 or 4 per trained element.
+TEST(GptMpi, Float16TrainsWithMegatronsGradientBuffer) {
+  // Two data-parallel ranks where the world has two or more.
+  const int64_t t = std::max<int64_t>(1, WorldSize() / 2);
+  for (const bool in_fp32 : {false, true}) {
+    for (const bool distributed : {false, true}) {
+      if (distributed && WorldSize() / t < 2) continue;
+      SCOPED_TRACE(fmt::format("accumulate_allreduce_grads_in_fp32 {} distributed {}", in_fp32,
+                               distributed));
+      if (WorldRank() == 0) {
+        fmt::print("  float16 adam, main_grad {}, {} optimizer:", in_fp32 ? "float32" : "float16",
+                   distributed ? "distributed" : "plain");
+      }
+      json document = Training(Document(Gpt(8, 8), t, t > 1, "float16"), "adam");
+      document["run"]["num_microbatches"] = 2;
+      if (in_fp32) document["optimizer"]["accumulate_allreduce_grads_in_fp32"] = true;
+      document["optimizer"]["use_distributed_optimizer"] = distributed;
+      const run::SimulationResult result = RunChecked(document);
+      ASSERT_FALSE(result.tensor_bytes.empty());
+      // Adam: a float32 master weight and two float32 moments per owned element; with the
+      // plain optimizer every rank owns every element it holds.
+      for (size_t rank = 0; rank < result.tensor_bytes.size() && !distributed; ++rank) {
+        const run::SimulationResult::TensorBytes& bytes = result.tensor_bytes[rank];
+        EXPECT_EQ(bytes.gradients * (in_fp32 ? 3 : 6), bytes.optimizer) << "rank " << rank;
+      }
+    }
+  }
+}
+
 // Lower precision: Adam moves a parameter whose exact gradient is 0 (the key bias) by O(lr)
 // on rounding noise, which the check's error bounds carry (reference/trainer.h).
 TEST(GptMpi, TrainingInFloat32AndBFloat16) {
