@@ -253,6 +253,37 @@ void PrintShardingMap(const std::vector<MappedParameter>& params, const Topology
   if (json_format) out << doc.dump(1) << '\n';
 }
 
+// The dtypes of the parameters, the gradient buffer and the optimizer state, and why
+// (core/config/optimizer_config.h PrecisionOf: Megatron's rules).
+std::string PrecisionText(const Config& config) {
+  const OptimizerPrecision p = PrecisionOf(config);
+  const DType storage = config.run ? config.run->dtype
+                                   : MegatronStorageDType(config.parallel).value_or(
+                                         DType::kFloat32);
+  std::string why;
+  if (storage == DType::kFloat16) {
+    why = p.main_grad == DType::kFloat16
+              ? " (fp16 without accumulate_allreduce_grads_in_fp32, as Megatron)"
+              : " (accumulate_allreduce_grads_in_fp32)";
+  } else if (storage == DType::kBFloat16) {
+    why = p.main_grad == DType::kBFloat16 ? " (grad_reduce_in_bf16)"
+                                           : " (Megatron forces float32 for bf16)";
+  }
+  std::string text = fmt::format(
+      "precision: parameters in {}; main_grad in {}{}, accumulated over the micro-batches and "
+      "reduced over data parallelism in it",
+      DTypeName(storage), DTypeName(p.main_grad), why);
+  if (p.grads_copied_for_step && config.optimizer) text += ", copied to float32 for the step";
+  if (config.optimizer) {
+    text += fmt::format("; master weights in {}, optimizer state in {}", DTypeName(p.master),
+                        p.exp_avg == p.exp_avg_sq
+                            ? std::string(DTypeName(p.exp_avg))
+                            : fmt::format("{} and {}", DTypeName(p.exp_avg),
+                                          DTypeName(p.exp_avg_sq)));
+  }
+  return text;
+}
+
 class ExplainCommand : public Command {
  public:
   explicit ExplainCommand(CLI::App* parent) {
@@ -328,6 +359,11 @@ class ExplainCommand : public Command {
                           with_run.run->seq_length);
     }
     (*model)->Explain(text);
+    // Only where there is a choice to show: 16-bit storage, or an optimizer.
+    const DType storage = config->run ? config->run->dtype
+                                      : MegatronStorageDType(config->parallel).value_or(
+                                            DType::kFloat32);
+    if (DTypeSize(storage) == 2 || config->optimizer) text << PrecisionText(*config) << '\n';
     PrintShardingMap(sharding_map, *topology, rank, json_, json_ ? out : text,
                      with_run.run->seq_length);
     return kExitOk;

@@ -1790,6 +1790,24 @@ TEST(ExplainCommand, ExpertsMapToTheirEpRankAndEtpSlices) {
   EXPECT_EQ(map_of_3.find("local_experts.0.linear_fc1"), std::string::npos) << map_of_3;
 }
 
+// The dtypes of the gradient buffer and the optimizer state, with Megatron's reason.
+TEST(ExplainCommand, NamesTheGradientAndOptimizerDtypes) {
+  Result r = Mpusim({"explain", Sample("gpt_fp16_dp2_n2.json")});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("precision: parameters in float16; main_grad in float16 (fp16 without "
+                       "accumulate_allreduce_grads_in_fp32, as Megatron), accumulated over the "
+                       "micro-batches and reduced over data parallelism in it, copied to float32 "
+                       "for the step; master weights in float32, optimizer state in float32\n"),
+            std::string::npos)
+      << r.out;
+  r = Mpusim({"explain", Sample("gpt_fp16_dp2_n2.json"), "--accumulate-allreduce-grads-in-fp32",
+              "true"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("main_grad in float32 (accumulate_allreduce_grads_in_fp32), accumulated"),
+            std::string::npos)
+      << r.out;
+}
+
 TEST(ExplainCommand, GptParametersInStateDictNames) {
   const Result gpt = Mpusim({"explain", Sample("gpt_llama_style_gqa_t4_n4.json")});
   ASSERT_EQ(gpt.code, 0) << gpt.err;

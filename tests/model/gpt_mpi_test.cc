@@ -350,18 +350,24 @@ TEST(GptMpi, DistributedOptimizerTrainsAsThePlainOne) {
 TEST(GptMpi, Float16TrainsWithMegatronsGradientBuffer) {
   // Two data-parallel ranks where the world has two or more.
   const int64_t t = std::max<int64_t>(1, WorldSize() / 2);
-  for (const bool in_fp32 : {false, true}) {
+  struct Case {
+    const char* dtype;
+    const char* key;  // the optimizer key set true, or null
+    bool half_grad;   // main_grad in the storage dtype
+  };
+  for (const Case& c : {Case{"float16", nullptr, true},
+                        Case{"float16", "accumulate_allreduce_grads_in_fp32", false},
+                        Case{"bfloat16", "grad_reduce_in_bf16", true}}) {
     for (const bool distributed : {false, true}) {
       if (distributed && WorldSize() / t < 2) continue;
-      SCOPED_TRACE(fmt::format("accumulate_allreduce_grads_in_fp32 {} distributed {}", in_fp32,
-                               distributed));
+      SCOPED_TRACE(fmt::format("{} {} distributed {}", c.dtype, c.key ? c.key : "-", distributed));
       if (WorldRank() == 0) {
-        fmt::print("  float16 adam, main_grad {}, {} optimizer:", in_fp32 ? "float32" : "float16",
-                   distributed ? "distributed" : "plain");
+        fmt::print("  {} adam, main_grad {}, {} optimizer:", c.dtype,
+                   c.half_grad ? c.dtype : "float32", distributed ? "distributed" : "plain");
       }
-      json document = Training(Document(Gpt(8, 8), t, t > 1, "float16"), "adam");
+      json document = Training(Document(Gpt(8, 8), t, t > 1, c.dtype), "adam");
       document["run"]["num_microbatches"] = 2;
-      if (in_fp32) document["optimizer"]["accumulate_allreduce_grads_in_fp32"] = true;
+      if (c.key != nullptr) document["optimizer"][c.key] = true;
       document["optimizer"]["use_distributed_optimizer"] = distributed;
       const run::SimulationResult result = RunChecked(document);
       ASSERT_FALSE(result.tensor_bytes.empty());
@@ -369,7 +375,7 @@ TEST(GptMpi, Float16TrainsWithMegatronsGradientBuffer) {
       // plain optimizer every rank owns every element it holds.
       for (size_t rank = 0; rank < result.tensor_bytes.size() && !distributed; ++rank) {
         const run::SimulationResult::TensorBytes& bytes = result.tensor_bytes[rank];
-        EXPECT_EQ(bytes.gradients * (in_fp32 ? 3 : 6), bytes.optimizer) << "rank " << rank;
+        EXPECT_EQ(bytes.gradients * (c.half_grad ? 6 : 3), bytes.optimizer) << "rank " << rank;
       }
     }
   }
