@@ -65,7 +65,10 @@ class EstimateCommand : public Command {
     app_->add_option("--micro-batch-size", micro_batch_, "samples per micro-batch (default 1)");
     app_->add_option("--seq-length", seq_length_,
                      "tokens per sample (default the run's, else max_position_embeddings)");
-    app_->add_option("--recompute", recompute_, "none, full or selective")
+    app_->add_option("--recompute", recompute_,
+                     "none, full (recompute_method uniform, recompute_num_layers 1 unless the "
+                     "run gives them) or selective (core_attn unless the run gives "
+                     "recompute_modules)")
         ->check(CLI::IsMember({"none", "full", "selective"}));
     app_->add_option("--attention-backend", attention_backend_,
                      "override model.attention_backend: flash, fused, unfused, local or auto")
@@ -170,9 +173,23 @@ class EstimateCommand : public Command {
       run.num_microbatches = *global_batch_ / per;
       run.global_batch_size = *global_batch_;
     }
-    if (recompute_ == "none") run.recompute = RunConfig::Recompute::kNone;
-    if (recompute_ == "full") run.recompute = RunConfig::Recompute::kFull;
-    if (recompute_ == "selective") run.recompute = RunConfig::Recompute::kSelective;
+    if (!recompute_.empty()) {
+      const RunConfig::Recompute was = run.recompute;
+      run.recompute = recompute_ == "full"        ? RunConfig::Recompute::kFull
+                      : recompute_ == "selective" ? RunConfig::Recompute::kSelective
+                                                  : RunConfig::Recompute::kNone;
+      // The run's other recompute keys belong to its own granularity.
+      if (run.recompute != was || run.recompute != RunConfig::Recompute::kFull) {
+        run.recompute_method = RunConfig::RecomputeMethod::kNone;
+        run.recompute_num_layers.reset();
+      }
+      if (run.recompute != was) run.recompute_modules.reset();
+      if (run.recompute == RunConfig::Recompute::kFull && !run.recompute_num_layers) {
+        // Every layer recomputed alone (Megatron has no default; the flag's help says so).
+        run.recompute_method = RunConfig::RecomputeMethod::kUniform;
+        run.recompute_num_layers = 1;
+      }
+    }
     config->run = run;
     return {};
   }

@@ -138,7 +138,7 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
         "rank.</p>\n",
         SecondsText(t.step_time_s), t.model_tflops_per_gpu, 100 * t.mfu, t.global_batch_size,
         t.num_microbatches, run.micro_batch_size, topology.sizes().dp, run.seq_length,
-        RecomputeText(run.recompute));
+        RecomputeSummary(run));
     const bool cp = topology.sizes().cp > 1;
     const bool ep = FactsOf(config).moe.enabled();
     PrintBarsSvg(TimePartNames(cp, ep), {TimeBar("one iteration", t, cp, ep)}, 0, "", out);

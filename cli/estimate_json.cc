@@ -50,6 +50,14 @@ nlohmann::ordered_json EstimateJson(const EstimateReport& r, const Topology& top
                   {"attention_efficiency_backward", t.gpu.attention_efficiency_backward}};
     doc["global_batch_size"] = t.global_batch_size;
     doc["num_microbatches"] = t.num_microbatches;
+    // The run's recompute keys as its config echo writes them (null: unset).
+    nlohmann::json run_echo;
+    ToJson(*config.run, &run_echo);
+    doc["recompute"] = {{"recompute_granularity", run_echo["recompute_granularity"]},
+                        {"recompute_method", run_echo["recompute_method"]},
+                        {"recompute_num_layers", run_echo["recompute_num_layers"]},
+                        {"recompute_modules", run_echo["recompute_modules"]},
+                        {"summary", RecomputeSummary(*config.run)}};
     doc["time"] = {{"compute_s", t.compute_s},
                    {"recompute_s", t.recompute_s},
                    {"tp_comm_s", t.tp_comm_s},

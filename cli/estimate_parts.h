@@ -32,7 +32,6 @@ PlanBytes StagePeak(const EstimateReport& r, size_t i);
 PlanBytes StageNeeds(const EstimateReport& r, size_t i);
 // "yes, 1.2 GiB free" or "no, 3.4 GiB over".
 std::string FitsText(PlanBytes peak, PlanBytes hbm);
-const char* RecomputeText(RunConfig::Recompute r);
 // "main_grad and Adam (...) in float32, distributed optimizer (1 instance)".
 std::string OptimizerText(const Config& config, const Topology& topology);
 // How the step time counts the core attention.

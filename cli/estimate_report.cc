@@ -83,12 +83,6 @@ std::string FitsText(PlanBytes peak, PlanBytes hbm) {
                      : fmt::format("no, {} over", run::FormatBytes(peak - hbm));
 }
 
-const char* RecomputeText(RunConfig::Recompute r) {
-  return r == RunConfig::Recompute::kFull        ? "full"
-         : r == RunConfig::Recompute::kSelective ? "selective"
-                                                 : "none";
-}
-
 std::string OptimizerText(const Config& config, const Topology& topology) {
   const OptimizerPrecision precision = PrecisionOf(config);
   if (!config.optimizer) {

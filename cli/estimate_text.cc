@@ -86,7 +86,7 @@ void PrintTimeText(const Config& config, const Topology& topology, const TimeEst
       "Step time on {}: global batch {} ({} micro-batches of {} x dp {}), sequence {}, "
       "recompute {}\n",
       t.gpu.name, t.global_batch_size, t.num_microbatches, run.micro_batch_size,
-      topology.sizes().dp, run.seq_length, RecomputeText(run.recompute));
+      topology.sizes().dp, run.seq_length, RecomputeSummary(run));
   const double pipeline = t.compute_s + t.recompute_s + t.tp_comm_s + t.cp_comm_s +
                           t.ep_comm_s + t.pp_comm_s + t.bubble_s;
   out << fmt::format("  step time   {:>10}  = pipeline {} + dp {} + optimizer {}\n",

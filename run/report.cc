@@ -34,13 +34,8 @@ int64_t ProcKilobytes(const char* path, const std::string& key) {
   return 0;
 }
 
-const char* RecomputeNote(RunConfig::Recompute recompute) {
-  switch (recompute) {
-    case RunConfig::Recompute::kFull: return ", recompute_granularity full";
-    case RunConfig::Recompute::kSelective: return ", recompute_granularity selective";
-    case RunConfig::Recompute::kNone: break;
-  }
-  return "";
+std::string RecomputeNote(const RunConfig& run) {
+  return run.recompute == RunConfig::Recompute::kNone ? "" : ", recompute " + RecomputeSummary(run);
 }
 
 struct CommSummaryKey {
@@ -96,10 +91,11 @@ void RunReport::PrintLayout(const Topology& topology, const SimulationResult& re
     out_ << fmt::format("  {} groups: {}{}\n", kind, fmt::join(groups, " "),
                         topology.NumGroups(k) > 8 ? " ..." : "");
   }
-  out_ << fmt::format("data: seq_length {}, micro_batch_size {} per dp rank ({} in all), "
-                      "num_microbatches {}{}\n",
-                      run.seq_length, run.micro_batch_size, run.micro_batch_size * s.dp,
-                      run.num_microbatches, RecomputeNote(run.recompute));
+  out_ << fmt::format(
+      "data: seq_length {}, micro_batch_size {} per dp rank ({} in all), "
+      "num_microbatches {}{}\n",
+      run.seq_length, run.micro_batch_size, run.micro_batch_size * s.dp, run.num_microbatches,
+      RecomputeNote(run));
   if (s.cp > 1) {
     // Megatron's load-balanced split: cp rank r holds chunks r and 2 cp - 1 - r.
     const int64_t c = run.seq_length / (2 * s.cp);

@@ -263,6 +263,25 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
                                        t));
     }
   }
+  // Megatron's rules for recompute_modules that need the model (transformer_config.py).
+  if (run.recompute == RunConfig::Recompute::kSelective && run.recompute_modules) {
+    for (size_t i = 0; i < run.recompute_modules->size(); ++i) {
+      const RunConfig::RecomputeModule m = (*run.recompute_modules)[i];
+      const std::string field = fmt::format("run.recompute_modules[{}]", i);
+      if (m == RunConfig::RecomputeModule::kMoeAct && !gpt->moe.grouped_gemm) {
+        return Status::Error(field,
+                             "\"moe_act\" needs model.moe_grouped_gemm true "
+                             "(Megatron's rule)");
+      }
+      if (m != RunConfig::RecomputeModule::kCoreAttn &&
+          m != RunConfig::RecomputeModule::kLayernorm && m != RunConfig::RecomputeModule::kMlp) {
+        return Status::Error(field, fmt::format("\"{}\" is Megatron's but mpusim does not "
+                                                "recompute it yet; it recomputes \"core_attn\", "
+                                                "\"layernorm\" and \"mlp\"",
+                                                RecomputeModuleName(m)));
+      }
+    }
+  }
   // Megatron's checks of the combined 1F1B schedule that need the model and the run
   // (TransformerConfig.__post_init__, in its order; the layout's are the parallel section's).
   if (parallel.overlap_moe_expert_parallel_comm) {

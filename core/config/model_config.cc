@@ -474,6 +474,58 @@ const char* RecomputeText(RunConfig::Recompute r) {
   return r == RunConfig::Recompute::kFull ? "full" : "selective";
 }
 
+constexpr RunConfig::RecomputeModule kRecomputeModules[] = {
+    RunConfig::RecomputeModule::kCoreAttn, RunConfig::RecomputeModule::kLayernorm,
+    RunConfig::RecomputeModule::kMlp,      RunConfig::RecomputeModule::kMoeAct,
+    RunConfig::RecomputeModule::kMoe,      RunConfig::RecomputeModule::kSharedExperts,
+};
+
+// Megatron's rules between the recompute keys (TransformerConfig.__post_init__ and
+// arguments.py validate_args): full needs a method and recompute_num_layers, selective takes
+// neither; a key read only under one granularity is refused under another rather than
+// ignored.
+Status CheckRecompute(const RunConfig& run) {
+  using R = RunConfig::Recompute;
+  const bool method = run.recompute_method != RunConfig::RecomputeMethod::kNone;
+  if (run.recompute == R::kFull) {
+    if (!method) {
+      return Status::Error("run.recompute_method",
+                           "recompute_granularity \"full\" needs \"uniform\" or \"block\" "
+                           "(Megatron's rule); every layer recomputed alone, as before, is "
+                           "\"recompute_method\": \"uniform\", \"recompute_num_layers\": 1");
+    }
+    if (!run.recompute_num_layers) {
+      return Status::Error("run.recompute_num_layers",
+                           fmt::format("recompute_granularity \"full\" needs the number of "
+                                       "layers {} (Megatron's rule), e.g. 1",
+                                       run.recompute_method == RunConfig::RecomputeMethod::kUniform
+                                           ? "per recomputed group"
+                                           : "recomputed per model chunk"));
+    }
+  } else {
+    const char* granularity = run.recompute == R::kSelective ? "\"selective\"" : "null";
+    if (method) {
+      return Status::Error("run.recompute_method",
+                           fmt::format("is read only with recompute_granularity \"full\", "
+                                       "got recompute_granularity {}; set it to null",
+                                       granularity));
+    }
+    if (run.recompute_num_layers) {
+      return Status::Error("run.recompute_num_layers",
+                           fmt::format("must be null with recompute_granularity {} (Megatron's "
+                                       "rule); it counts fully recomputed layers",
+                                       granularity));
+    }
+  }
+  if (run.recompute != R::kSelective && run.recompute_modules) {
+    return Status::Error("run.recompute_modules",
+                         fmt::format("is read only with recompute_granularity \"selective\", "
+                                     "got {}; set it to null",
+                                     run.recompute == R::kFull ? "\"full\"" : "null"));
+  }
+  return {};
+}
+
 // The section's keys, in documentation order.
 constexpr RunField kRunFields[] = {
     {.key = "seed",
@@ -553,9 +605,90 @@ constexpr RunField kRunFields[] = {
                       ? json(nullptr)
                       : json(RecomputeText(run.recompute));
          }},
-     .help = "null, full (each layer's forward again in the backward) or selective (core "
-             "attention)",
+     .help = "null, full (whole layers' forwards again in the backward: recompute_method) or "
+             "selective (recompute_modules)",
      .flag = "--recompute",
+     .effect = FieldEffect::kLayout},
+    {.key = "recompute_method",
+     .target = Codec<RunConfig>{
+         FieldKind::kText,
+         [](const json& value, const std::string& where, RunConfig* run) {
+           if (value.is_null()) {
+             run->recompute_method = RunConfig::RecomputeMethod::kNone;
+           } else if (value == "uniform") {
+             run->recompute_method = RunConfig::RecomputeMethod::kUniform;
+           } else if (value == "block") {
+             run->recompute_method = RunConfig::RecomputeMethod::kBlock;
+           } else {
+             return Status::Error(where, fmt::format("must be \"uniform\", \"block\" or null, "
+                                                     "got {}",
+                                                     DescribeJson(value)));
+           }
+           return Status();
+         },
+         [](const RunConfig& run) {
+           return run.recompute_method == RunConfig::RecomputeMethod::kNone
+                      ? json(nullptr)
+                      : json(RecomputeMethodName(run.recompute_method));
+         }},
+     .help = "full only: uniform (groups of recompute_num_layers layers, each keeping its "
+             "input) or block (the first recompute_num_layers layers of each chunk)",
+     .flag = "--recompute-method",
+     .effect = FieldEffect::kLayout},
+    {.key = "recompute_num_layers",
+     .target = &RunConfig::recompute_num_layers,
+     .help = "full only: layers per uniform group, or recomputed layers per chunk (block)",
+     .flag = "--recompute-num-layers",
+     .effect = FieldEffect::kLayout},
+    {.key = "recompute_modules",
+     .target = Codec<RunConfig>{
+         FieldKind::kText,
+         [](const json& value, const std::string& where, RunConfig* run) {
+           if (value.is_null()) {
+             run->recompute_modules.reset();
+             return Status();
+           }
+           const std::string allowed =
+               "\"core_attn\", \"layernorm\", \"mlp\", \"moe_act\", \"moe\", "
+               "\"shared_experts\"";
+           if (!value.is_array()) {
+             return Status::Error(where, fmt::format("must be null or a list of {}, got {}",
+                                                     allowed, DescribeJson(value)));
+           }
+           std::vector<RunConfig::RecomputeModule> modules;
+           for (size_t i = 0; i < value.size(); ++i) {
+             const std::string at = fmt::format("{}[{}]", where, i);
+             std::optional<RunConfig::RecomputeModule> found;
+             for (const RunConfig::RecomputeModule m : kRecomputeModules) {
+               if (value[i] == RecomputeModuleName(m)) found = m;
+             }
+             if (value[i] == "mla_up_proj") {
+               // Megatron's rule (transformer_config.py): only with multi_latent_attention.
+               return Status::Error(at,
+                                    "\"mla_up_proj\" needs multi_latent_attention (MLA), "
+                                    "which mpusim does not model");
+             }
+             if (!found) {
+               return Status::Error(
+                   at, fmt::format("must be one of {}, got {}", allowed, DescribeJson(value[i])));
+             }
+             if (std::find(modules.begin(), modules.end(), *found) != modules.end()) {
+               return Status::Error(at, fmt::format("lists {} twice", value[i].dump()));
+             }
+             modules.push_back(*found);
+           }
+           run->recompute_modules = std::move(modules);
+           return Status();
+         },
+         [](const RunConfig& run) {
+           if (!run.recompute_modules) return json(nullptr);
+           json list = json::array();
+           for (const RunConfig::RecomputeModule m : *run.recompute_modules) {
+             list.push_back(RecomputeModuleName(m));
+           }
+           return list;
+         }},
+     .help = "selective only: the submodules recomputed in the backward (null: [\"core_attn\"])",
      .effect = FieldEffect::kLayout},
     {.key = "train_iters",
      .target = &RunConfig::train_iters,
@@ -576,6 +709,72 @@ std::span<const Field<RunConfig>> RunFields() { return kRunFields; }
 const std::vector<std::string_view>& RunConfigKeys() {
   static const std::vector<std::string_view> kKeys = KeysOf(RunFields());
   return kKeys;
+}
+
+const char* RecomputeMethodName(RunConfig::RecomputeMethod method) {
+  return method == RunConfig::RecomputeMethod::kUniform ? "uniform"
+         : method == RunConfig::RecomputeMethod::kBlock ? "block"
+                                                        : "none";
+}
+
+const char* RecomputeModuleName(RunConfig::RecomputeModule module) {
+  switch (module) {
+    case RunConfig::RecomputeModule::kCoreAttn:
+      return "core_attn";
+    case RunConfig::RecomputeModule::kLayernorm:
+      return "layernorm";
+    case RunConfig::RecomputeModule::kMlp:
+      return "mlp";
+    case RunConfig::RecomputeModule::kMoeAct:
+      return "moe_act";
+    case RunConfig::RecomputeModule::kMoe:
+      return "moe";
+    case RunConfig::RecomputeModule::kSharedExperts:
+      return "shared_experts";
+  }
+  return "?";
+}
+
+bool RunConfig::Recomputes(RecomputeModule module) const {
+  if (recompute != Recompute::kSelective) return false;
+  if (!recompute_modules) return module == RecomputeModule::kCoreAttn;  // Megatron's default
+  return std::find(recompute_modules->begin(), recompute_modules->end(), module) !=
+         recompute_modules->end();
+}
+
+RunConfig::RecomputeGroup RunConfig::GroupOf(int64_t index, int64_t chunk_layers) const {
+  if (recompute != Recompute::kFull || !recompute_num_layers) return {};
+  if (index < 0 || index >= chunk_layers) return {};  // not a layer of the chunk
+  const int64_t n = *recompute_num_layers;
+  if (recompute_method == RecomputeMethod::kUniform) {
+    // The last group may be shorter: checkpointed_forward cuts it at the chunk's end.
+    return {.recomputed = true, .first = index / n * n};
+  }
+  if (recompute_method == RecomputeMethod::kBlock) return {.recomputed = index < n, .first = index};
+  return {};
+}
+
+std::string RecomputeSummary(const RunConfig& run) {
+  switch (run.recompute) {
+    case RunConfig::Recompute::kNone:
+      return "none";
+    case RunConfig::Recompute::kFull: {
+      const int64_t n = run.recompute_num_layers.value_or(0);
+      return fmt::format(
+          "full ({}, {} layer{}{})", RecomputeMethodName(run.recompute_method), n,
+          n == 1 ? "" : "s",
+          run.recompute_method == RunConfig::RecomputeMethod::kBlock ? " per chunk" : " per group");
+    }
+    case RunConfig::Recompute::kSelective: {
+      std::string names;
+      for (const RunConfig::RecomputeModule m : kRecomputeModules) {
+        if (!run.Recomputes(m)) continue;
+        names += (names.empty() ? "" : ", ") + std::string(RecomputeModuleName(m));
+      }
+      return fmt::format("selective ({})", names.empty() ? "nothing" : names);
+    }
+  }
+  return "?";
 }
 
 const char* LayerTypeName(LayerType type) { return InfoOf(type).name.data(); }
@@ -640,6 +839,7 @@ Status ParseRunSection(const json& section, RunConfig* out) {
     MPUSIM_RETURN_IF_ERROR(field->Parse(value, where, &run));
   }
   MPUSIM_RETURN_IF_ERROR(CheckRequired(RunFields(), section, prefix));
+  MPUSIM_RETURN_IF_ERROR(CheckRecompute(run));
   *out = run;
   return {};
 }

@@ -135,11 +135,48 @@ struct RunConfig {
   // (ParseConfig resolves it for the layout), so every layout trains on the same batches.
   std::optional<int64_t> global_batch_size;
   bool num_microbatches_given = false;
-  // "recompute_granularity": null, "full" (recompute each layer's forward in backward) or
-  // "selective" (recompute only core attention; GPT models).
+  // Megatron's activation recomputation (TransformerConfig recompute_*; what each keeps:
+  // transformer_layer.h). "recompute_granularity": null, "full" (whole layers' forwards again
+  // in the backward, chosen by recompute_method and recompute_num_layers) or "selective" (the
+  // submodules of recompute_modules; GPT models).
   enum class Recompute : uint8_t { kNone, kFull, kSelective };
   Recompute recompute = Recompute::kNone;
+  // "recompute_method" (full only): "uniform" groups each model chunk's layers by
+  // recompute_num_layers and keeps only each group's input; "block" recomputes the first
+  // recompute_num_layers layers of each chunk and keeps everything of the rest.
+  enum class RecomputeMethod : uint8_t { kNone, kUniform, kBlock };
+  RecomputeMethod recompute_method = RecomputeMethod::kNone;
+  std::optional<int64_t> recompute_num_layers;  // full only
+  // "recompute_modules" (selective only; null: Megatron's default ["core_attn"]).
+  enum class RecomputeModule : uint8_t {
+    kCoreAttn,       // core attention: scores, probabilities, dropout mask
+    kLayernorm,      // input_layernorm and pre_mlp_layernorm: their outputs and statistics
+    kMlp,            // the dense MLP (not an MoE layer's), from its input
+    kMoeAct,         // the MoE experts' activation output (moe_grouped_gemm only)
+    kMoe,            // the whole MoE layer, from its input
+    kSharedExperts,  // the MoE layer's shared expert, from its input
+  };
+  std::optional<std::vector<RecomputeModule>> recompute_modules;
+  // Whether selective recomputation recomputes `module` (with the default list when unset).
+  bool Recomputes(RecomputeModule module) const;
+  // Whether layer `index` (0-based) of a model chunk of `chunk_layers` layers is inside a
+  // fully recomputed group, and the group's first layer: Megatron's _checkpointed_forward
+  // (megatron/core/recompute.py checkpointed_forward), per model chunk. uniform: groups
+  // [0, n), [n, 2n), ..., the last one cut at the chunk's end; block: the first n layers,
+  // each a group of its own.
+  struct RecomputeGroup {
+    bool recomputed = false;
+    int64_t first = 0;  // the group's first layer (index in the chunk)
+  };
+  RecomputeGroup GroupOf(int64_t index, int64_t chunk_layers) const;
 };
+
+// Megatron's names: "uniform", "block"; "core_attn", "layernorm", "mlp", "moe_act", "moe",
+// "shared_experts".
+const char* RecomputeMethodName(RunConfig::RecomputeMethod method);
+const char* RecomputeModuleName(RunConfig::RecomputeModule module);
+// One line for reports: "none", "selective (core_attn, mlp)", "full (uniform, 2 layers)".
+std::string RecomputeSummary(const RunConfig& run);
 
 // The keys of the `run` section, each declared once (core/config/field_table.h); RunKey names
 // the key a member holds (RunKey(&RunConfig::micro_batch_size)).

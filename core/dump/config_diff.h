@@ -21,8 +21,8 @@
 //              (ffn_hidden_size is 4 * hidden_size unless given).
 //   layout     parallel.* but the precision switches, model.cp_comm_type,
 //              model.moe_token_dispatcher_type and model.attention_backend (the executor
-//              computes the same attention whatever it says), run.recompute_granularity, and
-//              the batch keys
+//              computes the same attention whatever it says), run.recompute_* (granularity,
+//              method, num_layers, modules), and the batch keys
 //              (run.micro_batch_size, num_microbatches, global_batch_size) when both runs
 //              still see the same samples per micro-batch (micro_batch_size x dp) and per
 //              iteration: diff reassembles tensors across layouts.

@@ -63,8 +63,11 @@ StatusOr<std::vector<StageActivations>> EstimateStageActivations(
   const double gathered =
       sz.cp > 1 && g.cp_comm_type == CpCommType::kAllGather ? 2 * b * s * kv * e / t : 0;
   double layer = whole + split + scores + gathered;
-  if (run.recompute == RunConfig::Recompute::kSelective) layer = whole + split;
-  if (run.recompute == RunConfig::Recompute::kFull) layer = T * h * e / split_sp;
+  const bool selective_core = run.Recomputes(RunConfig::RecomputeModule::kCoreAttn);
+  if (selective_core) layer = whole + split;
+  // Full recomputation: the first layer of a recomputed group keeps its input alone, the
+  // group's others nothing (per chunk below).
+  const double layer_input = T * h * e / split_sp;
   // A mixture-of-experts layer: the attention's part, and in place of the MLP's activation
   // input and output the router's, the permutation's and the experts' tensors (header).
   double moe_layer = layer;
@@ -93,9 +96,15 @@ StatusOr<std::vector<StageActivations>> EstimateStageActivations(
     }
     const double attention_split = T * e * (q + 2 * kv + q) / t;
     moe_layer = whole + attention_split + scores + gathered + router + experts + combine + shared;
-    if (run.recompute == RunConfig::Recompute::kSelective) moe_layer -= scores + gathered;
-    if (run.recompute == RunConfig::Recompute::kFull) moe_layer = T * h * e / split_sp;
+    if (selective_core) moe_layer -= scores + gathered;
   }
+  // Selective "layernorm": neither norm's output is kept (QKV's and fc1's or the MoE layer's
+  // input); "mlp": a dense layer's MLP keeps its input alone (not fc1's output, fc2's input).
+  if (run.Recomputes(RunConfig::RecomputeModule::kLayernorm)) {
+    layer -= 2 * T * h * x / split_sp;
+    moe_layer -= 2 * T * h * x / split_sp;
+  }
+  if (run.Recomputes(RunConfig::RecomputeModule::kMlp)) layer -= T * (e * f1 + x * f) / t;
 
   const int64_t p = sz.pp, v = sz.vp.value_or(1), stages = p * v;
   const int64_t per_stage = g.num_layers / stages;
@@ -110,12 +119,14 @@ StatusOr<std::vector<StageActivations>> EstimateStageActivations(
     std::vector<double> stash(static_cast<size_t>(v));
     for (int64_t c = 0; c < v; ++c) {
       const int64_t u = c * p + r;
-      int64_t moe_layers = 0;
-      for (int64_t i = u * per_stage; i < (u + 1) * per_stage && g.moe.enabled(); ++i) {
-        moe_layers += g.moe.layers[static_cast<size_t>(i)] ? 1 : 0;
+      double bytes = 0;
+      for (int64_t k = 0; k < per_stage; ++k) {
+        const RunConfig::RecomputeGroup group = run.GroupOf(k, per_stage);
+        const bool is_moe = g.moe.enabled() && g.moe.layers[static_cast<size_t>(u * per_stage + k)];
+        bytes += group.recomputed ? (group.first == k ? layer_input : 0)
+                 : is_moe         ? moe_layer
+                                  : layer;
       }
-      double bytes = static_cast<double>(per_stage - moe_layers) * layer +
-                     static_cast<double>(moe_layers) * moe_layer;
       if (u == 0) bytes += m_h * T * h / split_sp;  // the embedding dropout's mask
       if (u == stages - 1) bytes += T * h * e / split_sp + 4 * T * vocab / t;
       stash[static_cast<size_t>(c)] = bytes;

@@ -26,14 +26,16 @@
 // gated), f = ffn. For the standard GPT (e = 2, dropout on, q = h, kv = h, f = 4h) this is
 // Korthikanti's sbh (10 + 24/t + 5as/(ht)), and sbh (34 + 5as/h) / t with sequence
 // parallelism (materialised attention; "auto" resolves to it only for float32 or a GPU
-// before compute capability 8.0, attention_backend.h). Selective recomputation drops the
-// scores (or the log-sum-exp); full recomputation keeps only each
-// layer's input, T * h * e (/ t with sp). The first stage adds the embedding dropout's mask,
-// the last the final norm's input and the float32 logits of one micro-batch, 4 T V / t.
-// Each model chunk's stash is added when its forward runs and dropped when its backward does,
-// following Megatron's 1F1B or interleaved order (core/schedule.h); the peak is the largest
-// sum. Under the combined 1F1B (overlap_moe_expert_parallel_comm) a steady pair runs the
-// forward's layers beside the backward's in reverse, so the forward's stash grows a layer at a
+// before compute capability 8.0, attention_backend.h). Selective recomputation drops what
+// recompute_modules names: "core_attn" the scores (or the log-sum-exp), "layernorm" the QKV
+// and fc1 (or MoE) inputs, "mlp" a dense layer's activation input and output. Full
+// recomputation keeps, of each recomputed group of a chunk (run.recompute_method), its first
+// layer's input alone, T * h * e (/ t with sp), and nothing of the others. The first stage adds the
+// embedding dropout's mask, the last the final norm's input and the float32 logits of one
+// micro-batch, 4 T V / t. Each model chunk's stash is added when its forward runs and dropped when
+// its backward does, following Megatron's 1F1B or interleaved order (core/schedule.h); the peak is
+// the largest sum. Under the combined 1F1B (overlap_moe_expert_parallel_comm) a steady pair runs
+// the forward's layers beside the backward's in reverse, so the forward's stash grows a layer at a
 // time as the backward's shrinks: the pair holds at most live + max(n lf - (n - 1) lb, lf)
 // (per-layer stashes lf, lb over n layers).
 //

@@ -112,6 +112,14 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
     run.num_microbatches = batch / (l.micro_batch_size * l.dp);
     run.global_batch_size = batch;
     run.recompute = l.recompute;
+    // "full": every layer recomputed alone (Megatron's uniform method, one layer per group);
+    // "selective": core attention (Megatron's default recompute_modules).
+    run.recompute_method = l.recompute == RunConfig::Recompute::kFull
+                               ? RunConfig::RecomputeMethod::kUniform
+                               : RunConfig::RecomputeMethod::kNone;
+    run.recompute_num_layers.reset();
+    if (l.recompute == RunConfig::Recompute::kFull) run.recompute_num_layers = 1;
+    run.recompute_modules.reset();
     c.run = run;
     if (c.optimizer) {
       c.optimizer->use_distributed_optimizer = l.distributed_optimizer;

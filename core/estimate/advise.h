@@ -48,6 +48,8 @@ struct AdviseOptions {
   int64_t max_tp = 0;  // 0: the config's gpus_per_node
   int64_t max_cp = 0;  // 0: no limit; 1: no context parallelism
   std::vector<int64_t> micro_batch_sizes = {1, 2, 4, 8};
+  // Searched granularities: "full" is every layer recomputed alone (recompute_method
+  // "uniform", recompute_num_layers 1), "selective" core attention (Megatron's defaults).
   std::vector<RunConfig::Recompute> recompute = {RunConfig::Recompute::kNone,
                                                  RunConfig::Recompute::kSelective,
                                                  RunConfig::Recompute::kFull};

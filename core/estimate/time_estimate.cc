@@ -128,14 +128,15 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
       kernels.fused ? layer.ring_step_forward_s : (core_compute + core_comm) / x.cp;
   const double step_backward = kernels.fused ? layer.ring_step_backward_s : 2 * step_forward;
   const CpExchange cp = CpExchangeOf(g, x, sz.cp, cp_link, step_forward, step_backward);
-  // Recomputation (full, or selective's core attention) repeats the forward's exchange.
-  const bool recomputes = run.recompute != RunConfig::Recompute::kNone;
+  // Recomputation (a fully recomputed layer, or selective's core attention) repeats the
+  // forward's exchange; per stage below, as full recomputation may leave layers out (block).
+  const bool selective_core = run.Recomputes(RunConfig::RecomputeModule::kCoreAttn);
   const double cp_forward = cp.forward_s;
-  const double cp_backward = cp.backward_s + (recomputes ? cp.forward_s : 0);
+  const double cp_backward = cp.backward_s;
   // The MoE exchanges: the backward mirrors the forward's, full recomputation repeats them.
   const bool full = run.recompute == RunConfig::Recompute::kFull;
   const double ep_forward = moe.exchange_s;
-  const double ep_backward = moe.exchange_s * (full ? 2 : 1);
+  const double ep_backward = moe.exchange_s;
   // tp_comm_overlap: what TE's userbuffers hide of each layer's tp collectives.
   const bool tp_overlap = config.parallel.tp_comm_overlap && sz.tp > 1 && x.sp;
   const TpOverlap tpo = tp_overlap ? TpOverlapOf(g, x, tp_link, gpu, dense_peak) : TpOverlap{};
@@ -148,9 +149,7 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     Cost attention_side = layer.total();
     attention_side += moe.router;
     Cost attention_backward = Backward(attention_side);
-    if (run.recompute == RunConfig::Recompute::kSelective) {
-      attention_backward += Recomputed(layer.core_attention);
-    }
+    if (selective_core) attention_backward += Recomputed(layer.core_attention);
     const auto [dgrad, wgrad] = BackwardSplit(moe.experts);
     const auto total = [&](const Cost& c) {
       const auto [compute, comm] = seconds(c);
@@ -175,6 +174,8 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   std::vector<double> gemm_flops_of(compute_of), gemm_peak_s_of(compute_of);
   std::vector<Cost> forward_of(static_cast<size_t>(stages)), recompute_of(forward_of);
   std::vector<int64_t> moe_layers_of(static_cast<size_t>(stages));
+  // The layers whose forward runs again in the backward (cp's exchanges), and the MoE ones.
+  std::vector<int64_t> cp_again_of(moe_layers_of), ep_again_of(moe_layers_of);
   for (int64_t u = 0; u < stages; ++u) {
     // Virtual stage u holds layers [u L / S, (u + 1) L / S), each dense or MoE.
     int64_t n_moe = 0;
@@ -183,10 +184,32 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     }
     Cost forward = Times(dense, layers - n_moe);
     forward += Times(sparse, n_moe);
+    // Full recomputation reruns the forward of each layer it recomputes once (a uniform
+    // group's layers together; block: the chunk's first recompute_num_layers).
+    int64_t r_all = 0, r_moe = 0;
+    for (int64_t k = 0; k < layers; ++k) {
+      if (!run.GroupOf(k, layers).recomputed) continue;
+      ++r_all;
+      if (g.moe.enabled() && g.moe.layers[static_cast<size_t>(u * layers + k)]) ++r_moe;
+    }
     Cost recompute;
-    if (full) recompute = Recomputed(forward);
-    if (run.recompute == RunConfig::Recompute::kSelective) {
-      recompute = Times(Recomputed(layer.core_attention), layers);
+    if (full) {
+      recompute = Times(dense, r_all - r_moe);
+      recompute += Times(sparse, r_moe);
+      recompute = Recomputed(recompute);
+    }
+    if (selective_core) recompute = Times(Recomputed(layer.core_attention), layers);
+    if (run.Recomputes(RunConfig::RecomputeModule::kLayernorm)) {
+      // Both norms again: each reads and writes the layer's activation (as LayerForward).
+      Cost norms;
+      norms.bytes = 2 * (2 * x.region_tokens() * x.h * x.e);
+      recompute += Times(Recomputed(norms), layers);
+    }
+    if (run.Recomputes(RunConfig::RecomputeModule::kMlp)) {
+      // A dense layer's MLP again (Megatron recomputes no MoE layer's under "mlp").
+      recompute += Times(Recomputed(MlpForward(x, static_cast<double>(g.Fc1Rows()),
+                                               static_cast<double>(g.ffn_hidden_size))),
+                         layers - n_moe);
     }
     if (u == 0) forward += EmbeddingForward(g, x);
     if (u == stages - 1) forward += OutputForward(x, vocab);
@@ -196,18 +219,23 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     const auto [fc, fm] = seconds(forward, &gemm_peak_s_of[at]);
     const auto [bc, bm] = seconds(backward, &gemm_peak_s_of[at]);
     const auto n = static_cast<double>(layers), n_ep = static_cast<double>(n_moe);
+    const auto r_n = static_cast<double>(r_all), r_ep = static_cast<double>(r_moe);
     // The hidden tp seconds: every layer's forward, backward and (full) recomputed forward.
     const double hidden_forward = (n - n_ep) * tpo.dense_forward + n_ep * tpo.moe_forward;
     const double hidden_backward = (n - n_ep) * tpo.dense_backward + n_ep * tpo.moe_backward +
-                                   (full ? hidden_forward : 0);
+                                   (r_n - r_ep) * tpo.dense_forward + r_ep * tpo.moe_forward;
+    // The exchanges each recomputed forward repeats: cp's in core attention, ep's in an MoE
+    // layer.
+    const double cp_again = (full ? r_n : selective_core ? n : 0) * cp_forward;
     costs.forward.push_back(fc + fm - hidden_forward + n * cp_forward + n_ep * ep_forward);
-    costs.backward.push_back(bc + bm - hidden_backward + n * cp_backward + n_ep * ep_backward);
+    costs.backward.push_back(bc + bm - hidden_backward + n * cp_backward + cp_again +
+                             n_ep * ep_backward + r_ep * ep_forward);
     recompute_s_of[at] = seconds(recompute).first;
     compute_of[at] = fc + bc - recompute_s_of[at];
     comm_of[at] = fm + bm - hidden_forward - hidden_backward;
     tp_hidden_of[at] = hidden_forward + hidden_backward;
-    cp_of[at] = n * (cp_forward + cp_backward);
-    ep_of[at] = n_ep * (ep_forward + ep_backward);
+    cp_of[at] = n * (cp_forward + cp_backward) + cp_again;
+    ep_of[at] = n_ep * (ep_forward + ep_backward) + r_ep * ep_forward;
     flops_of[at] = forward.TotalFlops() + backward.TotalFlops();
     for (const Cost* c : {&forward, &backward}) {
       for (const Gemm& m : c->gemms) gemm_flops_of[at] += m.times * m.shape.Flops();
@@ -215,6 +243,8 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     forward_of[at] = forward;
     recompute_of[at] = recompute;
     moe_layers_of[at] = n_moe;
+    cp_again_of[at] = full ? r_all : selective_core ? layers : 0;
+    ep_again_of[at] = r_moe;
   }
   // The activation (or its gradient) a stage sends: [s, b, h], a tp rank's 1/t of it with
   // sequence parallelism.
@@ -319,7 +349,7 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
       out.stages.begin());
   double compute = 0, recomputed = 0, tp = 0, tp_hidden = 0, cp_s = 0, ep_s = 0;
   double gemm_flops = 0, gemm_peak_s = 0;
-  int64_t tp_count = 0, moe_layers = 0;
+  int64_t tp_count = 0, moe_layers = 0, cp_again = 0, ep_again = 0;
   double tp_bytes = 0;
   for (int64_t c = 0; c < v; ++c) {
     const auto u = static_cast<size_t>(c * p) + busiest;
@@ -332,6 +362,8 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     cp_s += cp_of[u];
     ep_s += ep_of[u];
     moe_layers += moe_layers_of[u];
+    cp_again += cp_again_of[u];
+    ep_again += ep_again_of[u];
     // The busiest stage's tp collectives, as seconds() counted them: the forward's and the
     // backward's answers, and the recomputed ones.
     if (sz.tp > 1) {
@@ -380,22 +412,20 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     out.communication.back().hidden_s = out.tp_comm_hidden_s;
   }
   if (sz.cp > 1) {
-    // Every layer of the busiest stage's chunks, each micro-batch: forward, backward and the
-    // recomputed forward.
-    const int64_t per_layer = cp.forward_count + cp.backward_count +
-                              (recomputes ? cp.forward_count : 0);
-    const double per_layer_bytes = cp.forward_bytes + cp.backward_bytes +
-                                   (recomputes ? cp.forward_bytes : 0);
+    // Every layer of the busiest stage's chunks, each micro-batch: forward, backward and,
+    // for the layers recomputed, the recomputed forward.
     const int64_t n = v * layers * run.num_microbatches;
-    out.communication.push_back({"cp", cp.operation, n * per_layer,
-                                 static_cast<double>(n) * per_layer_bytes, out.cp_comm_s,
-                                 cp_link.inter_node});
+    const int64_t again = cp_again * run.num_microbatches;
+    out.communication.push_back(
+        {"cp", cp.operation, n * (cp.forward_count + cp.backward_count) + again * cp.forward_count,
+         static_cast<double>(n) * (cp.forward_bytes + cp.backward_bytes) +
+             static_cast<double>(again) * cp.forward_bytes,
+         out.cp_comm_s, cp_link.inter_node});
   }
   if (moe_layers > 0 && moe.exchanges > 0) {
-    // Every MoE layer of the busiest stage's chunks, each micro-batch: forward, backward and
-    // the recomputed forward.
-    const int64_t passes = full ? 3 : 2;
-    const int64_t n = moe_layers * run.num_microbatches * passes;
+    // Every MoE layer of the busiest stage's chunks, each micro-batch: forward, backward and,
+    // for the layers recomputed, the recomputed forward.
+    const int64_t n = (2 * moe_layers + ep_again) * run.num_microbatches;
     out.communication.push_back({"ep", moe.operation, n * moe.exchanges,
                                  static_cast<double>(n) * moe.exchange_bytes, out.ep_comm_s,
                                  moe.inter_node});

@@ -10,6 +10,8 @@
 
 #include "core/model/attention.h"
 #include "core/model/gpt_model.h"
+#include "core/model/layer_norm.h"
+#include "core/model/mlp.h"
 #include "core/model/moe.h"
 #include "core/model/transformer_layer.h"
 #include "core/pipeline/pipeline_plan.h"
@@ -80,8 +82,11 @@ DeclaredStashes DeclareStashes(const Config& config, const Topology& topology,
     d.moe =
         MoeLayer::PlanStash(g, d.shape, run.dtype, sz.etp, d.route.rows, a2a ? d.route.sent : 0);
   }
-  d.dense_layer = TransformerLayer::PlanStash(g, d.shape, run.dtype, run.recompute);
-  d.moe_layer = TransformerLayer::PlanStash(g, d.shape, run.dtype, run.recompute, &d.moe);
+  // A layer as it keeps everything but what selective recomputation drops (full
+  // recomputation's choice of layers is DeclaredChunkStash's, per chunk).
+  const LayerRecompute kept = LayerRecompute::Kept(run);
+  d.dense_layer = TransformerLayer::PlanStash(g, d.shape, run.dtype, kept);
+  d.moe_layer = TransformerLayer::PlanStash(g, d.shape, run.dtype, kept, &d.moe);
   return d;
 }
 
@@ -95,7 +100,11 @@ StashPlan DeclaredChunkStash(const Config& config, const Topology& topology,
   for (int64_t i = u * layers; i < (u + 1) * layers; ++i) {
     const bool is_moe = g.moe.enabled() && g.moe.layers[static_cast<size_t>(i)];
     chunk.layers.push_back(i);
-    plans.push_back(is_moe ? declared.moe_layer : declared.dense_layer);
+    const LayerRecompute keep = LayerRecompute::Of(*config.run, i - u * layers, layers);
+    plans.push_back(keep.keep == LayerRecompute::Keep::kAll
+                        ? (is_moe ? declared.moe_layer : declared.dense_layer)
+                        : TransformerLayer::PlanStash(g, declared.shape, config.run->dtype, keep,
+                                                      is_moe ? &declared.moe : nullptr));
   }
   return GptModel::PlanStash(g, declared.shape, config.run->dtype, chunk, plans);
 }
@@ -137,12 +146,11 @@ StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
   // --- the stash of one layer: the modules' declarations (core/model/stash_plan.h) ---
   const DeclaredStashes declared = DeclareStashes(config, topology, routing);
   const StreamShape& shape = declared.shape;
-  const bool selective = run.recompute == RunConfig::Recompute::kSelective;
-  const bool full_recompute = run.recompute == RunConfig::Recompute::kFull;
+  const bool selective_core = run.Recomputes(RunConfig::RecomputeModule::kCoreAttn);
   // Core attention's stash (rebuilt by selective recomputation in the backward).
   const double core = Bytes(SelfAttention::PlanStash(g, shape, run.dtype, true), "core.");
   // A layer's stash but its input, as kept (or, under full recomputation, as rebuilt).
-  const RunConfig::Recompute kept = full_recompute ? RunConfig::Recompute::kNone : run.recompute;
+  const LayerRecompute kept = LayerRecompute::Kept(run);
   const auto inner_of = [&](const StashPlan* moe) {
     return Bytes(TransformerLayer::PlanStash(g, shape, run.dtype, kept, moe), "inner.");
   };
@@ -195,20 +203,31 @@ StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
       after_core + qkv + full + (sp ? full : 0) + weight_grad((al + 2 * gl) * dk, h);
   const double proj_point =
       dmlp + 2 * stream + dattn + (sp ? full : 0) + q + weight_grad(h, al * dk);
-  // Recomputation rebuilds the layer's tensors (full: before its backward starts) or its
-  // core attention's (selective: after linear_proj's backward, kept until the layer's ends).
-  // `layer_inner`: the layer's stash; `mlp_point`: the most its MLP's backward holds.
-  const auto working_of = [&](double layer_inner, double mlp_point) {
-    const double rebuilt_layer = full_recompute ? layer_inner : 0;
-    const double rebuilt_core = full_recompute ? layer_inner : selective ? core : 0;
-    return stream /*dy*/ + Max({rebuilt_layer + Max({mlp_point, proj_point}),
-                                rebuilt_core + Max({attention_point, qkv_point})});
+  // Recomputation rebuilds layers' tensors (full: `rebuilt`, the group's, before the layer's
+  // backward starts) or, selective (TransformerLayer::Backward), core attention's (after
+  // linear_proj's backward, kept until the layer's end), each norm's output and statistics
+  // ("layernorm": the pre-MLP norm's before the MLP's backward, the input norm's before the
+  // attention's, both kept until the layer's end) and the dense MLP's inner tensors ("mlp":
+  // for the MLP's backward alone). `mlp_point`: the most the layer's MLP's backward holds.
+  const double norm_rebuilt = run.Recomputes(RunConfig::RecomputeModule::kLayernorm)
+                                  ? stream + Norm::PlanStash(g.normalization, Rs, run.dtype).bytes()
+                                  : 0;
+  const double mlp_rebuilt = run.Recomputes(RunConfig::RecomputeModule::kMlp)
+                                 ? Bytes(Mlp::PlanStash(g, shape, run.dtype), "fc1_out") +
+                                       Bytes(Mlp::PlanStash(g, shape, run.dtype), "fc2_in.")
+                                 : 0;
+  const auto working_of = [&](double rebuilt, double mlp_point, bool dense) {
+    const double rebuilt_core = rebuilt + (selective_core ? core : 0);
+    const double mlp_side = norm_rebuilt + (dense ? mlp_rebuilt : 0);
+    return stream /*dy*/ +
+           Max({rebuilt + mlp_side + mlp_point, rebuilt + 2 * norm_rebuilt + proj_point,
+                rebuilt_core + 2 * norm_rebuilt + Max({attention_point, qkv_point})});
   };
-  const double dense_working = working_of(inner, std::max(fc2_point, fc1_point));
+  const double dense_point = std::max(fc2_point, fc1_point);
 
   // --- a mixture-of-experts layer in place of the MLP (core/model/moe.h) ---
   // Its stash and backward with the rows of the routing the caller picked (MoeRoute).
-  double moe_inner = 0, moe_working = 0;
+  double moe_inner = 0, moe_point = 0;
   if (g.moe.enabled()) {
     const MoeConfig& moe = g.moe;
     const double T = Rs;  // the router's tokens: this rank's rows of the stream
@@ -245,8 +264,7 @@ StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
     const double shared_fc1 = R * fs * e + R * fs1 * e + full + (sp ? full : 0) +
                               weight_grad(fs1, h);
     const double shared = fs > 0 ? router + std::max(shared_fc2, shared_fc1) : 0;
-    moe_working = working_of(moe_inner, Max({fc2_moe, fc1_moe, router + weight_grad(E, h),
-                                             shared}));
+    moe_point = Max({fc2_moe, fc1_moe, router + weight_grad(E, h), shared});
   }
   // The head's backward: d loss per token, d logits, the output layer's input gradient
   // (with sp its gathered input) and weight gradient.
@@ -280,19 +298,33 @@ StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
     for (int64_t chunk = 0; chunk < v; ++chunk) {
       const int64_t u = chunk * p + r;
       const bool post = u == stages - 1;
-      // The chunk's declared stash; the most a layer's backward holds.
+      // The chunk's declared stash; the most its layers' backwards hold beyond it, in the
+      // backward's order: each layer's backward adds its working set and what
+      // recomputation rebuilt and still holds (its group's tensors up to this layer: each
+      // one's Inner, and the inputs the group's later layers did not keep), less the Inner
+      // of every kept layer already backwarded (freed); behind the chunk's last layer the
+      // walk still holds the gradient it received (a later stage's).
       stash[static_cast<size_t>(chunk)] = DeclaredChunkStash(config, topology, declared, u).bytes();
-      double layer_working = 0;
-      for (int64_t i = u * layers; i < (u + 1) * layers; ++i) {
+      double layer_working = 0, freed = 0;
+      for (int64_t k = layers; k-- > 0;) {
+        const int64_t i = u * layers + k;
         const bool is_moe = g.moe.enabled() && g.moe.layers[static_cast<size_t>(i)];
-        layer_working = std::max(layer_working, is_moe ? moe_working : dense_working);
+        const RunConfig::RecomputeGroup group = run.GroupOf(k, layers);
+        double rebuilt = 0;
+        if (group.recomputed) {
+          for (int64_t j = group.first; j <= k; ++j) {
+            const bool moe_j = g.moe.enabled() && g.moe.layers[static_cast<size_t>(u * layers + j)];
+            rebuilt += (moe_j ? moe_inner : inner) + (j > group.first ? stream : 0);
+          }
+        }
+        const double received = !post && p > 1 && k + 1 < layers ? stream : 0;
+        layer_working =
+            std::max(layer_working, working_of(rebuilt, is_moe ? moe_point : dense_point, !is_moe) +
+                                        received - freed);
+        if (!group.recomputed) freed += is_moe ? moe_inner : inner;
       }
-      // Under full recomputation every layer rebuilds as much, so the chunk's second layer
-      // peaks highest: the walk still holds the gradient it received for the first.
-      const double received = full_recompute && !post && p > 1 && layers > 1 ? stream : 0;
       working[static_cast<size_t>(chunk)] =
-          layers > 0 ? std::max(layer_working + received, post ? head_working : 0)
-                     : head_working;
+          layers > 0 ? std::max(layer_working, post ? head_working : 0) : head_working;
     }
     ScheduleActivations act;
     act.stage = r;

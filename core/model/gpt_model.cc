@@ -4,12 +4,14 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <string_view>
 #include <tuple>
 
 #include "core/init.h"
+#include "core/pipeline/step_span.h"
 #include "core/rng.h"
 #include "core/schedule.h"
 #include "core/tensor_parallel/mappings.h"
@@ -457,10 +459,12 @@ Tensor GptModel::ForwardStep(const StepCall& call, const Tensor& input, StepStas
     x = EmbeddingForward(mctx, stash.batch, &stash);
   }
   stash.layers.resize(spec.layers.size());
-  for (size_t i = 0; i < spec.layers.size(); ++i) {
-    const int64_t layer = spec.layers[i];
+  const auto n = static_cast<int64_t>(spec.layers.size());
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t layer = spec.layers[static_cast<size_t>(i)];
     mctx.trace.SetSite(fmt::format("decoder.layers.{}", layer));
-    x = layers_.at(layer).Forward(mctx, x, &stash.layers[i]);
+    x = layers_.at(layer).Forward(mctx, x, LayerRecompute::Of(run_, i, n).keep,
+                                  &stash.layers[static_cast<size_t>(i)]);
   }
   if (!spec.post_process) return x;
   loss_sum_ += HeadForward(mctx, x, &stash);
@@ -477,10 +481,29 @@ Tensor GptModel::BackwardStep(const StepCall& call, const Tensor& output_grad,
   mctx.chunk = call.chunk;
   mctx.trace.SetPhase(Phase::kBackward);
   Tensor dx = spec.post_process ? HeadBackward(mctx, stash) : output_grad;
-  for (size_t i = spec.layers.size(); i-- > 0;) {
-    const int64_t layer = spec.layers[i];
+  const auto n = static_cast<int64_t>(spec.layers.size());
+  for (int64_t i = n; i-- > 0;) {
+    const int64_t layer = spec.layers[static_cast<size_t>(i)];
+    TransformerLayer::Stash& layer_stash = stash.layers[static_cast<size_t>(i)];
+    const RunConfig::RecomputeGroup group = run_.GroupOf(i, n);
+    if (group.recomputed && !layer_stash.inner) {
+      // Full recomputation (Megatron's CheckpointFunction over layers first..i, i the group's
+      // last): the group's forward again from its first layer's input, recording nothing;
+      // its collectives are real and stay in the trace. Every layer of the group is then
+      // backwarded from what this rebuilt.
+      std::optional<SpanRecorder> span;
+      if (call.spans != nullptr) span.emplace(*call.spans, call.chunk, call.microbatch, true, true);
+      Tensor y = stash.layers[static_cast<size_t>(group.first)].input;
+      for (int64_t j = group.first; j <= i; ++j) {
+        mctx.trace.SetSite(fmt::format("decoder.layers.{}", spec.layers[static_cast<size_t>(j)]));
+        y = layers_.at(spec.layers[static_cast<size_t>(j)])
+                .Recompute(mctx, y, &stash.layers[static_cast<size_t>(j)]);
+      }
+    }
     mctx.trace.SetSite(fmt::format("decoder.layers.{}", layer));
-    dx = layers_.at(layer).Backward(mctx, dx, stash.layers[i]);
+    dx = layers_.at(layer).Backward(mctx, dx, layer_stash);
+    // A group's later layer frees the input it did not keep in the forward.
+    if (group.recomputed && group.first != i) layer_stash.input = Tensor();
   }
   if (!spec.pre_process) return dx;
   mctx.trace.SetSite("embedding");

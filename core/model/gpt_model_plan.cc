@@ -255,6 +255,26 @@ void GptModel::ExplainStage(std::ostream& out) const {
                            sh.Position(2 * c - 1), how);
       }
     }
+    // What recomputation keeps (transformer_layer.h): Megatron's meaning of the run's keys.
+    if (run_.recompute == RunConfig::Recompute::kFull) {
+      const int64_t n = run_.recompute_num_layers.value_or(0);
+      out << fmt::format(
+          "recompute {}: {}; the backward reruns their forward (same dropout masks, same "
+          "values)\n",
+          RecomputeSummary(run_),
+          run_.recompute_method == RunConfig::RecomputeMethod::kUniform
+              ? fmt::format("each model chunk's layers in groups of {} (the last one cut at "
+                            "the chunk's end), a group keeping only its first layer's input",
+                            n)
+              : fmt::format("the first {} layers of each model chunk keep only their input, "
+                            "the others every activation",
+                            n));
+    } else if (run_.recompute == RunConfig::Recompute::kSelective) {
+      out << fmt::format(
+          "recompute {}: each layer drops what those modules keep for its "
+          "backward and reruns their forward there (same values)\n",
+          RecomputeSummary(run_));
+    }
   }
   if (stage == 0 && gpt.moe.enabled()) {
     const DerivedSizes& sizes = topology_->sizes();

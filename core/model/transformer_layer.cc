@@ -16,11 +16,12 @@ Norm MakeNorm(const GptConfig& gpt, const std::string& prefix, ParameterSet& par
 }  // namespace
 
 TransformerLayer::TransformerLayer(const GptConfig& gpt, int64_t layer, ParameterSet& params,
-                                   int64_t t, const RunConfig& run,
-                                   const ExpertPlacement& experts)
+                                   int64_t t, const RunConfig& run, const ExpertPlacement& experts)
     : prefix_(fmt::format("decoder.layers.{}", layer)),
       hidden_dropout_(gpt.hidden_dropout),
-      recompute_(run.recompute),
+      keep_core_(!run.Recomputes(RunConfig::RecomputeModule::kCoreAttn)),
+      recompute_norms_(run.Recomputes(RunConfig::RecomputeModule::kLayernorm)),
+      recompute_mlp_(run.Recomputes(RunConfig::RecomputeModule::kMlp)),
       input_norm_(MakeNorm(gpt, prefix_ + ".input_layernorm", params)),
       attention_(gpt, prefix_ + ".self_attention", params, t),
       pre_mlp_norm_(MakeNorm(gpt, prefix_ + ".pre_mlp_layernorm", params)) {
@@ -73,73 +74,147 @@ Tensor TransformerLayer::BiasDropoutAddBackward(const ModuleContext& ctx, const 
 Tensor TransformerLayer::ForwardInner(const ModuleContext& ctx, const Tensor& x, Inner* in) const {
   const Tensor ln1 = input_norm_.Forward(ctx, x, &in->norm1);
   RecordStream(ctx, ".input_layernorm.output", ln1);
-  const bool keep_core = recompute_ != RunConfig::Recompute::kSelective;
-  const Tensor attn = attention_.Forward(ctx, ln1, keep_core, &in->attention);
+  const Tensor attn = attention_.Forward(ctx, ln1, keep_core_, &in->attention);
+  if (recompute_norms_) {
+    // The norm's output (linear_qkv's saved input) and statistics go; its input is the
+    // layer's, kept.
+    in->norm1 = Norm::Stash{};
+    in->attention.qkv_in.input = Tensor();
+  }
   const Tensor x1 = BiasDropoutAdd(ctx, ".self_attn_bda", attn, attention_.proj_bias(), x);
   RecordStream(ctx, ".self_attn_bda.output", x1);
   const Tensor ln2 = pre_mlp_norm_.Forward(ctx, x1, &in->norm2);
   RecordStream(ctx, ".pre_mlp_layernorm.output", ln2);
   const Tensor mlp = mlp_ ? mlp_->Forward(ctx, ln2, &in->mlp) : moe_->Forward(ctx, ln2, &in->moe);
+  if (mlp_ && recompute_mlp_) {
+    // The MLP keeps its input (ln2) alone.
+    in->mlp.fc1_out = Tensor();
+    in->mlp.fc2_in = RowParallelLinear::Stash{};
+  }
+  if (recompute_norms_) {
+    // x1 stays (the residual's and the norm's input); ln2, wherever the MLP or the MoE layer
+    // keeps it, and the statistics go.
+    in->norm2.mean = Tensor();
+    in->norm2.rstd = Tensor();
+    if (mlp_) {
+      in->mlp.fc1_in.input = Tensor();
+    } else {
+      in->moe.x = Tensor();
+      in->moe.shared_fc1_in.input = Tensor();
+    }
+  }
   const Tensor y = BiasDropoutAdd(ctx, ".mlp_bda", mlp, mlp_ ? mlp_->fc2_bias() : nullptr, x1);
   RecordStream(ctx, ".mlp_bda.output", y);
   return y;
 }
 
-Tensor TransformerLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* stash) const {
-  stash->input = x;
+LayerRecompute LayerRecompute::Of(const RunConfig& run, int64_t index, int64_t chunk_layers) {
+  LayerRecompute r = Kept(run);
+  const RunConfig::RecomputeGroup group = run.GroupOf(index, chunk_layers);
+  if (group.recomputed) r.keep = group.first == index ? Keep::kInput : Keep::kNothing;
+  return r;
+}
+
+LayerRecompute LayerRecompute::Kept(const RunConfig& run) {
+  LayerRecompute r;
+  r.core_attn = run.Recomputes(RunConfig::RecomputeModule::kCoreAttn);
+  r.layernorm = run.Recomputes(RunConfig::RecomputeModule::kLayernorm);
+  r.mlp = run.Recomputes(RunConfig::RecomputeModule::kMlp);
+  return r;
+}
+
+Tensor TransformerLayer::Forward(const ModuleContext& ctx, const Tensor& x,
+                                 LayerRecompute::Keep keep, Stash* stash) const {
+  // A recomputed group's later layer does not keep its input (the previous layer's output):
+  // the group's backward rebuilds it.
+  if (keep != LayerRecompute::Keep::kNothing) stash->input = x;
   Inner inner;
   const Tensor y = ForwardInner(ctx, x, &inner);
-  if (recompute_ != RunConfig::Recompute::kFull) stash->inner = std::move(inner);
+  if (keep == LayerRecompute::Keep::kAll) stash->inner = std::move(inner);
+  return y;
+}
+
+Tensor TransformerLayer::Recompute(const ModuleContext& ctx, const Tensor& x, Stash* stash) const {
+  ModuleContext quiet = ctx;
+  quiet.records = nullptr;
+  stash->input = x;
+  Inner inner;
+  const Tensor y = ForwardInner(quiet, x, &inner);
+  stash->inner = std::move(inner);
   return y;
 }
 
 StashPlan TransformerLayer::PlanStash(const GptConfig& gpt, const StreamShape& shape, DType dtype,
-                                      RunConfig::Recompute recompute, const StashPlan* moe) {
+                                      const LayerRecompute& recompute, const StashPlan* moe) {
   const double Rs = static_cast<double>(shape.stream_rows());
   const double h = static_cast<double>(gpt.hidden_size);
   StashPlan plan;
+  if (recompute.keep == LayerRecompute::Keep::kNothing) return plan;  // rebuilt in backward
   plan.Add("input", {Rs, h}, dtype);
-  if (recompute == RunConfig::Recompute::kFull) return plan;  // Inner: rebuilt in backward
+  if (recompute.keep == LayerRecompute::Keep::kInput) return plan;  // Inner: rebuilt too
   // norm1.input is the layer's input; norm2.input is x1, kept here alone.
-  plan.Add("inner.norm1", Norm::PlanStash(gpt.normalization, Rs, dtype));
-  const bool keep_core = recompute != RunConfig::Recompute::kSelective;
-  plan.Add("inner.attention", SelfAttention::PlanStash(gpt, shape, dtype, keep_core));
-  plan.Add("inner.norm2.input", {Rs, h}, dtype);
-  plan.Add("inner.norm2", Norm::PlanStash(gpt.normalization, Rs, dtype));
+  StashPlan inner;
+  inner.Add("norm1", Norm::PlanStash(gpt.normalization, Rs, dtype));
+  inner.Add("attention", SelfAttention::PlanStash(gpt, shape, dtype, !recompute.core_attn));
+  inner.Add("norm2.input", {Rs, h}, dtype);
+  inner.Add("norm2", Norm::PlanStash(gpt.normalization, Rs, dtype));
   if (moe != nullptr) {
-    plan.Add("inner.moe", *moe);
+    inner.Add("moe", *moe);
   } else {
-    plan.Add("inner.mlp", Mlp::PlanStash(gpt, shape, dtype));
+    inner.Add("mlp", Mlp::PlanStash(gpt, shape, dtype));
+  }
+  // What selective recomputation drops (Forward): the norms' outputs (where their consumers
+  // keep them) and statistics; the dense MLP's tensors but its input.
+  const auto dropped = [&](const std::string& name) {
+    const bool norm_output = name == "attention.qkv_in.input" || name == "mlp.fc1_in.input" ||
+                             name == "moe.x" || name == "moe.shared_fc1_in.input";
+    const bool norm_stats =
+        name.starts_with("norm1.") || (name.starts_with("norm2.") && name != "norm2.input");
+    const bool mlp_inner = name == "mlp.fc1_out" || name == "mlp.fc2_in.input";
+    return (recompute.layernorm && (norm_output || norm_stats)) ||
+           (recompute.mlp && moe == nullptr && mlp_inner);
+  };
+  for (const StashTensor& tensor : inner.tensors()) {
+    if (!dropped(tensor.name)) plan.Add("inner." + tensor.name, tensor.shape, tensor.dtype);
   }
   return plan;
 }
 
 Tensor TransformerLayer::Backward(const ModuleContext& ctx, const Tensor& dy, Stash& stash) const {
   Kernels& k = ctx.k;
-  if (!stash.inner) {
-    // Full recomputation: the layer's forward again, recording nothing; its collectives
-    // are real and stay in the trace.
-    ModuleContext quiet = ctx;
-    quiet.records = nullptr;
-    std::optional<SpanRecorder> span;
-    if (ctx.recompute_spans != nullptr) {
-      span.emplace(*ctx.recompute_spans, ctx.chunk, ctx.draw.microbatch, true, true);
-    }
-    Inner inner;
-    ForwardInner(quiet, stash.input, &inner);
-    stash.inner = std::move(inner);
-  }
   Inner& in = *stash.inner;
   RecordStream(ctx, ".mlp_bda.output_grad", dy);
   const Tensor dmlp =
       BiasDropoutAddBackward(ctx, ".mlp_bda", dy, mlp_ ? mlp_->fc2_bias() : nullptr);
+  ModuleContext quiet = ctx;  // recomputation records nothing
+  quiet.records = nullptr;
+  if (recompute_norms_) {
+    // pre_mlp_layernorm again from x1: its output (kept to the layer's end) and statistics.
+    const Tensor ln2 = pre_mlp_norm_.Forward(quiet, in.norm2.input, &in.norm2);
+    if (mlp_) {
+      in.mlp.fc1_in.input = ln2;
+    } else {
+      in.moe.x = ln2;
+      if (in.moe.shared_fc1_out.defined()) in.moe.shared_fc1_in.input = ln2;
+    }
+  }
+  if (mlp_ && recompute_mlp_) mlp_->Forward(quiet, in.mlp.fc1_in.input, &in.mlp);
   const Tensor dln2 = mlp_ ? mlp_->Backward(ctx, dmlp, in.mlp) : moe_->Backward(ctx, dmlp, in.moe);
+  if (mlp_ && recompute_mlp_) {
+    // What the MLP's forward rebuilt goes with its backward.
+    in.mlp.fc1_out = Tensor();
+    in.mlp.fc2_in = RowParallelLinear::Stash{};
+  }
   RecordStream(ctx, ".pre_mlp_layernorm.output_grad", dln2);
   // x1 feeds both the MLP branch and the residual.
   Tensor dx1 = pre_mlp_norm_.Backward(ctx, dln2, in.norm2);
   k.Axpy(1.0, dy, dx1);
   RecordStream(ctx, ".self_attn_bda.output_grad", dx1);
   const Tensor dattn = BiasDropoutAddBackward(ctx, ".self_attn_bda", dx1, attention_.proj_bias());
+  if (recompute_norms_) {
+    // input_layernorm again from the layer's input: linear_qkv's saved input, statistics.
+    in.attention.qkv_in.input = input_norm_.Forward(quiet, stash.input, &in.norm1);
+  }
   const Tensor dln1 = attention_.Backward(ctx, dattn, in.attention);
   RecordStream(ctx, ".input_layernorm.output_grad", dln1);
   Tensor dx = input_norm_.Backward(ctx, dln1, in.norm1);

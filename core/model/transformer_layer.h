@@ -5,9 +5,15 @@
 //
 // on the residual stream [s_l*b, h] (module.h). Dropout sites are "<prefix>.self_attn_bda"
 // and "<prefix>.mlp_bda", full tensors [s, B, h] (core/dropout.h).
-// Recomputation ("recompute_granularity"): "full" keeps only the layer's input and reruns
-// the layer's forward in backward; "selective" drops core attention's stash (SelfAttention).
-// Both give bit-identical gradients: the masks are pure functions of global indices.
+// Recomputation (run.recompute_*, Megatron's): under "full" GptModel picks, per model chunk,
+// the layers recomputed whole (RunConfig::GroupOf): the first layer of each recomputed group
+// keeps only its input, the group's later layers keep nothing, and the backward reruns the
+// group's forward from that input (GptModel::BackwardStep); "selective" drops what
+// recompute_modules names: core attention's stash (SelfAttention), the norms' outputs and
+// statistics (Megatron's CheckpointWithoutOutput around input_layernorm and
+// pre_mlp_layernorm), the dense MLP's inner tensors (tensor_parallel.checkpoint around the
+// MLP), each rebuilt in the backward. All give bit-identical gradients: the masks are pure
+// functions of global indices.
 #pragma once
 
 #include <optional>
@@ -21,6 +27,25 @@
 #include "core/config/model_config.h"
 
 namespace mpusim {
+
+// What one layer keeps from its forward to its backward.
+struct LayerRecompute {
+  // Full recomputation: kAll, the layer is not recomputed; kInput, the first layer of a
+  // recomputed group (it keeps its input); kNothing, a later layer of the group.
+  enum class Keep : uint8_t { kAll, kInput, kNothing };
+  Keep keep = Keep::kAll;
+  bool core_attn = false;  // selective "core_attn": SelfAttention's CoreStash
+  // Selective "layernorm": both norms' outputs and statistics (their inputs are kept anyway:
+  // the layer's input, x1), recomputed before the MLP's and the attention's backward.
+  bool layernorm = false;
+  // Selective "mlp" (a dense layer's; Megatron ignores it on an MoE layer): the MLP keeps
+  // only its input and reruns its forward before its backward.
+  bool mlp = false;
+  // Layer `index` (0-based) of a model chunk of `chunk_layers` layers under `run`.
+  static LayerRecompute Of(const RunConfig& run, int64_t index, int64_t chunk_layers);
+  // A layer that full recomputation leaves alone (Keep::kAll), under `run`'s selective keys.
+  static LayerRecompute Kept(const RunConfig& run);
+};
 
 class TransformerLayer {
  public:
@@ -37,15 +62,21 @@ class TransformerLayer {
     MoeLayer::Stash moe;
   };
   struct Stash {
-    Tensor input;                // [s_l*b, h]
+    Tensor input;                // [s_l*b, h] (undefined: a recomputed group's later layer)
     std::optional<Inner> inner;  // empty under full recomputation until backward
   };
-  // The declared stash (stash_plan.h) on a rank of `shape`, in `dtype` storage, under
-  // `recompute`; `moe`: the MoE layer's declared stash (MoeLayer::PlanStash, its rows the
+  // The declared stash (stash_plan.h) on a rank of `shape`, in `dtype` storage, kept as
+  // `recompute` says; `moe`: the MoE layer's declared stash (MoeLayer::PlanStash, its rows the
   // router's) in place of the MLP's, null for a dense layer.
   static StashPlan PlanStash(const GptConfig& gpt, const StreamShape& shape, DType dtype,
-                             RunConfig::Recompute recompute, const StashPlan* moe = nullptr);
-  Tensor Forward(const ModuleContext& ctx, const Tensor& x, Stash* stash) const;
+                             const LayerRecompute& recompute, const StashPlan* moe = nullptr);
+  // `keep`: what full recomputation keeps of this layer (kAll without it).
+  Tensor Forward(const ModuleContext& ctx, const Tensor& x, LayerRecompute::Keep keep,
+                 Stash* stash) const;
+  // Full recomputation: the forward again from `x` (recording nothing), refilling `stash`
+  // (its input and Inner) for the backward; returns the layer's output.
+  Tensor Recompute(const ModuleContext& ctx, const Tensor& x, Stash* stash) const;
+  // Expects stash.inner (GptModel::BackwardStep recomputes a group before its backward).
   Tensor Backward(const ModuleContext& ctx, const Tensor& dy, Stash& stash) const;
   // The MoE layer, or null for a dense one.
   const MoeLayer* moe() const { return moe_ ? &*moe_ : nullptr; }
@@ -62,7 +93,8 @@ class TransformerLayer {
 
   std::string prefix_;
   double hidden_dropout_;
-  RunConfig::Recompute recompute_;
+  bool keep_core_;                        // false: selective recomputation of core attention
+  bool recompute_norms_, recompute_mlp_;  // selective "layernorm", "mlp"
   Norm input_norm_;
   SelfAttention attention_;
   Norm pre_mlp_norm_;

@@ -871,7 +871,7 @@ TEST(EstimateCommand, StepTimeOfGpt3MatchesCountsByHand) {
                               "a100-80gb"});
   ASSERT_EQ(text.code, 0) << text.err;
   EXPECT_NE(text.out.find("Step time on a100-80gb: global batch 1536 (192 micro-batches of 1 x "
-                          "dp 8), sequence 2048, recompute full\n"),
+                          "dp 8), sequence 2048, recompute full (uniform, 1 layer per group)\n"),
             std::string::npos)
       << text.out;
   EXPECT_NE(text.out.find("model TFLOP/s per GPU, MFU"), std::string::npos) << text.out;
@@ -1027,6 +1027,8 @@ TEST(EstimateCommand, StepTimeOfMoeLayersMatchesCountsByHand) {
   // Full recomputation repeats the forward's exchanges in the backward.
   json recompute = config;
   recompute["run"]["recompute_granularity"] = "full";
+  recompute["run"]["recompute_method"] = "uniform";
+  recompute["run"]["recompute_num_layers"] = 1;
   const json full = estimate(recompute, "full");
   ASSERT_TRUE(full.is_object());
   EXPECT_NEAR(full.at("time").at("ep_comm_s").get<double>() / (M * L * 3 * 2 * a2a), 1, 1e-12);
@@ -1073,8 +1075,11 @@ TEST(EstimateCommand, MegatronActivationsOfMoeLayers) {
   half["model"]["moe_layer_freq"] = {1, 0};
   EXPECT_EQ(activations(half, "half") - base, per_layer);
   json full_dense = dense, full_moe = moe;
-  full_dense["run"]["recompute_granularity"] = "full";
-  full_moe["run"]["recompute_granularity"] = "full";
+  for (json* full : {&full_dense, &full_moe}) {
+    (*full)["run"]["recompute_granularity"] = "full";
+    (*full)["run"]["recompute_method"] = "uniform";
+    (*full)["run"]["recompute_num_layers"] = 1;
+  }
   EXPECT_EQ(activations(full_moe, "full_moe"), activations(full_dense, "full_dense"));
 }
 
@@ -1991,6 +1996,13 @@ TEST(RunCommand, TraceNestsRecomputationsInTheirBackwardSteps) {
     SCOPED_TRACE(fmt::format("{} {}", c.sample, c.granularity));
     json config = json::parse(std::ifstream(Sample(c.sample)));
     config["run"]["recompute_granularity"] = c.granularity;
+    if (std::string(c.granularity) == "full") {
+      // Every GPT layer recomputed alone; the chain recomputes each chunk whole (one group as
+      // long as its layers).
+      config["run"]["recompute_method"] = "uniform";
+      config["run"]["recompute_num_layers"] =
+          config["model"].contains("layers") ? config["model"]["layers"].size() : 1;
+    }
     const std::string config_path =
         WriteTemp(fmt::format("mpusim_recompute.{}.json", ::getpid()), config.dump());
     const std::string path =

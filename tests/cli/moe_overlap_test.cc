@@ -246,10 +246,14 @@ TEST(MoeOverlap, RefusalsNameTheField) {
             "\"alltoall\" (Megatron also takes \"flex\"), got \"allgather\"");
   doc["model"]["moe_token_dispatcher_type"] = "alltoall";
   doc["run"]["recompute_granularity"] = "full";
+  doc["run"]["recompute_method"] = "uniform";
+  doc["run"]["recompute_num_layers"] = 1;
   EXPECT_EQ(refused(doc),
             "parallel.overlap_moe_expert_parallel_comm: cannot run with "
             "run.recompute_granularity \"full\" (Megatron's rule); use null or \"selective\"");
-  doc["run"].erase("recompute_granularity");
+  for (const char* key : {"recompute_granularity", "recompute_method", "recompute_num_layers"}) {
+    doc["run"].erase(key);
+  }
   doc["parallel"]["bf16"] = false;
   EXPECT_EQ(refused(doc),
             "parallel.overlap_moe_expert_parallel_comm: needs a bfloat16 or float16 run "

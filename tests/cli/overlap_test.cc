@@ -240,6 +240,8 @@ TEST(Overlap, TpCommOverlapHidesCollectivesBehindTheirGemms) {
     doc["parallel"]["sequence_parallel"] = true;
     if (std::string(recompute) == "full") {
       doc["run"]["recompute_granularity"] = "full";
+      doc["run"]["recompute_method"] = "uniform";
+      doc["run"]["recompute_num_layers"] = 1;
     }
     const Estimated plain = Estimate(doc, gpu);
     doc["parallel"]["tp_comm_overlap"] = true;

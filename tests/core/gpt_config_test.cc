@@ -323,6 +323,41 @@ TEST(GptConfig, LayerCountHasOneSource) {
             "are model.num_layers: drop parallel.num_layers");
 }
 
+// recompute_modules' rules that need the model: Megatron's moe_act needs the grouped GEMM;
+// the modules mpusim does not recompute yet are refused by name, not ignored.
+TEST(GptConfig, RecomputeModulesNeedWhatTheyRecompute) {
+  GptConfig gpt;
+  json section = Minimal();
+  section["add_bias_linear"] = false;
+  section["num_moe_experts"] = 4;
+  section["moe_router_topk"] = 2;
+  const Status parsed = ParseGptSection(section, &gpt);
+  ASSERT_TRUE(parsed.ok()) << parsed.Message();
+  ParallelConfig parallel;
+  parallel.world_size = 1;
+  RunConfig run;
+  run.seq_length = 8;
+  run.recompute = RunConfig::Recompute::kSelective;
+  using M = RunConfig::RecomputeModule;
+  run.recompute_modules = {{M::kCoreAttn, M::kLayernorm, M::kMlp}};
+  GptConfig copy = gpt;
+  EXPECT_TRUE(CheckGptLayout(parallel, run, &copy).ok());
+  run.recompute_modules = {{M::kLayernorm, M::kMoeAct}};
+  EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
+            "run.recompute_modules[1]: \"moe_act\" needs model.moe_grouped_gemm true (Megatron's "
+            "rule)");
+  for (const M m : {M::kMoeAct, M::kMoe, M::kSharedExperts}) {
+    copy = gpt;
+    copy.moe.grouped_gemm = true;
+    run.recompute_modules = {{m}};
+    EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
+              fmt::format("run.recompute_modules[0]: \"{}\" is Megatron's but mpusim does not "
+                          "recompute it yet; it recomputes \"core_attn\", \"layernorm\" and "
+                          "\"mlp\"",
+                          RecomputeModuleName(m)));
+  }
+}
+
 TEST(GptConfig, LayoutChecks) {
   GptConfig gpt;
   json section = Minimal();

@@ -562,7 +562,8 @@ TEST(RunConfig, DefaultsAndValues) {
 
   const json full = json::parse(R"({"seed": 18446744073709551615, "dtype": "float64",
       "seq_length": 16, "micro_batch_size": 2, "num_microbatches": 3,
-      "recompute_granularity": "full"})");
+      "recompute_granularity": "full", "recompute_method": "uniform",
+      "recompute_num_layers": 1})");
   ASSERT_TRUE(ParseRunSection(full, &run).ok());
   EXPECT_EQ(run.seed, 18446744073709551615u);
   EXPECT_EQ(run.dtype, DType::kFloat64);
@@ -588,8 +589,8 @@ TEST(RunConfig, Errors) {
             "run.sead: unknown key; did you mean 'seed'?");
   EXPECT_EQ(RunRefusal({{"seq_length", 8}, {"hidden_size", 8}}),
             "run.hidden_size: unknown key; allowed: seed, dtype, seq_length, "
-            "micro_batch_size, num_microbatches, recompute_granularity, train_iters, "
-            "global_batch_size");
+            "micro_batch_size, num_microbatches, recompute_granularity, recompute_method, "
+            "recompute_num_layers, recompute_modules, train_iters, global_batch_size");
   EXPECT_EQ(RunRefusal({{"seq_length", 8}, {"train_iters", 0}}).rfind("run.train_iters: ", 0), 0u);
   EXPECT_EQ(RunRefusal({{"seq_length", 8}, {"seed", -1}}),
             "run.seed: must be an integer >= 0, got -1");
@@ -616,6 +617,125 @@ TEST(RunConfig, Errors) {
             "run.recompute_granularity: must be \"full\", \"selective\" or null, got string \"Full\"");
   EXPECT_EQ(RunRefusal({{"seq_length", 8}, {"recompute_granularity", true}}),
             "run.recompute_granularity: must be \"full\", \"selective\" or null, got boolean true");
+}
+
+// Megatron's recompute keys: full with a method and its layer count, selective with modules,
+// and Megatron's grouping of a chunk's layers (recompute.py checkpointed_forward).
+TEST(RunConfig, RecomputeMethodsAndModules) {
+  RunConfig run;
+  ASSERT_TRUE(ParseRunSection({{"seq_length", 8},
+                               {"recompute_granularity", "full"},
+                               {"recompute_method", "uniform"},
+                               {"recompute_num_layers", 2}},
+                              &run)
+                  .ok());
+  EXPECT_EQ(run.recompute_method, RunConfig::RecomputeMethod::kUniform);
+  EXPECT_EQ(run.recompute_num_layers, 2);
+  EXPECT_EQ(RecomputeSummary(run), "full (uniform, 2 layers per group)");
+  // A chunk of 5 layers: groups [0, 2), [2, 4), [4] (the last one cut at the chunk's end).
+  const std::vector<int64_t> firsts = {0, 0, 2, 2, 4};
+  for (int64_t i = 0; i < 5; ++i) {
+    const RunConfig::RecomputeGroup group = run.GroupOf(i, 5);
+    EXPECT_TRUE(group.recomputed) << i;
+    EXPECT_EQ(group.first, firsts[static_cast<size_t>(i)]) << i;
+  }
+  ASSERT_TRUE(ParseRunSection({{"seq_length", 8},
+                               {"recompute_granularity", "full"},
+                               {"recompute_method", "block"},
+                               {"recompute_num_layers", 2}},
+                              &run)
+                  .ok());
+  EXPECT_EQ(RecomputeSummary(run), "full (block, 2 layers per chunk)");
+  // block: the chunk's first 2 layers, each alone; the rest kept.
+  for (int64_t i = 0; i < 5; ++i) {
+    const RunConfig::RecomputeGroup group = run.GroupOf(i, 5);
+    EXPECT_EQ(group.recomputed, i < 2) << i;
+    if (group.recomputed) EXPECT_EQ(group.first, i);
+  }
+  // Selective: Megatron's default ["core_attn"], or the modules given, in any order.
+  ASSERT_TRUE(
+      ParseRunSection({{"seq_length", 8}, {"recompute_granularity", "selective"}}, &run).ok());
+  EXPECT_TRUE(run.Recomputes(RunConfig::RecomputeModule::kCoreAttn));
+  EXPECT_FALSE(run.Recomputes(RunConfig::RecomputeModule::kMlp));
+  EXPECT_FALSE(run.GroupOf(0, 4).recomputed);
+  EXPECT_EQ(RecomputeSummary(run), "selective (core_attn)");
+  ASSERT_TRUE(ParseRunSection({{"seq_length", 8},
+                               {"recompute_granularity", "selective"},
+                               {"recompute_modules", {"mlp", "layernorm"}}},
+                              &run)
+                  .ok());
+  EXPECT_FALSE(run.Recomputes(RunConfig::RecomputeModule::kCoreAttn));
+  EXPECT_TRUE(run.Recomputes(RunConfig::RecomputeModule::kMlp));
+  EXPECT_TRUE(run.Recomputes(RunConfig::RecomputeModule::kLayernorm));
+  EXPECT_EQ(RecomputeSummary(run), "selective (layernorm, mlp)");
+  // The echo parses back to the same keys.
+  json echo;
+  ToJson(run, &echo);
+  EXPECT_EQ(echo["recompute_modules"], json({"mlp", "layernorm"}));
+  EXPECT_EQ(echo["recompute_method"], nullptr);
+  RunConfig again;
+  ASSERT_TRUE(ParseRunSection(echo, &again).ok());
+  EXPECT_EQ(again.recompute_modules, run.recompute_modules);
+}
+
+TEST(RunConfig, RecomputeRefusals) {
+  const json full = {{"seq_length", 8}, {"recompute_granularity", "full"}};
+  EXPECT_EQ(RunRefusal(full),
+            "run.recompute_method: recompute_granularity \"full\" needs \"uniform\" or "
+            "\"block\" (Megatron's rule); every layer recomputed alone, as before, is "
+            "\"recompute_method\": \"uniform\", \"recompute_num_layers\": 1");
+  json no_count = full;
+  no_count["recompute_method"] = "block";
+  EXPECT_EQ(RunRefusal(no_count),
+            "run.recompute_num_layers: recompute_granularity \"full\" needs the number of layers "
+            "recomputed per model chunk (Megatron's rule), e.g. 1");
+  no_count["recompute_method"] = "uniform";
+  EXPECT_EQ(RunRefusal(no_count),
+            "run.recompute_num_layers: recompute_granularity \"full\" needs the number of layers "
+            "per recomputed group (Megatron's rule), e.g. 1");
+  no_count["recompute_num_layers"] = 0;
+  EXPECT_EQ(RunRefusal(no_count), "run.recompute_num_layers: must be an integer >= 1, got 0");
+  json method = full;
+  method["recompute_method"] = "Uniform";
+  EXPECT_EQ(RunRefusal(method),
+            "run.recompute_method: must be \"uniform\", \"block\" or null, got string "
+            "\"Uniform\"");
+  const json selective = {{"seq_length", 8}, {"recompute_granularity", "selective"}};
+  json with_method = selective;
+  with_method["recompute_method"] = "uniform";
+  EXPECT_EQ(RunRefusal(with_method),
+            "run.recompute_method: is read only with recompute_granularity \"full\", got "
+            "recompute_granularity \"selective\"; set it to null");
+  json with_count = selective;
+  with_count["recompute_num_layers"] = 1;
+  EXPECT_EQ(RunRefusal(with_count),
+            "run.recompute_num_layers: must be null with recompute_granularity \"selective\" "
+            "(Megatron's rule); it counts fully recomputed layers");
+  EXPECT_EQ(RunRefusal({{"seq_length", 8}, {"recompute_num_layers", 1}}),
+            "run.recompute_num_layers: must be null with recompute_granularity null (Megatron's "
+            "rule); it counts fully recomputed layers");
+  json modules = selective;
+  modules["recompute_modules"] = {"core_attn", "mlp_act"};
+  EXPECT_EQ(RunRefusal(modules),
+            "run.recompute_modules[1]: must be one of \"core_attn\", \"layernorm\", \"mlp\", "
+            "\"moe_act\", \"moe\", \"shared_experts\", got string \"mlp_act\"");
+  modules["recompute_modules"] = {"mla_up_proj"};
+  EXPECT_EQ(RunRefusal(modules),
+            "run.recompute_modules[0]: \"mla_up_proj\" needs multi_latent_attention (MLA), which "
+            "mpusim does not model");
+  modules["recompute_modules"] = {"mlp", "mlp"};
+  EXPECT_EQ(RunRefusal(modules), "run.recompute_modules[1]: lists \"mlp\" twice");
+  modules["recompute_modules"] = "core_attn";
+  EXPECT_EQ(RunRefusal(modules),
+            "run.recompute_modules: must be null or a list of \"core_attn\", \"layernorm\", "
+            "\"mlp\", \"moe_act\", \"moe\", \"shared_experts\", got string \"core_attn\"");
+  json full_modules = full;
+  full_modules["recompute_method"] = "uniform";
+  full_modules["recompute_num_layers"] = 1;
+  full_modules["recompute_modules"] = {"core_attn"};
+  EXPECT_EQ(RunRefusal(full_modules),
+            "run.recompute_modules: is read only with recompute_granularity \"selective\", got "
+            "\"full\"; set it to null");
 }
 
 // The effective config a dump records: defaults written in (the file gives no seed, so the

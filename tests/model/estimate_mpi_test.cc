@@ -170,19 +170,29 @@ std::vector<Case> Layouts() {
     int64_t tp, pp, vp, cp, ep, etp;
     bool sp;
     const char* cp_comm = nullptr;    // the model's default: "p2p"
-    const char* recompute = nullptr;  // "full" at tp 2 without pp or cp, else none
+    // SetRecompute's spec; none: "full" at tp 2 without pp or cp, else none
+    const char* recompute = nullptr;
     bool qk_norm = false, fusion = false;
   };
   const std::vector<Layout> layouts = {
-      {"dense", 1, 1, 1, 1, 1, 0, false}, {"dense", 2, 1, 1, 1, 1, 0, true},
-      {"dense", 4, 1, 1, 1, 1, 0, false}, {"dense", 1, 2, 1, 1, 1, 0, false},
-      {"dense", 2, 2, 2, 1, 1, 0, true},  {"dense", 1, 4, 1, 1, 1, 0, false},
-      {"dense", 1, 1, 1, 2, 1, 0, false}, {"dense", 2, 1, 1, 2, 1, 0, true},
-      {"moe", 1, 1, 1, 1, 2, 0, false},   {"moe", 2, 1, 1, 1, 2, 1, true},
-      {"moe", 1, 2, 1, 1, 2, 0, false},   {"moe", 2, 1, 1, 1, 1, 1, true},
-      {"moe", 1, 1, 1, 1, 4, 0, false},   {"moe_a2a", 1, 1, 1, 1, 1, 0, false},
-      {"moe_a2a", 2, 1, 1, 1, 2, 1, true}, {"moe_a2a", 1, 2, 1, 1, 4, 0, false},
-      {"moe_capacity", 2, 1, 1, 1, 2, 0, true}, {"moe_capacity", 1, 1, 1, 1, 1, 0, false},
+      {"dense", 1, 1, 1, 1, 1, 0, false},
+      {"dense", 2, 1, 1, 1, 1, 0, true},
+      {"dense", 4, 1, 1, 1, 1, 0, false},
+      {"dense", 1, 2, 1, 1, 1, 0, false},
+      {"dense", 2, 2, 2, 1, 1, 0, true},
+      {"dense", 1, 4, 1, 1, 1, 0, false},
+      {"dense", 1, 1, 1, 2, 1, 0, false},
+      {"dense", 2, 1, 1, 2, 1, 0, true},
+      {"moe", 1, 1, 1, 1, 2, 0, false},
+      {"moe", 2, 1, 1, 1, 2, 1, true},
+      {"moe", 1, 2, 1, 1, 2, 0, false},
+      {"moe", 2, 1, 1, 1, 1, 1, true},
+      {"moe", 1, 1, 1, 1, 4, 0, false},
+      {"moe_a2a", 1, 1, 1, 1, 1, 0, false},
+      {"moe_a2a", 2, 1, 1, 1, 2, 1, true},
+      {"moe_a2a", 1, 2, 1, 1, 4, 0, false},
+      {"moe_capacity", 2, 1, 1, 1, 2, 0, true},
+      {"moe_capacity", 1, 1, 1, 1, 1, 0, false},
       {"odd", 1, 1, 1, 1, 1, 0, false},
       {"odd", 1, 2, 1, 1, 1, 0, false},
       {"wide", 1, 1, 1, 1, 1, 0, false},
@@ -196,6 +206,22 @@ std::vector<Case> Layouts() {
       {"dense", 2, 1, 1, 2, 1, 0, true, "p2p", "selective", true},
       {"dense", 1, 1, 1, 2, 1, 0, false, "all_gather", nullptr, true},
       {"dense", 2, 2, 1, 1, 1, 0, true, nullptr, "full", false, true},
+      // Full recomputation's methods (4 layers; 2 per chunk on pp 2): uniform groups of 2 and
+      // of 3 (the last one cut short), block over the first layer, and over 3 of an MoE
+      // model's layers.
+      {"dense", 1, 1, 1, 1, 1, 0, false, nullptr, "full uniform 2"},
+      {"dense", 1, 1, 1, 1, 1, 0, false, nullptr, "full uniform 3"},
+      {"dense", 1, 2, 1, 1, 1, 0, false, nullptr, "full uniform 2"},
+      {"dense", 2, 1, 1, 1, 1, 0, true, nullptr, "full block 1"},
+      {"dense", 1, 2, 1, 1, 1, 0, false, nullptr, "full block 1", true},
+      {"moe_a2a", 1, 1, 1, 1, 1, 0, false, nullptr, "full block 3"},
+      // Selective recompute_modules: the norms, the dense MLP, all three on a pipeline and
+      // with cp and the q/k norms, and an MoE model's norms.
+      {"dense", 1, 1, 1, 1, 1, 0, false, nullptr, "selective layernorm"},
+      {"dense", 2, 1, 1, 1, 1, 0, true, nullptr, "selective mlp"},
+      {"dense", 1, 2, 1, 1, 1, 0, false, nullptr, "selective core_attn,layernorm,mlp"},
+      {"dense", 2, 1, 1, 2, 1, 0, true, "p2p", "selective layernorm,mlp", true},
+      {"moe_a2a", 1, 1, 1, 1, 1, 0, false, nullptr, "selective layernorm,mlp"},
       {"odd", 1, 1, 1, 1, 1, 0, false, nullptr, nullptr, false, true},
   };
   for (const Layout& l : layouts) {
@@ -245,9 +271,9 @@ std::vector<Case> Layouts() {
       document["run"]["seq_length"] = (is_moe ? 32 : 8) * l.cp;
       document["run"]["num_microbatches"] = 2 * l.pp;
       if (l.recompute != nullptr) {
-        document["run"]["recompute_granularity"] = l.recompute;
+        SetRecompute(document["run"], l.recompute);
       } else if (l.tp == 2 && l.pp == 1 && l.cp == 1) {
-        document["run"]["recompute_granularity"] = "full";
+        SetRecompute(document["run"], "full");
       }
       if (l.cp_comm != nullptr) document["model"]["cp_comm_type"] = l.cp_comm;
       if (std::string(l.cp_comm == nullptr ? "" : l.cp_comm) == "a2a+p2p") {

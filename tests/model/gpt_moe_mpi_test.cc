@@ -246,7 +246,7 @@ TEST(GptMixtureOfExperts, TrainsWithTheDistributedOptimizer) {
     json document = Training(MoeDocument(model, 1, cp, 2, "float64"), "adam");
     document["run"]["train_iters"] = 3;
     document["optimizer"]["use_distributed_optimizer"] = true;
-    document["run"]["recompute_granularity"] = "full";
+    SetRecompute(document["run"], "full uniform 2");
     const run::SimulationResult result = RunChecked(document);
     EXPECT_EQ(result.iterations.size(), 3u);
     ExpectReferenceNorms(result);

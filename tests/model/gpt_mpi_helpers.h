@@ -88,6 +88,26 @@ inline json Llama(int64_t heads, int64_t groups) {
   return model;
 }
 
+// Sets the run's recompute keys from `spec`: "selective" (Megatron's default modules),
+// "selective <module>,<module>", "full" (every layer recomputed alone: uniform, 1 layer),
+// "full uniform <n>" or "full block <n>".
+inline void SetRecompute(json& run, const std::string& spec) {
+  std::istringstream words(spec);
+  std::string granularity, second;
+  int64_t n = 1;
+  words >> granularity >> second >> n;
+  run["recompute_granularity"] = granularity;
+  if (granularity == "full") {
+    run["recompute_method"] = second.empty() ? "uniform" : second;
+    run["recompute_num_layers"] = n;
+  } else if (!second.empty()) {
+    json modules = json::array();
+    std::istringstream names(second);
+    for (std::string name; std::getline(names, name, ',');) modules.push_back(name);
+    run["recompute_modules"] = modules;
+  }
+}
+
 inline json Document(const json& model, int64_t tp, bool sequence_parallel, const char* dtype,
               const char* recompute = nullptr) {
   // A global batch of 8 samples per micro-batch on every layout (16 on 16 ranks), so that
@@ -98,7 +118,7 @@ inline json Document(const json& model, int64_t tp, bool sequence_parallel, cons
               {"seq_length", 8},
               {"micro_batch_size", Samples() / dp},
               {"num_microbatches", 2}};
-  if (recompute != nullptr) run["recompute_granularity"] = recompute;
+  if (recompute != nullptr) SetRecompute(run, recompute);
   return {{"parallel",
            {{"world_size", WorldSize()},
             {"tensor_model_parallel_size", tp},

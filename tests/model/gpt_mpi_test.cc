@@ -471,20 +471,26 @@ TEST(GptMpi, Float32AndBFloat16) {
 }
 
 // Recomputation reruns the forward with the same masks: every recorded tensor is bit-identical.
-// Recomputation per (chunk, micro-batch) inside the backward step, on one stage and on a
-// pipeline of 2 stages x 2 virtual stages.
+// Recomputation per (chunk, micro-batch) inside the backward step, on one stage of 4 layers
+// and on a pipeline of 2 stages x 2 virtual stages: every layer alone, uniform groups of 2
+// and of 3 (the chunk's last group cut short), block over 1 and over 3 layers per chunk (all
+// of a pipeline chunk's), and selective: core attention, the norms, the MLP, all three.
 TEST(GptMpi, RecomputationIsBitIdentical) {
   const int64_t t = TensorParallelSizes().back();
-  std::vector<json> documents = {Document(Gpt(8, 8), t, t > 1, "float32")};
+  json four = Gpt(8, 8);
+  four["num_layers"] = 4;
+  std::vector<json> documents = {Document(four, t, t > 1, "float32")};
   if (WorldSize() % 2 == 0) documents.push_back(PipelineDocument(2, 2, 1, "float32"));
   for (const json& document : documents) {
     SCOPED_TRACE(document["parallel"].dump());
     StatusOr<run::SimulationResult> plain = Simulate(document, false);
     ASSERT_TRUE(plain.ok()) << plain.status().Message();
-    for (const char* granularity : {"full", "selective"}) {
-      SCOPED_TRACE(granularity);
+    for (const char* recompute :
+         {"full", "full uniform 2", "full uniform 3", "full block 1", "full block 3", "selective",
+          "selective layernorm", "selective mlp", "selective core_attn,layernorm,mlp"}) {
+      SCOPED_TRACE(recompute);
       json recomputed = document;
-      recomputed["run"]["recompute_granularity"] = granularity;
+      SetRecompute(recomputed["run"], recompute);
       StatusOr<run::SimulationResult> again = Simulate(recomputed, false);
       ASSERT_TRUE(again.ok()) << again.status().Message();
       ASSERT_EQ(plain->records.size(), again->records.size());

@@ -335,7 +335,10 @@ TEST(GraphVsReference, RecomputeIsBitIdentical) {
   json run = RunSection("float32", 8, 2, 2);
   const run::SimulationResult plain = RunChecked(
       {{"parallel", Parallel(WorldSize())}, {"model", model}, {"run", run}});
+  // The chain recomputes each chunk whole: one uniform group of all its layers.
   run["recompute_granularity"] = "full";
+  run["recompute_method"] = "uniform";
+  run["recompute_num_layers"] = model["layers"].size();
   const run::SimulationResult recomputed = RunChecked(
       {{"parallel", Parallel(WorldSize())}, {"model", model}, {"run", run}});
   ASSERT_EQ(plain.records.size(), recomputed.records.size());
@@ -717,6 +720,8 @@ TEST(GraphTraining, DropoutFrozenLayersNoLossAndMixedPrecision) {
   model["layers"][1]["frozen"] = true;
   json run = RunSection("float64", 8, 2, 2);
   run["recompute_granularity"] = "full";
+  run["recompute_method"] = "uniform";
+  run["recompute_num_layers"] = model["layers"].size();
   ExpectIterationsMatch(
       RunChecked(ChainTraining({{"parallel", Parallel(t, t > 1)}, {"model", model}, {"run", run}},
                                "adam", false)),
@@ -820,7 +825,11 @@ TEST(GraphPipeline, StashesFollowTheScheduleAndRecomputationIsBitIdentical) {
     document["run"].erase("train_iters");
     std::vector<double> losses;
     for (const bool recompute : {false, true}) {
-      if (recompute) document["run"]["recompute_granularity"] = "full";
+      if (recompute) {
+        document["run"]["recompute_granularity"] = "full";
+        document["run"]["recompute_method"] = "uniform";
+        document["run"]["recompute_num_layers"] = document["model"]["layers"].size();
+      }
       const run::SimulationResult result = RunChecked(document);
       losses.push_back(result.loss);
       StatusOr<PipelineSchedule> schedule = BuildPipelineSchedule(

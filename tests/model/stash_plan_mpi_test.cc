@@ -8,7 +8,9 @@
 //     each layer, the head) against GptModel::PlanStash of that part, so a failure names the
 //     module whose declaration is off.
 // Layouts: tp with sequence parallelism, each cp_comm_type, qk_layernorm, LayerNorm and
-// RMSNorm, both dropouts, selective and full recomputation, pp with vp, bfloat16, and MoE
+// RMSNorm, both dropouts, selective and full recomputation (every layer alone, uniform groups
+// of 2 and 3, block over 1, 2 and 3 layers per chunk; selective "layernorm" and "mlp"), pp
+// with vp, bfloat16, and MoE
 // layers (both dispatchers, the experts on the tp group or apart, a shared expert) where no
 // rank can be routed unevenly (ep 1 without a capacity), so balanced routing is exact.
 #include <fmt/format.h>
@@ -151,6 +153,22 @@ TEST(StashPlan, EveryChunkHoldsWhatItsModulesDeclare) {
       {"moe", 2, 1, 1, 1, 1, nullptr, nullptr, "bfloat16"},
       {"moe_a2a", 1, 1, 1, 1, 0},
       {"moe_a2a", 2, 1, 1, 1, 1, nullptr, "full"},
+      // Full recomputation's methods: uniform groups of 2, of 3 (the last group cut at the
+      // chunk's end; on pp 2 one group per chunk), block over 1 and 2 layers of each chunk.
+      {"dense", 1, 1, 1, 1, 0, nullptr, "full uniform 2"},
+      {"dense", 1, 1, 1, 1, 0, nullptr, "full uniform 3", "float32", false, true},
+      {"dense", 2, 2, 1, 1, 0, nullptr, "full uniform 3", "bfloat16"},
+      {"dense", 1, 2, 2, 1, 0, nullptr, "full block 1"},
+      {"dense", 2, 1, 1, 1, 0, nullptr, "full block 2"},
+      {"moe", 1, 1, 1, 1, 0, nullptr, "full block 3"},
+      {"moe_a2a", 1, 1, 1, 1, 0, nullptr, "full uniform 2"},
+      // Selective recompute_modules: the norms (LayerNorm's mean too), the dense MLP, all
+      // three with a cp ring and the q/k norms, and on MoE layers (whose MLP "mlp" leaves).
+      {"dense", 2, 1, 1, 1, 0, nullptr, "selective layernorm", "float32", false, true},
+      {"dense", 1, 1, 1, 1, 0, nullptr, "selective mlp", "bfloat16"},
+      {"dense", 2, 1, 1, 2, 0, "p2p", "selective core_attn,layernorm,mlp", "float32", true},
+      {"moe", 2, 1, 1, 1, 0, nullptr, "selective layernorm,mlp"},
+      {"moe_a2a", 1, 2, 1, 1, 0, nullptr, "selective mlp,layernorm,core_attn"},
   };
   int64_t compared = 0;
   for (const Layout& l : layouts) {
@@ -199,7 +217,9 @@ TEST(StashPlan, EveryChunkHoldsWhatItsModulesDeclare) {
     ASSERT_TRUE(cut.ok()) << cut.status().Message();
     (*cut)->InitializeParameters(*ctx.kernels);
     (*cut)->BeginStep(ctx, 0, false);
-    const StashPlan layer = TransformerLayer::PlanStash(gpt, shape, dtype, config->run->recompute);
+    // Each part a chunk of its own: a layer is its chunk's first (and only) one.
+    const StashPlan layer =
+        TransformerLayer::PlanStash(gpt, shape, dtype, LayerRecompute::Of(*config->run, 0, 1));
     for (size_t c = 0; c < parts.size(); ++c) {
       const std::vector<StashPlan> layers(parts[c].layers.size(), layer);
       const StashPlan declared = GptModel::PlanStash(gpt, shape, dtype, parts[c], layers);
