@@ -791,6 +791,77 @@ TEST(EstimateCommand, DistributedOptimizerAndRefusals) {
 // 32 half-blocks a causal mask keeps of 16 x 16 tiles of 128, forward, recomputed forward and
 // a backward of 2.5 x; plus the logits 3 x), its tp collectives, the gradient all-reduce's
 // bytes and time, and the step's parts adding up.
+// The step time counts the forward of exactly what recomputation reruns (GPT-3 175B, 6 layers
+// per stage): uniform groups of any size recompute every layer once, so their recompute_s and
+// tp collectives are uniform 1's; block n recomputes n of a stage's 6 layers (n / 6 of them;
+// all 6 past 6); the selective modules' parts add up to all three together. Compute, the
+// forward and backward without the reruns, is the same under every option.
+TEST(EstimateCommand, RecomputationCountsWhatIsRecomputed) {
+  json config = json::parse(std::ifstream(Sample("gpt3_175b_t8_p16_n1024.json")));
+  config["run"] = {{"seq_length", 2048}, {"micro_batch_size", 1}, {"global_batch_size", 1536}};
+  struct Measured {
+    double recompute_s, compute_s, tp_count;
+  };
+  int written = 0;
+  const auto estimate = [&](const json& keys) {
+    json c = config;
+    c["run"].update(keys);
+    const Result r = Mpusim(
+        {"estimate", WriteTemp(fmt::format("mpusim_recompute_time.{}.json", written++), c.dump()),
+         "--gpu", "a100-80gb", "--format", "json"});
+    EXPECT_EQ(r.code, 0) << keys.dump() << ": " << r.err;
+    if (r.code != 0) return Measured{0, 0, 0};
+    const json doc = json::parse(r.out);
+    EXPECT_EQ(doc.at("recompute").at("recompute_granularity"),
+              keys.value("recompute_granularity", json(nullptr)));
+    return Measured{doc.at("time").at("recompute_s").get<double>(),
+                    doc.at("time").at("compute_s").get<double>(),
+                    doc.at("communication")[0].at("count").get<double>()};
+  };
+  const auto full = [](const char* method, int64_t n) {
+    return json{{"recompute_granularity", "full"},
+                {"recompute_method", method},
+                {"recompute_num_layers", n}};
+  };
+  const Measured none = estimate(json::object());
+  const Measured every = estimate(full("uniform", 1));
+  ASSERT_GT(every.recompute_s, 0);
+  EXPECT_EQ(none.recompute_s, 0);
+  const double extra_tp = every.tp_count - none.tp_count;
+  ASSERT_GT(extra_tp, 0);
+  for (const int64_t n : {2, 4, 6, 96}) {
+    const Measured m = estimate(full("uniform", n));
+    EXPECT_NEAR(m.recompute_s, every.recompute_s, 1e-12 * every.recompute_s) << "uniform " << n;
+    EXPECT_EQ(m.tp_count, every.tp_count) << "uniform " << n;
+  }
+  for (const int64_t n : {1, 2, 3, 5, 6, 7}) {
+    const Measured m = estimate(full("block", n));
+    const double share = static_cast<double>(std::min<int64_t>(n, 6)) / 6;
+    EXPECT_NEAR(m.recompute_s, share * every.recompute_s, 1e-12 * every.recompute_s)
+        << "block " << n;
+    EXPECT_NEAR(m.tp_count, none.tp_count + share * extra_tp, 1e-9) << "block " << n;
+    EXPECT_NEAR(m.compute_s, none.compute_s, 1e-12 * none.compute_s) << "block " << n;
+  }
+  const auto selective = [](json modules) {
+    return json{{"recompute_granularity", "selective"}, {"recompute_modules", modules}};
+  };
+  const Measured core = estimate(selective({"core_attn"}));
+  const Measured norms = estimate(selective({"layernorm"}));
+  const Measured mlp = estimate(selective({"mlp"}));
+  const Measured all = estimate(selective({"mlp", "core_attn", "layernorm"}));
+  EXPECT_EQ(estimate(selective(json::array())).recompute_s, 0);
+  EXPECT_GT(core.recompute_s, 0);
+  EXPECT_GT(norms.recompute_s, 0);
+  // The MLP's forward GEMMs are more than its norms' memory passes and less than the layer's.
+  EXPECT_GT(mlp.recompute_s, norms.recompute_s);
+  EXPECT_LT(mlp.recompute_s, every.recompute_s);
+  EXPECT_NEAR(all.recompute_s, core.recompute_s + norms.recompute_s + mlp.recompute_s,
+              1e-12 * all.recompute_s);
+  // The MLP's rerun repeats its tp collective (one per layer and micro-batch of the stage).
+  EXPECT_EQ(mlp.tp_count - none.tp_count, 6 * 1536 / 8);
+  EXPECT_NEAR(all.compute_s, none.compute_s, 1e-12 * none.compute_s);
+}
+
 TEST(EstimateCommand, StepTimeOfGpt3MatchesCountsByHand) {
   const Result r = Mpusim({"estimate", Sample("gpt3_175b_t8_p16_n1024.json"),
                            "--global-batch-size", "1536", "--recompute", "full", "--gpu",
