@@ -273,13 +273,6 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
                              "\"moe_act\" needs model.moe_grouped_gemm true "
                              "(Megatron's rule)");
       }
-      if (m != RunConfig::RecomputeModule::kCoreAttn &&
-          m != RunConfig::RecomputeModule::kLayernorm && m != RunConfig::RecomputeModule::kMlp) {
-        return Status::Error(field, fmt::format("\"{}\" is Megatron's but mpusim does not "
-                                                "recompute it yet; it recomputes \"core_attn\", "
-                                                "\"layernorm\" and \"mlp\"",
-                                                RecomputeModuleName(m)));
-      }
     }
   }
   // Megatron's checks of the combined 1F1B schedule that need the model and the run

@@ -97,6 +97,14 @@ StatusOr<std::vector<StageActivations>> EstimateStageActivations(
     const double attention_split = T * e * (q + 2 * kv + q) / t;
     moe_layer = whole + attention_split + scores + gathered + router + experts + combine + shared;
     if (selective_core) moe_layer -= scores + gathered;
+    // Selective "moe": the layer keeps its input alone (in `whole`); "moe_act": not the
+    // activation's output; "shared_experts": not the shared expert's tensors.
+    if (run.Recomputes(RunConfig::RecomputeModule::kMoe)) {
+      moe_layer -= router + experts + combine + shared;
+    } else {
+      if (run.Recomputes(RunConfig::RecomputeModule::kMoeAct)) moe_layer -= n * fm * x / etp;
+      if (run.Recomputes(RunConfig::RecomputeModule::kSharedExperts)) moe_layer -= shared;
+    }
   }
   // Selective "layernorm": neither norm's output is kept (QKV's and fc1's or the MoE layer's
   // input); "mlp": a dense layer's MLP keeps its input alone (not fc1's output, fc2's input).

@@ -38,11 +38,13 @@ MoeCost MoeForward(const GptConfig& g, const Sizes& x, const DerivedSizes& sz,
   const double grouped = moe.grouped_gemm ? local : 1, launches = moe.grouped_gemm ? 1 : local;
   c.Linear(per_expert, f1 / etp, h, x.fp8, grouped, launches);
   c.Linear(per_expert, h, f / etp, x.fp8, grouped, launches);
-  c.bytes += rows * (f1 + f) * e;            // the activation function
+  out.activation.bytes = rows * (f1 + f) * e;  // the activation function
+  c.bytes += out.activation.bytes;
   c.bytes += 2 * (Tn * h * e + rows * h * e);  // permute and unpermute: read one, write the other
   if (moe.shared_expert_intermediate_size) {
     const double fs = static_cast<double>(*moe.shared_expert_intermediate_size);
-    c += MlpForward(x, IsGated(g.activation) ? 2 * fs : fs, fs);
+    out.shared = MlpForward(x, IsGated(g.activation) ? 2 * fs : fs, fs);
+    c += out.shared;
   }
   // The alltoall dispatcher's second permutation (token_dispatcher.py dispatch_postprocess
   // and combine_preprocess, sort_chunks_by_idxs): with more than one local expert the rows

@@ -21,6 +21,8 @@ struct MoeCost {
   Cost compute;          // GEMMs, memory-bound kernels and the shared expert's tp collective
   Cost router;           // of `compute`: the router (Megatron's pre-dispatch part)
   Cost experts;          // of `compute`: the rest (the experts, permutation, shared expert)
+  Cost activation;       // of `experts`: the experts' activation function
+  Cost shared;           // of `experts`: the shared expert's MLP (empty without one)
   double exchange_s = 0;  // the dispatcher's exchanges of one pass (the backward's mirror them)
   int64_t exchanges = 0;  // collectives per pass
   double exchange_bytes = 0;  // what this rank sends per pass

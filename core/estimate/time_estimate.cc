@@ -205,6 +205,17 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
       norms.bytes = 2 * (2 * x.region_tokens() * x.h * x.e);
       recompute += Times(Recomputed(norms), layers);
     }
+    if (run.Recomputes(RunConfig::RecomputeModule::kMoe)) {
+      // The whole MoE layer again ("moe"; its exchanges below); or its parts.
+      recompute += Times(Recomputed(moe.compute), n_moe);
+    } else {
+      if (run.Recomputes(RunConfig::RecomputeModule::kMoeAct)) {
+        recompute += Times(Recomputed(moe.activation), n_moe);
+      }
+      if (run.Recomputes(RunConfig::RecomputeModule::kSharedExperts)) {
+        recompute += Times(Recomputed(moe.shared), n_moe);
+      }
+    }
     if (run.Recomputes(RunConfig::RecomputeModule::kMlp)) {
       // A dense layer's MLP again (Megatron recomputes no MoE layer's under "mlp").
       recompute += Times(Recomputed(MlpForward(x, static_cast<double>(g.Fc1Rows()),
@@ -220,6 +231,11 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     const auto [bc, bm] = seconds(backward, &gemm_peak_s_of[at]);
     const auto n = static_cast<double>(layers), n_ep = static_cast<double>(n_moe);
     const auto r_n = static_cast<double>(r_all), r_ep = static_cast<double>(r_moe);
+    // The MoE layers whose exchanges run again: recomputed whole (full), or selective "moe".
+    const int64_t ep_reruns = full                                               ? r_moe
+                              : run.Recomputes(RunConfig::RecomputeModule::kMoe) ? n_moe
+                                                                                 : 0;
+    const auto e_ep = static_cast<double>(ep_reruns);
     // The hidden tp seconds: every layer's forward, backward and (full) recomputed forward.
     const double hidden_forward = (n - n_ep) * tpo.dense_forward + n_ep * tpo.moe_forward;
     const double hidden_backward = (n - n_ep) * tpo.dense_backward + n_ep * tpo.moe_backward +
@@ -229,13 +245,13 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     const double cp_again = (full ? r_n : selective_core ? n : 0) * cp_forward;
     costs.forward.push_back(fc + fm - hidden_forward + n * cp_forward + n_ep * ep_forward);
     costs.backward.push_back(bc + bm - hidden_backward + n * cp_backward + cp_again +
-                             n_ep * ep_backward + r_ep * ep_forward);
+                             n_ep * ep_backward + e_ep * ep_forward);
     recompute_s_of[at] = seconds(recompute).first;
     compute_of[at] = fc + bc - recompute_s_of[at];
     comm_of[at] = fm + bm - hidden_forward - hidden_backward;
     tp_hidden_of[at] = hidden_forward + hidden_backward;
     cp_of[at] = n * (cp_forward + cp_backward) + cp_again;
-    ep_of[at] = n_ep * (ep_forward + ep_backward) + r_ep * ep_forward;
+    ep_of[at] = n_ep * (ep_forward + ep_backward) + e_ep * ep_forward;
     flops_of[at] = forward.TotalFlops() + backward.TotalFlops();
     for (const Cost* c : {&forward, &backward}) {
       for (const Gemm& m : c->gemms) gemm_flops_of[at] += m.times * m.shape.Flops();
@@ -244,7 +260,7 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     recompute_of[at] = recompute;
     moe_layers_of[at] = n_moe;
     cp_again_of[at] = full ? r_all : selective_core ? layers : 0;
-    ep_again_of[at] = r_moe;
+    ep_again_of[at] = ep_reruns;
   }
   // The activation (or its gradient) a stage sends: [s, b, h], a tp rank's 1/t of it with
   // sequence parallelism.

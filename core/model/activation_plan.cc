@@ -207,8 +207,9 @@ StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
   // backward starts) or, selective (TransformerLayer::Backward), core attention's (after
   // linear_proj's backward, kept until the layer's end), each norm's output and statistics
   // ("layernorm": the pre-MLP norm's before the MLP's backward, the input norm's before the
-  // attention's, both kept until the layer's end) and the dense MLP's inner tensors ("mlp":
-  // for the MLP's backward alone). `mlp_point`: the most the layer's MLP's backward holds.
+  // attention's, both kept until the layer's end), the dense MLP's inner tensors ("mlp":
+  // for the MLP's backward alone) or an MoE layer's (below). `mlp_point`: the most the layer's
+  // MLP's backward holds.
   const double norm_rebuilt = run.Recomputes(RunConfig::RecomputeModule::kLayernorm)
                                   ? stream + Norm::PlanStash(g.normalization, Rs, run.dtype).bytes()
                                   : 0;
@@ -216,9 +217,21 @@ StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
                                  ? Bytes(Mlp::PlanStash(g, shape, run.dtype), "fc1_out") +
                                        Bytes(Mlp::PlanStash(g, shape, run.dtype), "fc2_in.")
                                  : 0;
+  // An MoE layer's ("moe_act": the experts' activation; "shared_experts": the shared
+  // expert's tensors; "moe": all of its stash but its input), for its backward alone.
+  double moe_rebuilt = 0;
+  for (const StashTensor& tensor : declared.moe.tensors()) {
+    const bool shared = tensor.name.starts_with("shared_");
+    if (run.Recomputes(RunConfig::RecomputeModule::kMoe)
+            ? tensor.name != "x"
+            : (run.Recomputes(RunConfig::RecomputeModule::kMoeAct) && tensor.name == "act") ||
+                  (run.Recomputes(RunConfig::RecomputeModule::kSharedExperts) && shared)) {
+      moe_rebuilt += tensor.bytes();
+    }
+  }
   const auto working_of = [&](double rebuilt, double mlp_point, bool dense) {
     const double rebuilt_core = rebuilt + (selective_core ? core : 0);
-    const double mlp_side = norm_rebuilt + (dense ? mlp_rebuilt : 0);
+    const double mlp_side = norm_rebuilt + (dense ? mlp_rebuilt : moe_rebuilt);
     return stream /*dy*/ +
            Max({rebuilt + mlp_side + mlp_point, rebuilt + 2 * norm_rebuilt + proj_point,
                 rebuilt_core + 2 * norm_rebuilt + Max({attention_point, qkv_point})});

@@ -219,6 +219,24 @@ void MoeLayer::Route(const ModuleContext& ctx, const Tensor& top_scores, Stash* 
   }
 }
 
+void MoeLayer::RecomputeActivation(const ModuleContext& ctx, Stash* st) const {
+  if (!st->fc1_out.defined()) return;  // no rows routed here
+  const int64_t f = fc2_.front()->value.cols();
+  st->act = ctx.k.Empty({st->fc1_out.rows(), f}, st->fc1_out.dtype());
+  ctx.k.ActivationForward(activation_, st->fc1_out, st->act);
+}
+
+void MoeLayer::RecomputeSharedExpert(const ModuleContext& ctx, Stash* st) const {
+  if (!shared_fc1_) return;
+  Kernels& k = ctx.k;
+  // As Forward runs it; its output is not needed again.
+  st->shared_fc1_out = shared_fc1_->Forward(ctx, st->shared_fc1_in.input, &st->shared_fc1_in);
+  const Tensor& a = st->shared_fc1_out;
+  Tensor act = k.Empty({a.rows(), IsGated(activation_) ? a.cols() / 2 : a.cols()}, a.dtype());
+  k.ActivationForward(activation_, a, act);
+  shared_fc2_->Forward(ctx, act, &st->shared_fc2_in);
+}
+
 Tensor MoeLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* st) const {
   Kernels& k = ctx.k;
   const int64_t T = x.rows(), h = x.cols(), E = moe_.num_experts, K = moe_.router_topk;

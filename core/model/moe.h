@@ -85,6 +85,11 @@ class MoeLayer {
                              int64_t etp, double rows, double sent);
   Tensor Forward(const ModuleContext& ctx, const Tensor& x, Stash* stash) const;
   Tensor Backward(const ModuleContext& ctx, const Tensor& dy, const Stash& stash) const;
+  // Selective recomputation (transformer_layer.h): the experts' activation again from their
+  // fc1 output ("moe_act"), and the shared expert's forward again from the layer's input
+  // (st->shared_fc1_in.input; "shared_experts"), each refilling `st`.
+  void RecomputeActivation(const ModuleContext& ctx, Stash* st) const;
+  void RecomputeSharedExpert(const ModuleContext& ctx, Stash* st) const;
   // The last forward's dispatch: for each of this rank's experts, the tokens it received
   // from each rank of the dispatch group (group rank order); empty before a forward.
   const std::vector<std::vector<int64_t>>& received() const { return received_; }

@@ -22,6 +22,9 @@ TransformerLayer::TransformerLayer(const GptConfig& gpt, int64_t layer, Paramete
       keep_core_(!run.Recomputes(RunConfig::RecomputeModule::kCoreAttn)),
       recompute_norms_(run.Recomputes(RunConfig::RecomputeModule::kLayernorm)),
       recompute_mlp_(run.Recomputes(RunConfig::RecomputeModule::kMlp)),
+      recompute_moe_act_(run.Recomputes(RunConfig::RecomputeModule::kMoeAct)),
+      recompute_shared_(run.Recomputes(RunConfig::RecomputeModule::kSharedExperts)),
+      recompute_moe_(run.Recomputes(RunConfig::RecomputeModule::kMoe)),
       input_norm_(MakeNorm(gpt, prefix_ + ".input_layernorm", params)),
       attention_(gpt, prefix_ + ".self_attention", params, t),
       pre_mlp_norm_(MakeNorm(gpt, prefix_ + ".pre_mlp_layernorm", params)) {
@@ -91,6 +94,19 @@ Tensor TransformerLayer::ForwardInner(const ModuleContext& ctx, const Tensor& x,
     in->mlp.fc1_out = Tensor();
     in->mlp.fc2_in = RowParallelLinear::Stash{};
   }
+  if (moe_ && recompute_moe_) {
+    // The MoE layer keeps its input (ln2) alone (Megatron's checkpoint around the layer).
+    MoeLayer::Stash kept;
+    kept.x = in->moe.x;
+    kept.shared_fc1_in = in->moe.shared_fc1_in;
+    in->moe = std::move(kept);
+  } else if (moe_) {
+    if (recompute_moe_act_) in->moe.act = Tensor();
+    if (recompute_shared_) {
+      in->moe.shared_fc1_out = Tensor();
+      in->moe.shared_fc2_in = RowParallelLinear::Stash{};
+    }
+  }
   if (recompute_norms_) {
     // x1 stays (the residual's and the norm's input); ln2, wherever the MLP or the MoE layer
     // keeps it, and the statistics go.
@@ -120,6 +136,9 @@ LayerRecompute LayerRecompute::Kept(const RunConfig& run) {
   r.core_attn = run.Recomputes(RunConfig::RecomputeModule::kCoreAttn);
   r.layernorm = run.Recomputes(RunConfig::RecomputeModule::kLayernorm);
   r.mlp = run.Recomputes(RunConfig::RecomputeModule::kMlp);
+  r.moe_act = run.Recomputes(RunConfig::RecomputeModule::kMoeAct);
+  r.shared_experts = run.Recomputes(RunConfig::RecomputeModule::kSharedExperts);
+  r.moe = run.Recomputes(RunConfig::RecomputeModule::kMoe);
   return r;
 }
 
@@ -171,8 +190,11 @@ StashPlan TransformerLayer::PlanStash(const GptConfig& gpt, const StreamShape& s
     const bool norm_stats =
         name.starts_with("norm1.") || (name.starts_with("norm2.") && name != "norm2.input");
     const bool mlp_inner = name == "mlp.fc1_out" || name == "mlp.fc2_in.input";
+    const bool moe_inner = name.starts_with("moe.") && name != "moe.x";
+    const bool shared = name == "moe.shared_fc1_out" || name == "moe.shared_fc2_in.input";
     return (recompute.layernorm && (norm_output || norm_stats)) ||
-           (recompute.mlp && moe == nullptr && mlp_inner);
+           (recompute.mlp && moe == nullptr && mlp_inner) || (recompute.moe && moe_inner) ||
+           (recompute.moe_act && name == "moe.act") || (recompute.shared_experts && shared);
   };
   for (const StashTensor& tensor : inner.tensors()) {
     if (!dropped(tensor.name)) plan.Add("inner." + tensor.name, tensor.shape, tensor.dtype);
@@ -195,15 +217,34 @@ Tensor TransformerLayer::Backward(const ModuleContext& ctx, const Tensor& dy, St
       in.mlp.fc1_in.input = ln2;
     } else {
       in.moe.x = ln2;
-      if (in.moe.shared_fc1_out.defined()) in.moe.shared_fc1_in.input = ln2;
+      in.moe.shared_fc1_in.input = ln2;  // the shared expert's input, if the layer has one
     }
   }
   if (mlp_ && recompute_mlp_) mlp_->Forward(quiet, in.mlp.fc1_in.input, &in.mlp);
+  if (moe_ && recompute_moe_) {
+    // The whole MoE layer again: router, dispatch (real exchanges), experts, shared expert.
+    moe_->Forward(quiet, in.moe.x, &in.moe);
+  } else if (moe_) {
+    if (recompute_moe_act_) moe_->RecomputeActivation(quiet, &in.moe);
+    if (recompute_shared_) moe_->RecomputeSharedExpert(quiet, &in.moe);
+  }
   const Tensor dln2 = mlp_ ? mlp_->Backward(ctx, dmlp, in.mlp) : moe_->Backward(ctx, dmlp, in.moe);
   if (mlp_ && recompute_mlp_) {
     // What the MLP's forward rebuilt goes with its backward.
     in.mlp.fc1_out = Tensor();
     in.mlp.fc2_in = RowParallelLinear::Stash{};
+  }
+  if (moe_ && recompute_moe_) {
+    MoeLayer::Stash kept;
+    kept.x = in.moe.x;
+    kept.shared_fc1_in = in.moe.shared_fc1_in;
+    in.moe = std::move(kept);
+  } else if (moe_) {
+    if (recompute_moe_act_) in.moe.act = Tensor();
+    if (recompute_shared_) {
+      in.moe.shared_fc1_out = Tensor();
+      in.moe.shared_fc2_in = RowParallelLinear::Stash{};
+    }
   }
   RecordStream(ctx, ".pre_mlp_layernorm.output_grad", dln2);
   // x1 feeds both the MLP branch and the residual.

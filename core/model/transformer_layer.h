@@ -12,8 +12,10 @@
 // recompute_modules names: core attention's stash (SelfAttention), the norms' outputs and
 // statistics (Megatron's CheckpointWithoutOutput around input_layernorm and
 // pre_mlp_layernorm), the dense MLP's inner tensors (tensor_parallel.checkpoint around the
-// MLP), each rebuilt in the backward. All give bit-identical gradients: the masks are pure
-// functions of global indices.
+// MLP), an MoE layer's experts' activation (experts.py's CheckpointWithoutOutput around the
+// activation), its shared expert's tensors (shared_experts.py) or all of it (moe_layer.py's
+// checkpoint around the layer), each rebuilt in the backward. All give bit-identical gradients: the
+// masks are pure functions of global indices.
 #pragma once
 
 #include <optional>
@@ -41,6 +43,10 @@ struct LayerRecompute {
   // Selective "mlp" (a dense layer's; Megatron ignores it on an MoE layer): the MLP keeps
   // only its input and reruns its forward before its backward.
   bool mlp = false;
+  // Selective, on an MoE layer: "moe_act" the experts' activation output (rebuilt from their
+  // fc1 output), "shared_experts" the shared expert's tensors, "moe" the whole layer's (it
+  // keeps its input alone); each rebuilt before the MoE layer's backward, freed after it.
+  bool moe_act = false, shared_experts = false, moe = false;
   // Layer `index` (0-based) of a model chunk of `chunk_layers` layers under `run`.
   static LayerRecompute Of(const RunConfig& run, int64_t index, int64_t chunk_layers);
   // A layer that full recomputation leaves alone (Keep::kAll), under `run`'s selective keys.
@@ -95,6 +101,7 @@ class TransformerLayer {
   double hidden_dropout_;
   bool keep_core_;                        // false: selective recomputation of core attention
   bool recompute_norms_, recompute_mlp_;  // selective "layernorm", "mlp"
+  bool recompute_moe_act_, recompute_shared_, recompute_moe_;  // "moe_act", ..., "moe"
   Norm input_norm_;
   SelfAttention attention_;
   Norm pre_mlp_norm_;

@@ -1103,6 +1103,26 @@ TEST(EstimateCommand, StepTimeOfMoeLayersMatchesCountsByHand) {
   const json full = estimate(recompute, "full");
   ASSERT_TRUE(full.is_object());
   EXPECT_NEAR(full.at("time").at("ep_comm_s").get<double>() / (M * L * 3 * 2 * a2a), 1, 1e-12);
+  // Selective "moe" reruns every MoE layer (here all of them) whole: the same exchanges and
+  // recomputation as full recomputation of the layers' MoE part; "moe_act" reruns only the
+  // experts' SwiGLU, a memory pass over each rank's 4096 rows (reads fc1's 2f, writes f).
+  json selective = config;
+  selective["run"]["recompute_granularity"] = "selective";
+  selective["run"]["recompute_modules"] = {"moe"};
+  const json moe_layer = estimate(selective, "selective_moe");
+  ASSERT_TRUE(moe_layer.is_object());
+  EXPECT_NEAR(moe_layer.at("time").at("ep_comm_s").get<double>() / (M * L * 3 * 2 * a2a), 1, 1e-12);
+  EXPECT_GT(moe_layer.at("time").at("recompute_s").get<double>(), 0);
+  EXPECT_LT(moe_layer.at("time").at("recompute_s").get<double>(),
+            full.at("time").at("recompute_s").get<double>());
+  selective["model"]["moe_grouped_gemm"] = true;
+  selective["run"]["recompute_modules"] = {"moe_act"};
+  const json act = estimate(selective, "selective_moe_act");
+  ASSERT_TRUE(act.is_object());
+  EXPECT_NEAR(act.at("time").at("recompute_s").get<double>() /
+                  (M * L * Tn * k * (2 * f + f) * e / (3350e9 * 0.8)),
+              1, 1e-9);
+  EXPECT_NEAR(act.at("time").at("ep_comm_s").get<double>() / (M * L * 2 * 2 * a2a), 1, 1e-12);
   // The text shows the exchange as a part of the pipeline.
   const Result text = Mpusim({"estimate", WriteTemp("mpusim_time_moe_text.json", config.dump()),
                               "--gpu", "h100-80gb"});

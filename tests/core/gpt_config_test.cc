@@ -323,8 +323,7 @@ TEST(GptConfig, LayerCountHasOneSource) {
             "are model.num_layers: drop parallel.num_layers");
 }
 
-// recompute_modules' rules that need the model: Megatron's moe_act needs the grouped GEMM;
-// the modules mpusim does not recompute yet are refused by name, not ignored.
+// recompute_modules' rules that need the model: Megatron's moe_act needs the grouped GEMM.
 TEST(GptConfig, RecomputeModulesNeedWhatTheyRecompute) {
   GptConfig gpt;
   json section = Minimal();
@@ -346,16 +345,10 @@ TEST(GptConfig, RecomputeModulesNeedWhatTheyRecompute) {
   EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
             "run.recompute_modules[1]: \"moe_act\" needs model.moe_grouped_gemm true (Megatron's "
             "rule)");
-  for (const M m : {M::kMoeAct, M::kMoe, M::kSharedExperts}) {
-    copy = gpt;
-    copy.moe.grouped_gemm = true;
-    run.recompute_modules = {{m}};
-    EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
-              fmt::format("run.recompute_modules[0]: \"{}\" is Megatron's but mpusim does not "
-                          "recompute it yet; it recomputes \"core_attn\", \"layernorm\" and "
-                          "\"mlp\"",
-                          RecomputeModuleName(m)));
-  }
+  copy = gpt;
+  copy.moe.grouped_gemm = true;
+  run.recompute_modules = {{M::kMoeAct, M::kMoe, M::kSharedExperts, M::kLayernorm}};
+  EXPECT_TRUE(CheckGptLayout(parallel, run, &copy).ok());
 }
 
 TEST(GptConfig, LayoutChecks) {

@@ -143,6 +143,8 @@ std::vector<Case> Layouts() {
   // on every second layer, with the grouped GEMM's weights.
   json moe_a2a = moe;
   moe_a2a["moe_token_dispatcher_type"] = "alltoall";
+  json moe_gg = moe_a2a;  // the experts' weights as one grouped GEMM (moe_act needs it)
+  moe_gg["moe_grouped_gemm"] = true;
   json moe_capacity = dense;
   moe_capacity["num_moe_experts"] = 4;
   moe_capacity["moe_router_topk"] = 1;
@@ -222,6 +224,13 @@ std::vector<Case> Layouts() {
       {"dense", 1, 2, 1, 1, 1, 0, false, nullptr, "selective core_attn,layernorm,mlp"},
       {"dense", 2, 1, 1, 2, 1, 0, true, "p2p", "selective layernorm,mlp", true},
       {"moe_a2a", 1, 1, 1, 1, 1, 0, false, nullptr, "selective layernorm,mlp"},
+      // The MoE modules: the experts' activation, the shared expert, the whole layer (with
+      // ep 2 its exchanges again), and with the norms on a pipeline.
+      {"moe_gg", 1, 1, 1, 1, 1, 0, false, nullptr, "selective moe_act"},
+      {"moe_gg", 2, 1, 1, 1, 1, 1, true, nullptr, "selective moe_act,shared_experts"},
+      {"moe_a2a", 1, 1, 1, 1, 1, 0, false, nullptr, "selective moe"},
+      {"moe_a2a", 1, 1, 1, 1, 2, 0, false, nullptr, "selective moe"},
+      {"moe", 1, 2, 1, 1, 1, 0, false, nullptr, "selective moe,layernorm"},
       {"odd", 1, 1, 1, 1, 1, 0, false, nullptr, nullptr, false, true},
   };
   for (const Layout& l : layouts) {
@@ -252,6 +261,7 @@ std::vector<Case> Layouts() {
                                      2}}) {
       const json& model = name == "moe"            ? moe
                           : name == "moe_a2a"      ? moe_a2a
+                          : name == "moe_gg"       ? moe_gg
                           : name == "moe_capacity" ? moe_capacity
                           : name == "odd"          ? odd
                           : name == "wide"         ? wide

@@ -474,20 +474,46 @@ TEST(GptMpi, Float32AndBFloat16) {
 // Recomputation per (chunk, micro-batch) inside the backward step, on one stage of 4 layers
 // and on a pipeline of 2 stages x 2 virtual stages: every layer alone, uniform groups of 2
 // and of 3 (the chunk's last group cut short), block over 1 and over 3 layers per chunk (all
-// of a pipeline chunk's), and selective: core attention, the norms, the MLP, all three.
+// of a pipeline chunk's), and selective: core attention, the norms, the MLP, all three; on
+// mixture-of-experts layers the whole layer, the experts' activation and the shared expert.
 TEST(GptMpi, RecomputationIsBitIdentical) {
   const int64_t t = TensorParallelSizes().back();
   json four = Gpt(8, 8);
   four["num_layers"] = 4;
-  std::vector<json> documents = {Document(four, t, t > 1, "float32")};
-  if (WorldSize() % 2 == 0) documents.push_back(PipelineDocument(2, 2, 1, "float32"));
-  for (const json& document : documents) {
+  // Mixture-of-experts layers 0, 2, 3 (a shared expert, the grouped GEMM, the alltoall
+  // dispatcher), dense layer 1.
+  json moe = Llama(8, 4);
+  moe["num_layers"] = 4;
+  moe["num_moe_experts"] = 4;
+  moe["moe_router_topk"] = 2;
+  moe["moe_ffn_hidden_size"] = 16;
+  moe["moe_shared_expert_intermediate_size"] = 16;
+  moe["moe_grouped_gemm"] = true;
+  moe["moe_token_dispatcher_type"] = "alltoall";
+  moe["moe_layer_freq"] = json::array({1, 0, 1, 1});
+  const std::vector<const char*> dense_options = {"full",
+                                                  "full uniform 2",
+                                                  "full uniform 3",
+                                                  "full block 1",
+                                                  "full block 3",
+                                                  "selective",
+                                                  "selective layernorm",
+                                                  "selective mlp",
+                                                  "selective core_attn,layernorm,mlp"};
+  const std::vector<const char*> moe_options = {"full uniform 2", "selective moe",
+                                                "selective moe_act,shared_experts",
+                                                "selective moe,layernorm,core_attn,mlp"};
+  std::vector<std::pair<json, std::vector<const char*>>> documents = {
+      {Document(four, t, t > 1, "float32"), dense_options},
+      {Document(moe, t, t > 1, "float32"), moe_options}};
+  if (WorldSize() % 2 == 0) {
+    documents.push_back({PipelineDocument(2, 2, 1, "float32"), dense_options});
+  }
+  for (const auto& [document, options] : documents) {
     SCOPED_TRACE(document["parallel"].dump());
     StatusOr<run::SimulationResult> plain = Simulate(document, false);
     ASSERT_TRUE(plain.ok()) << plain.status().Message();
-    for (const char* recompute :
-         {"full", "full uniform 2", "full uniform 3", "full block 1", "full block 3", "selective",
-          "selective layernorm", "selective mlp", "selective core_attn,layernorm,mlp"}) {
+    for (const char* recompute : options) {
       SCOPED_TRACE(recompute);
       json recomputed = document;
       SetRecompute(recomputed["run"], recompute);

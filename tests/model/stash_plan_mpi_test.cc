@@ -41,7 +41,7 @@ using nlohmann::json;
 using namespace gpt_mpi;
 
 struct Layout {
-  const char* model;            // "dense", "moe" (allgather), "moe_a2a"
+  const char* model;            // "dense", "moe" (allgather), "moe_a2a", "moe_gg" (grouped GEMM)
   int64_t tp, pp, vp, cp, etp;  // etp 0: tp's
   const char* cp_comm = nullptr;
   const char* recompute = nullptr;
@@ -77,6 +77,7 @@ std::optional<Config> LayoutConfig(const Layout& l) {
     model["moe_shared_expert_intermediate_size"] = 16;
     model["moe_layer_freq"] = json::array({1, 0, 1, 1});
     if (std::string(l.model) == "moe_a2a") model["moe_token_dispatcher_type"] = "alltoall";
+    if (std::string(l.model) == "moe_gg") model["moe_grouped_gemm"] = true;
   }
   if (l.cp_comm != nullptr) model["cp_comm_type"] = l.cp_comm;
   json document = Document(model, l.tp, l.tp > 1, l.dtype, l.recompute);
@@ -169,6 +170,13 @@ TEST(StashPlan, EveryChunkHoldsWhatItsModulesDeclare) {
       {"dense", 2, 1, 1, 2, 0, "p2p", "selective core_attn,layernorm,mlp", "float32", true},
       {"moe", 2, 1, 1, 1, 0, nullptr, "selective layernorm,mlp"},
       {"moe_a2a", 1, 2, 1, 1, 0, nullptr, "selective mlp,layernorm,core_attn"},
+      // The MoE modules: the experts' activation, the shared expert, the whole layer, and
+      // with the norms.
+      {"moe_gg", 1, 1, 1, 1, 0, nullptr, "selective moe_act"},
+      {"moe", 2, 1, 1, 1, 0, nullptr, "selective shared_experts"},
+      {"moe_a2a", 1, 1, 1, 1, 0, nullptr, "selective moe"},
+      {"moe", 2, 1, 1, 1, 1, nullptr, "selective moe,layernorm", "bfloat16"},
+      {"moe_gg", 2, 1, 1, 1, 0, nullptr, "selective moe_act,shared_experts,layernorm"},
   };
   int64_t compared = 0;
   for (const Layout& l : layouts) {
