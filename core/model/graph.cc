@@ -223,16 +223,26 @@ Tensor Graph::Impl::ForwardStep(const StepCall& call, const Tensor& input, Stash
   // Micro-batch m of iteration k reads the data of global micro-batch k*M + m.
   stash.batch = MakeBatch(ctx, current_iteration * run.num_microbatches + m,
                           first == 0 && needs_tokens, end == n && needs_labels);
-  stash.input = input;
-  stash.rng_before = ctx.rng.GetStates();
-  const Tensor output = ForwardLayers(ctx, first, end, input, stash.batch, true);
+  const int64_t count = end - first;
+  stash.slots.assign(static_cast<size_t>(count), SlotTensors());
+  stash.group_input.assign(static_cast<size_t>(count), Tensor());
+  stash.group_rng.assign(static_cast<size_t>(count), RngTracker::States());
+  Tensor x = input;
   for (int64_t i = first; i < end; ++i) {
+    // Activation checkpointing (Megatron's CheckpointFunction over a group of layers) keeps
+    // only a recomputed group's input and the tracker's state before it.
+    const RunConfig::RecomputeGroup group = run.GroupOf(i - first, count);
+    const auto at = static_cast<size_t>(i - first);
+    if (group.recomputed && group.first == i - first) {
+      stash.group_input[at] = x;
+      stash.group_rng[at] = ctx.rng.GetStates();
+    }
+    x = ForwardLayers(ctx, i, i + 1, x, stash.batch, true);
     LayerSlot& slot = layers[static_cast<size_t>(i)];
-    // Activation checkpointing keeps only the chunk's input (and the tracker's state).
-    if (run.recompute != RunConfig::Recompute::kFull) stash.slots.push_back(slot);
+    if (!group.recomputed) stash.slots[at] = slot;
     static_cast<SlotTensors&>(slot) = SlotTensors();
   }
-  return end == n ? Tensor() : output;
+  return end == n ? Tensor() : x;
 }
 
 Tensor Graph::Impl::BackwardStep(const StepCall& call, const Tensor& output_grad,
@@ -240,22 +250,28 @@ Tensor Graph::Impl::BackwardStep(const StepCall& call, const Tensor& output_grad
   RankContext& ctx = call.ctx;
   const int64_t m = call.microbatch;
   const int64_t first = First(call.chunk), end = End(call.chunk);
-  if (run.recompute == RunConfig::Recompute::kFull) {
-    // Recompute the chunk's forward with the random streams as they were (Megatron's
-    // CheckpointFunction), then put the streams back. Its collectives are real: they stay in
-    // the trace, as forward.
-    const SpanRecorder recompute(*call.spans, call.chunk, m, true, true);
-    const RngTracker::States now = ctx.rng.GetStates();
-    ctx.rng.SetStates(stash.rng_before);
-    ForwardLayers(ctx, first, end, stash.input, stash.batch, false);
-    ctx.rng.SetStates(now);
-  } else {
-    for (int64_t i = first; i < end; ++i) {
-      static_cast<SlotTensors&>(layers[static_cast<size_t>(i)]) =
-          stash.slots[static_cast<size_t>(i - first)];
+  const int64_t count = end - first;
+  // Backward segment by segment, last first: a kept layer from its stash; a recomputed group
+  // after its forward again, with the random streams as they were before it (then put back).
+  // Its collectives are real: they stay in the trace, as forward.
+  Tensor input_grad = output_grad;
+  for (int64_t stop = end; stop > first;) {
+    const RunConfig::RecomputeGroup group = run.GroupOf(stop - 1 - first, count);
+    const int64_t start = group.recomputed ? first + group.first : stop - 1;
+    if (group.recomputed) {
+      const SpanRecorder recompute(*call.spans, call.chunk, m, true, true);
+      const RngTracker::States now = ctx.rng.GetStates();
+      ctx.rng.SetStates(stash.group_rng[static_cast<size_t>(group.first)]);
+      ForwardLayers(ctx, start, stop, stash.group_input[static_cast<size_t>(group.first)],
+                    stash.batch, false);
+      ctx.rng.SetStates(now);
+    } else {
+      static_cast<SlotTensors&>(layers[static_cast<size_t>(start)]) =
+          stash.slots[static_cast<size_t>(start - first)];
     }
+    input_grad = BackwardLayers(ctx, start, stop, input_grad, stash.batch);
+    stop = start;
   }
-  const Tensor input_grad = BackwardLayers(ctx, first, end, output_grad, stash.batch);
   if (m + 1 == run.num_microbatches) {
     // The last micro-batch's tensors stay for the records; tokens and labels as float64
     // [s, b] (what dumps and the check hold).

@@ -58,8 +58,9 @@ class Graph final : public Model {
   // training iteration `iteration`: micro-batch m reads global micro-batch iteration*M + m's
   // data and synthetic tensors, and the RNG tracker starts where `iteration` earlier
   // iterations left it, so a repeated step computes the same; main_grad starts from zero. A
-  // step of chunk c runs the layers of its virtual stage c * p + pp_rank (recomputing the
-  // forward first in the backward when run.recompute is "full"); the chain keeps the last
+  // step of chunk c runs the layers of its virtual stage c * p + pp_rank (under "full"
+  // recomputation, each group of the chunk's layers that run.recompute_method picks keeps
+  // only its input and runs its forward again before its backward); the chain keeps the last
   // micro-batch's tensors for Records whatever `record` says. EndStep checks that the
   // tracker advanced by one iteration's draws and sums the loss over the stages.
   void BeginStep(RankContext& ctx, int64_t iteration, bool record) override;

@@ -164,10 +164,14 @@ struct Graph::Impl {
   // This rank (InitializeParameters).
   int64_t pp_rank = 0;
   struct Stash : StepStash {
-    std::vector<SlotTensors> slots;  // the chunk's layers; with recompute, nothing
-    Tensor input;                    // the chunk's input (undefined on the first stage)
+    // Per layer of the chunk: its tensors, empty for a layer that full recomputation reruns
+    // (run.recompute_method over the chunk's layers, RunConfig::GroupOf); for the first layer
+    // of a recomputed group, the group's input (undefined on the first stage) and the
+    // tracker's state before it.
+    std::vector<SlotTensors> slots;
+    std::vector<Tensor> group_input;
+    std::vector<RngTracker::States> group_rng;
     Batch batch;
-    RngTracker::States rng_before;  // the tracker before the forward, for recomputation
   };
   int64_t current_iteration = 0;
   // Results.

@@ -208,26 +208,6 @@ StatusOr<std::unique_ptr<Graph>> Graph::Build(const Config& config, const Topolo
   impl->run = *config.run;
   impl->grad_dtype = PrecisionOf(config).main_grad;
   MPUSIM_RETURN_IF_ERROR(impl->Plan(topology));
-  if (config.run->recompute == RunConfig::Recompute::kFull) {
-    // The chain recomputes each model chunk as one group from its input (graph.cc): Megatron's
-    // uniform method with a group as long as the longest chunk. A shorter group or the block
-    // method is not what the chain runs, so it is refused rather than ignored.
-    int64_t longest = 0;
-    for (size_t u = 0; u + 1 < impl->stage_start.size(); ++u) {
-      longest = std::max(longest, impl->stage_start[u + 1] - impl->stage_start[u]);
-    }
-    if (config.run->recompute_method != RunConfig::RecomputeMethod::kUniform ||
-        config.run->recompute_num_layers.value_or(0) < longest) {
-      return Status::Error(
-          config.run->recompute_method != RunConfig::RecomputeMethod::kUniform
-              ? "run.recompute_method"
-              : "run.recompute_num_layers",
-          fmt::format("a layer chain recomputes each model chunk whole: use "
-                      "\"recompute_method\": \"uniform\" with recompute_num_layers >= its "
-                      "longest chunk's {} layers",
-                      longest));
-    }
-  }
   if (sizes.pp > 1) {
     StatusOr<PipelineSchedule> schedule = BuildPipelineSchedule(
         sizes.pp, config.parallel.virtual_pipeline_model_parallel_size,

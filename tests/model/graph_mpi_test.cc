@@ -335,24 +335,34 @@ TEST(GraphVsReference, RecomputeIsBitIdentical) {
   json run = RunSection("float32", 8, 2, 2);
   const run::SimulationResult plain = RunChecked(
       {{"parallel", Parallel(WorldSize())}, {"model", model}, {"run", run}});
-  // The chain recomputes each chunk whole: one uniform group of all its layers.
-  run["recompute_granularity"] = "full";
-  run["recompute_method"] = "uniform";
-  run["recompute_num_layers"] = model["layers"].size();
-  const run::SimulationResult recomputed = RunChecked(
-      {{"parallel", Parallel(WorldSize())}, {"model", model}, {"run", run}});
-  ASSERT_EQ(plain.records.size(), recomputed.records.size());
+  // The whole chunk as one group (the chain's layers), groups of 2 and 3 (the last one cut),
+  // block over the first 1 and 4 layers.
+  const std::vector<std::pair<const char*, int64_t>> options = {
+      {"uniform", static_cast<int64_t>(model["layers"].size())},
+      {"uniform", 2},
+      {"uniform", 3},
+      {"block", 1},
+      {"block", 4}};
   int compared = 0;
-  for (size_t i = 0; i < plain.records.size(); ++i) {
-    const TensorRecord& a = plain.records[i];
-    const TensorRecord& b = recomputed.records[i];
-    ASSERT_EQ(a.name, b.name);
-    if (a.name.find("_grad") == std::string::npos) continue;
-    ASSERT_EQ(a.tensor.bytes(), b.tensor.bytes()) << a.name;
-    EXPECT_EQ(std::memcmp(a.tensor.data(), b.tensor.data(), a.tensor.bytes()), 0) << a.name;
-    ++compared;
+  for (const auto& [method, n] : options) {
+    SCOPED_TRACE(fmt::format("{} {}", method, n));
+    run["recompute_granularity"] = "full";
+    run["recompute_method"] = method;
+    run["recompute_num_layers"] = n;
+    const run::SimulationResult recomputed =
+        RunChecked({{"parallel", Parallel(WorldSize())}, {"model", model}, {"run", run}});
+    ASSERT_EQ(plain.records.size(), recomputed.records.size());
+    for (size_t i = 0; i < plain.records.size(); ++i) {
+      const TensorRecord& a = plain.records[i];
+      const TensorRecord& b = recomputed.records[i];
+      ASSERT_EQ(a.name, b.name);
+      if (a.name.find("_grad") == std::string::npos) continue;
+      ASSERT_EQ(a.tensor.bytes(), b.tensor.bytes()) << a.name;
+      EXPECT_EQ(std::memcmp(a.tensor.data(), b.tensor.data(), a.tensor.bytes()), 0) << a.name;
+      ++compared;
+    }
   }
-  EXPECT_GT(compared, 5);
+  EXPECT_GT(compared, 5 * 5);
 }
 
 // The Megatron paper's count: per MLP block one all-reduce forward and one backward; with
@@ -824,11 +834,17 @@ TEST(GraphPipeline, StashesFollowTheScheduleAndRecomputationIsBitIdentical) {
     document.erase("optimizer");
     document["run"].erase("train_iters");
     std::vector<double> losses;
-    for (const bool recompute : {false, true}) {
-      if (recompute) {
+    // No recomputation; each chunk whole; every chain layer alone; the first of each chunk.
+    const std::vector<std::pair<const char*, int64_t>> options = {
+        {"", 0},
+        {"uniform", static_cast<int64_t>(document["model"]["layers"].size())},
+        {"uniform", 1},
+        {"block", 1}};
+    for (const auto& [method, n] : options) {
+      if (n > 0) {
         document["run"]["recompute_granularity"] = "full";
-        document["run"]["recompute_method"] = "uniform";
-        document["run"]["recompute_num_layers"] = document["model"]["layers"].size();
+        document["run"]["recompute_method"] = method;
+        document["run"]["recompute_num_layers"] = n;
       }
       const run::SimulationResult result = RunChecked(document);
       losses.push_back(result.loss);
@@ -840,7 +856,7 @@ TEST(GraphPipeline, StashesFollowTheScheduleAndRecomputationIsBitIdentical) {
                                         : std::min<int64_t>(l.pp - r, 4);
       EXPECT_EQ(result.peak_stashes, expected) << "pp rank " << r;
     }
-    EXPECT_EQ(losses[0], losses[1]);
+    for (size_t i = 1; i < losses.size(); ++i) EXPECT_EQ(losses[0], losses[i]) << i;
   }
 }
 
