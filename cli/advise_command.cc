@@ -472,6 +472,10 @@ class AdviseCommand : public Command {
       j["recompute_granularity"] = l.recompute == RunConfig::Recompute::kNone
                                        ? nlohmann::ordered_json(nullptr)
                                        : nlohmann::ordered_json(RecomputeName(l.recompute));
+      // "full" is every layer recomputed alone (AdviseOptions::recompute).
+      const bool full = l.recompute == RunConfig::Recompute::kFull;
+      j["recompute_method"] = full ? nlohmann::ordered_json("uniform") : nullptr;
+      j["recompute_num_layers"] = full ? nlohmann::ordered_json(1) : nullptr;
       j[key(ParallelKey(&P::sequence_parallel))] = l.sequence_parallel;
       j["use_distributed_optimizer"] = l.distributed_optimizer;
       j["tp_comm_overlap"] = l.tp_comm_overlap;

@@ -1497,6 +1497,8 @@ TEST(AdviseCommand, RanksFittingLayoutsAsEstimateJudgesThem) {
         EXPECT_LE(l.at("headroom_bytes").get<double>(), layouts[i - 1].at("headroom_bytes"));
       }
       EXPECT_EQ(l.at("recompute_granularity"), "full");
+      EXPECT_EQ(l.at("recompute_method"), "uniform");
+      EXPECT_EQ(l.at("recompute_num_layers"), 1);
       const int64_t cp = l.at("context_parallel_size").get<int64_t>();
       EXPECT_LE(cp, max_cp);
       with_cp += cp > 1 ? 1 : 0;
@@ -2071,7 +2073,8 @@ TEST(RunCommand, TracePageEmbedsTheTraceEvents) {
 
 // With activation recomputation every recomputation is a "recompute" slice ("R<chunk>.<mb>")
 // nested in the backward step of the same chunk and micro-batch on the same rank: one per
-// layer of the GPT model (full or selective), one per chunk of a layer chain.
+// recomputed group (each GPT layer under uniform 1, each chunk of a layer chain under one
+// group as long as it) or per core attention (selective).
 TEST(RunCommand, TraceNestsRecomputationsInTheirBackwardSteps) {
   struct Case {
     const char* sample;
