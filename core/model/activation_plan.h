@@ -8,8 +8,10 @@
 //   - stashes: the declared stash of every (chunk, micro-batch) forwarded and not yet
 //     backwarded (GptModel::PlanStash of the chunk, TransformerLayer::PlanStash per layer);
 //   - working: the backward step's own tensors, at the largest of the points where the
-//     gradients of its first layer peak (see activation_plan.cc), with that layer's recomputed
-//     tensors under recomputation, or the head's backward;
+//     gradients of a layer peak (see activation_plan.cc), walking the chunk's layers in the
+//     backward's order: what recomputation rebuilt and still holds (full: the layer's group;
+//     selective: the recompute_modules' tensors), less what the layers already backwarded
+//     freed; or the head's backward;
 //   - transfers: the pipeline plan (core/pipeline/pipeline_plan.h) replayed as the MPI walk
 //     runs it: a received tensor until its step takes it, a sent one until the walk ends.
 // The peak is the largest stashes + working + transfers at the start of a backward step.

@@ -183,7 +183,8 @@ StashPlan TransformerLayer::PlanStash(const GptConfig& gpt, const StreamShape& s
     inner.Add("mlp", Mlp::PlanStash(gpt, shape, dtype));
   }
   // What selective recomputation drops (Forward): the norms' outputs (where their consumers
-  // keep them) and statistics; the dense MLP's tensors but its input.
+  // keep them) and statistics; the dense MLP's tensors but its input; the MoE layer's
+  // activation output, shared expert, or all of it but its input.
   const auto dropped = [&](const std::string& name) {
     const bool norm_output = name == "attention.qkv_in.input" || name == "mlp.fc1_in.input" ||
                              name == "moe.x" || name == "moe.shared_fc1_in.input";
