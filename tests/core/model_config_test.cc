@@ -650,7 +650,9 @@ TEST(RunConfig, RecomputeMethodsAndModules) {
   for (int64_t i = 0; i < 5; ++i) {
     const RunConfig::RecomputeGroup group = run.GroupOf(i, 5);
     EXPECT_EQ(group.recomputed, i < 2) << i;
-    if (group.recomputed) EXPECT_EQ(group.first, i);
+    if (group.recomputed) {
+      EXPECT_EQ(group.first, i);
+    }
   }
   // Selective: Megatron's default ["core_attn"], or the modules given, in any order.
   ASSERT_TRUE(
