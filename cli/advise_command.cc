@@ -256,6 +256,23 @@ class AdviseCommand : public Command {
         par.erase(key);
       }
       using P = ParallelConfig;
+      // advise chooses pp (and vp) itself and splits the layers evenly; an uneven split is
+      // tied to one pp, so it is refused rather than dropped.
+      for (const std::string_view key :
+           {std::string_view("pipeline_model_parallel_layout"),  // a Codec field: no member key
+            ParallelKey(&P::decoder_first_pipeline_num_layers),
+            ParallelKey(&P::decoder_last_pipeline_num_layers),
+            ParallelKey(&P::account_for_embedding_in_pipeline_split),
+            ParallelKey(&P::account_for_loss_in_pipeline_split)}) {
+        const auto it = par.find(std::string(key));
+        if (it == par.end() || it->is_null() || *it == false) continue;
+        return ReportError(err, path_,
+                           fmt::format("parallel.{}: advise searches even pipeline splits only "
+                                       "(it chooses pipeline_model_parallel_size itself); "
+                                       "remove the key, or check this split with mpusim "
+                                       "estimate",
+                                       key));
+      }
       for (const std::string_view key :
            {ParallelKey(&P::tensor_model_parallel_size),
             ParallelKey(&P::pipeline_model_parallel_size),

@@ -36,8 +36,7 @@ ordered_json SizesJson(const Topology& topology) {
 ordered_json LayersJson(const Topology& topology) {
   const ParallelConfig& c = topology.config();
   if (!c.num_layers) return nullptr;
-  auto layers = AssignLayers(c.pipeline_model_parallel_size,
-                             c.virtual_pipeline_model_parallel_size, *c.num_layers);
+  auto layers = AssignLayers(c.Split(), *c.num_layers);
   if (!layers.ok()) return nullptr;
   ordered_json j;
   j["num_layers"] = *c.num_layers;

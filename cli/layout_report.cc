@@ -195,9 +195,9 @@ void PrintLayoutText(const Topology& topology, const LayoutReportOptions& option
                      local.empty() ? "none" : fmt::format("{}", fmt::join(local, ", ")));
 
   if (c.num_layers) {
-    auto layers = AssignLayers(c.pipeline_model_parallel_size,
-                               c.virtual_pipeline_model_parallel_size, *c.num_layers);
+    auto layers = AssignLayers(c.Split(), *c.num_layers);
     out << fmt::format("\nlayer assignment ({} layers", *c.num_layers);
+    if (!c.Split().Even()) out << ", " << DescribeSplit(c.Split());
     if (!layers.ok()) {
       out << fmt::format("): not possible: {}\n", layers.status().Message());
     } else {
@@ -277,8 +277,7 @@ void PrintRankText(const Topology& topology, int64_t rank, const LayoutReportOpt
                      coords.etp, s.etp, coords.ep, s.ep, coords.edp, s.edp, coords.pp, s.pp);
   const ParallelConfig& c = topology.config();
   if (c.num_layers) {
-    auto layers = AssignLayers(c.pipeline_model_parallel_size,
-                               c.virtual_pipeline_model_parallel_size, *c.num_layers);
+    auto layers = AssignLayers(c.Split(), *c.num_layers);
     if (layers.ok()) {
       out << "  layers:            ";
       for (const auto& chunk : (*layers)[static_cast<size_t>(coords.pp)]) {

@@ -217,56 +217,6 @@ std::string FormatRank(const PipelineSchedule& schedule, int64_t pp_rank) {
   return out;
 }
 
-StatusOr<std::vector<std::vector<std::vector<int64_t>>>> AssignLayers(
-    int64_t pipeline_model_parallel_size,
-    std::optional<int64_t> virtual_pipeline_model_parallel_size, int64_t num_layers) {
-  const int64_t pp_size = pipeline_model_parallel_size;
-  MPUSIM_RETURN_IF_ERROR(RequirePositive("pipeline_model_parallel_size", pp_size));
-  if (virtual_pipeline_model_parallel_size.has_value()) {
-    MPUSIM_RETURN_IF_ERROR(RequirePositive("virtual_pipeline_model_parallel_size",
-                                           *virtual_pipeline_model_parallel_size));
-    if (pp_size == 1) {
-      return Status::Error("virtual_pipeline_model_parallel_size",
-                           "pipeline-model-parallel size should be greater than 1 with "
-                           "interleaved schedule (pipeline_model_parallel_size is 1); leave it "
-                           "unset");
-    }
-  }
-  MPUSIM_RETURN_IF_ERROR(RequirePositive("num_layers", num_layers));
-  if (num_layers > kMaxAssignedLayers) {
-    return Status::Error("num_layers",
-                         fmt::format("the assignment lists every layer; at most {} layers, got {}",
-                                     kMaxAssignedLayers, num_layers));
-  }
-
-  const int64_t num_chunks = virtual_pipeline_model_parallel_size.value_or(1);
-  // Written as divisions so that absurd sizes cannot overflow p*v.
-  if (pp_size > num_layers || num_chunks > num_layers / pp_size ||
-      num_layers % (pp_size * num_chunks) != 0) {
-    const std::string divisor =
-        virtual_pipeline_model_parallel_size.has_value()
-            ? "pipeline_model_parallel_size * virtual_pipeline_model_parallel_size = " +
-                  Str(pp_size) + " * " + Str(num_chunks)
-            : "pipeline_model_parallel_size = " + Str(pp_size);
-    return Status::Error("num_layers",
-                         "must be divisible by " + divisor + ", got " + Str(num_layers));
-  }
-
-  const int64_t layers_per_chunk = num_layers / (pp_size * num_chunks);
-  std::vector<std::vector<std::vector<int64_t>>> layers(static_cast<size_t>(pp_size));
-  for (int64_t pp_rank = 0; pp_rank < pp_size; ++pp_rank) {
-    auto& rank_layers = layers[static_cast<size_t>(pp_rank)];
-    for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
-      const int64_t virtual_stage = chunk * pp_size + pp_rank;
-      std::vector<int64_t>& chunk_layers = rank_layers.emplace_back();
-      for (int64_t i = 1; i <= layers_per_chunk; ++i) {
-        chunk_layers.push_back(virtual_stage * layers_per_chunk + i);
-      }
-    }
-  }
-  return layers;
-}
-
 double ScheduleTiming::BubbleFraction() const {
   double busy = 0;
   for (size_t r = 0; r < start.size(); ++r) {

@@ -1,5 +1,5 @@
 // Pipeline schedules: Megatron-Core's 1F1B and interleaved 1F1B as per-pipeline-rank tables of
-// forward and backward steps, and the virtual-pipeline assignment of layers to ranks.
+// forward and backward steps.
 //
 // This is the *order* in which each pipeline rank runs its compute, reproduced exactly from
 // Megatron-Core (checked against tests/data/golden/schedules). It is not a timing model, it
@@ -43,6 +43,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/pipeline_split.h"
 #include "core/status.h"
 
 namespace mpusim {
@@ -85,11 +86,9 @@ struct PipelineSchedule {
   bool CombinedPairAt(int64_t pp_rank, size_t i) const;
 };
 
-// The schedule lists every step of every rank, and the layer assignment every layer; these
-// bound what they list (far beyond any real run: 2^24 steps, 2^20 layers), so that absurd
-// sizes are refused instead of exhausting memory.
+// The schedule lists every step of every rank; this bounds what it lists (far beyond any real
+// run: 2^24 steps), so that absurd sizes are refused instead of exhausting memory.
 inline constexpr int64_t kMaxScheduleSteps = int64_t{1} << 24;
-inline constexpr int64_t kMaxAssignedLayers = int64_t{1} << 20;
 
 // Builds every rank's schedule. Refuses, naming the field and what is allowed:
 //   more than kMaxScheduleSteps steps in all (pp * 2 * M * v);
@@ -152,18 +151,6 @@ struct StageCosts {
 };
 ScheduleTiming TimeSchedule(const PipelineSchedule& schedule, const StageCosts& costs);
 
-// Megatron's virtual-pipeline layer assignment, 1-based layer numbers:
-// result[pp_rank][chunk] = that chunk's layers, L / (p*v) consecutive ones. Virtual stage
-// s = chunk*p + pp_rank holds layers s*L/(p*v) + 1 .. (s+1)*L/(p*v), so the activations of
-// chunk c leave rank p-1 for chunk c+1 on rank 0, matching the schedule's dataflow.
-// Megatron's example, p = 4, v = 2, L = 16:
-//   rank 0: [1, 2] [9, 10]    rank 1: [3, 4] [11, 12]
-//   rank 2: [5, 6] [13, 14]   rank 3: [7, 8] [15, 16]
-// Without v, each rank gets one chunk of L/p consecutive layers. Refuses sizes below 1, v
-// given with p == 1 (no interleaved schedule could run it), L not divisible by p*v and L
-// above kMaxAssignedLayers.
-StatusOr<std::vector<std::vector<std::vector<int64_t>>>> AssignLayers(
-    int64_t pipeline_model_parallel_size,
-    std::optional<int64_t> virtual_pipeline_model_parallel_size, int64_t num_layers);
+// The layer assignment (AssignLayers) is core/pipeline_split.h's.
 
 }  // namespace mpusim

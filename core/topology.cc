@@ -363,7 +363,11 @@ Status CheckScheduleKeys(const ParallelConfig& config) {
                                        p, *config.microbatch_group_size_per_vp_stage));
     }
   }
-  if (config.num_layers) {
+  if (config.num_layers && !config.Split().Even()) {
+    // An uneven split's own checks (Megatron's), naming its key.
+    StatusOr<LayerAssignment> layers = AssignLayers(config.Split(), *config.num_layers);
+    if (!layers.ok()) return layers.status();
+  } else if (config.num_layers) {
     const int64_t stages = ProductCapped({p, vp.value_or(1)}, *config.num_layers);
     if (*config.num_layers % stages != 0) {
       return Status::Error("parallel.num_layers",

@@ -549,9 +549,8 @@ Status PlanTrackerDraws(const GptConfig& gpt, const ParallelConfig& parallel, co
   // Each pipeline rank draws from its own tracker in the order it runs its forwards
   // (reference/tracker_draws.h).
   const int64_t p = parallel.pipeline_model_parallel_size;
-  const std::optional<int64_t> v = parallel.virtual_pipeline_model_parallel_size;
   StatusOr<std::vector<std::vector<std::vector<int64_t>>>> layers =
-      AssignLayers(p, v, gpt.num_layers);
+      AssignLayers(parallel.Split(), gpt.num_layers);
   if (!layers.ok()) return layers.status();
   // Per pp rank and chunk, one forward's draws on each stream.
   std::vector<std::vector<std::array<int64_t, 2>>> draws(static_cast<size_t>(p));

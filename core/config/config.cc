@@ -269,6 +269,13 @@ Status ParseConfig(const nlohmann::json& document, Config* out) {
                                        "layers are model.num_layers: drop parallel.num_layers",
                                        *given, config.gpt->num_layers));
     }
+    // An uneven pipeline split is checked against the layers here, so that every subcommand
+    // refuses the same configs (the even split's divisibility stays the model's check).
+    if (!config.parallel.Split().Even()) {
+      StatusOr<LayerAssignment> layers =
+          AssignLayers(config.parallel.Split(), config.gpt->num_layers);
+      if (!layers.ok()) return layers.status();
+    }
   }
   MPUSIM_RETURN_IF_ERROR(ResolveStorageDType(config.parallel, config.run ? &*config.run : nullptr));
   if (config.run) MPUSIM_RETURN_IF_ERROR(ResolveGlobalBatch(config.parallel, &*config.run));

@@ -218,6 +218,12 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
   MPUSIM_RETURN_IF_ERROR(divisible("num_attention_heads", gpt->num_attention_heads));
   MPUSIM_RETURN_IF_ERROR(divisible("num_query_groups", gpt->num_query_groups));
   MPUSIM_RETURN_IF_ERROR(divisible("ffn_hidden_size", gpt->ffn_hidden_size));
+  if (!parallel.Split().Even()) {
+    // An uneven pipeline split's checks that need the layer count (Megatron's); the even
+    // split's are the model's (GptModel::Build), as before.
+    StatusOr<LayerAssignment> layers = AssignLayers(parallel.Split(), gpt->num_layers);
+    if (!layers.ok()) return layers.status();
+  }
   if (parallel.sequence_parallel && run.seq_length % t != 0) {
     return Status::Error("run.seq_length",
                          fmt::format("{} is not divisible by tensor_model_parallel_size {} "

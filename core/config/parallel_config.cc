@@ -100,6 +100,40 @@ constexpr ParallelField kFields[] = {
      "--microbatch-group-size"},
     {"num_layers", &ParallelConfig::num_layers, "layers, for the virtual-pipeline assignment",
      "--num-layers"},
+    {"pipeline_model_parallel_layout",
+     Codec<ParallelConfig>{
+         FieldKind::kText,
+         [](const json& value, const std::string& where, ParallelConfig* c) {
+           c->pipeline_model_parallel_layout.reset();
+           if (value.is_null()) return Status();
+           if (!value.is_string()) {
+             return Status::Error(where, fmt::format("must be a layout string such as "
+                                                     "\"Ettt|(tt|)*2,tL\" or null, got {}",
+                                                     DescribeJson(value)));
+           }
+           c->pipeline_model_parallel_layout = value.get<std::string>();
+           return Status();
+         },
+         [](const ParallelConfig& c) {
+           return c.pipeline_model_parallel_layout ? json(*c.pipeline_model_parallel_layout)
+                                                   : json(nullptr);
+         }},
+     "Megatron's layout of the pipeline stages, e.g. \"Et|tt|tt|tL\": E embedding, t layer, L "
+     "loss, | between stages",
+     "--pipeline-model-parallel-layout"},
+    {"decoder_first_pipeline_num_layers", &ParallelConfig::decoder_first_pipeline_num_layers,
+     "decoder layers on the first pipeline stage (the others share the rest)",
+     "--decoder-first-pipeline-num-layers"},
+    {"decoder_last_pipeline_num_layers", &ParallelConfig::decoder_last_pipeline_num_layers,
+     "decoder layers on the last pipeline stage (the others share the rest)",
+     "--decoder-last-pipeline-num-layers"},
+    {"account_for_embedding_in_pipeline_split",
+     &ParallelConfig::account_for_embedding_in_pipeline_split,
+     "the embedding counts as one layer when the layers are split over the stages",
+     "--account-for-embedding-in-pipeline-split"},
+    {"account_for_loss_in_pipeline_split", &ParallelConfig::account_for_loss_in_pipeline_split,
+     "the loss counts as one layer when the layers are split over the stages",
+     "--account-for-loss-in-pipeline-split"},
     {"sequence_parallel", &ParallelConfig::sequence_parallel,
      "sequence parallelism (norms and dropouts on s / tp tokens)", "--sequence-parallel"},
     {"tp_comm_overlap", &ParallelConfig::tp_comm_overlap,
@@ -318,6 +352,10 @@ Status ParseParallelSection(const json& section, std::string_view path, Parallel
     MPUSIM_RETURN_IF_ERROR(field->Parse(value, where, &config));
   }
   MPUSIM_RETURN_IF_ERROR(CheckPrecision(config, prefix));
+  // Megatron's checks of the split keys; a layout may set the virtual pipeline size.
+  PipelineSplit split = config.Split();
+  MPUSIM_RETURN_IF_ERROR(ResolvePipelineSplitKeys(&split));
+  config.virtual_pipeline_model_parallel_size = split.virtual_pipeline_model_parallel_size;
   // Megatron's check (megatron/training/arguments.py): "Tensor parallel communication/GEMM
   // overlap can happen only when sequence parallelism is enabled"; Megatron turns sequence
   // parallelism off at tp 1, so tp 1 fails the same check.

@@ -5,6 +5,8 @@
 //   world_size        number of ranks the layout covers (Megatron reads it from torch)
 //   gpus_per_node     for the node map (default 8)
 //   num_layers        only for the virtual-pipeline layer assignment (optional)
+// and Megatron's uneven-split keys (pipeline_model_parallel_layout,
+// decoder_first/last_pipeline_num_layers, account_for_embedding/loss_in_pipeline_split),
 // and the ModelParallelConfig fields microbatch_group_size_per_vp_stage (schedules),
 // sequence_parallel, gradient_accumulation_fusion, fp16, bf16 and params_dtype (the
 // simulator; config.h resolves the last three against run.dtype), and tp_comm_overlap,
@@ -26,6 +28,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "core/config/field_table.h"
+#include "core/pipeline_split.h"
 #include "core/status.h"
 #include "core/tensor.h"
 
@@ -49,6 +52,15 @@ struct ParallelConfig {
   int64_t rank_offset = 0;
   std::optional<int64_t> microbatch_group_size_per_vp_stage;  // default: pp size
   std::optional<int64_t> num_layers;
+  // Megatron's uneven pipeline splits (core/pipeline_split.h has the rules): a layout string
+  // ("Et|tt|tt|tL"), or the first and last pipeline stages' layer counts, or the embedding
+  // and the loss counted as layers. A layout without virtual_pipeline_model_parallel_size
+  // sets it to stages / pp (when above 1), as Megatron does.
+  std::optional<std::string> pipeline_model_parallel_layout;
+  std::optional<int64_t> decoder_first_pipeline_num_layers;
+  std::optional<int64_t> decoder_last_pipeline_num_layers;
+  bool account_for_embedding_in_pipeline_split = false;
+  bool account_for_loss_in_pipeline_split = false;
   // ModelParallelConfig fields read by the simulator (mpusim run); the planner ignores them.
   bool sequence_parallel = false;
   // ModelParallelConfig.tp_comm_overlap (megatron/core/model_parallel_config.py): Transformer
@@ -73,6 +85,14 @@ struct ParallelConfig {
   bool fp16 = false;
   bool bf16 = false;
   std::optional<DType> params_dtype;
+
+  // The keys that decide which layers each pipeline stage holds (AssignLayers' input).
+  PipelineSplit Split() const {
+    return {pipeline_model_parallel_size,      virtual_pipeline_model_parallel_size,
+            pipeline_model_parallel_layout,    decoder_first_pipeline_num_layers,
+            decoder_last_pipeline_num_layers,  account_for_embedding_in_pipeline_split,
+            account_for_loss_in_pipeline_split};
+  }
 
   int64_t EffectiveExpertTensorParallelSize() const {
     return expert_tensor_parallel_size.value_or(tensor_model_parallel_size);

@@ -115,7 +115,8 @@ StatusOr<std::vector<StageActivations>> EstimateStageActivations(
   if (run.Recomputes(RunConfig::RecomputeModule::kMlp)) layer -= T * (e * f1 + x * f) / t;
 
   const int64_t p = sz.pp, v = sz.vp.value_or(1), stages = p * v;
-  const int64_t per_stage = g.num_layers / stages;
+  const std::vector<StageLayers> stage_layers =
+      CheckedStages(topology.config().Split(), g.num_layers);
   const double vocab = static_cast<double>(g.PaddedVocabSize(sz.tp));
   std::optional<PipelineSchedule> built;
   StatusOr<const PipelineSchedule*> found = RunSchedule(topology, run, schedule_given, &built);
@@ -127,10 +128,12 @@ StatusOr<std::vector<StageActivations>> EstimateStageActivations(
     std::vector<double> stash(static_cast<size_t>(v));
     for (int64_t c = 0; c < v; ++c) {
       const int64_t u = c * p + r;
+      const StageLayers& held = stage_layers[static_cast<size_t>(u)];
       double bytes = 0;
-      for (int64_t k = 0; k < per_stage; ++k) {
-        const RunConfig::RecomputeGroup group = run.GroupOf(k, per_stage);
-        const bool is_moe = g.moe.enabled() && g.moe.layers[static_cast<size_t>(u * per_stage + k)];
+      for (int64_t k = 0; k < held.count; ++k) {
+        const RunConfig::RecomputeGroup group = run.GroupOf(k, held.count);
+        const bool is_moe =
+            g.moe.enabled() && g.moe.layers[static_cast<size_t>(held.first + k)];
         bytes += group.recomputed ? (group.first == k ? layer_input : 0)
                  : is_moe         ? moe_layer
                                   : layer;
@@ -152,7 +155,8 @@ StatusOr<std::vector<StageActivations>> EstimateStageActivations(
         // the most held is live + max(n lf - (n - 1) lb, lf). Both micro-batches are partly
         // alive then.
         const double freed = stash[static_cast<size_t>(steps[i + 1].model_chunk)];
-        const double n = static_cast<double>(std::max<int64_t>(per_stage, 1));
+        const StageLayers& paired = stage_layers[static_cast<size_t>(steps[i].model_chunk * p + r)];
+        const double n = static_cast<double>(std::max<int64_t>(paired.count, 1));
         const double during = live + std::max(bytes - freed + freed / n, bytes / n);
         if (during > peak) {
           peak = during;

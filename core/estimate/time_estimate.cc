@@ -101,7 +101,8 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
 
   // Each virtual stage's forward and backward (recomputation included) per micro-batch.
   const int64_t p = sz.pp, v = sz.vp.value_or(1), stages = p * v;
-  const int64_t layers = g.num_layers / stages;
+  // Each virtual stage's layers: the planner's split, so uneven stages cost unevenly.
+  const std::vector<StageLayers> split = CheckedStages(topology.config().Split(), g.num_layers);
   const double vocab = static_cast<double>(g.PaddedVocabSize(sz.tp));
   const LayerCost layer = LayerForward(g, x, kernels);
   // A dense layer's forward, and an MoE layer's (its exchange over ep apart).
@@ -177,9 +178,11 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   // The layers whose forward runs again in the backward (cp's exchanges), and the MoE ones.
   std::vector<int64_t> cp_again_of(moe_layers_of), ep_again_of(moe_layers_of);
   for (int64_t u = 0; u < stages; ++u) {
-    // Virtual stage u holds layers [u L / S, (u + 1) L / S), each dense or MoE.
+    // Virtual stage u holds its split's layers, each dense or MoE.
+    const StageLayers& held = split[static_cast<size_t>(u)];
+    const int64_t layers = held.count;
     int64_t n_moe = 0;
-    for (int64_t i = u * layers; i < (u + 1) * layers && g.moe.enabled(); ++i) {
+    for (int64_t i = held.first; i < held.first + layers && g.moe.enabled(); ++i) {
       n_moe += g.moe.layers[static_cast<size_t>(i)] ? 1 : 0;
     }
     Cost forward = Times(dense, layers - n_moe);
@@ -190,7 +193,7 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     for (int64_t k = 0; k < layers; ++k) {
       if (!run.GroupOf(k, layers).recomputed) continue;
       ++r_all;
-      if (g.moe.enabled() && g.moe.layers[static_cast<size_t>(u * layers + k)]) ++r_moe;
+      if (g.moe.enabled() && g.moe.layers[static_cast<size_t>(held.first + k)]) ++r_moe;
     }
     Cost recompute;
     if (full) {
@@ -365,10 +368,11 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
       out.stages.begin());
   double compute = 0, recomputed = 0, tp = 0, tp_hidden = 0, cp_s = 0, ep_s = 0;
   double gemm_flops = 0, gemm_peak_s = 0;
-  int64_t tp_count = 0, moe_layers = 0, cp_again = 0, ep_again = 0;
+  int64_t tp_count = 0, moe_layers = 0, cp_again = 0, ep_again = 0, busiest_layers = 0;
   double tp_bytes = 0;
   for (int64_t c = 0; c < v; ++c) {
     const auto u = static_cast<size_t>(c * p) + busiest;
+    busiest_layers += split[u].count;
     compute += compute_of[u];
     recomputed += recompute_s_of[u];
     gemm_flops += gemm_flops_of[u];
@@ -430,7 +434,7 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   if (sz.cp > 1) {
     // Every layer of the busiest stage's chunks, each micro-batch: forward, backward and,
     // for the layers recomputed, the recomputed forward.
-    const int64_t n = v * layers * run.num_microbatches;
+    const int64_t n = busiest_layers * run.num_microbatches;
     const int64_t again = cp_again * run.num_microbatches;
     out.communication.push_back(
         {"cp", cp.operation, n * (cp.forward_count + cp.backward_count) + again * cp.forward_count,

@@ -93,14 +93,15 @@ DeclaredStashes DeclareStashes(const Config& config, const Topology& topology,
 StashPlan DeclaredChunkStash(const Config& config, const Topology& topology,
                              const DeclaredStashes& declared, int64_t u) {
   const GptConfig& g = *config.gpt;
-  const int64_t stages = topology.sizes().pp * topology.sizes().vp.value_or(1);
-  const int64_t layers = g.num_layers / stages;
+  const std::vector<StageLayers> split = CheckedStages(topology.config().Split(), g.num_layers);
+  const auto stages = static_cast<int64_t>(split.size());
+  const StageLayers& mine = split.at(static_cast<size_t>(u));
   GptChunk chunk{.layers = {}, .pre_process = u == 0, .post_process = u == stages - 1};
   std::vector<StashPlan> plans;
-  for (int64_t i = u * layers; i < (u + 1) * layers; ++i) {
+  for (int64_t i = mine.first; i < mine.first + mine.count; ++i) {
     const bool is_moe = g.moe.enabled() && g.moe.layers[static_cast<size_t>(i)];
     chunk.layers.push_back(i);
-    const LayerRecompute keep = LayerRecompute::Of(*config.run, i - u * layers, layers);
+    const LayerRecompute keep = LayerRecompute::Of(*config.run, i - mine.first, mine.count);
     plans.push_back(keep.keep == LayerRecompute::Keep::kAll
                         ? (is_moe ? declared.moe_layer : declared.dense_layer)
                         : TransformerLayer::PlanStash(g, declared.shape, config.run->dtype, keep,
@@ -284,8 +285,20 @@ StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
   const double head_working =
       R * c + R * vocab * e + full + (sp ? full : 0) + weight_grad(vocab, h);
 
+  // The backward of a chunk holding the embedding and no layer (an uneven split's): the
+  // gradient it received, the embedding dropout's gradient, and under sequence parallelism
+  // the gradient gathered to every row (with learned positions before the position
+  // embeddings, with RoPE inside the word embeddings' backward).
+  // A chunk holding the head and no layer (an uneven split's) also peaks in the final norm's
+  // backward: d loss per token and d logits still held, the norm's output gradient and the
+  // input gradient it makes, which is the chunk's output (with layers, the first layer's
+  // backward holds more).
+  const double head_alone_working = std::max(head_working, R * c + R * vocab * e + 2 * stream);
+  const double embedding_working = stream + (hidden_dropout ? stream : 0) + (sp ? full : 0);
+
   const int64_t p = sz.pp, v = sz.vp.value_or(1), stages = p * v;
-  const int64_t layers = g.num_layers / stages;
+  // Each virtual stage's layers: the planner's split (uneven ones included).
+  const std::vector<StageLayers> split = CheckedStages(topology.config().Split(), g.num_layers);
   std::optional<PipelineSchedule> built;
   if (schedule == nullptr) {
     // Without a pipeline every micro-batch runs its forward and backward alone, so one
@@ -319,14 +332,17 @@ StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
       // walk still holds the gradient it received (a later stage's).
       stash[static_cast<size_t>(chunk)] = DeclaredChunkStash(config, topology, declared, u).bytes();
       double layer_working = 0, freed = 0;
+      const StageLayers& held = split[static_cast<size_t>(u)];
+      const int64_t layers = held.count;
       for (int64_t k = layers; k-- > 0;) {
-        const int64_t i = u * layers + k;
+        const int64_t i = held.first + k;
         const bool is_moe = g.moe.enabled() && g.moe.layers[static_cast<size_t>(i)];
         const RunConfig::RecomputeGroup group = run.GroupOf(k, layers);
         double rebuilt = 0;
         if (group.recomputed) {
           for (int64_t j = group.first; j <= k; ++j) {
-            const bool moe_j = g.moe.enabled() && g.moe.layers[static_cast<size_t>(u * layers + j)];
+            const bool moe_j =
+                g.moe.enabled() && g.moe.layers[static_cast<size_t>(held.first + j)];
             rebuilt += (moe_j ? moe_inner : inner) + (j > group.first ? stream : 0);
           }
         }
@@ -337,7 +353,10 @@ StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
         if (!group.recomputed) freed += is_moe ? moe_inner : inner;
       }
       working[static_cast<size_t>(chunk)] =
-          layers > 0 ? std::max(layer_working, post ? head_working : 0) : head_working;
+          layers > 0 ? std::max(layer_working, post ? head_working : 0)
+          : post     ? head_alone_working
+          : u == 0   ? embedding_working
+                     : stream;  // a chunk that passes its input on holds the gradient it got
     }
     ScheduleActivations act;
     act.stage = r;

@@ -135,8 +135,7 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
     model->chunks_ = std::move(*chunks);
   } else {
     StatusOr<std::vector<std::vector<std::vector<int64_t>>>> assigned =
-        AssignLayers(sizes.pp, config.parallel.virtual_pipeline_model_parallel_size,
-                     gpt.num_layers);
+        AssignLayers(config.parallel.Split(), gpt.num_layers);
     if (!assigned.ok()) return assigned.status();
     const auto& mine = (*assigned)[static_cast<size_t>(coords.pp)];
     for (size_t c = 0; c < mine.size(); ++c) {

@@ -19,8 +19,9 @@
 // Chunks: a rank holds one or more model chunks (Megatron's virtual pipeline stages), each a
 // run of consecutive decoder layers; the first chunk of the model also holds the embedding
 // (pre_process), the last the final norm, output layer and loss (post_process). By default
-// a rank holds the chunks the planner assigns it (core/schedule.h AssignLayers); with
-// pipeline_model_parallel_size 1 that is one chunk holding everything.
+// a rank holds the chunks the planner assigns it (core/pipeline_split.h AssignLayers, even or
+// uneven; a chunk may hold no layer); with pipeline_model_parallel_size 1 that is one chunk
+// holding everything.
 //
 // State: parameters live in a ParameterSet; activations live in a Stash per (chunk,
 // micro-batch) that the executor (core/pipeline/executor.h) creates for ForwardStep, hands

@@ -346,6 +346,8 @@ void GptModel::ExplainStage(std::ostream& out) const {
                                           chunk.layers.back()));
       }
       if (chunk.post_process) parts.push_back("final norm, output layer, loss");
+      // An empty stage of an uneven split (Megatron's layout allows one).
+      if (parts.empty()) parts.push_back("no layer: passes its input on");
       chunks.push_back(fmt::format("[{}]", fmt::join(parts, ", ")));
     }
     out << fmt::format("pipeline stage {} of {}: chunks {}\n", stage, pp, fmt::join(chunks, " "));

@@ -30,6 +30,21 @@ Status Graph::Impl::Plan(const Topology& topology) {
   if (model.vocab_size) padded_vocab = model.PaddedVocabSize(t);
   pp_size = topology.sizes().pp;
   vp_size = parallel.virtual_pipeline_model_parallel_size.value_or(1);
+  if (!parallel.Split().Even()) {
+    // The chain's stages are its own even runs of layers (PlanStages); Megatron's uneven
+    // splits are the GPT model's.
+    const std::string_view key =
+        parallel.pipeline_model_parallel_layout      ? "pipeline_model_parallel_layout"
+        : parallel.decoder_first_pipeline_num_layers ? "decoder_first_pipeline_num_layers"
+        : parallel.decoder_last_pipeline_num_layers  ? "decoder_last_pipeline_num_layers"
+        : parallel.account_for_embedding_in_pipeline_split
+            ? "account_for_embedding_in_pipeline_split"
+            : "account_for_loss_in_pipeline_split";
+    return Status::Error(fmt::format("parallel.{}", key),
+                         "the layer chain (a model with \"layers\") splits its layers evenly "
+                         "over the pipeline stages; uneven splits are for the GPT model "
+                         "(\"type\": \"gpt\")");
+  }
   MPUSIM_RETURN_IF_ERROR(PlanStages());
   ActivationState state;
   int64_t width = 0;

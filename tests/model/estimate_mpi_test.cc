@@ -2,12 +2,13 @@
 // optimizer state, counted from the config alone) against what the executor allocates, on
 // every rank: every sample config the world runs, and a sweep of GPT layouts (tp with and
 // without sequence parallelism, pp with vp, cp, ep with etp, recomputation, float32,
-// bfloat16, float16 (float16 main_grad) and float64, Adam and SGD, the plain and the distributed
-// optimizer with one and two instances). Parameters, gradients and optimizer state must be equal to
-// the byte, and so must the activations (each rank's measured peak - held) and the executor's count
-// (core/estimate/executor_activations.h: stashes, the backward's working set, the
-// pipeline's transfers, the optimizer step's buffers) on every rank, except where the count
-// assumes balanced routing (mixture of experts with ep > 1 or a capacity): there within 5%.
+// bfloat16, float16 (float16 main_grad) and float64, Adam and SGD, the plain and the
+// distributed optimizer with one and two instances, uneven pipeline splits). Parameters,
+// gradients and optimizer state must be equal to the byte, and so must the activations (each
+// rank's measured peak - held) and the executor's count (core/estimate/executor_activations.h:
+// stashes, the backward's working set, the pipeline's transfers, the optimizer step's buffers)
+// on every rank, except where the count assumes balanced routing (mixture of experts with
+// ep > 1 or a capacity): there within 5%.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -308,6 +309,46 @@ std::vector<Case> Layouts() {
                                    v.iterations > 1 ? ", 2 iterations" : ""),
                        document});
     }
+  }
+  // Uneven pipeline splits (core/pipeline_split.h): stages of different layer counts, a
+  // chunk with no layer (embedding only, loss only, or passing its input on), each split key.
+  struct Uneven {
+    int64_t pp, num_layers;
+    json keys;  // the parallel section's split keys
+    int64_t tp = 1;  // with sequence parallelism when 2
+  };
+  const std::vector<Uneven> uneven = {
+      {2, 4, {{"pipeline_model_parallel_layout", "Et|tttL"}}},
+      {2, 4, {{"pipeline_model_parallel_layout", "E|tt|tt|L"}}},
+      {2, 4, {{"decoder_first_pipeline_num_layers", 1}}},
+      {2, 2,
+       {{"virtual_pipeline_model_parallel_size", 2},
+        {"account_for_embedding_in_pipeline_split", true},
+        {"account_for_loss_in_pipeline_split", true}}},
+      {4, 8, {{"pipeline_model_parallel_layout", "E|t|tt|t||t|t|ttL"}}},
+      {4, 6, {{"decoder_last_pipeline_num_layers", 3}}},
+      {4, 6,
+       {{"account_for_embedding_in_pipeline_split", true},
+        {"account_for_loss_in_pipeline_split", true}}},
+      {2, 4, {{"pipeline_model_parallel_layout", "Et||ttt|L"}}},
+      {2, 4, {{"pipeline_model_parallel_layout", "E|tt|t|tL"}}, 2},
+      {2, 4, {{"pipeline_model_parallel_layout", "Et|t||ttL"}}, 2},
+      {2, 4, {{"pipeline_model_parallel_layout", "Ett|t|t|L"}}, 2},
+  };
+  for (const Uneven& u : uneven) {
+    if (u.pp * u.tp > w || w % (u.pp * u.tp) != 0) continue;
+    json model = dense;
+    model["num_layers"] = u.num_layers;
+    json document = Training(Document(model, u.tp, u.tp > 1, "float32"), "adam");
+    document["run"]["train_iters"] = 1;
+    document["parallel"]["pipeline_model_parallel_size"] = u.pp;
+    document["parallel"].update(u.keys);
+    document["run"]["micro_batch_size"] = Samples() / (w / (u.pp * u.tp));
+    document["run"]["seq_length"] = 8;
+    document["run"]["num_microbatches"] = 2 * u.pp;
+    cases.push_back({fmt::format("dense tp {}{} pp {} layers {} split {}", u.tp,
+                                 u.tp > 1 ? " sp" : "", u.pp, u.num_layers, u.keys.dump()),
+                     document});
   }
   return cases;
 }

@@ -10,7 +10,7 @@
 // Layouts: tp with sequence parallelism, each cp_comm_type, qk_layernorm, LayerNorm and
 // RMSNorm, both dropouts, selective and full recomputation (every layer alone, uniform groups
 // of 2 and 3, block over 1, 2 and 3 layers per chunk; selective "layernorm" and "mlp"), pp
-// with vp, bfloat16, and MoE
+// with vp, uneven pipeline splits (chunks without layers among them), bfloat16, and MoE
 // layers (both dispatchers, the experts on the tp group or apart, a shared expert) where no
 // rank can be routed unevenly (ep 1 without a capacity), so balanced routing is exact.
 #include <fmt/format.h>
@@ -49,6 +49,7 @@ struct Layout {
   bool qk_norm = false;
   bool layer_norm = false;  // LayerNorm (mean and rstd) instead of RMSNorm
   double dropout = 0.1;     // hidden and attention
+  const char* split = nullptr;  // JSON: the parallel section's uneven split keys
 };
 
 std::string Name(const Layout& l) {
@@ -56,7 +57,8 @@ std::string Name(const Layout& l) {
       "{} tp {} pp {} vp {} cp {}{} etp {}{}{}{} {} dropout {}", l.model, l.tp, l.pp, l.vp, l.cp,
       l.cp_comm ? fmt::format(" {}", l.cp_comm) : "", l.etp > 0 ? l.etp : l.tp,
       l.recompute ? fmt::format(" recompute {}", l.recompute) : "",
-      l.qk_norm ? " qk_layernorm" : "", l.layer_norm ? " LayerNorm" : "", l.dtype, l.dropout);
+      l.qk_norm ? " qk_layernorm" : "", l.layer_norm ? " LayerNorm" : "", l.dtype, l.dropout) +
+         (l.split ? fmt::format(" split {}", l.split) : "");
 }
 
 // The layout's config on the world's ranks, or nullopt where they cannot hold it.
@@ -84,6 +86,7 @@ std::optional<Config> LayoutConfig(const Layout& l) {
   json& parallel = document["parallel"];
   parallel["pipeline_model_parallel_size"] = l.pp;
   if (l.vp > 1) parallel["virtual_pipeline_model_parallel_size"] = l.vp;
+  if (l.split != nullptr) parallel.update(json::parse(l.split));
   parallel["context_parallel_size"] = l.cp;
   if (l.etp > 0) parallel["expert_tensor_parallel_size"] = l.etp;
   if (l.cp_comm != nullptr && std::string(l.cp_comm) == "a2a+p2p") {
@@ -107,15 +110,20 @@ int64_t StashBytes(GptModel& model, RankContext& ctx, const StreamShape& shape, 
     return t.defined() ? static_cast<int64_t>(t.bytes()) : 0;
   };
   Tensor input;
-  if (!model.chunks().at(static_cast<size_t>(chunk)).pre_process) {
+  const GptChunk& spec = model.chunks().at(static_cast<size_t>(chunk));
+  if (!spec.pre_process) {
     input = k.Zeros({shape.stream_rows(), model.gpt().hidden_size}, dtype);
   }
+  // A chunk without layers, embedding or head (an empty stage of an uneven split) passes its
+  // input on: its output is the input, allocated before the step, and it keeps nothing.
+  const bool passes_on = spec.layers.empty() && !spec.pre_process && !spec.post_process;
   const int64_t before = k.tensor_bytes().live;
   std::unique_ptr<StepStash> stash = model.NewStash(chunk);
   const Tensor output = model.ForwardStep({ctx, chunk, 0}, input, *stash);
-  const int64_t held = k.tensor_bytes().live - before - bytes(output) + bytes(input);
+  const int64_t created = passes_on ? 0 : bytes(output);
+  const int64_t held = k.tensor_bytes().live - before - created + (passes_on ? 0 : bytes(input));
   stash.reset();
-  EXPECT_EQ(k.tensor_bytes().live, before + bytes(output))
+  EXPECT_EQ(k.tensor_bytes().live, before + created)
       << "chunk " << chunk << ": freeing its stash leaves tensors the stash did not hold";
   return held;
 }
@@ -177,6 +185,22 @@ TEST(StashPlan, EveryChunkHoldsWhatItsModulesDeclare) {
       {"moe_a2a", 1, 1, 1, 1, 0, nullptr, "selective moe"},
       {"moe", 2, 1, 1, 1, 1, nullptr, "selective moe,layernorm", "bfloat16"},
       {"moe_gg", 2, 1, 1, 1, 0, nullptr, "selective moe_act,shared_experts,layernorm"},
+      // Uneven pipeline splits: an embedding-only and a loss-only chunk, a chunk that passes
+      // its input on, stages of 1 and 3 layers.
+      {"dense", 1, 2, 1, 1, 0, nullptr, nullptr, "float32", false, false, 0.1,
+       R"({"pipeline_model_parallel_layout": "E|tt|tt|L"})"},
+      {"dense", 1, 2, 1, 1, 0, nullptr, "full", "float32", false, false, 0.1,
+       R"({"pipeline_model_parallel_layout": "Et||ttt|L"})"},
+      // Recomputation groups in chunks of their own sizes: uniform 2 over a chunk of 3
+      // layers, block 2 over chunks of 1 and 3.
+      {"dense", 1, 2, 1, 1, 0, nullptr, "full uniform 2", "float32", false, false, 0.1,
+       R"({"pipeline_model_parallel_layout": "Et||ttt|L"})"},
+      {"dense", 1, 2, 1, 1, 0, nullptr, "full block 2", "float32", false, false, 0.1,
+       R"({"decoder_first_pipeline_num_layers": 1})"},
+      {"dense", 1, 2, 1, 1, 0, nullptr, "selective", "float32", false, false, 0.1,
+       R"({"decoder_last_pipeline_num_layers": 3})"},
+      {"moe", 1, 2, 1, 1, 0, nullptr, nullptr, "float32", false, false, 0.1,
+       R"({"decoder_first_pipeline_num_layers": 1})"},
   };
   int64_t compared = 0;
   for (const Layout& l : layouts) {
