@@ -9,6 +9,10 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "core/config/config.h"
+#include "core/estimate/gpu_spec.h"
+#include "core/estimate/time_estimate.h"
+#include "core/topology.h"
 #include "tests/cli/cli_test_util.h"
 
 namespace mpusim::cli {
@@ -135,6 +139,34 @@ TEST(PipelineSplitCli, LayoutAndExplainShowTheSplit) {
                             "input on]\n"),
             std::string::npos)
       << golden.out;
+}
+
+// The step-time estimate prices each stage by its own layers: the uneven sample's stages
+// (1, 3, 3, 1 layers) against the even split's (2 each) of the same model differ by one
+// layer's cost, and the busiest stage (3 layers) makes the step longer.
+TEST(PipelineSplitCli, TheTimeEstimatePricesEachStageByItsLayers) {
+  const auto estimate = [](const json& document) {
+    Config config;
+    const Status parsed = ParseConfig(document, &config);
+    EXPECT_TRUE(parsed.ok()) << parsed.Message();
+    StatusOr<Topology> topology = Topology::Create(config.parallel);
+    EXPECT_TRUE(topology.ok());
+    StatusOr<TimeEstimate> time =
+        EstimateStepTime(config, *topology, *FindGpuPreset("h100-80gb"));
+    EXPECT_TRUE(time.ok()) << time.status().Message();
+    return *time;
+  };
+  const TimeEstimate uneven = estimate(UnevenSample());
+  const TimeEstimate even = estimate(WithSplit(UnevenSample(), 4, json::object()));
+  ASSERT_EQ(uneven.stages.size(), 4u);
+  ASSERT_EQ(even.stages.size(), 4u);
+  const auto cost = [](const StageTime& st) { return st.forward_s + st.backward_s; };
+  const double layer = cost(uneven.stages[1]) - cost(even.stages[1]);
+  EXPECT_GT(layer, 0);
+  EXPECT_NEAR(cost(uneven.stages[2]) - cost(even.stages[2]), layer, 1e-12);
+  EXPECT_NEAR(cost(even.stages[0]) - cost(uneven.stages[0]), layer, 1e-12);
+  EXPECT_NEAR(cost(even.stages[3]) - cost(uneven.stages[3]), layer, 1e-12);
+  EXPECT_GT(uneven.step_time_s, even.step_time_s);
 }
 
 // Runs `config` on 4 ranks in float64 with its check, dumping to `dir`; its output.
