@@ -151,8 +151,7 @@ TEST(PipelineSplitCli, TheTimeEstimatePricesEachStageByItsLayers) {
     EXPECT_TRUE(parsed.ok()) << parsed.Message();
     StatusOr<Topology> topology = Topology::Create(config.parallel);
     EXPECT_TRUE(topology.ok());
-    StatusOr<TimeEstimate> time =
-        EstimateStepTime(config, *topology, *FindGpuPreset("h100-80gb"));
+    StatusOr<TimeEstimate> time = EstimateStepTime(config, *topology, *FindGpuPreset("h100-80gb"));
     EXPECT_TRUE(time.ok()) << time.status().Message();
     return *time;
   };
@@ -226,6 +225,31 @@ TEST(PipelineSplitCli, EverySplitDiffsCleanAgainstTheEvenSplit) {
     std::filesystem::remove_all(dir);
   }
   std::filesystem::remove_all(even_dir);
+}
+
+// With Megatron's RNG tracker a rank's dropout masks depend on the layers its chunks hold
+// (each chunk's sites draw in forward order): the float64 reference numbers the draws from
+// the same split, so the uneven runs pass their checks with dropout on.
+TEST(PipelineSplitCli, RngTrackerDrawsFollowTheSplit) {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("mpusim_split_tracker." + Tag());
+  for (const auto& [name, pp, keys] :
+       {std::tuple<const char*, int64_t, json>{
+            "tracker_layout", 4, {{"pipeline_model_parallel_layout", "E|t|tt|t||t|t|ttL"}}},
+        std::tuple<const char*, int64_t, json>{"tracker_accounted",
+                                               2,
+                                               {{"virtual_pipeline_model_parallel_size", 5},
+                                                {"account_for_embedding_in_pipeline_split", true},
+                                                {"account_for_loss_in_pipeline_split", true}}}}) {
+    SCOPED_TRACE(name);
+    json config = WithSplit(UnevenSample(), pp, keys);
+    config["model"]["dropout_mode"] = "rng_tracker";
+    config["model"]["hidden_dropout"] = 0.1;
+    config["model"]["attention_dropout"] = 0.1;
+    if (pp == 2) config["run"]["micro_batch_size"] = 1;
+    RunAndDump(Write(name, config), dir);
+  }
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
