@@ -331,6 +331,7 @@ std::vector<Case> Layouts() {
        {{"account_for_embedding_in_pipeline_split", true},
         {"account_for_loss_in_pipeline_split", true}}},
       {2, 4, {{"pipeline_model_parallel_layout", "Et||ttt|L"}}},
+      {4, 4, {{"pipeline_model_parallel_layout", "Ett||tt|L"}}},  // pp rank 1 holds nothing
       {2, 4, {{"pipeline_model_parallel_layout", "E|tt|t|tL"}}, 2},
       {2, 4, {{"pipeline_model_parallel_layout", "Et|t||ttL"}}, 2},
       {2, 4, {{"pipeline_model_parallel_layout", "Ett|t|t|L"}}, 2},
