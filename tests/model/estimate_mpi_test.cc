@@ -314,20 +314,22 @@ std::vector<Case> Layouts() {
   // chunk with no layer (embedding only, loss only, or passing its input on), each split key.
   struct Uneven {
     int64_t pp, num_layers;
-    json keys;  // the parallel section's split keys
+    json keys;       // the parallel section's split keys
     int64_t tp = 1;  // with sequence parallelism when 2
   };
   const std::vector<Uneven> uneven = {
       {2, 4, {{"pipeline_model_parallel_layout", "Et|tttL"}}},
       {2, 4, {{"pipeline_model_parallel_layout", "E|tt|tt|L"}}},
       {2, 4, {{"decoder_first_pipeline_num_layers", 1}}},
-      {2, 2,
+      {2,
+       2,
        {{"virtual_pipeline_model_parallel_size", 2},
         {"account_for_embedding_in_pipeline_split", true},
         {"account_for_loss_in_pipeline_split", true}}},
       {4, 8, {{"pipeline_model_parallel_layout", "E|t|tt|t||t|t|ttL"}}},
       {4, 6, {{"decoder_last_pipeline_num_layers", 3}}},
-      {4, 6,
+      {4,
+       6,
        {{"account_for_embedding_in_pipeline_split", true},
         {"account_for_loss_in_pipeline_split", true}}},
       {2, 4, {{"pipeline_model_parallel_layout", "Et||ttt|L"}}},

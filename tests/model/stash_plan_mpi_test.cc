@@ -53,11 +53,12 @@ struct Layout {
 };
 
 std::string Name(const Layout& l) {
-  return fmt::format(
-      "{} tp {} pp {} vp {} cp {}{} etp {}{}{}{} {} dropout {}", l.model, l.tp, l.pp, l.vp, l.cp,
-      l.cp_comm ? fmt::format(" {}", l.cp_comm) : "", l.etp > 0 ? l.etp : l.tp,
-      l.recompute ? fmt::format(" recompute {}", l.recompute) : "",
-      l.qk_norm ? " qk_layernorm" : "", l.layer_norm ? " LayerNorm" : "", l.dtype, l.dropout) +
+  return fmt::format("{} tp {} pp {} vp {} cp {}{} etp {}{}{}{} {} dropout {}", l.model, l.tp, l.pp,
+                     l.vp, l.cp, l.cp_comm ? fmt::format(" {}", l.cp_comm) : "",
+                     l.etp > 0 ? l.etp : l.tp,
+                     l.recompute ? fmt::format(" recompute {}", l.recompute) : "",
+                     l.qk_norm ? " qk_layernorm" : "", l.layer_norm ? " LayerNorm" : "", l.dtype,
+                     l.dropout) +
          (l.split ? fmt::format(" split {}", l.split) : "");
 }
 
