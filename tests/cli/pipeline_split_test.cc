@@ -88,6 +88,14 @@ TEST(PipelineSplitCli, RefusalsAreOneLineExitTwo) {
       ExpectUsageError(r, fmt::format("error: {}: {}", path, c.line));
     }
   }
+  // advise chooses pp itself: a split tied to one pp is refused, not dropped.
+  const std::string sample = Sample("gpt_pipeline_uneven_p4_n4.json");
+  ExpectUsageError(Mpusim({"advise", sample, "--global-batch-size", "16"}),
+                   fmt::format("error: {}: parallel.pipeline_model_parallel_layout: advise "
+                               "searches even pipeline splits only (it chooses "
+                               "pipeline_model_parallel_size itself); remove the key, or check "
+                               "this split with mpusim estimate",
+                               sample));
   // The layer chain keeps its even split.
   const json chain = {{"parallel",
                        {{"world_size", 2},
