@@ -34,15 +34,21 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
                      r.run_given ? "" : " (no run section)",
                      HtmlEscape(OptimizerText(config, topology)));
   // Memory: a bar per stage, what its busiest rank holds at the peak.
-  const std::vector<std::string> memory_names = {"parameters", "gradients", "optimizer",
-                                                 "activations", "buffers", "reserve"};
+  // "step copies": what the step's float32 copies of a 16-bit main_grad add beyond the
+  // schedule's activations and buffers, where the step is the peak (HeldMemory::PeakWith).
+  const std::vector<std::string> memory_names = {"parameters", "gradients",   "optimizer",
+                                                 "activations", "buffers",    "step copies",
+                                                 "reserve"};
   std::vector<Bar> bars;
   for (size_t i = 0; i < r.stages.size(); ++i) {
     const HeldMemory& h = r.stages[i].held;
     std::vector<PlanBytes> parts = {h.parameters, h.gradients, h.optimizer};
     if (r.activations) {
-      parts.push_back((*r.activations)[i].activations);
-      parts.push_back((*r.activations)[i].buffers);
+      const StageActivations& a = (*r.activations)[i];
+      parts.push_back(a.activations);
+      parts.push_back(a.buffers);
+      parts.push_back(StagePeak(r, i) - SaturatingAdd(h.total(), SaturatingAdd(a.activations,
+                                                                                a.buffers)));
       parts.push_back(r.reserves[i].total);
     }
     Bar bar{fmt::format("stage {} (rank {})", r.stages[i].stage, r.stages[i].rank), {}};
