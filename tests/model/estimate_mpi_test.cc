@@ -27,6 +27,7 @@
 #include "tests/model/gpt_mpi_helpers.h"
 #include "run/preflight.h"
 #include "tests/mpi/world.h"
+#include "tests/sanitizers.h"
 
 namespace mpusim {
 namespace {
@@ -260,6 +261,12 @@ std::vector<Case> Layouts() {
                              Variant{"float64", "sgd", 0},
                              Variant{"float16", "adam", is_moe || (name == "wide" && l.tp == 2),
                                      2}}) {
+      // The sanitizer build (about 5 times slower) keeps float16 on the wide model, whose
+      // step peak is what float16 adds to the count.
+      if (mpusim::testing::kAddressSanitizer && std::string(v.dtype) == "float16" &&
+          name != "wide") {
+        continue;
+      }
       const json& model = name == "moe"            ? moe
                           : name == "moe_a2a"      ? moe_a2a
                           : name == "moe_gg"       ? moe_gg
