@@ -19,28 +19,35 @@ const std::map<std::string, Tensor>& OverridesOf(const ReferenceRequest& request
   return request.parameter_overrides != nullptr ? *request.parameter_overrides : kNone;
 }
 
-// The layer chain: token rows, split evenly over every rank of the job.
 // A 16-bit main_grad (an fp16 run's by default: core/config/optimizer_config.h PrecisionOf)
 // is accumulated and reduced in the storage dtype: each of the M micro-batches' contributions
 // is added to it, and the data-parallel all-reduce (and the tp one of a replicated
 // parameter) adds the ranks' partial sums in it, each sum rounded once. At most M + W
 // roundings, W the ranks of one pipeline stage (which hold every dp, cp, tp and ep rank of a
 // reduction). A float32 main_grad's sums are float32 ones, which the budgets' terms count.
-StatusOr<ReferenceResult> ChargeMainGrad(StatusOr<ReferenceResult> result, const Config& config) {
-  if (!result.ok() || DTypeSize(PrecisionOf(config).main_grad) != 2) return result;
+double MainGradRoundings(const Config& config) {
+  if (DTypeSize(PrecisionOf(config).main_grad) != 2) return 0;
   const int64_t pp = std::max<int64_t>(1, config.parallel.pipeline_model_parallel_size);
-  const double sums =
-      static_cast<double>(config.run->num_microbatches + config.parallel.world_size / pp);
+  return static_cast<double>(config.run->num_microbatches + config.parallel.world_size / pp);
+}
+
+// Every parameter gradient of `result` charged `roundings` more (MainGradRoundings).
+StatusOr<ReferenceResult> ChargeMainGrad(StatusOr<ReferenceResult> result, double roundings) {
+  if (!result.ok() || roundings == 0) return result;
   for (ReferenceTensor& t : result->tensors) {
-    if (!t.gradient_of.empty()) t.budget.roundings += sums;
+    if (!t.gradient_of.empty()) t.budget.roundings += roundings;
   }
   return result;
 }
 
+// The layer chain: token rows, split evenly over every rank of the job.
 class ChainReference final : public Reference {
  public:
   explicit ChainReference(const Config& config)
-      : config_(config), parallel_(config.parallel), model_(*config.model), run_(*config.run) {}
+      : parallel_(config.parallel),
+        model_(*config.model),
+        run_(*config.run),
+        main_grad_roundings_(MainGradRoundings(config)) {}
 
   int64_t Units() const override { return ReferenceRows(parallel_, run_); }
   std::string_view UnitName() const override { return "token rows"; }
@@ -57,7 +64,7 @@ class ChainReference final : public Reference {
   StatusOr<ReferenceResult> Run(const ReferenceRequest& request) const override {
     return ChargeMainGrad(RunReferenceWithOverrides(parallel_, model_, run_, OverridesOf(request),
                                                     request.slice, request.iteration),
-                          config_);
+                          main_grad_roundings_);
   }
   std::string SplitText(int world_size) const override {
     return fmt::format("computed once, split over {} ranks by token rows", world_size);
@@ -72,10 +79,10 @@ class ChainReference final : public Reference {
   }
 
  private:
-  Config config_;
   ParallelConfig parallel_;
   ModelConfig model_;
   RunConfig run_;
+  double main_grad_roundings_;  // MainGradRoundings
 };
 
 // The GPT: samples; the ranks of one tensor-, context- and pipeline-parallel coordinate split
@@ -83,7 +90,10 @@ class ChainReference final : public Reference {
 class GptReference final : public Reference {
  public:
   GptReference(const Config& config, GptConfig gpt)
-      : config_(config), parallel_(config.parallel), run_(*config.run), gpt_(std::move(gpt)) {}
+      : parallel_(config.parallel),
+        run_(*config.run),
+        gpt_(std::move(gpt)),
+        main_grad_roundings_(MainGradRoundings(config)) {}
 
   int64_t Units() const override { return GptReferenceSamples(parallel_, run_); }
   std::string_view UnitName() const override { return "samples"; }
@@ -110,7 +120,7 @@ class GptReference final : public Reference {
     options.slice = request.slice;
     options.iteration = request.iteration;
     options.parameter_overrides = OverridesOf(request);
-    return ChargeMainGrad(RunGptReference(gpt_, parallel_, run_, options), config_);
+    return ChargeMainGrad(RunGptReference(gpt_, parallel_, run_, options), main_grad_roundings_);
   }
   std::string SplitText(int) const override {
     return "each rank computes its data-parallel rank's samples";
@@ -139,10 +149,10 @@ class GptReference final : public Reference {
   }
 
  private:
-  Config config_;
   ParallelConfig parallel_;
   RunConfig run_;
   GptConfig gpt_;
+  double main_grad_roundings_;  // MainGradRoundings
 };
 
 }  // namespace

@@ -19,12 +19,7 @@ TransformerLayer::TransformerLayer(const GptConfig& gpt, int64_t layer, Paramete
                                    int64_t t, const RunConfig& run, const ExpertPlacement& experts)
     : prefix_(fmt::format("decoder.layers.{}", layer)),
       hidden_dropout_(gpt.hidden_dropout),
-      keep_core_(!run.Recomputes(RunConfig::RecomputeModule::kCoreAttn)),
-      recompute_norms_(run.Recomputes(RunConfig::RecomputeModule::kLayernorm)),
-      recompute_mlp_(run.Recomputes(RunConfig::RecomputeModule::kMlp)),
-      recompute_moe_act_(run.Recomputes(RunConfig::RecomputeModule::kMoeAct)),
-      recompute_shared_(run.Recomputes(RunConfig::RecomputeModule::kSharedExperts)),
-      recompute_moe_(run.Recomputes(RunConfig::RecomputeModule::kMoe)),
+      selective_(LayerRecompute::Kept(run)),
       input_norm_(MakeNorm(gpt, prefix_ + ".input_layernorm", params)),
       attention_(gpt, prefix_ + ".self_attention", params, t),
       pre_mlp_norm_(MakeNorm(gpt, prefix_ + ".pre_mlp_layernorm", params)) {
@@ -77,8 +72,8 @@ Tensor TransformerLayer::BiasDropoutAddBackward(const ModuleContext& ctx, const 
 Tensor TransformerLayer::ForwardInner(const ModuleContext& ctx, const Tensor& x, Inner* in) const {
   const Tensor ln1 = input_norm_.Forward(ctx, x, &in->norm1);
   RecordStream(ctx, ".input_layernorm.output", ln1);
-  const Tensor attn = attention_.Forward(ctx, ln1, keep_core_, &in->attention);
-  if (recompute_norms_) {
+  const Tensor attn = attention_.Forward(ctx, ln1, !selective_.core_attn, &in->attention);
+  if (selective_.layernorm) {
     // The norm's output (linear_qkv's saved input) and statistics go; its input is the
     // layer's, kept.
     in->norm1 = Norm::Stash{};
@@ -89,25 +84,8 @@ Tensor TransformerLayer::ForwardInner(const ModuleContext& ctx, const Tensor& x,
   const Tensor ln2 = pre_mlp_norm_.Forward(ctx, x1, &in->norm2);
   RecordStream(ctx, ".pre_mlp_layernorm.output", ln2);
   const Tensor mlp = mlp_ ? mlp_->Forward(ctx, ln2, &in->mlp) : moe_->Forward(ctx, ln2, &in->moe);
-  if (mlp_ && recompute_mlp_) {
-    // The MLP keeps its input (ln2) alone.
-    in->mlp.fc1_out = Tensor();
-    in->mlp.fc2_in = RowParallelLinear::Stash{};
-  }
-  if (moe_ && recompute_moe_) {
-    // The MoE layer keeps its input (ln2) alone (Megatron's checkpoint around the layer).
-    MoeLayer::Stash kept;
-    kept.x = in->moe.x;
-    kept.shared_fc1_in = in->moe.shared_fc1_in;
-    in->moe = std::move(kept);
-  } else if (moe_) {
-    if (recompute_moe_act_) in->moe.act = Tensor();
-    if (recompute_shared_) {
-      in->moe.shared_fc1_out = Tensor();
-      in->moe.shared_fc2_in = RowParallelLinear::Stash{};
-    }
-  }
-  if (recompute_norms_) {
+  DropRecomputedMlpSide(in);
+  if (selective_.layernorm) {
     // x1 stays (the residual's and the norm's input); ln2, wherever the MLP or the MoE layer
     // keeps it, and the statistics go.
     in->norm2.mean = Tensor();
@@ -122,6 +100,27 @@ Tensor TransformerLayer::ForwardInner(const ModuleContext& ctx, const Tensor& x,
   const Tensor y = BiasDropoutAdd(ctx, ".mlp_bda", mlp, mlp_ ? mlp_->fc2_bias() : nullptr, x1);
   RecordStream(ctx, ".mlp_bda.output", y);
   return y;
+}
+
+void TransformerLayer::DropRecomputedMlpSide(Inner* in) const {
+  if (mlp_ && selective_.mlp) {  // the MLP keeps its input (ln2) alone
+    in->mlp.fc1_out = Tensor();
+    in->mlp.fc2_in = RowParallelLinear::Stash{};
+  }
+  if (!moe_) return;
+  if (selective_.moe) {
+    // The MoE layer keeps its input (ln2) alone (Megatron's checkpoint around the layer).
+    MoeLayer::Stash kept;
+    kept.x = in->moe.x;
+    kept.shared_fc1_in = in->moe.shared_fc1_in;
+    in->moe = std::move(kept);
+    return;
+  }
+  if (selective_.moe_act) in->moe.act = Tensor();
+  if (selective_.shared_experts) {
+    in->moe.shared_fc1_out = Tensor();
+    in->moe.shared_fc2_in = RowParallelLinear::Stash{};
+  }
 }
 
 LayerRecompute LayerRecompute::Of(const RunConfig& run, int64_t index, int64_t chunk_layers) {
@@ -211,7 +210,7 @@ Tensor TransformerLayer::Backward(const ModuleContext& ctx, const Tensor& dy, St
       BiasDropoutAddBackward(ctx, ".mlp_bda", dy, mlp_ ? mlp_->fc2_bias() : nullptr);
   ModuleContext quiet = ctx;  // recomputation records nothing
   quiet.records = nullptr;
-  if (recompute_norms_) {
+  if (selective_.layernorm) {
     // pre_mlp_layernorm again from x1: its output (kept to the layer's end) and statistics.
     const Tensor ln2 = pre_mlp_norm_.Forward(quiet, in.norm2.input, &in.norm2);
     if (mlp_) {
@@ -221,39 +220,23 @@ Tensor TransformerLayer::Backward(const ModuleContext& ctx, const Tensor& dy, St
       in.moe.shared_fc1_in.input = ln2;  // the shared expert's input, if the layer has one
     }
   }
-  if (mlp_ && recompute_mlp_) mlp_->Forward(quiet, in.mlp.fc1_in.input, &in.mlp);
-  if (moe_ && recompute_moe_) {
+  if (mlp_ && selective_.mlp) mlp_->Forward(quiet, in.mlp.fc1_in.input, &in.mlp);
+  if (moe_ && selective_.moe) {
     // The whole MoE layer again: router, dispatch (real exchanges), experts, shared expert.
     moe_->Forward(quiet, in.moe.x, &in.moe);
   } else if (moe_) {
-    if (recompute_moe_act_) moe_->RecomputeActivation(quiet, &in.moe);
-    if (recompute_shared_) moe_->RecomputeSharedExpert(quiet, &in.moe);
+    if (selective_.moe_act) moe_->RecomputeActivation(quiet, &in.moe);
+    if (selective_.shared_experts) moe_->RecomputeSharedExpert(quiet, &in.moe);
   }
   const Tensor dln2 = mlp_ ? mlp_->Backward(ctx, dmlp, in.mlp) : moe_->Backward(ctx, dmlp, in.moe);
-  if (mlp_ && recompute_mlp_) {
-    // What the MLP's forward rebuilt goes with its backward.
-    in.mlp.fc1_out = Tensor();
-    in.mlp.fc2_in = RowParallelLinear::Stash{};
-  }
-  if (moe_ && recompute_moe_) {
-    MoeLayer::Stash kept;
-    kept.x = in.moe.x;
-    kept.shared_fc1_in = in.moe.shared_fc1_in;
-    in.moe = std::move(kept);
-  } else if (moe_) {
-    if (recompute_moe_act_) in.moe.act = Tensor();
-    if (recompute_shared_) {
-      in.moe.shared_fc1_out = Tensor();
-      in.moe.shared_fc2_in = RowParallelLinear::Stash{};
-    }
-  }
+  DropRecomputedMlpSide(&in);  // what the recomputation rebuilt goes with its backward
   RecordStream(ctx, ".pre_mlp_layernorm.output_grad", dln2);
   // x1 feeds both the MLP branch and the residual.
   Tensor dx1 = pre_mlp_norm_.Backward(ctx, dln2, in.norm2);
   k.Axpy(1.0, dy, dx1);
   RecordStream(ctx, ".self_attn_bda.output_grad", dx1);
   const Tensor dattn = BiasDropoutAddBackward(ctx, ".self_attn_bda", dx1, attention_.proj_bias());
-  if (recompute_norms_) {
+  if (selective_.layernorm) {
     // input_layernorm again from the layer's input: linear_qkv's saved input, statistics.
     in.attention.qkv_in.input = input_norm_.Forward(quiet, stash.input, &in.norm1);
   }

@@ -96,12 +96,13 @@ class TransformerLayer {
   Tensor BiasDropoutAddBackward(const ModuleContext& ctx, const std::string& site, const Tensor& dy,
                                 Parameter* bias) const;
   void RecordStream(const ModuleContext& ctx, const std::string& name, const Tensor& t) const;
+  // Frees what selective recomputation rebuilds on the MLP side ("mlp", "moe", "moe_act",
+  // "shared_experts"): after the forward, and again after the backward that used it.
+  void DropRecomputedMlpSide(Inner* in) const;
 
   std::string prefix_;
   double hidden_dropout_;
-  bool keep_core_;                        // false: selective recomputation of core attention
-  bool recompute_norms_, recompute_mlp_;  // selective "layernorm", "mlp"
-  bool recompute_moe_act_, recompute_shared_, recompute_moe_;  // "moe_act", ..., "moe"
+  LayerRecompute selective_;  // what selective recomputation drops (Keep::kAll)
   Norm input_norm_;
   SelfAttention attention_;
   Norm pre_mlp_norm_;
