@@ -211,6 +211,20 @@ void Kernels::Copy(const Tensor& src, Tensor& dst) {
   DoCopy(src, dst);
 }
 
+void Kernels::Convert(const Tensor& src, Tensor& dst) {
+  KernelArgs(backend_, device_, "Convert").Add("src", src);
+  KernelArgs args(backend_, device_, "Convert");
+  args.Add("dst", dst);
+  args.Numel("dst", dst, src.numel(), "the numel of src");
+  if (src.numel() > 0 && Overlap(src, dst)) args.Fail("src and dst overlap");
+  if (src.numel() == 0) return;
+  if (src.dtype() == dst.dtype()) {
+    DoCopy(src, dst);
+    return;
+  }
+  DoConvert(src, dst);
+}
+
 void Kernels::SetZero(Tensor& x) {
   KernelArgs(backend_, device_, "SetZero", KernelDTypes::kAny).Add("x", x);
   DoSetZero(x);

@@ -23,11 +23,11 @@
 //                  Apex's fused norms keep their statistics in float32).
 //
 // The operations, by section below: memory (Zeros, Empty, ToDevice, ToHost, Copy, SetZero,
-// CopyBlock, StridedCopy); dense algebra (Gemm, BatchedGemm, AddRowVector, SumRows, Axpy,
-// Scale); elementwise (the activations, Dropout, DropoutAt); normalization (the norms of
-// core/ops/norm.h); attention (CausalSoftmax, Rope); routing (TopK); embedding; vocab-parallel
-// cross entropy; the optimizer (OptimizerStep, SumOfSquares), so that training never copies
-// weights or gradients off the device.
+// CopyBlock, StridedCopy, and Convert between float dtypes); dense algebra (Gemm,
+// BatchedGemm, AddRowVector, SumRows, Axpy, Scale); elementwise (the activations, Dropout,
+// DropoutAt); normalization (the norms of core/ops/norm.h); attention (CausalSoftmax, Rope);
+// routing (TopK); embedding; vocab-parallel cross entropy; the optimizer (OptimizerStep,
+// SumOfSquares), so that training never copies weights or gradients off the device.
 // What it is not: a graph or autograd -- every backward is its own call, made by the layer
 // (core/model) that saved what it needs.
 #pragma once
@@ -77,6 +77,10 @@ class Kernels {
   Tensor ToDevice(const Tensor& host);   // host -> backend (copy)
   Tensor ToHost(const Tensor& tensor);   // backend -> host (copy)
   void Copy(const Tensor& src, Tensor& dst);  // same numel
+  // dst = src with each element rounded to dst's dtype (RoundTo, core/half.h: to nearest
+  // even, 16-bit via float32, as torch's .to() does); any two float dtypes, same numel, no
+  // overlap. Widening is exact.
+  void Convert(const Tensor& src, Tensor& dst);
   // x = 0, in place (all bits zero: +0.0 in every dtype); the storage is kept.
   void SetZero(Tensor& x);
   // dst[dst_row0 + i, dst_col0 + j] = src[src_row0 + i, src_col0 + j], i < rows, j < cols
@@ -261,6 +265,7 @@ class Kernels {
   virtual Tensor DoToHost(const Tensor& tensor) = 0;
   virtual void DoCopy(const Tensor& src, Tensor& dst) = 0;
   virtual void DoSetZero(Tensor& x) = 0;
+  virtual void DoConvert(const Tensor& src, Tensor& dst) = 0;
   virtual void DoCopyBlock(const Tensor& src, int64_t src_row0, int64_t src_col0, Tensor& dst,
                            int64_t dst_row0, int64_t dst_col0, int64_t rows, int64_t cols) = 0;
   // dims, src_strides and dst_strides have the same length, 1 to 6; no dimension is 0.

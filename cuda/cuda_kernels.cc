@@ -172,6 +172,14 @@ void CudaKernels::DoCopy(const Tensor& src, Tensor& dst) {
       cudaMemcpyAsync(dst.data(), src.data(), src.bytes(), cudaMemcpyDeviceToDevice, stream_));
 }
 
+void CudaKernels::DoConvert(const Tensor& src, Tensor& dst) {
+  DispatchStorage(src.dtype(), [&]<typename S>() {
+    DispatchStorage(dst.dtype(), [&]<typename D>() {
+      LaunchConvert<S, D>(src.data_as<S>(), dst.data_as<D>(), src.numel(), stream_);
+    });
+  });
+}
+
 void CudaKernels::DoCopyBlock(const Tensor& src, int64_t src_row0, int64_t src_col0, Tensor& dst,
                             int64_t dst_row0, int64_t dst_col0, int64_t rows, int64_t cols) {
   if (rows == 0 || cols == 0) return;

@@ -47,6 +47,10 @@ namespace mpusim::cuda {
 // (core/ops/element.h).
 using ops::ComputeOf;
 
+// out[e] = RoundTo<D>(Widen(in[e])) (core/half.h), for any two storage types.
+template <typename S, typename D>
+void LaunchConvert(const S* in, D* out, int64_t n, cudaStream_t stream);
+
 // x[e] = round(alpha * x[e]).
 template <typename T>
 void LaunchScale(T* x, int64_t n, ComputeOf<T> alpha, cudaStream_t stream);

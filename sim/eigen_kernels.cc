@@ -111,6 +111,17 @@ void EigenKernels::DoCopy(const Tensor& src, Tensor& dst) {
   }
 }
 
+void EigenKernels::DoConvert(const Tensor& src, Tensor& dst) {
+  DispatchStorage(src.dtype(), [&]<typename S>() {
+    DispatchStorage(dst.dtype(), [&]<typename D>() {
+      const S* in = src.data_as<S>();
+      D* out = dst.data_as<D>();
+      const int64_t n = src.numel();
+      for (int64_t e = 0; e < n; ++e) out[e] = RoundTo<D>(Widen(in[e]));
+    });
+  });
+}
+
 void EigenKernels::DoCopyBlock(const Tensor& src, int64_t src_row0, int64_t src_col0, Tensor& dst,
                              int64_t dst_row0, int64_t dst_col0, int64_t rows, int64_t cols) {
   if (rows == 0 || cols == 0) return;

@@ -48,6 +48,7 @@ class EigenKernels final : public Kernels {
   Tensor DoToDevice(const Tensor& host) override;
   Tensor DoToHost(const Tensor& tensor) override;
   void DoCopy(const Tensor& src, Tensor& dst) override;
+  void DoConvert(const Tensor& src, Tensor& dst) override;
   void DoSetZero(Tensor& x) override;
   void DoCopyBlock(const Tensor& src, int64_t src_row0, int64_t src_col0, Tensor& dst,
                  int64_t dst_row0, int64_t dst_col0, int64_t rows, int64_t cols) override;

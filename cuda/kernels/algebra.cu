@@ -1,5 +1,5 @@
-// The GPU backend's dense algebra besides cuBLAS's GEMMs: Scale, Axpy, AddRowVector and
-// SumRows, grid-stride loops over int64 indices (one thread per element or column).
+// The GPU backend's dense algebra besides cuBLAS's GEMMs: Convert, Scale, Axpy, AddRowVector
+// and SumRows, grid-stride loops over int64 indices (one thread per element or column).
 //
 // One op per file (STYLE.md): its kernels, behind the launchers that device_kernels.h
 // declares, instantiated for every storage type. What the kernel files share (the launch
@@ -16,6 +16,12 @@
 namespace mpusim::cuda {
 namespace {
 
+template <typename S, typename D>
+__global__ void ConvertKernel(const S* in, D* out, int64_t n) {
+  for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
+    out[e] = RoundTo<D>(Widen(in[e]));
+  }
+}
 template <typename T>
 __global__ void ScaleKernel(T* x, int64_t n, ComputeOf<T> alpha) {
   for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
@@ -51,6 +57,12 @@ __global__ void SumRowsKernel(const T* x, int64_t rows, int64_t cols, int beta_m
 
 }  // namespace
 
+template <typename S, typename D>
+void LaunchConvert(const S* in, D* out, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  ConvertKernel<S, D><<<GridFor(n), kBlock, 0, stream>>>(in, out, n);
+  MPUSIM_CUDA_CHECK(cudaGetLastError());
+}
 template <typename T>
 void LaunchScale(T* x, int64_t n, ComputeOf<T> alpha, cudaStream_t stream) {
   if (n <= 0) return;
@@ -88,8 +100,19 @@ void LaunchSumRows(const T* x, int64_t rows, int64_t cols, double beta, A* out,
 #define MPUSIM_INSTANTIATE_ACCUMULATORS(T, A, C)                              \
   template void LaunchAxpy<T, A>(const T*, A*, int64_t, C, cudaStream_t); \
   template void LaunchSumRows<T, A>(const T*, int64_t, int64_t, double, A*, cudaStream_t);
+// Convert, from storage type S into each storage type.
+#define MPUSIM_INSTANTIATE_CONVERT(S, D) \
+  template void LaunchConvert<S, D>(const S*, D*, int64_t, cudaStream_t);
+#define MPUSIM_INSTANTIATE_CONVERTS_FROM(S, C) \
+  MPUSIM_INSTANTIATE_CONVERT(S, double)        \
+  MPUSIM_INSTANTIATE_CONVERT(S, float)         \
+  MPUSIM_INSTANTIATE_CONVERT(S, BFloat16)      \
+  MPUSIM_INSTANTIATE_CONVERT(S, Float16)
 MPUSIM_FOR_EACH_STORAGE(MPUSIM_INSTANTIATE_ALGEBRA)
 MPUSIM_FOR_EACH_ACCUMULATOR(MPUSIM_INSTANTIATE_ACCUMULATORS)
+MPUSIM_FOR_EACH_STORAGE(MPUSIM_INSTANTIATE_CONVERTS_FROM)
+#undef MPUSIM_INSTANTIATE_CONVERTS_FROM
+#undef MPUSIM_INSTANTIATE_CONVERT
 #undef MPUSIM_INSTANTIATE_ACCUMULATORS
 #undef MPUSIM_INSTANTIATE_ALGEBRA
 

@@ -616,6 +616,35 @@ TEST(CudaKernelsInt64Test, MemoryOpsMoveIds) {
   EXPECT_THROW(gpu.Scale(2.0, z), std::invalid_argument);
 }
 
+// Convert gives the CPU's bits between every pair of float dtypes (core/half.h RoundTo, the
+// one definition both backends call), ties and float16's overflow included.
+TEST(CudaKernelsConvertTest, EveryPairOfFloatDtypesIsBitIdenticalToTheCpu) {
+  if (!DeviceVisible()) GTEST_SKIP() << "no CUDA device is visible";
+  CudaKernels gpu;
+  EigenKernels cpu;
+  std::vector<double> x;
+  for (int i = -40; i <= 40; ++i) {
+    x.push_back(1 + i * std::ldexp(1.0, -12) + i * std::ldexp(1.0, -30));
+    x.push_back(std::ldexp(1.0 + i / 64.0, i));  // magnitudes from 2^-40 to 2^40
+  }
+  x.push_back(65520.0);
+  x.push_back(-0.0);
+  const Shape shape = {static_cast<int64_t>(x.size())};
+  const DType dtypes[] = {DType::kFloat64, DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+  for (DType from : dtypes) {
+    const Tensor src = MakeOf(from, shape, x);
+    const Tensor dev_src = gpu.ToDevice(src);
+    for (DType to : dtypes) {
+      Tensor want = cpu.Empty(shape, to);
+      cpu.Convert(src, want);
+      Tensor got = gpu.Empty(shape, to);
+      gpu.Convert(dev_src, got);
+      EXPECT_TRUE(
+          SameBits(fmt::format("{} -> {}", DTypeName(from), DTypeName(to)), gpu.ToHost(got), want));
+    }
+  }
+}
+
 // --- vocab-parallel cross entropy -----------------------------------------------------
 
 TYPED_TEST(CudaKernelsTest, RowMax) {

@@ -98,6 +98,16 @@ inline Outputs Copy(Kernels& k, DType dt) {
   k.Copy(In(k, dt, {12}, 3), dst);
   return {Out(k, "dst", dst, true)};
 }
+inline Outputs Convert(Kernels& k, DType dt) {
+  // Grid values are exact in every dtype, so every conversion is.
+  Outputs out;
+  for (DType to : {DType::kFloat64, DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    Tensor dst = k.Zeros({3, 4}, to);
+    k.Convert(In(k, dt, {12}, 8), dst);
+    out.push_back(Out(k, fmt::format("to {}", DTypeName(to)), dst, true));
+  }
+  return out;
+}
 inline Outputs SetZero(Kernels& k, DType dt) {
   Tensor x = In(k, dt, {4, 4}, 4);
   k.SetZero(x);
@@ -375,6 +385,7 @@ inline const std::vector<OpCase>& AllOps() {
       {"ToDevice", 0, ToDevice},
       {"ToHost", 0, ToHost},
       {"Copy", 0, Copy},
+      {"Convert", 0, Convert},
       {"SetZero", 0, SetZero},
       {"CopyBlock", 0, CopyBlock},
       {"StridedCopy", 0, StridedCopy},

@@ -515,6 +515,64 @@ TEST(EigenKernelsInt64Test, MemoryOpsMoveIdsAndArithmeticRefusesThem) {
   EXPECT_THROW(k.Copy(dev, copy_to_float), std::invalid_argument);  // a copy converts nothing
 }
 
+// Convert rounds each element once to the destination's dtype, to nearest even (16-bit via
+// float32, as torch's .to() does); widening is exact. Values chosen to sit between, on and
+// halfway between neighbours of each dtype.
+TEST(EigenKernelsConvertTest, RoundsToNearestEvenBetweenEveryPairOfFloatDtypes) {
+  EigenKernels k;
+  const double u8 = std::ldexp(1.0, -8);    // half of bfloat16's spacing at 1 (2^-7)
+  const double u11 = std::ldexp(1.0, -11);  // half of float16's spacing at 1 (2^-10)
+  const double u24 = std::ldexp(1.0, -24);  // half of float32's spacing at 1 (2^-23)
+  // x, then x rounded to float32, bfloat16 and float16 (by hand: ties go to the even one).
+  const std::vector<std::array<double, 4>> cases = {
+      {1 + u8, 1 + u8, 1, 1 + u8},                       // a bfloat16 tie -> 1 (even)
+      {1 + 3 * u8, 1 + 3 * u8, 1 + 4 * u8, 1 + 3 * u8},  // a bfloat16 tie -> 1 + 2^-6 (even)
+      {1 + u11, 1 + u11, 1, 1},                          // a float16 tie -> 1 (even)
+      {1 + 3 * u11, 1 + 3 * u11, 1, 1 + 4 * u11},        // a float16 tie -> 1 + 2^-9 (even)
+      {1 + u24, 1, 1, 1},                                // a float32 tie -> 1 (even)
+      {-(1 + 1.5 * u24), -(1 + 2 * u24), -1, -1},        // float32 rounds up in magnitude
+      {65520.0, 65520.0, 65536.0, INFINITY},             // float16's overflow
+      {0.1, 0.100000001490116119384765625, 0.10009765625, 0.0999755859375},
+  };
+  std::vector<double> x, want32, want_bf16, want_f16;
+  for (const auto& c : cases) {
+    x.push_back(c[0]);
+    want32.push_back(c[1]);
+    want_bf16.push_back(c[2]);
+    want_f16.push_back(c[3]);
+  }
+  const Shape shape = {static_cast<int64_t>(x.size())};
+  const Tensor src = MakeOf(DType::kFloat64, shape, x);
+  const auto to = [&](const Tensor& from, DType dtype) {
+    Tensor out = k.Empty(shape, dtype);
+    k.Convert(from, out);
+    return ValuesOf(out);
+  };
+  EXPECT_EQ(to(src, DType::kFloat64), x);
+  EXPECT_EQ(to(src, DType::kFloat32), want32);
+  EXPECT_EQ(to(src, DType::kBFloat16), want_bf16);
+  EXPECT_EQ(to(src, DType::kFloat16), want_f16);
+  // Widening is exact: every dtype's values come back unchanged through any wider one.
+  for (DType narrow : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    Tensor n = k.Empty(shape, narrow);
+    k.Convert(src, n);
+    for (DType wide : {DType::kFloat64, DType::kFloat32}) {
+      if (DTypeSize(wide) <= DTypeSize(narrow)) continue;
+      EXPECT_EQ(to(n, wide), ValuesOf(n)) << DTypeName(narrow) << " -> " << DTypeName(wide);
+    }
+  }
+  // float32 -> 16-bit rounds the float32 value (one rounding from float32).
+  Tensor f32 = k.Empty(shape, DType::kFloat32);
+  k.Convert(src, f32);
+  EXPECT_EQ(to(f32, DType::kBFloat16), want_bf16);
+
+  Tensor ids = k.Zeros(shape, DType::kInt64);
+  Tensor shorter = k.Empty({shape[0] - 1}, DType::kFloat32);
+  EXPECT_THROW(k.Convert(ids, f32), std::invalid_argument);
+  EXPECT_THROW(k.Convert(src, ids), std::invalid_argument);
+  EXPECT_THROW(k.Convert(src, shorter), std::invalid_argument);
+}
+
 // --- vocab-parallel cross entropy -----------------------------------------------------
 
 TYPED_TEST(EigenKernelsTest, RowMax) {
