@@ -20,6 +20,7 @@
 #include "cli/commands.h"
 #include "cli/config_options.h"
 #include "cli/layout_report.h"
+#include "core/config/model_facts.h"
 #include "core/model/model.h"
 #include "core/topology.h"
 
@@ -281,6 +282,13 @@ std::string PrecisionText(const Config& config) {
                             : fmt::format("{} and {}", DTypeName(p.exp_avg),
                                           DTypeName(p.exp_avg_sq)));
   }
+  const MoeConfig moe = FactsOf(config).moe;
+  if (moe.enabled()) {
+    const RouterDTypes router = RouterDTypesOf(moe, storage);
+    text += fmt::format("; the MoE router's logits and probabilities in {}{}, its softmaxes in {}",
+                        DTypeName(router.logits), moe.router_dtype ? " (moe_router_dtype)" : "",
+                        DTypeName(router.scores));
+  }
   return text;
 }
 
@@ -359,11 +367,14 @@ class ExplainCommand : public Command {
                           with_run.run->seq_length);
     }
     (*model)->Explain(text);
-    // Only where there is a choice to show: 16-bit storage, or an optimizer.
+    // Only where there is a choice to show: 16-bit storage, an optimizer, or a router dtype.
     const DType storage = config->run ? config->run->dtype
                                       : MegatronStorageDType(config->parallel).value_or(
                                             DType::kFloat32);
-    if (DTypeSize(storage) == 2 || config->optimizer) text << PrecisionText(*config) << '\n';
+    const bool router_dtype = FactsOf(*config).moe.router_dtype.has_value();
+    if (DTypeSize(storage) == 2 || config->optimizer || router_dtype) {
+      text << PrecisionText(*config) << '\n';
+    }
     PrintShardingMap(sharding_map, *topology, rank, json_, json_ ? out : text,
                      with_run.run->seq_length);
     return kExitOk;

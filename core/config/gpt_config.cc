@@ -444,4 +444,13 @@ std::string MoeExpertWeightName(const MoeConfig& moe, const std::string& mlp_pre
                                         mlp_prefix, e, fc);
 }
 
+RouterDTypes RouterDTypesOf(const MoeConfig& moe, DType storage) {
+  if (storage == DType::kFloat64) return {DType::kFloat64, DType::kFloat64};
+  DType logits = storage;
+  if (moe.router_dtype) {
+    logits = *moe.router_dtype == MoeRouterDType::kFp64 ? DType::kFloat64 : DType::kFloat32;
+  }
+  return {logits, DType::kFloat32};
+}
+
 }  // namespace mpusim

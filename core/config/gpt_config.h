@@ -70,6 +70,9 @@ enum class Fp8Recipe : uint8_t { kDelayed, kTensorwise, kBlockwise, kMxfp8 };
 enum class MoeLoadBalancing : uint8_t { kAuxLoss, kSeqAuxLoss, kNone };
 enum class MoeDispatcher : uint8_t { kAllGather, kAllToAll };
 enum class MoeDropPolicy : uint8_t { kProbs, kPosition };
+// TransformerConfig.moe_router_dtype: the router's GEMM, its probabilities and the weighting of
+// the experts' outputs in float32 or float64 (null: the run's dtype).
+enum class MoeRouterDType : uint8_t { kFp32, kFp64 };
 
 struct MoeConfig {
   int64_t num_experts = 0;  // num_moe_experts; 0: a dense model
@@ -91,9 +94,26 @@ struct MoeConfig {
   bool pad_expert_input_to_capacity = false;
   std::optional<int64_t> shared_expert_intermediate_size;
   bool grouped_gemm = false;
+  std::optional<MoeRouterDType> router_dtype;  // none: the run's dtype
 
   bool enabled() const { return num_experts > 0; }
 };
+
+// The dtypes of an MoE router's tensors in a run storing `storage` (Megatron's TopKRouter,
+// megatron/core/transformer/moe/router.py gating and moe_utils.py
+// topk_routing_with_score_function):
+//   logits  the gating GEMM's output (router_gating_linear casts x and the weight to it),
+//           the probabilities the dispatcher carries (probs.type_as(logits)) and the
+//           weighting of the experts' outputs (per_token_scale, computed in it and rounded to
+//           the run's dtype): moe_router_dtype, else the run's dtype; a float64 run keeps
+//           float64 (mpusim's own precision, never lowered)
+//   scores  the softmaxes, over all experts and over the chosen k
+//           (torch.softmax(..., dtype=torch.float32)): float32, float64 in a float64 run
+struct RouterDTypes {
+  DType logits;
+  DType scores;
+};
+RouterDTypes RouterDTypesOf(const MoeConfig& moe, DType storage);
 
 struct GptConfig {
   int64_t num_layers = 0;
@@ -152,6 +172,7 @@ const char* AttentionBackendName(AttentionBackend b);  // "flash", ..., "auto"
 const std::vector<std::string_view>& AttentionBackendNames();
 const char* Fp8FormatName(Fp8Format f);    // "e4m3", "hybrid"
 const char* Fp8RecipeName(Fp8Recipe r);    // "delayed", "tensorwise", "blockwise", "mxfp8"
+const char* MoeRouterDTypeName(MoeRouterDType d);  // "fp32", "fp64"
 
 // The keys of a GPT `model` section, each declared once (gpt_fields.cc), in documentation
 // order. The integer sizes Megatron resolves from other keys (ffn_hidden_size, kv_channels,

@@ -59,6 +59,10 @@ const std::vector<std::string_view>& MoeDropPolicyNames() {
   static const std::vector<std::string_view> kNames = {"probs", "position"};
   return kNames;
 }
+const std::vector<std::string_view>& MoeRouterDTypeNames() {
+  static const std::vector<std::string_view> kNames = {"fp32", "fp64"};
+  return kNames;
+}
 
 // One of `names` (the enum's spellings, in enum order).
 template <typename Enum>
@@ -400,6 +404,11 @@ constexpr GptField kFields[] = {
      .target = InnerMember<&GptConfig::moe, &MoeConfig::grouped_gemm>(),
      .help = "the experts as one grouped GEMM (weights experts.linear_fc1.weight<e>)",
      .effect = kShape},
+    {.key = "moe_router_dtype",
+     .target = NullableChoice<&MoeRouterDTypeNames, &GptConfig::moe, &MoeConfig::router_dtype>(),
+     .help = "the router's logits, probabilities and the experts' output weighting in \"fp32\" "
+             "or \"fp64\"; null: the run's dtype",
+     .effect = FieldEffect::kPrecision},
 };
 
 }  // namespace
@@ -430,5 +439,8 @@ const std::vector<std::string_view>& AttentionBackendNames() {
 }
 const char* Fp8FormatName(Fp8Format f) { return Fp8FormatNames()[static_cast<size_t>(f)].data(); }
 const char* Fp8RecipeName(Fp8Recipe r) { return Fp8RecipeNames()[static_cast<size_t>(r)].data(); }
+const char* MoeRouterDTypeName(MoeRouterDType d) {
+  return MoeRouterDTypeNames()[static_cast<size_t>(d)].data();
+}
 
 }  // namespace mpusim

@@ -88,7 +88,9 @@ StatusOr<std::vector<StageActivations>> EstimateStageActivations(
     const double n = rows * etp;        // the rows this rank's experts compute
     const double router = Tn * E * (4 + 1) + Tn * k * 4;
     const double experts = n * h * x + n * (fm1 * e + fm * x) / etp;
-    const double combine = rows * (8 + h * e + 4);
+    // The combine's probabilities in the router's dtype (probs.type_as(logits)).
+    const double p = static_cast<double>(DTypeSize(RouterDTypesOf(moe, run.dtype).logits));
+    const double combine = rows * (8 + h * e + p);
     double shared = 0;
     if (moe.shared_expert_intermediate_size) {
       const double fs = static_cast<double>(*moe.shared_expert_intermediate_size);

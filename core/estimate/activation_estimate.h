@@ -79,9 +79,11 @@
 //                                                          per expert, float32 chosen probs
 //   experts               n h e + n (f1_m + f_m) e / etp  the permuted input rows, fc1's
 //                                                          output and the activation's
-//   combine               r (8 + h e + 4)                  the permutation's int64 ids, the
-//                                                          returned rows and their float32
-//                                                          probabilities for the weighted sum
+//   combine               r (8 + h e + p)                  the permutation's int64 ids, the
+//                                                          returned rows and their
+//                                                          probabilities for the weighted sum,
+//                                                          p bytes each: the router's dtype
+//                                                          (moe_router_dtype, else the run's)
 //   shared expert         T e (f1_s + f_s) / t            as a dense MLP's split part
 // Selective recomputation drops the scores; full keeps the layer's input, as for a dense
 // layer. The dispatchers' communication buffers are not counted.

@@ -261,24 +261,47 @@ StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
     // The backward (MoeLayer::Backward): the gathered gradient (allgather without a group:
     // the gradient itself), the scatter targets of dx and d probs, then per expert fc2's and
     // fc1's gradients; after the experts the way back (dx, d probs), the router's gradients
-    // and the shared expert's, all kept to the layer's end.
+    // and the shared expert's, all kept to the layer's end. The router's tensors in its
+    // dtypes (RouterDTypesOf: d probs in `r`, the softmaxes' gradients in `sc`); a router
+    // wider than the run's dtype adds the float copies its casts make (`cast_e`: x, the
+    // weight, the experts' rows; `cast_s`: between the two router dtypes).
+    const RouterDTypes rdt = RouterDTypesOf(moe, run.dtype);
+    const double r = static_cast<double>(DTypeSize(rdt.logits));
+    const double sc = static_cast<double>(DTypeSize(rdt.scores));
+    const bool cast_e = rdt.logits != run.dtype, cast_s = rdt.logits != rdt.scores;
+    const bool post = !moe.router_pre_softmax;
     // New tensors for the gathered gradient and the way back (else views of dy and dx_src).
     const bool exchanged = a2a || group > 1;
     const double dy_src = exchanged ? src * h * e : 0;
-    const double base = dmlp + dy_src + src * h * e + (a2a ? src : group * T * K) * e;
+    const double base = dmlp + dy_src + src * h * e + (a2a ? src : group * T * K) * r;
+    const double weigh = cast_e ? 2 * N * fm * r : 0;  // WeightRows' copies in the router dtype
+    const double scaled_moe = base + N * h * e + N * fm * e + weigh;
     const double fc2_moe = base + N * h * e + 2 * N * fm * e + weight_grad(h, fm);
-    const double fc1_moe = base + N * h * e + 3 * N * fm * e + N * e + N * fm1 * e + N * h * e +
-                           weight_grad(fm1, h);
-    const double back = exchanged ? T * (h + K) * e : 0;  // dx, d probs
+    const double dp_moe = base + N * h * e + 2 * N * fm * e + N * r + weigh;
+    const double dact_moe = base + N * h * e + 3 * N * fm * e + N * r + weigh;
+    const double fc1_moe =
+        base + N * h * e + 3 * N * fm * e + N * r + N * fm1 * e + N * h * e + weight_grad(fm1, h);
+    const double back = exchanged ? T * (h * e + K * r) : 0;  // dx, d probs
     const bool z_loss = moe.z_loss_coeff.has_value();
-    const double router = base + back + 8 * T * K + 2 * T * E * e +
-                          (moe.router_pre_softmax ? 0 : T * K * e) + (z_loss ? T * E * e : 0) +
-                          T * h * e;
+    // flat ids, the softmax's int64 positions over the experts, d probs cast, d logits and
+    // d scores, d values (post-softmax top-k; its softmax's positions while it runs).
+    const double router = base + back + 8 * T * K + 8 * (E + 1) + (cast_s ? T * K * sc : 0) +
+                          2 * T * E * sc + (post ? T * K * sc : 0);
+    const double chosen_positions = post ? 8 * (K + 1) : 0;
+    const double z_term = z_loss ? T * E * sc + T * sc : 0;       // the term and d lse
+    const double router_end = router + (cast_s ? T * E * r : 0);  // d logits in `r`
+    const double values_cast = post && cast_s ? T * K * r : 0;
+    // The router's two products: dx (with the weight's copy in the GEMM, then dx's copy in
+    // the run's dtype) and the weight's gradient (with x's copy, then its own).
+    const double dx_router = T * h * r + (cast_e ? std::max(E * h * r, T * h * e) : 0);
+    const double w_router = E * h * r + (cast_e ? std::max(T * h * r, E * h * e) : 0);
     const double shared_fc2 = (sp ? full : 0) + R * fs * e + weight_grad(h, fs);
     const double shared_fc1 = R * fs * e + R * fs1 * e + full + (sp ? full : 0) +
                               weight_grad(fs1, h);
-    const double shared = fs > 0 ? router + std::max(shared_fc2, shared_fc1) : 0;
-    moe_point = Max({fc2_moe, fc1_moe, router + weight_grad(E, h), shared});
+    const double shared = fs > 0 ? router_end + std::max(shared_fc2, shared_fc1) : 0;
+    moe_point = Max({scaled_moe, fc2_moe, dp_moe, dact_moe, fc1_moe, router + chosen_positions,
+                     router + z_term, router_end + values_cast, router_end + dx_router,
+                     router_end + w_router, shared});
   }
   // The head's backward: d loss per token, d logits, the output layer's input gradient
   // (with sp its gathered input) and weight gradient.

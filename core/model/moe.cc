@@ -75,6 +75,26 @@ void ScaleRows(Kernels& k, const Tensor& p, const Tensor& a, Tensor& out) {
   k.BatchedGemm(false, false, 1.0, p.Reshaped({n, 1, 1}), a.Reshaped({n, 1, w}), 0.0, out3);
 }
 
+// t itself when it has `dtype`, else a copy converted to it (Kernels::Convert).
+Tensor As(Kernels& k, const Tensor& t, DType dtype) {
+  if (t.dtype() == dtype) return t;
+  Tensor out = k.Empty(t.shape(), dtype);
+  k.Convert(t, out);
+  return out;
+}
+
+// Megatron's per_token_scale (mlp.py: (a * p.unsqueeze(-1)).to(a.dtype)): out[r, :] = p[r] *
+// a[r, :] computed in p's dtype (the router's) and rounded to a's; out has a's dtype.
+void WeightRows(Kernels& k, const Tensor& p, const Tensor& a, Tensor& out) {
+  if (p.dtype() == a.dtype()) {
+    ScaleRows(k, p, a, out);
+    return;
+  }
+  Tensor wide = k.Empty(a.shape(), p.dtype());
+  ScaleRows(k, p, As(k, a, p.dtype()), wide);
+  k.Convert(wide, out);
+}
+
 // The layer's dispatcher on this rank's groups.
 TokenDispatcher Dispatcher(const ModuleContext& ctx, MoeDispatcher kind) {
   return TokenDispatcher(kind, ChooseDispatchGroups(ctx.tp, ctx.shape.sequence_parallel,
@@ -133,7 +153,8 @@ MoeLayer::MoeLayer(const GptConfig& gpt, std::string prefix, ParameterSet& param
   }
 }
 
-void MoeLayer::Route(const ModuleContext& ctx, const Tensor& top_scores, Stash* st) const {
+void MoeLayer::Route(const ModuleContext& ctx, const Tensor& top_scores, const Tensor& probs,
+                     Stash* st) const {
   Kernels& k = ctx.k;
   const StreamShape& sh = ctx.shape;
   const int64_t T = st->x.rows(), E = moe_.num_experts, K = moe_.router_topk;
@@ -146,7 +167,7 @@ void MoeLayer::Route(const ModuleContext& ctx, const Tensor& top_scores, Stash* 
     const auto capacity = static_cast<int64_t>(std::ceil(
         static_cast<double>(T * K) / static_cast<double>(E) * *moe_.expert_capacity_factor));
     if (capacity < T) {
-      const std::vector<double> p = ValuesToHost(k, st->probs);
+      const std::vector<double> p = ValuesToHost(k, probs);
       for (int64_t e = 0; e < E; ++e) {
         std::vector<double> key(static_cast<size_t>(T), 0.0);
         for (size_t i = 0; i < st->chosen.size(); ++i) {
@@ -241,32 +262,38 @@ Tensor MoeLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* st) c
   Kernels& k = ctx.k;
   const int64_t T = x.rows(), h = x.cols(), E = moe_.num_experts, K = moe_.router_topk;
   const DType dtype = x.dtype();
+  const RouterDTypes dt = RouterDTypesOf(moe_, dtype);
   st->x = x;
 
-  // The router.
-  Tensor logits = k.Empty({T, E}, dtype);
-  k.Gemm(false, true, 1.0, x, router_->value, 0.0, logits);
+  // The router: the gating GEMM on x and W_r cast to the router's dtype (Megatron's
+  // router_gating_linear), the softmaxes in the scores' dtype.
+  Tensor logits = k.Empty({T, E}, dt.logits);
+  k.Gemm(false, true, 1.0, As(k, x, dt.logits), As(k, router_->value, dt.logits), 0.0, logits);
   const WholeRowSoftmax over_experts = MakeWholeRowSoftmax(k, E);
-  st->scores = k.Empty({T, E}, dtype);
-  st->lse = k.Empty({T}, ComputeDType(dtype));
-  k.CausalSoftmaxForward(logits, over_experts.q_pos, over_experts.k_pos, 1.0, st->scores,
-                         &st->lse);
-  Tensor values = k.Empty({T, K}, dtype);
+  st->scores = k.Empty({T, E}, dt.scores);
+  st->lse = k.Empty({T}, dt.scores);
+  k.CausalSoftmaxForward(As(k, logits, dt.scores), over_experts.q_pos, over_experts.k_pos, 1.0,
+                         st->scores, &st->lse);
+  const Tensor& ranked = moe_.router_pre_softmax ? st->scores : logits;
+  Tensor values = k.Empty({T, K}, ranked.dtype());
   Tensor indices = k.Empty({T, K}, DType::kInt64);
-  k.TopK(moe_.router_pre_softmax ? st->scores : logits, K, values, indices);
+  k.TopK(ranked, K, values, indices);
   Tensor top_scores = indices;  // the load-balancing counts' top-k of the softmax
   if (moe_.router_pre_softmax) {
     st->probs = values;
   } else {
     const WholeRowSoftmax over_chosen = MakeWholeRowSoftmax(k, K);
-    st->probs = k.Empty({T, K}, dtype);
-    k.CausalSoftmaxForward(values, over_chosen.q_pos, over_chosen.k_pos, 1.0, st->probs);
-    Tensor unused = k.Empty({T, K}, dtype);
+    st->probs = k.Empty({T, K}, dt.scores);
+    k.CausalSoftmaxForward(As(k, values, dt.scores), over_chosen.q_pos, over_chosen.k_pos, 1.0,
+                           st->probs);
+    Tensor unused = k.Empty({T, K}, dt.scores);
     top_scores = k.Empty({T, K}, DType::kInt64);
     k.TopK(st->scores, K, unused, top_scores);
   }
   st->chosen = IntsToHost(k, indices);
-  Route(ctx, top_scores, st);
+  // What the dispatcher carries (probs.type_as(logits)).
+  const Tensor probs = As(k, st->probs, dt.logits);
+  Route(ctx, top_scores, probs, st);
 
   // Dispatch, the experts, combine.
   // The rows the experts' permutation picks from: the dispatch group's tokens and
@@ -275,7 +302,7 @@ Tensor MoeLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* st) c
   const TokenDispatcher dispatcher = Dispatcher(ctx, moe_.token_dispatcher);
   const TokenRoute& route = st->route;
   const Tensor x_src = dispatcher.DispatchTokens(k, x, route);
-  const Tensor p_src = dispatcher.DispatchProbs(k, st->probs, route);
+  const Tensor p_src = dispatcher.DispatchProbs(k, probs, route);
   const int64_t N = route.offsets.back();
   Tensor y_src = k.Zeros({x_src.rows(), h}, dtype);
   if (N > 0) {
@@ -290,7 +317,7 @@ Tensor MoeLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* st) c
     st->act = k.Empty({N, f}, dtype);
     k.ActivationForward(activation_, st->fc1_out, st->act);
     Tensor scaled = k.Empty({N, f}, dtype);
-    ScaleRows(k, st->p_perm, st->act, scaled);
+    WeightRows(k, st->p_perm, st->act, scaled);
     Tensor y_perm = k.Empty({N, h}, dtype);
     ForEachExpert(route.offsets, [&](size_t e, int64_t o, int64_t n) {
       Tensor out = Rows(y_perm, o, n);
@@ -318,11 +345,12 @@ StashPlan MoeLayer::PlanStash(const GptConfig& gpt, const StreamShape& shape, DT
   const double T = d(shape.stream_rows()), R = d(shape.s_cp() * shape.b);
   const double E = d(moe.num_experts), K = d(moe.router_topk), h = d(gpt.hidden_size);
   const double f = d(moe.ffn_hidden_size) / d(etp), f1 = IsGated(gpt.activation) ? 2 * f : f;
+  const RouterDTypes dt = RouterDTypesOf(moe, dtype);
   StashPlan plan;
   plan.Add("x", {T, h}, dtype);  // the norm's output (shared_fc1_in.input is the same)
-  plan.Add("scores", {T, E}, dtype);
-  plan.Add("lse", {T}, ComputeDType(dtype));
-  plan.Add("probs", {T, K}, dtype);
+  plan.Add("scores", {T, E}, dt.scores);
+  plan.Add("lse", {T}, dt.scores);
+  plan.Add("probs", {T, K}, dt.scores);
   plan.Add("route.token_ids", {rows}, DType::kInt64);
   if (moe.token_dispatcher == MoeDispatcher::kAllToAll) {
     // slot_ids is token_ids.
@@ -332,7 +360,7 @@ StashPlan MoeLayer::PlanStash(const GptConfig& gpt, const StreamShape& shape, DT
     plan.Add("route.slot_ids", {rows}, DType::kInt64);
   }
   plan.Add("x_perm", {rows, h}, dtype);
-  plan.Add("p_perm", {rows, 1}, dtype);
+  plan.Add("p_perm", {rows, 1}, dt.logits);
   plan.Add("fc1_out", {rows, f1}, dtype);
   plan.Add("act", {rows, f}, dtype);
   if (moe.shared_expert_intermediate_size) {
@@ -347,6 +375,7 @@ Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stas
   Kernels& k = ctx.k;
   const int64_t T = dy.rows(), h = dy.cols(), E = moe_.num_experts, K = moe_.router_topk;
   const DType dtype = dy.dtype();
+  const RouterDTypes dt = RouterDTypesOf(moe_, dtype);
 
   // The experts, on the gathered gradient.
   std::optional<SiteSuffix> site(std::in_place, ctx.trace, "moe dispatch");
@@ -355,12 +384,12 @@ Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stas
   const Tensor dy_src = dispatcher.DispatchTokens(k, dy, route);
   const int64_t N = route.offsets.back();
   Tensor dx_src = k.Zeros({dy_src.rows(), h}, dtype);
-  Tensor dp_src = k.Zeros({dispatcher.ProbRows(dy_src.rows(), K), 1}, dtype);
+  Tensor dp_src = k.Zeros({dispatcher.ProbRows(dy_src.rows(), K), 1}, dt.logits);
   if (N > 0) {
     const Tensor dy_perm = GatherRows(k, dy_src, route.token_ids);
     const int64_t f = st.act.cols();
     Tensor scaled = k.Empty({N, f}, dtype);
-    ScaleRows(k, st.p_perm, st.act, scaled);
+    WeightRows(k, st.p_perm, st.act, scaled);
     Tensor dscaled = k.Empty({N, f}, dtype);
     ForEachExpert(route.offsets, [&](size_t e, int64_t o, int64_t n) {
       Parameter& w2 = *fc2_[e];
@@ -373,12 +402,12 @@ Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stas
                        [&](Tensor& g, double beta) { k.Gemm(true, false, 1.0, dy_e, s_e, beta, g); });
       }
     });
-    // d p[r] = dscaled[r] . act[r]; d act = p dscaled.
-    Tensor dp_perm = k.Empty({N, 1, 1}, dtype);
-    k.BatchedGemm(false, true, 1.0, dscaled.Reshaped({N, 1, f}), st.act.Reshaped({N, 1, f}), 0.0,
-                  dp_perm);
+    // d p[r] = dscaled[r] . act[r] in the router's dtype; d act = p dscaled.
+    Tensor dp_perm = k.Empty({N, 1, 1}, dt.logits);
+    k.BatchedGemm(false, true, 1.0, As(k, dscaled, dt.logits).Reshaped({N, 1, f}),
+                  As(k, st.act, dt.logits).Reshaped({N, 1, f}), 0.0, dp_perm);
     Tensor dact = k.Empty({N, f}, dtype);
-    ScaleRows(k, st.p_perm, dscaled, dact);
+    WeightRows(k, st.p_perm, dscaled, dact);
     Tensor dfc1 = k.Empty(st.fc1_out.shape(), dtype);
     k.ActivationBackward(activation_, st.fc1_out, dact, dfc1);
     Tensor dx_perm = k.Empty({N, h}, dtype);
@@ -401,48 +430,61 @@ Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stas
   const Tensor dprobs = dispatcher.CombineProbs(k, dp_src, T, K, route);
   site.reset();
 
-  // The router: the probabilities' gradient, the load-balancing and z-loss terms.
+  // The router: the probabilities' gradient, the load-balancing and z-loss terms, through
+  // the softmaxes in the scores' dtype; d logits in the router's.
   std::vector<int64_t> flat(st.chosen.size());  // token * E + expert of each choice
   for (size_t i = 0; i < flat.size(); ++i) {
     flat[i] = static_cast<int64_t>(i) / K * E + st.chosen[i];
   }
   const Tensor flat_ids = IntsToDevice(k, flat, {T * K});
   const WholeRowSoftmax over_experts = MakeWholeRowSoftmax(k, E);
-  Tensor dlogits = k.Empty({T, E}, dtype);
-  Tensor dscores = k.Zeros({T, E}, dtype);
+  const Tensor dprobs_s = As(k, dprobs, dt.scores);
+  Tensor dlogits_s = k.Empty({T, E}, dt.scores);
+  Tensor dscores = k.Zeros({T, E}, dt.scores);
   if (static_cast<int64_t>(st.aux.size()) == E) {
-    k.AddRowVector(ValuesToDevice(k, st.aux, {E}, dtype), dscores);
+    k.AddRowVector(ValuesToDevice(k, st.aux, {E}, dt.scores), dscores);
   } else if (!st.aux.empty()) {
-    k.Axpy(1.0, ValuesToDevice(k, st.aux, {T, E}, dtype), dscores);
+    k.Axpy(1.0, ValuesToDevice(k, st.aux, {T, E}, dt.scores), dscores);
   }
+  Tensor dvalues_s;  // the chosen logits' gradient (post-softmax top-k)
   if (moe_.router_pre_softmax) {
     Tensor into = dscores.Reshaped({T * E, 1});
-    k.EmbeddingBackward(dprobs.Reshaped({T * K, 1}), flat_ids, 0, T * E, into);
+    k.EmbeddingBackward(dprobs_s.Reshaped({T * K, 1}), flat_ids, 0, T * E, into);
     k.CausalSoftmaxBackward(st.scores, dscores, over_experts.q_pos, over_experts.k_pos, 1.0,
-                            dlogits);
+                            dlogits_s);
   } else {
     const WholeRowSoftmax over_chosen = MakeWholeRowSoftmax(k, K);
-    Tensor dvalues = k.Empty({T, K}, dtype);
-    k.CausalSoftmaxBackward(st.probs, dprobs, over_chosen.q_pos, over_chosen.k_pos, 1.0, dvalues);
+    dvalues_s = k.Empty({T, K}, dt.scores);
+    k.CausalSoftmaxBackward(st.probs, dprobs_s, over_chosen.q_pos, over_chosen.k_pos, 1.0,
+                            dvalues_s);
     k.CausalSoftmaxBackward(st.scores, dscores, over_experts.q_pos, over_experts.k_pos, 1.0,
-                            dlogits);
-    Tensor into = dlogits.Reshaped({T * E, 1});
-    k.EmbeddingBackward(dvalues.Reshaped({T * K, 1}), flat_ids, 0, T * E, into);
+                            dlogits_s);
   }
   if (!st.dlse.empty()) {
     // d lse_t / d logits_t = scores_t.
-    Tensor term = k.Empty({T, 1, E}, dtype);
-    k.BatchedGemm(false, false, 1.0, ValuesToDevice(k, st.dlse, {T, 1, 1}, dtype),
+    Tensor term = k.Empty({T, 1, E}, dt.scores);
+    k.BatchedGemm(false, false, 1.0, ValuesToDevice(k, st.dlse, {T, 1, 1}, dt.scores),
                   st.scores.Reshaped({T, 1, E}), 0.0, term);
-    k.Axpy(1.0, term, dlogits);
+    k.Axpy(1.0, term, dlogits_s);
   }
-  Tensor dx_router = k.Empty({T, h}, dtype);
-  k.Gemm(false, false, 1.0, dlogits, router_->value, 0.0, dx_router);
+  Tensor dlogits = As(k, dlogits_s, dt.logits);
+  if (dvalues_s.defined()) {
+    Tensor into = dlogits.Reshaped({T * E, 1});
+    k.EmbeddingBackward(As(k, dvalues_s, dt.logits).Reshaped({T * K, 1}), flat_ids, 0, T * E, into);
+  }
+  // Megatron's RouterGatingLinearFunction backward: both products in the router's dtype,
+  // then cast to the input's and the weight's dtype; the weight's gradient reaches main_grad
+  // as a separate gradient (the function never fuses its accumulation).
+  {
+    Tensor dx_router = k.Empty({T, h}, dt.logits);
+    k.Gemm(false, false, 1.0, dlogits, As(k, router_->value, dt.logits), 0.0, dx_router);
+    k.Axpy(1.0, As(k, dx_router, dtype), dx);
+  }
   if (router_->grad.defined()) {
-    AccumulateGrad(k, *router_, ctx.fuse_wgrad,
-                   [&](Tensor& g, double beta) { k.Gemm(true, false, 1.0, dlogits, st.x, beta, g); });
+    Tensor grad = k.Empty(router_->value.shape(), dt.logits);
+    k.Gemm(true, false, 1.0, dlogits, As(k, st.x, dt.logits), 0.0, grad);
+    k.Axpy(1.0, As(k, grad, router_->value.dtype()), router_->grad);
   }
-  k.Axpy(1.0, dx_router, dx);
 
   if (shared_fc1_) {
     const Tensor dact = shared_fc2_->Backward(ctx, dy, st.shared_fc2_in);

@@ -14,6 +14,9 @@
 //                                                           all-reduced over tp with the
 //                                                           sequence-parallel parameters)
 //             scores = softmax(logits)         [T, E]      lse [T]
+//             (dtypes: RouterDTypesOf, core/config/gpt_config.h: the logits, the dispatched
+//             probabilities and their weighting of the experts' outputs in moe_router_dtype
+//             or the run's dtype; the softmaxes in float32, as Megatron's TopKRouter)
 //             top-k of logits (or of scores with moe_router_pre_softmax), equal values by
 //             the lower expert (Kernels::TopK); probs = softmax over the k chosen logits
 //             (or the chosen scores)            [T, k]
@@ -66,12 +69,13 @@ class MoeLayer {
     Tensor x;               // [T, h] the router's input
     Tensor scores, lse;     // [T, E] softmax of the logits, [T] their log-sum-exp
     Tensor probs;           // [T, k] routing probabilities (before dropping)
+                            // (all three in RouterDTypes' scores dtype)
     std::vector<int64_t> chosen;  // [T * k] experts, per token in rank order
     std::vector<double> aux;      // d(objective)/d(scores_ti): [E], the same for every t
                                   // (aux_loss), or [T, E] (seq_aux_loss: per sample)
     std::vector<double> dlse;     // [T] d(objective)/d(lse_t) of the z-loss (empty: none)
     TokenRoute route;        // the dispatcher's permutation: N rows over the local experts
-    Tensor x_perm, p_perm;   // [N, h], [N, 1]
+    Tensor x_perm, p_perm;   // [N, h], [N, 1] (p_perm in RouterDTypes' logits dtype)
     Tensor fc1_out, act;     // [N, f1/t], [N, f/t] (act before the probability)
     ColumnParallelLinear::Stash shared_fc1_in;
     Tensor shared_fc1_out;
@@ -102,7 +106,9 @@ class MoeLayer {
  private:
   // The host-side routing of one forward: counts, capacity, the auxiliary gradients'
   // coefficients, then the dispatcher's permutation.
-  void Route(const ModuleContext& ctx, const Tensor& top_scores, Stash* st) const;
+  // `probs`: the chosen probabilities as the dispatcher carries them (the capacity's key).
+  void Route(const ModuleContext& ctx, const Tensor& top_scores, const Tensor& probs,
+             Stash* st) const;
 
   std::string prefix_;
   Activation activation_;

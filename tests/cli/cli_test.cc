@@ -1135,8 +1135,9 @@ TEST(EstimateCommand, StepTimeOfMoeLayersMatchesCountsByHand) {
 // whose MoE layers have 2 experts of the dense ffn size and top-1 routing keeps, per MoE layer,
 // what the dense layer keeps plus the router's (float32 scores and routing map per expert,
 // float32 chosen probabilities), the experts' permuted input rows and the combine's (int64
-// ids, the returned rows, float32 probabilities); full recomputation keeps the layer inputs
-// alike. moe_layer_freq [1, 0] makes one of the two layers MoE: half the difference.
+// ids, the returned rows, the probabilities in the router's dtype: the run's bfloat16, or
+// moe_router_dtype's float32 or float64); full recomputation keeps the layer inputs alike.
+// moe_layer_freq [1, 0] makes one of the two layers MoE: half the difference.
 TEST(EstimateCommand, MegatronActivationsOfMoeLayers) {
   const json dense = {
       {"parallel", {{"world_size", 1}}},
@@ -1159,9 +1160,17 @@ TEST(EstimateCommand, MegatronActivationsOfMoeLayers) {
   moe["model"]["num_moe_experts"] = 2;
   moe["model"]["moe_router_topk"] = 1;
   const double T = 64, h = 64, e = 2, E = 2, k = 1, rows = T * k;
-  const double per_layer = T * E * (4 + 1) + T * k * 4 + rows * h * e + rows * (8 + h * e + 4);
+  const auto layer_with = [&](double p) {
+    return T * E * (4 + 1) + T * k * 4 + rows * h * e + rows * (8 + h * e + p);
+  };
+  const double per_layer = layer_with(e);
   const double base = activations(dense, "dense");
   EXPECT_EQ(activations(moe, "moe") - base, 2 * per_layer);
+  for (const auto& [router_dtype, p] : {std::pair{"fp32", 4.0}, {"fp64", 8.0}}) {
+    json wide = moe;
+    wide["model"]["moe_router_dtype"] = router_dtype;
+    EXPECT_EQ(activations(wide, router_dtype) - base, 2 * layer_with(p)) << router_dtype;
+  }
   json half = moe;
   half["model"]["moe_layer_freq"] = {1, 0};
   EXPECT_EQ(activations(half, "half") - base, per_layer);
@@ -1904,6 +1913,32 @@ TEST(ExplainCommand, NamesTheGradientAndOptimizerDtypes) {
   EXPECT_NE(r.out.find("main_grad in float32 (accumulate_allreduce_grads_in_fp32), accumulated"),
             std::string::npos)
       << r.out;
+}
+
+// An MoE model's router dtypes: moe_router_dtype's logits and probabilities, float32
+// softmaxes (RouterDTypesOf); a float64 run keeps its router in float64.
+TEST(ExplainCommand, NamesTheRouterDtypes) {
+  json config = json::parse(std::ifstream(Sample("gpt_moe_ep2_t2_sp_dp2_n4.json")));
+  config["model"]["moe_router_dtype"] = "fp64";
+  config["run"]["dtype"] = "bfloat16";
+  Result r = Mpusim({"explain", WriteTemp("mpusim_router_dtype.json", config.dump())});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("; the MoE router's logits and probabilities in float64 "
+                       "(moe_router_dtype), its softmaxes in float32\n"),
+            std::string::npos)
+      << r.out;
+  config["model"]["moe_router_dtype"] = "fp32";
+  config["run"]["dtype"] = "float64";
+  r = Mpusim({"explain", WriteTemp("mpusim_router_dtype64.json", config.dump())});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("; the MoE router's logits and probabilities in float64 "
+                       "(moe_router_dtype), its softmaxes in float64\n"),
+            std::string::npos)
+      << r.out;
+  config["model"]["moe_router_dtype"] = "fp16";
+  r = Mpusim({"explain", WriteTemp("mpusim_router_dtype16.json", config.dump())});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("model.moe_router_dtype"), std::string::npos) << r.err;
 }
 
 TEST(ExplainCommand, GptParametersInStateDictNames) {

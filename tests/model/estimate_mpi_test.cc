@@ -156,6 +156,13 @@ std::vector<Case> Layouts() {
   moe_capacity["moe_expert_capacity_factor"] = 1.0;
   moe_capacity["moe_grouped_gemm"] = true;
   moe_capacity["moe_z_loss_coeff"] = 0.001;
+  // Many narrow experts: the router's tensors ([T, E] scores, logits and their gradients)
+  // outgrow the experts' rows, so its backward is the peak the count must match.
+  json moe_router = dense;
+  moe_router["num_moe_experts"] = 256;
+  moe_router["moe_router_topk"] = 2;
+  moe_router["moe_ffn_hidden_size"] = 4;
+  moe_router["moe_z_loss_coeff"] = 0.001;
   // Sizes that no data-parallel size divides, so the distributed optimizer pads its buffer
   // and the last rank owns fewer elements than the first.
   json odd = Gpt(3, 3);
@@ -197,6 +204,8 @@ std::vector<Case> Layouts() {
       {"moe_a2a", 1, 2, 1, 1, 4, 0, false},
       {"moe_capacity", 2, 1, 1, 1, 2, 0, true},
       {"moe_capacity", 1, 1, 1, 1, 1, 0, false},
+      {"moe_router", 1, 1, 1, 1, 1, 0, false},
+      {"moe_router", 2, 1, 1, 1, 1, 0, true},
       {"odd", 1, 1, 1, 1, 1, 0, false},
       {"odd", 1, 2, 1, 1, 1, 0, false},
       {"wide", 1, 1, 1, 1, 1, 0, false},
@@ -247,6 +256,7 @@ std::vector<Case> Layouts() {
       const char* optimizer;
       int64_t instances;
       int64_t iterations = 1;  // 2: the second starts with what the first's optimizer kept
+      const char* router_dtype = nullptr;  // an MoE model's moe_router_dtype
     };
     // Two instances where both the dp size and the expert dp size divide by 2.
     const int64_t expt_dp = w / ((l.etp > 0 ? l.etp : l.tp) * l.ep * l.pp);
@@ -256,11 +266,10 @@ std::vector<Case> Layouts() {
     // float16 keeps Megatron's float16 main_grad and copies it to float32 for the step
     // (core/train/optimizer.h): plain for dense models, distributed for MoE ones and the wide
     // one at tp 2.
-    for (const Variant& v : {Variant{"float32", "adam", 0}, Variant{"bfloat16", "adam", 1},
-                             Variant{"bfloat16", "sgd", halves ? 2 : 1, 2},
-                             Variant{"float64", "sgd", 0},
-                             Variant{"float16", "adam", is_moe || (name == "wide" && l.tp == 2),
-                                     2}}) {
+    for (const Variant& v :
+         {Variant{"float32", "adam", 0}, Variant{"bfloat16", "adam", 1},
+          Variant{"bfloat16", "sgd", halves ? 2 : 1, 2, "fp32"}, Variant{"float64", "sgd", 0},
+          Variant{"float16", "adam", is_moe || (name == "wide" && l.tp == 2), 2, "fp64"}}) {
       // The sanitizer build (about 5 times slower) keeps float16 on the wide model, whose
       // step peak is what float16 adds to the count.
       if (mpusim::testing::kAddressSanitizer && std::string(v.dtype) == "float16" &&
@@ -271,10 +280,13 @@ std::vector<Case> Layouts() {
                           : name == "moe_a2a"      ? moe_a2a
                           : name == "moe_gg"       ? moe_gg
                           : name == "moe_capacity" ? moe_capacity
+                          : name == "moe_router"   ? moe_router
                           : name == "odd"          ? odd
                           : name == "wide"         ? wide
                                                    : dense;
       json document = Document(model, l.tp, l.sp, v.dtype);
+      if (is_moe && v.router_dtype != nullptr)
+        document["model"]["moe_router_dtype"] = v.router_dtype;
       document = Training(document, v.optimizer);
       document["run"]["train_iters"] = v.iterations;
       json& parallel = document["parallel"];
@@ -308,6 +320,7 @@ std::vector<Case> Layouts() {
       if (l.recompute != nullptr) extra += fmt::format(" recompute {}", l.recompute);
       if (l.qk_norm) extra += " qk_layernorm";
       if (l.fusion) extra += " fused wgrad";
+      if (is_moe && v.router_dtype != nullptr) extra += fmt::format(" router {}", v.router_dtype);
       cases.push_back({fmt::format("{} tp {}{} pp {} vp {} cp {}{} ep {} etp {} {} {} {}{}",
                                    l.model, l.tp, l.sp ? " sp" : "", l.pp, l.vp, l.cp, extra, l.ep,
                                    l.etp > 0 ? l.etp : l.tp, v.dtype, v.optimizer,

@@ -332,6 +332,23 @@ TEST(GptMixtureOfExperts, Float32) {
   }
 }
 
+// moe_router_dtype "fp64" on a float32 run: the router's GEMM, its probabilities and the
+// experts' weighting in float64, the softmaxes in float32, cast between them
+// (RouterDTypesOf): checked like float32, with both dispatchers and expert parallelism.
+TEST(GptMixtureOfExperts, Float64RouterOnFloat32) {
+  const int64_t tp = WorldSize() >= 2 ? 2 : 1;
+  const int64_t ep = WorldSize() >= 4 ? 2 : 1;
+  for (const char* dispatcher : {"allgather", "alltoall"}) {
+    for (json model : {Dropless(), Dropping()}) {
+      model["moe_router_dtype"] = "fp64";
+      model["moe_token_dispatcher_type"] = dispatcher;
+      if (WorldRank() == 0)
+        fmt::print("  fp64 router, float32, {} tp {} ep {}:", dispatcher, tp, ep);
+      RunChecked(MoeDocument(model, tp, 1, 1, "float32", ep));
+    }
+  }
+}
+
 // The run's notes say how many tokens each rank's experts received: a dropless top-2 router
 // sends every token to two experts, so per layer the counts add up to 2 s B whatever the
 // layout.
