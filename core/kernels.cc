@@ -661,11 +661,9 @@ void Kernels::CrossEntropyBackward(const Tensor& logits, const Tensor& row_max,
 void Kernels::OptimizerStep(const OptimizerUpdate& update, const Tensor& grad, Tensor& master,
                             Tensor& state1, Tensor& state2, Tensor& param) {
   KernelArgs args(backend_, device_, "OptimizerStep");
-  args.Add("master", master).Add("state1", state1);
+  args.Add("master", master);
   const bool adam = update.kind == OptimizerUpdate::Kind::kAdam;
-  if (adam) {
-    args.Add("state2", state2);
-  } else {
+  if (!adam) {
     args.Require(!state2.defined(), "state2 must be undefined for sgd (it has one state)");
   }
   args.Require(master.dtype() == DType::kFloat32 || master.dtype() == DType::kFloat64,
@@ -673,9 +671,20 @@ void Kernels::OptimizerStep(const OptimizerUpdate& update, const Tensor& grad, T
                            DTypeName(master.dtype())));
   args.Require(update.master_float64 == (master.dtype() == DType::kFloat64),
                "update.master_float64 does not match master's dtype");
+  // Each state in the master dtype, or bfloat16 beside a float32 master.
+  for (const auto& [name, state] : {std::pair<const char*, const Tensor*>{"state1", &state1},
+                                    {"state2", &state2}}) {
+    if (!adam && state == &state2) continue;
+    KernelArgs(backend_, device_, "OptimizerStep").Add(name, *state);
+    args.Require(state->dtype() == master.dtype() ||
+                     (state->dtype() == DType::kBFloat16 && master.dtype() == DType::kFloat32),
+                 fmt::format("{} is {}; a state has the master dtype ({}), or bfloat16 beside "
+                             "a float32 master",
+                             name, DTypeName(state->dtype()), DTypeName(master.dtype())));
+  }
   KernelArgs(backend_, device_, "OptimizerStep").Add("grad", grad);
-  args.Require(grad.dtype() == DType::kFloat32 || grad.dtype() == DType::kFloat64,
-               fmt::format("grad is {}; gradients (main_grad) are float32 or float64",
+  args.Require(DTypeSize(grad.dtype()) != 2 || master.dtype() == DType::kFloat32,
+               fmt::format("grad is {}; a 16-bit main_grad steps a float32 master",
                            DTypeName(grad.dtype())));
   KernelArgs(backend_, device_, "OptimizerStep").Add("param", param);
   const int64_t n = master.numel();
@@ -693,12 +702,55 @@ void Kernels::OptimizerStep(const OptimizerUpdate& update, const Tensor& grad, T
   DoOptimizerStep(update, grad, master, state1, state2, param);
 }
 
+namespace {
+
+// The float16 state's scale: a float32 tensor with one element, apart from the others.
+void RequireStateScale(KernelArgs& args, const Tensor& scale) {
+  args.Require(scale.dtype() == DType::kFloat32 && scale.numel() == 1,
+               fmt::format("scale is {} {}; it must be float32 with one element",
+                           DTypeName(scale.dtype()), ShapeString(scale.shape())));
+}
+
+}  // namespace
+
+void Kernels::UnscaleState(const Tensor& q, const Tensor& scale, Tensor& out) {
+  KernelArgs args(backend_, device_, "UnscaleState");
+  args.Add("q", q);
+  args.Require(q.dtype() == DType::kFloat16, fmt::format("q is {}; it must be float16",
+                                                         DTypeName(q.dtype())));
+  KernelArgs(backend_, device_, "UnscaleState").Add("scale", scale);
+  RequireStateScale(args, scale);
+  KernelArgs(backend_, device_, "UnscaleState").Add("out", out);
+  args.Require(out.dtype() == DType::kFloat32, fmt::format("out is {}; it must be float32",
+                                                           DTypeName(out.dtype())));
+  args.Numel("out", out, q.numel(), "the numel of q");
+  Disjoint(args, "out", out, "q", q);
+  Disjoint(args, "out", out, "scale", scale);
+  if (q.numel() == 0) return;
+  DoUnscaleState(q, scale, out);
+}
+
+void Kernels::ScaleState(const Tensor& x, Tensor& scale, Tensor& q) {
+  KernelArgs args(backend_, device_, "ScaleState");
+  args.Add("x", x);
+  args.Require(x.dtype() == DType::kFloat32, fmt::format("x is {}; it must be float32",
+                                                         DTypeName(x.dtype())));
+  KernelArgs(backend_, device_, "ScaleState").Add("scale", scale);
+  RequireStateScale(args, scale);
+  KernelArgs(backend_, device_, "ScaleState").Add("q", q);
+  args.Require(q.dtype() == DType::kFloat16, fmt::format("q is {}; it must be float16",
+                                                         DTypeName(q.dtype())));
+  args.Numel("q", q, x.numel(), "the numel of x");
+  Disjoint(args, "q", q, "x", x);
+  Disjoint(args, "scale", scale, "x", x);
+  Disjoint(args, "scale", scale, "q", q);
+  if (x.numel() == 0) return;
+  DoScaleState(x, scale, q);
+}
+
 void Kernels::SumOfSquares(const Tensor& x, Tensor& out) {
   KernelArgs args(backend_, device_, "SumOfSquares");
   args.Add("x", x);
-  args.Require(x.dtype() == DType::kFloat32 || x.dtype() == DType::kFloat64,
-               fmt::format("x is {}; gradients (main_grad) are float32 or float64",
-                           DTypeName(x.dtype())));
   KernelArgs(backend_, device_, "SumOfSquares").Add("out", out);
   args.Require(out.dtype() == DType::kFloat64 && out.numel() == 1,
                fmt::format("out is {} {}; it must be float64 with one element",

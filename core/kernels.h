@@ -27,7 +27,8 @@
 // BatchedGemm, AddRowVector, SumRows, Axpy, Scale); elementwise (the activations, Dropout,
 // DropoutAt); normalization (the norms of core/ops/norm.h); attention (CausalSoftmax, Rope);
 // routing (TopK); embedding; vocab-parallel cross entropy; the optimizer (OptimizerStep,
-// SumOfSquares), so that training never copies weights or gradients off the device.
+// UnscaleState, ScaleState, SumOfSquares), so that training never copies weights or
+// gradients off the device.
 // What it is not: a graph or autograd -- every backward is its own call, made by the layer
 // (core/model) that saved what it needs.
 #pragma once
@@ -241,14 +242,23 @@ class Kernels {
 
   // --- optimizer (flat tensors of one parameter's elements, or a shard of them) --------
   // For every element e, update(Widen(grad[e]), master[e], state1[e], state2[e]) in float64
-  // (core/optimizer_update.h), then param[e] = RoundTo<param dtype>(master[e]). grad is
-  // float32 or float64 (main_grad); master, state1 and state2 have the master dtype (float32
-  // or float64), state2 is adam's exp_avg_sq and undefined for sgd; param has any float
-  // dtype and overlaps none of the others. All have one numel.
+  // (core/optimizer_update.h), then param[e] = RoundTo<param dtype>(master[e]). grad has any
+  // float dtype (main_grad: the precision-aware optimizer reads a 16-bit one as it is);
+  // master has the master dtype (float32 or float64); state1 and state2 have the master
+  // dtype or, with a float32 master, bfloat16 (the precision-aware optimizer's bf16 moments);
+  // state2 is adam's exp_avg_sq and undefined for sgd; param has any float dtype and overlaps
+  // none of the others. All have one numel.
   void OptimizerStep(const OptimizerUpdate& update, const Tensor& grad, Tensor& master,
                      Tensor& state1, Tensor& state2, Tensor& param);
-  // out[0] += sum_e x[e]^2 in float64 (out: float64 with one element; x float32 or float64).
-  // The CPU sums e = 0, 1, ... in order; a GPU in an order of its own (a fixed one).
+  // A float16 optimizer state stored scaled (core/optimizer_update.h ScaledFloat16): out
+  // (float32) = q (float16) widened times scale[0] (float32, one element, on the device).
+  void UnscaleState(const Tensor& q, const Tensor& scale, Tensor& out);
+  // The other way: scale[0] = ScaleOf(max_e |x[e]|), then q[e] = Quantize(x[e], 1 / scale)
+  // (x float32, q float16 of x's numel, scale float32 with one element).
+  void ScaleState(const Tensor& x, Tensor& scale, Tensor& q);
+  // out[0] += sum_e x[e]^2 in float64 (out: float64 with one element; x any float dtype,
+  // widened exactly). The CPU sums e = 0, 1, ... in order; a GPU in an order of its own (a
+  // fixed one).
   void SumOfSquares(const Tensor& x, Tensor& out);
 
  protected:
@@ -325,6 +335,8 @@ class Kernels {
                                       const Tensor& row_scale, Tensor& grad) = 0;
   virtual void DoOptimizerStep(const OptimizerUpdate& update, const Tensor& grad, Tensor& master,
                                Tensor& state1, Tensor& state2, Tensor& param) = 0;
+  virtual void DoUnscaleState(const Tensor& q, const Tensor& scale, Tensor& out) = 0;
+  virtual void DoScaleState(const Tensor& x, Tensor& scale, Tensor& q) = 0;
   virtual void DoSumOfSquares(const Tensor& x, Tensor& out) = 0;
 
  private:

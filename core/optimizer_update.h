@@ -5,9 +5,19 @@
 // What it is: AdamW as Megatron's fused Adam computes it, and momentum SGD as torch.optim.SGD
 // does (core/train/optimizer.h has the formulas and where clipping and the learning rate
 // come from). Every operation is float64; the master weight and the states are rounded to
-// the master dtype (float32, or float64 for a float64 run) after each update, as they are
-// stored. The bias corrections 1 - beta^t are computed once per step on the host
-// (std::pow), never per element.
+// the master dtype (float32, or float64 for a float64 run) after each update, and the update
+// reads those rounded values, as Transformer Engine's FusedAdam holds them in float32
+// registers (transformer_engine/common/multi_tensor/adam.cu, MATH_T = float). The bias
+// corrections 1 - beta^t are computed once per step on the host (std::pow), never per
+// element.
+// The precision-aware optimizer (optimizer.use_precision_aware_optimizer) stores states in
+// lower precision, as FusedAdam does:
+//   a bfloat16 moment is read widened and stored as its float32 value rounded to nearest
+//     (FusedAdam's fused path when both moments are bf16, `fuse_unscale`, and its
+//     _apply_scale `unscaled.bfloat16()` otherwise: the same rounding);
+//   a float16 state (moment or master weight) is stored scaled, one float32 scale s per
+//     tensor (ScaledFloat16 below): the step reads q.float() * s into a float32 tensor,
+//     updates that, then rescales it (FusedAdam.get_unscaled_state, _apply_scale).
 // What it is not: the gradient clipping (a Scale of the gradient before the step).
 #pragma once
 
@@ -54,19 +64,55 @@ struct OptimizerUpdate {
     w = Round(w);
   }
 
-  // Element e of flat arrays, loads and stores included: the update above in float64, the
-  // master and the states stored back in M (float or double, already rounded to it), the
-  // parameter as the master rounded to its storage type P; state2 is null for sgd. The
-  // CPU's loop and the CUDA kernel both run exactly this.
+  // Element e of flat arrays, loads and stores included: the gradient (main_grad, any float
+  // type G) widened exactly, the update above in float64, the master stored back in M (float
+  // or double, already rounded to it), each state in its own type (Moment), the parameter as
+  // the master rounded to its storage type P; state2's data is null for sgd. The CPU's loop
+  // and the CUDA kernel both run exactly this.
+  template <typename M>
+  struct Moment {
+    void* data = nullptr;   // M[], or BFloat16[] when `bfloat16`
+    bool bfloat16 = false;  // only with a float32 master (the precision-aware optimizer)
+    MPUSIM_HD double Load(int64_t e) const {
+      return bfloat16 ? Widen(static_cast<const BFloat16*>(data)[e])
+                      : static_cast<double>(static_cast<const M*>(data)[e]);
+    }
+    // v is already rounded to M: bfloat16 rounds that float32 value once more, to nearest.
+    MPUSIM_HD void Store(int64_t e, double v) const {
+      if (bfloat16) {
+        static_cast<BFloat16*>(data)[e] = RoundTo<BFloat16>(v);
+      } else {
+        static_cast<M*>(data)[e] = static_cast<M>(v);
+      }
+    }
+  };
   template <typename G, typename M, typename P>
-  MPUSIM_HD void Apply(const G* grad, M* master, M* state1, M* state2, P* param,
+  MPUSIM_HD void Apply(const G* grad, M* master, Moment<M> state1, Moment<M> state2, P* param,
                        int64_t e) const {
-    double w = master[e], m = state1[e], v = state2 != nullptr ? state2[e] : 0.0;
-    (*this)(static_cast<double>(grad[e]), w, m, v);
+    double w = master[e], m = state1.Load(e);
+    double v = state2.data != nullptr ? state2.Load(e) : 0.0;
+    (*this)(Widen(grad[e]), w, m, v);
     master[e] = static_cast<M>(w);
-    state1[e] = static_cast<M>(m);
-    if (state2 != nullptr) state2[e] = static_cast<M>(v);
+    state1.Store(e, m);
+    if (state2.data != nullptr) state2.Store(e, v);
     param[e] = RoundTo<P>(w);
+  }
+};
+
+// A float16 optimizer state as Transformer Engine's FusedAdam stores it (fused_adam.py, for
+// exp_avg, exp_avg_sq and master_param of dtype torch.float16): q = fp16(x * (1 / s)) with
+// one float32 scale s per tensor, s = absmax(x) / (65504 / 2) (`dtype_to_range_map`: half
+// of float16's largest value), so that the tensor's largest element lands on 32752. Every
+// operation is float32, as torch performs it on the float32 tensors: x = q.float() * s
+// (get_unscaled_state), s = absmax / 32752 (torch.div), r = 1 / s or 0 when s is 0
+// (`torch.where(scale > 0, scale.reciprocal(), 0.0)`), then x * r rounded to float16.
+struct ScaledFloat16 {
+  static constexpr float kRange = 65504.0f / 2.0f;
+  MPUSIM_HD static float Unscale(Float16 q, float scale) { return ToFloat(q) * scale; }
+  MPUSIM_HD static float ScaleOf(float absmax) { return absmax / kRange; }
+  MPUSIM_HD static float ReciprocalOf(float scale) { return scale > 0 ? 1.0f / scale : 0.0f; }
+  MPUSIM_HD static Float16 Quantize(float x, float reciprocal) {
+    return ToFloat16(x * reciprocal);
   }
 };
 

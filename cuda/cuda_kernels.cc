@@ -586,20 +586,36 @@ void CudaKernels::DoCrossEntropyBackward(const Tensor& logits, const Tensor& row
 
 void CudaKernels::DoOptimizerStep(const OptimizerUpdate& update, const Tensor& grad,
                                   Tensor& master, Tensor& state1, Tensor& state2, Tensor& param) {
-  Dispatch(grad.dtype(), [&]<typename G>() {
+  DispatchStorage(grad.dtype(), [&]<typename G>() {
     Dispatch(master.dtype(), [&]<typename M>() {
-      DispatchStorage(param.dtype(), [&]<typename P>() {
-        LaunchOptimizerStep<G, M, P>(update, grad.data_as<G>(), master.data_as<M>(),
-                                     state1.data_as<M>(),
-                                     state2.defined() ? state2.data_as<M>() : nullptr,
-                                     param.data_as<P>(), master.numel(), stream_);
-      });
+      if constexpr (sizeof(G) == 2 && sizeof(M) == 8) {
+        throw std::invalid_argument("OptimizerStep: a 16-bit main_grad steps a float32 master");
+      } else {
+        DispatchStorage(param.dtype(), [&]<typename P>() {
+          using Moment = OptimizerUpdate::Moment<M>;
+          const Moment m{state1.data(), state1.dtype() == DType::kBFloat16};
+          const Moment v{state2.defined() ? state2.data() : nullptr,
+                         state2.defined() && state2.dtype() == DType::kBFloat16};
+          LaunchOptimizerStep<G, M, P>(update, grad.data_as<G>(), master.data_as<M>(), m, v,
+                                       param.data_as<P>(), master.numel(), stream_);
+        });
+      }
     });
   });
 }
 
+void CudaKernels::DoUnscaleState(const Tensor& q, const Tensor& scale, Tensor& out) {
+  LaunchUnscaleState(q.data_as<Float16>(), scale.data_as<float>(), out.data_as<float>(),
+                     q.numel(), stream_);
+}
+
+void CudaKernels::DoScaleState(const Tensor& x, Tensor& scale, Tensor& q) {
+  LaunchScaleState(x.data_as<float>(), scale.data_as<float>(), q.data_as<Float16>(), x.numel(),
+                   stream_);
+}
+
 void CudaKernels::DoSumOfSquares(const Tensor& x, Tensor& out) {
-  Dispatch(x.dtype(), [&]<typename T>() {
+  DispatchStorage(x.dtype(), [&]<typename T>() {
     LaunchSumOfSquares<T>(x.data_as<T>(), x.numel(), out.data_as<double>(), stream_);
   });
 }

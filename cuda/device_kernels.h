@@ -252,11 +252,20 @@ void LaunchCrossEntropyBackward(const T* logits, const ComputeOf<T>* row_max,
 
 // For every e < n: update(grad[e], master[e], state1[e], state2[e]) in double (the functor
 // of core/optimizer_update.h, the CPU's too), then param[e] = RoundTo<P>(master[e]). G and
-// M are float or double (the gradient's and the master's types), P any storage type;
-// state2 may be null (sgd).
+// P are any storage type (the gradient's and the parameter's), M float or double (the
+// master's); each state is M or bfloat16 (OptimizerUpdate::Moment); state2's data may be
+// null (sgd).
 template <typename G, typename M, typename P>
-void LaunchOptimizerStep(const OptimizerUpdate& update, const G* grad, M* master, M* state1,
-                         M* state2, P* param, int64_t n, cudaStream_t stream);
+void LaunchOptimizerStep(const OptimizerUpdate& update, const G* grad, M* master,
+                         OptimizerUpdate::Moment<M> state1, OptimizerUpdate::Moment<M> state2,
+                         P* param, int64_t n, cudaStream_t stream);
+
+// A float16 state's scaling (core/optimizer_update.h ScaledFloat16): out[e] =
+// Unscale(q[e], scale[0]); and scale[0] = ScaleOf(max |x|) (one block, a fixed order) then
+// q[e] = Quantize(x[e], ReciprocalOf(scale[0])). scale lives on the device.
+void LaunchUnscaleState(const Float16* q, const float* scale, float* out, int64_t n,
+                        cudaStream_t stream);
+void LaunchScaleState(const float* x, float* scale, Float16* q, int64_t n, cudaStream_t stream);
 
 // out[0] += sum_e x[e]^2, accumulated in double by one block in a fixed order (each thread
 // its grid-stride elements, then a tree), so the same input gives the same bits every time.

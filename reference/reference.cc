@@ -25,10 +25,17 @@ const std::map<std::string, Tensor>& OverridesOf(const ReferenceRequest& request
 // parameter) adds the ranks' partial sums in it, each sum rounded once. At most M + W
 // roundings, W the ranks of one pipeline stage (which hold every dp, cp, tp and ep rank of a
 // reduction). A float32 main_grad's sums are float32 ones, which the budgets' terms count.
+// The precision-aware optimizer then clips main_grad itself, in its dtype (Megatron hands
+// FusedAdam the main_grad shard as decoupled_grad; clip_grad_by_total_norm_fp32 scales it in
+// place): one rounding more when clipping is on.
 double MainGradRoundings(const Config& config) {
-  if (DTypeSize(PrecisionOf(config).main_grad) != 2) return 0;
+  const OptimizerPrecision precision = PrecisionOf(config);
+  if (DTypeSize(precision.main_grad) != 2) return 0;
   const int64_t pp = std::max<int64_t>(1, config.parallel.pipeline_model_parallel_size);
-  return static_cast<double>(config.run->num_microbatches + config.parallel.world_size / pp);
+  const bool clipped_in_place =
+      !precision.grads_copied_for_step && config.optimizer && config.optimizer->clip_grad > 0;
+  return static_cast<double>(config.run->num_microbatches + config.parallel.world_size / pp +
+                             (clipped_in_place ? 1 : 0));
 }
 
 // Every parameter gradient of `result` charged `roundings` more (MainGradRoundings).

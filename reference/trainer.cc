@@ -9,6 +9,23 @@
 #include <stdexcept>
 
 namespace mpusim {
+namespace {
+
+// The most a value x of a tensor whose largest magnitude is `absmax` changes when stored in
+// `dtype` (trainer.h "Stored states").
+double StoredError(DType dtype, double x, double absmax) {
+  constexpr double u32 = 0x1p-24;
+  switch (dtype) {
+    case DType::kBFloat16: return (0x1p-8 + u32) * std::fabs(x);
+    case DType::kFloat16: {
+      const double scale = absmax * (1 + u32) / 32752.0;
+      return (0x1p-11 + 4 * u32) * std::fabs(x) + 0x1p-25 * scale;
+    }
+    default: return 0.0;
+  }
+}
+
+}  // namespace
 
 ReferenceTrainer::ReferenceTrainer(const OptimizerConfig& config, int64_t train_iters)
     : config_(config), train_iters_(train_iters) {}
@@ -96,6 +113,19 @@ double ReferenceTrainer::Step(std::map<std::string, Tensor*>& grads, int64_t k) 
       dv.resize(n, 0.0);
       gv1.resize(n, 0.0);
       gv2.resize(n, 0.0);
+      // A float16 master: its initial scaling, at the first step.
+      const auto absmax = [&](const std::vector<double>& x, const std::vector<double>& dx) {
+        double out = 0;
+        for (size_t i = 0; i < n; ++i) out = std::max(out, std::fabs(x[i]) + dx[i]);
+        return out;
+      };
+      const auto store_master = [&]() {
+        const double w_max = absmax(std::vector<double>(wv, wv + n), bound);
+        for (size_t i = 0; i < n; ++i) {
+          bound[i] += StoredError(DType::kFloat16, std::fabs(wv[i]) + bound[i], w_max);
+        }
+      };
+      if (steps_ == 1 && precision_.master == DType::kFloat16) store_master();
       for (size_t i = 0; i < n; ++i) {
         const double d = delta(i);
         const double s = drift_gain(i);
@@ -108,6 +138,14 @@ double ReferenceTrainer::Step(std::map<std::string, Tensor*>& grads, int64_t k) 
         gm[i] = b1 * gm[i] + (1 - b1) * s;
         gv1[i] = b2 * gv1[i] + (1 - b2) * 2 * (std::fabs(gv[i]) + d) * s;
         gv2[i] = b2 * gv2[i] + (1 - b2) * s * s;
+      }
+      // Each state stored in its dtype (trainer.h "Stored states").
+      const double m_max = absmax(m, dm), v_max = absmax(v, dv);
+      for (size_t i = 0; i < n; ++i) {
+        dm[i] += StoredError(precision_.exp_avg, std::fabs(m[i]) + dm[i], m_max);
+        dv[i] += StoredError(precision_.exp_avg_sq, std::fabs(v[i]) + dv[i], v_max);
+      }
+      for (size_t i = 0; i < n; ++i) {
         const double m_hat = m[i] / (1 - std::pow(b1, t));
         const double v_hat = v[i] / (1 - std::pow(b2, t));
         const double dm_hat = dm[i] / (1 - std::pow(b1, t));
@@ -122,6 +160,8 @@ double ReferenceTrainer::Step(std::map<std::string, Tensor*>& grads, int64_t k) 
         wv[i] -= lr * (update + wd * wv[i]);
         bound[i] = bound[i] * (1 + lr * wd) + lr * std::min(d_update, 2 * k_t);
       }
+      // A float16 master stored after the update.
+      if (precision_.master == DType::kFloat16) store_master();
     } else {
       for (size_t i = 0; i < n; ++i) {
         const double d = gv[i] + wd * wv[i];

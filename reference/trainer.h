@@ -31,6 +31,18 @@
 // rho * G_v1 + rho^2 * G_v2 (d(g^2) = 2 g dg + dg^2), with G summed like m and v themselves
 // over the iterations after the first (StateTensor::drift_gain, drift_gain2); the check adds
 // them once rho is known (StateTensor::BoundsAt).
+// Stored states. The executor rounds each state to its dtype after every step; float32 and
+// float64 ones (the compute dtype) add nothing the bounds above count. The precision-aware
+// optimizer's (optimizer.use_precision_aware_optimizer, SetPrecision) add, per step, to the
+// bound of each stored element x of a tensor whose largest |x| is A:
+//   bfloat16:  (u_bf16 + u_32) |x|     (the float64 value rounded to float32, then to bf16)
+//   float16:   (u_16 + 4 u_32) |x| + 2^-25 s,  s = A (1 + u_32) / 32752
+//              (stored scaled, core/optimizer_update.h ScaledFloat16: the float32 value,
+//              its product with r = 1 / s and the rounding of r, each u_32; float16's
+//              rounding, u_16 relative or half its subnormal spacing 2^-24 times s; the
+//              read-back product q * s, u_32)
+// m's and v's go into dm and dv, whence into the parameter's bound as the gradient's do; a
+// float16 master's go into the parameter's bound directly, its initial scaling's too.
 // What it is not: the executor's optimizer (core/train): it shares no code with it; its
 // target cannot link executor code.
 #pragma once
@@ -61,6 +73,9 @@ class ReferenceTrainer {
   // Returns the gradient norm before clipping.
   double Step(std::map<std::string, Tensor*>& grads, int64_t k);
   double last_lr() const { return last_lr_; }
+  // The dtypes the run stores the master weights and the states in (see "Stored states");
+  // by default the compute dtype's, which add nothing.
+  void SetPrecision(const OptimizerPrecision& precision) { precision_ = precision; }
   // The run's gradient tolerance (see above); 0 (the default) carries no error.
   void SetGradientTolerance(double atol, double ntol, double rtol) {
     atol_ = atol;
@@ -88,6 +103,8 @@ class ReferenceTrainer {
  private:
   OptimizerConfig config_;
   int64_t train_iters_;
+  OptimizerPrecision precision_{DType::kFloat64, DType::kFloat64, DType::kFloat64,
+                                DType::kFloat64, false};
   std::map<std::string, Tensor> parameters_;
   std::map<std::string, std::vector<double>> m_, v_;
   // Error propagation: of m (or the SGD buffer), of v, and the bound on each element.

@@ -161,7 +161,10 @@ StatusOr<JobReference> ComputeJobReference(const Config& config, const RankCoord
   StatusOr<std::map<std::string, Tensor>> master =
       SharedMasterParameters(*job.reference, config.run->seed, world_rank, world_size);
   const int64_t iteration_count = config.optimizer ? config.run->train_iters : 1;
-  if (config.optimizer) job.trainer.emplace(*config.optimizer, config.run->train_iters);
+  if (config.optimizer) {
+    job.trainer.emplace(*config.optimizer, config.run->train_iters);
+    job.trainer->SetPrecision(PrecisionOf(config));
+  }
   StatusOr<ReferenceResult> result = Status::Error("reference model", "not run");
   for (int64_t k = 0; k < iteration_count; ++k) {
     if (k == 0) {

@@ -386,7 +386,7 @@ int RunReport::PrintTraining(const SimulationResult& result) {
       o.weight_decay, o.clip_grad, result.iterations.size());
   const SimulationResult::OptimizerShard& sh = result.optimizer;
   const double state_mib =
-      static_cast<double>(sh.elements * sh.state_tensors * sh.element_bytes) / (1024.0 * 1024.0);
+      static_cast<double>(sh.elements * sh.state_bytes) / (1024.0 * 1024.0);
   if (sh.distributed) {
     out_ << fmt::format(
         "  distributed optimizer: rank 0 keeps master weights and state for elements [{}, {}) of "
@@ -401,7 +401,7 @@ int RunReport::PrintTraining(const SimulationResult& result) {
             ? fmt::format("{:.3f}", static_cast<double>(sh.elements) /
                                         static_cast<double>(std::max<int64_t>(sh.parameters, 1)))
             : fmt::format("1/{}", sh.end > sh.begin ? sh.buffer / (sh.end - sh.begin) : 0),
-        static_cast<double>(sh.parameters * sh.state_tensors * sh.element_bytes) /
+        static_cast<double>(sh.parameters * sh.state_bytes) /
             (1024.0 * 1024.0),
         sh.expert_buffer == 0 ? ""
         : config_.parallel.num_distributed_optimizer_instances > 1

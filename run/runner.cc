@@ -245,14 +245,6 @@ int RankRun::LoadConfig() {
                                      "mpusim run computes in run.dtype (set fp8 to null)",
                                      Fp8FormatName(*fp8)));
   }
-  // Lower-precision master weights and moments need Transformer Engine's FusedAdam, which
-  // the executor does not have; its memory and time are the estimate's.
-  if (config_.optimizer && config_.optimizer->use_precision_aware_optimizer) {
-    return Usage(source,
-                 "optimizer.use_precision_aware_optimizer: true is for mpusim estimate "
-                 "and advise only; mpusim run keeps float32 master weights and moments "
-                 "(set it false)");
-  }
   // The executor runs Megatron's plain 1F1B order; the combined one only changes timing and
   // how many micro-batches are in flight, which estimate and advise price.
   if (config_.parallel.overlap_moe_expert_parallel_comm) {

@@ -13,6 +13,7 @@
 
 #include "core/config/model_facts.h"
 #include "core/pipeline/executor.h"
+#include "core/model/optimizer_plan.h"
 #include "core/train/optimizer.h"
 #include "core/train/train_step.h"
 #include "mpi/agree.h"
@@ -169,7 +170,7 @@ std::unique_ptr<Optimizer> MakeOptimizer(const Config& config, RankContext& ctx,
                                                   shard.expert_end - shard.expert_begin
                                             : shard.parameters;
   shard.state_tensors = config.optimizer->kind == OptimizerConfig::Kind::kAdam ? 3 : 2;
-  shard.element_bytes = static_cast<int64_t>(DTypeSize(ComputeDType(config.run->dtype)));
+  shard.state_bytes = OptimizerStateBytes(*config.optimizer, PrecisionOf(config));
   return optimizer;
 }
 

@@ -73,7 +73,7 @@ struct SimulationResult {
     int64_t elements = 0;    // owned, both buffers
     int64_t parameters = 0;  // this rank's parameter elements
     int state_tensors = 0;   // per element: master + m (+ v for adam)
-    int64_t element_bytes = 0;
+    int64_t state_bytes = 0;  // per element, all of them, each in its dtype (PrecisionOf)
   };
   OptimizerShard optimizer;
   // When the last step (or iteration) started: this rank's steady_clock, in seconds, as it

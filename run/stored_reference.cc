@@ -375,7 +375,10 @@ StatusOr<JobReference> LoadJobReference(const Config& config, const RankCoordina
                            result.slice_end));
 
   // The iterations: each one's summed shares; after training, the trainer replayed on them.
-  if (config.optimizer) job.trainer.emplace(*config.optimizer, config.run->train_iters);
+  if (config.optimizer) {
+    job.trainer.emplace(*config.optimizer, config.run->train_iters);
+    job.trainer->SetPrecision(PrecisionOf(config));
+  }
   for (int64_t k = 0; k < iterations; ++k) {
     const std::string path = (fs::path(dir) / IterationFile(k)).string();
     StatusOr<std::map<std::string, Tensor>> shares = ReadTensors(path);

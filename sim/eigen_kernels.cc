@@ -14,6 +14,7 @@
 #include "sim/eigen_kernels.h"
 
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -30,6 +31,7 @@
 
 #include "core/arg_checks.h"
 #include "core/half.h"
+#include "core/optimizer_update.h"
 #include "core/ops/dropout.h"
 #include "core/ops/rope.h"
 #include "core/philox.h"
@@ -503,25 +505,45 @@ void EigenKernels::DoOptimizerStep(const OptimizerUpdate& update, const Tensor& 
                                    Tensor& master, Tensor& state1, Tensor& state2,
                                    Tensor& param) {
   const int64_t n = master.numel();
-  Dispatch(grad.dtype(), [&]<typename G>() {
+  DispatchStorage(grad.dtype(), [&]<typename G>() {
     Dispatch(master.dtype(), [&]<typename M>() {
       DispatchStorage(param.dtype(), [&]<typename P>() {
-        M* v = state2.defined() ? state2.data_as<M>() : nullptr;
+        using Moment = OptimizerUpdate::Moment<M>;
+        const Moment m{state1.data(), state1.dtype() == DType::kBFloat16};
+        const Moment v{state2.defined() ? state2.data() : nullptr,
+                       state2.defined() && state2.dtype() == DType::kBFloat16};
         for (int64_t e = 0; e < n; ++e) {
-          update.Apply(grad.data_as<G>(), master.data_as<M>(), state1.data_as<M>(), v,
-                       param.data_as<P>(), e);
+          update.Apply(grad.data_as<G>(), master.data_as<M>(), m, v, param.data_as<P>(), e);
         }
       });
     });
   });
 }
 
+void EigenKernels::DoUnscaleState(const Tensor& q, const Tensor& scale, Tensor& out) {
+  const float s = scale.data_as<float>()[0];
+  const Float16* in = q.data_as<Float16>();
+  float* x = out.data_as<float>();
+  for (int64_t e = 0; e < q.numel(); ++e) x[e] = ScaledFloat16::Unscale(in[e], s);
+}
+
+void EigenKernels::DoScaleState(const Tensor& x, Tensor& scale, Tensor& q) {
+  const float* in = x.data_as<float>();
+  float absmax = 0;
+  for (int64_t e = 0; e < x.numel(); ++e) absmax = std::max(absmax, std::fabs(in[e]));
+  const float s = ScaledFloat16::ScaleOf(absmax);
+  scale.data_as<float>()[0] = s;
+  const float r = ScaledFloat16::ReciprocalOf(s);
+  Float16* out = q.data_as<Float16>();
+  for (int64_t e = 0; e < x.numel(); ++e) out[e] = ScaledFloat16::Quantize(in[e], r);
+}
+
 void EigenKernels::DoSumOfSquares(const Tensor& x, Tensor& out) {
   double sum = out.data_as<double>()[0];
-  Dispatch(x.dtype(), [&]<typename T>() {
+  DispatchStorage(x.dtype(), [&]<typename T>() {
     const T* values = x.data_as<T>();
     for (int64_t e = 0; e < x.numel(); ++e) {
-      const double value = values[e];
+      const double value = Widen(values[e]);
       sum += value * value;
     }
   });

@@ -129,6 +129,8 @@ class EigenKernels final : public Kernels {
                               double off_value, const Tensor& row_scale, Tensor& grad) override;
   void DoOptimizerStep(const OptimizerUpdate& update, const Tensor& grad, Tensor& master,
                        Tensor& state1, Tensor& state2, Tensor& param) override;
+  void DoUnscaleState(const Tensor& q, const Tensor& scale, Tensor& out) override;
+  void DoScaleState(const Tensor& x, Tensor& scale, Tensor& q) override;
   void DoSumOfSquares(const Tensor& x, Tensor& out) override;
 
  private:

@@ -41,6 +41,7 @@ StatusOr<HeldMemory> EstimateHeldMemory(const Config& config, const Topology& to
   HeldMemory held;
   PlanBytes dense = 0, experts = 0;  // elements of the two distributed-optimizer buffers
   PlanBytes trainable = 0;
+  std::vector<PlanBytes> dense_parameters, expert_parameters;  // registration order
   for (const HeldParameterShape& p : (*built)->HeldParameterShapes()) {
     const PlanBytes elements = PlanElements(p.local_shape);
     held.parameter_elements = SaturatingAdd(held.parameter_elements, elements);
@@ -48,6 +49,7 @@ StatusOr<HeldMemory> EstimateHeldMemory(const Config& config, const Topology& to
     held.largest_parameter_elements = std::max(held.largest_parameter_elements, elements);
     trainable = SaturatingAdd(trainable, elements);
     (p.expert ? experts : dense) = SaturatingAdd(p.expert ? experts : dense, elements);
+    (p.expert ? expert_parameters : dense_parameters).push_back(elements);
   }
   held.parameters = SaturatingMul(held.parameter_elements, DTypeSize(storage));
   const OptimizerPrecision precision = PrecisionOf(config);
@@ -56,21 +58,30 @@ StatusOr<HeldMemory> EstimateHeldMemory(const Config& config, const Topology& to
   held.expert_elements = experts;
   if (!config.optimizer) return held;
   const OptimizerConfig& optimizer = *config.optimizer;
+  // The parameters with owned elements: each float16 state of theirs has a scale.
+  int64_t owned_parameters = 0;
   if (!optimizer.use_distributed_optimizer) {
     held.optimizer_elements = trainable;
+    owned_parameters = OwnedParameters(dense_parameters, 1, 0) +
+                       OwnedParameters(expert_parameters, 1, 0);
   } else {
     const auto [d, r] = GroupPosition(topology, "dp_cp_partial", rank);
     held.dense_shards = d;
     held.optimizer_elements = OwnedElements(dense, d, r);
+    owned_parameters = OwnedParameters(dense_parameters, d, r);
     if (experts > 0) {
       const auto [de, re] = GroupPosition(topology, "expt_dp_partial", rank);
       held.expert_shards = de;
       held.optimizer_elements =
           SaturatingAdd(held.optimizer_elements, OwnedElements(experts, de, re));
+      owned_parameters += OwnedParameters(expert_parameters, de, re);
     }
   }
-  held.optimizer = SaturatingMul(held.optimizer_elements,
-                                 static_cast<PlanBytes>(OptimizerStateBytes(optimizer, precision)));
+  held.optimizer = SaturatingAdd(
+      SaturatingMul(held.optimizer_elements,
+                    static_cast<PlanBytes>(OptimizerStateBytes(optimizer, precision))),
+      static_cast<PlanBytes>(owned_parameters * ScaledStates(optimizer, precision) *
+                             kStateScaleBytes));
   if (precision.grads_copied_for_step) {
     held.step_gradient_copies = SaturatingMul(held.optimizer_elements, PlanBytes{4});
   }

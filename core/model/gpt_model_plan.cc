@@ -436,8 +436,10 @@ void GptModel::PlanOptimizerMemory(const OptimizerConfig& optimizer, double sche
                                    MemoryPlan* plan) const {
   const DType storage = run_.dtype, compute = ComputeDType(storage);
   OptimizerShards shards;
+  int64_t trained = 0;  // parameters: at most this many have a scale per float16 state
   for (const HeldParameterShape& p : HeldParameterShapes()) {
     if (!p.trainable) continue;
+    ++trained;
     const PlanBytes elements = PlanElements(p.local_shape);
     shards.largest_parameter_elements = std::max(shards.largest_parameter_elements, elements);
     PlanBytes& buffer = p.expert ? shards.expert_elements : shards.dense_elements;
@@ -464,6 +466,10 @@ void GptModel::PlanOptimizerMemory(const OptimizerConfig& optimizer, double sche
       fmt::format("optimizer: state ({} per trained element)", states),
       SaturatingMul(owned, static_cast<PlanBytes>(OptimizerStateBytes(optimizer, precision))),
       compute);
+  if (const int64_t scaled = ScaledStates(optimizer, precision); scaled > 0) {
+    plan->AddBytes("optimizer: state (the float16 tensors' scales)",
+                   static_cast<PlanBytes>(trained * scaled * kStateScaleBytes), DType::kFloat32);
+  }
   const OptimizerStepBytes step =
       PlanOptimizerStep(optimizer, storage, precision, run_.train_iters, shards);
   if (step.carried > 0) {

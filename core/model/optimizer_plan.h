@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "core/config/optimizer_config.h"
 #include "core/memory_plan.h"
@@ -42,5 +43,18 @@ OptimizerStepBytes PlanOptimizerStep(const OptimizerConfig& optimizer, DType sto
 // Bytes of optimizer state per owned element: the master weight and Adam's two moments (or
 // SGD's momentum), each in its dtype (OptimizerPrecision).
 int64_t OptimizerStateBytes(const OptimizerConfig& optimizer, const OptimizerPrecision& precision);
+
+// How many of a parameter's optimizer tensors (master weight, moments) are float16: the
+// precision-aware optimizer stores each scaled, with a float32 scale of its own per
+// parameter (kStateScaleBytes, core/optimizer_update.h ScaledFloat16), and its step reads
+// each into a float32 tensor of the owned elements, alive while the update runs.
+int64_t ScaledStates(const OptimizerConfig& optimizer, const OptimizerPrecision& precision);
+inline constexpr int64_t kStateScaleBytes = 4;
+
+// The parameters of which rank `rank` of a shard group of `shards` owns at least one element
+// (core/train/optimizer.h: the parameters laid end to end in reverse order of registration,
+// the buffer cut in `shards` equal pieces): `elements`, each parameter's, in registration
+// order. One shard: every parameter with an element.
+int64_t OwnedParameters(const std::vector<PlanBytes>& elements, int64_t shards, int64_t rank);
 
 }  // namespace mpusim

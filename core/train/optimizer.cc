@@ -2,6 +2,7 @@
 #include "core/train/optimizer.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <stdexcept>
@@ -31,9 +32,18 @@ Tensor CopyOfPart(Kernels& k, const Tensor& flat, int64_t offset, const Tensor& 
 Optimizer::Optimizer(const OptimizerConfig& config, const std::vector<Parameter*>& params,
                      Kernels& k, DistributedOptimizerGroups groups)
     : config_(config), groups_(groups) {
-  master_dtype_ = params.empty() ? DType::kFloat32 : ComputeDType(params.front()->value.dtype());
+  const DType storage = params.empty() ? DType::kFloat32 : params.front()->value.dtype();
+  master_dtype_ = ComputeDType(storage);
+  precision_ = PrecisionOf(&config, storage);
   if (!params.empty()) grad_dtype_ = params.front()->grad.dtype();
-  copies_grads_ = DTypeSize(grad_dtype_) == 2;
+  // The precision-aware optimizer reads a 16-bit main_grad as it is (Megatron hands FusedAdam
+  // the main_grad shard as `decoupled_grad`); the others read float32 copies.
+  copies_grads_ = DTypeSize(grad_dtype_) == 2 && !config.use_precision_aware_optimizer;
+  if (config.use_precision_aware_optimizer &&
+      (groups_.shard == nullptr || config.kind != OptimizerConfig::Kind::kAdam)) {
+    throw std::logic_error("Optimizer: the precision-aware optimizer is adam with the "
+                           "distributed optimizer (CheckOptimizerPrecision refuses the rest)");
+  }
   for (Parameter* p : params) {
     State s;
     s.param = p;
@@ -68,7 +78,18 @@ Optimizer::Optimizer(const OptimizerConfig& config, const std::vector<Parameter*
     }
   }
   // Master weights (the owned elements widened exactly: Axpy into zeros) and zero states,
-  // on the backend's device.
+  // on the backend's device, each in its dtype. A float16 master is the widened parameter
+  // scaled (FusedAdam.initialize_state: set_scaled_state(param.float())); a float16 moment
+  // starts at zero with scale 1 (its `_scales` start as torch.ones).
+  const auto zero_state = [&](DType dtype, int64_t owned) {
+    Stored out{k.Zeros({owned}, dtype), Tensor()};
+    if (dtype == DType::kFloat16) {
+      Tensor one = Tensor::HostEmpty({1}, DType::kFloat32);
+      one.data_as<float>()[0] = 1.0f;
+      out.scale = k.ToDevice(one);
+    }
+    return out;
+  };
   for (State& s : states_) {
     const Buffer& b = Find(s.buffer);
     s.begin = distributed() ? std::clamp(b.begin - s.offset, int64_t{0}, s.numel) : 0;
@@ -76,11 +97,30 @@ Optimizer::Optimizer(const OptimizerConfig& config, const std::vector<Parameter*
         distributed() ? std::clamp(b.begin + b.size - s.offset, int64_t{0}, s.numel) : s.numel;
     const int64_t owned = s.end - s.begin;
     if (owned == 0) continue;
-    s.master = k.Zeros({owned}, master_dtype_);
-    k.Axpy(1.0, Flat(s.param->value).FlatSlice(s.begin, owned), s.master);
-    s.m = k.Zeros({owned}, master_dtype_);
-    if (config.kind == OptimizerConfig::Kind::kAdam) s.v = k.Zeros({owned}, master_dtype_);
+    const Tensor values = Flat(s.param->value).FlatSlice(s.begin, owned);
+    if (precision_.master == DType::kFloat16) {
+      Tensor widened = k.Zeros({owned}, DType::kFloat32);
+      k.Axpy(1.0, values, widened);
+      s.master = {k.Empty({owned}, DType::kFloat16), k.Zeros({1}, DType::kFloat32)};
+      ScaleBack(k, widened, s.master);
+    } else {
+      s.master = {k.Zeros({owned}, precision_.master), Tensor()};
+      k.Axpy(1.0, values, s.master.value);
+    }
+    s.m = zero_state(precision_.exp_avg, owned);
+    if (config.kind == OptimizerConfig::Kind::kAdam) s.v = zero_state(precision_.exp_avg_sq, owned);
   }
+}
+
+Tensor Optimizer::Unscaled(Kernels& k, const Stored& stored) {
+  if (!stored.scale.defined()) return stored.value;
+  Tensor out = k.Empty(stored.value.shape(), DType::kFloat32);
+  k.UnscaleState(stored.value, stored.scale, out);
+  return out;
+}
+
+void Optimizer::ScaleBack(Kernels& k, const Tensor& unscaled, Stored& stored) {
+  if (stored.scale.defined()) k.ScaleState(unscaled, stored.scale, stored.value);
 }
 
 void Optimizer::ReduceGradients(Kernels& k, CommTrace& trace) {
@@ -167,13 +207,15 @@ double Optimizer::GradNorm(Kernels& k, Communicator& tp, Communicator* pp, Commu
   return std::sqrt(HostValue(k.ToHost(total), 0));
 }
 
-Tensor Optimizer::GatherFlat(Kernels& k, size_t b, DType dtype, Tensor State::*member) const {
+Tensor Optimizer::GatherFlat(Kernels& k, size_t b, DType dtype,
+                             const std::vector<Tensor>& owned) const {
   const Buffer& buffer = buffers_[b];
   Tensor shard = k.Zeros({buffer.size}, dtype);
-  for (const State& s : states_) {
+  for (size_t i = 0; i < states_.size(); ++i) {
+    const State& s = states_[i];
     if (s.buffer != b || s.end == s.begin) continue;
     Tensor place = shard.FlatSlice(s.offset + s.begin - buffer.begin, s.end - s.begin);
-    k.Copy(s.*member, place);
+    k.Copy(owned[i], place);
   }
   return GatherShard(k, b, shard);
 }
@@ -213,26 +255,46 @@ void Optimizer::Step(Kernels& k, double grad_norm, double lr, CommTrace& trace) 
       param_shards.push_back(k.Zeros({b.size}, states_.front().param->value.dtype()));
     }
   }
-  for (State& s : states_) {
+  // Transformer Engine's FusedAdam.step: every float16 tensor read unscaled into a float32
+  // one first, the update on those, then each scaled back (_apply_scale); the float32
+  // tensors are gone before the parameters are gathered (`del unscaled_lists`).
+  const bool adam = update.kind == OptimizerUpdate::Kind::kAdam;
+  std::vector<std::array<Tensor, 3>> work(states_.size());  // master, m, v as updated
+  for (size_t i = 0; i < states_.size(); ++i) {
+    const State& s = states_[i];
+    if (s.end == s.begin) continue;
+    work[i] = {Unscaled(k, s.master), Unscaled(k, s.m), adam ? Unscaled(k, s.v) : Tensor()};
+  }
+  for (size_t i = 0; i < states_.size(); ++i) {
+    State& s = states_[i];
     Parameter& p = *s.param;
     update.weight_decay = s.weight_decay;
+    auto& [master, m, v] = work[i];
     if (distributed()) {
       if (s.end == s.begin) continue;
       Tensor g = StepGradient(s);
       if (clip != 1.0) k.Scale(clip, g);
       Tensor out = param_shards[s.buffer].FlatSlice(s.offset + s.begin - buffers_[s.buffer].begin,
                                                     s.end - s.begin);
-      k.OptimizerStep(update, g, s.master, s.m, s.v, out);
+      k.OptimizerStep(update, g, master, m, v, out);
     } else {
       Tensor g = StepGradient(s);
       if (clip != 1.0) k.Scale(clip, g);
       // A new tensor, as the model's records of this step may still hold the old one.
       Tensor value = k.Empty(p.value.shape(), p.value.dtype());
       Tensor out = Flat(value);
-      k.OptimizerStep(update, g, s.master, s.m, s.v, out);
+      k.OptimizerStep(update, g, master, m, v, out);
       p.value = value;
     }
   }
+  for (size_t i = 0; i < states_.size(); ++i) {
+    State& s = states_[i];
+    if (s.end == s.begin) continue;
+    ScaleBack(k, work[i][0], s.master);
+    ScaleBack(k, work[i][1], s.m);
+    if (adam) ScaleBack(k, work[i][2], s.v);
+  }
+  work.clear();
   if (!distributed() || states_.empty()) return;
   // Every rank's updated shard, in the storage dtype, into every rank's parameters.
   trace.SetPhase(Phase::kOther);
@@ -271,27 +333,38 @@ void Optimizer::RecordState(Kernels& k, CommTrace& trace, std::vector<TensorReco
   trace.SetPhase(Phase::kOther);
   trace.SetSite("distributed optimizer (gather state for records)");
   const bool adam = config_.kind == OptimizerConfig::Kind::kAdam;
-  using Member = Tensor State::*;
-  const std::vector<std::pair<const char*, Member>> kinds =
-      adam ? std::vector<std::pair<const char*, Member>>{{".exp_avg", &State::m},
-                                                         {".exp_avg_sq", &State::v}}
-           : std::vector<std::pair<const char*, Member>>{{".momentum_buffer", &State::m}};
-  for (const auto& [suffix, member] : kinds) {
+  using Member = Stored State::*;
+  struct Kind {
+    const char* suffix;
+    Member member;
+    DType dtype;
+  };
+  const std::vector<Kind> kinds =
+      adam ? std::vector<Kind>{{".exp_avg", &State::m, precision_.exp_avg},
+                               {".exp_avg_sq", &State::v, precision_.exp_avg_sq}}
+           : std::vector<Kind>{{".momentum_buffer", &State::m, precision_.exp_avg}};
+  for (const auto& [suffix, member, stored_dtype] : kinds) {
+    // Each state in its dtype; a float16 one unscaled to float32 (what FusedAdam.state_dict
+    // gives: get_unscaled_state).
+    const DType dtype = stored_dtype == DType::kFloat16 ? DType::kFloat32 : stored_dtype;
+    std::vector<Tensor> owned(states_.size());
+    for (size_t i = 0; i < states_.size(); ++i) {
+      if (states_[i].end > states_[i].begin) owned[i] = Unscaled(k, states_[i].*member);
+    }
     std::vector<Tensor> flat;
     if (distributed()) {
-      for (size_t b = 0; b < buffers_.size(); ++b) {
-        flat.push_back(GatherFlat(k, b, master_dtype_, member));
-      }
+      for (size_t b = 0; b < buffers_.size(); ++b) flat.push_back(GatherFlat(k, b, dtype, owned));
     }
-    for (const State& s : states_) {
+    for (size_t i = 0; i < states_.size(); ++i) {
+      const State& s = states_[i];
       const Parameter& p = *s.param;
       Tensor state;
       if (distributed()) {
         state = flat[s.buffer].FlatSlice(s.offset, s.numel).Reshaped(p.value.shape());
       } else {
-        state = k.Empty(p.value.shape(), master_dtype_);
+        state = k.Empty(p.value.shape(), dtype);
         Tensor place = Flat(state);
-        k.Copy(s.*member, place);
+        k.Copy(owned[i], place);
       }
       records->push_back({p.name + suffix, state, p.full_shape, p.shard, false});
     }

@@ -138,6 +138,14 @@ class Optimizer {
     static const Buffer kNone;
     return buffer < buffers_.size() ? buffers_[buffer] : kNone;
   }
+  // One optimizer tensor of a state's owned elements as stored: in its dtype, and a float16
+  // one (the precision-aware optimizer's) scaled, with its float32 scale (core/
+  // optimizer_update.h ScaledFloat16; Transformer Engine's FusedAdam `_scales`, one per
+  // tensor).
+  struct Stored {
+    Tensor value;  // [end - begin]
+    Tensor scale;  // [1] float32; undefined unless value is float16
+  };
   struct State {
     Parameter* param = nullptr;
     size_t buffer = 0;           // distributed: its flat buffer (1: an expert's)
@@ -145,25 +153,32 @@ class Optimizer {
     int64_t numel = 0;           // of the local (tensor-parallel) parameter
     int64_t offset = 0;          // of element 0 in its flat buffer (distributed)
     int64_t begin = 0, end = 0;  // the owned elements of the flattened local parameter
-    Tensor master, m, v;         // [end - begin] owned elements, master dtype, on the device;
-                                 // v is adam's only; none when nothing is owned
+    // The master weights and the states (adam's exp_avg and exp_avg_sq, sgd's momentum
+    // buffer in m), on the device: in the master dtype (OptimizerPrecision), each in its own
+    // with the precision-aware optimizer; v is adam's only; none when nothing is owned.
+    Stored master, m, v;
     Tensor step_grad;            // plain optimizer, 16-bit main_grad: float32 copy of it
   };
+  // The tensor a step updates in place for `stored`: its value, or for a float16 one a new
+  // float32 tensor holding it unscaled (ScaleBack stores it back).
+  static Tensor Unscaled(Kernels& k, const Stored& stored);
+  static void ScaleBack(Kernels& k, const Tensor& unscaled, Stored& stored);
   // The reduced gradients of a state's owned elements that the step reads: its part of
   // grad_shard (distributed) or its main_grad (plain), or their float32 copies.
   Tensor StepGradient(const State& s) const;
   // The distributed optimizer's reduce-scatter (and all-reduce over the instances).
   void ReduceShards(Kernels& k, CommTrace& trace);
-  // Every rank's `member` tensors (owned elements, end to end in buffer order) all-gathered
-  // over the shard group: flat buffer `b`, in `dtype`.
-  Tensor GatherFlat(Kernels& k, size_t b, DType dtype, Tensor State::*member) const;
+  // Every rank's `owned` tensors (one per state, its owned elements; end to end in buffer
+  // order) all-gathered over the shard group: flat buffer `b`, in `dtype`.
+  Tensor GatherFlat(Kernels& k, size_t b, DType dtype, const std::vector<Tensor>& owned) const;
   // This rank's shard of flat buffer `b` all-gathered over its shard group (itself when the
   // group has one rank).
   Tensor GatherShard(Kernels& k, size_t b, const Tensor& shard) const;
 
   OptimizerConfig config_;
   DistributedOptimizerGroups groups_;
-  DType master_dtype_;
+  DType master_dtype_;  // the compute dtype: of the update's float32/float64 arithmetic
+  OptimizerPrecision precision_;  // each tensor's dtype (PrecisionOf)
   DType grad_dtype_ = DType::kFloat32;
   bool copies_grads_ = false;  // a 16-bit main_grad: the step reads float32 copies
   std::vector<State> states_;  // registration order

@@ -345,8 +345,11 @@ inline Outputs CrossEntropyBackward(Kernels& k, DType dt) {
   return {Out(k, "grad", grad)};
 }
 inline Outputs OptimizerStep(Kernels& k, DType dt) {
-  // Gradients, master and states in the compute dtype; the parameter in dt.
+  // Master in the compute dtype; the gradient and the parameter in dt (the precision-aware
+  // optimizer reads a 16-bit main_grad as it is); the states in the compute dtype, or in
+  // bfloat16 for a bfloat16 dt (its bf16 moments).
   const DType m = ComputeDType(dt);
+  const DType state = dt == DType::kBFloat16 ? dt : m;
   Outputs out;
   for (auto kind : {OptimizerUpdate::Kind::kAdam, OptimizerUpdate::Kind::kSgd}) {
     OptimizerUpdate u;
@@ -359,10 +362,11 @@ inline Outputs OptimizerStep(Kernels& k, DType dt) {
     u.first_step = false;
     u.master_float64 = m == DType::kFloat64;
     const bool adam = kind == OptimizerUpdate::Kind::kAdam;
-    Tensor master = In(k, m, {10}, 51), s1 = In(k, m, {10}, 52);
-    Tensor s2 = adam ? k.ToDevice(MakeOf(m, {10}, std::vector<double>(10, 0.25))) : Tensor();
+    Tensor master = In(k, m, {10}, 51), s1 = In(k, state, {10}, 52);
+    Tensor s2 =
+        adam ? k.ToDevice(MakeOf(state, {10}, std::vector<double>(10, 0.25))) : Tensor();
     Tensor param = k.Zeros({10}, dt);
-    k.OptimizerStep(u, In(k, m, {10}, 53), master, s1, s2, param);
+    k.OptimizerStep(u, In(k, dt, {10}, 53), master, s1, s2, param);
     const std::string name = adam ? "adam" : "sgd";
     out.push_back(Out(k, name + " master", master));
     out.push_back(Out(k, name + " state1", s1));
@@ -371,9 +375,25 @@ inline Outputs OptimizerStep(Kernels& k, DType dt) {
   }
   return out;
 }
+// A float16 state's scaling (whatever dt: the states are float32 and float16 here): its
+// scale and quantized values, then those read back.
+inline Outputs UnscaleState(Kernels& k, DType) {
+  Tensor q = k.ToDevice(MakeOf(DType::kFloat16, {10}, Grid(10, 55)));
+  Tensor scale = k.ToDevice(MakeOf(DType::kFloat32, {1}, {0.375}));
+  Tensor out = k.Zeros({10}, DType::kFloat32);
+  k.UnscaleState(q, scale, out);
+  return {Out(k, "out", out)};
+}
+inline Outputs ScaleState(Kernels& k, DType) {
+  Tensor x = In(k, DType::kFloat32, {10}, 56);
+  Tensor scale = k.Zeros({1}, DType::kFloat32);
+  Tensor q = k.Zeros({10}, DType::kFloat16);
+  k.ScaleState(x, scale, q);
+  return {Out(k, "scale", scale), Out(k, "q", q)};
+}
 inline Outputs SumOfSquares(Kernels& k, DType dt) {
   Tensor out = k.ToDevice(MakeOf(DType::kFloat64, {1}, {0.5}));
-  k.SumOfSquares(In(k, ComputeDType(dt), {40}, 54), out);
+  k.SumOfSquares(In(k, dt, {40}, 54), out);
   return {Out(k, "out", out)};
 }
 
@@ -414,6 +434,8 @@ inline const std::vector<OpCase>& AllOps() {
       {"CrossEntropyPartials", 32, CrossEntropyPartials},
       {"CrossEntropyBackward", 16, CrossEntropyBackward},
       {"OptimizerStep", 4, OptimizerStep},
+      {"UnscaleState", 2, UnscaleState},  // float32 products of float16 values
+      {"ScaleState", 4, ScaleState},      // float32 scale, float16 rounding
       {"SumOfSquares", 4, SumOfSquares},
   };
   return ops;

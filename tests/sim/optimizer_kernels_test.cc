@@ -153,18 +153,39 @@ TEST(OptimizerKernels, RefuseBadArguments) {
   EXPECT_THROW(k.OptimizerStep(sgd, grad, master, m, v, param), std::invalid_argument);
   Tensor short_param = k.Zeros({3}, DType::kFloat32);
   EXPECT_THROW(k.OptimizerStep(adam, grad, master, m, v, short_param), std::invalid_argument);
+  // A 16-bit main_grad and bfloat16 moments beside a float32 master (the precision-aware
+  // optimizer), nothing 16-bit beside a float64 one, no float16 state (it is scaled first).
   Tensor bf16_grad = k.Zeros({4}, DType::kBFloat16);
-  EXPECT_THROW(k.OptimizerStep(adam, bf16_grad, master, m, v, param), std::invalid_argument);
+  Tensor bf16_m = k.Zeros({4}, DType::kBFloat16), bf16_v = k.Zeros({4}, DType::kBFloat16);
+  EXPECT_NO_THROW(k.OptimizerStep(adam, bf16_grad, master, bf16_m, bf16_v, param));
+  EXPECT_NO_THROW(k.OptimizerStep(adam, grad, master, bf16_m, v, param));
+  Tensor fp16_v = k.Zeros({4}, DType::kFloat16);
+  EXPECT_THROW(k.OptimizerStep(adam, grad, master, m, fp16_v, param), std::invalid_argument);
   Tensor bf16_master = k.Zeros({4}, DType::kBFloat16);
   EXPECT_THROW(k.OptimizerStep(adam, grad, bf16_master, m, v, param), std::invalid_argument);
   const OptimizerUpdate adam64 = Update(true, true, 1, 0.1, 0.0);
   EXPECT_THROW(k.OptimizerStep(adam64, grad, master, m, v, param), std::invalid_argument);
+  Tensor master64 = k.Zeros({4}, DType::kFloat64), m64 = k.Zeros({4}, DType::kFloat64);
+  Tensor v64 = k.Zeros({4}, DType::kFloat64);
+  EXPECT_NO_THROW(k.OptimizerStep(adam64, grad, master64, m64, v64, param));
+  EXPECT_THROW(k.OptimizerStep(adam64, bf16_grad, master64, m64, v64, param),
+               std::invalid_argument);
+  EXPECT_THROW(k.OptimizerStep(adam64, grad, master64, bf16_m, v64, param),
+               std::invalid_argument);
   Tensor aliased = master;  // the parameter written over its own master
   EXPECT_THROW(k.OptimizerStep(adam, grad, master, m, v, aliased), std::invalid_argument);
   Tensor out32 = k.Zeros({1}, DType::kFloat32), out2 = k.Zeros({2}, DType::kFloat64);
   EXPECT_THROW(k.SumOfSquares(grad, out32), std::invalid_argument);
   EXPECT_THROW(k.SumOfSquares(grad, out2), std::invalid_argument);
   EXPECT_THROW(k.SumOfSquares(param, out2), std::invalid_argument);
+  // The float16 states' scaling: float16 values, a float32 scale of one element.
+  Tensor q = k.Zeros({4}, DType::kFloat16), scale = k.Zeros({1}, DType::kFloat32);
+  EXPECT_NO_THROW(k.UnscaleState(q, scale, grad));
+  EXPECT_NO_THROW(k.ScaleState(grad, scale, q));
+  EXPECT_THROW(k.UnscaleState(bf16_m, scale, grad), std::invalid_argument);
+  EXPECT_THROW(k.ScaleState(grad, out32, param), std::invalid_argument);
+  Tensor scale2 = k.Zeros({2}, DType::kFloat32);
+  EXPECT_THROW(k.ScaleState(grad, scale2, q), std::invalid_argument);
 }
 
 TEST(OptimizerKernels, FlatSliceSharesStorage) {
