@@ -58,30 +58,44 @@ StatusOr<HeldMemory> EstimateHeldMemory(const Config& config, const Topology& to
   held.expert_elements = experts;
   if (!config.optimizer) return held;
   const OptimizerConfig& optimizer = *config.optimizer;
-  // The parameters with owned elements: each float16 state of theirs has a scale.
-  int64_t owned_parameters = 0;
+  // The parameters with owned elements (each float16 tensor of theirs has a scale), this
+  // rank's and the most of any rank of its shard groups.
+  int64_t owned_parameters = 0, most_parameters = 0;
+  const auto count = [&](const std::vector<PlanBytes>& elements, int64_t d, int64_t r) {
+    owned_parameters += OwnedParameters(elements, d, r);
+    int64_t most = 0;
+    for (int64_t other = 0; other < d; ++other) {
+      most = std::max(most, OwnedParameters(elements, d, other));
+    }
+    most_parameters += most;
+  };
   if (!optimizer.use_distributed_optimizer) {
     held.optimizer_elements = trainable;
-    owned_parameters = OwnedParameters(dense_parameters, 1, 0) +
-                       OwnedParameters(expert_parameters, 1, 0);
+    count(dense_parameters, 1, 0);
+    count(expert_parameters, 1, 0);
   } else {
     const auto [d, r] = GroupPosition(topology, "dp_cp_partial", rank);
     held.dense_shards = d;
     held.optimizer_elements = OwnedElements(dense, d, r);
-    owned_parameters = OwnedParameters(dense_parameters, d, r);
+    count(dense_parameters, d, r);
     if (experts > 0) {
       const auto [de, re] = GroupPosition(topology, "expt_dp_partial", rank);
       held.expert_shards = de;
       held.optimizer_elements =
           SaturatingAdd(held.optimizer_elements, OwnedElements(experts, de, re));
-      owned_parameters += OwnedParameters(expert_parameters, de, re);
+      count(expert_parameters, de, re);
     }
   }
+  const auto scales = [&](int64_t parameters) {
+    return static_cast<PlanBytes>(parameters * ScaledStates(optimizer, precision) *
+                                  kStateScaleBytes);
+  };
+  held.optimizer_scales = scales(owned_parameters);
+  held.optimizer_scales_most = scales(most_parameters);
   held.optimizer = SaturatingAdd(
       SaturatingMul(held.optimizer_elements,
                     static_cast<PlanBytes>(OptimizerStateBytes(optimizer, precision))),
-      static_cast<PlanBytes>(owned_parameters * ScaledStates(optimizer, precision) *
-                             kStateScaleBytes));
+      held.optimizer_scales);
   if (precision.grads_copied_for_step) {
     held.step_gradient_copies = SaturatingMul(held.optimizer_elements, PlanBytes{4});
   }
@@ -99,6 +113,8 @@ StatusOr<std::vector<StageHeldMemory>> EstimateStageHeldMemory(const Config& con
     if (coords.tp != 0 || coords.cp != 0 || coords.dp != 0 || coords.ep != 0) continue;
     StatusOr<HeldMemory> held = EstimateHeldMemory(config, topology, rank);
     if (!held.ok()) return held.status();
+    held->optimizer += held->optimizer_scales_most - held->optimizer_scales;
+    held->optimizer_scales = held->optimizer_scales_most;
     stages.push_back({coords.pp, rank, *held});
   }
   return stages;

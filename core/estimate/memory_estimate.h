@@ -58,6 +58,11 @@ struct HeldMemory {
   // the step (main_param.grad = main_grad.float(), 4 bytes per owned element) and keep until
   // the next iteration's zero_grad: the step's own peak above what is held.
   PlanBytes step_gradient_copies = 0;
+  // The precision-aware optimizer's float16 tensors' scales (4 bytes per parameter with
+  // owned elements and float16 tensor; in `optimizer`), and the most any rank of the same
+  // shard groups keeps: a later rank's piece may cut one parameter more.
+  PlanBytes optimizer_scales = 0;
+  PlanBytes optimizer_scales_most = 0;
   PlanBytes total() const { return SaturatingAdd(SaturatingAdd(parameters, gradients), optimizer); }
   // The rank's peak when the schedule's `transient` bytes (activations and buffers) come on
   // top of what it holds: the larger of the schedule's and the step's.
@@ -73,7 +78,8 @@ StatusOr<HeldMemory> EstimateHeldMemory(const Config& config, const Topology& to
 
 // One pipeline stage's busiest rank: the first rank of the stage (every other coordinate 0),
 // which holds as many parameters as any rank of the stage and owns the first, fullest piece
-// of each distributed-optimizer buffer.
+// of each distributed-optimizer buffer; its optimizer bytes count the most float16 scales
+// any rank of the stage keeps (HeldMemory::optimizer_scales_most).
 struct StageHeldMemory {
   int64_t stage = 0;
   int64_t rank = 0;

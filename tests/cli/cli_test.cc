@@ -740,17 +740,31 @@ TEST(EstimateCommand, Gpt3On1024GpusMatchesTheClosedForm) {
   EXPECT_EQ(aware_doc.at("optimizer_dtypes").at("exp_avg"), "bfloat16");
   EXPECT_EQ(aware_doc.at("stages")[7].at("memory").at("optimizer"),
             8 * ((layers * layer + dp - 1) / dp));
-  // mpusim run has no precision-aware Adam: one line, exit 2.
+  // mpusim run runs it: the fp16 run's float16 main_grad read as it is, float16 moments and
+  // master weights stored scaled, every tensor checked; a float64 run, which has no lower
+  // precision to keep, is one line naming the key, exit 2.
   json small;
   std::ifstream(Sample("gpt_fp16_dp2_n2.json")) >> small;
   small["optimizer"]["use_distributed_optimizer"] = true;
   small["optimizer"]["use_precision_aware_optimizer"] = true;
+  small["optimizer"]["main_params_dtype"] = "fp16";
+  small["optimizer"]["exp_avg_dtype"] = "fp16";
+  small["optimizer"]["exp_avg_sq_dtype"] = "fp16";
   const std::string small_path = WriteTemp("mpusim_precision_aware_run.json", small.dump());
-  ExpectUsageError(Mpusim({"run", small_path}),
-                   "error: " + small_path +
-                       ": optimizer.use_precision_aware_optimizer: true is for mpusim estimate "
-                       "and advise only; mpusim run keeps float32 master weights and moments "
-                       "(set it false)");
+  std::string run_out;
+  EXPECT_EQ(test_util::Shell(test_util::Mpiexec(2) + MPUSIM_BINARY + " run " + small_path,
+                             &run_out),
+            0)
+      << run_out;
+  EXPECT_NE(run_out.find(" passed, 0 failed"), std::string::npos) << run_out;
+  small["parallel"].erase("fp16");
+  small["run"]["dtype"] = "float64";
+  const std::string float64_path = WriteTemp("mpusim_precision_aware_f64.json", small.dump());
+  ExpectUsageError(Mpusim({"run", float64_path}),
+                   "error: " + float64_path +
+                       ": optimizer.use_precision_aware_optimizer: a float64 run keeps every "
+                       "optimizer tensor in float64; the precision-aware optimizer needs "
+                       "run.dtype float32, bfloat16 or float16");
   // The text names the layout and the optimizer, and shows the other optimizer's total.
   const Result text = Mpusim({"estimate", Sample("gpt3_175b_t8_p16_n1024.json"), "--pp", "8"});
   ASSERT_EQ(text.code, 0) << text.err;

@@ -257,6 +257,9 @@ std::vector<Case> Layouts() {
       int64_t instances;
       int64_t iterations = 1;  // 2: the second starts with what the first's optimizer kept
       const char* router_dtype = nullptr;  // an MoE model's moe_router_dtype
+      // The precision-aware optimizer's float16 moments and master weights (scaled, a float32
+      // scale per tensor; the step reads them into float32 tensors), distributed only.
+      bool precision_aware = false;
     };
     // Two instances where both the dp size and the expert dp size divide by 2.
     const int64_t expt_dp = w / ((l.etp > 0 ? l.etp : l.tp) * l.ep * l.pp);
@@ -269,7 +272,9 @@ std::vector<Case> Layouts() {
     for (const Variant& v :
          {Variant{"float32", "adam", 0}, Variant{"bfloat16", "adam", 1},
           Variant{"bfloat16", "sgd", halves ? 2 : 1, 2, "fp32"}, Variant{"float64", "sgd", 0},
-          Variant{"float16", "adam", is_moe || (name == "wide" && l.tp == 2), 2, "fp64"}}) {
+          Variant{"float16", "adam", is_moe || (name == "wide" && l.tp == 2), 2, "fp64"},
+          Variant{"bfloat16", "adam", 1, 2, nullptr, true}}) {
+      if (v.precision_aware && l.recompute != nullptr) continue;  // the layouts, not the recompute
       // The sanitizer build (about 5 times slower) keeps float16 on the wide model, whose
       // step peak is what float16 adds to the count.
       if (mpusim::testing::kAddressSanitizer && std::string(v.dtype) == "float16" &&
@@ -315,6 +320,12 @@ std::vector<Case> Layouts() {
         document["optimizer"]["use_distributed_optimizer"] = true;
         parallel["num_distributed_optimizer_instances"] = v.instances;
       }
+      if (v.precision_aware) {
+        document["optimizer"].update({{"use_precision_aware_optimizer", true},
+                                      {"main_params_dtype", "fp16"},
+                                      {"exp_avg_dtype", "fp16"},
+                                      {"exp_avg_sq_dtype", "fp16"}});
+      }
       std::string extra;
       if (l.cp_comm != nullptr) extra += fmt::format(" {}", l.cp_comm);
       if (l.recompute != nullptr) extra += fmt::format(" recompute {}", l.recompute);
@@ -325,7 +336,10 @@ std::vector<Case> Layouts() {
                                    l.model, l.tp, l.sp ? " sp" : "", l.pp, l.vp, l.cp, extra, l.ep,
                                    l.etp > 0 ? l.etp : l.tp, v.dtype, v.optimizer,
                                    v.instances == 0 ? std::string("plain")
-                                                    : fmt::format("distributed x{}", v.instances),
+                                   : v.precision_aware
+                                       ? fmt::format("distributed x{} precision-aware fp16",
+                                                     v.instances)
+                                       : fmt::format("distributed x{}", v.instances),
                                    v.iterations > 1 ? ", 2 iterations" : ""),
                        document});
     }

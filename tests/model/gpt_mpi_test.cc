@@ -381,6 +381,49 @@ TEST(GptMpi, Float16TrainsWithMegatronsGradientBuffer) {
   }
 }
 
+// The precision-aware optimizer (Transformer Engine's FusedAdam as Megatron hands it the
+// distributed optimizer's shards: core/train/optimizer.h): bf16 moments; fp16 moments and
+// fp16 master weights, stored scaled; a bf16 main_grad read as it is beside one bf16 and one
+// fp32 moment; an fp16 run's fp16 main_grad with fp16 moments. Each trains and passes the
+// check, whose bounds carry each stored state's rounding (reference/trainer.h), and each
+// rank holds 4 (or 2) + 2 + 2 bytes of state per owned element, plus a float32 scale per
+// float16 tensor.
+TEST(GptMpi, PrecisionAwareOptimizerTrainsAsFusedAdam) {
+  const int64_t t = std::max<int64_t>(1, WorldSize() / 2);
+  struct Case {
+    const char* dtype;
+    json keys;
+    int64_t state_bytes;  // per owned element: master, exp_avg, exp_avg_sq
+  };
+  const std::vector<Case> cases = {
+      {"bfloat16", {{"exp_avg_dtype", "bf16"}, {"exp_avg_sq_dtype", "bf16"}}, 8},
+      {"bfloat16",
+       {{"exp_avg_dtype", "fp16"}, {"exp_avg_sq_dtype", "fp16"}, {"main_params_dtype", "fp16"}},
+       6},
+      {"bfloat16",
+       {{"main_grads_dtype", "bf16"}, {"exp_avg_dtype", "bf16"}, {"exp_avg_sq_dtype", "fp32"}},
+       10},
+      {"float16", {{"exp_avg_dtype", "fp16"}, {"exp_avg_sq_dtype", "fp16"}}, 8},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(fmt::format("{} {}", c.dtype, c.keys.dump()));
+    if (WorldRank() == 0) fmt::print("  {} precision-aware adam {}:", c.dtype, c.keys.dump());
+    json document = Training(Document(Gpt(8, 8), t, t > 1, c.dtype), "adam");
+    document["run"]["num_microbatches"] = 2;
+    document["optimizer"]["use_distributed_optimizer"] = true;
+    document["optimizer"]["use_precision_aware_optimizer"] = true;
+    document["optimizer"].update(c.keys);
+    const run::SimulationResult result = RunChecked(document);
+    EXPECT_EQ(result.optimizer.state_bytes, c.state_bytes);
+    ASSERT_FALSE(result.tensor_bytes.empty());
+    const int64_t owned = result.optimizer.elements;
+    const int64_t held = result.tensor_bytes[static_cast<size_t>(WorldRank())].optimizer;
+    // The scales: at most 4 bytes per parameter and float16 tensor (none for bf16 ones).
+    EXPECT_GE(held, owned * c.state_bytes);
+    EXPECT_LE(held, owned * c.state_bytes + 3 * 4 * 64);
+  }
+}
+
 // Lower precision: Adam moves a parameter whose exact gradient is 0 (the key bias) by O(lr)
 // on rounding noise, which the check's error bounds carry (reference/trainer.h).
 TEST(GptMpi, TrainingInFloat32AndBFloat16) {

@@ -5,6 +5,7 @@
 // The same float64 operations in the same order: every result must be bit-identical.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -200,6 +201,54 @@ TEST(OptimizerKernels, FlatSliceSharesStorage) {
   EXPECT_THROW(flat.FlatSlice(4, 3), std::out_of_range);
   EXPECT_THROW(flat.FlatSlice(-1, 1), std::out_of_range);
   EXPECT_THROW(flat.FlatSlice(7, 0), std::out_of_range);
+}
+
+
+// The precision-aware optimizer's states against values worked out by hand from Transformer
+// Engine's formulas (transformer_engine/pytorch/optimizers/fused_adam.py, common/
+// multi_tensor/adam.cu), each operation rounded as torch and the kernel round it (float32,
+// then bfloat16 or float16 to nearest even).
+TEST(OptimizerKernels, PrecisionAwareStatesFollowTransformerEngine) {
+  EigenKernels k;
+  // bfloat16 moments, a bfloat16 main_grad of 0.5, master 1, lr 0.01, no weight decay, betas
+  // 0.9 and 0.95. Step 1: m = 0.1 * 0.5 is 0.05f in the kernel's float32 register, stored
+  // as bf16 205 * 2^-12; v = 0.05 * 0.25 is 0.0125f, stored as 205 * 2^-14. The update reads
+  // the float32 values (m_hat 0.5, sqrt(v_hat) 0.5): master 1 - 0.01 = 0.99f, the parameter
+  // its bf16 253 / 256. Step 2 reads the stored moments: m = 0.9 * 205 * 2^-12 + 0.05 =
+  // 0.0950439...f, stored as 195 * 2^-11; v = 0.95 * 205 * 2^-14 + 0.0125 = 0.0243865...f,
+  // stored as 2^-12 * 100.
+  Tensor grad = MakeOf(DType::kBFloat16, {1}, {0.5});
+  Tensor master = MakeOf(DType::kFloat32, {1}, {1.0});
+  Tensor m = k.Zeros({1}, DType::kBFloat16), v = k.Zeros({1}, DType::kBFloat16);
+  Tensor param = k.Zeros({1}, DType::kBFloat16);
+  k.OptimizerStep(Update(true, false, 1, 0.01, 0.0), grad, master, m, v, param);
+  EXPECT_EQ(ValuesOf(m)[0], 205 * 0x1p-12);
+  EXPECT_EQ(ValuesOf(v)[0], 205 * 0x1p-14);
+  EXPECT_EQ(ValuesOf(master)[0], static_cast<double>(0.99f));
+  EXPECT_EQ(ValuesOf(param)[0], 253.0 / 256.0);
+  k.OptimizerStep(Update(true, false, 2, 0.01, 0.0), grad, master, m, v, param);
+  EXPECT_EQ(ValuesOf(m)[0], 195 * 0x1p-11);
+  EXPECT_EQ(ValuesOf(v)[0], 100 * 0x1p-12);
+
+  // A float16 state (_apply_scale): absmax 0.03f, s = 0.03f / 32752 (float32: bits
+  // 0x3575e14b), r = 1 / s; q = fp16(x * r): 32752, -1637.6 -> -1638, 0, and 1e-9 -> 1145 *
+  // 2^-20. Read back (get_unscaled_state) as q * s in float32.
+  Tensor x = MakeOf(DType::kFloat32, {4}, {0.03f, -0.0015f, 0.0f, 1e-9f});
+  Tensor scale = k.Zeros({1}, DType::kFloat32), q = k.Zeros({4}, DType::kFloat16);
+  k.ScaleState(x, scale, q);
+  EXPECT_EQ(std::bit_cast<uint32_t>(scale.data_as<float>()[0]), 0x3575e14bu);
+  EXPECT_EQ(ValuesOf(q), (std::vector<double>{32752, -1638, 0, 1145 * 0x1p-20}));
+  Tensor back = k.Zeros({4}, DType::kFloat32);
+  k.UnscaleState(q, scale, back);
+  const float s = scale.data_as<float>()[0];
+  EXPECT_EQ(ValuesOf(back), (std::vector<double>{32752.0f * s, -1638.0f * s, 0.0f,
+                                                 static_cast<float>(1145 * 0x1p-20) * s}));
+  EXPECT_EQ(ValuesOf(back)[0], static_cast<double>(0.029999999329447746f));
+  // All zeros (a moment before its first step): scale 0, and r = 0 rather than 1 / 0.
+  Tensor zeros = k.Zeros({4}, DType::kFloat32);
+  k.ScaleState(zeros, scale, q);
+  EXPECT_EQ(ValuesOf(scale)[0], 0.0);
+  EXPECT_EQ(ValuesOf(q), std::vector<double>(4, 0.0));
 }
 
 }  // namespace
