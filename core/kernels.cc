@@ -672,8 +672,8 @@ void Kernels::OptimizerStep(const OptimizerUpdate& update, const Tensor& grad, T
   args.Require(update.master_float64 == (master.dtype() == DType::kFloat64),
                "update.master_float64 does not match master's dtype");
   // Each state in the master dtype, or bfloat16 beside a float32 master.
-  for (const auto& [name, state] : {std::pair<const char*, const Tensor*>{"state1", &state1},
-                                    {"state2", &state2}}) {
+  for (const auto& [name, state] :
+       {std::pair<const char*, const Tensor*>{"state1", &state1}, {"state2", &state2}}) {
     if (!adam && state == &state2) continue;
     KernelArgs(backend_, device_, "OptimizerStep").Add(name, *state);
     args.Require(state->dtype() == master.dtype() ||
@@ -716,13 +716,13 @@ void RequireStateScale(KernelArgs& args, const Tensor& scale) {
 void Kernels::UnscaleState(const Tensor& q, const Tensor& scale, Tensor& out) {
   KernelArgs args(backend_, device_, "UnscaleState");
   args.Add("q", q);
-  args.Require(q.dtype() == DType::kFloat16, fmt::format("q is {}; it must be float16",
-                                                         DTypeName(q.dtype())));
+  args.Require(q.dtype() == DType::kFloat16,
+               fmt::format("q is {}; it must be float16", DTypeName(q.dtype())));
   KernelArgs(backend_, device_, "UnscaleState").Add("scale", scale);
   RequireStateScale(args, scale);
   KernelArgs(backend_, device_, "UnscaleState").Add("out", out);
-  args.Require(out.dtype() == DType::kFloat32, fmt::format("out is {}; it must be float32",
-                                                           DTypeName(out.dtype())));
+  args.Require(out.dtype() == DType::kFloat32,
+               fmt::format("out is {}; it must be float32", DTypeName(out.dtype())));
   args.Numel("out", out, q.numel(), "the numel of q");
   Disjoint(args, "out", out, "q", q);
   Disjoint(args, "out", out, "scale", scale);
@@ -733,13 +733,13 @@ void Kernels::UnscaleState(const Tensor& q, const Tensor& scale, Tensor& out) {
 void Kernels::ScaleState(const Tensor& x, Tensor& scale, Tensor& q) {
   KernelArgs args(backend_, device_, "ScaleState");
   args.Add("x", x);
-  args.Require(x.dtype() == DType::kFloat32, fmt::format("x is {}; it must be float32",
-                                                         DTypeName(x.dtype())));
+  args.Require(x.dtype() == DType::kFloat32,
+               fmt::format("x is {}; it must be float32", DTypeName(x.dtype())));
   KernelArgs(backend_, device_, "ScaleState").Add("scale", scale);
   RequireStateScale(args, scale);
   KernelArgs(backend_, device_, "ScaleState").Add("q", q);
-  args.Require(q.dtype() == DType::kFloat16, fmt::format("q is {}; it must be float16",
-                                                         DTypeName(q.dtype())));
+  args.Require(q.dtype() == DType::kFloat16,
+               fmt::format("q is {}; it must be float16", DTypeName(q.dtype())));
   args.Numel("q", q, x.numel(), "the numel of x");
   Disjoint(args, "q", q, "x", x);
   Disjoint(args, "scale", scale, "x", x);

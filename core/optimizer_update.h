@@ -111,9 +111,7 @@ struct ScaledFloat16 {
   MPUSIM_HD static float Unscale(Float16 q, float scale) { return ToFloat(q) * scale; }
   MPUSIM_HD static float ScaleOf(float absmax) { return absmax / kRange; }
   MPUSIM_HD static float ReciprocalOf(float scale) { return scale > 0 ? 1.0f / scale : 0.0f; }
-  MPUSIM_HD static Float16 Quantize(float x, float reciprocal) {
-    return ToFloat16(x * reciprocal);
-  }
+  MPUSIM_HD static Float16 Quantize(float x, float reciprocal) { return ToFloat16(x * reciprocal); }
 };
 
 }  // namespace mpusim

@@ -605,8 +605,8 @@ void CudaKernels::DoOptimizerStep(const OptimizerUpdate& update, const Tensor& g
 }
 
 void CudaKernels::DoUnscaleState(const Tensor& q, const Tensor& scale, Tensor& out) {
-  LaunchUnscaleState(q.data_as<Float16>(), scale.data_as<float>(), out.data_as<float>(),
-                     q.numel(), stream_);
+  LaunchUnscaleState(q.data_as<Float16>(), scale.data_as<float>(), out.data_as<float>(), q.numel(),
+                     stream_);
 }
 
 void CudaKernels::DoScaleState(const Tensor& x, Tensor& scale, Tensor& q) {

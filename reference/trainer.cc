@@ -16,12 +16,14 @@ namespace {
 double StoredError(DType dtype, double x, double absmax) {
   constexpr double u32 = 0x1p-24;
   switch (dtype) {
-    case DType::kBFloat16: return (0x1p-8 + u32) * std::fabs(x);
+    case DType::kBFloat16:
+      return (0x1p-8 + u32) * std::fabs(x);
     case DType::kFloat16: {
       const double scale = absmax * (1 + u32) / 32752.0;
       return (0x1p-11 + 4 * u32) * std::fabs(x) + 0x1p-25 * scale;
     }
-    default: return 0.0;
+    default:
+      return 0.0;
   }
 }
 

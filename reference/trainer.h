@@ -103,8 +103,8 @@ class ReferenceTrainer {
  private:
   OptimizerConfig config_;
   int64_t train_iters_;
-  OptimizerPrecision precision_{DType::kFloat64, DType::kFloat64, DType::kFloat64,
-                                DType::kFloat64, false};
+  OptimizerPrecision precision_{DType::kFloat64, DType::kFloat64, DType::kFloat64, DType::kFloat64,
+                                false};
   std::map<std::string, Tensor> parameters_;
   std::map<std::string, std::vector<double>> m_, v_;
   // Error propagation: of m (or the SGD buffer), of v, and the bound on each element.

@@ -385,8 +385,7 @@ int RunReport::PrintTraining(const SimulationResult& result) {
       o.lr, kStyles[static_cast<size_t>(o.lr_decay_style)], o.min_lr, o.lr_warmup_iters,
       o.weight_decay, o.clip_grad, result.iterations.size());
   const SimulationResult::OptimizerShard& sh = result.optimizer;
-  const double state_mib =
-      static_cast<double>(sh.elements * sh.state_bytes) / (1024.0 * 1024.0);
+  const double state_mib = static_cast<double>(sh.elements * sh.state_bytes) / (1024.0 * 1024.0);
   if (sh.distributed) {
     out_ << fmt::format(
         "  distributed optimizer: rank 0 keeps master weights and state for elements [{}, {}) of "
@@ -401,8 +400,7 @@ int RunReport::PrintTraining(const SimulationResult& result) {
             ? fmt::format("{:.3f}", static_cast<double>(sh.elements) /
                                         static_cast<double>(std::max<int64_t>(sh.parameters, 1)))
             : fmt::format("1/{}", sh.end > sh.begin ? sh.buffer / (sh.end - sh.begin) : 0),
-        static_cast<double>(sh.parameters * sh.state_bytes) /
-            (1024.0 * 1024.0),
+        static_cast<double>(sh.parameters * sh.state_bytes) / (1024.0 * 1024.0),
         sh.expert_buffer == 0 ? ""
         : config_.parallel.num_distributed_optimizer_instances > 1
             ? " (the expert buffer's over expt_dp_partial; both shards all-reduced over "

@@ -12,8 +12,8 @@
 #include <set>
 
 #include "core/config/model_facts.h"
-#include "core/pipeline/executor.h"
 #include "core/model/optimizer_plan.h"
+#include "core/pipeline/executor.h"
 #include "core/train/optimizer.h"
 #include "core/train/train_step.h"
 #include "mpi/agree.h"

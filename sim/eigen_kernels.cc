@@ -13,7 +13,9 @@
 // (sim/eigen_views.h), except where an op functor loads and stores them itself.
 #include "sim/eigen_kernels.h"
 
+#include <fmt/format.h>
 
+#include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -23,17 +25,14 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
-#include <utility>
-
-#include <Eigen/Core>
 #include <unsupported/Eigen/SpecialFunctions>
-#include <fmt/format.h>
+#include <utility>
 
 #include "core/arg_checks.h"
 #include "core/half.h"
-#include "core/optimizer_update.h"
 #include "core/ops/dropout.h"
 #include "core/ops/rope.h"
+#include "core/optimizer_update.h"
 #include "core/philox.h"
 #include "sim/eigen_views.h"
 

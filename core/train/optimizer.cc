@@ -41,8 +41,9 @@ Optimizer::Optimizer(const OptimizerConfig& config, const std::vector<Parameter*
   copies_grads_ = DTypeSize(grad_dtype_) == 2 && !config.use_precision_aware_optimizer;
   if (config.use_precision_aware_optimizer &&
       (groups_.shard == nullptr || config.kind != OptimizerConfig::Kind::kAdam)) {
-    throw std::logic_error("Optimizer: the precision-aware optimizer is adam with the "
-                           "distributed optimizer (CheckOptimizerPrecision refuses the rest)");
+    throw std::logic_error(
+        "Optimizer: the precision-aware optimizer is adam with the "
+        "distributed optimizer (CheckOptimizerPrecision refuses the rest)");
   }
   for (Parameter* p : params) {
     State s;

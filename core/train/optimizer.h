@@ -18,7 +18,8 @@
 //   sgd (torch.optim.SGD with momentum mu):  d = g + wd w,  buf = d at t = 1, else mu buf + d,
 //        w -= lr * buf
 // Master weights and states: kept on the backend's device in the run's compute dtype
-// (float32, float64 for a float64 run), as Megatron keeps float32 main params; the update
+// (float32, float64 for a float64 run), as Megatron keeps float32 main params (the
+// precision-aware optimizer: below); the update
 // runs in float64 per element (Kernels::OptimizerStep, whose one definition both backends
 // call: core/optimizer_update.h) and the parameter's storage gets the master rounded to it.
 // The gradient norm's sum of squares is a device reduction too (Kernels::SumOfSquares); the
@@ -58,9 +59,20 @@
 // main_grad.float()): the norm, the clipping (a float32 product) and the update use the
 // copies, which live, as Megatron's do, until the next iteration zeroes the gradients
 // (ZeroGrad). Widening is exact, so the copies change no value, only the memory.
-// What it is not: the loss scaler of float16 training, Transformer Engine's precision-aware
-// Adam (lower-precision master weights and moments: refused by `mpusim run`), or Megatron's
-// bucketed, aligned buffer layout.
+// The precision-aware optimizer (optimizer.use_precision_aware_optimizer: adam and the
+// distributed optimizer only, as Megatron allows it) is Transformer Engine's FusedAdam as
+// Megatron's DistributedOptimizer drives it: the owned shard's main_grad is read as it is,
+// 16-bit included (decoupled_grad: no float32 copy; the norm and the clipping work on it),
+// and the master weights and moments are kept in their dtypes (OptimizerPrecision): bf16
+// moments rounded to nearest after each update, float16 moments and master weights scaled
+// per tensor (core/optimizer_update.h). A step unscales every float16 tensor into float32,
+// updates, and scales back (FusedAdam.step), the float32 tensors freed before the
+// all-gather. RecordState gives bf16 states as they are, float16 ones unscaled in float32.
+// What it is not: the loss scaler of float16 training, FusedAdam's store_param_remainders
+// (Megatron's default for bf16: the float32 master kept as the bf16 parameter and a 16-bit
+// remainder; here a float32 master of the same values, the parameter rounded to nearest
+// even where TE rounds ties away from zero), fp8 states, or Megatron's bucketed, aligned
+// buffer layout.
 #pragma once
 
 #include <cstdint>
@@ -177,7 +189,7 @@ class Optimizer {
 
   OptimizerConfig config_;
   DistributedOptimizerGroups groups_;
-  DType master_dtype_;  // the compute dtype: of the update's float32/float64 arithmetic
+  DType master_dtype_;            // the compute dtype: of the update's float32/float64 arithmetic
   OptimizerPrecision precision_;  // each tensor's dtype (PrecisionOf)
   DType grad_dtype_ = DType::kFloat32;
   bool copies_grads_ = false;  // a 16-bit main_grad: the step reads float32 copies

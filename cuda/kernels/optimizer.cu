@@ -97,11 +97,10 @@ void LaunchSumOfSquares(const T* x, int64_t n, double* out, cudaStream_t stream)
 
 // The optimizer: gradient type G (main_grad), master type M (float or double), parameter
 // type P.
-#define MPUSIM_INSTANTIATE_OPTIMIZER(G, M, P)                                                 \
-  template void LaunchOptimizerStep<G, M, P>(const OptimizerUpdate&, const G*, M*,            \
-                                             OptimizerUpdate::Moment<M>,                      \
-                                             OptimizerUpdate::Moment<M>, P*, int64_t,         \
-                                             cudaStream_t);
+#define MPUSIM_INSTANTIATE_OPTIMIZER(G, M, P)                           \
+  template void LaunchOptimizerStep<G, M, P>(                           \
+      const OptimizerUpdate&, const G*, M*, OptimizerUpdate::Moment<M>, \
+      OptimizerUpdate::Moment<M>, P*, int64_t, cudaStream_t);
 #define MPUSIM_INSTANTIATE_OPTIMIZER_PARAMS(G, M)  \
   MPUSIM_INSTANTIATE_OPTIMIZER(G, M, double)       \
   MPUSIM_INSTANTIATE_OPTIMIZER(G, M, float)        \

@@ -752,9 +752,8 @@ TEST(EstimateCommand, Gpt3On1024GpusMatchesTheClosedForm) {
   small["optimizer"]["exp_avg_sq_dtype"] = "fp16";
   const std::string small_path = WriteTemp("mpusim_precision_aware_run.json", small.dump());
   std::string run_out;
-  EXPECT_EQ(test_util::Shell(test_util::Mpiexec(2) + MPUSIM_BINARY + " run " + small_path,
-                             &run_out),
-            0)
+  EXPECT_EQ(
+      test_util::Shell(test_util::Mpiexec(2) + MPUSIM_BINARY + " run " + small_path, &run_out), 0)
       << run_out;
   EXPECT_NE(run_out.find(" passed, 0 failed"), std::string::npos) << run_out;
   small["parallel"].erase("fp16");

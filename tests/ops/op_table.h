@@ -363,8 +363,7 @@ inline Outputs OptimizerStep(Kernels& k, DType dt) {
     u.master_float64 = m == DType::kFloat64;
     const bool adam = kind == OptimizerUpdate::Kind::kAdam;
     Tensor master = In(k, m, {10}, 51), s1 = In(k, state, {10}, 52);
-    Tensor s2 =
-        adam ? k.ToDevice(MakeOf(state, {10}, std::vector<double>(10, 0.25))) : Tensor();
+    Tensor s2 = adam ? k.ToDevice(MakeOf(state, {10}, std::vector<double>(10, 0.25))) : Tensor();
     Tensor param = k.Zeros({10}, dt);
     k.OptimizerStep(u, In(k, dt, {10}, 53), master, s1, s2, param);
     const std::string name = adam ? "adam" : "sgd";
@@ -419,8 +418,8 @@ inline const std::vector<OpCase>& AllOps() {
       {"ActivationBackward", 16, ActivationBackward},
       {"Dropout", 2, Dropout},
       {"DropoutAt", 2, DropoutAt},
-      {"NormForward", 32, NormForward},  // row sums of 9, a sqrt
-      {"NormBackward", 64, NormBackward},  // row and column sums that cancel
+      {"NormForward", 32, NormForward},                    // row sums of 9, a sqrt
+      {"NormBackward", 64, NormBackward},                  // row and column sums that cancel
       {"CausalSoftmaxForward", 32, CausalSoftmaxForward},  // exp, sums, log
       {"CausalSoftmaxFromLse", 16, CausalSoftmaxFromLse},
       {"CausalSoftmaxBackward", 32, CausalSoftmaxBackward},

@@ -171,8 +171,7 @@ TEST(OptimizerKernels, RefuseBadArguments) {
   EXPECT_NO_THROW(k.OptimizerStep(adam64, grad, master64, m64, v64, param));
   EXPECT_THROW(k.OptimizerStep(adam64, bf16_grad, master64, m64, v64, param),
                std::invalid_argument);
-  EXPECT_THROW(k.OptimizerStep(adam64, grad, master64, bf16_m, v64, param),
-               std::invalid_argument);
+  EXPECT_THROW(k.OptimizerStep(adam64, grad, master64, bf16_m, v64, param), std::invalid_argument);
   Tensor aliased = master;  // the parameter written over its own master
   EXPECT_THROW(k.OptimizerStep(adam, grad, master, m, v, aliased), std::invalid_argument);
   Tensor out32 = k.Zeros({1}, DType::kFloat32), out2 = k.Zeros({2}, DType::kFloat64);
@@ -202,7 +201,6 @@ TEST(OptimizerKernels, FlatSliceSharesStorage) {
   EXPECT_THROW(flat.FlatSlice(-1, 1), std::out_of_range);
   EXPECT_THROW(flat.FlatSlice(7, 0), std::out_of_range);
 }
-
 
 // The precision-aware optimizer's states against values worked out by hand from Transformer
 // Engine's formulas (transformer_engine/pytorch/optimizers/fused_adam.py, common/
