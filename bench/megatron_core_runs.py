@@ -119,6 +119,56 @@ def run_mpusim(mpusim, argv_tail, config, path, omitted, strict, timeout=None):
     return None, "too many unknown keys"
 
 
+def table_arguments(doc, table_file):
+    """The options every table script takes (its table: bench/configs/`table_file`)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--mpusim", default=os.path.join(ROOT, "build", "cli", "mpusim"))
+    ap.add_argument("--table", default=os.path.join(ROOT, "bench", "configs", table_file))
+    ap.add_argument("--markdown", help="also write the table as Markdown to this file")
+    ap.add_argument("--omit-unknown", default="",
+                    help="comma-separated section.key to drop from every config up front")
+    ap.add_argument("--strict", action="store_true",
+                    help="refuse a row whose config has keys the binary does not know")
+    ap.add_argument("--tolerance", type=float,
+                    help="percent; exit 1 when a row is off by more (default: report only)")
+    ap.add_argument("--only", help="run only the rows whose name contains this")
+    ap.add_argument("--write-configs", metavar="DIR",
+                    help="also keep each row's config (as run, unknown keys dropped) in DIR")
+    return ap
+
+
+def omitted_up_front(args):
+    """--omit-unknown's keys, or None (after one error line) when one is not section.key."""
+    preset = [k for k in args.omit_unknown.split(",") if k]
+    for key in preset:
+        if key.split(".", 1)[0] not in SECTIONS or "." not in key:
+            print(f"error: --omit-unknown: '{key}' is not section.key with section one of "
+                  f"{', '.join(SECTIONS)}", file=sys.stderr)
+            return None
+    return preset
+
+
+def keep_config(directory, i, config):
+    """--write-configs: row i's config as run, in `directory` (nothing when None)."""
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, f"row_{i}.json"), "w") as f:
+            json.dump(config, f, indent=1)
+
+
+def finish_report(lines, not_run, skipped, markdown, code):
+    """Ends a table's report with its rows not run and skipped, prints it (and writes it to
+    `markdown` when given) and returns `code`, the script's exit code."""
+    lines = lines + [f"Not run: {line}" for line in not_run]
+    lines += [f"Skipped: {s['name']}: {s['why']}." for s in skipped]
+    text = "\n".join(lines)
+    print(text)
+    if markdown:
+        with open(markdown, "w") as f:
+            f.write(text + "\n")
+    return code
+
+
 def layout_name(layout):
     vp = layout.get("virtual_pipeline_model_parallel_size")
     parts = [f"tp {layout['tensor_model_parallel_size']}"]
@@ -135,33 +185,17 @@ def layout_name(layout):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mpusim", default=os.path.join(ROOT, "build", "cli", "mpusim"))
-    ap.add_argument("--table", default=os.path.join(ROOT, "bench", "configs",
-                                                    "megatron_core_runs.json"))
-    ap.add_argument("--markdown", help="also write the table as Markdown to this file")
+    ap = table_arguments(__doc__, "megatron_core_runs.json")
     ap.add_argument("--no-advise", action="store_true", help="skip advise")
-    ap.add_argument("--omit-unknown", default="",
-                    help="comma-separated section.key to drop from every config up front")
-    ap.add_argument("--strict", action="store_true",
-                    help="refuse a row whose config has keys the binary does not know")
-    ap.add_argument("--tolerance", type=float,
-                    help="percent; exit 1 when a row is off by more (default: report only)")
     ap.add_argument("--advise-timeout", type=float, default=1800,
                     help="seconds per advise (default 1800: Qwen3 235B on 256 GPUs takes "
                          "about 13 minutes on 2 busy cores)")
-    ap.add_argument("--only", help="run only the rows whose name contains this")
-    ap.add_argument("--write-configs", metavar="DIR",
-                    help="also keep each row's config (as run, unknown keys dropped) in DIR")
     args = ap.parse_args()
     with open(args.table) as f:
         table = json.load(f)
-    preset = [k for k in args.omit_unknown.split(",") if k]
-    for key in preset:
-        if key.split(".", 1)[0] not in SECTIONS or "." not in key:
-            print(f"error: --omit-unknown: '{key}' is not section.key with section one of "
-                  f"{', '.join(SECTIONS)}", file=sys.stderr)
-            return 2
+    preset = omitted_up_front(args)
+    if preset is None:
+        return 2
     rows = []  # (cells before the dropped keys, dropped keys, cells after)
     worst, failed, broken, not_run, over_115 = 0.0, False, False, [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -177,10 +211,7 @@ def main():
                                         "--format", "json"],
                 config, path, omitted, args.strict)
             label = f"{row['name']} ({row['release']})"
-            if args.write_configs:
-                os.makedirs(args.write_configs, exist_ok=True)
-                with open(os.path.join(args.write_configs, f"row_{i}.json"), "w") as f:
-                    json.dump(config, f, indent=1)
+            keep_config(args.write_configs, i, config)
             if est is None:
                 not_run.append(f"{label} on {row['gpu']}: {err.splitlines()[-1] if err else ''}")
                 # A GPU preset this binary lacks (b200 before it is added) is expected; any
@@ -256,16 +287,8 @@ def main():
     if not args.no_advise:
         lines.append(f"advise's #1 predicts more than 1.15x the published throughput in "
                      f"{len(over_115)} row(s){': ' + '; '.join(over_115) if over_115 else ''}.")
-    for line in not_run:
-        lines.append(f"Not run: {line}")
-    for s in table["skipped"]:
-        lines.append(f"Skipped: {s['name']}: {s['why']}.")
-    text = "\n".join(lines)
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + "\n")
-    return 2 if broken else 1 if failed else 0
+    return finish_report(lines, not_run, table["skipped"], args.markdown,
+                         2 if broken else 1 if failed else 0)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,6 @@ Usage: python3 bench/megatron_memory_runs.py [--mpusim build/cli/mpusim] [--mark
            [--omit-unknown KEY,...] [--strict] [--tolerance PERCENT] [--only NAME]
            [--write-configs DIR]
 """
-import argparse
 import json
 import os
 import sys
@@ -59,7 +58,8 @@ import tempfile
 
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree from the import below
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from megatron_core_runs import SECTIONS, run_mpusim  # noqa: E402  (same unknown-key handling)
+from megatron_core_runs import (  # noqa: E402  (the same options and unknown-key handling)
+    finish_report, keep_config, omitted_up_front, run_mpusim, table_arguments)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 2**30
@@ -147,29 +147,12 @@ def layout_cell(a):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mpusim", default=os.path.join(ROOT, "build", "cli", "mpusim"))
-    ap.add_argument("--table", default=os.path.join(ROOT, "bench", "configs",
-                                                    "megatron_memory_runs.json"))
-    ap.add_argument("--markdown", help="also write the table as Markdown to this file")
-    ap.add_argument("--omit-unknown", default="",
-                    help="comma-separated section.key to drop from every config up front")
-    ap.add_argument("--strict", action="store_true",
-                    help="refuse a row whose config has keys the binary does not know")
-    ap.add_argument("--tolerance", type=float,
-                    help="percent; exit 1 when a row is off by more (default: report only)")
-    ap.add_argument("--only", help="run only the rows whose name contains this")
-    ap.add_argument("--write-configs", metavar="DIR",
-                    help="also keep each row's config (as run, unknown keys dropped) in DIR")
-    args = ap.parse_args()
+    args = table_arguments(__doc__, "megatron_memory_runs.json").parse_args()
     with open(args.table) as f:
         table = json.load(f)
-    preset = [k for k in args.omit_unknown.split(",") if k]
-    for key in preset:
-        if key.split(".", 1)[0] not in SECTIONS or "." not in key:
-            print(f"error: --omit-unknown: '{key}' is not section.key with section one of "
-                  f"{', '.join(SECTIONS)}", file=sys.stderr)
-            return 2
+    preset = omitted_up_front(args)
+    if preset is None:
+        return 2
     rows = []  # (cells before the dropped keys, dropped keys, cells after)
     worst, failed, broken, not_run, assumed = 0.0, False, False, [], {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -188,10 +171,7 @@ def main():
                                         "--global-batch-size", str(a["global_batch_size"]),
                                         "--format", "json"],
                 config, path, omitted, args.strict)
-            if args.write_configs:
-                os.makedirs(args.write_configs, exist_ok=True)
-                with open(os.path.join(args.write_configs, f"row_{i}.json"), "w") as f:
-                    json.dump(config, f, indent=1)
+            keep_config(args.write_configs, i, config)
             if est is None:
                 not_run.append(f"{row['name']}: {err.splitlines()[-1] if err else ''}")
                 broken = True
@@ -250,16 +230,8 @@ def main():
     lines.append(f"Worst row: {worst:.1f}% off"
                  + (f" (tolerance {args.tolerance:g}%)" if args.tolerance is not None else
                     " (report only: no tolerance)") + ".")
-    for line in not_run:
-        lines.append(f"Not run: {line}")
-    for s in table["skipped"]:
-        lines.append(f"Skipped: {s['name']}: {s['why']}.")
-    text = "\n".join(lines)
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + "\n")
-    return 2 if broken else 1 if failed else 0
+    return finish_report(lines, not_run, table["skipped"], args.markdown,
+                         2 if broken else 1 if failed else 0)
 
 
 if __name__ == "__main__":
