@@ -68,7 +68,7 @@ constexpr AxisMask MaskOf(std::initializer_list<Axis> axes) {
   return m;
 }
 constexpr bool InMask(AxisMask mask, Axis axis) {
-  return (mask >> static_cast<unsigned>(axis)) & 1u;
+  return (static_cast<unsigned>(mask) >> static_cast<unsigned>(axis)) & 1u;
 }
 
 // Where a rank sits inside the groups of one kind.
