@@ -666,24 +666,35 @@ void Kernels::OptimizerStep(const OptimizerUpdate& update, const Tensor& grad, T
   if (!adam) {
     args.Require(!state2.defined(), "state2 must be undefined for sgd (it has one state)");
   }
-  args.Require(master.dtype() == DType::kFloat32 || master.dtype() == DType::kFloat64,
-               fmt::format("master is {}; the master dtype is float32 or float64",
-                           DTypeName(master.dtype())));
-  args.Require(update.master_float64 == (master.dtype() == DType::kFloat64),
-               "update.master_float64 does not match master's dtype");
+  // The master's values: float32 when master holds the remainder.
+  const DType master_dtype = update.param_remainders ? DType::kFloat32 : master.dtype();
+  if (update.param_remainders) {
+    args.Require(master.dtype() == DType::kBFloat16 && param.dtype() == DType::kBFloat16 &&
+                     !update.master_float64,
+                 fmt::format("param_remainders: master (the remainder) is {} and param {}; "
+                             "both must be bfloat16 (the remainder's bits and the master's "
+                             "high half), the master float32",
+                             DTypeName(master.dtype()), DTypeName(param.dtype())));
+  } else {
+    args.Require(master.dtype() == DType::kFloat32 || master.dtype() == DType::kFloat64,
+                 fmt::format("master is {}; the master dtype is float32 or float64",
+                             DTypeName(master.dtype())));
+    args.Require(update.master_float64 == (master.dtype() == DType::kFloat64),
+                 "update.master_float64 does not match master's dtype");
+  }
   // Each state in the master dtype, or bfloat16 beside a float32 master.
   for (const auto& [name, state] :
        {std::pair<const char*, const Tensor*>{"state1", &state1}, {"state2", &state2}}) {
     if (!adam && state == &state2) continue;
     KernelArgs(backend_, device_, "OptimizerStep").Add(name, *state);
-    args.Require(state->dtype() == master.dtype() ||
-                     (state->dtype() == DType::kBFloat16 && master.dtype() == DType::kFloat32),
+    args.Require(state->dtype() == master_dtype ||
+                     (state->dtype() == DType::kBFloat16 && master_dtype == DType::kFloat32),
                  fmt::format("{} is {}; a state has the master dtype ({}), or bfloat16 beside "
                              "a float32 master",
-                             name, DTypeName(state->dtype()), DTypeName(master.dtype())));
+                             name, DTypeName(state->dtype()), DTypeName(master_dtype)));
   }
   KernelArgs(backend_, device_, "OptimizerStep").Add("grad", grad);
-  args.Require(DTypeSize(grad.dtype()) != 2 || master.dtype() == DType::kFloat32,
+  args.Require(DTypeSize(grad.dtype()) != 2 || master_dtype == DType::kFloat32,
                fmt::format("grad is {}; a 16-bit main_grad steps a float32 master",
                            DTypeName(grad.dtype())));
   KernelArgs(backend_, device_, "OptimizerStep").Add("param", param);

@@ -248,6 +248,10 @@ class Kernels {
   // dtype or, with a float32 master, bfloat16 (the precision-aware optimizer's bf16 moments);
   // state2 is adam's exp_avg_sq and undefined for sgd; param has any float dtype and overlaps
   // none of the others. All have one numel.
+  // With update.param_remainders (store_param_remainders) master is the remainder: a 2-byte
+  // tensor of dtype bfloat16 whose bits are the int16 remainder, never read as numbers
+  // (mpusim has no int16 dtype); param is bfloat16, read (the master's high half) and
+  // written; the states are float32 or bfloat16 (OptimizerUpdate::ApplyWithRemainder).
   void OptimizerStep(const OptimizerUpdate& update, const Tensor& grad, Tensor& master,
                      Tensor& state1, Tensor& state2, Tensor& param);
   // A float16 optimizer state stored scaled (core/optimizer_update.h ScaledFloat16): out

@@ -17,7 +17,12 @@
 //     _apply_scale `unscaled.bfloat16()` otherwise: the same rounding);
 //   a float16 state (moment or master weight) is stored scaled, one float32 scale s per
 //     tensor (ScaledFloat16 below): the step reads q.float() * s into a float32 tensor,
-//     updates that, then rescales it (FusedAdam.get_unscaled_state, _apply_scale).
+//     updates that, then rescales it (FusedAdam.get_unscaled_state, _apply_scale);
+//   with store_param_remainders (bf16 parameters, float32 master: OptimizerPrecision::
+//     param_remainders) the float32 master is not stored: the bf16 parameter holds its high
+//     16 bits, rounded, and a 16-bit remainder its low 16 (ParamRemainder below); the step
+//     rebuilds the float32 master from both, updates it as above and splits it again
+//     (ApplyWithRemainder).
 // What it is not: the gradient clipping (a Scale of the gradient before the step).
 #pragma once
 
@@ -42,6 +47,9 @@ struct OptimizerUpdate {
   bool first_step = true;  // the momentum buffer starts as the first step's direction
   // The master dtype: float64, else float32 (what the master and the states are rounded to).
   bool master_float64 = false;
+  // store_param_remainders (OptimizerPrecision::param_remainders): the float32 master kept as
+  // the bf16 parameter and a 16-bit remainder (ApplyWithRemainder).
+  bool param_remainders = false;
 
   MPUSIM_HD double Round(double v) const {
     return master_float64 ? v : static_cast<double>(static_cast<float>(v));
@@ -89,15 +97,62 @@ struct OptimizerUpdate {
   template <typename G, typename M, typename P>
   MPUSIM_HD void Apply(const G* grad, M* master, Moment<M> state1, Moment<M> state2, P* param,
                        int64_t e) const {
-    double w = master[e], m = state1.Load(e);
-    double v = state2.data != nullptr ? state2.Load(e) : 0.0;
-    (*this)(Widen(grad[e]), w, m, v);
+    double w = master[e];
+    Update(Widen(grad[e]), w, state1, state2, e);
     master[e] = static_cast<M>(w);
-    state1.Store(e, m);
-    if (state2.data != nullptr) state2.Store(e, v);
     param[e] = RoundTo<P>(w);
   }
+  // The same with store_param_remainders (float32 master; ParamRemainder below): the master
+  // read from the bf16 parameter and the remainder, both written back from the updated one.
+  // `remainder` is a 2-byte tensor's storage whose bits are the int16 remainder.
+  template <typename G>
+  MPUSIM_HD void ApplyWithRemainder(const G* grad, BFloat16* remainder, Moment<float> state1,
+                                    Moment<float> state2, BFloat16* param, int64_t e) const;
+
+ private:
+  // The states' loads, the update and the states' stores.
+  template <typename M>
+  MPUSIM_HD void Update(double g, double& w, Moment<M> state1, Moment<M> state2, int64_t e) const {
+    double m = state1.Load(e);
+    double v = state2.data != nullptr ? state2.Load(e) : 0.0;
+    (*this)(g, w, m, v);
+    state1.Store(e, m);
+    if (state2.data != nullptr) state2.Store(e, v);
+  }
 };
+
+// Transformer Engine's store_param_remainders (transformer_engine/common/multi_tensor/adam.cu
+// AdamFunctorMasterParamRemainder; fused_adam.py keeps it for bf16 parameters with a float32
+// master): a float32 master of bits (h << 16) | r is stored as the bf16 parameter's bits p
+// and the int16 remainder r, where p is h rounded to nearest in magnitude, ties away from
+// zero: p = h + 1 when r < 0 as an int16 (bit 15 of the low half set: at least half a bf16
+// ulp), else h. Join undoes that (h = p - 1 when r < 0) and gives the master exactly;
+// Split is its inverse. The parameter thus differs from round-to-nearest-even only at ties
+// (r = 0x8000 with h even: RNE keeps h). A remainder of 0 joins to the parameter widened,
+// the initial master (fused_adam.py _initialize_state: torch.zeros_like(param, int16)).
+// Bits are integers here (an int16's bits in uint16_t), so h - 1 and h + 1 wrap as TE's
+// int16 arithmetic does.
+struct ParamRemainder {
+  MPUSIM_HD static bool RoundedUp(uint16_t remainder) { return (remainder & 0x8000u) != 0; }
+  MPUSIM_HD static float Join(BFloat16 param, BFloat16 remainder) {
+    const uint16_t high = static_cast<uint16_t>(param.bits - (RoundedUp(remainder.bits) ? 1u : 0u));
+    return BitsFloat((static_cast<uint32_t>(high) << 16) | remainder.bits);
+  }
+  MPUSIM_HD static void Split(float master, BFloat16& param, BFloat16& remainder) {
+    const uint32_t bits = FloatBits(master);
+    remainder.bits = static_cast<uint16_t>(bits & 0xffffu);
+    param.bits = static_cast<uint16_t>((bits >> 16) + (RoundedUp(remainder.bits) ? 1u : 0u));
+  }
+};
+
+template <typename G>
+MPUSIM_HD void OptimizerUpdate::ApplyWithRemainder(const G* grad, BFloat16* remainder,
+                                                   Moment<float> state1, Moment<float> state2,
+                                                   BFloat16* param, int64_t e) const {
+  double w = ParamRemainder::Join(param[e], remainder[e]);
+  Update(Widen(grad[e]), w, state1, state2, e);
+  ParamRemainder::Split(static_cast<float>(w), param[e], remainder[e]);
+}
 
 // A float16 optimizer state as Transformer Engine's FusedAdam stores it (fused_adam.py, for
 // exp_avg, exp_avg_sq and master_param of dtype torch.float16): q = fp16(x * (1 / s)) with

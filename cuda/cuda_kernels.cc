@@ -586,6 +586,17 @@ void CudaKernels::DoCrossEntropyBackward(const Tensor& logits, const Tensor& row
 
 void CudaKernels::DoOptimizerStep(const OptimizerUpdate& update, const Tensor& grad,
                                   Tensor& master, Tensor& state1, Tensor& state2, Tensor& param) {
+  if (update.param_remainders) {
+    using Moment = OptimizerUpdate::Moment<float>;
+    const Moment m{state1.data(), state1.dtype() == DType::kBFloat16};
+    const Moment v{state2.defined() ? state2.data() : nullptr,
+                   state2.defined() && state2.dtype() == DType::kBFloat16};
+    DispatchStorage(grad.dtype(), [&]<typename G>() {
+      LaunchOptimizerStepWithRemainder<G>(update, grad.data_as<G>(), master.data_as<BFloat16>(), m,
+                                          v, param.data_as<BFloat16>(), master.numel(), stream_);
+    });
+    return;
+  }
   DispatchStorage(grad.dtype(), [&]<typename G>() {
     Dispatch(master.dtype(), [&]<typename M>() {
       if constexpr (sizeof(G) == 2 && sizeof(M) == 8) {

@@ -260,6 +260,14 @@ void LaunchOptimizerStep(const OptimizerUpdate& update, const G* grad, M* master
                          OptimizerUpdate::Moment<M> state1, OptimizerUpdate::Moment<M> state2,
                          P* param, int64_t n, cudaStream_t stream);
 
+// The same with store_param_remainders (OptimizerUpdate::ApplyWithRemainder): remainder is
+// the int16 remainder's bits, param the bf16 parameter, read and written; G any storage type.
+template <typename G>
+void LaunchOptimizerStepWithRemainder(const OptimizerUpdate& update, const G* grad,
+                                      BFloat16* remainder, OptimizerUpdate::Moment<float> state1,
+                                      OptimizerUpdate::Moment<float> state2, BFloat16* param,
+                                      int64_t n, cudaStream_t stream);
+
 // A float16 state's scaling (core/optimizer_update.h ScaledFloat16): out[e] =
 // Unscale(q[e], scale[0]); and scale[0] = ScaleOf(max |x|) (one block, a fixed order) then
 // q[e] = Quantize(x[e], ReciprocalOf(scale[0])). scale lives on the device.

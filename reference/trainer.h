@@ -104,7 +104,7 @@ class ReferenceTrainer {
   OptimizerConfig config_;
   int64_t train_iters_;
   OptimizerPrecision precision_{DType::kFloat64, DType::kFloat64, DType::kFloat64, DType::kFloat64,
-                                false};
+                                false, false};
   std::map<std::string, Tensor> parameters_;
   std::map<std::string, std::vector<double>> m_, v_;
   // Error propagation: of m (or the SGD buffer), of v, and the bound on each element.

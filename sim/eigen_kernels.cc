@@ -504,6 +504,19 @@ void EigenKernels::DoOptimizerStep(const OptimizerUpdate& update, const Tensor& 
                                    Tensor& master, Tensor& state1, Tensor& state2,
                                    Tensor& param) {
   const int64_t n = master.numel();
+  if (update.param_remainders) {
+    using Moment = OptimizerUpdate::Moment<float>;
+    const Moment m{state1.data(), state1.dtype() == DType::kBFloat16};
+    const Moment v{state2.defined() ? state2.data() : nullptr,
+                   state2.defined() && state2.dtype() == DType::kBFloat16};
+    DispatchStorage(grad.dtype(), [&]<typename G>() {
+      for (int64_t e = 0; e < n; ++e) {
+        update.ApplyWithRemainder(grad.data_as<G>(), master.data_as<BFloat16>(), m, v,
+                                  param.data_as<BFloat16>(), e);
+      }
+    });
+    return;
+  }
   DispatchStorage(grad.dtype(), [&]<typename G>() {
     Dispatch(master.dtype(), [&]<typename M>() {
       DispatchStorage(param.dtype(), [&]<typename P>() {

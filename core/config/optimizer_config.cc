@@ -172,6 +172,11 @@ constexpr OptimizerField kFields[] = {
      .target = kDTypeCodec<&OptimizerConfig::exp_avg_sq_dtype, kBf16 | kFp16>,
      .help = "fp32, bf16 or fp16: Adam's second moment (precision-aware optimizer)",
      .effect = FieldEffect::kPrecision},
+    {.key = "store_param_remainders",
+     .target = &OptimizerConfig::store_param_remainders,
+     .help = "an fp32 master kept as the bf16 parameter + a 16-bit remainder (precision-aware "
+             "optimizer, bf16 runs)",
+     .effect = FieldEffect::kPrecision},
 };
 
 }  // namespace
@@ -249,7 +254,7 @@ OptimizerPrecision PrecisionOf(const OptimizerConfig* optimizer, DType storage) 
   const OptimizerConfig defaults;
   const OptimizerConfig& c = optimizer != nullptr ? *optimizer : defaults;
   if (storage == DType::kFloat64) {
-    return {DType::kFloat64, DType::kFloat64, DType::kFloat64, DType::kFloat64, false};
+    return {DType::kFloat64, DType::kFloat64, DType::kFloat64, DType::kFloat64, false, false};
   }
   // megatron/training/arguments.py: for bf16, accumulate_allreduce_grads_in_fp32 is forced
   // on unless grad_reduce_in_bf16 or main_grads_dtype bf16; for fp16 it stays as given.
@@ -265,7 +270,21 @@ OptimizerPrecision PrecisionOf(const OptimizerConfig* optimizer, DType storage) 
   out.exp_avg = c.exp_avg_dtype;
   out.exp_avg_sq = c.exp_avg_sq_dtype;
   out.grads_copied_for_step = out.main_grad != DType::kFloat32 && !c.use_precision_aware_optimizer;
+  // Megatron passes store_param_remainders to FusedAdam, which keeps it only with float32
+  // master weights (`store_param_remainders and master_weights and master_weight_dtype ==
+  // torch.float32`) and applies it to bf16 parameters (`p.dtype == torch.bfloat16`).
+  out.param_remainders = c.use_precision_aware_optimizer && c.store_param_remainders &&
+                         storage == DType::kBFloat16 && out.master == DType::kFloat32;
   return out;
+}
+
+int64_t MasterBytes(const OptimizerPrecision& precision) {
+  return precision.param_remainders ? 2 : static_cast<int64_t>(DTypeSize(precision.master));
+}
+
+std::string MasterStorageName(const OptimizerPrecision& precision) {
+  return precision.param_remainders ? "bfloat16 parameter + int16 remainder"
+                                    : std::string(DTypeName(precision.master));
 }
 
 Status CheckOptimizerPrecision(const OptimizerConfig& c, DType storage) {

@@ -51,9 +51,16 @@
 //     "main_grads_dtype": "fp32",  "fp32" or "bf16" (a bf16 run's main_grad)
 //     "main_params_dtype": "fp32", "fp32" or "fp16": the master weights
 //     "exp_avg_dtype": "fp32",     "fp32", "bf16" or "fp16": Adam's first moment as stored
-//     "exp_avg_sq_dtype": "fp32"   the same for the second moment
+//     "exp_avg_sq_dtype": "fp32",  the same for the second moment
 //                                (Megatron refuses these four off "fp32" without the
 //                                precision-aware optimizer)
+//     "store_param_remainders": true
+//                                Megatron's OptimizerConfig field, passed to Transformer
+//                                Engine's FusedAdam: with the precision-aware optimizer, a
+//                                bf16 run and an fp32 master, keep of each float32 master
+//                                weight only its low 16 bits (the bf16 parameter holds the
+//                                high 16, rounded: core/optimizer_update.h ParamRemainder).
+//                                Ignored, as Megatron ignores it, everywhere else
 //   }
 //
 // Learning rate of iteration k (0-based: the k-th optimizer step), as Megatron's scheduler
@@ -72,6 +79,7 @@
 #include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -110,6 +118,7 @@ struct OptimizerConfig {
   DType main_params_dtype = DType::kFloat32;
   DType exp_avg_dtype = DType::kFloat32;
   DType exp_avg_sq_dtype = DType::kFloat32;
+  bool store_param_remainders = true;
   // The parameters per gradient bucket Megatron uses on a dp x cp group of `dp_cp_size`:
   // bucket_size, else max(40000000, 1000000 x dp_cp_size).
   int64_t BucketSize(int64_t dp_cp_size) const {
@@ -132,7 +141,18 @@ struct OptimizerPrecision {
   // (Megatron's _copy_model_grads_to_main_grads: main_param.grad = main_grad.float()); the
   // precision-aware optimizer reads main_grad itself.
   bool grads_copied_for_step = false;
+  // Transformer Engine's FusedAdam store_param_remainders (precision-aware optimizer, bf16
+  // parameters, float32 master, the key true): the float32 master (its values are still
+  // `master`'s) is kept as the bf16 parameter and a 16-bit remainder, 2 bytes per owned
+  // element instead of 4 (core/optimizer_update.h ParamRemainder).
+  bool param_remainders = false;
 };
+// Bytes per owned element of the master weights as stored: 2 (the remainder) with
+// param_remainders, else the master dtype's.
+int64_t MasterBytes(const OptimizerPrecision& precision);
+// The master weights as stored, for reports: the master dtype's name, or with
+// param_remainders "bfloat16 parameter + int16 remainder".
+std::string MasterStorageName(const OptimizerPrecision& precision);
 OptimizerPrecision PrecisionOf(const OptimizerConfig* optimizer, DType storage);
 // Megatron's refusals of these switches for a run storing in `storage` (ParseConfig calls it
 // once every section is read); errors name "optimizer.<key>".

@@ -99,7 +99,12 @@ Optimizer::Optimizer(const OptimizerConfig& config, const std::vector<Parameter*
     const int64_t owned = s.end - s.begin;
     if (owned == 0) continue;
     const Tensor values = Flat(s.param->value).FlatSlice(s.begin, owned);
-    if (precision_.master == DType::kFloat16) {
+    if (precision_.param_remainders) {
+      // No float32 master: the parameter is its high half, and the remainder starts at zero
+      // (fused_adam.py _initialize_state: torch.zeros_like(param, dtype=torch.int16)), so
+      // the master starts as the parameter widened, as without remainders.
+      s.master = {k.Zeros({owned}, kRemainderDType), Tensor()};
+    } else if (precision_.master == DType::kFloat16) {
       Tensor widened = k.Zeros({owned}, DType::kFloat32);
       k.Axpy(1.0, values, widened);
       s.master = {k.Empty({owned}, DType::kFloat16), k.Zeros({1}, DType::kFloat32)};
@@ -249,6 +254,7 @@ void Optimizer::Step(Kernels& k, double grad_norm, double lr, CommTrace& trace) 
   update.momentum = config_.sgd_momentum;
   update.first_step = steps_ == 1;
   update.master_float64 = master_dtype_ == DType::kFloat64;
+  update.param_remainders = precision_.param_remainders;
   // The distributed optimizer's updated shards, in the parameters' storage dtype.
   std::vector<Tensor> param_shards;
   if (distributed() && !states_.empty()) {
@@ -277,6 +283,10 @@ void Optimizer::Step(Kernels& k, double grad_norm, double lr, CommTrace& trace) 
       if (clip != 1.0) k.Scale(clip, g);
       Tensor out = param_shards[s.buffer].FlatSlice(s.offset + s.begin - buffers_[s.buffer].begin,
                                                     s.end - s.begin);
+      // With remainders the step reads the parameter too: the master's high half.
+      if (precision_.param_remainders) {
+        k.Copy(Flat(p.value).FlatSlice(s.begin, s.end - s.begin), out);
+      }
       k.OptimizerStep(update, g, master, m, v, out);
     } else {
       Tensor g = StepGradient(s);

@@ -68,11 +68,14 @@
 // per tensor (core/optimizer_update.h). A step unscales every float16 tensor into float32,
 // updates, and scales back (FusedAdam.step), the float32 tensors freed before the
 // all-gather. RecordState gives bf16 states as they are, float16 ones unscaled in float32.
-// What it is not: the loss scaler of float16 training, FusedAdam's store_param_remainders
-// (Megatron's default for bf16: the float32 master kept as the bf16 parameter and a 16-bit
-// remainder; here a float32 master of the same values, the parameter rounded to nearest
-// even where TE rounds ties away from zero), fp8 states, or Megatron's bucketed, aligned
-// buffer layout.
+// With FusedAdam's store_param_remainders (Megatron's default; OptimizerPrecision::
+// param_remainders: bf16 parameters, float32 master) the master of the owned elements is a
+// 2-byte remainder (kRemainderDType), zero at the start: the step copies the owned
+// parameter elements into the shard it all-gathers, and the update rebuilds the float32
+// master from them and the remainder and writes both back, the parameter rounded with ties
+// away from zero (core/optimizer_update.h ParamRemainder). The master is never recorded.
+// What it is not: the loss scaler of float16 training, fp8 states, or Megatron's bucketed,
+// aligned buffer layout.
 #pragma once
 
 #include <cstdint>
@@ -154,8 +157,12 @@ class Optimizer {
   // one (the precision-aware optimizer's) scaled, with its float32 scale (core/
   // optimizer_update.h ScaledFloat16; Transformer Engine's FusedAdam `_scales`, one per
   // tensor).
+  // The remainder of store_param_remainders: a 2-byte tensor whose bits are Transformer
+  // Engine's int16 remainder (mpusim has no int16 dtype; Kernels::OptimizerStep never reads
+  // it as numbers).
+  static constexpr DType kRemainderDType = DType::kBFloat16;
   struct Stored {
-    Tensor value;  // [end - begin]
+    Tensor value;  // [end - begin]; the master's: the remainder with param_remainders
     Tensor scale;  // [1] float32; undefined unless value is float16
   };
   struct State {

@@ -26,6 +26,17 @@ __global__ void OptimizerStepKernel(OptimizerUpdate update, const G* grad, M* ma
   }
 }
 
+template <typename G>
+__global__ void OptimizerStepWithRemainderKernel(OptimizerUpdate update, const G* grad,
+                                                 BFloat16* remainder,
+                                                 OptimizerUpdate::Moment<float> state1,
+                                                 OptimizerUpdate::Moment<float> state2,
+                                                 BFloat16* param, int64_t n) {
+  for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
+    update.ApplyWithRemainder(grad, remainder, state1, state2, param, e);
+  }
+}
+
 __global__ void UnscaleStateKernel(const Float16* q, const float* scale, float* out, int64_t n) {
   const float s = scale[0];
   for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
@@ -73,6 +84,17 @@ void LaunchOptimizerStep(const OptimizerUpdate& update, const G* grad, M* master
   MPUSIM_CUDA_CHECK(cudaGetLastError());
 }
 
+template <typename G>
+void LaunchOptimizerStepWithRemainder(const OptimizerUpdate& update, const G* grad,
+                                      BFloat16* remainder, OptimizerUpdate::Moment<float> state1,
+                                      OptimizerUpdate::Moment<float> state2, BFloat16* param,
+                                      int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  OptimizerStepWithRemainderKernel<G>
+      <<<GridFor(n), kBlock, 0, stream>>>(update, grad, remainder, state1, state2, param, n);
+  MPUSIM_CUDA_CHECK(cudaGetLastError());
+}
+
 void LaunchUnscaleState(const Float16* q, const float* scale, float* out, int64_t n,
                         cudaStream_t stream) {
   if (n <= 0) return;
@@ -113,6 +135,17 @@ MPUSIM_INSTANTIATE_OPTIMIZER_PARAMS(double, double)
 // The precision-aware optimizer reads a 16-bit main_grad as it is (float32 master).
 MPUSIM_INSTANTIATE_OPTIMIZER_PARAMS(BFloat16, float)
 MPUSIM_INSTANTIATE_OPTIMIZER_PARAMS(Float16, float)
+// store_param_remainders: a bf16 run's main_grad (float32 or bfloat16; every storage type
+// for the dispatch).
+#define MPUSIM_INSTANTIATE_REMAINDER(G)                                            \
+  template void LaunchOptimizerStepWithRemainder<G>(                               \
+      const OptimizerUpdate&, const G*, BFloat16*, OptimizerUpdate::Moment<float>, \
+      OptimizerUpdate::Moment<float>, BFloat16*, int64_t, cudaStream_t);
+MPUSIM_INSTANTIATE_REMAINDER(float)
+MPUSIM_INSTANTIATE_REMAINDER(double)
+MPUSIM_INSTANTIATE_REMAINDER(BFloat16)
+MPUSIM_INSTANTIATE_REMAINDER(Float16)
+#undef MPUSIM_INSTANTIATE_REMAINDER
 template void LaunchSumOfSquares<float>(const float*, int64_t, double*, cudaStream_t);
 template void LaunchSumOfSquares<double>(const double*, int64_t, double*, cudaStream_t);
 template void LaunchSumOfSquares<BFloat16>(const BFloat16*, int64_t, double*, cudaStream_t);

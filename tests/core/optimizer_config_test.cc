@@ -105,6 +105,42 @@ TEST(OptimizerPrecision, MainGradFollowsMegatronsRules) {
   EXPECT_EQ(p.exp_avg, DType::kBFloat16);
   EXPECT_EQ(p.exp_avg_sq, DType::kFloat16);
   EXPECT_FALSE(p.grads_copied_for_step);
+  EXPECT_FALSE(p.param_remainders);  // an fp16 master: FusedAdam keeps no remainders
+}
+
+// store_param_remainders (default true) holds only where Transformer Engine's FusedAdam keeps
+// it: the precision-aware optimizer, bf16 parameters, a float32 master. Elsewhere it is
+// accepted and ignored, as Megatron ignores it.
+TEST(OptimizerPrecision, ParamRemaindersOnlyWhereFusedAdamKeepsThem) {
+  const auto remainders = [](DType storage, const json& keys) {
+    json section = keys;
+    section["lr"] = 0.01;
+    OptimizerConfig c;
+    const Status s = ParseOptimizerSection(section, &c);
+    EXPECT_TRUE(s.ok()) << s.Message();
+    EXPECT_TRUE(CheckOptimizerPrecision(c, storage).ok());
+    const OptimizerPrecision p = PrecisionOf(&c, storage);
+    EXPECT_EQ(p.master, storage == DType::kFloat64 ? DType::kFloat64 : c.main_params_dtype);
+    EXPECT_EQ(MasterBytes(p), p.param_remainders ? 2 : int64_t(DTypeSize(p.master)));
+    return p.param_remainders;
+  };
+  const json aware = {{"use_distributed_optimizer", true}, {"use_precision_aware_optimizer", true}};
+  EXPECT_TRUE(remainders(DType::kBFloat16, aware));
+  json off = aware;
+  off["store_param_remainders"] = false;
+  EXPECT_FALSE(remainders(DType::kBFloat16, off));
+  json fp16_master = aware;
+  fp16_master["main_params_dtype"] = "fp16";
+  EXPECT_FALSE(remainders(DType::kBFloat16, fp16_master));
+  EXPECT_FALSE(remainders(DType::kFloat16, aware));
+  EXPECT_FALSE(remainders(DType::kFloat32, aware));
+  EXPECT_FALSE(remainders(DType::kBFloat16, json::object()));
+  EXPECT_FALSE(remainders(DType::kBFloat16, {{"store_param_remainders", true}}));
+  EXPECT_FALSE(remainders(DType::kFloat64, {{"store_param_remainders", true}}));
+  EXPECT_EQ(MasterStorageName(PrecisionOf(nullptr, DType::kBFloat16)), "float32");
+  OptimizerPrecision p = PrecisionOf(nullptr, DType::kBFloat16);
+  p.param_remainders = true;
+  EXPECT_EQ(MasterStorageName(p), "bfloat16 parameter + int16 remainder");
 }
 
 TEST(OptimizerPrecision, RefusalsAreMegatrons) {

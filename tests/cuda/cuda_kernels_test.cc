@@ -1664,6 +1664,44 @@ TEST(CudaOptimizerTest, StepIsBitIdenticalToTheCpu) {
   }
 }
 
+// store_param_remainders (OptimizerUpdate::ApplyWithRemainder): three adam steps from a
+// bf16 parameter and zero remainders, float32 and bfloat16 gradients and moments: the GPU's
+// parameter and remainder bits must be the CPU's.
+TEST(CudaOptimizerTest, ParamRemaindersAreBitIdenticalToTheCpu) {
+  if (!DeviceVisible()) GTEST_SKIP() << "no CUDA device is visible";
+  CudaKernels gpu;
+  EigenKernels cpu;
+  const int64_t n = 5000;
+  for (const DType grad_dtype : {DType::kFloat32, DType::kBFloat16}) {
+    for (const DType moment_dtype : {DType::kFloat32, DType::kBFloat16}) {
+      SCOPED_TRACE(
+          fmt::format("grad {} moments {}", DTypeName(grad_dtype), DTypeName(moment_dtype)));
+      Tensor cpu_param = MakeOf(DType::kBFloat16, {n}, Reals(401, n));
+      Tensor cpu_rem = cpu.Zeros({n}, DType::kBFloat16);
+      Tensor cpu_m = cpu.Zeros({n}, moment_dtype), cpu_v = cpu.Zeros({n}, moment_dtype);
+      Tensor gpu_param = gpu.ToDevice(cpu_param), gpu_rem = gpu.Zeros({n}, DType::kBFloat16);
+      Tensor gpu_m = gpu.Zeros({n}, moment_dtype), gpu_v = gpu.Zeros({n}, moment_dtype);
+      for (int step = 1; step <= 3; ++step) {
+        OptimizerUpdate u;
+        u.lr = 0.01;
+        u.weight_decay = 0.1;
+        u.bias_correction1 = 1 - std::pow(u.beta1, step);
+        u.bias_correction2 = 1 - std::pow(u.beta2, step);
+        u.param_remainders = true;
+        std::vector<double> g = Reals(410 + static_cast<uint64_t>(step), n);
+        for (double& x : g) x *= 0.1;
+        const Tensor grad = MakeOf(grad_dtype, {n}, g);
+        cpu.OptimizerStep(u, grad, cpu_rem, cpu_m, cpu_v, cpu_param);
+        gpu.OptimizerStep(u, gpu.ToDevice(grad), gpu_rem, gpu_m, gpu_v, gpu_param);
+      }
+      EXPECT_TRUE(SameBits("remainder", gpu.ToHost(gpu_rem), cpu_rem));
+      EXPECT_TRUE(SameBits("param", gpu.ToHost(gpu_param), cpu_param));
+      EXPECT_TRUE(SameBits("exp_avg", gpu.ToHost(gpu_m), cpu_m));
+      EXPECT_TRUE(SameBits("exp_avg_sq", gpu.ToHost(gpu_v), cpu_v));
+    }
+  }
+}
+
 // The gradient norm's sum of squares: exact on integer data (every partial sum is), the
 // CPU's to a few float64 ulps on real data (another summation order), and the same bits on
 // every call (one block, a fixed order).

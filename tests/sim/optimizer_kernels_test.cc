@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/half.h"
+#include "core/optimizer_update.h"
 #include "core/philox.h"
 #include "sim/eigen_kernels.h"
 #include "tests/kernel_test_util.h"
@@ -247,6 +248,105 @@ TEST(OptimizerKernels, PrecisionAwareStatesFollowTransformerEngine) {
   k.ScaleState(zeros, scale, q);
   EXPECT_EQ(ValuesOf(scale)[0], 0.0);
   EXPECT_EQ(ValuesOf(q), std::vector<double>(4, 0.0));
+}
+
+// Transformer Engine's store_param_remainders (common/multi_tensor/adam.cu
+// AdamFunctorMasterParamRemainder), by hand. A float32 master of bits (h << 16) | r: the
+// parameter is h, plus 1 when r as an int16 is negative (the low half at least 0x8000), the
+// remainder r; reading back subtracts that 1 again.
+TEST(OptimizerKernels, ParamRemainderSplitsAsTransformerEngine) {
+  struct Case {
+    uint32_t master;
+    uint16_t param, remainder;
+  };
+  const Case cases[] = {
+      // 1 + 2^-8, a tie between bf16 1 (0x3f80, even) and 1 + 2^-7: TE rounds away from
+      // zero to 0x3f81, round-to-nearest-even keeps 0x3f80.
+      {0x3f808000u, 0x3f81, 0x8000},
+      // -(1 + 2^-8), the same tie negative: to -(1 + 2^-7), away from zero.
+      {0xbf808000u, 0xbf81, 0x8000},
+      // -(1 + 2^-8 + 2^-9): above the half (r = 0xc000 < 0), to 0xbf81 as RNE does.
+      {0xbf80c000u, 0xbf81, 0xc000},
+      // Below the half (r = 0x3000 >= 0): the high half as is.
+      {0xbf803000u, 0xbf80, 0x3000},
+      // A bf16 value (r = 0): the initial master, the parameter widened.
+      {0x3f000000u, 0x3f00, 0x0000},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message() << std::hex << "master 0x" << c.master);
+    BFloat16 param, remainder;
+    ParamRemainder::Split(BitsFloat(c.master), param, remainder);
+    EXPECT_EQ(param.bits, c.param);
+    EXPECT_EQ(remainder.bits, c.remainder);
+    // "if rem < 0: p--": 0x3f81 with 0x8000 reads 1 + 2^-8, not 1 + 2^-7 + 2^-8.
+    EXPECT_EQ(FloatBits(ParamRemainder::Join(BFloat16{c.param}, BFloat16{c.remainder})), c.master);
+  }
+  // Ties aside, the parameter is the master rounded to nearest even (ToBFloat16); the split
+  // loses nothing.
+  int ties = 0;
+  for (uint64_t e = 0; e < 4096; ++e) {
+    const float x = static_cast<float>(4 * (2 * UniformAt(31, 3, e) - 1));
+    const uint32_t bits =
+        (FloatBits(x) & 0xffff0000u) | (e % 7 == 0 ? 0x8000u : FloatBits(x) & 0xffffu);
+    BFloat16 param, remainder;
+    ParamRemainder::Split(BitsFloat(bits), param, remainder);
+    EXPECT_EQ(FloatBits(ParamRemainder::Join(param, remainder)), bits);
+    const uint16_t rne = ToBFloat16(BitsFloat(bits)).bits;
+    const bool away_from_even = (bits & 0xffffu) == 0x8000u && ((bits >> 16) & 1u) == 0;
+    ties += away_from_even;
+    EXPECT_EQ(param.bits, away_from_even ? rne + 1 : rne) << std::hex << bits;
+  }
+  EXPECT_GT(ties, 0);
+}
+
+// The kernel with param_remainders: its master, read from the parameter and the remainder,
+// is bit for bit the float32 master of the same steps without remainders; its parameter
+// differs from that run's (rounded to nearest even) only at ties. Step 1, lr 2^-8, eps 1e-8,
+// no weight decay, |g| = 0.5: the update is lr * g / (|g| + eps), so w - sign(g) 2^-8
+// (within 1e-10, under half a float32 ulp): 1 + 2^-7 -> 1 + 2^-8 and -(1 + 2^-7) -> -(1 +
+// 2^-8), both ties (parameter 1 + 2^-7, remainder 0x8000, where RNE gives 1); 0.5 -> 0.5 -
+// 2^-8, a bf16 value (remainder 0). Step 2 rebuilds 1 + 2^-8 from 0x3f81 and 0x8000.
+TEST(OptimizerKernels, ParamRemaindersKeepTheFloat32Master) {
+  EigenKernels k;
+  const std::vector<double> start = {1 + 0x1p-7, -(1 + 0x1p-7), 0.5};
+  const std::vector<double> g = {0.5, -0.5, 0.5};
+  Tensor remainder = k.Zeros({3}, DType::kBFloat16);  // Optimizer::kRemainderDType
+  Tensor param = MakeOf(DType::kBFloat16, {3}, start);
+  Tensor master = MakeOf(DType::kFloat32, {3}, start), plain_param = k.Zeros({3}, DType::kBFloat16);
+  Tensor m = k.Zeros({3}, DType::kBFloat16), v = k.Zeros({3}, DType::kFloat32);
+  Tensor plain_m = k.Zeros({3}, DType::kBFloat16), plain_v = k.Zeros({3}, DType::kFloat32);
+  for (int step = 1; step <= 3; ++step) {
+    SCOPED_TRACE(::testing::Message() << "step " << step);
+    const Tensor grad = MakeOf(DType::kBFloat16, {3}, g);
+    OptimizerUpdate u = Update(true, false, step, 0x1p-8, 0.0);
+    k.OptimizerStep(u, grad, master, plain_m, plain_v, plain_param);
+    u.param_remainders = true;
+    k.OptimizerStep(u, grad, remainder, m, v, param);
+    const BFloat16* p = param.data_as<BFloat16>();
+    const BFloat16* r = remainder.data_as<BFloat16>();
+    for (int64_t e = 0; e < 3; ++e) {
+      EXPECT_EQ(FloatBits(ParamRemainder::Join(p[e], r[e])), FloatBits(master.data_as<float>()[e]))
+          << "element " << e;
+    }
+    EXPECT_EQ(ValuesOf(m), ValuesOf(plain_m));
+    EXPECT_EQ(ValuesOf(v), ValuesOf(plain_v));
+    if (step == 1) {
+      EXPECT_EQ(ValuesOf(master), (std::vector<double>{1 + 0x1p-8, -(1 + 0x1p-8), 0.5 - 0x1p-8}));
+      EXPECT_EQ(ValuesOf(param), (std::vector<double>{1 + 0x1p-7, -(1 + 0x1p-7), 0.5 - 0x1p-8}));
+      EXPECT_EQ(ValuesOf(plain_param), (std::vector<double>{1, -1, 0.5 - 0x1p-8}));
+      EXPECT_EQ(r[0].bits, 0x8000);
+      EXPECT_EQ(r[1].bits, 0x8000);
+      EXPECT_EQ(r[2].bits, 0x0000);
+    }
+  }
+  // Refused: a remainder that is not 2 bytes of bfloat16, a parameter that is not bfloat16.
+  OptimizerUpdate u = Update(true, false, 1, 0.01, 0.0);
+  u.param_remainders = true;
+  const Tensor grad = k.Zeros({3}, DType::kFloat32);
+  Tensor fp32_param = k.Zeros({3}, DType::kFloat32);
+  EXPECT_THROW(k.OptimizerStep(u, grad, master, m, v, param), std::invalid_argument);
+  EXPECT_THROW(k.OptimizerStep(u, grad, remainder, m, v, fp32_param), std::invalid_argument);
+  EXPECT_NO_THROW(k.OptimizerStep(u, grad, remainder, m, v, param));
 }
 
 }  // namespace
