@@ -19,7 +19,7 @@ nlohmann::ordered_json EstimateJson(const EstimateReport& r, const Topology& top
   doc["dtype"] = std::string(DTypeName(config.run->dtype));
   const OptimizerPrecision precision = PrecisionOf(config);
   doc["main_grad_dtype"] = std::string(DTypeName(precision.main_grad));
-  doc["optimizer_dtypes"] = {{"master", std::string(DTypeName(precision.master))},
+  doc["optimizer_dtypes"] = {{"master", MasterStorageName(precision)},
                              {"exp_avg", std::string(DTypeName(precision.exp_avg))},
                              {"exp_avg_sq", std::string(DTypeName(precision.exp_avg_sq))}};
   const bool distributed = config.optimizer && config.optimizer->use_distributed_optimizer;

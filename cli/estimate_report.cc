@@ -91,13 +91,14 @@ std::string OptimizerText(const Config& config, const Topology& topology) {
   }
   const bool adam = config.optimizer->kind == OptimizerConfig::Kind::kAdam;
   const int64_t instances = topology.sizes().num_distributed_optimizer_instances;
-  const bool one_dtype =
-      precision.exp_avg == precision.master && (!adam || precision.exp_avg_sq == precision.master);
-  const std::string states =
-      one_dtype ? std::string(DTypeName(precision.master))
-      : adam    ? fmt::format("{}, {}, {}", DTypeName(precision.master),
-                              DTypeName(precision.exp_avg), DTypeName(precision.exp_avg_sq))
-                : fmt::format("{}, {}", DTypeName(precision.master), DTypeName(precision.exp_avg));
+  const bool one_dtype = !precision.param_remainders && precision.exp_avg == precision.master &&
+                         (!adam || precision.exp_avg_sq == precision.master);
+  const std::string master = MasterStorageName(precision);
+  const std::string states = one_dtype ? master
+                             : adam
+                                 ? fmt::format("{}, {}, {}", master, DTypeName(precision.exp_avg),
+                                               DTypeName(precision.exp_avg_sq))
+                                 : fmt::format("{}, {}", master, DTypeName(precision.exp_avg));
   return fmt::format(
       "main_grad in {}{}, {} ({}) in {}, {}", DTypeName(precision.main_grad),
       precision.grads_copied_for_step ? " (copied to float32 for the step)" : "",

@@ -276,11 +276,10 @@ std::string PrecisionText(const Config& config) {
       DTypeName(storage), DTypeName(p.main_grad), why);
   if (p.grads_copied_for_step && config.optimizer) text += ", copied to float32 for the step";
   if (config.optimizer) {
-    text += fmt::format("; master weights in {}, optimizer state in {}", DTypeName(p.master),
-                        p.exp_avg == p.exp_avg_sq
-                            ? std::string(DTypeName(p.exp_avg))
-                            : fmt::format("{} and {}", DTypeName(p.exp_avg),
-                                          DTypeName(p.exp_avg_sq)));
+    text += fmt::format("; master weights in {}, optimizer state in {}", MasterStorageName(p),
+                        p.exp_avg == p.exp_avg_sq ? std::string(DTypeName(p.exp_avg))
+                                                  : fmt::format("{} and {}", DTypeName(p.exp_avg),
+                                                                DTypeName(p.exp_avg_sq)));
   }
   const MoeConfig moe = FactsOf(config).moe;
   if (moe.enabled()) {

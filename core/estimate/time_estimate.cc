@@ -497,18 +497,20 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   out.dp_comm_s = reduce_shown + gather_shown;
   out.dp_comm_hidden_s = std::max(0.0, reduce_s + gather_s - out.dp_comm_s);
   // Per owned element: read main_grad, master and states, write master, states and the
-  // parameter (and a 16-bit main_grad's float32 copy written and read); per held element:
-  // zero main_grad.
+  // parameter (and a 16-bit main_grad's float32 copy written and read; with
+  // store_param_remainders the parameter read too, the master's high half); per held
+  // element: zero main_grad.
   const OptimizerPrecision precision = PrecisionOf(config);
   const double grad_bytes = static_cast<double>(DTypeSize(precision.main_grad));
   if (config.optimizer) {
     const double state_bytes =
         static_cast<double>(OptimizerStateBytes(*config.optimizer, precision));
     const double copy = precision.grads_copied_for_step ? 8.0 : 0.0;
-    out.optimizer_s = (static_cast<double>(mem.optimizer_elements) *
-                           (grad_bytes + copy + 2 * state_bytes + x.e) +
-                       elements * grad_bytes) /
-                      hbm;
+    out.optimizer_s =
+        (static_cast<double>(mem.optimizer_elements) *
+             (grad_bytes + copy + 2 * state_bytes + (precision.param_remainders ? 2 : 1) * x.e) +
+         elements * grad_bytes) /
+        hbm;
   }
   // fp8: each weight's cast-transpose once per iteration (Transformer Engine caches the fp8
   // weights over the micro-batches after the first: Megatron's is_first_microbatch), an

@@ -12,7 +12,7 @@ int64_t OptimizerStateBytes(const OptimizerConfig& optimizer, const OptimizerPre
   const size_t moments = optimizer.kind == OptimizerConfig::Kind::kAdam
                              ? DTypeSize(precision.exp_avg) + DTypeSize(precision.exp_avg_sq)
                              : DTypeSize(precision.exp_avg);
-  return static_cast<int64_t>(DTypeSize(precision.master) + moments);
+  return MasterBytes(precision) + static_cast<int64_t>(moments);
 }
 
 int64_t ScaledStates(const OptimizerConfig& optimizer, const OptimizerPrecision& precision) {

@@ -40,8 +40,9 @@ OptimizerStepBytes PlanOptimizerStep(const OptimizerConfig& optimizer, DType sto
                                      const OptimizerPrecision& precision, int64_t train_iters,
                                      const OptimizerShards& shards);
 
-// Bytes of optimizer state per owned element: the master weight and Adam's two moments (or
-// SGD's momentum), each in its dtype (OptimizerPrecision).
+// Bytes of optimizer state per owned element: the master weight (MasterBytes: 2 for a
+// remainder) and Adam's two moments (or SGD's momentum), each in its dtype
+// (OptimizerPrecision).
 int64_t OptimizerStateBytes(const OptimizerConfig& optimizer, const OptimizerPrecision& precision);
 
 // How many of a parameter's optimizer tensors (master weight, moments) are float16: the

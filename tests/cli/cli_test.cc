@@ -738,8 +738,24 @@ TEST(EstimateCommand, Gpt3On1024GpusMatchesTheClosedForm) {
   ASSERT_EQ(aware.code, 0) << aware.err;
   const json aware_doc = json::parse(aware.out);
   EXPECT_EQ(aware_doc.at("optimizer_dtypes").at("exp_avg"), "bfloat16");
+  EXPECT_EQ(aware_doc.at("optimizer_dtypes").at("master"), "float32");
   EXPECT_EQ(aware_doc.at("stages")[7].at("memory").at("optimizer"),
             8 * ((layers * layer + dp - 1) / dp));
+  // A bf16 run keeps the float32 master as the parameter and a 2-byte remainder (Megatron's
+  // default store_param_remainders): 2 + 2 + 2 bytes; 4 + 2 + 2 with the key false.
+  config["parallel"].erase("fp16");
+  config["parallel"]["bf16"] = true;
+  for (const bool remainders : {true, false}) {
+    config["optimizer"]["store_param_remainders"] = remainders;
+    const Result bf16 = Mpusim(
+        {"estimate", WriteTemp("mpusim_remainders.json", config.dump()), "--format", "json"});
+    ASSERT_EQ(bf16.code, 0) << bf16.err;
+    const json bf16_doc = json::parse(bf16.out);
+    EXPECT_EQ(bf16_doc.at("optimizer_dtypes").at("master"),
+              remainders ? "bfloat16 parameter + int16 remainder" : "float32");
+    EXPECT_EQ(bf16_doc.at("stages")[7].at("memory").at("optimizer"),
+              (remainders ? 6 : 8) * ((layers * layer + dp - 1) / dp));
+  }
   // mpusim run runs it: the fp16 run's float16 main_grad read as it is, float16 moments and
   // master weights stored scaled, every tensor checked; a float64 run, which has no lower
   // precision to keep, is one line naming the key, exit 2.

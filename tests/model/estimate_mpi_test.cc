@@ -257,10 +257,15 @@ std::vector<Case> Layouts() {
       int64_t instances;
       int64_t iterations = 1;  // 2: the second starts with what the first's optimizer kept
       const char* router_dtype = nullptr;  // an MoE model's moe_router_dtype
-      // The precision-aware optimizer's float16 moments and master weights (scaled, a float32
-      // scale per tensor; the step reads them into float32 tensors), distributed only.
-      bool precision_aware = false;
+      // The precision-aware optimizer (distributed only): kFp16, float16 moments and master
+      // weights (scaled, a float32 scale per tensor; the step reads them into float32
+      // tensors); kRemainders, a bf16 run's float32 master kept as the parameter and a 16-bit
+      // remainder (store_param_remainders at Megatron's default), bf16 exp_avg; kFp32Master,
+      // the same with store_param_remainders false (a 4-byte master).
+      enum class Aware : uint8_t { kNo, kFp16, kRemainders, kFp32Master };
+      Aware precision_aware = Aware::kNo;
     };
+    using Aware = Variant::Aware;
     // Two instances where both the dp size and the expert dp size divide by 2.
     const int64_t expt_dp = w / ((l.etp > 0 ? l.etp : l.tp) * l.ep * l.pp);
     const std::string name = l.model;
@@ -273,8 +278,12 @@ std::vector<Case> Layouts() {
          {Variant{"float32", "adam", 0}, Variant{"bfloat16", "adam", 1},
           Variant{"bfloat16", "sgd", halves ? 2 : 1, 2, "fp32"}, Variant{"float64", "sgd", 0},
           Variant{"float16", "adam", is_moe || (name == "wide" && l.tp == 2), 2, "fp64"},
-          Variant{"bfloat16", "adam", 1, 2, nullptr, true}}) {
-      if (v.precision_aware && l.recompute != nullptr) continue;  // the layouts, not the recompute
+          Variant{"bfloat16", "adam", 1, 2, nullptr, Aware::kFp16},
+          Variant{"bfloat16", "adam", halves ? 2 : 1, 2, nullptr, Aware::kRemainders},
+          Variant{"bfloat16", "adam", 1, 1, nullptr, Aware::kFp32Master}}) {
+      // The layouts, not the recompute; the 4-byte master on the first models only.
+      if (v.precision_aware != Aware::kNo && l.recompute != nullptr) continue;
+      if (v.precision_aware == Aware::kFp32Master && name != "dense" && name != "moe") continue;
       // The sanitizer build (about 5 times slower) keeps float16 on the wide model, whose
       // step peak is what float16 adds to the count.
       if (mpusim::testing::kAddressSanitizer && std::string(v.dtype) == "float16" &&
@@ -320,11 +329,17 @@ std::vector<Case> Layouts() {
         document["optimizer"]["use_distributed_optimizer"] = true;
         parallel["num_distributed_optimizer_instances"] = v.instances;
       }
-      if (v.precision_aware) {
+      if (v.precision_aware == Aware::kFp16) {
         document["optimizer"].update({{"use_precision_aware_optimizer", true},
                                       {"main_params_dtype", "fp16"},
                                       {"exp_avg_dtype", "fp16"},
                                       {"exp_avg_sq_dtype", "fp16"}});
+      } else if (v.precision_aware != Aware::kNo) {
+        document["optimizer"].update(
+            {{"use_precision_aware_optimizer", true}, {"exp_avg_dtype", "bf16"}});
+        if (v.precision_aware == Aware::kFp32Master) {
+          document["optimizer"]["store_param_remainders"] = false;
+        }
       }
       std::string extra;
       if (l.cp_comm != nullptr) extra += fmt::format(" {}", l.cp_comm);
@@ -332,16 +347,20 @@ std::vector<Case> Layouts() {
       if (l.qk_norm) extra += " qk_layernorm";
       if (l.fusion) extra += " fused wgrad";
       if (is_moe && v.router_dtype != nullptr) extra += fmt::format(" router {}", v.router_dtype);
-      cases.push_back({fmt::format("{} tp {}{} pp {} vp {} cp {}{} ep {} etp {} {} {} {}{}",
-                                   l.model, l.tp, l.sp ? " sp" : "", l.pp, l.vp, l.cp, extra, l.ep,
-                                   l.etp > 0 ? l.etp : l.tp, v.dtype, v.optimizer,
-                                   v.instances == 0 ? std::string("plain")
-                                   : v.precision_aware
-                                       ? fmt::format("distributed x{} precision-aware fp16",
-                                                     v.instances)
-                                       : fmt::format("distributed x{}", v.instances),
-                                   v.iterations > 1 ? ", 2 iterations" : ""),
-                       document});
+      cases.push_back(
+          {fmt::format(
+               "{} tp {}{} pp {} vp {} cp {}{} ep {} etp {} {} {} {}{}", l.model, l.tp,
+               l.sp ? " sp" : "", l.pp, l.vp, l.cp, extra, l.ep, l.etp > 0 ? l.etp : l.tp, v.dtype,
+               v.optimizer,
+               v.instances == 0 ? std::string("plain")
+               : v.precision_aware == Aware::kNo
+                   ? fmt::format("distributed x{}", v.instances)
+                   : fmt::format("distributed x{} precision-aware {}", v.instances,
+                                 v.precision_aware == Aware::kFp16         ? "fp16"
+                                 : v.precision_aware == Aware::kRemainders ? "bf16 + remainders"
+                                                                           : "fp32 master"),
+               v.iterations > 1 ? ", 2 iterations" : ""),
+           document});
     }
   }
   // Uneven pipeline splits (core/pipeline_split.h): stages of different layer counts, a

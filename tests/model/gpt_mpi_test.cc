@@ -395,14 +395,19 @@ TEST(GptMpi, PrecisionAwareOptimizerTrainsAsFusedAdam) {
     json keys;
     int64_t state_bytes;  // per owned element: master, exp_avg, exp_avg_sq
   };
+  // A bf16 run's float32 master is the parameter and a 2-byte remainder (Megatron's default
+  // store_param_remainders), or 4 bytes of its own with the key false.
   const std::vector<Case> cases = {
-      {"bfloat16", {{"exp_avg_dtype", "bf16"}, {"exp_avg_sq_dtype", "bf16"}}, 8},
+      {"bfloat16", {{"exp_avg_dtype", "bf16"}, {"exp_avg_sq_dtype", "bf16"}}, 6},
+      {"bfloat16",
+       {{"exp_avg_dtype", "bf16"}, {"exp_avg_sq_dtype", "bf16"}, {"store_param_remainders", false}},
+       8},
       {"bfloat16",
        {{"exp_avg_dtype", "fp16"}, {"exp_avg_sq_dtype", "fp16"}, {"main_params_dtype", "fp16"}},
        6},
       {"bfloat16",
        {{"main_grads_dtype", "bf16"}, {"exp_avg_dtype", "bf16"}, {"exp_avg_sq_dtype", "fp32"}},
-       10},
+       8},
       {"float16", {{"exp_avg_dtype", "fp16"}, {"exp_avg_sq_dtype", "fp16"}}, 8},
   };
   for (const Case& c : cases) {
