@@ -46,6 +46,15 @@
 
 namespace mpusim {
 
+// The view OptimizerUpdate::Apply takes of an optimizer state tensor: its storage, read as
+// M or, when the tensor is bfloat16 (the precision-aware optimizer's), as bfloat16; none for
+// an undefined tensor (sgd's second state). Both backends' OptimizerStep build theirs here.
+template <typename M>
+OptimizerUpdate::Moment<M> MomentOf(Tensor& state) {
+  if (!state.defined()) return {};
+  return {state.data(), state.dtype() == DType::kBFloat16};
+}
+
 class Kernels {
  public:
   // The most dimensions a StridedCopy takes.

@@ -587,10 +587,7 @@ void CudaKernels::DoCrossEntropyBackward(const Tensor& logits, const Tensor& row
 void CudaKernels::DoOptimizerStep(const OptimizerUpdate& update, const Tensor& grad,
                                   Tensor& master, Tensor& state1, Tensor& state2, Tensor& param) {
   if (update.param_remainders) {
-    using Moment = OptimizerUpdate::Moment<float>;
-    const Moment m{state1.data(), state1.dtype() == DType::kBFloat16};
-    const Moment v{state2.defined() ? state2.data() : nullptr,
-                   state2.defined() && state2.dtype() == DType::kBFloat16};
+    const auto m = MomentOf<float>(state1), v = MomentOf<float>(state2);
     DispatchStorage(grad.dtype(), [&]<typename G>() {
       LaunchOptimizerStepWithRemainder<G>(update, grad.data_as<G>(), master.data_as<BFloat16>(), m,
                                           v, param.data_as<BFloat16>(), master.numel(), stream_);
@@ -603,10 +600,7 @@ void CudaKernels::DoOptimizerStep(const OptimizerUpdate& update, const Tensor& g
         throw std::invalid_argument("OptimizerStep: a 16-bit main_grad steps a float32 master");
       } else {
         DispatchStorage(param.dtype(), [&]<typename P>() {
-          using Moment = OptimizerUpdate::Moment<M>;
-          const Moment m{state1.data(), state1.dtype() == DType::kBFloat16};
-          const Moment v{state2.defined() ? state2.data() : nullptr,
-                         state2.defined() && state2.dtype() == DType::kBFloat16};
+          const auto m = MomentOf<M>(state1), v = MomentOf<M>(state2);
           LaunchOptimizerStep<G, M, P>(update, grad.data_as<G>(), master.data_as<M>(), m, v,
                                        param.data_as<P>(), master.numel(), stream_);
         });

@@ -505,10 +505,7 @@ void EigenKernels::DoOptimizerStep(const OptimizerUpdate& update, const Tensor& 
                                    Tensor& param) {
   const int64_t n = master.numel();
   if (update.param_remainders) {
-    using Moment = OptimizerUpdate::Moment<float>;
-    const Moment m{state1.data(), state1.dtype() == DType::kBFloat16};
-    const Moment v{state2.defined() ? state2.data() : nullptr,
-                   state2.defined() && state2.dtype() == DType::kBFloat16};
+    const auto m = MomentOf<float>(state1), v = MomentOf<float>(state2);
     DispatchStorage(grad.dtype(), [&]<typename G>() {
       for (int64_t e = 0; e < n; ++e) {
         update.ApplyWithRemainder(grad.data_as<G>(), master.data_as<BFloat16>(), m, v,
@@ -520,10 +517,7 @@ void EigenKernels::DoOptimizerStep(const OptimizerUpdate& update, const Tensor& 
   DispatchStorage(grad.dtype(), [&]<typename G>() {
     Dispatch(master.dtype(), [&]<typename M>() {
       DispatchStorage(param.dtype(), [&]<typename P>() {
-        using Moment = OptimizerUpdate::Moment<M>;
-        const Moment m{state1.data(), state1.dtype() == DType::kBFloat16};
-        const Moment v{state2.defined() ? state2.data() : nullptr,
-                       state2.defined() && state2.dtype() == DType::kBFloat16};
+        const auto m = MomentOf<M>(state1), v = MomentOf<M>(state2);
         for (int64_t e = 0; e < n; ++e) {
           update.Apply(grad.data_as<G>(), master.data_as<M>(), m, v, param.data_as<P>(), e);
         }

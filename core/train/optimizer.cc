@@ -17,6 +17,13 @@ namespace {
 // The whole of `t` as a flat tensor sharing its storage.
 Tensor Flat(const Tensor& t) { return t.Reshaped({t.numel()}); }
 
+// A new tensor holding t's values in `dtype` (widening here: exact).
+Tensor Converted(Kernels& k, const Tensor& t, DType dtype) {
+  Tensor out = k.Empty(t.shape(), dtype);
+  k.Convert(t, out);
+  return out;
+}
+
 // A new tensor shaped like `like`, in `flat`'s dtype, holding elements
 // [offset, offset + like.numel()) of `flat` (a new one: records of the step before may still
 // hold the tensor it replaces).
@@ -105,13 +112,11 @@ Optimizer::Optimizer(const OptimizerConfig& config, const std::vector<Parameter*
       // the master starts as the parameter widened, as without remainders.
       s.master = {k.Zeros({owned}, kRemainderDType), Tensor()};
     } else if (precision_.master == DType::kFloat16) {
-      Tensor widened = k.Zeros({owned}, DType::kFloat32);
-      k.Axpy(1.0, values, widened);
+      const Tensor widened = Converted(k, values, DType::kFloat32);
       s.master = {k.Empty({owned}, DType::kFloat16), k.Zeros({1}, DType::kFloat32)};
       ScaleBack(k, widened, s.master);
     } else {
-      s.master = {k.Zeros({owned}, precision_.master), Tensor()};
-      k.Axpy(1.0, values, s.master.value);
+      s.master = {Converted(k, values, precision_.master), Tensor()};
     }
     s.m = zero_state(precision_.exp_avg, owned);
     if (config.kind == OptimizerConfig::Kind::kAdam) s.v = zero_state(precision_.exp_avg_sq, owned);
@@ -132,17 +137,11 @@ void Optimizer::ScaleBack(Kernels& k, const Tensor& unscaled, Stored& stored) {
 void Optimizer::ReduceGradients(Kernels& k, CommTrace& trace) {
   if (distributed()) ReduceShards(k, trace);
   if (!copies_grads_) return;
-  // Exact widening (Axpy into zeros) of what the step reads.
+  // Exact widening of what the step reads.
   if (distributed()) {
-    for (Buffer& b : buffers_) {
-      b.step_grad = k.Zeros({b.size}, DType::kFloat32);
-      k.Axpy(1.0, b.grad_shard, b.step_grad);
-    }
+    for (Buffer& b : buffers_) b.step_grad = Converted(k, b.grad_shard, DType::kFloat32);
   } else {
-    for (State& s : states_) {
-      s.step_grad = k.Zeros({s.numel}, DType::kFloat32);
-      k.Axpy(1.0, Flat(s.param->grad), s.step_grad);
-    }
+    for (State& s : states_) s.step_grad = Converted(k, Flat(s.param->grad), DType::kFloat32);
   }
 }
 

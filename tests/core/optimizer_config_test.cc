@@ -61,18 +61,24 @@ TEST(OptimizerConfig, RefusalsNameTheField) {
             0u);
 }
 
+// The dtypes of an optimizer section of `keys` (lr added) for a run storing `storage`;
+// the section must parse and pass CheckOptimizerPrecision.
+OptimizerPrecision PrecisionFor(DType storage, const json& keys) {
+  json section = keys;
+  section["lr"] = 0.01;
+  OptimizerConfig c;
+  const Status s = ParseOptimizerSection(section, &c);
+  EXPECT_TRUE(s.ok()) << s.Message();
+  EXPECT_TRUE(CheckOptimizerPrecision(c, storage).ok());
+  return PrecisionOf(&c, storage);
+}
+
 // The gradient buffer's and optimizer's dtypes as megatron/training/arguments.py resolves
 // them: bf16 forces accumulate_allreduce_grads_in_fp32 (unless grad_reduce_in_bf16 or a bf16
 // main_grads_dtype), fp16 leaves it off, so an fp16 run's main_grad is float16.
 TEST(OptimizerPrecision, MainGradFollowsMegatronsRules) {
   const auto main_grad = [](DType storage, const json& keys) {
-    json section = keys;
-    section["lr"] = 0.01;
-    OptimizerConfig c;
-    const Status s = ParseOptimizerSection(section, &c);
-    EXPECT_TRUE(s.ok()) << s.Message();
-    EXPECT_TRUE(CheckOptimizerPrecision(c, storage).ok());
-    return PrecisionOf(&c, storage).main_grad;
+    return PrecisionFor(storage, keys).main_grad;
   };
   EXPECT_EQ(main_grad(DType::kFloat16, json::object()), DType::kFloat16);
   EXPECT_EQ(main_grad(DType::kFloat16, {{"accumulate_allreduce_grads_in_fp32", true}}),
@@ -113,14 +119,11 @@ TEST(OptimizerPrecision, MainGradFollowsMegatronsRules) {
 // accepted and ignored, as Megatron ignores it.
 TEST(OptimizerPrecision, ParamRemaindersOnlyWhereFusedAdamKeepsThem) {
   const auto remainders = [](DType storage, const json& keys) {
-    json section = keys;
-    section["lr"] = 0.01;
-    OptimizerConfig c;
-    const Status s = ParseOptimizerSection(section, &c);
-    EXPECT_TRUE(s.ok()) << s.Message();
-    EXPECT_TRUE(CheckOptimizerPrecision(c, storage).ok());
-    const OptimizerPrecision p = PrecisionOf(&c, storage);
-    EXPECT_EQ(p.master, storage == DType::kFloat64 ? DType::kFloat64 : c.main_params_dtype);
+    const OptimizerPrecision p = PrecisionFor(storage, keys);
+    const bool fp16_master = keys.value("main_params_dtype", "fp32") == "fp16";
+    EXPECT_EQ(p.master, storage == DType::kFloat64 ? DType::kFloat64
+                        : fp16_master              ? DType::kFloat16
+                                                   : DType::kFloat32);
     EXPECT_EQ(MasterBytes(p), p.param_remainders ? 2 : int64_t(DTypeSize(p.master)));
     return p.param_remainders;
   };
