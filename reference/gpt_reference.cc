@@ -154,8 +154,8 @@ Status InitParameters(const GptConfig& gpt, const Dims& d,
     if (gpt.moe.enabled() && gpt.moe.layers[static_cast<size_t>(i)]) {
       lp.moe.router = get(prefix + ".mlp.router.weight");
       for (int64_t e = 0; e < gpt.moe.num_experts; ++e) {
-        lp.moe.fc1.push_back(get(MoeExpertWeightName(gpt.moe, prefix + ".mlp", e, 1)));
-        lp.moe.fc2.push_back(get(MoeExpertWeightName(gpt.moe, prefix + ".mlp", e, 2)));
+        lp.moe.fc1.push_back(get(MoeExpertWeightName(prefix + ".mlp", e, 1)));
+        lp.moe.fc2.push_back(get(MoeExpertWeightName(prefix + ".mlp", e, 2)));
       }
       lp.moe.shared_fc1 = get(prefix + ".mlp.shared_experts.linear_fc1.weight");
       lp.moe.shared_fc2 = get(prefix + ".mlp.shared_experts.linear_fc2.weight");

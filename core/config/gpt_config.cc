@@ -408,13 +408,13 @@ std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_voc
     if (gpt.moe.enabled() && gpt.moe.layers[static_cast<size_t>(i)]) {
       // MoELayer: the router (replicated; fed by the sequence-split stream under sequence
       // parallelism), the experts under their global numbers (SequentialMLP's
-      // local_experts.<e>, or the grouped GEMM's linear_fc1.weight<e>), the shared expert.
+      // local_experts.<e>), the shared expert.
       add(layer + ".mlp.router.weight", {gpt.moe.num_experts, h}, normal, -1, 1, true);
       const int64_t f = gpt.moe.ffn_hidden_size, f1 = IsGated(gpt.activation) ? 2 * f : f;
       for (int64_t e = 0; e < gpt.moe.num_experts; ++e) {
         if (keep_expert && !keep_expert(e)) continue;
-        const std::string fc1 = MoeExpertWeightName(gpt.moe, layer + ".mlp", e, 1);
-        const std::string fc2 = MoeExpertWeightName(gpt.moe, layer + ".mlp", e, 2);
+        const std::string fc1 = MoeExpertWeightName(layer + ".mlp", e, 1);
+        const std::string fc2 = MoeExpertWeightName(layer + ".mlp", e, 2);
         add(fc1, {f1, h}, normal, 0, stride_fc1);
         add(fc2, {h, f}, scaled, 1);
       }
@@ -437,11 +437,8 @@ std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_voc
   return params;
 }
 
-std::string MoeExpertWeightName(const MoeConfig& moe, const std::string& mlp_prefix, int64_t e,
-                                int fc) {
-  return moe.grouped_gemm ? fmt::format("{}.experts.linear_fc{}.weight{}", mlp_prefix, fc, e)
-                          : fmt::format("{}.experts.local_experts.{}.linear_fc{}.weight",
-                                        mlp_prefix, e, fc);
+std::string MoeExpertWeightName(const std::string& mlp_prefix, int64_t e, int fc) {
+  return fmt::format("{}.experts.local_experts.{}.linear_fc{}.weight", mlp_prefix, e, fc);
 }
 
 RouterDTypes RouterDTypesOf(const MoeConfig& moe, DType storage) {

@@ -224,10 +224,11 @@ std::vector<GptParameter> GptParameters(
     const std::function<bool(int64_t)>& keep_expert = {});
 
 // The state-dict name of expert `e`'s fc1 (`fc` 1) or fc2 (`fc` 2) weight in the MoE layer
-// `mlp_prefix` ("decoder.layers.<i>.mlp"): SequentialMLP's
-// "<mlp_prefix>.experts.local_experts.<e>.linear_fc1.weight", or with moe_grouped_gemm the
-// grouped GEMM's "<mlp_prefix>.experts.linear_fc1.weight<e>". `e` is the global expert number.
-std::string MoeExpertWeightName(const MoeConfig& moe, const std::string& mlp_prefix, int64_t e,
-                                int fc);
+// `mlp_prefix` ("decoder.layers.<i>.mlp"):
+// "<mlp_prefix>.experts.local_experts.<e>.linear_fc1.weight", `e` the global expert number.
+// Megatron's local spec builds SequentialMLP whatever moe_grouped_gemm says (backends.py
+// LocalSpecProvider.grouped_mlp_modules), so the flag changes no name, no initial value and no
+// number; it only shapes the GPU estimate's launches.
+std::string MoeExpertWeightName(const std::string& mlp_prefix, int64_t e, int fc);
 
 }  // namespace mpusim

@@ -25,8 +25,8 @@ struct ExpertPlacement {
   bool Holds(int64_t e) const { return e >= first() && e < first() + count(); }
 };
 
-// The expert number in an expert weight's name ("...mlp.experts.local_experts.<e>...." or
-// "...mlp.experts.linear_fc<1|2>.weight<e>"), or none for any other parameter.
+// The expert number in an expert parameter's name ("...mlp.experts.local_experts.<e>...."), or
+// none for any other parameter.
 std::optional<int64_t> ExpertOf(std::string_view name);
 
 }  // namespace mpusim

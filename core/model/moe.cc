@@ -144,8 +144,8 @@ MoeLayer::MoeLayer(const GptConfig& gpt, std::string prefix, ParameterSet& param
       router_(&params.Get(prefix_ + ".router.weight")),
       experts_(experts.num_experts > 0 ? experts : ExpertPlacement{gpt.moe.num_experts, 1, 0}) {
   for (int64_t e = experts_.first(); e < experts_.first() + experts_.count(); ++e) {
-    fc1_.push_back(&params.Get(MoeExpertWeightName(moe_, prefix_, e, 1)));
-    fc2_.push_back(&params.Get(MoeExpertWeightName(moe_, prefix_, e, 2)));
+    fc1_.push_back(&params.Get(MoeExpertWeightName(prefix_, e, 1)));
+    fc2_.push_back(&params.Get(MoeExpertWeightName(prefix_, e, 2)));
   }
   if (moe_.shared_expert_intermediate_size) {
     shared_fc1_.emplace(&params.Get(prefix_ + ".shared_experts.linear_fc1.weight"), nullptr);

@@ -2539,6 +2539,36 @@ TEST(DiffCommand, ContextParallelDumpDiffsCleanAgainstOneRank) {
   for (const auto& dir : {a, b}) std::filesystem::remove_all(dir);
 }
 
+// moe_grouped_gemm changes no number: Megatron's local spec builds SequentialMLP whatever the
+// flag, so the experts keep their names (local_experts.<e>) and their initial values, and the
+// two runs' dumps are equal to the bit (atol 0, rtol 0).
+TEST(DiffCommand, GroupedGemmFlagChangesNoNumber) {
+  const std::filesystem::path tmp = std::filesystem::temp_directory_path();
+  const std::string tag = std::to_string(::getpid());
+  std::ifstream in(Sample("gpt_moe_ep2_t2_sp_dp2_n4.json"));
+  json config = json::parse(in);
+  std::vector<std::filesystem::path> dumps;
+  for (const bool grouped : {false, true}) {
+    config["model"]["moe_grouped_gemm"] = grouped;
+    const std::string name = std::string("mpusim_gg_") + (grouped ? "on." : "off.") + tag;
+    const std::string path = WriteTemp(name + ".json", config.dump());
+    dumps.push_back(tmp / name);
+    std::filesystem::remove_all(dumps.back());
+    std::string output;
+    ASSERT_EQ(run_tests::Shell(run_tests::Mpiexec(4) + MPUSIM_BINARY + " run " + path + " --dump " +
+                                   dumps.back().string(),
+                               &output),
+              0)
+        << output;
+  }
+  const Result same =
+      Mpusim({"diff", dumps[0].string(), dumps[1].string(), "--atol", "0", "--rtol", "0"});
+  EXPECT_EQ(same.code, 0) << same.out << same.err;
+  EXPECT_NE(same.out.find(" 0 failed"), std::string::npos) << same.out;
+  EXPECT_NE(same.out.find("local_experts.3.linear_fc1.weight"), std::string::npos) << same.out;
+  for (const auto& dir : dumps) std::filesystem::remove_all(dir);
+}
+
 // OpenBLAS's x86-64 kernel sets this CPU runs, from SSE3 up to its best (sim/blas_kernels.h):
 // each sums a GEMM in another order, so a check whose verdict depends on the machine shows
 // here. The ASan build runs the best set only: its numerics are the release build's.

@@ -109,8 +109,8 @@ CONFIG_D = {
 }
 
 # Config E: the other router and drop choices: softmax before top-k (moe_router_pre_softmax),
-# top-1 of 3 experts, capacity 1.5 dropping by position, gelu, the grouped GEMM's parameter
-# names (moe_grouped_gemm), no shared expert, every layer an MoE layer, d = 2, three
+# top-1 of 3 experts, capacity 1.5 dropping by position, gelu, moe_grouped_gemm (which names
+# the experts as without it), no shared expert, every layer an MoE layer, d = 2, three
 # micro-batches.
 CONFIG_E = {
     "parallel": {"world_size": 2, "tensor_model_parallel_size": 1},
@@ -190,13 +190,11 @@ class Sizes:
         self.capacity_factor = m.get("moe_expert_capacity_factor")
         self.drop_policy = m.get("moe_token_drop_policy", "probs")
         self.shared_ffn = m.get("moe_shared_expert_intermediate_size")
-        self.grouped = m.get("moe_grouped_gemm", False)
 
     def expert(self, p, e, fc):
-        """An expert's weight name: SequentialMLP's local_experts.<e>.linear_fc<n>.weight, or
-        with moe_grouped_gemm the grouped GEMM's linear_fc<n>.weight<e> (global numbers)."""
-        if self.grouped:
-            return f"{p}.mlp.experts.linear_fc{fc}.weight{e}"
+        """An expert's weight name: SequentialMLP's local_experts.<e>.linear_fc<n>.weight (global
+        numbers). Megatron's local spec builds SequentialMLP whatever moe_grouped_gemm says
+        (LocalSpecProvider.grouped_mlp_modules), so config E's flag changes no name."""
         return f"{p}.mlp.experts.local_experts.{e}.linear_fc{fc}.weight"
 
 
