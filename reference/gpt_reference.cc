@@ -91,6 +91,14 @@ struct LayerParams {
   MoeParams moe;               // an MoE layer (moe_layer_freq) instead of the MLP
 };
 
+// One multi-token prediction depth (MultiTokenPredictionLayer).
+struct MtpParams {
+  NormParams enorm, hnorm;  // [h] each
+  Param eh_proj;            // [h, 2h]: columns [0, h) act on enorm's output, [h, 2h) on hnorm's
+  LayerParams layer;        // the transformer layer, like the last decoder layer
+  NormParams final_layernorm;
+};
+
 struct ModelParams {
   std::vector<GptParameter> list;  // GptParameters order
   std::map<std::string, Param> by_name;
@@ -98,6 +106,7 @@ struct ModelParams {
   Param position;  // [max_position_embeddings, h], learned_absolute only
   std::vector<LayerParams> layers;
   NormParams final_layernorm;
+  std::vector<MtpParams> mtp;  // mtp_num_layers depths
   Param output;  // [Vp, h]: the word embedding's handles when tied
 };
 
@@ -136,8 +145,7 @@ Status InitParameters(const GptConfig& gpt, const Dims& d,
   };
   p->word = get("embedding.word_embeddings.weight");
   p->position = get("embedding.position_embeddings.weight");
-  for (int64_t i = 0; i < d.L; ++i) {
-    const std::string prefix = fmt::format("decoder.layers.{}", i);
+  const auto layer_params = [&](const std::string& prefix, bool moe_layer) {
     LayerParams lp;
     lp.input_layernorm = norm(prefix + ".input_layernorm");
     lp.qkv_weight = get(prefix + ".self_attention.linear_qkv.weight");
@@ -151,7 +159,7 @@ Status InitParameters(const GptConfig& gpt, const Dims& d,
     lp.fc1_bias = get(prefix + ".mlp.linear_fc1.bias");
     lp.fc2_weight = get(prefix + ".mlp.linear_fc2.weight");
     lp.fc2_bias = get(prefix + ".mlp.linear_fc2.bias");
-    if (gpt.moe.enabled() && gpt.moe.layers[static_cast<size_t>(i)]) {
+    if (moe_layer) {
       lp.moe.router = get(prefix + ".mlp.router.weight");
       for (int64_t e = 0; e < gpt.moe.num_experts; ++e) {
         lp.moe.fc1.push_back(get(MoeExpertWeightName(prefix + ".mlp", e, 1)));
@@ -160,9 +168,22 @@ Status InitParameters(const GptConfig& gpt, const Dims& d,
       lp.moe.shared_fc1 = get(prefix + ".mlp.shared_experts.linear_fc1.weight");
       lp.moe.shared_fc2 = get(prefix + ".mlp.shared_experts.linear_fc2.weight");
     }
-    p->layers.push_back(lp);
+    return lp;
+  };
+  const auto is_moe_layer = [&](int64_t i) {
+    return gpt.moe.enabled() && gpt.moe.layers[static_cast<size_t>(i)];
+  };
+  for (int64_t i = 0; i < d.L; ++i) {
+    p->layers.push_back(layer_params(fmt::format("decoder.layers.{}", i), is_moe_layer(i)));
   }
   p->final_layernorm = norm("decoder.final_layernorm");
+  for (int64_t k = 0; k < gpt.mtp_num_layers; ++k) {
+    const std::string prefix = fmt::format("mtp.layers.{}", k);
+    p->mtp.push_back(MtpParams{norm(prefix + ".enorm"), norm(prefix + ".hnorm"),
+                               get(prefix + ".eh_proj.weight"),
+                               layer_params(prefix + ".transformer_layer", is_moe_layer(d.L - 1)),
+                               norm(prefix + ".final_layernorm")});
+  }
   p->output = gpt.share_embeddings_and_output_weights ? p->word : get("output_layer.weight");
   return Status();
 }
@@ -182,6 +203,18 @@ struct LayerStash {
   Mat act;       // [s*n, F]
   MoeStash moe;  // an MoE layer's
   Mat keep_mlp;  // [s*n, h] mlp_bda dropout
+};
+
+// What a multi-token prediction depth's forward keeps for its backward.
+struct MtpStash {
+  std::vector<int64_t> ids;  // [s*n] the tokens rolled left k + 1 times
+  Mat keep_embedding;        // [s*n, h] its embedding's dropout
+  NormStash enorm, hnorm;
+  Mat concat;  // [s*n, 2h] [enorm output, hnorm output], eh_proj's input
+  LayerStash layer;
+  NormStash final;
+  Mat out;      // [s*n, h] h_k, after final_layernorm
+  Mat dlogits;  // [s*n, Vp] the scaled, masked loss's gradient
 };
 
 enum class Kind : uint8_t {
@@ -249,6 +282,16 @@ std::vector<int64_t> SliceRows(const Dims& d, const std::vector<int64_t>& all) {
   return rows;
 }
 
+// Megatron's roll_tensor(shifts=-1) along the sequence (cp 1): position i of each sample takes
+// position i + 1's id; the last position gets 0.
+std::vector<int64_t> RollLeft(const Dims& d, const std::vector<int64_t>& ids) {
+  std::vector<int64_t> rolled(ids.size(), 0);
+  for (int64_t r = 0; r + d.n < d.s * d.n; ++r) {
+    rolled[static_cast<size_t>(r)] = ids[static_cast<size_t>(r + d.n)];
+  }
+  return rolled;
+}
+
 // The sequence position of each of this slice's rows: row i*n + j is position i.
 std::vector<int64_t> RowPositions(const Dims& d) {
   std::vector<int64_t> positions(static_cast<size_t>(d.s * d.n));
@@ -295,17 +338,9 @@ void SliceRun::MicroBatch(int64_t m, const std::vector<int64_t>& all_tokens,
   Record(record, "labels", Kind::kPerToken, IdsMat(d, labels));
 
   // ---- forward --------------------------------------------------------------------------
-  Mat x = Embed(d, params, tokens);
-  const Mat keep_embedding =
-      HiddenKeep(d, "embedding.embedding_dropout", m, gpt.hidden_dropout, d.h);
-  x = x.cwiseProduct(keep_embedding);
-  Record(record, "embedding.output", Kind::kHidden, x);
-
-  std::vector<LayerStash> stash(static_cast<size_t>(d.L));
-  for (int64_t l = 0; l < d.L; ++l) {
-    const std::string prefix = fmt::format("decoder.layers.{}", l);
-    const LayerParams& p = params.layers[static_cast<size_t>(l)];
-    LayerStash& st = stash[static_cast<size_t>(l)];
+  // One transformer layer on the residual stream x (`prefix`: its state-dict name).
+  const auto layer_forward = [&](const std::string& prefix, const LayerParams& p, LayerStash& st,
+                                 Mat& x) {
     st.ln1_out =
         NormForward(gpt.normalization, gpt.layernorm_epsilon, x, p.input_layernorm, &st.ln1);
     Record(record, prefix + ".input_layernorm.output", Kind::kHidden, st.ln1_out);
@@ -333,7 +368,7 @@ void SliceRun::MicroBatch(int64_t m, const std::vector<int64_t>& all_tokens,
       st.keep_mlp = HiddenKeep(d, prefix + ".mlp_bda", m, gpt.hidden_dropout, d.h);
       x += y.cwiseProduct(st.keep_mlp);
       Record(record, prefix + ".mlp_bda.output", Kind::kHidden, x);
-      continue;
+      return;
     }
     st.fc1 = Linear(st.ln2_out, p.fc1_weight, p.fc1_bias);
     Record(record, prefix + ".mlp.linear_fc1.output", Kind::kHidden, st.fc1);
@@ -345,12 +380,83 @@ void SliceRun::MicroBatch(int64_t m, const std::vector<int64_t>& all_tokens,
     st.keep_mlp = HiddenKeep(d, prefix + ".mlp_bda", m, gpt.hidden_dropout, d.h);
     x += fc2.cwiseProduct(st.keep_mlp);
     Record(record, prefix + ".mlp_bda.output", Kind::kHidden, x);
+  };
+  Mat x = Embed(d, params, tokens);
+  const Mat keep_embedding =
+      HiddenKeep(d, "embedding.embedding_dropout", m, gpt.hidden_dropout, d.h);
+  x = x.cwiseProduct(keep_embedding);
+  Record(record, "embedding.output", Kind::kHidden, x);
+
+  std::vector<LayerStash> stash(static_cast<size_t>(d.L));
+  for (int64_t l = 0; l < d.L; ++l) {
+    layer_forward(fmt::format("decoder.layers.{}", l), params.layers[static_cast<size_t>(l)],
+                  stash[static_cast<size_t>(l)], x);
   }
 
   NormStash final_stash;
   const Mat final_out = NormForward(gpt.normalization, gpt.layernorm_epsilon, x,
                                     params.final_layernorm, &final_stash);
   Record(record, "decoder.final_layernorm.output", Kind::kHidden, final_out);
+
+  // ---- multi-token prediction (MultiTokenPredictionBlock, process_mtp_loss) ---------------
+  // Depth k (1-based) at position i joins the previous depth's hidden state at i (depth 0:
+  // the decoder's final norm) with the embedding of the token k ahead: the ids are rolled
+  // left once per depth, roll_tensor's vacated last position filled with id 0; the labels
+  // and the loss mask roll the same way, so depth k predicts labels[i + k] where i + k < s.
+  //   x = [enorm(dropout(E[ids_k])), hnorm(h_{k-1})] eh_proj^T;  h_k = finalnorm_k(layer_k(x))
+  //   loss_k: cross entropy of h_k Wout^T (the shared output head) against labels_k, masked
+  // The gradient gets mtp_loss_scaling_factor / D * loss_k / num_tokens_k per micro-batch and
+  // data-parallel rank (MTPLossAutoScaler, scaled by 1/M like the main loss; num_tokens_k =
+  // b * (s - k)), averaged over dp: per token f / (D * M * B * (s - k)). The reported loss is
+  // the main one only.
+  const int64_t D = gpt.mtp_num_layers;
+  std::vector<MtpStash> mtp(static_cast<size_t>(D));
+  {
+    std::vector<int64_t> ids = tokens, targets = labels;
+    const Mat* prev = &final_out;
+    for (int64_t k = 0; k < D; ++k) {
+      const std::string prefix = fmt::format("mtp.layers.{}", k);
+      MtpParams& p = params.mtp[static_cast<size_t>(k)];
+      MtpStash& st = mtp[static_cast<size_t>(k)];
+      ids = RollLeft(d, ids);
+      targets = RollLeft(d, targets);
+      st.ids = ids;
+      st.keep_embedding =
+          HiddenKeep(d, prefix + ".embedding.embedding_dropout", m, gpt.hidden_dropout, d.h);
+      const Mat e = Embed(d, params, ids).cwiseProduct(st.keep_embedding);
+      Record(record, prefix + ".embedding.output", Kind::kHidden, e);
+      st.concat.resize(rows, 2 * d.h);
+      st.concat.leftCols(d.h) =
+          NormForward(gpt.normalization, gpt.layernorm_epsilon, e, p.enorm, &st.enorm);
+      st.concat.rightCols(d.h) =
+          NormForward(gpt.normalization, gpt.layernorm_epsilon, *prev, p.hnorm, &st.hnorm);
+      Record(record, prefix + ".enorm.output", Kind::kHidden, st.concat.leftCols(d.h));
+      Record(record, prefix + ".hnorm.output", Kind::kHidden, st.concat.rightCols(d.h));
+      Mat y = Linear(st.concat, p.eh_proj, Param{});
+      Record(record, prefix + ".eh_proj.output", Kind::kHidden, y);
+      layer_forward(prefix + ".transformer_layer", p.layer, st.layer, y);
+      st.out =
+          NormForward(gpt.normalization, gpt.layernorm_epsilon, y, p.final_layernorm, &st.final);
+      Record(record, prefix + ".final_layernorm.output", Kind::kHidden, st.out);
+      const Mat mtp_logits = Linear(st.out, params.output, Param{});
+      Record(record, prefix + ".output_layer.output", Kind::kHidden, mtp_logits);
+      const int64_t valid = d.s - (k + 1);  // positions with a label k + 1 ahead
+      const double mtp_scale =
+          valid > 0 ? gpt.mtp_loss_scaling_factor / static_cast<double>(D * d.M * d.B * valid)
+                    : 0.0;
+      Vec mtp_loss(rows);
+      st.dlogits.resize(rows, mtp_logits.cols());
+      ref::CrossEntropy(mtp_logits, targets, gpt.label_smoothing, mtp_scale,
+                        std::span<double>(mtp_loss.data(), static_cast<size_t>(rows)), st.dlogits);
+      for (int64_t r = std::max<int64_t>(valid, 0) * d.n; r < rows; ++r) {
+        mtp_loss(r) = 0.0;  // loss_mask rolled: the last k + 1 positions have no label
+        st.dlogits.row(r).setZero();
+      }
+      Record(record, prefix + ".loss.per_token", Kind::kPerToken,
+             MatMap(mtp_loss.data(), d.s, d.n));
+      prev = &st.out;
+    }
+  }
   const Mat logits = Linear(final_out, params.output, Param{});
   Record(record, "output_layer.output", Kind::kHidden, logits);
   const double token_scale = 1.0 / static_cast<double>(d.M * d.s * d.B);
@@ -365,14 +471,11 @@ void SliceRun::MicroBatch(int64_t m, const std::vector<int64_t>& all_tokens,
   Record(record, "loss.per_token_grad", Kind::kPerToken, Mat::Constant(d.s, d.n, token_scale));
   Record(record, "output_layer.output_grad", Kind::kHidden, dlogits);
   Param no_bias;
-  const Mat dfinal = LinearBackward(dlogits, final_out, params.output, no_bias);
-  Record(record, "decoder.final_layernorm.output_grad", Kind::kHidden, dfinal);
-  Mat dx = NormBackward(gpt.normalization, dfinal, final_stash, params.final_layernorm);
+  Mat dfinal = LinearBackward(dlogits, final_out, params.output, no_bias);
 
-  for (int64_t l = d.L; l-- > 0;) {
-    const std::string prefix = fmt::format("decoder.layers.{}", l);
-    LayerParams& p = params.layers[static_cast<size_t>(l)];
-    const LayerStash& st = stash[static_cast<size_t>(l)];
+  // One transformer layer's backward: dx, the residual stream's gradient, in and out.
+  const auto layer_backward = [&](const std::string& prefix, LayerParams& p, const LayerStash& st,
+                                  Mat& dx) {
     Record(record, prefix + ".mlp_bda.output_grad", Kind::kHidden, dx);
     Mat dln2;
     if (p.moe.defined()) {
@@ -403,6 +506,37 @@ void SliceRun::MicroBatch(int64_t m, const std::vector<int64_t>& all_tokens,
     const Mat dln1 = LinearBackward(dqkv, st.ln1_out, p.qkv_weight, p.qkv_bias);
     Record(record, prefix + ".input_layernorm.output_grad", Kind::kHidden, dln1);
     dx += NormBackward(gpt.normalization, dln1, st.ln1, p.input_layernorm);
+  };
+
+  // Multi-token prediction, deepest first: h_k feeds its own logits and depth k + 1's hnorm.
+  {
+    Mat dnext = Mat::Zero(rows, d.h);  // d loss / d h_k through depth k + 1
+    for (int64_t k = D; k-- > 0;) {
+      const std::string prefix = fmt::format("mtp.layers.{}", k);
+      MtpParams& p = params.mtp[static_cast<size_t>(k)];
+      const MtpStash& st = mtp[static_cast<size_t>(k)];
+      Record(record, prefix + ".output_layer.output_grad", Kind::kHidden, st.dlogits);
+      Mat dout = LinearBackward(st.dlogits, st.out, params.output, no_bias);
+      dout += dnext;
+      Record(record, prefix + ".final_layernorm.output_grad", Kind::kHidden, dout);
+      Mat dy = NormBackward(gpt.normalization, dout, st.final, p.final_layernorm);
+      layer_backward(prefix + ".transformer_layer", p.layer, st.layer, dy);
+      Record(record, prefix + ".eh_proj.output_grad", Kind::kHidden, dy);
+      const Mat dconcat = LinearBackward(dy, st.concat, p.eh_proj, no_bias);
+      Record(record, prefix + ".enorm.output_grad", Kind::kHidden, dconcat.leftCols(d.h));
+      Record(record, prefix + ".hnorm.output_grad", Kind::kHidden, dconcat.rightCols(d.h));
+      const Mat de = NormBackward(gpt.normalization, dconcat.leftCols(d.h), st.enorm, p.enorm);
+      Record(record, prefix + ".embedding.output_grad", Kind::kHidden, de);
+      EmbedBackward(d, de.cwiseProduct(st.keep_embedding), st.ids, params);
+      dnext = NormBackward(gpt.normalization, dconcat.rightCols(d.h), st.hnorm, p.hnorm);
+    }
+    dfinal += dnext;
+  }
+  Record(record, "decoder.final_layernorm.output_grad", Kind::kHidden, dfinal);
+  Mat dx = NormBackward(gpt.normalization, dfinal, final_stash, params.final_layernorm);
+  for (int64_t l = d.L; l-- > 0;) {
+    layer_backward(fmt::format("decoder.layers.{}", l), params.layers[static_cast<size_t>(l)],
+                   stash[static_cast<size_t>(l)], dx);
   }
 
   Record(record, "embedding.output_grad", Kind::kHidden, dx);
@@ -441,7 +575,8 @@ extern "C" void openblas_set_num_threads(int num_threads);
 
 ErrorBudget GptErrorBudget(const GptConfig& gpt, const RunConfig& run, int64_t t, int64_t d,
                            int64_t padded_vocab) {
-  const double L = static_cast<double>(gpt.num_layers);
+  // Multi-token prediction's depths are layers on the longest path, each with its logits.
+  const double L = static_cast<double>(gpt.num_layers + gpt.mtp_num_layers);
   const double s = static_cast<double>(run.seq_length);
   const double tokens = static_cast<double>(run.num_microbatches * run.seq_length *
                                             run.micro_batch_size * d);
@@ -457,7 +592,8 @@ ErrorBudget GptErrorBudget(const GptConfig& gpt, const RunConfig& run, int64_t t
       static_cast<double>(gpt.ffn_hidden_size) * 2;
   ErrorBudget budget;
   budget.roundings = 4 * (L + 2);
-  budget.terms = per_layer_terms * (L + 1) + static_cast<double>(padded_vocab) * 2 + tokens +
+  budget.terms = per_layer_terms * (L + 1) +
+                 static_cast<double>(padded_vocab * (1 + gpt.mtp_num_layers)) * 2 + tokens +
                  static_cast<double>(t + d);
   return budget;
 }
@@ -527,6 +663,12 @@ Status CheckGptReferenceConfig(const GptConfig& gpt, const ParallelConfig& paral
     return Status::Error("model.max_position_embeddings",
                          fmt::format("{} is shorter than run.seq_length {}",
                                      gpt.max_position_embeddings, run.seq_length));
+  }
+  if (gpt.mtp_num_layers > 0 && (gpt.has_position_embeddings() || gpt.moe.enabled() ||
+                                 gpt.dropout_mode == DropoutMode::kRngTracker)) {
+    return Status::Error("model.mtp_num_layers",
+                         "multi-token prediction needs rope, a dense model and dropout_mode "
+                         "\"global\" (what ParseGptSection accepts)");
   }
 
   return {};

@@ -41,6 +41,12 @@
 //       .mlp.linear_fc2.output                           [s, B, h]   without bias
 //       .mlp_bda.output                                  [s, B, h]   residual stream
 //     decoder.final_layernorm.output                    [s, B, h]
+//     mtp.layers.<k>.embedding.output                   [s, B, h]   multi-token prediction
+//       .enorm.output, .hnorm.output, .eh_proj.output   [s, B, h]   depth k (mtp_num_layers):
+//       .transformer_layer.<as a decoder layer's>                    the ids rolled k + 1
+//       .final_layernorm.output                         [s, B, h]   times, the shared output
+//       .output_layer.output                            [s, B, Vp]  layer, the loss masked
+//       .loss.per_token                                 [s, B]      where no label is left
 //     output_layer.output                               [s, B, Vp]  logits
 //     loss.per_token                                    [s, B]
 //   and after each of these but tokens/labels, "<name>_grad": d loss / d that tensor. These

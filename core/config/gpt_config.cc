@@ -47,6 +47,12 @@ constexpr AcceptedField kTransformerFields[] = {
     {"fp32_residual_connection", "false", "the residual stream is kept in run.dtype"},
     {"rotary_interleaved", "false",
      "RoPE pairs channel c with c + d/2 (rotate_half); interleaved pairs are not modelled"},
+    // Multi-token prediction's options beyond Megatron's default training math.
+    {"mtp_use_repeated_layer", "false",
+     "each depth has its own MTP layer; one layer applied at every depth is not modelled"},
+    {"mtp_detach_heads", "false",
+     "the MTP loss's gradient reaches the main model; detached heads are not modelled"},
+    {"mtp_hsm", "false", "hidden-state mixing across the depths is not modelled"},
 };
 
 const AcceptedField* FindTransformerField(std::string_view key) {
@@ -128,6 +134,38 @@ Status ResolveMoe(const json& section, GptConfig* gpt) {
   return {};
 }
 
+// Multi-token prediction's rules between keys (megatron/training/arguments.py validate_args),
+// and what mpusim has not built with it yet.
+Status CheckMtp(const json& section, GptConfig* gpt) {
+  if (gpt->mtp_num_layers == 0) {
+    if (section.contains("mtp_loss_scaling_factor")) {
+      gpt->ignored.push_back(
+          "model.mtp_loss_scaling_factor: ignored: mtp_num_layers is null (no MTP)");
+    }
+    return {};
+  }
+  if (gpt->position_embedding_type != PositionEmbedding::kRope) {
+    return Status::Error("model.position_embedding_type",
+                         fmt::format("\"{}\" cannot run with mtp_num_layers (Megatron's rule: "
+                                     "multi-token prediction takes \"rope\" or \"none\"); set "
+                                     "\"rope\"",
+                                     PositionEmbeddingName(gpt->position_embedding_type)));
+  }
+  if (gpt->moe.enabled()) {
+    return Status::Error("model.mtp_num_layers",
+                         "multi-token prediction with num_moe_experts is not built yet (the MTP "
+                         "layer of an MoE model); use a dense model or mtp_num_layers null");
+  }
+  if (gpt->dropout_mode == DropoutMode::kRngTracker &&
+      (gpt->hidden_dropout > 0 || gpt->attention_dropout > 0)) {
+    return Status::Error("model.dropout_mode",
+                         "\"rng_tracker\" with mtp_num_layers is not built yet (the MTP layers' "
+                         "draws in Megatron's streams); set dropout_mode \"global\" or the "
+                         "dropouts to 0");
+  }
+  return {};
+}
+
 }  // namespace
 
 int64_t GptConfig::PaddedVocabSize(int64_t tensor_model_parallel_size) const {
@@ -204,6 +242,7 @@ Status ParseGptSection(const json& section, GptConfig* out) {
     return Status::Error(prefix + ".label_smoothing", "needs a vocab_size of at least 2");
   }
   MPUSIM_RETURN_IF_ERROR(ResolveMoe(section, &gpt));
+  MPUSIM_RETURN_IF_ERROR(CheckMtp(section, &gpt));
   *out = gpt;
   return {};
 }
@@ -383,9 +422,8 @@ std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_voc
   }
   const int64_t stride_fc1 = IsGated(gpt.activation) ? 2 : 1;
   const int64_t attn_width = gpt.num_attention_heads * gpt.kv_channels;
-  for (int64_t i = 0; i < gpt.num_layers; ++i) {
-    if (keep_layer && !keep_layer(i)) continue;
-    const std::string layer = fmt::format("decoder.layers.{}", i);
+  // One transformer layer under `layer` (an MoE layer when `moe_layer`).
+  const auto add_layer = [&](const std::string& layer, bool moe_layer) {
     norm(layer + ".input_layernorm");
     add(layer + ".self_attention.linear_qkv.weight", {gpt.QkvRows(), h}, normal, 0);
     if (gpt.add_bias_linear || gpt.add_qkv_bias) {
@@ -405,7 +443,7 @@ std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_voc
     add(layer + ".self_attention.linear_proj.weight", {h, attn_width}, scaled, 1);
     if (gpt.add_bias_linear) add(layer + ".self_attention.linear_proj.bias", {h}, zeros, -1, 1, true);
     norm(layer + ".pre_mlp_layernorm");
-    if (gpt.moe.enabled() && gpt.moe.layers[static_cast<size_t>(i)]) {
+    if (moe_layer) {
       // MoELayer: the router (replicated; fed by the sequence-split stream under sequence
       // parallelism), the experts under their global numbers (SequentialMLP's
       // local_experts.<e>), the shared expert.
@@ -423,14 +461,36 @@ std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_voc
         add(layer + ".mlp.shared_experts.linear_fc1.weight", {s1, h}, normal, 0, stride_fc1);
         add(layer + ".mlp.shared_experts.linear_fc2.weight", {h, *shared}, scaled, 1);
       }
-      continue;
+      return;
     }
     add(layer + ".mlp.linear_fc1.weight", {gpt.Fc1Rows(), h}, normal, 0, stride_fc1);
     if (gpt.add_bias_linear) add(layer + ".mlp.linear_fc1.bias", {gpt.Fc1Rows()}, zeros, 0, stride_fc1);
     add(layer + ".mlp.linear_fc2.weight", {h, gpt.ffn_hidden_size}, scaled, 1);
     if (gpt.add_bias_linear) add(layer + ".mlp.linear_fc2.bias", {h}, zeros, -1, 1, true);
+  };
+  const auto is_moe_layer = [&](int64_t i) {
+    return gpt.moe.enabled() && gpt.moe.layers[static_cast<size_t>(i)];
+  };
+  for (int64_t i = 0; i < gpt.num_layers; ++i) {
+    if (keep_layer && !keep_layer(i)) continue;
+    add_layer(fmt::format("decoder.layers.{}", i), is_moe_layer(i));
   }
   norm("decoder.final_layernorm");
+  // Multi-token prediction (MultiTokenPredictionLayer, built before the output layer), on the
+  // stage that holds the last decoder layer (Megatron's default placement: the last pipeline
+  // stage). Each depth: enorm (of the shifted tokens' embedding), hnorm (of the previous
+  // hidden state), eh_proj (ColumnParallelLinear [h, 2h], no bias), a transformer layer built
+  // from the last decoder layer's spec (checkpoint name transformer_layer), final_layernorm.
+  if (gpt.mtp_num_layers > 0 && (!keep_layer || keep_layer(gpt.num_layers - 1))) {
+    for (int64_t k = 0; k < gpt.mtp_num_layers; ++k) {
+      const std::string mtp = fmt::format("mtp.layers.{}", k);
+      norm(mtp + ".enorm");
+      norm(mtp + ".hnorm");
+      add(mtp + ".eh_proj.weight", {h, 2 * h}, normal, 0);
+      add_layer(mtp + ".transformer_layer", is_moe_layer(gpt.num_layers - 1));
+      norm(mtp + ".final_layernorm");
+    }
+  }
   if (!gpt.share_embeddings_and_output_weights) {
     add("output_layer.weight", {padded_vocab_size, h}, normal, 0);
   }

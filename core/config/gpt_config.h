@@ -145,6 +145,12 @@ struct GptConfig {
   std::optional<Fp8Format> fp8;                // none: the linear layers in the run's dtype
   Fp8Recipe fp8_recipe = Fp8Recipe::kDelayed;  // Megatron's default
   MoeConfig moe;
+  // Multi-token prediction (Megatron's MultiTokenPredictionBlock, DeepSeek-V3): mtp_num_layers
+  // depths after the decoder on the last pipeline stage, each predicting the token k + 1 ahead;
+  // 0 (Megatron's None): none. Their losses, averaged over the depths and times
+  // mtp_loss_scaling_factor, join the gradient but not the reported loss.
+  int64_t mtp_num_layers = 0;
+  double mtp_loss_scaling_factor = 0.1;
   // TransformerConfig fields given that change nothing mpusim computes, one line each
   // ("model.bias_dropout_fusion: ignored: why"), printed as notes.
   std::vector<std::string> ignored;

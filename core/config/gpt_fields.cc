@@ -423,6 +423,25 @@ constexpr GptField kFields[] = {
      .help = "the router's logits, probabilities and the experts' output weighting in \"fp32\" "
              "or \"fp64\"; null: the run's dtype",
      .effect = FieldEffect::kPrecision},
+    // Multi-token prediction.
+    {.key = "mtp_num_layers",
+     .target = Codec<GptConfig>{
+         FieldKind::kInt,
+         [](const json& value, const std::string& where, GptConfig* gpt) {
+           std::optional<int64_t> depths;
+           MPUSIM_RETURN_IF_ERROR(ParseOptionalInt(value, where, 0, &depths));
+           gpt->mtp_num_layers = depths.value_or(0);
+           return Status();
+         },
+         [](const GptConfig& gpt) {
+           return gpt.mtp_num_layers == 0 ? json(nullptr) : json(gpt.mtp_num_layers);
+         }},
+     .help = "multi-token prediction depths (MultiTokenPredictionBlock on the last pipeline "
+             "stage: each adds enorm, hnorm, eh_proj, a transformer layer like the last "
+             "decoder layer and final_layernorm, and predicts one token further); null: none",
+     .effect = kShape},
+    {"mtp_loss_scaling_factor", Coefficient<&GptConfig::mtp_loss_scaling_factor>(),
+     "the weight of the mean of the depths' losses in the gradient (not in the reported loss)"},
 };
 
 }  // namespace

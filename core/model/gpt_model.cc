@@ -110,6 +110,13 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
   model->gpt_ = *config.gpt;
   model->run_ = *config.run;
   MPUSIM_RETURN_IF_ERROR(CheckGptLayout(config.parallel, model->run_, &model->gpt_));
+  if (model->gpt_.mtp_num_layers > 0) {
+    return Status::Error("model.mtp_num_layers",
+                         fmt::format("{}: multi-token prediction is not built in the executor "
+                                     "and the estimate yet (the float64 reference runs it); set "
+                                     "null",
+                                     model->gpt_.mtp_num_layers));
+  }
   if (topology.first_rank() != 0) {
     return Status::Error("parallel.rank_offset", "mpusim run needs rank_offset 0");
   }

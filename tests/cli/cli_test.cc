@@ -3179,5 +3179,19 @@ TEST(HostileInput, OutputFilesAreCheckedBeforeTheRun) {
 
 }  // namespace hostile_tests
 
+// Multi-token prediction: the float64 reference runs it (GptReferenceTest); until the executor
+// and the estimate do, run and estimate refuse it with one line naming the key, exit 2.
+TEST(RunCommand, RefusesMultiTokenPredictionUntilTheExecutorRunsIt) {
+  json config = json::parse(std::ifstream(Sample("gpt_qk_norm_partial_rope_t2_n2.json")));
+  config["model"]["mtp_num_layers"] = 1;
+  const std::string path = WriteTemp("mpusim_mtp_refused.json", config.dump());
+  const std::string line = "error: " + path +
+                           ": model.mtp_num_layers: 1: multi-token prediction is not built in "
+                           "the executor and the estimate yet (the float64 reference runs it); "
+                           "set null";
+  ExpectUsageError(Mpusim({"run", path}), line);
+  ExpectUsageError(Mpusim({"estimate", path}), line);
+}
+
 }  // namespace
 }  // namespace mpusim::cli

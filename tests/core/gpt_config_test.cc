@@ -613,5 +613,78 @@ TEST(GptConfig, ParametersFollowMegatronStateDict) {
   EXPECT_FALSE(GptParameters(gpt, 1024, false)[2].allreduce_grad_over_tp);
 }
 
+// Multi-token prediction: Megatron's keys and defaults (mtp_num_layers None, scaling factor
+// 0.1), its refusals (position embeddings other than rope, per Megatron's validate_args; the
+// options beyond the default training math), and the parameters each depth adds on the stage
+// holding the last decoder layer, before the output layer, under Megatron's checkpoint names.
+TEST(GptConfig, MultiTokenPrediction) {
+  json section = Minimal();
+  section["position_embedding_type"] = "rope";
+  GptConfig gpt;
+  ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
+  EXPECT_EQ(gpt.mtp_num_layers, 0);
+  EXPECT_DOUBLE_EQ(gpt.mtp_loss_scaling_factor, 0.1);
+  section["mtp_num_layers"] = 2;
+  section["mtp_loss_scaling_factor"] = 0.3;
+  section["num_layers"] = 1;
+  section["share_embeddings_and_output_weights"] = false;
+  section["mtp_hsm"] = false;
+  ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
+  EXPECT_EQ(gpt.mtp_num_layers, 2);
+  EXPECT_DOUBLE_EQ(gpt.mtp_loss_scaling_factor, 0.3);
+
+  const auto refused = [&](const char* key, const json& value) {
+    json bad = section;
+    bad[key] = value;
+    return Refusal(bad);
+  };
+  EXPECT_EQ(refused("position_embedding_type", "learned_absolute"),
+            "model.position_embedding_type: \"learned_absolute\" cannot run with mtp_num_layers "
+            "(Megatron's rule: multi-token prediction takes \"rope\" or \"none\"); set "
+            "\"rope\"");
+  EXPECT_EQ(refused("mtp_num_layers", -1).rfind("model.mtp_num_layers: ", 0), 0u);
+  EXPECT_EQ(refused("mtp_hsm", true),
+            "model.mtp_hsm: boolean true: hidden-state mixing across the depths is not "
+            "modelled; only false is accepted");
+  EXPECT_NE(refused("mtp_use_repeated_layer", true).find("only false is accepted"),
+            std::string::npos);
+  EXPECT_NE(refused("mtp_detach_heads", true).find("only false is accepted"), std::string::npos);
+  EXPECT_NE(refused("dropout_mode", "rng_tracker").find("model.dropout_mode: "), std::string::npos);
+
+  const std::vector<GptParameter> params = GptParameters(gpt, 1024, /*sequence_parallel=*/true);
+  std::vector<std::string> names;
+  for (const GptParameter& p : params) names.push_back(p.name);
+  // rope: no position embedding; 12 tensors per layer; 19 per depth.
+  ASSERT_EQ(names.size(), 15u + 2u * 19u + 1u);
+  EXPECT_EQ(names[14], "decoder.final_layernorm.bias");
+  const std::vector<std::string> depth = {
+      "mtp.layers.1.enorm.weight",
+      "mtp.layers.1.enorm.bias",
+      "mtp.layers.1.hnorm.weight",
+      "mtp.layers.1.hnorm.bias",
+      "mtp.layers.1.eh_proj.weight",
+      "mtp.layers.1.transformer_layer.input_layernorm.weight",
+      "mtp.layers.1.transformer_layer.input_layernorm.bias",
+      "mtp.layers.1.transformer_layer.self_attention.linear_qkv.weight",
+      "mtp.layers.1.transformer_layer.self_attention.linear_qkv.bias",
+      "mtp.layers.1.transformer_layer.self_attention.linear_proj.weight",
+      "mtp.layers.1.transformer_layer.self_attention.linear_proj.bias",
+      "mtp.layers.1.transformer_layer.pre_mlp_layernorm.weight",
+      "mtp.layers.1.transformer_layer.pre_mlp_layernorm.bias",
+      "mtp.layers.1.transformer_layer.mlp.linear_fc1.weight",
+      "mtp.layers.1.transformer_layer.mlp.linear_fc1.bias",
+      "mtp.layers.1.transformer_layer.mlp.linear_fc2.weight"};
+  EXPECT_EQ(std::vector<std::string>(names.begin() + 15 + 19, names.begin() + 15 + 19 + 16), depth);
+  EXPECT_EQ(names.back(), "output_layer.weight");
+  const GptParameter& eh_proj = params[15 + 4];
+  EXPECT_EQ(eh_proj.name, "mtp.layers.0.eh_proj.weight");
+  EXPECT_EQ(eh_proj.shape, (Shape{64, 128}));
+  EXPECT_EQ(eh_proj.tp_dim, 0);  // ColumnParallelLinear, gather_output false
+  EXPECT_DOUBLE_EQ(eh_proj.init.std, 0.02);
+  EXPECT_TRUE(params[15].allreduce_grad_over_tp);  // enorm: fed by the sequence-split stream
+  // A stage without the last decoder layer holds no depth.
+  EXPECT_EQ(GptParameters(gpt, 1024, true, [](int64_t) { return false; }).size(), 4u);
+}
+
 }  // namespace
 }  // namespace mpusim

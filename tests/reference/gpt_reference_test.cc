@@ -905,5 +905,20 @@ TEST(GptReferenceTest, MatchesTorchGoldenMixtureOfExpertsSequenceAuxLoss) {
   CheckGolden("gpt_golden_f.safetensors");
 }
 
+// Multi-token prediction (MultiTokenPredictionBlock and process_mtp_loss): two depths, each
+// joining enorm(embedding of the tokens rolled once more) and hnorm(previous hidden state)
+// through eh_proj and a transformer layer, the shared output head, the depths' losses
+// weighted by mtp_loss_scaling_factor / mtp_num_layers over their own token counts in the
+// gradient and absent from the loss (tests/data/gpt_golden/README.md, config K): an untied
+// output layer with label smoothing, tp 2 ...
+TEST(GptReferenceTest, MatchesTorchGoldenMultiTokenPredictionUntied) {
+  CheckGolden("gpt_golden_k.safetensors");
+}
+
+// ... and the output layer tied to the word embedding that the depths also read.
+TEST(GptReferenceTest, MatchesTorchGoldenMultiTokenPredictionTied) {
+  CheckGolden("gpt_golden_k_tied.safetensors");
+}
+
 }  // namespace
 }  // namespace mpusim

@@ -140,6 +140,41 @@ CONFIG_F["model"] = {k: v for k, v in CONFIG_F["model"].items() if v is not None
 CONFIG_F["run"]["seed"] = 16
 
 
+# Config K: multi-token prediction (Megatron-Core's MultiTokenPredictionBlock, local spec), two
+# depths on config B's kind of model: RMSNorm, swiglu, rope, grouped-query attention, untied
+# output layer, label smoothing, tp 2, d = 2, two micro-batches, mtp_loss_scaling_factor 0.3.
+CONFIG_K = {
+    "parallel": {"world_size": 4, "tensor_model_parallel_size": 2},
+    "model": {
+        "type": "gpt", "num_layers": 2, "hidden_size": 16, "num_attention_heads": 4,
+        "num_query_groups": 2, "kv_channels": 8, "ffn_hidden_size": 24,
+        "normalization": "RMSNorm", "layernorm_epsilon": 1e-6, "activation": "swiglu",
+        "add_bias_linear": False, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+        "position_embedding_type": "rope", "rotary_base": 10000,
+        "share_embeddings_and_output_weights": False, "vocab_size": 29,
+        "make_vocab_size_divisible_by": 4, "label_smoothing": 0.1,
+        "mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.3,
+    },
+    "run": {"seed": 21, "dtype": "float64", "seq_length": 6, "micro_batch_size": 2,
+            "num_microbatches": 2},
+}
+# Config K tied: LayerNorm, gelu, biases, rope, the output layer tied to the word embeddings
+# (the MTP heads share it), tp 1, d = 2, three micro-batches, the default scaling factor 0.1.
+CONFIG_K_TIED = {
+    "parallel": {"world_size": 2, "tensor_model_parallel_size": 1},
+    "model": {
+        "type": "gpt", "num_layers": 2, "hidden_size": 16, "num_attention_heads": 4,
+        "ffn_hidden_size": 32, "normalization": "LayerNorm", "layernorm_epsilon": 1e-5,
+        "activation": "gelu", "add_bias_linear": True, "hidden_dropout": 0.0,
+        "attention_dropout": 0.0, "position_embedding_type": "rope", "rotary_base": 10000,
+        "share_embeddings_and_output_weights": True, "vocab_size": 29,
+        "make_vocab_size_divisible_by": 4, "label_smoothing": 0.0, "mtp_num_layers": 2,
+    },
+    "run": {"seed": 22, "dtype": "float64", "seq_length": 6, "micro_batch_size": 2,
+            "num_microbatches": 3},
+}
+
+
 class Sizes:
     def __init__(self, doc):
         p, m, r = doc["parallel"], doc["model"], doc["run"]
@@ -190,6 +225,9 @@ class Sizes:
         self.capacity_factor = m.get("moe_expert_capacity_factor")
         self.drop_policy = m.get("moe_token_drop_policy", "probs")
         self.shared_ffn = m.get("moe_shared_expert_intermediate_size")
+        # Multi-token prediction (TransformerConfig: mtp_num_layers None, scaling factor 0.1).
+        self.mtp = m.get("mtp_num_layers") or 0
+        self.mtp_scale = m.get("mtp_loss_scaling_factor", 0.1)
 
     def expert(self, p, e, fc):
         """An expert's weight name: SequentialMLP's local_experts.<e>.linear_fc<n>.weight (global
@@ -252,6 +290,31 @@ def make_parameters(z):
         if z.bias:
             bias(p + ".mlp.linear_fc2.bias", z.h)
     norm("decoder.final_layernorm")
+    # MultiTokenPredictionLayer (built after the decoder, before the output layer): enorm,
+    # hnorm, eh_proj (ColumnParallelLinear 2h -> h, bias=False), the transformer layer
+    # (mtp_model_layer, saved as transformer_layer; the last decoder layer's spec: dense
+    # here), final_layernorm.
+    for k in range(z.mtp):
+        p = f"mtp.layers.{k}"
+        norm(p + ".enorm")
+        norm(p + ".hnorm")
+        weight(p + ".eh_proj.weight", z.h, 2 * z.h)
+        t = p + ".transformer_layer"
+        norm(t + ".input_layernorm")
+        weight(t + ".self_attention.linear_qkv.weight", qkv_rows, z.h)
+        if z.qkv_bias:
+            bias(t + ".self_attention.linear_qkv.bias", qkv_rows)
+        weight(t + ".self_attention.linear_proj.weight", z.h, z.a * z.dk)
+        if z.bias:
+            bias(t + ".self_attention.linear_proj.bias", z.h)
+        norm(t + ".pre_mlp_layernorm")
+        weight(t + ".mlp.linear_fc1.weight", fc1_rows, z.h)
+        if z.bias:
+            bias(t + ".mlp.linear_fc1.bias", fc1_rows)
+        weight(t + ".mlp.linear_fc2.weight", z.h, z.ffn)
+        if z.bias:
+            bias(t + ".mlp.linear_fc2.bias", z.h)
+        norm(p + ".final_layernorm")
     if not z.tied:
         weight("output_layer.weight", z.Vp, z.h)
     return params
@@ -422,6 +485,104 @@ def microbatch_loss_sum(z, P, tokens, labels, aux_terms=None):
                            label_smoothing=smoothing)
 
 
+def dense_layer(z, P, p, x):
+    """One dense TransformerLayer (local spec) on the residual stream x [s, B, h]."""
+    r = z.a // z.g
+    get = lambda name: P.get(p + name)
+    causal = torch.triu(torch.ones(z.s, z.s, dtype=torch.bool), diagonal=1)
+    h1 = normalize(z, x, p + ".input_layernorm", P)
+    qkv = F.linear(h1, get(".self_attention.linear_qkv.weight"),
+                   get(".self_attention.linear_qkv.bias"))
+    qkv = qkv.view(z.s, z.B, z.g, r + 2, z.dk)
+    q = qkv[:, :, :, :r, :].reshape(z.s, z.B, z.a, z.dk)
+    k = qkv[:, :, :, r, :]
+    v = qkv[:, :, :, r + 1, :]
+    if z.rope:
+        q = apply_rope(z, q)
+        k = apply_rope(z, k)
+    k = k.repeat_interleave(r, dim=2)
+    v = v.repeat_interleave(r, dim=2)
+    scores = torch.einsum("qbhd,kbhd->bhqk", q, k) / math.sqrt(z.dk)
+    probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
+    context = torch.einsum("bhqk,kbhd->qbhd", probs, v).reshape(z.s, z.B, z.a * z.dk)
+    x = x + F.linear(context, get(".self_attention.linear_proj.weight"),
+                     get(".self_attention.linear_proj.bias"))
+    h2 = normalize(z, x, p + ".pre_mlp_layernorm", P)
+    fc1 = F.linear(h2, get(".mlp.linear_fc1.weight"), get(".mlp.linear_fc1.bias"))
+    if z.swiglu:
+        gate, up = torch.chunk(fc1, 2, dim=-1)
+        act = F.silu(gate) * up
+    else:
+        act = F.gelu(fc1)
+    return x + F.linear(act, get(".mlp.linear_fc2.weight"), get(".mlp.linear_fc2.bias"))
+
+
+def roll_tensor(t):
+    """multi_token_prediction.roll_tensor with cp 1 on Megatron's [b, s] ids, labels and loss
+    mask: torch.roll(shifts=-1) along the sequence, the vacated last position set to 0."""
+    rolled = torch.roll(t, shifts=-1, dims=-1)
+    rolled.select(-1, -1).fill_(0)
+    return rolled
+
+
+def mtp_microbatch(z, P, tokens, labels):
+    """A dense GPTModel with MTP on one micro-batch (tokens, labels: [s, B] int64), as
+    GPTModel._postprocess runs it: the decoder (its final layernorm included), then
+    MultiTokenPredictionBlock.forward and process_mtp_loss. Returns (the sum of the main
+    token losses, the MTP objective of the micro-batch): for each data-parallel rank (its own
+    [b, s] labels and loss mask, as Megatron's forward_step sees them) and depth k,
+    mtp_loss_scaling_factor / mtp_num_layers * sum(loss_mask_k * loss_k) / num_tokens_k, the
+    term MTPLossAutoScaler attaches to the hidden states (its gradient 1 * the main loss's
+    backward scale)."""
+    out_w = P["embedding.word_embeddings.weight"] if z.tied else P["output_layer.weight"]
+    smoothing = z.label_smoothing * z.Vp / (z.Vp - 1)
+
+    def lm_loss(h, target):  # compute_language_model_loss: [s, B] per-token losses
+        logits = F.linear(h, out_w)
+        return F.cross_entropy(logits.reshape(-1, z.Vp), target.reshape(-1), reduction="none",
+                               label_smoothing=smoothing).view(z.s, z.B)
+
+    x = F.embedding(tokens, P["embedding.word_embeddings.weight"])  # rope: no positions
+    for i in range(z.L):
+        x = dense_layer(z, P, f"decoder.layers.{i}", x)
+    hidden = normalize(z, x, "decoder.final_layernorm", P)
+    main = lm_loss(hidden, labels).sum()
+
+    # MultiTokenPredictionBlock.forward: each layer rolls the ids ([b, s]: here [B, s]) once,
+    # embeds them, and joins cat(enorm(embedding), hnorm(hidden)) through eh_proj.
+    input_ids = tokens.t().contiguous()  # [B, s]
+    depth_hidden = []
+    h = hidden
+    for k in range(z.mtp):
+        p = f"mtp.layers.{k}"
+        input_ids = roll_tensor(input_ids)
+        decoder_input = F.embedding(input_ids.t(), P["embedding.word_embeddings.weight"])
+        e = normalize(z, decoder_input, p + ".enorm", P)
+        hn = normalize(z, h, p + ".hnorm", P)
+        y = F.linear(torch.cat((e, hn), -1), P[p + ".eh_proj.weight"])
+        y = dense_layer(z, P, p + ".transformer_layer", y)
+        h = normalize(z, y, p + ".final_layernorm", P)
+        depth_hidden.append(h)
+
+    # process_mtp_loss, per data-parallel rank (calculate_per_token_loss False).
+    objective = hidden.new_zeros(())
+    for dp in range(z.d):
+        cols = slice(dp * z.b, (dp + 1) * z.b)
+        mtp_labels = labels[:, cols].t().contiguous()  # [b, s]
+        loss_mask = torch.ones(z.b, z.s, dtype=torch.float64)
+        for k in range(z.mtp):
+            mtp_labels = roll_tensor(mtp_labels)
+            loss_mask = roll_tensor(loss_mask)
+            num_tokens = loss_mask.sum()
+            logits = F.linear(depth_hidden[k][:, cols, :], out_w)  # [s, b, Vp]
+            mtp_loss = F.cross_entropy(logits.reshape(-1, z.Vp), mtp_labels.t().reshape(-1),
+                                       reduction="none", label_smoothing=smoothing)
+            mtp_loss = loss_mask * mtp_loss.view(z.s, z.b).t()  # [b, s]
+            mtp_loss_scale = z.mtp_scale / z.mtp
+            objective = objective + mtp_loss_scale * mtp_loss.sum() / num_tokens.clamp(min=1)
+    return main, objective
+
+
 def write_safetensors(path, tensors, metadata):
     header = {"__metadata__": metadata}
     blobs = []
@@ -450,8 +611,17 @@ def make(doc, torch_seed, path):
     for t in P.values():
         t.requires_grad_(True)
     aux_terms = []
-    loss = sum(microbatch_loss_sum(z, P, tokens[m], labels[m], aux_terms) for m in range(z.M))
-    loss = loss / (z.M * z.s * z.B)
+    if z.mtp:
+        # The MTP objective joins the gradient as the MoE auxiliary losses do, 1 / (M d) of
+        # each dp rank's and micro-batch's: MTPLossAutoScaler's scale is 1 / M (schedules.py
+        # set_loss_scale(loss_scale / num_microbatches)) and the data-parallel average 1 / d.
+        sums = [mtp_microbatch(z, P, tokens[m], labels[m]) for m in range(z.M)]
+        loss = sum(main for main, _ in sums) / (z.M * z.s * z.B)
+        aux_terms = [objective for _, objective in sums]
+    else:
+        loss = sum(microbatch_loss_sum(z, P, tokens[m], labels[m], aux_terms)
+                   for m in range(z.M))
+        loss = loss / (z.M * z.s * z.B)
     # MoE: the auxiliary losses add gradients, scaled as Megatron's schedule sets
     # MoEAuxLossAutoScaler (cp / M) and the data-parallel average (1 / (d cp)) leave them:
     # 1 / (M d) of each dp rank's and micro-batch's; the reported loss stays the LM loss.
@@ -461,7 +631,7 @@ def make(doc, torch_seed, path):
     tensors += [(name + ".grad", t.grad) for name, t in P.items()]
     tensors += [("tokens", tokens.to(torch.float64)), ("labels", labels.to(torch.float64)),
                 ("loss", loss.detach().reshape(1))]
-    if aux_terms:
+    if aux_terms and not z.mtp:
         tensors.append(("moe_aux_objective", aux.detach().reshape(1)))
     metadata = {"config": json.dumps(doc, sort_keys=True),
                 "generator": "tests/data/gpt_golden/make_gpt_golden.py",
@@ -479,6 +649,8 @@ def main():
     make(CONFIG_D, 4, os.path.join(HERE, "gpt_golden_d.safetensors"))
     make(CONFIG_E, 5, os.path.join(HERE, "gpt_golden_e.safetensors"))
     make(CONFIG_F, 6, os.path.join(HERE, "gpt_golden_f.safetensors"))
+    make(CONFIG_K, 21, os.path.join(HERE, "gpt_golden_k.safetensors"))
+    make(CONFIG_K_TIED, 22, os.path.join(HERE, "gpt_golden_k_tied.safetensors"))
     return 0
 
 
