@@ -471,8 +471,7 @@ TEST(GptReferenceTest, ActivationGradientsFollowTheChainRuleRmsNormSwigluRopeGqa
 
 // Slices of the samples (uneven, one empty) give the whole run back: sliced activations are
 // the whole run's samples, gradient and loss shares add up, parameters are the same.
-TEST(GptReferenceTest, SlicesOfTheSamplesAddUpToTheWholeRun) {
-  const GptSetup x = ConfigTwo(0.1, 3);
+void CheckSlicesAddUpToTheWholeRun(const GptSetup& x) {
   const ReferenceResult whole = MustRun(x);
   const std::vector<std::pair<int64_t, int64_t>> slices = {{0, 1}, {1, 1}, {1, 3}, {3, 4}};
   std::vector<ReferenceResult> parts;
@@ -535,6 +534,19 @@ TEST(GptReferenceTest, SlicesOfTheSamplesAddUpToTheWholeRun) {
     // Activations to the rounding of GEMMs of other sizes; gradient sums in another order.
     EXPECT_TRUE(AllNear(expected.name, joined, all, 1e-15, 1e-12));
   }
+}
+
+TEST(GptReferenceTest, SlicesOfTheSamplesAddUpToTheWholeRun) {
+  CheckSlicesAddUpToTheWholeRun(ConfigTwo(0.1, 3));
+}
+
+// Multi-token prediction's depths (with their dropout sites): each depth's loss is weighted
+// over the global batch's tokens, so slices' gradients add up to the whole run's.
+TEST(GptReferenceTest, SlicesOfTheSamplesAddUpToTheWholeRunWithMultiTokenPrediction) {
+  GptSetup x = ConfigTwo(0.1, 3);
+  x.gpt.mtp_num_layers = 2;
+  x.gpt.mtp_loss_scaling_factor = 0.5;
+  CheckSlicesAddUpToTheWholeRun(x);
 }
 
 TEST(GptReferenceTest, BadSlicesOverridesAndTokensAreErrors) {
