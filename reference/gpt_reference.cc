@@ -132,6 +132,7 @@ Status InitParameters(const GptConfig& gpt, const Dims& d,
     p->by_name.emplace(gp.name, param);
   }
   for (const auto& [name, tensor] : overrides) {
+    if (name.ends_with(".router.expert_bias")) continue;  // state, read below
     if (p->by_name.count(name) == 0) {
       return Status::Error("parameter_overrides", fmt::format("no parameter named \"{}\"", name));
     }
@@ -167,6 +168,20 @@ Status InitParameters(const GptConfig& gpt, const Dims& d,
       }
       lp.moe.shared_fc1 = get(prefix + ".mlp.shared_experts.linear_fc1.weight");
       lp.moe.shared_fc2 = get(prefix + ".mlp.shared_experts.linear_fc2.weight");
+      if (gpt.moe.enable_expert_bias) {
+        const std::string name = prefix + ".mlp.router.expert_bias";
+        lp.moe.expert_bias.assign(static_cast<size_t>(gpt.moe.num_experts), 0.0);
+        if (auto it = overrides.find(name); it != overrides.end()) {
+          const Tensor& t = it->second;
+          if (t.device() != Device::kHost || t.dtype() != DType::kFloat64 ||
+              t.shape() != Shape{gpt.moe.num_experts}) {
+            return Status::Error("parameter_overrides",
+                                 fmt::format("\"{}\" must be a host float64 tensor of shape [{}]",
+                                             name, gpt.moe.num_experts));
+          }
+          lp.moe.expert_bias.assign(t.data_as<double>(), t.data_as<double>() + t.numel());
+        }
+      }
     }
     return lp;
   };
@@ -770,6 +785,16 @@ StatusOr<ReferenceResult> RunGptReference(const GptConfig& gpt_in,
   MPUSIM_RETURN_IF_ERROR(InitParameters(gpt, d, options.parameter_overrides, &params));
 
   SliceRun slice{gpt, d, params, {}, {}, 0.0, 0.0, {}};
+  // The expert biases' counts, per MoE layer over every micro-batch (kept choices).
+  std::map<int64_t, std::vector<double>> tokens_per_expert;
+  if (gpt.moe.enabled() && gpt.moe.enable_expert_bias) {
+    for (int64_t i = 0; i < d.L; ++i) {
+      MoeParams& moe = params.layers[static_cast<size_t>(i)].moe;
+      if (!moe.defined()) continue;
+      tokens_per_expert[i].assign(static_cast<size_t>(gpt.moe.num_experts), 0.0);
+      moe.tokens_per_expert = &tokens_per_expert[i];
+    }
+  }
   if (gpt.moe.enabled()) {
     // Routers see whole dp ranks' tokens: the slice must hold whole dp ranks.
     const int64_t b = run.micro_batch_size;
@@ -831,7 +856,51 @@ StatusOr<ReferenceResult> RunGptReference(const GptConfig& gpt_in,
   Tensor loss = NewTensor({1});
   loss.data_as<double>()[0] = result.loss;
   whole("loss", {1}, loss, true);
+  for (const auto& [i, counts] : tokens_per_expert) {
+    const std::string router = fmt::format("decoder.layers.{}.mlp.router", i);
+    const std::vector<double>& bias = params.layers[static_cast<size_t>(i)].moe.expert_bias;
+    const Shape shape{gpt.moe.num_experts};
+    Tensor b = NewTensor(shape), c = NewTensor(shape);
+    std::copy(bias.begin(), bias.end(), b.data_as<double>());
+    std::copy(counts.begin(), counts.end(), c.data_as<double>());
+    // Exact values (float32 steps of the rate; whole counts): compared for equality.
+    whole(router + ".expert_bias", shape, b, false)->budget = ErrorBudget{};
+    whole(router + ".local_tokens_per_expert", shape, c, true)->budget = ErrorBudget{};
+  }
   return result;
+}
+
+void FinishGptReferenceIteration(const GptConfig& gpt, ReferenceResult& result, bool trained,
+                                 std::map<std::string, Tensor>* state) {
+  const std::string counts_suffix = ".local_tokens_per_expert", bias_suffix = ".expert_bias";
+  std::map<std::string, Tensor> counts;  // by the router's prefix
+  for (const ReferenceTensor& t : result.tensors) {
+    if (t.name.ends_with(counts_suffix)) {
+      counts[t.name.substr(0, t.name.size() - counts_suffix.size())] = t.value;
+    }
+  }
+  std::erase_if(result.tensors,
+                [&](const ReferenceTensor& t) { return t.name.ends_with(counts_suffix); });
+  for (ReferenceTensor& t : result.tensors) {
+    if (!t.name.ends_with(bias_suffix)) continue;
+    const Tensor& c = counts.at(t.name.substr(0, t.name.size() - bias_suffix.size()));
+    Tensor next = NewTensor(t.value.shape());
+    const auto n = static_cast<size_t>(c.numel());
+    // get_updated_expert_bias, in float32 as Megatron's buffer: offset = mean - count,
+    // bias + sign(offset) * rate.
+    float total = 0;
+    for (size_t e = 0; e < n; ++e) total += static_cast<float>(c.data_as<double>()[e]);
+    const float mean = total / static_cast<float>(n);
+    const auto rate = static_cast<float>(gpt.moe.bias_update_rate);
+    for (size_t e = 0; e < n; ++e) {
+      const auto bias = static_cast<float>(t.value.data_as<double>()[e]);
+      const float offset = mean - static_cast<float>(c.data_as<double>()[e]);
+      const float sign = offset > 0 ? 1.0f : offset < 0 ? -1.0f : 0.0f;
+      next.data_as<double>()[e] = trained ? static_cast<double>(bias + sign * rate) : bias;
+    }
+    t.value = next;
+    (*state)[t.name] = next;
+  }
 }
 
 }  // namespace mpusim

@@ -112,6 +112,16 @@ struct GptReferenceTokens {
 GptReferenceTokens DrawGptReferenceTokens(const GptConfig& gpt, const ParallelConfig& parallel,
                                           const RunConfig& run, int64_t microbatch);
 
+// With moe_router_enable_expert_bias: each MoE layer's "<prefix>.mlp.router.expert_bias"
+// (float32 values as float64 [E]; the bias the iteration chose with, an override or zeros) and
+// "<prefix>.mlp.router.local_tokens_per_expert" (partial: the slice's kept choices per
+// expert, all micro-batches) are in the result. Once the shares are summed, this takes the
+// counts out and, when `trained`, moves each bias as Megatron's get_updated_expert_bias does
+// (float32: bias + sign(mean - count) * rate); `state` gets the biases the next iteration
+// reads.
+void FinishGptReferenceIteration(const GptConfig& gpt, ReferenceResult& result, bool trained,
+                                 std::map<std::string, Tensor>* state);
+
 // Runs the whole model on a slice of the global batch. `gpt` is the parsed model section
 // (max_position_embeddings 0 means seq_length). Anything the reference cannot give a meaning
 // to (a bad slice, a bad override or token list, a layout that does not divide world_size)

@@ -20,6 +20,32 @@ std::vector<int64_t> FirstK(const std::vector<double>& v, int64_t k) {
   return order;
 }
 
+// The experts a token chooses from its ranked values v [E]: the first k, or with
+// group-limited routing the first k among the experts of the group_topk groups (E / G
+// consecutive experts each) whose largest k / group_topk values sum highest, equal sums by the
+// lower group.
+std::vector<int64_t> Choose(const MoeConfig& moe, std::vector<double> v) {
+  const int64_t k = moe.router_topk;
+  if (moe.group_topk) {
+    const int64_t G = *moe.num_groups, per = static_cast<int64_t>(v.size()) / G;
+    std::vector<double> sums(static_cast<size_t>(G), 0.0);
+    for (int64_t g = 0; g < G; ++g) {
+      std::vector<double> members(v.begin() + g * per, v.begin() + (g + 1) * per);
+      for (int64_t i : FirstK(members, k / *moe.group_topk)) {
+        sums[static_cast<size_t>(g)] += members[static_cast<size_t>(i)];
+      }
+    }
+    std::vector<bool> open(static_cast<size_t>(G), false);
+    for (int64_t g : FirstK(sums, *moe.group_topk)) open[static_cast<size_t>(g)] = true;
+    for (size_t e = 0; e < v.size(); ++e) {
+      if (!open[e / static_cast<size_t>(per)]) v[e] = -INFINITY;
+    }
+  }
+  return FirstK(v, k);
+}
+
+constexpr double kSigmoidEps = 1e-20;  // Megatron's s / (sum s + 1e-20)
+
 std::vector<double> RowOf(const Mat& m, int64_t r) {
   std::vector<double> v(static_cast<size_t>(m.cols()));
   for (int64_t c = 0; c < m.cols(); ++c) v[static_cast<size_t>(c)] = m(r, c);
@@ -94,6 +120,8 @@ Mat MoeForward(const Dims& d, const GptConfig& gpt, const MoeLayout& layout, con
   const MoeConfig& moe = gpt.moe;
   const int64_t E = moe.num_experts, k = moe.router_topk;
   const double per_dp = 1.0 / static_cast<double>(d.M * (d.B / layout.b));  // 1 / (M d)
+  const bool sigmoid = moe.score_function == MoeScoreFunction::kSigmoid;
+  const double scaling = moe.topk_scaling_factor.value_or(1.0);
   MoeStash& st = *stash;
   st.x = x;
   st.groups.clear();
@@ -110,21 +138,41 @@ Mat MoeForward(const Dims& d, const GptConfig& gpt, const MoeLayout& layout, con
       g.logits = Linear(Gather(x, g.rows), p.router, Param{});
       g.scores.resize(T, E);
       g.lse.resize(T);
+      if (sigmoid) {
+        g.sig.resize(T, E);
+        g.aux_scores.resize(T, E);
+      }
       for (int64_t t = 0; t < T; ++t) {
         const double m = g.logits.row(t).maxCoeff();
         const double sum = (g.logits.row(t).array() - m).exp().sum();
         g.lse(t) = m + std::log(sum);
         g.scores.row(t) = (g.logits.row(t).array() - g.lse(t)).exp();
-        // The load-balancing counts: the top-k of the softmax, before any dropping.
+        if (sigmoid) {
+          g.sig.row(t) = 1.0 / (1.0 + (-g.logits.row(t).array()).exp());
+          g.aux_scores.row(t) = g.sig.row(t) / (g.sig.row(t).sum() + kSigmoidEps);
+        }
+        // The load-balancing counts: the top-k of the softmax (or of the normalised sigmoids),
+        // no group limit, before any dropping.
         const int64_t sample = g.rows[static_cast<size_t>(t)] % d.n - q * layout.b;
-        for (int64_t e : FirstK(RowOf(g.scores, t), k)) {
+        for (int64_t e : FirstK(RowOf(sigmoid ? g.aux_scores : g.scores, t), k)) {
           counts(e) += 1;
           sample_counts(sample, e) += 1;
         }
-        const std::vector<int64_t> chosen =
-            FirstK(RowOf(moe.router_pre_softmax ? g.scores : g.logits, t), k);
+        std::vector<double> key = RowOf(sigmoid                  ? g.sig
+                                        : moe.router_pre_softmax ? g.scores
+                                                                 : g.logits,
+                                        t);
+        for (size_t e = 0; e < p.expert_bias.size(); ++e) key[e] += p.expert_bias[e];
+        const std::vector<int64_t> chosen = Choose(moe, key);
         std::vector<double> probs(static_cast<size_t>(k));
-        if (moe.router_pre_softmax) {
+        if (sigmoid) {
+          double chosen_sum = 0;
+          for (int64_t e : chosen) chosen_sum += g.sig(t, e);
+          for (int64_t s = 0; s < k; ++s) {
+            const double v = g.sig(t, chosen[static_cast<size_t>(s)]);
+            probs[static_cast<size_t>(s)] = k > 1 ? v / (chosen_sum + kSigmoidEps) : v;
+          }
+        } else if (moe.router_pre_softmax) {
           for (int64_t s = 0; s < k; ++s) probs[static_cast<size_t>(s)] = g.scores(t, chosen[static_cast<size_t>(s)]);
         } else {
           double top = -INFINITY, total = 0;
@@ -135,6 +183,7 @@ Mat MoeForward(const Dims& d, const GptConfig& gpt, const MoeLayout& layout, con
           }
           for (double& v : probs) v /= total;
         }
+        for (double& v : probs) v *= scaling;  // moe_router_topk_scaling_factor
         g.chosen.push_back(chosen);
         g.p.push_back(probs);
         g.kept.emplace_back(static_cast<size_t>(k), true);
@@ -192,7 +241,7 @@ Mat MoeForward(const Dims& d, const GptConfig& gpt, const MoeLayout& layout, con
           const Vec c = per_sequence ? Vec(sample_counts.row(sample).transpose()) : counts;
           g.aux_c.row(t) = scale * c.transpose();
         }
-        *aux_objective += (g.scores.array() * g.aux_c.array()).sum();
+        *aux_objective += ((sigmoid ? g.aux_scores : g.scores).array() * g.aux_c.array()).sum();
       }
     }
   }
@@ -202,6 +251,9 @@ Mat MoeForward(const Dims& d, const GptConfig& gpt, const MoeLayout& layout, con
     for (size_t t = 0; t < g.rows.size(); ++t) {
       for (int64_t s = 0; s < k; ++s) {
         if (!g.kept[t][static_cast<size_t>(s)]) continue;
+        if (p.tokens_per_expert != nullptr) {
+          (*p.tokens_per_expert)[static_cast<size_t>(g.chosen[t][static_cast<size_t>(s)])] += 1;
+        }
         MoeStash::Expert& ex = st.experts[static_cast<size_t>(g.chosen[t][static_cast<size_t>(s)])];
         ex.rows.push_back(g.rows[t]);
         ex.group.push_back(static_cast<int64_t>(gi));
@@ -246,6 +298,8 @@ Mat MoeBackward(const Dims& d, const GptConfig& gpt, const Mat& dy, const MoeSta
   (void)d;
   const MoeConfig& moe = gpt.moe;
   const int64_t E = moe.num_experts, k = moe.router_topk;
+  const bool sigmoid = moe.score_function == MoeScoreFunction::kSigmoid;
+  const double scaling = moe.topk_scaling_factor.value_or(1.0);
   Mat dx = Mat::Zero(dy.rows(), dy.cols());
   if (p.shared_fc1.defined()) {
     dx += MlpBackward(gpt.activation, dy, st.x, st.shared_fc1, st.shared_act, p.shared_fc1,
@@ -281,11 +335,33 @@ Mat MoeBackward(const Dims& d, const GptConfig& gpt, const Mat& dy, const MoeSta
     Mat dz = Mat::Zero(T, E);
     for (int64_t t = 0; t < T; ++t) {
       const std::vector<int64_t>& chosen = g.chosen[static_cast<size_t>(t)];
-      const std::vector<double>& pt = g.p[static_cast<size_t>(t)];
-      const std::vector<double>& dpt = dp[gi][static_cast<size_t>(t)];
+      // The probabilities before the scaling factor and their gradient.
+      std::vector<double> pt = g.p[static_cast<size_t>(t)], dpt = dp[gi][static_cast<size_t>(t)];
+      for (double& v : pt) v /= scaling;
+      for (double& v : dpt) v *= scaling;
       double dot = 0;
       for (int64_t s = 0; s < k; ++s) dot += pt[static_cast<size_t>(s)] * dpt[static_cast<size_t>(s)];
-      if (moe.router_pre_softmax) {
+      if (sigmoid) {
+        // p = v / (sum v + eps) (k > 1), v the chosen sigmoids; then d sig into d z below.
+        Vec dsig = Vec::Zero(E);
+        double sum = 0;
+        for (int64_t e : chosen) sum += g.sig(t, e);
+        for (int64_t s = 0; s < k; ++s) {
+          dsig(chosen[static_cast<size_t>(s)]) +=
+              k > 1 ? (dpt[static_cast<size_t>(s)] - dot) / (sum + kSigmoidEps)
+                    : dpt[static_cast<size_t>(s)];
+        }
+        if (g.aux_c.rows() == T) {
+          // a = sig / (sum sig + eps): d sig = (c - c . a) / (sum sig + eps).
+          const double all = g.sig.row(t).sum() + kSigmoidEps;
+          const double mean_c = g.aux_scores.row(t).dot(g.aux_c.row(t));
+          dsig += ((g.aux_c.row(t).array() - mean_c) / all).matrix().transpose();
+        }
+        dz.row(t) += (dsig.array() * g.sig.row(t).transpose().array() *
+                      (1.0 - g.sig.row(t).transpose().array()))
+                         .matrix()
+                         .transpose();
+      } else if (moe.router_pre_softmax) {
         // p = softmax(Z)[chosen]: dZ_j = sm_j (dp_j - sum_s p_s dp_s), dp 0 off the chosen.
         for (int64_t j = 0; j < E; ++j) dz(t, j) -= g.scores(t, j) * dot;
         for (int64_t s = 0; s < k; ++s) {
@@ -297,7 +373,7 @@ Mat MoeBackward(const Dims& d, const GptConfig& gpt, const Mat& dy, const MoeSta
           dz(t, chosen[static_cast<size_t>(s)]) += pt[static_cast<size_t>(s)] * (dpt[static_cast<size_t>(s)] - dot);
         }
       }
-      if (g.aux_c.rows() == T) {
+      if (g.aux_c.rows() == T && !sigmoid) {
         // d/dZ of sum_i c_i softmax(Z)_i = sm (c - sm . c), c this token's coefficients.
         const double mean_c = g.scores.row(t).dot(g.aux_c.row(t));
         dz.row(t) += (g.scores.row(t).array() * (g.aux_c.row(t).array() - mean_c)).matrix();

@@ -10,6 +10,15 @@
 //   top-k    the k largest logits (or softmax(Z) with moe_router_pre_softmax), equal values
 //            by the lower expert (Kernels::TopK's rule); p = softmax over the k chosen
 //            logits (or the chosen entries of softmax(Z))
+//            moe_router_score_function "sigmoid": the k largest sigmoid(Z), p = the chosen
+//            sigmoids / (their sum + 1e-20) when k > 1, else the chosen sigmoid
+//            group-limited (moe_router_num_groups G, moe_router_group_topk g): the k are
+//            chosen among the experts of the g groups (E / G consecutive experts) whose
+//            largest k / g ranked values sum highest, equal sums by the lower group
+//            p times moe_router_topk_scaling_factor (capacity and experts see it scaled)
+//            moe_router_enable_expert_bias: the choice (grouped or not) ranks the sigmoids
+//            plus the expert bias, p stays of the sigmoids; the kept choices are counted
+//            per expert for the bias's update (gpt_reference.h)
 //   capacity with moe_expert_capacity_factor: per group and expert, ceil(T k / E * factor)
 //            tokens; when that is below T, the expert keeps the tokens with the largest p (0
 //            for a token not routed to it; "probs") or the earliest routed ("position"),
@@ -19,7 +28,9 @@
 // The auxiliary objective, per micro-batch and dp rank, scaled 1 / (M d) (Megatron's
 // MoEAuxLossAutoScaler at cp / M after the 1 / (d cp) data-parallel average):
 //   load balancing  coeff E / (k T_dp^2) sum_i count_i sum_t softmax(Z_t)_i, count_i the
-//                   tokens of the dp rank whose top-k of softmax(Z) holds i (before dropping)
+//                   tokens of the dp rank whose top-k of softmax(Z) holds i (before dropping);
+//                   with the sigmoid, sigmoid(Z_t) / (sum sigmoid(Z_t) + 1e-20) in place of
+//                   softmax(Z_t), in the counts' top-k too (no group limit in either)
 //   seq_aux_loss    1 / b sum over the dp rank's samples n of coeff E / (k s^2) sum_i
 //                   count_ni sum_{t of n} softmax(Z_t)_i, count_ni over sample n's tokens
 //   z-loss          coeff_z / (tp cp) sum over its groups of mean_t logsumexp(Z_t)^2
@@ -38,6 +49,11 @@ struct MoeParams {
   Param router;                 // [E, h]
   std::vector<Param> fc1, fc2;  // per expert: [f1e, h], [h, fe]
   Param shared_fc1, shared_fc2;  // moe_shared_expert_intermediate_size only
+  // moe_router_enable_expert_bias: the bias [E] added to the sigmoids for choosing only
+  // (float32 values), and the kept choices per expert counted over the forwards (the step's
+  // local_tokens_per_expert; the caller zeroes it). Both empty without the key.
+  std::vector<double> expert_bias;
+  std::vector<double>* tokens_per_expert = nullptr;
   bool defined() const { return router.defined(); }
 };
 
@@ -52,6 +68,8 @@ struct MoeStash {
   struct Group {
     std::vector<int64_t> rows;  // slice rows of its tokens, in the router's order
     Mat logits, scores;         // [T, E]; scores = softmax(logits)
+    Mat sig, aux_scores;        // [T, E] sigmoid scores: sigmoid(logits), and normalised
+                                // over the experts (the load-balancing loss's scores)
     Vec lse;                    // [T]
     std::vector<std::vector<int64_t>> chosen;  // [T][k] experts, in rank order
     std::vector<std::vector<double>> p;        // [T][k] probabilities before dropping

@@ -132,6 +132,10 @@ class GptReference final : public Reference {
   std::string SplitText(int) const override {
     return "each rank computes its data-parallel rank's samples";
   }
+  void FinishIteration(ReferenceResult& result, bool trained,
+                       std::map<std::string, Tensor>* state) const override {
+    FinishGptReferenceIteration(gpt_, result, trained, state);
+  }
   std::string_view BudgetText() const override { return "for the model's longest path"; }
   // The samples of a micro-batch and the padded vocabulary; an MoE model's routing groups
   // (each data-parallel rank's b samples, cut over tp and cp); with dropout_mode "rng_tracker"

@@ -140,6 +140,12 @@ class Reference {
   // stored reference serves both (run/stored_reference.h). Tolerances are not values: they
   // are each run's own.
   virtual nlohmann::json LayoutIdentity() const = 0;
+  // State that moves with training but is no parameter (an MoE router's expert bias), once
+  // iteration k's shares are summed: `result` brought to what the step leaves (`trained`: an
+  // optimizer step ran) with the step's helper tensors removed, and `state` the values the
+  // next iteration reads (with the parameters, as overrides). Nothing by default.
+  virtual void FinishIteration(ReferenceResult& /*result*/, bool /*trained*/,
+                               std::map<std::string, Tensor>* /*state*/) const {}
 };
 
 // The reference of the model `config` describes (its model section resolved for the layout,

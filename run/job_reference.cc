@@ -166,13 +166,17 @@ StatusOr<JobReference> ComputeJobReference(const Config& config, const RankCoord
     job.trainer->SetPrecision(PrecisionOf(config));
   }
   StatusOr<ReferenceResult> result = Status::Error("reference model", "not run");
+  // What moves with training besides the parameters (Reference::FinishIteration).
+  std::map<std::string, Tensor> state;
   for (int64_t k = 0; k < iteration_count; ++k) {
     if (k == 0) {
       result = master.ok() ? job.reference->Run({job.split.slice, 0, &*master})
                            : StatusOr<ReferenceResult>(master.status());
       master = std::map<std::string, Tensor>();  // the result holds what it needs
     } else {
-      result = job.reference->Run({job.split.slice, k, &job.trainer->parameters()});
+      std::map<std::string, Tensor> inputs = job.trainer->parameters();
+      inputs.insert(state.begin(), state.end());
+      result = job.reference->Run({job.split.slice, k, &inputs});
     }
     int failed = result.ok() ? 0 : 1;
     watched::Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD, WorldLabel());
@@ -182,6 +186,7 @@ StatusOr<JobReference> ComputeJobReference(const Config& config, const RankCoord
                          : Status::Error("reference model", result.status().Message());
     }
     SumShares(result->tensors, group, group_label);
+    job.reference->FinishIteration(*result, job.trainer.has_value(), &state);
     if (before_step) {
       const Status kept = before_step(k, *result);
       int bad = kept.ok() ? 0 : 1;

@@ -84,6 +84,72 @@ Status JudgeDependentFields(const json& section, GptConfig* gpt) {
   return {};
 }
 
+// DeepSeek-style routing keys (TransformerConfig.__post_init__'s rules, with its reasons;
+// plus the group-limited shapes Megatron's group_limited_topk cannot run).
+Status ResolveMoeRouting(GptConfig* gpt) {
+  MoeConfig& moe = gpt->moe;
+  if (moe.enable_expert_bias && moe.score_function != MoeScoreFunction::kSigmoid) {
+    return Status::Error(
+        "model.moe_router_enable_expert_bias",
+        "Expert bias for aux-loss-free routing only supports 'sigmoid' and 'sqrtsoftplus' score "
+        "functions. Please set --moe-router-score-function to 'sigmoid' or 'sqrtsoftplus', or "
+        "unset --moe-router-enable-expert-bias.");
+  }
+  if (moe.enable_expert_bias && moe.pad_expert_input_to_capacity) {
+    return Status::Error("model.moe_router_enable_expert_bias",
+                         "with moe_pad_expert_input_to_capacity is not built (Megatron counts "
+                         "the padded routing map's tokens)");
+  }
+  if (moe.score_function == MoeScoreFunction::kSigmoid && moe.router_pre_softmax) {
+    gpt->ignored.push_back(
+        "model.moe_router_pre_softmax: ignored: with moe_router_score_function \"sigmoid\" "
+        "the top-k always chooses from the sigmoids");
+  }
+  if (!moe.group_topk) {
+    if (moe.num_groups) {
+      gpt->ignored.push_back(
+          "model.moe_router_num_groups: ignored: group-limited routing needs "
+          "moe_router_group_topk");
+    }
+    return {};
+  }
+  const std::string field = "model.moe_router_group_topk";
+  if (!moe.num_groups) {
+    return Status::Error(field,
+                         "When using group limited routing, moe_router_num_groups must "
+                         "be specified.");
+  }
+  const int64_t G = *moe.num_groups, g = *moe.group_topk, E = moe.num_experts, K = moe.router_topk;
+  if (E % G != 0) {
+    return Status::Error("model.moe_router_num_groups",
+                         fmt::format("num_moe_experts ({}) should be divisible by "
+                                     "moe_router_num_groups ({}).",
+                                     E, G));
+  }
+  if (g > G) {
+    return Status::Error(field, fmt::format("moe_router_group_topk ({}) should be smaller than "
+                                            "moe_router_num_groups ({}).",
+                                            g, G));
+  }
+  if (K < g) {
+    return Status::Error(field, fmt::format("{} is more than moe_router_topk {}: a group's score "
+                                            "is the sum of its top topk // group_topk = 0 "
+                                            "scores, so every group would tie",
+                                            g, K));
+  }
+  if (K / g > E / G) {
+    return Status::Error(field, fmt::format("a group's score sums its top moe_router_topk // {} "
+                                            "= {} scores, but a group has only {} experts",
+                                            g, K / g, E / G));
+  }
+  if (K > g * (E / G)) {
+    return Status::Error(field, fmt::format("the {} chosen groups hold {} experts, fewer than "
+                                            "moe_router_topk {}",
+                                            g, g * (E / G), K));
+  }
+  return {};
+}
+
 // The moe_* keys once the section is read: defaults resolved against the model, the pattern
 // checked against num_layers, and keys that need num_moe_experts refused or noted without it.
 Status ResolveMoe(const json& section, GptConfig* gpt) {
@@ -131,7 +197,7 @@ Status ResolveMoe(const json& section, GptConfig* gpt) {
     return Status::Error("model.moe_pad_expert_input_to_capacity",
                          "needs moe_expert_capacity_factor (the capacity to pad to)");
   }
-  return {};
+  return ResolveMoeRouting(gpt);
 }
 
 // Multi-token prediction's rules between keys (megatron/training/arguments.py validate_args),

@@ -73,6 +73,9 @@ enum class MoeDropPolicy : uint8_t { kProbs, kPosition };
 // TransformerConfig.moe_router_dtype: the router's GEMM, its probabilities and the weighting of
 // the experts' outputs in float32 or float64 (null: the run's dtype).
 enum class MoeRouterDType : uint8_t { kFp32, kFp64 };
+// TransformerConfig.moe_router_score_function: the scores the top-k chooses from and the
+// chosen probabilities are made of (softmax; sigmoid, DeepSeek-V3's).
+enum class MoeScoreFunction : uint8_t { kSoftmax, kSigmoid };
 
 struct MoeConfig {
   int64_t num_experts = 0;  // num_moe_experts; 0: a dense model
@@ -95,8 +98,20 @@ struct MoeConfig {
   std::optional<int64_t> shared_expert_intermediate_size;
   bool grouped_gemm = false;
   std::optional<MoeRouterDType> router_dtype;  // none: the run's dtype
+  // DeepSeek-style routing (Megatron's topk_routing_with_score_function, moe_utils.py):
+  MoeScoreFunction score_function = MoeScoreFunction::kSoftmax;
+  std::optional<double> topk_scaling_factor;  // the chosen probabilities times it; none: 1
+  // Group-limited top-k: the experts in num_groups equal groups, each token choosing from
+  // the group_topk groups whose top (topk / group_topk) scores sum highest. Both none: off.
+  std::optional<int64_t> num_groups, group_topk;
+  // Aux-loss-free balancing: a float32 bias per expert added to the sigmoid scores for
+  // choosing only, moved by bias_update_rate after each optimizer step against the experts'
+  // token counts (Megatron's expert_bias, get_updated_expert_bias).
+  bool enable_expert_bias = false;
+  double bias_update_rate = 1e-3;
 
   bool enabled() const { return num_experts > 0; }
+  bool group_limited() const { return group_topk.has_value(); }
 };
 
 // The dtypes of an MoE router's tensors in a run storing `storage` (Megatron's TopKRouter,
@@ -179,6 +194,7 @@ const std::vector<std::string_view>& AttentionBackendNames();
 const char* Fp8FormatName(Fp8Format f);    // "e4m3", "hybrid"
 const char* Fp8RecipeName(Fp8Recipe r);    // "delayed", "tensorwise", "blockwise", "mxfp8"
 const char* MoeRouterDTypeName(MoeRouterDType d);  // "fp32", "fp64"
+const char* MoeScoreFunctionName(MoeScoreFunction f);  // "softmax", "sigmoid"
 
 // The keys of a GPT `model` section, each declared once (gpt_fields.cc), in documentation
 // order. The integer sizes Megatron resolves from other keys (ffn_hidden_size, kv_channels,

@@ -63,6 +63,10 @@ const std::vector<std::string_view>& MoeRouterDTypeNames() {
   static const std::vector<std::string_view> kNames = {"fp32", "fp64"};
   return kNames;
 }
+const std::vector<std::string_view>& MoeScoreFunctionNames() {
+  static const std::vector<std::string_view> kNames = {"softmax", "sigmoid"};
+  return kNames;
+}
 
 // One of `names` (the enum's spellings, in enum order).
 template <typename Enum>
@@ -442,6 +446,29 @@ constexpr GptField kFields[] = {
      .effect = kShape},
     {"mtp_loss_scaling_factor", Coefficient<&GptConfig::mtp_loss_scaling_factor>(),
      "the weight of the mean of the depths' losses in the gradient (not in the reported loss)"},
+    // DeepSeek-style routing (MoeConfig; topk_routing_with_score_function).
+    {.key = "moe_router_score_function",
+     .target = Choice<&MoeScoreFunctionNames, &GptConfig::moe, &MoeConfig::score_function>(),
+     .help = "\"softmax\" or \"sigmoid\" (DeepSeek-V3: the chosen sigmoids normalised to sum "
+             "1 when topk > 1)"},
+    {.key = "moe_router_topk_scaling_factor",
+     .target = NullableNumber<&ParsePositive, &GptConfig::moe, &MoeConfig::topk_scaling_factor>(),
+     .help = "the chosen probabilities times this; null: 1"},
+    {.key = "moe_router_num_groups",
+     .target = InnerMember<&GptConfig::moe, &MoeConfig::num_groups>(),
+     .help = "group-limited routing: the experts in this many equal groups; null: none"},
+    {.key = "moe_router_group_topk",
+     .target = InnerMember<&GptConfig::moe, &MoeConfig::group_topk>(),
+     .help = "group-limited routing: each token chooses from this many groups (those whose top "
+             "topk / group_topk scores sum highest); null: no group limit"},
+    {.key = "moe_router_enable_expert_bias",
+     .target = InnerMember<&GptConfig::moe, &MoeConfig::enable_expert_bias>(),
+     .help = "aux-loss-free balancing: a per-expert bias added to the sigmoid scores for "
+             "choosing only, updated after each optimizer step (needs \"sigmoid\")"},
+    {.key = "moe_router_bias_update_rate",
+     .target = Coefficient<&GptConfig::moe, &MoeConfig::bias_update_rate>(),
+     .help = "the expert bias's step: + rate for experts below the mean token count, - rate "
+             "above"},
 };
 
 }  // namespace
@@ -474,6 +501,9 @@ const char* Fp8FormatName(Fp8Format f) { return Fp8FormatNames()[static_cast<siz
 const char* Fp8RecipeName(Fp8Recipe r) { return Fp8RecipeNames()[static_cast<size_t>(r)].data(); }
 const char* MoeRouterDTypeName(MoeRouterDType d) {
   return MoeRouterDTypeNames()[static_cast<size_t>(d)].data();
+}
+const char* MoeScoreFunctionName(MoeScoreFunction f) {
+  return MoeScoreFunctionNames()[static_cast<size_t>(f)].data();
 }
 
 }  // namespace mpusim

@@ -269,7 +269,10 @@ StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
     const double r = static_cast<double>(DTypeSize(rdt.logits));
     const double sc = static_cast<double>(DTypeSize(rdt.scores));
     const bool cast_e = rdt.logits != run.dtype, cast_s = rdt.logits != rdt.scores;
-    const bool post = !moe.router_pre_softmax;
+    // The sigmoid router's backward (MoeLayer's SigmoidRouterBackward) computes d logits on
+    // the host: of the softmaxes' tensors only d logits [T, E] is on the device.
+    const bool sigmoid = moe.score_function == MoeScoreFunction::kSigmoid;
+    const bool post = !moe.router_pre_softmax && !sigmoid;
     // New tensors for the gathered gradient and the way back (else views of dy and dx_src).
     const bool exchanged = a2a || group > 1;
     const double dy_src = exchanged ? src * h * e : 0;
@@ -285,8 +288,10 @@ StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
     const bool z_loss = moe.z_loss_coeff.has_value();
     // flat ids, the softmax's int64 positions over the experts, d probs cast, d logits and
     // d scores, d values (post-softmax top-k; its softmax's positions while it runs).
-    const double router = base + back + 8 * T * K + 8 * (E + 1) + (cast_s ? T * K * sc : 0) +
-                          2 * T * E * sc + (post ? T * K * sc : 0);
+    const double router = sigmoid
+                              ? base + back + (cast_s ? T * K * sc : 0) + T * E * sc
+                              : base + back + 8 * T * K + 8 * (E + 1) + (cast_s ? T * K * sc : 0) +
+                                    2 * T * E * sc + (post ? T * K * sc : 0);
     const double chosen_positions = post ? 8 * (K + 1) : 0;
     const double z_term = z_loss ? T * E * sc + T * sc : 0;       // the term and d lse
     const double router_end = router + (cast_s ? T * E * r : 0);  // d logits in `r`

@@ -419,6 +419,9 @@ void GptModel::BeginStep(RankContext& ctx, int64_t iteration, bool record) {
   iteration_ = iteration;
   record_ = record;
   recorded_.clear();
+  for (const auto& [layer, module] : layers_) {
+    if (module.moe() != nullptr) module.moe()->ResetTokensPerExpert();
+  }
   // The tracker's state at the start of the iteration: every earlier iteration ran M
   // forwards of every chunk.
   if (tracker_) tracker_next_ = TrackerAtIteration(iteration);
@@ -552,9 +555,51 @@ void GptModel::EndStep(RankContext& ctx) {
   recorded_.push_back({"loss", k.ToDevice(loss), {1}, ShardSpec{}, false});
 }
 
-void GptModel::Records(RankContext& /*ctx*/, std::vector<TensorRecord>* records) const {
+void GptModel::Records(RankContext& ctx, std::vector<TensorRecord>* records) const {
   records->insert(records->end(), recorded_.begin(), recorded_.end());
   RecordParameters(records);
+  // The routers' expert biases as Megatron's state dict names them (float32 [E], the same on
+  // every rank).
+  expert_bias_records_.clear();
+  for (const auto& [layer, module] : layers_) {
+    const MoeLayer* moe = module.moe();
+    if (moe == nullptr || moe->expert_bias().empty()) continue;
+    const std::vector<float>& bias = moe->expert_bias();
+    Tensor host = Tensor::HostEmpty({static_cast<int64_t>(bias.size())}, DType::kFloat32);
+    std::copy(bias.begin(), bias.end(), host.data_as<float>());
+    expert_bias_records_.push_back(ctx.kernels->ToDevice(host));
+    records->push_back({fmt::format("decoder.layers.{}.mlp.router.expert_bias", layer),
+                        expert_bias_records_.back(), host.shape(), ShardSpec{}, false});
+  }
+}
+
+void GptModel::AfterOptimizerStep(RankContext& ctx) {
+  std::vector<const MoeLayer*> biased;
+  for (const auto& [layer, module] : layers_) {
+    if (module.moe() != nullptr && !module.moe()->expert_bias().empty()) {
+      biased.push_back(module.moe());
+    }
+  }
+  if (biased.empty()) return;
+  // finalize_model_grads's _update_router_expert_bias: the counts of every layer stacked
+  // (float32) and all-reduced over tp x dp x cp: over tp (sequence parallelism: each tp rank
+  // routed its own tokens), then over dp x cp.
+  Kernels& k = *ctx.kernels;
+  const size_t E = biased.front()->expert_bias().size();
+  Tensor host = Tensor::HostEmpty({static_cast<int64_t>(biased.size() * E)}, DType::kFloat32);
+  for (size_t l = 0; l < biased.size(); ++l) {
+    const std::vector<int64_t>& counts = biased[l]->tokens_per_expert();
+    for (size_t e = 0; e < E; ++e) host.data_as<float>()[l * E + e] = static_cast<float>(counts[e]);
+  }
+  Tensor counts = k.ToDevice(host);
+  ctx.trace->SetSite("finalize_model_grads (expert bias)");
+  if (ctx.tp().Size() > 1) ctx.tp().AllReduce(counts, ReduceOp::kSum);
+  if (ctx.dp_cp().Size() > 1) ctx.dp_cp().AllReduce(counts, ReduceOp::kSum);
+  const Tensor summed = k.ToHost(counts);
+  for (size_t l = 0; l < biased.size(); ++l) {
+    const float* c = summed.data_as<float>() + l * E;
+    biased[l]->UpdateExpertBias(std::vector<float>(c, c + E));
+  }
 }
 
 void GptModel::RecordParameters(std::vector<TensorRecord>* records) const {

@@ -111,6 +111,9 @@ class GptModel final : public Model {
   void PlanOptimizerMemory(const OptimizerConfig& optimizer, double schedule_peak,
                            MemoryPlan* plan) const;
   std::vector<std::string> StepNotes() const override;
+  // The MoE routers' expert biases (moe_router_enable_expert_bias): the step's token counts
+  // summed over tp x dp x cp, then each layer's update (MoeLayer::UpdateExpertBias).
+  void AfterOptimizerStep(RankContext& ctx) override;
 
   // The declared stash (stash_plan.h) of one (chunk, micro-batch) on a rank of `shape`, in
   // `dtype` storage: `layers[i]` is the declared stash of chunk.layers[i]
@@ -181,6 +184,7 @@ class GptModel final : public Model {
   int64_t iteration_ = 0;  // the training iteration being run (data and dropout streams)
   double loss_ = 0;
   bool record_ = false;                  // this step records (BeginStep)
+  mutable std::vector<Tensor> expert_bias_records_;  // Records' copies of the expert biases
   std::vector<TensorRecord> recorded_;  // the last micro-batch's records of this step
   std::optional<TrackerDraws> tracker_;  // dropout_mode "rng_tracker"
   TrackerDraws::Count tracker_next_;     // its state: the next draw on each stream

@@ -187,6 +187,39 @@ void GptModel::Explain(std::ostream& out) const {
   }
 }
 
+namespace {
+
+// The MoE router's DeepSeek-style choices in words (empty: Megatron's default router).
+std::string MoeRoutingNote(const MoeConfig& moe) {
+  std::vector<std::string> parts;
+  if (moe.score_function == MoeScoreFunction::kSigmoid) {
+    parts.push_back(
+        fmt::format("sigmoid scores (moe_router_score_function){}",
+                    moe.router_topk > 1 ? ", the chosen ones normalised to sum 1" : ""));
+  }
+  if (moe.group_limited()) {
+    parts.push_back(
+        fmt::format("each token's top {} from {} of {} expert groups "
+                    "(moe_router_group_topk, moe_router_num_groups)",
+                    moe.router_topk, *moe.group_topk, *moe.num_groups));
+  }
+  if (moe.topk_scaling_factor) {
+    parts.push_back(fmt::format("probabilities times {} (moe_router_topk_scaling_factor)",
+                                *moe.topk_scaling_factor));
+  }
+  if (moe.enable_expert_bias) {
+    parts.push_back(
+        fmt::format("a float32 expert bias added to the scores for choosing only, "
+                    "moved by {} after each optimizer step against the token "
+                    "counts summed over tp x dp x cp "
+                    "(moe_router_enable_expert_bias)",
+                    moe.bias_update_rate));
+  }
+  return fmt::format("{}", fmt::join(parts, "; "));
+}
+
+}  // namespace
+
 // One pipeline stage's parameters (the whole model when pp = 1).
 void GptModel::ExplainStage(std::ostream& out) const {
   const GptConfig& gpt = gpt_;
@@ -333,6 +366,8 @@ void GptModel::ExplainStage(std::ostream& out) const {
                            c.ep * per + per - 1);
       }
     }
+    const std::string routing = MoeRoutingNote(gpt.moe);
+    if (!routing.empty()) out << "  the router: " << routing << '\n';
   }
   if (pp > 1) {
     std::vector<std::string> chunks;

@@ -111,6 +111,9 @@ class Model : public StagedModel {
   // Lines this rank adds to the run's report after its steps (an MoE model: the tokens its
   // experts received in the last forward); none by default.
   virtual std::vector<std::string> StepNotes() const { return {}; }
+  // After each training iteration's optimizer step (core/train Train): state that is not a
+  // parameter but moves with training (an MoE router's expert bias); none by default.
+  virtual void AfterOptimizerStep(RankContext& /*ctx*/) {}
 };
 
 // Builds the model `config` describes ("model": a GPT or a layer chain) for the rank at

@@ -52,6 +52,99 @@ std::vector<int64_t> Largest(const std::vector<double>& key, int64_t count) {
   return order;
 }
 
+// --- DeepSeek-style routing on the host (Megatron's topk_routing_with_score_function,
+// group_limited_topk and compute_routing_scores_for_aux_loss, moe_utils.py). The router's
+// [T, E] scores are small; the choices are host decisions like the capacity's, and the
+// sigmoid's values are computed here in double and stored in the scores' dtype.
+
+// Megatron's epsilon in the sigmoid's normalisations: s / (sum s + 1e-20).
+constexpr double kSigmoidNormEps = 1e-20;
+
+double Sigmoid(double z) { return 1.0 / (1.0 + std::exp(-z)); }
+
+// The chosen experts of each of the T rows of `key` [T, E]: the top k (Largest's order), or
+// with group-limited routing (Megatron's group_limited_topk) the top k of the experts in the
+// group_topk groups (of E / num_groups consecutive experts) whose top (k / group_topk)
+// keys sum highest, equal group sums by the lower group.
+std::vector<int64_t> ChooseExperts(const std::vector<double>& key, int64_t T, int64_t E, int64_t K,
+                                   const MoeConfig& moe) {
+  std::vector<int64_t> chosen;
+  chosen.reserve(static_cast<size_t>(T * K));
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<double> row(key.begin() + t * E, key.begin() + (t + 1) * E);
+    if (moe.group_limited()) {
+      const int64_t G = *moe.num_groups, per = E / G, top = K / *moe.group_topk;
+      std::vector<double> group_score(static_cast<size_t>(G), 0.0);
+      for (int64_t g = 0; g < G; ++g) {
+        const std::vector<double> members(row.begin() + g * per, row.begin() + (g + 1) * per);
+        for (int64_t i : Largest(members, top)) {
+          group_score[static_cast<size_t>(g)] += members[static_cast<size_t>(i)];
+        }
+      }
+      std::vector<bool> open(static_cast<size_t>(G), false);
+      for (int64_t g : Largest(group_score, *moe.group_topk)) open[static_cast<size_t>(g)] = true;
+      for (int64_t e = 0; e < E; ++e) {
+        if (!open[static_cast<size_t>(e / per)]) row[static_cast<size_t>(e)] = -INFINITY;
+      }
+    }
+    for (int64_t e : Largest(row, K)) chosen.push_back(e);
+  }
+  return chosen;
+}
+
+// Per choice i = t * K + s: t * E + chosen[i], the choice's element of a [T, E] tensor.
+std::vector<int64_t> FlatChoices(const std::vector<int64_t>& chosen, int64_t E, int64_t K) {
+  std::vector<int64_t> flat(chosen.size());
+  for (size_t i = 0; i < flat.size(); ++i) flat[i] = static_cast<int64_t>(i) / K * E + chosen[i];
+  return flat;
+}
+
+// d logits [T, E] (in `dtype`, on the device) of a sigmoid router from d probs (the
+// dispatched probabilities' gradient, [T * K] on the host) and the stashed sigmoids:
+//   probs  w = f p, p_s = v_s / (sum_s v_s + eps) (topk > 1; else p = v), v the chosen sigmoids:
+//          d v_s = (d p_s - sum_r d p_r p_r) / (sum v + eps), d p = f d w
+//   aux    the load-balancing coefficients c (d objective / d a, a = sig / (sum_e sig_e + eps)):
+//          d sig_j += (c_j - sum_i c_i a_i) / (sum sig + eps)
+//   then   d z = d sig * sig (1 - sig)
+Tensor SigmoidRouterBackward(Kernels& k, std::vector<double> dw, const MoeLayer::Stash& st,
+                             const MoeConfig& moe, DType dtype) {
+  const std::vector<double> sig = ValuesToHost(k, st.scores);
+  const int64_t K = moe.router_topk, E = moe.num_experts;
+  const auto T = static_cast<int64_t>(sig.size()) / E;
+  std::vector<double> dsig(sig.size(), 0.0);
+  const double f = moe.topk_scaling_factor.value_or(1.0);
+  for (int64_t t = 0; t < T; ++t) {
+    const auto at = [&](int64_t s) {
+      return static_cast<size_t>(t * E + st.chosen[static_cast<size_t>(t * K + s)]);
+    };
+    double sum = 0, dot = 0;
+    for (int64_t s = 0; s < K; ++s) sum += sig[at(s)];
+    const double denom = sum + kSigmoidNormEps;
+    for (int64_t s = 0; s < K; ++s) {
+      dw[static_cast<size_t>(t * K + s)] *= f;
+      dot += dw[static_cast<size_t>(t * K + s)] * sig[at(s)] / denom;
+    }
+    for (int64_t s = 0; s < K; ++s) {
+      const double dp = dw[static_cast<size_t>(t * K + s)];
+      dsig[at(s)] += K > 1 ? (dp - dot) / denom : dp;
+    }
+    if (!st.aux.empty()) {
+      const size_t c0 = st.aux.size() == static_cast<size_t>(E) ? 0 : static_cast<size_t>(t * E);
+      double all = 0, mean = 0;
+      for (int64_t e = 0; e < E; ++e) all += sig[static_cast<size_t>(t * E + e)];
+      all += kSigmoidNormEps;
+      for (int64_t e = 0; e < E; ++e) {
+        mean += st.aux[c0 + static_cast<size_t>(e)] * sig[static_cast<size_t>(t * E + e)] / all;
+      }
+      for (int64_t e = 0; e < E; ++e) {
+        dsig[static_cast<size_t>(t * E + e)] += (st.aux[c0 + static_cast<size_t>(e)] - mean) / all;
+      }
+    }
+  }
+  for (size_t i = 0; i < dsig.size(); ++i) dsig[i] *= sig[i] * (1.0 - sig[i]);
+  return ValuesToDevice(k, dsig, {T, E}, dtype);
+}
+
 // Names the layer's collectives "<layer site> (<what>)" in the trace while alive.
 class SiteSuffix {
  public:
@@ -147,6 +240,10 @@ MoeLayer::MoeLayer(const GptConfig& gpt, std::string prefix, ParameterSet& param
     fc1_.push_back(&params.Get(MoeExpertWeightName(prefix_, e, 1)));
     fc2_.push_back(&params.Get(MoeExpertWeightName(prefix_, e, 2)));
   }
+  if (moe_.enable_expert_bias) {
+    expert_bias_.assign(static_cast<size_t>(moe_.num_experts), 0.0f);
+    tokens_per_expert_.assign(static_cast<size_t>(moe_.num_experts), 0);
+  }
   if (moe_.shared_expert_intermediate_size) {
     shared_fc1_.emplace(&params.Get(prefix_ + ".shared_experts.linear_fc1.weight"), nullptr);
     shared_fc2_.emplace(&params.Get(prefix_ + ".shared_experts.linear_fc2.weight"));
@@ -180,6 +277,16 @@ void MoeLayer::Route(const ModuleContext& ctx, const Tensor& top_scores, const T
           if (st->chosen[i] == e && !keep[i / uk]) route[i] = -1;
         }
       }
+    }
+  }
+
+  // The expert bias's counts: this micro-batch's kept choices per expert (Megatron's
+  // local_tokens_per_expert += routing_map.sum(0), after the token dropping).
+  st->kept_per_expert.clear();
+  if (moe_.enable_expert_bias) {
+    st->kept_per_expert.assign(static_cast<size_t>(E), 0);
+    for (int64_t e : route) {
+      if (e >= 0) ++st->kept_per_expert[static_cast<size_t>(e)];
     }
   }
 
@@ -270,17 +377,69 @@ Tensor MoeLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* st) c
   Tensor logits = k.Empty({T, E}, dt.logits);
   k.Gemm(false, true, 1.0, As(k, x, dt.logits), As(k, router_->value, dt.logits), 0.0, logits);
   const WholeRowSoftmax over_experts = MakeWholeRowSoftmax(k, E);
+  const bool sigmoid = moe_.score_function == MoeScoreFunction::kSigmoid;
   st->scores = k.Empty({T, E}, dt.scores);
   st->lse = k.Empty({T}, dt.scores);
   k.CausalSoftmaxForward(As(k, logits, dt.scores), over_experts.q_pos, over_experts.k_pos, 1.0,
                          st->scores, &st->lse);
-  const Tensor& ranked = moe_.router_pre_softmax ? st->scores : logits;
-  Tensor values = k.Empty({T, K}, ranked.dtype());
-  Tensor indices = k.Empty({T, K}, DType::kInt64);
-  k.TopK(ranked, K, values, indices);
-  Tensor top_scores = indices;  // the load-balancing counts' top-k of the softmax
-  if (moe_.router_pre_softmax) {
+  std::vector<double> sig;  // sigmoid: the scores on the host, [T * E]
+  if (sigmoid) {
+    // scores = sigmoid(logits.float()); the softmax above stays for the z-loss only.
+    if (moe_.z_loss_coeff) st->z_softmax = st->scores;
+    sig = ValuesToHost(k, As(k, logits, dt.scores));
+    for (double& v : sig) v = Sigmoid(v);
+    st->scores = ValuesToDevice(k, sig, {T, E}, dt.scores);
+    sig = ValuesToHost(k, st->scores);  // as stored
+  }
+  const Tensor& ranked = sigmoid || moe_.router_pre_softmax ? st->scores : logits;
+  Tensor values, indices;
+  if (moe_.group_limited() || moe_.enable_expert_bias) {
+    // The expert bias joins the scores for choosing only (scores + expert_bias.float());
+    // the chosen values are the scores themselves.
+    std::vector<double> key = ValuesToHost(k, ranked);
+    if (moe_.enable_expert_bias) {
+      for (size_t i = 0; i < key.size(); ++i) key[i] += expert_bias_[i % static_cast<size_t>(E)];
+    }
+    const std::vector<int64_t> chosen = ChooseExperts(key, T, E, K, moe_);
+    indices = IntsToDevice(k, chosen, {T, K});
+    values = GatherRows(k, ranked.Reshaped({T * E, 1}),
+                        IntsToDevice(k, FlatChoices(chosen, E, K), {T * K}))
+                 .Reshaped({T, K});
+  } else {
+    values = k.Empty({T, K}, ranked.dtype());
+    indices = k.Empty({T, K}, DType::kInt64);
+    k.TopK(ranked, K, values, indices);
+  }
+  Tensor top_scores = indices;  // the load-balancing counts' top-k of the (aux) scores
+  if (sigmoid) {
+    // probs: the chosen sigmoids normalised to sum 1 (topk > 1); the load-balancing counts:
+    // the top-k (no group limit) of the sigmoids normalised over all experts.
+    const std::vector<int64_t> chosen = IntsToHost(k, indices);
+    std::vector<double> p(static_cast<size_t>(T * K)), aux_scores(sig.size());
+    for (int64_t t = 0; t < T; ++t) {
+      double sum = 0, all = 0;
+      for (int64_t s = 0; s < K; ++s)
+        sum += sig[static_cast<size_t>(t * E + chosen[static_cast<size_t>(t * K + s)])];
+      for (int64_t e = 0; e < E; ++e) all += sig[static_cast<size_t>(t * E + e)];
+      for (int64_t s = 0; s < K; ++s) {
+        const double v = sig[static_cast<size_t>(t * E + chosen[static_cast<size_t>(t * K + s)])];
+        p[static_cast<size_t>(t * K + s)] = K > 1 ? v / (sum + kSigmoidNormEps) : v;
+      }
+      for (int64_t e = 0; e < E; ++e) {
+        aux_scores[static_cast<size_t>(t * E + e)] =
+            sig[static_cast<size_t>(t * E + e)] / (all + kSigmoidNormEps);
+      }
+    }
+    st->probs = ValuesToDevice(k, p, {T, K}, dt.scores);
+    std::vector<double> stored = ValuesToHost(k, ValuesToDevice(k, aux_scores, {T, E}, dt.scores));
+    top_scores = IntsToDevice(k, ChooseExperts(stored, T, E, K, MoeConfig{}), {T, K});
+  } else if (moe_.router_pre_softmax) {
     st->probs = values;
+    if (moe_.group_limited()) {
+      Tensor unused = k.Empty({T, K}, dt.scores);
+      top_scores = k.Empty({T, K}, DType::kInt64);
+      k.TopK(st->scores, K, unused, top_scores);
+    }
   } else {
     const WholeRowSoftmax over_chosen = MakeWholeRowSoftmax(k, K);
     st->probs = k.Empty({T, K}, dt.scores);
@@ -291,8 +450,15 @@ Tensor MoeLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* st) c
     k.TopK(st->scores, K, unused, top_scores);
   }
   st->chosen = IntsToHost(k, indices);
-  // What the dispatcher carries (probs.type_as(logits)).
-  const Tensor probs = As(k, st->probs, dt.logits);
+  // What the dispatcher carries: probs times moe_router_topk_scaling_factor in the scores'
+  // dtype, then probs.type_as(logits).
+  Tensor weights = st->probs;
+  if (moe_.topk_scaling_factor) {
+    weights = k.Empty(st->probs.shape(), st->probs.dtype());
+    k.Copy(st->probs, weights);
+    k.Scale(*moe_.topk_scaling_factor, weights);
+  }
+  const Tensor probs = As(k, weights, dt.logits);
   Route(ctx, top_scores, probs, st);
 
   // Dispatch, the experts, combine.
@@ -351,6 +517,9 @@ StashPlan MoeLayer::PlanStash(const GptConfig& gpt, const StreamShape& shape, DT
   plan.Add("scores", {T, E}, dt.scores);
   plan.Add("lse", {T}, dt.scores);
   plan.Add("probs", {T, K}, dt.scores);
+  if (moe.score_function == MoeScoreFunction::kSigmoid && moe.z_loss_coeff) {
+    plan.Add("z_softmax", {T, E}, dt.scores);
+  }
   plan.Add("route.token_ids", {rows}, DType::kInt64);
   if (moe.token_dispatcher == MoeDispatcher::kAllToAll) {
     // slot_ids is token_ids.
@@ -371,7 +540,27 @@ StashPlan MoeLayer::PlanStash(const GptConfig& gpt, const StreamShape& shape, DT
   return plan;
 }
 
+void MoeLayer::UpdateExpertBias(const std::vector<float>& tokens_per_expert) const {
+  // get_updated_expert_bias in float32: offset = mean - count, bias += sign(offset) * rate.
+  const auto n = static_cast<float>(tokens_per_expert.size());
+  float total = 0;
+  for (float c : tokens_per_expert) total += c;  // integers: exact in any order below 2^24
+  const float mean = total / n;
+  const auto rate = static_cast<float>(moe_.bias_update_rate);
+  for (size_t e = 0; e < expert_bias_.size(); ++e) {
+    const float offset = mean - tokens_per_expert[e];
+    const float sign = offset > 0 ? 1.0f : offset < 0 ? -1.0f : 0.0f;
+    expert_bias_[e] = expert_bias_[e] + sign * rate;
+  }
+  std::fill(tokens_per_expert_.begin(), tokens_per_expert_.end(), 0);
+}
+
 Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stash& st) const {
+  // The micro-batch's counts join the step's once, at its backward (a recomputed forward
+  // routes the same tokens; Megatron counts only under grad, once per micro-batch).
+  for (size_t e = 0; e < st.kept_per_expert.size(); ++e) {
+    tokens_per_expert_[e] += st.kept_per_expert[e];
+  }
   Kernels& k = ctx.k;
   const int64_t T = dy.rows(), h = dy.cols(), E = moe_.num_experts, K = moe_.router_topk;
   const DType dtype = dy.dtype();
@@ -431,40 +620,45 @@ Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stas
   site.reset();
 
   // The router: the probabilities' gradient, the load-balancing and z-loss terms, through
-  // the softmaxes in the scores' dtype; d logits in the router's.
-  std::vector<int64_t> flat(st.chosen.size());  // token * E + expert of each choice
-  for (size_t i = 0; i < flat.size(); ++i) {
-    flat[i] = static_cast<int64_t>(i) / K * E + st.chosen[i];
-  }
-  const Tensor flat_ids = IntsToDevice(k, flat, {T * K});
-  const WholeRowSoftmax over_experts = MakeWholeRowSoftmax(k, E);
-  const Tensor dprobs_s = As(k, dprobs, dt.scores);
-  Tensor dlogits_s = k.Empty({T, E}, dt.scores);
-  Tensor dscores = k.Zeros({T, E}, dt.scores);
-  if (static_cast<int64_t>(st.aux.size()) == E) {
-    k.AddRowVector(ValuesToDevice(k, st.aux, {E}, dt.scores), dscores);
-  } else if (!st.aux.empty()) {
-    k.Axpy(1.0, ValuesToDevice(k, st.aux, {T, E}, dt.scores), dscores);
-  }
-  Tensor dvalues_s;  // the chosen logits' gradient (post-softmax top-k)
-  if (moe_.router_pre_softmax) {
-    Tensor into = dscores.Reshaped({T * E, 1});
-    k.EmbeddingBackward(dprobs_s.Reshaped({T * K, 1}), flat_ids, 0, T * E, into);
-    k.CausalSoftmaxBackward(st.scores, dscores, over_experts.q_pos, over_experts.k_pos, 1.0,
-                            dlogits_s);
+  // the softmaxes (or the sigmoid) in the scores' dtype; d logits in the router's.
+  Tensor dprobs_s = As(k, dprobs, dt.scores);
+  Tensor dlogits_s, dvalues_s;  // dvalues_s: the chosen logits' gradient (post-softmax top-k)
+  // (flat_ids, the positions and dscores are kept to the end, as the memory plan counts.)
+  Tensor flat_ids, dscores;
+  std::optional<WholeRowSoftmax> over_experts;
+  if (moe_.score_function == MoeScoreFunction::kSigmoid) {
+    dlogits_s = SigmoidRouterBackward(k, ValuesToHost(k, dprobs_s), st, moe_, dt.scores);
   } else {
-    const WholeRowSoftmax over_chosen = MakeWholeRowSoftmax(k, K);
-    dvalues_s = k.Empty({T, K}, dt.scores);
-    k.CausalSoftmaxBackward(st.probs, dprobs_s, over_chosen.q_pos, over_chosen.k_pos, 1.0,
-                            dvalues_s);
-    k.CausalSoftmaxBackward(st.scores, dscores, over_experts.q_pos, over_experts.k_pos, 1.0,
-                            dlogits_s);
+    if (moe_.topk_scaling_factor) k.Scale(*moe_.topk_scaling_factor, dprobs_s);
+    flat_ids = IntsToDevice(k, FlatChoices(st.chosen, E, K), {T * K});
+    over_experts = MakeWholeRowSoftmax(k, E);
+    dlogits_s = k.Empty({T, E}, dt.scores);
+    dscores = k.Zeros({T, E}, dt.scores);
+    if (static_cast<int64_t>(st.aux.size()) == E) {
+      k.AddRowVector(ValuesToDevice(k, st.aux, {E}, dt.scores), dscores);
+    } else if (!st.aux.empty()) {
+      k.Axpy(1.0, ValuesToDevice(k, st.aux, {T, E}, dt.scores), dscores);
+    }
+    if (moe_.router_pre_softmax) {
+      Tensor into = dscores.Reshaped({T * E, 1});
+      k.EmbeddingBackward(dprobs_s.Reshaped({T * K, 1}), flat_ids, 0, T * E, into);
+      k.CausalSoftmaxBackward(st.scores, dscores, over_experts->q_pos, over_experts->k_pos, 1.0,
+                              dlogits_s);
+    } else {
+      const WholeRowSoftmax over_chosen = MakeWholeRowSoftmax(k, K);
+      dvalues_s = k.Empty({T, K}, dt.scores);
+      k.CausalSoftmaxBackward(st.probs, dprobs_s, over_chosen.q_pos, over_chosen.k_pos, 1.0,
+                              dvalues_s);
+      k.CausalSoftmaxBackward(st.scores, dscores, over_experts->q_pos, over_experts->k_pos, 1.0,
+                              dlogits_s);
+    }
   }
   if (!st.dlse.empty()) {
-    // d lse_t / d logits_t = scores_t.
+    // d lse_t / d logits_t = softmax(logits_t).
+    const Tensor& softmax = st.z_softmax.defined() ? st.z_softmax : st.scores;
     Tensor term = k.Empty({T, 1, E}, dt.scores);
     k.BatchedGemm(false, false, 1.0, ValuesToDevice(k, st.dlse, {T, 1, 1}, dt.scores),
-                  st.scores.Reshaped({T, 1, E}), 0.0, term);
+                  softmax.Reshaped({T, 1, E}), 0.0, term);
     k.Axpy(1.0, term, dlogits_s);
   }
   Tensor dlogits = As(k, dlogits_s, dt.logits);

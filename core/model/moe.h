@@ -20,6 +20,16 @@
 //             top-k of logits (or of scores with moe_router_pre_softmax), equal values by
 //             the lower expert (Kernels::TopK); probs = softmax over the k chosen logits
 //             (or the chosen scores)            [T, k]
+//             moe_router_score_function "sigmoid" (DeepSeek-V3): scores = sigmoid(logits),
+//             top-k of the scores, probs = the chosen scores / (their sum + 1e-20) when
+//             k > 1 (the softmax stays for the z-loss's lse); group-limited top-k
+//             (moe_router_num_groups G, moe_router_group_topk g): only the experts of the g
+//             groups whose top k / g ranked values sum highest are chosen from; the
+//             dispatched probabilities are probs * moe_router_topk_scaling_factor. These
+//             choices are made on the host, as the capacity's (Megatron's
+//             topk_routing_with_score_function, group_limited_topk); with
+//             moe_router_enable_expert_bias the top-k (grouped or not) ranks scores +
+//             expert_bias, the probabilities stay the unbiased scores
 //   capacity  with moe_expert_capacity_factor: per expert ceil(T k / E * factor) of this
 //             rank's tokens when that is below T, kept by probability ("probs") or position,
 //             equal values by the lower token (the float64 reference's rule, on the host)
@@ -41,12 +51,15 @@
 // data-parallel average:
 //   load balancing  coeff E / (k T_tot^2) sum_i count_i sum_t scores_ti, count_i the tokens
 //                   whose top-k of scores holds i, summed over tp and cp (T_tot = T tp cp;
-//                   the dense groups, whatever etp and ep are)
+//                   the dense groups, whatever etp and ep are); with the sigmoid, scores_ti
+//                   = sigmoid_ti / (sum_e sigmoid_te + 1e-20) (compute_routing_scores_for_aux_
+//                   loss), no group limit in either
 //   seq_aux_loss    per sample n of the b: coeff E / (k s^2) sum_i count_ni sum_{t of n}
 //                   scores_ti, averaged over the b samples (count_ni over its s positions)
 //   z-loss          coeff_z / (tp cp) mean_t lse_t^2
 #pragma once
 
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <vector>
@@ -68,12 +81,15 @@ class MoeLayer {
   struct Stash {
     Tensor x;               // [T, h] the router's input
     Tensor scores, lse;     // [T, E] softmax of the logits, [T] their log-sum-exp
-    Tensor probs;           // [T, k] routing probabilities (before dropping)
+    Tensor probs;           // [T, k] routing probabilities (before dropping and before
+                            // moe_router_topk_scaling_factor)
                             // (all three in RouterDTypes' scores dtype)
+    Tensor z_softmax;       // [T, E] sigmoid scores with the z-loss: softmax of the logits
     std::vector<int64_t> chosen;  // [T * k] experts, per token in rank order
     std::vector<double> aux;      // d(objective)/d(scores_ti): [E], the same for every t
                                   // (aux_loss), or [T, E] (seq_aux_loss: per sample)
     std::vector<double> dlse;     // [T] d(objective)/d(lse_t) of the z-loss (empty: none)
+    std::vector<int64_t> kept_per_expert;  // [E] expert bias: the kept choices per expert
     TokenRoute route;        // the dispatcher's permutation: N rows over the local experts
     Tensor x_perm, p_perm;   // [N, h], [N, 1] (p_perm in RouterDTypes' logits dtype)
     Tensor fc1_out, act;     // [N, f1/t], [N, f/t] (act before the probability)
@@ -102,6 +118,18 @@ class MoeLayer {
   // last forward's all-to-all sent each ep rank: "; all-to-all to ep ranks 0 1: 61 67 rows,
   // 15860 17420 bytes" (a row: the token's hidden state and its probability).
   std::string ReceivedNote() const;
+  // moe_router_enable_expert_bias: Megatron's `expert_bias` buffer (float32 [E], zeros at
+  // the start; empty without the key), and the kept choices per expert of this rank's
+  // micro-batches since the last update (local_tokens_per_expert, counted at each
+  // backward). UpdateExpertBias takes those counts summed over tp x dp x cp
+  // (finalize_model_grads's all-reduce) and moves the bias as get_updated_expert_bias does;
+  // it resets the counts.
+  const std::vector<float>& expert_bias() const { return expert_bias_; }
+  const std::vector<int64_t>& tokens_per_expert() const { return tokens_per_expert_; }
+  void UpdateExpertBias(const std::vector<float>& tokens_per_expert) const;
+  void ResetTokensPerExpert() const {
+    std::fill(tokens_per_expert_.begin(), tokens_per_expert_.end(), 0);
+  }
 
  private:
   // The host-side routing of one forward: counts, capacity, the auxiliary gradients'
@@ -120,6 +148,8 @@ class MoeLayer {
   mutable std::vector<std::vector<int64_t>> received_;  // see received()
   mutable std::vector<int64_t> sent_rows_;  // the last forward's rows to each ep rank
   mutable int64_t row_bytes_ = 0;           // bytes of one such row
+  mutable std::vector<float> expert_bias_;  // see expert_bias()
+  mutable std::vector<int64_t> tokens_per_expert_;  // see tokens_per_expert()
   std::optional<ColumnParallelLinear> shared_fc1_;
   std::optional<RowParallelLinear> shared_fc2_;
 };

@@ -57,6 +57,7 @@ std::vector<TrainedIteration> Train(Model& model, PipelineExecutor& executor,
         optimizer.GradNorm(k, ctx.tp(), pp, ctx.groups.tp_ep.get(), ctx.coords.tp, trace);
     const double lr = LearningRate(config, it, iterations);
     optimizer.Step(k, norm, lr, trace);
+    model.AfterOptimizerStep(ctx);
     k.Synchronize();
     const bool stop = fence(it + 1, true);
     const double seconds =

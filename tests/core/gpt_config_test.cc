@@ -562,6 +562,85 @@ TEST(GptConfig, MoeKeysAreReadAndChecked) {
             "biases; Megatron allows them only with expert_tensor_parallel_size 1)");
 }
 
+// DeepSeek-style routing keys: read with Megatron's defaults, and Megatron's refusals
+// (TransformerConfig.__post_init__) with its reasons, plus the group shapes its
+// group_limited_topk cannot run.
+TEST(GptConfig, DeepSeekRoutingKeys) {
+  json section = Minimal();
+  section["num_layers"] = 2;
+  section["add_bias_linear"] = false;
+  section["num_moe_experts"] = 8;
+  GptConfig gpt;
+  ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
+  EXPECT_EQ(gpt.moe.score_function, MoeScoreFunction::kSoftmax);
+  EXPECT_FALSE(gpt.moe.topk_scaling_factor || gpt.moe.num_groups || gpt.moe.group_topk);
+  section["moe_router_topk"] = 4;
+  section["moe_router_score_function"] = "sigmoid";
+  section["moe_router_topk_scaling_factor"] = 2.5;
+  section["moe_router_num_groups"] = 4;
+  section["moe_router_group_topk"] = 2;
+  ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
+  EXPECT_EQ(gpt.moe.score_function, MoeScoreFunction::kSigmoid);
+  EXPECT_EQ(gpt.moe.topk_scaling_factor, 2.5);
+  EXPECT_EQ(gpt.moe.num_groups, 4);
+  EXPECT_EQ(gpt.moe.group_topk, 2);
+  EXPECT_TRUE(gpt.ignored.empty());
+
+  const auto refusal = [&](const char* key, const json& value) {
+    json bad = section;
+    if (value.is_null()) {
+      bad.erase(key);
+    } else {
+      bad[key] = value;
+    }
+    GptConfig unused;
+    return ParseGptSection(bad, &unused).Message();
+  };
+  EXPECT_EQ(refusal("moe_router_score_function", "sqrtsoftplus"),
+            "model.moe_router_score_function: must be \"softmax\" or \"sigmoid\", got string "
+            "\"sqrtsoftplus\"");
+  EXPECT_EQ(refusal("moe_router_num_groups", nullptr),
+            "model.moe_router_group_topk: When using group limited routing, "
+            "moe_router_num_groups must be specified.");
+  EXPECT_EQ(refusal("moe_router_num_groups", 3),
+            "model.moe_router_num_groups: num_moe_experts (8) should be divisible by "
+            "moe_router_num_groups (3).");
+  EXPECT_EQ(refusal("moe_router_group_topk", 5),
+            "model.moe_router_group_topk: moe_router_group_topk (5) should be smaller than "
+            "moe_router_num_groups (4).");
+  EXPECT_EQ(refusal("moe_router_topk", 1),
+            "model.moe_router_group_topk: 2 is more than moe_router_topk 1: a group's score is "
+            "the sum of its top topk // group_topk = 0 scores, so every group would tie");
+  EXPECT_EQ(refusal("moe_router_topk", 6),
+            "model.moe_router_group_topk: a group's score sums its top moe_router_topk // 2 = 3 "
+            "scores, but a group has only 2 experts");
+  EXPECT_EQ(refusal("moe_router_topk_scaling_factor", 0),
+            "model.moe_router_topk_scaling_factor: must be a number > 0, got number 0");
+  section["moe_router_enable_expert_bias"] = true;
+  ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
+  EXPECT_TRUE(gpt.moe.enable_expert_bias);
+  EXPECT_EQ(gpt.moe.bias_update_rate, 1e-3);
+  EXPECT_EQ(refusal("moe_router_score_function", "softmax"),
+            "model.moe_router_enable_expert_bias: Expert bias for aux-loss-free routing only "
+            "supports 'sigmoid' and 'sqrtsoftplus' score functions. Please set "
+            "--moe-router-score-function to 'sigmoid' or 'sqrtsoftplus', or unset "
+            "--moe-router-enable-expert-bias.");
+  EXPECT_EQ(refusal("moe_router_bias_update_rate", -1),
+            "model.moe_router_bias_update_rate: must be a number >= 0, got number -1");
+  section["moe_router_enable_expert_bias"] = false;
+
+  // Accepted but without effect, as in Megatron: noted.
+  section["moe_router_pre_softmax"] = true;
+  section.erase("moe_router_group_topk");
+  ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
+  EXPECT_EQ(gpt.ignored,
+            (std::vector<std::string>{
+                "model.moe_router_pre_softmax: ignored: with moe_router_score_function "
+                "\"sigmoid\" the top-k always chooses from the sigmoids",
+                "model.moe_router_num_groups: ignored: group-limited routing needs "
+                "moe_router_group_topk"}));
+}
+
 TEST(GptConfig, ParametersFollowMegatronStateDict) {
   GptConfig gpt;
   json section = Minimal();

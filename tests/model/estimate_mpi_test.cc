@@ -163,6 +163,14 @@ std::vector<Case> Layouts() {
   moe_router["moe_router_topk"] = 2;
   moe_router["moe_ffn_hidden_size"] = 4;
   moe_router["moe_z_loss_coeff"] = 0.001;
+  // The same experts routed DeepSeek-style: sigmoid scores (their backward on the host),
+  // group-limited, scaled, with the load-balancing loss.
+  json moe_sigmoid = moe_router;
+  moe_sigmoid["moe_router_score_function"] = "sigmoid";
+  moe_sigmoid["moe_router_num_groups"] = 8;
+  moe_sigmoid["moe_router_group_topk"] = 2;
+  moe_sigmoid["moe_router_topk_scaling_factor"] = 2.5;
+  moe_sigmoid["moe_aux_loss_coeff"] = 0.01;
   // Sizes that no data-parallel size divides, so the distributed optimizer pads its buffer
   // and the last rank owns fewer elements than the first.
   json odd = Gpt(3, 3);
@@ -206,6 +214,8 @@ std::vector<Case> Layouts() {
       {"moe_capacity", 1, 1, 1, 1, 1, 0, false},
       {"moe_router", 1, 1, 1, 1, 1, 0, false},
       {"moe_router", 2, 1, 1, 1, 1, 0, true},
+      {"moe_sigmoid", 1, 1, 1, 1, 1, 0, false},
+      {"moe_sigmoid", 2, 1, 1, 1, 1, 0, true},
       {"odd", 1, 1, 1, 1, 1, 0, false},
       {"odd", 1, 2, 1, 1, 1, 0, false},
       {"wide", 1, 1, 1, 1, 1, 0, false},
@@ -302,6 +312,7 @@ std::vector<Case> Layouts() {
                           : name == "moe_gg"       ? moe_gg
                           : name == "moe_capacity" ? moe_capacity
                           : name == "moe_router"   ? moe_router
+                          : name == "moe_sigmoid"  ? moe_sigmoid
                           : name == "odd"          ? odd
                           : name == "wide"         ? wide
                                                    : dense;

@@ -375,6 +375,130 @@ TEST(GptMixtureOfExperts, StepNotesCountEveryRoutedToken) {
   for (const auto& [layer, tokens] : per_layer) EXPECT_EQ(tokens, 2 * 16 * Samples()) << layer;
 }
 
+// DeepSeek-V3-style routing (Megatron's topk_routing_with_score_function): sigmoid scores, 8
+// experts in 4 groups of 2, each token choosing 3 experts from the 3 groups whose best expert
+// scores highest, the chosen sigmoids normalised and scaled by 2.5; the load-balancing loss
+// on the normalised sigmoids, the z-loss and a shared expert (Dropless's).
+json DeepSeekRouting() {
+  json model = Dropless();
+  model["num_moe_experts"] = 8;
+  model["moe_router_topk"] = 3;
+  model["moe_router_score_function"] = "sigmoid";
+  model["moe_router_num_groups"] = 4;
+  model["moe_router_group_topk"] = 3;
+  model["moe_router_topk_scaling_factor"] = 2.5;
+  return model;
+}
+
+// The softmax router with the same group limit and scaling, after the top-k (groups ranked
+// by the logits) and before it (by the softmax), with a capacity.
+json GroupLimitedSoftmax(bool pre_softmax) {
+  json model = DeepSeekRouting();
+  model["moe_router_score_function"] = "softmax";
+  model["moe_router_pre_softmax"] = pre_softmax;
+  if (pre_softmax) model["moe_expert_capacity_factor"] = 1.0;
+  return model;
+}
+
+// Every layout, both dispatchers: the sigmoid router dropless (whose losses agree across the
+// layouts of a tp) and with a capacity; the group-limited softmax routers on the pp 1 layouts.
+TEST(GptMixtureOfExperts, DeepSeekRoutingMatchesTheReference) {
+  std::map<int64_t, double> first_loss;
+  for (const Layout& l : Layouts()) {
+    if (kSanitized && (l.pp > 1 || l.cp > 1 || l.etp != l.tp)) continue;
+    for (const char* dispatcher : {"allgather", "alltoall"}) {
+      json model = DeepSeekRouting();
+      model["moe_token_dispatcher_type"] = dispatcher;
+      SCOPED_TRACE(fmt::format("sigmoid {} {}", dispatcher, l.Name()));
+      if (WorldRank() == 0) fmt::print("  sigmoid {} {}:", dispatcher, l.Name());
+      const double loss = RunChecked(l.Document(model)).loss;
+      first_loss.try_emplace(l.tp, loss);
+      EXPECT_NEAR(loss, first_loss.at(l.tp), 1e-12 * loss);
+      if (l.pp > 1) continue;
+      model["moe_expert_capacity_factor"] = 1.0;
+      if (WorldRank() == 0) fmt::print("  sigmoid capacity 1 {} {}:", dispatcher, l.Name());
+      RunChecked(l.Document(model));
+    }
+    if (l.pp > 1) continue;
+    for (const bool pre : {false, true}) {
+      SCOPED_TRACE(fmt::format("softmax groups pre {} {}", pre, l.Name()));
+      if (WorldRank() == 0) fmt::print("  softmax groups{} {}:", pre ? " pre" : "", l.Name());
+      RunChecked(l.Document(GroupLimitedSoftmax(pre)));
+    }
+  }
+}
+
+// Training: 3 Adam iterations with the distributed optimizer, seq_aux_loss, on pp 2 (cp 2
+// where the world allows) with full recomputation, and with ep 2 and the alltoall dispatcher;
+// float32 on tp 2.
+TEST(GptMixtureOfExperts, DeepSeekRoutingTrainsAndRunsInFloat32) {
+  json model = DeepSeekRouting();
+  model["moe_router_load_balancing_type"] = "seq_aux_loss";
+  if (WorldSize() >= 2) {
+    const int64_t cp = WorldSize() >= 4 ? 2 : 1;
+    if (WorldRank() == 0) fmt::print("  sigmoid pp 2 cp {}, distributed optimizer:", cp);
+    json document = Training(MoeDocument(model, 1, cp, 2, "float64"), "adam");
+    document["run"]["train_iters"] = 3;
+    document["optimizer"]["use_distributed_optimizer"] = true;
+    SetRecompute(document["run"], "full uniform 2");
+    ExpectReferenceNorms(RunChecked(document));
+    if (WorldRank() == 0) fmt::print("  sigmoid ep 2 alltoall, distributed optimizer:");
+    document = Training(MoeDocument(AllToAll(model), 1, 1, 1, "float64", 2), "adam");
+    document["run"]["train_iters"] = 3;
+    document["optimizer"]["use_distributed_optimizer"] = true;
+    ExpectReferenceNorms(RunChecked(document));
+  }
+  const int64_t tp = WorldSize() >= 2 ? 2 : 1;
+  for (const json& m : {DeepSeekRouting(), GroupLimitedSoftmax(false), GroupLimitedSoftmax(true)}) {
+    if (WorldRank() == 0) fmt::print("  float32 tp {}:", tp);
+    RunChecked(MoeDocument(m, tp, 1, 1, "float32"));
+  }
+}
+
+// Aux-loss-free balancing: the sigmoid router with the expert bias (rate 0.01, larger than
+// the small model's score differences, so that it moves the choices at once; an odd number
+// of steps, as it swings back and forth), three Adam iterations: the dp layout with the
+// plain and the distributed optimizer, tp 2 with ep 2 and the alltoall dispatcher, pp 2 with
+// cp 2 and full recomputation, a capacity. Each layer's expert_bias is checked equal to the
+// reference's after the last update (its counts summed over tp x dp x cp), and it moved.
+TEST(GptMixtureOfExperts, ExpertBiasMatchesTheReferenceOverIterations) {
+  json model = DeepSeekRouting();
+  model["moe_router_enable_expert_bias"] = true;
+  model["moe_router_bias_update_rate"] = 0.01;
+  model["moe_aux_loss_coeff"] = 0.0;
+  struct Case {
+    const char* name;
+    int64_t tp, cp, pp, ep;
+    bool distributed, alltoall, capacity, recompute;
+  };
+  const int64_t w = WorldSize();
+  for (const Case& c : {Case{"dp", 1, 1, 1, 1, false, false, false, false},
+                        Case{"dp, distributed optimizer", 1, 1, 1, 1, true, false, false, false},
+                        Case{"tp 2 ep 2 alltoall", 2, 1, 1, 2, true, true, false, false},
+                        Case{"pp 2 cp 2 recompute", 1, 2, 2, 1, true, false, false, true},
+                        Case{"capacity 1", 1, 1, 1, 1, false, false, true, false}}) {
+    const int64_t mp = c.tp * c.cp * c.pp;
+    if (mp > w || w % mp != 0 || (w / (c.tp * c.pp)) % c.ep != 0) continue;
+    json m = c.alltoall ? AllToAll(model) : model;
+    if (c.capacity) m["moe_expert_capacity_factor"] = 1.0;
+    json document = Training(MoeDocument(m, c.tp, c.cp, c.pp, "float64", c.ep), "adam");
+    document["run"]["train_iters"] = 3;
+    document["optimizer"]["use_distributed_optimizer"] = c.distributed;
+    if (c.recompute) SetRecompute(document["run"], "full uniform 2");
+    if (WorldRank() == 0) fmt::print("  expert bias, {}:", c.name);
+    const run::SimulationResult result = RunChecked(document);
+    ExpectReferenceNorms(result);
+    int biases = 0;
+    for (const run::TensorCheck& t : result.check.tensors) {
+      if (!t.name.ends_with(".mlp.router.expert_bias")) continue;
+      ++biases;
+      EXPECT_EQ(t.max_abs, 0.0) << t.name;  // float32 steps of the rate, exactly
+      EXPECT_GT(t.scale, 0.0) << t.name;    // it moved
+    }
+    EXPECT_EQ(biases, 2) << c.name;
+  }
+}
+
 // A document the run refuses with exactly `message` (one line naming the field).
 void ExpectRefusal(const json& document, const std::string& message) {
   const StatusOr<run::SimulationResult> result = Simulate(document);

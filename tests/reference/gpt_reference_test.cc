@@ -846,13 +846,14 @@ void CheckGolden(const std::string& file) {
   std::set<std::string> golden_params;
   for (const auto& [name, tensor] : tensors) {
     if (name == "tokens" || name == "labels" || name == "loss" || name == "moe_aux_objective" ||
-        name.ends_with(".grad")) {
+        name.ends_with(".grad") || name.ends_with(".expert_bias.updated")) {
       continue;
     }
-    golden_params.insert(name);
+    // A router's expert bias is state the reference reads, not a parameter.
+    if (!name.ends_with(".expert_bias")) golden_params.insert(name);
     options.parameter_overrides[name] = tensor;
   }
-  const ReferenceResult r = MustRun({gpt, config.parallel, *config.run}, options);
+  ReferenceResult r = MustRun({gpt, config.parallel, *config.run}, options);
   const std::vector<std::string> names = ParameterNames(r);
   EXPECT_EQ(std::set<std::string>(names.begin(), names.end()), golden_params);
 
@@ -885,6 +886,24 @@ void CheckGolden(const std::string& file) {
   }
   std::printf("  %s: %zu gradients, worst error %.2e of the tensor's max\n", file.c_str(),
               names.size(), worst);
+  // The expert biases as the step leaves them (Megatron's get_updated_expert_bias on the
+  // step's token counts): equal, float32 steps of the rate.
+  std::map<std::string, Tensor> state;
+  FinishGptReferenceIteration(gpt, r, /*trained=*/true, &state);
+  int updated = 0;
+  for (const auto& [name, tensor] : tensors) {
+    if (!name.ends_with(".expert_bias.updated")) continue;
+    const std::string bias = name.substr(0, name.size() - std::string(".updated").size());
+    ASSERT_EQ(state.count(bias), 1u) << bias;
+    const std::vector<double> expected(tensor.data_as<double>(),
+                                       tensor.data_as<double>() + tensor.numel());
+    const std::vector<double> actual(state.at(bias).data_as<double>(),
+                                     state.at(bias).data_as<double>() + state.at(bias).numel());
+    EXPECT_EQ(actual, expected) << bias;
+    ++updated;
+  }
+  EXPECT_EQ(updated, static_cast<int>(state.size()));
+  if (updated > 0) std::printf("  %s: %d expert biases updated as torch\n", file.c_str(), updated);
 }
 
 TEST(GptReferenceTest, MatchesTorchGoldenLayerNormGeluLearnedTiedPadded) {
@@ -930,6 +949,13 @@ TEST(GptReferenceTest, MatchesTorchGoldenMultiTokenPredictionUntied) {
 // ... and the output layer tied to the word embedding that the depths also read.
 TEST(GptReferenceTest, MatchesTorchGoldenMultiTokenPredictionTied) {
   CheckGolden("gpt_golden_k_tied.safetensors");
+}
+
+// DeepSeek-V3-style routing: sigmoid scores, the expert bias (for choosing only, and its
+// update), group-limited top-k, the chosen scores normalised and scaled, the load-balancing
+// loss on the normalised sigmoids (config G, through Megatron's own routing functions).
+TEST(GptReferenceTest, MatchesTorchGoldenMixtureOfExpertsSigmoidGroupLimited) {
+  CheckGolden("gpt_golden_g.safetensors");
 }
 
 }  // namespace

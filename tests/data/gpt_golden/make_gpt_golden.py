@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """The PyTorch golden of the float64 GPT reference (reference/gpt_reference.h).
 
-Builds five tiny Megatron-Core GPTModels (local layer spec) in torch float64, written from the
+Builds seven tiny Megatron-Core GPTModels (local layer spec) in torch float64, written from the
 model's math and Megatron's semantics (not from the C++ reference), runs them forward on
 random tokens with random parameters, lets autograd compute every parameter gradient, and
 writes one safetensors file per config:
@@ -139,6 +139,109 @@ CONFIG_F["model"].update({"moe_router_load_balancing_type": "seq_aux_loss",
 CONFIG_F["model"] = {k: v for k, v in CONFIG_F["model"].items() if v is not None}
 CONFIG_F["run"]["seed"] = 16
 
+# Config G: DeepSeek-V3-style routing: sigmoid scores, 12 experts in 4 groups of 3, each token
+# choosing 4 experts from the 2 groups whose top 2 biased sigmoids sum highest (the expert
+# bias, a float32 buffer as a checkpoint would hold it: N(0, 0.05^2) per layer, added for
+# choosing only), the chosen sigmoids normalised (topk > 1) and scaled by
+# moe_router_topk_scaling_factor 2.5; the load-balancing loss on the sigmoids normalised over
+# all experts, the z-loss, a shared expert, no token dropped; every layer an MoE layer. The
+# file also holds each bias as the step leaves it (`<router>.expert_bias.updated`,
+# get_updated_expert_bias on the step's token counts, rate 0.001).
+CONFIG_G = json.loads(json.dumps(CONFIG_D))
+CONFIG_G["model"].update({
+    "num_moe_experts": 12, "moe_router_topk": 4, "moe_ffn_hidden_size": 8, "moe_layer_freq": 1,
+    "moe_router_score_function": "sigmoid", "moe_router_num_groups": 4,
+    "moe_router_group_topk": 2, "moe_router_topk_scaling_factor": 2.5,
+    "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 0.001,
+    "moe_expert_capacity_factor": None})
+CONFIG_G["model"] = {k: v for k, v in CONFIG_G["model"].items() if v is not None}
+CONFIG_G["model"]["num_layers"] = 2
+CONFIG_G["run"]["seed"] = 17
+
+
+# Megatron-Core's routing functions (megatron/core/transformer/moe/moe_utils.py), unfused,
+# without router replay, precomputed indices or padding masks, as Megatron writes them, but
+# for one change: where Megatron computes the scores in float32 (`logits.float()`,
+# `dtype=torch.float32`), these use SCORES_DTYPE, float64: a float64 run keeps its router in
+# float64 (RouterDTypesOf, core/config/gpt_config.h), as the softmax above does.
+SCORES_DTYPE = torch.float64
+def group_limited_topk(scores, topk, num_tokens, num_experts, num_groups, group_topk):
+    group_scores = (
+        scores.view(num_tokens, num_groups, -1).topk(topk // group_topk, dim=-1)[0].sum(dim=-1)
+    )
+    group_idx = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores)
+    group_mask.scatter_(1, group_idx, 1)
+    score_mask = (
+        group_mask.unsqueeze(-1)
+        .expand(num_tokens, num_groups, num_experts // num_groups)
+        .reshape(num_tokens, -1)
+    )
+    masked_scores = scores.masked_fill(~score_mask.bool(), float('-inf'))
+    probs, top_indices = torch.topk(masked_scores, k=topk, dim=-1)
+    return probs, top_indices
+
+
+def topk_routing_with_score_function(logits, topk, use_pre_softmax=False, num_groups=None,
+                                     group_topk=None, scaling_factor=None,
+                                     score_function="softmax", expert_bias=None):
+    num_tokens, num_experts = logits.shape
+
+    def compute_topk(scores, topk, num_groups=None, group_topk=None):
+        if group_topk:
+            return group_limited_topk(scores=scores, topk=topk, num_tokens=num_tokens,
+                                      num_experts=num_experts, num_groups=num_groups,
+                                      group_topk=group_topk)
+        return torch.topk(scores, k=topk, dim=1)
+
+    if score_function == "softmax":
+        if use_pre_softmax:
+            scores = torch.softmax(logits, dim=-1, dtype=SCORES_DTYPE)
+            probs, top_indices = compute_topk(scores, topk, num_groups, group_topk)
+        else:
+            scores, top_indices = compute_topk(logits, topk, num_groups, group_topk)
+            probs = torch.softmax(scores, dim=-1, dtype=SCORES_DTYPE)
+    elif score_function == "sigmoid":
+        scores = torch.sigmoid(logits.to(SCORES_DTYPE))
+        if expert_bias is not None:
+            scores_for_routing = scores + expert_bias.float()
+            _, top_indices = compute_topk(scores_for_routing, topk, num_groups, group_topk)
+            scores = torch.gather(scores, dim=1, index=top_indices)
+        else:
+            scores, top_indices = compute_topk(scores, topk, num_groups, group_topk)
+        probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else scores
+    else:
+        raise ValueError(f"Invalid score_function: {score_function}")
+    if scaling_factor:
+        probs = probs * scaling_factor
+    probs = probs.type_as(logits)
+    routing_probs = torch.zeros_like(logits).scatter(1, top_indices, probs)
+    routing_map = torch.zeros_like(logits).int().scatter(1, top_indices, 1).bool()
+    return routing_probs, routing_map
+
+
+def get_updated_expert_bias(tokens_per_expert, expert_bias, expert_bias_update_rate):
+    """moe_utils.get_updated_expert_bias after its all-reduce (here the counts are already
+    the whole batch's)."""
+    with torch.no_grad():
+        average_tokens = tokens_per_expert.sum(dim=-1, keepdim=True) / tokens_per_expert.shape[-1]
+        offset = average_tokens - tokens_per_expert
+        updated_expert_bias = expert_bias + torch.sign(offset) * expert_bias_update_rate
+        return updated_expert_bias
+
+
+def compute_routing_scores_for_aux_loss(logits, topk, score_function):
+    if score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1, dtype=SCORES_DTYPE)
+    elif score_function == "sigmoid":
+        scores = torch.sigmoid(logits.to(SCORES_DTYPE))
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        raise ValueError(f"Invalid score_function: {score_function}")
+    _, top_indices = torch.topk(scores, k=topk, dim=1)
+    routing_map = torch.zeros_like(logits).int().scatter(1, top_indices, 1).bool()
+    return routing_map, scores
+
 
 # Config K: multi-token prediction (Megatron-Core's MultiTokenPredictionBlock, local spec), two
 # depths on config B's kind of model: RMSNorm, swiglu, rope, grouped-query attention, untied
@@ -228,6 +331,17 @@ class Sizes:
         # Multi-token prediction (TransformerConfig: mtp_num_layers None, scaling factor 0.1).
         self.mtp = m.get("mtp_num_layers") or 0
         self.mtp_scale = m.get("mtp_loss_scaling_factor", 0.1)
+        # DeepSeek-style routing: routed through Megatron's own functions above.
+        self.score_function = m.get("moe_router_score_function", "softmax")
+        self.num_groups = m.get("moe_router_num_groups")
+        self.group_topk = m.get("moe_router_group_topk")
+        self.scaling = m.get("moe_router_topk_scaling_factor")
+        self.expert_bias = m.get("moe_router_enable_expert_bias", False)
+        self.bias_update_rate = m.get("moe_router_bias_update_rate", 1e-3)
+        self.megatron_router = (self.score_function != "softmax" or self.group_topk is not None
+                                or self.scaling is not None or self.expert_bias)
+        # TopKRouter.local_tokens_per_expert (float32), per router, summed over the step.
+        self.tokens_per_expert = {}
 
     def expert(self, p, e, fc):
         """An expert's weight name: SequentialMLP's local_experts.<e>.linear_fc<n>.weight (global
@@ -274,6 +388,9 @@ def make_parameters(z):
             # MoELayer: router.weight [E, h]; SequentialMLP's local_experts.<e> (global expert
             # numbers: one expert-parallel rank here); SharedExpertMLP's linear_fc1/fc2.
             weight(p + ".mlp.router.weight", z.E, z.h)
+            if z.expert_bias:  # a float32 buffer, not a parameter
+                params[p + ".mlp.router.expert_bias"] = (
+                    torch.randn(z.E, dtype=torch.float64) * 0.05).float().double()
             expert_fc1 = 2 * z.moe_ffn if z.swiglu else z.moe_ffn
             for e in range(z.E):
                 weight(z.expert(p, e, 1), expert_fc1, z.h)
@@ -380,13 +497,20 @@ def moe_layer(z, P, p, h2):
         logits = F.linear(xs, P[p + ".mlp.router.weight"])  # [T, E]
         if z.z_coeff:  # z_loss_func: mean over the tokens of logsumexp^2 (coeff / tp_cp)
             aux = aux + z.z_coeff * torch.logsumexp(logits, -1).pow(2).mean()
-        if z.pre_softmax:
+        if z.megatron_router:
+            bias = P[p + ".mlp.router.expert_bias"].float() if z.expert_bias else None
+            probs, routed = topk_routing_with_score_function(
+                logits, z.topk, use_pre_softmax=z.pre_softmax, num_groups=z.num_groups,
+                group_topk=z.group_topk, scaling_factor=z.scaling,
+                score_function=z.score_function, expert_bias=bias)
+        elif z.pre_softmax:
             top_p, top_e = ranked(torch.softmax(logits, -1), z.topk)
         else:
             top_logits, top_e = ranked(logits, z.topk)
             top_p = torch.softmax(top_logits, -1)
-        probs = torch.zeros_like(logits).scatter(1, top_e, top_p)  # [T, E], 0 unrouted
-        routed = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_e, True)
+        if not z.megatron_router:
+            probs = torch.zeros_like(logits).scatter(1, top_e, top_p)  # [T, E], 0 unrouted
+            routed = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_e, True)
         if z.capacity_factor is not None:
             # apply_router_token_dropping: capacity = ceil(T k / E * factor) per expert; when it
             # is below T, each expert keeps the capacity tokens with the largest routing
@@ -402,8 +526,13 @@ def moe_layer(z, P, p, h2):
         if z.aux_coeff:
             # switch_load_balancing_loss_func on the softmax of all logits, with the top-k
             # counts (before any dropping) of the tokens of the tp x cp group: this dp rank's.
-            scores = torch.softmax(logits, -1)
-            routing = torch.zeros_like(logits).scatter(1, ranked(scores, z.topk)[1], 1.0)
+            if z.megatron_router:
+                routing_map, scores = compute_routing_scores_for_aux_loss(
+                    logits, z.topk, z.score_function)
+                routing = routing_map.to(scores.dtype)
+            else:
+                scores = torch.softmax(logits, -1)
+                routing = torch.zeros_like(logits).scatter(1, ranked(scores, z.topk)[1], 1.0)
             if z.seq_aux:
                 # Router._apply_seq_aux_loss: [s*b, E] viewed as [s, b*E], each sample's
                 # experts counted as experts of their own over its s tokens, the switch loss
@@ -416,6 +545,9 @@ def moe_layer(z, P, p, h2):
                 counts = routing.sum(0)
                 aux = aux + (scores.sum(0) * counts.detach()).sum() * (
                     z.E * z.aux_coeff / (z.topk * T * T))
+        if z.expert_bias:  # TopKRouter._apply_expert_bias: the routing map after dropping
+            counts = z.tokens_per_expert.setdefault(p, torch.zeros(z.E, dtype=torch.float32))
+            counts += routed.sum(dim=0).float()
         y = torch.zeros_like(xs)
         for e in range(z.E):
             rows = routed[:, e].nonzero().squeeze(-1)  # this expert's tokens, in order
@@ -608,8 +740,9 @@ def make(doc, torch_seed, path):
     P = make_parameters(z)
     tokens = torch.randint(0, z.V, (z.M, z.s, z.B))
     labels = torch.randint(0, z.V, (z.M, z.s, z.B))
-    for t in P.values():
-        t.requires_grad_(True)
+    for name, t in P.items():
+        if not name.endswith(".expert_bias"):
+            t.requires_grad_(True)
     aux_terms = []
     if z.mtp:
         # The MTP objective joins the gradient as the MoE auxiliary losses do, 1 / (M d) of
@@ -628,7 +761,11 @@ def make(doc, torch_seed, path):
     aux = sum(aux_terms) / (z.M * z.d) if aux_terms else loss.new_zeros(())
     (loss + aux).backward()
     tensors = [(name, t) for name, t in P.items()]
-    tensors += [(name + ".grad", t.grad) for name, t in P.items()]
+    tensors += [(name + ".grad", t.grad) for name, t in P.items() if t.requires_grad]
+    for p, counts in z.tokens_per_expert.items():
+        bias = P[p + ".mlp.router.expert_bias"].float()
+        tensors.append((p + ".mlp.router.expert_bias.updated",
+                        get_updated_expert_bias(counts, bias, z.bias_update_rate)))
     tensors += [("tokens", tokens.to(torch.float64)), ("labels", labels.to(torch.float64)),
                 ("loss", loss.detach().reshape(1))]
     if aux_terms and not z.mtp:
@@ -651,6 +788,7 @@ def main():
     make(CONFIG_F, 6, os.path.join(HERE, "gpt_golden_f.safetensors"))
     make(CONFIG_K, 21, os.path.join(HERE, "gpt_golden_k.safetensors"))
     make(CONFIG_K_TIED, 22, os.path.join(HERE, "gpt_golden_k_tied.safetensors"))
+    make(CONFIG_G, 7, os.path.join(HERE, "gpt_golden_g.safetensors"))
     return 0
 
 
