@@ -1970,6 +1970,33 @@ TEST(ExplainCommand, NamesTheRouterDtypes) {
   EXPECT_NE(r.err.find("model.moe_router_dtype"), std::string::npos) << r.err;
 }
 
+// DeepSeek-style routing: one line under the MoE layer's names each of the router's choices
+// (none for Megatron's default router).
+TEST(ExplainCommand, NamesTheRouterChoices) {
+  json config = json::parse(std::ifstream(Sample("gpt_moe_ep2_t2_sp_dp2_n4.json")));
+  Result r = Mpusim({"explain", WriteTemp("mpusim_router_default.json", config.dump())});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out.find("  the router: "), std::string::npos) << r.out;
+  config["model"]["num_moe_experts"] = 8;
+  config["model"]["moe_router_topk"] = 4;
+  config["model"]["moe_router_score_function"] = "sigmoid";
+  config["model"]["moe_router_num_groups"] = 4;
+  config["model"]["moe_router_group_topk"] = 2;
+  config["model"]["moe_router_topk_scaling_factor"] = 2.5;
+  config["model"]["moe_router_enable_expert_bias"] = true;
+  r = Mpusim({"explain", WriteTemp("mpusim_router_deepseek.json", config.dump())});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("  the router: sigmoid scores (moe_router_score_function), the chosen "
+                       "ones normalised to sum 1; each token's top 4 from 2 of 4 expert groups "
+                       "(moe_router_group_topk, moe_router_num_groups); probabilities times 2.5 "
+                       "(moe_router_topk_scaling_factor); a float32 expert bias added to the "
+                       "scores for choosing only, moved by 0.001 after each optimizer step "
+                       "against the token counts summed over tp x dp x cp "
+                       "(moe_router_enable_expert_bias)\n"),
+            std::string::npos)
+      << r.out;
+}
+
 TEST(ExplainCommand, GptParametersInStateDictNames) {
   const Result gpt = Mpusim({"explain", Sample("gpt_llama_style_gqa_t4_n4.json")});
   ASSERT_EQ(gpt.code, 0) << gpt.err;
