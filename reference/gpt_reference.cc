@@ -146,7 +146,8 @@ Status InitParameters(const GptConfig& gpt, const Dims& d,
   };
   p->word = get("embedding.word_embeddings.weight");
   p->position = get("embedding.position_embeddings.weight");
-  const auto layer_params = [&](const std::string& prefix, bool moe_layer) {
+  const auto layer_params = [&](const std::string& prefix,
+                                bool moe_layer) -> StatusOr<LayerParams> {
     LayerParams lp;
     lp.input_layernorm = norm(prefix + ".input_layernorm");
     lp.qkv_weight = get(prefix + ".self_attention.linear_qkv.weight");
@@ -189,14 +190,19 @@ Status InitParameters(const GptConfig& gpt, const Dims& d,
     return gpt.moe.enabled() && gpt.moe.layers[static_cast<size_t>(i)];
   };
   for (int64_t i = 0; i < d.L; ++i) {
-    p->layers.push_back(layer_params(fmt::format("decoder.layers.{}", i), is_moe_layer(i)));
+    StatusOr<LayerParams> layer =
+        layer_params(fmt::format("decoder.layers.{}", i), is_moe_layer(i));
+    if (!layer.ok()) return layer.status();
+    p->layers.push_back(std::move(*layer));
   }
   p->final_layernorm = norm("decoder.final_layernorm");
   for (int64_t k = 0; k < gpt.mtp_num_layers; ++k) {
     const std::string prefix = fmt::format("mtp.layers.{}", k);
+    StatusOr<LayerParams> layer =
+        layer_params(prefix + ".transformer_layer", is_moe_layer(d.L - 1));
+    if (!layer.ok()) return layer.status();
     p->mtp.push_back(MtpParams{norm(prefix + ".enorm"), norm(prefix + ".hnorm"),
-                               get(prefix + ".eh_proj.weight"),
-                               layer_params(prefix + ".transformer_layer", is_moe_layer(d.L - 1)),
+                               get(prefix + ".eh_proj.weight"), std::move(*layer),
                                norm(prefix + ".final_layernorm")});
   }
   p->output = gpt.share_embeddings_and_output_weights ? p->word : get("output_layer.weight");
