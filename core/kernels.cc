@@ -364,7 +364,15 @@ void Kernels::Scale(double alpha, Tensor& x) {
   DoScale(alpha, x);
 }
 
-void Kernels::ActivationForward(Activation act, const Tensor& x, Tensor& y) {
+// A clamp bound must be a finite number > 0 (Megatron's rule for activation_func_clamp_value).
+static void CheckGlu(const KernelArgs& args, const GluOptions& glu) {
+  args.Require(!glu.clamped || (std::isfinite(glu.clamp_value) && glu.clamp_value > 0),
+               fmt::format("the glu clamp value {} must be finite and > 0", glu.clamp_value));
+  args.Require(std::isfinite(glu.linear_offset),
+               fmt::format("the glu linear offset {} must be finite", glu.linear_offset));
+}
+
+void Kernels::ActivationForward(Activation act, const Tensor& x, Tensor& y, const GluOptions& glu) {
   const std::string name = fmt::format("ActivationForward({})", ActivationName(act));
   KernelArgs args(backend_, device_, name.c_str());
   args.Add("x", x).Add("y", y);
@@ -374,15 +382,17 @@ void Kernels::ActivationForward(Activation act, const Tensor& x, Tensor& y) {
                              ShapeString(x.shape())));
     CheckMatrix(args, "y", y, Rows(x), Cols(x) / 2, "half the columns of x");
     Disjoint(args, "y", y, "x", x);
+    CheckGlu(args, glu);
   } else {
     args.Numel("y", y, x.numel(), "the numel of x");
     SameOrDisjoint(args, "y", y, "x", x);
   }
   if (y.numel() == 0) return;
-  DoActivationForward(act, x, y);
+  DoActivationForward(act, x, y, glu);
 }
 
-void Kernels::ActivationBackward(Activation act, const Tensor& x, const Tensor& dy, Tensor& dx) {
+void Kernels::ActivationBackward(Activation act, const Tensor& x, const Tensor& dy, Tensor& dx,
+                                 const GluOptions& glu) {
   const std::string name = fmt::format("ActivationBackward({})", ActivationName(act));
   KernelArgs args(backend_, device_, name.c_str());
   args.Add("x", x).Add("dy", dy).Add("dx", dx);
@@ -393,6 +403,7 @@ void Kernels::ActivationBackward(Activation act, const Tensor& x, const Tensor& 
     CheckMatrix(args, "dy", dy, Rows(x), Cols(x) / 2, "half the columns of x");
     CheckMatrix(args, "dx", dx, Rows(x), Cols(x), "the 2-D shape of x");
     Disjoint(args, "dx", dx, "dy", dy);
+    CheckGlu(args, glu);
   } else {
     args.Numel("dy", dy, x.numel(), "the numel of x");
     args.Numel("dx", dx, x.numel(), "the numel of x");
@@ -400,7 +411,7 @@ void Kernels::ActivationBackward(Activation act, const Tensor& x, const Tensor& 
   }
   SameOrDisjoint(args, "dx", dx, "x", x);
   if (dy.numel() == 0) return;
-  DoActivationBackward(act, x, dy, dx);
+  DoActivationBackward(act, x, dy, dx, glu);
 }
 
 void Kernels::Dropout(const Tensor& x, double p, uint64_t key, uint64_t stream, uint64_t offset,

@@ -126,11 +126,13 @@ class Kernels {
 
   // --- elementwise --------------------------------------------------------------------
   // The activation `act` (core/ops/activation.h). Plain: y = f(x) with y the shape of x,
-  // and y may be x. Gated (swiglu): x = [a | b] [n, 2f], y = f(a) * b [n, f], y apart from x.
-  void ActivationForward(Activation act, const Tensor& x, Tensor& y);
+  // and y may be x. Gated (swiglu): x = [a | b] [n, 2f], y = f(a) * b [n, f], y apart from x;
+  // `glu` its offset and clamp (GluOptions, core/ops/activation.h; a plain act ignores it).
+  void ActivationForward(Activation act, const Tensor& x, Tensor& y, const GluOptions& glu = {});
   // Plain: dx = dy * f'(x) (dx may be x or dy). Gated: dx = [dy * b * f'(a) | dy * f(a)]
-  // [n, 2f] from dy [n, f]; dx may be x, not dy.
-  void ActivationBackward(Activation act, const Tensor& x, const Tensor& dy, Tensor& dx);
+  // [n, 2f] from dy [n, f] (zero where `glu` clamped); dx may be x, not dy.
+  void ActivationBackward(Activation act, const Tensor& x, const Tensor& dy, Tensor& dx,
+                          const GluOptions& glu = {});
   // Inverted dropout with a counter-based mask: element e is kept iff
   // UniformAt(key, stream, offset + e) >= p, and kept elements are scaled by 1 / (1 - p).
   // Backward applies the same mask to the gradient (call it with dy, dx).
@@ -304,9 +306,10 @@ class Kernels {
   virtual void DoSumRows(const Tensor& x, double beta, Tensor& out) = 0;
   virtual void DoAxpy(double alpha, const Tensor& x, Tensor& y) = 0;
   virtual void DoScale(double alpha, Tensor& x) = 0;
-  virtual void DoActivationForward(Activation act, const Tensor& x, Tensor& y) = 0;
-  virtual void DoActivationBackward(Activation act, const Tensor& x, const Tensor& dy,
-                                    Tensor& dx) = 0;
+  virtual void DoActivationForward(Activation act, const Tensor& x, Tensor& y,
+                                   const GluOptions& glu) = 0;
+  virtual void DoActivationBackward(Activation act, const Tensor& x, const Tensor& dy, Tensor& dx,
+                                    const GluOptions& glu) = 0;
   virtual void DoDropout(const Tensor& x, double p, uint64_t key, uint64_t stream, uint64_t offset,
                          Tensor& y) = 0;
   virtual void DoDropoutAt(const Tensor& x, double p, uint64_t key, uint64_t stream,

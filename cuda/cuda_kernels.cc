@@ -373,18 +373,19 @@ void CudaKernels::DoScale(double alpha, Tensor& x) {
 
 // --- elementwise ----------------------------------------------------------------------
 
-void CudaKernels::DoActivationForward(Activation act, const Tensor& x, Tensor& y) {
+void CudaKernels::DoActivationForward(Activation act, const Tensor& x, Tensor& y,
+                                      const GluOptions& glu) {
   DispatchStorage(x.dtype(), [&]<typename T>() {
-    LaunchActivationForward<T>(act, x.data_as<T>(), y.data_as<T>(), y.numel(), Cols(y),
+    LaunchActivationForward<T>(act, x.data_as<T>(), y.data_as<T>(), y.numel(), Cols(y), glu,
                                stream_);
   });
 }
 
 void CudaKernels::DoActivationBackward(Activation act, const Tensor& x, const Tensor& dy,
-                                       Tensor& dx) {
+                                       Tensor& dx, const GluOptions& glu) {
   DispatchStorage(x.dtype(), [&]<typename T>() {
-    LaunchActivationBackward<T>(act, x.data_as<T>(), dy.data_as<T>(), dx.data_as<T>(),
-                                dy.numel(), Cols(dy), stream_);
+    LaunchActivationBackward<T>(act, x.data_as<T>(), dy.data_as<T>(), dx.data_as<T>(), dy.numel(),
+                                Cols(dy), glu, stream_);
   });
 }
 

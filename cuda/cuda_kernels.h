@@ -88,9 +88,10 @@ class CudaKernels final : public Kernels {
   void DoScale(double alpha, Tensor& x) override;
 
   // --- elementwise (y may be x, dx may be dy) -----------------------------------------
-  void DoActivationForward(Activation act, const Tensor& x, Tensor& y) override;
-  void DoActivationBackward(Activation act, const Tensor& x, const Tensor& dy,
-                            Tensor& dx) override;
+  void DoActivationForward(Activation act, const Tensor& x, Tensor& y,
+                           const GluOptions& glu) override;
+  void DoActivationBackward(Activation act, const Tensor& x, const Tensor& dy, Tensor& dx,
+                            const GluOptions& glu) override;
   void DoDropout(const Tensor& x, double p, uint64_t key, uint64_t stream, uint64_t offset,
                Tensor& y) override;
   void DoDropoutAt(const Tensor& x, double p, uint64_t key, uint64_t stream,

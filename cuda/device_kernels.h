@@ -72,16 +72,16 @@ void LaunchSumRows(const T* x, int64_t rows, int64_t cols, double beta, A* out,
 
 // The activation `act` (core/ops/activation.h, its element functions run as they are):
 // y has n elements and f columns; plain y = f(x) (y may be x), gated y = f(a) * b with
-// x = [a | b] [n / f, 2f].
+// x = [a | b] [n / f, 2f], with `glu`'s offset and clamp.
 template <typename T>
-void LaunchActivationForward(Activation act, const T* x, T* y, int64_t n, int64_t f,
+void LaunchActivationForward(Activation act, const T* x, T* y, int64_t n, int64_t f, GluOptions glu,
                              cudaStream_t stream);
 
 // dy has n elements and f columns; plain dx = dy * f'(x) (dx may be x or dy), gated
-// dx = [dy * b * f'(a) | dy * f(a)] (dx may be x).
+// dx = [dy * b * f'(a) | dy * f(a)] (dx may be x; zero where `glu` clamped).
 template <typename T>
-void LaunchActivationBackward(Activation act, const T* x, const T* dy, T* dx, int64_t n,
-                              int64_t f, cudaStream_t stream);
+void LaunchActivationBackward(Activation act, const T* x, const T* dy, T* dx, int64_t n, int64_t f,
+                              GluOptions glu, cudaStream_t stream);
 
 // y[e] = op(x[e], offset + e) (ops::Dropout, core/ops/dropout.h: the CPU's definition); y
 // may be x.

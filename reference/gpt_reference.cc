@@ -394,7 +394,7 @@ void SliceRun::MicroBatch(int64_t m, const std::vector<int64_t>& all_tokens,
     st.fc1 = Linear(st.ln2_out, p.fc1_weight, p.fc1_bias);
     Record(record, prefix + ".mlp.linear_fc1.output", Kind::kHidden, st.fc1);
     st.act.resize(rows, d.F);
-    ref::ActivationForward(gpt.activation, st.fc1, st.act);
+    ref::ActivationForward(gpt.activation, st.fc1, st.act, gpt.Glu());
     Mat fc2 = Linear(st.act, p.fc2_weight, Param{});
     Record(record, prefix + ".mlp.linear_fc2.output", Kind::kHidden, fc2);
     if (p.fc2_bias.defined()) ref::AddBias(AsRow(p.fc2_bias.value), fc2);
@@ -506,7 +506,7 @@ void SliceRun::MicroBatch(int64_t m, const std::vector<int64_t>& all_tokens,
       Record(record, prefix + ".mlp.linear_fc2.output_grad", Kind::kHidden, dfc2);
       const Mat dact = LinearBackward(dfc2, st.act, p.fc2_weight, p.fc2_bias);
       Mat dfc1(rows, d.f1);
-      ref::ActivationBackward(gpt.activation, dact, st.fc1, dfc1);
+      ref::ActivationBackward(gpt.activation, dact, st.fc1, dfc1, gpt.Glu());
       Record(record, prefix + ".mlp.linear_fc1.output_grad", Kind::kHidden, dfc1);
       dln2 = LinearBackward(dfc1, st.ln2_out, p.fc1_weight, p.fc1_bias);
     }

@@ -88,18 +88,18 @@ Mat Gather(const Mat& x, const std::vector<int64_t>& rows) {
 }
 
 // fc2(act(fc1(x)) * scale) without biases; keeps fc1 and act (before the scale).
-Mat Mlp(Activation act, const Mat& x, const Param& w1, const Param& w2, const Vec* scale,
-        Mat* fc1_out, Mat* act_out) {
+Mat Mlp(Activation act, const GluOptions& glu, const Mat& x, const Param& w1, const Param& w2,
+        const Vec* scale, Mat* fc1_out, Mat* act_out) {
   *fc1_out = Linear(x, w1, Param{});
   act_out->resize(x.rows(), w2.value.cols());
-  ref::ActivationForward(act, *fc1_out, *act_out);
+  ref::ActivationForward(act, *fc1_out, *act_out, glu);
   if (scale == nullptr) return Linear(*act_out, w2, Param{});
   return Linear(act_out->array().colwise() * scale->array(), w2, Param{});
 }
 
 // The backward of Mlp: dx, and with `scale` d(scale) per row into *dscale.
-Mat MlpBackward(Activation act, const Mat& dy, const Mat& x, const Mat& fc1, const Mat& a,
-                Param& w1, Param& w2, const Vec* scale, Vec* dscale) {
+Mat MlpBackward(Activation act, const GluOptions& glu, const Mat& dy, const Mat& x, const Mat& fc1,
+                const Mat& a, Param& w1, Param& w2, const Vec* scale, Vec* dscale) {
   Param no_bias;
   Mat scaled = a;
   if (scale != nullptr) scaled = a.array().colwise() * scale->array();
@@ -109,7 +109,7 @@ Mat MlpBackward(Activation act, const Mat& dy, const Mat& x, const Mat& fc1, con
     du = du.array().colwise() * scale->array();
   }
   Mat dfc1(fc1.rows(), fc1.cols());
-  ref::ActivationBackward(act, du, fc1, dfc1);
+  ref::ActivationBackward(act, du, fc1, dfc1, glu);
   return LinearBackward(dfc1, x, w1, no_bias);
 }
 
@@ -283,12 +283,14 @@ Mat MoeForward(const Dims& d, const GptConfig& gpt, const MoeLayout& layout, con
       const MoeStash::Group& g = st.groups[static_cast<size_t>(ex.group[i])];
       scale(static_cast<int64_t>(i)) = g.p[static_cast<size_t>(ex.token[i])][static_cast<size_t>(ex.slot[i])];
     }
-    const Mat out = Mlp(gpt.activation, Gather(x, ex.rows), p.fc1[static_cast<size_t>(e)],
-                        p.fc2[static_cast<size_t>(e)], &scale, &ex.fc1, &ex.act);
+    const Mat out =
+        Mlp(gpt.activation, gpt.Glu(), Gather(x, ex.rows), p.fc1[static_cast<size_t>(e)],
+            p.fc2[static_cast<size_t>(e)], &scale, &ex.fc1, &ex.act);
     for (size_t i = 0; i < ex.rows.size(); ++i) y.row(ex.rows[i]) += out.row(static_cast<int64_t>(i));
   }
   if (p.shared_fc1.defined()) {
-    y += Mlp(gpt.activation, x, p.shared_fc1, p.shared_fc2, nullptr, &st.shared_fc1, &st.shared_act);
+    y += Mlp(gpt.activation, gpt.Glu(), x, p.shared_fc1, p.shared_fc2, nullptr, &st.shared_fc1,
+             &st.shared_act);
   }
   return y;
 }
@@ -302,8 +304,8 @@ Mat MoeBackward(const Dims& d, const GptConfig& gpt, const Mat& dy, const MoeSta
   const double scaling = moe.topk_scaling_factor.value_or(1.0);
   Mat dx = Mat::Zero(dy.rows(), dy.cols());
   if (p.shared_fc1.defined()) {
-    dx += MlpBackward(gpt.activation, dy, st.x, st.shared_fc1, st.shared_act, p.shared_fc1,
-                      p.shared_fc2, nullptr, nullptr);
+    dx += MlpBackward(gpt.activation, gpt.Glu(), dy, st.x, st.shared_fc1, st.shared_act,
+                      p.shared_fc1, p.shared_fc2, nullptr, nullptr);
   }
   // d p[group][token][slot] from the experts.
   std::vector<std::vector<std::vector<double>>> dp(st.groups.size());
@@ -319,9 +321,9 @@ Mat MoeBackward(const Dims& d, const GptConfig& gpt, const Mat& dy, const MoeSta
           st.groups[static_cast<size_t>(ex.group[i])].p[static_cast<size_t>(ex.token[i])][static_cast<size_t>(ex.slot[i])];
     }
     Vec dscale;
-    const Mat dxe = MlpBackward(gpt.activation, Gather(dy, ex.rows), Gather(st.x, ex.rows), ex.fc1,
-                                ex.act, p.fc1[static_cast<size_t>(e)], p.fc2[static_cast<size_t>(e)],
-                                &scale, &dscale);
+    const Mat dxe = MlpBackward(
+        gpt.activation, gpt.Glu(), Gather(dy, ex.rows), Gather(st.x, ex.rows), ex.fc1, ex.act,
+        p.fc1[static_cast<size_t>(e)], p.fc2[static_cast<size_t>(e)], &scale, &dscale);
     for (size_t i = 0; i < ex.rows.size(); ++i) {
       dx.row(ex.rows[i]) += dxe.row(static_cast<int64_t>(i));
       dp[static_cast<size_t>(ex.group[i])][static_cast<size_t>(ex.token[i])][static_cast<size_t>(ex.slot[i])] =

@@ -1,6 +1,7 @@
 // The float64 reference's ops (see ops.h).
 #include "reference/ops.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <numbers>
@@ -54,6 +55,8 @@ double ActivationF(Activation kind, double x) {
       return x * Sigmoid(x);  // silu
     case Activation::kSquaredRelu:
       return x > 0.0 ? x * x : 0.0;
+    case Activation::kQuickGeglu:  // quick_gelu(x) = x sigmoid(1.702 x)
+      return x * Sigmoid(1.702 * x);
   }
   throw std::logic_error("reference: unknown activation");
 }
@@ -67,22 +70,39 @@ double ActivationGrad(Activation kind, double x) {
       return Sigmoid(x) * (1.0 + x * (1.0 - Sigmoid(x)));
     case Activation::kSquaredRelu:
       return x > 0.0 ? 2.0 * x : 0.0;
+    case Activation::kQuickGeglu:  // s (1 + 1.702 x (1 - s)), s = sigmoid(1.702 x)
+      return Sigmoid(1.702 * x) * (1.0 + 1.702 * x * (1.0 - Sigmoid(1.702 * x)));
   }
   throw std::logic_error("reference: unknown activation");
 }
 
-void ActivationForward(Activation kind, ConstMatRef x, MatRef y) {
+// Megatron's glu (megatron/core/transformer/mlp.py): x_glu.clamp(max=c), x_linear.clamp(-c, c)
+// when clamped. Back, torch's clamp passes the gradient where min <= x <= max.
+namespace {
+double GluGate(const GluOptions& glu, double a) {
+  return glu.clamped ? std::min(a, glu.clamp_value) : a;
+}
+double GluLinear(const GluOptions& glu, double b) {
+  return glu.clamped ? std::clamp(b, -glu.clamp_value, glu.clamp_value) : b;
+}
+}  // namespace
+
+void ActivationForward(Activation kind, ConstMatRef x, MatRef y, const GluOptions& glu) {
   if (!IsGated(kind)) {
     y = x.unaryExpr([kind](double v) { return ActivationF(kind, v); });
     return;
   }
   const int64_t f = y.cols();
   for (int64_t row = 0; row < x.rows(); ++row) {
-    for (int64_t c = 0; c < f; ++c) y(row, c) = ActivationF(kind, x(row, c)) * x(row, f + c);
+    for (int64_t c = 0; c < f; ++c) {
+      y(row, c) = ActivationF(kind, GluGate(glu, x(row, c))) *
+                  (GluLinear(glu, x(row, f + c)) + glu.linear_offset);
+    }
   }
 }
 
-void ActivationBackward(Activation kind, ConstMatRef dy, ConstMatRef x, MatRef dx) {
+void ActivationBackward(Activation kind, ConstMatRef dy, ConstMatRef x, MatRef dx,
+                        const GluOptions& glu) {
   if (!IsGated(kind)) {
     dx = dy.cwiseProduct(x.unaryExpr([kind](double v) { return ActivationGrad(kind, v); }));
     return;
@@ -90,9 +110,12 @@ void ActivationBackward(Activation kind, ConstMatRef dy, ConstMatRef x, MatRef d
   const int64_t f = dy.cols();
   for (int64_t row = 0; row < x.rows(); ++row) {
     for (int64_t c = 0; c < f; ++c) {
-      const double gate = x(row, c), up = x(row, f + c);
-      dx(row, c) = dy(row, c) * up * ActivationGrad(kind, gate);
-      dx(row, f + c) = dy(row, c) * ActivationF(kind, gate);
+      const double a = x(row, c), b = x(row, f + c);
+      const double gate = GluGate(glu, a), up = GluLinear(glu, b) + glu.linear_offset;
+      const bool gate_passes = !glu.clamped || a <= glu.clamp_value;
+      const bool up_passes = !glu.clamped || (b >= -glu.clamp_value && b <= glu.clamp_value);
+      dx(row, c) = gate_passes ? dy(row, c) * up * ActivationGrad(kind, gate) : 0.0;
+      dx(row, f + c) = up_passes ? dy(row, c) * ActivationF(kind, gate) : 0.0;
     }
   }
 }

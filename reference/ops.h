@@ -72,10 +72,13 @@ double ActivationF(Activation kind, double x);
 double ActivationGrad(Activation kind, double x);
 
 // Plain: y [n, w] = f(x [n, w]). Gated: x = [a | b] [n, 2F] (F = y's columns), y [n, F] =
-// f(a) * b.
-void ActivationForward(Activation kind, ConstMatRef x, MatRef y);
-// Plain: dx = dy * f'(x). Gated: da = dy * b * f'(a), db = dy * f(a); dx [n, 2F] = [da | db].
-void ActivationBackward(Activation kind, ConstMatRef dy, ConstMatRef x, MatRef dx);
+// f(a) * (b + glu.linear_offset), a and b first clamped when glu.clamped (GluOptions,
+// core/ops/activation.h: a <= c, -c <= b <= c).
+void ActivationForward(Activation kind, ConstMatRef x, MatRef y, const GluOptions& glu = {});
+// Plain: dx = dy * f'(x). Gated: da = dy * (b + o) * f'(a), db = dy * f(a) with the clamped
+// a, b; dx [n, 2F] = [da | db], each zero where its clamp bit (a > c; |b| > c).
+void ActivationBackward(Activation kind, ConstMatRef dy, ConstMatRef x, MatRef dx,
+                        const GluOptions& glu = {});
 
 // ---- dropout ---------------------------------------------------------------------------------
 // Element e of a mask with probability p is kept iff its uniform draw UniformAt(key, stream,

@@ -315,7 +315,8 @@ void ForBlocks(int64_t n, Fn&& fn) {
   }
 }
 
-void EigenKernels::DoActivationForward(Activation act, const Tensor& x, Tensor& y) {
+void EigenKernels::DoActivationForward(Activation act, const Tensor& x, Tensor& y,
+                                       const GluOptions& glu) {
   const int64_t f = Cols(y);
   const int64_t rows = Rows(y);
   DispatchStorage(x.dtype(), [&]<typename T>() {
@@ -328,7 +329,7 @@ void EigenKernels::DoActivationForward(Activation act, const Tensor& x, Tensor& 
           ForBlocks(f, [&](int64_t j, int64_t len) {
             const auto a = LoadBlock(xs + i * 2 * f + j, len);
             const auto b = LoadBlock(xs + i * 2 * f + f + j, len);
-            StoreBlock<T>(ops::GatedForward<A, C, BlockMath>(a, b), ys + i * f + j);
+            StoreBlock<T>(ops::GatedForward<A, C, BlockMath>(a, b, glu), ys + i * f + j);
           });
         }
       } else {
@@ -341,7 +342,7 @@ void EigenKernels::DoActivationForward(Activation act, const Tensor& x, Tensor& 
 }
 
 void EigenKernels::DoActivationBackward(Activation act, const Tensor& x, const Tensor& dy,
-                                        Tensor& dx) {
+                                        Tensor& dx, const GluOptions& glu) {
   const int64_t f = Cols(dy);
   const int64_t rows = Rows(dy);
   DispatchStorage(x.dtype(), [&]<typename T>() {
@@ -357,7 +358,7 @@ void EigenKernels::DoActivationBackward(Activation act, const Tensor& x, const T
             const auto a = LoadBlock(xs + i * 2 * f + j, len);
             const auto b = LoadBlock(xs + i * 2 * f + f + j, len);
             BlockMath::Value<C> da(len), db(len);
-            ops::GatedBackward<A, C, BlockMath>(a, b, LoadBlock(dys + i * f + j, len), da, db);
+            ops::GatedBackward<A, C, BlockMath>(a, b, LoadBlock(dys + i * f + j, len), da, db, glu);
             StoreBlock<T>(da, dxs + i * 2 * f + j);
             StoreBlock<T>(db, dxs + i * 2 * f + f + j);
           });

@@ -72,9 +72,10 @@ class EigenKernels final : public Kernels {
   void DoScale(double alpha, Tensor& x) override;
 
   // --- elementwise (y may be x, dx may be dy) -----------------------------------------
-  void DoActivationForward(Activation act, const Tensor& x, Tensor& y) override;
-  void DoActivationBackward(Activation act, const Tensor& x, const Tensor& dy,
-                            Tensor& dx) override;
+  void DoActivationForward(Activation act, const Tensor& x, Tensor& y,
+                           const GluOptions& glu) override;
+  void DoActivationBackward(Activation act, const Tensor& x, const Tensor& dy, Tensor& dx,
+                            const GluOptions& glu) override;
   // y = keep ? x / (1 - p) : 0 with keep = UniformAt(key, stream, offset + e) >= p for flat
   // element e; p in [0, 1]; p == 0 copies, p == 1 zeroes.
   void DoDropout(const Tensor& x, double p, uint64_t key, uint64_t stream, uint64_t offset,

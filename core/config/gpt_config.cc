@@ -59,6 +59,38 @@ const AcceptedField* FindTransformerField(std::string_view key) {
   return FindAcceptedField(kTransformerFields, key);
 }
 
+// glu_linear_offset and activation_func_clamp_value (TransformerConfig): only a gated
+// activation's glu reads them (megatron/core/transformer/mlp.py), and __post_init__'s rules for
+// a clamped SwiGLU.
+Status JudgeGlu(const json& section, GptConfig* gpt) {
+  if (!IsGated(gpt->activation)) {
+    for (const char* key : {"glu_linear_offset", "activation_func_clamp_value"}) {
+      if (section.contains(key)) {
+        gpt->ignored.push_back(fmt::format(
+            "model.{}: ignored: only a gated activation's glu reads it, and \"activation\": "
+            "\"{}\" is not gated",
+            key, ActivationName(gpt->activation)));
+      }
+    }
+    gpt->glu_linear_offset = 0.0;
+    gpt->activation_func_clamp_value.reset();
+    return {};
+  }
+  if (gpt->activation == Activation::kSwiglu && gpt->activation_func_clamp_value) {
+    if (!gpt->moe.enabled()) {
+      return Status::Error("model.activation_func_clamp_value",
+                           "activation_func_clamp_value for SwiGLU is only supported with MoE "
+                           "(Megatron's rule); set num_moe_experts or use \"quick_geglu\"");
+    }
+    if (gpt->glu_linear_offset != 0.0) {
+      return Status::Error("model.glu_linear_offset",
+                           "must be zero when activation_func_clamp_value is set for SwiGLU "
+                           "(Megatron's rule)");
+    }
+  }
+  return {};
+}
+
 // gated_linear_unit, once activation is known: a note when it agrees with what mpusim
 // computes, else the error naming what to set instead.
 Status JudgeDependentFields(const json& section, GptConfig* gpt) {
@@ -73,15 +105,15 @@ Status JudgeDependentFields(const json& section, GptConfig* gpt) {
           "model.gated_linear_unit",
           fmt::format("{} disagrees with \"activation\": \"{}\"; mpusim names the gate with the "
                       "activation: \"swiglu\" is Megatron's gated_linear_unit true with silu, "
-                      "\"gelu\" and \"squared_relu\" are ungated; set \"activation\" and drop "
-                      "gated_linear_unit",
+                      "\"quick_geglu\" with quick_gelu, \"gelu\" and \"squared_relu\" are "
+                      "ungated; set \"activation\" and drop gated_linear_unit",
                       v.get<bool>(), ActivationName(gpt->activation)));
     }
     gpt->ignored.push_back(fmt::format(
         "model.gated_linear_unit: ignored: the gate follows \"activation\": \"{}\"",
         ActivationName(gpt->activation)));
   }
-  return {};
+  return JudgeGlu(section, gpt);
 }
 
 // DeepSeek-style routing keys (TransformerConfig.__post_init__'s rules, with its reasons;

@@ -140,6 +140,10 @@ struct GptConfig {
   Normalization normalization = Normalization::kLayerNorm;
   double layernorm_epsilon = 1e-5;
   Activation activation = Activation::kGelu;
+  // A gated activation's glu (Megatron's names and defaults): y = f(a) (b + offset), with a
+  // clamped above and b on both sides by activation_func_clamp_value when set (gpt-oss: 1, 7).
+  double glu_linear_offset = 0.0;
+  std::optional<double> activation_func_clamp_value;
   bool add_bias_linear = true;
   bool add_qkv_bias = false;  // linear_qkv has a bias with add_bias_linear or add_qkv_bias
   double hidden_dropout = 0.1;
@@ -174,6 +178,12 @@ struct GptConfig {
   int64_t PaddedVocabSize(int64_t tensor_model_parallel_size) const;
   // Rows of the fused QKV weight: (num_attention_heads + 2 * num_query_groups) * kv_channels.
   int64_t QkvRows() const { return (num_attention_heads + 2 * num_query_groups) * kv_channels; }
+  // The glu the kernels take (GluOptions, core/ops/activation.h).
+  GluOptions Glu() const {
+    return {.linear_offset = glu_linear_offset,
+            .clamped = activation_func_clamp_value.has_value(),
+            .clamp_value = activation_func_clamp_value.value_or(0.0)};
+  }
   // Rows of fc1: ffn_hidden_size, or 2 * ffn_hidden_size for a gated activation (swiglu).
   int64_t Fc1Rows() const { return IsGated(activation) ? 2 * ffn_hidden_size : ffn_hidden_size; }
   // Channels of a head RoPE turns: Megatron's int(kv_channels * rotary_percent).

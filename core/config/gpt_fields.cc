@@ -99,6 +99,15 @@ Status ParseCoefficient(const json& value, const std::string& where, double* out
   return Status::Error(where, fmt::format("must be a number >= 0, got {}", DescribeJson(value)));
 }
 
+// Any finite number (glu_linear_offset).
+Status ParseFiniteNumber(const json& value, const std::string& where, double* out) {
+  if (value.is_number() && !value.is_boolean() && std::isfinite(value.get<double>())) {
+    *out = value.get<double>();
+    return {};
+  }
+  return Status::Error(where, fmt::format("must be a finite number, got {}", DescribeJson(value)));
+}
+
 // An enum member (at the member path kPath) spelled as one of kNames().
 template <auto kNames, auto... kPath>
 constexpr Codec<GptConfig> Choice() {
@@ -277,8 +286,20 @@ constexpr GptField kFields[] = {
     {.key = "activation",
      .target = Choice<&ActivationNames, &GptConfig::activation>(),
      .help = "the MLP's activation: \"gelu\", \"swiglu\" (gated: fc1 has 2 * ffn_hidden_size "
-             "rows) or \"squared_relu\" (relu(x)^2)",
+             "rows), \"squared_relu\" (relu(x)^2) or \"quick_geglu\" (gated quick_gelu, "
+             "x sigmoid(1.702 x): Megatron's activation_func quick_gelu with gated_linear_unit)",
      .effect = kShape},
+    {.key = "glu_linear_offset",
+     .target = Codec<GptConfig>{FieldKind::kNumber,
+                                [](const json& value, const std::string& where, GptConfig* gpt) {
+                                  return ParseFiniteNumber(value, where, &gpt->glu_linear_offset);
+                                },
+                                [](const GptConfig& gpt) { return json(gpt.glu_linear_offset); }},
+     .help = "a gated activation's offset: f(a) * (b + glu_linear_offset) (gpt-oss: 1)"},
+    {.key = "activation_func_clamp_value",
+     .target = NullableNumber<&ParsePositive, &GptConfig::activation_func_clamp_value>(),
+     .help = "a gated activation clamps a to at most this and b to [-this, this] before f(a) * b "
+             "(gpt-oss: 7); null: no clamp"},
     {.key = "add_bias_linear",
      .target = &GptConfig::add_bias_linear,
      .help = "biases in every linear layer",

@@ -6,6 +6,7 @@ namespace mpusim {
 Mlp::Mlp(const GptConfig& gpt, std::string prefix, ParameterSet& params)
     : prefix_(std::move(prefix)),
       activation_(gpt.activation),
+      glu_(gpt.Glu()),
       fc1_rows_(gpt.Fc1Rows()),
       fc1_(&params.Get(prefix_ + ".linear_fc1.weight"), params.Find(prefix_ + ".linear_fc1.bias")),
       fc2_(&params.Get(prefix_ + ".linear_fc2.weight")),
@@ -20,7 +21,7 @@ Tensor Mlp::Forward(const ModuleContext& ctx, const Tensor& x, Stash* stash) con
              sh.ColumnSpec(ctx.dp_size, stride));
   const Tensor& h = stash->fc1_out;
   Tensor act = k.Empty({h.rows(), IsGated(activation_) ? h.cols() / 2 : h.cols()}, h.dtype());
-  k.ActivationForward(activation_, h, act);
+  k.ActivationForward(activation_, h, act, glu_);
   const Tensor out = fc2_.Forward(ctx, act, &stash->fc2_in);
   ctx.Record(prefix_ + ".linear_fc2.output", out, {sh.s, sh.B, out.cols()},
              sh.StreamSpec(ctx.dp_size));
@@ -45,7 +46,7 @@ Tensor Mlp::Backward(const ModuleContext& ctx, const Tensor& dy, const Stash& st
   const Tensor dact = fc2_.Backward(ctx, dy, stash.fc2_in);
   const Tensor& h = stash.fc1_out;
   Tensor dh = k.Empty(h.shape(), h.dtype());
-  k.ActivationBackward(activation_, h, dact, dh);
+  k.ActivationBackward(activation_, h, dact, dh, glu_);
   ctx.Record(prefix_ + ".linear_fc1.output_grad", dh, {sh.s, sh.B, fc1_rows_},
              sh.ColumnSpec(ctx.dp_size, IsGated(activation_) ? 2 : 1));
   return fc1_.Backward(ctx, dh, stash.fc1_in);

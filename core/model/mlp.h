@@ -33,6 +33,7 @@ class Mlp {
  private:
   std::string prefix_;
   Activation activation_;
+  GluOptions glu_;  // the gated activation's offset and clamp
   int64_t fc1_rows_;
   ColumnParallelLinear fc1_;
   RowParallelLinear fc2_;

@@ -232,6 +232,7 @@ MoeLayer::MoeLayer(const GptConfig& gpt, std::string prefix, ParameterSet& param
                    int64_t num_microbatches, ExpertPlacement experts)
     : prefix_(std::move(prefix)),
       activation_(gpt.activation),
+      glu_(gpt.Glu()),
       moe_(gpt.moe),
       num_microbatches_(num_microbatches),
       router_(&params.Get(prefix_ + ".router.weight")),
@@ -351,7 +352,7 @@ void MoeLayer::RecomputeActivation(const ModuleContext& ctx, Stash* st) const {
   if (!st->fc1_out.defined()) return;  // no rows routed here
   const int64_t f = fc2_.front()->value.cols();
   st->act = ctx.k.Empty({st->fc1_out.rows(), f}, st->fc1_out.dtype());
-  ctx.k.ActivationForward(activation_, st->fc1_out, st->act);
+  ctx.k.ActivationForward(activation_, st->fc1_out, st->act, glu_);
 }
 
 void MoeLayer::RecomputeSharedExpert(const ModuleContext& ctx, Stash* st) const {
@@ -361,7 +362,7 @@ void MoeLayer::RecomputeSharedExpert(const ModuleContext& ctx, Stash* st) const 
   st->shared_fc1_out = shared_fc1_->Forward(ctx, st->shared_fc1_in.input, &st->shared_fc1_in);
   const Tensor& a = st->shared_fc1_out;
   Tensor act = k.Empty({a.rows(), IsGated(activation_) ? a.cols() / 2 : a.cols()}, a.dtype());
-  k.ActivationForward(activation_, a, act);
+  k.ActivationForward(activation_, a, act, glu_);
   shared_fc2_->Forward(ctx, act, &st->shared_fc2_in);
 }
 
@@ -481,7 +482,7 @@ Tensor MoeLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* st) c
       k.Gemm(false, true, 1.0, Rows(st->x_perm, o, n), fc1_[e]->value, 0.0, out);
     });
     st->act = k.Empty({N, f}, dtype);
-    k.ActivationForward(activation_, st->fc1_out, st->act);
+    k.ActivationForward(activation_, st->fc1_out, st->act, glu_);
     Tensor scaled = k.Empty({N, f}, dtype);
     WeightRows(k, st->p_perm, st->act, scaled);
     Tensor y_perm = k.Empty({N, h}, dtype);
@@ -498,7 +499,7 @@ Tensor MoeLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* st) c
     st->shared_fc1_out = shared_fc1_->Forward(ctx, x, &st->shared_fc1_in);
     const Tensor& a = st->shared_fc1_out;
     Tensor act = k.Empty({a.rows(), IsGated(activation_) ? a.cols() / 2 : a.cols()}, dtype);
-    k.ActivationForward(activation_, a, act);
+    k.ActivationForward(activation_, a, act, glu_);
     k.Axpy(1.0, shared_fc2_->Forward(ctx, act, &st->shared_fc2_in), y);
   }
   return y;
@@ -598,7 +599,7 @@ Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stas
     Tensor dact = k.Empty({N, f}, dtype);
     WeightRows(k, st.p_perm, dscaled, dact);
     Tensor dfc1 = k.Empty(st.fc1_out.shape(), dtype);
-    k.ActivationBackward(activation_, st.fc1_out, dact, dfc1);
+    k.ActivationBackward(activation_, st.fc1_out, dact, dfc1, glu_);
     Tensor dx_perm = k.Empty({N, h}, dtype);
     ForEachExpert(route.offsets, [&](size_t e, int64_t o, int64_t n) {
       Parameter& w1 = *fc1_[e];
@@ -683,7 +684,7 @@ Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stas
   if (shared_fc1_) {
     const Tensor dact = shared_fc2_->Backward(ctx, dy, st.shared_fc2_in);
     Tensor dh = k.Empty(st.shared_fc1_out.shape(), dtype);
-    k.ActivationBackward(activation_, st.shared_fc1_out, dact, dh);
+    k.ActivationBackward(activation_, st.shared_fc1_out, dact, dh, glu_);
     k.Axpy(1.0, shared_fc1_->Backward(ctx, dh, st.shared_fc1_in), dx);
   }
   return dx;

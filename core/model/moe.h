@@ -140,6 +140,7 @@ class MoeLayer {
 
   std::string prefix_;
   Activation activation_;
+  GluOptions glu_;  // the gated activation's offset and clamp (routed and shared experts)
   MoeConfig moe_;
   int64_t num_microbatches_;
   Parameter* router_;

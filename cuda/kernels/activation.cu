@@ -18,17 +18,18 @@ namespace mpusim::cuda {
 namespace {
 
 template <typename A, typename T>
-__global__ void ActivationForwardKernel(const T* x, T* y, int64_t n, int64_t f) {
+__global__ void ActivationForwardKernel(const T* x, T* y, int64_t n, int64_t f, GluOptions glu) {
   for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
-    ops::ActivationForwardAt<A>(x, y, e, f);
+    ops::ActivationForwardAt<A>(x, y, e, f, glu);
   }
 }
 
 // A gated A's thread alone reads and writes its pair (i, j), (i, f + j): dx may be x.
 template <typename A, typename T>
-__global__ void ActivationBackwardKernel(const T* x, const T* dy, T* dx, int64_t n, int64_t f) {
+__global__ void ActivationBackwardKernel(const T* x, const T* dy, T* dx, int64_t n, int64_t f,
+                                         GluOptions glu) {
   for (int64_t e = FirstIndex(); e < n; e += GridStride()) {
-    ops::ActivationBackwardAt<A>(x, dy, dx, e, f);
+    ops::ActivationBackwardAt<A>(x, dy, dx, e, f, glu);
   }
 }
 
@@ -40,10 +41,11 @@ struct ActivationForwardLaunch {
   const T* x;
   T* y;
   int64_t n, f;
+  GluOptions glu;
   cudaStream_t stream;
   template <typename A>
   void operator()() const {
-    ActivationForwardKernel<A, T><<<GridFor(n), kBlock, 0, stream>>>(x, y, n, f);
+    ActivationForwardKernel<A, T><<<GridFor(n), kBlock, 0, stream>>>(x, y, n, f, glu);
   }
 };
 template <typename T>
@@ -52,34 +54,35 @@ struct ActivationBackwardLaunch {
   const T* dy;
   T* dx;
   int64_t n, f;
+  GluOptions glu;
   cudaStream_t stream;
   template <typename A>
   void operator()() const {
-    ActivationBackwardKernel<A, T><<<GridFor(n), kBlock, 0, stream>>>(x, dy, dx, n, f);
+    ActivationBackwardKernel<A, T><<<GridFor(n), kBlock, 0, stream>>>(x, dy, dx, n, f, glu);
   }
 };
 
 template <typename T>
-void LaunchActivationForward(Activation act, const T* x, T* y, int64_t n, int64_t f,
+void LaunchActivationForward(Activation act, const T* x, T* y, int64_t n, int64_t f, GluOptions glu,
                              cudaStream_t stream) {
   if (n <= 0) return;
-  ops::VisitActivation(act, ActivationForwardLaunch<T>{x, y, n, f, stream});
+  ops::VisitActivation(act, ActivationForwardLaunch<T>{x, y, n, f, glu, stream});
   MPUSIM_CUDA_CHECK(cudaGetLastError());
 }
 
 template <typename T>
-void LaunchActivationBackward(Activation act, const T* x, const T* dy, T* dx, int64_t n,
-                              int64_t f, cudaStream_t stream) {
+void LaunchActivationBackward(Activation act, const T* x, const T* dy, T* dx, int64_t n, int64_t f,
+                              GluOptions glu, cudaStream_t stream) {
   if (n <= 0) return;
-  ops::VisitActivation(act, ActivationBackwardLaunch<T>{x, dy, dx, n, f, stream});
+  ops::VisitActivation(act, ActivationBackwardLaunch<T>{x, dy, dx, n, f, glu, stream});
   MPUSIM_CUDA_CHECK(cudaGetLastError());
 }
 
-#define MPUSIM_INSTANTIATE_ACTIVATION(T, C)                                                 \
-  template void LaunchActivationForward<T>(Activation, const T*, T*, int64_t, int64_t,   \
-                                           cudaStream_t);                                \
-  template void LaunchActivationBackward<T>(Activation, const T*, const T*, T*, int64_t, \
-                                            int64_t, cudaStream_t);
+#define MPUSIM_INSTANTIATE_ACTIVATION(T, C)                                                        \
+  template void LaunchActivationForward<T>(Activation, const T*, T*, int64_t, int64_t, GluOptions, \
+                                           cudaStream_t);                                          \
+  template void LaunchActivationBackward<T>(Activation, const T*, const T*, T*, int64_t, int64_t,  \
+                                            GluOptions, cudaStream_t);
 MPUSIM_FOR_EACH_STORAGE(MPUSIM_INSTANTIATE_ACTIVATION)
 #undef MPUSIM_INSTANTIATE_ACTIVATION
 

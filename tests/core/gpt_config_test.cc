@@ -93,7 +93,8 @@ TEST(GptConfig, Refusals) {
   json act = Minimal();
   act["activation"] = "relu";
   EXPECT_EQ(Refusal(act),
-            "model.activation: must be \"gelu\", \"swiglu\" or \"squared_relu\", got string \"relu\"");
+            "model.activation: must be \"gelu\", \"swiglu\", \"squared_relu\" or "
+            "\"quick_geglu\", got string \"relu\"");
   json groups = Minimal();
   groups["num_query_groups"] = 3;
   EXPECT_EQ(Refusal(groups),
@@ -180,6 +181,58 @@ TEST(GptConfig, PastedTransformerConfigFieldsAtTheirDefaultsGiveNotes) {
   swiglu["activation"] = "swiglu";
   swiglu["gated_linear_unit"] = true;
   EXPECT_EQ(Refusal(swiglu), "accepted");
+}
+
+// gpt-oss's MLP: "quick_geglu" (Megatron's activation_func quick_gelu with gated_linear_unit)
+// with glu_linear_offset and activation_func_clamp_value; an ungated activation ignores both
+// with a note (Megatron reads them only in the glu); a clamped SwiGLU keeps Megatron's rules.
+TEST(GptConfig, QuickGegluWithTheGluOffsetAndClamp) {
+  json section = Minimal();
+  section["activation"] = "quick_geglu";
+  section["gated_linear_unit"] = true;
+  section["glu_linear_offset"] = 1.0;
+  section["activation_func_clamp_value"] = 7.0;
+  GptConfig gpt;
+  ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
+  EXPECT_EQ(gpt.activation, Activation::kQuickGeglu);
+  EXPECT_EQ(gpt.Fc1Rows(), 2 * gpt.ffn_hidden_size);
+  const GluOptions glu = gpt.Glu();
+  EXPECT_EQ(glu.linear_offset, 1.0);
+  EXPECT_TRUE(glu.clamped);
+  EXPECT_EQ(glu.clamp_value, 7.0);
+  EXPECT_FALSE(GptConfig{}.Glu().clamped);  // Megatron's defaults: 0.0 and None
+
+  json gelu = Minimal();
+  gelu["glu_linear_offset"] = 1.0;
+  gelu["activation_func_clamp_value"] = 7.0;
+  GptConfig plain;
+  ASSERT_TRUE(ParseGptSection(gelu, &plain).ok());
+  EXPECT_EQ(plain.glu_linear_offset, 0.0);
+  EXPECT_FALSE(plain.activation_func_clamp_value.has_value());
+  EXPECT_NE(std::find(plain.ignored.begin(), plain.ignored.end(),
+                      "model.activation_func_clamp_value: ignored: only a gated activation's glu "
+                      "reads it, and \"activation\": \"gelu\" is not gated"),
+            plain.ignored.end());
+
+  json bad = section;
+  bad["activation_func_clamp_value"] = 0;
+  EXPECT_EQ(Refusal(bad), "model.activation_func_clamp_value: must be a number > 0, got number 0");
+  bad = section;
+  bad["glu_linear_offset"] = "1";
+  EXPECT_EQ(Refusal(bad), "model.glu_linear_offset: must be a finite number, got string \"1\"");
+  json swiglu = Minimal();
+  swiglu["activation"] = "swiglu";
+  swiglu["activation_func_clamp_value"] = 7.0;
+  EXPECT_EQ(Refusal(swiglu),
+            "model.activation_func_clamp_value: activation_func_clamp_value for SwiGLU is only "
+            "supported with MoE (Megatron's rule); set num_moe_experts or use \"quick_geglu\"");
+  swiglu["num_moe_experts"] = 4;
+  swiglu["add_bias_linear"] = false;
+  EXPECT_EQ(Refusal(swiglu), "accepted");
+  swiglu["glu_linear_offset"] = 1.0;
+  EXPECT_EQ(Refusal(swiglu),
+            "model.glu_linear_offset: must be zero when activation_func_clamp_value is set for "
+            "SwiGLU (Megatron's rule)");
 }
 
 // qk_layernorm: q_layernorm and k_layernorm after linear_qkv, [kv_channels] each, the

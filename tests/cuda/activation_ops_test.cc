@@ -24,5 +24,17 @@ TEST(CudaActivationOps, EveryDtype) {
   }
 }
 
+TEST(CudaActivationOps, GluByHand) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();  // clear it
+    GTEST_SKIP() << "no CUDA device is visible";
+  }
+  cuda::CudaKernels k;
+  for (DType dt : {DType::kFloat64, DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    activation_ops::CheckGluByHand(k, dt);
+  }
+}
+
 }  // namespace
 }  // namespace mpusim

@@ -509,6 +509,24 @@ TEST(GptMpi, SquaredReluOnEveryLayout) {
   }
 }
 
+// gpt-oss's MLP: quick_geglu (Megatron's quick_gelu with gated_linear_unit) with
+// glu_linear_offset 1 and activation_func_clamp_value 0.1: fc1's outputs have a standard
+// deviation of about 0.02 sqrt(32) = 0.11 at initialisation, so about a fifth of the gates and
+// two fifths of the linear halves are clamped. Every tp size in float64, the widest in float32
+// (bfloat16's rounding moves near-bound elements across the clamp, where the gradient jumps).
+TEST(GptMpi, ClampedQuickGegluOnEveryLayout) {
+  json model = Gpt(8, 8);
+  model["activation"] = "quick_geglu";
+  model["glu_linear_offset"] = 1.0;
+  model["activation_func_clamp_value"] = 0.1;
+  for (const int64_t t : TensorParallelSizes()) {
+    SCOPED_TRACE(fmt::format("tp {}", t));
+    RunChecked(Document(model, t, t > 1, "float64"));
+  }
+  const int64_t t = TensorParallelSizes().back();
+  RunChecked(Document(model, t, t > 1, "float32"));
+}
+
 TEST(GptMpi, Float32AndBFloat16) {
   const int64_t t = TensorParallelSizes().back();
   for (const char* dtype : {"float32", "bfloat16"}) {

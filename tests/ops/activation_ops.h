@@ -12,15 +12,15 @@
 // near zero. Inputs are compared after their rounding to the dtype (the kernels see those).
 #pragma once
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 #include <stdexcept>
 #include <string>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "core/kernels.h"
 #include "core/ops/activation.h"
@@ -57,6 +57,17 @@ inline const std::vector<Row>& Rows() {
       {Activation::kSquaredRelu, [](double x) { return x > 0 ? x * x : 0.0; },
        [](double x) { return x > 0 ? 2 * x : 0.0; }, [](double x) { return x * x; },
        [](double x) { return 2 * std::fabs(x); }},
+      // quick_gelu(a) = a sigmoid(1.702 a) (Megatron's fused_bias_geglu.py)
+      {Activation::kQuickGeglu, [](double a) { return a * Sigmoid(1.702 * a); },
+       [](double a) {
+         const double s = Sigmoid(1.702 * a);
+         return s * (1 + 1.702 * a * (1 - s));
+       },
+       [](double a) { return std::fabs(a) * Sigmoid(1.702 * a); },
+       [](double a) {
+         const double s = Sigmoid(1.702 * a);
+         return s * (1 + 1.702 * std::fabs(a) * (1 - s));
+       }},
   };
   return rows;
 }
@@ -93,10 +104,24 @@ inline ::testing::AssertionResult Near(const std::string& name, DType dt,
 }
 
 // Runs every row's forward and backward on `k` in dtype `dt` (inputs from -6 to 6, zero and
-// both signs of every gradient included) and checks them; dx = x in place too.
+// both signs of every gradient included) and checks them; dx = x in place too. A gated row
+// runs again with Megatron's glu (offset 1, clamp 2.5: a above it and b outside [-2.5, 2.5]
+// are clamped, their gradients zero, as torch's clamp gives).
 inline void CheckAll(Kernels& k, DType dt) {
   const int64_t n = 7, f = 9;  // [n, f] plain inputs; [n, 2f] gated ones
+  struct Case {
+    const Row* row;
+    GluOptions glu;
+  };
+  std::vector<Case> cases;
   for (const Row& row : Rows()) {
+    cases.push_back({&row, {}});
+    if (IsGated(row.act)) {
+      cases.push_back({&row, {.linear_offset = 1.0, .clamped = true, .clamp_value = 2.5}});
+    }
+  }
+  for (const auto& [row_ptr, glu] : cases) {
+    const Row& row = *row_ptr;
     const bool gated = IsGated(row.act);
     const int64_t w = gated ? 2 * f : f;
     std::vector<double> xv(static_cast<size_t>(n * w)), dyv(static_cast<size_t>(n * f));
@@ -121,12 +146,16 @@ inline void CheckAll(Kernels& k, DType dt) {
         const double g = dyv[o];
         if (gated) {
           const size_t ia = static_cast<size_t>(i * w + j), ib = ia + static_cast<size_t>(f);
-          const double a = xv[ia], b = xv[ib];
-          y[o] = row.f(a) * b;
-          y_scale[o] = row.f_scale(a) * std::fabs(b);
-          dx[ia] = g * b * row.grad(a);
-          dx_scale[ia] = std::fabs(g * b) * row.grad_scale(a);
-          dx[ib] = g * row.f(a);
+          const double c = glu.clamp_value, off = glu.linear_offset;
+          const double a = glu.clamped ? std::min(xv[ia], c) : xv[ia];
+          const double b = glu.clamped ? std::clamp(xv[ib], -c, c) : xv[ib];
+          const bool a_passes = !glu.clamped || xv[ia] <= c;
+          const bool b_passes = !glu.clamped || std::fabs(xv[ib]) <= c;
+          y[o] = row.f(a) * (b + off);
+          y_scale[o] = row.f_scale(a) * (std::fabs(b) + std::fabs(off));
+          dx[ia] = a_passes ? g * (b + off) * row.grad(a) : 0.0;
+          dx_scale[ia] = std::fabs(g) * (std::fabs(b) + std::fabs(off)) * row.grad_scale(a);
+          dx[ib] = b_passes ? g * row.f(a) : 0.0;
           dx_scale[ib] = std::fabs(g) * row.f_scale(a);
         } else {
           y[o] = row.f(xv[o]);
@@ -136,17 +165,18 @@ inline void CheckAll(Kernels& k, DType dt) {
         }
       }
     }
-    const std::string name = fmt::format("{} {}", ActivationName(row.act), DTypeName(dt));
+    const std::string name =
+        fmt::format("{}{} {}", ActivationName(row.act), glu.clamped ? " glu" : "", DTypeName(dt));
     const Tensor x = k.ToDevice(x_host);
     const Tensor dy = k.ToDevice(dy_host);
     Tensor out = k.Zeros({n, f}, dt);
-    k.ActivationForward(row.act, x, out);
+    k.ActivationForward(row.act, x, out, glu);
     EXPECT_TRUE(Near(name, dt, ValuesOf(k.ToHost(out)), y, y_scale));
     Tensor grad = k.Zeros({n, w}, dt);
-    k.ActivationBackward(row.act, x, dy, grad);
+    k.ActivationBackward(row.act, x, dy, grad, glu);
     EXPECT_TRUE(Near(name + " backward", dt, ValuesOf(k.ToHost(grad)), dx, dx_scale));
     Tensor in_place = k.ToDevice(x_host);
-    k.ActivationBackward(row.act, in_place, dy, in_place);
+    k.ActivationBackward(row.act, in_place, dy, in_place, glu);
     EXPECT_EQ(ValuesOf(k.ToHost(in_place)), ValuesOf(k.ToHost(grad))) << name << " dx = x";
     if (!gated) {  // a plain activation also runs with y = x, and with dx = dy
       Tensor y_in_place = k.ToDevice(x_host);
@@ -165,8 +195,39 @@ inline void CheckAll(Kernels& k, DType dt) {
       EXPECT_THROW(k.ActivationForward(row.act, odd, out), std::invalid_argument) << name;
       Tensor wide = k.Zeros({n, w}, dt);
       EXPECT_THROW(k.ActivationForward(row.act, x, wide), std::invalid_argument) << name;
+      const GluOptions no_bound{.clamped = true, .clamp_value = 0.0};
+      EXPECT_THROW(k.ActivationForward(row.act, x, out, no_bound), std::invalid_argument) << name;
+      EXPECT_THROW(k.ActivationBackward(row.act, x, dy, grad, no_bound), std::invalid_argument)
+          << name;
     }
   }
+}
+
+// quick_geglu with gpt-oss's glu shape worked by hand: offset 1, clamp 2, one row
+// a = [0, 2, 3, -5], b = [2, -2, 2.5, -3], dy = [1, 0.5, -2, 4]. With q(a) = a sigmoid(1.702 a),
+// q(2) = 1.9356586231442083, q'(2) = 1.0738153543085418, q(-5) = -0.0010070162673523693,
+// q'(-5) = -0.001512193240131231, q(0) = 0, q'(0) = 1/2:
+//   y  = [q(0) (2 + 1), q(2) (-2 + 1), q(min(3, 2)) (min(2.5, 2) + 1), q(-5) (-2 + 1)]
+//   da = [1 * 3 * 1/2, 0.5 * (-1) q'(2) (a = c passes), 0 (a > c), 4 * (-1) q'(-5)]
+//   db = [1 * q(0) = 0, 0.5 q(2) (b = -c passes), 0 (b > c), 0 (b < -c)]
+// The clamped gradients must be exactly zero.
+inline void CheckGluByHand(Kernels& k, DType dt) {
+  const GluOptions glu{.linear_offset = 1.0, .clamped = true, .clamp_value = 2.0};
+  const Tensor x = k.ToDevice(MakeOf(dt, {1, 8}, {0, 2, 3, -5, 2, -2, 2.5, -3}));
+  const Tensor dy = k.ToDevice(MakeOf(dt, {1, 4}, {1, 0.5, -2, 4}));
+  const std::vector<double> y = {0, -1.9356586231442083, 5.806975869432625, 0.0010070162673523693};
+  const std::vector<double> dx = {1.5, -0.5369076771542709, 0, 0.006048772960524924,
+                                  0,   0.9678293115721042,  0, 0};
+  Tensor out = k.Zeros({1, 4}, dt);
+  k.ActivationForward(Activation::kQuickGeglu, x, out, glu);
+  Tensor grad = k.Zeros({1, 8}, dt);
+  k.ActivationBackward(Activation::kQuickGeglu, x, dy, grad, glu);
+  const std::string name = fmt::format("quick_geglu by hand ({})", DTypeName(dt));
+  // The terms are at most 3 * q(2) ~ 6 in size.
+  EXPECT_TRUE(Near(name, dt, ValuesOf(k.ToHost(out)), y, std::vector<double>(4, 6.0)));
+  const std::vector<double> got = ValuesOf(k.ToHost(grad));
+  EXPECT_TRUE(Near(name + " backward", dt, got, dx, std::vector<double>(8, 2.0)));
+  for (size_t e : {2u, 4u, 6u, 7u}) EXPECT_EQ(got[e], 0.0) << name << " dx[" << e << "]";
 }
 
 inline void CheckEveryActivationHasARow() {

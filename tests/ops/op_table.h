@@ -162,6 +162,9 @@ inline Outputs Scale(Kernels& k, DType dt) {
   k.Scale(0.75, x);
   return {Out(k, "x", x)};
 }
+// A gated activation's glu: offset 0.5, the clamp at 1 (a multiple of 1/8, so that inputs
+// equal to the bound and beyond it both occur).
+inline constexpr GluOptions kGlu{.linear_offset = 0.5, .clamped = true, .clamp_value = 1.0};
 inline Outputs ActivationForward(Kernels& k, DType dt) {
   Outputs out;
   for (int i = 0; i < kActivationCount; ++i) {
@@ -170,6 +173,10 @@ inline Outputs ActivationForward(Kernels& k, DType dt) {
     Tensor y = k.Zeros({4, f}, dt);
     k.ActivationForward(act, In(k, dt, {4, w}, 21), y);
     out.push_back(Out(k, std::string(ActivationName(act)), y));
+    if (IsGated(act)) {  // Megatron's glu: the clamp at 1 (on the grid: the boundary too)
+      k.ActivationForward(act, In(k, dt, {4, w}, 21), y, kGlu);
+      out.push_back(Out(k, std::string(ActivationName(act)) + " glu", y));
+    }
   }
   return out;
 }
@@ -181,6 +188,10 @@ inline Outputs ActivationBackward(Kernels& k, DType dt) {
     Tensor dx = k.Zeros({4, w}, dt);
     k.ActivationBackward(act, In(k, dt, {4, w}, 22), In(k, dt, {4, f}, 23), dx);
     out.push_back(Out(k, std::string(ActivationName(act)), dx));
+    if (IsGated(act)) {
+      k.ActivationBackward(act, In(k, dt, {4, w}, 22), In(k, dt, {4, f}, 23), dx, kGlu);
+      out.push_back(Out(k, std::string(ActivationName(act)) + " glu", dx));
+    }
   }
   return out;
 }

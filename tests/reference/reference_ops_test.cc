@@ -192,7 +192,8 @@ TEST(ReferenceOpsTest, GatedActivationMultipliesTheGateByTheUpHalf) {
 
 TEST(ReferenceOpsTest, ActivationGradientsMatchFiniteDifferences) {
   const int64_t n = 3, f = 4;
-  for (Activation kind : {Activation::kGelu, Activation::kSwiglu, Activation::kSquaredRelu}) {
+  for (Activation kind : {Activation::kGelu, Activation::kSwiglu, Activation::kSquaredRelu,
+                          Activation::kQuickGeglu}) {
     SCOPED_TRACE(ActivationName(kind));
     const int64_t in_width = IsGated(kind) ? 2 * f : f;
     Mat x = Smooth(n, in_width, 1);
@@ -204,6 +205,36 @@ TEST(ReferenceOpsTest, ActivationGradientsMatchFiniteDifferences) {
     };
     Mat dx(n, in_width);
     ref::ActivationBackward(kind, g, x, dx);
+    ExpectNear(dx, FiniteDifference(x, 1e-5, loss), 1e-8, "dx");
+  }
+}
+
+// gpt-oss's glu: offset 1, clamp 0.5; Smooth's inputs are away from the bounds by more than the
+// difference step, so the clamped inputs' finite differences are zero as the gradient is.
+TEST(ReferenceOpsTest, ClampedGluGradientsMatchFiniteDifferences) {
+  const int64_t n = 3, f = 4;
+  const GluOptions glu{.linear_offset = 1.0, .clamped = true, .clamp_value = 0.5};
+  for (Activation kind : {Activation::kSwiglu, Activation::kQuickGeglu}) {
+    SCOPED_TRACE(ActivationName(kind));
+    Mat x = Smooth(n, 2 * f, 1);
+    const Mat g = Smooth(n, f, 2);
+    const auto loss = [&] {
+      Mat y(n, f);
+      ref::ActivationForward(kind, x, y, glu);
+      return Dot(g, y);
+    };
+    Mat dx(n, 2 * f);
+    ref::ActivationBackward(kind, g, x, dx, glu);
+    int64_t clamped = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < f; ++j) {
+        ASSERT_GT(std::fabs(x(i, j) - 0.5), 1e-4);
+        ASSERT_GT(std::fabs(std::fabs(x(i, f + j)) - 0.5), 1e-4);
+        clamped += (x(i, j) > 0.5) + (std::fabs(x(i, f + j)) > 0.5);
+      }
+    }
+    EXPECT_GT(clamped, 0) << "no input reaches the clamp";
+    EXPECT_LT(clamped, 2 * n * f) << "every input is clamped";
     ExpectNear(dx, FiniteDifference(x, 1e-5, loss), 1e-8, "dx");
   }
 }

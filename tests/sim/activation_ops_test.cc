@@ -18,5 +18,12 @@ TEST(ActivationOps, EigenEveryDtype) {
   }
 }
 
+TEST(ActivationOps, EigenGluByHand) {
+  EigenKernels k;
+  for (DType dt : {DType::kFloat64, DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    activation_ops::CheckGluByHand(k, dt);
+  }
+}
+
 }  // namespace
 }  // namespace mpusim
