@@ -163,9 +163,12 @@ Status InitParameters(const GptConfig& gpt, const Dims& d,
     lp.fc2_bias = get(prefix + ".mlp.linear_fc2.bias");
     if (moe_layer) {
       lp.moe.router = get(prefix + ".mlp.router.weight");
+      lp.moe.router_bias = get(prefix + ".mlp.router.bias");
       for (int64_t e = 0; e < gpt.moe.num_experts; ++e) {
         lp.moe.fc1.push_back(get(MoeExpertWeightName(prefix + ".mlp", e, 1)));
         lp.moe.fc2.push_back(get(MoeExpertWeightName(prefix + ".mlp", e, 2)));
+        lp.moe.fc1_bias.push_back(get(MoeExpertBiasName(prefix + ".mlp", e, 1)));
+        lp.moe.fc2_bias.push_back(get(MoeExpertBiasName(prefix + ".mlp", e, 2)));
       }
       lp.moe.shared_fc1 = get(prefix + ".mlp.shared_experts.linear_fc1.weight");
       lp.moe.shared_fc2 = get(prefix + ".mlp.shared_experts.linear_fc2.weight");

@@ -81,36 +81,51 @@ std::vector<std::vector<int64_t>> RouterGroups(const Dims& d, const MoeLayout& l
   return groups;
 }
 
+// Expert e's bias, or an undefined one (no add_bias_linear: the list is empty). Params share
+// their tensors, so the copy's gradient is the model's.
+Param BiasOf(const std::vector<Param>& biases, int64_t e) {
+  return biases.empty() ? Param{} : biases[static_cast<size_t>(e)];
+}
+
 Mat Gather(const Mat& x, const std::vector<int64_t>& rows) {
   Mat out(static_cast<int64_t>(rows.size()), x.cols());
   for (size_t i = 0; i < rows.size(); ++i) out.row(static_cast<int64_t>(i)) = x.row(rows[i]);
   return out;
 }
 
-// fc2(act(fc1(x)) * scale) without biases; keeps fc1 and act (before the scale).
+// fc2(act(fc1(x) + b1) * scale) + b2 * scale (Megatron's MLP.forward with per_token_scale:
+// output += output_bias * per_token_scale; b1, b2 undefined without add_bias_linear); keeps
+// fc1 and act (before the scale).
 Mat Mlp(Activation act, const GluOptions& glu, const Mat& x, const Param& w1, const Param& w2,
-        const Vec* scale, Mat* fc1_out, Mat* act_out) {
-  *fc1_out = Linear(x, w1, Param{});
+        const Vec* scale, Mat* fc1_out, Mat* act_out, const Param& b1 = {}, const Param& b2 = {}) {
+  *fc1_out = Linear(x, w1, b1);
   act_out->resize(x.rows(), w2.value.cols());
   ref::ActivationForward(act, *fc1_out, *act_out, glu);
-  if (scale == nullptr) return Linear(*act_out, w2, Param{});
-  return Linear(act_out->array().colwise() * scale->array(), w2, Param{});
+  if (scale == nullptr) return Linear(*act_out, w2, b2);
+  Mat out = Linear(act_out->array().colwise() * scale->array(), w2, Param{});
+  if (b2.defined()) out += *scale * AsRow(b2.value);
+  return out;
 }
 
 // The backward of Mlp: dx, and with `scale` d(scale) per row into *dscale.
 Mat MlpBackward(Activation act, const GluOptions& glu, const Mat& dy, const Mat& x, const Mat& fc1,
-                const Mat& a, Param& w1, Param& w2, const Vec* scale, Vec* dscale) {
+                const Mat& a, Param& w1, Param& w2, const Vec* scale, Vec* dscale, Param& b1,
+                Param& b2) {
   Param no_bias;
   Mat scaled = a;
   if (scale != nullptr) scaled = a.array().colwise() * scale->array();
-  Mat du = LinearBackward(dy, scaled, w2, no_bias);  // d(act * scale)
+  Mat du = LinearBackward(dy, scaled, w2, scale == nullptr ? b2 : no_bias);  // d(act * scale)
   if (scale != nullptr) {
     *dscale = (a.array() * du.array()).rowwise().sum();
+    if (b2.defined()) {  // out += scale * b2: d scale += dy . b2, d b2 += sum of scale dy
+      *dscale += dy * AsRow(b2.value).transpose();
+      AsRow(b2.grad) += scale->transpose() * dy;
+    }
     du = du.array().colwise() * scale->array();
   }
   Mat dfc1(fc1.rows(), fc1.cols());
   ref::ActivationBackward(act, du, fc1, dfc1, glu);
-  return LinearBackward(dfc1, x, w1, no_bias);
+  return LinearBackward(dfc1, x, w1, b1);
 }
 
 }  // namespace
@@ -135,7 +150,7 @@ Mat MoeForward(const Dims& d, const GptConfig& gpt, const MoeLayout& layout, con
       MoeStash::Group g;
       g.rows = std::move(group_rows);
       const auto T = static_cast<int64_t>(g.rows.size());
-      g.logits = Linear(Gather(x, g.rows), p.router, Param{});
+      g.logits = Linear(Gather(x, g.rows), p.router, p.router_bias);  // router_gating_linear
       g.scores.resize(T, E);
       g.lse.resize(T);
       if (sigmoid) {
@@ -283,9 +298,9 @@ Mat MoeForward(const Dims& d, const GptConfig& gpt, const MoeLayout& layout, con
       const MoeStash::Group& g = st.groups[static_cast<size_t>(ex.group[i])];
       scale(static_cast<int64_t>(i)) = g.p[static_cast<size_t>(ex.token[i])][static_cast<size_t>(ex.slot[i])];
     }
-    const Mat out =
-        Mlp(gpt.activation, gpt.Glu(), Gather(x, ex.rows), p.fc1[static_cast<size_t>(e)],
-            p.fc2[static_cast<size_t>(e)], &scale, &ex.fc1, &ex.act);
+    const Mat out = Mlp(gpt.activation, gpt.Glu(), Gather(x, ex.rows),
+                        p.fc1[static_cast<size_t>(e)], p.fc2[static_cast<size_t>(e)], &scale,
+                        &ex.fc1, &ex.act, BiasOf(p.fc1_bias, e), BiasOf(p.fc2_bias, e));
     for (size_t i = 0; i < ex.rows.size(); ++i) y.row(ex.rows[i]) += out.row(static_cast<int64_t>(i));
   }
   if (p.shared_fc1.defined()) {
@@ -304,8 +319,9 @@ Mat MoeBackward(const Dims& d, const GptConfig& gpt, const Mat& dy, const MoeSta
   const double scaling = moe.topk_scaling_factor.value_or(1.0);
   Mat dx = Mat::Zero(dy.rows(), dy.cols());
   if (p.shared_fc1.defined()) {
+    Param no_bias;
     dx += MlpBackward(gpt.activation, gpt.Glu(), dy, st.x, st.shared_fc1, st.shared_act,
-                      p.shared_fc1, p.shared_fc2, nullptr, nullptr);
+                      p.shared_fc1, p.shared_fc2, nullptr, nullptr, no_bias, no_bias);
   }
   // d p[group][token][slot] from the experts.
   std::vector<std::vector<std::vector<double>>> dp(st.groups.size());
@@ -321,9 +337,10 @@ Mat MoeBackward(const Dims& d, const GptConfig& gpt, const Mat& dy, const MoeSta
           st.groups[static_cast<size_t>(ex.group[i])].p[static_cast<size_t>(ex.token[i])][static_cast<size_t>(ex.slot[i])];
     }
     Vec dscale;
+    Param b1 = BiasOf(p.fc1_bias, e), b2 = BiasOf(p.fc2_bias, e);
     const Mat dxe = MlpBackward(
         gpt.activation, gpt.Glu(), Gather(dy, ex.rows), Gather(st.x, ex.rows), ex.fc1, ex.act,
-        p.fc1[static_cast<size_t>(e)], p.fc2[static_cast<size_t>(e)], &scale, &dscale);
+        p.fc1[static_cast<size_t>(e)], p.fc2[static_cast<size_t>(e)], &scale, &dscale, b1, b2);
     for (size_t i = 0; i < ex.rows.size(); ++i) {
       dx.row(ex.rows[i]) += dxe.row(static_cast<int64_t>(i));
       dp[static_cast<size_t>(ex.group[i])][static_cast<size_t>(ex.token[i])][static_cast<size_t>(ex.slot[i])] =
@@ -382,8 +399,7 @@ Mat MoeBackward(const Dims& d, const GptConfig& gpt, const Mat& dy, const MoeSta
       }
       if (g.z_scale != 0) dz.row(t) += 2 * g.z_scale * g.lse(t) * g.scores.row(t);
     }
-    Param no_bias;
-    const Mat dxg = LinearBackward(dz, Gather(st.x, g.rows), p.router, no_bias);
+    const Mat dxg = LinearBackward(dz, Gather(st.x, g.rows), p.router, p.router_bias);
     for (int64_t t = 0; t < T; ++t) dx.row(g.rows[static_cast<size_t>(t)]) += dxg.row(t);
   }
   return dx;

@@ -47,7 +47,9 @@ namespace mpusim::gpt_reference {
 
 struct MoeParams {
   Param router;                 // [E, h]
+  Param router_bias;            // add_bias_linear: [E]; else undefined
   std::vector<Param> fc1, fc2;  // per expert: [f1e, h], [h, fe]
+  std::vector<Param> fc1_bias, fc2_bias;  // add_bias_linear: per expert [f1e], [h]; else empty
   Param shared_fc1, shared_fc2;  // moe_shared_expert_intermediate_size only
   // moe_router_enable_expert_bias: the bias [E] added to the sigmoids for choosing only
   // (float32 values), and the kept choices per expert counted over the forwards (the step's

@@ -220,10 +220,10 @@ Status ResolveMoe(const json& section, GptConfig* gpt) {
                                        moe.layers.size(), gpt->num_layers));
     }
   }
-  if (gpt->add_bias_linear) {
+  if (gpt->add_bias_linear && moe.shared_expert_intermediate_size) {
     return Status::Error("model.add_bias_linear",
-                         "must be false with num_moe_experts (mpusim's experts have no biases; "
-                         "Megatron allows them only with expert_tensor_parallel_size 1)");
+                         "must be false with moe_shared_expert_intermediate_size (Megatron's "
+                         "SharedExpertMLP: bias is not supported in the shared experts)");
   }
   if (moe.pad_expert_input_to_capacity && !moe.expert_capacity_factor) {
     return Status::Error("model.moe_pad_expert_input_to_capacity",
@@ -389,6 +389,13 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
                                        gpt->moe.num_experts, ep));
     }
     const int64_t etp = parallel.EffectiveExpertTensorParallelSize();
+    if (gpt->add_bias_linear && etp != 1) {
+      return Status::Error("model.add_bias_linear",
+                           fmt::format("is true with expert_tensor_parallel_size {}: Megatron "
+                                       "supports bias in MoE only when ETP==1; set "
+                                       "expert_tensor_parallel_size 1 or add_bias_linear false",
+                                       etp));
+    }
     if (gpt->moe.ffn_hidden_size % etp != 0) {
       return Status::Error("model.moe_ffn_hidden_size",
                            fmt::format("{} is not divisible by expert_tensor_parallel_size {} "
@@ -545,14 +552,23 @@ std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_voc
       // MoELayer: the router (replicated; fed by the sequence-split stream under sequence
       // parallelism), the experts under their global numbers (SequentialMLP's
       // local_experts.<e>), the shared expert.
+      // With add_bias_linear (expert_tensor_parallel_size 1, Megatron's rule): TopKRouter's
+      // bias [E], drawn by its init_method as the weight is, and each expert's linear_fc1 and
+      // linear_fc2 biases (zeros, as Megatron's linear layers initialise them).
       add(layer + ".mlp.router.weight", {gpt.moe.num_experts, h}, normal, -1, 1, true);
+      if (gpt.add_bias_linear)
+        add(layer + ".mlp.router.bias", {gpt.moe.num_experts}, normal, -1, 1, true);
       const int64_t f = gpt.moe.ffn_hidden_size, f1 = IsGated(gpt.activation) ? 2 * f : f;
       for (int64_t e = 0; e < gpt.moe.num_experts; ++e) {
         if (keep_expert && !keep_expert(e)) continue;
         const std::string fc1 = MoeExpertWeightName(layer + ".mlp", e, 1);
         const std::string fc2 = MoeExpertWeightName(layer + ".mlp", e, 2);
         add(fc1, {f1, h}, normal, 0, stride_fc1);
+        if (gpt.add_bias_linear)
+          add(MoeExpertBiasName(layer + ".mlp", e, 1), {f1}, zeros, 0, stride_fc1);
         add(fc2, {h, f}, scaled, 1);
+        if (gpt.add_bias_linear)
+          add(MoeExpertBiasName(layer + ".mlp", e, 2), {h}, zeros, -1);
       }
       if (const auto shared = gpt.moe.shared_expert_intermediate_size) {
         const int64_t s1 = IsGated(gpt.activation) ? 2 * *shared : *shared;
@@ -597,6 +613,10 @@ std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_voc
 
 std::string MoeExpertWeightName(const std::string& mlp_prefix, int64_t e, int fc) {
   return fmt::format("{}.experts.local_experts.{}.linear_fc{}.weight", mlp_prefix, e, fc);
+}
+
+std::string MoeExpertBiasName(const std::string& mlp_prefix, int64_t e, int fc) {
+  return fmt::format("{}.experts.local_experts.{}.linear_fc{}.bias", mlp_prefix, e, fc);
 }
 
 RouterDTypes RouterDTypesOf(const MoeConfig& moe, DType storage) {

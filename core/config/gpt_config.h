@@ -262,5 +262,7 @@ std::vector<GptParameter> GptParameters(
 // LocalSpecProvider.grouped_mlp_modules), so the flag changes no name, no initial value and no
 // number; it only shapes the GPU estimate's launches.
 std::string MoeExpertWeightName(const std::string& mlp_prefix, int64_t e, int fc);
+// Its bias (add_bias_linear): "<mlp_prefix>.experts.local_experts.<e>.linear_fc<fc>.bias".
+std::string MoeExpertBiasName(const std::string& mlp_prefix, int64_t e, int fc);
 
 }  // namespace mpusim

@@ -302,7 +302,8 @@ constexpr GptField kFields[] = {
              "(gpt-oss: 7); null: no clamp"},
     {.key = "add_bias_linear",
      .target = &GptConfig::add_bias_linear,
-     .help = "biases in every linear layer",
+     .help = "biases in every linear layer; with MoE the router's and each expert's fc1 and fc2 "
+             "biases, fc2's weighted by the routing probability (expert_tensor_parallel_size 1)",
      .effect = kShape},
     {.key = "add_qkv_bias",
      .target = &GptConfig::add_qkv_bias,

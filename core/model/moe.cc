@@ -236,10 +236,15 @@ MoeLayer::MoeLayer(const GptConfig& gpt, std::string prefix, ParameterSet& param
       moe_(gpt.moe),
       num_microbatches_(num_microbatches),
       router_(&params.Get(prefix_ + ".router.weight")),
+      router_bias_(params.Find(prefix_ + ".router.bias")),
       experts_(experts.num_experts > 0 ? experts : ExpertPlacement{gpt.moe.num_experts, 1, 0}) {
   for (int64_t e = experts_.first(); e < experts_.first() + experts_.count(); ++e) {
     fc1_.push_back(&params.Get(MoeExpertWeightName(prefix_, e, 1)));
     fc2_.push_back(&params.Get(MoeExpertWeightName(prefix_, e, 2)));
+    if (gpt.add_bias_linear) {
+      fc1_bias_.push_back(&params.Get(MoeExpertBiasName(prefix_, e, 1)));
+      fc2_bias_.push_back(&params.Get(MoeExpertBiasName(prefix_, e, 2)));
+    }
   }
   if (moe_.enable_expert_bias) {
     expert_bias_.assign(static_cast<size_t>(moe_.num_experts), 0.0f);
@@ -377,6 +382,7 @@ Tensor MoeLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* st) c
   // router_gating_linear), the softmaxes in the scores' dtype.
   Tensor logits = k.Empty({T, E}, dt.logits);
   k.Gemm(false, true, 1.0, As(k, x, dt.logits), As(k, router_->value, dt.logits), 0.0, logits);
+  if (router_bias_ != nullptr) k.AddRowVector(As(k, router_bias_->value, dt.logits), logits);
   const WholeRowSoftmax over_experts = MakeWholeRowSoftmax(k, E);
   const bool sigmoid = moe_.score_function == MoeScoreFunction::kSigmoid;
   st->scores = k.Empty({T, E}, dt.scores);
@@ -480,15 +486,23 @@ Tensor MoeLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* st) c
     ForEachExpert(route.offsets, [&](size_t e, int64_t o, int64_t n) {
       Tensor out = Rows(st->fc1_out, o, n);
       k.Gemm(false, true, 1.0, Rows(st->x_perm, o, n), fc1_[e]->value, 0.0, out);
+      if (!fc1_bias_.empty()) k.AddRowVector(fc1_bias_[e]->value, out);
     });
     st->act = k.Empty({N, f}, dtype);
     k.ActivationForward(activation_, st->fc1_out, st->act, glu_);
     Tensor scaled = k.Empty({N, f}, dtype);
     WeightRows(k, st->p_perm, st->act, scaled);
     Tensor y_perm = k.Empty({N, h}, dtype);
+    // With biases, Megatron's expert MLP adds fc2's weighted by the probability
+    // (MLP.forward: output += output_bias * per_token_scale): y = p (fc2(act) + b2).
+    const Tensor p_rows = fc2_bias_.empty() ? Tensor() : As(k, st->p_perm, dtype);
     ForEachExpert(route.offsets, [&](size_t e, int64_t o, int64_t n) {
       Tensor out = Rows(y_perm, o, n);
       k.Gemm(false, true, 1.0, Rows(scaled, o, n), fc2_[e]->value, 0.0, out);
+      if (!fc2_bias_.empty()) {
+        k.Gemm(false, false, 1.0, Rows(p_rows, o, n), fc2_bias_[e]->value.Reshaped({1, h}), 1.0,
+               out);
+      }
     });
     ScatterAddRows(k, y_perm, route.token_ids, y_src);  // per token (allgather) or row
   }
@@ -581,6 +595,7 @@ Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stas
     Tensor scaled = k.Empty({N, f}, dtype);
     WeightRows(k, st.p_perm, st.act, scaled);
     Tensor dscaled = k.Empty({N, f}, dtype);
+    const Tensor p_rows = fc2_bias_.empty() ? Tensor() : As(k, st.p_perm, dtype);
     ForEachExpert(route.offsets, [&](size_t e, int64_t o, int64_t n) {
       Parameter& w2 = *fc2_[e];
       const Tensor dy_e = Rows(dy_perm, o, n);
@@ -591,11 +606,29 @@ Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stas
         AccumulateGrad(k, w2, ctx.fuse_wgrad,
                        [&](Tensor& g, double beta) { k.Gemm(true, false, 1.0, dy_e, s_e, beta, g); });
       }
+      // d b2 = sum over the rows of p dy.
+      if (!fc2_bias_.empty() && fc2_bias_[e]->grad.defined()) {
+        const Tensor p_e = Rows(p_rows, o, n);
+        AccumulateGrad(k, *fc2_bias_[e], false, [&](Tensor& g, double beta) {
+          Tensor row = g.Reshaped({1, h});
+          k.Gemm(true, false, 1.0, p_e, dy_e, beta, row);
+        });
+      }
     });
-    // d p[r] = dscaled[r] . act[r] in the router's dtype; d act = p dscaled.
+    // d p[r] = dscaled[r] . act[r] (+ dy[r] . b2 with biases) in the router's dtype;
+    // d act = p dscaled.
     Tensor dp_perm = k.Empty({N, 1, 1}, dt.logits);
     k.BatchedGemm(false, true, 1.0, As(k, dscaled, dt.logits).Reshaped({N, 1, f}),
                   As(k, st.act, dt.logits).Reshaped({N, 1, f}), 0.0, dp_perm);
+    if (!fc2_bias_.empty()) {
+      Tensor dp_rows = dp_perm.Reshaped({N, 1});
+      const Tensor dy_l = As(k, dy_perm, dt.logits);
+      ForEachExpert(route.offsets, [&](size_t e, int64_t o, int64_t n) {
+        Tensor out = Rows(dp_rows, o, n);
+        k.Gemm(false, false, 1.0, Rows(dy_l, o, n),
+               As(k, fc2_bias_[e]->value, dt.logits).Reshaped({h, 1}), 1.0, out);
+      });
+    }
     Tensor dact = k.Empty({N, f}, dtype);
     WeightRows(k, st.p_perm, dscaled, dact);
     Tensor dfc1 = k.Empty(st.fc1_out.shape(), dtype);
@@ -610,6 +643,10 @@ Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stas
         const Tensor x_e = Rows(st.x_perm, o, n);
         AccumulateGrad(k, w1, ctx.fuse_wgrad,
                        [&](Tensor& g, double beta) { k.Gemm(true, false, 1.0, d_e, x_e, beta, g); });
+      }
+      if (!fc1_bias_.empty() && fc1_bias_[e]->grad.defined()) {
+        AccumulateGrad(k, *fc1_bias_[e], false,
+                       [&](Tensor& g, double beta) { k.SumRows(d_e, beta, g); });
       }
     });
     ScatterAddRows(k, dx_perm, route.token_ids, dx_src);
@@ -679,6 +716,11 @@ Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stas
     Tensor grad = k.Empty(router_->value.shape(), dt.logits);
     k.Gemm(true, false, 1.0, dlogits, As(k, st.x, dt.logits), 0.0, grad);
     k.Axpy(1.0, As(k, grad, router_->value.dtype()), router_->grad);
+  }
+  if (router_bias_ != nullptr && router_bias_->grad.defined()) {  // the rows' sum of d logits
+    Tensor grad = k.Zeros(router_bias_->value.shape(), dt.logits);
+    k.SumRows(dlogits, 0.0, grad);
+    k.Axpy(1.0, As(k, grad, router_bias_->value.dtype()), router_bias_->grad);
   }
 
   if (shared_fc1_) {

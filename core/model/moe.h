@@ -144,8 +144,11 @@ class MoeLayer {
   MoeConfig moe_;
   int64_t num_microbatches_;
   Parameter* router_;
+  Parameter* router_bias_;  // add_bias_linear: TopKRouter's bias [E]; else null
   ExpertPlacement experts_;
   std::vector<Parameter*> fc1_, fc2_;  // per local expert, etp shards [f1/t, h], [h, f/t]
+  // add_bias_linear (expert_tensor_parallel_size 1): per local expert [f1], [h]; else empty.
+  std::vector<Parameter*> fc1_bias_, fc2_bias_;
   mutable std::vector<std::vector<int64_t>> received_;  // see received()
   mutable std::vector<int64_t> sent_rows_;  // the last forward's rows to each ep rank
   mutable int64_t row_bytes_ = 0;           // bytes of one such row

@@ -3,13 +3,13 @@
 // GPTModel state-dict names, shapes, tensor-parallel splits).
 #include "core/config/gpt_config.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <string>
-
-#include <fmt/format.h>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "core/config/config.h"
 #include "core/config/parallel_config.h"
@@ -606,13 +606,67 @@ TEST(GptConfig, MoeKeysAreReadAndChecked) {
             "tensor_model_parallel_size 2");
   parallel = ParallelConfig();
   parallel.world_size = 1;
-  // Megatron allows expert biases only with expert_tensor_parallel_size 1; mpusim has none.
+  // Biases with MoE: Megatron allows them only with expert_tensor_parallel_size 1 and not in
+  // the shared expert (SharedExpertMLP asserts add_bias_linear false).
   json biased = section;
   biased["add_bias_linear"] = true;
+  biased.erase("moe_shared_expert_intermediate_size");
+  GptConfig with_bias;
+  ASSERT_TRUE(ParseGptSection(biased, &with_bias).ok());
+  EXPECT_TRUE(CheckGptLayout(parallel, run, &with_bias).ok());
+  parallel.world_size = 2;
+  parallel.tensor_model_parallel_size = 2;
+  parallel.sequence_parallel = true;
+  parallel.expert_tensor_parallel_size = 1;
+  EXPECT_TRUE(CheckGptLayout(parallel, run, &with_bias).ok());
+  parallel.expert_tensor_parallel_size = 2;
+  EXPECT_EQ(CheckGptLayout(parallel, run, &with_bias).Message(),
+            "model.add_bias_linear: is true with expert_tensor_parallel_size 2: Megatron "
+            "supports bias in MoE only when ETP==1; set expert_tensor_parallel_size 1 or "
+            "add_bias_linear false");
+  biased["moe_shared_expert_intermediate_size"] = 8;
   GptConfig unused;
   EXPECT_EQ(ParseGptSection(biased, &unused).Message(),
-            "model.add_bias_linear: must be false with num_moe_experts (mpusim's experts have no "
-            "biases; Megatron allows them only with expert_tensor_parallel_size 1)");
+            "model.add_bias_linear: must be false with moe_shared_expert_intermediate_size "
+            "(Megatron's SharedExpertMLP: bias is not supported in the shared experts)");
+}
+
+// add_bias_linear with MoE: TopKRouter's bias (drawn as its weight is) and each expert's
+// linear_fc1 and linear_fc2 biases, named as Megatron's local spec names them (or the grouped
+// GEMM's linear_fc<n>.bias<e>).
+TEST(GptConfig, MoeBiasesFollowMegatronStateDict) {
+  json section = Minimal();
+  section["num_layers"] = 1;
+  section["activation"] = "quick_geglu";
+  section["num_moe_experts"] = 2;
+  section["moe_ffn_hidden_size"] = 16;
+  GptConfig gpt;
+  ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
+  std::map<std::string, GptParameter> by_name;
+  for (const GptParameter& p : GptParameters(gpt, 1024, /*sequence_parallel=*/true)) {
+    by_name.emplace(p.name, p);
+  }
+  const std::string mlp = "decoder.layers.0.mlp.";
+  ASSERT_EQ(by_name.count(mlp + "router.bias"), 1u);
+  EXPECT_EQ(by_name.at(mlp + "router.bias").shape, (Shape{2}));
+  EXPECT_EQ(by_name.at(mlp + "router.bias").init.method, InitMethod::kNormal);
+  EXPECT_TRUE(by_name.at(mlp + "router.bias").allreduce_grad_over_tp);
+  for (int64_t e = 0; e < 2; ++e) {
+    const std::string expert = fmt::format("{}experts.local_experts.{}.", mlp, e);
+    ASSERT_EQ(by_name.count(expert + "linear_fc1.bias"), 1u);
+    EXPECT_EQ(by_name.at(expert + "linear_fc1.bias").shape, (Shape{32}));
+    EXPECT_EQ(by_name.at(expert + "linear_fc1.bias").init.method, InitMethod::kZeros);
+    EXPECT_EQ(by_name.at(expert + "linear_fc2.bias").shape, (Shape{64}));
+  }
+  gpt.moe.grouped_gemm = true;  // the local spec's names whatever the flag
+  EXPECT_EQ(MoeExpertBiasName("decoder.layers.0.mlp", 1, 2),
+            "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.bias");
+  section["add_bias_linear"] = false;
+  GptConfig plain;
+  ASSERT_TRUE(ParseGptSection(section, &plain).ok());
+  for (const GptParameter& p : GptParameters(plain, 1024, true)) {
+    EXPECT_FALSE(p.name.find(".mlp.") != std::string::npos && p.name.ends_with(".bias")) << p.name;
+  }
 }
 
 // DeepSeek-style routing keys: read with Megatron's defaults, and Megatron's refusals

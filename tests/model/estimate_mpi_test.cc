@@ -156,6 +156,16 @@ std::vector<Case> Layouts() {
   moe_capacity["moe_expert_capacity_factor"] = 1.0;
   moe_capacity["moe_grouped_gemm"] = true;
   moe_capacity["moe_z_loss_coeff"] = 0.001;
+  // gpt-oss's MoE MLP: the router's and the experts' biases (no shared expert: Megatron has
+  // none with biases) and the clamped quick-GELU GLU.
+  json moe_bias = dense;
+  moe_bias["add_bias_linear"] = true;
+  moe_bias["activation"] = "quick_geglu";
+  moe_bias["glu_linear_offset"] = 1.0;
+  moe_bias["activation_func_clamp_value"] = 0.1;
+  moe_bias["num_moe_experts"] = 4;
+  moe_bias["moe_router_topk"] = 2;
+  moe_bias["moe_ffn_hidden_size"] = 16;
   // Many narrow experts: the router's tensors ([T, E] scores, logits and their gradients)
   // outgrow the experts' rows, so its backward is the peak the count must match.
   json moe_router = dense;
@@ -252,6 +262,8 @@ std::vector<Case> Layouts() {
       {"moe_a2a", 1, 1, 1, 1, 1, 0, false, nullptr, "selective moe"},
       {"moe_a2a", 1, 1, 1, 1, 2, 0, false, nullptr, "selective moe"},
       {"moe", 1, 2, 1, 1, 1, 0, false, nullptr, "selective moe,layernorm"},
+      {"moe_bias", 1, 1, 1, 1, 2, 0, false},
+      {"moe_bias", 2, 1, 1, 1, 1, 1, true},
       {"odd", 1, 1, 1, 1, 1, 0, false, nullptr, nullptr, false, true},
   };
   for (const Layout& l : layouts) {
@@ -313,6 +325,7 @@ std::vector<Case> Layouts() {
                           : name == "moe_capacity" ? moe_capacity
                           : name == "moe_router"   ? moe_router
                           : name == "moe_sigmoid"  ? moe_sigmoid
+                          : name == "moe_bias"     ? moe_bias
                           : name == "odd"          ? odd
                           : name == "wide"         ? wide
                                                    : dense;

@@ -958,5 +958,12 @@ TEST(GptReferenceTest, MatchesTorchGoldenMixtureOfExpertsSigmoidGroupLimited) {
   CheckGolden("gpt_golden_g.safetensors");
 }
 
+// gpt-oss's MLP: the clamped quick-GELU GLU (glu_linear_offset 1, activation_func_clamp_value
+// 1) with add_bias_linear on an MoE layer (the router's bias, the experts' linear_fc1 and
+// linear_fc2 biases, fc2's weighted by the probability) and on a dense layer (config I).
+TEST(GptReferenceTest, MatchesTorchGoldenGptOssBiasesAndClampedGlu) {
+  CheckGolden("gpt_golden_i.safetensors");
+}
+
 }  // namespace
 }  // namespace mpusim

@@ -276,6 +276,29 @@ CONFIG_K_TIED = {
     "run": {"seed": 22, "dtype": "float64", "seq_length": 6, "micro_batch_size": 2,
             "num_microbatches": 3},
 }
+# Config I: gpt-oss's MLP: the clamped quick-GELU gated linear unit (Megatron's activation_func
+# quick_gelu with gated_linear_unit, glu_linear_offset 1, activation_func_clamp_value; the clamp
+# at 1 here so that a good share of the fc1 outputs of these small random weights is clamped)
+# with add_bias_linear on an MoE model: the router's bias, each expert's linear_fc1 and
+# linear_fc2 biases (fc2's weighted by the routing probability), a dense layer's biases;
+# layer 0 MoE, layer 1 dense; 4 experts, top-2, dropless; d = 2.
+CONFIG_I = {
+    "parallel": {"world_size": 2, "tensor_model_parallel_size": 1},
+    "model": {
+        "type": "gpt", "num_layers": 2, "hidden_size": 16, "num_attention_heads": 4,
+        "ffn_hidden_size": 24, "normalization": "RMSNorm", "layernorm_epsilon": 1e-6,
+        "activation": "quick_geglu", "glu_linear_offset": 1.0,
+        "activation_func_clamp_value": 1.0, "add_bias_linear": True, "hidden_dropout": 0.0,
+        "attention_dropout": 0.0, "position_embedding_type": "rope", "rotary_base": 10000,
+        "share_embeddings_and_output_weights": False, "vocab_size": 29,
+        "make_vocab_size_divisible_by": 4, "label_smoothing": 0.0,
+        "num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 12,
+        "moe_layer_freq": [1, 0], "moe_router_pre_softmax": False,
+        "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.01,
+    },
+    "run": {"seed": 19, "dtype": "float64", "seq_length": 6, "micro_batch_size": 2,
+            "num_microbatches": 2},
+}
 
 
 class Sizes:
@@ -296,7 +319,11 @@ class Sizes:
         self.M = r["num_microbatches"]
         self.max_pos = m.get("max_position_embeddings", self.s)
         self.layernorm = m.get("normalization", "LayerNorm") == "LayerNorm"
-        self.swiglu = m.get("activation", "gelu") == "swiglu"
+        self.activation = m.get("activation", "gelu")
+        self.swiglu = self.activation == "swiglu"
+        self.gated = self.activation in ("swiglu", "quick_geglu")  # gated_linear_unit
+        self.glu_linear_offset = m.get("glu_linear_offset", 0.0)
+        self.clamp_value = m.get("activation_func_clamp_value")
         self.bias = m.get("add_bias_linear", True)
         # linear_qkv has a bias with add_bias_linear or add_qkv_bias (TransformerConfig).
         self.qkv_bias = self.bias or m.get("add_qkv_bias", False)
@@ -343,11 +370,11 @@ class Sizes:
         # TopKRouter.local_tokens_per_expert (float32), per router, summed over the step.
         self.tokens_per_expert = {}
 
-    def expert(self, p, e, fc):
-        """An expert's weight name: SequentialMLP's local_experts.<e>.linear_fc<n>.weight (global
-        numbers). Megatron's local spec builds SequentialMLP whatever moe_grouped_gemm says
-        (LocalSpecProvider.grouped_mlp_modules), so config E's flag changes no name."""
-        return f"{p}.mlp.experts.local_experts.{e}.linear_fc{fc}.weight"
+    def expert(self, p, e, fc, kind="weight"):
+        """An expert's weight (or bias) name: SequentialMLP's local_experts.<e>.linear_fc<n>.<kind>
+        (global numbers). Megatron's local spec builds SequentialMLP whatever moe_grouped_gemm
+        says (LocalSpecProvider.grouped_mlp_modules), so config E's flag changes no name."""
+        return f"{p}.mlp.experts.local_experts.{e}.linear_fc{fc}.{kind}"
 
 
 def make_parameters(z):
@@ -370,7 +397,7 @@ def make_parameters(z):
     if not z.rope:
         weight("embedding.position_embeddings.weight", z.max_pos, z.h)
     qkv_rows = (z.a + 2 * z.g) * z.dk
-    fc1_rows = 2 * z.ffn if z.swiglu else z.ffn
+    fc1_rows = 2 * z.ffn if z.gated else z.ffn
     for i in range(z.L):
         p = f"decoder.layers.{i}"
         norm(p + ".input_layernorm")
@@ -387,16 +414,24 @@ def make_parameters(z):
         if z.moe_layers[i]:
             # MoELayer: router.weight [E, h]; SequentialMLP's local_experts.<e> (global expert
             # numbers: one expert-parallel rank here); SharedExpertMLP's linear_fc1/fc2.
+            # With add_bias_linear: TopKRouter's bias [E], each expert MLP's linear_fc1.bias and
+            # linear_fc2.bias (Megatron refuses biases in the shared expert).
             weight(p + ".mlp.router.weight", z.E, z.h)
             if z.expert_bias:  # a float32 buffer, not a parameter
                 params[p + ".mlp.router.expert_bias"] = (
                     torch.randn(z.E, dtype=torch.float64) * 0.05).float().double()
-            expert_fc1 = 2 * z.moe_ffn if z.swiglu else z.moe_ffn
+            if z.bias:
+                bias(p + ".mlp.router.bias", z.E)
+            expert_fc1 = 2 * z.moe_ffn if z.gated else z.moe_ffn
             for e in range(z.E):
                 weight(z.expert(p, e, 1), expert_fc1, z.h)
+                if z.bias:
+                    bias(z.expert(p, e, 1, "bias"), expert_fc1)
                 weight(z.expert(p, e, 2), z.h, z.moe_ffn)
+                if z.bias:
+                    bias(z.expert(p, e, 2, "bias"), z.h)
             if z.shared_ffn:
-                shared_fc1 = 2 * z.shared_ffn if z.swiglu else z.shared_ffn
+                shared_fc1 = 2 * z.shared_ffn if z.gated else z.shared_ffn
                 weight(p + ".mlp.shared_experts.linear_fc1.weight", shared_fc1, z.h)
                 weight(p + ".mlp.shared_experts.linear_fc2.weight", z.h, z.shared_ffn)
             continue
@@ -460,19 +495,36 @@ def apply_rope(z, t):
     return torch.cat([rotated, t_pass], dim=-1)
 
 
-def mlp(z, x, w1, w2, scale=None):
-    """Megatron's MLP without biases: fc2(act(fc1(x)) * scale), the per-token scale (an
-    expert's routing probability) applied after the activation, as MLP.forward's
-    per_token_scale."""
-    fc1 = F.linear(x, w1)
-    if z.swiglu:
-        gate, up = torch.chunk(fc1, 2, dim=-1)
-        act = F.silu(gate) * up
-    else:
-        act = F.gelu(fc1)  # exact (erf) GELU
+def quick_gelu(y):
+    """megatron/core/fusions/fused_bias_geglu.py: the sigmoid approximation of gelu."""
+    return y * torch.sigmoid(1.702 * y)
+
+
+def activation(z, fc1):
+    """MLP.forward's unfused activation: a gated one is its glu (x_glu clamped above and
+    x_linear on both sides by activation_func_clamp_value, then
+    activation_func(x_glu) * (x_linear + glu_linear_offset)), else activation_func."""
+    if not z.gated:
+        return F.gelu(fc1)  # exact (erf) GELU
+    x_glu, x_linear = torch.chunk(fc1, 2, dim=-1)
+    if z.clamp_value is not None:
+        x_glu = x_glu.clamp(min=None, max=z.clamp_value)
+        x_linear = x_linear.clamp(min=-z.clamp_value, max=z.clamp_value)
+    f = F.silu if z.swiglu else quick_gelu
+    return f(x_glu) * (x_linear + z.glu_linear_offset)
+
+
+def mlp(z, x, w1, w2, scale=None, b1=None, b2=None):
+    """Megatron's MLP: fc2(act(fc1(x) + b1) * scale) + b2 * scale, the per-token scale (an
+    expert's routing probability) applied after the activation and to fc2's bias, as
+    MLP.forward's per_token_scale (output += output_bias * per_token_scale)."""
+    act = activation(z, F.linear(x, w1, b1))
     if scale is not None:
         act = act * scale.unsqueeze(-1)
-    return F.linear(act, w2)
+    out = F.linear(act, w2)
+    if b2 is not None:
+        out = out + (b2 * scale.unsqueeze(-1) if scale is not None else b2)
+    return out
 
 
 def ranked(values, k):
@@ -494,7 +546,8 @@ def moe_layer(z, P, p, h2):
         # Megatron's tokens [s, b, h] -> [s*b, h]: row i*b + j is position i of sample j.
         xs = h2[:, dp * z.b:(dp + 1) * z.b, :].reshape(-1, z.h)
         T = xs.shape[0]
-        logits = F.linear(xs, P[p + ".mlp.router.weight"])  # [T, E]
+        # router_gating_linear: x W^T + b (the bias with add_bias_linear).
+        logits = F.linear(xs, P[p + ".mlp.router.weight"], P.get(p + ".mlp.router.bias"))
         if z.z_coeff:  # z_loss_func: mean over the tokens of logsumexp^2 (coeff / tp_cp)
             aux = aux + z.z_coeff * torch.logsumexp(logits, -1).pow(2).mean()
         if z.megatron_router:
@@ -554,7 +607,8 @@ def moe_layer(z, P, p, h2):
             if rows.numel() == 0:
                 continue
             y = y.index_add(0, rows, mlp(z, xs[rows], P[z.expert(p, e, 1)], P[z.expert(p, e, 2)],
-                                         probs[rows, e]))
+                                         probs[rows, e], P.get(z.expert(p, e, 1, "bias")),
+                                         P.get(z.expert(p, e, 2, "bias"))))
         if z.shared_ffn:
             y = y + mlp(z, xs, P[p + ".mlp.shared_experts.linear_fc1.weight"],
                         P[p + ".mlp.shared_experts.linear_fc2.weight"])
@@ -601,11 +655,7 @@ def microbatch_loss_sum(z, P, tokens, labels, aux_terms=None):
             x = x + moe_out
             continue
         fc1 = F.linear(h2, get(".mlp.linear_fc1.weight"), get(".mlp.linear_fc1.bias"))
-        if z.swiglu:
-            gate, up = torch.chunk(fc1, 2, dim=-1)
-            act = F.silu(gate) * up
-        else:
-            act = F.gelu(fc1)  # exact (erf) GELU
+        act = activation(z, fc1)
         x = x + F.linear(act, get(".mlp.linear_fc2.weight"), get(".mlp.linear_fc2.bias"))
     final = normalize(z, x, "decoder.final_layernorm", P)
     out_w = P["embedding.word_embeddings.weight"] if z.tied else P["output_layer.weight"]
@@ -641,11 +691,7 @@ def dense_layer(z, P, p, x):
                      get(".self_attention.linear_proj.bias"))
     h2 = normalize(z, x, p + ".pre_mlp_layernorm", P)
     fc1 = F.linear(h2, get(".mlp.linear_fc1.weight"), get(".mlp.linear_fc1.bias"))
-    if z.swiglu:
-        gate, up = torch.chunk(fc1, 2, dim=-1)
-        act = F.silu(gate) * up
-    else:
-        act = F.gelu(fc1)
+    act = activation(z, fc1)
     return x + F.linear(act, get(".mlp.linear_fc2.weight"), get(".mlp.linear_fc2.bias"))
 
 
@@ -789,6 +835,7 @@ def main():
     make(CONFIG_K, 21, os.path.join(HERE, "gpt_golden_k.safetensors"))
     make(CONFIG_K_TIED, 22, os.path.join(HERE, "gpt_golden_k_tied.safetensors"))
     make(CONFIG_G, 7, os.path.join(HERE, "gpt_golden_g.safetensors"))
+    make(CONFIG_I, 9, os.path.join(HERE, "gpt_golden_i.safetensors"))
     return 0
 
 
