@@ -64,11 +64,26 @@ void CheckQueryPositions(KernelArgs& args, std::string_view name, const Tensor& 
 
 // Query and key positions of a scores-shaped [rows, kv] tensor: q_pos as above, k_pos [kv].
 void CheckAttentionPositions(KernelArgs& args, std::string_view name, const Tensor& t,
-                             const Tensor& q_pos, const Tensor& k_pos) {
+                             const Tensor& q_pos, const Tensor& k_pos, int64_t window) {
   CheckQueryPositions(args, name, t, "q_pos", q_pos);
   args.AddIndices("k_pos", k_pos, Cols(t), "one per column (key) of scores");
   if (k_pos.shape().size() != 1) {
     args.Fail(fmt::format("k_pos {} must be 1-D", ShapeString(k_pos.shape())));
+  }
+  args.Require(window >= -1, fmt::format("window = {} must be -1 (none) or >= 0", window));
+}
+
+// An attention sink's logits [heads] for rows of sq query rows per head: heads >= 1 dividing
+// rows / sq.
+void CheckSink(KernelArgs& args, const Tensor& sink, int64_t rows, const Tensor& q_pos) {
+  args.Add("sink", sink);
+  const int64_t heads = sink.numel(), sq = q_pos.numel();
+  if (sink.shape().size() != 1 || heads < 1 || sq < 1 || rows % sq != 0 ||
+      (rows / sq) % heads != 0) {
+    args.Fail(
+        fmt::format("sink {} must be [heads] with heads dividing the {} rows / {} query "
+                    "positions",
+                    ShapeString(sink.shape()), rows, sq));
   }
 }
 
@@ -482,13 +497,17 @@ void Kernels::NormBackward(Normalization norm, const Tensor& x, const Tensor& we
   DoNormBackward(x, weight, mean, rstd, dy, dx, dweight, dbias);
 }
 
-void Kernels::CausalSoftmaxForward(const Tensor& scores, const Tensor& q_pos,
-                                   const Tensor& k_pos, double scale, Tensor& probs,
-                                   Tensor* lse) {
+void Kernels::CausalSoftmaxForward(const Tensor& scores, const Tensor& q_pos, const Tensor& k_pos,
+                                   double scale, Tensor& probs, Tensor* lse, int64_t window,
+                                   const Tensor* sink) {
   KernelArgs args(backend_, device_, "CausalSoftmaxForward");
   args.Add("scores", scores).Add("probs", probs);
   if (lse != nullptr) args.AddCompute("lse", *lse);
-  CheckAttentionPositions(args, "scores", scores, q_pos, k_pos);
+  CheckAttentionPositions(args, "scores", scores, q_pos, k_pos, window);
+  if (sink != nullptr) {
+    CheckSink(args, *sink, Rows(scores), q_pos);
+    Disjoint(args, "probs", probs, "sink", *sink);
+  }
   CheckMatrix(args, "probs", probs, Rows(scores), Cols(scores), "the 2-D shape of scores");
   if (lse != nullptr) args.Numel("lse", *lse, Rows(scores), "one per row of scores");
   args.Require(std::isfinite(scale), fmt::format("scale = {} is not finite", scale));
@@ -498,30 +517,31 @@ void Kernels::CausalSoftmaxForward(const Tensor& scores, const Tensor& q_pos,
     Disjoint(args, "lse", *lse, "probs", probs);
   }
   if (scores.numel() == 0) return;
-  DoCausalSoftmaxForward(scores, q_pos, k_pos, scale, probs, lse);
+  DoCausalSoftmaxForward(scores, q_pos, k_pos, scale, probs, lse, window, sink);
 }
 
 void Kernels::CausalSoftmaxFromLse(const Tensor& scores, const Tensor& lse, const Tensor& q_pos,
-                                   const Tensor& k_pos, double scale, Tensor& probs) {
+                                   const Tensor& k_pos, double scale, Tensor& probs,
+                                   int64_t window) {
   KernelArgs args(backend_, device_, "CausalSoftmaxFromLse");
   args.Add("scores", scores).Add("probs", probs).AddCompute("lse", lse);
-  CheckAttentionPositions(args, "scores", scores, q_pos, k_pos);
+  CheckAttentionPositions(args, "scores", scores, q_pos, k_pos, window);
   CheckMatrix(args, "probs", probs, Rows(scores), Cols(scores), "the 2-D shape of scores");
   args.Numel("lse", lse, Rows(scores), "one per row of scores");
   args.Require(std::isfinite(scale), fmt::format("scale = {} is not finite", scale));
   SameOrDisjoint(args, "probs", probs, "scores", scores);
   Disjoint(args, "probs", probs, "lse", lse);
   if (scores.numel() == 0) return;
-  DoCausalSoftmaxFromLse(scores, lse, q_pos, k_pos, scale, probs);
+  DoCausalSoftmaxFromLse(scores, lse, q_pos, k_pos, scale, probs, window);
 }
 
-void Kernels::CausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs,
-                                    const Tensor& q_pos, const Tensor& k_pos, double scale,
-                                    Tensor& dscores, const Tensor* row_dot) {
+void Kernels::CausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, const Tensor& q_pos,
+                                    const Tensor& k_pos, double scale, Tensor& dscores,
+                                    const Tensor* row_dot, int64_t window) {
   KernelArgs args(backend_, device_, "CausalSoftmaxBackward");
   args.Add("probs", probs).Add("dprobs", dprobs).Add("dscores", dscores);
   if (row_dot != nullptr) args.AddCompute("row_dot", *row_dot);
-  CheckAttentionPositions(args, "probs", probs, q_pos, k_pos);
+  CheckAttentionPositions(args, "probs", probs, q_pos, k_pos, window);
   CheckMatrix(args, "dprobs", dprobs, Rows(probs), Cols(probs), "the 2-D shape of probs");
   CheckMatrix(args, "dscores", dscores, Rows(probs), Cols(probs), "the 2-D shape of probs");
   if (row_dot != nullptr) args.Numel("row_dot", *row_dot, Rows(probs), "one per row of probs");
@@ -530,7 +550,27 @@ void Kernels::CausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs,
   SameOrDisjoint(args, "dscores", dscores, "dprobs", dprobs);
   if (row_dot != nullptr) Disjoint(args, "dscores", dscores, "row_dot", *row_dot);
   if (probs.numel() == 0) return;
-  DoCausalSoftmaxBackward(probs, dprobs, q_pos, k_pos, scale, dscores, row_dot);
+  DoCausalSoftmaxBackward(probs, dprobs, q_pos, k_pos, scale, dscores, row_dot, window);
+}
+
+void Kernels::SoftmaxSinkGrad(const Tensor& sink, const Tensor& lse, const Tensor& row_dot,
+                              int64_t sq, Tensor& dsink) {
+  KernelArgs args(backend_, device_, "SoftmaxSinkGrad");
+  args.Add("sink", sink).AddCompute("lse", lse).AddCompute("row_dot", row_dot);
+  args.AddAccumulator("dsink", dsink);
+  const int64_t heads = sink.numel(), rows = lse.numel();
+  args.Require(sink.shape().size() == 1 && heads >= 1 && sq >= 1 && rows % sq == 0 &&
+                   (rows / sq) % heads == 0,
+               fmt::format("sink {} must be [heads] with heads dividing the {} rows of lse / sq "
+                           "= {}",
+                           ShapeString(sink.shape()), rows, sq));
+  args.Numel("row_dot", row_dot, rows, "one per row of lse");
+  args.Numel("dsink", dsink, heads, "one per head of sink");
+  Disjoint(args, "dsink", dsink, "sink", sink);
+  Disjoint(args, "dsink", dsink, "lse", lse);
+  Disjoint(args, "dsink", dsink, "row_dot", row_dot);
+  if (rows == 0) return;
+  DoSoftmaxSinkGrad(sink, lse, row_dot, sq, dsink);
 }
 
 void Kernels::RowDot(const Tensor& a, const Tensor& b, Tensor& out) {

@@ -181,20 +181,41 @@ class Kernels {
   //   lse[r] = log sum_{j in V(r)} exp(scale s[r, j]) = m + log(sum), -inf for a row that
   //   sees no key,
   // by which context parallelism's p2p ring merges the softmaxes of its key blocks.
+  //
+  // Sliding-window attention (Megatron's window_size [w, 0]): with window = w >= 0 key j is
+  // visible to row r only when also q_pos[r % sq] - k_pos[j] <= w (the row's own position and
+  // the w before it); -1 is no window. The same `window` goes to FromLse and Backward.
+  // Attention sinks (Megatron's softmax_type "off-by-one" / "learnable"): with `sink` ([heads]
+  // in scores' dtype, heads dividing rows / sq) row r's softmax has the extra logit
+  // o = sink[(r / sq) % heads] (not scaled) in its denominator only:
+  //   probs[r, j] = exp(scale s[r, j]) / (exp(o) + sum_{j' in V(r)} exp(scale s[r, j'])),
+  // taken around m = max(o, max_V scale s), and lse[r] = log(exp(o) + sum_V exp(scale s)).
   void CausalSoftmaxForward(const Tensor& scores, const Tensor& q_pos, const Tensor& k_pos,
-                            double scale, Tensor& probs, Tensor* lse = nullptr);
+                            double scale, Tensor& probs, Tensor* lse = nullptr, int64_t window = -1,
+                            const Tensor* sink = nullptr);
   // The probabilities of one block of a row's keys given the row's log-sum-exp over all of
   // them (lse [rows], the compute dtype): probs[r, j] = exp(scale s[r, j] - lse[r]) for j in
   // V(r), +0 otherwise and for a row whose lse is -inf. probs may be scores.
   void CausalSoftmaxFromLse(const Tensor& scores, const Tensor& lse, const Tensor& q_pos,
-                            const Tensor& k_pos, double scale, Tensor& probs);
+                            const Tensor& k_pos, double scale, Tensor& probs, int64_t window = -1);
   // dscores[r, j] = scale * probs[r, j] * (dprobs[r, j] - dot_r) for j in V(r), +0
   // otherwise, with dot_r = sum_{j' in V(r)} probs dprobs, or row_dot[r] when given
   // ([rows], the compute dtype: the sum over all of a row's keys when probs and dprobs hold
   // one block of them; the p2p ring passes rowsum(dO * O)). dscores may be probs or dprobs.
+  // (A sink changes nothing here: its probability is left out of the output, so its dprobs
+  // is 0 and the row term is the same sum; its own gradient is SoftmaxSinkGrad's.)
   void CausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, const Tensor& q_pos,
                              const Tensor& k_pos, double scale, Tensor& dscores,
-                             const Tensor* row_dot = nullptr);
+                             const Tensor* row_dot = nullptr, int64_t window = -1);
+  // The gradient of the attention sinks (softmax_type "learnable"): for rows of sq query rows
+  // per head (row r's head (r / sq) % heads, sink [heads] in the rows' storage dtype, lse and
+  // row_dot [rows] in its compute dtype: each row's log-sum-exp with the sink, and its
+  // sum_V probs dprobs),
+  //   dsink[h] += sum_{r of h} -exp(sink[h] - lse[r]) row_dot[r],
+  // summed in the compute dtype and added to dsink ([heads], sink's dtype or its compute
+  // dtype: main_grad).
+  void SoftmaxSinkGrad(const Tensor& sink, const Tensor& lse, const Tensor& row_dot, int64_t sq,
+                       Tensor& dsink);
   // out[r] = sum_c a[r, c] b[r, c] for a and b [rows, cols] (2-D views, one dtype), summed
   // in the compute dtype into out [rows] (the compute dtype).
   void RowDot(const Tensor& a, const Tensor& b, Tensor& out);
@@ -322,15 +343,16 @@ class Kernels {
                               const Tensor& rstd, const Tensor& dy, Tensor& dx, Tensor& dweight,
                               Tensor* dbias) = 0;
   virtual void DoCausalSoftmaxForward(const Tensor& scores, const Tensor& q_pos,
+                                      const Tensor& k_pos, double scale, Tensor& probs, Tensor* lse,
+                                      int64_t window, const Tensor* sink) = 0;
+  virtual void DoCausalSoftmaxFromLse(const Tensor& scores, const Tensor& lse, const Tensor& q_pos,
                                       const Tensor& k_pos, double scale, Tensor& probs,
-                                      Tensor* lse) = 0;
-  virtual void DoCausalSoftmaxFromLse(const Tensor& scores, const Tensor& lse,
-                                      const Tensor& q_pos, const Tensor& k_pos, double scale,
-                                      Tensor& probs) = 0;
+                                      int64_t window) = 0;
   virtual void DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs,
-                                       const Tensor& q_pos, const Tensor& k_pos,
-                                       double scale, Tensor& dscores,
-                                       const Tensor* row_dot) = 0;
+                                       const Tensor& q_pos, const Tensor& k_pos, double scale,
+                                       Tensor& dscores, const Tensor* row_dot, int64_t window) = 0;
+  virtual void DoSoftmaxSinkGrad(const Tensor& sink, const Tensor& lse, const Tensor& row_dot,
+                                 int64_t sq, Tensor& dsink) = 0;
   virtual void DoRowDot(const Tensor& a, const Tensor& b, Tensor& out) = 0;
   virtual void DoLseMerge(Tensor& out, Tensor& lse, const Tensor& part,
                           const Tensor& part_lse) = 0;

@@ -450,39 +450,47 @@ void CudaKernels::DoNormBackward(const Tensor& x, const Tensor& weight, const Te
 
 void CudaKernels::DoCausalSoftmaxForward(const Tensor& scores, const Tensor& q_pos,
                                          const Tensor& k_pos, double scale, Tensor& probs,
-                                         Tensor* lse) {
+                                         Tensor* lse, int64_t window, const Tensor* sink) {
   DispatchStorage(scores.dtype(), [&]<typename T>() {
     using C = ComputeOf<T>;
-    LaunchCausalSoftmaxForward<T>(scores.data_as<T>(), q_pos.data_as<int64_t>(), q_pos.numel(),
-                                  k_pos.data_as<int64_t>(), Rows(scores), Cols(scores),
-                                  static_cast<C>(scale), probs.data_as<T>(),
-                                  lse != nullptr ? lse->data_as<C>() : nullptr, stream_);
+    LaunchCausalSoftmaxForward<T>(
+        scores.data_as<T>(), q_pos.data_as<int64_t>(), q_pos.numel(), k_pos.data_as<int64_t>(),
+        Rows(scores), Cols(scores), static_cast<C>(scale), window,
+        sink != nullptr ? sink->data_as<T>() : nullptr, sink != nullptr ? sink->numel() : 1,
+        probs.data_as<T>(), lse != nullptr ? lse->data_as<C>() : nullptr, stream_);
   });
 }
 
 void CudaKernels::DoCausalSoftmaxFromLse(const Tensor& scores, const Tensor& lse,
                                          const Tensor& q_pos, const Tensor& k_pos, double scale,
-                                         Tensor& probs) {
+                                         Tensor& probs, int64_t window) {
   DispatchStorage(scores.dtype(), [&]<typename T>() {
     using C = ComputeOf<T>;
-    LaunchCausalSoftmaxFromLse<T>(scores.data_as<T>(), lse.data_as<C>(),
-                                  q_pos.data_as<int64_t>(), q_pos.numel(),
-                                  k_pos.data_as<int64_t>(), Rows(scores), Cols(scores),
-                                  static_cast<C>(scale), probs.data_as<T>(), stream_);
+    LaunchCausalSoftmaxFromLse<T>(scores.data_as<T>(), lse.data_as<C>(), q_pos.data_as<int64_t>(),
+                                  q_pos.numel(), k_pos.data_as<int64_t>(), Rows(scores),
+                                  Cols(scores), static_cast<C>(scale), window, probs.data_as<T>(),
+                                  stream_);
   });
 }
 
 void CudaKernels::DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs,
                                           const Tensor& q_pos, const Tensor& k_pos, double scale,
-                                          Tensor& dscores, const Tensor* row_dot) {
+                                          Tensor& dscores, const Tensor* row_dot, int64_t window) {
   DispatchStorage(probs.dtype(), [&]<typename T>() {
     using C = ComputeOf<T>;
-    LaunchCausalSoftmaxBackward<T>(probs.data_as<T>(), dprobs.data_as<T>(),
-                                   q_pos.data_as<int64_t>(), q_pos.numel(),
-                                   k_pos.data_as<int64_t>(), Rows(probs), Cols(probs),
-                                   static_cast<C>(scale),
-                                   row_dot != nullptr ? row_dot->data_as<C>() : nullptr,
-                                   dscores.data_as<T>(), stream_);
+    LaunchCausalSoftmaxBackward<T>(
+        probs.data_as<T>(), dprobs.data_as<T>(), q_pos.data_as<int64_t>(), q_pos.numel(),
+        k_pos.data_as<int64_t>(), Rows(probs), Cols(probs), static_cast<C>(scale), window,
+        row_dot != nullptr ? row_dot->data_as<C>() : nullptr, dscores.data_as<T>(), stream_);
+  });
+}
+
+void CudaKernels::DoSoftmaxSinkGrad(const Tensor& sink, const Tensor& lse, const Tensor& row_dot,
+                                    int64_t sq, Tensor& dsink) {
+  DispatchAccumulator(sink.dtype(), dsink.dtype(), [&]<typename T, typename A>() {
+    using C = ComputeOf<T>;
+    LaunchSoftmaxSinkGrad<T, A>(sink.data_as<T>(), sink.numel(), lse.data_as<C>(),
+                                row_dot.data_as<C>(), lse.numel(), sq, dsink.data_as<A>(), stream_);
   });
 }
 

@@ -128,31 +128,41 @@ void LaunchNormBackward(const T* x, const T* weight, const ComputeOf<T>* mean,
                         A* dweight, A* dbias, cudaStream_t stream);
 
 // One block per row of scores [rows, kv], query position q = q_pos[row % sq], key k visible
-// when k_pos[k] <= q, z = scale * s: probs = round(exp(z - m) / sum_visible exp(z_k - m)) for
-// visible k (m the max over them), +0 for the others (a row that sees none is all +0). probs
-// may be scores. The positions are int64 device arrays.
-// With lse non-null also lse[row] = m + log(sum), -inf for a row that sees no key.
+// when k_pos[k] <= q (and q - k_pos[k] <= window for window >= 0), z = scale * s: probs =
+// round(exp(z - m) / sum_visible exp(z_k - m)) for visible k (m the max over them), +0 for
+// the others (a row that sees none is all +0). With sink non-null (heads logits) the row's
+// sink o = sink[(row / sq) % heads] enters m (max) and the sum (exp(o - m)). probs may be
+// scores. The positions are int64 device arrays.
+// With lse non-null also lse[row] = m + log(sum), -inf for a row that sees no key (nor sink).
 template <typename T>
 void LaunchCausalSoftmaxForward(const T* scores, const int64_t* q_pos, int64_t sq,
-                                const int64_t* k_pos, int64_t rows, int64_t kv,
-                                ComputeOf<T> scale, T* probs, ComputeOf<T>* lse,
-                                cudaStream_t stream);
+                                const int64_t* k_pos, int64_t rows, int64_t kv, ComputeOf<T> scale,
+                                int64_t window, const T* sink, int64_t heads, T* probs,
+                                ComputeOf<T>* lse, cudaStream_t stream);
 
 // One thread per element of scores [rows, kv]: probs = round(exp(scale * s - lse[row])) for
 // visible k, +0 for the others and for a row whose lse is -inf. probs may be scores.
 template <typename T>
 void LaunchCausalSoftmaxFromLse(const T* scores, const ComputeOf<T>* lse, const int64_t* q_pos,
                                 int64_t sq, const int64_t* k_pos, int64_t rows, int64_t kv,
-                                ComputeOf<T> scale, T* probs, cudaStream_t stream);
+                                ComputeOf<T> scale, int64_t window, T* probs, cudaStream_t stream);
 
 // One block per row: dscores = round(scale * (p * (dp - dot))) for visible k, +0 for the
 // others, dot = sum_visible p dp, or row_dot[row] when row_dot is non-null. dscores may be
 // probs or dprobs.
 template <typename T>
-void LaunchCausalSoftmaxBackward(const T* probs, const T* dprobs, const int64_t* q_pos,
-                                 int64_t sq, const int64_t* k_pos, int64_t rows, int64_t kv,
-                                 ComputeOf<T> scale, const ComputeOf<T>* row_dot, T* dscores,
+void LaunchCausalSoftmaxBackward(const T* probs, const T* dprobs, const int64_t* q_pos, int64_t sq,
+                                 const int64_t* k_pos, int64_t rows, int64_t kv, ComputeOf<T> scale,
+                                 int64_t window, const ComputeOf<T>* row_dot, T* dscores,
                                  cudaStream_t stream);
+
+// One block per head h of sink [heads]: dsink[h] += sum over the rows r of h (r / sq %
+// heads == h) of -exp(sink[h] - lse[r]) row_dot[r] (core/kernels.h SoftmaxSinkGrad), in
+// ComputeOf<T>, rounded once into the accumulator A.
+template <typename T, typename A>
+void LaunchSoftmaxSinkGrad(const T* sink, int64_t heads, const ComputeOf<T>* lse,
+                           const ComputeOf<T>* row_dot, int64_t rows, int64_t sq, A* dsink,
+                           cudaStream_t stream);
 
 // One block per row of a, b [rows, cols]: out[row] = sum_c a b in ComputeOf<T>.
 template <typename T>

@@ -97,14 +97,19 @@ class EigenKernels final : public Kernels {
                       Tensor* dbias) override;
 
   // --- attention (probs may be scores, dscores may be probs or dprobs, y may be x) ------
-  // Keys ascending (without context parallelism): each row's visible keys are a prefix.
+  // Keys ascending (without context parallelism): each row's visible keys are a run (a
+  // prefix without a window).
   void DoCausalSoftmaxForward(const Tensor& scores, const Tensor& q_pos, const Tensor& k_pos,
-                              double scale, Tensor& probs, Tensor* lse) override;
+                              double scale, Tensor& probs, Tensor* lse, int64_t window,
+                              const Tensor* sink) override;
   void DoCausalSoftmaxFromLse(const Tensor& scores, const Tensor& lse, const Tensor& q_pos,
-                              const Tensor& k_pos, double scale, Tensor& probs) override;
+                              const Tensor& k_pos, double scale, Tensor& probs,
+                              int64_t window) override;
   void DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs, const Tensor& q_pos,
                                const Tensor& k_pos, double scale, Tensor& dscores,
-                               const Tensor* row_dot) override;
+                               const Tensor* row_dot, int64_t window) override;
+  void DoSoftmaxSinkGrad(const Tensor& sink, const Tensor& lse, const Tensor& row_dot, int64_t sq,
+                         Tensor& dsink) override;
   void DoRowDot(const Tensor& a, const Tensor& b, Tensor& out) override;
   void DoTopK(const Tensor& scores, int64_t k, Tensor& values, Tensor& indices) override;
   void DoLseMerge(Tensor& out, Tensor& lse, const Tensor& part, const Tensor& part_lse) override;

@@ -115,62 +115,96 @@ void EigenKernels::DoNormBackward(const Tensor& x, const Tensor& weight, const T
 
 namespace {
 
-// The keys a query position sees (core/kernels.h): a prefix of the columns when the key
-// positions ascend (no context parallelism, or keys in global order), else a mask.
+// The keys a query position sees (core/kernels.h): a run of columns when the key positions
+// ascend (no context parallelism, or keys in global order), else a mask.
 class VisibleKeys {
  public:
-  VisibleKeys(const Tensor& q_pos, const Tensor& k_pos)
-      : q_(IdsOf(q_pos)), k_(IdsOf(k_pos)), sq_(q_pos.numel()), kv_(k_pos.numel()),
+  VisibleKeys(const Tensor& q_pos, const Tensor& k_pos, int64_t window)
+      : q_(IdsOf(q_pos)),
+        k_(IdsOf(k_pos)),
+        sq_(q_pos.numel()),
+        kv_(k_pos.numel()),
+        window_(window),
         ascending_(std::is_sorted(k_, k_ + kv_)) {}
   int64_t query(int64_t row) const { return q_[row % sq_]; }
-  // With ascending keys: how many leading columns row `row` sees; -1 when it is a mask.
-  int64_t Prefix(int64_t row) const {
-    return ascending_ ? std::upper_bound(k_, k_ + kv_, query(row)) - k_ : -1;
+  // With ascending keys: the columns [first, end) row `row` sees (first 0 without a window);
+  // false when it is a mask.
+  bool Run(int64_t row, int64_t* first, int64_t* end) const {
+    if (!ascending_) return false;
+    const int64_t q = query(row);
+    *end = std::upper_bound(k_, k_ + kv_, q) - k_;
+    *first = window_ < 0 ? 0 : std::lower_bound(k_, k_ + *end, q - window_) - k_;
+    return true;
   }
-  bool Sees(int64_t q, int64_t column) const { return ops::KeyVisible(k_[column], q); }
+  bool Sees(int64_t q, int64_t column) const { return ops::KeyVisible(k_[column], q, window_); }
   int64_t columns() const { return kv_; }
 
  private:
   const int64_t* q_;
   const int64_t* k_;
-  int64_t sq_, kv_;
+  int64_t sq_, kv_, window_;
   bool ascending_;
+};
+
+// Row r's sink logit (core/kernels.h): sink[(r / sq) % heads], or none.
+template <typename T>
+class SinkOf {
+ public:
+  SinkOf(const Tensor* sink, int64_t sq)
+      : s_(sink != nullptr ? sink->data_as<T>() : nullptr),
+        heads_(sink != nullptr ? sink->numel() : 1),
+        sq_(sq) {}
+  bool present() const { return s_ != nullptr; }
+  T operator()(int64_t row) const { return s_[(row / sq_) % heads_]; }
+
+ private:
+  const T* s_;
+  int64_t heads_, sq_;
 };
 
 }  // namespace
 
 void EigenKernels::DoCausalSoftmaxForward(const Tensor& scores, const Tensor& q_pos,
                                           const Tensor& k_pos, double scale, Tensor& probs,
-                                          Tensor* lse) {
+                                          Tensor* lse, int64_t window, const Tensor* sink) {
   if (IsHalf(scores.dtype())) {
     Tensor sf = Widened(scores, *cache_);
-    DoCausalSoftmaxForward(sf, q_pos, k_pos, scale, sf, lse);  // lse is float32
+    Tensor sink_f;
+    if (sink != nullptr) sink_f = Widened(*sink, *cache_);
+    DoCausalSoftmaxForward(sf, q_pos, k_pos, scale, sf, lse, window,
+                           sink != nullptr ? &sink_f : nullptr);  // lse is float32
     StoreRounded(sf, probs);
     return;
   }
-  const VisibleKeys keys(q_pos, k_pos);
+  const VisibleKeys keys(q_pos, k_pos, window);
   const int64_t kv = keys.columns();
   Dispatch(scores.dtype(), [&]<typename T>() {
     const auto ss = MatrixOf<T>(scores);
     auto ps = MatrixOf<T>(probs);
     T* ls = lse != nullptr ? lse->data_as<T>() : nullptr;
+    const SinkOf<T> sinks(sink, q_pos.numel());
     const T c = static_cast<T>(scale);
     constexpr T kNone = -std::numeric_limits<T>::infinity();
     for (int64_t r = 0; r < Rows(scores); ++r) {
       // The max and the sum are taken first, then the row is written (probs may be scores).
-      const int64_t visible = keys.Prefix(r);
-      if (visible >= 0) {
-        if (visible == 0) {
+      // A sink's logit enters the max and the sum (its term last), not the row.
+      int64_t first = 0, end = 0;
+      if (keys.Run(r, &first, &end)) {
+        const int64_t visible = end - first;
+        if (visible == 0 && !sinks.present()) {
           ps.row(r).setZero();
           if (ls != nullptr) ls[r] = kNone;
           continue;
         }
-        const auto s = ss.row(r).head(visible).array();
+        const auto s = ss.row(r).segment(first, visible).array();
         const auto z = ops::SoftmaxLogit(s, c);
-        const T m = z.maxCoeff();
-        const T sum = ops::SoftmaxExp<T, BlockMath>(z, m).sum();
-        ps.row(r).head(visible).array() = ops::SoftmaxProb<T, BlockMath>(z, m, sum);
-        ps.row(r).tail(kv - visible).setZero();
+        T m = visible > 0 ? z.maxCoeff() : kNone;
+        if (sinks.present()) m = visible > 0 ? std::max(m, sinks(r)) : sinks(r);
+        T sum = visible > 0 ? ops::SoftmaxExp<T, BlockMath>(z, m).sum() : T(0);
+        if (sinks.present()) sum += ops::SoftmaxExp(sinks(r), m);
+        ps.row(r).head(first).setZero();
+        ps.row(r).segment(first, visible).array() = ops::SoftmaxProb<T, BlockMath>(z, m, sum);
+        ps.row(r).tail(kv - end).setZero();
         if (ls != nullptr) ls[r] = ops::SoftmaxLse(m, sum);
         continue;
       }
@@ -184,29 +218,31 @@ void EigenKernels::DoCausalSoftmaxForward(const Tensor& scores, const Tensor& q_
           any = true;
         }
       }
+      if (sinks.present()) m = any ? std::max(m, sinks(r)) : sinks(r);
       T sum = 0;
       for (int64_t j = 0; j < kv; ++j) {
         if (keys.Sees(q, j)) sum += ops::SoftmaxExp(ops::SoftmaxLogit(ss(r, j), c), m);
       }
+      if (sinks.present()) sum += ops::SoftmaxExp(sinks(r), m);
       for (int64_t j = 0; j < kv; ++j) {
         ps(r, j) = any && keys.Sees(q, j) ? ops::SoftmaxProb(ops::SoftmaxLogit(ss(r, j), c), m, sum)
                                           : T(0);
       }
-      if (ls != nullptr) ls[r] = any ? ops::SoftmaxLse(m, sum) : kNone;
+      if (ls != nullptr) ls[r] = any || sinks.present() ? ops::SoftmaxLse(m, sum) : kNone;
     }
   });
 }
 
 void EigenKernels::DoCausalSoftmaxFromLse(const Tensor& scores, const Tensor& lse,
-                                          const Tensor& q_pos, const Tensor& k_pos,
-                                          double scale, Tensor& probs) {
+                                          const Tensor& q_pos, const Tensor& k_pos, double scale,
+                                          Tensor& probs, int64_t window) {
   if (IsHalf(scores.dtype())) {
     Tensor sf = Widened(scores, *cache_);
-    DoCausalSoftmaxFromLse(sf, lse, q_pos, k_pos, scale, sf);
+    DoCausalSoftmaxFromLse(sf, lse, q_pos, k_pos, scale, sf, window);
     StoreRounded(sf, probs);
     return;
   }
-  const VisibleKeys keys(q_pos, k_pos);
+  const VisibleKeys keys(q_pos, k_pos, window);
   const int64_t kv = keys.columns();
   Dispatch(scores.dtype(), [&]<typename T>() {
     const auto ss = MatrixOf<T>(scores);
@@ -226,16 +262,16 @@ void EigenKernels::DoCausalSoftmaxFromLse(const Tensor& scores, const Tensor& ls
 }
 
 void EigenKernels::DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dprobs,
-                                           const Tensor& q_pos, const Tensor& k_pos,
-                                           double scale, Tensor& dscores,
-                                           const Tensor* row_dot) {
+                                           const Tensor& q_pos, const Tensor& k_pos, double scale,
+                                           Tensor& dscores, const Tensor* row_dot, int64_t window) {
   if (IsHalf(probs.dtype())) {
     Tensor dpf = Widened(dprobs, *cache_);
-    DoCausalSoftmaxBackward(Widened(probs, *cache_), dpf, q_pos, k_pos, scale, dpf, row_dot);
+    DoCausalSoftmaxBackward(Widened(probs, *cache_), dpf, q_pos, k_pos, scale, dpf, row_dot,
+                            window);
     StoreRounded(dpf, dscores);
     return;
   }
-  const VisibleKeys keys(q_pos, k_pos);
+  const VisibleKeys keys(q_pos, k_pos, window);
   const int64_t kv = keys.columns();
   Dispatch(probs.dtype(), [&]<typename T>() {
     const auto ps = MatrixOf<T>(probs);
@@ -244,14 +280,16 @@ void EigenKernels::DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dp
     const T* given = row_dot != nullptr ? row_dot->data_as<T>() : nullptr;
     const T c = static_cast<T>(scale);
     for (int64_t r = 0; r < Rows(probs); ++r) {
-      const int64_t visible = keys.Prefix(r);
-      if (visible >= 0) {
-        const auto p = ps.row(r).head(visible).array();
-        const auto dp = dps.row(r).head(visible).array();
+      int64_t first = 0, end = 0;
+      if (keys.Run(r, &first, &end)) {
+        const int64_t visible = end - first;
+        const auto p = ps.row(r).segment(first, visible).array();
+        const auto dp = dps.row(r).segment(first, visible).array();
         // Before the row is written (dscores may alias).
         const T dot = given != nullptr ? given[r] : (p * dp).sum();
-        ds.row(r).head(visible).array() = ops::SoftmaxGrad(p, dp, dot, c);
-        ds.row(r).tail(kv - visible).setZero();
+        ds.row(r).segment(first, visible).array() = ops::SoftmaxGrad(p, dp, dot, c);
+        ds.row(r).head(first).setZero();
+        ds.row(r).tail(kv - end).setZero();
         continue;
       }
       const int64_t q = keys.query(r);
@@ -267,6 +305,32 @@ void EigenKernels::DoCausalSoftmaxBackward(const Tensor& probs, const Tensor& dp
         ds(r, j) = keys.Sees(q, j) ? ops::SoftmaxGrad(ps(r, j), dps(r, j), dot, c) : T(0);
       }
     }
+  });
+}
+
+void EigenKernels::DoSoftmaxSinkGrad(const Tensor& sink, const Tensor& lse, const Tensor& row_dot,
+                                     int64_t sq, Tensor& dsink) {
+  if (IsHalf(sink.dtype())) {
+    // A float32 accumulator is used as it is, a 16-bit one widened and rounded once.
+    const bool narrow = dsink.dtype() != DType::kFloat32;
+    Tensor df = narrow ? Widened(dsink, *cache_) : dsink;
+    DoSoftmaxSinkGrad(Widened(sink, *cache_), lse, row_dot, sq, df);
+    if (narrow) StoreRounded(df, dsink);
+    return;
+  }
+  Dispatch(sink.dtype(), [&]<typename T>() {
+    const T* o = sink.data_as<T>();
+    const T* l = lse.data_as<T>();
+    const T* dot = row_dot.data_as<T>();
+    T* d = dsink.data_as<T>();
+    const int64_t heads = sink.numel(), rows = lse.numel();
+    // Each head's rows summed in row order, then added to its accumulator.
+    std::vector<T> sum(static_cast<size_t>(heads), T(0));
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t h = (r / sq) % heads;
+      sum[static_cast<size_t>(h)] += ops::SinkGradTerm(o[h], l[r], dot[r]);
+    }
+    for (int64_t h = 0; h < heads; ++h) d[h] += sum[static_cast<size_t>(h)];
   });
 }
 

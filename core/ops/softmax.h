@@ -6,13 +6,16 @@
 // their results.
 //
 // What they are, for a row of scores s over its visible keys V (key position k visible to
-// query position q when k <= q, KeyVisible):
+// query position q when k <= q, and with a sliding window w >= 0 also q - k <= w: KeyVisible):
 //   forward   z = s scale                                      SoftmaxLogit
 //             m = max_V z,  sum = sum_V exp(z - m)             (SoftmaxExp's terms)
+//             with an attention sink (a logit o of the row's head): m = max(m, o) and
+//             sum += exp(o - m), the sink's term in the denominator only
 //             p = exp(z - m) / sum  on V, +0 elsewhere         SoftmaxProb
 //             lse = m + log(sum)    (-inf for a row that sees no key)   SoftmaxLse
 //   from lse  p = exp(z - lse)                                 SoftmaxExp
 //   backward  ds = scale (p (dp - dot)),  dot = sum_V p dp     SoftmaxGrad
+//             the sink's  do = -exp(o - lse) dot                SinkGradTerm
 //   merge     hi = max(l, l'),  n = hi + log(exp(l - hi) + exp(l' - hi)),
 //             out = out exp(l - n) + part exp(l' - n)          LseMergeOf, LseMerged
 // (the merge of two blocks' attention outputs by their log-sum-exps, context parallelism's
@@ -31,8 +34,12 @@
 
 namespace mpusim::ops {
 
-// Causal attention: key position k is visible to query position q when k <= q.
-MPUSIM_HD inline bool KeyVisible(int64_t k, int64_t q) { return k <= q; }
+// Causal attention: key position k is visible to query position q when k <= q; with a
+// sliding window (Megatron's window_size [w, 0], w >= 0) only the w keys before q and q
+// itself, q - w <= k <= q. window -1: no window.
+MPUSIM_HD inline bool KeyVisible(int64_t k, int64_t q, int64_t window = -1) {
+  return k <= q && (window < 0 || q - k <= window);
+}
 
 // z = s scale.
 template <typename X, typename C>
@@ -63,6 +70,14 @@ MPUSIM_HD C SoftmaxLse(C m, C sum) {
 template <typename X, typename Y, typename C>
 MPUSIM_HD auto SoftmaxGrad(const X& p, const Y& dp, C dot, C scale) {
   return scale * (p * (dp - dot));
+}
+
+// A row's share of its head's sink-logit gradient: the sink o is a logit whose probability
+// exp(o - lse) is left out of the output, so d o = p_o (0 - dot) = -exp(o - lse) dot, with
+// dot = sum_V p dp the softmax backward's row term and lse over the keys and the sink.
+template <typename C, typename M = ScalarMath>
+MPUSIM_HD C SinkGradTerm(C sink, C lse, C dot) {
+  return -(M::Exp(sink - lse) * dot);
 }
 
 // The merge of a running row (log-sum-exp l) and a part (l'), both finite: the new

@@ -1,4 +1,5 @@
-// The GPU backend's causal softmax (forward, from the log-sum-exp, backward) and context
+// The GPU backend's causal softmax (forward, from the log-sum-exp, backward; sliding windows
+// and attention sinks, the sinks' gradient) and context
 // parallelism's ring pieces (the row dots, the log-sum-exp merge): core/ops/softmax.h's
 // pointwise math.
 //
@@ -26,11 +27,13 @@
 namespace mpusim::cuda {
 namespace {
 
-// Key k is visible to row i when k_pos[k] <= q_pos[i % sq] (core/kernels.h).
+// Key k is visible to row i when k_pos[k] <= q_pos[i % sq], and with a window w >= 0 also
+// q_pos[i % sq] - k_pos[k] <= w (core/kernels.h). A sink's logit enters the max and the sum.
 template <typename T>
 __global__ void CausalSoftmaxForwardKernel(const T* scores, const int64_t* q_pos, int64_t sq,
                                            const int64_t* k_pos, int64_t rows, int64_t kv,
-                                           ComputeOf<T> scale, ComputeOf<T> lowest, T* probs,
+                                           ComputeOf<T> scale, int64_t window, const T* sink,
+                                           int64_t heads, ComputeOf<T> lowest, T* probs,
                                            ComputeOf<T>* lse) {
   using C = ComputeOf<T>;
   __shared__ C buf[kBlock];
@@ -39,21 +42,26 @@ __global__ void CausalSoftmaxForwardKernel(const T* scores, const int64_t* q_pos
     const int64_t q = q_pos[i % sq];
     C m = lowest;
     for (int64_t k = threadIdx.x; k < kv; k += kBlock) {
-      if (ops::KeyVisible(k_pos[k], q)) m = MaxOp()(m, ops::SoftmaxLogit(Load(row[k]), scale));
+      if (ops::KeyVisible(k_pos[k], q, window)) {
+        m = MaxOp()(m, ops::SoftmaxLogit(Load(row[k]), scale));
+      }
     }
     m = BlockReduce(m, buf, MaxOp());
+    const C o = sink != nullptr ? Load(sink[(i / sq) % heads]) : lowest;
+    if (sink != nullptr) m = MaxOp()(m, o);
     C sum = 0;
     for (int64_t k = threadIdx.x; k < kv; k += kBlock) {
-      if (ops::KeyVisible(k_pos[k], q)) {
+      if (ops::KeyVisible(k_pos[k], q, window)) {
         sum += ops::SoftmaxExp(ops::SoftmaxLogit(Load(row[k]), scale), m);
       }
     }
     sum = BlockReduce(sum, buf, SumOp());
+    if (sink != nullptr) sum += ops::SoftmaxExp(o, m);  // the sink's term last
     T* out = probs + i * kv;
     for (int64_t k = threadIdx.x; k < kv; k += kBlock) {
       // T{} is +0 for every storage type: masked keys are exactly zero, and so is a row that
       // sees no key (its sum is 0, and no exponential is taken).
-      out[k] = ops::KeyVisible(k_pos[k], q)
+      out[k] = ops::KeyVisible(k_pos[k], q, window)
                    ? Store<T>(ops::SoftmaxProb(ops::SoftmaxLogit(Load(row[k]), scale), m, sum))
                    : T{};
     }
@@ -64,16 +72,16 @@ __global__ void CausalSoftmaxForwardKernel(const T* scores, const int64_t* q_pos
 
 template <typename T>
 __global__ void CausalSoftmaxFromLseKernel(const T* scores, const ComputeOf<T>* lse,
-                                           const int64_t* q_pos, int64_t sq,
-                                           const int64_t* k_pos, int64_t rows, int64_t kv,
-                                           ComputeOf<T> scale, ComputeOf<T> none, T* probs) {
+                                           const int64_t* q_pos, int64_t sq, const int64_t* k_pos,
+                                           int64_t rows, int64_t kv, ComputeOf<T> scale,
+                                           int64_t window, ComputeOf<T> none, T* probs) {
   using C = ComputeOf<T>;
   const int64_t n = rows * kv;
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t i = e / kv, k = e % kv;
     const C l = lse[i];
-    probs[e] = l != none && ops::KeyVisible(k_pos[k], q_pos[i % sq])
+    probs[e] = l != none && ops::KeyVisible(k_pos[k], q_pos[i % sq], window)
                    ? Store<T>(ops::SoftmaxExp(ops::SoftmaxLogit(Load(scores[e]), scale), l))
                    : T{};
   }
@@ -82,7 +90,7 @@ __global__ void CausalSoftmaxFromLseKernel(const T* scores, const ComputeOf<T>* 
 template <typename T>
 __global__ void CausalSoftmaxBackwardKernel(const T* probs, const T* dprobs, const int64_t* q_pos,
                                             int64_t sq, const int64_t* k_pos, int64_t rows,
-                                            int64_t kv, ComputeOf<T> scale,
+                                            int64_t kv, ComputeOf<T> scale, int64_t window,
                                             const ComputeOf<T>* row_dot, T* dscores) {
   using C = ComputeOf<T>;
   __shared__ C buf[kBlock];
@@ -93,7 +101,7 @@ __global__ void CausalSoftmaxBackwardKernel(const T* probs, const T* dprobs, con
     C dot = 0;
     if (row_dot == nullptr) {
       for (int64_t k = threadIdx.x; k < kv; k += kBlock) {
-        if (ops::KeyVisible(k_pos[k], q)) dot += Load(p[k]) * Load(dp[k]);
+        if (ops::KeyVisible(k_pos[k], q, window)) dot += Load(p[k]) * Load(dp[k]);
       }
     }
     // Every thread of the block reaches the barrier either way.
@@ -101,10 +109,29 @@ __global__ void CausalSoftmaxBackwardKernel(const T* probs, const T* dprobs, con
     if (row_dot != nullptr) dot = row_dot[i];
     T* out = dscores + i * kv;
     for (int64_t k = threadIdx.x; k < kv; k += kBlock) {
-      out[k] = ops::KeyVisible(k_pos[k], q)
+      out[k] = ops::KeyVisible(k_pos[k], q, window)
                    ? Store<T>(ops::SoftmaxGrad(Load(p[k]), Load(dp[k]), dot, scale))
                    : T{};
     }
+  }
+}
+
+// One block per head: its rows' -exp(o - lse) dot summed by the block tree, then added to
+// the head's accumulator.
+template <typename T, typename A>
+__global__ void SoftmaxSinkGradKernel(const T* sink, int64_t heads, const ComputeOf<T>* lse,
+                                      const ComputeOf<T>* row_dot, int64_t rows, int64_t sq,
+                                      A* dsink) {
+  using C = ComputeOf<T>;
+  __shared__ C buf[kBlock];
+  for (int64_t h = blockIdx.x; h < heads; h += gridDim.x) {
+    const C o = Load(sink[h]);
+    C sum = 0;
+    for (int64_t r = threadIdx.x; r < rows; r += kBlock) {
+      if ((r / sq) % heads == h) sum += ops::SinkGradTerm(o, lse[r], row_dot[r]);
+    }
+    sum = BlockReduce(sum, buf, SumOp());
+    if (threadIdx.x == 0) dsink[h] = Store<A>(Load(dsink[h]) + sum);
   }
 }
 
@@ -150,38 +177,49 @@ __global__ void LseMergeKernel(T* out, ComputeOf<T>* lse, const T* part,
 
 template <typename T>
 void LaunchCausalSoftmaxForward(const T* scores, const int64_t* q_pos, int64_t sq,
-                                const int64_t* k_pos, int64_t rows, int64_t kv,
-                                ComputeOf<T> scale, T* probs, ComputeOf<T>* lse,
-                                cudaStream_t stream) {
+                                const int64_t* k_pos, int64_t rows, int64_t kv, ComputeOf<T> scale,
+                                int64_t window, const T* sink, int64_t heads, T* probs,
+                                ComputeOf<T>* lse, cudaStream_t stream) {
   if (rows <= 0 || kv <= 0) return;
   const ComputeOf<T> lowest = -static_cast<ComputeOf<T>>(INFINITY);
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, kMaxBlocks));
-  CausalSoftmaxForwardKernel<T><<<grid, kBlock, 0, stream>>>(scores, q_pos, sq, k_pos, rows, kv,
-                                                             scale, lowest, probs, lse);
+  CausalSoftmaxForwardKernel<T><<<grid, kBlock, 0, stream>>>(
+      scores, q_pos, sq, k_pos, rows, kv, scale, window, sink, heads, lowest, probs, lse);
   MPUSIM_CUDA_CHECK(cudaGetLastError());
 }
 
 template <typename T>
 void LaunchCausalSoftmaxFromLse(const T* scores, const ComputeOf<T>* lse, const int64_t* q_pos,
                                 int64_t sq, const int64_t* k_pos, int64_t rows, int64_t kv,
-                                ComputeOf<T> scale, T* probs, cudaStream_t stream) {
+                                ComputeOf<T> scale, int64_t window, T* probs, cudaStream_t stream) {
   const int64_t n = rows * kv;
   if (n <= 0) return;
   const ComputeOf<T> none = -static_cast<ComputeOf<T>>(INFINITY);
-  CausalSoftmaxFromLseKernel<T><<<GridFor(n), kBlock, 0, stream>>>(scores, lse, q_pos, sq, k_pos,
-                                                                  rows, kv, scale, none, probs);
+  CausalSoftmaxFromLseKernel<T><<<GridFor(n), kBlock, 0, stream>>>(
+      scores, lse, q_pos, sq, k_pos, rows, kv, scale, window, none, probs);
   MPUSIM_CUDA_CHECK(cudaGetLastError());
 }
 
 template <typename T>
-void LaunchCausalSoftmaxBackward(const T* probs, const T* dprobs, const int64_t* q_pos,
-                                 int64_t sq, const int64_t* k_pos, int64_t rows, int64_t kv,
-                                 ComputeOf<T> scale, const ComputeOf<T>* row_dot, T* dscores,
+void LaunchCausalSoftmaxBackward(const T* probs, const T* dprobs, const int64_t* q_pos, int64_t sq,
+                                 const int64_t* k_pos, int64_t rows, int64_t kv, ComputeOf<T> scale,
+                                 int64_t window, const ComputeOf<T>* row_dot, T* dscores,
                                  cudaStream_t stream) {
   if (rows <= 0 || kv <= 0) return;
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, kMaxBlocks));
-  CausalSoftmaxBackwardKernel<T><<<grid, kBlock, 0, stream>>>(probs, dprobs, q_pos, sq, k_pos,
-                                                              rows, kv, scale, row_dot, dscores);
+  CausalSoftmaxBackwardKernel<T><<<grid, kBlock, 0, stream>>>(probs, dprobs, q_pos, sq, k_pos, rows,
+                                                              kv, scale, window, row_dot, dscores);
+  MPUSIM_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T, typename A>
+void LaunchSoftmaxSinkGrad(const T* sink, int64_t heads, const ComputeOf<T>* lse,
+                           const ComputeOf<T>* row_dot, int64_t rows, int64_t sq, A* dsink,
+                           cudaStream_t stream) {
+  if (heads <= 0 || rows <= 0) return;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(heads, kMaxBlocks));
+  SoftmaxSinkGradKernel<T, A>
+      <<<grid, kBlock, 0, stream>>>(sink, heads, lse, row_dot, rows, sq, dsink);
   MPUSIM_CUDA_CHECK(cudaGetLastError());
 }
 template <typename T>
@@ -203,19 +241,24 @@ void LaunchLseMerge(T* out, ComputeOf<T>* lse, const T* part, const ComputeOf<T>
   MPUSIM_CUDA_CHECK(cudaGetLastError());
 }
 
-#define MPUSIM_INSTANTIATE_SOFTMAX(T, C)                                                    \
-  template void LaunchCausalSoftmaxForward<T>(const T*, const int64_t*, int64_t,            \
-                                              const int64_t*, int64_t, int64_t, C, T*, C*,  \
-                                              cudaStream_t);                                \
-  template void LaunchCausalSoftmaxFromLse<T>(const T*, const C*, const int64_t*, int64_t,  \
-                                              const int64_t*, int64_t, int64_t, C, T*,      \
-                                              cudaStream_t);                                \
-  template void LaunchCausalSoftmaxBackward<T>(const T*, const T*, const int64_t*, int64_t, \
-                                               const int64_t*, int64_t, int64_t, C,         \
-                                               const C*, T*, cudaStream_t);                 \
-  template void LaunchRowDot<T>(const T*, const T*, int64_t, int64_t, C*, cudaStream_t);    \
+#define MPUSIM_INSTANTIATE_SOFTMAX(T, C)                                                           \
+  template void LaunchCausalSoftmaxForward<T>(const T*, const int64_t*, int64_t, const int64_t*,   \
+                                              int64_t, int64_t, C, int64_t, const T*, int64_t, T*, \
+                                              C*, cudaStream_t);                                   \
+  template void LaunchCausalSoftmaxFromLse<T>(const T*, const C*, const int64_t*, int64_t,         \
+                                              const int64_t*, int64_t, int64_t, C, int64_t, T*,    \
+                                              cudaStream_t);                                       \
+  template void LaunchCausalSoftmaxBackward<T>(const T*, const T*, const int64_t*, int64_t,        \
+                                               const int64_t*, int64_t, int64_t, C, int64_t,       \
+                                               const C*, T*, cudaStream_t);                        \
+  template void LaunchRowDot<T>(const T*, const T*, int64_t, int64_t, C*, cudaStream_t);           \
   template void LaunchLseMerge<T>(T*, C*, const T*, const C*, int64_t, int64_t, cudaStream_t);
 MPUSIM_FOR_EACH_STORAGE(MPUSIM_INSTANTIATE_SOFTMAX)
 #undef MPUSIM_INSTANTIATE_SOFTMAX
+#define MPUSIM_INSTANTIATE_SINK_GRAD(T, A, C)                                               \
+  template void LaunchSoftmaxSinkGrad<T, A>(const T*, int64_t, const C*, const C*, int64_t, \
+                                            int64_t, A*, cudaStream_t);
+MPUSIM_FOR_EACH_ACCUMULATOR(MPUSIM_INSTANTIATE_SINK_GRAD)
+#undef MPUSIM_INSTANTIATE_SINK_GRAD
 
 }  // namespace mpusim::cuda

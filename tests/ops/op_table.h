@@ -256,12 +256,19 @@ inline const std::vector<std::vector<int64_t>>& KeyOrders() {
 inline Outputs CausalSoftmaxForward(Kernels& k, DType dt) {
   Outputs out;
   for (const auto& k_order : KeyOrders()) {
-    // Query positions 3..6 (row 0 sees 4 keys), two batch rows of them.
-    Tensor probs = k.Zeros({8, 8}, dt), lse = k.Zeros({8}, ComputeDType(dt));
-    k.CausalSoftmaxForward(In(k, dt, {8, 8}, 35), IdsIn(k, Iota(4, 3)), IdsIn(k, k_order), 0.5,
-                           probs, &lse);
-    out.push_back(Out(k, fmt::format("probs (keys {})", k_order[2]), probs));
-    out.push_back(Out(k, fmt::format("lse (keys {})", k_order[2]), lse));
+    // Query positions 3..6 (row 0 sees 4 keys), two batch rows of them; then a sliding
+    // window of 2 (a row sees itself and the 2 keys before it) with a sink per batch row
+    // (two heads of 4 query rows).
+    for (bool gpt_oss : {false, true}) {
+      Tensor probs = k.Zeros({8, 8}, dt), lse = k.Zeros({8}, ComputeDType(dt));
+      const Tensor sink = k.ToDevice(MakeOf(dt, {2}, {0.75, -1.5}));
+      k.CausalSoftmaxForward(In(k, dt, {8, 8}, 35), IdsIn(k, Iota(4, 3)), IdsIn(k, k_order), 0.5,
+                             probs, &lse, gpt_oss ? 2 : -1, gpt_oss ? &sink : nullptr);
+      const std::string what =
+          fmt::format("keys {}{}", k_order[2], gpt_oss ? ", window, sink" : "");
+      out.push_back(Out(k, fmt::format("probs ({})", what), probs));
+      out.push_back(Out(k, fmt::format("lse ({})", what), lse));
+    }
   }
   return out;
 }
@@ -270,10 +277,12 @@ inline Outputs CausalSoftmaxFromLse(Kernels& k, DType dt) {
   for (const auto& k_order : KeyOrders()) {
     const Tensor lse = k.ToDevice(
         MakeOf(ComputeDType(dt), {8}, {1.5, 2.0, 2.5, 3.0, 1.0, 0.5, 4.0, 2.25}));
-    Tensor probs = k.Zeros({8, 8}, dt);
-    k.CausalSoftmaxFromLse(In(k, dt, {8, 8}, 36), lse, IdsIn(k, Iota(4, 3)), IdsIn(k, k_order),
-                           0.5, probs);
-    out.push_back(Out(k, fmt::format("probs (keys {})", k_order[2]), probs));
+    for (int64_t window : {-1, 1}) {
+      Tensor probs = k.Zeros({8, 8}, dt);
+      k.CausalSoftmaxFromLse(In(k, dt, {8, 8}, 36), lse, IdsIn(k, Iota(4, 3)), IdsIn(k, k_order),
+                             0.5, probs, window);
+      out.push_back(Out(k, fmt::format("probs (keys {}, window {})", k_order[2], window), probs));
+    }
   }
   return out;
 }
@@ -281,14 +290,28 @@ inline Outputs CausalSoftmaxBackward(Kernels& k, DType dt) {
   Outputs out;
   for (const auto& k_order : KeyOrders()) {
     for (bool given : {false, true}) {
-      const Tensor row_dot = In(k, ComputeDType(dt), {8}, 37);
-      Tensor ds = k.Zeros({8, 8}, dt);
-      k.CausalSoftmaxBackward(In(k, dt, {8, 8}, 38), In(k, dt, {8, 8}, 39), IdsIn(k, Iota(4, 3)),
-                              IdsIn(k, k_order), 0.5, ds, given ? &row_dot : nullptr);
-      out.push_back(Out(k, fmt::format("dscores (keys {}, row_dot {})", k_order[2], given), ds));
+      for (int64_t window : {-1, 2}) {
+        const Tensor row_dot = In(k, ComputeDType(dt), {8}, 37);
+        Tensor ds = k.Zeros({8, 8}, dt);
+        k.CausalSoftmaxBackward(In(k, dt, {8, 8}, 38), In(k, dt, {8, 8}, 39), IdsIn(k, Iota(4, 3)),
+                                IdsIn(k, k_order), 0.5, ds, given ? &row_dot : nullptr, window);
+        out.push_back(Out(
+            k, fmt::format("dscores (keys {}, row_dot {}, window {})", k_order[2], given, window),
+            ds));
+      }
     }
   }
   return out;
+}
+inline Outputs SoftmaxSinkGrad(Kernels& k, DType dt) {
+  // 12 rows: 3 query rows per head, two heads, two samples; main_grad accumulates on 1/2.
+  const Tensor sink = k.ToDevice(MakeOf(dt, {2}, {0.5, -1.25}));
+  const Tensor lse = k.ToDevice(MakeOf(
+      ComputeDType(dt), {12}, {1.5, 0.25, 2.0, -0.5, 1.0, 0.75, 2.5, 0.5, 1.25, 0.0, -0.25, 3.0}));
+  const Tensor row_dot = In(k, ComputeDType(dt), {12}, 42);
+  Tensor dsink = k.ToDevice(MakeOf(ComputeDType(dt), {2}, {0.5, 0.5}));
+  k.SoftmaxSinkGrad(sink, lse, row_dot, 3, dsink);
+  return {Out(k, "dsink", dsink)};
 }
 inline Outputs RowDot(Kernels& k, DType dt) {
   Tensor out = k.Zeros({6}, ComputeDType(dt));
@@ -434,6 +457,7 @@ inline const std::vector<OpCase>& AllOps() {
       {"CausalSoftmaxForward", 32, CausalSoftmaxForward},  // exp, sums, log
       {"CausalSoftmaxFromLse", 16, CausalSoftmaxFromLse},
       {"CausalSoftmaxBackward", 32, CausalSoftmaxBackward},
+      {"SoftmaxSinkGrad", 16, SoftmaxSinkGrad},  // exp, sums of 6
       {"RowDot", 16, RowDot},
       {"LseMerge", 16, LseMerge},
       {"Rope", 8, Rope},  // cos and sin rounded to the compute type

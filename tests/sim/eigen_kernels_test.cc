@@ -1596,6 +1596,64 @@ TYPED_TEST(EigenKernelsModelTest, CausalSoftmaxBackward) {
   }
 }
 
+// gpt-oss's softmax, worked by hand: a sliding window of 1 (a row sees itself and the key
+// before it) and a sink per head. q_pos [3, 1] (sq 2), keys 0..3, scale 1, four rows: rows 0
+// and 1 of head 0 (sink 0), rows 2 and 3 of head 1 (sink 2). The keys each row sees have
+// equal logits, so with the sink's term each is 1/3 (1/2 without the sink); the large
+// scores outside the window (row 0's 5, row 2's 9) and after the query (rows 1 and 3) would
+// take the row if not masked.
+TYPED_TEST(EigenKernelsModelTest, SlidingWindowAndSinkByHand) {
+  using T = TypeParam;
+  constexpr DType dt = kDType<T>;
+  // 1/3 rounded once to T (half an ulp), the logs in the compute type.
+  const double tol = kIsHalf<T> ? UlpAt<T>(1.0 / 3.0) : 10 * kArith<T>;
+  const Tensor q_pos = Ids({3, 1}), k_pos = Ids({0, 1, 2, 3});
+  const Tensor sink = Make<T>({2}, {0.0, 2.0});
+  const Tensor scores = Make<T>({4, 4}, {5, -7, 0, 0,  //
+                                         0, 0, 9, 9,   //
+                                         9, 9, 2, 2,   //
+                                         2, 2, -9, 9});
+  Tensor probs = this->k_.Zeros({4, 4}, dt);
+  Tensor lse = this->k_.Zeros({4}, ComputeDType(dt));
+  this->k_.CausalSoftmaxForward(scores, q_pos, k_pos, 1.0, probs, &lse, 1, &sink);
+  const double t = 1.0 / 3.0;
+  const std::vector<double> expected = {0, 0, t, t, t, t, 0, 0, 0, 0, t, t, t, t, 0, 0};
+  const std::vector<double> pv = ValuesOf(probs);
+  for (size_t e = 0; e < expected.size(); ++e) EXPECT_NEAR(pv[e], expected[e], tol) << e;
+  const std::vector<double> lv = ValuesOf(lse);
+  const double l3 = std::log(3.0);
+  const std::vector<double> expected_lse = {l3, l3, 2 + l3, 2 + l3};
+  for (size_t r = 0; r < 4; ++r)
+    EXPECT_NEAR(lv[r], expected_lse[r], 10 * kArith<ops::ComputeOf<T>>) << r;
+
+  // The backward masks by the same window: probs 1/2 on the masked keys 0 and 1 of row 0
+  // (q = 3) leave dscores 0 there and out of the row's dot = 1/3 * 3 + 1/3 * 0 = 1, so
+  // dscores = p (dp - 1) = 2/3, -1/3 (with keys 0 and 1 the dot would be 2).
+  const Tensor p0 = Make<T>({1, 4}, {0.5, 0.5, t, t});
+  const Tensor dp0 = Make<T>({1, 4}, {1, 1, 3, 0});
+  Tensor ds = this->k_.Zeros({1, 4}, dt);
+  this->k_.CausalSoftmaxBackward(p0, dp0, Ids({3}), k_pos, 1.0, ds, nullptr, 1);
+  const std::vector<double> dsv = ValuesOf(ds);
+  const std::vector<double> expected_ds = {0, 0, 2 * t, -t};
+  for (size_t e = 0; e < 4; ++e) EXPECT_NEAR(dsv[e], expected_ds[e], 4 * tol) << e;
+
+  // The sink's gradient, -exp(o - lse) dot per row: the sink's probability is 1/3 in every
+  // row; row dots 1, 2 (head 0) and 3, 0 (head 1) give -1 and -1, added to 1/2 and 1/4.
+  const Tensor dots = this->k_.ToDevice(MakeOf(ComputeDType(dt), {4}, {1, 2, 3, 0}));
+  Tensor dsink = Make<T>({2}, {0.5, 0.25});
+  this->k_.SoftmaxSinkGrad(sink, lse, dots, 2, dsink);
+  const std::vector<double> dv = ValuesOf(dsink);
+  EXPECT_NEAR(dv[0], -0.5, 8 * tol);
+  EXPECT_NEAR(dv[1], -0.75, 8 * tol);
+
+  ExpectRefused([&] { this->k_.CausalSoftmaxForward(scores, q_pos, k_pos, 1.0, probs, &lse, -2); },
+                "window = -2 must be -1 (none) or >= 0");
+  const Tensor three = Make<T>({3}, {0, 0, 0});
+  ExpectRefused(
+      [&] { this->k_.CausalSoftmaxForward(scores, q_pos, k_pos, 1.0, probs, &lse, 1, &three); },
+      "sink [3] must be [heads] with heads dividing the 4 rows / 2 query positions");
+}
+
 // Rotary embedding of the first `dim` of d columns in float64: theta = p / base^(2i/dim) for
 // row r's position p = pos[r % pos.size()], cos and sin unrounded, the other columns copied;
 // `scale` gets the magnitudes |x c| + |x' s| of each result's terms.
