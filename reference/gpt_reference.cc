@@ -89,6 +89,7 @@ struct LayerParams {
   Param fc1_weight, fc1_bias;  // [f1, h], [f1]
   Param fc2_weight, fc2_bias;  // [h, F], [h]
   MoeParams moe;               // an MoE layer (moe_layer_freq) instead of the MLP
+  gpt_reference::AttentionSoftmax softmax;  // its window
 };
 
 // One multi-token prediction depth (MultiTokenPredictionLayer).
@@ -156,6 +157,7 @@ Status InitParameters(const GptConfig& gpt, const Dims& d,
     lp.proj_bias = get(prefix + ".self_attention.linear_proj.bias");
     lp.qk_norm = {norm(prefix + ".self_attention.q_layernorm"),
                   norm(prefix + ".self_attention.k_layernorm")};
+    lp.softmax = {gpt.AttentionWindow(i)};
     lp.pre_mlp_layernorm = norm(prefix + ".pre_mlp_layernorm");
     lp.fc1_weight = get(prefix + ".mlp.linear_fc1.weight");
     lp.fc1_bias = get(prefix + ".mlp.linear_fc1.bias");
@@ -370,7 +372,7 @@ void SliceRun::MicroBatch(int64_t m, const std::vector<int64_t>& all_tokens,
     Record(record, prefix + ".input_layernorm.output", Kind::kHidden, st.ln1_out);
     const Mat qkv = Linear(st.ln1_out, p.qkv_weight, p.qkv_bias);
     Record(record, prefix + ".self_attention.linear_qkv.output", Kind::kHidden, qkv);
-    st.context = AttentionForward(d, gpt, qkv, p.qk_norm,
+    st.context = AttentionForward(d, gpt, p.softmax, qkv, p.qk_norm,
                                   prefix + ".self_attention.core_attention.attention_dropout", m,
                                   &st.attention);
     Record(record, prefix + ".self_attention.core_attention.probs", Kind::kProbs,

@@ -212,10 +212,11 @@ void Rope(const Dims& d, double base, double sign, Mat* x) {
 
 }  // namespace
 
-// context[i, j, hd*dk + c] = sum_ki dropout(softmax_ki(q_i . k_ki / sqrt(dk), ki <= i)) v_ki.
-Mat AttentionForward(const Dims& d, const GptConfig& gpt, const Mat& qkv,
-                     const QkNormParams& qk_norm, const std::string& site, int64_t m,
-                     AttentionStash* st) {
+// context[i, j, hd*dk + c] = sum_ki dropout(softmax_ki(q_i . k_ki / sqrt(dk), ki <= i)) v_ki,
+// with a sliding window only over i - window <= ki <= i.
+Mat AttentionForward(const Dims& d, const GptConfig& gpt, const AttentionSoftmax& sm,
+                     const Mat& qkv, const QkNormParams& qk_norm, const std::string& site,
+                     int64_t m, AttentionStash* st) {
   const bool norm = qk_norm.defined();
   const bool rope = gpt.position_embedding_type == PositionEmbedding::kRope;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d.dk));
@@ -226,6 +227,7 @@ Mat AttentionForward(const Dims& d, const GptConfig& gpt, const Mat& qkv,
   st->k_norm.assign(norm ? static_cast<size_t>(d.n * d.g) : 0, NormStash());
   st->probs.assign(static_cast<size_t>(d.n * d.a), Mat());
   st->keep.assign(static_cast<size_t>(d.n * d.a), Mat());
+  const int64_t window = sm.window;
   Mat context(d.s * d.n, d.a * d.dk);
   for (int64_t j = 0; j < d.n; ++j) {
     for (int64_t grp = 0; grp < d.g; ++grp) {
@@ -251,13 +253,15 @@ Mat AttentionForward(const Dims& d, const GptConfig& gpt, const Mat& qkv,
       Mat& probs = st->probs[qh];
       probs = Mat::Zero(d.s, d.s);
       for (int64_t qi = 0; qi < d.s; ++qi) {
-        const double max = scores.row(qi).head(qi + 1).maxCoeff();
+        const int64_t first = window < 0 ? 0 : std::max<int64_t>(0, qi - window);
+        const int64_t seen = qi + 1 - first;  // keys first .. qi
+        const double max = scores.row(qi).segment(first, seen).maxCoeff();
         double sum = 0.0;
-        for (int64_t ki = 0; ki <= qi; ++ki) {
+        for (int64_t ki = first; ki <= qi; ++ki) {
           probs(qi, ki) = std::exp(scores(qi, ki) - max);
           sum += probs(qi, ki);
         }
-        probs.row(qi).head(qi + 1) /= sum;
+        probs.row(qi).segment(first, seen) /= sum;
       }
       st->keep[qh] = AttentionKeep(d, site, m, gpt.attention_dropout, j, hd);
       const Mat head = probs.cwiseProduct(st->keep[qh]) * st->v[kv];

@@ -118,21 +118,30 @@ Mat HiddenKeep(const Dims& d, const std::string& site, int64_t m, double p, int6
 
 // ---- attention ----------------------------------------------------------------------------
 
+// A layer's softmax beyond the causal mask: its sliding window (window_size[0] on a sliding
+// layer, -1: none).
+struct AttentionSoftmax {
+  int64_t window = -1;
+};
+
 struct AttentionStash {
   std::vector<Mat> q;      // [n*a] (index j*a + hd): normalised, rotated query heads [s, dk]
   std::vector<Mat> k, v;   // [n*g] (index j*g + grp): normalised, rotated key heads, value
                            // heads [s, dk]
   std::vector<NormStash> q_norm, k_norm;  // qk_layernorm only, indexed as q and k
-  std::vector<Mat> probs;  // [n*a]: softmax [s, s], exactly 0 above the diagonal
+  std::vector<Mat> probs;  // [n*a]: softmax [s, s], exactly 0 above the diagonal (and
+                           // before a sliding window)
   std::vector<Mat> keep;   // [n*a]: attention dropout scales [s, s]
 };
 
 // context[i, j, hd*dk + c] = sum_ki dropout(softmax_ki(q_i . k_ki / sqrt(dk), ki <= i)) v_ki,
 // the dropout masks of `site` in micro-batch m; q and k each head's slice of qkv, normalised
-// by `qk_norm` when defined, then turned by RoPE.
-Mat AttentionForward(const Dims& d, const GptConfig& gpt, const Mat& qkv,
-                     const QkNormParams& qk_norm, const std::string& site, int64_t m,
-                     AttentionStash* st);
+// by `qk_norm` when defined, then turned by RoPE. With a sliding window (sm.window >= 0,
+// window_size [window, 0]) the softmax runs only over i - window <= ki <= i; the backward
+// needs no window of its own (the probabilities outside it are exactly 0).
+Mat AttentionForward(const Dims& d, const GptConfig& gpt, const AttentionSoftmax& sm,
+                     const Mat& qkv, const QkNormParams& qk_norm, const std::string& site,
+                     int64_t m, AttentionStash* st);
 // Returns d qkv [s*n, (a+2g)*dk]; `dprobs` gets the [n*a] matrices d loss / d probs; the q/k
 // norms' gradients add into their accumulators.
 Mat AttentionBackward(const Dims& d, const GptConfig& gpt, const Mat& dcontext,

@@ -264,7 +264,61 @@ Status CheckMtp(const json& section, GptConfig* gpt) {
   return {};
 }
 
+// gpt-oss's attention keys once the section is read (TransformerConfig window_size,
+// window_attn_skip_freq): the causal rule on the window and the pattern against num_layers.
+Status ResolveWindow(GptConfig* gpt) {
+  if (gpt->window_size) {
+    const auto [left, right] = *gpt->window_size;
+    if (right != 0) {
+      // Transformer Engine's check_set_window_size: a causal mask takes (-1, 0) or (>= 0, 0);
+      // it would reset the right side to 0 with a warning (Megatron's local mask would let
+      // queries see later keys).
+      return Status::Error("model.window_size",
+                           fmt::format("[{}, {}]: the GPT is causal, so the right side must be 0 "
+                                       "([w, 0] with w >= 0, or [-1, 0]: Transformer Engine's "
+                                       "rule for a causal mask)",
+                                       left, right));
+    }
+  }
+  if (gpt->window_attn_skip_freq) {
+    if (!gpt->window_size || (*gpt->window_size)[0] < 0) {
+      gpt->ignored.push_back(
+          "model.window_attn_skip_freq: ignored: window_size sets no sliding window");
+    } else if (const auto* pattern = std::get_if<std::vector<bool>>(&*gpt->window_attn_skip_freq);
+               pattern != nullptr && static_cast<int64_t>(pattern->size()) != gpt->num_layers) {
+      return Status::Error("model.window_attn_skip_freq",
+                           fmt::format("the list has {} entries but the model has num_layers {}; "
+                                       "give one 1 (sliding window) or 0 (full attention) per "
+                                       "layer",
+                                       pattern->size(), gpt->num_layers));
+    }
+  }
+  return {};
+}
+
 }  // namespace
+
+int64_t GptConfig::AttentionWindow(int64_t layer) const {
+  // Megatron's is_layer_window_attention (megatron/core/transformer/utils.py), layer number
+  // layer + 1; a window of [-1, 0] is full causal attention (Transformer Engine's).
+  if (!window_size || (*window_size)[0] < 0) return -1;
+  if (window_attn_skip_freq) {
+    if (const auto* every = std::get_if<int64_t>(&*window_attn_skip_freq)) {
+      if ((layer + 1) % *every == 0) return -1;
+    } else if (!std::get<std::vector<bool>>(*window_attn_skip_freq)
+                    .at(static_cast<size_t>(layer))) {
+      return -1;
+    }
+  }
+  return (*window_size)[0];
+}
+
+bool GptConfig::HasSlidingWindow() const {
+  for (int64_t i = 0; i < num_layers; ++i) {
+    if (AttentionWindow(i) >= 0) return true;
+  }
+  return false;
+}
 
 int64_t GptConfig::PaddedVocabSize(int64_t tensor_model_parallel_size) const {
   const int64_t multiple = make_vocab_size_divisible_by * tensor_model_parallel_size;
@@ -341,6 +395,7 @@ Status ParseGptSection(const json& section, GptConfig* out) {
   }
   MPUSIM_RETURN_IF_ERROR(ResolveMoe(section, &gpt));
   MPUSIM_RETURN_IF_ERROR(CheckMtp(section, &gpt));
+  MPUSIM_RETURN_IF_ERROR(ResolveWindow(&gpt));
   *out = gpt;
   return {};
 }
@@ -482,6 +537,17 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
                       "context_parallel_size = {}; set \"p2p\" or \"all_gather\", or another "
                       "layout",
                       gpt->num_query_groups, t * cp));
+    }
+    if (gpt->HasSlidingWindow() &&
+        (gpt->cp_comm_type == CpCommType::kP2p || gpt->cp_comm_type == CpCommType::kA2aP2p)) {
+      // Transformer Engine's attn_forward_func_with_cp.
+      return Status::Error(
+          "model.window_size",
+          fmt::format("a sliding window with context_parallel_size {} needs cp_comm_type "
+                      "\"a2a\" or \"all_gather\", got \"{}\" (Transformer Engine: \"Context "
+                      "parallelism does not support sliding window attention with "
+                      "cp_comm_type={}\")",
+                      cp, CpCommTypeName(gpt->cp_comm_type), CpCommTypeName(gpt->cp_comm_type)));
     }
     if (run.seq_length % (2 * cp) != 0) {
       return Status::Error("run.seq_length",

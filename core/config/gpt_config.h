@@ -15,16 +15,16 @@
 // lengths), naming the field and what is allowed.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <variant>
 #include <vector>
-
-#include <nlohmann/json_fwd.hpp>
 
 #include "core/config/field_table.h"
 #include "core/init.h"
@@ -170,6 +170,14 @@ struct GptConfig {
   // mtp_loss_scaling_factor, join the gradient but not the reported loss.
   int64_t mtp_num_layers = 0;
   double mtp_loss_scaling_factor = 0.1;
+  // gpt-oss's attention (TransformerConfig.window_size, window_attn_skip_freq).
+  // window_size [left, right] as Transformer Engine / flash-attn read it: query q sees keys
+  // q - left .. q + right; a causal model takes [w, 0] (w >= 0) or [-1, 0] (no window).
+  std::optional<std::array<int64_t, 2>> window_size;
+  // window_attn_skip_freq as given: an integer N makes every N-th layer (layer number i + 1
+  // divisible by N) a full-attention layer, a list of 0/1 per layer marks the sliding-window
+  // layers with 1; none: every layer slides.
+  std::optional<std::variant<int64_t, std::vector<bool>>> window_attn_skip_freq;
   // TransformerConfig fields given that change nothing mpusim computes, one line each
   // ("model.bias_dropout_fusion: ignored: why"), printed as notes.
   std::vector<std::string> ignored;
@@ -190,6 +198,12 @@ struct GptConfig {
   int64_t RotaryDim() const {
     return static_cast<int64_t>(static_cast<double>(kv_channels) * rotary_percent);
   }
+  // The sliding window of layer `layer` (0-based): window_size[0] when the layer slides
+  // (Megatron's is_layer_window_attention on its layer number layer + 1) and the window is
+  // one (left >= 0), else -1 (full causal attention).
+  int64_t AttentionWindow(int64_t layer) const;
+  // Some layer has a sliding window.
+  bool HasSlidingWindow() const;
   bool has_position_embeddings() const {
     return position_embedding_type == PositionEmbedding::kLearnedAbsolute;
   }

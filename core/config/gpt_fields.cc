@@ -225,6 +225,72 @@ json EchoMoeLayerFreq(const GptConfig& gpt) {
   return pattern;
 }
 
+// window_size: null (no sliding window) or [left, right], each an integer >= -1 (-1: no
+// limit on that side). The causal rule on right is ParseGptSection's.
+Status ParseWindowSize(const json& value, const std::string& where, GptConfig* gpt) {
+  if (value.is_null()) {
+    gpt->window_size.reset();
+    return {};
+  }
+  if (value.is_array() && value.size() == 2 && value[0].is_number_integer() &&
+      value[1].is_number_integer() && value[0].get<int64_t>() >= -1 &&
+      value[1].get<int64_t>() >= -1) {
+    gpt->window_size = std::array<int64_t, 2>{value[0].get<int64_t>(), value[1].get<int64_t>()};
+    return {};
+  }
+  return Status::Error(where, fmt::format("must be null or [left, right], two integers >= -1 "
+                                          "(-1: unlimited), got {}",
+                                          DescribeJson(value)));
+}
+
+json EchoWindowSize(const GptConfig& gpt) {
+  if (!gpt.window_size) return nullptr;
+  return json::array({(*gpt.window_size)[0], (*gpt.window_size)[1]});
+}
+
+// window_attn_skip_freq: null, an integer N >= 1 (every N-th layer full attention) or a list
+// of 0/1 per layer (1: a sliding-window layer). The list's length is checked once num_layers
+// is known.
+Status ParseWindowSkipFreq(const json& value, const std::string& where, GptConfig* gpt) {
+  auto& out = gpt->window_attn_skip_freq;
+  if (value.is_null()) {
+    out.reset();
+    return {};
+  }
+  if (value.is_array()) {
+    std::vector<bool> pattern;
+    for (const json& entry : value) {
+      if (!entry.is_number_integer() || (entry.get<int64_t>() != 0 && entry.get<int64_t>() != 1)) {
+        return Status::Error(where, fmt::format("a list must hold only 1 (sliding window) and 0 "
+                                                "(full attention), got {}",
+                                                DescribeJson(entry)));
+      }
+      pattern.push_back(entry.get<int64_t>() == 1);
+    }
+    out = pattern;
+    return {};
+  }
+  int64_t every = 0;
+  if (!ParseInt(value, where, 1, &every).ok()) {
+    return Status::Error(where, fmt::format("must be null, an integer >= 1 (every N-th layer has "
+                                            "full attention) or a list of 0/1 per layer (1: "
+                                            "sliding window), got {}",
+                                            DescribeJson(value)));
+  }
+  out = every;
+  return {};
+}
+
+json EchoWindowSkipFreq(const GptConfig& gpt) {
+  if (!gpt.window_attn_skip_freq) return nullptr;
+  if (const auto* every = std::get_if<int64_t>(&*gpt.window_attn_skip_freq)) return *every;
+  json pattern = json::array();
+  for (bool slides : std::get<std::vector<bool>>(*gpt.window_attn_skip_freq)) {
+    pattern.push_back(slides ? 1 : 0);
+  }
+  return pattern;
+}
+
 constexpr std::string_view kRequired = "an integer >= 1";
 constexpr FieldEffect kShape = FieldEffect::kShape;
 
@@ -491,6 +557,15 @@ constexpr GptField kFields[] = {
      .target = Coefficient<&GptConfig::moe, &MoeConfig::bias_update_rate>(),
      .help = "the expert bias's step: + rate for experts below the mean token count, - rate "
              "above"},
+    // gpt-oss's attention.
+    {.key = "window_size",
+     .target = Codec<GptConfig>{FieldKind::kIntList, &ParseWindowSize, &EchoWindowSize},
+     .help = "sliding-window attention: [w, 0] lets a query see itself and the w keys before "
+             "it (Transformer Engine's [left, right]; [-1, 0] or null: full causal attention)"},
+    {"window_attn_skip_freq",
+     Codec<GptConfig>{FieldKind::kText, &ParseWindowSkipFreq, &EchoWindowSkipFreq},
+     "which layers slide: an integer N (layer numbers divisible by N have full attention) or a "
+     "list of 0/1 per layer (1: sliding window); null: all"},
 };
 
 }  // namespace

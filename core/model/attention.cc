@@ -13,8 +13,8 @@
 
 namespace mpusim {
 
-SelfAttention::SelfAttention(const GptConfig& gpt, std::string prefix, ParameterSet& params,
-                             int64_t t)
+SelfAttention::SelfAttention(const GptConfig& gpt, int64_t layer, std::string prefix,
+                             ParameterSet& params, int64_t t)
     : prefix_(std::move(prefix)),
       a_(gpt.num_attention_heads),
       g_(gpt.num_query_groups),
@@ -28,6 +28,7 @@ SelfAttention::SelfAttention(const GptConfig& gpt, std::string prefix, Parameter
       hier_(gpt.cp_comm_type == CpCommType::kA2aP2p),
       rotary_base_(gpt.rotary_base),
       rotary_dim_(gpt.RotaryDim()),
+      window_(gpt.AttentionWindow(layer)),
       dropout_(gpt.attention_dropout),
       qkv_(&params.Get(prefix_ + ".linear_qkv.weight"), params.Find(prefix_ + ".linear_qkv.bias")),
       proj_(&params.Get(prefix_ + ".linear_proj.weight")),
@@ -208,7 +209,7 @@ Tensor SelfAttention::CoreForward(const ModuleContext& ctx, const Tensor& qkv,
                 scores);
   core->probs = k.Empty({b * al * s, sk}, dtype);
   k.CausalSoftmaxForward(scores.Reshaped({b * al * s, sk}), q_pos, ctx.key_positions, 1.0,
-                         core->probs);
+                         core->probs, nullptr, window_);
   ctx.Record(prefix_ + ".core_attention.probs", core->probs.Reshaped({b, al, s, sk}),
              {sh.B, a_, sk, sk}, ProbsSpec(ctx));
   core->probs_dropped =
@@ -278,7 +279,8 @@ Tensor SelfAttention::CoreBackward(const ModuleContext& ctx, const Tensor& dout,
   ctx.Record(prefix_ + ".core_attention.probs_grad", dprobs_flat.Reshaped({b, al, s, sk}),
              {sh.B, a_, sk, sk}, ProbsSpec(ctx));
   Tensor dscores = k.Empty({b * al * s, sk}, dtype);
-  k.CausalSoftmaxBackward(core.probs, dprobs_flat, q_pos, ctx.key_positions, 1.0, dscores);
+  k.CausalSoftmaxBackward(core.probs, dprobs_flat, q_pos, ctx.key_positions, 1.0, dscores, nullptr,
+                          window_);
   // scores = c q k^T:  dq = c dscores k,  dk = c dscores^T q
   const double c = 1.0 / std::sqrt(static_cast<double>(dk));
   const Tensor ds = dscores.Reshaped({b * gl, r * s, sk});
@@ -445,9 +447,9 @@ Tensor SelfAttention::RingForward(const ModuleContext& ctx, CoreStash* core) con
                     scores);
       Tensor probs = k.Empty({rows, c}, dtype);
       Tensor lse = k.Empty({rows}, ct);
-      k.CausalSoftmaxForward(scores.Reshaped({rows, c}),
-                             ctx.key_positions.FlatSlice(q_chunk * c, c),
-                             ctx.key_positions.FlatSlice(k_chunk * c, c), 1.0, probs, &lse);
+      k.CausalSoftmaxForward(
+          scores.Reshaped({rows, c}), ctx.key_positions.FlatSlice(q_chunk * c, c),
+          ctx.key_positions.FlatSlice(k_chunk * c, c), 1.0, probs, &lse, window_);
       const IndexPieces local = LocalBlockMap(sh, L, qh, k_chunk);
       const Tensor dropped =
           dropout_ > 0 ? DropoutAtSite(ctx, site, dropout_, BlockMap(sh, L, q_chunk, k_chunk),
@@ -506,7 +508,7 @@ void SelfAttention::RingBackward(const ModuleContext& ctx, const Tensor& dcontex
       Tensor probs = k.Empty({bg, r * c, c}, dtype);
       k.BatchedGemm(false, true, scale, ring.q[qh], key, 0.0, probs);
       Tensor probs2 = probs.Reshaped({rows, c});
-      k.CausalSoftmaxFromLse(probs2, ring.lse[qh], q_pos, k_pos, 1.0, probs2);
+      k.CausalSoftmaxFromLse(probs2, ring.lse[qh], q_pos, k_pos, 1.0, probs2, window_);
       const IndexPieces map = BlockMap(sh, L, q_chunk, k_chunk);
       const IndexPieces local = LocalBlockMap(sh, L, qh, k_chunk);
       const Tensor dropped =
@@ -518,7 +520,7 @@ void SelfAttention::RingBackward(const ModuleContext& ctx, const Tensor& dcontex
       Tensor dprobs2 = dprobs.Reshaped({rows, c});
       if (dropout_ > 0) dprobs2 = DropoutAtSite(ctx, site, dropout_, map, dprobs2, &local);
       Tensor dscores = k.Empty({rows, c}, dtype);
-      k.CausalSoftmaxBackward(probs2, dprobs2, q_pos, k_pos, 1.0, dscores, &row_dot[qh]);
+      k.CausalSoftmaxBackward(probs2, dprobs2, q_pos, k_pos, 1.0, dscores, &row_dot[qh], window_);
       // scores = c q k^T:  dq += c dscores k,  dk += c dscores^T q
       const Tensor ds = dscores.Reshaped({bg, r * c, c});
       k.BatchedGemm(false, false, scale, ds, key, 1.0, dq[qh]);
@@ -576,7 +578,7 @@ void SelfAttention::RecordRingProbs(const ModuleContext& ctx, const CoreStash& c
     k.BatchedGemm(false, true, 1.0 / std::sqrt(static_cast<double>(dk)),
                   core.q.Reshaped({bg, r * s_cp, dk}), gathered.Reshaped({bg, s, dk}), 0.0, probs);
     Tensor p2 = probs.Reshaped({b * al * s_cp, s});
-    k.CausalSoftmaxFromLse(p2, lse, ctx.positions, ctx.key_positions, 1.0, p2);
+    k.CausalSoftmaxFromLse(p2, lse, ctx.positions, ctx.key_positions, 1.0, p2, window_);
     ctx.Record(prefix_ + ".core_attention.probs", p2.Reshaped({b, al, s_cp, s}), {sh.B, a_, s, s},
                sh.HeadSpec(ctx.dp_size));
     return;

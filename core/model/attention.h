@@ -12,7 +12,8 @@
 //                                      is a batched GEMM per (sample, group) over r*s rows,
 //                                      so no head is repeated in memory
 //   scores   [b, g_l, r*s, s] = [b, a_l, s, s]   q k^T / sqrt(dk)
-//   probs    causal softmax (query i sees keys <= i), in float32 for 16-bit storage, then
+//   probs    causal softmax (query i sees keys <= i; with a sliding window w, window_size
+//            [w, 0] on this layer, only keys i - w .. i), in float32 for 16-bit storage, then
 //            attention dropout at site <layer>.self_attention.core_attention.attention_dropout
 //   context  probs v -> [b, a_l, s, dk] -> [s*b, a_l dk]
 //   output   linear_proj: [s_l*b, h] (bias left to the caller's bias-dropout-add)
@@ -47,8 +48,9 @@ namespace mpusim {
 
 class SelfAttention {
  public:
-  // `prefix` is "decoder.layers.<i>.self_attention".
-  SelfAttention(const GptConfig& gpt, std::string prefix, ParameterSet& params, int64_t t);
+  // `prefix` is "decoder.layers.<i>.self_attention" of layer i = `layer`.
+  SelfAttention(const GptConfig& gpt, int64_t layer, std::string prefix, ParameterSet& params,
+                int64_t t);
 
   // cp_comm_type "p2p": what the backward ring needs (attention.cc RingForward). Per query
   // half h (this rank's chunk h, c = s / (2 cp) positions): the queries [b*g_l, r*c, dk],
@@ -133,6 +135,9 @@ class SelfAttention {
   bool hier_;      // cp_comm_type "a2a+p2p" (with context_parallel_size > 1)
   double rotary_base_;
   int64_t rotary_dim_;
+  // window_size[0] when this layer slides (GptConfig::AttentionWindow), else -1: the causal
+  // mask of every cp split is the kernels' q - window <= k <= q on global positions.
+  int64_t window_;
   std::optional<Norm> q_norm_, k_norm_;  // qk_layernorm
   double dropout_;
   ColumnParallelLinear qkv_;

@@ -21,7 +21,7 @@ TransformerLayer::TransformerLayer(const GptConfig& gpt, int64_t layer, Paramete
       hidden_dropout_(gpt.hidden_dropout),
       selective_(LayerRecompute::Kept(run)),
       input_norm_(MakeNorm(gpt, prefix_ + ".input_layernorm", params)),
-      attention_(gpt, prefix_ + ".self_attention", params, t),
+      attention_(gpt, layer, prefix_ + ".self_attention", params, t),
       pre_mlp_norm_(MakeNorm(gpt, prefix_ + ".pre_mlp_layernorm", params)) {
   if (gpt.moe.enabled() && gpt.moe.layers.at(static_cast<size_t>(layer))) {
     moe_.emplace(gpt, prefix_ + ".mlp", params, run.num_microbatches, experts);

@@ -194,6 +194,10 @@ std::vector<Case> Layouts() {
   wide["hidden_size"] = 128;
   wide["ffn_hidden_size"] = 512;
   wide["vocab_size"] = 256;
+  // gpt-oss's attention: a sliding window on every second layer.
+  json oss = dense;
+  oss["window_size"] = {3, 0};
+  oss["window_attn_skip_freq"] = 2;
   struct Layout {
     const char* model;
     int64_t tp, pp, vp, cp, ep, etp;
@@ -265,6 +269,11 @@ std::vector<Case> Layouts() {
       {"moe_bias", 1, 1, 1, 1, 2, 0, false},
       {"moe_bias", 2, 1, 1, 1, 1, 1, true},
       {"odd", 1, 1, 1, 1, 1, 0, false, nullptr, nullptr, false, true},
+      // gpt-oss's attention: plain, with cp 2 "a2a" and tp 2, and with core attention
+      // recomputed on a pipeline.
+      {"oss", 1, 1, 1, 1, 1, 0, false},
+      {"oss", 2, 1, 1, 2, 1, 0, true, "a2a"},
+      {"oss", 1, 2, 1, 1, 1, 0, false, nullptr, "selective"},
   };
   for (const Layout& l : layouts) {
     const int64_t model_ranks = l.tp * l.pp * l.cp;
@@ -328,6 +337,7 @@ std::vector<Case> Layouts() {
                           : name == "moe_bias"     ? moe_bias
                           : name == "odd"          ? odd
                           : name == "wide"         ? wide
+                          : name == "oss"          ? oss
                                                    : dense;
       json document = Document(model, l.tp, l.sp, v.dtype);
       if (is_moe && v.router_dtype != nullptr)

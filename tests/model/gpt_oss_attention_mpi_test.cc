@@ -1,0 +1,205 @@
+// gpt-oss's attention on K MPI ranks against the float64 GPT reference: sliding windows
+// (window_size, window_attn_skip_freq) on every tp (+ sp) x cp x dp layout Transformer Engine
+// builds them on (cp_comm_type "all_gather" and "a2a"), with a pipeline (and virtual stages)
+// and the distributed optimizer training, in float64, float32 and bfloat16. Each layout's loss
+// equals the cp = 1 layout's with the same data-parallel split, and the window changes the
+// model (a run without it differs).
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/config/config.h"
+#include "tests/model/gpt_mpi_helpers.h"
+#include "tests/mpi/world.h"
+
+namespace mpusim {
+namespace {
+
+using nlohmann::json;
+using namespace gpt_mpi;
+
+// A Llama-style model (RoPE, 4 query groups of 8 heads) with a window of 3 on layer 1 of 2
+// (window_attn_skip_freq 2: layer number 2 has full attention).
+json Oss() {
+  json model = Llama(8, 4);
+  model["window_size"] = {3, 0};
+  model["window_attn_skip_freq"] = 2;
+  return model;
+}
+
+// `model` on cp x tp x pp (x vp) ranks, dp filling the world; 16 tokens, a window of 3 far
+// shorter than the sequence and than a cp rank's two chunks.
+json OssDocument(const json& model, int64_t cp, int64_t tp, int64_t pp, bool sp, const char* dtype,
+                 const char* comm, int64_t vp = 0) {
+  json document = Document(model, tp, sp, dtype);
+  document["parallel"]["context_parallel_size"] = cp;
+  document["parallel"]["pipeline_model_parallel_size"] = pp;
+  if (vp > 0) document["parallel"]["virtual_pipeline_model_parallel_size"] = vp;
+  document["model"]["cp_comm_type"] = comm;
+  document["run"]["seq_length"] = 16;
+  document["run"]["micro_batch_size"] = Samples() / (WorldSize() / (cp * tp * pp));
+  return document;
+}
+
+// The cp_comm_types Transformer Engine builds a sliding window on: with cp > 1 "all_gather"
+// and "a2a" where the query groups divide over tp x cp.
+std::vector<const char*> Comms(int64_t cp, int64_t tp) {
+  if (cp == 1) return {"all_gather"};
+  std::vector<const char*> comms = {"all_gather"};
+  if (4 % (tp * cp) == 0) comms.push_back("a2a");
+  return comms;
+}
+
+double Loss(const json& document) {
+  StatusOr<run::SimulationResult> result = Simulate(document, false);
+  EXPECT_TRUE(result.ok()) << result.status().Message();
+  return result.ok() ? result->loss : 0.0;
+}
+
+// The window is in the model: leaving it out changes the loss, a window as long as the
+// sequence is full attention, and the list form of window_attn_skip_freq is the integer's.
+TEST(GptOssAttention, WindowChangesTheModel) {
+  const json oss = Oss();
+  const double loss = Loss(OssDocument(oss, 1, 1, 1, false, "float64", "all_gather"));
+  json no_window = oss;
+  no_window.erase("window_size");
+  const double full = Loss(OssDocument(no_window, 1, 1, 1, false, "float64", "all_gather"));
+  EXPECT_GT(std::fabs(full - loss), 1e-6 * loss);
+  json whole = oss;
+  whole["window_size"] = {15, 0};  // every key of 16 positions
+  EXPECT_EQ(Loss(OssDocument(whole, 1, 1, 1, false, "float64", "all_gather")), full);
+  json listed = oss;
+  listed["window_attn_skip_freq"] = {1, 0};
+  EXPECT_EQ(Loss(OssDocument(listed, 1, 1, 1, false, "float64", "all_gather")), loss);
+}
+
+// Every cp in {1, 2, 4} and tp in {1, 2, 4} whose product divides the world, with and without
+// sequence parallelism, each cp_comm_type that builds the window: every tensor matches the
+// reference and the loss is the cp = 1 layout's.
+TEST(GptOssAttention, EveryLayoutMatchesTheReferenceAndCpOne) {
+  {
+    const char* softmax = "vanilla";
+    const json model = Oss();
+    std::map<int64_t, double> cp_one;  // by tp (the vocabulary pads per tp size)
+    for (int64_t cp : {1, 2, 4}) {
+      for (int64_t tp : {1, 2, 4}) {
+        if (cp * tp > WorldSize() || WorldSize() % (cp * tp) != 0) continue;
+        for (bool sp : {false, true}) {
+          if (sp && tp == 1) continue;
+          for (const char* comm : Comms(cp, tp)) {
+            SCOPED_TRACE(fmt::format("{}: cp {} ({}) tp {} sp {}", softmax, cp, comm, tp, sp));
+            if (WorldRank() == 0) {
+              fmt::print("  {} cp {} {} tp {} sp {}:", softmax, cp, comm, tp, sp);
+            }
+            const double loss = RunChecked(OssDocument(model, cp, tp, 1, sp, "float64", comm)).loss;
+            if (cp == 1) cp_one.try_emplace(tp, loss);
+            ASSERT_EQ(cp_one.count(tp), 1u);
+            EXPECT_NEAR(loss, cp_one.at(tp), 1e-12 * cp_one.at(tp));
+          }
+        }
+      }
+    }
+  }
+}
+
+// Three Adam iterations with the distributed optimizer on pipelines (two stages, and two
+// stages of two virtual ones), with cp 2 where the world allows: every iteration's loss and
+// gradient norm equal the cp = 1, pp = 1 run's.
+TEST(GptOssAttention, PipelineAndDistributedOptimizerTrainAsOneRank) {
+  json model = Oss();
+  model["num_layers"] = 4;
+  struct Case {
+    int64_t cp, pp, vp;
+  };
+  std::vector<Case> cases = {{1, 1, 0}};
+  if (WorldSize() >= 2) cases.push_back({1, 2, 2});
+  if (WorldSize() >= 4) cases.push_back({2, 2, 0});
+  std::vector<std::vector<double>> curves;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(fmt::format("cp {} pp {} vp {}", c.cp, c.pp, c.vp));
+    if (WorldRank() == 0) {
+      fmt::print("  window cp {} a2a pp {} vp {}, distributed optimizer:", c.cp, c.pp, c.vp);
+    }
+    json document =
+        Training(OssDocument(model, c.cp, 1, c.pp, false, "float64", "a2a", c.vp), "adam");
+    document["run"]["train_iters"] = 3;
+    document["run"]["num_microbatches"] = 4;
+    document["optimizer"]["use_distributed_optimizer"] = true;
+    const run::SimulationResult result = RunChecked(document);
+    ASSERT_EQ(result.iterations.size(), 3u);
+    std::vector<double> curve;
+    for (const auto& row : result.iterations) {
+      curve.push_back(row.loss);
+      curve.push_back(row.grad_norm);
+    }
+    curves.push_back(curve);
+  }
+  for (size_t c = 1; c < curves.size(); ++c) {
+    for (size_t i = 0; i < curves[c].size(); ++i) {
+      EXPECT_NEAR(curves[c][i], curves[0][i], 1e-12 * std::fabs(curves[0][i]))
+          << "layout " << c << " value " << i;
+    }
+  }
+}
+
+// float32, and bfloat16 with selective recomputation (core attention rerun with its window),
+// tp and cp where the world allows.
+TEST(GptOssAttention, Float32AndBFloat16) {
+  const int64_t cp = WorldSize() >= 2 ? 2 : 1;
+  const int64_t tp = WorldSize() >= 4 ? 2 : 1;
+  for (const char* comm : {"all_gather", "a2a"}) {
+    for (const char* dtype : {"float32", "bfloat16"}) {
+      if (WorldRank() == 0) fmt::print("  window {} cp {} {} tp {}:", dtype, cp, comm, tp);
+      json document = OssDocument(Oss(), cp, tp, 1, tp > 1, dtype, comm);
+      if (std::string(dtype) == "bfloat16") document["run"]["recompute_granularity"] = "selective";
+      RunChecked(Training(document, "adam"));
+    }
+  }
+}
+
+TEST(GptOssAttention, RefusalsNameTheField) {
+  // The section's rules (ParseConfig), then the layout's (the run).
+  const auto refused = [](const json& document) {
+    Config config;
+    const Status parsed = ParseConfig(document, &config);
+    if (!parsed.ok()) return parsed.Message();
+    StatusOr<run::SimulationResult> result = Simulate(document);
+    EXPECT_FALSE(result.ok());
+    return result.ok() ? std::string() : result.status().Message();
+  };
+  json document = OssDocument(Oss(), 1, 1, 1, false, "float64", "all_gather");
+  document["model"]["window_size"] = {3, 2};
+  EXPECT_EQ(refused(document),
+            "model.window_size: [3, 2]: the GPT is causal, so the right side must be 0 ([w, 0] "
+            "with w >= 0, or [-1, 0]: Transformer Engine's rule for a causal mask)");
+  document["model"]["window_size"] = {3, 0};
+  document["model"]["window_attn_skip_freq"] = {1, 0, 1};
+  EXPECT_EQ(refused(document),
+            "model.window_attn_skip_freq: the list has 3 entries but the model has num_layers "
+            "2; give one 1 (sliding window) or 0 (full attention) per layer");
+  document["model"]["window_attn_skip_freq"] = 0;
+  EXPECT_EQ(refused(document),
+            "model.window_attn_skip_freq: must be null, an integer >= 1 (every N-th layer has "
+            "full attention) or a list of 0/1 per layer (1: sliding window), got number 0");
+  document["model"]["window_attn_skip_freq"] = 2;
+  if (WorldSize() < 2) return;
+  document = OssDocument(Oss(), 2, 1, 1, false, "float64", "p2p");
+  EXPECT_EQ(refused(document),
+            "model.window_size: a sliding window with context_parallel_size 2 needs "
+            "cp_comm_type \"a2a\" or \"all_gather\", got \"p2p\" (Transformer Engine: "
+            "\"Context parallelism does not support sliding window attention with "
+            "cp_comm_type=p2p\")");
+  // A window of [-1, 0] is full causal attention: the ring runs it.
+  document["model"]["cp_comm_type"] = "p2p";
+  document["model"]["window_size"] = {-1, 0};
+  EXPECT_TRUE(Simulate(document).ok());
+}
+
+}  // namespace
+}  // namespace mpusim
