@@ -89,7 +89,7 @@ struct LayerParams {
   Param fc1_weight, fc1_bias;  // [f1, h], [f1]
   Param fc2_weight, fc2_bias;  // [h, F], [h]
   MoeParams moe;               // an MoE layer (moe_layer_freq) instead of the MLP
-  gpt_reference::AttentionSoftmax softmax;  // its window
+  gpt_reference::AttentionSoftmax softmax;  // its window and sink (softmax_offset [a])
 };
 
 // One multi-token prediction depth (MultiTokenPredictionLayer).
@@ -157,7 +157,8 @@ Status InitParameters(const GptConfig& gpt, const Dims& d,
     lp.proj_bias = get(prefix + ".self_attention.linear_proj.bias");
     lp.qk_norm = {norm(prefix + ".self_attention.q_layernorm"),
                   norm(prefix + ".self_attention.k_layernorm")};
-    lp.softmax = {gpt.AttentionWindow(i)};
+    lp.softmax = {gpt.AttentionWindow(i), gpt.softmax_type,
+                  get(prefix + ".self_attention.core_attention.softmax_offset")};
     lp.pre_mlp_layernorm = norm(prefix + ".pre_mlp_layernorm");
     lp.fc1_weight = get(prefix + ".mlp.linear_fc1.weight");
     lp.fc1_bias = get(prefix + ".mlp.linear_fc1.bias");
@@ -525,7 +526,8 @@ void SliceRun::MicroBatch(int64_t m, const std::vector<int64_t>& all_tokens,
     const Mat dcontext = LinearBackward(dproj, st.context, p.proj_weight, p.proj_bias);
     Record(record, prefix + ".self_attention.core_attention.output_grad", Kind::kHidden, dcontext);
     std::vector<Mat> dprobs;
-    const Mat dqkv = AttentionBackward(d, gpt, dcontext, st.attention, p.qk_norm, &dprobs);
+    const Mat dqkv =
+        AttentionBackward(d, gpt, dcontext, st.attention, p.qk_norm, p.softmax, &dprobs);
     Record(record, prefix + ".self_attention.core_attention.probs_grad", Kind::kProbs,
            Stack(dprobs, d.s));
     Record(record, prefix + ".self_attention.linear_qkv.output_grad", Kind::kHidden, dqkv);

@@ -227,6 +227,7 @@ Mat AttentionForward(const Dims& d, const GptConfig& gpt, const AttentionSoftmax
   st->k_norm.assign(norm ? static_cast<size_t>(d.n * d.g) : 0, NormStash());
   st->probs.assign(static_cast<size_t>(d.n * d.a), Mat());
   st->keep.assign(static_cast<size_t>(d.n * d.a), Mat());
+  st->sink.assign(static_cast<size_t>(d.n * d.a), Vec());
   const int64_t window = sm.window;
   Mat context(d.s * d.n, d.a * d.dk);
   for (int64_t j = 0; j < d.n; ++j) {
@@ -252,16 +253,24 @@ Mat AttentionForward(const Dims& d, const GptConfig& gpt, const AttentionSoftmax
       const Mat scores = (q * st->k[kv].transpose()) * scale;
       Mat& probs = st->probs[qh];
       probs = Mat::Zero(d.s, d.s);
+      Vec& sink_prob = st->sink[qh];
+      sink_prob = Vec::Zero(d.s);
       for (int64_t qi = 0; qi < d.s; ++qi) {
         const int64_t first = window < 0 ? 0 : std::max<int64_t>(0, qi - window);
         const int64_t seen = qi + 1 - first;  // keys first .. qi
-        const double max = scores.row(qi).segment(first, seen).maxCoeff();
+        double max = scores.row(qi).segment(first, seen).maxCoeff();
+        if (sm.has_sink()) max = std::max(max, sm.Sink(hd));
         double sum = 0.0;
         for (int64_t ki = first; ki <= qi; ++ki) {
           probs(qi, ki) = std::exp(scores(qi, ki) - max);
           sum += probs(qi, ki);
         }
+        // The sink's term in the denominator only (Megatron's SoftmaxOne: softmax over the
+        // row and the sink, the sink's column dropped).
+        const double sink_term = sm.has_sink() ? std::exp(sm.Sink(hd) - max) : 0.0;
+        sum += sink_term;
         probs.row(qi).segment(first, seen) /= sum;
+        sink_prob(qi) = sink_term / sum;
       }
       st->keep[qh] = AttentionKeep(d, site, m, gpt.attention_dropout, j, hd);
       const Mat head = probs.cwiseProduct(st->keep[qh]) * st->v[kv];
@@ -279,7 +288,8 @@ Mat AttentionForward(const Dims& d, const GptConfig& gpt, const AttentionSoftmax
 //   norms' backward.
 // Returns d qkv [s*n, (a+2g)*dk]; `dprobs` gets the [n*a] matrices d loss / d probs.
 Mat AttentionBackward(const Dims& d, const GptConfig& gpt, const Mat& dcontext,
-                      const AttentionStash& st, QkNormParams& qk_norm, std::vector<Mat>* dprobs) {
+                      const AttentionStash& st, QkNormParams& qk_norm, AttentionSoftmax& sm,
+                      std::vector<Mat>* dprobs) {
   const bool norm = qk_norm.defined();
   const bool rope = gpt.position_embedding_type == PositionEmbedding::kRope;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d.dk));
@@ -299,6 +309,8 @@ Mat AttentionBackward(const Dims& d, const GptConfig& gpt, const Mat& dcontext,
       Mat& dp = (*dprobs)[qh];
       dp = (dctx * st.v[kv].transpose()).cwiseProduct(keep);
       const Vec row_dot = dp.cwiseProduct(probs).rowwise().sum();
+      // The sink is a logit whose probability p_o is left out: d o = sum_rows p_o (0 - dot).
+      if (sm.sink.defined()) sm.sink.grad.data_as<double>()[hd] -= st.sink[qh].dot(row_dot);
       const Mat dscores = (probs.array() * (dp.colwise() - row_dot).array()).matrix() * scale;
       Mat dq = dscores * st.k[kv];
       dk[static_cast<size_t>(grp)].noalias() += dscores.transpose() * st.q[qh];

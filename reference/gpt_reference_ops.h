@@ -119,9 +119,16 @@ Mat HiddenKeep(const Dims& d, const std::string& site, int64_t m, double p, int6
 // ---- attention ----------------------------------------------------------------------------
 
 // A layer's softmax beyond the causal mask: its sliding window (window_size[0] on a sliding
-// layer, -1: none).
+// layer, -1: none) and its attention sink (Megatron's SoftmaxOne: "off-by-one" a logit 0 per
+// head, "learnable" the parameter core_attention.softmax_offset [a], `sink`).
 struct AttentionSoftmax {
   int64_t window = -1;
+  SoftmaxType type = SoftmaxType::kVanilla;
+  Param sink;  // "learnable" only
+  bool has_sink() const { return type != SoftmaxType::kVanilla; }
+  double Sink(int64_t head) const {
+    return sink.defined() ? sink.value.data_as<double>()[head] : 0.0;
+  }
 };
 
 struct AttentionStash {
@@ -132,19 +139,23 @@ struct AttentionStash {
   std::vector<Mat> probs;  // [n*a]: softmax [s, s], exactly 0 above the diagonal (and
                            // before a sliding window)
   std::vector<Mat> keep;   // [n*a]: attention dropout scales [s, s]
+  std::vector<Vec> sink;   // [n*a]: each row's sink probability exp(o) / denominator [s]
 };
 
 // context[i, j, hd*dk + c] = sum_ki dropout(softmax_ki(q_i . k_ki / sqrt(dk), ki <= i)) v_ki,
 // the dropout masks of `site` in micro-batch m; q and k each head's slice of qkv, normalised
 // by `qk_norm` when defined, then turned by RoPE. With a sliding window (sm.window >= 0,
 // window_size [window, 0]) the softmax runs only over i - window <= ki <= i; the backward
-// needs no window of its own (the probabilities outside it are exactly 0).
+// needs no window of its own (the probabilities outside it are exactly 0). With a sink o of
+// the head the softmax's denominator is exp(o) + sum_ki exp(score).
 Mat AttentionForward(const Dims& d, const GptConfig& gpt, const AttentionSoftmax& sm,
                      const Mat& qkv, const QkNormParams& qk_norm, const std::string& site,
                      int64_t m, AttentionStash* st);
 // Returns d qkv [s*n, (a+2g)*dk]; `dprobs` gets the [n*a] matrices d loss / d probs; the q/k
-// norms' gradients add into their accumulators.
+// norms' gradients and a learnable sink's (d o = -sum over the head's rows of p_o rowsum(dprobs
+// probs)) add into their accumulators.
 Mat AttentionBackward(const Dims& d, const GptConfig& gpt, const Mat& dcontext,
-                      const AttentionStash& st, QkNormParams& qk_norm, std::vector<Mat>* dprobs);
+                      const AttentionStash& st, QkNormParams& qk_norm, AttentionSoftmax& sm,
+                      std::vector<Mat>* dprobs);
 
 }  // namespace mpusim::gpt_reference

@@ -549,6 +549,16 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
                       "cp_comm_type={}\")",
                       cp, CpCommTypeName(gpt->cp_comm_type), CpCommTypeName(gpt->cp_comm_type)));
     }
+    if (gpt->softmax_type != SoftmaxType::kVanilla && gpt->cp_comm_type != CpCommType::kA2a) {
+      // Transformer Engine's attn_forward_func_with_cp.
+      return Status::Error(
+          "model.softmax_type",
+          fmt::format("\"{}\" with context_parallel_size {} needs cp_comm_type \"a2a\", got "
+                      "\"{}\" (Transformer Engine: \"Context parallelism only supports "
+                      "softmax_type={} with cp_comm_type = 'a2a'!\")",
+                      SoftmaxTypeName(gpt->softmax_type), cp, CpCommTypeName(gpt->cp_comm_type),
+                      SoftmaxTypeName(gpt->softmax_type)));
+    }
     if (run.seq_length % (2 * cp) != 0) {
       return Status::Error("run.seq_length",
                            fmt::format("{} is not divisible by 2 * context_parallel_size = {} "
@@ -610,6 +620,12 @@ std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_voc
           params.push_back(GptParameter{prefix + ".bias", {gpt.kv_channels}, zeros, -1, 1, true});
         }
       }
+    }
+    if (gpt.softmax_type == SoftmaxType::kLearnable) {
+      // DotProductAttention's softmax_offset: one sink logit per head, split over tp by heads,
+      // drawn by config.init_method (normal(init_method_std)).
+      add(layer + ".self_attention.core_attention.softmax_offset", {gpt.num_attention_heads},
+          normal, 0);
     }
     add(layer + ".self_attention.linear_proj.weight", {h, attn_width}, scaled, 1);
     if (gpt.add_bias_linear) add(layer + ".self_attention.linear_proj.bias", {h}, zeros, -1, 1, true);

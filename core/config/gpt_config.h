@@ -130,6 +130,11 @@ struct RouterDTypes {
 };
 RouterDTypes RouterDTypesOf(const MoeConfig& moe, DType storage);
 
+// Megatron's softmax_type (TransformerConfig): the attention softmax as it is, or with an
+// attention sink, a logit in each row's denominator only: 0 ("off-by-one") or a learnable
+// one per head ("learnable", the parameter core_attention.softmax_offset).
+enum class SoftmaxType : uint8_t { kVanilla, kOffByOne, kLearnable };
+
 struct GptConfig {
   int64_t num_layers = 0;
   int64_t hidden_size = 0;
@@ -170,7 +175,7 @@ struct GptConfig {
   // mtp_loss_scaling_factor, join the gradient but not the reported loss.
   int64_t mtp_num_layers = 0;
   double mtp_loss_scaling_factor = 0.1;
-  // gpt-oss's attention (TransformerConfig.window_size, window_attn_skip_freq).
+  // gpt-oss's attention (TransformerConfig.window_size, window_attn_skip_freq, softmax_type).
   // window_size [left, right] as Transformer Engine / flash-attn read it: query q sees keys
   // q - left .. q + right; a causal model takes [w, 0] (w >= 0) or [-1, 0] (no window).
   std::optional<std::array<int64_t, 2>> window_size;
@@ -178,6 +183,7 @@ struct GptConfig {
   // divisible by N) a full-attention layer, a list of 0/1 per layer marks the sliding-window
   // layers with 1; none: every layer slides.
   std::optional<std::variant<int64_t, std::vector<bool>>> window_attn_skip_freq;
+  SoftmaxType softmax_type = SoftmaxType::kVanilla;
   // TransformerConfig fields given that change nothing mpusim computes, one line each
   // ("model.bias_dropout_fusion: ignored: why"), printed as notes.
   std::vector<std::string> ignored;
@@ -219,6 +225,7 @@ const char* Fp8FormatName(Fp8Format f);    // "e4m3", "hybrid"
 const char* Fp8RecipeName(Fp8Recipe r);    // "delayed", "tensorwise", "blockwise", "mxfp8"
 const char* MoeRouterDTypeName(MoeRouterDType d);  // "fp32", "fp64"
 const char* MoeScoreFunctionName(MoeScoreFunction f);  // "softmax", "sigmoid"
+const char* SoftmaxTypeName(SoftmaxType t);        // "vanilla", "off-by-one", "learnable"
 
 // The keys of a GPT `model` section, each declared once (gpt_fields.cc), in documentation
 // order. The integer sizes Megatron resolves from other keys (ffn_hidden_size, kv_channels,

@@ -67,6 +67,10 @@ const std::vector<std::string_view>& MoeScoreFunctionNames() {
   static const std::vector<std::string_view> kNames = {"softmax", "sigmoid"};
   return kNames;
 }
+const std::vector<std::string_view>& SoftmaxTypeNames() {
+  static const std::vector<std::string_view> kNames = {"vanilla", "off-by-one", "learnable"};
+  return kNames;
+}
 
 // One of `names` (the enum's spellings, in enum order).
 template <typename Enum>
@@ -566,6 +570,12 @@ constexpr GptField kFields[] = {
      Codec<GptConfig>{FieldKind::kText, &ParseWindowSkipFreq, &EchoWindowSkipFreq},
      "which layers slide: an integer N (layer numbers divisible by N have full attention) or a "
      "list of 0/1 per layer (1: sliding window); null: all"},
+    {.key = "softmax_type",
+     .target = Choice<&SoftmaxTypeNames, &GptConfig::softmax_type>(),
+     .help = "the attention softmax: \"vanilla\", \"off-by-one\" (a logit 0 in each "
+             "denominator) or \"learnable\" (a sink logit per head, "
+             "core_attention.softmax_offset)",
+     .effect = kShape},
 };
 
 }  // namespace
@@ -601,6 +611,9 @@ const char* MoeRouterDTypeName(MoeRouterDType d) {
 }
 const char* MoeScoreFunctionName(MoeScoreFunction f) {
   return MoeScoreFunctionNames()[static_cast<size_t>(f)].data();
+}
+const char* SoftmaxTypeName(SoftmaxType t) {
+  return SoftmaxTypeNames()[static_cast<size_t>(t)].data();
 }
 
 }  // namespace mpusim

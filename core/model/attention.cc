@@ -29,6 +29,8 @@ SelfAttention::SelfAttention(const GptConfig& gpt, int64_t layer, std::string pr
       rotary_base_(gpt.rotary_base),
       rotary_dim_(gpt.RotaryDim()),
       window_(gpt.AttentionWindow(layer)),
+      softmax_type_(gpt.softmax_type),
+      sink_(params.Find(prefix_ + ".core_attention.softmax_offset")),
       dropout_(gpt.attention_dropout),
       qkv_(&params.Get(prefix_ + ".linear_qkv.weight"), params.Find(prefix_ + ".linear_qkv.bias")),
       proj_(&params.Get(prefix_ + ".linear_proj.weight")),
@@ -113,6 +115,10 @@ StashPlan SelfAttention::PlanStash(const GptConfig& gpt, const StreamShape& shap
       core.Add("q_norm", Norm::PlanStash(gpt.normalization, R * al, dtype));
       core.Add("k_norm.input", {R * gl, dk}, dtype);
       core.Add("k_norm", Norm::PlanStash(gpt.normalization, R * gl, dtype));
+    }
+    if (gpt.softmax_type == SoftmaxType::kLearnable) {
+      // Each row's log-sum-exp with the sink, for the sink's gradient.
+      core.Add("lse", {R * al}, ComputeDType(dtype));
     }
     if (ring) {
       // RingStash: both query halves, their merged output and log-sum-exp, and this rank's
@@ -208,8 +214,15 @@ Tensor SelfAttention::CoreForward(const ModuleContext& ctx, const Tensor& qkv,
                 core->q.Reshaped({b * gl, r * s, dk}), core->k.Reshaped({b * gl, sk, dk}), 0.0,
                 scores);
   core->probs = k.Empty({b * al * s, sk}, dtype);
-  k.CausalSoftmaxForward(scores.Reshaped({b * al * s, sk}), q_pos, ctx.key_positions, 1.0,
-                         core->probs, nullptr, window_);
+  // An attention sink: the logits of this rank's al heads (row r's head is (r / s) % al);
+  // "learnable" keeps each row's log-sum-exp for the sink's gradient.
+  if (sink_ != nullptr) core->lse = k.Empty({b * al * s}, ComputeDType(dtype));
+  {
+    const std::optional<Tensor> sink = Sink(ctx, dtype);  // "off-by-one": freed right after
+    k.CausalSoftmaxForward(scores.Reshaped({b * al * s, sk}), q_pos, ctx.key_positions, 1.0,
+                           core->probs, sink_ != nullptr ? &core->lse : nullptr, window_,
+                           sink ? &*sink : nullptr);
+  }
   ctx.Record(prefix_ + ".core_attention.probs", core->probs.Reshaped({b, al, s, sk}),
              {sh.B, a_, sk, sk}, ProbsSpec(ctx));
   core->probs_dropped =
@@ -221,6 +234,17 @@ Tensor SelfAttention::CoreForward(const ModuleContext& ctx, const Tensor& qkv,
                 core->v.Reshaped({b * gl, sk, dk}), 0.0, context);
   if (heads) context = SequenceForHeads(k, *ctx.cp, sh.s, context, b, a_l_, dk);
   return ContextToColumns(ctx, context, a_l_, dk);
+}
+
+// The sink logits of the heads this rank's softmax rows hold ("a2a": its 1/cp of its tp
+// rank's), in `dtype`: the parameter's ("learnable"), zeros ("off-by-one"), or none.
+std::optional<Tensor> SelfAttention::Sink(const ModuleContext& ctx, DType dtype) const {
+  const StreamShape& sh = ctx.shape;
+  const bool heads = sh.cp > 1 && cp_heads_;
+  const int64_t al = heads ? a_l_ / sh.cp : a_l_;
+  if (sink_ != nullptr) return sink_->value.FlatSlice(heads ? sh.cp_rank * al : 0, al);
+  if (softmax_type_ == SoftmaxType::kOffByOne) return ctx.k.Zeros({al}, dtype);
+  return std::nullopt;
 }
 
 ShardSpec SelfAttention::ProbsSpec(const ModuleContext& ctx) const {
@@ -278,6 +302,16 @@ Tensor SelfAttention::CoreBackward(const ModuleContext& ctx, const Tensor& dout,
   }
   ctx.Record(prefix_ + ".core_attention.probs_grad", dprobs_flat.Reshaped({b, al, s, sk}),
              {sh.B, a_, sk, sk}, ProbsSpec(ctx));
+  if (sink_ != nullptr) {
+    // d sink[h] = -sum over h's rows of exp(sink - lse) sum_V probs dprobs (core/ops/softmax.h
+    // SinkGradTerm), into this rank's heads of main_grad ("a2a": its 1/cp of them; the dp_cp
+    // all-reduce sums the cp ranks' slices).
+    Tensor row_dot = k.Empty({b * al * s}, ComputeDType(dtype));
+    k.RowDot(core.probs, dprobs_flat, row_dot);
+    const int64_t head0 = heads ? sh.cp_rank * al : 0;
+    Tensor dsink = sink_->grad.FlatSlice(head0, al);
+    k.SoftmaxSinkGrad(sink_->value.FlatSlice(head0, al), core.lse, row_dot, s, dsink);
+  }
   Tensor dscores = k.Empty({b * al * s, sk}, dtype);
   k.CausalSoftmaxBackward(core.probs, dprobs_flat, q_pos, ctx.key_positions, 1.0, dscores, nullptr,
                           window_);

@@ -33,6 +33,9 @@
 // The exchanges themselves are core/context_parallel/'s (all_gather.h, a2a.h, ring.h,
 // hierarchical.h, on the load-balanced split of sequence_order.h); this module keeps the
 // attention math around them.
+// Attention sinks (softmax_type "off-by-one", "learnable"; Megatron's SoftmaxOne): each row's
+// softmax has one more logit, 0 or its head's core_attention.softmax_offset, in its
+// denominator only; the probabilities stay [.., s] (the sink's is dropped).
 // Selective recomputation keeps only qkv and reruns core attention in backward.
 #pragma once
 
@@ -79,6 +82,8 @@ class SelfAttention {
     Norm::Stash q_norm, k_norm;  // qk_layernorm only
     Tensor probs;          // [b*a_l*s, s] before dropout (not kept by the ring)
     Tensor probs_dropped;  // after dropout (probs itself when attention_dropout is 0)
+    Tensor lse;            // [b*a_l*s] compute dtype: each row's log-sum-exp with the sink
+                           // (softmax_type "learnable" only, for the sink's gradient)
     std::optional<RingStash> ring;  // cp_comm_type "p2p"
   };
   struct Stash {
@@ -102,6 +107,7 @@ class SelfAttention {
   Tensor CoreBackward(const ModuleContext& ctx, const Tensor& dcontext, const CoreStash& core) const;
   IndexPieces ProbsMap(const StreamShape& sh) const;
   ShardSpec ProbsSpec(const ModuleContext& ctx) const;  // of the probabilities [B, a, s, s]
+  std::optional<Tensor> Sink(const ModuleContext& ctx, DType dtype) const;
   // cp_comm_type "p2p": core attention with the keys and values passed around the cp ring,
   // a block of c queries by c keys at a time, merged by log-sum-exp. RingForward returns
   // the context [b*g_l, r*s_cp, dk]; RingBackward takes its gradient and returns dq (same
@@ -138,6 +144,12 @@ class SelfAttention {
   // window_size[0] when this layer slides (GptConfig::AttentionWindow), else -1: the causal
   // mask of every cp split is the kernels' q - window <= k <= q on global positions.
   int64_t window_;
+  // softmax_type: "off-by-one" adds a logit 0 to every row's denominator, "learnable" the
+  // per-head parameter core_attention.softmax_offset ([a], split over tp by heads: sink_).
+  // Transformer Engine builds either under context parallelism only with "a2a", which keeps
+  // whole rows on one rank, so the sink enters each row's softmax once.
+  SoftmaxType softmax_type_;
+  Parameter* sink_;
   std::optional<Norm> q_norm_, k_norm_;  // qk_layernorm
   double dropout_;
   ColumnParallelLinear qkv_;

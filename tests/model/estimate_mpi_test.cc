@@ -194,10 +194,12 @@ std::vector<Case> Layouts() {
   wide["hidden_size"] = 128;
   wide["ffn_hidden_size"] = 512;
   wide["vocab_size"] = 256;
-  // gpt-oss's attention: a sliding window on every second layer.
+  // gpt-oss's attention: a sliding window on every second layer and learnable sinks (each
+  // row's log-sum-exp kept for the sinks' gradient).
   json oss = dense;
   oss["window_size"] = {3, 0};
   oss["window_attn_skip_freq"] = 2;
+  oss["softmax_type"] = "learnable";
   struct Layout {
     const char* model;
     int64_t tp, pp, vp, cp, ep, etp;
@@ -269,8 +271,8 @@ std::vector<Case> Layouts() {
       {"moe_bias", 1, 1, 1, 1, 2, 0, false},
       {"moe_bias", 2, 1, 1, 1, 1, 1, true},
       {"odd", 1, 1, 1, 1, 1, 0, false, nullptr, nullptr, false, true},
-      // gpt-oss's attention: plain, with cp 2 "a2a" and tp 2, and with core attention
-      // recomputed on a pipeline.
+      // gpt-oss's attention: plain, with cp 2 "a2a" (its sinks' only cp) and tp 2, and with
+      // core attention recomputed on a pipeline.
       {"oss", 1, 1, 1, 1, 1, 0, false},
       {"oss", 2, 1, 1, 2, 1, 0, true, "a2a"},
       {"oss", 1, 2, 1, 1, 1, 0, false, nullptr, "selective"},

@@ -965,5 +965,12 @@ TEST(GptReferenceTest, MatchesTorchGoldenGptOssBiasesAndClampedGlu) {
   CheckGolden("gpt_golden_i.safetensors");
 }
 
+// gpt-oss's attention (config H): a sliding window of 2 on the layer window_attn_skip_freq
+// [0, 1] marks, learnable attention sinks per head (softmax_offset, split over tp 2), built in
+// torch from Megatron's own get_sliding_window_causal_mask and SoftmaxOne.
+TEST(GptReferenceTest, MatchesTorchGoldenSlidingWindowAndLearnableSinks) {
+  CheckGolden("gpt_golden_h.safetensors");
+}
+
 }  // namespace
 }  // namespace mpusim

@@ -300,6 +300,61 @@ CONFIG_I = {
             "num_microbatches": 2},
 }
 
+# Config H: gpt-oss's attention: a sliding window of 2 (window_size [2, 0]) on the layers
+# window_attn_skip_freq marks 1 (here the second of two: a list), attention sinks
+# (softmax_type "learnable": a softmax_offset logit per head), grouped-query attention with
+# rope, tp 2 (the sinks split by heads), d = 2.
+CONFIG_H = {
+    "parallel": {"world_size": 4, "tensor_model_parallel_size": 2},
+    "model": {
+        "type": "gpt", "num_layers": 2, "hidden_size": 16, "num_attention_heads": 4,
+        "num_query_groups": 2, "kv_channels": 8, "ffn_hidden_size": 24,
+        "normalization": "RMSNorm", "layernorm_epsilon": 1e-6, "activation": "swiglu",
+        "add_bias_linear": False, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+        "position_embedding_type": "rope", "rotary_base": 10000,
+        "share_embeddings_and_output_weights": False, "vocab_size": 29,
+        "make_vocab_size_divisible_by": 4, "label_smoothing": 0.0,
+        "window_size": [2, 0], "window_attn_skip_freq": [0, 1], "softmax_type": "learnable",
+    },
+    "run": {"seed": 18, "dtype": "float64", "seq_length": 6, "micro_batch_size": 2,
+            "num_microbatches": 2},
+}
+
+
+# Megatron-Core's own pieces of gpt-oss's attention, as megatron/core writes them (torch
+# only, no CUDA): transformer/utils.py's is_layer_window_attention (layer_number 1-based),
+# get_sliding_window_causal_mask and attention_mask_func, and fusions/fused_softmax.py's
+# SoftmaxOne. FusedScaleMaskSoftmax.forward_torch_softmax builds the window's mask in place of
+# the causal one and takes SoftmaxOne whenever a softmax_offset is given.
+def is_layer_window_attention(window_size, window_attn_skip_freq, layer_number):
+    if not window_size:
+        return False
+    if window_attn_skip_freq is None:
+        return True
+    if isinstance(window_attn_skip_freq, int):
+        return layer_number % window_attn_skip_freq != 0
+    return bool(window_attn_skip_freq[layer_number - 1])
+
+
+def get_sliding_window_causal_mask(sq, skv, window_size):
+    m = torch.ones(sq, skv, dtype=torch.bool)
+    mu = torch.triu(m, diagonal=skv - sq - window_size[0])
+    ml = torch.tril(mu, diagonal=skv - sq + window_size[1])
+    return ~ml
+
+
+def attention_mask_func(attention_scores, attention_mask):
+    return attention_scores.masked_fill(attention_mask, -10000.0)
+
+
+def softmax_one(x, denominator_offset):
+    # sink: [np] --> [1, np, 1, 1] --> [b, np, sq, 1]
+    sink = denominator_offset.reshape(1, -1, 1, 1).expand(x.size(0), -1, x.size(2), -1)
+    # qk: [b, np, sq, sk] --> [b, np, sq, sk+1]
+    qk = torch.cat([x, sink], dim=-1)
+    # do softmax, and remove sink token at the end
+    return torch.softmax(qk, dim=-1)[..., :-1]
+
 
 class Sizes:
     def __init__(self, doc):
@@ -369,6 +424,11 @@ class Sizes:
                                 or self.scaling is not None or self.expert_bias)
         # TopKRouter.local_tokens_per_expert (float32), per router, summed over the step.
         self.tokens_per_expert = {}
+        # gpt-oss's attention (TransformerConfig's window_size, window_attn_skip_freq,
+        # softmax_type and their defaults).
+        self.window_size = m.get("window_size")
+        self.window_skip = m.get("window_attn_skip_freq")
+        self.softmax_type = m.get("softmax_type", "vanilla")
 
     def expert(self, p, e, fc, kind="weight"):
         """An expert's weight (or bias) name: SequentialMLP's local_experts.<e>.linear_fc<n>.<kind>
@@ -407,6 +467,8 @@ def make_parameters(z):
         if z.qk_layernorm:  # SelfAttention's q_layernorm, k_layernorm: over kv_channels
             norm(p + ".self_attention.q_layernorm", z.dk)
             norm(p + ".self_attention.k_layernorm", z.dk)
+        if z.softmax_type == "learnable":  # DotProductAttention's softmax_offset [np]
+            weight(p + ".self_attention.core_attention.softmax_offset", z.a)
         weight(p + ".self_attention.linear_proj.weight", z.h, z.a * z.dk)
         if z.bias:
             bias(p + ".self_attention.linear_proj.bias", z.h)
@@ -644,7 +706,18 @@ def microbatch_loss_sum(z, P, tokens, labels, aux_terms=None):
         k = k.repeat_interleave(r, dim=2)  # each query head reads its group's key/value
         v = v.repeat_interleave(r, dim=2)
         scores = torch.einsum("qbhd,kbhd->bhqk", q, k) / math.sqrt(z.dk)
-        probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
+        if is_layer_window_attention(z.window_size, z.window_skip, i + 1):
+            scores = attention_mask_func(
+                scores, get_sliding_window_causal_mask(z.s, z.s, z.window_size))
+        else:
+            scores = scores.masked_fill(causal, float("-inf"))
+        if z.softmax_type == "vanilla":
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            # "off-by-one": a zeros buffer; "learnable": the parameter.
+            offset = (get(".self_attention.core_attention.softmax_offset")
+                      if z.softmax_type == "learnable" else torch.zeros(z.a, dtype=torch.float64))
+            probs = softmax_one(scores, offset)
         context = torch.einsum("bhqk,kbhd->qbhd", probs, v).reshape(z.s, z.B, z.a * z.dk)
         x = x + F.linear(context, get(".self_attention.linear_proj.weight"),
                          get(".self_attention.linear_proj.bias"))
@@ -836,6 +909,7 @@ def main():
     make(CONFIG_K_TIED, 22, os.path.join(HERE, "gpt_golden_k_tied.safetensors"))
     make(CONFIG_G, 7, os.path.join(HERE, "gpt_golden_g.safetensors"))
     make(CONFIG_I, 9, os.path.join(HERE, "gpt_golden_i.safetensors"))
+    make(CONFIG_H, 8, os.path.join(HERE, "gpt_golden_h.safetensors"))
     return 0
 
 
