@@ -147,8 +147,13 @@ Status InitParameters(const GptConfig& gpt, const Dims& d,
   };
   p->word = get("embedding.word_embeddings.weight");
   p->position = get("embedding.position_embeddings.weight");
-  const auto layer_params = [&](const std::string& prefix,
-                                bool moe_layer) -> StatusOr<LayerParams> {
+  const auto is_moe_layer = [&](int64_t i) {
+    return gpt.moe.enabled() && gpt.moe.layers[static_cast<size_t>(i)];
+  };
+  // Layer `i`'s parameters under `prefix` (an MTP depth's layer is built like the last
+  // decoder layer: i = L - 1).
+  const auto layer_params = [&](const std::string& prefix, int64_t i) -> StatusOr<LayerParams> {
+    const bool moe_layer = is_moe_layer(i);
     LayerParams lp;
     lp.input_layernorm = norm(prefix + ".input_layernorm");
     lp.qkv_weight = get(prefix + ".self_attention.linear_qkv.weight");
@@ -192,20 +197,15 @@ Status InitParameters(const GptConfig& gpt, const Dims& d,
     }
     return lp;
   };
-  const auto is_moe_layer = [&](int64_t i) {
-    return gpt.moe.enabled() && gpt.moe.layers[static_cast<size_t>(i)];
-  };
   for (int64_t i = 0; i < d.L; ++i) {
-    StatusOr<LayerParams> layer =
-        layer_params(fmt::format("decoder.layers.{}", i), is_moe_layer(i));
+    StatusOr<LayerParams> layer = layer_params(fmt::format("decoder.layers.{}", i), i);
     if (!layer.ok()) return layer.status();
     p->layers.push_back(std::move(*layer));
   }
   p->final_layernorm = norm("decoder.final_layernorm");
   for (int64_t k = 0; k < gpt.mtp_num_layers; ++k) {
     const std::string prefix = fmt::format("mtp.layers.{}", k);
-    StatusOr<LayerParams> layer =
-        layer_params(prefix + ".transformer_layer", is_moe_layer(d.L - 1));
+    StatusOr<LayerParams> layer = layer_params(prefix + ".transformer_layer", d.L - 1);
     if (!layer.ok()) return layer.status();
     p->mtp.push_back(MtpParams{norm(prefix + ".enorm"), norm(prefix + ".hnorm"),
                                get(prefix + ".eh_proj.weight"), std::move(*layer),
