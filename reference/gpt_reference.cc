@@ -37,6 +37,7 @@
 #include "core/init.h"
 #include "core/schedule.h"
 #include "reference/gpt_reference_ops.h"
+#include "reference/mla_reference.h"
 #include "reference/moe_reference.h"
 #include "reference/ops.h"
 #include "reference/tracker_draws.h"
@@ -55,6 +56,10 @@ using gpt_reference::Linear;
 using gpt_reference::LinearBackward;
 using gpt_reference::Mat;
 using gpt_reference::MatMap;
+using gpt_reference::MlaBackward;
+using gpt_reference::MlaForward;
+using gpt_reference::MlaParams;
+using gpt_reference::MlaStash;
 using gpt_reference::MoeForward;
 using gpt_reference::MoeBackward;
 using gpt_reference::MoeLayout;
@@ -90,6 +95,7 @@ struct LayerParams {
   Param fc2_weight, fc2_bias;  // [h, F], [h]
   MoeParams moe;               // an MoE layer (moe_layer_freq) instead of the MLP
   gpt_reference::AttentionSoftmax softmax;  // its window and sink (softmax_offset [a])
+  MlaParams mla;               // multi_latent_attention instead of linear_qkv
 };
 
 // One multi-token prediction depth (MultiTokenPredictionLayer).
@@ -160,11 +166,21 @@ Status InitParameters(const GptConfig& gpt, const Dims& d,
     lp.qkv_bias = get(prefix + ".self_attention.linear_qkv.bias");
     lp.proj_weight = get(prefix + ".self_attention.linear_proj.weight");
     lp.proj_bias = get(prefix + ".self_attention.linear_proj.bias");
-    lp.qk_norm = {norm(prefix + ".self_attention.q_layernorm"),
-                  norm(prefix + ".self_attention.k_layernorm")};
+    if (!gpt.mla.enabled) {  // MLA's q_layernorm is its latent's (MlaParams)
+      lp.qk_norm = {norm(prefix + ".self_attention.q_layernorm"),
+                    norm(prefix + ".self_attention.k_layernorm")};
+    }
     lp.softmax = {gpt.AttentionWindow(i), gpt.softmax_type,
                   get(prefix + ".self_attention.core_attention.softmax_offset")};
     lp.pre_mlp_layernorm = norm(prefix + ".pre_mlp_layernorm");
+    const std::string attn = prefix + ".self_attention";
+    lp.mla.q_down = get(attn + ".linear_q_down_proj.weight");
+    lp.mla.q_up = get(attn + ".linear_q_up_proj.weight");
+    lp.mla.q_proj = get(attn + ".linear_q_proj.weight");
+    lp.mla.q_norm = norm(attn + ".q_layernorm");
+    lp.mla.kv_down = get(attn + ".linear_kv_down_proj.weight");
+    lp.mla.kv_norm = norm(attn + ".kv_layernorm");
+    lp.mla.kv_up = get(attn + ".linear_kv_up_proj.weight");
     lp.fc1_weight = get(prefix + ".mlp.linear_fc1.weight");
     lp.fc1_bias = get(prefix + ".mlp.linear_fc1.bias");
     lp.fc2_weight = get(prefix + ".mlp.linear_fc2.weight");
@@ -222,6 +238,7 @@ struct LayerStash {
   NormStash ln1;
   Mat ln1_out;  // [s*n, h]
   AttentionStash attention;
+  MlaStash mla;   // multi_latent_attention's
   Mat context;    // [s*n, a*dk]
   Mat keep_attn;  // [s*n, h] self_attn_bda dropout
   NormStash ln2;
@@ -371,13 +388,20 @@ void SliceRun::MicroBatch(int64_t m, const std::vector<int64_t>& all_tokens,
     st.ln1_out =
         NormForward(gpt.normalization, gpt.layernorm_epsilon, x, p.input_layernorm, &st.ln1);
     Record(record, prefix + ".input_layernorm.output", Kind::kHidden, st.ln1_out);
-    const Mat qkv = Linear(st.ln1_out, p.qkv_weight, p.qkv_bias);
-    Record(record, prefix + ".self_attention.linear_qkv.output", Kind::kHidden, qkv);
-    st.context = AttentionForward(d, gpt, p.softmax, qkv, p.qk_norm,
-                                  prefix + ".self_attention.core_attention.attention_dropout", m,
-                                  &st.attention);
-    Record(record, prefix + ".self_attention.core_attention.probs", Kind::kProbs,
-           Stack(st.attention.probs, d.s));
+    const std::string attention_dropout =
+        prefix + ".self_attention.core_attention.attention_dropout";
+    if (p.mla.defined()) {
+      st.context = MlaForward(d, gpt, st.ln1_out, p.mla, attention_dropout, m, &st.mla);
+      Record(record, prefix + ".self_attention.core_attention.probs", Kind::kProbs,
+             Stack(st.mla.probs, d.s));
+    } else {
+      const Mat qkv = Linear(st.ln1_out, p.qkv_weight, p.qkv_bias);
+      Record(record, prefix + ".self_attention.linear_qkv.output", Kind::kHidden, qkv);
+      st.context = AttentionForward(d, gpt, p.softmax, qkv, p.qk_norm, attention_dropout, m,
+                                    &st.attention);
+      Record(record, prefix + ".self_attention.core_attention.probs", Kind::kProbs,
+             Stack(st.attention.probs, d.s));
+    }
     Record(record, prefix + ".self_attention.core_attention.output", Kind::kHidden, st.context);
     Mat proj = Linear(st.context, p.proj_weight, Param{});
     Record(record, prefix + ".self_attention.linear_proj.output", Kind::kHidden, proj);
@@ -526,12 +550,19 @@ void SliceRun::MicroBatch(int64_t m, const std::vector<int64_t>& all_tokens,
     const Mat dcontext = LinearBackward(dproj, st.context, p.proj_weight, p.proj_bias);
     Record(record, prefix + ".self_attention.core_attention.output_grad", Kind::kHidden, dcontext);
     std::vector<Mat> dprobs;
-    const Mat dqkv =
-        AttentionBackward(d, gpt, dcontext, st.attention, p.qk_norm, p.softmax, &dprobs);
-    Record(record, prefix + ".self_attention.core_attention.probs_grad", Kind::kProbs,
-           Stack(dprobs, d.s));
-    Record(record, prefix + ".self_attention.linear_qkv.output_grad", Kind::kHidden, dqkv);
-    const Mat dln1 = LinearBackward(dqkv, st.ln1_out, p.qkv_weight, p.qkv_bias);
+    Mat dln1;
+    if (p.mla.defined()) {
+      dln1 = MlaBackward(d, gpt, st.ln1_out, dcontext, st.mla, p.mla, &dprobs);
+      Record(record, prefix + ".self_attention.core_attention.probs_grad", Kind::kProbs,
+             Stack(dprobs, d.s));
+    } else {
+      const Mat dqkv = AttentionBackward(d, gpt, dcontext, st.attention, p.qk_norm, p.softmax,
+                                         &dprobs);
+      Record(record, prefix + ".self_attention.core_attention.probs_grad", Kind::kProbs,
+             Stack(dprobs, d.s));
+      Record(record, prefix + ".self_attention.linear_qkv.output_grad", Kind::kHidden, dqkv);
+      dln1 = LinearBackward(dqkv, st.ln1_out, p.qkv_weight, p.qkv_bias);
+    }
     Record(record, prefix + ".input_layernorm.output_grad", Kind::kHidden, dln1);
     dx += NormBackward(gpt.normalization, dln1, st.ln1, p.input_layernorm);
   };

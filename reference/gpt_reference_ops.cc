@@ -155,8 +155,6 @@ Mat HiddenKeep(const Dims& d, const std::string& site, int64_t m, double p, int6
   return keep;
 }
 
-namespace {
-
 // 0 or 1/(1-p) for the [s, s] probabilities of slice sample j, head hd of the [B, a, s, s]
 // site: element (gs, hd, qi, ki) is full flat index ((gs*a + hd)*s + qi)*s + ki.
 Mat AttentionKeep(const Dims& d, const std::string& site, int64_t m, double p, int64_t j,
@@ -170,6 +168,8 @@ Mat AttentionKeep(const Dims& d, const std::string& site, int64_t m, double p, i
       keep);
   return keep;
 }
+
+namespace {
 
 // ---- attention ----------------------------------------------------------------------------
 

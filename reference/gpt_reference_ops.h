@@ -131,6 +131,11 @@ struct AttentionSoftmax {
   }
 };
 
+// 0 or 1/(1-p) for the [s, s] probabilities of slice sample j, head hd of the [B, a, s, s]
+// attention dropout site `site`.
+Mat AttentionKeep(const Dims& d, const std::string& site, int64_t m, double p, int64_t j,
+                  int64_t hd);
+
 struct AttentionStash {
   std::vector<Mat> q;      // [n*a] (index j*a + hd): normalised, rotated query heads [s, dk]
   std::vector<Mat> k, v;   // [n*g] (index j*g + grp): normalised, rotated key heads, value

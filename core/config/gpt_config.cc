@@ -296,6 +296,73 @@ Status ResolveWindow(GptConfig* gpt) {
   return {};
 }
 
+// The keys only multi-latent attention reads (MLATransformerConfig's own fields).
+constexpr std::string_view kMlaKeys[] = {
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "rope_type",
+    "rotary_scaling_factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+};
+
+// multi_latent_attention once the section is read: without it its keys are noted as ignored;
+// with it, the keys MLASelfAttention does not read are noted and the combinations it builds
+// differently, or mpusim does not build, refused.
+Status ResolveMla(const json& section, GptConfig* gpt) {
+  MlaConfig& mla = gpt->mla;
+  if (!mla.enabled) {
+    for (std::string_view key : kMlaKeys) {
+      if (section.contains(key)) {
+        gpt->ignored.push_back(
+            fmt::format("model.{}: ignored: multi_latent_attention is false", key));
+      }
+    }
+    mla = MlaConfig{};
+    return {};
+  }
+  for (const char* key : {"kv_channels", "num_query_groups", "add_qkv_bias"}) {
+    if (section.contains(key)) {
+      gpt->ignored.push_back(fmt::format(
+          "model.{}: ignored: multi_latent_attention's heads are qk_head_dim + "
+          "qk_pos_emb_head_dim (queries, keys) and v_head_dim (values), one key and value per "
+          "query head, and its linear layers have no bias",
+          key));
+    }
+  }
+  if (gpt->softmax_type != SoftmaxType::kVanilla || gpt->HasSlidingWindow()) {
+    return Status::Error(gpt->softmax_type != SoftmaxType::kVanilla ? "model.softmax_type"
+                                                                     : "model.window_size",
+                         "attention sinks and sliding windows with multi_latent_attention are "
+                         "not built (MLA's core attention has neither); use one or the other");
+  }
+  if (mla.qk_pos_emb_head_dim % 2 != 0) {
+    return Status::Error("model.qk_pos_emb_head_dim",
+                         fmt::format("rope rotates pairs of channels, so it must be even, got {}",
+                                     mla.qk_pos_emb_head_dim));
+  }
+  if (mla.rope_type == MlaRopeType::kYarn) {
+    if (section.contains("rotary_percent")) {
+      gpt->ignored.push_back(
+          "model.rotary_percent: ignored: MLA's yarn rope turns all qk_pos_emb_head_dim "
+          "channels");
+    }
+  } else if (gpt->rotary_percent < 1.0) {
+    return Status::Error("model.rotary_percent",
+                         fmt::format("{} with multi_latent_attention and rope_type \"rope\" is "
+                                     "not built (MLA's rope on part of qk_pos_emb_head_dim); set "
+                                     "1",
+                                     gpt->rotary_percent));
+  }
+  return {};
+}
+
 }  // namespace
 
 int64_t GptConfig::AttentionWindow(int64_t layer) const {
@@ -396,6 +463,7 @@ Status ParseGptSection(const json& section, GptConfig* out) {
   MPUSIM_RETURN_IF_ERROR(ResolveMoe(section, &gpt));
   MPUSIM_RETURN_IF_ERROR(CheckMtp(section, &gpt));
   MPUSIM_RETURN_IF_ERROR(ResolveWindow(&gpt));
+  MPUSIM_RETURN_IF_ERROR(ResolveMla(section, &gpt));
   *out = gpt;
   return {};
 }
@@ -410,6 +478,20 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
   MPUSIM_RETURN_IF_ERROR(divisible("num_attention_heads", gpt->num_attention_heads));
   MPUSIM_RETURN_IF_ERROR(divisible("num_query_groups", gpt->num_query_groups));
   MPUSIM_RETURN_IF_ERROR(divisible("ffn_hidden_size", gpt->ffn_hidden_size));
+  if (gpt->mla.enabled) {
+    // The local spec's linear_q_down_proj and linear_kv_down_proj are ColumnParallelLinear:
+    // their outputs split over tp before the gather.
+    if (gpt->mla.q_lora_rank) {
+      MPUSIM_RETURN_IF_ERROR(divisible("q_lora_rank", *gpt->mla.q_lora_rank));
+    }
+    if ((gpt->mla.kv_lora_rank + gpt->mla.qk_pos_emb_head_dim) % t != 0) {
+      return Status::Error("model.kv_lora_rank",
+                           fmt::format("kv_lora_rank + qk_pos_emb_head_dim = {} is not divisible "
+                                       "by tensor_model_parallel_size {} (linear_kv_down_proj is "
+                                       "column-parallel)",
+                                       gpt->mla.kv_lora_rank + gpt->mla.qk_pos_emb_head_dim, t));
+    }
+  }
   if (!parallel.Split().Even()) {
     // An uneven pipeline split's checks that need the layer count (Megatron's); the even
     // split's are the model's (GptModel::Build), as before.
@@ -576,6 +658,52 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
   return {};
 }
 
+// MLASelfAttention's parameters with the local spec (get_gpt_layer_local_spec with
+// multi_latent_attention), in forward order. Every projection is a ColumnParallelLinear split
+// along its output rows (the down projections too: their outputs are gathered over tp after),
+// linear_proj a RowParallelLinear; no bias but linear_proj's (add_bias_linear). q_layernorm
+// and kv_layernorm (qk_layernorm only; q_layernorm only with q_lora_rank) normalise the
+// latents: each tp rank holds them whole, on its sequence shard under sequence parallelism
+// (so their gradients are then partial sums over tp).
+static void AddMlaParameters(const GptConfig& gpt, const std::string& prefix,
+                             bool sequence_parallel, std::vector<GptParameter>* params) {
+  const MlaConfig& mla = gpt.mla;
+  const int64_t h = gpt.hidden_size, a = gpt.num_attention_heads;
+  const InitSpec normal{InitMethod::kNormal, gpt.init_method_std};
+  const InitSpec scaled{InitMethod::kNormal,
+                        gpt.init_method_std / std::sqrt(2.0 * static_cast<double>(gpt.num_layers))};
+  const InitSpec zeros{InitMethod::kZeros, 0.0};
+  const InitSpec ones{InitMethod::kOnes, 0.0};
+  const auto column = [&](const std::string& name, int64_t out, int64_t in) {
+    params->push_back(GptParameter{prefix + name, {out, in}, normal, 0, 1, false});
+  };
+  const auto latent_norm = [&](const std::string& name, int64_t width) {
+    if (!gpt.qk_layernorm) return;
+    params->push_back(
+        GptParameter{prefix + name + ".weight", {width}, ones, -1, 1, sequence_parallel});
+    if (IsCentered(gpt.normalization)) {
+      params->push_back(
+          GptParameter{prefix + name + ".bias", {width}, zeros, -1, 1, sequence_parallel});
+    }
+  };
+  if (mla.q_lora_rank) {
+    column(".linear_q_down_proj.weight", *mla.q_lora_rank, h);
+    latent_norm(".q_layernorm", *mla.q_lora_rank);
+    column(".linear_q_up_proj.weight", a * mla.QHeadDim(), *mla.q_lora_rank);
+  } else {
+    column(".linear_q_proj.weight", a * mla.QHeadDim(), h);
+  }
+  column(".linear_kv_down_proj.weight", mla.kv_lora_rank + mla.qk_pos_emb_head_dim, h);
+  latent_norm(".kv_layernorm", mla.kv_lora_rank);
+  column(".linear_kv_up_proj.weight", a * (mla.qk_head_dim + mla.v_head_dim), mla.kv_lora_rank);
+  params->push_back(
+      GptParameter{prefix + ".linear_proj.weight", {h, a * mla.v_head_dim}, scaled, 1, 1, false});
+  if (gpt.add_bias_linear) {
+    params->push_back(
+        GptParameter{prefix + ".linear_proj.bias", {h}, zeros, -1, 1, sequence_parallel});
+  }
+}
+
 std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_vocab_size,
                                         bool sequence_parallel,
                                         const std::function<bool(int64_t)>& keep_layer,
@@ -606,11 +734,14 @@ std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_voc
   // One transformer layer under `layer` (an MoE layer when `moe_layer`).
   const auto add_layer = [&](const std::string& layer, bool moe_layer) {
     norm(layer + ".input_layernorm");
-    add(layer + ".self_attention.linear_qkv.weight", {gpt.QkvRows(), h}, normal, 0);
-    if (gpt.add_bias_linear || gpt.add_qkv_bias) {
+    // Multi-latent attention in place of linear_qkv (its own linear_proj included).
+    const bool mla = gpt.mla.enabled;
+    if (mla) AddMlaParameters(gpt, layer + ".self_attention", sequence_parallel, &params);
+    if (!mla) add(layer + ".self_attention.linear_qkv.weight", {gpt.QkvRows(), h}, normal, 0);
+    if (!mla && (gpt.add_bias_linear || gpt.add_qkv_bias)) {
       add(layer + ".self_attention.linear_qkv.bias", {gpt.QkvRows()}, zeros, 0);
     }
-    if (gpt.qk_layernorm) {
+    if (!mla && gpt.qk_layernorm) {
       // Megatron's q_layernorm / k_layernorm: the model's normalization over kv_channels,
       // one set shared by every head; each tp rank sums its own heads' gradient.
       for (const char* which : {".self_attention.q_layernorm", ".self_attention.k_layernorm"}) {
@@ -627,8 +758,10 @@ std::vector<GptParameter> GptParameters(const GptConfig& gpt, int64_t padded_voc
       add(layer + ".self_attention.core_attention.softmax_offset", {gpt.num_attention_heads},
           normal, 0);
     }
-    add(layer + ".self_attention.linear_proj.weight", {h, attn_width}, scaled, 1);
-    if (gpt.add_bias_linear) add(layer + ".self_attention.linear_proj.bias", {h}, zeros, -1, 1, true);
+    if (!mla) add(layer + ".self_attention.linear_proj.weight", {h, attn_width}, scaled, 1);
+    if (!mla && gpt.add_bias_linear) {
+      add(layer + ".self_attention.linear_proj.bias", {h}, zeros, -1, 1, true);
+    }
     norm(layer + ".pre_mlp_layernorm");
     if (moe_layer) {
       // MoELayer: the router (replicated; fed by the sequence-split stream under sequence

@@ -134,6 +134,29 @@ RouterDTypes RouterDTypesOf(const MoeConfig& moe, DType storage);
 // attention sink, a logit in each row's denominator only: 0 ("off-by-one") or a learnable
 // one per head ("learnable", the parameter core_attention.softmax_offset).
 enum class SoftmaxType : uint8_t { kVanilla, kOffByOne, kLearnable };
+// Multi-latent attention (DeepSeek-V2/V3; Megatron's MLATransformerConfig fields, model
+// section, MLATransformerConfig's defaults), built with the local layer spec's MLASelfAttention
+// (megatron/core/transformer/multi_latent_attention.py). Read only with enabled.
+enum class MlaRopeType : uint8_t { kRope, kYarn };
+
+struct MlaConfig {
+  bool enabled = false;                      // multi_latent_attention
+  std::optional<int64_t> q_lora_rank = 512;  // null: linear_q_proj, no query down projection
+  int64_t kv_lora_rank = 512;
+  int64_t qk_head_dim = 128;         // a head's query/key channels without rope
+  int64_t qk_pos_emb_head_dim = 64;  // a head's rope channels (the key's shared by the heads)
+  int64_t v_head_dim = 128;
+  MlaRopeType rope_type = MlaRopeType::kYarn;
+  double rotary_scaling_factor = 40.0;
+  int64_t original_max_position_embeddings = 4096;
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  double mscale = 1.0;
+  double mscale_all_dim = 0.0;
+
+  // A query's and a key's channels: qk_head_dim + qk_pos_emb_head_dim.
+  int64_t QHeadDim() const { return qk_head_dim + qk_pos_emb_head_dim; }
+};
 
 struct GptConfig {
   int64_t num_layers = 0;
@@ -184,6 +207,7 @@ struct GptConfig {
   // layers with 1; none: every layer slides.
   std::optional<std::variant<int64_t, std::vector<bool>>> window_attn_skip_freq;
   SoftmaxType softmax_type = SoftmaxType::kVanilla;
+  MlaConfig mla;
   // TransformerConfig fields given that change nothing mpusim computes, one line each
   // ("model.bias_dropout_fusion: ignored: why"), printed as notes.
   std::vector<std::string> ignored;
@@ -226,6 +250,7 @@ const char* Fp8RecipeName(Fp8Recipe r);    // "delayed", "tensorwise", "blockwis
 const char* MoeRouterDTypeName(MoeRouterDType d);  // "fp32", "fp64"
 const char* MoeScoreFunctionName(MoeScoreFunction f);  // "softmax", "sigmoid"
 const char* SoftmaxTypeName(SoftmaxType t);        // "vanilla", "off-by-one", "learnable"
+const char* MlaRopeTypeName(MlaRopeType r);        // "rope", "yarn"
 
 // The keys of a GPT `model` section, each declared once (gpt_fields.cc), in documentation
 // order. The integer sizes Megatron resolves from other keys (ffn_hidden_size, kv_channels,

@@ -59,6 +59,10 @@ const std::vector<std::string_view>& MoeDropPolicyNames() {
   static const std::vector<std::string_view> kNames = {"probs", "position"};
   return kNames;
 }
+const std::vector<std::string_view>& MlaRopeTypeNames() {
+  static const std::vector<std::string_view> kNames = {"rope", "yarn"};
+  return kNames;
+}
 const std::vector<std::string_view>& MoeRouterDTypeNames() {
   static const std::vector<std::string_view> kNames = {"fp32", "fp64"};
   return kNames;
@@ -576,6 +580,51 @@ constexpr GptField kFields[] = {
              "denominator) or \"learnable\" (a sink logit per head, "
              "core_attention.softmax_offset)",
      .effect = kShape},
+    // Multi-latent attention (MlaConfig; MLATransformerConfig's defaults).
+    {.key = "multi_latent_attention",
+     .target = InnerMember<&GptConfig::mla, &MlaConfig::enabled>(),
+     .help = "DeepSeek's multi-latent attention (MLASelfAttention) instead of linear_qkv; the "
+             "mla keys below are read only with it",
+     .effect = kShape},
+    {.key = "q_lora_rank",
+     .target = InnerMember<&GptConfig::mla, &MlaConfig::q_lora_rank>(),
+     .help = "the query's latent width (linear_q_down_proj, q_layernorm, linear_q_up_proj); "
+             "null: one linear_q_proj",
+     .effect = kShape},
+    {.key = "kv_lora_rank",
+     .target = InnerMember<&GptConfig::mla, &MlaConfig::kv_lora_rank>(),
+     .help = "the keys' and values' latent width (linear_kv_down_proj, kv_layernorm)",
+     .effect = kShape},
+    {.key = "qk_head_dim",
+     .target = InnerMember<&GptConfig::mla, &MlaConfig::qk_head_dim>(),
+     .help = "a query/key head's channels without rope",
+     .effect = kShape},
+    {.key = "qk_pos_emb_head_dim",
+     .target = InnerMember<&GptConfig::mla, &MlaConfig::qk_pos_emb_head_dim>(),
+     .help = "a query/key head's rope channels; the key's come from linear_kv_down_proj, "
+             "shared by the heads",
+     .effect = kShape},
+    {.key = "v_head_dim",
+     .target = InnerMember<&GptConfig::mla, &MlaConfig::v_head_dim>(),
+     .help = "a value head's channels",
+     .effect = kShape},
+    {"rope_type", Choice<&MlaRopeTypeNames, &GptConfig::mla, &MlaConfig::rope_type>(),
+     "MLA's rope: \"rope\" or \"yarn\" (YaRN's frequencies and mscale)"},
+    {"rotary_scaling_factor", InnerMember<&GptConfig::mla, &MlaConfig::rotary_scaling_factor>(),
+     "YaRN's scaling factor (also in MLA's softmax scale)"},
+    {"original_max_position_embeddings",
+     InnerMember<&GptConfig::mla, &MlaConfig::original_max_position_embeddings>(),
+     "YaRN's original context length"},
+    {"beta_fast", InnerMember<&GptConfig::mla, &MlaConfig::beta_fast>(),
+     "YaRN's fast rotation bound"},
+    {"beta_slow", InnerMember<&GptConfig::mla, &MlaConfig::beta_slow>(),
+     "YaRN's slow rotation bound"},
+    {"mscale", InnerMember<&GptConfig::mla, &MlaConfig::mscale, 1, NumberRule::kNonNegative>(),
+     "YaRN's mscale: rope's cos and sin scale by mscale(f, mscale) / mscale(f, mscale_all_dim)"},
+    {"mscale_all_dim",
+     InnerMember<&GptConfig::mla, &MlaConfig::mscale_all_dim, 1, NumberRule::kNonNegative>(),
+     "YaRN's mscale_all_dim: the softmax scale is mscale(f, mscale_all_dim)^2 / "
+     "sqrt(qk_head_dim + qk_pos_emb_head_dim)"},
 };
 
 }  // namespace
@@ -606,6 +655,9 @@ const std::vector<std::string_view>& AttentionBackendNames() {
 }
 const char* Fp8FormatName(Fp8Format f) { return Fp8FormatNames()[static_cast<size_t>(f)].data(); }
 const char* Fp8RecipeName(Fp8Recipe r) { return Fp8RecipeNames()[static_cast<size_t>(r)].data(); }
+const char* MlaRopeTypeName(MlaRopeType r) {
+  return MlaRopeTypeNames()[static_cast<size_t>(r)].data();
+}
 const char* MoeRouterDTypeName(MoeRouterDType d) {
   return MoeRouterDTypeNames()[static_cast<size_t>(d)].data();
 }

@@ -872,5 +872,162 @@ TEST(GptConfig, MultiTokenPrediction) {
   EXPECT_EQ(GptParameters(gpt, 1024, true, [](int64_t) { return false; }).size(), 4u);
 }
 
+// multi_latent_attention and MLATransformerConfig's keys: its defaults, notes for the keys it
+// does not read (and for its keys without it), the refusals, the tp divisibility of the
+// column-parallel down projections, and MLASelfAttention's parameters with the local spec.
+TEST(GptConfig, MultiLatentAttentionKeys) {
+  GptConfig gpt;
+  json section = Minimal();
+  section["q_lora_rank"] = 32;
+  ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
+  EXPECT_FALSE(gpt.mla.enabled);
+  EXPECT_EQ(
+      gpt.ignored,
+      (std::vector<std::string>{"model.q_lora_rank: ignored: multi_latent_attention is false"}));
+  EXPECT_EQ(gpt.mla.q_lora_rank, 512);  // reset: not read
+
+  section = Minimal();
+  section["multi_latent_attention"] = true;
+  section["kv_channels"] = 8;
+  ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
+  // MLATransformerConfig's defaults.
+  EXPECT_TRUE(gpt.mla.enabled);
+  EXPECT_EQ(gpt.mla.q_lora_rank, 512);
+  EXPECT_EQ(gpt.mla.kv_lora_rank, 512);
+  EXPECT_EQ(gpt.mla.qk_head_dim, 128);
+  EXPECT_EQ(gpt.mla.qk_pos_emb_head_dim, 64);
+  EXPECT_EQ(gpt.mla.v_head_dim, 128);
+  EXPECT_EQ(gpt.mla.rope_type, MlaRopeType::kYarn);
+  EXPECT_EQ(gpt.mla.rotary_scaling_factor, 40.0);
+  EXPECT_EQ(gpt.mla.original_max_position_embeddings, 4096);
+  EXPECT_EQ(gpt.mla.beta_fast, 32.0);
+  EXPECT_EQ(gpt.mla.beta_slow, 1.0);
+  EXPECT_EQ(gpt.mla.mscale, 1.0);
+  EXPECT_EQ(gpt.mla.mscale_all_dim, 0.0);
+  ASSERT_EQ(gpt.ignored.size(), 1u);
+  EXPECT_EQ(gpt.ignored[0].rfind("model.kv_channels: ignored: multi_latent_attention's heads", 0),
+            0u);
+
+  section["q_lora_rank"] = nullptr;
+  section["rope_type"] = "rope";
+  ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
+  EXPECT_FALSE(gpt.mla.q_lora_rank.has_value());
+  EXPECT_EQ(gpt.mla.rope_type, MlaRopeType::kRope);
+
+  const auto refusal = [&](const char* key, const json& value) {
+    json bad = Minimal();
+    bad["multi_latent_attention"] = true;
+    bad[key] = value;
+    return Refusal(bad);
+  };
+  EXPECT_EQ(refusal("qk_pos_emb_head_dim", 7),
+            "model.qk_pos_emb_head_dim: rope rotates pairs of channels, so it must be even, got 7");
+  EXPECT_EQ(refusal("rope_type", "ntk"),
+            "model.rope_type: must be \"rope\" or \"yarn\", got string \"ntk\"");
+  EXPECT_EQ(refusal("q_lora_rank", 0).rfind("model.q_lora_rank: ", 0), 0u);
+  EXPECT_EQ(refusal("mscale_all_dim", -1).rfind("model.mscale_all_dim: ", 0), 0u);
+  json rope = Minimal();
+  rope["multi_latent_attention"] = true;
+  rope["rope_type"] = "rope";
+  rope["rotary_percent"] = 0.5;
+  EXPECT_EQ(Refusal(rope),
+            "model.rotary_percent: 0.5 with multi_latent_attention and rope_type \"rope\" is not "
+            "built (MLA's rope on part of qk_pos_emb_head_dim); set 1");
+  rope["rope_type"] = "yarn";  // YarnRotaryEmbedding turns every rope channel
+  ASSERT_TRUE(ParseGptSection(rope, &gpt).ok());
+  EXPECT_EQ(gpt.ignored.back(),
+            "model.rotary_percent: ignored: MLA's yarn rope turns all qk_pos_emb_head_dim "
+            "channels");
+
+  // The down projections are column-parallel: their widths divide by tp.
+  json small = Minimal();
+  small["multi_latent_attention"] = true;
+  small["q_lora_rank"] = 6;
+  small["kv_lora_rank"] = 10;
+  small["qk_pos_emb_head_dim"] = 4;
+  ASSERT_TRUE(ParseGptSection(small, &gpt).ok());
+  ParallelConfig parallel;
+  parallel.world_size = 4;
+  parallel.tensor_model_parallel_size = 4;
+  RunConfig run;
+  run.seq_length = 8;
+  GptConfig copy = gpt;
+  EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
+            "model.q_lora_rank: 6 is not divisible by tensor_model_parallel_size 4");
+  gpt.mla.q_lora_rank.reset();
+  copy = gpt;
+  EXPECT_EQ(CheckGptLayout(parallel, run, &copy).Message(),
+            "model.kv_lora_rank: kv_lora_rank + qk_pos_emb_head_dim = 14 is not divisible by "
+            "tensor_model_parallel_size 4 (linear_kv_down_proj is column-parallel)");
+  parallel.tensor_model_parallel_size = 2;
+  copy = gpt;
+  EXPECT_TRUE(CheckGptLayout(parallel, run, &copy).ok());
+}
+
+TEST(GptConfig, MultiLatentAttentionParametersFollowTheLocalSpec) {
+  json section = Minimal();
+  section["num_layers"] = 1;
+  section["multi_latent_attention"] = true;
+  section["qk_layernorm"] = true;
+  section["q_lora_rank"] = 24;
+  section["kv_lora_rank"] = 16;
+  section["qk_head_dim"] = 6;
+  section["qk_pos_emb_head_dim"] = 4;
+  section["v_head_dim"] = 5;
+  GptConfig gpt;
+  ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
+  gpt.max_position_embeddings = 16;
+  const std::vector<GptParameter> params = GptParameters(gpt, 1024, /*sequence_parallel=*/true);
+  struct Row {
+    std::string name;
+    Shape shape;
+    int tp_dim;
+    bool allreduce;
+  };
+  std::vector<Row> rows;
+  for (const GptParameter& p : params) {
+    if (p.name.find(".self_attention.") == std::string::npos) continue;
+    rows.push_back({p.name.substr(std::string("decoder.layers.0.self_attention.").size()), p.shape,
+                    p.tp_dim, p.allreduce_grad_over_tp});
+  }
+  // 8 heads of 6 + 4 query/key channels and 5 value channels; LayerNorm latents with biases.
+  const std::vector<Row> expected = {{"linear_q_down_proj.weight", {24, 64}, 0, false},
+                                     {"q_layernorm.weight", {24}, -1, true},
+                                     {"q_layernorm.bias", {24}, -1, true},
+                                     {"linear_q_up_proj.weight", {80, 24}, 0, false},
+                                     {"linear_kv_down_proj.weight", {20, 64}, 0, false},
+                                     {"kv_layernorm.weight", {16}, -1, true},
+                                     {"kv_layernorm.bias", {16}, -1, true},
+                                     {"linear_kv_up_proj.weight", {88, 16}, 0, false},
+                                     {"linear_proj.weight", {64, 40}, 1, false},
+                                     {"linear_proj.bias", {64}, -1, true}};
+  ASSERT_EQ(rows.size(), expected.size());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    EXPECT_EQ(rows[i].name, expected[i].name);
+    EXPECT_EQ(rows[i].shape, expected[i].shape) << rows[i].name;
+    EXPECT_EQ(rows[i].tp_dim, expected[i].tp_dim) << rows[i].name;
+    EXPECT_EQ(rows[i].allreduce, expected[i].allreduce) << rows[i].name;
+  }
+  // Without sequence parallelism every tp rank normalises the whole latent: no reduction.
+  for (const GptParameter& p : GptParameters(gpt, 1024, false)) {
+    if (p.name.find("layernorm") != std::string::npos) {
+      EXPECT_FALSE(p.allreduce_grad_over_tp) << p.name;
+    }
+  }
+  // q_lora_rank null: one linear_q_proj; no qk_layernorm: no latent norms.
+  gpt.mla.q_lora_rank.reset();
+  gpt.qk_layernorm = false;
+  std::vector<std::string> names;
+  for (const GptParameter& p : GptParameters(gpt, 1024, false)) {
+    if (p.name.find(".self_attention.") != std::string::npos) names.push_back(p.name);
+  }
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"decoder.layers.0.self_attention.linear_q_proj.weight",
+                                      "decoder.layers.0.self_attention.linear_kv_down_proj.weight",
+                                      "decoder.layers.0.self_attention.linear_kv_up_proj.weight",
+                                      "decoder.layers.0.self_attention.linear_proj.weight",
+                                      "decoder.layers.0.self_attention.linear_proj.bias"}));
+}
+
 }  // namespace
 }  // namespace mpusim

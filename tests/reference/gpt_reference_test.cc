@@ -972,5 +972,18 @@ TEST(GptReferenceTest, MatchesTorchGoldenSlidingWindowAndLearnableSinks) {
   CheckGolden("gpt_golden_h.safetensors");
 }
 
+// Multi-latent attention (Megatron's MLASelfAttention, local spec): the query's latent with
+// q_layernorm, the kv latent with its rope channels and kv_layernorm, yarn rope with mscale
+// 1 / mscale_all_dim 0.5 (cos/sin and the softmax scale both scaled), tp 2 (config J).
+TEST(GptReferenceTest, MatchesTorchGoldenMultiLatentAttentionYarn) {
+  CheckGolden("gpt_golden_j.safetensors");
+}
+
+// Multi-latent attention with q_lora_rank null (linear_q_proj), plain rope yet the softmax
+// scale's mscale_all_dim, LayerNorm latents with biases, linear_proj's bias, learned positions.
+TEST(GptReferenceTest, MatchesTorchGoldenMultiLatentAttentionQProjRope) {
+  CheckGolden("gpt_golden_j_q_proj.safetensors");
+}
+
 }  // namespace
 }  // namespace mpusim

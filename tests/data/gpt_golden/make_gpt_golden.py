@@ -356,6 +356,72 @@ def softmax_one(x, denominator_offset):
     return torch.softmax(qk, dim=-1)[..., :-1]
 
 
+# Config J: multi-latent attention (Megatron-Core's MLASelfAttention, local spec), DeepSeek-V3
+# style: q_lora_rank 12 (linear_q_down_proj, q_layernorm, linear_q_up_proj), kv_lora_rank 10
+# with 8 rope channels (linear_kv_down_proj, kv_layernorm, linear_kv_up_proj), qk_head_dim 6,
+# v_head_dim 5 (query/key heads of 14 channels, value heads of 5), yarn rope with scaling
+# factor 40, mscale 1 and mscale_all_dim 0.5 (cos/sin scaled by 1.156, the softmax by 1.403 /
+# sqrt(14)), RMSNorm, swiglu, no biases, untied output, tp 2, d = 2, two micro-batches.
+CONFIG_J = {
+    "parallel": {"world_size": 4, "tensor_model_parallel_size": 2},
+    "model": {
+        "type": "gpt", "num_layers": 2, "hidden_size": 16, "num_attention_heads": 4,
+        "ffn_hidden_size": 24, "normalization": "RMSNorm", "layernorm_epsilon": 1e-6,
+        "activation": "swiglu", "add_bias_linear": False, "qk_layernorm": True,
+        "hidden_dropout": 0.0, "attention_dropout": 0.0, "position_embedding_type": "rope",
+        "rotary_base": 10000, "share_embeddings_and_output_weights": False,
+        "vocab_size": 29, "make_vocab_size_divisible_by": 4, "label_smoothing": 0.0,
+        "multi_latent_attention": True, "q_lora_rank": 12, "kv_lora_rank": 10,
+        "qk_head_dim": 6, "qk_pos_emb_head_dim": 8, "v_head_dim": 5, "rope_type": "yarn",
+        "rotary_scaling_factor": 40, "original_max_position_embeddings": 4096,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.5,
+    },
+    "run": {"seed": 19, "dtype": "float64", "seq_length": 6, "micro_batch_size": 2,
+            "num_microbatches": 2},
+}
+
+# Config J, q_proj: multi-latent attention without the query's latent (q_lora_rank null: one
+# linear_q_proj), plain rope (rope_type "rope", base 500) yet mscale_all_dim 0.7 with scaling
+# factor 40 (Megatron's softmax scale reads them whatever the rope), LayerNorm (kv_layernorm
+# with a bias), gelu, linear_proj's bias, learned absolute positions beside MLA's rope, tied
+# embeddings, d = 2.
+CONFIG_J_Q_PROJ = {
+    "parallel": {"world_size": 2, "tensor_model_parallel_size": 1},
+    "model": {
+        "type": "gpt", "num_layers": 2, "hidden_size": 16, "num_attention_heads": 4,
+        "ffn_hidden_size": 32, "normalization": "LayerNorm", "layernorm_epsilon": 1e-5,
+        "activation": "gelu", "add_bias_linear": True, "qk_layernorm": True,
+        "hidden_dropout": 0.0, "attention_dropout": 0.0,
+        "position_embedding_type": "learned_absolute", "rotary_base": 500,
+        "share_embeddings_and_output_weights": True, "vocab_size": 37,
+        "make_vocab_size_divisible_by": 8, "label_smoothing": 0.0,
+        "multi_latent_attention": True, "q_lora_rank": None, "kv_lora_rank": 8,
+        "qk_head_dim": 4, "qk_pos_emb_head_dim": 4, "v_head_dim": 6, "rope_type": "rope",
+        "rotary_scaling_factor": 40, "mscale_all_dim": 0.7,
+    },
+    "run": {"seed": 20, "dtype": "float64", "seq_length": 6, "micro_batch_size": 2,
+            "num_microbatches": 1},
+}
+
+
+class MlaSizes:
+    """MLATransformerConfig's fields and their defaults."""
+
+    def __init__(self, m):
+        self.q_lora = m.get("q_lora_rank", 512)
+        self.kv_lora = m.get("kv_lora_rank", 512)
+        self.qk = m.get("qk_head_dim", 128)
+        self.pe = m.get("qk_pos_emb_head_dim", 64)
+        self.v = m.get("v_head_dim", 128)
+        self.rope_type = m.get("rope_type", "yarn")
+        self.factor = float(m.get("rotary_scaling_factor", 40))
+        self.original = m.get("original_max_position_embeddings", 4096)
+        self.beta_fast = float(m.get("beta_fast", 32))
+        self.beta_slow = float(m.get("beta_slow", 1))
+        self.mscale = float(m.get("mscale", 1.0))
+        self.mscale_all_dim = float(m.get("mscale_all_dim", 0.0))
+
+
 class Sizes:
     def __init__(self, doc):
         p, m, r = doc["parallel"], doc["model"], doc["run"]
@@ -429,6 +495,7 @@ class Sizes:
         self.window_size = m.get("window_size")
         self.window_skip = m.get("window_attn_skip_freq")
         self.softmax_type = m.get("softmax_type", "vanilla")
+        self.mla = MlaSizes(m) if m.get("multi_latent_attention", False) else None
 
     def expert(self, p, e, fc, kind="weight"):
         """An expert's weight (or bias) name: SequentialMLP's local_experts.<e>.linear_fc<n>.<kind>
@@ -461,15 +528,19 @@ def make_parameters(z):
     for i in range(z.L):
         p = f"decoder.layers.{i}"
         norm(p + ".input_layernorm")
-        weight(p + ".self_attention.linear_qkv.weight", qkv_rows, z.h)
-        if z.qkv_bias:
+        if z.mla:
+            mla_parameters(z, p + ".self_attention", weight, norm)
+        else:
+            weight(p + ".self_attention.linear_qkv.weight", qkv_rows, z.h)
+        if z.qkv_bias and not z.mla:
             bias(p + ".self_attention.linear_qkv.bias", qkv_rows)
-        if z.qk_layernorm:  # SelfAttention's q_layernorm, k_layernorm: over kv_channels
+        if z.qk_layernorm and not z.mla:  # SelfAttention's q/k_layernorm: over kv_channels
             norm(p + ".self_attention.q_layernorm", z.dk)
             norm(p + ".self_attention.k_layernorm", z.dk)
         if z.softmax_type == "learnable":  # DotProductAttention's softmax_offset [np]
             weight(p + ".self_attention.core_attention.softmax_offset", z.a)
-        weight(p + ".self_attention.linear_proj.weight", z.h, z.a * z.dk)
+        weight(p + ".self_attention.linear_proj.weight", z.h,
+               z.a * (z.mla.v if z.mla else z.dk))
         if z.bias:
             bias(p + ".self_attention.linear_proj.bias", z.h)
         norm(p + ".pre_mlp_layernorm")
@@ -678,6 +749,115 @@ def moe_layer(z, P, p, h2):
     return out, aux
 
 
+def yarn_get_mscale(scale=1.0, mscale=1.0):
+    """yarn_rotary_pos_embedding.py _yarn_get_mscale."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def mla_parameters(z, p, weight, norm):
+    """MLASelfAttention's parameters (local spec: ColumnParallelLinear projections, the
+    q/kv latent norms q_layernorm and kv_layernorm with qk_layernorm, q_layernorm only with
+    q_lora_rank); linear_proj is the caller's."""
+    ml = z.mla
+    dq = ml.qk + ml.pe
+    if ml.q_lora is not None:
+        weight(p + ".linear_q_down_proj.weight", ml.q_lora, z.h)
+        if z.qk_layernorm:
+            norm(p + ".q_layernorm", ml.q_lora)
+        weight(p + ".linear_q_up_proj.weight", z.a * dq, ml.q_lora)
+    else:
+        weight(p + ".linear_q_proj.weight", z.a * dq, z.h)
+    weight(p + ".linear_kv_down_proj.weight", ml.kv_lora + ml.pe, z.h)
+    if z.qk_layernorm:
+        norm(p + ".kv_layernorm", ml.kv_lora)
+    weight(p + ".linear_kv_up_proj.weight", z.a * (ml.qk + ml.v), ml.kv_lora)
+
+
+def mla_rotary_pos_emb(z):
+    """MLA's rotary_pos_emb and mscale: RotaryEmbedding(qk_pos_emb_head_dim) for rope_type
+    "rope" (mscale 1), else YarnRotaryEmbedding.get_emb: emb [s, 1, 1, pe] and its
+    concentration factor _yarn_get_concentration_factor(factor, mscale, mscale_all_dim)."""
+    ml = z.mla
+    dim = ml.pe
+    seq = torch.arange(z.s, dtype=torch.float64)
+    exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim
+    if ml.rope_type == "rope":
+        inv_freq = 1.0 / (z.rotary_base ** exponents)
+        freqs = torch.outer(seq, inv_freq)
+        return torch.cat((freqs, freqs), dim=-1)[:, None, None, :], 1.0
+    inv_freq_extra = 1.0 / (z.rotary_base ** exponents)
+    inv_freq_inter = 1.0 / (ml.factor * z.rotary_base ** exponents)
+
+    def correction_dim(num_rotations):  # _yarn_find_correction_dim
+        return (dim * math.log(ml.original / (num_rotations * 2 * math.pi))) / (
+            2 * math.log(z.rotary_base))
+
+    low = max(math.floor(correction_dim(ml.beta_fast)), 0)  # _yarn_find_correction_range
+    high = min(math.ceil(correction_dim(ml.beta_slow)), dim - 1)
+    if low == high:  # _yarn_linear_ramp_mask
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low), 0, 1)
+    inv_freq_mask = 1.0 - ramp
+    inv_freq = inv_freq_inter * (1 - inv_freq_mask) + inv_freq_extra * inv_freq_mask
+    freqs = torch.outer(seq, inv_freq)
+    mscale = yarn_get_mscale(ml.factor, ml.mscale) / yarn_get_mscale(ml.factor, ml.mscale_all_dim)
+    return torch.cat((freqs, freqs), dim=-1)[:, None, None, :], mscale
+
+
+def apply_mla_rope(t, freqs, mscale):
+    """rope_utils._apply_rotary_pos_emb_bshd with mla_rotary_interleaved=True: the channels
+    de-interleaved (even, then odd), then t * cos + rotate_half(t) * sin, cos and sin scaled by
+    mscale; the output stays de-interleaved."""
+    rot_dim = freqs.shape[-1]
+    t, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+    t = torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
+    cos_ = torch.cos(freqs) * mscale
+    sin_ = torch.sin(freqs) * mscale
+    x1, x2 = torch.chunk(t, 2, dim=-1)
+    t = t * cos_ + torch.cat((-x2, x1), dim=-1) * sin_
+    return torch.cat((t, t_pass), dim=-1)
+
+
+def mla_attention(z, P, p, h1):
+    """MLASelfAttention.forward (get_query_key_value_tensors, unfused rope) and local
+    DotProductAttention with MultiLatentAttention's softmax_scale, on h1 [s, B, h]; returns
+    the context [s, B, a * v_head_dim] for linear_proj."""
+    ml = z.mla
+    dq = ml.qk + ml.pe
+    causal = torch.triu(torch.ones(z.s, z.s, dtype=torch.bool), diagonal=1)
+    if ml.q_lora is not None:
+        q_compressed = F.linear(h1, P[p + ".linear_q_down_proj.weight"])
+        if z.qk_layernorm:
+            q_compressed = normalize(z, q_compressed, p + ".q_layernorm", P)
+        q = F.linear(q_compressed, P[p + ".linear_q_up_proj.weight"])
+    else:
+        q = F.linear(h1, P[p + ".linear_q_proj.weight"])
+    kv_combined = F.linear(h1, P[p + ".linear_kv_down_proj.weight"])
+    kv_compressed, k_pos_emb = torch.split(kv_combined, [ml.kv_lora, ml.pe], dim=-1)
+    if z.qk_layernorm:
+        kv_compressed = normalize(z, kv_compressed, p + ".kv_layernorm", P)
+    q = q.view(z.s, z.B, z.a, dq)
+    kv = F.linear(kv_compressed, P[p + ".linear_kv_up_proj.weight"])
+    kv = kv.view(z.s, z.B, z.a, ml.qk + ml.v)
+    k_pos_emb = torch.unsqueeze(k_pos_emb, -2)  # [s, B, 1, pe]
+    rotary_pos_emb, mscale = mla_rotary_pos_emb(z)
+    q_no_pe, q_pos_emb = torch.split(q, [ml.qk, ml.pe], dim=-1)
+    k_no_pe, value = torch.split(kv, [ml.qk, ml.v], dim=-1)
+    q_pos_emb = apply_mla_rope(q_pos_emb, rotary_pos_emb, mscale)
+    k_pos_emb = apply_mla_rope(k_pos_emb, rotary_pos_emb, mscale)
+    query = torch.cat([q_no_pe, q_pos_emb], dim=-1)
+    key = torch.cat([k_no_pe, k_pos_emb.expand(-1, -1, z.a, -1)], dim=-1)
+    # MultiLatentAttention.__init__: mscale(rotary_scaling_factor, mscale_all_dim)^2 /
+    # sqrt(q_head_dim), whatever rope_type is.
+    m_all = yarn_get_mscale(ml.factor, ml.mscale_all_dim)
+    softmax_scale = m_all * m_all / math.sqrt(dq)
+    scores = torch.einsum("qbhd,kbhd->bhqk", query, key) * softmax_scale
+    probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
+    return torch.einsum("bhqk,kbhd->qbhd", probs, value).reshape(z.s, z.B, z.a * ml.v)
+
+
 def microbatch_loss_sum(z, P, tokens, labels, aux_terms=None):
     """Sum of the token losses of one micro-batch; tokens, labels: [s, B] int64. An MoE
     model appends each MoE layer's auxiliary objective (moe_layer) to aux_terms."""
@@ -690,37 +870,42 @@ def microbatch_loss_sum(z, P, tokens, labels, aux_terms=None):
         p = f"decoder.layers.{i}"
         get = lambda name: P.get(p + name)
         h1 = normalize(z, x, p + ".input_layernorm", P)
-        qkv = F.linear(h1, get(".self_attention.linear_qkv.weight"),
-                       get(".self_attention.linear_qkv.bias"))
-        # Megatron: view [s, B, g, (r + 2) * dk], split into r query heads, key, value.
-        qkv = qkv.view(z.s, z.B, z.g, r + 2, z.dk)
-        q = qkv[:, :, :, :r, :].reshape(z.s, z.B, z.a, z.dk)
-        k = qkv[:, :, :, r, :]
-        v = qkv[:, :, :, r + 1, :]
-        if z.qk_layernorm:  # get_query_key_value_tensors: the norms, then RoPE in forward
-            q = normalize(z, q, p + ".self_attention.q_layernorm", P)
-            k = normalize(z, k, p + ".self_attention.k_layernorm", P)
-        if z.rope:
-            q = apply_rope(z, q)
-            k = apply_rope(z, k)
-        k = k.repeat_interleave(r, dim=2)  # each query head reads its group's key/value
-        v = v.repeat_interleave(r, dim=2)
-        scores = torch.einsum("qbhd,kbhd->bhqk", q, k) / math.sqrt(z.dk)
-        if is_layer_window_attention(z.window_size, z.window_skip, i + 1):
-            scores = attention_mask_func(
-                scores, get_sliding_window_causal_mask(z.s, z.s, z.window_size))
+        if z.mla:
+            context = mla_attention(z, P, p + ".self_attention", h1)
+            x = x + F.linear(context, get(".self_attention.linear_proj.weight"),
+                             get(".self_attention.linear_proj.bias"))
         else:
-            scores = scores.masked_fill(causal, float("-inf"))
-        if z.softmax_type == "vanilla":
-            probs = torch.softmax(scores, dim=-1)
-        else:
-            # "off-by-one": a zeros buffer; "learnable": the parameter.
-            offset = (get(".self_attention.core_attention.softmax_offset")
-                      if z.softmax_type == "learnable" else torch.zeros(z.a, dtype=torch.float64))
-            probs = softmax_one(scores, offset)
-        context = torch.einsum("bhqk,kbhd->qbhd", probs, v).reshape(z.s, z.B, z.a * z.dk)
-        x = x + F.linear(context, get(".self_attention.linear_proj.weight"),
-                         get(".self_attention.linear_proj.bias"))
+            qkv = F.linear(h1, get(".self_attention.linear_qkv.weight"),
+                           get(".self_attention.linear_qkv.bias"))
+            # Megatron: view [s, B, g, (r + 2) * dk], split into r query heads, key, value.
+            qkv = qkv.view(z.s, z.B, z.g, r + 2, z.dk)
+            q = qkv[:, :, :, :r, :].reshape(z.s, z.B, z.a, z.dk)
+            k = qkv[:, :, :, r, :]
+            v = qkv[:, :, :, r + 1, :]
+            if z.qk_layernorm:  # get_query_key_value_tensors: the norms, then RoPE in forward
+                q = normalize(z, q, p + ".self_attention.q_layernorm", P)
+                k = normalize(z, k, p + ".self_attention.k_layernorm", P)
+            if z.rope:
+                q = apply_rope(z, q)
+                k = apply_rope(z, k)
+            k = k.repeat_interleave(r, dim=2)  # each query head reads its group's key/value
+            v = v.repeat_interleave(r, dim=2)
+            scores = torch.einsum("qbhd,kbhd->bhqk", q, k) / math.sqrt(z.dk)
+            if is_layer_window_attention(z.window_size, z.window_skip, i + 1):
+                scores = attention_mask_func(
+                    scores, get_sliding_window_causal_mask(z.s, z.s, z.window_size))
+            else:
+                scores = scores.masked_fill(causal, float("-inf"))
+            if z.softmax_type == "vanilla":
+                probs = torch.softmax(scores, dim=-1)
+            else:
+                # "off-by-one": a zeros buffer; "learnable": the parameter.
+                offset = (get(".self_attention.core_attention.softmax_offset")
+                          if z.softmax_type == "learnable" else torch.zeros(z.a, dtype=torch.float64))
+                probs = softmax_one(scores, offset)
+            context = torch.einsum("bhqk,kbhd->qbhd", probs, v).reshape(z.s, z.B, z.a * z.dk)
+            x = x + F.linear(context, get(".self_attention.linear_proj.weight"),
+                             get(".self_attention.linear_proj.bias"))
         h2 = normalize(z, x, p + ".pre_mlp_layernorm", P)
         if z.moe_layers[i]:
             moe_out, aux = moe_layer(z, P, p, h2)
@@ -910,6 +1095,8 @@ def main():
     make(CONFIG_G, 7, os.path.join(HERE, "gpt_golden_g.safetensors"))
     make(CONFIG_I, 9, os.path.join(HERE, "gpt_golden_i.safetensors"))
     make(CONFIG_H, 8, os.path.join(HERE, "gpt_golden_h.safetensors"))
+    make(CONFIG_J, 10, os.path.join(HERE, "gpt_golden_j.safetensors"))
+    make(CONFIG_J_Q_PROJ, 11, os.path.join(HERE, "gpt_golden_j_q_proj.safetensors"))
     return 0
 
 
