@@ -820,13 +820,12 @@ def apply_mla_rope(t, freqs, mscale):
     return torch.cat((t, t_pass), dim=-1)
 
 
-def mla_attention(z, P, p, h1):
-    """MLASelfAttention.forward (get_query_key_value_tensors, unfused rope) and local
-    DotProductAttention with MultiLatentAttention's softmax_scale, on h1 [s, B, h]; returns
-    the context [s, B, a * v_head_dim] for linear_proj."""
+def mla_qkv(z, P, p, h1):
+    """MLASelfAttention.get_query_key_value_tensors (unfused rope) on h1 [s, B, h]: query and
+    key [s, B, a, qk_head_dim + qk_pos_emb_head_dim], value [s, B, a, v_head_dim], and the
+    softmax_scale MultiLatentAttention gives its core attention."""
     ml = z.mla
     dq = ml.qk + ml.pe
-    causal = torch.triu(torch.ones(z.s, z.s, dtype=torch.bool), diagonal=1)
     if ml.q_lora is not None:
         q_compressed = F.linear(h1, P[p + ".linear_q_down_proj.weight"])
         if z.qk_layernorm:
@@ -852,10 +851,7 @@ def mla_attention(z, P, p, h1):
     # MultiLatentAttention.__init__: mscale(rotary_scaling_factor, mscale_all_dim)^2 /
     # sqrt(q_head_dim), whatever rope_type is.
     m_all = yarn_get_mscale(ml.factor, ml.mscale_all_dim)
-    softmax_scale = m_all * m_all / math.sqrt(dq)
-    scores = torch.einsum("qbhd,kbhd->bhqk", query, key) * softmax_scale
-    probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
-    return torch.einsum("bhqk,kbhd->qbhd", probs, value).reshape(z.s, z.B, z.a * ml.v)
+    return query, key, value, m_all * m_all / math.sqrt(dq)
 
 
 def microbatch_loss_sum(z, P, tokens, labels, aux_terms=None):
@@ -870,10 +866,10 @@ def microbatch_loss_sum(z, P, tokens, labels, aux_terms=None):
         p = f"decoder.layers.{i}"
         get = lambda name: P.get(p + name)
         h1 = normalize(z, x, p + ".input_layernorm", P)
-        if z.mla:
-            context = mla_attention(z, P, p + ".self_attention", h1)
-            x = x + F.linear(context, get(".self_attention.linear_proj.weight"),
-                             get(".self_attention.linear_proj.bias"))
+        divisor, width = math.sqrt(z.dk), z.dk  # the softmax scale's inverse, value heads
+        if z.mla:  # MLASelfAttention: its own query, key and value heads and softmax scale
+            q, k, v, softmax_scale = mla_qkv(z, P, p + ".self_attention", h1)
+            divisor, width = 1 / softmax_scale, z.mla.v
         else:
             qkv = F.linear(h1, get(".self_attention.linear_qkv.weight"),
                            get(".self_attention.linear_qkv.bias"))
@@ -890,22 +886,22 @@ def microbatch_loss_sum(z, P, tokens, labels, aux_terms=None):
                 k = apply_rope(z, k)
             k = k.repeat_interleave(r, dim=2)  # each query head reads its group's key/value
             v = v.repeat_interleave(r, dim=2)
-            scores = torch.einsum("qbhd,kbhd->bhqk", q, k) / math.sqrt(z.dk)
-            if is_layer_window_attention(z.window_size, z.window_skip, i + 1):
-                scores = attention_mask_func(
-                    scores, get_sliding_window_causal_mask(z.s, z.s, z.window_size))
-            else:
-                scores = scores.masked_fill(causal, float("-inf"))
-            if z.softmax_type == "vanilla":
-                probs = torch.softmax(scores, dim=-1)
-            else:
-                # "off-by-one": a zeros buffer; "learnable": the parameter.
-                offset = (get(".self_attention.core_attention.softmax_offset")
-                          if z.softmax_type == "learnable" else torch.zeros(z.a, dtype=torch.float64))
-                probs = softmax_one(scores, offset)
-            context = torch.einsum("bhqk,kbhd->qbhd", probs, v).reshape(z.s, z.B, z.a * z.dk)
-            x = x + F.linear(context, get(".self_attention.linear_proj.weight"),
-                             get(".self_attention.linear_proj.bias"))
+        scores = torch.einsum("qbhd,kbhd->bhqk", q, k) / divisor
+        if is_layer_window_attention(z.window_size, z.window_skip, i + 1):
+            scores = attention_mask_func(
+                scores, get_sliding_window_causal_mask(z.s, z.s, z.window_size))
+        else:
+            scores = scores.masked_fill(causal, float("-inf"))
+        if z.softmax_type == "vanilla":
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            # "off-by-one": a zeros buffer; "learnable": the parameter.
+            offset = (get(".self_attention.core_attention.softmax_offset")
+                      if z.softmax_type == "learnable" else torch.zeros(z.a, dtype=torch.float64))
+            probs = softmax_one(scores, offset)
+        context = torch.einsum("bhqk,kbhd->qbhd", probs, v).reshape(z.s, z.B, z.a * width)
+        x = x + F.linear(context, get(".self_attention.linear_proj.weight"),
+                         get(".self_attention.linear_proj.bias"))
         h2 = normalize(z, x, p + ".pre_mlp_layernorm", P)
         if z.moe_layers[i]:
             moe_out, aux = moe_layer(z, P, p, h2)
