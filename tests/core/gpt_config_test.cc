@@ -926,6 +926,15 @@ TEST(GptConfig, MultiLatentAttentionKeys) {
             "model.rope_type: must be \"rope\" or \"yarn\", got string \"ntk\"");
   EXPECT_EQ(refusal("q_lora_rank", 0).rfind("model.q_lora_rank: ", 0), 0u);
   EXPECT_EQ(refusal("mscale_all_dim", -1).rfind("model.mscale_all_dim: ", 0), 0u);
+  // MLA's core attention has no sink and no window (yet): refused, not silently dropped.
+  EXPECT_EQ(refusal("softmax_type", "learnable"),
+            "model.softmax_type: attention sinks and sliding windows with multi_latent_attention "
+            "are not built (MLA's core attention has neither); use one or the other");
+  EXPECT_EQ(refusal("window_size", json::array({4, 0}))
+                .rfind("model.window_size: attention "
+                       "sinks and sliding windows",
+                       0),
+            0u);
   json rope = Minimal();
   rope["multi_latent_attention"] = true;
   rope["rope_type"] = "rope";
