@@ -198,31 +198,38 @@ constexpr Codec<GptConfig> NullableNumber() {
           }};
 }
 
-// moe_layer_freq: an integer N >= 1 (layer i is an MoE layer when i % N == 0) or a list of
-// 0/1, one per layer (Megatron's pattern). The pattern is resolved once num_layers is known.
-Status ParseMoeLayerFreq(const json& value, const std::string& where, GptConfig* gpt) {
-  std::variant<int64_t, std::vector<bool>>& out = gpt->moe.layer_freq;
+// A per-layer pattern as Megatron takes it: an integer N >= 1 or a list of 0/1, one per layer
+// (its length is checked once num_layers is known). `list_rule` says what a list may hold and
+// `rule` what the value may be, for the error lines.
+Status ParseLayerPattern(const json& value, const std::string& where, std::string_view list_rule,
+                         std::string_view rule, std::variant<int64_t, std::vector<bool>>* out) {
   if (value.is_array()) {
     std::vector<bool> pattern;
     for (const json& entry : value) {
       if (!entry.is_number_integer() || (entry.get<int64_t>() != 0 && entry.get<int64_t>() != 1)) {
-        return Status::Error(where, fmt::format("a list must hold only 0 (dense) and 1 (MoE), "
-                                                "got {}",
-                                                DescribeJson(entry)));
+        return Status::Error(
+            where, fmt::format("a list must hold only {}, got {}", list_rule, DescribeJson(entry)));
       }
       pattern.push_back(entry.get<int64_t>() == 1);
     }
-    out = pattern;
+    *out = pattern;
     return {};
   }
   int64_t every = 0;
   if (!ParseInt(value, where, 1, &every).ok()) {
-    return Status::Error(where, fmt::format("must be an integer >= 1 (every N-th layer is an MoE "
-                                            "layer) or a list of 0/1 per layer, got {}",
-                                            DescribeJson(value)));
+    return Status::Error(where, fmt::format("must be {}, got {}", rule, DescribeJson(value)));
   }
-  out = every;
+  *out = every;
   return {};
+}
+
+// moe_layer_freq: an integer N >= 1 (layer i is an MoE layer when i % N == 0) or a list of
+// 0/1, one per layer (Megatron's pattern).
+Status ParseMoeLayerFreq(const json& value, const std::string& where, GptConfig* gpt) {
+  return ParseLayerPattern(value, where, "0 (dense) and 1 (MoE)",
+                           "an integer >= 1 (every N-th layer is an MoE layer) or a list of 0/1 "
+                           "per layer",
+                           &gpt->moe.layer_freq);
 }
 
 json EchoMoeLayerFreq(const GptConfig& gpt) {
@@ -257,35 +264,19 @@ json EchoWindowSize(const GptConfig& gpt) {
 }
 
 // window_attn_skip_freq: null, an integer N >= 1 (every N-th layer full attention) or a list
-// of 0/1 per layer (1: a sliding-window layer). The list's length is checked once num_layers
-// is known.
+// of 0/1 per layer (1: a sliding-window layer).
 Status ParseWindowSkipFreq(const json& value, const std::string& where, GptConfig* gpt) {
-  auto& out = gpt->window_attn_skip_freq;
   if (value.is_null()) {
-    out.reset();
+    gpt->window_attn_skip_freq.reset();
     return {};
   }
-  if (value.is_array()) {
-    std::vector<bool> pattern;
-    for (const json& entry : value) {
-      if (!entry.is_number_integer() || (entry.get<int64_t>() != 0 && entry.get<int64_t>() != 1)) {
-        return Status::Error(where, fmt::format("a list must hold only 1 (sliding window) and 0 "
-                                                "(full attention), got {}",
-                                                DescribeJson(entry)));
-      }
-      pattern.push_back(entry.get<int64_t>() == 1);
-    }
-    out = pattern;
-    return {};
-  }
-  int64_t every = 0;
-  if (!ParseInt(value, where, 1, &every).ok()) {
-    return Status::Error(where, fmt::format("must be null, an integer >= 1 (every N-th layer has "
-                                            "full attention) or a list of 0/1 per layer (1: "
-                                            "sliding window), got {}",
-                                            DescribeJson(value)));
-  }
-  out = every;
+  std::variant<int64_t, std::vector<bool>> pattern;
+  MPUSIM_RETURN_IF_ERROR(ParseLayerPattern(
+      value, where, "1 (sliding window) and 0 (full attention)",
+      "null, an integer >= 1 (every N-th layer has full attention) or a list of 0/1 per layer "
+      "(1: sliding window)",
+      &pattern));
+  gpt->window_attn_skip_freq = std::move(pattern);
   return {};
 }
 

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "core/config/config.h"
 #include "run/runner.h"
@@ -139,6 +140,27 @@ inline json Training(json document, const char* optimizer) {
                              {"min_lr", 0.05},     {"clip_grad", 0.5}, {"weight_decay", 0.1}};
   }
   return document;
+}
+
+// A training run's curve: each iteration's loss and gradient norm, in turn.
+inline std::vector<double> LossAndNormCurve(const run::SimulationResult& result) {
+  std::vector<double> curve;
+  for (const auto& row : result.iterations) {
+    curve.push_back(row.loss);
+    curve.push_back(row.grad_norm);
+  }
+  return curve;
+}
+
+// Every curve equals the first to 1e-12 relative (float64 runs of one model in other layouts).
+inline void ExpectSameCurves(const std::vector<std::vector<double>>& curves) {
+  for (size_t c = 1; c < curves.size(); ++c) {
+    ASSERT_EQ(curves[c].size(), curves[0].size()) << "layout " << c;
+    for (size_t i = 0; i < curves[c].size(); ++i) {
+      EXPECT_NEAR(curves[c][i], curves[0][i], 1e-12 * std::fabs(curves[0][i]))
+          << "layout " << c << " value " << i;
+    }
+  }
 }
 
 }  // namespace mpusim::gpt_mpi

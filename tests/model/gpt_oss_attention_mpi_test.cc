@@ -144,19 +144,9 @@ TEST(GptOssAttention, PipelineAndDistributedOptimizerTrainAsOneRank) {
     document["optimizer"]["use_distributed_optimizer"] = true;
     const run::SimulationResult result = RunChecked(document);
     ASSERT_EQ(result.iterations.size(), 3u);
-    std::vector<double> curve;
-    for (const auto& row : result.iterations) {
-      curve.push_back(row.loss);
-      curve.push_back(row.grad_norm);
-    }
-    curves.push_back(curve);
+    curves.push_back(LossAndNormCurve(result));
   }
-  for (size_t c = 1; c < curves.size(); ++c) {
-    for (size_t i = 0; i < curves[c].size(); ++i) {
-      EXPECT_NEAR(curves[c][i], curves[0][i], 1e-12 * std::fabs(curves[0][i]))
-          << "layout " << c << " value " << i;
-    }
-  }
+  ExpectSameCurves(curves);
 }
 
 // float32, and bfloat16 with selective recomputation (core attention rerun: the window and
