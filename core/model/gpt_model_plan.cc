@@ -218,6 +218,65 @@ std::string MoeRoutingNote(const MoeConfig& moe) {
   return fmt::format("{}", fmt::join(parts, "; "));
 }
 
+// gpt-oss's attention in words: the sliding window and the layers it slides on, the sinks
+// (empty: plain causal attention everywhere).
+std::string AttentionNote(const GptConfig& gpt) {
+  std::vector<std::string> parts;
+  if (gpt.HasSlidingWindow()) {
+    std::vector<int64_t> sliding;
+    for (int64_t i = 0; i < gpt.num_layers; ++i) {
+      if (gpt.AttentionWindow(i) >= 0) sliding.push_back(i);
+    }
+    const int64_t w = (*gpt.window_size)[0];
+    std::string layers = "every layer";
+    if (static_cast<int64_t>(sliding.size()) < gpt.num_layers) {
+      constexpr size_t kListed = 12;
+      const std::vector<int64_t> head(
+          sliding.begin(),
+          sliding.begin() + static_cast<std::ptrdiff_t>(std::min(sliding.size(), kListed)));
+      layers = fmt::format("{} of {} layers ({}{}; window_attn_skip_freq)", sliding.size(),
+                           gpt.num_layers, fmt::join(head, ", "),
+                           sliding.size() > kListed ? ", ..." : "");
+    }
+    const bool all = static_cast<int64_t>(sliding.size()) == gpt.num_layers;
+    parts.push_back(
+        fmt::format("a sliding window (window_size [{}, 0]): each query sees itself "
+                    "and the {} keys before it, on {}{}",
+                    w, w, layers,
+                    all ? ""
+                        : "; the others attend causally to every key before "
+                          "them"));
+  }
+  if (gpt.softmax_type == SoftmaxType::kOffByOne) {
+    parts.push_back(
+        "an attention sink (softmax_type \"off-by-one\"): a logit 0 in each "
+        "softmax's denominator");
+  } else if (gpt.softmax_type == SoftmaxType::kLearnable) {
+    parts.push_back(
+        "attention sinks (softmax_type \"learnable\"): a logit per head "
+        "(core_attention.softmax_offset, split over tp by heads) in each softmax's "
+        "denominator");
+  }
+  return fmt::format("{}", fmt::join(parts, "; "));
+}
+
+// A gated activation's glu options in words (empty: none set).
+std::string GluNote(const GptConfig& gpt) {
+  if (!IsGated(gpt.activation)) return {};
+  const GluOptions glu = gpt.Glu();
+  if (!glu.clamped && glu.linear_offset == 0.0) return {};
+  std::string gate = "act(g)", linear = "l";
+  if (glu.clamped) {
+    gate = fmt::format("act(min(g, {}))", glu.clamp_value);
+    linear = fmt::format("clamp(l, -{}, {})", glu.clamp_value, glu.clamp_value);
+  }
+  if (glu.linear_offset != 0.0) linear = fmt::format("({} + {})", linear, glu.linear_offset);
+  return fmt::format(
+      "{} of fc1's gate half g and linear half l: {} * {} "
+      "(activation_func_clamp_value, glu_linear_offset)",
+      ActivationName(gpt.activation), gate, linear);
+}
+
 }  // namespace
 
 // One pipeline stage's parameters (the whole model when pp = 1).
@@ -308,6 +367,12 @@ void GptModel::ExplainStage(std::ostream& out) const {
           "backward and reruns their forward there (same values)\n",
           RecomputeSummary(run_));
     }
+  }
+  if (stage == 0) {
+    if (const std::string attention = AttentionNote(gpt); !attention.empty()) {
+      out << "attention: " << attention << '\n';
+    }
+    if (const std::string glu = GluNote(gpt); !glu.empty()) out << "activation: " << glu << '\n';
   }
   if (stage == 0 && gpt.moe.enabled()) {
     const DerivedSizes& sizes = topology_->sizes();

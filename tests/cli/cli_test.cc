@@ -1997,6 +1997,40 @@ TEST(ExplainCommand, NamesTheRouterChoices) {
       << r.out;
 }
 
+// gpt-oss's parts: one line names the sliding window, the layers it slides on and the
+// sinks, one the clamped, offset glu (none for a plain model).
+TEST(ExplainCommand, NamesGptOssAttentionAndGlu) {
+  json config = json::parse(std::ifstream(Sample("gpt_tiny_t2_sp_dp2_n4.json")));
+  Result r = Mpusim({"explain", WriteTemp("mpusim_oss_plain.json", config.dump())});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out.find("attention: "), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("activation: "), std::string::npos) << r.out;
+  config["model"]["window_size"] = json::array({2, 0});
+  config["model"]["window_attn_skip_freq"] = 2;
+  config["model"]["softmax_type"] = "off-by-one";
+  config["model"]["activation"] = "quick_geglu";
+  config["model"]["glu_linear_offset"] = 1.0;
+  config["model"]["activation_func_clamp_value"] = 7.0;
+  r = Mpusim({"explain", WriteTemp("mpusim_oss.json", config.dump())});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const int64_t layers = config["model"]["num_layers"];
+  std::vector<std::string> sliding;  // layer numbers 1, 3, ...: indices 0, 2, ...
+  for (int64_t i = 0; i < layers; i += 2) sliding.push_back(std::to_string(i));
+  EXPECT_NE(r.out.find(fmt::format(
+                "attention: a sliding window (window_size [2, 0]): each query sees itself and "
+                "the 2 keys before it, on {} of {} layers ({}; window_attn_skip_freq); the "
+                "others attend causally to every key before them; an attention sink "
+                "(softmax_type \"off-by-one\"): a logit 0 in each softmax's denominator\n",
+                sliding.size(), layers, fmt::join(sliding, ", "))),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("activation: quick_geglu of fc1's gate half g and linear half l: "
+                       "act(min(g, 7)) * (clamp(l, -7, 7) + 1) (activation_func_clamp_value, "
+                       "glu_linear_offset)\n"),
+            std::string::npos)
+      << r.out;
+}
+
 TEST(ExplainCommand, GptParametersInStateDictNames) {
   const Result gpt = Mpusim({"explain", Sample("gpt_llama_style_gqa_t4_n4.json")});
   ASSERT_EQ(gpt.code, 0) << gpt.err;
