@@ -330,6 +330,15 @@ std::vector<Case> Layouts() {
            (name == "moe_router" && v.router_dtype == nullptr))) {
         continue;
       }
+      // The models of the newer families (the sigmoid router, gpt-oss's MoE biases and its
+      // attention) keep two settings there, float32 and one bfloat16 with the distributed
+      // optimizer: their counts' dtype rules are the older models', which it runs in full.
+      if (mpusim::testing::kAddressSanitizer &&
+          (name == "moe_sigmoid" || name == "moe_bias" || name == "oss") &&
+          !(v.precision_aware == Aware::kNo && v.router_dtype == nullptr &&
+            (std::string(v.dtype) == "float32" || v.instances == 1))) {
+        continue;
+      }
       const json& model = name == "moe"            ? moe
                           : name == "moe_a2a"      ? moe_a2a
                           : name == "moe_gg"       ? moe_gg
@@ -552,6 +561,12 @@ TEST(PreflightActivations, EverySampleConfigFitsUnderThePreflight) {
 // distributed optimizer).
 TEST(PreflightActivations, EveryLayoutFitsUnderThePreflight) {
   for (const Case& c : Layouts()) {
+    // The sanitizer build runs the float32 layouts: the bound's arithmetic is the release
+    // build's, which runs every dtype and optimizer (MemoryEstimate above covers the others
+    // there too).
+    if (mpusim::testing::kAddressSanitizer && c.name.find(" float32 ") == std::string::npos) {
+      continue;
+    }
     Config config;
     const Status status = ParseConfig(c.document, &config);
     ASSERT_TRUE(status.ok()) << c.name << ": " << status.Message();

@@ -41,7 +41,7 @@ json Dropless() {
 }
 
 // Four experts on the second layer only, top-1 of the softmax, capacity factor 1 (tokens
-// dropped by probability), the grouped GEMM's names, gelu.
+// dropped by probability), moe_grouped_gemm (which changes no name or number), gelu.
 json Dropping() {
   json model = Gpt(8, 8);
   model["add_bias_linear"] = false;
@@ -73,7 +73,7 @@ json GptOss() {
   return model;
 }
 
-// The same with capacity 1 (top-1, tokens dropped by probability) and the grouped GEMM's names.
+// The same with capacity 1 (top-1, tokens dropped by probability) and moe_grouped_gemm.
 json GptOssDropping() {
   json model = GptOss();
   model["moe_router_topk"] = 1;
