@@ -663,10 +663,11 @@ constexpr RunField kRunFields[] = {
                if (value[i] == RecomputeModuleName(m)) found = m;
              }
              if (value[i] == "mla_up_proj") {
-               // Megatron's rule (transformer_config.py): only with multi_latent_attention.
+               // Megatron's module (only with multi_latent_attention): the up projections'
+               // checkpoint, which MlaSelfAttention does not build.
                return Status::Error(at,
-                                    "\"mla_up_proj\" needs multi_latent_attention (MLA), "
-                                    "which mpusim does not model");
+                                    "\"mla_up_proj\" (multi-latent attention's up-projection "
+                                    "checkpoint) is not built; core_attn and layernorm are");
              }
              if (!found) {
                return Status::Error(

@@ -11,6 +11,7 @@
 #include "core/model/attention.h"
 #include "core/model/gpt_model.h"
 #include "core/model/layer_norm.h"
+#include "core/model/mla_attention.h"
 #include "core/model/mlp.h"
 #include "core/model/moe.h"
 #include "core/model/transformer_layer.h"
@@ -149,7 +150,9 @@ StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
   const StreamShape& shape = declared.shape;
   const bool selective_core = run.Recomputes(RunConfig::RecomputeModule::kCoreAttn);
   // Core attention's stash (rebuilt by selective recomputation in the backward).
-  const double core = Bytes(SelfAttention::PlanStash(g, shape, run.dtype, true), "core.");
+  const double core = g.mla.enabled
+                          ? Bytes(MlaSelfAttention::PlanStash(g, shape, run.dtype, true), "core.")
+                          : Bytes(SelfAttention::PlanStash(g, shape, run.dtype, true), "core.");
   // A layer's stash but its input, as kept (or, under full recomputation, as rebuilt).
   const LayerRecompute kept = LayerRecompute::Kept(run);
   const auto inner_of = [&](const StashPlan* moe) {
@@ -200,10 +203,61 @@ StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
   const double fc1_point =
       dmlp + R * f * e + R * f1 * e + full + (sp ? full : 0) + weight_grad(f1, h);
   const double after_core = dmlp + stream + stream + dattn + q /*dcontext*/;
-  const double qkv_point =
-      after_core + qkv + full + (sp ? full : 0) + weight_grad((al + 2 * gl) * dk, h);
-  const double proj_point =
-      dmlp + 2 * stream + dattn + (sp ? full : 0) + q + weight_grad(h, al * dk);
+  double qkv_point = after_core + qkv + full + (sp ? full : 0) + weight_grad((al + 2 * gl) * dk, h);
+  double proj_point = dmlp + 2 * stream + dattn + (sp ? full : 0) + q + weight_grad(h, al * dk);
+  if (g.mla.enabled) {
+    // Multi-latent attention's backward (MlaSelfAttention::Backward) in its phases, on top of
+    // the layer's gradients (`outer`): linear_proj's (its gathered dy under sp, d context C,
+    // the weight's gradient); core attention's (d context's copy, d probs, d value, with
+    // dropout the dropped copy, d scores, d query, d key); the way back to the up
+    // projections' gradients dq [R, a_l*dq], dkv [R, a_l*(qk + dv)] and k_pe's [R, pe] (with
+    // the rope matrices [s, pe, pe] and the rope channels' copies [R*a_l, pe], d query, d key
+    // and d value freed in turn); the key side (linear_kv_up_proj's backward, kv_layernorm's,
+    // the gathered latent, the [R, kl + pe] gradient and its tp split, linear_kv_down_proj's),
+    // then the query side beside the key side's dx.
+    const MlaConfig& mla = g.mla;
+    const double qk = static_cast<double>(mla.qk_head_dim);
+    const double pe = static_cast<double>(mla.qk_pos_emb_head_dim);
+    const double dv = static_cast<double>(mla.v_head_dim);
+    const double kl = static_cast<double>(mla.kv_lora_rank);
+    const double dqh = qk + pe;
+    const double C = R * al * dv * e, Q = R * al * dqh * e, KV = R * al * (qk + dv) * e;
+    const double Pe = R * pe * e, PeH = R * al * pe * e, M = s * pe * pe * e;
+    // A ColumnParallelLinear's backward of input width `in` (its out/t output columns): dx
+    // [R, in], under sp the gathered input, the weight's gradient; then the reduce-scatter's
+    // (sp) or the all-reduce's (tp > 1) new dx beside the old.
+    const auto column = [&](double out, double in) {
+      return R * in * e +
+             std::max((sp ? R * in * e : 0) + weight_grad(out, in), sz.tp > 1 ? Rs * in * e : 0);
+    };
+    const double outer = dmlp + stream /*dln2*/ + stream /*dx1*/ + dattn;
+    const double split_copy = sz.tp > 1 ? 1.0 / t : 0.0;  // SplitLastDim's new copy (tp > 1)
+    const double core_a = 3 * C + (attention_dropout ? 3 : 2) * probs + 2 * Q;
+    const double base_b = 3 * Q + C + KV + Pe + M;
+    const double way_back = Max({base_b + PeH, base_b - Q + 2 * PeH, base_b - Q - C + 3 * PeH,
+                                 base_b - 2 * Q - C + 3 * PeH + Pe, Q + KV + 2 * Pe});
+    const double latent = Rs * kl * e, latent_all = R * kl * e;
+    const double key_side =
+        Max({Q + KV + Pe + column(al * (qk + dv), kl), Q + KV + Pe + latent,
+             qk_norm ? Q + Pe + 2 * latent : 0, sp ? Q + Pe + latent + latent_all : 0,
+             Q + Pe + latent_all + R * (kl + pe) * e, Q + R * (kl + pe) * e * (1 + split_copy),
+             Q + R * (kl + pe) * e * (sz.tp > 1 ? split_copy : 1) + column((kl + pe) / t, h)});
+    double query_side;
+    if (mla.q_lora_rank) {
+      const double ql = static_cast<double>(*mla.q_lora_rank);
+      const double q_latent = Rs * ql * e, q_gathered = R * ql * e;
+      const double mine = sz.tp > 1 ? R * ql / t * e : q_gathered;
+      query_side =
+          stream + Max({Q + column(al * dqh, ql), Q + q_latent, qk_norm ? 2 * q_latent : 0,
+                        sp ? q_latent + q_gathered : 0, q_gathered + (sz.tp > 1 ? mine : 0),
+                        mine + column(ql / t, h), mine + stream});
+    } else {
+      query_side = stream + Max({Q + column(al * dqh, h), Q + stream});
+    }
+    attention_point = outer + Max({core_a, way_back, key_side, query_side});
+    qkv_point = 0;
+    proj_point = outer + (sp ? full : 0) + C + weight_grad(h, al * dv);
+  }
   // Recomputation rebuilds layers' tensors (full: `rebuilt`, the group's, before the layer's
   // backward starts) or, selective (TransformerLayer::Backward), core attention's (after
   // linear_proj's backward, kept until the layer's end), each norm's output and statistics

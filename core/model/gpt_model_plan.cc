@@ -13,6 +13,7 @@
 
 #include "core/model/activation_plan.h"
 #include "core/model/gpt_model.h"
+#include "core/model/mla_attention.h"
 #include "core/model/moe.h"
 #include "core/model/optimizer_plan.h"
 
@@ -51,11 +52,14 @@ std::string DescribeMoe(const GptConfig& gpt) {
 
 std::string GptModel::Describe() const {
   const GptConfig& gpt = gpt_;
+  const std::string heads =
+      gpt.mla.enabled ? fmt::format("{} multi-latent attention heads", gpt.num_attention_heads)
+                      : fmt::format("{} heads of {} channels in {} query groups",
+                                    gpt.num_attention_heads, gpt.kv_channels, gpt.num_query_groups);
   std::string out = fmt::format(
-      "model: GPT (Megatron-Core GPTModel, local layer spec), {} layers, hidden_size {}, {} "
-      "heads of {} channels in {} query groups, ffn_hidden_size {} ({})\n",
-      gpt.num_layers, gpt.hidden_size, gpt.num_attention_heads, gpt.kv_channels,
-      gpt.num_query_groups, gpt.ffn_hidden_size, ActivationName(gpt.activation));
+      "model: GPT (Megatron-Core GPTModel, local layer spec), {} layers, hidden_size {}, {}, "
+      "ffn_hidden_size {} ({})\n",
+      gpt.num_layers, gpt.hidden_size, heads, gpt.ffn_hidden_size, ActivationName(gpt.activation));
   const bool partial_rope =
       gpt.position_embedding_type == PositionEmbedding::kRope && gpt.RotaryDim() < gpt.kv_channels;
   out += fmt::format(
@@ -218,10 +222,30 @@ std::string MoeRoutingNote(const MoeConfig& moe) {
   return fmt::format("{}", fmt::join(parts, "; "));
 }
 
-// gpt-oss's attention in words: the sliding window and the layers it slides on, the sinks
-// (empty: plain causal attention everywhere).
+// The attention in words: multi-latent attention's latents, heads and rope; gpt-oss's sliding
+// window and the layers it slides on, the sinks (empty: plain causal attention everywhere).
 std::string AttentionNote(const GptConfig& gpt) {
   std::vector<std::string> parts;
+  if (gpt.mla.enabled) {
+    const MlaConfig& mla = gpt.mla;
+    parts.push_back(fmt::format(
+        "multi-latent attention (MLASelfAttention, local spec): the query {}, the keys and "
+        "values from a latent of kv_lora_rank {} and {} rope channels shared by the heads "
+        "(linear_kv_down_proj, then {}linear_kv_up_proj); heads of {} + {} query/key channels "
+        "and {} value channels; rope_type {}{}, softmax scale {:.6g}; the down projections' "
+        "outputs all-gathered over tp, k_pe's gradient summed over tp (Megatron-LM issue 1699)",
+        mla.q_lora_rank ? fmt::format("from a latent of q_lora_rank {} (linear_q_down_proj, then "
+                                      "{}linear_q_up_proj)",
+                                      *mla.q_lora_rank, gpt.qk_layernorm ? "q_layernorm, " : "")
+                        : std::string("from linear_q_proj (q_lora_rank null)"),
+        mla.kv_lora_rank, mla.qk_pos_emb_head_dim, gpt.qk_layernorm ? "kv_layernorm, " : "",
+        mla.qk_head_dim, mla.qk_pos_emb_head_dim, mla.v_head_dim, MlaRopeTypeName(mla.rope_type),
+        mla.rope_type == MlaRopeType::kYarn
+            ? fmt::format(" (scaling factor {}, cos/sin times mscale {:.6g})",
+                          mla.rotary_scaling_factor, MlaRopeOf(gpt).mscale)
+            : std::string(),
+        MlaSoftmaxScaleOf(gpt)));
+  }
   if (gpt.HasSlidingWindow()) {
     std::vector<int64_t> sliding;
     for (int64_t i = 0; i < gpt.num_layers; ++i) {
@@ -482,8 +506,9 @@ void GptModel::ExplainStage(std::ostream& out) const {
       note = fmt::format("; rank r holds vocabulary rows [{} r, {} (r + 1))", local[0], local[0]);
     }
     if (p->allreduce_grad_over_tp) {
-      note += (p->name.find(".q_layernorm.") != std::string::npos ||
-                   p->name.find(".k_layernorm.") != std::string::npos)
+      // MLA's q_layernorm normalises the latent (each rank its sequence shard under sp).
+      note += !gpt.mla.enabled && (p->name.find(".q_layernorm.") != std::string::npos ||
+                                   p->name.find(".k_layernorm.") != std::string::npos)
                   ? "; gradient all-reduced over tp (each rank normalised its own heads)"
                   : "; gradient all-reduced over tp (sequence parallel)";
     }
@@ -639,9 +664,19 @@ MemoryPlan GptModel::PlanMemory(const MemoryPlanOptions& options) const {
     // Every rank runs the float64 reference on its dp rank's b samples (run/check.h).
     plan.AddElements("reference: parameters and gradients (float64, full)",
                      SaturatingMul(full_parameters, 2), DType::kFloat64, true);
-    const int64_t attn = gpt.num_attention_heads * gpt.kv_channels;
+    int64_t attn = gpt.num_attention_heads * gpt.kv_channels, qkv = gpt.QkvRows();
+    if (gpt.mla.enabled) {
+      // MLA's (reference/mla_reference.h MlaStash): the latents, q and kv, the per-head query,
+      // key and value, the context.
+      const MlaConfig& mla = gpt.mla;
+      const int64_t a = gpt.num_attention_heads;
+      attn = a * mla.v_head_dim;
+      qkv = mla.q_lora_rank.value_or(0) + 2 * mla.kv_lora_rank + mla.qk_pos_emb_head_dim +
+            a * (2 * mla.QHeadDim() + mla.qk_head_dim + mla.v_head_dim) +
+            a * (2 * mla.QHeadDim() + mla.v_head_dim);
+    }
     const PlanBytes ref_layer = SaturatingAdd(
-        PlanElements({s * b, 6 * h + gpt.QkvRows() + attn + gpt.Fc1Rows() + 2 * gpt.ffn_hidden_size}),
+        PlanElements({s * b, 6 * h + qkv + attn + gpt.Fc1Rows() + 2 * gpt.ffn_hidden_size}),
         PlanElements({2 * b * gpt.num_attention_heads, s, s}));
     plan.AddElements(
         "reference: activations and their gradients (float64, this rank's samples)",

@@ -21,8 +21,12 @@ TransformerLayer::TransformerLayer(const GptConfig& gpt, int64_t layer, Paramete
       hidden_dropout_(gpt.hidden_dropout),
       selective_(LayerRecompute::Kept(run)),
       input_norm_(MakeNorm(gpt, prefix_ + ".input_layernorm", params)),
-      attention_(gpt, layer, prefix_ + ".self_attention", params, t),
       pre_mlp_norm_(MakeNorm(gpt, prefix_ + ".pre_mlp_layernorm", params)) {
+  if (gpt.mla.enabled) {
+    mla_.emplace(gpt, prefix_ + ".self_attention", params, t);
+  } else {
+    attention_.emplace(gpt, layer, prefix_ + ".self_attention", params, t);
+  }
   if (gpt.moe.enabled() && gpt.moe.layers.at(static_cast<size_t>(layer))) {
     moe_.emplace(gpt, prefix_ + ".mlp", params, run.num_microbatches, experts);
   } else {
@@ -72,14 +76,16 @@ Tensor TransformerLayer::BiasDropoutAddBackward(const ModuleContext& ctx, const 
 Tensor TransformerLayer::ForwardInner(const ModuleContext& ctx, const Tensor& x, Inner* in) const {
   const Tensor ln1 = input_norm_.Forward(ctx, x, &in->norm1);
   RecordStream(ctx, ".input_layernorm.output", ln1);
-  const Tensor attn = attention_.Forward(ctx, ln1, !selective_.core_attn, &in->attention);
+  const Tensor attn = mla_ ? mla_->Forward(ctx, ln1, !selective_.core_attn, &in->mla)
+                           : attention_->Forward(ctx, ln1, !selective_.core_attn, &in->attention);
   if (selective_.layernorm) {
-    // The norm's output (linear_qkv's saved input) and statistics go; its input is the
+    // The norm's output (the attention's saved input) and statistics go; its input is the
     // layer's, kept.
     in->norm1 = Norm::Stash{};
     in->attention.qkv_in.input = Tensor();
+    in->mla.x = Tensor();
   }
-  const Tensor x1 = BiasDropoutAdd(ctx, ".self_attn_bda", attn, attention_.proj_bias(), x);
+  const Tensor x1 = BiasDropoutAdd(ctx, ".self_attn_bda", attn, AttentionBias(), x);
   RecordStream(ctx, ".self_attn_bda.output", x1);
   const Tensor ln2 = pre_mlp_norm_.Forward(ctx, x1, &in->norm2);
   RecordStream(ctx, ".pre_mlp_layernorm.output", ln2);
@@ -173,7 +179,9 @@ StashPlan TransformerLayer::PlanStash(const GptConfig& gpt, const StreamShape& s
   // norm1.input is the layer's input; norm2.input is x1, kept here alone.
   StashPlan inner;
   inner.Add("norm1", Norm::PlanStash(gpt.normalization, Rs, dtype));
-  inner.Add("attention", SelfAttention::PlanStash(gpt, shape, dtype, !recompute.core_attn));
+  inner.Add("attention", gpt.mla.enabled
+                             ? MlaSelfAttention::PlanStash(gpt, shape, dtype, !recompute.core_attn)
+                             : SelfAttention::PlanStash(gpt, shape, dtype, !recompute.core_attn));
   inner.Add("norm2.input", {Rs, h}, dtype);
   inner.Add("norm2", Norm::PlanStash(gpt.normalization, Rs, dtype));
   if (moe != nullptr) {
@@ -185,8 +193,9 @@ StashPlan TransformerLayer::PlanStash(const GptConfig& gpt, const StreamShape& s
   // keep them) and statistics; the dense MLP's tensors but its input; the MoE layer's
   // activation output, shared expert, or all of it but its input.
   const auto dropped = [&](const std::string& name) {
-    const bool norm_output = name == "attention.qkv_in.input" || name == "mlp.fc1_in.input" ||
-                             name == "moe.x" || name == "moe.shared_fc1_in.input";
+    const bool norm_output = name == "attention.qkv_in.input" || name == "attention.x" ||
+                             name == "mlp.fc1_in.input" || name == "moe.x" ||
+                             name == "moe.shared_fc1_in.input";
     const bool norm_stats =
         name.starts_with("norm1.") || (name.starts_with("norm2.") && name != "norm2.input");
     const bool mlp_inner = name == "mlp.fc1_out" || name == "mlp.fc2_in.input";
@@ -235,12 +244,14 @@ Tensor TransformerLayer::Backward(const ModuleContext& ctx, const Tensor& dy, St
   Tensor dx1 = pre_mlp_norm_.Backward(ctx, dln2, in.norm2);
   k.Axpy(1.0, dy, dx1);
   RecordStream(ctx, ".self_attn_bda.output_grad", dx1);
-  const Tensor dattn = BiasDropoutAddBackward(ctx, ".self_attn_bda", dx1, attention_.proj_bias());
+  const Tensor dattn = BiasDropoutAddBackward(ctx, ".self_attn_bda", dx1, AttentionBias());
   if (selective_.layernorm) {
-    // input_layernorm again from the layer's input: linear_qkv's saved input, statistics.
-    in.attention.qkv_in.input = input_norm_.Forward(quiet, stash.input, &in.norm1);
+    // input_layernorm again from the layer's input: the attention's saved input, statistics.
+    const Tensor ln1 = input_norm_.Forward(quiet, stash.input, &in.norm1);
+    (mla_ ? in.mla.x : in.attention.qkv_in.input) = ln1;
   }
-  const Tensor dln1 = attention_.Backward(ctx, dattn, in.attention);
+  const Tensor dln1 =
+      mla_ ? mla_->Backward(ctx, dattn, in.mla) : attention_->Backward(ctx, dattn, in.attention);
   RecordStream(ctx, ".input_layernorm.output_grad", dln1);
   Tensor dx = input_norm_.Backward(ctx, dln1, in.norm1);
   k.Axpy(1.0, dx1, dx);

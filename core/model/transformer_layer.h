@@ -21,12 +21,13 @@
 #include <optional>
 #include <string>
 
+#include "core/config/model_config.h"
 #include "core/model/attention.h"
 #include "core/model/layer_norm.h"
+#include "core/model/mla_attention.h"
 #include "core/model/mlp.h"
 #include "core/model/moe.h"
 #include "core/model/stash_plan.h"
-#include "core/config/model_config.h"
 
 namespace mpusim {
 
@@ -63,6 +64,7 @@ class TransformerLayer {
   struct Inner {
     Norm::Stash norm1;
     SelfAttention::Stash attention;
+    MlaSelfAttention::Stash mla;  // multi_latent_attention's, in place of attention
     Norm::Stash norm2;
     Mlp::Stash mlp;
     MoeLayer::Stash moe;
@@ -95,6 +97,7 @@ class TransformerLayer {
   // d(x) of BiasDropoutAdd for output gradient dy; accumulates the bias gradient.
   Tensor BiasDropoutAddBackward(const ModuleContext& ctx, const std::string& site, const Tensor& dy,
                                 Parameter* bias) const;
+  Parameter* AttentionBias() const { return mla_ ? mla_->proj_bias() : attention_->proj_bias(); }
   void RecordStream(const ModuleContext& ctx, const std::string& name, const Tensor& t) const;
   // Frees what selective recomputation rebuilds on the MLP side ("mlp", "moe", "moe_act",
   // "shared_experts"): after the forward, and again after the backward that used it.
@@ -104,7 +107,10 @@ class TransformerLayer {
   double hidden_dropout_;
   LayerRecompute selective_;  // what selective recomputation drops (Keep::kAll)
   Norm input_norm_;
-  SelfAttention attention_;
+  // The layer's self-attention: SelfAttention, or MLASelfAttention with
+  // multi_latent_attention.
+  std::optional<SelfAttention> attention_;
+  std::optional<MlaSelfAttention> mla_;
   Norm pre_mlp_norm_;
   std::optional<Mlp> mlp_;     // a dense layer's
   std::optional<MoeLayer> moe_;  // or an MoE layer's

@@ -723,8 +723,8 @@ TEST(RunConfig, RecomputeRefusals) {
             "\"moe_act\", \"moe\", \"shared_experts\", got string \"mlp_act\"");
   modules["recompute_modules"] = {"mla_up_proj"};
   EXPECT_EQ(RunRefusal(modules),
-            "run.recompute_modules[0]: \"mla_up_proj\" needs multi_latent_attention (MLA), which "
-            "mpusim does not model");
+            "run.recompute_modules[0]: \"mla_up_proj\" (multi-latent attention's up-projection "
+            "checkpoint) is not built; core_attn and layernorm are");
   modules["recompute_modules"] = {"mlp", "mlp"};
   EXPECT_EQ(RunRefusal(modules), "run.recompute_modules[1]: lists \"mlp\" twice");
   modules["recompute_modules"] = "core_attn";

@@ -41,7 +41,9 @@ using nlohmann::json;
 using namespace gpt_mpi;
 
 struct Layout {
-  const char* model;            // "dense", "moe" (allgather), "moe_a2a", "moe_gg" (grouped GEMM)
+  // "dense", "moe" (allgather), "moe_a2a", "moe_gg" (grouped GEMM), "mla" (dense with
+  // multi-latent attention), "mla_q_proj" (the same with q_lora_rank null)
+  const char* model;
   int64_t tp, pp, vp, cp, etp;  // etp 0: tp's
   const char* cp_comm = nullptr;
   const char* recompute = nullptr;
@@ -73,7 +75,15 @@ std::optional<Config> LayoutConfig(const Layout& l) {
   model["attention_dropout"] = l.dropout;
   if (l.qk_norm) model["qk_layernorm"] = true;
   if (l.layer_norm) model["normalization"] = "LayerNorm";
-  if (std::string(l.model) != "dense") {
+  if (std::string(l.model).starts_with("mla")) {
+    model.erase("num_query_groups");
+    model["multi_latent_attention"] = true;
+    model["q_lora_rank"] = std::string(l.model) == "mla" ? json(16) : json(nullptr);
+    model["kv_lora_rank"] = 8;
+    model["qk_head_dim"] = 8;
+    model["qk_pos_emb_head_dim"] = 8;
+    model["v_head_dim"] = 6;
+  } else if (std::string(l.model) != "dense") {
     model["num_moe_experts"] = 4;
     model["moe_router_topk"] = 2;
     model["moe_ffn_hidden_size"] = 16;
@@ -202,6 +212,14 @@ TEST(StashPlan, EveryChunkHoldsWhatItsModulesDeclare) {
        R"({"decoder_last_pipeline_num_layers": 3})"},
       {"moe", 1, 2, 1, 1, 0, nullptr, nullptr, "float32", false, false, 0.1,
        R"({"decoder_first_pipeline_num_layers": 1})"},
+      // Multi-latent attention: its latents (and their norms' outputs with qk_layernorm),
+      // query, key, value, probabilities; selective core_attn and layernorm, full, tp with
+      // sequence parallelism, pp with vp.
+      {"mla", 1, 1, 1, 1, 0},
+      {"mla", 2, 1, 1, 1, 0, nullptr, nullptr, "float32", true, true},
+      {"mla_q_proj", 2, 1, 1, 1, 0, nullptr, "selective core_attn,layernorm", "bfloat16", true},
+      {"mla", 1, 1, 1, 1, 0, nullptr, "full", "float32", false, false, 0.0},
+      {"mla", 1, 2, 2, 1, 0, nullptr, "selective", "float32", true},
   };
   int64_t compared = 0;
   for (const Layout& l : layouts) {
@@ -233,6 +251,18 @@ TEST(StashPlan, EveryChunkHoldsWhatItsModulesDeclare) {
     for (int64_t c = 0; c < (*model)->num_model_chunks(); ++c) {
       const int64_t u = c * sz.pp + coords.pp;
       StatusOr<StashPlan> declared = ExecutorStash(*config, *topology, u);
+      if (gpt.mla.enabled && !declared.ok()) {
+        // The executor's activation count (core/estimate) refuses multi-latent attention
+        // until it counts it: the chunk's own declaration, as that count sums it.
+        const GptChunk& spec = (*model)->chunks().at(static_cast<size_t>(c));
+        const auto n = static_cast<int64_t>(spec.layers.size());
+        std::vector<StashPlan> layers;
+        for (int64_t i = 0; i < n; ++i) {
+          layers.push_back(TransformerLayer::PlanStash(gpt, shape, dtype,
+                                                       LayerRecompute::Of(*config->run, i, n)));
+        }
+        declared = GptModel::PlanStash(gpt, shape, dtype, spec, layers);
+      }
       ASSERT_TRUE(declared.ok()) << declared.status().Message();
       ExpectDeclared(StashBytes(**model, ctx, shape, dtype, c), *declared,
                      fmt::format("virtual stage {}", u));

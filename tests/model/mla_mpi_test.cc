@@ -1,0 +1,279 @@
+// Multi-latent attention (MLASelfAttention, core/model/mla_attention.h) on K MPI ranks against
+// the float64 GPT reference (reference/mla_reference.h): every tp in {1, 2, 4} with and
+// without sequence parallelism, q_lora_rank set and null, qk_layernorm, rope_type "yarn" and
+// "rope", LayerNorm with biases, in float64 and float32; pipelines (two stages, two of two
+// virtual ones) and data parallelism with the distributed optimizer training three Adam
+// iterations as one rank does; MoE layers with expert parallelism; bfloat16 with selective
+// (core_attn) and full recomputation. The q/k head dim (qk + pe = 16) differs from the value's
+// (6), YaRN's ramp has both ends inside the rope channels, and mscale differs from
+// mscale_all_dim so that the rope's cos/sin factor and the softmax scale's mscale^2 both
+// change the model.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "core/config/config.h"
+#include "core/model/model.h"
+#include "core/topology.h"
+#include "run/preflight.h"
+#include "tests/model/gpt_mpi_helpers.h"
+#include "tests/mpi/world.h"
+#include "tests/sanitizers.h"
+
+namespace mpusim {
+namespace {
+
+using nlohmann::json;
+using namespace gpt_mpi;
+
+// A Llama-style model of 4 heads with MLA: q_lora_rank 16 (or null), kv_lora_rank 8, qk_head_dim
+// 8, qk_pos_emb_head_dim 8, v_head_dim 6; YaRN over an original context of 4 positions (its
+// ramp interpolates some channel pairs and extrapolates others on 8 tokens).
+json Mla(bool q_lora = true, const char* rope_type = "yarn") {
+  json model = Llama(4, 4);
+  model.erase("num_query_groups");
+  model["vocab_size"] = 64;  // padded alike on every tp size: every layout trains one model
+  model["multi_latent_attention"] = true;
+  model["q_lora_rank"] = q_lora ? json(16) : json(nullptr);
+  model["kv_lora_rank"] = 8;
+  model["qk_head_dim"] = 8;
+  model["qk_pos_emb_head_dim"] = 8;
+  model["v_head_dim"] = 6;
+  model["rope_type"] = rope_type;
+  model["rotary_scaling_factor"] = 40.0;
+  model["original_max_position_embeddings"] = 4;
+  model["mscale"] = 1.0;
+  model["mscale_all_dim"] = 0.5;
+  return model;
+}
+
+// `model` on tp x pp (x vp) ranks, dp filling the world.
+json MlaDocument(const json& model, int64_t tp, int64_t pp, bool sp, const char* dtype,
+                 int64_t vp = 0) {
+  json document = Document(model, tp, sp, dtype);
+  document["parallel"]["pipeline_model_parallel_size"] = pp;
+  if (vp > 0) document["parallel"]["virtual_pipeline_model_parallel_size"] = vp;
+  document["run"]["micro_batch_size"] = Samples() / (WorldSize() / (tp * pp));
+  return document;
+}
+
+double Loss(const json& document) {
+  StatusOr<run::SimulationResult> result = Simulate(document, false);
+  EXPECT_TRUE(result.ok()) << result.status().Message();
+  return result.ok() ? result->loss : 0.0;
+}
+
+// The model's variants: the query's down projection or not, the latent norms, the plain rope,
+// a GPT-style LayerNorm model with biases (linear_proj's).
+std::vector<std::pair<std::string, json>> Variants() {
+  std::vector<std::pair<std::string, json>> variants;
+  variants.emplace_back("q_lora yarn", Mla());
+  variants.emplace_back("q_proj yarn", Mla(false));
+  json norms = Mla();
+  norms["qk_layernorm"] = true;
+  variants.emplace_back("q_lora qk_layernorm yarn", norms);
+  variants.emplace_back("q_proj qk_layernorm rope", [] {
+    json m = Mla(false, "rope");
+    m["qk_layernorm"] = true;
+    return m;
+  }());
+  json gpt = Mla();
+  gpt["normalization"] = "LayerNorm";
+  gpt["add_bias_linear"] = true;
+  gpt["qk_layernorm"] = true;
+  variants.emplace_back("LayerNorm biases qk_layernorm yarn", gpt);
+  return variants;
+}
+
+// Leaving out what MLA adds changes the model: the rope's mscale (mscale = mscale_all_dim), the
+// softmax scale's (mscale_all_dim 0), the YaRN frequencies (rope_type "rope").
+TEST(MlaAttention, ItsScalesAndRopeChangeTheModel) {
+  // Weights of std 0.5: scores far from 0, so the scale and the rope move the loss.
+  const auto sharp = [](json model) {
+    model["init_method_std"] = 0.5;
+    return model;
+  };
+  const double loss = Loss(MlaDocument(sharp(Mla()), 1, 1, false, "float64"));
+  json same_mscale = Mla();
+  same_mscale["mscale_all_dim"] = 1.0;
+  json no_softmax_mscale = Mla();
+  no_softmax_mscale["mscale_all_dim"] = 0.0;
+  for (const json& other : {same_mscale, no_softmax_mscale, Mla(true, "rope")}) {
+    const double other_loss = Loss(MlaDocument(sharp(other), 1, 1, false, "float64"));
+    EXPECT_GT(std::fabs(other_loss - loss), 1e-4 * loss) << other.dump();
+  }
+}
+
+// Every tp in {1, 2, 4} dividing the world, with and without sequence parallelism, every
+// variant, float64 and float32: every tensor matches the reference.
+TEST(MlaAttention, EveryTpLayoutMatchesTheReference) {
+  const std::vector<const char*> dtypes = testing::kAddressSanitizer
+                                              ? std::vector<const char*>{"float64"}
+                                              : std::vector<const char*>{"float64", "float32"};
+  for (const auto& [name, model] : Variants()) {
+    for (const char* dtype : dtypes) {
+      for (int64_t tp : {1, 2, 4}) {
+        if (tp > WorldSize() || WorldSize() % tp != 0) continue;
+        for (bool sp : {false, true}) {
+          if (sp && tp == 1) continue;
+          SCOPED_TRACE(fmt::format("{}: {} tp {} sp {}", name, dtype, tp, sp));
+          if (WorldRank() == 0) fmt::print("  {} {} tp {} sp {}:", name, dtype, tp, sp);
+          RunChecked(MlaDocument(model, tp, 1, sp, dtype));
+        }
+      }
+    }
+  }
+}
+
+// Three Adam iterations with the distributed optimizer on one rank's layout, a pipeline of two
+// stages, two stages of two virtual ones, and tp 2 with sequence parallelism: every
+// iteration's loss and gradient norm equal the first layout's (dp fills the world, so the
+// first layout has the most data-parallel ranks).
+TEST(MlaAttention, PipelineAndDistributedOptimizerTrainAsOneRank) {
+  json model = Mla();
+  model["num_layers"] = 4;
+  model["qk_layernorm"] = true;
+  struct Case {
+    int64_t tp, pp, vp;
+  };
+  std::vector<Case> cases = {{1, 1, 0}};
+  if (WorldSize() >= 2) cases.push_back({1, 2, 0});
+  if (WorldSize() >= 2) cases.push_back({1, 2, 2});
+  if (WorldSize() >= 4) cases.push_back({2, 2, 0});
+  std::vector<std::vector<double>> curves;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(fmt::format("tp {} pp {} vp {}", c.tp, c.pp, c.vp));
+    if (WorldRank() == 0) {
+      fmt::print("  tp {} pp {} vp {}, distributed optimizer:", c.tp, c.pp, c.vp);
+    }
+    json document = Training(MlaDocument(model, c.tp, c.pp, c.tp > 1, "float64", c.vp), "adam");
+    document["run"]["train_iters"] = 3;
+    document["run"]["num_microbatches"] = 4;
+    document["optimizer"]["use_distributed_optimizer"] = true;
+    const run::SimulationResult result = RunChecked(document);
+    ASSERT_EQ(result.iterations.size(), 3u);
+    curves.push_back(LossAndNormCurve(result));
+  }
+  ExpectSameCurves(curves);
+}
+
+// MoE layers (4 experts, top 2) after MLA, the experts over ep 2 where the world allows.
+TEST(MlaAttention, MixtureOfExpertsWithExpertParallelism) {
+  json model = Mla();
+  model["num_moe_experts"] = 4;
+  model["moe_router_topk"] = 2;
+  model["moe_ffn_hidden_size"] = 16;
+  model["moe_token_dispatcher_type"] = "alltoall";
+  const int64_t ep = WorldSize() >= 2 ? 2 : 1;
+  for (const char* dtype : {"float64", "float32"}) {
+    if (WorldRank() == 0) fmt::print("  MoE ep {} {}:", ep, dtype);
+    json document = MlaDocument(model, 1, 1, false, dtype);
+    document["parallel"]["expert_model_parallel_size"] = ep;
+    RunChecked(document);
+  }
+}
+
+// bfloat16 with selective recomputation (core attention's probabilities rerun from the kept
+// query, key and value) and with full recomputation, tp 2 with sequence parallelism where the
+// world allows; recomputation gives the gradients of the run without it, bit for bit.
+TEST(MlaAttention, BFloat16WithRecomputation) {
+  const int64_t tp = WorldSize() >= 2 ? 2 : 1;
+  json model = Mla();
+  model["qk_layernorm"] = true;
+  if (WorldRank() == 0) fmt::print("  bfloat16 tp {}:", tp);
+  const double plain =
+      RunChecked(Training(MlaDocument(model, tp, 1, tp > 1, "bfloat16"), "adam")).loss;
+  for (const char* recompute : {"selective core_attn", "selective layernorm", "full"}) {
+    if (WorldRank() == 0) fmt::print("  bfloat16 tp {} recompute {}:", tp, recompute);
+    json document = MlaDocument(model, tp, 1, tp > 1, "bfloat16");
+    SetRecompute(document["run"], recompute);
+    EXPECT_EQ(RunChecked(Training(document, "adam")).loss, plain) << recompute;
+  }
+}
+
+// The executor's activation count (core/model/activation_plan.cc, as the run's memory
+// preflight sums it: the declared stashes in flight, the backward's working set with MLA's
+// phases, the pipeline's transfers, the optimizer step's buffers) equals each rank's measured
+// peak less what it holds before the first step, to the byte, on tp with and without sequence
+// parallelism, both query paths, selective and full recomputation, a pipeline, and training.
+TEST(MlaAttention, ActivationCountEqualsTheMeasuredPeak) {
+  struct Case {
+    const char* name;
+    json model;
+    int64_t tp, pp;
+    bool sp;
+    const char* dtype;
+    const char* recompute;
+  };
+  json norms = Mla();
+  norms["qk_layernorm"] = true;
+  json no_dropout = Mla(false);
+  no_dropout["attention_dropout"] = 0.0;
+  no_dropout["hidden_dropout"] = 0.0;
+  const std::vector<Case> cases = {
+      {"q_lora", Mla(), 1, 1, false, "float32", nullptr},
+      {"q_lora qk_layernorm", norms, 2, 1, true, "float32", nullptr},
+      {"q_lora qk_layernorm", norms, 2, 1, false, "bfloat16", nullptr},
+      {"q_proj no dropout", no_dropout, 4, 1, true, "float32", nullptr},
+      {"q_lora", Mla(), 2, 1, true, "bfloat16", "selective core_attn,layernorm"},
+      {"q_proj", Mla(false), 1, 2, false, "float32", "full"},
+      {"q_lora qk_layernorm", norms, 2, 2, true, "float32", "selective"},
+  };
+  for (const Case& c : cases) {
+    if (c.tp * c.pp > WorldSize() || WorldSize() % (c.tp * c.pp) != 0) continue;
+    const std::string what = fmt::format("{} tp {} sp {} pp {} {} {}", c.name, c.tp, c.sp, c.pp,
+                                         c.dtype, c.recompute ? c.recompute : "");
+    SCOPED_TRACE(what);
+    json document = Training(MlaDocument(c.model, c.tp, c.pp, c.sp, c.dtype), "adam");
+    document["run"]["train_iters"] = 2;
+    // 32 tokens: the probabilities outweigh the output layer's logits, so the peak is in the
+    // attention's backward.
+    document["run"]["seq_length"] = 32;
+    if (c.recompute != nullptr) SetRecompute(document["run"], c.recompute);
+    const Config config = MakeConfig(document);
+    CpuBackend backend;
+    StatusOr<run::SimulationResult> result = run::Simulate(config, {false, 1, false}, backend);
+    ASSERT_TRUE(result.ok()) << result.status().Message();
+    StatusOr<Topology> topology = Topology::Create(config.parallel);
+    ASSERT_TRUE(topology.ok());
+    for (int64_t rank = 0; rank < WorldSize(); ++rank) {
+      StatusOr<std::unique_ptr<Model>> model =
+          BuildModel(config, *topology, topology->Coordinates(rank));
+      ASSERT_TRUE(model.ok()) << model.status().Message();
+      PlanBytes counted = 0;
+      for (const MemoryItem& item : run::PlanRankMemory(**model, WorldSize(), false).items) {
+        if (item.name.starts_with("activations:") || item.name.starts_with("optimizer: the ")) {
+          counted += item.bytes;
+        }
+      }
+      const run::SimulationResult::TensorBytes& measured =
+          result->tensor_bytes[static_cast<size_t>(rank)];
+      EXPECT_EQ(static_cast<int64_t>(counted), measured.peak - measured.held) << "rank " << rank;
+      if (rank == 0 && WorldRank() == 0) {
+        fmt::print("  {}: counted {} B, measured {} B on rank 0\n", what,
+                   static_cast<int64_t>(counted), measured.peak - measured.held);
+      }
+    }
+  }
+}
+
+TEST(MlaAttention, RefusalsNameTheField) {
+  if (WorldSize() < 2) GTEST_SKIP() << "context parallelism needs 2 ranks";
+  json document = MlaDocument(Mla(), 1, 1, false, "float64");
+  document["parallel"]["context_parallel_size"] = 2;
+  document["run"]["micro_batch_size"] = Samples() / (WorldSize() / 2);
+  document["run"]["seq_length"] = 16;
+  StatusOr<run::SimulationResult> result = Simulate(document);
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().Message(),
+            "parallel.context_parallel_size: 2 with multi_latent_attention is not built (the "
+            "local spec's DotProductAttention asserts context parallelism 1; Transformer "
+            "Engine's is not in mpusim); set 1");
+}
+
+}  // namespace
+}  // namespace mpusim
