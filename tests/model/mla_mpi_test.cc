@@ -4,10 +4,11 @@
 // "rope", LayerNorm with biases, in float64 and float32; pipelines (two stages, two of two
 // virtual ones) and data parallelism with the distributed optimizer training three Adam
 // iterations as one rank does; MoE layers with expert parallelism; bfloat16 with selective
-// (core_attn) and full recomputation. The q/k head dim (qk + pe = 16) differs from the value's
-// (6), YaRN's ramp has both ends inside the rope channels, and mscale differs from
-// mscale_all_dim so that the rope's cos/sin factor and the softmax scale's mscale^2 both
-// change the model.
+// (core_attn) and full recomputation; the executor's activation count (the run's memory
+// preflight) against the measured peak, to the byte. The q/k head dim (qk + pe = 16) differs
+// from the value's (6), YaRN's ramp has both ends inside the rope channels, and mscale
+// differs from mscale_all_dim so that the rope's cos/sin factor and the softmax scale's
+// mscale^2 both change the model.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -259,6 +260,16 @@ TEST(MlaAttention, ActivationCountEqualsTheMeasuredPeak) {
       }
     }
   }
+}
+
+// dropout_mode "rng_tracker": the probabilities' masks drawn on each rank's local [b, a_l, s, s]
+// from its model-parallel stream, as the reference draws them.
+TEST(MlaAttention, RngTrackerDropout) {
+  const int64_t tp = WorldSize() >= 2 ? 2 : 1;
+  json model = Mla();
+  model["dropout_mode"] = "rng_tracker";
+  if (WorldRank() == 0) fmt::print("  rng_tracker tp {}:", tp);
+  RunChecked(MlaDocument(model, tp, 1, tp > 1, "float64"));
 }
 
 TEST(MlaAttention, RefusalsNameTheField) {

@@ -12,7 +12,9 @@
 // of 2 and 3, block over 1, 2 and 3 layers per chunk; selective "layernorm" and "mlp"), pp
 // with vp, uneven pipeline splits (chunks without layers among them), bfloat16, and MoE
 // layers (both dispatchers, the experts on the tp group or apart, a shared expert) where no
-// rank can be routed unevenly (ep 1 without a capacity), so balanced routing is exact.
+// rank can be routed unevenly (ep 1 without a capacity), so balanced routing is exact, and
+// multi-latent attention (while ExecutorStash refuses it, each chunk against the sum of its
+// modules' declarations, as that count makes it).
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <gtest/gtest.h>
