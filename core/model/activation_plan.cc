@@ -108,7 +108,9 @@ StashPlan DeclaredChunkStash(const Config& config, const Topology& topology,
                         : TransformerLayer::PlanStash(g, declared.shape, config.run->dtype, keep,
                                                       is_moe ? &declared.moe : nullptr));
   }
-  return GptModel::PlanStash(g, declared.shape, config.run->dtype, chunk, plans);
+  // Multi-token prediction's layers are dense and never fully recomputed (GptModel::Build).
+  return GptModel::PlanStash(g, declared.shape, config.run->dtype, chunk, plans,
+                             &declared.dense_layer);
 }
 
 StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
@@ -376,6 +378,42 @@ StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
   // input gradient it makes, which is the chunk's output (with layers, the first layer's
   // backward holds more).
   const double head_alone_working = std::max(head_working, R * c + R * vocab * e + 2 * stream);
+
+  // --- multi-token prediction's depths, backwarded first on the post_process chunk ---
+  // GptModel::MtpBackward, deepest depth first, holding the gradient passed on from the
+  // depth after it (`carried`): the depth's head as the main head's; its final norm's
+  // backward; its (dense) layer's, whose Inner it then frees; under sp the gradient gathered
+  // to every row, then this rank's columns of it (gather_from's backward); eh_proj's backward
+  // (ColumnParallelLinear: d x [R, 2h], with sp its gathered input, the weight gradient, then
+  // the reduce-scatter or the all-reduce's copy); the two halves of d concat split; enorm's
+  // backward and the embedding dropout's; the word embeddings' gathered gradient; hnorm's
+  // backward. Each point is less the depths' Inner already freed; the main head then holds
+  // the depths' gradient beside its own, and the decoder's layers start with every depth's
+  // Inner freed.
+  const int64_t depths = g.mtp_num_layers;
+  double mtp_working = 0, mtp_freed = 0;
+  for (int64_t k = depths; k-- > 0;) {
+    const double carried = k + 1 < depths ? stream : 0;
+    const double col = R * h / t * e;  // d eh_proj's output, this rank's columns
+    const double eh_proj =
+        col + 2 * full +
+        std::max((sp ? 2 * full : 0) + weight_grad(h / t, 2 * h), sp          ? 2 * stream
+                                                                  : sz.tp > 1 ? 2 * full
+                                                                              : 0);
+    const double before =
+        Max({carried + head_working, 2 * stream, working_of(0, dense_point, true)});
+    mtp_working = std::max(mtp_working, before - mtp_freed);
+    mtp_freed += inner;
+    const double after = Max({sp ? stream + full : 0, sz.tp > 1 ? full + col : stream, eh_proj,
+                              4 * stream, 3 * stream, 2 * stream + (sp ? full : 0)});
+    mtp_working = std::max(mtp_working, after - mtp_freed);
+  }
+  const double mtp_carried = depths > 0 ? stream : 0;  // the depths' gradient of the final norm
+  const double post_head_working =
+      depths > 0 ? std::max(mtp_working, head_working + mtp_carried - mtp_freed) : head_working;
+  const double post_head_alone_working =
+      depths > 0 ? std::max(post_head_working, R * c + R * vocab * e + 2 * stream - mtp_freed)
+                 : head_alone_working;
   const double embedding_working = stream + (hidden_dropout ? stream : 0) + (sp ? full : 0);
 
   const int64_t p = sz.pp, v = sz.vp.value_or(1), stages = p * v;
@@ -413,7 +451,7 @@ StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
       // of every kept layer already backwarded (freed); behind the chunk's last layer the
       // walk still holds the gradient it received (a later stage's).
       stash[static_cast<size_t>(chunk)] = DeclaredChunkStash(config, topology, declared, u).bytes();
-      double layer_working = 0, freed = 0;
+      double layer_working = 0, freed = post ? mtp_freed : 0;
       const StageLayers& held = split[static_cast<size_t>(u)];
       const int64_t layers = held.count;
       for (int64_t k = layers; k-- > 0;) {
@@ -435,8 +473,8 @@ StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
         if (!group.recomputed) freed += is_moe ? moe_inner : inner;
       }
       working[static_cast<size_t>(chunk)] =
-          layers > 0 ? std::max(layer_working, post ? head_working : 0)
-          : post     ? head_alone_working
+          layers > 0 ? std::max(layer_working, post ? post_head_working : 0)
+          : post     ? post_head_alone_working
           : u == 0   ? embedding_working
                      : stream;  // a chunk that passes its input on holds the gradient it got
     }

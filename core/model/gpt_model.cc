@@ -111,11 +111,20 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
   model->run_ = *config.run;
   MPUSIM_RETURN_IF_ERROR(CheckGptLayout(config.parallel, model->run_, &model->gpt_));
   if (model->gpt_.mtp_num_layers > 0) {
-    return Status::Error("model.mtp_num_layers",
-                         fmt::format("{}: multi-token prediction is not built in the executor "
-                                     "and the estimate yet (the float64 reference runs it); set "
-                                     "null",
-                                     model->gpt_.mtp_num_layers));
+    // Multi-token prediction: what the executor does not build (ParseGptSection refuses
+    // Megatron's own rules and MoE).
+    if (topology.sizes().cp > 1) {
+      return Status::Error("parallel.context_parallel_size",
+                           fmt::format("{} with mtp_num_layers is not built yet (Megatron rolls "
+                                       "the shifted ids across the cp ranks); use 1",
+                                       topology.sizes().cp));
+    }
+    if (model->run_.recompute == RunConfig::Recompute::kFull) {
+      return Status::Error("run.recompute_granularity",
+                           "\"full\" with mtp_num_layers is not built yet (Megatron checkpoints "
+                           "each MTP layer's projection and transformer layer); use "
+                           "\"selective\" or none");
+    }
   }
   if (model->gpt_.mla.enabled && config.parallel.context_parallel_size > 1) {
     return Status::Error("parallel.context_parallel_size",
@@ -170,19 +179,28 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
   }
   const bool tied = gpt.share_embeddings_and_output_weights;
   // This rank's parameters: those of its chunks' layers, the embedding on the first chunk,
-  // the final norm and output layer on the last. With tied weights the last stage holds its
-  // own copy of the word embeddings (Megatron's shared_embedding on the last stage): the
-  // same master values, its gradient all-reduced with the first stage's over embd.
+  // the final norm, the multi-token prediction depths and the output layer on the last. With
+  // tied weights, or with multi-token prediction (whose depths embed the shifted ids), the
+  // last stage holds its own copy of the word embeddings (Megatron's shared_embedding on the
+  // last stage): the same master values, its gradient all-reduced with the first stage's
+  // over embd (finalize_model_grads' _allreduce_word_embedding_grads).
   constexpr std::string_view kWord = "embedding.word_embeddings.weight";
   const ExpertPlacement experts{gpt.moe.num_experts, sizes.ep, coords.ep};
-  for (const GptParameter& p :
-       GptParameters(gpt, model->padded_vocab_, sh.sequence_parallel,
-                     [&](int64_t layer) { return held.count(layer) != 0; },
-                     [&](int64_t expert) { return experts.Holds(expert); })) {
+  // Multi-token prediction's parameters come with the last decoder layer's (GptParameters);
+  // they live on the last stage, which may hold no decoder layer (its layer's are dropped
+  // below by their name).
+  const bool mtp = gpt.mtp_num_layers > 0;
+  for (const GptParameter& p : GptParameters(
+           gpt, model->padded_vocab_, sh.sequence_parallel,
+           [&](int64_t layer) {
+             return held.count(layer) != 0 || (post && mtp && layer == gpt.num_layers - 1);
+           },
+           [&](int64_t expert) { return experts.Holds(expert); })) {
     const std::optional<int64_t> layer = LayerOf(p.name);
-    const bool mine = layer                              ? held.count(*layer) != 0
-                      : p.name.starts_with("embedding.") ? pre || (post && tied && p.name == kWord)
-                                                         : post;
+    const bool mine = layer ? held.count(*layer) != 0
+                      : p.name.starts_with("embedding.")
+                          ? pre || (post && (tied || mtp) && p.name == kWord)
+                          : post;
     if (!mine) continue;
     // Expert parallelism: this ep rank's experts only.
     const std::optional<int64_t> expert = ExpertOf(p.name);
@@ -194,7 +212,7 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
         own_tp ? sizes.etp : t, own_tp ? coords.etp : coords.tp,
         own_tp ? ShardAxis::kEtp : ShardAxis::kTp);
     added.expert = expert.has_value() && sizes.experts_apart();
-    added.embedding_group = p.name == kWord && tied && sizes.pp > 1;
+    added.embedding_group = p.name == kWord && (tied || mtp) && sizes.pp > 1;
     added.shared = added.embedding_group && !pre;
   }
   ParameterSet& params = model->params_;
@@ -215,6 +233,20 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
                                params.Find("decoder.final_layernorm.bias"));
     Parameter* output = tied ? model->word_ : &params.Get("output_layer.weight");
     model->output_layer_.emplace(output, nullptr);
+    const auto norm = [&](const std::string& name) {
+      return Norm(gpt.normalization, gpt.layernorm_epsilon, &params.Get(name + ".weight"),
+                  params.Find(name + ".bias"));
+    };
+    // Each depth's transformer layer is built from the last decoder layer's spec.
+    for (int64_t k = 0; k < gpt.mtp_num_layers; ++k) {
+      const std::string prefix = fmt::format("mtp.layers.{}", k);
+      model->mtp_.push_back(
+          MtpDepth{norm(prefix + ".enorm"), norm(prefix + ".hnorm"),
+                   ColumnParallelLinear(&params.Get(prefix + ".eh_proj.weight"), nullptr),
+                   TransformerLayer(gpt, gpt.num_layers - 1, params, t, model->run_, experts,
+                                    prefix + ".transformer_layer"),
+                   norm(prefix + ".final_layernorm")});
+    }
   }
   if (gpt.dropout_mode == DropoutMode::kRngTracker) {
     model->tracker_ =
@@ -252,7 +284,7 @@ void GptModel::InitializeParameters(Kernels& k) {
   key_positions_ = k.ToDevice(keys);
 }
 
-GptModel::Batch GptModel::MakeBatch(Kernels& k, int64_t microbatch) const {
+GptModel::Batch GptModel::MakeBatch(Kernels& k, int64_t microbatch, int64_t shift) const {
   const StreamShape& sh = shape_;
   const int64_t s_cp = sh.s_cp();
   Tensor tokens = Tensor::HostEmpty({s_cp, sh.b}, DType::kInt64);
@@ -264,13 +296,16 @@ GptModel::Batch GptModel::MakeBatch(Kernels& k, int64_t microbatch) const {
     for (int64_t j = 0; j < sh.b; ++j) {
       const int64_t gs = sh.dp_rank * sh.b + j;
       const int64_t row = l * sh.b + j;
+      // Rolled `shift` places: position i holds what i + shift held, 0 past the sequence.
+      const bool inside = i + shift < sh.s;
       tokens.data_as<int64_t>()[row] =
-          TokenAt(run_.seed, text, gs * (sh.s + 1) + i, gpt_.vocab_size);
+          inside ? TokenAt(run_.seed, text, gs * (sh.s + 1) + i + shift, gpt_.vocab_size) : 0;
       labels.data_as<int64_t>()[row] =
-          TokenAt(run_.seed, text, gs * (sh.s + 1) + i + 1, gpt_.vocab_size);
+          inside ? TokenAt(run_.seed, text, gs * (sh.s + 1) + i + shift + 1, gpt_.vocab_size) : 0;
       positions.data_as<int64_t>()[row] = i;
     }
   }
+  if (shift > 0) return Batch{k.ToDevice(tokens), k.ToDevice(labels), Tensor()};
   return Batch{k.ToDevice(tokens), k.ToDevice(labels), k.ToDevice(positions)};
 }
 
@@ -386,6 +421,8 @@ double GptModel::HeadForward(const ModuleContext& ctx, const Tensor& x, Stash* s
   const Tensor final = final_norm_->Forward(ctx, x, &stash->final_norm);
   ctx.Record("decoder.final_layernorm.output", final, {sh.s, sh.B, final.cols()},
              sh.StreamSpec(d_));
+  if (!mtp_.empty()) MtpForward(ctx, final, stash);
+  ctx.trace.SetSite("output_layer");
   const Tensor logits = output_layer_->Forward(ctx, final, &stash->output_layer);
   ctx.Record("output_layer.output", logits, {sh.s, sh.B, padded_vocab_}, sh.ColumnSpec(d_, 1));
   const Tensor losses = VocabParallelCrossEntropyForward(
@@ -400,6 +437,10 @@ double GptModel::HeadForward(const ModuleContext& ctx, const Tensor& x, Stash* s
 Tensor GptModel::HeadBackward(const ModuleContext& ctx, Stash& stash) const {
   Kernels& k = ctx.k;
   const StreamShape& sh = shape_;
+  // The final norm's output also feeds the first multi-token prediction depth's hnorm: its
+  // gradient through the depths first, so that their tensors are gone before the head's.
+  Tensor dmtp;
+  if (!mtp_.empty()) dmtp = MtpBackward(ctx, stash);
   ctx.trace.SetSite("output_layer");
   const int64_t rows = sh.s_cp() * sh.b;
   const DType stats = ComputeDType(run_.dtype);
@@ -414,10 +455,149 @@ Tensor GptModel::HeadBackward(const ModuleContext& ctx, Stash& stash) const {
                                         gpt_.label_smoothing, sh.tp_rank, dloss);
   ctx.Record("output_layer.output_grad", dlogits, {sh.s, sh.B, padded_vocab_},
              sh.ColumnSpec(d_, 1));
-  const Tensor dfinal = output_layer_->Backward(ctx, dlogits, stash.output_layer);
+  Tensor dfinal = output_layer_->Backward(ctx, dlogits, stash.output_layer);
+  if (dmtp.defined()) {
+    k.Axpy(1.0, dmtp, dfinal);
+    dmtp = Tensor();
+  }
   ctx.Record("decoder.final_layernorm.output_grad", dfinal, {sh.s, sh.B, dfinal.cols()},
              sh.StreamSpec(d_));
   return final_norm_->Backward(ctx, dfinal, stash.final_norm);
+}
+
+// MultiTokenPredictionBlock: depth k (0-based) at position i joins the previous depth's
+// hidden state at i (depth 0: the decoder's final norm output) with the embedding of the
+// ids rolled k + 1 places, so that it predicts the label k + 1 further ahead:
+//   x = eh_proj([enorm(dropout(E[ids_k])), hnorm(h_{k-1})]);  h_k = final_layernorm(layer(x))
+// The embedding is the model's own (LanguageModelEmbedding with rope: under sequence
+// parallelism reduce-scattered straight to this rank's shard). eh_proj is column parallel
+// ([h/t, 2h] per rank, no bias; under sp its input gathered along the sequence), its output
+// gathered over tp (gather_from_tensor_model_parallel_region, whose backward takes this
+// rank's columns) and under sp scattered back to the sequence shard before the layer. Then
+// process_mtp_loss: h_k's logits through the shared output layer, the cross entropy against
+// the labels rolled k + 1 places, masked where the roll left no label (the last k + 1
+// positions).
+void GptModel::MtpForward(const ModuleContext& ctx, const Tensor& hidden, Stash* stash) const {
+  Kernels& k = ctx.k;
+  const StreamShape& sh = shape_;
+  const int64_t h = gpt_.hidden_size, rows = sh.stream_rows();
+  const ShardSpec stream = sh.StreamSpec(d_);
+  Tensor prev = hidden;
+  for (size_t d = 0; d < mtp_.size(); ++d) {
+    const MtpDepth& depth = mtp_[d];
+    MtpStash& st = stash->mtp[d];
+    const std::string prefix = fmt::format("mtp.layers.{}", d);
+    ctx.trace.SetSite(prefix);
+    const Tensor embedded = WordEmbeddings().Forward(ctx, st.batch.tokens);
+    const Tensor e = gpt_.hidden_dropout > 0
+                         ? DropoutAtSite(ctx, prefix + ".embedding.embedding_dropout",
+                                         gpt_.hidden_dropout, sh.StreamMap(h), embedded)
+                         : embedded;
+    ctx.Record(prefix + ".embedding.output", e, {sh.s, sh.B, h}, stream);
+    Tensor concat = k.Empty({rows, 2 * h}, run_.dtype);
+    {
+      const Tensor en = depth.enorm.Forward(ctx, e, &st.enorm);
+      ctx.Record(prefix + ".enorm.output", en, {sh.s, sh.B, h}, stream);
+      k.CopyBlock(en, 0, 0, concat, 0, 0, rows, h);
+      const Tensor hn = depth.hnorm.Forward(ctx, prev, &st.hnorm);
+      ctx.Record(prefix + ".hnorm.output", hn, {sh.s, sh.B, h}, stream);
+      k.CopyBlock(hn, 0, 0, concat, 0, h, rows, h);
+    }
+    Tensor x = AllGatherLastDim(k, ctx.tp, depth.eh_proj.Forward(ctx, concat, &st.eh_proj));
+    if (sh.sequence_parallel) x = SplitFirstDim(k, ctx.tp, x);
+    ctx.Record(prefix + ".eh_proj.output", x, {sh.s, sh.B, h}, stream);
+    const Tensor y = depth.layer.Forward(ctx, x, LayerRecompute::Keep::kAll, &st.layer);
+    x = Tensor();
+    const Tensor out = depth.final_norm.Forward(ctx, y, &st.final_norm);
+    ctx.Record(prefix + ".final_layernorm.output", out, {sh.s, sh.B, h}, stream);
+    const Tensor logits = output_layer_->Forward(ctx, out, &st.output_layer);
+    ctx.Record(prefix + ".output_layer.output", logits, {sh.s, sh.B, padded_vocab_},
+               sh.ColumnSpec(d_, 1));
+    const Tensor losses = VocabParallelCrossEntropyForward(
+        k, ctx.tp, logits, st.batch.labels, padded_vocab_, gpt_.label_smoothing, &st.loss);
+    if (ctx.recording()) {
+      // The loss mask rolled with the labels: no loss where no label was left.
+      Tensor masked = k.ToHost(losses);
+      const int64_t valid = sh.s - static_cast<int64_t>(d + 1);
+      for (int64_t l = 0; l < sh.s_cp(); ++l) {
+        if (sh.Position(l) < valid) continue;
+        for (int64_t j = 0; j < sh.b; ++j) SetHostValue(masked, l * sh.b + j, 0.0);
+      }
+      ctx.Record(prefix + ".loss.per_token", k.ToDevice(masked).Reshaped({sh.s_cp(), sh.b}),
+                 {sh.s, sh.B}, sh.TokenSpec(d_));
+    }
+    prev = out;
+  }
+}
+
+// The depths' backward, deepest first: h_k's gradient is its logits' plus depth k + 1's
+// hnorm's. MTPLossAutoScaler gives each depth's loss the gradient
+// mtp_loss_scaling_factor / D / num_tokens_k times the main loss's backward scale 1 / M
+// (num_tokens_k = b (s - k - 1), this rank's unmasked tokens), and the data-parallel
+// gradient average divides by d: per unmasked token f / (D M B (s - k - 1)).
+Tensor GptModel::MtpBackward(const ModuleContext& ctx, Stash& stash) const {
+  Kernels& k = ctx.k;
+  const StreamShape& sh = shape_;
+  const int64_t h = gpt_.hidden_size, rows = sh.stream_rows(), tokens = sh.s_cp() * sh.b;
+  const ShardSpec stream = sh.StreamSpec(d_);
+  const auto D = static_cast<int64_t>(mtp_.size());
+  Tensor dnext;  // d loss / d h_k through depth k + 1
+  for (int64_t d = D; d-- > 0;) {
+    const MtpDepth& depth = mtp_[static_cast<size_t>(d)];
+    MtpStash& st = stash.mtp[static_cast<size_t>(d)];
+    const std::string prefix = fmt::format("mtp.layers.{}", d);
+    ctx.trace.SetSite(prefix);
+    Tensor dout;  // d loss / d h_k
+    {
+      const int64_t valid = sh.s - (d + 1);
+      const double scale = valid > 0
+                               ? gpt_.mtp_loss_scaling_factor /
+                                     static_cast<double>(D * run_.num_microbatches * sh.B * valid)
+                               : 0.0;
+      Tensor dloss_host = Tensor::HostEmpty({tokens}, ComputeDType(run_.dtype));
+      for (int64_t l = 0; l < sh.s_cp(); ++l) {
+        for (int64_t j = 0; j < sh.b; ++j) {
+          SetHostValue(dloss_host, l * sh.b + j, sh.Position(l) < valid ? scale : 0.0);
+        }
+      }
+      const Tensor dloss = k.ToDevice(dloss_host);
+      const Tensor dlogits = VocabParallelCrossEntropyBackward(
+          k, st.loss, st.batch.labels, padded_vocab_, gpt_.label_smoothing, sh.tp_rank, dloss);
+      ctx.Record(prefix + ".output_layer.output_grad", dlogits, {sh.s, sh.B, padded_vocab_},
+                 sh.ColumnSpec(d_, 1));
+      dout = output_layer_->Backward(ctx, dlogits, st.output_layer);
+    }
+    if (dnext.defined()) {
+      k.Axpy(1.0, dnext, dout);
+      dnext = Tensor();
+    }
+    ctx.Record(prefix + ".final_layernorm.output_grad", dout, {sh.s, sh.B, h}, stream);
+    Tensor dy = depth.final_norm.Backward(ctx, dout, st.final_norm);
+    dout = Tensor();
+    dy = depth.layer.Backward(ctx, dy, st.layer);
+    ctx.Record(prefix + ".eh_proj.output_grad", dy, {sh.s, sh.B, h}, stream);
+    // The scatter's backward gathers the sequence; the gather's takes this rank's columns.
+    if (sh.sequence_parallel) dy = AllGatherFirstDim(k, ctx.tp, dy);
+    dy = SplitLastDim(k, ctx.tp, dy);
+    Tensor dconcat = depth.eh_proj.Backward(ctx, dy, st.eh_proj);
+    dy = Tensor();
+    Tensor de = k.Empty({rows, h}, run_.dtype), dh = k.Empty({rows, h}, run_.dtype);
+    k.CopyBlock(dconcat, 0, 0, de, 0, 0, rows, h);
+    k.CopyBlock(dconcat, 0, h, dh, 0, 0, rows, h);
+    dconcat = Tensor();
+    ctx.Record(prefix + ".enorm.output_grad", de, {sh.s, sh.B, h}, stream);
+    ctx.Record(prefix + ".hnorm.output_grad", dh, {sh.s, sh.B, h}, stream);
+    de = depth.enorm.Backward(ctx, de, st.enorm);
+    ctx.Record(prefix + ".embedding.output_grad", de, {sh.s, sh.B, h}, stream);
+    if (gpt_.hidden_dropout > 0) {
+      de = DropoutAtSite(ctx, prefix + ".embedding.embedding_dropout", gpt_.hidden_dropout,
+                         sh.StreamMap(h), de);
+    }
+    WordEmbeddings().Backward(ctx, st.batch.tokens, de);
+    de = Tensor();
+    dnext = depth.hnorm.Backward(ctx, dh, st.hnorm);
+  }
+  return dnext;
 }
 
 void GptModel::BeginStep(RankContext& ctx, int64_t iteration, bool record) {
@@ -468,6 +648,14 @@ Tensor GptModel::ForwardStep(const StepCall& call, const Tensor& input, StepStas
   mctx.trace.SetPhase(Phase::kForward);
   if (spec.pre_process || spec.post_process) {
     stash.batch = MakeBatch(*ctx.kernels, iteration_ * run_.num_microbatches + call.microbatch);
+  }
+  if (spec.post_process) {
+    // Each multi-token prediction depth's ids, rolled once more than the previous depth's.
+    for (size_t d = 0; d < mtp_.size(); ++d) {
+      stash.mtp.emplace_back().batch =
+          MakeBatch(*ctx.kernels, iteration_ * run_.num_microbatches + call.microbatch,
+                    static_cast<int64_t>(d) + 1);
+    }
   }
   Tensor x = input;
   if (spec.pre_process) {

@@ -117,10 +117,13 @@ class GptModel final : public Model {
 
   // The declared stash (stash_plan.h) of one (chunk, micro-batch) on a rank of `shape`, in
   // `dtype` storage: `layers[i]` is the declared stash of chunk.layers[i]
-  // (TransformerLayer::PlanStash). A count of the executor's activations sums it
+  // (TransformerLayer::PlanStash), `mtp_layer` (a post_process chunk with multi-token
+  // prediction: required) the declared stash of each depth's transformer layer, kept whole
+  // but for what selective recomputation drops. A count of the executor's activations sums it
   // (core/estimate/executor_activations.h).
   static StashPlan PlanStash(const GptConfig& gpt, const StreamShape& shape, DType dtype,
-                             const GptChunk& chunk, const std::vector<StashPlan>& layers);
+                             const GptChunk& chunk, const std::vector<StashPlan>& layers,
+                             const StashPlan* mtp_layer = nullptr);
 
   const std::vector<GptChunk>& chunks() const { return chunks_; }
   double loss() const override { return loss_; }  // after EndStep
@@ -135,6 +138,18 @@ class GptModel final : public Model {
     Tensor tokens, labels;  // [s_cp, b], index l * b + j, at positions Position(l)
     Tensor positions;       // [s_cp, b]: Position(l)
   };
+  // One multi-token prediction depth k of a post_process chunk (MultiTokenPredictionLayer):
+  // the ids and labels rolled k + 1 places, its modules' stashes, its logits' loss.
+  struct MtpStash {
+    Batch batch;                          // tokens, labels rolled (zeros shifted in at the end)
+    Norm::Stash enorm;                    // input: the shifted tokens' embedding [s_l*b, h]
+    Norm::Stash hnorm;                    // input: the previous depth's hidden state [s_l*b, h]
+    ColumnParallelLinear::Stash eh_proj;  // input: [enorm, hnorm] concatenated [s_l*b, 2h]
+    TransformerLayer::Stash layer;
+    Norm::Stash final_norm;
+    ColumnParallelLinear::Stash output_layer;  // input: the depth's hidden state [s_l*b, h]
+    CrossEntropyStash loss;
+  };
   // Activations of one (chunk, micro-batch) between its forward and its backward.
   struct Stash : StepStash {
     Batch batch;          // pre_process or post_process chunks
@@ -143,9 +158,13 @@ class GptModel final : public Model {
     Norm::Stash final_norm;
     ColumnParallelLinear::Stash output_layer;
     CrossEntropyStash loss;
+    std::vector<MtpStash> mtp;  // a post_process chunk's multi-token prediction depths
     TrackerDraws::Count draws;  // rng_tracker: the forward step's first draws
   };
-  Batch MakeBatch(Kernels& k, int64_t microbatch) const;
+  // With `shift` > 0 (a multi-token prediction depth): the ids and labels rolled `shift`
+  // places to the left along the sequence (Megatron's roll_tensor, once per depth: the vacated
+  // last positions hold id 0), without positions.
+  Batch MakeBatch(Kernels& k, int64_t microbatch, int64_t shift = 0) const;
   // The RNG tracker's next draws at the start of `iteration` (every earlier iteration ran M
   // forward steps of every chunk).
   TrackerDraws::Count TrackerAtIteration(int64_t iteration) const;
@@ -158,6 +177,11 @@ class GptModel final : public Model {
   // sum of this rank's per-token losses.
   double HeadForward(const ModuleContext& ctx, const Tensor& x, Stash* stash) const;
   Tensor HeadBackward(const ModuleContext& ctx, Stash& stash) const;
+  // Multi-token prediction (MultiTokenPredictionBlock and process_mtp_loss) after the final
+  // norm, from its output `hidden` [s_l*b, h]; the backward returns the gradient of `hidden`
+  // through the depths (to be added to the main head's).
+  void MtpForward(const ModuleContext& ctx, const Tensor& hidden, Stash* stash) const;
+  Tensor MtpBackward(const ModuleContext& ctx, Stash& stash) const;
 
   // This rank's account of one pipeline stage for Explain (the whole model when pp = 1).
   void ExplainStage(std::ostream& out) const;
@@ -180,6 +204,15 @@ class GptModel final : public Model {
   std::map<int64_t, TransformerLayer> layers_;  // by global layer number
   std::optional<Norm> final_norm_;
   std::optional<ColumnParallelLinear> output_layer_;
+  // Multi-token prediction's depths (on a post_process chunk): enorm, hnorm, eh_proj (column
+  // parallel, no bias), the transformer layer, final_layernorm.
+  struct MtpDepth {
+    Norm enorm, hnorm;
+    ColumnParallelLinear eh_proj;
+    TransformerLayer layer;
+    Norm final_norm;
+  };
+  std::vector<MtpDepth> mtp_;
   double loss_sum_ = 0;  // this step's per-token losses on this rank
   int64_t iteration_ = 0;  // the training iteration being run (data and dropout streams)
   double loss_ = 0;

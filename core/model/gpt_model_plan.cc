@@ -79,6 +79,15 @@ std::string GptModel::Describe() const {
   out += fmt::format("vocab_size {}, padded_vocab_size {}, label_smoothing {}\n", gpt.vocab_size,
                      padded_vocab_, gpt.label_smoothing);
   if (gpt.moe.enabled()) out += DescribeMoe(gpt);
+  if (gpt.mtp_num_layers > 0) {
+    out += fmt::format(
+        "  multi-token prediction: {} depth{} after the final norm on the last stage, each the "
+        "embedding of the ids rolled once more, enorm, hnorm, eh_proj and a transformer layer, "
+        "through the shared output layer; their losses times mtp_loss_scaling_factor {} / {} "
+        "join the gradient, not the reported loss\n",
+        gpt.mtp_num_layers, gpt.mtp_num_layers == 1 ? "" : "s", gpt.mtp_loss_scaling_factor,
+        gpt.mtp_num_layers);
+  }
   return out;
 }
 
@@ -162,8 +171,12 @@ std::vector<ParameterPlacement> GptModel::ShardingMap() const {
       row.ep_rank = expert && ep > 1 ? ep_rank : -1;
       row.pp_rank = stage;
       if (p->shared) {
-        row.note = "the last stage's copy of the tied word embeddings, gradient all-reduced "
-                   "over embd";
+        row.note = fmt::format(
+            "the last stage's copy of the word embeddings ({}), gradient "
+            "all-reduced over embd",
+            model.gpt_.share_embeddings_and_output_weights
+                ? "tied to the output layer"
+                : "for the multi-token prediction depths' shifted ids");
       }
       // Another ep rank's experts go after the same layer's experts listed so far.
       auto at = mapped.end();
@@ -469,7 +482,12 @@ void GptModel::ExplainStage(std::ostream& out) const {
                             : fmt::format("layers {}-{}", chunk.layers.front(),
                                           chunk.layers.back()));
       }
-      if (chunk.post_process) parts.push_back("final norm, output layer, loss");
+      if (chunk.post_process && gpt.mtp_num_layers > 0) {
+        parts.push_back(fmt::format("final norm, {} MTP depth{}, output layer, loss",
+                                    gpt.mtp_num_layers, gpt.mtp_num_layers == 1 ? "" : "s"));
+      } else if (chunk.post_process) {
+        parts.push_back("final norm, output layer, loss");
+      }
       // An empty stage of an uneven split (Megatron's layout allows one).
       if (parts.empty()) parts.push_back("no layer: passes its input on");
       chunks.push_back(fmt::format("[{}]", fmt::join(parts, ", ")));
@@ -513,9 +531,12 @@ void GptModel::ExplainStage(std::ostream& out) const {
                   : "; gradient all-reduced over tp (sequence parallel)";
     }
     if (p->embedding_group) {
-      note +=
-          "; tied: the first and the last stage each hold it, gradient all-reduced over "
-          "embd";
+      note += fmt::format(
+          "; {}: the first and the last stage each hold it, gradient "
+          "all-reduced over embd",
+          gpt.share_embeddings_and_output_weights
+              ? "tied"
+              : "the multi-token prediction depths embed with it");
     }
     out << fmt::format("  {} {} {}{}\n", p->name, ShapeString(p->full_shape), how, note);
   }
@@ -525,7 +546,8 @@ void GptModel::ExplainStage(std::ostream& out) const {
 }
 
 StashPlan GptModel::PlanStash(const GptConfig& gpt, const StreamShape& shape, DType dtype,
-                              const GptChunk& chunk, const std::vector<StashPlan>& layers) {
+                              const GptChunk& chunk, const std::vector<StashPlan>& layers,
+                              const StashPlan* mtp_layer) {
   const auto d = [](int64_t v) { return static_cast<double>(v); };
   const double R = d(shape.s_cp() * shape.b), Rs = d(shape.stream_rows());
   const double h = d(gpt.hidden_size);
@@ -544,6 +566,30 @@ StashPlan GptModel::PlanStash(const GptConfig& gpt, const StreamShape& shape, DT
     plan.Add("final_norm.input", {Rs, h}, dtype);
     plan.Add("final_norm", Norm::PlanStash(gpt.normalization, Rs, dtype));
     plan.Add("output_layer.input", {Rs, h}, dtype);
+    // Multi-token prediction's depths (MtpStash): hnorm.input is the previous depth's hidden
+    // state (the final norm's output first), the layer's input eh_proj's gathered output.
+    if (gpt.mtp_num_layers > 0 && mtp_layer == nullptr) {
+      throw std::logic_error(
+          "GptModel::PlanStash: multi-token prediction without the declared "
+          "stash of its transformer layer");
+    }
+    for (int64_t k = 0; k < gpt.mtp_num_layers; ++k) {
+      const std::string depth = fmt::format("mtp.{}.", k);
+      for (const char* ids : {"batch.tokens", "batch.labels"}) {
+        plan.Add(depth + ids, {d(shape.s_cp()), d(shape.b)}, DType::kInt64);
+      }
+      plan.Add(depth + "enorm.input", {Rs, h}, dtype);  // the embedding (after its dropout)
+      plan.Add(depth + "enorm", Norm::PlanStash(gpt.normalization, Rs, dtype));
+      plan.Add(depth + "hnorm", Norm::PlanStash(gpt.normalization, Rs, dtype));
+      plan.Add(depth + "eh_proj.input", {Rs, 2 * h}, dtype);
+      plan.Add(depth + "layer", *mtp_layer);
+      plan.Add(depth + "final_norm.input", {Rs, h}, dtype);
+      plan.Add(depth + "final_norm", Norm::PlanStash(gpt.normalization, Rs, dtype));
+      plan.Add(depth + "output_layer.input", {Rs, h}, dtype);
+      plan.Add(depth + "loss.logits", {R, d(gpt.PaddedVocabSize(shape.t)) / d(shape.t)}, dtype);
+      plan.Add(depth + "loss.row_max", {R}, ComputeDType(dtype));
+      plan.Add(depth + "loss.sum_exp", {R}, ComputeDType(dtype));
+    }
     plan.Add("loss.logits", {R, d(gpt.PaddedVocabSize(shape.t)) / d(shape.t)}, dtype);
     plan.Add("loss.row_max", {R}, ComputeDType(dtype));
     plan.Add("loss.sum_exp", {R}, ComputeDType(dtype));

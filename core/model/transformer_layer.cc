@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <optional>
+#include <utility>
 
 namespace mpusim {
 namespace {
@@ -16,8 +17,9 @@ Norm MakeNorm(const GptConfig& gpt, const std::string& prefix, ParameterSet& par
 }  // namespace
 
 TransformerLayer::TransformerLayer(const GptConfig& gpt, int64_t layer, ParameterSet& params,
-                                   int64_t t, const RunConfig& run, const ExpertPlacement& experts)
-    : prefix_(fmt::format("decoder.layers.{}", layer)),
+                                   int64_t t, const RunConfig& run, const ExpertPlacement& experts,
+                                   std::string prefix)
+    : prefix_(prefix.empty() ? fmt::format("decoder.layers.{}", layer) : std::move(prefix)),
       hidden_dropout_(gpt.hidden_dropout),
       selective_(LayerRecompute::Kept(run)),
       input_norm_(MakeNorm(gpt, prefix_ + ".input_layernorm", params)),

@@ -56,10 +56,12 @@ struct LayerRecompute {
 
 class TransformerLayer {
  public:
-  // Layer `layer` (0-based; its prefix "decoder.layers.<layer>"): an MoE layer (moe.h) in
-  // place of the MLP where gpt.moe.layers says so.
+  // Layer `layer` (0-based; its prefix "decoder.layers.<layer>", or `prefix` when given: a
+  // multi-token prediction depth's "mtp.layers.<k>.transformer_layer", built as layer L - 1):
+  // an MoE layer (moe.h) in place of the MLP where gpt.moe.layers says so.
   TransformerLayer(const GptConfig& gpt, int64_t layer, ParameterSet& params, int64_t t,
-                   const RunConfig& run, const ExpertPlacement& experts = {});
+                   const RunConfig& run, const ExpertPlacement& experts = {},
+                   std::string prefix = {});
 
   struct Inner {
     Norm::Stash norm1;

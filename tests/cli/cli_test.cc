@@ -3240,18 +3240,57 @@ TEST(HostileInput, OutputFilesAreCheckedBeforeTheRun) {
 
 }  // namespace hostile_tests
 
-// Multi-token prediction: the float64 reference runs it (GptReferenceTest); until the executor
-// and the estimate do, run and estimate refuse it with one line naming the key, exit 2.
-TEST(RunCommand, RefusesMultiTokenPredictionUntilTheExecutorRunsIt) {
+// Multi-token prediction: a float64 dump of two depths on tp 2 with sequence parallelism and
+// pp 2 (the depths and the last stage's copy of the untied word embeddings on pp rank 1) diffs
+// clean against one rank with the same data-parallel split (one dp rank of 2 samples).
+TEST(DiffCommand, MultiTokenPredictionDumpDiffsCleanAgainstOneRank) {
+  const std::filesystem::path tmp = std::filesystem::temp_directory_path();
+  const std::string tag = std::to_string(::getpid());
+  const std::filesystem::path a = tmp / ("mpusim_mtp_diff_a." + tag);
+  const std::filesystem::path b = tmp / ("mpusim_mtp_diff_b." + tag);
+  for (const auto& dir : {a, b}) std::filesystem::remove_all(dir);
   json config = json::parse(std::ifstream(Sample("gpt_qk_norm_partial_rope_t2_n2.json")));
-  config["model"]["mtp_num_layers"] = 1;
-  const std::string path = WriteTemp("mpusim_mtp_refused.json", config.dump());
-  const std::string line = "error: " + path +
-                           ": model.mtp_num_layers: 1: multi-token prediction is not built in "
-                           "the executor and the estimate yet (the float64 reference runs it); "
-                           "set null";
-  ExpectUsageError(Mpusim({"run", path}), line);
-  ExpectUsageError(Mpusim({"estimate", path}), line);
+  config["model"]["mtp_num_layers"] = 2;
+  config["model"]["share_embeddings_and_output_weights"] = false;
+  config["run"]["dtype"] = "float64";
+  config["run"]["seq_length"] = 16;
+  config["parallel"]["world_size"] = 4;
+  config["parallel"]["pipeline_model_parallel_size"] = 2;
+  const std::string four = WriteTemp("mpusim_mtp_n4." + tag + ".json", config.dump());
+  config["parallel"] = {{"world_size", 1}};
+  const std::string one = WriteTemp("mpusim_mtp_n1." + tag + ".json", config.dump());
+  std::string output;
+  ASSERT_EQ(run_tests::Shell(
+                run_tests::Mpiexec(4) + MPUSIM_BINARY + " run " + four + " --dump " + a.string(),
+                &output),
+            0)
+      << output;
+  ASSERT_EQ(
+      run_tests::Shell(
+          run_tests::Mpiexec(1) + MPUSIM_BINARY + " run " + one + " --dump " + b.string(), &output),
+      0)
+      << output;
+  const Result same = Mpusim(
+      {"diff", a.string(), b.string(), "--atol", "1e-12", "--rtol", "0", "--format", "json"});
+  EXPECT_EQ(same.code, 0) << same.out << same.err;
+  int64_t mtp_tensors = 0;
+  const json report = json::parse(same.out);
+  for (const json& t : report["tensors"]) {
+    if (!t["name"].get<std::string>().starts_with("mtp.layers.")) continue;
+    ++mtp_tensors;
+    EXPECT_EQ(t["pass"], true) << t.dump();
+  }
+  // Both depths' parameters, activations and their gradients.
+  EXPECT_GT(mtp_tensors, 100) << same.out;
+  const Result explained = Mpusim({"explain", four});
+  ASSERT_EQ(explained.code, 0) << explained.err;
+  EXPECT_NE(explained.out.find("embedding.word_embeddings.weight"), std::string::npos);
+  EXPECT_NE(explained.out.find("the multi-token prediction depths embed with it"),
+            std::string::npos)
+      << explained.out;
+  EXPECT_NE(explained.out.find("final norm, 2 MTP depths, output layer, loss"), std::string::npos)
+      << explained.out;
+  for (const auto& dir : {a, b}) std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -200,6 +200,10 @@ std::vector<Case> Layouts() {
   oss["window_size"] = {3, 0};
   oss["window_attn_skip_freq"] = 2;
   oss["softmax_type"] = "learnable";
+  // Two multi-token prediction depths on the last stage (its word embedding copy, each
+  // depth's layer, logits and loss).
+  json mtp = dense;
+  mtp["mtp_num_layers"] = 2;
   struct Layout {
     const char* model;
     int64_t tp, pp, vp, cp, ep, etp;
@@ -276,6 +280,12 @@ std::vector<Case> Layouts() {
       {"oss", 1, 1, 1, 1, 1, 0, false},
       {"oss", 2, 1, 1, 2, 1, 0, true, "a2a"},
       {"oss", 1, 2, 1, 1, 1, 0, false, nullptr, "selective"},
+      // Multi-token prediction: alone, with tp 2 + sp on a pipeline, with virtual stages,
+      // and with the norms and the MLP recomputed (in the depths' layers too).
+      {"mtp", 1, 1, 1, 1, 1, 0, false},
+      {"mtp", 2, 2, 1, 1, 1, 0, true},
+      {"mtp", 1, 2, 2, 1, 1, 0, false},
+      {"mtp", 2, 1, 1, 1, 1, 0, true, nullptr, "selective layernorm,mlp"},
   };
   for (const Layout& l : layouts) {
     const int64_t model_ranks = l.tp * l.pp * l.cp;
@@ -334,7 +344,7 @@ std::vector<Case> Layouts() {
       // attention) keep two settings there, float32 and one bfloat16 with the distributed
       // optimizer: their counts' dtype rules are the older models', which it runs in full.
       if (mpusim::testing::kAddressSanitizer &&
-          (name == "moe_sigmoid" || name == "moe_bias" || name == "oss") &&
+          (name == "moe_sigmoid" || name == "moe_bias" || name == "oss" || name == "mtp") &&
           !(v.precision_aware == Aware::kNo && v.router_dtype == nullptr &&
             (std::string(v.dtype) == "float32" || v.instances == 1))) {
         continue;
@@ -349,6 +359,7 @@ std::vector<Case> Layouts() {
                           : name == "odd"          ? odd
                           : name == "wide"         ? wide
                           : name == "oss"          ? oss
+                          : name == "mtp"          ? mtp
                                                    : dense;
       json document = Document(model, l.tp, l.sp, v.dtype);
       if (is_moe && v.router_dtype != nullptr)

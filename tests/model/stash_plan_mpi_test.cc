@@ -44,7 +44,8 @@ using namespace gpt_mpi;
 
 struct Layout {
   // "dense", "moe" (allgather), "moe_a2a", "moe_gg" (grouped GEMM), "mla" (dense with
-  // multi-latent attention), "mla_q_proj" (the same with q_lora_rank null)
+  // multi-latent attention), "mla_q_proj" (the same with q_lora_rank null), "mtp" (dense,
+  // two multi-token prediction depths)
   const char* model;
   int64_t tp, pp, vp, cp, etp;  // etp 0: tp's
   const char* cp_comm = nullptr;
@@ -85,6 +86,8 @@ std::optional<Config> LayoutConfig(const Layout& l) {
     model["qk_head_dim"] = 8;
     model["qk_pos_emb_head_dim"] = 8;
     model["v_head_dim"] = 6;
+  } else if (std::string(l.model) == "mtp") {
+    model["mtp_num_layers"] = 2;
   } else if (std::string(l.model) != "dense") {
     model["num_moe_experts"] = 4;
     model["moe_router_topk"] = 2;
@@ -222,6 +225,12 @@ TEST(StashPlan, EveryChunkHoldsWhatItsModulesDeclare) {
       {"mla_q_proj", 2, 1, 1, 1, 0, nullptr, "selective core_attn,layernorm", "bfloat16", true},
       {"mla", 1, 1, 1, 1, 0, nullptr, "full", "float32", false, false, 0.0},
       {"mla", 1, 2, 2, 1, 0, nullptr, "selective", "float32", true},
+      // Multi-token prediction's depths on the last chunk: with dropout, tp 2 + sp, a
+      // pipeline with virtual stages, selective recomputation in bfloat16.
+      {"mtp", 1, 1, 1, 1, 0},
+      {"mtp", 2, 2, 1, 1, 0},
+      {"mtp", 1, 2, 2, 1, 0, nullptr, nullptr, "float32", false, false, 0.0},
+      {"mtp", 2, 1, 1, 1, 0, nullptr, "selective layernorm,mlp", "bfloat16"},
   };
   int64_t compared = 0;
   for (const Layout& l : layouts) {
@@ -285,9 +294,13 @@ TEST(StashPlan, EveryChunkHoldsWhatItsModulesDeclare) {
     // Each part a chunk of its own: a layer is its chunk's first (and only) one.
     const StashPlan layer =
         TransformerLayer::PlanStash(gpt, shape, dtype, LayerRecompute::Of(*config->run, 0, 1));
+    // Multi-token prediction's layers: kept but for what selective recomputation drops.
+    const StashPlan mtp_layer =
+        TransformerLayer::PlanStash(gpt, shape, dtype, LayerRecompute::Kept(*config->run));
     for (size_t c = 0; c < parts.size(); ++c) {
       const std::vector<StashPlan> layers(parts[c].layers.size(), layer);
-      const StashPlan declared = GptModel::PlanStash(gpt, shape, dtype, parts[c], layers);
+      const StashPlan declared =
+          GptModel::PlanStash(gpt, shape, dtype, parts[c], layers, &mtp_layer);
       const std::string part = parts[c].pre_process    ? std::string("the embedding")
                                : parts[c].post_process ? std::string("the head")
                                                        : fmt::format("layer {}", c - 1);
