@@ -119,11 +119,15 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
                                        "the shifted ids across the cp ranks); use 1",
                                        topology.sizes().cp));
     }
-    if (model->run_.recompute == RunConfig::Recompute::kFull) {
-      return Status::Error("run.recompute_granularity",
-                           "\"full\" with mtp_num_layers is not built yet (Megatron checkpoints "
-                           "each MTP layer's projection and transformer layer); use "
-                           "\"selective\" or none");
+    // Megatron's "block" skips the MTP layers (with a warning: Warnings); "uniform"
+    // checkpoints each depth's projection and layer, not built here.
+    if (model->run_.recompute == RunConfig::Recompute::kFull &&
+        model->run_.recompute_method == RunConfig::RecomputeMethod::kUniform) {
+      return Status::Error("run.recompute_method",
+                           "\"uniform\" with mtp_num_layers is not built yet (Megatron "
+                           "checkpoints each MTP layer's projection and transformer layer); use "
+                           "\"block\" (which Megatron does not apply to the MTP layers) or "
+                           "recompute_granularity \"selective\"");
     }
   }
   if (model->gpt_.mla.enabled && config.parallel.context_parallel_size > 1) {
@@ -253,6 +257,14 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
         MakeTrackerDraws(gpt, model->run_.seed, coords, sh.sequence_parallel, model->chunks_);
   }
   return model;
+}
+
+std::vector<std::string> GptModel::Warnings() const {
+  if (gpt_.mtp_num_layers == 0 || run_.recompute != RunConfig::Recompute::kFull) return {};
+  return {
+      "run.recompute_method: \"block\" recomputes the decoder's layers, not the multi-token "
+      "prediction depths' (Megatron: \"recompute_method == 'block' is not supported for MTP "
+      "yet. Skipping recompute.\")"};
 }
 
 std::vector<std::string> GptModel::StepNotes() const {

@@ -104,7 +104,8 @@ class GptModel final : public Model {
   std::vector<ParameterPlacement> ShardingMap() const override;
   std::string ParameterSplitNote() const override;
   void Explain(std::ostream& out) const override;
-  std::vector<std::string> Warnings() const override { return {}; }
+  // Full recomputation by "block" with multi-token prediction: its depths are not recomputed.
+  std::vector<std::string> Warnings() const override;
   bool MasksDependOnLayout() const override;
   MemoryPlan PlanMemory(const MemoryPlanOptions& options) const override;
   // PlanMemory's optimizer items (gpt_model_plan.cc).

@@ -281,11 +281,13 @@ std::vector<Case> Layouts() {
       {"oss", 2, 1, 1, 2, 1, 0, true, "a2a"},
       {"oss", 1, 2, 1, 1, 1, 0, false, nullptr, "selective"},
       // Multi-token prediction: alone, with tp 2 + sp on a pipeline, with virtual stages,
-      // and with the norms and the MLP recomputed (in the depths' layers too).
+      // with the norms and the MLP recomputed (in the depths' layers too), and full
+      // recomputation by block (the depths' layers kept whole, as Megatron skips them).
       {"mtp", 1, 1, 1, 1, 1, 0, false},
       {"mtp", 2, 2, 1, 1, 1, 0, true},
       {"mtp", 1, 2, 2, 1, 1, 0, false},
       {"mtp", 2, 1, 1, 1, 1, 0, true, nullptr, "selective layernorm,mlp"},
+      {"mtp", 1, 2, 1, 1, 1, 0, false, nullptr, "full block 1"},
   };
   for (const Layout& l : layouts) {
     const int64_t model_ranks = l.tp * l.pp * l.cp;

@@ -4,16 +4,20 @@
 // ids, its gradient all-reduced over embd), tp with and without sequence parallelism, pipelines
 // of 2 and 4 stages and of 2 stages of 2 virtual ones (the depths on the last), data
 // parallelism with the distributed optimizer training, float64, float32 and bfloat16 with
-// selective recomputation. The depths add to the gradient but not to the reported loss.
+// selective and with full (block) recomputation. The depths add to the gradient but not to
+// the reported loss.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "core/config/config.h"
+#include "core/model/model.h"
+#include "core/topology.h"
 #include "tests/model/gpt_mpi_helpers.h"
 #include "tests/mpi/world.h"
 #include "tests/sanitizers.h"
@@ -112,7 +116,8 @@ TEST(MultiTokenPrediction, DepthsJoinTheGradientNotTheLoss) {
 
 // float32 on tp 2 with sequence parallelism and a pipeline where the world allows, and
 // bfloat16 with selective recomputation (core attention, the norms and the MLP rebuilt in
-// the MTP layer's backward too), training 4 Adam steps.
+// the MTP layer's backward too), training 4 Adam steps; then bfloat16 with full
+// recomputation by block.
 TEST(MultiTokenPrediction, Float32AndBFloat16) {
   const Layout l{WorldSize() >= 2 ? 2 : 1, WorldSize() >= 2, WorldSize() >= 4 ? 2 : 1, 0};
   for (const char* dtype : {"float32", "bfloat16"}) {
@@ -123,6 +128,22 @@ TEST(MultiTokenPrediction, Float32AndBFloat16) {
     }
     RunChecked(Training(document, "adam"));
   }
+  // Full recomputation by block: the decoder's layers rerun, the depths' are kept (Megatron
+  // skips them, and the run says so).
+  if (WorldRank() == 0) fmt::print("  bfloat16 {} full block 2:", Name(l));
+  json document = MtpDocument(Mtp(2, true), l, "bfloat16");
+  SetRecompute(document["run"], "full block 2");
+  RunChecked(document);
+  const Config config = MakeConfig(document);
+  StatusOr<Topology> topology = Topology::Create(config.parallel);
+  ASSERT_TRUE(topology.ok()) << topology.status().Message();
+  StatusOr<std::unique_ptr<Model>> model =
+      BuildModel(config, *topology, topology->Coordinates(WorldRank()));
+  ASSERT_TRUE(model.ok()) << model.status().Message();
+  const std::vector<std::string> warnings = (*model)->Warnings();
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("not the multi-token prediction depths'"), std::string::npos)
+      << warnings[0];
 }
 
 // Three Adam iterations with the distributed optimizer over dp on pipelines: every
@@ -159,9 +180,10 @@ TEST(MultiTokenPrediction, RefusalsNameTheField) {
   json document = MtpDocument(Mtp(1, false), {1, false, 1, 0}, "float64");
   SetRecompute(document["run"], "full");
   EXPECT_EQ(refused(document),
-            "run.recompute_granularity: \"full\" with mtp_num_layers is not built yet (Megatron "
-            "checkpoints each MTP layer's projection and transformer layer); use \"selective\" "
-            "or none");
+            "run.recompute_method: \"uniform\" with mtp_num_layers is not built yet (Megatron "
+            "checkpoints each MTP layer's projection and transformer layer); use \"block\" "
+            "(which Megatron does not apply to the MTP layers) or recompute_granularity "
+            "\"selective\"");
   if (WorldSize() < 2) return;
   document = MtpDocument(Mtp(1, false), {1, false, 1, 0}, "float64");
   document["parallel"]["context_parallel_size"] = 2;

@@ -226,11 +226,13 @@ TEST(StashPlan, EveryChunkHoldsWhatItsModulesDeclare) {
       {"mla", 1, 1, 1, 1, 0, nullptr, "full", "float32", false, false, 0.0},
       {"mla", 1, 2, 2, 1, 0, nullptr, "selective", "float32", true},
       // Multi-token prediction's depths on the last chunk: with dropout, tp 2 + sp, a
-      // pipeline with virtual stages, selective recomputation in bfloat16.
+      // pipeline with virtual stages, selective recomputation in bfloat16, full by block (the
+      // depths' layers kept whole).
       {"mtp", 1, 1, 1, 1, 0},
       {"mtp", 2, 2, 1, 1, 0},
       {"mtp", 1, 2, 2, 1, 0, nullptr, nullptr, "float32", false, false, 0.0},
       {"mtp", 2, 1, 1, 1, 0, nullptr, "selective layernorm,mlp", "bfloat16"},
+      {"mtp", 1, 2, 1, 1, 0, nullptr, "full block 1"},
   };
   int64_t compared = 0;
   for (const Layout& l : layouts) {
