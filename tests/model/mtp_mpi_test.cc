@@ -5,7 +5,7 @@
 // of 2 and 4 stages and of 2 stages of 2 virtual ones (the depths on the last), data
 // parallelism with the distributed optimizer training, float64, float32 and bfloat16 with
 // selective and with full (block) recomputation. The depths add to the gradient but not to
-// the reported loss.
+// the reported loss. With multi-latent attention too (DeepSeek-V3's pair).
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -169,6 +169,29 @@ TEST(MultiTokenPrediction, DistributedOptimizerTrainsAsOneStage) {
   // The vocabulary pads the same on every layout with tp 1 (the first three).
   curves.resize(std::min<size_t>(curves.size(), 3));
   ExpectSameCurves(curves);
+}
+
+// DeepSeek-V3's pair: multi-latent attention in the decoder and in the depth's transformer
+// layer (built from the last layer's spec), two depths, untied, float64 and float32: every
+// tensor matches the float64 reference.
+TEST(MultiTokenPrediction, WithMultiLatentAttention) {
+  json model = Mtp(2, false);
+  model.erase("num_query_groups");
+  model["multi_latent_attention"] = true;
+  model["q_lora_rank"] = 16;
+  model["kv_lora_rank"] = 12;
+  model["qk_head_dim"] = 8;
+  model["qk_pos_emb_head_dim"] = 4;
+  model["v_head_dim"] = 6;
+  model["qk_layernorm"] = true;
+  for (const Layout& l : {Layout{2, true, 2, 0}, Layout{1, false, 1, 0}}) {
+    if (!Fits(l)) continue;
+    for (const char* dtype : {"float64", "float32"}) {
+      SCOPED_TRACE(fmt::format("{} {}", Name(l), dtype));
+      if (WorldRank() == 0) fmt::print("  mla {} {}:", Name(l), dtype);
+      RunChecked(MtpDocument(model, l, dtype));
+    }
+  }
 }
 
 TEST(MultiTokenPrediction, RefusalsNameTheField) {
