@@ -28,16 +28,25 @@ struct OverrideFlag {
   const char* key;
   const char* help;
   std::vector<std::string> choices = {};  // a string value, one of these; empty: an integer
+  bool boolean = false;  // the choices are true and false, a JSON boolean (not a string)
 };
 // The model's keys `run` overrides; the layout's, the optimizer's and the run's are their
 // tables' flags (cli/config_options.h ConfigFlags, RunFlags).
 const OverrideFlag kOverrides[] = {
-    {"--cp-comm-type", "model.cp_comm_type",
+    {"--cp-comm-type",
+     "model.cp_comm_type",
      "override model.cp_comm_type (context parallelism): p2p, all_gather, a2a or a2a+p2p",
      {"p2p", "all_gather", "a2a", "a2a+p2p"}},
-    {"--moe-token-dispatcher", "model.moe_token_dispatcher_type",
+    {"--moe-token-dispatcher",
+     "model.moe_token_dispatcher_type",
      "override model.moe_token_dispatcher_type (mixture of experts): allgather or alltoall",
      {"allgather", "alltoall"}},
+    {"--moe-router-enable-expert-bias",
+     "model.moe_router_enable_expert_bias",
+     "override model.moe_router_enable_expert_bias (aux-loss-free balancing, with the sigmoid "
+     "router): true or false",
+     {"true", "false"},
+     true},
 };
 
 class RunCommand : public Command {
@@ -134,10 +143,12 @@ class RunCommand : public Command {
               o.flag,
               [this, o, is_text](const std::string& value) {
                 options_.overrides.push_back(
-                    {o.flag, o.key, is_text ? "\"" + value + "\"" : value, value});
+                    {o.flag, o.key, is_text && !o.boolean ? "\"" + value + "\"" : value, value});
               },
               o.help)
-          ->type_name(is_text ? "TEXT" : "INT")
+          ->type_name(o.boolean ? "BOOL"
+                      : is_text ? "TEXT"
+                                : "INT")
           ->check(is_text
                       ? CLI::Validator(CLI::IsMember(o.choices))
                       : CLI::Validator(

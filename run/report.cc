@@ -48,6 +48,28 @@ struct CommSummaryKey {
   }
 };
 
+// An MoE model's line under an iteration's row: per MoE layer the fewest and the most
+// tokens an expert kept (the iteration's micro-batches, summed over the stage's tp x dp x
+// cp ranks) and, with the expert bias, its range after the update. Four layers at most;
+// --summary has every layer and expert.
+std::string ExpertLoadLine(const std::vector<ExpertLoad>& layers) {
+  constexpr size_t kShown = 4;
+  std::string tokens, bias;
+  for (size_t i = 0; i < layers.size() && i < kShown; ++i) {
+    const ExpertLoad& l = layers[i];
+    const auto [few, most] = std::minmax_element(l.tokens.begin(), l.tokens.end());
+    tokens += fmt::format(" L{} {}-{}", l.layer, *few, *most);
+    if (!l.bias.empty()) {
+      const auto [low, high] = std::minmax_element(l.bias.begin(), l.bias.end());
+      bias += fmt::format(" L{} {:+.4f}..{:+.4f}", l.layer, *low, *high);
+    }
+  }
+  const std::string more =
+      layers.size() > kShown ? fmt::format(" (+{} layers)", layers.size() - kShown) : "";
+  return fmt::format("  {:>9} tokens per expert, min-max:{}{}{}\n", "", tokens,
+                     bias.empty() ? "" : ";  expert bias:" + bias, more);
+}
+
 }  // namespace
 
 void RunReport::PrintLayout(const Topology& topology, const SimulationResult& result) {
@@ -204,6 +226,17 @@ Status RunReport::WriteSummary(const SimulationResult& result, int code) {
     nlohmann::ordered_json it = {
         {"loss", row.loss}, {"grad_norm", row.grad_norm}, {"lr", row.lr}, {"seconds", row.seconds}};
     if (i < ref.size()) it["reference_loss"] = ref[i].loss;
+    // An MoE model: each MoE layer's kept choices per expert over the iteration (its
+    // micro-batches and its stage's tp x dp x cp ranks), and the expert bias after the update.
+    if (!row.experts.empty()) {
+      nlohmann::ordered_json layers = nlohmann::ordered_json::array();
+      for (const ExpertLoad& l : row.experts) {
+        nlohmann::ordered_json layer = {{"layer", l.layer}, {"tokens_per_expert", l.tokens}};
+        if (!l.bias.empty()) layer["expert_bias"] = l.bias;
+        layers.push_back(layer);
+      }
+      it["moe_layers"] = layers;
+    }
     iterations.push_back(it);
   }
   j["iterations"] = iterations;
@@ -446,6 +479,7 @@ int RunReport::PrintTraining(const SimulationResult& result) {
     out_ << fmt::format("  {:>9} {:>14} {:>11.4g} {:>11.4g} {:>7.3f} s{}\n", row.iteration,
                         by_loss ? fmt::format("{:.10g}", row.loss) : std::string("-"),
                         row.grad_norm, row.lr, row.seconds, tail);
+    if (!row.experts.empty()) out_ << ExpertLoadLine(row.experts);
   }
   if (checked) {
     out_ << fmt::format(

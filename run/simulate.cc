@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -192,6 +193,39 @@ void DescribeModel(const Model& model, DType dtype, SimulationResult* result) {
   }
 }
 
+// Every rank's ExpertLoads of each iteration, summed per layer over the world: a layer's
+// ranks are its pipeline stage's, tp x cp x dp, each counting the choices of its own tokens,
+// so the sum is the count finalize_model_grads all-reduces for the expert bias's update. The
+// bias is the same on every rank holding the layer; the first rank's is kept. Collective
+// (every rank calls it): the result goes into every rank's `result->iterations`.
+void SumExpertLoads(const std::vector<TrainedIteration>& rows, SimulationResult* result) {
+  nlohmann::json mine = nlohmann::json::array();
+  for (const TrainedIteration& row : rows) {
+    nlohmann::json layers = nlohmann::json::array();
+    for (const ExpertLoad& l : row.experts) layers.push_back({l.layer, l.tokens, l.bias});
+    mine.push_back(layers);
+  }
+  std::vector<std::map<int64_t, ExpertLoad>> summed(rows.size());
+  for (const std::string& text : AllGatherStrings(mine.dump())) {
+    const nlohmann::json rank = nlohmann::json::parse(text);
+    for (size_t i = 0; i < rank.size() && i < summed.size(); ++i) {
+      for (const nlohmann::json& l : rank[i]) {
+        const auto layer = l[0].get<int64_t>();
+        const auto tokens = l[1].get<std::vector<int64_t>>();
+        auto [at, first] = summed[i].try_emplace(layer);
+        if (first) {
+          at->second = {layer, tokens, l[2].get<std::vector<float>>()};
+          continue;
+        }
+        for (size_t e = 0; e < tokens.size(); ++e) at->second.tokens[e] += tokens[e];
+      }
+    }
+  }
+  for (size_t i = 0; i < summed.size(); ++i) {
+    for (auto& [layer, load] : summed[i]) result->iterations[i].experts.push_back(std::move(load));
+  }
+}
+
 }  // namespace
 
 StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions& options,
@@ -274,10 +308,12 @@ StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions&
               });
     for (const TrainedIteration& row : rows) {
       result.seconds.push_back(row.seconds);
-      result.iterations.push_back({row.iteration, row.loss, row.grad_norm, row.lr, row.seconds});
+      result.iterations.push_back(
+          {row.iteration, row.loss, row.grad_norm, row.lr, row.seconds, {}});
       result.step_start = row.start;
     }
     if (result.interrupt) return result;
+    if (config.gpt && config.gpt->moe.enabled()) SumExpertLoads(rows, &result);
   }
   result.has_loss = model.has_loss();
   result.loss = result.has_loss ? model.loss() : 0.0;

@@ -60,6 +60,11 @@ struct SimulationResult {
   struct Iteration {
     int64_t iteration = 0;  // from 1
     double loss = 0, grad_norm = 0, lr = 0, seconds = 0;
+    // An MoE model: per MoE layer, in layer order, the kept choices per expert summed over
+    // the iteration's micro-batches and the ranks of the layer's stage (tp x dp x cp: what
+    // the expert bias's update sums), and the expert bias after the update (empty without
+    // moe_router_enable_expert_bias).
+    std::vector<ExpertLoad> experts;
   };
   std::vector<Iteration> iterations;
   // A training run: this rank's optimizer state, in elements per state tensor (master

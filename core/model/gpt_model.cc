@@ -809,6 +809,16 @@ void GptModel::AfterOptimizerStep(RankContext& ctx) {
   }
 }
 
+std::vector<ExpertLoad> GptModel::ExpertLoads() const {
+  std::vector<ExpertLoad> loads;
+  for (const auto& [layer, module] : layers_) {
+    const MoeLayer* moe = module.moe();
+    if (moe == nullptr) continue;
+    loads.push_back({layer, moe->tokens_per_expert(), moe->expert_bias()});
+  }
+  return loads;
+}
+
 void GptModel::RecordParameters(std::vector<TensorRecord>* records) const {
   for (const auto& p : params_.all()) {
     records->push_back({p->name, p->value, p->full_shape, p->shard, false});

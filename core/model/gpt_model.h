@@ -115,6 +115,7 @@ class GptModel final : public Model {
   // The MoE routers' expert biases (moe_router_enable_expert_bias): the step's token counts
   // summed over tp x dp x cp, then each layer's update (MoeLayer::UpdateExpertBias).
   void AfterOptimizerStep(RankContext& ctx) override;
+  std::vector<ExpertLoad> ExpertLoads() const override;
 
   // The declared stash (stash_plan.h) of one (chunk, micro-batch) on a rank of `shape`, in
   // `dtype` storage: `layers[i]` is the declared stash of chunk.layers[i]

@@ -36,7 +36,9 @@ std::string DescribeMoe(const GptConfig& gpt) {
       "  mixture of experts on layers {}: {} experts of ffn {}, top-{} {} softmax, {}, {}{}{}, "
       "{} dispatcher\n",
       fmt::join(layers, " "), moe.num_experts, moe.ffn_hidden_size, moe.router_topk,
-      moe.router_pre_softmax ? "before the" : "after the",
+      moe.score_function == MoeScoreFunction::kSigmoid ? "of the sigmoid scores, not a"
+      : moe.router_pre_softmax                         ? "before the"
+                                                       : "after the",
       moe.expert_capacity_factor
           ? fmt::format("capacity factor {} (drop by {})", *moe.expert_capacity_factor,
                         moe.token_drop_policy == MoeDropPolicy::kProbs ? "probs" : "position")

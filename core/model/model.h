@@ -51,6 +51,16 @@ struct HeldParameterShape {
                            // optimizer keeps it in the experts' buffer
 };
 
+// One MoE layer's routing over a training step (Model::ExpertLoads): this rank's kept
+// choices per expert, summed over the step's micro-batches (Megatron's router's
+// local_tokens_per_expert, which finalize_model_grads sums over tp x dp x cp for the expert
+// bias's update), and with moe_router_enable_expert_bias the bias after the step's update.
+struct ExpertLoad {
+  int64_t layer = 0;            // the decoder layer, from 0
+  std::vector<int64_t> tokens;  // [E]
+  std::vector<float> bias;      // [E]; empty without the expert bias
+};
+
 // What the preflight counts (run/preflight.h).
 struct MemoryPlanOptions {
   int64_t world_size = 1;  // the ranks of the job (they share the reference's work)
@@ -114,6 +124,9 @@ class Model : public StagedModel {
   // After each training iteration's optimizer step (core/train Train): state that is not a
   // parameter but moves with training (an MoE router's expert bias); none by default.
   virtual void AfterOptimizerStep(RankContext& /*ctx*/) {}
+  // After a step (and AfterOptimizerStep): the MoE layers this rank holds, each once, in
+  // layer order; none by default.
+  virtual std::vector<ExpertLoad> ExpertLoads() const { return {}; }
 };
 
 // Builds the model `config` describes ("model": a GPT or a layer chain) for the rank at

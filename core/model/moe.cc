@@ -246,10 +246,8 @@ MoeLayer::MoeLayer(const GptConfig& gpt, std::string prefix, ParameterSet& param
       fc2_bias_.push_back(&params.Get(MoeExpertBiasName(prefix_, e, 2)));
     }
   }
-  if (moe_.enable_expert_bias) {
-    expert_bias_.assign(static_cast<size_t>(moe_.num_experts), 0.0f);
-    tokens_per_expert_.assign(static_cast<size_t>(moe_.num_experts), 0);
-  }
+  tokens_per_expert_.assign(static_cast<size_t>(moe_.num_experts), 0);
+  if (moe_.enable_expert_bias) expert_bias_.assign(static_cast<size_t>(moe_.num_experts), 0.0f);
   if (moe_.shared_expert_intermediate_size) {
     shared_fc1_.emplace(&params.Get(prefix_ + ".shared_experts.linear_fc1.weight"), nullptr);
     shared_fc2_.emplace(&params.Get(prefix_ + ".shared_experts.linear_fc2.weight"));
@@ -286,14 +284,12 @@ void MoeLayer::Route(const ModuleContext& ctx, const Tensor& top_scores, const T
     }
   }
 
-  // The expert bias's counts: this micro-batch's kept choices per expert (Megatron's
-  // local_tokens_per_expert += routing_map.sum(0), after the token dropping).
-  st->kept_per_expert.clear();
-  if (moe_.enable_expert_bias) {
-    st->kept_per_expert.assign(static_cast<size_t>(E), 0);
-    for (int64_t e : route) {
-      if (e >= 0) ++st->kept_per_expert[static_cast<size_t>(e)];
-    }
+  // This micro-batch's kept choices per expert (Megatron's local_tokens_per_expert +=
+  // routing_map.sum(0), after the token dropping): the expert bias's counts, and what
+  // `mpusim run` reports per iteration for every MoE layer.
+  st->kept_per_expert.assign(static_cast<size_t>(E), 0);
+  for (int64_t e : route) {
+    if (e >= 0) ++st->kept_per_expert[static_cast<size_t>(e)];
   }
 
   // The auxiliary losses' gradient coefficients, scaled 1 / (M d).
@@ -567,7 +563,6 @@ void MoeLayer::UpdateExpertBias(const std::vector<float>& tokens_per_expert) con
     const float sign = offset > 0 ? 1.0f : offset < 0 ? -1.0f : 0.0f;
     expert_bias_[e] = expert_bias_[e] + sign * rate;
   }
-  std::fill(tokens_per_expert_.begin(), tokens_per_expert_.end(), 0);
 }
 
 Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stash& st) const {

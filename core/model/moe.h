@@ -89,7 +89,7 @@ class MoeLayer {
     std::vector<double> aux;      // d(objective)/d(scores_ti): [E], the same for every t
                                   // (aux_loss), or [T, E] (seq_aux_loss: per sample)
     std::vector<double> dlse;     // [T] d(objective)/d(lse_t) of the z-loss (empty: none)
-    std::vector<int64_t> kept_per_expert;  // [E] expert bias: the kept choices per expert
+    std::vector<int64_t> kept_per_expert;  // [E] the kept choices per expert
     TokenRoute route;        // the dispatcher's permutation: N rows over the local experts
     Tensor x_perm, p_perm;   // [N, h], [N, 1] (p_perm in RouterDTypes' logits dtype)
     Tensor fc1_out, act;     // [N, f1/t], [N, f/t] (act before the probability)
@@ -119,11 +119,12 @@ class MoeLayer {
   // 15860 17420 bytes" (a row: the token's hidden state and its probability).
   std::string ReceivedNote() const;
   // moe_router_enable_expert_bias: Megatron's `expert_bias` buffer (float32 [E], zeros at
-  // the start; empty without the key), and the kept choices per expert of this rank's
-  // micro-batches since the last update (local_tokens_per_expert, counted at each
-  // backward). UpdateExpertBias takes those counts summed over tp x dp x cp
-  // (finalize_model_grads's all-reduce) and moves the bias as get_updated_expert_bias does;
-  // it resets the counts.
+  // the start; empty without the key). tokens_per_expert: the kept choices per expert of
+  // this rank's micro-batches of the step (local_tokens_per_expert, counted at each
+  // backward; every MoE layer counts them, and the step's start resets them).
+  // UpdateExpertBias takes those counts summed over tp x dp x cp (finalize_model_grads's
+  // all-reduce) and moves the bias as get_updated_expert_bias does; the counts stay for the
+  // run's report until the next step.
   const std::vector<float>& expert_bias() const { return expert_bias_; }
   const std::vector<int64_t>& tokens_per_expert() const { return tokens_per_expert_; }
   void UpdateExpertBias(const std::vector<float>& tokens_per_expert) const;

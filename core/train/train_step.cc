@@ -63,7 +63,8 @@ std::vector<TrainedIteration> Train(Model& model, PipelineExecutor& executor,
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     rows.push_back({it + 1, loss, norm, lr, seconds,
-                    std::chrono::duration<double>(start.time_since_epoch()).count()});
+                    std::chrono::duration<double>(start.time_since_epoch()).count(),
+                    model.ExpertLoads()});
     if (stop) break;
   }
   return rows;

@@ -43,6 +43,7 @@ struct TrainedIteration {
   double lr = 0;
   double seconds = 0;     // wall time, fence to fence
   double start = 0;       // when it started (steady_clock, seconds)
+  std::vector<ExpertLoad> experts;  // this rank's MoE layers after the update (ExpertLoads)
 };
 
 // What Train calls before (done false) and after (done true) iteration `iteration` (from 1):

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -17,9 +18,10 @@
 #include <string>
 #include <vector>
 
+#include "reference/gpt_reference.h"
 #include "tests/model/gpt_mpi_helpers.h"
-#include "tests/sanitizers.h"
 #include "tests/mpi/world.h"
+#include "tests/sanitizers.h"
 
 namespace mpusim {
 namespace {
@@ -518,6 +520,66 @@ TEST(GptMixtureOfExperts, DeepSeekRoutingTrainsAndRunsInFloat32) {
   }
 }
 
+// What `mpusim run` reports per iteration of a run with the expert bias (SimulationResult's
+// iterations' `experts`): per MoE layer the kept choices per expert, summed over the
+// micro-batches and the world's ranks, and the bias after the update. Dropless, each layer's
+// counts add up to the iteration's tokens times topk, and the first iteration's are the
+// float64 reference's at the initial weights (its local_tokens_per_expert over the whole
+// batch); with a capacity they add up to less. Each bias is the iteration before's moved by
+// its counts as get_updated_expert_bias moves it (float32), from zeros, and the first update
+// moved it.
+void ExpectExpertLoadsMoveTheBias(const run::SimulationResult& result, const json& document,
+                                  bool dropless) {
+  const Config config = MakeConfig(document);
+  const ParallelConfig& p = config.parallel;
+  const int64_t dp = p.world_size / (p.tensor_model_parallel_size * p.context_parallel_size *
+                                     p.pipeline_model_parallel_size);
+  const int64_t E = config.gpt->moe.num_experts, K = config.gpt->moe.router_topk;
+  const int64_t choices =
+      config.run->seq_length * config.run->micro_batch_size * dp * config.run->num_microbatches * K;
+  StatusOr<ReferenceResult> reference = RunGptReference(*config.gpt, p, *config.run);
+  ASSERT_TRUE(reference.ok()) << reference.status().Message();
+  const auto rate = static_cast<float>(config.gpt->moe.bias_update_rate);
+  std::map<int64_t, std::vector<float>> bias;  // by layer: the last iteration's
+  ASSERT_EQ(result.iterations.size(), static_cast<size_t>(config.run->train_iters));
+  for (const run::SimulationResult::Iteration& it : result.iterations) {
+    ASSERT_EQ(it.experts.size(), 2u) << "iteration " << it.iteration;
+    for (const ExpertLoad& l : it.experts) {
+      SCOPED_TRACE(fmt::format("iteration {} layer {}", it.iteration, l.layer));
+      ASSERT_EQ(static_cast<int64_t>(l.tokens.size()), E);
+      ASSERT_EQ(static_cast<int64_t>(l.bias.size()), E);
+      int64_t total = 0;
+      for (int64_t c : l.tokens) total += c;
+      if (dropless) {
+        EXPECT_EQ(total, choices);
+      } else {
+        EXPECT_LT(total, choices);
+      }
+      if (dropless && it.iteration == 1) {
+        const ReferenceTensor* counts = reference->Find(
+            fmt::format("decoder.layers.{}.mlp.router.local_tokens_per_expert", l.layer));
+        ASSERT_NE(counts, nullptr);
+        for (int64_t e = 0; e < E; ++e) {
+          EXPECT_EQ(static_cast<double>(l.tokens[static_cast<size_t>(e)]),
+                    counts->value.data_as<double>()[e])
+              << "expert " << e;
+        }
+      }
+      std::vector<float>& last =
+          bias.try_emplace(l.layer, static_cast<size_t>(E), 0.0f).first->second;
+      const float mean = static_cast<float>(total) / static_cast<float>(E);
+      for (size_t e = 0; e < last.size(); ++e) {
+        const float offset = mean - static_cast<float>(l.tokens[e]);
+        last[e] += (offset > 0 ? 1.0f : offset < 0 ? -1.0f : 0.0f) * rate;
+      }
+      EXPECT_EQ(l.bias, last);
+      if (it.iteration == 1) {  // the first update moves every expert off the mean
+        EXPECT_TRUE(std::any_of(l.bias.begin(), l.bias.end(), [](float b) { return b != 0; }));
+      }
+    }
+  }
+}
+
 // Aux-loss-free balancing: the sigmoid router with the expert bias (rate 0.01, larger than
 // the small model's score differences, so that it moves the choices at once; an odd number
 // of steps, as it swings back and forth), three Adam iterations: the dp layout with the
@@ -559,6 +621,7 @@ TEST(GptMixtureOfExperts, ExpertBiasMatchesTheReferenceOverIterations) {
       EXPECT_GT(t.scale, 0.0) << t.name;    // it moved
     }
     EXPECT_EQ(biases, 2) << c.name;
+    ExpectExpertLoadsMoveTheBias(result, document, !c.capacity);
   }
 }
 
