@@ -313,7 +313,7 @@ StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions&
       result.step_start = row.start;
     }
     if (result.interrupt) return result;
-    if (config.gpt && config.gpt->moe.enabled()) SumExpertLoads(rows, &result);
+    SumExpertLoads(rows, &result);  // empty for a model without MoE layers
   }
   result.has_loss = model.has_loss();
   result.loss = result.has_loss ? model.loss() : 0.0;
