@@ -839,6 +839,22 @@ StatusOr<ReferenceResult> RunGptReference(const GptConfig& gpt_in,
       moe.tokens_per_expert = &tokens_per_expert[i];
     }
   }
+  // The global load-balancing loss's trackers, per MoE layer (this step's).
+  std::map<int64_t, MoeParams::GlobalAuxTracker> global_aux;
+  if (gpt.moe.enabled() && gpt.moe.AuxLossCoeff(MoeLoadBalancing::kGlobalAuxLoss) > 0) {
+    if (d.n != d.B && d.n != 0) {  // (an empty slice lists the tensors)
+      return Status::Error("reference slice",
+                           fmt::format("samples [{}, {}) are not the whole batch of {}, which "
+                                       "\"global_aux_loss\"'s counts need",
+                                       d.sample_begin, sample_end, d.B));
+    }
+    for (int64_t i = 0; i < d.L; ++i) {
+      MoeParams& moe = params.layers[static_cast<size_t>(i)].moe;
+      if (!moe.defined()) continue;
+      global_aux[i].tokens.assign(static_cast<size_t>(gpt.moe.num_experts), 0.0f);
+      moe.global_aux = &global_aux[i];
+    }
+  }
   if (gpt.moe.enabled()) {
     // Routers see whole dp ranks' tokens: the slice must hold whole dp ranks.
     const int64_t b = run.micro_batch_size;

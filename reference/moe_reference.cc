@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <stdexcept>
 
 namespace mpusim::gpt_reference {
 namespace {
@@ -45,6 +46,21 @@ std::vector<int64_t> Choose(const MoeConfig& moe, std::vector<double> v) {
 }
 
 constexpr double kSigmoidEps = 1e-20;  // Megatron's s / (sum s + 1e-20)
+
+// torch's softplus (beta 1, threshold 20): log(1 + e^z), z itself above the threshold; its
+// derivative sigmoid(z), 1 above the threshold.
+constexpr double kSoftplusThreshold = 20.0;
+
+// The per-logit score of z (sigmoid, or sqrt(softplus)) and its derivative.
+double PerLogitScore(MoeScoreFunction f, double z) {
+  if (f == MoeScoreFunction::kSigmoid) return 1.0 / (1.0 + std::exp(-z));
+  return std::sqrt(z > kSoftplusThreshold ? z : std::log1p(std::exp(z)));
+}
+double PerLogitScoreGrad(MoeScoreFunction f, double z) {
+  const double sigmoid = 1.0 / (1.0 + std::exp(-z));
+  if (f == MoeScoreFunction::kSigmoid) return sigmoid * (1.0 - sigmoid);
+  return (z > kSoftplusThreshold ? 1.0 : sigmoid) / (2.0 * PerLogitScore(f, z));
+}
 
 std::vector<double> RowOf(const Mat& m, int64_t r) {
   std::vector<double> v(static_cast<size_t>(m.cols()));
@@ -135,8 +151,12 @@ Mat MoeForward(const Dims& d, const GptConfig& gpt, const MoeLayout& layout, con
   const MoeConfig& moe = gpt.moe;
   const int64_t E = moe.num_experts, k = moe.router_topk;
   const double per_dp = 1.0 / static_cast<double>(d.M * (d.B / layout.b));  // 1 / (M d)
-  const bool sigmoid = moe.score_function == MoeScoreFunction::kSigmoid;
+  const bool sigmoid = moe.PerLogitScores();  // sigmoid or sqrtsoftplus: g.sig
   const double scaling = moe.topk_scaling_factor.value_or(1.0);
+  const double aux_coeff = moe.AuxLossCoeff(MoeLoadBalancing::kAuxLoss);
+  const double seq_coeff = moe.AuxLossCoeff(MoeLoadBalancing::kSeqAuxLoss);
+  const double global_coeff = moe.AuxLossCoeff(MoeLoadBalancing::kGlobalAuxLoss);
+  Vec global_counts = Vec::Zero(E);  // the micro-batch's counts over every dp rank
   MoeStash& st = *stash;
   st.x = x;
   st.groups.clear();
@@ -163,7 +183,9 @@ Mat MoeForward(const Dims& d, const GptConfig& gpt, const MoeLayout& layout, con
         g.lse(t) = m + std::log(sum);
         g.scores.row(t) = (g.logits.row(t).array() - g.lse(t)).exp();
         if (sigmoid) {
-          g.sig.row(t) = 1.0 / (1.0 + (-g.logits.row(t).array()).exp());
+          for (int64_t e = 0; e < E; ++e) {
+            g.sig(t, e) = PerLogitScore(moe.score_function, g.logits(t, e));
+          }
           g.aux_scores.row(t) = g.sig.row(t) / (g.sig.row(t).sum() + kSigmoidEps);
         }
         // The load-balancing counts: the top-k of the softmax (or of the normalised sigmoids),
@@ -236,29 +258,55 @@ Mat MoeForward(const Dims& d, const GptConfig& gpt, const MoeLayout& layout, con
       }
       st.groups.push_back(std::move(g));
     }
-    // The dp rank's load-balancing loss, from its tokens' softmax and the summed counts:
-    // over all its tokens (aux_loss), or per sample and averaged over them (seq_aux_loss).
-    const bool per_sequence = moe.load_balancing == MoeLoadBalancing::kSeqAuxLoss;
-    if ((moe.load_balancing == MoeLoadBalancing::kAuxLoss || per_sequence) &&
-        moe.aux_loss_coeff > 0) {
+    // The dp rank's load-balancing losses' coefficients, from its summed counts: over all
+    // its tokens (aux_loss) and per sample, averaged over them (seq_aux_loss); added when
+    // both are listed.
+    if (aux_coeff > 0 || seq_coeff > 0) {
       const auto T_dp = static_cast<double>(d.s * layout.b);
       const auto s = static_cast<double>(d.s);
-      const double scale =
-          per_dp * moe.aux_loss_coeff * static_cast<double>(E) /
-          (static_cast<double>(k) *
-           (per_sequence ? s * s * static_cast<double>(layout.b) : T_dp * T_dp));
+      const double aux_scale =
+          per_dp * aux_coeff * static_cast<double>(E) / (static_cast<double>(k) * T_dp * T_dp);
+      const double seq_scale = per_dp * seq_coeff * static_cast<double>(E) /
+                               (static_cast<double>(k) * s * s * static_cast<double>(layout.b));
       for (size_t gi = first; gi < st.groups.size(); ++gi) {
         MoeStash::Group& g = st.groups[gi];
         const auto T = static_cast<int64_t>(g.rows.size());
-        g.aux_c.resize(T, E);
+        g.aux_c = Mat::Zero(T, E);
         for (int64_t t = 0; t < T; ++t) {
           const int64_t sample = g.rows[static_cast<size_t>(t)] % d.n - q * layout.b;
-          const Vec c = per_sequence ? Vec(sample_counts.row(sample).transpose()) : counts;
-          g.aux_c.row(t) = scale * c.transpose();
+          g.aux_c.row(t) = aux_scale * counts.transpose() + seq_scale * sample_counts.row(sample);
         }
-        *aux_objective += ((sigmoid ? g.aux_scores : g.scores).array() * g.aux_c.array()).sum();
       }
     }
+    global_counts += counts;
+  }
+  // global_aux_loss: the micro-batch's counts over the whole batch (this slice is all of it)
+  // join Megatron's float32 tracker of the step, which gives their mean over the step's
+  // micro-batches so far; coeff E / (k T_g^2), T_g = s B.
+  if (global_coeff > 0 && d.n > 0) {
+    if (p.global_aux == nullptr || d.n != d.B) {
+      throw std::logic_error("MoeForward: global_aux_loss without its tracker or the whole batch");
+    }
+    MoeParams::GlobalAuxTracker& tracker = *p.global_aux;
+    tracker.steps += 1.0f;
+    Vec average(E);
+    for (int64_t e = 0; e < E; ++e) {
+      tracker.tokens[static_cast<size_t>(e)] += static_cast<float>(global_counts(e));
+      average(e) = static_cast<double>(tracker.tokens[static_cast<size_t>(e)] / tracker.steps);
+    }
+    const auto T_g = static_cast<double>(d.s * d.B);
+    const double scale =
+        per_dp * global_coeff * static_cast<double>(E) / (static_cast<double>(k) * T_g * T_g);
+    for (MoeStash::Group& g : st.groups) {
+      const auto T = static_cast<int64_t>(g.rows.size());
+      if (g.aux_c.rows() != T) g.aux_c = Mat::Zero(T, E);
+      g.aux_c.rowwise() += scale * average.transpose();
+    }
+  }
+  // The objective: each token's load-balancing scores weighted by its coefficients.
+  for (const MoeStash::Group& g : st.groups) {
+    if (g.aux_c.rows() == 0) continue;
+    *aux_objective += ((sigmoid ? g.aux_scores : g.scores).array() * g.aux_c.array()).sum();
   }
   // The experts, each on its kept tokens in slice-row order.
   for (size_t gi = 0; gi < st.groups.size(); ++gi) {
@@ -315,7 +363,7 @@ Mat MoeBackward(const Dims& d, const GptConfig& gpt, const Mat& dy, const MoeSta
   (void)d;
   const MoeConfig& moe = gpt.moe;
   const int64_t E = moe.num_experts, k = moe.router_topk;
-  const bool sigmoid = moe.score_function == MoeScoreFunction::kSigmoid;
+  const bool sigmoid = moe.PerLogitScores();  // sigmoid or sqrtsoftplus: g.sig
   const double scaling = moe.topk_scaling_factor.value_or(1.0);
   Mat dx = Mat::Zero(dy.rows(), dy.cols());
   if (p.shared_fc1.defined()) {
@@ -376,10 +424,9 @@ Mat MoeBackward(const Dims& d, const GptConfig& gpt, const Mat& dy, const MoeSta
           const double mean_c = g.aux_scores.row(t).dot(g.aux_c.row(t));
           dsig += ((g.aux_c.row(t).array() - mean_c) / all).matrix().transpose();
         }
-        dz.row(t) += (dsig.array() * g.sig.row(t).transpose().array() *
-                      (1.0 - g.sig.row(t).transpose().array()))
-                         .matrix()
-                         .transpose();
+        for (int64_t e = 0; e < E; ++e) {
+          dz(t, e) += dsig(e) * PerLogitScoreGrad(moe.score_function, g.logits(t, e));
+        }
       } else if (moe.router_pre_softmax) {
         // p = softmax(Z)[chosen]: dZ_j = sm_j (dp_j - sum_s p_s dp_s), dp 0 off the chosen.
         for (int64_t j = 0; j < E; ++j) dz(t, j) -= g.scores(t, j) * dot;

@@ -11,7 +11,8 @@
 //            by the lower expert (Kernels::TopK's rule); p = softmax over the k chosen
 //            logits (or the chosen entries of softmax(Z))
 //            moe_router_score_function "sigmoid": the k largest sigmoid(Z), p = the chosen
-//            sigmoids / (their sum + 1e-20) when k > 1, else the chosen sigmoid
+//            sigmoids / (their sum + 1e-20) when k > 1, else the chosen sigmoid;
+//            "sqrtsoftplus" the same with sqrt(softplus(Z)) (torch's softplus: Z above 20)
 //            group-limited (moe_router_num_groups G, moe_router_group_topk g): the k are
 //            chosen among the experts of the g groups (E / G consecutive experts) whose
 //            largest k / g ranked values sum highest, equal sums by the lower group
@@ -33,6 +34,11 @@
 //                   softmax(Z_t), in the counts' top-k too (no group limit in either)
 //   seq_aux_loss    1 / b sum over the dp rank's samples n of coeff E / (k s^2) sum_i
 //                   count_ni sum_{t of n} softmax(Z_t)_i, count_ni over sample n's tokens
+//   global_aux_loss coeff E / (k (s B)^2) sum_i avg_i sum over all B samples' tokens of
+//                   softmax(Z_t)_i, avg_i the float32 mean over the step's micro-batches so
+//                   far of count_i over the whole batch (Megatron's global_tokens_per_expert
+//                   / ga_steps; the run's slice must be the whole batch)
+//   (a list of types adds their terms, each with its own coefficient)
 //   z-loss          coeff_z / (tp cp) sum over its groups of mean_t logsumexp(Z_t)^2
 // They add gradients to the router only; the reported loss stays the LM loss.
 #pragma once
@@ -56,6 +62,14 @@ struct MoeParams {
   // local_tokens_per_expert; the caller zeroes it). Both empty without the key.
   std::vector<double> expert_bias;
   std::vector<double>* tokens_per_expert = nullptr;
+  // moe_router_load_balancing_type "global_aux_loss": Megatron's float32 tracker of the step
+  // (global_tokens_per_expert [E], ga_steps), which each micro-batch's forward advances; the
+  // caller starts it at zero each step. Null without the loss.
+  struct GlobalAuxTracker {
+    std::vector<float> tokens;
+    float steps = 0;
+  };
+  GlobalAuxTracker* global_aux = nullptr;
   bool defined() const { return router.defined(); }
 };
 
@@ -70,7 +84,8 @@ struct MoeStash {
   struct Group {
     std::vector<int64_t> rows;  // slice rows of its tokens, in the router's order
     Mat logits, scores;         // [T, E]; scores = softmax(logits)
-    Mat sig, aux_scores;        // [T, E] sigmoid scores: sigmoid(logits), and normalised
+    Mat sig, aux_scores;        // [T, E] per-logit scores (sigmoid or sqrt(softplus) of the
+                                // logits), and normalised
                                 // over the experts (the load-balancing loss's scores)
     Vec lse;                    // [T]
     std::vector<std::vector<int64_t>> chosen;  // [T][k] experts, in rank order

@@ -105,7 +105,12 @@ class GptReference final : public Reference {
   int64_t Units() const override { return GptReferenceSamples(parallel_, run_); }
   std::string_view UnitName() const override { return "samples"; }
   int64_t RowsPerUnit() const override { return run_.seq_length; }
-  ReferenceSplit SplitFor(const RankCoordinates& coords, int, int) const override {
+  ReferenceSplit SplitFor(const RankCoordinates& coords, int world_rank, int) const override {
+    // "global_aux_loss" needs every dp rank's routing counts: each rank computes the whole
+    // batch, a group of its own.
+    if (gpt_.moe.enabled() && gpt_.moe.AuxLossCoeff(MoeLoadBalancing::kGlobalAuxLoss) > 0) {
+      return {{0, Units()}, world_rank, 0, 1};
+    }
     const int64_t b = run_.micro_batch_size;
     const int64_t tp = parallel_.tensor_model_parallel_size;
     const int64_t cp = parallel_.context_parallel_size;
@@ -130,6 +135,10 @@ class GptReference final : public Reference {
     return ChargeMainGrad(RunGptReference(gpt_, parallel_, run_, options), main_grad_roundings_);
   }
   std::string SplitText(int) const override {
+    if (gpt_.moe.enabled() && gpt_.moe.AuxLossCoeff(MoeLoadBalancing::kGlobalAuxLoss) > 0) {
+      return "each rank computes the whole batch (global_aux_loss counts over every "
+             "data-parallel rank)";
+    }
     return "each rank computes its data-parallel rank's samples";
   }
   void FinishIteration(ReferenceResult& result, bool trained,

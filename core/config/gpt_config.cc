@@ -120,7 +120,16 @@ Status JudgeDependentFields(const json& section, GptConfig* gpt) {
 // plus the group-limited shapes Megatron's group_limited_topk cannot run).
 Status ResolveMoeRouting(GptConfig* gpt) {
   MoeConfig& moe = gpt->moe;
-  if (moe.enable_expert_bias && moe.score_function != MoeScoreFunction::kSigmoid) {
+  // TransformerConfig.__post_init__: the list form needs a list of coefficients as long.
+  if (moe.load_balancing_list.size() != moe.aux_loss_coeff_list.size()) {
+    return Status::Error(
+        "model.moe_aux_loss_coeff",
+        moe.load_balancing_list.empty()
+            ? "a list needs moe_router_load_balancing_type to be a list of as many types"
+            : "moe_aux_loss_coeff must be a list of the same length as "
+              "moe_router_load_balancing_type");
+  }
+  if (moe.enable_expert_bias && !moe.PerLogitScores()) {
     return Status::Error(
         "model.moe_router_enable_expert_bias",
         "Expert bias for aux-loss-free routing only supports 'sigmoid' and 'sqrtsoftplus' score "
@@ -132,10 +141,12 @@ Status ResolveMoeRouting(GptConfig* gpt) {
                          "with moe_pad_expert_input_to_capacity is not built (Megatron counts "
                          "the padded routing map's tokens)");
   }
-  if (moe.score_function == MoeScoreFunction::kSigmoid && moe.router_pre_softmax) {
-    gpt->ignored.push_back(
-        "model.moe_router_pre_softmax: ignored: with moe_router_score_function \"sigmoid\" "
-        "the top-k always chooses from the sigmoids");
+  if (moe.PerLogitScores() && moe.router_pre_softmax) {
+    const bool sigmoid = moe.score_function == MoeScoreFunction::kSigmoid;
+    gpt->ignored.push_back(fmt::format(
+        "model.moe_router_pre_softmax: ignored: with moe_router_score_function \"{}\" the "
+        "top-k always chooses from the {}",
+        MoeScoreFunctionName(moe.score_function), sigmoid ? "sigmoids" : "sqrt(softplus) scores"));
   }
   if (!moe.group_topk) {
     if (moe.num_groups) {
@@ -832,6 +843,14 @@ std::string MoeExpertWeightName(const std::string& mlp_prefix, int64_t e, int fc
 
 std::string MoeExpertBiasName(const std::string& mlp_prefix, int64_t e, int fc) {
   return fmt::format("{}.experts.local_experts.{}.linear_fc{}.bias", mlp_prefix, e, fc);
+}
+
+double MoeConfig::AuxLossCoeff(MoeLoadBalancing type) const {
+  if (load_balancing_list.empty()) return load_balancing == type ? aux_loss_coeff : 0.0;
+  for (size_t i = 0; i < load_balancing_list.size(); ++i) {
+    if (load_balancing_list[i] == type) return aux_loss_coeff_list[i];
+  }
+  return 0.0;
 }
 
 RouterDTypes RouterDTypesOf(const MoeConfig& moe, DType storage) {

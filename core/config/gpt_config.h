@@ -67,15 +67,19 @@ enum class AttentionBackend : uint8_t { kFlash, kFused, kUnfused, kLocal, kAuto 
 enum class Fp8Format : uint8_t { kE4m3, kHybrid };
 enum class Fp8Recipe : uint8_t { kDelayed, kTensorwise, kBlockwise, kMxfp8 };
 
-enum class MoeLoadBalancing : uint8_t { kAuxLoss, kSeqAuxLoss, kNone };
+// Megatron's moe_router_load_balancing_type values mpusim runs: the load-balancing loss over
+// the micro-batch's tokens of a tp x cp group, per sample, or over the global batch (the counts
+// summed over tp x dp x cp and averaged over the step's micro-batches; Qwen3's).
+enum class MoeLoadBalancing : uint8_t { kAuxLoss, kSeqAuxLoss, kGlobalAuxLoss, kNone };
 enum class MoeDispatcher : uint8_t { kAllGather, kAllToAll };
 enum class MoeDropPolicy : uint8_t { kProbs, kPosition };
 // TransformerConfig.moe_router_dtype: the router's GEMM, its probabilities and the weighting of
 // the experts' outputs in float32 or float64 (null: the run's dtype).
 enum class MoeRouterDType : uint8_t { kFp32, kFp64 };
 // TransformerConfig.moe_router_score_function: the scores the top-k chooses from and the
-// chosen probabilities are made of (softmax; sigmoid, DeepSeek-V3's).
-enum class MoeScoreFunction : uint8_t { kSoftmax, kSigmoid };
+// chosen probabilities are made of (softmax; sigmoid, DeepSeek-V3's; sqrtsoftplus,
+// sqrt(softplus(logit))): sigmoid and sqrtsoftplus score each logit alone.
+enum class MoeScoreFunction : uint8_t { kSoftmax, kSigmoid, kSqrtSoftplus };
 
 struct MoeConfig {
   int64_t num_experts = 0;  // num_moe_experts; 0: a dense model
@@ -88,8 +92,13 @@ struct MoeConfig {
   // moe_layer_freq resolved to one entry per layer (true: an MoE layer).
   std::vector<bool> layers;
   bool router_pre_softmax = false;
+  // moe_router_load_balancing_type and moe_aux_loss_coeff: one type and its coefficient, or
+  // (Megatron's list form, both keys lists of one length) several types, type i weighted by
+  // coefficient i; the lists are empty in the single form. Read them through AuxLossCoeff.
   MoeLoadBalancing load_balancing = MoeLoadBalancing::kAuxLoss;
   double aux_loss_coeff = 0.0;
+  std::vector<MoeLoadBalancing> load_balancing_list;
+  std::vector<double> aux_loss_coeff_list;
   std::optional<double> z_loss_coeff;
   MoeDispatcher token_dispatcher = MoeDispatcher::kAllGather;
   std::optional<double> expert_capacity_factor;  // none: dropless
@@ -112,6 +121,12 @@ struct MoeConfig {
 
   bool enabled() const { return num_experts > 0; }
   bool group_limited() const { return group_topk.has_value(); }
+  // Router.get_aux_loss_coeff: the coefficient of load-balancing loss `type` (0 when the
+  // router does not compute it).
+  double AuxLossCoeff(MoeLoadBalancing type) const;
+  // sigmoid or sqrtsoftplus: a score per logit, the chosen ones normalised (Megatron's
+  // shared branch of topk_routing_with_score_function).
+  bool PerLogitScores() const { return score_function != MoeScoreFunction::kSoftmax; }
 };
 
 // The dtypes of an MoE router's tensors in a run storing `storage` (Megatron's TopKRouter,
@@ -248,7 +263,8 @@ const std::vector<std::string_view>& AttentionBackendNames();
 const char* Fp8FormatName(Fp8Format f);    // "e4m3", "hybrid"
 const char* Fp8RecipeName(Fp8Recipe r);    // "delayed", "tensorwise", "blockwise", "mxfp8"
 const char* MoeRouterDTypeName(MoeRouterDType d);  // "fp32", "fp64"
-const char* MoeScoreFunctionName(MoeScoreFunction f);  // "softmax", "sigmoid"
+const char* MoeScoreFunctionName(MoeScoreFunction f);     // "softmax", "sigmoid", "sqrtsoftplus"
+const char* MoeLoadBalancingName(MoeLoadBalancing type);  // "aux_loss", ...
 const char* SoftmaxTypeName(SoftmaxType t);        // "vanilla", "off-by-one", "learnable"
 const char* MlaRopeTypeName(MlaRopeType r);        // "rope", "yarn"
 

@@ -48,7 +48,8 @@ const std::vector<std::string_view>& Fp8RecipeNames() {
   return kNames;
 }
 const std::vector<std::string_view>& MoeLoadBalancingNames() {
-  static const std::vector<std::string_view> kNames = {"aux_loss", "seq_aux_loss", "none"};
+  static const std::vector<std::string_view> kNames = {"aux_loss", "seq_aux_loss",
+                                                       "global_aux_loss", "none"};
   return kNames;
 }
 const std::vector<std::string_view>& MoeDispatcherNames() {
@@ -68,7 +69,7 @@ const std::vector<std::string_view>& MoeRouterDTypeNames() {
   return kNames;
 }
 const std::vector<std::string_view>& MoeScoreFunctionNames() {
-  static const std::vector<std::string_view> kNames = {"softmax", "sigmoid"};
+  static const std::vector<std::string_view> kNames = {"softmax", "sigmoid", "sqrtsoftplus"};
   return kNames;
 }
 const std::vector<std::string_view>& SoftmaxTypeNames() {
@@ -290,6 +291,62 @@ json EchoWindowSkipFreq(const GptConfig& gpt) {
   return pattern;
 }
 
+// moe_router_load_balancing_type: one type, or a non-empty list of distinct types (Megatron's
+// list form, each weighted by the coefficient at its position in moe_aux_loss_coeff).
+Status ParseLoadBalancing(const json& value, const std::string& where, GptConfig* gpt) {
+  MoeConfig& moe = gpt->moe;
+  moe.load_balancing_list.clear();
+  if (!value.is_array()) {
+    return ParseChoice(value, where, MoeLoadBalancingNames(), &moe.load_balancing);
+  }
+  if (value.empty()) {
+    return Status::Error(where, "must be a type or a non-empty list of types, got []");
+  }
+  for (size_t i = 0; i < value.size(); ++i) {
+    MoeLoadBalancing type{};
+    MPUSIM_RETURN_IF_ERROR(
+        ParseChoice(value[i], fmt::format("{}[{}]", where, i), MoeLoadBalancingNames(), &type));
+    for (MoeLoadBalancing listed : moe.load_balancing_list) {
+      if (listed != type) continue;
+      return Status::Error(where, fmt::format("lists \"{}\" twice (Megatron would weight it by "
+                                              "its first coefficient only)",
+                                              MoeLoadBalancingName(type)));
+    }
+    moe.load_balancing_list.push_back(type);
+  }
+  return {};
+}
+
+json EchoLoadBalancing(const GptConfig& gpt) {
+  if (gpt.moe.load_balancing_list.empty()) return MoeLoadBalancingName(gpt.moe.load_balancing);
+  json types = json::array();
+  for (MoeLoadBalancing type : gpt.moe.load_balancing_list) {
+    types.push_back(MoeLoadBalancingName(type));
+  }
+  return types;
+}
+
+// moe_aux_loss_coeff: a number >= 0, or a list of them (with a list of types).
+Status ParseAuxLossCoeff(const json& value, const std::string& where, GptConfig* gpt) {
+  MoeConfig& moe = gpt->moe;
+  moe.aux_loss_coeff_list.clear();
+  if (!value.is_array()) return ParseCoefficient(value, where, &moe.aux_loss_coeff);
+  for (size_t i = 0; i < value.size(); ++i) {
+    double coeff = 0;
+    MPUSIM_RETURN_IF_ERROR(ParseCoefficient(value[i], fmt::format("{}[{}]", where, i), &coeff));
+    moe.aux_loss_coeff_list.push_back(coeff);
+  }
+  if (moe.aux_loss_coeff_list.empty()) {
+    return Status::Error(where, "must be a number >= 0 or a non-empty list of them, got []");
+  }
+  return {};
+}
+
+json EchoAuxLossCoeff(const GptConfig& gpt) {
+  if (gpt.moe.aux_loss_coeff_list.empty()) return gpt.moe.aux_loss_coeff;
+  return gpt.moe.aux_loss_coeff_list;
+}
+
 constexpr std::string_view kRequired = "an integer >= 1";
 constexpr FieldEffect kShape = FieldEffect::kShape;
 
@@ -479,10 +536,13 @@ constexpr GptField kFields[] = {
     {"moe_router_pre_softmax", InnerMember<&GptConfig::moe, &MoeConfig::router_pre_softmax>(),
      "softmax before the top-k (else over the chosen k)"},
     {"moe_router_load_balancing_type",
-     Choice<&MoeLoadBalancingNames, &GptConfig::moe, &MoeConfig::load_balancing>(),
-     "\"aux_loss\", \"seq_aux_loss\" or \"none\""},
-    {"moe_aux_loss_coeff", Coefficient<&GptConfig::moe, &MoeConfig::aux_loss_coeff>(),
-     "the load-balancing loss's coefficient"},
+     Codec<GptConfig>{FieldKind::kText, &ParseLoadBalancing, &EchoLoadBalancing},
+     "\"aux_loss\", \"seq_aux_loss\", \"global_aux_loss\" (over the global batch: counts "
+     "summed over tp x dp x cp and averaged over the step's micro-batches) or \"none\"; or a "
+     "list of them, each weighted by its entry of moe_aux_loss_coeff"},
+    {"moe_aux_loss_coeff",
+     Codec<GptConfig>{FieldKind::kNumber, &ParseAuxLossCoeff, &EchoAuxLossCoeff},
+     "the load-balancing loss's coefficient; a list with a list of types"},
     {"moe_z_loss_coeff",
      NullableNumber<&ParseCoefficient, &GptConfig::moe, &MoeConfig::z_loss_coeff>(),
      "the router z-loss's coefficient; null: none"},
@@ -536,8 +596,9 @@ constexpr GptField kFields[] = {
     // DeepSeek-style routing (MoeConfig; topk_routing_with_score_function).
     {.key = "moe_router_score_function",
      .target = Choice<&MoeScoreFunctionNames, &GptConfig::moe, &MoeConfig::score_function>(),
-     .help = "\"softmax\" or \"sigmoid\" (DeepSeek-V3: the chosen sigmoids normalised to sum "
-             "1 when topk > 1)"},
+     .help = "\"softmax\", \"sigmoid\" (DeepSeek-V3: the chosen sigmoids normalised to sum "
+             "1 when topk > 1) or \"sqrtsoftplus\" (sqrt(softplus(logit)), normalised as the "
+             "sigmoids)"},
     {.key = "moe_router_topk_scaling_factor",
      .target = NullableNumber<&ParsePositive, &GptConfig::moe, &MoeConfig::topk_scaling_factor>(),
      .help = "the chosen probabilities times this; null: 1"},
@@ -550,8 +611,8 @@ constexpr GptField kFields[] = {
              "topk / group_topk scores sum highest); null: no group limit"},
     {.key = "moe_router_enable_expert_bias",
      .target = InnerMember<&GptConfig::moe, &MoeConfig::enable_expert_bias>(),
-     .help = "aux-loss-free balancing: a per-expert bias added to the sigmoid scores for "
-             "choosing only, updated after each optimizer step (needs \"sigmoid\")"},
+     .help = "aux-loss-free balancing: a per-expert bias added to the sigmoid (or "
+             "sqrtsoftplus) scores for choosing only, updated after each optimizer step"},
     {.key = "moe_router_bias_update_rate",
      .target = Coefficient<&GptConfig::moe, &MoeConfig::bias_update_rate>(),
      .help = "the expert bias's step: + rate for experts below the mean token count, - rate "
@@ -652,6 +713,10 @@ const char* MlaRopeTypeName(MlaRopeType r) {
 const char* MoeRouterDTypeName(MoeRouterDType d) {
   return MoeRouterDTypeNames()[static_cast<size_t>(d)].data();
 }
+const char* MoeLoadBalancingName(MoeLoadBalancing type) {
+  return MoeLoadBalancingNames()[static_cast<size_t>(type)].data();
+}
+
 const char* MoeScoreFunctionName(MoeScoreFunction f) {
   return MoeScoreFunctionNames()[static_cast<size_t>(f)].data();
 }

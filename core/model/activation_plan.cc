@@ -325,9 +325,10 @@ StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
     const double r = static_cast<double>(DTypeSize(rdt.logits));
     const double sc = static_cast<double>(DTypeSize(rdt.scores));
     const bool cast_e = rdt.logits != run.dtype, cast_s = rdt.logits != rdt.scores;
-    // The sigmoid router's backward (MoeLayer's SigmoidRouterBackward) computes d logits on
-    // the host: of the softmaxes' tensors only d logits [T, E] is on the device.
-    const bool sigmoid = moe.score_function == MoeScoreFunction::kSigmoid;
+    // The per-logit router's backward (MoeLayer's PerLogitRouterBackward: sigmoid,
+    // sqrtsoftplus) computes d logits on the host: of the softmaxes' tensors only d logits
+    // [T, E] is on the device.
+    const bool sigmoid = moe.PerLogitScores();
     const bool post = !moe.router_pre_softmax && !sigmoid;
     // New tensors for the gathered gradient and the way back (else views of dy and dx_src).
     const bool exchanged = a2a || group > 1;

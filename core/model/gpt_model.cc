@@ -395,6 +395,9 @@ ModuleContext GptModel::Context(RankContext& ctx, int64_t microbatch, const Stas
     }
     module.expt_tp = ctx.groups.expt_tp.get();
   }
+  if (ctx.groups.dp_cp != nullptr && ctx.groups.dp_cp->Size() > 1) {
+    module.dp_cp = ctx.groups.dp_cp.get();
+  }
   if (sizes.ep > 1) {
     if (ctx.groups.ep == nullptr || ctx.groups.ep->Size() != sizes.ep ||
         ctx.groups.ep->Rank() != coords_.ep) {
@@ -730,6 +733,11 @@ Tensor GptModel::BackwardStep(const StepCall& call, const Tensor& output_grad,
 void GptModel::EndStep(RankContext& ctx) {
   Kernels& k = *ctx.kernels;
   const int64_t M = run_.num_microbatches;
+  // After the gradients' finalisation, as finalize_model_grads resets the routers' global
+  // aux loss trackers (reset_model_temporary_tensors).
+  for (const auto& [layer, module] : layers_) {
+    if (module.moe() != nullptr) module.moe()->ResetGlobalAuxLossTracker();
+  }
   if (tracker_ && tracker_next_ != TrackerAtIteration(iteration_ + 1)) {
     throw std::logic_error(
         fmt::format("GptModel: the RNG tracker advanced to draws ({}, {}), not to the end of "

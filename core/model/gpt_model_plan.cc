@@ -28,10 +28,16 @@ std::string DescribeMoe(const GptConfig& gpt) {
   for (size_t i = 0; i < moe.layers.size(); ++i) {
     if (moe.layers[i]) layers.push_back(static_cast<int64_t>(i));
   }
-  std::string balance = "no load-balancing loss";
-  if (moe.load_balancing == MoeLoadBalancing::kAuxLoss) {
-    balance = fmt::format("load-balancing loss coeff {}", moe.aux_loss_coeff);
+  std::vector<std::string> losses;
+  for (const auto& [type, name] : {std::pair{MoeLoadBalancing::kAuxLoss, ""},
+                                   std::pair{MoeLoadBalancing::kSeqAuxLoss, "sequence "},
+                                   std::pair{MoeLoadBalancing::kGlobalAuxLoss, "global "}}) {
+    if (moe.AuxLossCoeff(type) > 0) {
+      losses.push_back(fmt::format("{}load-balancing loss coeff {}", name, moe.AuxLossCoeff(type)));
+    }
   }
+  const std::string balance =
+      losses.empty() ? "no load-balancing loss" : fmt::format("{}", fmt::join(losses, ", "));
   return fmt::format(
       "  mixture of experts on layers {}: {} experts of ffn {}, top-{} {} softmax, {}, {}{}{}, "
       "{} dispatcher\n",
@@ -216,6 +222,11 @@ std::string MoeRoutingNote(const MoeConfig& moe) {
         fmt::format("sigmoid scores (moe_router_score_function){}",
                     moe.router_topk > 1 ? ", the chosen ones normalised to sum 1" : ""));
   }
+  if (moe.score_function == MoeScoreFunction::kSqrtSoftplus) {
+    parts.push_back(
+        fmt::format("sqrt(softplus) scores (moe_router_score_function \"sqrtsoftplus\"){}",
+                    moe.router_topk > 1 ? ", the chosen ones normalised to sum 1" : ""));
+  }
   if (moe.group_limited()) {
     parts.push_back(
         fmt::format("each token's top {} from {} of {} expert groups "
@@ -233,6 +244,13 @@ std::string MoeRoutingNote(const MoeConfig& moe) {
                     "counts summed over tp x dp x cp "
                     "(moe_router_enable_expert_bias)",
                     moe.bias_update_rate));
+  }
+  if (const double coeff = moe.AuxLossCoeff(MoeLoadBalancing::kGlobalAuxLoss); coeff > 0) {
+    parts.push_back(
+        fmt::format("the global load-balancing loss (coeff {}; \"global_aux_loss\"): each "
+                    "micro-batch's top-k counts all-reduced over tp x dp x cp in its forward "
+                    "and averaged over the step's micro-batches so far",
+                    coeff));
   }
   return fmt::format("{}", fmt::join(parts, "; "));
 }

@@ -160,6 +160,9 @@ struct ModuleContext {
   Tensor key_positions = Tensor();
   // The context-parallel group; null when cp = 1.
   Communicator* cp = nullptr;
+  // The data x context-parallel group (dense dp x cp: the global load-balancing loss's
+  // counts); null when it is one rank.
+  Communicator* dp_cp = nullptr;
   // cp_comm_type "a2a+p2p": the two levels of hierarchical_context_parallel_sizes, the heads'
   // all-to-all (hcp_L0, consecutive cp ranks) and the ring (hcp_L1); null otherwise.
   Communicator* hcp_a2a = nullptr;

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <numeric>
 #include <optional>
+#include <stdexcept>
 #include <string>
 
 #include "core/expert_parallel/permute.h"
@@ -55,12 +56,31 @@ std::vector<int64_t> Largest(const std::vector<double>& key, int64_t count) {
 // --- DeepSeek-style routing on the host (Megatron's topk_routing_with_score_function,
 // group_limited_topk and compute_routing_scores_for_aux_loss, moe_utils.py). The router's
 // [T, E] scores are small; the choices are host decisions like the capacity's, and the
-// sigmoid's values are computed here in double and stored in the scores' dtype.
+// per-logit scores (sigmoid, sqrtsoftplus) are computed here in double and stored in the
+// scores' dtype.
 
-// Megatron's epsilon in the sigmoid's normalisations: s / (sum s + 1e-20).
+// Megatron's epsilon in the per-logit scores' normalisations: s / (sum s + 1e-20).
 constexpr double kSigmoidNormEps = 1e-20;
 
 double Sigmoid(double z) { return 1.0 / (1.0 + std::exp(-z)); }
+
+// torch.nn.functional.softplus's threshold (beta 1): above it softplus(z) is z itself.
+constexpr double kSoftplusThreshold = 20.0;
+
+// A per-logit score: sigmoid(z), or sqrt(softplus(z)).
+double PerLogitScore(MoeScoreFunction f, double z) {
+  if (f == MoeScoreFunction::kSigmoid) return Sigmoid(z);
+  return std::sqrt(z > kSoftplusThreshold ? z : std::log1p(std::exp(z)));
+}
+
+// d score / d z from the stored score s: sigmoid s (1 - s); sqrt(softplus): softplus'(z) /
+// (2 s), softplus'(z) = sigmoid(z) = 1 - exp(-softplus(z)) = -expm1(-s^2) (torch's: 1 above the
+// threshold).
+double PerLogitScoreGrad(MoeScoreFunction f, double s) {
+  if (f == MoeScoreFunction::kSigmoid) return s * (1.0 - s);
+  const double softplus = s * s;
+  return (softplus > kSoftplusThreshold ? 1.0 : -std::expm1(-softplus)) / (2.0 * s);
+}
 
 // The chosen experts of each of the T rows of `key` [T, E]: the top k (Largest's order), or
 // with group-limited routing (Megatron's group_limited_topk) the top k of the experts in the
@@ -99,15 +119,16 @@ std::vector<int64_t> FlatChoices(const std::vector<int64_t>& chosen, int64_t E, 
   return flat;
 }
 
-// d logits [T, E] (in `dtype`, on the device) of a sigmoid router from d probs (the
-// dispatched probabilities' gradient, [T * K] on the host) and the stashed sigmoids:
-//   probs  w = f p, p_s = v_s / (sum_s v_s + eps) (topk > 1; else p = v), v the chosen sigmoids:
+// d logits [T, E] (in `dtype`, on the device) of a per-logit router (sigmoid, sqrtsoftplus)
+// from d probs (the dispatched probabilities' gradient, [T * K] on the host) and the stashed
+// scores sig:
+//   probs  w = f p, p_s = v_s / (sum_s v_s + eps) (topk > 1; else p = v), v the chosen scores:
 //          d v_s = (d p_s - sum_r d p_r p_r) / (sum v + eps), d p = f d w
 //   aux    the load-balancing coefficients c (d objective / d a, a = sig / (sum_e sig_e + eps)):
 //          d sig_j += (c_j - sum_i c_i a_i) / (sum sig + eps)
-//   then   d z = d sig * sig (1 - sig)
-Tensor SigmoidRouterBackward(Kernels& k, std::vector<double> dw, const MoeLayer::Stash& st,
-                             const MoeConfig& moe, DType dtype) {
+//   then   d z = d sig * d sig / d z (PerLogitScoreGrad)
+Tensor PerLogitRouterBackward(Kernels& k, std::vector<double> dw, const MoeLayer::Stash& st,
+                              const MoeConfig& moe, DType dtype) {
   const std::vector<double> sig = ValuesToHost(k, st.scores);
   const int64_t K = moe.router_topk, E = moe.num_experts;
   const auto T = static_cast<int64_t>(sig.size()) / E;
@@ -141,7 +162,7 @@ Tensor SigmoidRouterBackward(Kernels& k, std::vector<double> dw, const MoeLayer:
       }
     }
   }
-  for (size_t i = 0; i < dsig.size(); ++i) dsig[i] *= sig[i] * (1.0 - sig[i]);
+  for (size_t i = 0; i < dsig.size(); ++i) dsig[i] *= PerLogitScoreGrad(moe.score_function, sig[i]);
   return ValuesToDevice(k, dsig, {T, E}, dtype);
 }
 
@@ -248,6 +269,10 @@ MoeLayer::MoeLayer(const GptConfig& gpt, std::string prefix, ParameterSet& param
   }
   tokens_per_expert_.assign(static_cast<size_t>(moe_.num_experts), 0);
   if (moe_.enable_expert_bias) expert_bias_.assign(static_cast<size_t>(moe_.num_experts), 0.0f);
+  if (moe_.AuxLossCoeff(MoeLoadBalancing::kGlobalAuxLoss) > 0) {
+    global_tokens_per_expert_.assign(static_cast<size_t>(moe_.num_experts), 0.0f);
+    global_average_.assign(static_cast<size_t>(num_microbatches_), {});
+  }
   if (moe_.shared_expert_intermediate_size) {
     shared_fc1_.emplace(&params.Get(prefix_ + ".shared_experts.linear_fc1.weight"), nullptr);
     shared_fc2_.emplace(&params.Get(prefix_ + ".shared_experts.linear_fc2.weight"));
@@ -292,42 +317,81 @@ void MoeLayer::Route(const ModuleContext& ctx, const Tensor& top_scores, const T
     if (e >= 0) ++st->kept_per_expert[static_cast<size_t>(e)];
   }
 
-  // The auxiliary losses' gradient coefficients, scaled 1 / (M d).
+  // The auxiliary losses' gradient coefficients, scaled 1 / (M d): per expert (aux_loss,
+  // global_aux_loss) and per token (seq_aux_loss), added when several are listed.
   const double per_dp = 1.0 / static_cast<double>(num_microbatches_ * ctx.dp_size);
   const int64_t tp_cp = (sh.sequence_parallel ? sh.t : 1) * sh.cp;
+  const double aux_coeff = moe_.AuxLossCoeff(MoeLoadBalancing::kAuxLoss);
+  const double seq_coeff = moe_.AuxLossCoeff(MoeLoadBalancing::kSeqAuxLoss);
+  const double global_coeff = moe_.AuxLossCoeff(MoeLoadBalancing::kGlobalAuxLoss);
   st->aux.clear();
-  const bool per_sequence = moe_.load_balancing == MoeLoadBalancing::kSeqAuxLoss;
-  if ((moe_.load_balancing == MoeLoadBalancing::kAuxLoss || per_sequence) &&
-      moe_.aux_loss_coeff > 0) {
-    // count_i: the tokens whose top-k of the softmax holds i (before dropping), summed over
-    // the router ranks of this dp rank (tp under sequence parallelism, and cp); per sample
+  if (aux_coeff > 0 || seq_coeff > 0 || global_coeff > 0) {
+    // count_i: the tokens whose top-k of the (aux) scores holds i, before dropping; per sample
     // (count_ni, sample n = t % b of token t, rows position-major) for seq_aux_loss.
-    const int64_t b = per_sequence ? sh.b : 1;
     const std::vector<int64_t> top = IntsToHost(k, top_scores);
-    std::vector<int64_t> counts(static_cast<size_t>(b * E), 0);
-    for (size_t i = 0; i < top.size(); ++i) {
-      const auto t = static_cast<int64_t>(i) / K;
-      ++counts[static_cast<size_t>((t % b) * E + top[i])];
-    }
-    Tensor summed = IntsToDevice(k, counts, {b * E});
+    const auto count = [&](int64_t b) {
+      std::vector<int64_t> counts(static_cast<size_t>(b * E), 0);
+      for (size_t i = 0; i < top.size(); ++i) {
+        const auto t = static_cast<int64_t>(i) / K;
+        ++counts[static_cast<size_t>((t % b) * E + top[i])];
+      }
+      return IntsToDevice(k, counts, {b * E});
+    };
     const SiteSuffix site(ctx.trace, "moe router");
-    if (sh.sequence_parallel) ctx.tp.AllReduce(summed, ReduceOp::kSum);
-    if (ctx.cp != nullptr) ctx.cp->AllReduce(summed, ReduceOp::kSum);
-    counts = IntsToHost(k, summed);
-    // aux_loss: coeff E / (k (s b)^2); seq_aux_loss: Megatron's per-sample loss averaged
-    // over the b samples, coeff E / (k s^2 b).
-    const auto s_all = static_cast<double>(T * tp_cp / sh.b);
-    const double c = per_dp * moe_.aux_loss_coeff * static_cast<double>(E) /
-                     (static_cast<double>(K) * s_all * s_all * static_cast<double>(sh.b) *
-                      (per_sequence ? 1.0 : static_cast<double>(sh.b)));
-    if (per_sequence) {
-      for (int64_t t = 0; t < T; ++t) {
-        for (int64_t e = 0; e < E; ++e) {
-          st->aux.push_back(c * static_cast<double>(counts[static_cast<size_t>((t % b) * E + e)]));
+    const auto s_all = static_cast<double>(T * tp_cp / sh.b);  // the sequence length
+    const auto d = [](int64_t v) { return static_cast<double>(v); };
+    std::vector<double> per_expert(static_cast<size_t>(E), 0.0), per_token;
+    if (aux_coeff > 0 || seq_coeff > 0) {
+      // Summed over the router ranks of this dp rank (tp under sequence parallelism, and
+      // cp; the dense groups, whatever etp and ep are). aux_loss: coeff E / (k (s b)^2);
+      // seq_aux_loss: Megatron's per-sample loss averaged over the b samples, coeff E / (k
+      // s^2 b).
+      for (const bool per_sequence : {false, true}) {
+        const double coeff = per_sequence ? seq_coeff : aux_coeff;
+        if (coeff == 0) continue;
+        const int64_t b = per_sequence ? sh.b : 1;
+        Tensor summed = count(b);
+        if (sh.sequence_parallel) ctx.tp.AllReduce(summed, ReduceOp::kSum);
+        if (ctx.cp != nullptr) ctx.cp->AllReduce(summed, ReduceOp::kSum);
+        const std::vector<int64_t> counts = IntsToHost(k, summed);
+        const double c = per_dp * coeff * d(E) /
+                         (d(K) * s_all * s_all * d(sh.b) * (per_sequence ? 1.0 : d(sh.b)));
+        if (!per_sequence) {
+          for (int64_t e = 0; e < E; ++e) {
+            per_expert[static_cast<size_t>(e)] += c * d(counts[static_cast<size_t>(e)]);
+          }
+          continue;
+        }
+        per_token.resize(static_cast<size_t>(T * E));
+        for (int64_t t = 0; t < T; ++t) {
+          for (int64_t e = 0; e < E; ++e) {
+            per_token[static_cast<size_t>(t * E + e)] =
+                c * d(counts[static_cast<size_t>((t % b) * E + e)]);
+          }
         }
       }
+    }
+    if (global_coeff > 0) {
+      // Summed over tp x dp x cp (Megatron's tp_dp_cp_group all-reduce, mid-forward), then
+      // averaged over the step's micro-batches so far; coeff E / (k T_g^2), T_g = T tp dp cp.
+      Tensor summed = count(1);
+      if (sh.sequence_parallel) ctx.tp.AllReduce(summed, ReduceOp::kSum);
+      if (ctx.dp_cp != nullptr) ctx.dp_cp->AllReduce(summed, ReduceOp::kSum);
+      const std::vector<float>& average = GlobalAverage(ctx.draw.microbatch, IntsToHost(k, summed));
+      const double T_g = d(T * tp_cp * ctx.dp_size);
+      const double c = per_dp * global_coeff * d(E) / (d(K) * T_g * T_g);
+      for (int64_t e = 0; e < E; ++e) {
+        per_expert[static_cast<size_t>(e)] +=
+            c * static_cast<double>(average[static_cast<size_t>(e)]);
+      }
+    }
+    if (per_token.empty()) {
+      st->aux = std::move(per_expert);
     } else {
-      for (int64_t count : counts) st->aux.push_back(c * static_cast<double>(count));
+      for (size_t i = 0; i < per_token.size(); ++i) {
+        per_token[i] += per_expert[i % static_cast<size_t>(E)];
+      }
+      st->aux = std::move(per_token);
     }
   }
   st->dlse.clear();
@@ -380,21 +444,22 @@ Tensor MoeLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* st) c
   k.Gemm(false, true, 1.0, As(k, x, dt.logits), As(k, router_->value, dt.logits), 0.0, logits);
   if (router_bias_ != nullptr) k.AddRowVector(As(k, router_bias_->value, dt.logits), logits);
   const WholeRowSoftmax over_experts = MakeWholeRowSoftmax(k, E);
-  const bool sigmoid = moe_.score_function == MoeScoreFunction::kSigmoid;
+  const bool per_logit = moe_.PerLogitScores();  // sigmoid or sqrtsoftplus
   st->scores = k.Empty({T, E}, dt.scores);
   st->lse = k.Empty({T}, dt.scores);
   k.CausalSoftmaxForward(As(k, logits, dt.scores), over_experts.q_pos, over_experts.k_pos, 1.0,
                          st->scores, &st->lse);
-  std::vector<double> sig;  // sigmoid: the scores on the host, [T * E]
-  if (sigmoid) {
-    // scores = sigmoid(logits.float()); the softmax above stays for the z-loss only.
+  std::vector<double> sig;  // per-logit scores on the host, [T * E]
+  if (per_logit) {
+    // scores = sigmoid(logits.float()) or sqrt(softplus(logits.float())); the softmax above
+    // stays for the z-loss only.
     if (moe_.z_loss_coeff) st->z_softmax = st->scores;
     sig = ValuesToHost(k, As(k, logits, dt.scores));
-    for (double& v : sig) v = Sigmoid(v);
+    for (double& v : sig) v = PerLogitScore(moe_.score_function, v);
     st->scores = ValuesToDevice(k, sig, {T, E}, dt.scores);
     sig = ValuesToHost(k, st->scores);  // as stored
   }
-  const Tensor& ranked = sigmoid || moe_.router_pre_softmax ? st->scores : logits;
+  const Tensor& ranked = per_logit || moe_.router_pre_softmax ? st->scores : logits;
   Tensor values, indices;
   if (moe_.group_limited() || moe_.enable_expert_bias) {
     // The expert bias joins the scores for choosing only (scores + expert_bias.float());
@@ -414,9 +479,9 @@ Tensor MoeLayer::Forward(const ModuleContext& ctx, const Tensor& x, Stash* st) c
     k.TopK(ranked, K, values, indices);
   }
   Tensor top_scores = indices;  // the load-balancing counts' top-k of the (aux) scores
-  if (sigmoid) {
-    // probs: the chosen sigmoids normalised to sum 1 (topk > 1); the load-balancing counts:
-    // the top-k (no group limit) of the sigmoids normalised over all experts.
+  if (per_logit) {
+    // probs: the chosen scores normalised to sum 1 (topk > 1); the load-balancing counts:
+    // the top-k (no group limit) of the scores normalised over all experts.
     const std::vector<int64_t> chosen = IntsToHost(k, indices);
     std::vector<double> p(static_cast<size_t>(T * K)), aux_scores(sig.size());
     for (int64_t t = 0; t < T; ++t) {
@@ -528,7 +593,7 @@ StashPlan MoeLayer::PlanStash(const GptConfig& gpt, const StreamShape& shape, DT
   plan.Add("scores", {T, E}, dt.scores);
   plan.Add("lse", {T}, dt.scores);
   plan.Add("probs", {T, K}, dt.scores);
-  if (moe.score_function == MoeScoreFunction::kSigmoid && moe.z_loss_coeff) {
+  if (moe.PerLogitScores() && moe.z_loss_coeff) {
     plan.Add("z_softmax", {T, E}, dt.scores);
   }
   plan.Add("route.token_ids", {rows}, DType::kInt64);
@@ -549,6 +614,33 @@ StashPlan MoeLayer::PlanStash(const GptConfig& gpt, const StreamShape& shape, DT
     plan.Add("shared_fc2_in.input", {R, fs}, dtype);  // the shared expert's activation
   }
   return plan;
+}
+
+const std::vector<float>& MoeLayer::GlobalAverage(int64_t microbatch,
+                                                  const std::vector<int64_t>& counts) const {
+  std::vector<float>& average = global_average_.at(static_cast<size_t>(microbatch));
+  if (!average.empty()) return average;  // a recomputed forward: counted at the first
+  // global_tokens_per_expert += counts; ga_steps += 1; their quotient, all in float32 (the
+  // counts are integers, exact below 2^24).
+  for (size_t e = 0; e < counts.size(); ++e) {
+    global_tokens_per_expert_[e] += static_cast<float>(counts[e]);
+  }
+  ga_steps_ += 1.0f;
+  for (float total : global_tokens_per_expert_) average.push_back(total / ga_steps_);
+  return average;
+}
+
+void MoeLayer::ResetGlobalAuxLossTracker() const {
+  if (global_average_.empty()) return;
+  if (ga_steps_ != static_cast<float>(num_microbatches_)) {
+    throw std::logic_error(
+        fmt::format("MoeLayer {}: the global aux loss tracker took {} "
+                    "micro-batches of the step's {}",
+                    prefix_, ga_steps_, num_microbatches_));
+  }
+  std::fill(global_tokens_per_expert_.begin(), global_tokens_per_expert_.end(), 0.0f);
+  ga_steps_ = 0;
+  for (std::vector<float>& average : global_average_) average.clear();
 }
 
 void MoeLayer::UpdateExpertBias(const std::vector<float>& tokens_per_expert) const {
@@ -653,14 +745,14 @@ Tensor MoeLayer::Backward(const ModuleContext& ctx, const Tensor& dy, const Stas
   site.reset();
 
   // The router: the probabilities' gradient, the load-balancing and z-loss terms, through
-  // the softmaxes (or the sigmoid) in the scores' dtype; d logits in the router's.
+  // the softmaxes (or the per-logit scores) in the scores' dtype; d logits in the router's.
   Tensor dprobs_s = As(k, dprobs, dt.scores);
   Tensor dlogits_s, dvalues_s;  // dvalues_s: the chosen logits' gradient (post-softmax top-k)
   // (flat_ids, the positions and dscores are kept to the end, as the memory plan counts.)
   Tensor flat_ids, dscores;
   std::optional<WholeRowSoftmax> over_experts;
-  if (moe_.score_function == MoeScoreFunction::kSigmoid) {
-    dlogits_s = SigmoidRouterBackward(k, ValuesToHost(k, dprobs_s), st, moe_, dt.scores);
+  if (moe_.PerLogitScores()) {
+    dlogits_s = PerLogitRouterBackward(k, ValuesToHost(k, dprobs_s), st, moe_, dt.scores);
   } else {
     if (moe_.topk_scaling_factor) k.Scale(*moe_.topk_scaling_factor, dprobs_s);
     flat_ids = IntsToDevice(k, FlatChoices(st.chosen, E, K), {T * K});

@@ -30,6 +30,8 @@
 //             topk_routing_with_score_function, group_limited_topk); with
 //             moe_router_enable_expert_bias the top-k (grouped or not) ranks scores +
 //             expert_bias, the probabilities stay the unbiased scores
+//             moe_router_score_function "sqrtsoftplus": scores = sqrt(softplus(logits))
+//             (torch's softplus: the logit itself above 20), otherwise as the sigmoid
 //   capacity  with moe_expert_capacity_factor: per expert ceil(T k / E * factor) of this
 //             rank's tokens when that is below T, kept by probability ("probs") or position,
 //             equal values by the lower token (the float64 reference's rule, on the host)
@@ -56,6 +58,14 @@
 //                   loss), no group limit in either
 //   seq_aux_loss    per sample n of the b: coeff E / (k s^2) sum_i count_ni sum_{t of n}
 //                   scores_ti, averaged over the b samples (count_ni over its s positions)
+//   global_aux_loss coeff E / (k T_g^2) sum_i avg_i sum_t scores_ti: count_i summed over tp x
+//                   dp x cp (T_g = T tp dp cp, the micro-batch's tokens of the whole pp
+//                   stage), avg_i the mean of those counts over the step's micro-batches up to
+//                   this one (Megatron's float32 global_tokens_per_expert / ga_steps, reset at
+//                   the step's end: finalize_model_grads); its gradient is 1 / (M d) of each
+//                   rank's share, as the others' (so 1 / d of the global loss's per micro-batch)
+//   (moe_router_load_balancing_type may list several: each with its own coefficient, their
+//   gradients added)
 //   z-loss          coeff_z / (tp cp) mean_t lse_t^2
 #pragma once
 
@@ -87,7 +97,8 @@ class MoeLayer {
     Tensor z_softmax;       // [T, E] sigmoid scores with the z-loss: softmax of the logits
     std::vector<int64_t> chosen;  // [T * k] experts, per token in rank order
     std::vector<double> aux;      // d(objective)/d(scores_ti): [E], the same for every t
-                                  // (aux_loss), or [T, E] (seq_aux_loss: per sample)
+                                  // (aux_loss, global_aux_loss), or [T, E] (with
+                                  // seq_aux_loss: per sample)
     std::vector<double> dlse;     // [T] d(objective)/d(lse_t) of the z-loss (empty: none)
     std::vector<int64_t> kept_per_expert;  // [E] the kept choices per expert
     TokenRoute route;        // the dispatcher's permutation: N rows over the local experts
@@ -131,6 +142,10 @@ class MoeLayer {
   void ResetTokensPerExpert() const {
     std::fill(tokens_per_expert_.begin(), tokens_per_expert_.end(), 0);
   }
+  // "global_aux_loss": the step's end (finalize_model_grads's reset_model_temporary_tensors,
+  // reset_global_aux_loss_tracker): checks that each of the M micro-batches joined the
+  // tracker once, then zeroes it. Nothing without the loss.
+  void ResetGlobalAuxLossTracker() const;
 
  private:
   // The host-side routing of one forward: counts, capacity, the auxiliary gradients'
@@ -138,6 +153,10 @@ class MoeLayer {
   // `probs`: the chosen probabilities as the dispatcher carries them (the capacity's key).
   void Route(const ModuleContext& ctx, const Tensor& top_scores, const Tensor& probs,
              Stash* st) const;
+  // "global_aux_loss": the averaged counts micro-batch `microbatch`'s loss uses, its
+  // tp x dp x cp `counts` joining the tracker at its first forward.
+  const std::vector<float>& GlobalAverage(int64_t microbatch,
+                                          const std::vector<int64_t>& counts) const;
 
   std::string prefix_;
   Activation activation_;
@@ -155,6 +174,13 @@ class MoeLayer {
   mutable int64_t row_bytes_ = 0;           // bytes of one such row
   mutable std::vector<float> expert_bias_;  // see expert_bias()
   mutable std::vector<int64_t> tokens_per_expert_;  // see tokens_per_expert()
+  // "global_aux_loss": Megatron's float32 buffers global_tokens_per_expert [E] and ga_steps,
+  // advanced by each micro-batch's forward; and per micro-batch of the step the averaged
+  // counts its loss used (empty until then: a recomputed forward reuses them, as Megatron's
+  // tracker counts a micro-batch once).
+  mutable std::vector<float> global_tokens_per_expert_;
+  mutable float ga_steps_ = 0;
+  mutable std::vector<std::vector<float>> global_average_;
   std::optional<ColumnParallelLinear> shared_fc1_;
   std::optional<RowParallelLinear> shared_fc2_;
 };

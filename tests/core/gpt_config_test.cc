@@ -672,6 +672,65 @@ TEST(GptConfig, MoeBiasesFollowMegatronStateDict) {
 // DeepSeek-style routing keys: read with Megatron's defaults, and Megatron's refusals
 // (TransformerConfig.__post_init__) with its reasons, plus the group shapes its
 // group_limited_topk cannot run.
+// moe_router_load_balancing_type "global_aux_loss", and Megatron's list form: a list of types
+// with a list of as many coefficients (Router.get_aux_loss_coeff reads type i's at i), echoed
+// as given; TransformerConfig's length rule and mpusim's own (no empty list, no type twice, a
+// list of coefficients only with a list of types) as one-line refusals.
+TEST(GptConfig, LoadBalancingTypesMayBeListed) {
+  json section = Minimal();
+  section["num_moe_experts"] = 8;
+  section["moe_router_load_balancing_type"] = "global_aux_loss";
+  section["moe_aux_loss_coeff"] = 0.01;
+  GptConfig gpt;
+  ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
+  EXPECT_EQ(gpt.moe.AuxLossCoeff(MoeLoadBalancing::kGlobalAuxLoss), 0.01);
+  EXPECT_EQ(gpt.moe.AuxLossCoeff(MoeLoadBalancing::kAuxLoss), 0.0);
+  section["moe_router_load_balancing_type"] = json::array({"seq_aux_loss", "global_aux_loss"});
+  section["moe_aux_loss_coeff"] = json::array({0.05, 0.1});
+  ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
+  EXPECT_EQ(gpt.moe.AuxLossCoeff(MoeLoadBalancing::kSeqAuxLoss), 0.05);
+  EXPECT_EQ(gpt.moe.AuxLossCoeff(MoeLoadBalancing::kGlobalAuxLoss), 0.1);
+  EXPECT_EQ(gpt.moe.AuxLossCoeff(MoeLoadBalancing::kAuxLoss), 0.0);
+  json echoed;
+  for (const Field<GptConfig>& field : GptFields()) {
+    if (field.key == "moe_router_load_balancing_type" || field.key == "moe_aux_loss_coeff") {
+      echoed[std::string(field.key)] = std::get<Codec<GptConfig>>(field.target).echo(gpt);
+    }
+  }
+  EXPECT_EQ(echoed["moe_router_load_balancing_type"], section["moe_router_load_balancing_type"]);
+  EXPECT_EQ(echoed["moe_aux_loss_coeff"], section["moe_aux_loss_coeff"]);
+
+  const auto refusal = [&](const json& types, const json& coeffs) {
+    json bad = section;
+    bad["moe_router_load_balancing_type"] = types;
+    bad["moe_aux_loss_coeff"] = coeffs;
+    GptConfig unused;
+    return ParseGptSection(bad, &unused).Message();
+  };
+  EXPECT_EQ(refusal(json::array({"aux_loss", "global_aux_loss"}), json::array({0.1})),
+            "model.moe_aux_loss_coeff: moe_aux_loss_coeff must be a list of the same length as "
+            "moe_router_load_balancing_type");
+  EXPECT_EQ(refusal(json::array({"aux_loss", "global_aux_loss"}), 0.1),
+            "model.moe_aux_loss_coeff: moe_aux_loss_coeff must be a list of the same length as "
+            "moe_router_load_balancing_type");
+  EXPECT_EQ(refusal("aux_loss", json::array({0.1})),
+            "model.moe_aux_loss_coeff: a list needs moe_router_load_balancing_type to be a list "
+            "of as many types");
+  EXPECT_EQ(refusal(json::array(), json::array({0.1})),
+            "model.moe_router_load_balancing_type: must be a type or a non-empty list of types, "
+            "got []");
+  EXPECT_EQ(refusal(json::array({"aux_loss"}), json::array()),
+            "model.moe_aux_loss_coeff: must be a number >= 0 or a non-empty list of them, got []");
+  EXPECT_EQ(refusal(json::array({"aux_loss", "aux_loss"}), json::array({0.1, 0.2})),
+            "model.moe_router_load_balancing_type: lists \"aux_loss\" twice (Megatron would "
+            "weight it by its first coefficient only)");
+  EXPECT_EQ(refusal(json::array({"aux_loss", "sinkhorn"}), json::array({0.1, 0.2})),
+            "model.moe_router_load_balancing_type[1]: must be \"aux_loss\", \"seq_aux_loss\", "
+            "\"global_aux_loss\" or \"none\", got string \"sinkhorn\"");
+  EXPECT_EQ(refusal(json::array({"aux_loss"}), json::array({-1})),
+            "model.moe_aux_loss_coeff[0]: must be a number >= 0, got number -1");
+}
+
 TEST(GptConfig, DeepSeekRoutingKeys) {
   json section = Minimal();
   section["num_layers"] = 2;
@@ -703,9 +762,9 @@ TEST(GptConfig, DeepSeekRoutingKeys) {
     GptConfig unused;
     return ParseGptSection(bad, &unused).Message();
   };
-  EXPECT_EQ(refusal("moe_router_score_function", "sqrtsoftplus"),
-            "model.moe_router_score_function: must be \"softmax\" or \"sigmoid\", got string "
-            "\"sqrtsoftplus\"");
+  EXPECT_EQ(refusal("moe_router_score_function", "sqrt"),
+            "model.moe_router_score_function: must be \"softmax\", \"sigmoid\" or "
+            "\"sqrtsoftplus\", got string \"sqrt\"");
   EXPECT_EQ(refusal("moe_router_num_groups", nullptr),
             "model.moe_router_group_topk: When using group limited routing, "
             "moe_router_num_groups must be specified.");
@@ -724,6 +783,10 @@ TEST(GptConfig, DeepSeekRoutingKeys) {
   EXPECT_EQ(refusal("moe_router_topk_scaling_factor", 0),
             "model.moe_router_topk_scaling_factor: must be a number > 0, got number 0");
   section["moe_router_enable_expert_bias"] = true;
+  section["moe_router_score_function"] = "sqrtsoftplus";
+  ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
+  EXPECT_EQ(gpt.moe.score_function, MoeScoreFunction::kSqrtSoftplus);
+  section["moe_router_score_function"] = "sigmoid";
   ASSERT_TRUE(ParseGptSection(section, &gpt).ok());
   EXPECT_TRUE(gpt.moe.enable_expert_bias);
   EXPECT_EQ(gpt.moe.bias_update_rate, 1e-3);

@@ -625,6 +625,65 @@ TEST(GptMixtureOfExperts, ExpertBiasMatchesTheReferenceOverIterations) {
   }
 }
 
+// Qwen3's global-batch load-balancing loss ("global_aux_loss", coefficient 0.1 on Dropless's
+// router): each micro-batch's top-k counts all-reduced over tp x dp x cp in the forward, their
+// float32 mean over the step's micro-batches so far weighting each rank's softmax. The
+// reference computes the whole batch on every rank, so the counts of every dp rank are its
+// own; two micro-batches per step make the mean matter.
+json GlobalAuxLoss(json model) {
+  model["moe_router_load_balancing_type"] = "global_aux_loss";
+  model["moe_aux_loss_coeff"] = 0.1;
+  return model;
+}
+
+// The list form with sqrt(softplus) scores: DeepSeekRouting's group limit and scaling with
+// moe_router_score_function "sqrtsoftplus", the micro-batch loss and the global one.
+json SqrtSoftplusListed() {
+  json model = DeepSeekRouting();
+  model["moe_router_score_function"] = "sqrtsoftplus";
+  model["moe_router_load_balancing_type"] = json::array({"aux_loss", "global_aux_loss"});
+  model["moe_aux_loss_coeff"] = json::array({0.01, 0.1});
+  return model;
+}
+
+// Every layout (the alltoall dispatcher where ep > 1, else allgather), the sqrtsoftplus list on
+// the pp 1 ones, float32 on tp 2; then 3 Adam iterations (the tracker restarts each step): ep 2
+// with the alltoall dispatcher, and pp 2 (cp 2 where the world allows) with full recomputation
+// and the distributed optimizer (a recomputed forward reuses its micro-batch's mean).
+TEST(GptMixtureOfExperts, GlobalAuxLossMatchesTheReference) {
+  for (const Layout& l : Layouts()) {
+    if (kSanitized && (l.pp > 1 || l.cp > 1 || l.etp != l.tp || l.ep > 2)) continue;
+    const bool alltoall = l.ep > 1;
+    SCOPED_TRACE(fmt::format("global_aux_loss {}{}", alltoall ? "alltoall " : "", l.Name()));
+    if (WorldRank() == 0) {
+      fmt::print("  global_aux_loss {}{}:", alltoall ? "alltoall " : "", l.Name());
+    }
+    const json model = GlobalAuxLoss(Dropless());
+    RunChecked(l.Document(alltoall ? AllToAll(model) : model));
+    if (l.pp > 1 || (kSanitized && l.tp > 1)) continue;
+    if (WorldRank() == 0) fmt::print("  sqrtsoftplus, aux_loss + global_aux_loss {}:", l.Name());
+    RunChecked(l.Document(alltoall ? AllToAll(SqrtSoftplusListed()) : SqrtSoftplusListed()));
+  }
+  const int64_t tp = WorldSize() >= 2 ? 2 : 1;
+  for (const json& model : {GlobalAuxLoss(Dropless()), SqrtSoftplusListed()}) {
+    if (WorldRank() == 0) fmt::print("  global_aux_loss float32 tp {}:", tp);
+    RunChecked(MoeDocument(model, tp, 1, 1, "float32"));
+  }
+  if (WorldSize() < 2) return;
+  if (WorldRank() == 0) fmt::print("  global_aux_loss ep 2 alltoall, Adam:");
+  json document =
+      Training(MoeDocument(AllToAll(GlobalAuxLoss(Dropless())), 1, 1, 1, "float64", 2), "adam");
+  document["run"]["train_iters"] = 3;
+  ExpectReferenceNorms(RunChecked(document));
+  const int64_t cp = WorldSize() >= 4 ? 2 : 1;
+  if (WorldRank() == 0) fmt::print("  sqrtsoftplus global_aux_loss pp 2 cp {} recompute:", cp);
+  document = Training(MoeDocument(SqrtSoftplusListed(), 1, cp, 2, "float64"), "adam");
+  document["run"]["train_iters"] = 3;
+  document["optimizer"]["use_distributed_optimizer"] = true;
+  SetRecompute(document["run"], "full uniform 2");
+  ExpectReferenceNorms(RunChecked(document));
+}
+
 // A document the run refuses with exactly `message` (one line naming the field).
 void ExpectRefusal(const json& document, const std::string& message) {
   const StatusOr<run::SimulationResult> result = Simulate(document);

@@ -958,6 +958,19 @@ TEST(GptReferenceTest, MatchesTorchGoldenMixtureOfExpertsSigmoidGroupLimited) {
   CheckGolden("gpt_golden_g.safetensors");
 }
 
+// Qwen3's global-batch load-balancing loss listed with the sequence-level one (config L): the
+// top-k counts of both dp ranks, a float32 tracker averaging them over the step's three
+// micro-batches, each loss with its own coefficient.
+TEST(GptReferenceTest, MatchesTorchGoldenMixtureOfExpertsGlobalAuxLoss) {
+  CheckGolden("gpt_golden_l.safetensors");
+}
+
+// sqrt(softplus) scores (moe_router_score_function "sqrtsoftplus") with config G's group
+// limit, expert bias and scaling, and the global load-balancing loss on them.
+TEST(GptReferenceTest, MatchesTorchGoldenMixtureOfExpertsSqrtSoftplus) {
+  CheckGolden("gpt_golden_l_sqrtsoftplus.safetensors");
+}
+
 // gpt-oss's MLP: the clamped quick-GELU GLU (glu_linear_offset 1, activation_func_clamp_value
 // 1) with add_bias_linear on an MoE layer (the router's bias, the experts' linear_fc1 and
 // linear_fc2 biases, fc2's weighted by the probability) and on a dense layer (config I).

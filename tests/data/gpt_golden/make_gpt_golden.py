@@ -158,6 +158,28 @@ CONFIG_G["model"] = {k: v for k, v in CONFIG_G["model"].items() if v is not None
 CONFIG_G["model"]["num_layers"] = 2
 CONFIG_G["run"]["seed"] = 17
 
+# Config L: Qwen3's global-batch load-balancing loss, listed with the sequence-level one
+# (Megatron's list form: moe_router_load_balancing_type ["seq_aux_loss", "global_aux_loss"]
+# with moe_aux_loss_coeff [0.05, 0.1]) on config D's model, dropless, d = 2, three
+# micro-batches: each micro-batch's top-k counts summed over both dp ranks join each router's
+# float32 tracker (global_tokens_per_expert, ga_steps), whose running mean weights every dp
+# rank's softmax, with the micro-batch's tokens of both dp ranks as the token count.
+CONFIG_L = json.loads(json.dumps(CONFIG_D))
+CONFIG_L["model"].update({"moe_router_load_balancing_type": ["seq_aux_loss", "global_aux_loss"],
+                          "moe_aux_loss_coeff": [0.05, 0.1], "moe_expert_capacity_factor": None})
+CONFIG_L["model"] = {k: v for k, v in CONFIG_L["model"].items() if v is not None}
+CONFIG_L["run"].update({"seed": 18, "num_microbatches": 3})
+
+# Config L sqrtsoftplus: config G's routing (group-limited, the expert bias, the scaling) with
+# moe_router_score_function "sqrtsoftplus" (sqrt(softplus(logit)) per expert, the chosen ones
+# normalised) and only the global load-balancing loss (coefficient 0.02) on the normalised
+# sqrt(softplus) scores; two micro-batches.
+CONFIG_L_SQRT = json.loads(json.dumps(CONFIG_G))
+CONFIG_L_SQRT["model"].update({"moe_router_score_function": "sqrtsoftplus",
+                               "moe_router_load_balancing_type": "global_aux_loss",
+                               "moe_aux_loss_coeff": 0.02})
+CONFIG_L_SQRT["run"]["seed"] = 19
+
 
 # Megatron-Core's routing functions (megatron/core/transformer/moe/moe_utils.py), unfused,
 # without router replay, precomputed indices or padding masks, as Megatron writes them, but
@@ -201,8 +223,11 @@ def topk_routing_with_score_function(logits, topk, use_pre_softmax=False, num_gr
         else:
             scores, top_indices = compute_topk(logits, topk, num_groups, group_topk)
             probs = torch.softmax(scores, dim=-1, dtype=SCORES_DTYPE)
-    elif score_function == "sigmoid":
-        scores = torch.sigmoid(logits.to(SCORES_DTYPE))
+    elif score_function in ("sigmoid", "sqrtsoftplus"):
+        if score_function == "sigmoid":
+            scores = torch.sigmoid(logits.to(SCORES_DTYPE))
+        else:
+            scores = torch.nn.functional.softplus(logits.to(SCORES_DTYPE)).sqrt()
         if expert_bias is not None:
             scores_for_routing = scores + expert_bias.float()
             _, top_indices = compute_topk(scores_for_routing, topk, num_groups, group_topk)
@@ -236,11 +261,24 @@ def compute_routing_scores_for_aux_loss(logits, topk, score_function):
     elif score_function == "sigmoid":
         scores = torch.sigmoid(logits.to(SCORES_DTYPE))
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    elif score_function == "sqrtsoftplus":
+        scores = torch.nn.functional.softplus(logits.to(SCORES_DTYPE)).sqrt()
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     else:
         raise ValueError(f"Invalid score_function: {score_function}")
     _, top_indices = torch.topk(scores, k=topk, dim=1)
     routing_map = torch.zeros_like(logits).int().scatter(1, top_indices, 1).bool()
     return routing_map, scores
+
+
+def switch_load_balancing_loss_func(probs, tokens_per_expert, total_num_tokens, topk,
+                                    num_experts, moe_aux_loss_coeff):
+    """moe_utils.switch_load_balancing_loss_func, unfused, without a padding mask."""
+    aggregated_probs_per_expert = probs.sum(dim=0)
+    aux_loss = torch.sum(aggregated_probs_per_expert * tokens_per_expert) * (
+        num_experts * moe_aux_loss_coeff / (topk * total_num_tokens * total_num_tokens)
+    )
+    return aux_loss
 
 
 # Config K: multi-token prediction (Megatron-Core's MultiTokenPredictionBlock, local spec), two
@@ -469,9 +507,19 @@ class Sizes:
             self.moe_layers = [False] * self.L
         self.pre_softmax = m.get("moe_router_pre_softmax", False)
         balancing = m.get("moe_router_load_balancing_type", "aux_loss")
-        self.aux_coeff = (m.get("moe_aux_loss_coeff", 0.0)
-                          if balancing in ("aux_loss", "seq_aux_loss") else 0.0)
-        self.seq_aux = balancing == "seq_aux_loss"
+        coeff = m.get("moe_aux_loss_coeff", 0.0)
+
+        def get_aux_loss_coeff(aux_loss_type):
+            """Router.get_aux_loss_coeff: a type's coefficient, a list's at its position."""
+            if isinstance(balancing, str):
+                return coeff if balancing == aux_loss_type else 0.0
+            return coeff[balancing.index(aux_loss_type)] if aux_loss_type in balancing else 0.0
+        self.aux_coeff = get_aux_loss_coeff("aux_loss")
+        self.seq_coeff = get_aux_loss_coeff("seq_aux_loss")
+        self.global_coeff = get_aux_loss_coeff("global_aux_loss")
+        # TopKRouter's global_tokens_per_expert and ga_steps (float32), per router, over the
+        # step's micro-batches (reset_global_aux_loss_tracker: at the step's end).
+        self.global_tracker = {}
         self.z_coeff = m.get("moe_z_loss_coeff") or 0.0
         self.capacity_factor = m.get("moe_expert_capacity_factor")
         self.drop_policy = m.get("moe_token_drop_policy", "probs")
@@ -675,6 +723,7 @@ def moe_layer(z, P, p, h2):
     MoEAuxLossAutoScaler sends them; the caller scales them by 1 / (M d))."""
     out = torch.zeros_like(h2)
     aux = h2.new_zeros(())
+    global_terms = []  # global_aux_loss: each dp rank's scores and top-k counts
     for dp in range(z.d):
         # Megatron's tokens [s, b, h] -> [s*b, h]: row i*b + j is position i of sample j.
         xs = h2[:, dp * z.b:(dp + 1) * z.b, :].reshape(-1, z.h)
@@ -709,7 +758,7 @@ def moe_layer(z, P, p, h2):
                 kept = torch.zeros_like(routed).t().scatter(1, keep_rows, True).t()
                 routed = routed & kept
                 probs = probs * routed
-        if z.aux_coeff:
+        if z.aux_coeff or z.seq_coeff or z.global_coeff:
             # switch_load_balancing_loss_func on the softmax of all logits, with the top-k
             # counts (before any dropping) of the tokens of the tp x cp group: this dp rank's.
             if z.megatron_router:
@@ -719,18 +768,20 @@ def moe_layer(z, P, p, h2):
             else:
                 scores = torch.softmax(logits, -1)
                 routing = torch.zeros_like(logits).scatter(1, ranked(scores, z.topk)[1], 1.0)
-            if z.seq_aux:
+            if z.aux_coeff:
+                counts = routing.sum(0)
+                aux = aux + (scores.sum(0) * counts.detach()).sum() * (
+                    z.E * z.aux_coeff / (z.topk * T * T))
+            if z.seq_coeff:
                 # Router._apply_seq_aux_loss: [s*b, E] viewed as [s, b*E], each sample's
                 # experts counted as experts of their own over its s tokens, the switch loss
                 # with s tokens, divided by b.
                 per_sample = scores.reshape(z.s, -1)
                 counts = routing.reshape(z.s, -1).sum(0)
                 aux = aux + (per_sample.sum(0) * counts.detach()).sum() * (
-                    z.E * z.aux_coeff / (z.topk * z.s * z.s)) / z.b
-            else:
-                counts = routing.sum(0)
-                aux = aux + (scores.sum(0) * counts.detach()).sum() * (
-                    z.E * z.aux_coeff / (z.topk * T * T))
+                    z.E * z.seq_coeff / (z.topk * z.s * z.s)) / z.b
+            if z.global_coeff:  # after every dp rank's routing (below)
+                global_terms.append((scores, routing.detach().sum(0).long()))
         if z.expert_bias:  # TopKRouter._apply_expert_bias: the routing map after dropping
             counts = z.tokens_per_expert.setdefault(p, torch.zeros(z.E, dtype=torch.float32))
             counts += routed.sum(dim=0).float()
@@ -746,6 +797,20 @@ def moe_layer(z, P, p, h2):
             y = y + mlp(z, xs, P[p + ".mlp.shared_experts.linear_fc1.weight"],
                         P[p + ".mlp.shared_experts.linear_fc2.weight"])
         out[:, dp * z.b:(dp + 1) * z.b, :] = y.reshape(z.s, z.b, z.h)
+    if global_terms:
+        # Router._apply_global_aux_loss: the counts all-reduced over tp x dp x cp (here the dp
+        # ranks' summed), added to the float32 tracker, ga_steps += 1, their quotient the
+        # tokens per expert; each dp rank's loss on its own scores with the token count of
+        # the whole group (local_num_tokens * tp_dp_cp size).
+        tracker = z.global_tracker.setdefault(
+            p, [torch.zeros(z.E, dtype=torch.float32), torch.tensor(0, dtype=torch.float32)])
+        tracker[0] += sum(counts for _, counts in global_terms)
+        tracker[1] += 1
+        averated_tokens_per_expert = tracker[0] / tracker[1]
+        for scores, _ in global_terms:
+            aux = aux + switch_load_balancing_loss_func(
+                scores, averated_tokens_per_expert, scores.shape[0] * z.d, z.topk, z.E,
+                z.global_coeff)
     return out, aux
 
 
@@ -1093,6 +1158,8 @@ def main():
     make(CONFIG_H, 8, os.path.join(HERE, "gpt_golden_h.safetensors"))
     make(CONFIG_J, 10, os.path.join(HERE, "gpt_golden_j.safetensors"))
     make(CONFIG_J_Q_PROJ, 11, os.path.join(HERE, "gpt_golden_j_q_proj.safetensors"))
+    make(CONFIG_L, 12, os.path.join(HERE, "gpt_golden_l.safetensors"))
+    make(CONFIG_L_SQRT, 13, os.path.join(HERE, "gpt_golden_l_sqrtsoftplus.safetensors"))
     return 0
 
 
