@@ -1995,6 +1995,23 @@ TEST(ExplainCommand, NamesTheRouterChoices) {
                        "(moe_router_enable_expert_bias)\n"),
             std::string::npos)
       << r.out;
+  // Qwen3's global load-balancing loss, in Megatron's list form, with sqrt(softplus) scores.
+  config["model"]["moe_router_score_function"] = "sqrtsoftplus";
+  config["model"].erase("moe_router_group_topk");
+  config["model"].erase("moe_router_num_groups");
+  config["model"].erase("moe_router_topk_scaling_factor");
+  config["model"].erase("moe_router_enable_expert_bias");
+  config["model"]["moe_router_load_balancing_type"] = json::array({"aux_loss", "global_aux_loss"});
+  config["model"]["moe_aux_loss_coeff"] = json::array({0.001, 0.01});
+  r = Mpusim({"explain", WriteTemp("mpusim_router_qwen3.json", config.dump())});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("  the router: sqrt(softplus) scores (moe_router_score_function "
+                       "\"sqrtsoftplus\"), the chosen ones normalised to sum 1; the global "
+                       "load-balancing loss (coeff 0.01; \"global_aux_loss\"): each "
+                       "micro-batch's top-k counts all-reduced over tp x dp x cp in its forward "
+                       "and averaged over the step's micro-batches so far\n"),
+            std::string::npos)
+      << r.out;
 }
 
 // gpt-oss's parts: one line names the sliding window, the layers it slides on and the
