@@ -171,6 +171,13 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
     out << "<p class=\"note\">step time: not estimated: " << HtmlEscape(r.time_missing)
         << "</p>\n";
   }
+  for (const std::string& part : ModelParts(config)) {
+    out << "<p class=\"note\">Model part: " << HtmlEscape(part) << ".</p>\n";
+  }
+  if (!r.executor_missing.empty()) {
+    out << "<p class=\"note\">CPU executor's activations: not counted: "
+        << HtmlEscape(r.executor_missing) << "</p>\n";
+  }
   out << "<p class=\"note\">Not modelled: "
       << HtmlEscape(fmt::format("{}", fmt::join(NotModelled(config), "; "))) << ".</p>\n";
   out << "<script id=\"estimate\" type=\"application/json\">"

@@ -162,6 +162,8 @@ nlohmann::ordered_json EstimateJson(const EstimateReport& r, const Topology& top
     list.push_back(stage);
   }
   doc["stages"] = list;
+  doc["model_parts"] = ModelParts(config);
+  if (!r.executor_missing.empty()) doc["executor_missing"] = r.executor_missing;
   doc["not_modelled"] = NotModelled(config);
   return doc;
 }

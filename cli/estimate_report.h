@@ -33,6 +33,9 @@ struct EstimateReport {
   std::string activations_missing;  // why not, when activations is empty
   // What `mpusim run` of this config would hold on the CPU executor (with the activations).
   std::optional<std::vector<ExecutorActivations>> executor;
+  // Why not, when the CPU executor does not build the model yet (its error line); empty
+  // otherwise (the combined 1F1B schedule, which `mpusim run` refuses, leaves it out silently).
+  std::string executor_missing;
   std::optional<TimeEstimate> time;
   std::string time_missing;  // why not, when time is empty
   // Each stage's busiest rank's memory reserve (core/estimate/memory_reserve.h), with the

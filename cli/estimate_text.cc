@@ -192,11 +192,15 @@ void PrintEstimateText(const EstimateReport& r, const Topology& topology, std::o
     out << "Activations: not estimated: " << r.activations_missing << '\n';
   }
   if (r.executor) PrintExecutorText(r, out);
+  if (!r.executor_missing.empty()) {
+    out << "CPU executor's activations: not counted: " << r.executor_missing << '\n';
+  }
   if (r.time) {
     PrintTimeText(config, topology, *r.time, out);
   } else {
     out << "Step time: not estimated: " << r.time_missing << '\n';
   }
+  for (const std::string& part : ModelParts(config)) out << "Model part: " << part << ".\n";
   out << fmt::format("Not modelled: {}.\n", fmt::join(NotModelled(config), "; "));
 }
 

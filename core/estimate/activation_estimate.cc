@@ -42,15 +42,32 @@ StatusOr<std::vector<StageActivations>> EstimateStageActivations(
   const double split_sp = sp ? t : 1;  // what sequence parallelism divides the whole parts by
   const double m_h = g.hidden_dropout > 0 ? 1 : 0, m_a = g.attention_dropout > 0 ? 1 : 0;
   const double d = static_cast<double>(g.kv_channels);
-  const double q = static_cast<double>(g.num_attention_heads) * d;
-  const double kv = static_cast<double>(g.num_query_groups) * d;
+  const double a = static_cast<double>(g.num_attention_heads);
   const double f1 = static_cast<double>(g.Fc1Rows()), f = static_cast<double>(g.ffn_hidden_size);
   // fp8 (model.fp8): Transformer Engine's linears save their inputs quantized (header): the
   // QKV and fc1 inputs, the projection's and fc2's, x one byte and the recipe's scales.
   const double x = Fp8SavedBytes(g, e);
-  const double whole = T * h * (2 * e + 2 * x + 2 * m_h) / split_sp;
-  const double split = T * (e * (q + 2 * kv + f1) + x * (q + f)) / t;
-  const double a = static_cast<double>(g.num_attention_heads);
+  // The core attention's query, key and value widths (all heads) and the projection's input.
+  // Multi-latent attention: the up-projected queries and keys of qk + pe channels a head (the
+  // rope key, shared by the heads, expanded to each), the values of v, the projection's input
+  // a v per head; and the latents (header).
+  double q_in = a * d, k_in = static_cast<double>(g.num_query_groups) * d, v_in = k_in;
+  double latents = 0;
+  if (g.mla.enabled) {
+    const MlaConfig& mla = g.mla;
+    q_in = k_in = a * static_cast<double>(mla.QHeadDim());
+    v_in = a * static_cast<double>(mla.v_head_dim);
+    const double q_lora = static_cast<double>(mla.q_lora_rank.value_or(0));
+    const double kv_lora = static_cast<double>(mla.kv_lora_rank);
+    // The q and kv latents (their norms' inputs) and the norms' outputs (the up projections'
+    // inputs), sequence-split under sp as Megatron's duplicated down projections leave them,
+    // and the decoupled rope key's input (gathered over the sequence: every position).
+    latents = T * (q_lora + kv_lora) * (e + x) / split_sp +
+              T * static_cast<double>(mla.qk_pos_emb_head_dim) * e;
+  }
+  const double proj_in = g.mla.enabled ? v_in : q_in;
+  const double whole = T * h * (2 * e + 2 * x + 2 * m_h) / split_sp + latents;
+  const double split = T * (e * (q_in + k_in + v_in + f1) + x * (proj_in + f)) / t;
   // Materialised attention: the probabilities of this rank's queries against every key
   // (all_gather; a2a: every query of 1/cp of the heads: as many); the ring (p2p, a2a+p2p)
   // keeps none, but the log-sum-exp of each query row, in float32. Flash / fused attention
@@ -61,7 +78,7 @@ StatusOr<std::vector<StageActivations>> EstimateStageActivations(
                                                   : b * a * (s / cp) * s * (e + m_a * (e + 1)) / t;
   // all_gather also keeps the keys and values of every position.
   const double gathered =
-      sz.cp > 1 && g.cp_comm_type == CpCommType::kAllGather ? 2 * b * s * kv * e / t : 0;
+      sz.cp > 1 && g.cp_comm_type == CpCommType::kAllGather ? b * s * (k_in + v_in) * e / t : 0;
   double layer = whole + split + scores + gathered;
   const bool selective_core = run.Recomputes(RunConfig::RecomputeModule::kCoreAttn);
   if (selective_core) layer = whole + split;
@@ -96,7 +113,7 @@ StatusOr<std::vector<StageActivations>> EstimateStageActivations(
       const double fs = static_cast<double>(*moe.shared_expert_intermediate_size);
       shared = T * ((IsGated(g.activation) ? 2 * fs : fs) * e + fs * x) / t;
     }
-    const double attention_split = T * e * (q + 2 * kv + q) / t;
+    const double attention_split = T * e * (q_in + k_in + v_in + proj_in) / t;
     moe_layer = whole + attention_split + scores + gathered + router + experts + combine + shared;
     if (selective_core) moe_layer -= scores + gathered;
     // Selective "moe": the layer keeps its input alone (in `whole`); "moe_act": not the
@@ -117,6 +134,7 @@ StatusOr<std::vector<StageActivations>> EstimateStageActivations(
   if (run.Recomputes(RunConfig::RecomputeModule::kMlp)) layer -= T * (e * f1 + x * f) / t;
 
   const int64_t p = sz.pp, v = sz.vp.value_or(1), stages = p * v;
+  const bool last_is_moe = g.moe.enabled() && g.moe.layers.back();
   const std::vector<StageLayers> stage_layers =
       CheckedStages(topology.config().Split(), g.num_layers);
   const double vocab = static_cast<double>(g.PaddedVocabSize(sz.tp));
@@ -141,7 +159,16 @@ StatusOr<std::vector<StageActivations>> EstimateStageActivations(
                                   : layer;
       }
       if (u == 0) bytes += m_h * T * h / split_sp;  // the embedding dropout's mask
-      if (u == stages - 1) bytes += T * h * e / split_sp + 4 * T * vocab / t;
+      if (u == stages - 1) {
+        bytes += T * h * e / split_sp + 4 * T * vocab / t;
+        // Multi-token prediction's depths on the last stage: each its embedding's dropout
+        // mask, enorm's and hnorm's inputs, eh_proj's input (the two norms' outputs), a
+        // transformer layer like the last decoder layer, its final norm's input and float32
+        // logits of one micro-batch.
+        bytes += static_cast<double>(g.mtp_num_layers) *
+                 (T * h * (m_h + 2 * e + 2 * x + e) / split_sp + (last_is_moe ? moe_layer : layer) +
+                  4 * T * vocab / t);
+      }
       stash[static_cast<size_t>(c)] = bytes;
     }
     double live = 0, peak = 0;

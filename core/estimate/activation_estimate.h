@@ -64,6 +64,21 @@
 // T (e (q + 2kv + f1) + x (q + f)) / t. Q, K, V (the core attention's), fc1's output (the
 // activation's input) and the norms' inputs stay in the run's dtype.
 //
+// Multi-latent attention (model.multi_latent_attention; Megatron's MLASelfAttention with
+// Transformer Engine's spec, its down projections "duplicated" over tp on the sequence-split
+// input): in place of Q, K, V of kv_channels the core attention's queries and keys of
+// qk + pe channels a head (the shared rope key expanded to every head) and values of v, the
+// projection's input a v per head; and, whole (divided by t under sp), the q and kv latents
+// (the q and kv norms' inputs, q_lora_rank and kv_lora_rank a token) and the norms' outputs
+// (the up projections' inputs, x bytes), plus the rope key's input (pe a token, every
+// position). The probabilities or log-sum-exp per head as above. Multi-token prediction
+// (mtp_num_layers D) adds to the last stage's stash, per depth: its embedding's dropout mask,
+// enorm's and hnorm's inputs and eh_proj's input (the two norms' outputs, x bytes), a layer
+// like the last decoder layer (not recomputed), its final norm's input and another float32
+// logits of one micro-batch: T h (m_h + 3e + 2x) / sp + layer + 4 T V / t. A sliding window
+// (window_size) changes nothing here: flash / fused attention keeps its log-sum-exp, and
+// materialised attention the whole s x s (the window is a mask, and flash stores none).
+//
 // This is a GPU run's count, not the CPU executor's: mpusim's executor keeps its own stash
 // (float32 by default, and the tensors its kernels need), which `mpusim run --summary`
 // measures as peak - held, and executor_activations.h counts.

@@ -80,12 +80,6 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
   const RunConfig base_run = config.run ? *config.run : DefaultRun(config);
   // fp8 on a GPU or dtype that cannot run it: one refusal, not every layout "not timed".
   MPUSIM_RETURN_IF_ERROR(CheckFp8OnGpu(model, base_run.dtype, gpu));
-  // Multi-latent attention: one refusal, not every layout "not timed".
-  if (model.mla.enabled) {
-    return Status::Error("model.multi_latent_attention",
-                         "true is not counted by advise yet (MLA's latent activations); set "
-                         "false");
-  }
   Advice advice;
   // The attention every candidate counts (the dtype and the GPU decide it, not the layout).
   StatusOr<ResolvedAttention> attention =
@@ -132,7 +126,7 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
       c.optimizer->overlap_grad_reduce = l.overlap_grad_reduce;
       c.optimizer->overlap_param_gather = l.overlap_param_gather;
     }
-    if (!CheckGptLayout(c.parallel, *c.run, EstimatedModel(&c)).ok()) return std::nullopt;
+    if (!CheckGptLayout(c.parallel, *c.run, EstimatedModel(&c), true).ok()) return std::nullopt;
     return c;
   };
   // Counted once each: the topology of (tp, cp, ep, pp, vp, sp), and held memory, which depends

@@ -18,9 +18,16 @@
 //   bfloat16 / float16, compute capability >= 9.0   "fused"   (cuDNN, H100, H200)
 //   bfloat16 / float16, compute capability 8.x      "flash"   (FlashAttention 2, A100)
 //   float32 / float64, or compute capability < 8.0  "unfused"
-// and "flash" or "fused" given where neither runs is refused, naming the field. What this
-// leaves out: TransformerEngine's finer conditions (head dims above 256, FP8 attention,
-// sliding windows, the installed flash-attn and cuDNN versions). TransformerEngine runs no
+// and "flash" or "fused" given where neither runs is refused, naming the field. Two of
+// get_attention_backend's model filters are followed: attention sinks (softmax_type
+// "off-by-one" / "learnable": "Disabling FlashAttention for softmax_type"; FusedAttention and
+// UnfusedDotProductAttention run them) and multi-latent attention's query/key head dim
+// (qk_head_dim + qk_pos_emb_head_dim) unlike its value head dim ("Disabling FlashAttention 2
+// as it does not support MLA"; FlashAttention 3, compute capability 9.0 only, and
+// FusedAttention run it): "auto" resolves to "fused" for them where it would pick "flash",
+// and "flash" is refused, naming the field. Sliding windows run on both. What this leaves
+// out: TransformerEngine's finer conditions (head dims above 256, FP8 attention, the
+// installed flash-attn and cuDNN versions). TransformerEngine runs no
 // unfused attention under context parallelism ("Disabling UnfusedDotProductAttention as it
 // does not support context parallelism") and "local" asserts cp 1; for "unfused"/"local" with
 // cp > 1 the estimate counts mpusim's own context-parallel attention (its CPU executor's) and

@@ -37,12 +37,6 @@ inline StatusOr<const GptConfig*> EstimableModel(const Config& config, std::stri
                                               what));
   }
   if (!config.run) return Status::Error("run", fmt::format("{} needs a run section", what));
-  if (model->mla.enabled) {
-    return Status::Error("model.multi_latent_attention",
-                         fmt::format("true is not counted by {} yet (MLA's latent "
-                                     "activations); set false",
-                                     what));
-  }
   return model;
 }
 // EstimableModel's check alone.

@@ -32,6 +32,18 @@ double CausalShare(double positions) {
   const double n = std::max(1.0, std::ceil(positions / kAttentionTile));
   return (n + 1) / (2 * n);
 }
+// Under a sliding window of `window` keys left of the diagonal (window_size [w, 0]) a query
+// tile also skips the blocks wholly left of its window: query tile i computes key blocks
+// max(0, i - wb) .. i, wb = ceil(w / 128) (the partial one included). The share of the
+// n x n blocks computed; CausalShare when the window covers the sequence.
+double WindowShare(double positions, double window) {
+  const double n = std::max(1.0, std::ceil(positions / kAttentionTile));
+  const double wb = std::ceil(window / kAttentionTile);
+  if (window < 0 || wb + 1 >= n) return CausalShare(positions);
+  // Tiles 0 .. wb compute i + 1 blocks, the other n - wb - 1 compute wb + 1 each.
+  const double blocks = (wb + 1) * (wb + 2) / 2 + (n - wb - 1) * (wb + 1);
+  return blocks / (n * n);
+}
 // The backward recomputes the probabilities (QK^T) and runs four GEMMs (dV, dP, dQ, dK):
 // 5 GEMMs of the forward's 2, FlashAttention's own count.
 constexpr double kFusedBackwardFlops = 2.5;
@@ -93,23 +105,51 @@ Cost MlpForward(const Sizes& x, double fc1_rows, double ffn) {
   return c;
 }
 
-LayerCost LayerForward(const GptConfig& g, const Sizes& x, const AttentionKernels& kernels) {
+LayerCost LayerForward(const GptConfig& g, const Sizes& x, const AttentionKernels& kernels,
+                       int64_t window) {
   const double T = x.tokens(), Tn = x.region_tokens(), h = x.h, t = x.t, e = x.e;
   const double heads = static_cast<double>(g.num_attention_heads) / t;
   const double groups = static_cast<double>(g.num_query_groups) / t;
   const double d = static_cast<double>(g.kv_channels);
+  // The head dims of the scores (query . key) and of the context (probabilities . value).
+  double d_qk = d, d_v = d;
   const double mask_byte = 1;  // a dropout mask element
   LayerCost c;
   Cost& r = c.rest;
   // norm 1 and 2: read and write the layer's activation.
   r.bytes += 2 * (2 * Tn * h * e);
-  // QKV and projection.
-  r.Linear(T, (heads + 2 * groups) * d, h, x.fp8);
-  r.Linear(T, h, heads * d, x.fp8);
-  if (g.position_embedding_type == PositionEmbedding::kRope) {
-    r.bytes += 2 * T * (heads + groups) * static_cast<double>(g.RotaryDim()) * e;
+  if (g.mla.enabled) {
+    // Multi-latent attention (multi_latent_attention.py): the down projections duplicated
+    // on every tp rank over its sequence-split tokens (TELinear "duplicated"), the latents'
+    // norms, the column-parallel up projections to this rank's heads, rope on the pe
+    // channels (the queries' and the shared key's), the row-parallel linear_proj.
+    const MlaConfig& m = g.mla;
+    d_qk = static_cast<double>(m.QHeadDim());
+    d_v = static_cast<double>(m.v_head_dim);
+    const double kv_lora = static_cast<double>(m.kv_lora_rank);
+    const double pe = static_cast<double>(m.qk_pos_emb_head_dim);
+    if (m.q_lora_rank) {
+      const double q_lora = static_cast<double>(*m.q_lora_rank);
+      r.Linear(Tn, q_lora, h, x.fp8);            // linear_q_down_proj
+      r.bytes += 2 * Tn * q_lora * e;            // q_layernorm
+      r.Linear(T, heads * d_qk, q_lora, x.fp8);  // linear_q_up_proj
+    } else {
+      r.Linear(T, heads * d_qk, h, x.fp8);  // linear_q_proj
+    }
+    r.Linear(Tn, kv_lora + pe, h, x.fp8);  // linear_kv_down_proj
+    r.bytes += 2 * Tn * kv_lora * e;       // kv_layernorm
+    r.Linear(T, heads * (static_cast<double>(m.qk_head_dim) + d_v), kv_lora, x.fp8);
+    r.bytes += 2 * T * (heads + 1) * pe * e;  // rope
+    r.Linear(T, h, heads * d_v, x.fp8);       // linear_proj
+  } else {
+    // QKV and projection.
+    r.Linear(T, (heads + 2 * groups) * d, h, x.fp8);
+    r.Linear(T, h, heads * d, x.fp8);
+    if (g.position_embedding_type == PositionEmbedding::kRope) {
+      r.bytes += 2 * T * (heads + groups) * static_cast<double>(g.RotaryDim()) * e;
+    }
+    if (g.qk_layernorm) r.bytes += 2 * T * (heads + groups) * d * e;
   }
-  if (g.qk_layernorm) r.bytes += 2 * T * (heads + groups) * d * e;
   // two bias-dropout-adds: read the branch and the residual, write the sum (and a mask).
   const double dropout_mask = g.hidden_dropout > 0 ? mask_byte : 0;
   r.bytes += 2 * Tn * h * (3 * e + dropout_mask);
@@ -124,9 +164,9 @@ LayerCost LayerForward(const GptConfig& g, const Sizes& x, const AttentionKernel
   Cost& a = c.core_attention;
   const double scores = x.b * heads * (x.s / x.cp) * x.s;
   if (!kernels.fused) {
-    // Materialised ("unfused", "local"): the full s x s scores whatever the mask, then
-    // scale-mask-softmax and dropout over them in memory.
-    a.flops += 2 * 2 * scores * d;
+    // Materialised ("unfused", "local"): the full s x s scores whatever the mask (a sliding
+    // window's included), then scale-mask-softmax and dropout over them in memory.
+    a.flops += 2 * scores * (d_qk + d_v);
     a.bytes += 2 * scores * e;  // fused scale-mask-softmax
     if (g.attention_dropout > 0) a.bytes += scores * (2 * e + mask_byte);
     return c;
@@ -141,7 +181,8 @@ LayerCost LayerForward(const GptConfig& g, const Sizes& x, const AttentionKernel
             (kernels.peak *
              AttentionEfficiency(kernels.backward_efficiency, kAttentionHalfKeysBackward, keys))};
   };
-  const double per_score = 2 * 2 * x.b * heads * d;  // FLOPs of one query-key pair, QK^T and PV
+  // FLOPs of one query-key pair, QK^T and PV.
+  const double per_score = 2 * x.b * heads * (d_qk + d_v);
   double forward_flops = 0, forward_s = 0, backward_s = 0;
   if (x.cp > 1 && g.cp_comm_type == CpCommType::kP2p) {
     // The ring (Megatron's load-balanced chunks: a rank's s / cp queries are chunks r and
@@ -160,8 +201,10 @@ LayerCost LayerForward(const GptConfig& g, const Sizes& x, const AttentionKernel
     // ("fwd output correction: out in torch.float32"), then cast back; backward, each step's
     // dq added into dq and the received key and value gradients into dk, dv (read, read,
     // write). On the rank whose every step is full (cp rank cp - 1).
-    const double q_elements = x.tokens() * heads * d;
-    const double kv_elements = 2 * x.tokens() * static_cast<double>(g.num_query_groups) / x.t * d;
+    const double q_elements = x.tokens() * heads * d_v;  // the output's (and its gradient's)
+    const double kv_elements =
+        g.mla.enabled ? x.tokens() * heads * (d_qk + d_v)
+                      : 2 * x.tokens() * static_cast<double>(g.num_query_groups) / x.t * d;
     const double merge_forward = x.cp * q_elements * (x.e + 8) + q_elements * (4 + x.e);
     const double merge_backward = x.cp * 3 * (q_elements + kv_elements) * x.e;
     forward_s = diagonal_f + (x.cp - 1) * step_f + merge_forward / kernels.hbm;
@@ -170,9 +213,11 @@ LayerCost LayerForward(const GptConfig& g, const Sizes& x, const AttentionKernel
     c.ring_step_backward_s = step_b;
   } else {
     // One kernel over this rank's queries and every key (all_gather), or every query of 1/cp
-    // of the heads (a2a): each query tile visits on average a causal share of the s keys.
-    forward_flops = per_score * (x.s / x.cp) * x.s * CausalShare(x.s);
-    std::tie(forward_s, backward_s) = seconds_at(forward_flops, x.s * CausalShare(x.s));
+    // of the heads (a2a): each query tile visits on average a causal share of the s keys, or
+    // under a sliding window the share of its window's blocks (WindowShare).
+    const double share = WindowShare(x.s, static_cast<double>(window));
+    forward_flops = per_score * (x.s / x.cp) * x.s * share;
+    std::tie(forward_s, backward_s) = seconds_at(forward_flops, x.s * share);
   }
   a.fused_flops = forward_flops;
   a.fused_s = forward_s;

@@ -115,8 +115,13 @@ struct AttentionKernels {
   double hbm = 0;  // bytes/s the ring's merges of partial results move at
 };
 
-// One transformer layer's forward without its MLP (MlpForward or MoeForward adds it).
-LayerCost LayerForward(const GptConfig& g, const Sizes& x, const AttentionKernels& kernels);
+// One transformer layer's forward without its MLP (MlpForward or MoeForward adds it): its
+// attention (multi-latent attention's projections when the model has it). `window`: the
+// layer's sliding window (GptConfig::AttentionWindow; -1 none), which flash / fused attention
+// skips the blocks left of (materialised attention computes the whole s x s whatever the
+// mask).
+LayerCost LayerForward(const GptConfig& g, const Sizes& x, const AttentionKernels& kernels,
+                       int64_t window = -1);
 
 // The first virtual stage's embedding (word and position lookups, their sum, dropout) and
 // the last one's final norm, output layer and cross entropy, forward.

@@ -3,10 +3,15 @@
 #include <algorithm>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
+#include <string_view>
 
+#include "core/estimate/estimable.h"
+#include "core/expert_parallel/expert_placement.h"
 #include "core/model/model.h"
 #include "core/model/optimizer_plan.h"
+#include "core/pipeline_split.h"
 
 namespace mpusim {
 namespace {
@@ -31,18 +36,107 @@ std::pair<int64_t, int64_t> GroupPosition(const Topology& topology, const char* 
   return {topology.GroupSize(*k), slot->rank_in_group};
 }
 
+// The decoder layer a parameter belongs to ("decoder.layers.<i>."), if any.
+std::optional<int64_t> DecoderLayerOf(std::string_view name) {
+  constexpr std::string_view kPrefix = "decoder.layers.";
+  if (!name.starts_with(kPrefix)) return std::nullopt;
+  int64_t layer = 0;
+  for (size_t i = kPrefix.size(); i < name.size() && name[i] != '.'; ++i) {
+    layer = layer * 10 + (name[i] - '0');
+  }
+  return layer;
+}
+
+// The parts of the model the executor does not build yet, which the count below places as
+// Megatron does (its error's field names them).
+bool CountedNotBuilt(const Status& status) {
+  return status.where() == "model.multi_latent_attention" ||
+         status.where() == "model.mtp_num_layers";
+}
+
 }  // namespace
+
+StatusOr<std::vector<HeldParameterShape>> CountedParameterShapes(const Config& config,
+                                                                 const Topology& topology,
+                                                                 int64_t rank) {
+  const GptConfig* model = EstimatedModel(config);
+  if (model == nullptr || !config.run) {
+    return Status::Error(model != nullptr ? "run" : "model",
+                         "the parameter count needs a GPT model and a run section");
+  }
+  GptConfig gpt = *model;
+  MPUSIM_RETURN_IF_ERROR(CheckGptLayout(config.parallel, *config.run, &gpt, true));
+  const RankCoordinates coords = topology.Coordinates(rank);
+  const DerivedSizes& sizes = topology.sizes();
+  StatusOr<LayerAssignment> assigned = AssignLayers(config.parallel.Split(), gpt.num_layers);
+  if (!assigned.ok()) return assigned.status();
+  std::set<int64_t> held;
+  for (const auto& chunk : (*assigned)[static_cast<size_t>(coords.pp)]) {
+    for (int64_t layer : chunk) held.insert(layer - 1);  // 1-based there
+  }
+  const bool pre = coords.pp == 0, post = coords.pp == sizes.pp - 1;
+  const bool tied = gpt.share_embeddings_and_output_weights;
+  const bool mtp = gpt.mtp_num_layers > 0;
+  // GptParameters lists the MTP depths with the last decoder layer; they sit on the last
+  // stage, which need not hold that layer (a pipeline layout may leave it only the loss).
+  const int64_t last = gpt.num_layers - 1;
+  constexpr std::string_view kWord = "embedding.word_embeddings.weight";
+  const ExpertPlacement experts{gpt.moe.num_experts, sizes.ep, coords.ep};
+  std::vector<HeldParameterShape> out;
+  for (const GptParameter& p : GptParameters(
+           gpt, gpt.PaddedVocabSize(sizes.tp), config.parallel.sequence_parallel && sizes.tp > 1,
+           [&](int64_t layer) { return held.count(layer) != 0 || (post && layer == last); },
+           [&](int64_t expert) { return experts.Holds(expert); })) {
+    // The embedding on the first stage; on the last, the tied output layer's copy of the word
+    // embeddings, and with multi-token prediction the whole embedding (GPTModel builds it
+    // where mtp_process is: its depths embed the shifted tokens). The final norm, the MTP
+    // block and the output layer on the last stage.
+    const std::optional<int64_t> layer = DecoderLayerOf(p.name);
+    const bool mine = layer ? held.count(*layer) != 0
+                      : p.name.starts_with("embedding.")
+                          ? pre || (post && (mtp || (tied && p.name == kWord)))
+                          : post;
+    if (!mine) continue;
+    const std::optional<int64_t> expert = ExpertOf(p.name);
+    if (expert && !experts.Holds(*expert)) continue;
+    // An expert weight is split over expt_tp (etp ranks) where the dense weights are over tp.
+    const int64_t shards = expert ? sizes.etp : sizes.tp;
+    Shape local = p.shape;
+    if (p.tp_dim >= 0) local[static_cast<size_t>(p.tp_dim)] /= shards;
+    out.push_back({p.name, local, true, expert.has_value() && sizes.experts_apart()});
+  }
+  return out;
+}
+
+Status ExecutorBuildsParts(const Config& config, const Topology& topology) {
+  if (EstimatedModel(config) == nullptr) return {};
+  const Status built =
+      BuildModel(config, topology, topology.Coordinates(topology.first_rank())).status();
+  return CountedNotBuilt(built) ? built : Status();
+}
 
 StatusOr<HeldMemory> EstimateHeldMemory(const Config& config, const Topology& topology,
                                         int64_t rank) {
+  std::vector<HeldParameterShape> shapes;
   StatusOr<std::unique_ptr<Model>> built = BuildModel(config, topology, topology.Coordinates(rank));
-  if (!built.ok()) return built.status();
+  if (built.ok()) {
+    shapes = (*built)->HeldParameterShapes();
+  } else if (CountedNotBuilt(built.status())) {
+    // Multi-latent attention and multi-token prediction: counted from the parameter list
+    // (GptParameters) as the executor places the others, until the executor builds them.
+    StatusOr<std::vector<HeldParameterShape>> counted =
+        CountedParameterShapes(config, topology, rank);
+    if (!counted.ok()) return counted.status();
+    shapes = *std::move(counted);
+  } else {
+    return built.status();
+  }
   const DType storage = config.run ? config.run->dtype : DType::kFloat32;
   HeldMemory held;
   PlanBytes dense = 0, experts = 0;  // elements of the two distributed-optimizer buffers
   PlanBytes trainable = 0;
   std::vector<PlanBytes> dense_parameters, expert_parameters;  // registration order
-  for (const HeldParameterShape& p : (*built)->HeldParameterShapes()) {
+  for (const HeldParameterShape& p : shapes) {
     const PlanBytes elements = PlanElements(p.local_shape);
     held.parameter_elements = SaturatingAdd(held.parameter_elements, elements);
     if (!p.trainable) continue;

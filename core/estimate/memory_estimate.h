@@ -33,6 +33,7 @@
 
 #include "core/config/config.h"
 #include "core/memory_plan.h"
+#include "core/model/model.h"
 #include "core/status.h"
 #include "core/topology.h"
 
@@ -72,7 +73,9 @@ struct HeldMemory {
 };
 
 // World rank `rank` of `topology` (which `config.parallel` laid out). Errors: the model's
-// own (it is built for the rank, as `mpusim run` builds it), naming the field.
+// own (it is built for the rank, as `mpusim run` builds it), naming the field. A GPT model
+// whose parts the executor does not build yet (multi_latent_attention, mtp_num_layers) is
+// counted by CountedParameterShapes instead.
 StatusOr<HeldMemory> EstimateHeldMemory(const Config& config, const Topology& topology,
                                         int64_t rank);
 
@@ -80,6 +83,24 @@ StatusOr<HeldMemory> EstimateHeldMemory(const Config& config, const Topology& to
 // which holds as many parameters as any rank of the stage and owns the first, fullest piece
 // of each distributed-optimizer buffer; its optimizer bytes count the most float16 scales
 // any rank of the stage keeps (HeldMemory::optimizer_scales_most).
+// Rank `rank`'s parameter shards counted from the model's parameter list (GptParameters,
+// MLA's and MTP's included) without building the model: its pipeline stage's layers (the
+// planner's split), the embedding on the first stage, the final norm, the MTP depths and the
+// output layer on the last, which also holds the word embeddings when they are tied and the
+// whole embedding under multi-token prediction (Megatron's GPTModel builds it where
+// mtp_process is); its ep rank's experts, each split over etp, the other weights over tp.
+// For the models the executor builds it gives what Model::HeldParameterShapes gives (the
+// estimate tests require it).
+StatusOr<std::vector<HeldParameterShape>> CountedParameterShapes(const Config& config,
+                                                                 const Topology& topology,
+                                                                 int64_t rank);
+
+// Whether the CPU executor builds the parts of `config`'s GPT model that EstimateHeldMemory
+// counts without it (multi_latent_attention, mtp_num_layers): its refusal, naming the field,
+// when it does not (the executor's own counts, executor_activations.h, need the model); OK
+// otherwise, whatever else the executor says.
+Status ExecutorBuildsParts(const Config& config, const Topology& topology);
+
 struct StageHeldMemory {
   int64_t stage = 0;
   int64_t rank = 0;

@@ -7,6 +7,7 @@
 #include "core/estimate/time_estimate.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <optional>
@@ -105,11 +106,21 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   const std::vector<StageLayers> split = CheckedStages(topology.config().Split(), g.num_layers);
   const double vocab = static_cast<double>(g.PaddedVocabSize(sz.tp));
   const LayerCost layer = LayerForward(g, x, kernels);
-  // A dense layer's forward, and an MoE layer's (its exchange over ep apart).
-  Cost dense = layer.total();
-  dense += MlpForward(x, static_cast<double>(g.Fc1Rows()), static_cast<double>(g.ffn_hidden_size));
+  // The layers with a sliding window (window_size, window_attn_skip_freq): their attention
+  // skips what lies left of the window (flash / fused).
+  int64_t window = -1;
+  for (int64_t i = 0; i < g.num_layers && window < 0; ++i) window = g.AttentionWindow(i);
+  const LayerCost windowed = window >= 0 ? LayerForward(g, x, kernels, window) : layer;
+  const auto slides = [&](int64_t i) { return g.AttentionWindow(i) >= 0; };
+  // A dense layer's forward, and an MoE layer's (its exchange over ep apart); each also with
+  // the sliding window's attention.
+  const Cost mlp =
+      MlpForward(x, static_cast<double>(g.Fc1Rows()), static_cast<double>(g.ffn_hidden_size));
+  Cost dense = layer.total(), dense_windowed = windowed.total();
+  dense += mlp;
+  dense_windowed += mlp;
   MoeCost moe;
-  Cost sparse = layer.total();
+  Cost sparse = layer.total(), sparse_windowed = windowed.total();
   if (g.moe.enabled()) {
     const std::optional<size_t> ep_kind = topology.FindKind("ep");
     const Link ep_link = LinkOf(topology, "ep", gpu, false);
@@ -121,6 +132,36 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
              ? static_cast<double>(topology.FewestGroupMembersOnANode(*ep_kind))
              : static_cast<double>(sz.ep)});
     sparse += moe.compute;
+    sparse_windowed += moe.compute;
+  }
+  const bool last_is_moe = g.moe.enabled() && g.moe.layers.back();
+  // Layers `counts` of a stage: {dense, dense windowed, MoE, MoE windowed}.
+  const auto layers_cost = [&](const std::array<int64_t, 4>& counts) {
+    Cost c = Times(dense, counts[0]);
+    c += Times(dense_windowed, counts[1]);
+    c += Times(sparse, counts[2]);
+    c += Times(sparse_windowed, counts[3]);
+    return c;
+  };
+  const auto kind_of = [&](int64_t i) {
+    const bool is_moe = g.moe.enabled() && g.moe.layers[static_cast<size_t>(i)];
+    return static_cast<size_t>((is_moe ? 2 : 0) + (slides(i) ? 1 : 0));
+  };
+  // Multi-token prediction on the last stage, per micro-batch: each depth embeds the shifted
+  // tokens, runs enorm and hnorm, eh_proj (column-parallel [2h -> h / t]), a layer like the
+  // last decoder layer (full attention), its final norm and one more output layer and cross
+  // entropy.
+  Cost mtp;
+  for (int64_t k = 0; k < g.mtp_num_layers; ++k) {
+    mtp += EmbeddingForward(g, x);
+    Cost norms;
+    norms.bytes = 3 * (2 * x.region_tokens() * x.h * x.e);
+    mtp += norms;
+    Cost eh_proj;
+    eh_proj.Linear(x.tokens(), x.h / x.t, 2 * x.h, x.fp8);
+    mtp += eh_proj;
+    mtp += last_is_moe ? sparse : dense;
+    mtp += OutputForward(x, vocab);
   }
   // A ring step's attention: the fused kernel's block, or 1/cp of the materialised attention
   // (its backward twice that).
@@ -180,50 +221,56 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   for (int64_t u = 0; u < stages; ++u) {
     // Virtual stage u holds its split's layers, each dense or MoE.
     const StageLayers& held = split[static_cast<size_t>(u)];
-    const int64_t layers = held.count;
-    int64_t n_moe = 0;
-    for (int64_t i = held.first; i < held.first + layers && g.moe.enabled(); ++i) {
-      n_moe += g.moe.layers[static_cast<size_t>(i)] ? 1 : 0;
+    const int64_t decoder_layers = held.count;
+    // The stage's layers of each kind, and of those full recomputation reruns the forward of
+    // once (a uniform group's layers together; block: the chunk's first
+    // recompute_num_layers).
+    std::array<int64_t, 4> kinds{}, recomputed_kinds{};
+    for (int64_t k = 0; k < decoder_layers; ++k) {
+      const size_t kind = kind_of(held.first + k);
+      ++kinds[kind];
+      if (run.GroupOf(k, decoder_layers).recomputed) ++recomputed_kinds[kind];
     }
-    Cost forward = Times(dense, layers - n_moe);
-    forward += Times(sparse, n_moe);
-    // Full recomputation reruns the forward of each layer it recomputes once (a uniform
-    // group's layers together; block: the chunk's first recompute_num_layers).
-    int64_t r_all = 0, r_moe = 0;
-    for (int64_t k = 0; k < layers; ++k) {
-      if (!run.GroupOf(k, layers).recomputed) continue;
-      ++r_all;
-      if (g.moe.enabled() && g.moe.layers[static_cast<size_t>(held.first + k)]) ++r_moe;
-    }
+    const int64_t windowed_layers = kinds[1] + kinds[3];
+    // The last stage's MTP depths count as its layers for the exchanges (cp's in attention,
+    // ep's in an MoE layer); they are not recomputed.
+    const int64_t mtp_layers = u == stages - 1 ? g.mtp_num_layers : 0;
+    const int64_t layers = decoder_layers + mtp_layers;
+    const int64_t decoder_moe = kinds[2] + kinds[3];
+    const int64_t n_moe = decoder_moe + (last_is_moe ? mtp_layers : 0);
+    Cost forward = layers_cost(kinds);
+    if (mtp_layers > 0) forward += mtp;
+    const int64_t r_all =
+        recomputed_kinds[0] + recomputed_kinds[1] + recomputed_kinds[2] + recomputed_kinds[3];
+    const int64_t r_moe = recomputed_kinds[2] + recomputed_kinds[3];
     Cost recompute;
-    if (full) {
-      recompute = Times(dense, r_all - r_moe);
-      recompute += Times(sparse, r_moe);
-      recompute = Recomputed(recompute);
+    if (full) recompute = Recomputed(layers_cost(recomputed_kinds));
+    if (selective_core) {
+      recompute = Times(Recomputed(layer.core_attention), decoder_layers - windowed_layers);
+      recompute += Times(Recomputed(windowed.core_attention), windowed_layers);
     }
-    if (selective_core) recompute = Times(Recomputed(layer.core_attention), layers);
     if (run.Recomputes(RunConfig::RecomputeModule::kLayernorm)) {
       // Both norms again: each reads and writes the layer's activation (as LayerForward).
       Cost norms;
       norms.bytes = 2 * (2 * x.region_tokens() * x.h * x.e);
-      recompute += Times(Recomputed(norms), layers);
+      recompute += Times(Recomputed(norms), decoder_layers);
     }
     if (run.Recomputes(RunConfig::RecomputeModule::kMoe)) {
       // The whole MoE layer again ("moe"; its exchanges below); or its parts.
-      recompute += Times(Recomputed(moe.compute), n_moe);
+      recompute += Times(Recomputed(moe.compute), decoder_moe);
     } else {
       if (run.Recomputes(RunConfig::RecomputeModule::kMoeAct)) {
-        recompute += Times(Recomputed(moe.activation), n_moe);
+        recompute += Times(Recomputed(moe.activation), decoder_moe);
       }
       if (run.Recomputes(RunConfig::RecomputeModule::kSharedExperts)) {
-        recompute += Times(Recomputed(moe.shared), n_moe);
+        recompute += Times(Recomputed(moe.shared), decoder_moe);
       }
     }
     if (run.Recomputes(RunConfig::RecomputeModule::kMlp)) {
       // A dense layer's MLP again (Megatron recomputes no MoE layer's under "mlp").
       recompute += Times(Recomputed(MlpForward(x, static_cast<double>(g.Fc1Rows()),
                                                static_cast<double>(g.ffn_hidden_size))),
-                         layers - n_moe);
+                         decoder_layers - decoder_moe);
     }
     if (u == 0) forward += EmbeddingForward(g, x);
     if (u == stages - 1) forward += OutputForward(x, vocab);
@@ -236,7 +283,7 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     const auto r_n = static_cast<double>(r_all), r_ep = static_cast<double>(r_moe);
     // The MoE layers whose exchanges run again: recomputed whole (full), or selective "moe".
     const int64_t ep_reruns = full                                               ? r_moe
-                              : run.Recomputes(RunConfig::RecomputeModule::kMoe) ? n_moe
+                              : run.Recomputes(RunConfig::RecomputeModule::kMoe) ? decoder_moe
                                                                                  : 0;
     const auto e_ep = static_cast<double>(ep_reruns);
     // The hidden tp seconds: every layer's forward, backward and (full) recomputed forward.
@@ -245,7 +292,10 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
                                    (r_n - r_ep) * tpo.dense_forward + r_ep * tpo.moe_forward;
     // The exchanges each recomputed forward repeats: cp's in core attention, ep's in an MoE
     // layer.
-    const double cp_again = (full ? r_n : selective_core ? n : 0) * cp_forward;
+    const double cp_again = (full             ? r_n
+                             : selective_core ? static_cast<double>(decoder_layers)
+                                              : 0) *
+                            cp_forward;
     costs.forward.push_back(fc + fm - hidden_forward + n * cp_forward + n_ep * ep_forward);
     costs.backward.push_back(bc + bm - hidden_backward + n * cp_backward + cp_again +
                              n_ep * ep_backward + e_ep * ep_forward);
@@ -262,7 +312,7 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     forward_of[at] = forward;
     recompute_of[at] = recompute;
     moe_layers_of[at] = n_moe;
-    cp_again_of[at] = full ? r_all : selective_core ? layers : 0;
+    cp_again_of[at] = full ? r_all : selective_core ? decoder_layers : 0;
     ep_again_of[at] = ep_reruns;
   }
   // The activation (or its gradient) a stage sends: [s, b, h], a tp rank's 1/t of it with
@@ -372,7 +422,8 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   double tp_bytes = 0;
   for (int64_t c = 0; c < v; ++c) {
     const auto u = static_cast<size_t>(c * p) + busiest;
-    busiest_layers += split[u].count;
+    busiest_layers +=
+        split[u].count + (u + 1 == static_cast<size_t>(stages) ? g.mtp_num_layers : 0);
     compute += compute_of[u];
     recomputed += recompute_s_of[u];
     gemm_flops += gemm_flops_of[u];

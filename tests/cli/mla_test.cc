@@ -1,6 +1,6 @@
 // Multi-latent attention at the command line: `mpusim run` runs it (a float64 dump of tp 2
 // with sequence parallelism diffs clean against one rank), `explain` shows its parameters,
-// and the estimates, which do not count it yet, say so (`advise` refuses it, exit 2).
+// and `estimate` and `advise` count it (tests/cli/estimate_models_test.cc for the numbers).
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -85,20 +85,16 @@ TEST(MlaCli, ExplainShowsItsParametersAndAttention) {
   EXPECT_EQ(r.out.find("linear_qkv"), std::string::npos) << r.out;
 }
 
-// The estimates do not count MLA yet: `estimate` says so for the activations and the step
-// time (one line each, the held memory estimated), `advise` refuses it with one line.
-TEST(MlaCli, EstimateAndAdviseSayTheyDoNotCountItYet) {
+// `estimate` counts MLA, the CPU executor's activations included (the executor builds it
+// now), and `advise` ranks layouts of it.
+TEST(MlaCli, EstimateAndAdviseCountIt) {
   const std::string path = WriteTemp("mpusim_mla_estimate.json", MlaConfig().dump());
   const Result estimate = Mpusim({"estimate", path});
   EXPECT_EQ(estimate.code, 0) << estimate.out << estimate.err;
-  EXPECT_NE(estimate.out.find("Activations: not estimated: model.multi_latent_attention: true "
-                              "is not counted by"),
-            std::string::npos)
-      << estimate.out;
-  ExpectUsageError(Mpusim({"advise", path, "--global-batch-size", "8", "--gpu", "h100-80gb"}),
-                   "error: " + path +
-                       ": model.multi_latent_attention: true is not counted by advise yet "
-                       "(MLA's latent activations); set false");
+  EXPECT_EQ(estimate.out.find("not counted"), std::string::npos) << estimate.out;
+  EXPECT_EQ(estimate.out.find("not estimated"), std::string::npos) << estimate.out;
+  const Result advise = Mpusim({"advise", path, "--global-batch-size", "8", "--gpu", "h100-80gb"});
+  EXPECT_EQ(advise.code, 0) << advise.err;
 }
 
 }  // namespace
