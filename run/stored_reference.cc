@@ -168,7 +168,9 @@ StatusOr<int64_t> StoreJobReference(const Config& config, const RankCoordinates&
     SafetensorsFile shares, initial;
     for (const ReferenceTensor& t : result.tensors) {
       if (t.layout != Layout::kWhole) continue;
-      if (t.partial) shares.tensors.push_back({t.name, t.value});
+      // The shares, and the state a step leaves besides the parameters (an MoE router's
+      // expert bias: whole, neither a share nor a parameter).
+      if (t.partial || !t.parameter) shares.tensors.push_back({t.name, t.value});
       if (k == 0 && t.parameter) initial.tensors.push_back({t.name, t.value});
     }
     if (k == 0) MPUSIM_RETURN_IF_ERROR(write("initial.safetensors", initial));
@@ -292,6 +294,10 @@ StatusOr<JobReference> LoadJobReference(const Config& config, const RankCoordina
   StatusOr<ReferenceResult> listed = job.reference->Run({empty, 0, &*initial});
   if (!listed.ok()) return Status::Error("--reference", listed.status().Message());
   ReferenceResult& result = *listed;
+  // Stored as the step leaves it: the step's helper tensors (an MoE router's token counts)
+  // removed, as RunJobReference's FinishIteration removes them before storing.
+  std::map<std::string, Tensor> unused_state;
+  job.reference->FinishIteration(result, false, &unused_state);
   const json& stored = m["tensors"];
   if (stored.size() != result.tensors.size()) {
     return bad(fmt::format("lists {} tensors, the run's reference {}", stored.size(),
@@ -390,10 +396,11 @@ StatusOr<JobReference> LoadJobReference(const Config& config, const RankCoordina
     ReferenceResult& target = last ? result : step;
     for (const ReferenceTensor& t : result.tensors) {
       if (t.layout != Layout::kWhole) continue;
-      if (!t.partial && !(t.parameter && !last)) continue;
+      const bool state = !t.partial && !t.parameter;  // read at the last iteration only
+      if (!t.partial && !(t.parameter && !last) && !(state && last)) continue;
       if (!last) step.tensors.push_back(t);
       ReferenceTensor& into = last ? result.tensors[index.at(t.name)] : step.tensors.back();
-      if (t.partial) {
+      if (t.partial || state) {
         StatusOr<Tensor> v = Take(*shares, t.name, t.full_shape, path);
         if (!v.ok()) return Status::Error("--reference", v.status().Message());
         into.value = Tensor::HostEmpty(t.full_shape, DType::kFloat64);  // clipped in place

@@ -77,6 +77,12 @@ TEST(StoredReference, MoeCheckIsTheInlineCheck) {
   ExpectSameCheck("gpt_moe_ep2_t2_sp_dp2_n4.json", 4);
 }
 
+// The expert bias: state that moves with training, its token counts a helper the stored
+// reference leaves out (as the step does) and the run's listing too.
+TEST(StoredReference, ExpertBiasCheckIsTheInlineCheck) {
+  ExpectSameCheck("gpt_deepseek_routing_t2_sp_dp2_n4.json", 4);
+}
+
 TEST(StoredReference, GptTrainingCheckIsTheInlineCheck) {
   ExpectSameCheck("gpt_train_adam_p2_t2_n4.json", 4);
 }
