@@ -50,8 +50,8 @@ std::optional<int64_t> DecoderLayerOf(std::string_view name) {
 // The parts of the model the executor does not build yet, which the count below places as
 // Megatron does (its error's field names them).
 bool CountedNotBuilt(const Status& status) {
-  return status.where() == "model.multi_latent_attention" ||
-         status.where() == "model.mtp_num_layers";
+  return !status.ok() && (status.where() == "model.multi_latent_attention" ||
+                          status.where() == "model.mtp_num_layers");
 }
 
 }  // namespace
