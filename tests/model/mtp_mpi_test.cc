@@ -164,10 +164,10 @@ TEST(MultiTokenPrediction, DistributedOptimizerTrainsAsOneStage) {
     document["optimizer"]["use_distributed_optimizer"] = true;
     const run::SimulationResult result = RunChecked(document);
     ASSERT_EQ(result.iterations.size(), 3u);
-    curves.push_back(LossAndNormCurve(result));
+    // The vocabulary pads the same on every layout with tp 1: their curves are compared (the
+    // sanitizer build skips the vp layout, so they are not simply the first three).
+    if (l.tp == 1) curves.push_back(LossAndNormCurve(result));
   }
-  // The vocabulary pads the same on every layout with tp 1 (the first three).
-  curves.resize(std::min<size_t>(curves.size(), 3));
   ExpectSameCurves(curves);
 }
 
