@@ -5,10 +5,9 @@
 #include <optional>
 #include <set>
 #include <string>
-#include <string_view>
 
 #include "core/estimate/estimable.h"
-#include "core/expert_parallel/expert_placement.h"
+#include "core/model/gpt_model.h"
 #include "core/model/model.h"
 #include "core/model/optimizer_plan.h"
 #include "core/pipeline_split.h"
@@ -34,17 +33,6 @@ std::pair<int64_t, int64_t> GroupPosition(const Topology& topology, const char* 
   const std::optional<GroupSlot> slot = topology.Locate(*k, rank);
   if (!slot) return {1, 0};
   return {topology.GroupSize(*k), slot->rank_in_group};
-}
-
-// The decoder layer a parameter belongs to ("decoder.layers.<i>."), if any.
-std::optional<int64_t> DecoderLayerOf(std::string_view name) {
-  constexpr std::string_view kPrefix = "decoder.layers.";
-  if (!name.starts_with(kPrefix)) return std::nullopt;
-  int64_t layer = 0;
-  for (size_t i = kPrefix.size(); i < name.size() && name[i] != '.'; ++i) {
-    layer = layer * 10 + (name[i] - '0');
-  }
-  return layer;
 }
 
 // The parts of the model the executor does not build yet, which the count below places as
@@ -75,35 +63,16 @@ StatusOr<std::vector<HeldParameterShape>> CountedParameterShapes(const Config& c
     for (int64_t layer : chunk) held.insert(layer - 1);  // 1-based there
   }
   const bool pre = coords.pp == 0, post = coords.pp == sizes.pp - 1;
-  const bool tied = gpt.share_embeddings_and_output_weights;
-  const bool mtp = gpt.mtp_num_layers > 0;
-  // GptParameters lists the MTP depths with the last decoder layer; they sit on the last
-  // stage, which need not hold that layer (a pipeline layout may leave it only the loss).
-  const int64_t last = gpt.num_layers - 1;
-  constexpr std::string_view kWord = "embedding.word_embeddings.weight";
-  const ExpertPlacement experts{gpt.moe.num_experts, sizes.ep, coords.ep};
   std::vector<HeldParameterShape> out;
-  for (const GptParameter& p : GptParameters(
-           gpt, gpt.PaddedVocabSize(sizes.tp), config.parallel.sequence_parallel && sizes.tp > 1,
-           [&](int64_t layer) { return held.count(layer) != 0 || (post && layer == last); },
-           [&](int64_t expert) { return experts.Holds(expert); })) {
-    // The embedding on the first stage; on the last, the tied output layer's copy of the word
-    // embeddings, and with multi-token prediction the whole embedding (GPTModel builds it
-    // where mtp_process is: its depths embed the shifted tokens). The final norm, the MTP
-    // block and the output layer on the last stage.
-    const std::optional<int64_t> layer = DecoderLayerOf(p.name);
-    const bool mine = layer ? held.count(*layer) != 0
-                      : p.name.starts_with("embedding.")
-                          ? pre || (post && (mtp || (tied && p.name == kWord)))
-                          : post;
-    if (!mine) continue;
-    const std::optional<int64_t> expert = ExpertOf(p.name);
-    if (expert && !experts.Holds(*expert)) continue;
+  for (const HeldGptParameter& held_p :
+       HeldGptParameters(gpt, sizes, coords, held, pre, post, gpt.PaddedVocabSize(sizes.tp),
+                         config.parallel.sequence_parallel && sizes.tp > 1)) {
+    const GptParameter& p = held_p.declared;
     // An expert weight is split over expt_tp (etp ranks) where the dense weights are over tp.
-    const int64_t shards = expert ? sizes.etp : sizes.tp;
+    const int64_t shards = held_p.expert ? sizes.etp : sizes.tp;
     Shape local = p.shape;
     if (p.tp_dim >= 0) local[static_cast<size_t>(p.tp_dim)] /= shards;
-    out.push_back({p.name, local, true, expert.has_value() && sizes.experts_apart()});
+    out.push_back({p.name, local, true, held_p.expert.has_value() && sizes.experts_apart()});
   }
   return out;
 }

@@ -47,17 +47,6 @@ TrackerDraws MakeTrackerDraws(const GptConfig& gpt, uint64_t seed, const RankCoo
   return t;
 }
 
-// The layer number of a "decoder.layers.<i>." parameter, or nullopt for the others.
-std::optional<int64_t> LayerOf(std::string_view name) {
-  constexpr std::string_view kPrefix = "decoder.layers.";
-  if (!name.starts_with(kPrefix)) return std::nullopt;
-  int64_t layer = 0;
-  for (size_t i = kPrefix.size(); i < name.size() && name[i] != '.'; ++i) {
-    layer = layer * 10 + (name[i] - '0');
-  }
-  return layer;
-}
-
 // A rank's chunks: each a run of consecutive layers, the chunks in increasing order (with
 // virtual stages a rank's chunks are not adjacent); the model's first chunk pre_process and
 // its last post_process. When the rank holds the whole model (pp = 1), its chunks together
@@ -93,7 +82,52 @@ Status CheckChunks(const std::vector<GptChunk>& chunks, int64_t num_layers, int6
   return Status();
 }
 
+// The layer number of a "decoder.layers.<i>." parameter, or nullopt for the others.
+std::optional<int64_t> LayerOf(std::string_view name) {
+  constexpr std::string_view kPrefix = "decoder.layers.";
+  if (!name.starts_with(kPrefix)) return std::nullopt;
+  int64_t layer = 0;
+  for (size_t i = kPrefix.size(); i < name.size() && name[i] != '.'; ++i) {
+    layer = layer * 10 + (name[i] - '0');
+  }
+  return layer;
+}
+
 }  // namespace
+
+std::vector<HeldGptParameter> HeldGptParameters(const GptConfig& gpt, const DerivedSizes& sizes,
+                                                const RankCoordinates& coords,
+                                                const std::set<int64_t>& held, bool pre, bool post,
+                                                int64_t padded_vocab, bool sequence_parallel) {
+  constexpr std::string_view kWord = "embedding.word_embeddings.weight";
+  const bool tied = gpt.share_embeddings_and_output_weights;
+  const bool mtp = gpt.mtp_num_layers > 0;
+  const ExpertPlacement experts{gpt.moe.num_experts, sizes.ep, coords.ep};
+  std::vector<HeldGptParameter> out;
+  // Multi-token prediction's parameters come with the last decoder layer's (GptParameters);
+  // they live on the last stage, which may hold no decoder layer (its layer's are dropped
+  // below by their name).
+  for (GptParameter& p : GptParameters(
+           gpt, padded_vocab, sequence_parallel,
+           [&](int64_t layer) {
+             return held.count(layer) != 0 || (post && mtp && layer == gpt.num_layers - 1);
+           },
+           [&](int64_t expert) { return experts.Holds(expert); })) {
+    const std::optional<int64_t> layer = LayerOf(p.name);
+    const bool mine = layer ? held.count(*layer) != 0
+                      : p.name.starts_with("embedding.")
+                          ? pre || (post && (tied || mtp) && p.name == kWord)
+                          : post;
+    if (!mine) continue;
+    const std::optional<int64_t> expert = ExpertOf(p.name);
+    if (expert && !experts.Holds(*expert)) continue;
+    const bool embedding_group = p.name == kWord && (tied || mtp) && sizes.pp > 1;
+    out.push_back({std::move(p), expert, embedding_group});
+  }
+  return out;
+}
+
+namespace {}  // namespace
 
 StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
                                                     const Topology& topology,
@@ -181,44 +215,22 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
     post = post || chunk.post_process;
     held.insert(chunk.layers.begin(), chunk.layers.end());
   }
-  const bool tied = gpt.share_embeddings_and_output_weights;
-  // This rank's parameters: those of its chunks' layers, the embedding on the first chunk,
-  // the final norm, the multi-token prediction depths and the output layer on the last. With
-  // tied weights, or with multi-token prediction (whose depths embed the shifted ids), the
-  // last stage holds its own copy of the word embeddings (Megatron's shared_embedding on the
-  // last stage): the same master values, its gradient all-reduced with the first stage's
-  // over embd (finalize_model_grads' _allreduce_word_embedding_grads).
-  constexpr std::string_view kWord = "embedding.word_embeddings.weight";
-  const ExpertPlacement experts{gpt.moe.num_experts, sizes.ep, coords.ep};
-  // Multi-token prediction's parameters come with the last decoder layer's (GptParameters);
-  // they live on the last stage, which may hold no decoder layer (its layer's are dropped
-  // below by their name).
-  const bool mtp = gpt.mtp_num_layers > 0;
-  for (const GptParameter& p : GptParameters(
-           gpt, model->padded_vocab_, sh.sequence_parallel,
-           [&](int64_t layer) {
-             return held.count(layer) != 0 || (post && mtp && layer == gpt.num_layers - 1);
-           },
-           [&](int64_t expert) { return experts.Holds(expert); })) {
-    const std::optional<int64_t> layer = LayerOf(p.name);
-    const bool mine = layer ? held.count(*layer) != 0
-                      : p.name.starts_with("embedding.")
-                          ? pre || (post && (tied || mtp) && p.name == kWord)
-                          : post;
-    if (!mine) continue;
-    // Expert parallelism: this ep rank's experts only.
-    const std::optional<int64_t> expert = ExpertOf(p.name);
-    if (expert && !experts.Holds(*expert)) continue;
+  for (const HeldGptParameter& held_p : HeldGptParameters(
+           gpt, sizes, coords, held, pre, post, model->padded_vocab_, sh.sequence_parallel)) {
+    const GptParameter& p = held_p.declared;
     // An expert weight is split over expt_tp (etp ranks) where the dense weights are over tp.
-    const bool own_tp = expert.has_value() && sizes.etp != t;
+    const bool own_tp = held_p.expert.has_value() && sizes.etp != t;
     Parameter& added = model->params_.Add(
         p.name, p.shape, p.init, p.tp_dim, p.tp_stride, p.allreduce_grad_over_tp,
         own_tp ? sizes.etp : t, own_tp ? coords.etp : coords.tp,
         own_tp ? ShardAxis::kEtp : ShardAxis::kTp);
-    added.expert = expert.has_value() && sizes.experts_apart();
-    added.embedding_group = p.name == kWord && (tied || mtp) && sizes.pp > 1;
+    added.expert = held_p.expert.has_value() && sizes.experts_apart();
+    added.embedding_group = held_p.embedding_group;
     added.shared = added.embedding_group && !pre;
   }
+  constexpr std::string_view kWord = "embedding.word_embeddings.weight";
+  const bool tied = gpt.share_embeddings_and_output_weights;
+  const ExpertPlacement experts{gpt.moe.num_experts, sizes.ep, coords.ep};
   ParameterSet& params = model->params_;
   model->word_ = params.Find(kWord);
   if (pre) model->position_ = params.Find("embedding.position_embeddings.weight");

@@ -33,6 +33,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -44,8 +45,8 @@
 #include "core/model/parameter.h"
 #include "core/model/record.h"
 #include "core/model/stash_plan.h"
-#include "core/pipeline/step_span.h"
 #include "core/model/transformer_layer.h"
+#include "core/pipeline/step_span.h"
 #include "core/rank_context.h"
 #include "core/status.h"
 #include "core/tensor_parallel/cross_entropy.h"
@@ -58,6 +59,26 @@ struct GptChunk {
   bool pre_process = false;     // holds the embedding (the model's first chunk)
   bool post_process = false;    // holds final norm, output layer and loss (the last chunk)
 };
+
+// A GPT parameter on a rank: its declaration (GptParameters), its expert (expert layers),
+// and whether it is a word-embedding copy synchronised over embd.
+struct HeldGptParameter {
+  GptParameter declared;
+  std::optional<int64_t> expert;
+  bool embedding_group = false;
+};
+// The parameters a rank holds, in state-dict order: those of the decoder layers `held`
+// (0-based), the embedding when `pre`, the final norm, the multi-token prediction depths and the
+// output layer when `post`, its ep rank's experts only. With tied weights, or with multi-token
+// prediction (whose depths embed the shifted ids), the last stage holds its own copy of the
+// word embeddings (Megatron's shared_embedding on the last stage): the same master values, its
+// gradient all-reduced with the first stage's over embd (finalize_model_grads'
+// _allreduce_word_embedding_grads). GptModel::Build adds them; the estimate counts them where
+// the executor does not build the model.
+std::vector<HeldGptParameter> HeldGptParameters(const GptConfig& gpt, const DerivedSizes& sizes,
+                                                const RankCoordinates& coords,
+                                                const std::set<int64_t>& held, bool pre, bool post,
+                                                int64_t padded_vocab, bool sequence_parallel);
 
 class GptModel final : public Model {
  public:
