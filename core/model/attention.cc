@@ -146,14 +146,9 @@ Tensor SelfAttention::Backward(const ModuleContext& ctx, const Tensor& dy, Stash
   if (!stash.core) {
     // Selective recomputation: core attention again from the kept qkv; the masks are a pure
     // function of their global indices, so the recomputed probabilities are bit-identical.
-    ModuleContext quiet = ctx;
-    quiet.records = nullptr;
-    std::optional<SpanRecorder> span;
-    if (ctx.recompute_spans != nullptr) {
-      span.emplace(*ctx.recompute_spans, ctx.chunk, ctx.draw.microbatch, true, true);
-    }
+    const RecomputeScope scope(ctx);
     CoreStash core;
-    CoreForward(quiet, stash.qkv, &core);
+    CoreForward(scope.quiet, stash.qkv, &core);
     stash.core = std::move(core);
   }
   const Tensor dqkv = CoreBackward(ctx, dcontext, *stash.core);

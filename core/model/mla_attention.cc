@@ -268,14 +268,9 @@ Tensor MlaSelfAttention::Backward(const ModuleContext& ctx, const Tensor& dy, St
                sh.ColumnSpec(ctx.dp_size, 1));
     if (!stash.core) {
       // Selective recomputation: the probabilities again from query and key (no records).
-      ModuleContext quiet = ctx;
-      quiet.records = nullptr;
-      std::optional<SpanRecorder> span;
-      if (ctx.recompute_spans != nullptr) {
-        span.emplace(*ctx.recompute_spans, ctx.chunk, ctx.draw.microbatch, true, true);
-      }
+      const RecomputeScope scope(ctx);
       CoreStash core;
-      Probs(quiet, stash, &core);
+      Probs(scope.quiet, stash, &core);
       stash.core = std::move(core);
     }
     const CoreStash& core = *stash.core;

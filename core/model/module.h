@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -196,6 +197,20 @@ struct ModuleContext {
     records->push_back({std::move(name), std::move(local), std::move(full_shape), shard});
   }
   bool recording() const { return records != nullptr; }
+};
+
+// A module's selective recomputation inside its backward (core attention rerun from what was
+// kept): `quiet` records nothing, and while the scope lives the rerun is one recomputation span
+// of the trace.
+struct RecomputeScope {
+  explicit RecomputeScope(const ModuleContext& ctx) : quiet(ctx) {
+    quiet.records = nullptr;
+    if (ctx.recompute_spans != nullptr) {
+      span.emplace(*ctx.recompute_spans, ctx.chunk, ctx.draw.microbatch, true, true);
+    }
+  }
+  ModuleContext quiet;
+  std::optional<SpanRecorder> span;
 };
 
 // Inverted dropout of `x` at `site` (p may be 0: a copy), with this rank's elements placed by
