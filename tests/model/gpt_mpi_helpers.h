@@ -152,6 +152,20 @@ inline std::vector<double> LossAndNormCurve(const run::SimulationResult& result)
   return curve;
 }
 
+// The curve of `document` trained 3 Adam iterations of 4 micro-batches with the distributed
+// optimizer, every tensor checked against the reference (the runs ExpectSameCurves compares
+// across layouts).
+inline std::vector<double> DistributedOptimizerCurve(const json& document) {
+  json trained = Training(document, "adam");
+  trained["run"]["train_iters"] = 3;
+  trained["run"]["num_microbatches"] = 4;
+  trained["optimizer"]["use_distributed_optimizer"] = true;
+  const run::SimulationResult result = RunChecked(trained);
+  EXPECT_EQ(result.iterations.size(), 3u);
+  EXPECT_TRUE(result.optimizer.distributed);
+  return LossAndNormCurve(result);
+}
+
 // Every curve equals the first to 1e-12 relative (float64 runs of one model in other layouts).
 inline void ExpectSameCurves(const std::vector<std::vector<double>>& curves) {
   for (size_t c = 1; c < curves.size(); ++c) {
