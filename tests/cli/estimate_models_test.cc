@@ -165,19 +165,24 @@ json SmallMlaMtp() {
               {"run", {{"seq_length", 32}, {"micro_batch_size", 1}, {"num_microbatches", 4}}}};
 }
 
+// SmallMlaMtp's dense model as Megatron's arguments (no MLA, no MTP).
+MegatronArgs SmallArgs(bool swiglu) {
+  return MegatronArgs{.hidden_size = 64,
+                      .num_layers = 2,
+                      .num_attention_heads = 4,
+                      .kv_channels = 16,
+                      .num_query_groups = 4,
+                      .ffn_hidden_size = 128,
+                      .padded_vocab_size = 256,
+                      .seq_length = 32,
+                      .swiglu = swiglu};
+}
+
 TEST(EstimateModelFlops, SmallMlaAndMtpMatchMegatronsFormulaAndTheHandCount) {
   const Config config = Parse(SmallMlaMtp());
   const GptConfig& g = *config.gpt;
   const double ours = ModelFlopsPerIteration(g, 256, 32, 4);
-  MegatronArgs args{.hidden_size = 64,
-                    .num_layers = 2,
-                    .num_attention_heads = 4,
-                    .kv_channels = 16,
-                    .num_query_groups = 4,
-                    .ffn_hidden_size = 128,
-                    .padded_vocab_size = 256,
-                    .seq_length = 32,
-                    .swiglu = true};
+  MegatronArgs args = SmallArgs(true);
   args.q_lora_rank = 32;
   args.kv_lora_rank = 16;
   args.qk_head_dim = 16;
@@ -199,15 +204,7 @@ TEST(EstimateModelFlops, MegatronCountsOnlySwigluAsGated) {
   doc["model"]["mtp_num_layers"] = nullptr;
   doc["model"]["activation"] = "quick_geglu";
   const Config geglu = Parse(doc);
-  MegatronArgs args{.hidden_size = 64,
-                    .num_layers = 2,
-                    .num_attention_heads = 4,
-                    .kv_channels = 16,
-                    .num_query_groups = 4,
-                    .ffn_hidden_size = 128,
-                    .padded_vocab_size = 256,
-                    .seq_length = 32,
-                    .swiglu = false};
+  MegatronArgs args = SmallArgs(false);
   // quick_geglu: Megatron's args.swiglu is false, so its MLP counts as a plain one.
   EXPECT_DOUBLE_EQ(ModelFlopsPerIteration(*geglu.gpt, 256, 32, 4), MegatronFlops(args, 4));
   doc["model"]["activation"] = "swiglu";
