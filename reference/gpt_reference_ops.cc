@@ -81,14 +81,27 @@ namespace {
 
 using ref::MaskDraw;
 
-// rng_tracker mode: the key and draw number of `site` on the rank at (tp, dp) of the
-// pipeline rank holding it.
-MaskDraw TrackerDraw(const Dims& d, const std::string& site, int64_t m, int64_t tp, int64_t dp,
-                     int64_t local_index) {
+// What every element of `site`'s mask in micro-batch m shares, found once per mask: global
+// mode, the site's stream; rng_tracker mode, the site's entry and its draw number.
+struct SiteDraw {
+  uint64_t stream = 0;
+  const Dims::SiteDraw* at = nullptr;
+  uint64_t n = 0;
+};
+
+SiteDraw SiteDrawOf(const Dims& d, const std::string& site, int64_t m) {
+  if (!d.tracker) return {DropoutStream(site, d.iteration, m)};
   const Dims::SiteDraw& at = d.draw.at(site);
   const size_t stream = at.model_parallel ? 1 : 0;
-  const int64_t n = d.draws.Position(d.iteration, at.pp, at.chunk, m, stream, at.k);
-  return {ref::TrackerKey(d.seed, at.pp, dp, at.model_parallel, tp), static_cast<uint64_t>(n),
+  return {0, &at,
+          static_cast<uint64_t>(d.draws.Position(d.iteration, at.pp, at.chunk, m, stream, at.k))};
+}
+
+// rng_tracker mode: the key and draw number of the site on the rank at (tp, dp) of the
+// pipeline rank holding it.
+MaskDraw TrackerDraw(const Dims& d, const SiteDraw& site, int64_t tp, int64_t dp,
+                     int64_t local_index) {
+  return {ref::TrackerKey(d.seed, site.at->pp, dp, site.at->model_parallel, tp), site.n,
           static_cast<uint64_t>(local_index)};
 }
 
@@ -105,39 +118,32 @@ int64_t CpLocal(const Dims& d, int64_t i) {
 // Tracker mode: the rank holding it (the sequence shard's tp rank under sequence parallelism,
 // any tp rank otherwise: their default streams agree; any cp rank: they draw alike) and its
 // index in that rank's [s_local, b, w] tensor.
-MaskDraw HiddenDraw(const Dims& d, const std::string& site, int64_t m, int64_t i, int64_t gs,
-                    int64_t c, int64_t w) {
-  if (!d.tracker) {
-    return {d.seed, DropoutStream(site, d.iteration, m),
-            static_cast<uint64_t>((i * d.B + gs) * w + c)};
-  }
+MaskDraw HiddenDraw(const Dims& d, const SiteDraw& site, int64_t i, int64_t gs, int64_t c,
+                    int64_t w) {
+  if (!d.tracker) return {d.seed, site.stream, static_cast<uint64_t>((i * d.B + gs) * w + c)};
   const int64_t s_cp = d.s / d.cp;
   const ref::LocalElement at =
       ref::LocalActivationElement(CpLocal(d, i), gs, c, d.sp ? s_cp / d.t : s_cp, d.b, w);
-  return TrackerDraw(d, site, m, at.seq_rank, at.dp_rank, at.index);
+  return TrackerDraw(d, site, at.seq_rank, at.dp_rank, at.index);
 }
 
 // Element (gs, hd, e) of the [B, a, s*s] attention site. Global mode: ((gs*a + hd)*s*s + e.
 // Tracker mode: head hd lives on tp rank hd / (a/t), and query row e / s on the cp rank
 // holding it, at local [b, a/t, s / cp, s] index; under cp_comm_type "a2a" on the cp rank
 // holding the head, at local [b, a/(t cp), s, s] index.
-MaskDraw ProbsDraw(const Dims& d, const std::string& site, int64_t m, int64_t gs, int64_t hd,
-                   int64_t e) {
-  if (!d.tracker) {
-    return {d.seed, DropoutStream(site, d.iteration, m),
-            static_cast<uint64_t>((gs * d.a + hd) * d.s * d.s + e)};
-  }
+MaskDraw ProbsDraw(const Dims& d, const SiteDraw& site, int64_t gs, int64_t hd, int64_t e) {
+  if (!d.tracker)
+    return {d.seed, site.stream, static_cast<uint64_t>((gs * d.a + hd) * d.s * d.s + e)};
   const int64_t heads_local = d.a / d.t;
   if (d.cp_heads) {
     const int64_t hc = heads_local / d.cp;
-    return TrackerDraw(d, site, m, hd / heads_local, gs / d.b,
+    return TrackerDraw(d, site, hd / heads_local, gs / d.b,
                        ((gs % d.b) * hc + hd % hc) * d.s * d.s + e);
   }
   const int64_t s_cp = d.s / d.cp;
   return TrackerDraw(
-      d, site, m, hd / heads_local, gs / d.b,
-      (((gs % d.b) * heads_local + hd % heads_local) * s_cp + CpLocal(d, e / d.s)) * d.s +
-          e % d.s);
+      d, site, hd / heads_local, gs / d.b,
+      (((gs % d.b) * heads_local + hd % heads_local) * s_cp + CpLocal(d, e / d.s)) * d.s + e % d.s);
 }
 
 }  // namespace
@@ -145,11 +151,13 @@ MaskDraw ProbsDraw(const Dims& d, const std::string& site, int64_t m, int64_t gs
 // 0 or 1/(1-p) for this slice's rows of an [s, B, w] site: row i*n + j is position i of slice
 // sample j.
 Mat HiddenKeep(const Dims& d, const std::string& site, int64_t m, double p, int64_t w) {
+  if (p == 0.0) return Mat::Ones(d.s * d.n, w);
   Mat keep(d.s * d.n, w);
+  const SiteDraw draw = SiteDrawOf(d, site, m);
   ref::DropoutKeep(
       p,
       [&](int64_t row, int64_t c) {
-        return HiddenDraw(d, site, m, row / d.n, d.sample_begin + row % d.n, c, w);
+        return HiddenDraw(d, draw, row / d.n, d.sample_begin + row % d.n, c, w);
       },
       keep);
   return keep;
@@ -159,11 +167,13 @@ Mat HiddenKeep(const Dims& d, const std::string& site, int64_t m, double p, int6
 // site: element (gs, hd, qi, ki) is full flat index ((gs*a + hd)*s + qi)*s + ki.
 Mat AttentionKeep(const Dims& d, const std::string& site, int64_t m, double p, int64_t j,
                   int64_t hd) {
+  if (p == 0.0) return Mat::Ones(d.s, d.s);
   Mat keep(d.s, d.s);
+  const SiteDraw draw = SiteDrawOf(d, site, m);
   ref::DropoutKeep(
       p,
       [&](int64_t qi, int64_t ki) {
-        return ProbsDraw(d, site, m, d.sample_begin + j, hd, qi * d.s + ki);
+        return ProbsDraw(d, draw, d.sample_begin + j, hd, qi * d.s + ki);
       },
       keep);
   return keep;

@@ -39,57 +39,83 @@ double MaxAbs(const Tensor& host64) {
   return scale;
 }
 
-// Where a record's local elements sit in a whole or a sample-sliced reference tensor: for
-// local flat index l, the flat index into the reference's value, or -1 when the element is
-// outside the reference's slice (a record of samples this rank's slice lacks: never for a
-// correct layout).
+// Where a record's local elements sit in a whole or a sample-sliced reference tensor, walked
+// in the record's row-major order: the flat index into the reference's value, or -1 when the
+// element is outside the reference's slice (a record of samples this rank's slice lacks: never
+// for a correct layout), and the flat index in the full tensor (for the worst-element
+// report). Each dimension's local indices are placed once (GlobalIndex), so the walk adds a
+// few table entries per element and divides nothing.
 class ElementMap {
  public:
   ElementMap(const TensorRecord& record, const ReferenceTensor& ref, int64_t slice_begin,
-             int64_t slice_end)
-      : record_(record), local_(LocalShape(record.shard, record.full_shape)) {
-    ref_shape_ = record.full_shape;
-    if (ref.layout == Layout::kSamples) {
-      batch_dim_ = ref.batch_dim;
-      ref_shape_[static_cast<size_t>(batch_dim_)] = slice_end - slice_begin;
-      slice_begin_ = slice_begin;
-    }
-  }
-  int64_t RefIndex(int64_t local_flat) const {
-    int64_t flat = 0, ref_stride = 1;
-    int64_t rest = local_flat;
-    for (size_t dim = local_.size(); dim-- > 0;) {
-      const int64_t l = rest % local_[dim];
-      rest /= local_[dim];
-      int64_t g = GlobalIndex(record_.shard, static_cast<int>(dim), record_.full_shape[dim], l);
-      if (static_cast<int>(dim) == batch_dim_) {
-        g -= slice_begin_;
-        if (g < 0 || g >= ref_shape_[dim]) return -1;
+             int64_t slice_end) {
+    const Shape local = LocalShape(record.shard, record.full_shape);
+    const size_t dims = local.size();
+    ref_.resize(dims);
+    full_.resize(dims);
+    int64_t ref_stride = 1, full_stride = 1;
+    for (size_t dim = dims; dim-- > 0;) {
+      const bool sliced = ref.layout == Layout::kSamples && static_cast<int>(dim) == ref.batch_dim;
+      const int64_t ref_size = sliced ? slice_end - slice_begin : record.full_shape[dim];
+      for (int64_t l = 0; l < local[dim]; ++l) {
+        const int64_t g =
+            GlobalIndex(record.shard, static_cast<int>(dim), record.full_shape[dim], l);
+        const int64_t r = sliced ? g - slice_begin : g;
+        ref_[dim].push_back(r >= 0 && r < ref_size ? r * ref_stride : kOutside);
+        full_[dim].push_back(g * full_stride);
       }
-      flat += g * ref_stride;
-      ref_stride *= ref_shape_[dim];
+      ref_stride *= ref_size;
+      full_stride *= record.full_shape[dim];
     }
-    return flat;
-  }
-  // The flat index of the element in the full tensor (for the worst-element report).
-  int64_t FullIndex(int64_t local_flat) const {
-    int64_t flat = 0, stride = 1, rest = local_flat;
-    for (size_t dim = local_.size(); dim-- > 0;) {
-      const int64_t l = rest % local_[dim];
-      rest /= local_[dim];
-      flat += GlobalIndex(record_.shard, static_cast<int>(dim), record_.full_shape[dim], l) *
-              stride;
-      stride *= record_.full_shape[dim];
-    }
-    return flat;
   }
 
+  // The walk: at(l) for l = 0, 1, 2, ... in turn (the record's elements in storage order).
+  class Walk {
+   public:
+    explicit Walk(const ElementMap& map) : map_(map), at_(map.ref_.size(), 0) {}
+    // Moves to local element l, the one after the last asked for (or the first).
+    void MoveTo(int64_t l) {
+      if (l == next_) {
+        if (l > 0) Step();
+        ++next_;
+        return;
+      }
+      throw std::logic_error("ElementMap::Walk: elements must be visited in order");
+    }
+    int64_t Ref() const {
+      int64_t flat = 0;
+      for (size_t dim = 0; dim < at_.size(); ++dim) {
+        const int64_t r = map_.ref_[dim][static_cast<size_t>(at_[dim])];
+        if (r == kOutside) return -1;
+        flat += r;
+      }
+      return flat;
+    }
+    int64_t Full() const {
+      int64_t flat = 0;
+      for (size_t dim = 0; dim < at_.size(); ++dim) {
+        flat += map_.full_[dim][static_cast<size_t>(at_[dim])];
+      }
+      return flat;
+    }
+
+   private:
+    void Step() {
+      for (size_t dim = at_.size(); dim-- > 0;) {
+        if (++at_[dim] < static_cast<int64_t>(map_.ref_[dim].size())) return;
+        at_[dim] = 0;
+      }
+    }
+    const ElementMap& map_;
+    std::vector<int64_t> at_;
+    int64_t next_ = 0;
+  };
+
  private:
-  const TensorRecord& record_;
-  Shape local_;
-  Shape ref_shape_;
-  int batch_dim_ = -1;
-  int64_t slice_begin_ = 0;
+  static constexpr int64_t kOutside = -1;
+  std::vector<std::vector<int64_t>> ref_;   // per dimension and local index: its part of the
+                                            // reference's flat index, or kOutside
+  std::vector<std::vector<int64_t>> full_;  // its part of the full tensor's flat index
 };
 
 // A local record compared with a whole or sample-sliced reference tensor, element by element.
@@ -100,16 +126,18 @@ void CompareLocal(const TensorRecord& record, const Tensor& host, const Referenc
                   const ReferenceResult& reference, const Tolerance& tol,
                   const std::vector<double>* bounds, ErrorStats* stats) {
   const ElementMap map(record, ref, reference.slice_begin, reference.slice_end);
+  ElementMap::Walk walk(map);
   const double* want = ref.value.data_as<double>();
   const auto compare = [&](int64_t l, double actual) {
-    const int64_t k = map.RefIndex(l);
+    walk.MoveTo(l);
+    const int64_t k = walk.Ref();
     // An element outside this rank's slice cannot be judged here: it counts as a mismatch
     // (a record placed on the wrong samples is a bug).
     const double expected = k >= 0 ? want[k] : std::numeric_limits<double>::quiet_NaN();
-    stats->Add(map.FullIndex(l), actual, expected,
-               bounds != nullptr && k >= 0
-                   ? Tolerance{tol.atol + (*bounds)[static_cast<size_t>(k)], tol.rtol, 0}
-                   : tol);
+    stats->AddAt([&] { return walk.Full(); }, actual, expected,
+                 bounds != nullptr && k >= 0
+                     ? Tolerance{tol.atol + (*bounds)[static_cast<size_t>(k)], tol.rtol, 0}
+                     : tol);
   };
   if (host.dtype() == DType::kInt64) {  // token ids
     for (int64_t l = 0; l < host.numel(); ++l) compare(l, HostValue(host, l));

@@ -147,6 +147,12 @@ struct ErrorStats {
   // Runs once per compared element, so it stays branch-light (no libm fmax, no division unless
   // the relative maximum grows).
   void Add(int64_t index, double actual, double expected, const Tolerance& tol) {
+    AddAt([index] { return index; }, actual, expected, tol);
+  }
+  // Add, the element's flat index given by index_of(), called only when the element becomes
+  // the worst (where an element sits in the full tensor can cost more than comparing it).
+  template <typename IndexOf>
+  void AddAt(IndexOf&& index_of, double actual, double expected, const Tolerance& tol) {
     ++count;
     const double diff = std::fabs(actual - expected);
     const double magnitude = std::fabs(expected);
@@ -168,7 +174,7 @@ struct ErrorStats {
     const double excess = finite ? diff - allowed : std::numeric_limits<double>::infinity();
     if (excess > worst_excess) {
       worst_excess = excess;
-      worst_index = index;
+      worst_index = index_of();
       worst_actual = actual;
       worst_expected = expected;
     }
