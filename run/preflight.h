@@ -19,7 +19,7 @@
 // reference keep, not the program's own footprint (libraries, MPI buffers: tens of MiB),
 // allocator slack or temporaries of a single kernel (nor the layer chain's optimizer). A
 // GPT's activations and optimizer buffers are at least what the run measures (peak - held),
-// equal to it for a dense model (PreflightActivations.* in the MPI tests). `mpusim run` prints it next to the
+// equal to it for a dense model (MemoryEstimate.* in the MPI tests). `mpusim run` prints it next to the
 // measured peak RSS, and the README's reliability section compares the two.
 #pragma once
 

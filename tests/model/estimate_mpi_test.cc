@@ -8,7 +8,8 @@
 // rank's measured peak - held) and the executor's count (core/estimate/executor_activations.h:
 // stashes, the backward's working set, the pipeline's transfers, the optimizer step's buffers)
 // on every rank, except where the count assumes balanced routing (mixture of experts with
-// ep > 1 or a capacity): there within 5%.
+// ep > 1 or a capacity): there within 5%. The same runs bound the preflight (run/preflight.h):
+// its activations, optimizer state and total at least what each rank measured.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -35,9 +36,68 @@ namespace {
 using nlohmann::json;
 using namespace gpt_mpi;
 
+// The preflight's figures for the rank at `coords` (GptModel::PlanMemory, run/preflight.h),
+// from one build of its model (unchecked): the activations (the declared stashes in flight,
+// the backward's working set, the pipeline's transfers) with the optimizer's buffers (the
+// gradient piece carried from the last step, the step's beyond the activations), the
+// optimizer's state, and the whole plan.
+struct PreflightFigures {
+  PlanBytes activations = 0;
+  PlanBytes state = 0;
+  PlanBytes total = 0;
+};
+
+PreflightFigures Preflight(const Config& config, const Topology& topology,
+                           const RankCoordinates& coords) {
+  StatusOr<std::unique_ptr<Model>> model = BuildModel(config, topology, coords);
+  if (!model.ok()) throw std::logic_error(model.status().Message());
+  const MemoryPlan plan = run::PlanRankMemory(**model, WorldSize(), false);
+  PreflightFigures figures;
+  figures.total = plan.total;
+  for (const MemoryItem& item : plan.items) {
+    if (item.name.starts_with("optimizer: state")) figures.state += item.bytes;
+    if (item.name.starts_with("activations:") || item.name.starts_with("optimizer: the ")) {
+      figures.activations += item.bytes;
+    }
+  }
+  return figures;
+}
+
+// The preflight against this rank's run: its activations at least the rank's measured
+// peak - held, and for a dense model equal to the executor count `counted`, to the byte (both
+// read core/model/activation_plan.h and optimizer_plan.h; MoE layers: the preflight takes the
+// most rows the routing can give a rank, so it may only be above); the optimizer's state at
+// least what the rank holds; the whole plan at least the rank's measured peak (parameters,
+// main_grad, optimizer state and the model's constants included). Each rank checks its own
+// (a failure on any rank fails the test: tests/mpi/mpi_test_main.cc).
+void ExpectPreflightBoundsMeasurement(const Config& config, const Topology& topology,
+                                      const run::SimulationResult::TensorBytes& measured,
+                                      PlanBytes counted, const std::string& what) {
+  const int64_t rank = WorldRank();
+  const PreflightFigures preflight = Preflight(config, topology, topology.Coordinates(rank));
+  const int64_t activations = measured.peak - measured.held;
+  EXPECT_GE(static_cast<int64_t>(preflight.activations), activations)
+      << "rank " << rank << ": the preflight counts " << static_cast<int64_t>(preflight.activations)
+      << " B of activations, the run measured " << activations << " B";
+  EXPECT_GE(static_cast<int64_t>(preflight.state), measured.optimizer)
+      << "rank " << rank << ": the optimizer's state";
+  EXPECT_GE(static_cast<int64_t>(preflight.total), measured.peak)
+      << "rank " << rank << ": the preflight's total";
+  if (!config.gpt->moe.enabled()) {
+    EXPECT_EQ(static_cast<int64_t>(preflight.activations), static_cast<int64_t>(counted))
+        << "rank " << rank << ": the preflight and the executor count differ";
+  }
+  if (rank == 0) {
+    fmt::print(
+        "  {}: preflight activations {} B on rank 0, measured {} B ({:+.1f}%)\n", what,
+        static_cast<int64_t>(preflight.activations), activations,
+        100 * (static_cast<double>(preflight.activations) / static_cast<double>(activations) - 1));
+  }
+}
+
 // Runs `config` (no check) and compares each rank's measured held bytes with the estimate for
-// that rank, and for a GPT its activations with the executor count; returns how many ranks
-// were compared.
+// that rank, and for a GPT its activations with the executor count and the preflight's bounds
+// (one run for both); returns how many ranks were compared.
 int64_t ExpectEstimateEqualsMeasurement(const Config& config, const std::string& what) {
   SCOPED_TRACE(what);
   CpuBackend backend;
@@ -94,6 +154,10 @@ int64_t ExpectEstimateEqualsMeasurement(const Config& config, const std::string&
           << " B";
       if (std::abs(error) > std::abs(worst)) worst = error;
     }
+    const int64_t rank = WorldRank();
+    ExpectPreflightBoundsMeasurement(
+        config, *topology, result->tensor_bytes[static_cast<size_t>(rank)],
+        (*stages)[static_cast<size_t>(topology->Coordinates(rank).pp)].peak(), what);
     if (WorldRank() == 0) {
       fmt::print("  {}: activations counted {} B on rank 0, measured {} B; worst rank {:+.2f}% "
                  "({})\n",
@@ -483,108 +547,6 @@ TEST(MemoryEstimate, EveryLayoutHoldsWhatTheEstimateCounts) {
     compared += ExpectEstimateEqualsMeasurement(config, c.name);
   }
   if (WorldRank() == 0) fmt::print("  {} rank runs compared\n", compared);
-}
-
-// The preflight's activations (GptModel::PlanMemory, run/preflight.h: the declared stashes
-// in flight, the backward's working set, the pipeline's transfers) and the optimizer's
-// buffers (the gradient piece carried from the last step, the step's beyond the activations)
-// against the run: at least each rank's measured peak - held, and for a dense model equal to
-// the executor count, to the byte (both read core/model/activation_plan.h and
-// optimizer_plan.h). MoE layers: the preflight takes the most rows the routing can give a
-// rank, so it may only be above. The optimizer's state: at least what the rank holds; the
-// whole plan: at least the rank's measured peak (parameters, main_grad, optimizer state and
-// the model's constants included).
-// The preflight's items for the rank at `coords` (the run's model, unchecked): the activations
-// and the optimizer's buffers, or with `state` the optimizer's state.
-PlanBytes PreflightActivations(const Config& config, const Topology& topology,
-                               const RankCoordinates& coords, bool state = false) {
-  StatusOr<std::unique_ptr<Model>> model = BuildModel(config, topology, coords);
-  if (!model.ok()) throw std::logic_error(model.status().Message());
-  PlanBytes sum = 0;
-  for (const MemoryItem& item : run::PlanRankMemory(**model, WorldSize(), false).items) {
-    if (item.name.starts_with(state ? "optimizer: state" : "activations:") ||
-        (!state && item.name.starts_with("optimizer: the "))) {
-      sum += item.bytes;
-    }
-  }
-  return sum;
-}
-
-void ExpectPreflightBoundsMeasurement(Config config, const std::string& what) {
-  SCOPED_TRACE(what);
-  // Two iterations at most: the second starts with what the first's optimizer kept.
-  config.run->train_iters = std::min<int64_t>(config.run->train_iters, 2);
-  CpuBackend backend;
-  StatusOr<run::SimulationResult> result = run::Simulate(config, {false, 1, false}, backend);
-  ASSERT_TRUE(result.ok()) << result.status().Message();
-  StatusOr<Topology> topology = Topology::Create(config.parallel);
-  ASSERT_TRUE(topology.ok());
-  StatusOr<std::vector<StageHeldMemory>> held = EstimateStageHeldMemory(config, *topology);
-  ASSERT_TRUE(held.ok()) << held.status().Message();
-  StatusOr<std::vector<ExecutorActivations>> stages =
-      EstimateExecutorActivations(config, *topology, *held);
-  ASSERT_TRUE(stages.ok()) << stages.status().Message();
-  const bool dense = !config.gpt->moe.enabled();
-  double worst = 0;
-  for (size_t rank = 0; rank < result->tensor_bytes.size(); ++rank) {
-    const RankCoordinates coords = topology->Coordinates(static_cast<int64_t>(rank));
-    const PlanBytes preflight = PreflightActivations(config, *topology, coords);
-    const run::SimulationResult::TensorBytes& measured = result->tensor_bytes[rank];
-    const int64_t activations = measured.peak - measured.held;
-    const PlanBytes counted = (*stages)[static_cast<size_t>(coords.pp)].peak();
-    EXPECT_GE(static_cast<int64_t>(preflight), activations)
-        << "rank " << rank << ": the preflight counts " << static_cast<int64_t>(preflight)
-        << " B of activations, the run measured " << activations << " B";
-    EXPECT_GE(static_cast<int64_t>(PreflightActivations(config, *topology, coords, true)),
-              measured.optimizer)
-        << "rank " << rank << ": the optimizer's state";
-    // The whole plan (unchecked): at least every tensor the rank held at its peak.
-    StatusOr<std::unique_ptr<Model>> model = BuildModel(config, *topology, coords);
-    ASSERT_TRUE(model.ok()) << model.status().Message();
-    EXPECT_GE(static_cast<int64_t>(run::PlanRankMemory(**model, WorldSize(), false).total),
-              measured.peak)
-        << "rank " << rank << ": the preflight's total";
-    if (dense) {
-      EXPECT_EQ(static_cast<int64_t>(preflight), static_cast<int64_t>(counted))
-          << "rank " << rank << ": the preflight and the executor count differ";
-    }
-    const double over = static_cast<double>(preflight) / static_cast<double>(activations) - 1;
-    worst = std::max(worst, over);
-  }
-  if (WorldRank() == 0) {
-    fmt::print("  {}: preflight activations {} B on rank 0, measured {} B; most over {:+.1f}%\n",
-               what, static_cast<int64_t>(PreflightActivations(config, *topology,
-                                                                topology->Coordinates(0))),
-               result->tensor_bytes[0].peak - result->tensor_bytes[0].held, 100 * worst);
-  }
-}
-
-TEST(PreflightActivations, EverySampleConfigFitsUnderThePreflight) {
-  for (const auto& entry : std::filesystem::directory_iterator(MPUSIM_SAMPLE_CONFIG_DIR)) {
-    if (entry.path().extension() != ".json") continue;
-    StatusOr<Config> config = LoadConfigFile(entry.path().string());
-    ASSERT_TRUE(config.ok()) << entry.path() << ": " << config.status().Message();
-    if (!config->run || !config->gpt || config->parallel.world_size != WorldSize()) continue;
-    ExpectPreflightBoundsMeasurement(*config, entry.path().filename().string());
-  }
-}
-
-// Every layout of Layouts (pp with vp, each cp_comm_type, full and selective recomputation,
-// qk_layernorm, MoE with both dispatchers, ep and a capacity; Adam and SGD, the plain and the
-// distributed optimizer).
-TEST(PreflightActivations, EveryLayoutFitsUnderThePreflight) {
-  for (const Case& c : Layouts()) {
-    // The sanitizer build runs the float32 layouts: the bound's arithmetic is the release
-    // build's, which runs every dtype and optimizer (MemoryEstimate above covers the others
-    // there too).
-    if (mpusim::testing::kAddressSanitizer && c.name.find(" float32 ") == std::string::npos) {
-      continue;
-    }
-    Config config;
-    const Status status = ParseConfig(c.document, &config);
-    ASSERT_TRUE(status.ok()) << c.name << ": " << status.Message();
-    ExpectPreflightBoundsMeasurement(config, c.name);
-  }
 }
 
 // The busiest rank of each stage: the first, which owns the fullest distributed-optimizer
