@@ -400,8 +400,17 @@ void EigenKernels::DoDropoutAt(const Tensor& x, double p, uint64_t key, uint64_t
   DispatchStorage(x.dtype(), [&]<typename T>() {
     const T* xs = x.data_as<T>();
     T* ys = y.data_as<T>();
-    const int64_t n = x.numel();
-    for (int64_t e = 0; e < n; ++e) ys[e] = op(xs[e], static_cast<uint64_t>(map.At(e)));
+    // map.At(e) in storage order, walked without dividing: row-major over map.dims, whose
+    // product is x.numel() (core/kernels.cc checks it).
+    int64_t e = 0;
+    for (int64_t i = 0; i < map.dims[0]; ++i) {
+      for (int64_t j = 0; j < map.dims[1]; ++j) {
+        const int64_t row = map.base + i * map.strides[0] + j * map.strides[1];
+        for (int64_t k = 0; k < map.dims[2]; ++k, ++e) {
+          ys[e] = op(xs[e], static_cast<uint64_t>(row + k * map.strides[2]));
+        }
+      }
+    }
   });
 }
 
