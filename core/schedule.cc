@@ -248,8 +248,10 @@ ScheduleTiming TimeSchedule(const PipelineSchedule& schedule, double forward, do
 ScheduleTiming TimeSchedule(const PipelineSchedule& schedule, const StageCosts& costs) {
   const int64_t p = schedule.pipeline_model_parallel_size;
   const int64_t stages = p * schedule.num_model_chunks;
-  const auto positive = [](const std::vector<double>& v) {
-    return std::all_of(v.begin(), v.end(), [](double x) { return x > 0; });
+  // A virtual stage may cost nothing: a layout's empty stage (pipeline_model_parallel_layout
+  // "|" with no layer) only passes its input on.
+  const auto non_negative = [](const std::vector<double>& v) {
+    return std::all_of(v.begin(), v.end(), [](double x) { return x >= 0; });
   };
   if (!costs.combined_saving.empty() &&
       (!schedule.combined_1f1b ||
@@ -261,14 +263,14 @@ ScheduleTiming TimeSchedule(const PipelineSchedule& schedule, const StageCosts& 
         "pair of virtual stages");
   }
   if (costs.forward.size() != static_cast<size_t>(stages) ||
-      costs.backward.size() != static_cast<size_t>(stages) || !positive(costs.forward) ||
-      !positive(costs.backward) || !(costs.transfer >= 0) ||
+      costs.backward.size() != static_cast<size_t>(stages) || !non_negative(costs.forward) ||
+      !non_negative(costs.backward) || !(costs.transfer >= 0) ||
       !(costs.first_forward_wait.empty() ||
         (costs.first_forward_wait.size() == static_cast<size_t>(stages) &&
          std::all_of(costs.first_forward_wait.begin(), costs.first_forward_wait.end(),
                      [](double x) { return x >= 0; })))) {
     throw std::invalid_argument(
-        "TimeSchedule: one positive forward and backward cost per virtual stage, transfer >= 0, "
+        "TimeSchedule: one forward and backward cost >= 0 per virtual stage, transfer >= 0, "
         "first_forward_wait empty or one value >= 0 per virtual stage");
   }
   // A dependency on another rank's step waits for its transfer as well.

@@ -128,8 +128,8 @@ ScheduleTiming TimeSchedule(const PipelineSchedule& schedule, double forward, do
 // transfer time added to every dependency between two ranks (the p2p send of an activation
 // or its gradient; a dependency within a rank, p == 1, costs nothing). The step-time estimate
 // (core/estimate/time_estimate.h) replays Megatron's own schedule with it. Requires one
-// positive forward and backward cost per virtual stage and transfer >= 0
-// (std::invalid_argument otherwise).
+// forward and backward cost >= 0 per virtual stage (0: an empty stage of a layout, which only
+// passes its input on) and transfer >= 0 (std::invalid_argument otherwise).
 struct StageCosts {
   std::vector<double> forward;   // [virtual stage]
   std::vector<double> backward;  // [virtual stage]

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <tuple>
@@ -439,6 +440,21 @@ TEST(EstimateDeepSeekV3, EstimateRunsAndNamesEveryPart) {
   const json doc = json::parse(j.out);
   ASSERT_TRUE(doc.contains("model_parts"));
   EXPECT_EQ(doc["model_parts"].size(), 3u) << doc["model_parts"].dump();
+}
+
+// Megatron's documented layout for DeepSeek-V3 on pp 16 vp 2, "Et*3|(tt|)*29,m|L", with its
+// MTP stage ('m', which mpusim's split does not place) left empty: that virtual stage only
+// passes its input on, and the schedule times it at no cost (it stopped the estimate with an
+// internal error).
+TEST(EstimateDeepSeekV3, AnEmptyVirtualStageIsTimed) {
+  json doc = json::parse(std::ifstream(Sample("deepseek_v3_671b_p16_v2_ep64_n2048.json")));
+  doc["parallel"]["pipeline_model_parallel_layout"] = "Et*3|(tt|)*29,|L";
+  const cli::test_util::Result r =
+      Mpusim({"estimate", cli::test_util::WriteTemp("mpusim_empty_stage.json", doc.dump()),
+              "--global-batch-size", "8192", "--seq-length", "4096"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("Step time on h100-80gb"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("model TFLOP/s per GPU"), std::string::npos) << r.out;
 }
 
 // ---- activations and time --------------------------------------------------------------------

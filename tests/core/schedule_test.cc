@@ -616,6 +616,13 @@ TEST(ScheduleTimingTest, StageCostsAndTransfersFollowTheCriticalPath) {
   EXPECT_LE(slow.makespan, 8 * (2.0 + 4.0) + 1.0 + 3.0 + 1.5 + 2.0 + 0.5 + 1.0 + 1e-9);
   EXPECT_THROW(TimeSchedule(*many, StageCosts{forward, {1.0}, 0.0}), std::invalid_argument);
   EXPECT_THROW(TimeSchedule(*many, StageCosts{forward, backward, -1.0}), std::invalid_argument);
+  // An empty stage (a layout's "|" with no layer) costs nothing and still passes its input on:
+  // one micro-batch pays the other stages' steps and every transfer.
+  const ScheduleTiming empty =
+      TimeSchedule(*one, StageCosts{{1.0, 0.0, 1.5, 0.5}, {3.0, 0.0, 2.0, 1.0}, transfer});
+  EXPECT_DOUBLE_EQ(empty.makespan, (1.0 + 1.5 + 0.5) + (3.0 + 2.0 + 1.0) + 2 * 3 * transfer);
+  EXPECT_THROW(TimeSchedule(*many, StageCosts{{1.0, -1.0, 1.5, 0.5}, backward, 0.0}),
+               std::invalid_argument);
 }
 
 // Blocking sends, as Megatron's p2p waits for them: 1F1B on 2 ranks, 2 micro-batches, every
