@@ -74,7 +74,10 @@ std::string GptModel::Describe() const {
       "  {}{}, {} position embeddings{}, bias {}{}, dropout hidden {} attention {} ({}), "
       "embeddings {}\n",
       NormalizationName(gpt.normalization),
-      gpt.qk_layernorm ? " (and on each query and key head)" : "",
+      !gpt.qk_layernorm     ? ""
+      : !gpt.mla.enabled    ? " (and on each query and key head)"
+      : gpt.mla.q_lora_rank ? " (and on the query and key-value latents)"
+                            : " (and on the key-value latent)",
       PositionEmbeddingName(gpt.position_embedding_type),
       partial_rope ? fmt::format(" on {} of {} channels", gpt.RotaryDim(), gpt.kv_channels) : "",
       gpt.add_bias_linear, !gpt.add_bias_linear && gpt.add_qkv_bias ? " (linear_qkv's alone)" : "",
