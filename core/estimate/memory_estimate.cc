@@ -35,13 +35,6 @@ std::pair<int64_t, int64_t> GroupPosition(const Topology& topology, const char* 
   return {topology.GroupSize(*k), slot->rank_in_group};
 }
 
-// The parts of the model the executor does not build yet, which the count below places as
-// Megatron does (its error's field names them).
-bool CountedNotBuilt(const Status& status) {
-  return !status.ok() && (status.where() == "model.multi_latent_attention" ||
-                          status.where() == "model.mtp_num_layers");
-}
-
 }  // namespace
 
 StatusOr<std::vector<HeldParameterShape>> CountedParameterShapes(const Config& config,
@@ -79,26 +72,25 @@ StatusOr<std::vector<HeldParameterShape>> CountedParameterShapes(const Config& c
 
 Status ExecutorBuildsParts(const Config& config, const Topology& topology) {
   if (EstimatedModel(config) == nullptr) return {};
-  const Status built =
-      BuildModel(config, topology, topology.Coordinates(topology.first_rank())).status();
-  return CountedNotBuilt(built) ? built : Status();
+  return BuildModel(config, topology, topology.Coordinates(topology.first_rank())).status();
 }
 
 StatusOr<HeldMemory> EstimateHeldMemory(const Config& config, const Topology& topology,
                                         int64_t rank) {
   std::vector<HeldParameterShape> shapes;
-  StatusOr<std::unique_ptr<Model>> built = BuildModel(config, topology, topology.Coordinates(rank));
-  if (built.ok()) {
-    shapes = (*built)->HeldParameterShapes();
-  } else if (CountedNotBuilt(built.status())) {
-    // Multi-latent attention and multi-token prediction: counted from the parameter list
-    // (GptParameters) as the executor places the others, until the executor builds them.
+  if (EstimatedModel(config) != nullptr && config.run) {
+    // A GPT model: counted from its parameter list (HeldGptParameters, the list
+    // GptModel::Build builds from), so the count needs no executor and holds for the layouts
+    // Megatron runs and the executor does not (MTP on an MoE model, MLA or MTP with cp).
     StatusOr<std::vector<HeldParameterShape>> counted =
         CountedParameterShapes(config, topology, rank);
     if (!counted.ok()) return counted.status();
     shapes = *std::move(counted);
   } else {
-    return built.status();
+    StatusOr<std::unique_ptr<Model>> built =
+        BuildModel(config, topology, topology.Coordinates(rank));
+    if (!built.ok()) return built.status();
+    shapes = (*built)->HeldParameterShapes();
   }
   const DType storage = config.run ? config.run->dtype : DType::kFloat32;
   HeldMemory held;

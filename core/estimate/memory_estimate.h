@@ -72,10 +72,10 @@ struct HeldMemory {
   }
 };
 
-// World rank `rank` of `topology` (which `config.parallel` laid out). Errors: the model's
-// own (it is built for the rank, as `mpusim run` builds it), naming the field. A GPT model
-// whose parts the executor does not build yet (multi_latent_attention, mtp_num_layers) is
-// counted by CountedParameterShapes instead.
+// World rank `rank` of `topology` (which `config.parallel` laid out). A GPT model with a run
+// section is counted by CountedParameterShapes (Megatron's rules, not the executor's: every
+// layout Megatron runs); another model is built for the rank, as `mpusim run` builds it.
+// Errors: the model's own, naming the field.
 StatusOr<HeldMemory> EstimateHeldMemory(const Config& config, const Topology& topology,
                                         int64_t rank);
 
@@ -95,10 +95,11 @@ StatusOr<std::vector<HeldParameterShape>> CountedParameterShapes(const Config& c
                                                                  const Topology& topology,
                                                                  int64_t rank);
 
-// Whether the CPU executor builds the parts of `config`'s GPT model that EstimateHeldMemory
-// counts without it (multi_latent_attention, mtp_num_layers): its refusal, naming the field,
-// when it does not (the executor's own counts, executor_activations.h, need the model); OK
-// otherwise, whatever else the executor says.
+// Whether the CPU executor builds `config`'s GPT model, which EstimateHeldMemory counts
+// without it: the executor's refusal, naming the field, when it does not (MTP on an MoE
+// model, MLA or MTP with cp: Megatron runs them, mpusim run does not yet), so the estimate
+// leaves out only the executor's own counts (executor_activations.h, which need the model);
+// OK for a model of another kind.
 Status ExecutorBuildsParts(const Config& config, const Topology& topology);
 
 struct StageHeldMemory {

@@ -97,5 +97,33 @@ TEST(MlaCli, EstimateAndAdviseCountIt) {
   EXPECT_EQ(advise.code, 0) << advise.err;
 }
 
+// Context parallelism with MLA runs in Megatron (Transformer Engine's attention) but not in
+// mpusim run: estimate still counts it, from the model's parameter list, and leaves out only
+// the executor's own activation count, saying why. cp splits no parameter, so each rank holds
+// what it holds on cp 1.
+TEST(MlaCli, EstimateCountsContextParallelismTheExecutorDoesNotRun) {
+  json config = MlaConfig();
+  const std::string cp1 = WriteTemp("mpusim_mla_cp1.json", config.dump());
+  config["parallel"]["world_size"] = 4;
+  config["parallel"]["context_parallel_size"] = 2;
+  const std::string cp2 = WriteTemp("mpusim_mla_cp2.json", config.dump());
+  const Result text = Mpusim({"estimate", cp2});
+  ASSERT_EQ(text.code, 0) << text.out << text.err;
+  EXPECT_NE(text.out.find("CPU executor's activations: not counted: "
+                          "parallel.context_parallel_size: 2 with multi_latent_attention"),
+            std::string::npos)
+      << text.out;
+  const Result one = Mpusim({"estimate", cp1, "--format", "json"});
+  const Result two = Mpusim({"estimate", cp2, "--format", "json"});
+  ASSERT_EQ(one.code, 0) << one.err;
+  ASSERT_EQ(two.code, 0) << two.err;
+  const json a = json::parse(one.out), b = json::parse(two.out);
+  ASSERT_EQ(a["stages"].size(), b["stages"].size());
+  for (size_t i = 0; i < a["stages"].size(); ++i) {
+    EXPECT_GT(a["stages"][i]["memory"]["parameters"].get<int64_t>(), 0);
+    EXPECT_EQ(a["stages"][i]["memory"]["parameters"], b["stages"][i]["memory"]["parameters"]);
+  }
+}
+
 }  // namespace
 }  // namespace mpusim::cli
