@@ -383,6 +383,25 @@ std::vector<Case> Layouts() {
     // float16 keeps Megatron's float16 main_grad and copies it to float32 for the step
     // (core/train/optimizer.h): plain for dense models, distributed for MoE ones and the wide
     // one at tp 2.
+    // The sanitizer build (5 to 10 times slower) looks for memory errors, not other counts:
+    // each layout keeps two settings, float32 and one bfloat16 with the distributed optimizer
+    // (the code every dtype and optimizer shares), and each other setting's own code runs
+    // where it shows: float16 on the wide model (whose step peak is what float16 adds), the
+    // precision-aware states on the dense and the first MoE model without a pipeline, the 256
+    // narrow experts on their router-dtype variants alone, the second iteration's carried
+    // gradient (bfloat16 SGD, two instances) on the dense model, float64 on the odd one. The
+    // release build runs them all.
+    const auto sanitizer_keeps = [](const std::string& model_name, const Variant& v, int64_t pp) {
+      const std::string dtype = v.dtype;
+      if (model_name == "moe_router") return v.router_dtype != nullptr;
+      if (dtype == "float16") return model_name == "wide";
+      if (v.precision_aware != Aware::kNo) {
+        return (model_name == "dense" || model_name == "moe") && pp == 1;
+      }
+      if (v.router_dtype == nullptr && (dtype == "float32" || v.instances == 1)) return true;
+      if (dtype == "bfloat16") return model_name == "dense";
+      return dtype == "float64" && model_name == "odd";
+    };
     for (const Variant& v :
          {Variant{"float32", "adam", 0}, Variant{"bfloat16", "adam", 1},
           Variant{"bfloat16", "sgd", halves ? 2 : 1, 2, "fp32"}, Variant{"float64", "sgd", 0},
@@ -393,28 +412,7 @@ std::vector<Case> Layouts() {
       // The layouts, not the recompute; the 4-byte master on the first models only.
       if (v.precision_aware != Aware::kNo && l.recompute != nullptr) continue;
       if (v.precision_aware == Aware::kFp32Master && name != "dense" && name != "moe") continue;
-      // The sanitizer build (about 5 times slower) keeps float16 on the wide model, whose
-      // step peak is what float16 adds to the count.
-      if (mpusim::testing::kAddressSanitizer && std::string(v.dtype) == "float16" &&
-          name != "wide") {
-        continue;
-      }
-      // It keeps the precision-aware states on the dense and the first MoE model, and the
-      // 256 narrow experts on their router-dtype variant (the release run keeps them all).
-      if (mpusim::testing::kAddressSanitizer &&
-          ((v.precision_aware != Aware::kNo && name != "dense" && name != "moe") ||
-           (name == "moe_router" && v.router_dtype == nullptr))) {
-        continue;
-      }
-      // The models of the newer families (the sigmoid router, gpt-oss's MoE biases and its
-      // attention) keep two settings there, float32 and one bfloat16 with the distributed
-      // optimizer: their counts' dtype rules are the older models', which it runs in full.
-      if (mpusim::testing::kAddressSanitizer &&
-          (name == "moe_sigmoid" || name == "moe_bias" || name == "oss" || name == "mtp") &&
-          !(v.precision_aware == Aware::kNo && v.router_dtype == nullptr &&
-            (std::string(v.dtype) == "float32" || v.instances == 1))) {
-        continue;
-      }
+      if (mpusim::testing::kAddressSanitizer && !sanitizer_keeps(name, v, l.pp)) continue;
       const json& model = name == "moe"            ? moe
                           : name == "moe_a2a"      ? moe_a2a
                           : name == "moe_gg"       ? moe_gg
