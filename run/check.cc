@@ -69,7 +69,8 @@ class ElementMap {
     }
   }
 
-  // The walk: at(l) for l = 0, 1, 2, ... in turn (the record's elements in storage order).
+  // The walk: MoveTo(l) for l = 0, 1, 2, ... in turn (the record's elements in storage order),
+  // then Ref() and Full() of that element.
   class Walk {
    public:
     explicit Walk(const ElementMap& map) : map_(map), at_(map.ref_.size(), 0) {}
