@@ -45,24 +45,6 @@ double NormalScale(const InitSpec& spec, const Shape& full_shape) {
 }
 
 
-// offsets[d][l] = GlobalIndex(spec, d, full[d], l) * (row-major stride of d in `full`), so the
-// global flat index of a local multi-index is a sum of table lookups: GlobalIndex runs once
-// per (dimension, local index) rather than once per element.
-std::vector<std::vector<int64_t>> FlatOffsets(const ShardSpec& spec, const Shape& full,
-                                              const Shape& local) {
-  std::vector<std::vector<int64_t>> offsets(full.size());
-  int64_t stride = 1;
-  for (size_t d = full.size(); d-- > 0;) {
-    std::vector<int64_t>& table = offsets[d];
-    table.resize(static_cast<size_t>(local[d]));
-    for (size_t l = 0; l < table.size(); ++l) {
-      table[l] = GlobalIndex(spec, static_cast<int>(d), full[d], static_cast<int64_t>(l)) * stride;
-    }
-    stride *= full[d];
-  }
-  return offsets;
-}
-
 // Calls fn(local_flat, global_flat) for every element of the local tensor, in local row-major
 // order: an odometer over the outer dimensions, a plain loop over the last.
 template <typename Fn>

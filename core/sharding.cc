@@ -178,5 +178,20 @@ std::vector<std::pair<int64_t, int64_t>> HeldRuns(const ShardSpec& spec, int dim
   return runs;
 }
 
+std::vector<std::vector<int64_t>> FlatOffsets(const ShardSpec& spec, const Shape& full,
+                                              const Shape& local) {
+  std::vector<std::vector<int64_t>> offsets(full.size());
+  int64_t stride = 1;
+  for (size_t d = full.size(); d-- > 0;) {
+    std::vector<int64_t>& table = offsets[d];
+    table.resize(static_cast<size_t>(local[d]));
+    for (size_t l = 0; l < table.size(); ++l) {
+      table[l] = GlobalIndex(spec, static_cast<int>(d), full[d], static_cast<int64_t>(l)) * stride;
+    }
+    stride *= full[d];
+  }
+  return offsets;
+}
+
 }  // namespace mpusim
 

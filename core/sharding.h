@@ -129,6 +129,12 @@ inline int64_t GlobalIndex(const ShardSpec& spec, int dim, int64_t full, int64_t
 // stride-s split s runs), so a sharding map of any size answers at once.
 std::vector<std::pair<int64_t, int64_t>> HeldRuns(const ShardSpec& spec, int dim, int64_t full);
 
+// offsets[d][l] = GlobalIndex(spec, d, full[d], l) * (row-major stride of d in `full`), so the
+// global flat index of a local multi-index is a sum of table lookups: GlobalIndex runs once
+// per (dimension, local index) rather than once per element.
+std::vector<std::vector<int64_t>> FlatOffsets(const ShardSpec& spec, const Shape& full,
+                                              const Shape& local);
+
 // Local shape of a tensor of full shape `full` under `spec`.
 inline Shape LocalShape(const ShardSpec& spec, Shape full) {
   for (const Placement& p : spec.placements) full[static_cast<size_t>(p.dim)] /= p.shards;

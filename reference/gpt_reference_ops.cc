@@ -132,8 +132,9 @@ MaskDraw HiddenDraw(const Dims& d, const SiteDraw& site, int64_t i, int64_t gs, 
 // holding it, at local [b, a/t, s / cp, s] index; under cp_comm_type "a2a" on the cp rank
 // holding the head, at local [b, a/(t cp), s, s] index.
 MaskDraw ProbsDraw(const Dims& d, const SiteDraw& site, int64_t gs, int64_t hd, int64_t e) {
-  if (!d.tracker)
+  if (!d.tracker) {
     return {d.seed, site.stream, static_cast<uint64_t>((gs * d.a + hd) * d.s * d.s + e)};
+  }
   const int64_t heads_local = d.a / d.t;
   if (d.cp_heads) {
     const int64_t hc = heads_local / d.cp;

@@ -51,9 +51,9 @@ class ElementMap {
              int64_t slice_end) {
     const Shape local = LocalShape(record.shard, record.full_shape);
     const size_t dims = local.size();
+    full_ = FlatOffsets(record.shard, record.full_shape, local);
     ref_.resize(dims);
-    full_.resize(dims);
-    int64_t ref_stride = 1, full_stride = 1;
+    int64_t ref_stride = 1;
     for (size_t dim = dims; dim-- > 0;) {
       const bool sliced = ref.layout == Layout::kSamples && static_cast<int>(dim) == ref.batch_dim;
       const int64_t ref_size = sliced ? slice_end - slice_begin : record.full_shape[dim];
@@ -62,10 +62,8 @@ class ElementMap {
             GlobalIndex(record.shard, static_cast<int>(dim), record.full_shape[dim], l);
         const int64_t r = sliced ? g - slice_begin : g;
         ref_[dim].push_back(r >= 0 && r < ref_size ? r * ref_stride : kOutside);
-        full_[dim].push_back(g * full_stride);
       }
       ref_stride *= ref_size;
-      full_stride *= record.full_shape[dim];
     }
   }
 
@@ -117,6 +115,7 @@ class ElementMap {
   std::vector<std::vector<int64_t>> ref_;   // per dimension and local index: its part of the
                                             // reference's flat index, or kOutside
   std::vector<std::vector<int64_t>> full_;  // its part of the full tensor's flat index
+                                            // (FlatOffsets)
 };
 
 // A local record compared with a whole or sample-sliced reference tensor, element by element.
