@@ -157,8 +157,10 @@ Status InitParameters(const GptConfig& gpt, const Dims& d,
     return gpt.moe.enabled() && gpt.moe.layers[static_cast<size_t>(i)];
   };
   // Layer `i`'s parameters under `prefix` (an MTP depth's layer is built like the last
-  // decoder layer: i = L - 1).
-  const auto layer_params = [&](const std::string& prefix, int64_t i) -> StatusOr<LayerParams> {
+  // decoder layer: i = L - 1); `number`, from 0, decides its sliding window (depth k's: k,
+  // MultiTokenPredictionLayer's layer_number k + 1).
+  const auto layer_params = [&](const std::string& prefix, int64_t i,
+                                int64_t number) -> StatusOr<LayerParams> {
     const bool moe_layer = is_moe_layer(i);
     LayerParams lp;
     lp.input_layernorm = norm(prefix + ".input_layernorm");
@@ -170,7 +172,7 @@ Status InitParameters(const GptConfig& gpt, const Dims& d,
       lp.qk_norm = {norm(prefix + ".self_attention.q_layernorm"),
                     norm(prefix + ".self_attention.k_layernorm")};
     }
-    lp.softmax = {gpt.AttentionWindow(i), gpt.softmax_type,
+    lp.softmax = {gpt.AttentionWindow(number), gpt.softmax_type,
                   get(prefix + ".self_attention.core_attention.softmax_offset")};
     lp.pre_mlp_layernorm = norm(prefix + ".pre_mlp_layernorm");
     const std::string attn = prefix + ".self_attention";
@@ -214,14 +216,14 @@ Status InitParameters(const GptConfig& gpt, const Dims& d,
     return lp;
   };
   for (int64_t i = 0; i < d.L; ++i) {
-    StatusOr<LayerParams> layer = layer_params(fmt::format("decoder.layers.{}", i), i);
+    StatusOr<LayerParams> layer = layer_params(fmt::format("decoder.layers.{}", i), i, i);
     if (!layer.ok()) return layer.status();
     p->layers.push_back(std::move(*layer));
   }
   p->final_layernorm = norm("decoder.final_layernorm");
   for (int64_t k = 0; k < gpt.mtp_num_layers; ++k) {
     const std::string prefix = fmt::format("mtp.layers.{}", k);
-    StatusOr<LayerParams> layer = layer_params(prefix + ".transformer_layer", d.L - 1);
+    StatusOr<LayerParams> layer = layer_params(prefix + ".transformer_layer", d.L - 1, k);
     if (!layer.ok()) return layer.status();
     p->mtp.push_back(MtpParams{norm(prefix + ".enorm"), norm(prefix + ".hnorm"),
                                get(prefix + ".eh_proj.weight"), std::move(*layer),
@@ -458,8 +460,11 @@ void SliceRun::MicroBatch(int64_t m, const std::vector<int64_t>& all_tokens,
   //   loss_k: cross entropy of h_k Wout^T (the shared output head) against labels_k, masked
   // The gradient gets mtp_loss_scaling_factor / D * loss_k / num_tokens_k per micro-batch and
   // data-parallel rank (MTPLossAutoScaler, scaled by 1/M like the main loss; num_tokens_k =
-  // b * (s - k)), averaged over dp: per token f / (D * M * B * (s - k)). The reported loss is
-  // the main one only.
+  // b * (s - k)), averaged over dp: per token f / (D * M * B * (s - k)). With context
+  // parallelism each cp rank normalises by its own unmasked tokens (roll_tensor's local sum)
+  // and the average runs over dp x cp: a token held by a cp rank with v of its positions
+  // unmasked gets f / (D * M * B * cp * v) (v = s - k on one rank). The reported loss is the
+  // main one only.
   const int64_t D = gpt.mtp_num_layers;
   std::vector<MtpStash> mtp(static_cast<size_t>(D));
   {
@@ -492,16 +497,29 @@ void SliceRun::MicroBatch(int64_t m, const std::vector<int64_t>& all_tokens,
       const Mat mtp_logits = Linear(st.out, params.output, Param{});
       Record(record, prefix + ".output_layer.output", Kind::kHidden, mtp_logits);
       const int64_t valid = d.s - (k + 1);  // positions with a label k + 1 ahead
-      const double mtp_scale =
-          valid > 0 ? gpt.mtp_loss_scaling_factor / static_cast<double>(D * d.M * d.B * valid)
-                    : 0.0;
+      // Each cp rank's unmasked positions (Megatron's split: rank r holds chunks r and
+      // 2 cp - 1 - r of 2 cp).
+      const auto cp_rank = [&](int64_t i) {
+        if (d.cp == 1) return int64_t{0};
+        const int64_t chunk = i / (d.s / (2 * d.cp));
+        return chunk < d.cp ? chunk : 2 * d.cp - 1 - chunk;
+      };
+      std::vector<int64_t> unmasked(static_cast<size_t>(d.cp), 0);
+      for (int64_t i = 0; i < valid; ++i) ++unmasked[static_cast<size_t>(cp_rank(i))];
       Vec mtp_loss(rows);
       st.dlogits.resize(rows, mtp_logits.cols());
-      ref::CrossEntropy(mtp_logits, targets, gpt.label_smoothing, mtp_scale,
+      ref::CrossEntropy(mtp_logits, targets, gpt.label_smoothing, 1.0,
                         std::span<double>(mtp_loss.data(), static_cast<size_t>(rows)), st.dlogits);
-      for (int64_t r = std::max<int64_t>(valid, 0) * d.n; r < rows; ++r) {
-        mtp_loss(r) = 0.0;  // loss_mask rolled: the last k + 1 positions have no label
-        st.dlogits.row(r).setZero();
+      for (int64_t i = 0; i < d.s; ++i) {
+        const int64_t v = unmasked[static_cast<size_t>(cp_rank(i))];
+        const double scale =
+            i < valid ? gpt.mtp_loss_scaling_factor / static_cast<double>(D * d.M * d.B * d.cp * v)
+                      : 0.0;
+        for (int64_t j = 0; j < d.n; ++j) {
+          // loss_mask rolled: the last k + 1 positions have no label
+          if (i >= valid) mtp_loss(i * d.n + j) = 0.0;
+          st.dlogits.row(i * d.n + j) *= scale;
+        }
       }
       Record(record, prefix + ".loss.per_token", Kind::kPerToken,
              MatMap(mtp_loss.data(), d.s, d.n));
@@ -723,11 +741,11 @@ Status CheckGptReferenceConfig(const GptConfig& gpt, const ParallelConfig& paral
                          fmt::format("{} is shorter than run.seq_length {}",
                                      gpt.max_position_embeddings, run.seq_length));
   }
-  if (gpt.mtp_num_layers > 0 && (gpt.has_position_embeddings() || gpt.moe.enabled() ||
-                                 gpt.dropout_mode == DropoutMode::kRngTracker)) {
+  if (gpt.mtp_num_layers > 0 &&
+      (gpt.has_position_embeddings() || gpt.dropout_mode == DropoutMode::kRngTracker)) {
     return Status::Error("model.mtp_num_layers",
-                         "multi-token prediction needs rope, a dense model and dropout_mode "
-                         "\"global\" (what ParseGptSection accepts)");
+                         "multi-token prediction needs rope and dropout_mode \"global\" (what "
+                         "ParseGptSection accepts)");
   }
 
   return {};
@@ -812,6 +830,7 @@ StatusOr<ReferenceResult> RunGptReference(const GptConfig& gpt_in,
   d.Vp = gpt.PaddedVocabSize(t);
   d.L = gpt.num_layers;
   d.qkv = gpt.QkvRows();
+  d.cp = parallel.context_parallel_size;  // multi-token prediction's per-rank token counts
   if (gpt.dropout_mode == DropoutMode::kRngTracker) {
     MPUSIM_RETURN_IF_ERROR(PlanTrackerDraws(gpt, parallel, run, &d));
   }
@@ -829,18 +848,27 @@ StatusOr<ReferenceResult> RunGptReference(const GptConfig& gpt_in,
   MPUSIM_RETURN_IF_ERROR(InitParameters(gpt, d, options.parameter_overrides, &params));
 
   SliceRun slice{gpt, d, params, {}, {}, 0.0, 0.0, {}};
-  // The expert biases' counts, per MoE layer over every micro-batch (kept choices).
-  std::map<int64_t, std::vector<double>> tokens_per_expert;
+  // Every router by its module's name: the decoder's MoE layers, then the depths' (an MTP
+  // layer is built like the last decoder layer, with a router of its own).
+  std::map<std::string, MoeParams*> routers;
+  for (int64_t i = 0; i < d.L; ++i) {
+    MoeParams& moe = params.layers[static_cast<size_t>(i)].moe;
+    if (moe.defined()) routers[fmt::format("decoder.layers.{}.mlp.router", i)] = &moe;
+  }
+  for (int64_t k = 0; k < gpt.mtp_num_layers; ++k) {
+    MoeParams& moe = params.mtp[static_cast<size_t>(k)].layer.moe;
+    if (moe.defined()) routers[fmt::format("mtp.layers.{}.transformer_layer.mlp.router", k)] = &moe;
+  }
+  // The expert biases' counts, per router over every micro-batch (kept choices).
+  std::map<std::string, std::vector<double>> tokens_per_expert;
   if (gpt.moe.enabled() && gpt.moe.enable_expert_bias) {
-    for (int64_t i = 0; i < d.L; ++i) {
-      MoeParams& moe = params.layers[static_cast<size_t>(i)].moe;
-      if (!moe.defined()) continue;
-      tokens_per_expert[i].assign(static_cast<size_t>(gpt.moe.num_experts), 0.0);
-      moe.tokens_per_expert = &tokens_per_expert[i];
+    for (auto& [router, moe] : routers) {
+      tokens_per_expert[router].assign(static_cast<size_t>(gpt.moe.num_experts), 0.0);
+      moe->tokens_per_expert = &tokens_per_expert[router];
     }
   }
-  // The global load-balancing loss's trackers, per MoE layer (this step's).
-  std::map<int64_t, MoeParams::GlobalAuxTracker> global_aux;
+  // The global load-balancing loss's trackers, per router (this step's).
+  std::map<std::string, MoeParams::GlobalAuxTracker> global_aux;
   if (gpt.moe.enabled() && gpt.moe.AuxLossCoeff(MoeLoadBalancing::kGlobalAuxLoss) > 0) {
     if (d.n != d.B && d.n != 0) {  // (an empty slice lists the tensors)
       return Status::Error("reference slice",
@@ -848,11 +876,9 @@ StatusOr<ReferenceResult> RunGptReference(const GptConfig& gpt_in,
                                        "\"global_aux_loss\"'s counts need",
                                        d.sample_begin, sample_end, d.B));
     }
-    for (int64_t i = 0; i < d.L; ++i) {
-      MoeParams& moe = params.layers[static_cast<size_t>(i)].moe;
-      if (!moe.defined()) continue;
-      global_aux[i].tokens.assign(static_cast<size_t>(gpt.moe.num_experts), 0.0f);
-      moe.global_aux = &global_aux[i];
+    for (auto& [router, moe] : routers) {
+      global_aux[router].tokens.assign(static_cast<size_t>(gpt.moe.num_experts), 0.0f);
+      moe->global_aux = &global_aux[router];
     }
   }
   if (gpt.moe.enabled()) {
@@ -916,9 +942,8 @@ StatusOr<ReferenceResult> RunGptReference(const GptConfig& gpt_in,
   Tensor loss = NewTensor({1});
   loss.data_as<double>()[0] = result.loss;
   whole("loss", {1}, loss, true);
-  for (const auto& [i, counts] : tokens_per_expert) {
-    const std::string router = fmt::format("decoder.layers.{}.mlp.router", i);
-    const std::vector<double>& bias = params.layers[static_cast<size_t>(i)].moe.expert_bias;
+  for (const auto& [router, counts] : tokens_per_expert) {
+    const std::vector<double>& bias = routers.at(router)->expert_bias;
     const Shape shape{gpt.moe.num_experts};
     Tensor b = NewTensor(shape), c = NewTensor(shape);
     std::copy(bias.begin(), bias.end(), b.data_as<double>());

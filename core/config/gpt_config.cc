@@ -260,8 +260,6 @@ Status CheckMtp(const json& section, GptConfig* gpt) {
                                      "\"rope\"",
                                      PositionEmbeddingName(gpt->position_embedding_type)));
   }
-  // With num_moe_experts: refused by CheckGptLayout for the executor and the reference, which
-  // do not build the MTP layer of an MoE model yet; the estimate counts it.
   if (gpt->dropout_mode == DropoutMode::kRngTracker &&
       (gpt->hidden_dropout > 0 || gpt->attention_dropout > 0)) {
     return Status::Error("model.dropout_mode",
@@ -476,13 +474,7 @@ Status ParseGptSection(const json& section, GptConfig* out) {
   return {};
 }
 
-Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptConfig* gpt,
-                      bool counting) {
-  if (!counting && gpt->mtp_num_layers > 0 && gpt->moe.enabled()) {
-    return Status::Error("model.mtp_num_layers",
-                         "multi-token prediction with num_moe_experts is not built yet (the MTP "
-                         "layer of an MoE model); use a dense model or mtp_num_layers null");
-  }
+Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptConfig* gpt) {
   const int64_t t = parallel.tensor_model_parallel_size;
   const auto divisible = [&](const char* field, int64_t value) -> Status {
     if (value % t == 0) return {};

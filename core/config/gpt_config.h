@@ -288,11 +288,7 @@ Status ParseGptSection(const nlohmann::json& section, GptConfig* out);
 // Checks the model against the layout and the run section and resolves the defaults that
 // depend on them (max_position_embeddings). Errors name the field: "model.num_query_groups:
 // 6 is not divisible by tensor_model_parallel_size 4".
-// `counting`: the estimate's check (core/estimate: the parameter count, advise's candidates),
-// which counts what the executor and the reference do not build yet (multi-token prediction
-// in a mixture-of-experts model); without it that is refused, naming the field.
-Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptConfig* gpt,
-                      bool counting = false);
+Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptConfig* gpt);
 
 // One parameter of the model: Megatron-Core GPTModel's state-dict name (local layer spec),
 // its full shape, how its master values are drawn, and how tensor parallelism splits it.

@@ -126,7 +126,7 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
       c.optimizer->overlap_grad_reduce = l.overlap_grad_reduce;
       c.optimizer->overlap_param_gather = l.overlap_param_gather;
     }
-    if (!CheckGptLayout(c.parallel, *c.run, EstimatedModel(&c), true).ok()) return std::nullopt;
+    if (!CheckGptLayout(c.parallel, *c.run, EstimatedModel(&c)).ok()) return std::nullopt;
     return c;
   };
   // Counted once each: the topology of (tp, cp, ep, pp, vp, sp), and held memory, which depends

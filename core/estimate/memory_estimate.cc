@@ -46,7 +46,7 @@ StatusOr<std::vector<HeldParameterShape>> CountedParameterShapes(const Config& c
                          "the parameter count needs a GPT model and a run section");
   }
   GptConfig gpt = *model;
-  MPUSIM_RETURN_IF_ERROR(CheckGptLayout(config.parallel, *config.run, &gpt, true));
+  MPUSIM_RETURN_IF_ERROR(CheckGptLayout(config.parallel, *config.run, &gpt));
   const RankCoordinates coords = topology.Coordinates(rank);
   const DerivedSizes& sizes = topology.sizes();
   StatusOr<LayerAssignment> assigned = AssignLayers(config.parallel.Split(), gpt.num_layers);

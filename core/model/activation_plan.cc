@@ -108,9 +108,11 @@ StashPlan DeclaredChunkStash(const Config& config, const Topology& topology,
                         : TransformerLayer::PlanStash(g, declared.shape, config.run->dtype, keep,
                                                       is_moe ? &declared.moe : nullptr));
   }
-  // Multi-token prediction's layers are dense and never fully recomputed (GptModel::Build).
+  // Multi-token prediction's layers are built like the last decoder layer (an MoE layer where
+  // it is one) and never fully recomputed (GptModel::Build).
+  const bool mtp_moe = g.moe.enabled() && g.moe.layers.back();
   return GptModel::PlanStash(g, declared.shape, config.run->dtype, chunk, plans,
-                             &declared.dense_layer);
+                             mtp_moe ? &declared.moe_layer : &declared.dense_layer);
 }
 
 StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
@@ -383,15 +385,16 @@ StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
   // --- multi-token prediction's depths, backwarded first on the post_process chunk ---
   // GptModel::MtpBackward, deepest depth first, holding the gradient passed on from the
   // depth after it (`carried`): the depth's head as the main head's; its final norm's
-  // backward; its (dense) layer's, whose Inner it then frees; under sp the gradient gathered
-  // to every row, then this rank's columns of it (gather_from's backward); eh_proj's backward
-  // (ColumnParallelLinear: d x [R, 2h], with sp its gathered input, the weight gradient, then
-  // the reduce-scatter or the all-reduce's copy); the two halves of d concat split; enorm's
-  // backward and the embedding dropout's; the word embeddings' gathered gradient; hnorm's
-  // backward. Each point is less the depths' Inner already freed; the main head then holds
-  // the depths' gradient beside its own, and the decoder's layers start with every depth's
-  // Inner freed.
+  // backward; its layer's (dense, or MoE as the last decoder layer), whose Inner it then frees;
+  // under sp the gradient gathered to every row, then this rank's columns of it (gather_from's
+  // backward); eh_proj's backward (ColumnParallelLinear: d x [R, 2h], with sp its gathered input,
+  // the weight gradient, then the reduce-scatter or the all-reduce's copy); the two halves of d
+  // concat split; enorm's backward and the embedding dropout's; the word embeddings' gathered
+  // gradient; hnorm's backward. Each point is less the depths' Inner already freed; the main head
+  // then holds the depths' gradient beside its own, and the decoder's layers start with every
+  // depth's Inner freed.
   const int64_t depths = g.mtp_num_layers;
+  const bool mtp_moe = g.moe.enabled() && g.moe.layers.back();
   double mtp_working = 0, mtp_freed = 0;
   for (int64_t k = depths; k-- > 0;) {
     const double carried = k + 1 < depths ? stream : 0;
@@ -401,10 +404,10 @@ StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
         std::max((sp ? 2 * full : 0) + weight_grad(h / t, 2 * h), sp          ? 2 * stream
                                                                   : sz.tp > 1 ? 2 * full
                                                                               : 0);
-    const double before =
-        Max({carried + head_working, 2 * stream, working_of(0, dense_point, true)});
+    const double before = Max({carried + head_working, 2 * stream,
+                               working_of(0, mtp_moe ? moe_point : dense_point, !mtp_moe)});
     mtp_working = std::max(mtp_working, before - mtp_freed);
-    mtp_freed += inner;
+    mtp_freed += mtp_moe ? moe_inner : inner;
     const double after = Max({sp ? stream + full : 0, sz.tp > 1 ? full + col : stream, eh_proj,
                               4 * stream, 3 * stream, 2 * stream + (sp ? full : 0)});
     mtp_working = std::max(mtp_working, after - mtp_freed);

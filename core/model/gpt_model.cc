@@ -10,6 +10,7 @@
 #include <string_view>
 #include <tuple>
 
+#include "core/context_parallel/roll.h"
 #include "core/init.h"
 #include "core/pipeline/step_span.h"
 #include "core/rng.h"
@@ -146,15 +147,8 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
   MPUSIM_RETURN_IF_ERROR(CheckGptLayout(config.parallel, model->run_, &model->gpt_));
   if (model->gpt_.mtp_num_layers > 0) {
     // Multi-token prediction: what the executor does not build (ParseGptSection refuses
-    // Megatron's own rules and MoE).
-    if (topology.sizes().cp > 1) {
-      return Status::Error("parallel.context_parallel_size",
-                           fmt::format("{} with mtp_num_layers is not built yet (Megatron rolls "
-                                       "the shifted ids across the cp ranks); use 1",
-                                       topology.sizes().cp));
-    }
-    // Megatron's "block" skips the MTP layers (with a warning: Warnings); "uniform"
-    // checkpoints each depth's projection and layer, not built here.
+    // Megatron's own rules). Megatron's "block" skips the MTP layers (with a warning: Warnings);
+    // "uniform" checkpoints each depth's projection and layer, not built here.
     if (model->run_.recompute == RunConfig::Recompute::kFull &&
         model->run_.recompute_method == RunConfig::RecomputeMethod::kUniform) {
       return Status::Error("run.recompute_method",
@@ -253,14 +247,15 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
       return Norm(gpt.normalization, gpt.layernorm_epsilon, &params.Get(name + ".weight"),
                   params.Find(name + ".bias"));
     };
-    // Each depth's transformer layer is built from the last decoder layer's spec.
+    // Each depth's transformer layer is built from the last decoder layer's spec, numbered
+    // within the block (its window).
     for (int64_t k = 0; k < gpt.mtp_num_layers; ++k) {
       const std::string prefix = fmt::format("mtp.layers.{}", k);
       model->mtp_.push_back(
           MtpDepth{norm(prefix + ".enorm"), norm(prefix + ".hnorm"),
                    ColumnParallelLinear(&params.Get(prefix + ".eh_proj.weight"), nullptr),
                    TransformerLayer(gpt, gpt.num_layers - 1, params, t, model->run_, experts,
-                                    prefix + ".transformer_layer"),
+                                    prefix + ".transformer_layer", k),
                    norm(prefix + ".final_layernorm")});
     }
   }
@@ -279,16 +274,31 @@ std::vector<std::string> GptModel::Warnings() const {
       "yet. Skipping recompute.\")"};
 }
 
+std::vector<GptModel::HeldMoe> GptModel::MoeLayers() const {
+  std::vector<HeldMoe> held;
+  for (const auto& [layer, module] : layers_) {
+    if (module.moe() != nullptr) {
+      held.push_back({layer, fmt::format("decoder.layers.{}", layer), module.moe()});
+    }
+  }
+  for (size_t k = 0; k < mtp_.size(); ++k) {
+    if (mtp_[k].layer.moe() != nullptr) {
+      held.push_back({gpt_.num_layers + static_cast<int64_t>(k),
+                      fmt::format("mtp.layers.{}.transformer_layer", k), mtp_[k].layer.moe()});
+    }
+  }
+  return held;
+}
+
 std::vector<std::string> GptModel::StepNotes() const {
   // One line per MoE layer from the first rank of each expert tensor-parallel group (its
   // expt_tp peers compute slices of the same experts on the same tokens).
   std::vector<std::string> notes;
   if (coords_.etp != 0) return notes;
-  for (const auto& [layer, module] : layers_) {
-    const MoeLayer* moe = module.moe();
-    if (moe == nullptr || moe->received().empty()) continue;
+  for (const HeldMoe& l : MoeLayers()) {
+    if (l.moe->received().empty()) continue;
     notes.push_back(fmt::format("rank {} (ep rank {}) layer {}: {}", coords_.rank, coords_.ep,
-                                layer, moe->ReceivedNote()));
+                                l.number, l.moe->ReceivedNote()));
   }
   return notes;
 }
@@ -308,7 +318,7 @@ void GptModel::InitializeParameters(Kernels& k) {
   key_positions_ = k.ToDevice(keys);
 }
 
-GptModel::Batch GptModel::MakeBatch(Kernels& k, int64_t microbatch, int64_t shift) const {
+GptModel::Batch GptModel::MakeBatch(Kernels& k, int64_t microbatch) const {
   const StreamShape& sh = shape_;
   const int64_t s_cp = sh.s_cp();
   Tensor tokens = Tensor::HostEmpty({s_cp, sh.b}, DType::kInt64);
@@ -320,16 +330,13 @@ GptModel::Batch GptModel::MakeBatch(Kernels& k, int64_t microbatch, int64_t shif
     for (int64_t j = 0; j < sh.b; ++j) {
       const int64_t gs = sh.dp_rank * sh.b + j;
       const int64_t row = l * sh.b + j;
-      // Rolled `shift` places: position i holds what i + shift held, 0 past the sequence.
-      const bool inside = i + shift < sh.s;
       tokens.data_as<int64_t>()[row] =
-          inside ? TokenAt(run_.seed, text, gs * (sh.s + 1) + i + shift, gpt_.vocab_size) : 0;
+          TokenAt(run_.seed, text, gs * (sh.s + 1) + i, gpt_.vocab_size);
       labels.data_as<int64_t>()[row] =
-          inside ? TokenAt(run_.seed, text, gs * (sh.s + 1) + i + shift + 1, gpt_.vocab_size) : 0;
+          TokenAt(run_.seed, text, gs * (sh.s + 1) + i + 1, gpt_.vocab_size);
       positions.data_as<int64_t>()[row] = i;
     }
   }
-  if (shift > 0) return Batch{k.ToDevice(tokens), k.ToDevice(labels), Tensor()};
   return Batch{k.ToDevice(tokens), k.ToDevice(labels), k.ToDevice(positions)};
 }
 
@@ -509,12 +516,29 @@ void GptModel::MtpForward(const ModuleContext& ctx, const Tensor& hidden, Stash*
   const StreamShape& sh = shape_;
   const int64_t h = gpt_.hidden_size, rows = sh.stream_rows();
   const ShardSpec stream = sh.StreamSpec(d_);
+  // roll_tensor over the cp ranks (a local torch.roll when cp = 1), tagged apart from the
+  // ring attention's messages.
+  constexpr int kRollTag = 16;
+  const auto roll = [&](const Tensor& x) {
+    return RollLeftAcrossCp(k, ctx.cp, sh.cp, sh.cp_rank, x, kRollTag);
+  };
   Tensor prev = hidden;
+  // The previous depth's ids, positions and labels (the micro-batch's first) and loss mask
+  // (ones first: every token has its label).
+  Tensor ids = stash->batch.tokens, positions = stash->batch.positions,
+         labels = stash->batch.labels;
+  Tensor mask_host = Tensor::HostEmpty({sh.s_cp(), sh.b}, DType::kFloat32);
+  std::fill_n(mask_host.data_as<float>(), mask_host.numel(), 1.0f);
+  Tensor mask = k.ToDevice(mask_host);
   for (size_t d = 0; d < mtp_.size(); ++d) {
     const MtpDepth& depth = mtp_[d];
     MtpStash& st = stash->mtp[d];
     const std::string prefix = fmt::format("mtp.layers.{}", d);
     ctx.trace.SetSite(prefix);
+    // MultiTokenPredictionLayer._get_embeddings: the ids and positions rolled once more
+    // (rope: the positions reach no embedding; Megatron rolls them all the same).
+    ids = st.batch.tokens = roll(ids);
+    positions = roll(positions);
     const Tensor embedded = WordEmbeddings().Forward(ctx, st.batch.tokens);
     const Tensor e = gpt_.hidden_dropout > 0
                          ? DropoutAtSite(ctx, prefix + ".embedding.embedding_dropout",
@@ -540,15 +564,18 @@ void GptModel::MtpForward(const ModuleContext& ctx, const Tensor& hidden, Stash*
     const Tensor logits = output_layer_->Forward(ctx, out, &st.output_layer);
     ctx.Record(prefix + ".output_layer.output", logits, {sh.s, sh.B, padded_vocab_},
                sh.ColumnSpec(d_, 1));
+    // process_mtp_loss: the labels and the loss mask rolled once more.
+    ctx.trace.SetSite(prefix + " (loss)");
+    labels = st.batch.labels = roll(labels);
+    mask = roll(mask);
+    st.loss_mask = k.ToHost(mask);
     const Tensor losses = VocabParallelCrossEntropyForward(
         k, ctx.tp, logits, st.batch.labels, padded_vocab_, gpt_.label_smoothing, &st.loss);
     if (ctx.recording()) {
-      // The loss mask rolled with the labels: no loss where no label was left.
+      // No loss where the roll left no label.
       Tensor masked = k.ToHost(losses);
-      const int64_t valid = sh.s - static_cast<int64_t>(d + 1);
-      for (int64_t l = 0; l < sh.s_cp(); ++l) {
-        if (sh.Position(l) < valid) continue;
-        for (int64_t j = 0; j < sh.b; ++j) SetHostValue(masked, l * sh.b + j, 0.0);
+      for (int64_t i = 0; i < masked.numel(); ++i) {
+        if (st.loss_mask.data_as<float>()[i] == 0.0f) SetHostValue(masked, i, 0.0);
       }
       ctx.Record(prefix + ".loss.per_token", k.ToDevice(masked).Reshaped({sh.s_cp(), sh.b}),
                  {sh.s, sh.B}, sh.TokenSpec(d_));
@@ -560,8 +587,9 @@ void GptModel::MtpForward(const ModuleContext& ctx, const Tensor& hidden, Stash*
 // The depths' backward, deepest first: h_k's gradient is its logits' plus depth k + 1's
 // hnorm's. MTPLossAutoScaler gives each depth's loss the gradient
 // mtp_loss_scaling_factor / D / num_tokens_k times the main loss's backward scale 1 / M
-// (num_tokens_k = b (s - k - 1), this rank's unmasked tokens), and the data-parallel
-// gradient average divides by d: per unmasked token f / (D M B (s - k - 1)).
+// (num_tokens_k: this rank's unmasked tokens, roll_tensor's local sum: b (s - k - 1) without
+// cp), and the gradient average over dp x cp divides by d cp: per unmasked token
+// f / (D M d cp num_tokens_k), f / (D M B (s - k - 1)) without cp.
 Tensor GptModel::MtpBackward(const ModuleContext& ctx, Stash& stash) const {
   Kernels& k = ctx.k;
   const StreamShape& sh = shape_;
@@ -576,17 +604,16 @@ Tensor GptModel::MtpBackward(const ModuleContext& ctx, Stash& stash) const {
     ctx.trace.SetSite(prefix);
     Tensor dout;  // d loss / d h_k
     {
-      const int64_t valid = sh.s - (d + 1);
-      const double scale = valid > 0
-                               ? gpt_.mtp_loss_scaling_factor /
-                                     static_cast<double>(D * run_.num_microbatches * sh.B * valid)
-                               : 0.0;
+      const float* mask = st.loss_mask.data_as<float>();
+      int64_t num_tokens = 0;
+      for (int64_t i = 0; i < tokens; ++i) num_tokens += mask[i] != 0.0f ? 1 : 0;
+      const double scale =
+          num_tokens > 0
+              ? gpt_.mtp_loss_scaling_factor /
+                    static_cast<double>(D * run_.num_microbatches * d_ * sh.cp * num_tokens)
+              : 0.0;
       Tensor dloss_host = Tensor::HostEmpty({tokens}, ComputeDType(run_.dtype));
-      for (int64_t l = 0; l < sh.s_cp(); ++l) {
-        for (int64_t j = 0; j < sh.b; ++j) {
-          SetHostValue(dloss_host, l * sh.b + j, sh.Position(l) < valid ? scale : 0.0);
-        }
-      }
+      for (int64_t i = 0; i < tokens; ++i) SetHostValue(dloss_host, i, mask[i] * scale);
       const Tensor dloss = k.ToDevice(dloss_host);
       const Tensor dlogits = VocabParallelCrossEntropyBackward(
           k, st.loss, st.batch.labels, padded_vocab_, gpt_.label_smoothing, sh.tp_rank, dloss);
@@ -633,9 +660,7 @@ void GptModel::BeginStep(RankContext& ctx, int64_t iteration, bool record) {
   iteration_ = iteration;
   record_ = record;
   recorded_.clear();
-  for (const auto& [layer, module] : layers_) {
-    if (module.moe() != nullptr) module.moe()->ResetTokensPerExpert();
-  }
+  for (const HeldMoe& l : MoeLayers()) l.moe->ResetTokensPerExpert();
   // The tracker's state at the start of the iteration: every earlier iteration ran M
   // forwards of every chunk.
   if (tracker_) tracker_next_ = TrackerAtIteration(iteration);
@@ -676,14 +701,7 @@ Tensor GptModel::ForwardStep(const StepCall& call, const Tensor& input, StepStas
   if (spec.pre_process || spec.post_process) {
     stash.batch = MakeBatch(*ctx.kernels, iteration_ * run_.num_microbatches + call.microbatch);
   }
-  if (spec.post_process) {
-    // Each multi-token prediction depth's ids, rolled once more than the previous depth's.
-    for (size_t d = 0; d < mtp_.size(); ++d) {
-      stash.mtp.emplace_back().batch =
-          MakeBatch(*ctx.kernels, iteration_ * run_.num_microbatches + call.microbatch,
-                    static_cast<int64_t>(d) + 1);
-    }
-  }
+  if (spec.post_process) stash.mtp.resize(mtp_.size());  // MtpForward rolls each depth's ids
   Tensor x = input;
   if (spec.pre_process) {
     mctx.trace.SetSite("embedding");
@@ -747,9 +765,7 @@ void GptModel::EndStep(RankContext& ctx) {
   const int64_t M = run_.num_microbatches;
   // After the gradients' finalisation, as finalize_model_grads resets the routers' global
   // aux loss trackers (reset_model_temporary_tensors).
-  for (const auto& [layer, module] : layers_) {
-    if (module.moe() != nullptr) module.moe()->ResetGlobalAuxLossTracker();
-  }
+  for (const HeldMoe& l : MoeLayers()) l.moe->ResetGlobalAuxLossTracker();
   if (tracker_ && tracker_next_ != TrackerAtIteration(iteration_ + 1)) {
     throw std::logic_error(
         fmt::format("GptModel: the RNG tracker advanced to draws ({}, {}), not to the end of "
@@ -788,24 +804,21 @@ void GptModel::Records(RankContext& ctx, std::vector<TensorRecord>* records) con
   // The routers' expert biases as Megatron's state dict names them (float32 [E], the same on
   // every rank).
   expert_bias_records_.clear();
-  for (const auto& [layer, module] : layers_) {
-    const MoeLayer* moe = module.moe();
-    if (moe == nullptr || moe->expert_bias().empty()) continue;
-    const std::vector<float>& bias = moe->expert_bias();
+  for (const HeldMoe& l : MoeLayers()) {
+    if (l.moe->expert_bias().empty()) continue;
+    const std::vector<float>& bias = l.moe->expert_bias();
     Tensor host = Tensor::HostEmpty({static_cast<int64_t>(bias.size())}, DType::kFloat32);
     std::copy(bias.begin(), bias.end(), host.data_as<float>());
     expert_bias_records_.push_back(ctx.kernels->ToDevice(host));
-    records->push_back({fmt::format("decoder.layers.{}.mlp.router.expert_bias", layer),
-                        expert_bias_records_.back(), host.shape(), ShardSpec{}, false});
+    records->push_back({l.name + ".mlp.router.expert_bias", expert_bias_records_.back(),
+                        host.shape(), ShardSpec{}, false});
   }
 }
 
 void GptModel::AfterOptimizerStep(RankContext& ctx) {
   std::vector<const MoeLayer*> biased;
-  for (const auto& [layer, module] : layers_) {
-    if (module.moe() != nullptr && !module.moe()->expert_bias().empty()) {
-      biased.push_back(module.moe());
-    }
+  for (const HeldMoe& l : MoeLayers()) {
+    if (!l.moe->expert_bias().empty()) biased.push_back(l.moe);
   }
   if (biased.empty()) return;
   // finalize_model_grads's _update_router_expert_bias: the counts of every layer stacked
@@ -831,10 +844,8 @@ void GptModel::AfterOptimizerStep(RankContext& ctx) {
 
 std::vector<ExpertLoad> GptModel::ExpertLoads() const {
   std::vector<ExpertLoad> loads;
-  for (const auto& [layer, module] : layers_) {
-    const MoeLayer* moe = module.moe();
-    if (moe == nullptr) continue;
-    loads.push_back({layer, moe->tokens_per_expert(), moe->expert_bias()});
+  for (const HeldMoe& l : MoeLayers()) {
+    loads.push_back({l.number, l.moe->tokens_per_expert(), l.moe->expert_bias()});
   }
   return loads;
 }

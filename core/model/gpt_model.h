@@ -165,6 +165,7 @@ class GptModel final : public Model {
   // the ids and labels rolled k + 1 places, its modules' stashes, its logits' loss.
   struct MtpStash {
     Batch batch;                          // tokens, labels rolled (zeros shifted in at the end)
+    Tensor loss_mask;                     // host float32 [s_l, b]: 1 where a label is left
     Norm::Stash enorm;                    // input: the shifted tokens' embedding [s_l*b, h]
     Norm::Stash hnorm;                    // input: the previous depth's hidden state [s_l*b, h]
     ColumnParallelLinear::Stash eh_proj;  // input: [enorm, hnorm] concatenated [s_l*b, 2h]
@@ -184,10 +185,10 @@ class GptModel final : public Model {
     std::vector<MtpStash> mtp;  // a post_process chunk's multi-token prediction depths
     TrackerDraws::Count draws;  // rng_tracker: the forward step's first draws
   };
-  // With `shift` > 0 (a multi-token prediction depth): the ids and labels rolled `shift`
-  // places to the left along the sequence (Megatron's roll_tensor, once per depth: the vacated
-  // last positions hold id 0), without positions.
-  Batch MakeBatch(Kernels& k, int64_t microbatch, int64_t shift = 0) const;
+  // Micro-batch `microbatch`'s ids, labels and positions on this rank (each data-parallel
+  // rank's samples, each cp rank's positions), drawn per global position (multi-token
+  // prediction's depths roll them over the cp ranks: MtpForward).
+  Batch MakeBatch(Kernels& k, int64_t microbatch) const;
   // The RNG tracker's next draws at the start of `iteration` (every earlier iteration ran M
   // forward steps of every chunk).
   TrackerDraws::Count TrackerAtIteration(int64_t iteration) const;
@@ -208,6 +209,18 @@ class GptModel final : public Model {
 
   // This rank's account of one pipeline stage for Explain (the whole model when pp = 1).
   void ExplainStage(std::ostream& out) const;
+
+  // This rank's MoE layers: the decoder's held ones, then the multi-token prediction depths'
+  // (each built like the last decoder layer, with a router, experts and expert bias of its
+  // own). `number`: the decoder layer from 0, depth k as num_layers + k (the number
+  // Megatron's router logs it under); `name`: the layer's module, "decoder.layers.<i>" or
+  // "mtp.layers.<k>.transformer_layer".
+  struct HeldMoe {
+    int64_t number;
+    std::string name;
+    const MoeLayer* moe;
+  };
+  std::vector<HeldMoe> MoeLayers() const;
 
   Config config_;  // as built (ShardingMap and Explain build the other stages from it)
   const Topology* topology_ = nullptr;

@@ -93,11 +93,16 @@ std::string GptModel::Describe() const {
   if (gpt.mtp_num_layers > 0) {
     out += fmt::format(
         "  multi-token prediction: {} depth{} after the final norm on the last stage, each the "
-        "embedding of the ids rolled once more, enorm, hnorm, eh_proj and a transformer layer, "
+        "embedding of the ids rolled once more, enorm, hnorm, eh_proj and a transformer layer{}, "
         "through the shared output layer; their losses times mtp_loss_scaling_factor {} / {} "
         "join the gradient, not the reported loss\n",
-        gpt.mtp_num_layers, gpt.mtp_num_layers == 1 ? "" : "s", gpt.mtp_loss_scaling_factor,
-        gpt.mtp_num_layers);
+        gpt.mtp_num_layers, gpt.mtp_num_layers == 1 ? "" : "s",
+        gpt.moe.enabled() && gpt.moe.layers.back()
+            ? fmt::format(" (an MoE layer like layer {}, its own router and experts, numbered {}+ "
+                          "in the expert lines)",
+                          gpt.num_layers - 1, gpt.num_layers)
+            : std::string(),
+        gpt.mtp_loss_scaling_factor, gpt.mtp_num_layers);
   }
   return out;
 }

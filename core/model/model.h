@@ -56,7 +56,7 @@ struct HeldParameterShape {
 // local_tokens_per_expert, which finalize_model_grads sums over tp x dp x cp for the expert
 // bias's update), and with moe_router_enable_expert_bias the bias after the step's update.
 struct ExpertLoad {
-  int64_t layer = 0;            // the decoder layer, from 0
+  int64_t layer = 0;  // the decoder layer, from 0; multi-token prediction depth k: num_layers + k
   std::vector<int64_t> tokens;  // [E]
   std::vector<float> bias;      // [E]; empty without the expert bias
 };

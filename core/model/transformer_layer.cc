@@ -18,7 +18,7 @@ Norm MakeNorm(const GptConfig& gpt, const std::string& prefix, ParameterSet& par
 
 TransformerLayer::TransformerLayer(const GptConfig& gpt, int64_t layer, ParameterSet& params,
                                    int64_t t, const RunConfig& run, const ExpertPlacement& experts,
-                                   std::string prefix)
+                                   std::string prefix, std::optional<int64_t> number)
     : prefix_(prefix.empty() ? fmt::format("decoder.layers.{}", layer) : std::move(prefix)),
       hidden_dropout_(gpt.hidden_dropout),
       selective_(LayerRecompute::Kept(run)),
@@ -27,7 +27,7 @@ TransformerLayer::TransformerLayer(const GptConfig& gpt, int64_t layer, Paramete
   if (gpt.mla.enabled) {
     mla_.emplace(gpt, prefix_ + ".self_attention", params, t);
   } else {
-    attention_.emplace(gpt, layer, prefix_ + ".self_attention", params, t);
+    attention_.emplace(gpt, number.value_or(layer), prefix_ + ".self_attention", params, t);
   }
   if (gpt.moe.enabled() && gpt.moe.layers.at(static_cast<size_t>(layer))) {
     moe_.emplace(gpt, prefix_ + ".mlp", params, run.num_microbatches, experts);

@@ -58,10 +58,12 @@ class TransformerLayer {
  public:
   // Layer `layer` (0-based; its prefix "decoder.layers.<layer>", or `prefix` when given: a
   // multi-token prediction depth's "mtp.layers.<k>.transformer_layer", built as layer L - 1):
-  // an MoE layer (moe.h) in place of the MLP where gpt.moe.layers says so.
+  // an MoE layer (moe.h) in place of the MLP where gpt.moe.layers says so. `number`: the
+  // layer's own number from 0 where it is not `layer` (depth k's is k: Megatron numbers an MTP
+  // layer from 1 within the block), which decides its sliding window.
   TransformerLayer(const GptConfig& gpt, int64_t layer, ParameterSet& params, int64_t t,
                    const RunConfig& run, const ExpertPlacement& experts = {},
-                   std::string prefix = {});
+                   std::string prefix = {}, std::optional<int64_t> number = {});
 
   struct Inner {
     Norm::Stash norm1;

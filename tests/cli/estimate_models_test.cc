@@ -365,7 +365,7 @@ TEST(EstimateCountedParameters, MtpSitsOnTheLastStageWithItsEmbedding) {
   EXPECT_EQ(Elements(*first, false), 53936);
   EXPECT_EQ(Elements(*last, false), 37552 + 64 + 45936 + 16384 + 16384);
   // The estimate counts it, the CPU executor's activations included (the executor builds MLA
-  // and MTP); on an MoE model, which the executor does not build with MTP yet, it says so.
+  // and MTP), on an MoE model too (the depth's layer an MoE layer).
   const cli::test_util::Result r =
       Mpusim({"estimate", cli::test_util::WriteTemp("mpusim_mla_mtp_estimate.json", doc.dump())});
   ASSERT_EQ(r.code, 0) << r.err;
@@ -378,8 +378,10 @@ TEST(EstimateCountedParameters, MtpSitsOnTheLastStageWithItsEmbedding) {
   const cli::test_util::Result m =
       Mpusim({"estimate", cli::test_util::WriteTemp("mpusim_moe_mtp_estimate.json", moe.dump())});
   ASSERT_EQ(m.code, 0) << m.err;
-  EXPECT_NE(m.out.find("CPU executor's activations: not counted: model.mtp_num_layers"),
-            std::string::npos)
+  EXPECT_NE(m.out.find("What `mpusim run --no-check` keeps on the CPU executor"), std::string::npos)
+      << m.out;
+  EXPECT_EQ(m.out.find("not counted"), std::string::npos) << m.out;
+  EXPECT_NE(m.out.find("a mixture-of-experts layer like the last decoder layer"), std::string::npos)
       << m.out;
   EXPECT_NE(r.out.find("Model part: multi-latent attention (q_lora_rank 32"), std::string::npos)
       << r.out;
@@ -426,8 +428,8 @@ TEST(EstimateDeepSeekV3, EstimateRunsAndNamesEveryPart) {
   for (const char* part : {"Model part: multi-latent attention (q_lora_rank 1536, kv_lora_rank 512",
                            "Model part: multi-token prediction (1 depth",
                            "Model part: DeepSeek-style routing (sigmoid scores, expert bias",
-                           "CPU executor's activations: not counted: model.", "Step time on h800",
-                           "model TFLOP/s per GPU"}) {
+                           "What `mpusim run --no-check` keeps on the CPU executor",
+                           "Step time on h800", "model TFLOP/s per GPU"}) {
     EXPECT_NE(r.out.find(part), std::string::npos) << part << "\n" << r.out;
   }
   EXPECT_EQ(r.out.find("Step time: not estimated"), std::string::npos) << r.out;

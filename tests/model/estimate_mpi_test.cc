@@ -268,6 +268,10 @@ std::vector<Case> Layouts() {
   // depth's layer, logits and loss).
   json mtp = dense;
   mtp["mtp_num_layers"] = 2;
+  // DeepSeek-V3's pair: the depths' layers are MoE layers (the last decoder layer's spec),
+  // each with its router, experts and shared expert.
+  json moe_mtp = moe;
+  moe_mtp["mtp_num_layers"] = 2;
   struct Layout {
     const char* model;
     int64_t tp, pp, vp, cp, ep, etp;
@@ -352,6 +356,11 @@ std::vector<Case> Layouts() {
       {"mtp", 1, 2, 2, 1, 1, 0, false},
       {"mtp", 2, 1, 1, 1, 1, 0, true, nullptr, "selective layernorm,mlp"},
       {"mtp", 1, 2, 1, 1, 1, 0, false, nullptr, "full block 1"},
+      // The same on an MoE model: the depths' experts split over ep 2 on a pipeline, and
+      // with tp 2 + sp (expert tp 1) and the norms and the MoE layers recomputed (the depths'
+      // too).
+      {"moe_mtp", 1, 2, 1, 1, 2, 0, false},
+      {"moe_mtp", 2, 1, 1, 1, 2, 1, true, nullptr, "selective layernorm,moe"},
   };
   for (const Layout& l : layouts) {
     const int64_t model_ranks = l.tp * l.pp * l.cp;
@@ -424,6 +433,7 @@ std::vector<Case> Layouts() {
                           : name == "wide"         ? wide
                           : name == "oss"          ? oss
                           : name == "mtp"          ? mtp
+                          : name == "moe_mtp"      ? moe_mtp
                                                    : dense;
       json document = Document(model, l.tp, l.sp, v.dtype);
       if (is_moe && v.router_dtype != nullptr)

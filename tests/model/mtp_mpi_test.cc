@@ -2,10 +2,11 @@
 // ranks against the float64 GPT reference: one and two depths, tied and untied embeddings
 // (untied, the last stage keeps its own copy of the word embeddings for the depths' shifted
 // ids, its gradient all-reduced over embd), tp with and without sequence parallelism, pipelines
-// of 2 and 4 stages and of 2 stages of 2 virtual ones (the depths on the last), data
-// parallelism with the distributed optimizer training, float64, float32 and bfloat16 with
-// selective and with full (block) recomputation. The depths add to the gradient but not to
-// the reported loss. With multi-latent attention too (DeepSeek-V3's pair).
+// of 2 and 4 stages and of 2 stages of 2 virtual ones (the depths on the last), context
+// parallelism (the ids, labels and loss mask rolled across the cp ranks), data parallelism
+// with the distributed optimizer training, float64, float32 and bfloat16 with selective and
+// with full (block) recomputation. The depths add to the gradient but not to the reported
+// loss. With multi-latent attention and with MoE layers too (DeepSeek-V3's pairs).
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -46,15 +47,17 @@ struct Layout {
   int64_t tp = 1;
   bool sp = false;
   int64_t pp = 1, vp = 0;
+  int64_t cp = 1;
 };
 
 std::string Name(const Layout& l) {
-  return fmt::format("tp {}{} pp {}{}", l.tp, l.sp ? " sp" : "", l.pp,
-                     l.vp > 0 ? fmt::format(" vp {}", l.vp) : "");
+  return fmt::format("tp {}{} pp {}{}{}", l.tp, l.sp ? " sp" : "", l.pp,
+                     l.vp > 0 ? fmt::format(" vp {}", l.vp) : "",
+                     l.cp > 1 ? fmt::format(" cp {}", l.cp) : "");
 }
 
 bool Fits(const Layout& l) {
-  const int64_t ranks = l.tp * l.pp;
+  const int64_t ranks = l.tp * l.pp * l.cp;
   return ranks <= WorldSize() && WorldSize() % ranks == 0;
 }
 
@@ -63,15 +66,23 @@ json MtpDocument(const json& model, const Layout& l, const char* dtype) {
   json document = Document(model, l.tp, l.sp, dtype);
   document["parallel"]["pipeline_model_parallel_size"] = l.pp;
   if (l.vp > 0) document["parallel"]["virtual_pipeline_model_parallel_size"] = l.vp;
-  document["run"]["micro_batch_size"] = Samples() / (WorldSize() / (l.tp * l.pp));
+  document["parallel"]["context_parallel_size"] = l.cp;
+  document["run"]["micro_batch_size"] = Samples() / (WorldSize() / (l.tp * l.pp * l.cp));
   document["run"]["num_microbatches"] = 2 * l.pp;
   return document;
 }
 
+// Context parallelism rolls the ids, labels and loss mask across the cp ranks (roll_tensor)
+// and normalises each rank's depth losses by its own unmasked tokens: cp 2 with and without
+// tp and on a pipeline, and cp 4 (whose middle ranks pass the rolled positions both ways).
 std::vector<Layout> Layouts() {
-  std::vector<Layout> all = {{1, false, 1, 0}, {2, false, 1, 0}, {2, true, 1, 0}, {1, false, 2, 0},
-                             {2, true, 2, 0},  {1, false, 4, 0}, {1, false, 2, 2}};
-  if (testing::kAddressSanitizer) all = {{2, true, 2, 0}, {1, false, 2, 2}};
+  std::vector<Layout> all = {{1, false, 1, 0},    {2, false, 1, 0},    {2, true, 1, 0},
+                             {1, false, 2, 0},    {2, true, 2, 0},     {1, false, 4, 0},
+                             {1, false, 2, 2},    {1, false, 1, 0, 2}, {2, true, 1, 0, 2},
+                             {1, false, 2, 0, 2}, {1, false, 1, 0, 4}};
+  if (testing::kAddressSanitizer) {
+    all = {{2, true, 2, 0}, {1, false, 2, 2}, {1, false, 1, 0, 2}, {1, false, 1, 0, 4}};
+  }
   return all;
 }
 
@@ -190,6 +201,104 @@ TEST(MultiTokenPrediction, WithMultiLatentAttention) {
   }
 }
 
+// DeepSeek-V3's pair: the depths' transformer layers are MoE layers (the last decoder layer's
+// spec) with DeepSeek-style routing: sigmoid scores, 8 experts in 4 groups, top 3 from the
+// best 3 groups, scaled by 2.5, the expert bias, the sequence-level load-balancing loss, the
+// z-loss and a shared expert; the first decoder layer dense.
+json MtpMoe(int64_t depths) {
+  json model = Mtp(depths, false);
+  model["moe_layer_freq"] = json::array({0, 1, 1, 1});
+  model["num_moe_experts"] = 8;
+  model["moe_router_topk"] = 3;
+  model["moe_ffn_hidden_size"] = 16;
+  model["moe_router_score_function"] = "sigmoid";
+  model["moe_router_num_groups"] = 4;
+  model["moe_router_group_topk"] = 3;
+  model["moe_router_topk_scaling_factor"] = 2.5;
+  model["moe_router_enable_expert_bias"] = true;
+  model["moe_router_load_balancing_type"] = "seq_aux_loss";
+  model["moe_aux_loss_coeff"] = 0.01;
+  model["moe_z_loss_coeff"] = 0.001;
+  model["moe_shared_expert_intermediate_size"] = 24;
+  return model;
+}
+
+struct MoeLayout {
+  Layout layout;
+  int64_t ep = 1, etp = 0;  // etp 0: tp's
+  std::string Name() const {
+    return fmt::format("{} ep {}{}", mpusim::Name(layout), ep,
+                       etp > 0 ? fmt::format(" etp {}", etp) : "");
+  }
+  bool Fits() const {
+    const int64_t ranks = layout.tp * layout.pp;
+    const int64_t expert_ranks = (etp > 0 ? etp : layout.tp) * ep * layout.pp;
+    return mpusim::Fits(layout) && WorldSize() % expert_ranks == 0 &&
+           (WorldSize() / ranks) % ep == 0;
+  }
+  // The alltoall dispatcher where experts are split over ep ranks.
+  json Document(const json& model, const char* dtype) const {
+    json document = MtpDocument(model, layout, dtype);
+    document["parallel"]["expert_model_parallel_size"] = ep;
+    if (etp > 0) document["parallel"]["expert_tensor_parallel_size"] = etp;
+    if (ep > 1) document["model"]["moe_token_dispatcher_type"] = "alltoall";
+    return document;
+  }
+};
+
+// Every tensor of the depths' MoE layers (router scores, dispatch, experts, shared expert and
+// their gradients; each router's load-balancing and z-loss gradients, not scaled by the MTP
+// factor) and every parameter gradient matches the float64 reference, on tp with sp, ep and
+// etp, pipelines with the depths on the last stage, virtual stages, and cp 2 (each router's
+// sequence-level loss over the sample's tp x cp pieces); then 3 Adam
+// iterations with the distributed optimizer in which each router's expert bias (the depths'
+// too: finalize_model_grads updates every router's) moves by its own counts, every
+// iteration's gradient norm the reference trainer's.
+TEST(MultiTokenPrediction, WithMixtureOfExperts) {
+  std::vector<MoeLayout> layouts = {{{1, false, 1, 0}, 1, 0},  {{2, true, 1, 0}, 2, 0},
+                                    {{1, false, 2, 0}, 2, 0},  {{2, true, 2, 0}, 2, 1},
+                                    {{1, false, 2, 2}, 1, 0},  {{1, false, 1, 0, 2}, 2, 0},
+                                    {{2, true, 1, 0, 2}, 2, 1}};
+  if (testing::kAddressSanitizer) layouts = {{{2, true, 1, 0}, 2, 0}, {{1, false, 2, 0}, 2, 0}};
+  for (const MoeLayout& l : layouts) {
+    if (!l.Fits()) continue;
+    SCOPED_TRACE(l.Name());
+    if (WorldRank() == 0) fmt::print("  moe {}:", l.Name());
+    RunChecked(l.Document(MtpMoe(2), "float64"));
+  }
+  const MoeLayout trained{{1, false, WorldSize() >= 2 ? 2 : 1, 0}, WorldSize() >= 4 ? 2 : 1, 0};
+  if (WorldRank() == 0) fmt::print("  moe {} distributed optimizer:", trained.Name());
+  json document = Training(trained.Document(MtpMoe(1), "float64"), "adam");
+  document["run"]["train_iters"] = 3;
+  document["optimizer"]["use_distributed_optimizer"] = true;
+  const run::SimulationResult result = RunChecked(document);
+  ASSERT_EQ(result.iterations.size(), result.check.reference_iterations.size());
+  for (size_t i = 0; i < result.iterations.size(); ++i) {
+    const double ref = result.check.reference_iterations[i].grad_norm;
+    EXPECT_NEAR(result.iterations[i].grad_norm, ref, 1e-12 * ref) << "iteration " << i + 1;
+  }
+}
+
+// gpt-oss's sliding window on the layers window_attn_skip_freq 2 marks (odd layer numbers):
+// the depths' layers take their own numbers within the block (Megatron's
+// MultiTokenPredictionLayer numbers them from 1), so depth 0 slides and depth 1 does not,
+// whatever the last decoder layer does; with tp 2 + sp and with cp 2 ("all_gather": Transformer
+// Engine takes a window on no ring).
+TEST(MultiTokenPrediction, WithSlidingWindow) {
+  json model = Mtp(2, false);
+  model["window_size"] = json::array({3, 0});
+  model["window_attn_skip_freq"] = 2;
+  for (const Layout& l :
+       {Layout{1, false, 1, 0}, Layout{2, true, 1, 0}, Layout{1, false, 1, 0, 2}}) {
+    if (!Fits(l)) continue;
+    SCOPED_TRACE(Name(l));
+    if (WorldRank() == 0) fmt::print("  window {}:", Name(l));
+    json document = MtpDocument(model, l, "float64");
+    if (l.cp > 1) document["model"]["cp_comm_type"] = "all_gather";
+    RunChecked(document);
+  }
+}
+
 TEST(MultiTokenPrediction, RefusalsNameTheField) {
   const auto refused = [](const json& document) {
     StatusOr<run::SimulationResult> result = Simulate(document);
@@ -203,13 +312,6 @@ TEST(MultiTokenPrediction, RefusalsNameTheField) {
             "checkpoints each MTP layer's projection and transformer layer); use \"block\" "
             "(which Megatron does not apply to the MTP layers) or recompute_granularity "
             "\"selective\"");
-  if (WorldSize() < 2) return;
-  document = MtpDocument(Mtp(1, false), {1, false, 1, 0}, "float64");
-  document["parallel"]["context_parallel_size"] = 2;
-  document["run"]["micro_batch_size"] = Samples() / (WorldSize() / 2);
-  EXPECT_EQ(refused(document),
-            "parallel.context_parallel_size: 2 with mtp_num_layers is not built yet (Megatron "
-            "rolls the shifted ids across the cp ranks); use 1");
 }
 
 }  // namespace

@@ -45,7 +45,7 @@ using namespace gpt_mpi;
 struct Layout {
   // "dense", "moe" (allgather), "moe_a2a", "moe_gg" (grouped GEMM), "mla" (dense with
   // multi-latent attention), "mla_q_proj" (the same with q_lora_rank null), "mtp" (dense,
-  // two multi-token prediction depths)
+  // two multi-token prediction depths), "moe_mtp" ("moe" with the two depths: MoE layers)
   const char* model;
   int64_t tp, pp, vp, cp, etp;  // etp 0: tp's
   const char* cp_comm = nullptr;
@@ -89,6 +89,7 @@ std::optional<Config> LayoutConfig(const Layout& l) {
   } else if (std::string(l.model) == "mtp") {
     model["mtp_num_layers"] = 2;
   } else if (std::string(l.model) != "dense") {
+    if (std::string(l.model) == "moe_mtp") model["mtp_num_layers"] = 2;
     model["num_moe_experts"] = 4;
     model["moe_router_topk"] = 2;
     model["moe_ffn_hidden_size"] = 16;
@@ -233,6 +234,10 @@ TEST(StashPlan, EveryChunkHoldsWhatItsModulesDeclare) {
       {"mtp", 1, 2, 2, 1, 0, nullptr, nullptr, "float32", false, false, 0.0},
       {"mtp", 2, 1, 1, 1, 0, nullptr, "selective layernorm,mlp", "bfloat16"},
       {"mtp", 1, 2, 1, 1, 0, nullptr, "full block 1"},
+      // The depths as MoE layers (the last decoder layer's spec): alone, and with tp 2 + sp on
+      // a pipeline.
+      {"moe_mtp", 1, 1, 1, 1, 0},
+      {"moe_mtp", 2, 2, 1, 1, 0},
   };
   int64_t compared = 0;
   for (const Layout& l : layouts) {

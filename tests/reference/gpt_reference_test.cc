@@ -821,12 +821,8 @@ void CheckGolden(const std::string& file) {
   ASSERT_TRUE(parsed.ok()) << parsed.Message();
   ASSERT_TRUE(config.gpt.has_value() && config.run.has_value());
   GptConfig gpt = *config.gpt;
-  // The executor's layout check (which refuses an MoE run until the MoE layer is built);
-  // the reference needs none of it.
-  if (!gpt.moe.enabled()) {
-    const Status layout = CheckGptLayout(config.parallel, *config.run, &gpt);
-    ASSERT_TRUE(layout.ok()) << layout.Message();
-  }
+  const Status layout = CheckGptLayout(config.parallel, *config.run, &gpt);
+  ASSERT_TRUE(layout.ok()) << layout.Message();
 
   std::map<std::string, Tensor> tensors;
   for (const NamedTensor& t : golden->tensors) tensors[t.name] = t.tensor;
@@ -949,6 +945,28 @@ TEST(GptReferenceTest, MatchesTorchGoldenMultiTokenPredictionUntied) {
 // ... and the output layer tied to the word embedding that the depths also read.
 TEST(GptReferenceTest, MatchesTorchGoldenMultiTokenPredictionTied) {
   CheckGolden("gpt_golden_k_tied.safetensors");
+}
+
+// Config K tied's depths on context parallelism 2: the labels and loss mask rolled across the
+// cp ranks (roll_tensor's exchange, written out in torch), each cp rank's depth losses over its
+// own unmasked tokens, so the rank holding the sequence's end weighs its tokens more.
+TEST(GptReferenceTest, MatchesTorchGoldenMultiTokenPredictionContextParallel) {
+  CheckGolden("gpt_golden_k_cp.safetensors");
+}
+
+// Config K's depths with a sliding window on odd layer numbers (window_attn_skip_freq 2): the
+// depths' layers take their own numbers within the block (1 slides, 2 does not), not the last
+// decoder layer's.
+TEST(GptReferenceTest, MatchesTorchGoldenMultiTokenPredictionSlidingWindow) {
+  CheckGolden("gpt_golden_k_window.safetensors");
+}
+
+// DeepSeek-V3's pair (config K MoE): two depths whose transformer layers are MoE layers (the
+// last decoder layer's spec) on DeepSeek-style routing with the sequence-level loss: each
+// depth's router adds its load-balancing and z losses to the gradient as the decoder's do
+// (not scaled by the MTP factor), and its expert bias moves by its own token counts.
+TEST(GptReferenceTest, MatchesTorchGoldenMultiTokenPredictionMixtureOfExperts) {
+  CheckGolden("gpt_golden_k_moe.safetensors");
 }
 
 // DeepSeek-V3-style routing: sigmoid scores, the expert bias (for choosing only, and its

@@ -314,6 +314,37 @@ CONFIG_K_TIED = {
     "run": {"seed": 22, "dtype": "float64", "seq_length": 6, "micro_batch_size": 2,
             "num_microbatches": 3},
 }
+# Config K MoE: DeepSeek-V3's pair, multi-token prediction on an MoE model: config G's routing
+# (sigmoid scores, 12 experts in 4 groups, group top-2 of top-4, the expert bias and its
+# update, scaling 2.5, a shared expert, the z-loss) with the sequence-level load-balancing
+# loss (0.05), a dense first layer and an MoE second (moe_layer_freq [0, 1]), two depths whose
+# transformer layers are MoE layers (the last decoder layer's spec), each with its own router,
+# expert bias and experts; mtp_loss_scaling_factor 0.3, d = 2, two micro-batches.
+CONFIG_K_MOE = json.loads(json.dumps(CONFIG_G))
+CONFIG_K_MOE["model"].update({
+    "moe_layer_freq": [0, 1], "moe_router_load_balancing_type": "seq_aux_loss",
+    "moe_aux_loss_coeff": 0.05, "mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.3})
+CONFIG_K_MOE["run"]["seed"] = 23
+
+# Config K window: config K's two depths with a sliding window of 2 (window_size [2, 0]) on
+# every layer whose number window_attn_skip_freq 2 does not divide: decoder layer 1 slides,
+# layer 2 attends causally; the depths' layers, numbered 1 and 2 within the block
+# (MultiTokenPredictionLayer's layer_number), slide and do not, whatever the last decoder
+# layer does.
+CONFIG_K_WINDOW = json.loads(json.dumps(CONFIG_K))
+CONFIG_K_WINDOW["model"].update({"window_size": [2, 0], "window_attn_skip_freq": 2})
+CONFIG_K_WINDOW["run"]["seed"] = 24
+
+# Config K cp: config K tied's model (tp 1) on context parallelism 2 (world 4, d = 2), s = 8
+# (chunks of 2: cp rank 0 holds positions 0 1 6 7, rank 1 2 3 4 5): the labels and the loss
+# mask rolled across the cp ranks as roll_tensor does, each rank's depth losses over its own
+# unmasked tokens (rank 0 loses position 7 at the first depth, 6 and 7 at the second; rank 1
+# none), the gradient averaged over dp x cp. The model itself is cp-free math.
+CONFIG_K_CP = json.loads(json.dumps(CONFIG_K_TIED))
+CONFIG_K_CP["parallel"] = {"world_size": 4, "tensor_model_parallel_size": 1,
+                           "context_parallel_size": 2}
+CONFIG_K_CP["run"].update({"seed": 25, "seq_length": 8, "num_microbatches": 2})
+
 # Config I: gpt-oss's MLP: the clamped quick-GELU gated linear unit (Megatron's activation_func
 # quick_gelu with gated_linear_unit, glu_linear_offset 1, activation_func_clamp_value; the clamp
 # at 1 here so that a good share of the fc1 outputs of these small random weights is clamped)
@@ -474,7 +505,9 @@ class Sizes:
         multiple = m.get("make_vocab_size_divisible_by", 128) * tp
         self.Vp = (self.V + multiple - 1) // multiple * multiple  # _vocab_size_with_padding
         self.s = r["seq_length"]
-        self.B = r["micro_batch_size"] * (p["world_size"] // tp)
+        # Context parallelism (config K cp only: the MTP losses' per-rank normalisation).
+        self.cp = p.get("context_parallel_size", 1)
+        self.B = r["micro_batch_size"] * (p["world_size"] // (tp * self.cp))
         self.M = r["num_microbatches"]
         self.max_pos = m.get("max_position_embeddings", self.s)
         self.layernorm = m.get("normalization", "LayerNorm") == "LayerNorm"
@@ -495,7 +528,8 @@ class Sizes:
         self.eps = m.get("layernorm_epsilon", 1e-5)
         self.label_smoothing = m.get("label_smoothing", 0.0)
         self.b = r["micro_batch_size"]
-        self.d = p["world_size"] // tp  # no pipeline or context parallelism in these configs
+        # No pipeline parallelism in these configs; context parallelism in config K cp alone.
+        self.d = p["world_size"] // (tp * self.cp)
         # Mixture of experts (TransformerConfig's moe_* fields and their defaults).
         self.E = m.get("num_moe_experts") or 0
         self.topk = m.get("moe_router_topk", 2)
@@ -573,8 +607,9 @@ def make_parameters(z):
         weight("embedding.position_embeddings.weight", z.max_pos, z.h)
     qkv_rows = (z.a + 2 * z.g) * z.dk
     fc1_rows = 2 * z.ffn if z.gated else z.ffn
-    for i in range(z.L):
-        p = f"decoder.layers.{i}"
+
+    def layer_parameters(p, moe):
+        """One TransformerLayer's parameters under prefix p (an MoE layer when moe)."""
         norm(p + ".input_layernorm")
         if z.mla:
             mla_parameters(z, p + ".self_attention", weight, norm)
@@ -592,7 +627,7 @@ def make_parameters(z):
         if z.bias:
             bias(p + ".self_attention.linear_proj.bias", z.h)
         norm(p + ".pre_mlp_layernorm")
-        if z.moe_layers[i]:
+        if moe:
             # MoELayer: router.weight [E, h]; SequentialMLP's local_experts.<e> (global expert
             # numbers: one expert-parallel rank here); SharedExpertMLP's linear_fc1/fc2.
             # With add_bias_linear: TopKRouter's bias [E], each expert MLP's linear_fc1.bias and
@@ -615,38 +650,27 @@ def make_parameters(z):
                 shared_fc1 = 2 * z.shared_ffn if z.gated else z.shared_ffn
                 weight(p + ".mlp.shared_experts.linear_fc1.weight", shared_fc1, z.h)
                 weight(p + ".mlp.shared_experts.linear_fc2.weight", z.h, z.shared_ffn)
-            continue
+            return
         weight(p + ".mlp.linear_fc1.weight", fc1_rows, z.h)
         if z.bias:
             bias(p + ".mlp.linear_fc1.bias", fc1_rows)
         weight(p + ".mlp.linear_fc2.weight", z.h, z.ffn)
         if z.bias:
             bias(p + ".mlp.linear_fc2.bias", z.h)
+
+    for i in range(z.L):
+        layer_parameters(f"decoder.layers.{i}", z.moe_layers[i])
     norm("decoder.final_layernorm")
     # MultiTokenPredictionLayer (built after the decoder, before the output layer): enorm,
     # hnorm, eh_proj (ColumnParallelLinear 2h -> h, bias=False), the transformer layer
-    # (mtp_model_layer, saved as transformer_layer; the last decoder layer's spec: dense
-    # here), final_layernorm.
+    # (mtp_model_layer, saved as transformer_layer; the last decoder layer's spec: an MoE
+    # layer when the last decoder layer is one), final_layernorm.
     for k in range(z.mtp):
         p = f"mtp.layers.{k}"
         norm(p + ".enorm")
         norm(p + ".hnorm")
         weight(p + ".eh_proj.weight", z.h, 2 * z.h)
-        t = p + ".transformer_layer"
-        norm(t + ".input_layernorm")
-        weight(t + ".self_attention.linear_qkv.weight", qkv_rows, z.h)
-        if z.qkv_bias:
-            bias(t + ".self_attention.linear_qkv.bias", qkv_rows)
-        weight(t + ".self_attention.linear_proj.weight", z.h, z.a * z.dk)
-        if z.bias:
-            bias(t + ".self_attention.linear_proj.bias", z.h)
-        norm(t + ".pre_mlp_layernorm")
-        weight(t + ".mlp.linear_fc1.weight", fc1_rows, z.h)
-        if z.bias:
-            bias(t + ".mlp.linear_fc1.bias", fc1_rows)
-        weight(t + ".mlp.linear_fc2.weight", z.h, z.ffn)
-        if z.bias:
-            bias(t + ".mlp.linear_fc2.bias", z.h)
+        layer_parameters(p + ".transformer_layer", z.moe_layers[-1])
         norm(p + ".final_layernorm")
     if not z.tied:
         weight("output_layer.weight", z.Vp, z.h)
@@ -919,63 +943,68 @@ def mla_qkv(z, P, p, h1):
     return query, key, value, m_all * m_all / math.sqrt(dq)
 
 
+def transformer_layer(z, P, p, layer_number, moe, x, aux_terms):
+    """One TransformerLayer (local spec) under prefix p on the residual stream x [s, B, h]:
+    layer_number (1-based) decides the sliding window, moe an MoE layer, whose auxiliary
+    objective (moe_layer) joins aux_terms."""
+    r = z.a // z.g
+    causal = torch.triu(torch.ones(z.s, z.s, dtype=torch.bool), diagonal=1)
+    get = lambda name: P.get(p + name)
+    h1 = normalize(z, x, p + ".input_layernorm", P)
+    divisor, width = math.sqrt(z.dk), z.dk  # the softmax scale's inverse, value heads
+    if z.mla:  # MLASelfAttention: its own query, key and value heads and softmax scale
+        q, k, v, softmax_scale = mla_qkv(z, P, p + ".self_attention", h1)
+        divisor, width = 1 / softmax_scale, z.mla.v
+    else:
+        qkv = F.linear(h1, get(".self_attention.linear_qkv.weight"),
+                       get(".self_attention.linear_qkv.bias"))
+        # Megatron: view [s, B, g, (r + 2) * dk], split into r query heads, key, value.
+        qkv = qkv.view(z.s, z.B, z.g, r + 2, z.dk)
+        q = qkv[:, :, :, :r, :].reshape(z.s, z.B, z.a, z.dk)
+        k = qkv[:, :, :, r, :]
+        v = qkv[:, :, :, r + 1, :]
+        if z.qk_layernorm:  # get_query_key_value_tensors: the norms, then RoPE in forward
+            q = normalize(z, q, p + ".self_attention.q_layernorm", P)
+            k = normalize(z, k, p + ".self_attention.k_layernorm", P)
+        if z.rope:
+            q = apply_rope(z, q)
+            k = apply_rope(z, k)
+        k = k.repeat_interleave(r, dim=2)  # each query head reads its group's key/value
+        v = v.repeat_interleave(r, dim=2)
+    scores = torch.einsum("qbhd,kbhd->bhqk", q, k) / divisor
+    if is_layer_window_attention(z.window_size, z.window_skip, layer_number):
+        scores = attention_mask_func(
+            scores, get_sliding_window_causal_mask(z.s, z.s, z.window_size))
+    else:
+        scores = scores.masked_fill(causal, float("-inf"))
+    if z.softmax_type == "vanilla":
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        # "off-by-one": a zeros buffer; "learnable": the parameter.
+        offset = (get(".self_attention.core_attention.softmax_offset")
+                  if z.softmax_type == "learnable" else torch.zeros(z.a, dtype=torch.float64))
+        probs = softmax_one(scores, offset)
+    context = torch.einsum("bhqk,kbhd->qbhd", probs, v).reshape(z.s, z.B, z.a * width)
+    x = x + F.linear(context, get(".self_attention.linear_proj.weight"),
+                     get(".self_attention.linear_proj.bias"))
+    h2 = normalize(z, x, p + ".pre_mlp_layernorm", P)
+    if moe:
+        moe_out, aux = moe_layer(z, P, p, h2)
+        aux_terms.append(aux)
+        return x + moe_out
+    fc1 = F.linear(h2, get(".mlp.linear_fc1.weight"), get(".mlp.linear_fc1.bias"))
+    act = activation(z, fc1)
+    return x + F.linear(act, get(".mlp.linear_fc2.weight"), get(".mlp.linear_fc2.bias"))
+
+
 def microbatch_loss_sum(z, P, tokens, labels, aux_terms=None):
     """Sum of the token losses of one micro-batch; tokens, labels: [s, B] int64. An MoE
     model appends each MoE layer's auxiliary objective (moe_layer) to aux_terms."""
-    r = z.a // z.g
     x = F.embedding(tokens, P["embedding.word_embeddings.weight"])  # [s, B, h]
     if not z.rope:
         x = x + P["embedding.position_embeddings.weight"][: z.s].unsqueeze(1)
-    causal = torch.triu(torch.ones(z.s, z.s, dtype=torch.bool), diagonal=1)
     for i in range(z.L):
-        p = f"decoder.layers.{i}"
-        get = lambda name: P.get(p + name)
-        h1 = normalize(z, x, p + ".input_layernorm", P)
-        divisor, width = math.sqrt(z.dk), z.dk  # the softmax scale's inverse, value heads
-        if z.mla:  # MLASelfAttention: its own query, key and value heads and softmax scale
-            q, k, v, softmax_scale = mla_qkv(z, P, p + ".self_attention", h1)
-            divisor, width = 1 / softmax_scale, z.mla.v
-        else:
-            qkv = F.linear(h1, get(".self_attention.linear_qkv.weight"),
-                           get(".self_attention.linear_qkv.bias"))
-            # Megatron: view [s, B, g, (r + 2) * dk], split into r query heads, key, value.
-            qkv = qkv.view(z.s, z.B, z.g, r + 2, z.dk)
-            q = qkv[:, :, :, :r, :].reshape(z.s, z.B, z.a, z.dk)
-            k = qkv[:, :, :, r, :]
-            v = qkv[:, :, :, r + 1, :]
-            if z.qk_layernorm:  # get_query_key_value_tensors: the norms, then RoPE in forward
-                q = normalize(z, q, p + ".self_attention.q_layernorm", P)
-                k = normalize(z, k, p + ".self_attention.k_layernorm", P)
-            if z.rope:
-                q = apply_rope(z, q)
-                k = apply_rope(z, k)
-            k = k.repeat_interleave(r, dim=2)  # each query head reads its group's key/value
-            v = v.repeat_interleave(r, dim=2)
-        scores = torch.einsum("qbhd,kbhd->bhqk", q, k) / divisor
-        if is_layer_window_attention(z.window_size, z.window_skip, i + 1):
-            scores = attention_mask_func(
-                scores, get_sliding_window_causal_mask(z.s, z.s, z.window_size))
-        else:
-            scores = scores.masked_fill(causal, float("-inf"))
-        if z.softmax_type == "vanilla":
-            probs = torch.softmax(scores, dim=-1)
-        else:
-            # "off-by-one": a zeros buffer; "learnable": the parameter.
-            offset = (get(".self_attention.core_attention.softmax_offset")
-                      if z.softmax_type == "learnable" else torch.zeros(z.a, dtype=torch.float64))
-            probs = softmax_one(scores, offset)
-        context = torch.einsum("bhqk,kbhd->qbhd", probs, v).reshape(z.s, z.B, z.a * width)
-        x = x + F.linear(context, get(".self_attention.linear_proj.weight"),
-                         get(".self_attention.linear_proj.bias"))
-        h2 = normalize(z, x, p + ".pre_mlp_layernorm", P)
-        if z.moe_layers[i]:
-            moe_out, aux = moe_layer(z, P, p, h2)
-            aux_terms.append(aux)
-            x = x + moe_out
-            continue
-        fc1 = F.linear(h2, get(".mlp.linear_fc1.weight"), get(".mlp.linear_fc1.bias"))
-        act = activation(z, fc1)
-        x = x + F.linear(act, get(".mlp.linear_fc2.weight"), get(".mlp.linear_fc2.bias"))
+        x = transformer_layer(z, P, f"decoder.layers.{i}", i + 1, z.moe_layers[i], x, aux_terms)
     final = normalize(z, x, "decoder.final_layernorm", P)
     out_w = P["embedding.word_embeddings.weight"] if z.tied else P["output_layer.weight"]
     logits = F.linear(final, out_w)  # [s, B, Vp]: the padded columns take part
@@ -986,34 +1015,6 @@ def microbatch_loss_sum(z, P, tokens, labels, aux_terms=None):
                            label_smoothing=smoothing)
 
 
-def dense_layer(z, P, p, x):
-    """One dense TransformerLayer (local spec) on the residual stream x [s, B, h]."""
-    r = z.a // z.g
-    get = lambda name: P.get(p + name)
-    causal = torch.triu(torch.ones(z.s, z.s, dtype=torch.bool), diagonal=1)
-    h1 = normalize(z, x, p + ".input_layernorm", P)
-    qkv = F.linear(h1, get(".self_attention.linear_qkv.weight"),
-                   get(".self_attention.linear_qkv.bias"))
-    qkv = qkv.view(z.s, z.B, z.g, r + 2, z.dk)
-    q = qkv[:, :, :, :r, :].reshape(z.s, z.B, z.a, z.dk)
-    k = qkv[:, :, :, r, :]
-    v = qkv[:, :, :, r + 1, :]
-    if z.rope:
-        q = apply_rope(z, q)
-        k = apply_rope(z, k)
-    k = k.repeat_interleave(r, dim=2)
-    v = v.repeat_interleave(r, dim=2)
-    scores = torch.einsum("qbhd,kbhd->bhqk", q, k) / math.sqrt(z.dk)
-    probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
-    context = torch.einsum("bhqk,kbhd->qbhd", probs, v).reshape(z.s, z.B, z.a * z.dk)
-    x = x + F.linear(context, get(".self_attention.linear_proj.weight"),
-                     get(".self_attention.linear_proj.bias"))
-    h2 = normalize(z, x, p + ".pre_mlp_layernorm", P)
-    fc1 = F.linear(h2, get(".mlp.linear_fc1.weight"), get(".mlp.linear_fc1.bias"))
-    act = activation(z, fc1)
-    return x + F.linear(act, get(".mlp.linear_fc2.weight"), get(".mlp.linear_fc2.bias"))
-
-
 def roll_tensor(t):
     """multi_token_prediction.roll_tensor with cp 1 on Megatron's [b, s] ids, labels and loss
     mask: torch.roll(shifts=-1) along the sequence, the vacated last position set to 0."""
@@ -1022,15 +1023,47 @@ def roll_tensor(t):
     return rolled
 
 
-def mtp_microbatch(z, P, tokens, labels):
-    """A dense GPTModel with MTP on one micro-batch (tokens, labels: [s, B] int64), as
+def cp_positions(z, r):
+    """get_batch_on_this_cp_rank: the sequence cut into 2 cp chunks, cp rank r holding chunks
+    r and 2 cp - 1 - r, in that order."""
+    c = z.s // (2 * z.cp)
+    return list(range(r * c, (r + 1) * c)) + list(range((2 * z.cp - 1 - r) * c,
+                                                        (2 * z.cp - r) * c))
+
+
+def roll_tensor_cp(local):
+    """multi_token_prediction.roll_tensor(shifts=-1, dims=-1) with a cp group, every cp rank
+    at once: local[r] is rank r's [b, s / cp] piece. Each rank rolls its two chunks, sends
+    each chunk's first element (the rolled chunk's last) to the rank that needs it and puts
+    what it receives in place of each chunk's last element: rank r != 0 sends its first
+    chunk's to r - 1 and receives its second chunk's from r - 1 (rank 0: 0), rank
+    r != cp - 1 receives its first chunk's from r + 1 and sends its second chunk's to r + 1
+    (the last rank: its own second chunk's). Returns the rolled pieces and their local sums."""
+    cp = len(local)
+    rolled = [[torch.roll(part, shifts=-1, dims=-1) for part in t.chunk(2, dim=-1)]
+              for t in local]
+    send = [[part.select(-1, -1).clone() for part in parts] for parts in rolled]
+    out = []
+    for r in range(cp):
+        recv_first = send[r + 1][0] if r != cp - 1 else send[r][1]
+        recv_second = send[r - 1][1] if r != 0 else 0
+        rolled[r][0][..., -1] = recv_first
+        rolled[r][1][..., -1] = recv_second
+        piece = torch.cat(rolled[r], dim=-1)
+        out.append((piece, piece.sum()))
+    return out
+
+
+def mtp_microbatch(z, P, tokens, labels, aux_terms):
+    """A GPTModel with MTP on one micro-batch (tokens, labels: [s, B] int64), as
     GPTModel._postprocess runs it: the decoder (its final layernorm included), then
     MultiTokenPredictionBlock.forward and process_mtp_loss. Returns (the sum of the main
     token losses, the MTP objective of the micro-batch): for each data-parallel rank (its own
     [b, s] labels and loss mask, as Megatron's forward_step sees them) and depth k,
     mtp_loss_scaling_factor / mtp_num_layers * sum(loss_mask_k * loss_k) / num_tokens_k, the
     term MTPLossAutoScaler attaches to the hidden states (its gradient 1 * the main loss's
-    backward scale)."""
+    backward scale). Each MoE layer's auxiliary objective, the depths' included (their
+    routers attach it as the decoder's do, unscaled by the MTP factor), joins aux_terms."""
     out_w = P["embedding.word_embeddings.weight"] if z.tied else P["output_layer.weight"]
     smoothing = z.label_smoothing * z.Vp / (z.Vp - 1)
 
@@ -1041,7 +1074,7 @@ def mtp_microbatch(z, P, tokens, labels):
 
     x = F.embedding(tokens, P["embedding.word_embeddings.weight"])  # rope: no positions
     for i in range(z.L):
-        x = dense_layer(z, P, f"decoder.layers.{i}", x)
+        x = transformer_layer(z, P, f"decoder.layers.{i}", i + 1, z.moe_layers[i], x, aux_terms)
     hidden = normalize(z, x, "decoder.final_layernorm", P)
     main = lm_loss(hidden, labels).sum()
 
@@ -1057,12 +1090,39 @@ def mtp_microbatch(z, P, tokens, labels):
         e = normalize(z, decoder_input, p + ".enorm", P)
         hn = normalize(z, h, p + ".hnorm", P)
         y = F.linear(torch.cat((e, hn), -1), P[p + ".eh_proj.weight"])
-        y = dense_layer(z, P, p + ".transformer_layer", y)
+        # The last decoder layer's spec; its own layer number (MultiTokenPredictionLayer's
+        # layer_number: the depth, 1-based).
+        y = transformer_layer(z, P, p + ".transformer_layer", k + 1, z.moe_layers[-1], y,
+                              aux_terms)
         h = normalize(z, y, p + ".final_layernorm", P)
         depth_hidden.append(h)
 
     # process_mtp_loss, per data-parallel rank (calculate_per_token_loss False).
     objective = hidden.new_zeros(())
+    if z.cp > 1:
+        # Per dp and cp rank: its [b, s / cp] labels and loss mask rolled across the cp group,
+        # each depth's loss over its own unmasked tokens (roll_tensor's local sum); the
+        # gradient average runs over dp x cp, so each rank's term carries 1 / cp besides the
+        # caller's 1 / (M d).
+        for dp in range(z.d):
+            cols = slice(dp * z.b, (dp + 1) * z.b)
+            mtp_labels = [labels[cp_positions(z, r), cols].t().contiguous() for r in range(z.cp)]
+            loss_mask = [torch.ones(z.b, z.s // z.cp, dtype=torch.float64) for _ in range(z.cp)]
+            for k in range(z.mtp):
+                mtp_labels = [t for t, _ in roll_tensor_cp(mtp_labels)]
+                rolled_mask = roll_tensor_cp(loss_mask)
+                loss_mask = [t for t, _ in rolled_mask]
+                for r in range(z.cp):
+                    num_tokens = rolled_mask[r][1]
+                    logits = F.linear(depth_hidden[k][cp_positions(z, r)][:, cols, :], out_w)
+                    mtp_loss = F.cross_entropy(logits.reshape(-1, z.Vp),
+                                               mtp_labels[r].t().reshape(-1), reduction="none",
+                                               label_smoothing=smoothing)
+                    mtp_loss = loss_mask[r] * mtp_loss.view(z.s // z.cp, z.b).t()
+                    mtp_loss_scale = z.mtp_scale / z.mtp
+                    objective = objective + mtp_loss_scale * mtp_loss.sum() / num_tokens.clamp(
+                        min=1) / z.cp
+        return main, objective
     for dp in range(z.d):
         cols = slice(dp * z.b, (dp + 1) * z.b)
         mtp_labels = labels[:, cols].t().contiguous()  # [b, s]
@@ -1109,13 +1169,15 @@ def make(doc, torch_seed, path):
         if not name.endswith(".expert_bias"):
             t.requires_grad_(True)
     aux_terms = []
+    moe_aux = None  # with MTP: the MoE layers' part of the auxiliary objective
     if z.mtp:
         # The MTP objective joins the gradient as the MoE auxiliary losses do, 1 / (M d) of
         # each dp rank's and micro-batch's: MTPLossAutoScaler's scale is 1 / M (schedules.py
         # set_loss_scale(loss_scale / num_microbatches)) and the data-parallel average 1 / d.
-        sums = [mtp_microbatch(z, P, tokens[m], labels[m]) for m in range(z.M)]
+        sums = [mtp_microbatch(z, P, tokens[m], labels[m], aux_terms) for m in range(z.M)]
         loss = sum(main for main, _ in sums) / (z.M * z.s * z.B)
-        aux_terms = [objective for _, objective in sums]
+        moe_aux = sum(aux_terms) / (z.M * z.d) if aux_terms else None
+        aux_terms += [objective for _, objective in sums]
     else:
         loss = sum(microbatch_loss_sum(z, P, tokens[m], labels[m], aux_terms)
                    for m in range(z.M))
@@ -1135,6 +1197,8 @@ def make(doc, torch_seed, path):
                 ("loss", loss.detach().reshape(1))]
     if aux_terms and not z.mtp:
         tensors.append(("moe_aux_objective", aux.detach().reshape(1)))
+    if z.mtp and moe_aux is not None:
+        tensors.append(("moe_aux_objective", moe_aux.detach().reshape(1)))
     metadata = {"config": json.dumps(doc, sort_keys=True),
                 "generator": "tests/data/gpt_golden/make_gpt_golden.py",
                 "torch": torch.__version__}
@@ -1160,6 +1224,9 @@ def main():
     make(CONFIG_J_Q_PROJ, 11, os.path.join(HERE, "gpt_golden_j_q_proj.safetensors"))
     make(CONFIG_L, 12, os.path.join(HERE, "gpt_golden_l.safetensors"))
     make(CONFIG_L_SQRT, 13, os.path.join(HERE, "gpt_golden_l_sqrtsoftplus.safetensors"))
+    make(CONFIG_K_MOE, 23, os.path.join(HERE, "gpt_golden_k_moe.safetensors"))
+    make(CONFIG_K_WINDOW, 24, os.path.join(HERE, "gpt_golden_k_window.safetensors"))
+    make(CONFIG_K_CP, 25, os.path.join(HERE, "gpt_golden_k_cp.safetensors"))
     return 0
 
 
