@@ -169,6 +169,12 @@ struct RunConfig {
     int64_t first = 0;  // the group's first layer (index in the chunk)
   };
   RecomputeGroup GroupOf(int64_t index, int64_t chunk_layers) const;
+  // Whether full recomputation reruns the multi-token prediction depths: "uniform"
+  // checkpoints each depth's projection, layer and final norm
+  // (MultiTokenPredictionLayer._checkpointed_forward); "block" skips them.
+  bool CheckpointsMtpDepths() const {
+    return recompute == Recompute::kFull && recompute_method == RecomputeMethod::kUniform;
+  }
 };
 
 // Megatron's names: "uniform", "block"; "core_attn", "layernorm", "mlp", "moe_act", "moe",

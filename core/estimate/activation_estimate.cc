@@ -164,10 +164,13 @@ StatusOr<std::vector<StageActivations>> EstimateStageActivations(
         // Multi-token prediction's depths on the last stage: each its embedding's dropout
         // mask, enorm's and hnorm's inputs, eh_proj's input (the two norms' outputs), a
         // transformer layer like the last decoder layer, its final norm's input and float32
-        // logits of one micro-batch.
-        bytes += static_cast<double>(g.mtp_num_layers) *
-                 (T * h * (m_h + 2 * e + 2 * x + e) / split_sp + (last_is_moe ? moe_layer : layer) +
-                  4 * T * vocab / t);
+        // logits of one micro-batch; under full recomputation by "uniform" the checkpoint's
+        // two inputs (enorm's and hnorm's) alone besides the mask and the logits.
+        const double depth =
+            run.CheckpointsMtpDepths()
+                ? T * h * (m_h + 2 * e) / split_sp
+                : T * h * (m_h + 2 * e + 2 * x + e) / split_sp + (last_is_moe ? moe_layer : layer);
+        bytes += static_cast<double>(g.mtp_num_layers) * (depth + 4 * T * vocab / t);
       }
       stash[static_cast<size_t>(c)] = bytes;
     }

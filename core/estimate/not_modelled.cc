@@ -46,9 +46,6 @@ std::vector<std::string> NotModelled(const Config& config) {
         "multi-latent attention's all-gathers of its latents under sequence "
         "parallelism and its fused rope kernels");
   }
-  if (model != nullptr && model->mtp_num_layers > 0) {
-    items.push_back("recomputation of the multi-token prediction layers (counted as kept)");
-  }
   return items;
 }
 

@@ -151,18 +151,21 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
   // tokens, runs enorm and hnorm, eh_proj (column-parallel [2h -> h / t]), a layer like the
   // last decoder layer (full attention), its final norm and one more output layer and cross
   // entropy.
-  Cost mtp;
+  // `mtp_checkpoint`: what full recomputation by "uniform" reruns of them (the norms,
+  // eh_proj and the layer: RunConfig::CheckpointsMtpDepths).
+  Cost mtp, mtp_checkpoint;
   for (int64_t k = 0; k < g.mtp_num_layers; ++k) {
     mtp += EmbeddingForward(g, x);
     Cost norms;
     norms.bytes = 3 * (2 * x.region_tokens() * x.h * x.e);
-    mtp += norms;
+    mtp_checkpoint += norms;
     Cost eh_proj;
     eh_proj.Linear(x.tokens(), x.h / x.t, 2 * x.h, x.fp8);
-    mtp += eh_proj;
-    mtp += last_is_moe ? sparse : dense;
+    mtp_checkpoint += eh_proj;
+    mtp_checkpoint += last_is_moe ? sparse : dense;
     mtp += OutputForward(x, vocab);
   }
+  mtp += mtp_checkpoint;
   // A ring step's attention: the fused kernel's block, or 1/cp of the materialised attention
   // (its backward twice that).
   const auto [core_compute, core_comm] = seconds(layer.core_attention);
@@ -233,18 +236,20 @@ StatusOr<TimeEstimate> EstimateStepTime(const Config& config, const Topology& to
     }
     const int64_t windowed_layers = kinds[1] + kinds[3];
     // The last stage's MTP depths count as its layers for the exchanges (cp's in attention,
-    // ep's in an MoE layer); they are not recomputed.
+    // ep's in an MoE layer); full recomputation by "uniform" reruns their checkpoint.
     const int64_t mtp_layers = u == stages - 1 ? g.mtp_num_layers : 0;
     const int64_t layers = decoder_layers + mtp_layers;
     const int64_t decoder_moe = kinds[2] + kinds[3];
     const int64_t n_moe = decoder_moe + (last_is_moe ? mtp_layers : 0);
     Cost forward = layers_cost(kinds);
     if (mtp_layers > 0) forward += mtp;
-    const int64_t r_all =
-        recomputed_kinds[0] + recomputed_kinds[1] + recomputed_kinds[2] + recomputed_kinds[3];
-    const int64_t r_moe = recomputed_kinds[2] + recomputed_kinds[3];
+    const int64_t mtp_again = run.CheckpointsMtpDepths() ? mtp_layers : 0;
+    const int64_t r_all = recomputed_kinds[0] + recomputed_kinds[1] + recomputed_kinds[2] +
+                          recomputed_kinds[3] + mtp_again;
+    const int64_t r_moe = recomputed_kinds[2] + recomputed_kinds[3] + (last_is_moe ? mtp_again : 0);
     Cost recompute;
     if (full) recompute = Recomputed(layers_cost(recomputed_kinds));
+    if (mtp_again > 0) recompute += Recomputed(mtp_checkpoint);
     if (selective_core) {
       recompute = Times(Recomputed(layer.core_attention), decoder_layers - windowed_layers);
       recompute += Times(Recomputed(windowed.core_attention), windowed_layers);

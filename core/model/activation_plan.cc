@@ -112,7 +112,8 @@ StashPlan DeclaredChunkStash(const Config& config, const Topology& topology,
   // it is one) and never fully recomputed (GptModel::Build).
   const bool mtp_moe = g.moe.enabled() && g.moe.layers.back();
   return GptModel::PlanStash(g, declared.shape, config.run->dtype, chunk, plans,
-                             mtp_moe ? &declared.moe_layer : &declared.dense_layer);
+                             mtp_moe ? &declared.moe_layer : &declared.dense_layer,
+                             config.run->CheckpointsMtpDepths());
 }
 
 StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
@@ -395,6 +396,20 @@ StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
   // depth's Inner freed.
   const int64_t depths = g.mtp_num_layers;
   const bool mtp_moe = g.moe.enabled() && g.moe.layers.back();
+  // Full recomputation by "uniform": each depth's checkpoint (its norms' statistics,
+  // eh_proj's input, the layer whole, the final norm's input and statistics) is rebuilt after
+  // its head's backward, held through the depth's backward (the layer's Inner freed after the
+  // layer's) and released at its end; the stash holds none of it.
+  const bool mtp_checkpointed = run.CheckpointsMtpDepths();
+  double mtp_rebuilt = 0;
+  if (mtp_checkpointed && depths > 0) {
+    const GptChunk head{.layers = {}, .pre_process = false, .post_process = true};
+    const StashPlan* layer_plan = mtp_moe ? &declared.moe_layer : &declared.dense_layer;
+    mtp_rebuilt = (GptModel::PlanStash(g, shape, run.dtype, head, {}, layer_plan).bytes() -
+                   GptModel::PlanStash(g, shape, run.dtype, head, {}, layer_plan, true).bytes()) /
+                  static_cast<double>(depths);
+  }
+  const double mtp_inner = mtp_moe ? moe_inner : inner;
   double mtp_working = 0, mtp_freed = 0;
   for (int64_t k = depths; k-- > 0;) {
     const double carried = k + 1 < depths ? stream : 0;
@@ -404,13 +419,17 @@ StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
         std::max((sp ? 2 * full : 0) + weight_grad(h / t, 2 * h), sp          ? 2 * stream
                                                                   : sz.tp > 1 ? 2 * full
                                                                               : 0);
-    const double before = Max({carried + head_working, 2 * stream,
-                               working_of(0, mtp_moe ? moe_point : dense_point, !mtp_moe)});
+    const double before =
+        Max({carried + head_working, 2 * stream + mtp_rebuilt,
+             working_of(mtp_rebuilt, mtp_moe ? moe_point : dense_point, !mtp_moe)});
     mtp_working = std::max(mtp_working, before - mtp_freed);
-    mtp_freed += mtp_moe ? moe_inner : inner;
+    // The layer's Inner: freed from the stash after the layer's backward, or from what the
+    // checkpoint rebuilt.
+    const double held_after = mtp_checkpointed ? mtp_rebuilt - mtp_inner : 0;
+    if (!mtp_checkpointed) mtp_freed += mtp_inner;
     const double after = Max({sp ? stream + full : 0, sz.tp > 1 ? full + col : stream, eh_proj,
                               4 * stream, 3 * stream, 2 * stream + (sp ? full : 0)});
-    mtp_working = std::max(mtp_working, after - mtp_freed);
+    mtp_working = std::max(mtp_working, held_after + after - mtp_freed);
   }
   const double mtp_carried = depths > 0 ? stream : 0;  // the depths' gradient of the final norm
   const double post_head_working =

@@ -146,16 +146,16 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
   model->run_ = *config.run;
   MPUSIM_RETURN_IF_ERROR(CheckGptLayout(config.parallel, model->run_, &model->gpt_));
   if (model->gpt_.mtp_num_layers > 0) {
-    // Multi-token prediction: what the executor does not build (ParseGptSection refuses
-    // Megatron's own rules). Megatron's "block" skips the MTP layers (with a warning: Warnings);
-    // "uniform" checkpoints each depth's projection and layer, not built here.
-    if (model->run_.recompute == RunConfig::Recompute::kFull &&
-        model->run_.recompute_method == RunConfig::RecomputeMethod::kUniform) {
-      return Status::Error("run.recompute_method",
-                           "\"uniform\" with mtp_num_layers is not built yet (Megatron "
-                           "checkpoints each MTP layer's projection and transformer layer); use "
-                           "\"block\" (which Megatron does not apply to the MTP layers) or "
-                           "recompute_granularity \"selective\"");
+    // Megatron's "block" skips the MTP layers (with a warning: Warnings); "uniform"
+    // checkpoints each depth's projection, layer and final norm, and asserts
+    // recompute_num_layers 1 ("recompute_num_layers must be 1 for MTP recompute").
+    if (model->run_.CheckpointsMtpDepths() && model->run_.recompute_num_layers.value_or(1) != 1) {
+      return Status::Error(
+          "run.recompute_num_layers",
+          fmt::format("{} with mtp_num_layers and recompute_method \"uniform\": Megatron "
+                      "checkpoints each MTP depth alone and asserts 1 (\"recompute_num_layers "
+                      "must be 1 for MTP recompute\")",
+                      *model->run_.recompute_num_layers));
     }
   }
   if (model->gpt_.mla.enabled && config.parallel.context_parallel_size > 1) {
@@ -514,7 +514,7 @@ Tensor GptModel::HeadBackward(const ModuleContext& ctx, Stash& stash) const {
 void GptModel::MtpForward(const ModuleContext& ctx, const Tensor& hidden, Stash* stash) const {
   Kernels& k = ctx.k;
   const StreamShape& sh = shape_;
-  const int64_t h = gpt_.hidden_size, rows = sh.stream_rows();
+  const int64_t h = gpt_.hidden_size;
   const ShardSpec stream = sh.StreamSpec(d_);
   // roll_tensor over the cp ranks (a local torch.roll when cp = 1), tagged apart from the
   // ring attention's messages.
@@ -531,7 +531,6 @@ void GptModel::MtpForward(const ModuleContext& ctx, const Tensor& hidden, Stash*
   std::fill_n(mask_host.data_as<float>(), mask_host.numel(), 1.0f);
   Tensor mask = k.ToDevice(mask_host);
   for (size_t d = 0; d < mtp_.size(); ++d) {
-    const MtpDepth& depth = mtp_[d];
     MtpStash& st = stash->mtp[d];
     const std::string prefix = fmt::format("mtp.layers.{}", d);
     ctx.trace.SetSite(prefix);
@@ -545,22 +544,17 @@ void GptModel::MtpForward(const ModuleContext& ctx, const Tensor& hidden, Stash*
                                          gpt_.hidden_dropout, sh.StreamMap(h), embedded)
                          : embedded;
     ctx.Record(prefix + ".embedding.output", e, {sh.s, sh.B, h}, stream);
-    Tensor concat = k.Empty({rows, 2 * h}, run_.dtype);
-    {
-      const Tensor en = depth.enorm.Forward(ctx, e, &st.enorm);
-      ctx.Record(prefix + ".enorm.output", en, {sh.s, sh.B, h}, stream);
-      k.CopyBlock(en, 0, 0, concat, 0, 0, rows, h);
-      const Tensor hn = depth.hnorm.Forward(ctx, prev, &st.hnorm);
-      ctx.Record(prefix + ".hnorm.output", hn, {sh.s, sh.B, h}, stream);
-      k.CopyBlock(hn, 0, 0, concat, 0, h, rows, h);
+    Tensor out;
+    if (run_.CheckpointsMtpDepths()) {
+      // Full recomputation ("uniform"): CheckpointFunction over _proj_and_transformer_layer
+      // keeps its two inputs alone; the backward rebuilds the rest.
+      MtpStash scratch;
+      out = MtpDepthForward(ctx, d, e, prev, &scratch);
+      st.checkpointed_e = e;
+      st.checkpointed_h = prev;
+    } else {
+      out = MtpDepthForward(ctx, d, e, prev, &st);
     }
-    Tensor x = AllGatherLastDim(k, ctx.tp, depth.eh_proj.Forward(ctx, concat, &st.eh_proj));
-    if (sh.sequence_parallel) x = SplitFirstDim(k, ctx.tp, x);
-    ctx.Record(prefix + ".eh_proj.output", x, {sh.s, sh.B, h}, stream);
-    const Tensor y = depth.layer.Forward(ctx, x, LayerRecompute::Keep::kAll, &st.layer);
-    x = Tensor();
-    const Tensor out = depth.final_norm.Forward(ctx, y, &st.final_norm);
-    ctx.Record(prefix + ".final_layernorm.output", out, {sh.s, sh.B, h}, stream);
     const Tensor logits = output_layer_->Forward(ctx, out, &st.output_layer);
     ctx.Record(prefix + ".output_layer.output", logits, {sh.s, sh.B, padded_vocab_},
                sh.ColumnSpec(d_, 1));
@@ -582,6 +576,39 @@ void GptModel::MtpForward(const ModuleContext& ctx, const Tensor& hidden, Stash*
     }
     prev = out;
   }
+}
+
+// MultiTokenPredictionLayer._proj_and_transformer_layer (what "uniform" checkpoints):
+// eh_proj([enorm(e), hnorm(prev)]) column parallel (under sp its input gathered along the
+// sequence), its output gathered over tp and under sp scattered back to the sequence shard,
+// the transformer layer, final_layernorm (_postprocess). Fills st's enorm, hnorm, eh_proj,
+// layer and final_norm; returns h_k.
+Tensor GptModel::MtpDepthForward(const ModuleContext& ctx, size_t d, const Tensor& e,
+                                 const Tensor& prev, MtpStash* st) const {
+  Kernels& k = ctx.k;
+  const StreamShape& sh = shape_;
+  const int64_t h = gpt_.hidden_size, rows = sh.stream_rows();
+  const ShardSpec stream = sh.StreamSpec(d_);
+  const MtpDepth& depth = mtp_[d];
+  const std::string prefix = fmt::format("mtp.layers.{}", d);
+  Tensor concat = k.Empty({rows, 2 * h}, run_.dtype);
+  {
+    const Tensor en = depth.enorm.Forward(ctx, e, &st->enorm);
+    ctx.Record(prefix + ".enorm.output", en, {sh.s, sh.B, h}, stream);
+    k.CopyBlock(en, 0, 0, concat, 0, 0, rows, h);
+    const Tensor hn = depth.hnorm.Forward(ctx, prev, &st->hnorm);
+    ctx.Record(prefix + ".hnorm.output", hn, {sh.s, sh.B, h}, stream);
+    k.CopyBlock(hn, 0, 0, concat, 0, h, rows, h);
+  }
+  Tensor x = AllGatherLastDim(k, ctx.tp, depth.eh_proj.Forward(ctx, concat, &st->eh_proj));
+  concat = Tensor();
+  if (sh.sequence_parallel) x = SplitFirstDim(k, ctx.tp, x);
+  ctx.Record(prefix + ".eh_proj.output", x, {sh.s, sh.B, h}, stream);
+  const Tensor y = depth.layer.Forward(ctx, x, LayerRecompute::Keep::kAll, &st->layer);
+  x = Tensor();
+  const Tensor out = depth.final_norm.Forward(ctx, y, &st->final_norm);
+  ctx.Record(prefix + ".final_layernorm.output", out, {sh.s, sh.B, h}, stream);
+  return out;
 }
 
 // The depths' backward, deepest first: h_k's gradient is its logits' plus depth k + 1's
@@ -625,6 +652,17 @@ Tensor GptModel::MtpBackward(const ModuleContext& ctx, Stash& stash) const {
       k.Axpy(1.0, dnext, dout);
       dnext = Tensor();
     }
+    if (run_.CheckpointsMtpDepths()) {
+      // The checkpoint's backward: the depth's forward again from its two inputs, recording
+      // nothing; its collectives are real and stay in the trace.
+      std::optional<SpanRecorder> span;
+      if (ctx.recompute_spans != nullptr) {
+        span.emplace(*ctx.recompute_spans, ctx.chunk, ctx.draw.microbatch, true, true);
+      }
+      ModuleContext quiet = ctx;
+      quiet.records = nullptr;
+      MtpDepthForward(quiet, static_cast<size_t>(d), st.checkpointed_e, st.checkpointed_h, &st);
+    }
     ctx.Record(prefix + ".final_layernorm.output_grad", dout, {sh.s, sh.B, h}, stream);
     Tensor dy = depth.final_norm.Backward(ctx, dout, st.final_norm);
     dout = Tensor();
@@ -650,6 +688,14 @@ Tensor GptModel::MtpBackward(const ModuleContext& ctx, Stash& stash) const {
     WordEmbeddings().Backward(ctx, st.batch.tokens, de);
     de = Tensor();
     dnext = depth.hnorm.Backward(ctx, dh, st.hnorm);
+    if (run_.CheckpointsMtpDepths()) {
+      // The rebuilt tensors go with the checkpoint's backward.
+      st.enorm = {};
+      st.hnorm = {};
+      st.eh_proj = {};
+      st.layer = {};
+      st.final_norm = {};
+    }
   }
   return dnext;
 }

@@ -141,12 +141,14 @@ class GptModel final : public Model {
   // The declared stash (stash_plan.h) of one (chunk, micro-batch) on a rank of `shape`, in
   // `dtype` storage: `layers[i]` is the declared stash of chunk.layers[i]
   // (TransformerLayer::PlanStash), `mtp_layer` (a post_process chunk with multi-token
-  // prediction: required) the declared stash of each depth's transformer layer, kept whole
-  // but for what selective recomputation drops. A count of the executor's activations sums it
+  // prediction: required unless `mtp_checkpointed`) the declared stash of each depth's
+  // transformer layer, kept whole but for what selective recomputation drops;
+  // `mtp_checkpointed` (full recomputation by "uniform"): each depth keeps its checkpoint's
+  // inputs alone (RunConfig::CheckpointsMtpDepths). A count of the executor's activations sums it
   // (core/estimate/executor_activations.h).
   static StashPlan PlanStash(const GptConfig& gpt, const StreamShape& shape, DType dtype,
                              const GptChunk& chunk, const std::vector<StashPlan>& layers,
-                             const StashPlan* mtp_layer = nullptr);
+                             const StashPlan* mtp_layer = nullptr, bool mtp_checkpointed = false);
 
   const std::vector<GptChunk>& chunks() const { return chunks_; }
   double loss() const override { return loss_; }  // after EndStep
@@ -166,6 +168,9 @@ class GptModel final : public Model {
   struct MtpStash {
     Batch batch;                          // tokens, labels rolled (zeros shifted in at the end)
     Tensor loss_mask;                     // host float32 [s_l, b]: 1 where a label is left
+    // Full recomputation ("uniform"): the checkpoint's inputs, the embedding after its dropout
+    // and the previous depth's hidden state (the rest is rebuilt in the backward).
+    Tensor checkpointed_e, checkpointed_h;
     Norm::Stash enorm;                    // input: the shifted tokens' embedding [s_l*b, h]
     Norm::Stash hnorm;                    // input: the previous depth's hidden state [s_l*b, h]
     ColumnParallelLinear::Stash eh_proj;  // input: [enorm, hnorm] concatenated [s_l*b, 2h]
@@ -205,6 +210,11 @@ class GptModel final : public Model {
   // norm, from its output `hidden` [s_l*b, h]; the backward returns the gradient of `hidden`
   // through the depths (to be added to the main head's).
   void MtpForward(const ModuleContext& ctx, const Tensor& hidden, Stash* stash) const;
+  // Depth d's projection, layer and final norm from its embedding `e` and the previous hidden
+  // state (what full recomputation "uniform" checkpoints); fills st, returns h_d.
+  Tensor MtpDepthForward(const ModuleContext& ctx, size_t d, const Tensor& e, const Tensor& prev,
+                         MtpStash* st) const;
+
   Tensor MtpBackward(const ModuleContext& ctx, Stash& stash) const;
 
   // This rank's account of one pipeline stage for Explain (the whole model when pp = 1).

@@ -575,7 +575,7 @@ void GptModel::ExplainStage(std::ostream& out) const {
 
 StashPlan GptModel::PlanStash(const GptConfig& gpt, const StreamShape& shape, DType dtype,
                               const GptChunk& chunk, const std::vector<StashPlan>& layers,
-                              const StashPlan* mtp_layer) {
+                              const StashPlan* mtp_layer, bool mtp_checkpointed) {
   const auto d = [](int64_t v) { return static_cast<double>(v); };
   const double R = d(shape.s_cp() * shape.b), Rs = d(shape.stream_rows());
   const double h = d(gpt.hidden_size);
@@ -596,7 +596,7 @@ StashPlan GptModel::PlanStash(const GptConfig& gpt, const StreamShape& shape, DT
     plan.Add("output_layer.input", {Rs, h}, dtype);
     // Multi-token prediction's depths (MtpStash): hnorm.input is the previous depth's hidden
     // state (the final norm's output first), the layer's input eh_proj's gathered output.
-    if (gpt.mtp_num_layers > 0 && mtp_layer == nullptr) {
+    if (gpt.mtp_num_layers > 0 && mtp_layer == nullptr && !mtp_checkpointed) {
       throw std::logic_error(
           "GptModel::PlanStash: multi-token prediction without the declared "
           "stash of its transformer layer");
@@ -607,6 +607,15 @@ StashPlan GptModel::PlanStash(const GptConfig& gpt, const StreamShape& shape, DT
         plan.Add(depth + ids, {d(shape.s_cp()), d(shape.b)}, DType::kInt64);
       }
       plan.Add(depth + "enorm.input", {Rs, h}, dtype);  // the embedding (after its dropout)
+      if (mtp_checkpointed) {
+        // The checkpoint's other input is the previous depth's output (its output_layer's
+        // input); the depth's output is its output layer's.
+        plan.Add(depth + "output_layer.input", {Rs, h}, dtype);
+        plan.Add(depth + "loss.logits", {R, d(gpt.PaddedVocabSize(shape.t)) / d(shape.t)}, dtype);
+        plan.Add(depth + "loss.row_max", {R}, ComputeDType(dtype));
+        plan.Add(depth + "loss.sum_exp", {R}, ComputeDType(dtype));
+        continue;
+      }
       plan.Add(depth + "enorm", Norm::PlanStash(gpt.normalization, Rs, dtype));
       plan.Add(depth + "hnorm", Norm::PlanStash(gpt.normalization, Rs, dtype));
       plan.Add(depth + "eh_proj.input", {Rs, 2 * h}, dtype);

@@ -548,6 +548,36 @@ TEST(EstimateMtpActivations, TheLastStageKeepsTheDepthsLayerAndLogits) {
   EXPECT_EQ(with.time.stages[0].forward_s, without.time.stages[0].forward_s);
 }
 
+// Full recomputation by "uniform" checkpoints the depth (MultiTokenPredictionLayer's
+// _checkpointed_forward): its stash is the checkpoint's two inputs (enorm's and hnorm's, 2 T h
+// e) and the logits, and its projection, layer and final norm run again in the backward.
+TEST(EstimateMtpActivations, UniformRecomputationCheckpointsTheDepth) {
+  json doc = OneLayer();
+  doc["parallel"] = {{"world_size", 2}, {"pipeline_model_parallel_size", 2}};
+  doc["model"]["num_layers"] = 2;
+  doc["run"]["recompute_granularity"] = "full";
+  doc["run"]["recompute_method"] = "uniform";
+  doc["run"]["recompute_num_layers"] = 1;
+  const Counted without = Count(doc);
+  doc["model"]["mtp_num_layers"] = 1;
+  const Counted with = Count(doc);
+  const double T = 4096, e = 2;
+  EXPECT_EQ(
+      static_cast<double>(with.activations[1].activations - without.activations[1].activations),
+      2 * T * 1024 * e + 4 * T * 1024);
+  // The depth's executed FLOPs beyond the plain run's: its forward once more.
+  json plain = doc;
+  plain["run"].erase("recompute_granularity");
+  plain["run"].erase("recompute_method");
+  plain["run"].erase("recompute_num_layers");
+  const Counted plain_with = Count(plain);
+  plain["model"].erase("mtp_num_layers");
+  const Counted plain_without = Count(plain);
+  EXPECT_GT(with.time.stages[1].flops - without.time.stages[1].flops,
+            plain_with.time.stages[1].flops - plain_without.time.stages[1].flops);
+  EXPECT_EQ(with.time.stages[0].flops, without.time.stages[0].flops);
+}
+
 TEST(EstimateSlidingWindow, FlashSkipsWhatLiesLeftOfTheWindowAndKeepsTheSame) {
   json doc = OneLayer();
   doc["model"]["num_layers"] = 4;

@@ -356,6 +356,8 @@ std::vector<Case> Layouts() {
       {"mtp", 1, 2, 2, 1, 1, 0, false},
       {"mtp", 2, 1, 1, 1, 1, 0, true, nullptr, "selective layernorm,mlp"},
       {"mtp", 1, 2, 1, 1, 1, 0, false, nullptr, "full block 1"},
+      {"mtp", 2, 1, 1, 1, 1, 0, true, nullptr, "full uniform 1"},
+      {"mtp", 1, 2, 1, 1, 1, 0, false, nullptr, "full uniform 1"},
       // The same on an MoE model: the depths' experts split over ep 2 on a pipeline, and
       // with tp 2 + sp (expert tp 1) and the norms and the MoE layers recomputed (the depths'
       // too).

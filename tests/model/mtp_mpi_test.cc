@@ -306,12 +306,32 @@ TEST(MultiTokenPrediction, RefusalsNameTheField) {
     return result.ok() ? std::string() : result.status().Message();
   };
   json document = MtpDocument(Mtp(1, false), {1, false, 1, 0}, "float64");
-  SetRecompute(document["run"], "full");
+  SetRecompute(document["run"], "full uniform 2");
   EXPECT_EQ(refused(document),
-            "run.recompute_method: \"uniform\" with mtp_num_layers is not built yet (Megatron "
-            "checkpoints each MTP layer's projection and transformer layer); use \"block\" "
-            "(which Megatron does not apply to the MTP layers) or recompute_granularity "
-            "\"selective\"");
+            "run.recompute_num_layers: 2 with mtp_num_layers and recompute_method \"uniform\": "
+            "Megatron checkpoints each MTP depth alone and asserts 1 (\"recompute_num_layers "
+            "must be 1 for MTP recompute\")");
+}
+
+// Full recomputation by "uniform" (recompute_num_layers 1, as Megatron asserts for MTP):
+// every decoder layer and every depth's projection, layer and final norm checkpointed
+// (MultiTokenPredictionLayer._checkpointed_forward) and rebuilt in the backward, with tp 2 +
+// sp and a pipeline, an MoE depth with ep 2, and cp 2; every tensor matches the reference.
+TEST(MultiTokenPrediction, FullUniformRecomputation) {
+  for (const Layout& l :
+       {Layout{1, false, 1, 0}, Layout{2, true, 2, 0}, Layout{1, false, 1, 0, 2}}) {
+    if (!Fits(l)) continue;
+    SCOPED_TRACE(Name(l));
+    if (WorldRank() == 0) fmt::print("  full uniform 1 {}:", Name(l));
+    json document = MtpDocument(Mtp(2, false), l, "float64");
+    SetRecompute(document["run"], "full uniform 1");
+    RunChecked(document);
+  }
+  const MoeLayout moe{{1, false, 1, 0}, WorldSize() >= 2 ? 2 : 1, 0};
+  if (WorldRank() == 0) fmt::print("  full uniform 1 moe {}:", moe.Name());
+  json document = moe.Document(MtpMoe(1), "float32");
+  SetRecompute(document["run"], "full uniform 1");
+  RunChecked(document);
 }
 
 }  // namespace

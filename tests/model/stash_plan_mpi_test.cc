@@ -234,6 +234,9 @@ TEST(StashPlan, EveryChunkHoldsWhatItsModulesDeclare) {
       {"mtp", 1, 2, 2, 1, 0, nullptr, nullptr, "float32", false, false, 0.0},
       {"mtp", 2, 1, 1, 1, 0, nullptr, "selective layernorm,mlp", "bfloat16"},
       {"mtp", 1, 2, 1, 1, 0, nullptr, "full block 1"},
+      // Full recomputation by "uniform": each depth keeps its checkpoint's inputs alone.
+      {"mtp", 1, 1, 1, 1, 0, nullptr, "full uniform 1"},
+      {"mtp", 2, 2, 1, 1, 0, nullptr, "full uniform 1", "bfloat16"},
       // The depths as MoE layers (the last decoder layer's spec): alone, and with tp 2 + sp on
       // a pipeline.
       {"moe_mtp", 1, 1, 1, 1, 0},
@@ -306,8 +309,8 @@ TEST(StashPlan, EveryChunkHoldsWhatItsModulesDeclare) {
         TransformerLayer::PlanStash(gpt, shape, dtype, LayerRecompute::Kept(*config->run));
     for (size_t c = 0; c < parts.size(); ++c) {
       const std::vector<StashPlan> layers(parts[c].layers.size(), layer);
-      const StashPlan declared =
-          GptModel::PlanStash(gpt, shape, dtype, parts[c], layers, &mtp_layer);
+      const StashPlan declared = GptModel::PlanStash(
+          gpt, shape, dtype, parts[c], layers, &mtp_layer, config->run->CheckpointsMtpDepths());
       const std::string part = parts[c].pre_process    ? std::string("the embedding")
                                : parts[c].post_process ? std::string("the head")
                                                        : fmt::format("layer {}", c - 1);
