@@ -263,14 +263,6 @@ Status ResolvePipelineSplitKeys(PipelineSplit* split) {
     StatusOr<std::vector<std::string>> stages =
         ParsePipelineLayout(*split->pipeline_model_parallel_layout);
     if (!stages.ok()) return stages.status();
-    for (size_t u = 0; u < stages->size(); ++u) {
-      if ((*stages)[u].find('m') != std::string::npos) {
-        return Status::Error(kLayoutKey, fmt::format("stage {} holds m (a multi-token prediction "
-                                                     "layer): MTP (mtp_num_layers) is not "
-                                                     "supported yet; use E, t and L",
-                                                     u));
-      }
-    }
     const auto n = static_cast<int64_t>(stages->size());
     if (n % p != 0) {
       return Status::Error(kLayoutKey,
@@ -308,6 +300,70 @@ Status ResolvePipelineSplitKeys(PipelineSplit* split) {
                          "cannot be set together with "
                          "decoder_first_pipeline_num_layers at "
                          "pipeline_model_parallel_size 1 (the one stage is both)");
+  }
+  return {};
+}
+
+Status CheckMtpInLayout(const PipelineSplit& split, int64_t mtp_num_layers) {
+  if (!split.pipeline_model_parallel_layout) return {};
+  StatusOr<std::vector<std::string>> stages =
+      ParsePipelineLayout(*split.pipeline_model_parallel_layout);
+  if (!stages.ok()) return stages.status();
+  const int64_t p = split.pipeline_model_parallel_size;
+  const auto n = static_cast<int64_t>(stages->size());
+  int64_t count = 0;
+  std::optional<int64_t> stage;  // the stage of the first m
+  for (int64_t u = 0; u < n; ++u) {
+    const std::string& layers = (*stages)[static_cast<size_t>(u)];
+    const auto here = static_cast<int64_t>(std::count(layers.begin(), layers.end(), 'm'));
+    if (here > 0 && !stage) stage = u;
+    count += here;
+  }
+  if (count != mtp_num_layers) {
+    return Status::Error(kLayoutKey,
+                         fmt::format("has {} m (multi-token prediction layers), but "
+                                     "mtp_num_layers is {} (Megatron's rule: the m's must count "
+                                     "to mtp_num_layers; put them on the last stage, before L, "
+                                     "e.g. \"...|tmL\")",
+                                     count, mtp_num_layers));
+  }
+  if (!stage) return {};
+  // Flattened, no t after the first m; all m's in one stage.
+  bool after_m = false;
+  for (int64_t u = 0; u < n; ++u) {
+    for (char c : (*stages)[static_cast<size_t>(u)]) {
+      if (c == 'm') {
+        if (u != *stage) {
+          return Status::Error(kLayoutKey,
+                               fmt::format("has m on stages {} and {}: all of the MTP layers "
+                                           "must be in the same one virtual pipeline stage "
+                                           "(Megatron's rule)",
+                                           *stage, u));
+        }
+        after_m = true;
+      } else if (c == 't' && after_m) {
+        return Status::Error(kLayoutKey,
+                             "has a t after an m: decoder layers must be placed "
+                             "before MTP layers (Megatron's rule)");
+      }
+    }
+  }
+  const int64_t pp_rank = *stage % p, chunk = *stage / p, chunks = n / p;
+  if (chunk != chunks - 1) {
+    return Status::Error(kLayoutKey,
+                         fmt::format("has the MTP layers on stage {} (pipeline rank {}, model "
+                                     "chunk {}): Megatron keeps them in the last model chunk of "
+                                     "a pipeline rank",
+                                     *stage, pp_rank, chunk));
+  }
+  if (*stage != n - 1) {
+    return Status::Error(kLayoutKey,
+                         fmt::format("has the MTP layers on stage {} and the loss on stage {}: a "
+                                     "standalone MTP stage (Megatron's mtp_standalone, which "
+                                     "sends the depths' hidden states with the decoder's to the "
+                                     "loss stage) is not built yet; put the m's on the last "
+                                     "stage, before L",
+                                     *stage, n - 1));
   }
   return {};
 }

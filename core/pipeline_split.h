@@ -13,7 +13,7 @@
 //   even (no key set)        L / S per stage; L % S == 0.
 //   pipeline_model_parallel_layout, e.g. "Et|(tt|)*2,L" (PipelineParallelLayerLayout): one
 //       string of stages split by '|'; E the embedding, t a decoder layer, L the loss,
-//       m an MTP layer (refused: mpusim has no MTP yet); "(...)*N" repeats a group (no
+//       m an MTP layer (CheckMtpInLayout); "(...)*N" repeats a group (no
 //       nesting), "x*N" one character, commas are cosmetic. Its stage count must be a
 //       multiple of p and gives v; E opens the first stage, L closes the last, each once;
 //       the t's count to L. A stage may be empty or hold only E or L.
@@ -71,16 +71,25 @@ inline constexpr int64_t kMaxLayoutChars = int64_t{1} << 22;
 // string of its layer characters (E, t, L, m), e.g. "Ettt|(tt|)*2,L" -> {"Ettt", "tt", "tt",
 // "L"}. Refuses (as parallel.pipeline_model_parallel_layout) a character other than E, t, L,
 // m, '|', and what the repetitions leave behind, and an unrolled length over
-// kMaxLayoutChars. 'm' is parsed here; ResolvePipelineSplitKeys refuses it.
+// kMaxLayoutChars. 'm' is parsed here; CheckMtpInLayout checks it against the model.
 StatusOr<std::vector<std::string>> ParsePipelineLayout(std::string_view layout);
 
 // The checks that need only the keys (TransformerConfig.__post_init__ and arguments.py), in
 // Megatron's order: the layout with any other key; F or Z with e or l; F, Z < 1; F, Z not
-// divisible by v; the layout's grammar, MTP layers, a stage count that is not a multiple of
+// divisible by v; the layout's grammar, a stage count that is not a multiple of
 // p or disagrees with a given v; F and Z together with p = 1 (one stage is both). With a
 // layout and no v, sets v to stages / p when that is above 1, as Megatron does. Errors name
 // "parallel.<key>".
 Status ResolvePipelineSplitKeys(PipelineSplit* split);
+
+// The layout's MTP layers ('m') against the model's mtp_num_layers, as Megatron's
+// PipelineParallelLayerLayout.validate_layer_layout checks them: as many m's as
+// mtp_num_layers (none without it), no t after the first m, all of them in one virtual stage,
+// that stage its pipeline rank's last model chunk. mpusim builds the depths on the
+// last stage, with the loss; an m stage before it (Megatron's "standalone" MTP, whose stage
+// sends the depths' hidden states with the decoder's to the loss stage) is refused, not
+// built. Nothing to check without a layout. Errors name parallel.pipeline_model_parallel_layout.
+Status CheckMtpInLayout(const PipelineSplit& split, int64_t mtp_num_layers);
 
 // Decoder layers per virtual stage u = chunk * p + pp_rank (S entries, summing to L); refuses
 // what Megatron refuses once L is known (a layout whose t's are not L, or whose E or L are

@@ -275,6 +275,7 @@ Status ParseConfig(const nlohmann::json& document, Config* out) {
       StatusOr<LayerAssignment> layers =
           AssignLayers(config.parallel.Split(), config.gpt->num_layers);
       if (!layers.ok()) return layers.status();
+      MPUSIM_RETURN_IF_ERROR(CheckMtpInLayout(config.parallel.Split(), config.gpt->mtp_num_layers));
     }
   }
   MPUSIM_RETURN_IF_ERROR(ResolveStorageDType(config.parallel, config.run ? &*config.run : nullptr));

@@ -475,6 +475,7 @@ Status ParseGptSection(const json& section, GptConfig* out) {
 }
 
 Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptConfig* gpt) {
+  MPUSIM_RETURN_IF_ERROR(CheckMtpInLayout(parallel.Split(), gpt->mtp_num_layers));
   const int64_t t = parallel.tensor_model_parallel_size;
   const auto divisible = [&](const char* field, int64_t value) -> Status {
     if (value % t == 0) return {};

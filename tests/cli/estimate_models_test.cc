@@ -448,9 +448,27 @@ TEST(EstimateDeepSeekV3, EstimateRunsAndNamesEveryPart) {
 // MTP stage ('m', which mpusim's split does not place) left empty: that virtual stage only
 // passes its input on, and the schedule times it at no cost (it stopped the estimate with an
 // internal error).
+// Megatron's documented DeepSeek-V3 layout puts the MTP depth on a stage of its own before
+// the loss's (mtp_standalone), which mpusim does not build: one line, exit 2.
+TEST(EstimateDeepSeekV3, AStandaloneMtpStageIsRefused) {
+  json doc = json::parse(std::ifstream(Sample("deepseek_v3_671b_p16_v2_ep64_n2048.json")));
+  doc["parallel"]["pipeline_model_parallel_layout"] = "Et*3|(tt|)*29,m|L";
+  const std::string path = cli::test_util::WriteTemp("mpusim_standalone_mtp.json", doc.dump());
+  const cli::test_util::Result r =
+      Mpusim({"estimate", path, "--global-batch-size", "8192", "--seq-length", "4096"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.out, "");
+  EXPECT_EQ(r.err,
+            "error: " + path +
+                ": parallel.pipeline_model_parallel_layout: has the MTP layers on stage 30 and "
+                "the loss on stage 31: a standalone MTP stage (Megatron's mtp_standalone, which "
+                "sends the depths' hidden states with the decoder's to the loss stage) is not "
+                "built yet; put the m's on the last stage, before L\n");
+}
+
 TEST(EstimateDeepSeekV3, AnEmptyVirtualStageIsTimed) {
   json doc = json::parse(std::ifstream(Sample("deepseek_v3_671b_p16_v2_ep64_n2048.json")));
-  doc["parallel"]["pipeline_model_parallel_layout"] = "Et*3|(tt|)*29,|L";
+  doc["parallel"]["pipeline_model_parallel_layout"] = "Et*3|(tt|)*29,|mL";
   const cli::test_util::Result r =
       Mpusim({"estimate", cli::test_util::WriteTemp("mpusim_empty_stage.json", doc.dump()),
               "--global-batch-size", "8192", "--seq-length", "4096"});

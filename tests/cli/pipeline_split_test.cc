@@ -49,8 +49,9 @@ TEST(PipelineSplitCli, RefusalsAreOneLineExitTwo) {
       {"mtp",
        4,
        {{"pipeline_model_parallel_layout", "Et|ttt|ttt|tmL"}},
-       "parallel.pipeline_model_parallel_layout: stage 3 holds m (a multi-token prediction "
-       "layer): MTP (mtp_num_layers) is not supported yet; use E, t and L"},
+       "parallel.pipeline_model_parallel_layout: has 1 m (multi-token prediction layers), but "
+       "mtp_num_layers is 0 (Megatron's rule: the m's must count to mtp_num_layers; put them on "
+       "the last stage, before L, e.g. \"...|tmL\")"},
       {"count",
        4,
        {{"pipeline_model_parallel_layout", "Et|ttt|tt|tL"}},

@@ -131,11 +131,41 @@ TEST(PipelineSplitLayout, MegatronsLayerBuilderCases) {
   }
 }
 
+void ExpectRefused(const Status& got, std::string_view where, std::string_view what) {
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.where(), where);
+  EXPECT_NE(got.what().find(what), std::string::npos) << got.Message();
+}
+
 void ExpectRefused(const StatusOr<LayerAssignment>& got, std::string_view where,
                    std::string_view what) {
   ASSERT_FALSE(got.ok());
   EXPECT_EQ(got.status().where(), where);
   EXPECT_NE(got.status().what().find(what), std::string::npos) << got.status().Message();
+}
+
+// Megatron's validate_layer_layout for the MTP layers: as many m's as mtp_num_layers, no t
+// after them, one stage, the last chunk of a pipeline rank; mpusim builds them with the loss
+// and refuses a standalone m stage.
+TEST(PipelineSplitLayout, MtpLayers) {
+  constexpr std::string_view kKey = "parallel.pipeline_model_parallel_layout";
+  EXPECT_TRUE(CheckMtpInLayout(WithLayout(2, "Et|tmL"), 1).ok());
+  EXPECT_TRUE(CheckMtpInLayout(WithLayout(2, "Et|tmmL"), 2).ok());
+  EXPECT_TRUE(CheckMtpInLayout(WithLayout(2, "Et|tL"), 0).ok());
+  EXPECT_TRUE(CheckMtpInLayout(Split(2, std::nullopt), 1).ok());  // no layout: nothing to check
+  ExpectRefused(CheckMtpInLayout(WithLayout(2, "Et|tL"), 1), kKey,
+                "has 0 m (multi-token prediction layers), but mtp_num_layers is 1");
+  ExpectRefused(CheckMtpInLayout(WithLayout(2, "Et|tmL"), 0), kKey, "mtp_num_layers is 0");
+  ExpectRefused(CheckMtpInLayout(WithLayout(2, "Etm|mtL"), 2), kKey,
+                "all of the MTP layers must be in the same one virtual pipeline stage");
+  ExpectRefused(CheckMtpInLayout(WithLayout(2, "Et|mtL"), 1), kKey,
+                "decoder layers must be placed before MTP layers");
+  ExpectRefused(CheckMtpInLayout(WithLayout(2, "Et|tm||L"), 1), kKey,
+                "has the MTP layers on stage 1 (pipeline rank 1, model chunk 0): Megatron keeps "
+                "them in the last model chunk of a pipeline rank");
+  // DeepSeek-V3's documented layout: the m stage before the loss's.
+  ExpectRefused(CheckMtpInLayout(WithLayout(2, "Et|tt|m|L"), 1), kKey,
+                "has the MTP layers on stage 2 and the loss on stage 3: a standalone MTP stage");
 }
 
 TEST(PipelineSplitLayout, Refusals) {
@@ -144,8 +174,6 @@ TEST(PipelineSplitLayout, Refusals) {
   PipelineSplit vp_disagrees = WithLayout(2, "Et|t|t|tL");
   vp_disagrees.virtual_pipeline_model_parallel_size = 3;
   ExpectRefused(Assign(vp_disagrees, 4), kKey, "but virtual_pipeline_model_parallel_size is 3");
-  ExpectRefused(Assign(WithLayout(2, "Et|tmL"), 2), kKey,
-                "MTP (mtp_num_layers) is not supported yet");
   ExpectRefused(Assign(WithLayout(2, "|EttL"), 2), kKey, "the first stage must start with E");
   ExpectRefused(Assign(WithLayout(2, "tE|tL"), 2), kKey, "the first stage must start with E");
   ExpectRefused(Assign(WithLayout(2, "Et|Lt"), 2), kKey, "the last stage must end with L");
