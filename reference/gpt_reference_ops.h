@@ -45,6 +45,8 @@ struct Dims {
   bool tracker = false;
   int64_t t = 1, b = 1;
   bool sp = false;
+  // context_parallel_size: the tracker's draws above, and multi-token prediction's loss
+  // normalisation (each cp rank divides by its own unmasked tokens), set whatever the mode.
   int64_t cp = 1;
   // cp_comm_type "a2a": each cp rank holds 1/cp of its tp rank's heads for every query,
   // rather than its query positions for every head.
