@@ -458,20 +458,8 @@ TEST(GptMixtureOfExperts, StepNotesCountEveryRoutedToken) {
   for (const auto& [layer, tokens] : per_layer) EXPECT_EQ(tokens, 2 * 16 * Samples()) << layer;
 }
 
-// DeepSeek-V3-style routing (Megatron's topk_routing_with_score_function): sigmoid scores, 8
-// experts in 4 groups of 2, each token choosing 3 experts from the 3 groups whose best expert
-// scores highest, the chosen sigmoids normalised and scaled by 2.5; the load-balancing loss
-// on the normalised sigmoids, the z-loss and a shared expert (Dropless's).
-json DeepSeekRouting() {
-  json model = Dropless();
-  model["num_moe_experts"] = 8;
-  model["moe_router_topk"] = 3;
-  model["moe_router_score_function"] = "sigmoid";
-  model["moe_router_num_groups"] = 4;
-  model["moe_router_group_topk"] = 3;
-  model["moe_router_topk_scaling_factor"] = 2.5;
-  return model;
-}
+// DeepSeek-V3-style routing (WithDeepSeekRouting) on Dropless's model.
+json DeepSeekRouting() { return WithDeepSeekRouting(Dropless()); }
 
 // The softmax router with the same group limit and scaling, after the top-k (groups ranked
 // by the logits) and before it (by the softmax), with a capacity.

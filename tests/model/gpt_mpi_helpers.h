@@ -89,6 +89,25 @@ inline json Llama(int64_t heads, int64_t groups) {
   return model;
 }
 
+// DeepSeek-V3-style routing on `model` (Megatron's topk_routing_with_score_function): 8
+// experts of moe_ffn_hidden_size 16 in 4 groups of 2, each token choosing 3 experts from the 3
+// groups whose best expert scores highest, the chosen sigmoids normalised and scaled by 2.5;
+// the load-balancing loss (0.01) on the normalised sigmoids, the z-loss (0.001) and a shared
+// expert of 24.
+inline json WithDeepSeekRouting(json model) {
+  model["num_moe_experts"] = 8;
+  model["moe_router_topk"] = 3;
+  model["moe_ffn_hidden_size"] = 16;
+  model["moe_router_score_function"] = "sigmoid";
+  model["moe_router_num_groups"] = 4;
+  model["moe_router_group_topk"] = 3;
+  model["moe_router_topk_scaling_factor"] = 2.5;
+  model["moe_aux_loss_coeff"] = 0.01;
+  model["moe_z_loss_coeff"] = 0.001;
+  model["moe_shared_expert_intermediate_size"] = 24;
+  return model;
+}
+
 // Sets the run's recompute keys from `spec`: "selective" (Megatron's default modules),
 // "selective <module>,<module>", "full" (every layer recomputed alone: uniform, 1 layer),
 // "full uniform <n>" or "full block <n>".

@@ -206,20 +206,10 @@ TEST(MultiTokenPrediction, WithMultiLatentAttention) {
 // best 3 groups, scaled by 2.5, the expert bias, the sequence-level load-balancing loss, the
 // z-loss and a shared expert; the first decoder layer dense.
 json MtpMoe(int64_t depths) {
-  json model = Mtp(depths, false);
+  json model = WithDeepSeekRouting(Mtp(depths, false));
   model["moe_layer_freq"] = json::array({0, 1, 1, 1});
-  model["num_moe_experts"] = 8;
-  model["moe_router_topk"] = 3;
-  model["moe_ffn_hidden_size"] = 16;
-  model["moe_router_score_function"] = "sigmoid";
-  model["moe_router_num_groups"] = 4;
-  model["moe_router_group_topk"] = 3;
-  model["moe_router_topk_scaling_factor"] = 2.5;
   model["moe_router_enable_expert_bias"] = true;
   model["moe_router_load_balancing_type"] = "seq_aux_loss";
-  model["moe_aux_loss_coeff"] = 0.01;
-  model["moe_z_loss_coeff"] = 0.001;
-  model["moe_shared_expert_intermediate_size"] = 24;
   return model;
 }
 
