@@ -215,8 +215,8 @@ StatusOr<EstimateReport> MakeEstimateReport(Config config, const Topology& topol
                                                SaturatingAdd(stage.activations, stage.buffers)));
     }
     // `mpusim run` refuses the combined 1F1B schedule: no executor to mirror. A model the
-    // executor does not build (MTP on an MoE model, MLA or MTP with cp) has no executor count
-    // either: the note says why.
+    // executor does not build (a part Megatron runs and mpusim run refuses) has no executor
+    // count either: the note says why.
     const Status builds = ExecutorBuildsParts(config, topology);
     if (!builds.ok()) r.executor_missing = builds.Message();
     if (!config.parallel.overlap_moe_expert_parallel_comm && builds.ok()) {

@@ -342,6 +342,9 @@ Status ResolveMla(const json& section, GptConfig* gpt) {
           key));
     }
   }
+  // One key and one value head per query head: the groups core attention (and cp's head
+  // exchanges) see.
+  gpt->num_query_groups = gpt->num_attention_heads;
   if (gpt->softmax_type != SoftmaxType::kVanilla || gpt->HasSlidingWindow()) {
     return Status::Error(gpt->softmax_type != SoftmaxType::kVanilla ? "model.softmax_type"
                                                                      : "model.window_size",
@@ -591,6 +594,8 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
     }
   }
   const int64_t cp = parallel.context_parallel_size;
+  // The key and value heads the cp exchanges split (multi-latent attention: one per head).
+  const char* kv_heads = gpt->mla.enabled ? "num_attention_heads" : "num_query_groups";
   if (cp > 1) {
     if (gpt->cp_comm_type == CpCommType::kA2aP2p) {
       const std::vector<int64_t>& hcp = parallel.hierarchical_context_parallel_sizes;
@@ -606,9 +611,9 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
         return Status::Error(
             "model.cp_comm_type",
             fmt::format("\"a2a+p2p\" gives each rank 1/{} of its tp rank's heads, so "
-                        "num_query_groups {} must be divisible by tensor_model_parallel_size * "
+                        "{} {} must be divisible by tensor_model_parallel_size * "
                         "hierarchical_context_parallel_sizes[0] = {}",
-                        hcp[0], gpt->num_query_groups, t * hcp[0]));
+                        hcp[0], kv_heads, gpt->num_query_groups, t * hcp[0]));
       }
       if (gpt->dropout_mode == DropoutMode::kRngTracker && gpt->attention_dropout > 0) {
         return Status::Error(
@@ -622,10 +627,10 @@ Status CheckGptLayout(const ParallelConfig& parallel, const RunConfig& run, GptC
       return Status::Error(
           "model.cp_comm_type",
           fmt::format("\"a2a\" gives each cp rank 1/cp of its tp rank's heads, so "
-                      "num_query_groups {} must be divisible by tensor_model_parallel_size * "
+                      "{} {} must be divisible by tensor_model_parallel_size * "
                       "context_parallel_size = {}; set \"p2p\" or \"all_gather\", or another "
                       "layout",
-                      gpt->num_query_groups, t * cp));
+                      kv_heads, gpt->num_query_groups, t * cp));
     }
     if (gpt->HasSlidingWindow() &&
         (gpt->cp_comm_type == CpCommType::kP2p || gpt->cp_comm_type == CpCommType::kA2aP2p)) {

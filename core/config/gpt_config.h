@@ -239,6 +239,10 @@ struct GptConfig {
   }
   // Rows of fc1: ffn_hidden_size, or 2 * ffn_hidden_size for a gated activation (swiglu).
   int64_t Fc1Rows() const { return IsGated(activation) ? 2 * ffn_hidden_size : ffn_hidden_size; }
+  // Core attention's head dims: a query's and a key's (kv_channels; multi-latent attention's
+  // qk_head_dim + qk_pos_emb_head_dim), a value's (kv_channels; MLA's v_head_dim).
+  int64_t QueryKeyHeadDim() const { return mla.enabled ? mla.QHeadDim() : kv_channels; }
+  int64_t ValueHeadDim() const { return mla.enabled ? mla.v_head_dim : kv_channels; }
   // Channels of a head RoPE turns: Megatron's int(kv_channels * rotary_percent).
   int64_t RotaryDim() const {
     return static_cast<int64_t>(static_cast<double>(kv_channels) * rotary_percent);

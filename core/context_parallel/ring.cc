@@ -4,9 +4,10 @@
 namespace mpusim {
 
 Tensor BlockPart(const Tensor& block, int64_t which, int64_t half, int64_t bg, int64_t c,
-                 int64_t dk) {
-  const int64_t n = bg * c * dk;
-  return block.FlatSlice((which * 2 + half) * n, n).Reshaped({bg, c, dk});
+                 int64_t dq, int64_t dv) {
+  const int64_t keys = bg * c * dq, values = bg * c * dv;
+  if (which == 0) return block.FlatSlice(half * keys, keys).Reshaped({bg, c, dq});
+  return block.FlatSlice(2 * keys + half * values, values).Reshaped({bg, c, dv});
 }
 
 Tensor PassOn(Kernels& k, Communicator& ring, int64_t cp, int64_t me, const Tensor& x, int tag) {

@@ -11,7 +11,7 @@
 // the next block from me - 1. In a step, each pair of a query chunk and a key chunk is one
 // c x c block, skipped when every key comes after every query. With cp = 2, rank 0 (chunks 0
 // and 3): step 0 its own keys, blocks (0, 0), (3, 0), (3, 3); step 1 rank 1's (chunks 1 and
-// 2), blocks (3, 1), (3, 2). A block on the ring is [2 (k, v), 2 (chunk), bg, c, dk].
+// 2), blocks (3, 1), (3, 2). A block on the ring is its keys and values (BlockPart).
 #pragma once
 
 #include <cstdint>
@@ -61,10 +61,11 @@ void ForEachVisibleBlock(int64_t cp, int64_t me, int64_t src, Fn&& fn) {
   }
 }
 
-// A [bg * c, dk] chunk (k or v: which = 0 or 1; chunk half h) of a ring block laid out as
-// [2 (k, v), 2 (chunk), bg, c, dk], as a view [bg, c, dk].
+// A chunk of a ring block (which = 0: the keys [bg, c, dq]; 1: the values [bg, c, dv]; chunk
+// half h), as a view. A block is [2 (chunk), bg, c, dq] keys, then [2 (chunk), bg, c, dv]
+// values: with multi-latent attention dq != dv.
 Tensor BlockPart(const Tensor& block, int64_t which, int64_t half, int64_t bg, int64_t c,
-                 int64_t dk);
+                 int64_t dq, int64_t dv);
 
 // The backward's pass of the gradients that travel with a block: `x` sent on to me + 1, the
 // one from me - 1 returned (messages tagged `tag`); a ring of one rank keeps `x`.

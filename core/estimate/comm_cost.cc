@@ -36,10 +36,13 @@ CpExchange CpExchangeOf(const GptConfig& g, const Sizes& x, int64_t cp, const Li
   CpExchange out;
   if (cp <= 1) return out;
   const double n = static_cast<double>(cp);
-  const double T = x.tokens(), d = static_cast<double>(g.kv_channels);
+  const double T = x.tokens();
+  // The query and key head dim, the value's (multi-latent attention's differ).
+  const double dq = static_cast<double>(g.QueryKeyHeadDim());
+  const double dv = static_cast<double>(g.ValueHeadDim());
   const double heads = static_cast<double>(g.num_attention_heads) / x.t;
   const double groups = static_cast<double>(g.num_query_groups) / x.t;
-  const double kv = 2 * T * groups * d * x.e;  // this rank's keys and values
+  const double kv = T * groups * (dq + dv) * x.e;  // this rank's keys and values
   switch (g.cp_comm_type) {
     case CpCommType::kAllGather:
       // All-gather the keys and values of every position; reduce-scatter their gradients.
@@ -51,7 +54,7 @@ CpExchange CpExchangeOf(const GptConfig& g, const Sizes& x, int64_t cp, const Li
     case CpCommType::kA2a: {
       // Four all-to-alls each way: q, k, v in, the context out.
       out.operation = "all-to-all";
-      const double local = T * d * x.e * (2 * heads + 2 * groups);
+      const double local = T * x.e * (heads * (dq + dv) + groups * (dq + dv));
       out.forward_s = out.backward_s =
           local * (n - 1) / n / link.bandwidth + 4 * (n - 1) * link.latency;
       out.forward_count = out.backward_count = 4;

@@ -81,7 +81,7 @@ StatusOr<HeldMemory> EstimateHeldMemory(const Config& config, const Topology& to
   if (EstimatedModel(config) != nullptr && config.run) {
     // A GPT model: counted from its parameter list (HeldGptParameters, the list
     // GptModel::Build builds from), so the count needs no executor and holds for the layouts
-    // Megatron runs and the executor does not (MTP on an MoE model, MLA or MTP with cp).
+    // Megatron runs and the executor does not yet.
     StatusOr<std::vector<HeldParameterShape>> counted =
         CountedParameterShapes(config, topology, rank);
     if (!counted.ok()) return counted.status();

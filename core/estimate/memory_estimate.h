@@ -96,8 +96,8 @@ StatusOr<std::vector<HeldParameterShape>> CountedParameterShapes(const Config& c
                                                                  int64_t rank);
 
 // Whether the CPU executor builds `config`'s GPT model, which EstimateHeldMemory counts
-// without it: the executor's refusal, naming the field, when it does not (MTP on an MoE
-// model, MLA or MTP with cp: Megatron runs them, mpusim run does not yet), so the estimate
+// without it: the executor's refusal, naming the field, when it does not (a part Megatron
+// runs and mpusim run does not yet), so the estimate
 // leaves out only the executor's own counts (executor_activations.h, which need the model);
 // OK for a model of another kind.
 Status ExecutorBuildsParts(const Config& config, const Topology& topology);

@@ -176,7 +176,7 @@ StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
   const double dvalue = kv;
   double attention_point;
   if (ring) {
-    // The ring's backward (attention.cc RingBackward): d context and its copy ("a2a+p2p":
+    // The ring's backward (core_attention.cc RingBackward): d context and its copy ("a2a+p2p":
     // and its exchange to the ring's heads), each query half's d out, row dot products and
     // dq, the gradients travelling with the block; then per step the block received next,
     // and per block its probabilities, their gradient, the scores' gradient (and with
@@ -227,7 +227,7 @@ StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
     const double kl = static_cast<double>(mla.kv_lora_rank);
     const double dqh = qk + pe;
     const double C = R * al * dv * e, Q = R * al * dqh * e, KV = R * al * (qk + dv) * e;
-    const double Pe = R * pe * e, PeH = R * al * pe * e, M = s * pe * pe * e;
+    const double Pe = R * pe * e, PeH = R * al * pe * e, M = s / cp * pe * pe * e;
     // A ColumnParallelLinear's backward of input width `in` (its out/t output columns): dx
     // [R, in], under sp the gathered input, the weight's gradient; then the reduce-scatter's
     // (sp) or the all-reduce's (tp > 1) new dx beside the old.
@@ -237,7 +237,35 @@ StatusOr<std::vector<ScheduleActivations>> PlanScheduleActivations(
     };
     const double outer = dmlp + stream /*dln2*/ + stream /*dx1*/ + dattn;
     const double split_copy = sz.tp > 1 ? 1.0 / t : 0.0;  // SplitLastDim's new copy (tp > 1)
-    const double core_a = 3 * C + (attention_dropout ? 3 : 2) * probs + 2 * Q;
+    // Core attention's (CoreAttention::Backward; the keys Q wide, the values C). Without a
+    // ring, at its fullest: d context and its copy, d probs, d value, the dropped copy, d
+    // scores, d query, d key; "all_gather" makes d key and d value of every position and
+    // reduce-scatters them (the result beside the old, one at a time); "a2a" exchanges d
+    // context first and d query, d key, d value after (send, receive and result buffers).
+    double core_a;
+    if (ring) {
+      // As the GQA ring's below: d context and its copy ("a2a+p2p": and its exchange), each
+      // query half's d out, row dot products and dq, the gradients travelling with the block
+      // (a key's and a value's), then the block received next or per block its
+      // probabilities' tensors; at the end dq, dk, dv in this rank's order ("a2a+p2p":
+      // exchanged back one at a time).
+      const std::vector<int64_t>& levels = topology.config().hierarchical_context_parallel_sizes;
+      const bool hier = g.cp_comm_type == CpCommType::kA2aP2p;
+      const double ring_size = hier && !levels.empty() ? cp / static_cast<double>(levels[0]) : cp;
+      const double block = R * al / 2 * (s / (2 * ring_size)) * e;
+      const double base = 2 * C + (hier ? C : 0) + C + R * al * c + Q + (Q + C);
+      const double incoming = ring_size > 1 ? Q + C : 0;
+      const double in_order = base + 2 * Q + C;
+      core_a = Max({base + incoming + (attention_dropout ? 5 : 3) * block, base + 2 * incoming,
+                    in_order, hier ? in_order + std::max(4 * Q, 2 * Q + 3 * C) : 0});
+    } else {
+      const double whole = gathered ? cp : 1;  // d key and d value of every position
+      const double at_most =
+          2 * C + (attention_dropout ? 3 : 2) * probs + whole * C + Q + whole * Q;
+      core_a = heads      ? Max({5 * C, at_most + 3 * Q, at_most + Q + 3 * C})
+               : gathered ? Max({at_most + whole * Q + Q, at_most + Q + whole * C + C})
+                          : at_most;
+    }
     const double base_b = 3 * Q + C + KV + Pe + M;
     const double way_back = Max({base_b + PeH, base_b - Q + 2 * PeH, base_b - Q - C + 3 * PeH,
                                  base_b - 2 * Q - C + 3 * PeH + Pe, Q + KV + 2 * Pe});

@@ -158,13 +158,6 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
                       *model->run_.recompute_num_layers));
     }
   }
-  if (model->gpt_.mla.enabled && config.parallel.context_parallel_size > 1) {
-    return Status::Error("parallel.context_parallel_size",
-                         fmt::format("{} with multi_latent_attention is not built (the local "
-                                     "spec's DotProductAttention asserts context parallelism "
-                                     "1; Transformer Engine's is not in mpusim); set 1",
-                                     config.parallel.context_parallel_size));
-  }
   if (topology.first_rank() != 0) {
     return Status::Error("parallel.rank_offset", "mpusim run needs rank_offset 0");
   }

@@ -60,6 +60,15 @@ double MlaSoftmaxScaleOf(const GptConfig& gpt) {
   return m * m / std::sqrt(static_cast<double>(gpt.mla.QHeadDim()));
 }
 
+CoreAttention::Dims MlaSelfAttention::CoreDims(const GptConfig& gpt) {
+  CoreAttention::Dims dims;
+  dims.a = dims.g = gpt.num_attention_heads;  // a key and a value head per query head
+  dims.dq = gpt.QueryKeyHeadDim();
+  dims.dv = gpt.ValueHeadDim();
+  dims.scale = MlaSoftmaxScaleOf(gpt);
+  return dims;
+}
+
 MlaSelfAttention::MlaSelfAttention(const GptConfig& gpt, std::string prefix, ParameterSet& params,
                                    int64_t t)
     : prefix_(std::move(prefix)),
@@ -70,9 +79,8 @@ MlaSelfAttention::MlaSelfAttention(const GptConfig& gpt, std::string prefix, Par
       dv_(gpt.mla.v_head_dim),
       ql_(gpt.mla.q_lora_rank.value_or(0)),
       kl_(gpt.mla.kv_lora_rank),
-      scale_(MlaSoftmaxScaleOf(gpt)),
       rope_(MlaRopeOf(gpt)),
-      dropout_(gpt.attention_dropout),
+      core_(gpt, prefix_, CoreDims(gpt), -1, nullptr, t),
       kv_down_(&params.Get(prefix_ + ".linear_kv_down_proj.weight"), nullptr),
       kv_up_(&params.Get(prefix_ + ".linear_kv_up_proj.weight"), nullptr),
       proj_(&params.Get(prefix_ + ".linear_proj.weight")),
@@ -91,15 +99,15 @@ MlaSelfAttention::MlaSelfAttention(const GptConfig& gpt, std::string prefix, Par
   if (gpt.qk_layernorm) kv_norm_ = norm(prefix_ + ".kv_layernorm");
 }
 
-// y = M_p x for a pe-vector x of position p: M_p[c][2c] = M_p[c + pe/2][2c + 1] = cos * ms,
-// M_p[c][2c + 1] = -sin * ms, M_p[c + pe/2][2c] = sin * ms (angle p inv_freq[c]): the
-// de-interleave and rotate_half of _apply_rotary_pos_emb_bshd, cos and sin rounded to the
-// dtype as Megatron's .to(t.dtype) does.
+// y = M_p x for a pe-vector x of position p (this rank's token l at sequence position p):
+// M_p[c][2c] = M_p[c + pe/2][2c + 1] = cos * ms, M_p[c][2c + 1] = -sin * ms, M_p[c + pe/2][2c] =
+// sin * ms (angle p inv_freq[c]): the de-interleave and rotate_half of _apply_rotary_pos_emb_bshd,
+// cos and sin rounded to the dtype as Megatron's .to(t.dtype) does.
 Tensor MlaSelfAttention::RopeMatrices(const ModuleContext& ctx, DType dtype) const {
-  const int64_t s = ctx.shape.s, pe = pe_, half = pe_ / 2;
+  const int64_t s = ctx.shape.s_cp(), pe = pe_, half = pe_ / 2;
   Tensor host = Tensor::HostZeros({s, pe, pe}, dtype);
-  for (int64_t p = 0; p < s; ++p) {
-    const int64_t m = p * pe * pe;
+  for (int64_t l = 0; l < s; ++l) {
+    const int64_t m = l * pe * pe, p = ctx.shape.Position(l);
     for (int64_t c = 0; c < half; ++c) {
       const double theta = static_cast<double>(p) * rope_.inv_freq[static_cast<size_t>(c)];
       const double cs = std::cos(theta) * rope_.mscale, sn = std::sin(theta) * rope_.mscale;
@@ -112,21 +120,11 @@ Tensor MlaSelfAttention::RopeMatrices(const ModuleContext& ctx, DType dtype) con
   return ctx.k.ToDevice(host);
 }
 
-// Where this rank's probabilities [b, a_l, s, s] sit in the full [B, a, s, s].
-IndexPieces MlaSelfAttention::ProbsMap(const StreamShape& sh) const {
-  const int64_t s = sh.s;
-  GlobalIndexMap map;
-  map.base = (sh.dp_rank * sh.b * a_ + sh.tp_rank * a_l_) * s * s;
-  map.dims = {sh.b, a_l_, s * s};
-  map.strides = {a_ * s * s, s * s, 1};
-  return {{0, map}};
-}
-
 Tensor MlaSelfAttention::Forward(const ModuleContext& ctx, const Tensor& x, bool keep_core,
                                  Stash* stash) const {
   Kernels& k = ctx.k;
   const StreamShape& sh = ctx.shape;
-  const int64_t s = sh.s, b = sh.b, R = s * b, al = a_l_, qk = qk_, pe = pe_, dv = dv_;
+  const int64_t s = sh.s_cp(), b = sh.b, R = s * b, al = a_l_, qk = qk_, pe = pe_, dv = dv_;
   const int64_t dq = qk + pe, wkv = qk + dv;
   const DType dtype = x.dtype();
   stash->x = x;
@@ -179,47 +177,20 @@ Tensor MlaSelfAttention::Forward(const ModuleContext& ctx, const Tensor& x, bool
     to_heads(k_rot, 0, {pe, 0, b * pe, 1}, pe, stash->key, qk, dq);  // shared by the heads
     to_heads(kv, qk, {al * wkv, wkv, b * al * wkv, 1}, dv, stash->value, 0, dv);
   }
-  CoreStash core;
-  Probs(ctx, *stash, &core);
-  Tensor context = k.Empty({b * al, s, dv}, dtype);
-  k.BatchedGemm(false, false, 1.0, core.probs_dropped.Reshaped({b * al, s, s}),
-                stash->value.Reshaped({b * al, s, dv}), 0.0, context);
+  CoreAttention::Stash core;
+  const Tensor columns = core_.Forward(ctx, stash->query, stash->key, stash->value, &core);
   if (keep_core) stash->core = std::move(core);
-  Tensor columns = k.Empty({R, al * dv}, dtype);
-  k.StridedCopy(context, 0, {b, al, s, dv}, {al * s * dv, s * dv, dv, 1}, columns, 0,
-                {al * dv, dv, b * al * dv, 1});
-  ctx.Record(prefix_ + ".core_attention.output", columns, {s, sh.B, a_ * dv},
-             sh.ColumnSpec(ctx.dp_size, 1));
   const Tensor out = proj_.Forward(ctx, columns, &stash->proj_in);
-  ctx.Record(prefix_ + ".linear_proj.output", out, {s, sh.B, out.cols()},
+  ctx.Record(prefix_ + ".linear_proj.output", out, {sh.s, sh.B, out.cols()},
              sh.StreamSpec(ctx.dp_size));
   return out;
-}
-
-void MlaSelfAttention::Probs(const ModuleContext& ctx, const Stash& stash, CoreStash* core) const {
-  Kernels& k = ctx.k;
-  const StreamShape& sh = ctx.shape;
-  const int64_t s = sh.s, b = sh.b, al = a_l_, dq = qk_ + pe_;
-  const DType dtype = stash.query.dtype();
-  Tensor scores = k.Empty({b * al, s, s}, dtype);
-  k.BatchedGemm(false, true, scale_, stash.query.Reshaped({b * al, s, dq}),
-                stash.key.Reshaped({b * al, s, dq}), 0.0, scores);
-  core->probs = k.Empty({b * al * s, s}, dtype);
-  k.CausalSoftmaxForward(scores.Reshaped({b * al * s, s}), ctx.positions, ctx.key_positions, 1.0,
-                         core->probs, nullptr, -1);
-  ctx.Record(prefix_ + ".core_attention.probs", core->probs.Reshaped({b, al, s, s}),
-             {sh.B, a_, s, s}, sh.HeadSpec(ctx.dp_size));
-  core->probs_dropped = dropout_ > 0
-                            ? DropoutAtSite(ctx, prefix_ + ".core_attention.attention_dropout",
-                                            dropout_, ProbsMap(sh), core->probs)
-                            : core->probs;
 }
 
 StashPlan MlaSelfAttention::PlanStash(const GptConfig& gpt, const StreamShape& shape, DType dtype,
                                       bool keep_core) {
   const auto d = [](int64_t v) { return static_cast<double>(v); };
   const MlaConfig& mla = gpt.mla;
-  const double Rl = d(shape.stream_rows()), R = d(shape.s * shape.b);
+  const double Rl = d(shape.stream_rows()), R = d(shape.s_cp() * shape.b);
   const double al = d(gpt.num_attention_heads) / d(shape.t);
   const double dq = d(mla.QHeadDim()), dv = d(mla.v_head_dim), kl = d(mla.kv_lora_rank);
   StashPlan plan;
@@ -240,11 +211,8 @@ StashPlan MlaSelfAttention::PlanStash(const GptConfig& gpt, const StreamShape& s
   plan.Add("query", {R * al, dq}, dtype);
   plan.Add("key", {R * al, dq}, dtype);
   plan.Add("value", {R * al, dv}, dtype);
-  if (keep_core) {
-    const double rows = R * al, s = d(shape.s);
-    plan.Add("core.probs", {rows, s}, dtype);
-    if (gpt.attention_dropout > 0) plan.Add("core.probs_dropped", {rows, s}, dtype);
-  }
+  // Core attention's: what its exchange makes beyond query, key and value (which it keeps).
+  if (keep_core) plan.Add("core", CoreAttention::PlanStash(gpt, CoreDims(gpt), shape, dtype, true));
   plan.Add("proj_in.input", {R, al * dv}, dtype);
   return plan;
 }
@@ -256,49 +224,25 @@ StashPlan MlaSelfAttention::PlanStash(const GptConfig& gpt, const StreamShape& s
 Tensor MlaSelfAttention::Backward(const ModuleContext& ctx, const Tensor& dy, Stash& stash) const {
   Kernels& k = ctx.k;
   const StreamShape& sh = ctx.shape;
-  const int64_t s = sh.s, b = sh.b, R = s * b, al = a_l_, qk = qk_, pe = pe_, dv = dv_;
+  const int64_t s = sh.s_cp(), b = sh.b, R = s * b, al = a_l_, qk = qk_, pe = pe_, dv = dv_;
   const int64_t dq = qk + pe, wkv = qk + dv;
   const DType dtype = dy.dtype();
-  ctx.Record(prefix_ + ".linear_proj.output_grad", dy, {s, sh.B, dy.cols()},
+  ctx.Record(prefix_ + ".linear_proj.output_grad", dy, {sh.s, sh.B, dy.cols()},
              sh.StreamSpec(ctx.dp_size));
-  Tensor dquery, dkey, dvalue;  // [b*a_l, s, dq], [b*a_l, s, dq], [b*a_l, s, dv]
+  Tensor dquery, dkey, dvalue;  // [b*a_l*s, dq], [b*a_l*s, dq], [b*a_l*s, dv]
   {
     const Tensor dcolumns = proj_.Backward(ctx, dy, stash.proj_in);
-    ctx.Record(prefix_ + ".core_attention.output_grad", dcolumns, {s, sh.B, a_ * dv},
-               sh.ColumnSpec(ctx.dp_size, 1));
     if (!stash.core) {
       // Selective recomputation: the probabilities again from query and key (no records).
       const RecomputeScope scope(ctx);
-      CoreStash core;
-      Probs(scope.quiet, stash, &core);
+      CoreAttention::Stash core;
+      core_.Recompute(scope.quiet, stash.query, stash.key, stash.value, &core);
       stash.core = std::move(core);
     }
-    const CoreStash& core = *stash.core;
-    Tensor dcontext = k.Empty({b * al, s, dv}, dtype);
-    k.StridedCopy(dcolumns, 0, {b, al, s, dv}, {al * dv, dv, b * al * dv, 1}, dcontext, 0,
-                  {al * s * dv, s * dv, dv, 1});
-    // context = P_d value:  dP_d = dcontext value^T,  dvalue = P_d^T dcontext
-    Tensor dprobs = k.Empty({b * al, s, s}, dtype);
-    k.BatchedGemm(false, true, 1.0, dcontext, stash.value.Reshaped({b * al, s, dv}), 0.0, dprobs);
-    dvalue = k.Empty({b * al, s, dv}, dtype);
-    k.BatchedGemm(true, false, 1.0, core.probs_dropped.Reshaped({b * al, s, s}), dcontext, 0.0,
-                  dvalue);
-    Tensor dprobs_flat = dprobs.Reshaped({b * al * s, s});
-    if (dropout_ > 0) {
-      dprobs_flat = DropoutAtSite(ctx, prefix_ + ".core_attention.attention_dropout", dropout_,
-                                  ProbsMap(sh), dprobs_flat);
-    }
-    ctx.Record(prefix_ + ".core_attention.probs_grad", dprobs_flat.Reshaped({b, al, s, s}),
-               {sh.B, a_, s, s}, sh.HeadSpec(ctx.dp_size));
-    Tensor dscores = k.Empty({b * al * s, s}, dtype);
-    k.CausalSoftmaxBackward(core.probs, dprobs_flat, ctx.positions, ctx.key_positions, 1.0, dscores,
-                            nullptr, -1);
-    // scores = c query key^T:  dquery = c dscores key,  dkey = c dscores^T query
-    const Tensor ds = dscores.Reshaped({b * al, s, s});
-    dquery = k.Empty({b * al, s, dq}, dtype);
-    k.BatchedGemm(false, false, scale_, ds, stash.key.Reshaped({b * al, s, dq}), 0.0, dquery);
-    dkey = k.Empty({b * al, s, dq}, dtype);
-    k.BatchedGemm(true, false, scale_, ds, stash.query.Reshaped({b * al, s, dq}), 0.0, dkey);
+    CoreAttention::Grads grads = core_.Backward(ctx, dcolumns, *stash.core);
+    dquery = std::move(grads.dq);
+    dkey = std::move(grads.dk);
+    dvalue = std::move(grads.dv);
   }
   // Back to the projections' column layouts; R's transpose on the rope channels (x = M^T y).
   const auto from_heads = [&](const Tensor& src, int64_t src_offset, int64_t src_w, int64_t w,

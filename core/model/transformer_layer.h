@@ -37,7 +37,7 @@ struct LayerRecompute {
   // recomputed group (it keeps its input); kNothing, a later layer of the group.
   enum class Keep : uint8_t { kAll, kInput, kNothing };
   Keep keep = Keep::kAll;
-  bool core_attn = false;  // selective "core_attn": SelfAttention's CoreStash
+  bool core_attn = false;  // selective "core_attn": the attention's core stash
   // Selective "layernorm": both norms' outputs and statistics (their inputs are kept anyway:
   // the layer's input, x1), recomputed before the MLP's and the attention's backward.
   bool layernorm = false;

@@ -1,6 +1,7 @@
-// Multi-latent attention at the command line: `mpusim run` runs it (a float64 dump of tp 2
-// with sequence parallelism diffs clean against one rank), `explain` shows its parameters,
-// and `estimate` and `advise` count it (tests/cli/estimate_models_test.cc for the numbers).
+// Multi-latent attention at the command line: `mpusim run` runs it (float64 dumps of tp 2
+// with sequence parallelism and of cp 2 diff clean against one rank), `explain` shows its
+// parameters, and `estimate` and `advise` count it (tests/cli/estimate_models_test.cc for
+// the numbers).
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -39,6 +40,32 @@ json MlaConfig() {
               {"run", {{"seq_length", 8}, {"micro_batch_size", 1}, {"num_microbatches", 1}}}};
 }
 
+// `path` run in float64 on `ranks` ranks and on one rank (`one_rank`: the flags that make
+// it one), both dumped: the dumps diff clean.
+void ExpectDumpDiffsCleanAgainstOneRank(const std::string& path, int ranks,
+                                        const std::string& one_rank, const std::string& name) {
+  const std::filesystem::path tmp = std::filesystem::temp_directory_path();
+  const std::string tag = std::to_string(::getpid());
+  const std::filesystem::path a = tmp / (name + "_a." + tag);
+  const std::filesystem::path b = tmp / (name + "_b." + tag);
+  for (const auto& dir : {a, b}) std::filesystem::remove_all(dir);
+  std::string output;
+  ASSERT_EQ(Shell(Mpiexec(ranks) + MPUSIM_BINARY + " run " + path + " --dtype float64 --dump " +
+                      a.string(),
+                  &output),
+            0)
+      << output;
+  ASSERT_EQ(Shell(Mpiexec(1) + MPUSIM_BINARY + " run " + path + " --dtype float64 " + one_rank +
+                      " --dump " + b.string(),
+                  &output),
+            0)
+      << output;
+  const Result same = Mpusim({"diff", a.string(), b.string(), "--atol", "1e-12", "--rtol", "0"});
+  EXPECT_EQ(same.code, 0) << same.out << same.err;
+  EXPECT_NE(same.out.find(" 0 failed"), std::string::npos) << same.out;
+  for (const auto& dir : {a, b}) std::filesystem::remove_all(dir);
+}
+
 // `mpusim run` on tp 2 with sequence parallelism in float64, dumped, diffs clean against the
 // one-rank layout with the same data-parallel split (dp 1 in both).
 TEST(MlaCli, RunDumpDiffsCleanAgainstOneRank) {
@@ -47,26 +74,7 @@ TEST(MlaCli, RunDumpDiffsCleanAgainstOneRank) {
   config["model"]["qk_layernorm"] = true;
   config["model"]["make_vocab_size_divisible_by"] = 32;  // 64 entries on either tp size
   const std::string path = WriteTemp("mpusim_mla_run.json", config.dump());
-  const std::filesystem::path tmp = std::filesystem::temp_directory_path();
-  const std::string tag = std::to_string(::getpid());
-  const std::filesystem::path a = tmp / ("mpusim_mla_diff_a." + tag);
-  const std::filesystem::path b = tmp / ("mpusim_mla_diff_b." + tag);
-  for (const auto& dir : {a, b}) std::filesystem::remove_all(dir);
-  std::string output;
-  ASSERT_EQ(
-      Shell(Mpiexec(2) + MPUSIM_BINARY + " run " + path + " --dtype float64 --dump " + a.string(),
-            &output),
-      0)
-      << output;
-  ASSERT_EQ(Shell(Mpiexec(1) + MPUSIM_BINARY + " run " + path +
-                      " --dtype float64 --world-size 1 --tp 1 --dump " + b.string(),
-                  &output),
-            0)
-      << output;
-  const Result same = Mpusim({"diff", a.string(), b.string(), "--atol", "1e-12", "--rtol", "0"});
-  EXPECT_EQ(same.code, 0) << same.out << same.err;
-  EXPECT_NE(same.out.find(" 0 failed"), std::string::npos) << same.out;
-  for (const auto& dir : {a, b}) std::filesystem::remove_all(dir);
+  ExpectDumpDiffsCleanAgainstOneRank(path, 2, "--world-size 1 --tp 1", "mpusim_mla_diff");
 }
 
 // explain names MLA's parameters with their tp split and says what the attention is.
@@ -97,31 +105,33 @@ TEST(MlaCli, EstimateAndAdviseCountIt) {
   EXPECT_EQ(advise.code, 0) << advise.err;
 }
 
-// Context parallelism with MLA runs in Megatron (Transformer Engine's attention) but not in
-// mpusim run: estimate still counts it, from the model's parameter list, and leaves out only
-// the executor's own activation count, saying why. cp splits no parameter, so each rank holds
-// what it holds on cp 1.
-TEST(MlaCli, EstimateCountsContextParallelismTheExecutorDoesNotRun) {
+// Context parallelism with MLA (Transformer Engine's ring here): `mpusim run` on cp 2 in
+// float64, dumped, diffs clean against one rank; `estimate` counts it with the CPU
+// executor's activations, and cp splits no parameter, so each rank holds what it holds on
+// cp 1.
+TEST(MlaCli, ContextParallelRunsAndEstimateCountsIt) {
   json config = MlaConfig();
-  const std::string cp1 = WriteTemp("mpusim_mla_cp1.json", config.dump());
-  config["parallel"]["world_size"] = 4;
+  config["parallel"]["tensor_model_parallel_size"] = 1;
   config["parallel"]["context_parallel_size"] = 2;
+  config["model"]["cp_comm_type"] = "p2p";
   const std::string cp2 = WriteTemp("mpusim_mla_cp2.json", config.dump());
+  ExpectDumpDiffsCleanAgainstOneRank(cp2, 2, "--world-size 1 --cp 1", "mpusim_mla_cp");
+
   const Result text = Mpusim({"estimate", cp2});
   ASSERT_EQ(text.code, 0) << text.out << text.err;
-  EXPECT_NE(text.out.find("CPU executor's activations: not counted: "
-                          "parallel.context_parallel_size: 2 with multi_latent_attention"),
-            std::string::npos)
-      << text.out;
+  EXPECT_EQ(text.out.find("not counted"), std::string::npos) << text.out;
+  config["parallel"]["context_parallel_size"] = 1;
+  config["parallel"]["world_size"] = 1;
+  const std::string cp1 = WriteTemp("mpusim_mla_cp1.json", config.dump());
   const Result one = Mpusim({"estimate", cp1, "--format", "json"});
   const Result two = Mpusim({"estimate", cp2, "--format", "json"});
   ASSERT_EQ(one.code, 0) << one.err;
   ASSERT_EQ(two.code, 0) << two.err;
-  const json a = json::parse(one.out), b = json::parse(two.out);
-  ASSERT_EQ(a["stages"].size(), b["stages"].size());
-  for (size_t i = 0; i < a["stages"].size(); ++i) {
-    EXPECT_GT(a["stages"][i]["memory"]["parameters"].get<int64_t>(), 0);
-    EXPECT_EQ(a["stages"][i]["memory"]["parameters"], b["stages"][i]["memory"]["parameters"]);
+  const json x = json::parse(one.out), y = json::parse(two.out);
+  ASSERT_EQ(x["stages"].size(), y["stages"].size());
+  for (size_t i = 0; i < x["stages"].size(); ++i) {
+    EXPECT_GT(x["stages"][i]["memory"]["parameters"].get<int64_t>(), 0);
+    EXPECT_EQ(x["stages"][i]["memory"]["parameters"], y["stages"][i]["memory"]["parameters"]);
   }
 }
 

@@ -25,24 +25,6 @@ namespace {
 using nlohmann::json;
 using namespace gpt_mpi;
 
-// `model` on cp x tp x pp ranks (sequence parallelism with tp > 1 when `sp`), dp filling the
-// world; 16 tokens (2 cp chunks of 16 / (2 cp) each on every cp rank), the global batch of
-// every other layout of the suite.
-json CpDocument(const json& model, int64_t cp, int64_t tp, int64_t pp, bool sp,
-                const char* dtype, const char* comm = "all_gather") {
-  json document = Document(model, tp, sp, dtype);
-  document["parallel"]["context_parallel_size"] = cp;
-  document["parallel"]["pipeline_model_parallel_size"] = pp;
-  document["model"]["cp_comm_type"] = comm;
-  // "a2a+p2p": the heads' all-to-all over pairs of cp ranks, the ring across the pairs.
-  if (std::string(comm) == "a2a+p2p") {
-    document["parallel"]["hierarchical_context_parallel_sizes"] = {2, cp / 2};
-  }
-  document["run"]["seq_length"] = 16;
-  document["run"]["micro_batch_size"] = Samples() / (WorldSize() / (cp * tp * pp));
-  return document;
-}
-
 struct Layout {
   int64_t cp, tp;
   bool sp;

@@ -12,9 +12,8 @@
 // of 2 and 3, block over 1, 2 and 3 layers per chunk; selective "layernorm" and "mlp"), pp
 // with vp, uneven pipeline splits (chunks without layers among them), bfloat16, and MoE
 // layers (both dispatchers, the experts on the tp group or apart, a shared expert) where no
-// rank can be routed unevenly (ep 1 without a capacity), so balanced routing is exact, and
-// multi-latent attention (while ExecutorStash refuses it, each chunk against the sum of its
-// modules' declarations, as that count makes it).
+// rank can be routed unevenly (ep 1 without a capacity), so balanced routing is exact,
+// multi-latent attention (with each cp_comm_type too) and multi-token prediction.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <gtest/gtest.h>
@@ -226,6 +225,12 @@ TEST(StashPlan, EveryChunkHoldsWhatItsModulesDeclare) {
       {"mla_q_proj", 2, 1, 1, 1, 0, nullptr, "selective core_attn,layernorm", "bfloat16", true},
       {"mla", 1, 1, 1, 1, 0, nullptr, "full", "float32", false, false, 0.0},
       {"mla", 1, 2, 2, 1, 0, nullptr, "selective", "float32", true},
+      // With context parallelism: the keys and values core attention gathers ("all_gather")
+      // or exchanges ("a2a"), the ring's stash ("p2p", "a2a+p2p").
+      {"mla", 1, 1, 1, 2, 0, "all_gather"},
+      {"mla", 1, 1, 1, 2, 0, "p2p", nullptr, "float32", true},
+      {"mla_q_proj", 1, 1, 1, 2, 0, "a2a"},
+      {"mla", 2, 1, 1, 2, 0, "a2a+p2p", "selective core_attn", "bfloat16", true},
       // Multi-token prediction's depths on the last chunk: with dropout, tp 2 + sp, a
       // pipeline with virtual stages, selective recomputation in bfloat16, full by block (the
       // depths' layers kept whole).
@@ -272,18 +277,6 @@ TEST(StashPlan, EveryChunkHoldsWhatItsModulesDeclare) {
     for (int64_t c = 0; c < (*model)->num_model_chunks(); ++c) {
       const int64_t u = c * sz.pp + coords.pp;
       StatusOr<StashPlan> declared = ExecutorStash(*config, *topology, u);
-      if (gpt.mla.enabled && !declared.ok()) {
-        // The executor's activation count (core/estimate) refuses multi-latent attention
-        // until it counts it: the chunk's own declaration, as that count sums it.
-        const GptChunk& spec = (*model)->chunks().at(static_cast<size_t>(c));
-        const auto n = static_cast<int64_t>(spec.layers.size());
-        std::vector<StashPlan> layers;
-        for (int64_t i = 0; i < n; ++i) {
-          layers.push_back(TransformerLayer::PlanStash(gpt, shape, dtype,
-                                                       LayerRecompute::Of(*config->run, i, n)));
-        }
-        declared = GptModel::PlanStash(gpt, shape, dtype, spec, layers);
-      }
       ASSERT_TRUE(declared.ok()) << declared.status().Message();
       ExpectDeclared(StashBytes(**model, ctx, shape, dtype, c), *declared,
                      fmt::format("virtual stage {}", u));
