@@ -35,6 +35,15 @@ std::vector<std::string> NotModelled(const Config& config) {
   if (facts.moe.enabled()) {
     items.push_back("uneven expert routing (balanced routing assumed) and the dispatchers' "
                     "communication buffers");
+    // Latency-bound, per MoE layer and micro-batch; their count and groups are Megatron's
+    // (router.py, token_dispatcher.py), their price would need a small-message model (tree
+    // and LL protocols) the ring model here does not have.
+    items.push_back(
+        "the router's and the dispatcher's small collectives beside the tokens' "
+        "exchange: the token counts' all-reduce for the load-balancing loss (over "
+        "tp x cp, or tp x dp x cp for global_aux_loss) or all-gather for the "
+        "alltoall dispatcher's splits (over expt_tp x ep), and the routing "
+        "probabilities' exchange (all-to-all, or all-gather with the routing map)");
     items.push_back(ep_overlap ? "the DeepEP / HybridEP (flex) dispatchers"
                                : "overlap of the experts' token exchanges with compute "
                                  "(overlap_moe_expert_parallel_comm, DeepEP / HybridEP "
