@@ -15,7 +15,6 @@ CoreAttention::CoreAttention(const GptConfig& gpt, std::string prefix, Dims dims
                              Parameter* sink, int64_t t)
     : prefix_(std::move(prefix)),
       a_(dims.a),
-      g_(dims.g),
       r_(dims.a / dims.g),
       dq_(dims.dq),
       dv_(dims.dv),

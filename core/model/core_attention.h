@@ -138,7 +138,7 @@ class CoreAttention {
   void RecordRingProbs(const ModuleContext& ctx, const Stash& stash, const Tensor* dcontext) const;
 
   std::string prefix_;
-  int64_t a_, g_, r_, dq_, dv_, a_l_, g_l_;
+  int64_t a_, r_, dq_, dv_, a_l_, g_l_;
   double scale_;
   bool ring_;      // cp_comm_type "p2p" (with context_parallel_size > 1)
   bool cp_heads_;  // cp_comm_type "a2a"

@@ -72,7 +72,6 @@ CoreAttention::Dims MlaSelfAttention::CoreDims(const GptConfig& gpt) {
 MlaSelfAttention::MlaSelfAttention(const GptConfig& gpt, std::string prefix, ParameterSet& params,
                                    int64_t t)
     : prefix_(std::move(prefix)),
-      a_(gpt.num_attention_heads),
       a_l_(gpt.num_attention_heads / t),
       qk_(gpt.mla.qk_head_dim),
       pe_(gpt.mla.qk_pos_emb_head_dim),

@@ -97,7 +97,7 @@ class MlaSelfAttention {
   static CoreAttention::Dims CoreDims(const GptConfig& gpt);
 
   std::string prefix_;
-  int64_t a_, a_l_, qk_, pe_, dv_, ql_, kl_;
+  int64_t a_l_, qk_, pe_, dv_, ql_, kl_;
   MlaRopeFrequencies rope_;
   CoreAttention core_;
   std::optional<ColumnParallelLinear> q_down_, q_up_, q_proj_;
