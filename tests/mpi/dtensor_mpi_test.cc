@@ -162,5 +162,33 @@ TEST(DTensorRedistribute, EveryPairOnTheWorldMatchesTheGlobalTensor) {
   if (WorldRank() == 0) fmt::print("  {} redistributions checked on {} ranks\n", checked, n);
 }
 
+// A local tensor that is not the placement's piece, or a tensor of more dimensions than a
+// strided copy takes, is refused before anything is communicated.
+TEST(DTensorRedistribute, RefusesAMismatchedLocalTensorBeforeCommunicating) {
+  std::unique_ptr<MpiCommunicator> world = MpiCommunicator::World();
+  EigenKernels k;
+  const int64_t n = world->Size(), r = world->Rank();
+  CountingCommunicator group(*world);
+  const Tensor whole = k.Zeros(kGlobal, DType::kFloat64);
+  StatusOr<Tensor> out = Redistribute(k, group, whole, kGlobal, DTensorPlacement::Shard(1),
+                                      DTensorPlacement::Replicate());
+  if (n == 1) {
+    EXPECT_TRUE(out.ok());  // one rank's piece is the whole tensor
+  } else {
+    ASSERT_FALSE(out.ok());
+    EXPECT_EQ(out.status().Message(),
+              fmt::format("placements: the local tensor is [3, 5, 7], but Shard(1) of [3, 5, 7] "
+                          "on rank {} of {} is [3, {}, 7]",
+                          r, n, ChunkOf(5, n, r).size));
+  }
+  const Shape deep = {1, 1, 1, 1, 1, 1, 2};
+  StatusOr<Tensor> too_deep =
+      Redistribute(k, group, k.Zeros(deep, DType::kFloat64), deep, DTensorPlacement::Replicate(),
+                   DTensorPlacement::Shard(6));
+  ASSERT_FALSE(too_deep.ok());
+  EXPECT_EQ(too_deep.status().Message(), "placements: a tensor of 7 dimensions (at most 6)");
+  EXPECT_TRUE(group.counts.empty());
+}
+
 }  // namespace
 }  // namespace mpusim
