@@ -57,6 +57,8 @@ double ActivationF(Activation kind, double x) {
       return x > 0.0 ? x * x : 0.0;
     case Activation::kQuickGeglu:  // quick_gelu(x) = x sigmoid(1.702 x)
       return x * Sigmoid(1.702 * x);
+    case Activation::kRelu:
+      return x > 0.0 ? x : 0.0;
   }
   throw std::logic_error("reference: unknown activation");
 }
@@ -72,6 +74,8 @@ double ActivationGrad(Activation kind, double x) {
       return x > 0.0 ? 2.0 * x : 0.0;
     case Activation::kQuickGeglu:  // s (1 + 1.702 x (1 - s)), s = sigmoid(1.702 x)
       return Sigmoid(1.702 * x) * (1.0 + 1.702 * x * (1.0 - Sigmoid(1.702 * x)));
+    case Activation::kRelu:
+      return x > 0.0 ? 1.0 : 0.0;
   }
   throw std::logic_error("reference: unknown activation");
 }

@@ -16,11 +16,12 @@
 // elements as uint16_t bit patterns (DispatchBits, StridedCopy too), never through float.
 #pragma once
 
-#include <cstdint>
-#include <stdexcept>
+#include <fmt/format.h>
 
 #include <Eigen/Core>
-#include <fmt/format.h>
+#include <cstdint>
+#include <stdexcept>
+#include <type_traits>
 
 #include "core/arg_checks.h"  // Rows, Cols, Dispatch
 #include "core/half.h"
@@ -111,9 +112,15 @@ struct BlockMath {
   static auto Erf(const E& x) {
     return x.erf();
   }
+  // Eigen's select takes at most one scalar; two (relu's 1 or 0) become a constant block.
   template <typename W, typename A, typename B>
   static auto Select(const W& where, const A& a, const B& b) {
-    return where.select(a, b);
+    if constexpr (std::is_arithmetic_v<A> && std::is_arithmetic_v<B>) {
+      using Block = Eigen::Array<A, Eigen::Dynamic, 1, Eigen::ColMajor, kOpBlock, 1>;
+      return Block(where.select(Block::Constant(where.rows(), a), b));
+    } else {
+      return where.select(a, b);
+    }
   }
 };
 

@@ -7,6 +7,7 @@
 //   gelu          f(x) = x Phi(x) = 0.5 x (1 + erf(x / sqrt 2))      (exact, not tanh)
 //   swiglu        gated silu: x = [a | b], y = silu(a) * b, silu(a) = a sigmoid(a)
 //   squared_relu  f(x) = relu(x)^2, f'(x) = 2 relu(x)                (Primer, So et al. 2021)
+//   relu          f(x) = max(x, 0), f'(x) = 1 for x > 0, else 0     (torch's ReLU: f'(0) = 0)
 //   quick_geglu   gated quick_gelu: y = quick_gelu(a) * b, quick_gelu(a) = a sigmoid(1.702 a)
 //                 (Megatron's activation_func quick_gelu with gated_linear_unit: gpt-oss)
 // A plain activation maps x [n, w] to y [n, w]: y = f(x), dx = dy f'(x). A gated one maps
@@ -36,8 +37,8 @@
 
 namespace mpusim {
 
-enum class Activation : uint8_t { kGelu, kSwiglu, kSquaredRelu, kQuickGeglu };
-inline constexpr int kActivationCount = 4;  // the values above
+enum class Activation : uint8_t { kGelu, kSwiglu, kSquaredRelu, kQuickGeglu, kRelu };
+inline constexpr int kActivationCount = 5;  // the values above
 
 // A gated activation's glu (Megatron's TransformerConfig): glu_linear_offset added to b, and
 // activation_func_clamp_value (clamped when `clamped`) bounding a above and b on both sides.
@@ -103,6 +104,19 @@ struct SquaredRelu {
   }
 };
 
+struct Relu {
+  static constexpr std::string_view kName = "relu";
+  static constexpr bool kGated = false;
+  template <MPUSIM_OP_VALUE>
+  MPUSIM_HD static V F(const V& x) {
+    return M::Select(x > C(0), x, C(0));
+  }
+  template <MPUSIM_OP_VALUE>
+  MPUSIM_HD static V Grad(const V& x) {
+    return M::Select(x > C(0), C(1), C(0));
+  }
+};
+
 // Megatron's quick_gelu (megatron/core/fusions/fused_bias_geglu.py), gated (quick_geglu):
 // quick_gelu(x) = x sigmoid(1.702 x), quick_gelu'(x) = s (1 + 1.702 x (1 - s)), s the sigmoid
 // (quick_geglu_back's formula).
@@ -136,6 +150,8 @@ decltype(auto) VisitActivation(Activation a, Visitor&& visitor) {
       return visitor.template operator()<SquaredRelu>();
     case Activation::kQuickGeglu:
       return visitor.template operator()<QuickGeglu>();
+    case Activation::kRelu:
+      return visitor.template operator()<Relu>();
     case Activation::kGelu:
       break;
   }

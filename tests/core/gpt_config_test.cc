@@ -91,10 +91,10 @@ TEST(GptConfig, Refusals) {
   EXPECT_EQ(Refusal(norm),
             "model.normalization: must be \"LayerNorm\" or \"RMSNorm\", got string \"layernorm\"");
   json act = Minimal();
-  act["activation"] = "relu";
+  act["activation"] = "tanh";
   EXPECT_EQ(Refusal(act),
-            "model.activation: must be \"gelu\", \"swiglu\", \"squared_relu\" or "
-            "\"quick_geglu\", got string \"relu\"");
+            "model.activation: must be \"gelu\", \"swiglu\", \"squared_relu\", "
+            "\"quick_geglu\" or \"relu\", got string \"tanh\"");
   json groups = Minimal();
   groups["num_query_groups"] = 3;
   EXPECT_EQ(Refusal(groups),

@@ -57,6 +57,10 @@ inline const std::vector<Row>& Rows() {
       {Activation::kSquaredRelu, [](double x) { return x > 0 ? x * x : 0.0; },
        [](double x) { return x > 0 ? 2 * x : 0.0; }, [](double x) { return x * x; },
        [](double x) { return 2 * std::fabs(x); }},
+      // relu (torch's ReLU: zero gradient at 0); exact in every dtype
+      {Activation::kRelu, [](double x) { return x > 0 ? x : 0.0; },
+       [](double x) { return x > 0 ? 1.0 : 0.0; }, [](double x) { return std::fabs(x); },
+       [](double /*x*/) { return 1.0; }},
       // quick_gelu(a) = a sigmoid(1.702 a) (Megatron's fused_bias_geglu.py)
       {Activation::kQuickGeglu, [](double a) { return a * Sigmoid(1.702 * a); },
        [](double a) {

@@ -178,6 +178,10 @@ TEST(ReferenceOpsTest, ActivationValuesByHand) {
   EXPECT_EQ(ref::ActivationF(Activation::kSquaredRelu, -2.0), 0.0);
   EXPECT_EQ(ref::ActivationGrad(Activation::kSquaredRelu, 3.0), 6.0);
   EXPECT_EQ(ref::ActivationGrad(Activation::kSquaredRelu, -2.0), 0.0);
+  EXPECT_EQ(ref::ActivationF(Activation::kRelu, 3.0), 3.0);
+  EXPECT_EQ(ref::ActivationF(Activation::kRelu, -2.0), 0.0);
+  EXPECT_EQ(ref::ActivationGrad(Activation::kRelu, 3.0), 1.0);
+  EXPECT_EQ(ref::ActivationGrad(Activation::kRelu, 0.0), 0.0);
   EXPECT_EQ(ref::ActivationF(Activation::kGelu, 0.7), ref::Gelu(0.7));
 }
 
@@ -193,7 +197,7 @@ TEST(ReferenceOpsTest, GatedActivationMultipliesTheGateByTheUpHalf) {
 TEST(ReferenceOpsTest, ActivationGradientsMatchFiniteDifferences) {
   const int64_t n = 3, f = 4;
   for (Activation kind : {Activation::kGelu, Activation::kSwiglu, Activation::kSquaredRelu,
-                          Activation::kQuickGeglu}) {
+                          Activation::kQuickGeglu, Activation::kRelu}) {
     SCOPED_TRACE(ActivationName(kind));
     const int64_t in_width = IsGated(kind) ? 2 * f : f;
     Mat x = Smooth(n, in_width, 1);
