@@ -7,6 +7,27 @@
 
 namespace mpusim {
 
+const char* FunctionalCollectiveName(CommOpKind op) {
+  switch (op) {
+    case CommOpKind::kAllReduce:
+    case CommOpKind::kAllReduceMax:
+      return "all_reduce";
+    case CommOpKind::kAllGather:
+      return "all_gather_into_tensor";
+    case CommOpKind::kReduceScatter:
+      return "reduce_scatter_tensor";
+    case CommOpKind::kAllToAll:
+      return "all_to_all_single";
+    case CommOpKind::kBroadcast:
+      return "broadcast";
+    case CommOpKind::kSend:
+      return "send";
+    case CommOpKind::kRecv:
+      return "recv";
+  }
+  return "?";
+}
+
 const char* CommOpName(CommOpKind op) {
   switch (op) {
     case CommOpKind::kAllReduce: return "all-reduce";

@@ -93,6 +93,10 @@ enum class CommOpKind : uint8_t {
 };
 enum class Phase : uint8_t { kForward, kBackward, kOther };
 const char* CommOpName(CommOpKind op);
+// The name PyTorch's CommDebugMode counts a collective under (its functional collectives:
+// "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
+// "broadcast", "send", "recv").
+const char* FunctionalCollectiveName(CommOpKind op);
 const char* PhaseName(Phase phase);
 
 struct CommRecord {

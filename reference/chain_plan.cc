@@ -12,11 +12,18 @@
 
 namespace mpusim::chain_reference {
 
+// torch.nn's Embedding, Linear and CrossEntropyLoss compute what Megatron's do in the full
+// model; a parallelize_plan decides only where their pieces live.
 bool IsEmbedding(LayerType type) {
-  return type == LayerType::kVocabParallelEmbedding || type == LayerType::kParallelEmbedding;
+  return type == LayerType::kVocabParallelEmbedding || type == LayerType::kParallelEmbedding ||
+         type == LayerType::kEmbedding;
 }
 bool IsLinear(LayerType type) {
-  return type == LayerType::kColumnParallelLinear || type == LayerType::kRowParallelLinear;
+  return type == LayerType::kColumnParallelLinear || type == LayerType::kRowParallelLinear ||
+         type == LayerType::kLinear;
+}
+bool IsLoss(LayerType type) {
+  return type == LayerType::kVocabParallelCrossEntropy || type == LayerType::kCrossEntropyLoss;
 }
 
 namespace {
@@ -45,6 +52,7 @@ ActState InitialState(const LayerConfig& first, bool sequence_parallel) {
       return {StateKind::kSequenceSplit, 1};
     case LayerType::kVocabParallelEmbedding:
     case LayerType::kParallelEmbedding:
+    case LayerType::kEmbedding:
       return {StateKind::kTokens, 1};
     default:
       return {StateKind::kReplicated, 1};
@@ -76,7 +84,16 @@ ActState NextState(const LayerConfig& layer, ActState in, bool sequence_parallel
     case LayerType::kDropout:
       return in;
     case LayerType::kVocabParallelCrossEntropy:
+    case LayerType::kCrossEntropyLoss:
       return {StateKind::kLoss, 1};
+    // torch.nn modules: a chain of them draws dropout masks only where the activation is
+    // whole on every rank (the executor refuses a Dropout elsewhere), so replicated for the
+    // masks whatever the plan shards in between.
+    case LayerType::kEmbedding:
+    case LayerType::kLinear:
+    case LayerType::kReLU:
+    case LayerType::kLayerNorm:
+      return {StateKind::kReplicated, 1};
   }
   return in;
 }
@@ -95,8 +112,7 @@ StatusOr<int64_t> ResolveSize(const SizeValue& size, const Sizes& sizes, const s
 // Width of the synthetic input when the first layer is not an embedding.
 StatusOr<int64_t> SyntheticInputWidth(const ModelConfig& model, const Sizes& sizes) {
   const LayerConfig& first = model.layers.front();
-  const bool keeps_width = !IsLinear(first.type) && !IsEmbedding(first.type) &&
-                           first.type != LayerType::kVocabParallelCrossEntropy;
+  const bool keeps_width = !IsLinear(first.type) && !IsEmbedding(first.type) && !IsLoss(first.type);
   if (keeps_width && first.input_size > 0) return first.input_size;
   for (const LayerConfig& layer : model.layers) {
     if (IsLinear(layer.type)) return layer.input_size;  // checked >= 1 by the caller
@@ -240,7 +256,8 @@ Status PlanLayer(const ModelConfig& model, size_t i, const std::map<std::string,
   const bool last = i + 1 == layers.size();
   switch (c.type) {
     case LayerType::kVocabParallelEmbedding:
-    case LayerType::kParallelEmbedding: {
+    case LayerType::kParallelEmbedding:
+    case LayerType::kEmbedding: {
       if (i != 0) {
         return Status::Error(lp.where, fmt::format("{} reads tokens, so it must be the first "
                                                    "layer",
@@ -265,7 +282,8 @@ Status PlanLayer(const ModelConfig& model, size_t i, const std::map<std::string,
       break;
     }
     case LayerType::kColumnParallelLinear:
-    case LayerType::kRowParallelLinear: {
+    case LayerType::kRowParallelLinear:
+    case LayerType::kLinear: {
       if (c.input_size < 1) return Status::Error(lp.where + ".input_size", "must be >= 1");
       if (c.input_size != width) {
         return Status::Error(
@@ -322,6 +340,34 @@ Status PlanLayer(const ModelConfig& model, size_t i, const std::map<std::string,
     case LayerType::kDropout:
       lp.out_width = width;
       MPUSIM_RETURN_IF_ERROR(PlanDropout(sizes, state, width, &lp));
+      break;
+    case LayerType::kReLU:
+      lp.out_width = width;
+      break;
+    case LayerType::kLayerNorm:  // weight [h] (1 at the start) and bias [h] (0)
+      if (c.normalized_shape != width) {
+        return Status::Error(lp.where + ".normalized_shape",
+                             fmt::format("is {} but the incoming activation has width {}",
+                                         c.normalized_shape, width));
+      }
+      lp.out_width = width;
+      lp.weight_layer = static_cast<int>(i);
+      lp.weight_rows = width;
+      lp.weight_cols = 0;
+      lp.adds_bias = true;
+      break;
+    case LayerType::kCrossEntropyLoss:  // nn.CrossEntropyLoss over the logits' width
+      if (!last) return Status::Error(lp.where, "the loss must be the last layer");
+      if (sizes.vocab < 1) {
+        return Status::Error("model.vocab_size", "required with a CrossEntropyLoss");
+      }
+      if (width < sizes.vocab) {
+        return Status::Error(lp.where, fmt::format("logits have width {}, fewer classes than "
+                                                   "vocab_size {}",
+                                                   width, sizes.vocab));
+      }
+      lp.out_width = 0;
+      plan->has_loss = true;
       break;
     case LayerType::kVocabParallelCrossEntropy: {
       if (!last) return Status::Error(lp.where, "the loss must be the last layer");

@@ -54,7 +54,7 @@ struct LayerPlan {
   // weight_from layer for a borrower, -1 without a weight).
   int weight_layer = -1;
   int64_t weight_rows = 0;  // owners: [out, in] or [num_embeddings, embedding_dim]
-  int64_t weight_cols = 0;
+  int64_t weight_cols = 0;  // 0: a vector [weight_rows] (LayerNorm's)
   bool adds_bias = false;  // linear: bias && !skip_bias_add
   int bias_layer = -1;     // GeLU: the bias_from layer
   // Dropout
@@ -80,6 +80,7 @@ struct Plan {
 
 bool IsEmbedding(LayerType type);
 bool IsLinear(LayerType type);
+bool IsLoss(LayerType type);
 
 // Checks `model` against the layout and the run and plans it; errors name the field.
 Status BuildPlan(const ParallelConfig& parallel, const ModelConfig& model, const RunConfig& run,

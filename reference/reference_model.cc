@@ -22,6 +22,7 @@
 
 #include <Eigen/Dense>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -49,6 +50,7 @@ using chain_reference::ActState;
 using chain_reference::BuildPlan;
 using chain_reference::IsEmbedding;
 using chain_reference::IsLinear;
+using chain_reference::IsLoss;
 using chain_reference::LayerPlan;
 using chain_reference::Plan;
 using chain_reference::Sizes;
@@ -61,6 +63,15 @@ struct Parameters {
   std::vector<Tensor> weight_grad;  // owners that are not frozen
   std::vector<Tensor> bias_grad;
 };
+
+// A weight owner's full shape and initialisation: a LayerNorm's weight is a vector of ones.
+Shape WeightShape(const LayerPlan& lp) {
+  return lp.weight_cols == 0 ? Shape{lp.weight_rows} : Shape{lp.weight_rows, lp.weight_cols};
+}
+InitSpec WeightInit(const LayerPlan& lp) {
+  return lp.config->type == LayerType::kLayerNorm ? InitSpec{InitMethod::kOnes, 0.0}
+                                                  : lp.config->init;
+}
 
 // ---- budgets ------------------------------------------------------------------------------
 // The rounding each op adds to what it produces (core/dump/compare.h, docs/simulator.md
@@ -137,7 +148,7 @@ Status InitParameters(const Plan& plan, const std::map<std::string, Tensor>& ove
     const LayerConfig& c = *lp.config;
     if (lp.weight_layer == static_cast<int>(i)) {
       const std::string name = c.name + ".weight";
-      const Shape shape = {lp.weight_rows, lp.weight_cols};
+      const Shape shape = WeightShape(lp);
       known.insert(name);
       if (auto it = overrides.find(name); it != overrides.end()) {
         StatusOr<Tensor> w = FromOverride(it->second, name, shape);
@@ -145,11 +156,11 @@ Status InitParameters(const Plan& plan, const std::map<std::string, Tensor>& ove
         params->weight[i] = std::move(*w);
       } else {
         params->weight[i] = NewOutput(shape);
-        FillFlatRange(plan.sizes.seed, name, c.init, shape, 0, params->weight[i]);
+        FillFlatRange(plan.sizes.seed, name, WeightInit(lp), shape, 0, params->weight[i]);
       }
       if (!c.frozen) params->weight_grad[i] = NewTensor(shape);
     }
-    if (IsLinear(c.type) && c.bias) {
+    if ((IsLinear(c.type) && c.bias) || c.type == LayerType::kLayerNorm) {
       const std::string name = c.name + ".bias";
       const Shape shape = {lp.out_width};
       known.insert(name);
@@ -259,6 +270,8 @@ struct MicroBatchStash {
   std::vector<Act> inputs;      // each layer's input [n, h_in]
   std::vector<Act> gelu_in;     // GeLU: X + bias (X itself without bias_from)
   std::vector<Tensor> keep;     // Dropout: 0 or 1/(1-p)
+  std::vector<Tensor> xhat;     // LayerNorm: (x - mean) * rstd [n, h]
+  std::vector<std::vector<double>> rstd;  // LayerNorm: per row
   Tensor loss_grad;             // loss: dl/dz per token [n, Vp], before the 1/(M*s*B) scale
   ErrorBudget loss_grad_budget;
 };
@@ -333,6 +346,8 @@ void SliceRun::Forward(int64_t m, bool record, MicroBatchStash* st) {
   st->inputs.assign(n, Act{});
   st->gelu_in.assign(n, Act{});
   st->keep.assign(n, Tensor());
+  st->xhat.assign(n, Tensor());
+  st->rstd.assign(n, {});
   Act x;
   if (!plan.has_embedding) {
     x = SyntheticNormal(sizes, row_begin, rows, fmt::format("input.mb{}", m), plan.input_width);
@@ -344,14 +359,16 @@ void SliceRun::Forward(int64_t m, bool record, MicroBatchStash* st) {
     const Act& in = st->inputs[k];
     switch (c.type) {
       case LayerType::kVocabParallelEmbedding:
-      case LayerType::kParallelEmbedding: {
+      case LayerType::kParallelEmbedding:
+      case LayerType::kEmbedding: {
         const Tensor& w = params->weight[k];
         x = NewAct(rows, w.cols(), kStored + kStored);
         ref::EmbeddingForward(ConstMat(w), st->tokens, AsMat(x.value));
         break;
       }
       case LayerType::kColumnParallelLinear:
-      case LayerType::kRowParallelLinear: {
+      case LayerType::kRowParallelLinear:
+      case LayerType::kLinear: {
         const Tensor& w = params->weight[static_cast<size_t>(lp.weight_layer)];
         ErrorBudget budget = in.budget + kStored + kStored + SumOf(c.input_size) + TpSum(t);
         if (lp.adds_bias) budget += kStored;
@@ -373,12 +390,40 @@ void SliceRun::Forward(int64_t m, bool record, MicroBatchStash* st) {
         ref::ActivationForward(Activation::kGelu, ConstMat(gelu_in.value), AsMat(x.value));
         break;
       }
+      case LayerType::kLayerNorm: {
+        // Per row: the mean and the biased variance (sums of h terms), 1 / sqrt, the
+        // normalised value, the weight's product and the bias's sum.
+        const int64_t h = lp.in_width;
+        x = NewAct(rows, h,
+                   in.budget + SumOf(h) + SumOf(h) + kFunction + kFunction + kFunction + kStored);
+        st->xhat[k] = NewOutput({rows, h});
+        st->rstd[k].assign(static_cast<size_t>(rows), 0.0);
+        const auto xin = ConstMat(in.value);
+        auto xhat = AsMat(st->xhat[k]);
+        auto y = AsMat(x.value);
+        const auto w = AsRow(params->weight[k]);
+        const auto b = AsRow(params->bias[k]);
+        for (int64_t r = 0; r < rows; ++r) {
+          const double mean = xin.row(r).mean();
+          const double var = (xin.row(r).array() - mean).square().mean();
+          const double rstd = 1.0 / std::sqrt(var + c.eps);
+          st->rstd[k][static_cast<size_t>(r)] = rstd;
+          xhat.row(r) = (xin.row(r).array() - mean) * rstd;
+          y.row(r) = xhat.row(r).array() * w.array() + b.array();
+        }
+        break;
+      }
+      case LayerType::kReLU:  // exact
+        x = NewAct(rows, lp.out_width, in.budget + kStored);
+        ref::ActivationForward(Activation::kRelu, ConstMat(in.value), AsMat(x.value));
+        break;
       case LayerType::kDropout:
         st->keep[k] = DropoutScale(plan, lp, m, row_begin, rows);
         x = NewAct(rows, lp.out_width, in.budget + kStored);
         AsMat(x.value) = ConstMat(in.value).cwiseProduct(ConstMat(st->keep[k]));
         break;
-      case LayerType::kVocabParallelCrossEntropy: {
+      case LayerType::kVocabParallelCrossEntropy:
+      case LayerType::kCrossEntropyLoss: {
         // exp and log of every logit, the sums over Vp, the statistics summed over tp.
         const ErrorBudget budget =
             in.budget + kFunction + kFunction + SumOf(lp.in_width) + TpSum(t) + kStored;
@@ -399,9 +444,7 @@ void SliceRun::Forward(int64_t m, bool record, MicroBatchStash* st) {
     }
     if (!IsEmbedding(c.type)) Record(record, c.name + ".input", ActivationShape(lp.in_width), in);
     Record(record, c.name + ".output",
-           c.type == LayerType::kVocabParallelCrossEntropy ? TokenShape()
-                                                           : ActivationShape(lp.out_width),
-           x);
+           IsLoss(c.type) ? TokenShape() : ActivationShape(lp.out_width), x);
   }
 }
 
@@ -423,13 +466,12 @@ void SliceRun::Backward(int64_t m, bool record, const MicroBatchStash& st) {
     const LayerPlan& lp = plan.layers[k];
     const LayerConfig& c = *lp.config;
     Record(record, c.name + ".output_grad",
-           c.type == LayerType::kVocabParallelCrossEntropy ? TokenShape()
-                                                           : ActivationShape(lp.out_width),
-           dy);
+           IsLoss(c.type) ? TokenShape() : ActivationShape(lp.out_width), dy);
     Act dx;
     switch (c.type) {
       case LayerType::kVocabParallelEmbedding:
-      case LayerType::kParallelEmbedding: {
+      case LayerType::kParallelEmbedding:
+      case LayerType::kEmbedding: {
         Tensor& dw = params->weight_grad[k];
         weight_grad_budget[k] = dy.budget;
         if (!dw.defined()) break;  // frozen
@@ -437,7 +479,8 @@ void SliceRun::Backward(int64_t m, bool record, const MicroBatchStash& st) {
         break;
       }
       case LayerType::kColumnParallelLinear:
-      case LayerType::kRowParallelLinear: {
+      case LayerType::kRowParallelLinear:
+      case LayerType::kLinear: {
         const auto owner = static_cast<size_t>(lp.weight_layer);
         dx = NewAct(rows, lp.in_width,
                     dy.budget + kStored + kStored + SumOf(lp.out_width) + TpSum(t));
@@ -467,11 +510,40 @@ void SliceRun::Backward(int64_t m, bool record, const MicroBatchStash& st) {
           bias_grad_budget[owner] = dx.budget;
         }
         break;
+      case LayerType::kLayerNorm: {
+        // g = dy w; dx = rstd (g - mean(g) - xhat mean(g xhat)); dw += sum dy xhat, db += sum dy.
+        const int64_t h = lp.in_width;
+        const ErrorBudget budget = dy.budget + st.inputs[k].budget + SumOf(h) + SumOf(h) +
+                                   kFunction + kFunction + kFunction + kStored;
+        dx = NewAct(rows, h, budget);
+        const auto xhat = ConstMat(st.xhat[k]);
+        const auto d = AsMat(dy.value);
+        auto out = AsMat(dx.value);
+        const auto w = AsRow(params->weight[k]);
+        for (int64_t r = 0; r < rows; ++r) {
+          const Eigen::ArrayXd g = d.row(r).transpose().array() * w.transpose().array();
+          const Eigen::ArrayXd xr = xhat.row(r).transpose().array();
+          const double mean_g = g.mean(), mean_gx = (g * xr).mean();
+          out.row(r) =
+              (st.rstd[k][static_cast<size_t>(r)] * (g - mean_g - xr * mean_gx)).transpose();
+        }
+        AsRow(params->weight_grad[k]) += (d.array() * xhat.array()).colwise().sum().matrix();
+        AsRow(params->bias_grad[k]) += d.colwise().sum();
+        weight_grad_budget[k] = dy.budget + st.inputs[k].budget + SumOf(h) + kFunction;
+        bias_grad_budget[k] = dy.budget;
+        break;
+      }
+      case LayerType::kReLU:
+        dx = NewAct(rows, lp.in_width, dy.budget + kStored);
+        ref::ActivationBackward(Activation::kRelu, ConstMat(dy.value), ConstMat(st.inputs[k].value),
+                                AsMat(dx.value));
+        break;
       case LayerType::kDropout:
         dx = NewAct(rows, lp.in_width, dy.budget + kStored);
         AsMat(dx.value) = AsMat(dy.value).cwiseProduct(ConstMat(st.keep[k]));
         break;
       case LayerType::kVocabParallelCrossEntropy:
+      case LayerType::kCrossEntropyLoss:
         dx = NewAct(rows, lp.in_width, dy.budget + st.loss_grad_budget + kStored);
         AsMat(dx.value) = ConstMat(st.loss_grad).array().colwise() * AsMat(dy.value).col(0).array();
         break;
@@ -548,7 +620,7 @@ StatusOr<std::vector<ReferenceParameter>> ReferenceParameters(const ParallelConf
   for (size_t i = 0; i < plan.layers.size(); ++i) {
     const LayerPlan& lp = plan.layers[i];
     if (lp.weight_layer != static_cast<int>(i)) continue;
-    out.push_back({lp.config->name + ".weight", {lp.weight_rows, lp.weight_cols}, lp.config->init});
+    out.push_back({lp.config->name + ".weight", WeightShape(lp), WeightInit(lp)});
   }
   return out;
 }

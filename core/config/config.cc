@@ -63,8 +63,8 @@ Status ResolveGlobalBatch(const ParallelConfig& parallel, RunConfig* run) {
 }
 
 const std::vector<std::string_view>& TopLevelKeys() {
-  static const std::vector<std::string_view> kKeys = {"description", "parallel", "model", "run",
-                                                      "optimizer"};
+  static const std::vector<std::string_view> kKeys = {
+      "description", "parallel", "model", "run", "optimizer", "parallelize_plan"};
   return kKeys;
 }
 
@@ -246,12 +246,16 @@ Status ParseConfig(const nlohmann::json& document, Config* out) {
     } else if (key == "optimizer") {
       config.optimizer.emplace();
       MPUSIM_RETURN_IF_ERROR(ParseOptimizerSection(value, &*config.optimizer));
+    } else if (key == "parallelize_plan") {
+      StatusOr<ParallelizePlan> plan = ParseParallelizePlan(value, "parallelize_plan");
+      if (!plan.ok()) return plan.status();
+      config.parallelize_plan = *std::move(plan);
     } else {
       const std::string suggestion = SuggestKey(key, kTopLevel);
       return Status::Error(
           key, suggestion.empty()
                    ? "unknown top-level key; allowed: description, parallel, model, run, "
-                     "optimizer"
+                     "optimizer, parallelize_plan"
                    : fmt::format("unknown top-level key; did you mean '{}'?", suggestion));
     }
   }
@@ -277,6 +281,16 @@ Status ParseConfig(const nlohmann::json& document, Config* out) {
       if (!layers.ok()) return layers.status();
       MPUSIM_RETURN_IF_ERROR(CheckMtpInLayout(config.parallel.Split(), config.gpt->mtp_num_layers));
     }
+  }
+  // A plan styles torch.nn modules: a chain written in them (core/model/graph_torch.cc).
+  if (config.parallelize_plan && !(config.model && config.model->IsTorchChain())) {
+    return Status::Error(
+        "parallelize_plan",
+        config.gpt ? "styles a chain of torch.nn modules; the GPT model runs Megatron's own "
+                     "layers (set tensor_model_parallel_size and sequence_parallel instead)"
+                   : "styles a chain of torch.nn modules (model.layers of type Embedding, "
+                     "Linear, ReLU, GELU, Dropout, LayerNorm, CrossEntropyLoss); this config "
+                     "has none");
   }
   MPUSIM_RETURN_IF_ERROR(ResolveStorageDType(config.parallel, config.run ? &*config.run : nullptr));
   if (config.run) MPUSIM_RETURN_IF_ERROR(ResolveGlobalBatch(config.parallel, &*config.run));

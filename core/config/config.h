@@ -6,6 +6,8 @@
 //   "model": { ... }, "run": { ... } optional; the model for `mpusim run`: a layer chain
 //                                    (model_config.h) or, with "type": "gpt", Megatron's
 //                                    GPT model (gpt_config.h)
+//   "parallelize_plan": ...          optional; PyTorch's tensor-parallel plan over a chain of
+//                                    torch.nn modules (parallelize_plan.h)
 // }
 // Unknown top-level keys are refused (with a suggestion), so a typo never silently keeps a
 // default.
@@ -13,13 +15,14 @@
 
 #include <nlohmann/json.hpp>
 #include <string>
-#include <vector>
 #include <string_view>
+#include <vector>
 
 #include "core/config/gpt_config.h"
 #include "core/config/model_config.h"
 #include "core/config/optimizer_config.h"
 #include "core/config/parallel_config.h"
+#include "core/config/parallelize_plan.h"
 #include "core/status.h"
 
 namespace mpusim {
@@ -32,6 +35,9 @@ struct Config {
   std::optional<RunConfig> run;
   // Training (GPT models): run.train_iters optimizer steps (core/config/optimizer_config.h).
   std::optional<OptimizerConfig> optimizer;
+  // parallelize_module's plan over a chain of torch.nn modules (ModelConfig::IsTorchChain), on
+  // the tp dimension of parallel.device_mesh (or tensor_model_parallel_size).
+  std::optional<ParallelizePlan> parallelize_plan;
 
   // Whether the config describes a model at all (core/model/model.h BuildModel builds it).
   bool has_model() const { return model.has_value() || gpt.has_value(); }

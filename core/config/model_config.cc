@@ -97,6 +97,15 @@ const std::vector<LayerTypeInfo>& LayerTypes() {
       {LayerType::kReduceScatterToSequenceParallelRegion,
        "reduce_scatter_to_sequence_parallel_region",
        {}},
+      {LayerType::kEmbedding,
+       "Embedding",
+       {"num_embeddings", "embedding_dim", "init_method", "init_method_std"}},
+      {LayerType::kLinear,
+       "Linear",
+       {"in_features", "out_features", "bias", "init_method", "init_method_std"}},
+      {LayerType::kReLU, "ReLU", {}},
+      {LayerType::kCrossEntropyLoss, "CrossEntropyLoss", {}},
+      {LayerType::kLayerNorm, "LayerNorm", {"normalized_shape", "eps"}},
   };
   return kTypes;
 }
@@ -143,12 +152,40 @@ bool IsEmbedding(LayerType type) {
   return type == LayerType::kVocabParallelEmbedding || type == LayerType::kParallelEmbedding;
 }
 
-bool HasInit(LayerType type) { return IsLinear(type) || IsEmbedding(type); }
+bool HasInit(LayerType type) {
+  return IsLinear(type) || IsEmbedding(type) || type == LayerType::kLinear ||
+         type == LayerType::kEmbedding;
+}
+
+// The layers whose tokens and labels come from model.vocab_size.
+bool ReadsTokens(LayerType type) { return IsEmbedding(type) || type == LayerType::kEmbedding; }
+bool ReadsLabels(LayerType type) {
+  return type == LayerType::kVocabParallelCrossEntropy || type == LayerType::kCrossEntropyLoss;
+}
 
 // Parses `key` (already known to be an option of layer->type) into *layer.
 Status ParseLayerOption(const std::string& key, const json& value, const std::string& where,
                         LayerConfig* layer) {
-  if (key == "num_embeddings") return ParseSize(value, where, &layer->num_embeddings);
+  if (key == "num_embeddings") {
+    if (layer->type == LayerType::kEmbedding) {  // torch's: a number
+      layer->num_embeddings.padded_vocab = false;
+      return ParseInt(value, where, 1, &layer->num_embeddings.value);
+    }
+    return ParseSize(value, where, &layer->num_embeddings);
+  }
+  if (key == "in_features") return ParseInt(value, where, 1, &layer->input_size);
+  if (key == "normalized_shape") return ParseInt(value, where, 1, &layer->normalized_shape);
+  if (key == "eps") {
+    if (!value.is_number() || !std::isfinite(value.get<double>()) || value.get<double>() <= 0) {
+      return Status::Error(where, fmt::format("must be a number > 0, got {}", DescribeJson(value)));
+    }
+    layer->eps = value.get<double>();
+    return {};
+  }
+  if (key == "out_features") {
+    layer->output_size.padded_vocab = false;
+    return ParseInt(value, where, 1, &layer->output_size.value);
+  }
   if (key == "embedding_dim") return ParseInt(value, where, 1, &layer->embedding_dim);
   if (key == "input_size") return ParseInt(value, where, 1, &layer->input_size);
   if (key == "output_size") return ParseSize(value, where, &layer->output_size);
@@ -331,11 +368,21 @@ Status ParseOptions(const json& value, const std::string& prefix, LayerConfig* l
             return std::find(other.options.begin(), other.options.end(), key) !=
                    other.options.end();
           });
+      const std::string suggestion = SuggestKey(key, keys);
       if (of_another_type) {
+        const auto owner = std::find_if(
+            LayerTypes().begin(), LayerTypes().end(), [&, &key = key](const LayerTypeInfo& other) {
+              return std::find(other.options.begin(), other.options.end(), key) !=
+                     other.options.end();
+            });
+        if (!suggestion.empty()) {
+          return Status::Error(where, fmt::format("unknown key; did you mean '{}'? ({} is an "
+                                                  "option of {})",
+                                                  suggestion, key, owner->name));
+        }
         return Status::Error(where, fmt::format("not an option of {} (options: {})", info.name,
                                                 fmt::join(keys, ", ")));
       }
-      const std::string suggestion = SuggestKey(key, keys);
       return Status::Error(where, suggestion.empty()
                                       ? fmt::format("unknown key; options of {}: {}", info.name,
                                                     fmt::join(keys, ", "))
@@ -349,8 +396,24 @@ Status ParseOptions(const json& value, const std::string& prefix, LayerConfig* l
 // Required options.
 Status CheckRequiredOptions(const json& value, const std::string& prefix,
                             const LayerConfig& layer) {
-  if (IsEmbedding(layer.type) && !value.contains("embedding_dim")) {
+  if (ReadsTokens(layer.type) && !value.contains("embedding_dim")) {
     return Status::Error(prefix + ".embedding_dim", "is required (an integer >= 1)");
+  }
+  if (layer.type == LayerType::kEmbedding && !value.contains("num_embeddings")) {
+    return Status::Error(prefix + ".num_embeddings",
+                         "is required (an integer >= model.vocab_size, as nn.Embedding's)");
+  }
+  if (layer.type == LayerType::kLayerNorm && !value.contains("normalized_shape")) {
+    return Status::Error(prefix + ".normalized_shape",
+                         "is required (the width it normalises, as nn.LayerNorm's)");
+  }
+  if (layer.type == LayerType::kLinear) {
+    for (const char* key : {"in_features", "out_features"}) {
+      if (!value.contains(key)) {
+        return Status::Error(fmt::format("{}.{}", prefix, key),
+                             "is required (an integer >= 1, as nn.Linear's)");
+      }
+    }
   }
   if (IsLinear(layer.type)) {
     if (!value.contains("input_size")) {
@@ -423,11 +486,33 @@ bool UsesPaddedVocab(const LayerConfig& layer) {
 // Whole-chain rules: vocab_size where tokens, labels or padded_vocab_size need it, and
 // every returned bias consumed.
 Status CheckChain(const ModelConfig& model) {
+  // One family: torch's modules or Megatron's layers (GeLU and Dropout go with either).
+  const LayerConfig* torch = nullptr;
+  const LayerConfig* megatron = nullptr;
+  for (size_t i = 0; i < model.layers.size(); ++i) {
+    const LayerConfig& layer = model.layers[i];
+    if (IsTorchModule(layer.type) && torch == nullptr) torch = &layer;
+    if (IsMegatronLayer(layer.type) && megatron == nullptr) megatron = &layer;
+    if (torch != nullptr && megatron != nullptr) {
+      const LayerConfig& later = torch == &layer ? *torch : *megatron;
+      const LayerConfig& earlier = torch == &layer ? *megatron : *torch;
+      return Status::Error(
+          fmt::format("model.layers[{}].type", i),
+          fmt::format("\"{}\" ({}) is {}, but \"{}\" ({}) is {}; a chain is written in torch.nn's "
+                      "modules (Embedding, Linear, ReLU, LayerNorm, CrossEntropyLoss: styled by a "
+                      "parallelize_plan) or in Megatron's layers, not both (GeLU and Dropout go "
+                      "with either)",
+                      later.name, LayerTypeName(later.type),
+                      IsTorchModule(later.type) ? "a torch.nn module" : "a Megatron layer",
+                      earlier.name, LayerTypeName(earlier.type),
+                      IsTorchModule(earlier.type) ? "a torch.nn module" : "a Megatron layer"));
+    }
+  }
   for (size_t i = 0; i < model.layers.size(); ++i) {
     const LayerConfig& layer = model.layers[i];
     const std::string prefix = fmt::format("model.layers[{}]", i);
-    const bool needs_vocab = IsEmbedding(layer.type) || UsesPaddedVocab(layer) ||
-                             layer.type == LayerType::kVocabParallelCrossEntropy;
+    const bool needs_vocab =
+        ReadsTokens(layer.type) || UsesPaddedVocab(layer) || ReadsLabels(layer.type);
     if (needs_vocab && !model.vocab_size) {
       return Status::Error("model.vocab_size",
                            fmt::format("is required by {} (\"{}\", {}): tokens and labels are "
@@ -435,7 +520,7 @@ Status CheckChain(const ModelConfig& model) {
                                        "derived from it",
                                        prefix, layer.name, LayerTypeName(layer.type)));
     }
-    if (IsEmbedding(layer.type) && !layer.num_embeddings.padded_vocab &&
+    if (ReadsTokens(layer.type) && !layer.num_embeddings.padded_vocab &&
         layer.num_embeddings.value < *model.vocab_size) {
       return Status::Error(prefix + ".num_embeddings",
                            fmt::format("must be >= vocab_size ({}) since tokens are drawn from "
@@ -459,6 +544,19 @@ Status CheckChain(const ModelConfig& model) {
 }
 
 }  // namespace
+
+bool IsTorchModule(LayerType type) {
+  return type == LayerType::kEmbedding || type == LayerType::kLinear || type == LayerType::kReLU ||
+         type == LayerType::kCrossEntropyLoss || type == LayerType::kLayerNorm;
+}
+bool IsMegatronLayer(LayerType type) {
+  return !IsTorchModule(type) && type != LayerType::kGeLU && type != LayerType::kDropout;
+}
+
+bool ModelConfig::IsTorchChain() const {
+  return std::any_of(layers.begin(), layers.end(),
+                     [](const LayerConfig& layer) { return IsTorchModule(layer.type); });
+}
 
 const std::vector<std::string_view>& ModelConfigKeys() {
   static const std::vector<std::string_view> kKeys = {"vocab_size", "make_vocab_size_divisible_by",

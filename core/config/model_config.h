@@ -54,14 +54,26 @@ enum class LayerType : uint8_t {
   kGeLU,
   kDropout,
   kVocabParallelCrossEntropy,
-  kCopyToTensorModelParallelRegion,      // copy_to_tensor_model_parallel_region
-  kReduceFromTensorModelParallelRegion,  // reduce_from_tensor_model_parallel_region
-  kScatterToTensorModelParallelRegion,   // scatter_to_tensor_model_parallel_region
-  kGatherFromTensorModelParallelRegion,  // gather_from_tensor_model_parallel_region
-  kScatterToSequenceParallelRegion,      // scatter_to_sequence_parallel_region
-  kGatherFromSequenceParallelRegion,     // gather_from_sequence_parallel_region
+  kCopyToTensorModelParallelRegion,        // copy_to_tensor_model_parallel_region
+  kReduceFromTensorModelParallelRegion,    // reduce_from_tensor_model_parallel_region
+  kScatterToTensorModelParallelRegion,     // scatter_to_tensor_model_parallel_region
+  kGatherFromTensorModelParallelRegion,    // gather_from_tensor_model_parallel_region
+  kScatterToSequenceParallelRegion,        // scatter_to_sequence_parallel_region
+  kGatherFromSequenceParallelRegion,       // gather_from_sequence_parallel_region
   kReduceScatterToSequenceParallelRegion,  // reduce_scatter_to_sequence_parallel_region
+  // torch.nn modules, for PyTorch's tensor-parallel plans (a top-level "parallelize_plan"
+  // styles them; core/model/graph_torch.cc). GeLU ("GELU") and Dropout belong to both families.
+  kEmbedding,         // nn.Embedding(num_embeddings, embedding_dim)
+  kLinear,            // nn.Linear(in_features, out_features, bias)
+  kReLU,              // nn.ReLU
+  kCrossEntropyLoss,  // nn.CrossEntropyLoss (mean over the tokens, as the chain's loss)
+  kLayerNorm,         // nn.LayerNorm(normalized_shape, eps): weight 1 and bias 0 at the start
 };
+// Whether a layer type is one of torch.nn's modules above, and whether it is one of Megatron's
+// layers or mappings (neither: GeLU and Dropout, which both families have). A chain is written
+// in one family.
+bool IsTorchModule(LayerType type);
+bool IsMegatronLayer(LayerType type);
 
 // The spelling used in configs ("ColumnParallelLinear", "copy_to_tensor_model_parallel_region").
 // The keys of a layer-chain `model` section.
@@ -103,6 +115,9 @@ struct LayerConfig {
   double p = 0.0;
   // VocabParallelCrossEntropy
   double label_smoothing = 0.0;
+  // LayerNorm (torch.nn): the width it normalises and its epsilon
+  int64_t normalized_shape = 0;
+  double eps = 1e-5;
   // gather_from_sequence_parallel_region
   bool tensor_parallel_output_grad = true;
 };
@@ -112,6 +127,9 @@ struct ModelConfig {
   int64_t make_vocab_size_divisible_by = 128;
   std::vector<LayerConfig> layers;
 
+  // Whether the chain is made of torch.nn modules (IsTorchModule), so that a parallelize_plan
+  // can style it.
+  bool IsTorchChain() const;
   // Megatron's _vocab_size_with_padding.
   int64_t PaddedVocabSize(int64_t tensor_model_parallel_size) const;
 };

@@ -53,6 +53,97 @@ namespace {
 
 using ParallelField = Field<ParallelConfig>;
 
+// {"mesh_shape": [2, 4], "mesh_dim_names": ["dp", "tp"]}: the shape and its names, read as
+// given (ResolveDeviceMesh checks them against the other keys once the section is read).
+Status ParseDeviceMesh(const json& value, const std::string& where, ParallelConfig* c) {
+  const char* kForm =
+      "must be {\"mesh_shape\": [sizes], \"mesh_dim_names\": [names]} with names \"dp\" and "
+      "\"tp\", e.g. {\"mesh_shape\": [2, 4], \"mesh_dim_names\": [\"dp\", \"tp\"]}";
+  if (!value.is_object()) return Status::Error(where, kForm);
+  ParallelConfig::DeviceMesh mesh;
+  for (const auto& [key, v] : value.items()) {
+    const std::string at = where + "." + key;
+    if (key == "mesh_shape") {
+      MPUSIM_RETURN_IF_ERROR(ParseIntList(v, at, 1, &mesh.mesh_shape));
+    } else if (key == "mesh_dim_names") {
+      if (!v.is_array()) return Status::Error(at, "must be a list of names, e.g. [\"dp\", \"tp\"]");
+      for (const json& name : v) {
+        if (!name.is_string() || (name != "dp" && name != "tp")) {
+          return Status::Error(at, fmt::format("names \"dp\" and \"tp\" only (the dimensions "
+                                               "mpusim's layouts have), got {}",
+                                               DescribeJson(name)));
+        }
+        if (std::find(mesh.mesh_dim_names.begin(), mesh.mesh_dim_names.end(), name) !=
+            mesh.mesh_dim_names.end()) {
+          return Status::Error(at, fmt::format("names {} twice", DescribeJson(name)));
+        }
+        mesh.mesh_dim_names.push_back(name.get<std::string>());
+      }
+    } else {
+      return Status::Error(at, "unknown key; a device mesh has mesh_shape and mesh_dim_names");
+    }
+  }
+  if (mesh.mesh_shape.empty() || mesh.mesh_shape.size() != mesh.mesh_dim_names.size()) {
+    return Status::Error(where,
+                         fmt::format("{}; mesh_shape has {} sizes and mesh_dim_names {} "
+                                     "names",
+                                     kForm, mesh.mesh_shape.size(), mesh.mesh_dim_names.size()));
+  }
+  c->device_mesh = std::move(mesh);
+  return {};
+}
+
+// A device mesh's sizes and order, set once the whole section is read; refused where another
+// key says otherwise.
+Status ResolveDeviceMesh(const json& section, const std::string& prefix, ParallelConfig* c) {
+  const ParallelConfig::DeviceMesh& mesh = *c->device_mesh;
+  const std::string where = prefix + ".device_mesh";
+  int64_t world = 1;
+  for (int64_t size : mesh.mesh_shape) {
+    if (size > (int64_t{1} << 20) / world) {
+      return Status::Error(where + ".mesh_shape", "covers more than 2^20 ranks");
+    }
+    world *= size;
+  }
+  const int64_t tp = mesh.SizeOf("tp");
+  if (section.contains("tensor_model_parallel_size") && c->tensor_model_parallel_size != tp) {
+    return Status::Error(prefix + ".tensor_model_parallel_size",
+                         fmt::format("is {} but device_mesh's \"tp\" dimension is {}; set one of "
+                                     "them",
+                                     c->tensor_model_parallel_size, tp));
+  }
+  if (section.contains("world_size") && c->world_size != world) {
+    return Status::Error(prefix + ".world_size",
+                         fmt::format("is {} but device_mesh covers {} ranks; set one of them",
+                                     c->world_size, world));
+  }
+  // The mesh decides the layout: the other sizes stay 1 and the order is the mesh's (an
+  // effective config, which writes them all back, reads the same).
+  const bool tp_fastest = mesh.mesh_dim_names.back() == "tp";
+  const std::string order = tp_fastest ? "tp-cp-ep-dp-pp" : "dp-tp-cp-ep-pp";
+  const std::pair<const char*, bool> others[] = {
+      {"pipeline_model_parallel_size", c->pipeline_model_parallel_size == 1},
+      {"context_parallel_size", c->context_parallel_size == 1},
+      {"expert_model_parallel_size", c->expert_model_parallel_size == 1},
+      {"virtual_pipeline_model_parallel_size", !c->virtual_pipeline_model_parallel_size},
+      {"order", !section.contains("order") || c->order == order}};
+  for (const auto& [key, agrees] : others) {
+    if (!agrees) {
+      return Status::Error(prefix + "." + key,
+                           fmt::format("cannot be set with device_mesh: a mesh of \"dp\" and "
+                                       "\"tp\" dimensions decides the layout (order \"{}\", "
+                                       "the other sizes 1)",
+                                       order));
+    }
+  }
+  c->tensor_model_parallel_size = tp;
+  c->world_size = world;
+  // init_device_mesh is row-major: the last name varies fastest. Megatron's order lists the
+  // fastest first, tp by default.
+  c->order = order;
+  return {};
+}
+
 // The section's keys, in documentation order.
 constexpr ParallelField kFields[] = {
     {.key = "world_size",
@@ -66,8 +157,7 @@ constexpr ParallelField kFields[] = {
      "tensor-parallel size", "--tp"},
     {"pipeline_model_parallel_size", &ParallelConfig::pipeline_model_parallel_size,
      "pipeline-parallel size", "--pp"},
-    {"virtual_pipeline_model_parallel_size",
-     &ParallelConfig::virtual_pipeline_model_parallel_size,
+    {"virtual_pipeline_model_parallel_size", &ParallelConfig::virtual_pipeline_model_parallel_size,
      "virtual pipeline size (model chunks per pipeline rank)", "--vp"},
     {"context_parallel_size", &ParallelConfig::context_parallel_size, "context-parallel size",
      "--cp"},
@@ -180,11 +270,32 @@ constexpr ParallelField kFields[] = {
          }},
      .help = "the parameters' storage dtype (float32, bfloat16 or float16)",
      .effect = FieldEffect::kPrecision},
+    {"device_mesh",
+     Codec<ParallelConfig>{FieldKind::kText,
+                           [](const json& value, const std::string& where, ParallelConfig* c) {
+                             c->device_mesh.reset();
+                             if (value.is_null()) return Status();
+                             return ParseDeviceMesh(value, where, c);
+                           },
+                           [](const ParallelConfig& c) {
+                             if (!c.device_mesh) return json(nullptr);
+                             return json{{"mesh_shape", c.device_mesh->mesh_shape},
+                                         {"mesh_dim_names", c.device_mesh->mesh_dim_names}};
+                           }},
+     "PyTorch's device mesh, e.g. {\"mesh_shape\": [2, 4], \"mesh_dim_names\": [\"dp\", "
+     "\"tp\"]} (init_device_mesh; sets tensor_model_parallel_size and world_size)"},
 };
 
 }  // namespace
 
 std::span<const Field<ParallelConfig>> ParallelFields() { return kFields; }
+
+int64_t ParallelConfig::DeviceMesh::SizeOf(std::string_view name) const {
+  for (size_t i = 0; i < mesh_dim_names.size(); ++i) {
+    if (mesh_dim_names[i] == name) return mesh_shape[i];
+  }
+  return 1;
+}
 
 const std::vector<std::string_view>& ParallelConfigKeys() {
   static const std::vector<std::string_view> kKeys = KeysOf(ParallelFields());
@@ -390,7 +501,11 @@ Status ParseParallelSection(const json& section, std::string_view path, Parallel
     return Status::Error(prefix + ".delay_wgrad_compute",
                          "needs overlap_moe_expert_parallel_comm true (Megatron's rule)");
   }
-  MPUSIM_RETURN_IF_ERROR(CheckRequired(ParallelFields(), section, prefix));
+  if (config.device_mesh) {
+    MPUSIM_RETURN_IF_ERROR(ResolveDeviceMesh(section, prefix, &config));
+  } else {
+    MPUSIM_RETURN_IF_ERROR(CheckRequired(ParallelFields(), section, prefix));
+  }
   *out = std::move(config);
   return {};
 }

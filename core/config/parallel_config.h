@@ -85,6 +85,17 @@ struct ParallelConfig {
   bool fp16 = false;
   bool bf16 = false;
   std::optional<DType> params_dtype;
+  // PyTorch's init_device_mesh("cuda", mesh_shape, mesh_dim_names): ranks row-major over the
+  // shape (the last dimension varies fastest); dimensions named "dp" and "tp". It sets
+  // tensor_model_parallel_size, world_size (when absent) and the rank order ("tp" last: the
+  // default order, tp fastest; "tp" first: dp fastest), and no other size may be set with it.
+  struct DeviceMesh {
+    std::vector<int64_t> mesh_shape;
+    std::vector<std::string> mesh_dim_names;
+    // The size of the dimension `name`, 1 when the mesh has none.
+    int64_t SizeOf(std::string_view name) const;
+  };
+  std::optional<DeviceMesh> device_mesh;
 
   // The keys that decide which layers each pipeline stage holds (AssignLayers' input).
   PipelineSplit Split() const {

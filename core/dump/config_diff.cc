@@ -38,13 +38,31 @@ void Flatten(const Json& value, const std::string& key, FlatConfig* out) {
 }
 
 // Keys of a chain's layer (model.layers[i].<key>) that change tensor names or shapes.
-constexpr std::array<std::string_view, 8> kLayerShapeKeys = {
-    "name",        "type", "input_size", "output_size", "embedding_dim",
-    "bias",        "weight_from", "skip_weight_param_allocation",
+constexpr std::array<std::string_view, 11> kLayerShapeKeys = {
+    "name",          "type",         "input_size",     "output_size",
+    "embedding_dim", "bias",         "weight_from",    "skip_weight_param_allocation",
+    "in_features",   "out_features", "num_embeddings",
 };
 template <size_t N>
 bool Contains(const std::array<std::string_view, N>& keys, std::string_view key) {
   return std::find(keys.begin(), keys.end(), key) != keys.end();
+}
+// Layer types that hold the same parameters and compute the same thing, laid out differently:
+// torch.nn's modules and Megatron's (a PyTorch plan against Megatron's layers).
+constexpr std::array<std::array<std::string_view, 3>, 4> kSameModule = {{
+    {"Linear", "ColumnParallelLinear", "RowParallelLinear"},
+    {"Embedding", "VocabParallelEmbedding", "ParallelEmbedding"},
+    {"GELU", "GeLU", ""},
+    {"CrossEntropyLoss", "VocabParallelCrossEntropy", "vocab_parallel_cross_entropy"},
+}};
+bool SameModule(const Json& a, const Json& b) {
+  if (!a.is_string() || !b.is_string()) return false;
+  for (const auto& group : kSameModule) {
+    if (Contains(group, a.get<std::string>()) && Contains(group, b.get<std::string>())) {
+      return !a.get<std::string>().empty();
+    }
+  }
+  return false;
 }
 
 // A positive integer of a flattened config, or `fallback` when the key is absent or null;
@@ -136,6 +154,7 @@ ConfigChange Classify(const std::string& key, bool in_a, bool in_b, const FlatCo
     return f != nullptr && f->effect == FieldEffect::kLayout ? ConfigChange::kLayout
                                                               : ConfigChange::kTraining;
   }
+  if (section == "parallelize_plan") return ConfigChange::kLayout;  // where the pieces live
   if (section != "model") return ConfigChange::kOptions;
   if (rest == "type") return ConfigChange::kModel;  // a GPT against a chain (which has none)
   if (rest.starts_with("layers[")) {
@@ -145,6 +164,7 @@ ConfigChange Classify(const std::string& key, bool in_a, bool in_b, const FlatCo
       return ConfigChange::kModel;
     }
     const std::string_view option = rest.substr(rest.rfind('.') + 1);
+    if (both && option == "type" && SameModule(a.at(key), b.at(key))) return ConfigChange::kLayout;
     return both && Contains(kLayerShapeKeys, option) ? ConfigChange::kModel
                                                      : ConfigChange::kOptions;
   }

@@ -24,7 +24,9 @@
 #include "core/model/parameter.h"
 #include "core/pipeline/executor.h"
 #include "core/rng.h"
+#include "core/tensor_parallel/dtensor.h"
 #include "core/tensor_parallel/mappings.h"
+#include "core/tensor_parallel/parallel_style.h"
 
 namespace mpusim {
 namespace chain {
@@ -76,6 +78,18 @@ struct SlotTensors {
   Tensor saved;             // layer-specific: CPL/RPL gathered or split input, GeLU pre-activation
   RngDraw draw{};           // Dropout
   Tensor row_max, sum_exp;  // cross entropy
+  Tensor mean, rstd;        // LayerNorm's statistics
+};
+
+// A torch.nn module's placements on the tp mesh dimension (graph_torch.cc), on torch's
+// batch-first [b, s, w] (Shard(1) the sequence, Shard(2) the width): the input as it
+// arrives, what the module computes on, what it produces and what it hands on, and its
+// weight's placement. Unstyled: its parameters replicated and nothing redistributed.
+struct TorchPlacements {
+  std::optional<StyledModule> style;
+  std::string styled_by;  // the plan entry ("parallelize_plan.fc1"), "" when unstyled
+  DTensorPlacement arrives, computes, produces, hands_on, weight;
+  bool hands_on_dtensor = false;  // use_local_output false: the next module gets the DTensor
 };
 
 struct LayerSlot : SlotTensors {
@@ -92,6 +106,7 @@ struct LayerSlot : SlotTensors {
   ChainParameter* bias = nullptr;
   ChainParameter* added_bias = nullptr;  // GeLU with bias_from
   std::string rng_stream;                // Dropout
+  TorchPlacements torch;                 // torch.nn modules
 };
 
 // One kind of layer (graph_layers.cc), built from the core/model modules: what it accepts
@@ -126,8 +141,14 @@ class LayerKind {
   virtual Tensor Forward(const LayerCall& call, LayerSlot& slot, const Tensor& x) const = 0;
   virtual Tensor Backward(const LayerCall& call, LayerSlot& slot, const Tensor& dy) const = 0;
 };
-// The kind of a layer type (a table, in LayerType's order).
+// The kind of a layer type (a table, in LayerType's order); torch.nn's modules are
+// graph_torch.cc's (TorchKindOf).
 const LayerKind& KindOf(LayerType type);
+const LayerKind& TorchKindOf(LayerType type);
+// `mpusim explain`'s lines for a torch.nn module on `t` tp ranks: its style, its parameters'
+// and activations' placements, the redistributions forward and backward with their
+// collectives, and the Megatron module that does the same, when there is one.
+std::vector<std::string> ExplainTorchModule(const LayerSlot& slot, int64_t t);
 
 // The tensor-parallel layout of an activation in `state` on the rank at `c`.
 ShardSpec ActivationSpec(const ActivationState& state, const RankCoordinates& c, int64_t tp,
@@ -156,6 +177,12 @@ struct Graph::Impl {
   std::vector<std::unique_ptr<ChainParameter>> parameters;
   bool needs_tokens = false, needs_labels = false;
   std::vector<std::string> warnings;  // Graph::Warnings(), filled by PlanWarnings
+  // parallelize_plan (torch.nn chains): each layer's style and the entry that gave it, from
+  // ResolveStyles (graph_torch.cc); and while planning, whether the activation flowing is a
+  // DTensor (a styled module handed it on with use_local_output false).
+  std::optional<ParallelizePlan> parallelize_plan;
+  std::vector<std::optional<std::pair<std::string, ParallelStyle>>> styles;
+  bool planning_dtensor = false;
   int64_t planning_stage = 0;         // the stage of the layer Plan is at
   // Pipeline: p stages of v chunks; virtual stage u = chunk * p + pp_rank holds the layers
   // [stage_start[u], stage_start[u + 1]) (PipelineStages), and every pp rank's plan.
@@ -187,6 +214,7 @@ struct Graph::Impl {
   Status PlanSyntheticInput(const LayerSlot& slot, ActivationState* state, int64_t* width) const;
   Status PlanLayer(LayerSlot& slot, ActivationState* state, int64_t* width);
   Status PlanTies();
+  Status ResolveStyles();  // graph_torch.cc
   void PlanWarnings();
   Status Fail(const LayerSlot& slot, const std::string& what) const {
     return Status::Error(

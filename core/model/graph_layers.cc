@@ -330,6 +330,13 @@ class DropoutLayer : public LayerKind {
  public:
   Status Plan(LayerPlanner& p) const override {
     MPUSIM_RETURN_IF_ERROR(p.RequireState({Split::kReplicated, Split::kHidden, Split::kSequence}));
+    if (p.g.model.IsTorchChain() && p.state.split != Split::kReplicated && p.slot.config.p > 0) {
+      return p.Fail(
+          fmt::format("receives a {} activation; in a chain of torch.nn modules mpusim "
+                      "draws dropout masks on whole (Replicate()) activations only; "
+                      "move the Dropout where the activation is whole",
+                      SplitName(p.state.split)));
+    }
     p.slot.rng_stream =
         p.state.split == Split::kReplicated ? kDefaultStream : kModelParallelStream;
     return {};
@@ -452,6 +459,7 @@ class RegionMappingLayer : public LayerKind {
 }  // namespace
 
 const LayerKind& KindOf(LayerType type) {
+  if (IsTorchModule(type)) return TorchKindOf(type);
   using D = MappingRule::Divides;
   static const EmbeddingLayer vocab_parallel_embedding(true), parallel_embedding(false);
   static const ColumnParallelLinearLayer column_parallel_linear;

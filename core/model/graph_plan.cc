@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/model/graph.h"
+#include "core/model/graph_impl.h"
 
 namespace mpusim {
 
@@ -118,6 +119,12 @@ void Graph::Explain(std::ostream& out) const {
             : std::string());
     if (!layer.tied_weight.empty()) {
       out << fmt::format("  weight: {} (weight_from), sliced as there\n", layer.tied_weight);
+    }
+    const chain::LayerSlot& slot = impl_->layers[i];
+    if (IsTorchModule(slot.config.type)) {
+      for (const std::string& line : chain::ExplainTorchModule(slot, t)) {
+        out << "  " << line << '\n';
+      }
     }
     for (size_t p = 0; p < layer.parameters.size(); ++p) {
       const PlannedParameter& param = layer.parameters[p];

@@ -46,6 +46,7 @@ Status Graph::Impl::Plan(const Topology& topology) {
                          "(\"type\": \"gpt\")");
   }
   MPUSIM_RETURN_IF_ERROR(PlanStages());
+  MPUSIM_RETURN_IF_ERROR(ResolveStyles());
   ActivationState state;
   int64_t width = 0;
   for (size_t i = 0; i < model.layers.size(); ++i) {
@@ -217,8 +218,14 @@ StatusOr<std::unique_ptr<Graph>> Graph::Build(const Config& config, const Topolo
                          "\"selective\" recomputes core attention, which a layer chain does not "
                          "have; use \"full\" or null");
   }
+  if (config.model->IsTorchChain() && config.parallel.sequence_parallel) {
+    return Status::Error("parallel.sequence_parallel",
+                         "is Megatron's switch; a chain of torch.nn modules shards the sequence "
+                         "by its parallelize_plan (Shard(1) layouts)");
+  }
   auto impl = std::make_unique<Impl>();
   impl->parallel = config.parallel;
+  impl->parallelize_plan = config.parallelize_plan;
   impl->model = *config.model;
   impl->run = *config.run;
   impl->grad_dtype = PrecisionOf(config).main_grad;

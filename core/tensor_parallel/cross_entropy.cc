@@ -4,26 +4,27 @@
 #include <cmath>
 
 namespace mpusim {
+namespace {
 
-Tensor VocabParallelCrossEntropyForward(Kernels& k, Communicator& tp, const Tensor& logits,
-                                        const Tensor& labels, int64_t padded_vocab,
-                                        double label_smoothing, CrossEntropyStash* stash) {
+// The vocabulary split over `tp`, or whole on this rank when it is null.
+Tensor CrossEntropyOver(Kernels& k, Communicator* tp, const Tensor& logits, const Tensor& labels,
+                        int64_t padded_vocab, double label_smoothing, CrossEntropyStash* stash) {
   const int64_t rows = logits.rows();
-  const int64_t start = tp.Rank() * logits.cols();
-  const bool split = tp.Size() > 1;
+  const int64_t start = tp != nullptr ? tp->Rank() * logits.cols() : 0;
+  const bool split = tp != nullptr && tp->Size() > 1;
   const DType stats = ComputeDType(logits.dtype());
   stash->logits = logits;
   stash->row_max = k.Zeros({rows}, stats);
   k.RowMax(logits, stash->row_max);
-  if (split) tp.AllReduce(stash->row_max, ReduceOp::kMax);
+  if (split) tp->AllReduce(stash->row_max, ReduceOp::kMax);
   stash->sum_exp = k.Zeros({rows}, stats);
   Tensor sum_z = k.Zeros({rows}, stats);
   Tensor target_z = k.Zeros({rows}, stats);
   k.CrossEntropyPartials(logits, stash->row_max, labels, start, stash->sum_exp, sum_z, target_z);
   if (split) {
-    tp.AllReduce(target_z, ReduceOp::kSum);
-    tp.AllReduce(stash->sum_exp, ReduceOp::kSum);
-    if (label_smoothing > 0) tp.AllReduce(sum_z, ReduceOp::kSum);
+    tp->AllReduce(target_z, ReduceOp::kSum);
+    tp->AllReduce(stash->sum_exp, ReduceOp::kSum);
+    if (label_smoothing > 0) tp->AllReduce(sum_z, ReduceOp::kSum);
   }
   const Tensor h_sum_exp = k.ToHost(stash->sum_exp);
   const Tensor h_sum_z = k.ToHost(sum_z);
@@ -38,6 +39,19 @@ Tensor VocabParallelCrossEntropyForward(Kernels& k, Communicator& tp, const Tens
     SetHostValue(losses, i, loss);
   }
   return k.ToDevice(losses);
+}
+
+}  // namespace
+
+Tensor VocabParallelCrossEntropyForward(Kernels& k, Communicator& tp, const Tensor& logits,
+                                        const Tensor& labels, int64_t padded_vocab,
+                                        double label_smoothing, CrossEntropyStash* stash) {
+  return CrossEntropyOver(k, &tp, logits, labels, padded_vocab, label_smoothing, stash);
+}
+
+Tensor CrossEntropyForward(Kernels& k, const Tensor& logits, const Tensor& labels,
+                           CrossEntropyStash* stash) {
+  return CrossEntropyOver(k, nullptr, logits, labels, logits.cols(), 0.0, stash);
 }
 
 Tensor VocabParallelCrossEntropyBackward(Kernels& k, const CrossEntropyStash& stash,

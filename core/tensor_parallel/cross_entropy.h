@@ -32,6 +32,12 @@ Tensor VocabParallelCrossEntropyForward(Kernels& k, Communicator& tp, const Tens
                                         const Tensor& labels, int64_t padded_vocab,
                                         double label_smoothing, CrossEntropyStash* stash);
 
+// torch's cross_entropy (nn.CrossEntropyLoss, reduction "none") on logits [rows, V] whose
+// whole vocabulary this rank holds: the same arithmetic, no collective. Its backward is
+// VocabParallelCrossEntropyBackward with padded_vocab V, no smoothing and tp_rank 0.
+Tensor CrossEntropyForward(Kernels& k, const Tensor& logits, const Tensor& labels,
+                           CrossEntropyStash* stash);
+
 // d loss / d logits [rows, Vp/t] in the logits' dtype; dloss [rows] holds d total / d
 // per-token loss. `tp_rank` places the local vocabulary columns.
 Tensor VocabParallelCrossEntropyBackward(Kernels& k, const CrossEntropyStash& stash,

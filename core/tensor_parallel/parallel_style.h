@@ -48,47 +48,11 @@
 #include <utility>
 #include <vector>
 
+#include "core/config/parallelize_plan.h"
 #include "core/status.h"
 #include "core/tensor_parallel/dtensor.h"
 
 namespace mpusim {
-
-enum class ParallelStyleKind : uint8_t {
-  kColwise,
-  kRowwise,
-  kPairwise,  // PyTorch 2.0: Colwise on the first Linear of a pair, Rowwise on the second
-  kSequenceParallel,
-  kPrepareModuleInput,
-  kPrepareModuleOutput,
-};
-
-// A style as a plan writes it; layouts as torch spells them, resolved against the tensor's
-// rank when the style is applied (a negative Shard counts from the end).
-struct ParallelStyle {
-  ParallelStyleKind kind = ParallelStyleKind::kColwise;
-  std::optional<std::string> input_layouts, desired_input_layouts;
-  std::optional<std::string> output_layouts, desired_output_layouts;
-  std::optional<bool> use_local_output;  // none: the style's default
-  int64_t sequence_dim = 1;              // SequenceParallel
-};
-
-std::string_view ParallelStyleName(ParallelStyleKind kind);  // "ColwiseParallel", ...
-
-// A style from a plan's JSON: its name ("ColwiseParallel") or an object {"style": name,
-// "input_layouts": "Shard(-1)", ...} with the style's keyword arguments; `where` names the
-// plan entry in errors (one line naming the key and what is allowed).
-StatusOr<ParallelStyle> ParseParallelStyle(const nlohmann::json& value, const std::string& where);
-
-// parallelize_plan: one style for the whole model, or module FQN patterns ('*' stands for
-// one path component) to styles, in the JSON object's key order (sorted: a plan applier must
-// not let two patterns on one module depend on it).
-struct ParallelizePlan {
-  std::vector<std::pair<std::string, ParallelStyle>> entries;  // FQN "" : the whole model
-};
-StatusOr<ParallelizePlan> ParseParallelizePlan(const nlohmann::json& value,
-                                               const std::string& where);
-// Whether `fqn` ("decoder.layers.3.mlp") matches `pattern` ("decoder.layers.*.mlp").
-bool FqnMatches(std::string_view pattern, std::string_view fqn);
 
 // The modules a style applies to (torch.nn's types).
 enum class TorchModuleKind : uint8_t {

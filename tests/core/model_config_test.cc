@@ -258,7 +258,8 @@ TEST(ModelConfig, TypeErrors) {
       "GeLU, Dropout, VocabParallelCrossEntropy, copy_to_tensor_model_parallel_region, "
       "reduce_from_tensor_model_parallel_region, scatter_to_tensor_model_parallel_region, "
       "gather_from_tensor_model_parallel_region, scatter_to_sequence_parallel_region, "
-      "gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region";
+      "gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region, "
+      "Embedding, Linear, ReLU, CrossEntropyLoss, LayerNorm";
   EXPECT_EQ(LayerRefusal({{"name", "x"}}),
             "model.layers[0].type: is required (one of: " + types + ")");
   EXPECT_EQ(LayerRefusal({{"name", "x"}, {"type", 7}}),
@@ -269,9 +270,11 @@ TEST(ModelConfig, TypeErrors) {
                 types + ")");
   // torch.nn.Linear's names (the lab's seed model) point to Megatron's.
   EXPECT_EQ(LayerRefusal({{"name", "x"}, {"type", "ColumnParallelLinear"}, {"in_features", 8}}),
-            "model.layers[0].in_features: unknown key; did you mean 'input_size'?");
+            "model.layers[0].in_features: unknown key; did you mean 'input_size'? (in_features "
+            "is an option of Linear)");
   EXPECT_EQ(LayerRefusal({{"name", "x"}, {"type", "RowParallelLinear"}, {"out_features", 8}}),
-            "model.layers[0].out_features: unknown key; did you mean 'output_size'?");
+            "model.layers[0].out_features: unknown key; did you mean 'output_size'? "
+            "(out_features is an option of Linear)");
   EXPECT_EQ(LayerRefusal({{"name", "x"}, {"type", "gelu"}}),
             "model.layers[0].type: unknown layer type \"gelu\"; did you mean 'GeLU'? (types: " +
                 types + ")");
@@ -279,8 +282,8 @@ TEST(ModelConfig, TypeErrors) {
             "model.layers[0].type: unknown layer type \"copy_to_tensor_parallel_region\"; did "
             "you mean 'copy_to_tensor_model_parallel_region'? (types: " +
                 types + ")");
-  EXPECT_EQ(LayerRefusal({{"name", "x"}, {"type", "LayerNorm"}}),
-            "model.layers[0].type: unknown layer type \"LayerNorm\"; types: " + types);
+  EXPECT_EQ(LayerRefusal({{"name", "x"}, {"type", "Softmax"}}),
+            "model.layers[0].type: unknown layer type \"Softmax\"; types: " + types);
 }
 
 TEST(ModelConfig, UnknownOptions) {
@@ -764,6 +767,50 @@ TEST(RunConfig, EffectiveConfigWritesDefaultsAndParsesBack) {
   EXPECT_EQ(EffectiveConfigJson(effective, again), effective);
   EXPECT_EQ(again.run->num_microbatches, 2);
   EXPECT_EQ(again.run->dtype, DType::kBFloat16);
+}
+
+// parallelize_plan styles a chain of torch.nn modules; anywhere else it is refused with the
+// reason, and a torch chain's options are nn's (in_features, normalized_shape, ...).
+TEST(ModelConfig, ParallelizePlanStylesTorchModulesOnly) {
+  const json torch_layers = json::array(
+      {{{"name", "fc1"}, {"type", "Linear"}, {"in_features", 8}, {"out_features", 16}},
+       {{"name", "norm"}, {"type", "LayerNorm"}, {"normalized_shape", 16}, {"eps", 1e-6}},
+       {{"name", "act"}, {"type", "ReLU"}}});
+  Config config;
+  ASSERT_TRUE(ParseConfig(json{{"parallel", {{"world_size", 2}, {"tensor_model_parallel_size", 2}}},
+                               {"model", {{"layers", torch_layers}}},
+                               {"parallelize_plan", {{"fc1", "ColwiseParallel"}}}},
+                          &config)
+                  .ok());
+  ASSERT_TRUE(config.parallelize_plan.has_value());
+  EXPECT_TRUE(config.model->IsTorchChain());
+  EXPECT_EQ(config.model->layers[0].input_size, 8);
+  EXPECT_EQ(config.model->layers[0].output_size.value, 16);
+  EXPECT_EQ(config.model->layers[1].normalized_shape, 16);
+  EXPECT_EQ(config.model->layers[1].eps, 1e-6);
+  const auto refusal = [](const json& document) {
+    Config c;
+    const Status status = ParseConfig(document, &c);
+    return status.ok() ? std::string("accepted") : status.Message();
+  };
+  EXPECT_EQ(refusal({{"parallel", {{"world_size", 1}}},
+                     {"model", {{"layers", json::array({kFc1})}}},
+                     {"parallelize_plan", "PairwiseParallel"}}),
+            "parallelize_plan: styles a chain of torch.nn modules (model.layers of type "
+            "Embedding, Linear, ReLU, GELU, Dropout, LayerNorm, CrossEntropyLoss); this config "
+            "has none");
+  EXPECT_EQ(refusal({{"parallel", {{"world_size", 1}}},
+                     {"model", {{"layers", torch_layers}}},
+                     {"parallelize_plan", {{"fc1", "ColwisParallel"}}}}),
+            "parallelize_plan.fc1: \"ColwisParallel\" is not a parallel style; use one of "
+            "\"ColwiseParallel\", \"RowwiseParallel\", \"PairwiseParallel\", "
+            "\"SequenceParallel\", \"PrepareModuleInput\", \"PrepareModuleOutput\"");
+  EXPECT_EQ(LayerRefusal({{"name", "n"}, {"type", "LayerNorm"}}),
+            "model.layers[0].normalized_shape: is required (the width it normalises, as "
+            "nn.LayerNorm's)");
+  EXPECT_EQ(LayerRefusal({{"name", "e"}, {"type", "Embedding"}, {"embedding_dim", 8}}),
+            "model.layers[0].num_embeddings: is required (an integer >= model.vocab_size, as "
+            "nn.Embedding's)");
 }
 
 }  // namespace

@@ -58,6 +58,52 @@ TEST(ParallelConfig, RoundTripsThroughJson) {
   EXPECT_EQ(written["hierarchical_context_parallel_sizes"], json({2}));
 }
 
+// PyTorch's init_device_mesh: row-major ranks over the mesh (the last dimension fastest), so
+// "tp" last is Megatron's default order (tp fastest) and "tp" first puts dp fastest.
+TEST(ParallelConfig, DeviceMeshLaysOutRanksAsInitDeviceMesh) {
+  for (const bool tp_last : {true, false}) {
+    SCOPED_TRACE(tp_last ? "[dp, tp]" : "[tp, dp]");
+    const json mesh = tp_last ? json{{"mesh_shape", {2, 4}}, {"mesh_dim_names", {"dp", "tp"}}}
+                              : json{{"mesh_shape", {4, 2}}, {"mesh_dim_names", {"tp", "dp"}}};
+    Config config;
+    ASSERT_TRUE(ParseConfig(json{{"parallel", {{"device_mesh", mesh}}}}, &config).ok());
+    EXPECT_EQ(config.parallel.world_size, 8);
+    EXPECT_EQ(config.parallel.tensor_model_parallel_size, 4);
+    StatusOr<Topology> topology = Topology::Create(config.parallel);
+    ASSERT_TRUE(topology.ok()) << topology.status().Message();
+    for (int64_t rank = 0; rank < 8; ++rank) {
+      // init_device_mesh: mesh[i][j] = i * cols + j.
+      const int64_t tp = tp_last ? rank % 4 : rank / 2;
+      const int64_t dp = tp_last ? rank / 4 : rank % 2;
+      const RankCoordinates c = topology->Coordinates(rank);
+      EXPECT_EQ(c.tp, tp) << "rank " << rank;
+      EXPECT_EQ(c.dp, dp) << "rank " << rank;
+    }
+    // The effective config (every key written back) reads the same.
+    json written;
+    ToJson(config.parallel, &written);
+    ParallelConfig again;
+    ASSERT_TRUE(ParseParallelSection(written, "parallel", &again).ok());
+    EXPECT_EQ(again.order, config.parallel.order);
+  }
+  const json mesh = {{"mesh_shape", {2, 2}}, {"mesh_dim_names", {"dp", "tp"}}};
+  EXPECT_EQ(Refusal({{"device_mesh", mesh}, {"tensor_model_parallel_size", 4}}),
+            "parallel.tensor_model_parallel_size: is 4 but device_mesh's \"tp\" dimension is 2; "
+            "set one of them");
+  EXPECT_EQ(Refusal({{"device_mesh", mesh}, {"world_size", 8}}),
+            "parallel.world_size: is 8 but device_mesh covers 4 ranks; set one of them");
+  EXPECT_NE(Refusal({{"device_mesh", mesh}, {"pipeline_model_parallel_size", 2}})
+                .find("parallel.pipeline_model_parallel_size: cannot be set with device_mesh"),
+            std::string::npos);
+  EXPECT_EQ(Refusal({{"device_mesh", {{"mesh_shape", {2, 2}}, {"mesh_dim_names", {"dp", "ep"}}}}}),
+            "parallel.device_mesh.mesh_dim_names: names \"dp\" and \"tp\" only (the dimensions "
+            "mpusim's layouts have), got string \"ep\"");
+  EXPECT_NE(Refusal({{"device_mesh", {{"mesh_shape", {2, 2}}, {"mesh_dim_names", {"tp"}}}}})
+                .find("mesh_shape has 2 sizes and mesh_dim_names 1 names"),
+            std::string::npos);
+  EXPECT_EQ(Refusal({{"device_mesh", {{"mesh_shape", {4}}, {"mesh_dim_names", {"tp"}}}}}), "");
+}
+
 // ModelParallelConfig's other fields (seed 003): accepted with a note saying why they change
 // nothing mpusim computes, or refused when their value would change what it models.
 TEST(ParallelConfig, ModelParallelConfigFieldsAreAcceptedOrRefusedWithAReason) {

@@ -156,6 +156,16 @@ TEST(ParallelStyle, PlansParseAndPatternsMatchOneComponentPerStar) {
   EXPECT_TRUE(FqnMatches("*", "fc1"));
   EXPECT_TRUE(FqnMatches("fc1", "fc1"));
   EXPECT_FALSE(FqnMatches("fc1", "fc10"));
+  // fnmatch within a component, as parallelize_module matches each one.
+  EXPECT_TRUE(FqnMatches("norm*", "norm"));
+  EXPECT_TRUE(FqnMatches("norm*", "norm2"));
+  EXPECT_TRUE(FqnMatches("*_proj", "in_proj"));
+  EXPECT_TRUE(FqnMatches("fc?", "fc2"));
+  EXPECT_FALSE(FqnMatches("fc?", "fc10"));
+  EXPECT_FALSE(FqnMatches("norm*", "a.norm"));
+  EXPECT_FALSE(FqnMatches("*_proj", "in_proj.weight"));
+  EXPECT_TRUE(FqnMatches("a*b*c", "aXbYbZc"));
+  EXPECT_FALSE(FqnMatches("a*b*c", "aXbYbZ"));
   StatusOr<ParallelizePlan> bad =
       ParseParallelizePlan(json{{"fc1..w", "ColwiseParallel"}}, "parallelize_plan");
   ASSERT_FALSE(bad.ok());

@@ -1,0 +1,216 @@
+// PyTorch's tensor-parallel plans at the command line: a chain of torch.nn modules styled by a
+// parallelize_plan on a dp x tp device mesh passes its check against the float64 reference,
+// diffs clean against the plan-less model on one rank, and communicates what DTensor's rules
+// say (the counts below are derived by hand from them); a plan whose layouts do not meet is
+// refused before the run with one line naming the module and the fix.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "tests/cli/cli_test_util.h"
+
+namespace mpusim::cli {
+namespace {
+
+using nlohmann::json;
+using test_util::Mpiexec;
+using test_util::Mpusim;
+using test_util::Result;
+using test_util::Shell;
+using test_util::WriteTemp;
+
+// The issue's toy model: Embedding -> Linear -> ReLU -> Linear -> head -> loss, in float64.
+json Toy() {
+  return json::parse(R"json({
+    "parallel": {"device_mesh": {"mesh_shape": [2, 2], "mesh_dim_names": ["dp", "tp"]}},
+    "model": {
+      "vocab_size": 64,
+      "layers": [
+        {"name": "embedding", "type": "Embedding", "num_embeddings": 64, "embedding_dim": 32},
+        {"name": "in_proj", "type": "Linear", "in_features": 32, "out_features": 128},
+        {"name": "relu", "type": "ReLU"},
+        {"name": "out_proj", "type": "Linear", "in_features": 128, "out_features": 32},
+        {"name": "head", "type": "Linear", "in_features": 32, "out_features": 64, "bias": false},
+        {"name": "loss", "type": "CrossEntropyLoss"}
+      ]
+    },
+    "parallelize_plan": {"in_proj": "ColwiseParallel", "out_proj": "RowwiseParallel"},
+    "run": {"seq_length": 8, "micro_batch_size": 2, "num_microbatches": 2, "dtype": "float64"}
+  })json");
+}
+
+std::filesystem::path Scratch(const std::string& name) {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / (name + "." + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  return dir;
+}
+
+// Runs `config` on `ranks` ranks with a dump and a summary; returns the summary.
+json RunDumped(const json& config, int ranks, const std::filesystem::path& dump,
+               const std::string& name) {
+  const std::string path = WriteTemp(name + ".json", config.dump());
+  const std::filesystem::path summary = Scratch(name + "_summary.json");
+  std::string output;
+  EXPECT_EQ(Shell(Mpiexec(ranks) + MPUSIM_BINARY + " run " + path + " --dump " + dump.string() +
+                      " --summary " + summary.string(),
+                  &output),
+            0)
+      << output;
+  std::ifstream in(summary);
+  json j = json::parse(in, nullptr, false);
+  std::filesystem::remove(summary);
+  return j;
+}
+
+// The same model without a plan on one rank, holding all four samples of a micro-batch.
+json OneRank(json config) {
+  config.erase("parallelize_plan");
+  config["parallel"] = {{"world_size", 1}};
+  config["run"]["micro_batch_size"] = 4;
+  return config;
+}
+
+void ExpectDiffClean(const std::filesystem::path& a, const std::filesystem::path& b,
+                     const std::string& atol) {
+  const Result r = Mpusim({"diff", a.string(), b.string(), "--atol", atol, "--rtol", "0"});
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find(" 0 failed"), std::string::npos) << r.out;
+}
+
+// Done-when of the plan: checked, the issue's counts, clean against one plan-less rank, and
+// PairwiseParallel on the whole model computes the same tensors.
+TEST(TorchPlan, ToyPlanOnDpByTpMeshIsCheckedCountedAndDiffsCleanAgainstOneRank) {
+  const std::filesystem::path plan = Scratch("mpusim_torch_plan");
+  const std::filesystem::path pairwise = Scratch("mpusim_torch_pairwise");
+  const std::filesystem::path one = Scratch("mpusim_torch_one");
+  const json summary = RunDumped(Toy(), 4, plan, "mpusim_torch_plan");
+  ASSERT_TRUE(summary.is_object());
+  EXPECT_TRUE(summary["passed"].get<bool>());
+  EXPECT_EQ(summary["check"]["failed"], 0);
+  // Rowwise's Partial() output -> Replicate(): one all_reduce forward; Colwise's Partial()
+  // input gradient -> Replicate(): one backward. Per micro-batch (2 of them).
+  EXPECT_EQ(
+      summary["comm_counts"],
+      json::parse(R"json({"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}})json"));
+  json whole = Toy();
+  whole["parallelize_plan"] = "PairwiseParallel";
+  const json pairwise_summary = RunDumped(whole, 4, pairwise, "mpusim_torch_pairwise");
+  EXPECT_EQ(pairwise_summary["comm_counts"], summary["comm_counts"]);
+  RunDumped(OneRank(Toy()), 1, one, "mpusim_torch_one");
+  ExpectDiffClean(plan, one, "1e-12");
+  ExpectDiffClean(pairwise, plan, "0");
+  for (const auto& dir : {plan, pairwise, one}) std::filesystem::remove_all(dir);
+}
+
+// The sequence-parallel plan (torchtitan's shape of it): the embedding hands on Shard(1), the
+// norms run on it (SequenceParallel), each Colwise gathers the sequence (input_layouts
+// Shard(1)), each Rowwise reduce-scatters back to it, and the head hands the loss whole
+// logits. By DTensor's rules, per micro-batch:
+//   forward   embedding Partial -> Shard(1): reduce_scatter; in_proj Shard(1) -> Replicate:
+//             all_gather; out_proj Partial -> Shard(1): reduce_scatter; head Shard(1) ->
+//             Replicate and its Shard(-1) output -> Replicate: two all_gathers
+//   backward  head's Partial input gradient -> Shard(1): reduce_scatter (its output gradient
+//             Replicate -> Shard(-1) is a local slice); out_proj's Shard(1) gradient ->
+//             Replicate: all_gather; in_proj's Partial -> Shard(1): reduce_scatter;
+//             the embedding's Shard(1) gradient -> Replicate: all_gather
+// A LayerNorm under SequenceParallel runs on the rank's tokens; its weight and bias gradients
+// are summed over tp after the step (not counted: neither forward nor backward).
+json WithNorms(json config) {
+  auto& layers = config["model"]["layers"];
+  layers.insert(layers.begin() + 1,
+                json{{"name", "norm"}, {"type", "LayerNorm"}, {"normalized_shape", 32}});
+  layers.insert(layers.begin() + 5,
+                json{{"name", "norm2"}, {"type", "LayerNorm"}, {"normalized_shape", 32}});
+  return config;
+}
+
+TEST(TorchPlan, SequenceParallelPlanCountsWhatDTensorsRulesSay) {
+  json config = WithNorms(Toy());
+  config["parallelize_plan"] = json::parse(R"json({
+    "embedding": {"style": "RowwiseParallel", "input_layouts": "Replicate()",
+                  "output_layouts": "Shard(1)"},
+    "norm*": "SequenceParallel",
+    "in_proj": {"style": "ColwiseParallel", "input_layouts": "Shard(1)"},
+    "out_proj": {"style": "RowwiseParallel", "output_layouts": "Shard(1)"},
+    "head": {"style": "ColwiseParallel", "input_layouts": "Shard(1)",
+             "output_layouts": "Replicate()"}
+  })json");
+  const std::filesystem::path plan = Scratch("mpusim_torch_sp");
+  const std::filesystem::path one = Scratch("mpusim_torch_sp_one");
+  const json summary = RunDumped(config, 4, plan, "mpusim_torch_sp");
+  ASSERT_TRUE(summary.is_object());
+  EXPECT_TRUE(summary["passed"].get<bool>());
+  EXPECT_EQ(summary["comm_counts"], json::parse(R"json({
+    "forward": {"all_gather_into_tensor": 3, "reduce_scatter_tensor": 2},
+    "backward": {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}})json"));
+  RunDumped(OneRank(WithNorms(Toy())), 1, one, "mpusim_torch_sp_one");
+  ExpectDiffClean(plan, one, "1e-12");
+  for (const auto& dir : {plan, one}) std::filesystem::remove_all(dir);
+}
+
+// A plan whose layouts do not meet: one line naming the module, what it receives and the fix,
+// exit code 2, before any rank computes.
+TEST(TorchPlan, PlansWhoseLayoutsDoNotMeetAreRefused) {
+  const auto refused = [](const json& config, const std::string& name,
+                          const std::string& expected) {
+    const std::string path = WriteTemp(name, config.dump());
+    std::string output;
+    EXPECT_EQ(Shell(Mpiexec(4) + MPUSIM_BINARY + " run " + path, &output) != 0, true) << output;
+    const Result r = Mpusim({"explain", path});
+    EXPECT_EQ(r.code, 2) << r.out;
+    EXPECT_EQ(r.out, "");
+    EXPECT_NE(r.err.find(expected), std::string::npos) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  };
+  json swapped = Toy();
+  swapped["parallelize_plan"] = {{"in_proj", "RowwiseParallel"}, {"out_proj", "ColwiseParallel"}};
+  refused(swapped, "mpusim_torch_swapped.json",
+          "model.layers[1]: (Linear in_proj): RowwiseParallel (parallelize_plan.in_proj) takes "
+          "its input as Shard(-1) (input_layouts), but it receives Replicate() [2, 8, 32] from "
+          "embedding");
+  json half = Toy();
+  half["parallelize_plan"] = {{"in_proj", "ColwiseParallel"}};
+  refused(half, "mpusim_torch_half.json",
+          "out_proj (no style) receives Shard(-1) [2, 8, 64] of [2, 8, 128] from relu, but its "
+          "replicated weight multiplies whole rows. Fix: give out_proj RowwiseParallel");
+  json twice = Toy();
+  twice["parallelize_plan"] = {{"in_proj", "ColwiseParallel"}, {"*", "RowwiseParallel"}};
+  refused(twice, "mpusim_torch_twice.json",
+          "parallelize_plan.in_proj: styles module \"in_proj\", which parallelize_plan.* styles "
+          "too");
+  json nothing = Toy();
+  nothing["parallelize_plan"] = {{"fc1", "ColwiseParallel"}};
+  refused(nothing, "mpusim_torch_nothing.json",
+          "parallelize_plan.fc1: matches no module; the modules are: embedding, in_proj, relu, "
+          "out_proj, head, loss");
+  json partial_relu = Toy();
+  partial_relu["parallelize_plan"] = json::parse(R"json({"in_proj": {"style": "ColwiseParallel"},
+    "out_proj": {"style": "RowwiseParallel", "output_layouts": "Partial()"}})json");
+  partial_relu["model"]["layers"].insert(partial_relu["model"]["layers"].begin() + 4,
+                                         json{{"name", "relu2"}, {"type", "ReLU"}});
+  refused(partial_relu, "mpusim_torch_partial.json",
+          "(ReLU relu2): receives Partial() sums from out_proj: relu of a sum is not the sum of "
+          "relus");
+  json plain_norm = WithNorms(Toy());
+  plain_norm["parallelize_plan"] = json::parse(R"json({
+    "embedding": {"style": "RowwiseParallel", "input_layouts": "Replicate()",
+                  "output_layouts": "Shard(1)"}})json");
+  refused(plain_norm, "mpusim_torch_plain_norm.json",
+          "norm (no style) receives Shard(1) [2, 4, 32] of [2, 8, 32] from embedding: its plain "
+          "weight's gradient would cover this rank's tokens only");
+  json mixed = Toy();
+  mixed["model"]["layers"][1] = {{"name", "in_proj"},
+                                 {"type", "ColumnParallelLinear"},
+                                 {"input_size", 32},
+                                 {"output_size", 128}};
+  refused(mixed, "mpusim_torch_mixed.json", "a chain is written in torch.nn's modules");
+}
+
+}  // namespace
+}  // namespace mpusim::cli
