@@ -593,16 +593,22 @@ void RunReport::PrintCommTrace(const CommTrace& trace) {
   out_ << fmt::format("\ncollectives on rank 0 ({} in all; groups of one rank move no data and "
                       "are not listed):\n",
                       trace.records().size());
-  size_t site_width = 24, group_width = 6;
+  // A chain of torch.nn modules names its collectives as PyTorch's CommDebugMode does.
+  const bool torch = config_.model && config_.model->IsTorchChain();
+  const auto op_name = [&](CommOpKind op) {
+    return std::string(torch ? FunctionalCollectiveName(op) : CommOpName(op));
+  };
+  size_t site_width = 24, group_width = 6, op_width = 16;
   for (const auto& [key, value] : summary) {
     site_width = std::max(site_width, key.site.size());
     group_width = std::max(group_width, key.group.size());
+    op_width = std::max(op_width, op_name(key.op).size());
   }
-  out_ << fmt::format("  {:<9} {:<{}} {:<16} {:<{}} {:>6} {:>14}\n", "phase", "issued by",
-                      site_width, "op", "group", group_width, "count", "bytes");
+  out_ << fmt::format("  {:<9} {:<{}} {:<{}} {:<{}} {:>6} {:>14}\n", "phase", "issued by",
+                      site_width, "op", op_width, "group", group_width, "count", "bytes");
   for (const auto& [key, value] : summary) {
-    out_ << fmt::format("  {:<9} {:<{}} {:<16} {:<{}} {:>6} {:>14}\n", PhaseName(key.phase),
-                        key.site, site_width, CommOpName(key.op), key.group, group_width,
+    out_ << fmt::format("  {:<9} {:<{}} {:<{}} {:<{}} {:>6} {:>14}\n", PhaseName(key.phase),
+                        key.site, site_width, op_name(key.op), op_width, key.group, group_width,
                         value.first, value.second);
   }
 }

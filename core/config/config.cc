@@ -282,15 +282,13 @@ Status ParseConfig(const nlohmann::json& document, Config* out) {
       MPUSIM_RETURN_IF_ERROR(CheckMtpInLayout(config.parallel.Split(), config.gpt->mtp_num_layers));
     }
   }
-  // A plan styles torch.nn modules: a chain written in them (core/model/graph_torch.cc).
-  if (config.parallelize_plan && !(config.model && config.model->IsTorchChain())) {
-    return Status::Error(
-        "parallelize_plan",
-        config.gpt ? "styles a chain of torch.nn modules; the GPT model runs Megatron's own "
-                     "layers (set tensor_model_parallel_size and sequence_parallel instead)"
-                   : "styles a chain of torch.nn modules (model.layers of type Embedding, "
-                     "Linear, ReLU, GELU, Dropout, LayerNorm, CrossEntropyLoss); this config "
-                     "has none");
+  // A plan styles torch.nn modules (a chain written in them: core/model/graph_torch.cc) or
+  // the GPT's, when it is Megatron's own plan (core/model/gpt_torch_plan.h).
+  if (config.parallelize_plan && !config.gpt && !(config.model && config.model->IsTorchChain())) {
+    return Status::Error("parallelize_plan",
+                         "styles a chain of torch.nn modules (model.layers of type Embedding, "
+                         "Linear, ReLU, GELU, Dropout, LayerNorm, CrossEntropyLoss) or a GPT's "
+                         "modules; this config has neither");
   }
   MPUSIM_RETURN_IF_ERROR(ResolveStorageDType(config.parallel, config.run ? &*config.run : nullptr));
   if (config.run) MPUSIM_RETURN_IF_ERROR(ResolveGlobalBatch(config.parallel, &*config.run));

@@ -12,6 +12,7 @@
 
 #include "core/context_parallel/roll.h"
 #include "core/init.h"
+#include "core/model/gpt_torch_plan.h"
 #include "core/pipeline/step_span.h"
 #include "core/rng.h"
 #include "core/schedule.h"
@@ -145,6 +146,12 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::Build(const Config& config,
   model->gpt_ = *config.gpt;
   model->run_ = *config.run;
   MPUSIM_RETURN_IF_ERROR(CheckGptLayout(config.parallel, model->run_, &model->gpt_));
+  // A PyTorch plan over the GPT's modules: accepted when it is Megatron's own.
+  if (config.parallelize_plan) {
+    MPUSIM_RETURN_IF_ERROR(
+        CheckMegatronPlan(*config.parallelize_plan, model->gpt_,
+                          config.parallel.sequence_parallel && topology.sizes().tp > 1));
+  }
   if (model->gpt_.mtp_num_layers > 0) {
     // Megatron's "block" skips the MTP layers (with a warning: Warnings); "uniform"
     // checkpoints each depth's projection, layer and final norm, and asserts

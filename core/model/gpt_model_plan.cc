@@ -356,6 +356,11 @@ void GptModel::ExplainStage(std::ostream& out) const {
         "tensor_model_parallel_size {}, sequence_parallel {}: a split parameter "
         "is cut into {} slices and rank r of a tp group holds slice r\n",
         t, shape_.sequence_parallel, t);
+    if (config_.parallelize_plan) {
+      out << "parallelize_plan: Megatron's own plan for this layout (each Colwise module's "
+             "weight Shard(0), each Rowwise one's Shard(1), the word embeddings' Shard(0): "
+             "the splits below)\n";
+    }
     if (shape_.cp > 1) {
       // Which sequence positions each cp rank's tokens are (module.h StreamShape::Position).
       const int64_t c = shape_.s / (2 * shape_.cp);

@@ -212,5 +212,57 @@ TEST(TorchPlan, PlansWhoseLayoutsDoNotMeetAreRefused) {
   refused(mixed, "mpusim_torch_mixed.json", "a chain is written in torch.nn's modules");
 }
 
+// A GPT with Megatron's plan written over its modules (sample_configs/
+// gpt_torch_plan_t2_sp_dp2_n4.json) runs Megatron's tp 2 with sequence parallelism: its float64
+// dump equals the plan-less run's to the bit. Plans that are not Megatron's are refused,
+// naming the module and the style Megatron gives it.
+TEST(TorchPlan, GptWithMegatronsPlanIsMegatronsTensorParallelRun) {
+  std::ifstream in(std::string(MPUSIM_SAMPLE_CONFIG_DIR) + "/gpt_torch_plan_t2_sp_dp2_n4.json");
+  json planned = json::parse(in);
+  planned["run"]["dtype"] = "float64";
+  planned["run"]["num_microbatches"] = 1;
+  json megatron = planned;
+  megatron.erase("parallelize_plan");
+  megatron["parallel"] = {
+      {"world_size", 4}, {"tensor_model_parallel_size", 2}, {"sequence_parallel", true}};
+  const std::filesystem::path a = Scratch("mpusim_torch_gpt_plan");
+  const std::filesystem::path b = Scratch("mpusim_torch_gpt_megatron");
+  const json summary = RunDumped(planned, 4, a, "mpusim_torch_gpt_plan");
+  ASSERT_TRUE(summary.is_object());
+  EXPECT_TRUE(summary["passed"].get<bool>());
+  RunDumped(megatron, 4, b, "mpusim_torch_gpt_megatron");
+  ExpectDiffClean(a, b, "0");
+  for (const auto& dir : {a, b}) std::filesystem::remove_all(dir);
+
+  const auto refusal = [](const json& config, const std::string& name) {
+    const Result r = Mpusim({"explain", WriteTemp(name, config.dump())});
+    EXPECT_EQ(r.code, 2);
+    EXPECT_EQ(r.out, "");
+    return r.err.substr(r.err.find(": ", r.err.find(".json")) + 2);
+  };
+  json missing = planned;
+  missing["parallelize_plan"].erase("decoder.final_layernorm");
+  EXPECT_EQ(refusal(missing, "mpusim_torch_gpt_missing.json"),
+            "parallelize_plan: has no style for \"decoder.final_layernorm\", but Megatron's layout "
+            "with sequence parallelism gives it SequenceParallel\n");
+  json swapped = planned;
+  swapped["parallelize_plan"]["decoder.layers.*.mlp.linear_fc2"] = "ColwiseParallel";
+  EXPECT_EQ(refusal(swapped, "mpusim_torch_gpt_swapped.json"),
+            "parallelize_plan.decoder.layers.*.mlp.linear_fc2: styles "
+            "\"decoder.layers.0.mlp.linear_fc2\" with ColwiseParallel, but Megatron's layout with "
+            "sequence parallelism gives it RowwiseParallel(output_layouts=Shard(1))\n");
+  json no_sp = planned;
+  no_sp["parallel"]["sequence_parallel"] = false;
+  EXPECT_NE(refusal(no_sp, "mpusim_torch_gpt_no_sp.json")
+                .find("; set parallel.sequence_parallel true for Megatron's sequence-parallel "
+                      "layout"),
+            std::string::npos);
+  json pairwise = planned;
+  pairwise["parallelize_plan"] = "PairwiseParallel";
+  EXPECT_NE(refusal(pairwise, "mpusim_torch_gpt_pairwise.json")
+                .find("PairwiseParallel on the whole GPT is not Megatron's plan"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace mpusim::cli

@@ -797,8 +797,8 @@ TEST(ModelConfig, ParallelizePlanStylesTorchModulesOnly) {
                      {"model", {{"layers", json::array({kFc1})}}},
                      {"parallelize_plan", "PairwiseParallel"}}),
             "parallelize_plan: styles a chain of torch.nn modules (model.layers of type "
-            "Embedding, Linear, ReLU, GELU, Dropout, LayerNorm, CrossEntropyLoss); this config "
-            "has none");
+            "Embedding, Linear, ReLU, GELU, Dropout, LayerNorm, CrossEntropyLoss) or a GPT's "
+            "modules; this config has neither");
   EXPECT_EQ(refusal({{"parallel", {{"world_size", 1}}},
                      {"model", {{"layers", torch_layers}}},
                      {"parallelize_plan", {{"fc1", "ColwisParallel"}}}}),
