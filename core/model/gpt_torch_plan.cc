@@ -24,6 +24,9 @@ std::string Spelled(const ParallelStyle& s) {
   std::vector<std::string> args;
   if (s.input_layouts) args.push_back("input_layouts=" + *s.input_layouts);
   if (s.output_layouts) args.push_back("output_layouts=" + *s.output_layouts);
+  if (s.desired_output_layouts) {
+    args.push_back("desired_output_layouts=" + *s.desired_output_layouts);
+  }
   std::string out(ParallelStyleName(s.kind));
   if (!args.empty()) out += fmt::format("({})", fmt::join(args, ", "));
   return out;
@@ -32,6 +35,7 @@ std::string Spelled(const ParallelStyle& s) {
 // The GPT's modules in state-dict order, from its parameters, each with Megatron's style.
 std::vector<std::pair<std::string, GptModule>> Modules(const GptConfig& gpt, bool sp) {
   std::vector<std::pair<std::string, GptModule>> modules;
+  const bool learned = gpt.position_embedding_type == PositionEmbedding::kLearnedAbsolute;
   const auto add = [&](const std::string& name, TorchModuleKind kind, int tp_dim) {
     for (const auto& [known, module] : modules) {
       if (known == name) return;
@@ -42,7 +46,7 @@ std::vector<std::pair<std::string, GptModule>> Modules(const GptConfig& gpt, boo
     if (kind == TorchModuleKind::kEmbedding && tp_dim == 0) {
       s.kind = ParallelStyleKind::kRowwise;
       s.input_layouts = "Replicate()";
-      s.output_layouts = sp ? "Shard(1)" : "Replicate()";
+      s.output_layouts = sp && !learned ? "Shard(1)" : "Replicate()";
       m.megatron = s;
     } else if (kind == TorchModuleKind::kLinear && tp_dim == 0) {
       s.kind = ParallelStyleKind::kColwise;
@@ -58,6 +62,18 @@ std::vector<std::pair<std::string, GptModule>> Modules(const GptConfig& gpt, boo
     }
     modules.emplace_back(name, m);
   };
+  // With learned absolute positions Megatron sums the word embeddings whole (all-reduce),
+  // adds the positions and only then scatters the sequence (LanguageModelEmbedding's
+  // reduce_scatter_embeddings is false): the embedding module hands on Shard(1) itself.
+  if (learned && sp) {
+    GptModule embedding;
+    ParallelStyle s;
+    s.kind = ParallelStyleKind::kPrepareModuleOutput;
+    s.output_layouts = "Replicate()";
+    s.desired_output_layouts = "Shard(1)";
+    embedding.megatron = s;
+    modules.emplace_back("embedding", embedding);
+  }
   for (const GptParameter& p : GptParameters(gpt, gpt.vocab_size, sp)) {
     const size_t dot = p.name.rfind('.');
     if (p.name.substr(dot + 1) != "weight") continue;
@@ -84,7 +100,7 @@ bool SamePlacements(const ParallelStyle& a, const ParallelStyle& b, TorchModuleK
   StatusOr<StyledModule> y = ApplyParallelStyle(b, kind, in_ndim, 3, "");
   if (!x.ok() || !y.ok()) return false;
   return a.kind == b.kind && x->parameters == y->parameters && x->input_given == y->input_given &&
-         x->output_given == y->output_given;
+         x->output_produced == y->output_produced && x->output_given == y->output_given;
 }
 
 }  // namespace
@@ -146,9 +162,13 @@ Status CheckMegatronPlan(const ParallelizePlan& plan, const GptConfig& gpt,
     const auto it = given.find(name);
     if (it == given.end()) {
       if (!module.megatron) continue;
-      return Status::Error("parallelize_plan",
-                           fmt::format("has no style for \"{}\", but {} {}", name, layout,
-                                       Spelled(*module.megatron)));
+      return Status::Error(
+          "parallelize_plan",
+          fmt::format("has no style for \"{}\", but {} {}{}", name, layout,
+                      Spelled(*module.megatron),
+                      name == "embedding" ? " (it adds the learned absolute positions to the "
+                                            "whole sum, then scatters the sequence)"
+                                          : ""));
     }
     const auto& [where, style] = it->second;
     if (!module.megatron) {

@@ -4,7 +4,11 @@
 // module and the style Megatron gives it. Megatron's plan for tensor_model_parallel_size t:
 //
 //   embedding.word_embeddings        RowwiseParallel(input_layouts=Replicate(),
-//                                      output_layouts=Replicate(), or Shard(1) under sp)
+//                                      output_layouts=Replicate(), or Shard(1) under sp
+//                                      with rope: learned absolute positions are added to the
+//                                      whole sum, so there the embedding module hands on
+//                                      Shard(1): PrepareModuleOutput(output_layouts=
+//                                      Replicate(), desired_output_layouts=Shard(1)))
 //   *.linear_qkv, *.linear_fc1,      ColwiseParallel (input_layouts=Shard(1) under sp)
 //   output_layer
 //   *.linear_proj, *.linear_fc2      RowwiseParallel (output_layouts=Shard(1) under sp)

@@ -230,6 +230,22 @@ TEST(TorchPlan, GptWithMegatronsPlanIsMegatronsTensorParallelRun) {
   const json summary = RunDumped(planned, 4, a, "mpusim_torch_gpt_plan");
   ASSERT_TRUE(summary.is_object());
   EXPECT_TRUE(summary["passed"].get<bool>());
+  // Per micro-batch, 2 layers, by Megatron's code (what runs), in DTensor's terms:
+  //   forward   the embedding's Partial -> Shard(1) reduce_scatter; per layer linear_qkv and
+  //             linear_fc1 gather the sequence (all_gather), linear_proj and linear_fc2
+  //             reduce-scatter their Partial sums; output_layer gathers its input; the
+  //             vocab-parallel cross entropy (loss_parallel) all-reduces the row max, the
+  //             label's logit and the sum of exponentials: all_gather 5, reduce_scatter 5,
+  //             all_reduce 3
+  //   backward  output_layer's and each Colwise layer's Partial input gradient ->
+  //             Shard(1) (reduce_scatter 1 + 2 x 2); each Rowwise layer's Shard(1) output
+  //             gradient -> Replicate (all_gather 2 x 2), the embedding's likewise (1); and
+  //             Megatron's re-gather of each Colwise layer's saved Shard(1) input for its
+  //             weight gradient (1 + 2 x 2), where DTensor keeps the gathered input: all_gather
+  //             10 (DTensor's rules alone: 5), reduce_scatter 5
+  EXPECT_EQ(summary["comm_counts"], json::parse(R"json({
+    "forward": {"all_gather_into_tensor": 5, "all_reduce": 3, "reduce_scatter_tensor": 5},
+    "backward": {"all_gather_into_tensor": 10, "reduce_scatter_tensor": 5}})json"));
   RunDumped(megatron, 4, b, "mpusim_torch_gpt_megatron");
   ExpectDiffClean(a, b, "0");
   for (const auto& dir : {a, b}) std::filesystem::remove_all(dir);
@@ -257,6 +273,23 @@ TEST(TorchPlan, GptWithMegatronsPlanIsMegatronsTensorParallelRun) {
                 .find("; set parallel.sequence_parallel true for Megatron's sequence-parallel "
                       "layout"),
             std::string::npos);
+  // Learned absolute positions: Megatron adds them to the whole sum of the word embeddings
+  // and only then scatters, so its plan hands on Replicate() from the word embeddings and
+  // Shard(1) from the embedding module.
+  json learned = planned;
+  learned["model"]["position_embedding_type"] = "learned_absolute";
+  learned["model"]["max_position_embeddings"] = 64;
+  EXPECT_EQ(refusal(learned, "mpusim_torch_gpt_learned.json"),
+            "parallelize_plan: has no style for \"embedding\", but Megatron's layout with sequence "
+            "parallelism gives it PrepareModuleOutput(output_layouts=Replicate(), "
+            "desired_output_layouts=Shard(1)) (it adds the learned absolute positions to the "
+            "whole sum, then scatters the sequence)\n");
+  learned["parallelize_plan"]["embedding.word_embeddings"]["output_layouts"] = "Replicate()";
+  learned["parallelize_plan"]["embedding"] = {{"style", "PrepareModuleOutput"},
+                                              {"output_layouts", "Replicate()"},
+                                              {"desired_output_layouts", "Shard(1)"}};
+  EXPECT_EQ(Mpusim({"explain", WriteTemp("mpusim_torch_gpt_learned_ok.json", learned.dump())}).code,
+            0);
   json pairwise = planned;
   pairwise["parallelize_plan"] = "PairwiseParallel";
   EXPECT_NE(refusal(pairwise, "mpusim_torch_gpt_pairwise.json")
