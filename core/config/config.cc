@@ -290,6 +290,12 @@ Status ParseConfig(const nlohmann::json& document, Config* out) {
                          "Linear, ReLU, GELU, Dropout, LayerNorm, CrossEntropyLoss) or a GPT's "
                          "modules; this config has neither");
   }
+  if (config.run && config.run->loss_parallel && !(config.model && config.model->IsTorchChain())) {
+    return Status::Error("run.loss_parallel",
+                         "is PyTorch's loss_parallel() for a chain of torch.nn modules; "
+                         "Megatron's layers compute the vocab-parallel cross entropy whenever "
+                         "the logits are split");
+  }
   MPUSIM_RETURN_IF_ERROR(ResolveStorageDType(config.parallel, config.run ? &*config.run : nullptr));
   if (config.run) MPUSIM_RETURN_IF_ERROR(ResolveGlobalBatch(config.parallel, &*config.run));
   if (config.optimizer) {

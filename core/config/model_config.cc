@@ -799,6 +799,12 @@ constexpr RunField kRunFields[] = {
      .help = "samples per iteration over all dp ranks (sets num_microbatches per layout)",
      .flag = "--global-batch-size",
      .effect = FieldEffect::kBatch},
+    {.key = "loss_parallel",
+     .target = &RunConfig::loss_parallel,
+     .help = "PyTorch's loss_parallel(): a torch.nn chain's CrossEntropyLoss on Shard(-1) "
+             "logits, each rank its classes",
+     .flag = "--loss-parallel",
+     .effect = FieldEffect::kLayout},
 };
 
 }  // namespace

@@ -153,6 +153,11 @@ struct RunConfig {
   // (ParseConfig resolves it for the layout), so every layout trains on the same batches.
   std::optional<int64_t> global_batch_size;
   bool num_microbatches_given = false;
+  // PyTorch's loss_parallel() context: a chain of torch.nn modules computes its
+  // CrossEntropyLoss on Shard(-1) logits (a DTensor), each rank over its classes, the row
+  // max, the label's logit and the sum of exponentials all-reduced (Megatron's
+  // vocab_parallel_cross_entropy). The same loss; only where the classes live changes.
+  bool loss_parallel = false;
   // Megatron's activation recomputation (TransformerConfig recompute_*; what each keeps:
   // transformer_layer.h). "recompute_granularity": null, "full" (whole layers' forwards again
   // in the backward, chosen by recompute_method and recompute_num_layers) or "selective" (the

@@ -504,23 +504,39 @@ class TorchLayerNorm : public LayerKind {
   }
 };
 
-// nn.CrossEntropyLoss on whole logits (Replicate(), a plain tensor): per-token losses, the
-// chain's mean over every token as its loss.
+// nn.CrossEntropyLoss: on whole logits (Replicate(), a plain tensor), or under
+// loss_parallel() on Shard(-1) logits handed on as a DTensor, each rank over its classes
+// (Megatron's vocab_parallel_cross_entropy: the row max, the label's logit and the sum of
+// exponentials all-reduced; its input gradient Shard(-1), no collective). Per-token losses;
+// the chain's mean over every token is its loss.
 class TorchCrossEntropyLoss : public LayerKind {
  public:
   bool is_loss() const override { return true; }
 
   Status Plan(LayerPlanner& p) const override {
+    Graph::Impl& g = p.g;
     MPUSIM_RETURN_IF_ERROR(PlanInput(p, TorchModuleKind::kOther, 3));
-    MPUSIM_RETURN_IF_ERROR(RequireNoDTensor(p));
-    MPUSIM_RETURN_IF_ERROR(RequireWhole(p, "the loss takes the softmax over every class"));
-    if (p.width < *p.g.model.vocab_size) {
+    TorchPlacements& tp = p.slot.torch;
+    if (g.run.loss_parallel) {
+      if (tp.computes != P::Shard(2) || !g.planning_dtensor) {
+        return p.Fail(fmt::format(
+            "under loss_parallel takes Shard(-1) logits as a DTensor, but receives {}{} from "
+            "{}. Fix: give {} ColwiseParallel with use_local_output false (its output Shard(-1))",
+            Described(g, tp.computes, p.width), g.planning_dtensor ? "" : " as a plain tensor",
+            Previous(p), StyledSource(p)));
+      }
+      MPUSIM_RETURN_IF_ERROR(p.RequireDivisible(p.width, g.t, "the number of classes"));
+    } else {
+      MPUSIM_RETURN_IF_ERROR(RequireNoDTensor(p));
+      MPUSIM_RETURN_IF_ERROR(RequireWhole(p, "the loss takes the softmax over every class"));
+    }
+    if (p.width < *g.model.vocab_size) {
       return p.Fail(
           fmt::format("the logits have {} classes, fewer than model.vocab_size {} (the "
                       "labels are drawn from [0, vocab_size))",
-                      p.width, *p.g.model.vocab_size));
+                      p.width, *g.model.vocab_size));
     }
-    p.g.needs_labels = true;
+    g.needs_labels = true;
     p.state = ActivationState{Split::kReplicated, 1};
     p.width = 0;
     return {};
@@ -530,19 +546,25 @@ class TorchCrossEntropyLoss : public LayerKind {
     const TorchPlacements& tp = slot.torch;
     slot.saved = Flat(Move(call, x, tp.arrives, tp.computes, slot.in_width));
     CrossEntropyStash stash;
-    const Tensor losses = CrossEntropyForward(call.module.k, slot.saved, call.batch.labels, &stash);
+    const Tensor losses =
+        tp.computes.is_shard()
+            ? VocabParallelCrossEntropyForward(call.module.k, call.module.tp, slot.saved,
+                                               call.batch.labels, slot.in_width, 0.0, &stash)
+            : CrossEntropyForward(call.module.k, slot.saved, call.batch.labels, &stash);
     slot.row_max = stash.row_max;
     slot.sum_exp = stash.sum_exp;
     return losses.Reshaped(call.batch.labels.shape());
   }
 
   Tensor Backward(const LayerCall& call, LayerSlot& slot, const Tensor& dy) const override {
+    const TorchPlacements& tp = slot.torch;
     const Tensor& logits = slot.saved;
+    const int64_t rank = tp.computes.is_shard() ? call.module.shape.tp_rank : 0;
     const Tensor dx =
         VocabParallelCrossEntropyBackward(call.module.k, {logits, slot.row_max, slot.sum_exp},
-                                          call.batch.labels, logits.cols(), 0.0, 0, dy);
-    const TorchPlacements& tp = slot.torch;
-    return Move(call, dx, GradOf(tp.computes), GradOf(tp.arrives), slot.in_width);
+                                          call.batch.labels, slot.in_width, 0.0, rank, dy);
+    return Move(call, dx.Reshaped(LocalOf(call, tp.computes, slot.in_width)), GradOf(tp.computes),
+                GradOf(tp.arrives), slot.in_width);
   }
 };
 

@@ -154,6 +154,36 @@ TEST(TorchPlan, SequenceParallelPlanCountsWhatDTensorsRulesSay) {
   for (const auto& dir : {plan, one}) std::filesystem::remove_all(dir);
 }
 
+// loss_parallel(): the head hands on its Shard(-1) logits as a DTensor and the loss computes
+// over each rank's classes. By DTensor's rules (torch's loss_parallel), per micro-batch:
+//   forward   out_proj's Partial -> Replicate all_reduce; the loss's row max, label logit and
+//             sum of exponentials all_reduce (3)
+//   backward  head's and in_proj's Partial input gradients -> Replicate: all_reduce 2 (the
+//             loss's gradient is Shard(-1), as the logits are: no collective)
+TEST(TorchPlan, LossParallelComputesTheLossOnShardedLogits) {
+  json config = Toy();
+  config["parallelize_plan"]["head"] = {{"style", "ColwiseParallel"}, {"use_local_output", false}};
+  config["run"]["loss_parallel"] = true;
+  const std::filesystem::path plan = Scratch("mpusim_torch_loss_parallel");
+  const std::filesystem::path one = Scratch("mpusim_torch_loss_parallel_one");
+  const json summary = RunDumped(config, 4, plan, "mpusim_torch_loss_parallel");
+  ASSERT_TRUE(summary.is_object());
+  EXPECT_TRUE(summary["passed"].get<bool>());
+  EXPECT_EQ(
+      summary["comm_counts"],
+      json::parse(R"json({"forward": {"all_reduce": 4}, "backward": {"all_reduce": 2}})json"));
+  json plain = OneRank(Toy());
+  RunDumped(plain, 1, one, "mpusim_torch_loss_parallel_one");
+  ExpectDiffClean(plan, one, "1e-12");
+  for (const auto& dir : {plan, one}) std::filesystem::remove_all(dir);
+  // Without loss_parallel the same plan's DTensor logits reach a plain CrossEntropyLoss.
+  config["run"]["loss_parallel"] = false;
+  const Result r = Mpusim({"explain", WriteTemp("mpusim_torch_no_lp.json", config.dump())});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("(CrossEntropyLoss loss): receives a DTensor from head"), std::string::npos)
+      << r.err;
+}
+
 // A plan whose layouts do not meet: one line naming the module, what it receives and the fix,
 // exit code 2, before any rank computes.
 TEST(TorchPlan, PlansWhoseLayoutsDoNotMeetAreRefused) {

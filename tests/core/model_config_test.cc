@@ -593,7 +593,8 @@ TEST(RunConfig, Errors) {
   EXPECT_EQ(RunRefusal({{"seq_length", 8}, {"hidden_size", 8}}),
             "run.hidden_size: unknown key; allowed: seed, dtype, seq_length, "
             "micro_batch_size, num_microbatches, recompute_granularity, recompute_method, "
-            "recompute_num_layers, recompute_modules, train_iters, global_batch_size");
+            "recompute_num_layers, recompute_modules, train_iters, global_batch_size, "
+            "loss_parallel");
   EXPECT_EQ(RunRefusal({{"seq_length", 8}, {"train_iters", 0}}).rfind("run.train_iters: ", 0), 0u);
   EXPECT_EQ(RunRefusal({{"seq_length", 8}, {"seed", -1}}),
             "run.seed: must be an integer >= 0, got -1");
