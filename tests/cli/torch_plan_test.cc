@@ -234,6 +234,27 @@ TEST(TorchPlan, PlansWhoseLayoutsDoNotMeetAreRefused) {
   refused(plain_norm, "mpusim_torch_plain_norm.json",
           "norm (no style) receives Shard(1) [2, 4, 32] of [2, 8, 32] from embedding: its plain "
           "weight's gradient would cover this rank's tokens only");
+  json batch = Toy();
+  batch["parallelize_plan"]["out_proj"] = {{"style", "RowwiseParallel"},
+                                           {"output_layouts", "Shard(0)"}};
+  refused(batch, "mpusim_torch_batch.json",
+          "RowwiseParallel (parallelize_plan.out_proj) uses Shard(0), the batch");
+  json prepared = Toy();
+  prepared["parallelize_plan"]["relu"] = {{"style", "PrepareModuleOutput"},
+                                          {"output_layouts", "Replicate()"},
+                                          {"desired_output_layouts", "Shard(-1)"}};
+  refused(prepared, "mpusim_torch_prepared.json",
+          "PrepareModuleOutput (parallelize_plan.relu) takes the output as Replicate() "
+          "(output_layouts), but the module produces Shard(-1) [2, 8, 64] of [2, 8, 128]");
+  json megatron_loss = Toy();
+  megatron_loss["model"]["layers"] = json::array({{{"name", "fc1"},
+                                                   {"type", "ColumnParallelLinear"},
+                                                   {"input_size", 32},
+                                                   {"output_size", 64}}});
+  megatron_loss.erase("parallelize_plan");
+  megatron_loss["run"]["loss_parallel"] = true;
+  refused(megatron_loss, "mpusim_torch_megatron_loss.json",
+          "run.loss_parallel: is PyTorch's loss_parallel() for a chain of torch.nn modules");
   json mixed = Toy();
   mixed["model"]["layers"][1] = {{"name", "in_proj"},
                                  {"type", "ColumnParallelLinear"},
