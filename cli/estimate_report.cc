@@ -107,6 +107,9 @@ std::string OptimizerText(const Config& config, const Topology& topology) {
       config.optimizer->use_distributed_optimizer
           ? fmt::format("distributed optimizer ({} instance{})", instances,
                         instances == 1 ? "" : "s")
+      : config.optimizer->use_torch_fsdp2
+          ? std::string("FSDP2 (each dp x cp rank keeps its rows of every parameter, gradient "
+                        "and optimizer state)")
           : std::string("plain optimizer (every dp rank keeps all of it)"));
 }
 
@@ -231,7 +234,9 @@ StatusOr<EstimateReport> MakeEstimateReport(Config config, const Topology& topol
       r.time_missing = t.status().Message();
     }
   }
-  if (config.optimizer) {
+  // The optimizer the other way (plain <-> distributed); not for FSDP2, which shards the
+  // parameters and gradients too, so that only its own count is meaningful.
+  if (config.optimizer && !config.optimizer->use_torch_fsdp2) {
     StatusOr<std::vector<StageHeldMemory>> other = EstimateStageHeldMemory(
         WithDistributedOptimizer(config, !config.optimizer->use_distributed_optimizer),
         topology);

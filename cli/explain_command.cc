@@ -8,6 +8,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <ostream>
@@ -366,6 +367,15 @@ class ExplainCommand : public Command {
                           with_run.run->seq_length);
     }
     (*model)->Explain(text);
+    if (config->optimizer && config->optimizer->use_torch_fsdp2) {
+      std::map<std::string, Shape> local_shapes;
+      for (const HeldParameterShape& p : (*model)->HeldParameterShapes()) {
+        local_shapes[p.name] = p.local_shape;
+      }
+      ExplainFullyShard((*model)->FullyShardUnits(), local_shapes,
+                        topology->sizes().dp * topology->sizes().cp,
+                        config->optimizer->torch_fsdp2_reshard_after_forward, text);
+    }
     // Only where there is a choice to show: 16-bit storage, an optimizer, or a router dtype.
     const DType storage = config->run ? config->run->dtype
                                       : MegatronStorageDType(config->parallel).value_or(

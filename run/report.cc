@@ -240,20 +240,26 @@ Status RunReport::WriteSummary(const SimulationResult& result, int code) {
     iterations.push_back(it);
   }
   j["iterations"] = iterations;
-  // Rank 0's tensor-parallel collectives per micro-batch of the last step, forward and
-  // backward, under CommDebugMode's names (what a PyTorch user counts a plan's traffic with).
+  // Rank 0's collectives per micro-batch of the last step, forward and backward, under
+  // CommDebugMode's names (what a PyTorch user counts a plan's traffic with): comm_counts on
+  // the tensor-parallel mesh dimension, comm_counts_dp on the data-parallel one (FSDP2's
+  // per-module gathers and reduce-scatters; DDP's reduction runs after the step, in neither).
   {
     const int64_t microbatches = config_.run ? config_.run->num_microbatches : 1;
-    std::map<std::string, int64_t> forward, backward;
-    for (const CommRecord& r : result.trace.records()) {
-      if (r.group != "tp" || r.phase == Phase::kOther) continue;
-      ++(r.phase == Phase::kForward ? forward : backward)[FunctionalCollectiveName(r.op)];
+    for (const auto& [key, groups] :
+         {std::pair<const char*, std::set<std::string>>{"comm_counts", {"tp"}},
+          {"comm_counts_dp", {"dp", "dp_cp"}}}) {
+      std::map<std::string, int64_t> forward, backward;
+      for (const CommRecord& r : result.trace.records()) {
+        if (groups.count(r.group) == 0 || r.phase == Phase::kOther) continue;
+        ++(r.phase == Phase::kForward ? forward : backward)[FunctionalCollectiveName(r.op)];
+      }
+      nlohmann::ordered_json counts = {{"forward", nlohmann::ordered_json::object()},
+                                       {"backward", nlohmann::ordered_json::object()}};
+      for (const auto& [name, n] : forward) counts["forward"][name] = n / microbatches;
+      for (const auto& [name, n] : backward) counts["backward"][name] = n / microbatches;
+      j[key] = counts;
     }
-    nlohmann::ordered_json counts = {{"forward", nlohmann::ordered_json::object()},
-                                     {"backward", nlohmann::ordered_json::object()}};
-    for (const auto& [name, n] : forward) counts["forward"][name] = n / microbatches;
-    for (const auto& [name, n] : backward) counts["backward"][name] = n / microbatches;
-    j["comm_counts"] = counts;
   }
   nlohmann::ordered_json tensors = nlohmann::ordered_json::array();
   for (const SimulationResult::TensorBytes& t : result.tensor_bytes) {

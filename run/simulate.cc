@@ -157,6 +157,7 @@ std::unique_ptr<Optimizer> MakeOptimizer(const Config& config, RankContext& ctx,
       dist_groups.expert_shard = ctx.groups.expt_dp_partial.get();
     }
   }
+  if (config.optimizer->use_torch_fsdp2) dist_groups.fully_shard = &ctx.dp_cp();
   auto optimizer = std::make_unique<Optimizer>(*config.optimizer, params, *ctx.kernels, dist_groups);
   SimulationResult::OptimizerShard& shard = result->optimizer;
   shard.distributed = optimizer->distributed();
@@ -280,13 +281,18 @@ StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions&
   const int64_t after_init = kernels.tensor_bytes().live;
   const bool want_records = options.check || options.keep_records;
   std::unique_ptr<Optimizer> optimizer;
-  if (config.optimizer) optimizer = MakeOptimizer(config, ctx, model.TrainableParameters(), &result);
+  // Under FSDP2 the optimizer updates each rank's rows of the parameters.
+  const FullyShard* fsdp = model.fully_shard();
+  if (config.optimizer) {
+    optimizer =
+        MakeOptimizer(config, ctx, fsdp ? fsdp->Shards() : model.TrainableParameters(), &result);
+  }
   // The tensors held before the first step (parameters, main_grad, optimizer state), and the
   // most alive at once while the steps run: the difference is the step's activations and the
   // gradients in flight.
   const int64_t held = kernels.tensor_bytes().live;
   int64_t parameter_bytes = 0, gradient_bytes = 0;
-  for (const Parameter* p : model.HeldParameters()) {
+  for (const Parameter* p : fsdp ? fsdp->Held() : model.HeldParameters()) {
     parameter_bytes += static_cast<int64_t>(p->value.bytes());
     if (p->grad.defined()) gradient_bytes += static_cast<int64_t>(p->grad.bytes());
   }
@@ -342,16 +348,18 @@ StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions&
   // while the check or the dump reads it, and not at all on a host backend. After training:
   // the last iteration's activations, the final parameters, the clipped gradients and the
   // optimizer state (the distributed optimizer's gathers for them left out of the trace).
+  // Under FSDP2 the parameters and their gradients are gathered whole for them first (left
+  // out of the trace too).
   std::vector<TensorRecord> records;
-  if (optimizer) {
-    const CommTrace iteration_trace = result.trace;
-    optimizer->GatherGradients(kernels, result.trace);
-    model.Records(ctx, &records);
-    optimizer->RecordState(kernels, result.trace, &records);
-    result.trace = iteration_trace;
-  } else {
-    model.Records(ctx, &records);
+  const CommTrace iteration_trace = result.trace;
+  if (optimizer) optimizer->GatherGradients(kernels, result.trace);
+  if (FullyShard* sharded = model.fully_shard()) {
+    result.trace.SetPhase(Phase::kOther);
+    sharded->GatherForRecords(kernels, result.trace);
   }
+  model.Records(ctx, &records);
+  if (optimizer) optimizer->RecordState(kernels, result.trace, &records);
+  result.trace = iteration_trace;
   if (options.check) {
     const HostFetch fetch = [&](const TensorRecord& r) {
       return r.tensor.device() == Device::kHost ? r.tensor : kernels.ToHost(r.tensor);

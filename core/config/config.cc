@@ -216,6 +216,54 @@ OptimizerPrecision PrecisionOf(const Config& config) {
   return PrecisionOf(config.optimizer ? &*config.optimizer : nullptr, storage);
 }
 
+namespace {
+
+// Megatron's checks of --use-torch-fsdp2 (megatron/training/arguments.py validate_args), and
+// the models mpusim's fully_shard wraps (core/model/fully_shard.h).
+Status CheckTorchFsdp2(const Config& config) {
+  const std::string key = "optimizer.use_torch_fsdp2";
+  const ParallelConfig& p = config.parallel;
+  if (p.pipeline_model_parallel_size != 1) {
+    return Status::Error(key, fmt::format("needs pipeline_model_parallel_size 1, got {} "
+                                          "(Megatron: \"--use-torch-fsdp2 is not supported with "
+                                          "pipeline parallelism\")",
+                                          p.pipeline_model_parallel_size));
+  }
+  if (p.expert_model_parallel_size != 1) {
+    return Status::Error(key, fmt::format("needs expert_model_parallel_size 1, got {} "
+                                          "(Megatron: \"--use-torch-fsdp2 is not supported with "
+                                          "expert parallelism\")",
+                                          p.expert_model_parallel_size));
+  }
+  if (p.gradient_accumulation_fusion) {
+    return Status::Error(key,
+                         "cannot be combined with parallel.gradient_accumulation_fusion "
+                         "(Megatron: \"--use-torch-fsdp2 is not supported with gradient "
+                         "accumulation fusion\")");
+  }
+  if (config.run && config.run->dtype == DType::kFloat16) {
+    return Status::Error(key,
+                         "cannot train in fp16 (Megatron: \"--use-torch-fsdp2 not supported "
+                         "with fp16 yet\"); use bf16 or fp32");
+  }
+  if (config.gpt) {
+    if (config.gpt->share_embeddings_and_output_weights) {
+      return Status::Error(key,
+                           "needs model.share_embeddings_and_output_weights false (Megatron: "
+                           "\"--use-torch-fsdp2 requires "
+                           "--untie-embeddings-and-output-weights\")");
+    }
+    if (config.gpt->moe.num_experts > 0 || config.gpt->mtp_num_layers > 0) {
+      return Status::Error(key,
+                           "wraps a dense GPT without multi-token prediction in mpusim; "
+                           "set num_moe_experts and mtp_num_layers to 0, or use DDP");
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
 Status ParseConfig(const nlohmann::json& document, Config* out) {
   if (!document.is_object()) {
     return Status::Error("", fmt::format("the config must be a JSON object with a \"parallel\" "
@@ -298,6 +346,9 @@ Status ParseConfig(const nlohmann::json& document, Config* out) {
   }
   MPUSIM_RETURN_IF_ERROR(ResolveStorageDType(config.parallel, config.run ? &*config.run : nullptr));
   if (config.run) MPUSIM_RETURN_IF_ERROR(ResolveGlobalBatch(config.parallel, &*config.run));
+  if (config.optimizer && config.optimizer->use_torch_fsdp2) {
+    MPUSIM_RETURN_IF_ERROR(CheckTorchFsdp2(config));
+  }
   if (config.optimizer) {
     const DType storage = config.run
                               ? config.run->dtype

@@ -18,6 +18,18 @@
 //                                distributed-optimizer instance (parallel.
 //                                num_distributed_optimizer_instances): gradients
 //                                reduce-scattered, parameters all-gathered (core/train/optimizer.h)
+//     "use_torch_fsdp2": false,  Megatron's --use-torch-fsdp2: the model wrapped in PyTorch's FSDP2
+//                                (fully_shard, megatron/core/distributed/
+//                                torch_fully_sharded_data_parallel.py) over the dp x cp ranks:
+//                                parameters sharded by rows, gathered per module before its
+//                                forward and its backward, gradients reduce-scattered after it
+//                                (core/model/fully_shard.h). Megatron refuses it with pipeline or
+//                                expert parallelism, the distributed optimizer, gradient
+//                                accumulation fusion, tied embeddings and fp16; so does mpusim
+//     "torch_fsdp2_reshard_after_forward": true,
+//                                release each module's gathered parameters after its forward
+//                                (gathered again for its backward); false keeps them until the
+//                                backward (Megatron's --torch-fsdp2-no-reshard-after-forward)
 //     "overlap_grad_reduce": false,
 //                                Megatron's DistributedDataParallelConfig field (megatron/core/
 //                                distributed/distributed_data_parallel_config.py): reduce the
@@ -105,6 +117,8 @@ struct OptimizerConfig {
   double sgd_momentum = 0.9;
   double clip_grad = 1.0;
   bool use_distributed_optimizer = false;
+  bool use_torch_fsdp2 = false;
+  bool torch_fsdp2_reshard_after_forward = true;
   // Megatron's DistributedDataParallelConfig overlap fields: timing, not values.
   bool overlap_grad_reduce = false;
   bool overlap_param_gather = false;

@@ -67,6 +67,11 @@ StatusOr<Advice> Advise(const Config& config, const GpuSpec& gpu, const AdviseOp
   const GptConfig* const gpt = EstimatedModel(config);
   if (gpt == nullptr) return Status::Error("model", "advise needs a GPT model (\"type\": \"gpt\")");
   const GptConfig& model = *gpt;
+  if (config.optimizer && config.optimizer->use_torch_fsdp2) {
+    return Status::Error("optimizer.use_torch_fsdp2",
+                         "advise ranks DDP and distributed-optimizer layouts; the step-time "
+                         "model has no FSDP2 yet (set it false to rank the others)");
+  }
   const int64_t n = options.world_size, batch = options.global_batch_size;
   if (n < 1) return Status::Error("--world-size", "must be >= 1");
   if (batch < 1) return Status::Error("--global-batch-size", "must be >= 1");

@@ -37,6 +37,14 @@ inline StatusOr<const GptConfig*> EstimableModel(const Config& config, std::stri
                                               what));
   }
   if (!config.run) return Status::Error("run", fmt::format("{} needs a run section", what));
+  if (config.optimizer && config.optimizer->use_torch_fsdp2) {
+    return Status::Error("optimizer.use_torch_fsdp2",
+                         fmt::format("{} does not model FSDP2 yet (each module's parameter "
+                                     "all-gathers and gradient reduce-scatters, and the gathered "
+                                     "module it holds at a time); the memory held counts its "
+                                     "shards",
+                                     what));
+  }
   return model;
 }
 // EstimableModel's check alone.

@@ -92,6 +92,16 @@ StatusOr<HeldMemory> EstimateHeldMemory(const Config& config, const Topology& to
     if (!built.ok()) return built.status();
     shapes = (*built)->HeldParameterShapes();
   }
+  if (config.optimizer && config.optimizer->use_torch_fsdp2) {
+    // FSDP2 keeps rows [r c, min((r + 1) c, n)) of dim 0 of each piece, c = ceil(n / D), over
+    // the D ranks of dp x cp (core/model/fully_shard.h).
+    const auto [d, r] = GroupPosition(topology, "dp_cp", rank);
+    for (HeldParameterShape& p : shapes) {
+      if (p.local_shape.empty()) continue;
+      const int64_t n = p.local_shape[0], c = (n + d - 1) / d;
+      p.local_shape[0] = std::clamp<int64_t>(n - r * c, 0, c);
+    }
+  }
   const DType storage = config.run ? config.run->dtype : DType::kFloat32;
   HeldMemory held;
   PlanBytes dense = 0, experts = 0;  // elements of the two distributed-optimizer buffers

@@ -303,6 +303,71 @@ std::vector<std::string> GptModel::StepNotes() const {
   return notes;
 }
 
+// Megatron's TorchFullyShardedDataParallel wraps LanguageModelEmbedding, every
+// TransformerLayer and the output layer (Transformer Engine's layers are not
+// tensor_parallel.ColumnParallelLinear), then the model itself, the root, which keeps the
+// rest (the final layernorm).
+std::vector<FullyShardUnitPlan> GptModel::FullyShardUnits() const {
+  if (!config_.optimizer || !config_.optimizer->use_torch_fsdp2) return {};
+  std::vector<FullyShardUnitPlan> units;
+  units.push_back({"model", true, {}});
+  units.push_back({"embedding", false, {}});
+  for (const auto& [layer, module] : layers_) {
+    units.push_back({fmt::format("decoder.layers.{}", layer), false, {}});
+  }
+  units.push_back({"output_layer", false, {}});
+  for (const auto& p : params_.all()) {
+    size_t at = 0;
+    for (size_t u = 1; u < units.size(); ++u) {
+      if (p->name.starts_with(units[u].name + ".")) at = u;
+    }
+    units[at].params.push_back(p->name);
+  }
+  return units;
+}
+
+void GptModel::InitializeParameters(RankContext& ctx) {
+  InitializeParameters(*ctx.kernels);
+  const std::vector<FullyShardUnitPlan> plans = FullyShardUnits();
+  if (plans.empty()) return;
+  std::vector<FullyShard::Unit> units;
+  for (size_t u = 0; u < plans.size(); ++u) {
+    const FullyShardUnitPlan& plan = plans[u];
+    FullyShard::Unit& unit = units.emplace_back();
+    unit.name = plan.name;
+    unit.root = plan.root;
+    for (const std::string& name : plan.params) unit.params.push_back(&params_.Get(name));
+    if (plan.root) fsdp_root_ = u;
+    if (plan.name == "embedding") fsdp_embedding_ = u;
+    if (plan.name == "output_layer") fsdp_output_ = u;
+  }
+  for (const auto& [layer, module] : layers_) {
+    const std::string name = fmt::format("decoder.layers.{}", layer);
+    for (size_t u = 0; u < plans.size(); ++u) {
+      if (plans[u].name == name) fsdp_layer_[layer] = u;
+    }
+  }
+  fsdp_ = std::make_unique<FullyShard>(std::move(units), ctx.dp_cp(),
+                                       config_.optimizer->torch_fsdp2_reshard_after_forward,
+                                       *ctx.kernels);
+}
+
+void GptModel::UnitPreForward(const ModuleContext& ctx, size_t unit) const {
+  if (fsdp_) fsdp_->PreForward(ctx.k, unit, ctx.trace);
+}
+
+void GptModel::UnitPostForward(size_t unit, bool recomputing) const {
+  if (fsdp_) fsdp_->PostForward(unit, recomputing);
+}
+
+void GptModel::UnitPreBackward(const ModuleContext& ctx, size_t unit) const {
+  if (fsdp_) fsdp_->PreBackward(ctx.k, unit, ctx.trace);
+}
+
+void GptModel::UnitPostBackward(const ModuleContext& ctx, size_t unit) const {
+  if (fsdp_) fsdp_->PostBackward(ctx.k, unit, ctx.trace);
+}
+
 void GptModel::InitializeParameters(Kernels& k) {
   params_.Initialize(k, run_.seed, run_.dtype, PrecisionOf(config_).main_grad);
   const int64_t s_cp = shape_.s_cp();
@@ -457,7 +522,9 @@ double GptModel::HeadForward(const ModuleContext& ctx, const Tensor& x, Stash* s
              sh.StreamSpec(d_));
   if (!mtp_.empty()) MtpForward(ctx, final, stash);
   ctx.trace.SetSite("output_layer");
+  UnitPreForward(ctx, fsdp_output_);
   const Tensor logits = output_layer_->Forward(ctx, final, &stash->output_layer);
+  UnitPostForward(fsdp_output_);
   ctx.Record("output_layer.output", logits, {sh.s, sh.B, padded_vocab_}, sh.ColumnSpec(d_, 1));
   const Tensor losses = VocabParallelCrossEntropyForward(
       k, ctx.tp, logits, stash->batch.labels, padded_vocab_, gpt_.label_smoothing, &stash->loss);
@@ -489,7 +556,10 @@ Tensor GptModel::HeadBackward(const ModuleContext& ctx, Stash& stash) const {
                                         gpt_.label_smoothing, sh.tp_rank, dloss);
   ctx.Record("output_layer.output_grad", dlogits, {sh.s, sh.B, padded_vocab_},
              sh.ColumnSpec(d_, 1));
+  UnitPreBackward(ctx, fsdp_root_);  // the final layernorm's gradients
+  UnitPreBackward(ctx, fsdp_output_);
   Tensor dfinal = output_layer_->Backward(ctx, dlogits, stash.output_layer);
+  UnitPostBackward(ctx, fsdp_output_);
   if (dmtp.defined()) {
     k.Axpy(1.0, dmtp, dfinal);
     dmtp = Tensor();
@@ -701,7 +771,11 @@ Tensor GptModel::MtpBackward(const ModuleContext& ctx, Stash& stash) const {
 }
 
 void GptModel::BeginStep(RankContext& ctx, int64_t iteration, bool record) {
-  params_.ZeroGrads(*ctx.kernels);
+  if (fsdp_) {
+    fsdp_->ZeroGrads(*ctx.kernels);
+  } else {
+    params_.ZeroGrads(*ctx.kernels);
+  }
   loss_sum_ = 0;
   iteration_ = iteration;
   record_ = record;
@@ -749,17 +823,24 @@ Tensor GptModel::ForwardStep(const StepCall& call, const Tensor& input, StepStas
   }
   if (spec.post_process) stash.mtp.resize(mtp_.size());  // MtpForward rolls each depth's ids
   Tensor x = input;
+  // FSDP2's root unit is gathered as the model's forward starts (pp = 1: one chunk).
+  UnitPreForward(mctx, fsdp_root_);
   if (spec.pre_process) {
     mctx.trace.SetSite("embedding");
+    UnitPreForward(mctx, fsdp_embedding_);
     x = EmbeddingForward(mctx, stash.batch, &stash);
+    UnitPostForward(fsdp_embedding_);
   }
   stash.layers.resize(spec.layers.size());
   const auto n = static_cast<int64_t>(spec.layers.size());
   for (int64_t i = 0; i < n; ++i) {
     const int64_t layer = spec.layers[static_cast<size_t>(i)];
     mctx.trace.SetSite(fmt::format("decoder.layers.{}", layer));
+    const size_t unit = fsdp_ ? fsdp_layer_.at(layer) : 0;
+    UnitPreForward(mctx, unit);
     x = layers_.at(layer).Forward(mctx, x, LayerRecompute::Of(run_, i, n).keep,
                                   &stash.layers[static_cast<size_t>(i)]);
+    UnitPostForward(unit);
   }
   if (!spec.post_process) return x;
   loss_sum_ += HeadForward(mctx, x, &stash);
@@ -790,19 +871,26 @@ Tensor GptModel::BackwardStep(const StepCall& call, const Tensor& output_grad,
       if (call.spans != nullptr) span.emplace(*call.spans, call.chunk, call.microbatch, true, true);
       Tensor y = stash.layers[static_cast<size_t>(group.first)].input;
       for (int64_t j = group.first; j <= i; ++j) {
-        mctx.trace.SetSite(fmt::format("decoder.layers.{}", spec.layers[static_cast<size_t>(j)]));
-        y = layers_.at(spec.layers[static_cast<size_t>(j)])
-                .Recompute(mctx, y, &stash.layers[static_cast<size_t>(j)]);
+        const int64_t redone = spec.layers[static_cast<size_t>(j)];
+        mctx.trace.SetSite(fmt::format("decoder.layers.{}", redone));
+        if (fsdp_) UnitPreForward(mctx, fsdp_layer_.at(redone));  // kept until its backward
+        y = layers_.at(redone).Recompute(mctx, y, &stash.layers[static_cast<size_t>(j)]);
       }
     }
     mctx.trace.SetSite(fmt::format("decoder.layers.{}", layer));
+    const size_t unit = fsdp_ ? fsdp_layer_.at(layer) : 0;
+    UnitPreBackward(mctx, unit);
     dx = layers_.at(layer).Backward(mctx, dx, layer_stash);
+    UnitPostBackward(mctx, unit);
     // A group's later layer frees the input it did not keep in the forward.
     if (group.recomputed && group.first != i) layer_stash.input = Tensor();
   }
   if (!spec.pre_process) return dx;
   mctx.trace.SetSite("embedding");
+  UnitPreBackward(mctx, fsdp_embedding_);
   EmbeddingBackward(mctx, stash.batch, dx);
+  UnitPostBackward(mctx, fsdp_embedding_);
+  UnitPostBackward(mctx, fsdp_root_);
   return Tensor();
 }
 

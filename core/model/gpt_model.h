@@ -92,7 +92,8 @@ class GptModel final : public Model {
 
   // Allocates this rank's parameter shards and fills them from the master values.
   void InitializeParameters(Kernels& k);
-  void InitializeParameters(RankContext& ctx) override { InitializeParameters(*ctx.kernels); }
+  // With optimizer.use_torch_fsdp2 the parameters are then sharded (fully_shard).
+  void InitializeParameters(RankContext& ctx) override;
   // The parameters and their gradients, appended to `records` (Records does it after the
   // activations).
   void RecordParameters(std::vector<TensorRecord>* records) const;
@@ -119,6 +120,8 @@ class GptModel final : public Model {
   void Records(RankContext& ctx, std::vector<TensorRecord>* records) const override;
   std::vector<Parameter*> TrainableParameters() const override { return params_.pointers(); }
   std::vector<const Parameter*> HeldParameters() const override;
+  FullyShard* fully_shard() const override { return fsdp_.get(); }
+  std::vector<FullyShardUnitPlan> FullyShardUnits() const override;
   std::vector<HeldParameterShape> HeldParameterShapes() const override;
   bool has_loss() const override { return true; }
   std::string Describe() const override;
@@ -259,6 +262,17 @@ class GptModel final : public Model {
     Norm final_norm;
   };
   std::vector<MtpDepth> mtp_;
+  // optimizer.use_torch_fsdp2: Megatron's fully_shard units (TorchFullyShardedDataParallel
+  // with Transformer Engine's layers): the embedding, each decoder layer, the output layer,
+  // and the root (the final layernorm); indices into fsdp_->units().
+  std::unique_ptr<FullyShard> fsdp_;
+  size_t fsdp_embedding_ = 0, fsdp_output_ = 0, fsdp_root_ = 0;
+  std::map<int64_t, size_t> fsdp_layer_;  // by global layer number
+  // The FSDP2 hooks around a unit (nothing without FSDP2).
+  void UnitPreForward(const ModuleContext& ctx, size_t unit) const;
+  void UnitPostForward(size_t unit, bool recomputing = false) const;
+  void UnitPreBackward(const ModuleContext& ctx, size_t unit) const;
+  void UnitPostBackward(const ModuleContext& ctx, size_t unit) const;
   double loss_sum_ = 0;  // this step's per-token losses on this rank
   int64_t iteration_ = 0;  // the training iteration being run (data and dropout streams)
   double loss_ = 0;

@@ -6,13 +6,15 @@
 //   s, b          sequence length (s/t under sequence parallelism), micro-batch per dp rank
 //   x, y          activations [s, b, w] (w/t columns when hidden-split)
 #include "core/model/graph.h"
-#include "core/model/graph_impl.h"
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <map>
+#include <set>
 
 #include "core/init.h"
+#include "core/model/graph_impl.h"
 #include "core/model/parameter.h"
 #include "core/rng.h"
 #include "core/tensor_parallel/tp_utils.h"
@@ -85,6 +87,84 @@ void Graph::InitializeParameters(RankContext& ctx) {
     p->value = ctx.kernels->ToDevice(host);
     if (!p->frozen) p->grad = ctx.kernels->Zeros(local, g.grad_dtype);
   }
+  if (config_.optimizer && config_.optimizer->use_torch_fsdp2) {
+    g.BuildFullyShard(ctx, config_.optimizer->torch_fsdp2_reshard_after_forward);
+  }
+}
+
+// fully_shard on every layer holding parameters, as a user wraps each such torch.nn module
+// (the root, the chain itself, then holds none). Layers sharing a parameter (weight_from,
+// bias_from) and the layers between them are one unit, as fully_shard on a module holding
+// them all would be.
+std::vector<Graph::Impl::UnitRange> Graph::Impl::FullyShardRanges() const {
+  const auto n = static_cast<int64_t>(layers.size());
+  const auto params_of = [&](const LayerSlot& slot) {
+    std::vector<ChainParameter*> out;
+    for (ChainParameter* p : {slot.weight, slot.bias, slot.added_bias}) {
+      if (p != nullptr && p->held) out.push_back(p);
+    }
+    return out;
+  };
+  // The furthest layer each layer's unit must reach: the last user of any parameter of it.
+  std::vector<int64_t> reach(static_cast<size_t>(n), -1);
+  std::map<const ChainParameter*, int64_t> first_user;
+  for (int64_t i = 0; i < n; ++i) {
+    for (ChainParameter* p : params_of(layers[static_cast<size_t>(i)])) {
+      const int64_t first = first_user.try_emplace(p, i).first->second;
+      reach[static_cast<size_t>(first)] = std::max(reach[static_cast<size_t>(first)], i);
+      reach[static_cast<size_t>(i)] = std::max(reach[static_cast<size_t>(i)], i);
+    }
+  }
+  std::vector<UnitRange> units;
+  for (int64_t i = 0; i < n;) {
+    if (reach[static_cast<size_t>(i)] < 0) {
+      ++i;
+      continue;
+    }
+    int64_t last = reach[static_cast<size_t>(i)];
+    for (int64_t j = i; j <= last; ++j) last = std::max(last, reach[static_cast<size_t>(j)]);
+    UnitRange& unit = units.emplace_back();
+    unit.first = i;
+    unit.last = last;
+    unit.name = layers[static_cast<size_t>(i)].config.name;
+    if (last > i) unit.name += ".." + layers[static_cast<size_t>(last)].config.name;
+    std::set<const ChainParameter*> seen;
+    for (int64_t j = i; j <= last; ++j) {
+      for (ChainParameter* p : params_of(layers[static_cast<size_t>(j)])) {
+        if (seen.insert(p).second) unit.params.push_back(p);
+      }
+    }
+    i = last + 1;
+  }
+  return units;
+}
+
+std::vector<FullyShardUnitPlan> Graph::FullyShardUnits() const {
+  if (!config_.optimizer || !config_.optimizer->use_torch_fsdp2) return {};
+  std::vector<FullyShardUnitPlan> out;
+  for (const Impl::UnitRange& range : impl_->FullyShardRanges()) {
+    FullyShardUnitPlan& unit = out.emplace_back();
+    unit.name = range.name;
+    for (const ChainParameter* p : range.params) unit.params.push_back(p->name);
+  }
+  return out;
+}
+
+void Graph::Impl::BuildFullyShard(RankContext& ctx, bool reshard_after_forward) {
+  unit_of.assign(layers.size(), -1);
+  unit_first.clear();
+  unit_last.clear();
+  std::vector<FullyShard::Unit> units;
+  for (UnitRange& range : FullyShardRanges()) {
+    for (int64_t j = range.first; j <= range.last; ++j) {
+      unit_of[static_cast<size_t>(j)] = static_cast<int64_t>(units.size());
+    }
+    unit_first.push_back(range.first);
+    unit_last.push_back(range.last);
+    units.push_back({std::move(range.name), {range.params.begin(), range.params.end()}, false});
+  }
+  fsdp = std::make_unique<FullyShard>(std::move(units), ctx.dp_cp(), reshard_after_forward,
+                                      *ctx.kernels);
 }
 
 Batch Graph::Impl::MakeBatch(RankContext& ctx, int64_t m, bool tokens, bool labels) const {
@@ -147,14 +227,24 @@ LayerCall Graph::Impl::Call(RankContext& ctx, const Batch& batch) const {
 Tensor Graph::Impl::Forward(RankContext& ctx, LayerSlot& slot, const Tensor& x,
                             const Batch& batch) {
   slot.input = x;
+  const int64_t u = fsdp ? unit_of[static_cast<size_t>(slot.index)] : -1;
+  if (u >= 0) fsdp->PreForward(*ctx.kernels, static_cast<size_t>(u), *ctx.trace);
   const Tensor y = slot.kind->Forward(Call(ctx, batch), slot, x);
+  if (u >= 0 && slot.index == unit_last[static_cast<size_t>(u)]) {
+    fsdp->PostForward(static_cast<size_t>(u), recomputing);
+  }
   if (slot.kind->is_loss()) return y;
   return y.Reshaped(LocalActivationShape(slot.out_state, slot.out_width, ctx.coords));
 }
 
 Tensor Graph::Impl::Backward(RankContext& ctx, LayerSlot& slot, const Tensor& dy,
                              const Batch& batch) {
+  const int64_t u = fsdp ? unit_of[static_cast<size_t>(slot.index)] : -1;
+  if (u >= 0) fsdp->PreBackward(*ctx.kernels, static_cast<size_t>(u), *ctx.trace);
   const Tensor dx = slot.kind->Backward(Call(ctx, batch), slot, dy);
+  if (u >= 0 && slot.index == unit_first[static_cast<size_t>(u)]) {
+    fsdp->PostBackward(*ctx.kernels, static_cast<size_t>(u), *ctx.trace);
+  }
   if (slot.kind->takes_tokens()) return dx;
   return dx.Reshaped(LocalActivationShape(slot.in_state, slot.in_width, ctx.coords));
 }
@@ -262,8 +352,10 @@ Tensor Graph::Impl::BackwardStep(const StepCall& call, const Tensor& output_grad
       const SpanRecorder recompute(*call.spans, call.chunk, m, true, true);
       const RngTracker::States now = ctx.rng.GetStates();
       ctx.rng.SetStates(stash.group_rng[static_cast<size_t>(group.first)]);
+      recomputing = true;
       ForwardLayers(ctx, start, stop, stash.group_input[static_cast<size_t>(group.first)],
                     stash.batch, false);
+      recomputing = false;
       ctx.rng.SetStates(now);
     } else {
       static_cast<SlotTensors&>(layers[static_cast<size_t>(start)]) =
@@ -296,6 +388,8 @@ std::vector<Parameter*> Graph::TrainableParameters() const {
   }
   return out;
 }
+
+FullyShard* Graph::fully_shard() const { return impl_->fsdp.get(); }
 
 std::vector<const Parameter*> Graph::HeldParameters() const {
   std::vector<const Parameter*> out;
@@ -331,8 +425,12 @@ void Graph::BeginStep(RankContext& ctx, int64_t iteration, bool /*record*/) {
   // a repeated step reuses their memory instead of holding two steps' worth), and main_grad
   // starts from zero (Megatron's zero_grad_buffer), so every step computes the same gradients.
   for (LayerSlot& slot : g.layers) static_cast<SlotTensors&>(slot) = SlotTensors();
-  for (auto& p : g.parameters) {
-    if (p->held && !p->frozen) ctx.kernels->SetZero(p->grad);
+  if (g.fsdp) {
+    g.fsdp->ZeroGrads(*ctx.kernels);
+  } else {
+    for (auto& p : g.parameters) {
+      if (p->held && !p->frozen) ctx.kernels->SetZero(p->grad);
+    }
   }
   g.loss_sum = 0;
   g.has_loss = g.layers.back().kind->is_loss();

@@ -76,6 +76,8 @@ class Graph final : public Model {
   // finalisation reduces and the optimizer updates.
   std::vector<Parameter*> TrainableParameters() const override;
   std::vector<const Parameter*> HeldParameters() const override;
+  FullyShard* fully_shard() const override;
+  std::vector<FullyShardUnitPlan> FullyShardUnits() const override;
   std::vector<HeldParameterShape> HeldParameterShapes() const override;
 
   // After a step: every tensor of the last micro-batch plus parameters and gradients.

@@ -190,6 +190,12 @@ struct Graph::Impl {
   std::vector<int64_t> stage_start;
   // This rank (InitializeParameters).
   int64_t pp_rank = 0;
+  // optimizer.use_torch_fsdp2 (BuildFullyShard): the fully_shard units, each a run of
+  // layers [unit_first[u], unit_last[u]]; each layer's unit (-1: none, it holds no
+  // parameter); and whether a forward runs inside the backward (recomputation).
+  std::unique_ptr<FullyShard> fsdp;
+  std::vector<int64_t> unit_of, unit_first, unit_last;
+  bool recomputing = false;
   struct Stash : StepStash {
     // Per layer of the chunk: its tensors, empty for a layer that full recomputation reruns
     // (run.recompute_method over the chunk's layers, RunConfig::GroupOf); for the first layer
@@ -215,6 +221,14 @@ struct Graph::Impl {
   Status PlanLayer(LayerSlot& slot, ActivationState* state, int64_t* width);
   Status PlanTies();
   Status ResolveStyles();  // graph_torch.cc
+  // The fully_shard units: each a run of layers [first, last] and the parameters they use.
+  struct UnitRange {
+    int64_t first = 0, last = 0;
+    std::string name;
+    std::vector<ChainParameter*> params;
+  };
+  std::vector<UnitRange> FullyShardRanges() const;
+  void BuildFullyShard(RankContext& ctx, bool reshard_after_forward);
   void PlanWarnings();
   Status Fail(const LayerSlot& slot, const std::string& what) const {
     return Status::Error(

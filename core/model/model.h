@@ -18,6 +18,7 @@
 
 #include "core/config/config.h"
 #include "core/memory_plan.h"
+#include "core/model/fully_shard.h"
 #include "core/model/parameter.h"
 #include "core/model/record.h"
 #include "core/pipeline/executor.h"
@@ -124,6 +125,14 @@ class Model : public StagedModel {
   // After each training iteration's optimizer step (core/train Train): state that is not a
   // parameter but moves with training (an MoE router's expert bias); none by default.
   virtual void AfterOptimizerStep(RankContext& /*ctx*/) {}
+  // With optimizer.use_torch_fsdp2, once InitializeParameters has run: the model's fully_shard
+  // units (core/model/fully_shard.h), whose sharded parameters are what the gradient
+  // finalisation and the optimizer see; null otherwise.
+  virtual FullyShard* fully_shard() const { return nullptr; }
+  // With optimizer.use_torch_fsdp2: the modules fully_shard wraps, as the model is built for
+  // this rank (before anything is allocated): what InitializeParameters shards and `mpusim
+  // explain` prints. Empty otherwise.
+  virtual std::vector<FullyShardUnitPlan> FullyShardUnits() const { return {}; }
   // After a step (and AfterOptimizerStep): the MoE layers this rank holds, each once, in
   // layer order; none by default.
   virtual std::vector<ExpertLoad> ExpertLoads() const { return {}; }

@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/model/fully_shard.h"
 #include "core/tensor.h"
 
 namespace mpusim {
@@ -141,7 +142,9 @@ void Optimizer::ReduceGradients(Kernels& k, CommTrace& trace) {
   if (distributed()) {
     for (Buffer& b : buffers_) b.step_grad = Converted(k, b.grad_shard, DType::kFloat32);
   } else {
-    for (State& s : states_) s.step_grad = Converted(k, Flat(s.param->grad), DType::kFloat32);
+    for (State& s : states_) {
+      if (s.numel > 0) s.step_grad = Converted(k, Flat(s.param->grad), DType::kFloat32);
+    }
   }
 }
 
@@ -208,6 +211,9 @@ double Optimizer::GradNorm(Kernels& k, Communicator& tp, Communicator* pp, Commu
     if (tp_ep != nullptr && tp_ep->Size() > 1) tp_ep->AllReduce(experts, ReduceOp::kSum);
     k.Axpy(1.0, experts, total);
     if (pp != nullptr && pp->Size() > 1) pp->AllReduce(total, ReduceOp::kSum);
+    // FSDP2: each rank holds its rows of every parameter.
+    Communicator* rows = groups_.fully_shard;
+    if (rows != nullptr && rows->Size() > 1) rows->AllReduce(total, ReduceOp::kSum);
   }
   return std::sqrt(HostValue(k.ToHost(total), 0));
 }
@@ -288,6 +294,7 @@ void Optimizer::Step(Kernels& k, double grad_norm, double lr, CommTrace& trace) 
       }
       k.OptimizerStep(update, g, master, m, v, out);
     } else {
+      if (s.numel == 0) continue;  // FSDP2: a rank without rows of this parameter
       Tensor g = StepGradient(s);
       if (clip != 1.0) k.Scale(clip, g);
       // A new tensor, as the model's records of this step may still hold the old one.
@@ -374,7 +381,11 @@ void Optimizer::RecordState(Kernels& k, CommTrace& trace, std::vector<TensorReco
       } else {
         state = k.Empty(p.value.shape(), dtype);
         Tensor place = Flat(state);
-        k.Copy(owned[i], place);
+        if (s.numel > 0) k.Copy(owned[i], place);
+        if (groups_.fully_shard != nullptr) {
+          state = FullyShard::GatherRows(k, *groups_.fully_shard, state,
+                                         LocalShape(p.shard, p.full_shape));
+        }
       }
       records->push_back({p.name + suffix, state, p.full_shape, p.shard, false});
     }

@@ -96,6 +96,10 @@ struct DistributedOptimizerGroups {
   Communicator* stats = nullptr;     // intra_dist_opt: the gradient norm's sum
   Communicator* expert_shard = nullptr;  // expt_dp_partial: the expert buffer's (null: no
                                          // experts laid out apart); it shares `replicas`
+  // Not the distributed optimizer but FSDP2 (core/model/fully_shard.h): the plain optimizer
+  // over sharded parameters, each rank's rows of them over this group (dp x cp). The norm's
+  // sum runs over it too, and RecordState gathers the states' rows over it.
+  Communicator* fully_shard = nullptr;
 };
 
 class Optimizer {

@@ -33,7 +33,13 @@ void RunStep(Model& model, PipelineExecutor& executor, RankContext& ctx, int64_t
              bool record, bool reduce_dp) {
   model.BeginStep(ctx, iteration, record);
   executor.Run(ctx, model, record);
-  FinalizeModelGrads(model.TrainableParameters(), ctx, reduce_dp);
+  // Under FSDP2 the data-parallel reduction is done (each module's reduce-scatter), and the
+  // rest finalises the sharded gradients.
+  if (const FullyShard* fsdp = model.fully_shard()) {
+    FinalizeModelGrads(fsdp->Shards(), ctx, /*reduce_dp=*/false);
+  } else {
+    FinalizeModelGrads(model.TrainableParameters(), ctx, reduce_dp);
+  }
   model.EndStep(ctx);
 }
 

@@ -7,10 +7,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "tests/cli/cli_test_util.h"
 
@@ -345,6 +347,142 @@ TEST(TorchPlan, GptWithMegatronsPlanIsMegatronsTensorParallelRun) {
   pairwise["parallelize_plan"] = "PairwiseParallel";
   EXPECT_NE(refusal(pairwise, "mpusim_torch_gpt_pairwise.json")
                 .find("PairwiseParallel on the whole GPT is not Megatron's plan"),
+            std::string::npos);
+}
+
+// Two training runs' curves, iteration by iteration: the loss and the gradient norm (float64:
+// the two reductions sum the same terms in another order).
+void ExpectSameCurve(const json& a, const json& b) {
+  ASSERT_EQ(a["iterations"].size(), b["iterations"].size());
+  ASSERT_FALSE(a["iterations"].empty());
+  for (size_t i = 0; i < a["iterations"].size(); ++i) {
+    for (const char* key : {"loss", "grad_norm"}) {
+      const double x = a["iterations"][i][key].get<double>();
+      const double y = b["iterations"][i][key].get<double>();
+      EXPECT_NEAR(x, y, 1e-12 * std::abs(y)) << key << ", iteration " << i + 1;
+    }
+  }
+}
+
+// Three iterations of momentum SGD: its update is linear in the gradients, so the float64
+// runs stay within the check's propagated bounds (Adam divides by sqrt(v), which turns a
+// rounding difference in a near-zero gradient into a difference of the size of lr).
+json Trained(json config, bool fsdp) {
+  config["run"]["train_iters"] = 3;
+  config["optimizer"] = {{"optimizer", "sgd"}, {"lr", 1e-2}, {"use_torch_fsdp2", fsdp}};
+  return config;
+}
+
+// fully_shard on the dp dimension of the toy's mesh (FSDP2 over dp, the plan over tp): it
+// trains the loss curve DDP trains, ends with the same parameters, gradients and optimizer
+// state, and communicates on dp what FSDP2's hooks do, per micro-batch (every Linear and the
+// Embedding one unit; the root, the chain, holds no parameter):
+//   forward   each unit's all_gather before its forward: 4
+//   backward  each unit's all_gather again (released after the forward): 4, and its
+//             reduce_scatter of the gradients: 4
+// reshard_after_forward false keeps them from the forward to the backward: no backward
+// all_gather. DDP reduces after the step (finalize_model_grads), in neither phase.
+TEST(TorchPlan, FullyShardOnTheDpDimTrainsTheLossCurveDdpTrains) {
+  const std::filesystem::path ddp = Scratch("mpusim_torch_ddp");
+  const std::filesystem::path fsdp = Scratch("mpusim_torch_fsdp");
+  const json ddp_summary = RunDumped(Trained(Toy(), false), 4, ddp, "mpusim_torch_ddp");
+  const json fsdp_summary = RunDumped(Trained(Toy(), true), 4, fsdp, "mpusim_torch_fsdp");
+  ASSERT_TRUE(ddp_summary.is_object() && fsdp_summary.is_object());
+  EXPECT_TRUE(ddp_summary["passed"].get<bool>());
+  EXPECT_TRUE(fsdp_summary["passed"].get<bool>());
+  ExpectSameCurve(fsdp_summary, ddp_summary);
+  ExpectDiffClean(fsdp, ddp, "1e-12");
+  EXPECT_EQ(fsdp_summary["comm_counts"], ddp_summary["comm_counts"]);
+  EXPECT_EQ(ddp_summary["comm_counts_dp"],
+            json::parse(R"json({"forward": {}, "backward": {}})json"));
+  EXPECT_EQ(fsdp_summary["comm_counts_dp"], json::parse(R"json({
+    "forward": {"all_gather_into_tensor": 4},
+    "backward": {"all_gather_into_tensor": 4, "reduce_scatter_tensor": 4}})json"));
+  json kept = Trained(Toy(), true);
+  kept["optimizer"]["torch_fsdp2_reshard_after_forward"] = false;
+  const json kept_summary = RunDumped(kept, 4, fsdp, "mpusim_torch_fsdp_kept");
+  EXPECT_TRUE(kept_summary["passed"].get<bool>());
+  EXPECT_EQ(kept_summary["comm_counts_dp"], json::parse(R"json({
+    "forward": {"all_gather_into_tensor": 4},
+    "backward": {"reduce_scatter_tensor": 4}})json"));
+  for (const auto& dir : {ddp, fsdp}) std::filesystem::remove_all(dir);
+}
+
+// Rows that do not divide: a Linear of 5 outputs and its LayerNorm on 8 dp ranks, where ranks
+// 5-7 hold no row of them (torch.chunk's split, padded for the collectives), still train what
+// DDP trains, and the check passes.
+TEST(TorchPlan, FullyShardSplitsRowsAsTorchChunkDoes) {
+  json config = Toy();
+  config.erase("parallelize_plan");
+  config["parallel"] = {{"world_size", 8}};
+  config["run"]["micro_batch_size"] = 1;
+  auto& layers = config["model"]["layers"];
+  layers[1]["out_features"] = 5;
+  layers[3]["in_features"] = 5;
+  layers.insert(layers.begin() + 3,
+                json{{"name", "norm"}, {"type", "LayerNorm"}, {"normalized_shape", 5}});
+  const std::filesystem::path ddp = Scratch("mpusim_torch_ddp8");
+  const std::filesystem::path fsdp = Scratch("mpusim_torch_fsdp8");
+  const json ddp_summary = RunDumped(Trained(config, false), 8, ddp, "mpusim_torch_ddp8");
+  const json fsdp_summary = RunDumped(Trained(config, true), 8, fsdp, "mpusim_torch_fsdp8");
+  ASSERT_TRUE(ddp_summary.is_object() && fsdp_summary.is_object());
+  EXPECT_TRUE(fsdp_summary["passed"].get<bool>());
+  ExpectSameCurve(fsdp_summary, ddp_summary);
+  ExpectDiffClean(fsdp, ddp, "1e-12");
+  for (const auto& dir : {ddp, fsdp}) std::filesystem::remove_all(dir);
+}
+
+// Megatron's use_torch_fsdp2 on the GPT (untied, as Megatron requires) with Megatron's plan
+// on tp: the loss curve of the Megatron layout (tensor_model_parallel_size 2, DDP), and on
+// dp, per micro-batch, Megatron's units (the embedding, 2 layers, the output layer, and the
+// root holding the final layernorm, which FSDP2 keeps from its forward to its backward):
+//   forward all_gather 5; backward all_gather 4, reduce_scatter 5.
+TEST(TorchPlan, FullyShardOnTheGptTrainsTheMegatronLayoutsCurve) {
+  std::ifstream in(std::string(MPUSIM_SAMPLE_CONFIG_DIR) + "/gpt_torch_plan_t2_sp_dp2_n4.json");
+  json planned = json::parse(in);
+  planned["run"]["dtype"] = "float64";
+  planned["model"]["share_embeddings_and_output_weights"] = false;
+  json megatron = planned;
+  megatron.erase("parallelize_plan");
+  megatron["parallel"] = {
+      {"world_size", 4}, {"tensor_model_parallel_size", 2}, {"sequence_parallel", true}};
+  const std::filesystem::path a = Scratch("mpusim_torch_gpt_fsdp");
+  const std::filesystem::path b = Scratch("mpusim_torch_gpt_ddp");
+  const json fsdp = RunDumped(Trained(planned, true), 4, a, "mpusim_torch_gpt_fsdp");
+  const json ddp = RunDumped(Trained(megatron, false), 4, b, "mpusim_torch_gpt_ddp");
+  ASSERT_TRUE(fsdp.is_object() && ddp.is_object());
+  EXPECT_TRUE(fsdp["passed"].get<bool>());
+  EXPECT_TRUE(ddp["passed"].get<bool>());
+  ExpectSameCurve(fsdp, ddp);
+  ExpectDiffClean(a, b, "1e-12");
+  EXPECT_EQ(fsdp["comm_counts_dp"], json::parse(R"json({
+    "forward": {"all_gather_into_tensor": 5},
+    "backward": {"all_gather_into_tensor": 4, "reduce_scatter_tensor": 5}})json"));
+  for (const auto& dir : {a, b}) std::filesystem::remove_all(dir);
+  // What Megatron refuses with --use-torch-fsdp2, refused the same way: one line naming it.
+  const auto refusal = [](json config, const std::string& name) {
+    const Result r = Mpusim({"explain", WriteTemp(name, config.dump())});
+    EXPECT_EQ(r.code, 2) << r.out;
+    EXPECT_EQ(r.out, "");
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    return r.err;
+  };
+  json tied = Trained(megatron, true);
+  tied["model"]["share_embeddings_and_output_weights"] = true;
+  EXPECT_NE(refusal(tied, "mpusim_fsdp_tied.json")
+                .find("optimizer.use_torch_fsdp2: needs model.share_embeddings_and_output_weights "
+                      "false"),
+            std::string::npos);
+  json piped = Trained(megatron, true);
+  piped["parallel"]["pipeline_model_parallel_size"] = 2;
+  EXPECT_NE(refusal(piped, "mpusim_fsdp_pp.json")
+                .find("optimizer.use_torch_fsdp2: needs pipeline_model_parallel_size 1, got 2"),
+            std::string::npos);
+  json sharded = Trained(megatron, true);
+  sharded["optimizer"]["use_distributed_optimizer"] = true;
+  EXPECT_NE(refusal(sharded, "mpusim_fsdp_distopt.json")
+                .find("optimizer.use_torch_fsdp2: cannot be combined with "
+                      "use_distributed_optimizer"),
             std::string::npos);
 }
 
