@@ -124,6 +124,7 @@ std::string FlagTypeName(const ConfigFlag& f) {
 }
 
 void ConfigOptions::Register(CLI::App* app) {
+  command_ = app->get_name();
   app->add_option("CONFIG", path_, "config file (JSON with a \"parallel\" section)");
   for (const ConfigFlag& f : ConfigFlags()) {
     std::string& slot = values_[f.key];
@@ -162,8 +163,11 @@ StatusOr<Config> ConfigOptions::Resolve() {
   }
   const std::string world_size(ParallelKey(&ParallelConfig::world_size));
   if (path_.empty() && flag_of_key_.count(world_size) == 0) {
-    return Status::Error("CONFIG", "give a config file, or --world-size with quick flags (e.g. "
-                                   "mpusim layout --world-size 16 --tp 2 --pp 4)");
+    return Status::Error("CONFIG", fmt::format("give a config file (e.g. mpusim {} "
+                                               "sample_configs/gpt_tiny_t2_sp_dp2_n4.json), or "
+                                               "--world-size with quick flags (e.g. mpusim {} "
+                                               "--world-size 16 --tp 2 --pp 4)",
+                                               command_, command_));
   }
   Config config;
   MPUSIM_RETURN_IF_ERROR(ParseConfig(document, &config));

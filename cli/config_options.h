@@ -92,6 +92,7 @@ class ConfigOptions {
   std::string FlagsText() const;
 
   std::string path_;
+  std::string command_ = "layout";  // the subcommand it is registered with (examples)
   std::map<std::string, std::string> values_;       // JSON key -> flag text as typed
   std::map<std::string, std::string> flag_of_key_;  // JSON key -> flag, for flags given
 };

@@ -25,19 +25,22 @@ std::string BackendPluginFileName(const std::string& name) {
   return fmt::format("libmpusim_backend_{}.so", name);
 }
 
+std::string FindBackendPlugin(const std::string& name) {
+  const std::string file = BackendPluginFileName(name);
+  const std::filesystem::path dir = ProgramDirectory();
+  for (const std::filesystem::path& candidate :
+       {dir / file, dir / ".." / "lib" / "mpusim" / file}) {
+    std::error_code error;
+    if (std::filesystem::is_regular_file(candidate, error)) return candidate.string();
+  }
+  return "";
+}
+
 BackendOrStatus LoadBackendPlugin(const std::string& name, const BackendOptions& options) {
   const std::string where = "--backend " + name;
   const std::string file = BackendPluginFileName(name);
   const std::filesystem::path dir = ProgramDirectory();
-  std::vector<std::filesystem::path> candidates = {dir / file, dir / ".." / "lib" / "mpusim" / file};
-  std::filesystem::path path;
-  for (const std::filesystem::path& candidate : candidates) {
-    std::error_code error;
-    if (std::filesystem::is_regular_file(candidate, error)) {
-      path = candidate;
-      break;
-    }
-  }
+  const std::filesystem::path path = FindBackendPlugin(name);
   if (path.empty()) {
     return Status::Error(
         where, fmt::format("this mpusim has no {} backend: {} is not next to the program ({}); "

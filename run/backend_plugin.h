@@ -19,6 +19,10 @@ namespace mpusim::run {
 // The file name of backend `name`'s plugin: "libmpusim_backend_<name>.so".
 std::string BackendPluginFileName(const std::string& name);
 
+// Where backend `name`'s plugin is (the program's directory, then ../lib/mpusim/), or "" when
+// this mpusim was built without it.
+std::string FindBackendPlugin(const std::string& name);
+
 // Loads backend `name`'s plugin and calls its mpusim_make_backend (collective over
 // MPI_COMM_WORLD, like the call it makes). Every failure is a Status whose `where` is
 // "--backend <name>": the plugin is not there (this mpusim was built without the backend),

@@ -9,6 +9,7 @@
 
 #include "core/config/config.h"
 #include "core/config/json_fields.h"
+#include "core/config/suggest.h"
 
 namespace mpusim {
 namespace {
@@ -226,8 +227,13 @@ StatusOr<GpuSpec> ParseGpuSpec(const nlohmann::json& doc, std::string_view where
 StatusOr<GpuSpec> ResolveGpuSpec(const std::string& name_or_file) {
   if (std::optional<GpuSpec> preset = FindGpuPreset(name_or_file)) return *preset;
   if (!name_or_file.ends_with(".json")) {
-    return Status::Error("--gpu", fmt::format("\"{}\" is neither one of {} nor a .json file",
-                                              name_or_file, fmt::join(GpuPresetNames(), ", ")));
+    const std::vector<std::string>& names = GpuPresetNames();
+    const std::string closest =
+        ClosestName(name_or_file, std::vector<std::string_view>(names.begin(), names.end()));
+    return Status::Error(
+        "--gpu", fmt::format("\"{}\" is neither one of {} nor a .json file{}", name_or_file,
+                             fmt::join(names, ", "),
+                             closest.empty() ? "" : fmt::format("; did you mean {}?", closest)));
   }
   StatusOr<nlohmann::json> doc = ReadJsonFile(name_or_file);
   if (!doc.ok()) return Status::Error("--gpu " + name_or_file, doc.status().Message());

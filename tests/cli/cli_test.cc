@@ -40,6 +40,58 @@ std::string Golden(const std::string& relative) {
   return std::string(MPUSIM_TEST_DATA_DIR) + "/golden/" + relative;
 }
 
+// The command line forgives a newcomer's slips: a misspelt subcommand, flag or GPU name is
+// named with the closest one, errors point to the subcommand's own --help, and -V, version
+// and --version print the version with the commit and the backends built.
+TEST(CommandLine, NamesTheClosestSpellingAndTheSubcommandsHelp) {
+  ExpectUsageError(Mpusim({"estmate", "x.json"}),
+                   "error: command line: unknown subcommand 'estmate' (did you mean "
+                   "'estimate'?); subcommands: layout, schedule, explain, run, reference, diff, "
+                   "sweep, estimate, advise, completion, version (run 'mpusim --help' for usage)");
+  EXPECT_NE(Mpusim({"layuot"}).err.find("(did you mean 'layout'?)"), std::string::npos);
+  ExpectUsageError(Mpusim({"estimate", Sample("gpt_tiny_t2_sp_dp2_n4.json"), "--frmat", "json"}),
+                   "error: command line: unexpected arguments '--frmat json'; did you mean "
+                   "'--format'? (run 'mpusim estimate --help' for usage)");
+  ExpectUsageError(Mpusim({"layout", "--tp"}),
+                   "error: command line: --tp: 1 required INT missing (run 'mpusim layout --help' "
+                   "for usage)");
+  ExpectUsageError(Mpusim({}),
+                   "error: command line: no subcommand given; one of: layout, "
+                   "schedule, explain, run, reference, diff, sweep, estimate, advise, "
+                   "completion, version (run 'mpusim --help' for usage)");
+  const Result gpu = Mpusim({"estimate", Sample("gpt_tiny_t2_sp_dp2_n4.json"), "--gpu", "h100"});
+  EXPECT_EQ(gpu.code, 2);
+  EXPECT_NE(gpu.err.find("; did you mean h100-80gb?"), std::string::npos) << gpu.err;
+  for (const char* spelling : {"-V", "--version", "version"}) {
+    const Result v = Mpusim({spelling});
+    EXPECT_EQ(v.code, 0) << spelling;
+    EXPECT_TRUE(v.out.starts_with("mpusim 0.1.0 (git ")) << v.out;
+    EXPECT_NE(v.out.find("\nbackends: cpu (Eigen, OpenBLAS, MPI)"), std::string::npos) << v.out;
+  }
+}
+
+// `mpusim completion bash` is generated from the same definitions the parser reads: bash
+// completes subcommands and each one's flags with it.
+TEST(CommandLine, BashCompletionCompletesSubcommandsAndFlags) {
+  const Result script = Mpusim({"completion", "bash"});
+  ASSERT_EQ(script.code, 0) << script.err;
+  const std::string path = WriteTemp("mpusim_completion.bash", script.out);
+  const auto complete = [&](const std::string& words, int cword) {
+    std::string output;
+    EXPECT_EQ(test_util::Shell("bash -c 'source " + path + "; COMP_WORDS=(" + words +
+                                   "); COMP_CWORD=" + std::to_string(cword) +
+                                   "; _mpusim; echo \"${COMPREPLY[*]}\"'",
+                               &output),
+              0)
+        << output;
+    return output;
+  };
+  EXPECT_EQ(complete("mpusim est", 1), "estimate\n");
+  EXPECT_EQ(complete("mpusim estimate --for", 2), "--format\n");
+  EXPECT_EQ(complete("mpusim run --use-torch", 2), "--use-torch-fsdp2\n");
+  EXPECT_EQ(Mpusim({"completion", "zsh"}).code, 2);
+}
+
 TEST(LayoutCommand, MpuLabOutput) {
   const Result r = Mpusim({"layout", Sample("lab_t2_p4_n16.json")});
   ASSERT_EQ(r.code, 0) << r.err;
@@ -242,8 +294,9 @@ TEST(LayoutCommand, BadInputIsOneLineAndExitTwo) {
                    "error: command line: --order: 'tp-dp-xx' has unknown axis 'xx'; use tp, cp, "
                    "ep, dp and pp joined by '-', e.g. \"tp-cp-ep-dp-pp\"");
   ExpectUsageError(Mpusim({"layout", "--tp", "2"}),
-                   "error: command line: CONFIG: give a config file, or --world-size with quick "
-                   "flags (e.g. mpusim layout --world-size 16 --tp 2 --pp 4)");
+                   "error: command line: CONFIG: give a config file (e.g. mpusim layout "
+                   "sample_configs/gpt_tiny_t2_sp_dp2_n4.json), or --world-size with quick flags "
+                   "(e.g. mpusim layout --world-size 16 --tp 2 --pp 4)");
   ExpectUsageError(Mpusim({"layout", Sample("lab_t2_p4_n16.json"), "--rank", "16"}),
                    "error: command line: --rank: 16 is not in this layout; ranks are 0..15");
   ExpectUsageError(Mpusim({"layout", Sample("lab_t2_p4_n16.json"), "--kinds", "tp,dp_cpp"}),
@@ -661,8 +714,9 @@ TEST(RunCommand, WorldSizeMismatchAndBadInput) {
   Result flag = Mpusim({"run", cp, "--cp-comm-type", "bogus"});
   EXPECT_EQ(flag.code, 2);
   EXPECT_EQ(flag.out, "");
-  EXPECT_EQ(flag.err, "error: command line: --cp-comm-type: bogus not in "
-                      "{p2p,all_gather,a2a,a2a+p2p} (run 'mpusim --help' for usage)\n");
+  EXPECT_EQ(flag.err,
+            "error: command line: --cp-comm-type: bogus not in "
+            "{p2p,all_gather,a2a,a2a+p2p} (run 'mpusim run --help' for usage)\n");
   flag = Mpusim({"run", cp, "--cp-comm-type", "a2a", "--tp", "4", "--world-size", "8"});
   EXPECT_EQ(flag.code, 2);
   EXPECT_EQ(flag.out, "");
@@ -1776,7 +1830,7 @@ TEST(AdviseCommand, Refusals) {
                        ": model: advise needs a GPT model (\"type\": \"gpt\")");
   ExpectUsageError(Mpusim({"advise", gpt3, "--global-batch-size", "8", "--max-cp", "0"}),
                    "error: command line: --max-cp: Value 0 not in range 1 to 1048576 (run "
-                   "'mpusim --help' for usage)");
+                   "'mpusim advise --help' for usage)");
 }
 
 TEST(ExplainCommand, LabSlices) {
