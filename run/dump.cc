@@ -100,8 +100,17 @@ std::string CheckDumpTarget(const std::string& dir, const std::string& run_id) {
                          dir);
     }
   }
+  // The rule of every output flag (--summary, --trace): the directory it goes in must exist;
+  // only the dump's own directory is made.
+  fs::path target(dir);
+  if (!target.has_filename()) target = target.parent_path();  // "out/" -> "out"
+  const fs::path parent = target.has_parent_path() ? target.parent_path() : fs::path(".");
+  if (!fs::is_directory(parent, ec)) {
+    return fmt::format("cannot write '{}': there is no directory '{}'", dir, parent.string());
+  }
   const fs::path temp = Sibling(dir, "tmp", run_id);
-  if (!fs::create_directories(temp, ec) || ec) {
+  // create_directory, not create_directories: a missing parent is refused, not made.
+  if (!fs::create_directory(temp, ec) || ec) {
     return fmt::format("cannot create a directory next to '{}' ({})", dir,
                        ec ? ec.message() : "it exists");
   }

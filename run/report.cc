@@ -218,7 +218,9 @@ Status RunReport::WriteSummary(const SimulationResult& result, int code) {
   j["command_line"] = options_.command_line;
   j["loss"] = result.loss;
   j["padded_vocab_size"] = result.padded_vocab_size;
-  j["passed"] = code == 0;
+  // Without the check nothing was compared: "checked" false, "passed" null.
+  j["checked"] = options_.check;
+  j["passed"] = options_.check ? nlohmann::ordered_json(code == 0) : nlohmann::ordered_json();
   nlohmann::ordered_json iterations = nlohmann::ordered_json::array();
   const std::vector<CheckResult::Iteration>& ref = result.check.reference_iterations;
   for (size_t i = 0; i < result.iterations.size(); ++i) {

@@ -166,11 +166,20 @@ int RankRun::Run() {
     if (!identity.ok()) return ConfigError(identity.status());
     reference = {options_.reference_dir, *identity};
   }
-  StatusOr<SimulationResult> result =
-      Simulate(config_,
-               {options_.check, options_.repeat, !options_.dump_dir.empty(),
-                !options_.trace_path.empty(), reference},
-               *backend_);
+  SimulateOptions simulate{options_.check, options_.repeat, !options_.dump_dir.empty(),
+                           !options_.trace_path.empty(), reference};
+  // A training run of several iterations says each one as it ends (rank 0), before the
+  // report and its checked table.
+  const int64_t iterations = config_.optimizer && config_.run ? config_.run->train_iters : 0;
+  if (world_rank_ == 0 && iterations > 1) {
+    simulate.on_iteration = [&](const TrainedIteration& row) {
+      out_ << fmt::format(
+                  "iteration {} of {}: loss {:.10g}, grad norm {:.4g}, lr {:.4g} ({:.3f} s)",
+                  row.iteration, iterations, row.loss, row.grad_norm, row.lr, row.seconds)
+           << std::endl;
+    };
+  }
+  StatusOr<SimulationResult> result = Simulate(config_, simulate, *backend_);
   if (!result.ok()) return Usage(options_.config_path, result.status().Message());
   // The last safe point before anything is written: the reference check may have run long.
   if (!result->interrupt) {
@@ -368,13 +377,25 @@ int RankRun::Report(const Topology& topology, SimulationResult& result, const Du
   // The paths were checked before the run; should a write fail all the same (a full disk),
   // rank 0 says so and exits 2 after the collective steps below, which every rank takes.
   int output_code = kContinue;
+  // Every file the run writes is named as it is written.
   if (!options_.summary_path.empty() && world_rank_ == 0) {
     const Status written = report.WriteSummary(result, code);
-    if (!written.ok()) output_code = Usage("command line", "--summary: " + written.Message());
+    if (!written.ok()) {
+      output_code = Usage("command line", "--summary: " + written.Message());
+    } else {
+      out_ << fmt::format("\nsummary: {}\n", options_.summary_path);
+    }
   }
   if (!options_.trace_path.empty() && world_rank_ == 0) {
     const Status written = report.WriteTrace(topology, result);
-    if (!written.ok()) output_code = Usage("command line", "--trace: " + written.Message());
+    if (!written.ok()) {
+      output_code = Usage("command line", "--trace: " + written.Message());
+    } else {
+      out_ << fmt::format("\ntrace: {} ({})\n", options_.trace_path,
+                          options_.trace_path.ends_with(".html")
+                              ? "a page of its own: open it in a browser"
+                              : "Chrome trace events: open it in ui.perfetto.dev");
+    }
   }
   report.PrintCommTrace(result.trace);
   if (!options_.dump_dir.empty()) {

@@ -306,12 +306,12 @@ StatusOr<SimulationResult> Simulate(const Config& config, const SimulateOptions&
   } else {
     // Training: run.train_iters iterations, each a step and an optimizer update.
     const int64_t iterations = config.run->train_iters;
-    const std::vector<TrainedIteration> rows =
-        Train(model, *executor, *optimizer, ctx, *config.optimizer, iterations, want_records,
-              [&](int64_t iteration, bool done) {
-                return StopsAt(&result, done ? "after" : "before", "iteration", iteration,
-                               iterations);
-              });
+    const std::vector<TrainedIteration> rows = Train(
+        model, *executor, *optimizer, ctx, *config.optimizer, iterations, want_records,
+        [&](int64_t iteration, bool done) {
+          return StopsAt(&result, done ? "after" : "before", "iteration", iteration, iterations);
+        },
+        options.on_iteration);
     for (const TrainedIteration& row : rows) {
       result.seconds.push_back(row.seconds);
       result.iterations.push_back(

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,7 @@
 #include "core/model/model.h"
 #include "core/rank_context.h"
 #include "core/status.h"
+#include "core/train/train_step.h"
 #include "mpi/interrupt.h"
 #include "run/check.h"
 
@@ -103,6 +105,8 @@ struct SimulateOptions {
   bool keep_records = false;  // return the records (for a dump)
   bool timeline_comms = false;  // gather every rank's timed collectives too (--trace)
   ReferenceSource reference = {};  // the check's reference: computed, or a stored one
+  // A training run: each iteration's row as soon as it is done (core/train Train's observe).
+  std::function<void(const TrainedIteration&)> on_iteration = {};
 };
 
 // Runs `config` on MPI_COMM_WORLD (collective: every rank calls it with the same config;

@@ -43,10 +43,10 @@ void RunStep(Model& model, PipelineExecutor& executor, RankContext& ctx, int64_t
   model.EndStep(ctx);
 }
 
-std::vector<TrainedIteration> Train(Model& model, PipelineExecutor& executor,
-                                    Optimizer& optimizer, RankContext& ctx,
-                                    const OptimizerConfig& config, int64_t iterations,
-                                    bool record, const TrainFence& fence) {
+std::vector<TrainedIteration> Train(Model& model, PipelineExecutor& executor, Optimizer& optimizer,
+                                    RankContext& ctx, const OptimizerConfig& config,
+                                    int64_t iterations, bool record, const TrainFence& fence,
+                                    const std::function<void(const TrainedIteration&)>& observe) {
   Kernels& k = *ctx.kernels;
   CommTrace& trace = *ctx.trace;
   Communicator* pp = ctx.pp().Size() > 1 ? &ctx.pp() : nullptr;
@@ -71,6 +71,7 @@ std::vector<TrainedIteration> Train(Model& model, PipelineExecutor& executor,
     rows.push_back({it + 1, loss, norm, lr, seconds,
                     std::chrono::duration<double>(start.time_since_epoch()).count(),
                     model.ExpertLoads()});
+    if (observe) observe(rows.back());
     if (stop) break;
   }
   return rows;

@@ -55,9 +55,11 @@ using TrainFence = std::function<bool(int64_t iteration, bool done)>;
 // each clears the trace, calls `fence`, runs a step (recording the last iteration's when
 // `record`) and the optimizer's update, waits for the device, and calls `fence` again. Returns
 // the iterations done, fewer than `iterations` when a fence stopped the loop.
-std::vector<TrainedIteration> Train(Model& model, PipelineExecutor& executor,
-                                    Optimizer& optimizer, RankContext& ctx,
-                                    const OptimizerConfig& config, int64_t iterations,
-                                    bool record, const TrainFence& fence);
+// `observe` (when set) gets each iteration's row as soon as it is done, on every rank (the run
+// driver prints rank 0's as the run goes).
+std::vector<TrainedIteration> Train(
+    Model& model, PipelineExecutor& executor, Optimizer& optimizer, RankContext& ctx,
+    const OptimizerConfig& config, int64_t iterations, bool record, const TrainFence& fence,
+    const std::function<void(const TrainedIteration&)>& observe = {});
 
 }  // namespace mpusim

@@ -596,6 +596,51 @@ std::string TraceNestingError(const nlohmann::json& trace) {
   return "";
 }
 
+// A training run says each iteration as it ends, before the report (which waits for the
+// reference check), names every file it writes, and a --no-check summary says it checked
+// nothing ("checked" false, "passed" null).
+TEST(RunCommand, TrainingStreamsItsIterationsAndNamesItsFiles) {
+  namespace fs = std::filesystem;
+  const fs::path tmp = fs::temp_directory_path() / fmt::format("mpusim_stream.{}", ::getpid());
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+  const std::string summary = (tmp / "s.json").string(), trace = (tmp / "t.json").string();
+  std::string output;
+  ASSERT_EQ(Shell(Mpiexec(4) + MPUSIM_BINARY + " run " + Sample("lab_train_mlp_lm_t2_dp2_n4.json") +
+                      " --train-iters 3 --summary " + summary + " --trace " + trace,
+                  &output),
+            0)
+      << output;
+  const size_t first = output.find("iteration 1 of 3: loss ");
+  const size_t third = output.find("iteration 3 of 3: loss ");
+  const size_t header = output.find("mpusim run: ");
+  ASSERT_NE(first, std::string::npos) << output;
+  ASSERT_NE(third, std::string::npos) << output;
+  EXPECT_LT(first, third);
+  EXPECT_LT(third, header) << output;
+  EXPECT_NE(output.find("\nsummary: " + summary + "\n"), std::string::npos) << output;
+  EXPECT_NE(output.find("\ntrace: " + trace +
+                        " (Chrome trace events: open it in "
+                        "ui.perfetto.dev)\n"),
+            std::string::npos)
+      << output;
+  std::ifstream in(summary);
+  const json checked = json::parse(in);
+  EXPECT_EQ(checked["checked"], true);
+  EXPECT_EQ(checked["passed"], true);
+  ASSERT_EQ(Shell(Mpiexec(4) + MPUSIM_BINARY + " run " + Sample("lab_train_mlp_lm_t2_dp2_n4.json") +
+                      " --train-iters 1 --no-check --summary " + summary,
+                  &output),
+            0)
+      << output;
+  EXPECT_EQ(output.find("iteration 1 of 1"), std::string::npos) << output;  // one: no stream
+  std::ifstream again(summary);
+  const json unchecked = json::parse(again);
+  EXPECT_EQ(unchecked["checked"], false);
+  EXPECT_TRUE(unchecked["passed"].is_null());
+  fs::remove_all(tmp);
+}
+
 TEST(RunCommand, TraceEventsNestOnEverySample) {
   namespace fs = std::filesystem;
   const fs::path trace = fs::temp_directory_path() / fmt::format("mpusim_nest.{}.json", ::getpid());
@@ -3268,8 +3313,9 @@ TEST(HostileInput, OverrideErrorsNameTheirFlags) {
   ExpectOneLineRefusal(r, "error: " + bad + ": parallel.world_size: 4 is not divisible");
 }
 
-// --trace and --summary are written by rank 0 after the run; a path that cannot be written is
-// refused before anything runs, naming the flag (it used to crash the job after the run).
+// --trace, --summary and --dump are written by rank 0 after the run; a path that cannot be
+// written is refused before anything runs, naming the flag (it used to crash the job after the
+// run, and --dump made a missing parent).
 TEST(HostileInput, OutputFilesAreCheckedBeforeTheRun) {
   namespace fs = std::filesystem;
   const fs::path tmp = fs::temp_directory_path() / fmt::format("mpusim_outputs.{}", ::getpid());
@@ -3285,6 +3331,14 @@ TEST(HostileInput, OutputFilesAreCheckedBeforeTheRun) {
                         "directory '{}'\n",
                         missing, (tmp / "no" / "such").string()));
   EXPECT_EQ(output.find("check"), std::string::npos) << output;  // nothing ran
+  // --dump follows the same rule: its directory is made, its parent is not.
+  const std::string dump = (tmp / "no" / "such" / "dump").string();
+  EXPECT_EQ(Shell(run + " --dump " + dump, &output), 2) << output;
+  EXPECT_EQ(output.substr(0, output.find('\n') + 1),
+            fmt::format("error: command line: --dump: cannot write '{}': there is no "
+                        "directory '{}'\n",
+                        dump, (tmp / "no" / "such").string()));
+  EXPECT_FALSE(fs::exists(tmp / "no"));
   EXPECT_EQ(Shell(run + " --summary " + tmp.string(), &output), 2) << output;
   EXPECT_EQ(output.substr(0, output.find('\n') + 1),
             fmt::format("error: command line: --summary: '{}' is a directory; give a "

@@ -244,12 +244,12 @@ TEST(ReadmeKeyTables, TheGptTableIsTheFieldTable) {
 
 // docs/labs.md's commands run as written: every code span that is a command (`build/cli/mpusim
 // ...`, or under `mpirun -n N --oversubscribe`) exits 0 when run from a scratch directory with
-// the repository's sample configs, so that files the labs write (layout.html, pipeline.json)
-// land there. A bare `mpusim ...` is refused: the labs say build/cli/mpusim, which needs no
-// PATH. A span on a line with `<!-- labs test: skip, why -->` is not run (minutes of work);
-// one on a line with `<!-- labs test: exits N -->` must exit N (a refusal the lab shows);
-// one on a line with `<!-- labs test: prints "TEXT" -->` must print TEXT (a number the lab
-// quotes from the output).
+// the repository's sample configs and the labs' lab-output/ folder, into which every file a lab
+// writes must go (git ignores it, so a lab leaves `git status` clean). A bare `mpusim ...` is
+// refused: the labs say build/cli/mpusim, which needs no PATH. A span on a line with `<!-- labs
+// test: skip, why -->` is not run (minutes of work); one on a line with `<!-- labs test: exits N
+// -->` must exit N (a refusal the lab shows); one on a line with `<!-- labs test: prints "TEXT"
+// -->` must print TEXT (a number the lab quotes from the output).
 TEST(LabCommands, EveryCommandRunsAsWritten) {
   namespace fs = std::filesystem;
   const std::vector<std::string> lines =
@@ -261,6 +261,7 @@ TEST(LabCommands, EveryCommandRunsAsWritten) {
   fs::create_directories(scratch);
   fs::create_directory_symlink(fs::path(MPUSIM_SOURCE_DIR) / "sample_configs",
                                scratch / "sample_configs");
+  fs::create_directories(scratch / "lab-output");  // the labs' `mkdir -p lab-output`
   int run = 0, skipped = 0;
   for (size_t i = 0; i < lines.size(); ++i) {
     for (auto it = std::sregex_iterator(lines[i].begin(), lines[i].end(), span);
@@ -268,6 +269,14 @@ TEST(LabCommands, EveryCommandRunsAsWritten) {
       const std::string command = (*it)[1];
       SCOPED_TRACE(fmt::format("docs/labs.md:{}: {}", i + 1, command));
       EXPECT_TRUE((*it)[3].matched) << "write build/cli/mpusim: mpusim is not on PATH";
+      // What a lab writes goes into lab-output/, which git ignores: a lab leaves `git status`
+      // clean.
+      static const std::regex output(R"((?:>|--dump|--trace|--summary|--out)\s+(\S+))");
+      for (auto o = std::sregex_iterator(command.begin(), command.end(), output);
+           o != std::sregex_iterator(); ++o) {
+        EXPECT_TRUE((*o)[1].str().starts_with("lab-output/"))
+            << (*o)[0] << ": write it into lab-output/ (git ignores it)";
+      }
       if (lines[i].find("<!-- labs test: skip") != std::string::npos || SanitizerSkips(command)) {
         ++skipped;
         continue;
