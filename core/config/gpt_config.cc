@@ -116,6 +116,113 @@ Status JudgeDependentFields(const json& section, GptConfig* gpt) {
   return JudgeGlu(section, gpt);
 }
 
+// Megatron's command-line spellings (megatron/training/arguments.py, and a TransformerConfig
+// dumped with its activation_func named) of keys mpusim has, rewritten into those keys before
+// the section is parsed; what they leave unsaid gets a note. A spelling that contradicts the
+// key it stands for is refused naming both.
+StatusOr<json> ResolveMegatronSpellings(const json& section, std::vector<std::string>* notes) {
+  json out = section;
+  const auto flag = [&](const char* key) -> StatusOr<std::optional<bool>> {
+    if (!section.contains(key)) return std::optional<bool>();
+    const json& v = section[key];
+    if (!v.is_boolean()) {
+      return Status::Error(fmt::format("model.{}", key),
+                           fmt::format("must be true or false, got {}", DescribeJson(v)));
+    }
+    out.erase(key);
+    return std::optional<bool>(v.get<bool>());
+  };
+  // --untie-embeddings-and-output-weights: share_embeddings_and_output_weights, negated.
+  StatusOr<std::optional<bool>> untie = flag("untie_embeddings_and_output_weights");
+  if (!untie.ok()) return untie.status();
+  if (*untie) {
+    const bool share = !**untie;
+    if (section.contains("share_embeddings_and_output_weights") &&
+        section["share_embeddings_and_output_weights"] != json(share)) {
+      return Status::Error("model.untie_embeddings_and_output_weights",
+                           fmt::format("{} contradicts share_embeddings_and_output_weights {} (it "
+                                       "is Megatron's command-line spelling of its negation); "
+                                       "keep one",
+                                       **untie, !share));
+    }
+    out["share_embeddings_and_output_weights"] = share;
+  }
+  // --group-query-attention with --num-query-groups (argparse default 1); without it Megatron
+  // ignores num_query_groups (every head its own group).
+  StatusOr<std::optional<bool>> gqa = flag("group_query_attention");
+  if (!gqa.ok()) return gqa.status();
+  if (*gqa && **gqa && !section.contains("num_query_groups")) {
+    out["num_query_groups"] = 1;
+    notes->push_back(
+        "model.group_query_attention: true without num_query_groups is one group of keys and "
+        "values for all heads (Megatron's --num-query-groups default 1)");
+  }
+  if (*gqa && !**gqa && section.contains("num_query_groups")) {
+    out.erase("num_query_groups");
+    notes->push_back(
+        "model.num_query_groups: ignored: group_query_attention is false, so every head has its "
+        "own keys and values, as Megatron ignores --num-query-groups without "
+        "--group-query-attention");
+  }
+  // --swiglu, and activation_func by name (with gated_linear_unit): the `activation` value.
+  std::optional<std::string> activation;
+  std::string from;
+  StatusOr<std::optional<bool>> swiglu = flag("swiglu");
+  if (!swiglu.ok()) return swiglu.status();
+  if (*swiglu && **swiglu) {
+    activation = "swiglu";
+    from = "swiglu";
+  }
+  if (section.contains("activation_func")) {
+    const json& v = section["activation_func"];
+    if (!v.is_string()) {
+      return Status::Error("model.activation_func",
+                           fmt::format("must be the name of Megatron's activation_func (\"gelu\", "
+                                       "\"silu\", \"quick_gelu\", \"squared_relu\", \"relu\"), "
+                                       "got {}",
+                                       DescribeJson(v)));
+    }
+    const bool gated = section.contains("gated_linear_unit") &&
+                       section["gated_linear_unit"].is_boolean() &&
+                       section["gated_linear_unit"].get<bool>();
+    static const std::map<std::pair<std::string, bool>, std::string> kNames = {
+        {{"gelu", false}, "gelu"},
+        {{"silu", true}, "swiglu"},
+        {{"quick_gelu", true}, "quick_geglu"},
+        {{"squared_relu", false}, "squared_relu"},
+        {{"relu", false}, "relu"}};
+    const std::string name = v.get<std::string>();
+    const auto it = kNames.find({name, gated});
+    if (it == kNames.end()) {
+      return Status::Error(
+          "model.activation_func",
+          fmt::format("\"{}\" with gated_linear_unit {} is not built; mpusim computes gelu, "
+                      "silu with gated_linear_unit true (swiglu), quick_gelu with it "
+                      "(quick_geglu), squared_relu and relu",
+                      name, gated));
+    }
+    if (activation && *activation != it->second) {
+      return Status::Error(
+          "model.activation_func",
+          fmt::format("\"{}\" is \"activation\": \"{}\", but swiglu is true", name, it->second));
+    }
+    activation = it->second;
+    from = "activation_func";
+    out.erase("activation_func");
+    out.erase("gated_linear_unit");  // part of the name
+  }
+  if (activation) {
+    if (section.contains("activation") && section["activation"] != json(*activation)) {
+      return Status::Error(fmt::format("model.{}", from),
+                           fmt::format("means \"activation\": \"{}\", but activation is {}; keep "
+                                       "one",
+                                       *activation, section["activation"].dump()));
+    }
+    out["activation"] = *activation;
+  }
+  return out;
+}
+
 // DeepSeek-style routing keys (TransformerConfig.__post_init__'s rules, with its reasons;
 // plus the group-limited shapes Megatron's group_limited_topk cannot run).
 Status ResolveMoeRouting(GptConfig* gpt) {
@@ -402,7 +509,13 @@ int64_t GptConfig::PaddedVocabSize(int64_t tensor_model_parallel_size) const {
 }
 
 bool IsAcceptedTransformerField(std::string_view key) {
-  return key == "gated_linear_unit" || FindTransformerField(key) != nullptr;
+  // gated_linear_unit is judged with the activation; the rest are Megatron's spellings of
+  // mpusim's keys (ResolveMegatronSpellings).
+  for (std::string_view spelling : {"gated_linear_unit", "swiglu", "group_query_attention",
+                                    "untie_embeddings_and_output_weights", "activation_func"}) {
+    if (key == spelling) return true;
+  }
+  return FindTransformerField(key) != nullptr;
 }
 
 bool IsGptSection(const json& section) {
@@ -415,7 +528,10 @@ Status ParseGptSection(const json& section, GptConfig* out) {
     return Status::Error(prefix, fmt::format("must be a JSON object, got {}", DescribeJson(section)));
   }
   GptConfig gpt;
-  for (const auto& [key, value] : section.items()) {
+  StatusOr<json> resolved = ResolveMegatronSpellings(section, &gpt.ignored);
+  if (!resolved.ok()) return resolved.status();
+  const json& keys = *resolved;
+  for (const auto& [key, value] : keys.items()) {
     const std::string where = prefix + "." + key;
     if (key == "gated_linear_unit") continue;  // JudgeDependentFields
     if (const AcceptedField* field = FindTransformerField(key)) {
@@ -426,8 +542,8 @@ Status ParseGptSection(const json& section, GptConfig* out) {
     if (field == nullptr) return UnknownKey(where, key, GptConfigKeys());
     MPUSIM_RETURN_IF_ERROR(field->Parse(value, where, &gpt));
   }
-  MPUSIM_RETURN_IF_ERROR(CheckRequired(GptFields(), section, prefix, " for \"type\": \"gpt\""));
-  MPUSIM_RETURN_IF_ERROR(JudgeDependentFields(section, &gpt));
+  MPUSIM_RETURN_IF_ERROR(CheckRequired(GptFields(), keys, prefix, " for \"type\": \"gpt\""));
+  MPUSIM_RETURN_IF_ERROR(JudgeDependentFields(keys, &gpt));
   // TransformerConfig.__post_init__'s defaults (the table leaves 0 for an absent or null
   // size).
   if (gpt.ffn_hidden_size == 0) gpt.ffn_hidden_size = 4 * gpt.hidden_size;
@@ -459,20 +575,20 @@ Status ParseGptSection(const json& section, GptConfig* out) {
                                      gpt.rotary_percent, gpt.kv_channels, gpt.kv_channels,
                                      gpt.rotary_percent, gpt.RotaryDim()));
   }
-  if (gpt.position_embedding_type != PositionEmbedding::kRope && section.contains("rotary_percent")) {
+  if (gpt.position_embedding_type != PositionEmbedding::kRope && keys.contains("rotary_percent")) {
     gpt.ignored.push_back(
         "model.rotary_percent: ignored: position_embedding_type is not \"rope\"");
   }
-  if (!gpt.fp8 && section.contains("fp8_recipe")) {
+  if (!gpt.fp8 && keys.contains("fp8_recipe")) {
     gpt.ignored.push_back("model.fp8_recipe: ignored: fp8 is null");
   }
   if (gpt.label_smoothing > 0 && gpt.vocab_size < 2) {
     return Status::Error(prefix + ".label_smoothing", "needs a vocab_size of at least 2");
   }
-  MPUSIM_RETURN_IF_ERROR(ResolveMoe(section, &gpt));
-  MPUSIM_RETURN_IF_ERROR(CheckMtp(section, &gpt));
+  MPUSIM_RETURN_IF_ERROR(ResolveMoe(keys, &gpt));
+  MPUSIM_RETURN_IF_ERROR(CheckMtp(keys, &gpt));
   MPUSIM_RETURN_IF_ERROR(ResolveWindow(&gpt));
-  MPUSIM_RETURN_IF_ERROR(ResolveMla(section, &gpt));
+  MPUSIM_RETURN_IF_ERROR(ResolveMla(keys, &gpt));
   *out = gpt;
   return {};
 }

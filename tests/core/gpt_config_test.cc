@@ -10,6 +10,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <tuple>
 
 #include "core/config/config.h"
 #include "core/config/parallel_config.h"
@@ -65,6 +66,67 @@ TEST(GptConfig, GroupedQuerySwigluRope) {
   EXPECT_EQ(gpt.QkvRows(), (8 + 2 * 2) * 8);
   EXPECT_EQ(gpt.Fc1Rows(), 192);
   EXPECT_FALSE(gpt.has_position_embeddings());
+}
+
+// Megatron's command-line spellings (megatron/training/arguments.py) of keys mpusim has are
+// read as those keys; one that contradicts its key is refused naming both.
+TEST(GptConfig, MegatronsCommandLineSpellings) {
+  const auto parsed = [](json section) {
+    GptConfig gpt;
+    const Status status = ParseGptSection(section, &gpt);
+    EXPECT_TRUE(status.ok()) << status.Message();
+    return gpt;
+  };
+  json section = Minimal();
+  section["swiglu"] = true;
+  section["group_query_attention"] = true;
+  section["num_query_groups"] = 2;
+  section["untie_embeddings_and_output_weights"] = true;
+  GptConfig gpt = parsed(section);
+  EXPECT_EQ(gpt.activation, Activation::kSwiglu);
+  EXPECT_EQ(gpt.num_query_groups, 2);
+  EXPECT_FALSE(gpt.share_embeddings_and_output_weights);
+  // --group-query-attention alone: --num-query-groups' default, 1; without it the groups are
+  // ignored, as Megatron ignores them.
+  section = Minimal();
+  section["group_query_attention"] = true;
+  EXPECT_EQ(parsed(section).num_query_groups, 1);
+  section["group_query_attention"] = false;
+  section["num_query_groups"] = 2;
+  gpt = parsed(section);
+  EXPECT_EQ(gpt.num_query_groups, 8);
+  ASSERT_EQ(gpt.ignored.size(), 1u);
+  EXPECT_NE(gpt.ignored[0].find("model.num_query_groups: ignored"), std::string::npos);
+  // activation_func by name, with gated_linear_unit.
+  for (const auto& [func, gated, activation] :
+       {std::tuple{"silu", true, Activation::kSwiglu},
+        {"gelu", false, Activation::kGelu},
+        {"quick_gelu", true, Activation::kQuickGeglu},
+        {"relu", false, Activation::kRelu},
+        {"squared_relu", false, Activation::kSquaredRelu}}) {
+    section = Minimal();
+    section["activation_func"] = func;
+    if (gated) section["gated_linear_unit"] = true;
+    EXPECT_EQ(parsed(section).activation, activation) << func;
+  }
+  section = Minimal();
+  section["activation_func"] = "silu";
+  EXPECT_EQ(Refusal(section),
+            "model.activation_func: \"silu\" with gated_linear_unit false is not built; mpusim "
+            "computes gelu, silu with gated_linear_unit true (swiglu), quick_gelu with it "
+            "(quick_geglu), squared_relu and relu");
+  section = Minimal();
+  section["swiglu"] = true;
+  section["activation"] = "gelu";
+  EXPECT_EQ(Refusal(section),
+            "model.swiglu: means \"activation\": \"swiglu\", but activation is "
+            "\"gelu\"; keep one");
+  section = Minimal();
+  section["untie_embeddings_and_output_weights"] = true;
+  section["share_embeddings_and_output_weights"] = true;
+  EXPECT_NE(Refusal(section).find("model.untie_embeddings_and_output_weights: true contradicts "
+                                  "share_embeddings_and_output_weights true"),
+            std::string::npos);
 }
 
 // A plain activation keeps fc1 at ffn_hidden_size rows with stride 1; a gated one doubles it.
