@@ -305,4 +305,57 @@ TEST(LabCommands, EveryCommandRunsAsWritten) {
   std::cout << fmt::format("{} lab commands run, {} marked skip\n", run, skipped);
 }
 
+// What the docs say is not built stays refused, or the claim goes: every line of README.md and
+// docs/*.md that says "not built" (or "until built") carries a marker the test runs,
+// `<!-- refused: SUBCOMMAND SAMPLE.json PATCH -->` (the sample config with the JSON merge patch
+// applied must be refused: exit 2, one "error: " line saying "not built"), or says why it is no
+// refusal, `<!-- not refused: why -->`. A feature that lands then fails here until its "not
+// built" sentence is gone.
+TEST(DocsClaims, EveryNotBuiltClaimIsStillRefused) {
+  namespace fs = std::filesystem;
+  static const std::regex claim(R"((not|until) built)", std::regex::icase);
+  static const std::regex refused(R"re(<!-- refused: (\w+) (\S+\.json) (\{.*?\}) -->)re");
+  static const std::regex not_refused(R"(<!-- not refused: [^>]+ -->)");
+  std::vector<fs::path> files = {fs::path(MPUSIM_SOURCE_DIR) / "README.md"};
+  for (const auto& entry : fs::directory_iterator(fs::path(MPUSIM_SOURCE_DIR) / "docs")) {
+    if (entry.path().extension() == ".md") files.push_back(entry.path());
+  }
+  std::sort(files.begin(), files.end());
+  int claims = 0, runs = 0;
+  for (const fs::path& file : files) {
+    const std::vector<std::string> lines = ReadLines(file.string());
+    for (size_t i = 0; i < lines.size(); ++i) {
+      if (!std::regex_search(lines[i], claim)) continue;
+      ++claims;
+      SCOPED_TRACE(fmt::format("{}:{}", file.filename().string(), i + 1));
+      int markers = 0;
+      for (auto it = std::sregex_iterator(lines[i].begin(), lines[i].end(), refused);
+           it != std::sregex_iterator(); ++it, ++markers, ++runs) {
+        const std::string command = (*it)[1], sample = (*it)[2];
+        std::ifstream in(fs::path(MPUSIM_SOURCE_DIR) / "sample_configs" / sample);
+        nlohmann::json config = nlohmann::json::parse(in, nullptr, false);
+        const nlohmann::json patch = nlohmann::json::parse((*it)[3].str(), nullptr, false);
+        ASSERT_FALSE(config.is_discarded()) << sample;
+        ASSERT_FALSE(patch.is_discarded()) << (*it)[3];
+        config.merge_patch(patch);
+        const fs::path path =
+            fs::temp_directory_path() / fmt::format("mpusim_claim.{}.{}.json", ::getpid(), runs);
+        std::ofstream(path) << config.dump();
+        const std::string output = RunShell(fmt::format("sh -c '{} {} {}; echo \"exit $?\"'",
+                                                        MPUSIM_BINARY, command, path.string()));
+        fs::remove(path);
+        EXPECT_NE(output.find("\nexit 2\n"), std::string::npos) << output;
+        EXPECT_EQ(output.rfind("error: ", 0), 0u) << output;
+        EXPECT_NE(output.find("not built"), std::string::npos) << output;
+      }
+      if (std::regex_search(lines[i], not_refused)) ++markers;
+      EXPECT_GT(markers, 0) << "a \"not built\" claim without a marker: add "
+                               "<!-- refused: SUBCOMMAND SAMPLE.json PATCH --> (or <!-- not "
+                               "refused: why -->)";
+    }
+  }
+  EXPECT_GE(claims, 8);
+  std::cout << fmt::format("{} \"not built\" claims, {} refusals run\n", claims, runs);
+}
+
 }  // namespace
