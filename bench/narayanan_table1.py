@@ -10,7 +10,7 @@ s x s attention, as the paper counts; Megatron's count halves it since 2025). Th
 materialised the attention probabilities: the table's "attention_backend" ("unfused") is
 the model's. Nothing is
 fitted per row: the GPU's datasheet figures and the three efficiency constants are
-core/estimate/gpu_spec.cc's, the same for every row (README "The time model").
+core/estimate/gpu_spec.cc's, the same for every row (docs/estimate.md, "The time model").
 Checks first that each row is self-consistent: the parameters the shape implies match the
 paper's column within 3%, and per-GPU x GPUs matches its aggregate within 1%.
 

@@ -457,7 +457,7 @@ class AdviseCommand : public Command {
       }
     }
     out << ReserveText(o) << NotSearchedText()
-        << "Time model and memory count: `mpusim estimate` (README).\n";
+        << "Time model and memory count: `mpusim estimate` (docs/estimate.md).\n";
     out << fmt::format("Not modelled: {}.\n", fmt::join(not_modelled_, "; "));
   }
 
@@ -619,7 +619,7 @@ class AdviseCommand : public Command {
       out << "</ul>\n";
     }
     out << "<p class=\"note\">" << HtmlEscape(ReserveText(o) + NotSearchedText())
-        << "Time model and memory count: <code>mpusim estimate</code> (README).</p>\n"
+        << "Time model and memory count: <code>mpusim estimate</code> (docs/estimate.md).</p>\n"
         << "<p class=\"note\">Not modelled: "
         << HtmlEscape(fmt::format("{}", fmt::join(not_modelled_, "; "))) << ".</p>\n"
         << "<script id=\"advice\" type=\"application/json\">"
@@ -635,7 +635,8 @@ class AdviseCommand : public Command {
                          run::FormatBytes(*o.reserve_bytes));
     }
     return "Fits: peak + the reserve of each stage's busiest rank (CUDA context, cuBLAS "
-           "workspaces, NCCL buffers, fragmentation: README \"The memory reserve\"); step "
+           "workspaces, NCCL buffers, fragmentation: docs/estimate.md, \"The memory reserve\"); "
+           "step "
            "times within 0.1% are ranked by headroom. ";
   }
 

@@ -97,7 +97,8 @@ void PrintEstimateHtmlSection(const EstimateReport& r, const Topology& topology,
   }
   out << "<p class=\"note\">Activations are Megatron's on a GPU as Korthikanti et al. 2022 "
          "count them, walked through the pipeline schedule. The reserve is what a GPU run adds "
-         "(README \"The memory reserve\"): the CUDA context, cuBLAS workspaces, NCCL's buffers "
+         "(docs/estimate.md, \"The memory reserve\"): the CUDA context, cuBLAS workspaces, NCCL's "
+         "buffers "
          "per communicator and the caching allocator's fragmentation, or --reserve-gib.</p>\n";
   if (!r.reserves.empty() && !r.reserves.front().given) {
     out << fmt::format(

@@ -39,13 +39,13 @@ void PrintPeakText(const EstimateReport& r, std::ostream& out) {
     return;
   }
   out << fmt::format(
-      "Reserve (README \"The memory reserve\"): CUDA context {}, cuBLAS workspaces {}, NCCL "
+      "Reserve (docs/estimate.md, \"The memory reserve\"): CUDA context {}, cuBLAS workspaces {}, "
+      "NCCL "
       "buffers {} per communicator the rank uses, allocator fragmentation {:.0f}% of the "
       "activations and buffers\n",
       run::FormatBytes(kCudaContextBytes),
       run::FormatBytes(r.reserves.empty() ? 0 : r.reserves.front().cublas_workspaces),
-      run::FormatBytes(kNcclBytesPerCommunicator),
-      100 * kFragmentation);
+      run::FormatBytes(kNcclBytesPerCommunicator), 100 * kFragmentation);
   out << fmt::format("  {:>5}  {:>12}  {:>13}  {:>12}  {}\n", "stage", "NCCL buffers",
                      "fragmentation", "reserve", "NCCL communicators");
   for (size_t i = 0; i < r.stages.size(); ++i) {

@@ -545,14 +545,12 @@ CheckResult BuildResult(const Config& config, JobReference& job,
   result.header = fmt::format(
       "check against the float64 reference ({} storage; {}):\n"
       "  pass when |a - e| <= allowed * (max|e| + |e|); allowed = {:g} * sqrt(roundings * u^2 + "
-      "terms * u_c^2) {} (README \"Checks and tolerances\")\n",
+      "terms * u_c^2) {} (docs/running.md, \"Checks and tolerances\")\n",
       DTypeName(config.run->dtype),
-      job.stored_dir.empty()
-          ? job.reference->SplitText(world_size)
-          : fmt::format("read from the stored reference {}, each rank its {}", job.stored_dir,
-                        job.reference->UnitName()),
-      kToleranceSafety,
-      job.reference->BudgetText());
+      job.stored_dir.empty() ? job.reference->SplitText(world_size)
+                             : fmt::format("read from the stored reference {}, each rank its {}",
+                                           job.stored_dir, job.reference->UnitName()),
+      kToleranceSafety, job.reference->BudgetText());
   result.memory = fmt::format(
       "reference memory: {:.1f} MiB on the largest rank ({} token rows), {:.1f} MiB for the "
       "whole reference; the largest rank's own tensors: {:.1f} MiB\n",

@@ -2,7 +2,7 @@
 // tensors with their sharding metadata) and DIR/manifest.json (rank 0).
 //
 // What it is: the writer; `mpusim diff` (core/dump/diff.h) is the reader. The file format is in
-// the README ("Dumps").
+// docs/dumps.md.
 // What it is not: a checkpoint (no optimizer state, no way back into a run).
 #pragma once
 

@@ -24,16 +24,15 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 // Gb/s (NDR, DGX H100/H200/B200) network adapter per GPU. The GEMM ceilings are the MAMF
 // table's (ml-engineering compute/accelerator/README.md) over the dense peak: A100 271.2 /
 // 312, H100 794.5 / 989 (H200 "the same"; the H800 is H100 silicon), B200 1745 / 2250 bf16;
-// fp8 H100 1402.6 / 1979, H200 1453.4 / 1979, B200 3432.5 / 4500. README "The time model"
-// cites each figure.
-// Attention efficiencies (README "The time model"): the A100 runs FlashAttention 2 ("auto" there), whose paper (Dao 2023, arXiv
-// 2307.08691) reaches 50-73% of the peak (its abstract), the upper end on long sequences
-// forward; its backward at 16k positions runs at 322 / 370 of its forward in
-// FlashAttention-3's Figures 5 and 6 (Shah et al. 2024, arXiv 2407.08608, head dim 128,
-// H100), so 0.73 x 0.87 = 0.63. H100 and H200 run cuDNN's fused attention ("auto" there),
-// measured in the same figures at 497 (512 positions) to 595 (16k) TFLOP/s forward and 305
-// to 516 backward: the curve e L / (L + L_half) through both ends has e = 599 / 989.4 = 0.605
-// forward, 528 / 989.4 = 0.534 backward. The H200 and H800 are H100 silicon; the B200 keeps
+// fp8 H100 1402.6 / 1979, H200 1453.4 / 1979, B200 3432.5 / 4500. docs/estimate.md, "The time
+// model" cites each figure. Attention efficiencies (docs/estimate.md, "The time model"): the A100
+// runs FlashAttention 2 ("auto" there), whose paper (Dao 2023, arXiv 2307.08691) reaches 50-73% of
+// the peak (its abstract), the upper end on long sequences forward; its backward at 16k positions
+// runs at 322 / 370 of its forward in FlashAttention-3's Figures 5 and 6 (Shah et al. 2024, arXiv
+// 2407.08608, head dim 128, H100), so 0.73 x 0.87 = 0.63. H100 and H200 run cuDNN's fused attention
+// ("auto" there), measured in the same figures at 497 (512 positions) to 595 (16k) TFLOP/s forward
+// and 305 to 516 backward: the curve e L / (L + L_half) through both ends has e = 599 / 989.4 =
+// 0.605 forward, 528 / 989.4 = 0.534 backward. The H200 and H800 are H100 silicon; the B200 keeps
 // the H100's fractions of its own peak (no published measurement of its fused attention is
 // used yet).
 std::vector<GpuSpec> Presets() {

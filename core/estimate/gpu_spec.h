@@ -31,8 +31,8 @@ struct GpuSpec {
   double inter_node_latency_s = 0;
   double peak_flops_8bit = 0;  // dense tensor-core fp8; 0: none (A100)
   int64_t sm_count = 132;      // streaming multiprocessors: the waves of the GEMM curve
-  // The efficiency constants (README "The time model" says where each comes from); the same
-  // for every model and layout. gemm_efficiency and gemm_efficiency_8bit are the GEMM curve's
+  // The efficiency constants (docs/estimate.md, "The time model" says where each comes from); the
+  // same for every model and layout. gemm_efficiency and gemm_efficiency_8bit are the GEMM curve's
   // ceilings: the MAMF measured for the GPU over its dense bf16 and fp8 peaks.
   double gemm_efficiency = 0.80;
   double gemm_efficiency_8bit = 0.70;
@@ -45,7 +45,7 @@ struct GpuSpec {
   // Flash / fused attention's forward and backward FLOP/s on long sequences, as fractions of
   // the 16-bit peak (the backward's FLOPs counted as FlashAttention's benchmarks count them,
   // 2.5 x the forward's: the recomputed QK^T and four GEMMs). A kernel over L keys per query
-  // tile runs at efficiency * L / (L + L_half) (README "The time model" cites both).
+  // tile runs at efficiency * L / (L + L_half) (docs/estimate.md, "The time model" cites both).
   double attention_efficiency_forward = 0.60;
   double attention_efficiency_backward = 0.53;
 };

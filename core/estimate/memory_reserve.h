@@ -2,8 +2,8 @@
 // counts (parameters, main_grad, optimizer state, activations, the pipeline and sequence-
 // parallel buffers), so that "fits" means peak + reserve <= the GPU's memory.
 //
-// What it is, per pipeline stage's busiest rank (README "The memory reserve" has the table
-// and the sources):
+// What it is, per pipeline stage's busiest rank (docs/estimate.md, "The memory reserve" has the
+// table and the sources):
 //   cuda context   kCudaContextBytes: the CUDA context with its loaded kernels, as measured
 //                  under PyTorch (the first CUDA tensor takes 723 MiB of a GPU: PyTorch forum
 //                  "What is the reason for pytorch's GPU memory floor?", discuss.pytorch.org

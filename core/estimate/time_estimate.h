@@ -1,14 +1,14 @@
 // How long one training iteration of a layout takes on a GPU cluster, and the model FLOP/s
 // and MFU that follow, from the config and a GPU description alone.
 //
-// The model, per micro-batch and pipeline stage (README "The time model" has the table):
+// The model, per micro-batch and pipeline stage (docs/estimate.md, "The time model" has the table):
 //   compute     every linear GEMM priced by its own shape (GemmSeconds below: QKV, projection,
 //               fc1, fc2, logits, router, the experts' fc1 and fc2 as one grouped launch of
 //               rows-per-expert GEMMs, the shared expert; backward: each GEMM's dgrad and
 //               wgrad by their shapes), materialised attention's scores and context at the flat
-//               gemm_efficiency x the dense peak (flash / fused: below), plus every memory-bound kernel's bytes
-//               (norms, softmax, dropout, the activation function, bias-dropout-add, cross
-//               entropy, fp8's quantize kernels) at memory_efficiency of the HBM bandwidth;
+//               gemm_efficiency x the dense peak (flash / fused: below), plus every memory-bound
+//               kernel's bytes (norms, softmax, dropout, the activation function, bias-dropout-add,
+//               cross entropy, fp8's quantize kernels) at memory_efficiency of the HBM bandwidth;
 //               backward = twice the forward's bytes, and full recomputation adds a layer's
 //               forward to its backward (selective: the core attention's), reported apart as
 //               recompute (TimeEstimate::recompute_s);

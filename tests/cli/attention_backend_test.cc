@@ -55,7 +55,7 @@ json Estimate(const json& config, const std::string& name, const std::string& gp
   return r.code == 0 ? json::parse(r.out) : json();
 }
 
-// The H100 preset's figures (core/estimate/gpu_spec.cc, README "The time model").
+// The H100 preset's figures (core/estimate/gpu_spec.cc, docs/estimate.md, "The time model").
 // kGemm: the GEMM curve's ceiling, the MAMF over the peak, at which materialised attention's
 // scores and context run.
 constexpr double kPeak = 989.4e12, kGemm = 794.5 / 989.4, kHbm = 3350e9 * 0.8;

@@ -1,6 +1,6 @@
-// The GEMM curve of the time model (core/estimate/time_estimate.h, README "The time model"):
-// its shape, the presets' figures, fp8, and the refusals. Expected values are computed here
-// from the documented formula (tile and wave quantization with the 256 x 128 tile over the
+// The GEMM curve of the time model (core/estimate/time_estimate.h, docs/estimate.md, "The time
+// model"): its shape, the presets' figures, fp8, and the refusals. Expected values are computed
+// here from the documented formula (tile and wave quantization with the 256 x 128 tile over the
 // SMs, the HBM roofline, the MAMF ceiling), not copied from the program's output.
 #include <sys/wait.h>
 

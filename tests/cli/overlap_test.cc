@@ -74,8 +74,8 @@ Estimated Estimate(const json& doc, const GpuSpec& gpu) {
 
 GpuSpec H100() { return *FindGpuPreset("h100-80gb"); }
 
-// The hand formulas (README "The time model"): a ring collective over n ranks in `phases`
-// passes, and what a pipeline of k chunks leaves exposed beside `compute`.
+// The hand formulas (docs/estimate.md, "The time model"): a ring collective over n ranks in
+// `phases` passes, and what a pipeline of k chunks leaves exposed beside `compute`.
 double Ring(double bytes, double n, double phases, const GpuSpec& gpu) {
   const double bw = gpu.intra_node_bandwidth * gpu.collective_efficiency;
   return phases * (n - 1) / n * bytes / bw + phases * (n - 1) * gpu.intra_node_latency_s;

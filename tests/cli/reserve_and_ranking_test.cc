@@ -35,7 +35,7 @@ json MpusimJson(const std::vector<std::string>& args) {
   return json::parse(r.out);
 }
 
-// The documented constants (README "The memory reserve"), written out again here.
+// The documented constants (docs/estimate.md, "The memory reserve"), written out again here.
 constexpr double kMiB = 1024.0 * 1024.0;
 constexpr double kGiB = 1024.0 * kMiB;
 constexpr double kContext = 723 * kMiB;

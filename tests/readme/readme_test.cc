@@ -2,7 +2,7 @@
 // its output (stdout and stderr together) is compared with the lines that follow it in the
 // block.
 //
-// Rules (README "Tests" repeats them for authors):
+// Rules (docs/testing.md, "Tests" repeats them for authors):
 //   - `mpusim` and `build/cli/mpusim` run the binary this build made; `mpirun -n N` runs it on
 //     N ranks (with --oversubscribe); commands run from the repository root.
 //   - A line `...` (indented or not) in the README stands for any number of output lines.
@@ -19,11 +19,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -149,20 +152,42 @@ bool Matches(const std::vector<std::string>& expected, const std::vector<std::st
   return a >= actual.size();
 }
 
+// README.md and every docs/*.md, in that order (the text moved from the README into docs/ is
+// tested where it went).
+std::vector<std::filesystem::path> DocFiles() {
+  namespace fs = std::filesystem;
+  std::vector<fs::path> files;
+  for (const auto& entry : fs::directory_iterator(fs::path(MPUSIM_SOURCE_DIR) / "docs")) {
+    if (entry.path().extension() == ".md") files.push_back(entry.path());
+  }
+  std::sort(files.begin(), files.end());
+  files.insert(files.begin(), fs::path(MPUSIM_SOURCE_DIR) / "README.md");
+  return files;
+}
+
 TEST(ReadmeTranscripts, EveryCommandPrintsWhatTheReadmeShows) {
-  const std::vector<std::string> lines = ReadLines(std::string(MPUSIM_SOURCE_DIR) + "/README.md");
-  ASSERT_FALSE(lines.empty());
+  struct Located {
+    std::string file;
+    Transcript t;
+  };
+  std::vector<Located> transcripts;
   int skipped = 0;
-  const std::vector<Transcript> transcripts = Transcripts(lines, &skipped);
-  EXPECT_GE(transcripts.size(), 10u);
+  for (const std::filesystem::path& file : DocFiles()) {
+    const std::vector<std::string> lines = ReadLines(file.string());
+    ASSERT_FALSE(lines.empty()) << file;
+    for (Transcript& t : Transcripts(lines, &skipped)) {
+      transcripts.push_back({file.lexically_relative(MPUSIM_SOURCE_DIR).string(), std::move(t)});
+    }
+  }
+  EXPECT_GE(transcripts.size(), 30u);
   static const std::regex planner(R"(mpusim (layout|schedule|explain|estimate|advise)\b)");
   int sanitizer_skipped = 0;
-  for (const Transcript& t : transcripts) {
+  for (const auto& [file, t] : transcripts) {
     if (SanitizerSkips(t.command)) {
       ++sanitizer_skipped;
       continue;
     }
-    SCOPED_TRACE(fmt::format("README.md:{}: $ {}", t.line, t.command));
+    SCOPED_TRACE(fmt::format("{}:{}: $ {}", file, t.line, t.command));
     std::vector<std::string> actual;
     std::istringstream text(RunShell(ShellCommand(t.command)));
     for (std::string line; std::getline(text, line);) actual.push_back(line);
@@ -172,7 +197,8 @@ TEST(ReadmeTranscripts, EveryCommandPrintsWhatTheReadmeShows) {
         << why << "\n(the whole output: " << actual.size() << " lines)";
   }
   std::cout << fmt::format(
-      "{} README commands run and compared, {} blocks marked skip, {} left to the release build\n",
+      "{} commands of the README and docs/ run and compared, {} blocks marked skip, {} left to "
+      "the release build\n",
       transcripts.size() - static_cast<size_t>(sanitizer_skipped), skipped, sanitizer_skipped);
 }
 
@@ -181,10 +207,15 @@ TEST(ReadmeTranscripts, EveryCommandPrintsWhatTheReadmeShows) {
 // one). A key added to the table without a row, or a default changed in one place only,
 // fails here.
 TEST(ReadmeKeyTables, TheParallelTableIsTheFieldTable) {
-  const std::vector<std::string> lines = ReadLines(std::string(MPUSIM_SOURCE_DIR) + "/README.md");
+  std::vector<std::string> lines;
   size_t at = 0;
-  while (at < lines.size() && lines[at].rfind("| `parallel` key | default |", 0) != 0) ++at;
-  ASSERT_LT(at, lines.size()) << "README.md has no `parallel` key table";
+  for (const std::filesystem::path& file : DocFiles()) {
+    lines = ReadLines(file.string());
+    for (at = 0; at < lines.size() && lines[at].rfind("| `parallel` key | default |", 0) != 0;)
+      ++at;
+    if (at < lines.size()) break;
+  }
+  ASSERT_LT(at, lines.size()) << "neither README.md nor docs/ has the `parallel` key table";
   std::vector<std::pair<std::string, std::string>> rows;  // key, default's first word
   for (size_t i = at + 2; i < lines.size() && lines[i].rfind("| `", 0) == 0; ++i) {
     static const std::regex row(R"(^\| `([a-z0-9_]+)` \| `?([^ |`]+))");
@@ -206,10 +237,15 @@ TEST(ReadmeKeyTables, TheParallelTableIsTheFieldTable) {
 // section, what an absent key resolves to (the field's `absent`, "4 * hidden_size") or
 // "required". A default cell may go on after it in words ("null (dropless)").
 TEST(ReadmeKeyTables, TheGptTableIsTheFieldTable) {
-  const std::vector<std::string> lines = ReadLines(std::string(MPUSIM_SOURCE_DIR) + "/README.md");
+  std::vector<std::string> lines;
   size_t at = 0;
-  while (at < lines.size() && lines[at].rfind("| `model` key (GPT) | default |", 0) != 0) ++at;
-  ASSERT_LT(at, lines.size()) << "README.md has no `model` key (GPT) table";
+  for (const std::filesystem::path& file : DocFiles()) {
+    lines = ReadLines(file.string());
+    for (at = 0; at < lines.size() && lines[at].rfind("| `model` key (GPT) | default |", 0) != 0;)
+      ++at;
+    if (at < lines.size()) break;
+  }
+  ASSERT_LT(at, lines.size()) << "neither README.md nor docs/ has the `model` key (GPT) table";
   std::vector<std::string> keys;
   std::vector<std::string> defaults;  // the default cell, without backticks
   for (size_t i = at + 2; i < lines.size() && lines[i].rfind("| `", 0) == 0; ++i) {
@@ -356,6 +392,77 @@ TEST(DocsClaims, EveryNotBuiltClaimIsStillRefused) {
   }
   EXPECT_GE(claims, 8);
   std::cout << fmt::format("{} \"not built\" claims, {} refusals run\n", claims, runs);
+}
+
+// GitHub's anchor for a heading: lower case, every character but letters, digits, '_', '-'
+// and spaces dropped, spaces made '-'.
+std::string HeadingAnchor(const std::string& heading) {
+  std::string out;
+  for (const char c : heading) {
+    const auto u = static_cast<unsigned char>(c);
+    if (std::isalnum(u) != 0 || c == '_' || c == '-') out += static_cast<char>(std::tolower(u));
+    if (c == ' ') out += '-';
+  }
+  return out;
+}
+
+// The anchors of a markdown file's headings (outside code blocks), a repeated one numbered as
+// GitHub numbers it ("x", "x-1", ...).
+std::set<std::string> Anchors(const std::vector<std::string>& lines) {
+  std::set<std::string> out;
+  std::map<std::string, int> seen;
+  bool fence = false;
+  static const std::regex heading(R"(^#{1,6} (.*)$)");
+  for (const std::string& line : lines) {
+    if (line.rfind("```", 0) == 0) fence = !fence;
+    std::smatch m;
+    if (fence || !std::regex_match(line, m, heading)) continue;
+    const std::string anchor = HeadingAnchor(m[1]);
+    const int n = seen[anchor]++;
+    out.insert(n == 0 ? anchor : fmt::format("{}-{}", anchor, n));
+  }
+  return out;
+}
+
+// The README and docs/ point into each other: every relative link names a file that exists,
+// and a link into a markdown file's #anchor names one of its headings (a section that moved
+// or was renamed fails here, not in a reader's browser).
+TEST(DocsLinks, EveryRelativeLinkResolves) {
+  namespace fs = std::filesystem;
+  static const std::regex link(R"(\]\(([^)\s]+)\))");
+  std::map<fs::path, std::set<std::string>> anchors;
+  const auto anchors_of = [&](const fs::path& file) -> const std::set<std::string>& {
+    auto it = anchors.find(file);
+    if (it == anchors.end()) it = anchors.emplace(file, Anchors(ReadLines(file.string()))).first;
+    return it->second;
+  };
+  int links = 0;
+  for (const fs::path& file : DocFiles()) {
+    const std::vector<std::string> lines = ReadLines(file.string());
+    bool fence = false;
+    for (size_t i = 0; i < lines.size(); ++i) {
+      if (lines[i].rfind("```", 0) == 0) fence = !fence;
+      if (fence) continue;
+      for (auto it = std::sregex_iterator(lines[i].begin(), lines[i].end(), link);
+           it != std::sregex_iterator(); ++it) {
+        const std::string target = (*it)[1];
+        if (std::regex_search(target, std::regex("^[a-z]+:"))) continue;  // https:, mailto:
+        ++links;
+        SCOPED_TRACE(fmt::format("{}:{}: ({})", file.filename().string(), i + 1, target));
+        const size_t hash = target.find('#');
+        const std::string path = target.substr(0, hash);
+        const fs::path resolved =
+            path.empty() ? file : (file.parent_path() / path).lexically_normal();
+        ASSERT_TRUE(fs::exists(resolved)) << resolved;
+        if (hash != std::string::npos && resolved.extension() == ".md") {
+          EXPECT_EQ(anchors_of(resolved).count(target.substr(hash + 1)), 1u)
+              << "no heading of " << resolved.filename() << " has that anchor";
+        }
+      }
+    }
+  }
+  EXPECT_GE(links, 40);
+  std::cout << fmt::format("{} relative links resolved\n", links);
 }
 
 }  // namespace
