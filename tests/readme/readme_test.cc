@@ -465,4 +465,17 @@ TEST(DocsLinks, EveryRelativeLinkResolves) {
   std::cout << fmt::format("{} relative links resolved\n", links);
 }
 
+// The README's picture is what `mpusim schedule` draws today: regenerate it with the command
+// under it when the drawing changes.
+TEST(DocsLinks, TheReadmePictureIsTheScheduleDrawnToday) {
+  const std::string drawn = RunShell(fmt::format(
+      "{} schedule sample_configs/gpt_pipeline_p4_v2_n4.json --format svg", MPUSIM_BINARY));
+  std::ifstream in(std::string(MPUSIM_SOURCE_DIR) + "/docs/images/schedule_p4_v2.svg");
+  const std::string committed(std::istreambuf_iterator<char>(in), {});
+  EXPECT_FALSE(committed.empty());
+  EXPECT_TRUE(drawn == committed)
+      << "docs/images/schedule_p4_v2.svg is stale: build/cli/mpusim schedule "
+         "sample_configs/gpt_pipeline_p4_v2_n4.json --format svg > docs/images/schedule_p4_v2.svg";
+}
+
 }  // namespace
