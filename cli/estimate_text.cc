@@ -121,17 +121,20 @@ void PrintTimeText(const Config& config, const Topology& topology, const TimeEst
                        SecondsText(s.backward_s));
   }
   out << '\n';
-  out << "  communication per iteration (busiest stage's rank):\n";
+  out << "  communication per iteration (busiest stage's rank): calls x bytes per call = bytes "
+         "sent\n";
   for (const CommTime& c : t.communication) {
     // With overlap, each row's exposed seconds and its hidden ones.
-    out << fmt::format("    {:<3} {:<28} {:>7} x  {:>10} sent  {:>10}  {}{}\n", c.kind,
-                       c.operation, c.count, run::FormatBytes(static_cast<PlanBytes>(c.bytes)),
-                       SecondsText(c.seconds),
-                       AnyOverlap(config)
-                           ? fmt::format("exposed {:>10} hidden  ",
-                                         c.hidden_s > 0 ? SecondsText(c.hidden_s) : "-")
-                           : "",
-                       c.inter_node ? "across nodes" : "in a node");
+    // Each call's size beside the total (the kind's column as wide as "expt_dp").
+    const double per_call = c.count > 0 ? c.bytes / static_cast<double>(c.count) : 0.0;
+    out << fmt::format(
+        "    {:<7} {:<28} {:>7} x {:>10} = {:>10} sent  {:>10}  {}{}\n", c.kind, c.operation,
+        c.count, run::FormatBytes(static_cast<PlanBytes>(per_call)),
+        run::FormatBytes(static_cast<PlanBytes>(c.bytes)), SecondsText(c.seconds),
+        AnyOverlap(config)
+            ? fmt::format("exposed {:>10} hidden  ", c.hidden_s > 0 ? SecondsText(c.hidden_s) : "-")
+            : "",
+        c.inter_node ? "across nodes" : "in a node");
   }
   const bool ring = topology.sizes().cp > 1 && facts.cp_comm_type == CpCommType::kP2p;
   out << fmt::format(

@@ -346,10 +346,15 @@ Status RunReport::WriteTrace(const Topology& topology, const SimulationResult& r
                         {"tid", 0},
                         {"args", {{"name", fmt::format("node {}", node)}}}});
     }
-    const std::string rank_name =
-        topology.sizes().cp > 1
-            ? fmt::format("rank {} (tp {}, cp {}, pp {}, dp {})", rank, c.tp, c.cp, c.pp, c.dp)
-            : fmt::format("rank {} (tp {}, pp {}, dp {})", rank, c.tp, c.pp, c.dp);
+    // Every coordinate the layout has: cp, ep and etp only where they split something.
+    const DerivedSizes& sz = topology.sizes();
+    std::vector<std::string> coordinates = {fmt::format("tp {}", c.tp)};
+    if (sz.cp > 1) coordinates.push_back(fmt::format("cp {}", c.cp));
+    if (sz.ep > 1) coordinates.push_back(fmt::format("ep {}", c.ep));
+    if (sz.experts_apart() && sz.etp != sz.tp) coordinates.push_back(fmt::format("etp {}", c.etp));
+    coordinates.push_back(fmt::format("pp {}", c.pp));
+    coordinates.push_back(fmt::format("dp {}", c.dp));
+    const std::string rank_name = fmt::format("rank {} ({})", rank, fmt::join(coordinates, ", "));
     const int64_t steps = rank, collectives = world + rank, p2p = 2 * world + rank;
     for (const auto& [tid, name, order] :
          {std::tuple{steps, rank_name, 3 * rank},
@@ -594,7 +599,9 @@ void RunReport::PrintStages(const SimulationResult& result, const PipelineSchedu
 void RunReport::PrintCommTrace(const CommTrace& trace) {
   std::map<CommSummaryKey, std::pair<int64_t, int64_t>> summary;  // count, bytes
   for (const CommRecord& r : trace.records()) {
-    auto& entry = summary[{r.phase, r.site, r.op, r.group}];
+    // The check's gathers for the records, whichever step made them, are one row.
+    const bool check = r.site.find("for records") != std::string::npos;
+    auto& entry = summary[{check ? Phase::kOther : r.phase, r.site, r.op, r.group}];
     entry.first += 1;
     entry.second += r.bytes;
   }
@@ -615,9 +622,13 @@ void RunReport::PrintCommTrace(const CommTrace& trace) {
   out_ << fmt::format("  {:<9} {:<{}} {:<{}} {:<{}} {:>6} {:>14}\n", "phase", "issued by",
                       site_width, "op", op_width, "group", group_width, "count", "bytes");
   for (const auto& [key, value] : summary) {
-    out_ << fmt::format("  {:<9} {:<{}} {:<{}} {:<{}} {:>6} {:>14}\n", PhaseName(key.phase),
-                        key.site, site_width, op_name(key.op), op_width, key.group, group_width,
-                        value.first, value.second);
+    // What only the check needs (a layer's tensors gathered for the records) is the check's,
+    // not Megatron's: its phase says so.
+    const bool check = key.site.find("for records") != std::string::npos;
+    out_ << fmt::format("  {:<9} {:<{}} {:<{}} {:<{}} {:>6} {:>14}\n",
+                        check ? "check" : PhaseName(key.phase), key.site, site_width,
+                        op_name(key.op), op_width, key.group, group_width, value.first,
+                        value.second);
   }
 }
 

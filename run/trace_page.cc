@@ -13,7 +13,8 @@ namespace {
 // and its sends and receives (tid 2W + r: each message in flight from its posting to the end
 // of its wait as a thin translucent bar, the wait, when the rank was blocked, solid), and its
 // share of the step in forward and backward steps; W is otherData.ranks (run/report.cc
-// WriteTrace). Micro-batches get hues a golden angle apart; collectives are greys. Plain DOM,
+// WriteTrace). Micro-batches get hues a golden angle apart; collectives and send / recv waits
+// are coloured by the kind of group they ran on, with a legend of the kinds present. Plain DOM,
 // no libraries.
 constexpr const char* kScript = R"JS(
 const T = JSON.parse(document.getElementById('trace').textContent);
@@ -39,13 +40,24 @@ for (const s of slices.concat(flights)) {
 const steps = slices.filter(s => s.cat === 'forward' || s.cat === 'backward' || s.cat === 'recompute');
 const microbatches = 1 + Math.max(0, ...steps.map(s => s.args.microbatch));
 const hue = m => Math.round(m * 137.508) % 360;
-const commColour = {'all-reduce': '#222', 'all-gather': '#666', 'reduce-scatter': '#999',
-                    'broadcast': '#bbb', 'send': '#444', 'recv': '#444'};
+// Collectives and waits by the kind of group they ran on (the op is in the tooltip): the tensor-,
+// context-, expert- and data-parallel families, the pipeline and the tied embeddings.
+const groupKinds = [
+  ['tensor parallel (tp)', '#1f5fae', g => g === 'tp'],
+  ['context parallel (cp, hcp)', '#2e8b3d', g => g === 'cp' || g.startsWith('hcp') || g === 'tp_cp'],
+  ['experts (ep, etp, tp_ep)', '#d0661a', g => g === 'ep' || g === 'etp' || g.startsWith('expt_tp') || g === 'tp_ep'],
+  ['data parallel (dp, dp_cp, expt_dp, dist. optimizer)', '#7a3ea3',
+   g => g.startsWith('dp') || g.startsWith('expt_dp') || g.endsWith('dist_opt')],
+  ['pipeline (pp)', '#8b5a2b', g => g === 'pp'],
+  ['embeddings (embd, position_embedding)', '#b0306e', g => g === 'embd' || g === 'position_embedding'],
+];
+const groupOf = s => (s.args && s.args.group) || s.name.split(' ').slice(-1)[0];
+function groupColour(g) {
+  for (const [, c, test] of groupKinds) if (test(g)) return c;
+  return '#777';
+}
 function colour(s) {
-  if (s.cat === 'comm' || s.cat === 'p2p wait') {
-    const op = s.name.split(' ')[0].replace('(max)', '');
-    return commColour[op] || '#888';
-  }
+  if (s.cat === 'comm' || s.cat === 'p2p wait') return groupColour(groupOf(s));
   const h = hue(s.args.microbatch);
   if (s.cat === 'recompute') return 'hsl(' + h + ', 30%, 35%)';
   return 'hsl(' + h + ', ' + (s.cat === 'forward' ? '70%, 72%' : '60%, 45%') + ')';
@@ -68,7 +80,24 @@ function legend() {
   r.style.background = colour({cat: 'recompute', args: {microbatch: 0}});
   r.style.color = '#fff';
   r.textContent = 'recomputation (band, shaded by micro-batch)';
-  box.appendChild(r);
+  box.appendChild(r);  // The group kinds this trace has, in their colours.
+  const groups = document.getElementById('groups');
+  groups.replaceChildren('collectives and send / recv waits by group: ');
+  const present = new Set(slices.filter(s => s.cat === 'comm' || s.cat === 'p2p wait').map(groupOf));
+  for (const [label, c, test] of groupKinds.concat([['other', '#777', g => true]])) {
+    const names = [...present].filter(g => test(g));
+    names.forEach(g => present.delete(g));
+    if (names.length === 0) continue;
+    const span = document.createElement('span');
+    span.style.background = c;
+    span.style.color = '#fff';
+    span.textContent = label + ': ' + names.sort().join(', ');
+    groups.appendChild(span);
+  }
+  const flight = document.createElement('span');
+  flight.style.background = 'rgba(136,136,136,0.35)';
+  flight.textContent = 'a message in flight';
+  groups.appendChild(flight);
 }
 function draw() {
   // 1x fits the window; the zoom menu multiplies it.
@@ -166,12 +195,7 @@ std::string TracePageHtml(const nlohmann::ordered_json& trace, const std::string
       "id=\"zoom\"><option value=\"1\">1x</option><option "
       "value=\"2\">2x</option><option value=\"4\">4x</option><option value=\"8\">8x</option>"
       "<option value=\"16\">16x</option></select></p>\n"
-      "<p class=\"legend\">collectives: <span style=\"background:#222;color:#fff\">"
-      "all-reduce</span><span style=\"background:#666;color:#fff\">all-gather</span><span "
-      "style=\"background:#999\">reduce-scatter</span><span "
-      "style=\"background:#bbb\">broadcast</span> send / recv: <span "
-      "style=\"background:#444;color:#fff\">waiting</span><span "
-      "style=\"background:rgba(136,136,136,0.35)\">in flight</span></p>\n"
+      "<p class=\"legend\" id=\"groups\"></p>\n"
       "<p class=\"legend\" id=\"microbatches\"></p>\n"
       "<div id=\"timeline\"></div>\n"
       "<script id=\"trace\" type=\"application/json\">{2}</script>\n"

@@ -662,6 +662,18 @@ TEST(RunCommand, TraceEventsNestOnEverySample) {
     const nlohmann::json events = nlohmann::json::parse(written);
     EXPECT_EQ(TraceNestingError(events), "") << entry.path();
     EXPECT_EQ(events.at("otherData").at("ranks"), ranks) << entry.path();
+    // Rank 0's row names every coordinate its layout has: cp and ep where they split.
+    const nlohmann::json& parallel = config.at("parallel");
+    const auto size = [&](const char* key) { return parallel.value(key, int64_t{1}); };
+    for (const nlohmann::json& e : events.at("traceEvents")) {
+      if (e.value("name", "") != "thread_name" || e.at("tid") != 0) continue;
+      const std::string name = e.at("args").at("name");
+      EXPECT_TRUE(name.starts_with("rank 0 (tp 0, ")) << name;
+      EXPECT_EQ(name.find(", cp 0") != std::string::npos, size("context_parallel_size") > 1)
+          << entry.path() << ": " << name;
+      EXPECT_EQ(name.find(", ep 0") != std::string::npos, size("expert_model_parallel_size") > 1)
+          << entry.path() << ": " << name;
+    }
     ++traced;
   }
   EXPECT_GE(traced, 10);
@@ -1256,7 +1268,7 @@ TEST(EstimateCommand, StepTimeOfMoeLayersMatchesCountsByHand) {
                               "--gpu", "h100-80gb"});
   ASSERT_EQ(text.code, 0) << text.err;
   EXPECT_NE(text.out.find(" + ep "), std::string::npos) << text.out;
-  EXPECT_NE(text.out.find("    ep  all-to-all "), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("    ep      all-to-all "), std::string::npos) << text.out;
 }
 
 // Megatron's activation count of mixture-of-experts layers, against the dense count: a GPT
