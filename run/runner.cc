@@ -168,11 +168,20 @@ int RankRun::Run() {
   }
   SimulateOptions simulate{options_.check, options_.repeat, !options_.dump_dir.empty(),
                            !options_.trace_path.empty(), reference};
-  // A training run of several iterations says each one as it ends (rank 0), before the
-  // report and its checked table.
+  // A training run of several iterations says how it goes as it goes (rank 0), before the
+  // report and its checked table: its first iteration, then at most one a second, and its
+  // last. (Not every one: a long run's lines would flood mpirun's forwarding, which stops
+  // reading when mpirun is interrupted, and a rank blocked writing never reaches its safe
+  // point.)
   const int64_t iterations = config_.optimizer && config_.run ? config_.run->train_iters : 0;
+  double last_said = -1;
   if (world_rank_ == 0 && iterations > 1) {
-    simulate.on_iteration = [&](const TrainedIteration& row) {
+    simulate.on_iteration = [&, iterations](const TrainedIteration& row) {
+      const double now =
+          std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+              .count();
+      if (row.iteration != 1 && row.iteration != iterations && now - last_said < 1.0) return;
+      last_said = now;
       out_ << fmt::format(
                   "iteration {} of {}: loss {:.10g}, grad norm {:.4g}, lr {:.4g} ({:.3f} s)",
                   row.iteration, iterations, row.loss, row.grad_norm, row.lr, row.seconds)
