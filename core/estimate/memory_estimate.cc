@@ -93,13 +93,11 @@ StatusOr<HeldMemory> EstimateHeldMemory(const Config& config, const Topology& to
     shapes = (*built)->HeldParameterShapes();
   }
   if (config.optimizer && config.optimizer->use_torch_fsdp2) {
-    // FSDP2 keeps rows [r c, min((r + 1) c, n)) of dim 0 of each piece, c = ceil(n / D), over
-    // the D ranks of dp x cp (core/model/fully_shard.h).
+    // FSDP2 keeps its rows of dim 0 of each piece over the D ranks of dp x cp
+    // (core/model/fully_shard.h FullyShardRows).
     const auto [d, r] = GroupPosition(topology, "dp_cp", rank);
     for (HeldParameterShape& p : shapes) {
-      if (p.local_shape.empty()) continue;
-      const int64_t n = p.local_shape[0], c = (n + d - 1) / d;
-      p.local_shape[0] = std::clamp<int64_t>(n - r * c, 0, c);
+      if (!p.local_shape.empty()) p.local_shape[0] = FullyShardRows(p.local_shape[0], d, r).count();
     }
   }
   const DType storage = config.run ? config.run->dtype : DType::kFloat32;

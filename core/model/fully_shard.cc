@@ -35,12 +35,6 @@ class UnitSite {
   std::string before_;
 };
 
-// Rows [first, end) of rank r for n rows over D ranks (torch.chunk's split).
-std::pair<int64_t, int64_t> ChunkRows(int64_t n, int64_t D, int64_t r) {
-  const int64_t c = (n + D - 1) / D;
-  return {std::min(n, r * c), std::min(n, (r + 1) * c)};
-}
-
 std::string ShapeText(const Shape& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
 
 }  // namespace
@@ -74,7 +68,7 @@ void ExplainFullyShard(const std::vector<FullyShardUnitPlan>& units,
       block += (n + D - 1) / D * inner;
       std::string ranks;
       for (int64_t r = 0; r < D && r < 8; ++r) {
-        const auto [first, end] = ChunkRows(n, D, r);
+        const auto [first, end] = FullyShardRows(n, D, r);
         ranks += fmt::format("{}dp {}: {}", r == 0 ? "" : ", ", r,
                              end > first ? fmt::format("rows {}-{}", first, end - 1) : "none");
       }
@@ -89,8 +83,9 @@ void ExplainFullyShard(const std::vector<FullyShardUnitPlan>& units,
   }
 }
 
-int64_t FullyShard::RowsOf(int64_t rows, int64_t chunk, int64_t r) const {
-  return std::clamp<int64_t>(rows - r * chunk, 0, chunk);
+RowRange FullyShardRows(int64_t rows, int64_t group_size, int64_t r) {
+  const int64_t c = (rows + group_size - 1) / group_size;
+  return {std::min(rows, r * c), std::min(rows, (r + 1) * c)};
 }
 
 FullyShard::FullyShard(std::vector<Unit> units, Communicator& group, bool reshard_after_forward,
@@ -112,7 +107,7 @@ FullyShard::FullyShard(std::vector<Unit> units, Communicator& group, bool reshar
       h.offset = state.block;
       state.block += h.chunk * h.inner;
       // This rank's rows, copied out of the whole value.
-      const int64_t mine = RowsOf(h.rows, h.chunk, r);
+      const int64_t mine = RowsOf(h, r);
       Shape shape = p->value.shape();
       shape[0] = mine;
       h.shard = std::make_unique<Parameter>(*p);
@@ -158,7 +153,7 @@ void FullyShard::Unshard(Kernels& k, size_t u, CommTrace& trace) {
     Tensor whole = k.Empty(shape, dtype);
     for (int64_t q = 0; q < D; ++q) {
       CopyElements(k, all, q * state.block + h.offset, whole, q * h.chunk * h.inner,
-                   RowsOf(h.rows, h.chunk, q) * h.inner);
+                   RowsOf(h, q) * h.inner);
     }
     h.model->value = whole;
   }
@@ -204,7 +199,7 @@ void FullyShard::PostBackward(Kernels& k, size_t u, CommTrace& trace) {
       const Piece& h = held_[i];
       for (int64_t q = 0; q < D; ++q) {
         CopyElements(k, h.model->grad, q * h.chunk * h.inner, all, q * state.block + h.offset,
-                     RowsOf(h.rows, h.chunk, q) * h.inner);
+                     RowsOf(h, q) * h.inner);
       }
     }
     Tensor mine = all;
@@ -215,7 +210,7 @@ void FullyShard::PostBackward(Kernels& k, size_t u, CommTrace& trace) {
     }
     for (size_t i : reduced) {
       Piece& h = held_[i];
-      const int64_t count = RowsOf(h.rows, h.chunk, r) * h.inner;
+      const int64_t count = RowsOf(h, r) * h.inner;
       if (count > 0) {
         Tensor grad = h.shard->grad.FlatSlice(0, count);
         k.Axpy(1.0, mine.FlatSlice(h.offset, count), grad);

@@ -42,6 +42,15 @@
 
 namespace mpusim {
 
+// The rows of dim 0 that rank r of `group_size` keeps of a tensor of `rows` rows, as
+// torch.chunk splits them: [r c, min((r + 1) c, rows)) with c = ceil(rows / group_size), none
+// past the end. The one definition the executor, explain and the estimate use.
+struct RowRange {
+  int64_t first = 0, end = 0;
+  int64_t count() const { return end - first; }
+};
+RowRange FullyShardRows(int64_t rows, int64_t group_size, int64_t r);
+
 // A unit as a model declares it (Model::FullyShardUnits), before anything is allocated: the
 // module fully_shard wraps, whether it is the root, and the parameters it holds (state-dict
 // names; every parameter the rank holds is in exactly one unit).
@@ -111,8 +120,10 @@ class FullyShard {
     int64_t block = 0;         // S
     bool whole = false;        // the model's parameters hold the gathered values
   };
-  // Rows of rank r (of the group) for a parameter of `rows` rows in chunks of `chunk`.
-  int64_t RowsOf(int64_t rows, int64_t chunk, int64_t r) const;
+  // Rows of rank q of the group for piece h.
+  int64_t RowsOf(const Piece& h, int64_t q) const {
+    return FullyShardRows(h.rows, group_.Size(), q).count();
+  }
   void Unshard(Kernels& k, size_t u, CommTrace& trace);
   void Release(size_t u);
 
