@@ -103,7 +103,7 @@ FullyShard::FullyShard(std::vector<Unit> units, Communicator& group, bool reshar
       h.trainable = p->grad.defined();
       h.rows = p->value.shape()[0];
       h.inner = h.rows == 0 ? 0 : p->value.numel() / h.rows;
-      h.chunk = (h.rows + D - 1) / D;
+      h.chunk = FullyShardRows(h.rows, D, 0).count();
       h.offset = state.block;
       state.block += h.chunk * h.inner;
       // This rank's rows, copied out of the whole value.
@@ -234,7 +234,7 @@ Tensor FullyShard::GatherRows(Kernels& k, Communicator& group, const Tensor& pie
   const int64_t D = group.Size();
   const int64_t rows = whole.at(0);
   const int64_t inner = rows == 0 ? 0 : NumElements(whole) / rows;
-  const int64_t chunk = (rows + D - 1) / D;
+  const int64_t chunk = FullyShardRows(rows, D, 0).count();  // the padded rows of every rank
   Tensor block = k.Zeros({chunk * inner}, piece.dtype());
   CopyElements(k, piece, 0, block, 0, piece.numel());
   Tensor all = block;

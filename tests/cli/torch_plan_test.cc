@@ -478,6 +478,23 @@ TEST(TorchPlan, FullyShardOnTheGptTrainsTheMegatronLayoutsCurve) {
   EXPECT_NE(refusal(piped, "mpusim_fsdp_pp.json")
                 .find("optimizer.use_torch_fsdp2: needs pipeline_model_parallel_size 1, got 2"),
             std::string::npos);
+  json half = Trained(megatron, true);
+  half["run"]["dtype"] = "float16";
+  EXPECT_NE(refusal(half, "mpusim_fsdp_fp16.json")
+                .find("optimizer.use_torch_fsdp2: cannot train in fp16"),
+            std::string::npos);
+  json fused = Trained(megatron, true);
+  fused["parallel"]["gradient_accumulation_fusion"] = true;
+  EXPECT_NE(refusal(fused, "mpusim_fsdp_fusion.json")
+                .find("optimizer.use_torch_fsdp2: cannot be combined with "
+                      "parallel.gradient_accumulation_fusion"),
+            std::string::npos);
+  json reshard = Trained(megatron, false);
+  reshard["optimizer"]["torch_fsdp2_reshard_after_forward"] = false;
+  EXPECT_NE(refusal(reshard, "mpusim_fsdp_reshard.json")
+                .find("optimizer.torch_fsdp2_reshard_after_forward: is false, but "
+                      "use_torch_fsdp2 is not true"),
+            std::string::npos);
   json sharded = Trained(megatron, true);
   sharded["optimizer"]["use_distributed_optimizer"] = true;
   EXPECT_NE(refusal(sharded, "mpusim_fsdp_distopt.json")

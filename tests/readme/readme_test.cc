@@ -202,19 +202,24 @@ TEST(ReadmeTranscripts, EveryCommandPrintsWhatTheReadmeShows) {
       transcripts.size() - static_cast<size_t>(sanitizer_skipped), skipped, sanitizer_skipped);
 }
 
+// The lines of the README or docs/ file holding the table whose header starts with `header`,
+// and the header's index in them (lines.size() when no file has it).
+std::pair<std::vector<std::string>, size_t> FindTable(const std::string& header) {
+  for (const std::filesystem::path& file : DocFiles()) {
+    std::vector<std::string> lines = ReadLines(file.string());
+    for (size_t at = 0; at < lines.size(); ++at) {
+      if (lines[at].rfind(header, 0) == 0) return {std::move(lines), at};
+    }
+  }
+  return {{}, 0};
+}
+
 // The README's `parallel` key table is the section's field table: every key, in the table's
 // order, with its default (the echo of a default section; "required" for a key without
 // one). A key added to the table without a row, or a default changed in one place only,
 // fails here.
 TEST(ReadmeKeyTables, TheParallelTableIsTheFieldTable) {
-  std::vector<std::string> lines;
-  size_t at = 0;
-  for (const std::filesystem::path& file : DocFiles()) {
-    lines = ReadLines(file.string());
-    for (at = 0; at < lines.size() && lines[at].rfind("| `parallel` key | default |", 0) != 0;)
-      ++at;
-    if (at < lines.size()) break;
-  }
+  const auto [lines, at] = FindTable("| `parallel` key | default |");
   ASSERT_LT(at, lines.size()) << "neither README.md nor docs/ has the `parallel` key table";
   std::vector<std::pair<std::string, std::string>> rows;  // key, default's first word
   for (size_t i = at + 2; i < lines.size() && lines[i].rfind("| `", 0) == 0; ++i) {
@@ -237,14 +242,7 @@ TEST(ReadmeKeyTables, TheParallelTableIsTheFieldTable) {
 // section, what an absent key resolves to (the field's `absent`, "4 * hidden_size") or
 // "required". A default cell may go on after it in words ("null (dropless)").
 TEST(ReadmeKeyTables, TheGptTableIsTheFieldTable) {
-  std::vector<std::string> lines;
-  size_t at = 0;
-  for (const std::filesystem::path& file : DocFiles()) {
-    lines = ReadLines(file.string());
-    for (at = 0; at < lines.size() && lines[at].rfind("| `model` key (GPT) | default |", 0) != 0;)
-      ++at;
-    if (at < lines.size()) break;
-  }
+  const auto [lines, at] = FindTable("| `model` key (GPT) | default |");
   ASSERT_LT(at, lines.size()) << "neither README.md nor docs/ has the `model` key (GPT) table";
   std::vector<std::string> keys;
   std::vector<std::string> defaults;  // the default cell, without backticks
